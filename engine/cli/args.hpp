@@ -1,0 +1,39 @@
+// A small command-line parser for the loom subcommands: flags (--json),
+// options with values (--tp 2 or --tp=2, repeatable) and positionals.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace loom::cli {
+
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Args {
+ public:
+  // `flags` take no value; `options` take one. Anything else starting with -- is an error.
+  Args(int argc, char** argv, std::set<std::string> flags, std::set<std::string> options);
+
+  bool flag(const std::string& name) const { return flags_.count(name) > 0; }
+  bool has(const std::string& name) const { return values_.count(name) > 0; }
+  // The last value given for an option.
+  std::optional<std::string> get(const std::string& name) const;
+  std::vector<std::string> all(const std::string& name) const;
+  // Integer option; UsageError names the option when the value is not an integer.
+  long long get_int(const std::string& name, long long fallback) const;
+  const std::vector<std::string>& positionals() const { return positionals_; }
+
+ private:
+  std::set<std::string> flags_;
+  std::map<std::string, std::vector<std::string>> values_;
+  std::vector<std::string> positionals_;
+};
+
+}  // namespace loom::cli

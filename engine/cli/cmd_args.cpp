@@ -1,0 +1,60 @@
+#include "engine/cli/args.hpp"
+
+#include <cstdlib>
+
+namespace loom::cli {
+
+Args::Args(int argc, char** argv, std::set<std::string> flags, std::set<std::string> options) {
+  flags.insert("--help");
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) == 0) {
+      std::string name = a, value;
+      bool inline_value = false;
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        name = a.substr(0, eq);
+        value = a.substr(eq + 1);
+        inline_value = true;
+      }
+      if (flags.count(name)) {
+        if (inline_value) throw UsageError(name + " takes no value");
+        flags_.insert(name);
+      } else if (options.count(name)) {
+        if (!inline_value) {
+          if (i + 1 >= argc) throw UsageError(name + " needs a value");
+          value = argv[++i];
+        }
+        values_[name].push_back(value);
+      } else {
+        std::string valid;
+        for (const auto& f : flags) valid += " " + f;
+        for (const auto& o : options) valid += " " + o + " V";
+        throw UsageError("unknown option " + name + " (valid:" + valid + ")");
+      }
+    } else {
+      positionals_.push_back(a);
+    }
+  }
+}
+
+std::optional<std::string> Args::get(const std::string& name) const {
+  auto it = values_.find(name);
+  if (it == values_.end() || it->second.empty()) return std::nullopt;
+  return it->second.back();
+}
+
+std::vector<std::string> Args::all(const std::string& name) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? std::vector<std::string>{} : it->second;
+}
+
+long long Args::get_int(const std::string& name, long long fallback) const {
+  auto v = get(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  long long x = std::strtoll(v->c_str(), &end, 10);
+  if (v->empty() || *end != '\0') throw UsageError(name + " expects an integer, got '" + *v + "'");
+  return x;
+}
+
+}  // namespace loom::cli

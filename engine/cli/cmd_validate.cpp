@@ -1,0 +1,106 @@
+// loom validate MANIFEST [--set key=value]... [--json]
+// Prints every resolved value with where it came from, and the plan.
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/cli/json.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <iomanip>
+#include <iostream>
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom validate MANIFEST [--set key.path=value]... [--json]\n"
+    "Checks the manifest and the plugins it names; prints resolved values with their origin\n"
+    "(file:line, default or --set) and the plan. Exit 1 with every problem when invalid.\n";
+
+std::string origin_kind(const manifest::Origin& o) {
+  switch (o.kind) {
+    case manifest::Origin::Kind::File: return "file";
+    case manifest::Origin::Kind::Default: return "default";
+    case manifest::Origin::Kind::Override: return "set";
+  }
+  return "?";
+}
+
+}  // namespace
+
+int cmd_validate(int argc, char** argv) {
+  bool json = false;
+  try {
+    Args args(argc, argv, {"--json"}, {"--set"});
+    json = args.flag("--json");
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (args.positionals().size() != 1) throw UsageError("validate takes one MANIFEST");
+    train::RunPlan plan =
+        train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    const manifest::Manifest& m = plan.manifest;
+    const int64_t layers = m.get_int("model.num_layers");
+    const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));
+    const int world = plan.sizes.world;
+    const int64_t etp = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
+
+    if (json) {
+      std::vector<std::string> entries;
+      for (const auto& e : m.entries())
+        entries.push_back(JsonObject().add("key", e.key).add("value", e.value).add("origin", e.origin.str())
+                              .add("source", origin_kind(e.origin)).str());
+      std::vector<std::string> layer_items;
+      for (const auto& l : plan.layers)
+        layer_items.push_back(JsonObject().add("name", l.instance).add("plugin", "layer/" + l.plugin).str());
+      JsonObject p;
+      p.add("world_size", world).add("tp", plan.sizes.tp).add("cp", plan.sizes.cp).add("pp", plan.sizes.pp)
+          .add("dp", plan.dp).add("ep", plan.sizes.ep).add("etp", static_cast<long long>(etp))
+          .add("vpp", static_cast<long long>(m.get_int("parallel.vpp")))
+          .add("layers_per_stage", static_cast<long long>(per_stage))
+          .add("microbatches_per_rank", static_cast<long long>(plan.microbatches))
+          .add("device", plan.device->key()).add("comm", plan.comm->key()).add("exec", plan.exec->key())
+          .add("optimizer", plan.optimizer->key()).add_raw("layers", json_array(layer_items));
+      std::cout << JsonObject().add("valid", true).add_raw("plan", p.str()).add_raw("values", json_array(entries)).str()
+                << "\n";
+      return 0;
+    }
+    std::cout << "manifest: " << args.positionals()[0] << " is valid\n\nresolved values:\n";
+    for (const auto& e : m.entries())
+      std::cout << "  " << std::left << std::setw(34) << e.key << " = " << std::setw(24) << e.value << " # "
+                << e.origin.str() << "\n";
+    std::cout << "\nplan:\n"
+              << "  world size        " << world << " = tp " << plan.sizes.tp << " x cp " << plan.sizes.cp << " x pp "
+              << plan.sizes.pp << " x dp " << plan.dp << "\n"
+              << "  expert layout     ep " << plan.sizes.ep << " x etp " << etp << "\n"
+              << "  layers per stage  " << per_stage << " (of " << layers << " blocks, vpp "
+              << m.get_int("parallel.vpp") << ")\n"
+              << "  microbatches      " << plan.microbatches << " per dp rank per step (" << m.get_int("batch.micro_batch_size")
+              << " sequences each; global batch " << m.get_int("batch.global_batch_size") << ")\n"
+              << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
+              << ", " << plan.optimizer->key() << "\n  model             ";
+    for (size_t i = 0; i < plan.layers.size(); ++i)
+      std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
+    std::cout << "\n";
+    for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
+    return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom validate: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const manifest::ManifestError& e) {
+    if (json) {
+      std::vector<std::string> errs;
+      for (const auto& d : e.diagnostics())
+        errs.push_back(JsonObject().add("key", d.key).add("origin", d.origin.str()).add("message", d.message).str());
+      std::cout << JsonObject().add("valid", false).add_raw("errors", json_array(errs)).str() << "\n";
+    } else {
+      std::cerr << e.what() << "\n";
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "loom validate: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli

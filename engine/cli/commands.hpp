@@ -1,0 +1,10 @@
+// The loom subcommands. Each takes the arguments after its name and returns the
+// process exit code: 0 success, 1 the request could not be satisfied, 2 usage error.
+#pragma once
+
+namespace loom::cli {
+int cmd_run(int argc, char** argv);
+int cmd_validate(int argc, char** argv);
+int cmd_plugins(int argc, char** argv);
+int cmd_groups(int argc, char** argv);
+}  // namespace loom::cli

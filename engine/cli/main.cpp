@@ -1,0 +1,53 @@
+// loom: run, validate and explain training runs.
+#include "engine/cli/commands.hpp"
+#include "engine/plugins/registry.hpp"
+
+#include <glog/logging.h>
+
+#include <cstring>
+#include <iostream>
+#include <string>
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*fn)(int, char**);
+  const char* summary;
+};
+
+const Command kCommands[] = {
+    {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]"},
+    {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
+    {"plugins", loom::cli::cmd_plugins, "list, describe or check plugins: loom plugins list|info NAME|check DIR"},
+    {"groups", loom::cli::cmd_groups, "print the rank groups of a parallel layout"},
+};
+
+void usage(std::ostream& os) {
+  os << "usage: loom <command> [options]   (loom <command> --help for details)\n\ncommands:\n";
+  for (const Command& c : kCommands) os << "  " << c.name << std::string(12 - std::strlen(c.name), ' ') << c.summary << "\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  google::InitGoogleLogging(argv[0]);
+  FLAGS_logtostderr = true;
+  if (const char* v = std::getenv("LOOM_LOG_LEVEL")) FLAGS_minloglevel = std::atoi(v);
+  else FLAGS_minloglevel = google::GLOG_WARNING;  // the CLI prints its own progress lines
+  loom::plugins::host_api();
+
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    usage(argc < 2 ? std::cerr : std::cout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (std::strcmp(argv[1], "--version") == 0) {
+    std::cout << "loom " << LOOM_VERSION << " (plugin ABI " << LOOM_ABI_MAJOR << "." << LOOM_ABI_MINOR << ")\n";
+    return 0;
+  }
+  for (const Command& c : kCommands)
+    if (std::strcmp(argv[1], c.name) == 0) return c.fn(argc - 2, argv + 2);
+  std::cerr << "loom: unknown command '" << argv[1] << "'\n";
+  usage(std::cerr);
+  return 2;
+}

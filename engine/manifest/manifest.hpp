@@ -1,0 +1,103 @@
+// The run manifest: TOML (TOML++) with `extends` inheritance and --set overrides,
+// validated as a whole against the engine schema (schema.cpp) and, once plugins
+// are loaded, against each plugin's option declarations. Every diagnostic names
+// the key path, file:line:column and what would be valid.
+#pragma once
+
+#include <toml++/toml.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace loom::manifest {
+
+// Where a value came from.
+struct Origin {
+  enum class Kind { File, Default, Override };
+  Kind kind = Kind::Default;
+  std::string file;   // File: the manifest file (after extends resolution)
+  int line = 0;       // File: 1-based
+  int column = 0;
+  std::string text;   // Override: the --set argument as given
+  std::string str() const;  // "configs/x.toml:12:3", "default", "--set run.steps=5"
+};
+
+struct Diagnostic {
+  std::string key;       // dotted key path, e.g. "parallel.tp"
+  Origin origin;         // where the offending value (or its table) is
+  std::string message;   // what is wrong and what would be valid
+  std::string str() const;  // "configs/x.toml:12:3: parallel.tp: <message>"
+};
+
+// Thrown with every diagnostic found (never just the first).
+class ManifestError : public std::runtime_error {
+ public:
+  explicit ManifestError(std::vector<Diagnostic> diags);
+  const std::vector<Diagnostic>& diagnostics() const { return diags_; }
+
+ private:
+  std::vector<Diagnostic> diags_;
+};
+
+// One option of a plugin, as its declaration says (mirrors loom_option_decl).
+struct OptionDecl {
+  enum class Type { Bool, Int, Float, String };
+  Type type;
+  std::string name;
+  std::optional<std::string> default_value;  // TOML literal; nullopt = required
+  std::string doc;
+};
+
+class Manifest {
+ public:
+  // Reads `path`, follows `extends` (relative to the including file; cycles are
+  // errors), applies overrides ("key.path=value": TOML value, or a bare word
+  // taken as a string), fills defaults from the engine schema and validates the
+  // core schema and the cross-key rules. Throws ManifestError with all problems.
+  static Manifest load(const std::string& path, const std::vector<std::string>& overrides = {});
+  // The same from TOML text (tests); `name` stands in for the file name.
+  static Manifest parse(const std::string& text, const std::string& name,
+                        const std::vector<std::string>& overrides = {});
+
+  // The resolved table: defaults filled in, overrides applied.
+  const toml::table& table() const { return table_; }
+  // Provenance of a key path (Default for schema defaults).
+  Origin origin(const std::string& key_path) const;
+  // Every leaf key path with its value as TOML text and its origin, in schema order.
+  struct Entry { std::string key; std::string value; Origin origin; };
+  std::vector<Entry> entries() const;
+
+  // Typed access; throws std::logic_error if the key is missing or of the wrong type
+  // (cannot happen for schema keys after validation).
+  int64_t get_int(const std::string& key_path) const;
+  double get_float(const std::string& key_path) const;  // ints are accepted as floats
+  bool get_bool(const std::string& key_path) const;
+  std::string get_string(const std::string& key_path) const;
+  std::vector<std::string> get_string_list(const std::string& key_path) const;
+  bool contains(const std::string& key_path) const;
+  const toml::table* get_table(const std::string& key_path) const;
+
+  // Validates the table at `section_path` (e.g. "model.layer.attention",
+  // "device.options") against a plugin's options: unknown keys (with a "did you
+  // mean"), wrong types. Fills in defaults. `skip` keys are allowed (e.g. "plugin").
+  // Appends to diags rather than throwing, so callers can report everything at once.
+  void apply_plugin_options(const std::string& section_path, const std::string& plugin_name,
+                            const std::vector<OptionDecl>& decls, std::vector<Diagnostic>& diags,
+                            const std::vector<std::string>& skip = {});
+
+  // The resolved manifest as TOML text (for checkpoints and `loom validate`).
+  std::string to_toml() const;
+
+ private:
+  toml::table table_;
+  std::map<std::string, Origin> origins_;
+};
+
+// Closest candidate by edit distance, or "" when none is close enough.
+std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates);
+
+}  // namespace loom::manifest

@@ -1,0 +1,317 @@
+#include "engine/model/model.hpp"
+
+#include "engine/model/param_init.hpp"
+
+#include <glog/logging.h>
+
+#include <functional>
+#include <numeric>
+
+namespace loom::model {
+
+std::vector<LayerSpec> model_layers(const manifest::Manifest& m) {
+  auto resolve = [&](const std::string& config, int block, const std::string& instance) {
+    LayerSpec s;
+    s.config = config;
+    s.instance = instance;
+    s.block_index = block;
+    s.plugin = config;
+    if (const toml::table* t = m.get_table("model.layer." + config))
+      if (auto p = t->get_as<std::string>("plugin")) s.plugin = p->get();
+    return s;
+  };
+  std::vector<LayerSpec> out;
+  for (const auto& c : m.get_string_list("model.pre")) out.push_back(resolve(c, -1, c));
+  const int blocks = static_cast<int>(m.get_int("model.num_layers"));
+  for (int b = 0; b < blocks; ++b)
+    for (const auto& c : m.get_string_list("model.block"))
+      out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
+  for (const auto& c : m.get_string_list("model.post")) out.push_back(resolve(c, -1, c));
+  return out;
+}
+
+loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp) {
+  loom_model_dims d = loom::make<loom_model_dims>();
+  d.hidden = m.get_int("model.hidden_size");
+  d.heads = m.get_int("model.num_heads");
+  int64_t ffn = m.get_int("model.ffn_hidden_size");
+  d.ffn_hidden = ffn > 0 ? ffn : 4 * d.hidden;
+  d.seq_len = m.get_int("model.seq_length");
+  d.vocab = vocab;
+  const int64_t multiple = m.get_int("model.vocab_divisor") * tp;
+  d.padded_vocab = (vocab + multiple - 1) / multiple * multiple;
+  d.micro_batch = m.get_int("batch.micro_batch_size");
+  d.num_layers = static_cast<int32_t>(m.get_int("model.num_layers"));
+  d.block_index = -1;
+  d.tie_embeddings = m.get_bool("model.tie_embeddings") ? 1 : 0;
+  return d;
+}
+
+namespace {
+DLTensor view(void* data, const std::vector<int64_t>& shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = {kDLFloat, 32, 1};
+  t.shape = const_cast<int64_t*>(shape.data());
+  t.strides = nullptr;  // compact row-major
+  t.byte_offset = 0;
+  return t;
+}
+int64_t product(const std::vector<int64_t>& s) {
+  return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+constexpr size_t kParamAlign = 64;  // elements; Megatron's per-parameter alignment
+}  // namespace
+
+Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
+             const loom_model_dims& dims, std::vector<LayerSpec> specs, uint64_t seed)
+    : rank_(rank), dims_(dims) {
+  const loom::Group tp = rank.group_or_self("tp");
+  for (LayerSpec& spec : specs) {
+    const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
+    toml::table section;
+    if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+    section.erase("plugin");
+    plugins::OptionValues opts(&section, p.options);
+    loom_model_dims ld = dims;
+    ld.block_index = spec.block_index;
+    loom_layer_create_args args = loom::make<loom_layer_create_args>();
+    args.dims = &ld;
+    args.instance_name = spec.instance.c_str();
+    args.tp = tp.raw();
+    args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
+    Layer layer;
+    layer.spec = spec;
+    layer.api = p.layer();
+    try {
+      loom::check(layer.api->create(opts.raw(), &rank, &args, &layer.handle));
+    } catch (const loom::Error& e) {
+      throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+    }
+    layers_.push_back(std::move(layer));
+  }
+  build_buffers(seed);
+  hidden_shape_[0] = dims_.seq_len;
+  hidden_shape_[1] = dims_.micro_batch;
+  hidden_shape_[2] = dims_.hidden;
+  const size_t hidden_bytes = static_cast<size_t>(dims_.seq_len * dims_.micro_batch * dims_.hidden) * sizeof(float);
+  grad_a_ = loom::Buffer(&rank_, hidden_bytes);
+  grad_b_ = loom::Buffer(&rank_, hidden_bytes);
+}
+
+Model::~Model() {
+  acts_.clear();
+  for (Layer& l : layers_)
+    if (l.handle) l.api->destroy(l.handle);
+}
+
+void Model::build_buffers(uint64_t seed) {
+  const loom::Group tp = rank_.group_or_self("tp");
+  // Collect declarations in model order.
+  struct Decl {
+    int layer;
+    int index;
+    loom_param_decl decl;
+  };
+  std::vector<Decl> decls;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const loom_param_decl* d = nullptr;
+    size_t n = 0;
+    loom::check(layers_[li].api->params(layers_[li].handle, &d, &n));
+    for (size_t i = 0; i < n; ++i) decls.push_back({static_cast<int>(li), static_cast<int>(i), d[i]});
+  }
+  // Place parameters in reverse model order (the order backward produces their
+  // gradients), each start aligned; tied parameters share the first placement.
+  std::map<std::string, size_t> tied;  // tie_key -> entry index
+  std::vector<size_t> entry_of(decls.size());
+  size_t offset = 0;
+  for (size_t k = decls.size(); k-- > 0;) {
+    const Decl& d = decls[k];
+    const std::string name = layers_[d.layer].spec.instance + "." + d.decl.name;
+    std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
+    LOOM_REQUIRE(d.decl.ndim >= 1 && d.decl.ndim <= 4, name << ": ndim must be 1..4");
+    std::vector<int64_t> local = local_shape(full, d.decl.partition_dim, d.decl.partition_stride, tp.size(), name);
+    const std::string tie = d.decl.tie_key ? d.decl.tie_key : "";
+    if (!tie.empty()) {
+      auto it = tied.find(tie);
+      if (it != tied.end()) {
+        const ParamEntry& owner = entries_[it->second];
+        LOOM_REQUIRE(owner.full_shape == full && owner.decl.partition_dim == d.decl.partition_dim,
+                     name << " is tied to " << owner.name << " (tie_key '" << tie << "') but their shapes differ");
+        entry_of[k] = it->second;
+        continue;
+      }
+    }
+    ParamEntry e;
+    e.name = name;
+    e.full_shape = full;
+    e.local_shape = local;
+    e.numel = static_cast<size_t>(product(local));
+    e.offset = offset;
+    e.layer = d.layer;
+    e.decl = d.decl;
+    e.duplicated = d.decl.partition_dim < 0;
+    e.tie_key = tie;
+    offset = (offset + e.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
+    entry_of[k] = entries_.size();
+    if (!tie.empty()) tied[tie] = entries_.size();
+    entries_.push_back(std::move(e));
+  }
+  numel_ = std::max<size_t>(offset, 1);
+  params_ = loom::Buffer(&rank_, numel_ * sizeof(float));
+  grads_ = loom::Buffer(&rank_, numel_ * sizeof(float));
+  loom::Device dev = rank_.dev();
+  dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = params_.get(), .alpha = 0.f,
+                   .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  zero_grads();
+
+  // Initialise: the full tensor from (seed, name), this rank's slice of it.
+  for (const ParamEntry& e : entries_) {
+    std::vector<float> full = init_full(e.decl.init, e.decl.init_std, dims_.num_layers, product(e.full_shape), seed,
+                                        e.tie_key.empty() ? e.name : e.tie_key);
+    std::vector<float> local(e.numel);
+    take_slice(full, e.full_shape, e.decl.partition_dim, e.decl.partition_stride, tp.size(), tp.rank(), local.data());
+    dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+  }
+  dev.synchronize();
+
+  // Bind views in each layer's declaration order.
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    for (size_t k = 0; k < decls.size(); ++k) {
+      if (decls[k].layer != static_cast<int>(li)) continue;
+      const ParamEntry& e = entries_[entry_of[k]];
+      l.shapes.push_back(e.local_shape);
+    }
+    size_t j = 0;
+    for (size_t k = 0; k < decls.size(); ++k) {
+      if (decls[k].layer != static_cast<int>(li)) continue;
+      const ParamEntry& e = entries_[entry_of[k]];
+      l.param_views.push_back(view(params_.get<float>() + e.offset, l.shapes[j]));
+      l.grad_views.push_back(view(grads_.get<float>() + e.offset, l.shapes[j]));
+      ++j;
+    }
+    loom::check(l.api->bind(l.handle, l.param_views.data(), l.grad_views.data(), l.param_views.size()));
+  }
+}
+
+std::vector<loom_param_info> Model::param_infos() const {
+  std::vector<loom_param_info> out;
+  for (const ParamEntry& e : entries_) {
+    loom_param_info i = loom::make<loom_param_info>();
+    i.name = e.name.c_str();
+    i.offset = e.offset;
+    i.numel = e.numel;
+    i.no_weight_decay = e.decl.no_weight_decay;
+    i.duplicated = e.duplicated ? 1 : 0;
+    out.push_back(i);
+  }
+  return out;
+}
+
+void Model::zero_grads() {
+  rank_.dev().elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = grads_.get(),
+                           .alpha = 0.f, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+}
+
+void Model::run_step(const char* scope, int64_t key, const std::function<void()>& fn) {
+  const loom_exec_api* api = rank_.exec_api();
+  if (api == nullptr) {
+    fn();
+    return;
+  }
+  struct Ctx {
+    const std::function<void()>* fn;
+  } ctx{&fn};
+  loom_exec_step step = loom::make<loom_exec_step>();
+  step.scope = scope;
+  step.key = key;
+  step.capturable = 0;
+  step.ctx = &ctx;
+  step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
+  loom::check(api->run(rank_.exec_handle(), &rank_, &step));
+}
+
+void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
+                    float* loss_sum, int64_t* loss_count, int32_t* predictions) {
+  const size_t hidden_bytes = static_cast<size_t>(dims_.seq_len * dims_.micro_batch * dims_.hidden) * sizeof(float);
+  std::vector<loom::Buffer>& acts = acts_[mb];
+  acts.clear();
+  std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
+  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
+  DLTensor tok = view(const_cast<int32_t*>(tokens), tok_shape);
+  tok.dtype = {kDLInt, 32, 1};
+  DLTensor tgt = view(const_cast<int32_t*>(targets), tok_shape);
+  tgt.dtype = {kDLInt, 32, 1};
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& l = layers_[i];
+    const bool last = i + 1 == layers_.size();
+    DLTensor in{}, out{};
+    if (i > 0) in = view(acts.back().get(), hid_shape);
+    if (!last) acts.emplace_back(&rank_, hidden_bytes);
+    if (!last) out = view(acts.back().get(), hid_shape);
+    loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
+    a.microbatch = mb;
+    a.training = training ? 1 : 0;
+    a.input = i > 0 ? &in : nullptr;
+    a.output = last ? nullptr : &out;
+    a.tokens = &tok;
+    a.targets = &tgt;
+    a.loss_sum = loss_sum;
+    a.loss_count = loss_count;
+    a.dropout_seed = dropout_seed;
+    a.predictions = predictions;
+    run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+  }
+  if (!training) release(mb);
+}
+
+void Model::backward(int mb, float loss_scale) {
+  auto it = acts_.find(mb);
+  LOOM_REQUIRE(it != acts_.end(), "backward of microbatch " << mb << " without its forward");
+  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
+  loom::Buffer* grad_out = nullptr;
+  loom::Buffer* grad_in = &grad_a_;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    Layer& l = layers_[i];
+    DLTensor gout{}, gin{};
+    if (grad_out) gout = view(grad_out->get(), hid_shape);
+    if (i > 0) gin = view(grad_in->get(), hid_shape);
+    loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
+    a.microbatch = mb;
+    a.grad_output = grad_out ? &gout : nullptr;
+    a.grad_input = i > 0 ? &gin : nullptr;
+    a.loss_scale = loss_scale;
+    run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2 + 1,
+             [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    grad_out = grad_in;
+    grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
+  }
+  acts_.erase(it);
+}
+
+void Model::release(int mb) {
+  for (Layer& l : layers_)
+    if (l.api->release) l.api->release(l.handle, mb);
+  acts_.erase(mb);
+}
+
+double Model::forward_flops() const {
+  double f = 0;
+  for (const Layer& l : layers_)
+    if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
+      f += l.api->forward_flops(l.handle);
+  return f;
+}
+
+uint64_t Model::activation_bytes() const {
+  uint64_t b = 0;
+  for (const Layer& l : layers_)
+    if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+      b += l.api->activation_bytes(l.handle);
+  return b + static_cast<uint64_t>(layers_.size()) * dims_.seq_len * dims_.micro_batch * dims_.hidden * sizeof(float);
+}
+
+}  // namespace loom::model

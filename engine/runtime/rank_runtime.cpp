@@ -1,0 +1,64 @@
+#include "engine/runtime/rank_runtime.hpp"
+
+#include "engine/plugins/registry.hpp"
+
+namespace loom::runtime {
+
+RankRuntime::RankRuntime(int global_rank, const loom_device_api* device_api, loom_device* device)
+    : rank_(global_rank), device_api_(device_api), device_(device) {
+  plugins::host_api();
+}
+
+RankRuntime::~RankRuntime() {
+  if (exec_api_ && exec_) exec_api_->destroy(exec_);
+  for (auto& [kind, g] : groups_)
+    if (g.api && g.comm) g.api->group_destroy(g.comm);
+  if (device_api_ && device_) device_api_->destroy(device_);
+}
+
+void RankRuntime::add_group(const std::string& kind, const loom_group& group) { groups_[kind] = group; }
+
+void RankRuntime::set_exec(const loom_exec_api* api, loom_exec* exec) {
+  if (exec_api_ && exec_) exec_api_->destroy(exec_);
+  exec_api_ = api;
+  exec_ = exec;
+}
+
+loom::Group RankRuntime::group_or_self(const std::string& kind) const {
+  auto it = groups_.find(kind);
+  return it == groups_.end() ? loom::Group() : loom::Group(it->second);
+}
+
+loom_memory_stats RankRuntime::memory() const {
+  loom_memory_stats s = loom::make<loom_memory_stats>();
+  if (device_api_ && device_api_->memory_stats) loom::check(device_api_->memory_stats(device_, &s));
+  return s;
+}
+
+loom_status RankRuntime::alloc(size_t bytes, void** out) { return device_api_->alloc(device_, bytes, out); }
+void RankRuntime::free(void* ptr) { device_api_->free(device_, ptr); }
+
+loom_status RankRuntime::device(const loom_device_api** api, loom_device** dev, loom_stream** stream) {
+  *api = device_api_;
+  *dev = device_;
+  *stream = nullptr;  // the device's default stream carries compute
+  return nullptr;
+}
+
+loom_status RankRuntime::group(const std::string& kind, loom_group* out) {
+  auto it = groups_.find(kind);
+  if (it == groups_.end())
+    return loom::make_status(LOOM_CODE_NOT_FOUND, "rank " + std::to_string(rank_) + " has no '" + kind +
+                                                      "' group (see `loom groups` for the kinds)");
+  *out = it->second;
+  return nullptr;
+}
+
+loom_status RankRuntime::exec(const loom_exec_api** api, loom_exec** exec) {
+  if (!exec_api_) return loom::make_status(LOOM_CODE_NOT_FOUND, "no execution mode is set for this rank");
+  *api = exec_api_;
+  *exec = exec_;
+  return nullptr;
+}
+
+}  // namespace loom::runtime

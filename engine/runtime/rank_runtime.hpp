@@ -1,0 +1,49 @@
+// A rank's runtime: its device instance and stream, its communicators by group
+// kind, and its execution mode. This is what plugins reach through loom_rank.
+#pragma once
+
+#include "engine/runtime/rank_context.hpp"
+
+#include <loom/cpp/core.hpp>
+
+#include <map>
+#include <string>
+
+namespace loom::runtime {
+
+class RankRuntime : public loom_rank_s {
+ public:
+  RankRuntime(int global_rank, const loom_device_api* device_api, loom_device* device);
+  ~RankRuntime() override;
+  RankRuntime(const RankRuntime&) = delete;
+  RankRuntime& operator=(const RankRuntime&) = delete;
+
+  // The runtime takes ownership of the communicator (destroyed with the rank).
+  void add_group(const std::string& kind, const loom_group& group);
+  void set_exec(const loom_exec_api* api, loom_exec* exec);  // owned
+
+  loom::Device dev() const { return loom::Device(device_api_, device_, nullptr); }
+  loom::Group group_or_self(const std::string& kind) const;
+  bool has_group(const std::string& kind) const { return groups_.count(kind) > 0; }
+  const loom_exec_api* exec_api() const { return exec_api_; }
+  loom_exec* exec_handle() const { return exec_; }
+  loom_memory_stats memory() const;
+
+  // loom_rank_s
+  int32_t global_rank() const override { return rank_; }
+  loom_status alloc(size_t bytes, void** out) override;
+  void free(void* ptr) override;
+  loom_status device(const loom_device_api** api, loom_device** dev, loom_stream** stream) override;
+  loom_status group(const std::string& kind, loom_group* out) override;
+  loom_status exec(const loom_exec_api** api, loom_exec** exec) override;
+
+ private:
+  int rank_;
+  const loom_device_api* device_api_;
+  loom_device* device_;
+  std::map<std::string, loom_group> groups_;
+  const loom_exec_api* exec_api_ = nullptr;
+  loom_exec* exec_ = nullptr;
+};
+
+}  // namespace loom::runtime

@@ -1,0 +1,223 @@
+#include "engine/train/data.hpp"
+
+#include "engine/model/param_init.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <cstring>
+#include <fstream>
+
+namespace loom::train {
+namespace {
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull + (a << 6) + (a >> 2));
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Addition with the answer written least-significant digit first (so the carry
+// flows in generation order): "123+459=2850\n" means 123+459=0582. Several
+// problems are packed per sequence; only answer tokens carry a loss. A problem
+// belongs to the validation split iff a hash of its operands says so, so
+// validation problems are never seen in training.
+class AdditionTask : public DataSource {
+ public:
+  static constexpr int32_t kPlus = 10, kEquals = 11, kEnd = 12;
+  AdditionTask(int digits, uint64_t seed) : digits_(digits), seed_(seed) {
+    max_ = 1;
+    for (int i = 0; i < digits; ++i) max_ *= 10;
+  }
+  int64_t vocab_size() const override { return 13; }
+  std::string describe() const override {
+    return "synthetic addition of " + std::to_string(digits_) + "-digit numbers (answers reversed), vocab 13";
+  }
+  bool has_exact_match() const override { return true; }
+  std::string render(const int32_t* t, int64_t n) const override {
+    std::string s;
+    for (int64_t i = 0; i < n; ++i) s += t[i] < 10 ? char('0' + t[i]) : t[i] == kPlus ? '+' : t[i] == kEquals ? '=' : '|';
+    return s;
+  }
+  void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override {
+    const int len = 3 * digits_ + 4;  // a + b = c(digits+1) end
+    uint64_t state = mix(seed_ ^ (split == Split::Train ? 0x7261696eull : 0x76616c69ull), index);
+    int64_t pos = 0;
+    for (int i = 0; i < seq; ++i) {
+      tokens[i] = kEnd;
+      targets[i] = -1;
+    }
+    while (pos + len <= seq) {
+      uint64_t a, b;
+      do {  // draw until the problem is in this split
+        state = mix(state, 1);
+        a = state % max_;
+        state = mix(state, 2);
+        b = state % max_;
+      } while (is_validation(a, b) != (split == Split::Validation));
+      int32_t* t = tokens + pos;
+      write_number(a, digits_, false, t);
+      t[digits_] = kPlus;
+      write_number(b, digits_, false, t + digits_ + 1);
+      t[2 * digits_ + 1] = kEquals;
+      write_number(a + b, digits_ + 1, true, t + 2 * digits_ + 2);
+      t[len - 1] = kEnd;
+      // Predict every answer digit and the end marker from the token before it.
+      for (int j = 2 * digits_ + 1; j < len - 1; ++j) targets[pos + j] = tokens[pos + j + 1];
+      pos += len;
+    }
+  }
+
+ private:
+  bool is_validation(uint64_t a, uint64_t b) const { return mix(a * max_ + b, 0xC0FFEE) % 10 == 0; }
+  static void write_number(uint64_t v, int width, bool reversed, int32_t* out) {
+    for (int i = 0; i < width; ++i) {
+      int32_t d = static_cast<int32_t>(v % 10);
+      v /= 10;
+      out[reversed ? i : width - 1 - i] = d;
+    }
+  }
+  int digits_;
+  uint64_t seed_;
+  uint64_t max_;
+};
+
+// A token stream split into train (first part) and validation (last part);
+// sample i starts at a pseudo-random offset of its split.
+class StreamSource : public DataSource {
+ public:
+  StreamSource(std::vector<int32_t> tokens, int64_t vocab, double val_fraction, uint64_t seed, std::string what,
+               bool bytes)
+      : tokens_(std::move(tokens)), vocab_(vocab), seed_(seed), what_(std::move(what)), bytes_(bytes) {
+    split_at_ = static_cast<int64_t>(tokens_.size() * (1.0 - val_fraction));
+  }
+  int64_t vocab_size() const override { return vocab_; }
+  std::string describe() const override {
+    return what_ + ": " + std::to_string(tokens_.size()) + " tokens (" + std::to_string(split_at_) + " train), vocab " +
+           std::to_string(vocab_);
+  }
+  std::string render(const int32_t* t, int64_t n) const override {
+    if (!bytes_) return DataSource::render(t, n);
+    std::string s;
+    for (int64_t i = 0; i < n; ++i) s += (t[i] >= 32 && t[i] < 127) ? char(t[i]) : ' ';
+    return s;
+  }
+  void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override {
+    const int64_t begin = split == Split::Train ? 0 : split_at_;
+    const int64_t end = split == Split::Train ? split_at_ : static_cast<int64_t>(tokens_.size());
+    const int64_t span = end - begin - seq - 1;
+    if (span <= 0)
+      throw DataError(what_ + ": the " + std::string(split == Split::Train ? "training" : "validation") +
+                      " split has " + std::to_string(end - begin) + " tokens, fewer than seq_length + 1 = " +
+                      std::to_string(seq + 1) + "; use more data, a shorter model.seq_length or another data.val_fraction");
+    const int64_t start = begin + static_cast<int64_t>(mix(seed_ + (split == Split::Train ? 0 : 1), index) % span);
+    for (int64_t i = 0; i < seq; ++i) {
+      tokens[i] = tokens_[start + i];
+      targets[i] = tokens_[start + i + 1];
+    }
+  }
+
+ private:
+  std::vector<int32_t> tokens_;
+  int64_t vocab_;
+  uint64_t seed_;
+  std::string what_;
+  bool bytes_;
+  int64_t split_at_ = 0;
+};
+
+std::vector<char> read_file(const std::string& path, const std::string& key) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError("data." + key + " = \"" + path + "\": cannot open the file (" + std::strerror(errno) + ")");
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// llm.c's token files: a header of 256 int32 (magic 20240520, version 1, token
+// count), then uint16 tokens.
+std::vector<int32_t> read_llmc_tokens(const std::string& path) {
+  std::vector<char> bytes = read_file(path, "path");
+  constexpr size_t kHeader = 256 * sizeof(int32_t);
+  if (bytes.size() < kHeader)
+    throw DataError(path + ": truncated token file (" + std::to_string(bytes.size()) +
+                    " bytes, smaller than the 1024-byte llm.c header)");
+  int32_t header[256];
+  std::memcpy(header, bytes.data(), kHeader);
+  if (header[0] != 20240520)
+    throw DataError(path + ": not an llm.c token file (magic " + std::to_string(header[0]) + ", expected 20240520)");
+  if (header[1] != 1)
+    throw DataError(path + ": llm.c token file version " + std::to_string(header[1]) + " is not supported (expected 1)");
+  const int64_t n = header[2];
+  const size_t want = kHeader + static_cast<size_t>(n) * sizeof(uint16_t);
+  if (n <= 0 || bytes.size() != want)
+    throw DataError(path + ": truncated or padded token file: header says " + std::to_string(n) + " tokens (" +
+                    std::to_string(want) + " bytes) but the file has " + std::to_string(bytes.size()) + " bytes");
+  std::vector<int32_t> tokens(n);
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data() + kHeader);
+  for (int64_t i = 0; i < n; ++i) tokens[i] = p[2 * i] | (p[2 * i + 1] << 8);
+  return tokens;
+}
+
+std::string resolve_path(const manifest::Manifest& m, const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  // Relative paths are relative to the manifest file that set data.path.
+  manifest::Origin o = m.origin("data.path");
+  if (o.kind == manifest::Origin::Kind::File && !o.file.empty()) {
+    boost::filesystem::path base = boost::filesystem::path(o.file).parent_path();
+    boost::filesystem::path candidate = base / path;
+    if (boost::filesystem::exists(candidate)) return candidate.lexically_normal().string();
+  }
+  return path;
+}
+
+}  // namespace
+
+std::string DataSource::render(const int32_t* tokens, int64_t n) const {
+  std::string s;
+  for (int64_t i = 0; i < n; ++i) s += (i ? " " : "") + std::to_string(tokens[i]);
+  return s;
+}
+
+std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m) {
+  const std::string kind = m.get_string("data.kind");
+  const uint64_t seed = static_cast<uint64_t>(m.get_int("run.seed"));
+  const double val_fraction = m.get_float("data.val_fraction");
+  if (kind == "synthetic") {
+    const std::string task = m.get_string("data.task");
+    if (task != "add") throw DataError("data.task = \"" + task + "\" is not a synthetic task; valid: \"add\"");
+    return std::make_unique<AdditionTask>(static_cast<int>(m.get_int("data.digits")), seed);
+  }
+  const std::string path = resolve_path(m, m.get_string("data.path"));
+  if (kind == "text") {
+    std::vector<char> bytes = read_file(path, "path");
+    if (bytes.empty()) throw DataError(path + ": the text file is empty");
+    std::vector<int32_t> tokens(bytes.size());
+    for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
+    return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
+  }
+  if (kind == "tokens") {
+    std::vector<int32_t> tokens = read_llmc_tokens(path);
+    int64_t vocab = m.get_int("model.vocab_size");
+    int32_t max_token = 0;
+    for (int32_t t : tokens) max_token = std::max(max_token, t);
+    if (vocab == 0) vocab = max_token + 1;
+    if (max_token >= vocab)
+      throw DataError(path + ": token " + std::to_string(max_token) + " is outside model.vocab_size = " +
+                      std::to_string(vocab));
+    return std::make_unique<StreamSource>(std::move(tokens), vocab, val_fraction, seed, path, false);
+  }
+  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\"");
+}
+
+void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
+                     int32_t* tokens, int32_t* targets) {
+  std::vector<int32_t> t(seq), g(seq);
+  for (int64_t b = 0; b < micro_batch; ++b) {
+    src.sample(split, first_sample + b, seq, t.data(), g.data());
+    for (int64_t s = 0; s < seq; ++s) {
+      tokens[s * micro_batch + b] = t[s];
+      targets[s * micro_batch + b] = g[s];
+    }
+  }
+}
+
+}  // namespace loom::train

@@ -1,0 +1,52 @@
+// Training data. A source turns a sample index into one sequence of tokens and
+// its targets; which samples a rank reads is a pure function of (step, dp rank,
+// microbatch), so a resumed run reads exactly what the uninterrupted one would.
+#pragma once
+
+#include "engine/manifest/manifest.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+enum class Split { Train, Validation };
+
+class DataError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  virtual int64_t vocab_size() const = 0;
+  virtual std::string describe() const = 0;
+  // One sequence: tokens[seq] and targets[seq] (target -1 = no loss at that position).
+  virtual void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const = 0;
+  // True when exact-match accuracy (every target position predicted) is meaningful.
+  virtual bool has_exact_match() const { return false; }
+  // Token id -> printable text for samples shown to the user.
+  virtual std::string render(const int32_t* tokens, int64_t n) const;
+};
+
+// kind = data.kind: "synthetic" (data.task, data.digits), "text" (bytes of data.path),
+// "tokens" (llm.c .bin at data.path). Throws DataError naming the file and the problem.
+std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m);
+
+// A microbatch laid out [seq, micro_batch] (sequence-major, as the model wants).
+void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
+                     int32_t* tokens, int32_t* targets);
+
+// The first sample index of microbatch `mb` of data-parallel rank `dp_rank` at `step`:
+// step·global_batch + (dp_rank·microbatches + mb)·micro_batch. With dp = 1 the same
+// samples are read in the same order as dp ranks read them together.
+inline uint64_t sample_index(int64_t step, int64_t global_batch, int dp_rank, int64_t microbatches, int mb,
+                             int64_t micro_batch) {
+  return static_cast<uint64_t>(step) * global_batch + (static_cast<uint64_t>(dp_rank) * microbatches + mb) * micro_batch;
+}
+
+}  // namespace loom::train

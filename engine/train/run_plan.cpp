@@ -1,0 +1,91 @@
+#include "engine/train/run_plan.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <set>
+
+namespace loom::train {
+
+std::string optimizer_plugin_name(const std::string& strategy) {
+  return strategy == "distributed" ? "distopt" : strategy;
+}
+
+RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
+  RunPlan plan{std::move(m)};
+  plan.registry = &registry;
+  manifest::Manifest& man = plan.manifest;
+
+  // Search paths named in the manifest are relative to the file that names them.
+  std::vector<std::string> extra;
+  const manifest::Origin po = man.origin("plugins.search_paths");
+  for (const std::string& p : man.get_string_list("plugins.search_paths")) {
+    boost::filesystem::path path(p);
+    if (path.is_relative() && po.kind == manifest::Origin::Kind::File && !po.file.empty())
+      path = boost::filesystem::path(po.file).parent_path() / path;
+    extra.push_back(path.lexically_normal().string());
+  }
+  plan.plugin_load_errors = registry.load_dirs(plugins::Registry::search_paths(extra));
+
+  std::vector<manifest::Diagnostic> diags;
+  auto need = [&](const std::string& key, const std::string& kind, const std::string& name,
+                  const std::string& options_section) -> const plugins::LoadedPlugin* {
+    const plugins::LoadedPlugin* p = registry.find(kind, name);
+    if (p == nullptr) {
+      std::string available;
+      for (const auto& q : registry.all())
+        if (q->kind == kind) available += (available.empty() ? "" : ", ") + q->name;
+      std::string msg = "no plugin " + kind + "/" + name + " is loaded (available: " +
+                        (available.empty() ? "none" : available) + ")";
+      for (const std::string& e : plan.plugin_load_errors)
+        if (e.find("_" + name) != std::string::npos) msg += "; note: " + e;
+      diags.push_back({key, man.origin(key), msg});
+      return nullptr;
+    }
+    if (!options_section.empty()) man.apply_plugin_options(options_section, p->key(), p->options, diags);
+    return p;
+  };
+  plan.device = need("device.kind", "device", man.get_string("device.kind"), "device.options");
+  plan.comm = need("comm.backend", "comm", man.get_string("comm.backend"), "comm.options");
+  plan.exec = need("exec.mode", "exec", man.get_string("exec.mode"), "exec.options");
+  plan.optimizer = need("optimizer.strategy", "parallel", optimizer_plugin_name(man.get_string("optimizer.strategy")),
+                        "optimizer.options");
+
+  plan.layers = model::model_layers(man);
+  std::set<std::string> configured;
+  for (const model::LayerSpec& l : plan.layers) {
+    if (!configured.insert(l.config).second) continue;
+    const std::string section = "model.layer." + l.config;
+    const plugins::LoadedPlugin* p = registry.find("layer", l.plugin);
+    if (p == nullptr) {
+      std::string key = man.contains(section + ".plugin") ? section + ".plugin" : "model.block";
+      if (!man.contains(section + ".plugin")) {
+        for (const char* list : {"model.pre", "model.block", "model.post"})
+          for (const std::string& c : man.get_string_list(list))
+            if (c == l.config) key = list;
+      }
+      std::string available;
+      for (const auto& q : registry.all())
+        if (q->kind == "layer") available += (available.empty() ? "" : ", ") + q->name;
+      diags.push_back({key, man.origin(key),
+                       "layer '" + l.config + "' uses plugin layer/" + l.plugin + ", which is not loaded (available: " +
+                           (available.empty() ? "none" : available) + "; or add a [" + section +
+                           "] table with plugin = \"...\")"});
+      continue;
+    }
+    man.apply_plugin_options(section, p->key(), p->options, diags, {"plugin"});
+  }
+  if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
+
+  plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
+  plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));
+  plan.sizes.pp = static_cast<int>(man.get_int("parallel.pp"));
+  plan.sizes.ep = static_cast<int>(man.get_int("parallel.ep"));
+  plan.sizes.etp = static_cast<int>(man.get_int("parallel.etp"));
+  plan.sizes.order = man.get_string("parallel.order");
+  plan.dp = static_cast<int>(man.get_int("parallel.dp"));
+  plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
+  plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
+  return plan;
+}
+
+}  // namespace loom::train

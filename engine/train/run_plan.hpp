@@ -1,0 +1,38 @@
+// Everything decided before a run starts: the validated manifest, the plugins it
+// names (each option section checked against that plugin's schema), the layer
+// list and the parallel layout. `loom validate` prints it; `loom run` executes it.
+#pragma once
+
+#include "engine/manifest/manifest.hpp"
+#include "engine/model/model.hpp"
+#include "engine/plugins/registry.hpp"
+#include "engine/topology/rank_groups.hpp"
+
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+struct RunPlan {
+  manifest::Manifest manifest;
+  const plugins::Registry* registry = nullptr;
+  const plugins::LoadedPlugin* device = nullptr;
+  const plugins::LoadedPlugin* comm = nullptr;
+  const plugins::LoadedPlugin* exec = nullptr;
+  const plugins::LoadedPlugin* optimizer = nullptr;
+  std::vector<model::LayerSpec> layers;
+  topology::ParallelSizes sizes;
+  int dp = 1;
+  int64_t microbatches = 1;  // per dp rank per step
+  std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load
+};
+
+// Loads plugins (plugins.search_paths, LOOM_PLUGIN_PATH, the install dir) into
+// `registry`, resolves every plugin the manifest names and validates their option
+// sections. Throws manifest::ManifestError with every problem found.
+RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry);
+
+// Optimizer strategy name -> parallel plugin name.
+std::string optimizer_plugin_name(const std::string& strategy);
+
+}  // namespace loom::train

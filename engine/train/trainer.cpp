@@ -1,0 +1,338 @@
+#include "engine/train/trainer.hpp"
+
+#include "engine/model/param_init.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/data.hpp"
+
+#include <glog/logging.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <mutex>
+#include <ostream>
+#include <sstream>
+
+namespace loom::train {
+
+double learning_rate(const manifest::Manifest& m, int64_t step) {
+  const double lr = m.get_float("optimizer.lr"), min_lr = m.get_float("optimizer.min_lr");
+  const int64_t warmup = m.get_int("optimizer.warmup_steps");
+  int64_t decay = m.get_int("optimizer.decay_steps");
+  if (decay <= 0) decay = m.get_int("run.steps");
+  if (warmup > 0 && step <= warmup) return lr * static_cast<double>(step) / warmup;
+  if (step >= decay) return min_lr;
+  const double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, decay - warmup);
+  return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+namespace {
+
+std::string human(double v) {
+  const char* units[] = {"", "k", "M", "G", "T"};
+  int u = 0;
+  while (std::fabs(v) >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v << units[u];
+  return os.str();
+}
+
+std::string mib(uint64_t b) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
+  return os.str();
+}
+
+std::string step_json(const StepRecord& r) {
+  std::ostringstream os;
+  os.precision(9);
+  os << "{\"step\": " << r.step << ", \"loss\": " << r.loss << ", \"lr\": " << r.lr << ", \"grad_norm\": " << r.grad_norm
+     << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"ms\": " << r.ms << ", \"flops_per_s\": " << r.flops_per_s
+     << ", \"mfu\": " << r.mfu << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak;
+  if (r.evaluated) {
+    os << ", \"val_loss\": " << r.val_loss;
+    if (r.exact_match >= 0) os << ", \"val_exact_match\": " << r.exact_match;
+  }
+  os << "}";
+  return os.str();
+}
+
+uint64_t dropout_seed(uint64_t seed, int64_t step, uint64_t sample) {
+  uint64_t parts[3] = {seed, static_cast<uint64_t>(step), sample};
+  return model::fnv1a(parts, sizeof(parts));
+}
+
+}  // namespace
+
+TrainResult train(const RunPlan& plan, const TrainOptions& options) {
+  const manifest::Manifest& m = plan.manifest;
+  std::unique_ptr<DataSource> data = make_data_source(m);
+  const int64_t vocab = m.get_int("model.vocab_size") > 0 ? m.get_int("model.vocab_size") : data->vocab_size();
+  if (vocab < data->vocab_size())
+    throw DataError("model.vocab_size = " + std::to_string(vocab) + " is smaller than the data's vocabulary (" +
+                    std::to_string(data->vocab_size()) + ")");
+
+  const int64_t steps = m.get_int("run.steps");
+  const int64_t seq = m.get_int("model.seq_length");
+  const int64_t mbs = m.get_int("batch.micro_batch_size");
+  const int64_t global_batch = m.get_int("batch.global_batch_size");
+  const int64_t M = plan.microbatches;
+  const uint64_t seed = static_cast<uint64_t>(m.get_int("run.seed"));
+  const int64_t log_every = m.get_int("run.log_every");
+  const int64_t eval_every = m.get_int("run.eval_every");
+  const int64_t eval_batches = m.get_int("run.eval_batches");
+  const std::string ckpt_dir = m.get_string("checkpoint.dir");
+  const int64_t ckpt_every = m.get_int("checkpoint.every");
+  const double peak_tflops = m.get_float("device.peak_tflops");
+  const std::string manifest_toml = m.to_toml();
+
+  TrainResult result;
+  int64_t start_step = 0;
+  std::string resume_dir;
+  if (options.resume) {
+    if (ckpt_dir.empty())
+      throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
+    auto latest = latest_checkpoint(ckpt_dir);
+    if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
+    resume_dir = checkpoint_path(ckpt_dir, *latest);
+    CheckpointMeta meta = read_meta(resume_dir);
+    if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp || meta.dp != plan.dp)
+      throw CheckpointError(resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
+                            std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) +
+                            "; this run has tp=" + std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
+                            " dp=" + std::to_string(plan.dp) + " (resharding is not supported by optimizer.strategy = \"" +
+                            m.get_string("optimizer.strategy") + "\")");
+    start_step = meta.step;
+  }
+  result.start_step = start_step;
+
+  std::ofstream metrics;
+  if (!options.metrics_file.empty()) {
+    metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);
+    if (!metrics) throw std::runtime_error("--metrics " + options.metrics_file + ": cannot open the file for writing");
+  }
+
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.device_options = m.get_table("device.options");
+  lc.comm_plugin = plan.comm;
+  lc.comm_options = m.get_table("comm.options");
+  lc.sizes = plan.sizes;
+  lc.timeout_ms = static_cast<int64_t>(m.get_float("comm.timeout_s") * 1000);
+  lc.threads = static_cast<int>(m.get_int("device.threads"));
+
+  std::mutex result_mu;
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    const int rank = rt.global_rank();
+    const bool leader = rank == 0;
+    loom::Device dev = rt.dev();
+    const loom::Group dp = rt.group_or_self("dp");
+    const loom::Group world = rt.group_or_self("world");
+
+    // Execution mode and model.
+    plugins::OptionValues exec_opts(m.get_table("exec.options"), plan.exec->options);
+    loom_exec* exec = nullptr;
+    loom::check(plan.exec->exec()->create(exec_opts.raw(), &rt, &exec));
+    rt.set_exec(plan.exec->exec(), exec);
+    const loom_model_dims dims = model::model_dims(m, vocab, plan.sizes.tp);
+    model::Model model(m, *plan.registry, rt, dims, plan.layers, seed);
+
+    // Optimizer strategy over the flat buffers.
+    std::vector<loom_param_info> infos = model.param_infos();
+    loom_optimizer_create_args oa = loom::make<loom_optimizer_create_args>();
+    oa.params = model.params();
+    oa.grads = model.grads();
+    oa.numel = model.numel();
+    oa.param_dtype = LOOM_DTYPE_F32;
+    oa.grad_dtype = LOOM_DTYPE_F32;
+    oa.infos = infos.data();
+    oa.num_params = infos.size();
+    oa.dp = dp.raw();
+    oa.tp = rt.group_or_self("tp").raw();
+    oa.pp = rt.group_or_self("pp").raw();
+    plugins::OptionValues opt_opts(m.get_table("optimizer.options"), plan.optimizer->options);
+    const loom_optimizer_api* opt_api = plan.optimizer->optimizer();
+    loom_optimizer* opt = nullptr;
+    loom::check(opt_api->create(opt_opts.raw(), &rt, &oa, &opt));
+    std::unique_ptr<loom_optimizer, void (*)(loom_optimizer*)> opt_guard(opt, opt_api->destroy);
+
+    if (!resume_dir.empty()) {
+      RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()));
+      dev.copy(model.params(), s.params.data(), s.params.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+      loom::check(opt_api->state_load(opt, s.optimizer.data(), s.optimizer.size()));
+      dev.synchronize();
+    }
+
+    // FLOPs of one step over the whole world: forward + backward (2x) per microbatch.
+    double flops_rank = model.forward_flops() * 3.0 * M;
+    double flops_step = flops_rank;
+    world.all_reduce(nullptr, &flops_step, &flops_step, 1, LOOM_DTYPE_F64);
+    const double tokens_step = static_cast<double>(global_batch * seq);
+
+    const size_t tok_bytes = static_cast<size_t>(seq * mbs) * sizeof(int32_t);
+    loom::Buffer tokens_dev(&rt, tok_bytes), targets_dev(&rt, tok_bytes);
+    std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs), predictions(seq * mbs);
+
+    auto save = [&](int64_t step) {
+      if (ckpt_dir.empty()) return;
+      const std::string tmp = temp_checkpoint_path(ckpt_dir, step);
+      if (leader) prepare_temp_dir(tmp);
+      world.barrier();
+      RankState s;
+      s.params.resize(model.numel());
+      dev.copy(s.params.data(), model.params(), model.numel() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+      size_t bytes = 0;
+      loom::check(opt_api->state_size(opt, &bytes));
+      s.optimizer.resize(bytes);
+      loom::check(opt_api->state_save(opt, s.optimizer.data(), bytes));
+      write_rank_file(tmp, rank, step, s);
+      world.barrier();
+      if (leader) {
+        CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
+                            m.get_string("optimizer.strategy")};
+        commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
+        std::lock_guard<std::mutex> lock(result_mu);
+        result.checkpoint = checkpoint_path(ckpt_dir, step);
+      }
+      world.barrier();
+    };
+
+    auto evaluate = [&](StepRecord& rec) {
+      double sums[3] = {0, 0, 0};  // loss sum, token count, exact-match samples
+      for (int64_t b = 0; b < eval_batches; ++b) {
+        const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
+        fill_microbatch(*data, Split::Validation, first, mbs, seq, tokens.data(), targets.data());
+        dev.copy(tokens_dev.get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev.get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        float loss_sum = 0;
+        int64_t count = 0;
+        model.forward(0, tokens_dev.get<int32_t>(), targets_dev.get<int32_t>(), false, 0, &loss_sum, &count,
+                      data->has_exact_match() ? predictions.data() : nullptr);
+        sums[0] += loss_sum;
+        sums[1] += static_cast<double>(count);
+        if (data->has_exact_match())
+          for (int64_t s = 0; s < mbs; ++s) {
+            bool all = true;
+            for (int64_t t = 0; t < seq; ++t) {
+              const int64_t i = t * mbs + s;
+              if (targets[i] >= 0 && predictions[i] != targets[i]) all = false;
+            }
+            sums[2] += all ? 1 : 0;
+          }
+      }
+      dp.all_reduce(nullptr, sums, sums, 3, LOOM_DTYPE_F64);
+      rec.evaluated = true;
+      rec.val_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
+      rec.exact_match = data->has_exact_match() ? sums[2] / (eval_batches * mbs * dp.size()) : -1;
+    };
+
+    if (leader && options.log)
+      *options.log << "loom: " << plan.sizes.world << " rank(s) (tp " << plan.sizes.tp << ", pp " << plan.sizes.pp
+                   << ", dp " << plan.dp << "), " << model.numel() << " parameter elements on rank 0, "
+                   << M << " microbatch(es) of " << mbs << " x " << seq << " per rank per step; data: " << data->describe()
+                   << std::endl;
+
+    int64_t step = start_step;
+    double window_ms = 0;
+    int64_t window_steps = 0;
+    while (step < steps) {
+      const auto t0 = std::chrono::steady_clock::now();
+      model.zero_grads();
+      double loss_acc = 0;
+      for (int mb = 0; mb < M; ++mb) {
+        const uint64_t first = sample_index(step, global_batch, dp.rank(), M, mb, mbs);
+        fill_microbatch(*data, Split::Train, first, mbs, seq, tokens.data(), targets.data());
+        dev.copy(tokens_dev.get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev.get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        float loss_sum = 0;
+        int64_t count = 0;
+        model.forward(mb, tokens_dev.get<int32_t>(), targets_dev.get<int32_t>(), true, dropout_seed(seed, step, first),
+                      &loss_sum, &count);
+        const double denom = static_cast<double>(std::max<int64_t>(count, 1)) * M;
+        loss_acc += loss_sum / denom;
+        model.backward(mb, static_cast<float>(1.0 / denom));
+      }
+      ++step;
+      loom_optimizer_step_args sa = loom::make<loom_optimizer_step_args>();
+      sa.step = step;
+      sa.lr = static_cast<float>(learning_rate(m, step));
+      sa.beta1 = static_cast<float>(m.get_float("optimizer.beta1"));
+      sa.beta2 = static_cast<float>(m.get_float("optimizer.beta2"));
+      sa.eps = static_cast<float>(m.get_float("optimizer.eps"));
+      sa.weight_decay = static_cast<float>(m.get_float("optimizer.weight_decay"));
+      sa.clip_grad = static_cast<float>(m.get_float("optimizer.clip_grad"));
+      loom_optimizer_step_result sr = loom::make<loom_optimizer_step_result>();
+      loom::check(opt_api->step(opt, &rt, &sa, &sr));
+      dev.synchronize();
+
+      // The step's loss: mean over microbatches, averaged over dp; plus the stop flag.
+      double reduced[2] = {loss_acc, 0};
+      dp.all_reduce(nullptr, reduced, reduced, 1, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
+      reduced[1] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
+      world.all_reduce(nullptr, &reduced[1], &reduced[1], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+      const bool stop = reduced[1] > 0;
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+
+      StepRecord rec;
+      rec.step = step;
+      rec.loss = reduced[0];
+      rec.lr = sa.lr;
+      rec.grad_norm = sr.grad_norm;
+      rec.ms = ms;
+      rec.tokens_per_s = tokens_step / (ms / 1000.0);
+      rec.flops_per_s = flops_step / (ms / 1000.0);
+      rec.mfu = peak_tflops > 0 ? rec.flops_per_s / (peak_tflops * 1e12 * plan.sizes.world) : 0;
+      loom_memory_stats mem = rt.memory();
+      rec.mem_current = mem.current_bytes;
+      rec.mem_peak = mem.peak_bytes;
+      if (eval_every > 0 && (step % eval_every == 0 || step == steps)) evaluate(rec);
+      if (options.on_step) options.on_step(step, rank, model);
+
+      if (leader) {
+        window_ms += ms;
+        ++window_steps;
+        if (options.log && (step % log_every == 0 || step == steps || rec.evaluated || stop)) {
+          const double avg_ms = window_ms / window_steps;
+          std::ostream& os = *options.log;
+          os << "step " << std::setw(5) << step << "/" << steps << " | loss " << std::fixed << std::setprecision(4)
+             << rec.loss << " | lr " << std::scientific << std::setprecision(2) << rec.lr << std::fixed
+             << " | grad norm " << std::setprecision(3) << rec.grad_norm << " | " << human(tokens_step / (avg_ms / 1000))
+             << " tok/s | " << std::setprecision(1) << avg_ms << " ms/step | " << human(flops_step / (avg_ms / 1000))
+             << "FLOP/s";
+          if (peak_tflops > 0) os << " (MFU " << std::setprecision(1) << 100 * rec.mfu << "%)";
+          os << " | mem " << mib(rec.mem_current) << " (peak " << mib(rec.mem_peak) << ")";
+          if (rec.evaluated) {
+            os << " | val loss " << std::setprecision(4) << rec.val_loss;
+            if (rec.exact_match >= 0) os << " | val exact-match " << std::setprecision(1) << 100 * rec.exact_match << "%";
+          }
+          os << std::endl;
+          window_ms = 0;
+          window_steps = 0;
+        }
+        if (metrics.is_open()) metrics << step_json(rec) << "\n" << std::flush;
+        std::lock_guard<std::mutex> lock(result_mu);
+        result.steps.push_back(rec);
+        result.final_step = step;
+      }
+      if (stop) {
+        save(step);
+        if (leader) {
+          std::lock_guard<std::mutex> lock(result_mu);
+          result.interrupted = true;
+        }
+        return;
+      }
+      if (ckpt_every > 0 && step % ckpt_every == 0 && step < steps) save(step);
+    }
+    if (step > start_step) save(step);
+  });
+  return result;
+}
+
+}  // namespace loom::train

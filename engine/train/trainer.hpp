@@ -1,0 +1,54 @@
+// The training loop of every rank: microbatches through the model, gradient
+// sync and update through the optimizer strategy, LR schedule, evaluation,
+// metrics and checkpoints.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <atomic>
+#include <functional>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+struct StepRecord {
+  int64_t step = 0;       // 1-based: the step just completed
+  double loss = 0;        // mean over the global batch
+  double lr = 0;
+  double grad_norm = 0;
+  double ms = 0;
+  double tokens_per_s = 0;
+  double flops_per_s = 0;
+  double mfu = 0;         // 0 when the peak is unknown
+  uint64_t mem_current = 0, mem_peak = 0;  // rank 0's device memory
+  bool evaluated = false;
+  double val_loss = 0;
+  double exact_match = -1;  // fraction of validation samples fully right; -1 when not applicable
+};
+
+struct TrainOptions {
+  bool resume = false;
+  std::string metrics_file;                  // JSON lines, one per step
+  std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
+  const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers
+  // Called on every rank after each step (tests compare parameters step by step).
+  std::function<void(int64_t step, int rank, const model::Model&)> on_step;
+};
+
+struct TrainResult {
+  std::vector<StepRecord> steps;   // this invocation's steps
+  int64_t start_step = 0;          // > 0 when resumed
+  int64_t final_step = 0;
+  bool interrupted = false;        // stopped by a signal (after checkpointing)
+  std::string checkpoint;          // the last checkpoint written, if any
+};
+
+// The LR at (1-based) step: linear warmup, then cosine decay to min_lr.
+double learning_rate(const manifest::Manifest& m, int64_t step);
+
+TrainResult train(const RunPlan& plan, const TrainOptions& options);
+
+}  // namespace loom::train

@@ -1,0 +1,128 @@
+// parallel/ddp: data-parallel gradient averaging plus AdamW on every rank.
+//
+// After the last microbatch's backward: all-reduce the flat gradient buffer over
+// the dp group (averaged), take the global gradient norm (summed over this
+// rank's parameters, counting tp-duplicated ones on tp rank 0 only, then reduced
+// over tp and pp), clip, and step AdamW on fp32 master weights.
+#include <loom/cpp/plugin.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+class Ddp : public loom::OptimizerStrategy {
+ public:
+  Ddp(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
+      : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel),
+        param_dtype_(a.param_dtype), grad_dtype_(a.grad_dtype), dp_(a.dp), tp_(a.tp), pp_(a.pp) {
+    LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
+                 "parallel/ddp: gradient dtype " << grad_dtype_ << " is not supported");
+    for (size_t i = 0; i < a.num_params; ++i) {
+      const loom_param_info& p = a.infos[i];
+      infos_.push_back({p.offset, p.numel, p.no_weight_decay != 0, p.duplicated != 0});
+    }
+    loom::Device dev = rank.device();
+    m_ = loom::Buffer(rank_, numel_ * sizeof(float));
+    v_ = loom::Buffer(rank_, numel_ * sizeof(float));
+    scalar_ = loom::Buffer(rank_, sizeof(float));
+    zero(dev, m_.get(), numel_);
+    zero(dev, v_.get(), numel_);
+    if (param_dtype_ != LOOM_DTYPE_F32) {  // master weights in fp32, model weights a cast copy
+      main_ = loom::Buffer(rank_, numel_ * sizeof(float));
+      dev.elementwise({.op = LOOM_EW_CAST, .n = static_cast<int64_t>(numel_), .x = params_, .out = main_.get(),
+                       .dtype = param_dtype_, .out_dtype = LOOM_DTYPE_F32});
+    }
+  }
+
+  float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
+    loom::Device dev = rank.device();
+    void* stream = dev.native_stream();
+    loom::Group dp(dp_);
+    // 1. average gradients over data-parallel replicas
+    if (dp.size() > 1) dp.all_reduce(stream, grads_, grads_, numel_, grad_dtype_, LOOM_REDUCE_AVG);
+
+    // 2. global norm: this rank's share, then the model-parallel sum
+    double sq = 0;
+    for (const Info& p : infos_) {
+      if (p.duplicated && tp_.rank != 0) continue;  // identical on every tp rank: count once
+      dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
+                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_), .out = scalar_.get(),
+                  .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
+      float part = 0;
+      dev.copy(&part, scalar_.get(), sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+      sq += part;
+    }
+    double total = sq;
+    loom::Group(tp_).all_reduce(nullptr, &total, &total, 1, LOOM_DTYPE_F64);
+    loom::Group(pp_).all_reduce(nullptr, &total, &total, 1, LOOM_DTYPE_F64);
+    const float norm = static_cast<float>(std::sqrt(total));
+    float scale = 1.f;
+    if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
+
+    // 3. AdamW on each parameter (weight decay only where the layer allows it)
+    for (const Info& p : infos_) {
+      float* master = static_cast<float*>(main_ ? main_.get() : params_) + p.offset;
+      dev.adamw({.n = static_cast<int64_t>(p.numel), .param = master,
+                 .grad = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_),
+                 .m = m_.get<float>() + p.offset, .v = v_.get<float>() + p.offset, .grad_dtype = grad_dtype_,
+                 .lr = a.lr, .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps,
+                 .weight_decay = p.no_weight_decay ? 0.f : a.weight_decay, .grad_scale = scale, .step = a.step,
+                 .param_copy = main_ ? static_cast<char*>(params_) + p.offset * elem(param_dtype_) : nullptr,
+                 .copy_dtype = param_dtype_});
+    }
+    return norm;
+  }
+
+  // State: m and v (and the fp32 master weights when the model weights are not fp32).
+  size_t state_size() override { return numel_ * sizeof(float) * (main_ ? 3 : 2); }
+  void state_save(void* buf, size_t bytes) override {
+    LOOM_REQUIRE(bytes == state_size(), "parallel/ddp: state buffer of " << bytes << " bytes, expected " << state_size());
+    transfer(buf, LOOM_COPY_DEVICE_TO_HOST);
+  }
+  void state_load(const void* buf, size_t bytes) override {
+    LOOM_REQUIRE(bytes == state_size(), "parallel/ddp: checkpointed optimizer state has " << bytes
+                                            << " bytes but this model needs " << state_size()
+                                            << " (was it saved with another model or parallel layout?)");
+    transfer(const_cast<void*>(buf), LOOM_COPY_HOST_TO_DEVICE);
+  }
+
+ private:
+  struct Info {
+    size_t offset, numel;
+    bool no_weight_decay, duplicated;
+  };
+
+  static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+  static void zero(const loom::Device& dev, void* p, size_t n) {
+    dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
+                     .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  }
+  void transfer(void* host, int32_t kind) {
+    loom::Device dev = loom::Rank(rank_).device();
+    const size_t bytes = numel_ * sizeof(float);
+    std::vector<void*> dev_bufs = {m_.get(), v_.get()};
+    if (main_) dev_bufs.push_back(main_.get());
+    for (size_t i = 0; i < dev_bufs.size(); ++i) {
+      char* h = static_cast<char*>(host) + i * bytes;
+      if (kind == LOOM_COPY_DEVICE_TO_HOST) dev.copy(h, dev_bufs[i], bytes, kind);
+      else dev.copy(dev_bufs[i], h, bytes, kind);
+    }
+    dev.synchronize();
+  }
+
+  loom_rank* rank_;
+  void* params_;
+  void* grads_;
+  size_t numel_;
+  int32_t param_dtype_, grad_dtype_;
+  loom_group dp_, tp_, pp_;
+  std::vector<Info> infos_;
+  loom::Buffer m_, v_, main_, scalar_;
+};
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::optimizer_plugin<Ddp>(
+    "ddp", "1.0.0", "data-parallel gradient all-reduce (averaged), global-norm clipping, AdamW"))

@@ -1,0 +1,301 @@
+// loom C++ layer: status/exception bridging, logging, options, rank services.
+// Header-only; compiled into every plugin (and the engine). Nothing here crosses
+// the ABI: the C tables in loom_abi.h are built from these classes.
+#pragma once
+
+#include <loom/loom_abi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace loom {
+
+// The host table of this module (one per shared object; set by the entry point,
+// or by the engine for itself).
+inline const loom_host_api*& host_slot() {
+  static const loom_host_api* host = nullptr;
+  return host;
+}
+inline const loom_host_api& host() {
+  const loom_host_api* h = host_slot();
+  if (h == nullptr) throw std::logic_error("loom: host API used before loom_plugin_init");
+  return *h;
+}
+
+// The exception a plugin (or the engine) throws; it becomes a loom_status at the edge.
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& message, int32_t code = LOOM_CODE_INTERNAL)
+      : std::runtime_error(message), code_(code) {}
+  int32_t code() const { return code_; }
+
+ private:
+  int32_t code_;
+};
+
+// Turns a status returned by the other side into an exception (and frees it).
+inline void check(loom_status status) {
+  if (status == nullptr) return;
+  const loom_host_api& h = host();
+  std::string message = h.status_message(status);
+  int32_t code = h.status_code(status);
+  h.status_destroy(status);
+  throw Error(message, code);
+}
+
+inline loom_status make_status(int32_t code, const std::string& message) {
+  return host().status_create(code, message.c_str());
+}
+
+// Runs fn, converting any exception into a status: nothing throws across the ABI.
+template <typename Fn>
+loom_status guard(Fn&& fn) noexcept {
+  try {
+    fn();
+    return nullptr;
+  } catch (const Error& e) {
+    return host_slot() ? make_status(e.code(), e.what()) : nullptr;
+  } catch (const std::bad_alloc&) {
+    return host_slot() ? make_status(LOOM_CODE_OUT_OF_MEMORY, "out of host memory") : nullptr;
+  } catch (const std::exception& e) {
+    return host_slot() ? make_status(LOOM_CODE_INTERNAL, e.what()) : nullptr;
+  } catch (...) {
+    return host_slot() ? make_status(LOOM_CODE_INTERNAL, "unknown exception in plugin") : nullptr;
+  }
+}
+
+// LOOM_LOG(INFO) << "text"; goes to the engine's log with this file and line.
+class LogLine {
+ public:
+  LogLine(int32_t severity, const char* file, int line) : severity_(severity), file_(file), line_(line) {}
+  ~LogLine() {
+    if (host_slot() != nullptr) host().log(severity_, file_, line_, stream_.str().c_str());
+  }
+  template <typename T>
+  LogLine& operator<<(const T& v) {
+    stream_ << v;
+    return *this;
+  }
+
+ private:
+  int32_t severity_;
+  const char* file_;
+  int line_;
+  std::ostringstream stream_;
+};
+#define LOOM_LOG_SEVERITY_INFO LOOM_LOG_INFO
+#define LOOM_LOG_SEVERITY_WARNING LOOM_LOG_WARNING
+#define LOOM_LOG_SEVERITY_ERROR LOOM_LOG_ERROR
+#define LOOM_LOG(sev) ::loom::LogLine(LOOM_LOG_SEVERITY_##sev, __FILE__, __LINE__)
+
+// Throws loom::Error with a formatted message when cond is false.
+#define LOOM_REQUIRE(cond, msg)                                           \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      std::ostringstream loom_require_os_;                                \
+      loom_require_os_ << msg;                                            \
+      throw ::loom::Error(loom_require_os_.str(), LOOM_CODE_INVALID_ARGUMENT); \
+    }                                                                     \
+  } while (0)
+
+// Read access to a plugin instance's resolved options (defaults applied).
+class Options {
+ public:
+  explicit Options(const loom_options* opts) : opts_(opts) {}
+  int64_t get_int(const char* name, int64_t fallback = 0) const {
+    int64_t v = fallback;
+    return (opts_ && host().option_int(opts_, name, &v)) ? v : fallback;
+  }
+  double get_float(const char* name, double fallback = 0) const {
+    double v = fallback;
+    return (opts_ && host().option_float(opts_, name, &v)) ? v : fallback;
+  }
+  bool get_bool(const char* name, bool fallback = false) const {
+    int32_t v = fallback ? 1 : 0;
+    return (opts_ && host().option_bool(opts_, name, &v)) ? v != 0 : fallback;
+  }
+  std::string get_string(const char* name, const std::string& fallback = "") const {
+    const char* s = opts_ ? host().option_string(opts_, name) : nullptr;
+    return s ? std::string(s) : fallback;
+  }
+  const loom_options* raw() const { return opts_; }
+
+ private:
+  const loom_options* opts_;
+};
+
+// Fills struct_size for any ABI argument struct: auto a = loom::make<loom_gemm_args>();
+template <typename T>
+T make() {
+  T v;
+  std::memset(&v, 0, sizeof(T));
+  v.struct_size = static_cast<uint32_t>(sizeof(T));
+  return v;
+}
+
+// A rank group (tp, dp, ...) with typed collectives; identities when size == 1.
+class Group {
+ public:
+  Group() : g_(make<loom_group>()) { g_.size = 1; }
+  explicit Group(const loom_group& g) : g_(g) {}
+  int size() const { return g_.size; }
+  int rank() const { return g_.rank; }
+  const loom_group& raw() const { return g_; }
+
+  void all_reduce(void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                  int32_t op = LOOM_REDUCE_SUM) const {
+    if (g_.size <= 1 && send == recv) return;  // in-place on one rank: identity
+    check(g_.api->all_reduce(g_.comm, stream, send, recv, count, dtype, op));
+  }
+  void all_gather(void* stream, const void* send, void* recv, size_t count, int32_t dtype) const {
+    if (g_.size <= 1 && send == recv) return;  // in-place on one rank: identity
+    check(g_.api->all_gather(g_.comm, stream, send, recv, count, dtype));
+  }
+  void reduce_scatter(void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                      int32_t op = LOOM_REDUCE_SUM) const {
+    if (g_.size <= 1 && send == recv) return;  // in-place on one rank: identity
+    check(g_.api->reduce_scatter(g_.comm, stream, send, recv, count, dtype, op));
+  }
+  void broadcast(void* stream, void* buf, size_t count, int32_t dtype, int root) const {
+    if (g_.size <= 1) return;
+    check(g_.api->broadcast(g_.comm, stream, buf, count, dtype, root));
+  }
+  void barrier() const {
+    if (g_.size <= 1) return;
+    check(g_.api->barrier(g_.comm));
+  }
+
+  static size_t dtype_size(int32_t dtype) {
+    switch (dtype) {
+      case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
+      case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
+      case LOOM_DTYPE_I64: case LOOM_DTYPE_F64: return 8;
+      case LOOM_DTYPE_U8: return 1;
+      default: throw Error("unknown dtype " + std::to_string(dtype), LOOM_CODE_INVALID_ARGUMENT);
+    }
+  }
+
+ private:
+  loom_group g_;
+};
+
+// The device of a rank, with the op table wrapped so failures throw.
+class Device {
+ public:
+  Device() = default;
+  Device(const loom_device_api* api, loom_device* dev, loom_stream* stream)
+      : api_(api), dev_(dev), stream_(stream) {}
+  const loom_device_api* api() const { return api_; }
+  loom_device* raw() const { return dev_; }
+  loom_stream* stream() const { return stream_; }
+  void* native_stream() const { return api_->native_stream ? api_->native_stream(dev_, stream_) : nullptr; }
+  bool is_host_memory() const { return api_->dl_device_type == kDLCPU; }
+
+#define LOOM_DEVICE_OP(fn, argtype)                                                     \
+  void fn(argtype a) const {                                                            \
+    a.struct_size = sizeof(a);                                                          \
+    if (!LOOM_HAS_SLOT(api_->ops, loom_device_ops, fn) || api_->ops->fn == nullptr)     \
+      throw Error("device op '" #fn "' is not implemented by this device plugin",       \
+                  LOOM_CODE_UNSUPPORTED);                                               \
+    check(api_->ops->fn(dev_, stream_, &a));                                            \
+  }
+  LOOM_DEVICE_OP(gemm, loom_gemm_args)
+  LOOM_DEVICE_OP(layernorm_fwd, loom_layernorm_fwd_args)
+  LOOM_DEVICE_OP(layernorm_bwd, loom_layernorm_bwd_args)
+  LOOM_DEVICE_OP(gelu_fwd, loom_gelu_args)
+  LOOM_DEVICE_OP(gelu_bwd, loom_gelu_args)
+  LOOM_DEVICE_OP(attention_fwd, loom_attention_args)
+  LOOM_DEVICE_OP(attention_bwd, loom_attention_args)
+  LOOM_DEVICE_OP(xent, loom_xent_args)
+  LOOM_DEVICE_OP(embedding_fwd, loom_embedding_args)
+  LOOM_DEVICE_OP(embedding_bwd, loom_embedding_args)
+  LOOM_DEVICE_OP(elementwise, loom_elementwise_args)
+  LOOM_DEVICE_OP(reduce, loom_reduce_args)
+  LOOM_DEVICE_OP(adamw, loom_adamw_args)
+#undef LOOM_DEVICE_OP
+
+  void copy(void* dst, const void* src, size_t bytes, int32_t kind) const {
+    check(api_->copy(dev_, stream_, dst, src, bytes, kind));
+  }
+  void synchronize() const { check(api_->stream_synchronize(dev_, stream_)); }
+
+ private:
+  const loom_device_api* api_ = nullptr;
+  loom_device* dev_ = nullptr;
+  loom_stream* stream_ = nullptr;
+};
+
+// What a plugin sees of its rank: memory, device, groups.
+class Rank {
+ public:
+  explicit Rank(loom_rank* r) : r_(r) {}
+  loom_rank* raw() const { return r_; }
+  int global_rank() const { return host().global_rank(r_); }
+  Device device() const {
+    const loom_device_api* api = nullptr;
+    loom_device* dev = nullptr;
+    loom_stream* stream = nullptr;
+    check(host().device(r_, &api, &dev, &stream));
+    return Device(api, dev, stream);
+  }
+  Group group(const char* kind) const {
+    loom_group g = make<loom_group>();
+    check(host().group(r_, kind, &g));
+    return Group(g);
+  }
+  void* alloc(size_t bytes) const {
+    void* p = nullptr;
+    check(host().alloc(r_, bytes, &p));
+    return p;
+  }
+  void free(void* p) const {
+    if (p) host().free(r_, p);
+  }
+
+ private:
+  loom_rank* r_;
+};
+
+// Device memory owned by a plugin object, freed through the host.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(loom_rank* rank, size_t bytes) : rank_(rank), bytes_(bytes) {
+    if (bytes) ptr_ = Rank(rank).alloc(bytes);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      rank_ = o.rank_;
+      ptr_ = o.ptr_;
+      bytes_ = o.bytes_;
+      o.ptr_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  ~Buffer() { reset(); }
+  void reset() {
+    if (ptr_ && rank_) Rank(rank_).free(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  template <typename T = void>
+  T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return ptr_ != nullptr; }
+
+ private:
+  loom_rank* rank_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace loom

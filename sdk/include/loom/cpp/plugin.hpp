@@ -1,0 +1,350 @@
+// loom C++ layer: write a plugin as an ordinary class plus one registration line.
+//
+//   struct MyMlp : loom::Layer { ... };
+//   LOOM_PLUGIN_LIBRARY(loom::layer_plugin<MyMlp>("mlp2", "1.0.0", "my MLP", {options...}))
+//
+// LOOM_PLUGIN_LIBRARY defines the library's single exported entry symbol,
+// loom_plugin_init_v1; the descriptors are built inside that call (never in
+// static constructors), and every trampoline catches exceptions into statuses.
+#pragma once
+
+#include <loom/cpp/core.hpp>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#if defined(_WIN32)
+#define LOOM_PLUGIN_EXPORT __declspec(dllexport)
+#else
+#define LOOM_PLUGIN_EXPORT __attribute__((visibility("default")))
+#endif
+
+namespace loom {
+
+// One option of a plugin's manifest section.
+struct OptionSpec {
+  int32_t type;
+  std::string name;
+  std::string default_value;  // TOML literal; empty together with required = true
+  std::string doc;
+  bool required = false;
+};
+inline OptionSpec opt_int(std::string name, int64_t dflt, std::string doc) {
+  return {LOOM_OPTION_INT, std::move(name), std::to_string(dflt), std::move(doc)};
+}
+inline OptionSpec opt_float(std::string name, double dflt, std::string doc) {
+  std::ostringstream os;
+  os.precision(17);
+  os << dflt;
+  std::string s = os.str();
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // keep it a TOML float
+  return {LOOM_OPTION_FLOAT, std::move(name), s, std::move(doc)};
+}
+inline OptionSpec opt_bool(std::string name, bool dflt, std::string doc) {
+  return {LOOM_OPTION_BOOL, std::move(name), dflt ? "true" : "false", std::move(doc)};
+}
+inline OptionSpec opt_string(std::string name, const std::string& dflt, std::string doc) {
+  return {LOOM_OPTION_STRING, std::move(name), "\"" + dflt + "\"", std::move(doc)};
+}
+
+// A plugin descriptor under construction; owns the strings the C structs point to.
+class PluginDef {
+ public:
+  PluginDef(std::string kind, std::string name, std::string version, std::string description,
+            int32_t api_type, const void* api, std::vector<OptionSpec> options)
+      : kind_(std::move(kind)), name_(std::move(name)), version_(std::move(version)),
+        description_(std::move(description)), options_(std::move(options)) {
+    for (const OptionSpec& o : options_) {
+      loom_option_decl d = make<loom_option_decl>();
+      d.type = o.type;
+      d.name = o.name.c_str();
+      d.default_value = o.required ? nullptr : o.default_value.c_str();
+      d.doc = o.doc.c_str();
+      decls_.push_back(d);
+    }
+    info_ = make<loom_plugin_info>();
+    info_.kind = kind_.c_str();
+    info_.name = name_.c_str();
+    info_.version = version_.c_str();
+    info_.description = description_.c_str();
+    info_.api_type = api_type;
+    info_.api = api;
+    info_.options = decls_.empty() ? nullptr : decls_.data();
+    info_.num_options = decls_.size();
+  }
+  PluginDef(const PluginDef&) = delete;
+  PluginDef& operator=(const PluginDef&) = delete;
+  const loom_plugin_info* info() const { return &info_; }
+
+ private:
+  std::string kind_, name_, version_, description_;
+  std::vector<OptionSpec> options_;
+  std::vector<loom_option_decl> decls_;
+  loom_plugin_info info_;
+};
+using PluginDefPtr = std::shared_ptr<PluginDef>;
+
+// ---------------------------------------------------------------------------
+// Layers
+// ---------------------------------------------------------------------------
+
+// A parameter as a layer declares it (full shape; the engine slices for tp).
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int32_t partition_dim = -1;
+  int32_t partition_stride = 1;
+  int32_t init = LOOM_INIT_NORMAL;
+  float init_std = 0.02f;
+  bool no_weight_decay = false;
+  std::string tie_key;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual std::vector<ParamSpec> params() = 0;
+  // Views of this rank's parameter slices and gradient slices, in params() order.
+  virtual void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) = 0;
+  virtual void forward(Rank& rank, const loom_layer_fwd_args& args) = 0;
+  virtual void backward(Rank& rank, const loom_layer_bwd_args& args) = 0;
+  virtual void release(int32_t /*microbatch*/) {}
+  virtual uint64_t activation_bytes() { return 0; }
+  virtual double forward_flops() { return 0; }
+};
+
+namespace detail {
+struct LayerBox {
+  std::unique_ptr<Layer> layer;
+  std::vector<ParamSpec> specs;
+  std::vector<loom_param_decl> decls;
+};
+inline LayerBox* box(loom_layer* l) { return reinterpret_cast<LayerBox*>(l); }
+}  // namespace detail
+
+// T must be constructible from (const Options&, Rank&, const loom_layer_create_args&).
+template <typename T>
+const loom_layer_api* layer_api() {
+  static const loom_layer_api api = [] {
+    loom_layer_api a = make<loom_layer_api>();
+    a.create = [](const loom_options* o, loom_rank* r, const loom_layer_create_args* args,
+                  loom_layer** out) -> loom_status {
+      return guard([&] {
+        auto b = std::make_unique<detail::LayerBox>();
+        Options opts(o);
+        Rank rank(r);
+        b->layer = std::make_unique<T>(opts, rank, *args);
+        *out = reinterpret_cast<loom_layer*>(b.release());
+      });
+    };
+    a.destroy = [](loom_layer* l) { delete detail::box(l); };
+    a.params = [](loom_layer* l, const loom_param_decl** out, size_t* count) -> loom_status {
+      return guard([&] {
+        detail::LayerBox* b = detail::box(l);
+        b->specs = b->layer->params();
+        b->decls.clear();
+        for (const ParamSpec& s : b->specs) {
+          LOOM_REQUIRE(!s.shape.empty() && s.shape.size() <= 4,
+                       "parameter '" << s.name << "' must have 1 to 4 dimensions");
+          loom_param_decl d = make<loom_param_decl>();
+          d.name = s.name.c_str();
+          d.ndim = static_cast<int32_t>(s.shape.size());
+          for (size_t i = 0; i < s.shape.size(); ++i) d.shape[i] = s.shape[i];
+          d.partition_dim = s.partition_dim;
+          d.partition_stride = s.partition_stride;
+          d.init = s.init;
+          d.init_std = s.init_std;
+          d.no_weight_decay = s.no_weight_decay ? 1 : 0;
+          d.tie_key = s.tie_key.empty() ? nullptr : s.tie_key.c_str();
+          b->decls.push_back(d);
+        }
+        *out = b->decls.data();
+        *count = b->decls.size();
+      });
+    };
+    a.bind = [](loom_layer* l, const DLTensor* p, const DLTensor* g, size_t n) -> loom_status {
+      return guard([&] { detail::box(l)->layer->bind({p, n}, {g, n}); });
+    };
+    a.forward = [](loom_layer* l, loom_rank* r, const loom_layer_fwd_args* args) -> loom_status {
+      return guard([&] {
+        Rank rank(r);
+        detail::box(l)->layer->forward(rank, *args);
+      });
+    };
+    a.backward = [](loom_layer* l, loom_rank* r, const loom_layer_bwd_args* args) -> loom_status {
+      return guard([&] {
+        Rank rank(r);
+        detail::box(l)->layer->backward(rank, *args);
+      });
+    };
+    a.release = [](loom_layer* l, int32_t mb) {
+      (void)guard([&] { detail::box(l)->layer->release(mb); });
+    };
+    a.activation_bytes = [](loom_layer* l) -> uint64_t {
+      uint64_t v = 0;
+      (void)guard([&] { v = detail::box(l)->layer->activation_bytes(); });
+      return v;
+    };
+    a.forward_flops = [](loom_layer* l) -> double {
+      double v = 0;
+      (void)guard([&] { v = detail::box(l)->layer->forward_flops(); });
+      return v;
+    };
+    return a;
+  }();
+  return &api;
+}
+
+template <typename T>
+PluginDefPtr layer_plugin(std::string name, std::string version, std::string description,
+                          std::vector<OptionSpec> options = {}) {
+  return std::make_shared<PluginDef>("layer", std::move(name), std::move(version),
+                                     std::move(description), LOOM_API_LAYER, layer_api<T>(),
+                                     std::move(options));
+}
+
+// ---------------------------------------------------------------------------
+// Optimizer strategies
+// ---------------------------------------------------------------------------
+
+class OptimizerStrategy {
+ public:
+  virtual ~OptimizerStrategy() = default;
+  // Returns the gradient norm before clipping.
+  virtual float step(Rank& rank, const loom_optimizer_step_args& args) = 0;
+  virtual size_t state_size() = 0;
+  virtual void state_save(void* buf, size_t bytes) = 0;
+  virtual void state_load(const void* buf, size_t bytes) = 0;
+};
+
+// T must be constructible from (const Options&, Rank&, const loom_optimizer_create_args&).
+template <typename T>
+const loom_optimizer_api* optimizer_api() {
+  static const loom_optimizer_api api = [] {
+    loom_optimizer_api a = make<loom_optimizer_api>();
+    a.create = [](const loom_options* o, loom_rank* r, const loom_optimizer_create_args* args,
+                  loom_optimizer** out) -> loom_status {
+      return guard([&] {
+        Options opts(o);
+        Rank rank(r);
+        *out = reinterpret_cast<loom_optimizer*>(
+            static_cast<OptimizerStrategy*>(new T(opts, rank, *args)));
+      });
+    };
+    a.destroy = [](loom_optimizer* p) { delete reinterpret_cast<OptimizerStrategy*>(p); };
+    a.step = [](loom_optimizer* p, loom_rank* r, const loom_optimizer_step_args* args,
+                loom_optimizer_step_result* res) -> loom_status {
+      return guard([&] {
+        Rank rank(r);
+        float norm = reinterpret_cast<OptimizerStrategy*>(p)->step(rank, *args);
+        if (LOOM_HAS_SLOT(res, loom_optimizer_step_result, grad_norm)) res->grad_norm = norm;
+      });
+    };
+    a.state_size = [](loom_optimizer* p, size_t* bytes) -> loom_status {
+      return guard([&] { *bytes = reinterpret_cast<OptimizerStrategy*>(p)->state_size(); });
+    };
+    a.state_save = [](loom_optimizer* p, void* buf, size_t bytes) -> loom_status {
+      return guard([&] { reinterpret_cast<OptimizerStrategy*>(p)->state_save(buf, bytes); });
+    };
+    a.state_load = [](loom_optimizer* p, const void* buf, size_t bytes) -> loom_status {
+      return guard([&] { reinterpret_cast<OptimizerStrategy*>(p)->state_load(buf, bytes); });
+    };
+    return a;
+  }();
+  return &api;
+}
+
+template <typename T>
+PluginDefPtr optimizer_plugin(std::string name, std::string version, std::string description,
+                              std::vector<OptionSpec> options = {}) {
+  return std::make_shared<PluginDef>("parallel", std::move(name), std::move(version),
+                                     std::move(description), LOOM_API_OPTIMIZER,
+                                     optimizer_api<T>(), std::move(options));
+}
+
+// ---------------------------------------------------------------------------
+// Pipeline schedules: a function from (pp, vpp, M, N, rank) to a signed order.
+// ---------------------------------------------------------------------------
+
+struct ScheduleOrder {
+  std::vector<int32_t> order;
+  int32_t warmup = 0;
+};
+using ScheduleFn = ScheduleOrder (*)(const Options&, const loom_schedule_args&);
+
+template <ScheduleFn Fn>
+const loom_schedule_api* schedule_api() {
+  static const loom_schedule_api api = [] {
+    loom_schedule_api a = make<loom_schedule_api>();
+    a.order = [](const loom_options* o, const loom_schedule_args* args, int32_t* order,
+                 size_t capacity, size_t* length, int32_t* warmup) -> loom_status {
+      return guard([&] {
+        ScheduleOrder s = Fn(Options(o), *args);
+        LOOM_REQUIRE(s.order.size() <= capacity, "schedule order of " << s.order.size()
+                                                     << " entries exceeds capacity " << capacity);
+        std::copy(s.order.begin(), s.order.end(), order);
+        *length = s.order.size();
+        *warmup = s.warmup;
+      });
+    };
+    return a;
+  }();
+  return &api;
+}
+
+template <ScheduleFn Fn>
+PluginDefPtr schedule_plugin(std::string name, std::string version, std::string description,
+                             std::vector<OptionSpec> options = {}) {
+  return std::make_shared<PluginDef>("parallel", std::move(name), std::move(version),
+                                     std::move(description), LOOM_API_SCHEDULE, schedule_api<Fn>(),
+                                     std::move(options));
+}
+
+// ---------------------------------------------------------------------------
+// Plugins whose C table is written by hand (device, comm, exec).
+// ---------------------------------------------------------------------------
+
+inline PluginDefPtr raw_plugin(std::string kind, std::string name, std::string version,
+                               std::string description, int32_t api_type, const void* api,
+                               std::vector<OptionSpec> options = {}) {
+  return std::make_shared<PluginDef>(std::move(kind), std::move(name), std::move(version),
+                                     std::move(description), api_type, api, std::move(options));
+}
+
+namespace detail {
+struct Library {
+  std::vector<PluginDefPtr> defs;
+  std::vector<const loom_plugin_info*> infos;
+  loom_plugin_library lib;
+};
+inline loom_status init_library(const loom_host_api* host, const loom_plugin_library** out,
+                                std::vector<PluginDefPtr> (*build)()) noexcept {
+  if (host == nullptr || out == nullptr) return nullptr;  // nothing to report through
+  host_slot() = host;
+  return guard([&] {
+    static Library library;  // built on first call, inside the entry point
+    if (library.defs.empty()) {
+      library.defs = build();
+      for (const PluginDefPtr& d : library.defs) library.infos.push_back(d->info());
+      library.lib = make<loom_plugin_library>();
+      library.lib.abi_major = LOOM_ABI_MAJOR;
+      library.lib.abi_minor = LOOM_ABI_MINOR;
+      library.lib.plugins = library.infos.data();
+      library.lib.num_plugins = library.infos.size();
+    }
+    *out = &library.lib;
+  });
+}
+}  // namespace detail
+}  // namespace loom
+
+// Defines the library's entry point from a list of PluginDefPtr expressions.
+#define LOOM_PLUGIN_LIBRARY(...)                                                             \
+  extern "C" LOOM_PLUGIN_EXPORT loom_status loom_plugin_init_v1(const loom_host_api* host,   \
+                                                                const loom_plugin_library** out) { \
+    return ::loom::detail::init_library(host, out, []() -> std::vector<::loom::PluginDefPtr> { \
+      return {__VA_ARGS__};                                                                  \
+    });                                                                                      \
+  }

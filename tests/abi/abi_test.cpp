@@ -1,0 +1,214 @@
+// The plugin ABI promise: plain-C plugins load and run, a plugin built against
+// the frozen 1.0 header loads, short (older) tables are respected, and every
+// broken plugin is refused with a message naming the file and the reason.
+#include "engine/plugins/registry.hpp"
+#include "engine/runtime/rank_context.hpp"
+
+#include <loom/cpp/core.hpp>
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+extern "C" const size_t* loom_abi_layout_frozen_v1_0(size_t* count);
+extern "C" const size_t* loom_abi_layout_current(size_t* count);
+
+namespace {
+
+using loom::plugins::PluginError;
+using loom::plugins::Registry;
+
+std::string abi_dir(const std::string& sub) { return std::string(LOOM_ABI_PLUGIN_DIR) + "/" + sub; }
+
+std::string load_error(Registry& r, const std::string& file) {
+  try {
+    r.load_file(file);
+  } catch (const PluginError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(AbiLayout, ReleasedMembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_0(&n_frozen);
+  const size_t* current = loom_abi_layout_current(&n_current);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_GT(n_frozen, 300u);  // every member of every struct is listed
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+}
+
+TEST(AbiLayout, VersionMacrosAndEntryName) {
+  EXPECT_EQ(LOOM_ABI_MAJOR, 1);
+  EXPECT_STREQ(LOOM_PLUGIN_ENTRY_V1, "loom_plugin_init_v1");
+}
+
+TEST(AbiLoader, PlainCExecPluginLoadsAndRuns) {
+  Registry r;
+  r.load_file(abi_dir("current/loom_test_c_current.so"));
+  const auto& p = r.get("exec", "c_repeat");
+  EXPECT_EQ(p.version, "1.0.0");
+  ASSERT_EQ(p.options.size(), 1u);
+  EXPECT_EQ(p.options[0].name, "repeat");
+
+  toml::table section{{"repeat", 3}};
+  loom::plugins::OptionValues opts(&section, p.options);
+  const loom_exec_api* api = p.exec();
+  loom_exec* exec = nullptr;
+  ASSERT_EQ(api->create(opts.raw(), nullptr, &exec), nullptr);
+  int calls = 0;
+  loom_exec_step step = loom::make<loom_exec_step>();
+  step.fn = [](void* ctx) -> loom_status {
+    ++*static_cast<int*>(ctx);
+    return nullptr;
+  };
+  step.ctx = &calls;
+  ASSERT_EQ(api->run(exec, nullptr, &step), nullptr);
+  EXPECT_EQ(calls, 3);  // the option reached the C plugin through the host table
+  api->destroy(exec);
+}
+
+TEST(AbiLoader, PluginStatusReachesTheHost) {
+  Registry r;
+  r.load_file(abi_dir("current/loom_test_c_current.so"));
+  const auto& p = r.get("exec", "c_repeat");
+  toml::table section{{"repeat", 0}};
+  loom::plugins::OptionValues opts(&section, p.options);
+  loom_exec* exec = nullptr;
+  loom_status st = p.exec()->create(opts.raw(), nullptr, &exec);
+  ASSERT_NE(st, nullptr);
+  EXPECT_NE(std::string(loom::plugins::host_api()->status_message(st)).find("repeat must be >= 1"),
+            std::string::npos);
+  EXPECT_EQ(loom::plugins::host_api()->status_code(st), LOOM_CODE_INVALID_ARGUMENT);
+  loom::plugins::host_api()->status_destroy(st);
+}
+
+// A plugin rebuilt against the frozen 1.0 header, whose layer table is shorter
+// than today's, loads; the slots beyond its struct_size are treated as absent.
+TEST(AbiLoader, PluginBuiltAgainstFrozenHeaderLoadsAndShortTablesAreRespected) {
+  Registry r;
+  r.load_file(abi_dir("v1_0/loom_test_c_v1_0.so"));
+  const auto& p = r.get("layer", "c_scale");
+  const loom_layer_api* api = p.layer();
+  EXPECT_TRUE(LOOM_HAS_SLOT(api, loom_layer_api, release));
+  EXPECT_FALSE(LOOM_HAS_SLOT(api, loom_layer_api, activation_bytes));
+  EXPECT_FALSE(LOOM_HAS_SLOT(api, loom_layer_api, forward_flops));
+
+  loom::plugins::OptionValues opts(nullptr, p.options);  // alpha defaults to 2.0
+  loom_layer* layer = nullptr;
+  loom_layer_create_args args = loom::make<loom_layer_create_args>();
+  ASSERT_EQ(api->create(opts.raw(), nullptr, &args, &layer), nullptr);
+  const loom_param_decl* decls = nullptr;
+  size_t n = 0;
+  ASSERT_EQ(api->params(layer, &decls, &n), nullptr);
+  ASSERT_EQ(n, 1u);
+  EXPECT_STREQ(decls[0].name, "weight");
+
+  float w = 1.5f, wgrad = 0.f;
+  int64_t one = 1;
+  DLTensor pt{&w, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, &one, nullptr, 0};
+  DLTensor gt{&wgrad, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, &one, nullptr, 0};
+  ASSERT_EQ(api->bind(layer, &pt, &gt, 1), nullptr);
+  float x[3] = {1, 2, 3}, y[3] = {0, 0, 0};
+  int64_t shape3 = 3;
+  DLTensor xt{x, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, &shape3, nullptr, 0};
+  DLTensor yt{y, {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, &shape3, nullptr, 0};
+  loom_layer_fwd_args fa = loom::make<loom_layer_fwd_args>();
+  fa.input = &xt;
+  fa.output = &yt;
+  ASSERT_EQ(api->forward(layer, nullptr, &fa), nullptr);
+  EXPECT_FLOAT_EQ(y[0], 3.f);
+  EXPECT_FLOAT_EQ(y[2], 9.f);
+  api->destroy(layer);
+}
+
+TEST(AbiLoader, WrongMajorIsRefusedNamingBothVersions) {
+  Registry r;
+  std::string file = abi_dir("bad/loom_test_wrong_major.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("ABI 2.x"), std::string::npos) << e;
+  EXPECT_NE(e.find("ABI 1.0"), std::string::npos) << e;
+  EXPECT_TRUE(r.all().empty());
+}
+
+TEST(AbiLoader, NewerMinorIsRefusedNamingBothVersions) {
+  Registry r;
+  std::string file = abi_dir("bad/loom_test_newer_minor.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("ABI 1." + std::to_string(LOOM_ABI_MINOR + 1)), std::string::npos) << e;
+  EXPECT_NE(e.find("newer than this engine's ABI 1." + std::to_string(LOOM_ABI_MINOR)), std::string::npos) << e;
+}
+
+TEST(AbiLoader, FailingInitShowsThePluginsOwnMessage) {
+  Registry r;
+  std::string file = abi_dir("bad/loom_test_failing_init.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("initialisation failed"), std::string::npos) << e;
+  EXPECT_NE(e.find("license file /etc/bad.lic not found"), std::string::npos) << e;
+}
+
+TEST(AbiLoader, MissingEntrySymbolIsRefused) {
+  Registry r;
+  std::string file = abi_dir("bad/loom_test_no_entry.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("no entry symbol loom_plugin_init_v1"), std::string::npos) << e;
+}
+
+TEST(AbiLoader, NotASharedObjectIsRefused) {
+  std::string file = std::string(LOOM_ABI_PLUGIN_DIR) + "/loom_garbage.so";
+  FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("this is not an ELF file\n", f);
+  std::fclose(f);
+  Registry r;
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("cannot be loaded"), std::string::npos) << e;
+  std::remove(file.c_str());
+}
+
+TEST(AbiLoader, DuplicateKindNameNamesBothFiles) {
+  Registry r;
+  std::vector<std::string> errors = r.load_dirs({abi_dir("dup")});
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_NE(errors[0].find("exec/dup"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("loom_test_dup_a.so"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("loom_test_dup_b.so"), std::string::npos) << errors[0];
+  EXPECT_EQ(r.all().size(), 1u);  // the first one stays usable
+}
+
+TEST(AbiLoader, UnknownPluginListsAvailable) {
+  Registry r;
+  r.load_file(abi_dir("current/loom_test_c_current.so"));
+  try {
+    r.get("exec", "nope");
+    FAIL() << "expected PluginError";
+  } catch (const PluginError& e) {
+    EXPECT_NE(std::string(e.what()).find("available exec plugins: c_repeat"), std::string::npos) << e.what();
+  }
+}
+
+// The CLI reports each library of a directory, and fails when any is broken.
+TEST(AbiCli, PluginsCheckReportsEachLibrary) {
+  std::string cmd = std::string(LOOM_TEST_BIN_DIR) + "/loom plugins check " + abi_dir("bad") + " > " +
+                    std::string(LOOM_ABI_PLUGIN_DIR) + "/check.out 2>&1";
+  int rc = std::system(cmd.c_str());
+  EXPECT_NE(rc, 0);
+  std::string out;
+  if (FILE* f = std::fopen((std::string(LOOM_ABI_PLUGIN_DIR) + "/check.out").c_str(), "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
+    std::fclose(f);
+  }
+  EXPECT_NE(out.find("FAIL"), std::string::npos) << out;
+  EXPECT_NE(out.find("license file"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 4 libraries load"), std::string::npos) << out;
+}
+
+}  // namespace

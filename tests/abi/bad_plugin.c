@@ -1,0 +1,63 @@
+/* Deliberately broken plugins for the loader tests; the variant is chosen by a
+ * compile definition (see CMakeLists.txt). Each must be refused with a clear,
+ * one-line message naming the file and the reason — never a crash. */
+#include <loom/loom_abi.h>
+
+#include <stddef.h>
+
+#if defined(__GNUC__)
+#define EXPORT __attribute__((visibility("default")))
+#else
+#define EXPORT
+#endif
+
+static loom_status noop_run(loom_exec* e, loom_rank* r, const loom_exec_step* s) {
+  (void)e;
+  (void)r;
+  return s->fn(s->ctx);
+}
+static loom_status noop_create(const loom_options* o, loom_rank* r, loom_exec** out) {
+  (void)o;
+  (void)r;
+  *out = NULL;
+  return NULL;
+}
+static void noop_destroy(loom_exec* e) { (void)e; }
+static const loom_exec_api k_api = {sizeof(loom_exec_api), noop_create, noop_destroy, noop_run};
+
+#ifndef BAD_NAME
+#define BAD_NAME "bad"
+#endif
+static const loom_plugin_info k_info = {
+    sizeof(loom_plugin_info), "exec", BAD_NAME, "0.0.1", "test plugin", LOOM_API_EXEC, &k_api, NULL, 0};
+static const loom_plugin_info* const k_plugins[] = {&k_info};
+
+#if defined(BAD_NEWER_MINOR)
+static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_MAJOR, LOOM_ABI_MINOR + 1,
+                                          k_plugins, 1};
+#else
+static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_MAJOR, LOOM_ABI_MINOR,
+                                          k_plugins, 1};
+#endif
+
+#if defined(BAD_WRONG_MAJOR)
+/* Only the entry point of a future ABI major. */
+EXPORT loom_status loom_plugin_init_v2(const loom_host_api* host, const loom_plugin_library** out) {
+  (void)host;
+  *out = &k_lib;
+  return NULL;
+}
+#elif defined(BAD_NO_ENTRY)
+EXPORT int not_a_loom_plugin(void) { return 42; }
+#else
+EXPORT loom_status loom_plugin_init_v1(const loom_host_api* host, const loom_plugin_library** out) {
+#if defined(BAD_FAILING_INIT)
+  (void)out;
+  return host->status_create(LOOM_CODE_NOT_FOUND, "license file /etc/bad.lic not found");
+#else
+  (void)host;
+  *out = &k_lib;
+  return NULL;
+#endif
+}
+#endif

@@ -1,0 +1,25 @@
+# CTest script: install loom into a scratch prefix, build samples/learned_scale
+# against it with find_package(LoomSDK), then load the result with the installed
+# `loom plugins check`. Fails on any step.
+file(REMOVE_RECURSE ${WORK_DIR})
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "step failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  set(last_output "${out}" PARENT_SCOPE)
+endfunction()
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/samples/learned_scale -B ${WORK_DIR}/build -G ${GENERATOR}
+    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${WORK_DIR}/prefix/bin/loom plugins check ${WORK_DIR}/build)
+if(NOT last_output MATCHES "layer/learned_scale")
+  message(FATAL_ERROR "the sample plugin did not register layer/learned_scale:\n${last_output}")
+endif()
+# The installed loom finds its own plugins without any environment.
+run(${WORK_DIR}/prefix/bin/loom plugins list)
+if(NOT last_output MATCHES "device/cpu")
+  message(FATAL_ERROR "installed loom does not find its plugins:\n${last_output}")
+endif()
+message(STATUS "out-of-tree plugin built and loaded")
