@@ -95,7 +95,12 @@ class Manifest {
  private:
   toml::table table_;
   std::map<std::string, Origin> origins_;
+  std::map<std::string, Origin> key_origins_;  // where each key itself is written
+  friend class ManifestLoader;
 };
+
+// A value as one line of TOML text: 2, 0.001, "ddp", ["attention", "mlp"], { a = 1 }.
+std::string to_toml_text(const toml::node& value);
 
 // Closest candidate by edit distance, or "" when none is close enough.
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates);

@@ -1,0 +1,406 @@
+// The engine schema (every core key) and the cross-key rules.
+#include "engine/manifest/schema.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <initializer_list>
+#include <sstream>
+
+namespace loom::manifest::schema {
+namespace {
+
+// Shortest text of a bound: 1, 0.5, 1e-08.
+std::string number_text(double v) {
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, res.ptr);
+}
+
+KeySpec key(std::string path, KeyType type, std::optional<std::string> dflt, std::string doc) {
+  KeySpec k;
+  k.path = std::move(path);
+  k.type = type;
+  k.default_value = std::move(dflt);
+  k.doc = std::move(doc);
+  return k;
+}
+KeySpec b(std::string path, bool dflt, std::string doc) {
+  return key(std::move(path), KeyType::Bool, dflt ? "true" : "false", std::move(doc));
+}
+KeySpec i(std::string path, int64_t dflt, std::optional<double> min, std::string doc,
+          std::optional<double> max = std::nullopt) {
+  KeySpec k = key(std::move(path), KeyType::Int, std::to_string(dflt), std::move(doc));
+  k.min = min;
+  k.max = max;
+  return k;
+}
+KeySpec f(std::string path, std::string dflt, std::optional<double> min, bool min_excl,
+          std::string doc, std::optional<double> max = std::nullopt, bool max_excl = false) {
+  KeySpec k = key(std::move(path), KeyType::Float, std::move(dflt), std::move(doc));
+  k.min = min;
+  k.min_exclusive = min_excl;
+  k.max = max;
+  k.max_exclusive = max_excl;
+  return k;
+}
+KeySpec s(std::string path, const std::string& dflt, std::string doc,
+          std::vector<std::string> allowed = {}) {
+  KeySpec k = key(std::move(path), KeyType::String, "\"" + dflt + "\"", std::move(doc));
+  k.allowed = std::move(allowed);
+  return k;
+}
+KeySpec sl(std::string path, std::string dflt, std::string doc) {
+  return key(std::move(path), KeyType::StringList, std::move(dflt), std::move(doc));
+}
+KeySpec open_table(std::string path, std::string doc) {
+  KeySpec k = key(std::move(path), KeyType::Table, std::nullopt, std::move(doc));
+  k.open = true;
+  return k;
+}
+
+const char* const kDims[] = {"tp", "cp", "ep", "dp", "pp"};
+
+std::string check_order(const toml::node& n) {
+  const std::string v = n.as_string()->get();
+  std::vector<std::string> parts;
+  std::string cur;
+  for (char c : v) {
+    if (c == '-') {
+      parts.push_back(cur);
+      cur.clear();
+    } else {
+      cur += c;
+    }
+  }
+  parts.push_back(cur);
+  std::vector<std::string> want(std::begin(kDims), std::end(kDims));
+  std::vector<std::string> got = parts;
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  if (got == want) return "";
+  return "be a '-'-joined permutation of tp, cp, ep, dp, pp (e.g. \"tp-cp-ep-dp-pp\")";
+}
+
+std::vector<KeySpec> build() {
+  std::vector<KeySpec> v;
+  // run
+  v.push_back(s("run.name", "loom", "name of the run, used in logs and checkpoints"));
+  v.push_back(i("run.steps", 100, 1, "number of optimizer steps to train"));
+  v.push_back(i("run.seed", 1234, 0, "seed for parameter init, data order and dropout"));
+  v.push_back(i("run.log_every", 10, 1, "log metrics every N steps"));
+  v.push_back(i("run.eval_every", 0, 0, "evaluate on the validation split every N steps (0 = never)"));
+  v.push_back(i("run.eval_batches", 4, 1, "validation batches per evaluation"));
+  v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
+  // model
+  v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream"));
+  v.push_back(i("model.num_heads", 4, 1, "attention heads"));
+  v.push_back(i("model.ffn_hidden_size", 0, 0, "MLP inner width (0 = 4 * hidden_size)"));
+  v.push_back(i("model.num_layers", 4, 1, "transformer blocks"));
+  v.push_back(i("model.seq_length", 64, 1, "tokens per sequence"));
+  v.push_back(i("model.vocab_size", 0, 0, "vocabulary size (0 = taken from the data)"));
+  v.push_back(i("model.vocab_divisor", 128, 1,
+                "vocabulary padded to a multiple of vocab_divisor * tp"));
+  v.push_back(b("model.tie_embeddings", true, "share the embedding and lm_head weights"));
+  v.push_back(sl("model.pre", "[\"embedding\"]", "layer instances before the blocks"));
+  v.push_back(sl("model.block", "[\"attention\", \"mlp\"]",
+                 "layer instances of one transformer block, repeated num_layers times"));
+  v.push_back(sl("model.post", "[\"lm_head\"]", "layer instances after the blocks"));
+  v.push_back(open_table("model.layer",
+                         "[model.layer.NAME] configures layer instance NAME: plugin (default NAME) "
+                         "and that plugin's options"));
+  // parallel
+  v.push_back(i("parallel.tp", 1, 1, "tensor-parallel size"));
+  v.push_back(i("parallel.pp", 1, 1, "pipeline-parallel size (stages)"));
+  v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)"));
+  v.push_back(i("parallel.cp", 1, 1, "context-parallel size"));
+  v.push_back(i("parallel.ep", 1, 1, "expert-parallel size"));
+  v.push_back(i("parallel.etp", 0, 0, "expert tensor-parallel size (0 = same as tp)"));
+  v.push_back(i("parallel.dp", 1, 1, "data-parallel size"));
+  {
+    KeySpec k = s("parallel.order", "tp-cp-ep-dp-pp",
+                  "rank-group order, fastest-varying first ('-'-joined permutation of tp,cp,ep,dp,pp)");
+    k.check = check_order;
+    v.push_back(std::move(k));
+  }
+  v.push_back(b("parallel.sequence_parallel", false,
+                "shard layer-norm/dropout activations along the sequence over tp"));
+  // pipeline
+  v.push_back(s("pipeline.schedule", "1f1b", "pipeline schedule plugin (parallel/pipeline.NAME)"));
+  v.push_back(i("pipeline.microbatch_group_size", 0, 0,
+                "microbatches per interleaving group (0 = pp)"));
+  v.push_back(open_table("pipeline.options", "options of the schedule plugin"));
+  // batch
+  v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch"));
+  v.push_back(i("batch.global_batch_size", 32, 1, "sequences per optimizer step, over all dp ranks"));
+  // optimizer
+  v.push_back(s("optimizer.strategy", "ddp", "gradient sync / optimizer sharding strategy",
+                {"ddp", "distributed"}));
+  v.push_back(f("optimizer.lr", "1e-3", 0, true, "peak learning rate"));
+  v.push_back(f("optimizer.min_lr", "0.0", 0, false, "learning rate at the end of the decay"));
+  v.push_back(i("optimizer.warmup_steps", 0, 0, "linear warmup steps"));
+  v.push_back(i("optimizer.decay_steps", 0, 0, "cosine decay steps (0 = run.steps)"));
+  v.push_back(f("optimizer.beta1", "0.9", 0, false, "Adam beta1", 1, true));
+  v.push_back(f("optimizer.beta2", "0.95", 0, false, "Adam beta2", 1, true));
+  v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
+  v.push_back(f("optimizer.weight_decay", "0.1", 0, false, "decoupled weight decay"));
+  v.push_back(f("optimizer.clip_grad", "1.0", 0, false, "global gradient-norm clip (0 = off)"));
+  v.push_back(i("optimizer.bucket_size", 0, 0, "gradient bucket size in elements (0 = one bucket)"));
+  v.push_back(open_table("optimizer.options", "options of the optimizer strategy plugin"));
+  // exec
+  v.push_back(s("exec.mode", "eager", "execution mode", {"eager", "partial_graph"}));
+  v.push_back(open_table("exec.options", "options of the exec plugin"));
+  // device
+  v.push_back(s("device.kind", "cpu", "device plugin (device/NAME)"));
+  v.push_back(s("device.param_dtype", "fp32", "parameter dtype", {"fp32", "bf16"}));
+  v.push_back(s("device.grad_dtype", "fp32", "gradient dtype", {"fp32", "bf16"}));
+  v.push_back(i("device.threads", 0, 0, "compute threads per rank (0 = auto)"));
+  v.push_back(f("device.peak_tflops", "0.0", 0, false,
+                "peak TFLOP/s for MFU (0 = use the device's own figure)"));
+  v.push_back(open_table("device.options", "options of the device plugin"));
+  // comm
+  v.push_back(s("comm.backend", "local", "communication plugin (comm/NAME)"));
+  v.push_back(f("comm.timeout_s", "300.0", 0, true, "collective timeout in seconds"));
+  v.push_back(open_table("comm.options", "options of the comm plugin"));
+  // data
+  v.push_back(s("data.kind", "synthetic", "data source", {"synthetic", "text", "tokens"}));
+  v.push_back(s("data.path", "", "file to read for kind text or tokens"));
+  v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
+  v.push_back(s("data.task", "add", "synthetic task name"));
+  v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
+  // checkpoint
+  v.push_back(s("checkpoint.dir", "", "checkpoint directory (\"\" = no checkpoints)"));
+  v.push_back(i("checkpoint.every", 0, 0, "checkpoint every N steps (0 = only at the end and on signals)"));
+  // plugins
+  v.push_back(sl("plugins.search_paths", "[]",
+                 "extra plugin directories (relative to the manifest file naming them)"));
+  return v;
+}
+
+}  // namespace
+
+std::string_view describe(KeyType type) {
+  switch (type) {
+    case KeyType::Bool: return "a boolean";
+    case KeyType::Int: return "an integer";
+    case KeyType::Float: return "a float";
+    case KeyType::String: return "a string";
+    case KeyType::StringList: return "an array of strings";
+    case KeyType::Table: return "a table";
+  }
+  return "a value";
+}
+
+std::string KeySpec::section() const { return path.substr(0, path.find('.')); }
+std::string KeySpec::name() const { return path.substr(path.find('.') + 1); }
+
+std::string KeySpec::bounds_text() const {
+  if (min && max && !min_exclusive && !max_exclusive)
+    return "must be between " + number_text(*min) + " and " + number_text(*max);
+  std::string out;
+  if (min) out = std::string(min_exclusive ? "> " : ">= ") + number_text(*min);
+  if (max) {
+    if (!out.empty()) out += " and ";
+    out += std::string(max_exclusive ? "< " : "<= ") + number_text(*max);
+  }
+  return out.empty() ? out : "must be " + out;
+}
+
+const std::vector<KeySpec>& keys() {
+  static const std::vector<KeySpec> all = build();
+  return all;
+}
+
+const KeySpec* find(std::string_view path) {
+  for (const KeySpec& k : keys())
+    if (k.path == path) return &k;
+  return nullptr;
+}
+
+const std::vector<std::string>& sections() {
+  static const std::vector<std::string> all = [] {
+    std::vector<std::string> out;
+    for (const KeySpec& k : keys())
+      if (std::find(out.begin(), out.end(), k.section()) == out.end()) out.push_back(k.section());
+    return out;
+  }();
+  return all;
+}
+
+std::vector<std::string> section_keys(std::string_view section) {
+  std::vector<std::string> out;
+  for (const KeySpec& k : keys())
+    if (k.section() == section) out.push_back(k.name());
+  return out;
+}
+
+std::optional<int64_t> launcher_world_size(std::string* var) {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    int64_t n = 0;
+    const char* end = v + std::char_traits<char>::length(v);
+    auto res = std::from_chars(v, end, n);
+    if (res.ec != std::errc() || res.ptr != end || n <= 0) continue;
+    if (var != nullptr) *var = name;
+    return n;
+  }
+  return std::nullopt;
+}
+
+int64_t resolved_ffn_hidden_size(const Manifest& m) {
+  int64_t ffn = m.get_int("model.ffn_hidden_size");
+  return ffn == 0 ? 4 * m.get_int("model.hidden_size") : ffn;
+}
+
+int64_t resolved_etp(const Manifest& m) {
+  int64_t etp = m.get_int("parallel.etp");
+  return etp == 0 ? m.get_int("parallel.tp") : etp;
+}
+
+namespace {
+
+std::string divisors_text(int64_t n, int64_t limit = 12) {
+  std::ostringstream os;
+  int shown = 0;
+  for (int64_t d = 1; d <= n; ++d) {
+    if (n % d != 0) continue;
+    if (shown == limit) {
+      os << ", ...";
+      break;
+    }
+    os << (shown++ ? ", " : "") << d;
+  }
+  return os.str();
+}
+
+}  // namespace
+
+void check_rules(const Manifest& m, const std::set<std::string>& bad,
+                 std::vector<Diagnostic>& diags) {
+  // A rule applies only when all its keys are valid; it is reported at the first
+  // key, at the first key that was actually written when the first is a default.
+  auto usable = [&](std::initializer_list<const char*> ks) {
+    for (const char* k : ks)
+      if (bad.count(k) || !m.contains(k)) return false;
+    return true;
+  };
+  auto report = [&](std::initializer_list<const char*> ks, std::string msg) {
+    const std::string first = *ks.begin();
+    Origin where = m.origin(first);
+    if (where.kind == Origin::Kind::Default) {
+      for (const char* k : ks) {
+        Origin o = m.origin(k);
+        if (o.kind != Origin::Kind::Default) {
+          where = o;
+          break;
+        }
+      }
+    }
+    diags.push_back(Diagnostic{first, where, std::move(msg)});
+  };
+  auto I = [&](const char* k) { return m.get_int(k); };
+  auto S = [](int64_t v) { return std::to_string(v); };
+
+  if (usable({"model.num_heads", "parallel.tp"}) && I("model.num_heads") % I("parallel.tp") != 0)
+    report({"model.num_heads", "parallel.tp"},
+           "model.num_heads (" + S(I("model.num_heads")) + ") must be divisible by parallel.tp (" +
+               S(I("parallel.tp")) + ") so each tensor-parallel rank holds whole heads; tp could be " +
+               divisors_text(I("model.num_heads")));
+
+  if (usable({"model.ffn_hidden_size", "model.hidden_size", "parallel.tp"})) {
+    int64_t ffn = resolved_ffn_hidden_size(m), tp = I("parallel.tp");
+    if (ffn % tp != 0) {
+      std::string what = I("model.ffn_hidden_size") == 0
+                             ? "model.ffn_hidden_size (0 = 4 * model.hidden_size = " + S(ffn) + ")"
+                             : "model.ffn_hidden_size (" + S(ffn) + ")";
+      report({"model.ffn_hidden_size", "model.hidden_size", "parallel.tp"},
+             what + " must be divisible by parallel.tp (" + S(tp) +
+                 ") so each tensor-parallel rank holds an equal slice of the MLP");
+    }
+  }
+
+  if (usable({"model.hidden_size", "model.num_heads"}) &&
+      I("model.hidden_size") % I("model.num_heads") != 0)
+    report({"model.hidden_size", "model.num_heads"},
+           "model.hidden_size (" + S(I("model.hidden_size")) + ") must be divisible by model.num_heads (" +
+               S(I("model.num_heads")) + "); num_heads could be " +
+               divisors_text(I("model.hidden_size")));
+
+  if (usable({"model.num_layers", "parallel.pp", "parallel.vpp"})) {
+    int64_t layers = I("model.num_layers"), pp = I("parallel.pp"), vpp = I("parallel.vpp");
+    if (layers % (pp * vpp) != 0)
+      report({"model.num_layers", "parallel.pp", "parallel.vpp"},
+             "model.num_layers (" + S(layers) + ") must be divisible by parallel.pp * parallel.vpp (" +
+                 S(pp) + "*" + S(vpp) + " = " + S(pp * vpp) +
+                 ") so every pipeline stage and virtual chunk gets the same number of layers");
+  }
+
+  if (usable({"parallel.vpp", "parallel.pp"}) && I("parallel.vpp") > 1 && I("parallel.pp") <= 1)
+    report({"parallel.vpp", "parallel.pp"},
+           "parallel.vpp = " + S(I("parallel.vpp")) +
+               " (interleaved pipeline) requires parallel.pp > 1, got pp = " + S(I("parallel.pp")) +
+               "; set pp > 1 or vpp = 1");
+
+  if (usable({"batch.global_batch_size", "batch.micro_batch_size", "parallel.dp"})) {
+    int64_t gbs = I("batch.global_batch_size"), mbs = I("batch.micro_batch_size"),
+            dp = I("parallel.dp");
+    if (gbs % (mbs * dp) != 0)
+      report({"batch.global_batch_size", "batch.micro_batch_size", "parallel.dp"},
+             "batch.global_batch_size (" + S(gbs) +
+                 ") must be divisible by batch.micro_batch_size * parallel.dp (" + S(mbs) + "*" +
+                 S(dp) + " = " + S(mbs * dp) +
+                 ") so each of the dp ranks runs a whole number of microbatches");
+  }
+
+  if (usable({"parallel.sequence_parallel", "model.seq_length", "parallel.tp"}) &&
+      m.get_bool("parallel.sequence_parallel") && I("model.seq_length") % I("parallel.tp") != 0)
+    report({"parallel.sequence_parallel", "model.seq_length", "parallel.tp"},
+           "parallel.sequence_parallel = true requires model.seq_length (" +
+               S(I("model.seq_length")) + ") to be divisible by parallel.tp (" +
+               S(I("parallel.tp")) + ")");
+
+  if (usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
+    std::string var;
+    if (auto launched = launcher_world_size(&var)) {
+      int64_t tp = I("parallel.tp"), cp = I("parallel.cp"), pp = I("parallel.pp"),
+              dp = I("parallel.dp");
+      int64_t world = tp * cp * pp * dp;
+      if (world != *launched)
+        report({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"},
+               "world size tp\u00b7cp\u00b7pp\u00b7dp = " + S(tp) + "\u00b7" + S(cp) + "\u00b7" +
+                   S(pp) + "\u00b7" + S(dp) + " = " + S(world) + " but the launcher started " +
+                   S(*launched) + " processes (" + var + "=" + S(*launched) +
+                   "); make parallel.tp * parallel.cp * parallel.pp * parallel.dp equal " +
+                   S(*launched));
+    }
+  }
+
+  if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
+    int64_t ep = I("parallel.ep"), etp = resolved_etp(m), tp = I("parallel.tp"),
+            dp = I("parallel.dp"), cp = I("parallel.cp");
+    if (etp == tp) {
+      if (ep > 1 && (dp * cp) % ep != 0)
+        report({"parallel.ep", "parallel.dp", "parallel.cp"},
+               "parallel.ep (" + S(ep) + ") must divide parallel.dp * parallel.cp (" + S(dp) + "*" +
+                   S(cp) + " = " + S(dp * cp) +
+                   ") (MoE folding: ep\u00b7etp\u00b7edp\u00b7pp = world); ep could be " +
+                   divisors_text(dp * cp));
+    } else if ((tp * cp * dp) % (ep * etp) != 0) {
+      report({"parallel.ep", "parallel.etp", "parallel.tp", "parallel.cp", "parallel.dp"},
+             "parallel.ep * parallel.etp (" + S(ep) + "*" + S(etp) + " = " + S(ep * etp) +
+                 ") must divide parallel.tp * parallel.cp * parallel.dp (" + S(tp) + "*" + S(cp) +
+                 "*" + S(dp) + " = " + S(tp * cp * dp) +
+                 ") (MoE folding: ep\u00b7etp\u00b7edp\u00b7pp = world)");
+    }
+  }
+
+  if (usable({"data.kind", "data.path"})) {
+    std::string kind = m.get_string("data.kind");
+    if ((kind == "text" || kind == "tokens") && m.get_string("data.path").empty())
+      report({"data.kind", "data.path"},
+             "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
+  }
+}
+
+}  // namespace loom::manifest::schema

@@ -1,0 +1,726 @@
+// Manifest loading, validation, provenance, plugin options and serialisation.
+// Positions in the expectations are 1-based line:column of the TOML strings
+// below; for a value the column is where the value starts, for an unknown key
+// where the key starts.
+#include "engine/manifest/manifest.hpp"
+#include "engine/manifest/schema.hpp"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace loom::manifest {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+constexpr const char* kLauncherVars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"};
+
+// Runs every test outside any launcher (the world-size rule reads the environment)
+// and gives each test its own scratch directory.
+class ManifestTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : kLauncherVars) {
+      const char* old = std::getenv(v);
+      saved_.push_back(old ? std::optional<std::string>(old) : std::nullopt);
+      unsetenv(v);
+    }
+    static std::atomic<int> counter{0};
+    dir_ = fs::temp_directory_path() /
+           ("loom_manifest_test_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    for (size_t i = 0; i < saved_.size(); ++i) {
+      if (saved_[i])
+        setenv(kLauncherVars[i], saved_[i]->c_str(), 1);
+      else
+        unsetenv(kLauncherVars[i]);
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  std::string write(const std::string& rel, const std::string& text) {
+    fs::path p = dir_ / rel;
+    fs::create_directories(p.parent_path());
+    std::ofstream(p) << text;
+    return p.string();
+  }
+
+  // The diagnostics of a manifest that must not load.
+  static std::vector<Diagnostic> errors(const std::string& text,
+                                        const std::vector<std::string>& overrides = {}) {
+    try {
+      Manifest::parse(text, "m.toml", overrides);
+    } catch (const ManifestError& e) {
+      return e.diagnostics();
+    }
+    ADD_FAILURE() << "expected a ManifestError for:\n" << text;
+    return {};
+  }
+  // The one diagnostic of a manifest with exactly one problem.
+  static Diagnostic one_error(const std::string& text,
+                              const std::vector<std::string>& overrides = {}) {
+    std::vector<Diagnostic> d = errors(text, overrides);
+    EXPECT_EQ(d.size(), 1u) << joined(d);
+    return d.empty() ? Diagnostic{} : d.front();
+  }
+  static std::string joined(const std::vector<Diagnostic>& d) {
+    std::string out;
+    for (const auto& x : d) out += x.str() + "\n";
+    return out;
+  }
+  static std::string pos(const Origin& o) {
+    return o.file + ":" + std::to_string(o.line) + ":" + std::to_string(o.column);
+  }
+
+  std::vector<std::optional<std::string>> saved_;
+  fs::path dir_;
+};
+
+// ---- defaults and typed access ----------------------------------------------
+
+TEST_F(ManifestTest, EmptyManifestGetsEveryDefault) {
+  Manifest m = Manifest::parse("", "empty.toml");
+  for (const schema::KeySpec& k : schema::keys()) {
+    if (k.type == schema::KeyType::Table) continue;
+    EXPECT_TRUE(m.contains(k.path)) << k.path;
+    EXPECT_EQ(m.origin(k.path).kind, Origin::Kind::Default) << k.path;
+  }
+  EXPECT_EQ(m.get_string("run.name"), "loom");
+  EXPECT_EQ(m.get_int("run.steps"), 100);
+  EXPECT_EQ(m.get_int("run.seed"), 1234);
+  EXPECT_EQ(m.get_int("model.hidden_size"), 128);
+  EXPECT_EQ(m.get_int("model.vocab_divisor"), 128);
+  EXPECT_TRUE(m.get_bool("model.tie_embeddings"));
+  EXPECT_EQ(m.get_string_list("model.pre"), std::vector<std::string>{"embedding"});
+  EXPECT_EQ(m.get_string_list("model.block"), (std::vector<std::string>{"attention", "mlp"}));
+  EXPECT_EQ(m.get_string_list("model.post"), std::vector<std::string>{"lm_head"});
+  EXPECT_EQ(m.get_string("parallel.order"), "tp-cp-ep-dp-pp");
+  EXPECT_FALSE(m.get_bool("parallel.sequence_parallel"));
+  EXPECT_EQ(m.get_string("pipeline.schedule"), "1f1b");
+  EXPECT_EQ(m.get_int("batch.global_batch_size"), 32);
+  EXPECT_EQ(m.get_string("optimizer.strategy"), "ddp");
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.lr"), 1e-3);
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.beta2"), 0.95);
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.eps"), 1e-8);
+  EXPECT_DOUBLE_EQ(m.get_float("comm.timeout_s"), 300.0);
+  EXPECT_DOUBLE_EQ(m.get_float("data.val_fraction"), 0.1);
+  EXPECT_EQ(m.get_string("data.kind"), "synthetic");
+  EXPECT_EQ(m.get_int("data.digits"), 3);
+  EXPECT_TRUE(m.get_string_list("plugins.search_paths").empty());
+  EXPECT_EQ(m.origin("run.steps").str(), "default");
+  // Open tables are not invented.
+  EXPECT_EQ(m.get_table("device.options"), nullptr);
+  EXPECT_NE(m.get_table("parallel"), nullptr);
+}
+
+TEST_F(ManifestTest, TypedGettersAndIntsAsFloats) {
+  Manifest m = Manifest::parse(
+      "[run]\nsteps = 7\nname = \"tiny\"\n[optimizer]\nlr = 1\nclip_grad = 0\n"
+      "[model]\nblock = [\"mlp\"]\n",
+      "t.toml");
+  EXPECT_EQ(m.get_int("run.steps"), 7);
+  EXPECT_EQ(m.get_string("run.name"), "tiny");
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.lr"), 1.0);
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.clip_grad"), 0.0);
+  // Stored as floats so plugins and serialisation see the schema's type.
+  EXPECT_TRUE(m.table().at_path("optimizer.lr").is_floating_point());
+  EXPECT_DOUBLE_EQ(m.get_float("run.steps"), 7.0);  // an int read as a float
+  EXPECT_EQ(m.get_string_list("model.block"), std::vector<std::string>{"mlp"});
+  EXPECT_THROW(m.get_int("optimizer.lr"), std::logic_error);
+  EXPECT_THROW(m.get_string("run.steps"), std::logic_error);
+  EXPECT_THROW(m.get_int("run.nope"), std::logic_error);
+  EXPECT_THROW(m.get_string_list("run.name"), std::logic_error);
+  EXPECT_FALSE(m.contains("run.nope"));
+  EXPECT_EQ(m.origin("run.steps").str(), "t.toml:2:9");
+  EXPECT_EQ(m.origin("optimizer.lr").str(), "t.toml:5:6");
+  EXPECT_EQ(m.origin("optimizer.beta1").kind, Origin::Kind::Default);
+}
+
+TEST_F(ManifestTest, LayerInstancesDefaultTheirPlugin) {
+  Manifest m = Manifest::parse(
+      "[model.layer.attn]\nplugin = \"attention\"\ndropout = 0.1\n[model.layer.mlp]\n", "l.toml");
+  EXPECT_EQ(m.get_string("model.layer.attn.plugin"), "attention");
+  EXPECT_EQ(m.origin("model.layer.attn.plugin").str(), "l.toml:2:10");
+  EXPECT_EQ(m.get_string("model.layer.mlp.plugin"), "mlp");
+  EXPECT_EQ(m.origin("model.layer.mlp.plugin").kind, Origin::Kind::Default);
+  // Plugin options are not checked by the core schema.
+  EXPECT_DOUBLE_EQ(m.get_float("model.layer.attn.dropout"), 0.1);
+}
+
+// ---- per-key errors -----------------------------------------------------------
+
+TEST_F(ManifestTest, SyntaxErrorHasLineAndColumn) {
+  Diagnostic d = one_error("[run]\nsteps = = 3\n");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:9");
+  EXPECT_THAT(d.message, StartsWith("invalid TOML: "));
+  EXPECT_THAT(d.str(), StartsWith("m.toml:2:9: invalid TOML: "));
+}
+
+TEST_F(ManifestTest, UnknownKeySuggestsTheClosest) {
+  Diagnostic d = one_error("[parallel]\ntp = 2\ntpp = 2\n", {"run.steps=1"});
+  EXPECT_EQ(d.key, "parallel.tpp");
+  EXPECT_EQ(d.message, "unknown key 'parallel.tpp' (did you mean 'parallel.tp'?)");
+  EXPECT_EQ(pos(d.origin), "m.toml:3:1");
+  EXPECT_EQ(d.str(),
+            "m.toml:3:1: parallel.tpp: unknown key 'parallel.tpp' (did you mean 'parallel.tp'?)");
+}
+
+TEST_F(ManifestTest, UnknownKeySuggestsAnotherSection) {
+  Diagnostic d = one_error("[run]\nsteps = 3\n\n[parallel]\n  micro_batch_size = 2\n");
+  EXPECT_EQ(d.message,
+            "unknown key 'parallel.micro_batch_size' (did you mean 'batch.micro_batch_size'?)");
+  EXPECT_EQ(pos(d.origin), "m.toml:5:3");
+}
+
+TEST_F(ManifestTest, UnknownKeyWithoutSuggestionListsTheSection) {
+  Diagnostic d = one_error("[batch]\nzzzzzzzz = 1\n");
+  EXPECT_EQ(d.message,
+            "unknown key 'batch.zzzzzzzz' (valid keys in [batch]: micro_batch_size, "
+            "global_batch_size)");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:1");
+}
+
+TEST_F(ManifestTest, UnknownSectionListsTheValidOnes) {
+  Diagnostic d = one_error("[run]\nsteps = 3\n[paralel]\ntp = 2\n");
+  EXPECT_EQ(d.key, "paralel");
+  EXPECT_THAT(d.message, StartsWith("unknown section 'paralel' (did you mean 'parallel'?)"));
+  EXPECT_THAT(d.message, HasSubstr("valid sections are run, model, parallel, pipeline, batch, "
+                                   "optimizer, exec, device, comm, data, checkpoint, plugins"));
+  EXPECT_EQ(pos(d.origin), "m.toml:3:2");
+}
+
+TEST_F(ManifestTest, UnknownTopLevelKeyPointsIntoItsSection) {
+  Diagnostic d = one_error("steps = 5\n");
+  EXPECT_EQ(d.message, "unknown key 'steps' (did you mean 'run.steps'?)");
+  EXPECT_EQ(pos(d.origin), "m.toml:1:1");
+}
+
+TEST_F(ManifestTest, WrongType) {
+  Diagnostic d = one_error("[parallel]\ntp = \"2\"\n");
+  EXPECT_EQ(d.key, "parallel.tp");
+  EXPECT_EQ(d.message, "parallel.tp must be an integer, got string \"2\"");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:6");
+
+  d = one_error("[model]\nblock = [\"attention\", 3]\n");
+  EXPECT_EQ(d.message, "model.block must be an array of strings, got array [\"attention\", 3]");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:9");
+
+  d = one_error("[optimizer]\nlr = \"fast\"\n");
+  EXPECT_EQ(d.message, "optimizer.lr must be a float, got string \"fast\"");
+
+  d = one_error("[model]\ntie_embeddings = 1\n");
+  EXPECT_EQ(d.message, "model.tie_embeddings must be a boolean, got integer 1");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:18");
+
+  d = one_error("parallel = 2\n");
+  EXPECT_EQ(d.key, "parallel");
+  EXPECT_THAT(d.message, StartsWith("parallel must be a table"));
+
+  d = one_error("[model.layer]\nattn = 3\n");
+  EXPECT_EQ(d.key, "model.layer.attn");
+  EXPECT_THAT(d.message, StartsWith("model.layer.attn must be a table"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:8");
+}
+
+TEST_F(ManifestTest, OutOfRange) {
+  Diagnostic d = one_error("[parallel]\ntp = 0\n");
+  EXPECT_EQ(d.message, "parallel.tp must be >= 1, got 0");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:6");
+
+  d = one_error("[optimizer]\nlr = 0\n");
+  EXPECT_EQ(d.message, "optimizer.lr must be > 0, got 0");
+
+  d = one_error("[data]\nval_fraction = 0.7\n");
+  EXPECT_EQ(d.message, "data.val_fraction must be between 0 and 0.5, got 0.7");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:16");
+
+  d = one_error("[data]\ndigits = 12\n");
+  EXPECT_EQ(d.message, "data.digits must be between 1 and 9, got 12");
+
+  d = one_error("[optimizer]\nbeta2 = 1.0\n");
+  EXPECT_EQ(d.message, "optimizer.beta2 must be >= 0 and < 1, got 1.0");
+}
+
+TEST_F(ManifestTest, NotAllowedValue) {
+  Diagnostic d = one_error("[optimizer]\nstrategy = \"adam\"\n");
+  EXPECT_EQ(d.key, "optimizer.strategy");
+  EXPECT_EQ(d.message, "optimizer.strategy must be one of \"ddp\", \"distributed\", got \"adam\"");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:12");
+
+  d = one_error("[exec]\nmode = \"partial_grpah\"\n");
+  EXPECT_EQ(d.message,
+            "exec.mode must be one of \"eager\", \"partial_graph\", got \"partial_grpah\" "
+            "(did you mean \"partial_graph\"?)");
+
+  d = one_error("[parallel]\norder = \"tp-dp\"\n");
+  EXPECT_EQ(d.message,
+            "parallel.order must be a '-'-joined permutation of tp, cp, ep, dp, pp "
+            "(e.g. \"tp-cp-ep-dp-pp\"), got \"tp-dp\"");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:9");
+  // Any permutation is fine.
+  EXPECT_NO_THROW(Manifest::parse("[parallel]\norder = \"pp-dp-ep-cp-tp\"\n", "m.toml"));
+}
+
+TEST_F(ManifestTest, AllErrorsAreReportedAtOnce) {
+  const std::string text =
+      "[parallel]\n"
+      "tp = \"2\"\n"     // 2:6 wrong type
+      "tpp = 2\n"        // 3:1 unknown key
+      "[optimizer]\n"
+      "strategy = \"adam\"\n"  // 5:12 not allowed
+      "[data]\n"
+      "digits = 0\n";    // 7:10 out of range
+  try {
+    Manifest::parse(text, "m.toml");
+    FAIL() << "expected a ManifestError";
+  } catch (const ManifestError& e) {
+    const auto& d = e.diagnostics();
+    ASSERT_EQ(d.size(), 4u) << joined(d);
+    EXPECT_EQ(d[0].str(), "m.toml:2:6: parallel.tp: parallel.tp must be an integer, got string \"2\"");
+    EXPECT_EQ(pos(d[1].origin), "m.toml:3:1");
+    EXPECT_EQ(d[1].key, "parallel.tpp");
+    EXPECT_EQ(pos(d[2].origin), "m.toml:5:12");
+    EXPECT_EQ(d[2].key, "optimizer.strategy");
+    EXPECT_EQ(pos(d[3].origin), "m.toml:7:10");
+    EXPECT_EQ(d[3].key, "data.digits");
+    std::string what = e.what();
+    EXPECT_THAT(what, StartsWith("manifest has 4 errors:\nm.toml:2:6: parallel.tp: "));
+    EXPECT_EQ(std::count(what.begin(), what.end(), '\n'), 4);
+  }
+}
+
+TEST_F(ManifestTest, OneErrorIsSingular) {
+  try {
+    Manifest::parse("[parallel]\ntp = 0\n", "m.toml");
+    FAIL() << "expected a ManifestError";
+  } catch (const ManifestError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "manifest has 1 error:\nm.toml:2:6: parallel.tp: parallel.tp must be >= 1, got 0");
+  }
+}
+
+// ---- cross-key rules ----------------------------------------------------------
+
+TEST_F(ManifestTest, HeadsDivisibleByTp) {
+  Diagnostic d = one_error("[model]\nnum_heads = 6\nhidden_size = 48\n[parallel]\ntp = 4\n");
+  EXPECT_EQ(d.key, "model.num_heads");
+  EXPECT_THAT(d.message, HasSubstr("model.num_heads (6) must be divisible by parallel.tp (4)"));
+  EXPECT_THAT(d.message, HasSubstr("tp could be 1, 2, 3, 6"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:13");
+}
+
+TEST_F(ManifestTest, RuleOnADefaultIsReportedWhereAKeyWasWritten) {
+  // num_heads is the default 4; the diagnostic points at the tp the user wrote.
+  Diagnostic d = one_error("[parallel]\ntp = 8\n");
+  EXPECT_EQ(d.key, "model.num_heads");
+  EXPECT_THAT(d.message, HasSubstr("model.num_heads (4) must be divisible by parallel.tp (8)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:6");
+}
+
+TEST_F(ManifestTest, FfnDivisibleByTp) {
+  Diagnostic d = one_error(
+      "[model]\nnum_heads = 8\nhidden_size = 64\nffn_hidden_size = 100\n[parallel]\ntp = 8\n");
+  EXPECT_EQ(d.key, "model.ffn_hidden_size");
+  EXPECT_THAT(d.message, HasSubstr("model.ffn_hidden_size (100) must be divisible by parallel.tp (8)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:4:19");
+  // ffn_hidden_size = 0 resolves to 4*hidden_size = 256, a multiple of 8.
+  EXPECT_NO_THROW(Manifest::parse("[model]\nnum_heads = 8\nhidden_size = 64\n[parallel]\ntp = 8\n",
+                                  "m.toml"));
+}
+
+TEST_F(ManifestTest, HiddenDivisibleByHeads) {
+  Diagnostic d = one_error("[model]\nhidden_size = 130\nnum_heads = 4\n");
+  EXPECT_EQ(d.key, "model.hidden_size");
+  EXPECT_THAT(d.message, HasSubstr("model.hidden_size (130) must be divisible by model.num_heads (4)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:15");
+}
+
+TEST_F(ManifestTest, LayersDivisibleByPpTimesVpp) {
+  Diagnostic d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 2\nvpp = 2\n");
+  EXPECT_EQ(d.key, "model.num_layers");
+  EXPECT_THAT(d.message,
+              HasSubstr("model.num_layers (6) must be divisible by parallel.pp * parallel.vpp "
+                        "(2*2 = 4)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:14");
+  EXPECT_NO_THROW(Manifest::parse("[model]\nnum_layers = 8\n[parallel]\npp = 2\nvpp = 2\n", "m"));
+}
+
+TEST_F(ManifestTest, VppNeedsPp) {
+  Diagnostic d = one_error("[parallel]\nvpp = 2\n");
+  EXPECT_EQ(d.key, "parallel.vpp");
+  EXPECT_THAT(d.message, HasSubstr("requires parallel.pp > 1"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:7");
+}
+
+TEST_F(ManifestTest, GlobalBatchDivisibleByMicroTimesDp) {
+  Diagnostic d = one_error(
+      "[batch]\nmicro_batch_size = 4\nglobal_batch_size = 30\n[parallel]\ndp = 2\n");
+  EXPECT_EQ(d.key, "batch.global_batch_size");
+  EXPECT_THAT(d.message,
+              HasSubstr("batch.global_batch_size (30) must be divisible by "
+                        "batch.micro_batch_size * parallel.dp (4*2 = 8)"));
+  EXPECT_THAT(d.message, HasSubstr("so each of the dp ranks runs a whole number of microbatches"));
+  EXPECT_EQ(pos(d.origin), "m.toml:3:21");
+}
+
+TEST_F(ManifestTest, SequenceParallelNeedsSeqDivisibleByTp) {
+  Diagnostic d = one_error(
+      "[parallel]\nsequence_parallel = true\ntp = 2\n[model]\nseq_length = 65\n");
+  EXPECT_EQ(d.key, "parallel.sequence_parallel");
+  EXPECT_THAT(d.message,
+              HasSubstr("requires model.seq_length (65) to be divisible by parallel.tp (2)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:21");
+  // Pointless but allowed with tp = 1; fine without sequence parallelism.
+  EXPECT_NO_THROW(Manifest::parse("[parallel]\nsequence_parallel = true\n[model]\nseq_length = 65\n", "m"));
+  EXPECT_NO_THROW(Manifest::parse("[parallel]\ntp = 2\n[model]\nseq_length = 65\n", "m"));
+}
+
+TEST_F(ManifestTest, WorldSizeMustMatchTheLauncher) {
+  const std::string text = "[parallel]\ntp = 2\npp = 2\n";
+  EXPECT_NO_THROW(Manifest::parse(text, "m.toml"));  // no launcher: any world size
+  setenv("OMPI_COMM_WORLD_SIZE", "8", 1);
+  Diagnostic d = one_error(text);
+  EXPECT_EQ(d.key, "parallel.tp");
+  EXPECT_THAT(d.message,
+              StartsWith("world size tp\u00b7cp\u00b7pp\u00b7dp = 2\u00b71\u00b72\u00b71 = 4 but the "
+                         "launcher started 8 processes"));
+  EXPECT_THAT(d.message, HasSubstr("OMPI_COMM_WORLD_SIZE=8"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:6");
+  // Matches with dp = 2.
+  EXPECT_NO_THROW(Manifest::parse(text, "m.toml", {"parallel.dp=2"}));
+  // OMPI_COMM_WORLD_SIZE wins over PMI_SIZE, which wins over SLURM_NTASKS.
+  setenv("PMI_SIZE", "4", 1);
+  EXPECT_THAT(one_error(text).message, HasSubstr("started 8 processes"));
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  EXPECT_NO_THROW(Manifest::parse(text, "m.toml"));
+  unsetenv("PMI_SIZE");
+  setenv("SLURM_NTASKS", "2", 1);
+  EXPECT_THAT(one_error(text).message, HasSubstr("launcher started 2 processes (SLURM_NTASKS=2)"));
+}
+
+TEST_F(ManifestTest, ExpertParallelMustDivideDataTimesContext) {
+  Diagnostic d = one_error("[parallel]\nep = 3\ndp = 2\n");
+  EXPECT_EQ(d.key, "parallel.ep");
+  EXPECT_THAT(d.message, HasSubstr("parallel.ep (3) must divide parallel.dp * parallel.cp (2*1 = 2)"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:6");
+  EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 2\ndp = 2\n", "m"));
+  EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 4\ndp = 2\ncp = 2\n", "m"));
+}
+
+TEST_F(ManifestTest, TextDataNeedsAPath) {
+  Diagnostic d = one_error("[data]\nkind = \"text\"\n");
+  EXPECT_EQ(d.key, "data.kind");
+  EXPECT_THAT(d.message, HasSubstr("requires data.path"));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:8");
+  EXPECT_NO_THROW(Manifest::parse("[data]\nkind = \"tokens\"\npath = \"x.bin\"\n", "m"));
+}
+
+TEST_F(ManifestTest, RulesSkipKeysThatAreAlreadyWrong) {
+  // tp = 0 is out of range; no division by zero and no second, derived error.
+  std::vector<Diagnostic> d = errors("[parallel]\ntp = 0\nsequence_parallel = true\n");
+  ASSERT_EQ(d.size(), 1u) << joined(d);
+  EXPECT_EQ(d[0].key, "parallel.tp");
+}
+
+// ---- extends --------------------------------------------------------------------
+
+TEST_F(ManifestTest, ExtendsMergesChildOverBase) {
+  const std::string base = write("configs/base.toml",
+                                 "[run]\nsteps = 7\n[parallel]\ntp = 2\npp = 2\n"
+                                 "[model]\nblock = [\"attention\", \"mlp\", \"mlp\"]\n"
+                                 "[model.layer.attention]\ndropout = 0.1\n");
+  const std::string child = write("configs/exp/child.toml",
+                                  "extends = \"../base.toml\"\n[parallel]\ntp = 4\n"
+                                  "[model]\nblock = [\"mlp\"]\n"
+                                  "[model.layer.attention]\ncausal = false\n");
+  Manifest m = Manifest::load(child);
+  EXPECT_EQ(m.get_int("parallel.tp"), 4);
+  EXPECT_EQ(m.get_int("parallel.pp"), 2);
+  EXPECT_EQ(m.get_int("run.steps"), 7);
+  EXPECT_EQ(m.get_string_list("model.block"), std::vector<std::string>{"mlp"});  // arrays replace
+  EXPECT_DOUBLE_EQ(m.get_float("model.layer.attention.dropout"), 0.1);          // tables merge
+  EXPECT_FALSE(m.get_bool("model.layer.attention.causal"));
+  EXPECT_FALSE(m.contains("extends"));
+
+  const std::string base_shown = (fs::path(child).parent_path() / "../base.toml").lexically_normal().string();
+  EXPECT_EQ(base_shown, base);
+  EXPECT_EQ(m.origin("parallel.tp").str(), child + ":3:6");
+  EXPECT_EQ(m.origin("parallel.pp").str(), base + ":5:6");
+  EXPECT_EQ(m.origin("run.steps").str(), base + ":2:9");
+  EXPECT_EQ(m.origin("model.block").str(), child + ":5:9");
+  EXPECT_EQ(m.origin("model.layer.attention.dropout").str(), base + ":9:11");
+  EXPECT_EQ(m.origin("model.layer.attention.causal").str(), child + ":7:10");
+}
+
+TEST_F(ManifestTest, ExtendsChainsAndErrorsInTheBaseNameTheBase) {
+  const std::string a = write("a.toml", "[run]\nsteps = 1\nseed = 5\n");
+  const std::string b = write("b.toml", "extends = \"a.toml\"\n[run]\nsteps = 2\n");
+  const std::string c = write("c.toml", "extends = \"b.toml\"\n[run]\nname = \"c\"\n");
+  Manifest m = Manifest::load(c);
+  EXPECT_EQ(m.get_int("run.steps"), 2);
+  EXPECT_EQ(m.get_int("run.seed"), 5);
+  EXPECT_EQ(m.get_string("run.name"), "c");
+  EXPECT_EQ(m.origin("run.seed").str(), a + ":3:8");
+
+  write("bad_base.toml", "[parallel]\ntp = 0\n");
+  const std::string d = write("d.toml", "extends = \"bad_base.toml\"\n");
+  try {
+    Manifest::load(d);
+    FAIL() << "expected a ManifestError";
+  } catch (const ManifestError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    EXPECT_EQ(e.diagnostics()[0].origin.str(), (dir_ / "bad_base.toml").string() + ":2:6");
+  }
+}
+
+TEST_F(ManifestTest, ExtendsCycleIsAnError) {
+  const std::string a = write("a.toml", "extends = \"b.toml\"\n");
+  const std::string b = write("b.toml", "# b\nextends = \"a.toml\"\n[run]\nsteps = 3\n");
+  try {
+    Manifest::load(a);
+    FAIL() << "expected a ManifestError";
+  } catch (const ManifestError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    const Diagnostic& d = e.diagnostics()[0];
+    EXPECT_EQ(d.key, "extends");
+    EXPECT_EQ(d.origin.str(), b + ":2:11");
+    EXPECT_EQ(d.message, "extends cycle: " + a + " -> " + b + " -> " + a);
+  }
+  const std::string self = write("self.toml", "extends = \"self.toml\"\n");
+  EXPECT_THROW(Manifest::load(self), ManifestError);
+}
+
+TEST_F(ManifestTest, MissingBaseIsAnError) {
+  const std::string child = write("child.toml", "\nextends = \"nope.toml\"\n");
+  try {
+    Manifest::load(child);
+    FAIL() << "expected a ManifestError";
+  } catch (const ManifestError& e) {
+    ASSERT_EQ(e.diagnostics().size(), 1u);
+    const Diagnostic& d = e.diagnostics()[0];
+    EXPECT_EQ(d.key, "extends");
+    EXPECT_EQ(d.origin.str(), child + ":2:11");
+    EXPECT_THAT(d.message, HasSubstr("\"nope.toml\" not found"));
+    EXPECT_THAT(d.message, HasSubstr((dir_ / "nope.toml").string()));
+  }
+  EXPECT_THROW(Manifest::load((dir_ / "absent.toml").string()), ManifestError);
+}
+
+TEST_F(ManifestTest, SearchPathsAreRelativeToTheFileNamingThem) {
+  write("sub/base.toml", "[plugins]\nsearch_paths = [\"plugins\", \"/abs/dir\"]\n");
+  const std::string child = write("child.toml", "extends = \"sub/base.toml\"\n");
+  Manifest m = Manifest::load(child);
+  auto paths = m.get_string_list("plugins.search_paths");
+  ASSERT_EQ(paths.size(), 2u);
+  EXPECT_EQ(paths[0], (fs::absolute(dir_) / "sub" / "plugins").lexically_normal().string());
+  EXPECT_EQ(paths[1], "/abs/dir");
+}
+
+// ---- --set overrides ---------------------------------------------------------------
+
+TEST_F(ManifestTest, OverridesParseTomlValues) {
+  Manifest m = Manifest::parse(
+      "[parallel]\ntp = 1\n", "m.toml",
+      {"parallel.tp=2", "optimizer.lr=0.5", "model.tie_embeddings=false",
+       "model.block=[\"mlp\", \"mlp\"]", "run.name=\"quoted name\"", "model.layer.attn.dropout=0.2"});
+  EXPECT_EQ(m.get_int("parallel.tp"), 2);
+  EXPECT_DOUBLE_EQ(m.get_float("optimizer.lr"), 0.5);
+  EXPECT_FALSE(m.get_bool("model.tie_embeddings"));
+  EXPECT_EQ(m.get_string_list("model.block"), (std::vector<std::string>{"mlp", "mlp"}));
+  EXPECT_EQ(m.get_string("run.name"), "quoted name");
+  EXPECT_DOUBLE_EQ(m.get_float("model.layer.attn.dropout"), 0.2);
+  EXPECT_EQ(m.origin("parallel.tp").kind, Origin::Kind::Override);
+  EXPECT_EQ(m.origin("parallel.tp").str(), "--set parallel.tp=2");
+  EXPECT_EQ(m.origin("model.layer.attn.dropout").str(), "--set model.layer.attn.dropout=0.2");
+}
+
+TEST_F(ManifestTest, BareWordIsAString) {
+  Manifest bare = Manifest::parse("", "m.toml", {"optimizer.strategy=distributed"});
+  Manifest quoted = Manifest::parse("", "m.toml", {"optimizer.strategy=\"distributed\""});
+  EXPECT_EQ(bare.get_string("optimizer.strategy"), "distributed");
+  EXPECT_EQ(bare.table(), quoted.table());
+  // The later override wins.
+  Manifest twice = Manifest::parse("", "m.toml", {"run.steps=3", "run.steps=4"});
+  EXPECT_EQ(twice.get_int("run.steps"), 4);
+  EXPECT_EQ(twice.origin("run.steps").str(), "--set run.steps=4");
+}
+
+TEST_F(ManifestTest, OverrideErrorsNameTheSetText) {
+  Diagnostic d = one_error("", {"parallel.tpp=2"});
+  EXPECT_EQ(d.str(),
+            "--set parallel.tpp=2: parallel.tpp: unknown key 'parallel.tpp' (did you mean "
+            "'parallel.tp'?)");
+  EXPECT_EQ(d.origin.kind, Origin::Kind::Override);
+
+  d = one_error("[parallel]\ntp = 2\n", {"parallel.tp=two"});
+  EXPECT_EQ(d.str(), "--set parallel.tp=two: parallel.tp: parallel.tp must be an integer, got string \"two\"");
+
+  d = one_error("", {"optimizer.strategy=adam"});
+  EXPECT_THAT(d.str(), StartsWith("--set optimizer.strategy=adam: optimizer.strategy: "));
+
+  d = one_error("", {"run.steps"});
+  EXPECT_THAT(d.message, HasSubstr("expected --set key.path=value"));
+
+  d = one_error("", {"run..steps=1"});
+  EXPECT_THAT(d.message, HasSubstr("not a key path"));
+
+  d = one_error("[run]\nsteps = 3\n", {"run.steps.x=1"});
+  EXPECT_THAT(d.message, HasSubstr("run.steps is integer 3, not a table"));
+}
+
+// ---- plugin options -------------------------------------------------------------------
+
+std::vector<OptionDecl> attention_decls() {
+  return {
+      {OptionDecl::Type::Float, "dropout", "0.0", "dropout probability"},
+      {OptionDecl::Type::Bool, "causal", "true", "causal mask"},
+      {OptionDecl::Type::Int, "kv_heads", "0", "grouped-query heads (0 = num_heads)"},
+      {OptionDecl::Type::String, "impl", "\"naive\"", "kernel"},
+  };
+}
+
+TEST_F(ManifestTest, PluginOptionsGetDefaults) {
+  Manifest m = Manifest::parse(
+      "[model.layer.attn]\nplugin = \"attention\"\ndropout = 1\n", "m.toml");
+  std::vector<Diagnostic> diags;
+  m.apply_plugin_options("model.layer.attn", "layer/attention", attention_decls(), diags, {"plugin"});
+  EXPECT_TRUE(diags.empty()) << joined(diags);
+  EXPECT_DOUBLE_EQ(m.get_float("model.layer.attn.dropout"), 1.0);
+  EXPECT_TRUE(m.table().at_path("model.layer.attn.dropout").is_floating_point());
+  EXPECT_EQ(m.origin("model.layer.attn.dropout").str(), "m.toml:3:11");
+  EXPECT_TRUE(m.get_bool("model.layer.attn.causal"));
+  EXPECT_EQ(m.get_int("model.layer.attn.kv_heads"), 0);
+  EXPECT_EQ(m.get_string("model.layer.attn.impl"), "naive");
+  EXPECT_EQ(m.origin("model.layer.attn.impl").kind, Origin::Kind::Default);
+
+  // An absent section is created with the defaults.
+  m.apply_plugin_options("device.options", "device/cpu",
+                         {{OptionDecl::Type::Int, "align", "64", "alignment"}}, diags);
+  EXPECT_TRUE(diags.empty()) << joined(diags);
+  EXPECT_EQ(m.get_int("device.options.align"), 64);
+  EXPECT_EQ(m.origin("device.options.align").kind, Origin::Kind::Default);
+}
+
+TEST_F(ManifestTest, PluginOptionErrors) {
+  Manifest m = Manifest::parse(
+      "[model.layer.attention]\ndropuot = 0.1\ncausal = \"yes\"\n", "m.toml");
+  std::vector<Diagnostic> diags;
+  std::vector<OptionDecl> decls = attention_decls();
+  decls.push_back({OptionDecl::Type::Int, "window", std::nullopt, "attention window"});
+  m.apply_plugin_options("model.layer.attention", "layer/attention", decls, diags, {"plugin"});
+  ASSERT_EQ(diags.size(), 3u) << joined(diags);
+
+  EXPECT_EQ(diags[0].key, "model.layer.attention.causal");
+  EXPECT_THAT(diags[0].message,
+              StartsWith("model.layer.attention.causal must be a boolean, got string \"yes\""));
+  EXPECT_EQ(pos(diags[0].origin), "m.toml:3:10");
+
+  EXPECT_EQ(diags[1].key, "model.layer.attention.dropuot");
+  EXPECT_EQ(diags[1].message,
+            "unknown option 'dropuot' for layer/attention at model.layer.attention (did you mean "
+            "'dropout'?)");
+  EXPECT_EQ(pos(diags[1].origin), "m.toml:2:1");
+
+  EXPECT_EQ(diags[2].key, "model.layer.attention.window");
+  EXPECT_THAT(diags[2].message,
+              StartsWith("missing required option 'window' for layer/attention at "
+                         "model.layer.attention"));
+  EXPECT_EQ(pos(diags[2].origin), "m.toml:1:1");
+
+  // A plugin that takes no options says so.
+  std::vector<Diagnostic> none;
+  Manifest n = Manifest::parse("[exec.options]\nfoo = 1\n", "m.toml");
+  n.apply_plugin_options("exec.options", "exec/eager", {}, none);
+  ASSERT_EQ(none.size(), 1u);
+  EXPECT_THAT(none[0].message, HasSubstr("exec/eager takes no options"));
+}
+
+// ---- serialisation and entries ---------------------------------------------------------
+
+TEST_F(ManifestTest, ToTomlRoundTrips) {
+  Manifest m = Manifest::parse(
+      "[run]\nname = \"quote \\\" and \\\\ backslash\\n\"\nsteps = 12\n"
+      "[optimizer]\nlr = 3e-4\nbeta2 = 0.999\n"
+      "[model.layer.attn]\nplugin = \"attention\"\ndropout = 0.1\n"
+      "[model.layer.\"odd key\"]\nx = [1, 2]\ny = { z = \"w\" }\n"
+      "[pipeline.options]\n",
+      "m.toml", {"data.val_fraction=0.25", "model.block=[\"attn\", \"mlp\"]"});
+  const std::string text = m.to_toml();
+  Manifest again = Manifest::parse(text, "again.toml");
+  EXPECT_EQ(m.table(), again.table()) << text;
+  EXPECT_EQ(again.get_string("run.name"), "quote \" and \\ backslash\n");
+  EXPECT_DOUBLE_EQ(again.get_float("optimizer.lr"), 3e-4);
+  EXPECT_NE(again.get_table("pipeline.options"), nullptr);  // empty tables survive
+  EXPECT_THAT(text, HasSubstr("lr = 3e-04\n"));       // shortest float forms
+  EXPECT_THAT(text, HasSubstr("beta2 = 0.999\n"));
+  EXPECT_THAT(text, HasSubstr("[model.layer.\"odd key\"]\n"));
+  // Sections and keys in schema order; a layer table starts with its plugin.
+  EXPECT_THAT(text, StartsWith("[run]\nname = "));
+  EXPECT_LT(text.find("[model]"), text.find("[parallel]"));
+  EXPECT_THAT(text, HasSubstr("[model.layer.attn]\nplugin = \"attention\"\ndropout = 0.1\n"));
+  // Serialising again gives the same text.
+  EXPECT_EQ(again.to_toml(), text);
+}
+
+TEST_F(ManifestTest, EntriesListEveryLeafInSchemaOrder) {
+  Manifest m = Manifest::parse("[model.layer.attn]\ndropout = 0.1\n[parallel]\ntp = 2\n", "m.toml",
+                               {"run.steps=5"});
+  std::vector<Manifest::Entry> e = m.entries();
+  size_t leaves = 0;
+  for (const schema::KeySpec& k : schema::keys()) leaves += k.type != schema::KeyType::Table;
+  ASSERT_EQ(e.size(), leaves + 2);  // + model.layer.attn.{dropout,plugin}
+  EXPECT_EQ(e[0].key, "run.name");
+  EXPECT_EQ(e[0].value, "\"loom\"");
+  EXPECT_EQ(e[1].key, "run.steps");
+  EXPECT_EQ(e[1].value, "5");
+  EXPECT_EQ(e[1].origin.str(), "--set run.steps=5");
+  auto find = [&](const std::string& key) -> const Manifest::Entry* {
+    for (const auto& x : e)
+      if (x.key == key) return &x;
+    return nullptr;
+  };
+  auto index = [&](const std::string& key) { return find(key) - e.data(); };
+  ASSERT_NE(find("model.layer.attn.dropout"), nullptr);
+  EXPECT_EQ(find("model.layer.attn.dropout")->value, "0.1");
+  EXPECT_EQ(find("model.layer.attn.dropout")->origin.str(), "m.toml:2:11");
+  EXPECT_EQ(find("parallel.tp")->origin.str(), "m.toml:4:6");
+  EXPECT_EQ(find("model.block")->value, "[\"attention\", \"mlp\"]");
+  EXPECT_EQ(find("optimizer.lr")->value, "0.001");
+  EXPECT_EQ(find("optimizer.eps")->value, "1e-08");
+  EXPECT_LT(index("model.post"), index("model.layer.attn.dropout"));
+  EXPECT_LT(index("model.layer.attn.plugin"), index("parallel.tp"));
+}
+
+// ---- did you mean ------------------------------------------------------------------------
+
+TEST(DidYouMean, PicksTheClosestWithinALengthScaledDistance) {
+  EXPECT_EQ(did_you_mean("tpp", {"tp", "pp", "dp"}), "tp");
+  EXPECT_EQ(did_you_mean("dropuot", {"causal", "dropout"}), "dropout");  // transposition
+  EXPECT_EQ(did_you_mean("TP", {"pp", "tp"}), "tp");                    // case-insensitive
+  EXPECT_EQ(did_you_mean("paralel", {"run", "parallel", "pipeline"}), "parallel");
+  EXPECT_EQ(did_you_mean("xyz", {"tp", "pp"}), "");
+  EXPECT_EQ(did_you_mean("hidden", {"hidden_size"}), "");  // 5 edits is too far for 6 letters
+  EXPECT_EQ(did_you_mean("global_bach_sise", {"global_batch_size", "micro_batch_size"}),
+            "global_batch_size");
+  EXPECT_EQ(did_you_mean("a", {"b"}), "");
+  EXPECT_EQ(did_you_mean("anything", {}), "");
+}
+
+}  // namespace
+}  // namespace loom::manifest
