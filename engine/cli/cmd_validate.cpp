@@ -3,6 +3,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/json.hpp"
+#include "engine/manifest/schema.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <iomanip>
@@ -13,6 +14,7 @@ namespace {
 
 const char* kUsage =
     "usage: loom validate MANIFEST [--set key.path=value]... [--json]\n"
+    "       loom validate --reference      (every manifest key as a Markdown table)\n"
     "Checks the manifest and the plugins it names; prints resolved values with their origin\n"
     "(file:line, default or --set) and the plan. Exit 1 with every problem when invalid.\n";
 
@@ -25,15 +27,41 @@ std::string origin_kind(const manifest::Origin& o) {
   return "?";
 }
 
+// The manifest reference, from the schema the loader validates against.
+void print_reference() {
+  namespace schema = manifest::schema;
+  std::string section;
+  for (const schema::KeySpec& k : schema::keys()) {
+    if (k.section() != section) {
+      section = k.section();
+      std::cout << "\n### `[" << section << "]`\n\n| key | type | default | meaning |\n|---|---|---|---|\n";
+    }
+    std::string doc = k.doc;
+    if (!k.allowed.empty()) {
+      doc += " One of:";
+      for (const auto& a : k.allowed) doc += " `" + a + "`";
+      doc += ".";
+    }
+    if (std::string b = k.bounds_text(); !b.empty()) doc += " (" + b + ")";
+    std::cout << "| `" << k.path << "` | " << schema::describe(k.type) << " | "
+              << (k.default_value ? "`" + *k.default_value + "`" : (k.type == schema::KeyType::Table ? "" : "required"))
+              << " | " << doc << " |\n";
+  }
+}
+
 }  // namespace
 
 int cmd_validate(int argc, char** argv) {
   bool json = false;
   try {
-    Args args(argc, argv, {"--json"}, {"--set"});
+    Args args(argc, argv, {"--json", "--reference"}, {"--set"});
     json = args.flag("--json");
     if (args.flag("--help")) {
       std::cout << kUsage;
+      return 0;
+    }
+    if (args.flag("--reference")) {
+      print_reference();
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("validate takes one MANIFEST");
