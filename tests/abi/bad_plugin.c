@@ -40,11 +40,15 @@ static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_
                                           k_plugins, 1};
 #endif
 
+/* Referenced from every variant so no build leaves k_lib unused. */
+const loom_plugin_library* bad_plugin_library(void);
+const loom_plugin_library* bad_plugin_library(void) { return &k_lib; }
+
 #if defined(BAD_WRONG_MAJOR)
 /* Only the entry point of a future ABI major. */
 EXPORT loom_status loom_plugin_init_v2(const loom_host_api* host, const loom_plugin_library** out) {
   (void)host;
-  *out = &k_lib;
+  *out = bad_plugin_library();
   return NULL;
 }
 #elif defined(BAD_NO_ENTRY)

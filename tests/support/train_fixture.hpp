@@ -55,6 +55,8 @@ inline train::RunPlan plan_from(const std::string& text, const std::vector<std::
 struct Trace {
   std::vector<double> loss;
   std::vector<std::vector<float>> params;  // after each step, rank 0
+  std::vector<std::pair<size_t, size_t>> tensors;  // (offset, numel) of each parameter in params
+  std::vector<std::string> names;
   train::TrainResult result;
 };
 
@@ -67,6 +69,11 @@ inline Trace run_and_trace(const std::string& text, const std::vector<std::strin
   opts.on_step = [&](int64_t step, int rank, const model::Model& m) {
     if (user_cb) user_cb(step, rank, m);
     if (rank != 0) return;
+    if (t.tensors.empty())
+      for (const auto& e : m.param_entries()) {
+        t.tensors.emplace_back(e.offset, e.numel);
+        t.names.push_back(e.name);
+      }
     std::vector<float> p(m.numel());
     std::memcpy(p.data(), m.params(), m.numel() * sizeof(float));  // CPU device: host memory
     std::lock_guard<std::mutex> lock(mu);
@@ -82,6 +89,29 @@ inline double max_rel_diff(const std::vector<float>& a, const std::vector<float>
   for (size_t i = 0; i < a.size(); ++i) {
     double d = std::fabs(double(a[i]) - double(b[i])) / std::max(1e-3, std::fabs(double(b[i])));
     worst = std::max(worst, d);
+  }
+  return worst;
+}
+
+// The worst, over parameter tensors, of the norm-wise relative difference
+// ||a - b|| / ||b||: the measure of "the same training" that stays meaningful for
+// elements near zero, where element-wise relative error is ill-conditioned.
+inline double max_tensor_rel_diff(const Trace& t, size_t step, const std::vector<float>& other,
+                                  std::string* worst_name = nullptr) {
+  double worst = 0;
+  for (size_t k = 0; k < t.tensors.size(); ++k) {
+    const auto [off, n] = t.tensors[k];
+    double num = 0, den = 0;
+    for (size_t i = off; i < off + n; ++i) {
+      const double d = double(other[i]) - double(t.params[step][i]);
+      num += d * d;
+      den += double(t.params[step][i]) * double(t.params[step][i]);
+    }
+    const double rel = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+    if (rel > worst) {
+      worst = rel;
+      if (worst_name) *worst_name = t.names[k];
+    }
   }
   return worst;
 }

@@ -21,16 +21,50 @@ using loom::testing::tiny_manifest;
 namespace fs = boost::filesystem;
 
 // The same global batch over 1, 2 and 4 data-parallel ranks trains the same model.
+//
+// Parameters are compared per tensor, norm-wise (||a - b|| / ||b|| <= 1e-5): Adam's
+// update lr * g / (|g| + eps) has slope ~lr / (4 eps) for gradients near eps, so
+// fp32 summation-order noise makes individual near-zero elements differ by more
+// than 1e-5 of their own tiny size while the tensor agrees to ~3e-7. The averaged
+// gradients are compared too, relative to each step's largest gradient.
 TEST(DataParallel, MatchesSerialStepByStep) {
-  auto serial = run_and_trace(tiny_manifest(), {"parallel.dp=1"});
+  const std::vector<std::string> common = {};
+  std::vector<std::vector<float>> serial_grads;
+  auto grab_grads = [](std::vector<std::vector<float>>& out) {
+    return [&out](int64_t, int rank, const loom::model::Model& m) {
+      if (rank != 0) return;
+      const float* g = static_cast<const float*>(m.grads());
+      out.emplace_back(g, g + m.numel());
+    };
+  };
+  loom::train::TrainOptions serial_opts;
+  serial_opts.on_step = grab_grads(serial_grads);
+  auto with = [&](std::vector<std::string> v, const std::string& extra) {
+    v.push_back(extra);
+    return v;
+  };
+  auto serial = run_and_trace(tiny_manifest(), with(common, "parallel.dp=1"), serial_opts);
   ASSERT_EQ(serial.loss.size(), 10u);
   for (int dp : {2, 4}) {
-    auto par = run_and_trace(tiny_manifest(), {"parallel.dp=" + std::to_string(dp)});
+    std::vector<std::vector<float>> grads;
+    loom::train::TrainOptions opts;
+    opts.on_step = grab_grads(grads);
+    auto par = run_and_trace(tiny_manifest(), with(common, "parallel.dp=" + std::to_string(dp)), opts);
     ASSERT_EQ(par.loss.size(), serial.loss.size());
     ASSERT_EQ(par.params.size(), serial.params.size());
+    ASSERT_EQ(grads.size(), serial_grads.size());
     for (size_t s = 0; s < serial.loss.size(); ++s) {
       EXPECT_NEAR(par.loss[s], serial.loss[s], 1e-5 * std::fabs(serial.loss[s])) << "dp=" << dp << " step " << s + 1;
-      EXPECT_LT(max_rel_diff(par.params[s], serial.params[s]), 1e-5) << "dp=" << dp << " step " << s + 1;
+      std::string worst;
+      const double rel = loom::testing::max_tensor_rel_diff(serial, s, par.params[s], &worst);
+      EXPECT_LT(rel, 1e-5) << "dp=" << dp << " step " << s + 1 << " worst tensor " << worst;
+      float gmax = 0, gdiff = 0;
+      for (size_t i = 0; i < grads[s].size(); ++i) {
+        gmax = std::max(gmax, std::fabs(serial_grads[s][i]));
+        gdiff = std::max(gdiff, std::fabs(grads[s][i] - serial_grads[s][i]));
+      }
+      EXPECT_GT(gmax, 0.f);
+      EXPECT_LT(gdiff, 1e-5f * gmax) << "dp=" << dp << " step " << s + 1;
     }
   }
 }
@@ -43,29 +77,35 @@ TEST(DataParallel, EquivalenceTestCanFail) {
   EXPECT_GT(max_rel_diff(a.params.back(), b.params.back()), 1e-3);
 }
 
+// 2-digit addition: the loss first falls to (2/4) ln 10 = 1.15, where the model
+// knows the answer's format but not the sums; a model that learns to add goes far
+// below it, and gets held-out problems exactly right.
 TEST(Training, LearnsTheSyntheticTask) {
-  loom::train::TrainOptions opts;
   auto t = run_and_trace(tiny_manifest(),
-                         {"run.steps=150", "parallel.dp=2", "optimizer.lr=3e-3", "optimizer.warmup_steps=10",
-                          "run.eval_every=150", "run.eval_batches=4", "batch.global_batch_size=16"},
-                         opts);
-  ASSERT_EQ(t.loss.size(), 150u);
-  const double ln_vocab = std::log(13.0);
-  EXPECT_GT(t.loss.front(), 0.8 * ln_vocab);  // starts near chance
-  EXPECT_LT(t.loss.back(), 0.45 * ln_vocab);   // and learns
-  ASSERT_TRUE(t.result.steps.back().evaluated);
-  EXPECT_LT(t.result.steps.back().val_loss, 0.6 * ln_vocab);
+                         {"run.steps=600", "parallel.dp=2", "model.hidden_size=64", "optimizer.lr=3e-3",
+                          "optimizer.min_lr=3e-4", "optimizer.warmup_steps=50", "batch.global_batch_size=32",
+                          "batch.micro_batch_size=16", "run.eval_every=600", "run.eval_batches=4"});
+  ASSERT_EQ(t.loss.size(), 600u);
+  const double plateau = 0.5 * std::log(10.0);
+  EXPECT_GT(t.loss.front(), 0.8 * std::log(13.0));  // starts near chance over the 13 tokens
+  EXPECT_LT(t.loss.back(), 0.5 * plateau);
+  const auto& last = t.result.steps.back();
+  ASSERT_TRUE(last.evaluated);
+  EXPECT_LT(last.val_loss, 0.5 * plateau);
+  EXPECT_GT(last.exact_match, 0.5);  // most held-out problems fully right
 }
 
 TEST(Checkpoint, ResumeIsBitExact) {
   const std::string dir = loom::testing::scratch_dir("resume");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  auto full = run_and_trace(tiny_manifest(), {"run.steps=12", "parallel.dp=2"});
-  auto first = run_and_trace(tiny_manifest(), {"run.steps=6", "parallel.dp=2", ck});
+  // The schedule decays over optimizer.decay_steps (default run.steps): a run
+  // split in two must fix it, as Megatron's train-iters does.
+  auto full = run_and_trace(tiny_manifest(), {"run.steps=12", "optimizer.decay_steps=12", "parallel.dp=2"});
+  auto first = run_and_trace(tiny_manifest(), {"run.steps=6", "optimizer.decay_steps=12", "parallel.dp=2", ck});
   ASSERT_TRUE(fs::exists(loom::train::checkpoint_path(dir, 6)));
   loom::train::TrainOptions resume;
   resume.resume = true;
-  auto second = run_and_trace(tiny_manifest(), {"run.steps=12", "parallel.dp=2", ck}, resume);
+  auto second = run_and_trace(tiny_manifest(), {"run.steps=12", "optimizer.decay_steps=12", "parallel.dp=2", ck}, resume);
   EXPECT_EQ(second.result.start_step, 6);
   ASSERT_EQ(second.loss.size(), 6u);
   for (size_t i = 0; i < 6; ++i) {
@@ -85,13 +125,15 @@ TEST(Checkpoint, InterruptThenResumeEqualsUninterrupted) {
   std::atomic<int> stop{0};
   loom::train::TrainOptions opts;
   opts.stop_signal = &stop;
+  // The flag is raised after step 4's stop check (as a signal arriving during
+  // step 5 would be), so the run finishes step 5, checkpoints and stops.
   opts.on_step = [&](int64_t step, int, const loom::model::Model&) {
     if (step == 4) stop = 1;
   };
   auto cut = run_and_trace(tiny_manifest(), {"run.steps=10", ck}, opts);
   EXPECT_TRUE(cut.result.interrupted);
-  EXPECT_EQ(cut.result.final_step, 4);
-  EXPECT_EQ(loom::train::latest_checkpoint(dir), std::optional<int64_t>(4));
+  EXPECT_EQ(cut.result.final_step, 5);
+  EXPECT_EQ(loom::train::latest_checkpoint(dir), std::optional<int64_t>(5));
   loom::train::TrainOptions resume;
   resume.resume = true;
   auto rest = run_and_trace(tiny_manifest(), {"run.steps=10", ck}, resume);

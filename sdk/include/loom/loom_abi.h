@@ -284,6 +284,7 @@ typedef struct loom_reduce_args {
   int32_t accumulate;      /* out += result */
   int32_t dtype;           /* of x */
   int32_t out_dtype;
+  int64_t ld;              /* COLUMN_SUM, ROW_ARGMAX: row stride of x (0 = cols) */
 } loom_reduce_args;
 
 /* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),

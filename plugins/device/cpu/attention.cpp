@@ -1,0 +1,145 @@
+// Scaled dot-product attention, fp32, flash-attention math on blocks of 64 query rows.
+//
+// For one (batch, head) the strided layout makes Q, K, V, O plain row-major
+// matrices [seq, head_dim] with leading dimension stride_s, so every product is
+// one sgemm on the tensors in place (packed QKV included). A causal block of query
+// rows [i0, i1) only needs keys [0, i1), so causal attention costs about half.
+//
+// Forward:  S = scale Q K^T, P = softmax(S) (masked), O = P V, lse = max + log(sum).
+// Backward: P = exp(scale Q K^T - lse) recomputed; D = rowsum(dO o O);
+//           dV = P^T dO, dP = dO V^T, dS = P o (dP - D), dQ = scale dS K, dK = scale dS^T Q.
+#include <climits>
+#include <cmath>
+#include <limits>
+
+#include "cpu_device.hpp"
+
+namespace loom::cpu {
+namespace {
+
+constexpr int64_t kBlockRows = 64;
+
+struct Layout {
+  int64_t seq, heads, hd;
+  int64_t qs_b, qs_s, os_b, os_s;
+  int64_t blocks;  // query row blocks per (batch, head)
+};
+
+Layout layout_of(const loom_attention_args& a) {
+  return Layout{a.seq,          a.heads,        a.head_dim,     a.qkv_stride_b,
+                a.qkv_stride_s, a.out_stride_b, a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows};
+}
+
+inline const float* F(const void* p) { return static_cast<const float*>(p); }
+inline float* F(void* p) { return static_cast<float*>(p); }
+
+// One block of query rows of one (batch, head): writes O rows and lse.
+void forward_block(const Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, int64_t blk) {
+  const int64_t S = L.seq, D = L.hd;
+  const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
+  const int64_t nk = a.causal ? i1 : S;
+  const float* q = F(a.q) + b * L.qs_b + h * D;
+  const float* k = F(a.k) + b * L.qs_b + h * D;
+  const float* v = F(a.v) + b * L.qs_b + h * D;
+  float* o = F(a.out) + b * L.os_b + h * D;
+  float* lse = a.lse ? a.lse + (b * L.heads + h) * S : nullptr;
+
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(nr * nk));
+  float* P = scratch.data();
+  d.gemm1(false, true, nr, nk, D, a.scale, q + i0 * L.qs_s, L.qs_s, k, L.qs_s, 0.0f, P, nk);
+  for (int64_t i = 0; i < nr; ++i) {
+    const float l = d.k->softmax_row(P + i * nk, a.causal ? i0 + i + 1 : S, nk);
+    if (lse) lse[i0 + i] = l;
+  }
+  d.gemm1(false, false, nr, D, nk, 1.0f, P, nk, v, L.qs_s, 0.0f, o + i0 * L.os_s, L.os_s);
+}
+
+// All query blocks of one (batch, head): dQ rows, and dK, dV accumulated over blocks.
+void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, bool parallel_gemm) {
+  const int64_t S = L.seq, D = L.hd, ld = L.qs_s, lo = L.os_s;
+  const int64_t base = b * L.qs_b + h * D, obase = b * L.os_b + h * D;
+  const float* q = F(a.q) + base;
+  const float* k = F(a.k) + base;
+  const float* v = F(a.v) + base;
+  const float* o = F(a.out) + obase;
+  const float* dout = F(a.dout) + obase;
+  float* dq = F(a.dq) + base;
+  float* dk = F(a.dk) + base;
+  float* dv = F(a.dv) + base;
+  const float* lse = a.lse + (b * L.heads + h) * S;
+
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t c = 0; c < D; ++c) dk[s * ld + c] = dv[s * ld + c] = 0.0f;
+
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * kBlockRows * S + kBlockRows));
+  for (int64_t blk = 0; blk < L.blocks; ++blk) {
+    const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
+    const int64_t nk = a.causal ? i1 : S;
+    float* P = scratch.data();
+    float* dP = P + nr * nk;
+    float* Dv = dP + nr * nk;
+    const float* qb = q + i0 * ld;
+    const float* dob = dout + i0 * lo;
+    d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, k, ld, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
+    for (int64_t i = 0; i < nr; ++i) {
+      d.k->exp_shift_row(P + i * nk, a.causal ? i0 + i + 1 : S, nk, lse[i0 + i]);
+      Dv[i] = d.k->dot(o + (i0 + i) * lo, dob + i * lo, D);
+    }
+    // dV[0:nk] += P^T dO
+    d.gemm(true, false, nk, D, nr, 1.0f, P, nk, 0, dob, lo, 0, 1.0f, dv, ld, 0, 1, parallel_gemm);
+    // dP = dO V^T
+    d.gemm(false, true, nr, nk, D, 1.0f, dob, lo, 0, v, ld, 0, 0.0f, dP, nk, 0, 1, parallel_gemm);
+    // dS = P o (dP - D)
+    for (int64_t i = 0; i < nr; ++i) d.k->softmax_grad_row(P + i * nk, dP + i * nk, nk, Dv[i]);
+    // dQ = scale dS K ; dK[0:nk] += scale dS^T Q
+    d.gemm(false, false, nr, D, nk, a.scale, dP, nk, 0, k, ld, 0, 0.0f, dq + i0 * ld, ld, 0, 1, parallel_gemm);
+    d.gemm(true, false, nk, D, nr, a.scale, dP, nk, 0, qb, ld, 0, 1.0f, dk, ld, 0, 1, parallel_gemm);
+  }
+}
+
+}  // namespace
+
+void validate_attention(const loom_attention_args& a, bool backward) {
+  const char* op = backward ? "attention_bwd" : "attention_fwd";
+  require_f32(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.batch >= 0 && a.seq >= 0 && a.heads >= 0 && a.head_dim >= 0,
+               op << ": batch, seq, heads, head_dim must be >= 0");
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const int64_t width = a.heads * a.head_dim;
+  LOOM_REQUIRE(a.qkv_stride_s >= width && a.out_stride_s >= width, op << ": qkv_stride_s (" << a.qkv_stride_s
+                                                                      << ") and out_stride_s (" << a.out_stride_s
+                                                                      << ") must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.batch == 1 || (a.qkv_stride_b >= width && a.out_stride_b >= width),
+               op << ": qkv_stride_b and out_stride_b must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.qkv_stride_s <= INT_MAX && a.out_stride_s <= INT_MAX && a.seq <= INT_MAX,
+               op << ": strides must fit in 32 bits (BLAS interface)");
+  LOOM_REQUIRE(a.q && a.k && a.v && a.out, op << ": q, k, v and out must not be NULL");
+  if (backward)
+    LOOM_REQUIRE(a.lse && a.dout && a.dq && a.dk && a.dv, op << ": lse, dout, dq, dk and dv must not be NULL");
+}
+
+void run_attention_fwd(Device& d, const loom_attention_args& a) {
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const Layout L = layout_of(a);
+  // Every (batch, head, query block) is independent: one chunk each.
+  const int64_t per_batch = a.heads * L.blocks;
+  d.pool->run_chunks(a.batch * per_batch, [&](int64_t t) {
+    const int64_t b = t / per_batch, rem = t % per_batch;
+    forward_block(d, a, L, b, rem / L.blocks, rem % L.blocks);
+  });
+}
+
+void run_attention_bwd(Device& d, const loom_attention_args& a) {
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const Layout L = layout_of(a);
+  const int64_t tasks = a.batch * a.heads;
+  if (tasks >= d.pool->size()) {
+    d.pool->run_chunks(tasks, [&](int64_t t) { backward_head(d, a, L, t / a.heads, t % a.heads, false); });
+  } else {  // few heads: one at a time, each GEMM spread over the pool
+    for (int64_t t = 0; t < tasks; ++t) backward_head(d, a, L, t / a.heads, t % a.heads, true);
+  }
+}
+
+}  // namespace loom::cpu

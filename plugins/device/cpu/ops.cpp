@@ -1,0 +1,654 @@
+// The non-GEMM, non-attention ops: layernorm, GeLU, cross-entropy, embedding,
+// element-wise, reductions, AdamW. fp32 throughout; tight loops the compiler
+// vectorises (-fopenmp-simd reductions), rows or columns spread over the pool.
+// Every result is independent of the number of threads: work is split so that
+// no floating-point sum depends on where a chunk boundary falls.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu_device.hpp"
+#include "cpu_math.hpp"
+
+namespace loom::cpu {
+
+const char* dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case LOOM_DTYPE_F32:
+      return "f32";
+    case LOOM_DTYPE_BF16:
+      return "bf16";
+    case LOOM_DTYPE_F16:
+      return "f16";
+    case LOOM_DTYPE_I32:
+      return "i32";
+    case LOOM_DTYPE_I64:
+      return "i64";
+    case LOOM_DTYPE_U8:
+      return "u8";
+    case LOOM_DTYPE_F64:
+      return "f64";
+    default:
+      return "unknown";
+  }
+}
+
+void require_f32(const char* op, const char* what, int32_t dtype) {
+  if (dtype == LOOM_DTYPE_F32) return;
+  std::ostringstream os;
+  os << op << ": " << what << " " << dtype_name(dtype) << " (" << dtype
+     << ") is not supported by device/cpu, which computes in f32 only";
+  throw Error(os.str(), LOOM_CODE_UNSUPPORTED);
+}
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk, at least
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline const float* F(const void* p) { return static_cast<const float*>(p); }
+inline float* F(void* p) { return static_cast<float*>(p); }
+
+// Rows per chunk so that one chunk holds at least kGrain elements.
+inline int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, cols)); }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// LayerNorm
+// ---------------------------------------------------------------------------
+
+void validate(const loom_layernorm_fwd_args& a) {
+  require_f32("layernorm_fwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "layernorm_fwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.x && a.y), "layernorm_fwd: x and y must not be NULL");
+  LOOM_REQUIRE(a.eps >= 0.0f, "layernorm_fwd: eps must be >= 0 (got " << a.eps << ")");
+}
+
+void run_layernorm_fwd(Device& d, const loom_layernorm_fwd_args& a) {
+  const int64_t cols = a.cols;
+  d.pool->parallel_for(a.rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float mean, rstd;
+      d.k->layernorm_row(F(a.x) + r * cols, F(a.gamma), F(a.beta), F(a.y) + r * cols, cols, a.eps, &mean, &rstd);
+      if (a.mean) a.mean[r] = mean;
+      if (a.rstd) a.rstd[r] = rstd;
+    }
+  });
+}
+
+void validate(const loom_layernorm_bwd_args& a) {
+  require_f32("layernorm_bwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "layernorm_bwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.dy && a.x && a.mean && a.rstd),
+               "layernorm_bwd: dy, x, mean and rstd must not be NULL");
+}
+
+void run_layernorm_bwd(Device& d, const loom_layernorm_bwd_args& a) {
+  const int64_t rows = a.rows, cols = a.cols;
+  // dgamma/dbeta first (dx may overwrite dy in place): columns split over the pool,
+  // each column summed over rows in order, in double.
+  if (a.dgamma || a.dbeta) {
+    float* dgamma = F(a.dgamma);
+    float* dbeta = F(a.dbeta);
+    const int64_t col_grain = std::max<int64_t>(64, kGrain / std::max<int64_t>(1, rows));
+    d.pool->parallel_for(cols, col_grain, [&](int64_t c0, int64_t c1) {
+      const int64_t w = c1 - c0;
+      thread_local std::vector<double> acc;
+      acc.assign(static_cast<size_t>(2 * w), 0.0);
+      for (int64_t r = 0; r < rows; ++r)
+        d.k->layernorm_bwd_cols(F(a.x) + r * cols + c0, F(a.dy) + r * cols + c0, w, a.mean[r], a.rstd[r], acc.data(),
+                                acc.data() + w);
+      if (dgamma)
+        for (int64_t c = 0; c < w; ++c) dgamma[c0 + c] += static_cast<float>(acc[c]);
+      if (dbeta)
+        for (int64_t c = 0; c < w; ++c) dbeta[c0 + c] += static_cast<float>(acc[w + c]);
+    });
+  }
+  if (a.dx == nullptr) return;
+  d.pool->parallel_for(rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      d.k->layernorm_bwd_row(F(a.x) + r * cols, F(a.dy) + r * cols, F(a.gamma), F(a.dx) + r * cols, cols, a.mean[r],
+                             a.rstd[r], a.accumulate_dx);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// GeLU (tanh approximation)
+// ---------------------------------------------------------------------------
+
+void validate_gelu(const loom_gelu_args& a, bool backward) {
+  const char* op = backward ? "gelu_bwd" : "gelu_fwd";
+  require_f32(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.n >= 0, op << ": n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.n == 0 || (a.x && a.out && (!backward || a.dy)),
+               op << ": x, out" << (backward ? " and dy" : "") << " must not be NULL");
+}
+
+void run_gelu_fwd(Device& d, const loom_gelu_args& a) {
+  d.pool->parallel_for(a.n, kGrain,
+                       [&](int64_t i0, int64_t i1) { d.k->gelu_fwd(F(a.x) + i0, F(a.out) + i0, i1 - i0); });
+}
+
+void run_gelu_bwd(Device& d, const loom_gelu_args& a) {
+  d.pool->parallel_for(
+      a.n, kGrain, [&](int64_t i0, int64_t i1) { d.k->gelu_bwd(F(a.x) + i0, F(a.dy) + i0, F(a.out) + i0, i1 - i0); });
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy over a vocab slice
+// ---------------------------------------------------------------------------
+
+void validate(const loom_xent_args& a) {
+  require_f32("xent", "dtype", a.dtype);
+  LOOM_REQUIRE(a.step >= LOOM_XENT_ROW_MAX && a.step <= LOOM_XENT_BACKWARD,
+               "xent: unknown step " << a.step << " (expected LOOM_XENT_ROW_MAX..LOOM_XENT_BACKWARD)");
+  LOOM_REQUIRE(a.rows >= 0 && a.cols >= 0, "xent: rows and cols must be >= 0");
+  LOOM_REQUIRE(a.ld >= a.cols, "xent: ld=" << a.ld << " is smaller than cols=" << a.cols);
+  LOOM_REQUIRE(a.vocab_start >= 0, "xent: vocab_start must be >= 0 (got " << a.vocab_start << ")");
+  if (a.rows == 0) return;
+  switch (a.step) {
+    case LOOM_XENT_ROW_MAX:
+      LOOM_REQUIRE(a.row_max && (a.cols == 0 || a.logits), "xent(ROW_MAX): logits and row_max must not be NULL");
+      break;
+    case LOOM_XENT_SUMEXP:
+      LOOM_REQUIRE(a.row_max && a.row_sumexp && (a.cols == 0 || a.logits),
+                   "xent(SUMEXP): logits, row_max and row_sumexp must not be NULL");
+      LOOM_REQUIRE(a.target_logit == nullptr || a.targets,
+                   "xent(SUMEXP): targets must not be NULL when target_logit is set");
+      break;
+    case LOOM_XENT_LOSS:
+      LOOM_REQUIRE(a.targets && a.row_max && a.row_sumexp && a.target_logit && a.loss,
+                   "xent(LOSS): targets, row_max, row_sumexp, target_logit and loss must not be NULL");
+      break;
+    case LOOM_XENT_BACKWARD:
+      LOOM_REQUIRE(a.targets && a.row_max && a.row_sumexp && (a.cols == 0 || (a.logits && a.dlogits)),
+                   "xent(BACKWARD): logits, targets, row_max, row_sumexp and dlogits must not be NULL");
+      break;
+  }
+}
+
+void run_xent(Device& d, const loom_xent_args& a) {
+  const int64_t cols = a.cols, ld = a.ld;
+  const int64_t valid = std::clamp<int64_t>(a.valid_cols, 0, cols);
+  if (a.targets && a.step != LOOM_XENT_ROW_MAX) {
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int64_t t = a.targets[r];
+      if (t < 0) continue;
+      const int64_t c = t - a.vocab_start;
+      LOOM_REQUIRE(!(c >= valid && c < cols), "xent: target " << t << " of row " << r
+                                                              << " is a vocab padding column (slice starts at "
+                                                              << a.vocab_start << ", " << valid << " of its " << cols
+                                                              << " columns are real vocab)");
+    }
+  }
+  const int64_t grain = row_grain(cols);
+  switch (a.step) {
+    case LOOM_XENT_ROW_MAX:
+      d.pool->parallel_for(a.rows, grain, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          a.row_max[r] = d.k->row_max(F(a.logits) + r * ld, valid);
+        }
+      });
+      break;
+    case LOOM_XENT_SUMEXP:
+      d.pool->parallel_for(a.rows, grain, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* l = F(a.logits) + r * ld;
+          const float m = a.row_max[r];
+          // m = -inf: no real column in any slice, nothing to add.
+          a.row_sumexp[r] = m == kNegInf ? 0.0f : static_cast<float>(d.k->sum_exp(l, valid, m));
+          if (a.target_logit) {
+            const int64_t t = a.targets[r];
+            const int64_t c = t - a.vocab_start;
+            a.target_logit[r] = (t >= 0 && c >= 0 && c < valid) ? l[c] : 0.0f;
+          }
+        }
+      });
+      break;
+    case LOOM_XENT_LOSS:
+      for (int64_t r = 0; r < a.rows; ++r)
+        a.loss[r] =
+            a.targets[r] < 0
+                ? 0.0f
+                : static_cast<float>(std::log(static_cast<double>(a.row_sumexp[r])) + a.row_max[r] - a.target_logit[r]);
+      break;
+    case LOOM_XENT_BACKWARD:
+      d.pool->parallel_for(a.rows, grain, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* l = F(a.logits) + r * ld;
+          float* g = F(a.dlogits) + r * ld;
+          const int64_t t = a.targets[r];
+          if (t < 0) {
+            for (int64_t c = 0; c < cols; ++c) g[c] = 0.0f;
+            continue;
+          }
+          const float m = a.row_max[r];
+          const float k = a.scale / a.row_sumexp[r];
+          d.k->scaled_exp(l, g, valid, m, k);
+          for (int64_t c = valid; c < cols; ++c) g[c] = 0.0f;
+          const int64_t c = t - a.vocab_start;
+          if (c >= 0 && c < valid) g[c] -= a.scale;
+        }
+      });
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Embedding over a vocab slice
+// ---------------------------------------------------------------------------
+
+void validate_embedding(const loom_embedding_args& a, bool backward) {
+  const char* op = backward ? "embedding_bwd" : "embedding_fwd";
+  require_f32(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.n >= 0 && a.dim > 0 && a.vocab_rows >= 0 && a.vocab_start >= 0,
+               op << ": n, vocab_rows, vocab_start must be >= 0 and dim > 0");
+  if (a.n == 0) return;
+  if (backward) {
+    LOOM_REQUIRE(a.ids && a.dout && (a.vocab_rows == 0 || a.dtable), op << ": ids, dout and dtable must not be NULL");
+  } else {
+    LOOM_REQUIRE(a.ids && a.out && (a.vocab_rows == 0 || a.table), op << ": ids, table and out must not be NULL");
+  }
+}
+
+void run_embedding_fwd(Device& d, const loom_embedding_args& a) {
+  const int64_t dim = a.dim;
+  d.pool->parallel_for(a.n, row_grain(dim), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = static_cast<int64_t>(a.ids[i]) - a.vocab_start;
+      float* out = F(a.out) + i * dim;
+      const bool inside = row >= 0 && row < a.vocab_rows;
+      if (inside) {
+        const float* src = F(a.table) + row * dim;
+        if (a.accumulate) {
+#pragma omp simd
+          for (int64_t c = 0; c < dim; ++c) out[c] += src[c];
+        } else {
+          std::memcpy(out, src, static_cast<size_t>(dim) * sizeof(float));
+        }
+      } else if (!a.accumulate) {
+        std::memset(out, 0, static_cast<size_t>(dim) * sizeof(float));
+      }
+    }
+  });
+}
+
+void run_embedding_bwd(Device& d, const loom_embedding_args& a) {
+  // Split over columns so repeated ids never race and sums keep the order of ids.
+  const int64_t dim = a.dim;
+  const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(1, a.n));
+  d.pool->parallel_for(dim, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t i = 0; i < a.n; ++i) {
+      const int64_t row = static_cast<int64_t>(a.ids[i]) - a.vocab_start;
+      if (row < 0 || row >= a.vocab_rows) continue;
+      const float* g = F(a.dout) + i * dim;
+      float* dst = F(a.dtable) + row * dim;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dst[c] += g[c];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise
+// ---------------------------------------------------------------------------
+
+namespace {
+const char* ew_name(int32_t op) {
+  switch (op) {
+    case LOOM_EW_AXPBY:
+      return "elementwise(AXPBY)";
+    case LOOM_EW_ADD:
+      return "elementwise(ADD)";
+    case LOOM_EW_MUL:
+      return "elementwise(MUL)";
+    case LOOM_EW_SCALE:
+      return "elementwise(SCALE)";
+    case LOOM_EW_FILL:
+      return "elementwise(FILL)";
+    case LOOM_EW_CAST:
+      return "elementwise(CAST)";
+    case LOOM_EW_ADD_BIAS:
+      return "elementwise(ADD_BIAS)";
+    case LOOM_EW_DROPOUT:
+      return "elementwise(DROPOUT)";
+    case LOOM_EW_DROPOUT_BWD:
+      return "elementwise(DROPOUT_BWD)";
+    case LOOM_EW_MUL_COLS:
+      return "elementwise(MUL_COLS)";
+    default:
+      return "elementwise(?)";
+  }
+}
+}  // namespace
+
+void validate(const loom_elementwise_args& a) {
+  LOOM_REQUIRE(a.op >= LOOM_EW_AXPBY && a.op <= LOOM_EW_MUL_COLS,
+               "elementwise: unknown op " << a.op << " (expected LOOM_EW_AXPBY..LOOM_EW_MUL_COLS)");
+  const char* op = ew_name(a.op);
+  LOOM_REQUIRE(a.n >= 0, op << ": n must be >= 0 (got " << a.n << ")");
+  if (a.op == LOOM_EW_CAST) {
+    const bool ok = (a.dtype == LOOM_DTYPE_F32 || a.dtype == LOOM_DTYPE_BF16) &&
+                    (a.out_dtype == LOOM_DTYPE_F32 || a.out_dtype == LOOM_DTYPE_BF16);
+    if (!ok)
+      throw Error(std::string(op) + ": cast " + dtype_name(a.dtype) + " -> " + dtype_name(a.out_dtype) +
+                      " is not supported by device/cpu (f32 <-> bf16 only)",
+                  LOOM_CODE_UNSUPPORTED);
+  } else {
+    require_f32(op, "dtype", a.dtype);
+  }
+  if (a.n == 0) return;
+  switch (a.op) {
+    case LOOM_EW_AXPBY:
+      LOOM_REQUIRE(a.x && a.y, op << ": x and y must not be NULL");
+      break;
+    case LOOM_EW_ADD:
+    case LOOM_EW_MUL:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y and out must not be NULL");
+      break;
+    case LOOM_EW_SCALE:
+    case LOOM_EW_CAST:
+      LOOM_REQUIRE(a.x && a.out, op << ": x and out must not be NULL");
+      break;
+    case LOOM_EW_FILL:
+      LOOM_REQUIRE(a.out, op << ": out must not be NULL");
+      break;
+    case LOOM_EW_ADD_BIAS:
+    case LOOM_EW_MUL_COLS:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y (the per-column vector) and out must not be NULL");
+      LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                   op << ": n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+      break;
+    case LOOM_EW_DROPOUT:
+    case LOOM_EW_DROPOUT_BWD:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y (the u8 mask) and out must not be NULL");
+      LOOM_REQUIRE(a.p >= 0.0f && a.p <= 1.0f, op << ": p must be in [0, 1] (got " << a.p << ")");
+      break;
+  }
+}
+
+void run_elementwise(Device& d, const loom_elementwise_args& a) {
+  const float alpha = a.alpha, beta = a.beta;
+  if (a.op == LOOM_EW_ADD_BIAS || a.op == LOOM_EW_MUL_COLS) {  // a per-column vector over rows
+    const int64_t cols = a.cols, rows = a.n / a.cols;
+    const bool mul = a.op == LOOM_EW_MUL_COLS;
+    d.pool->parallel_for(rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+      const float* v = F(a.y);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* x = F(a.x) + r * cols;
+        float* out = F(a.out) + r * cols;
+        if (mul) {
+#pragma omp simd
+          for (int64_t c = 0; c < cols; ++c) out[c] = x[c] * v[c];
+        } else {
+#pragma omp simd
+          for (int64_t c = 0; c < cols; ++c) out[c] = x[c] + v[c];
+        }
+      }
+    });
+    return;
+  }
+  // Dropout keeps with probability 1 - p and scales kept values by 1 / (1 - p).
+  const float keep_scale = a.p < 1.0f ? 1.0f / (1.0f - a.p) : 0.0f;
+  const uint32_t threshold =
+      static_cast<uint32_t>(std::min(16777216.0, std::ceil(static_cast<double>(a.p) * 16777216.0)));
+  const uint64_t seed_key = mix64(a.seed);
+  const uint32_t key0 = static_cast<uint32_t>(seed_key), key1 = static_cast<uint32_t>(seed_key >> 32);
+  d.pool->parallel_for(a.n, kGrain, [&](int64_t i0, int64_t i1) {
+    switch (a.op) {
+      case LOOM_EW_AXPBY: {
+        const float* x = F(a.x);
+        float* y = F(a.y);
+        if (beta == 0.0f) {
+#pragma omp simd
+          for (int64_t i = i0; i < i1; ++i) y[i] = alpha * x[i];
+        } else {
+#pragma omp simd
+          for (int64_t i = i0; i < i1; ++i) y[i] = alpha * x[i] + beta * y[i];
+        }
+        break;
+      }
+      case LOOM_EW_ADD: {
+        const float *x = F(a.x), *y = F(a.y);
+        float* out = F(a.out);
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) out[i] = x[i] + y[i];
+        break;
+      }
+      case LOOM_EW_MUL: {
+        const float *x = F(a.x), *y = F(a.y);
+        float* out = F(a.out);
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) out[i] = x[i] * y[i];
+        break;
+      }
+      case LOOM_EW_SCALE: {
+        const float* x = F(a.x);
+        float* out = F(a.out);
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) out[i] = alpha * x[i];
+        break;
+      }
+      case LOOM_EW_FILL: {
+        float* out = F(a.out);
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) out[i] = alpha;
+        break;
+      }
+      case LOOM_EW_CAST: {
+        if (a.dtype == a.out_dtype) {
+          const size_t es = a.dtype == LOOM_DTYPE_F32 ? 4 : 2;
+          if (a.out != a.x)
+            std::memmove(static_cast<char*>(a.out) + i0 * es, static_cast<const char*>(a.x) + i0 * es,
+                         static_cast<size_t>(i1 - i0) * es);
+        } else if (a.dtype == LOOM_DTYPE_F32) {
+          const float* x = F(a.x);
+          uint16_t* out = static_cast<uint16_t*>(a.out);
+          for (int64_t i = i0; i < i1; ++i) out[i] = f32_to_bf16(x[i]);
+        } else {
+          const uint16_t* x = static_cast<const uint16_t*>(a.x);
+          float* out = F(a.out);
+#pragma omp simd
+          for (int64_t i = i0; i < i1; ++i) out[i] = bf16_to_f32(x[i]);
+        }
+        break;
+      }
+      case LOOM_EW_DROPOUT: {
+        // Index offset + i, cut where its low 32 bits wrap (the kernel counts in 32 bits).
+        for (int64_t i = i0; i < i1;) {
+          const uint64_t index = a.offset + static_cast<uint64_t>(i);
+          const uint32_t lo = static_cast<uint32_t>(index), hi = static_cast<uint32_t>(index >> 32);
+          const int64_t len = std::min<int64_t>(i1 - i, static_cast<int64_t>((uint64_t{1} << 32) - lo));
+          d.k->dropout(F(a.x) + i, static_cast<uint8_t*>(a.y) + i, F(a.out) + i, len, lo, key0, hi ^ key1, threshold,
+                       keep_scale);
+          i += len;
+        }
+        break;
+      }
+      case LOOM_EW_DROPOUT_BWD: {
+        const float* x = F(a.x);
+        const uint8_t* mask = static_cast<const uint8_t*>(a.y);
+        float* out = F(a.out);
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) out[i] = mask[i] ? x[i] * keep_scale : 0.0f;
+        break;
+      }
+      default:
+        break;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------
+
+void validate(const loom_reduce_args& a) {
+  LOOM_REQUIRE(a.op >= LOOM_RED_SUM && a.op <= LOOM_RED_ROW_ARGMAX,
+               "reduce: unknown op " << a.op << " (expected LOOM_RED_SUM..LOOM_RED_ROW_ARGMAX)");
+  require_f32("reduce", "dtype", a.dtype);
+  if (a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.out_dtype == LOOM_DTYPE_I32, "reduce(ROW_ARGMAX): out_dtype must be I32 (the column index)");
+  else
+    require_f32("reduce", "out_dtype", a.out_dtype);
+  if (a.op == LOOM_RED_COLUMN_SUM || a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.ld == 0 || a.ld >= a.cols, "reduce: ld=" << a.ld << " must be 0 or >= cols=" << a.cols);
+  if (a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                 "reduce(ROW_ARGMAX): n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+  LOOM_REQUIRE(a.n >= 0, "reduce: n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.out, "reduce: out must not be NULL");
+  LOOM_REQUIRE(a.n == 0 || a.x, "reduce: x must not be NULL");
+  if (a.op == LOOM_RED_COLUMN_SUM)
+    LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                 "reduce(COLUMN_SUM): n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+}
+
+void run_reduce(Device& d, const loom_reduce_args& a) {
+  const float* x = F(a.x);
+  float* out = F(a.out);
+  if (a.op == LOOM_RED_ROW_ARGMAX) {  // first index of the row maximum
+    const int64_t cols = a.cols, rows = a.n / a.cols, ld = a.ld > 0 ? a.ld : a.cols;
+    int32_t* idx = static_cast<int32_t*>(a.out);
+    d.pool->parallel_for(rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * ld;
+        int64_t best = 0;
+        for (int64_t c = 1; c < cols; ++c)
+          if (xr[c] > xr[best]) best = c;
+        idx[r] = static_cast<int32_t>(best);
+      }
+    });
+    return;
+  }
+  if (a.op == LOOM_RED_COLUMN_SUM) {
+    const int64_t cols = a.cols, rows = a.n / a.cols, ld = a.ld > 0 ? a.ld : a.cols;
+    const int64_t grain = std::max<int64_t>(64, kGrain / std::max<int64_t>(1, rows));
+    d.pool->parallel_for(cols, grain, [&](int64_t c0, int64_t c1) {
+      const int64_t w = c1 - c0;
+      thread_local std::vector<double> acc;
+      acc.assign(static_cast<size_t>(w), 0.0);
+      double* s = acc.data();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * ld + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < w; ++c) s[c] += static_cast<double>(xr[c]);
+      }
+      for (int64_t c = 0; c < w; ++c)
+        out[c0 + c] = a.accumulate ? static_cast<float>(out[c0 + c] + s[c]) : static_cast<float>(s[c]);
+    });
+    return;
+  }
+  // Fixed blocks (independent of the thread count), partials summed in order.
+  constexpr int64_t kBlock = 1 << 14;
+  const int64_t blocks = (a.n + kBlock - 1) / kBlock;
+  std::vector<double> partial(static_cast<size_t>(std::max<int64_t>(blocks, 1)), 0.0);
+  const int32_t op = a.op;
+  d.pool->parallel_for(blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i0 = b * kBlock, i1 = std::min(a.n, i0 + kBlock);
+      double s = 0.0;
+      if (op == LOOM_RED_SUM) {
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(x[i]);
+      } else if (op == LOOM_RED_SUM_SQUARES) {
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = i0; i < i1; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+      } else {  // MAX_ABS; NaN wins so that overflow checks see it
+        float m = 0.0f;
+        for (int64_t i = i0; i < i1; ++i) {
+          const float v = std::fabs(x[i]);
+          m = (v > m || v != v) && m == m ? v : m;
+        }
+        s = m;
+      }
+      partial[static_cast<size_t>(b)] = s;
+    }
+  });
+  double result = 0.0;
+  if (op == LOOM_RED_MAX_ABS) {
+    for (double p : partial) result = (p > result || p != p) && result == result ? p : result;
+    const float r = static_cast<float>(result);
+    // Accumulating a running maximum means taking the larger one.
+    out[0] = a.accumulate ? ((r > out[0] || r != r) ? r : out[0]) : r;
+  } else {
+    for (double p : partial) result += p;
+    out[0] = a.accumulate ? static_cast<float>(out[0] + result) : static_cast<float>(result);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------
+
+void validate(const loom_adamw_args& a) {
+  LOOM_REQUIRE(a.grad_dtype == LOOM_DTYPE_F32 || a.grad_dtype == LOOM_DTYPE_BF16,
+               "adamw: grad_dtype " << dtype_name(a.grad_dtype) << " is not supported by device/cpu (f32, bf16)");
+  LOOM_REQUIRE(a.n >= 0, "adamw: n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.step >= 1, "adamw: step is 1-based (got " << a.step << ")");
+  LOOM_REQUIRE(a.n == 0 || (a.param && a.grad && a.m && a.v), "adamw: param, grad, m and v must not be NULL");
+  if (a.param_copy)
+    LOOM_REQUIRE(a.copy_dtype == LOOM_DTYPE_F32 || a.copy_dtype == LOOM_DTYPE_BF16,
+                 "adamw: copy_dtype " << dtype_name(a.copy_dtype) << " is not supported by device/cpu (f32, bf16)");
+}
+
+void run_adamw(Device& d, const loom_adamw_args& a) {
+  AdamwParams p{a.beta1, a.beta2, a.lr, a.eps, a.weight_decay, a.grad_scale, 0.0f, 0.0f};
+  p.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(a.step)));
+  p.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(a.step)));
+  const bool bf16_grad = a.grad_dtype == LOOM_DTYPE_BF16;
+  const size_t grad_size = bf16_grad ? 2 : 4;
+  d.pool->parallel_for(a.n, kGrain / 4, [&](int64_t i0, int64_t i1) {
+    d.k->adamw(a.param + i0, static_cast<const char*>(a.grad) + static_cast<size_t>(i0) * grad_size, bf16_grad ? 1 : 0,
+               a.m + i0, a.v + i0, i1 - i0, &p);
+    if (a.param_copy) {
+      if (a.copy_dtype == LOOM_DTYPE_F32) {
+        if (a.param_copy != a.param)
+          std::memcpy(F(a.param_copy) + i0, a.param + i0, static_cast<size_t>(i1 - i0) * sizeof(float));
+      } else {
+        uint16_t* c = static_cast<uint16_t*>(a.param_copy);
+        for (int64_t i = i0; i < i1; ++i) c[i] = f32_to_bf16(a.param[i]);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Instruction-set dispatch of the inner loops
+// ---------------------------------------------------------------------------
+
+const Kernels* select_kernels(const char* simd) {
+  const std::string want = simd ? simd : "auto";
+#if LOOM_CPU_X86_KERNELS
+  __builtin_cpu_init();
+  const bool v4 = __builtin_cpu_supports("x86-64-v4"), v3 = __builtin_cpu_supports("x86-64-v3");
+#else
+  const bool v4 = false, v3 = false;
+#endif
+  if (want == "auto") {
+#if LOOM_CPU_X86_KERNELS
+    if (v4) return kernels_avx512();
+    if (v3) return kernels_avx2();
+#endif
+    return kernels_base();
+  }
+  if (want == "base") return kernels_base();
+  if (want == "avx2" || want == "avx512") {
+    const bool ok = want == "avx2" ? v3 : v4;
+    if (!ok)
+      throw Error("device/cpu: option simd = \"" + want + "\" needs a CPU with " +
+                      (want == "avx2" ? "x86-64-v3 (AVX2, FMA)" : "x86-64-v4 (AVX-512)") +
+                      ", which this one is not (or the plugin was built without x86 kernels); use \"auto\"",
+                  LOOM_CODE_UNSUPPORTED);
+#if LOOM_CPU_X86_KERNELS
+    return want == "avx2" ? kernels_avx2() : kernels_avx512();
+#endif
+  }
+  throw Error("device/cpu: option simd = \"" + want + "\" is not one of \"auto\", \"avx512\", \"avx2\", \"base\"",
+              LOOM_CODE_INVALID_ARGUMENT);
+}
+
+}  // namespace loom::cpu

@@ -1,0 +1,474 @@
+// device/cpu: the C tables (loom_device_api, loom_device_ops) and the parts of a
+// device that are not math: memory with accounting, streams and events (the CPU
+// runs every launch synchronously), and graphs that record launches.
+//
+// Graph semantics (as a CUDA graph): between capture_begin(stream) and
+// capture_end(stream) every op and copy launched on that stream is recorded, not
+// run: its argument struct is copied by value (pointers stay addresses) into a
+// closure. graph_replay runs the closures in order over the same addresses; host
+// code that ran during capture does not run again.
+#include <cstdlib>
+#include <cstring>
+#include <loom/cpp/plugin.hpp>
+
+#include "cpu_device.hpp"
+
+namespace loom::cpu {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Handles
+// ---------------------------------------------------------------------------
+
+Device& device_of(loom_device* d) {
+  auto* dev = reinterpret_cast<Device*>(d);
+  LOOM_REQUIRE(dev != nullptr, "device/cpu: device handle is NULL");
+  LOOM_REQUIRE(dev->magic == kDeviceMagic,
+               "device/cpu: not a device/cpu device handle (destroyed, or another plugin's)");
+  return *dev;
+}
+
+Stream& stream_of(Device& dev, loom_stream* s) {
+  if (s == nullptr) return dev.default_stream;
+  auto* st = reinterpret_cast<Stream*>(s);
+  LOOM_REQUIRE(st->magic == kStreamMagic, "device/cpu: invalid stream handle (destroyed, or not a device/cpu stream)");
+  LOOM_REQUIRE(st->dev == &dev, "device/cpu: stream belongs to another device");
+  return *st;
+}
+
+Event& event_of(Device& dev, loom_event* e) {
+  auto* ev = reinterpret_cast<Event*>(e);
+  LOOM_REQUIRE(ev != nullptr, "device/cpu: event handle is NULL");
+  LOOM_REQUIRE(ev->magic == kEventMagic, "device/cpu: invalid event handle (destroyed, or not a device/cpu event)");
+  LOOM_REQUIRE(ev->dev == &dev, "device/cpu: event belongs to another device");
+  return *ev;
+}
+
+Graph& graph_of(Device& dev, loom_graph* g) {
+  auto* gr = reinterpret_cast<Graph*>(g);
+  LOOM_REQUIRE(gr != nullptr, "device/cpu: graph handle is NULL");
+  LOOM_REQUIRE(gr->magic == kGraphMagic, "device/cpu: invalid graph handle (destroyed, or not a device/cpu graph)");
+  LOOM_REQUIRE(gr->dev == &dev, "device/cpu: graph belongs to another device");
+  return *gr;
+}
+
+// Runs fn now, or records it when the stream is under capture.
+template <typename Fn>
+void launch(Stream& st, const char* name, Fn&& fn) {
+  if (st.capturing) {
+    st.recorded.push_back(Launch{name, std::function<void()>(std::forward<Fn>(fn))});
+  } else {
+    fn();
+  }
+}
+
+// The caller's argument struct, copied and zero-extended to this build's layout
+// (a caller built against an older minor has a smaller struct_size).
+template <typename T>
+T normalize(const T* in, const char* op) {
+  LOOM_REQUIRE(in != nullptr, op << ": args is NULL");
+  LOOM_REQUIRE(in->struct_size >= sizeof(uint32_t),
+               op << ": args.struct_size is " << in->struct_size << " (build args with loom::make<T>())");
+  T a = make<T>();
+  std::memcpy(&a, in, std::min<size_t>(in->struct_size, sizeof(T)));
+  a.struct_size = static_cast<uint32_t>(sizeof(T));
+  return a;
+}
+
+// ---------------------------------------------------------------------------
+// Device lifetime and memory
+// ---------------------------------------------------------------------------
+
+loom_status create(const loom_options* options, const loom_device_create_args* args, loom_device** out) {
+  return guard([&] {
+    LOOM_REQUIRE(out != nullptr, "device/cpu create: out is NULL");
+    *out = nullptr;
+    Options opts(options);
+    const std::string blas = opts.get_string("blas", "openblas");
+    LOOM_REQUIRE(blas == "openblas" || blas == "builtin",
+                 "device/cpu: option blas = \"" << blas << "\" is not one of \"openblas\", \"builtin\"");
+    auto dev = std::make_unique<Device>();
+    dev->default_stream.dev = dev.get();
+    dev->verbose = opts.get_bool("verbose", false);
+    int64_t threads = 1;
+    if (args != nullptr && LOOM_HAS_SLOT(args, loom_device_create_args, num_threads) && args->num_threads > 0)
+      threads = args->num_threads;
+    if (const int64_t forced = opts.get_int("threads", 0); forced > 0) threads = forced;
+    if (args != nullptr && LOOM_HAS_SLOT(args, loom_device_create_args, local_rank)) {
+      dev->global_rank = args->global_rank;
+      dev->local_rank = args->local_rank;
+    }
+    if (blas == "openblas") {
+      const OpenBlas& ob = openblas();
+      if (ob.loaded) {
+        dev->sgemm = ob.sgemm;
+        dev->blas_name = "OpenBLAS (" + ob.corename + ")";
+        static std::once_flag warned;
+        if (ob.avx512_but_not_used)
+          std::call_once(warned, [&] {
+            LOOM_LOG(WARNING) << "device/cpu: the CPU has AVX-512 but OpenBLAS chose its " << ob.corename
+                              << " kernels (it was loaded before device/cpu could set OPENBLAS_CORETYPE); "
+                                 "set OPENBLAS_CORETYPE=SkylakeX in the environment for ~2x GEMM speed";
+          });
+      } else {
+        static std::once_flag warned;
+        std::call_once(warned, [&] {
+          LOOM_LOG(WARNING) << "device/cpu: " << ob.error
+                            << "; using the builtin GEMM (correct but much slower): install libopenblas0";
+        });
+        dev->blas_name = "builtin";
+      }
+    } else {
+      dev->blas_name = "builtin";
+    }
+    dev->k = select_kernels(opts.get_string("simd", "auto").c_str());
+    dev->pool = std::make_unique<ThreadPool>(static_cast<int>(std::min<int64_t>(threads, 1024)));
+    static std::once_flag announced;
+    std::call_once(announced, [&] {
+      LOOM_LOG(INFO) << "device/cpu: GEMM by " << dev->blas_name << ", " << dev->k->name << " kernels";
+    });
+    if (dev->verbose)
+      LOOM_LOG(INFO) << "device/cpu rank " << dev->global_rank << ": " << dev->pool->size() << " thread(s), GEMM by "
+                     << dev->blas_name << ", " << dev->k->name << " kernels";
+    *out = reinterpret_cast<loom_device*>(dev.release());
+  });
+}
+
+void destroy(loom_device* d) {
+  (void)guard([&] {
+    if (d == nullptr) return;
+    Device& dev = device_of(d);
+    if (!dev.allocations.empty()) {
+      LOOM_LOG(WARNING) << "device/cpu rank " << dev.global_rank << ": destroyed with " << dev.allocations.size()
+                        << " allocation(s) (" << dev.current_bytes << " bytes) not freed; freeing them";
+      for (auto& [ptr, sizes] : dev.allocations) std::free(ptr);
+      dev.allocations.clear();
+    }
+    dev.magic = 0;
+    dev.default_stream.magic = 0;
+    delete &dev;
+  });
+}
+
+loom_status alloc(loom_device* d, size_t bytes, void** out) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    LOOM_REQUIRE(out != nullptr, "device/cpu alloc: out is NULL");
+    *out = nullptr;
+    if (bytes == 0) return;
+    constexpr size_t kAlign = 256;
+    LOOM_REQUIRE(bytes <= SIZE_MAX - kAlign, "device/cpu alloc: " << bytes << " bytes is too large");
+    const size_t reserved = (bytes + kAlign - 1) / kAlign * kAlign;
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, reserved) != 0 || p == nullptr) {
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      std::ostringstream os;
+      os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
+         << dev.current_bytes << " bytes in use)";
+      throw Error(os.str(), LOOM_CODE_OUT_OF_MEMORY);
+    }
+    std::lock_guard<std::mutex> lock(dev.mem_mu);
+    dev.allocations.emplace(p, std::make_pair(bytes, reserved));
+    dev.current_bytes += bytes;
+    dev.reserved_bytes += reserved;
+    dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
+    dev.num_allocs += 1;
+    *out = p;
+  });
+}
+
+void free_(loom_device* d, void* ptr) {
+  (void)guard([&] {
+    if (ptr == nullptr) return;
+    Device& dev = device_of(d);
+    {
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      auto it = dev.allocations.find(ptr);
+      if (it == dev.allocations.end()) {
+        LOOM_LOG(ERROR) << "device/cpu rank " << dev.global_rank << ": free of " << ptr
+                        << ", which this device did not allocate (or already freed); ignored";
+        return;
+      }
+      dev.current_bytes -= it->second.first;
+      dev.reserved_bytes -= it->second.second;
+      dev.allocations.erase(it);
+    }
+    std::free(ptr);
+  });
+}
+
+loom_status memory_stats(loom_device* d, loom_memory_stats* out) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    LOOM_REQUIRE(out != nullptr, "device/cpu memory_stats: out is NULL");
+    std::lock_guard<std::mutex> lock(dev.mem_mu);
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, current_bytes)) out->current_bytes = dev.current_bytes;
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, peak_bytes)) out->peak_bytes = dev.peak_bytes;
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, reserved_bytes)) out->reserved_bytes = dev.reserved_bytes;
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, num_allocs)) out->num_allocs = dev.num_allocs;
+  });
+}
+
+loom_status copy(loom_device* d, loom_stream* s, void* dst, const void* src, size_t bytes, int32_t kind) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    LOOM_REQUIRE(
+        kind == LOOM_COPY_HOST_TO_DEVICE || kind == LOOM_COPY_DEVICE_TO_HOST || kind == LOOM_COPY_DEVICE_TO_DEVICE,
+        "device/cpu copy: unknown kind " << kind);
+    if (bytes == 0) return;
+    LOOM_REQUIRE(dst != nullptr && src != nullptr, "device/cpu copy: dst or src is NULL");
+    // CPU memory is host memory: every kind is a memmove (overlap tolerated).
+    launch(st, "copy", [dst, src, bytes] { std::memmove(dst, src, bytes); });
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Streams and events (synchronous: record/wait/synchronize validate and return)
+// ---------------------------------------------------------------------------
+
+loom_status stream_create(loom_device* d, loom_stream** out) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    LOOM_REQUIRE(out != nullptr, "device/cpu stream_create: out is NULL");
+    auto st = std::make_unique<Stream>();
+    st->dev = &dev;
+    *out = reinterpret_cast<loom_stream*>(st.release());
+  });
+}
+
+void stream_destroy(loom_device* d, loom_stream* s) {
+  (void)guard([&] {
+    if (s == nullptr) return;  // the default stream lives with the device
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    if (dev.capturing == &st) {
+      LOOM_LOG(WARNING) << "device/cpu: stream destroyed during graph capture; the capture is discarded";
+      dev.capturing = nullptr;
+    }
+    st.magic = 0;
+    delete &st;
+  });
+}
+
+loom_status stream_synchronize(loom_device* d, loom_stream* s) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    // As with CUDA, a host sync inside a captured region breaks the graph rules.
+    if (st.capturing)
+      throw Error(
+          "device/cpu: stream_synchronize on a stream under graph capture (no host sync is allowed "
+          "inside a captured region)",
+          LOOM_CODE_INVALID_ARGUMENT);
+  });
+}
+
+loom_status event_create(loom_device* d, loom_event** out) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    LOOM_REQUIRE(out != nullptr, "device/cpu event_create: out is NULL");
+    auto ev = std::make_unique<Event>();
+    ev->dev = &dev;
+    *out = reinterpret_cast<loom_event*>(ev.release());
+  });
+}
+
+void event_destroy(loom_device* d, loom_event* e) {
+  (void)guard([&] {
+    if (e == nullptr) return;
+    Device& dev = device_of(d);
+    Event& ev = event_of(dev, e);
+    ev.magic = 0;
+    delete &ev;
+  });
+}
+
+loom_status event_record(loom_device* d, loom_event* e, loom_stream* s) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Event& ev = event_of(dev, e);
+    (void)stream_of(dev, s);
+    ev.recorded = true;  // everything before it has already run
+  });
+}
+
+loom_status stream_wait_event(loom_device* d, loom_stream* s, loom_event* e) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    (void)event_of(dev, e);
+    (void)stream_of(dev, s);
+  });
+}
+
+loom_status event_synchronize(loom_device* d, loom_event* e) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    (void)event_of(dev, e);
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Graphs
+// ---------------------------------------------------------------------------
+
+loom_status capture_begin(loom_device* d, loom_stream* s) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    LOOM_REQUIRE(dev.capturing == nullptr,
+                 "device/cpu capture_begin: a capture is already in progress on this device "
+                 "(nested capture is not supported; end it with capture_end first)");
+    st.capturing = true;
+    st.recorded.clear();
+    dev.capturing = &st;
+  });
+}
+
+loom_status capture_end(loom_device* d, loom_stream* s, loom_graph** out) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    LOOM_REQUIRE(out != nullptr, "device/cpu capture_end: out is NULL");
+    *out = nullptr;
+    LOOM_REQUIRE(st.capturing, "device/cpu capture_end: this stream is not under capture (capture_begin it first)");
+    auto g = std::make_unique<Graph>();
+    g->dev = &dev;
+    g->launches = std::move(st.recorded);
+    st.recorded.clear();
+    st.capturing = false;
+    dev.capturing = nullptr;
+    *out = reinterpret_cast<loom_graph*>(g.release());
+  });
+}
+
+void replay_launches(const std::vector<Launch>& launches) {
+  for (size_t i = 0; i < launches.size(); ++i) {
+    try {
+      launches[i].fn();
+    } catch (const Error& e) {
+      std::ostringstream os;
+      os << "graph replay, launch " << i << " (" << launches[i].name << "): " << e.what();
+      throw Error(os.str(), e.code());
+    }
+  }
+}
+
+loom_status graph_replay(loom_device* d, loom_graph* g, loom_stream* s) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Graph& gr = graph_of(dev, g);
+    Stream& st = stream_of(dev, s);
+    if (st.capturing) {
+      // Replaying into a capture nests the graph: record a copy of its launches.
+      launch(st, "graph", [launches = gr.launches] { replay_launches(launches); });
+      return;
+    }
+    replay_launches(gr.launches);
+  });
+}
+
+void graph_destroy(loom_device* d, loom_graph* g) {
+  (void)guard([&] {
+    if (g == nullptr) return;
+    Device& dev = device_of(d);
+    Graph& gr = graph_of(dev, g);
+    gr.magic = 0;
+    delete &gr;
+  });
+}
+
+void* native_stream(loom_device*, loom_stream*) { return nullptr; }
+
+// ---------------------------------------------------------------------------
+// Op trampolines: normalise, validate (also at capture time, so errors point at
+// the launch), then run or record.
+// ---------------------------------------------------------------------------
+
+#define LOOM_CPU_OP(fn, Args, VALIDATE, RUN)                       \
+  loom_status fn(loom_device* d, loom_stream* s, const Args* in) { \
+    return guard([&] {                                             \
+      Device& dev = device_of(d);                                  \
+      Stream& st = stream_of(dev, s);                              \
+      const Args a = normalize(in, #fn);                           \
+      VALIDATE;                                                    \
+      Device* dp = &dev;                                           \
+      launch(st, #fn, [dp, a] { RUN(*dp, a); });                   \
+    });                                                            \
+  }
+
+LOOM_CPU_OP(op_gemm, loom_gemm_args, validate(a), run_gemm)
+LOOM_CPU_OP(op_layernorm_fwd, loom_layernorm_fwd_args, validate(a), run_layernorm_fwd)
+LOOM_CPU_OP(op_layernorm_bwd, loom_layernorm_bwd_args, validate(a), run_layernorm_bwd)
+LOOM_CPU_OP(op_gelu_fwd, loom_gelu_args, validate_gelu(a, false), run_gelu_fwd)
+LOOM_CPU_OP(op_gelu_bwd, loom_gelu_args, validate_gelu(a, true), run_gelu_bwd)
+LOOM_CPU_OP(op_attention_fwd, loom_attention_args, validate_attention(a, false), run_attention_fwd)
+LOOM_CPU_OP(op_attention_bwd, loom_attention_args, validate_attention(a, true), run_attention_bwd)
+LOOM_CPU_OP(op_xent, loom_xent_args, validate(a), run_xent)
+LOOM_CPU_OP(op_embedding_fwd, loom_embedding_args, validate_embedding(a, false), run_embedding_fwd)
+LOOM_CPU_OP(op_embedding_bwd, loom_embedding_args, validate_embedding(a, true), run_embedding_bwd)
+LOOM_CPU_OP(op_elementwise, loom_elementwise_args, validate(a), run_elementwise)
+LOOM_CPU_OP(op_reduce, loom_reduce_args, validate(a), run_reduce)
+LOOM_CPU_OP(op_adamw, loom_adamw_args, validate(a), run_adamw)
+#undef LOOM_CPU_OP
+
+const loom_device_api* device_api() {
+  static const loom_device_ops ops = [] {
+    loom_device_ops o = make<loom_device_ops>();
+    o.gemm = op_gemm;
+    o.layernorm_fwd = op_layernorm_fwd;
+    o.layernorm_bwd = op_layernorm_bwd;
+    o.gelu_fwd = op_gelu_fwd;
+    o.gelu_bwd = op_gelu_bwd;
+    o.attention_fwd = op_attention_fwd;
+    o.attention_bwd = op_attention_bwd;
+    o.xent = op_xent;
+    o.embedding_fwd = op_embedding_fwd;
+    o.embedding_bwd = op_embedding_bwd;
+    o.elementwise = op_elementwise;
+    o.reduce = op_reduce;
+    o.adamw = op_adamw;
+    return o;
+  }();
+  static const loom_device_api api = [] {
+    loom_device_api a = make<loom_device_api>();
+    a.create = create;
+    a.destroy = destroy;
+    a.alloc = alloc;
+    a.free = free_;
+    a.memory_stats = memory_stats;
+    a.copy = copy;
+    a.stream_create = stream_create;
+    a.stream_destroy = stream_destroy;
+    a.stream_synchronize = stream_synchronize;
+    a.event_create = event_create;
+    a.event_destroy = event_destroy;
+    a.event_record = event_record;
+    a.stream_wait_event = stream_wait_event;
+    a.event_synchronize = event_synchronize;
+    a.capture_begin = capture_begin;
+    a.capture_end = capture_end;
+    a.graph_replay = graph_replay;
+    a.graph_destroy = graph_destroy;
+    a.native_stream = native_stream;
+    a.dl_device_type = kDLCPU;
+    a.ops = &ops;
+    return a;
+  }();
+  return &api;
+}
+
+}  // namespace
+}  // namespace loom::cpu
+
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
+    "device", "cpu", "1.0.0", "fp32 CPU backend: OpenBLAS GEMM, vectorised kernels, recorded graphs", LOOM_API_DEVICE,
+    loom::cpu::device_api(),
+    {loom::opt_string(
+         "blas", "openblas",
+         "GEMM backend: \"openblas\" (loaded at run time; falls back to builtin if absent) or \"builtin\""),
+     loom::opt_string(
+         "simd", "auto",
+         "instruction set of the non-GEMM loops: \"auto\" (best the CPU runs), \"avx512\", \"avx2\", \"base\""),
+     loom::opt_int("threads", 0, "threads per rank for math; 0 = what the engine grants the rank (num_threads)"),
+     loom::opt_bool("verbose", false, "log the thread count and GEMM backend of each device at creation")}))

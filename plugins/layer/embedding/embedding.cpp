@@ -1,0 +1,183 @@
+// layer/embedding: word + learned position embeddings, the first layer.
+//   out[s, b, :] = dropout(word[tokens[s, b]] + pos[s])
+// The word table is vocab-parallel (this rank holds rows [tp_rank*V_local,
+// (tp_rank+1)*V_local)); a token outside the slice looks up zeros and the
+// all-reduce over tp (Megatron's `g`) completes every row. Position embeddings,
+// dropout (same seed on every tp rank) are duplicated.
+//
+// The position term is a second embedding lookup whose ids are the positions of
+// the rows (row r = s*B + b has id s): one op forward, one op backward.
+#include "../common/layer_math.hpp"
+
+#include <map>
+
+namespace {
+
+using namespace loom::layers;
+
+class Embedding : public loom::Layer {
+ public:
+  Embedding(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
+      : rank_(rank.raw()), tp_(args.tp) {
+    LOOM_REQUIRE(args.dims != nullptr, "embedding: model dims are required");
+    const loom_model_dims& d = *args.dims;
+    name_ = args.instance_name ? args.instance_name : "embedding";
+    hidden_ = d.hidden;
+    seq_ = d.seq_len;
+    micro_batch_ = d.micro_batch;
+    vocab_ = d.vocab;
+    padded_vocab_ = d.padded_vocab;
+    tie_ = d.tie_embeddings != 0;
+    const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
+    LOOM_REQUIRE(hidden_ > 0 && seq_ > 0, name_ << ": hidden and seq_len must be positive");
+    LOOM_REQUIRE(padded_vocab_ >= vocab_ && padded_vocab_ % tp == 0,
+                 name_ << ": padded_vocab (" << padded_vocab_ << ") must be >= vocab (" << vocab_
+                       << ") and divisible by the tensor-parallel size (" << tp << ")");
+    vocab_local_ = padded_vocab_ / tp;
+    vocab_start_ = static_cast<int64_t>(tp_.rank()) * vocab_local_;
+    dropout_ = dropout_option(options, name_);
+    // Built now so that a steady-state forward does no host-to-device copy.
+    if (micro_batch_ > 0) position_ids(rank.device(), seq_, micro_batch_);
+  }
+
+  std::vector<loom::ParamSpec> params() override {
+    std::vector<loom::ParamSpec> p(2);
+    p[0] = {.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
+            .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""};
+    p[1] = {.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL};
+    return p;
+  }
+
+  void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
+    LOOM_REQUIRE(params.size() == 2 && grads.size() == 2,
+                 name_ << ": bind expects 2 parameters, got " << params.size());
+    word_ = bound(params[0], vocab_local_ * hidden_, name_, "word.weight");
+    word_grad_ = bound(grads[0], vocab_local_ * hidden_, name_, "word.weight (grad)");
+    pos_ = bound(params[1], seq_ * hidden_, name_, "pos.weight");
+    pos_grad_ = bound(grads[1], seq_ * hidden_, name_, "pos.weight (grad)");
+  }
+
+  void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    const int64_t H = hidden_;
+    require_tensor(a.tokens, "tokens", name_, kDLInt, 32, {-1, -1});
+    const int64_t S = a.tokens->shape[0], B = a.tokens->shape[1], T = S * B;
+    LOOM_REQUIRE(S <= seq_, name_ << ": sequence of " << S << " tokens is longer than seq_len "
+                                  << seq_ << " (the position table)");
+    require_tensor(a.output, "output", name_, kDLFloat, 32, {S, B, H});
+    const int32_t* tokens = data_of<int32_t>(*a.tokens);
+    float* y = data_of<float>(*a.output);
+    loom::Device dev = rank.device();
+    const bool drop = a.training && dropout_ > 0.0f;
+    const int32_t* positions = position_ids(dev, S, B);
+
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.tokens = s.mem.add(a.training ? T * sizeof(int32_t) : 0);
+    s.mask = s.mem.add(drop ? T * H : 0);
+    s.dropped = drop;
+    s.mem.allocate(rank_);
+    if (a.training) copy_d2d(dev, s.mem.at<int32_t>(s.tokens), tokens, T * sizeof(int32_t));
+
+    // Vocab-parallel lookup, then g: the all-reduce fills rows of other slices.
+    dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = vocab_local_, .vocab_start = vocab_start_,
+                       .ids = tokens, .table = word_, .out = y, .accumulate = 0,
+                       .dtype = LOOM_DTYPE_F32});
+    tp_.all_reduce(dev.native_stream(), y, y, static_cast<size_t>(T * H), LOOM_DTYPE_F32);
+    dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
+                       .table = pos_, .out = y, .accumulate = 1, .dtype = LOOM_DTYPE_F32});
+    if (drop)
+      dropout_fwd(dev, y, y, s.mem.at<uint8_t>(s.mask), T * H, dropout_,
+                  dropout_seed(a.dropout_seed, name_, a.microbatch));
+
+    if (a.training) saved_[a.microbatch] = std::move(s);
+  }
+
+  void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
+    auto it = saved_.find(a.microbatch);
+    LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
+                                           << " without a training forward");
+    Saved& s = it->second;
+    const int64_t H = hidden_, S = s.S, B = s.B, T = S * B;
+    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {S, B, H});
+    const float* dy = data_of<float>(*a.grad_output);
+    loom::Device dev = rank.device();
+
+    Arena tmp;
+    const size_t dout = tmp.floats(s.dropped ? T * H : 0);
+    tmp.allocate(rank_);
+    const float* d = dy;
+    if (s.dropped) {
+      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), T * H, dropout_);
+      d = tmp.at(dout);
+    }
+    // g's backward is the identity: each rank scatters into its own vocab slice.
+    dev.embedding_bwd({.n = T, .dim = H, .vocab_rows = vocab_local_, .vocab_start = vocab_start_,
+                       .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = word_grad_,
+                       .dtype = LOOM_DTYPE_F32});
+    // pos grad[s] += sum_b dout[s, b].
+    dev.embedding_bwd({.n = T, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
+                       .ids = position_ids(dev, S, B), .dout = d, .dtable = pos_grad_,
+                       .dtype = LOOM_DTYPE_F32});
+    saved_.erase(it);
+  }
+
+  void release(int32_t microbatch) override { saved_.erase(microbatch); }
+
+  uint64_t activation_bytes() override {
+    const int64_t T = seq_ * micro_batch_;
+    Arena a;
+    a.add(T * sizeof(int32_t));                 // tokens
+    a.add(dropout_ > 0.0f ? T * hidden_ : 0);   // dropout mask
+    return a.bytes();
+  }
+
+  // A lookup: no multiply-adds.
+  double forward_flops() override { return 0.0; }
+
+ private:
+  struct Saved {
+    int64_t S = 0, B = 0;
+    Arena mem;
+    size_t tokens = 0, mask = 0;
+    bool dropped = false;
+  };
+
+  // Device ids [S*B] with id s for row s*B + b; built at creation for (seq_len,
+  // micro_batch) and again only if a microbatch of another shape comes.
+  const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
+    if (!positions_ || pos_S_ != S || pos_B_ != B) {
+      std::vector<int32_t> ids(static_cast<size_t>(S * B));
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t b = 0; b < B; ++b) ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(s);
+      loom::Buffer buf(rank_, ids.size() * sizeof(int32_t));
+      dev.copy(buf.get(), ids.data(), ids.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+      dev.synchronize();  // the host vector dies here
+      positions_ = std::move(buf);
+      pos_S_ = S;
+      pos_B_ = B;
+    }
+    return positions_.get<int32_t>();
+  }
+
+  loom_rank* rank_;
+  loom::Group tp_;
+  std::string name_;
+  int64_t hidden_ = 0, seq_ = 0, micro_batch_ = 0, vocab_ = 0, padded_vocab_ = 0;
+  int64_t vocab_local_ = 0, vocab_start_ = 0;
+  bool tie_ = false;
+  float dropout_ = 0.0f;
+  float* word_ = nullptr;
+  float* word_grad_ = nullptr;
+  float* pos_ = nullptr;
+  float* pos_grad_ = nullptr;
+  loom::Buffer positions_;
+  int64_t pos_S_ = 0, pos_B_ = 0;
+  std::map<int32_t, Saved> saved_;
+};
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
+    "embedding", "1.0.0", "word (vocab-parallel) + learned position embeddings",
+    {loom::layers::dropout_option_spec("the embedding output")}))

@@ -1,0 +1,1732 @@
+// device/cpu: every op against a double-precision reference written here (whose
+// own gradients are checked by central finite differences), graphs, memory
+// accounting, threads and error reporting. The plugin is loaded through the
+// engine's registry, exactly as a run loads it.
+#include <gtest/gtest.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <loom/cpp/core.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "engine/plugins/registry.hpp"
+
+namespace {
+
+using Vec = std::vector<double>;
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// ---------------------------------------------------------------------------
+// Plugin, device and buffers
+// ---------------------------------------------------------------------------
+
+const loom::plugins::LoadedPlugin& cpu_plugin() {
+  static loom::plugins::Registry* registry = [] {
+    auto* r = new loom::plugins::Registry();  // plugins are never unloaded
+    r->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cpu.so");
+    loom::host_slot() = loom::plugins::host_api();
+    return r;
+  }();
+  return registry->get("device", "cpu");
+}
+
+struct StatusInfo {
+  int32_t code = LOOM_CODE_OK;
+  std::string message;
+};
+StatusInfo take(loom_status s) {
+  StatusInfo info;
+  if (s == nullptr) return info;
+  const loom_host_api& h = loom::host();
+  info.code = h.status_code(s);
+  info.message = h.status_message(s);
+  h.status_destroy(s);
+  return info;
+}
+
+class Dev;
+
+template <typename T>
+class Buf {
+ public:
+  Buf(const Dev& d, size_t n);
+  Buf(const Dev& d, const std::vector<T>& init) : Buf(d, init.size()) { set(init); }
+  ~Buf();
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  T* data() const { return p_; }
+  size_t size() const { return n_; }
+  T& operator[](size_t i) const { return p_[i]; }
+  void set(const std::vector<T>& v) {
+    ASSERT_EQ(v.size(), n_);
+    std::memcpy(p_, v.data(), n_ * sizeof(T));
+  }
+  void fill(T v) {
+    for (size_t i = 0; i < n_; ++i) p_[i] = v;
+  }
+  std::vector<T> get() const { return std::vector<T>(p_, p_ + n_); }
+
+ private:
+  const Dev* d_;
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+// One device instance with the given thread count, GEMM backend and kernel variant.
+class Dev {
+ public:
+  explicit Dev(int threads = 2, const std::string& blas = "openblas", const std::string& simd = "auto") {
+    const loom::plugins::LoadedPlugin& plugin = cpu_plugin();
+    api_ = plugin.device();
+    toml::table section{{"blas", blas}, {"simd", simd}};
+    loom::plugins::OptionValues opts(&section, plugin.options);
+    loom_device_create_args args = loom::make<loom_device_create_args>();
+    args.num_threads = threads;
+    args.ranks_in_process = 1;
+    loom::check(api_->create(opts.raw(), &args, &dev_));
+  }
+  ~Dev() { api_->destroy(dev_); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  const loom_device_api* api() const { return api_; }
+  loom_device* raw() const { return dev_; }
+  loom::Device ops(loom_stream* s = nullptr) const { return loom::Device(api_, dev_, s); }
+  loom_memory_stats stats() const {
+    loom_memory_stats m = loom::make<loom_memory_stats>();
+    loom::check(api_->memory_stats(dev_, &m));
+    return m;
+  }
+
+ private:
+  const loom_device_api* api_ = nullptr;
+  loom_device* dev_ = nullptr;
+};
+
+template <typename T>
+Buf<T>::Buf(const Dev& d, size_t n) : d_(&d), n_(n) {
+  void* p = nullptr;
+  loom::check(d.api()->alloc(d.raw(), std::max<size_t>(n, 1) * sizeof(T), &p));
+  p_ = static_cast<T*>(p);
+}
+template <typename T>
+Buf<T>::~Buf() {
+  d_->api()->free(d_->raw(), p_);
+}
+
+// The kernel variants this CPU runs ("base" always; "avx2", "avx512" when it can).
+const std::vector<std::string>& simd_variants() {
+  static const std::vector<std::string> variants = [] {
+    std::vector<std::string> v;
+    const loom::plugins::LoadedPlugin& plugin = cpu_plugin();
+    for (const char* simd : {"base", "avx2", "avx512"}) {
+      toml::table section{{"simd", simd}};
+      loom::plugins::OptionValues opts(&section, plugin.options);
+      loom_device_create_args args = loom::make<loom_device_create_args>();
+      args.num_threads = 1;
+      loom_device* dev = nullptr;
+      StatusInfo s = take(plugin.device()->create(opts.raw(), &args, &dev));
+      if (dev != nullptr) {
+        plugin.device()->destroy(dev);
+        v.push_back(simd);
+      } else {
+        EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED) << s.message;
+      }
+    }
+    return v;
+  }();
+  return variants;
+}
+
+// ---------------------------------------------------------------------------
+// Numbers
+// ---------------------------------------------------------------------------
+
+std::vector<float> randn(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+Vec to_d(const std::vector<float>& v) { return Vec(v.begin(), v.end()); }
+
+// |got - want| <= atol + rtol |want| elementwise, with the first failures reported.
+void expect_close(const std::vector<float>& got, const Vec& want, double atol, double rtol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(err <= atol + rtol * std::fabs(want[i]))) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+      if (++reported == 5) return;
+    }
+  }
+}
+
+// Central differences of f in every coordinate of x against the analytic grad.
+void expect_fd(Vec& x, const std::function<double()>& f, const Vec& grad, const std::string& what, double h = 1e-6,
+               double tol = 1e-6) {
+  ASSERT_EQ(x.size(), grad.size()) << what;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double x0 = x[i];
+    x[i] = x0 + h;
+    const double fp = f();
+    x[i] = x0 - h;
+    const double fm = f();
+    x[i] = x0;
+    const double fd = (fp - fm) / (2 * h);
+    EXPECT_NEAR(grad[i], fd, tol * std::max(1.0, std::fabs(fd))) << what << "[" << i << "]";
+  }
+}
+
+double dot(const Vec& a, const Vec& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// bf16 rounding, written independently of the plugin: the nearer of the two bf16
+// neighbours of |x| (ties to the even one), in double; past the largest bf16 the
+// upper neighbour is 2^128, i.e. overflow to infinity.
+float bf16_round_ref(float x) {
+  if (std::isnan(x) || std::isinf(x)) return x;
+  const float ax = std::fabs(x);
+  uint32_t u;
+  std::memcpy(&u, &ax, 4);
+  const uint32_t lo_bits = u & 0xffff0000u, hi_bits = lo_bits + 0x10000u;
+  float lo_f, hi_f;
+  std::memcpy(&lo_f, &lo_bits, 4);
+  std::memcpy(&hi_f, &hi_bits, 4);
+  const double lo = lo_f, hi = std::isinf(hi_f) ? std::ldexp(1.0, 128) : double(hi_f);
+  const double dl = ax - lo, dh = hi - ax;
+  const bool up = dh < dl || (dh == dl && ((lo_bits >> 16) & 1u));
+  const float r = up ? hi_f : lo_f;
+  return std::copysign(r, x);
+}
+
+// ---------------------------------------------------------------------------
+// Plugin descriptor, memory, streams
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCpu, DescribesItselfAndFillsEverySlot) {
+  const loom::plugins::LoadedPlugin& p = cpu_plugin();
+  EXPECT_EQ(p.kind, "device");
+  EXPECT_EQ(p.name, "cpu");
+  const loom_device_api* api = p.device();
+  ASSERT_NE(api, nullptr);
+  EXPECT_GE(api->struct_size, sizeof(loom_device_api));
+  EXPECT_EQ(api->dl_device_type, kDLCPU);
+  const void* slots[] = {(void*)api->create,
+                         (void*)api->destroy,
+                         (void*)api->alloc,
+                         (void*)api->free,
+                         (void*)api->memory_stats,
+                         (void*)api->copy,
+                         (void*)api->stream_create,
+                         (void*)api->stream_destroy,
+                         (void*)api->stream_synchronize,
+                         (void*)api->event_create,
+                         (void*)api->event_destroy,
+                         (void*)api->event_record,
+                         (void*)api->stream_wait_event,
+                         (void*)api->event_synchronize,
+                         (void*)api->capture_begin,
+                         (void*)api->capture_end,
+                         (void*)api->graph_replay,
+                         (void*)api->graph_destroy,
+                         (void*)api->native_stream};
+  for (const void* s : slots) EXPECT_NE(s, nullptr);
+  const loom_device_ops* ops = api->ops;
+  ASSERT_NE(ops, nullptr);
+  EXPECT_GE(ops->struct_size, sizeof(loom_device_ops));
+  const void* op_slots[] = {(void*)ops->gemm,          (void*)ops->layernorm_fwd, (void*)ops->layernorm_bwd,
+                            (void*)ops->gelu_fwd,      (void*)ops->gelu_bwd,      (void*)ops->attention_fwd,
+                            (void*)ops->attention_bwd, (void*)ops->xent,          (void*)ops->embedding_fwd,
+                            (void*)ops->embedding_bwd, (void*)ops->elementwise,   (void*)ops->reduce,
+                            (void*)ops->adamw};
+  for (const void* s : op_slots) EXPECT_NE(s, nullptr);
+  std::vector<std::string> names;
+  for (const auto& o : p.options) names.push_back(o.name);
+  EXPECT_NE(std::find(names.begin(), names.end(), "blas"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "threads"), names.end());
+  Dev d;
+  EXPECT_EQ(api->native_stream(d.raw(), nullptr), nullptr);
+}
+
+TEST(DeviceCpu, PicksAKernelVariantThisCpuRuns) {
+  const std::vector<std::string>& v = simd_variants();
+  ASSERT_FALSE(v.empty());
+  EXPECT_EQ(v.front(), "base");
+  const loom::plugins::LoadedPlugin& p = cpu_plugin();
+  toml::table section{{"simd", "sse9"}};
+  loom::plugins::OptionValues opts(&section, p.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  loom_device* dev = nullptr;
+  StatusInfo s = take(p.device()->create(opts.raw(), &args, &dev));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("sse9"), std::string::npos) << s.message;
+}
+
+TEST(DeviceCpu, RejectsAnUnknownBlasOption) {
+  const loom::plugins::LoadedPlugin& p = cpu_plugin();
+  toml::table section{{"blas", "mkl"}};
+  loom::plugins::OptionValues opts(&section, p.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.num_threads = 1;
+  loom_device* dev = nullptr;
+  StatusInfo s = take(p.device()->create(opts.raw(), &args, &dev));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("mkl"), std::string::npos) << s.message;
+  EXPECT_EQ(dev, nullptr);
+}
+
+TEST(DeviceCpu, MemoryStatsTrackCurrentPeakAndCount) {
+  Dev d;
+  const loom_device_api* api = d.api();
+  const loom_memory_stats s0 = d.stats();
+  EXPECT_EQ(s0.current_bytes, 0u);
+  void* a = nullptr;
+  void* b = nullptr;
+  loom::check(api->alloc(d.raw(), 1000, &a));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 256, 0u);
+  loom_memory_stats s1 = d.stats();
+  EXPECT_EQ(s1.current_bytes, 1000u);
+  EXPECT_EQ(s1.peak_bytes, 1000u);
+  EXPECT_GE(s1.reserved_bytes, s1.current_bytes);
+  EXPECT_EQ(s1.num_allocs, 1u);
+  loom::check(api->alloc(d.raw(), 5000, &b));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % 256, 0u);
+  std::memset(a, 1, 1000);  // the memory is really there
+  std::memset(b, 2, 5000);
+  EXPECT_EQ(d.stats().current_bytes, 6000u);
+  api->free(d.raw(), a);
+  loom_memory_stats s2 = d.stats();
+  EXPECT_EQ(s2.current_bytes, 5000u);
+  EXPECT_EQ(s2.peak_bytes, 6000u);
+  EXPECT_EQ(s2.num_allocs, 2u);
+  api->free(d.raw(), b);
+  EXPECT_EQ(d.stats().current_bytes, 0u);
+  EXPECT_EQ(d.stats().reserved_bytes, 0u);
+  EXPECT_EQ(d.stats().peak_bytes, 6000u);
+  // Freeing what the device did not allocate is reported (logged), not a crash.
+  int local = 0;
+  api->free(d.raw(), &local);
+  api->free(d.raw(), nullptr);
+  EXPECT_EQ(d.stats().current_bytes, 0u);
+}
+
+TEST(DeviceCpu, MemoryAccountingIsThreadSafe) {
+  Dev d;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 500; ++i) {
+        void* p = nullptr;
+        loom::check(d.api()->alloc(d.raw(), 64 + static_cast<size_t>(t * 8 + i % 7), &p));
+        d.api()->free(d.raw(), p);
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  const loom_memory_stats s = d.stats();
+  EXPECT_EQ(s.current_bytes, 0u);
+  EXPECT_EQ(s.num_allocs, 2000u);
+  EXPECT_GT(s.peak_bytes, 0u);
+}
+
+TEST(DeviceCpu, CopyAllKindsAndStreamsEvents) {
+  Dev d;
+  const loom_device_api* api = d.api();
+  Buf<float> a(d, randn(100, 1)), b(d, 100);
+  std::vector<float> host(100, 0.0f);
+  loom::check(api->copy(d.raw(), nullptr, b.data(), a.data(), 400, LOOM_COPY_DEVICE_TO_DEVICE));
+  loom::check(api->copy(d.raw(), nullptr, host.data(), b.data(), 400, LOOM_COPY_DEVICE_TO_HOST));
+  EXPECT_EQ(host, a.get());
+  host[3] = 42.0f;
+  loom::check(api->copy(d.raw(), nullptr, a.data(), host.data(), 400, LOOM_COPY_HOST_TO_DEVICE));
+  EXPECT_EQ(a[3], 42.0f);
+  EXPECT_EQ(take(api->copy(d.raw(), nullptr, a.data(), host.data(), 4, 7)).code, LOOM_CODE_INVALID_ARGUMENT);
+
+  loom_stream* s = nullptr;
+  loom_event* e = nullptr;
+  loom::check(api->stream_create(d.raw(), &s));
+  loom::check(api->event_create(d.raw(), &e));
+  loom::check(api->event_record(d.raw(), e, s));
+  loom::check(api->stream_wait_event(d.raw(), nullptr, e));
+  loom::check(api->event_synchronize(d.raw(), e));
+  loom::check(api->stream_synchronize(d.raw(), s));
+  loom::check(api->stream_synchronize(d.raw(), nullptr));
+  // Handles are validated: a pointer that is no event is an error, not a crash.
+  alignas(16) unsigned char junk[64] = {};
+  EXPECT_EQ(take(api->event_synchronize(d.raw(), reinterpret_cast<loom_event*>(junk))).code,
+            LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_EQ(take(api->stream_synchronize(d.raw(), reinterpret_cast<loom_stream*>(junk))).code,
+            LOOM_CODE_INVALID_ARGUMENT);
+  api->event_destroy(d.raw(), e);
+  api->stream_destroy(d.raw(), s);
+}
+
+// ---------------------------------------------------------------------------
+// GEMM
+// ---------------------------------------------------------------------------
+
+struct GemmCase {
+  int ta, tb;
+  int64_t m, n, k, batch;
+  float alpha, beta;
+};
+
+void check_gemm(const Dev& d, const GemmCase& g, uint32_t seed) {
+  const int64_t a_rows = g.ta ? g.k : g.m, a_cols = g.ta ? g.m : g.k;
+  const int64_t b_rows = g.tb ? g.n : g.k, b_cols = g.tb ? g.k : g.n;
+  const int64_t lda = a_cols + 3, ldb = b_cols + 2, ldc = g.n + 5;  // nothing tight
+  const int64_t sa = a_rows * lda + 7, sb = b_rows * ldb + 1, sc = g.m * ldc + 3;
+  const std::vector<float> av = randn(static_cast<size_t>(sa * g.batch), seed);
+  const std::vector<float> bv = randn(static_cast<size_t>(sb * g.batch), seed + 1);
+  std::vector<float> cv = randn(static_cast<size_t>(sc * g.batch), seed + 2);
+  if (g.beta == 0.0f)
+    for (float& x : cv) x = kNaN;  // beta = 0 must ignore whatever C holds
+  Buf<float> A(d, av), B(d, bv), C(d, cv);
+  Vec want(cv.begin(), cv.end());
+  for (int64_t bi = 0; bi < g.batch; ++bi)
+    for (int64_t i = 0; i < g.m; ++i)
+      for (int64_t j = 0; j < g.n; ++j) {
+        double s = 0;
+        for (int64_t p = 0; p < g.k; ++p) {
+          const double x = g.ta ? av[bi * sa + p * lda + i] : av[bi * sa + i * lda + p];
+          const double y = g.tb ? bv[bi * sb + j * ldb + p] : bv[bi * sb + p * ldb + j];
+          s += x * y;
+        }
+        double& c = want[bi * sc + i * ldc + j];
+        c = g.alpha * s + (g.beta == 0.0f ? 0.0 : g.beta * c);
+      }
+  loom_gemm_args a = loom::make<loom_gemm_args>();
+  a.trans_a = g.ta;
+  a.trans_b = g.tb;
+  a.m = g.m;
+  a.n = g.n;
+  a.k = g.k;
+  a.a = A.data();
+  a.lda = lda;
+  a.stride_a = sa;
+  a.b = B.data();
+  a.ldb = ldb;
+  a.stride_b = sb;
+  a.c = C.data();
+  a.ldc = ldc;
+  a.stride_c = sc;
+  a.batch = g.batch;
+  a.alpha = g.alpha;
+  a.beta = g.beta;
+  a.dtype = a.c_dtype = LOOM_DTYPE_F32;
+  d.ops().gemm(a);
+  std::vector<float> got = C.get();
+  // Elements outside the m x n blocks (ld padding, batch gaps) stay as they were.
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::isnan(cv[i]) && std::isnan(got[i])) {
+      const int64_t bi = static_cast<int64_t>(i) / sc, r = (static_cast<int64_t>(i) % sc) / ldc,
+                    c = (static_cast<int64_t>(i) % sc) % ldc;
+      ASSERT_FALSE(bi < g.batch && r < g.m && c < g.n) << "NaN from C leaked through beta = 0 at " << i;
+      got[i] = 0.0f;
+      want[i] = 0.0;
+    }
+  std::ostringstream what;
+  what << "gemm ta=" << g.ta << " tb=" << g.tb << " m=" << g.m << " n=" << g.n << " k=" << g.k << " batch=" << g.batch
+       << " beta=" << g.beta;
+  expect_close(got, want, 1e-4 * std::sqrt(static_cast<double>(g.k) + 1), 1e-5, what.str());
+}
+
+class GemmBackends : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(GemmBackends, MatchesNaiveLoopForAllTransposesBatchesAndBetas) {
+  Dev d(std::get<1>(GetParam()), std::get<0>(GetParam()));
+  uint32_t seed = 10;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      check_gemm(d, {ta, tb, 5, 7, 3, 1, 1.0f, 0.0f}, seed++);
+      check_gemm(d, {ta, tb, 13, 9, 17, 3, 0.75f, 0.0f}, seed++);
+      check_gemm(d, {ta, tb, 13, 9, 17, 3, -1.5f, 1.0f}, seed++);
+      check_gemm(d, {ta, tb, 70, 65, 300, 2, 1.0f, 0.5f}, seed++);   // batch-parallel sizes
+      check_gemm(d, {ta, tb, 300, 100, 80, 1, 1.0f, 0.0f}, seed++);  // row panels
+      check_gemm(d, {ta, tb, 40, 600, 100, 1, 1.0f, 1.0f}, seed++);  // column panels
+    }
+  check_gemm(d, {0, 0, 6, 4, 0, 2, 1.0f, 0.0f}, seed++);  // k = 0: C = beta C (0, NaN ignored)
+  check_gemm(d, {0, 1, 6, 4, 5, 2, 0.0f, 2.0f}, seed++);  // alpha = 0
+}
+
+INSTANTIATE_TEST_SUITE_P(DeviceCpu, GemmBackends,
+                         ::testing::Combine(::testing::Values("openblas", "builtin"), ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_threads" + std::to_string(std::get<1>(info.param));
+                         });
+
+// Ranks get different thread counts as the parallel layout changes (2 cores over
+// 1, 2, 4 ranks): however a GEMM is spread over the pool, the bits are the same.
+TEST(DeviceCpu, GemmResultsDoNotDependOnTheThreadCount) {
+  Dev d1(1), d2(2);
+  const GemmCase cases[] = {{0, 0, 300, 100, 80, 1, 1.0f, 0.0f}, {1, 0, 40, 600, 100, 1, 1.0f, 1.0f},
+                            {0, 1, 128, 96, 256, 4, 0.5f, 0.0f}, {1, 1, 257, 255, 129, 1, 1.0f, 0.0f},
+                            {0, 0, 1024, 64, 64, 1, 1.0f, 0.0f}, {0, 0, 16, 2048, 64, 1, 1.0f, 0.0f}};
+  for (const GemmCase& g : cases) {
+    const int64_t a_n = g.m * g.k * g.batch, b_n = g.k * g.n * g.batch, c_n = g.m * g.n * g.batch;
+    const std::vector<float> av = randn(a_n, 160), bv = randn(b_n, 161), cv = randn(c_n, 162);
+    std::vector<float> results[2];
+    for (int t = 0; t < 2; ++t) {
+      const Dev& d = t == 0 ? d1 : d2;
+      Buf<float> A(d, av), B(d, bv), C(d, cv);
+      loom_gemm_args a = loom::make<loom_gemm_args>();
+      a.trans_a = g.ta;
+      a.trans_b = g.tb;
+      a.m = g.m;
+      a.n = g.n;
+      a.k = g.k;
+      a.a = A.data();
+      a.lda = g.ta ? g.m : g.k;
+      a.stride_a = g.m * g.k;
+      a.b = B.data();
+      a.ldb = g.tb ? g.k : g.n;
+      a.stride_b = g.k * g.n;
+      a.c = C.data();
+      a.ldc = g.n;
+      a.stride_c = g.m * g.n;
+      a.batch = g.batch;
+      a.alpha = g.alpha;
+      a.beta = g.beta;
+      d.ops().gemm(a);
+      results[t] = C.get();
+    }
+    EXPECT_EQ(results[0], results[1]) << "m=" << g.m << " n=" << g.n << " k=" << g.k << " batch=" << g.batch;
+  }
+}
+
+// Ranks are threads of one process, each with its own device: concurrent GEMMs
+// and kernels (OpenBLAS is shared) give what each computes alone.
+TEST(DeviceCpu, DevicesOfConcurrentRanksDoNotInterfere) {
+  const int64_t m = 192, n = 160, k = 96;
+  const std::vector<float> av = randn(m * k, 170), bv = randn(k * n, 171);
+  auto work = [&](const Dev& d, std::vector<float>& out) {
+    Buf<float> A(d, av), B(d, bv), C(d, m * n), Y(d, m * n);
+    loom_gemm_args g = loom::make<loom_gemm_args>();
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.a = A.data();
+    g.lda = k;
+    g.b = B.data();
+    g.ldb = n;
+    g.c = C.data();
+    g.ldc = n;
+    g.batch = 1;
+    g.alpha = 1.0f;
+    loom_gelu_args ge = loom::make<loom_gelu_args>();
+    ge.n = m * n;
+    ge.x = C.data();
+    ge.out = Y.data();
+    for (int rep = 0; rep < 20; ++rep) {
+      d.ops().gemm(g);
+      d.ops().gelu_fwd(ge);
+    }
+    out = Y.get();
+  };
+  std::vector<float> alone;
+  {
+    Dev d(1);
+    work(d, alone);
+  }
+  std::vector<std::vector<float>> results(4);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 4; ++r)
+    ranks.emplace_back([&, r] {
+      Dev d(r % 2 + 1);
+      work(d, results[static_cast<size_t>(r)]);
+    });
+  for (std::thread& t : ranks) t.join();
+  for (const std::vector<float>& res : results) EXPECT_EQ(res, alone);
+}
+
+TEST(DeviceCpu, GemmSumsOverBatchWhenCStrideIsZero) {
+  Dev d(2);
+  const int64_t m = 64, n = 64, k = 200, batch = 4;
+  const std::vector<float> av = randn(static_cast<size_t>(m * k * batch), 3),
+                           bv = randn(static_cast<size_t>(k * n * batch), 4);
+  Buf<float> A(d, av), B(d, bv), C(d, static_cast<size_t>(m * n));
+  C.fill(0.0f);
+  loom_gemm_args a = loom::make<loom_gemm_args>();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.a = A.data();
+  a.lda = k;
+  a.stride_a = m * k;
+  a.b = B.data();
+  a.ldb = n;
+  a.stride_b = k * n;
+  a.c = C.data();
+  a.ldc = n;
+  a.stride_c = 0;
+  a.batch = batch;
+  a.alpha = 1.0f;
+  a.beta = 1.0f;
+  d.ops().gemm(a);
+  Vec want(static_cast<size_t>(m * n), 0.0);
+  for (int64_t bi = 0; bi < batch; ++bi)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t p = 0; p < k; ++p)
+          want[i * n + j] += double(av[bi * m * k + i * k + p]) * bv[bi * k * n + p * n + j];
+  expect_close(C.get(), want, 1e-3, 1e-5, "gemm stride_c=0");
+}
+
+TEST(DeviceCpu, GemmReportsUnsupportedDtypesAndBadShapes) {
+  Dev d;
+  Buf<float> A(d, 16), B(d, 16), C(d, 16);
+  loom_gemm_args a = loom::make<loom_gemm_args>();
+  a.m = a.n = a.k = 4;
+  a.a = A.data();
+  a.b = B.data();
+  a.c = C.data();
+  a.lda = a.ldb = a.ldc = 4;
+  a.batch = 1;
+  a.alpha = 1.0f;
+  a.dtype = LOOM_DTYPE_BF16;
+  a.c_dtype = LOOM_DTYPE_F32;
+  StatusInfo s = take(d.api()->ops->gemm(d.raw(), nullptr, &a));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("gemm"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("bf16"), std::string::npos) << s.message;
+  a.dtype = LOOM_DTYPE_F32;
+  a.lda = 3;
+  s = take(d.api()->ops->gemm(d.raw(), nullptr, &a));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("lda"), std::string::npos) << s.message;
+  EXPECT_EQ(take(d.api()->ops->gemm(d.raw(), nullptr, nullptr)).code, LOOM_CODE_INVALID_ARGUMENT);
+}
+
+// ---------------------------------------------------------------------------
+// LayerNorm
+// ---------------------------------------------------------------------------
+
+struct LnRef {
+  int64_t rows, cols;
+  double eps;
+  void forward(const Vec& x, const Vec& g, const Vec& b, Vec& y, Vec& mean, Vec& rstd) const {
+    y.assign(x.size(), 0);
+    mean.assign(static_cast<size_t>(rows), 0);
+    rstd.assign(static_cast<size_t>(rows), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double m = 0, v = 0;
+      for (int64_t c = 0; c < cols; ++c) m += x[r * cols + c];
+      m /= cols;
+      for (int64_t c = 0; c < cols; ++c) v += (x[r * cols + c] - m) * (x[r * cols + c] - m);
+      const double rs = 1.0 / std::sqrt(v / cols + eps);
+      for (int64_t c = 0; c < cols; ++c) y[r * cols + c] = (x[r * cols + c] - m) * rs * g[c] + b[c];
+      mean[r] = m;
+      rstd[r] = rs;
+    }
+  }
+  void backward(const Vec& dy, const Vec& x, const Vec& g, Vec& dx, Vec& dg, Vec& db) const {
+    Vec y, mean, rstd;
+    forward(x, g, Vec(static_cast<size_t>(cols), 0.0), y, mean, rstd);
+    dx.assign(x.size(), 0);
+    dg.assign(static_cast<size_t>(cols), 0);
+    db.assign(static_cast<size_t>(cols), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      double s1 = 0, s2 = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const double xh = (x[r * cols + c] - mean[r]) * rstd[r];
+        const double gg = dy[r * cols + c] * g[c];
+        s1 += gg;
+        s2 += gg * xh;
+        dg[c] += dy[r * cols + c] * xh;
+        db[c] += dy[r * cols + c];
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const double xh = (x[r * cols + c] - mean[r]) * rstd[r];
+        dx[r * cols + c] = rstd[r] * (dy[r * cols + c] * g[c] - s1 / cols - xh * s2 / cols);
+      }
+    }
+  }
+};
+
+TEST(DeviceCpu, LayerNormReferenceGradientsMatchFiniteDifferences) {
+  LnRef ref{3, 7, 1e-5};
+  Vec x = to_d(randn(21, 1)), g = to_d(randn(7, 2, 0.5f, 1.5f)), b = to_d(randn(7, 3)), w = to_d(randn(21, 4));
+  Vec dx, dg, db;
+  ref.backward(w, x, g, dx, dg, db);
+  auto loss = [&] {
+    Vec y, m, r;
+    ref.forward(x, g, b, y, m, r);
+    return dot(y, w);
+  };
+  expect_fd(x, loss, dx, "layernorm dx");
+  expect_fd(g, loss, dg, "layernorm dgamma");
+  expect_fd(b, loss, db, "layernorm dbeta");
+}
+
+TEST(DeviceCpu, LayerNormMatchesReference) {
+  for (const std::string& simd : simd_variants())
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE("simd " + simd + ", threads " + std::to_string(threads));
+      Dev d(threads, "openblas", simd);
+      const int64_t rows = 37, cols = 300;  // rows * cols spans several parallel chunks at 2 threads
+      LnRef ref{rows, cols, 1e-5};
+      const std::vector<float> xv = randn(rows * cols, 5, -2.0f, 3.0f), gv = randn(cols, 6, 0.5f, 1.5f),
+                               bv = randn(cols, 7), dyv = randn(rows * cols, 8), dx0 = randn(rows * cols, 9),
+                               dg0 = randn(cols, 10), db0 = randn(cols, 11);
+      Buf<float> x(d, xv), g(d, gv), b(d, bv), y(d, rows * cols), mean(d, rows), rstd(d, rows), dy(d, dyv), dx(d, dx0),
+          dg(d, dg0), db(d, db0);
+      loom_layernorm_fwd_args f = loom::make<loom_layernorm_fwd_args>();
+      f.rows = rows;
+      f.cols = cols;
+      f.x = x.data();
+      f.gamma = g.data();
+      f.beta = b.data();
+      f.y = y.data();
+      f.mean = mean.data();
+      f.rstd = rstd.data();
+      f.eps = 1e-5f;
+      d.ops().layernorm_fwd(f);
+      Vec ry, rm, rr;
+      ref.forward(to_d(xv), to_d(gv), to_d(bv), ry, rm, rr);
+      expect_close(y.get(), ry, 1e-5, 1e-5, "layernorm y");
+      expect_close(mean.get(), rm, 1e-6, 1e-6, "layernorm mean");
+      expect_close(rstd.get(), rr, 1e-6, 1e-5, "layernorm rstd");
+
+      Vec rdx, rdg, rdb;
+      ref.backward(to_d(dyv), to_d(xv), to_d(gv), rdx, rdg, rdb);
+      loom_layernorm_bwd_args bw = loom::make<loom_layernorm_bwd_args>();
+      bw.rows = rows;
+      bw.cols = cols;
+      bw.dy = dy.data();
+      bw.x = x.data();
+      bw.gamma = g.data();
+      bw.mean = mean.data();
+      bw.rstd = rstd.data();
+      bw.dx = dx.data();
+      bw.dgamma = dg.data();
+      bw.dbeta = db.data();
+      d.ops().layernorm_bwd(bw);
+      expect_close(dx.get(), rdx, 1e-5, 1e-4, "layernorm dx");
+      Vec want_dg(static_cast<size_t>(cols)), want_db(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c) {  // dgamma, dbeta accumulate
+        want_dg[c] = dg0[c] + rdg[c];
+        want_db[c] = db0[c] + rdb[c];
+      }
+      expect_close(dg.get(), want_dg, 1e-4, 1e-5, "layernorm dgamma");
+      expect_close(db.get(), want_db, 1e-4, 1e-5, "layernorm dbeta");
+      // accumulate_dx adds onto dx.
+      dx.set(dx0);
+      bw.accumulate_dx = 1;
+      bw.dgamma = bw.dbeta = nullptr;
+      d.ops().layernorm_bwd(bw);
+      Vec want_dx(rdx);
+      for (size_t i = 0; i < want_dx.size(); ++i) want_dx[i] += dx0[i];
+      expect_close(dx.get(), want_dx, 1e-5, 1e-4, "layernorm dx accumulated");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// GeLU
+// ---------------------------------------------------------------------------
+
+double gelu_ref(double x) {
+  const double c = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(c * (x + 0.044715 * x * x * x)));
+}
+double gelu_grad_ref(double x) {
+  const double c = std::sqrt(2.0 / M_PI), u = c * (x + 0.044715 * x * x * x), t = std::tanh(u);
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x);
+}
+
+TEST(DeviceCpu, GeluMatchesReferenceAndFiniteDifferences) {
+  Vec xs = to_d(randn(40, 12, -6.0f, 6.0f));
+  for (double x : xs) {
+    Vec p{x};
+    expect_fd(
+        p, [&] { return gelu_ref(p[0]); }, Vec{gelu_grad_ref(x)}, "gelu'", 1e-6, 1e-7);
+  }
+  for (const std::string& simd : simd_variants()) {
+    SCOPED_TRACE("simd " + simd);
+    Dev d(2, "openblas", simd);
+    const size_t n = 100003;  // several chunks, odd tail
+    std::vector<float> xv = randn(n, 13, -8.0f, 8.0f);
+    xv[0] = 0.0f;
+    xv[1] = -1e-4f;
+    xv[2] = 30.0f;
+    xv[3] = -30.0f;
+    const std::vector<float> dyv = randn(n, 14);
+    Buf<float> x(d, xv), dy(d, dyv), y(d, n), dx(d, n);
+    loom_gelu_args a = loom::make<loom_gelu_args>();
+    a.n = static_cast<int64_t>(n);
+    a.x = x.data();
+    a.out = y.data();
+    d.ops().gelu_fwd(a);
+    a.dy = dy.data();
+    a.out = dx.data();
+    d.ops().gelu_bwd(a);
+    Vec want_y(n), want_dx(n);
+    for (size_t i = 0; i < n; ++i) {
+      want_y[i] = gelu_ref(xv[i]);
+      want_dx[i] = dyv[i] * gelu_grad_ref(xv[i]);
+    }
+    expect_close(y.get(), want_y, 1e-6, 2e-6, "gelu y");
+    expect_close(dx.get(), want_dx, 1e-6, 2e-6, "gelu dx");
+    // In place.
+    a.out = x.data();
+    a.dy = nullptr;
+    d.ops().gelu_fwd(a);
+    expect_close(x.get(), want_y, 1e-6, 2e-6, "gelu y in place");
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------
+
+// Logical tensors [batch, seq, heads, hd] in double; the reference computes the
+// textbook softmax derivative (not the flash formulation the plugin uses).
+struct AttnRef {
+  int64_t B, S, H, D;
+  bool causal;
+  double scale;
+  size_t idx(int64_t b, int64_t s, int64_t h, int64_t d) const {
+    return static_cast<size_t>(((b * S + s) * H + h) * D + d);
+  }
+  Vec probs(const Vec& q, const Vec& k, int64_t b, int64_t h, int64_t i, double* lse) const {
+    const int64_t valid = causal ? i + 1 : S;
+    Vec p(static_cast<size_t>(S), 0.0);
+    double m = -1e300;
+    for (int64_t j = 0; j < valid; ++j) {
+      double s = 0;
+      for (int64_t d = 0; d < D; ++d) s += q[idx(b, i, h, d)] * k[idx(b, j, h, d)];
+      p[j] = s * scale;
+      m = std::max(m, p[j]);
+    }
+    double z = 0;
+    for (int64_t j = 0; j < valid; ++j) z += std::exp(p[j] - m);
+    for (int64_t j = 0; j < valid; ++j) p[j] = std::exp(p[j] - m) / z;
+    if (lse) *lse = m + std::log(z);
+    return p;
+  }
+  void forward(const Vec& q, const Vec& k, const Vec& v, Vec& out, Vec& lse) const {
+    out.assign(q.size(), 0.0);
+    lse.assign(static_cast<size_t>(B * H * S), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < S; ++i) {
+          Vec p = probs(q, k, b, h, i, &lse[(b * H + h) * S + i]);
+          for (int64_t j = 0; j < S; ++j)
+            for (int64_t d = 0; d < D; ++d) out[idx(b, i, h, d)] += p[j] * v[idx(b, j, h, d)];
+        }
+  }
+  void backward(const Vec& q, const Vec& k, const Vec& v, const Vec& dout, Vec& dq, Vec& dk, Vec& dv) const {
+    dq.assign(q.size(), 0.0);
+    dk.assign(q.size(), 0.0);
+    dv.assign(q.size(), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < S; ++i) {
+          Vec p = probs(q, k, b, h, i, nullptr);
+          Vec dp(static_cast<size_t>(S), 0.0);
+          double pdp = 0;
+          for (int64_t j = 0; j < S; ++j) {
+            for (int64_t d = 0; d < D; ++d) dp[j] += dout[idx(b, i, h, d)] * v[idx(b, j, h, d)];
+            pdp += p[j] * dp[j];
+          }
+          for (int64_t j = 0; j < S; ++j) {
+            const double ds = p[j] * (dp[j] - pdp) * scale;
+            for (int64_t d = 0; d < D; ++d) {
+              dq[idx(b, i, h, d)] += ds * k[idx(b, j, h, d)];
+              dk[idx(b, j, h, d)] += ds * q[idx(b, i, h, d)];
+              dv[idx(b, j, h, d)] += p[j] * dout[idx(b, i, h, d)];
+            }
+          }
+        }
+  }
+};
+
+TEST(DeviceCpu, AttentionReferenceGradientsMatchFiniteDifferences) {
+  for (bool causal : {true, false}) {
+    AttnRef ref{2, 5, 2, 3, causal, 0.7};
+    const size_t n = static_cast<size_t>(2 * 5 * 2 * 3);
+    Vec q = to_d(randn(n, 20)), k = to_d(randn(n, 21)), v = to_d(randn(n, 22)), w = to_d(randn(n, 23));
+    Vec dq, dk, dv;
+    ref.backward(q, k, v, w, dq, dk, dv);
+    auto loss = [&] {
+      Vec out, lse;
+      ref.forward(q, k, v, out, lse);
+      return dot(out, w);
+    };
+    const std::string tag = causal ? " (causal)" : " (full)";
+    expect_fd(q, loss, dq, "attention dq" + tag);
+    expect_fd(k, loss, dk, "attention dk" + tag);
+    expect_fd(v, loss, dv, "attention dv" + tag);
+  }
+}
+
+// Runs the device's attention on logical tensors laid out either as packed QKV
+// [s, b, 3, heads, hd] with out [s, b, heads*hd + pad], or as [b, s, heads, hd].
+struct AttnRun {
+  std::vector<float> out, lse, dq, dk, dv, out_raw;
+  int64_t out_pad_sentinels_changed = 0;
+};
+
+AttnRun run_attention(const Dev& d, const AttnRef& ref, bool packed, const Vec& q, const Vec& k, const Vec& v,
+                      const Vec& dout) {
+  const int64_t B = ref.B, S = ref.S, H = ref.H, D = ref.D, W = H * D;
+  const int64_t pad = 5;
+  int64_t qs_b, qs_s, os_b, os_s;
+  size_t qkv_elems, out_elems;
+  int64_t koff, voff;
+  if (packed) {
+    qs_b = 3 * W;
+    qs_s = B * 3 * W;
+    koff = W;
+    voff = 2 * W;
+    os_b = W + pad;
+    os_s = B * (W + pad);
+    qkv_elems = static_cast<size_t>(S * B * 3 * W);
+    out_elems = static_cast<size_t>(S * B * (W + pad));
+  } else {
+    qs_b = S * W;
+    qs_s = W;
+    koff = B * S * W;
+    voff = 2 * B * S * W;
+    os_b = S * (W + pad);
+    os_s = W + pad;
+    qkv_elems = static_cast<size_t>(3 * B * S * W);
+    out_elems = static_cast<size_t>(B * S * (W + pad));
+  }
+  auto at = [&](int64_t b, int64_t s, int64_t h, int64_t dd) {
+    return static_cast<size_t>(b * qs_b + s * qs_s + h * D + dd);
+  };
+  auto oat = [&](int64_t b, int64_t s, int64_t h, int64_t dd) {
+    return static_cast<size_t>(b * os_b + s * os_s + h * D + dd);
+  };
+  std::vector<float> qkv(qkv_elems, 0.0f), dov(out_elems, 0.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t dd = 0; dd < D; ++dd) {
+          qkv[at(b, s, h, dd)] = static_cast<float>(q[ref.idx(b, s, h, dd)]);
+          qkv[at(b, s, h, dd) + koff] = static_cast<float>(k[ref.idx(b, s, h, dd)]);
+          qkv[at(b, s, h, dd) + voff] = static_cast<float>(v[ref.idx(b, s, h, dd)]);
+          dov[oat(b, s, h, dd)] = static_cast<float>(dout[ref.idx(b, s, h, dd)]);
+        }
+  constexpr float kSentinel = 12345.0f;
+  Buf<float> QKV(d, qkv), O(d, out_elems), dO(d, dov), LSE(d, static_cast<size_t>(B * H * S)), dQKV(d, qkv_elems);
+  O.fill(kSentinel);
+  dQKV.fill(kNaN);  // overwritten, never read
+  loom_attention_args a = loom::make<loom_attention_args>();
+  a.batch = B;
+  a.seq = S;
+  a.heads = H;
+  a.head_dim = D;
+  a.qkv_stride_b = qs_b;
+  a.qkv_stride_s = qs_s;
+  a.out_stride_b = os_b;
+  a.out_stride_s = os_s;
+  a.q = QKV.data();
+  a.k = QKV.data() + koff;
+  a.v = QKV.data() + voff;
+  a.out = O.data();
+  a.lse = LSE.data();
+  a.scale = static_cast<float>(ref.scale);
+  a.causal = ref.causal ? 1 : 0;
+  d.ops().attention_fwd(a);
+  a.dout = dO.data();
+  a.dq = dQKV.data();
+  a.dk = dQKV.data() + koff;
+  a.dv = dQKV.data() + voff;
+  d.ops().attention_bwd(a);
+
+  AttnRun r;
+  r.out.resize(q.size());
+  r.dq.resize(q.size());
+  r.dk.resize(q.size());
+  r.dv.resize(q.size());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t dd = 0; dd < D; ++dd) {
+          const size_t li = ref.idx(b, s, h, dd);
+          r.out[li] = O[oat(b, s, h, dd)];
+          r.dq[li] = dQKV[at(b, s, h, dd)];
+          r.dk[li] = dQKV[at(b, s, h, dd) + koff];
+          r.dv[li] = dQKV[at(b, s, h, dd) + voff];
+        }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t p = 0; p < pad; ++p)
+        if (O[static_cast<size_t>(b * os_b + s * os_s + W + p)] != kSentinel) ++r.out_pad_sentinels_changed;
+  r.lse = LSE.get();
+  r.out_raw = O.get();
+  return r;
+}
+
+TEST(DeviceCpu, AttentionMatchesReferenceForStridedLayouts) {
+  for (bool causal : {true, false})
+    for (bool packed : {true, false}) {
+      AttnRef ref{2, 70, 3, 8, causal, 1.0 / std::sqrt(8.0)};  // 70: two query blocks, one partial
+      const size_t n = static_cast<size_t>(2 * 70 * 3 * 8);
+      const Vec q = to_d(randn(n, 30, -2, 2)), k = to_d(randn(n, 31, -2, 2)), v = to_d(randn(n, 32)),
+                dout = to_d(randn(n, 33));
+      Vec out, lse, dq, dk, dv;
+      ref.forward(q, k, v, out, lse);
+      ref.backward(q, k, v, dout, dq, dk, dv);
+      const std::string tag = std::string(causal ? " causal" : " full") + (packed ? " packed-qkv" : " bshd");
+      for (const std::string& simd : simd_variants())
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE("simd " + simd + ", threads " + std::to_string(threads));
+          Dev d(threads, "openblas", simd);
+          AttnRun r = run_attention(d, ref, packed, q, k, v, dout);
+          expect_close(r.out, out, 1e-5, 1e-4, "attention out" + tag);
+          expect_close(r.lse, lse, 1e-5, 1e-5, "attention lse" + tag);
+          expect_close(r.dq, dq, 2e-5, 1e-4, "attention dq" + tag);
+          expect_close(r.dk, dk, 2e-5, 1e-4, "attention dk" + tag);
+          expect_close(r.dv, dv, 2e-5, 1e-4, "attention dv" + tag);
+          EXPECT_EQ(r.out_pad_sentinels_changed, 0) << "attention wrote into out's row padding" << tag;
+        }
+    }
+}
+
+TEST(DeviceCpu, AttentionIsIndependentOfThreadCount) {
+  AttnRef ref{1, 130, 4, 16, true, 0.25};
+  const size_t n = static_cast<size_t>(130 * 4 * 16);
+  const Vec q = to_d(randn(n, 40)), k = to_d(randn(n, 41)), v = to_d(randn(n, 42)), dout = to_d(randn(n, 43));
+  Dev d1(1), d2(2);
+  AttnRun a = run_attention(d1, ref, true, q, k, v, dout), b = run_attention(d2, ref, true, q, k, v, dout);
+  EXPECT_EQ(a.out_raw, b.out_raw);
+  EXPECT_EQ(a.lse, b.lse);
+  EXPECT_EQ(a.dq, b.dq);
+  EXPECT_EQ(a.dk, b.dk);
+  EXPECT_EQ(a.dv, b.dv);
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy
+// ---------------------------------------------------------------------------
+
+// Full-vocab reference: loss per row and dlogits = scale * d(loss)/d(logits).
+struct XentRef {
+  int64_t rows, valid;
+  double scale;
+  void run(const Vec& logits, int64_t ld, const std::vector<int32_t>& t, Vec& loss, Vec& dlogits) const {
+    loss.assign(static_cast<size_t>(rows), 0.0);
+    dlogits.assign(logits.size(), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t[r] < 0) continue;
+      double m = -1e300, z = 0;
+      for (int64_t c = 0; c < valid; ++c) m = std::max(m, logits[r * ld + c]);
+      for (int64_t c = 0; c < valid; ++c) z += std::exp(logits[r * ld + c] - m);
+      loss[r] = std::log(z) + m - logits[r * ld + t[r]];
+      for (int64_t c = 0; c < valid; ++c)
+        dlogits[r * ld + c] = scale * (std::exp(logits[r * ld + c] - m) / z - (c == t[r] ? 1.0 : 0.0));
+    }
+  }
+};
+
+struct XentBufs {
+  Buf<float> row_max, sumexp, tlogit, loss;
+  XentBufs(const Dev& d, int64_t rows) : row_max(d, rows), sumexp(d, rows), tlogit(d, rows), loss(d, rows) {}
+};
+
+loom_xent_args xent_args(int32_t step, int64_t rows, int64_t cols, int64_t ld, int64_t valid, int64_t vstart,
+                         const float* logits, const int32_t* targets, XentBufs& b, float* dlogits, float scale) {
+  loom_xent_args a = loom::make<loom_xent_args>();
+  a.step = step;
+  a.rows = rows;
+  a.cols = cols;
+  a.ld = ld;
+  a.valid_cols = valid;
+  a.vocab_start = vstart;
+  a.logits = logits;
+  a.targets = targets;
+  a.row_max = b.row_max.data();
+  a.row_sumexp = b.sumexp.data();
+  a.target_logit = b.tlogit.data();
+  a.loss = b.loss.data();
+  a.dlogits = dlogits;
+  a.scale = scale;
+  return a;
+}
+
+TEST(DeviceCpu, XentReferenceGradientMatchesFiniteDifferences) {
+  const int64_t rows = 4, valid = 6, ld = 8;  // two padding columns
+  const std::vector<int32_t> t{2, -1, 5, 0};
+  XentRef ref{rows, valid, 0.5};
+  Vec logits = to_d(randn(rows * ld, 50, -3, 3));
+  Vec loss, dl;
+  ref.run(logits, ld, t, loss, dl);
+  auto f = [&] {
+    Vec l, g;
+    ref.run(logits, ld, t, l, g);
+    double s = 0;
+    for (double x : l) s += x;
+    return ref.scale * s;
+  };
+  expect_fd(logits, f, dl, "xent dlogits");
+}
+
+TEST(DeviceCpu, XentFullChainMatchesReferenceWithPaddingAndIgnoredRows) {
+  for (const std::string& simd : simd_variants()) {
+    SCOPED_TRACE("simd " + simd);
+    Dev d(2, "openblas", simd);
+    const int64_t rows = 9, cols = 12, valid = 10, ld = 13;
+    const std::vector<int32_t> tv{3, -1, 9, 0, 7, -100, 1, 9, 4};
+    std::vector<float> lv = randn(rows * ld, 60, -4, 4);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = valid; c < ld; ++c) lv[r * ld + c] = 1e4f;  // padding and gaps: must never count
+    Buf<float> logits(d, lv), dlogits(d, rows * ld);
+    Buf<int32_t> targets(d, tv);
+    dlogits.fill(-7.0f);
+    XentBufs b(d, rows);
+    const float scale = 1.0f / 7.0f;
+    for (int32_t step : {LOOM_XENT_ROW_MAX, LOOM_XENT_SUMEXP, LOOM_XENT_LOSS, LOOM_XENT_BACKWARD})
+      d.ops().xent(xent_args(step, rows, cols, ld, valid, 0, logits.data(), targets.data(), b, dlogits.data(), scale));
+    XentRef ref{rows, valid, scale};
+    Vec loss, dl;
+    ref.run(to_d(lv), ld, tv, loss, dl);
+    expect_close(b.loss.get(), loss, 1e-5, 1e-5, "xent loss");
+    std::vector<float> got = dlogits.get();
+    for (int64_t r = 0; r < rows; ++r) {  // the ld gap (column 12) is not ours: untouched
+      EXPECT_EQ(got[r * ld + 12], -7.0f);
+      got[r * ld + 12] = 0.0f;
+    }
+    expect_close(got, dl, 1e-6, 1e-5, "xent dlogits");
+    // In place: dlogits over the logits.
+    for (int32_t step : {LOOM_XENT_ROW_MAX, LOOM_XENT_SUMEXP, LOOM_XENT_LOSS, LOOM_XENT_BACKWARD})
+      d.ops().xent(xent_args(step, rows, cols, ld, valid, 0, logits.data(), targets.data(), b, logits.data(), scale));
+    std::vector<float> inplace = logits.get();
+    for (int64_t r = 0; r < rows; ++r) inplace[r * ld + 12] = 0.0f;
+    expect_close(inplace, dl, 1e-6, 1e-5, "xent dlogits in place");
+  }
+}
+
+TEST(DeviceCpu, XentVocabSplitHalvesCombineToTheFullResult) {
+  Dev d(2);
+  const int64_t rows = 8, cols = 12, valid = 10, half = 6, ld = 12;
+  const std::vector<int32_t> tv{0, 5, 6, 9, -1, 3, 7, 8};
+  const std::vector<float> lv = randn(rows * ld, 70, -5, 5);
+  Buf<int32_t> targets(d, tv);
+  const float scale = 0.25f;
+  // The whole vocab at once.
+  Buf<float> logits(d, lv), full_d(d, rows * ld);
+  XentBufs full(d, rows);
+  for (int32_t step : {LOOM_XENT_ROW_MAX, LOOM_XENT_SUMEXP, LOOM_XENT_LOSS, LOOM_XENT_BACKWARD})
+    d.ops().xent(xent_args(step, rows, cols, ld, valid, 0, logits.data(), targets.data(), full, full_d.data(), scale));
+  // Two slices, [0, 6) and [6, 12) of which 4 columns are real, each with local partials.
+  Buf<float> split_d(d, rows * ld);
+  XentBufs p0(d, rows), p1(d, rows);
+  XentBufs* parts[2] = {&p0, &p1};
+  const int64_t starts[2] = {0, half}, valids[2] = {half, valid - half};
+  for (int s = 0; s < 2; ++s) {
+    const float* l = logits.data() + starts[s];
+    d.ops().xent(xent_args(LOOM_XENT_ROW_MAX, rows, half, ld, valids[s], starts[s], l, targets.data(), *parts[s],
+                           nullptr, scale));
+    d.ops().xent(xent_args(LOOM_XENT_SUMEXP, rows, half, ld, valids[s], starts[s], l, targets.data(), *parts[s],
+                           nullptr, scale));
+  }
+  // Combine as a vocab-parallel all-reduce would: max of maxes, sumexp rescaled,
+  // target logits summed (exactly one slice holds each target).
+  XentBufs comb(d, rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float m = std::max(p0.row_max[r], p1.row_max[r]);
+    comb.row_max[r] = m;
+    comb.sumexp[r] = static_cast<float>(p0.sumexp[r] * std::exp(double(p0.row_max[r]) - m) +
+                                        p1.sumexp[r] * std::exp(double(p1.row_max[r]) - m));
+    comb.tlogit[r] = p0.tlogit[r] + p1.tlogit[r];
+  }
+  d.ops().xent(xent_args(LOOM_XENT_LOSS, rows, half, ld, half, 0, logits.data(), targets.data(), comb, nullptr, scale));
+  for (int s = 0; s < 2; ++s)
+    d.ops().xent(xent_args(LOOM_XENT_BACKWARD, rows, half, ld, valids[s], starts[s], logits.data() + starts[s],
+                           targets.data(), comb, split_d.data() + starts[s], scale));
+  expect_close(comb.loss.get(), to_d(full.loss.get()), 1e-5, 1e-5, "split xent loss");
+  expect_close(split_d.get(), to_d(full_d.get()), 1e-6, 1e-5, "split xent dlogits");
+  for (int64_t r = 0; r < rows; ++r) {
+    if (tv[r] < 0) {
+      EXPECT_EQ(comb.loss[r], 0.0f);
+    }
+    for (int64_t c = valid; c < cols; ++c) EXPECT_EQ(split_d[r * ld + c], 0.0f) << "padding column got gradient";
+  }
+}
+
+TEST(DeviceCpu, XentRejectsATargetInThePadding) {
+  Dev d;
+  Buf<float> logits(d, randn(8, 1));
+  Buf<int32_t> targets(d, std::vector<int32_t>{1, 7});
+  XentBufs b(d, 2);
+  loom_xent_args a = xent_args(LOOM_XENT_SUMEXP, 2, 4, 4, 3, 4, logits.data(), targets.data(), b, nullptr, 1.0f);
+  b.row_max.fill(0.0f);
+  StatusInfo s = take(d.api()->ops->xent(d.raw(), nullptr, &a));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("padding"), std::string::npos) << s.message;
+}
+
+// ---------------------------------------------------------------------------
+// Embedding
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCpu, EmbeddingSlicesMatchReferenceAndFiniteDifferences) {
+  const int64_t vocab = 10, dim = 5, n = 12, split = 6;
+  const std::vector<int32_t> ids{0, 3, 9, 3, 6, 5, 6, 6, 1, 9, 2, 7};
+  const std::vector<float> tv = randn(vocab * dim, 80), wv = randn(n * dim, 81);
+  // Reference: out = table[ids]; d(sum out o w)/d table = scatter-add of w, checked by FD.
+  Vec table = to_d(tv);
+  auto fwd = [&](const Vec& t) {
+    Vec out(static_cast<size_t>(n * dim));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < dim; ++c) out[i * dim + c] = t[ids[i] * dim + c];
+    return out;
+  };
+  Vec dtable(static_cast<size_t>(vocab * dim), 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < dim; ++c) dtable[ids[i] * dim + c] += wv[i * dim + c];
+  expect_fd(
+      table, [&] { return dot(fwd(table), to_d(wv)); }, dtable, "embedding dtable");
+
+  Dev d(2);
+  Buf<int32_t> I(d, ids);
+  Buf<float> T(d, tv), out(d, n * dim), out0(d, n * dim), dout(d, wv), dT(d, vocab * dim);
+  out0.fill(kNaN);
+  auto args = [&](int64_t start, int64_t rows) {
+    loom_embedding_args a = loom::make<loom_embedding_args>();
+    a.n = n;
+    a.dim = dim;
+    a.vocab_rows = rows;
+    a.vocab_start = start;
+    a.ids = I.data();
+    a.table = T.data() + start * dim;
+    a.dout = dout.data();
+    a.dtable = dT.data() + start * dim;
+    return a;
+  };
+  // Slice 0 alone: ids outside it give zero rows.
+  loom_embedding_args a0 = args(0, split);
+  a0.out = out0.data();
+  d.ops().embedding_fwd(a0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < dim; ++c) EXPECT_EQ(out0[i * dim + c], ids[i] < split ? tv[ids[i] * dim + c] : 0.0f) << i;
+  // Slice 0 then slice 1 accumulated = the full lookup.
+  a0.out = out.data();
+  d.ops().embedding_fwd(a0);
+  loom_embedding_args a1 = args(split, vocab - split);
+  a1.out = out.data();
+  a1.accumulate = 1;
+  d.ops().embedding_fwd(a1);
+  expect_close(out.get(), fwd(to_d(tv)), 0, 0, "embedding forward over two slices");
+  // Backward per slice accumulates into its own rows; repeated ids add up.
+  const std::vector<float> dt0 = randn(vocab * dim, 82);
+  dT.set(dt0);
+  d.ops().embedding_bwd(args(0, split));
+  d.ops().embedding_bwd(args(split, vocab - split));
+  Vec want(dtable);
+  for (size_t i = 0; i < want.size(); ++i) want[i] += dt0[i];
+  expect_close(dT.get(), want, 1e-6, 1e-6, "embedding backward over two slices");
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise
+// ---------------------------------------------------------------------------
+
+loom_elementwise_args ew(int32_t op, int64_t n, const void* x, void* y, void* out) {
+  loom_elementwise_args a = loom::make<loom_elementwise_args>();
+  a.op = op;
+  a.n = n;
+  a.x = x;
+  a.y = y;
+  a.out = out;
+  return a;
+}
+
+TEST(DeviceCpu, ElementwiseArithmetic) {
+  Dev d(2);
+  const size_t n = 70001;
+  const std::vector<float> xv = randn(n, 90), yv = randn(n, 91);
+  Buf<float> x(d, xv), y(d, yv), out(d, n);
+  auto a = ew(LOOM_EW_ADD, n, x.data(), y.data(), out.data());
+  d.ops().elementwise(a);
+  Vec want(n);
+  for (size_t i = 0; i < n; ++i) want[i] = double(xv[i]) + yv[i];
+  expect_close(out.get(), want, 1e-7, 1e-7, "add");
+  a.op = LOOM_EW_MUL;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) want[i] = double(xv[i]) * yv[i];
+  expect_close(out.get(), want, 1e-7, 1e-7, "mul");
+  a.op = LOOM_EW_SCALE;
+  a.alpha = -3.0f;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) want[i] = -3.0 * xv[i];
+  expect_close(out.get(), want, 1e-7, 1e-7, "scale");
+  a.op = LOOM_EW_FILL;
+  a.alpha = 2.5f;
+  d.ops().elementwise(a);
+  expect_close(out.get(), Vec(n, 2.5), 0, 0, "fill");
+  a.op = LOOM_EW_AXPBY;
+  a.alpha = 2.0f;
+  a.beta = 0.5f;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) want[i] = 2.0 * xv[i] + 0.5 * yv[i];
+  expect_close(y.get(), want, 1e-6, 1e-6, "axpby");
+  y.fill(kNaN);
+  a.beta = 0.0f;  // beta = 0 ignores y
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) want[i] = 2.0 * xv[i];
+  expect_close(y.get(), want, 1e-7, 1e-7, "axpby beta=0");
+  // ADD_BIAS over [rows, cols].
+  const int64_t rows = 300, cols = 233;
+  const std::vector<float> mv = randn(rows * cols, 92), bv = randn(cols, 93);
+  Buf<float> m(d, mv), bias(d, bv), mo(d, rows * cols);
+  auto ab = ew(LOOM_EW_ADD_BIAS, rows * cols, m.data(), bias.data(), mo.data());
+  ab.cols = cols;
+  d.ops().elementwise(ab);
+  Vec wb(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) wb[r * cols + c] = double(mv[r * cols + c]) + bv[c];
+  expect_close(mo.get(), wb, 1e-7, 1e-7, "add_bias");
+  ab.cols = 7;  // n is no multiple of 7
+  EXPECT_EQ(take(d.api()->ops->elementwise(d.raw(), nullptr, &ab)).code, LOOM_CODE_INVALID_ARGUMENT);
+}
+
+TEST(DeviceCpu, CastRoundTripsThroughBf16WithRoundToNearestEven) {
+  Dev d(2);
+  std::vector<float> xv = randn(50000, 100, -1000.0f, 1000.0f);
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            1.0f + 0x1p-8f,
+                            1.0f + 3 * 0x1p-8f,
+                            1.0f + 0x1p-9f,
+                            -(1.0f + 0x1p-8f),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::max(),
+                            1e-40f,
+                            3.0e38f};
+  for (size_t i = 0; i < std::size(specials); ++i) xv[i] = specials[i];
+  xv[std::size(specials)] = kNaN;
+  const size_t n = xv.size();
+  Buf<float> x(d, xv), back(d, n);
+  Buf<uint16_t> h(d, n);
+  auto a = ew(LOOM_EW_CAST, static_cast<int64_t>(n), x.data(), nullptr, h.data());
+  a.dtype = LOOM_DTYPE_F32;
+  a.out_dtype = LOOM_DTYPE_BF16;
+  d.ops().elementwise(a);
+  a = ew(LOOM_EW_CAST, static_cast<int64_t>(n), h.data(), nullptr, back.data());
+  a.dtype = LOOM_DTYPE_BF16;
+  a.out_dtype = LOOM_DTYPE_F32;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) {
+    const float want = bf16_round_ref(xv[i]);
+    if (std::isnan(xv[i])) {
+      EXPECT_TRUE(std::isnan(back[i]));
+      continue;
+    }
+    ASSERT_EQ(std::memcmp(&back[i], &want, 4), 0) << "cast of " << xv[i] << " gave " << back[i] << ", want " << want;
+  }
+  EXPECT_EQ(back[3], 1.0f);                                    // tie 1 + 2^-8 rounds to even (down)
+  EXPECT_EQ(back[4], 1.0f + 0x1p-6f);                          // tie 1 + 3*2^-8 rounds to even (up)
+  EXPECT_EQ(back[9], std::numeric_limits<float>::infinity());  // FLT_MAX rounds up past the bf16 range
+  // A bf16 value survives bf16 -> f32 -> bf16 exactly.
+  Buf<uint16_t> h2(d, n);
+  a = ew(LOOM_EW_CAST, static_cast<int64_t>(n), back.data(), nullptr, h2.data());
+  a.dtype = LOOM_DTYPE_F32;
+  a.out_dtype = LOOM_DTYPE_BF16;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isnan(xv[i])) {
+      ASSERT_EQ(h2[i], h[i]) << i;
+    }
+  // Other casts are reported as unsupported, naming both types.
+  a.out_dtype = LOOM_DTYPE_F16;
+  StatusInfo s = take(d.api()->ops->elementwise(d.raw(), nullptr, &a));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
+}
+
+TEST(DeviceCpu, DropoutMaskIsDeterministicSeededAndKeepsOneMinusP) {
+  const size_t n = 200000;
+  const float p = 0.3f;
+  const std::vector<float> xv = randn(n, 110);
+  auto run = [&](int threads, uint64_t seed, uint64_t offset, std::vector<float>* out_vals) {
+    Dev d(threads);
+    Buf<float> x(d, xv), out(d, n);
+    Buf<uint8_t> mask(d, n);
+    auto a = ew(LOOM_EW_DROPOUT, static_cast<int64_t>(n), x.data(), mask.data(), out.data());
+    a.p = p;
+    a.seed = seed;
+    a.offset = offset;
+    d.ops().elementwise(a);
+    if (out_vals) *out_vals = out.get();
+    return mask.get();
+  };
+  std::vector<float> out;
+  const std::vector<uint8_t> m1 = run(2, 42, 0, &out);
+  EXPECT_EQ(run(2, 42, 0, nullptr), m1) << "same seed, same mask";
+  EXPECT_EQ(run(1, 42, 0, nullptr), m1) << "the mask must not depend on the thread count";
+  const std::vector<uint8_t> m2 = run(2, 43, 0, nullptr);
+  size_t differ = 0, kept = 0;
+  for (size_t i = 0; i < n; ++i) {
+    differ += m1[i] != m2[i];
+    kept += m1[i];
+    ASSERT_TRUE(m1[i] == 0 || m1[i] == 1);
+    ASSERT_FLOAT_EQ(out[i], m1[i] ? xv[i] / (1.0f - p) : 0.0f) << i;
+  }
+  EXPECT_GT(differ, n / 5) << "a different seed must give a different mask";
+  EXPECT_NEAR(static_cast<double>(kept) / n, 1.0 - p, 0.01);
+  // The mask is a function of (seed, offset + i): an offset shifts it.
+  const std::vector<uint8_t> m3 = run(2, 42, 1000, nullptr);
+  for (size_t i = 0; i + 1000 < n; ++i) ASSERT_EQ(m3[i], m1[i + 1000]) << i;
+  // Backward reuses the saved mask.
+  Dev d(2);
+  const std::vector<float> gv = randn(n, 111);
+  Buf<float> g(d, gv), dx(d, n);
+  Buf<uint8_t> mask(d, m1);
+  auto a = ew(LOOM_EW_DROPOUT_BWD, static_cast<int64_t>(n), g.data(), mask.data(), dx.data());
+  a.p = p;
+  d.ops().elementwise(a);
+  for (size_t i = 0; i < n; ++i) ASSERT_FLOAT_EQ(dx[i], m1[i] ? gv[i] / (1.0f - p) : 0.0f) << i;
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------
+
+float reduce1(const Dev& d, int32_t op, const Buf<float>& x, float start = 0.0f, int32_t accumulate = 0) {
+  Buf<float> out(d, 1);
+  out[0] = start;
+  loom_reduce_args a = loom::make<loom_reduce_args>();
+  a.op = op;
+  a.n = static_cast<int64_t>(x.size());
+  a.x = x.data();
+  a.out = out.data();
+  a.accumulate = accumulate;
+  d.ops().reduce(a);
+  return out[0];
+}
+
+TEST(DeviceCpu, ReductionsAreAccurateAndDeterministic) {
+  const size_t n = 1000003;
+  std::vector<float> xv = randn(n, 120, -1.0f, 1.0f);
+  for (size_t i = 0; i < n; i += 97) xv[i] *= 1000.0f;  // a wide dynamic range
+  double sum = 0, sq = 0, mx = 0;
+  for (float v : xv) {
+    sum += v;
+    sq += double(v) * v;
+    mx = std::max(mx, std::fabs(double(v)));
+  }
+  Dev d1(1), d2(2);
+  Buf<float> x1(d1, xv), x2(d2, xv);
+  for (int32_t op : {LOOM_RED_SUM, LOOM_RED_SUM_SQUARES, LOOM_RED_MAX_ABS}) {
+    const float r = reduce1(d2, op, x2);
+    const double want = op == LOOM_RED_SUM ? sum : op == LOOM_RED_SUM_SQUARES ? sq : mx;
+    EXPECT_NEAR(r, want, 1e-6 * std::fabs(want) + 1e-6) << "op " << op;
+    for (int rep = 0; rep < 3; ++rep) EXPECT_EQ(reduce1(d2, op, x2), r) << "op " << op << " is not deterministic";
+    EXPECT_EQ(reduce1(d1, op, x1), r) << "op " << op << " depends on the thread count";
+  }
+  EXPECT_FLOAT_EQ(reduce1(d2, LOOM_RED_SUM, x2, 10.0f, 1), static_cast<float>(10.0f + static_cast<float>(sum)));
+  EXPECT_EQ(reduce1(d2, LOOM_RED_MAX_ABS, x2, 1e9f, 1), 1e9f);  // a running maximum keeps the larger
+  x2[12345] = kNaN;
+  EXPECT_TRUE(std::isnan(reduce1(d2, LOOM_RED_MAX_ABS, x2))) << "NaN must reach overflow checks";
+  EXPECT_TRUE(std::isnan(reduce1(d2, LOOM_RED_SUM_SQUARES, x2)));
+}
+
+TEST(DeviceCpu, ColumnSumAccumulates) {
+  Dev d(2);
+  const int64_t rows = 513, cols = 300;
+  const std::vector<float> xv = randn(rows * cols, 130), o0 = randn(cols, 131);
+  Buf<float> x(d, xv), out(d, o0);
+  loom_reduce_args a = loom::make<loom_reduce_args>();
+  a.op = LOOM_RED_COLUMN_SUM;
+  a.n = rows * cols;
+  a.cols = cols;
+  a.x = x.data();
+  a.out = out.data();
+  a.accumulate = 1;
+  d.ops().reduce(a);
+  Vec want(o0.begin(), o0.end());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) want[c] += xv[r * cols + c];
+  expect_close(out.get(), want, 1e-5, 1e-6, "column sum (accumulate)");
+  a.accumulate = 0;
+  d.ops().reduce(a);
+  for (int64_t c = 0; c < cols; ++c) want[c] -= o0[c];
+  expect_close(out.get(), want, 1e-5, 1e-6, "column sum");
+}
+
+// ---------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCpu, AdamwStepMatchesTheFormula) {
+  for (const std::string& simd : simd_variants()) {
+    SCOPED_TRACE("simd " + simd);
+    Dev d(2, "openblas", simd);
+    const size_t n = 40000;
+    const std::vector<float> pv = randn(n, 140), gv = randn(n, 141), mv = randn(n, 142, -0.1f, 0.1f),
+                             vv = randn(n, 143, 0.0f, 0.01f);
+    Buf<float> p(d, pv), g(d, gv), m(d, mv), v(d, vv);
+    Buf<uint16_t> copy(d, n);
+    loom_adamw_args a = loom::make<loom_adamw_args>();
+    a.n = static_cast<int64_t>(n);
+    a.param = p.data();
+    a.grad = g.data();
+    a.m = m.data();
+    a.v = v.data();
+    a.grad_dtype = LOOM_DTYPE_F32;
+    a.lr = 1e-2f;
+    a.beta1 = 0.9f;
+    a.beta2 = 0.95f;
+    a.eps = 1e-8f;
+    a.weight_decay = 0.1f;
+    a.grad_scale = 0.5f;
+    a.step = 3;
+    a.param_copy = copy.data();
+    a.copy_dtype = LOOM_DTYPE_BF16;
+    d.ops().adamw(a);
+    Vec wp(n), wm(n), wv(n);
+    const double b1 = 0.9f, b2 = 0.95f;
+    for (size_t i = 0; i < n; ++i) {
+      const double gr = double(gv[i]) * 0.5;
+      wm[i] = b1 * mv[i] + (1 - b1) * gr;
+      wv[i] = b2 * vv[i] + (1 - b2) * gr * gr;
+      const double mh = wm[i] / (1 - std::pow(b1, 3)), vh = wv[i] / (1 - std::pow(b2, 3));
+      wp[i] = pv[i] - double(1e-2f) * (mh / (std::sqrt(vh) + double(1e-8f)) + double(0.1f) * pv[i]);
+    }
+    expect_close(m.get(), wm, 1e-7, 1e-5, "adamw m");
+    expect_close(v.get(), wv, 1e-9, 1e-5, "adamw v");
+    expect_close(p.get(), wp, 1e-6, 1e-5, "adamw param");
+    for (size_t i = 0; i < n; ++i) {
+      const float want = bf16_round_ref(p[i]);
+      uint32_t bits;
+      std::memcpy(&bits, &want, 4);
+      ASSERT_EQ(copy[i], bits >> 16) << "param_copy (bf16) of " << p[i];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Graphs
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCpu, GraphRecordsLaunchesAndReplaysThemOnTheSameAddresses) {
+  Dev d(2);
+  const loom_device_api* api = d.api();
+  const int64_t n = 64;
+  Buf<float> x(d, n), w(d, n * n), y(d, n), z(d, n), total(d, 1);
+  std::vector<float> xv = randn(n, 150);
+  const std::vector<float> wv = randn(n * n, 151);
+  x.set(xv);
+  w.set(wv);
+  y.fill(-1.0f);
+  z.fill(-1.0f);
+  total.fill(-1.0f);
+  int host_counter = 0;
+
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  // y = W x (gemm), then y *= 2 (the args struct is changed after the launch:
+  // the graph must have copied it), z = y (copy), total = sum(z).
+  loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.m = n;
+  g.n = 1;
+  g.k = n;
+  g.a = w.data();
+  g.lda = n;
+  g.b = x.data();
+  g.ldb = 1;
+  g.c = y.data();
+  g.ldc = 1;
+  g.batch = 1;
+  g.alpha = 1.0f;
+  loom::check(api->ops->gemm(d.raw(), nullptr, &g));
+  host_counter++;
+  loom_elementwise_args s = ew(LOOM_EW_SCALE, n, y.data(), nullptr, y.data());
+  s.alpha = 2.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &s));
+  s.alpha = 1000.0f;
+  loom::check(api->copy(d.raw(), nullptr, z.data(), y.data(), n * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE));
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_SUM;
+  r.n = n;
+  r.x = z.data();
+  r.out = total.data();
+  loom::check(api->ops->reduce(d.raw(), nullptr, &r));
+  host_counter++;
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &graph));
+  ASSERT_NE(graph, nullptr);
+
+  // Nothing ran during capture.
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(y[i], -1.0f);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(z[i], -1.0f);
+  EXPECT_EQ(total[0], -1.0f);
+  EXPECT_EQ(host_counter, 2);
+
+  auto expect_result = [&](const std::vector<float>& xs, const std::string& what) {
+    Vec want(static_cast<size_t>(n));
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double acc = 0;
+      for (int64_t k = 0; k < n; ++k) acc += double(wv[i * n + k]) * xs[k];
+      want[i] = 2 * acc;
+      sum += want[i];
+    }
+    expect_close(y.get(), want, 1e-4, 1e-5, what + " y");
+    expect_close(z.get(), want, 1e-4, 1e-5, what + " z");
+    EXPECT_NEAR(total[0], sum, 1e-3) << what;
+  };
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  expect_result(xv, "replay 1");
+  EXPECT_EQ(host_counter, 2) << "replay must not re-run host code";
+
+  // New input contents, same addresses: replay computes with them.
+  xv = randn(n, 152);
+  x.set(xv);
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  expect_result(xv, "replay 2");
+  EXPECT_EQ(host_counter, 2);
+  api->graph_destroy(d.raw(), graph);
+}
+
+TEST(DeviceCpu, GraphCaptureRulesAndOtherStreams) {
+  Dev d(1);
+  const loom_device_api* api = d.api();
+  loom_stream* side = nullptr;
+  loom::check(api->stream_create(d.raw(), &side));
+  Buf<float> a(d, 16), b(d, 16);
+  a.fill(0.0f);
+  b.fill(0.0f);
+
+  loom::check(api->capture_begin(d.raw(), side));
+  // Work on another stream (here the default one) is not captured: it runs now.
+  auto fill = ew(LOOM_EW_FILL, 16, nullptr, nullptr, a.data());
+  fill.alpha = 3.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &fill));
+  EXPECT_EQ(a[5], 3.0f);
+  // Work on the captured stream is recorded.
+  auto fill_b = ew(LOOM_EW_FILL, 16, nullptr, nullptr, b.data());
+  fill_b.alpha = 4.0f;
+  loom::check(api->ops->elementwise(d.raw(), side, &fill_b));
+  EXPECT_EQ(b[5], 0.0f);
+  // Nested capture, a host sync inside the capture, and ending on the wrong stream are errors.
+  EXPECT_EQ(take(api->capture_begin(d.raw(), nullptr)).code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_EQ(take(api->capture_begin(d.raw(), side)).code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_EQ(take(api->stream_synchronize(d.raw(), side)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_graph* wrong = nullptr;
+  EXPECT_EQ(take(api->capture_end(d.raw(), nullptr, &wrong)).code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_EQ(wrong, nullptr);
+  // Invalid arguments are reported at launch time, not at replay.
+  auto bad = ew(LOOM_EW_FILL, 16, nullptr, nullptr, nullptr);
+  EXPECT_EQ(take(api->ops->elementwise(d.raw(), side, &bad)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_graph* g = nullptr;
+  loom::check(api->capture_end(d.raw(), side, &g));
+  EXPECT_EQ(b[5], 0.0f);
+  // A graph replayed on any stream of the device runs its launches.
+  loom::check(api->graph_replay(d.raw(), g, nullptr));
+  EXPECT_EQ(b[5], 4.0f);
+  // Replaying inside another capture nests it: recorded, run on the outer replay.
+  b.fill(0.0f);
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom::check(api->graph_replay(d.raw(), g, nullptr));
+  loom_graph* outer = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &outer));
+  EXPECT_EQ(b[5], 0.0f);
+  api->graph_destroy(d.raw(), g);  // the outer graph holds its own copy
+  loom::check(api->graph_replay(d.raw(), outer, side));
+  EXPECT_EQ(b[5], 4.0f);
+  api->graph_destroy(d.raw(), outer);
+  loom::check(api->stream_synchronize(d.raw(), side));  // capture over: syncing is fine again
+  api->stream_destroy(d.raw(), side);
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCpu, NonF32DtypesAreUnsupportedWithTheOpNamed) {
+  Dev d;
+  Buf<float> buf(d, 64);
+  loom_layernorm_fwd_args ln = loom::make<loom_layernorm_fwd_args>();
+  ln.rows = 2;
+  ln.cols = 4;
+  ln.x = buf.data();
+  ln.y = buf.data();
+  ln.dtype = LOOM_DTYPE_F16;
+  StatusInfo s = take(d.api()->ops->layernorm_fwd(d.raw(), nullptr, &ln));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("layernorm_fwd"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
+  loom_attention_args at = loom::make<loom_attention_args>();
+  at.dtype = LOOM_DTYPE_BF16;
+  s = take(d.api()->ops->attention_fwd(d.raw(), nullptr, &at));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("attention_fwd"), std::string::npos) << s.message;
+  loom_elementwise_args e = ew(LOOM_EW_ADD, 4, buf.data(), buf.data(), buf.data());
+  e.dtype = LOOM_DTYPE_BF16;
+  s = take(d.api()->ops->elementwise(d.raw(), nullptr, &e));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("ADD"), std::string::npos) << s.message;
+  loom_xent_args x = loom::make<loom_xent_args>();
+  x.step = 9;
+  EXPECT_EQ(take(d.api()->ops->xent(d.raw(), nullptr, &x)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_xent_args zero_size{};  // struct_size 0: caught, not read past
+  EXPECT_EQ(take(d.api()->ops->xent(d.raw(), nullptr, &zero_size)).code, LOOM_CODE_INVALID_ARGUMENT);
+}
+
+}  // namespace
+
+namespace {
+
+// MUL_COLS scales each column by its own factor (a per-channel gain).
+TEST(DeviceCpu, MulColsScalesEachColumn) {
+  Dev d;
+  const int64_t rows = 5, cols = 7;
+  std::vector<float> x(rows * cols), g(cols);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 0.25f * static_cast<float>(i) - 3.f;
+  for (size_t c = 0; c < g.size(); ++c) g[c] = 1.5f - 0.5f * static_cast<float>(c);
+  Buf<float> bx(d, x), bg(d, g), out(d, x.size());
+  d.ops().elementwise({.op = LOOM_EW_MUL_COLS, .n = rows * cols, .cols = cols, .x = bx.data(), .y = bg.data(),
+                       .out = out.data(), .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) EXPECT_EQ(out[r * cols + c], x[r * cols + c] * g[c]) << r << "," << c;
+}
+
+// ROW_ARGMAX: the first maximum of each row, looking only at the first `cols`
+// columns of rows `ld` apart (so vocab padding never wins).
+TEST(DeviceCpu, RowArgmaxFindsTheFirstMaximumWithinCols) {
+  Dev d;
+  const int64_t rows = 4, cols = 5, ld = 8;
+  std::vector<float> x(rows * ld, 0.f);
+  const int expect[rows] = {3, 0, 2, 4};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) x[r * ld + c] = -1.f - static_cast<float>(c);
+    x[r * ld + expect[r]] = 2.f;
+    x[r * ld + cols] = 100.f;  // padding column: must be ignored
+  }
+  x[2 * ld + 4] = 2.f;  // a tie in row 2: the first index wins
+  Buf<float> bx(d, x);
+  Buf<int32_t> out(d, rows);
+  d.ops().reduce({.op = LOOM_RED_ROW_ARGMAX, .n = rows * cols, .cols = cols, .x = bx.data(), .out = out.data(),
+                  .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_I32, .ld = ld});
+  for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(out[r], expect[r]) << "row " << r;
+  // COLUMN_SUM honours ld the same way.
+  Buf<float> sums(d, cols);
+  d.ops().reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * cols, .cols = cols, .x = bx.data(), .out = sums.data(),
+                  .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32, .ld = ld});
+  for (int64_t c = 0; c < cols; ++c) {
+    float want = 0;
+    for (int64_t r = 0; r < rows; ++r) want += x[r * ld + c];
+    EXPECT_FLOAT_EQ(sums[c], want) << "column " << c;
+  }
+}
+
+}  // namespace

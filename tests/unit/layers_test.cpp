@@ -1,0 +1,1043 @@
+// The built-in layer plugins (layer/embedding, layer/attention, layer/mlp,
+// layer/lm_head) driven through their C tables on a device/cpu rank with a size-1
+// tp group: gradients against central finite differences, gradient accumulation,
+// the loss against a double-precision reference, vocab padding and ignored
+// targets, weight tying, causality, microbatches in flight, dropout.
+#include "engine/plugins/registry.hpp"
+#include "engine/runtime/rank_runtime.hpp"
+
+#include <gtest/gtest.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// Small dims: hidden 16, 2 heads of 8, seq 8, micro-batch 2, vocab 37 padded to 40.
+constexpr int64_t kHidden = 16, kHeads = 2, kFfn = 32, kSeq = 8, kBatch = 2;
+constexpr int64_t kVocab = 37, kPadded = 40, kT = kSeq * kBatch;
+
+loom::plugins::Registry& registry() {
+  static loom::plugins::Registry r;
+  static const bool loaded = [] {
+    loom::plugins::host_api();
+    r.load_dirs({LOOM_TEST_PLUGIN_DIR});  // a broken unrelated library only yields an error line
+    return true;
+  }();
+  (void)loaded;
+  return r;
+}
+
+loom_model_dims make_dims(bool tie = false) {
+  loom_model_dims d = loom::make<loom_model_dims>();
+  d.hidden = kHidden;
+  d.heads = kHeads;
+  d.ffn_hidden = kFfn;
+  d.seq_len = kSeq;
+  d.vocab = kVocab;
+  d.padded_vocab = kPadded;
+  d.micro_batch = kBatch;
+  d.num_layers = 2;
+  d.block_index = 0;
+  d.tie_embeddings = tie ? 1 : 0;
+  return d;
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+DLTensor view(void* data, std::vector<int64_t>& shape, uint8_t code, uint8_t bits) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<int32_t>(shape.size());
+  t.dtype = {code, bits, 1};
+  t.shape = shape.data();
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  return t;
+}
+
+// A status turned into an exception (gtest reports it as a failure with the message).
+void ok(loom_status s) { loom::check(s); }
+
+// One rank: device/cpu with one thread and a size-1 tp group (null comm: the
+// layers' all-reduces are in place, which loom::Group short-circuits at size 1).
+class Rank {
+ public:
+  // A rank of a tensor-parallel group `tp` (default: alone, size 1, null comm).
+  explicit Rank(int global_rank = 0, const loom_group* tp = nullptr) {
+    registry();
+    const loom::plugins::LoadedPlugin& p = registry().get("device", "cpu");
+    loom::plugins::OptionValues opts(nullptr, p.options);
+    loom_device_create_args args = loom::make<loom_device_create_args>();
+    args.num_threads = 1;
+    args.ranks_in_process = 1;
+    loom_device* dev = nullptr;
+    ok(p.device()->create(opts.raw(), &args, &dev));
+    rt_ = std::make_unique<loom::runtime::RankRuntime>(global_rank, p.device(), dev);
+    loom_group alone = loom::make<loom_group>();
+    alone.size = 1;
+    alone.rank = 0;
+    rt_->add_group("tp", tp ? *tp : alone);
+  }
+  loom::runtime::RankRuntime& rt() { return *rt_; }
+  uint64_t device_bytes() const { return rt_->memory().current_bytes; }
+
+ private:
+  std::unique_ptr<loom::runtime::RankRuntime> rt_;
+};
+
+// The inputs of one microbatch for any of the four layers, and the fixed
+// random R of the objective L = Σ out∘R (unused by lm_head, whose L is the loss).
+struct Batch {
+  std::vector<float> x;           // [S, B, H] (attention, mlp, lm_head)
+  std::vector<int32_t> tokens;    // [S, B] (embedding)
+  std::vector<int32_t> targets;   // [S, B] (lm_head)
+  std::vector<float> r;           // [S, B, H] (= grad_output)
+};
+
+Batch make_batch(std::mt19937& rng) {
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(kVocab) - 1);
+  Batch b;
+  b.x.resize(kT * kHidden);
+  b.r.resize(kT * kHidden);
+  for (float& v : b.x) v = n01(rng);
+  for (float& v : b.r) v = n01(rng);
+  b.tokens.resize(kT);
+  b.targets.resize(kT);
+  for (int32_t& t : b.tokens) t = tok(rng);
+  for (int32_t& t : b.targets) t = tok(rng);
+  return b;
+}
+
+struct Param {
+  std::string name;
+  std::vector<int64_t> shape;        // full
+  std::vector<int64_t> local_shape;  // this tp rank's slice
+  int32_t partition_dim, partition_stride, init, no_weight_decay;
+  std::string tie_key;
+  std::vector<float> value, grad;
+};
+
+// A layer created through its plugin's C table, with parameters and gradients
+// in host vectors (device/cpu memory is host memory).
+class TestLayer {
+ public:
+  TestLayer(Rank& rank, const std::string& name, const loom_model_dims& dims,
+            const toml::table* options = nullptr, const std::string& instance = "blocks.0.layer")
+      : rank_(rank), name_(name), instance_(instance), dims_(dims),
+        plugin_(registry().get("layer", name)), options_(options, plugin_.options) {
+    loom_layer_create_args args = loom::make<loom_layer_create_args>();
+    args.dims = &dims_;
+    args.instance_name = instance_.c_str();
+    args.tp = rank_.rt().group_or_self("tp").raw();
+    ok(api()->create(options_.raw(), &rank_.rt(), &args, &layer_));
+    const loom_param_decl* decls = nullptr;
+    size_t count = 0;
+    ok(api()->params(layer_, &decls, &count));
+    for (size_t i = 0; i < count; ++i) {
+      const loom_param_decl& d = decls[i];
+      Param p;
+      p.name = d.name;
+      p.shape.assign(d.shape, d.shape + d.ndim);
+      p.partition_dim = d.partition_dim;
+      p.partition_stride = d.partition_stride;
+      p.init = d.init;
+      p.no_weight_decay = d.no_weight_decay;
+      p.tie_key = d.tie_key ? d.tie_key : "";
+      // This rank's slice, as the engine allocates it.
+      p.local_shape = p.shape;
+      if (p.partition_dim >= 0) p.local_shape[static_cast<size_t>(p.partition_dim)] /= args.tp.size;
+      p.value.assign(static_cast<size_t>(numel(p.local_shape)), 0.0f);
+      p.grad.assign(p.value.size(), 0.0f);
+      params_.push_back(std::move(p));
+    }
+    std::vector<DLTensor> pv, gv;
+    for (Param& p : params_) {
+      pv.push_back(view(p.value.data(), p.local_shape, kDLFloat, 32));
+      gv.push_back(view(p.grad.data(), p.local_shape, kDLFloat, 32));
+    }
+    ok(api()->bind(layer_, pv.data(), gv.data(), params_.size()));
+  }
+  ~TestLayer() {
+    if (layer_) api()->destroy(layer_);
+  }
+  TestLayer(const TestLayer&) = delete;
+  TestLayer& operator=(const TestLayer&) = delete;
+
+  const loom_layer_api* api() const { return plugin_.layer(); }
+  loom_layer* raw() const { return layer_; }
+  std::vector<Param>& params() { return params_; }
+  Param& param(const std::string& n) {
+    for (Param& p : params_)
+      if (p.name == n) return p;
+    throw std::runtime_error(name_ + " has no parameter " + n);
+  }
+  bool has_input() const { return name_ != "embedding"; }
+  bool has_output() const { return name_ != "lm_head"; }
+
+  // Random values that exercise every path: LN gains around 1, non-zero biases.
+  void randomize(std::mt19937& rng, float weight_std = 0.3f) {
+    std::normal_distribution<float> n01(0.0f, 1.0f);
+    for (Param& p : params_) {
+      const bool ln_weight = p.name == "ln.weight";
+      const bool bias = p.name.size() >= 4 && p.name.compare(p.name.size() - 4, 4, "bias") == 0;
+      for (float& v : p.value)
+        v = ln_weight ? 1.0f + 0.2f * n01(rng) : bias ? 0.2f * n01(rng) : weight_std * n01(rng);
+    }
+  }
+  void zero_grads() {
+    for (Param& p : params_) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
+  }
+
+  // One forward of microbatch `mb`; returns L (Σ out∘R, or lm_head's loss_sum).
+  double forward(const Batch& b, int32_t mb = 0, bool training = true, uint64_t seed = 1234,
+                 std::vector<float>* out = nullptr, int64_t* loss_count = nullptr) {
+    std::vector<float> y(has_output() ? static_cast<size_t>(kT * kHidden) : 0, -7.0f);
+    std::vector<int64_t> hshape{kSeq, kBatch, kHidden}, tshape{kSeq, kBatch};
+    DLTensor in = view(const_cast<float*>(b.x.data()), hshape, kDLFloat, 32);
+    DLTensor o = view(y.data(), hshape, kDLFloat, 32);
+    DLTensor tok = view(const_cast<int32_t*>(b.tokens.data()), tshape, kDLInt, 32);
+    DLTensor tgt = view(const_cast<int32_t*>(b.targets.data()), tshape, kDLInt, 32);
+    float loss_sum = -1.0f;
+    int64_t count = -1;
+    loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
+    a.microbatch = mb;
+    a.training = training ? 1 : 0;
+    a.input = has_input() ? &in : nullptr;
+    a.output = has_output() ? &o : nullptr;
+    a.tokens = &tok;
+    a.targets = &tgt;
+    a.loss_sum = &loss_sum;
+    a.loss_count = &count;
+    a.dropout_seed = seed;
+    ok(api()->forward(layer_, &rank_.rt(), &a));
+    rank_.rt().dev().synchronize();
+    if (loss_count) *loss_count = count;
+    if (out) *out = y;
+    if (!has_output()) return loss_sum;
+    double l = 0.0;
+    for (size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y[i]) * b.r[i];
+    return l;
+  }
+
+  // Backward of microbatch `mb` with grad_output = R (or loss_scale for
+  // lm_head); returns grad_input (empty for the embedding). grad_input starts
+  // as garbage: a layer must overwrite it, not accumulate into it.
+  std::vector<float> backward(const Batch& b, int32_t mb = 0, float loss_scale = 1.0f) {
+    std::vector<float> dx(has_input() ? static_cast<size_t>(kT * kHidden) : 0, 123.0f);
+    std::vector<int64_t> hshape{kSeq, kBatch, kHidden};
+    DLTensor dy = view(const_cast<float*>(b.r.data()), hshape, kDLFloat, 32);
+    DLTensor di = view(dx.data(), hshape, kDLFloat, 32);
+    loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
+    a.microbatch = mb;
+    a.grad_output = has_output() ? &dy : nullptr;
+    a.grad_input = has_input() ? &di : nullptr;
+    a.loss_scale = loss_scale;
+    ok(api()->backward(layer_, &rank_.rt(), &a));
+    rank_.rt().dev().synchronize();
+    return dx;
+  }
+
+  // A training forward whose saved activations are dropped right away (for FD
+  // evaluations; the microbatch is part of the dropout seed, so use the same one).
+  double objective(const Batch& b, uint64_t seed = 1234, int32_t mb = 0) {
+    double l = forward(b, mb, true, seed);
+    api()->release(layer_, mb);
+    return l;
+  }
+
+ private:
+  Rank& rank_;
+  std::string name_, instance_;
+  loom_model_dims dims_;
+  const loom::plugins::LoadedPlugin& plugin_;
+  loom::plugins::OptionValues options_;
+  loom_layer* layer_ = nullptr;
+  std::vector<Param> params_;
+};
+
+toml::table dropout_options(double p) {
+  toml::table t;
+  t.insert("dropout", p);
+  return t;
+}
+
+// Compares analytic derivatives with central differences of `objective` at a
+// sample of coordinates of `v`: 12 random ones and the 8 of largest |analytic|.
+void fd_check(std::vector<float>& v, const std::vector<float>& analytic,
+              const std::function<double()>& objective, const std::string& what, std::mt19937& rng,
+              float h = 1e-2f, double rtol = 2e-2, double atol = 3e-3) {
+  ASSERT_EQ(v.size(), analytic.size()) << what;
+  std::set<size_t> coords;
+  std::uniform_int_distribution<size_t> pick(0, v.size() - 1);
+  for (int i = 0; i < 12 && coords.size() < v.size(); ++i) coords.insert(pick(rng));
+  std::vector<size_t> order(v.size());
+  for (size_t i = 0; i < v.size(); ++i) order[i] = i;
+  std::partial_sort(order.begin(), order.begin() + std::min<size_t>(8, order.size()), order.end(),
+                    [&](size_t a, size_t b) { return std::fabs(analytic[a]) > std::fabs(analytic[b]); });
+  for (size_t i = 0; i < std::min<size_t>(8, order.size()); ++i) coords.insert(order[i]);
+
+  double max_abs = 0.0;
+  for (float g : analytic) max_abs = std::max(max_abs, static_cast<double>(std::fabs(g)));
+  EXPECT_GT(max_abs, 1e-4) << what << ": the analytic gradient is all zeros";
+  for (size_t j : coords) {
+    const float saved = v[j];
+    v[j] = saved + h;
+    const double lp = objective();
+    v[j] = saved - h;
+    const double lm = objective();
+    v[j] = saved;
+    const double num = (lp - lm) / (2.0 * static_cast<double>(h));
+    const double ana = analytic[j];
+    const double tol = rtol * std::max(std::fabs(num), std::fabs(ana)) + atol;
+    EXPECT_NEAR(ana, num, tol) << what << "[" << j << "]";
+  }
+}
+
+// FD checks of every parameter and (unless the embedding) of the input.
+void check_gradients(Rank& rank, TestLayer& layer, std::mt19937& rng, uint64_t seed = 1234) {
+  Batch b = make_batch(rng);
+  layer.zero_grads();
+  layer.forward(b, 0, true, seed);
+  std::vector<float> dx = layer.backward(b, 0);
+  (void)rank;
+  for (Param& p : layer.params()) {
+    const std::vector<float> analytic = p.grad;
+    fd_check(p.value, analytic, [&] { return layer.objective(b, seed); }, p.name, rng);
+  }
+  if (layer.has_input()) fd_check(b.x, dx, [&] { return layer.objective(b, seed); }, "input", rng);
+}
+
+std::vector<std::string> all_layers() { return {"embedding", "attention", "mlp", "lm_head"}; }
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, static_cast<double>(std::fabs(a[i] - b[i])));
+  return m;
+}
+
+// ---------------------------------------------------------------------------
+// Gradients vs finite differences
+// ---------------------------------------------------------------------------
+
+TEST(Layers, EmbeddingGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "embedding", dims);
+  std::mt19937 rng(1);
+  layer.randomize(rng, 0.5f);
+  check_gradients(rank, layer, rng);
+}
+
+TEST(Layers, AttentionGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "attention", dims);
+  std::mt19937 rng(2);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
+
+  // The k part of qkv.bias cannot change the output (softmax is invariant to one
+  // vector added to every key), so its gradient is exactly zero, not rounding noise.
+  Batch b = make_batch(rng);
+  layer.zero_grads();
+  const double l0 = layer.forward(b, 0);
+  layer.backward(b, 0);
+  std::vector<float>& bias = layer.param("qkv.bias").value;
+  const std::vector<float>& gbias = layer.param("qkv.bias").grad;
+  for (int64_t c = 0; c < 3 * kHidden; ++c) {
+    if (c >= kHidden && c < 2 * kHidden) {
+      EXPECT_EQ(gbias[c], 0.0f) << "k bias " << c;
+    } else {
+      EXPECT_NE(gbias[c], 0.0f) << "q/v bias " << c;
+    }
+  }
+  for (int64_t c = kHidden; c < 2 * kHidden; ++c) bias[c] += 0.5f;
+  EXPECT_NEAR(layer.objective(b), l0, 1e-5 * (1.0 + std::fabs(l0)));
+}
+
+TEST(Layers, MlpGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "mlp", dims);
+  std::mt19937 rng(3);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
+}
+
+TEST(Layers, LmHeadGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "lm_head", dims);
+  std::mt19937 rng(4);
+  layer.randomize(rng, 0.5f);
+  check_gradients(rank, layer, rng);
+}
+
+TEST(Layers, DropoutGradientsMatchFiniteDifferencesWithFixedSeed) {
+  for (const std::string name : {"embedding", "attention", "mlp"}) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = dropout_options(0.5);
+    TestLayer layer(rank, name, dims, &opts);
+    std::mt19937 rng(5);
+    layer.randomize(rng);
+    check_gradients(rank, layer, rng, /*seed=*/777);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forwards against double-precision references (FD checks alone would accept a
+// forward that is consistently wrong).
+// ---------------------------------------------------------------------------
+
+using Mat = std::vector<double>;  // row-major
+
+Mat ref_layernorm(const std::vector<float>& x, const std::vector<float>& g, const std::vector<float>& b,
+                  int64_t rows, int64_t cols) {
+  Mat y(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean = 0.0, var = 0.0;
+    for (int64_t c = 0; c < cols; ++c) mean += x[r * cols + c];
+    mean /= static_cast<double>(cols);
+    for (int64_t c = 0; c < cols; ++c) var += (x[r * cols + c] - mean) * (x[r * cols + c] - mean);
+    var /= static_cast<double>(cols);
+    const double rstd = 1.0 / std::sqrt(var + 1e-5);
+    for (int64_t c = 0; c < cols; ++c) y[r * cols + c] = (x[r * cols + c] - mean) * rstd * g[c] + b[c];
+  }
+  return y;
+}
+
+// y[rows, out] = x[rows, in] W[in, out] + b[out]
+Mat ref_linear(const Mat& x, const std::vector<float>& w, const std::vector<float>& b, int64_t rows,
+               int64_t in, int64_t out) {
+  Mat y(static_cast<size_t>(rows * out));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = b[o];
+      for (int64_t i = 0; i < in; ++i) s += x[r * in + i] * w[i * out + o];
+      y[r * out + o] = s;
+    }
+  return y;
+}
+
+void expect_close(const std::vector<float>& got, const Mat& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tol * (1.0 + std::fabs(want[i]))) << what << "[" << i << "]";
+}
+
+TEST(Layers, EmbeddingForwardMatchesReference) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "embedding", dims);
+  std::mt19937 rng(20);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  b.tokens[5] = static_cast<int32_t>(kVocab) - 1;
+  std::vector<float> y;
+  layer.forward(b, 0, false, 0, &y);
+  const std::vector<float>& word = layer.param("word.weight").value;
+  const std::vector<float>& pos = layer.param("pos.weight").value;
+  Mat want(static_cast<size_t>(kT * kHidden));
+  for (int64_t s = 0; s < kSeq; ++s)
+    for (int64_t bb = 0; bb < kBatch; ++bb)
+      for (int64_t h = 0; h < kHidden; ++h) {
+        const int64_t r = s * kBatch + bb;
+        want[r * kHidden + h] = static_cast<double>(word[b.tokens[r] * kHidden + h]) + pos[s * kHidden + h];
+      }
+  expect_close(y, want, 1e-6, "embedding output");
+}
+
+TEST(Layers, AttentionForwardMatchesReference) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "attention", dims);
+  std::mt19937 rng(21);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> y;
+  layer.forward(b, 0, false, 0, &y);
+
+  const int64_t H = kHidden, d = kHidden / kHeads;
+  Mat ln = ref_layernorm(b.x, layer.param("ln.weight").value, layer.param("ln.bias").value, kT, H);
+  Mat qkv = ref_linear(ln, layer.param("qkv.weight").value, layer.param("qkv.bias").value, kT, H, 3 * H);
+  Mat ctx(static_cast<size_t>(kT * H), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (int64_t bb = 0; bb < kBatch; ++bb)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t s = 0; s < kSeq; ++s) {
+        const int64_t rq = s * kBatch + bb;
+        std::vector<double> p(static_cast<size_t>(s + 1));
+        double mx = -1e300, sum = 0.0;
+        for (int64_t t = 0; t <= s; ++t) {  // causal
+          const int64_t rk = t * kBatch + bb;
+          double dot = 0.0;
+          for (int64_t e = 0; e < d; ++e) dot += qkv[rq * 3 * H + h * d + e] * qkv[rk * 3 * H + H + h * d + e];
+          p[t] = dot * scale;
+          mx = std::max(mx, p[t]);
+        }
+        for (double& v : p) sum += (v = std::exp(v - mx));
+        for (int64_t t = 0; t <= s; ++t) {
+          const int64_t rv = t * kBatch + bb;
+          for (int64_t e = 0; e < d; ++e) ctx[rq * H + h * d + e] += p[t] / sum * qkv[rv * 3 * H + 2 * H + h * d + e];
+        }
+      }
+  Mat out = ref_linear(ctx, layer.param("proj.weight").value, layer.param("proj.bias").value, kT, H, H);
+  for (size_t i = 0; i < out.size(); ++i) out[i] += b.x[i];
+  expect_close(y, out, 1e-5, "attention output");
+}
+
+TEST(Layers, MlpForwardMatchesReference) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "mlp", dims);
+  std::mt19937 rng(22);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> y;
+  layer.forward(b, 0, false, 0, &y);
+  Mat ln = ref_layernorm(b.x, layer.param("ln.weight").value, layer.param("ln.bias").value, kT, kHidden);
+  Mat h = ref_linear(ln, layer.param("fc1.weight").value, layer.param("fc1.bias").value, kT, kHidden, kFfn);
+  for (double& v : h)  // GeLU, tanh approximation
+    v = 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+  Mat out = ref_linear(h, layer.param("fc2.weight").value, layer.param("fc2.bias").value, kT, kFfn, kHidden);
+  for (size_t i = 0; i < out.size(); ++i) out[i] += b.x[i];
+  expect_close(y, out, 1e-5, "mlp output");
+}
+
+// ---------------------------------------------------------------------------
+// Accumulation: a second backward adds the same gradient again.
+// ---------------------------------------------------------------------------
+
+TEST(Layers, ParameterGradientsAccumulateAndInputGradientIsOverwritten) {
+  for (const std::string& name : all_layers()) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    TestLayer layer(rank, name, dims);
+    std::mt19937 rng(6);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    layer.zero_grads();
+    layer.forward(b, 0);
+    std::vector<float> dx1 = layer.backward(b, 0);
+    std::vector<std::vector<float>> once;
+    for (Param& p : layer.params()) once.push_back(p.grad);
+    layer.forward(b, 0);
+    std::vector<float> dx2 = layer.backward(b, 0);
+    for (size_t i = 0; i < layer.params().size(); ++i) {
+      const Param& p = layer.params()[i];
+      double scale = 0.0;
+      for (float g : once[i]) scale = std::max(scale, static_cast<double>(std::fabs(g)));
+      EXPECT_GT(scale, 0.0) << p.name << " got no gradient";
+      for (size_t j = 0; j < p.grad.size(); ++j)
+        ASSERT_NEAR(p.grad[j], 2.0f * once[i][j], 1e-5 * (1.0 + scale)) << p.name << "[" << j << "]";
+    }
+    // The garbage grad_input started with is gone, and the two agree.
+    EXPECT_EQ(dx1, dx2);
+    for (float v : dx1) ASSERT_NE(v, 123.0f);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// lm_head: the loss itself
+// ---------------------------------------------------------------------------
+
+// Σ over targets >= 0 of logsumexp(logits[t, :vocab]) - logits[t, target], in double.
+double reference_loss(TestLayer& head, const Batch& b, int64_t* count) {
+  const std::vector<float>& g = head.param("ln.weight").value;
+  const std::vector<float>& be = head.param("ln.bias").value;
+  const std::vector<float>& w = head.param("word.weight").value;
+  double total = 0.0;
+  *count = 0;
+  for (int64_t t = 0; t < kT; ++t) {
+    const float* x = &b.x[t * kHidden];
+    double mean = 0.0, var = 0.0;
+    for (int64_t c = 0; c < kHidden; ++c) mean += x[c];
+    mean /= kHidden;
+    for (int64_t c = 0; c < kHidden; ++c) var += (x[c] - mean) * (x[c] - mean);
+    var /= kHidden;
+    const double rstd = 1.0 / std::sqrt(var + 1e-5);
+    std::vector<double> ln(kHidden);
+    for (int64_t c = 0; c < kHidden; ++c) ln[c] = (x[c] - mean) * rstd * g[c] + be[c];
+    std::vector<double> logits(kVocab);
+    double mx = -1e300;
+    for (int64_t v = 0; v < kVocab; ++v) {
+      double s = 0.0;
+      for (int64_t c = 0; c < kHidden; ++c) s += ln[c] * w[v * kHidden + c];
+      logits[v] = s;
+      mx = std::max(mx, s);
+    }
+    double se = 0.0;
+    for (double l : logits) se += std::exp(l - mx);
+    const int32_t target = b.targets[t];
+    if (target < 0) continue;
+    total += std::log(se) + mx - logits[target];
+    ++*count;
+  }
+  return total;
+}
+
+TEST(Layers, LmHeadLossMatchesReference) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer head(rank, "lm_head", dims);
+  std::mt19937 rng(7);
+  head.randomize(rng, 0.5f);
+  Batch b = make_batch(rng);
+  int64_t count = 0, ref_count = 0;
+  const double loss = head.forward(b, 0, false, 0, nullptr, &count);
+  const double ref = reference_loss(head, b, &ref_count);
+  EXPECT_EQ(count, kT);
+  EXPECT_EQ(ref_count, kT);
+  EXPECT_NEAR(loss, ref, 1e-5 * std::fabs(ref));
+  EXPECT_GT(ref, 0.0);
+}
+
+TEST(Layers, LmHeadPaddedVocabNeverAffectsTheLoss) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer head(rank, "lm_head", dims);
+  std::mt19937 rng(8);
+  head.randomize(rng, 0.5f);
+  Batch b = make_batch(rng);
+  const double before = head.forward(b, 0);
+  head.zero_grads();
+  head.backward(b, 0);
+  std::vector<float>& w = head.param("word.weight").value;
+  // Padded rows: no gradient either.
+  const std::vector<float>& gw = head.param("word.weight").grad;
+  for (int64_t j = kVocab * kHidden; j < kPadded * kHidden; ++j) ASSERT_EQ(gw[j], 0.0f) << j;
+  for (int64_t j = kVocab * kHidden; j < kPadded * kHidden; ++j) w[j] = 1000.0f;
+  const double after = head.forward(b, 0, false);
+  EXPECT_NEAR(after, before, 1e-6 * std::fabs(before));
+  int64_t ref_count = 0;
+  EXPECT_NEAR(after, reference_loss(head, b, &ref_count), 1e-5 * std::fabs(before));
+}
+
+TEST(Layers, LmHeadIgnoresNegativeTargets) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer head(rank, "lm_head", dims);
+  std::mt19937 rng(9);
+  head.randomize(rng, 0.5f);
+  Batch b = make_batch(rng);
+  const std::vector<int64_t> ignored = {0, 3, 4, 11, 15};
+  for (int64_t t : ignored) b.targets[t] = -1;
+  int64_t count = 0, ref_count = 0;
+  const double loss = head.forward(b, 0, true, 0, nullptr, &count);
+  const double ref = reference_loss(head, b, &ref_count);
+  EXPECT_EQ(count, kT - static_cast<int64_t>(ignored.size()));
+  EXPECT_EQ(ref_count, count);
+  EXPECT_NEAR(loss, ref, 1e-5 * std::fabs(ref));
+  // An ignored token's input gets exactly zero gradient; the others do not.
+  std::vector<float> dx = head.backward(b, 0);
+  for (int64_t t = 0; t < kT; ++t) {
+    const bool ign = std::find(ignored.begin(), ignored.end(), t) != ignored.end();
+    double m = 0.0;
+    for (int64_t c = 0; c < kHidden; ++c) m = std::max(m, static_cast<double>(std::fabs(dx[t * kHidden + c])));
+    if (ign) EXPECT_EQ(m, 0.0) << "token " << t;
+    else EXPECT_GT(m, 0.0) << "token " << t;
+  }
+  // Changing an ignored target's row value changes nothing.
+  b.targets[3] = -5;
+  EXPECT_NEAR(head.forward(b, 0, false), loss, 1e-6 * std::fabs(loss));
+}
+
+// ---------------------------------------------------------------------------
+// Declarations: tying, partitioning, init
+// ---------------------------------------------------------------------------
+
+TEST(Layers, TiedEmbeddingsShareTheWordWeight) {
+  Rank rank;
+  auto tied = make_dims(true);
+  TestLayer emb(rank, "embedding", tied);
+  TestLayer head(rank, "lm_head", tied);
+  const Param& a = emb.param("word.weight");
+  const Param& b = head.param("word.weight");
+  EXPECT_EQ(a.tie_key, "word_embedding");
+  EXPECT_EQ(b.tie_key, "word_embedding");
+  EXPECT_EQ(a.shape, b.shape);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{kPadded, kHidden}));
+  EXPECT_EQ(a.partition_dim, 0);
+  EXPECT_EQ(b.partition_dim, 0);
+
+  auto untied = make_dims(false);
+  TestLayer emb2(rank, "embedding", untied);
+  TestLayer head2(rank, "lm_head", untied);
+  EXPECT_EQ(emb2.param("word.weight").tie_key, "");
+  EXPECT_EQ(head2.param("word.weight").tie_key, "");
+}
+
+TEST(Layers, ParameterDeclarations) {
+  Rank rank;
+  auto dims = make_dims();
+  struct Want {
+    std::string name;
+    std::vector<int64_t> shape;
+    int32_t pdim, stride, init, nwd;
+  };
+  const std::map<std::string, std::vector<Want>> want = {
+      {"embedding",
+       {{"word.weight", {kPadded, kHidden}, 0, 1, LOOM_INIT_NORMAL, 0},
+        {"pos.weight", {kSeq, kHidden}, -1, 1, LOOM_INIT_NORMAL, 0}}},
+      {"attention",
+       {{"ln.weight", {kHidden}, -1, 1, LOOM_INIT_ONES, 1},
+        {"ln.bias", {kHidden}, -1, 1, LOOM_INIT_ZEROS, 1},
+        {"qkv.weight", {kHidden, 3 * kHidden}, 1, 3, LOOM_INIT_NORMAL, 0},
+        {"qkv.bias", {3 * kHidden}, 0, 3, LOOM_INIT_ZEROS, 1},
+        {"proj.weight", {kHidden, kHidden}, 0, 1, LOOM_INIT_NORMAL_SCALED, 0},
+        {"proj.bias", {kHidden}, -1, 1, LOOM_INIT_ZEROS, 1}}},
+      {"mlp",
+       {{"ln.weight", {kHidden}, -1, 1, LOOM_INIT_ONES, 1},
+        {"ln.bias", {kHidden}, -1, 1, LOOM_INIT_ZEROS, 1},
+        {"fc1.weight", {kHidden, kFfn}, 1, 1, LOOM_INIT_NORMAL, 0},
+        {"fc1.bias", {kFfn}, 0, 1, LOOM_INIT_ZEROS, 1},
+        {"fc2.weight", {kFfn, kHidden}, 0, 1, LOOM_INIT_NORMAL_SCALED, 0},
+        {"fc2.bias", {kHidden}, -1, 1, LOOM_INIT_ZEROS, 1}}},
+      {"lm_head",
+       {{"ln.weight", {kHidden}, -1, 1, LOOM_INIT_ONES, 1},
+        {"ln.bias", {kHidden}, -1, 1, LOOM_INIT_ZEROS, 1},
+        {"word.weight", {kPadded, kHidden}, 0, 1, LOOM_INIT_NORMAL, 0}}},
+  };
+  for (const auto& [name, params] : want) {
+    SCOPED_TRACE(name);
+    TestLayer layer(rank, name, dims);
+    ASSERT_EQ(layer.params().size(), params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Param& p = layer.params()[i];
+      EXPECT_EQ(p.name, params[i].name);
+      EXPECT_EQ(p.shape, params[i].shape) << p.name;
+      EXPECT_EQ(p.partition_dim, params[i].pdim) << p.name;
+      EXPECT_EQ(std::max(1, p.partition_stride), params[i].stride) << p.name;
+      EXPECT_EQ(p.init, params[i].init) << p.name;
+      EXPECT_EQ(p.no_weight_decay, params[i].nwd) << p.name;
+    }
+  }
+}
+
+TEST(Layers, ActivationBytesAndForwardFlops) {
+  Rank rank;
+  auto dims = make_dims();
+  const double T = kT, S = kSeq, H = kHidden, F = kFfn, V = kPadded;
+  const std::map<std::string, double> flops = {
+      {"embedding", 0.0},
+      {"attention", 2 * T * H * 3 * H + 4 * T * S * H + 2 * T * H * H},
+      {"mlp", 4 * T * H * F},
+      {"lm_head", 2 * T * H * V},
+  };
+  for (const auto& [name, f] : flops) {
+    SCOPED_TRACE(name);
+    TestLayer layer(rank, name, dims);
+    EXPECT_DOUBLE_EQ(layer.api()->forward_flops(layer.raw()), f);
+    // What a training forward keeps is what activation_bytes says (within the
+    // allocator's alignment), and backward gives it all back.
+    std::mt19937 rng(10);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    const uint64_t declared = layer.api()->activation_bytes(layer.raw());
+    EXPECT_GT(declared, 0u);
+    const uint64_t base = rank.device_bytes();
+    layer.forward(b, 0);
+    const uint64_t kept = rank.device_bytes() - base;
+    EXPECT_GE(kept + 4096, declared);
+    EXPECT_LE(kept, declared + 4096);
+    layer.backward(b, 0);
+    EXPECT_EQ(rank.device_bytes(), base);
+    // release() frees a forward that never gets its backward; eval keeps nothing.
+    layer.forward(b, 1);
+    layer.api()->release(layer.raw(), 1);
+    EXPECT_EQ(rank.device_bytes(), base);
+    layer.forward(b, 2, /*training=*/false);
+    EXPECT_EQ(rank.device_bytes(), base);
+  }
+  // Attention's saved set: x, mean, rstd, qkv, context, lse (+ the u8 mask with dropout).
+  TestLayer att(rank, "attention", dims);
+  const double expect = 4 * (T * H + 2 * T + 3 * T * H + T * H + kBatch * kHeads * S);
+  EXPECT_GE(static_cast<double>(att.api()->activation_bytes(att.raw())), expect);
+  EXPECT_LE(static_cast<double>(att.api()->activation_bytes(att.raw())), expect + 7 * 256);
+}
+
+TEST(Layers, BackwardWithoutTrainingForwardIsAnError) {
+  Rank rank;
+  auto dims = make_dims();
+  for (const std::string& name : all_layers()) {
+    SCOPED_TRACE(name);
+    TestLayer layer(rank, name, dims);
+    std::mt19937 rng(11);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    layer.forward(b, 0, /*training=*/false);
+    EXPECT_THROW(layer.backward(b, 0), loom::Error);
+    EXPECT_THROW(layer.backward(b, 5), loom::Error);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Causality
+// ---------------------------------------------------------------------------
+
+TEST(Layers, AttentionIsCausalAndKeepsBatchElementsApart) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "attention", dims);
+  std::mt19937 rng(12);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> y0, y1;
+  layer.forward(b, 0, false, 0, &y0);
+  const int64_t s0 = 3, b0 = 1;
+  Batch c = b;
+  // A random change (a constant shift would vanish in the LayerNorm).
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  for (int64_t h = 0; h < kHidden; ++h) c.x[(s0 * kBatch + b0) * kHidden + h] += 0.5f * n01(rng);
+  layer.forward(c, 0, false, 0, &y1);
+  for (int64_t s = 0; s < kSeq; ++s) {
+    for (int64_t bb = 0; bb < kBatch; ++bb) {
+      // The attention branch (output minus the residual input) of this token.
+      double diff = 0.0;
+      for (int64_t h = 0; h < kHidden; ++h) {
+        const int64_t i = (s * kBatch + bb) * kHidden + h;
+        diff = std::max(diff, static_cast<double>(std::fabs((y1[i] - c.x[i]) - (y0[i] - b.x[i]))));
+      }
+      if (s < s0 || bb != b0)
+        EXPECT_LE(diff, 1e-6) << "position " << s << " batch " << bb << " saw position " << s0;
+      else
+        EXPECT_GT(diff, 1e-4) << "position " << s << " batch " << bb << " ignores position " << s0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Microbatches in flight
+// ---------------------------------------------------------------------------
+
+TEST(Layers, MicrobatchesInFlightMatchSequentialOrder) {
+  for (const std::string& name : all_layers()) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = dropout_options(0.25);
+    const bool drop = name != "lm_head";
+    TestLayer layer(rank, name, dims, drop ? &opts : nullptr);
+    std::mt19937 rng(13);
+    layer.randomize(rng);
+    Batch m0 = make_batch(rng), m1 = make_batch(rng);
+
+    layer.zero_grads();
+    const double l0 = layer.forward(m0, 0);
+    std::vector<float> a0 = layer.backward(m0, 0);
+    const double l1 = layer.forward(m1, 1);
+    std::vector<float> a1 = layer.backward(m1, 1);
+    std::vector<std::vector<float>> seq;
+    for (Param& p : layer.params()) seq.push_back(p.grad);
+
+    layer.zero_grads();
+    EXPECT_EQ(layer.forward(m0, 0), l0);
+    EXPECT_EQ(layer.forward(m1, 1), l1);
+    std::vector<float> b1 = layer.backward(m1, 1);
+    std::vector<float> b0 = layer.backward(m0, 0);
+    EXPECT_EQ(a0, b0);
+    EXPECT_EQ(a1, b1);
+    for (size_t i = 0; i < seq.size(); ++i) {
+      const Param& p = layer.params()[i];
+      double scale = 0.0;
+      for (float g : seq[i]) scale = std::max(scale, static_cast<double>(std::fabs(g)));
+      EXPECT_LE(max_abs_diff(p.grad, seq[i]), 1e-6 * (1.0 + scale)) << p.name;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dropout
+// ---------------------------------------------------------------------------
+
+TEST(Layers, DropoutFollowsTheSeedAndOnlyInTraining) {
+  for (const std::string name : {"embedding", "attention", "mlp"}) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = dropout_options(0.5);
+    TestLayer layer(rank, name, dims, &opts);
+    TestLayer plain(rank, name, dims);
+    std::mt19937 rng(14);
+    layer.randomize(rng);
+    for (size_t i = 0; i < layer.params().size(); ++i)  // into the bound storage
+      std::copy(layer.params()[i].value.begin(), layer.params()[i].value.end(), plain.params()[i].value.begin());
+    Batch b = make_batch(rng);
+    std::vector<float> y1, y2, y3, y4, eval, ref;
+    layer.forward(b, 0, true, 42, &y1);
+    layer.forward(b, 1, true, 42, &y2);   // another microbatch: its own mask
+    layer.forward(b, 0, true, 42, &y3);   // same seed, same microbatch: same mask
+    layer.forward(b, 0, true, 43, &y4);   // another seed
+    layer.forward(b, 0, false, 42, &eval);
+    plain.forward(b, 0, false, 42, &ref);
+    layer.api()->release(layer.raw(), 0);
+    layer.api()->release(layer.raw(), 1);
+    EXPECT_EQ(y1, y3);
+    EXPECT_GT(max_abs_diff(y1, y4), 1e-3);
+    EXPECT_GT(max_abs_diff(y1, y2), 1e-3);
+    EXPECT_EQ(eval, ref);  // no dropout outside training
+    // About half of the branch is dropped: count elements equal to the residual
+    // (attention, mlp) or to zero (embedding).
+    int64_t dropped = 0;
+    for (size_t i = 0; i < y1.size(); ++i) {
+      const float base = name == "embedding" ? 0.0f : b.x[i];
+      dropped += y1[i] == base ? 1 : 0;
+    }
+    const double frac = static_cast<double>(dropped) / static_cast<double>(y1.size());
+    EXPECT_GT(frac, 0.3);
+    EXPECT_LT(frac, 0.7);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Tensor parallelism: two ranks (threads, comm/local) hold slices of the serial
+// layer's parameters and must compute the serial outputs, loss and gradients.
+// ---------------------------------------------------------------------------
+
+// Rank r's slice of a full tensor, the way the engine cuts it: partition_dim is
+// `stride` concatenated blocks, each split into `tp` equal parts.
+std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp, int r) {
+  if (p.partition_dim < 0) return full;
+  const size_t d = static_cast<size_t>(p.partition_dim);
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
+  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
+  const int64_t stride = std::max(1, p.partition_stride), dim = p.shape[d];
+  const int64_t block = dim / stride, part = block / tp;
+  std::vector<float> out;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t k = 0; k < stride; ++k) {
+      const int64_t row0 = k * block + r * part;
+      const float* src = &full[static_cast<size_t>((o * dim + row0) * inner)];
+      out.insert(out.end(), src, src + part * inner);
+    }
+  return out;
+}
+
+struct RankResult {
+  std::string error;
+  double objective = 0.0;
+  int64_t count = 0;
+  std::vector<float> out, dx;
+  std::vector<std::vector<float>> grads;
+};
+
+TEST(Layers, TensorParallelTwoRanksMatchOneRank) {
+  const loom::plugins::LoadedPlugin* comm = registry().find("comm", "local");
+  if (comm == nullptr) GTEST_SKIP() << "comm/local is not built";
+  constexpr int kTp = 2;
+  for (const std::string& name : all_layers()) {
+    SCOPED_TRACE(name);
+    auto dims = make_dims();
+    // Dropout is outside the tp region: the same mask on every rank.
+    toml::table opts = dropout_options(0.25);
+    const toml::table* options = name != "lm_head" ? &opts : nullptr;
+    // The serial run.
+    Rank serial;
+    TestLayer full(serial, name, dims, options);
+    std::mt19937 rng(30);
+    full.randomize(rng);
+    Batch b = make_batch(rng);
+    b.tokens[1] = static_cast<int32_t>(kPadded / 2);  // a token of rank 1's vocab slice
+    b.targets[2] = static_cast<int32_t>(kVocab) - 1;  // a target in rank 1's slice
+    std::vector<float> want_out;
+    int64_t want_count = 0;
+    full.zero_grads();
+    const double want_obj = full.forward(b, 0, true, 5, &want_out, &want_count);
+    const std::vector<float> want_dx = full.backward(b, 0);
+
+    // The same layer over two tensor-parallel ranks.
+    loom::plugins::OptionValues copts(nullptr, comm->options);
+    const int32_t ranks[kTp] = {0, 1};
+    loom_comm_world_args wa = loom::make<loom_comm_world_args>();
+    wa.world_size = kTp;
+    wa.num_local_ranks = kTp;
+    wa.local_ranks = ranks;
+    wa.timeout_ms = 20000;
+    loom_comm_world* world = nullptr;
+    ok(comm->comm()->world_create(copts.raw(), &wa, &world));
+    std::vector<RankResult> res(kTp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kTp; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          loom_group_desc desc = loom::make<loom_group_desc>();
+          desc.kind = "tp";
+          desc.ranks = ranks;
+          desc.size = kTp;
+          desc.my_rank = r;
+          loom_group g = loom::make<loom_group>();
+          g.api = comm->comm();
+          g.size = kTp;
+          g.rank = r;
+          ok(comm->comm()->group_create(world, &desc, &g.comm));
+          Rank rank(r, &g);  // owns the communicator from here on
+          TestLayer layer(rank, name, dims, options);
+          for (size_t i = 0; i < layer.params().size(); ++i) {
+            Param& p = layer.params()[i];
+            const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
+            if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
+            std::copy(mine.begin(), mine.end(), p.value.begin());  // in the bound storage
+          }
+          layer.zero_grads();
+          RankResult& out = res[static_cast<size_t>(r)];
+          out.objective = layer.forward(b, 0, true, 5, &out.out, &out.count);
+          out.dx = layer.backward(b, 0);
+          for (Param& p : layer.params()) out.grads.push_back(p.grad);
+        } catch (const std::exception& e) {
+          res[static_cast<size_t>(r)].error = e.what();
+          comm->comm()->world_abort(world, e.what());
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    comm->comm()->world_destroy(world);
+
+    for (int r = 0; r < kTp; ++r) {
+      SCOPED_TRACE("tp rank " + std::to_string(r));
+      const RankResult& got = res[static_cast<size_t>(r)];
+      ASSERT_EQ(got.error, "");
+      EXPECT_NEAR(got.objective, want_obj, 1e-5 * (1.0 + std::fabs(want_obj)));
+      if (name == "lm_head") {
+        EXPECT_EQ(got.count, want_count);
+      }
+      ASSERT_EQ(got.out.size(), want_out.size());
+      EXPECT_LE(max_abs_diff(got.out, want_out), 1e-5);
+      ASSERT_EQ(got.dx.size(), want_dx.size());
+      EXPECT_LE(max_abs_diff(got.dx, want_dx), 1e-5);
+      for (size_t i = 0; i < full.params().size(); ++i) {
+        const Param& p = full.params()[i];
+        const std::vector<float> want = slice(p, p.grad, kTp, r);
+        ASSERT_EQ(got.grads[i].size(), want.size()) << p.name;
+        double scale = 0.0;
+        for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+        EXPECT_LE(max_abs_diff(got.grads[i], want), 1e-5 * (1.0 + scale)) << p.name;
+      }
+    }
+  }
+}
+
+}  // namespace
