@@ -26,9 +26,9 @@ case "$mode" in
     build/bin/loom validate configs/quickstart.toml >/dev/null
     (cd build && ctest --output-on-failure -j "$jobs" --timeout 900)
     # The same suite under AddressSanitizer + UndefinedBehaviorSanitizer.
-    build build-asan -DCMAKE_BUILD_TYPE=Debug -DLOOM_SANITIZE=ON -DLOOM_WITH_CUDA=OFF
+    build build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON -DLOOM_WITH_CUDA=OFF
     (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-       LOOM_TEST_LIGHT=1 ctest --output-on-failure -j "$jobs" --timeout 1800)
+       ctest --output-on-failure -j "$jobs" --timeout 1800)
     ;;
   *)
     echo "usage: scripts/dev.sh quickstart|test" >&2

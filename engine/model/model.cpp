@@ -1,5 +1,6 @@
 #include "engine/model/model.hpp"
 
+#include "engine/model/buffer_layout.hpp"
 #include "engine/model/param_init.hpp"
 
 #include <glog/logging.h>
@@ -62,12 +63,11 @@ DLTensor view(void* data, const std::vector<int64_t>& shape) {
 int64_t product(const std::vector<int64_t>& s) {
   return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
 }
-constexpr size_t kParamAlign = 64;  // elements; Megatron's per-parameter alignment
 }  // namespace
 
 Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<LayerSpec> specs, uint64_t seed)
-    : rank_(rank), dims_(dims) {
+    : rank_(rank), dims_(dims), bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))) {
   const loom::Group tp = rank.group_or_self("tp");
   for (LayerSpec& spec : specs) {
     const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
@@ -122,12 +122,11 @@ void Model::build_buffers(uint64_t seed) {
     loom::check(layers_[li].api->params(layers_[li].handle, &d, &n));
     for (size_t i = 0; i < n; ++i) decls.push_back({static_cast<int>(li), static_cast<int>(i), d[i]});
   }
-  // Place parameters in reverse model order (the order backward produces their
-  // gradients), each start aligned; tied parameters share the first placement.
+  // One entry per parameter in model order; a tied parameter is owned by its
+  // first declaration and later declarations share it.
   std::map<std::string, size_t> tied;  // tie_key -> entry index
   std::vector<size_t> entry_of(decls.size());
-  size_t offset = 0;
-  for (size_t k = decls.size(); k-- > 0;) {
+  for (size_t k = 0; k < decls.size(); ++k) {
     const Decl& d = decls[k];
     const std::string name = layers_[d.layer].spec.instance + "." + d.decl.name;
     std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
@@ -149,17 +148,20 @@ void Model::build_buffers(uint64_t seed) {
     e.full_shape = full;
     e.local_shape = local;
     e.numel = static_cast<size_t>(product(local));
-    e.offset = offset;
     e.layer = d.layer;
     e.decl = d.decl;
     e.duplicated = d.decl.partition_dim < 0;
     e.tie_key = tie;
-    offset = (offset + e.numel + kParamAlign - 1) / kParamAlign * kParamAlign;
     entry_of[k] = entries_.size();
     if (!tie.empty()) tied[tie] = entries_.size();
     entries_.push_back(std::move(e));
   }
-  numel_ = std::max<size_t>(offset, 1);
+  // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible buckets).
+  std::vector<size_t> numels;
+  for (const ParamEntry& e : entries_) numels.push_back(e.numel);
+  layout_ = layout_buffer(numels, rank_.group_or_self("dp").size(), bucket_size_);
+  for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
+  numel_ = layout_.numel;
   params_ = loom::Buffer(&rank_, numel_ * sizeof(float));
   grads_ = loom::Buffer(&rank_, numel_ * sizeof(float));
   loom::Device dev = rank_.dev();

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "engine/manifest/manifest.hpp"
+#include "engine/model/buffer_layout.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
 
@@ -34,7 +35,7 @@ loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
 
 // A parameter of this rank as the optimizer sees it; tied parameters appear once.
 struct ParamEntry {
-  std::string name;                // "blocks.0.attention.qkv.weight"
+  std::string name;                // "blocks.0.attention.qkv.weight" (entries are in model order)
   std::vector<int64_t> full_shape, local_shape;
   size_t offset = 0, numel = 0;    // in elements, in the flat buffers
   int layer = 0;                   // index into layers() of the owner
@@ -63,6 +64,8 @@ class Model {
   void* params() const { return params_.get(); }
   void* grads() const { return grads_.get(); }
   size_t numel() const { return numel_; }
+  // Where each entry (param_entries() order = model order) and bucket lives.
+  const BufferLayout& layout() const { return layout_; }
   const std::vector<ParamEntry>& param_entries() const { return entries_; }
   std::vector<loom_param_info> param_infos() const;
   size_t layer_count() const { return layers_.size(); }
@@ -84,6 +87,8 @@ class Model {
 
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
+  size_t bucket_size_ = 0;
+  BufferLayout layout_;
   std::vector<Layer> layers_;
   std::vector<ParamEntry> entries_;
   size_t numel_ = 0;

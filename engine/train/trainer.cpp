@@ -156,6 +156,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     oa.dp = dp.raw();
     oa.tp = rt.group_or_self("tp").raw();
     oa.pp = rt.group_or_self("pp").raw();
+    std::vector<size_t> bucket_offsets;
+    for (const model::Range& b : model.layout().buckets) bucket_offsets.push_back(b.start);
+    bucket_offsets.push_back(model.layout().numel);
+    oa.bucket_offsets = bucket_offsets.data();
+    oa.num_buckets = model.layout().buckets.size();
     plugins::OptionValues opt_opts(m.get_table("optimizer.options"), plan.optimizer->options);
     const loom_optimizer_api* opt_api = plan.optimizer->optimizer();
     loom_optimizer* opt = nullptr;

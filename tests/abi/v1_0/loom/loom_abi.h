@@ -529,6 +529,11 @@ typedef struct loom_optimizer_create_args {
   const loom_param_info* infos;
   size_t num_params;
   loom_group dp, tp, pp;     /* groups for grad sync and norm reductions */
+  /* Buckets of the buffers (Megatron's layout: reverse model order, 64-element
+   * aligned starts, each bucket a multiple of lcm(dp, 128) elements): bucket b is
+   * [bucket_offsets[b], bucket_offsets[b + 1]); num_buckets + 1 entries. */
+  const size_t* bucket_offsets;
+  size_t num_buckets;
 } loom_optimizer_create_args;
 
 typedef struct loom_optimizer_step_args {

@@ -1,0 +1,40 @@
+#include "engine/model/buffer_layout.hpp"
+
+#include <numeric>
+#include <stdexcept>
+
+namespace loom::model {
+
+namespace {
+size_t round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+}  // namespace
+
+BufferLayout layout_buffer(const std::vector<size_t>& numels, int dp, size_t bucket_size) {
+  if (dp < 1) throw std::invalid_argument("layout_buffer: dp must be >= 1");
+  const size_t bucket_align = std::lcm(static_cast<size_t>(dp), size_t{128});
+  BufferLayout l;
+  l.params.resize(numels.size());
+  size_t cursor = 0, bucket_start = 0;
+  bool open = false;
+  for (size_t k = numels.size(); k-- > 0;) {
+    const size_t start = round_up(cursor, kParamStartAlign);
+    l.params[k] = {start, start + numels[k]};
+    cursor = start + numels[k];
+    open = true;
+    if (bucket_size > 0 && cursor - bucket_start >= bucket_size) {
+      const size_t end = round_up(cursor, bucket_align);
+      l.buckets.push_back({bucket_start, end});
+      bucket_start = cursor = end;
+      open = false;
+    }
+  }
+  if (open || l.buckets.empty()) {
+    const size_t end = std::max(round_up(cursor, bucket_align), bucket_start + bucket_align);
+    l.buckets.push_back({bucket_start, end});
+    cursor = end;
+  }
+  l.numel = cursor;
+  return l;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,37 @@
+// Where each parameter lives in the flat parameter/gradient buffers — Megatron-LM's
+// rules, so layouts are comparable: parameters in reverse model order (the order
+// backward produces their gradients), each start rounded up to 64 elements,
+// buckets closed once they reach bucket_size elements, and each bucket's end
+// rounded up to a multiple of lcm(dp, 128) so it splits evenly into dp shards.
+#pragma once
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+namespace loom::model {
+
+struct Range {
+  size_t start = 0, end = 0;  // half-open, in elements
+  size_t size() const { return end - start; }
+  bool operator==(const Range&) const = default;
+};
+
+struct BufferLayout {
+  size_t numel = 0;             // the whole buffer, padding included
+  std::vector<Range> params;    // by model-order index
+  std::vector<Range> buckets;   // in buffer order
+};
+
+constexpr size_t kParamStartAlign = 64;
+
+// numels: each parameter's element count, in model order. bucket_size 0 = one bucket.
+BufferLayout layout_buffer(const std::vector<size_t>& numels, int dp, size_t bucket_size = 0);
+
+// The shard of a bucket that data-parallel rank r of dp owns.
+inline Range shard_of(const Range& bucket, int dp, int r) {
+  const size_t size = bucket.size() / static_cast<size_t>(dp);
+  return {bucket.start + static_cast<size_t>(r) * size, bucket.start + static_cast<size_t>(r + 1) * size};
+}
+
+}  // namespace loom::model
