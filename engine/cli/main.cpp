@@ -21,6 +21,7 @@ const Command kCommands[] = {
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
     {"plugins", loom::cli::cmd_plugins, "list, describe or check plugins: loom plugins list|info NAME|check DIR"},
     {"groups", loom::cli::cmd_groups, "print the rank groups of a parallel layout"},
+    {"schedule", loom::cli::cmd_schedule, "print, check and simulate a pipeline schedule: --pp P --microbatches M [--vpp V]"},
 };
 
 void usage(std::ostream& os) {

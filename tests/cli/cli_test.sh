@@ -58,8 +58,15 @@ grep -q "bad.toml:3:1: parallel.tpp: unknown key 'parallel.tpp' (did you mean 'p
 grep -q "model.num_heads (6)" "$work/bad.out" || fail "num_heads message: $(cat "$work/bad.out")"
 [ "$(grep -c ': ' "$work/bad.out")" -ge 2 ] || fail "both problems must be reported at once"
 
-# 5. Usage errors exit 2; --help exits 0.
+# 5. Pipeline schedules: seed 003's case, and a refusal that names the rule.
+"$loom" schedule --pp 4 --vpp 2 --microbatches 8 --json > "$work/sched.json" || fail "loom schedule"
+grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1, -1, -1, -2, -2, -2, -2, -1, -1, -1, -1\]}' "$work/sched.json" \
+  || fail "seed 003 order: $(head -c 300 "$work/sched.json")"
+"$loom" schedule --pp 4 --vpp 2 --microbatches 6 > /dev/null 2> "$work/sched.err"
+[ $? -eq 1 ] && grep -q "microbatches mod N must be 0 or at least pp" "$work/sched.err" || fail "refusal: $(cat "$work/sched.err")"
+
+# 6. Usage errors exit 2; --help exits 0.
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"
 "$loom" frobnicate > /dev/null 2>&1; [ $? -eq 2 ] || fail "an unknown command should exit 2"
-for c in run validate plugins groups; do "$loom" $c --help > /dev/null || fail "loom $c --help"; done
+for c in run validate plugins groups schedule; do "$loom" $c --help > /dev/null || fail "loom $c --help"; done
 echo "cli tests passed"

@@ -1,0 +1,726 @@
+// Pipeline schedules (seed 003): the built-in plugins' orders against the seed's
+// worked example and hand-derived cases, Megatron's acceptance rules, the engine's
+// order validation and deadlock simulation (with deliberately broken plugins from
+// tests/pipeline/), the Chrome trace, and `loom schedule`.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "engine/pipeline/schedule.hpp"
+#include "engine/plugins/registry.hpp"
+
+namespace loom::cli {
+int cmd_schedule(int argc, char** argv);
+}
+
+namespace {
+
+using loom::pipeline::PipelineOrders;
+using loom::pipeline::ScheduleError;
+using Order = std::vector<int32_t>;
+
+const std::string kBrokenDir = std::string(LOOM_TEST_BUILD_DIR) + "/tests/pipeline/plugins";
+
+loom::plugins::Registry& registry() {
+  static loom::plugins::Registry* r = [] {
+    loom::plugins::host_api();
+    auto* reg = new loom::plugins::Registry();
+    for (const char* name : {"1f1b", "interleaved", "gpipe"})
+      reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_parallel_pipeline_" + name + ".so");
+    reg->load_file(kBrokenDir + "/loom_parallel_pipeline_broken.so");
+    return reg;
+  }();
+  return *r;
+}
+
+PipelineOrders orders(const std::string& name, int pp, int vpp, int m, int n = 0) {
+  return loom::pipeline::compute_orders(registry().get("parallel", "pipeline." + name), nullptr, pp, vpp, m, n);
+}
+
+// The error compute_orders (and then simulate) raises, or a failure when none.
+ScheduleError error_of(const std::string& name, int pp, int vpp, int m, int n = 0) {
+  try {
+    loom::pipeline::simulate(orders(name, pp, vpp, m, n));
+  } catch (const ScheduleError& e) {
+    return e;
+  }
+  ADD_FAILURE() << name << " pp " << pp << " vpp " << vpp << " m " << m << " n " << n << " raised no error";
+  return ScheduleError(ScheduleError::Kind::refused, "(no error)");
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// ---------------------------------------------------------------------------
+// Independent references (not the plugins' code)
+// ---------------------------------------------------------------------------
+
+// Warmup forwards per rank, straight from DESIGN.md §5.
+int warmup_1f1b(int pp, int m, int r) { return std::min(pp - r - 1, m); }
+int warmup_interleaved(int pp, int v, int m, int n, int r) {
+  return std::min((pp - r - 1) * 2 + (v - 1) * n, m * v);
+}
+
+// 0-based chunk of the k-th forward of the schedule table, in closed form: full groups
+// of n microbatches hold n * v entries (chunk = position in group / n); the last,
+// shorter group of m mod n microbatches holds (m mod n) * v.
+int table_chunk(int k, int m, int v, int n) {
+  const int full = m / n;
+  if (k < full * n * v) return (k % (n * v)) / n;
+  return (k - full * n * v) / (m % n);
+}
+
+// An interleaved order built from that closed form: W forwards, pairs, W backwards.
+Order reference_interleaved(int pp, int v, int m, int n, int r) {
+  const int total = m * v, w = warmup_interleaved(pp, v, m, n, r);
+  auto f = [&](int k) { return table_chunk(k, m, v, n) + 1; };
+  auto b = [&](int k) { return -(v - table_chunk(k, m, v, n)); };
+  Order o;
+  for (int k = 0; k < w; ++k) o.push_back(f(k));
+  for (int k = w; k < total; ++k) {
+    o.push_back(f(k));
+    o.push_back(b(k - w));
+  }
+  for (int k = total - w; k < total; ++k) o.push_back(b(k));
+  return o;
+}
+
+// For n = pp and m a multiple of pp, Megatron's older get_model_chunk_id must agree:
+// virtual microbatch k runs chunk (k mod (pp * v)) / pp forward, v - 1 - that backward.
+int old_megatron_chunk(int k, int pp, int v, bool forward) {
+  const int c = (k % (pp * v)) / pp;
+  return forward ? c : v - 1 - c;
+}
+
+// Checks what a timeline must satisfy whatever the schedule: steps of one rank in
+// order without overlap, and every step starting after its inputs finished.
+void expect_consistent_timeline(const PipelineOrders& o, const loom::pipeline::Timeline& t) {
+  const int pp = o.pp, gcount = o.pp * o.vpp;
+  std::map<std::tuple<bool, int, int>, int64_t> finish;
+  for (const auto& rank : t.ranks)
+    for (const auto& s : rank) finish[{s.forward, s.global_chunk, s.microbatch}] = s.start + s.duration;
+  ASSERT_EQ(finish.size(), static_cast<size_t>(2 * gcount * o.microbatches));
+  for (int r = 0; r < pp; ++r) {
+    const auto& steps = t.ranks[static_cast<size_t>(r)];
+    ASSERT_EQ(steps.size(), o.order[static_cast<size_t>(r)].size());
+    int64_t clock = 0;
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const auto& s = steps[i];
+      EXPECT_EQ(s.index, static_cast<int>(i));
+      EXPECT_EQ(s.entry, o.order[static_cast<size_t>(r)][i]);
+      EXPECT_EQ(s.global_chunk, (s.chunk - 1) * pp + r);
+      EXPECT_GE(s.start, clock) << "rank " << r << " step " << i << " overlaps its predecessor";
+      clock = s.start + s.duration;
+      if (s.forward && s.global_chunk > 0) {
+        EXPECT_GE(s.start, (finish[{true, s.global_chunk - 1, s.microbatch}]));
+      }
+      if (!s.forward) {
+        EXPECT_GE(s.start, (finish[{true, s.global_chunk, s.microbatch}]));
+        if (s.global_chunk + 1 < gcount) {
+          EXPECT_GE(s.start, (finish[{false, s.global_chunk + 1, s.microbatch}]));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The seed's worked example
+// ---------------------------------------------------------------------------
+
+TEST(ScheduleSeed, InterleavedPp4Vpp2Mb8Rank0) {
+  const PipelineOrders o = orders("interleaved", 4, 2, 8);
+  EXPECT_EQ(o.group_size, 4);  // 0 means pp
+  const Order expected = {1, 1, 1, 1, 2, 2, 2, 2, 1, 1,                       // warmup
+                          1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1,           // steady 1F1B
+                          -1, -1, -2, -2, -2, -2, -1, -1, -1, -1};            // cooldown
+  EXPECT_EQ(o.order[0], expected);
+  EXPECT_EQ(o.warmup[0], 10);
+  // Every rank: the formula's warmup, a valid order, and no deadlock.
+  const std::vector<int32_t> warmups = {10, 8, 6, 4};
+  EXPECT_EQ(o.warmup, warmups);
+  const auto t = loom::pipeline::simulate(o);
+  expect_consistent_timeline(o, t);
+  // The paper's bubble for interleaving with one slot per chunk step: (pp - 1) forward
+  // and (pp - 1) backward slots, i.e. a makespan of 2 * v * m + 2 * (pp - 1).
+  EXPECT_EQ(t.makespan, 2 * 2 * 8 + 2 * 3);
+}
+
+TEST(ScheduleSeed, FirstListingOfTheSeedIsNotTheOrder) {
+  // The seed's first listing (…, 1, -1, 1, -1, 2, -2, …) is wrong (DESIGN.md §5);
+  // make sure we do not produce it.
+  const Order seed_listing = {1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -1, 1, -1, 2, -2, 2, -2, 2, -1, 2, -1,
+                              -2, -2, -1, -1, -2, -2, -1, -1, -2, -2};
+  EXPECT_NE(orders("interleaved", 4, 2, 8).order[0], seed_listing);
+}
+
+// ---------------------------------------------------------------------------
+// Hand-derived orders
+// ---------------------------------------------------------------------------
+
+TEST(ScheduleOneFOneB, HandDerivedOrders) {
+  const PipelineOrders a = orders("1f1b", 4, 1, 8);
+  EXPECT_EQ(a.order[0], (Order{1, 1, 1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, -1, -1, -1}));
+  EXPECT_EQ(a.order[2], (Order{1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, -1}));
+  EXPECT_EQ(a.order[3], (Order{1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1}));
+  EXPECT_EQ(a.warmup, (std::vector<int32_t>{3, 2, 1, 0}));
+
+  // Fewer microbatches than stages: warmup capped at M.
+  const PipelineOrders b = orders("1f1b", 4, 1, 2);
+  EXPECT_EQ(b.order[0], (Order{1, 1, -1, -1}));
+  EXPECT_EQ(b.order[1], (Order{1, 1, -1, -1}));
+  EXPECT_EQ(b.order[2], (Order{1, 1, -1, -1}));
+  EXPECT_EQ(b.order[3], (Order{1, -1, 1, -1}));
+  EXPECT_EQ(b.warmup, (std::vector<int32_t>{2, 2, 1, 0}));
+
+  // No pipeline: forward then backward of each microbatch.
+  const PipelineOrders c = orders("1f1b", 1, 1, 3);
+  EXPECT_EQ(c.order[0], (Order{1, -1, 1, -1, 1, -1}));
+  EXPECT_EQ(c.warmup[0], 0);
+
+  // 1F1B with one slot per step: (m + pp - 1) forward/backward pairs of slots.
+  const auto t = loom::pipeline::simulate(a);
+  EXPECT_EQ(t.makespan, 2 * (8 + 4 - 1));
+  EXPECT_DOUBLE_EQ(t.bubble_fraction(), 3.0 / 11.0);
+}
+
+TEST(ScheduleInterleaved, HandDerivedOrders) {
+  // pp 2, vpp 2, M 4, N 2: table (mb, chunk) = (0,0)(1,0)(0,1)(1,1)(2,0)(3,0)(2,1)(3,1).
+  const PipelineOrders a = orders("interleaved", 2, 2, 4, 2);
+  EXPECT_EQ(a.order[0], (Order{1, 1, 2, 2, 1, -2, 1, -2, 2, -1, 2, -1, -2, -2, -1, -1}));
+  EXPECT_EQ(a.order[1], (Order{1, 1, 2, -2, 2, -2, 1, -1, 1, -1, 2, -2, 2, -2, -1, -1}));
+  EXPECT_EQ(a.warmup, (std::vector<int32_t>{4, 2}));
+
+  // A shorter last group (Megatron allows M mod N >= pp): pp 2, vpp 2, M 5, N 3.
+  const PipelineOrders b = orders("interleaved", 2, 2, 5, 3);
+  EXPECT_EQ(b.order[0], (Order{1, 1, 1, 2, 2, 2, -2, 1, -2, 1, -2, 2, -1, 2, -1, -1, -2, -2, -1, -1}));
+  EXPECT_EQ(b.order[1], (Order{1, 1, 1, 2, -2, 2, -2, 2, -2, 1, -1, 1, -1, 2, -1, 2, -2, -2, -1, -1}));
+  EXPECT_EQ(b.warmup, (std::vector<int32_t>{5, 3}));
+  loom::pipeline::simulate(b);
+
+  // All forwards fit in the warmup: rank 0 of pp 2, vpp 3, M 2, N 2 (W = 2 + 4 = 6 = M * V).
+  const PipelineOrders c = orders("interleaved", 2, 3, 2, 2);
+  EXPECT_EQ(c.order[0], (Order{1, 1, 2, 2, 3, 3, -3, -3, -2, -2, -1, -1}));
+  EXPECT_EQ(c.warmup[0], 6);
+}
+
+TEST(ScheduleGpipe, HandDerivedOrders) {
+  const PipelineOrders a = orders("gpipe", 2, 2, 3);
+  EXPECT_EQ(a.order[0], (Order{1, 1, 1, 2, 2, 2, -2, -2, -2, -1, -1, -1}));
+  EXPECT_EQ(a.order[1], a.order[0]);
+  EXPECT_EQ(a.warmup, (std::vector<int32_t>{6, 6}));
+  const PipelineOrders b = orders("gpipe", 3, 1, 4);
+  EXPECT_EQ(b.order[2], (Order{1, 1, 1, 1, -1, -1, -1, -1}));
+  const auto t = loom::pipeline::simulate(b);
+  EXPECT_EQ(t.makespan, 2 * (4 + 3 - 1));
+  expect_consistent_timeline(b, t);
+}
+
+// ---------------------------------------------------------------------------
+// Many combinations: acceptance rules, formulas, validation, no deadlock
+// ---------------------------------------------------------------------------
+
+TEST(ScheduleAll, EveryAcceptedCombinationValidatesAndSimulates) {
+  int interleaved_accepted = 0, interleaved_refused = 0, checked_against_old_megatron = 0;
+  for (int pp = 1; pp <= 5; ++pp)
+    for (int v = 1; v <= 4; ++v)
+      for (int m = 1; m <= 12; ++m) {
+        SCOPED_TRACE("pp " + std::to_string(pp) + " vpp " + std::to_string(v) + " m " + std::to_string(m));
+        // 1F1B: accepted exactly when vpp = 1.
+        if (v == 1) {
+          const PipelineOrders o = orders("1f1b", pp, v, m);
+          for (int r = 0; r < pp; ++r) EXPECT_EQ(o.warmup[static_cast<size_t>(r)], warmup_1f1b(pp, m, r));
+          expect_consistent_timeline(o, loom::pipeline::simulate(o));
+        } else {
+          const ScheduleError e = error_of("1f1b", pp, v, m);
+          EXPECT_EQ(e.kind(), ScheduleError::Kind::refused);
+        }
+        // GPipe: always.
+        {
+          const PipelineOrders o = orders("gpipe", pp, v, m);
+          for (int r = 0; r < pp; ++r) EXPECT_EQ(o.warmup[static_cast<size_t>(r)], v * m);
+          expect_consistent_timeline(o, loom::pipeline::simulate(o));
+        }
+        // Interleaved: Megatron's rules, for every group size (0 = pp).
+        for (int n0 = 0; n0 <= 12; ++n0) {
+          const int n = n0 == 0 ? pp : n0;
+          const bool ok = pp > 1 && v > 1 && n >= pp && n <= m && (m % n == 0 || m % n >= pp);
+          if (!ok) {
+            const ScheduleError e = error_of("interleaved", pp, v, m, n0);
+            EXPECT_EQ(e.kind(), ScheduleError::Kind::refused) << e.what();
+            ++interleaved_refused;
+            continue;
+          }
+          ++interleaved_accepted;
+          const PipelineOrders o = orders("interleaved", pp, v, m, n0);
+          EXPECT_EQ(o.group_size, n);
+          for (int r = 0; r < pp; ++r) {
+            SCOPED_TRACE("n " + std::to_string(n) + " rank " + std::to_string(r));
+            EXPECT_EQ(o.warmup[static_cast<size_t>(r)], warmup_interleaved(pp, v, m, n, r));
+            EXPECT_EQ(o.order[static_cast<size_t>(r)], reference_interleaved(pp, v, m, n, r));
+            if (n == pp && m % pp == 0) {
+              // Same order from Megatron's older virtual-microbatch formula.
+              const Order& ord = o.order[static_cast<size_t>(r)];
+              int f = 0, b = 0;
+              for (int32_t e : ord) {
+                if (e > 0) {
+                  EXPECT_EQ(e, old_megatron_chunk(f++, pp, v, true) + 1);
+                } else {
+                  EXPECT_EQ(-e, old_megatron_chunk(b++, pp, v, false) + 1);
+                }
+              }
+              ++checked_against_old_megatron;
+            }
+          }
+          expect_consistent_timeline(o, loom::pipeline::simulate(o));
+        }
+      }
+  EXPECT_GT(interleaved_accepted, 100);
+  EXPECT_GT(interleaved_refused, 100);
+  EXPECT_GT(checked_against_old_megatron, 50);
+}
+
+// ---------------------------------------------------------------------------
+// Refusals name the rule and the values
+// ---------------------------------------------------------------------------
+
+TEST(ScheduleRefusals, OneFOneBNeedsVpp1) {
+  const ScheduleError e = error_of("1f1b", 4, 2, 8);
+  EXPECT_EQ(e.kind(), ScheduleError::Kind::refused);
+  EXPECT_TRUE(contains(e.what(), "needs vpp = 1, got vpp = 2")) << e.what();
+  EXPECT_TRUE(contains(e.what(), "parallel/pipeline.1f1b")) << e.what();
+}
+
+TEST(ScheduleRefusals, InterleavedRules) {
+  const std::string pp1 = error_of("interleaved", 1, 2, 4).what();
+  EXPECT_TRUE(contains(pp1, "needs pp > 1, got pp = 1")) << pp1;
+  const std::string vpp1 = error_of("interleaved", 2, 1, 4).what();
+  EXPECT_TRUE(contains(vpp1, "needs vpp > 1")) << vpp1;
+
+  const std::string small_n = error_of("interleaved", 4, 2, 8, 2).what();
+  EXPECT_TRUE(contains(small_n, "pp <= N <= microbatches")) << small_n;
+  EXPECT_TRUE(contains(small_n, "N = 2, pp = 4, microbatches = 8")) << small_n;
+
+  const std::string big_n = error_of("interleaved", 2, 2, 3, 4).what();
+  EXPECT_TRUE(contains(big_n, "pp <= N <= microbatches")) << big_n;
+  EXPECT_TRUE(contains(big_n, "N = 4, pp = 2, microbatches = 3")) << big_n;
+
+  // Default N = pp = 4 with fewer microbatches than that.
+  const std::string few = error_of("interleaved", 4, 2, 3).what();
+  EXPECT_TRUE(contains(few, "N = 4, pp = 4, microbatches = 3")) << few;
+
+  const std::string rem = error_of("interleaved", 4, 2, 6).what();
+  EXPECT_TRUE(contains(rem, "microbatches mod N must be 0 or at least pp")) << rem;
+  EXPECT_TRUE(contains(rem, "microbatches = 6, N = 4, remainder 2 < pp = 4")) << rem;
+  // The engine names the combination and the rank it asked for.
+  EXPECT_TRUE(contains(rem, "parallel/pipeline.interleaved refuses pp 4, vpp 2, microbatches 6, group size 4 (rank 0)"))
+      << rem;
+}
+
+TEST(ScheduleRefusals, EngineRefusesNonsenseSizes) {
+  const ScheduleError e = error_of("gpipe", 0, 1, 4);
+  EXPECT_EQ(e.kind(), ScheduleError::Kind::refused);
+  EXPECT_TRUE(contains(e.what(), "must be at least 1")) << e.what();
+}
+
+// ---------------------------------------------------------------------------
+// Broken plugins: order validation and the deadlock check
+// ---------------------------------------------------------------------------
+
+TEST(ScheduleDeadlock, ReversedWarmupIsRefusedNamingTheStuckRankAndStep) {
+  // Rank 0 (no warmup) runs F1 then waits for rank 1's B1, while rank 1 (warmup 1)
+  // waits for rank 0's F2 before it will run B1.
+  const PipelineOrders o = orders("deadlock", 4, 1, 4);  // every order is well formed...
+  try {
+    loom::pipeline::simulate(o);  // ...but together they deadlock
+    FAIL() << "no deadlock reported";
+  } catch (const ScheduleError& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(e.kind(), ScheduleError::Kind::deadlock);
+    EXPECT_EQ(e.rank(), 0);
+    EXPECT_EQ(e.step(), 1);
+    EXPECT_TRUE(contains(msg, "schedule parallel/pipeline.deadlock deadlocks")) << msg;
+    EXPECT_TRUE(contains(msg, "rank 0 is stuck at step 1 (order[1] = -1: backward of chunk 1, microbatch 1)")) << msg;
+    EXPECT_TRUE(contains(msg, "backward output (input gradient) of global chunk 1, microbatch 1, from rank 1")) << msg;
+    EXPECT_TRUE(contains(msg, "which is itself stuck at step 1 (order[1] = +1: forward of chunk 1, microbatch 2)"))
+        << msg;
+    EXPECT_TRUE(contains(msg, "cycle rank 0 -> rank 1 -> rank 0")) << msg;
+  }
+  // The same plugin with one rank has nobody to wait for.
+  loom::pipeline::simulate(orders("deadlock", 1, 1, 4));
+}
+
+TEST(ScheduleDeadlock, LastChunkFirstDeadlocksAcrossTheWrap) {
+  // Rank 0 starts with chunk 2 (global chunk 2), which needs global chunk 1 on rank 1,
+  // which needs global chunk 0: rank 0's own chunk 1, queued behind chunk 2.
+  const ScheduleError e = error_of("chunk_swap", 2, 2, 2);
+  const std::string msg = e.what();
+  EXPECT_EQ(e.kind(), ScheduleError::Kind::deadlock) << msg;
+  EXPECT_EQ(e.rank(), 0);
+  EXPECT_EQ(e.step(), 0);
+  EXPECT_TRUE(contains(msg, "rank 0 is stuck at step 0 (order[0] = +2: forward of chunk 2, microbatch 1)")) << msg;
+  EXPECT_TRUE(contains(msg, "forward output (activations) of global chunk 1, microbatch 1, from rank 1")) << msg;
+  EXPECT_TRUE(contains(msg, "rank 1, which is itself stuck at step 0 (order[0] = +2")) << msg;
+
+  // Three ranks: each waits for the one before it around the wrap.
+  const std::string three = error_of("chunk_swap", 3, 2, 3).what();
+  EXPECT_TRUE(contains(three, "waits form the cycle rank 0 -> rank 2 -> rank 1 -> rank 0")) << three;
+
+  // With one rank the wait is on itself.
+  const ScheduleError self = error_of("chunk_swap", 1, 2, 2);
+  EXPECT_EQ(self.kind(), ScheduleError::Kind::deadlock);
+  EXPECT_TRUE(contains(self.what(), "global chunk 0, microbatch 1, which this rank only produces later, at step 2"))
+      << self.what();
+}
+
+TEST(ScheduleValidation, BrokenOrdersNameRankAndStep) {
+  const ScheduleError bf = error_of("backward_first", 3, 1, 4);
+  EXPECT_EQ(bf.kind(), ScheduleError::Kind::invalid);
+  EXPECT_EQ(bf.rank(), 2);
+  EXPECT_EQ(bf.step(), 0);
+  EXPECT_TRUE(contains(bf.what(), "schedule parallel/pipeline.backward_first, rank 2, step 0 (order[0] = -1: "
+                                  "backward of chunk 1, microbatch 1): the backward comes before its forward"))
+      << bf.what();
+
+  const ScheduleError sh = error_of("short", 2, 1, 3);
+  EXPECT_EQ(sh.kind(), ScheduleError::Kind::invalid);
+  EXPECT_EQ(sh.rank(), 0);
+  EXPECT_TRUE(contains(sh.what(), "rank 0: the order has 5 entries but pp 2, vpp 1, microbatches 3 need "
+                                  "2 * vpp * microbatches = 6"))
+      << sh.what();
+
+  const ScheduleError ex = error_of("extra_forward", 2, 1, 4);
+  EXPECT_EQ(ex.kind(), ScheduleError::Kind::invalid);
+  EXPECT_EQ(ex.step(), 7);
+  EXPECT_TRUE(contains(ex.what(), "rank 0, step 7: a 5th forward of chunk 1, but there are only 4 microbatches"))
+      << ex.what();
+
+  const ScheduleError be = error_of("bad_entry", 2, 1, 2);
+  EXPECT_EQ(be.kind(), ScheduleError::Kind::invalid);
+  EXPECT_TRUE(contains(be.what(), "rank 0, step 0: entry 2 is not a local chunk")) << be.what();
+}
+
+TEST(ScheduleValidation, HandMadeOrders) {
+  PipelineOrders o;
+  o.schedule = "parallel/pipeline.hand";
+  o.pp = 2;
+  o.vpp = 1;
+  o.microbatches = 2;
+  o.group_size = 2;
+  o.order = {{1, 1, -1, -1}, {1, -1, 1, -1}};
+  o.warmup = {1, 0};
+  EXPECT_NO_THROW(loom::pipeline::simulate(o));
+  o.warmup = {3, 0};  // more warmup forwards than there are forwards
+  EXPECT_THROW(loom::pipeline::validate(o), ScheduleError);
+  o.warmup = {1, 0};
+  o.order[1] = {1, -1, -1, 1};  // backward of microbatch 2 before its forward
+  try {
+    loom::pipeline::validate(o);
+    FAIL();
+  } catch (const ScheduleError& e) {
+    EXPECT_EQ(e.rank(), 1);
+    EXPECT_EQ(e.step(), 2);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Chrome trace
+// ---------------------------------------------------------------------------
+
+// A small JSON reader: enough to check that the outputs parse and to read them back.
+struct Json {
+  enum class Type { null, boolean, number, string, array, object } type = Type::null;
+  double num = 0;
+  bool b = false;
+  std::string str;
+  std::vector<Json> items;
+  std::vector<std::pair<std::string, Json>> fields;
+  const Json& at(const std::string& key) const {
+    for (const auto& f : fields)
+      if (f.first == key) return f.second;
+    throw std::runtime_error("no key " + key);
+  }
+  bool has(const std::string& key) const {
+    return std::any_of(fields.begin(), fields.end(), [&](const auto& f) { return f.first == key; });
+  }
+};
+
+class JsonParser {
+ public:
+  explicit JsonParser(const std::string& s) : s_(s) {}
+  Json parse() {
+    Json v = value();
+    ws();
+    if (i_ != s_.size()) fail("trailing text");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) {
+    throw std::runtime_error("JSON: " + what + " at offset " + std::to_string(i_));
+  }
+  void ws() {
+    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
+  }
+  bool eat(char c) {
+    ws();
+    if (i_ < s_.size() && s_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!eat(c)) fail(std::string("expected '") + c + "'");
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (i_ < s_.size() && s_[i_] != '"') {
+      if (s_[i_] == '\\') {
+        ++i_;
+        if (i_ >= s_.size()) fail("bad escape");
+        const char c = s_[i_];
+        if (c == 'u') {
+          out += static_cast<char>(std::stoi(s_.substr(i_ + 1, 4), nullptr, 16));
+          i_ += 4;
+        } else {
+          out += c == 'n' ? '\n' : c == 't' ? '\t' : c;
+        }
+      } else {
+        out += s_[i_];
+      }
+      ++i_;
+    }
+    expect('"');
+    return out;
+  }
+  Json value() {
+    ws();
+    Json v;
+    if (i_ >= s_.size()) fail("unexpected end");
+    const char c = s_[i_];
+    if (c == '{') {
+      v.type = Json::Type::object;
+      ++i_;
+      if (eat('}')) return v;
+      do {
+        std::string k = string();
+        expect(':');
+        v.fields.emplace_back(std::move(k), value());
+      } while (eat(','));
+      expect('}');
+    } else if (c == '[') {
+      v.type = Json::Type::array;
+      ++i_;
+      if (eat(']')) return v;
+      do v.items.push_back(value());
+      while (eat(','));
+      expect(']');
+    } else if (c == '"') {
+      v.type = Json::Type::string;
+      v.str = string();
+    } else if (s_.compare(i_, 4, "true") == 0 || s_.compare(i_, 5, "false") == 0) {
+      v.type = Json::Type::boolean;
+      v.b = s_[i_] == 't';
+      i_ += v.b ? 4 : 5;
+    } else if (s_.compare(i_, 4, "null") == 0) {
+      i_ += 4;
+    } else {
+      v.type = Json::Type::number;
+      size_t n = 0;
+      v.num = std::stod(s_.substr(i_), &n);
+      if (n == 0) fail("bad number");
+      i_ += n;
+    }
+    return v;
+  }
+  const std::string& s_;
+  size_t i_ = 0;
+};
+
+TEST(ScheduleTrace, ChromeTraceOfASimulation) {
+  const PipelineOrders o = orders("interleaved", 2, 2, 4);
+  const auto t = loom::pipeline::simulate(o);
+  std::ostringstream os;
+  loom::pipeline::write_chrome_trace(os, loom::pipeline::trace_events(t, 1000.0));
+  const Json j = JsonParser(os.str()).parse();
+  ASSERT_EQ(j.type, Json::Type::array);
+  int complete = 0, names = 0;
+  bool saw_first = false;
+  for (const Json& e : j.items) {
+    EXPECT_EQ(e.at("pid").num, 0);
+    if (e.at("ph").str == "M") {
+      EXPECT_EQ(e.at("args").at("name").str, "rank " + std::to_string(static_cast<int>(e.at("tid").num)));
+      ++names;
+      continue;
+    }
+    ASSERT_EQ(e.at("ph").str, "X");
+    ++complete;
+    EXPECT_EQ(e.at("dur").num, 1000);
+    const std::string& cat = e.at("cat").str;
+    EXPECT_TRUE(cat == "forward" || cat == "backward") << cat;
+    EXPECT_EQ(e.at("name").str[0], cat == "forward" ? 'F' : 'B');
+    if (e.at("tid").num == 0 && e.at("ts").num == 0) {
+      EXPECT_EQ(e.at("name").str, "F mb1 c1");
+      saw_first = true;
+    }
+  }
+  EXPECT_EQ(names, 2);
+  EXPECT_EQ(complete, 2 * 2 * 2 * 4);
+  EXPECT_TRUE(saw_first);
+
+  // Arbitrary events (the runtime's trace later): names are escaped, fractions kept.
+  std::ostringstream os2;
+  loom::pipeline::write_chrome_trace(os2, {{3, "a \"quoted\" step", "comm", 1.5, 2.25, {}}});
+  const Json j2 = JsonParser(os2.str()).parse();
+  ASSERT_EQ(j2.items.size(), 2u);
+  EXPECT_EQ(j2.items[1].at("name").str, "a \"quoted\" step");
+  EXPECT_EQ(j2.items[1].at("tid").num, 3);
+  EXPECT_DOUBLE_EQ(j2.items[1].at("ts").num, 1.5);
+  EXPECT_DOUBLE_EQ(j2.items[1].at("dur").num, 2.25);
+}
+
+// ---------------------------------------------------------------------------
+// loom schedule
+// ---------------------------------------------------------------------------
+
+struct CmdRun {
+  int rc;
+  std::string out, err;
+};
+
+CmdRun run_schedule(std::vector<std::string> args) {
+  registry();  // host API installed
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  std::ostringstream out, err;
+  auto* old_out = std::cout.rdbuf(out.rdbuf());
+  auto* old_err = std::cerr.rdbuf(err.rdbuf());
+  int rc = -1;
+  try {
+    rc = loom::cli::cmd_schedule(static_cast<int>(argv.size()), argv.data());
+  } catch (...) {
+    std::cout.rdbuf(old_out);
+    std::cerr.rdbuf(old_err);
+    throw;
+  }
+  std::cout.rdbuf(old_out);
+  std::cerr.rdbuf(old_err);
+  return {rc, out.str(), err.str()};
+}
+
+TEST(ScheduleCmd, JsonMatchesTheLibrary) {
+  for (const auto& [args, name, pp, vpp, m, n] :
+       std::vector<std::tuple<std::vector<std::string>, std::string, int, int, int, int>>{
+           {{"--pp", "2", "--vpp", "2", "--microbatches", "4", "--json"}, "interleaved", 2, 2, 4, 2},
+           {{"--pp", "3", "--microbatches", "5", "--json"}, "1f1b", 3, 1, 5, 3},
+           {{"--pp=4", "--vpp=2", "--microbatches=10", "--group-size=5", "--json"}, "interleaved", 4, 2, 10, 5},
+           {{"--pp", "2", "--vpp", "3", "--microbatches", "2", "--schedule", "gpipe", "--json"}, "gpipe", 2, 3, 2, 2},
+       }) {
+    const CmdRun run = run_schedule(args);
+    ASSERT_EQ(run.rc, 0) << run.err;
+    EXPECT_EQ(run.err, "");
+    const Json j = JsonParser(run.out).parse();
+    ASSERT_EQ(j.fields.size(), 5u);
+    EXPECT_EQ(j.fields[0].first, "pp");
+    EXPECT_EQ(j.at("pp").num, pp);
+    EXPECT_EQ(j.at("vpp").num, vpp);
+    EXPECT_EQ(j.at("microbatches").num, m);
+    EXPECT_EQ(j.at("group_size").num, n);
+    const PipelineOrders o = orders(name, pp, vpp, m, n);
+    const Json& ranks = j.at("ranks");
+    ASSERT_EQ(ranks.items.size(), static_cast<size_t>(pp));
+    for (int r = 0; r < pp; ++r) {
+      const Json& rk = ranks.items[static_cast<size_t>(r)];
+      EXPECT_EQ(rk.fields[0].first, "rank");
+      EXPECT_EQ(rk.at("rank").num, r);
+      EXPECT_EQ(rk.at("warmup").num, o.warmup[static_cast<size_t>(r)]);
+      Order got;
+      for (const Json& e : rk.at("order").items) got.push_back(static_cast<int32_t>(e.num));
+      EXPECT_EQ(got, o.order[static_cast<size_t>(r)]);
+    }
+  }
+  // The exact shape of the line.
+  const CmdRun small = run_schedule({"--pp", "2", "--microbatches", "2", "--json"});
+  EXPECT_EQ(small.out,
+            "{\"pp\": 2, \"vpp\": 1, \"microbatches\": 2, \"group_size\": 2, \"ranks\": ["
+            "{\"rank\": 0, \"warmup\": 1, \"order\": [1, 1, -1, -1]}, "
+            "{\"rank\": 1, \"warmup\": 0, \"order\": [1, -1, 1, -1]}]}\n");
+}
+
+TEST(ScheduleCmd, DiagramAndTrace) {
+  const std::string trace = std::string(LOOM_TEST_BUILD_DIR) + "/tests/pipeline/schedule_test_trace.json";
+  std::remove(trace.c_str());
+  const CmdRun run = run_schedule({"--pp", "2", "--microbatches", "3", "--trace", trace});
+  ASSERT_EQ(run.rc, 0) << run.err;
+  // Rank 1 (last stage) alternates; rank 0 idles while waiting for B1.
+  EXPECT_TRUE(contains(run.out, "schedule parallel/pipeline.1f1b  pp 2  vpp 1  microbatches 3")) << run.out;
+  EXPECT_TRUE(contains(run.out, "slot   0  1  2  3  4  5  6  7\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "rank 0 F1 F2    B1 F3 B2    B3\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "rank 1    F1 B1 F2 B2 F3 B3\n")) << run.out;
+  EXPECT_TRUE(contains(run.out, "rank 0  warmup 1  [1, 1, -1, 1, -1, -1]")) << run.out;
+  EXPECT_TRUE(contains(run.out, "bubble fraction 0.2500 (4 idle of 16 rank-slots")) << run.out;
+  std::ifstream f(trace);
+  ASSERT_TRUE(f.good()) << trace;
+  std::stringstream text;
+  text << f.rdbuf();
+  EXPECT_EQ(JsonParser(text.str()).parse().items.size(), 2u + 12u);
+
+  const CmdRun v = run_schedule({"--pp", "4", "--vpp", "2", "--microbatches", "8"});
+  ASSERT_EQ(v.rc, 0) << v.err;
+  EXPECT_TRUE(contains(v.out, "rank 0 F1.1 F2.1 F3.1 F4.1 F1.2 F2.2 F3.2 F4.2")) << v.out;
+  EXPECT_TRUE(contains(v.out, "rank 0  warmup 10  [1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2,")) << v.out;
+}
+
+TEST(ScheduleCmd, ExitCodes) {
+  EXPECT_EQ(run_schedule({"--help"}).rc, 0);
+  EXPECT_TRUE(contains(run_schedule({"--help"}).out, "usage: loom schedule"));
+  for (const auto& bad : std::vector<std::vector<std::string>>{
+           {"--microbatches", "4"},                         // no --pp
+           {"--pp", "2"},                                   // no --microbatches
+           {"--pp", "0", "--microbatches", "4"},            // not positive
+           {"--pp", "two", "--microbatches", "4"},          // not a number
+           {"--pp", "2", "--microbatches", "4", "--group-size", "-1"},
+           {"--pp", "2", "--microbatches", "4", "--frobnicate"},
+           {"--pp", "2", "--microbatches", "4", "extra"},
+       }) {
+    const CmdRun r = run_schedule(bad);
+    EXPECT_EQ(r.rc, 2) << bad.back() << ": " << r.err;
+    EXPECT_TRUE(contains(r.err, "loom schedule: ")) << r.err;
+  }
+  // Refused combinations exit 1 with the rule.
+  const CmdRun refused = run_schedule({"--pp", "4", "--vpp", "2", "--microbatches", "6"});
+  EXPECT_EQ(refused.rc, 1);
+  EXPECT_TRUE(contains(refused.err, "microbatches mod N must be 0 or at least pp")) << refused.err;
+  EXPECT_EQ(refused.out, "");
+  const CmdRun vpp = run_schedule({"--pp", "4", "--vpp", "2", "--microbatches", "8", "--schedule", "1f1b"});
+  EXPECT_EQ(vpp.rc, 1);
+  EXPECT_TRUE(contains(vpp.err, "needs vpp = 1")) << vpp.err;
+  const CmdRun unknown = run_schedule({"--pp", "2", "--microbatches", "2", "--schedule", "zigzag"});
+  EXPECT_EQ(unknown.rc, 1);
+  EXPECT_TRUE(contains(unknown.err, "no plugin parallel/pipeline.zigzag")) << unknown.err;
+  // A third-party schedule that deadlocks is refused the same way.
+  const CmdRun dl = run_schedule(
+      {"--pp", "3", "--microbatches", "3", "--schedule", "deadlock", "--plugin-path", kBrokenDir, "--json"});
+  EXPECT_EQ(dl.rc, 1);
+  EXPECT_TRUE(contains(dl.err, "deadlocks")) << dl.err;
+  EXPECT_TRUE(contains(dl.err, "rank 0 is stuck at step 1")) << dl.err;
+  EXPECT_EQ(dl.out, "");
+  // An unwritable trace file.
+  const CmdRun tr = run_schedule({"--pp", "2", "--microbatches", "2", "--trace", "/nonexistent-dir/x.json"});
+  EXPECT_EQ(tr.rc, 1);
+  EXPECT_TRUE(contains(tr.err, "/nonexistent-dir/x.json")) << tr.err;
+}
+
+}  // namespace
