@@ -8,4 +8,5 @@ int cmd_validate(int argc, char** argv);
 int cmd_plugins(int argc, char** argv);
 int cmd_groups(int argc, char** argv);
 int cmd_schedule(int argc, char** argv);
+int cmd_optimizer_layout(int argc, char** argv);
 }  // namespace loom::cli

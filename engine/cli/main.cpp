@@ -4,6 +4,7 @@
 
 #include <glog/logging.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -20,13 +21,16 @@ const Command kCommands[] = {
     {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]"},
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
     {"plugins", loom::cli::cmd_plugins, "list, describe or check plugins: loom plugins list|info NAME|check DIR"},
+    {"optimizer-layout", loom::cli::cmd_optimizer_layout,
+     "the distributed optimizer's buffer layout and dp shards: --param-numels 3,5,4,4 --dp 2"},
     {"groups", loom::cli::cmd_groups, "print the rank groups of a parallel layout"},
     {"schedule", loom::cli::cmd_schedule, "print, check and simulate a pipeline schedule: --pp P --microbatches M [--vpp V]"},
 };
 
 void usage(std::ostream& os) {
   os << "usage: loom <command> [options]   (loom <command> --help for details)\n\ncommands:\n";
-  for (const Command& c : kCommands) os << "  " << c.name << std::string(12 - std::strlen(c.name), ' ') << c.summary << "\n";
+  for (const Command& c : kCommands)
+    os << "  " << c.name << std::string(std::max<size_t>(2, 18 - std::strlen(c.name)), ' ') << c.summary << "\n";
 }
 
 }  // namespace

@@ -1,0 +1,365 @@
+// parallel/distopt: Megatron-LM's distributed optimizer (ZeRO-1, seed 004).
+//
+// The engine lays the flat parameter/gradient buffers out in buckets whose sizes
+// divide by dp (loom_optimizer_create_args.bucket_offsets); data-parallel rank r
+// owns shard r of every bucket and keeps fp32 master weights and Adam moments for
+// that shard only, so optimizer memory falls as 1/dp. One step:
+//   1. reduce-scatter each bucket's gradients over dp (averaged, as DDP's
+//      all-reduce): the rank's shard of the buffer now holds the reduced gradient;
+//      that slice is the fp32 main gradient (no copy: adamw reads it in place, and
+//      upcasts when the gradients are bf16);
+//   2. global gradient norm: sum of squares over the owned pieces (tp-duplicated
+//      parameters on tp rank 0 only), summed over dp, tp and pp; clip;
+//   3. AdamW on each owned piece of each parameter (weight decay off where the
+//      layer says so), writing the updated slice back into the parameter buffer;
+//   4. all-gather each bucket's parameters so every rank has all of them.
+// Padding never takes part in a step: its gradients are zero and the pieces skip it.
+//
+// The shard arithmetic is the same as the engine's shard_ranges(); the layout
+// itself is decided by the engine alone and arrives here as bucket offsets.
+#include <loom/cpp/plugin.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Checkpoint blob: a header a resharder can read without this plugin's code,
+// then the shard's Adam moments and master weights.
+//   magic "LOOMDOPT", then in host byte order:
+//   u32 version, u32 header_bytes (everything before the arrays),
+//   u32 dp, u32 rank, u64 buffer_numel, u64 shard_numel (elements per array),
+//   u32 num_buckets, u32 num_params, u32 num_arrays (2, or 3 with master weights), u32 reserved (0),
+//   num_buckets x {u64 bucket_start, bucket_end, shard_start, shard_end},
+//   num_params  x {u64 offset, numel}   (model order),
+//   then num_arrays fp32 arrays of shard_numel elements: m, v (and master weights
+//   when the model's weights are not fp32: fp32 weights are saved by the engine), each
+//   the concatenation of this rank's bucket shards in bucket order.
+constexpr char kMagic[8] = {'L', 'O', 'O', 'M', 'D', 'O', 'P', 'T'};
+constexpr uint32_t kStateVersion = 1;
+constexpr size_t kFixedHeader = 8 + 4 * 4 + 8 * 2 + 4 * 4;
+
+struct Span {
+  size_t start = 0, end = 0;
+  size_t size() const { return end - start; }
+  bool operator==(const Span&) const = default;
+};
+
+struct ParamRef {
+  size_t offset, numel;
+  bool no_weight_decay, duplicated;
+};
+
+// One owned piece of one parameter.
+struct Piece {
+  size_t param;  // index into params_ (model order)
+  size_t world;  // first element in the buffers
+  size_t local;  // first element in the shard state arrays
+  size_t numel;
+};
+
+class Writer {
+ public:
+  explicit Writer(char* p) : p_(p) {}
+  template <typename T>
+  void put(T v) {
+    std::memcpy(p_ + n_, &v, sizeof(T));
+    n_ += sizeof(T);
+  }
+  void raw(const void* s, size_t bytes) {
+    std::memcpy(p_ + n_, s, bytes);
+    n_ += bytes;
+  }
+  size_t size() const { return n_; }
+
+ private:
+  char* p_;
+  size_t n_ = 0;
+};
+
+class Reader {
+ public:
+  Reader(const char* p, size_t bytes) : p_(p), bytes_(bytes) {}
+  template <typename T>
+  T get() {
+    LOOM_REQUIRE(n_ + sizeof(T) <= bytes_, "parallel/distopt: the checkpointed optimizer state is truncated ("
+                                               << bytes_ << " bytes)");
+    T v;
+    std::memcpy(&v, p_ + n_, sizeof(T));
+    n_ += sizeof(T);
+    return v;
+  }
+  size_t pos() const { return n_; }
+
+ private:
+  const char* p_;
+  size_t bytes_;
+  size_t n_ = 0;
+};
+
+class DistOpt : public loom::OptimizerStrategy {
+ public:
+  DistOpt(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
+      : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel), param_dtype_(a.param_dtype),
+        grad_dtype_(a.grad_dtype), dp_(a.dp), tp_(a.tp), pp_(a.pp) {
+    LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
+                 "parallel/distopt: gradient dtype " << grad_dtype_ << " is not supported (f32, bf16)");
+    LOOM_REQUIRE(param_dtype_ == LOOM_DTYPE_F32 || param_dtype_ == LOOM_DTYPE_BF16,
+                 "parallel/distopt: parameter dtype " << param_dtype_ << " is not supported (f32, bf16)");
+    const size_t d = static_cast<size_t>(dp_size());
+    const size_t r = static_cast<size_t>(dp_rank());
+
+    // Buckets as the engine laid them out (one bucket over everything if it gave none).
+    const bool has_buckets =
+        a.struct_size >= offsetof(loom_optimizer_create_args, num_buckets) + sizeof(a.num_buckets) &&
+        a.bucket_offsets != nullptr && a.num_buckets > 0;
+    if (has_buckets) {
+      for (size_t b = 0; b < a.num_buckets; ++b) buckets_.push_back({a.bucket_offsets[b], a.bucket_offsets[b + 1]});
+    } else {
+      buckets_.push_back({0, numel_});
+    }
+    LOOM_REQUIRE(buckets_.front().start == 0 && buckets_.back().end == numel_,
+                 "parallel/distopt: the buckets cover [" << buckets_.front().start << ", " << buckets_.back().end
+                                                         << ") but the buffers hold " << numel_ << " elements");
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Span& k = buckets_[b];
+      LOOM_REQUIRE(k.end > k.start && (b == 0 || k.start == buckets_[b - 1].end),
+                   "parallel/distopt: bucket " << b << " [" << k.start << ", " << k.end
+                                               << ") is empty or does not follow the previous one");
+      LOOM_REQUIRE(k.size() % d == 0, "parallel/distopt: bucket " << b << " holds " << k.size()
+                                          << " elements, which do not split into dp = " << d
+                                          << " equal shards (the engine pads buckets to lcm(dp, 128))");
+      const size_t size = k.size() / d;
+      shards_.push_back({k.start + r * size, k.start + (r + 1) * size});
+    }
+
+    for (size_t i = 0; i < a.num_params; ++i) {
+      const loom_param_info& p = a.infos[i];
+      LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distopt: parameter '" << (p.name ? p.name : "?")
+                                                     << "' [" << p.offset << ", " << p.offset + p.numel
+                                                     << ") lies outside the buffers of " << numel_ << " elements");
+      params_info_.push_back({p.offset, p.numel, p.no_weight_decay != 0, p.duplicated != 0});
+    }
+
+    // The owned pieces: each parameter cut by each shard; the state arrays are
+    // the shards concatenated in bucket order.
+    for (const Span& s : shards_) {
+      for (size_t i = 0; i < params_info_.size(); ++i) {
+        const ParamRef& p = params_info_[i];
+        const size_t lo = std::max(p.offset, s.start), hi = std::min(p.offset + p.numel, s.end);
+        if (lo < hi) pieces_.push_back({i, lo, shard_numel_ + (lo - s.start), hi - lo});
+      }
+      shard_numel_ += s.size();
+    }
+
+    // State for the shard only: Adam moments, and fp32 master weights when the
+    // model's weights are not fp32 (fp32 weights are their own master copy, which
+    // gives seed 004's 8 + 8/d bytes per parameter).
+    loom::Device dev = rank.device();
+    const size_t bytes = shard_numel_ * sizeof(float);
+    separate_master_ = param_dtype_ != LOOM_DTYPE_F32;
+    m_ = loom::Buffer(rank_, bytes);
+    v_ = loom::Buffer(rank_, bytes);
+    if (separate_master_) master_ = loom::Buffer(rank_, bytes);
+    norm_parts_ = loom::Buffer(rank_, std::max<size_t>(1, pieces_.size()) * sizeof(float));
+    norm_total_ = loom::Buffer(rank_, sizeof(double));
+    fill_zero(dev, m_.get(), shard_numel_);
+    fill_zero(dev, v_.get(), shard_numel_);
+    size_t local = 0;
+    for (const Span& s : shards_) {
+      if (!separate_master_) break;
+      const char* src = static_cast<const char*>(params_) + s.start * elem(param_dtype_);
+      dev.elementwise({.op = LOOM_EW_CAST, .n = static_cast<int64_t>(s.size()), .x = src,
+                       .out = master_.get<float>() + local, .dtype = param_dtype_, .out_dtype = LOOM_DTYPE_F32});
+      local += s.size();
+    }
+    dev.synchronize();
+  }
+
+  float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
+    loom::Device dev = rank.device();
+    void* stream = dev.native_stream();
+    const loom::Group dp(dp_);
+    const size_t ge = elem(grad_dtype_), pe = elem(param_dtype_);
+
+    // 1. Reduce-scatter: this rank's shard of each bucket gets the dp-averaged gradient.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      char* bucket = static_cast<char*>(grads_) + buckets_[b].start * ge;
+      char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
+      dp.reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_AVG);
+    }
+
+    // 2. Global norm over all shards of all model-parallel ranks.
+    size_t k = 0;
+    for (size_t i = 0; i < pieces_.size(); ++i) {
+      const Piece& p = pieces_[i];
+      if (params_info_[p.param].duplicated && tp_.rank != 0) continue;  // identical on every tp rank: once
+      dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
+                  .x = static_cast<char*>(grads_) + p.world * ge, .out = norm_parts_.get<float>() + k,
+                  .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
+      ++k;
+    }
+    std::vector<float> parts(k);
+    if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    double total = 0;
+    for (float f : parts) total += f;
+    dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    for (const loom_group& g : {dp_, tp_, pp_})
+      loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    const float norm = static_cast<float>(std::sqrt(total));
+    float scale = 1.f;
+    if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
+
+    // 3. AdamW on the owned pieces; the updated values go back into the parameter buffer.
+    for (const Piece& p : pieces_) {
+      const ParamRef& info = params_info_[p.param];
+      float* master = separate_master_ ? master_.get<float>() + p.local
+                                       : reinterpret_cast<float*>(static_cast<char*>(params_) + p.world * pe);
+      dev.adamw({.n = static_cast<int64_t>(p.numel), .param = master,
+                 .grad = static_cast<char*>(grads_) + p.world * ge, .m = m_.get<float>() + p.local,
+                 .v = v_.get<float>() + p.local, .grad_dtype = grad_dtype_, .lr = a.lr, .beta1 = a.beta1,
+                 .beta2 = a.beta2, .eps = a.eps, .weight_decay = info.no_weight_decay ? 0.f : a.weight_decay,
+                 .grad_scale = scale, .step = a.step,
+                 .param_copy = separate_master_ ? static_cast<char*>(params_) + p.world * pe : nullptr,
+                 .copy_dtype = param_dtype_});
+    }
+
+    // 4. All-gather: every rank gets every shard's updated parameters.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      char* bucket = static_cast<char*>(params_) + buckets_[b].start * pe;
+      char* shard = static_cast<char*>(params_) + shards_[b].start * pe;
+      dp.all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
+    }
+    return norm;
+  }
+
+  uint32_t num_arrays() const { return separate_master_ ? 3u : 2u; }  // m, v (, master)
+  size_t state_size() override { return header_bytes() + num_arrays() * shard_numel_ * sizeof(float); }
+
+  void state_save(void* buf, size_t bytes) override {
+    LOOM_REQUIRE(bytes == state_size(),
+                 "parallel/distopt: state buffer of " << bytes << " bytes, expected " << state_size());
+    Writer w(static_cast<char*>(buf));
+    w.raw(kMagic, sizeof(kMagic));
+    w.put<uint32_t>(kStateVersion);
+    w.put<uint32_t>(static_cast<uint32_t>(header_bytes()));
+    w.put<uint32_t>(static_cast<uint32_t>(dp_size()));
+    w.put<uint32_t>(static_cast<uint32_t>(dp_rank()));
+    w.put<uint64_t>(numel_);
+    w.put<uint64_t>(shard_numel_);
+    w.put<uint32_t>(static_cast<uint32_t>(buckets_.size()));
+    w.put<uint32_t>(static_cast<uint32_t>(params_info_.size()));
+    w.put<uint32_t>(num_arrays());
+    w.put<uint32_t>(0);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      w.put<uint64_t>(buckets_[b].start);
+      w.put<uint64_t>(buckets_[b].end);
+      w.put<uint64_t>(shards_[b].start);
+      w.put<uint64_t>(shards_[b].end);
+    }
+    for (const ParamRef& p : params_info_) {
+      w.put<uint64_t>(p.offset);
+      w.put<uint64_t>(p.numel);
+    }
+    transfer(static_cast<char*>(buf) + w.size(), LOOM_COPY_DEVICE_TO_HOST);
+  }
+
+  void state_load(const void* buf, size_t bytes) override {
+    const char* c = static_cast<const char*>(buf);
+    LOOM_REQUIRE(bytes >= sizeof(kMagic) && std::memcmp(c, kMagic, sizeof(kMagic)) == 0,
+                 "parallel/distopt: the checkpointed optimizer state was not written by parallel/distopt (no "
+                 "distributed-optimizer header; was it saved with another optimizer.strategy?)");
+    Reader r(c + sizeof(kMagic), bytes - sizeof(kMagic));
+    const uint32_t version = r.get<uint32_t>();
+    LOOM_REQUIRE(version == kStateVersion, "parallel/distopt: optimizer state format " << version
+                                               << " is not supported (this plugin reads format " << kStateVersion
+                                               << ")");
+    const uint32_t hdr = r.get<uint32_t>();
+    const uint32_t dp = r.get<uint32_t>(), rank = r.get<uint32_t>();
+    const uint64_t numel = r.get<uint64_t>(), shard_numel = r.get<uint64_t>();
+    const uint32_t nb = r.get<uint32_t>(), np = r.get<uint32_t>(), arrays = r.get<uint32_t>();
+    (void)r.get<uint32_t>();
+    LOOM_REQUIRE(dp == static_cast<uint32_t>(dp_size()),
+                 "parallel/distopt: the optimizer state was saved by rank " << rank << " of dp=" << dp
+                     << " but this run has dp=" << dp_size()
+                     << "; distributed-optimizer shards cannot be loaded into another data-parallel size "
+                        "(resharding is not supported yet): resume with parallel.dp="
+                     << dp);
+    LOOM_REQUIRE(rank == static_cast<uint32_t>(dp_rank()), "parallel/distopt: the optimizer state belongs to dp rank "
+                                                               << rank << " but was given to dp rank " << dp_rank());
+    std::vector<Span> buckets, shards;
+    for (uint32_t b = 0; b < nb; ++b) {
+      const uint64_t b0 = r.get<uint64_t>(), b1 = r.get<uint64_t>(), s0 = r.get<uint64_t>(), s1 = r.get<uint64_t>();
+      buckets.push_back({b0, b1});
+      shards.push_back({s0, s1});
+    }
+    std::vector<Span> params;
+    for (uint32_t i = 0; i < np; ++i) {
+      const uint64_t off = r.get<uint64_t>(), n = r.get<uint64_t>();
+      params.push_back({off, off + n});
+    }
+    std::vector<Span> mine;
+    for (const ParamRef& p : params_info_) mine.push_back({p.offset, p.offset + p.numel});
+    LOOM_REQUIRE(numel == numel_ && buckets == buckets_ && shards == shards_ && params == mine &&
+                     shard_numel == shard_numel_,
+                 "parallel/distopt: the optimizer state was saved for another buffer layout (" << numel << " elements, "
+                     << nb << " bucket(s), " << np << " parameters; this run: " << numel_ << " elements, "
+                     << buckets_.size() << " bucket(s), " << params_info_.size()
+                     << " parameters); the model, parallel layout or optimizer.bucket_size differ from the checkpoint's");
+    LOOM_REQUIRE(arrays == num_arrays() && hdr == r.pos() + sizeof(kMagic) && hdr == header_bytes() &&
+                     bytes == state_size(),
+                 "parallel/distopt: the checkpointed optimizer state is malformed (" << bytes << " bytes, expected "
+                                                                                     << state_size() << ")");
+    transfer(const_cast<char*>(c) + hdr, LOOM_COPY_HOST_TO_DEVICE);
+  }
+
+ private:
+  static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+  static void fill_zero(const loom::Device& dev, void* p, size_t n) {
+    if (n == 0) return;
+    dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
+                     .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  }
+  int dp_size() const { return std::max(1, dp_.size); }
+  int dp_rank() const { return std::max(0, dp_.rank); }
+  size_t header_bytes() const { return kFixedHeader + buckets_.size() * 4 * 8 + params_info_.size() * 2 * 8; }
+
+  void transfer(char* host, int32_t kind) {
+    loom::Device dev = loom::Rank(rank_).device();
+    const size_t bytes = shard_numel_ * sizeof(float);
+    void* arrays[3] = {m_.get(), v_.get(), master_.get()};
+    for (uint32_t i = 0; i < num_arrays() && bytes > 0; ++i) {
+      char* h = host + i * bytes;
+      if (kind == LOOM_COPY_DEVICE_TO_HOST) dev.copy(h, arrays[i], bytes, kind);
+      else dev.copy(arrays[i], h, bytes, kind);
+    }
+    dev.synchronize();
+  }
+
+  loom_rank* rank_;
+  void* params_;
+  void* grads_;
+  size_t numel_;
+  int32_t param_dtype_, grad_dtype_;
+  loom_group dp_, tp_, pp_;
+  std::vector<Span> buckets_, shards_;  // shards_[b]: this rank's part of bucket b
+  std::vector<ParamRef> params_info_;
+  std::vector<Piece> pieces_;
+  size_t shard_numel_ = 0;
+  bool separate_master_ = false;
+  loom::Buffer m_, v_, master_, norm_parts_, norm_total_;
+};
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::optimizer_plugin<DistOpt>(
+    "distopt", "1.0.0",
+    "distributed optimizer (ZeRO-1): reduce-scatter, fp32 AdamW on this rank's 1/dp shard, all-gather"))
