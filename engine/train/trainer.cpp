@@ -58,6 +58,7 @@ std::string step_json(const StepRecord& r) {
   if (r.evaluated) {
     os << ", \"val_loss\": " << r.val_loss;
     if (r.exact_match >= 0) os << ", \"val_exact_match\": " << r.exact_match;
+    if (r.token_accuracy >= 0) os << ", \"val_token_accuracy\": " << r.token_accuracy;
   }
   os << "}";
   return os.str();
@@ -209,7 +210,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     };
 
     auto evaluate = [&](StepRecord& rec) {
-      double sums[3] = {0, 0, 0};  // loss sum, token count, exact-match samples
+      double sums[4] = {0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens
       for (int64_t b = 0; b < eval_batches; ++b) {
         const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
         fill_microbatch(*data, Split::Validation, first, mbs, seq, tokens.data(), targets.data());
@@ -226,15 +227,18 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
             bool all = true;
             for (int64_t t = 0; t < seq; ++t) {
               const int64_t i = t * mbs + s;
-              if (targets[i] >= 0 && predictions[i] != targets[i]) all = false;
+              if (targets[i] < 0) continue;
+              if (predictions[i] != targets[i]) all = false;
+              else sums[3] += 1;
             }
             sums[2] += all ? 1 : 0;
           }
       }
-      dp.all_reduce(nullptr, sums, sums, 3, LOOM_DTYPE_F64);
+      dp.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
       rec.evaluated = true;
       rec.val_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
       rec.exact_match = data->has_exact_match() ? sums[2] / (eval_batches * mbs * dp.size()) : -1;
+      rec.token_accuracy = data->has_exact_match() && sums[1] > 0 ? sums[3] / sums[1] : -1;
     };
 
     if (leader && options.log)

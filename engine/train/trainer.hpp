@@ -27,6 +27,7 @@ struct StepRecord {
   bool evaluated = false;
   double val_loss = 0;
   double exact_match = -1;  // fraction of validation samples fully right; -1 when not applicable
+  double token_accuracy = -1;  // fraction of validation target tokens predicted (argmax); -1 when not computed
 };
 
 struct TrainOptions {
