@@ -9,4 +9,5 @@ int cmd_plugins(int argc, char** argv);
 int cmd_groups(int argc, char** argv);
 int cmd_schedule(int argc, char** argv);
 int cmd_optimizer_layout(int argc, char** argv);
+int cmd_plan(int argc, char** argv);
 }  // namespace loom::cli

@@ -2,6 +2,7 @@
 
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/param_init.hpp"
+#include "engine/model/param_plan.hpp"
 
 #include <glog/logging.h>
 
@@ -109,53 +110,22 @@ Model::~Model() {
 
 void Model::build_buffers(uint64_t seed) {
   const loom::Group tp = rank_.group_or_self("tp");
-  // Collect declarations in model order.
-  struct Decl {
-    int layer;
-    int index;
-    loom_param_decl decl;
-  };
-  std::vector<Decl> decls;
-  for (size_t li = 0; li < layers_.size(); ++li) {
+  // The entries from the layers' declarations (tie dedupe, local shapes).
+  std::vector<std::string> instances;
+  std::vector<const loom_param_decl*> layer_decls;
+  std::vector<size_t> counts;
+  for (const Layer& l : layers_) {
     const loom_param_decl* d = nullptr;
     size_t n = 0;
-    loom::check(layers_[li].api->params(layers_[li].handle, &d, &n));
-    for (size_t i = 0; i < n; ++i) decls.push_back({static_cast<int>(li), static_cast<int>(i), d[i]});
+    loom::check(l.api->params(l.handle, &d, &n));
+    instances.push_back(l.spec.instance);
+    layer_decls.push_back(d);
+    counts.push_back(n);
   }
-  // One entry per parameter in model order; a tied parameter is owned by its
-  // first declaration and later declarations share it.
-  std::map<std::string, size_t> tied;  // tie_key -> entry index
-  std::vector<size_t> entry_of(decls.size());
-  for (size_t k = 0; k < decls.size(); ++k) {
-    const Decl& d = decls[k];
-    const std::string name = layers_[d.layer].spec.instance + "." + d.decl.name;
-    std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
-    LOOM_REQUIRE(d.decl.ndim >= 1 && d.decl.ndim <= 4, name << ": ndim must be 1..4");
-    std::vector<int64_t> local = local_shape(full, d.decl.partition_dim, d.decl.partition_stride, tp.size(), name);
-    const std::string tie = d.decl.tie_key ? d.decl.tie_key : "";
-    if (!tie.empty()) {
-      auto it = tied.find(tie);
-      if (it != tied.end()) {
-        const ParamEntry& owner = entries_[it->second];
-        LOOM_REQUIRE(owner.full_shape == full && owner.decl.partition_dim == d.decl.partition_dim,
-                     name << " is tied to " << owner.name << " (tie_key '" << tie << "') but their shapes differ");
-        entry_of[k] = it->second;
-        continue;
-      }
-    }
-    ParamEntry e;
-    e.name = name;
-    e.full_shape = full;
-    e.local_shape = local;
-    e.numel = static_cast<size_t>(product(local));
-    e.layer = d.layer;
-    e.decl = d.decl;
-    e.duplicated = d.decl.partition_dim < 0;
-    e.tie_key = tie;
-    entry_of[k] = entries_.size();
-    if (!tie.empty()) tied[tie] = entries_.size();
-    entries_.push_back(std::move(e));
-  }
+  CollectedParams collected = collect_param_entries(instances, layer_decls, counts, tp.size());
+  entries_ = std::move(collected.entries);
+  const std::vector<DeclRef>& decls = collected.decls;
+  const std::vector<size_t>& entry_of = collected.entry_of;
   // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible buckets).
   std::vector<size_t> numels;
   for (const ParamEntry& e : entries_) numels.push_back(e.numel);

@@ -1,0 +1,144 @@
+// loom plan MANIFEST [--set key=value]... [--json]
+// Per-rank memory from the layer plugins' declarations alone: parameters,
+// gradients, optimizer state and an activation estimate, without running the
+// model or allocating parameter memory.
+#include "engine/cli/args.hpp"
+#include "engine/cli/json.hpp"
+#include "engine/model/param_plan.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+
+namespace loom::cli {
+int cmd_plan(int argc, char** argv);
+}  // namespace loom::cli
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom plan MANIFEST [--set key.path=value]... [--json]\n"
+    "Plans each rank's memory from the layer plugins' parameter declarations, without\n"
+    "running the model: parameters and gradients (device.param_dtype / grad_dtype, flat\n"
+    "buffers with Megatron's padding), optimizer state (optimizer.strategy: ddp keeps it\n"
+    "whole, distributed shards it over dp) and an activation estimate per microbatch.\n";
+
+std::string mib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", double(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+std::string cell(const std::string& s, size_t width) {
+  return s.size() >= width ? s + " " : std::string(width - s.size(), ' ') + s + " ";
+}
+
+}  // namespace
+
+int cmd_plan(int argc, char** argv) {
+  bool json = false;
+  try {
+    Args args(argc, argv, {"--json"}, {"--set"});
+    json = args.flag("--json");
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (args.positionals().size() != 1) throw UsageError("plan takes one MANIFEST");
+    train::RunPlan plan =
+        train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    const model::MemoryPlan mp = model::plan_memory(plan);
+
+    if (json) {
+      std::vector<std::string> ranks;
+      for (const model::RankMemory& r : mp.ranks) {
+        std::vector<std::string> buckets;
+        for (const model::Range& b : r.layout.buckets)
+          buckets.push_back(JsonObject().add("start", b.start).add("end", b.end).str());
+        ranks.push_back(JsonObject()
+                            .add("rank", r.rank)
+                            .add("params", r.params)
+                            .add("param_bytes", static_cast<size_t>(r.param_bytes))
+                            .add("grad_bytes", static_cast<size_t>(r.grad_bytes))
+                            .add("optimizer_bytes", static_cast<size_t>(r.optimizer_bytes))
+                            .add("activation_bytes", static_cast<size_t>(r.activation_bytes))
+                            .add("bytes_per_param", r.bytes_per_param)
+                            .add("buffer_numel", r.buffer_numel)
+                            .add("tp_rank", r.tp_rank)
+                            .add("dp_rank", r.dp_rank)
+                            .add("tensors", r.param_count)
+                            .add_raw("buckets", json_array(buckets))
+                            .str());
+      }
+      std::cout << JsonObject()
+                       .add_raw("ranks", json_array(ranks))
+                       .add("world_size", mp.world)
+                       .add("tp", mp.tp)
+                       .add("dp", mp.dp)
+                       .add("param_dtype", mp.param_dtype)
+                       .add("grad_dtype", mp.grad_dtype)
+                       .add("optimizer_strategy", mp.strategy)
+                       .add("vocab", static_cast<long long>(mp.vocab))
+                       .add("microbatches_in_flight", static_cast<long long>(mp.microbatches_in_flight))
+                       .str()
+                << "\n";
+      return 0;
+    }
+
+    std::cout << "memory plan: " << args.positionals()[0] << "\n"
+              << "  world " << mp.world << " = tp " << mp.tp << " x dp " << mp.dp << "; params " << mp.param_dtype
+              << ", grads " << mp.grad_dtype << ", optimizer " << mp.strategy << "; vocab " << mp.vocab
+              << "; bucket_size " << mp.bucket_size << (mp.bucket_size ? "" : " (one bucket)") << "\n"
+              << "  activations: " << mp.microbatches_in_flight << " microbatch in flight (estimate)\n\n";
+    std::cout << cell("rank", 5) << cell("tp", 3) << cell("dp", 3) << cell("params", 12) << cell("buffer", 12)
+              << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
+              << cell("total MiB", 10) << cell("B/param", 8) << "\n";
+    for (const model::RankMemory& r : mp.ranks) {
+      char bpp[32];
+      std::snprintf(bpp, sizeof(bpp), "%.3f", r.bytes_per_param);
+      std::cout << cell(std::to_string(r.rank), 5) << cell(std::to_string(r.tp_rank), 3)
+                << cell(std::to_string(r.dp_rank), 3) << cell(std::to_string(r.params), 12)
+                << cell(std::to_string(r.buffer_numel), 12) << cell(mib(r.param_bytes), 10)
+                << cell(mib(r.grad_bytes), 10) << cell(mib(r.optimizer_bytes), 10)
+                << cell(mib(r.activation_bytes), 10)
+                << cell(mib(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes), 10)
+                << cell(bpp, 8) << "\n";
+    }
+    // The buffer layout of each distinct tp rank (dp replicas share it).
+    std::cout << "\nbuffer layout (elements; dp replicas identical):\n";
+    int last_tp = -1;
+    for (const model::RankMemory& r : mp.ranks) {
+      if (r.tp_rank <= last_tp) continue;
+      last_tp = r.tp_rank;
+      std::cout << "  tp rank " << r.tp_rank << ": " << r.param_count << " tensors, " << r.params << " params, buffer "
+                << r.buffer_numel << " (padding " << r.buffer_numel - r.params << "), " << r.layout.buckets.size()
+                << " bucket" << (r.layout.buckets.size() == 1 ? "" : "s") << "\n";
+      for (size_t i = 0; i < r.layout.buckets.size(); ++i) {
+        const model::Range& b = r.layout.buckets[i];
+        std::cout << "    bucket " << i << ": [" << b.start << ", " << b.end << ") " << b.size() << " elements, shard "
+                  << b.size() / static_cast<size_t>(mp.dp) << " per dp rank\n";
+      }
+    }
+    return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom plan: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const manifest::ManifestError& e) {
+    if (json) {
+      std::vector<std::string> errs;
+      for (const auto& d : e.diagnostics())
+        errs.push_back(JsonObject().add("key", d.key).add("origin", d.origin.str()).add("message", d.message).str());
+      std::cout << JsonObject().add("valid", false).add_raw("errors", json_array(errs)).str() << "\n";
+    } else {
+      std::cerr << e.what() << "\n";
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "loom plan: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,218 @@
+#include "engine/model/param_plan.hpp"
+
+#include "engine/model/param_init.hpp"
+#include "engine/plugins/registry.hpp"
+#include "engine/runtime/rank_runtime.hpp"
+#include "engine/topology/rank_groups.hpp"
+#include "engine/train/data.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <loom/cpp/core.hpp>
+
+#include <functional>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+
+namespace loom::model {
+
+namespace {
+int64_t product(const std::vector<int64_t>& s) {
+  return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+}  // namespace
+
+CollectedParams collect_param_entries(const std::vector<std::string>& instances,
+                                      const std::vector<const loom_param_decl*>& decls,
+                                      const std::vector<size_t>& counts, int tp_size) {
+  LOOM_REQUIRE(instances.size() == decls.size() && decls.size() == counts.size(),
+               "collect_param_entries: one instance name, declaration array and count per layer");
+  CollectedParams out;
+  for (size_t li = 0; li < decls.size(); ++li)
+    for (size_t i = 0; i < counts[li]; ++i)
+      out.decls.push_back({static_cast<int>(li), static_cast<int>(i), decls[li][i]});
+  // One entry per parameter in model order; a tied parameter is owned by its
+  // first declaration and later declarations share it.
+  std::map<std::string, size_t> tied;  // tie_key -> entry index
+  out.entry_of.resize(out.decls.size());
+  for (size_t k = 0; k < out.decls.size(); ++k) {
+    const DeclRef& d = out.decls[k];
+    const std::string name = instances[static_cast<size_t>(d.layer)] + "." + d.decl.name;
+    LOOM_REQUIRE(d.decl.ndim >= 1 && d.decl.ndim <= 4, name << ": ndim must be 1..4");
+    std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
+    std::vector<int64_t> local = local_shape(full, d.decl.partition_dim, d.decl.partition_stride, tp_size, name);
+    const std::string tie = d.decl.tie_key ? d.decl.tie_key : "";
+    if (!tie.empty()) {
+      auto it = tied.find(tie);
+      if (it != tied.end()) {
+        const ParamEntry& owner = out.entries[it->second];
+        LOOM_REQUIRE(owner.full_shape == full && owner.decl.partition_dim == d.decl.partition_dim,
+                     name << " is tied to " << owner.name << " (tie_key '" << tie << "') but their shapes differ");
+        out.entry_of[k] = it->second;
+        continue;
+      }
+    }
+    ParamEntry e;
+    e.name = name;
+    e.full_shape = full;
+    e.local_shape = local;
+    e.numel = static_cast<size_t>(product(local));
+    e.layer = d.layer;
+    e.decl = d.decl;
+    e.duplicated = d.decl.partition_dim < 0;
+    e.tie_key = tie;
+    out.entry_of[k] = out.entries.size();
+    if (!tie.empty()) tied[tie] = out.entries.size();
+    out.entries.push_back(std::move(e));
+  }
+  return out;
+}
+
+size_t dtype_bytes(const std::string& dtype) {
+  if (dtype == "fp32") return 4;
+  if (dtype == "bf16") return 2;
+  throw std::invalid_argument("unknown dtype '" + dtype + "' (fp32 or bf16)");
+}
+
+size_t optimizer_bytes_per_element(const std::string& param_dtype, const std::string& grad_dtype) {
+  size_t b = 4 + 4;                       // Adam m and v (fp32)
+  if (dtype_bytes(param_dtype) != 4) b += 4;  // fp32 master parameters
+  if (dtype_bytes(grad_dtype) != 4) b += 4;   // fp32 main gradients
+  return b;
+}
+
+namespace {
+
+// The layers of one rank, created from their plugins and destroyed with it.
+struct PlannedLayers {
+  struct Layer {
+    const loom_layer_api* api = nullptr;
+    loom_layer* handle = nullptr;
+  };
+  std::vector<Layer> layers;
+  ~PlannedLayers() {
+    for (Layer& l : layers)
+      if (l.handle) l.api->destroy(l.handle);
+  }
+};
+
+}  // namespace
+
+MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
+  const manifest::Manifest& m = plan.manifest;
+  if (plan.sizes.pp != 1 || plan.sizes.cp != 1)
+    throw std::runtime_error("memory planning supports pp = 1 and cp = 1 only (this manifest has pp = " +
+                             std::to_string(plan.sizes.pp) + ", cp = " + std::to_string(plan.sizes.cp) + ")");
+  if (vocab <= 0) vocab = m.get_int("model.vocab_size");
+  if (vocab <= 0) vocab = train::make_data_source(m)->vocab_size();
+
+  MemoryPlan out;
+  out.param_dtype = m.get_string("device.param_dtype");
+  out.grad_dtype = m.get_string("device.grad_dtype");
+  out.strategy = m.get_string("optimizer.strategy");
+  out.world = plan.sizes.world;
+  out.tp = plan.sizes.tp;
+  out.dp = plan.dp;
+  out.vocab = vocab;
+  out.bucket_size = static_cast<size_t>(m.get_int("optimizer.bucket_size"));
+  out.microbatches_in_flight = 1;  // pp = 1: forward + backward of one microbatch at a time
+  const size_t psize = dtype_bytes(out.param_dtype), gsize = dtype_bytes(out.grad_dtype);
+  const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype, out.grad_dtype);
+  const bool distributed = out.strategy == "distributed";
+
+  const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
+  const plugins::LoadedPlugin& cpu = plan.registry->get("device", "cpu");
+  plugins::OptionValues dev_opts(nullptr, cpu.options);
+  const loom_model_dims dims = model_dims(m, vocab, plan.sizes.tp);
+  const bool sp = m.get_bool("parallel.sequence_parallel");
+
+  // Ranks differ only by their tp rank today; plan each tp rank once.
+  std::map<int, RankMemory> by_tp;
+  for (int r = 0; r < groups.world(); ++r) {
+    const int tp_rank = groups.rank_in_group("tp", r);
+    RankMemory rm;
+    if (auto it = by_tp.find(tp_rank); it != by_tp.end()) {
+      rm = it->second;
+    } else {
+      loom_device_create_args dargs = loom::make<loom_device_create_args>();
+      dargs.global_rank = r;
+      dargs.local_rank = 0;
+      dargs.num_threads = 1;
+      dargs.ranks_in_process = 1;
+      loom_device* dev = nullptr;
+      loom::check(cpu.device()->create(dev_opts.raw(), &dargs, &dev));
+      runtime::RankRuntime rt(r, cpu.device(), dev);
+      loom_group tp = loom::make<loom_group>();
+      tp.api = nullptr;
+      tp.comm = nullptr;
+      tp.size = plan.sizes.tp;
+      tp.rank = tp_rank;
+      rt.add_group("tp", tp);
+
+      PlannedLayers layers;
+      std::vector<std::string> instances;
+      std::vector<const loom_param_decl*> decls;
+      std::vector<size_t> counts;
+      uint64_t activations = 0;
+      for (const LayerSpec& spec : plan.layers) {
+        const plugins::LoadedPlugin& p = plan.registry->get("layer", spec.plugin);
+        toml::table section;
+        if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+        section.erase("plugin");
+        plugins::OptionValues opts(&section, p.options);
+        loom_model_dims ld = dims;
+        ld.block_index = spec.block_index;
+        loom_layer_create_args args = loom::make<loom_layer_create_args>();
+        args.dims = &ld;
+        args.instance_name = spec.instance.c_str();
+        args.tp = tp;
+        args.sequence_parallel = sp ? 1 : 0;
+        PlannedLayers::Layer l;
+        l.api = p.layer();
+        try {
+          loom::check(l.api->create(opts.raw(), &rt, &args, &l.handle));
+        } catch (const loom::Error& e) {
+          throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+        }
+        layers.layers.push_back(l);
+        const loom_param_decl* d = nullptr;
+        size_t n = 0;
+        loom::check(l.api->params(l.handle, &d, &n));
+        instances.push_back(spec.instance);
+        decls.push_back(d);
+        counts.push_back(n);
+        if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+          activations += l.api->activation_bytes(l.handle);
+      }
+      // The hidden states the engine keeps per microbatch, one per layer boundary
+      // (as Model::activation_bytes counts them).
+      activations += static_cast<uint64_t>(plan.layers.size()) *
+                     static_cast<uint64_t>(dims.seq_len * dims.micro_batch * dims.hidden) * sizeof(float);
+
+      const CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp);
+      std::vector<size_t> numels;
+      for (const ParamEntry& e : cp.entries) {
+        numels.push_back(e.numel);
+        rm.params += e.numel;
+      }
+      rm.param_count = cp.entries.size();
+      rm.layout = layout_buffer(numels, plan.dp, out.bucket_size);
+      rm.buffer_numel = rm.layout.numel;
+      rm.param_bytes = rm.buffer_numel * psize;
+      rm.grad_bytes = rm.buffer_numel * gsize;
+      const size_t state_elems = distributed ? rm.buffer_numel / static_cast<size_t>(plan.dp) : rm.buffer_numel;
+      rm.optimizer_bytes = state_elems * opt_per_elem;
+      rm.activation_bytes = activations * static_cast<uint64_t>(out.microbatches_in_flight);
+      rm.bytes_per_param =
+          rm.params ? double(rm.param_bytes + rm.grad_bytes + rm.optimizer_bytes) / double(rm.params) : 0.0;
+      by_tp[tp_rank] = rm;
+    }
+    rm.rank = r;
+    rm.tp_rank = tp_rank;
+    rm.dp_rank = groups.rank_in_group("dp", r);
+    out.ranks.push_back(std::move(rm));
+  }
+  return out;
+}
+
+}  // namespace loom::model

@@ -1,0 +1,74 @@
+// Memory planning without running the model: which parameters a rank holds (the
+// same collection Model::build_buffers uses — one place for the tie/dedupe and
+// local-shape rules), and what its parameters, gradients, optimizer state and
+// activations cost in bytes for the manifest's dtypes and optimizer strategy.
+#pragma once
+
+#include "engine/model/buffer_layout.hpp"
+#include "engine/model/model.hpp"
+
+#include <loom/loom_abi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+struct RunPlan;
+}
+
+namespace loom::model {
+
+// One parameter declaration of a layer, in model order.
+struct DeclRef {
+  int layer = 0;   // index of the declaring layer
+  int index = 0;   // index in that layer's declarations
+  loom_param_decl decl{};
+};
+
+struct CollectedParams {
+  std::vector<DeclRef> decls;       // every declaration, model order
+  std::vector<ParamEntry> entries;  // one per parameter (tied ones once); offset left 0
+  std::vector<size_t> entry_of;     // decls[k] -> index into entries
+};
+
+// The entries of a rank from its layers' declarations (decls[li] / counts[li] as
+// returned by layer li's params()), named "<instance>.<decl name>". A tied
+// declaration (same tie_key) after the first shares the first's entry; shapes are
+// the tp-local ones. Throws loom::Error for bad ndim or mismatched tied shapes.
+CollectedParams collect_param_entries(const std::vector<std::string>& instances,
+                                      const std::vector<const loom_param_decl*>& decls,
+                                      const std::vector<size_t>& counts, int tp_size);
+
+// Bytes of one element of "fp32" / "bf16".
+size_t dtype_bytes(const std::string& dtype);
+
+// Optimizer-state bytes per buffer element (before sharding): fp32 master params
+// when params are not fp32, Adam m and v, fp32 main grads when grads are not fp32.
+size_t optimizer_bytes_per_element(const std::string& param_dtype, const std::string& grad_dtype);
+
+struct RankMemory {
+  int rank = 0, tp_rank = 0, dp_rank = 0;
+  size_t params = 0;        // the rank's real parameter count (tied once, no padding)
+  size_t buffer_numel = 0;  // flat buffer elements, padding included
+  size_t param_count = 0;   // number of parameter tensors
+  BufferLayout layout;
+  uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
+  double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
+};
+
+struct MemoryPlan {
+  std::string param_dtype, grad_dtype, strategy;
+  int world = 1, tp = 1, dp = 1;
+  int64_t vocab = 0;
+  size_t bucket_size = 0;
+  int64_t microbatches_in_flight = 1;
+  std::vector<RankMemory> ranks;  // every rank of the world, by global rank
+};
+
+// Plans every rank of `plan` from the layer plugins' declarations alone (a
+// device/cpu instance for create, no communicators, no parameter memory).
+// vocab 0 = model.vocab_size, or the data source's vocabulary when that is 0.
+MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab = 0);
+
+}  // namespace loom::model

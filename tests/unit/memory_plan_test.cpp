@@ -1,0 +1,145 @@
+// loom plan: memory planned from the layer declarations matches what the trainer
+// allocates, reproduces the bytes-per-parameter table, and the CLI's JSON.
+#include "engine/model/param_plan.hpp"
+#include "tests/support/train_fixture.hpp"
+
+#include <boost/property_tree/json_parser.hpp>
+#include <boost/property_tree/ptree.hpp>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace loom::cli {
+int cmd_plan(int argc, char** argv);
+}
+
+namespace {
+
+using loom::testing::plan_from;
+using loom::testing::tiny_manifest;
+
+struct Measured {
+  size_t numel = 0, params = 0;
+  uint64_t activation_bytes = 0;
+};
+
+TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
+  size_t serial_params = 0;
+  for (const std::string layout : {"parallel.dp=1", "parallel.dp=2", "parallel.tp=2"}) {
+    const std::vector<std::string> overrides = {"run.steps=1", layout};
+    std::map<int, Measured> measured;
+    std::mutex mu;
+    loom::train::TrainOptions opts;
+    opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+      Measured x;
+      x.numel = m.numel();
+      for (const auto& e : m.param_entries()) x.params += e.numel;
+      x.activation_bytes = m.activation_bytes();
+      std::lock_guard<std::mutex> lock(mu);
+      measured[rank] = x;
+    };
+    loom::testing::run_and_trace(tiny_manifest(), overrides, opts);
+
+    const loom::model::MemoryPlan plan = loom::model::plan_memory(plan_from(tiny_manifest(), overrides));
+    ASSERT_EQ(plan.ranks.size(), 2u - (layout == "parallel.dp=1" ? 1u : 0u)) << layout;
+    ASSERT_EQ(measured.size(), plan.ranks.size()) << layout;
+    for (const auto& r : plan.ranks) {
+      SCOPED_TRACE(layout + " rank " + std::to_string(r.rank));
+      EXPECT_EQ(r.buffer_numel, measured[r.rank].numel);
+      EXPECT_EQ(r.params, measured[r.rank].params);
+      EXPECT_EQ(r.activation_bytes, measured[r.rank].activation_bytes);
+      EXPECT_EQ(r.param_bytes, 4 * r.buffer_numel);
+      EXPECT_EQ(r.grad_bytes, 4 * r.buffer_numel);
+      EXPECT_LT(r.params, r.buffer_numel + 1);
+    }
+    if (layout == "parallel.dp=1") serial_params = plan.ranks[0].params;
+    if (layout == "parallel.tp=2") {  // each tp rank holds a slice of the partitioned weights
+      for (const auto& r : plan.ranks) EXPECT_LT(r.params, serial_params);
+    }
+  }
+}
+
+TEST(MemoryPlan, BytesPerParamTable) {
+  const std::vector<std::string> big = {"model.hidden_size=512", "model.num_layers=8", "model.vocab_size=32000",
+                                        "model.seq_length=256",  "batch.micro_batch_size=1",
+                                        "batch.global_batch_size=64"};
+  struct Combo {
+    std::string param, grad;
+    double plain, fixed, sharded;  // plain; distributed = fixed + sharded / d
+  };
+  const std::vector<Combo> combos = {
+      {"fp32", "fp32", 16, 8, 8}, {"bf16", "fp32", 18, 6, 12}, {"bf16", "bf16", 20, 4, 16}};
+  for (const Combo& c : combos) {
+    for (int d : {1, 2, 4, 8}) {
+      for (const std::string strategy : {"ddp", "distributed"}) {
+        std::vector<std::string> o = big;
+        o.push_back("device.param_dtype=" + c.param);
+        o.push_back("device.grad_dtype=" + c.grad);
+        o.push_back("parallel.dp=" + std::to_string(d));
+        o.push_back("optimizer.strategy=" + strategy);
+        const loom::model::MemoryPlan plan = loom::model::plan_memory(plan_from(tiny_manifest(), o));
+        ASSERT_EQ(plan.ranks.size(), static_cast<size_t>(d));
+        const double want = strategy == "ddp" ? c.plain : c.fixed + c.sharded / d;
+        for (const auto& r : plan.ranks) {
+          EXPECT_GT(r.params, 20000000u);  // big enough that padding is negligible
+          EXPECT_NEAR(r.bytes_per_param, want, 0.005 * want)
+              << c.param << "/" << c.grad << " " << strategy << " d=" << d << " rank " << r.rank;
+        }
+      }
+    }
+  }
+}
+
+TEST(MemoryPlan, CliJson) {
+  const std::string dir = loom::testing::scratch_dir("memory-plan");
+  const std::string path = dir + "/tiny.toml";
+  std::ofstream(path) << tiny_manifest();
+  std::vector<std::string> words = {path, "--set", "parallel.dp=2", "--set", "parallel.tp=2", "--json"};
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  ::testing::internal::CaptureStdout();
+  const int rc = loom::cli::cmd_plan(static_cast<int>(argv.size()), argv.data());
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  ASSERT_EQ(rc, 0) << out;
+  boost::property_tree::ptree tree;
+  std::istringstream is(out);
+  ASSERT_NO_THROW(boost::property_tree::read_json(is, tree)) << out;
+  const auto& ranks = tree.get_child("ranks");
+  ASSERT_EQ(ranks.size(), 4u) << out;  // world = tp 2 x dp 2
+  int expect_rank = 0;
+  for (const auto& [key, r] : ranks) {
+    EXPECT_EQ(r.get<int>("rank"), expect_rank++);
+    for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"})
+      EXPECT_GT(r.get<double>(k), 0) << k;
+    EXPECT_NEAR(r.get<double>("bytes_per_param"), 16, 0.5);
+    EXPECT_EQ(r.get<double>("param_bytes"), 4 * r.get<double>("buffer_numel"));
+  }
+
+  // Usage errors exit 2; --help exits 0; an invalid manifest exits 1.
+  std::vector<std::string> none = {"--bogus"};
+  std::vector<char*> a0 = {none[0].data()};
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(loom::cli::cmd_plan(0, a0.data()), 2);  // no MANIFEST
+  EXPECT_EQ(loom::cli::cmd_plan(1, a0.data()), 2);  // unknown option
+  ::testing::internal::GetCapturedStderr();
+  std::vector<std::string> help = {"--help"};
+  std::vector<char*> a1 = {help[0].data()};
+  ::testing::internal::CaptureStdout();
+  EXPECT_EQ(loom::cli::cmd_plan(1, a1.data()), 0);
+  ::testing::internal::GetCapturedStdout();
+  std::vector<std::string> bad = {path, "--set", "model.num_layers=-3"};
+  std::vector<char*> a2;
+  for (std::string& w : bad) a2.push_back(w.data());
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(loom::cli::cmd_plan(static_cast<int>(a2.size()), a2.data()), 1);
+  ::testing::internal::GetCapturedStderr();
+  boost::filesystem::remove_all(dir);
+}
+
+}  // namespace
