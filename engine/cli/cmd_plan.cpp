@@ -4,6 +4,7 @@
 // model or allocating parameter memory.
 #include "engine/cli/args.hpp"
 #include "engine/cli/json.hpp"
+#include "engine/cli/report.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -126,15 +127,7 @@ int cmd_plan(int argc, char** argv) {
     std::cerr << "loom plan: " << e.what() << "\n" << kUsage;
     return 2;
   } catch (const manifest::ManifestError& e) {
-    if (json) {
-      std::vector<std::string> errs;
-      for (const auto& d : e.diagnostics())
-        errs.push_back(JsonObject().add("key", d.key).add("origin", d.origin.str()).add("message", d.message).str());
-      std::cout << JsonObject().add("valid", false).add_raw("errors", json_array(errs)).str() << "\n";
-    } else {
-      std::cerr << e.what() << "\n";
-    }
-    return 1;
+    return report_manifest_error(e, json);
   } catch (const std::exception& e) {
     std::cerr << "loom plan: " << e.what() << "\n";
     return 1;
