@@ -2,8 +2,8 @@
 //
 // After the last microbatch's backward: all-reduce the flat gradient buffer over
 // the dp group (averaged), take the global gradient norm (summed over this
-// rank's parameters, counting tp-duplicated ones on tp rank 0 only, then reduced
-// over tp and pp), clip, and step AdamW on fp32 master weights.
+// rank's parameters, counting tp-duplicated ones on tp rank 0 only and tied
+// pipeline copies on their owning stage only, then reduced over tp and pp), clip, and step AdamW on fp32 master weights.
 #include <loom/cpp/plugin.hpp>
 
 #include <cmath>
@@ -21,7 +21,7 @@ class Ddp : public loom::OptimizerStrategy {
                  "parallel/ddp: gradient dtype " << grad_dtype_ << " is not supported");
     for (size_t i = 0; i < a.num_params; ++i) {
       const loom_param_info& p = a.infos[i];
-      infos_.push_back({p.offset, p.numel, p.no_weight_decay != 0, p.duplicated != 0});
+      infos_.push_back({p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i)});
     }
     loom::Device dev = rank.device();
     m_ = loom::Buffer(rank_, numel_ * sizeof(float));
@@ -46,7 +46,7 @@ class Ddp : public loom::OptimizerStrategy {
     // 2. global norm: this rank's share, then the model-parallel sum
     double sq = 0;
     for (const Info& p : infos_) {
-      if (p.duplicated && tp_.rank != 0) continue;  // identical on every tp rank: count once
+      if (p.counted_elsewhere) continue;
       dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
                   .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_), .out = scalar_.get(),
                   .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
@@ -91,7 +91,7 @@ class Ddp : public loom::OptimizerStrategy {
  private:
   struct Info {
     size_t offset, numel;
-    bool no_weight_decay, duplicated;
+    bool no_weight_decay, counted_elsewhere;
   };
 
   static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }

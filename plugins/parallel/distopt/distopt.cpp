@@ -9,7 +9,7 @@
 //      that slice is the fp32 main gradient (no copy: adamw reads it in place, and
 //      upcasts when the gradients are bf16);
 //   2. global gradient norm: sum of squares over the owned pieces (tp-duplicated
-//      parameters on tp rank 0 only), summed over dp, tp and pp; clip;
+//      parameters on tp rank 0 only, tied pipeline copies on their owning stage), summed over dp, tp and pp; clip;
 //   3. AdamW on each owned piece of each parameter (weight decay off where the
 //      layer says so), writing the updated slice back into the parameter buffer;
 //   4. all-gather each bucket's parameters so every rank has all of them.
@@ -52,7 +52,7 @@ struct Span {
 
 struct ParamRef {
   size_t offset, numel;
-  bool no_weight_decay, duplicated;
+  bool no_weight_decay, counted_elsewhere;  // in gradient norms: by another tp rank or stage
 };
 
 // One owned piece of one parameter.
@@ -143,7 +143,7 @@ class DistOpt : public loom::OptimizerStrategy {
       LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distopt: parameter '" << (p.name ? p.name : "?")
                                                      << "' [" << p.offset << ", " << p.offset + p.numel
                                                      << ") lies outside the buffers of " << numel_ << " elements");
-      params_info_.push_back({p.offset, p.numel, p.no_weight_decay != 0, p.duplicated != 0});
+      params_info_.push_back({p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i)});
     }
 
     // The owned pieces: each parameter cut by each shard; the state arrays are
@@ -198,7 +198,7 @@ class DistOpt : public loom::OptimizerStrategy {
     size_t k = 0;
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const Piece& p = pieces_[i];
-      if (params_info_[p.param].duplicated && tp_.rank != 0) continue;  // identical on every tp rank: once
+      if (params_info_[p.param].counted_elsewhere) continue;
       dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
                   .x = static_cast<char*>(grads_) + p.world * ge, .out = norm_parts_.get<float>() + k,
                   .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});

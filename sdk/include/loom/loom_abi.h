@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 0
+#define LOOM_ABI_MINOR 1
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -534,6 +534,12 @@ typedef struct loom_optimizer_create_args {
    * [bucket_offsets[b], bucket_offsets[b + 1]); num_buckets + 1 entries. */
   const size_t* bucket_offsets;
   size_t num_buckets;
+  /* --- 1.1 --- */
+  /* NULL, or num_params flags: 1 = this rank's copy of the parameter is also held
+   * on another pipeline stage (the tied word embedding on the last stage). Its
+   * gradient arrives already summed over the copies; gradient norms count it on
+   * the owning stage only, so skip it here. */
+  const int32_t* counted_elsewhere;
 } loom_optimizer_create_args;
 
 typedef struct loom_optimizer_step_args {

@@ -219,6 +219,16 @@ class OptimizerStrategy {
   virtual void state_load(const void* buf, size_t bytes) = 0;
 };
 
+// Whether parameter i's gradient is counted in global norms by another rank: a
+// tp-duplicated copy (counted on tp rank 0) or a tied copy on another pipeline
+// stage (ABI 1.1, counted on the owning stage).
+inline bool counted_elsewhere(const loom_optimizer_create_args& a, size_t i) {
+  if (a.infos[i].duplicated && a.tp.rank != 0) return true;
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, counted_elsewhere) +
+                                            sizeof(a.counted_elsewhere);
+  return has_slot && a.counted_elsewhere != nullptr && a.counted_elsewhere[i] != 0;
+}
+
 // T must be constructible from (const Options&, Rank&, const loom_optimizer_create_args&).
 template <typename T>
 const loom_optimizer_api* optimizer_api() {
