@@ -94,12 +94,30 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     layers_.push_back(std::move(layer));
   }
   build_buffers(seed);
-  hidden_shape_[0] = dims_.seq_len;
+  // Hidden states between layers: [seq, micro_batch, hidden], or this rank's
+  // sequence shard [seq / tp, micro_batch, hidden] under sequence parallelism.
+  sequence_parallel_ = m.get_bool("parallel.sequence_parallel") && tp.size() > 1;
+  hidden_shape_[0] = sequence_parallel_ ? dims_.seq_len / tp.size() : dims_.seq_len;
   hidden_shape_[1] = dims_.micro_batch;
   hidden_shape_[2] = dims_.hidden;
-  const size_t hidden_bytes = static_cast<size_t>(dims_.seq_len * dims_.micro_batch * dims_.hidden) * sizeof(float);
-  grad_a_ = loom::Buffer(&rank_, hidden_bytes);
-  grad_b_ = loom::Buffer(&rank_, hidden_bytes);
+  grad_a_ = loom::Buffer(&rank_, hidden_bytes());
+  grad_b_ = loom::Buffer(&rank_, hidden_bytes());
+}
+
+size_t Model::hidden_bytes() const {
+  return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]) * sizeof(float);
+}
+
+void Model::finalize_grads() {
+  // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
+  // after a reduce-scatter, position embeddings) has seen only this rank's
+  // sequence shard: its full gradient is the sum over the tp group.
+  const loom::Group tp = rank_.group_or_self("tp");
+  if (!sequence_parallel_) return;
+  void* stream = rank_.dev().native_stream();
+  for (const ParamEntry& e : entries_)
+    if (e.duplicated)
+      tp.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
 }
 
 Model::~Model() {
@@ -208,7 +226,6 @@ void Model::run_step(const char* scope, int64_t key, const std::function<void()>
 
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
                     float* loss_sum, int64_t* loss_count, int32_t* predictions) {
-  const size_t hidden_bytes = static_cast<size_t>(dims_.seq_len * dims_.micro_batch * dims_.hidden) * sizeof(float);
   std::vector<loom::Buffer>& acts = acts_[mb];
   acts.clear();
   std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
@@ -222,7 +239,7 @@ void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool 
     const bool last = i + 1 == layers_.size();
     DLTensor in{}, out{};
     if (i > 0) in = view(acts.back().get(), hid_shape);
-    if (!last) acts.emplace_back(&rank_, hidden_bytes);
+    if (!last) acts.emplace_back(&rank_, hidden_bytes());
     if (!last) out = view(acts.back().get(), hid_shape);
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
     a.microbatch = mb;
@@ -283,7 +300,7 @@ uint64_t Model::activation_bytes() const {
   for (const Layer& l : layers_)
     if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
       b += l.api->activation_bytes(l.handle);
-  return b + static_cast<uint64_t>(layers_.size()) * dims_.seq_len * dims_.micro_batch * dims_.hidden * sizeof(float);
+  return b + static_cast<uint64_t>(layers_.size()) * hidden_bytes();
 }
 
 }  // namespace loom::model

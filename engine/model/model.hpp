@@ -60,6 +60,12 @@ class Model {
   void backward(int mb, float loss_scale);
   void release(int mb);
   void zero_grads();
+  // After the last microbatch's backward, before the optimizer: the reductions
+  // that make each gradient whole (tp sum of duplicated parameters under
+  // sequence parallelism).
+  void finalize_grads();
+  // Bytes of the hidden state between two layers of one microbatch.
+  size_t hidden_bytes() const;
 
   void* params() const { return params_.get(); }
   void* grads() const { return grads_.get(); }
@@ -93,6 +99,7 @@ class Model {
   std::vector<ParamEntry> entries_;
   size_t numel_ = 0;
   loom::Buffer params_, grads_;
+  bool sequence_parallel_ = false;
   int64_t hidden_shape_[3];
   // Per microbatch in flight: the hidden states at each layer boundary.
   std::map<int, std::vector<loom::Buffer>> acts_;

@@ -267,6 +267,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         loss_acc += loss_sum / denom;
         model.backward(mb, static_cast<float>(1.0 / denom));
       }
+      model.finalize_grads();
       ++step;
       loom_optimizer_step_args sa = loom::make<loom_optimizer_step_args>();
       sa.step = step;
