@@ -1,0 +1,1061 @@
+// comm/nccl: GPU collectives through NCCL, one communicator per rank group.
+//
+// Launch mode: ranks are threads of one process, one GPU per rank (the engine's
+// launcher). A group's NCCL unique id is made by the first member to arrive at
+// group_create and handed to the others through the world object (a rendezvous
+// keyed by the group's kind and rank list, as comm/local's); each member then
+// calls ncclCommInitRankConfig. Ranks in several processes (the id over MPI or a
+// TCP store) are not supported yet: world_create refuses a world that this
+// process does not host entirely.
+//
+// Streams: each communicator has its own CUDA stream. A call on the caller's
+// stream S records an event on S, makes the comm stream wait for it, enqueues the
+// NCCL operation on the comm stream, and makes S wait for its completion: the
+// operation is stream-ordered for the caller (and capturable into a CUDA graph: the
+// comm stream forks from and joins back into the capture), while compute and
+// communication run on separate streams.
+//
+// Host memory: the engine also calls collectives on host buffers with stream
+// NULL (loss and flag reductions). Such calls are staged through device memory
+// and wait for completion on the host (with the watchdog's timeout). With stream
+// NULL and device buffers, the call first waits for the whole GPU (there is no
+// stream to order after) and also completes before returning.
+//
+// Watchdog: a thread per world follows every enqueued operation (an event after
+// it on the comm stream) and polls ncclCommGetAsyncError. An operation that has
+// not completed after comm.timeout_s, or an asynchronous NCCL error, is reported
+// with the op, the group, the rank and the GPU; every communicator of the world
+// is then aborted (ncclCommAbort) so that the kernels of every rank return, and
+// every later call fails at once with that reason. world_abort does the same.
+//
+// Communicators are non-blocking (config.blocking = 0): a call that returns
+// ncclInProgress is polled to completion with the same timeout, so a group whose
+// members never all arrive fails instead of hanging.
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <loom/cpp/plugin.hpp>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace loom::comm_nccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct World;
+
+// One in-flight operation, for the watchdog.
+struct InFlight {
+  cudaEvent_t done = nullptr;
+  std::string what;  // "all_reduce of 4096 f32"
+  Clock::time_point start;
+};
+
+// A one-way point-to-point channel to or from one peer: a 2-rank communicator
+// (rank 0 sends, rank 1 receives) with its own stream. NCCL serialises the
+// operations of a communicator, so a send and a recv between the same two ranks
+// in opposite directions must not share one: each ordered pair gets a channel,
+// and a pipeline's "send activation, receive gradient" cannot deadlock.
+struct Channel {
+  ncclComm_t nccl = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;
+  bool sender = false;
+  bool aborted = false;
+  // Sends go out of a copy (made on the caller's stream), so the caller never
+  // waits for the receiver and may reuse its buffer at once.
+  struct Stage {
+    void* p = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t sent = nullptr;
+  };
+  std::vector<Stage> stages;
+};
+
+struct Comm {
+  World* world = nullptr;
+  std::string kind;
+  std::vector<int32_t> ranks;
+  int32_t index = 0;        // rank in the group
+  int32_t global_rank = 0;  // the caller's global rank
+  int gpu = 0;
+  ncclComm_t nccl = nullptr;
+  cudaStream_t stream = nullptr;          // the communication stream
+  cudaEvent_t ready = nullptr, done = nullptr;  // caller -> comm stream, comm stream -> caller
+  std::mutex call_mu;                     // one call at a time (staging, events)
+  void* staging = nullptr;
+  size_t staging_bytes = 0;
+  std::mutex flight_mu;
+  std::deque<InFlight> inflight;
+  std::vector<cudaEvent_t> spare;
+  std::atomic<bool> aborted{false};
+  bool destroyed = false;
+  std::map<int32_t, std::unique_ptr<Channel>> to, from;  // by peer rank in the group
+
+  std::string where() const {
+    std::ostringstream os;
+    os << "group '" << kind << "' (rank " << index << " of " << ranks.size() << ", global rank " << global_rank
+       << ", GPU " << gpu << ")";
+    return os.str();
+  }
+};
+
+struct Rendezvous {
+  ncclUniqueId id{};
+  std::vector<char> joined;
+  int count = 0;
+};
+
+struct World {
+  int32_t world_size = 0;
+  std::vector<int32_t> local_ranks;
+  int64_t timeout_ms = 0;
+  int device_count = 0;
+  std::vector<std::string> p2p_kinds;  // groups that get point-to-point channels
+
+  std::mutex mu;
+  std::map<std::string, std::deque<std::shared_ptr<Rendezvous>>> pending;
+  std::vector<Comm*> comms;
+  std::atomic<bool> aborted{false};
+  std::string reason;  // under mu
+
+  std::thread watchdog;
+  std::mutex wd_mu;
+  std::condition_variable wd_cv;
+  bool stop = false;
+
+  std::string abort_reason() {
+    std::lock_guard<std::mutex> lock(mu);
+    return reason;
+  }
+  void abort(const std::string& why);
+  void watch();
+};
+
+// ---------------------------------------------------------------------------
+// Errors and waiting
+// ---------------------------------------------------------------------------
+
+void check_cuda(const Comm* c, const char* op, const char* call, cudaError_t err) {
+  if (err == cudaSuccess) return;
+  cudaGetLastError();
+  std::ostringstream os;
+  os << "comm/nccl " << op << " on " << (c ? c->where() : std::string("?")) << ": " << call
+     << " failed: " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ")";
+  throw Error(os.str(), err == cudaErrorMemoryAllocation ? LOOM_CODE_OUT_OF_MEMORY : LOOM_CODE_INTERNAL);
+}
+#define LOOM_NCCL_CUDA(c, op, expr) check_cuda(c, op, #expr, (expr))
+
+[[noreturn]] void fail_aborted(Comm& c, const char* op) {
+  const std::string why = c.world->abort_reason();
+  throw Error("comm/nccl " + std::string(op) + " on " + c.where() + ": the communicators were aborted: " +
+                  (why.empty() ? std::string("aborted") : why),
+              LOOM_CODE_TIMEOUT);
+}
+
+void check_alive(Comm& c, const char* op) {
+  if (c.aborted.load() || c.world->aborted.load()) fail_aborted(c, op);
+}
+
+bool timed_out(const World& w, Clock::time_point start) {
+  return w.timeout_ms > 0 &&
+         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count() > w.timeout_ms;
+}
+
+// Polls a non-blocking communicator (the group's, or one of its channels) until
+// its last call has completed.
+void wait_on(Comm& c, ncclComm_t h, const char* op, const char* call, ncclResult_t r) {
+  const Clock::time_point start = Clock::now();
+  while (r == ncclInProgress) {
+    if (c.world->aborted.load()) fail_aborted(c, op);
+    if (timed_out(*c.world, start)) {
+      std::ostringstream os;
+      os << "comm/nccl " << op << " on " << c.where() << ": " << call << " did not complete within "
+         << c.world->timeout_ms / 1000.0 << " s (comm.timeout_s); aborting every communicator of the world";
+      c.world->abort(os.str());
+      throw Error(os.str(), LOOM_CODE_TIMEOUT);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const ncclResult_t q = ncclCommGetAsyncError(h, &r);
+    if (q != ncclSuccess) r = q;
+  }
+  if (r != ncclSuccess) {
+    std::ostringstream os;
+    os << "comm/nccl " << op << " on " << c.where() << ": " << call << " failed: " << ncclGetErrorString(r);
+    const char* last = ncclGetLastError(h);
+    if (last && *last) os << " (" << last << ")";
+    throw Error(os.str(), LOOM_CODE_INTERNAL);
+  }
+}
+void wait_nccl(Comm& c, const char* op, const char* call, ncclResult_t r) { wait_on(c, c.nccl, op, call, r); }
+#define LOOM_NCCL(c, op, expr) wait_nccl(c, op, #expr, (expr))
+#define LOOM_NCCL_ON(c, h, op, expr) wait_on(c, h, op, #expr, (expr))
+
+// Waits on the host for an event of the comm stream (staged calls, barrier).
+void host_wait(Comm& c, const char* op, cudaEvent_t ev) {
+  const Clock::time_point start = Clock::now();
+  for (int spins = 0;; ++spins) {
+    const cudaError_t q = cudaEventQuery(ev);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady) check_cuda(&c, op, "cudaEventQuery", q);
+    if (c.world->aborted.load()) fail_aborted(c, op);
+    if (timed_out(*c.world, start)) {
+      std::ostringstream os;
+      os << "comm/nccl " << op << " on " << c.where() << " did not complete within " << c.world->timeout_ms / 1000.0
+         << " s (comm.timeout_s); aborting every communicator of the world";
+      c.world->abort(os.str());
+      throw Error(os.str(), LOOM_CODE_TIMEOUT);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
+  }
+}
+
+class GpuScope {
+ public:
+  GpuScope(const Comm& c, const char* op) : c_(c) {
+    check_cuda(&c, op, "cudaGetDevice", cudaGetDevice(&prev_));
+    if (prev_ != c.gpu) check_cuda(&c, op, "cudaSetDevice", cudaSetDevice(c.gpu));
+  }
+  ~GpuScope() {
+    if (prev_ >= 0 && prev_ != c_.gpu) cudaSetDevice(prev_);
+  }
+
+ private:
+  const Comm& c_;
+  int prev_ = -1;
+};
+
+// ---------------------------------------------------------------------------
+// World: abort and watchdog
+// ---------------------------------------------------------------------------
+
+void World::abort(const std::string& why) {
+  std::vector<Comm*> to_abort;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted.load()) return;
+    reason = why;
+    aborted.store(true);
+    to_abort = comms;
+  }
+  LOOM_LOG(ERROR) << why;
+  // ncclCommAbort makes the communicators' kernels return and frees them; the
+  // rank threads see `aborted` and fail their calls.
+  for (Comm* c : to_abort) {
+    if (c->aborted.exchange(true) || c->nccl == nullptr) continue;
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(c->gpu);
+    ncclCommAbort(c->nccl);
+    for (auto* chans : {&c->to, &c->from})
+      for (auto& [peer, ch] : *chans)
+        if (ch->nccl && !ch->aborted) {
+          ch->aborted = true;
+          ncclCommAbort(ch->nccl);
+        }
+    if (prev >= 0) cudaSetDevice(prev);
+  }
+  wd_cv.notify_all();
+}
+
+void World::watch() {
+  const auto period = std::chrono::milliseconds(timeout_ms > 0 ? std::clamp<int64_t>(timeout_ms / 20, 10, 200) : 200);
+  std::unique_lock<std::mutex> wl(wd_mu);
+  while (!stop) {
+    wd_cv.wait_for(wl, period);
+    if (stop || aborted.load()) continue;
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (Comm* c : comms) {
+        if (c->aborted.load() || c->nccl == nullptr) continue;
+        if (cudaSetDevice(c->gpu) != cudaSuccess) {
+          cudaGetLastError();
+          continue;
+        }
+        std::vector<ncclComm_t> handles{c->nccl};
+        for (auto* chans : {&c->to, &c->from})
+          for (auto& [peer, ch] : *chans) handles.push_back(ch->nccl);
+        for (ncclComm_t h : handles) {
+          ncclResult_t async = ncclSuccess;
+          if (h && ncclCommGetAsyncError(h, &async) == ncclSuccess && async != ncclSuccess &&
+              async != ncclInProgress) {
+            failure = "comm/nccl: NCCL reported an asynchronous error on " + c->where() + ": " +
+                      ncclGetErrorString(async) + "; aborting every communicator of the world";
+            break;
+          }
+        }
+        if (!failure.empty()) break;
+        std::lock_guard<std::mutex> fl(c->flight_mu);
+        while (!c->inflight.empty()) {
+          InFlight& f = c->inflight.front();
+          const cudaError_t q = cudaEventQuery(f.done);
+          if (q == cudaErrorNotReady) break;
+          if (q != cudaSuccess) cudaGetLastError();  // reported by the rank's next sync
+          c->spare.push_back(f.done);
+          c->inflight.pop_front();
+        }
+        if (!c->inflight.empty() && timed_out(*this, c->inflight.front().start)) {
+          std::ostringstream os;
+          os << "comm/nccl watchdog: " << c->inflight.front().what << " on " << c->where()
+             << " did not complete within " << timeout_ms / 1000.0
+             << " s (comm.timeout_s); a rank is missing from the collective or stuck; aborting every "
+                "communicator of the world (ncclCommAbort)";
+          failure = os.str();
+          break;
+        }
+      }
+    }
+    if (!failure.empty()) {
+      wl.unlock();
+      abort(failure);
+      wl.lock();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Types and enqueueing
+// ---------------------------------------------------------------------------
+
+ncclDataType_t nccl_type(int32_t dtype, const char* op) {
+  switch (dtype) {
+    case LOOM_DTYPE_F32:
+      return ncclFloat32;
+    case LOOM_DTYPE_BF16:
+      return ncclBfloat16;
+    case LOOM_DTYPE_F16:
+      return ncclFloat16;
+    case LOOM_DTYPE_I32:
+      return ncclInt32;
+    case LOOM_DTYPE_I64:
+      return ncclInt64;
+    case LOOM_DTYPE_U8:
+      return ncclUint8;
+    case LOOM_DTYPE_F64:
+      return ncclFloat64;
+    default:
+      throw Error(std::string("comm/nccl ") + op + ": unknown dtype " + std::to_string(dtype),
+                  LOOM_CODE_INVALID_ARGUMENT);
+  }
+}
+
+const char* dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case LOOM_DTYPE_F32:
+      return "f32";
+    case LOOM_DTYPE_BF16:
+      return "bf16";
+    case LOOM_DTYPE_F16:
+      return "f16";
+    case LOOM_DTYPE_I32:
+      return "i32";
+    case LOOM_DTYPE_I64:
+      return "i64";
+    case LOOM_DTYPE_U8:
+      return "u8";
+    case LOOM_DTYPE_F64:
+      return "f64";
+    default:
+      return "?";
+  }
+}
+
+ncclRedOp_t nccl_op(int32_t op, const char* what) {
+  switch (op) {
+    case LOOM_REDUCE_SUM:
+      return ncclSum;
+    case LOOM_REDUCE_MAX:
+      return ncclMax;
+    case LOOM_REDUCE_MIN:
+      return ncclMin;
+    case LOOM_REDUCE_AVG:
+      return ncclAvg;
+    default:
+      throw Error(std::string("comm/nccl ") + what + ": unknown reduction " + std::to_string(op),
+                  LOOM_CODE_INVALID_ARGUMENT);
+  }
+}
+
+bool is_host_memory(const void* p) {
+  if (p == nullptr) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return true;  // unknown to CUDA: pageable host memory
+  }
+  return attr.type == cudaMemoryTypeUnregistered || attr.type == cudaMemoryTypeHost;
+}
+
+Comm& comm_of(loom_comm* comm) {
+  LOOM_REQUIRE(comm != nullptr, "comm/nccl: null communicator (was group_create successful?)");
+  Comm& c = *reinterpret_cast<Comm*>(comm);
+  LOOM_REQUIRE(!c.destroyed, "comm/nccl: communicator used after group_destroy");
+  return c;
+}
+
+// One call: where the NCCL operation reads and writes, and how to run it.
+struct Call {
+  const char* op;
+  std::string what;
+  const void* send = nullptr;
+  size_t send_bytes = 0;
+  void* recv = nullptr;
+  size_t recv_bytes = 0;
+  bool in_place_ok = true;  // send == recv is allowed as is
+};
+
+void track(Comm& c, const char* op, const std::string& what, cudaStream_t on) {
+  cudaEvent_t ev = nullptr;
+  {
+    std::lock_guard<std::mutex> fl(c.flight_mu);
+    if (!c.spare.empty()) {
+      ev = c.spare.back();
+      c.spare.pop_back();
+    }
+  }
+  if (ev == nullptr) LOOM_NCCL_CUDA(&c, op, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  LOOM_NCCL_CUDA(&c, op, cudaEventRecord(ev, on));
+  std::lock_guard<std::mutex> fl(c.flight_mu);
+  c.inflight.push_back({ev, what, Clock::now()});
+}
+
+// Runs `enqueue(send, recv)` on the comm stream, ordered after `stream` and
+// before later work on it; stages host buffers (see the top of the file).
+template <typename Fn>
+void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
+  std::lock_guard<std::mutex> lock(c.call_mu);
+  check_alive(c, call.op);
+  GpuScope gpu(c, call.op);
+  const cudaStream_t caller = static_cast<cudaStream_t>(stream);
+  const bool send_host = call.send_bytes > 0 && is_host_memory(call.send);
+  const bool recv_host = call.recv_bytes > 0 && is_host_memory(call.recv);
+  const bool sync = caller == nullptr || send_host || recv_host;
+
+  bool capturing = false;
+  if (caller != nullptr) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    LOOM_NCCL_CUDA(&c, call.op, cudaStreamIsCapturing(caller, &st));
+    capturing = st != cudaStreamCaptureStatusNone;
+    LOOM_REQUIRE(!(capturing && sync), "comm/nccl " << call.op << " on " << c.where()
+                                                    << ": host buffers cannot be used inside a graph capture");
+    LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(c.ready, caller));
+    LOOM_NCCL_CUDA(&c, call.op, cudaStreamWaitEvent(c.stream, c.ready, 0));
+  } else if ((call.send_bytes > 0 && !send_host) || (call.recv_bytes > 0 && !recv_host)) {
+    // Device buffers without a stream: whatever wrote them must be done.
+    LOOM_NCCL_CUDA(&c, call.op, cudaDeviceSynchronize());
+  }
+
+  const void* send = call.send;
+  void* recv = call.recv;
+  if (send_host || recv_host) {
+    const size_t need = (send_host ? call.send_bytes : 0) + (recv_host ? call.recv_bytes : 0) + 256;
+    if (c.staging_bytes < need) {
+      if (c.staging) {
+        LOOM_NCCL_CUDA(&c, call.op, cudaStreamSynchronize(c.stream));
+        cudaFree(c.staging);
+        c.staging = nullptr;
+        c.staging_bytes = 0;
+      }
+      const size_t bytes = std::max<size_t>(need, 1 << 16);
+      LOOM_NCCL_CUDA(&c, call.op, cudaMalloc(&c.staging, bytes));
+      c.staging_bytes = bytes;
+    }
+    char* base = static_cast<char*>(c.staging);
+    if (send_host) {
+      LOOM_NCCL_CUDA(&c, call.op,
+                     cudaMemcpyAsync(base, call.send, call.send_bytes, cudaMemcpyHostToDevice, c.stream));
+      send = base;
+    }
+    if (recv_host) {
+      char* r = base + (send_host ? (call.send_bytes + 255) / 256 * 256 : 0);
+      // An in-place call on the host stays in place in the staging buffer.
+      if (send_host && call.send == call.recv && call.in_place_ok) r = base;
+      recv = r;
+    }
+  }
+
+  enqueue(send, recv);
+
+  if (recv_host)
+    LOOM_NCCL_CUDA(&c, call.op,
+                   cudaMemcpyAsync(call.recv, recv, call.recv_bytes, cudaMemcpyDeviceToHost, c.stream));
+  if (!capturing) track(c, call.op, call.what, c.stream);
+  LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(c.done, c.stream));
+  if (caller != nullptr) LOOM_NCCL_CUDA(&c, call.op, cudaStreamWaitEvent(caller, c.done, 0));
+  if (sync) host_wait(c, call.op, c.done);
+}
+
+std::string describe(const char* op, size_t count, int32_t dtype) {
+  std::ostringstream os;
+  os << op << " of " << count << " " << dtype_name(dtype);
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------
+// World and groups
+// ---------------------------------------------------------------------------
+
+loom_status world_create(const loom_options* options, const loom_comm_world_args* args, loom_comm_world** out) {
+  return guard([&] {
+    LOOM_REQUIRE(args != nullptr && out != nullptr, "comm/nccl: world_create needs args and out");
+    LOOM_REQUIRE(LOOM_HAS_SLOT(args, loom_comm_world_args, timeout_ms),
+                 "comm/nccl: world_create args are too small (struct_size " << args->struct_size << ")");
+    LOOM_REQUIRE(args->world_size >= 1, "comm/nccl: world_size must be at least 1, got " << args->world_size);
+    LOOM_REQUIRE(args->num_local_ranks >= 0 && (args->num_local_ranks == 0 || args->local_ranks != nullptr),
+                 "comm/nccl: world_create got " << args->num_local_ranks << " local ranks and no list of them");
+    if (args->num_local_ranks != args->world_size)
+      throw Error("comm/nccl: this process hosts " + std::to_string(args->num_local_ranks) + " of " +
+                      std::to_string(args->world_size) +
+                      " ranks; comm/nccl supports ranks as threads of one process (one GPU each) so far; ranks in "
+                      "several processes need the NCCL id exchanged over MPI, which is not implemented yet",
+                  LOOM_CODE_UNSUPPORTED);
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+      cudaGetLastError();
+      throw Error(std::string("comm/nccl: no CUDA GPU is visible (") +
+                      (err != cudaSuccess ? cudaGetErrorName(err) : "cudaGetDeviceCount reports 0 devices") +
+                      "); use comm.backend = \"local\"",
+                  LOOM_CODE_UNSUPPORTED);
+    }
+    if (args->world_size > count)
+      throw Error("comm/nccl: " + std::to_string(args->world_size) + " ranks need one GPU each, but " +
+                      std::to_string(count) +
+                      " are visible (NCCL cannot put two ranks of a communicator on one GPU); use fewer ranks or "
+                      "comm.backend = \"local\"",
+                  LOOM_CODE_UNSUPPORTED);
+    auto w = std::make_unique<World>();
+    w->world_size = args->world_size;
+    w->local_ranks.assign(args->local_ranks, args->local_ranks + args->num_local_ranks);
+    w->timeout_ms = args->timeout_ms;
+    w->device_count = count;
+    std::stringstream kinds(Options(options).get_string("p2p_groups", "pp"));
+    for (std::string k; std::getline(kinds, k, ',');)
+      if (!k.empty()) w->p2p_kinds.push_back(k);
+    World* wp = w.get();
+    w->watchdog = std::thread([wp] { wp->watch(); });
+    *out = reinterpret_cast<loom_comm_world*>(w.release());
+  });
+}
+
+void world_destroy(loom_comm_world* world) {
+  if (world == nullptr) return;
+  World* w = reinterpret_cast<World*>(world);
+  {
+    std::lock_guard<std::mutex> lock(w->wd_mu);
+    w->stop = true;
+  }
+  w->wd_cv.notify_all();
+  if (w->watchdog.joinable()) w->watchdog.join();
+  delete w;
+}
+
+void world_abort(loom_comm_world* world, const char* reason) {
+  (void)guard([&] {
+    if (world) reinterpret_cast<World*>(world)->abort(reason ? reason : "aborted");
+  });
+}
+
+// The id of a communicator: made by the first member to arrive, taken by the
+// others (the n-th communicator of a key on every member meets the n-th on the
+// others, however calls of different groups interleave).
+ncclUniqueId rendezvous(World& w, const Comm& c, const std::string& key, int members, int slot) {
+  std::lock_guard<std::mutex> lock(w.mu);
+  auto& q = w.pending[key];
+  std::shared_ptr<Rendezvous> rv;
+  for (auto& p : q)
+    if (!p->joined[slot]) {
+      rv = p;
+      break;
+    }
+  if (!rv) {
+    rv = std::make_shared<Rendezvous>();
+    rv->joined.assign(members, 0);
+    const ncclResult_t r = ncclGetUniqueId(&rv->id);
+    if (r != ncclSuccess)
+      throw Error("comm/nccl group_create on " + c.where() + ": ncclGetUniqueId failed: " + ncclGetErrorString(r),
+                  LOOM_CODE_INTERNAL);
+    q.push_back(rv);
+  }
+  rv->joined[slot] = 1;
+  const ncclUniqueId id = rv->id;
+  if (++rv->count == members) {
+    q.erase(std::find(q.begin(), q.end(), rv));
+    if (q.empty()) w.pending.erase(key);
+  }
+  return id;
+}
+
+void destroy_channel(Channel& ch) {
+  if (ch.stream) cudaStreamSynchronize(ch.stream);
+  cudaGetLastError();
+  for (Channel::Stage& st : ch.stages) {
+    if (st.sent) cudaEventDestroy(st.sent);
+    if (st.p) cudaFree(st.p);
+  }
+  ch.stages.clear();
+  if (ch.ready) cudaEventDestroy(ch.ready);
+  if (ch.done) cudaEventDestroy(ch.done);
+  if (ch.stream) cudaStreamDestroy(ch.stream);
+  cudaGetLastError();
+}
+
+loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, loom_comm** out) {
+  return guard([&] {
+    LOOM_REQUIRE(world != nullptr && desc != nullptr && out != nullptr,
+                 "comm/nccl: group_create needs a world, a description and out");
+    LOOM_REQUIRE(LOOM_HAS_SLOT(desc, loom_group_desc, my_rank),
+                 "comm/nccl: group_create description is too small (struct_size " << desc->struct_size << ")");
+    World& w = *reinterpret_cast<World*>(world);
+    const std::string kind = desc->kind ? desc->kind : "?";
+    LOOM_REQUIRE(desc->size >= 1 && desc->ranks != nullptr,
+                 "comm/nccl: group_create of group '" << kind << "' needs at least one rank, got size " << desc->size);
+    auto c = std::make_unique<Comm>();
+    c->world = &w;
+    c->kind = kind;
+    c->ranks.assign(desc->ranks, desc->ranks + desc->size);
+    c->global_rank = desc->my_rank;
+    const auto me = std::find(c->ranks.begin(), c->ranks.end(), desc->my_rank);
+    LOOM_REQUIRE(me != c->ranks.end(), "comm/nccl: rank " << desc->my_rank << " creates group '" << kind
+                                                          << "' but is not one of its members");
+    c->index = static_cast<int32_t>(me - c->ranks.begin());
+    const auto local = std::find(w.local_ranks.begin(), w.local_ranks.end(), desc->my_rank);
+    LOOM_REQUIRE(local != w.local_ranks.end(), "comm/nccl: rank " << desc->my_rank << " is not hosted by this process");
+    // The GPU of the rank: as device/cuda picks it (local rank modulo the GPU count).
+    c->gpu = static_cast<int>(local - w.local_ranks.begin()) % w.device_count;
+    if (w.aborted.load()) fail_aborted(*c, "group_create");
+
+    std::string key = kind;
+    for (int32_t r : c->ranks) key += "," + std::to_string(r);
+    const ncclUniqueId id = rendezvous(w, *c, key, static_cast<int>(c->ranks.size()), c->index);
+
+    GpuScope gpu(*c, "group_create");
+    LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
+    LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    std::string name = "loom:" + kind;
+    config.commName = name.c_str();
+    const ncclResult_t r =
+        ncclCommInitRankConfig(&c->nccl, static_cast<int>(c->ranks.size()), id, c->index, &config);
+    if (c->nccl == nullptr) {
+      cudaEventDestroy(c->ready);
+      cudaEventDestroy(c->done);
+      cudaStreamDestroy(c->stream);
+      throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig failed: " +
+                      ncclGetErrorString(r),
+                  LOOM_CODE_INTERNAL);
+    }
+    // Channels for point to point (groups named in the option p2p_groups): every
+    // ordered pair of members, each a 2-rank communicator. All inits are issued
+    // before any is waited for, so members may create them in any order.
+    std::vector<std::pair<Channel*, ncclResult_t>> channel_inits;
+    const int n = static_cast<int>(c->ranks.size());
+    const bool p2p = n > 1 && std::find(w.p2p_kinds.begin(), w.p2p_kinds.end(), kind) != w.p2p_kinds.end();
+    for (int src = 0; p2p && src < n; ++src)
+      for (int dst = 0; dst < n; ++dst) {
+        if (src == dst || (c->index != src && c->index != dst)) continue;
+        auto ch = std::make_unique<Channel>();
+        ch->sender = c->index == src;
+        const int slot = ch->sender ? 0 : 1;
+        const ncclUniqueId cid =
+            rendezvous(w, *c, key + ";p2p " + std::to_string(src) + ">" + std::to_string(dst), 2, slot);
+        LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
+        LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->ready, cudaEventDisableTiming));
+        LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->done, cudaEventDisableTiming));
+        ncclConfig_t cc = NCCL_CONFIG_INITIALIZER;
+        cc.blocking = 0;
+        const std::string cname = name + ":p2p";
+        cc.commName = cname.c_str();
+        const ncclResult_t cr = ncclCommInitRankConfig(&ch->nccl, 2, cid, slot, &cc);
+        if (ch->nccl == nullptr) {
+          destroy_channel(*ch);
+          throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig (p2p channel) failed: " +
+                          ncclGetErrorString(cr),
+                      LOOM_CODE_INTERNAL);
+        }
+        channel_inits.emplace_back(ch.get(), cr);
+        (ch->sender ? c->to : c->from)[ch->sender ? dst : src] = std::move(ch);
+      }
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.comms.push_back(c.get());  // from here on, abort reaches it
+    }
+    try {
+      wait_nccl(*c, "group_create", "ncclCommInitRankConfig", r);
+      for (auto& [ch, cr] : channel_inits)
+        wait_on(*c, ch->nccl, "group_create", "ncclCommInitRankConfig (p2p channel)", cr);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(w.mu);
+        w.comms.erase(std::find(w.comms.begin(), w.comms.end(), c.get()));
+      }
+      if (!c->aborted.exchange(true)) ncclCommAbort(c->nccl);
+      for (auto* chans : {&c->to, &c->from})
+        for (auto& [peer, ch] : *chans) {
+          if (!ch->aborted) ncclCommAbort(ch->nccl);
+          destroy_channel(*ch);
+        }
+      cudaEventDestroy(c->ready);
+      cudaEventDestroy(c->done);
+      cudaStreamDestroy(c->stream);
+      throw;
+    }
+    *out = reinterpret_cast<loom_comm*>(c.release());
+  });
+}
+
+void group_destroy(loom_comm* comm) {
+  (void)guard([&] {
+    if (comm == nullptr) return;
+    Comm* c = reinterpret_cast<Comm*>(comm);
+    World& w = *c->world;
+    {
+      std::lock_guard<std::mutex> lock(w.mu);  // the watchdog no longer looks at it
+      auto it = std::find(w.comms.begin(), w.comms.end(), c);
+      if (it != w.comms.end()) w.comms.erase(it);
+    }
+    int prev = -1;
+    cudaGetDevice(&prev);
+    cudaSetDevice(c->gpu);
+    if (!c->aborted.load() && c->nccl) {
+      // Flush (collective over the group), then free; a group whose other members
+      // are gone is aborted after the timeout instead.
+      try {
+        LOOM_NCCL(*c, "group_destroy", ncclCommFinalize(c->nccl));
+        LOOM_NCCL(*c, "group_destroy", ncclCommDestroy(c->nccl));
+        for (auto* chans : {&c->to, &c->from})
+          for (auto& [peer, ch] : *chans) {
+            LOOM_NCCL_ON(*c, ch->nccl, "group_destroy", ncclCommFinalize(ch->nccl));
+            LOOM_NCCL_ON(*c, ch->nccl, "group_destroy", ncclCommDestroy(ch->nccl));
+            ch->nccl = nullptr;
+          }
+      } catch (const Error& e) {
+        LOOM_LOG(WARNING) << e.what();
+        if (!c->aborted.exchange(true)) ncclCommAbort(c->nccl);
+        for (auto* chans : {&c->to, &c->from})
+          for (auto& [peer, ch] : *chans)
+            if (ch->nccl && !ch->aborted) {
+              ch->aborted = true;
+              ncclCommAbort(ch->nccl);
+            }
+      }
+    }
+    for (auto* chans : {&c->to, &c->from})
+      for (auto& [peer, ch] : *chans) destroy_channel(*ch);
+    cudaStreamSynchronize(c->stream);
+    cudaGetLastError();
+    for (InFlight& f : c->inflight) cudaEventDestroy(f.done);
+    for (cudaEvent_t e : c->spare) cudaEventDestroy(e);
+    if (c->staging) cudaFree(c->staging);
+    cudaEventDestroy(c->ready);
+    cudaEventDestroy(c->done);
+    cudaStreamDestroy(c->stream);
+    cudaGetLastError();
+    if (prev >= 0) cudaSetDevice(prev);
+    c->destroyed = true;
+    delete c;
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Collectives and point to point
+// ---------------------------------------------------------------------------
+
+size_t bytes_of(size_t count, int32_t dtype) { return count * Group::dtype_size(dtype); }
+
+loom_status all_reduce(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                       int32_t op) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "all_reduce");
+    const ncclRedOp_t o = nccl_op(op, "all_reduce");
+    if (count == 0) return;
+    Call call{"all_reduce", describe("all_reduce", count, dtype), send, bytes_of(count, dtype), recv,
+              bytes_of(count, dtype)};
+    run(c, stream, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "all_reduce", ncclAllReduce(s, r, count, t, o, c.nccl, c.stream));
+    });
+  });
+}
+
+loom_status all_gather(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "all_gather");
+    if (count == 0) return;
+    Call call{"all_gather", describe("all_gather", count, dtype), send, bytes_of(count, dtype), recv,
+              bytes_of(count * c.ranks.size(), dtype), false};
+    run(c, stream, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "all_gather", ncclAllGather(s, r, count, t, c.nccl, c.stream));
+    });
+  });
+}
+
+loom_status reduce_scatter(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                           int32_t op) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "reduce_scatter");
+    const ncclRedOp_t o = nccl_op(op, "reduce_scatter");
+    if (count == 0) return;
+    Call call{"reduce_scatter", describe("reduce_scatter", count, dtype), send,
+              bytes_of(count * c.ranks.size(), dtype), recv, bytes_of(count, dtype), false};
+    run(c, stream, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "reduce_scatter", ncclReduceScatter(s, r, count, t, o, c.nccl, c.stream));
+    });
+  });
+}
+
+// All-to-all as grouped send/recv pairs (block i to rank i, block j from rank j).
+loom_status all_to_all_v(loom_comm* comm, void* stream, const void* send, const size_t* send_counts,
+                         const size_t* send_displs, void* recv, const size_t* recv_counts, const size_t* recv_displs,
+                         int32_t dtype) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "all_to_all_v");
+    const size_t n = c.ranks.size(), es = Group::dtype_size(dtype);
+    LOOM_REQUIRE(send_counts && send_displs && recv_counts && recv_displs,
+                 "comm/nccl all_to_all_v: counts and displacements must not be NULL");
+    size_t send_end = 0, recv_end = 0;
+    for (size_t i = 0; i < n; ++i) {
+      send_end = std::max(send_end, send_displs[i] + send_counts[i]);
+      recv_end = std::max(recv_end, recv_displs[i] + recv_counts[i]);
+    }
+    Call call{"all_to_all_v", describe("all_to_all_v", send_end, dtype), send, send_end * es, recv, recv_end * es,
+              false};
+    run(c, stream, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "all_to_all_v", ncclGroupStart());
+      for (size_t i = 0; i < n; ++i) {
+        if (send_counts[i] > 0)
+          LOOM_NCCL(c, "all_to_all_v",
+                    ncclSend(static_cast<const char*>(s) + send_displs[i] * es, send_counts[i], t,
+                             static_cast<int>(i), c.nccl, c.stream));
+        if (recv_counts[i] > 0)
+          LOOM_NCCL(c, "all_to_all_v",
+                    ncclRecv(static_cast<char*>(r) + recv_displs[i] * es, recv_counts[i], t, static_cast<int>(i),
+                             c.nccl, c.stream));
+      }
+      LOOM_NCCL(c, "all_to_all_v", ncclGroupEnd());
+    });
+  });
+}
+
+loom_status all_to_all(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const size_t n = c.ranks.size();
+    std::vector<size_t> counts(n, count), displs(n);
+    for (size_t i = 0; i < n; ++i) displs[i] = i * count;
+    check(all_to_all_v(comm, stream, send, counts.data(), displs.data(), recv, counts.data(), displs.data(), dtype));
+  });
+}
+
+loom_status broadcast(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t root) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "broadcast");
+    LOOM_REQUIRE(root >= 0 && root < static_cast<int32_t>(c.ranks.size()),
+                 "comm/nccl broadcast: root " << root << " is outside the group of " << c.ranks.size());
+    if (count == 0) return;
+    Call call{"broadcast", describe("broadcast", count, dtype), buf, bytes_of(count, dtype), buf,
+              bytes_of(count, dtype)};
+    run(c, stream, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "broadcast", ncclBroadcast(s, r, count, t, root, c.nccl, c.stream));
+    });
+  });
+}
+
+// A one-element all-reduce, waited for on the host.
+loom_status barrier(loom_comm* comm) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    if (c.ranks.size() == 1) return;
+    float token = 0.0f;
+    Call call{"barrier", "barrier", &token, sizeof(float), &token, sizeof(float)};
+    run(c, nullptr, call, [&](const void* s, void* r) {
+      LOOM_NCCL(c, "barrier", ncclAllReduce(s, r, 1, ncclFloat32, ncclSum, c.nccl, c.stream));
+    });
+  });
+}
+
+// Point to point. On a group with channels (option p2p_groups, "pp" by default)
+// a send copies the buffer on the caller's stream into a staging buffer of the
+// channel to the peer and returns; the channel's stream sends it when the peer
+// receives, so the caller's stream never waits for the receiver (the ABI's "send
+// never blocks") and may reuse the buffer at once. A recv is ordered after the
+// caller's stream and before its later work. Messages between an ordered pair
+// are matched in the order they are sent; the tag is not used.
+// Without channels (other groups), NCCL's own semantics apply: the send blocks
+// the caller's stream until the peer receives.
+Channel* channel(Comm& c, bool to, int32_t peer) {
+  auto& m = to ? c.to : c.from;
+  const auto it = m.find(peer);
+  return it == m.end() ? nullptr : it->second.get();
+}
+
+void refuse_capture(Comm& c, const char* op, cudaStream_t caller) {
+  if (caller == nullptr) return;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  LOOM_NCCL_CUDA(&c, op, cudaStreamIsCapturing(caller, &st));
+  if (st != cudaStreamCaptureStatusNone)
+    throw Error(std::string("comm/nccl ") + op + " on " + c.where() +
+                    ": point to point inside a graph capture is not supported (channels stage their messages)",
+                LOOM_CODE_UNSUPPORTED);
+}
+
+// A staging buffer of at least `bytes` whose last send has completed.
+Channel::Stage& stage_for(Comm& c, Channel& ch, size_t bytes) {
+  for (Channel::Stage& st : ch.stages) {
+    if (st.bytes < bytes) continue;
+    const cudaError_t q = cudaEventQuery(st.sent);
+    if (q == cudaSuccess) return st;
+    if (q != cudaErrorNotReady) check_cuda(&c, "send", "cudaEventQuery", q);
+  }
+  Channel::Stage st;
+  st.bytes = std::max<size_t>(bytes, 256);
+  LOOM_NCCL_CUDA(&c, "send", cudaMalloc(&st.p, st.bytes));
+  LOOM_NCCL_CUDA(&c, "send", cudaEventCreateWithFlags(&st.sent, cudaEventDisableTiming));
+  ch.stages.push_back(st);
+  return ch.stages.back();
+}
+
+loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, int32_t dtype, int32_t peer,
+                 int32_t /*tag*/) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "send");
+    LOOM_REQUIRE(peer >= 0 && peer < static_cast<int32_t>(c.ranks.size()) && peer != c.index,
+                 "comm/nccl send: peer " << peer << " is not another rank of the group of " << c.ranks.size());
+    if (count == 0) return;
+    const std::string what = describe("send", count, dtype) + " to " + std::to_string(peer);
+    Channel* ch = channel(c, true, peer);
+    if (ch == nullptr) {
+      Call call{"send", what, buf, bytes_of(count, dtype), nullptr, 0};
+      run(c, stream, call,
+          [&](const void* s, void*) { LOOM_NCCL(c, "send", ncclSend(s, count, t, peer, c.nccl, c.stream)); });
+      return;
+    }
+    std::lock_guard<std::mutex> lock(c.call_mu);
+    check_alive(c, "send");
+    GpuScope gpu(c, "send");
+    const cudaStream_t caller = static_cast<cudaStream_t>(stream);
+    refuse_capture(c, "send", caller);
+    const size_t bytes = bytes_of(count, dtype);
+    Channel::Stage& st = stage_for(c, *ch, bytes);
+    if (is_host_memory(buf)) {
+      // Staged by CUDA before the call returns; ordered on the channel's stream.
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyHostToDevice, ch->stream));
+    } else if (caller != nullptr) {
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyDeviceToDevice, caller));
+      LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(ch->ready, caller));
+      LOOM_NCCL_CUDA(&c, "send", cudaStreamWaitEvent(ch->stream, ch->ready, 0));
+    } else {
+      LOOM_NCCL_CUDA(&c, "send", cudaDeviceSynchronize());
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyDeviceToDevice, ch->stream));
+    }
+    LOOM_NCCL_ON(c, ch->nccl, "send", ncclSend(st.p, count, t, 1, ch->nccl, ch->stream));
+    LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(st.sent, ch->stream));
+    track(c, "send", what, ch->stream);
+  });
+}
+
+loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer,
+                 int32_t /*tag*/) {
+  return guard([&] {
+    Comm& c = comm_of(comm);
+    const ncclDataType_t t = nccl_type(dtype, "recv");
+    LOOM_REQUIRE(peer >= 0 && peer < static_cast<int32_t>(c.ranks.size()) && peer != c.index,
+                 "comm/nccl recv: peer " << peer << " is not another rank of the group of " << c.ranks.size());
+    if (count == 0) return;
+    const std::string what = describe("recv", count, dtype) + " from " + std::to_string(peer);
+    Channel* ch = channel(c, false, peer);
+    if (ch == nullptr) {
+      Call call{"recv", what, nullptr, 0, buf, bytes_of(count, dtype)};
+      run(c, stream, call,
+          [&](const void*, void* r) { LOOM_NCCL(c, "recv", ncclRecv(r, count, t, peer, c.nccl, c.stream)); });
+      return;
+    }
+    std::lock_guard<std::mutex> lock(c.call_mu);
+    check_alive(c, "recv");
+    GpuScope gpu(c, "recv");
+    const cudaStream_t caller = static_cast<cudaStream_t>(stream);
+    refuse_capture(c, "recv", caller);
+    const size_t bytes = bytes_of(count, dtype);
+    const bool host = is_host_memory(buf);
+    void* target = buf;
+    if (host) {
+      if (c.staging_bytes < bytes) {
+        if (c.staging) {
+          LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
+          cudaFree(c.staging);
+          c.staging = nullptr;
+          c.staging_bytes = 0;
+        }
+        LOOM_NCCL_CUDA(&c, "recv", cudaMalloc(&c.staging, std::max<size_t>(bytes, 1 << 16)));
+        c.staging_bytes = std::max<size_t>(bytes, 1 << 16);
+      }
+      target = c.staging;
+    }
+    if (caller != nullptr) {
+      LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch->ready, caller));
+      LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(ch->stream, ch->ready, 0));
+    } else if (!host) {
+      LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
+    }
+    LOOM_NCCL_ON(c, ch->nccl, "recv", ncclRecv(target, count, t, 0, ch->nccl, ch->stream));
+    if (host) LOOM_NCCL_CUDA(&c, "recv", cudaMemcpyAsync(buf, target, bytes, cudaMemcpyDeviceToHost, ch->stream));
+    track(c, "recv", what, ch->stream);
+    LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch->done, ch->stream));
+    if (caller != nullptr) LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(caller, ch->done, 0));
+    if (caller == nullptr || host) host_wait(c, "recv", ch->done);
+  });
+}
+
+const loom_comm_api* comm_api() {
+  static const loom_comm_api api = [] {
+    loom_comm_api a = make<loom_comm_api>();
+    a.world_create = world_create;
+    a.world_destroy = world_destroy;
+    a.group_create = group_create;
+    a.group_destroy = group_destroy;
+    a.all_reduce = all_reduce;
+    a.all_gather = all_gather;
+    a.reduce_scatter = reduce_scatter;
+    a.all_to_all = all_to_all;
+    a.all_to_all_v = all_to_all_v;
+    a.broadcast = broadcast;
+    a.barrier = barrier;
+    a.send = send;
+    a.recv = recv;
+    a.world_abort = world_abort;
+    return a;
+  }();
+  return &api;
+}
+
+}  // namespace
+}  // namespace loom::comm_nccl
+
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin("comm", "nccl", "1.0.0",
+                                     "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process); "
+                                     "stream-ordered, with a watchdog that aborts a hung collective",
+                                     LOOM_API_COMM, loom::comm_nccl::comm_api(),
+                                     {loom::opt_string("p2p_groups", "pp",
+                                                       "comma-separated group kinds whose send/recv get one channel "
+                                                       "per ordered pair of ranks (a send never waits for the "
+                                                       "receiver); other groups use NCCL's blocking send/recv")}))

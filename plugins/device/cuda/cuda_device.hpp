@@ -1,0 +1,255 @@
+// device/cuda: internal header shared by the plugin's host translation units
+// (nothing here crosses the ABI; plugin.cpp builds the C tables).
+//
+// Errors: every CUDA and cuBLAS call goes through LOOM_CUDA / LOOM_CUBLAS, which
+// throw a loom::Error naming the call, the op and the rank ("device/cuda rank 3
+// (GPU 1) attention_fwd: cublasGemmStridedBatchedEx failed: ..."); loom::guard turns
+// it into a status at the ABI edge. Nothing aborts the process.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <loom/cpp/core.hpp>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels.hpp"
+
+namespace loom::cuda {
+
+struct Device;
+
+[[noreturn]] void throw_cuda(const Device* dev, const char* op, const char* call, cudaError_t err);
+[[noreturn]] void throw_cublas(const Device* dev, const char* op, const char* call, cublasStatus_t st);
+
+#define LOOM_CUDA(dev, op, expr)                                                   \
+  do {                                                                             \
+    const cudaError_t loom_cuda_err_ = (expr);                                     \
+    if (loom_cuda_err_ != cudaSuccess) ::loom::cuda::throw_cuda(dev, op, #expr, loom_cuda_err_); \
+  } while (0)
+#define LOOM_CUBLAS(dev, op, expr)                                                       \
+  do {                                                                                   \
+    const cublasStatus_t loom_cublas_st_ = (expr);                                       \
+    if (loom_cublas_st_ != CUBLAS_STATUS_SUCCESS) ::loom::cuda::throw_cublas(dev, op, #expr, loom_cublas_st_); \
+  } while (0)
+
+// Makes the device's GPU current on the calling thread for the scope (ranks are
+// threads; a thread may also drive several devices), restoring the previous one.
+class GpuScope {
+ public:
+  GpuScope(const Device* dev, int ordinal, const char* op);
+  ~GpuScope();
+  GpuScope(const GpuScope&) = delete;
+  GpuScope& operator=(const GpuScope&) = delete;
+
+ private:
+  int previous_ = -1;
+  int ordinal_ = -1;
+};
+
+// Lets cudaMalloc/cudaFree run on a thread that is capturing a graph in
+// thread-local mode (they are not stream operations and are not recorded).
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_;
+};
+
+// ---------------------------------------------------------------------------
+// Caching allocator.
+//
+// Blocks come from cudaMalloc (sizes rounded to 512 B below 1 MiB, to 2 MiB
+// above) and are cached on free, never returned to CUDA until the device is
+// destroyed or an allocation fails (then every cached block of the general
+// pool is released and the allocation retried).
+//
+// Stream order: a block belongs to the stream it was allocated for (the device's
+// default stream for the ABI's alloc, the op's stream for an op's scratch). Its
+// free records an event on that stream; the block is handed out again at once to
+// the same stream (stream order makes that safe) and to another stream only once
+// the event has completed. Work on other streams that uses an ABI allocation must
+// be joined back to the default stream (stream_wait_event) before it is freed, as
+// with any stream-ordered allocator.
+//
+// Graphs: while a capture is in progress, allocations come from the graph pool,
+// one pool shared by all graphs of the device. Its blocks are never handed to
+// eager work (a replay may still write them) and are reused only by later
+// allocations during a capture on the same stream: graphs that share the pool
+// must be replayed in the order they were captured, on that stream (CUDA graph
+// pools have the same rule). When the last graph is destroyed and no capture is
+// running, the graph pool's free blocks rejoin the general pool.
+// ---------------------------------------------------------------------------
+class Allocator {
+ public:
+  struct Stats {
+    uint64_t current = 0, peak = 0, reserved = 0, num_allocs = 0;
+  };
+
+  explicit Allocator(Device* dev) : dev_(dev) {}
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  void set_caching(bool on) { caching_ = on; }
+  // `count` = true for the ABI's alloc (num_allocs counts those only).
+  void* allocate(size_t bytes, cudaStream_t stream, bool graph_pool, bool count, const char* op);
+  // Returns false when ptr is not a live block of this allocator.
+  bool release(void* ptr);
+  Stats stats();
+  // Capture bookkeeping (see above).
+  void graph_created();
+  void graph_destroyed();
+  void capture_began();
+  void capture_ended();
+  // Frees every cached block (the device is idle; not during a capture).
+  void release_cached();
+  size_t live_count();
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    size_t size = 0;       // bytes held (rounded)
+    size_t requested = 0;  // bytes asked for (current_bytes counts these)
+    cudaStream_t stream = nullptr;
+    cudaEvent_t freed = nullptr;  // recorded on `stream` at free (general pool only)
+    bool graph = false;
+  };
+  static size_t round_size(size_t bytes);
+  bool take_cached(size_t rounded, cudaStream_t stream, bool graph_pool, Block* out);
+  void release_cached_locked();
+  cudaEvent_t event_locked();
+
+  Device* dev_;
+  bool caching_ = true;
+  std::mutex mu_;
+  std::unordered_map<void*, Block> live_;
+  std::multimap<size_t, Block> free_general_, free_graph_;
+  std::vector<cudaEvent_t> spare_events_;
+  int graphs_alive_ = 0;
+  int captures_ = 0;
+  Stats stats_;
+};
+
+// ---------------------------------------------------------------------------
+// Streams, events, graphs.
+// ---------------------------------------------------------------------------
+
+constexpr uint32_t kDeviceMagic = 0x4c435544;  // "LCUD"
+constexpr uint32_t kStreamMagic = 0x4c435354;
+constexpr uint32_t kEventMagic = 0x4c434556;
+constexpr uint32_t kGraphMagic = 0x4c434752;
+
+struct Stream {
+  uint32_t magic = kStreamMagic;
+  Device* dev = nullptr;
+  cudaStream_t s = nullptr;
+  bool capturing = false;
+  // cuBLAS workspace of this stream (cuBLAS must not allocate during a capture,
+  // and two streams must not share one workspace).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+struct Event {
+  uint32_t magic = kEventMagic;
+  Device* dev = nullptr;
+  cudaEvent_t e = nullptr;
+  bool in_capture = false;  // last recorded into a capture: it cannot be waited on from the host
+};
+
+struct Graph {
+  uint32_t magic = kGraphMagic;
+  Device* dev = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// The device instance of one rank.
+// ---------------------------------------------------------------------------
+struct Device {
+  uint32_t magic = kDeviceMagic;
+  int32_t global_rank = 0;
+  int32_t local_rank = 0;
+  int ordinal = 0;  // the GPU
+  std::string gpu_name;
+  bool verbose = false;
+  bool tf32 = false;  // fp32 GEMMs may use TF32 (manifest opt-in)
+  size_t workspace_bytes = 32u << 20;
+  Stream default_stream;
+  Stream* capturing = nullptr;  // the stream under capture (one per device)
+  std::vector<std::unique_ptr<Stream>> streams;  // created streams, for cleanup
+  std::mutex streams_mu;
+
+  cublasHandle_t cublas = nullptr;
+  std::mutex cublas_mu;  // the handle's stream/workspace are set per call
+
+  std::unique_ptr<Allocator> alloc;
+
+  Device() : alloc(std::make_unique<Allocator>(this)) {}
+
+  // "device/cuda rank 3 (GPU 1)"
+  std::string who() const;
+};
+
+// Scratch memory of an op: allocated for the op's stream, freed (stream-ordered)
+// when the op has enqueued its work.
+class Scratch {
+ public:
+  Scratch(Device& dev, Stream& st, size_t bytes, const char* op);
+  ~Scratch();
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  Device& dev_;
+  void* ptr_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Ops (args normalised; see ops.cpp). validate_* throw loom::Error; run_* enqueue.
+// ---------------------------------------------------------------------------
+void validate(const loom_gemm_args& a);
+void validate(const loom_layernorm_fwd_args& a);
+void validate(const loom_layernorm_bwd_args& a);
+void validate_gelu(const loom_gelu_args& a, bool backward);
+void validate_attention(const loom_attention_args& a, bool backward);
+void validate(const loom_xent_args& a);
+void validate_embedding(const loom_embedding_args& a, bool backward);
+void validate(const loom_elementwise_args& a);
+void validate(const loom_reduce_args& a);
+void validate(const loom_adamw_args& a);
+
+void run_gemm(Device& d, Stream& s, const loom_gemm_args& a);
+void run_layernorm_fwd(Device& d, Stream& s, const loom_layernorm_fwd_args& a);
+void run_layernorm_bwd(Device& d, Stream& s, const loom_layernorm_bwd_args& a);
+void run_gelu_fwd(Device& d, Stream& s, const loom_gelu_args& a);
+void run_gelu_bwd(Device& d, Stream& s, const loom_gelu_args& a);
+void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& a);
+void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& a);
+void run_xent(Device& d, Stream& s, const loom_xent_args& a);
+void run_embedding_fwd(Device& d, Stream& s, const loom_embedding_args& a);
+void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a);
+void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a);
+void run_reduce(Device& d, Stream& s, const loom_reduce_args& a);
+void run_adamw(Device& d, Stream& s, const loom_adamw_args& a);
+
+const char* dtype_name(int32_t dtype);
+
+}  // namespace loom::cuda

@@ -1,0 +1,760 @@
+// device/cuda: the CUDA kernels of every op that is not a GEMM (see kernels.hpp).
+//
+// Conventions: 64-bit indices everywhere; grid-stride loops over a grid whose size
+// depends on the problem size only, so every reduction sums in a fixed order and
+// results are reproducible run to run (no float atomics except embedding_bwd's
+// scatter-add, whose order is the one nondeterministic sum). Sums that the CPU
+// reference takes in fp64 are taken in fp64 here too.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels.hpp"
+
+namespace loom::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535 * 8;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+int grid_for(int64_t n, int threads = kThreads) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  if (b > kMaxBlocks) b = kMaxBlocks;
+  return static_cast<int>(b);
+}
+
+// ---- storage types: fp32 as float, bf16 as its 16 bits -----------------------
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+// Round to nearest even; NaN stays a quiet NaN (the same bits as device/cpu).
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+__device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+#define LOOM_DISPATCH(dt, T, ...)  \
+  do {                             \
+    if ((dt) == Dt::F32) {         \
+      using T = float;             \
+      __VA_ARGS__;                 \
+    } else {                       \
+      using T = uint16_t;          \
+      __VA_ARGS__;                 \
+    }                              \
+  } while (0)
+
+// ---- block reductions ----------------------------------------------------------
+
+struct SumOp {
+  template <typename V>
+  __device__ V operator()(V a, V b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+// The larger, NaN winning (an overflow check must see it).
+struct NanMaxOp {
+  __device__ double operator()(double a, double b) const { return ((b > a || b != b) && a == a) ? b : a; }
+};
+
+template <typename V, typename Op>
+__device__ V warp_reduce(V v, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Every thread of the block gets the reduction of `v` over the block. `sh` holds
+// 32 values; the leading barrier lets callers reuse it back to back.
+template <typename V, typename Op>
+__device__ V block_reduce(V v, V* sh, Op op, V identity) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_reduce(v, op);
+  __syncthreads();
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    V w = lane < warps ? sh[lane] : identity;
+    w = warp_reduce(w, op);
+    if (lane == 0) sh[0] = w;
+  }
+  __syncthreads();
+  return sh[0];
+}
+
+// ---- layernorm -------------------------------------------------------------------
+
+template <typename T>
+__global__ void layernorm_fwd_kernel(int64_t cols, const T* x, const T* gamma, const T* beta, T* y, float* mean_out,
+                                     float* rstd_out, float eps) {
+  __shared__ double sh[32];
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * cols;
+  T* yr = y + r * cols;
+  double s = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += static_cast<double>(ld(xr, c));
+  s = block_reduce(s, sh, SumOp{}, 0.0);
+  const float mean = static_cast<float>(s / static_cast<double>(cols));
+  double q = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float d = ld(xr, c) - mean;
+    q += static_cast<double>(d * d);
+  }
+  q = block_reduce(q, sh, SumOp{}, 0.0);
+  const float rstd = static_cast<float>(1.0 / sqrt(q / static_cast<double>(cols) + static_cast<double>(eps)));
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    float v = (ld(xr, c) - mean) * rstd;
+    if (gamma) v = v * ld(gamma, c);
+    if (beta) v = v + ld(beta, c);
+    st(yr, c, v);
+  }
+  if (threadIdx.x == 0) {
+    if (mean_out) mean_out[r] = mean;
+    if (rstd_out) rstd_out[r] = rstd;
+  }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma. Each thread
+// reads dy[c] and writes dx[c] for the same c after the block's sums: in place is fine.
+template <typename T>
+__global__ void layernorm_bwd_dx_kernel(int64_t cols, const T* dy, const T* x, const T* gamma, const float* mean,
+                                        const float* rstd, T* dx, int accumulate) {
+  __shared__ double sh[32];
+  const int64_t r = blockIdx.x;
+  const T* dyr = dy + r * cols;
+  const T* xr = x + r * cols;
+  T* dxr = dx + r * cols;
+  const float mu = mean[r], rs = rstd[r];
+  double sg = 0.0, sgx = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = gamma ? ld(dyr, c) * ld(gamma, c) : ld(dyr, c);
+    sg += static_cast<double>(g);
+    sgx += static_cast<double>(g * ((ld(xr, c) - mu) * rs));
+  }
+  sg = block_reduce(sg, sh, SumOp{}, 0.0);
+  sgx = block_reduce(sgx, sh, SumOp{}, 0.0);
+  const float mg = static_cast<float>(sg / static_cast<double>(cols));
+  const float mgx = static_cast<float>(sgx / static_cast<double>(cols));
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = gamma ? ld(dyr, c) * ld(gamma, c) : ld(dyr, c);
+    const float v = rs * (g - mg - (ld(xr, c) - mu) * rs * mgx);
+    st(dxr, c, accumulate ? ld(dxr, c) + v : v);
+  }
+}
+
+// Partial sums of dgamma (dy * xhat) and dbeta (dy) over a chunk of rows, one
+// thread per column (coalesced across the row).
+template <typename T>
+__global__ void layernorm_params_partial_kernel(int64_t rows, int64_t cols, int64_t chunks, const T* dy, const T* x,
+                                                const float* mean, const float* rstd, double* partial) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (c >= cols) return;
+  const int64_t per = (rows + chunks - 1) / chunks;
+  const int64_t r0 = chunk * per, r1 = r0 + per < rows ? r0 + per : rows;
+  double ag = 0.0, ab = 0.0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float d = ld(dy, r * cols + c);
+    ag += static_cast<double>(d * ((ld(x, r * cols + c) - mean[r]) * rstd[r]));
+    ab += static_cast<double>(d);
+  }
+  partial[chunk * cols + c] = ag;
+  partial[(chunks + chunk) * cols + c] = ab;
+}
+
+template <typename T>
+__global__ void layernorm_params_finish_kernel(int64_t cols, int64_t chunks, const double* partial, T* dgamma,
+                                               T* dbeta) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  double ag = 0.0, ab = 0.0;
+  for (int64_t k = 0; k < chunks; ++k) {
+    ag += partial[k * cols + c];
+    ab += partial[(chunks + k) * cols + c];
+  }
+  if (dgamma) st(dgamma, c, ld(dgamma, c) + static_cast<float>(ag));
+  if (dbeta) st(dbeta, c, ld(dbeta, c) + static_cast<float>(ab));
+}
+
+// ---- GeLU (tanh approximation) ------------------------------------------------------
+
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
+constexpr float kGeluA = 0.044715f;
+
+template <typename T>
+__global__ void gelu_kernel(int64_t n, bool backward, const T* x, const T* dy, T* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = ld(x, i);
+    const float t = tanhf(kGeluC * (v + kGeluA * v * v * v));
+    if (!backward) {
+      st(out, i, 0.5f * v * (1.0f + t));
+    } else {
+      const float du = kGeluC * (1.0f + 3.0f * kGeluA * v * v);
+      st(out, i, ld(dy, i) * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
+    }
+  }
+}
+
+// ---- attention pieces -----------------------------------------------------------------
+
+__global__ void softmax_fwd_kernel(int64_t seq, bool causal, float* scores, uint16_t* pb, float* lse) {
+  __shared__ float shf[32];
+  const int64_t r = blockIdx.x, i = r % seq;
+  const int64_t valid = causal ? i + 1 : seq;
+  float* row = scores + r * seq;
+  float m = kNegInf;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, row[j]);
+  m = block_reduce(m, shf, MaxOp{}, kNegInf);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) {
+    const float e = expf(row[j] - m);
+    row[j] = e;
+    sum += e;
+  }
+  sum = block_reduce(sum, shf, SumOp{}, 0.0f);
+  const float inv = 1.0f / sum;
+  for (int64_t j = threadIdx.x; j < seq; j += blockDim.x) {
+    const float p = j < valid ? row[j] * inv : 0.0f;
+    row[j] = p;
+    if (pb) pb[r * seq + j] = f32_to_bf16(p);
+  }
+  if (threadIdx.x == 0 && lse) lse[r] = m + logf(sum);
+}
+
+__global__ void softmax_p_kernel(int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb, const float* lse) {
+  const int64_t total = rows * seq;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / seq, j = idx % seq, i = r % seq;
+    const bool inside = !causal || j <= i;
+    const float p = inside ? expf(scores[idx] - lse[r]) : 0.0f;
+    scores[idx] = p;
+    if (pb) pb[idx] = f32_to_bf16(p);
+  }
+}
+
+// One warp per row r = h * seq + i.
+template <typename T>
+__global__ void rowdot_kernel(int64_t heads, int64_t seq, int64_t head_dim, int64_t stride_s, const T* out,
+                              const T* dout, float* dvec) {
+  const int64_t warps_per_block = blockDim.x / 32;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (r >= heads * seq) return;
+  const int64_t h = r / seq, i = r % seq;
+  const int64_t base = i * stride_s + h * head_dim;
+  float s = 0.0f;
+  for (int64_t d = lane; d < head_dim; d += 32) s += ld(out, base + d) * ld(dout, base + d);
+  s = warp_reduce(s, SumOp{});
+  if (lane == 0) dvec[r] = s;
+}
+
+__global__ void dsoftmax_kernel(int64_t rows, int64_t seq, const float* p, float* dp, const float* dvec,
+                                uint16_t* dsb) {
+  const int64_t total = rows * seq;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = p[idx] * (dp[idx] - dvec[idx / seq]);
+    dp[idx] = v;
+    if (dsb) dsb[idx] = f32_to_bf16(v);
+  }
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------
+
+constexpr int kXentRowMax = 0, kXentSumexp = 1, kXentLoss = 2;  // else BACKWARD
+
+template <typename T>
+__global__ void xent_row_kernel(int step, int64_t cols, int64_t ld_, int64_t valid, int64_t vocab_start, const T* logits,
+                                const int32_t* targets, float* row_max, float* row_sumexp, float* target_logit,
+                                T* dlogits, float scale) {
+  __shared__ float shf[32];
+  __shared__ double shd[32];
+  const int64_t r = blockIdx.x;
+  const T* l = logits + r * ld_;
+  if (step == kXentRowMax) {
+    float m = kNegInf;
+    for (int64_t c = threadIdx.x; c < valid; c += blockDim.x) m = fmaxf(m, ld(l, c));
+    m = block_reduce(m, shf, MaxOp{}, kNegInf);
+    if (threadIdx.x == 0) row_max[r] = m;
+  } else if (step == kXentSumexp) {
+    const float m = row_max[r];
+    double s = 0.0;
+    if (m != kNegInf)  // no real column in any slice: nothing to add
+      for (int64_t c = threadIdx.x; c < valid; c += blockDim.x) s += static_cast<double>(expf(ld(l, c) - m));
+    s = block_reduce(s, shd, SumOp{}, 0.0);
+    if (threadIdx.x == 0) {
+      row_sumexp[r] = static_cast<float>(s);
+      if (target_logit) {
+        const int64_t t = targets[r], c = t - vocab_start;
+        target_logit[r] = (t >= 0 && c >= 0 && c < valid) ? ld(l, c) : 0.0f;
+      }
+    }
+  } else {  // backward
+    T* g = dlogits + r * ld_;
+    const int64_t t = targets[r];
+    if (t < 0) {
+      for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) st(g, c, 0.0f);
+      return;
+    }
+    const float m = row_max[r];
+    const float k = scale / row_sumexp[r];
+    const int64_t tc = t - vocab_start;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      float v = c < valid ? k * expf(ld(l, c) - m) : 0.0f;
+      if (c == tc && c < valid) v -= scale;
+      st(g, c, v);
+    }
+  }
+}
+
+__global__ void xent_loss_kernel(int64_t rows, const int32_t* targets, const float* row_max, const float* row_sumexp,
+                                 const float* target_logit, float* loss) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    loss[r] = targets[r] < 0 ? 0.0f
+                             : static_cast<float>(log(static_cast<double>(row_sumexp[r])) +
+                                                  static_cast<double>(row_max[r]) -
+                                                  static_cast<double>(target_logit[r]));
+}
+
+// ---- embedding ------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void embedding_fwd_kernel(int64_t dim, int64_t vocab_rows, int64_t vocab_start, const int32_t* ids,
+                                     const T* table, T* out, int accumulate) {
+  const int64_t i = blockIdx.x;
+  const int64_t row = static_cast<int64_t>(ids[i]) - vocab_start;
+  const bool inside = row >= 0 && row < vocab_rows;
+  T* o = out + i * dim;
+  if (!inside && accumulate) return;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    const float v = inside ? ld(table, row * dim + c) : 0.0f;
+    st(o, c, accumulate ? ld(o, c) + v : v);
+  }
+}
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+// bf16 += fp32 by compare-and-swap of the 16-bit word, rounding each sum to nearest even.
+__device__ __forceinline__ void atomic_add(uint16_t* p, float v) {
+  unsigned short* a = reinterpret_cast<unsigned short*>(p);
+  unsigned short old = *a, assumed;
+  do {
+    assumed = old;
+    const unsigned short next = f32_to_bf16(bf16_to_f32(assumed) + v);
+    old = atomicCAS(a, assumed, next);
+  } while (old != assumed);
+}
+
+template <typename T>
+__global__ void embedding_bwd_kernel(int64_t dim, int64_t vocab_rows, int64_t vocab_start, const int32_t* ids,
+                                     const T* dout, T* dtable) {
+  const int64_t i = blockIdx.x;
+  const int64_t row = static_cast<int64_t>(ids[i]) - vocab_start;
+  if (row < 0 || row >= vocab_rows) return;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) atomic_add(dtable + row * dim + c, ld(dout, i * dim + c));
+}
+
+// ---- element-wise ----------------------------------------------------------------------------
+
+constexpr int kEwAxpby = 0, kEwAdd = 1, kEwMul = 2, kEwScale = 3, kEwFill = 4, kEwAddBias = 6, kEwDropout = 7,
+              kEwDropoutBwd = 8, kEwMulCols = 9;
+
+// murmur3's finaliser, as device/cpu's dropout stream (a pure function of seed and index).
+__device__ __forceinline__ uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+template <typename T>
+__global__ void elementwise_kernel(EwParams p) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    switch (p.op) {
+      case kEwAxpby:
+        st(y, i, p.beta == 0.0f ? p.alpha * ld(x, i) : p.alpha * ld(x, i) + p.beta * ld(y, i));
+        break;
+      case kEwAdd:
+        st(out, i, ld(x, i) + ld(y, i));
+        break;
+      case kEwMul:
+        st(out, i, ld(x, i) * ld(y, i));
+        break;
+      case kEwScale:
+        st(out, i, p.alpha * ld(x, i));
+        break;
+      case kEwFill:
+        st(out, i, p.alpha);
+        break;
+      case kEwAddBias:
+        st(out, i, ld(x, i) + ld(y, i % p.cols));
+        break;
+      case kEwMulCols:
+        st(out, i, ld(x, i) * ld(y, i % p.cols));
+        break;
+      case kEwDropout: {
+        const uint64_t index = p.offset + static_cast<uint64_t>(i);
+        const uint32_t lo = static_cast<uint32_t>(index), hi = static_cast<uint32_t>(index >> 32);
+        const uint32_t bits = fmix32(fmix32(lo ^ p.key0) ^ (hi ^ p.key1)) >> 8;
+        const bool keep = bits >= p.threshold;
+        static_cast<uint8_t*>(p.y)[i] = keep ? 1 : 0;
+        st(out, i, keep ? ld(x, i) * p.keep_scale : 0.0f);
+        break;
+      }
+      case kEwDropoutBwd:
+        st(out, i, static_cast<const uint8_t*>(p.y)[i] ? ld(x, i) * p.keep_scale : 0.0f);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+template <typename From, typename To>
+__global__ void cast_kernel(int64_t n, const From* x, To* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    st(out, i, ld(x, i));
+}
+
+// ---- reductions -----------------------------------------------------------------------------------
+
+constexpr int kRedSum = 0, kRedSumSquares = 1, kRedMaxAbs = 2;
+
+template <typename T>
+__global__ void reduce_partial_kernel(int op, int64_t n, const T* x, double* partial) {
+  __shared__ double sh[32];
+  double acc = 0.0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const double v = static_cast<double>(ld(x, i));
+    if (op == kRedSum) acc += v;
+    else if (op == kRedSumSquares) acc += v * v;
+    else acc = NanMaxOp{}(acc, fabs(v));
+  }
+  acc = op == kRedMaxAbs ? block_reduce(acc, sh, NanMaxOp{}, 0.0) : block_reduce(acc, sh, SumOp{}, 0.0);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+__global__ void reduce_finish_kernel(int op, int64_t blocks, const double* partial, float* out, int accumulate) {
+  __shared__ double sh[32];
+  double acc = 0.0;
+  for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x)
+    acc = op == kRedMaxAbs ? NanMaxOp{}(acc, partial[b]) : acc + partial[b];
+  acc = op == kRedMaxAbs ? block_reduce(acc, sh, NanMaxOp{}, 0.0) : block_reduce(acc, sh, SumOp{}, 0.0);
+  if (threadIdx.x != 0) return;
+  if (op == kRedMaxAbs) {
+    const float r = static_cast<float>(acc);
+    out[0] = accumulate ? ((r > out[0] || r != r) ? r : out[0]) : r;
+  } else {
+    out[0] = accumulate ? static_cast<float>(static_cast<double>(out[0]) + acc) : static_cast<float>(acc);
+  }
+}
+
+template <typename T>
+__global__ void column_partial_kernel(int64_t rows, int64_t cols, int64_t ld_, int64_t chunks, const T* x,
+                                      double* partial) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (c >= cols) return;
+  const int64_t per = (rows + chunks - 1) / chunks;
+  const int64_t r0 = chunk * per, r1 = r0 + per < rows ? r0 + per : rows;
+  double s = 0.0;
+  for (int64_t r = r0; r < r1; ++r) s += static_cast<double>(ld(x, r * ld_ + c));
+  partial[chunk * cols + c] = s;
+}
+
+__global__ void column_finish_kernel(int64_t cols, int64_t chunks, const double* partial, float* out, int accumulate) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  double s = 0.0;
+  for (int64_t k = 0; k < chunks; ++k) s += partial[k * cols + c];
+  out[c] = accumulate ? static_cast<float>(static_cast<double>(out[c]) + s) : static_cast<float>(s);
+}
+
+// The first index of the row maximum, as a left-to-right scan with `>` finds it:
+// NaN never wins, except that a NaN in column 0 is never replaced.
+template <typename T>
+__global__ void row_argmax_kernel(int64_t cols, int64_t ld_, const T* x, int32_t* out) {
+  __shared__ float sv[32];
+  __shared__ int64_t si[32];
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * ld_;
+  float bv = kNegInf;
+  int64_t bi = INT64_MAX;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = ld(xr, c);
+    if (v == v && (v > bv || (v == bv && c < bi))) {
+      bv = v;
+      bi = c;
+    }
+  }
+  // Warp then block: larger value wins, ties go to the smaller index.
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int64_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi != INT64_MAX && (bi == INT64_MAX || ov > bv || (ov == bv && oi < bi))) {
+      bv = ov;
+      bi = oi;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < warps; ++w)
+      if (si[w] != INT64_MAX && (bi == INT64_MAX || sv[w] > bv || (sv[w] == bv && si[w] < bi))) {
+        bv = sv[w];
+        bi = si[w];
+      }
+    const float x0 = ld(xr, 0);
+    out[r] = (x0 != x0 || bi == INT64_MAX) ? 0 : static_cast<int32_t>(bi);
+  }
+}
+
+// ---- AdamW ------------------------------------------------------------------------------------------
+
+template <typename G, typename C>
+__global__ void adamw_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float g = ld(grad, i) * p.grad_scale;
+    const float mi = p.beta1 * m[i] + (1.0f - p.beta1) * g;
+    const float vi = p.beta2 * v[i] + (1.0f - p.beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float mhat = mi / p.bias_correction1, vhat = vi / p.bias_correction2;
+    const float w = param[i];
+    const float nw = w - p.lr * (mhat / (sqrtf(vhat) + p.eps) + p.weight_decay * w);
+    param[i] = nw;
+    if (copy) st(copy, i, nw);
+  }
+}
+
+template <typename T>
+__global__ void scale_matrix_kernel(int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch, float beta,
+                                    T* c) {
+  const int64_t total = batch * m * n;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = idx / (m * n), rem = idx % (m * n), i = rem / n, j = rem % n;
+    const int64_t at = b * stride_c + i * ldc + j;
+    st(c, at, beta == 0.0f ? 0.0f : beta * ld(c, at));
+  }
+}
+
+// Threads for one block per row of `cols` elements.
+int row_threads(int64_t cols) { return cols >= 1024 ? 512 : cols >= 256 ? 256 : 128; }
+
+}  // namespace
+
+int64_t column_chunks(int64_t rows) {
+  int64_t c = (rows + 63) / 64;
+  if (c < 1) c = 1;
+  if (c > 256) c = 256;
+  return c;
+}
+
+int64_t reduce_blocks(int64_t n) {
+  int64_t b = (n + 4095) / 4096;
+  if (b < 1) b = 1;
+  if (b > 1024) b = 1024;
+  return b;
+}
+
+cudaError_t k_layernorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* x, const void* gamma,
+                            const void* beta, void* y, float* mean, float* rstd, float eps) {
+  if (rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                layernorm_fwd_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    cols, static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta),
+                    static_cast<T*>(y), mean, rstd, eps));
+  return cudaGetLastError();
+}
+
+cudaError_t k_layernorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                               const void* gamma, const float* mean, const float* rstd, void* dx, int accumulate) {
+  if (rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                layernorm_bwd_dx_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    cols, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma), mean,
+                    rstd, static_cast<T*>(dx), accumulate));
+  return cudaGetLastError();
+}
+
+cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                                   const float* mean, const float* rstd, double* partial, int64_t chunks,
+                                   void* dgamma, void* dbeta) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
+  LOOM_DISPATCH(dt, T, {
+    layernorm_params_partial_kernel<T><<<grid, kThreads, 0, s>>>(rows, cols, chunks, static_cast<const T*>(dy),
+                                                                 static_cast<const T*>(x), mean, rstd, partial);
+    layernorm_params_finish_kernel<T><<<grid.x, kThreads, 0, s>>>(cols, chunks, partial, static_cast<T*>(dgamma),
+                                                                  static_cast<T*>(dbeta));
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out) {
+  if (n == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                gelu_kernel<T><<<grid_for(n), kThreads, 0, s>>>(n, backward, static_cast<const T*>(x),
+                                                                static_cast<const T*>(dy), static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
+                          float* lse) {
+  if (rows == 0) return cudaSuccess;
+  softmax_fwd_kernel<<<static_cast<unsigned>(rows), row_threads(seq), 0, s>>>(seq, causal, scores, pb, lse);
+  return cudaGetLastError();
+}
+
+cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
+                        const float* lse) {
+  if (rows == 0) return cudaSuccess;
+  softmax_p_kernel<<<grid_for(rows * seq), kThreads, 0, s>>>(rows, seq, causal, scores, pb, lse);
+  return cudaGetLastError();
+}
+
+cudaError_t k_rowdot(cudaStream_t s, Dt dt, int64_t heads, int64_t seq, int64_t head_dim, int64_t stride_s,
+                     const void* out, const void* dout, float* dvec) {
+  const int64_t rows = heads * seq;
+  if (rows == 0) return cudaSuccess;
+  const int64_t per_block = kThreads / 32;
+  const unsigned blocks = static_cast<unsigned>((rows + per_block - 1) / per_block);
+  LOOM_DISPATCH(dt, T,
+                rowdot_kernel<T><<<blocks, kThreads, 0, s>>>(heads, seq, head_dim, stride_s,
+                                                             static_cast<const T*>(out), static_cast<const T*>(dout),
+                                                             dvec));
+  return cudaGetLastError();
+}
+
+cudaError_t k_dsoftmax(cudaStream_t s, int64_t rows, int64_t seq, const float* p, float* dp, const float* dvec,
+                       uint16_t* dsb) {
+  if (rows == 0) return cudaSuccess;
+  dsoftmax_kernel<<<grid_for(rows * seq), kThreads, 0, s>>>(rows, seq, p, dp, dvec, dsb);
+  return cudaGetLastError();
+}
+
+cudaError_t k_xent(cudaStream_t s, Dt dt, int step, int64_t rows, int64_t cols, int64_t ld_, int64_t valid,
+                   int64_t vocab_start, const void* logits, const int32_t* targets, float* row_max, float* row_sumexp,
+                   float* target_logit, float* loss, void* dlogits, float scale) {
+  if (rows == 0) return cudaSuccess;
+  if (step == kXentLoss) {
+    xent_loss_kernel<<<grid_for(rows), kThreads, 0, s>>>(rows, targets, row_max, row_sumexp, target_logit, loss);
+    return cudaGetLastError();
+  }
+  LOOM_DISPATCH(dt, T,
+                xent_row_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    step, cols, ld_, valid, vocab_start, static_cast<const T*>(logits), targets, row_max, row_sumexp,
+                    target_logit, static_cast<T*>(dlogits), scale));
+  return cudaGetLastError();
+}
+
+cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* table, void* out, int accumulate) {
+  if (n == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                embedding_fwd_kernel<T><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
+                    dim, vocab_rows, vocab_start, ids, static_cast<const T*>(table), static_cast<T*>(out),
+                    accumulate));
+  return cudaGetLastError();
+}
+
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* dout, void* dtable) {
+  if (n == 0 || vocab_rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                embedding_bwd_kernel<T><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
+                    dim, vocab_rows, vocab_start, ids, static_cast<const T*>(dout), static_cast<T*>(dtable)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_elementwise(cudaStream_t s, Dt dt, const EwParams& p) {
+  if (p.n == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T, elementwise_kernel<T><<<grid_for(p.n), kThreads, 0, s>>>(p));
+  return cudaGetLastError();
+}
+
+cudaError_t k_cast(cudaStream_t s, Dt from, Dt to, int64_t n, const void* x, void* out) {
+  if (n == 0) return cudaSuccess;
+  LOOM_DISPATCH(from, F, LOOM_DISPATCH(to, O,
+                                       cast_kernel<F, O><<<grid_for(n), kThreads, 0, s>>>(
+                                           n, static_cast<const F*>(x), static_cast<O*>(out))));
+  return cudaGetLastError();
+}
+
+cudaError_t k_reduce_scalar(cudaStream_t s, Dt dt, int op, int64_t n, const void* x, double* partial, float* out,
+                            int accumulate) {
+  const int64_t blocks = reduce_blocks(n);
+  if (n > 0) {
+    LOOM_DISPATCH(dt, T,
+                  reduce_partial_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+                      op, n, static_cast<const T*>(x), partial));
+  }
+  reduce_finish_kernel<<<1, 1024, 0, s>>>(op, n > 0 ? blocks : 0, partial, out, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t k_column_sum(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int64_t ld_, const void* x,
+                         double* partial, float* out, int accumulate) {
+  if (cols == 0) return cudaSuccess;
+  const int64_t chunks = column_chunks(rows);
+  const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
+  if (rows > 0) {
+    LOOM_DISPATCH(dt, T,
+                  column_partial_kernel<T><<<grid, kThreads, 0, s>>>(rows, cols, ld_, chunks,
+                                                                     static_cast<const T*>(x), partial));
+  }
+  column_finish_kernel<<<grid.x, kThreads, 0, s>>>(cols, rows > 0 ? chunks : 0, partial, out, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t k_row_argmax(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int64_t ld_, const void* x, int32_t* out) {
+  if (rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                row_argmax_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    cols, ld_, static_cast<const T*>(x), out));
+  return cudaGetLastError();
+}
+
+cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, Dt grad_dt, float* m, float* v,
+                    const AdamwParams& p, void* param_copy, Dt copy_dt) {
+  if (n == 0) return cudaSuccess;
+  LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
+                                          adamw_kernel<G, C><<<grid_for(n), kThreads, 0, s>>>(
+                                              n, param, static_cast<const G*>(grad), m, v, p,
+                                              static_cast<C*>(param_copy))));
+  return cudaGetLastError();
+}
+
+cudaError_t k_scale_matrix(cudaStream_t s, Dt dt, int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch,
+                           float beta, void* c) {
+  if (m == 0 || n == 0 || batch == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                scale_matrix_kernel<T><<<grid_for(batch * m * n), kThreads, 0, s>>>(m, n, ldc, stride_c, batch, beta,
+                                                                                   static_cast<T*>(c)));
+  return cudaGetLastError();
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,99 @@
+// device/cuda: the launchers of the CUDA kernels (kernels.cu). Plain C++
+// declarations so the host translation units (compiled by the host compiler with
+// the project's warnings) never include device code. Every launcher enqueues on
+// `stream` and returns cudaGetLastError() after its launches; the caller turns a
+// failure into a status naming the op and the rank.
+//
+// Float tensors are stored as fp32 or bf16 (`Dt`); every kernel computes in fp32
+// (sums in fp64 where the CPU reference does) and rounds to bf16 on store, to
+// nearest even, exactly as device/cpu's cast does.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace loom::cuda {
+
+enum class Dt : int { F32 = 0, BF16 = 1 };
+
+// Rows of partial column sums used by the deterministic two-pass column reductions.
+int64_t column_chunks(int64_t rows);
+// Blocks of the deterministic two-pass scalar reductions (depends on n only).
+int64_t reduce_blocks(int64_t n);
+
+cudaError_t k_layernorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* x, const void* gamma,
+                            const void* beta, void* y, float* mean, float* rstd, float eps);
+// dx (or +=) per row; in place over dy is fine.
+cudaError_t k_layernorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                               const void* gamma, const float* mean, const float* rstd, void* dx, int accumulate);
+// partial[2 * chunks * cols] (fp64): dgamma partials then dbeta partials; then
+// dgamma/dbeta (either may be null) += the sums over chunks, in chunk order.
+cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                                   const float* mean, const float* rstd, double* partial, int64_t chunks,
+                                   void* dgamma, void* dbeta);
+
+cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out);
+
+// Attention pieces over one batch element: `rows` = heads * seq rows of `seq`
+// scores each (row r = h * seq + i is query i of head h).
+//  softmax_fwd: p = softmax(scores) in place (masked j > i when causal, 0 there),
+//               lse[r] = max + log(sum); pb (optional) gets p in bf16.
+//  softmax_p:   p = exp(scores - lse[r]) in place (masked), pb optional.
+//  rowdot:      dvec[r] = sum_d out[i, h, d] * dout[i, h, d] (strided layout).
+//  dsoftmax:    dp = p * (dp - dvec[r]) in place; dsb (optional) gets it in bf16.
+cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
+                          float* lse);
+cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
+                        const float* lse);
+cudaError_t k_rowdot(cudaStream_t s, Dt dt, int64_t heads, int64_t seq, int64_t head_dim, int64_t stride_s,
+                     const void* out, const void* dout, float* dvec);
+cudaError_t k_dsoftmax(cudaStream_t s, int64_t rows, int64_t seq, const float* p, float* dp, const float* dvec,
+                       uint16_t* dsb);
+
+// One step of the cross-entropy (LOOM_XENT_*); see loom_xent_args.
+cudaError_t k_xent(cudaStream_t s, Dt dt, int step, int64_t rows, int64_t cols, int64_t ld, int64_t valid,
+                   int64_t vocab_start, const void* logits, const int32_t* targets, float* row_max,
+                   float* row_sumexp, float* target_logit, float* loss, void* dlogits, float scale);
+
+cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* table, void* out, int accumulate);
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* dout, void* dtable);
+
+struct EwParams {
+  int op;  // LOOM_EW_* except CAST
+  int64_t n, cols;
+  const void* x;
+  void* y;
+  void* out;
+  float alpha, beta;
+  float keep_scale;     // dropout: 1 / (1 - p), or 0 when p = 1
+  uint32_t threshold;   // dropout: drop when the 24 random bits are below it
+  uint32_t key0, key1;  // dropout: the halves of mix64(seed)
+  uint64_t offset;      // dropout: index of element 0 in the stream
+};
+cudaError_t k_elementwise(cudaStream_t s, Dt dt, const EwParams& p);
+cudaError_t k_cast(cudaStream_t s, Dt from, Dt to, int64_t n, const void* x, void* out);
+
+// SUM / SUM_SQUARES / MAX_ABS into out[0] (fp32), through partial[reduce_blocks(n)].
+cudaError_t k_reduce_scalar(cudaStream_t s, Dt dt, int op, int64_t n, const void* x, double* partial, float* out,
+                            int accumulate);
+// out[c] (+)= sum_r x[r * ld + c], through partial[column_chunks(rows) * cols].
+cudaError_t k_column_sum(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int64_t ld, const void* x,
+                         double* partial, float* out, int accumulate);
+cudaError_t k_row_argmax(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int64_t ld, const void* x, int32_t* out);
+
+struct AdamwParams {
+  float lr, beta1, beta2, eps, weight_decay, grad_scale;
+  float bias_correction1, bias_correction2;  // 1 - beta^step, computed in double on the host
+};
+cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, Dt grad_dt, float* m, float* v,
+                    const AdamwParams& p, void* param_copy, Dt copy_dt);
+
+// C = beta * C over a batch of m x n blocks (beta = 0 writes zeros whatever C held):
+// GEMMs with k = 0 or alpha = 0.
+cudaError_t k_scale_matrix(cudaStream_t s, Dt dt, int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch,
+                           float beta, void* c);
+
+}  // namespace loom::cuda

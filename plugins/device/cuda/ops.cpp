@@ -1,0 +1,576 @@
+// device/cuda: the op table. Validation mirrors device/cpu (same messages, same
+// codes), extended to bf16 storage; GEMMs go to cuBLAS, everything else to the
+// kernels in kernels.cu. Attention is batched GEMMs around a fused masked softmax:
+// per batch element, the H heads are one strided-batched GEMM each way, with the
+// scores [H, S, S] in fp32 scratch (causal rows are masked, not skipped).
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+
+#include "cuda_device.hpp"
+
+namespace loom::cuda {
+
+const char* dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case LOOM_DTYPE_F32:
+      return "f32";
+    case LOOM_DTYPE_BF16:
+      return "bf16";
+    case LOOM_DTYPE_F16:
+      return "f16";
+    case LOOM_DTYPE_I32:
+      return "i32";
+    case LOOM_DTYPE_I64:
+      return "i64";
+    case LOOM_DTYPE_U8:
+      return "u8";
+    case LOOM_DTYPE_F64:
+      return "f64";
+    default:
+      return "unknown";
+  }
+}
+
+namespace {
+
+// The storage type of a float tensor: f32 or bf16, anything else is UNSUPPORTED.
+Dt float_dt(const char* op, const char* what, int32_t dtype) {
+  if (dtype == LOOM_DTYPE_F32) return Dt::F32;
+  if (dtype == LOOM_DTYPE_BF16) return Dt::BF16;
+  std::ostringstream os;
+  os << op << ": " << what << " " << dtype_name(dtype) << " (" << dtype
+     << ") is not supported by device/cuda (f32 and bf16 storage, fp32 math)";
+  throw Error(os.str(), LOOM_CODE_UNSUPPORTED);
+}
+
+size_t dt_size(Dt dt) { return dt == Dt::F32 ? 4 : 2; }
+
+const char* at(const void* p, int64_t elements, Dt dt) {
+  return static_cast<const char*>(p) + elements * static_cast<int64_t>(dt_size(dt));
+}
+char* at(void* p, int64_t elements, Dt dt) { return static_cast<char*>(p) + elements * static_cast<int64_t>(dt_size(dt)); }
+
+cudaDataType_t cuda_type(Dt dt) { return dt == Dt::F32 ? CUDA_R_32F : CUDA_R_16BF; }
+
+void check_launch(Device& d, const char* op, const char* kernel, cudaError_t err) {
+  if (err != cudaSuccess) throw_cuda(&d, op, kernel, err);
+}
+
+// The stream's cuBLAS workspace, allocated on first use (outside the caching
+// allocator: it lives as long as the stream).
+void* workspace(Device& d, Stream& st, const char* op) {
+  if (st.workspace == nullptr && d.workspace_bytes > 0) {
+    RelaxedCaptureMode relaxed;
+    LOOM_CUDA(&d, op, cudaMalloc(&st.workspace, d.workspace_bytes));
+    st.workspace_bytes = d.workspace_bytes;
+  }
+  return st.workspace;
+}
+
+// Row-major C = alpha op(A) op(B) + beta C over a batch, as column-major
+// C^T = op(B)^T op(A)^T: cuBLAS gets (B, A) swapped and (n, m).
+void gemm_impl(Device& d, Stream& st, const char* op, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+               const void* a, int64_t lda, int64_t sa, const void* b, int64_t ldb, int64_t sb, float beta, void* c,
+               int64_t ldc, int64_t sc, int64_t batch, Dt ab, Dt cd) {
+  if (m <= 0 || n <= 0 || batch <= 0) return;
+  // C blocks of a batch that share elements (stride_c = 0: a sum over the batch)
+  // run one after the other, in order, as on device/cpu.
+  const bool stacked = sc >= (m - 1) * ldc + n;
+  const bool side_by_side = sc >= n && (batch - 1) * sc + n <= ldc;
+  if (batch > 1 && !stacked && !side_by_side) {
+    for (int64_t i = 0; i < batch; ++i)
+      gemm_impl(d, st, op, ta, tb, m, n, k, alpha, at(a, i * sa, ab), lda, 0, at(b, i * sb, ab), ldb, 0, beta,
+                at(c, i * sc, cd), ldc, 0, 1, ab, cd);
+    return;
+  }
+  if (k <= 0 || alpha == 0.0f) {  // C = beta C; beta = 0 ignores what C held (NaN included)
+    if (beta != 1.0f) check_launch(d, op, "scale_matrix kernel", k_scale_matrix(st.s, cd, m, n, ldc, sc, batch, beta, c));
+    return;
+  }
+  const cublasComputeType_t compute =
+      ab == Dt::F32 ? (d.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F) : CUBLAS_COMPUTE_32F;
+  std::lock_guard<std::mutex> lock(d.cublas_mu);
+  void* ws = workspace(d, st, op);
+  LOOM_CUBLAS(&d, op, cublasSetStream(d.cublas, st.s));
+  LOOM_CUBLAS(&d, op, cublasSetWorkspace(d.cublas, ws, st.workspace_bytes));
+  LOOM_CUBLAS(&d, op,
+              cublasGemmStridedBatchedEx(d.cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                         static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b,
+                                         cuda_type(ab), static_cast<int>(ldb), sb, a, cuda_type(ab),
+                                         static_cast<int>(lda), sa, &beta, c, cuda_type(cd), static_cast<int>(ldc), sc,
+                                         static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+constexpr int64_t kMax32 = INT_MAX;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// GEMM
+// ---------------------------------------------------------------------------
+
+void validate(const loom_gemm_args& g) {
+  const Dt ab = float_dt("gemm", "dtype", g.dtype);
+  (void)float_dt("gemm", "c_dtype", g.c_dtype);
+  (void)ab;
+  LOOM_REQUIRE((g.trans_a == 0 || g.trans_a == 1) && (g.trans_b == 0 || g.trans_b == 1),
+               "gemm: trans_a/trans_b must be 0 or 1 (got " << g.trans_a << ", " << g.trans_b << ")");
+  LOOM_REQUIRE(g.m >= 0 && g.n >= 0 && g.k >= 0 && g.batch >= 1,
+               "gemm: m, n, k must be >= 0 and batch >= 1 (got m=" << g.m << " n=" << g.n << " k=" << g.k
+                                                                   << " batch=" << g.batch << ")");
+  const int64_t a_cols = g.trans_a ? g.m : g.k, b_cols = g.trans_b ? g.k : g.n;
+  LOOM_REQUIRE(g.lda >= std::max<int64_t>(1, a_cols),
+               "gemm: lda=" << g.lda << " is smaller than the " << a_cols << " columns of the stored A");
+  LOOM_REQUIRE(g.ldb >= std::max<int64_t>(1, b_cols),
+               "gemm: ldb=" << g.ldb << " is smaller than the " << b_cols << " columns of the stored B");
+  LOOM_REQUIRE(g.ldc >= std::max<int64_t>(1, g.n), "gemm: ldc=" << g.ldc << " is smaller than n=" << g.n);
+  LOOM_REQUIRE(g.m <= kMax32 && g.n <= kMax32 && g.k <= kMax32 && g.lda <= kMax32 && g.ldb <= kMax32 &&
+                   g.ldc <= kMax32 && g.batch <= kMax32,
+               "gemm: dimensions, leading dimensions and batch must fit in 32 bits (cuBLAS interface)");
+  if (g.m > 0 && g.n > 0) {
+    LOOM_REQUIRE(g.c != nullptr, "gemm: c is NULL");
+    LOOM_REQUIRE(g.k == 0 || (g.a != nullptr && g.b != nullptr), "gemm: a or b is NULL");
+  }
+}
+
+void run_gemm(Device& d, Stream& s, const loom_gemm_args& g) {
+  gemm_impl(d, s, "gemm", g.trans_a != 0, g.trans_b != 0, g.m, g.n, g.k, g.alpha, g.a, g.lda, g.stride_a, g.b, g.ldb,
+            g.stride_b, g.beta, g.c, g.ldc, g.stride_c, g.batch, float_dt("gemm", "dtype", g.dtype),
+            float_dt("gemm", "c_dtype", g.c_dtype));
+}
+
+// ---------------------------------------------------------------------------
+// LayerNorm
+// ---------------------------------------------------------------------------
+
+void validate(const loom_layernorm_fwd_args& a) {
+  (void)float_dt("layernorm_fwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "layernorm_fwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.x && a.y), "layernorm_fwd: x and y must not be NULL");
+  LOOM_REQUIRE(a.eps >= 0.0f, "layernorm_fwd: eps must be >= 0 (got " << a.eps << ")");
+  LOOM_REQUIRE(a.rows <= kMax32, "layernorm_fwd: rows must fit in 32 bits (one CUDA block per row)");
+}
+
+void run_layernorm_fwd(Device& d, Stream& s, const loom_layernorm_fwd_args& a) {
+  check_launch(d, "layernorm_fwd", "layernorm_fwd kernel",
+               k_layernorm_fwd(s.s, float_dt("layernorm_fwd", "dtype", a.dtype), a.rows, a.cols, a.x, a.gamma, a.beta,
+                               a.y, a.mean, a.rstd, a.eps));
+}
+
+void validate(const loom_layernorm_bwd_args& a) {
+  (void)float_dt("layernorm_bwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "layernorm_bwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.dy && a.x && a.mean && a.rstd),
+               "layernorm_bwd: dy, x, mean and rstd must not be NULL");
+  LOOM_REQUIRE(a.rows <= kMax32, "layernorm_bwd: rows must fit in 32 bits (one CUDA block per row)");
+}
+
+void run_layernorm_bwd(Device& d, Stream& s, const loom_layernorm_bwd_args& a) {
+  const Dt dt = float_dt("layernorm_bwd", "dtype", a.dtype);
+  if (a.rows == 0) return;
+  // dgamma/dbeta first: dx may overwrite dy in place.
+  if (a.dgamma || a.dbeta) {
+    const int64_t chunks = column_chunks(a.rows);
+    Scratch partial(d, s, static_cast<size_t>(2 * chunks * a.cols) * sizeof(double), "layernorm_bwd");
+    check_launch(d, "layernorm_bwd", "layernorm_bwd params kernels",
+                 k_layernorm_bwd_params(s.s, dt, a.rows, a.cols, a.dy, a.x, a.mean, a.rstd, partial.get<double>(),
+                                        chunks, a.dgamma, a.dbeta));
+  }
+  if (a.dx == nullptr) return;
+  check_launch(d, "layernorm_bwd", "layernorm_bwd dx kernel",
+               k_layernorm_bwd_dx(s.s, dt, a.rows, a.cols, a.dy, a.x, a.gamma, a.mean, a.rstd, a.dx, a.accumulate_dx));
+}
+
+// ---------------------------------------------------------------------------
+// GeLU
+// ---------------------------------------------------------------------------
+
+void validate_gelu(const loom_gelu_args& a, bool backward) {
+  const char* op = backward ? "gelu_bwd" : "gelu_fwd";
+  (void)float_dt(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.n >= 0, op << ": n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.n == 0 || (a.x && a.out && (!backward || a.dy)),
+               op << ": x, out" << (backward ? " and dy" : "") << " must not be NULL");
+}
+
+void run_gelu_fwd(Device& d, Stream& s, const loom_gelu_args& a) {
+  check_launch(d, "gelu_fwd", "gelu kernel",
+               k_gelu(s.s, float_dt("gelu_fwd", "dtype", a.dtype), false, a.n, a.x, nullptr, a.out));
+}
+
+void run_gelu_bwd(Device& d, Stream& s, const loom_gelu_args& a) {
+  check_launch(d, "gelu_bwd", "gelu kernel",
+               k_gelu(s.s, float_dt("gelu_bwd", "dtype", a.dtype), true, a.n, a.x, a.dy, a.out));
+}
+
+// ---------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------
+
+void validate_attention(const loom_attention_args& a, bool backward) {
+  const char* op = backward ? "attention_bwd" : "attention_fwd";
+  (void)float_dt(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.batch >= 0 && a.seq >= 0 && a.heads >= 0 && a.head_dim >= 0,
+               op << ": batch, seq, heads, head_dim must be >= 0");
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const int64_t width = a.heads * a.head_dim;
+  LOOM_REQUIRE(a.qkv_stride_s >= width && a.out_stride_s >= width, op << ": qkv_stride_s (" << a.qkv_stride_s
+                                                                      << ") and out_stride_s (" << a.out_stride_s
+                                                                      << ") must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.batch == 1 || (a.qkv_stride_b >= width && a.out_stride_b >= width),
+               op << ": qkv_stride_b and out_stride_b must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.qkv_stride_s <= kMax32 && a.out_stride_s <= kMax32 && a.seq <= kMax32 &&
+                   a.heads * a.seq <= kMax32,
+               op << ": strides and heads*seq must fit in 32 bits (cuBLAS interface)");
+  LOOM_REQUIRE(a.q && a.k && a.v && a.out, op << ": q, k, v and out must not be NULL");
+  if (backward)
+    LOOM_REQUIRE(a.lse && a.dout && a.dq && a.dk && a.dv, op << ": lse, dout, dq, dk and dv must not be NULL");
+}
+
+void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& a) {
+  const char* op = "attention_fwd";
+  const Dt dt = float_dt(op, "dtype", a.dtype);
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const int64_t S = a.seq, H = a.heads, D = a.head_dim, ss = a.qkv_stride_s, os = a.out_stride_s;
+  const bool bf16 = dt == Dt::BF16;
+  Scratch scores(d, s, static_cast<size_t>(H * S * S) * sizeof(float), op);
+  Scratch pb(d, s, bf16 ? static_cast<size_t>(H * S * S) * 2 : 0, op);
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const char* q = at(a.q, b * a.qkv_stride_b, dt);
+    const char* k = at(a.k, b * a.qkv_stride_b, dt);
+    const char* v = at(a.v, b * a.qkv_stride_b, dt);
+    char* o = at(a.out, b * a.out_stride_b, dt);
+    // scores[h] = scale Q_h K_h^T (fp32)
+    gemm_impl(d, s, op, false, true, S, S, D, a.scale, q, ss, D, k, ss, D, 0.0f, scores.get(), S, S * S, H, dt,
+              Dt::F32);
+    check_launch(d, op, "softmax kernel",
+                 k_softmax_fwd(s.s, H * S, S, a.causal != 0, scores.get<float>(), bf16 ? pb.get<uint16_t>() : nullptr,
+                               a.lse ? a.lse + b * H * S : nullptr));
+    // O_h = P_h V_h
+    gemm_impl(d, s, op, false, false, S, D, S, 1.0f, bf16 ? pb.get() : scores.get(), S, S * S, v, ss, D, 0.0f, o, os,
+              D, H, dt, dt);
+  }
+}
+
+void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& a) {
+  const char* op = "attention_bwd";
+  const Dt dt = float_dt(op, "dtype", a.dtype);
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  const int64_t S = a.seq, H = a.heads, D = a.head_dim, ss = a.qkv_stride_s, os = a.out_stride_s;
+  const bool bf16 = dt == Dt::BF16;
+  const size_t sq = static_cast<size_t>(H * S * S);
+  Scratch p(d, s, sq * sizeof(float), op), dp(d, s, sq * sizeof(float), op);
+  Scratch pb(d, s, bf16 ? sq * 2 : 0, op), dsb(d, s, bf16 ? sq * 2 : 0, op);
+  Scratch dvec(d, s, static_cast<size_t>(H * S) * sizeof(float), op);
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const char* q = at(a.q, b * a.qkv_stride_b, dt);
+    const char* k = at(a.k, b * a.qkv_stride_b, dt);
+    const char* v = at(a.v, b * a.qkv_stride_b, dt);
+    const char* o = at(a.out, b * a.out_stride_b, dt);
+    const char* dout = at(a.dout, b * a.out_stride_b, dt);
+    char* dq = at(a.dq, b * a.qkv_stride_b, dt);
+    char* dk = at(a.dk, b * a.qkv_stride_b, dt);
+    char* dv = at(a.dv, b * a.qkv_stride_b, dt);
+    // P = exp(scale Q K^T - lse), recomputed.
+    gemm_impl(d, s, op, false, true, S, S, D, a.scale, q, ss, D, k, ss, D, 0.0f, p.get(), S, S * S, H, dt, Dt::F32);
+    check_launch(d, op, "softmax recompute kernel",
+                 k_softmax_p(s.s, H * S, S, a.causal != 0, p.get<float>(), bf16 ? pb.get<uint16_t>() : nullptr,
+                             a.lse + b * H * S));
+    // D_i = rowsum(dO o O)
+    check_launch(d, op, "rowdot kernel", k_rowdot(s.s, dt, H, S, D, os, o, dout, dvec.get<float>()));
+    // dV = P^T dO
+    gemm_impl(d, s, op, true, false, S, D, S, 1.0f, bf16 ? pb.get() : p.get(), S, S * S, dout, os, D, 0.0f, dv, ss, D,
+              H, dt, dt);
+    // dP = dO V^T (fp32), then dS = P o (dP - D) in place
+    gemm_impl(d, s, op, false, true, S, S, D, 1.0f, dout, os, D, v, ss, D, 0.0f, dp.get(), S, S * S, H, dt, Dt::F32);
+    check_launch(d, op, "softmax backward kernel",
+                 k_dsoftmax(s.s, H * S, S, p.get<float>(), dp.get<float>(), dvec.get<float>(),
+                            bf16 ? dsb.get<uint16_t>() : nullptr));
+    const void* ds = bf16 ? dsb.get() : dp.get();
+    // dQ = scale dS K ; dK = scale dS^T Q
+    gemm_impl(d, s, op, false, false, S, D, S, a.scale, ds, S, S * S, k, ss, D, 0.0f, dq, ss, D, H, dt, dt);
+    gemm_impl(d, s, op, true, false, S, D, S, a.scale, ds, S, S * S, q, ss, D, 0.0f, dk, ss, D, H, dt, dt);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy
+// ---------------------------------------------------------------------------
+
+void validate(const loom_xent_args& a) {
+  (void)float_dt("xent", "dtype", a.dtype);
+  LOOM_REQUIRE(a.step >= LOOM_XENT_ROW_MAX && a.step <= LOOM_XENT_BACKWARD,
+               "xent: unknown step " << a.step << " (expected LOOM_XENT_ROW_MAX..LOOM_XENT_BACKWARD)");
+  LOOM_REQUIRE(a.rows >= 0 && a.cols >= 0, "xent: rows and cols must be >= 0");
+  LOOM_REQUIRE(a.ld >= a.cols, "xent: ld=" << a.ld << " is smaller than cols=" << a.cols);
+  LOOM_REQUIRE(a.vocab_start >= 0, "xent: vocab_start must be >= 0 (got " << a.vocab_start << ")");
+  LOOM_REQUIRE(a.rows <= kMax32, "xent: rows must fit in 32 bits (one CUDA block per row)");
+  if (a.rows == 0) return;
+  switch (a.step) {
+    case LOOM_XENT_ROW_MAX:
+      LOOM_REQUIRE(a.row_max && (a.cols == 0 || a.logits), "xent(ROW_MAX): logits and row_max must not be NULL");
+      break;
+    case LOOM_XENT_SUMEXP:
+      LOOM_REQUIRE(a.row_max && a.row_sumexp && (a.cols == 0 || a.logits),
+                   "xent(SUMEXP): logits, row_max and row_sumexp must not be NULL");
+      LOOM_REQUIRE(a.target_logit == nullptr || a.targets,
+                   "xent(SUMEXP): targets must not be NULL when target_logit is set");
+      break;
+    case LOOM_XENT_LOSS:
+      LOOM_REQUIRE(a.targets && a.row_max && a.row_sumexp && a.target_logit && a.loss,
+                   "xent(LOSS): targets, row_max, row_sumexp, target_logit and loss must not be NULL");
+      break;
+    case LOOM_XENT_BACKWARD:
+      LOOM_REQUIRE(a.targets && a.row_max && a.row_sumexp && (a.cols == 0 || (a.logits && a.dlogits)),
+                   "xent(BACKWARD): logits, targets, row_max, row_sumexp and dlogits must not be NULL");
+      break;
+  }
+}
+
+// Unlike device/cpu, a target inside the vocab padding is not reported (the
+// targets live on the GPU; checking them would need a host sync): its row counts
+// target_logit 0 and gets no -scale in the gradient.
+void run_xent(Device& d, Stream& s, const loom_xent_args& a) {
+  const int64_t valid = std::clamp<int64_t>(a.valid_cols, 0, a.cols);
+  check_launch(d, "xent", "xent kernel",
+               k_xent(s.s, float_dt("xent", "dtype", a.dtype), a.step, a.rows, a.cols, a.ld, valid, a.vocab_start,
+                      a.logits, a.targets, a.row_max, a.row_sumexp, a.target_logit, a.loss, a.dlogits, a.scale));
+}
+
+// ---------------------------------------------------------------------------
+// Embedding
+// ---------------------------------------------------------------------------
+
+void validate_embedding(const loom_embedding_args& a, bool backward) {
+  const char* op = backward ? "embedding_bwd" : "embedding_fwd";
+  (void)float_dt(op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.n >= 0 && a.dim > 0 && a.vocab_rows >= 0 && a.vocab_start >= 0,
+               op << ": n, vocab_rows, vocab_start must be >= 0 and dim > 0");
+  LOOM_REQUIRE(a.n <= kMax32, op << ": n must fit in 32 bits (one CUDA block per row)");
+  if (a.n == 0) return;
+  if (backward) {
+    LOOM_REQUIRE(a.ids && a.dout && (a.vocab_rows == 0 || a.dtable), op << ": ids, dout and dtable must not be NULL");
+  } else {
+    LOOM_REQUIRE(a.ids && a.out && (a.vocab_rows == 0 || a.table), op << ": ids, table and out must not be NULL");
+  }
+}
+
+void run_embedding_fwd(Device& d, Stream& s, const loom_embedding_args& a) {
+  check_launch(d, "embedding_fwd", "embedding_fwd kernel",
+               k_embedding_fwd(s.s, float_dt("embedding_fwd", "dtype", a.dtype), a.n, a.dim, a.vocab_rows,
+                               a.vocab_start, a.ids, a.table, a.out, a.accumulate));
+}
+
+void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a) {
+  check_launch(d, "embedding_bwd", "embedding_bwd kernel",
+               k_embedding_bwd(s.s, float_dt("embedding_bwd", "dtype", a.dtype), a.n, a.dim, a.vocab_rows,
+                               a.vocab_start, a.ids, a.dout, a.dtable));
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise
+// ---------------------------------------------------------------------------
+
+namespace {
+const char* ew_name(int32_t op) {
+  switch (op) {
+    case LOOM_EW_AXPBY:
+      return "elementwise(AXPBY)";
+    case LOOM_EW_ADD:
+      return "elementwise(ADD)";
+    case LOOM_EW_MUL:
+      return "elementwise(MUL)";
+    case LOOM_EW_SCALE:
+      return "elementwise(SCALE)";
+    case LOOM_EW_FILL:
+      return "elementwise(FILL)";
+    case LOOM_EW_CAST:
+      return "elementwise(CAST)";
+    case LOOM_EW_ADD_BIAS:
+      return "elementwise(ADD_BIAS)";
+    case LOOM_EW_DROPOUT:
+      return "elementwise(DROPOUT)";
+    case LOOM_EW_DROPOUT_BWD:
+      return "elementwise(DROPOUT_BWD)";
+    case LOOM_EW_MUL_COLS:
+      return "elementwise(MUL_COLS)";
+    default:
+      return "elementwise(?)";
+  }
+}
+
+// splitmix64's finaliser (the dropout key, as device/cpu derives it from the seed).
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+void validate(const loom_elementwise_args& a) {
+  LOOM_REQUIRE(a.op >= LOOM_EW_AXPBY && a.op <= LOOM_EW_MUL_COLS,
+               "elementwise: unknown op " << a.op << " (expected LOOM_EW_AXPBY..LOOM_EW_MUL_COLS)");
+  const char* op = ew_name(a.op);
+  LOOM_REQUIRE(a.n >= 0, op << ": n must be >= 0 (got " << a.n << ")");
+  if (a.op == LOOM_EW_CAST) {
+    const bool ok = (a.dtype == LOOM_DTYPE_F32 || a.dtype == LOOM_DTYPE_BF16) &&
+                    (a.out_dtype == LOOM_DTYPE_F32 || a.out_dtype == LOOM_DTYPE_BF16);
+    if (!ok)
+      throw Error(std::string(op) + ": cast " + dtype_name(a.dtype) + " -> " + dtype_name(a.out_dtype) +
+                      " is not supported by device/cuda (f32 <-> bf16 only)",
+                  LOOM_CODE_UNSUPPORTED);
+  } else {
+    (void)float_dt(op, "dtype", a.dtype);
+  }
+  if (a.n == 0) return;
+  switch (a.op) {
+    case LOOM_EW_AXPBY:
+      LOOM_REQUIRE(a.x && a.y, op << ": x and y must not be NULL");
+      break;
+    case LOOM_EW_ADD:
+    case LOOM_EW_MUL:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y and out must not be NULL");
+      break;
+    case LOOM_EW_SCALE:
+    case LOOM_EW_CAST:
+      LOOM_REQUIRE(a.x && a.out, op << ": x and out must not be NULL");
+      break;
+    case LOOM_EW_FILL:
+      LOOM_REQUIRE(a.out, op << ": out must not be NULL");
+      break;
+    case LOOM_EW_ADD_BIAS:
+    case LOOM_EW_MUL_COLS:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y (the per-column vector) and out must not be NULL");
+      LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                   op << ": n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+      break;
+    case LOOM_EW_DROPOUT:
+    case LOOM_EW_DROPOUT_BWD:
+      LOOM_REQUIRE(a.x && a.y && a.out, op << ": x, y (the u8 mask) and out must not be NULL");
+      LOOM_REQUIRE(a.p >= 0.0f && a.p <= 1.0f, op << ": p must be in [0, 1] (got " << a.p << ")");
+      break;
+  }
+}
+
+void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a) {
+  const char* op = ew_name(a.op);
+  if (a.op == LOOM_EW_CAST) {
+    const Dt from = float_dt(op, "dtype", a.dtype), to = float_dt(op, "out_dtype", a.out_dtype);
+    if (from == to) {
+      if (a.out != a.x && a.n > 0)
+        LOOM_CUDA(&d, op,
+                  cudaMemcpyAsync(a.out, a.x, static_cast<size_t>(a.n) * dt_size(from), cudaMemcpyDeviceToDevice, s.s));
+      return;
+    }
+    check_launch(d, op, "cast kernel", k_cast(s.s, from, to, a.n, a.x, a.out));
+    return;
+  }
+  EwParams p{};
+  p.op = a.op;
+  p.n = a.n;
+  p.cols = a.cols;
+  p.x = a.x;
+  p.y = a.y;
+  p.out = a.out;
+  p.alpha = a.alpha;
+  p.beta = a.beta;
+  if (a.op == LOOM_EW_DROPOUT || a.op == LOOM_EW_DROPOUT_BWD) {
+    // Dropout keeps with probability 1 - p and scales kept values by 1 / (1 - p).
+    p.keep_scale = a.p < 1.0f ? 1.0f / (1.0f - a.p) : 0.0f;
+    p.threshold = static_cast<uint32_t>(std::min(16777216.0, std::ceil(static_cast<double>(a.p) * 16777216.0)));
+    const uint64_t key = mix64(a.seed);
+    p.key0 = static_cast<uint32_t>(key);
+    p.key1 = static_cast<uint32_t>(key >> 32);
+    p.offset = a.offset;
+  }
+  check_launch(d, op, "elementwise kernel", k_elementwise(s.s, float_dt(op, "dtype", a.dtype), p));
+}
+
+// ---------------------------------------------------------------------------
+// Reductions
+// ---------------------------------------------------------------------------
+
+void validate(const loom_reduce_args& a) {
+  LOOM_REQUIRE(a.op >= LOOM_RED_SUM && a.op <= LOOM_RED_ROW_ARGMAX,
+               "reduce: unknown op " << a.op << " (expected LOOM_RED_SUM..LOOM_RED_ROW_ARGMAX)");
+  (void)float_dt("reduce", "dtype", a.dtype);
+  if (a.op == LOOM_RED_ROW_ARGMAX) {
+    LOOM_REQUIRE(a.out_dtype == LOOM_DTYPE_I32, "reduce(ROW_ARGMAX): out_dtype must be I32 (the column index)");
+  } else if (a.out_dtype != LOOM_DTYPE_F32) {
+    throw Error(std::string("reduce: out_dtype ") + dtype_name(a.out_dtype) +
+                    " is not supported by device/cuda (results are f32)",
+                LOOM_CODE_UNSUPPORTED);
+  }
+  if (a.op == LOOM_RED_COLUMN_SUM || a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.ld == 0 || a.ld >= a.cols, "reduce: ld=" << a.ld << " must be 0 or >= cols=" << a.cols);
+  if (a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                 "reduce(ROW_ARGMAX): n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+  LOOM_REQUIRE(a.n >= 0, "reduce: n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.out, "reduce: out must not be NULL");
+  LOOM_REQUIRE(a.n == 0 || a.x, "reduce: x must not be NULL");
+  if (a.op == LOOM_RED_COLUMN_SUM)
+    LOOM_REQUIRE(a.cols > 0 && a.n % a.cols == 0,
+                 "reduce(COLUMN_SUM): n=" << a.n << " must be a multiple of cols=" << a.cols << " (> 0)");
+  if (a.op == LOOM_RED_ROW_ARGMAX)
+    LOOM_REQUIRE(a.n / a.cols <= kMax32, "reduce(ROW_ARGMAX): rows must fit in 32 bits (one CUDA block per row)");
+}
+
+void run_reduce(Device& d, Stream& s, const loom_reduce_args& a) {
+  const Dt dt = float_dt("reduce", "dtype", a.dtype);
+  if (a.op == LOOM_RED_ROW_ARGMAX) {
+    const int64_t rows = a.n / a.cols, ld = a.ld > 0 ? a.ld : a.cols;
+    check_launch(d, "reduce(ROW_ARGMAX)", "row_argmax kernel",
+                 k_row_argmax(s.s, dt, rows, a.cols, ld, a.x, static_cast<int32_t*>(a.out)));
+    return;
+  }
+  if (a.op == LOOM_RED_COLUMN_SUM) {
+    const int64_t rows = a.n / a.cols, ld = a.ld > 0 ? a.ld : a.cols;
+    Scratch partial(d, s, static_cast<size_t>(column_chunks(rows) * a.cols) * sizeof(double), "reduce(COLUMN_SUM)");
+    check_launch(d, "reduce(COLUMN_SUM)", "column_sum kernels",
+                 k_column_sum(s.s, dt, rows, a.cols, ld, a.x, partial.get<double>(), static_cast<float*>(a.out),
+                              a.accumulate));
+    return;
+  }
+  Scratch partial(d, s, static_cast<size_t>(reduce_blocks(a.n)) * sizeof(double), "reduce");
+  check_launch(d, "reduce", "reduce kernels",
+               k_reduce_scalar(s.s, dt, a.op, a.n, a.x, partial.get<double>(), static_cast<float*>(a.out),
+                               a.accumulate));
+}
+
+// ---------------------------------------------------------------------------
+// AdamW
+// ---------------------------------------------------------------------------
+
+void validate(const loom_adamw_args& a) {
+  LOOM_REQUIRE(a.grad_dtype == LOOM_DTYPE_F32 || a.grad_dtype == LOOM_DTYPE_BF16,
+               "adamw: grad_dtype " << dtype_name(a.grad_dtype) << " is not supported by device/cuda (f32, bf16)");
+  LOOM_REQUIRE(a.n >= 0, "adamw: n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.step >= 1, "adamw: step is 1-based (got " << a.step << ")");
+  LOOM_REQUIRE(a.n == 0 || (a.param && a.grad && a.m && a.v), "adamw: param, grad, m and v must not be NULL");
+  if (a.param_copy)
+    LOOM_REQUIRE(a.copy_dtype == LOOM_DTYPE_F32 || a.copy_dtype == LOOM_DTYPE_BF16,
+                 "adamw: copy_dtype " << dtype_name(a.copy_dtype) << " is not supported by device/cuda (f32, bf16)");
+}
+
+void run_adamw(Device& d, Stream& s, const loom_adamw_args& a) {
+  AdamwParams p{};
+  p.lr = a.lr;
+  p.beta1 = a.beta1;
+  p.beta2 = a.beta2;
+  p.eps = a.eps;
+  p.weight_decay = a.weight_decay;
+  p.grad_scale = a.grad_scale;
+  p.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(a.step)));
+  p.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(a.step)));
+  const Dt gdt = a.grad_dtype == LOOM_DTYPE_BF16 ? Dt::BF16 : Dt::F32;
+  const Dt cdt = a.copy_dtype == LOOM_DTYPE_BF16 ? Dt::BF16 : Dt::F32;
+  void* copy = a.param_copy == a.param && cdt == Dt::F32 ? nullptr : a.param_copy;  // in place: nothing to copy
+  check_launch(d, "adamw", "adamw kernel", k_adamw(s.s, a.n, a.param, a.grad, gdt, a.m, a.v, p, copy, cdt));
+}
+
+}  // namespace loom::cuda

@@ -1,0 +1,1168 @@
+// device/cuda against device/cpu: every op on fresh random inputs, on both
+// devices, loaded through the engine's plugin registry as a run loads them.
+// Tolerances, relative to the largest magnitude of the reference tensor: fp32
+// 1e-5, TF32 1e-3, bf16 1e-2 (inputs are rounded to bf16 first, so the CPU's fp32
+// reference sees the same values); NaN never passes. Also: allocator statistics,
+// streams and events, graph capture/replay, error reporting.
+//
+// Without a visible GPU (cudaGetDeviceCount reports none) every test that needs
+// one is skipped with that reason; the plugin's descriptor and its refusal to
+// create a device are still checked.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <loom/cpp/core.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/plugins/registry.hpp"
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// GPU presence, plugins, devices
+// ---------------------------------------------------------------------------
+
+struct GpuInfo {
+  int count = 0;
+  std::string why;  // when count == 0
+};
+const GpuInfo& gpu_info() {
+  static const GpuInfo info = [] {
+    GpuInfo g;
+    const cudaError_t err = cudaGetDeviceCount(&g.count);
+    if (err != cudaSuccess) {
+      g.count = 0;
+      g.why = std::string("no CUDA GPU visible: cudaGetDeviceCount returned ") + cudaGetErrorName(err) + " (" +
+              cudaGetErrorString(err) + ")";
+      cudaGetLastError();
+    } else if (g.count == 0) {
+      g.why = "no CUDA GPU visible: cudaGetDeviceCount reports 0 devices";
+    }
+    return g;
+  }();
+  return info;
+}
+#define REQUIRE_GPU()                                                  \
+  do {                                                                 \
+    if (gpu_info().count == 0) GTEST_SKIP() << gpu_info().why;         \
+  } while (0)
+
+loom::plugins::Registry& registry() {
+  static loom::plugins::Registry* r = [] {
+    auto* reg = new loom::plugins::Registry();  // plugins are never unloaded
+    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cpu.so");
+    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cuda.so");
+    loom::host_slot() = loom::plugins::host_api();
+    return reg;
+  }();
+  return *r;
+}
+
+struct StatusInfo {
+  int32_t code = LOOM_CODE_OK;
+  std::string message;
+};
+StatusInfo take(loom_status s) {
+  StatusInfo info;
+  if (s == nullptr) return info;
+  const loom_host_api& h = loom::host();
+  info.code = h.status_code(s);
+  info.message = h.status_message(s);
+  h.status_destroy(s);
+  return info;
+}
+
+class Dev {
+ public:
+  explicit Dev(const std::string& name, toml::table section = {}) {
+    const loom::plugins::LoadedPlugin& p = registry().get("device", name);
+    api_ = p.device();
+    loom::plugins::OptionValues opts(&section, p.options);
+    loom_device_create_args args = loom::make<loom_device_create_args>();
+    args.num_threads = 2;
+    args.ranks_in_process = 1;
+    loom::check(api_->create(opts.raw(), &args, &dev_));
+  }
+  ~Dev() { api_->destroy(dev_); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  const loom_device_api* api() const { return api_; }
+  loom_device* raw() const { return dev_; }
+  loom::Device ops(loom_stream* s = nullptr) const { return loom::Device(api_, dev_, s); }
+  void* alloc(size_t bytes) const {
+    void* p = nullptr;
+    loom::check(api_->alloc(dev_, std::max<size_t>(bytes, 1), &p));
+    return p;
+  }
+  void free(void* p) const { api_->free(dev_, p); }
+  void upload(void* dst, const void* src, size_t bytes) const {
+    loom::check(api_->copy(dev_, nullptr, dst, src, bytes, LOOM_COPY_HOST_TO_DEVICE));
+    sync();
+  }
+  void download(void* dst, const void* src, size_t bytes) const {
+    loom::check(api_->copy(dev_, nullptr, dst, src, bytes, LOOM_COPY_DEVICE_TO_HOST));
+    sync();
+  }
+  void sync() const { loom::check(api_->stream_synchronize(dev_, nullptr)); }
+  loom_memory_stats stats() const {
+    loom_memory_stats m = loom::make<loom_memory_stats>();
+    loom::check(api_->memory_stats(dev_, &m));
+    return m;
+  }
+
+ private:
+  const loom_device_api* api_ = nullptr;
+  loom_device* dev_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------
+// Numbers
+// ---------------------------------------------------------------------------
+
+uint16_t bf16_bits(float f) {  // round to nearest even (the tests' own copy)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+float round_bf16(float f) { return bf16_value(bf16_bits(f)); }
+
+std::vector<float> randu(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// max |got - want| <= tol * max |want|; NaN in got never passes.
+void expect_rel(const std::vector<float>& got, const std::vector<float>& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, std::fabs(static_cast<double>(w)));
+  scale = std::max(scale, 1e-30);
+  int reported = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]) / scale;
+    if (std::isnan(got[i]) || !(err <= tol)) {
+      if (reported++ < 5)
+        ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << ", cpu " << want[i] << " (error " << err
+                      << " of max |cpu| " << scale << ", tolerance " << tol << ")";
+    }
+    if (!std::isnan(err)) worst = std::max(worst, err);
+  }
+  ::testing::Test::RecordProperty(what, std::to_string(worst));
+}
+
+constexpr int32_t F32 = LOOM_DTYPE_F32, BF16 = LOOM_DTYPE_BF16;
+double tol_of(int32_t dt) { return dt == BF16 ? 1e-2 : 1e-5; }
+
+// The CPU reference device and the GPU under test.
+struct Env {
+  Dev cpu{"cpu"};
+  Dev gpu;
+  explicit Env(toml::table gpu_options = {}) : gpu("cuda", std::move(gpu_options)) {}
+};
+
+// A float tensor on both devices with the same values: fp32 on the CPU, `dtype`
+// (fp32 or bf16) on the GPU; bf16 values are rounded first so both see them.
+class Tensor {
+ public:
+  Tensor(Env& env, std::vector<float> values, int32_t dtype = F32) : env_(env), dtype_(dtype), n_(values.size()) {
+    if (dtype == BF16)
+      for (float& v : values) v = round_bf16(v);
+    c_ = env.cpu.alloc(n_ * 4);
+    g_ = env.gpu.alloc(n_ * esize());
+    set(values);
+  }
+  Tensor(Env& env, size_t n, int32_t dtype = F32) : Tensor(env, std::vector<float>(n, 0.0f), dtype) {}
+  ~Tensor() {
+    env_.cpu.free(c_);
+    env_.gpu.free(g_);
+  }
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+  size_t esize() const { return dtype_ == BF16 ? 2 : 4; }
+  void set(const std::vector<float>& v) {
+    env_.cpu.upload(c_, v.data(), n_ * 4);
+    if (dtype_ == BF16) {
+      std::vector<uint16_t> h(n_);
+      for (size_t i = 0; i < n_; ++i) h[i] = bf16_bits(v[i]);
+      env_.gpu.upload(g_, h.data(), n_ * 2);
+    } else {
+      env_.gpu.upload(g_, v.data(), n_ * 4);
+    }
+  }
+  float* c() const { return static_cast<float*>(c_); }
+  void* g() const { return g_; }
+  std::vector<float> cpu() const {
+    std::vector<float> v(n_);
+    env_.cpu.download(v.data(), c_, n_ * 4);
+    return v;
+  }
+  std::vector<float> gpu() const {
+    std::vector<float> v(n_);
+    if (dtype_ == BF16) {
+      std::vector<uint16_t> h(n_);
+      env_.gpu.download(h.data(), g_, n_ * 2);
+      for (size_t i = 0; i < n_; ++i) v[i] = bf16_value(h[i]);
+    } else {
+      env_.gpu.download(v.data(), g_, n_ * 4);
+    }
+    return v;
+  }
+  void expect_match(const std::string& what, double tol = -1) const {
+    expect_rel(gpu(), cpu(), tol >= 0 ? tol : tol_of(dtype_), what);
+  }
+
+ private:
+  Env& env_;
+  int32_t dtype_;
+  size_t n_;
+  void* c_ = nullptr;
+  void* g_ = nullptr;
+};
+
+// Raw bytes on both devices (ids, targets, masks, argmax results).
+template <typename T>
+class Raw {
+ public:
+  Raw(Env& env, const std::vector<T>& v) : env_(env), n_(v.size()) {
+    c_ = env.cpu.alloc(n_ * sizeof(T));
+    g_ = env.gpu.alloc(n_ * sizeof(T));
+    env.cpu.upload(c_, v.data(), n_ * sizeof(T));
+    env.gpu.upload(g_, v.data(), n_ * sizeof(T));
+  }
+  ~Raw() {
+    env_.cpu.free(c_);
+    env_.gpu.free(g_);
+  }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+  T* c() const { return static_cast<T*>(c_); }
+  T* g() const { return static_cast<T*>(g_); }
+  std::vector<T> cpu() const {
+    std::vector<T> v(n_);
+    env_.cpu.download(v.data(), c_, n_ * sizeof(T));
+    return v;
+  }
+  std::vector<T> gpu() const {
+    std::vector<T> v(n_);
+    env_.gpu.download(v.data(), g_, n_ * sizeof(T));
+    return v;
+  }
+
+ private:
+  Env& env_;
+  size_t n_;
+  void* c_;
+  void* g_;
+};
+
+// Runs `build(on_gpu)` on both devices: build returns the args with the pointers
+// of that device; the CPU always gets dtype f32.
+template <typename Args>
+void both(Env& env, void (loom::Device::*op)(Args) const, const std::function<Args(bool)>& build) {
+  Args c = build(false);
+  (env.cpu.ops().*op)(c);
+  Args g = build(true);
+  (env.gpu.ops().*op)(g);
+  env.cpu.sync();
+  env.gpu.sync();
+}
+
+// ---------------------------------------------------------------------------
+// Descriptor (runs without a GPU too)
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, DescribesItselfAndFillsEverySlot) {
+  const loom::plugins::LoadedPlugin& p = registry().get("device", "cuda");
+  const loom_device_api* api = p.device();
+  ASSERT_NE(api, nullptr);
+  EXPECT_EQ(api->dl_device_type, kDLCUDA);
+  const void* slots[] = {(void*)api->create,          (void*)api->destroy,          (void*)api->alloc,
+                         (void*)api->free,            (void*)api->memory_stats,     (void*)api->copy,
+                         (void*)api->stream_create,   (void*)api->stream_destroy,   (void*)api->stream_synchronize,
+                         (void*)api->event_create,    (void*)api->event_destroy,    (void*)api->event_record,
+                         (void*)api->stream_wait_event, (void*)api->event_synchronize, (void*)api->capture_begin,
+                         (void*)api->capture_end,     (void*)api->graph_replay,     (void*)api->graph_destroy,
+                         (void*)api->native_stream};
+  for (const void* s : slots) EXPECT_NE(s, nullptr);
+  const loom_device_ops* ops = api->ops;
+  ASSERT_NE(ops, nullptr);
+  const void* op_slots[] = {(void*)ops->gemm,          (void*)ops->layernorm_fwd, (void*)ops->layernorm_bwd,
+                            (void*)ops->gelu_fwd,      (void*)ops->gelu_bwd,      (void*)ops->attention_fwd,
+                            (void*)ops->attention_bwd, (void*)ops->xent,          (void*)ops->embedding_fwd,
+                            (void*)ops->embedding_bwd, (void*)ops->elementwise,   (void*)ops->reduce,
+                            (void*)ops->adamw};
+  for (const void* s : op_slots) EXPECT_NE(s, nullptr);
+  std::vector<std::string> names;
+  for (const auto& o : p.options) names.push_back(o.name);
+  for (const char* want : {"tf32", "gpu", "caching_allocator", "workspace_mb"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+}
+
+TEST(DeviceCuda, WithoutAGpuCreateFailsWithUnsupported) {
+  if (gpu_info().count > 0) GTEST_SKIP() << "a GPU is visible";
+  const loom::plugins::LoadedPlugin& p = registry().get("device", "cuda");
+  loom::plugins::OptionValues opts(nullptr, p.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.global_rank = 3;
+  loom_device* dev = nullptr;
+  const StatusInfo s = take(p.device()->create(opts.raw(), &args, &dev));
+  EXPECT_EQ(dev, nullptr);
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("rank 3"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("no CUDA GPU"), std::string::npos) << s.message;
+}
+
+// ---------------------------------------------------------------------------
+// GEMM
+// ---------------------------------------------------------------------------
+
+struct GemmCase {
+  int ta, tb;
+  int64_t m, n, k, batch;
+  float alpha, beta;
+};
+
+void check_gemm(Env& env, const GemmCase& g, int32_t ab, int32_t cd, uint32_t seed, double tol) {
+  const int64_t a_rows = g.ta ? g.k : g.m, a_cols = g.ta ? g.m : g.k;
+  const int64_t b_rows = g.tb ? g.n : g.k, b_cols = g.tb ? g.k : g.n;
+  const int64_t lda = a_cols + 3, ldb = b_cols + 2, ldc = g.n + 5;
+  const int64_t sa = a_rows * lda + 7, sb = b_rows * ldb + 1, sc = g.m * ldc + 3;
+  Tensor A(env, randu(static_cast<size_t>(sa * g.batch), seed), ab);
+  Tensor B(env, randu(static_cast<size_t>(sb * g.batch), seed + 1), ab);
+  Tensor C(env, randu(static_cast<size_t>(sc * g.batch), seed + 2), cd);
+  both<loom_gemm_args>(env, &loom::Device::gemm, [&](bool gpu) {
+    loom_gemm_args a = loom::make<loom_gemm_args>();
+    a.trans_a = g.ta;
+    a.trans_b = g.tb;
+    a.m = g.m;
+    a.n = g.n;
+    a.k = g.k;
+    a.a = gpu ? A.g() : A.c();
+    a.lda = lda;
+    a.stride_a = sa;
+    a.b = gpu ? B.g() : B.c();
+    a.ldb = ldb;
+    a.stride_b = sb;
+    a.c = gpu ? C.g() : C.c();
+    a.ldc = ldc;
+    a.stride_c = sc;
+    a.batch = g.batch;
+    a.alpha = g.alpha;
+    a.beta = g.beta;
+    a.dtype = gpu ? ab : F32;
+    a.c_dtype = gpu ? cd : F32;
+    return a;
+  });
+  std::ostringstream what;
+  what << "gemm ta=" << g.ta << " tb=" << g.tb << " m=" << g.m << " n=" << g.n << " k=" << g.k << " batch=" << g.batch
+       << " beta=" << g.beta << " ab=" << ab << " c=" << cd;
+  C.expect_match(what.str(), tol);
+}
+
+void gemm_sweep(Env& env, int32_t ab, int32_t cd, double tol) {
+  uint32_t seed = 10;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      check_gemm(env, {ta, tb, 5, 7, 3, 1, 1.0f, 0.0f}, ab, cd, seed++, tol);
+      check_gemm(env, {ta, tb, 13, 9, 17, 3, 0.75f, 0.0f}, ab, cd, seed++, tol);
+      check_gemm(env, {ta, tb, 13, 9, 17, 3, -1.5f, 1.0f}, ab, cd, seed++, tol);
+      check_gemm(env, {ta, tb, 300, 100, 80, 1, 1.0f, 0.5f}, ab, cd, seed++, tol);
+      check_gemm(env, {ta, tb, 64, 600, 256, 2, 1.0f, 0.0f}, ab, cd, seed++, tol);
+    }
+  check_gemm(env, {0, 0, 6, 4, 0, 2, 1.0f, 0.0f}, ab, cd, seed++, tol);  // k = 0: C = beta C
+  check_gemm(env, {0, 1, 6, 4, 5, 2, 0.0f, 2.0f}, ab, cd, seed++, tol);  // alpha = 0
+}
+
+TEST(DeviceCuda, GemmFp32MatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  gemm_sweep(env, F32, F32, 1e-5);
+}
+
+TEST(DeviceCuda, GemmTf32WhenTheOptionAllowsIt) {
+  REQUIRE_GPU();
+  Env env(toml::table{{"tf32", true}});
+  gemm_sweep(env, F32, F32, 1e-3);
+}
+
+TEST(DeviceCuda, GemmBf16InputsWithFp32AndBf16Output) {
+  REQUIRE_GPU();
+  Env env;
+  gemm_sweep(env, BF16, F32, 1e-2);
+  gemm_sweep(env, BF16, BF16, 1e-2);
+}
+
+TEST(DeviceCuda, GemmSumsOverBatchWhenCStrideIsZero) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t m = 8, n = 6, k = 5, batch = 4;
+  Tensor A(env, randu(m * k * batch, 30)), B(env, randu(k * n * batch, 31)), C(env, randu(m * n, 32));
+  both<loom_gemm_args>(env, &loom::Device::gemm, [&](bool gpu) {
+    loom_gemm_args a = loom::make<loom_gemm_args>();
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    a.a = gpu ? A.g() : A.c();
+    a.lda = k;
+    a.stride_a = m * k;
+    a.b = gpu ? B.g() : B.c();
+    a.ldb = n;
+    a.stride_b = k * n;
+    a.c = gpu ? C.g() : C.c();
+    a.ldc = n;
+    a.stride_c = 0;
+    a.batch = batch;
+    a.alpha = 1.0f;
+    a.beta = 1.0f;
+    return a;
+  });
+  C.expect_match("gemm stride_c = 0");
+}
+
+// ---------------------------------------------------------------------------
+// LayerNorm, GeLU
+// ---------------------------------------------------------------------------
+
+void check_layernorm(int32_t dt) {
+  Env env;
+  const int64_t rows = 37, cols = 300;
+  for (int variant = 0; variant < 3; ++variant) {  // gamma+beta, gamma only, neither
+    const std::string tag = std::string(dt == BF16 ? "bf16 " : "f32 ") + std::to_string(variant);
+    Tensor x(env, randu(rows * cols, 40 + variant, -2, 3), dt), y(env, rows * cols, dt);
+    Tensor gamma(env, randu(cols, 41, 0.5f, 1.5f), dt), beta(env, randu(cols, 42), dt);
+    Tensor mean(env, rows), rstd(env, rows);
+    auto fwd = [&](bool gpu) {
+      loom_layernorm_fwd_args a = loom::make<loom_layernorm_fwd_args>();
+      a.rows = rows;
+      a.cols = cols;
+      a.x = gpu ? x.g() : x.c();
+      a.gamma = variant < 2 ? (gpu ? gamma.g() : gamma.c()) : nullptr;
+      a.beta = variant < 1 ? (gpu ? beta.g() : beta.c()) : nullptr;
+      a.y = gpu ? y.g() : y.c();
+      a.mean = static_cast<float*>(gpu ? mean.g() : mean.c());
+      a.rstd = static_cast<float*>(gpu ? rstd.g() : rstd.c());
+      a.eps = 1e-5f;
+      a.dtype = gpu ? dt : F32;
+      return a;
+    };
+    both<loom_layernorm_fwd_args>(env, &loom::Device::layernorm_fwd, fwd);
+    y.expect_match("layernorm_fwd y " + tag);
+    mean.expect_match("layernorm_fwd mean " + tag, tol_of(dt));
+    rstd.expect_match("layernorm_fwd rstd " + tag, tol_of(dt));
+    // Backward: dgamma/dbeta accumulate; dx overwritten, accumulated, and in place over dy.
+    for (int mode = 0; mode < 3; ++mode) {
+      Tensor dy(env, randu(rows * cols, 43 + mode), dt), dx(env, randu(rows * cols, 44), dt);
+      Tensor dgamma(env, randu(cols, 45), dt), dbeta(env, randu(cols, 46), dt);
+      both<loom_layernorm_bwd_args>(env, &loom::Device::layernorm_bwd, [&](bool gpu) {
+        loom_layernorm_bwd_args a = loom::make<loom_layernorm_bwd_args>();
+        a.rows = rows;
+        a.cols = cols;
+        a.dy = gpu ? dy.g() : dy.c();
+        a.x = gpu ? x.g() : x.c();
+        a.gamma = variant < 2 ? (gpu ? gamma.g() : gamma.c()) : nullptr;
+        a.mean = static_cast<const float*>(gpu ? mean.g() : mean.c());
+        a.rstd = static_cast<const float*>(gpu ? rstd.g() : rstd.c());
+        a.dx = mode == 2 ? (gpu ? dy.g() : dy.c()) : (gpu ? dx.g() : dx.c());
+        a.dgamma = gpu ? dgamma.g() : dgamma.c();
+        a.dbeta = gpu ? dbeta.g() : dbeta.c();
+        a.accumulate_dx = mode == 1;
+        a.dtype = gpu ? dt : F32;
+        return a;
+      });
+      const std::string t = tag + " mode " + std::to_string(mode);
+      (mode == 2 ? dy : dx).expect_match("layernorm_bwd dx " + t);
+      dgamma.expect_match("layernorm_bwd dgamma " + t);
+      dbeta.expect_match("layernorm_bwd dbeta " + t);
+    }
+  }
+}
+
+TEST(DeviceCuda, LayerNormFp32MatchesCpu) {
+  REQUIRE_GPU();
+  check_layernorm(F32);
+}
+TEST(DeviceCuda, LayerNormBf16MatchesCpu) {
+  REQUIRE_GPU();
+  check_layernorm(BF16);
+}
+
+TEST(DeviceCuda, GeluMatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  for (int32_t dt : {F32, BF16}) {
+    const int64_t n = 100003;
+    Tensor x(env, randu(n, 50, -6, 6), dt), dy(env, randu(n, 51), dt), y(env, n, dt), dx(env, n, dt);
+    both<loom_gelu_args>(env, &loom::Device::gelu_fwd, [&](bool gpu) {
+      loom_gelu_args a = loom::make<loom_gelu_args>();
+      a.n = n;
+      a.x = gpu ? x.g() : x.c();
+      a.out = gpu ? y.g() : y.c();
+      a.dtype = gpu ? dt : F32;
+      return a;
+    });
+    both<loom_gelu_args>(env, &loom::Device::gelu_bwd, [&](bool gpu) {
+      loom_gelu_args a = loom::make<loom_gelu_args>();
+      a.n = n;
+      a.x = gpu ? x.g() : x.c();
+      a.dy = gpu ? dy.g() : dy.c();
+      a.out = gpu ? dx.g() : dx.c();
+      a.dtype = gpu ? dt : F32;
+      return a;
+    });
+    y.expect_match(std::string("gelu_fwd ") + (dt == BF16 ? "bf16" : "f32"));
+    dx.expect_match(std::string("gelu_bwd ") + (dt == BF16 ? "bf16" : "f32"));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Attention: packed QKV [S, B, 3, H, D] (Megatron's sequence-major layout) and a
+// plain [B, S, H, D] one; causal and not.
+// ---------------------------------------------------------------------------
+
+void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S, int64_t H, int64_t D, uint32_t seed) {
+  Env env;
+  const int64_t W = H * D;
+  const int64_t qs_s = packed ? B * 3 * W : W, qs_b = packed ? 3 * W : S * W;
+  const int64_t os_s = packed ? B * W : W, os_b = packed ? W : S * W;
+  const int64_t qkv_n = packed ? S * B * 3 * W : 3 * B * S * W;
+  const int64_t k_off = packed ? W : B * S * W, v_off = 2 * k_off;
+  Tensor qkv(env, randu(qkv_n, seed, -2, 2), dt), out(env, B * S * W, dt), lse(env, B * H * S);
+  Tensor dout(env, randu(B * S * W, seed + 1), dt), dqkv(env, randu(qkv_n, seed + 2), dt);
+  const size_t es = dt == BF16 ? 2 : 4;
+  auto build = [&](bool gpu) {
+    loom_attention_args a = loom::make<loom_attention_args>();
+    a.batch = B;
+    a.seq = S;
+    a.heads = H;
+    a.head_dim = D;
+    a.qkv_stride_b = qs_b;
+    a.qkv_stride_s = qs_s;
+    a.out_stride_b = os_b;
+    a.out_stride_s = os_s;
+    const size_t e = gpu ? es : 4;
+    char* base = static_cast<char*>(gpu ? qkv.g() : static_cast<void*>(qkv.c()));
+    char* dbase = static_cast<char*>(gpu ? dqkv.g() : static_cast<void*>(dqkv.c()));
+    a.q = base;
+    a.k = base + k_off * e;
+    a.v = base + v_off * e;
+    a.out = gpu ? out.g() : out.c();
+    a.lse = static_cast<float*>(gpu ? lse.g() : lse.c());
+    a.dout = gpu ? dout.g() : dout.c();
+    a.dq = dbase;
+    a.dk = dbase + k_off * e;
+    a.dv = dbase + v_off * e;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    a.causal = causal ? 1 : 0;
+    a.dtype = gpu ? dt : F32;
+    return a;
+  };
+  both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
+  std::ostringstream tag;
+  tag << (dt == BF16 ? "bf16" : "f32") << (packed ? " packed" : " plain") << (causal ? " causal" : "") << " B=" << B
+      << " S=" << S << " H=" << H << " D=" << D;
+  out.expect_match("attention_fwd out " + tag.str());
+  lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
+  both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
+  dqkv.expect_match("attention_bwd dq|dk|dv " + tag.str());
+}
+
+TEST(DeviceCuda, AttentionFp32MatchesCpu) {
+  REQUIRE_GPU();
+  check_attention(F32, true, true, 2, 70, 3, 16, 60);
+  check_attention(F32, true, false, 2, 33, 2, 8, 61);
+  check_attention(F32, false, true, 3, 128, 4, 32, 62);
+  check_attention(F32, false, false, 1, 5, 1, 4, 63);
+}
+
+TEST(DeviceCuda, AttentionBf16MatchesCpu) {
+  REQUIRE_GPU();
+  check_attention(BF16, true, true, 2, 70, 3, 16, 64);
+  check_attention(BF16, false, false, 2, 64, 2, 64, 65);
+}
+
+// ---------------------------------------------------------------------------
+// Cross-entropy: the four steps, a padded vocab, ignored rows, and two vocab
+// slices combined as a tensor-parallel run combines them (max, then sums).
+// ---------------------------------------------------------------------------
+
+void check_xent(int32_t dt) {
+  Env env;
+  const int64_t rows = 23, cols = 517, ld = 520, valid = 500;
+  std::vector<int32_t> t(rows);
+  std::mt19937 gen(70);
+  for (int64_t r = 0; r < rows; ++r) t[r] = r % 7 == 3 ? -1 : static_cast<int32_t>(gen() % valid);
+  for (int64_t vocab_start : {int64_t{0}, int64_t{250}}) {
+    Tensor logits(env, randu(rows * ld, 71, -8, 8), dt), dlogits(env, randu(rows * ld, 72), dt);
+    Tensor row_max(env, rows), sumexp(env, rows), target(env, rows), loss(env, rows);
+    Raw<int32_t> targets(env, t);
+    for (int step = LOOM_XENT_ROW_MAX; step <= LOOM_XENT_BACKWARD; ++step) {
+      both<loom_xent_args>(env, &loom::Device::xent, [&](bool gpu) {
+        loom_xent_args a = loom::make<loom_xent_args>();
+        a.step = step;
+        a.rows = rows;
+        a.cols = vocab_start == 0 ? cols : 250;  // a slice: columns [250, 500) of the vocab
+        a.ld = ld;
+        a.valid_cols = vocab_start == 0 ? valid : 250;
+        a.vocab_start = vocab_start;
+        a.logits = gpu ? logits.g() : logits.c();
+        a.targets = gpu ? targets.g() : targets.c();
+        a.row_max = static_cast<float*>(gpu ? row_max.g() : row_max.c());
+        a.row_sumexp = static_cast<float*>(gpu ? sumexp.g() : sumexp.c());
+        a.target_logit = static_cast<float*>(gpu ? target.g() : target.c());
+        a.loss = static_cast<float*>(gpu ? loss.g() : loss.c());
+        a.dlogits = gpu ? dlogits.g() : dlogits.c();
+        a.scale = 0.25f;
+        a.dtype = gpu ? dt : F32;
+        return a;
+      });
+    }
+    const std::string tag = std::string(dt == BF16 ? "bf16" : "f32") + " vocab_start " + std::to_string(vocab_start);
+    row_max.expect_match("xent row_max " + tag, tol_of(dt));
+    sumexp.expect_match("xent row_sumexp " + tag, tol_of(dt));
+    target.expect_match("xent target_logit " + tag, tol_of(dt));
+    loss.expect_match("xent loss " + tag, tol_of(dt));
+    dlogits.expect_match("xent dlogits " + tag);
+  }
+}
+
+TEST(DeviceCuda, XentFp32MatchesCpu) {
+  REQUIRE_GPU();
+  check_xent(F32);
+}
+TEST(DeviceCuda, XentBf16MatchesCpu) {
+  REQUIRE_GPU();
+  check_xent(BF16);
+}
+
+// ---------------------------------------------------------------------------
+// Embedding
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, EmbeddingSlicesMatchCpu) {
+  REQUIRE_GPU();
+  Env env;
+  for (int32_t dt : {F32, BF16}) {
+    const int64_t n = 300, dim = 96, vocab_rows = 40, vocab_start = 20;
+    std::vector<int32_t> ids(n);
+    std::mt19937 gen(80);
+    for (int32_t& i : ids) i = static_cast<int32_t>(gen() % 80);  // some outside [20, 60)
+    Raw<int32_t> rid(env, ids);
+    Tensor table(env, randu(vocab_rows * dim, 81), dt), out(env, randu(n * dim, 82), dt);
+    Tensor dout(env, randu(n * dim, 83), dt), dtable(env, randu(vocab_rows * dim, 84), dt);
+    for (int acc = 0; acc < 2; ++acc) {
+      both<loom_embedding_args>(env, &loom::Device::embedding_fwd, [&](bool gpu) {
+        loom_embedding_args a = loom::make<loom_embedding_args>();
+        a.n = n;
+        a.dim = dim;
+        a.vocab_rows = vocab_rows;
+        a.vocab_start = vocab_start;
+        a.ids = gpu ? rid.g() : rid.c();
+        a.table = gpu ? table.g() : table.c();
+        a.out = gpu ? out.g() : out.c();
+        a.accumulate = acc;
+        a.dtype = gpu ? dt : F32;
+        return a;
+      });
+      out.expect_match("embedding_fwd accumulate=" + std::to_string(acc));
+    }
+    both<loom_embedding_args>(env, &loom::Device::embedding_bwd, [&](bool gpu) {
+      loom_embedding_args a = loom::make<loom_embedding_args>();
+      a.n = n;
+      a.dim = dim;
+      a.vocab_rows = vocab_rows;
+      a.vocab_start = vocab_start;
+      a.ids = gpu ? rid.g() : rid.c();
+      a.dout = gpu ? dout.g() : dout.c();
+      a.dtable = gpu ? dtable.g() : dtable.c();
+      a.dtype = gpu ? dt : F32;
+      return a;
+    });
+    // bf16 scatter-add rounds each of the ~4 sums per row: a looser bound.
+    dtable.expect_match("embedding_bwd", dt == BF16 ? 2e-2 : 1e-5);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise, reductions, AdamW
+// ---------------------------------------------------------------------------
+
+loom_elementwise_args ew(int32_t op, int64_t n, const void* x, void* y, void* out, int32_t dt) {
+  loom_elementwise_args a = loom::make<loom_elementwise_args>();
+  a.op = op;
+  a.n = n;
+  a.x = x;
+  a.y = y;
+  a.out = out;
+  a.dtype = a.out_dtype = dt;
+  return a;
+}
+
+TEST(DeviceCuda, ElementwiseMatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  for (int32_t dt : {F32, BF16}) {
+    const int64_t rows = 301, cols = 77, n = rows * cols;
+    for (int32_t op : {LOOM_EW_AXPBY, LOOM_EW_ADD, LOOM_EW_MUL, LOOM_EW_SCALE, LOOM_EW_FILL, LOOM_EW_ADD_BIAS,
+                       LOOM_EW_MUL_COLS}) {
+      const bool per_col = op == LOOM_EW_ADD_BIAS || op == LOOM_EW_MUL_COLS;
+      Tensor x(env, randu(n, 90 + op), dt), y(env, randu(per_col ? cols : n, 91 + op), dt);
+      Tensor out(env, randu(n, 92), dt);
+      for (float beta : {0.0f, 0.5f}) {
+        both<loom_elementwise_args>(env, &loom::Device::elementwise, [&](bool gpu) {
+          loom_elementwise_args a = ew(op, n, gpu ? x.g() : x.c(), gpu ? y.g() : y.c(), gpu ? out.g() : out.c(),
+                                       gpu ? dt : F32);
+          a.cols = cols;
+          a.alpha = 1.75f;
+          a.beta = beta;
+          return a;
+        });
+        const std::string tag = "elementwise op " + std::to_string(op) + (dt == BF16 ? " bf16" : " f32");
+        (op == LOOM_EW_AXPBY ? y : out).expect_match(tag);
+      }
+    }
+  }
+}
+
+TEST(DeviceCuda, CastRoundsLikeTheCpu) {
+  REQUIRE_GPU();
+  Env env;
+  std::vector<float> v = randu(4099, 95, -1e3f, 1e3f);
+  v[0] = std::numeric_limits<float>::quiet_NaN();
+  v[1] = std::numeric_limits<float>::infinity();
+  v[2] = 3.3895314e38f;  // rounds up past the largest bf16: +inf
+  v[3] = 1.00390625f;    // a tie: to even
+  const int64_t n = static_cast<int64_t>(v.size());
+  void* gx = env.gpu.alloc(n * 4);
+  void* gb = env.gpu.alloc(n * 2);
+  void* gy = env.gpu.alloc(n * 4);
+  env.gpu.upload(gx, v.data(), n * 4);
+  env.gpu.ops().elementwise([&] {
+    auto a = ew(LOOM_EW_CAST, n, gx, nullptr, gb, F32);
+    a.out_dtype = BF16;
+    return a;
+  }());
+  env.gpu.ops().elementwise([&] {
+    auto a = ew(LOOM_EW_CAST, n, gb, nullptr, gy, BF16);
+    a.out_dtype = F32;
+    return a;
+  }());
+  std::vector<uint16_t> bits(n);
+  std::vector<float> back(n);
+  env.gpu.download(bits.data(), gb, n * 2);
+  env.gpu.download(back.data(), gy, n * 4);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(bits[i], bf16_bits(v[i])) << "element " << i << " = " << v[i];
+    if (i > 0) {
+      ASSERT_EQ(back[i], round_bf16(v[i])) << i;
+    }
+  }
+  EXPECT_TRUE(std::isnan(back[0]));
+  env.gpu.free(gx);
+  env.gpu.free(gb);
+  env.gpu.free(gy);
+}
+
+TEST(DeviceCuda, DropoutMaskIsBitIdenticalToTheCpu) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t n = 100000;
+  for (float p : {0.0f, 0.1f, 0.5f, 1.0f}) {
+    Tensor x(env, randu(n, 100)), out(env, n), dx(env, n);
+    Raw<uint8_t> mask(env, std::vector<uint8_t>(n, 7));
+    for (int32_t op : {LOOM_EW_DROPOUT, LOOM_EW_DROPOUT_BWD}) {
+      both<loom_elementwise_args>(env, &loom::Device::elementwise, [&](bool gpu) {
+        loom_elementwise_args a = ew(op, n, gpu ? x.g() : x.c(), gpu ? static_cast<void*>(mask.g()) : mask.c(),
+                                     op == LOOM_EW_DROPOUT ? (gpu ? out.g() : out.c()) : (gpu ? dx.g() : dx.c()),
+                                     F32);
+        a.p = p;
+        a.seed = 0x1234567890abcdefull;
+        a.offset = (uint64_t{1} << 32) - 5000;  // crosses a 32-bit boundary of the index
+        return a;
+      });
+    }
+    EXPECT_EQ(mask.gpu(), mask.cpu()) << "p = " << p;
+    EXPECT_EQ(out.gpu(), out.cpu()) << "p = " << p;
+    EXPECT_EQ(dx.gpu(), dx.cpu()) << "p = " << p;
+  }
+}
+
+TEST(DeviceCuda, ReductionsMatchCpu) {
+  REQUIRE_GPU();
+  Env env;
+  for (int32_t dt : {F32, BF16}) {
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3000001}}) {
+      Tensor x(env, randu(n, 110, -3, 2), dt);
+      for (int32_t op : {LOOM_RED_SUM, LOOM_RED_SUM_SQUARES, LOOM_RED_MAX_ABS}) {
+        for (int acc = 0; acc < 2; ++acc) {
+          Tensor out(env, std::vector<float>{0.5f});
+          both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
+            loom_reduce_args a = loom::make<loom_reduce_args>();
+            a.op = op;
+            a.n = n;
+            a.x = gpu ? x.g() : x.c();
+            a.out = gpu ? out.g() : out.c();
+            a.accumulate = acc;
+            a.dtype = gpu ? dt : F32;
+            a.out_dtype = F32;
+            return a;
+          });
+          // The sum of a bf16 tensor is exact in fp64 on both sides: fp32 tolerance.
+          out.expect_match("reduce op " + std::to_string(op) + " n " + std::to_string(n), 1e-5);
+        }
+      }
+    }
+    const int64_t rows = 1000, cols = 37, ld = 40;
+    Tensor m(env, randu(rows * ld, 111), dt), sums(env, randu(cols, 112));
+    for (int acc = 0; acc < 2; ++acc) {
+      both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
+        loom_reduce_args a = loom::make<loom_reduce_args>();
+        a.op = LOOM_RED_COLUMN_SUM;
+        a.n = rows * cols;
+        a.cols = cols;
+        a.ld = ld;
+        a.x = gpu ? m.g() : m.c();
+        a.out = gpu ? sums.g() : sums.c();
+        a.accumulate = acc;
+        a.dtype = gpu ? dt : F32;
+        a.out_dtype = F32;
+        return a;
+      });
+      sums.expect_match("column sum", 1e-5);
+    }
+    std::vector<float> xv = randu(rows * ld, 113);
+    xv[5 * ld + 3] = xv[5 * ld + 9] = 5.0f;                  // a tie: the first wins
+    xv[7 * ld + 2] = std::numeric_limits<float>::quiet_NaN();  // NaN never wins
+    Tensor am(env, xv, dt);
+    Raw<int32_t> idx(env, std::vector<int32_t>(rows, -1));
+    both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
+      loom_reduce_args a = loom::make<loom_reduce_args>();
+      a.op = LOOM_RED_ROW_ARGMAX;
+      a.n = rows * cols;
+      a.cols = cols;
+      a.ld = ld;
+      a.x = gpu ? am.g() : am.c();
+      a.out = gpu ? static_cast<void*>(idx.g()) : idx.c();
+      a.dtype = gpu ? dt : F32;
+      a.out_dtype = LOOM_DTYPE_I32;
+      return a;
+    });
+    EXPECT_EQ(idx.gpu(), idx.cpu());  // both see the same (rounded) values: the same first maximum
+  }
+}
+
+TEST(DeviceCuda, AdamwMatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  for (int32_t gdt : {F32, BF16}) {
+    const int64_t n = 50001;
+    Tensor param(env, randu(n, 120)), grad(env, randu(n, 121, -1e-3f, 1e-3f), gdt);
+    Tensor m(env, randu(n, 122, -1e-4f, 1e-4f)), v(env, randu(n, 123, 0, 1e-6f)), copy(env, n, BF16);
+    for (int64_t step = 1; step <= 3; ++step) {
+      both<loom_adamw_args>(env, &loom::Device::adamw, [&](bool gpu) {
+        loom_adamw_args a = loom::make<loom_adamw_args>();
+        a.n = n;
+        a.param = static_cast<float*>(gpu ? param.g() : param.c());
+        a.grad = gpu ? grad.g() : grad.c();
+        a.m = static_cast<float*>(gpu ? m.g() : m.c());
+        a.v = static_cast<float*>(gpu ? v.g() : v.c());
+        a.grad_dtype = gpu ? gdt : F32;
+        a.lr = 1e-3f;
+        a.beta1 = 0.9f;
+        a.beta2 = 0.95f;
+        a.eps = 1e-8f;
+        a.weight_decay = 0.1f;
+        a.grad_scale = 0.5f;
+        a.step = step;
+        a.param_copy = gpu ? copy.g() : nullptr;  // the CPU check of the copy is round_bf16(param)
+        a.copy_dtype = BF16;
+        return a;
+      });
+    }
+    param.expect_match("adamw param");
+    m.expect_match("adamw m");
+    v.expect_match("adamw v");
+    std::vector<float> want = param.gpu();
+    for (float& w : want) w = round_bf16(w);
+    EXPECT_EQ(copy.gpu(), want);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Memory, streams and events
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, AllocatorStatisticsTrackCurrentPeakAndReserved) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_memory_stats s0 = d.stats();
+  EXPECT_EQ(s0.current_bytes, 0u);
+  void* a = d.alloc(1000);
+  void* b = d.alloc(5 << 20);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 256, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % 256, 0u);
+  loom_memory_stats s1 = d.stats();
+  EXPECT_EQ(s1.current_bytes, 1000u + (5u << 20));
+  EXPECT_EQ(s1.peak_bytes, s1.current_bytes);
+  EXPECT_GE(s1.reserved_bytes, s1.current_bytes);
+  EXPECT_EQ(s1.num_allocs, s0.num_allocs + 2);
+  d.free(a);
+  d.free(b);
+  const loom_memory_stats s2 = d.stats();
+  EXPECT_EQ(s2.current_bytes, 0u);
+  EXPECT_EQ(s2.peak_bytes, s1.peak_bytes);
+  EXPECT_EQ(s2.reserved_bytes, s1.reserved_bytes) << "freed blocks stay cached";
+  // The same sizes again come from the cache: nothing new is reserved.
+  void* c = d.alloc(5 << 20);
+  void* e = d.alloc(1000);
+  EXPECT_EQ(d.stats().reserved_bytes, s1.reserved_bytes);
+  d.free(c);
+  d.free(e);
+  // Freeing what the device did not allocate is logged, not a crash.
+  int local = 0;
+  d.free(&local);
+  EXPECT_EQ(d.stats().current_bytes, 0u);
+}
+
+TEST(DeviceCuda, StreamsAreOrderedByEvents) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  const int64_t n = 1 << 22;
+  void* x = d.alloc(n * 4);
+  void* total = d.alloc(4);
+  loom_stream* side = nullptr;
+  loom_event* ev = nullptr;
+  loom::check(api->stream_create(d.raw(), &side));
+  loom::check(api->event_create(d.raw(), &ev));
+  EXPECT_NE(api->native_stream(d.raw(), nullptr), nullptr);
+  EXPECT_NE(api->native_stream(d.raw(), side), api->native_stream(d.raw(), nullptr));
+  // x = 1 on the default stream; the side stream waits for it, then sums x.
+  d.ops().elementwise([&] {
+    auto a = ew(LOOM_EW_FILL, n, nullptr, nullptr, x, F32);
+    a.alpha = 1.0f;
+    return a;
+  }());
+  loom::check(api->event_record(d.raw(), ev, nullptr));
+  loom::check(api->stream_wait_event(d.raw(), side, ev));
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_SUM;
+  r.n = n;
+  r.x = x;
+  r.out = total;
+  d.ops(side).reduce(r);
+  loom::check(api->stream_synchronize(d.raw(), side));
+  float got = 0;
+  d.download(&got, total, 4);
+  EXPECT_EQ(got, static_cast<float>(n));
+  loom::check(api->event_synchronize(d.raw(), ev));
+  api->event_destroy(d.raw(), ev);
+  api->stream_destroy(d.raw(), side);
+  d.free(x);
+  d.free(total);
+}
+
+// ---------------------------------------------------------------------------
+// Graphs
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, GraphRecordsLaunchesAndReplaysThemOnTheSameAddresses) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  const int64_t n = 64;
+  float* x = static_cast<float*>(d.alloc(n * 4));
+  float* w = static_cast<float*>(d.alloc(n * n * 4));
+  float* y = static_cast<float*>(d.alloc(n * 4));
+  float* z = static_cast<float*>(d.alloc(n * 4));
+  float* total = static_cast<float*>(d.alloc(4));
+  std::vector<float> xv = randu(n, 150);
+  const std::vector<float> wv = randu(n * n, 151);
+  const std::vector<float> minus(n, -1.0f);
+  d.upload(x, xv.data(), n * 4);
+  d.upload(w, wv.data(), n * n * 4);
+  d.upload(y, minus.data(), n * 4);
+  d.upload(z, minus.data(), n * 4);
+  d.upload(total, minus.data(), 4);
+  const loom_memory_stats before = d.stats();
+  int host_counter = 0;
+
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.m = n;
+  g.n = 1;
+  g.k = n;
+  g.a = w;
+  g.lda = n;
+  g.b = x;
+  g.ldb = 1;
+  g.c = y;
+  g.ldc = 1;
+  g.batch = 1;
+  g.alpha = 1.0f;
+  loom::check(api->ops->gemm(d.raw(), nullptr, &g));
+  host_counter++;
+  loom_elementwise_args s = ew(LOOM_EW_SCALE, n, y, nullptr, y, F32);
+  s.alpha = 2.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &s));
+  s.alpha = 1000.0f;  // changed after the launch: the graph holds its own copy
+  loom::check(api->copy(d.raw(), nullptr, z, y, n * 4, LOOM_COPY_DEVICE_TO_DEVICE));
+  // An allocation inside the capture (graph pool), used and freed there.
+  float* tmp = static_cast<float*>(d.alloc(n * 4));
+  loom::check(api->copy(d.raw(), nullptr, tmp, z, n * 4, LOOM_COPY_DEVICE_TO_DEVICE));
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_SUM;
+  r.n = n;
+  r.x = tmp;
+  r.out = total;
+  loom::check(api->ops->reduce(d.raw(), nullptr, &r));
+  d.free(tmp);
+  host_counter++;
+  // No host sync inside a capture.
+  EXPECT_EQ(take(api->stream_synchronize(d.raw(), nullptr)).code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_EQ(take(api->capture_begin(d.raw(), nullptr)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &graph));
+  ASSERT_NE(graph, nullptr);
+
+  std::vector<float> yv(n), zv(n);
+  float t = 0;
+  d.download(yv.data(), y, n * 4);
+  d.download(zv.data(), z, n * 4);
+  d.download(&t, total, 4);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(yv[i], -1.0f) << "nothing runs during capture";
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(zv[i], -1.0f);
+  EXPECT_EQ(t, -1.0f);
+
+  auto expect_result = [&](const std::vector<float>& xs, const std::string& what) {
+    std::vector<float> want(n);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double acc = 0;
+      for (int64_t k = 0; k < n; ++k) acc += double(wv[i * n + k]) * xs[k];
+      want[i] = static_cast<float>(2 * acc);
+      sum += 2 * acc;
+    }
+    d.download(yv.data(), y, n * 4);
+    d.download(zv.data(), z, n * 4);
+    d.download(&t, total, 4);
+    expect_rel(yv, want, 1e-5, what + " y");
+    expect_rel(zv, want, 1e-5, what + " z");
+    EXPECT_NEAR(t, sum, 1e-3) << what;
+  };
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  expect_result(xv, "replay 1");
+  EXPECT_EQ(host_counter, 2);
+  xv = randu(n, 152);
+  d.upload(x, xv.data(), n * 4);
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  expect_result(xv, "replay 2");
+
+  // Nested: replaying into another capture adds the graph; the outer one keeps a copy.
+  d.upload(y, minus.data(), n * 4);
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  loom_graph* outer = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &outer));
+  api->graph_destroy(d.raw(), graph);
+  loom_stream* side = nullptr;
+  loom::check(api->stream_create(d.raw(), &side));
+  loom::check(api->graph_replay(d.raw(), outer, side));
+  loom::check(api->stream_synchronize(d.raw(), side));
+  expect_result(xv, "nested replay on another stream");
+  api->graph_destroy(d.raw(), outer);
+  api->stream_destroy(d.raw(), side);
+  EXPECT_EQ(d.stats().current_bytes, before.current_bytes);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(y), static_cast<void*>(z),
+                  static_cast<void*>(total)})
+    d.free(p);
+}
+
+TEST(DeviceCuda, CaptureOnASideStreamLeavesOtherStreamsEager) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  loom_stream* side = nullptr;
+  loom::check(api->stream_create(d.raw(), &side));
+  float* a = static_cast<float*>(d.alloc(64));
+  float* b = static_cast<float*>(d.alloc(64));
+  const std::vector<float> zeros(16, 0.0f);
+  d.upload(a, zeros.data(), 64);
+  d.upload(b, zeros.data(), 64);
+  loom::check(api->capture_begin(d.raw(), side));
+  auto fill = ew(LOOM_EW_FILL, 16, nullptr, nullptr, a, F32);
+  fill.alpha = 3.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &fill));  // the default stream: runs now
+  auto fill_b = ew(LOOM_EW_FILL, 16, nullptr, nullptr, b, F32);
+  fill_b.alpha = 4.0f;
+  loom::check(api->ops->elementwise(d.raw(), side, &fill_b));  // recorded
+  auto bad = ew(LOOM_EW_FILL, 16, nullptr, nullptr, nullptr, F32);
+  EXPECT_EQ(take(api->ops->elementwise(d.raw(), side, &bad)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_graph* wrong = nullptr;
+  EXPECT_EQ(take(api->capture_end(d.raw(), nullptr, &wrong)).code, LOOM_CODE_INVALID_ARGUMENT);
+  loom_graph* g = nullptr;
+  loom::check(api->capture_end(d.raw(), side, &g));
+  std::vector<float> av(16), bv(16);
+  d.download(av.data(), a, 64);
+  d.download(bv.data(), b, 64);
+  EXPECT_EQ(av[5], 3.0f);
+  EXPECT_EQ(bv[5], 0.0f);
+  loom::check(api->graph_replay(d.raw(), g, nullptr));
+  d.download(bv.data(), b, 64);
+  EXPECT_EQ(bv[5], 4.0f);
+  api->graph_destroy(d.raw(), g);
+  api->stream_destroy(d.raw(), side);
+  d.free(a);
+  d.free(b);
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, ErrorsNameTheOpAndAreStatuses) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  void* buf = d.alloc(256);
+  loom_layernorm_fwd_args ln = loom::make<loom_layernorm_fwd_args>();
+  ln.rows = 2;
+  ln.cols = 4;
+  ln.x = buf;
+  ln.y = buf;
+  ln.dtype = LOOM_DTYPE_F16;
+  StatusInfo s = take(d.api()->ops->layernorm_fwd(d.raw(), nullptr, &ln));
+  EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
+  EXPECT_NE(s.message.find("layernorm_fwd"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
+  // A CUDA failure names the call, the op and the rank.
+  void* huge = nullptr;
+  s = take(d.api()->alloc(d.raw(), size_t{1} << 50, &huge));
+  EXPECT_EQ(s.code, LOOM_CODE_OUT_OF_MEMORY);
+  EXPECT_NE(s.message.find("cudaMalloc"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("rank 0"), std::string::npos) << s.message;
+  loom_xent_args zero_size{};
+  EXPECT_EQ(take(d.api()->ops->xent(d.raw(), nullptr, &zero_size)).code, LOOM_CODE_INVALID_ARGUMENT);
+  d.free(buf);
+}
+
+}  // namespace
