@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs what loom needs from Debian packages, only what is missing (idempotent).
 set -euo pipefail
+# OpenMPI: comm/mpi and its tests (CI runs them with mpirun --oversubscribe --allow-run-as-root).
 required=(cmake ninja-build g++ pkg-config libboost-dev libboost-filesystem-dev libtomlplusplus-dev
-          libgoogle-glog-dev libgtest-dev libgmock-dev libopenblas-dev libdlpack-dev binutils)
-optional=(libopenmpi-dev openmpi-bin)   # comm/mpi and the MPI tests
+          libgoogle-glog-dev libgtest-dev libgmock-dev libopenblas-dev libdlpack-dev binutils
+          libopenmpi-dev openmpi-bin)
 missing=()
-for p in "${required[@]}" "${optional[@]}"; do
+for p in "${required[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then

@@ -1,14 +1,67 @@
 #include "engine/runtime/launcher.hpp"
 
 #include <glog/logging.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
 
 namespace loom::runtime {
+namespace {
+
+// A non-negative integer environment variable, or -1.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return -1;
+  int n = -1;
+  const char* end = v + std::char_traits<char>::length(v);
+  auto res = std::from_chars(v, end, n);
+  return res.ec == std::errc() && res.ptr == end && n >= 0 ? n : -1;
+}
+
+// CPUs this process may run on (its affinity mask), at least 1.
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+ProcessLaunch detect_process_launch() {
+  struct Source {
+    const char *size, *rank, *local_size, *local_rank, *name;
+  };
+  // The same order as the manifest's world-size check (launcher_world_size).
+  static const Source sources[] = {
+      {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+       "mpirun"},
+      {"PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "the MPI process manager"},
+      {"SLURM_NTASKS", "SLURM_PROCID", "SLURM_NTASKS_PER_NODE", "SLURM_LOCALID", "srun"},
+  };
+  ProcessLaunch p;
+  for (const Source& s : sources) {
+    const int size = env_int(s.size);
+    if (size <= 0) continue;
+    const int rank = env_int(s.rank);
+    if (rank < 0 || rank >= size) continue;
+    p.world_size = size;
+    p.rank = rank;
+    p.multi_process = size > 1;
+    p.local_size = env_int(s.local_size) > 0 ? env_int(s.local_size) : 0;
+    p.local_rank = std::max(0, env_int(s.local_rank));
+    p.launcher = std::string(s.name) + " (" + s.size + "=" + std::to_string(size) + ", " + s.rank + "=" +
+                 std::to_string(rank) + ")";
+    break;
+  }
+  return p;
+}
 
 void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>& fn) {
   plugins::host_api();
@@ -19,19 +72,42 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
   plugins::OptionValues dev_opts(config.device_options, config.device_plugin->options);
   plugins::OptionValues comm_opts(config.comm_options, config.comm_plugin->options);
 
-  std::vector<int32_t> local_ranks(world);
-  for (int r = 0; r < world; ++r) local_ranks[r] = r;
+  // Every rank is a thread of this process, or (under mpirun/srun) this process
+  // hosts its own rank only and the comm plugin connects the processes.
+  const ProcessLaunch proc = detect_process_launch();
+  std::vector<int32_t> all_ranks(world);
+  for (int r = 0; r < world; ++r) all_ranks[r] = r;
+  std::vector<int32_t> local_ranks = all_ranks;
+  if (proc.multi_process) {
+    if (proc.world_size != world)
+      throw RunError("the run has " + std::to_string(world) + " ranks but " + proc.launcher + " started " +
+                     std::to_string(proc.world_size) + " processes; start one process per rank (mpirun -np " +
+                     std::to_string(world) + ")");
+    if (config.comm_plugin->name == "local")
+      throw RunError("this process was started by " + proc.launcher +
+                     " as one process per rank, but comm.backend = \"local\" runs every rank as a thread of one "
+                     "process; add --set comm.backend=mpi (or run without mpirun/srun)");
+    local_ranks = {proc.rank};
+  }
   loom_comm_world_args wargs = loom::make<loom_comm_world_args>();
   wargs.world_size = world;
-  wargs.num_local_ranks = world;
+  wargs.num_local_ranks = static_cast<int32_t>(local_ranks.size());
   wargs.local_ranks = local_ranks.data();
   wargs.timeout_ms = config.timeout_ms;
   loom_comm_world* comm_world = nullptr;
   loom::check(comm_api->world_create(comm_opts.raw(), &wargs, &comm_world));
   std::unique_ptr<loom_comm_world, void (*)(loom_comm_world*)> world_guard(comm_world, comm_api->world_destroy);
 
-  const int cores = std::max(1u, std::thread::hardware_concurrency());
-  const int threads = config.threads > 0 ? config.threads : std::max(1, cores / world);
+  // Host threads per rank: the cores this process may use, shared by the ranks of
+  // this process; under mpirun/srun without binding, by the processes of this node.
+  const int cores = usable_cores();
+  const int nodes_share =
+      proc.multi_process && cores >= static_cast<int>(std::thread::hardware_concurrency()) && proc.local_size > 0
+          ? proc.local_size
+          : 1;
+  const int threads = config.threads > 0
+                          ? config.threads
+                          : std::max(1, cores / (static_cast<int>(local_ranks.size()) * nodes_share));
 
   std::mutex mu;
   std::vector<std::string> errors(world);
@@ -47,16 +123,16 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
     try {
       loom_device_create_args dargs = loom::make<loom_device_create_args>();
       dargs.global_rank = rank;
-      dargs.local_rank = rank;
+      dargs.local_rank = proc.multi_process ? proc.local_rank : rank;
       dargs.num_threads = threads;
-      dargs.ranks_in_process = world;
+      dargs.ranks_in_process = static_cast<int32_t>(local_ranks.size());
       loom_device* dev = nullptr;
       loom::check(dev_api->create(dev_opts.raw(), &dargs, &dev));
       RankRuntime rt(rank, dev_api, dev);
       for (const std::string& kind : config.group_kinds) {
         std::vector<int32_t> members;
         if (kind == "world") {
-          members = local_ranks;
+          members = all_ranks;
         } else {
           const std::vector<int>& g = groups.group_of(kind, rank);
           members.assign(g.begin(), g.end());
@@ -86,8 +162,8 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
     }
   };
 
-  if (world == 1) {
-    rank_main(0);
+  if (local_ranks.size() == 1) {
+    rank_main(local_ranks[0]);
   } else {
     std::vector<std::thread> threads_v;
     for (int r = 0; r < world; ++r) threads_v.emplace_back(rank_main, r);

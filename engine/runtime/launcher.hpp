@@ -34,8 +34,23 @@ class RunError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Runs fn on every rank, returns when all are done. If a rank throws, the comm
-// world is aborted so the others stop promptly, and RunError is thrown.
+// How this process was started. Under mpirun (OMPI_COMM_WORLD_SIZE/RANK), an MPI
+// process manager (PMI_SIZE/PMI_RANK) or srun (SLURM_NTASKS/SLURM_PROCID) with more
+// than one process, the run has one process per rank and this one hosts `rank`.
+struct ProcessLaunch {
+  bool multi_process = false;
+  int world_size = 1;      // processes started
+  int rank = 0;            // this process's global rank
+  int local_size = 1;      // processes on this node (0 when unknown)
+  int local_rank = 0;      // this process's index on its node
+  std::string launcher;    // "mpirun (OMPI_COMM_WORLD_SIZE=4)", for messages
+};
+ProcessLaunch detect_process_launch();
+
+// Runs fn on every rank of this process (all ranks as threads, or only this
+// process's rank when detect_process_launch() says one process per rank), returns
+// when they are done. If a rank throws, the comm world is aborted so the others
+// (threads or processes) stop promptly, and RunError is thrown.
 void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>& fn);
 
 }  // namespace loom::runtime

@@ -5,8 +5,10 @@
 #include <boost/filesystem.hpp>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
@@ -64,8 +66,19 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 }
 
 std::string temp_checkpoint_path(const std::string& dir, int64_t step) {
-  return (fs::path(dir) / (".tmp-" + fs::path(checkpoint_path(dir, step)).filename().string() + "-" +
-                           std::to_string(::getpid())))
+  // Unique per run and the same in every process of it: under mpirun/srun each rank
+  // is its own process and writes into the directory rank 0 prepared, so the job's
+  // id stands in for the process id.
+  std::string run_id = std::to_string(::getpid());
+  if (const char* ns = std::getenv("PMIX_NAMESPACE"); ns && *ns) {
+    run_id = ns;
+  } else if (const char* job = std::getenv("SLURM_JOB_ID"); job && *job) {
+    const char* step_id = std::getenv("SLURM_STEP_ID");
+    run_id = std::string(job) + "." + (step_id ? step_id : "0");
+  }
+  for (char& c : run_id)
+    if (c == '/') c = '_';
+  return (fs::path(dir) / (".tmp-" + fs::path(checkpoint_path(dir, step)).filename().string() + "-" + run_id))
       .string();
 }
 
@@ -178,6 +191,96 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
   c = model::fnv1a(s.optimizer.data(), s.optimizer.size(), c);
   if (c != h.checksum) throw CheckpointError(path + ": checksum mismatch; the checkpoint is corrupt");
   return s;
+}
+
+std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, int old_world) {
+  topology::ParallelSizes old = sizes;
+  old.world = old_world;
+  const topology::RankGroups now = topology::RankGroups::build(sizes);
+  const topology::RankGroups before = topology::RankGroups::build(old);
+  topology::Coords c = now.coords(rank);
+  std::vector<int> peers;
+  for (int r = 0; r < before.dp(); ++r) {
+    c.dp = r;
+    peers.push_back(before.rank_of(c));
+  }
+  return peers;
+}
+
+std::vector<float> remap_params(const std::vector<float>& params, const model::BufferLayout& from,
+                                const model::BufferLayout& to) {
+  if (params.size() != from.numel || from.params.size() != to.params.size())
+    throw CheckpointError("cannot remap a parameter buffer of " + std::to_string(params.size()) +
+                          " elements laid out for " + std::to_string(from.numel) + " elements and " +
+                          std::to_string(from.params.size()) + " parameters onto " + std::to_string(to.params.size()) +
+                          " parameters; the model differs from the checkpoint's");
+  std::vector<float> out(to.numel, 0.f);
+  for (size_t i = 0; i < to.params.size(); ++i) {
+    const model::Range& a = from.params[i];
+    const model::Range& b = to.params[i];
+    if (a.size() != b.size() || a.end > params.size() || b.end > out.size())
+      throw CheckpointError("parameter " + std::to_string(i) + " holds " + std::to_string(a.size()) +
+                            " elements in the checkpoint but " + std::to_string(b.size()) +
+                            " in this run; the model differs from the checkpoint's");
+    std::copy(params.begin() + static_cast<std::ptrdiff_t>(a.start), params.begin() + static_cast<std::ptrdiff_t>(a.end),
+              out.begin() + static_cast<std::ptrdiff_t>(b.start));
+  }
+  return out;
+}
+
+void load_resharded(const std::string& step_dir, int old_dp, int old_world, const topology::ParallelSizes& sizes,
+                    int rank, model::Model& model, const loom::Device& dev, size_t bucket_size,
+                    const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin) {
+  std::vector<std::vector<size_t>> numels(model.chunk_count());
+  for (const model::ParamEntry& e : model.param_entries()) numels[static_cast<size_t>(e.chunk)].push_back(e.numel);
+  const model::BufferLayout old_layout = model::layout_chunked_buffer(numels, old_dp, bucket_size);
+  const std::vector<int> peers = old_dp_peers(sizes, rank, old_world);
+  if (static_cast<int>(peers.size()) != old_dp)
+    throw CheckpointError(step_dir + " is corrupt: its meta says dp=" + std::to_string(old_dp) + " over " +
+                          std::to_string(old_world) + " ranks, which gives " + std::to_string(peers.size()) +
+                          " data-parallel ranks under this run's tp, cp and pp");
+  std::vector<RankState> old;
+  for (int peer : peers) old.push_back(read_rank_file(step_dir, peer, static_cast<int64_t>(old_layout.numel)));
+
+  // Parameters: every dp replica saved the same buffer; old dp rank 0's is used.
+  const std::vector<float> params = remap_params(old.front().params, old_layout, model.layout());
+  dev.copy(model.params(), params.data(), params.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+
+  std::vector<const void*> states;
+  std::vector<size_t> state_bytes, old_offsets, old_numels, old_buckets;
+  for (const RankState& s : old) {
+    states.push_back(s.optimizer.data());
+    state_bytes.push_back(s.optimizer.size());
+  }
+  for (const model::Range& r : old_layout.params) {
+    old_offsets.push_back(r.start);
+    old_numels.push_back(r.size());
+  }
+  for (const model::Range& b : old_layout.buckets) old_buckets.push_back(b.start);
+  old_buckets.push_back(old_layout.numel);
+  loom_optimizer_reshard_args ra = loom::make<loom_optimizer_reshard_args>();
+  ra.old_dp = old_dp;
+  ra.states = states.data();
+  ra.state_bytes = state_bytes.data();
+  ra.old_numel = old_layout.numel;
+  ra.old_offsets = old_offsets.data();
+  ra.old_numels = old_numels.data();
+  ra.num_params = old_offsets.size();
+  ra.old_bucket_offsets = old_buckets.data();
+  ra.old_num_buckets = old_layout.buckets.size();
+  if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)
+    throw CheckpointError("optimizer plugin " + plugin + " cannot reshard the state of " + step_dir + " (dp=" +
+                          std::to_string(old_dp) + "): it has no state_load_resharded (ABI 1.1); resume with "
+                          "parallel.dp=" + std::to_string(old_dp));
+  try {
+    loom::check(api->state_load_resharded(opt, &ra));
+  } catch (const loom::Error& e) {
+    if (e.code() != LOOM_CODE_UNSUPPORTED) throw;
+    throw CheckpointError("optimizer plugin " + plugin + " cannot reshard the state of " + step_dir + " (dp=" +
+                          std::to_string(old_dp) + ") to dp=" + std::to_string(topology::RankGroups::build(sizes).dp()) +
+                          ": " + e.what() + "; resume with parallel.dp=" + std::to_string(old_dp));
+  }
+  dev.synchronize();
 }
 
 }  // namespace loom::train

@@ -1,6 +1,6 @@
 #include "group.hpp"
 
-#include "reduce.hpp"
+#include "../common/reduce.hpp"
 
 #include <loom/cpp/core.hpp>
 
@@ -12,6 +12,12 @@
 #include <sstream>
 
 namespace loom::comm_local {
+using comm_common::dtype_name;
+using comm_common::element_size;
+using comm_common::reduce_into;
+using comm_common::reduce_name;
+using comm_common::reducible;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
-namespace loom::comm_local {
+namespace loom::comm_common {
 namespace {
 
 // ---- storage types and how they load into / store from the accumulator ----
@@ -38,7 +38,7 @@ struct BF16 {  // bfloat16 stored as its bit pattern, accumulated in float
 };
 
 #if defined(__FLT16_MAX__)
-#define LOOM_COMM_LOCAL_HAVE_F16 1
+#define LOOM_COMM_HAVE_F16 1
 struct F16 {  // IEEE half, accumulated in float; the compiler does the rounding
   using Storage = uint16_t;
   using Acc = float;
@@ -55,7 +55,7 @@ struct F16 {  // IEEE half, accumulated in float; the compiler does the rounding
   }
 };
 #else
-#define LOOM_COMM_LOCAL_HAVE_F16 0
+#define LOOM_COMM_HAVE_F16 0
 #endif
 
 // ---- the combining step, acc = acc (op) v ----
@@ -173,7 +173,7 @@ std::string reduce_name(int32_t op) {
 
 bool reducible(int32_t dtype, int32_t op) {
   if (op < LOOM_REDUCE_SUM || op > LOOM_REDUCE_AVG) return false;
-  if (dtype == LOOM_DTYPE_F16) return LOOM_COMM_LOCAL_HAVE_F16 != 0;
+  if (dtype == LOOM_DTYPE_F16) return LOOM_COMM_HAVE_F16 != 0;
   return element_size(dtype) != 0;
 }
 
@@ -185,11 +185,11 @@ void reduce_into(void* out, const void* const* in, int n, size_t len, int32_t dt
     case LOOM_DTYPE_I64: return reduce_op<Native<int64_t>>(out, in, n, len, op);
     case LOOM_DTYPE_U8: return reduce_op<Native<uint8_t>>(out, in, n, len, op);
     case LOOM_DTYPE_BF16: return reduce_op<BF16>(out, in, n, len, op);
-#if LOOM_COMM_LOCAL_HAVE_F16
+#if LOOM_COMM_HAVE_F16
     case LOOM_DTYPE_F16: return reduce_op<F16>(out, in, n, len, op);
 #endif
     default: return;
   }
 }
 
-}  // namespace loom::comm_local
+}  // namespace loom::comm_common

@@ -1,4 +1,5 @@
-// comm/local: element types and the in-order reduction kernel.
+// Element types and the in-order reduction kernel shared by the CPU comm plugins
+// (comm/local and comm/mpi), so both reduce bit-identically.
 //
 // Determinism contract: for every element i, the result is
 //   acc = in[0][i]; acc = acc (op) in[1][i]; ...; acc = acc (op) in[n-1][i]
@@ -15,7 +16,7 @@
 #include <cstdint>
 #include <string>
 
-namespace loom::comm_local {
+namespace loom::comm_common {
 
 // Bytes per element; 0 for an unknown dtype.
 size_t element_size(int32_t dtype);
@@ -30,4 +31,4 @@ bool reducible(int32_t dtype, int32_t op);
 // order. `out` must not alias any input. Requires reducible(dtype, op) and n >= 1.
 void reduce_into(void* out, const void* const* in, int n, size_t len, int32_t dtype, int32_t op);
 
-}  // namespace loom::comm_local
+}  // namespace loom::comm_common

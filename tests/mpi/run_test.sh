@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# `loom run` under mpirun with comm/mpi against the threads backend (comm/local):
+#   1. -np 2 (dp 2) and -np 4 (dp 2 x tp 2, distributed optimizer): the per-step
+#      metrics (loss, lr, grad norm, memory, validation) are identical, timing
+#      fields aside; only rank 0 prints the step log;
+#   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
+#      under mpirun to the same steps as the uninterrupted threads run;
+#   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
+#      with a message naming it and a non-zero exit, long before comm.timeout_s;
+#   4. comm.backend = "local" under mpirun, and comm/mpi without mpirun, are refused
+#      with a message saying what to do.
+# usage: run_test.sh LOOM MPIEXEC MANIFEST [MPIEXEC FLAGS...]
+set -euo pipefail
+loom=$1 mpiexec=$2 manifest=$3
+shift 3
+flags=("$@")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+# The metrics without the fields that measure time.
+strip() { sed -E 's/, "(tokens_per_s|ms|flops_per_s|mfu)": [^,}]*//g' "$1"; }
+same() {  # same FILE_A FILE_B WHAT
+  [ -s "$1" ] || fail "$3: $1 is empty"
+  if ! diff <(strip "$1") <(strip "$2") >"$work/diff"; then
+    head -5 "$work/diff" >&2
+    fail "$3: metrics differ"
+  fi
+  echo "ok: $3 ($(wc -l <"$1") steps identical)"
+}
+threads() { "$loom" run "$manifest" "$@"; }
+mpi() {  # mpi NP ARGS...
+  local np=$1
+  shift
+  timeout 150 "$mpiexec" "${flags[@]}" -np "$np" "$loom" run "$manifest" --set comm.backend=mpi "$@"
+}
+
+# 1. Equivalence with the threads backend.
+threads --metrics "$work/t2.jsonl" >"$work/t2.out"
+mpi 2 --metrics "$work/m2.jsonl" >"$work/m2.out"
+same "$work/t2.jsonl" "$work/m2.jsonl" "mpirun -np 2 vs threads (dp 2)"
+[ "$(grep -c '^step ' "$work/m2.out")" -eq "$(grep -c '^step ' "$work/t2.out")" ] ||
+  fail "the step log under mpirun should come from rank 0 only: $(grep -c '^step ' "$work/m2.out") lines"
+
+four=(--set parallel.tp=2 --set optimizer.strategy=distributed)
+threads "${four[@]}" --metrics "$work/t4.jsonl" >/dev/null
+mpi 4 "${four[@]}" --metrics "$work/m4.jsonl" >/dev/null
+same "$work/t4.jsonl" "$work/m4.jsonl" "mpirun -np 4 vs threads (dp 2 x tp 2, distributed optimizer)"
+
+# 2. Checkpoints under mpirun, and resuming from them.
+ck=(--set "checkpoint.dir=\"$work/ck\"" --set checkpoint.every=3)
+mpi 2 "${ck[@]}" --metrics "$work/c.jsonl" >/dev/null
+for s in 3 6; do
+  for r in 0 1; do
+    f=$(printf '%s/ck/step_%08d/rank_%05d.bin' "$work" "$s" "$r")
+    [ -f "$f" ] || fail "checkpoint file $f is missing"
+  done
+done
+same "$work/t2.jsonl" "$work/c.jsonl" "mpirun -np 2 with checkpoints vs threads"
+rm -rf "$(printf '%s/ck/step_%08d' "$work" 6)"
+mpi 2 "${ck[@]}" --resume --metrics "$work/r.jsonl" >/dev/null
+tail -n 3 "$work/t2.jsonl" >"$work/t2_tail.jsonl"
+same "$work/t2_tail.jsonl" "$work/r.jsonl" "mpirun -np 2 resumed at step 3 vs threads steps 4-6"
+
+# 3. A failing rank ends the job promptly (comm.timeout_s is 10 minutes).
+bad=$(printf '%s/ck/step_%08d/rank_%05d.bin' "$work" 6 1)
+truncate -s 100 "$bad"
+start=$(date +%s)
+set +e
+mpi 2 "${ck[@]}" --resume --set comm.timeout_s=600.0 >"$work/f.out" 2>&1
+rc=$?
+set -e
+elapsed=$(($(date +%s) - start))
+[ "$rc" -ne 0 ] || fail "a failing rank should fail the run"
+[ "$rc" -ne 124 ] || fail "a failing rank left the job hanging (killed after 150 s)"
+[ "$elapsed" -lt 60 ] || fail "the job took ${elapsed} s to end after a rank failed"
+grep -q "loom run: rank 1: .*rank_00001.bin" "$work/f.out" || { cat "$work/f.out" >&2; fail "no message naming rank 1 and its file"; }
+echo "ok: a failing rank ended the job in ${elapsed} s (exit $rc)"
+
+# 4. Misconfigurations are refused.
+set +e
+timeout 120 "$mpiexec" "${flags[@]}" -np 2 "$loom" run "$manifest" >"$work/l.out" 2>&1
+rc=$?
+set -e
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "comm/local under mpirun should be refused (exit $rc)"
+grep -q "comm.backend=mpi" "$work/l.out" || { cat "$work/l.out" >&2; fail "no hint to set comm.backend=mpi"; }
+echo "ok: comm/local under mpirun refused"
+
+set +e
+timeout 60 "$loom" run "$manifest" --set comm.backend=mpi >"$work/n.out" 2>&1
+rc=$?
+set -e
+[ "$rc" -eq 1 ] || fail "comm/mpi without mpirun should exit 1 (got $rc)"
+grep -q "mpirun -np 2" "$work/n.out" || { cat "$work/n.out" >&2; fail "no hint to start with mpirun -np 2"; }
+echo "ok: comm/mpi without mpirun refused"
