@@ -88,6 +88,14 @@ loom_status rank_exec(loom_rank* r, const loom_exec_api** api, loom_exec** exec)
   return r ? r->exec(api, exec) : no_rank();
 }
 int32_t rank_global(loom_rank* r) { return r ? r->global_rank() : -1; }
+const void* rank_service(loom_rank* r, int32_t api_type, const char* name) {
+  try {
+    const void* s = r ? r->service(api_type, name) : nullptr;
+    return s ? s : find_service(api_type, name);
+  } catch (...) {
+    return nullptr;  // nothing throws across the ABI
+  }
+}
 
 loom_host_api make_host_api() {
   loom_host_api h = loom::make<loom_host_api>();
@@ -109,6 +117,7 @@ loom_host_api make_host_api() {
   h.group = rank_group;
   h.exec = rank_exec;
   h.global_rank = rank_global;
+  h.service = rank_service;
   return h;
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 
@@ -30,7 +32,9 @@ int32_t expected_api_type(const std::string& kind, int32_t api_type) {
   if (kind == "layer") return LOOM_API_LAYER;
   if (kind == "exec") return LOOM_API_EXEC;
   if (kind == "parallel")
-    return (api_type == LOOM_API_OPTIMIZER || api_type == LOOM_API_SCHEDULE) ? api_type : LOOM_API_OPTIMIZER;
+    return (api_type == LOOM_API_OPTIMIZER || api_type == LOOM_API_SCHEDULE || api_type == LOOM_API_TENSOR_PARALLEL)
+               ? api_type
+               : LOOM_API_OPTIMIZER;
   return -1;
 }
 
@@ -89,6 +93,41 @@ const loom_layer_api* LoadedPlugin::layer() const { return typed_api<loom_layer_
 const loom_optimizer_api* LoadedPlugin::optimizer() const { return typed_api<loom_optimizer_api>(*this, LOOM_API_OPTIMIZER, "optimizer"); }
 const loom_schedule_api* LoadedPlugin::schedule() const { return typed_api<loom_schedule_api>(*this, LOOM_API_SCHEDULE, "schedule"); }
 const loom_exec_api* LoadedPlugin::exec() const { return typed_api<loom_exec_api>(*this, LOOM_API_EXEC, "exec"); }
+const loom_tensor_parallel_api* LoadedPlugin::tensor_parallel() const {
+  return typed_api<loom_tensor_parallel_api>(*this, LOOM_API_TENSOR_PARALLEL, "tensor-parallel");
+}
+
+namespace {
+std::mutex& services_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<int32_t, const LoadedPlugin*>& default_services() {
+  static std::map<int32_t, const LoadedPlugin*> m;
+  return m;
+}
+}  // namespace
+
+void set_default_service(int32_t api_type, const LoadedPlugin* plugin) {
+  std::lock_guard<std::mutex> lock(services_mu());
+  default_services()[api_type] = plugin;
+}
+
+const void* find_service(int32_t api_type, const char* name) {
+  const LoadedPlugin* chosen = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(services_mu());
+    auto it = default_services().find(api_type);
+    if (it != default_services().end()) chosen = it->second;
+  }
+  if (name == nullptr || *name == '\0') {
+    if (chosen) return chosen->api;
+    name = "tensor";  // the built-in default (manifest key parallel.tensor)
+  }
+  if (chosen && chosen->name == name && chosen->api_type == api_type) return chosen->api;
+  const LoadedPlugin* p = registry().find("parallel", name);
+  return p && p->api_type == api_type ? p->api : nullptr;
+}
 
 void Registry::load_file(const std::string& path) {
   const std::string file = fs::absolute(path).lexically_normal().string();

@@ -15,4 +15,7 @@ struct loom_rank_s {
   virtual loom_status device(const loom_device_api** api, loom_device** dev, loom_stream** stream) = 0;
   virtual loom_status group(const std::string& kind, loom_group* out) = 0;
   virtual loom_status exec(const loom_exec_api** api, loom_exec** exec) = 0;
+  // ABI 1.1: a service table this rank was given (name null = its default for
+  // api_type); null sends the host to the process-wide default (find_service).
+  virtual const void* service(int32_t /*api_type*/, const char* /*name*/) { return nullptr; }
 };

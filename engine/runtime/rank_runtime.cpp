@@ -16,7 +16,15 @@ RankRuntime::~RankRuntime() {
   if (device_api_ && device_) device_api_->destroy(device_);
 }
 
-void RankRuntime::add_group(const std::string& kind, const loom_group& group) { groups_[kind] = group; }
+void RankRuntime::add_group(const std::string& kind, const loom_group& group) {
+  groups_[kind] = counting_group(group, kind, &comm_stats_);
+}
+
+const void* RankRuntime::service(int32_t api_type, const char* name) {
+  if (name != nullptr && *name != '\0') return nullptr;  // by name: the registry's
+  auto it = services_.find(api_type);
+  return it == services_.end() ? nullptr : it->second;
+}
 
 void RankRuntime::set_exec(const loom_exec_api* api, loom_exec* exec) {
   if (exec_api_ && exec_) exec_api_->destroy(exec_);

@@ -2,6 +2,7 @@
 // kind, and its execution mode. This is what plugins reach through loom_rank.
 #pragma once
 
+#include "engine/runtime/comm_stats.hpp"
 #include "engine/runtime/rank_context.hpp"
 
 #include <loom/cpp/core.hpp>
@@ -19,7 +20,14 @@ class RankRuntime : public loom_rank_s {
   RankRuntime& operator=(const RankRuntime&) = delete;
 
   // The runtime takes ownership of the communicator (destroyed with the rank).
+  // Plugins and the engine get the group behind a counting shim (comm_stats.hpp).
   void add_group(const std::string& kind, const loom_group& group);
+  // Collectives called through this rank's groups since the last reset.
+  CommStats comm_stats() const { return comm_stats_.snapshot(); }
+  void reset_comm_stats() { comm_stats_.reset(); }
+  // ABI 1.1: the table host->service(rank, api_type, NULL) returns for this rank
+  // (without one, the process-wide default: plugins::set_default_service).
+  void set_service(int32_t api_type, const void* table) { services_[api_type] = table; }
   void set_exec(const loom_exec_api* api, loom_exec* exec);  // owned
 
   loom::Device dev() const { return loom::Device(device_api_, device_, nullptr); }
@@ -36,6 +44,7 @@ class RankRuntime : public loom_rank_s {
   loom_status device(const loom_device_api** api, loom_device** dev, loom_stream** stream) override;
   loom_status group(const std::string& kind, loom_group* out) override;
   loom_status exec(const loom_exec_api** api, loom_exec** exec) override;
+  const void* service(int32_t api_type, const char* name) override;
 
  private:
   int rank_;
@@ -44,6 +53,8 @@ class RankRuntime : public loom_rank_s {
   std::map<std::string, loom_group> groups_;
   const loom_exec_api* exec_api_ = nullptr;
   loom_exec* exec_ = nullptr;
+  CommStatsRecorder comm_stats_;
+  std::map<int32_t, const void*> services_;
 };
 
 }  // namespace loom::runtime

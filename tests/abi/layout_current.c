@@ -1,6 +1,6 @@
 /* Member offsets and sizes under the CURRENT header (the SDK include path).
- * Compared with layout_frozen.c by the ABI test: every released member must keep
- * its offset and size. */
+ * Compared with layout_frozen.c (1.0) and layout_frozen_v1_1.c (1.1) by the ABI
+ * test: every released member must keep its offset and size. */
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
@@ -9,8 +9,16 @@
 static const size_t k_layout[] = {
 #include "layout_members.inc"
 };
+static const size_t k_layout_v1_1[] = {
+#include "layout_members.inc"
+#include "layout_members_v1_1.inc"
+};
 #undef M
 const size_t* loom_abi_layout_current(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+const size_t* loom_abi_layout_current_v1_1(size_t* count) {
+  *count = sizeof(k_layout_v1_1) / sizeof(k_layout_v1_1[0]);
+  return k_layout_v1_1;
 }

@@ -6,6 +6,8 @@
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
 
+#include <loom/cpp/tensor_parallel.hpp>
+
 #include <gtest/gtest.h>
 #include <toml++/toml.h>
 
@@ -92,6 +94,8 @@ class Rank {
     alone.size = 1;
     alone.rank = 0;
     rt_->add_group("tp", tp ? *tp : alone);
+    // The layers build their tensor parallelism from the parallel/tensor service.
+    rt_->set_service(LOOM_API_TENSOR_PARALLEL, registry().get("parallel", "tensor").api);
   }
   loom::runtime::RankRuntime& rt() { return *rt_; }
   uint64_t device_bytes() const { return rt_->memory().current_bytes; }
@@ -919,6 +923,25 @@ namespace {
 
 // Rank r's slice of a full tensor, the way the engine cuts it: partition_dim is
 // `stride` concatenated blocks, each split into `tp` equal parts.
+template <typename T>
+std::vector<T> slice_of(const Param& p, const std::vector<T>& full, int tp, int r) {
+  if (p.partition_dim < 0) return full;
+  const size_t d = static_cast<size_t>(p.partition_dim);
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
+  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
+  const int64_t stride = std::max(1, p.partition_stride), dim = p.shape[d];
+  const int64_t block = dim / stride, part = block / tp;
+  std::vector<T> out;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t k = 0; k < stride; ++k) {
+      const int64_t row0 = k * block + r * part;
+      const T* src = &full[static_cast<size_t>((o * dim + row0) * inner)];
+      out.insert(out.end(), src, src + part * inner);
+    }
+  return out;
+}
+
 std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp, int r) {
   if (p.partition_dim < 0) return full;
   const size_t d = static_cast<size_t>(p.partition_dim);
@@ -1036,6 +1059,246 @@ TEST(Layers, TensorParallelTwoRanksMatchOneRank) {
         for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
         EXPECT_LE(max_abs_diff(got.grads[i], want), 1e-5 * (1.0 + scale)) << p.name;
       }
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// The parallel/tensor service at tp = 2: finite differences through the
+// vocab-parallel ends, the model-parallel RNG, column-parallel gather_output.
+// ---------------------------------------------------------------------------
+
+// Runs fn(r, rank) on two ranks (threads) of one tp group over comm/local;
+// returns each rank's error ("" = none).
+std::vector<std::string> run_two_ranks(const std::function<void(int, Rank&)>& fn) {
+  const loom::plugins::LoadedPlugin* comm = registry().find("comm", "local");
+  if (comm == nullptr) return {"comm/local is not loaded", ""};
+  constexpr int kTp = 2;
+  loom::plugins::OptionValues copts(nullptr, comm->options);
+  const int32_t ranks[kTp] = {0, 1};
+  loom_comm_world_args wa = loom::make<loom_comm_world_args>();
+  wa.world_size = kTp;
+  wa.num_local_ranks = kTp;
+  wa.local_ranks = ranks;
+  wa.timeout_ms = 20000;
+  loom_comm_world* world = nullptr;
+  ok(comm->comm()->world_create(copts.raw(), &wa, &world));
+  std::vector<std::string> errors(kTp);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kTp; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        loom_group_desc desc = loom::make<loom_group_desc>();
+        desc.kind = "tp";
+        desc.ranks = ranks;
+        desc.size = kTp;
+        desc.my_rank = r;
+        loom_group g = loom::make<loom_group>();
+        g.api = comm->comm();
+        g.size = kTp;
+        g.rank = r;
+        ok(comm->comm()->group_create(world, &desc, &g.comm));
+        Rank rank(r, &g);
+        fn(r, rank);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+        comm->comm()->world_abort(world, e.what());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  comm->comm()->world_destroy(world);
+  return errors;
+}
+
+// Central differences of the whole (two-rank) objective w.r.t. coordinates of the
+// FULL parameters, against the analytic gradient of the rank holding each one.
+// Both ranks perturb in lockstep (the objective has collectives): the owner of a
+// partitioned coordinate perturbs its slice, a duplicated one is perturbed on both.
+TEST(Layers, VocabParallelEmbeddingAndCrossEntropyMatchFiniteDifferencesAtTp2) {
+  constexpr int kTp = 2;
+  for (const std::string name : {"embedding", "lm_head"}) {
+    SCOPED_TRACE(name);
+    auto dims = make_dims();  // vocab 37 padded to 40: rank 1 holds ids 20..36 and 3 padded rows
+    Rank serial;
+    TestLayer full(serial, name, dims);
+    std::mt19937 rng(40);
+    full.randomize(rng, 0.5f);
+    Batch b = make_batch(rng);
+    b.tokens[0] = 3;
+    b.tokens[1] = static_cast<int32_t>(kVocab) - 1;  // both slices are looked up
+    b.targets[0] = 2;
+    b.targets[1] = static_cast<int32_t>(kVocab) - 2;  // targets in both slices
+    b.targets[2] = -1;                               // an ignored token
+    // Coordinates of the full parameters: 10 random ones each, and for the word
+    // table rows the batch touches (a random row is mostly untouched: zero gradient).
+    std::vector<std::pair<size_t, size_t>> coords;
+    for (size_t k = 0; k < full.params().size(); ++k) {
+      const Param& p = full.params()[k];
+      std::uniform_int_distribution<size_t> pick(0, p.value.size() - 1);
+      for (int i = 0; i < 10; ++i) coords.emplace_back(k, pick(rng));
+      if (p.name == "word.weight")
+        for (int32_t row : {b.tokens[0], b.tokens[1], b.targets[0], b.targets[1]})
+          coords.emplace_back(k, static_cast<size_t>(row) * kHidden + static_cast<size_t>(row % kHidden));
+    }
+    constexpr float h = 1e-2f;
+    std::vector<std::vector<std::vector<float>>> grads(kTp);  // rank -> param -> local grad
+    std::vector<std::vector<std::vector<size_t>>> index(kTp); // rank -> param -> full index of each local element
+    std::vector<std::vector<double>> lp(kTp), lm(kTp);
+    auto errors = run_two_ranks([&](int r, Rank& rank) {
+      TestLayer layer(rank, name, dims);
+      auto& idx = index[static_cast<size_t>(r)];
+      for (size_t i = 0; i < layer.params().size(); ++i) {
+        Param& p = layer.params()[i];
+        std::vector<size_t> iota(full.params()[i].value.size());
+        for (size_t j = 0; j < iota.size(); ++j) iota[j] = j;
+        idx.push_back(slice_of(p, iota, kTp, r));
+        const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
+        std::copy(mine.begin(), mine.end(), p.value.begin());
+      }
+      layer.zero_grads();
+      layer.forward(b, 0);
+      layer.backward(b, 0);
+      for (Param& p : layer.params()) grads[static_cast<size_t>(r)].push_back(p.grad);
+      for (const auto& [k, j] : coords) {
+        const auto& map = idx[k];
+        const auto it = std::find(map.begin(), map.end(), j);
+        float* v = it == map.end() ? nullptr : &layer.params()[k].value[static_cast<size_t>(it - map.begin())];
+        const float saved = v ? *v : 0.0f;
+        if (v) *v = saved + h;
+        lp[static_cast<size_t>(r)].push_back(layer.objective(b));
+        if (v) *v = saved - h;
+        lm[static_cast<size_t>(r)].push_back(layer.objective(b));
+        if (v) *v = saved;
+      }
+    });
+    ASSERT_EQ(errors[0], "");
+    ASSERT_EQ(errors[1], "");
+    int owned_by_1 = 0;
+    for (size_t c = 0; c < coords.size(); ++c) {
+      const auto [k, j] = coords[c];
+      const Param& p = full.params()[k];
+      // Both ranks see the same objective (it is reduced over tp).
+      EXPECT_NEAR(lp[0][c], lp[1][c], 1e-5 * (1.0 + std::fabs(lp[0][c])));
+      const double num = (lp[0][c] - lm[0][c]) / (2.0 * static_cast<double>(h));
+      for (int r = 0; r < kTp; ++r) {
+        const auto& map = index[static_cast<size_t>(r)][k];
+        const auto it = std::find(map.begin(), map.end(), j);
+        if (it == map.end()) continue;
+        if (p.partition_dim >= 0 && r == 1) ++owned_by_1;
+        const double ana = grads[static_cast<size_t>(r)][k][static_cast<size_t>(it - map.begin())];
+        EXPECT_NEAR(ana, num, 2e-2 * std::max(std::fabs(num), std::fabs(ana)) + 3e-3)
+            << p.name << "[" << j << "] on tp rank " << r;
+      }
+    }
+    EXPECT_GT(owned_by_1, 0);  // rank 1's slice was checked too
+  }
+}
+
+// The model-parallel RNG: outside TP regions every tp rank draws the same mask
+// (under sequence parallelism each rank its shard's block of the one stream, so
+// the shards put together are the tp = 1 mask); inside a TP region each rank
+// has a stream of its own.
+TEST(Layers, ModelParallelRngDuplicatedRegionsAgreeParallelRegionsDiffer) {
+  constexpr int64_t n = 4096;
+  std::vector<float> ones(n, 1.0f);
+  auto draw = [&](loom::TensorParallel& tp, int32_t region, int64_t count) {
+    std::vector<uint8_t> mask(static_cast<size_t>(count), 7);
+    std::vector<float> y(static_cast<size_t>(count));
+    tp.dropout_forward({.region = region, .n = count, .x = ones.data(), .out = y.data(), .mask = mask.data(),
+                        .p = 0.5f, .seed = 99, .microbatch = 3, .stream = 0});
+    return mask;
+  };
+  std::vector<uint8_t> serial_dup, serial_par;
+  {
+    Rank one;
+    loom::TensorParallel tp(&one.rt(), one.rt().group_or_self("tp").raw(), false, "blocks.0.mlp");
+    serial_dup = draw(tp, LOOM_TP_RNG_DUPLICATED, n);
+    serial_par = draw(tp, LOOM_TP_RNG_PARALLEL, n);
+  }
+  std::vector<std::vector<uint8_t>> dup(2), par(2), sp_dup(2);
+  auto errors = run_two_ranks([&](int r, Rank& rank) {
+    loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "blocks.0.mlp");
+    dup[static_cast<size_t>(r)] = draw(tp, LOOM_TP_RNG_DUPLICATED, n);
+    par[static_cast<size_t>(r)] = draw(tp, LOOM_TP_RNG_PARALLEL, n);
+    loom::TensorParallel sp(&rank.rt(), rank.rt().group_or_self("tp").raw(), true, "blocks.0.mlp");
+    sp_dup[static_cast<size_t>(r)] = draw(sp, LOOM_TP_RNG_DUPLICATED, n / 2);
+  });
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  int64_t kept = 0, differ = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    kept += dup[0][i];
+    differ += par[0][i] != par[1][i] ? 1 : 0;
+  }
+  EXPECT_GT(kept, n / 3);  // a real mask, about half kept
+  EXPECT_LT(kept, 2 * n / 3);
+  EXPECT_EQ(dup[0], dup[1]);
+  EXPECT_EQ(dup[0], serial_dup);
+  EXPECT_GT(differ, n / 4);  // independent streams: about half the positions differ
+  EXPECT_NE(par[0], dup[0]);
+  std::vector<uint8_t> joined = sp_dup[0];
+  joined.insert(joined.end(), sp_dup[1].begin(), sp_dup[1].end());
+  EXPECT_EQ(joined, serial_dup);
+}
+
+// Column-parallel linear with gather_output: each rank's output columns gathered
+// in rank order equal the serial GEMM; backward takes this rank's columns of the
+// whole output gradient.
+TEST(Layers, ColumnParallelLinearGatherOutputMatchesSerial) {
+  constexpr int64_t R = 6, in = 5, out = 8, local = out / 2;
+  std::mt19937 rng(41);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  std::vector<float> x(R * in), w(in * out), bias(out), dy(R * out);
+  for (auto* v : {&x, &w, &bias, &dy})
+    for (float& e : *v) e = n01(rng);
+  std::vector<std::vector<float>> y(2), dx(2), dw(2), db(2);
+  auto errors = run_two_ranks([&](int r, Rank& rank) {
+    loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "col");
+    std::vector<float> wl(in * local), bl(bias.begin() + r * local, bias.begin() + (r + 1) * local);
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t c = 0; c < local; ++c) wl[i * local + c] = w[i * out + r * local + c];
+    auto& yr = y[static_cast<size_t>(r)];
+    yr.assign(R * out, -1.0f);
+    tp.column_parallel_linear_forward({.rows = R, .in = in, .out = local, .x = x.data(), .weight = wl.data(),
+                                       .bias = bl.data(), .y = yr.data(), .gather_output = 1});
+    dx[r].assign(R * in, 5.0f);
+    dw[r].assign(in * local, 0.0f);
+    db[r].assign(local, 0.0f);
+    tp.column_parallel_linear_backward({.rows = R, .in = in, .out = local, .x = x.data(), .weight = wl.data(),
+                                        .dy = dy.data(), .dx = dx[r].data(), .dweight = dw[r].data(),
+                                        .dbias = db[r].data(), .gather_output = 1});
+  });
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t o = 0; o < out; ++o) {
+        double want = bias[o];
+        for (int64_t k = 0; k < in; ++k) want += double(x[i * in + k]) * w[k * out + o];
+        EXPECT_NEAR(y[r][i * out + o], want, 1e-5) << i << "," << o;
+      }
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t k = 0; k < in; ++k) {  // dx = dy W^T over all columns (summed over tp)
+        double want = 0;
+        for (int64_t o = 0; o < out; ++o) want += double(dy[i * out + o]) * w[k * out + o];
+        EXPECT_NEAR(dx[r][i * in + k], want, 1e-5);
+      }
+    for (int64_t k = 0; k < in; ++k)
+      for (int64_t c = 0; c < local; ++c) {
+        double want = 0;
+        for (int64_t i = 0; i < R; ++i) want += double(x[i * in + k]) * dy[i * out + r * local + c];
+        EXPECT_NEAR(dw[r][k * local + c], want, 1e-5);
+      }
+    for (int64_t c = 0; c < local; ++c) {
+      double want = 0;
+      for (int64_t i = 0; i < R; ++i) want += dy[i * out + r * local + c];
+      EXPECT_NEAR(db[r][c], want, 1e-5);
     }
   }
 }

@@ -1,7 +1,14 @@
 // Tensor parallelism through the whole engine: the same run at tp = 2, 4 and
-// tp = 2 x dp = 2 trains the same model as tp = 1, step by step (each rank's
-// slices reassembled into full tensors), and parameters that every tp rank
-// holds a copy of (layernorms, biases after the g all-reduce) stay bit-identical.
+// tp = 2 x dp = 2, and tp = 2 with sequence parallelism (tied and untied, vocab
+// sizes that leave padding in a slice or a whole slice of padding), trains the
+// same model as tp = 1, step by step (each rank's slices reassembled into full
+// tensors), and parameters that every tp rank holds a copy of (layernorms,
+// biases after the g reduction, position embeddings) stay bit-identical at every
+// step. Dropout: the same seed gives the same run, and duplicated-region masks
+// equal the serial run's (so tp = 2, with or without SP, still equals tp = 1).
+// Communication: the engine's counts for one microbatch equal Megatron's.
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/data.hpp"
 #include "support/train_fixture.hpp"
 
 #include <gtest/gtest.h>
@@ -73,10 +80,34 @@ std::vector<float> assemble(const RankTrace& t, size_t k, size_t step, int tp) {
 // (unlike data parallelism, which only regroups the accumulation), so these
 // tests use eps = 1e-6: the comparison is then of the parallel arithmetic, not
 // of Adam's conditioning.
-void expect_same_training(std::vector<std::string> overrides, int tp) {
-  RankTrace serial = run_all_ranks({"parallel.tp=1", "parallel.dp=1", "optimizer.eps=1e-6"});
+// Every copy of a duplicated parameter (partition_dim -1) is bit-identical on
+// tp ranks 0..tp-1 after every step.
+void expect_duplicates_identical(const RankTrace& par, int tp) {
+  const auto& entries = par.entries.at(0);
+  int checked = 0;
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const ParamEntry& e = entries[k];
+    if (e.decl.partition_dim >= 0) continue;
+    ++checked;
+    for (int r = 1; r < tp; ++r)
+      for (size_t s = 0; s < par.params.at(0).size(); ++s) {
+        const auto& a = par.params.at(0)[s];
+        const auto& b = par.params.at(r)[s];
+        ASSERT_TRUE(std::equal(a.begin() + e.offset, a.begin() + e.offset + e.numel,
+                               b.begin() + par.entries.at(r)[k].offset))
+            << e.name << " differs between tp rank 0 and " << r << " after step " << s + 1;
+      }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+void expect_same_training(std::vector<std::string> overrides, int tp,
+                          std::vector<std::string> serial_overrides = {}) {
+  serial_overrides.insert(serial_overrides.end(), {"parallel.tp=1", "parallel.dp=1", "optimizer.eps=1e-6"});
+  RankTrace serial = run_all_ranks(serial_overrides);
   overrides.push_back("optimizer.eps=1e-6");
   RankTrace par = run_all_ranks(overrides);
+  ASSERT_GE(serial.loss.size(), 10u);
   ASSERT_EQ(par.loss.size(), serial.loss.size());
   const auto& entries = serial.entries.at(0);
   ASSERT_EQ(par.entries.at(0).size(), entries.size());
@@ -95,23 +126,226 @@ void expect_same_training(std::vector<std::string> overrides, int tp) {
       EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), 1e-5) << entries[k].name << " step " << s + 1;
     }
   }
-  // Copies held by every tp rank are bit-identical after training.
-  for (size_t k = 0; k < entries.size(); ++k) {
-    const ParamEntry& e = par.entries.at(0)[k];
-    if (e.decl.partition_dim >= 0) continue;
-    for (int r = 1; r < tp; ++r) {
-      const auto& a = par.params.at(0).back();
-      const auto& b = par.params.at(r).back();
-      EXPECT_TRUE(std::equal(a.begin() + e.offset, a.begin() + e.offset + e.numel,
-                             b.begin() + par.entries.at(r)[k].offset))
-          << e.name << " differs between tp rank 0 and " << r;
-    }
-  }
+  // Copies held by every tp rank are bit-identical during training.
+  expect_duplicates_identical(par, tp);
 }
 
 TEST(TensorParallel, Tp2MatchesSerial) { expect_same_training({"parallel.tp=2"}, 2); }
 TEST(TensorParallel, Tp4MatchesSerial) { expect_same_training({"parallel.tp=4"}, 4); }
 TEST(TensorParallel, Tp2Dp2MatchesSerial) { expect_same_training({"parallel.tp=2", "parallel.dp=2"}, 2); }
+
+// Sequence parallelism: hidden states between layers are sequence shards,
+// layernorm/dropout/residual run on them, f/g become all-gather/reduce-scatter,
+// and duplicated gradients are summed over tp by the engine. The vocabulary (13)
+// padded to 128 * tp leaves rank 1 a slice of padding only.
+TEST(TensorParallel, Tp2SequenceParallelMatchesSerial) {
+  expect_same_training({"parallel.tp=2", "parallel.sequence_parallel=true"}, 2);
+}
+// Untied, and a divisor that leaves real and padded rows in one slice (13 -> 18:
+// rank 0 holds ids 0..8, rank 1 ids 9..12 and 5 padded rows).
+TEST(TensorParallel, Tp2SequenceParallelUntiedPartlyPaddedSliceMatchesSerial) {
+  expect_same_training({"parallel.tp=2", "parallel.sequence_parallel=true", "model.tie_embeddings=false",
+                        "model.vocab_divisor=3"},
+                       2, {"model.tie_embeddings=false", "model.vocab_divisor=3"});
+}
+TEST(TensorParallel, Tp4SequenceParallelDp2MatchesSerial) {
+  expect_same_training({"parallel.tp=4", "parallel.dp=2", "parallel.sequence_parallel=true"}, 4);
+}
+
+// Dropout in the duplicated regions (embedding, attention and MLP outputs) draws
+// from the stream every tp rank shares, each rank its shard's part under SP: the
+// masks are the serial run's, so the runs stay equal to it.
+TEST(TensorParallel, DropoutOutsideTpRegionsMatchesSerialWithAndWithoutSp) {
+  const std::vector<std::string> drop = {"model.layer.embedding.dropout=0.1", "model.layer.attention.dropout=0.1",
+                                         "model.layer.mlp.dropout=0.1"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), drop.begin(), drop.end());
+    return v;
+  };
+  expect_same_training(with({"parallel.tp=2"}), 2, drop);
+  expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, drop);
+}
+
+// Dropout inside the TP region (the MLP's activation dropout, a stream per tp
+// rank) and outside it: the same seed gives bit-identical runs, another seed
+// another run, and the duplicated parameters stay bit-identical across tp ranks
+// (a duplicated-region mask that differed between ranks would split them).
+TEST(TensorParallel, DropoutSameSeedSameRunAndDuplicatesStayIdentical) {
+  for (const bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    std::vector<std::string> o = {"parallel.tp=2", "model.layer.attention.dropout=0.1", "model.layer.mlp.dropout=0.1",
+                                  "model.layer.mlp.activation_dropout=0.2", "model.layer.embedding.dropout=0.1",
+                                  std::string("parallel.sequence_parallel=") + (sp ? "true" : "false")};
+    RankTrace a = run_all_ranks(o), b = run_all_ranks(o);
+    o.push_back("run.seed=8");
+    RankTrace c = run_all_ranks(o);
+    ASSERT_EQ(a.loss.size(), b.loss.size());
+    EXPECT_EQ(a.loss, b.loss);
+    for (const auto& [rank, steps] : a.params) {
+      EXPECT_TRUE(steps == b.params.at(rank)) << "rank " << rank;
+    }
+    EXPECT_NE(a.loss, c.loss);
+    expect_duplicates_identical(a, 2);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Communication accounting: one microbatch forward and backward through the
+// Model on every rank, counted by the engine's shim per group kind.
+// ---------------------------------------------------------------------------
+
+struct MicrobatchComm {
+  loom::runtime::CommStats forward, backward, finalize;
+  int64_t duplicated_params = 0, duplicated_elements = 0;
+};
+
+std::map<int, MicrobatchComm> count_one_microbatch(const std::vector<std::string>& overrides) {
+  auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
+  const loom::manifest::Manifest& m = plan.manifest;
+  auto data = loom::train::make_data_source(m);
+  loom::runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.comm_plugin = plan.comm;
+  lc.sizes = plan.sizes;
+  lc.threads = 1;
+  std::map<int, MicrobatchComm> out;
+  std::mutex mu;
+  loom::runtime::launch(lc, [&](loom::runtime::RankRuntime& rt) {
+    const loom_model_dims dims = loom::model::model_dims(m, data->vocab_size(), plan.sizes.tp);
+    loom::model::Model model(m, *plan.registry, rt, dims, plan.layers, 7);
+    const int64_t S = dims.seq_len, B = dims.micro_batch;
+    std::vector<int32_t> tokens(static_cast<size_t>(S * B)), targets(tokens.size());
+    loom::train::fill_microbatch(*data, loom::train::Split::Train, 0, B, S, tokens.data(), targets.data());
+    MicrobatchComm c;
+    float loss = 0;
+    int64_t count = 0;
+    rt.reset_comm_stats();
+    model.forward(0, tokens.data(), targets.data(), true, 1, &loss, &count);  // device/cpu: host memory
+    c.forward = rt.comm_stats();
+    rt.reset_comm_stats();
+    model.backward(0, 1.0f);
+    c.backward = rt.comm_stats();
+    rt.reset_comm_stats();
+    model.finalize_grads();
+    c.finalize = rt.comm_stats();
+    for (const ParamEntry& e : model.param_entries())
+      if (e.duplicated) {
+        ++c.duplicated_params;
+        c.duplicated_elements += static_cast<int64_t>(e.numel);
+      }
+    std::lock_guard<std::mutex> lock(mu);
+    out[rt.global_rank()] = std::move(c);
+  });
+  return out;
+}
+
+loom::runtime::CommCounter op(const loom::runtime::CommStats& s, const std::string& kind, const std::string& name) {
+  auto k = s.find(kind);
+  if (k == s.end()) return {};
+  auto o = k->second.find(name);
+  return o == k->second.end() ? loom::runtime::CommCounter{} : o->second;
+}
+
+// Nothing but `kind` communicated.
+void expect_only(const loom::runtime::CommStats& s, const std::string& kind) {
+  for (const auto& [k, ops] : s) {
+    if (k != kind) {
+      EXPECT_EQ(loom::runtime::total(s, k).calls, 0u) << k;
+    }
+  }
+}
+
+// Megatron's Figure 4 and the vocab-parallel ends, per microbatch, for L
+// transformer layers (attention + MLP), T = s*b tokens, hidden H:
+//  tp:  forward  1 + 2L all-reduces of T*H (embedding's g, one per attention and
+//                per MLP block) + the cross-entropy's per-token scalars: one
+//                all-reduce (max) of T and one (sum-exp | target logit) of 2T;
+//       backward 2L + 1 all-reduces of T*H (one per block, and f's backward in
+//                front of the logits; the embedding's g backward is the identity).
+//  tp + SP: every T*H all-reduce becomes a reduce-scatter (leaving a TP region) or
+//       an all-gather (entering one) of T*H elements, the same bus bytes:
+//       forward 1 + 2L reduce-scatters, 2L + 1 all-gathers; backward 2L + 1
+//       reduce-scatters, 2L + 1 all-gathers; the scalars unchanged; and after the
+//       last microbatch one all-reduce per duplicated parameter.
+TEST(TensorParallel, CommunicationCountsMatchMegatron) {
+  const std::vector<std::string> base = {"parallel.tp=2"};
+  auto man = loom::testing::plan_from(loom::testing::tiny_manifest(), base).manifest;
+  const uint64_t L = static_cast<uint64_t>(man.get_int("model.num_layers"));
+  const uint64_t T = static_cast<uint64_t>(man.get_int("model.seq_length") * man.get_int("batch.micro_batch_size"));
+  const uint64_t H = static_cast<uint64_t>(man.get_int("model.hidden_size"));
+  const uint64_t p = 2, f32 = sizeof(float);
+  const double ring = double(p - 1) / double(p);
+
+  std::map<int, MicrobatchComm> tp = count_one_microbatch(base);
+  std::map<int, MicrobatchComm> sp = count_one_microbatch({"parallel.tp=2", "parallel.sequence_parallel=true"});
+  ASSERT_EQ(tp.size(), 2u);
+  ASSERT_EQ(sp.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const MicrobatchComm& a = tp.at(r);
+    expect_only(a.forward, "tp");
+    expect_only(a.backward, "tp");
+    auto ar = op(a.forward, "tp", "all_reduce");
+    EXPECT_EQ(ar.calls, 1 + 2 * L + 2);
+    EXPECT_EQ(ar.elements, (1 + 2 * L) * T * H + T + 2 * T);
+    EXPECT_EQ(ar.bytes, ar.elements * f32);
+    EXPECT_DOUBLE_EQ(ar.bus_bytes, 2 * ring * double(ar.bytes));
+    EXPECT_EQ(loom::runtime::total(a.forward, "tp").calls, ar.calls);  // nothing else
+    auto bar = op(a.backward, "tp", "all_reduce");
+    EXPECT_EQ(bar.calls, 2 * L + 1);
+    EXPECT_EQ(bar.elements, (2 * L + 1) * T * H);
+    EXPECT_EQ(loom::runtime::total(a.backward, "tp").calls, bar.calls);
+    EXPECT_EQ(loom::runtime::total(a.finalize, "tp").calls, 0u);  // no SP: duplicated gradients are whole
+
+    const MicrobatchComm& b = sp.at(r);
+    expect_only(b.forward, "tp");
+    expect_only(b.backward, "tp");
+    for (const auto* phase : {&b.forward, &b.backward}) {
+      const bool fwd = phase == &b.forward;
+      SCOPED_TRACE(fwd ? "forward" : "backward");
+      auto rs = op(*phase, "tp", "reduce_scatter"), ag = op(*phase, "tp", "all_gather");
+      EXPECT_EQ(rs.calls, 2 * L + 1);
+      EXPECT_EQ(ag.calls, 2 * L + 1);
+      EXPECT_EQ(rs.elements, rs.calls * T * H);
+      EXPECT_EQ(ag.elements, ag.calls * T * H);
+      EXPECT_DOUBLE_EQ(rs.bus_bytes, ring * double(rs.calls * T * H * f32));
+      auto sar = op(*phase, "tp", "all_reduce");
+      EXPECT_EQ(sar.calls, fwd ? 2u : 0u);
+      EXPECT_EQ(sar.elements, fwd ? T + 2 * T : 0u);
+      EXPECT_EQ(loom::runtime::total(*phase, "tp").calls, rs.calls + ag.calls + sar.calls);
+    }
+    // The same bus bytes as tensor parallelism alone.
+    const double tp_bus = loom::runtime::total(a.forward, "tp").bus_bytes + loom::runtime::total(a.backward, "tp").bus_bytes;
+    const double sp_bus = loom::runtime::total(b.forward, "tp").bus_bytes + loom::runtime::total(b.backward, "tp").bus_bytes;
+    EXPECT_DOUBLE_EQ(sp_bus, tp_bus);
+    // finalize_grads: one all-reduce per duplicated parameter, their sizes.
+    auto fin = op(b.finalize, "tp", "all_reduce");
+    EXPECT_GT(b.duplicated_params, 0);
+    EXPECT_EQ(fin.calls, static_cast<uint64_t>(b.duplicated_params));
+    EXPECT_EQ(fin.elements, static_cast<uint64_t>(b.duplicated_elements));
+    EXPECT_EQ(loom::runtime::total(b.finalize, "tp").calls, fin.calls);
+  }
+  // tp = 1: the calls are identities, nothing reaches the comm plugin.
+  std::map<int, MicrobatchComm> one = count_one_microbatch({"parallel.tp=1"});
+  EXPECT_EQ(loom::runtime::total(one.at(0).forward, "tp").calls, 0u);
+  EXPECT_EQ(loom::runtime::total(one.at(0).backward, "tp").calls, 0u);
+}
+
+TEST(TensorParallel, CommStatsFormatting) {
+  loom::runtime::CommStats s;
+  s["tp"]["all_reduce"] = {3, 48, 192, 192.0};
+  s["dp"]["reduce_scatter"] = {1, 2048, 8192, 4096.0};
+  s["pp"]["send"] = {};  // empty counters are left out
+  EXPECT_EQ(loom::runtime::comm_stats_json(s),
+            "{\"dp\": {\"reduce_scatter\": {\"calls\": 1, \"elements\": 2048, \"bytes\": 8192, \"bus_bytes\": 4096}}, "
+            "\"tp\": {\"all_reduce\": {\"calls\": 3, \"elements\": 48, \"bytes\": 192, \"bus_bytes\": 192}}}");
+  EXPECT_EQ(loom::runtime::comm_stats_summary(s), "comm per step: dp 1 reduce_scatter 8.00 KiB; tp 3 all_reduce 192 B");
+  EXPECT_EQ(loom::runtime::comm_stats_summary({}), "comm per step: none");
+  loom::runtime::CommStats sum = s;
+  sum += s;
+  EXPECT_EQ(loom::runtime::total(sum, "tp").calls, 6u);
+  EXPECT_DOUBLE_EQ(loom::runtime::total(sum, "dp").bus_bytes, 8192.0);
+}
 // Untied embeddings, and evaluation: the vocab-parallel argmax (each rank's
 // local winner, the lowest id among equal maxima) must pick the serial run's
 // predictions, so validation loss and exact-match agree.

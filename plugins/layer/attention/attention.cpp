@@ -1,11 +1,13 @@
 // layer/attention: pre-LayerNorm causal multi-head self-attention with a residual,
 //   y = x + dropout(proj(attn(LN(x))))
-// Tensor-parallel in Megatron's way: the QKV GEMM is column-parallel (this rank
-// holds heads/tp heads), the output projection row-parallel; `g` (all-reduce over
-// tp) follows the projection GEMM in forward, `f` (all-reduce of the gradient of
-// the LN output) closes the backward. LayerNorm, bias, dropout and the residual
-// are duplicated on every tp rank. The k part of qkv.bias gets an exactly-zero
-// gradient (see backward): it cannot change the output.
+// Tensor-parallel in Megatron's way, through the parallel/tensor service: the
+// QKV GEMM is column-parallel (this rank holds heads/tp heads), the output
+// projection row-parallel (`g` after it in forward, `f`'s backward closing the
+// backward). LayerNorm, the projection bias, dropout and the residual are
+// duplicated on every tp rank; under sequence parallelism they run on this
+// rank's sequence shard, f and g becoming all-gather and reduce-scatter. The k
+// part of qkv.bias gets an exactly-zero gradient (see backward): it cannot
+// change the output.
 #include "../common/layer_math.hpp"
 
 #include <cmath>
@@ -18,10 +20,11 @@ using namespace loom::layers;
 class Attention : public loom::Layer {
  public:
   Attention(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), tp_(args.tp) {
+      : rank_(rank.raw()) {
     LOOM_REQUIRE(args.dims != nullptr, "attention: model dims are required");
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "attention";
+    tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
     hidden_ = d.hidden;
     heads_ = d.heads;
     seq_ = d.seq_len;
@@ -68,45 +71,52 @@ class Attention : public loom::Layer {
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     const int64_t H = hidden_, Hl = hidden_local_;
     require_tensor(a.input, "input", name_, kDLFloat, 32, {-1, -1, H});
-    const int64_t S = a.input->shape[0], B = a.input->shape[1], T = S * B;
-    require_tensor(a.output, "output", name_, kDLFloat, 32, {S, B, H});
+    // The input is this rank's sequence shard under sequence parallelism.
+    const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
+    const int64_t S = tp_.sequence_parallel() ? Sl * tp_.size() : Sl, T = S * B;
+    require_tensor(a.output, "output", name_, kDLFloat, 32, {Sl, B, H});
     const float* x = data_of<float>(*a.input);
     float* y = data_of<float>(*a.output);
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
+    const bool sp = tp_.sequence_parallel();
 
     Saved s;
     s.S = S;
     s.B = B;
-    s.x = s.mem.floats(a.training ? T * H : 0);
-    s.mean = s.mem.floats(T);
-    s.rstd = s.mem.floats(T);
+    s.x = s.mem.floats(a.training ? Tl * H : 0);
+    s.mean = s.mem.floats(Tl);
+    s.rstd = s.mem.floats(Tl);
+    s.ln_full = s.mem.floats(sp ? T * H : 0);  // the gathered LN output (kept for dW)
     s.qkv = s.mem.floats(T * 3 * Hl);
     s.ctx = s.mem.floats(T * Hl);
     s.lse = s.mem.floats(B * heads_local_ * S);
-    s.mask = s.mem.add(drop ? T * H : 0);
+    s.mask = s.mem.add(drop ? Tl * H : 0);
     s.dropped = drop;
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.floats(T * H), proj = tmp.floats(T * H);
+    const size_t ln = tmp.floats(Tl * H), proj = tmp.floats(Tl * H);
     tmp.allocate(rank_);
 
-    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, T * H * sizeof(float));
-    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
+    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * sizeof(float));
+    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
                   kLayerNormEps);
-    // Column-parallel QKV: local columns [q | k | v], each heads_local * head_dim.
-    linear_fwd(dev, tmp.at(ln), w_[kQkvW], w_[kQkvB], s.mem.at(s.qkv), T, H, 3 * Hl);
+    // Column-parallel QKV (f: identity, or the all-gather under SP): local
+    // columns [q | k | v], each heads_local * head_dim.
+    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
+                                        .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kQkvW],
+                                        .bias = w_[kQkvB], .y = s.mem.at(s.qkv)});
     dev.attention_fwd(attention_args(s));
-    // Row-parallel projection; g: all-reduce the partial sums, then the bias.
+    // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
     float* p = tmp.at(proj);
-    gemm(dev, false, false, T, H, Hl, s.mem.at(s.ctx), w_[kProjW], p, 0.0f);
-    tp_.all_reduce(dev.native_stream(), p, p, static_cast<size_t>(T * H), LOOM_DTYPE_F32);
-    add_bias(dev, p, w_[kProjB], p, T, H);
+    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
+                                     .bias = w_[kProjB], .y = p});
     if (drop)
-      dropout_fwd(dev, p, p, s.mem.at<uint8_t>(s.mask), T * H, dropout_,
-                  dropout_seed(a.dropout_seed, name_, a.microbatch));
-    add(dev, x, p, y, T * H);  // the residual
+      tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = p, .out = p,
+                           .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
+                           .microbatch = a.microbatch});
+    add(dev, x, p, y, Tl * H);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
@@ -116,26 +126,30 @@ class Attention : public loom::Layer {
     LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
                                            << " without a training forward");
     Saved& s = it->second;
+    const bool sp = tp_.sequence_parallel();
     const int64_t H = hidden_, Hl = hidden_local_, S = s.S, B = s.B, T = S * B;
-    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {S, B, H});
-    require_tensor(a.grad_input, "grad_input", name_, kDLFloat, 32, {S, B, H});
+    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
+    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {Sl, B, H});
+    require_tensor(a.grad_input, "grad_input", name_, kDLFloat, 32, {Sl, B, H});
     const float* dy = data_of<float>(*a.grad_output);
     float* dx = data_of<float>(*a.grad_input);
     loom::Device dev = rank.device();
 
     Arena tmp;
-    const size_t dproj = tmp.floats(s.dropped ? T * H : 0), ln = tmp.floats(T * H),
-                 dctx = tmp.floats(T * Hl), dqkv = tmp.floats(T * 3 * Hl), dln = tmp.floats(T * H),
+    const size_t dproj = tmp.floats(s.dropped ? Tl * H : 0), ln = tmp.floats(sp ? 0 : T * H),
+                 dctx = tmp.floats(T * Hl), dqkv = tmp.floats(T * 3 * Hl), dln = tmp.floats(Tl * H),
                  dbias = tmp.floats(3 * Hl);
     tmp.allocate(rank_);
 
-    // Through dropout; the bias and the projection (g's backward is the identity).
+    // Through dropout; the projection and its bias (g's backward: identity, or
+    // the all-gather under SP).
     const float* d = dy;
     if (s.dropped) {
-      dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), T * H, dropout_);
+      dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_);
       d = tmp.at(dproj);
     }
-    linear_bwd(dev, s.mem.at(s.ctx), w_[kProjW], d, tmp.at(dctx), g_[kProjW], g_[kProjB], T, Hl, H);
+    tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
+                                      .dy = d, .dx = tmp.at(dctx), .dweight = g_[kProjW], .dbias = g_[kProjB]});
 
     loom_attention_args att = attention_args(s);
     att.dout = tmp.at(dctx);
@@ -144,11 +158,14 @@ class Attention : public loom::Layer {
     att.dv = tmp.at(dqkv) + 2 * Hl;
     dev.attention_bwd(att);
 
-    // The LN output is recomputed rather than saved (same op, same input).
-    layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean),
-                  s.mem.at(s.rstd), T, H, kLayerNormEps);
-    linear_bwd(dev, tmp.at(ln), w_[kQkvW], tmp.at(dqkv), tmp.at(dln), g_[kQkvW], nullptr, T, H,
-               3 * Hl);
+    // The LN output: kept gathered under SP, else recomputed (same op, same input).
+    const float* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
+    if (!sp)
+      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
+                    kLayerNormEps);
+    // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
+    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w_[kQkvW],
+                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = g_[kQkvW]});
     // qkv.bias: only its q and v parts get a gradient. The k part's is exactly zero
     // (softmax is invariant to adding one vector to every key: each row of dS sums
     // to 0, so sum_t dK[t] = 0); summing dK would only accumulate rounding noise,
@@ -157,14 +174,11 @@ class Attention : public loom::Layer {
     column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl);
     add(dev, g_[kQkvB], colsum, g_[kQkvB], Hl);                             // q
     add(dev, g_[kQkvB] + 2 * Hl, colsum + 2 * Hl, g_[kQkvB] + 2 * Hl, Hl);  // v
-    // f: the gradient w.r.t. the input of the column-parallel GEMM is summed over tp.
-    tp_.all_reduce(dev.native_stream(), tmp.at(dln), tmp.at(dln), static_cast<size_t>(T * H),
-                   LOOM_DTYPE_F32);
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
-    copy_d2d(dev, dx, dy, T * H * sizeof(float));
+    copy_d2d(dev, dx, dy, Tl * H * sizeof(float));
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  g_[kLnW], g_[kLnB], T, H, /*accumulate_dx=*/true);
+                  g_[kLnW], g_[kLnB], Tl, H, /*accumulate_dx=*/true);
     saved_.erase(it);
   }
 
@@ -172,14 +186,17 @@ class Attention : public loom::Layer {
 
   uint64_t activation_bytes() override {
     const int64_t T = seq_ * micro_batch_, H = hidden_, Hl = hidden_local_;
+    const bool sp = tp_.sequence_parallel();
+    const int64_t Tl = sp ? T / tp_.size() : T;
     Arena a;
-    a.floats(T * H);                          // x
-    a.floats(T);                              // mean
-    a.floats(T);                              // rstd
+    a.floats(Tl * H);                         // x (this rank's shard under SP)
+    a.floats(Tl);                             // mean
+    a.floats(Tl);                             // rstd
+    a.floats(sp ? T * H : 0);                 // the gathered LN output (SP)
     a.floats(T * 3 * Hl);                     // qkv
     a.floats(T * Hl);                         // attention output
     a.floats(micro_batch_ * heads_local_ * seq_);  // lse
-    a.add(dropout_ > 0.0f ? T * H : 0);       // dropout mask
+    a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
     return a.bytes();
   }
 
@@ -196,7 +213,7 @@ class Attention : public loom::Layer {
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
-    size_t x = 0, mean = 0, rstd = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
+    size_t x = 0, mean = 0, rstd = 0, ln_full = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
     bool dropped = false;
   };
 
@@ -225,7 +242,7 @@ class Attention : public loom::Layer {
   }
 
   loom_rank* rank_;
-  loom::Group tp_;
+  loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, heads_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
@@ -238,5 +255,5 @@ class Attention : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.0.0", "pre-LN causal multi-head self-attention with residual (tensor-parallel)",
+    "attention", "1.1.0", "pre-LN causal multi-head self-attention with residual (tensor-parallel)",
     {loom::layers::dropout_option_spec("the attention output")}))

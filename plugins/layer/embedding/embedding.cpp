@@ -1,9 +1,12 @@
 // layer/embedding: word + learned position embeddings, the first layer.
 //   out[s, b, :] = dropout(word[tokens[s, b]] + pos[s])
 // The word table is vocab-parallel (this rank holds rows [tp_rank*V_local,
-// (tp_rank+1)*V_local)); a token outside the slice looks up zeros and the
-// all-reduce over tp (Megatron's `g`) completes every row. Position embeddings,
-// dropout (same seed on every tp rank) are duplicated.
+// (tp_rank+1)*V_local)); through the parallel/tensor service a token outside the
+// slice looks up zeros and `g` (all-reduce over tp) completes every row. Position
+// embeddings and dropout (the stream shared by every tp rank) are duplicated.
+// Under sequence parallelism g is a reduce-scatter: this rank keeps its sequence
+// shard, then adds the positions of that shard (so pos.weight's gradient covers
+// the shard only; the engine sums it over tp).
 //
 // The position term is a second embedding lookup whose ids are the positions of
 // the rows (row r = s*B + b has id s): one op forward, one op backward.
@@ -18,10 +21,11 @@ using namespace loom::layers;
 class Embedding : public loom::Layer {
  public:
   Embedding(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), tp_(args.tp) {
+      : rank_(rank.raw()) {
     LOOM_REQUIRE(args.dims != nullptr, "embedding: model dims are required");
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "embedding";
+    tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
     hidden_ = d.hidden;
     seq_ = d.seq_len;
     micro_batch_ = d.micro_batch;
@@ -33,8 +37,7 @@ class Embedding : public loom::Layer {
     LOOM_REQUIRE(padded_vocab_ >= vocab_ && padded_vocab_ % tp == 0,
                  name_ << ": padded_vocab (" << padded_vocab_ << ") must be >= vocab (" << vocab_
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
-    vocab_local_ = padded_vocab_ / tp;
-    vocab_start_ = static_cast<int64_t>(tp_.rank()) * vocab_local_;
+    vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
     dropout_ = dropout_option(options, name_);
     // Built now so that a steady-state forward does no host-to-device copy.
     if (micro_batch_ > 0) position_ids(rank.device(), seq_, micro_batch_);
@@ -63,7 +66,9 @@ class Embedding : public loom::Layer {
     const int64_t S = a.tokens->shape[0], B = a.tokens->shape[1], T = S * B;
     LOOM_REQUIRE(S <= seq_, name_ << ": sequence of " << S << " tokens is longer than seq_len "
                                   << seq_ << " (the position table)");
-    require_tensor(a.output, "output", name_, kDLFloat, 32, {S, B, H});
+    // The output is this rank's sequence shard under sequence parallelism.
+    const int64_t Sl = shard_positions(S), Tl = Sl * B;
+    require_tensor(a.output, "output", name_, kDLFloat, 32, {Sl, B, H});
     const int32_t* tokens = data_of<int32_t>(*a.tokens);
     float* y = data_of<float>(*a.output);
     loom::Device dev = rank.device();
@@ -74,21 +79,21 @@ class Embedding : public loom::Layer {
     s.S = S;
     s.B = B;
     s.tokens = s.mem.add(a.training ? T * sizeof(int32_t) : 0);
-    s.mask = s.mem.add(drop ? T * H : 0);
+    s.mask = s.mem.add(drop ? Tl * H : 0);
     s.dropped = drop;
     s.mem.allocate(rank_);
     if (a.training) copy_d2d(dev, s.mem.at<int32_t>(s.tokens), tokens, T * sizeof(int32_t));
 
-    // Vocab-parallel lookup, then g: the all-reduce fills rows of other slices.
-    dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = vocab_local_, .vocab_start = vocab_start_,
-                       .ids = tokens, .table = word_, .out = y, .accumulate = 0,
-                       .dtype = LOOM_DTYPE_F32});
-    tp_.all_reduce(dev.native_stream(), y, y, static_cast<size_t>(T * H), LOOM_DTYPE_F32);
-    dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
+    // Vocab-parallel lookup of every token, then g (all-reduce, or reduce-scatter
+    // to the shard under SP); then the positions of the rows this rank holds.
+    tp_.vocab_parallel_embedding_forward({.rows = T, .dim = H, .padded_vocab = padded_vocab_, .ids = tokens,
+                                          .table = word_, .out = y});
+    dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
                        .table = pos_, .out = y, .accumulate = 1, .dtype = LOOM_DTYPE_F32});
     if (drop)
-      dropout_fwd(dev, y, y, s.mem.at<uint8_t>(s.mask), T * H, dropout_,
-                  dropout_seed(a.dropout_seed, name_, a.microbatch));
+      tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
+                           .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
+                           .microbatch = a.microbatch});
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
@@ -99,24 +104,25 @@ class Embedding : public loom::Layer {
                                            << " without a training forward");
     Saved& s = it->second;
     const int64_t H = hidden_, S = s.S, B = s.B, T = S * B;
-    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {S, B, H});
+    const int64_t Sl = shard_positions(S), Tl = Sl * B;
+    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {Sl, B, H});
     const float* dy = data_of<float>(*a.grad_output);
     loom::Device dev = rank.device();
 
     Arena tmp;
-    const size_t dout = tmp.floats(s.dropped ? T * H : 0);
+    const size_t dout = tmp.floats(s.dropped ? Tl * H : 0);
     tmp.allocate(rank_);
     const float* d = dy;
     if (s.dropped) {
-      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), T * H, dropout_);
+      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_);
       d = tmp.at(dout);
     }
-    // g's backward is the identity: each rank scatters into its own vocab slice.
-    dev.embedding_bwd({.n = T, .dim = H, .vocab_rows = vocab_local_, .vocab_start = vocab_start_,
-                       .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = word_grad_,
-                       .dtype = LOOM_DTYPE_F32});
-    // pos grad[s] += sum_b dout[s, b].
-    dev.embedding_bwd({.n = T, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
+    // g's backward (identity, or the all-gather under SP): each rank scatters every
+    // token's gradient into its own vocab slice.
+    tp_.vocab_parallel_embedding_backward({.rows = T, .dim = H, .padded_vocab = padded_vocab_,
+                                           .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = word_grad_});
+    // pos grad[s] += sum_b dout[s, b] over the positions this rank holds.
+    dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
                        .ids = position_ids(dev, S, B), .dout = d, .dtable = pos_grad_,
                        .dtype = LOOM_DTYPE_F32});
     saved_.erase(it);
@@ -125,10 +131,10 @@ class Embedding : public loom::Layer {
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_;
+    const int64_t T = seq_ * micro_batch_, Tl = shard_positions(seq_) * micro_batch_;
     Arena a;
     a.add(T * sizeof(int32_t));                 // tokens
-    a.add(dropout_ > 0.0f ? T * hidden_ : 0);   // dropout mask
+    a.add(dropout_ > 0.0f ? Tl * hidden_ : 0);  // dropout mask (this rank's shard under SP)
     return a.bytes();
   }
 
@@ -143,13 +149,24 @@ class Embedding : public loom::Layer {
     bool dropped = false;
   };
 
-  // Device ids [S*B] with id s for row s*B + b; built at creation for (seq_len,
-  // micro_batch) and again only if a microbatch of another shape comes.
+  // Positions this rank holds of a sequence of S: all of them, or under sequence
+  // parallelism the shard [tp_rank * S / tp, (tp_rank + 1) * S / tp).
+  int64_t shard_positions(int64_t S) const {
+    if (!tp_.sequence_parallel()) return S;
+    LOOM_REQUIRE(S % tp_.size() == 0, name_ << ": sequence of " << S << " tokens cannot be split into "
+                                            << tp_.size() << " sequence-parallel shards");
+    return S / tp_.size();
+  }
+
+  // Device ids [Sl*B] with id first + s for row s*B + b of this rank's rows (first
+  // = the shard's first position); built at creation for (seq_len, micro_batch)
+  // and again only if a microbatch of another shape comes.
   const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
     if (!positions_ || pos_S_ != S || pos_B_ != B) {
-      std::vector<int32_t> ids(static_cast<size_t>(S * B));
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t b = 0; b < B; ++b) ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(s);
+      const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
+      std::vector<int32_t> ids(static_cast<size_t>(Sl * B));
+      for (int64_t s = 0; s < Sl; ++s)
+        for (int64_t b = 0; b < B; ++b) ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(first + s);
       loom::Buffer buf(rank_, ids.size() * sizeof(int32_t));
       dev.copy(buf.get(), ids.data(), ids.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
       dev.synchronize();  // the host vector dies here
@@ -161,10 +178,10 @@ class Embedding : public loom::Layer {
   }
 
   loom_rank* rank_;
-  loom::Group tp_;
+  loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, seq_ = 0, micro_batch_ = 0, vocab_ = 0, padded_vocab_ = 0;
-  int64_t vocab_local_ = 0, vocab_start_ = 0;
+  int64_t vocab_local_ = 0;
   bool tie_ = false;
   float dropout_ = 0.0f;
   float* word_ = nullptr;
@@ -179,5 +196,5 @@ class Embedding : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
-    "embedding", "1.0.0", "word (vocab-parallel) + learned position embeddings",
+    "embedding", "1.1.0", "word (vocab-parallel) + learned position embeddings",
     {loom::layers::dropout_option_spec("the embedding output")}))

@@ -555,6 +555,25 @@ typedef struct loom_optimizer_step_result {
   float grad_norm;           /* before clipping */
 } loom_optimizer_step_result;
 
+/* --- 1.1 --- */
+/* Resuming at another data-parallel size (same tp and pp): the states that every
+ * old dp rank of this rank's (tp, pp) position saved, and the old buffer layout.
+ * A parameter is identified by its index in model order, the same list as
+ * loom_optimizer_create_args.infos; its numel is unchanged, but its offset may
+ * differ, since the padding depends on dp. */
+typedef struct loom_optimizer_reshard_args {
+  uint32_t struct_size;
+  int32_t old_dp;                      /* the dp size the states were saved at */
+  const void* const* states;           /* old_dp host blobs from state_save, old dp-rank order */
+  const size_t* state_bytes;           /* their sizes, old_dp entries */
+  size_t old_numel;                    /* elements of the old flat buffers, padding included */
+  const size_t* old_offsets;           /* num_params old element offsets (model order) */
+  const size_t* old_numels;            /* num_params element counts (model order) */
+  size_t num_params;                   /* == loom_optimizer_create_args.num_params */
+  const size_t* old_bucket_offsets;    /* old_num_buckets + 1 entries, as bucket_offsets */
+  size_t old_num_buckets;
+} loom_optimizer_reshard_args;
+
 typedef struct loom_optimizer_api {
   uint32_t struct_size;
   loom_status (*create)(const loom_options* options, loom_rank* rank,
@@ -567,6 +586,12 @@ typedef struct loom_optimizer_api {
   loom_status (*state_size)(loom_optimizer* opt, size_t* bytes);
   loom_status (*state_save)(loom_optimizer* opt, void* host_buf, size_t bytes);
   loom_status (*state_load)(loom_optimizer* opt, const void* host_buf, size_t bytes);
+  /* --- 1.1 --- */
+  /* Loads state saved at another dp size: each element of this rank's state takes
+   * its value from whichever old rank held that element of that parameter (mapped
+   * by parameter index and range within the parameter, never by old buffer offset);
+   * padding gets zeros. NULL = the strategy cannot reshard (the engine refuses). */
+  loom_status (*state_load_resharded)(loom_optimizer* opt, const loom_optimizer_reshard_args* args);
 } loom_optimizer_api;
 
 /* ------------------------------------------------------------------------- */
@@ -609,6 +634,179 @@ typedef struct loom_exec_api {
 } loom_exec_api;
 
 /* ------------------------------------------------------------------------- */
+/* --- 1.1 --- Tensor-parallel services (the parallel/tensor plugin).         */
+/* A TP-aware layer gets the table from host->service(rank,                   */
+/* LOOM_API_TENSOR_PARALLEL, NULL) and opens one handle per layer instance.   */
+/* With tp = 1 every call is the plain local math (collectives are identities)*/
+/*                                                                            */
+/* Activations are row-major [rows, cols] with rows = seq * micro_batch in    */
+/* sequence-major order (row s * micro_batch + b); `rows` below is always the */
+/* FULL count. Under sequence parallelism the activations outside TP regions  */
+/* are this rank's shard: the rows / tp consecutive rows of positions         */
+/* [r * seq / tp, (r + 1) * seq / tp). Entering a TP region (Megatron's f) is */
+/* then an all-gather along the rows instead of the identity (backward: a     */
+/* reduce-scatter instead of an all-reduce); leaving it (g) a reduce-scatter  */
+/* instead of an all-reduce (backward: an all-gather instead of the identity).*/
+/* Weights are [in, out] with y = x W (+ bias). Buffers are device memory.    */
+/* ------------------------------------------------------------------------- */
+
+typedef struct loom_tp_s loom_tp;  /* one layer's handle, owned by the service */
+
+typedef struct loom_tp_create_args {
+  uint32_t struct_size;
+  loom_group tp;                 /* the layer's tensor-parallel group */
+  int32_t sequence_parallel;     /* 1: activations outside TP regions are sequence shards */
+  const char* instance_name;     /* keys the layer's dropout streams ("blocks.3.mlp") */
+} loom_tp_create_args;
+
+/* f or g on its own: x [rows or rows/tp, cols] -> out [rows or rows/tp, cols].
+ * enter_forward: identity, or all-gather (SP: shard -> full);
+ * enter_backward: all-reduce, or reduce-scatter (SP: full -> shard);
+ * exit_forward: all-reduce, or reduce-scatter (SP); exit_backward: identity, or
+ * all-gather (SP). x and out may be the same buffer when no shape changes. */
+typedef struct loom_tp_region_args {
+  uint32_t struct_size;
+  int64_t rows, cols;
+  const void* x;
+  void* out;
+  int32_t dtype;
+} loom_tp_region_args;
+
+/* Column-parallel linear (weight [in, out_local], split by output columns):
+ *  forward:  x = the input as held ([rows, in], or the shard under SP); x_full
+ *            receives the gathered input [rows, in] under SP (keep it for backward;
+ *            unused without SP); y [rows, out] = x_full W + bias, or with
+ *            gather_output the whole output [rows, out * tp] (rank blocks in order).
+ *  backward: x = the full input (x_full under SP); dy [rows, out] (or [rows, out * tp]
+ *            with gather_output); dweight += x^T dy; dbias += column sums of dy;
+ *            dx = (or += with accumulate_dx) dy W^T summed over tp (all-reduce), or
+ *            reduce-scattered to the shard [rows / tp, in] under SP.
+ * Row-parallel linear (weight [in_local, out], split by input rows):
+ *  forward:  x [rows, in] (inside the TP region); y = sum over tp of x W, then + bias:
+ *            all-reduced [rows, out], or reduce-scattered [rows / tp, out] under SP.
+ *  backward: x as in forward; dy [rows, out] (or the shard under SP, all-gathered
+ *            here); dweight += x^T dy; dbias += column sums of dy as held (under SP
+ *            this rank's shard: the engine sums duplicated gradients over tp);
+ *            dx [rows, in] = (or +=) dy W^T. */
+typedef struct loom_tp_linear_args {
+  uint32_t struct_size;
+  int64_t rows;                  /* full rows: seq * micro_batch */
+  int64_t in, out;               /* this rank's weight is [in, out] */
+  const void* x;
+  void* x_full;
+  const void* weight;
+  const void* bias;              /* NULL = none */
+  void* y;
+  const void* dy;
+  void* dx;                      /* NULL = not needed */
+  void* dweight;
+  void* dbias;                   /* NULL = none */
+  int32_t gather_output;         /* column-parallel only */
+  int32_t accumulate_dx;
+  int32_t dtype;
+} loom_tp_linear_args;
+
+/* Vocab-parallel embedding: the table [padded_vocab / tp, dim] is this rank's
+ * slice of the padded vocabulary; ids outside it look up zeros and the reduction
+ * over tp completes every row.
+ *  forward:  out [rows, dim] (all-reduce), or this rank's shard [rows / tp, dim]
+ *            (reduce-scatter) under SP.
+ *  backward: dout shaped like out (all-gathered under SP); dtable += the rows of
+ *            this rank's slice. */
+typedef struct loom_tp_embedding_args {
+  uint32_t struct_size;
+  int64_t rows, dim;
+  int64_t padded_vocab;          /* the whole padded vocabulary */
+  const int32_t* ids;            /* [rows]: every token of the microbatch */
+  const void* table;
+  void* out;
+  const void* dout;
+  void* dtable;
+  int32_t dtype;
+} loom_tp_embedding_args;
+
+/* Output logits fused with vocab-parallel softmax cross-entropy. The logits stay
+ * split ([rows, padded_vocab / tp] on each rank, logits = x_full weight^T);
+ * per token the max, the sum of exponentials and the target logit are reduced
+ * over tp (3 * rows floats in two all-reduces), never the logits. Padded columns
+ * never win.
+ *  forward:  x / x_full as for a column-parallel linear; writes logits, stats and
+ *            loss (identical on every tp rank), and predictions when non-NULL.
+ *  backward: x = the full input; reads logits and stats; dweight += dlogits^T x;
+ *            dx = (or +=) dlogits weight summed over tp (all-reduce), or
+ *            reduce-scattered to the shard under SP. */
+typedef struct loom_tp_xent_args {
+  uint32_t struct_size;
+  int64_t rows, hidden;
+  int64_t vocab;                 /* real vocabulary */
+  int64_t padded_vocab;
+  const void* x;
+  void* x_full;
+  const void* weight;            /* [padded_vocab / tp, hidden] */
+  void* logits;                  /* [rows, padded_vocab / tp]: keep from forward to backward */
+  float* stats;                  /* [3 * rows]: row max | sum of exp | target logit; keep */
+  const int32_t* targets;        /* [rows]; negative = ignored (loss 0, no gradient) */
+  float* loss;                   /* forward: [rows] per-token loss */
+  int32_t* predictions;          /* forward, optional, HOST memory: [rows] argmax token
+                                    over the real vocabulary (lowest id among ties) */
+  float scale;                   /* backward: dL / d loss[r] */
+  void* dx;
+  void* dweight;
+  int32_t accumulate_dx;
+  int32_t dtype;
+} loom_tp_xent_args;
+
+/* Dropout under the model-parallel RNG (Megatron's tracker): region
+ * DUPLICATED (outside TP regions) draws from one stream identical on every tp rank
+ * (under SP each rank draws its shard's part of it, so the mask equals the serial
+ * run's); PARALLEL (inside a TP region) from a stream of its own per tp rank.
+ * out = x * mask / (1 - p); mask [n] u8 is written for the backward. */
+#define LOOM_TP_RNG_DUPLICATED 0
+#define LOOM_TP_RNG_PARALLEL 1
+typedef struct loom_tp_dropout_args {
+  uint32_t struct_size;
+  int32_t region;                /* LOOM_TP_RNG_* */
+  int64_t n;                     /* elements of x on this rank */
+  const void* x;
+  void* out;
+  uint8_t* mask;
+  float p;
+  uint64_t seed;                 /* the forward's dropout_seed (equal on every rank) */
+  int32_t microbatch;
+  int32_t stream;                /* tells several dropouts of one layer apart: 0, 1, ... */
+  int32_t dtype;
+} loom_tp_dropout_args;
+
+/* This rank's slice of the padded vocabulary: ids [start, start + rows), the first
+ * `valid` of them real (the rest padding). */
+typedef struct loom_tp_vocab_range {
+  uint32_t struct_size;
+  int64_t start, rows, valid;
+} loom_tp_vocab_range;
+
+typedef struct loom_tensor_parallel_api {
+  uint32_t struct_size;
+  loom_status (*create)(loom_rank* rank, const loom_tp_create_args* args, loom_tp** out);
+  void (*destroy)(loom_tp* tp);
+  /* The vocabulary padded to the next multiple of divisor * tp_size. */
+  int64_t (*padded_vocab)(int64_t vocab, int64_t divisor, int32_t tp_size);
+  loom_status (*vocab_range)(loom_tp* tp, int64_t vocab, int64_t padded_vocab, loom_tp_vocab_range* out);
+  loom_status (*enter_forward)(loom_tp* tp, const loom_tp_region_args* args);
+  loom_status (*enter_backward)(loom_tp* tp, const loom_tp_region_args* args);
+  loom_status (*exit_forward)(loom_tp* tp, const loom_tp_region_args* args);
+  loom_status (*exit_backward)(loom_tp* tp, const loom_tp_region_args* args);
+  loom_status (*column_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
+  loom_status (*column_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
+  loom_status (*row_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
+  loom_status (*row_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
+  loom_status (*embedding_forward)(loom_tp* tp, const loom_tp_embedding_args* args);
+  loom_status (*embedding_backward)(loom_tp* tp, const loom_tp_embedding_args* args);
+  loom_status (*xent_forward)(loom_tp* tp, const loom_tp_xent_args* args);
+  loom_status (*xent_backward)(loom_tp* tp, const loom_tp_xent_args* args);
+  loom_status (*dropout_forward)(loom_tp* tp, const loom_tp_dropout_args* args);
+} loom_tensor_parallel_api;
+
+/* ------------------------------------------------------------------------- */
 /* The host API: what the engine offers every plugin.                         */
 /* ------------------------------------------------------------------------- */
 
@@ -640,6 +838,12 @@ typedef struct loom_host_api {
   /* The rank's execution mode, for layers that split themselves into steps. */
   loom_status (*exec)(loom_rank* rank, const loom_exec_api** api, loom_exec** exec);
   int32_t (*global_rank)(loom_rank* rank);
+  /* --- 1.1 --- */
+  /* A service table offered by a plugin: api_type LOOM_API_TENSOR_PARALLEL gives a
+   * loom_tensor_parallel_api. name NULL = the one the run configured
+   * (manifest key parallel.tensor); otherwise the parallel plugin of that name.
+   * NULL when none is loaded. */
+  const void* (*service)(loom_rank* rank, int32_t api_type, const char* name);
 } loom_host_api;
 
 /* ------------------------------------------------------------------------- */
@@ -652,6 +856,8 @@ typedef struct loom_host_api {
 #define LOOM_API_OPTIMIZER 4
 #define LOOM_API_SCHEDULE 5
 #define LOOM_API_EXEC 6
+/* --- 1.1 --- */
+#define LOOM_API_TENSOR_PARALLEL 7 /* loom_tensor_parallel_api (parallel/tensor) */
 
 typedef struct loom_plugin_info {
   uint32_t struct_size;

@@ -1,0 +1,229 @@
+#include "engine/runtime/comm_stats.hpp"
+
+#include "engine/plugins/registry.hpp"
+
+#include <cstdio>
+#include <sstream>
+
+namespace loom::runtime {
+
+void CommStatsRecorder::add(const std::string& kind, const char* op, const CommCounter& c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_[kind][op] += c;
+}
+
+CommStats CommStatsRecorder::snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void CommStatsRecorder::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.clear();
+}
+
+namespace {
+
+// The shim communicator behind a counted group's loom_comm*.
+struct Shim {
+  const loom_comm_api* api;
+  loom_comm* comm;
+  int32_t size;
+  std::string kind;
+  CommStatsRecorder* recorder;
+};
+Shim* shim(loom_comm* c) { return reinterpret_cast<Shim*>(c); }
+
+uint64_t dtype_bytes(int32_t dtype) {
+  switch (dtype) {
+    case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
+    case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
+    case LOOM_DTYPE_I64: case LOOM_DTYPE_F64: return 8;
+    case LOOM_DTYPE_U8: return 1;
+    default: return 0;  // the comm plugin reports the bad dtype
+  }
+}
+
+// factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
+void count(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor) {
+  CommCounter c;
+  c.calls = 1;
+  c.elements = elements;
+  c.bytes = elements * dtype_bytes(dtype);
+  c.bus_bytes = static_cast<double>(c.bytes) * factor;
+  s->recorder->add(s->kind, op, c);
+}
+double ring(const Shim* s) { return s->size > 1 ? static_cast<double>(s->size - 1) / s->size : 0.0; }
+
+loom_status missing(const char* op) {
+  return plugins::host_api()->status_create(
+      LOOM_CODE_UNSUPPORTED, (std::string("the comm plugin does not implement ") + op).c_str());
+}
+#define LOOM_SHIM_SLOT(s, op) \
+  if (!LOOM_HAS_SLOT((s)->api, loom_comm_api, op) || (s)->api->op == nullptr) return missing(#op)
+
+void s_group_destroy(loom_comm* c) {
+  Shim* s = shim(c);
+  if (s->api && s->comm) s->api->group_destroy(s->comm);
+  delete s;
+}
+loom_status s_all_reduce(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype,
+                         int32_t op) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, all_reduce);
+  count(s, "all_reduce", n, dtype, 2.0 * ring(s));
+  return s->api->all_reduce(s->comm, stream, send, recv, n, dtype, op);
+}
+loom_status s_all_gather(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, all_gather);
+  count(s, "all_gather", n * static_cast<uint64_t>(s->size), dtype, ring(s));
+  return s->api->all_gather(s->comm, stream, send, recv, n, dtype);
+}
+loom_status s_reduce_scatter(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype,
+                             int32_t op) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, reduce_scatter);
+  count(s, "reduce_scatter", n * static_cast<uint64_t>(s->size), dtype, ring(s));
+  return s->api->reduce_scatter(s->comm, stream, send, recv, n, dtype, op);
+}
+loom_status s_all_to_all(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, all_to_all);
+  count(s, "all_to_all", n * static_cast<uint64_t>(s->size), dtype, ring(s));
+  return s->api->all_to_all(s->comm, stream, send, recv, n, dtype);
+}
+loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const size_t* send_counts,
+                           const size_t* send_displs, void* recv, const size_t* recv_counts,
+                           const size_t* recv_displs, int32_t dtype) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, all_to_all_v);
+  uint64_t sent = 0;
+  for (int32_t i = 0; send_counts != nullptr && i < s->size; ++i) sent += send_counts[i];
+  count(s, "all_to_all_v", sent, dtype, ring(s));
+  return s->api->all_to_all_v(s->comm, stream, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+}
+loom_status s_broadcast(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t root) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, broadcast);
+  count(s, "broadcast", n, dtype, s->size > 1 ? 1.0 : 0.0);
+  return s->api->broadcast(s->comm, stream, buf, n, dtype, root);
+}
+loom_status s_barrier(loom_comm* c) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, barrier);
+  count(s, "barrier", 0, LOOM_DTYPE_U8, 0.0);
+  return s->api->barrier(s->comm);
+}
+loom_status s_send(loom_comm* c, void* stream, const void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, send);
+  count(s, "send", n, dtype, 1.0);
+  return s->api->send(s->comm, stream, buf, n, dtype, peer, tag);
+}
+loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
+  Shim* s = shim(c);
+  LOOM_SHIM_SLOT(s, recv);
+  count(s, "recv", n, dtype, 1.0);
+  return s->api->recv(s->comm, stream, buf, n, dtype, peer, tag);
+}
+#undef LOOM_SHIM_SLOT
+
+// World-level slots stay NULL: the engine calls those on the real comm plugin.
+const loom_comm_api* shim_api() {
+  static const loom_comm_api api = [] {
+    loom_comm_api a{};
+    a.struct_size = sizeof(loom_comm_api);
+    a.group_destroy = s_group_destroy;
+    a.all_reduce = s_all_reduce;
+    a.all_gather = s_all_gather;
+    a.reduce_scatter = s_reduce_scatter;
+    a.all_to_all = s_all_to_all;
+    a.all_to_all_v = s_all_to_all_v;
+    a.broadcast = s_broadcast;
+    a.barrier = s_barrier;
+    a.send = s_send;
+    a.recv = s_recv;
+    return a;
+  }();
+  return &api;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024.0 && u < 4) {
+    b /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, units[u]);
+  return buf;
+}
+
+}  // namespace
+
+loom_group counting_group(const loom_group& real, const std::string& kind, CommStatsRecorder* recorder) {
+  if (real.api == nullptr || real.comm == nullptr || recorder == nullptr) return real;
+  loom_group g = real;
+  g.api = shim_api();
+  g.comm = reinterpret_cast<loom_comm*>(new Shim{real.api, real.comm, real.size, kind, recorder});
+  return g;
+}
+
+CommStats& operator+=(CommStats& a, const CommStats& b) {
+  for (const auto& [kind, ops] : b)
+    for (const auto& [op, c] : ops) a[kind][op] += c;
+  return a;
+}
+
+CommCounter total(const CommStats& s, const std::string& kind) {
+  CommCounter t;
+  auto it = s.find(kind);
+  if (it != s.end())
+    for (const auto& [op, c] : it->second) t += c;
+  return t;
+}
+
+std::string comm_stats_json(const CommStats& s) {
+  std::ostringstream os;
+  os.precision(17);
+  os << "{";
+  bool first_kind = true;
+  for (const auto& [kind, ops] : s) {
+    if (total(s, kind).calls == 0) continue;
+    os << (first_kind ? "" : ", ") << "\"" << kind << "\": {";
+    first_kind = false;
+    bool first_op = true;
+    for (const auto& [op, c] : ops) {
+      if (c.calls == 0) continue;
+      os << (first_op ? "" : ", ") << "\"" << op << "\": {\"calls\": " << c.calls << ", \"elements\": " << c.elements
+         << ", \"bytes\": " << c.bytes << ", \"bus_bytes\": " << c.bus_bytes << "}";
+      first_op = false;
+    }
+    os << "}";
+  }
+  os << "}";
+  return os.str();
+}
+
+std::string comm_stats_summary(const CommStats& s, const std::string& label) {
+  std::ostringstream os;
+  os << label << ":";
+  bool any = false;
+  for (const auto& [kind, ops] : s) {
+    if (total(s, kind).calls == 0) continue;
+    os << (any ? ";" : "") << " " << kind;
+    bool first_op = true;
+    for (const auto& [op, c] : ops) {
+      if (c.calls == 0) continue;
+      os << (first_op ? " " : ", ") << c.calls << " " << op << " " << human_bytes(static_cast<double>(c.bytes));
+      first_op = false;
+    }
+    any = true;
+  }
+  if (!any) os << " none";
+  return os.str();
+}
+
+}  // namespace loom::runtime

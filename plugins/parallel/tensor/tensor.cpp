@@ -1,0 +1,483 @@
+// parallel/tensor: the tensor-parallel services TP-aware layers call (ABI 1.1,
+// loom_tensor_parallel_api). Megatron-LM's building blocks over a layer's tp group:
+//
+//  - f (entering a TP region): identity forward, all-reduce backward; under
+//    sequence parallelism all-gather along the sequence forward, reduce-scatter
+//    backward;
+//  - g (leaving it): all-reduce forward, identity backward; under sequence
+//    parallelism reduce-scatter forward, all-gather backward;
+//  - column-parallel linear = f then the local GEMM (optionally gathering the
+//    output columns); row-parallel linear = the local GEMM then g, bias after it;
+//  - vocab-parallel embedding (ids outside the slice look up zeros, then g) and
+//    the output logits fused with vocab-parallel cross-entropy (per token the max,
+//    the sum of exponentials and the target logit cross ranks, never the logits);
+//  - vocabulary padding, and dropout under the model-parallel RNG: one stream on
+//    every tp rank outside TP regions (each rank drawing its shard's part under
+//    sequence parallelism), a stream per tp rank inside them.
+//
+// With tp = 1 every collective is skipped: the calls are the local math.
+// Temporaries are allocated per call and freed before it returns, so a layer's
+// device memory between forward and backward is only what it saves itself.
+#include "../../layer/common/layer_math.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace loom::layers;
+
+class Tp {
+ public:
+  Tp(loom_rank* rank, const loom_tp_create_args& a)
+      : rank_(rank), group_(a.tp), name_(a.instance_name ? a.instance_name : "layer") {
+    size_ = a.tp.size > 0 ? a.tp.size : 1;
+    tp_rank_ = a.tp.rank;
+    LOOM_REQUIRE(tp_rank_ >= 0 && tp_rank_ < size_,
+                 "parallel/tensor: rank " << tp_rank_ << " is outside a tp group of " << size_);
+    // A group without a communicator is fine for planning (loom plan creates layers
+    // to ask their sizes); a collective on it is an error (see comm()).
+    has_comm_ = a.tp.api != nullptr && a.tp.comm != nullptr;
+    sp_ = a.sequence_parallel != 0 && size_ > 1;
+    dev_ = loom::Rank(rank).device();
+  }
+
+  // ----- f and g -----------------------------------------------------------
+
+  int64_t local_rows(int64_t rows) const {
+    if (!sp_) return rows;
+    LOOM_REQUIRE(rows % size_ == 0, name_ << ": " << rows << " rows (seq * micro_batch) cannot be split into "
+                                          << size_ << " sequence shards");
+    return rows / size_;
+  }
+
+  // f forward: [local rows] -> [rows].
+  void enter_fwd(int64_t rows, int64_t cols, const float* x, float* out) const {
+    if (sp_) comm().all_gather(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), LOOM_DTYPE_F32);
+    else copy_d2d(dev_, out, x, static_cast<size_t>(rows * cols) * sizeof(float));
+  }
+  // f backward: [rows] summed over tp -> [local rows]. x may be out without SP.
+  void enter_bwd(int64_t rows, int64_t cols, const float* x, float* out) const {
+    if (sp_) comm().reduce_scatter(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), LOOM_DTYPE_F32);
+    else all_reduce(x, out, rows * cols);
+  }
+  // g forward: [rows] partial sums -> [local rows] reduced.
+  void exit_fwd(int64_t rows, int64_t cols, const float* x, float* out) const { enter_bwd(rows, cols, x, out); }
+  // g backward: [local rows] -> [rows].
+  void exit_bwd(int64_t rows, int64_t cols, const float* x, float* out) const { enter_fwd(rows, cols, x, out); }
+
+  void region(const loom_tp_region_args& a, int which) const {
+    require_f32(a.dtype);
+    const float* x = static_cast<const float*>(a.x);
+    float* out = static_cast<float*>(a.out);
+    LOOM_REQUIRE(x && out, name_ << ": region call needs x and out");
+    switch (which) {
+      case 0: enter_fwd(a.rows, a.cols, x, out); break;
+      case 1: enter_bwd(a.rows, a.cols, x, out); break;
+      case 2: exit_fwd(a.rows, a.cols, x, out); break;
+      default: exit_bwd(a.rows, a.cols, x, out); break;
+    }
+  }
+
+  // ----- linear layers -----------------------------------------------------
+
+  void column_fwd(const loom_tp_linear_args& a) const {
+    require_f32(a.dtype);
+    const int64_t R = a.rows, in = a.in, out = a.out;
+    const float* x = static_cast<const float*>(a.x);
+    if (sp_) {
+      LOOM_REQUIRE(a.x_full != nullptr, name_ << ": column-parallel linear under sequence parallelism needs x_full");
+      enter_fwd(R, in, x, static_cast<float*>(a.x_full));
+      x = static_cast<const float*>(a.x_full);
+    }
+    const float* w = static_cast<const float*>(a.weight);
+    const float* b = static_cast<const float*>(a.bias);
+    if (!a.gather_output || size_ == 1) {
+      linear_fwd(dev_, x, w, b, static_cast<float*>(a.y), R, in, out);
+      return;
+    }
+    // The local columns, gathered to [tp, R, out], then interleaved into [R, tp * out].
+    Arena tmp;
+    const size_t local = tmp.floats(R * out), all = tmp.floats(size_ * R * out), eye = tmp.floats(out * out);
+    tmp.allocate(rank_);
+    linear_fwd(dev_, x, w, b, tmp.at(local), R, in, out);
+    comm().all_gather(stream(), tmp.at(local), tmp.at(all), static_cast<size_t>(R * out), LOOM_DTYPE_F32);
+    identity(tmp.at(eye), out);
+    float* y = static_cast<float*>(a.y);
+    for (int r = 0; r < size_; ++r)
+      strided_copy(tmp.at(all) + r * R * out, out, y + r * out, size_ * out, R, out, tmp.at(eye));
+  }
+
+  void column_bwd(const loom_tp_linear_args& a) const {
+    require_f32(a.dtype);
+    const int64_t R = a.rows, in = a.in, out = a.out;
+    const float* x = static_cast<const float*>(a.x);  // the full input
+    const float* w = static_cast<const float*>(a.weight);
+    const float* dy = static_cast<const float*>(a.dy);
+    Arena tmp;
+    const bool gathered = a.gather_output && size_ > 1;
+    const size_t dyl = tmp.floats(gathered ? R * out : 0), eye = tmp.floats(gathered ? out * out : 0);
+    const bool direct = !sp_ && !a.accumulate_dx;  // dx can hold the full sum itself
+    const size_t dfull = tmp.floats(a.dx && !direct ? R * in : 0);
+    const size_t dred = tmp.floats(a.dx && a.accumulate_dx ? local_rows(R) * in : 0);
+    tmp.allocate(rank_);
+    if (gathered) {  // this rank's columns of the whole output's gradient
+      identity(tmp.at(eye), out);
+      strided_copy(dy + tp_rank_ * out, size_ * out, tmp.at(dyl), out, R, out, tmp.at(eye));
+      dy = tmp.at(dyl);
+    }
+    float* dw = static_cast<float*>(a.dweight);
+    float* db = static_cast<float*>(a.dbias);
+    gemm(dev_, true, false, in, out, R, x, dy, dw, 1.0f);
+    if (db) column_sum_acc(dev_, dy, db, R, out);
+    if (!a.dx) return;
+    float* dx = static_cast<float*>(a.dx);
+    float* full = direct ? dx : tmp.at(dfull);
+    gemm(dev_, false, true, R, in, out, dy, w, full, 0.0f);
+    if (direct) {
+      all_reduce(full, dx, R * in);
+    } else if (!a.accumulate_dx) {
+      enter_bwd(R, in, full, dx);
+    } else {
+      enter_bwd(R, in, full, tmp.at(dred));
+      add(dev_, dx, tmp.at(dred), dx, local_rows(R) * in);
+    }
+  }
+
+  void row_fwd(const loom_tp_linear_args& a) const {
+    require_f32(a.dtype);
+    const int64_t R = a.rows, in = a.in, out = a.out;
+    const float* x = static_cast<const float*>(a.x);
+    const float* w = static_cast<const float*>(a.weight);
+    float* y = static_cast<float*>(a.y);
+    Arena tmp;
+    const size_t partial = tmp.floats(sp_ ? R * out : 0);
+    tmp.allocate(rank_);
+    float* p = sp_ ? tmp.at(partial) : y;
+    gemm(dev_, false, false, R, out, in, x, w, p, 0.0f);
+    exit_fwd(R, out, p, y);
+    if (a.bias) add_bias(dev_, y, static_cast<const float*>(a.bias), y, local_rows(R), out);
+  }
+
+  void row_bwd(const loom_tp_linear_args& a) const {
+    require_f32(a.dtype);
+    const int64_t R = a.rows, in = a.in, out = a.out;
+    const float* x = static_cast<const float*>(a.x);
+    const float* w = static_cast<const float*>(a.weight);
+    const float* dy = static_cast<const float*>(a.dy);
+    Arena tmp;
+    const size_t full = tmp.floats(sp_ ? R * out : 0);
+    tmp.allocate(rank_);
+    // The bias came after the reduction: its gradient is dy as held (the shard under SP).
+    if (a.dbias) column_sum_acc(dev_, dy, static_cast<float*>(a.dbias), local_rows(R), out);
+    const float* d = dy;
+    if (sp_) {
+      exit_bwd(R, out, dy, tmp.at(full));
+      d = tmp.at(full);
+    }
+    gemm(dev_, true, false, in, out, R, x, d, static_cast<float*>(a.dweight), 1.0f);
+    if (a.dx) gemm(dev_, false, true, R, in, out, d, w, static_cast<float*>(a.dx), a.accumulate_dx ? 1.0f : 0.0f);
+  }
+
+  // ----- vocabulary ----------------------------------------------------------
+
+  loom_tp_vocab_range vocab_range(int64_t vocab, int64_t padded) const {
+    LOOM_REQUIRE(padded >= vocab && padded % size_ == 0,
+                 name_ << ": padded vocabulary " << padded << " must be >= the vocabulary (" << vocab
+                       << ") and divisible by the tensor-parallel size (" << size_ << ")");
+    loom_tp_vocab_range r = loom::make<loom_tp_vocab_range>();
+    r.rows = padded / size_;
+    r.start = static_cast<int64_t>(tp_rank_) * r.rows;
+    // Padded rows (and whole slices past the real vocabulary) never take part.
+    r.valid = std::clamp<int64_t>(vocab - r.start, 0, r.rows);
+    return r;
+  }
+
+  void embedding_fwd(const loom_tp_embedding_args& a) const {
+    require_f32(a.dtype);
+    const loom_tp_vocab_range v = vocab_range(a.padded_vocab, a.padded_vocab);
+    Arena tmp;
+    const size_t full = tmp.floats(sp_ ? a.rows * a.dim : 0);
+    tmp.allocate(rank_);
+    float* out = static_cast<float*>(a.out);
+    float* y = sp_ ? tmp.at(full) : out;
+    dev_.embedding_fwd({.n = a.rows, .dim = a.dim, .vocab_rows = v.rows, .vocab_start = v.start, .ids = a.ids,
+                        .table = a.table, .out = y, .accumulate = 0, .dtype = LOOM_DTYPE_F32});
+    exit_fwd(a.rows, a.dim, y, out);  // g: the other slices' rows
+  }
+
+  void embedding_bwd(const loom_tp_embedding_args& a) const {
+    require_f32(a.dtype);
+    const loom_tp_vocab_range v = vocab_range(a.padded_vocab, a.padded_vocab);
+    Arena tmp;
+    const size_t full = tmp.floats(sp_ ? a.rows * a.dim : 0);
+    tmp.allocate(rank_);
+    const float* d = static_cast<const float*>(a.dout);
+    if (sp_) {
+      exit_bwd(a.rows, a.dim, d, tmp.at(full));
+      d = tmp.at(full);
+    }
+    // Each rank scatters every token's gradient into its own vocab slice.
+    dev_.embedding_bwd({.n = a.rows, .dim = a.dim, .vocab_rows = v.rows, .vocab_start = v.start, .ids = a.ids,
+                        .dout = d, .dtable = a.dtable, .dtype = LOOM_DTYPE_F32});
+  }
+
+  // ----- logits fused with cross-entropy -----------------------------------
+
+  loom_xent_args xent_args(const loom_tp_xent_args& a, const loom_tp_vocab_range& v) const {
+    loom_xent_args xa = loom::make<loom_xent_args>();
+    xa.rows = a.rows;
+    xa.cols = v.rows;
+    xa.ld = v.rows;
+    xa.valid_cols = v.valid;
+    xa.vocab_start = v.start;
+    xa.logits = a.logits;
+    xa.targets = a.targets;
+    xa.row_max = a.stats;
+    xa.row_sumexp = a.stats + a.rows;
+    xa.target_logit = a.stats + 2 * a.rows;
+    xa.loss = a.loss;
+    xa.scale = 1.0f;
+    xa.dtype = LOOM_DTYPE_F32;
+    return xa;
+  }
+
+  void xent_fwd(const loom_tp_xent_args& a) const {
+    require_f32(a.dtype);
+    const int64_t T = a.rows, H = a.hidden;
+    const loom_tp_vocab_range v = vocab_range(a.vocab, a.padded_vocab);
+    const int64_t Vl = v.rows;
+    const float* x = static_cast<const float*>(a.x);
+    if (sp_) {
+      LOOM_REQUIRE(a.x_full != nullptr, name_ << ": cross-entropy under sequence parallelism needs x_full");
+      enter_fwd(T, H, x, static_cast<float*>(a.x_full));
+      x = static_cast<const float*>(a.x_full);
+    }
+    float* logits = static_cast<float*>(a.logits);
+    gemm(dev_, false, true, T, Vl, H, x, static_cast<const float*>(a.weight), logits, 0.0f);
+
+    float* row_max = a.stats;
+    float* sums = a.stats + T;  // sum-exp then target logit: one all-reduce
+    loom_xent_args xa = xent_args(a, v);
+    xa.step = LOOM_XENT_ROW_MAX;
+    dev_.xent(xa);
+    // Predictions: this rank's argmax over its real columns and its local max,
+    // taken before row_max becomes the global max.
+    std::vector<int32_t> local_arg;
+    std::vector<float> local_max;
+    if (a.predictions) {
+      local_arg.assign(static_cast<size_t>(T), 0);
+      local_max.assign(static_cast<size_t>(T), -std::numeric_limits<float>::infinity());
+      if (v.valid > 0) {
+        Arena am;
+        const size_t idx = am.add(T * sizeof(int32_t));
+        am.allocate(rank_);
+        dev_.reduce({.op = LOOM_RED_ROW_ARGMAX, .n = T * v.valid, .cols = v.valid, .x = logits,
+                     .out = am.at<int32_t>(idx), .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_I32, .ld = Vl});
+        dev_.copy(local_arg.data(), am.at<int32_t>(idx), T * sizeof(int32_t), LOOM_COPY_DEVICE_TO_HOST);
+        dev_.copy(local_max.data(), row_max, T * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+        dev_.synchronize();
+      }
+    }
+    comm().all_reduce(stream(), row_max, row_max, static_cast<size_t>(T), LOOM_DTYPE_F32, LOOM_REDUCE_MAX);
+    if (a.predictions) {
+      // The winner is the lowest vocab id whose logit equals the global max.
+      std::vector<float> global_max(static_cast<size_t>(T));
+      dev_.copy(global_max.data(), row_max, T * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+      dev_.synchronize();
+      for (int64_t r = 0; r < T; ++r)
+        a.predictions[r] = (v.valid > 0 && local_max[r] == global_max[r])
+                               ? static_cast<int32_t>(v.start + local_arg[r])
+                               : std::numeric_limits<int32_t>::max();
+      comm().all_reduce(nullptr, a.predictions, a.predictions, static_cast<size_t>(T), LOOM_DTYPE_I32,
+                        LOOM_REDUCE_MIN);
+    }
+    xa.step = LOOM_XENT_SUMEXP;
+    dev_.xent(xa);
+    comm().all_reduce(stream(), sums, sums, static_cast<size_t>(2 * T), LOOM_DTYPE_F32, LOOM_REDUCE_SUM);
+    xa.step = LOOM_XENT_LOSS;
+    dev_.xent(xa);
+  }
+
+  void xent_bwd(const loom_tp_xent_args& a) const {
+    require_f32(a.dtype);
+    const int64_t T = a.rows, H = a.hidden;
+    const loom_tp_vocab_range v = vocab_range(a.vocab, a.padded_vocab);
+    const int64_t Vl = v.rows;
+    const float* x = static_cast<const float*>(a.x);  // the full input
+    const float* w = static_cast<const float*>(a.weight);
+    Arena tmp;
+    const size_t dlogits = tmp.floats(T * Vl), dfull = tmp.floats(T * H);
+    const size_t dred = tmp.floats(a.dx && a.accumulate_dx ? local_rows(T) * H : 0);
+    tmp.allocate(rank_);
+    // dlogits = scale * (softmax - onehot) on the local slice.
+    loom_xent_args xa = xent_args(a, v);
+    xa.step = LOOM_XENT_BACKWARD;
+    xa.dlogits = tmp.at(dlogits);
+    xa.scale = a.scale;
+    dev_.xent(xa);
+    gemm(dev_, true, false, Vl, H, T, tmp.at(dlogits), x, static_cast<float*>(a.dweight), 1.0f);
+    if (!a.dx) return;
+    float* dx = static_cast<float*>(a.dx);
+    gemm(dev_, false, false, T, H, Vl, tmp.at(dlogits), w, tmp.at(dfull), 0.0f);
+    if (a.accumulate_dx) {
+      enter_bwd(T, H, tmp.at(dfull), tmp.at(dred));
+      add(dev_, dx, tmp.at(dred), dx, local_rows(T) * H);
+    } else {
+      enter_bwd(T, H, tmp.at(dfull), dx);
+    }
+  }
+
+  // ----- the model-parallel RNG ----------------------------------------------
+
+  void dropout_fwd(const loom_tp_dropout_args& a) const {
+    require_f32(a.dtype);
+    uint64_t seed = dropout_seed(a.seed, name_, a.microbatch);
+    if (a.stream != 0) seed = mix64(seed ^ mix64(0x5bd1e995ull + static_cast<uint64_t>(a.stream)));
+    uint64_t offset = 0;
+    if (a.region == LOOM_TP_RNG_PARALLEL) {
+      // A stream of this tp rank's own (Megatron: the model-parallel tracker).
+      seed = mix64(seed ^ mix64(0x2718281828459045ull + static_cast<uint64_t>(tp_rank_)));
+    } else {
+      LOOM_REQUIRE(a.region == LOOM_TP_RNG_DUPLICATED, name_ << ": unknown dropout region " << a.region);
+      // One stream on every tp rank; under SP this rank holds block tp_rank of it.
+      if (sp_) offset = static_cast<uint64_t>(tp_rank_) * static_cast<uint64_t>(a.n);
+    }
+    dev_.elementwise({.op = LOOM_EW_DROPOUT, .n = a.n, .x = a.x, .y = a.mask, .out = a.out, .p = a.p,
+                      .seed = seed, .offset = offset, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  }
+
+ private:
+  void* stream() const { return dev_.native_stream(); }
+  const loom::Group& comm() const {
+    LOOM_REQUIRE(size_ == 1 || has_comm_,
+                 name_ << ": the tp group of " << size_ << " ranks has no communicator");
+    return group_;
+  }
+  void require_f32(int32_t dtype) const {
+    LOOM_REQUIRE(dtype == LOOM_DTYPE_F32, name_ << ": parallel/tensor supports float32 activations only");
+  }
+  // out = the sum over tp of x (a copy on one rank; in place when x == out).
+  void all_reduce(const float* x, float* out, int64_t n) const {
+    if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * sizeof(float));
+    else comm().all_reduce(stream(), x, out, static_cast<size_t>(n), LOOM_DTYPE_F32);
+  }
+  void identity(float* eye, int64_t n) const {
+    dev_.elementwise({.op = LOOM_EW_FILL, .n = n * n, .out = eye, .alpha = 0.f, .dtype = LOOM_DTYPE_F32,
+                      .out_dtype = LOOM_DTYPE_F32});
+    std::vector<float> diag(1, 1.0f);
+    for (int64_t i = 0; i < n; ++i) dev_.copy(eye + i * n + i, diag.data(), sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    dev_.synchronize();
+  }
+  // dst[r, 0:cols] (row stride ldd) = src[r, 0:cols] (row stride lds): a GEMM with
+  // the identity, exact, and on any device.
+  void strided_copy(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols,
+                    const float* eye) const {
+    loom_gemm_args g = loom::make<loom_gemm_args>();
+    g.m = rows;
+    g.n = cols;
+    g.k = cols;
+    g.a = src;
+    g.lda = lds;
+    g.b = eye;
+    g.ldb = cols;
+    g.c = dst;
+    g.ldc = ldd;
+    g.batch = 1;
+    g.alpha = 1.0f;
+    g.beta = 0.0f;
+    g.dtype = LOOM_DTYPE_F32;
+    g.c_dtype = LOOM_DTYPE_F32;
+    dev_.gemm(g);
+  }
+
+  loom_rank* rank_;
+  loom::Group group_;
+  std::string name_;
+  int size_ = 1, tp_rank_ = 0;
+  bool sp_ = false, has_comm_ = false;
+  loom::Device dev_;
+};
+
+Tp* tp(loom_tp* h) { return reinterpret_cast<Tp*>(h); }
+
+template <typename Args, typename Fn>
+loom_status call(loom_tp* h, const Args* a, Fn&& fn) {
+  return loom::guard([&] {
+    LOOM_REQUIRE(h != nullptr && a != nullptr, "parallel/tensor: handle and arguments are required");
+    LOOM_REQUIRE(a->struct_size >= sizeof(uint32_t), "parallel/tensor: arguments without struct_size");
+    if (a->struct_size >= sizeof(Args)) {
+      fn(*tp(h), *a);
+    } else {  // an older caller: the members it lacks are zero
+      Args full = loom::make<Args>();
+      std::memcpy(&full, a, a->struct_size);
+      full.struct_size = sizeof(Args);
+      fn(*tp(h), full);
+    }
+  });
+}
+
+const loom_tensor_parallel_api* tensor_parallel_api() {
+  static const loom_tensor_parallel_api api = [] {
+    loom_tensor_parallel_api t = loom::make<loom_tensor_parallel_api>();
+    t.create = [](loom_rank* rank, const loom_tp_create_args* args, loom_tp** out) -> loom_status {
+      return loom::guard([&] {
+        LOOM_REQUIRE(args != nullptr && out != nullptr, "parallel/tensor: create needs args and out");
+        *out = reinterpret_cast<loom_tp*>(new Tp(rank, *args));
+      });
+    };
+    t.destroy = [](loom_tp* h) { delete tp(h); };
+    t.padded_vocab = [](int64_t vocab, int64_t divisor, int32_t tp_size) -> int64_t {
+      const int64_t m = std::max<int64_t>(1, divisor) * std::max<int32_t>(1, tp_size);
+      return (vocab + m - 1) / m * m;
+    };
+    t.vocab_range = [](loom_tp* h, int64_t vocab, int64_t padded, loom_tp_vocab_range* out) -> loom_status {
+      return loom::guard([&] {
+        LOOM_REQUIRE(h != nullptr && out != nullptr, "parallel/tensor: vocab_range needs a handle and out");
+        const loom_tp_vocab_range r = tp(h)->vocab_range(vocab, padded);
+        const uint32_t size = out->struct_size;
+        std::memcpy(out, &r, std::min<size_t>(size, sizeof(r)));
+        out->struct_size = size;
+      });
+    };
+    using R = loom_tp_region_args;
+    t.enter_forward = [](loom_tp* h, const R* a) { return call(h, a, [](Tp& t, const R& r) { t.region(r, 0); }); };
+    t.enter_backward = [](loom_tp* h, const R* a) { return call(h, a, [](Tp& t, const R& r) { t.region(r, 1); }); };
+    t.exit_forward = [](loom_tp* h, const R* a) { return call(h, a, [](Tp& t, const R& r) { t.region(r, 2); }); };
+    t.exit_backward = [](loom_tp* h, const R* a) { return call(h, a, [](Tp& t, const R& r) { t.region(r, 3); }); };
+    using L = loom_tp_linear_args;
+    t.column_linear_forward = [](loom_tp* h, const L* a) {
+      return call(h, a, [](Tp& t, const L& r) { t.column_fwd(r); });
+    };
+    t.column_linear_backward = [](loom_tp* h, const L* a) {
+      return call(h, a, [](Tp& t, const L& r) { t.column_bwd(r); });
+    };
+    t.row_linear_forward = [](loom_tp* h, const L* a) { return call(h, a, [](Tp& t, const L& r) { t.row_fwd(r); }); };
+    t.row_linear_backward = [](loom_tp* h, const L* a) { return call(h, a, [](Tp& t, const L& r) { t.row_bwd(r); }); };
+    using E = loom_tp_embedding_args;
+    t.embedding_forward = [](loom_tp* h, const E* a) {
+      return call(h, a, [](Tp& t, const E& r) { t.embedding_fwd(r); });
+    };
+    t.embedding_backward = [](loom_tp* h, const E* a) {
+      return call(h, a, [](Tp& t, const E& r) { t.embedding_bwd(r); });
+    };
+    using X = loom_tp_xent_args;
+    t.xent_forward = [](loom_tp* h, const X* a) { return call(h, a, [](Tp& t, const X& r) { t.xent_fwd(r); }); };
+    t.xent_backward = [](loom_tp* h, const X* a) { return call(h, a, [](Tp& t, const X& r) { t.xent_bwd(r); }); };
+    using D = loom_tp_dropout_args;
+    t.dropout_forward = [](loom_tp* h, const D* a) {
+      return call(h, a, [](Tp& t, const D& r) { t.dropout_fwd(r); });
+    };
+    return t;
+  }();
+  return &api;
+}
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin("parallel", "tensor", "1.0.0",
+                                     "tensor-parallel services: column/row-parallel linear (f/g), vocab-parallel "
+                                     "embedding and cross-entropy, vocab padding, model-parallel RNG, sequence "
+                                     "parallelism",
+                                     LOOM_API_TENSOR_PARALLEL, tensor_parallel_api()))
