@@ -124,6 +124,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   toml::table t{{"step", meta.step}, {"world", meta.world}, {"tp", meta.tp},
                 {"pp", meta.pp},     {"dp", meta.dp},       {"strategy", meta.strategy}, {"format", 1}};
   std::ostringstream os;
+  if (meta.bucket_size >= 0) t.insert("bucket_size", meta.bucket_size);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -159,6 +160,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.pp = static_cast<int>(need("pp"));
     m.dp = static_cast<int>(need("dp"));
     m.strategy = t["strategy"].value_or(std::string());
+    m.bucket_size = t["bucket_size"].value_or(int64_t{-1});
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }

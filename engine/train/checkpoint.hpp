@@ -4,6 +4,12 @@
 // crash never leaves a half-written step_<N>: what exists is complete.
 #pragma once
 
+#include "engine/model/buffer_layout.hpp"
+#include "engine/model/model.hpp"
+#include "engine/topology/rank_groups.hpp"
+
+#include <loom/cpp/core.hpp>
+
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -26,6 +32,7 @@ struct CheckpointMeta {
   int64_t step = 0;                  // steps completed
   int world = 1, tp = 1, pp = 1, dp = 1;
   std::string strategy;              // optimizer.strategy that wrote it
+  int64_t bucket_size = -1;          // optimizer.bucket_size that wrote it (-1: not recorded)
 };
 
 // Path of step N's directory.
@@ -45,5 +52,24 @@ void prepare_temp_dir(const std::string& tmp);
 CheckpointMeta read_meta(const std::string& step_dir);
 // Reads and verifies one rank's file (magic, version, sizes, checksum).
 RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel);
+
+// --- Resuming at another data-parallel size (tp and pp unchanged) ---
+// The global ranks that held this rank's (tp, pp) position in a run of `old_world`
+// ranks (the same tp, cp, pp and order as `sizes`), in old dp-rank order.
+std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, int old_world);
+// A flat parameter buffer laid out as `from` re-laid as `to`: parameter i (model
+// order, the same in both) moves from from.params[i] to to.params[i]; padding is zero.
+std::vector<float> remap_params(const std::vector<float>& params, const model::BufferLayout& from,
+                                const model::BufferLayout& to);
+// The whole resume at another dp for one rank: reads the files of the old ranks at
+// this rank's (tp, pp) position (old_world ranks, old_dp of them per position),
+// recomputes the old layout of the model's parameters (the same layout function,
+// the old dp), moves the parameters entry by entry into the model's buffer, and
+// hands the old optimizer states and layout to the strategy's state_load_resharded
+// (`plugin` names it in errors; a strategy that reports LOOM_CODE_UNSUPPORTED is
+// refused with a CheckpointError).
+void load_resharded(const std::string& step_dir, int old_dp, int old_world, const topology::ParallelSizes& sizes,
+                    int rank, model::Model& model, const loom::Device& dev, size_t bucket_size,
+                    const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin);
 
 }  // namespace loom::train

@@ -69,4 +69,25 @@ grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"
 "$loom" frobnicate > /dev/null 2>&1; [ $? -eq 2 ] || fail "an unknown command should exit 2"
 for c in run validate plugins groups schedule; do "$loom" $c --help > /dev/null || fail "loom $c --help"; done
+
+# 7. Resharding on resume: 6 steps at dp = 4 (distributed optimizer), resumed at dp = 2 to
+# step 12; steps 7..12 match the dp = 2 reference run above (distopt trains like ddp) up to
+# the reduction order. A tp change is refused in one line, exit 1.
+rs=(--set optimizer.strategy=distributed --set checkpoint.dir="\"$work/rs\"")
+"$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=4 --set run.steps=6 > "$work/rs1.out" 2>&1 \
+  || fail "dp=4 run: $(tail -3 "$work/rs1.out")"
+"$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=2 --set run.steps=12 --resume --metrics "$work/rs.jsonl" \
+  > "$work/rs2.out" 2>&1 || fail "resume at dp=2: $(tail -3 "$work/rs2.out")"
+[ "$(wc -l < "$work/rs.jsonl")" -eq 6 ] || fail "resumed run wrote $(wc -l < "$work/rs.jsonl") steps, expected 6"
+for s in 7 12; do
+  a=$(grep "\"step\": $s," "$work/rs.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
+  b=$(grep "\"step\": $s," "$work/ref.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
+  awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-5 * b) }' \
+    || fail "step $s after resharding dp 4 -> 2: loss $a, uninterrupted dp = 2: $b"
+done
+"$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=1 --set parallel.tp=2 --set run.steps=12 --resume \
+  > "$work/rs3.out" 2>&1
+[ $? -eq 1 ] || fail "resume with another tp should exit 1"
+grep -q "may change dp only" "$work/rs3.out" || fail "tp-change refusal: $(cat "$work/rs3.out")"
+
 echo "cli tests passed"

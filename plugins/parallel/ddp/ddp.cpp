@@ -87,6 +87,36 @@ class Ddp : public loom::OptimizerStrategy {
                                             << " (was it saved with another model or parallel layout?)");
     transfer(const_cast<void*>(buf), LOOM_COPY_HOST_TO_DEVICE);
   }
+  // Another dp size pads the buffers differently, so each parameter moves: its
+  // m, v (and master weights) go from its old offset to its new one; padding gets
+  // zeros. Every dp replica saved the same state; old dp rank 0's copy is used.
+  void state_load_resharded(const loom_optimizer_reshard_args& a) override {
+    const size_t arrays = main_ ? 3 : 2;
+    LOOM_REQUIRE(a.old_dp >= 1 && a.states != nullptr && a.state_bytes != nullptr && a.states[0] != nullptr,
+                 "parallel/ddp: resharding needs the saved state of old dp rank 0 (old dp = " << a.old_dp << ")");
+    LOOM_REQUIRE(a.state_bytes[0] == a.old_numel * sizeof(float) * arrays,
+                 "parallel/ddp: the checkpointed optimizer state has " << a.state_bytes[0] << " bytes but "
+                     << arrays << " arrays over the checkpoint's " << a.old_numel << "-element buffer need "
+                     << a.old_numel * sizeof(float) * arrays
+                     << " (was it saved with another optimizer.strategy or device.param_dtype?)");
+    LOOM_REQUIRE(a.num_params == infos_.size() && a.old_offsets != nullptr && a.old_numels != nullptr,
+                 "parallel/ddp: the checkpoint's layout lists " << a.num_params << " parameters but this model has "
+                                                                << infos_.size()
+                                                                << " on this rank; the model differs from the "
+                                                                   "checkpoint's");
+    const float* old = static_cast<const float*>(a.states[0]);
+    std::vector<float> host(numel_ * arrays, 0.f);
+    for (size_t i = 0; i < infos_.size(); ++i) {
+      LOOM_REQUIRE(a.old_numels[i] == infos_[i].numel && a.old_offsets[i] + a.old_numels[i] <= a.old_numel,
+                   "parallel/ddp: parameter " << i << " held " << a.old_numels[i] << " elements at offset "
+                                              << a.old_offsets[i] << " in the checkpoint but has " << infos_[i].numel
+                                              << " here; the model differs from the checkpoint's");
+      for (size_t k = 0; k < arrays; ++k)
+        std::memcpy(host.data() + k * numel_ + infos_[i].offset, old + k * a.old_numel + a.old_offsets[i],
+                    infos_[i].numel * sizeof(float));
+    }
+    transfer(host.data(), LOOM_COPY_HOST_TO_DEVICE);
+  }
 
  private:
   struct Info {

@@ -14,6 +14,9 @@
 //      layer says so), writing the updated slice back into the parameter buffer;
 //   4. all-gather each bucket's parameters so every rank has all of them.
 // Padding never takes part in a step: its gradients are zero and the pieces skip it.
+// Checkpoints: each rank saves its shard with a header describing the layout; a
+// resume at another dp size (state_load_resharded) finds each element of the new
+// shard by (parameter, element within it) in whichever old rank's shard held it.
 //
 // The shard arithmetic is the same as the engine's shard_ranges(); the layout
 // itself is decided by the engine alone and arrives here as bucket offsets.
@@ -101,6 +104,49 @@ class Reader {
   size_t bytes_;
   size_t n_ = 0;
 };
+
+// A saved blob's header, checked for magic, version and size; arrays follow at header_bytes.
+struct Saved {
+  uint32_t header_bytes = 0, dp = 0, rank = 0, arrays = 0;
+  uint64_t numel = 0, shard_numel = 0;
+  std::vector<Span> buckets, shards, params;  // params: [offset, offset + numel) in model order
+};
+
+Saved parse(const void* buf, size_t bytes) {
+  const char* c = static_cast<const char*>(buf);
+  LOOM_REQUIRE(c != nullptr && bytes >= sizeof(kMagic) && std::memcmp(c, kMagic, sizeof(kMagic)) == 0,
+               "parallel/distopt: the checkpointed optimizer state was not written by parallel/distopt (no "
+               "distributed-optimizer header; was it saved with another optimizer.strategy?)");
+  Reader r(c + sizeof(kMagic), bytes - sizeof(kMagic));
+  Saved s;
+  const uint32_t version = r.get<uint32_t>();
+  LOOM_REQUIRE(version == kStateVersion, "parallel/distopt: optimizer state format "
+                                             << version << " is not supported (this plugin reads format "
+                                             << kStateVersion << ")");
+  s.header_bytes = r.get<uint32_t>();
+  s.dp = r.get<uint32_t>();
+  s.rank = r.get<uint32_t>();
+  s.numel = r.get<uint64_t>();
+  s.shard_numel = r.get<uint64_t>();
+  const uint32_t nb = r.get<uint32_t>(), np = r.get<uint32_t>();
+  s.arrays = r.get<uint32_t>();
+  (void)r.get<uint32_t>();
+  for (uint32_t b = 0; b < nb; ++b) {
+    const uint64_t b0 = r.get<uint64_t>(), b1 = r.get<uint64_t>(), s0 = r.get<uint64_t>(), s1 = r.get<uint64_t>();
+    s.buckets.push_back({b0, b1});
+    s.shards.push_back({s0, s1});
+  }
+  for (uint32_t i = 0; i < np; ++i) {
+    const uint64_t off = r.get<uint64_t>(), n = r.get<uint64_t>();
+    s.params.push_back({off, off + n});
+  }
+  LOOM_REQUIRE(s.header_bytes == r.pos() + sizeof(kMagic) && s.arrays >= 2 && s.arrays <= 3 &&
+                   bytes == s.header_bytes + s.arrays * s.shard_numel * sizeof(float),
+               "parallel/distopt: the checkpointed optimizer state is malformed ("
+                   << bytes << " bytes; its header describes " << s.arrays << " arrays of " << s.shard_numel
+                   << " elements after " << s.header_bytes << " header bytes)");
+  return s;
+}
 
 class DistOpt : public loom::OptimizerStrategy {
  public:
@@ -273,52 +319,119 @@ class DistOpt : public loom::OptimizerStrategy {
   }
 
   void state_load(const void* buf, size_t bytes) override {
-    const char* c = static_cast<const char*>(buf);
-    LOOM_REQUIRE(bytes >= sizeof(kMagic) && std::memcmp(c, kMagic, sizeof(kMagic)) == 0,
-                 "parallel/distopt: the checkpointed optimizer state was not written by parallel/distopt (no "
-                 "distributed-optimizer header; was it saved with another optimizer.strategy?)");
-    Reader r(c + sizeof(kMagic), bytes - sizeof(kMagic));
-    const uint32_t version = r.get<uint32_t>();
-    LOOM_REQUIRE(version == kStateVersion, "parallel/distopt: optimizer state format " << version
-                                               << " is not supported (this plugin reads format " << kStateVersion
-                                               << ")");
-    const uint32_t hdr = r.get<uint32_t>();
-    const uint32_t dp = r.get<uint32_t>(), rank = r.get<uint32_t>();
-    const uint64_t numel = r.get<uint64_t>(), shard_numel = r.get<uint64_t>();
-    const uint32_t nb = r.get<uint32_t>(), np = r.get<uint32_t>(), arrays = r.get<uint32_t>();
-    (void)r.get<uint32_t>();
-    LOOM_REQUIRE(dp == static_cast<uint32_t>(dp_size()),
-                 "parallel/distopt: the optimizer state was saved by rank " << rank << " of dp=" << dp
+    const Saved old = parse(buf, bytes);
+    LOOM_REQUIRE(old.dp == static_cast<uint32_t>(dp_size()),
+                 "parallel/distopt: the optimizer state was saved by rank " << old.rank << " of dp=" << old.dp
                      << " but this run has dp=" << dp_size()
-                     << "; distributed-optimizer shards cannot be loaded into another data-parallel size "
-                        "(resharding is not supported yet): resume with parallel.dp="
-                     << dp);
-    LOOM_REQUIRE(rank == static_cast<uint32_t>(dp_rank()), "parallel/distopt: the optimizer state belongs to dp rank "
-                                                               << rank << " but was given to dp rank " << dp_rank());
-    std::vector<Span> buckets, shards;
-    for (uint32_t b = 0; b < nb; ++b) {
-      const uint64_t b0 = r.get<uint64_t>(), b1 = r.get<uint64_t>(), s0 = r.get<uint64_t>(), s1 = r.get<uint64_t>();
-      buckets.push_back({b0, b1});
-      shards.push_back({s0, s1});
-    }
-    std::vector<Span> params;
-    for (uint32_t i = 0; i < np; ++i) {
-      const uint64_t off = r.get<uint64_t>(), n = r.get<uint64_t>();
-      params.push_back({off, off + n});
-    }
+                     << "; distributed-optimizer shards of another data-parallel size need resharding "
+                        "(state_load_resharded, which the engine uses on resume), not state_load");
+    LOOM_REQUIRE(old.rank == static_cast<uint32_t>(dp_rank()), "parallel/distopt: the optimizer state belongs to dp rank "
+                                                                   << old.rank << " but was given to dp rank "
+                                                                   << dp_rank());
     std::vector<Span> mine;
     for (const ParamRef& p : params_info_) mine.push_back({p.offset, p.offset + p.numel});
-    LOOM_REQUIRE(numel == numel_ && buckets == buckets_ && shards == shards_ && params == mine &&
-                     shard_numel == shard_numel_,
-                 "parallel/distopt: the optimizer state was saved for another buffer layout (" << numel << " elements, "
-                     << nb << " bucket(s), " << np << " parameters; this run: " << numel_ << " elements, "
-                     << buckets_.size() << " bucket(s), " << params_info_.size()
+    LOOM_REQUIRE(old.numel == numel_ && old.buckets == buckets_ && old.shards == shards_ && old.params == mine &&
+                     old.shard_numel == shard_numel_,
+                 "parallel/distopt: the optimizer state was saved for another buffer layout ("
+                     << old.numel << " elements, " << old.buckets.size() << " bucket(s), " << old.params.size()
+                     << " parameters; this run: " << numel_ << " elements, " << buckets_.size() << " bucket(s), "
+                     << params_info_.size()
                      << " parameters); the model, parallel layout or optimizer.bucket_size differ from the checkpoint's");
-    LOOM_REQUIRE(arrays == num_arrays() && hdr == r.pos() + sizeof(kMagic) && hdr == header_bytes() &&
-                     bytes == state_size(),
+    LOOM_REQUIRE(old.arrays == num_arrays() && old.header_bytes == header_bytes() && bytes == state_size(),
                  "parallel/distopt: the checkpointed optimizer state is malformed (" << bytes << " bytes, expected "
                                                                                      << state_size() << ")");
-    transfer(const_cast<char*>(c) + hdr, LOOM_COPY_HOST_TO_DEVICE);
+    transfer(const_cast<char*>(static_cast<const char*>(buf)) + old.header_bytes, LOOM_COPY_HOST_TO_DEVICE);
+  }
+
+  // Resharding: the old ranks' blobs describe their own layout (buckets, shards and
+  // each parameter's old offset); every element of every piece this rank now owns
+  // is found by (parameter index, element within the parameter) in whichever old
+  // shard held it. Padding keeps zeros (m, v, and master weights, which are zero
+  // there in a fresh run too).
+  void state_load_resharded(const loom_optimizer_reshard_args& a) override {
+    LOOM_REQUIRE(a.old_dp >= 1 && a.states != nullptr && a.state_bytes != nullptr,
+                 "parallel/distopt: resharding needs the saved state of every old dp rank (old dp = " << a.old_dp
+                                                                                                      << ")");
+    LOOM_REQUIRE(a.num_params == params_info_.size() && a.old_offsets != nullptr && a.old_numels != nullptr,
+                 "parallel/distopt: the checkpoint's layout lists " << a.num_params << " parameters but this model has "
+                                                                    << params_info_.size()
+                                                                    << " on this rank; the model differs from the "
+                                                                       "checkpoint's");
+    std::vector<Span> old_params;
+    for (size_t i = 0; i < a.num_params; ++i) {
+      LOOM_REQUIRE(a.old_numels[i] == params_info_[i].numel,
+                   "parallel/distopt: parameter " << i << " held " << a.old_numels[i]
+                                                  << " elements in the checkpoint but has " << params_info_[i].numel
+                                                  << " here; the model differs from the checkpoint's");
+      old_params.push_back({a.old_offsets[i], a.old_offsets[i] + a.old_numels[i]});
+    }
+    std::vector<Span> old_buckets;
+    for (size_t b = 0; a.old_bucket_offsets != nullptr && b < a.old_num_buckets; ++b)
+      old_buckets.push_back({a.old_bucket_offsets[b], a.old_bucket_offsets[b + 1]});
+
+    // Every old piece, grouped by parameter: {range within the parameter, old rank, first element in its arrays}.
+    struct OldPiece {
+      size_t begin, end, rank, local;
+    };
+    const size_t old_dp = static_cast<size_t>(a.old_dp);
+    std::vector<Saved> old(old_dp);
+    std::vector<std::vector<OldPiece>> by_param(params_info_.size());
+    for (size_t r = 0; r < old_dp; ++r) {
+      Saved& o = old[r];
+      o = parse(a.states[r], a.state_bytes[r]);
+      LOOM_REQUIRE(o.dp == old_dp && o.rank == r,
+                   "parallel/distopt: the state given as old dp rank " << r << " of " << old_dp
+                                                                       << " was saved by rank " << o.rank << " of dp="
+                                                                       << o.dp);
+      LOOM_REQUIRE(o.numel == a.old_numel && o.params == old_params && o.buckets == old_buckets,
+                   "parallel/distopt: the state of old dp rank "
+                       << r << " describes another buffer layout than the checkpoint's (" << o.numel << " elements, "
+                       << o.buckets.size() << " bucket(s); the engine computed " << a.old_numel << " elements, "
+                       << old_buckets.size() << " bucket(s)); the model or optimizer.bucket_size differ");
+      LOOM_REQUIRE(o.arrays == num_arrays(),
+                   "parallel/distopt: the state of old dp rank " << r << " holds " << o.arrays
+                       << " arrays but this run needs " << num_arrays()
+                       << " (m, v, and master weights when parameters are not fp32); device.param_dtype differs "
+                          "from the checkpoint's");
+      size_t local = 0;
+      for (size_t b = 0; b < o.shards.size(); ++b) {
+        const Span& sh = o.shards[b];
+        const size_t size = o.buckets[b].size() / old_dp;
+        LOOM_REQUIRE(o.buckets[b].size() % old_dp == 0 && sh.start == o.buckets[b].start + r * size &&
+                         sh.end == sh.start + size,
+                     "parallel/distopt: the state of old dp rank " << r << " has a malformed shard of bucket " << b);
+        for (size_t i = 0; i < old_params.size(); ++i) {
+          const size_t lo = std::max(old_params[i].start, sh.start), hi = std::min(old_params[i].end, sh.end);
+          if (lo < hi)
+            by_param[i].push_back({lo - old_params[i].start, hi - old_params[i].start, r, local + (lo - sh.start)});
+        }
+        local += sh.size();
+      }
+      LOOM_REQUIRE(local == o.shard_numel, "parallel/distopt: the state of old dp rank " << r << " is malformed");
+    }
+
+    // This rank's new state on the host, zero where nothing maps (padding).
+    const uint32_t arrays = num_arrays();
+    std::vector<float> host(static_cast<size_t>(arrays) * shard_numel_, 0.f);
+    for (const Piece& p : pieces_) {
+      const size_t begin = p.world - params_info_[p.param].offset, end = begin + p.numel;
+      size_t covered = 0;
+      for (const OldPiece& q : by_param[p.param]) {
+        const size_t lo = std::max(begin, q.begin), hi = std::min(end, q.end);
+        if (lo >= hi) continue;
+        const Saved& o = old[q.rank];
+        const float* src = reinterpret_cast<const float*>(static_cast<const char*>(a.states[q.rank]) + o.header_bytes);
+        for (uint32_t k = 0; k < arrays; ++k)
+          std::memcpy(host.data() + k * shard_numel_ + p.local + (lo - begin),
+                      src + k * o.shard_numel + q.local + (lo - q.begin), (hi - lo) * sizeof(float));
+        covered += hi - lo;
+      }
+      LOOM_REQUIRE(covered == p.numel, "parallel/distopt: the old shards hold " << covered << " of the " << p.numel
+                                                                                << " elements [" << begin << ", " << end
+                                                                                << ") of parameter " << p.param
+                                                                                << "; the checkpoint is incomplete");
+    }
+    transfer(reinterpret_cast<char*>(host.data()), LOOM_COPY_HOST_TO_DEVICE);
   }
 
  private:

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/cpp/tensor_parallel.hpp>
 
 #include <memory>
 #include <span>
@@ -217,6 +218,14 @@ class OptimizerStrategy {
   virtual size_t state_size() = 0;
   virtual void state_save(void* buf, size_t bytes) = 0;
   virtual void state_load(const void* buf, size_t bytes) = 0;
+  // ABI 1.1: state saved at another data-parallel size (same tp and pp), remapped
+  // by parameter index and range within the parameter. Strategies that cannot
+  // reshard keep this default, which the slot reports as LOOM_CODE_UNSUPPORTED.
+  virtual void state_load_resharded(const loom_optimizer_reshard_args& args) {
+    throw Error("this optimizer strategy cannot load state saved at another data-parallel size (dp=" +
+                    std::to_string(args.old_dp) + "): it does not implement state_load_resharded",
+                LOOM_CODE_UNSUPPORTED);
+  }
 };
 
 // Whether parameter i's gradient is counted in global norms by another rank: a
@@ -260,6 +269,15 @@ const loom_optimizer_api* optimizer_api() {
     };
     a.state_load = [](loom_optimizer* p, const void* buf, size_t bytes) -> loom_status {
       return guard([&] { reinterpret_cast<OptimizerStrategy*>(p)->state_load(buf, bytes); });
+    };
+    a.state_load_resharded = [](loom_optimizer* p, const loom_optimizer_reshard_args* args) -> loom_status {
+      return guard([&] {
+        LOOM_REQUIRE(args != nullptr && args->struct_size >= sizeof(loom_optimizer_reshard_args),
+                     "state_load_resharded: the engine passed a loom_optimizer_reshard_args of "
+                         << (args ? args->struct_size : 0) << " bytes, fewer than the " << sizeof(loom_optimizer_reshard_args)
+                         << " this plugin reads; use an engine of ABI 1.1 or newer");
+        reinterpret_cast<OptimizerStrategy*>(p)->state_load_resharded(*args);
+      });
     };
     return a;
   }();
