@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <set>
 #include <string>
 
 namespace loom::cli {
@@ -69,6 +70,8 @@ int cmd_plan(int argc, char** argv) {
                             .add("buffer_numel", r.buffer_numel)
                             .add("tp_rank", r.tp_rank)
                             .add("dp_rank", r.dp_rank)
+                            .add("pp_rank", r.pp_rank)
+                            .add("in_flight", r.in_flight)
                             .add("tensors", r.param_count)
                             .add_raw("buckets", json_array(buckets))
                             .str());
@@ -78,6 +81,7 @@ int cmd_plan(int argc, char** argv) {
                        .add("world_size", mp.world)
                        .add("tp", mp.tp)
                        .add("dp", mp.dp)
+                       .add("pp", mp.pp)
                        .add("param_dtype", mp.param_dtype)
                        .add("grad_dtype", mp.grad_dtype)
                        .add("optimizer_strategy", mp.strategy)
@@ -89,31 +93,34 @@ int cmd_plan(int argc, char** argv) {
     }
 
     std::cout << "memory plan: " << args.positionals()[0] << "\n"
-              << "  world " << mp.world << " = tp " << mp.tp << " x dp " << mp.dp << "; params " << mp.param_dtype
+              << "  world " << mp.world << " = tp " << mp.tp << " x dp " << mp.dp << " x pp " << mp.pp << "; params "
+              << mp.param_dtype
               << ", grads " << mp.grad_dtype << ", optimizer " << mp.strategy << "; vocab " << mp.vocab
               << "; bucket_size " << mp.bucket_size << (mp.bucket_size ? "" : " (one bucket)") << "\n"
-              << "  activations: " << mp.microbatches_in_flight << " microbatch in flight (estimate)\n\n";
-    std::cout << cell("rank", 5) << cell("tp", 3) << cell("dp", 3) << cell("params", 12) << cell("buffer", 12)
+              << "  activations: at the schedule's peak, up to " << mp.microbatches_in_flight
+              << " microbatch-chunk(s) in flight on a rank (estimate)\n\n";
+    std::cout << cell("rank", 5) << cell("tp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
+              << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
               << cell("total MiB", 10) << cell("B/param", 8) << "\n";
     for (const model::RankMemory& r : mp.ranks) {
       char bpp[32];
       std::snprintf(bpp, sizeof(bpp), "%.3f", r.bytes_per_param);
       std::cout << cell(std::to_string(r.rank), 5) << cell(std::to_string(r.tp_rank), 3)
-                << cell(std::to_string(r.dp_rank), 3) << cell(std::to_string(r.params), 12)
+                << cell(std::to_string(r.dp_rank), 3) << cell(std::to_string(r.pp_rank), 3)
+                << cell(std::to_string(r.params), 12)
                 << cell(std::to_string(r.buffer_numel), 12) << cell(mib(r.param_bytes), 10)
                 << cell(mib(r.grad_bytes), 10) << cell(mib(r.optimizer_bytes), 10)
                 << cell(mib(r.activation_bytes), 10)
                 << cell(mib(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes), 10)
                 << cell(bpp, 8) << "\n";
     }
-    // The buffer layout of each distinct tp rank (dp replicas share it).
+    // The buffer layout of each distinct (tp, pp) position (dp replicas share it).
     std::cout << "\nbuffer layout (elements; dp replicas identical):\n";
-    int last_tp = -1;
+    std::set<std::pair<int, int>> shown;
     for (const model::RankMemory& r : mp.ranks) {
-      if (r.tp_rank <= last_tp) continue;
-      last_tp = r.tp_rank;
-      std::cout << "  tp rank " << r.tp_rank << ": " << r.param_count << " tensors, " << r.params << " params, buffer "
+      if (!shown.insert({r.tp_rank, r.pp_rank}).second) continue;
+      std::cout << "  tp rank " << r.tp_rank << ", pp rank " << r.pp_rank << ": " << r.param_count << " tensors, " << r.params << " params, buffer "
                 << r.buffer_numel << " (padding " << r.buffer_numel - r.params << "), " << r.layout.buckets.size()
                 << " bucket" << (r.layout.buckets.size() == 1 ? "" : "s") << "\n";
       for (size_t i = 0; i < r.layout.buckets.size(); ++i) {

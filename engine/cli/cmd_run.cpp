@@ -18,17 +18,20 @@ std::atomic<int> g_stop{0};
 extern "C" void on_signal(int) { g_stop.store(1); }
 
 const char* kUsage =
-    "usage: loom run MANIFEST [--set key.path=value]... [--resume] [--metrics FILE]\n"
+    "usage: loom run MANIFEST [--set key.path=value]... [--resume] [--metrics FILE] [--trace FILE]\n"
     "  --set       override a manifest value (TOML value, or a bare word as a string); repeatable\n"
     "  --resume    continue from the latest complete checkpoint in checkpoint.dir\n"
     "  --metrics   write one JSON object per step to FILE\n"
+    "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
+    "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
+    "              process writes FILE.rankN)\n"
     "SIGINT/SIGTERM stop after the current step, write a checkpoint (when checkpoint.dir is set) and exit 130.\n";
 
 }  // namespace
 
 int cmd_run(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--resume"}, {"--set", "--metrics"});
+    Args args(argc, argv, {"--resume"}, {"--set", "--metrics", "--trace"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -36,10 +39,29 @@ int cmd_run(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("run takes one MANIFEST");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    // Under mpirun/srun this process hosts one rank; only global rank 0 prints the
+    // step log and writes --metrics (checkpoints: every rank writes its own file,
+    // rank 0 commits).
+    const runtime::ProcessLaunch proc = runtime::detect_process_launch();
+    const bool leader = !proc.multi_process || proc.rank == 0;
+    if (proc.multi_process && plan.manifest.get_string("comm.backend") == "local") {
+      if (!leader) return 1;  // every process would say the same: rank 0 says it once
+      throw std::runtime_error("started by " + proc.launcher +
+                               " (one process per rank), but comm.backend = \"local\" runs every rank as a thread "
+                               "of one process; add --set comm.backend=mpi");
+    }
     train::TrainOptions opts;
     opts.resume = args.flag("--resume");
     opts.metrics_file = args.get("--metrics").value_or(plan.manifest.get_string("run.metrics_file"));
     opts.log = &std::cout;
+    opts.trace_file = args.get("--trace").value_or("");
+    if (args.has("--trace") && opts.trace_file.empty()) throw UsageError("--trace needs a file name");
+    // One process per rank: each writes its own rank's timeline beside the others.
+    if (proc.multi_process && !opts.trace_file.empty()) opts.trace_file += ".rank" + std::to_string(proc.rank);
+    if (!leader) {
+      opts.metrics_file.clear();
+      opts.log = nullptr;
+    }
     opts.stop_signal = &g_stop;
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
@@ -62,7 +84,22 @@ int cmd_run(int argc, char** argv) {
           break;
         }
       std::cout << "\n";
+      // A training step's communication (the last one evaluation did not add to).
+      for (auto it = r.steps.rbegin(); it != r.steps.rend(); ++it)
+        if (!it->evaluated || it == r.steps.rend() - 1) {
+          std::cout << runtime::comm_stats_summary(it->comm, "comm in step " + std::to_string(it->step) + " (rank 0)")
+                    << "\n";
+          break;
+        }
+      if (plan.sizes.pp > 1) {  // the schedule's activation cost, per pipeline rank
+        std::cout << "pipeline: peak microbatch-chunks in flight (activation memory) by rank:";
+        for (const auto& [rank, n] : r.peak_in_flight)
+          std::cout << " " << rank << ": " << n << " (" << std::setprecision(1)
+                    << r.peak_activation_bytes[rank] / (1024.0 * 1024.0) << " MiB)";
+        std::cout << "\n";
+      }
     }
+    if (!opts.trace_file.empty() && leader) std::cout << "trace: " << opts.trace_file << "\n";
     if (!r.checkpoint.empty()) std::cout << "checkpoint: " << r.checkpoint << "\n";
     if (r.interrupted) {
       std::cout << "interrupted: stopped after step " << r.final_step << "; resume with --resume\n";

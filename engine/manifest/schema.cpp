@@ -1,11 +1,14 @@
 // The engine schema (every core key) and the cross-key rules.
 #include "engine/manifest/schema.hpp"
 
+#include "engine/pipeline/split.hpp"
+
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
 #include <initializer_list>
 #include <sstream>
+#include <stdexcept>
 
 namespace loom::manifest::schema {
 namespace {
@@ -125,10 +128,16 @@ std::vector<KeySpec> build() {
   }
   v.push_back(b("parallel.sequence_parallel", false,
                 "shard layer-norm/dropout activations along the sequence over tp"));
+  v.push_back(s("parallel.tensor", "tensor",
+                "tensor-parallel service the layers call (plugin parallel/NAME, ABI 1.1)"));
   // pipeline
   v.push_back(s("pipeline.schedule", "1f1b", "pipeline schedule plugin (parallel/pipeline.NAME)"));
   v.push_back(i("pipeline.microbatch_group_size", 0, 0,
                 "microbatches per interleaving group (0 = pp)"));
+  v.push_back(i("pipeline.first_chunk_layers", 0, 0,
+                "transformer layers in the first pipeline chunk, which also holds the embedding (0 = even split)"));
+  v.push_back(i("pipeline.last_chunk_layers", 0, 0,
+                "transformer layers in the last pipeline chunk, which also holds the output layer (0 = even split)"));
   v.push_back(open_table("pipeline.options", "options of the schedule plugin"));
   // batch
   v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch"));
@@ -327,13 +336,27 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                S(I("model.num_heads")) + "); num_heads could be " +
                divisors_text(I("model.hidden_size")));
 
-  if (usable({"model.num_layers", "parallel.pp", "parallel.vpp"})) {
-    int64_t layers = I("model.num_layers"), pp = I("parallel.pp"), vpp = I("parallel.vpp");
-    if (layers % (pp * vpp) != 0)
-      report({"model.num_layers", "parallel.pp", "parallel.vpp"},
-             "model.num_layers (" + S(layers) + ") must be divisible by parallel.pp * parallel.vpp (" +
-                 S(pp) + "*" + S(vpp) + " = " + S(pp * vpp) +
-                 ") so every pipeline stage and virtual chunk gets the same number of layers");
+  if (usable({"model.num_layers", "parallel.pp", "parallel.vpp", "pipeline.first_chunk_layers",
+              "pipeline.last_chunk_layers"})) {
+    const int64_t layers = I("model.num_layers"), pp = I("parallel.pp"), vpp = I("parallel.vpp");
+    const int64_t first = I("pipeline.first_chunk_layers"), last = I("pipeline.last_chunk_layers");
+    if (first == 0 && last == 0) {
+      if (layers % (pp * vpp) != 0)
+        report({"model.num_layers", "parallel.pp", "parallel.vpp"},
+               "model.num_layers (" + S(layers) + ") must be divisible by parallel.pp * parallel.vpp (" + S(pp) + "*" +
+                   S(vpp) + " = " + S(pp * vpp) +
+                   ") so every pipeline stage and virtual chunk gets the same number of layers, or set "
+                   "pipeline.first_chunk_layers / pipeline.last_chunk_layers for an uneven split");
+    } else {
+      try {
+        pipeline::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp),
+                                   static_cast<int>(first), static_cast<int>(last));
+      } catch (const std::invalid_argument& e) {
+        report({first > 0 ? "pipeline.first_chunk_layers" : "pipeline.last_chunk_layers", "model.num_layers",
+                "parallel.pp", "parallel.vpp"},
+               std::string("pipeline.first_chunk_layers / pipeline.last_chunk_layers: ") + e.what());
+      }
+    }
   }
 
   if (usable({"parallel.vpp", "parallel.pp"}) && I("parallel.vpp") > 1 && I("parallel.pp") <= 1)
@@ -366,7 +389,11 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       int64_t tp = I("parallel.tp"), cp = I("parallel.cp"), pp = I("parallel.pp"),
               dp = I("parallel.dp");
       int64_t world = tp * cp * pp * dp;
-      if (world != *launched)
+      if (tp > *launched)
+        report({"parallel.tp"}, "parallel.tp (" + S(tp) + ") is larger than the world: the launcher started " +
+                                    S(*launched) + " processes (" + var + "=" + S(*launched) +
+                                    "); a tensor-parallel group needs parallel.tp ranks");
+      else if (world != *launched)
         report({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"},
                "world size tp\u00b7cp\u00b7pp\u00b7dp = " + S(tp) + "\u00b7" + S(cp) + "\u00b7" +
                    S(pp) + "\u00b7" + S(dp) + " = " + S(world) + " but the launcher started " +
@@ -394,6 +421,13 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  ") (MoE folding: ep\u00b7etp\u00b7edp\u00b7pp = world)");
     }
   }
+
+  if (usable({"comm.backend", "device.kind", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}) &&
+      m.get_string("comm.backend") == "local" && m.get_string("device.kind") == "cuda" &&
+      I("parallel.tp") * I("parallel.cp") * I("parallel.pp") * I("parallel.dp") > 1)
+    report({"comm.backend", "device.kind"},
+           "comm.backend = \"local\" exchanges host memory, but device.kind = \"cuda\" keeps tensors on the GPU; "
+           "with more than one rank set comm.backend = \"nccl\"");
 
   if (usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");

@@ -37,4 +37,16 @@ BufferLayout layout_buffer(const std::vector<size_t>& numels, int dp, size_t buc
   return l;
 }
 
+BufferLayout layout_chunked_buffer(const std::vector<std::vector<size_t>>& numels, int dp, size_t bucket_size) {
+  if (numels.size() == 1) return layout_buffer(numels[0], dp, bucket_size);
+  BufferLayout out;
+  for (const std::vector<size_t>& chunk : numels) {
+    const BufferLayout l = layout_buffer(chunk, dp, bucket_size);
+    for (const Range& r : l.params) out.params.push_back({out.numel + r.start, out.numel + r.end});
+    for (const Range& r : l.buckets) out.buckets.push_back({out.numel + r.start, out.numel + r.end});
+    out.numel += l.numel;
+  }
+  return out;
+}
+
 }  // namespace loom::model

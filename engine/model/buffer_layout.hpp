@@ -28,6 +28,13 @@ constexpr size_t kParamStartAlign = 64;
 // numels: each parameter's element count, in model order. bucket_size 0 = one bucket.
 BufferLayout layout_buffer(const std::vector<size_t>& numels, int dp, size_t bucket_size = 0);
 
+// Megatron keeps one buffer per model chunk (pipeline virtual stage): each chunk's
+// parameters laid out by layout_buffer on their own, the chunk buffers placed one
+// after another. numels[c] are chunk c's parameter sizes in model order; params
+// come back indexed in model order over all chunks (chunk 0's first), buckets in
+// buffer order, and every bucket still lies inside one chunk's buffer.
+BufferLayout layout_chunked_buffer(const std::vector<std::vector<size_t>>& numels, int dp, size_t bucket_size = 0);
+
 // The shard of a bucket that data-parallel rank r of dp owns.
 inline Range shard_of(const Range& bucket, int dp, int r) {
   const size_t size = bucket.size() / static_cast<size_t>(dp);

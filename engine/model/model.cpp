@@ -67,31 +67,41 @@ int64_t product(const std::vector<int64_t>& s) {
 }  // namespace
 
 Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
-             const loom_model_dims& dims, std::vector<LayerSpec> specs, uint64_t seed)
+             const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
     : rank_(rank), dims_(dims), bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))) {
   const loom::Group tp = rank.group_or_self("tp");
-  for (LayerSpec& spec : specs) {
-    const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-    toml::table section;
-    if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
-    section.erase("plugin");
-    plugins::OptionValues opts(&section, p.options);
-    loom_model_dims ld = dims;
-    ld.block_index = spec.block_index;
-    loom_layer_create_args args = loom::make<loom_layer_create_args>();
-    args.dims = &ld;
-    args.instance_name = spec.instance.c_str();
-    args.tp = tp.raw();
-    args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
-    Layer layer;
-    layer.spec = spec;
-    layer.api = p.layer();
-    try {
-      loom::check(layer.api->create(opts.raw(), &rank, &args, &layer.handle));
-    } catch (const loom::Error& e) {
-      throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+  LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    Chunk chunk;
+    chunk.global_index = chunks[c].global_index;
+    chunk.num_global = chunks[c].num_global;
+    chunk.first_layer = layers_.size();
+    for (LayerSpec& spec : chunks[c].layers) {
+      const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
+      toml::table section;
+      if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+      section.erase("plugin");
+      plugins::OptionValues opts(&section, p.options);
+      loom_model_dims ld = dims;
+      ld.block_index = spec.block_index;
+      loom_layer_create_args args = loom::make<loom_layer_create_args>();
+      args.dims = &ld;
+      args.instance_name = spec.instance.c_str();
+      args.tp = tp.raw();
+      args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
+      Layer layer;
+      layer.spec = spec;
+      layer.chunk = static_cast<int>(c);
+      layer.api = p.layer();
+      try {
+        loom::check(layer.api->create(opts.raw(), &rank, &args, &layer.handle));
+      } catch (const loom::Error& e) {
+        throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+      }
+      layers_.push_back(std::move(layer));
     }
-    layers_.push_back(std::move(layer));
+    chunk.end_layer = layers_.size();
+    chunks_.push_back(chunk);
   }
   build_buffers(seed);
   // Hidden states between layers: [seq, micro_batch, hidden], or this rank's
@@ -102,6 +112,7 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   hidden_shape_[2] = dims_.hidden;
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
+  grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
 }
 
 size_t Model::hidden_bytes() const {
@@ -109,15 +120,22 @@ size_t Model::hidden_bytes() const {
 }
 
 void Model::finalize_grads() {
+  void* stream = rank_.dev().native_stream();
   // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
   // after a reduce-scatter, position embeddings) has seen only this rank's
   // sequence shard: its full gradient is the sum over the tp group.
   const loom::Group tp = rank_.group_or_self("tp");
-  if (!sequence_parallel_) return;
-  void* stream = rank_.dev().native_stream();
-  for (const ParamEntry& e : entries_)
-    if (e.duplicated)
-      tp.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
+  if (sequence_parallel_)
+    for (const ParamEntry& e : entries_)
+      if (e.duplicated)
+        tp.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
+  // A word embedding tied across pipeline stages: the first stage's copy got the
+  // lookup's gradient, the last stage's the output layer's; both need the sum.
+  const loom::Group emb = rank_.group_or_self("embedding");
+  if (emb.size() > 1)
+    for (const ParamEntry& e : entries_)
+      if (e.shared_across_stages)
+        emb.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
 }
 
 Model::~Model() {
@@ -144,10 +162,25 @@ void Model::build_buffers(uint64_t seed) {
   entries_ = std::move(collected.entries);
   const std::vector<DeclRef>& decls = collected.decls;
   const std::vector<size_t>& entry_of = collected.entry_of;
-  // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible buckets).
-  std::vector<size_t> numels;
-  for (const ParamEntry& e : entries_) numels.push_back(e.numel);
-  layout_ = layout_buffer(numels, rank_.group_or_self("dp").size(), bucket_size_);
+  // Tied parameters whose other declaration is on another pipeline stage.
+  std::vector<int> decls_per_entry(entries_.size(), 0);
+  for (size_t k = 0; k < decls.size(); ++k) ++decls_per_entry[entry_of[k]];
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    ParamEntry& e = entries_[i];
+    e.chunk = layers_[static_cast<size_t>(e.layer)].chunk;
+    const Chunk& c = chunks_[static_cast<size_t>(e.chunk)];
+    if (e.tie_key.empty() || decls_per_entry[i] > 1 || c.num_global == 1) continue;
+    LOOM_REQUIRE(c.global_index == 0 || c.global_index + 1 == c.num_global,
+                 "parameter " << e.name << " is tied (tie_key '" << e.tie_key << "') across pipeline stages from chunk "
+                              << c.global_index << "; ties across stages are kept in sync over the embedding group, "
+                              << "which joins the first and the last chunk only");
+    e.shared_across_stages = true;
+  }
+  // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
+  // buckets), one buffer region per chunk.
+  std::vector<std::vector<size_t>> numels(chunks_.size());
+  for (const ParamEntry& e : entries_) numels[static_cast<size_t>(e.chunk)].push_back(e.numel);
+  layout_ = layout_chunked_buffer(numels, rank_.group_or_self("dp").size(), bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
   params_ = loom::Buffer(&rank_, numel_ * sizeof(float));
@@ -224,28 +257,49 @@ void Model::run_step(const char* scope, int64_t key, const std::function<void()>
   loom::check(api->run(rank_.exec_handle(), &rank_, &step));
 }
 
-void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
-                    float* loss_sum, int64_t* loss_count, int32_t* predictions) {
-  std::vector<loom::Buffer>& acts = acts_[mb];
-  acts.clear();
+std::vector<int32_t> Model::counted_elsewhere() const {
+  std::vector<int32_t> out;
+  for (const ParamEntry& e : entries_)
+    out.push_back(e.shared_across_stages && chunks_[static_cast<size_t>(e.chunk)].global_index != 0 ? 1 : 0);
+  return out;
+}
+
+void* Model::chunk_input(int c, int mb) {
+  LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
+  std::vector<loom::Buffer>& acts = acts_[{c, mb}];
+  if (acts.empty()) acts.emplace_back(&rank_, hidden_bytes());
+  return acts.front().get();
+}
+
+const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
+                                 uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions) {
+  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  std::vector<loom::Buffer>& acts = acts_[{c, mb}];
+  const bool first = is_first_global(c), last = is_last_global(c);
+  LOOM_REQUIRE(first ? acts.empty() : acts.size() == 1,
+               "forward of chunk " << chunk.global_index << ", microbatch " << mb
+                                   << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
   std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   DLTensor tok = view(const_cast<int32_t*>(tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
   DLTensor tgt = view(const_cast<int32_t*>(targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     Layer& l = layers_[i];
-    const bool last = i + 1 == layers_.size();
+    const bool has_input = !acts.empty();
+    const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor in{}, out{};
-    if (i > 0) in = view(acts.back().get(), hid_shape);
-    if (!last) acts.emplace_back(&rank_, hidden_bytes());
-    if (!last) out = view(acts.back().get(), hid_shape);
+    if (has_input) in = view(acts.back().get(), hid_shape);
+    if (has_output) {
+      acts.emplace_back(&rank_, hidden_bytes());
+      out = view(acts.back().get(), hid_shape);
+    }
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
     a.microbatch = mb;
     a.training = training ? 1 : 0;
-    a.input = i > 0 ? &in : nullptr;
-    a.output = last ? nullptr : &out;
+    a.input = has_input ? &in : nullptr;
+    a.output = has_output ? &out : nullptr;
     a.tokens = &tok;
     a.targets = &tgt;
     a.loss_sum = loss_sum;
@@ -254,24 +308,27 @@ void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool 
     a.predictions = predictions;
     run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
   }
-  if (!training) release(mb);
+  return last ? nullptr : acts.back().get();
 }
 
-void Model::backward(int mb, float loss_scale) {
-  auto it = acts_.find(mb);
-  LOOM_REQUIRE(it != acts_.end(), "backward of microbatch " << mb << " without its forward");
+const void* Model::backward_chunk(int c, int mb, float loss_scale) {
+  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  auto it = acts_.find({c, mb});
+  LOOM_REQUIRE(it != acts_.end(), "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  loom::Buffer* grad_out = nullptr;
+  const bool first = is_first_global(c);
+  loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  for (size_t i = layers_.size(); i-- > 0;) {
+  for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     Layer& l = layers_[i];
+    const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
     if (grad_out) gout = view(grad_out->get(), hid_shape);
-    if (i > 0) gin = view(grad_in->get(), hid_shape);
+    if (has_grad_input) gin = view(grad_in->get(), hid_shape);
     loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
     a.microbatch = mb;
     a.grad_output = grad_out ? &gout : nullptr;
-    a.grad_input = i > 0 ? &gin : nullptr;
+    a.grad_input = has_grad_input ? &gin : nullptr;
     a.loss_scale = loss_scale;
     run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2 + 1,
              [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
@@ -279,12 +336,35 @@ void Model::backward(int mb, float loss_scale) {
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
   }
   acts_.erase(it);
+  return first ? nullptr : grad_out->get();
+}
+
+void Model::release_chunk(int c, int mb) {
+  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
+    if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
+  acts_.erase({c, mb});
+}
+
+void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
+                    float* loss_sum, int64_t* loss_count, int32_t* predictions) {
+  const void* out = nullptr;
+  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
+    if (c > 0) rank_.dev().copy(chunk_input(c, mb), out, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
+    out = forward_chunk(c, mb, tokens, targets, training, dropout_seed, loss_sum, loss_count, predictions);
+  }
+  if (!training) release(mb);
+}
+
+void Model::backward(int mb, float loss_scale) {
+  for (int c = static_cast<int>(chunks_.size()); c-- > 0;) {
+    const void* grad = backward_chunk(c, mb, loss_scale);
+    if (c > 0) rank_.dev().copy(chunk_grad_output(), grad, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
+  }
 }
 
 void Model::release(int mb) {
-  for (Layer& l : layers_)
-    if (l.api->release) l.api->release(l.handle, mb);
-  acts_.erase(mb);
+  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) release_chunk(c, mb);
 }
 
 double Model::forward_flops() const {
@@ -300,7 +380,7 @@ uint64_t Model::activation_bytes() const {
   for (const Layer& l : layers_)
     if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
       b += l.api->activation_bytes(l.handle);
-  return b + static_cast<uint64_t>(layers_.size()) * hidden_bytes();
+  return b + static_cast<uint64_t>(layers_.size()) * hidden_bytes();  // the hidden state after each layer
 }
 
 }  // namespace loom::model

@@ -1,7 +1,8 @@
-// A rank's share of the model: its layers (created from layer plugins), their
-// parameters and gradients in flat per-rank buffers, and forward/backward of one
-// microbatch through them. Activations between layers are kept per microbatch
-// until that microbatch's backward, so a pipeline can hold several in flight.
+// A rank's share of the model: its pipeline chunks' layers (created from layer
+// plugins), their parameters and gradients in flat per-rank buffers (one region
+// per chunk, Megatron's layout), and forward/backward of one microbatch through a
+// chunk. Activations are kept per (chunk, microbatch) until that backward, so a
+// pipeline schedule can hold several in flight.
 #pragma once
 
 #include "engine/manifest/manifest.hpp"
@@ -33,28 +34,63 @@ std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 // The model dimensions given the vocabulary and the tensor-parallel size.
 loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
 
+// A pipeline chunk held by this rank: global chunk `global_index` of
+// `num_global` (0-based), its layers in model order. A rank without pipeline
+// parallelism holds one chunk, the whole model.
+struct ModelChunk {
+  int global_index = 0;
+  int num_global = 1;
+  std::vector<LayerSpec> layers;
+};
+
 // A parameter of this rank as the optimizer sees it; tied parameters appear once.
 struct ParamEntry {
   std::string name;                // "blocks.0.attention.qkv.weight" (entries are in model order)
   std::vector<int64_t> full_shape, local_shape;
   size_t offset = 0, numel = 0;    // in elements, in the flat buffers
   int layer = 0;                   // index into layers() of the owner
+  int chunk = 0;                   // local chunk of the owner
   loom_param_decl decl{};          // as declared (pointers valid while the layer lives)
   bool duplicated = false;         // identical on every tp rank
   std::string tie_key;
+  bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
 };
 
 class Model {
  public:
   Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
-        const loom_model_dims& dims, std::vector<LayerSpec> layers, uint64_t seed);
+        const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed);
+  // The whole model in one chunk (no pipeline parallelism).
+  Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
+        const loom_model_dims& dims, std::vector<LayerSpec> layers, uint64_t seed)
+      : Model(m, registry, rank, dims, std::vector<ModelChunk>{{0, 1, std::move(layers)}}, seed) {}
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;
 
-  // One microbatch. tokens/targets: device buffers [seq, micro_batch]. The last
-  // layer (if on this rank) writes loss_sum/loss_count and, when non-null, the
-  // argmax predictions (host, [seq, micro_batch]).
+  // --- Pipeline steps on local chunk c (0-based), microbatch mb ---
+  // The buffer the chunk's input hidden state is received into (not for the first
+  // global chunk); held until the chunk's backward of mb (or release).
+  void* chunk_input(int c, int mb);
+  // Runs the chunk's layers. tokens/targets: device buffers [seq, micro_batch],
+  // alive until the backward of mb. Returns the output hidden state (held until
+  // the backward), or nullptr for the last global chunk, which writes
+  // loss_sum/loss_count and, when non-null, the argmax predictions (host).
+  const void* forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
+                            uint64_t dropout_seed, float* loss_sum, int64_t* loss_count,
+                            int32_t* predictions = nullptr);
+  // The buffer the gradient of a chunk's output is received into before its
+  // backward (not for the last global chunk).
+  void* chunk_grad_output() { return grad_recv_.get(); }
+  // Backward of the chunk; frees what its forward saved. Returns the gradient of
+  // the chunk's input (valid until the next backward_chunk), or nullptr for the
+  // first global chunk.
+  const void* backward_chunk(int c, int mb, float loss_scale);
+  // Drops what the forward of (c, mb) saved, without a backward (evaluation).
+  void release_chunk(int c, int mb);
+
+  // --- The whole local model at once (every chunk on this rank, in order) ---
+  // One microbatch: forward through all chunks, handing each output to the next.
   void forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
                float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr);
   void backward(int mb, float loss_scale);
@@ -62,7 +98,7 @@ class Model {
   void zero_grads();
   // After the last microbatch's backward, before the optimizer: the reductions
   // that make each gradient whole (tp sum of duplicated parameters under
-  // sequence parallelism).
+  // sequence parallelism; sum of tied copies over the embedding group).
   void finalize_grads();
   // Bytes of the hidden state between two layers of one microbatch.
   size_t hidden_bytes() const;
@@ -74,19 +110,30 @@ class Model {
   const BufferLayout& layout() const { return layout_; }
   const std::vector<ParamEntry>& param_entries() const { return entries_; }
   std::vector<loom_param_info> param_infos() const;
+  // Per entry: 1 when its gradient norm is counted on another stage (the optimizer's counted_elsewhere).
+  std::vector<int32_t> counted_elsewhere() const;
   size_t layer_count() const { return layers_.size(); }
   const LayerSpec& layer_spec(size_t i) const { return layers_[i].spec; }
+  size_t chunk_count() const { return chunks_.size(); }
+  int chunk_global_index(int c) const { return chunks_[static_cast<size_t>(c)].global_index; }
+  bool is_first_global(int c) const { return chunk_global_index(c) == 0; }
+  bool is_last_global(int c) const { return chunk_global_index(c) + 1 == chunks_[static_cast<size_t>(c)].num_global; }
   double forward_flops() const;       // one microbatch through this rank's layers
-  uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers
+  uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers (all chunks)
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
 
  private:
   struct Layer {
     LayerSpec spec;
+    int chunk = 0;
     const loom_layer_api* api = nullptr;
     loom_layer* handle = nullptr;
     std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
     std::vector<DLTensor> param_views, grad_views;
+  };
+  struct Chunk {
+    int global_index = 0, num_global = 1;
+    size_t first_layer = 0, end_layer = 0;  // [first, end) in layers_
   };
   void build_buffers(uint64_t seed);
   void run_step(const char* scope, int64_t key, const std::function<void()>& fn);
@@ -96,14 +143,16 @@ class Model {
   size_t bucket_size_ = 0;
   BufferLayout layout_;
   std::vector<Layer> layers_;
+  std::vector<Chunk> chunks_;
   std::vector<ParamEntry> entries_;
   size_t numel_ = 0;
   loom::Buffer params_, grads_;
   bool sequence_parallel_ = false;
   int64_t hidden_shape_[3];
-  // Per microbatch in flight: the hidden states at each layer boundary.
-  std::map<int, std::vector<loom::Buffer>> acts_;
-  loom::Buffer grad_a_, grad_b_;
+  // Per (chunk, microbatch) in flight: the chunk's input (received; empty on the
+  // first global chunk) and the hidden state after each of its layers.
+  std::map<std::pair<int, int>, std::vector<loom::Buffer>> acts_;
+  loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 
 }  // namespace loom::model

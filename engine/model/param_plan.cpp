@@ -1,5 +1,9 @@
 #include "engine/model/param_plan.hpp"
 
+#include "engine/pipeline/partition.hpp"
+#include "engine/pipeline/schedule.hpp"
+#include "engine/train/run_plan.hpp"
+
 #include "engine/model/param_init.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
@@ -100,9 +104,9 @@ struct PlannedLayers {
 
 MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   const manifest::Manifest& m = plan.manifest;
-  if (plan.sizes.pp != 1 || plan.sizes.cp != 1)
-    throw std::runtime_error("memory planning supports pp = 1 and cp = 1 only (this manifest has pp = " +
-                             std::to_string(plan.sizes.pp) + ", cp = " + std::to_string(plan.sizes.cp) + ")");
+  if (plan.sizes.cp != 1)
+    throw std::runtime_error("memory planning supports cp = 1 only (this manifest has cp = " +
+                             std::to_string(plan.sizes.cp) + ")");
   if (vocab <= 0) vocab = m.get_int("model.vocab_size");
   if (vocab <= 0) vocab = train::make_data_source(m)->vocab_size();
 
@@ -113,9 +117,10 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   out.world = plan.sizes.world;
   out.tp = plan.sizes.tp;
   out.dp = plan.dp;
+  out.pp = plan.sizes.pp;
   out.vocab = vocab;
   out.bucket_size = static_cast<size_t>(m.get_int("optimizer.bucket_size"));
-  out.microbatches_in_flight = 1;  // pp = 1: forward + backward of one microbatch at a time
+  out.microbatches_in_flight = 1;  // the most over ranks, set below
   const size_t psize = dtype_bytes(out.param_dtype), gsize = dtype_bytes(out.grad_dtype);
   const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype, out.grad_dtype);
   const bool distributed = out.strategy == "distributed";
@@ -126,12 +131,28 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   const loom_model_dims dims = model_dims(m, vocab, plan.sizes.tp);
   const bool sp = m.get_bool("parallel.sequence_parallel");
 
-  // Ranks differ only by their tp rank today; plan each tp rank once.
-  std::map<int, RankMemory> by_tp;
+  // The pipeline: each stage's chunks, and the order its schedule runs them in.
+  const int pp = plan.sizes.pp, vpp = static_cast<int>(m.get_int("parallel.vpp"));
+  const std::vector<std::vector<LayerSpec>> global_chunks = pipeline::partition_layers(
+      plan.layers, pipeline::blocks_per_chunk(static_cast<int>(m.get_int("model.num_layers")), pp, vpp,
+                                              static_cast<int>(m.get_int("pipeline.first_chunk_layers")),
+                                              static_cast<int>(m.get_int("pipeline.last_chunk_layers"))));
+  pipeline::PipelineOrders orders;
+  if (plan.schedule != nullptr) {
+    plugins::OptionValues schedule_opts(m.get_table("pipeline.options"), plan.schedule->options);
+    orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), pp, vpp, static_cast<int>(plan.microbatches),
+                                      static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
+  }
+  const uint64_t hidden_state_bytes = static_cast<uint64_t>(
+      (sp && plan.sizes.tp > 1 ? dims.seq_len / plan.sizes.tp : dims.seq_len) * dims.micro_batch * dims.hidden * sizeof(float));
+
+  // Ranks differ only by their (tp, pp) coordinates; plan each once.
+  std::map<std::pair<int, int>, RankMemory> by_coords;
   for (int r = 0; r < groups.world(); ++r) {
     const int tp_rank = groups.rank_in_group("tp", r);
+    const int pp_rank = groups.rank_in_group("pp", r);
     RankMemory rm;
-    if (auto it = by_tp.find(tp_rank); it != by_tp.end()) {
+    if (auto it = by_coords.find({tp_rank, pp_rank}); it != by_coords.end()) {
       rm = it->second;
     } else {
       loom_device_create_args dargs = loom::make<loom_device_create_args>();
@@ -153,63 +174,84 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       std::vector<std::string> instances;
       std::vector<const loom_param_decl*> decls;
       std::vector<size_t> counts;
-      uint64_t activations = 0;
-      for (const LayerSpec& spec : plan.layers) {
-        const plugins::LoadedPlugin& p = plan.registry->get("layer", spec.plugin);
-        toml::table section;
-        if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
-        section.erase("plugin");
-        plugins::OptionValues opts(&section, p.options);
-        loom_model_dims ld = dims;
-        ld.block_index = spec.block_index;
-        loom_layer_create_args args = loom::make<loom_layer_create_args>();
-        args.dims = &ld;
-        args.instance_name = spec.instance.c_str();
-        args.tp = tp;
-        args.sequence_parallel = sp ? 1 : 0;
-        PlannedLayers::Layer l;
-        l.api = p.layer();
-        try {
-          loom::check(l.api->create(opts.raw(), &rt, &args, &l.handle));
-        } catch (const loom::Error& e) {
-          throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+      const std::vector<ModelChunk> chunks = pipeline::local_chunks(global_chunks, pp, pp_rank);
+      std::vector<uint64_t> chunk_activations;  // saved per microbatch by each local chunk
+      std::vector<int> chunk_of_layer;
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        uint64_t activations = 0;
+        for (const LayerSpec& spec : chunks[c].layers) {
+          const plugins::LoadedPlugin& p = plan.registry->get("layer", spec.plugin);
+          toml::table section;
+          if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+          section.erase("plugin");
+          plugins::OptionValues opts(&section, p.options);
+          loom_model_dims ld = dims;
+          ld.block_index = spec.block_index;
+          loom_layer_create_args args = loom::make<loom_layer_create_args>();
+          args.dims = &ld;
+          args.instance_name = spec.instance.c_str();
+          args.tp = tp;
+          args.sequence_parallel = sp ? 1 : 0;
+          PlannedLayers::Layer l;
+          l.api = p.layer();
+          try {
+            loom::check(l.api->create(opts.raw(), &rt, &args, &l.handle));
+          } catch (const loom::Error& e) {
+            throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+          }
+          layers.layers.push_back(l);
+          const loom_param_decl* d = nullptr;
+          size_t n = 0;
+          loom::check(l.api->params(l.handle, &d, &n));
+          instances.push_back(spec.instance);
+          decls.push_back(d);
+          counts.push_back(n);
+          if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+            activations += l.api->activation_bytes(l.handle);
+          chunk_of_layer.push_back(static_cast<int>(c));
         }
-        layers.layers.push_back(l);
-        const loom_param_decl* d = nullptr;
-        size_t n = 0;
-        loom::check(l.api->params(l.handle, &d, &n));
-        instances.push_back(spec.instance);
-        decls.push_back(d);
-        counts.push_back(n);
-        if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-          activations += l.api->activation_bytes(l.handle);
+        // The hidden states the engine keeps per microbatch, one per layer boundary
+        // (as Model::activation_bytes counts them), plus the received input.
+        activations += static_cast<uint64_t>(chunks[c].layers.size()) * hidden_state_bytes;
+        if (chunks[c].global_index > 0) activations += hidden_state_bytes;
+        chunk_activations.push_back(activations);
       }
-      // The hidden states the engine keeps per microbatch, one per layer boundary
-      // (as Model::activation_bytes counts them).
-      activations += static_cast<uint64_t>(plan.layers.size()) *
-                     static_cast<uint64_t>(dims.seq_len * dims.micro_batch * dims.hidden) * sizeof(float);
 
       const CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp);
-      std::vector<size_t> numels;
+      std::vector<std::vector<size_t>> numels(chunks.size());
       for (const ParamEntry& e : cp.entries) {
-        numels.push_back(e.numel);
+        numels[static_cast<size_t>(chunk_of_layer[static_cast<size_t>(e.layer)])].push_back(e.numel);
         rm.params += e.numel;
       }
       rm.param_count = cp.entries.size();
-      rm.layout = layout_buffer(numels, plan.dp, out.bucket_size);
+      rm.layout = layout_chunked_buffer(numels, plan.dp, out.bucket_size);
       rm.buffer_numel = rm.layout.numel;
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
       const size_t state_elems = distributed ? rm.buffer_numel / static_cast<size_t>(plan.dp) : rm.buffer_numel;
       rm.optimizer_bytes = state_elems * opt_per_elem;
-      rm.activation_bytes = activations * static_cast<uint64_t>(out.microbatches_in_flight);
+      // Activations at the schedule's peak: walk the stage's order, adding a
+      // chunk's bytes at each forward and dropping them at its backward.
+      uint64_t held = 0;
+      int in_flight = 0;
+      const std::vector<int32_t> order =
+          orders.order.empty() ? std::vector<int32_t>{1, -1} : orders.order[static_cast<size_t>(pp_rank)];
+      for (const int32_t entry : order) {
+        const uint64_t bytes = chunk_activations[static_cast<size_t>(std::abs(entry) - 1)];
+        held = entry > 0 ? held + bytes : held - bytes;
+        in_flight += entry > 0 ? 1 : -1;
+        rm.activation_bytes = std::max(rm.activation_bytes, held);
+        rm.in_flight = std::max(rm.in_flight, in_flight);
+      }
+      out.microbatches_in_flight = std::max<int64_t>(out.microbatches_in_flight, rm.in_flight);
       rm.bytes_per_param =
           rm.params ? double(rm.param_bytes + rm.grad_bytes + rm.optimizer_bytes) / double(rm.params) : 0.0;
-      by_tp[tp_rank] = rm;
+      by_coords[{tp_rank, pp_rank}] = rm;
     }
     rm.rank = r;
     rm.tp_rank = tp_rank;
     rm.dp_rank = groups.rank_in_group("dp", r);
+    rm.pp_rank = pp_rank;
     out.ranks.push_back(std::move(rm));
   }
   return out;

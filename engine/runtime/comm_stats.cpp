@@ -45,13 +45,21 @@ uint64_t dtype_bytes(int32_t dtype) {
 }
 
 // factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
-void count(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor) {
+// Counts the call, runs it, and tells the observer (if any) how long it took.
+template <typename Call>
+loom_status counted(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor, Call&& call) {
   CommCounter c;
   c.calls = 1;
   c.elements = elements;
   c.bytes = elements * dtype_bytes(dtype);
   c.bus_bytes = static_cast<double>(c.bytes) * factor;
   s->recorder->add(s->kind, op, c);
+  const CommObserver& observer = s->recorder->observer();
+  if (!observer) return call();
+  const auto start = std::chrono::steady_clock::now();
+  loom_status status = call();
+  observer(s->kind, op, c.bytes, start);
+  return status;
 }
 double ring(const Shim* s) { return s->size > 1 ? static_cast<double>(s->size - 1) / s->size : 0.0; }
 
@@ -71,27 +79,23 @@ loom_status s_all_reduce(loom_comm* c, void* stream, const void* send, void* rec
                          int32_t op) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_reduce);
-  count(s, "all_reduce", n, dtype, 2.0 * ring(s));
-  return s->api->all_reduce(s->comm, stream, send, recv, n, dtype, op);
+  return counted(s, "all_reduce", n, dtype, 2.0 * ring(s), [&] { return s->api->all_reduce(s->comm, stream, send, recv, n, dtype, op); });
 }
 loom_status s_all_gather(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_gather);
-  count(s, "all_gather", n * static_cast<uint64_t>(s->size), dtype, ring(s));
-  return s->api->all_gather(s->comm, stream, send, recv, n, dtype);
+  return counted(s, "all_gather", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->all_gather(s->comm, stream, send, recv, n, dtype); });
 }
 loom_status s_reduce_scatter(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype,
                              int32_t op) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, reduce_scatter);
-  count(s, "reduce_scatter", n * static_cast<uint64_t>(s->size), dtype, ring(s));
-  return s->api->reduce_scatter(s->comm, stream, send, recv, n, dtype, op);
+  return counted(s, "reduce_scatter", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->reduce_scatter(s->comm, stream, send, recv, n, dtype, op); });
 }
 loom_status s_all_to_all(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_to_all);
-  count(s, "all_to_all", n * static_cast<uint64_t>(s->size), dtype, ring(s));
-  return s->api->all_to_all(s->comm, stream, send, recv, n, dtype);
+  return counted(s, "all_to_all", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->all_to_all(s->comm, stream, send, recv, n, dtype); });
 }
 loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const size_t* send_counts,
                            const size_t* send_displs, void* recv, const size_t* recv_counts,
@@ -100,32 +104,27 @@ loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const s
   LOOM_SHIM_SLOT(s, all_to_all_v);
   uint64_t sent = 0;
   for (int32_t i = 0; send_counts != nullptr && i < s->size; ++i) sent += send_counts[i];
-  count(s, "all_to_all_v", sent, dtype, ring(s));
-  return s->api->all_to_all_v(s->comm, stream, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+  return counted(s, "all_to_all_v", sent, dtype, ring(s), [&] { return s->api->all_to_all_v(s->comm, stream, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype); });
 }
 loom_status s_broadcast(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t root) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, broadcast);
-  count(s, "broadcast", n, dtype, s->size > 1 ? 1.0 : 0.0);
-  return s->api->broadcast(s->comm, stream, buf, n, dtype, root);
+  return counted(s, "broadcast", n, dtype, s->size > 1 ? 1.0 : 0.0, [&] { return s->api->broadcast(s->comm, stream, buf, n, dtype, root); });
 }
 loom_status s_barrier(loom_comm* c) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, barrier);
-  count(s, "barrier", 0, LOOM_DTYPE_U8, 0.0);
-  return s->api->barrier(s->comm);
+  return counted(s, "barrier", 0, LOOM_DTYPE_U8, 0.0, [&] { return s->api->barrier(s->comm); });
 }
 loom_status s_send(loom_comm* c, void* stream, const void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, send);
-  count(s, "send", n, dtype, 1.0);
-  return s->api->send(s->comm, stream, buf, n, dtype, peer, tag);
+  return counted(s, "send", n, dtype, 1.0, [&] { return s->api->send(s->comm, stream, buf, n, dtype, peer, tag); });
 }
 loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, recv);
-  count(s, "recv", n, dtype, 1.0);
-  return s->api->recv(s->comm, stream, buf, n, dtype, peer, tag);
+  return counted(s, "recv", n, dtype, 1.0, [&] { return s->api->recv(s->comm, stream, buf, n, dtype, peer, tag); });
 }
 #undef LOOM_SHIM_SLOT
 

@@ -22,7 +22,9 @@
 
 #include <loom/loom_abi.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -47,16 +49,25 @@ struct CommCounter {
 // "all_to_all_v", "broadcast", "barrier", "send", "recv") -> counter.
 using CommStats = std::map<std::string, std::map<std::string, CommCounter>>;
 
+// Told of every call once it returned (for `loom run --trace`): the group kind,
+// the op, the logical bytes and when the call started.
+using CommObserver = std::function<void(const std::string& kind, const char* op, uint64_t bytes,
+                                        std::chrono::steady_clock::time_point start)>;
+
 // One rank's counters; calls may come from any thread.
 class CommStatsRecorder {
  public:
   void add(const std::string& kind, const char* op, const CommCounter& c);
+  // Set before the rank's threads call collectives, cleared (nullptr) after.
+  void set_observer(CommObserver observer) { observer_ = std::move(observer); }
+  const CommObserver& observer() const { return observer_; }
   CommStats snapshot() const;
   void reset();
 
  private:
   mutable std::mutex mu_;
   CommStats stats_;
+  CommObserver observer_;
 };
 
 // A group like `real` whose collectives are counted into `recorder` under `kind`.

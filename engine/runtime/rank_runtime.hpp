@@ -25,6 +25,7 @@ class RankRuntime : public loom_rank_s {
   // Collectives called through this rank's groups since the last reset.
   CommStats comm_stats() const { return comm_stats_.snapshot(); }
   void reset_comm_stats() { comm_stats_.reset(); }
+  void set_comm_observer(CommObserver observer) { comm_stats_.set_observer(std::move(observer)); }
   // ABI 1.1: the table host->service(rank, api_type, NULL) returns for this rank
   // (without one, the process-wide default: plugins::set_default_service).
   void set_service(int32_t api_type, const void* table) { services_[api_type] = table; }

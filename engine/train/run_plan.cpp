@@ -1,10 +1,19 @@
 #include "engine/train/run_plan.hpp"
 
+#include "engine/pipeline/schedule.hpp"
+
 #include <boost/filesystem.hpp>
 
 #include <set>
 
 namespace loom::train {
+
+std::string schedule_name(const manifest::Manifest& m) {
+  const std::string s = m.get_string("pipeline.schedule");
+  if (m.get_int("parallel.vpp") > 1 && m.origin("pipeline.schedule").kind == manifest::Origin::Kind::Default)
+    return "interleaved";
+  return s;
+}
 
 std::string optimizer_plugin_name(const std::string& strategy) {
   return strategy == "distributed" ? "distopt" : strategy;
@@ -49,6 +58,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.exec = need("exec.mode", "exec", man.get_string("exec.mode"), "exec.options");
   plan.optimizer = need("optimizer.strategy", "parallel", optimizer_plugin_name(man.get_string("optimizer.strategy")),
                         "optimizer.options");
+  plan.schedule = need("pipeline.schedule", "parallel", pipeline::schedule_plugin_name(schedule_name(man)),
+                       "pipeline.options");
+
+  plan.tensor = need("parallel.tensor", "parallel", man.get_string("parallel.tensor"), "");
+  if (plan.tensor && plan.tensor->api_type != LOOM_API_TENSOR_PARALLEL) {
+    diags.push_back({"parallel.tensor", man.origin("parallel.tensor"),
+                     "plugin " + plan.tensor->key() + " is not a tensor-parallel service (it provides another table)"});
+    plan.tensor = nullptr;
+  }
 
   plan.layers = model::model_layers(man);
   std::set<std::string> configured;
@@ -75,6 +93,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     man.apply_plugin_options(section, p->key(), p->options, diags, {"plugin"});
   }
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
+  // What host->service(rank, LOOM_API_TENSOR_PARALLEL, NULL) gives the layers.
+  plugins::set_default_service(LOOM_API_TENSOR_PARALLEL, plan.tensor);
 
   plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
   plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));

@@ -20,6 +20,8 @@ struct RunPlan {
   const plugins::LoadedPlugin* comm = nullptr;
   const plugins::LoadedPlugin* exec = nullptr;
   const plugins::LoadedPlugin* optimizer = nullptr;
+  const plugins::LoadedPlugin* tensor = nullptr;  // parallel.tensor: the service the layers call
+  const plugins::LoadedPlugin* schedule = nullptr;  // parallel/pipeline.NAME
   std::vector<model::LayerSpec> layers;
   topology::ParallelSizes sizes;
   int dp = 1;
@@ -31,6 +33,9 @@ struct RunPlan {
 // `registry`, resolves every plugin the manifest names and validates their option
 // sections. Throws manifest::ManifestError with every problem found.
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry);
+
+// pipeline.schedule, with "interleaved" standing in for the default when vpp > 1.
+std::string schedule_name(const manifest::Manifest& m);
 
 // Optimizer strategy name -> parallel plugin name.
 std::string optimizer_plugin_name(const std::string& strategy);

@@ -1,6 +1,9 @@
 #include "engine/train/trainer.hpp"
 
 #include "engine/model/param_init.hpp"
+#include "engine/pipeline/executor.hpp"
+#include "engine/pipeline/partition.hpp"
+#include "engine/pipeline/schedule.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
@@ -54,7 +57,9 @@ std::string step_json(const StepRecord& r) {
   os.precision(9);
   os << "{\"step\": " << r.step << ", \"loss\": " << r.loss << ", \"lr\": " << r.lr << ", \"grad_norm\": " << r.grad_norm
      << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"ms\": " << r.ms << ", \"flops_per_s\": " << r.flops_per_s
-     << ", \"mfu\": " << r.mfu << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak;
+     << ", \"mfu\": " << r.mfu << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
+     << ", \"in_flight\": " << r.in_flight << ", \"activation_bytes\": " << r.activation_bytes
+     << ", \"comm\": " << runtime::comm_stats_json(r.comm);
   if (r.evaluated) {
     os << ", \"val_loss\": " << r.val_loss;
     if (r.exact_match >= 0) os << ", \"val_exact_match\": " << r.exact_match;
@@ -96,6 +101,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   TrainResult result;
   int64_t start_step = 0;
   std::string resume_dir;
+  int resume_old_dp = 0, resume_old_world = 0;  // set when the checkpoint's dp differs: reshard
+  int64_t resume_old_bucket_size = m.get_int("optimizer.bucket_size");
   if (options.resume) {
     if (ckpt_dir.empty())
       throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
@@ -103,12 +110,26 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
     resume_dir = checkpoint_path(ckpt_dir, *latest);
     CheckpointMeta meta = read_meta(resume_dir);
-    if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp || meta.dp != plan.dp)
-      throw CheckpointError(resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
-                            std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) +
-                            "; this run has tp=" + std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
-                            " dp=" + std::to_string(plan.dp) + " (resharding is not supported by optimizer.strategy = \"" +
-                            m.get_string("optimizer.strategy") + "\")");
+    const std::string layouts = resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
+                                std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
+                                std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
+                                " dp=" + std::to_string(plan.dp);
+    if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp ||
+        meta.world != plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * meta.dp)
+      throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
+                                      "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
+                            " parallel.pp=" + std::to_string(meta.pp));
+    if (meta.dp != plan.dp) {
+      const loom_optimizer_api* api = plan.optimizer->optimizer();
+      if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)
+        throw CheckpointError(layouts + ", and optimizer plugin parallel/" + plan.optimizer->name + " (ABI 1." +
+                              std::to_string(plan.optimizer->abi_minor) +
+                              ") cannot reshard its state (no state_load_resharded, ABI 1.1); resume with parallel.dp=" +
+                              std::to_string(meta.dp) + " or rebuild the plugin with resharding");
+      resume_old_dp = meta.dp;
+      resume_old_world = meta.world;
+      if (meta.bucket_size >= 0) resume_old_bucket_size = meta.bucket_size;  // the old layout's buckets
+    }
     start_step = meta.step;
   }
   result.start_step = start_step;
@@ -118,6 +139,22 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);
     if (!metrics) throw std::runtime_error("--metrics " + options.metrics_file + ": cannot open the file for writing");
   }
+
+  // The pipeline: every rank's order from the schedule plugin, proven free of
+  // deadlock before any rank starts, and the layers of each global chunk.
+  const int pp = plan.sizes.pp;
+  const int vpp = static_cast<int>(m.get_int("parallel.vpp"));
+  plugins::OptionValues schedule_opts(m.get_table("pipeline.options"), plan.schedule->options);
+  const pipeline::PipelineOrders orders =
+      pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), pp, vpp, static_cast<int>(M),
+                               static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
+  pipeline::simulate(orders);
+  const std::vector<std::vector<model::LayerSpec>> global_chunks = pipeline::partition_layers(
+      plan.layers, pipeline::blocks_per_chunk(static_cast<int>(m.get_int("model.num_layers")), pp, vpp,
+                                              static_cast<int>(m.get_int("pipeline.first_chunk_layers")),
+                                              static_cast<int>(m.get_int("pipeline.last_chunk_layers"))));
+  const auto trace_origin = std::chrono::steady_clock::now();
+  std::vector<pipeline::TraceEvent> trace_events;
 
   runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;
@@ -135,6 +172,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     loom::Device dev = rt.dev();
     const loom::Group dp = rt.group_or_self("dp");
     const loom::Group world = rt.group_or_self("world");
+    const loom::Group ppg = rt.group_or_self("pp");
 
     // Execution mode and model.
     plugins::OptionValues exec_opts(m.get_table("exec.options"), plan.exec->options);
@@ -142,7 +180,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     loom::check(plan.exec->exec()->create(exec_opts.raw(), &rt, &exec));
     rt.set_exec(plan.exec->exec(), exec);
     const loom_model_dims dims = model::model_dims(m, vocab, plan.sizes.tp);
-    model::Model model(m, *plan.registry, rt, dims, plan.layers, seed);
+    model::Model model(m, *plan.registry, rt, dims, pipeline::local_chunks(global_chunks, pp, ppg.rank()), seed);
+    const bool last_stage = model.is_last_global(static_cast<int>(model.chunk_count()) - 1);
 
     // Optimizer strategy over the flat buffers.
     std::vector<loom_param_info> infos = model.param_infos();
@@ -162,17 +201,28 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     bucket_offsets.push_back(model.layout().numel);
     oa.bucket_offsets = bucket_offsets.data();
     oa.num_buckets = model.layout().buckets.size();
+    const std::vector<int32_t> counted_elsewhere = model.counted_elsewhere();
+    oa.counted_elsewhere = counted_elsewhere.data();
+    if (plan.optimizer->abi_minor < 1 &&
+        std::find(counted_elsewhere.begin(), counted_elsewhere.end(), 1) != counted_elsewhere.end())
+      throw loom::Error("optimizer plugin parallel/" + plan.optimizer->name +
+                        " was built for plugin ABI 1.0, which cannot tell it that the tied word embedding on the last "
+                        "pipeline stage is a copy (it would count its gradient twice); rebuild it against ABI 1.1 or "
+                        "set model.tie_embeddings = false");
     plugins::OptionValues opt_opts(m.get_table("optimizer.options"), plan.optimizer->options);
     const loom_optimizer_api* opt_api = plan.optimizer->optimizer();
     loom_optimizer* opt = nullptr;
     loom::check(opt_api->create(opt_opts.raw(), &rt, &oa, &opt));
     std::unique_ptr<loom_optimizer, void (*)(loom_optimizer*)> opt_guard(opt, opt_api->destroy);
 
-    if (!resume_dir.empty()) {
+    if (!resume_dir.empty() && resume_old_dp == 0) {
       RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()));
       dev.copy(model.params(), s.params.data(), s.params.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
       loom::check(opt_api->state_load(opt, s.optimizer.data(), s.optimizer.size()));
       dev.synchronize();
+    } else if (!resume_dir.empty()) {
+      load_resharded(resume_dir, resume_old_dp, resume_old_world, plan.sizes, rank, model, dev,
+                     static_cast<size_t>(resume_old_bucket_size), opt_api, opt, "parallel/" + plan.optimizer->name);
     }
 
     // FLOPs of one step over the whole world: forward + backward (2x) per microbatch.
@@ -182,8 +232,40 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     const double tokens_step = static_cast<double>(global_batch * seq);
 
     const size_t tok_bytes = static_cast<size_t>(seq * mbs) * sizeof(int32_t);
-    loom::Buffer tokens_dev(&rt, tok_bytes), targets_dev(&rt, tok_bytes);
+    // Every microbatch of a step has its own token buffers: a pipeline keeps
+    // several in flight, and the embedding's backward reads its tokens.
+    std::vector<loom::Buffer> tokens_dev, targets_dev;
+    for (int64_t mb = 0; mb < M; ++mb) {
+      tokens_dev.emplace_back(&rt, tok_bytes);
+      targets_dev.emplace_back(&rt, tok_bytes);
+    }
     std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs), predictions(seq * mbs);
+    std::unique_ptr<pipeline::TraceRecorder> trace;
+    if (!options.trace_file.empty()) {
+      trace = std::make_unique<pipeline::TraceRecorder>(trace_origin);
+      // Collectives into the timeline too (p2p is already there, from the executor).
+      rt.set_comm_observer([&, rank](const std::string& kind, const char* op, uint64_t bytes,
+                                     std::chrono::steady_clock::time_point start) {
+        const std::string name = op;
+        if (name == "send" || name == "recv") return;
+        trace->add(rank, kind + " " + name, "collective", start, {{"bytes", static_cast<long long>(bytes)}});
+      });
+    }
+    pipeline::Executor executor(model, rt, orders.order[static_cast<size_t>(ppg.rank())], static_cast<int>(M),
+                                trace.get());
+    int peak_in_flight = 0;
+    uint64_t peak_activation_bytes = 0;
+    // Publishes this rank's pipeline peaks and timeline however the loop ends.
+    struct OnExit {
+      std::function<void()> fn;
+      ~OnExit() { fn(); }
+    } publish{[&] {
+      rt.set_comm_observer(nullptr);
+      std::lock_guard<std::mutex> lock(result_mu);
+      result.peak_in_flight[rank] = peak_in_flight;
+      result.peak_activation_bytes[rank] = peak_activation_bytes;
+      if (trace) trace_events.insert(trace_events.end(), trace->events().begin(), trace->events().end());
+    }};
 
     auto save = [&](int64_t step) {
       if (ckpt_dir.empty()) return;
@@ -201,7 +283,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       world.barrier();
       if (leader) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
-                            m.get_string("optimizer.strategy")};
+                            m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size")};
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);
@@ -214,12 +296,16 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       for (int64_t b = 0; b < eval_batches; ++b) {
         const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
         fill_microbatch(*data, Split::Validation, first, mbs, seq, tokens.data(), targets.data());
-        dev.copy(tokens_dev.get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        dev.copy(targets_dev.get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        float loss_sum = 0;
+        dev.copy(tokens_dev[0].get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev[0].get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        double loss_sum = 0;
         int64_t count = 0;
-        model.forward(0, tokens_dev.get<int32_t>(), targets_dev.get<int32_t>(), false, 0, &loss_sum, &count,
-                      data->has_exact_match() ? predictions.data() : nullptr);
+        pipeline::MicrobatchInput in;
+        in.tokens = tokens_dev[0].get<int32_t>();
+        in.targets = targets_dev[0].get<int32_t>();
+        in.predictions = data->has_exact_match() ? predictions.data() : nullptr;
+        executor.forward_only(static_cast<int>(b), in, &loss_sum, &count);
+        if (!last_stage) continue;  // the loss and predictions live on the last stage
         sums[0] += loss_sum;
         sums[1] += static_cast<double>(count);
         if (data->has_exact_match())
@@ -234,6 +320,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
             sums[2] += all ? 1 : 0;
           }
       }
+      ppg.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
       dp.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
       rec.evaluated = true;
       rec.val_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
@@ -252,21 +339,22 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     int64_t window_steps = 0;
     while (step < steps) {
       const auto t0 = std::chrono::steady_clock::now();
+      rt.reset_comm_stats();
       model.zero_grads();
-      double loss_acc = 0;
+      std::vector<pipeline::MicrobatchInput> inputs(static_cast<size_t>(M));
       for (int mb = 0; mb < M; ++mb) {
         const uint64_t first = sample_index(step, global_batch, dp.rank(), M, mb, mbs);
         fill_microbatch(*data, Split::Train, first, mbs, seq, tokens.data(), targets.data());
-        dev.copy(tokens_dev.get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        dev.copy(targets_dev.get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        float loss_sum = 0;
-        int64_t count = 0;
-        model.forward(mb, tokens_dev.get<int32_t>(), targets_dev.get<int32_t>(), true, dropout_seed(seed, step, first),
-                      &loss_sum, &count);
-        const double denom = static_cast<double>(std::max<int64_t>(count, 1)) * M;
-        loss_acc += loss_sum / denom;
-        model.backward(mb, static_cast<float>(1.0 / denom));
+        dev.copy(tokens_dev[mb].get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev[mb].get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        inputs[mb].tokens = tokens_dev[mb].get<int32_t>();
+        inputs[mb].targets = targets_dev[mb].get<int32_t>();
+        inputs[mb].dropout_seed = dropout_seed(seed, step, first);
       }
+      const pipeline::StepStats stats = executor.train_step(inputs);
+      peak_in_flight = std::max(peak_in_flight, stats.peak_in_flight);
+      peak_activation_bytes = std::max(peak_activation_bytes, stats.peak_activation_bytes);
+      const auto t_opt = std::chrono::steady_clock::now();
       model.finalize_grads();
       ++step;
       loom_optimizer_step_args sa = loom::make<loom_optimizer_step_args>();
@@ -280,9 +368,15 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       loom_optimizer_step_result sr = loom::make<loom_optimizer_step_result>();
       loom::check(opt_api->step(opt, &rt, &sa, &sr));
       dev.synchronize();
+      if (trace) trace->add(rank, "optimizer step " + std::to_string(step), "optimizer", t_opt);
+      // The step's communication: the pipeline's p2p, the model's and the
+      // optimizer's collectives (not the bookkeeping below, nor evaluation).
+      runtime::CommStats step_comm = rt.comm_stats();
 
-      // The step's loss: mean over microbatches, averaged over dp; plus the stop flag.
-      double reduced[2] = {loss_acc, 0};
+      // The step's loss: mean over microbatches (from the last stage), averaged
+      // over dp; plus the stop flag.
+      double reduced[2] = {stats.loss, 0};
+      ppg.all_reduce(nullptr, reduced, reduced, 1, LOOM_DTYPE_F64);
       dp.all_reduce(nullptr, reduced, reduced, 1, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
       reduced[1] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
       world.all_reduce(nullptr, &reduced[1], &reduced[1], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
@@ -301,6 +395,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       loom_memory_stats mem = rt.memory();
       rec.mem_current = mem.current_bytes;
       rec.mem_peak = mem.peak_bytes;
+      rec.in_flight = stats.peak_in_flight;
+      rec.comm = std::move(step_comm);
+      rec.activation_bytes = stats.peak_activation_bytes;
       if (eval_every > 0 && (step % eval_every == 0 || step == steps)) evaluate(rec);
       if (options.on_step) options.on_step(step, rank, model);
 
@@ -342,6 +439,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     }
     if (step > start_step) save(step);
   });
+  if (!options.trace_file.empty()) pipeline::write_chrome_trace(options.trace_file, trace_events);
   return result;
 }
 

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <functional>
 #include <iosfwd>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,9 @@ struct StepRecord {
   double flops_per_s = 0;
   double mfu = 0;         // 0 when the peak is unknown
   uint64_t mem_current = 0, mem_peak = 0;  // rank 0's device memory
+  int in_flight = 0;            // rank 0's most microbatch-chunks awaiting backward at once
+  uint64_t activation_bytes = 0;  // rank 0's device memory held by them at the peak
+  runtime::CommStats comm;      // rank 0's collectives and p2p of the step (evaluation excluded)
   bool evaluated = false;
   double val_loss = 0;
   double exact_match = -1;  // fraction of validation samples fully right; -1 when not applicable
@@ -35,6 +39,7 @@ struct TrainOptions {
   std::string metrics_file;                  // JSON lines, one per step
   std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
   const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers
+  std::string trace_file;                    // Chrome trace of every rank's real timeline
   // Called on every rank after each step (tests compare parameters step by step).
   std::function<void(int64_t step, int rank, const model::Model&)> on_step;
 };
@@ -45,6 +50,10 @@ struct TrainResult {
   int64_t final_step = 0;
   bool interrupted = false;        // stopped by a signal (after checkpointing)
   std::string checkpoint;          // the last checkpoint written, if any
+  // Per global rank hosted here: the most (chunk, microbatch) forwards awaiting
+  // their backward at once, over all steps, and the activation bytes at that peak.
+  std::map<int, int> peak_in_flight;
+  std::map<int, uint64_t> peak_activation_bytes;
 };
 
 // The LR at (1-based) step: linear warmup, then cosine decay to min_lr.

@@ -391,6 +391,27 @@ TEST_F(ManifestTest, SequenceParallelNeedsSeqDivisibleByTp) {
   EXPECT_NO_THROW(Manifest::parse("[parallel]\ntp = 2\n[model]\nseq_length = 65\n", "m"));
 }
 
+TEST_F(ManifestTest, CudaWithSeveralRanksNeedsAGpuCommunicator) {
+  Diagnostic d = one_error("[device]\nkind = \"cuda\"\n[parallel]\ndp = 2\n");
+  EXPECT_EQ(d.key, "comm.backend");
+  EXPECT_THAT(d.message, HasSubstr("set comm.backend = \"nccl\""));
+  EXPECT_EQ(pos(d.origin), "m.toml:2:8");  // comm.backend is a default: reported where device.kind is
+  EXPECT_NO_THROW(Manifest::parse("[device]\nkind = \"cuda\"\n", "m"));  // one rank needs no communicator
+  EXPECT_NO_THROW(Manifest::parse("[device]\nkind = \"cuda\"\n[comm]\nbackend = \"nccl\"\n[parallel]\ndp = 2\n", "m"));
+}
+
+TEST_F(ManifestTest, UnevenPipelineSplitMustAddUp) {
+  Diagnostic d = one_error("[model]\nnum_layers = 7\n[parallel]\npp = 4\n[pipeline]\nfirst_chunk_layers = 2\n");
+  EXPECT_EQ(d.key, "pipeline.first_chunk_layers");
+  EXPECT_THAT(d.message, HasSubstr("the other 3 chunks would share 5 layers"));
+  EXPECT_EQ(pos(d.origin), "m.toml:6:22");
+  EXPECT_NO_THROW(Manifest::parse("[model]\nnum_layers = 7\n[parallel]\npp = 4\n[pipeline]\nfirst_chunk_layers = 1\n", "m"));
+  // An even split that does not divide points at the uneven keys.
+  d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 4\n");
+  EXPECT_EQ(d.key, "model.num_layers");
+  EXPECT_THAT(d.message, HasSubstr("pipeline.first_chunk_layers / pipeline.last_chunk_layers"));
+}
+
 TEST_F(ManifestTest, WorldSizeMustMatchTheLauncher) {
   const std::string text = "[parallel]\ntp = 2\npp = 2\n";
   EXPECT_NO_THROW(Manifest::parse(text, "m.toml"));  // no launcher: any world size

@@ -168,6 +168,13 @@ class Group {
     if (g_.size <= 1) return;
     check(g_.api->barrier(g_.comm));
   }
+  // Point to point with the group's rank `peer`; send does not wait for the receiver.
+  void send(void* stream, const void* buf, size_t count, int32_t dtype, int peer, int tag) const {
+    check(g_.api->send(g_.comm, stream, buf, count, dtype, peer, tag));
+  }
+  void recv(void* stream, void* buf, size_t count, int32_t dtype, int peer, int tag) const {
+    check(g_.api->recv(g_.comm, stream, buf, count, dtype, peer, tag));
+  }
 
   static size_t dtype_size(int32_t dtype) {
     switch (dtype) {

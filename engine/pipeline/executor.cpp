@@ -1,0 +1,127 @@
+#include "engine/pipeline/executor.hpp"
+
+#include <algorithm>
+
+namespace loom::pipeline {
+
+using Clock = std::chrono::steady_clock;
+
+void TraceRecorder::add(int rank, const std::string& name, const std::string& category, Clock::time_point start,
+                        std::vector<std::pair<std::string, long long>> args) {
+  const Clock::time_point end = Clock::now();
+  TraceEvent e;
+  e.rank = rank;
+  e.name = name;
+  e.category = category;
+  e.start_us = std::chrono::duration<double, std::micro>(start - origin_).count();
+  e.dur_us = std::chrono::duration<double, std::micro>(end - start).count();
+  e.args = std::move(args);
+  events_.push_back(std::move(e));
+}
+
+Executor::Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
+                   TraceRecorder* trace)
+    : model_(model), rank_(rank), order_(std::move(order)), microbatches_(microbatches), trace_(trace),
+      pp_(rank.group_or_self("pp")) {
+  LOOM_REQUIRE(order_.size() == 2 * model.chunk_count() * static_cast<size_t>(microbatches),
+               "pipeline order of " << order_.size() << " entries for " << model.chunk_count() << " chunk(s) and "
+                                    << microbatches << " microbatch(es)");
+}
+
+int Executor::peer_of_chunk(int global_chunk) const { return global_chunk % pp_.size(); }
+
+void Executor::receive_input(int c, int mb) {
+  const int g = model_.chunk_global_index(c);
+  const Clock::time_point t0 = Clock::now();
+  pp_.recv(rank_.dev().native_stream(), model_.chunk_input(c, mb), model_.hidden_bytes() / sizeof(float),
+           LOOM_DTYPE_F32, peer_of_chunk(g - 1), 2 * g);
+  if (trace_) trace_->add(rank_.global_rank(), "recv act c" + std::to_string(g), "p2p", t0);
+}
+
+void Executor::send_output(int c, const void* out) {
+  const int g = model_.chunk_global_index(c);
+  const Clock::time_point t0 = Clock::now();
+  pp_.send(rank_.dev().native_stream(), out, model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32,
+           peer_of_chunk(g + 1), 2 * (g + 1));
+  if (trace_) trace_->add(rank_.global_rank(), "send act c" + std::to_string(g + 1), "p2p", t0);
+}
+
+StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
+  LOOM_REQUIRE(inputs.size() == static_cast<size_t>(microbatches_),
+               "train_step with " << inputs.size() << " microbatch inputs, the order has " << microbatches_);
+  StepStats stats;
+  const size_t chunks = model_.chunk_count();
+  std::vector<int> next_forward(chunks, 0), next_backward(chunks, 0);
+  // The loss scale of each microbatch, known once the last chunk's forward counted its tokens.
+  std::vector<float> loss_scale(static_cast<size_t>(microbatches_), 1.f);
+  const uint64_t base_bytes = rank_.memory().current_bytes;
+  int in_flight = 0;
+  void* stream = rank_.dev().native_stream();
+
+  for (const int32_t entry : order_) {
+    const int c = std::abs(entry) - 1;
+    const int g = model_.chunk_global_index(c);
+    const Clock::time_point t0 = Clock::now();
+    if (entry > 0) {
+      const int mb = next_forward[static_cast<size_t>(c)]++;
+      const MicrobatchInput& in = inputs[static_cast<size_t>(mb)];
+      if (!model_.is_first_global(c)) receive_input(c, mb);
+      const Clock::time_point tf = Clock::now();
+      float loss_sum = 0;
+      int64_t count = 0;
+      const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count);
+      ++in_flight;
+      stats.peak_in_flight = std::max(stats.peak_in_flight, in_flight);
+      stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
+      if (trace_)
+        trace_->add(rank_.global_rank(), "F mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "forward", tf,
+                    {{"microbatch", mb + 1}, {"chunk", g}});
+      if (model_.is_last_global(c)) {
+        const double denom = static_cast<double>(std::max<int64_t>(count, 1)) * microbatches_;
+        loss_scale[static_cast<size_t>(mb)] = static_cast<float>(1.0 / denom);
+        stats.loss += loss_sum / denom;
+      } else {
+        send_output(c, out);
+      }
+    } else {
+      const int mb = next_backward[static_cast<size_t>(c)]++;
+      if (!model_.is_last_global(c)) {
+        pp_.recv(stream, model_.chunk_grad_output(), model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32,
+                 peer_of_chunk(g + 1), 2 * g + 1);
+        if (trace_) trace_->add(rank_.global_rank(), "recv grad c" + std::to_string(g), "p2p", t0);
+      }
+      const Clock::time_point tb = Clock::now();
+      const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)]);
+      --in_flight;
+      if (trace_)
+        trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,
+                    {{"microbatch", mb + 1}, {"chunk", g}});
+      if (!model_.is_first_global(c)) {
+        const Clock::time_point ts = Clock::now();
+        pp_.send(stream, grad_in, model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32, peer_of_chunk(g - 1),
+                 2 * (g - 1) + 1);
+        if (trace_) trace_->add(rank_.global_rank(), "send grad c" + std::to_string(g - 1), "p2p", ts);
+      }
+    }
+  }
+  return stats;
+}
+
+void Executor::forward_only(int mb, const MicrobatchInput& in, double* loss_sum, int64_t* tokens) {
+  for (int c = 0; c < static_cast<int>(model_.chunk_count()); ++c) {
+    if (!model_.is_first_global(c)) receive_input(c, mb);
+    float sum = 0;
+    int64_t count = 0;
+    const void* out =
+        model_.forward_chunk(c, mb, in.tokens, in.targets, false, in.dropout_seed, &sum, &count, in.predictions);
+    if (model_.is_last_global(c)) {
+      *loss_sum += sum;
+      *tokens += count;
+    } else {
+      send_output(c, out);
+    }
+    model_.release_chunk(c, mb);
+  }
+}
+
+}  // namespace loom::pipeline

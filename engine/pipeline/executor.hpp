@@ -1,0 +1,80 @@
+// Runs one rank's pipeline order (from a schedule plugin, checked by
+// pipeline::simulate before launch) over the rank's model chunks: a forward of
+// global chunk g receives its input from the rank holding g - 1 and sends its
+// output to the rank holding g + 1; a backward receives the gradient of its
+// output from g + 1 and sends the gradient of its input to g - 1. The last global
+// chunk computes the loss. Without pipeline parallelism the order is
+// [+1, -1] x microbatches over the one chunk, and nothing crosses ranks.
+//
+// Point-to-point messages go over the pp group with tag 2g (forward into chunk g)
+// or 2g + 1 (backward into chunk g); sends do not wait for the receiver, so any
+// order that passes the simulation runs without deadlock.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/pipeline/schedule.hpp"
+#include "engine/runtime/rank_runtime.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+namespace loom::pipeline {
+
+// One microbatch's data on this rank (every stage loads its own copy; only the
+// first global chunk reads tokens and only the last reads targets).
+struct MicrobatchInput {
+  const int32_t* tokens = nullptr;   // device [seq, micro_batch], alive until the step ends
+  const int32_t* targets = nullptr;  // device [seq, micro_batch]
+  uint64_t dropout_seed = 0;
+  int32_t* predictions = nullptr;    // host [seq, micro_batch] (evaluation), or null
+};
+
+// Real timeline of a rank, for `loom run --trace`.
+class TraceRecorder {
+ public:
+  explicit TraceRecorder(std::chrono::steady_clock::time_point origin) : origin_(origin) {}
+  // Records [start, now) as an event of this rank.
+  void add(int rank, const std::string& name, const std::string& category, std::chrono::steady_clock::time_point start,
+           std::vector<std::pair<std::string, long long>> args = {});
+  std::vector<TraceEvent>& events() { return events_; }
+
+ private:
+  std::chrono::steady_clock::time_point origin_;
+  std::vector<TraceEvent> events_;
+};
+
+struct StepStats {
+  double loss = 0;             // mean over microbatches of the per-token loss (last stage; 0 elsewhere)
+  int peak_in_flight = 0;      // most (chunk, microbatch) forwards awaiting their backward at once
+  uint64_t peak_activation_bytes = 0;  // device memory above the step's start, at its highest
+};
+
+class Executor {
+ public:
+  // order: this rank's signed order (2 * chunks * microbatches entries).
+  Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
+           TraceRecorder* trace = nullptr);
+
+  // One training step's forwards and backwards; gradients accumulate in the
+  // model's buffers (loss of each microbatch scaled by 1 / (its tokens * microbatches)).
+  StepStats train_step(const std::vector<MicrobatchInput>& inputs);
+
+  // Forward of one microbatch through every local chunk (evaluation). On the last
+  // stage, adds the loss sum and token count; elsewhere leaves them.
+  void forward_only(int mb, const MicrobatchInput& input, double* loss_sum, int64_t* tokens);
+
+ private:
+  int peer_of_chunk(int global_chunk) const;
+  void receive_input(int c, int mb);
+  void send_output(int c, const void* out);
+
+  model::Model& model_;
+  runtime::RankRuntime& rank_;
+  std::vector<int32_t> order_;
+  int microbatches_;
+  TraceRecorder* trace_;
+  loom::Group pp_;
+};
+
+}  // namespace loom::pipeline

@@ -1,0 +1,107 @@
+// Every rank's parameters after every step, and the full (unpartitioned) tensors
+// reassembled from them, for equivalence tests of model-parallel layouts: each
+// parameter is found by name on the pipeline stage that holds it and its tp
+// slices are put back together, so any tp x pp layout compares with the serial run.
+#pragma once
+
+#include "support/train_fixture.hpp"
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace loom::testing {
+
+struct RankTrace {
+  std::vector<double> loss;
+  train::TrainResult result;
+  std::map<int, std::vector<std::vector<float>>> params;  // rank -> step -> flat buffer
+  std::map<int, std::vector<model::ParamEntry>> entries;
+  int tp = 1, dp = 1, pp = 1;
+};
+
+inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<std::string>& overrides,
+                               train::TrainOptions opts = {}) {
+  RankTrace t;
+  std::mutex mu;
+  opts.on_step = [&](int64_t, int rank, const model::Model& m) {
+    const float* p = static_cast<const float*>(m.params());  // CPU device: host memory
+    std::lock_guard<std::mutex> lock(mu);
+    t.params[rank].emplace_back(p, p + m.numel());
+    if (!t.entries.count(rank)) t.entries[rank] = m.param_entries();
+  };
+  train::RunPlan plan = plan_from(manifest, overrides);
+  t.tp = plan.sizes.tp;
+  t.pp = plan.sizes.pp;
+  t.dp = plan.dp;
+  t.result = train::train(plan, opts);
+  for (const auto& s : t.result.steps) t.loss.push_back(s.loss);
+  return t;
+}
+
+// How a parameter is matched across layouts: a tied one by its tie key (its name
+// depends on which layer holds it on a stage), the others by name.
+inline std::string param_key(const model::ParamEntry& e) {
+  return e.tie_key.empty() ? e.name : "tied:" + e.tie_key;
+}
+
+// Global rank of (tp, dp, pp) coordinates for the default order tp-cp-ep-dp-pp, cp = 1.
+inline int rank_of(const RankTrace& t, int tp_rank, int dp_rank, int pp_rank) {
+  return tp_rank + dp_rank * t.tp + pp_rank * t.tp * t.dp;
+}
+
+// The full tensor of one entry of (pp stage, dp rank 0) at a step, from its tp slices.
+inline std::vector<float> assemble_tensor(const RankTrace& t, int pp_rank, size_t k, size_t step) {
+  const model::ParamEntry& e0 = t.entries.at(rank_of(t, 0, 0, pp_rank))[k];
+  int64_t full_numel = 1;
+  for (int64_t d : e0.full_shape) full_numel *= d;
+  std::vector<float> full(static_cast<size_t>(full_numel));
+  const int dim = e0.decl.partition_dim;
+  if (dim < 0 || t.tp == 1) {
+    const auto& buf = t.params.at(rank_of(t, 0, 0, pp_rank))[step];
+    std::copy(buf.begin() + e0.offset, buf.begin() + e0.offset + e0.numel, full.begin());
+    return full;
+  }
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= e0.full_shape[d];
+  for (size_t d = dim + 1; d < e0.full_shape.size(); ++d) inner *= e0.full_shape[d];
+  const int stride = std::max(1, e0.decl.partition_stride);
+  const int64_t block = e0.full_shape[dim] / stride, part = block / t.tp;
+  for (int r = 0; r < t.tp; ++r) {
+    const int g = rank_of(t, r, 0, pp_rank);
+    const model::ParamEntry& e = t.entries.at(g)[k];
+    const float* src = t.params.at(g)[step].data() + e.offset;
+    for (int64_t o = 0; o < outer; ++o)
+      for (int s = 0; s < stride; ++s)
+        for (int64_t i = 0; i < part * inner; ++i)
+          full[(o * e0.full_shape[dim] + s * block + r * part) * inner + i] = *src++;
+  }
+  return full;
+}
+
+// Every parameter at a step, full tensors by param_key. A key held by several
+// stages (a tied embedding) comes from the first stage holding it.
+inline std::map<std::string, std::vector<float>> full_params(const RankTrace& t, size_t step) {
+  std::map<std::string, std::vector<float>> out;
+  for (int p = 0; p < t.pp; ++p) {
+    const auto& entries = t.entries.at(rank_of(t, 0, 0, p));
+    for (size_t k = 0; k < entries.size(); ++k)
+      if (!out.count(param_key(entries[k]))) out[param_key(entries[k])] = assemble_tensor(t, p, k, step);
+  }
+  return out;
+}
+
+// ||a - b|| / ||b|| over the elements both have: the padded vocabulary grows
+// with tp (a multiple of vocab_divisor * tp), and the real rows come first.
+inline double tensor_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+}  // namespace loom::testing
