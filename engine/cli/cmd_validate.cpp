@@ -5,6 +5,7 @@
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/manifest/schema.hpp"
+#include "engine/pipeline/split.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <iomanip>
@@ -70,7 +71,13 @@ int cmd_validate(int argc, char** argv) {
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     const manifest::Manifest& m = plan.manifest;
     const int64_t layers = m.get_int("model.num_layers");
-    const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));
+    const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));  // the even split
+    // Transformer layers per global pipeline chunk (uneven when the manifest says so).
+    const std::vector<int> per_chunk = pipeline::blocks_per_chunk(
+        static_cast<int>(layers), plan.sizes.pp, static_cast<int>(m.get_int("parallel.vpp")),
+        static_cast<int>(m.get_int("pipeline.first_chunk_layers")), static_cast<int>(m.get_int("pipeline.last_chunk_layers")));
+    std::string per_chunk_text;
+    for (size_t g = 0; g < per_chunk.size(); ++g) per_chunk_text += (g ? ", " : "") + std::to_string(per_chunk[g]);
     const int world = plan.sizes.world;
     const int64_t etp = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
 
@@ -87,9 +94,11 @@ int cmd_validate(int argc, char** argv) {
           .add("dp", plan.dp).add("ep", plan.sizes.ep).add("etp", static_cast<long long>(etp))
           .add("vpp", static_cast<long long>(m.get_int("parallel.vpp")))
           .add("layers_per_stage", static_cast<long long>(per_stage))
+          .add_raw("layers_per_chunk", "[" + per_chunk_text + "]")
           .add("microbatches_per_rank", static_cast<long long>(plan.microbatches))
           .add("device", plan.device->key()).add("comm", plan.comm->key()).add("exec", plan.exec->key())
-          .add("optimizer", plan.optimizer->key()).add_raw("layers", json_array(layer_items));
+          .add("optimizer", plan.optimizer->key()).add("schedule", plan.schedule->key())
+          .add_raw("layers", json_array(layer_items));
       std::cout << JsonObject().add("valid", true).add_raw("plan", p.str()).add_raw("values", json_array(entries)).str()
                 << "\n";
       return 0;
@@ -102,12 +111,14 @@ int cmd_validate(int argc, char** argv) {
               << "  world size        " << world << " = tp " << plan.sizes.tp << " x cp " << plan.sizes.cp << " x pp "
               << plan.sizes.pp << " x dp " << plan.dp << "\n"
               << "  expert layout     ep " << plan.sizes.ep << " x etp " << etp << "\n"
-              << "  layers per stage  " << per_stage << " (of " << layers << " blocks, vpp "
-              << m.get_int("parallel.vpp") << ")\n"
+              << "  layers per chunk  " << per_chunk_text << " (global chunks 0.." << per_chunk.size() - 1 << " of "
+              << layers << " blocks; vpp " << m.get_int("parallel.vpp") << ", schedule " << plan.schedule->key()
+              << ")\n"
               << "  microbatches      " << plan.microbatches << " per dp rank per step (" << m.get_int("batch.micro_batch_size")
               << " sequences each; global batch " << m.get_int("batch.global_batch_size") << ")\n"
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
-              << ", " << plan.optimizer->key() << "\n  model             ";
+              << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()
+              << "\n  model             ";
     for (size_t i = 0; i < plan.layers.size(); ++i)
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
     std::cout << "\n";

@@ -66,6 +66,31 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
+loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
+                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
+                         const loom_layer_api** api) {
+  const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
+  toml::table section;
+  if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+  section.erase("plugin");
+  plugins::OptionValues opts(&section, p.options);
+  loom_model_dims ld = dims;
+  ld.block_index = spec.block_index;
+  loom_layer_create_args args = loom::make<loom_layer_create_args>();
+  args.dims = &ld;
+  args.instance_name = spec.instance.c_str();
+  args.tp = tp;
+  args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
+  *api = p.layer();
+  loom_layer* handle = nullptr;
+  try {
+    loom::check((*api)->create(opts.raw(), rank, &args, &handle));
+  } catch (const loom::Error& e) {
+    throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+  }
+  return handle;
+}
+
 Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
     : rank_(rank), dims_(dims), bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))) {
@@ -77,27 +102,10 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     chunk.num_global = chunks[c].num_global;
     chunk.first_layer = layers_.size();
     for (LayerSpec& spec : chunks[c].layers) {
-      const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-      toml::table section;
-      if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
-      section.erase("plugin");
-      plugins::OptionValues opts(&section, p.options);
-      loom_model_dims ld = dims;
-      ld.block_index = spec.block_index;
-      loom_layer_create_args args = loom::make<loom_layer_create_args>();
-      args.dims = &ld;
-      args.instance_name = spec.instance.c_str();
-      args.tp = tp.raw();
-      args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
       Layer layer;
       layer.spec = spec;
       layer.chunk = static_cast<int>(c);
-      layer.api = p.layer();
-      try {
-        loom::check(layer.api->create(opts.raw(), &rank, &args, &layer.handle));
-      } catch (const loom::Error& e) {
-        throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
-      }
+      layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
       layers_.push_back(std::move(layer));
     }
     chunk.end_layer = layers_.size();

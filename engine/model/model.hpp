@@ -34,6 +34,13 @@ std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 // The model dimensions given the vocabulary and the tensor-parallel size.
 loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
 
+// Creates one layer from its plugin, with the manifest's [model.layer.NAME]
+// options for it (what the Model and the memory planner both do). Returns the
+// handle; *api is the plugin's table. Errors name the instance and the plugin.
+loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
+                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
+                         const loom_layer_api** api);
+
 // A pipeline chunk held by this rank: global chunk `global_index` of
 // `num_global` (0-based), its layers in model order. A rank without pipeline
 // parallelism holds one chunk, the whole model.

@@ -180,25 +180,8 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       for (size_t c = 0; c < chunks.size(); ++c) {
         uint64_t activations = 0;
         for (const LayerSpec& spec : chunks[c].layers) {
-          const plugins::LoadedPlugin& p = plan.registry->get("layer", spec.plugin);
-          toml::table section;
-          if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
-          section.erase("plugin");
-          plugins::OptionValues opts(&section, p.options);
-          loom_model_dims ld = dims;
-          ld.block_index = spec.block_index;
-          loom_layer_create_args args = loom::make<loom_layer_create_args>();
-          args.dims = &ld;
-          args.instance_name = spec.instance.c_str();
-          args.tp = tp;
-          args.sequence_parallel = sp ? 1 : 0;
           PlannedLayers::Layer l;
-          l.api = p.layer();
-          try {
-            loom::check(l.api->create(opts.raw(), &rt, &args, &l.handle));
-          } catch (const loom::Error& e) {
-            throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
-          }
+          l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);
           const loom_param_decl* d = nullptr;
           size_t n = 0;
