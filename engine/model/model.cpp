@@ -50,10 +50,12 @@ loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp) {
 }
 
 namespace {
-DLTensor view(void* data, const std::vector<int64_t>& shape) {
+// A compact row-major fp32 view of device memory of `rank` (device id 0: a rank
+// sees one device, its own).
+DLTensor view(const runtime::RankRuntime& rank, void* data, const std::vector<int64_t>& shape) {
   DLTensor t{};
   t.data = data;
-  t.device = {kDLCPU, 0};
+  t.device = {static_cast<DLDeviceType>(rank.dl_device_type()), 0};
   t.ndim = static_cast<int32_t>(shape.size());
   t.dtype = {kDLFloat, 32, 1};
   t.shape = const_cast<int64_t*>(shape.data());
@@ -220,8 +222,8 @@ void Model::build_buffers(uint64_t seed) {
     for (size_t k = 0; k < decls.size(); ++k) {
       if (decls[k].layer != static_cast<int>(li)) continue;
       const ParamEntry& e = entries_[entry_of[k]];
-      l.param_views.push_back(view(params_.get<float>() + e.offset, l.shapes[j]));
-      l.grad_views.push_back(view(grads_.get<float>() + e.offset, l.shapes[j]));
+      l.param_views.push_back(view(rank_, params_.get<float>() + e.offset, l.shapes[j]));
+      l.grad_views.push_back(view(rank_, grads_.get<float>() + e.offset, l.shapes[j]));
       ++j;
     }
     loom::check(l.api->bind(l.handle, l.param_views.data(), l.grad_views.data(), l.param_views.size()));
@@ -289,19 +291,19 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
   std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  DLTensor tok = view(const_cast<int32_t*>(tokens), tok_shape);
+  DLTensor tok = view(rank_, const_cast<int32_t*>(tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
-  DLTensor tgt = view(const_cast<int32_t*>(targets), tok_shape);
+  DLTensor tgt = view(rank_, const_cast<int32_t*>(targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     Layer& l = layers_[i];
     const bool has_input = !acts.empty();
     const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor in{}, out{};
-    if (has_input) in = view(acts.back().get(), hid_shape);
+    if (has_input) in = view(rank_, acts.back().get(), hid_shape);
     if (has_output) {
       acts.emplace_back(&rank_, hidden_bytes());
-      out = view(acts.back().get(), hid_shape);
+      out = view(rank_, acts.back().get(), hid_shape);
     }
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
     a.microbatch = mb;
@@ -331,8 +333,8 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale) {
     Layer& l = layers_[i];
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
-    if (grad_out) gout = view(grad_out->get(), hid_shape);
-    if (has_grad_input) gin = view(grad_in->get(), hid_shape);
+    if (grad_out) gout = view(rank_, grad_out->get(), hid_shape);
+    if (has_grad_input) gin = view(rank_, grad_in->get(), hid_shape);
     loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
     a.microbatch = mb;
     a.grad_output = grad_out ? &gout : nullptr;

@@ -32,6 +32,8 @@ class RankRuntime : public loom_rank_s {
   void set_exec(const loom_exec_api* api, loom_exec* exec);  // owned
 
   loom::Device dev() const { return loom::Device(device_api_, device_, nullptr); }
+  // DLPack device type of this rank's memory (kDLCPU, kDLCUDA), for tensor views.
+  int32_t dl_device_type() const { return device_api_->dl_device_type; }
   loom::Group group_or_self(const std::string& kind) const;
   bool has_group(const std::string& kind) const { return groups_.count(kind) > 0; }
   const loom_exec_api* exec_api() const { return exec_api_; }
