@@ -1,7 +1,8 @@
 // device/cpu: every op against a double-precision reference written here (whose
-// own gradients are checked by central finite differences), graphs, memory
-// accounting, threads and error reporting. The plugin is loaded through the
-// engine's registry, exactly as a run loads it.
+// own gradients are checked by central finite differences), every op with bf16
+// storage against the fp32 op on the bf16 values, graphs, memory accounting,
+// threads and error reporting. The plugin is loaded through the engine's
+// registry, exactly as a run loads it.
 #include <gtest/gtest.h>
 #include <toml++/toml.h>
 
@@ -597,12 +598,12 @@ TEST(DeviceCpu, GemmReportsUnsupportedDtypesAndBadShapes) {
   a.lda = a.ldb = a.ldc = 4;
   a.batch = 1;
   a.alpha = 1.0f;
-  a.dtype = LOOM_DTYPE_BF16;
+  a.dtype = LOOM_DTYPE_F16;
   a.c_dtype = LOOM_DTYPE_F32;
   StatusInfo s = take(d.api()->ops->gemm(d.raw(), nullptr, &a));
   EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
   EXPECT_NE(s.message.find("gemm"), std::string::npos) << s.message;
-  EXPECT_NE(s.message.find("bf16"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
   a.dtype = LOOM_DTYPE_F32;
   a.lda = 3;
   s = take(d.api()->ops->gemm(d.raw(), nullptr, &a));
@@ -1649,10 +1650,869 @@ TEST(DeviceCpu, GraphCaptureRulesAndOtherStreams) {
 }
 
 // ---------------------------------------------------------------------------
+// bf16 storage: every op with dtype BF16 against the same op in fp32 on the
+// bf16 values (inputs rounded with bf16_round_ref), its bf16 outputs rounded.
+// device/cpu widens bf16 into fp32 and runs the fp32 code, so the two agree bit
+// for bit; fp32 outputs (lse, mean/rstd, xent's row scalars, reductions) too.
+// ---------------------------------------------------------------------------
+
+uint16_t bf16_bits(float x) {  // x rounded to bf16, as its 16 bits
+  const float r = bf16_round_ref(x);
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+std::vector<float> rounded(std::vector<float> v) {
+  for (float& x : v) x = bf16_round_ref(x);
+  return v;
+}
+std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<uint16_t> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = bf16_bits(v[i]);
+  return h;
+}
+std::vector<float> widen(const std::vector<uint16_t>& h) {
+  std::vector<float> v(h.size());
+  for (size_t i = 0; i < h.size(); ++i) v[i] = bf16_value(h[i]);
+  return v;
+}
+
+// got (bf16) is the fp32 result rounded, bit for bit; NaN on either side fails.
+void expect_bf16_eq(const std::vector<uint16_t>& got, const std::vector<float>& f32, const std::string& what) {
+  ASSERT_EQ(got.size(), f32.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool ok = !std::isnan(f32[i]) && !std::isnan(bf16_value(got[i])) && got[i] == bf16_bits(f32[i]);
+    if (!ok) {
+      ADD_FAILURE() << what << "[" << i << "]: got bf16 " << bf16_value(got[i]) << " (0x" << std::hex << got[i]
+                    << std::dec << "), want " << bf16_round_ref(f32[i]) << " (fp32 " << f32[i] << ")";
+      if (++reported == 5) return;
+    }
+  }
+}
+// fp32 outputs of a bf16 op: the same bits as the fp32 op's; NaN fails.
+void expect_f32_eq(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int reported = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const bool ok = !std::isnan(got[i]) && !std::isnan(want[i]) && std::memcmp(&got[i], &want[i], 4) == 0;
+    if (!ok) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i];
+      if (++reported == 5) return;
+    }
+  }
+}
+
+// A tensor on the device in either storage type, from fp32 values (rounded when bf16).
+struct DTensor {
+  int32_t dtype;
+  Buf<float> f;
+  Buf<uint16_t> h;
+  DTensor(const Dev& d, int32_t dt, const std::vector<float>& v)
+      : dtype(dt), f(d, dt == LOOM_DTYPE_F32 ? v.size() : 0), h(d, dt == LOOM_DTYPE_BF16 ? v.size() : 0) {
+    if (dt == LOOM_DTYPE_F32)
+      f.set(v);
+    else
+      h.set(to_bf16(v));
+  }
+  void* data() const { return dtype == LOOM_DTYPE_F32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data()); }
+  // The stored values as fp32 (exact).
+  std::vector<float> values() const { return dtype == LOOM_DTYPE_F32 ? f.get() : widen(h.get()); }
+};
+
+// C elements inside the m x n blocks of a strided batch.
+std::vector<bool> c_blocks(size_t size, int64_t m, int64_t n, int64_t ldc, int64_t sc, int64_t batch) {
+  std::vector<bool> in(size, false);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) in[static_cast<size_t>(b * sc + i * ldc + j)] = true;
+  return in;
+}
+
+void check_gemm_bf16(const Dev& d, const GemmCase& g, int32_t ab_dt, int32_t c_dt, uint32_t seed,
+                     bool c_sum_over_batch = false) {
+  const int64_t a_rows = g.ta ? g.k : g.m, a_cols = g.ta ? g.m : g.k;
+  const int64_t b_rows = g.tb ? g.n : g.k, b_cols = g.tb ? g.k : g.n;
+  const int64_t lda = a_cols + 3, ldb = b_cols + 2, ldc = g.n + 5;
+  const int64_t sa = a_rows * lda + 7, sb = b_rows * ldb + 1, sc = c_sum_over_batch ? 0 : g.m * ldc + 3;
+  const size_t c_size = static_cast<size_t>(c_sum_over_batch ? g.m * ldc : sc * g.batch);
+  std::vector<float> av = randn(static_cast<size_t>(sa * g.batch), seed, -2, 2);
+  std::vector<float> bv = randn(static_cast<size_t>(sb * g.batch), seed + 1, -2, 2);
+  std::vector<float> cv = randn(c_size, seed + 2, -2, 2);
+  if (g.beta == 0.0f)
+    for (float& x : cv) x = kNaN;  // beta = 0 must ignore whatever C holds
+  if (ab_dt == LOOM_DTYPE_BF16) {
+    av = rounded(av);
+    bv = rounded(bv);
+  }
+  if (c_dt == LOOM_DTYPE_BF16) cv = rounded(cv);
+  loom_gemm_args a = loom::make<loom_gemm_args>();
+  a.trans_a = g.ta;
+  a.trans_b = g.tb;
+  a.m = g.m;
+  a.n = g.n;
+  a.k = g.k;
+  a.lda = lda;
+  a.stride_a = sa;
+  a.ldb = ldb;
+  a.stride_b = sb;
+  a.ldc = ldc;
+  a.stride_c = sc;
+  a.batch = g.batch;
+  a.alpha = g.alpha;
+  a.beta = g.beta;
+  // The fp32 op on the same values.
+  Buf<float> A32(d, av), B32(d, bv), C32(d, cv);
+  a.a = A32.data();
+  a.b = B32.data();
+  a.c = C32.data();
+  a.dtype = a.c_dtype = LOOM_DTYPE_F32;
+  d.ops().gemm(a);
+  // The op under test.
+  DTensor A(d, ab_dt, av), B(d, ab_dt, bv), C(d, c_dt, cv);
+  a.a = A.data();
+  a.b = B.data();
+  a.c = C.data();
+  a.dtype = ab_dt;
+  a.c_dtype = c_dt;
+  d.ops().gemm(a);
+  std::ostringstream what;
+  what << "gemm " << (ab_dt == LOOM_DTYPE_BF16 ? "bf16" : "f32") << " x " << (ab_dt == LOOM_DTYPE_BF16 ? "bf16" : "f32")
+       << " -> " << (c_dt == LOOM_DTYPE_BF16 ? "bf16" : "f32") << " ta=" << g.ta << " tb=" << g.tb << " m=" << g.m
+       << " n=" << g.n << " k=" << g.k << " batch=" << g.batch << " alpha=" << g.alpha << " beta=" << g.beta
+       << (c_sum_over_batch ? " stride_c=0" : "");
+  const std::vector<bool> in = c_blocks(c_size, g.m, g.n, ldc, sc, g.batch);
+  const std::vector<float> want = C32.get();
+  if (c_dt == LOOM_DTYPE_BF16) {
+    const std::vector<uint16_t> got = C.h.get(), before = to_bf16(cv);
+    std::vector<uint16_t> got_in, got_out, before_out;
+    std::vector<float> want_in;
+    for (size_t i = 0; i < c_size; ++i) {
+      if (in[i]) {
+        got_in.push_back(got[i]);
+        want_in.push_back(want[i]);
+      } else {
+        got_out.push_back(got[i]);
+        before_out.push_back(before[i]);
+      }
+    }
+    expect_bf16_eq(got_in, want_in, what.str());
+    EXPECT_EQ(got_out, before_out) << what.str() << ": C outside its m x n blocks changed";
+  } else {
+    const std::vector<float> got = C.f.get();
+    std::vector<float> got_in, want_in;
+    for (size_t i = 0; i < c_size; ++i) {
+      if (in[i]) {
+        got_in.push_back(got[i]);
+        want_in.push_back(want[i]);
+      } else {
+        EXPECT_EQ(std::memcmp(&got[i], &cv[i], 4), 0) << what.str() << ": C outside its blocks changed at " << i;
+      }
+    }
+    expect_f32_eq(got_in, want_in, what.str());
+  }
+}
+
+class GemmBf16 : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(GemmBf16, EqualsTheFp32GemmOnTheBf16ValuesForEveryDtypeCombination) {
+  Dev d(std::get<1>(GetParam()), std::get<0>(GetParam()));
+  const int32_t F = LOOM_DTYPE_F32, H = LOOM_DTYPE_BF16;
+  const std::pair<int32_t, int32_t> combos[] = {{H, H}, {H, F}, {F, H}};
+  uint32_t seed = 700;
+  for (auto [ab, c] : combos)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        check_gemm_bf16(d, {ta, tb, 5, 7, 3, 1, 1.0f, 0.0f}, ab, c, seed++);
+        check_gemm_bf16(d, {ta, tb, 13, 9, 17, 3, -1.5f, 1.0f}, ab, c, seed++);
+        check_gemm_bf16(d, {ta, tb, 70, 65, 300, 2, 1.0f, 0.5f}, ab, c, seed++);   // batch-parallel sizes
+        check_gemm_bf16(d, {ta, tb, 300, 100, 80, 1, 1.0f, 0.0f}, ab, c, seed++);  // row panels
+        check_gemm_bf16(d, {ta, tb, 40, 600, 100, 1, 0.5f, 1.0f}, ab, c, seed++);  // column panels
+      }
+  for (auto [ab, c] : combos) {
+    check_gemm_bf16(d, {0, 0, 6, 4, 0, 2, 1.0f, 0.0f}, ab, c, seed++);          // k = 0: C = beta C
+    check_gemm_bf16(d, {0, 1, 6, 4, 5, 2, 0.0f, 2.0f}, ab, c, seed++);          // alpha = 0
+    check_gemm_bf16(d, {0, 0, 9, 11, 20, 4, 1.0f, 1.0f}, ab, c, seed++, true);  // stride_c = 0: a sum
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DeviceCpu, GemmBf16,
+                         ::testing::Combine(::testing::Values("openblas", "builtin"), ::testing::Values(1, 2)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_threads" + std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(DeviceCpu, Bf16LayerNormEqualsFp32OnTheBf16Values) {
+  for (const std::string& simd : simd_variants())
+    for (int threads : {1, 2})
+      for (bool affine : {true, false}) {
+        SCOPED_TRACE("simd " + simd + ", threads " + std::to_string(threads) +
+                     (affine ? ", affine" : ", no gamma/beta"));
+        Dev d(threads, "openblas", simd);
+        const int64_t rows = 37, cols = 300;
+        const std::vector<float> xv = rounded(randn(rows * cols, 5, -2.0f, 3.0f)),
+                                 gv = rounded(randn(cols, 6, 0.5f, 1.5f)), bv = rounded(randn(cols, 7)),
+                                 dyv = rounded(randn(rows * cols, 8)), dx0 = rounded(randn(rows * cols, 9)),
+                                 dg0 = rounded(randn(cols, 10)), db0 = rounded(randn(cols, 11));
+        std::vector<float> want[7];  // y, mean, rstd, dx (=), dx (+=), dgamma, dbeta
+        std::vector<uint16_t> got_h[5];
+        std::vector<float> got_f[2];
+        for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+          DTensor x(d, dt, xv), g(d, dt, gv), b(d, dt, bv), y(d, dt, xv), dy(d, dt, dyv), dx(d, dt, dx0),
+              dx2(d, dt, dx0), dg(d, dt, dg0), db(d, dt, db0);
+          Buf<float> mean(d, rows), rstd(d, rows);
+          loom_layernorm_fwd_args f = loom::make<loom_layernorm_fwd_args>();
+          f.rows = rows;
+          f.cols = cols;
+          f.x = x.data();
+          f.gamma = affine ? g.data() : nullptr;
+          f.beta = affine ? b.data() : nullptr;
+          f.y = y.data();
+          f.mean = mean.data();
+          f.rstd = rstd.data();
+          f.eps = 1e-5f;
+          f.dtype = dt;
+          d.ops().layernorm_fwd(f);
+          loom_layernorm_bwd_args bw = loom::make<loom_layernorm_bwd_args>();
+          bw.rows = rows;
+          bw.cols = cols;
+          bw.dy = dy.data();
+          bw.x = x.data();
+          bw.gamma = affine ? g.data() : nullptr;
+          bw.mean = mean.data();
+          bw.rstd = rstd.data();
+          bw.dx = dx.data();
+          bw.dgamma = dg.data();
+          bw.dbeta = db.data();
+          bw.dtype = dt;
+          d.ops().layernorm_bwd(bw);
+          bw.dx = dx2.data();
+          bw.dgamma = bw.dbeta = nullptr;
+          bw.accumulate_dx = 1;
+          d.ops().layernorm_bwd(bw);
+          if (dt == LOOM_DTYPE_F32) {
+            want[0] = y.values();
+            want[1] = mean.get();
+            want[2] = rstd.get();
+            want[3] = dx.values();
+            want[4] = dx2.values();
+            want[5] = dg.values();
+            want[6] = db.values();
+          } else {
+            got_h[0] = y.h.get();
+            got_f[0] = mean.get();
+            got_f[1] = rstd.get();
+            got_h[1] = dx.h.get();
+            got_h[2] = dx2.h.get();
+            got_h[3] = dg.h.get();
+            got_h[4] = db.h.get();
+          }
+        }
+        expect_bf16_eq(got_h[0], want[0], "layernorm y");
+        expect_f32_eq(got_f[0], want[1], "layernorm mean (fp32)");
+        expect_f32_eq(got_f[1], want[2], "layernorm rstd (fp32)");
+        expect_bf16_eq(got_h[1], want[3], "layernorm dx");
+        expect_bf16_eq(got_h[2], want[4], "layernorm dx (accumulated)");
+        expect_bf16_eq(got_h[3], want[5], "layernorm dgamma (accumulated)");
+        expect_bf16_eq(got_h[4], want[6], "layernorm dbeta (accumulated)");
+      }
+}
+
+TEST(DeviceCpu, Bf16LayerNormBackwardInPlaceOverDy) {
+  Dev d(2);
+  const int64_t rows = 5, cols = 64;
+  const std::vector<float> xv = rounded(randn(rows * cols, 12, -2, 2)), gv = rounded(randn(cols, 13, 0.5f, 1.5f)),
+                           dyv = rounded(randn(rows * cols, 14));
+  std::vector<float> want;
+  std::vector<uint16_t> got;
+  for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+    DTensor x(d, dt, xv), g(d, dt, gv), y(d, dt, xv), dy(d, dt, dyv), dg(d, dt, std::vector<float>(cols, 0.0f));
+    Buf<float> mean(d, rows), rstd(d, rows);
+    loom_layernorm_fwd_args f = loom::make<loom_layernorm_fwd_args>();
+    f.rows = rows;
+    f.cols = cols;
+    f.x = x.data();
+    f.gamma = g.data();
+    f.y = y.data();
+    f.mean = mean.data();
+    f.rstd = rstd.data();
+    f.eps = 1e-5f;
+    f.dtype = dt;
+    d.ops().layernorm_fwd(f);
+    loom_layernorm_bwd_args bw = loom::make<loom_layernorm_bwd_args>();
+    bw.rows = rows;
+    bw.cols = cols;
+    bw.dy = dy.data();
+    bw.x = x.data();
+    bw.gamma = g.data();
+    bw.mean = mean.data();
+    bw.rstd = rstd.data();
+    bw.dx = dy.data();  // in place
+    bw.dgamma = dg.data();
+    bw.dtype = dt;
+    d.ops().layernorm_bwd(bw);
+    if (dt == LOOM_DTYPE_F32)
+      want = dy.values();
+    else
+      got = dy.h.get();
+  }
+  expect_bf16_eq(got, want, "layernorm dx in place over dy");
+}
+
+TEST(DeviceCpu, Bf16GeluEqualsFp32OnTheBf16Values) {
+  for (const std::string& simd : simd_variants())
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE("simd " + simd + ", threads " + std::to_string(threads));
+      Dev d(threads, "openblas", simd);
+      const size_t n = 100003;  // several parallel chunks and widening blocks, a partial one last
+      const std::vector<float> xv = rounded(randn(n, 12, -6, 6)), dyv = rounded(randn(n, 13));
+      std::vector<float> want_y, want_dx;
+      for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+        DTensor x(d, dt, xv), dy(d, dt, dyv), y(d, dt, xv), dx(d, dt, xv);
+        loom_gelu_args a = loom::make<loom_gelu_args>();
+        a.n = static_cast<int64_t>(n);
+        a.x = x.data();
+        a.out = y.data();
+        a.dtype = dt;
+        d.ops().gelu_fwd(a);
+        a.dy = dy.data();
+        a.out = dx.data();
+        d.ops().gelu_bwd(a);
+        if (dt == LOOM_DTYPE_F32) {
+          want_y = y.values();
+          want_dx = dx.values();
+          continue;
+        }
+        expect_bf16_eq(y.h.get(), want_y, "gelu y");
+        expect_bf16_eq(dx.h.get(), want_dx, "gelu dx");
+        a.out = x.data();  // in place
+        a.dy = nullptr;
+        d.ops().gelu_fwd(a);
+        expect_bf16_eq(x.h.get(), want_y, "gelu y in place");
+      }
+    }
+}
+
+// Attention on logical [B, S, H, D] values in the layouts of run_attention (packed
+// QKV with padded out rows, or [b, s, h, d]) in either storage type; backward takes
+// the forward's stored out, as a training step does.
+struct AttnIo {
+  std::vector<float> out, lse, dq, dk, dv;  // logical [B, S, H, D] (as stored), lse fp32
+  std::vector<uint16_t> out_h, dq_h, dk_h, dv_h;
+  int64_t out_pad_changed = 0;
+};
+
+AttnIo run_attention_dt(const Dev& d, const AttnRef& ref, bool packed, int32_t dt, const std::vector<float>& q,
+                        const std::vector<float>& k, const std::vector<float>& v, const std::vector<float>& dout,
+                        const std::vector<float>* out_for_bwd) {
+  const int64_t B = ref.B, S = ref.S, H = ref.H, D = ref.D, W = H * D, pad = 3;
+  const int64_t qs_b = packed ? 3 * W : S * W, qs_s = packed ? B * 3 * W : W;
+  const int64_t koff = packed ? W : B * S * W, voff = packed ? 2 * W : 2 * B * S * W;
+  const int64_t os_b = packed ? W + pad : S * (W + pad), os_s = packed ? B * (W + pad) : W + pad;
+  const size_t qkv_elems = static_cast<size_t>(3 * B * S * W), out_elems = static_cast<size_t>(B * S * (W + pad));
+  auto at = [&](int64_t b, int64_t s, int64_t h, int64_t e) {
+    return static_cast<size_t>(b * qs_b + s * qs_s + h * D + e);
+  };
+  auto oat = [&](int64_t b, int64_t s, int64_t h, int64_t e) {
+    return static_cast<size_t>(b * os_b + s * os_s + h * D + e);
+  };
+  constexpr float kSentinel = 12288.0f;  // exact in bf16
+  std::vector<float> qkv(qkv_elems, 0.0f), dov(out_elems, 0.0f), ov(out_elems, kSentinel);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t e = 0; e < D; ++e) {
+          const size_t li = ref.idx(b, s, h, e);
+          qkv[at(b, s, h, e)] = q[li];
+          qkv[at(b, s, h, e) + koff] = k[li];
+          qkv[at(b, s, h, e) + voff] = v[li];
+          dov[oat(b, s, h, e)] = dout[li];
+        }
+  DTensor QKV(d, dt, qkv), O(d, dt, ov), dO(d, dt, dov), dQKV(d, dt, std::vector<float>(qkv_elems, kNaN));
+  Buf<float> LSE(d, static_cast<size_t>(B * H * S));
+  loom_attention_args a = loom::make<loom_attention_args>();
+  a.batch = B;
+  a.seq = S;
+  a.heads = H;
+  a.head_dim = D;
+  a.qkv_stride_b = qs_b;
+  a.qkv_stride_s = qs_s;
+  a.out_stride_b = os_b;
+  a.out_stride_s = os_s;
+  const size_t es = dt == LOOM_DTYPE_F32 ? 4 : 2;
+  auto off = [&](void* p, int64_t e) {
+    return static_cast<void*>(static_cast<char*>(p) + e * static_cast<int64_t>(es));
+  };
+  a.q = QKV.data();
+  a.k = off(QKV.data(), koff);
+  a.v = off(QKV.data(), voff);
+  a.out = O.data();
+  a.lse = LSE.data();
+  a.scale = static_cast<float>(ref.scale);
+  a.causal = ref.causal ? 1 : 0;
+  a.dtype = dt;
+  d.ops().attention_fwd(a);
+  AttnIo r;
+  const std::vector<float> o_fwd = O.values();
+  if (out_for_bwd) {  // backward reads the given out values (in the same layout)
+    std::vector<float> ob = o_fwd;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t e = 0; e < D; ++e) ob[oat(b, s, h, e)] = (*out_for_bwd)[ref.idx(b, s, h, e)];
+    if (dt == LOOM_DTYPE_F32)
+      O.f.set(ob);
+    else
+      O.h.set(to_bf16(ob));
+  }
+  a.dout = dO.data();
+  a.dq = dQKV.data();
+  a.dk = off(dQKV.data(), koff);
+  a.dv = off(dQKV.data(), voff);
+  d.ops().attention_bwd(a);
+  const std::vector<float> g = dQKV.values();
+  const size_t n = q.size();
+  r.out.resize(n);
+  r.dq.resize(n);
+  r.dk.resize(n);
+  r.dv.resize(n);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t e = 0; e < D; ++e) {
+          const size_t li = ref.idx(b, s, h, e);
+          r.out[li] = o_fwd[oat(b, s, h, e)];
+          r.dq[li] = g[at(b, s, h, e)];
+          r.dk[li] = g[at(b, s, h, e) + koff];
+          r.dv[li] = g[at(b, s, h, e) + voff];
+        }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t p = 0; p < pad; ++p)
+        if (o_fwd[static_cast<size_t>(b * os_b + s * os_s + W + p)] != kSentinel) ++r.out_pad_changed;
+  r.lse = LSE.get();
+  if (dt == LOOM_DTYPE_BF16) {
+    r.out_h = to_bf16(r.out);  // exact: these are bf16 values
+    r.dq_h = to_bf16(r.dq);
+    r.dk_h = to_bf16(r.dk);
+    r.dv_h = to_bf16(r.dv);
+  }
+  return r;
+}
+
+TEST(DeviceCpu, Bf16AttentionEqualsFp32OnTheBf16Values) {
+  for (bool causal : {true, false})
+    for (bool packed : {true, false}) {
+      AttnRef ref{2, 70, 3, 8, causal, 1.0 / std::sqrt(8.0)};  // 70: two query blocks, one partial
+      const size_t n = static_cast<size_t>(2 * 70 * 3 * 8);
+      const std::vector<float> q = rounded(randn(n, 30, -2, 2)), k = rounded(randn(n, 31, -2, 2)),
+                               v = rounded(randn(n, 32)), dout = rounded(randn(n, 33));
+      const std::string tag = std::string(causal ? " causal" : " full") + (packed ? " packed-qkv" : " bshd");
+      for (int threads : {1, 2}) {
+        SCOPED_TRACE("threads " + std::to_string(threads) + tag);
+        Dev d(threads);
+        const AttnIo h = run_attention_dt(d, ref, packed, LOOM_DTYPE_BF16, q, k, v, dout, nullptr);
+        // Reference: fp32 forward on the bf16 values; fp32 backward with the stored (bf16) out.
+        const AttnIo f = run_attention_dt(d, ref, packed, LOOM_DTYPE_F32, q, k, v, dout, &h.out);
+        expect_bf16_eq(h.out_h, f.out, "attention out" + tag);
+        expect_f32_eq(h.lse, f.lse, "attention lse (fp32)" + tag);
+        expect_bf16_eq(h.dq_h, f.dq, "attention dq" + tag);
+        expect_bf16_eq(h.dk_h, f.dk, "attention dk" + tag);
+        expect_bf16_eq(h.dv_h, f.dv, "attention dv" + tag);
+        EXPECT_EQ(h.out_pad_changed, 0) << "attention wrote into out's row padding" << tag;
+        // And bf16 is bf16-close to the double-precision reference.
+        Vec out, lse;
+        ref.forward(to_d(q), to_d(k), to_d(v), out, lse);
+        expect_close(h.out, out, 1e-2, 1e-2, "attention out vs double" + tag);
+      }
+    }
+}
+
+TEST(DeviceCpu, Bf16XentEqualsFp32OnTheBf16Values) {
+  for (const std::string& simd : simd_variants()) {
+    SCOPED_TRACE("simd " + simd);
+    Dev d(2, "openblas", simd);
+    const int64_t rows = 9, cols = 12, valid = 10, ld = 13;
+    const std::vector<int32_t> tv{3, -1, 9, 0, 7, -100, 1, 9, 4};
+    std::vector<float> lv = rounded(randn(rows * ld, 60, -4, 4));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = valid; c < ld; ++c) lv[r * ld + c] = 1e4f;  // padding and gaps: must never count
+    Buf<int32_t> targets(d, tv);
+    const float scale = 1.0f / 7.0f;
+    std::vector<float> want_dl, want_dl_inplace, want_scalars[4];
+    for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+      DTensor logits(d, dt, lv), dl(d, dt, std::vector<float>(rows * ld, -7.0f));
+      XentBufs b(d, rows);
+      for (int32_t step : {LOOM_XENT_ROW_MAX, LOOM_XENT_SUMEXP, LOOM_XENT_LOSS, LOOM_XENT_BACKWARD}) {
+        loom_xent_args a = xent_args(step, rows, cols, ld, valid, 0, nullptr, targets.data(), b, nullptr, scale);
+        a.logits = logits.data();
+        a.dlogits = dl.data();
+        a.dtype = dt;
+        d.ops().xent(a);
+      }
+      std::vector<float> scalars[4] = {b.row_max.get(), b.sumexp.get(), b.tlogit.get(), b.loss.get()};
+      // In place: dlogits over the logits.
+      for (int32_t step : {LOOM_XENT_ROW_MAX, LOOM_XENT_SUMEXP, LOOM_XENT_LOSS, LOOM_XENT_BACKWARD}) {
+        loom_xent_args a = xent_args(step, rows, cols, ld, valid, 0, nullptr, targets.data(), b, nullptr, scale);
+        a.logits = logits.data();
+        a.dlogits = logits.data();
+        a.dtype = dt;
+        d.ops().xent(a);
+      }
+      if (dt == LOOM_DTYPE_F32) {
+        want_dl = dl.values();
+        want_dl_inplace = logits.values();
+        for (int i = 0; i < 4; ++i) want_scalars[i] = scalars[i];
+        continue;
+      }
+      const char* names[4] = {"xent row_max", "xent row_sumexp", "xent target_logit", "xent loss"};
+      for (int i = 0; i < 4; ++i) expect_f32_eq(scalars[i], want_scalars[i], names[i]);
+      const std::vector<uint16_t> got = dl.h.get();
+      for (int64_t r = 0; r < rows; ++r) EXPECT_EQ(got[r * ld + 12], bf16_bits(-7.0f)) << "the ld gap is not ours";
+      expect_bf16_eq(got, want_dl, "xent dlogits");
+      std::vector<uint16_t> inplace = logits.h.get();
+      expect_bf16_eq(inplace, want_dl_inplace, "xent dlogits in place");
+    }
+  }
+}
+
+TEST(DeviceCpu, Bf16EmbeddingEqualsFp32OnTheBf16Values) {
+  const int64_t vocab = 10, dim = 70, n = 12, split = 6;
+  const std::vector<int32_t> ids{0, 3, 9, 3, 6, 5, 6, 6, 1, 9, 2, 7};
+  const std::vector<float> tv = rounded(randn(vocab * dim, 80)), wv = rounded(randn(n * dim, 81)),
+                           dt0 = rounded(randn(vocab * dim, 82));
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    Dev d(threads);
+    Buf<int32_t> I(d, ids);
+    std::vector<float> want[3];
+    for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+      DTensor T(d, dt, tv), out0(d, dt, std::vector<float>(n * dim, kNaN)),
+          out(d, dt, std::vector<float>(n * dim, kNaN)), dout(d, dt, wv), dT(d, dt, dt0);
+      const size_t es = dt == LOOM_DTYPE_F32 ? 4 : 2;
+      auto args = [&](int64_t start, int64_t rows) {
+        loom_embedding_args a = loom::make<loom_embedding_args>();
+        a.n = n;
+        a.dim = dim;
+        a.vocab_rows = rows;
+        a.vocab_start = start;
+        a.ids = I.data();
+        a.table = static_cast<const char*>(T.data()) + start * dim * static_cast<int64_t>(es);
+        a.dout = dout.data();
+        a.dtable = static_cast<char*>(dT.data()) + start * dim * static_cast<int64_t>(es);
+        a.dtype = dt;
+        return a;
+      };
+      loom_embedding_args a0 = args(0, split);
+      a0.out = out0.data();
+      d.ops().embedding_fwd(a0);  // slice 0 alone: zero rows for ids outside it
+      a0.out = out.data();
+      d.ops().embedding_fwd(a0);
+      loom_embedding_args a1 = args(split, vocab - split);
+      a1.out = out.data();
+      a1.accumulate = 1;
+      d.ops().embedding_fwd(a1);  // + slice 1 = the full lookup
+      d.ops().embedding_bwd(args(0, split));
+      d.ops().embedding_bwd(args(split, vocab - split));
+      if (dt == LOOM_DTYPE_F32) {
+        want[0] = out0.values();
+        want[1] = out.values();
+        want[2] = dT.values();
+        continue;
+      }
+      expect_bf16_eq(out0.h.get(), want[0], "embedding forward, one slice");
+      expect_bf16_eq(out.h.get(), want[1], "embedding forward, two slices accumulated");
+      expect_bf16_eq(dT.h.get(), want[2], "embedding backward (repeated ids summed in fp32, rounded once)");
+    }
+  }
+}
+
+TEST(DeviceCpu, Bf16ElementwiseEqualsFp32OnTheBf16Values) {
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    Dev d(threads);
+    const int64_t rows = 301, cols = 233, n = rows * cols;  // several chunks and widening blocks
+    const std::vector<float> xv = rounded(randn(n, 90, -3, 3)), yv = rounded(randn(n, 91, -3, 3)),
+                             vv = rounded(randn(cols, 92, 0.5f, 2.0f));
+    struct Case {
+      int32_t op;
+      float alpha, beta, p;
+      const char* name;
+    };
+    const Case cases[] = {{LOOM_EW_AXPBY, 0.3f, 1.7f, 0, "axpby"}, {LOOM_EW_AXPBY, -2.1f, 0.0f, 0, "axpby beta=0"},
+                          {LOOM_EW_ADD, 0, 0, 0, "add"},           {LOOM_EW_MUL, 0, 0, 0, "mul"},
+                          {LOOM_EW_SCALE, 0.37f, 0, 0, "scale"},   {LOOM_EW_FILL, 2.71828f, 0, 0, "fill"},
+                          {LOOM_EW_ADD_BIAS, 0, 0, 0, "add_bias"}, {LOOM_EW_MUL_COLS, 0, 0, 0, "mul_cols"},
+                          {LOOM_EW_DROPOUT, 0, 0, 0.3f, "dropout"}};
+    for (const Case& c : cases) {
+      std::vector<float> want;
+      std::vector<uint8_t> want_mask;
+      for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+        const bool per_col = c.op == LOOM_EW_ADD_BIAS || c.op == LOOM_EW_MUL_COLS;
+        std::vector<float> y0 = c.beta == 0.0f && c.op == LOOM_EW_AXPBY ? std::vector<float>(n, kNaN) : yv;
+        DTensor x(d, dt, xv), y(d, dt, per_col ? vv : y0), out(d, dt, std::vector<float>(n, kNaN));
+        Buf<uint8_t> mask(d, n);
+        auto a =
+            ew(c.op, n, x.data(), c.op == LOOM_EW_DROPOUT ? static_cast<void*>(mask.data()) : y.data(), out.data());
+        a.alpha = c.alpha;
+        a.beta = c.beta;
+        a.p = c.p;
+        a.seed = 1234;
+        a.offset = 77;
+        a.cols = cols;
+        a.dtype = a.out_dtype = dt;
+        d.ops().elementwise(a);
+        const DTensor& result = c.op == LOOM_EW_AXPBY ? y : out;
+        if (dt == LOOM_DTYPE_F32) {
+          want = result.values();
+          want_mask = mask.get();
+          continue;
+        }
+        expect_bf16_eq(result.h.get(), want, std::string("elementwise ") + c.name);
+        if (c.op != LOOM_EW_DROPOUT) continue;
+        EXPECT_EQ(mask.get(), want_mask) << "the dropout mask does not depend on the dtype";
+        // Backward with the saved mask.
+        DTensor g(d, dt, yv), dx(d, dt, std::vector<float>(n, kNaN));
+        Buf<float> g32(d, yv), dx32(d, n);
+        auto b = ew(LOOM_EW_DROPOUT_BWD, n, g32.data(), mask.data(), dx32.data());
+        b.p = c.p;
+        d.ops().elementwise(b);
+        b.x = g.data();
+        b.out = dx.data();
+        b.dtype = b.out_dtype = dt;
+        d.ops().elementwise(b);
+        expect_bf16_eq(dx.h.get(), dx32.get(), "elementwise dropout_bwd");
+      }
+    }
+  }
+}
+
+TEST(DeviceCpu, Bf16ReductionsEqualFp32OnTheBf16Values) {
+  for (int threads : {1, 2}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    Dev d(threads);
+    const int64_t rows = 513, cols = 300, ld = 307, n = rows * cols;
+    std::vector<float> xv = randn(static_cast<size_t>(rows * ld), 120, -1.0f, 1.0f);
+    for (size_t i = 0; i < xv.size(); i += 97) xv[i] *= 1000.0f;
+    xv = rounded(xv);
+    const std::vector<float> o0 = randn(cols, 121);  // fp32 out
+    std::vector<float> want[5];
+    std::vector<int32_t> want_idx;
+    for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+      DTensor x(d, dt, xv);
+      std::vector<float> got[5];
+      for (int32_t op : {LOOM_RED_SUM, LOOM_RED_SUM_SQUARES, LOOM_RED_MAX_ABS}) {
+        Buf<float> out(d, std::vector<float>{0.5f});
+        d.ops().reduce({.op = op,
+                        .n = n,
+                        .x = x.data(),
+                        .out = out.data(),
+                        .accumulate = 1,
+                        .dtype = dt,
+                        .out_dtype = LOOM_DTYPE_F32});
+        got[op] = out.get();
+      }
+      Buf<float> cs(d, o0);
+      d.ops().reduce({.op = LOOM_RED_COLUMN_SUM,
+                      .n = n,
+                      .cols = cols,
+                      .x = x.data(),
+                      .out = cs.data(),
+                      .accumulate = 1,
+                      .dtype = dt,
+                      .out_dtype = LOOM_DTYPE_F32,
+                      .ld = ld});
+      got[3] = cs.get();
+      Buf<int32_t> idx(d, rows);
+      d.ops().reduce({.op = LOOM_RED_ROW_ARGMAX,
+                      .n = n,
+                      .cols = cols,
+                      .x = x.data(),
+                      .out = idx.data(),
+                      .dtype = dt,
+                      .out_dtype = LOOM_DTYPE_I32,
+                      .ld = ld});
+      if (dt == LOOM_DTYPE_F32) {
+        for (int i = 0; i < 4; ++i) want[i] = got[i];
+        want_idx = idx.get();
+        continue;
+      }
+      expect_f32_eq(got[0], want[0], "reduce sum");
+      expect_f32_eq(got[1], want[1], "reduce sum_squares");
+      expect_f32_eq(got[2], want[2], "reduce max_abs");
+      expect_f32_eq(got[3], want[3], "reduce column_sum");
+      EXPECT_EQ(idx.get(), want_idx) << "row_argmax";
+      // NaN reaches an overflow check through bf16 too.
+      std::vector<float> with_nan = xv;
+      with_nan[4321] = kNaN;
+      DTensor xn(d, dt, with_nan);
+      Buf<float> out(d, 1);
+      d.ops().reduce({.op = LOOM_RED_MAX_ABS,
+                      .n = n,
+                      .x = xn.data(),
+                      .out = out.data(),
+                      .dtype = dt,
+                      .out_dtype = LOOM_DTYPE_F32});
+      EXPECT_TRUE(std::isnan(out[0]));
+    }
+  }
+}
+
+TEST(DeviceCpu, Bf16OpsRecordAndReplayInGraphs) {
+  Dev d(2);
+  const loom_device_api* api = d.api();
+  const int64_t m = 48, k = 64, n = 40;
+  std::vector<float> wv = rounded(randn(m * k, 160)), xv = rounded(randn(k * n, 161));
+  Buf<uint16_t> W(d, to_bf16(wv)), X(d, to_bf16(xv)), Y(d, m * n), G(d, m * n);
+  Buf<float> total(d, 1);
+  Y.fill(0);
+  G.fill(0);
+  total.fill(-1.0f);
+  loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = W.data();
+  g.lda = k;
+  g.b = X.data();
+  g.ldb = n;
+  g.c = Y.data();
+  g.ldc = n;
+  g.batch = 1;
+  g.alpha = 1.0f;
+  g.dtype = g.c_dtype = LOOM_DTYPE_BF16;
+  loom_gelu_args ge = loom::make<loom_gelu_args>();
+  ge.n = m * n;
+  ge.x = Y.data();
+  ge.out = G.data();
+  ge.dtype = LOOM_DTYPE_BF16;
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_SUM_SQUARES;
+  r.n = m * n;
+  r.x = G.data();
+  r.out = total.data();
+  r.dtype = LOOM_DTYPE_BF16;
+  r.out_dtype = LOOM_DTYPE_F32;
+  // What the three ops give when run directly.
+  auto direct = [&] {
+    d.ops().gemm(g);
+    d.ops().gelu_fwd(ge);
+    d.ops().reduce(r);
+    return std::make_tuple(Y.get(), G.get(), total[0]);
+  };
+  const auto want1 = direct();
+  Y.fill(0);
+  G.fill(0);
+  total.fill(-1.0f);
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom::check(api->ops->gemm(d.raw(), nullptr, &g));
+  loom::check(api->ops->gelu_fwd(d.raw(), nullptr, &ge));
+  loom::check(api->ops->reduce(d.raw(), nullptr, &r));
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &graph));
+  EXPECT_EQ(total[0], -1.0f) << "nothing runs during capture";
+  EXPECT_EQ(Y[0], 0);
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  EXPECT_EQ(Y.get(), std::get<0>(want1));
+  EXPECT_EQ(G.get(), std::get<1>(want1));
+  EXPECT_EQ(total[0], std::get<2>(want1));
+  EXPECT_GT(total[0], 0.0f);
+  // New inputs at the same addresses: the replay computes with them.
+  xv = rounded(randn(k * n, 162));
+  X.set(to_bf16(xv));
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  const auto replayed = std::make_tuple(Y.get(), G.get(), total[0]);
+  const auto want2 = direct();
+  EXPECT_EQ(std::get<0>(replayed), std::get<0>(want2));
+  EXPECT_EQ(std::get<1>(replayed), std::get<1>(want2));
+  EXPECT_EQ(std::get<2>(replayed), std::get<2>(want2));
+  EXPECT_NE(std::get<2>(want2), std::get<2>(want1));
+  api->graph_destroy(d.raw(), graph);
+}
+
+// Every op names itself and the dtype when a storage type is not f32/bf16.
+TEST(DeviceCpu, UnsupportedDtypesGiveAOneLineErrorNamingOpAndDtype) {
+  Dev d;
+  Buf<float> buf(d, 256);
+  Buf<int32_t> ids(d, std::vector<int32_t>(8, 0));
+  auto expect_unsupported = [](StatusInfo s, const std::string& op, const std::string& dtype) {
+    EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED) << s.message;
+    EXPECT_NE(s.message.find(op), std::string::npos) << "'" << op << "' not named in: " << s.message;
+    EXPECT_NE(s.message.find(dtype), std::string::npos) << "'" << dtype << "' not named in: " << s.message;
+    EXPECT_EQ(s.message.find('\n'), std::string::npos) << "not one line: " << s.message;
+  };
+  const loom_device_ops* ops = d.api()->ops;
+  loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.m = g.n = g.k = 4;
+  g.a = g.b = g.c = buf.data();
+  g.lda = g.ldb = g.ldc = 4;
+  g.batch = 1;
+  g.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->gemm(d.raw(), nullptr, &g)), "gemm", "f16");
+  g.dtype = LOOM_DTYPE_BF16;
+  g.c_dtype = LOOM_DTYPE_I32;
+  expect_unsupported(take(ops->gemm(d.raw(), nullptr, &g)), "gemm", "i32");
+  loom_layernorm_fwd_args lf = loom::make<loom_layernorm_fwd_args>();
+  lf.rows = 2;
+  lf.cols = 4;
+  lf.x = lf.y = buf.data();
+  lf.dtype = LOOM_DTYPE_F64;
+  expect_unsupported(take(ops->layernorm_fwd(d.raw(), nullptr, &lf)), "layernorm_fwd", "f64");
+  loom_layernorm_bwd_args lb = loom::make<loom_layernorm_bwd_args>();
+  lb.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->layernorm_bwd(d.raw(), nullptr, &lb)), "layernorm_bwd", "f16");
+  loom_gelu_args ge = loom::make<loom_gelu_args>();
+  ge.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->gelu_fwd(d.raw(), nullptr, &ge)), "gelu_fwd", "f16");
+  expect_unsupported(take(ops->gelu_bwd(d.raw(), nullptr, &ge)), "gelu_bwd", "f16");
+  loom_attention_args at = loom::make<loom_attention_args>();
+  at.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->attention_fwd(d.raw(), nullptr, &at)), "attention_fwd", "f16");
+  expect_unsupported(take(ops->attention_bwd(d.raw(), nullptr, &at)), "attention_bwd", "f16");
+  loom_xent_args x = loom::make<loom_xent_args>();
+  x.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->xent(d.raw(), nullptr, &x)), "xent", "f16");
+  loom_embedding_args e = loom::make<loom_embedding_args>();
+  e.dim = 4;
+  e.dtype = LOOM_DTYPE_I64;
+  expect_unsupported(take(ops->embedding_fwd(d.raw(), nullptr, &e)), "embedding_fwd", "i64");
+  expect_unsupported(take(ops->embedding_bwd(d.raw(), nullptr, &e)), "embedding_bwd", "i64");
+  loom_elementwise_args w = ew(LOOM_EW_ADD, 4, buf.data(), buf.data(), buf.data());
+  w.dtype = LOOM_DTYPE_F16;
+  expect_unsupported(take(ops->elementwise(d.raw(), nullptr, &w)), "elementwise(ADD)", "f16");
+  loom_reduce_args rd = loom::make<loom_reduce_args>();
+  rd.n = 4;
+  rd.x = rd.out = buf.data();
+  rd.dtype = LOOM_DTYPE_U8;
+  expect_unsupported(take(ops->reduce(d.raw(), nullptr, &rd)), "reduce", "u8");
+  rd.dtype = LOOM_DTYPE_BF16;
+  rd.out_dtype = LOOM_DTYPE_BF16;  // results are fp32
+  expect_unsupported(take(ops->reduce(d.raw(), nullptr, &rd)), "reduce", "bf16");
+  loom_adamw_args ad = loom::make<loom_adamw_args>();
+  ad.grad_dtype = LOOM_DTYPE_F16;
+  ad.step = 1;
+  StatusInfo s = take(ops->adamw(d.raw(), nullptr, &ad));
+  EXPECT_NE(s.code, LOOM_CODE_OK);
+  EXPECT_NE(s.message.find("adamw"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
+  // A graph capture refuses them at launch, not at replay.
+  loom::check(d.api()->capture_begin(d.raw(), nullptr));
+  expect_unsupported(take(ops->gelu_fwd(d.raw(), nullptr, &ge)), "gelu_fwd", "f16");
+  loom_graph* graph = nullptr;
+  loom::check(d.api()->capture_end(d.raw(), nullptr, &graph));
+  d.api()->graph_destroy(d.raw(), graph);
+}
+// ---------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------
 
-TEST(DeviceCpu, NonF32DtypesAreUnsupportedWithTheOpNamed) {
+TEST(DeviceCpu, NonFloatDtypesAreUnsupportedWithTheOpNamed) {
   Dev d;
   Buf<float> buf(d, 64);
   loom_layernorm_fwd_args ln = loom::make<loom_layernorm_fwd_args>();
@@ -1666,12 +2526,12 @@ TEST(DeviceCpu, NonF32DtypesAreUnsupportedWithTheOpNamed) {
   EXPECT_NE(s.message.find("layernorm_fwd"), std::string::npos) << s.message;
   EXPECT_NE(s.message.find("f16"), std::string::npos) << s.message;
   loom_attention_args at = loom::make<loom_attention_args>();
-  at.dtype = LOOM_DTYPE_BF16;
+  at.dtype = LOOM_DTYPE_F16;
   s = take(d.api()->ops->attention_fwd(d.raw(), nullptr, &at));
   EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
   EXPECT_NE(s.message.find("attention_fwd"), std::string::npos) << s.message;
   loom_elementwise_args e = ew(LOOM_EW_ADD, 4, buf.data(), buf.data(), buf.data());
-  e.dtype = LOOM_DTYPE_BF16;
+  e.dtype = LOOM_DTYPE_I32;
   s = take(d.api()->ops->elementwise(d.raw(), nullptr, &e));
   EXPECT_EQ(s.code, LOOM_CODE_UNSUPPORTED);
   EXPECT_NE(s.message.find("ADD"), std::string::npos) << s.message;

@@ -1,4 +1,5 @@
-// Scaled dot-product attention, fp32, flash-attention math on blocks of 64 query rows.
+// Scaled dot-product attention, fp32, flash-attention math on blocks of 64 query rows
+// (bf16 storage: widened per batch element into fp32 scratch, see Bf16Attention).
 //
 // For one (batch, head) the strided layout makes Q, K, V, O plain row-major
 // matrices [seq, head_dim] with leading dimension stride_s, so every product is
@@ -103,7 +104,7 @@ void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int
 
 void validate_attention(const loom_attention_args& a, bool backward) {
   const char* op = backward ? "attention_bwd" : "attention_fwd";
-  require_f32(op, "dtype", a.dtype);
+  require_float(op, "dtype", a.dtype);
   LOOM_REQUIRE(a.batch >= 0 && a.seq >= 0 && a.heads >= 0 && a.head_dim >= 0,
                op << ": batch, seq, heads, head_dim must be >= 0");
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
@@ -120,8 +121,61 @@ void validate_attention(const loom_attention_args& a, bool backward) {
     LOOM_REQUIRE(a.lse && a.dout && a.dq && a.dk && a.dv, op << ": lse, dout, dq, dk and dv must not be NULL");
 }
 
+namespace {
+
+// bf16 attention, one batch element at a time: its q, k, v (and out, dout) widened
+// into fp32 [seq, heads*head_dim] scratch, the fp32 attention run on them (batch 1;
+// every (head, query block) of the F32 path is computed the same way, whatever the
+// batch), out (dq, dk, dv) rounded back into their strided places. lse stays fp32.
+// The probabilities P and dS stay fp32 between the GEMMs (device/cuda rounds them to
+// bf16 for its bf16 GEMMs: the two differ by about bf16 precision).
+struct Bf16Attention {
+  Device& d;
+  const loom_attention_args& a;
+  int64_t S, W;
+  Bf16Attention(Device& dev, const loom_attention_args& args)
+      : d(dev), a(args), S(args.seq), W(args.heads * args.head_dim) {}
+
+  void widen(const void* src, int64_t stride_b, int64_t stride_s, int64_t b, float* dst) const {
+    widen_matrix(d, static_cast<const uint16_t*>(src) + b * stride_b, stride_s, 0, dst, W, 0, 1, S, W, true);
+  }
+  void round(const float* src, void* dst, int64_t stride_b, int64_t stride_s, int64_t b) const {
+    round_matrix(d, src, W, 0, static_cast<uint16_t*>(dst) + b * stride_b, stride_s, 0, 1, S, W, true);
+  }
+  // The fp32 arguments of batch element b over scratch tensors [S, W].
+  loom_attention_args f32_args(int64_t b, float* q, float* k, float* v, float* out) const {
+    loom_attention_args f = a;
+    f.dtype = LOOM_DTYPE_F32;
+    f.batch = 1;
+    f.qkv_stride_b = f.out_stride_b = S * W;
+    f.qkv_stride_s = f.out_stride_s = W;
+    f.q = q;
+    f.k = k;
+    f.v = v;
+    f.out = out;
+    f.lse = a.lse ? a.lse + b * a.heads * S : nullptr;
+    return f;
+  }
+};
+
+}  // namespace
+
 void run_attention_fwd(Device& d, const loom_attention_args& a) {
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  if (is_bf16(a.dtype)) {
+    const Bf16Attention x(d, a);
+    const size_t t = static_cast<size_t>(x.S * x.W);
+    F32Buffer buf(4 * t);
+    float *q = buf.get(), *k = q + t, *v = k + t, *o = v + t;
+    for (int64_t b = 0; b < a.batch; ++b) {
+      x.widen(a.q, a.qkv_stride_b, a.qkv_stride_s, b, q);
+      x.widen(a.k, a.qkv_stride_b, a.qkv_stride_s, b, k);
+      x.widen(a.v, a.qkv_stride_b, a.qkv_stride_s, b, v);
+      run_attention_fwd(d, x.f32_args(b, q, k, v, o));
+      x.round(o, a.out, a.out_stride_b, a.out_stride_s, b);
+    }
+    return;
+  }
   const Layout L = layout_of(a);
   // Every (batch, head, query block) is independent: one chunk each.
   const int64_t per_batch = a.heads * L.blocks;
@@ -133,6 +187,29 @@ void run_attention_fwd(Device& d, const loom_attention_args& a) {
 
 void run_attention_bwd(Device& d, const loom_attention_args& a) {
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  if (is_bf16(a.dtype)) {
+    const Bf16Attention x(d, a);
+    const size_t t = static_cast<size_t>(x.S * x.W);
+    F32Buffer buf(8 * t);
+    float *q = buf.get(), *k = q + t, *v = k + t, *o = v + t, *dout = o + t, *dq = dout + t, *dk = dq + t, *dv = dk + t;
+    for (int64_t b = 0; b < a.batch; ++b) {
+      x.widen(a.q, a.qkv_stride_b, a.qkv_stride_s, b, q);
+      x.widen(a.k, a.qkv_stride_b, a.qkv_stride_s, b, k);
+      x.widen(a.v, a.qkv_stride_b, a.qkv_stride_s, b, v);
+      x.widen(a.out, a.out_stride_b, a.out_stride_s, b, o);
+      x.widen(a.dout, a.out_stride_b, a.out_stride_s, b, dout);
+      loom_attention_args f = x.f32_args(b, q, k, v, o);
+      f.dout = dout;
+      f.dq = dq;
+      f.dk = dk;
+      f.dv = dv;
+      run_attention_bwd(d, f);
+      x.round(dq, a.dq, a.qkv_stride_b, a.qkv_stride_s, b);
+      x.round(dk, a.dk, a.qkv_stride_b, a.qkv_stride_s, b);
+      x.round(dv, a.dv, a.qkv_stride_b, a.qkv_stride_s, b);
+    }
+    return;
+  }
   const Layout L = layout_of(a);
   const int64_t tasks = a.batch * a.heads;
   if (tasks >= d.pool->size()) {

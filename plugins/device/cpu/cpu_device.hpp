@@ -1,5 +1,6 @@
-// device/cpu: the fp32 reference backend. Internal header shared by the plugin's
-// translation units (nothing here crosses the ABI; plugin.cpp builds the C tables).
+// device/cpu: the reference backend (fp32 math; f32 or bf16 storage). Internal header
+// shared by the plugin's translation units (nothing here crosses the ABI; plugin.cpp
+// builds the C tables).
 #pragma once
 
 #include <algorithm>
@@ -203,5 +204,40 @@ void run_adamw(Device& d, const loom_adamw_args& a);
 const char* dtype_name(int32_t dtype);
 // Throws UNSUPPORTED naming the op and the dtype unless dtype is F32.
 void require_f32(const char* op, const char* what, int32_t dtype);
+// Throws UNSUPPORTED naming the op and the dtype unless dtype is F32 or BF16.
+void require_float(const char* op, const char* what, int32_t dtype);
+
+// ---------------------------------------------------------------------------
+// bf16 storage. An op whose dtype is BF16 reads bf16 tensors, widens them (rows,
+// blocks or whole operands) into fp32 scratch, runs the very fp32 code of the F32
+// path on the scratch, and rounds to nearest even where a result is stored as
+// bf16. So it equals the fp32 op on the bf16 values, rounded, bit for bit.
+// ---------------------------------------------------------------------------
+inline bool is_bf16(int32_t dtype) { return dtype == LOOM_DTYPE_BF16; }
+
+// Thread-local fp32 scratch of the calling thread: slot `slot` (0 <= slot < kScratchSlots),
+// at least n floats, contents unspecified. One op uses distinct slots for its
+// buffers; no op's bf16 path calls another one's, so slots are never shared.
+constexpr int kScratchSlots = 6;
+float* scratch(int slot, size_t n);
+
+// An uninitialised fp32 buffer for one call (operands too large for a row scratch).
+class F32Buffer {
+ public:
+  explicit F32Buffer(size_t n) : p_(n > 0 ? new float[n] : nullptr) {}
+  float* get() const { return p_.get(); }
+
+ private:
+  std::unique_ptr<float[]> p_;
+};
+
+// `batch` blocks of rows x cols: dst[b*dstride + r*dld + c] = src[b*stride + r*ld + c],
+// widened (bf16 -> f32) or rounded (f32 -> bf16); rows spread over the pool when
+// `parallel`. Rounding writes each element once per block it belongs to, so blocks
+// that share elements (stride < the block's extent) must not be rounded in parallel.
+void widen_matrix(Device& d, const uint16_t* src, int64_t ld, int64_t stride, float* dst, int64_t dld, int64_t dstride,
+                  int64_t batch, int64_t rows, int64_t cols, bool parallel);
+void round_matrix(Device& d, const float* src, int64_t ld, int64_t stride, uint16_t* dst, int64_t dld, int64_t dstride,
+                  int64_t batch, int64_t rows, int64_t cols, bool parallel);
 
 }  // namespace loom::cpu

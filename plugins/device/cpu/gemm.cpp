@@ -17,6 +17,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <memory>
 
 #include "cpu_device.hpp"
 
@@ -201,8 +202,8 @@ void Device::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
 }
 
 void validate(const loom_gemm_args& g) {
-  require_f32("gemm", "dtype", g.dtype);
-  require_f32("gemm", "c_dtype", g.c_dtype);
+  require_float("gemm", "dtype", g.dtype);
+  require_float("gemm", "c_dtype", g.c_dtype);
   LOOM_REQUIRE((g.trans_a == 0 || g.trans_a == 1) && (g.trans_b == 0 || g.trans_b == 1),
                "gemm: trans_a/trans_b must be 0 or 1 (got " << g.trans_a << ", " << g.trans_b << ")");
   LOOM_REQUIRE(g.m >= 0 && g.n >= 0 && g.k >= 0 && g.batch >= 1,
@@ -221,9 +222,72 @@ void validate(const loom_gemm_args& g) {
     LOOM_REQUIRE(g.c != nullptr, "gemm: c is NULL");
     LOOM_REQUIRE(g.k == 0 || (g.a != nullptr && g.b != nullptr), "gemm: a or b is NULL");
   }
+  if (is_bf16(g.c_dtype) && g.batch > 1)
+    LOOM_REQUIRE(g.stride_c >= 0, "gemm: stride_c=" << g.stride_c << " must be >= 0 when c_dtype is bf16");
 }
 
+namespace {
+
+// A stored operand (A or B) in fp32: `batch` blocks of rows x cols, packed tight
+// (ld = cols; stride 0 stays 0, so a broadcast operand is widened once).
+struct Widened {
+  F32Buffer buf;
+  int64_t ld, stride;
+  Widened(Device& d, const void* src, int64_t ld_src, int64_t stride_src, int64_t batch, int64_t rows, int64_t cols)
+      : buf(static_cast<size_t>((stride_src == 0 ? 1 : batch) * rows * cols)),
+        ld(std::max<int64_t>(cols, 1)),
+        stride(stride_src == 0 ? 0 : rows * cols) {
+    widen_matrix(d, static_cast<const uint16_t*>(src), ld_src, stride_src, buf.get(), ld, stride,
+                 stride_src == 0 ? 1 : batch, rows, cols, true);
+  }
+};
+
+// GEMM with a bf16 operand: A and B (dtype) and C (c_dtype) widened to fp32, the
+// fp32 driver (same panels, same sgemm calls, as the F32 path on these values),
+// C rounded back. beta is applied in fp32 to the widened C.
+void run_gemm_mixed(Device& d, const loom_gemm_args& g) {
+  if (g.m <= 0 || g.n <= 0) return;
+  const bool ta = g.trans_a != 0, tb = g.trans_b != 0;
+  const bool reads_ab = g.k > 0 && g.alpha != 0.0f;  // else C = beta C, A and B unread
+  const float* a = static_cast<const float*>(g.a);
+  const float* b = static_cast<const float*>(g.b);
+  int64_t lda = g.lda, sa = g.stride_a, ldb = g.ldb, sb = g.stride_b;
+  std::unique_ptr<Widened> wa, wb;
+  if (is_bf16(g.dtype) && reads_ab) {
+    wa = std::make_unique<Widened>(d, g.a, g.lda, g.stride_a, g.batch, ta ? g.k : g.m, ta ? g.m : g.k);
+    wb = std::make_unique<Widened>(d, g.b, g.ldb, g.stride_b, g.batch, tb ? g.n : g.k, tb ? g.k : g.n);
+    a = wa->buf.get();
+    b = wb->buf.get();
+    lda = wa->ld;
+    sa = wa->stride;
+    ldb = wb->ld;
+    sb = wb->stride;
+  }
+  if (!is_bf16(g.c_dtype)) {
+    d.gemm(ta, tb, g.m, g.n, g.k, g.alpha, a, lda, sa, b, ldb, sb, g.beta, static_cast<float*>(g.c), g.ldc, g.stride_c,
+           g.batch, true);
+    return;
+  }
+  // C: blocks that do not share elements are packed tight; otherwise (stride_c = 0:
+  // a sum over the batch, or a partial overlap) C keeps its layout, so the batch
+  // elements accumulate into the same fp32 elements, in order, as on the F32 path.
+  uint16_t* c = static_cast<uint16_t*>(g.c);
+  const bool disjoint = g.batch == 1 || g.stride_c >= (g.m - 1) * g.ldc + g.n;
+  const int64_t ldc = disjoint ? g.n : g.ldc, sc = disjoint ? g.m * g.n : g.stride_c;
+  F32Buffer cbuf(static_cast<size_t>((g.batch - 1) * sc + (g.m - 1) * ldc + g.n));
+  // beta = 0 ignores what C held (NaN included): C is not read.
+  if (g.beta != 0.0f) widen_matrix(d, c, g.ldc, g.stride_c, cbuf.get(), ldc, sc, g.batch, g.m, g.n, disjoint);
+  d.gemm(ta, tb, g.m, g.n, g.k, g.alpha, a, lda, sa, b, ldb, sb, g.beta, cbuf.get(), ldc, sc, g.batch, true);
+  round_matrix(d, cbuf.get(), ldc, sc, c, g.ldc, g.stride_c, g.batch, g.m, g.n, disjoint);
+}
+
+}  // namespace
+
 void run_gemm(Device& d, const loom_gemm_args& g) {
+  if (is_bf16(g.dtype) || is_bf16(g.c_dtype)) {
+    run_gemm_mixed(d, g);
+    return;
+  }
   d.gemm(g.trans_a != 0, g.trans_b != 0, g.m, g.n, g.k, g.alpha, static_cast<const float*>(g.a), g.lda, g.stride_a,
          static_cast<const float*>(g.b), g.ldb, g.stride_b, g.beta, static_cast<float*>(g.c), g.ldc, g.stride_c,
          g.batch, true);

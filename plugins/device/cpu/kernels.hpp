@@ -46,6 +46,9 @@ struct Kernels {
                   uint32_t threshold, float scale);
   // One AdamW chunk; grad is f32 or (grad_bf16) bf16 bits.
   void (*adamw)(float* param, const void* grad, int32_t grad_bf16, float* m, float* v, int64_t n, const AdamwParams* p);
+  // bf16 storage: y[i] = x[i] widened (exact), and y[i] = x[i] rounded to nearest even.
+  void (*bf16_to_f32)(const uint16_t* x, float* y, int64_t n);
+  void (*f32_to_bf16)(const float* x, uint16_t* y, int64_t n);
 };
 
 const Kernels* kernels_base();

@@ -462,7 +462,8 @@ const loom_device_api* device_api() {
 }  // namespace loom::cpu
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "device", "cpu", "1.0.0", "fp32 CPU backend: OpenBLAS GEMM, vectorised kernels, recorded graphs", LOOM_API_DEVICE,
+    "device", "cpu", "1.0.0",
+    "CPU backend (fp32 math, f32 or bf16 storage): OpenBLAS GEMM, vectorised kernels, recorded graphs", LOOM_API_DEVICE,
     loom::cpu::device_api(),
     {loom::opt_string(
          "blas", "openblas",
