@@ -6,6 +6,7 @@
 // pipeline copies on their owning stage only, then reduced over tp and pp), clip, and step AdamW on fp32 master weights.
 #include <loom/cpp/plugin.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -26,7 +27,8 @@ class Ddp : public loom::OptimizerStrategy {
     loom::Device dev = rank.device();
     m_ = loom::Buffer(rank_, numel_ * sizeof(float));
     v_ = loom::Buffer(rank_, numel_ * sizeof(float));
-    scalar_ = loom::Buffer(rank_, sizeof(float));
+    norm_parts_ = loom::Buffer(rank_, std::max<size_t>(1, infos_.size()) * sizeof(float));
+    norm_total_ = loom::Buffer(rank_, sizeof(double));
     zero(dev, m_.get(), numel_);
     zero(dev, v_.get(), numel_);
     if (param_dtype_ != LOOM_DTYPE_F32) {  // master weights in fp32, model weights a cast copy
@@ -43,20 +45,27 @@ class Ddp : public loom::OptimizerStrategy {
     // 1. average gradients over data-parallel replicas
     if (dp.size() > 1) dp.all_reduce(stream, grads_, grads_, numel_, grad_dtype_, LOOM_REDUCE_AVG);
 
-    // 2. global norm: this rank's share, then the model-parallel sum
-    double sq = 0;
+    // 2. global norm: this rank's share (one fp32 partial per parameter, copied to
+    // the host at once and summed in double), then the model-parallel sum on a
+    // device scalar, so a GPU communicator gets device memory on the stream.
+    size_t k = 0;
     for (const Info& p : infos_) {
       if (p.counted_elsewhere) continue;
       dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
-                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_), .out = scalar_.get(),
+                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_), .out = norm_parts_.get<float>() + k,
                   .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
-      float part = 0;
-      dev.copy(&part, scalar_.get(), sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
-      sq += part;
+      ++k;
     }
-    double total = sq;
-    loom::Group(tp_).all_reduce(nullptr, &total, &total, 1, LOOM_DTYPE_F64);
-    loom::Group(pp_).all_reduce(nullptr, &total, &total, 1, LOOM_DTYPE_F64);
+    std::vector<float> parts(k);
+    if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    double total = 0;
+    for (float part : parts) total += part;
+    dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    for (const loom_group& g : {tp_, pp_})
+      loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
     const float norm = static_cast<float>(std::sqrt(total));
     float scale = 1.f;
     if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
@@ -149,7 +158,7 @@ class Ddp : public loom::OptimizerStrategy {
   int32_t param_dtype_, grad_dtype_;
   loom_group dp_, tp_, pp_;
   std::vector<Info> infos_;
-  loom::Buffer m_, v_, main_, scalar_;
+  loom::Buffer m_, v_, main_, norm_parts_, norm_total_;
 };
 
 }  // namespace
