@@ -84,6 +84,14 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     throw DataError("model.vocab_size = " + std::to_string(vocab) + " is smaller than the data's vocabulary (" +
                     std::to_string(data->vocab_size()) + ")");
 
+  // Mixed precision is planned (`loom plan`) and the devices run bf16 ops, but the
+  // model and layers still hold fp32 tensors: say so rather than train in fp32.
+  for (const char* key : {"device.param_dtype", "device.grad_dtype"})
+    if (m.get_string(key) != "fp32")
+      throw std::runtime_error(std::string(key) + " = \"" + m.get_string(key) + "\" (" + m.origin(key).str() +
+                               "): training keeps fp32 parameters and gradients today (bf16 works in `loom plan` "
+                               "and in the device op tables); set it to \"fp32\"");
+
   const int64_t steps = m.get_int("run.steps");
   const int64_t seq = m.get_int("model.seq_length");
   const int64_t mbs = m.get_int("batch.micro_batch_size");
