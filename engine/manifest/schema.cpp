@@ -161,8 +161,12 @@ std::vector<KeySpec> build() {
   v.push_back(open_table("exec.options", "options of the exec plugin"));
   // device
   v.push_back(s("device.kind", "cpu", "device plugin (device/NAME)"));
-  v.push_back(s("device.param_dtype", "fp32", "parameter dtype", {"fp32", "bf16"}));
-  v.push_back(s("device.grad_dtype", "fp32", "gradient dtype", {"fp32", "bf16"}));
+  v.push_back(s("device.param_dtype", "fp32",
+                "parameter and activation dtype (bf16: bf16 weights, activations and hidden states; fp32 master "
+                "weights and moments in the optimizer; loss and softmax/layernorm statistics in fp32)",
+                {"fp32", "bf16"}));
+  v.push_back(s("device.grad_dtype", "fp32", "gradient dtype (the gradient buffer and its data-parallel reduction)",
+                {"fp32", "bf16"}));
   v.push_back(i("device.threads", 0, 0, "compute threads per rank (0 = auto)"));
   v.push_back(f("device.peak_tflops", "0.0", 0, false,
                 "peak TFLOP/s for MFU (0 = use the device's own figure)"));

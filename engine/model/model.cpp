@@ -6,6 +6,7 @@
 
 #include <glog/logging.h>
 
+#include <algorithm>
 #include <functional>
 #include <numeric>
 
@@ -49,15 +50,28 @@ loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp) {
   return d;
 }
 
+int32_t model_dtype(const std::string& name) {
+  if (name == "fp32") return LOOM_DTYPE_F32;
+  if (name == "bf16") return LOOM_DTYPE_BF16;
+  throw loom::Error("unsupported model dtype '" + name + "' (fp32 or bf16)", LOOM_CODE_INVALID_ARGUMENT);
+}
+
+size_t dtype_size(int32_t dtype) { return dtype == LOOM_DTYPE_BF16 || dtype == LOOM_DTYPE_F16 ? 2 : 4; }
+
 namespace {
-// A compact row-major fp32 view of device memory of `rank` (device id 0: a rank
-// sees one device, its own).
-DLTensor view(const runtime::RankRuntime& rank, void* data, const std::vector<int64_t>& shape) {
+DLDataType dl_dtype(int32_t dtype) {
+  if (dtype == LOOM_DTYPE_BF16) return {kDLBfloat, 16, 1};
+  return {kDLFloat, 32, 1};
+}
+// A compact row-major view of device memory of `rank` (device id 0: a rank sees
+// one device, its own), of LOOM_DTYPE_* `dtype`.
+DLTensor view(const runtime::RankRuntime& rank, void* data, const std::vector<int64_t>& shape,
+              int32_t dtype = LOOM_DTYPE_F32) {
   DLTensor t{};
   t.data = data;
   t.device = {static_cast<DLDeviceType>(rank.dl_device_type()), 0};
   t.ndim = static_cast<int32_t>(shape.size());
-  t.dtype = {kDLFloat, 32, 1};
+  t.dtype = dl_dtype(dtype);
   t.shape = const_cast<int64_t*>(shape.data());
   t.strides = nullptr;  // compact row-major
   t.byte_offset = 0;
@@ -95,7 +109,11 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
 
 Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
-    : rank_(rank), dims_(dims), bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))) {
+    : rank_(rank),
+      dims_(dims),
+      bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))),
+      param_dtype_(model_dtype(m.get_string("device.param_dtype"))),
+      grad_dtype_(model_dtype(m.get_string("device.grad_dtype"))) {
   const loom::Group tp = rank.group_or_self("tp");
   LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
   for (size_t c = 0; c < chunks.size(); ++c) {
@@ -125,12 +143,16 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
 }
 
-size_t Model::hidden_bytes() const {
-  return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]) * sizeof(float);
+size_t Model::hidden_numel() const {
+  return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]);
 }
+
+size_t Model::hidden_bytes() const { return hidden_numel() * dtype_size(act_dtype()); }
 
 void Model::finalize_grads() {
   void* stream = rank_.dev().native_stream();
+  char* g = grads_.get<char>();
+  const size_t gsize = dtype_size(grad_dtype_);
   // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
   // after a reduce-scatter, position embeddings) has seen only this rank's
   // sequence shard: its full gradient is the sum over the tp group.
@@ -138,14 +160,14 @@ void Model::finalize_grads() {
   if (sequence_parallel_)
     for (const ParamEntry& e : entries_)
       if (e.duplicated)
-        tp.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
+        tp.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, grad_dtype_);
   // A word embedding tied across pipeline stages: the first stage's copy got the
   // lookup's gradient, the last stage's the output layer's; both need the sum.
   const loom::Group emb = rank_.group_or_self("embedding");
   if (emb.size() > 1)
     for (const ParamEntry& e : entries_)
       if (e.shared_across_stages)
-        emb.all_reduce(stream, grads_.get<float>() + e.offset, grads_.get<float>() + e.offset, e.numel, LOOM_DTYPE_F32);
+        emb.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, grad_dtype_);
 }
 
 Model::~Model() {
@@ -193,12 +215,19 @@ void Model::build_buffers(uint64_t seed) {
   layout_ = layout_chunked_buffer(numels, rank_.group_or_self("dp").size(), bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
-  params_ = loom::Buffer(&rank_, numel_ * sizeof(float));
-  grads_ = loom::Buffer(&rank_, numel_ * sizeof(float));
+  const size_t psize = dtype_size(param_dtype_), gsize = dtype_size(grad_dtype_);
+  params_ = loom::Buffer(&rank_, numel_ * psize);
+  grads_ = loom::Buffer(&rank_, numel_ * gsize);
   loom::Device dev = rank_.dev();
   dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = params_.get(), .alpha = 0.f,
-                   .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+                   .dtype = param_dtype_, .out_dtype = param_dtype_});
   zero_grads();
+  // A non-fp32 parameter is drawn in fp32 like every other and stored cast by the
+  // device's EW_CAST (round to nearest even), through an fp32 staging buffer.
+  size_t largest = 0;
+  for (const ParamEntry& e : entries_) largest = std::max(largest, e.numel);
+  loom::Buffer staging;
+  if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
 
   // Initialise: the full tensor from (seed, name), this rank's slice of it.
   for (const ParamEntry& e : entries_) {
@@ -206,7 +235,15 @@ void Model::build_buffers(uint64_t seed) {
                                         e.tie_key.empty() ? e.name : e.tie_key);
     std::vector<float> local(e.numel);
     take_slice(full, e.full_shape, e.decl.partition_dim, e.decl.partition_stride, tp.size(), tp.rank(), local.data());
-    dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    if (param_dtype_ == LOOM_DTYPE_F32) {
+      dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    } else {
+      dev.copy(staging.get(), local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+      dev.elementwise({.op = LOOM_EW_CAST, .n = static_cast<int64_t>(e.numel), .x = staging.get(),
+                       .out = params_.get<char>() + e.offset * psize, .dtype = LOOM_DTYPE_F32,
+                       .out_dtype = param_dtype_});
+      dev.synchronize();  // the staging buffer is reused by the next entry
+    }
   }
   dev.synchronize();
 
@@ -222,8 +259,8 @@ void Model::build_buffers(uint64_t seed) {
     for (size_t k = 0; k < decls.size(); ++k) {
       if (decls[k].layer != static_cast<int>(li)) continue;
       const ParamEntry& e = entries_[entry_of[k]];
-      l.param_views.push_back(view(rank_, params_.get<float>() + e.offset, l.shapes[j]));
-      l.grad_views.push_back(view(rank_, grads_.get<float>() + e.offset, l.shapes[j]));
+      l.param_views.push_back(view(rank_, params_.get<char>() + e.offset * psize, l.shapes[j], param_dtype_));
+      l.grad_views.push_back(view(rank_, grads_.get<char>() + e.offset * gsize, l.shapes[j], grad_dtype_));
       ++j;
     }
     loom::check(l.api->bind(l.handle, l.param_views.data(), l.grad_views.data(), l.param_views.size()));
@@ -246,7 +283,7 @@ std::vector<loom_param_info> Model::param_infos() const {
 
 void Model::zero_grads() {
   rank_.dev().elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = grads_.get(),
-                           .alpha = 0.f, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+                           .alpha = 0.f, .dtype = grad_dtype_, .out_dtype = grad_dtype_});
 }
 
 void Model::run_step(const char* scope, int64_t key, const std::function<void()>& fn) {
@@ -300,10 +337,10 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     const bool has_input = !acts.empty();
     const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor in{}, out{};
-    if (has_input) in = view(rank_, acts.back().get(), hid_shape);
+    if (has_input) in = view(rank_, acts.back().get(), hid_shape, act_dtype());
     if (has_output) {
       acts.emplace_back(&rank_, hidden_bytes());
-      out = view(rank_, acts.back().get(), hid_shape);
+      out = view(rank_, acts.back().get(), hid_shape, act_dtype());
     }
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
     a.microbatch = mb;
@@ -333,8 +370,8 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale) {
     Layer& l = layers_[i];
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
-    if (grad_out) gout = view(rank_, grad_out->get(), hid_shape);
-    if (has_grad_input) gin = view(rank_, grad_in->get(), hid_shape);
+    if (grad_out) gout = view(rank_, grad_out->get(), hid_shape, act_dtype());
+    if (has_grad_input) gin = view(rank_, grad_in->get(), hid_shape, act_dtype());
     loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
     a.microbatch = mb;
     a.grad_output = grad_out ? &gout : nullptr;

@@ -63,6 +63,11 @@ struct ParamEntry {
   bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
 };
 
+// LOOM_DTYPE_* of a device.param_dtype / grad_dtype value ("fp32", "bf16"), and
+// the bytes of one element of it.
+int32_t model_dtype(const std::string& name);
+size_t dtype_size(int32_t dtype);
+
 class Model {
  public:
   Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
@@ -109,6 +114,14 @@ class Model {
   void finalize_grads();
   // Bytes of the hidden state between two layers of one microbatch.
   size_t hidden_bytes() const;
+  // Elements of that hidden state (the p2p message count, in act_dtype()).
+  size_t hidden_numel() const;
+  // LOOM_DTYPE_* of the parameters (device.param_dtype; also the activations:
+  // hidden states, layer-internal activations, their gradients) and of the
+  // gradient buffer (device.grad_dtype).
+  int32_t param_dtype() const { return param_dtype_; }
+  int32_t act_dtype() const { return param_dtype_; }
+  int32_t grad_dtype() const { return grad_dtype_; }
 
   void* params() const { return params_.get(); }
   void* grads() const { return grads_.get(); }
@@ -148,6 +161,7 @@ class Model {
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
   size_t bucket_size_ = 0;
+  int32_t param_dtype_ = LOOM_DTYPE_F32, grad_dtype_ = LOOM_DTYPE_F32;
   BufferLayout layout_;
   std::vector<Layer> layers_;
   std::vector<Chunk> chunks_;

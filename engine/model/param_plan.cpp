@@ -143,8 +143,9 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
     orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), pp, vpp, static_cast<int>(plan.microbatches),
                                       static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
   }
+  // Hidden states (and every activation) are in the parameters' dtype.
   const uint64_t hidden_state_bytes = static_cast<uint64_t>(
-      (sp && plan.sizes.tp > 1 ? dims.seq_len / plan.sizes.tp : dims.seq_len) * dims.micro_batch * dims.hidden * sizeof(float));
+      (sp && plan.sizes.tp > 1 ? dims.seq_len / plan.sizes.tp : dims.seq_len) * dims.micro_batch * dims.hidden * psize);
 
   // Ranks differ only by their (tp, pp) coordinates; plan each once.
   std::map<std::pair<int, int>, RankMemory> by_coords;
@@ -178,7 +179,6 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       std::vector<uint64_t> chunk_activations;  // saved per microbatch by each local chunk
       std::vector<int> chunk_of_layer;
       for (size_t c = 0; c < chunks.size(); ++c) {
-        uint64_t activations = 0;
         for (const LayerSpec& spec : chunks[c].layers) {
           PlannedLayers::Layer l;
           l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
@@ -189,18 +189,46 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
           instances.push_back(spec.instance);
           decls.push_back(d);
           counts.push_back(n);
-          if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-            activations += l.api->activation_bytes(l.handle);
           chunk_of_layer.push_back(static_cast<int>(c));
         }
+      }
+      const CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp);
+
+      // Bind each layer to views without memory, of the run's dtypes and local
+      // shapes (as the Model binds them): a layer sizes its activations by the
+      // dtype of its parameters.
+      const DLDataType pdl = psize == 2 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+      const DLDataType gdl = gsize == 2 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+      for (size_t li = 0; li < layers.layers.size(); ++li) {
+        std::vector<DLTensor> pv, gv;
+        for (size_t k = 0; k < cp.decls.size(); ++k) {
+          if (cp.decls[k].layer != static_cast<int>(li)) continue;
+          const ParamEntry& e = cp.entries[cp.entry_of[k]];
+          DLTensor t{};
+          t.device = {kDLCPU, 0};
+          t.ndim = static_cast<int32_t>(e.local_shape.size());
+          t.shape = const_cast<int64_t*>(e.local_shape.data());
+          t.dtype = pdl;
+          pv.push_back(t);
+          t.dtype = gdl;
+          gv.push_back(t);
+        }
+        const PlannedLayers::Layer& l = layers.layers[li];
+        loom::check(l.api->bind(l.handle, pv.data(), gv.data(), pv.size()));
+      }
+      chunk_activations.assign(chunks.size(), 0);
+      for (size_t li = 0; li < layers.layers.size(); ++li) {
+        const PlannedLayers::Layer& l = layers.layers[li];
+        if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+          chunk_activations[static_cast<size_t>(chunk_of_layer[li])] += l.api->activation_bytes(l.handle);
+      }
+      for (size_t c = 0; c < chunks.size(); ++c) {
         // The hidden states the engine keeps per microbatch, one per layer boundary
         // (as Model::activation_bytes counts them), plus the received input.
-        activations += static_cast<uint64_t>(chunks[c].layers.size()) * hidden_state_bytes;
-        if (chunks[c].global_index > 0) activations += hidden_state_bytes;
-        chunk_activations.push_back(activations);
+        chunk_activations[c] += static_cast<uint64_t>(chunks[c].layers.size()) * hidden_state_bytes;
+        if (chunks[c].global_index > 0) chunk_activations[c] += hidden_state_bytes;
       }
 
-      const CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp);
       std::vector<std::vector<size_t>> numels(chunks.size());
       for (const ParamEntry& e : cp.entries) {
         numels[static_cast<size_t>(chunk_of_layer[static_cast<size_t>(e.layer)])].push_back(e.numel);

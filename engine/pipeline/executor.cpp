@@ -33,15 +33,15 @@ int Executor::peer_of_chunk(int global_chunk) const { return global_chunk % pp_.
 void Executor::receive_input(int c, int mb) {
   const int g = model_.chunk_global_index(c);
   const Clock::time_point t0 = Clock::now();
-  pp_.recv(rank_.dev().native_stream(), model_.chunk_input(c, mb), model_.hidden_bytes() / sizeof(float),
-           LOOM_DTYPE_F32, peer_of_chunk(g - 1), 2 * g);
+  pp_.recv(rank_.dev().native_stream(), model_.chunk_input(c, mb), model_.hidden_numel(),
+           model_.act_dtype(), peer_of_chunk(g - 1), 2 * g);
   if (trace_) trace_->add(rank_.global_rank(), "recv act c" + std::to_string(g), "p2p", t0);
 }
 
 void Executor::send_output(int c, const void* out) {
   const int g = model_.chunk_global_index(c);
   const Clock::time_point t0 = Clock::now();
-  pp_.send(rank_.dev().native_stream(), out, model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32,
+  pp_.send(rank_.dev().native_stream(), out, model_.hidden_numel(), model_.act_dtype(),
            peer_of_chunk(g + 1), 2 * (g + 1));
   if (trace_) trace_->add(rank_.global_rank(), "send act c" + std::to_string(g + 1), "p2p", t0);
 }
@@ -86,7 +86,7 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
     } else {
       const int mb = next_backward[static_cast<size_t>(c)]++;
       if (!model_.is_last_global(c)) {
-        pp_.recv(stream, model_.chunk_grad_output(), model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32,
+        pp_.recv(stream, model_.chunk_grad_output(), model_.hidden_numel(), model_.act_dtype(),
                  peer_of_chunk(g + 1), 2 * g + 1);
         if (trace_) trace_->add(rank_.global_rank(), "recv grad c" + std::to_string(g), "p2p", t0);
       }
@@ -98,7 +98,7 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
                     {{"microbatch", mb + 1}, {"chunk", g}});
       if (!model_.is_first_global(c)) {
         const Clock::time_point ts = Clock::now();
-        pp_.send(stream, grad_in, model_.hidden_bytes() / sizeof(float), LOOM_DTYPE_F32, peer_of_chunk(g - 1),
+        pp_.send(stream, grad_in, model_.hidden_numel(), model_.act_dtype(), peer_of_chunk(g - 1),
                  2 * (g - 1) + 1);
         if (trace_) trace_->add(rank_.global_rank(), "send grad c" + std::to_string(g - 1), "p2p", ts);
       }

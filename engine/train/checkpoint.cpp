@@ -110,12 +110,12 @@ void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankS
   h.version = kVersion;
   h.rank = static_cast<uint32_t>(rank);
   h.step = step;
-  h.numel = state.params.size();
+  h.numel = state.params.size() / state.elem_size;
   h.optimizer_bytes = state.optimizer.size();
-  uint64_t c = model::fnv1a(state.params.data(), state.params.size() * sizeof(float));
+  uint64_t c = model::fnv1a(state.params.data(), state.params.size());
   h.checksum = model::fnv1a(state.optimizer.data(), state.optimizer.size(), c);
   write_all(rank_file(tmp, rank), {{&h, sizeof(h)},
-                                   {state.params.data(), state.params.size() * sizeof(float)},
+                                   {state.params.data(), state.params.size()},
                                    {state.optimizer.data(), state.optimizer.size()}});
 }
 
@@ -125,6 +125,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
                 {"pp", meta.pp},     {"dp", meta.dp},       {"strategy", meta.strategy}, {"format", 1}};
   std::ostringstream os;
   if (meta.bucket_size >= 0) t.insert("bucket_size", meta.bucket_size);
+  t.insert("param_dtype", meta.param_dtype);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -161,13 +162,22 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.dp = static_cast<int>(need("dp"));
     m.strategy = t["strategy"].value_or(std::string());
     m.bucket_size = t["bucket_size"].value_or(int64_t{-1});
+    m.param_dtype = t["param_dtype"].value_or(std::string("fp32"));
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
   return m;
 }
 
-RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel) {
+void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype) {
+  if (meta.param_dtype == param_dtype) return;
+  throw CheckpointError(step_dir + " holds " + meta.param_dtype + " parameters (device.param_dtype = \"" +
+                        meta.param_dtype + "\"), this run has device.param_dtype = \"" + param_dtype +
+                        "\": the parameter files and the optimizer state (fp32 master weights only with bf16 "
+                        "parameters) differ; resume with device.param_dtype=\"" + meta.param_dtype + "\"");
+}
+
+RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel, size_t elem_size) {
   const std::string path = rank_file(step_dir, rank);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw CheckpointError("checkpoint " + step_dir + " has no file for rank " + std::to_string(rank) + " (" + path + ")");
@@ -183,13 +193,14 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
                           std::to_string(expect_numel) + " on rank " + std::to_string(rank) +
                           "; the manifest's model or parallel layout differs from the checkpoint's");
   RankState s;
-  s.params.resize(h.numel);
+  s.elem_size = elem_size;
+  s.params.resize(h.numel * elem_size);
   s.optimizer.resize(h.optimizer_bytes);
-  in.read(reinterpret_cast<char*>(s.params.data()), h.numel * sizeof(float));
+  in.read(s.params.data(), static_cast<std::streamsize>(s.params.size()));
   in.read(s.optimizer.data(), h.optimizer_bytes);
   if (!in || in.peek() != std::char_traits<char>::eof())
     throw CheckpointError(path + ": truncated or oversized checkpoint file");
-  uint64_t c = model::fnv1a(s.params.data(), s.params.size() * sizeof(float));
+  uint64_t c = model::fnv1a(s.params.data(), s.params.size());
   c = model::fnv1a(s.optimizer.data(), s.optimizer.size(), c);
   if (c != h.checksum) throw CheckpointError(path + ": checksum mismatch; the checkpoint is corrupt");
   return s;
@@ -209,23 +220,25 @@ std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, in
   return peers;
 }
 
-std::vector<float> remap_params(const std::vector<float>& params, const model::BufferLayout& from,
-                                const model::BufferLayout& to) {
-  if (params.size() != from.numel || from.params.size() != to.params.size())
-    throw CheckpointError("cannot remap a parameter buffer of " + std::to_string(params.size()) +
+std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size, const model::BufferLayout& from,
+                               const model::BufferLayout& to) {
+  const size_t numel = params.size() / elem_size;
+  if (numel != from.numel || from.params.size() != to.params.size())
+    throw CheckpointError("cannot remap a parameter buffer of " + std::to_string(numel) +
                           " elements laid out for " + std::to_string(from.numel) + " elements and " +
                           std::to_string(from.params.size()) + " parameters onto " + std::to_string(to.params.size()) +
                           " parameters; the model differs from the checkpoint's");
-  std::vector<float> out(to.numel, 0.f);
+  std::vector<char> out(to.numel * elem_size, 0);  // padding: +0.0 in fp32 and bf16
   for (size_t i = 0; i < to.params.size(); ++i) {
     const model::Range& a = from.params[i];
     const model::Range& b = to.params[i];
-    if (a.size() != b.size() || a.end > params.size() || b.end > out.size())
+    if (a.size() != b.size() || a.end > numel || b.end > to.numel)
       throw CheckpointError("parameter " + std::to_string(i) + " holds " + std::to_string(a.size()) +
                             " elements in the checkpoint but " + std::to_string(b.size()) +
                             " in this run; the model differs from the checkpoint's");
-    std::copy(params.begin() + static_cast<std::ptrdiff_t>(a.start), params.begin() + static_cast<std::ptrdiff_t>(a.end),
-              out.begin() + static_cast<std::ptrdiff_t>(b.start));
+    std::copy(params.begin() + static_cast<std::ptrdiff_t>(a.start * elem_size),
+              params.begin() + static_cast<std::ptrdiff_t>(a.end * elem_size),
+              out.begin() + static_cast<std::ptrdiff_t>(b.start * elem_size));
   }
   return out;
 }
@@ -242,11 +255,13 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
                           std::to_string(old_world) + " ranks, which gives " + std::to_string(peers.size()) +
                           " data-parallel ranks under this run's tp, cp and pp");
   std::vector<RankState> old;
-  for (int peer : peers) old.push_back(read_rank_file(step_dir, peer, static_cast<int64_t>(old_layout.numel)));
+  const size_t elem_size = model::dtype_size(model.param_dtype());
+  for (int peer : peers)
+    old.push_back(read_rank_file(step_dir, peer, static_cast<int64_t>(old_layout.numel), elem_size));
 
   // Parameters: every dp replica saved the same buffer; old dp rank 0's is used.
-  const std::vector<float> params = remap_params(old.front().params, old_layout, model.layout());
-  dev.copy(model.params(), params.data(), params.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+  const std::vector<char> params = remap_params(old.front().params, elem_size, old_layout, model.layout());
+  dev.copy(model.params(), params.data(), params.size(), LOOM_COPY_HOST_TO_DEVICE);
 
   std::vector<const void*> states;
   std::vector<size_t> state_bytes, old_offsets, old_numels, old_buckets;

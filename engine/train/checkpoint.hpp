@@ -24,7 +24,8 @@ class CheckpointError : public std::runtime_error {
 };
 
 struct RankState {
-  std::vector<float> params;         // the rank's flat parameter buffer
+  std::vector<char> params;          // the rank's flat parameter buffer, in its dtype (device.param_dtype)
+  size_t elem_size = sizeof(float);  // bytes per parameter element
   std::vector<char> optimizer;       // the optimizer strategy's state blob
 };
 
@@ -33,7 +34,13 @@ struct CheckpointMeta {
   int world = 1, tp = 1, pp = 1, dp = 1;
   std::string strategy;              // optimizer.strategy that wrote it
   int64_t bucket_size = -1;          // optimizer.bucket_size that wrote it (-1: not recorded)
+  std::string param_dtype = "fp32";  // device.param_dtype that wrote it (not recorded before bf16: fp32)
 };
+
+// A resume must keep device.param_dtype: the parameter files hold that dtype and
+// the optimizer state has fp32 master weights exactly when it is not fp32.
+// Throws a CheckpointError naming both otherwise.
+void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype);
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
@@ -50,8 +57,9 @@ std::string temp_checkpoint_path(const std::string& dir, int64_t step);
 void prepare_temp_dir(const std::string& tmp);
 
 CheckpointMeta read_meta(const std::string& step_dir);
-// Reads and verifies one rank's file (magic, version, sizes, checksum).
-RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel);
+// Reads and verifies one rank's file (magic, version, sizes, checksum); its
+// parameters are expect_numel elements of elem_size bytes.
+RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel, size_t elem_size = sizeof(float));
 
 // --- Resuming at another data-parallel size (tp and pp unchanged) ---
 // The global ranks that held this rank's (tp, pp) position in a run of `old_world`
@@ -59,8 +67,9 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
 std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, int old_world);
 // A flat parameter buffer laid out as `from` re-laid as `to`: parameter i (model
 // order, the same in both) moves from from.params[i] to to.params[i]; padding is zero.
-std::vector<float> remap_params(const std::vector<float>& params, const model::BufferLayout& from,
-                                const model::BufferLayout& to);
+// params holds from.numel elements of elem_size bytes.
+std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size, const model::BufferLayout& from,
+                               const model::BufferLayout& to);
 // The whole resume at another dp for one rank: reads the files of the old ranks at
 // this rank's (tp, pp) position (old_world ranks, old_dp of them per position),
 // recomputes the old layout of the model's parameters (the same layout function,

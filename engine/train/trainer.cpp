@@ -84,14 +84,6 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     throw DataError("model.vocab_size = " + std::to_string(vocab) + " is smaller than the data's vocabulary (" +
                     std::to_string(data->vocab_size()) + ")");
 
-  // Mixed precision is planned (`loom plan`) and the devices run bf16 ops, but the
-  // model and layers still hold fp32 tensors: say so rather than train in fp32.
-  for (const char* key : {"device.param_dtype", "device.grad_dtype"})
-    if (m.get_string(key) != "fp32")
-      throw std::runtime_error(std::string(key) + " = \"" + m.get_string(key) + "\" (" + m.origin(key).str() +
-                               "): training keeps fp32 parameters and gradients today (bf16 works in `loom plan` "
-                               "and in the device op tables); set it to \"fp32\"");
-
   const int64_t steps = m.get_int("run.steps");
   const int64_t seq = m.get_int("model.seq_length");
   const int64_t mbs = m.get_int("batch.micro_batch_size");
@@ -118,6 +110,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
     resume_dir = checkpoint_path(ckpt_dir, *latest);
     CheckpointMeta meta = read_meta(resume_dir);
+    require_same_param_dtype(resume_dir, meta, m.get_string("device.param_dtype"));
     const std::string layouts = resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
                                 std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
                                 std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
@@ -197,8 +190,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     oa.params = model.params();
     oa.grads = model.grads();
     oa.numel = model.numel();
-    oa.param_dtype = LOOM_DTYPE_F32;
-    oa.grad_dtype = LOOM_DTYPE_F32;
+    oa.param_dtype = model.param_dtype();
+    oa.grad_dtype = model.grad_dtype();
     oa.infos = infos.data();
     oa.num_params = infos.size();
     oa.dp = dp.raw();
@@ -224,8 +217,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     std::unique_ptr<loom_optimizer, void (*)(loom_optimizer*)> opt_guard(opt, opt_api->destroy);
 
     if (!resume_dir.empty() && resume_old_dp == 0) {
-      RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()));
-      dev.copy(model.params(), s.params.data(), s.params.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+      RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()),
+                                   model::dtype_size(model.param_dtype()));
+      dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
       loom::check(opt_api->state_load(opt, s.optimizer.data(), s.optimizer.size()));
       dev.synchronize();
     } else if (!resume_dir.empty()) {
@@ -281,8 +275,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       if (leader) prepare_temp_dir(tmp);
       world.barrier();
       RankState s;
-      s.params.resize(model.numel());
-      dev.copy(s.params.data(), model.params(), model.numel() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+      s.elem_size = model::dtype_size(model.param_dtype());
+      s.params.resize(model.numel() * s.elem_size);
+      dev.copy(s.params.data(), model.params(), s.params.size(), LOOM_COPY_DEVICE_TO_HOST);
       size_t bytes = 0;
       loom::check(opt_api->state_size(opt, &bytes));
       s.optimizer.resize(bytes);
@@ -291,7 +286,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       world.barrier();
       if (leader) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
-                            m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size")};
+                            m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size"),
+                            m.get_string("device.param_dtype")};
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);

@@ -26,9 +26,9 @@ inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<st
   RankTrace t;
   std::mutex mu;
   opts.on_step = [&](int64_t, int rank, const model::Model& m) {
-    const float* p = static_cast<const float*>(m.params());  // CPU device: host memory
+    std::vector<float> p = params_as_float(m);  // CPU device: host memory; bf16 widened
     std::lock_guard<std::mutex> lock(mu);
-    t.params[rank].emplace_back(p, p + m.numel());
+    t.params[rank].push_back(std::move(p));
     if (!t.entries.count(rank)) t.entries[rank] = m.param_entries();
   };
   train::RunPlan plan = plan_from(manifest, overrides);

@@ -60,6 +60,21 @@ struct Trace {
   train::TrainResult result;
 };
 
+// The model's parameters (CPU device: host memory) as fp32; bf16 ones widened exactly.
+inline std::vector<float> params_as_float(const model::Model& m) {
+  std::vector<float> p(m.numel());
+  if (m.param_dtype() == LOOM_DTYPE_BF16) {
+    const uint16_t* h = static_cast<const uint16_t*>(m.params());
+    for (size_t i = 0; i < p.size(); ++i) {
+      const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(&p[i], &bits, sizeof(float));
+    }
+  } else {
+    std::memcpy(p.data(), m.params(), m.numel() * sizeof(float));
+  }
+  return p;
+}
+
 inline Trace run_and_trace(const std::string& text, const std::vector<std::string>& overrides,
                            train::TrainOptions opts = {}) {
   train::RunPlan plan = plan_from(text, overrides);
@@ -74,8 +89,7 @@ inline Trace run_and_trace(const std::string& text, const std::vector<std::strin
         t.tensors.emplace_back(e.offset, e.numel);
         t.names.push_back(e.name);
       }
-    std::vector<float> p(m.numel());
-    std::memcpy(p.data(), m.params(), m.numel() * sizeof(float));  // CPU device: host memory
+    std::vector<float> p = params_as_float(m);
     std::lock_guard<std::mutex> lock(mu);
     t.params.push_back(std::move(p));
   };

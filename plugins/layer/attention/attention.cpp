@@ -62,21 +62,22 @@ class Attention : public loom::Layer {
     const int64_t H = hidden_, Hl = hidden_local_;
     const int64_t expect[6] = {H, H, H * 3 * Hl, 3 * Hl, Hl * H, H};
     const char* names[6] = {"ln.weight", "ln.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias"};
+    dt_ = bound_dtypes(params, grads, name_);
     for (int i = 0; i < 6; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i]);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)");
+      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
+      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
     }
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     const int64_t H = hidden_, Hl = hidden_local_;
-    require_tensor(a.input, "input", name_, kDLFloat, 32, {-1, -1, H});
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism.
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
     const int64_t S = tp_.sequence_parallel() ? Sl * tp_.size() : Sl, T = S * B;
-    require_tensor(a.output, "output", name_, kDLFloat, 32, {Sl, B, H});
-    const float* x = data_of<float>(*a.input);
-    float* y = data_of<float>(*a.output);
+    require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
+    const void* x = data_of<void>(*a.input);
+    void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
     const bool sp = tp_.sequence_parallel();
@@ -84,39 +85,39 @@ class Attention : public loom::Layer {
     Saved s;
     s.S = S;
     s.B = B;
-    s.x = s.mem.floats(a.training ? Tl * H : 0);
+    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.floats(sp ? T * H : 0);  // the gathered LN output (kept for dW)
-    s.qkv = s.mem.floats(T * 3 * Hl);
-    s.ctx = s.mem.floats(T * Hl);
+    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
+    s.qkv = s.mem.elems(T * 3 * Hl, dt_.act);
+    s.ctx = s.mem.elems(T * Hl, dt_.act);
     s.lse = s.mem.floats(B * heads_local_ * S);
     s.mask = s.mem.add(drop ? Tl * H : 0);
     s.dropped = drop;
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.floats(Tl * H), proj = tmp.floats(Tl * H);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), proj = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
-    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * sizeof(float));
+    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps);
+                  kLayerNormEps, dt_.act);
     // Column-parallel QKV (f: identity, or the all-gather under SP): local
     // columns [q | k | v], each heads_local * head_dim.
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
                                         .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kQkvW],
-                                        .bias = w_[kQkvB], .y = s.mem.at(s.qkv)});
+                                        .bias = w_[kQkvB], .y = s.mem.at(s.qkv), .dtype = dt_.act});
     dev.attention_fwd(attention_args(s));
     // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
-    float* p = tmp.at(proj);
+    void* p = tmp.at<void>(proj);
     tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
-                                     .bias = w_[kProjB], .y = p});
+                                     .bias = w_[kProjB], .y = p, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = p, .out = p,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch});
-    add(dev, x, p, y, Tl * H);  // the residual
+                           .microbatch = a.microbatch, .dtype = dt_.act});
+    add(dev, x, p, y, Tl * H, dt_.act);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
@@ -129,56 +130,59 @@ class Attention : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t H = hidden_, Hl = hidden_local_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
-    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {Sl, B, H});
-    require_tensor(a.grad_input, "grad_input", name_, kDLFloat, 32, {Sl, B, H});
-    const float* dy = data_of<float>(*a.grad_output);
-    float* dx = data_of<float>(*a.grad_input);
+    require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
+    require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
+    const void* dy = data_of<void>(*a.grad_output);
+    void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels());
 
     Arena tmp;
-    const size_t dproj = tmp.floats(s.dropped ? Tl * H : 0), ln = tmp.floats(sp ? 0 : T * H),
-                 dctx = tmp.floats(T * Hl), dqkv = tmp.floats(T * 3 * Hl), dln = tmp.floats(Tl * H),
+    const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(sp ? 0 : T * H, dt_.act),
+                 dctx = tmp.elems(T * Hl, dt_.act), dqkv = tmp.elems(T * 3 * Hl, dt_.act), dln = tmp.elems(Tl * H, dt_.act),
                  dbias = tmp.floats(3 * Hl);
     tmp.allocate(rank_);
 
     // Through dropout; the projection and its bias (g's backward: identity, or
     // the all-gather under SP).
-    const float* d = dy;
+    const void* d = dy;
     if (s.dropped) {
-      dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_);
+      dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dproj);
     }
     tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
-                                      .dy = d, .dx = tmp.at(dctx), .dweight = g_[kProjW], .dbias = g_[kProjB]});
+                                      .dy = d, .dx = tmp.at(dctx), .dweight = gs[kProjW], .dbias = gs[kProjB], .dtype = dt_.act});
 
     loom_attention_args att = attention_args(s);
     att.dout = tmp.at(dctx);
-    att.dq = tmp.at(dqkv);
-    att.dk = tmp.at(dqkv) + Hl;
-    att.dv = tmp.at(dqkv) + 2 * Hl;
+    att.dq = tmp.at<void>(dqkv);
+    att.dk = advance(tmp.at<void>(dqkv), Hl, dt_.act);
+    att.dv = advance(tmp.at<void>(dqkv), 2 * Hl, dt_.act);
     dev.attention_bwd(att);
 
     // The LN output: kept gathered under SP, else recomputed (same op, same input).
-    const float* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
+    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
     if (!sp)
       layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps);
+                    kLayerNormEps, dt_.act);
     // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w_[kQkvW],
-                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = g_[kQkvW]});
+                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = gs[kQkvW], .dtype = dt_.act});
     // qkv.bias: only its q and v parts get a gradient. The k part's is exactly zero
     // (softmax is invariant to adding one vector to every key: each row of dS sums
     // to 0, so sum_t dK[t] = 0); summing dK would only accumulate rounding noise,
     // which Adam (g / sqrt(v)) turns into real, run-dependent updates.
-    float* colsum = tmp.at(dbias);
-    column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl);
-    add(dev, g_[kQkvB], colsum, g_[kQkvB], Hl);                             // q
-    add(dev, g_[kQkvB] + 2 * Hl, colsum + 2 * Hl, g_[kQkvB] + 2 * Hl, Hl);  // v
+    float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
+    void* qkv_b = gs[kQkvB];
+    column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl, dt_.act);
+    accumulate_f32(rank_, dev, colsum, qkv_b, Hl, dt_.act);                                        // q
+    accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, dt_.act), Hl, dt_.act);  // v
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
-    copy_d2d(dev, dx, dy, Tl * H * sizeof(float));
+    copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  g_[kLnW], g_[kLnB], Tl, H, /*accumulate_dx=*/true);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act);
+    gs.commit();
     saved_.erase(it);
   }
 
@@ -189,12 +193,12 @@ class Attention : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t Tl = sp ? T / tp_.size() : T;
     Arena a;
-    a.floats(Tl * H);                         // x (this rank's shard under SP)
+    a.elems(Tl * H, dt_.act);                 // x (this rank's shard under SP)
     a.floats(Tl);                             // mean
     a.floats(Tl);                             // rstd
-    a.floats(sp ? T * H : 0);                 // the gathered LN output (SP)
-    a.floats(T * 3 * Hl);                     // qkv
-    a.floats(T * Hl);                         // attention output
+    a.elems(sp ? T * H : 0, dt_.act);         // the gathered LN output (SP)
+    a.elems(T * 3 * Hl, dt_.act);             // qkv
+    a.elems(T * Hl, dt_.act);                 // attention output
     a.floats(micro_batch_ * heads_local_ * seq_);  // lse
     a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
     return a.bytes();
@@ -209,6 +213,11 @@ class Attention : public loom::Layer {
 
  private:
   enum { kLnW, kLnB, kQkvW, kQkvB, kProjW, kProjB };
+
+  std::vector<int64_t> local_numels() const {
+    const int64_t H = hidden_, Hl = hidden_local_;
+    return {H, H, H * 3 * Hl, 3 * Hl, Hl * H, H};
+  }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -229,15 +238,15 @@ class Attention : public loom::Layer {
     at.qkv_stride_s = s.B * 3 * Hl;
     at.out_stride_b = Hl;
     at.out_stride_s = s.B * Hl;
-    float* qkv = s.mem.at(s.qkv);
+    void* qkv = s.mem.at<void>(s.qkv);
     at.q = qkv;
-    at.k = qkv + Hl;
-    at.v = qkv + 2 * Hl;
+    at.k = advance(qkv, Hl, dt_.act);
+    at.v = advance(qkv, 2 * Hl, dt_.act);
     at.out = s.mem.at(s.ctx);
     at.lse = s.mem.at(s.lse);
     at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
     at.causal = 1;
-    at.dtype = LOOM_DTYPE_F32;
+    at.dtype = dt_.act;
     return at;
   }
 
@@ -247,8 +256,9 @@ class Attention : public loom::Layer {
   int64_t hidden_ = 0, heads_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
   float dropout_ = 0.0f;
-  float* w_[6] = {};
-  float* g_[6] = {};
+  Dtypes dt_;
+  void* w_[6] = {};
+  void* g_[6] = {};
   std::map<int32_t, Saved> saved_;
 };
 

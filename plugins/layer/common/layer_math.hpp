@@ -2,7 +2,7 @@
 // Header-only and compiled into each plugin; every piece of math goes through the
 // rank's loom::Device, so the same code runs on any device plugin.
 //
-// Conventions: activations are fp32 [T, cols] row-major (T = seq * micro_batch,
+// Conventions: activations are [T, cols] row-major in the parameters' dtype (T = seq * micro_batch,
 // sequence-major rows r = s * B + b); weights are stored [in, out] so y = x W + b.
 #pragma once
 
@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -68,17 +69,74 @@ inline void require_tensor(const DLTensor* t, const char* what, const std::strin
   LOOM_REQUIRE(is_compact(*t), layer << ": " << what << " must be a compact (row-major) view");
 }
 
+// ---------------------------------------------------------------------------
+// Dtypes. A layer computes in the dtype of its bound parameters (fp32, or bf16
+// under mixed precision): its inputs, outputs, saved activations and their
+// gradients are in that dtype; layernorm mean/rstd, attention lse and the
+// cross-entropy statistics stay fp32 (the device ops keep fp32 math inside).
+// ---------------------------------------------------------------------------
+
+inline size_t dtype_bytes(int32_t dtype) {
+  return dtype == LOOM_DTYPE_BF16 || dtype == LOOM_DTYPE_F16 ? 2 : 4;
+}
+
+inline const char* dtype_name(int32_t dtype) { return dtype == LOOM_DTYPE_BF16 ? "bfloat16" : "float32"; }
+
+// LOOM_DTYPE_F32 or LOOM_DTYPE_BF16 of a view; anything else is an error.
+inline int32_t float_dtype(const DLTensor& t, const std::string& what) {
+  if (t.dtype.code == kDLFloat && t.dtype.bits == 32 && t.dtype.lanes == 1) return LOOM_DTYPE_F32;
+  if (t.dtype.code == kDLBfloat && t.dtype.bits == 16 && t.dtype.lanes == 1) return LOOM_DTYPE_BF16;
+  LOOM_REQUIRE(false, what << " must be float32 or bfloat16");
+  return LOOM_DTYPE_F32;
+}
+
+// p + n elements of dtype.
+inline void* advance(void* p, int64_t n, int32_t dtype) {
+  return static_cast<char*>(p) + n * static_cast<int64_t>(dtype_bytes(dtype));
+}
+inline const void* advance(const void* p, int64_t n, int32_t dtype) {
+  return static_cast<const char*>(p) + n * static_cast<int64_t>(dtype_bytes(dtype));
+}
+
+// The activation dtype (= the parameters') and the gradient dtype of a layer.
+struct Dtypes {
+  int32_t act = LOOM_DTYPE_F32;
+  int32_t grad = LOOM_DTYPE_F32;
+  size_t act_bytes() const { return dtype_bytes(act); }
+};
+
+// An activation of the layer interface: as require_tensor, of the layer's dtype.
+inline void require_act(const DLTensor* t, const char* what, const std::string& layer, int32_t dtype,
+                        std::vector<int64_t> shape) {
+  LOOM_REQUIRE(t != nullptr, layer << ": " << what << " is required");
+  if (dtype == LOOM_DTYPE_BF16)
+    require_tensor(t, what, layer, kDLBfloat, 16, std::move(shape));
+  else
+    require_tensor(t, what, layer, kDLFloat, 32, std::move(shape));
+}
+
 // A bound parameter or gradient: its local view, checked against the expected
-// local element count.
-inline float* bound(const DLTensor& t, int64_t expect_numel, const std::string& layer,
-                    const std::string& name) {
-  LOOM_REQUIRE(t.dtype.code == kDLFloat && t.dtype.bits == 32,
-               layer << ": parameter '" << name << "' must be float32");
+// local element count and dtype.
+inline void* bound(const DLTensor& t, int64_t expect_numel, const std::string& layer, const std::string& name,
+                   int32_t dtype) {
+  const int32_t got = float_dtype(t, layer + ": parameter '" + name + "'");
+  LOOM_REQUIRE(got == dtype, layer << ": parameter '" << name << "' is " << dtype_name(got) << ", expected "
+                                   << dtype_name(dtype) << " (one dtype for all parameters, one for all gradients)");
   LOOM_REQUIRE(numel(t) == expect_numel, layer << ": parameter '" << name << "' is bound with "
                                                << numel(t) << " elements " << shape_str(t)
                                                << ", expected " << expect_numel);
   LOOM_REQUIRE(is_compact(t), layer << ": parameter '" << name << "' must be compact");
-  return data_of<float>(t);
+  return data_of<void>(t);
+}
+
+// The dtypes of a bind: the first parameter's and the first gradient's (bound()
+// then checks that every other one agrees).
+inline Dtypes bound_dtypes(std::span<const DLTensor> params, std::span<const DLTensor> grads,
+                           const std::string& layer) {
+  Dtypes d;
+  if (!params.empty()) d.act = float_dtype(params[0], layer + ": parameters");
+  if (!grads.empty()) d.grad = float_dtype(grads[0], layer + ": gradients");
+  return d;
 }
 
 // ---------------------------------------------------------------------------
@@ -94,8 +152,12 @@ class Arena {
     return offsets_.size() - 1;
   }
   size_t floats(int64_t n) { return add(static_cast<size_t>(n) * sizeof(float)); }
+  // n elements of LOOM_DTYPE_* dtype.
+  size_t elems(int64_t n, int32_t dtype) { return add(static_cast<size_t>(n) * dtype_bytes(dtype)); }
   size_t bytes() const { return total_; }
   void allocate(loom_rank* rank) { buf_ = loom::Buffer(rank, total_); }
+  // The piece's address (float* by default: also for pieces of another dtype,
+  // which are only handed to device ops, never indexed here).
   template <typename T = float>
   T* at(size_t piece) const {
     return reinterpret_cast<T*>(buf_.get<char>() + offsets_[piece]);
@@ -109,16 +171,17 @@ class Arena {
 };
 
 // ---------------------------------------------------------------------------
-// Device math on fp32
+// Device math (dtype: the activations'; statistics fp32)
 // ---------------------------------------------------------------------------
 
 inline void copy_d2d(const loom::Device& dev, void* dst, const void* src, size_t bytes) {
   if (dst != src && bytes) dev.copy(dst, src, bytes, LOOM_COPY_DEVICE_TO_DEVICE);
 }
 
-// C[m, n] = alpha * op(A) op(B) + beta * C, all compact row-major fp32.
+// C[m, n] = alpha * op(A) op(B) + beta * C, compact row-major; A, B in dtype, C in c_dtype.
 inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
-                 const float* a, const float* b, float* c, float beta, float alpha = 1.0f) {
+                 const void* a, const void* b, void* c, float beta, int32_t dtype, int32_t c_dtype,
+                 float alpha = 1.0f) {
   loom_gemm_args g = loom::make<loom_gemm_args>();
   g.trans_a = ta ? 1 : 0;
   g.trans_b = tb ? 1 : 0;
@@ -134,70 +197,140 @@ inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n
   g.batch = 1;
   g.alpha = alpha;
   g.beta = beta;
-  g.dtype = LOOM_DTYPE_F32;
-  g.c_dtype = LOOM_DTYPE_F32;
+  g.dtype = dtype;
+  g.c_dtype = c_dtype;
   dev.gemm(g);
 }
 
 // out[r, c] = x[r, c] + bias[c]  (out may be x).
-inline void add_bias(const loom::Device& dev, const float* x, const float* bias, float* out,
-                     int64_t rows, int64_t cols) {
-  dev.elementwise({.op = LOOM_EW_ADD_BIAS, .n = rows * cols, .cols = cols, .x = x,
-                   .y = const_cast<float*>(bias), .out = out, .dtype = LOOM_DTYPE_F32,
-                   .out_dtype = LOOM_DTYPE_F32});
+inline void add_bias(const loom::Device& dev, const void* x, const void* bias, void* out, int64_t rows,
+                     int64_t cols, int32_t dtype) {
+  dev.elementwise({.op = LOOM_EW_ADD_BIAS, .n = rows * cols, .cols = cols, .x = x, .y = const_cast<void*>(bias),
+                   .out = out, .dtype = dtype, .out_dtype = dtype});
 }
 
 // out = x + y  (out may alias either).
-inline void add(const loom::Device& dev, const float* x, const float* y, float* out, int64_t n) {
-  dev.elementwise({.op = LOOM_EW_ADD, .n = n, .x = x, .y = const_cast<float*>(y), .out = out,
-                   .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+inline void add(const loom::Device& dev, const void* x, const void* y, void* out, int64_t n, int32_t dtype) {
+  dev.elementwise({.op = LOOM_EW_ADD, .n = n, .x = x, .y = const_cast<void*>(y), .out = out, .dtype = dtype,
+                   .out_dtype = dtype});
 }
 
-// out[c] = sum_r x[r, c]
-inline void column_sum(const loom::Device& dev, const float* x, float* out, int64_t rows, int64_t cols) {
-  dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * cols, .cols = cols, .x = x, .out = out,
-              .accumulate = 0, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+// out[c] = sum_r x[r, c]  (x in dtype; out fp32: reductions write fp32)
+inline void column_sum(const loom::Device& dev, const void* x, float* out, int64_t rows, int64_t cols,
+                       int32_t dtype) {
+  dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * cols, .cols = cols, .x = x, .out = out, .accumulate = 0,
+              .dtype = dtype, .out_dtype = LOOM_DTYPE_F32});
 }
 
-// out[c] += sum_r x[r, c]
-inline void column_sum_acc(const loom::Device& dev, const float* x, float* out, int64_t rows,
-                           int64_t cols) {
-  dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * cols, .cols = cols, .x = x, .out = out,
-              .accumulate = 1, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+// dst (dst_dtype) += src (fp32), n elements, rounded once: an fp32 dst directly; a
+// bf16 one widened into fp32 scratch, added, and rounded back (EW_CAST).
+inline void accumulate_f32(loom_rank* rank, const loom::Device& dev, const float* src, void* dst, int64_t n,
+                           int32_t dst_dtype) {
+  if (dst_dtype == LOOM_DTYPE_F32) {
+    add(dev, dst, src, dst, n, LOOM_DTYPE_F32);
+    return;
+  }
+  Arena tmp;
+  const size_t wide = tmp.floats(n);
+  tmp.allocate(rank);
+  dev.elementwise({.op = LOOM_EW_CAST, .n = n, .x = dst, .out = tmp.at(wide), .dtype = dst_dtype,
+                   .out_dtype = LOOM_DTYPE_F32});
+  add(dev, tmp.at(wide), src, tmp.at(wide), n, LOOM_DTYPE_F32);
+  dev.elementwise({.op = LOOM_EW_CAST, .n = n, .x = tmp.at(wide), .out = dst, .dtype = LOOM_DTYPE_F32,
+                   .out_dtype = dst_dtype});
 }
 
-// Linear y[T, out] = x[T, in] W[in, out] (+ b[out]).
-inline void linear_fwd(const loom::Device& dev, const float* x, const float* w, const float* b,
-                       float* y, int64_t rows, int64_t in, int64_t out) {
-  gemm(dev, false, false, rows, out, in, x, w, y, 0.0f);
-  if (b) add_bias(dev, y, b, y, rows, out);
+// out[c] += sum_r x[r, c]  (x in dtype, out in out_dtype; the sum in fp32, a bf16
+// out rounded once per call)
+inline void column_sum_acc(loom_rank* rank, const loom::Device& dev, const void* x, void* out, int64_t rows,
+                           int64_t cols, int32_t dtype, int32_t out_dtype) {
+  if (out_dtype == LOOM_DTYPE_F32) {
+    dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * cols, .cols = cols, .x = x, .out = out, .accumulate = 1,
+                .dtype = dtype, .out_dtype = LOOM_DTYPE_F32});
+    return;
+  }
+  Arena tmp;
+  const size_t sum = tmp.floats(cols);
+  tmp.allocate(rank);
+  column_sum(dev, x, tmp.at(sum), rows, cols, dtype);
+  accumulate_f32(rank, dev, tmp.at(sum), out, cols, out_dtype);
 }
 
-// Its backward: dW += x^T dy, db += sum_r dy (when db), dx (+)= dy W^T (when dx).
-inline void linear_bwd(const loom::Device& dev, const float* x, const float* w, const float* dy,
-                       float* dx, float* dw, float* db, int64_t rows, int64_t in, int64_t out,
-                       bool accumulate_dx = false) {
-  gemm(dev, true, false, in, out, rows, x, dy, dw, 1.0f);
-  if (db) column_sum_acc(dev, dy, db, rows, out);
-  if (dx) gemm(dev, false, true, rows, in, out, dy, w, dx, accumulate_dx ? 1.0f : 0.0f);
+// Linear y[T, out] = x[T, in] W[in, out] (+ b[out]), all in dtype.
+inline void linear_fwd(const loom::Device& dev, const void* x, const void* w, const void* b, void* y,
+                       int64_t rows, int64_t in, int64_t out, int32_t dtype) {
+  gemm(dev, false, false, rows, out, in, x, w, y, 0.0f, dtype, dtype);
+  if (b) add_bias(dev, y, b, y, rows, out, dtype);
 }
 
-// LayerNorm over the last dim; mean/rstd [rows].
-inline void layernorm_fwd(const loom::Device& dev, const float* x, const float* gamma,
-                          const float* beta, float* y, float* mean, float* rstd, int64_t rows,
-                          int64_t cols, float eps) {
-  dev.layernorm_fwd({.rows = rows, .cols = cols, .x = x, .gamma = gamma, .beta = beta, .y = y,
-                     .mean = mean, .rstd = rstd, .eps = eps, .dtype = LOOM_DTYPE_F32});
+// LayerNorm over the last dim; mean/rstd [rows] fp32; x, gamma, beta, y in dtype.
+inline void layernorm_fwd(const loom::Device& dev, const void* x, const void* gamma, const void* beta, void* y,
+                          float* mean, float* rstd, int64_t rows, int64_t cols, float eps, int32_t dtype) {
+  dev.layernorm_fwd({.rows = rows, .cols = cols, .x = x, .gamma = gamma, .beta = beta, .y = y, .mean = mean,
+                     .rstd = rstd, .eps = eps, .dtype = dtype});
 }
 
-inline void layernorm_bwd(const loom::Device& dev, const float* dy, const float* x,
-                          const float* gamma, const float* mean, const float* rstd, float* dx,
-                          float* dgamma, float* dbeta, int64_t rows, int64_t cols,
-                          bool accumulate_dx) {
-  dev.layernorm_bwd({.rows = rows, .cols = cols, .dy = dy, .x = x, .gamma = gamma, .mean = mean,
-                     .rstd = rstd, .dx = dx, .dgamma = dgamma, .dbeta = dbeta,
-                     .accumulate_dx = accumulate_dx ? 1 : 0, .dtype = LOOM_DTYPE_F32});
+// dgamma, dbeta (accumulated) in dtype too: with gradients of another dtype, pass
+// a GradShadow's buffers.
+inline void layernorm_bwd(const loom::Device& dev, const void* dy, const void* x, const void* gamma,
+                          const float* mean, const float* rstd, void* dx, void* dgamma, void* dbeta, int64_t rows,
+                          int64_t cols, bool accumulate_dx, int32_t dtype) {
+  dev.layernorm_bwd({.rows = rows, .cols = cols, .dy = dy, .x = x, .gamma = gamma, .mean = mean, .rstd = rstd,
+                     .dx = dx, .dgamma = dgamma, .dbeta = dbeta, .accumulate_dx = accumulate_dx ? 1 : 0,
+                     .dtype = dtype});
 }
+
+// ---------------------------------------------------------------------------
+// Gradients in another dtype than the activations (bf16 parameters with fp32
+// gradients). The ops that accumulate a parameter gradient take one dtype
+// (layernorm, embedding, the tensor-parallel service), so a backward accumulates
+// this microbatch's contributions into zeroed shadows in the activation dtype and
+// commit() adds them to the real gradients (cast, then add in the gradient dtype):
+// Megatron's path without gradient-accumulation fusion (bf16 weight.grad added to
+// the fp32 main_grad). With equal dtypes the shadows are the gradients themselves.
+// ---------------------------------------------------------------------------
+class GradShadow {
+ public:
+  GradShadow(loom_rank* rank, const loom::Device& dev, Dtypes dt, std::vector<void*> grads,
+             std::vector<int64_t> numels)
+      : dev_(dev), dt_(dt), grads_(std::move(grads)), numels_(std::move(numels)), ptrs_(grads_) {
+    if (dt_.act == dt_.grad) return;
+    std::vector<size_t> pieces;
+    int64_t largest = 0;
+    for (int64_t n : numels_) {
+      pieces.push_back(mem_.elems(n, dt_.act));
+      largest = std::max(largest, n);
+    }
+    cast_ = mem_.elems(largest, dt_.grad);
+    mem_.allocate(rank);
+    for (size_t i = 0; i < grads_.size(); ++i) {
+      ptrs_[i] = mem_.at<void>(pieces[i]);
+      dev_.elementwise({.op = LOOM_EW_FILL, .n = numels_[i], .out = ptrs_[i], .alpha = 0.f, .dtype = dt_.act,
+                        .out_dtype = dt_.act});
+    }
+  }
+  // Where the backward accumulates gradient i (in the activation dtype).
+  void* operator[](size_t i) const { return ptrs_[i]; }
+  // grads[i] += shadow[i] for every i (nothing when the dtypes are equal).
+  void commit() {
+    if (dt_.act == dt_.grad) return;
+    for (size_t i = 0; i < grads_.size(); ++i) {
+      if (numels_[i] == 0) continue;
+      dev_.elementwise({.op = LOOM_EW_CAST, .n = numels_[i], .x = ptrs_[i], .out = mem_.at<void>(cast_),
+                        .dtype = dt_.act, .out_dtype = dt_.grad});
+      add(dev_, grads_[i], mem_.at<void>(cast_), grads_[i], numels_[i], dt_.grad);
+    }
+  }
+
+ private:
+  loom::Device dev_;
+  Dtypes dt_;
+  std::vector<void*> grads_;
+  std::vector<int64_t> numels_;
+  std::vector<void*> ptrs_;
+  Arena mem_;
+  size_t cast_ = 0;
+};
 
 // ---------------------------------------------------------------------------
 // Dropout outside the tensor-parallel region: the same seed on every tp rank.
@@ -218,18 +351,17 @@ inline uint64_t dropout_seed(uint64_t base, const std::string& instance, int32_t
 }
 
 // out = x * mask / (1 - p); mask [n] u8 written.
-inline void dropout_fwd(const loom::Device& dev, const float* x, float* out, uint8_t* mask,
-                        int64_t n, float p, uint64_t seed) {
-  dev.elementwise({.op = LOOM_EW_DROPOUT, .n = n, .x = x, .y = mask, .out = out, .p = p,
-                   .seed = seed, .offset = 0, .dtype = LOOM_DTYPE_F32,
-                   .out_dtype = LOOM_DTYPE_F32});
+inline void dropout_fwd(const loom::Device& dev, const void* x, void* out, uint8_t* mask, int64_t n, float p,
+                        uint64_t seed, int32_t dtype) {
+  dev.elementwise({.op = LOOM_EW_DROPOUT, .n = n, .x = x, .y = mask, .out = out, .p = p, .seed = seed,
+                   .offset = 0, .dtype = dtype, .out_dtype = dtype});
 }
 
 // dx = dy * mask / (1 - p) with the saved mask.
-inline void dropout_bwd(const loom::Device& dev, const float* dy, float* dx, const uint8_t* mask,
-                        int64_t n, float p) {
-  dev.elementwise({.op = LOOM_EW_DROPOUT_BWD, .n = n, .x = dy, .y = const_cast<uint8_t*>(mask),
-                   .out = dx, .p = p, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+inline void dropout_bwd(const loom::Device& dev, const void* dy, void* dx, const uint8_t* mask, int64_t n,
+                        float p, int32_t dtype) {
+  dev.elementwise({.op = LOOM_EW_DROPOUT_BWD, .n = n, .x = dy, .y = const_cast<uint8_t*>(mask), .out = dx,
+                   .p = p, .dtype = dtype, .out_dtype = dtype});
 }
 
 inline float dropout_option(const loom::Options& options, const std::string& layer) {

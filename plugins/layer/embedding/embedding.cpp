@@ -54,10 +54,11 @@ class Embedding : public loom::Layer {
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
     LOOM_REQUIRE(params.size() == 2 && grads.size() == 2,
                  name_ << ": bind expects 2 parameters, got " << params.size());
-    word_ = bound(params[0], vocab_local_ * hidden_, name_, "word.weight");
-    word_grad_ = bound(grads[0], vocab_local_ * hidden_, name_, "word.weight (grad)");
-    pos_ = bound(params[1], seq_ * hidden_, name_, "pos.weight");
-    pos_grad_ = bound(grads[1], seq_ * hidden_, name_, "pos.weight (grad)");
+    dt_ = bound_dtypes(params, grads, name_);
+    word_ = bound(params[0], vocab_local_ * hidden_, name_, "word.weight", dt_.act);
+    word_grad_ = bound(grads[0], vocab_local_ * hidden_, name_, "word.weight (grad)", dt_.grad);
+    pos_ = bound(params[1], seq_ * hidden_, name_, "pos.weight", dt_.act);
+    pos_grad_ = bound(grads[1], seq_ * hidden_, name_, "pos.weight (grad)", dt_.grad);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -68,9 +69,9 @@ class Embedding : public loom::Layer {
                                   << seq_ << " (the position table)");
     // The output is this rank's sequence shard under sequence parallelism.
     const int64_t Sl = shard_positions(S), Tl = Sl * B;
-    require_tensor(a.output, "output", name_, kDLFloat, 32, {Sl, B, H});
+    require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
     const int32_t* tokens = data_of<int32_t>(*a.tokens);
-    float* y = data_of<float>(*a.output);
+    void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
     const int32_t* positions = position_ids(dev, S, B);
@@ -87,13 +88,13 @@ class Embedding : public loom::Layer {
     // Vocab-parallel lookup of every token, then g (all-reduce, or reduce-scatter
     // to the shard under SP); then the positions of the rows this rank holds.
     tp_.vocab_parallel_embedding_forward({.rows = T, .dim = H, .padded_vocab = padded_vocab_, .ids = tokens,
-                                          .table = word_, .out = y});
+                                          .table = word_, .out = y, .dtype = dt_.act});
     dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
-                       .table = pos_, .out = y, .accumulate = 1, .dtype = LOOM_DTYPE_F32});
+                       .table = pos_, .out = y, .accumulate = 1, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch});
+                           .microbatch = a.microbatch, .dtype = dt_.act});
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
@@ -105,26 +106,28 @@ class Embedding : public loom::Layer {
     Saved& s = it->second;
     const int64_t H = hidden_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = shard_positions(S), Tl = Sl * B;
-    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {Sl, B, H});
-    const float* dy = data_of<float>(*a.grad_output);
+    require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
+    const void* dy = data_of<void>(*a.grad_output);
     loom::Device dev = rank.device();
+    GradShadow gs(rank_, dev, dt_, {word_grad_, pos_grad_}, {vocab_local_ * hidden_, seq_ * hidden_});
 
     Arena tmp;
-    const size_t dout = tmp.floats(s.dropped ? Tl * H : 0);
+    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act);
     tmp.allocate(rank_);
-    const float* d = dy;
+    const void* d = dy;
     if (s.dropped) {
-      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_);
+      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dout);
     }
     // g's backward (identity, or the all-gather under SP): each rank scatters every
     // token's gradient into its own vocab slice.
     tp_.vocab_parallel_embedding_backward({.rows = T, .dim = H, .padded_vocab = padded_vocab_,
-                                           .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = word_grad_});
+                                           .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = gs[0], .dtype = dt_.act});
     // pos grad[s] += sum_b dout[s, b] over the positions this rank holds.
     dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
-                       .ids = position_ids(dev, S, B), .dout = d, .dtable = pos_grad_,
-                       .dtype = LOOM_DTYPE_F32});
+                       .ids = position_ids(dev, S, B), .dout = d, .dtable = gs[1],
+                       .dtype = dt_.act});
+    gs.commit();
     saved_.erase(it);
   }
 
@@ -184,10 +187,11 @@ class Embedding : public loom::Layer {
   int64_t vocab_local_ = 0;
   bool tie_ = false;
   float dropout_ = 0.0f;
-  float* word_ = nullptr;
-  float* word_grad_ = nullptr;
-  float* pos_ = nullptr;
-  float* pos_grad_ = nullptr;
+  Dtypes dt_;
+  void* word_ = nullptr;
+  void* word_grad_ = nullptr;
+  void* pos_ = nullptr;
+  void* pos_grad_ = nullptr;
   loom::Buffer positions_;
   int64_t pos_S_ = 0, pos_B_ = 0;
   std::map<int32_t, Saved> saved_;

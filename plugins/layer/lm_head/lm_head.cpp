@@ -54,52 +54,53 @@ class LmHead : public loom::Layer {
     const int64_t H = hidden_;
     const int64_t expect[3] = {H, H, vocab_local_ * H};
     const char* names[3] = {"ln.weight", "ln.bias", "word.weight"};
+    dt_ = bound_dtypes(params, grads, name_);
     for (int i = 0; i < 3; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i]);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)");
+      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
+      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
     }
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     const int64_t H = hidden_, Vl = vocab_local_;
-    require_tensor(a.input, "input", name_, kDLFloat, 32, {-1, -1, H});
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism; the
     // targets cover the whole sequence.
     const bool sp = tp_.sequence_parallel();
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
     const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;
     require_tensor(a.targets, "targets", name_, kDLInt, 32, {S, B});
-    const float* x = data_of<float>(*a.input);
+    const void* x = data_of<void>(*a.input);
     const int32_t* targets = data_of<int32_t>(*a.targets);
     loom::Device dev = rank.device();
 
     Saved s;
     s.S = S;
     s.B = B;
-    s.x = s.mem.floats(a.training ? Tl * H : 0);
+    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.floats(sp ? T * H : 0);  // the gathered LN output (kept for dW)
-    s.logits = s.mem.floats(T * Vl);
+    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
+    s.logits = s.mem.elems(T * Vl, dt_.act);
     s.stats = s.mem.floats(3 * T);  // row_max | row_sumexp | target_logit
     s.targets = s.mem.add(T * sizeof(int32_t));
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.floats(Tl * H), loss = tmp.floats(T), total = tmp.floats(1);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), loss = tmp.floats(T), total = tmp.floats(1);
     tmp.allocate(rank_);
 
-    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * sizeof(float));
+    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     copy_d2d(dev, s.mem.at<int32_t>(s.targets), targets, T * sizeof(int32_t));
     layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps);
+                  kLayerNormEps, dt_.act);
     // logits[T, Vl] = LN(x) W_local^T fused with the vocab-parallel cross-entropy
     // (f: identity, or the all-gather of the LN output under SP).
     tp_.vocab_parallel_cross_entropy_forward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = tmp.at(ln),
          .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kW], .logits = s.mem.at(s.logits),
          .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets), .loss = tmp.at(loss),
-         .predictions = a.predictions});
+         .predictions = a.predictions, .dtype = dt_.act});
 
     // Σ loss on the device, one float to the host; the token count from the targets.
     dev.reduce({.op = LOOM_RED_SUM, .n = T, .x = tmp.at(loss), .out = tmp.at(total),
@@ -125,27 +126,29 @@ class LmHead : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t H = hidden_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
-    require_tensor(a.grad_input, "grad_input", name_, kDLFloat, 32, {Sl, B, H});
-    float* dx = data_of<float>(*a.grad_input);
+    require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
+    void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), {hidden_, hidden_, vocab_local_ * hidden_});
 
     Arena tmp;
-    const size_t ln = tmp.floats(sp ? 0 : T * H), dln = tmp.floats(Tl * H);
+    const size_t ln = tmp.elems(sp ? 0 : T * H, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
     // The LN output: kept gathered under SP, else recomputed.
-    const float* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
+    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
     if (!sp)
       layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps);
+                    kLayerNormEps, dt_.act);
     // dlogits = loss_scale * (softmax - onehot) on the local slice; dW_local +=
     // dlogits^T LN(x); dLN = dlogits W_local summed over tp (f's backward).
     tp_.vocab_parallel_cross_entropy_backward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = ln_in, .weight = w_[kW],
          .logits = s.mem.at(s.logits), .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets),
-         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = g_[kW]});
+         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[kW], .dtype = dt_.act});
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  g_[kLnW], g_[kLnB], Tl, H, /*accumulate_dx=*/false);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/false, dt_.act);
+    gs.commit();
     saved_.erase(it);
   }
 
@@ -157,11 +160,11 @@ class LmHead : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t Tl = sp ? T / tp_.size() : T;
     Arena a;
-    a.floats(Tl * hidden_);      // x (this rank's shard under SP)
+    a.elems(Tl * hidden_, dt_.act);  // x (this rank's shard under SP)
     a.floats(Tl);                // mean
     a.floats(Tl);                // rstd
-    a.floats(sp ? T * hidden_ : 0);  // the gathered LN output (SP)
-    a.floats(T * vocab_local_);  // logits
+    a.elems(sp ? T * hidden_ : 0, dt_.act);  // the gathered LN output (SP)
+    a.elems(T * vocab_local_, dt_.act);      // logits
     a.floats(3 * T);             // row max, sum-exp, target logit
     a.add(T * sizeof(int32_t));  // targets
     return a.bytes();
@@ -188,8 +191,9 @@ class LmHead : public loom::Layer {
   int64_t hidden_ = 0, seq_ = 0, micro_batch_ = 0, vocab_ = 0, padded_vocab_ = 0;
   int64_t vocab_local_ = 0;
   bool tie_ = false;
-  float* w_[3] = {};
-  float* g_[3] = {};
+  Dtypes dt_;
+  void* w_[3] = {};
+  void* g_[3] = {};
   std::map<int32_t, Saved> saved_;
 };
 

@@ -58,22 +58,23 @@ class Mlp : public loom::Layer {
     const int64_t H = hidden_, Fl = ffn_local_;
     const int64_t expect[6] = {H, H, H * Fl, Fl, Fl * H, H};
     const char* names[6] = {"ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+    dt_ = bound_dtypes(params, grads, name_);
     for (int i = 0; i < 6; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i]);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)");
+      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
+      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
     }
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     const int64_t H = hidden_, Fl = ffn_local_;
-    require_tensor(a.input, "input", name_, kDLFloat, 32, {-1, -1, H});
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism.
     const bool sp = tp_.sequence_parallel();
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
     const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;
-    require_tensor(a.output, "output", name_, kDLFloat, 32, {Sl, B, H});
-    const float* x = data_of<float>(*a.input);
-    float* y = data_of<float>(*a.output);
+    require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
+    const void* x = data_of<void>(*a.input);
+    void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
     const bool act_drop = a.training && activation_dropout_ > 0.0f;
@@ -81,11 +82,11 @@ class Mlp : public loom::Layer {
     Saved s;
     s.S = S;
     s.B = B;
-    s.x = s.mem.floats(a.training ? Tl * H : 0);
+    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.floats(sp ? T * H : 0);  // the gathered LN output (kept for dW)
-    s.h = s.mem.floats(T * Fl);                // fc1 output before GeLU
+    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
+    s.h = s.mem.elems(T * Fl, dt_.act);                // fc1 output before GeLU
     s.act_mask = s.mem.add(act_drop ? T * Fl : 0);
     s.mask = s.mem.add(drop ? Tl * H : 0);
     s.dropped = drop;
@@ -93,31 +94,31 @@ class Mlp : public loom::Layer {
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.floats(Tl * H), act = tmp.floats(T * Fl), out = tmp.floats(Tl * H);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), act = tmp.elems(T * Fl, dt_.act), out = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
-    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * sizeof(float));
+    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps);
+                  kLayerNormEps, dt_.act);
     // Column-parallel fc1 (f: identity, or the all-gather under SP); GeLU locally.
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = Fl, .x = tmp.at(ln),
                                         .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kFc1W],
-                                        .bias = w_[kFc1B], .y = s.mem.at(s.h)});
-    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = LOOM_DTYPE_F32});
+                                        .bias = w_[kFc1B], .y = s.mem.at(s.h), .dtype = dt_.act});
+    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = dt_.act});
     // Inside the TP region: each tp rank holds other columns, so its own stream.
     if (act_drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_PARALLEL, .n = T * Fl, .x = tmp.at(act), .out = tmp.at(act),
                            .mask = s.mem.at<uint8_t>(s.act_mask), .p = activation_dropout_,
-                           .seed = a.dropout_seed, .microbatch = a.microbatch, .stream = 1});
+                           .seed = a.dropout_seed, .microbatch = a.microbatch, .stream = 1, .dtype = dt_.act});
     // Row-parallel fc2 (g: all-reduce, or reduce-scatter under SP), bias after it.
-    float* o = tmp.at(out);
+    void* o = tmp.at<void>(out);
     tp_.row_parallel_linear_forward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
-                                     .bias = w_[kFc2B], .y = o});
+                                     .bias = w_[kFc2B], .y = o, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = o, .out = o,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch});
-    add(dev, x, o, y, Tl * H);  // the residual
+                           .microbatch = a.microbatch, .dtype = dt_.act});
+    add(dev, x, o, y, Tl * H, dt_.act);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
@@ -130,47 +131,49 @@ class Mlp : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t H = hidden_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
-    require_tensor(a.grad_output, "grad_output", name_, kDLFloat, 32, {Sl, B, H});
-    require_tensor(a.grad_input, "grad_input", name_, kDLFloat, 32, {Sl, B, H});
-    const float* dy = data_of<float>(*a.grad_output);
-    float* dx = data_of<float>(*a.grad_input);
+    require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
+    require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
+    const void* dy = data_of<void>(*a.grad_output);
+    void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels());
 
     Arena tmp;
-    const size_t dout = tmp.floats(s.dropped ? Tl * H : 0), act = tmp.floats(T * Fl),
-                 dact = tmp.floats(T * Fl), ln = tmp.floats(sp ? 0 : T * H), dln = tmp.floats(Tl * H);
+    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
+                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(sp ? 0 : T * H, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
-    const float* d = dy;
+    const void* d = dy;
     if (s.dropped) {
-      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_);
+      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dout);
     }
     // fc2 (its input, gelu(h) after the activation dropout, is recomputed).
-    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = LOOM_DTYPE_F32});
+    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = dt_.act});
     if (s.act_dropped)
-      dropout_bwd(dev, tmp.at(act), tmp.at(act), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_);
+      dropout_bwd(dev, tmp.at(act), tmp.at(act), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
     tp_.row_parallel_linear_backward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
-                                      .dy = d, .dx = tmp.at(dact), .dweight = g_[kFc2W], .dbias = g_[kFc2B]});
+                                      .dy = d, .dx = tmp.at(dact), .dweight = gs[kFc2W], .dbias = gs[kFc2B], .dtype = dt_.act});
     if (s.act_dropped)
-      dropout_bwd(dev, tmp.at(dact), tmp.at(dact), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_);
+      dropout_bwd(dev, tmp.at(dact), tmp.at(dact), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
     // GeLU backward into the buffer of the recomputed activation (no longer needed).
     dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(act),
-                  .dtype = LOOM_DTYPE_F32});
+                  .dtype = dt_.act});
     // fc1 with the LN output kept gathered under SP, else recomputed; f's backward
     // (all-reduce, or reduce-scatter to the shard) closes it.
-    const float* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
+    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
     if (!sp)
       layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps);
+                    kLayerNormEps, dt_.act);
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = Fl, .x = ln_in, .weight = w_[kFc1W],
-                                         .dy = tmp.at(act), .dx = tmp.at(dln), .dweight = g_[kFc1W],
-                                         .dbias = g_[kFc1B]});
+                                         .dy = tmp.at(act), .dx = tmp.at(dln), .dweight = gs[kFc1W],
+                                         .dbias = gs[kFc1B], .dtype = dt_.act});
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
-    copy_d2d(dev, dx, dy, Tl * H * sizeof(float));
+    copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  g_[kLnW], g_[kLnB], Tl, H, /*accumulate_dx=*/true);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act);
+    gs.commit();
     saved_.erase(it);
   }
 
@@ -181,11 +184,11 @@ class Mlp : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     const int64_t Tl = sp ? T / tp_.size() : T;
     Arena a;
-    a.floats(Tl * H);                                // x (this rank's shard under SP)
+    a.elems(Tl * H, dt_.act);                        // x (this rank's shard under SP)
     a.floats(Tl);                                    // mean
     a.floats(Tl);                                    // rstd
-    a.floats(sp ? T * H : 0);                        // the gathered LN output (SP)
-    a.floats(T * Fl);                                // fc1 output
+    a.elems(sp ? T * H : 0, dt_.act);                // the gathered LN output (SP)
+    a.elems(T * Fl, dt_.act);                        // fc1 output
     a.add(activation_dropout_ > 0.0f ? T * Fl : 0);  // activation dropout mask
     a.add(dropout_ > 0.0f ? Tl * H : 0);             // dropout mask
     return a.bytes();
@@ -200,6 +203,11 @@ class Mlp : public loom::Layer {
  private:
   enum { kLnW, kLnB, kFc1W, kFc1B, kFc2W, kFc2B };
 
+  std::vector<int64_t> local_numels() const {
+    const int64_t H = hidden_, Fl = ffn_local_;
+    return {H, H, H * Fl, Fl, Fl * H, H};
+  }
+
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
@@ -212,8 +220,9 @@ class Mlp : public loom::Layer {
   std::string name_;
   int64_t hidden_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   float dropout_ = 0.0f, activation_dropout_ = 0.0f;
-  float* w_[6] = {};
-  float* g_[6] = {};
+  Dtypes dt_;
+  void* w_[6] = {};
+  void* g_[6] = {};
   std::map<int32_t, Saved> saved_;
 };
 

@@ -53,131 +53,131 @@ class Tp {
   }
 
   // f forward: [local rows] -> [rows].
-  void enter_fwd(int64_t rows, int64_t cols, const float* x, float* out) const {
-    if (sp_) comm().all_gather(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), LOOM_DTYPE_F32);
-    else copy_d2d(dev_, out, x, static_cast<size_t>(rows * cols) * sizeof(float));
+  void enter_fwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
+    if (sp_) comm().all_gather(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), dt);
+    else copy_d2d(dev_, out, x, static_cast<size_t>(rows * cols) * dtype_bytes(dt));
   }
   // f backward: [rows] summed over tp -> [local rows]. x may be out without SP.
-  void enter_bwd(int64_t rows, int64_t cols, const float* x, float* out) const {
-    if (sp_) comm().reduce_scatter(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), LOOM_DTYPE_F32);
-    else all_reduce(x, out, rows * cols);
+  void enter_bwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
+    if (sp_) comm().reduce_scatter(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), dt);
+    else all_reduce(x, out, rows * cols, dt);
   }
   // g forward: [rows] partial sums -> [local rows] reduced.
-  void exit_fwd(int64_t rows, int64_t cols, const float* x, float* out) const { enter_bwd(rows, cols, x, out); }
+  void exit_fwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
+    enter_bwd(rows, cols, x, out, dt);
+  }
   // g backward: [local rows] -> [rows].
-  void exit_bwd(int64_t rows, int64_t cols, const float* x, float* out) const { enter_fwd(rows, cols, x, out); }
+  void exit_bwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
+    enter_fwd(rows, cols, x, out, dt);
+  }
 
   void region(const loom_tp_region_args& a, int which) const {
-    require_f32(a.dtype);
-    const float* x = static_cast<const float*>(a.x);
-    float* out = static_cast<float*>(a.out);
+    const int32_t dt = require_float(a.dtype);
+    const void* x = a.x;
+    void* out = a.out;
     LOOM_REQUIRE(x && out, name_ << ": region call needs x and out");
     switch (which) {
-      case 0: enter_fwd(a.rows, a.cols, x, out); break;
-      case 1: enter_bwd(a.rows, a.cols, x, out); break;
-      case 2: exit_fwd(a.rows, a.cols, x, out); break;
-      default: exit_bwd(a.rows, a.cols, x, out); break;
+      case 0: enter_fwd(a.rows, a.cols, x, out, dt); break;
+      case 1: enter_bwd(a.rows, a.cols, x, out, dt); break;
+      case 2: exit_fwd(a.rows, a.cols, x, out, dt); break;
+      default: exit_bwd(a.rows, a.cols, x, out, dt); break;
     }
   }
 
   // ----- linear layers -----------------------------------------------------
 
   void column_fwd(const loom_tp_linear_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t R = a.rows, in = a.in, out = a.out;
-    const float* x = static_cast<const float*>(a.x);
+    const void* x = a.x;
     if (sp_) {
       LOOM_REQUIRE(a.x_full != nullptr, name_ << ": column-parallel linear under sequence parallelism needs x_full");
-      enter_fwd(R, in, x, static_cast<float*>(a.x_full));
-      x = static_cast<const float*>(a.x_full);
+      enter_fwd(R, in, x, a.x_full, dt);
+      x = a.x_full;
     }
-    const float* w = static_cast<const float*>(a.weight);
-    const float* b = static_cast<const float*>(a.bias);
+    const void* w = a.weight;
+    const void* b = a.bias;
     if (!a.gather_output || size_ == 1) {
-      linear_fwd(dev_, x, w, b, static_cast<float*>(a.y), R, in, out);
+      linear_fwd(dev_, x, w, b, a.y, R, in, out, dt);
       return;
     }
     // The local columns, gathered to [tp, R, out], then interleaved into [R, tp * out].
     Arena tmp;
-    const size_t local = tmp.floats(R * out), all = tmp.floats(size_ * R * out), eye = tmp.floats(out * out);
+    const size_t local = tmp.elems(R * out, dt), all = tmp.elems(size_ * R * out, dt),
+                 eye = tmp.elems(out * out, dt);
     tmp.allocate(rank_);
-    linear_fwd(dev_, x, w, b, tmp.at(local), R, in, out);
-    comm().all_gather(stream(), tmp.at(local), tmp.at(all), static_cast<size_t>(R * out), LOOM_DTYPE_F32);
-    identity(tmp.at(eye), out);
-    float* y = static_cast<float*>(a.y);
+    linear_fwd(dev_, x, w, b, tmp.at<void>(local), R, in, out, dt);
+    comm().all_gather(stream(), tmp.at<void>(local), tmp.at<void>(all), static_cast<size_t>(R * out), dt);
+    identity(tmp.at<void>(eye), out, dt);
     for (int r = 0; r < size_; ++r)
-      strided_copy(tmp.at(all) + r * R * out, out, y + r * out, size_ * out, R, out, tmp.at(eye));
+      strided_copy(advance(tmp.at<const void>(all), r * R * out, dt), out, advance(a.y, r * out, dt), size_ * out,
+                   R, out, tmp.at<const void>(eye), dt);
   }
 
   void column_bwd(const loom_tp_linear_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t R = a.rows, in = a.in, out = a.out;
-    const float* x = static_cast<const float*>(a.x);  // the full input
-    const float* w = static_cast<const float*>(a.weight);
-    const float* dy = static_cast<const float*>(a.dy);
+    const void* x = a.x;  // the full input
+    const void* w = a.weight;
+    const void* dy = a.dy;
     Arena tmp;
     const bool gathered = a.gather_output && size_ > 1;
-    const size_t dyl = tmp.floats(gathered ? R * out : 0), eye = tmp.floats(gathered ? out * out : 0);
+    const size_t dyl = tmp.elems(gathered ? R * out : 0, dt), eye = tmp.elems(gathered ? out * out : 0, dt);
     const bool direct = !sp_ && !a.accumulate_dx;  // dx can hold the full sum itself
-    const size_t dfull = tmp.floats(a.dx && !direct ? R * in : 0);
-    const size_t dred = tmp.floats(a.dx && a.accumulate_dx ? local_rows(R) * in : 0);
+    const size_t dfull = tmp.elems(a.dx && !direct ? R * in : 0, dt);
+    const size_t dred = tmp.elems(a.dx && a.accumulate_dx ? local_rows(R) * in : 0, dt);
     tmp.allocate(rank_);
     if (gathered) {  // this rank's columns of the whole output's gradient
-      identity(tmp.at(eye), out);
-      strided_copy(dy + tp_rank_ * out, size_ * out, tmp.at(dyl), out, R, out, tmp.at(eye));
-      dy = tmp.at(dyl);
+      identity(tmp.at<void>(eye), out, dt);
+      strided_copy(advance(dy, tp_rank_ * out, dt), size_ * out, tmp.at<void>(dyl), out, R, out,
+                   tmp.at<const void>(eye), dt);
+      dy = tmp.at<const void>(dyl);
     }
-    float* dw = static_cast<float*>(a.dweight);
-    float* db = static_cast<float*>(a.dbias);
-    gemm(dev_, true, false, in, out, R, x, dy, dw, 1.0f);
-    if (db) column_sum_acc(dev_, dy, db, R, out);
+    gemm(dev_, true, false, in, out, R, x, dy, a.dweight, 1.0f, dt, dt);
+    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, R, out, dt, dt);
     if (!a.dx) return;
-    float* dx = static_cast<float*>(a.dx);
-    float* full = direct ? dx : tmp.at(dfull);
-    gemm(dev_, false, true, R, in, out, dy, w, full, 0.0f);
+    void* dx = a.dx;
+    void* full = direct ? dx : tmp.at<void>(dfull);
+    gemm(dev_, false, true, R, in, out, dy, w, full, 0.0f, dt, dt);
     if (direct) {
-      all_reduce(full, dx, R * in);
+      all_reduce(full, dx, R * in, dt);
     } else if (!a.accumulate_dx) {
-      enter_bwd(R, in, full, dx);
+      enter_bwd(R, in, full, dx, dt);
     } else {
-      enter_bwd(R, in, full, tmp.at(dred));
-      add(dev_, dx, tmp.at(dred), dx, local_rows(R) * in);
+      enter_bwd(R, in, full, tmp.at<void>(dred), dt);
+      add(dev_, dx, tmp.at<void>(dred), dx, local_rows(R) * in, dt);
     }
   }
 
   void row_fwd(const loom_tp_linear_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t R = a.rows, in = a.in, out = a.out;
-    const float* x = static_cast<const float*>(a.x);
-    const float* w = static_cast<const float*>(a.weight);
-    float* y = static_cast<float*>(a.y);
+    void* y = a.y;
     Arena tmp;
-    const size_t partial = tmp.floats(sp_ ? R * out : 0);
+    const size_t partial = tmp.elems(sp_ ? R * out : 0, dt);
     tmp.allocate(rank_);
-    float* p = sp_ ? tmp.at(partial) : y;
-    gemm(dev_, false, false, R, out, in, x, w, p, 0.0f);
-    exit_fwd(R, out, p, y);
-    if (a.bias) add_bias(dev_, y, static_cast<const float*>(a.bias), y, local_rows(R), out);
+    void* p = sp_ ? tmp.at<void>(partial) : y;
+    gemm(dev_, false, false, R, out, in, a.x, a.weight, p, 0.0f, dt, dt);
+    exit_fwd(R, out, p, y, dt);
+    if (a.bias) add_bias(dev_, y, a.bias, y, local_rows(R), out, dt);
   }
 
   void row_bwd(const loom_tp_linear_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t R = a.rows, in = a.in, out = a.out;
-    const float* x = static_cast<const float*>(a.x);
-    const float* w = static_cast<const float*>(a.weight);
-    const float* dy = static_cast<const float*>(a.dy);
+    const void* dy = a.dy;
     Arena tmp;
-    const size_t full = tmp.floats(sp_ ? R * out : 0);
+    const size_t full = tmp.elems(sp_ ? R * out : 0, dt);
     tmp.allocate(rank_);
     // The bias came after the reduction: its gradient is dy as held (the shard under SP).
-    if (a.dbias) column_sum_acc(dev_, dy, static_cast<float*>(a.dbias), local_rows(R), out);
-    const float* d = dy;
+    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, local_rows(R), out, dt, dt);
+    const void* d = dy;
     if (sp_) {
-      exit_bwd(R, out, dy, tmp.at(full));
-      d = tmp.at(full);
+      exit_bwd(R, out, dy, tmp.at<void>(full), dt);
+      d = tmp.at<const void>(full);
     }
-    gemm(dev_, true, false, in, out, R, x, d, static_cast<float*>(a.dweight), 1.0f);
-    if (a.dx) gemm(dev_, false, true, R, in, out, d, w, static_cast<float*>(a.dx), a.accumulate_dx ? 1.0f : 0.0f);
+    gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, dt);
+    if (a.dx) gemm(dev_, false, true, R, in, out, d, a.weight, a.dx, a.accumulate_dx ? 1.0f : 0.0f, dt, dt);
   }
 
   // ----- vocabulary ----------------------------------------------------------
@@ -195,32 +195,32 @@ class Tp {
   }
 
   void embedding_fwd(const loom_tp_embedding_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const loom_tp_vocab_range v = vocab_range(a.padded_vocab, a.padded_vocab);
     Arena tmp;
-    const size_t full = tmp.floats(sp_ ? a.rows * a.dim : 0);
+    const size_t full = tmp.elems(sp_ ? a.rows * a.dim : 0, dt);
     tmp.allocate(rank_);
-    float* out = static_cast<float*>(a.out);
-    float* y = sp_ ? tmp.at(full) : out;
+    void* out = a.out;
+    void* y = sp_ ? tmp.at<void>(full) : out;
     dev_.embedding_fwd({.n = a.rows, .dim = a.dim, .vocab_rows = v.rows, .vocab_start = v.start, .ids = a.ids,
-                        .table = a.table, .out = y, .accumulate = 0, .dtype = LOOM_DTYPE_F32});
-    exit_fwd(a.rows, a.dim, y, out);  // g: the other slices' rows
+                        .table = a.table, .out = y, .accumulate = 0, .dtype = dt});
+    exit_fwd(a.rows, a.dim, y, out, dt);  // g: the other slices' rows
   }
 
   void embedding_bwd(const loom_tp_embedding_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const loom_tp_vocab_range v = vocab_range(a.padded_vocab, a.padded_vocab);
     Arena tmp;
-    const size_t full = tmp.floats(sp_ ? a.rows * a.dim : 0);
+    const size_t full = tmp.elems(sp_ ? a.rows * a.dim : 0, dt);
     tmp.allocate(rank_);
-    const float* d = static_cast<const float*>(a.dout);
+    const void* d = a.dout;
     if (sp_) {
-      exit_bwd(a.rows, a.dim, d, tmp.at(full));
-      d = tmp.at(full);
+      exit_bwd(a.rows, a.dim, d, tmp.at<void>(full), dt);
+      d = tmp.at<const void>(full);
     }
     // Each rank scatters every token's gradient into its own vocab slice.
     dev_.embedding_bwd({.n = a.rows, .dim = a.dim, .vocab_rows = v.rows, .vocab_start = v.start, .ids = a.ids,
-                        .dout = d, .dtable = a.dtable, .dtype = LOOM_DTYPE_F32});
+                        .dout = d, .dtable = a.dtable, .dtype = dt});
   }
 
   // ----- logits fused with cross-entropy -----------------------------------
@@ -239,23 +239,23 @@ class Tp {
     xa.target_logit = a.stats + 2 * a.rows;
     xa.loss = a.loss;
     xa.scale = 1.0f;
-    xa.dtype = LOOM_DTYPE_F32;
+    xa.dtype = a.dtype;
     return xa;
   }
 
   void xent_fwd(const loom_tp_xent_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t T = a.rows, H = a.hidden;
     const loom_tp_vocab_range v = vocab_range(a.vocab, a.padded_vocab);
     const int64_t Vl = v.rows;
-    const float* x = static_cast<const float*>(a.x);
+    const void* x = a.x;
     if (sp_) {
       LOOM_REQUIRE(a.x_full != nullptr, name_ << ": cross-entropy under sequence parallelism needs x_full");
-      enter_fwd(T, H, x, static_cast<float*>(a.x_full));
-      x = static_cast<const float*>(a.x_full);
+      enter_fwd(T, H, x, a.x_full, dt);
+      x = a.x_full;
     }
-    float* logits = static_cast<float*>(a.logits);
-    gemm(dev_, false, true, T, Vl, H, x, static_cast<const float*>(a.weight), logits, 0.0f);
+    void* logits = a.logits;
+    gemm(dev_, false, true, T, Vl, H, x, a.weight, logits, 0.0f, dt, dt);
 
     float* row_max = a.stats;
     float* sums = a.stats + T;  // sum-exp then target logit: one all-reduce
@@ -274,7 +274,7 @@ class Tp {
         const size_t idx = am.add(T * sizeof(int32_t));
         am.allocate(rank_);
         dev_.reduce({.op = LOOM_RED_ROW_ARGMAX, .n = T * v.valid, .cols = v.valid, .x = logits,
-                     .out = am.at<int32_t>(idx), .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_I32, .ld = Vl});
+                     .out = am.at<int32_t>(idx), .dtype = dt, .out_dtype = LOOM_DTYPE_I32, .ld = Vl});
         dev_.copy(local_arg.data(), am.at<int32_t>(idx), T * sizeof(int32_t), LOOM_COPY_DEVICE_TO_HOST);
         dev_.copy(local_max.data(), row_max, T * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
         dev_.synchronize();
@@ -301,15 +301,15 @@ class Tp {
   }
 
   void xent_bwd(const loom_tp_xent_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     const int64_t T = a.rows, H = a.hidden;
     const loom_tp_vocab_range v = vocab_range(a.vocab, a.padded_vocab);
     const int64_t Vl = v.rows;
-    const float* x = static_cast<const float*>(a.x);  // the full input
-    const float* w = static_cast<const float*>(a.weight);
+    const void* x = a.x;  // the full input
+    const void* w = a.weight;
     Arena tmp;
-    const size_t dlogits = tmp.floats(T * Vl), dfull = tmp.floats(T * H);
-    const size_t dred = tmp.floats(a.dx && a.accumulate_dx ? local_rows(T) * H : 0);
+    const size_t dlogits = tmp.elems(T * Vl, dt), dfull = tmp.elems(T * H, dt);
+    const size_t dred = tmp.elems(a.dx && a.accumulate_dx ? local_rows(T) * H : 0, dt);
     tmp.allocate(rank_);
     // dlogits = scale * (softmax - onehot) on the local slice.
     loom_xent_args xa = xent_args(a, v);
@@ -317,22 +317,22 @@ class Tp {
     xa.dlogits = tmp.at(dlogits);
     xa.scale = a.scale;
     dev_.xent(xa);
-    gemm(dev_, true, false, Vl, H, T, tmp.at(dlogits), x, static_cast<float*>(a.dweight), 1.0f);
+    gemm(dev_, true, false, Vl, H, T, tmp.at<void>(dlogits), x, a.dweight, 1.0f, dt, dt);
     if (!a.dx) return;
-    float* dx = static_cast<float*>(a.dx);
-    gemm(dev_, false, false, T, H, Vl, tmp.at(dlogits), w, tmp.at(dfull), 0.0f);
+    void* dx = a.dx;
+    gemm(dev_, false, false, T, H, Vl, tmp.at<void>(dlogits), w, tmp.at<void>(dfull), 0.0f, dt, dt);
     if (a.accumulate_dx) {
-      enter_bwd(T, H, tmp.at(dfull), tmp.at(dred));
-      add(dev_, dx, tmp.at(dred), dx, local_rows(T) * H);
+      enter_bwd(T, H, tmp.at<void>(dfull), tmp.at<void>(dred), dt);
+      add(dev_, dx, tmp.at<void>(dred), dx, local_rows(T) * H, dt);
     } else {
-      enter_bwd(T, H, tmp.at(dfull), dx);
+      enter_bwd(T, H, tmp.at<void>(dfull), dx, dt);
     }
   }
 
   // ----- the model-parallel RNG ----------------------------------------------
 
   void dropout_fwd(const loom_tp_dropout_args& a) const {
-    require_f32(a.dtype);
+    const int32_t dt = require_float(a.dtype);
     uint64_t seed = dropout_seed(a.seed, name_, a.microbatch);
     if (a.stream != 0) seed = mix64(seed ^ mix64(0x5bd1e995ull + static_cast<uint64_t>(a.stream)));
     uint64_t offset = 0;
@@ -345,7 +345,7 @@ class Tp {
       if (sp_) offset = static_cast<uint64_t>(tp_rank_) * static_cast<uint64_t>(a.n);
     }
     dev_.elementwise({.op = LOOM_EW_DROPOUT, .n = a.n, .x = a.x, .y = a.mask, .out = a.out, .p = a.p,
-                      .seed = seed, .offset = offset, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+                      .seed = seed, .offset = offset, .dtype = dt, .out_dtype = dt});
   }
 
  private:
@@ -355,25 +355,31 @@ class Tp {
                  name_ << ": the tp group of " << size_ << " ranks has no communicator");
     return group_;
   }
-  void require_f32(int32_t dtype) const {
-    LOOM_REQUIRE(dtype == LOOM_DTYPE_F32, name_ << ": parallel/tensor supports float32 activations only");
+  // Activations (and the weights and weight gradients handed in) are fp32 or bf16;
+  // the statistics (xent stats, loss) are fp32 either way.
+  int32_t require_float(int32_t dtype) const {
+    LOOM_REQUIRE(dtype == LOOM_DTYPE_F32 || dtype == LOOM_DTYPE_BF16,
+                 name_ << ": parallel/tensor supports float32 and bfloat16 activations, got dtype " << dtype);
+    return dtype;
   }
   // out = the sum over tp of x (a copy on one rank; in place when x == out).
-  void all_reduce(const float* x, float* out, int64_t n) const {
-    if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * sizeof(float));
-    else comm().all_reduce(stream(), x, out, static_cast<size_t>(n), LOOM_DTYPE_F32);
+  void all_reduce(const void* x, void* out, int64_t n, int32_t dt) const {
+    if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * dtype_bytes(dt));
+    else comm().all_reduce(stream(), x, out, static_cast<size_t>(n), dt);
   }
-  void identity(float* eye, int64_t n) const {
-    dev_.elementwise({.op = LOOM_EW_FILL, .n = n * n, .out = eye, .alpha = 0.f, .dtype = LOOM_DTYPE_F32,
-                      .out_dtype = LOOM_DTYPE_F32});
-    std::vector<float> diag(1, 1.0f);
-    for (int64_t i = 0; i < n; ++i) dev_.copy(eye + i * n + i, diag.data(), sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+  void identity(void* eye, int64_t n, int32_t dt) const {
+    dev_.elementwise({.op = LOOM_EW_FILL, .n = n * n, .out = eye, .alpha = 0.f, .dtype = dt, .out_dtype = dt});
+    const float one_f32 = 1.0f;
+    const uint16_t one_bf16 = 0x3f80;  // 1.0 in bfloat16
+    const void* one = dt == LOOM_DTYPE_BF16 ? static_cast<const void*>(&one_bf16) : static_cast<const void*>(&one_f32);
+    for (int64_t i = 0; i < n; ++i)
+      dev_.copy(advance(eye, i * n + i, dt), one, dtype_bytes(dt), LOOM_COPY_HOST_TO_DEVICE);
     dev_.synchronize();
   }
   // dst[r, 0:cols] (row stride ldd) = src[r, 0:cols] (row stride lds): a GEMM with
   // the identity, exact, and on any device.
-  void strided_copy(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols,
-                    const float* eye) const {
+  void strided_copy(const void* src, int64_t lds, void* dst, int64_t ldd, int64_t rows, int64_t cols,
+                    const void* eye, int32_t dt) const {
     loom_gemm_args g = loom::make<loom_gemm_args>();
     g.m = rows;
     g.n = cols;
@@ -387,8 +393,8 @@ class Tp {
     g.batch = 1;
     g.alpha = 1.0f;
     g.beta = 0.0f;
-    g.dtype = LOOM_DTYPE_F32;
-    g.c_dtype = LOOM_DTYPE_F32;
+    g.dtype = dt;
+    g.c_dtype = dt;
     dev_.gemm(g);
   }
 
