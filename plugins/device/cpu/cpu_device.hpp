@@ -10,6 +10,8 @@
 #include <exception>
 #include <functional>
 #include <loom/cpp/core.hpp>
+
+#include "../common/op_contract.hpp"
 #include <memory>
 #include <mutex>
 #include <string>
@@ -200,12 +202,8 @@ void run_elementwise(Device& d, const loom_elementwise_args& a);
 void run_reduce(Device& d, const loom_reduce_args& a);
 void run_adamw(Device& d, const loom_adamw_args& a);
 
-// "f32", "bf16", ... for messages.
-const char* dtype_name(int32_t dtype);
-// Throws UNSUPPORTED naming the op and the dtype unless dtype is F32.
-void require_f32(const char* op, const char* what, int32_t dtype);
-// Throws UNSUPPORTED naming the op and the dtype unless dtype is F32 or BF16.
-void require_float(const char* op, const char* what, int32_t dtype);
+// Argument validation (validate above) is plugins/device/common/op_contract's,
+// plus this device's own limits.
 
 // ---------------------------------------------------------------------------
 // bf16 storage. An op whose dtype is BF16 reads bf16 tensors, widens them (rows,

@@ -202,26 +202,10 @@ void Device::gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, f
 }
 
 void validate(const loom_gemm_args& g) {
-  require_float("gemm", "dtype", g.dtype);
-  require_float("gemm", "c_dtype", g.c_dtype);
-  LOOM_REQUIRE((g.trans_a == 0 || g.trans_a == 1) && (g.trans_b == 0 || g.trans_b == 1),
-               "gemm: trans_a/trans_b must be 0 or 1 (got " << g.trans_a << ", " << g.trans_b << ")");
-  LOOM_REQUIRE(g.m >= 0 && g.n >= 0 && g.k >= 0 && g.batch >= 1,
-               "gemm: m, n, k must be >= 0 and batch >= 1 (got m=" << g.m << " n=" << g.n << " k=" << g.k
-                                                                   << " batch=" << g.batch << ")");
-  const int64_t a_cols = g.trans_a ? g.m : g.k, b_cols = g.trans_b ? g.k : g.n;
-  LOOM_REQUIRE(g.lda >= std::max<int64_t>(1, a_cols),
-               "gemm: lda=" << g.lda << " is smaller than the " << a_cols << " columns of the stored A");
-  LOOM_REQUIRE(g.ldb >= std::max<int64_t>(1, b_cols),
-               "gemm: ldb=" << g.ldb << " is smaller than the " << b_cols << " columns of the stored B");
-  LOOM_REQUIRE(g.ldc >= std::max<int64_t>(1, g.n), "gemm: ldc=" << g.ldc << " is smaller than n=" << g.n);
+  op_contract::check("device/cpu", g);
   constexpr int64_t kMax = INT_MAX;
   LOOM_REQUIRE(g.m <= kMax && g.n <= kMax && g.k <= kMax && g.lda <= kMax && g.ldb <= kMax && g.ldc <= kMax,
                "gemm: dimensions and leading dimensions must fit in 32 bits (BLAS interface)");
-  if (g.m > 0 && g.n > 0) {
-    LOOM_REQUIRE(g.c != nullptr, "gemm: c is NULL");
-    LOOM_REQUIRE(g.k == 0 || (g.a != nullptr && g.b != nullptr), "gemm: a or b is NULL");
-  }
   if (is_bf16(g.c_dtype) && g.batch > 1)
     LOOM_REQUIRE(g.stride_c >= 0, "gemm: stride_c=" << g.stride_c << " must be >= 0 when c_dtype is bf16");
 }

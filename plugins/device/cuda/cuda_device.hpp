@@ -250,6 +250,4 @@ void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a);
 void run_reduce(Device& d, Stream& s, const loom_reduce_args& a);
 void run_adamw(Device& d, Stream& s, const loom_adamw_args& a);
 
-const char* dtype_name(int32_t dtype);
-
 }  // namespace loom::cuda

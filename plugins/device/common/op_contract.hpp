@@ -1,0 +1,32 @@
+// The device op table's argument contract, the same for every device plugin:
+// what makes a loom_gemm_args, loom_xent_args, ... valid (sizes, strides, NULL
+// pointers, op codes, f32/bf16 storage). Each device calls check() first and then
+// adds only its own limits (32-bit sizes for BLAS, one CUDA block per row, ...).
+// Errors are loom::Error with one line naming the op; `device` ("device/cpu")
+// names the plugin in unsupported-dtype messages.
+#pragma once
+
+#include <loom/cpp/core.hpp>
+
+namespace loom::op_contract {
+
+const char* dtype_name(int32_t dtype);  // "f32", "bf16", ...
+const char* ew_name(int32_t op);        // "elementwise(ADD)", ...
+
+// Throw UNSUPPORTED naming the op, the field and the dtype unless it is f32
+// (require_f32) or f32/bf16 storage (require_float).
+void require_f32(const char* device, const char* op, const char* what, int32_t dtype);
+void require_float(const char* device, const char* op, const char* what, int32_t dtype);
+
+void check(const char* device, const loom_gemm_args& g);
+void check(const char* device, const loom_layernorm_fwd_args& a);
+void check(const char* device, const loom_layernorm_bwd_args& a);
+void check(const char* device, const loom_gelu_args& a, bool backward);
+void check(const char* device, const loom_attention_args& a, bool backward);
+void check(const char* device, const loom_xent_args& a);
+void check(const char* device, const loom_embedding_args& a, bool backward);
+void check(const char* device, const loom_elementwise_args& a);
+void check(const char* device, const loom_reduce_args& a);
+void check(const char* device, const loom_adamw_args& a);
+
+}  // namespace loom::op_contract
