@@ -4,7 +4,8 @@
 #   2. runs the GPU tests (device/cuda against device/cpu on every op; comm/nccl with >= 2 GPUs)
 #   3. training equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
-#      dp = 2 over comm/nccl against dp = 2 on the CPU
+#      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
+#      against dp = 2 on the CPU
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one
 #   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
@@ -96,8 +97,22 @@ if [ "$gpus" -ge 2 ]; then
   else
     fail "dp=2 runs failed (see $out/cpu_dp2.log, $out/nccl_dp2.log)"; tail -5 "$out/nccl_dp2.log"
   fi
+  # One process per rank: the NCCL ids travel over MPI.
+  if command -v mpirun >/dev/null; then
+    mpi_flags=(--oversubscribe); [ "$(id -u)" -eq 0 ] && mpi_flags+=(--allow-run-as-root)
+    if mpirun "${mpi_flags[@]}" -np 2 "$loom" run "${dp2[@]}" --set device.kind=cuda --set comm.backend=nccl \
+         --metrics "$out/nccl_mpi_dp2.jsonl" >"$out/nccl_mpi_dp2.log" 2>&1; then
+      if compare "$out/nccl_mpi_dp2.jsonl" "$out/cpu_dp2.jsonl" 1e-4 "cuda+nccl under mpirun vs cpu, dp=2"; then
+        pass "cuda+nccl dp=2, one process per rank = cpu dp=2"
+      else fail "cuda+nccl under mpirun vs cpu dp=2 losses differ"; fi
+    else
+      fail "mpirun -np 2 with comm/nccl failed (see $out/nccl_mpi_dp2.log)"; tail -5 "$out/nccl_mpi_dp2.log"
+    fi
+  else
+    say "SKIPPED: comm/nccl with one process per rank needs mpirun"
+  fi
 else
-  say "SKIPPED: dp=2 over comm/nccl needs 2 GPUs"
+  say "SKIPPED: dp=2 over comm/nccl (threads and mpirun) needs 2 GPUs"
 fi
 
 # ---- 4. bf16 ----------------------------------------------------------------------------

@@ -25,7 +25,7 @@
 // A timeout poisons the group: later calls on it fail at once with the same story.
 #pragma once
 
-#include "world.hpp"
+#include "../common/mpi_world.hpp"
 
 #include <deque>
 #include <map>
@@ -35,6 +35,14 @@
 #include <vector>
 
 namespace loom::comm_mpi {
+
+// The MPI world is shared with comm/nccl (plugins/comm/common/mpi_world.hpp).
+using comm_common::after_text;
+using comm_common::Clock;
+using comm_common::mpi_error_text;
+using comm_common::mpi_mutex;
+using comm_common::Settings;
+using comm_common::World;
 
 enum class Op : int32_t { Barrier = 1, AllReduce, AllGather, ReduceScatter, AllToAll, AllToAllV, Broadcast, GroupCreate };
 const char* op_name(Op op);

@@ -2,9 +2,9 @@
 // deterministic and bit-identical to comm/local's (same in-order reduction kernel,
 // plugins/comm/common/reduce.hpp); every wait has the world's timeout and names
 // the op, the group and the ranks that did not arrive; world_abort reaches every
-// process. See world.hpp (MPI set-up, polling, abort) and group.hpp (protocol).
+// process. See ../common/mpi_world.hpp (MPI set-up, polling, abort) and group.hpp (protocol).
 #include "group.hpp"
-#include "world.hpp"
+#include "../common/mpi_world.hpp"
 
 #include <loom/cpp/plugin.hpp>
 

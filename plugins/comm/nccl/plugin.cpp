@@ -1,12 +1,19 @@
 // comm/nccl: GPU collectives through NCCL, one communicator per rank group.
 //
-// Launch mode: ranks are threads of one process, one GPU per rank (the engine's
-// launcher). A group's NCCL unique id is made by the first member to arrive at
-// group_create and handed to the others through the world object (a rendezvous
-// keyed by the group's kind and rank list, as comm/local's); each member then
-// calls ncclCommInitRankConfig. Ranks in several processes (the id over MPI or a
-// TCP store) are not supported yet: world_create refuses a world that this
-// process does not host entirely.
+// Launch modes, one GPU per rank:
+// - threads of one process (the engine's launcher): a group's NCCL unique id is
+//   made by the first member to arrive at group_create and handed to the others
+//   through the world object (a rendezvous keyed by the group's kind and rank
+//   list, as comm/local's); the rank's GPU is its index in the process modulo the
+//   GPU count, as device/cuda picks it.
+// - one process per rank under mpirun/srun (built with MPI): the group's first
+//   member makes the id and sends it to the others over MPI
+//   (comm_common::World::share_from_first, with the timeout); the rank's GPU is
+//   the calling thread's current device, which device/cuda set when it created the
+//   rank's device. A failure in one process reaches the others through MPI too
+//   (their watchdog aborts their communicators), and a failed process ends the job
+//   with MPI_Abort when it exits.
+// Each member then calls ncclCommInitRankConfig.
 //
 // Streams: each communicator has its own CUDA stream. A call on the caller's
 // stream S records an event on S, makes the comm stream wait for it, enqueues the
@@ -33,6 +40,10 @@
 // members never all arrive fails instead of hanging.
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+
+#ifdef LOOM_NCCL_WITH_MPI
+#include "../common/mpi_world.hpp"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -121,6 +132,16 @@ struct Rendezvous {
 struct World {
   int32_t world_size = 0;
   std::vector<int32_t> local_ranks;
+#ifdef LOOM_NCCL_WITH_MPI
+  std::shared_ptr<comm_common::World> mpi;  // ranks in several processes: ids and aborts over MPI
+#endif
+  bool multi_process() const {
+#ifdef LOOM_NCCL_WITH_MPI
+    return mpi != nullptr;
+#else
+    return false;
+#endif
+  }
   int64_t timeout_ms = 0;
   int device_count = 0;
   std::vector<std::string> p2p_kinds;  // groups that get point-to-point channels
@@ -251,6 +272,9 @@ void World::abort(const std::string& why) {
     to_abort = comms;
   }
   LOOM_LOG(ERROR) << why;
+#ifdef LOOM_NCCL_WITH_MPI
+  if (mpi) mpi->abort(why);  // the other processes' watchdogs abort theirs
+#endif
   // ncclCommAbort makes the communicators' kernels return and frees them; the
   // rank threads see `aborted` and fail their calls.
   for (Comm* c : to_abort) {
@@ -277,7 +301,10 @@ void World::watch() {
     wd_cv.wait_for(wl, period);
     if (stop || aborted.load()) continue;
     std::string failure;
-    {
+#ifdef LOOM_NCCL_WITH_MPI
+    if (mpi) failure = mpi->failure();  // another process failed (or aborted the run)
+#endif
+    if (failure.empty()) {
       std::lock_guard<std::mutex> lock(mu);
       for (Comm* c : comms) {
         if (c->aborted.load() || c->nccl == nullptr) continue;
@@ -516,12 +543,21 @@ loom_status world_create(const loom_options* options, const loom_comm_world_args
     LOOM_REQUIRE(args->world_size >= 1, "comm/nccl: world_size must be at least 1, got " << args->world_size);
     LOOM_REQUIRE(args->num_local_ranks >= 0 && (args->num_local_ranks == 0 || args->local_ranks != nullptr),
                  "comm/nccl: world_create got " << args->num_local_ranks << " local ranks and no list of them");
-    if (args->num_local_ranks != args->world_size)
+    const bool several_processes = args->num_local_ranks != args->world_size;
+    if (several_processes && args->num_local_ranks != 1)
       throw Error("comm/nccl: this process hosts " + std::to_string(args->num_local_ranks) + " of " +
                       std::to_string(args->world_size) +
-                      " ranks; comm/nccl supports ranks as threads of one process (one GPU each) so far; ranks in "
-                      "several processes need the NCCL id exchanged over MPI, which is not implemented yet",
+                      " ranks; comm/nccl runs either every rank as a thread of one process or one rank per process "
+                      "(mpirun -np " + std::to_string(args->world_size) + ")",
                   LOOM_CODE_UNSUPPORTED);
+#ifndef LOOM_NCCL_WITH_MPI
+    if (several_processes)
+      throw Error("comm/nccl: this process hosts 1 of " + std::to_string(args->world_size) +
+                      " ranks, and ranks in several processes exchange their NCCL ids over MPI, but this comm/nccl "
+                      "was built without MPI; rebuild loom with MPI found (OpenMPI), or run every rank as a thread "
+                      "of one process (without mpirun)",
+                  LOOM_CODE_UNSUPPORTED);
+#endif
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
@@ -531,7 +567,7 @@ loom_status world_create(const loom_options* options, const loom_comm_world_args
                       "); use comm.backend = \"local\"",
                   LOOM_CODE_UNSUPPORTED);
     }
-    if (args->world_size > count)
+    if (!several_processes && args->world_size > count)
       throw Error("comm/nccl: " + std::to_string(args->world_size) + " ranks need one GPU each, but " +
                       std::to_string(count) +
                       " are visible (NCCL cannot put two ranks of a communicator on one GPU); use fewer ranks or "
@@ -542,6 +578,15 @@ loom_status world_create(const loom_options* options, const loom_comm_world_args
     w->local_ranks.assign(args->local_ranks, args->local_ranks + args->num_local_ranks);
     w->timeout_ms = args->timeout_ms;
     w->device_count = count;
+#ifdef LOOM_NCCL_WITH_MPI
+    if (several_processes) {
+      comm_common::Settings s;
+      s.plugin = "comm/nccl";
+      s.timeout_ms = args->timeout_ms;
+      s.abort_on_failure = Options(options).get_bool("abort_on_failure", true);
+      w->mpi = std::make_shared<comm_common::World>(s, args->world_size, args->local_ranks[0]);
+    }
+#endif
     std::stringstream kinds(Options(options).get_string("p2p_groups", "pp"));
     for (std::string k; std::getline(kinds, k, ',');)
       if (!k.empty()) w->p2p_kinds.push_back(k);
@@ -569,6 +614,15 @@ void world_abort(loom_comm_world* world, const char* reason) {
   });
 }
 
+ncclUniqueId new_unique_id(const Comm& c) {
+  ncclUniqueId id{};
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess)
+    throw Error("comm/nccl group_create on " + c.where() + ": ncclGetUniqueId failed: " + ncclGetErrorString(r),
+                LOOM_CODE_INTERNAL);
+  return id;
+}
+
 // The id of a communicator: made by the first member to arrive, taken by the
 // others (the n-th communicator of a key on every member meets the n-th on the
 // others, however calls of different groups interleave).
@@ -584,10 +638,7 @@ ncclUniqueId rendezvous(World& w, const Comm& c, const std::string& key, int mem
   if (!rv) {
     rv = std::make_shared<Rendezvous>();
     rv->joined.assign(members, 0);
-    const ncclResult_t r = ncclGetUniqueId(&rv->id);
-    if (r != ncclSuccess)
-      throw Error("comm/nccl group_create on " + c.where() + ": ncclGetUniqueId failed: " + ncclGetErrorString(r),
-                  LOOM_CODE_INTERNAL);
+    rv->id = new_unique_id(c);
     q.push_back(rv);
   }
   rv->joined[slot] = 1;
@@ -597,6 +648,34 @@ ncclUniqueId rendezvous(World& w, const Comm& c, const std::string& key, int mem
     if (q.empty()) w.pending.erase(key);
   }
   return id;
+}
+
+
+// The unique id of a communicator whose members are `members` (global ranks; the
+// caller is members[slot]): through the world object when every rank is a thread
+// of this process, over MPI when ranks are processes. `label` names it in messages.
+ncclUniqueId shared_id(World& w, const Comm& c, const std::string& label, const std::vector<int32_t>& members,
+                       int slot) {
+#ifdef LOOM_NCCL_WITH_MPI
+  if (w.mpi) {
+    const std::vector<unsigned char> bytes = w.mpi->share_from_first(label, members, [&] {
+      const ncclUniqueId id = new_unique_id(c);
+      const auto* p = reinterpret_cast<const unsigned char*>(&id);
+      return std::vector<unsigned char>(p, p + sizeof id);
+    });
+    if (bytes.size() != sizeof(ncclUniqueId))
+      throw Error("comm/nccl group_create on " + c.where() + ": the NCCL id of '" + label + "' from global rank " +
+                      std::to_string(members[0]) + " has " + std::to_string(bytes.size()) + " bytes, not " +
+                      std::to_string(sizeof(ncclUniqueId)) + " (a different NCCL on that node?)",
+                  LOOM_CODE_INTERNAL);
+    ncclUniqueId id{};
+    std::memcpy(&id, bytes.data(), sizeof id);
+    return id;
+  }
+#endif
+  std::string key = label;
+  for (int32_t r : members) key += "," + std::to_string(r);
+  return rendezvous(w, c, key, static_cast<int>(members.size()), slot);
 }
 
 void destroy_channel(Channel& ch) {
@@ -634,13 +713,17 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
     c->index = static_cast<int32_t>(me - c->ranks.begin());
     const auto local = std::find(w.local_ranks.begin(), w.local_ranks.end(), desc->my_rank);
     LOOM_REQUIRE(local != w.local_ranks.end(), "comm/nccl: rank " << desc->my_rank << " is not hosted by this process");
-    // The GPU of the rank: as device/cuda picks it (local rank modulo the GPU count).
-    c->gpu = static_cast<int>(local - w.local_ranks.begin()) % w.device_count;
+    if (w.multi_process()) {
+      // One rank per process: its GPU is the one device/cuda made current on this
+      // thread (picked from the node-local rank, or the device option gpu).
+      LOOM_NCCL_CUDA(c.get(), "group_create", cudaGetDevice(&c->gpu));
+    } else {
+      // Ranks as threads: as device/cuda picks it (index in the process modulo the GPU count).
+      c->gpu = static_cast<int>(local - w.local_ranks.begin()) % w.device_count;
+    }
     if (w.aborted.load()) fail_aborted(*c, "group_create");
 
-    std::string key = kind;
-    for (int32_t r : c->ranks) key += "," + std::to_string(r);
-    const ncclUniqueId id = rendezvous(w, *c, key, static_cast<int>(c->ranks.size()), c->index);
+    const ncclUniqueId id = shared_id(w, *c, kind, c->ranks, c->index);
 
     GpuScope gpu(*c, "group_create");
     LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
@@ -672,8 +755,8 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
         auto ch = std::make_unique<Channel>();
         ch->sender = c->index == src;
         const int slot = ch->sender ? 0 : 1;
-        const ncclUniqueId cid =
-            rendezvous(w, *c, key + ";p2p " + std::to_string(src) + ">" + std::to_string(dst), 2, slot);
+        const ncclUniqueId cid = shared_id(w, *c, kind + " p2p " + std::to_string(src) + ">" + std::to_string(dst),
+                                           {c->ranks[src], c->ranks[dst]}, slot);
         LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
         LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->ready, cudaEventDisableTiming));
         LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->done, cudaEventDisableTiming));
@@ -1051,11 +1134,15 @@ const loom_comm_api* comm_api() {
 }  // namespace
 }  // namespace loom::comm_nccl
 
-LOOM_PLUGIN_LIBRARY(loom::raw_plugin("comm", "nccl", "1.0.0",
-                                     "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process); "
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin("comm", "nccl", "1.1.0",
+                                     "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process, or "
+                                     "one process per rank under mpirun/srun with the NCCL ids over MPI); "
                                      "stream-ordered, with a watchdog that aborts a hung collective",
                                      LOOM_API_COMM, loom::comm_nccl::comm_api(),
                                      {loom::opt_string("p2p_groups", "pp",
                                                        "comma-separated group kinds whose send/recv get one channel "
                                                        "per ordered pair of ranks (a send never waits for the "
-                                                       "receiver); other groups use NCCL's blocking send/recv")}))
+                                                       "receiver); other groups use NCCL's blocking send/recv"),
+                                      loom::opt_bool("abort_on_failure", true,
+                                                     "one process per rank: after a failed run, call MPI_Abort at "
+                                                     "process exit so no process of the job keeps waiting")}))

@@ -1,4 +1,6 @@
-// comm/mpi: the world — one rank per process, OpenMPI underneath.
+// The MPI side of a comm plugin's world — one rank per process, OpenMPI
+// underneath. comm/mpi moves its data through it; comm/nccl (ranks in several
+// processes) exchanges its NCCL ids through it and relays aborts.
 //
 // Every MPI call of this plugin is made with mpi_mutex() held (MPI is initialised
 // with MPI_THREAD_SERIALIZED), so world_abort from another thread is safe. Waits
@@ -27,7 +29,7 @@
 #include <string>
 #include <vector>
 
-namespace loom::comm_mpi {
+namespace loom::comm_common {
 
 using Clock = std::chrono::steady_clock;
 
@@ -39,6 +41,7 @@ std::string after_text(int64_t timeout_ms);
 std::string mpi_error_text(int code);
 
 struct Settings {
+  std::string plugin = "comm/mpi";  // names the plugin in messages
   int64_t timeout_ms = 0;       // <= 0: wait forever
   int64_t spin_us = 50;         // busy polling before a wait starts sleeping
   int64_t max_sleep_us = 500;   // longest sleep between polls
@@ -83,9 +86,20 @@ class World {
   int claim_tag(const std::string& kind, const std::vector<int32_t>& ranks);
   void release_tag(int tag);
 
+  // The bytes the first member of a group (ranks in rank-in-group order) made with
+  // `make`, on every member: the first member calls make() and sends the result to
+  // the others, who wait for it (with the timeout, naming the first member). Called
+  // by every member; the n-th call for a kind and rank list meets the n-th on the
+  // others. Used for ids a group's members must share (NCCL unique ids).
+  std::vector<unsigned char> share_from_first(const std::string& kind, const std::vector<int32_t>& ranks,
+                                              const std::function<std::vector<unsigned char>()>& make);
+
   // Fails every pending and future wait here and in every other process with `reason`.
   void abort(const std::string& reason);
   bool failed() const { return failed_.load(); }
+  // The reason of a failure here or in another process (checking for a notice that
+  // arrived), or "" while there is none. For threads that do not wait in poll().
+  std::string failure();
 
  private:
   void check_abort_locked(const std::string& what);  // mpi_mutex() held
@@ -116,4 +130,4 @@ class World {
   std::set<int> live_tags_;
 };
 
-}  // namespace loom::comm_mpi
+}  // namespace loom::comm_common

@@ -1,14 +1,15 @@
-#include "world.hpp"
+#include "mpi_world.hpp"
 
 #include <loom/cpp/core.hpp>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
-namespace loom::comm_mpi {
+namespace loom::comm_common {
 namespace {
 
 constexpr int kAbortTag = 1;
@@ -64,28 +65,28 @@ World::World(const Settings& settings, int32_t world_size, int32_t my_rank) : se
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized)
-    throw Error("comm/mpi: MPI was already finalized in this process; a process can create comm/mpi worlds only "
-                "while MPI is up (create the next world before destroying the last one)",
+    throw Error(settings_.plugin + ": MPI was already finalized in this process; a process can create " +
+                    settings_.plugin + " worlds only while MPI is up (create the next world before destroying the last one)",
                 LOOM_CODE_UNSUPPORTED);
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
     int provided = 0;
     const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-    if (rc != MPI_SUCCESS) throw Error("comm/mpi: MPI_Init_thread failed: " + mpi_error_text(rc));
+    if (rc != MPI_SUCCESS) throw Error(settings_.plugin + ": MPI_Init_thread failed: " + mpi_error_text(rc));
     g_we_initialized = true;
     if (provided < MPI_THREAD_SERIALIZED)
-      throw Error("comm/mpi: the MPI library provides thread level " + std::to_string(provided) +
-                      " but comm/mpi needs MPI_THREAD_SERIALIZED; use an MPI built with thread support",
+      throw Error(settings_.plugin + ": the MPI library provides thread level " + std::to_string(provided) +
+                      " but " + settings_.plugin + " needs MPI_THREAD_SERIALIZED; use an MPI built with thread support",
                   LOOM_CODE_UNSUPPORTED);
   }
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   if (size_ != world_size || rank_ != my_rank) {
     std::ostringstream os;
-    os << "comm/mpi: the run has " << world_size << " rank(s) and asks this process to host rank " << my_rank
+    os << settings_.plugin << ": the run has " << world_size << " rank(s) and asks this process to host rank " << my_rank
        << ", but MPI started " << size_ << " process(es) and this one is MPI rank " << rank_
-       << "; comm/mpi hosts exactly one rank per process: start the run with mpirun -np " << world_size
+       << "; " << settings_.plugin << " hosts exactly one rank per process: start the run with mpirun -np " << world_size
        << " (or srun -n " << world_size << ")";
     if (g_worlds == 0 && g_we_initialized) {
       MPI_Finalize();
@@ -251,7 +252,7 @@ int World::claim_tag(const std::string& kind, const std::vector<int32_t>& ranks)
   key << '\x1f' << n;
   const int tag = 1 + static_cast<int>(fnv1a(key.str()) % static_cast<uint64_t>(std::max(tag_ub_ - 1, 1)));
   if (!live_tags_.insert(tag).second)
-    throw Error("comm/mpi: group_create of group '" + kind + "': its message tag " + std::to_string(tag) +
+    throw Error(settings_.plugin + ": group_create of group '" + kind + "': its message tag " + std::to_string(tag) +
                     " clashes with another live group of this process (a hash collision); create the groups in "
                     "another order",
                 LOOM_CODE_INTERNAL);
@@ -261,6 +262,83 @@ int World::claim_tag(const std::string& kind, const std::vector<int32_t>& ranks)
 void World::release_tag(int tag) {
   std::lock_guard<std::mutex> lk(mpi_mutex());
   live_tags_.erase(tag);
+}
+
+std::vector<unsigned char> World::share_from_first(const std::string& kind, const std::vector<int32_t>& ranks,
+                                                   const std::function<std::vector<unsigned char>()>& make) {
+  const auto me = std::find(ranks.begin(), ranks.end(), rank_);
+  if (me == ranks.end())
+    throw Error(settings_.plugin + ": rank " + std::to_string(rank_) + " shares an id of group '" + kind +
+                    "' but is not one of its members",
+                LOOM_CODE_INVALID_ARGUMENT);
+  const int tag = claim_tag(kind, ranks);
+  struct Release {
+    World* w;
+    int tag;
+    ~Release() { w->release_tag(tag); }
+  } release{this, tag};
+  // The message starts with a fingerprint of the tag's key, so that a tag shared by
+  // two keys (a hash collision) is a clear error instead of a wrong id.
+  std::string key = kind + '\x1f';
+  for (int32_t r : ranks) key += std::to_string(r) + ',';
+  const uint64_t fingerprint = fnv1a(key);
+  if (me == ranks.begin()) {
+    std::vector<unsigned char> blob = make();
+    auto msg = std::make_shared<std::vector<unsigned char>>(sizeof fingerprint + blob.size());
+    std::memcpy(msg->data(), &fingerprint, sizeof fingerprint);
+    if (!blob.empty()) std::memcpy(msg->data() + sizeof fingerprint, blob.data(), blob.size());
+    std::lock_guard<std::mutex> lk(mpi_mutex());
+    check_abort_locked(settings_.plugin + " group_create of group '" + kind + "'");
+    for (size_t i = 1; i < ranks.size(); ++i) {
+      MPI_Request req = MPI_REQUEST_NULL;
+      const int rc = MPI_Isend(msg->data(), static_cast<int>(msg->size()), MPI_BYTE, ranks[i], tag, p2p_, &req);
+      if (rc != MPI_SUCCESS)
+        throw Error(settings_.plugin + " group_create of group '" + kind + "': sending its id to global rank " +
+                    std::to_string(ranks[i]) + " failed: " + mpi_error_text(rc));
+      keep_send(req, msg);
+    }
+    return blob;
+  }
+  const std::string what = settings_.plugin + " group_create of group '" + kind + "' (global rank " +
+                           std::to_string(rank_) + ")";
+  std::vector<unsigned char> msg;
+  const bool got = poll(deadline(), what, [&] {
+    int flag = 0;
+    MPI_Status st;
+    int rc = MPI_Iprobe(ranks[0], tag, p2p_, &flag, &st);
+    if (rc != MPI_SUCCESS) throw Error(what + ": MPI_Iprobe failed: " + mpi_error_text(rc));
+    if (!flag) return false;
+    int n = 0;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    msg.resize(static_cast<size_t>(std::max(n, 0)));
+    rc = MPI_Recv(msg.data(), n, MPI_BYTE, ranks[0], tag, p2p_, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) throw Error(what + ": MPI_Recv failed: " + mpi_error_text(rc));
+    return true;
+  });
+  if (!got)
+    throw Error(what + ": no id from global rank " + std::to_string(ranks[0]) + ", the group's first member, " +
+                    after_text(settings_.timeout_ms) + ": that process did not create the group (it failed, or creates "
+                    "its groups in another order)",
+                LOOM_CODE_TIMEOUT);
+  uint64_t seen = 0;
+  if (msg.size() >= sizeof seen) std::memcpy(&seen, msg.data(), sizeof seen);
+  if (msg.size() < sizeof seen || seen != fingerprint)
+    throw Error(what + ": the message from global rank " + std::to_string(ranks[0]) +
+                    " belongs to another group (a tag collision); create the groups in another order",
+                LOOM_CODE_INTERNAL);
+  return std::vector<unsigned char>(msg.begin() + sizeof seen, msg.end());
+}
+
+std::string World::failure() {
+  std::lock_guard<std::mutex> lk(mpi_mutex());
+  if (!failed_.load() && abort_req_ != MPI_REQUEST_NULL) {
+    try {
+      check_abort_locked("");
+    } catch (const Error&) {
+      // failure_ now holds the other process's reason
+    }
+  }
+  return failed_.load() ? failure_ : std::string();
 }
 
 void World::abort(const std::string& reason) {
@@ -285,4 +363,4 @@ void World::abort(const std::string& reason) {
   }
 }
 
-}  // namespace loom::comm_mpi
+}  // namespace loom::comm_common
