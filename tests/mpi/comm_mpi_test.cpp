@@ -8,6 +8,8 @@
 #include "engine/plugins/registry.hpp"
 
 #include <gtest/gtest.h>
+
+#include "tests/support/mpi_rank_printer.hpp"
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -552,14 +554,6 @@ TEST(CommMpi, WorldAbortInOneProcessReleasesWaitersInTheOthersPromptly) {
   sync_all();
 }
 
-// Prints only failures on ranks other than 0, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::cerr << "[rank " << g_rank << "] " << (r.file_name() ? r.file_name() : "?") << ":" << r.line_number()
-                << ": " << r.summary() << "\n";
-  }
-};
 
 }  // namespace
 
@@ -567,11 +561,7 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   g_size = env_int("OMPI_COMM_WORLD_SIZE", env_int("PMI_SIZE", 1));
   g_rank = env_int("OMPI_COMM_WORLD_RANK", env_int("PMI_RANK", 0));
-  if (g_rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter);
-  }
+  loom::testing::print_failures_with_rank(g_rank);
   int rc = 1;
   try {
     g_long = std::make_unique<World>(mpi(), plugin("mpi"), g_size, std::vector<int32_t>{g_rank}, 60000);

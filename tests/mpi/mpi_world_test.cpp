@@ -9,6 +9,8 @@
 #include "plugins/comm/common/mpi_world.hpp"
 
 #include <gtest/gtest.h>
+
+#include "tests/support/mpi_rank_printer.hpp"
 #include <loom/cpp/core.hpp>
 #include <mpi.h>
 
@@ -151,14 +153,6 @@ TEST(MpiWorld, AbortReachesFailureInEveryProcess) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-// Failures of ranks other than 0 are printed with the rank (gtest's printer is rank 0's).
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
-  void OnTestPartResult(const ::testing::TestPartResult& r) override {
-    if (r.failed())
-      std::cerr << "[rank " << g_rank << "] " << (r.file_name() ? r.file_name() : "?") << ":" << r.line_number()
-                << ": " << r.summary() << "\n";
-  }
-};
 
 }  // namespace
 
@@ -168,11 +162,7 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
   MPI_Comm_size(MPI_COMM_WORLD, &g_size);
   MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
-  if (g_rank != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new RankFailurePrinter);
-  }
+  loom::testing::print_failures_with_rank(g_rank);
   const int rc = RUN_ALL_TESTS();
   int worst = 0;
   MPI_Allreduce(&rc, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);

@@ -43,16 +43,6 @@ std::mutex& mpi_mutex() {
   return mu;
 }
 
-std::string after_text(int64_t timeout_ms) {
-  char buf[48];
-  if (timeout_ms < 1000) {
-    std::snprintf(buf, sizeof buf, "after %lld ms", static_cast<long long>(timeout_ms));
-  } else {
-    std::snprintf(buf, sizeof buf, "after %.1f s", static_cast<double>(timeout_ms) / 1000.0);
-  }
-  return buf;
-}
-
 std::string mpi_error_text(int code) {
   char buf[MPI_MAX_ERROR_STRING];
   int len = 0;

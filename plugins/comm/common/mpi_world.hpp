@@ -18,6 +18,8 @@
 
 #include <mpi.h>
 
+#include "timeout_text.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -35,8 +37,6 @@ using Clock = std::chrono::steady_clock;
 
 // Held around every MPI call.
 std::mutex& mpi_mutex();
-// "after 200 ms", "after 2.0 s".
-std::string after_text(int64_t timeout_ms);
 // The text of an MPI error code.
 std::string mpi_error_text(int code);
 

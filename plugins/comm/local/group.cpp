@@ -83,16 +83,6 @@ Group::Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms)
 
 std::string Group::member(int m) const { return "rank " + std::to_string(ranks_[static_cast<size_t>(m)]); }
 
-std::string after_text(int64_t timeout_ms) {
-  char buf[48];
-  if (timeout_ms < 1000) {
-    std::snprintf(buf, sizeof buf, "after %lld ms", static_cast<long long>(timeout_ms));
-  } else {
-    std::snprintf(buf, sizeof buf, "after %.1f s", static_cast<double>(timeout_ms) / 1000.0);
-  }
-  return buf;
-}
-
 void Group::fail_fast(const char* op) const {
   // poison_message_ is written before poisoned_ is set and never changes after.
   throw Error("comm/local: " + std::string(op) + " on " + label_ +

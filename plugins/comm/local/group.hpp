@@ -17,6 +17,8 @@
 // thread); different members call concurrently. send/recv are safe from any thread.
 #pragma once
 
+#include "../common/timeout_text.hpp"
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -34,7 +36,7 @@ namespace loom::comm_local {
 enum class Op : int32_t { Barrier, AllReduce, AllGather, ReduceScatter, AllToAll, AllToAllV, Broadcast };
 const char* op_name(Op op);
 // "after 200 ms", "after 2.0 s": how long a wait lasted before it gave up.
-std::string after_text(int64_t timeout_ms);
+using comm_common::after_text;
 
 // One member's view of a collective call, as published to the others.
 struct Call {
