@@ -25,7 +25,7 @@ const char* kUsage =
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
-    "SIGINT/SIGTERM stop after the current step, write a checkpoint (when checkpoint.dir is set) and exit 130.\n";
+    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
 }  // namespace
 
@@ -63,11 +63,12 @@ int cmd_run(int argc, char** argv) {
       opts.log = nullptr;
     }
     opts.stop_signal = &g_stop;
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
+    // SIGUSR1 too: mpirun forwards it to every rank (SIGINT becomes SIGTERM there,
+    // followed by SIGKILL a second later), and Slurm sends it ahead of a time limit
+    // (sbatch --signal=USR1@120).
+    for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_signal);
     train::TrainResult r = train::train(plan, opts);
-    std::signal(SIGINT, SIG_DFL);
-    std::signal(SIGTERM, SIG_DFL);
+    for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, SIG_DFL);
 
     if (!r.steps.empty()) {
       const train::StepRecord& first = r.steps.front();

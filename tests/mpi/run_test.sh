@@ -7,6 +7,7 @@
 #      under mpirun to the same steps as the uninterrupted threads run;
 #   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
 #      with a message naming it and a non-zero exit, long before comm.timeout_s;
+#   3b. SIGUSR1 to mpirun stops every rank after one step with a checkpoint (exit 130);
 #   4. comm.backend = "local" under mpirun, and comm/mpi without mpirun, are refused
 #      with a message saying what to do.
 # usage: run_test.sh LOOM MPIEXEC MANIFEST [MPIEXEC FLAGS...]
@@ -77,6 +78,42 @@ elapsed=$(($(date +%s) - start))
 # Either process may say it first (rank 0 relays the reason before MPI_Abort ends rank 1).
 grep -q "rank 1: .*rank_00001.bin" "$work/f.out" || { cat "$work/f.out" >&2; fail "no message naming rank 1 and its file"; }
 echo "ok: a failing rank ended the job in ${elapsed} s (exit $rc)"
+
+# 3b. SIGUSR1 to mpirun (which forwards it to every rank) stops all ranks after the
+# same step with a complete checkpoint and exit 130; --resume goes on from there.
+long=(--set run.steps=100000 --set optimizer.decay_steps=100000 --set run.eval_every=0
+      --set "checkpoint.dir=\"$work/ck_sig\"" --set checkpoint.every=0)
+# mpirun itself in the background (a wrapper such as timeout would not forward SIGUSR1).
+"$mpiexec" "${flags[@]}" -np 2 "$loom" run "$manifest" --set comm.backend=mpi "${long[@]}" \
+  --metrics "$work/sig.jsonl" >"$work/sig.out" 2>&1 &
+job=$!
+trap 'kill -KILL "$job" 2>/dev/null; rm -rf "$work"' EXIT
+for _ in $(seq 600); do
+  [ -s "$work/sig.jsonl" ] && [ "$(wc -l <"$work/sig.jsonl")" -ge 3 ] && break
+  sleep 0.1
+done
+kill -USR1 "$job"
+for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$job" 2>/dev/null && fail "the run did not stop within 60 s of SIGUSR1"
+set +e
+wait "$job"
+rc=$?
+set -e
+trap 'rm -rf "$work"' EXIT
+[ "$rc" -eq 130 ] || { tail -5 "$work/sig.out" >&2; fail "SIGUSR1 under mpirun should stop with exit 130 (got $rc)"; }
+stopped=$(sed -nE 's/^interrupted: stopped after step ([0-9]+).*/\1/p' "$work/sig.out")
+[ -n "$stopped" ] || { cat "$work/sig.out" >&2; fail "no 'interrupted: stopped after step N' line"; }
+for r in 0 1; do
+  f=$(printf '%s/ck_sig/step_%08d/rank_%05d.bin' "$work" "$stopped" "$r")
+  [ -f "$f" ] || fail "the interrupted run's checkpoint file $f is missing"
+done
+[ -f "$(printf '%s/ck_sig/step_%08d/meta.toml' "$work" "$stopped")" ] || fail "the interrupted checkpoint has no meta.toml"
+timeout 150 "$mpiexec" "${flags[@]}" -np 2 "$loom" run "$manifest" --set comm.backend=mpi "${long[@]}" --resume \
+  --set run.steps=$((stopped + 2)) --metrics "$work/sig_r.jsonl" >"$work/sig_r.out" 2>&1 ||
+  { tail -5 "$work/sig_r.out" >&2; fail "resuming the interrupted run failed"; }
+first=$(head -1 "$work/sig_r.jsonl" | sed -nE 's/.*"step": ([0-9]+).*/\1/p')
+[ "$first" = "$((stopped + 1))" ] || fail "the resumed run should start at step $((stopped + 1)), not $first"
+echo "ok: SIGUSR1 to mpirun stopped both ranks after step $stopped with a checkpoint; resumed at step $first"
 
 # 4. Misconfigurations are refused.
 set +e
