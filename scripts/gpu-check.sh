@@ -53,24 +53,27 @@ fi
 grep -c "SKIPPED" "$out/gpu_tests.log" >/dev/null && grep "SKIPPED" "$out/gpu_tests.log" | head -20
 
 # ---- 3. training equivalence ----------------------------------------------------------
-# compare A.jsonl B.jsonl TOL WHAT: every step's loss, relative difference <= TOL.
+# compare A.jsonl B.jsonl TOL WHAT [MEAN_TOL]: every step's loss, relative difference <= TOL
+# (and their mean <= MEAN_TOL when given).
 compare() {
-  python3 - "$1" "$2" "$3" "$4" <<'EOF'
+  python3 - "$1" "$2" "$3" "$4" "${5:-inf}" <<'EOF'
 import json, sys
-a_path, b_path, tol, what = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
+a_path, b_path, tol, what, mean_tol = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 def load(p):
     with open(p) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 a, b = load(a_path), load(b_path)
 if not a or sorted(a) != sorted(b):
     print(f"{what}: steps differ: {sorted(a)} vs {sorted(b)}"); sys.exit(1)
-worst = 0.0
+worst = total = 0.0
 for s in sorted(a):
     rel = abs(a[s] - b[s]) / max(abs(b[s]), 1e-12)
     worst = max(worst, rel)
+    total += rel
     print(f"  step {s:3d}: {a[s]:.7f} vs {b[s]:.7f}  rel {rel:.2e}")
-print(f"{what}: worst relative difference {worst:.2e} (tolerance {tol:g})")
-sys.exit(0 if worst <= tol else 1)
+mean = total / len(a)
+print(f"{what}: worst relative difference {worst:.2e} (tolerance {tol:g}), mean {mean:.2e} (tolerance {mean_tol:g})")
+sys.exit(0 if worst <= tol and mean <= mean_tol and all(x == x for x in a.values()) else 1)
 EOF
 }
 
@@ -118,12 +121,13 @@ fi
 # ---- 4. bf16 ----------------------------------------------------------------------------
 say "== bf16 run (device.param_dtype = bf16) against fp32"
 if run cuda_bf16 "${common[@]}" --set device.kind=cuda --set device.param_dtype=bf16 --set device.grad_dtype=bf16; then
+  # The criteria of tests/unit/mixed_precision_test.cpp on the CPU: within 5% at every
+  # step and 2.5% on average; identical losses would mean bf16 was not applied.
   if cmp -s <(python3 -c 'import json,sys; [print(json.loads(l)["loss"]) for l in open(sys.argv[1])]' "$out/cuda_bf16.jsonl") \
             <(python3 -c 'import json,sys; [print(json.loads(l)["loss"]) for l in open(sys.argv[1])]' "$out/cuda_dp1.jsonl"); then
-    say "SKIPPED: the bf16 losses are bit-identical to fp32: this engine does not apply device.param_dtype yet"
-    say "         (it trains fp32 end to end; see docs/gpu.md)"
-  elif compare "$out/cuda_bf16.jsonl" "$out/cuda_dp1.jsonl" 2e-2 "bf16 vs fp32"; then
-    pass "bf16 tracks fp32 (within 2e-2 per step)"
+    fail "the bf16 losses are bit-identical to fp32: device.param_dtype = bf16 was not applied"
+  elif compare "$out/cuda_bf16.jsonl" "$out/cuda_dp1.jsonl" 5e-2 "bf16 vs fp32" 2.5e-2; then
+    pass "bf16 tracks fp32 (within 5% per step, 2.5% on average)"
   else
     fail "bf16 loss does not track fp32"
   fi
