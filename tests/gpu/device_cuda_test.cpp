@@ -154,14 +154,18 @@ std::vector<float> randu(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1
 // max |got - want| <= tol * max |want|; NaN in got never passes.
 void expect_rel(const std::vector<float>& got, const std::vector<float>& want, double tol, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
+  // The scale is over finite reference values only: one inf would make every error 0.
   double scale = 0;
-  for (float w : want) scale = std::max(scale, std::fabs(static_cast<double>(w)));
+  for (float w : want)
+    if (std::isfinite(w)) scale = std::max(scale, std::fabs(static_cast<double>(w)));
   scale = std::max(scale, 1e-30);
   int reported = 0;
   double worst = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - want[i]) / scale;
-    if (std::isnan(got[i]) || !(err <= tol)) {
+    // A non-finite reference must be matched exactly (inf by inf; NaN never matches).
+    const bool ok = std::isfinite(want[i]) ? !std::isnan(got[i]) && err <= tol : got[i] == want[i];
+    if (!ok) {
       if (reported++ < 5)
         ADD_FAILURE() << what << "[" << i << "]: cuda " << got[i] << ", cpu " << want[i] << " (error " << err
                       << " of max |cpu| " << scale << ", tolerance " << tol << ")";
@@ -411,6 +415,7 @@ TEST(DeviceCuda, GemmBf16InputsWithFp32AndBf16Output) {
   Env env;
   gemm_sweep(env, BF16, F32, 1e-2);
   gemm_sweep(env, BF16, BF16, 1e-2);
+  gemm_sweep(env, F32, BF16, 1e-2);  // fp32 inputs, bf16 output (not a cuBLAS type combination)
 }
 
 TEST(DeviceCuda, GemmSumsOverBatchWhenCStrideIsZero) {

@@ -32,6 +32,8 @@ Allocator::~Allocator() {
   spare_events_.clear();
 }
 
+// nullptr when no event can be made. Never throws: release() runs in Scratch's
+// destructor, also while an exception unwinds (a throw there would terminate).
 cudaEvent_t Allocator::event_locked() {
   if (!spare_events_.empty()) {
     cudaEvent_t e = spare_events_.back();
@@ -39,7 +41,10 @@ cudaEvent_t Allocator::event_locked() {
     return e;
   }
   cudaEvent_t e = nullptr;
-  LOOM_CUDA(dev_, "free", cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
   return e;
 }
 
@@ -116,8 +121,10 @@ bool Allocator::release(void* ptr) {
   Block b = it->second;
   live_.erase(it);
   stats_.current -= b.requested;
-  if (!caching_) {
+  if (!caching_ && !b.graph) {
     // Not cached: cudaFree waits for the device, so nothing can still use it.
+    // (A graph-pool block is still used by the graph that captured it: it stays in
+    // the graph pool, freed with the cache.)
     RelaxedCaptureMode relaxed;
     cudaFree(b.ptr);
     stats_.reserved -= b.size;
@@ -130,7 +137,7 @@ bool Allocator::release(void* ptr) {
     // there would become part of the graph) — then only the same stream reuses it.
     if (captures_ == 0 && b.stream != nullptr) {
       b.freed = event_locked();
-      if (cudaEventRecord(b.freed, b.stream) != cudaSuccess) {
+      if (b.freed != nullptr && cudaEventRecord(b.freed, b.stream) != cudaSuccess) {
         cudaGetLastError();
         spare_events_.push_back(b.freed);
         b.freed = nullptr;
@@ -177,6 +184,12 @@ void Allocator::graph_destroyed() {
     return;  // keep them in the graph pool; merged at the next chance
   }
   for (auto& [size, b] : free_graph_) {
+    if (!caching_) {  // kept only while a graph could use them (see release)
+      RelaxedCaptureMode relaxed;
+      cudaFree(b.ptr);
+      stats_.reserved -= b.size;
+      continue;
+    }
     Block nb = b;
     nb.graph = false;
     nb.stream = nullptr;

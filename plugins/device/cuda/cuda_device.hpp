@@ -204,6 +204,10 @@ struct Device {
   std::string who() const;
 };
 
+// Whether work launched on the stream is recorded: the stream that began a capture,
+// or a side stream joined into one (it waited on an event recorded inside it).
+bool in_capture(const Stream& st);
+
 // Scratch memory of an op: allocated for the op's stream, freed (stream-ordered)
 // when the op has enqueued its work.
 class Scratch {

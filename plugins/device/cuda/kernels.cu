@@ -561,6 +561,17 @@ __global__ void scale_matrix_kernel(int64_t m, int64_t n, int64_t ldc, int64_t s
   }
 }
 
+template <typename From, typename To>
+__global__ void copy_matrix_kernel(int64_t m, int64_t n, int64_t batch, const From* src, int64_t lds, int64_t ss,
+                                   To* dst, int64_t ldd, int64_t sd) {
+  const int64_t total = batch * m * n;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = idx / (m * n), rem = idx % (m * n), i = rem / n, j = rem % n;
+    st(dst, b * sd + i * ldd + j, ld(src, b * ss + i * lds + j));
+  }
+}
+
 // Threads for one block per row of `cols` elements.
 int row_threads(int64_t cols) { return cols >= 1024 ? 512 : cols >= 256 ? 256 : 128; }
 
@@ -754,6 +765,16 @@ cudaError_t k_scale_matrix(cudaStream_t s, Dt dt, int64_t m, int64_t n, int64_t 
   LOOM_DISPATCH(dt, T,
                 scale_matrix_kernel<T><<<grid_for(batch * m * n), kThreads, 0, s>>>(m, n, ldc, stride_c, batch, beta,
                                                                                    static_cast<T*>(c)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_copy_matrix(cudaStream_t s, Dt from, Dt to, int64_t m, int64_t n, int64_t batch, const void* src,
+                          int64_t lds, int64_t ss, void* dst, int64_t ldd, int64_t sd) {
+  if (m == 0 || n == 0 || batch == 0) return cudaSuccess;
+  LOOM_DISPATCH(from, F, LOOM_DISPATCH(to, O,
+                                       copy_matrix_kernel<F, O><<<grid_for(batch * m * n), kThreads, 0, s>>>(
+                                           m, n, batch, static_cast<const F*>(src), lds, ss, static_cast<O*>(dst),
+                                           ldd, sd)));
   return cudaGetLastError();
 }
 

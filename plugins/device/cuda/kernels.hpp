@@ -96,4 +96,9 @@ cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, D
 cudaError_t k_scale_matrix(cudaStream_t s, Dt dt, int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch,
                            float beta, void* c);
 
+// dst[b*sd + i*ldd + j] = src[b*ss + i*lds + j] over a batch of m x n blocks,
+// converted between storage types (bf16 rounded to nearest even).
+cudaError_t k_copy_matrix(cudaStream_t s, Dt from, Dt to, int64_t m, int64_t n, int64_t batch, const void* src,
+                          int64_t lds, int64_t ss, void* dst, int64_t ldd, int64_t sd);
+
 }  // namespace loom::cuda

@@ -68,6 +68,20 @@ void gemm_impl(Device& d, Stream& st, const char* op, bool ta, bool tb, int64_t 
     if (beta != 1.0f) check_launch(d, op, "scale_matrix kernel", k_scale_matrix(st.s, cd, m, n, ldc, sc, batch, beta, c));
     return;
   }
+  if (ab == Dt::F32 && cd == Dt::BF16) {
+    // cuBLAS has no fp32 x fp32 -> bf16 GEMM (CUBLAS_STATUS_NOT_SUPPORTED): C goes
+    // through packed fp32 scratch (the blocks are disjoint here) and is rounded once,
+    // as on device/cpu; beta = 0 does not read C.
+    Scratch cf(d, st, static_cast<size_t>(batch * m * n) * sizeof(float), op);
+    if (beta != 0.0f)
+      check_launch(d, op, "copy_matrix kernel",
+                   k_copy_matrix(st.s, Dt::BF16, Dt::F32, m, n, batch, c, ldc, sc, cf.get(), n, m * n));
+    gemm_impl(d, st, op, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, cf.get(), n, m * n, batch, ab,
+              Dt::F32);
+    check_launch(d, op, "copy_matrix kernel",
+                 k_copy_matrix(st.s, Dt::F32, Dt::BF16, m, n, batch, cf.get(), n, m * n, c, ldc, sc));
+    return;
+  }
   const cublasComputeType_t compute =
       ab == Dt::F32 ? (d.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F) : CUBLAS_COMPUTE_32F;
   std::lock_guard<std::mutex> lock(d.cublas_mu);

@@ -71,11 +71,27 @@ RelaxedCaptureMode::RelaxedCaptureMode() : mode_(cudaStreamCaptureModeRelaxed) {
 }
 RelaxedCaptureMode::~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
 
+bool in_capture(const Stream& st) {
+  if (st.capturing) return true;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st.s, &cs) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return cs != cudaStreamCaptureStatusNone;
+}
+
 Scratch::Scratch(Device& dev, Stream& st, size_t bytes, const char* op) : dev_(dev) {
-  if (bytes > 0) ptr_ = dev.alloc->allocate(bytes, st.s, st.capturing, false, op);
+  // A side stream joined into a capture records too: its scratch must come from the
+  // graph pool (a general block would be handed to eager work the graph still uses).
+  if (bytes > 0) ptr_ = dev.alloc->allocate(bytes, st.s, in_capture(st), false, op);
 }
 Scratch::~Scratch() {
-  if (ptr_) dev_.alloc->release(ptr_);
+  if (ptr_ == nullptr) return;
+  try {
+    dev_.alloc->release(ptr_);
+  } catch (...) {  // a destructor, maybe during unwinding: never throw
+  }
 }
 
 namespace {
@@ -361,12 +377,13 @@ loom_status stream_synchronize(loom_device* d, loom_stream* s) {
   return guard([&] {
     Device& dev = device_of(d);
     Stream& st = stream_of(dev, s);
-    if (st.capturing)
+    GpuScope gpu(&dev, dev.ordinal, "stream_synchronize");
+    // Checked before the call: cudaStreamSynchronize would invalidate the capture.
+    if (in_capture(st))
       throw Error(dev.who() +
                       ": stream_synchronize on a stream under graph capture (no host sync is allowed inside a "
                       "captured region)",
                   LOOM_CODE_INVALID_ARGUMENT);
-    GpuScope gpu(&dev, dev.ordinal, "stream_synchronize");
     const cudaError_t err = cudaStreamSynchronize(st.s);
     if (err != cudaSuccess)
       throw_cuda(&dev, "stream_synchronize (an error of work launched earlier on this stream shows here)",
@@ -405,7 +422,7 @@ loom_status event_record(loom_device* d, loom_event* e, loom_stream* s) {
     Stream& st = stream_of(dev, s);
     GpuScope gpu(&dev, dev.ordinal, "event_record");
     LOOM_CUDA(&dev, "event_record", cudaEventRecord(ev.e, st.s));
-    ev.in_capture = st.capturing;
+    ev.in_capture = in_capture(st);
   });
 }
 
@@ -493,7 +510,7 @@ loom_status graph_replay(loom_device* d, loom_graph* g, loom_stream* s) {
     Graph& gr = graph_of(dev, g);
     Stream& st = stream_of(dev, s);
     GpuScope gpu(&dev, dev.ordinal, "graph_replay");
-    if (!st.capturing) {
+    if (!in_capture(st)) {
       LOOM_CUDA(&dev, "graph_replay", cudaGraphLaunch(gr.exec, st.s));
       return;
     }
