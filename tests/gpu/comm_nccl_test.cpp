@@ -193,8 +193,8 @@ TEST(CommNccl, CollectivesOnDeviceAndHostBuffers) {
 }
 
 // Both ranks send first, then receive (a pipeline's steady state: activation
-// forward, gradient back). On a "pp" group each ordered pair has its own channel
-// and sends are staged, so this completes; the sender overwrites its buffer right
+// forward, gradient back). On a "pp" group each ordered pair has its own channels,
+// connected in group_create, and sends are staged, so this completes; the sender overwrites its buffer right
 // after the send without changing what the peer receives.
 TEST(CommNccl, PipelineSendsDoNotWaitForTheReceiver) {
   if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpu_count() << " visible";
@@ -223,6 +223,39 @@ TEST(CommNccl, PipelineSendsDoNotWaitForTheReceiver) {
     }
     rank.free(out);
     rank.free(in);
+  });
+}
+
+// Messages of one (peer, tag) stay in order, but tags of different parity may be
+// received in another order than sent (an interleaved pipeline receives chunk
+// 3's activation after chunk 1's gradient that was sent later): the executor's
+// activations (even tags) and gradients (odd) go through separate channels.
+TEST(CommNccl, TagsOfDifferentParityAreReceivedInAnyOrder) {
+  if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpu_count() << " visible";
+  const int size = 2;
+  World world(size, 60000);
+  on_ranks(size, [&](int r) {
+    Rank rank(world, r, size, "pp");
+    const size_t n = 1024;
+    void* s = rank.stream();
+    if (r == 0) {
+      float* act = rank.upload(std::vector<float>(n, 2.0f));
+      float* grad = rank.upload(std::vector<float>(n, 3.0f));
+      loom::check(world.api->send(rank.comm, s, act, n, LOOM_DTYPE_F32, 1, 2));   // sent first
+      loom::check(world.api->send(rank.comm, s, grad, n, LOOM_DTYPE_F32, 1, 3));  // sent second
+      loom::check(rank.dev_api->stream_synchronize(rank.dev, nullptr));
+      rank.free(act);
+      rank.free(grad);
+    } else {
+      float* a = rank.upload(std::vector<float>(n, -1.0f));
+      float* b = rank.upload(std::vector<float>(n, -1.0f));
+      loom::check(world.api->recv(rank.comm, s, b, n, LOOM_DTYPE_F32, 0, 3));  // received first
+      loom::check(world.api->recv(rank.comm, s, a, n, LOOM_DTYPE_F32, 0, 2));
+      EXPECT_EQ(rank.download(b, n)[7], 3.0f);
+      EXPECT_EQ(rank.download(a, n)[7], 2.0f);
+      rank.free(a);
+      rank.free(b);
+    }
   });
 }
 

@@ -74,25 +74,22 @@ struct InFlight {
   Clock::time_point start;
 };
 
-// A one-way point-to-point channel to or from one peer: a 2-rank communicator
-// (rank 0 sends, rank 1 receives) with its own stream. NCCL serialises the
-// operations of a communicator, so a send and a recv between the same two ranks
-// in opposite directions must not share one: each ordered pair gets a channel,
-// and a pipeline's "send activation, receive gradient" cannot deadlock.
+// A one-way point-to-point channel to or from one neighbour: a 2-rank
+// communicator (rank 0 sends, rank 1 receives) with its own stream. NCCL
+// serialises the operations of a communicator, so a send and a recv between the
+// same two ranks in opposite directions must not share one, and messages of one
+// channel are matched in order, whatever their tags: each ordered pair of
+// neighbours gets two channels, one for even tags and one for odd (the executor's
+// activations 2g and gradients 2g + 1, which a pipeline with interleaving sends
+// and receives in different relative orders). Sends go out of a stream-ordered
+// copy (cudaMallocAsync, freed after the send), so the caller never waits for the
+// receiver and may reuse its buffer at once.
 struct Channel {
-  ncclComm_t nccl = nullptr;
+  ncclComm_t nccl = nullptr;  // under the owning Comm's handle_mu; NULL once aborted or destroyed
   cudaStream_t stream = nullptr;
   cudaEvent_t ready = nullptr, done = nullptr;
   bool sender = false;
-  bool aborted = false;
-  // Sends go out of a copy (made on the caller's stream), so the caller never
-  // waits for the receiver and may reuse its buffer at once.
-  struct Stage {
-    void* p = nullptr;
-    size_t bytes = 0;
-    cudaEvent_t sent = nullptr;
-  };
-  std::vector<Stage> stages;
+  std::string name;  // NCCL keeps the pointer of config.commName
 };
 
 struct Comm {
@@ -102,7 +99,12 @@ struct Comm {
   int32_t index = 0;        // rank in the group
   int32_t global_rank = 0;  // the caller's global rank
   int gpu = 0;
+  // The group's communicator and its channels' are used under handle_mu (one NCCL
+  // call at a time, never held while waiting) so that an abort from another thread
+  // cannot free them in the middle of a call; NULL once aborted or destroyed.
+  std::mutex handle_mu;
   ncclComm_t nccl = nullptr;
+  std::string name;                       // NCCL keeps the pointer of config.commName
   cudaStream_t stream = nullptr;          // the communication stream
   cudaEvent_t ready = nullptr, done = nullptr;  // caller -> comm stream, comm stream -> caller
   std::mutex call_mu;                     // one call at a time (staging, events)
@@ -113,7 +115,16 @@ struct Comm {
   std::vector<cudaEvent_t> spare;
   std::atomic<bool> aborted{false};
   bool destroyed = false;
-  std::map<int32_t, std::unique_ptr<Channel>> to, from;  // by peer rank in the group
+  // By (peer rank in the group, tag parity).
+  std::map<std::pair<int32_t, int>, std::unique_ptr<Channel>> to, from;
+
+  // Every NCCL handle of the group (the communicator, then its channels').
+  std::vector<ncclComm_t*> handles() {
+    std::vector<ncclComm_t*> out{&nccl};
+    for (auto* chans : {&to, &from})
+      for (auto& [key, ch] : *chans) out.push_back(&ch->nccl);
+    return out;
+  }
 
   std::string where() const {
     std::ostringstream os;
@@ -195,10 +206,42 @@ bool timed_out(const World& w, Clock::time_point start) {
          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count() > w.timeout_ms;
 }
 
+// Sleeps between polls: yields for the first ~100 us (most NCCL calls on a
+// non-blocking communicator complete in microseconds), then backs off to 200 us.
+class Backoff {
+ public:
+  void pause() {
+    if (Clock::now() - start_ < std::chrono::microseconds(100)) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));
+    sleep_us_ = std::min(sleep_us_ * 2, 200);
+  }
+
+ private:
+  Clock::time_point start_ = Clock::now();
+  int sleep_us_ = 5;
+};
+
+// Runs `fn()` (one NCCL call on handle h) with the group's handle lock held;
+// fails at once when the communicators were aborted. The lock is released before
+// failing (fail_aborted takes the world's lock, which abort holds while it takes
+// handle locks).
+template <typename Fn>
+ncclResult_t locked(Comm& c, ncclComm_t& h, const char* op, Fn&& fn) {
+  {
+    std::lock_guard<std::mutex> lock(c.handle_mu);
+    if (h != nullptr && !c.aborted.load()) return fn();
+  }
+  fail_aborted(c, op);
+}
+
 // Polls a non-blocking communicator (the group's, or one of its channels) until
 // its last call has completed.
-void wait_on(Comm& c, ncclComm_t h, const char* op, const char* call, ncclResult_t r) {
+void wait_on(Comm& c, ncclComm_t& h, const char* op, const char* call, ncclResult_t r) {
   const Clock::time_point start = Clock::now();
+  Backoff backoff;
   while (r == ncclInProgress) {
     if (c.world->aborted.load()) fail_aborted(c, op);
     if (timed_out(*c.world, start)) {
@@ -208,26 +251,67 @@ void wait_on(Comm& c, ncclComm_t h, const char* op, const char* call, ncclResult
       c.world->abort(os.str());
       throw Error(os.str(), LOOM_CODE_TIMEOUT);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-    const ncclResult_t q = ncclCommGetAsyncError(h, &r);
+    backoff.pause();
+    const ncclResult_t q = locked(c, h, op, [&] { return ncclCommGetAsyncError(h, &r); });
     if (q != ncclSuccess) r = q;
   }
   if (r != ncclSuccess) {
     std::ostringstream os;
     os << "comm/nccl " << op << " on " << c.where() << ": " << call << " failed: " << ncclGetErrorString(r);
-    const char* last = ncclGetLastError(h);
-    if (last && *last) os << " (" << last << ")";
+    {
+      std::lock_guard<std::mutex> lock(c.handle_mu);
+      const char* last = h ? ncclGetLastError(h) : nullptr;
+      if (last && *last) os << " (" << last << ")";
+    }
     throw Error(os.str(), LOOM_CODE_INTERNAL);
   }
 }
-void wait_nccl(Comm& c, const char* op, const char* call, ncclResult_t r) { wait_on(c, c.nccl, op, call, r); }
-#define LOOM_NCCL(c, op, expr) wait_nccl(c, op, #expr, (expr))
-#define LOOM_NCCL_ON(c, h, op, expr) wait_on(c, h, op, #expr, (expr))
+// One NCCL call on handle h (an expression using h), under the handle lock, then
+// polled to completion.
+#define LOOM_NCCL_ON(c, h, op, expr) wait_on(c, h, op, #expr, locked(c, h, op, [&] { return (expr); }))
+#define LOOM_NCCL(c, op, expr) LOOM_NCCL_ON(c, (c).nccl, op, expr)
+
+// Aborting is two passes over every handle concerned: first each is revoked
+// (NCCL 2.28: its kernels return at once, nothing is freed), then each is aborted
+// (freed). Freeing a communicator waits for NCCL's internal stream, which can be
+// chained after kernels of another communicator (through the compute stream):
+// stopped by the first pass, they cannot hold up the second.
+void revoke_handles(Comm& c) {
+  std::lock_guard<std::mutex> lock(c.handle_mu);
+  c.aborted.store(true);  // rank threads make no new NCCL call on it
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  int prev = -1;
+  cudaGetDevice(&prev);
+  cudaSetDevice(c.gpu);
+  for (ncclComm_t* h : c.handles())
+    if (*h) ncclCommRevoke(*h, NCCL_REVOKE_DEFAULT);
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
+#endif
+}
+void free_handles(Comm& c) {
+  std::lock_guard<std::mutex> lock(c.handle_mu);
+  int prev = -1;
+  cudaGetDevice(&prev);
+  cudaSetDevice(c.gpu);
+  for (ncclComm_t* h : c.handles())
+    if (*h) {
+      ncclCommAbort(*h);
+      *h = nullptr;
+    }
+  cudaGetLastError();
+  if (prev >= 0) cudaSetDevice(prev);
+}
+void abort_handles(Comm& c) {
+  revoke_handles(c);
+  free_handles(c);
+}
 
 // Waits on the host for an event of the comm stream (staged calls, barrier).
 void host_wait(Comm& c, const char* op, cudaEvent_t ev) {
   const Clock::time_point start = Clock::now();
-  for (int spins = 0;; ++spins) {
+  Backoff backoff;
+  for (;;) {
     const cudaError_t q = cudaEventQuery(ev);
     if (q == cudaSuccess) return;
     if (q != cudaErrorNotReady) check_cuda(&c, op, "cudaEventQuery", q);
@@ -239,7 +323,7 @@ void host_wait(Comm& c, const char* op, cudaEvent_t ev) {
       c.world->abort(os.str());
       throw Error(os.str(), LOOM_CODE_TIMEOUT);
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(spins < 100 ? 20 : 500));
+    backoff.pause();
   }
 }
 
@@ -263,34 +347,19 @@ class GpuScope {
 // ---------------------------------------------------------------------------
 
 void World::abort(const std::string& why) {
-  std::vector<Comm*> to_abort;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (aborted.load()) return;
-    reason = why;
-    aborted.store(true);
-    to_abort = comms;
-  }
+  // Held throughout: group_destroy cannot free a Comm of the list meanwhile.
+  std::lock_guard<std::mutex> lock(mu);
+  if (aborted.load()) return;
+  reason = why;
+  aborted.store(true);
   LOOM_LOG(ERROR) << why;
 #ifdef LOOM_NCCL_WITH_MPI
   if (mpi) mpi->abort(why);  // the other processes' watchdogs abort theirs
 #endif
-  // ncclCommAbort makes the communicators' kernels return and frees them; the
-  // rank threads see `aborted` and fail their calls.
-  for (Comm* c : to_abort) {
-    if (c->aborted.exchange(true) || c->nccl == nullptr) continue;
-    int prev = -1;
-    cudaGetDevice(&prev);
-    cudaSetDevice(c->gpu);
-    ncclCommAbort(c->nccl);
-    for (auto* chans : {&c->to, &c->from})
-      for (auto& [peer, ch] : *chans)
-        if (ch->nccl && !ch->aborted) {
-          ch->aborted = true;
-          ncclCommAbort(ch->nccl);
-        }
-    if (prev >= 0) cudaSetDevice(prev);
-  }
+  // Every communicator of the world, revoked first, then freed (see revoke_handles);
+  // the rank threads see `aborted` and fail their calls.
+  for (Comm* c : comms) revoke_handles(*c);
+  for (Comm* c : comms) free_handles(*c);
   wd_cv.notify_all();
 }
 
@@ -312,10 +381,10 @@ void World::watch() {
           cudaGetLastError();
           continue;
         }
-        std::vector<ncclComm_t> handles{c->nccl};
-        for (auto* chans : {&c->to, &c->from})
-          for (auto& [peer, ch] : *chans) handles.push_back(ch->nccl);
-        for (ncclComm_t h : handles) {
+        // Under `mu`, no abort or group_destroy frees these meanwhile; NCCL allows
+        // ncclCommGetAsyncError concurrently with the rank thread's calls.
+        for (ncclComm_t* hp : c->handles()) {
+          const ncclComm_t h = *hp;
           ncclResult_t async = ncclSuccess;
           if (h && ncclCommGetAsyncError(h, &async) == ncclSuccess && async != ncclSuccess &&
               async != ncclInProgress) {
@@ -488,10 +557,12 @@ void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
   const void* send = call.send;
   void* recv = call.recv;
   if (send_host || recv_host) {
+    // A copy from pageable memory synchronises the comm stream first: wait for its
+    // last operation here, with the timeout, rather than inside CUDA without one.
+    host_wait(c, call.op, c.done);
     const size_t need = (send_host ? call.send_bytes : 0) + (recv_host ? call.recv_bytes : 0) + 256;
     if (c.staging_bytes < need) {
       if (c.staging) {
-        LOOM_NCCL_CUDA(&c, call.op, cudaStreamSynchronize(c.stream));
         cudaFree(c.staging);
         c.staging = nullptr;
         c.staging_bytes = 0;
@@ -516,13 +587,15 @@ void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
 
   enqueue(send, recv);
 
-  if (recv_host)
-    LOOM_NCCL_CUDA(&c, call.op,
-                   cudaMemcpyAsync(call.recv, recv, call.recv_bytes, cudaMemcpyDeviceToHost, c.stream));
   if (!capturing) track(c, call.op, call.what, c.stream);
   LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(c.done, c.stream));
   if (caller != nullptr) LOOM_NCCL_CUDA(&c, call.op, cudaStreamWaitEvent(caller, c.done, 0));
-  if (sync) host_wait(c, call.op, c.done);
+  if (sync) host_wait(c, call.op, c.done);  // the watchdog's timeout applies
+  // Only now, with the operation complete: a copy into pageable memory returns when
+  // it is done, so issued earlier it would wait for the collective without a timeout.
+  if (recv_host)
+    LOOM_NCCL_CUDA(&c, call.op,
+                   cudaMemcpyAsync(call.recv, recv, call.recv_bytes, cudaMemcpyDeviceToHost, c.stream));
 }
 
 std::string describe(const char* op, size_t count, int32_t dtype) {
@@ -681,15 +754,87 @@ ncclUniqueId shared_id(World& w, const Comm& c, const std::string& label, const 
 void destroy_channel(Channel& ch) {
   if (ch.stream) cudaStreamSynchronize(ch.stream);
   cudaGetLastError();
-  for (Channel::Stage& st : ch.stages) {
-    if (st.sent) cudaEventDestroy(st.sent);
-    if (st.p) cudaFree(st.p);
-  }
-  ch.stages.clear();
   if (ch.ready) cudaEventDestroy(ch.ready);
   if (ch.done) cudaEventDestroy(ch.done);
   if (ch.stream) cudaStreamDestroy(ch.stream);
   cudaGetLastError();
+}
+
+// Frees what a Comm holds besides its NCCL handles (those are aborted or
+// destroyed first); the caller has made its GPU current.
+void destroy_comm_resources(Comm& c) {
+  for (auto* chans : {&c.to, &c.from})
+    for (auto& [key, ch] : *chans) destroy_channel(*ch);
+  if (c.stream) cudaStreamSynchronize(c.stream);
+  cudaGetLastError();
+  {
+    std::lock_guard<std::mutex> fl(c.flight_mu);
+    for (InFlight& f : c.inflight) cudaEventDestroy(f.done);
+    for (cudaEvent_t e : c.spare) cudaEventDestroy(e);
+    c.inflight.clear();
+    c.spare.clear();
+  }
+  if (c.staging) cudaFree(c.staging);
+  if (c.ready) cudaEventDestroy(c.ready);
+  if (c.done) cudaEventDestroy(c.done);
+  if (c.stream) cudaStreamDestroy(c.stream);
+  cudaGetLastError();
+}
+
+ncclConfig_t comm_config(const std::string& name) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every call returns at once; waits are ours, with the timeout
+  config.commName = name.c_str();
+  return config;
+}
+
+// Connects every channel of the group (one element each way, in one NCCL group)
+// and waits for it: NCCL connects a pair at its first send/recv and both sides
+// take part, so without this the first send would wait for the peer's first recv
+// (the ABI promises it never does) and a first connection could fall inside a
+// graph capture. The group's communicator is connected by a one-element
+// all-reduce for the same reasons.
+void connect(Comm& c) {
+  const int n = static_cast<int>(c.ranks.size());
+  std::vector<Channel*> chans;
+  for (auto* m : {&c.to, &c.from})
+    for (auto& [key, ch] : *m) chans.push_back(ch.get());
+  const size_t bytes = 256 * (chans.size() + 1);
+  c.staging_bytes = std::max<size_t>(bytes, 1 << 16);
+  LOOM_NCCL_CUDA(&c, "group_create", cudaMalloc(&c.staging, c.staging_bytes));
+  LOOM_NCCL_CUDA(&c, "group_create", cudaMemsetAsync(c.staging, 0, bytes, c.stream));
+  LOOM_NCCL_CUDA(&c, "group_create", cudaStreamSynchronize(c.stream));
+  char* base = static_cast<char*>(c.staging);
+  if (n > 1)
+    LOOM_NCCL(c, "group_create", ncclAllReduce(base, base, 1, ncclFloat32, ncclSum, c.nccl, c.stream));
+  if (!chans.empty()) {
+    ncclResult_t r = ncclSuccess;
+    bool aborted = false;
+    {
+      std::lock_guard<std::mutex> lock(c.handle_mu);
+      aborted = c.aborted.load();
+      if (!aborted) r = ncclGroupStart();
+      if (!aborted && r == ncclSuccess) {
+        for (size_t i = 0; r == ncclSuccess && i < chans.size(); ++i) {
+          Channel& ch = *chans[i];
+          char* slot = base + 256 * (i + 1);
+          r = ch.sender ? ncclSend(slot, 1, ncclInt8, 1, ch.nccl, ch.stream)
+                        : ncclRecv(slot, 1, ncclInt8, 0, ch.nccl, ch.stream);
+        }
+        // End the group whatever happened: an open group would queue every later call.
+        const ncclResult_t e = ncclGroupEnd();
+        if (r == ncclSuccess) r = e;
+      }
+    }
+    if (aborted) fail_aborted(c, "group_create");
+    for (Channel* ch : chans) wait_on(c, ch->nccl, "group_create", "connecting the point-to-point channels", r);
+  }
+  LOOM_NCCL_CUDA(&c, "group_create", cudaEventRecord(c.done, c.stream));
+  host_wait(c, "group_create", c.done);
+  for (Channel* ch : chans) {
+    LOOM_NCCL_CUDA(&c, "group_create", cudaEventRecord(ch->done, ch->stream));
+    host_wait(c, "group_create", ch->done);
+  }
 }
 
 loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, loom_comm** out) {
@@ -711,91 +856,96 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
     LOOM_REQUIRE(me != c->ranks.end(), "comm/nccl: rank " << desc->my_rank << " creates group '" << kind
                                                           << "' but is not one of its members");
     c->index = static_cast<int32_t>(me - c->ranks.begin());
-    const auto local = std::find(w.local_ranks.begin(), w.local_ranks.end(), desc->my_rank);
-    LOOM_REQUIRE(local != w.local_ranks.end(), "comm/nccl: rank " << desc->my_rank << " is not hosted by this process");
-    if (w.multi_process()) {
-      // One rank per process: its GPU is the one device/cuda made current on this
-      // thread (picked from the node-local rank, or the device option gpu).
-      LOOM_NCCL_CUDA(c.get(), "group_create", cudaGetDevice(&c->gpu));
-    } else {
-      // Ranks as threads: as device/cuda picks it (index in the process modulo the GPU count).
-      c->gpu = static_cast<int>(local - w.local_ranks.begin()) % w.device_count;
-    }
+    LOOM_REQUIRE(std::find(w.local_ranks.begin(), w.local_ranks.end(), desc->my_rank) != w.local_ranks.end(),
+                 "comm/nccl: rank " << desc->my_rank << " is not hosted by this process");
+    // The rank's GPU is the calling thread's current device: device/cuda made it
+    // current when it created the rank's device on this thread (from the local
+    // rank, or its option gpu), so buffers, streams and communicators agree.
+    LOOM_NCCL_CUDA(c.get(), "group_create", cudaGetDevice(&c->gpu));
     if (w.aborted.load()) fail_aborted(*c, "group_create");
 
-    const ncclUniqueId id = shared_id(w, *c, kind, c->ranks, c->index);
-
-    GpuScope gpu(*c, "group_create");
-    LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
-    LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming));
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    std::string name = "loom:" + kind;
-    config.commName = name.c_str();
-    const ncclResult_t r =
-        ncclCommInitRankConfig(&c->nccl, static_cast<int>(c->ranks.size()), id, c->index, &config);
-    if (c->nccl == nullptr) {
-      cudaEventDestroy(c->ready);
-      cudaEventDestroy(c->done);
-      cudaStreamDestroy(c->stream);
-      throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig failed: " +
-                      ncclGetErrorString(r),
-                  LOOM_CODE_INTERNAL);
-    }
-    // Channels for point to point (groups named in the option p2p_groups): every
-    // ordered pair of members, each a 2-rank communicator. All inits are issued
-    // before any is waited for, so members may create them in any order.
-    std::vector<std::pair<Channel*, ncclResult_t>> channel_inits;
     const int n = static_cast<int>(c->ranks.size());
     const bool p2p = n > 1 && std::find(w.p2p_kinds.begin(), w.p2p_kinds.end(), kind) != w.p2p_kinds.end();
-    for (int src = 0; p2p && src < n; ++src)
-      for (int dst = 0; dst < n; ++dst) {
-        if (src == dst || (c->index != src && c->index != dst)) continue;
-        auto ch = std::make_unique<Channel>();
-        ch->sender = c->index == src;
-        const int slot = ch->sender ? 0 : 1;
-        const ncclUniqueId cid = shared_id(w, *c, kind + " p2p " + std::to_string(src) + ">" + std::to_string(dst),
-                                           {c->ranks[src], c->ranks[dst]}, slot);
-        LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
-        LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->ready, cudaEventDisableTiming));
-        LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&ch->done, cudaEventDisableTiming));
-        ncclConfig_t cc = NCCL_CONFIG_INITIALIZER;
-        cc.blocking = 0;
-        const std::string cname = name + ":p2p";
-        cc.commName = cname.c_str();
-        const ncclResult_t cr = ncclCommInitRankConfig(&ch->nccl, 2, cid, slot, &cc);
-        if (ch->nccl == nullptr) {
-          destroy_channel(*ch);
-          throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig (p2p channel) failed: " +
-                          ncclGetErrorString(cr),
-                      LOOM_CODE_INTERNAL);
-        }
-        channel_inits.emplace_back(ch.get(), cr);
-        (ch->sender ? c->to : c->from)[ch->sender ? dst : src] = std::move(ch);
-      }
-    {
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.comms.push_back(c.get());  // from here on, abort reaches it
-    }
+    // Everything created below is released by the catch: NCCL handles aborted (also
+    // those still initialising), streams and events destroyed.
     try {
-      wait_nccl(*c, "group_create", "ncclCommInitRankConfig", r);
+      const ncclUniqueId id = shared_id(w, *c, kind, c->ranks, c->index);
+      GpuScope gpu(*c, "group_create");
+      LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+      LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
+      LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming));
+      c->name = "loom:" + kind;
+      ncclConfig_t config = comm_config(c->name);
+      const ncclResult_t r = ncclCommInitRankConfig(&c->nccl, n, id, c->index, &config);
+      if (c->nccl == nullptr)
+        throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig failed: " +
+                        ncclGetErrorString(r),
+                    LOOM_CODE_INTERNAL);
+      // Channels for point to point (groups named in the option p2p_groups): to and
+      // from each ring neighbour (the members before and after this one: pipeline
+      // stages talk to those only), one per tag parity. Other peers use the
+      // group's communicator. All inits are issued before any is waited for, so
+      // members may create them in any order.
+      std::vector<std::pair<Channel*, ncclResult_t>> channel_inits;
+      if (p2p) {
+        // The send copies come from the GPU's default pool: keep what it has
+        // reserved instead of returning it at every synchronisation.
+        cudaMemPool_t pool = nullptr;
+        uint64_t keep = UINT64_MAX;
+        if (cudaDeviceGetDefaultMemPool(&pool, c->gpu) == cudaSuccess)
+          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+        cudaGetLastError();
+      }
+      for (int src = 0; p2p && src < n; ++src)
+        for (int dst = 0; dst < n; ++dst) {
+          if (src == dst || (c->index != src && c->index != dst)) continue;
+          if (dst != (src + 1) % n && src != (dst + 1) % n) continue;  // not neighbours
+          for (int parity = 0; parity < 2; ++parity) {
+            auto ch = std::make_unique<Channel>();
+            Channel* chp = ch.get();
+            ch->sender = c->index == src;
+            const int slot = ch->sender ? 0 : 1;
+            const int peer = ch->sender ? dst : src;
+            // Owned by the Comm from here on, so the catch below releases it.
+            (ch->sender ? c->to : c->from)[{peer, parity}] = std::move(ch);
+            const std::string label = kind + " p2p " + std::to_string(src) + ">" + std::to_string(dst) +
+                                      (parity ? " odd" : " even");
+            const ncclUniqueId cid = shared_id(w, *c, label, {c->ranks[src], c->ranks[dst]}, slot);
+            LOOM_NCCL_CUDA(c.get(), "group_create", cudaStreamCreateWithFlags(&chp->stream, cudaStreamNonBlocking));
+            LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&chp->ready, cudaEventDisableTiming));
+            LOOM_NCCL_CUDA(c.get(), "group_create", cudaEventCreateWithFlags(&chp->done, cudaEventDisableTiming));
+            chp->name = "loom:" + label;
+            ncclConfig_t cc = comm_config(chp->name);
+            const ncclResult_t cr = ncclCommInitRankConfig(&chp->nccl, 2, cid, slot, &cc);
+            if (chp->nccl == nullptr)
+              throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig (" + label +
+                              ") failed: " + ncclGetErrorString(cr),
+                          LOOM_CODE_INTERNAL);
+            channel_inits.emplace_back(chp, cr);
+          }
+        }
+      {
+        std::lock_guard<std::mutex> lock(w.mu);
+        if (w.aborted.load()) {
+          // abort() has run without this Comm: fail like the others.
+        } else {
+          w.comms.push_back(c.get());  // from here on, abort reaches it
+        }
+      }
+      if (w.aborted.load()) fail_aborted(*c, "group_create");
+      wait_on(*c, c->nccl, "group_create", "ncclCommInitRankConfig", r);
       for (auto& [ch, cr] : channel_inits)
         wait_on(*c, ch->nccl, "group_create", "ncclCommInitRankConfig (p2p channel)", cr);
+      connect(*c);
     } catch (...) {
       {
         std::lock_guard<std::mutex> lock(w.mu);
-        w.comms.erase(std::find(w.comms.begin(), w.comms.end(), c.get()));
+        auto it = std::find(w.comms.begin(), w.comms.end(), c.get());
+        if (it != w.comms.end()) w.comms.erase(it);
       }
-      if (!c->aborted.exchange(true)) ncclCommAbort(c->nccl);
-      for (auto* chans : {&c->to, &c->from})
-        for (auto& [peer, ch] : *chans) {
-          if (!ch->aborted) ncclCommAbort(ch->nccl);
-          destroy_channel(*ch);
-        }
-      cudaEventDestroy(c->ready);
-      cudaEventDestroy(c->done);
-      cudaStreamDestroy(c->stream);
+      abort_handles(*c);
+      GpuScope gpu(*c, "group_create");
+      destroy_comm_resources(*c);
       throw;
     }
     *out = reinterpret_cast<loom_comm*>(c.release());
@@ -808,47 +958,30 @@ void group_destroy(loom_comm* comm) {
     Comm* c = reinterpret_cast<Comm*>(comm);
     World& w = *c->world;
     {
-      std::lock_guard<std::mutex> lock(w.mu);  // the watchdog no longer looks at it
+      std::lock_guard<std::mutex> lock(w.mu);  // neither the watchdog nor abort() sees it after this
       auto it = std::find(w.comms.begin(), w.comms.end(), c);
       if (it != w.comms.end()) w.comms.erase(it);
     }
     int prev = -1;
     cudaGetDevice(&prev);
     cudaSetDevice(c->gpu);
-    if (!c->aborted.load() && c->nccl) {
+    if (!c->aborted.load() && !w.aborted.load()) {
       // Flush (collective over the group), then free; a group whose other members
       // are gone is aborted after the timeout instead.
       try {
-        LOOM_NCCL(*c, "group_destroy", ncclCommFinalize(c->nccl));
-        LOOM_NCCL(*c, "group_destroy", ncclCommDestroy(c->nccl));
-        for (auto* chans : {&c->to, &c->from})
-          for (auto& [peer, ch] : *chans) {
-            LOOM_NCCL_ON(*c, ch->nccl, "group_destroy", ncclCommFinalize(ch->nccl));
-            LOOM_NCCL_ON(*c, ch->nccl, "group_destroy", ncclCommDestroy(ch->nccl));
-            ch->nccl = nullptr;
-          }
+        for (ncclComm_t* h : c->handles()) {
+          if (*h == nullptr) continue;
+          LOOM_NCCL_ON(*c, *h, "group_destroy", ncclCommFinalize(*h));
+          LOOM_NCCL_ON(*c, *h, "group_destroy", ncclCommDestroy(*h));
+          std::lock_guard<std::mutex> lock(c->handle_mu);
+          *h = nullptr;  // destroyed: never aborted below
+        }
       } catch (const Error& e) {
         LOOM_LOG(WARNING) << e.what();
-        if (!c->aborted.exchange(true)) ncclCommAbort(c->nccl);
-        for (auto* chans : {&c->to, &c->from})
-          for (auto& [peer, ch] : *chans)
-            if (ch->nccl && !ch->aborted) {
-              ch->aborted = true;
-              ncclCommAbort(ch->nccl);
-            }
       }
     }
-    for (auto* chans : {&c->to, &c->from})
-      for (auto& [peer, ch] : *chans) destroy_channel(*ch);
-    cudaStreamSynchronize(c->stream);
-    cudaGetLastError();
-    for (InFlight& f : c->inflight) cudaEventDestroy(f.done);
-    for (cudaEvent_t e : c->spare) cudaEventDestroy(e);
-    if (c->staging) cudaFree(c->staging);
-    cudaEventDestroy(c->ready);
-    cudaEventDestroy(c->done);
-    cudaStreamDestroy(c->stream);
-    cudaGetLastError();
+    abort_handles(*c);  // whatever is still live (after an abort or a failed flush)
+    destroy_comm_resources(*c);
     if (prev >= 0) cudaSetDevice(prev);
     c->destroyed = true;
     delete c;
@@ -922,18 +1055,29 @@ loom_status all_to_all_v(loom_comm* comm, void* stream, const void* send, const 
     Call call{"all_to_all_v", describe("all_to_all_v", send_end, dtype), send, send_end * es, recv, recv_end * es,
               false};
     run(c, stream, call, [&](const void* s, void* r) {
-      LOOM_NCCL(c, "all_to_all_v", ncclGroupStart());
-      for (size_t i = 0; i < n; ++i) {
-        if (send_counts[i] > 0)
-          LOOM_NCCL(c, "all_to_all_v",
-                    ncclSend(static_cast<const char*>(s) + send_displs[i] * es, send_counts[i], t,
-                             static_cast<int>(i), c.nccl, c.stream));
-        if (recv_counts[i] > 0)
-          LOOM_NCCL(c, "all_to_all_v",
-                    ncclRecv(static_cast<char*>(r) + recv_displs[i] * es, recv_counts[i], t, static_cast<int>(i),
-                             c.nccl, c.stream));
+      // The whole NCCL group under the handle lock, and always closed: a group left
+      // open would queue every later NCCL call of this thread.
+      ncclResult_t res = ncclSuccess;
+      bool aborted = false;
+      {
+        std::lock_guard<std::mutex> lock(c.handle_mu);
+        aborted = c.aborted.load() || c.nccl == nullptr;
+        if (!aborted) res = ncclGroupStart();
+        if (!aborted && res == ncclSuccess) {
+          for (size_t i = 0; i < n && res == ncclSuccess; ++i) {
+            if (send_counts[i] > 0)
+              res = ncclSend(static_cast<const char*>(s) + send_displs[i] * es, send_counts[i], t,
+                             static_cast<int>(i), c.nccl, c.stream);
+            if (res == ncclSuccess && recv_counts[i] > 0)
+              res = ncclRecv(static_cast<char*>(r) + recv_displs[i] * es, recv_counts[i], t, static_cast<int>(i),
+                             c.nccl, c.stream);
+          }
+          const ncclResult_t e = ncclGroupEnd();
+          if (res == ncclSuccess) res = e;
+        }
       }
-      LOOM_NCCL(c, "all_to_all_v", ncclGroupEnd());
+      if (aborted) fail_aborted(c, "all_to_all_v");
+      wait_on(c, c.nccl, "all_to_all_v", "ncclSend/ncclRecv group", res);
     });
   });
 }
@@ -977,17 +1121,17 @@ loom_status barrier(loom_comm* comm) {
 }
 
 // Point to point. On a group with channels (option p2p_groups, "pp" by default)
-// a send copies the buffer on the caller's stream into a staging buffer of the
-// channel to the peer and returns; the channel's stream sends it when the peer
-// receives, so the caller's stream never waits for the receiver (the ABI's "send
-// never blocks") and may reuse the buffer at once. A recv is ordered after the
-// caller's stream and before its later work. Messages between an ordered pair
-// are matched in the order they are sent; the tag is not used.
-// Without channels (other groups), NCCL's own semantics apply: the send blocks
-// the caller's stream until the peer receives.
-Channel* channel(Comm& c, bool to, int32_t peer) {
+// a send to a ring neighbour copies the buffer on the caller's stream into a
+// stream-ordered allocation and returns; the channel's stream sends it when the
+// peer receives and frees it, so the caller's stream never waits for the receiver
+// (the ABI's "send never blocks") and may reuse the buffer at once. A recv is
+// ordered after the caller's stream and before its later work. Messages of one
+// (peer, tag parity) are matched in the order they are sent.
+// Other peers and groups: NCCL's own semantics on the group's communicator (the
+// send blocks the caller's stream until the peer receives).
+Channel* channel(Comm& c, bool to, int32_t peer, int32_t tag) {
   auto& m = to ? c.to : c.from;
-  const auto it = m.find(peer);
+  const auto it = m.find({peer, tag & 1});
   return it == m.end() ? nullptr : it->second.get();
 }
 
@@ -1001,24 +1145,8 @@ void refuse_capture(Comm& c, const char* op, cudaStream_t caller) {
                 LOOM_CODE_UNSUPPORTED);
 }
 
-// A staging buffer of at least `bytes` whose last send has completed.
-Channel::Stage& stage_for(Comm& c, Channel& ch, size_t bytes) {
-  for (Channel::Stage& st : ch.stages) {
-    if (st.bytes < bytes) continue;
-    const cudaError_t q = cudaEventQuery(st.sent);
-    if (q == cudaSuccess) return st;
-    if (q != cudaErrorNotReady) check_cuda(&c, "send", "cudaEventQuery", q);
-  }
-  Channel::Stage st;
-  st.bytes = std::max<size_t>(bytes, 256);
-  LOOM_NCCL_CUDA(&c, "send", cudaMalloc(&st.p, st.bytes));
-  LOOM_NCCL_CUDA(&c, "send", cudaEventCreateWithFlags(&st.sent, cudaEventDisableTiming));
-  ch.stages.push_back(st);
-  return ch.stages.back();
-}
-
 loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, int32_t dtype, int32_t peer,
-                 int32_t /*tag*/) {
+                 int32_t tag) {
   return guard([&] {
     Comm& c = comm_of(comm);
     const ncclDataType_t t = nccl_type(dtype, "send");
@@ -1026,7 +1154,7 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
                  "comm/nccl send: peer " << peer << " is not another rank of the group of " << c.ranks.size());
     if (count == 0) return;
     const std::string what = describe("send", count, dtype) + " to " + std::to_string(peer);
-    Channel* ch = channel(c, true, peer);
+    Channel* ch = channel(c, true, peer, tag);
     if (ch == nullptr) {
       Call call{"send", what, buf, bytes_of(count, dtype), nullptr, 0};
       run(c, stream, call,
@@ -1039,26 +1167,35 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
     const cudaStream_t caller = static_cast<cudaStream_t>(stream);
     refuse_capture(c, "send", caller);
     const size_t bytes = bytes_of(count, dtype);
-    Channel::Stage& st = stage_for(c, *ch, bytes);
+    // The copy lives from the caller's stream (or the channel's) until the send has
+    // left: stream-ordered allocation, so the pipeline's in-flight sends bound it.
+    void* copy = nullptr;
     if (is_host_memory(buf)) {
-      // Staged by CUDA before the call returns; ordered on the channel's stream.
-      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyHostToDevice, ch->stream));
+      LOOM_NCCL_CUDA(&c, "send", cudaMallocAsync(&copy, bytes, ch->stream));
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(copy, buf, bytes, cudaMemcpyHostToDevice, ch->stream));
     } else if (caller != nullptr) {
-      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyDeviceToDevice, caller));
+      LOOM_NCCL_CUDA(&c, "send", cudaMallocAsync(&copy, bytes, caller));
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(copy, buf, bytes, cudaMemcpyDeviceToDevice, caller));
       LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(ch->ready, caller));
       LOOM_NCCL_CUDA(&c, "send", cudaStreamWaitEvent(ch->stream, ch->ready, 0));
     } else {
       LOOM_NCCL_CUDA(&c, "send", cudaDeviceSynchronize());
-      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(st.p, buf, bytes, cudaMemcpyDeviceToDevice, ch->stream));
+      LOOM_NCCL_CUDA(&c, "send", cudaMallocAsync(&copy, bytes, ch->stream));
+      LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(copy, buf, bytes, cudaMemcpyDeviceToDevice, ch->stream));
     }
-    LOOM_NCCL_ON(c, ch->nccl, "send", ncclSend(st.p, count, t, 1, ch->nccl, ch->stream));
-    LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(st.sent, ch->stream));
+    try {
+      LOOM_NCCL_ON(c, ch->nccl, "send", ncclSend(copy, count, t, 1, ch->nccl, ch->stream));
+    } catch (...) {
+      cudaFreeAsync(copy, ch->stream);
+      throw;
+    }
+    LOOM_NCCL_CUDA(&c, "send", cudaFreeAsync(copy, ch->stream));
     track(c, "send", what, ch->stream);
   });
 }
 
 loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer,
-                 int32_t /*tag*/) {
+                 int32_t tag) {
   return guard([&] {
     Comm& c = comm_of(comm);
     const ncclDataType_t t = nccl_type(dtype, "recv");
@@ -1066,7 +1203,7 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
                  "comm/nccl recv: peer " << peer << " is not another rank of the group of " << c.ranks.size());
     if (count == 0) return;
     const std::string what = describe("recv", count, dtype) + " from " + std::to_string(peer);
-    Channel* ch = channel(c, false, peer);
+    Channel* ch = channel(c, false, peer, tag);
     if (ch == nullptr) {
       Call call{"recv", what, nullptr, 0, buf, bytes_of(count, dtype)};
       run(c, stream, call,
@@ -1083,12 +1220,10 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
     void* target = buf;
     if (host) {
       if (c.staging_bytes < bytes) {
-        if (c.staging) {
-          LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
-          cudaFree(c.staging);
-          c.staging = nullptr;
-          c.staging_bytes = 0;
-        }
+        host_wait(c, "recv", c.done);  // the comm stream's last use of the staging buffer
+        if (c.staging) cudaFree(c.staging);
+        c.staging = nullptr;
+        c.staging_bytes = 0;
         LOOM_NCCL_CUDA(&c, "recv", cudaMalloc(&c.staging, std::max<size_t>(bytes, 1 << 16)));
         c.staging_bytes = std::max<size_t>(bytes, 1 << 16);
       }
@@ -1101,11 +1236,12 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
       LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
     }
     LOOM_NCCL_ON(c, ch->nccl, "recv", ncclRecv(target, count, t, 0, ch->nccl, ch->stream));
-    if (host) LOOM_NCCL_CUDA(&c, "recv", cudaMemcpyAsync(buf, target, bytes, cudaMemcpyDeviceToHost, ch->stream));
     track(c, "recv", what, ch->stream);
     LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch->done, ch->stream));
     if (caller != nullptr) LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(caller, ch->done, 0));
-    if (caller == nullptr || host) host_wait(c, "recv", ch->done);
+    if (caller == nullptr || host) host_wait(c, "recv", ch->done);  // with the timeout
+    // Into pageable memory only once received (such a copy returns when done).
+    if (host) LOOM_NCCL_CUDA(&c, "recv", cudaMemcpyAsync(buf, target, bytes, cudaMemcpyDeviceToHost, ch->stream));
   });
 }
 
