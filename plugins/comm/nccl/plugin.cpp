@@ -53,6 +53,7 @@
 #include <deque>
 #include <loom/cpp/plugin.hpp>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -104,6 +105,11 @@ struct Comm {
   // cannot free them in the middle of a call; NULL once aborted or destroyed.
   std::mutex handle_mu;
   ncclComm_t nccl = nullptr;
+  // Handles whose last call has not been polled to ncclSuccess (an init or an
+  // operation in progress, or one that failed): NCCL still holds a group job for
+  // them, which ncclCommRevoke would free under the later abort (NCCL 2.28), so
+  // aborts skip the revoke for these. Under handle_mu.
+  std::set<ncclComm_t> unsettled;
   std::string name;                       // NCCL keeps the pointer of config.commName
   cudaStream_t stream = nullptr;          // the communication stream
   cudaEvent_t ready = nullptr, done = nullptr;  // caller -> comm stream, comm stream -> caller
@@ -232,9 +238,21 @@ template <typename Fn>
 ncclResult_t locked(Comm& c, ncclComm_t& h, const char* op, Fn&& fn) {
   {
     std::lock_guard<std::mutex> lock(c.handle_mu);
-    if (h != nullptr && !c.aborted.load()) return fn();
+    if (h != nullptr && !c.aborted.load()) {
+      const ncclResult_t r = fn();
+      if (r != ncclSuccess) c.unsettled.insert(h);
+      return r;
+    }
   }
   fail_aborted(c, op);
+}
+
+// ncclCommGetAsyncError under the handle lock (on success NCCL 2.28 releases the
+// handle's group job: two threads polling at once would release it twice).
+ncclResult_t poll_handle(Comm& c, ncclComm_t h, ncclResult_t* state) {
+  const ncclResult_t q = ncclCommGetAsyncError(h, state);
+  if (q == ncclSuccess && *state == ncclSuccess) c.unsettled.erase(h);
+  return q;
 }
 
 // Polls a non-blocking communicator (the group's, or one of its channels) until
@@ -252,7 +270,7 @@ void wait_on(Comm& c, ncclComm_t& h, const char* op, const char* call, ncclResul
       throw Error(os.str(), LOOM_CODE_TIMEOUT);
     }
     backoff.pause();
-    const ncclResult_t q = locked(c, h, op, [&] { return ncclCommGetAsyncError(h, &r); });
+    const ncclResult_t q = locked(c, h, op, [&] { return poll_handle(c, h, &r); });
     if (q != ncclSuccess) r = q;
   }
   if (r != ncclSuccess) {
@@ -279,12 +297,12 @@ void wait_on(Comm& c, ncclComm_t& h, const char* op, const char* call, ncclResul
 void revoke_handles(Comm& c) {
   std::lock_guard<std::mutex> lock(c.handle_mu);
   c.aborted.store(true);  // rank threads make no new NCCL call on it
-#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
   int prev = -1;
   cudaGetDevice(&prev);
   cudaSetDevice(c.gpu);
   for (ncclComm_t* h : c.handles())
-    if (*h) ncclCommRevoke(*h, NCCL_REVOKE_DEFAULT);
+    if (*h && !c.unsettled.count(*h)) ncclCommRevoke(*h, NCCL_REVOKE_DEFAULT);
   cudaGetLastError();
   if (prev >= 0) cudaSetDevice(prev);
 #endif
@@ -297,6 +315,7 @@ void free_handles(Comm& c) {
   for (ncclComm_t* h : c.handles())
     if (*h) {
       ncclCommAbort(*h);
+      c.unsettled.erase(*h);
       *h = nullptr;
     }
   cudaGetLastError();
@@ -381,13 +400,17 @@ void World::watch() {
           cudaGetLastError();
           continue;
         }
-        // Under `mu`, no abort or group_destroy frees these meanwhile; NCCL allows
-        // ncclCommGetAsyncError concurrently with the rank thread's calls.
+        // Under `mu` no abort or group_destroy frees these meanwhile; each poll
+        // under the handle lock (see poll_handle).
         for (ncclComm_t* hp : c->handles()) {
-          const ncclComm_t h = *hp;
           ncclResult_t async = ncclSuccess;
-          if (h && ncclCommGetAsyncError(h, &async) == ncclSuccess && async != ncclSuccess &&
-              async != ncclInProgress) {
+          ncclResult_t q = ncclSuccess;
+          {
+            std::lock_guard<std::mutex> hl(c->handle_mu);
+            if (*hp == nullptr) continue;
+            q = poll_handle(*c, *hp, &async);
+          }
+          if (q == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
             failure = "comm/nccl: NCCL reported an asynchronous error on " + c->where() + ": " +
                       ncclGetErrorString(async) + "; aborting every communicator of the world";
             break;
@@ -557,8 +580,10 @@ void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
   const void* send = call.send;
   void* recv = call.recv;
   if (send_host || recv_host) {
-    // A copy from pageable memory synchronises the comm stream first: wait for its
-    // last operation here, with the timeout, rather than inside CUDA without one.
+    // The staging buffer is reused: wait (with the timeout) for the comm stream's
+    // earlier work. Recorded afresh: c.done may last have been recorded in a capture,
+    // and such an event cannot be queried.
+    LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(c.done, c.stream));
     host_wait(c, call.op, c.done);
     const size_t need = (send_host ? call.send_bytes : 0) + (recv_host ? call.recv_bytes : 0) + 256;
     if (c.staging_bytes < need) {
@@ -824,6 +849,8 @@ void connect(Comm& c) {
         // End the group whatever happened: an open group would queue every later call.
         const ncclResult_t e = ncclGroupEnd();
         if (r == ncclSuccess) r = e;
+        if (r != ncclSuccess)
+          for (Channel* ch : chans) c.unsettled.insert(ch->nccl);
       }
     }
     if (aborted) fail_aborted(c, "group_create");
@@ -877,6 +904,10 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
       c->name = "loom:" + kind;
       ncclConfig_t config = comm_config(c->name);
       const ncclResult_t r = ncclCommInitRankConfig(&c->nccl, n, id, c->index, &config);
+      if (c->nccl != nullptr && r != ncclSuccess) {
+        std::lock_guard<std::mutex> lock(c->handle_mu);
+        c->unsettled.insert(c->nccl);
+      }
       if (c->nccl == nullptr)
         throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig failed: " +
                         ncclGetErrorString(r),
@@ -917,6 +948,10 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
             chp->name = "loom:" + label;
             ncclConfig_t cc = comm_config(chp->name);
             const ncclResult_t cr = ncclCommInitRankConfig(&chp->nccl, 2, cid, slot, &cc);
+            if (chp->nccl != nullptr && cr != ncclSuccess) {
+              std::lock_guard<std::mutex> lock(c->handle_mu);
+              c->unsettled.insert(chp->nccl);
+            }
             if (chp->nccl == nullptr)
               throw Error("comm/nccl group_create on " + c->where() + ": ncclCommInitRankConfig (" + label +
                               ") failed: " + ncclGetErrorString(cr),
@@ -968,15 +1003,21 @@ void group_destroy(loom_comm* comm) {
     if (!c->aborted.load() && !w.aborted.load()) {
       // Flush (collective over the group), then free; a group whose other members
       // are gone is aborted after the timeout instead.
+      // Every finalize is issued before any is waited for: members may take their
+      // handles in different orders (a sender's channel first on one side, the
+      // receiver's on the other), and a finalize may wait for its peers.
       try {
-        for (ncclComm_t* h : c->handles()) {
-          if (*h == nullptr) continue;
-          LOOM_NCCL_ON(*c, *h, "group_destroy", ncclCommFinalize(*h));
+        std::vector<std::pair<ncclComm_t*, ncclResult_t>> finalizing;
+        for (ncclComm_t* h : c->handles())
+          if (*h) finalizing.emplace_back(h, locked(*c, *h, "group_destroy", [&] { return ncclCommFinalize(*h); }));
+        for (auto& [h, r] : finalizing) wait_on(*c, *h, "group_destroy", "ncclCommFinalize", r);
+        for (auto& [h, r] : finalizing) {
           LOOM_NCCL_ON(*c, *h, "group_destroy", ncclCommDestroy(*h));
           std::lock_guard<std::mutex> lock(c->handle_mu);
+          c->unsettled.erase(*h);
           *h = nullptr;  // destroyed: never aborted below
         }
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         LOOM_LOG(WARNING) << e.what();
       }
     }
@@ -1074,6 +1115,7 @@ loom_status all_to_all_v(loom_comm* comm, void* stream, const void* send, const 
           }
           const ncclResult_t e = ncclGroupEnd();
           if (res == ncclSuccess) res = e;
+          if (res != ncclSuccess) c.unsettled.insert(c.nccl);
         }
       }
       if (aborted) fail_aborted(c, "all_to_all_v");
@@ -1220,7 +1262,9 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
     void* target = buf;
     if (host) {
       if (c.staging_bytes < bytes) {
-        host_wait(c, "recv", c.done);  // the comm stream's last use of the staging buffer
+        // The comm stream's last use of the staging buffer (recorded afresh, see run()).
+        LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(c.done, c.stream));
+        host_wait(c, "recv", c.done);
         if (c.staging) cudaFree(c.staging);
         c.staging = nullptr;
         c.staging_bytes = 0;
