@@ -160,7 +160,6 @@ struct World {
 #endif
   }
   int64_t timeout_ms = 0;
-  int device_count = 0;
   std::vector<std::string> p2p_kinds;  // groups that get point-to-point channels
 
   std::mutex mu;
@@ -675,7 +674,6 @@ loom_status world_create(const loom_options* options, const loom_comm_world_args
     w->world_size = args->world_size;
     w->local_ranks.assign(args->local_ranks, args->local_ranks + args->num_local_ranks);
     w->timeout_ms = args->timeout_ms;
-    w->device_count = count;
 #ifdef LOOM_NCCL_WITH_MPI
     if (several_processes) {
       comm_common::Settings s;
