@@ -97,6 +97,7 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
   args.instance_name = spec.instance.c_str();
   args.tp = tp;
   args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
+  args.grad_accumulation_fusion = m.get_bool("device.grad_accumulation_fusion") ? 1 : 0;
   *api = p.layer();
   loom_layer* handle = nullptr;
   try {

@@ -15,6 +15,9 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_0(size_t* count);
 extern "C" const size_t* loom_abi_layout_current(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_1(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_1(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_2(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_2(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 
 namespace {
 
@@ -50,6 +53,35 @@ TEST(AbiLayout, Released11MembersKeepOffsetsAndSizes) {
   ASSERT_EQ(n_frozen, n_current);
   ASSERT_GT(n_frozen, n_10 + 2 * 80);  // 1.1's members are listed too
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+}
+
+// 1.2's too (grad_fp32, copy_2d, the features bits, grad_accumulation_fusion).
+TEST(AbiLayout, Released12MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_11 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_2(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_2(&n_current);
+  loom_abi_layout_current_v1_1(&n_11);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_11 + 2 * 12);  // the twelve members 1.2 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+}
+
+// A member appended in 1.2 starts at or past the 1.1 struct's sizeof: in its tail
+// padding a 1.1 caller (whose struct_size covers the padding) would hand the callee
+// indeterminate bytes as the new member. (The pad_1_1 members fill that padding.)
+TEST(AbiLayout, MembersAppendedIn12StartPastThe11Size) {
+#define PAST(s, m)                                                       \
+  ASSERT_GT(loom_abi_sizeof_v1_1(#s), 0u) << #s;                         \
+  EXPECT_GE(offsetof(s, m), loom_abi_sizeof_v1_1(#s)) << #s "." #m;
+  PAST(loom_layernorm_bwd_args, grad_fp32)
+  PAST(loom_embedding_args, grad_fp32)
+  PAST(loom_device_api, copy_2d)
+  PAST(loom_layer_create_args, grad_accumulation_fusion)
+  PAST(loom_tp_linear_args, grad_fp32)
+  PAST(loom_tp_embedding_args, grad_fp32)
+  PAST(loom_tp_xent_args, grad_fp32)
+  PAST(loom_tensor_parallel_api, features)
+#undef PAST
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

@@ -1,6 +1,7 @@
 /* Member offsets and sizes under the CURRENT header (the SDK include path).
- * Compared with layout_frozen.c (1.0) and layout_frozen_v1_1.c (1.1) by the ABI
- * test: every released member must keep its offset and size. */
+ * Compared with layout_frozen.c (1.0), layout_frozen_v1_1.c (1.1) and
+ * layout_frozen_v1_2.c (1.2) by the ABI test: every released member must keep its
+ * offset and size. */
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
@@ -13,6 +14,11 @@ static const size_t k_layout_v1_1[] = {
 #include "layout_members.inc"
 #include "layout_members_v1_1.inc"
 };
+static const size_t k_layout_v1_2[] = {
+#include "layout_members.inc"
+#include "layout_members_v1_1.inc"
+#include "layout_members_v1_2.inc"
+};
 #undef M
 const size_t* loom_abi_layout_current(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
@@ -21,4 +27,8 @@ const size_t* loom_abi_layout_current(size_t* count) {
 const size_t* loom_abi_layout_current_v1_1(size_t* count) {
   *count = sizeof(k_layout_v1_1) / sizeof(k_layout_v1_1[0]);
   return k_layout_v1_1;
+}
+const size_t* loom_abi_layout_current_v1_2(size_t* count) {
+  *count = sizeof(k_layout_v1_2) / sizeof(k_layout_v1_2[0]);
+  return k_layout_v1_2;
 }

@@ -309,6 +309,10 @@ TEST(DeviceCuda, DescribesItselfAndFillsEverySlot) {
                          (void*)api->capture_end,     (void*)api->graph_replay,     (void*)api->graph_destroy,
                          (void*)api->native_stream};
   for (const void* s : slots) EXPECT_NE(s, nullptr);
+  // ABI 1.2: the table reaches copy_2d and features, and honours grad_fp32.
+  ASSERT_TRUE(LOOM_HAS_SLOT(api, loom_device_api, features)) << "struct_size " << api->struct_size;
+  EXPECT_NE((void*)api->copy_2d, nullptr);
+  EXPECT_NE(api->features & LOOM_DEVICE_GRAD_FP32, 0ull);
   const loom_device_ops* ops = api->ops;
   ASSERT_NE(ops, nullptr);
   const void* op_slots[] = {(void*)ops->gemm,          (void*)ops->layernorm_fwd, (void*)ops->layernorm_bwd,
@@ -512,6 +516,44 @@ TEST(DeviceCuda, LayerNormBf16MatchesCpu) {
   check_layernorm(BF16);
 }
 
+// grad_fp32 (ABI 1.2): dgamma/dbeta are fp32 buffers whatever dtype is, accumulated
+// without a bf16 rounding, so they must match the CPU at the fp32 tolerance (bf16
+// storage misses it by 1e-4 and more). Fixed mean/rstd so only the backward is
+// compared; several row chunks and column blocks; the second call leaves dbeta out.
+TEST(DeviceCuda, LayerNormBwdGradFp32AccumulatesIntoFp32Buffers) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t rows = 200, cols = 333;
+  for (int32_t dt : {BF16, F32}) {
+    const std::string tag = dt == BF16 ? "bf16" : "f32";
+    Tensor x(env, randu(rows * cols, 130, -2, 3), dt), dy(env, randu(rows * cols, 131), dt);
+    Tensor gamma(env, randu(cols, 132, 0.5f, 1.5f), dt), dx(env, randu(rows * cols, 133), dt);
+    Tensor mean(env, randu(rows, 134, -0.5f, 0.5f)), rstd(env, randu(rows, 135, 0.5f, 2.0f));
+    Tensor dgamma(env, randu(cols, 136)), dbeta(env, randu(cols, 137));  // fp32, nonzero
+    for (int call = 0; call < 2; ++call) {
+      both<loom_layernorm_bwd_args>(env, &loom::Device::layernorm_bwd, [&](bool gpu) {
+        loom_layernorm_bwd_args a = loom::make<loom_layernorm_bwd_args>();
+        a.rows = rows;
+        a.cols = cols;
+        a.dy = gpu ? dy.g() : dy.c();
+        a.x = gpu ? x.g() : x.c();
+        a.gamma = gpu ? gamma.g() : gamma.c();
+        a.mean = static_cast<const float*>(gpu ? mean.g() : mean.c());
+        a.rstd = static_cast<const float*>(gpu ? rstd.g() : rstd.c());
+        a.dx = gpu ? dx.g() : dx.c();
+        a.dgamma = gpu ? dgamma.g() : dgamma.c();
+        a.dbeta = call == 0 ? (gpu ? dbeta.g() : dbeta.c()) : nullptr;
+        a.dtype = gpu ? dt : F32;
+        a.grad_fp32 = 1;
+        return a;
+      });
+    }
+    dgamma.expect_match("layernorm_bwd grad_fp32 dgamma " + tag);  // fp32 tensors: 1e-5
+    dbeta.expect_match("layernorm_bwd grad_fp32 dbeta " + tag);
+    dx.expect_match("layernorm_bwd grad_fp32 dx " + tag);  // dx stays of dtype
+  }
+}
+
 TEST(DeviceCuda, GeluMatchesCpu) {
   REQUIRE_GPU();
   Env env;
@@ -705,6 +747,36 @@ TEST(DeviceCuda, EmbeddingSlicesMatchCpu) {
     });
     // bf16 scatter-add rounds each of the ~4 sums per row: a looser bound.
     dtable.expect_match("embedding_bwd", dt == BF16 ? 2e-2 : 1e-5);
+  }
+}
+
+// grad_fp32 (ABI 1.2): bf16 dout scattered into an fp32 dtable with fp32 atomics.
+// ~12 ids per table row: the order of the sum differs from the CPU's, but every
+// partial sum is fp32, so the fp32 tolerance holds (a bf16 table would miss it).
+TEST(DeviceCuda, EmbeddingBwdGradFp32AccumulatesIntoAnFp32Table) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t n = 1000, dim = 200, vocab_rows = 40, vocab_start = 20;
+  std::vector<int32_t> ids(n);
+  std::mt19937 gen(140);
+  for (int32_t& i : ids) i = static_cast<int32_t>(gen() % 80);  // about half outside [20, 60)
+  Raw<int32_t> rid(env, ids);
+  for (int32_t dt : {BF16, F32}) {
+    Tensor dout(env, randu(n * dim, 141), dt), dtable(env, randu(vocab_rows * dim, 142));  // dtable fp32
+    both<loom_embedding_args>(env, &loom::Device::embedding_bwd, [&](bool gpu) {
+      loom_embedding_args a = loom::make<loom_embedding_args>();
+      a.n = n;
+      a.dim = dim;
+      a.vocab_rows = vocab_rows;
+      a.vocab_start = vocab_start;
+      a.ids = gpu ? rid.g() : rid.c();
+      a.dout = gpu ? dout.g() : dout.c();
+      a.dtable = gpu ? dtable.g() : dtable.c();
+      a.dtype = gpu ? dt : F32;
+      a.grad_fp32 = 1;
+      return a;
+    });
+    dtable.expect_match(std::string("embedding_bwd grad_fp32 ") + (dt == BF16 ? "bf16" : "f32"), 1e-5);
   }
 }
 
@@ -987,9 +1059,97 @@ TEST(DeviceCuda, StreamsAreOrderedByEvents) {
   d.free(total);
 }
 
+// rows x width bytes from src (pitch sp) to dst (pitch dp): the host reference of copy_2d.
+void copy_2d_ref(std::vector<uint8_t>& dst, size_t dp, const uint8_t* src, size_t sp, size_t width, size_t rows) {
+  for (size_t r = 0; r < rows; ++r) std::memcpy(dst.data() + r * dp, src + r * sp, width);
+}
+
+// H2D gathers every 3rd 40-byte block of a host buffer into pitched device rows,
+// D2D moves them to other pitches, D2H scatters them into pitched host rows; the
+// bytes between rows (prefilled) must stay as they were.
+TEST(DeviceCuda, Copy2dMovesRowsAtPitchesAndLeavesTheGapsAlone) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  const size_t width = 40, rows = 7, a_pitch = 56, b_pitch = 72, h_pitch = 64;
+  std::vector<uint8_t> host(3 * width * rows);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 7 + 1);
+  std::vector<uint8_t> a_want(a_pitch * rows, 0xab), b_want(b_pitch * rows, 0xcd), h_want(h_pitch * rows, 0xef);
+  void* a = d.alloc(a_want.size());
+  void* b = d.alloc(b_want.size());
+  d.upload(a, a_want.data(), a_want.size());
+  d.upload(b, b_want.data(), b_want.size());
+  std::vector<uint8_t> h = h_want;
+
+  loom::check(api->copy_2d(d.raw(), nullptr, a, a_pitch, host.data(), 3 * width, width, rows,
+                           LOOM_COPY_HOST_TO_DEVICE));
+  d.ops().copy_2d(b, b_pitch, a, a_pitch, width, rows, LOOM_COPY_DEVICE_TO_DEVICE);  // through the C++ layer
+  loom::check(api->copy_2d(d.raw(), nullptr, h.data(), h_pitch, b, b_pitch, width, rows, LOOM_COPY_DEVICE_TO_HOST));
+  d.sync();
+  copy_2d_ref(a_want, a_pitch, host.data(), 3 * width, width, rows);
+  copy_2d_ref(b_want, b_pitch, a_want.data(), a_pitch, width, rows);
+  copy_2d_ref(h_want, h_pitch, b_want.data(), b_pitch, width, rows);
+  std::vector<uint8_t> got(a_want.size());
+  d.download(got.data(), a, got.size());
+  EXPECT_EQ(got, a_want) << "H2D";
+  got.resize(b_want.size());
+  d.download(got.data(), b, got.size());
+  EXPECT_EQ(got, b_want) << "D2D";
+  EXPECT_EQ(h, h_want) << "D2H";
+
+  // Zero rows or width: nothing to do, whatever the pointers.
+  loom::check(api->copy_2d(d.raw(), nullptr, nullptr, 0, nullptr, 0, 0, rows, LOOM_COPY_DEVICE_TO_DEVICE));
+  loom::check(api->copy_2d(d.raw(), nullptr, nullptr, 0, nullptr, 0, width, 0, LOOM_COPY_DEVICE_TO_DEVICE));
+  // Refusals name the call.
+  StatusInfo s = take(api->copy_2d(d.raw(), nullptr, b, width - 1, a, a_pitch, width, rows,
+                                   LOOM_COPY_DEVICE_TO_DEVICE));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("device/cuda copy_2d"), std::string::npos) << s.message;
+  s = take(api->copy_2d(d.raw(), nullptr, b, b_pitch, nullptr, a_pitch, width, rows, LOOM_COPY_DEVICE_TO_DEVICE));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("device/cuda copy_2d"), std::string::npos) << s.message;
+  s = take(api->copy_2d(d.raw(), nullptr, b, b_pitch, a, a_pitch, width, rows, 9));
+  EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(s.message.find("device/cuda copy_2d"), std::string::npos) << s.message;
+  got.resize(b_want.size());
+  d.download(got.data(), b, got.size());
+  EXPECT_EQ(got, b_want) << "a refused copy_2d wrote nothing";
+  d.free(a);
+  d.free(b);
+}
+
 // ---------------------------------------------------------------------------
 // Graphs
 // ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, GraphRecordsCopy2d) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  const size_t width = 24, rows = 5, src_pitch = 32, dst_pitch = 40;
+  std::vector<uint8_t> src(src_pitch * rows), dst_want(dst_pitch * rows, 0x11);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 3 + 5);
+  void* s = d.alloc(src.size());
+  void* t = d.alloc(dst_want.size());
+  d.upload(s, src.data(), src.size());
+  d.upload(t, dst_want.data(), dst_want.size());
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom::check(api->copy_2d(d.raw(), nullptr, t, dst_pitch, s, src_pitch, width, rows, LOOM_COPY_DEVICE_TO_DEVICE));
+  loom_graph* g = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &g));
+  ASSERT_NE(g, nullptr);
+  std::vector<uint8_t> got(dst_want.size());
+  d.download(got.data(), t, got.size());
+  EXPECT_EQ(got, dst_want) << "nothing runs during capture";
+  loom::check(api->graph_replay(d.raw(), g, nullptr));
+  d.sync();
+  copy_2d_ref(dst_want, dst_pitch, src.data(), src_pitch, width, rows);
+  d.download(got.data(), t, got.size());
+  EXPECT_EQ(got, dst_want) << "replay";
+  api->graph_destroy(d.raw(), g);
+  d.free(s);
+  d.free(t);
+}
 
 TEST(DeviceCuda, GraphRecordsLaunchesAndReplaysThemOnTheSameAddresses) {
   REQUIRE_GPU();

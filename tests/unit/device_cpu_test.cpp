@@ -376,6 +376,57 @@ TEST(DeviceCpu, CopyAllKindsAndStreamsEvents) {
   api->stream_destroy(d.raw(), s);
 }
 
+// copy_2d (ABI 1.2): every third 12-byte block of a source gathered into rows of
+// pitch 20, the gaps left alone; recorded by a capture and run on replay; refused
+// with bad pitches. loom::Device::copy_2d gives the same bytes through a 1.1 table
+// (no copy_2d slot: one copy per row).
+TEST(DeviceCpu, Copy2dGathersRowsAndLeavesTheGapsAlone) {
+  Dev d;
+  const loom_device_api* api = d.api();
+  ASSERT_TRUE(LOOM_HAS_SLOT(api, loom_device_api, copy_2d) && api->copy_2d != nullptr);
+  EXPECT_NE(api->features & LOOM_DEVICE_GRAD_FP32, 0u);
+  const size_t rows = 7, width = 12, src_pitch = 36, dst_pitch = 20;
+  Buf<uint8_t> src(d, rows * src_pitch), dst(d, rows * dst_pitch);
+  std::vector<uint8_t> sv(rows * src_pitch);
+  for (size_t i = 0; i < sv.size(); ++i) sv[i] = static_cast<uint8_t>(i * 7 + 3);
+  src.set(sv);
+  std::vector<uint8_t> want(rows * dst_pitch, 0xEE);
+  for (size_t r = 0; r < rows; ++r)
+    for (size_t c = 0; c < width; ++c) want[r * dst_pitch + c] = sv[r * src_pitch + c];
+
+  dst.fill(0xEE);
+  loom::check(api->copy_2d(d.raw(), nullptr, dst.data(), dst_pitch, src.data(), src_pitch, width, rows,
+                           LOOM_COPY_DEVICE_TO_DEVICE));
+  EXPECT_EQ(dst.get(), want);
+
+  dst.fill(0xEE);
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  loom::check(api->copy_2d(d.raw(), nullptr, dst.data(), dst_pitch, src.data(), src_pitch, width, rows,
+                           LOOM_COPY_DEVICE_TO_DEVICE));
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &graph));
+  EXPECT_EQ(dst.get(), std::vector<uint8_t>(rows * dst_pitch, 0xEE)) << "captured, not run";
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  loom::check(api->stream_synchronize(d.raw(), nullptr));
+  EXPECT_EQ(dst.get(), want) << "replayed";
+  api->graph_destroy(d.raw(), graph);
+
+  loom_device_api v1_1 = *api;  // a device built for 1.1: the table ends before copy_2d
+  v1_1.struct_size = static_cast<uint32_t>(offsetof(loom_device_api, copy_2d));
+  dst.fill(0xEE);
+  loom::Device(&v1_1, d.raw(), nullptr).copy_2d(dst.data(), dst_pitch, src.data(), src_pitch, width, rows,
+                                                LOOM_COPY_DEVICE_TO_DEVICE);
+  EXPECT_EQ(dst.get(), want) << "row by row through a 1.1 table";
+  EXPECT_EQ(loom::Device(&v1_1, d.raw(), nullptr).features(), 0u);
+
+  const StatusInfo bad = take(api->copy_2d(d.raw(), nullptr, dst.data(), 8, src.data(), src_pitch, width, rows,
+                                       LOOM_COPY_DEVICE_TO_DEVICE));
+  EXPECT_EQ(bad.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(bad.message.find("copy_2d"), std::string::npos) << bad.message;
+  EXPECT_NE(bad.message.find("width 12"), std::string::npos) << bad.message;
+  loom::check(api->copy_2d(d.raw(), nullptr, nullptr, 0, nullptr, 0, 0, 5, LOOM_COPY_DEVICE_TO_DEVICE));
+}
+
 // ---------------------------------------------------------------------------
 // GEMM
 // ---------------------------------------------------------------------------
@@ -1861,8 +1912,8 @@ TEST(DeviceCpu, Bf16LayerNormEqualsFp32OnTheBf16Values) {
                                  dyv = rounded(randn(rows * cols, 8)), dx0 = rounded(randn(rows * cols, 9)),
                                  dg0 = rounded(randn(cols, 10)), db0 = rounded(randn(cols, 11));
         std::vector<float> want[7];  // y, mean, rstd, dx (=), dx (+=), dgamma, dbeta
-        std::vector<uint16_t> got_h[5];
-        std::vector<float> got_f[2];
+        std::vector<uint16_t> got_h[6];
+        std::vector<float> got_f[4];
         for (int32_t dt : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
           DTensor x(d, dt, xv), g(d, dt, gv), b(d, dt, bv), y(d, dt, xv), dy(d, dt, dyv), dx(d, dt, dx0),
               dx2(d, dt, dx0), dg(d, dt, dg0), db(d, dt, db0);
@@ -1912,6 +1963,17 @@ TEST(DeviceCpu, Bf16LayerNormEqualsFp32OnTheBf16Values) {
             got_h[2] = dx2.h.get();
             got_h[3] = dg.h.get();
             got_h[4] = db.h.get();
+            // grad_fp32 (ABI 1.2): dgamma, dbeta accumulated into fp32 buffers.
+            DTensor dx3(d, dt, dx0), dg32(d, LOOM_DTYPE_F32, dg0), db32(d, LOOM_DTYPE_F32, db0);
+            bw.dx = dx3.data();
+            bw.accumulate_dx = 0;
+            bw.dgamma = dg32.data();
+            bw.dbeta = db32.data();
+            bw.grad_fp32 = 1;
+            d.ops().layernorm_bwd(bw);
+            got_h[5] = dx3.h.get();
+            got_f[2] = dg32.values();
+            got_f[3] = db32.values();
           }
         }
         expect_bf16_eq(got_h[0], want[0], "layernorm y");
@@ -1921,6 +1983,10 @@ TEST(DeviceCpu, Bf16LayerNormEqualsFp32OnTheBf16Values) {
         expect_bf16_eq(got_h[2], want[4], "layernorm dx (accumulated)");
         expect_bf16_eq(got_h[3], want[5], "layernorm dgamma (accumulated)");
         expect_bf16_eq(got_h[4], want[6], "layernorm dbeta (accumulated)");
+        // With grad_fp32 the fp32 op's gradients themselves: no bf16 rounding.
+        expect_bf16_eq(got_h[5], want[3], "layernorm dx (grad_fp32 call)");
+        expect_f32_eq(got_f[2], want[5], "layernorm dgamma (grad_fp32: accumulated in fp32)");
+        expect_f32_eq(got_f[3], want[6], "layernorm dbeta (grad_fp32: accumulated in fp32)");
       }
 }
 
@@ -2229,6 +2295,15 @@ TEST(DeviceCpu, Bf16EmbeddingEqualsFp32OnTheBf16Values) {
       expect_bf16_eq(out0.h.get(), want[0], "embedding forward, one slice");
       expect_bf16_eq(out.h.get(), want[1], "embedding forward, two slices accumulated");
       expect_bf16_eq(dT.h.get(), want[2], "embedding backward (repeated ids summed in fp32, rounded once)");
+      // grad_fp32 (ABI 1.2): bf16 dout into an fp32 table = the fp32 op's sums exactly.
+      DTensor dT32(d, LOOM_DTYPE_F32, dt0);
+      for (const auto& [start, rows] : {std::pair<int64_t, int64_t>{0, split}, {split, vocab - split}}) {
+        loom_embedding_args b = args(start, rows);
+        b.dtable = dT32.f.data() + start * dim;
+        b.grad_fp32 = 1;
+        d.ops().embedding_bwd(b);
+      }
+      expect_f32_eq(dT32.values(), want[2], "embedding backward into an fp32 table (grad_fp32)");
     }
   }
 }

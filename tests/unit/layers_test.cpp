@@ -5,6 +5,7 @@
 // targets, weight tying, causality, microbatches in flight, dropout.
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
+#include "plugins/layer/common/layer_math.hpp"
 
 #include <loom/cpp/tensor_parallel.hpp>
 
@@ -1300,6 +1301,54 @@ TEST(Layers, ColumnParallelLinearGatherOutputMatchesSerial) {
       for (int64_t i = 0; i < R; ++i) want += dy[i * out + r * local + c];
       EXPECT_NEAR(db[r][c], want, 1e-5);
     }
+  }
+}
+
+// Gradient-accumulation fusion (ABI 1.2) is used only when the run allows it and
+// both the device and the tensor-parallel service say they honour grad_fp32; a
+// 1.1 device or service (tables that end before `features`) gets the bf16 shadows
+// and commit() adds them (cast to fp32) to the real gradients.
+TEST(Layers, GradShadowFusesOnlyWithA12DeviceAndService) {
+  using loom::layers::Dtypes;
+  using loom::layers::GradShadow;
+  Rank rank;
+  const loom::Device dev = rank.rt().dev();
+  loom_device_api v1_1 = *dev.api();
+  v1_1.struct_size = static_cast<uint32_t>(offsetof(loom_device_api, copy_2d));
+  const loom::Device old_dev(&v1_1, dev.raw(), nullptr);
+  const Dtypes mixed{LOOM_DTYPE_BF16, LOOM_DTYPE_F32};
+  std::vector<float> grad = {1.0f, 2.0f, 3.0f};
+  const std::vector<void*> grads = {grad.data()};
+  const uint64_t tp12 = LOOM_TP_GRAD_FP32;
+
+  struct Case {
+    const char* what;
+    const loom::Device* device;
+    uint64_t tp_features;
+    bool fusion;
+    Dtypes dt;
+    bool fused;
+  };
+  for (const Case& c : {Case{"1.2 device and service", &dev, tp12, true, mixed, true},
+                        Case{"fusion off in the manifest", &dev, tp12, false, mixed, false},
+                        Case{"1.1 service", &dev, 0, true, mixed, false},
+                        Case{"1.1 device", &old_dev, tp12, true, mixed, false},
+                        Case{"fp32 parameters", &dev, tp12, true, Dtypes{}, false}}) {
+    SCOPED_TRACE(c.what);
+    GradShadow gs(&rank.rt(), *c.device, c.dt, grads, {3}, c.tp_features, c.fusion);
+    EXPECT_EQ(gs.grad_fp32(), c.fused ? 1 : 0);
+    const bool in_place = c.fused || c.dt.act == c.dt.grad;
+    EXPECT_EQ(gs[0] == grad.data(), in_place);
+    EXPECT_EQ(gs.grad_dtype(), in_place ? c.dt.grad : c.dt.act);
+    if (in_place) continue;
+    // The shadow starts at zero; 0.5 in bf16 added by commit(): grads += 0.5.
+    const uint16_t half = 0x3f00;
+    std::vector<uint16_t> bf(3, half);
+    dev.copy(gs[0], bf.data(), sizeof(uint16_t) * 3, LOOM_COPY_HOST_TO_DEVICE);
+    gs.commit();
+    dev.synchronize();
+    EXPECT_EQ(grad, (std::vector<float>{1.5f, 2.5f, 3.5f}));
+    grad = {1.0f, 2.0f, 3.0f};
   }
 }
 

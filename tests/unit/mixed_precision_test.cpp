@@ -25,6 +25,12 @@ using loom::testing::tiny_manifest;
 namespace fs = boost::filesystem;
 
 const std::vector<std::string> kBf16 = {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""};
+// Without gradient-accumulation fusion each microbatch's gradients are rounded to
+// bf16 and then summed in fp32, which is exact for a few bf16 summands: the sums do
+// not depend on how microbatches are split over dp ranks, so runs at different dp
+// sizes agree bit for bit in practice and the dp tests below can be strict.
+const std::vector<std::string> kBf16Unfused = {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"",
+                                               "device.grad_accumulation_fusion=false"};
 const std::vector<std::string> kBf16Grads = {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"bf16\""};
 
 std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
@@ -99,14 +105,14 @@ TEST(MixedPrecision, Bf16LossTracksFp32AndParametersStayBf16) {
   EXPECT_NE(bf16g.loss, bf16.loss);  // bf16 gradients round where fp32 ones do not
 }
 
-// dp = 2 against dp = 1 with bf16 parameters and fp32 gradients: the gradients are
-// summed in fp32 (deterministically, in another order), so the fp32 master weights
-// agree as in the fp32 dp tests (~1e-7); the bf16 copies agree except where a
-// master weight sits on a rounding boundary (one bf16 ulp, 2^-8 relative, in a few
-// elements). Losses agree to 1e-5 as in the fp32 tests.
+// dp = 2 against dp = 1 with bf16 parameters and fp32 gradients, unfused: the
+// gradients are summed in fp32 (deterministically, in another order), so the fp32
+// master weights agree as in the fp32 dp tests (~1e-7); the bf16 copies agree except
+// where a master weight sits on a rounding boundary (one bf16 ulp, 2^-8 relative, in
+// a few elements). Losses agree to 1e-5 as in the fp32 tests.
 TEST(MixedPrecision, Bf16Dp2MatchesDp1StepByStep) {
-  const auto dp1 = run_and_trace(tiny_manifest(), cat({"parallel.dp=1"}, kBf16));
-  const auto dp2 = run_and_trace(tiny_manifest(), cat({"parallel.dp=2"}, kBf16));
+  const auto dp1 = run_and_trace(tiny_manifest(), cat({"parallel.dp=1"}, kBf16Unfused));
+  const auto dp2 = run_and_trace(tiny_manifest(), cat({"parallel.dp=2"}, kBf16Unfused));
   ASSERT_EQ(dp1.loss.size(), 10u);
   ASSERT_EQ(dp2.loss.size(), dp1.loss.size());
   for (size_t s = 0; s < dp1.loss.size(); ++s) {
@@ -118,6 +124,44 @@ TEST(MixedPrecision, Bf16Dp2MatchesDp1StepByStep) {
     for (size_t i = 0; i < dp1.params[s].size(); ++i) differ += dp1.params[s][i] != dp2.params[s][i] ? 1 : 0;
     EXPECT_LT(differ, dp1.params[s].size() / 100) << "step " << s + 1 << ": bf16 parameters that differ";
   }
+}
+
+// The same with gradient-accumulation fusion (the default): the GEMMs accumulate
+// each microbatch into the fp32 gradients, whose last bits then depend on the split
+// over dp ranks. Step 1 starts from the same weights (same loss); afterwards a
+// master weight that lands on the other side of a bf16 rounding boundary moves its
+// bf16 copy by one ulp (2^-8), and bf16 training amplifies that: measured over 10
+// steps, losses within 1.3e-4 relative, bf16 tensors within 5e-3 norm-wise.
+// The bounds below are 8x and 4x that; an unaveraged or missed dp reduction is
+// orders of magnitude larger.
+TEST(MixedPrecision, FusedBf16Dp2TracksDp1) {
+  const auto dp1 = run_and_trace(tiny_manifest(), cat({"parallel.dp=1"}, kBf16));
+  const auto dp2 = run_and_trace(tiny_manifest(), cat({"parallel.dp=2"}, kBf16));
+  ASSERT_EQ(dp1.loss.size(), 10u);
+  ASSERT_EQ(dp2.loss.size(), dp1.loss.size());
+  EXPECT_NEAR(dp2.loss[0], dp1.loss[0], 1e-6 * dp1.loss[0]);
+  for (size_t s = 0; s < dp1.loss.size(); ++s) {
+    EXPECT_NEAR(dp2.loss[s], dp1.loss[s], 1e-3 * dp1.loss[s]) << "step " << s + 1;
+    std::string worst;
+    EXPECT_LT(loom::testing::max_tensor_rel_diff(dp1, s, dp2.params[s], &worst), 2e-2)
+        << "step " << s + 1 << " worst tensor " << worst;
+  }
+}
+
+// Fusion changes only where a microbatch's gradient is rounded: the fused and the
+// unfused run start alike (same first loss: the first backward differs only in the
+// last bits of the gradients, which Adam's first step sign(g) hides for nonzero
+// g), then track each other like two bf16 runs do; and fusion frees the bf16
+// gradient copies the unfused backward allocates (the embedding table's is the
+// largest: vocab x hidden bf16, plus its fp32 cast).
+TEST(MixedPrecision, FusionTracksUnfusedAndNeedsLessMemory) {
+  const std::vector<std::string> o = {"run.steps=20"};
+  const auto fused = run_and_trace(tiny_manifest(), cat(o, kBf16));
+  const auto unfused = run_and_trace(tiny_manifest(), cat(o, kBf16Unfused));
+  EXPECT_EQ(fused.loss[0], unfused.loss[0]);
+  expect_tracks(fused.loss, unfused.loss, 0.05, "fused vs unfused");
+  ASSERT_FALSE(fused.result.steps.empty());
+  EXPECT_LT(fused.result.steps.back().mem_peak, unfused.result.steps.back().mem_peak);
 }
 
 loom::testing::RankTrace run_ranks(std::vector<std::string> o) {
@@ -216,11 +260,12 @@ TEST(MixedPrecision, Bf16ResumeIsBitExactAndDtypeMismatchIsRefused) {
 // Resuming a bf16 run at another dp (the parameters remapped as bf16 bytes, the
 // distributed optimizer's fp32 master weights and moments resharded) continues as
 // the uninterrupted run at the new dp, up to the fp32 order of the dp sums (the
-// tolerance of Bf16Dp2MatchesDp1StepByStep).
+// tolerance of Bf16Dp2MatchesDp1StepByStep, unfused as it is).
 TEST(MixedPrecision, Bf16ResumeAtAnotherDpMatchesUninterrupted) {
   const std::string dir = loom::testing::scratch_dir("bf16-reshard");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  const std::vector<std::string> base = cat({"optimizer.decay_steps=12", "optimizer.strategy=distributed"}, kBf16);
+  const std::vector<std::string> base =
+      cat({"optimizer.decay_steps=12", "optimizer.strategy=distributed"}, kBf16Unfused);
   const auto full = run_and_trace(tiny_manifest(), cat({"run.steps=12", "parallel.dp=1"}, base));
   run_and_trace(tiny_manifest(), cat({"run.steps=6", "parallel.dp=2", ck}, base));
   loom::train::TrainOptions resume;

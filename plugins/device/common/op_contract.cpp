@@ -1,6 +1,7 @@
 #include "op_contract.hpp"
 
 #include <algorithm>
+#include <cstddef>
 #include <sstream>
 #include <string>
 
@@ -51,6 +52,18 @@ void require_float(const char* device, const char* op, const char* what, int32_t
   throw Error(os.str(), LOOM_CODE_UNSUPPORTED);
 }
 
+namespace {
+template <typename Args>
+int32_t grad_dtype_of(const Args& a, const char* op) {
+  if (a.struct_size < offsetof(Args, grad_fp32) + sizeof(a.grad_fp32)) return a.dtype;
+  LOOM_REQUIRE(a.grad_fp32 == 0 || a.grad_fp32 == 1, op << ": grad_fp32 must be 0 or 1 (got " << a.grad_fp32 << ")");
+  return a.grad_fp32 ? LOOM_DTYPE_F32 : a.dtype;
+}
+}  // namespace
+
+int32_t grad_dtype(const loom_layernorm_bwd_args& a) { return grad_dtype_of(a, "layernorm_bwd"); }
+int32_t grad_dtype(const loom_embedding_args& a) { return grad_dtype_of(a, "embedding_bwd"); }
+
 void check(const char* device, const loom_gemm_args& g) {
   require_float(device, "gemm", "dtype", g.dtype);
   require_float(device, "gemm", "c_dtype", g.c_dtype);
@@ -85,6 +98,7 @@ void check(const char* device, const loom_layernorm_bwd_args& a) {
                "layernorm_bwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
   LOOM_REQUIRE(a.rows == 0 || (a.dy && a.x && a.mean && a.rstd),
                "layernorm_bwd: dy, x, mean and rstd must not be NULL");
+  grad_dtype(a);  // validates grad_fp32
 }
 
 void check(const char* device, const loom_gelu_args& a, bool backward) {
@@ -149,6 +163,7 @@ void check(const char* device, const loom_embedding_args& a, bool backward) {
   if (a.n == 0) return;
   if (backward) {
     LOOM_REQUIRE(a.ids && a.dout && (a.vocab_rows == 0 || a.dtable), op << ": ids, dout and dtable must not be NULL");
+    grad_dtype(a);  // validates grad_fp32
   } else {
     LOOM_REQUIRE(a.ids && a.out && (a.vocab_rows == 0 || a.table), op << ": ids, table and out must not be NULL");
   }

@@ -18,6 +18,12 @@ const char* ew_name(int32_t op);        // "elementwise(ADD)", ...
 void require_f32(const char* device, const char* op, const char* what, int32_t dtype);
 void require_float(const char* device, const char* op, const char* what, int32_t dtype);
 
+// The dtype of the parameter gradients a layernorm_bwd / embedding_bwd accumulates:
+// fp32 when the caller set grad_fp32 (ABI 1.2), else the op's dtype. A caller built
+// for 1.1 passes a struct without the member: its gradients are of dtype.
+int32_t grad_dtype(const loom_layernorm_bwd_args& a);
+int32_t grad_dtype(const loom_embedding_args& a);
+
 void check(const char* device, const loom_gemm_args& g);
 void check(const char* device, const loom_layernorm_fwd_args& a);
 void check(const char* device, const loom_layernorm_bwd_args& a);

@@ -123,13 +123,18 @@ void validate(const loom_layernorm_bwd_args& a) {
 
 namespace {
 
-// dy, x, gamma, dx, dgamma, dbeta bf16; mean, rstd fp32. The same sums as the F32
-// path (columns split over the pool, in double), on widened row segments.
+// dy, x, gamma, dx bf16; dgamma, dbeta bf16 (or fp32 with grad_fp32); mean, rstd
+// fp32. The same sums as the F32 path (columns split over the pool, in double), on
+// widened row segments.
 void layernorm_bwd_bf16(Device& d, const loom_layernorm_bwd_args& a) {
   const int64_t rows = a.rows, cols = a.cols;
+  const bool grads_f32 = op_contract::grad_dtype(a) == LOOM_DTYPE_F32;
+  // Adds a column's sum to one gradient element of either dtype (rounded once).
+  auto accumulate = [grads_f32](void* grad, int64_t c, double sum) {
+    if (grads_f32) F(grad)[c] += static_cast<float>(sum);
+    else H(grad)[c] = f32_to_bf16(bf16_to_f32(H(grad)[c]) + static_cast<float>(sum));
+  };
   if (a.dgamma || a.dbeta) {
-    uint16_t* dgamma = H(a.dgamma);
-    uint16_t* dbeta = H(a.dbeta);
     const int64_t col_grain = std::max<int64_t>(64, kGrain / std::max<int64_t>(1, rows));
     d.pool->parallel_for(cols, col_grain, [&](int64_t c0, int64_t c1) {
       const int64_t w = c1 - c0;
@@ -142,12 +147,10 @@ void layernorm_bwd_bf16(Device& d, const loom_layernorm_bwd_args& a) {
         d.k->bf16_to_f32(H(a.dy) + r * cols + c0, dy, w);
         d.k->layernorm_bwd_cols(x, dy, w, a.mean[r], a.rstd[r], acc.data(), acc.data() + w);
       }
-      if (dgamma)
-        for (int64_t c = 0; c < w; ++c)
-          dgamma[c0 + c] = f32_to_bf16(bf16_to_f32(dgamma[c0 + c]) + static_cast<float>(acc[c]));
-      if (dbeta)
-        for (int64_t c = 0; c < w; ++c)
-          dbeta[c0 + c] = f32_to_bf16(bf16_to_f32(dbeta[c0 + c]) + static_cast<float>(acc[w + c]));
+      if (a.dgamma)
+        for (int64_t c = 0; c < w; ++c) accumulate(a.dgamma, c0 + c, acc[c]);
+      if (a.dbeta)
+        for (int64_t c = 0; c < w; ++c) accumulate(a.dbeta, c0 + c, acc[w + c]);
     });
   }
   if (a.dx == nullptr) return;
@@ -452,6 +455,23 @@ void embedding_bwd_bf16(Device& d, const loom_embedding_args& a) {
   });
 }
 
+// dout bf16, dtable fp32 (grad_fp32): the F32 path's sums on widened segments of dout.
+void embedding_bwd_bf16_into_f32(Device& d, const loom_embedding_args& a) {
+  const int64_t dim = a.dim;
+  const int64_t grain = std::max<int64_t>(16, kGrain / std::max<int64_t>(1, a.n));
+  d.pool->parallel_for(dim, grain, [&](int64_t c0, int64_t c1) {
+    float* g = scratch(0, static_cast<size_t>(c1 - c0));
+    for (int64_t i = 0; i < a.n; ++i) {
+      const int64_t row = static_cast<int64_t>(a.ids[i]) - a.vocab_start;
+      if (row < 0 || row >= a.vocab_rows) continue;
+      d.k->bf16_to_f32(H(a.dout) + i * dim + c0, g, c1 - c0);
+      float* dst = F(a.dtable) + row * dim;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dst[c] += g[c - c0];
+    }
+  });
+}
+
 }  // namespace
 
 void run_embedding_fwd(Device& d, const loom_embedding_args& a) {
@@ -482,7 +502,8 @@ void run_embedding_fwd(Device& d, const loom_embedding_args& a) {
 
 void run_embedding_bwd(Device& d, const loom_embedding_args& a) {
   if (is_bf16(a.dtype)) {
-    embedding_bwd_bf16(d, a);
+    if (op_contract::grad_dtype(a) == LOOM_DTYPE_F32) embedding_bwd_bf16_into_f32(d, a);
+    else embedding_bwd_bf16(d, a);
     return;
   }
   // Split over columns so repeated ids never race and sums keep the order of ids.

@@ -223,6 +223,26 @@ loom_status copy(loom_device* d, loom_stream* s, void* dst, const void* src, siz
   });
 }
 
+loom_status copy_2d(loom_device* d, loom_stream* s, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                    size_t width, size_t rows, int32_t kind) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    LOOM_REQUIRE(
+        kind == LOOM_COPY_HOST_TO_DEVICE || kind == LOOM_COPY_DEVICE_TO_HOST || kind == LOOM_COPY_DEVICE_TO_DEVICE,
+        "device/cpu copy_2d: unknown kind " << kind);
+    if (width == 0 || rows == 0) return;
+    LOOM_REQUIRE(dst != nullptr && src != nullptr, "device/cpu copy_2d: dst or src is NULL");
+    LOOM_REQUIRE(dst_pitch >= width && src_pitch >= width, "device/cpu copy_2d: dst_pitch " << dst_pitch
+                                                               << " and src_pitch " << src_pitch
+                                                               << " must be >= width " << width);
+    launch(st, "copy_2d", [=] {
+      for (size_t r = 0; r < rows; ++r)
+        std::memcpy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width);
+    });
+  });
+}
+
 // ---------------------------------------------------------------------------
 // Streams and events (synchronous: record/wait/synchronize validate and return)
 // ---------------------------------------------------------------------------
@@ -453,6 +473,8 @@ const loom_device_api* device_api() {
     a.native_stream = native_stream;
     a.dl_device_type = kDLCPU;
     a.ops = &ops;
+    a.copy_2d = copy_2d;
+    a.features = LOOM_DEVICE_GRAD_FP32;
     return a;
   }();
   return &api;

@@ -51,6 +51,26 @@ __device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) { p[i] = f32
     }                              \
   } while (0)
 
+// Activations `dt` with parameter gradients `gdt` (op_contract::grad_dtype): both
+// fp32, both bf16, or bf16 activations with fp32 gradients (grad_fp32). fp32
+// activations never have bf16 gradients: the launcher refuses that pair first.
+#define LOOM_DISPATCH_GRAD(dt, gdt, T, G, ...) \
+  do {                                         \
+    if ((dt) == Dt::F32) {                     \
+      using T = float;                         \
+      using G = float;                         \
+      __VA_ARGS__;                             \
+    } else if ((gdt) == Dt::F32) {             \
+      using T = uint16_t;                      \
+      using G = float;                         \
+      __VA_ARGS__;                             \
+    } else {                                   \
+      using T = uint16_t;                      \
+      using G = uint16_t;                      \
+      __VA_ARGS__;                             \
+    }                                          \
+  } while (0)
+
 // ---- block reductions ----------------------------------------------------------
 
 struct SumOp {
@@ -169,9 +189,11 @@ __global__ void layernorm_params_partial_kernel(int64_t rows, int64_t cols, int6
   partial[(chunks + chunk) * cols + c] = ab;
 }
 
-template <typename T>
-__global__ void layernorm_params_finish_kernel(int64_t cols, int64_t chunks, const double* partial, T* dgamma,
-                                               T* dbeta) {
+// dgamma/dbeta += the chunk sums, in chunk order. G is the gradients' storage, not
+// the activations' (fp32 with grad_fp32: one rounding, to fp32).
+template <typename G>
+__global__ void layernorm_params_finish_kernel(int64_t cols, int64_t chunks, const double* partial, G* dgamma,
+                                               G* dbeta) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   double ag = 0.0, ab = 0.0;
@@ -354,9 +376,11 @@ __device__ __forceinline__ void atomic_add(uint16_t* p, float v) {
   } while (old != assumed);
 }
 
-template <typename T>
+// dout of the activations' storage T, dtable of the gradients' G (fp32 with
+// grad_fp32: plain float atomics, no bf16 rounding per sum).
+template <typename T, typename G>
 __global__ void embedding_bwd_kernel(int64_t dim, int64_t vocab_rows, int64_t vocab_start, const int32_t* ids,
-                                     const T* dout, T* dtable) {
+                                     const T* dout, G* dtable) {
   const int64_t i = blockIdx.x;
   const int64_t row = static_cast<int64_t>(ids[i]) - vocab_start;
   if (row < 0 || row >= vocab_rows) return;
@@ -611,17 +635,19 @@ cudaError_t k_layernorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols
   return cudaGetLastError();
 }
 
-cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
-                                   const float* mean, const float* rstd, double* partial, int64_t chunks,
-                                   void* dgamma, void* dbeta) {
+cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, Dt grad_dt, int64_t rows, int64_t cols, const void* dy,
+                                   const void* x, const float* mean, const float* rstd, double* partial,
+                                   int64_t chunks, void* dgamma, void* dbeta) {
+  if (dt == Dt::F32 && grad_dt != Dt::F32) return cudaErrorInvalidValue;  // not a pair grad_dtype gives
   if (rows == 0 || cols == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
-  LOOM_DISPATCH(dt, T, {
-    layernorm_params_partial_kernel<T><<<grid, kThreads, 0, s>>>(rows, cols, chunks, static_cast<const T*>(dy),
-                                                                 static_cast<const T*>(x), mean, rstd, partial);
-    layernorm_params_finish_kernel<T><<<grid.x, kThreads, 0, s>>>(cols, chunks, partial, static_cast<T*>(dgamma),
-                                                                  static_cast<T*>(dbeta));
-  });
+  // The partials are fp64 whatever the storage: only the finish sees the gradients.
+  LOOM_DISPATCH(dt, T,
+                layernorm_params_partial_kernel<T><<<grid, kThreads, 0, s>>>(
+                    rows, cols, chunks, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, partial));
+  LOOM_DISPATCH(grad_dt, G,
+                layernorm_params_finish_kernel<G><<<grid.x, kThreads, 0, s>>>(
+                    cols, chunks, partial, static_cast<G*>(dgamma), static_cast<G*>(dbeta)));
   return cudaGetLastError();
 }
 
@@ -692,12 +718,13 @@ cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64
   return cudaGetLastError();
 }
 
-cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
-                            const int32_t* ids, const void* dout, void* dtable) {
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, Dt grad_dt, int64_t n, int64_t dim, int64_t vocab_rows,
+                            int64_t vocab_start, const int32_t* ids, const void* dout, void* dtable) {
+  if (dt == Dt::F32 && grad_dt != Dt::F32) return cudaErrorInvalidValue;  // not a pair grad_dtype gives
   if (n == 0 || vocab_rows == 0) return cudaSuccess;
-  LOOM_DISPATCH(dt, T,
-                embedding_bwd_kernel<T><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
-                    dim, vocab_rows, vocab_start, ids, static_cast<const T*>(dout), static_cast<T*>(dtable)));
+  LOOM_DISPATCH_GRAD(dt, grad_dt, T, G,
+                     embedding_bwd_kernel<T, G><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
+                         dim, vocab_rows, vocab_start, ids, static_cast<const T*>(dout), static_cast<G*>(dtable)));
   return cudaGetLastError();
 }
 

@@ -29,9 +29,11 @@ cudaError_t k_layernorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols
                                const void* gamma, const float* mean, const float* rstd, void* dx, int accumulate);
 // partial[2 * chunks * cols] (fp64): dgamma partials then dbeta partials; then
 // dgamma/dbeta (either may be null) += the sums over chunks, in chunk order.
-cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
-                                   const float* mean, const float* rstd, double* partial, int64_t chunks,
-                                   void* dgamma, void* dbeta);
+// dy, x are of `dt`; dgamma, dbeta of `grad_dt` (op_contract::grad_dtype: dt, or
+// fp32 under bf16 with grad_fp32; fp32 dt with bf16 grad_dt is cudaErrorInvalidValue).
+cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, Dt grad_dt, int64_t rows, int64_t cols, const void* dy,
+                                   const void* x, const float* mean, const float* rstd, double* partial,
+                                   int64_t chunks, void* dgamma, void* dbeta);
 
 cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out);
 
@@ -58,8 +60,9 @@ cudaError_t k_xent(cudaStream_t s, Dt dt, int step, int64_t rows, int64_t cols, 
 
 cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
                             const int32_t* ids, const void* table, void* out, int accumulate);
-cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
-                            const int32_t* ids, const void* dout, void* dtable);
+// dout of `dt`, dtable of `grad_dt` (as k_layernorm_bwd_params).
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, Dt grad_dt, int64_t n, int64_t dim, int64_t vocab_rows,
+                            int64_t vocab_start, const int32_t* ids, const void* dout, void* dtable);
 
 struct EwParams {
   int op;  // LOOM_EW_* except CAST

@@ -139,14 +139,16 @@ void validate(const loom_layernorm_bwd_args& a) {
 
 void run_layernorm_bwd(Device& d, Stream& s, const loom_layernorm_bwd_args& a) {
   const Dt dt = float_dt("layernorm_bwd", "dtype", a.dtype);
+  // dgamma/dbeta: fp32 main gradients under bf16 with grad_fp32 (1.2), else dtype.
+  const Dt gdt = float_dt("layernorm_bwd", "dgamma/dbeta dtype", op_contract::grad_dtype(a));
   if (a.rows == 0) return;
   // dgamma/dbeta first: dx may overwrite dy in place.
   if (a.dgamma || a.dbeta) {
     const int64_t chunks = column_chunks(a.rows);
     Scratch partial(d, s, static_cast<size_t>(2 * chunks * a.cols) * sizeof(double), "layernorm_bwd");
     check_launch(d, "layernorm_bwd", "layernorm_bwd params kernels",
-                 k_layernorm_bwd_params(s.s, dt, a.rows, a.cols, a.dy, a.x, a.mean, a.rstd, partial.get<double>(),
-                                        chunks, a.dgamma, a.dbeta));
+                 k_layernorm_bwd_params(s.s, dt, gdt, a.rows, a.cols, a.dy, a.x, a.mean, a.rstd,
+                                        partial.get<double>(), chunks, a.dgamma, a.dbeta));
   }
   if (a.dx == nullptr) return;
   check_launch(d, "layernorm_bwd", "layernorm_bwd dx kernel",
@@ -286,9 +288,11 @@ void run_embedding_fwd(Device& d, Stream& s, const loom_embedding_args& a) {
 }
 
 void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a) {
+  // dtable: fp32 main gradients under bf16 with grad_fp32 (1.2), else dtype.
+  const Dt dt = float_dt("embedding_bwd", "dtype", a.dtype);
+  const Dt gdt = float_dt("embedding_bwd", "dtable dtype", op_contract::grad_dtype(a));
   check_launch(d, "embedding_bwd", "embedding_bwd kernel",
-               k_embedding_bwd(s.s, float_dt("embedding_bwd", "dtype", a.dtype), a.n, a.dim, a.vocab_rows,
-                               a.vocab_start, a.ids, a.dout, a.dtable));
+               k_embedding_bwd(s.s, dt, gdt, a.n, a.dim, a.vocab_rows, a.vocab_start, a.ids, a.dout, a.dtable));
 }
 
 // ---------------------------------------------------------------------------

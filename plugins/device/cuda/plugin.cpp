@@ -303,24 +303,27 @@ loom_status memory_stats(loom_device* d, loom_memory_stats* out) {
   });
 }
 
+// LOOM_COPY_* as a cudaMemcpyKind (copy and copy_2d map kinds alike); `what`
+// names the call in the error.
+cudaMemcpyKind copy_kind(int32_t kind, const char* what) {
+  switch (kind) {
+    case LOOM_COPY_HOST_TO_DEVICE:
+      return cudaMemcpyHostToDevice;
+    case LOOM_COPY_DEVICE_TO_HOST:
+      return cudaMemcpyDeviceToHost;
+    case LOOM_COPY_DEVICE_TO_DEVICE:
+      return cudaMemcpyDeviceToDevice;
+    default:
+      LOOM_REQUIRE(false, what << ": unknown kind " << kind);
+  }
+  return cudaMemcpyDefault;  // not reached
+}
+
 loom_status copy(loom_device* d, loom_stream* s, void* dst, const void* src, size_t bytes, int32_t kind) {
   return guard([&] {
     Device& dev = device_of(d);
     Stream& st = stream_of(dev, s);
-    cudaMemcpyKind k = cudaMemcpyDefault;
-    switch (kind) {
-      case LOOM_COPY_HOST_TO_DEVICE:
-        k = cudaMemcpyHostToDevice;
-        break;
-      case LOOM_COPY_DEVICE_TO_HOST:
-        k = cudaMemcpyDeviceToHost;
-        break;
-      case LOOM_COPY_DEVICE_TO_DEVICE:
-        k = cudaMemcpyDeviceToDevice;
-        break;
-      default:
-        LOOM_REQUIRE(false, "device/cuda copy: unknown kind " << kind);
-    }
+    const cudaMemcpyKind k = copy_kind(kind, "device/cuda copy");
     if (bytes == 0) return;
     LOOM_REQUIRE(dst != nullptr && src != nullptr, "device/cuda copy: dst or src is NULL");
     GpuScope gpu(&dev, dev.ordinal, "copy");
@@ -328,6 +331,25 @@ loom_status copy(loom_device* d, loom_stream* s, void* dst, const void* src, siz
     // staged (the host buffer may be reused); to pageable host memory it returns
     // when the copy is done.
     LOOM_CUDA(&dev, "copy", cudaMemcpyAsync(dst, src, bytes, k, st.s));
+  });
+}
+
+// As copy, row by row in one call: `rows` rows of `width` bytes at the pitches.
+loom_status copy_2d(loom_device* d, loom_stream* s, void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                    size_t width, size_t rows, int32_t kind) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    const cudaMemcpyKind k = copy_kind(kind, "device/cuda copy_2d");
+    if (width == 0 || rows == 0) return;
+    LOOM_REQUIRE(dst != nullptr && src != nullptr, "device/cuda copy_2d: dst or src is NULL");
+    LOOM_REQUIRE(dst_pitch >= width && src_pitch >= width, "device/cuda copy_2d: dst_pitch "
+                                                               << dst_pitch << " and src_pitch " << src_pitch
+                                                               << " must be >= width " << width);
+    GpuScope gpu(&dev, dev.ordinal, "copy_2d");
+    // Stream-ordered like copy (one memcpy node under a capture). A pitch above the
+    // device's limit (cudaDevAttrMaxPitch) is CUDA's error, named here.
+    LOOM_CUDA(&dev, "copy_2d", cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, k, st.s));
   });
 }
 
@@ -627,6 +649,8 @@ const loom_device_api* device_api() {
     a.native_stream = native_stream;
     a.dl_device_type = kDLCUDA;
     a.ops = &ops;
+    a.copy_2d = copy_2d;
+    a.features = LOOM_DEVICE_GRAD_FP32;  // layernorm_bwd / embedding_bwd honour grad_fp32
     return a;
   }();
   return &api;

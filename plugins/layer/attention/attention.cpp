@@ -25,6 +25,7 @@ class Attention : public loom::Layer {
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "attention";
     tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
+    fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
     heads_ = d.heads;
     seq_ = d.seq_len;
@@ -135,7 +136,7 @@ class Attention : public loom::Layer {
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels());
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
     const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(sp ? 0 : T * H, dt_.act),
@@ -151,7 +152,8 @@ class Attention : public loom::Layer {
       d = tmp.at(dproj);
     }
     tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
-                                      .dy = d, .dx = tmp.at(dctx), .dweight = gs[kProjW], .dbias = gs[kProjB], .dtype = dt_.act});
+                                      .dy = d, .dx = tmp.at(dctx), .dweight = gs[kProjW], .dbias = gs[kProjB], .dtype = dt_.act,
+                                      .grad_fp32 = gs.grad_fp32()});
 
     loom_attention_args att = attention_args(s);
     att.dout = tmp.at(dctx);
@@ -167,7 +169,8 @@ class Attention : public loom::Layer {
                     kLayerNormEps, dt_.act);
     // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w_[kQkvW],
-                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = gs[kQkvW], .dtype = dt_.act});
+                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = gs[kQkvW], .dtype = dt_.act,
+                                         .grad_fp32 = gs.grad_fp32()});
     // qkv.bias: only its q and v parts get a gradient. The k part's is exactly zero
     // (softmax is invariant to adding one vector to every key: each row of dS sums
     // to 0, so sum_t dK[t] = 0); summing dK would only accumulate rounding noise,
@@ -175,13 +178,13 @@ class Attention : public loom::Layer {
     float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
     void* qkv_b = gs[kQkvB];
     column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl, dt_.act);
-    accumulate_f32(rank_, dev, colsum, qkv_b, Hl, dt_.act);                                        // q
-    accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, dt_.act), Hl, dt_.act);  // v
+    accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gs.grad_dtype());                                        // q
+    accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gs.grad_dtype()), Hl, gs.grad_dtype());  // v
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
     copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -257,6 +260,7 @@ class Attention : public loom::Layer {
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
   float dropout_ = 0.0f;
   Dtypes dt_;
+  bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[6] = {};
   void* g_[6] = {};
   std::map<int32_t, Saved> saved_;

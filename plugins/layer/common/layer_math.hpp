@@ -9,6 +9,7 @@
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -96,6 +97,12 @@ inline void* advance(void* p, int64_t n, int32_t dtype) {
 }
 inline const void* advance(const void* p, int64_t n, int32_t dtype) {
   return static_cast<const char*>(p) + n * static_cast<int64_t>(dtype_bytes(dtype));
+}
+
+// Whether the engine allows gradient-accumulation fusion (ABI 1.2 create args).
+inline bool grad_accumulation_fusion(const loom_layer_create_args& a) {
+  return a.struct_size >= offsetof(loom_layer_create_args, grad_accumulation_fusion) + sizeof(int32_t) &&
+         a.grad_accumulation_fusion != 0;
 }
 
 // The activation dtype (= the parameters') and the gradient dtype of a layer.
@@ -270,31 +277,39 @@ inline void layernorm_fwd(const loom::Device& dev, const void* x, const void* ga
                      .rstd = rstd, .eps = eps, .dtype = dtype});
 }
 
-// dgamma, dbeta (accumulated) in dtype too: with gradients of another dtype, pass
-// a GradShadow's buffers.
+// dgamma, dbeta (accumulated) in dtype, or fp32 with grad_fp32: pass a
+// GradShadow's buffers and its grad_fp32().
 inline void layernorm_bwd(const loom::Device& dev, const void* dy, const void* x, const void* gamma,
                           const float* mean, const float* rstd, void* dx, void* dgamma, void* dbeta, int64_t rows,
-                          int64_t cols, bool accumulate_dx, int32_t dtype) {
+                          int64_t cols, bool accumulate_dx, int32_t dtype, int32_t grad_fp32) {
   dev.layernorm_bwd({.rows = rows, .cols = cols, .dy = dy, .x = x, .gamma = gamma, .mean = mean, .rstd = rstd,
                      .dx = dx, .dgamma = dgamma, .dbeta = dbeta, .accumulate_dx = accumulate_dx ? 1 : 0,
-                     .dtype = dtype});
+                     .dtype = dtype, .grad_fp32 = grad_fp32});
 }
 
 // ---------------------------------------------------------------------------
 // Gradients in another dtype than the activations (bf16 parameters with fp32
-// gradients). The ops that accumulate a parameter gradient take one dtype
-// (layernorm, embedding, the tensor-parallel service), so a backward accumulates
-// this microbatch's contributions into zeroed shadows in the activation dtype and
-// commit() adds them to the real gradients (cast, then add in the gradient dtype):
-// Megatron's path without gradient-accumulation fusion (bf16 weight.grad added to
-// the fp32 main_grad). With equal dtypes the shadows are the gradients themselves.
+// gradients). With an ABI 1.2 device and tensor-parallel service (features
+// LOOM_DEVICE_GRAD_FP32 and LOOM_TP_GRAD_FP32) every op that accumulates a
+// parameter gradient writes the fp32 gradient itself (grad_fp32 = 1): Megatron's
+// gradient-accumulation fusion, no bf16 rounding of a microbatch's gradient and
+// no temporary copy. Otherwise (a 1.1 plugin, or fp32 parameters with bf16
+// gradients) the ops take one dtype, so a backward accumulates this microbatch's
+// contributions into zeroed shadows in the activation dtype and commit() adds
+// them to the real gradients (cast, then add in the gradient dtype): Megatron's
+// unfused path (bf16 weight.grad added to the fp32 main_grad). With equal dtypes
+// the gradients are used as they are.
 // ---------------------------------------------------------------------------
 class GradShadow {
  public:
+  // tp_features: the layer's tensor-parallel service's (TensorParallel::features());
+  // fusion: the run allows it (loom_layer_create_args.grad_accumulation_fusion).
   GradShadow(loom_rank* rank, const loom::Device& dev, Dtypes dt, std::vector<void*> grads,
-             std::vector<int64_t> numels)
+             std::vector<int64_t> numels, uint64_t tp_features, bool fusion)
       : dev_(dev), dt_(dt), grads_(std::move(grads)), numels_(std::move(numels)), ptrs_(grads_) {
-    if (dt_.act == dt_.grad) return;
+    fused_ = fusion && dt_.act == LOOM_DTYPE_BF16 && dt_.grad == LOOM_DTYPE_F32 &&
+             (dev_.features() & LOOM_DEVICE_GRAD_FP32) != 0 && (tp_features & LOOM_TP_GRAD_FP32) != 0;
+    if (dt_.act == dt_.grad || fused_) return;
     std::vector<size_t> pieces;
     int64_t largest = 0;
     for (int64_t n : numels_) {
@@ -309,11 +324,15 @@ class GradShadow {
                         .out_dtype = dt_.act});
     }
   }
-  // Where the backward accumulates gradient i (in the activation dtype).
+  // Where the backward accumulates gradient i, of grad_dtype().
   void* operator[](size_t i) const { return ptrs_[i]; }
-  // grads[i] += shadow[i] for every i (nothing when the dtypes are equal).
+  // The ops' grad_fp32 flag (1 when they accumulate into the fp32 gradients).
+  int32_t grad_fp32() const { return fused_ ? 1 : 0; }
+  // The dtype of the buffers operator[] returns.
+  int32_t grad_dtype() const { return fused_ ? dt_.grad : dt_.act; }
+  // grads[i] += shadow[i] for every i (nothing without shadows).
   void commit() {
-    if (dt_.act == dt_.grad) return;
+    if (dt_.act == dt_.grad || fused_) return;
     for (size_t i = 0; i < grads_.size(); ++i) {
       if (numels_[i] == 0) continue;
       dev_.elementwise({.op = LOOM_EW_CAST, .n = numels_[i], .x = ptrs_[i], .out = mem_.at<void>(cast_),
@@ -330,6 +349,7 @@ class GradShadow {
   std::vector<void*> ptrs_;
   Arena mem_;
   size_t cast_ = 0;
+  bool fused_ = false;
 };
 
 // ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ class Embedding : public loom::Layer {
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "embedding";
     tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
+    fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
     seq_ = d.seq_len;
     micro_batch_ = d.micro_batch;
@@ -109,7 +110,8 @@ class Embedding : public loom::Layer {
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, {word_grad_, pos_grad_}, {vocab_local_ * hidden_, seq_ * hidden_});
+    GradShadow gs(rank_, dev, dt_, {word_grad_, pos_grad_}, {vocab_local_ * hidden_, seq_ * hidden_}, tp_.features(),
+                  fusion_);
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act);
@@ -122,11 +124,12 @@ class Embedding : public loom::Layer {
     // g's backward (identity, or the all-gather under SP): each rank scatters every
     // token's gradient into its own vocab slice.
     tp_.vocab_parallel_embedding_backward({.rows = T, .dim = H, .padded_vocab = padded_vocab_,
-                                           .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = gs[0], .dtype = dt_.act});
+                                           .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = gs[0], .dtype = dt_.act,
+                                           .grad_fp32 = gs.grad_fp32()});
     // pos grad[s] += sum_b dout[s, b] over the positions this rank holds.
     dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
                        .ids = position_ids(dev, S, B), .dout = d, .dtable = gs[1],
-                       .dtype = dt_.act});
+                       .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
     gs.commit();
     saved_.erase(it);
   }
@@ -188,6 +191,7 @@ class Embedding : public loom::Layer {
   bool tie_ = false;
   float dropout_ = 0.0f;
   Dtypes dt_;
+  bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* word_ = nullptr;
   void* word_grad_ = nullptr;
   void* pos_ = nullptr;

@@ -25,6 +25,7 @@ class LmHead : public loom::Layer {
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "lm_head";
     tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
+    fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
     seq_ = d.seq_len;
     micro_batch_ = d.micro_batch;
@@ -129,7 +130,8 @@ class LmHead : public loom::Layer {
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), {hidden_, hidden_, vocab_local_ * hidden_});
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), {hidden_, hidden_, vocab_local_ * hidden_},
+                  tp_.features(), fusion_);
 
     Arena tmp;
     const size_t ln = tmp.elems(sp ? 0 : T * H, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
@@ -145,9 +147,9 @@ class LmHead : public loom::Layer {
     tp_.vocab_parallel_cross_entropy_backward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = ln_in, .weight = w_[kW],
          .logits = s.mem.at(s.logits), .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets),
-         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[kW], .dtype = dt_.act});
+         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[kW], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/false, dt_.act);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/false, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -192,6 +194,7 @@ class LmHead : public loom::Layer {
   int64_t vocab_local_ = 0;
   bool tie_ = false;
   Dtypes dt_;
+  bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[3] = {};
   void* g_[3] = {};
   std::map<int32_t, Saved> saved_;

@@ -22,6 +22,7 @@ class Mlp : public loom::Layer {
     const loom_model_dims& d = *args.dims;
     name_ = args.instance_name ? args.instance_name : "mlp";
     tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
+    fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
     ffn_ = d.ffn_hidden;
     seq_ = d.seq_len;
@@ -136,7 +137,7 @@ class Mlp : public loom::Layer {
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels());
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
@@ -153,7 +154,8 @@ class Mlp : public loom::Layer {
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(act), tmp.at(act), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
     tp_.row_parallel_linear_backward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
-                                      .dy = d, .dx = tmp.at(dact), .dweight = gs[kFc2W], .dbias = gs[kFc2B], .dtype = dt_.act});
+                                      .dy = d, .dx = tmp.at(dact), .dweight = gs[kFc2W], .dbias = gs[kFc2B], .dtype = dt_.act,
+                                      .grad_fp32 = gs.grad_fp32()});
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(dact), tmp.at(dact), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
     // GeLU backward into the buffer of the recomputed activation (no longer needed).
@@ -167,12 +169,12 @@ class Mlp : public loom::Layer {
                     kLayerNormEps, dt_.act);
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = Fl, .x = ln_in, .weight = w_[kFc1W],
                                          .dy = tmp.at(act), .dx = tmp.at(dln), .dweight = gs[kFc1W],
-                                         .dbias = gs[kFc1B], .dtype = dt_.act});
+                                         .dbias = gs[kFc1B], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
     copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
     layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act);
+                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -221,6 +223,7 @@ class Mlp : public loom::Layer {
   int64_t hidden_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   float dropout_ = 0.0f, activation_dropout_ = 0.0f;
   Dtypes dt_;
+  bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[6] = {};
   void* g_[6] = {};
   std::map<int32_t, Saved> saved_;

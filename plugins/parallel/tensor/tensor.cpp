@@ -1,5 +1,5 @@
 // parallel/tensor: the tensor-parallel services TP-aware layers call (ABI 1.1,
-// loom_tensor_parallel_api). Megatron-LM's building blocks over a layer's tp group:
+// loom_tensor_parallel_api; 1.2: grad_fp32, LOOM_TP_GRAD_FP32). Megatron-LM's building blocks over a layer's tp group:
 //
 //  - f (entering a TP region): identity forward, all-reduce backward; under
 //    sequence parallelism all-gather along the sequence forward, reduce-scatter
@@ -15,7 +15,9 @@
 //    every tp rank outside TP regions (each rank drawing its shard's part under
 //    sequence parallelism), a stream per tp rank inside them.
 //
-// With tp = 1 every collective is skipped: the calls are the local math.
+// With tp = 1 every collective is skipped: the calls are the local math. With
+// grad_fp32 the parameter gradients of bf16 layers go straight into fp32 buffers
+// (the GEMMs accumulate in fp32 into an fp32 C): no bf16 rounding, no shadow.
 // Temporaries are allocated per call and freed before it returns, so a layer's
 // device memory between forward and backward is only what it saves itself.
 #include "../../layer/common/layer_math.hpp"
@@ -103,15 +105,14 @@ class Tp {
     }
     // The local columns, gathered to [tp, R, out], then interleaved into [R, tp * out].
     Arena tmp;
-    const size_t local = tmp.elems(R * out, dt), all = tmp.elems(size_ * R * out, dt),
-                 eye = tmp.elems(out * out, dt);
+    const size_t local = tmp.elems(R * out, dt), all = tmp.elems(size_ * R * out, dt);
     tmp.allocate(rank_);
     linear_fwd(dev_, x, w, b, tmp.at<void>(local), R, in, out, dt);
     comm().all_gather(stream(), tmp.at<void>(local), tmp.at<void>(all), static_cast<size_t>(R * out), dt);
-    identity(tmp.at<void>(eye), out, dt);
+    const size_t row = static_cast<size_t>(out) * dtype_bytes(dt);
     for (int r = 0; r < size_; ++r)
-      strided_copy(advance(tmp.at<const void>(all), r * R * out, dt), out, advance(a.y, r * out, dt), size_ * out,
-                   R, out, tmp.at<const void>(eye), dt);
+      dev_.copy_2d(advance(a.y, r * out, dt), size_ * row, advance(tmp.at<const void>(all), r * R * out, dt), row,
+                   row, static_cast<size_t>(R), LOOM_COPY_DEVICE_TO_DEVICE);
   }
 
   void column_bwd(const loom_tp_linear_args& a) const {
@@ -120,21 +121,22 @@ class Tp {
     const void* x = a.x;  // the full input
     const void* w = a.weight;
     const void* dy = a.dy;
+    const int32_t gt = grad_dtype(a.grad_fp32, dt);
     Arena tmp;
     const bool gathered = a.gather_output && size_ > 1;
-    const size_t dyl = tmp.elems(gathered ? R * out : 0, dt), eye = tmp.elems(gathered ? out * out : 0, dt);
+    const size_t dyl = tmp.elems(gathered ? R * out : 0, dt);
     const bool direct = !sp_ && !a.accumulate_dx;  // dx can hold the full sum itself
     const size_t dfull = tmp.elems(a.dx && !direct ? R * in : 0, dt);
     const size_t dred = tmp.elems(a.dx && a.accumulate_dx ? local_rows(R) * in : 0, dt);
     tmp.allocate(rank_);
     if (gathered) {  // this rank's columns of the whole output's gradient
-      identity(tmp.at<void>(eye), out, dt);
-      strided_copy(advance(dy, tp_rank_ * out, dt), size_ * out, tmp.at<void>(dyl), out, R, out,
-                   tmp.at<const void>(eye), dt);
+      const size_t row = static_cast<size_t>(out) * dtype_bytes(dt);
+      dev_.copy_2d(tmp.at<void>(dyl), row, advance(dy, tp_rank_ * out, dt), size_ * row, row, static_cast<size_t>(R),
+                   LOOM_COPY_DEVICE_TO_DEVICE);
       dy = tmp.at<const void>(dyl);
     }
-    gemm(dev_, true, false, in, out, R, x, dy, a.dweight, 1.0f, dt, dt);
-    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, R, out, dt, dt);
+    gemm(dev_, true, false, in, out, R, x, dy, a.dweight, 1.0f, dt, gt);
+    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, R, out, dt, gt);
     if (!a.dx) return;
     void* dx = a.dx;
     void* full = direct ? dx : tmp.at<void>(dfull);
@@ -163,20 +165,20 @@ class Tp {
   }
 
   void row_bwd(const loom_tp_linear_args& a) const {
-    const int32_t dt = require_float(a.dtype);
+    const int32_t dt = require_float(a.dtype), gt = grad_dtype(a.grad_fp32, dt);
     const int64_t R = a.rows, in = a.in, out = a.out;
     const void* dy = a.dy;
     Arena tmp;
     const size_t full = tmp.elems(sp_ ? R * out : 0, dt);
     tmp.allocate(rank_);
     // The bias came after the reduction: its gradient is dy as held (the shard under SP).
-    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, local_rows(R), out, dt, dt);
+    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, local_rows(R), out, dt, gt);
     const void* d = dy;
     if (sp_) {
       exit_bwd(R, out, dy, tmp.at<void>(full), dt);
       d = tmp.at<const void>(full);
     }
-    gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, dt);
+    gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, gt);
     if (a.dx) gemm(dev_, false, true, R, in, out, d, a.weight, a.dx, a.accumulate_dx ? 1.0f : 0.0f, dt, dt);
   }
 
@@ -209,6 +211,9 @@ class Tp {
 
   void embedding_bwd(const loom_tp_embedding_args& a) const {
     const int32_t dt = require_float(a.dtype);
+    const bool fp32_table = grad_dtype(a.grad_fp32, dt) != dt;
+    LOOM_REQUIRE(!fp32_table || (dev_.features() & LOOM_DEVICE_GRAD_FP32),
+                 name_ << ": grad_fp32 needs a device with LOOM_DEVICE_GRAD_FP32 (an ABI 1.2 device plugin)");
     const loom_tp_vocab_range v = vocab_range(a.padded_vocab, a.padded_vocab);
     Arena tmp;
     const size_t full = tmp.elems(sp_ ? a.rows * a.dim : 0, dt);
@@ -220,7 +225,7 @@ class Tp {
     }
     // Each rank scatters every token's gradient into its own vocab slice.
     dev_.embedding_bwd({.n = a.rows, .dim = a.dim, .vocab_rows = v.rows, .vocab_start = v.start, .ids = a.ids,
-                        .dout = d, .dtable = a.dtable, .dtype = dt});
+                        .dout = d, .dtable = a.dtable, .dtype = dt, .grad_fp32 = fp32_table ? 1 : 0});
   }
 
   // ----- logits fused with cross-entropy -----------------------------------
@@ -301,7 +306,7 @@ class Tp {
   }
 
   void xent_bwd(const loom_tp_xent_args& a) const {
-    const int32_t dt = require_float(a.dtype);
+    const int32_t dt = require_float(a.dtype), gt = grad_dtype(a.grad_fp32, dt);
     const int64_t T = a.rows, H = a.hidden;
     const loom_tp_vocab_range v = vocab_range(a.vocab, a.padded_vocab);
     const int64_t Vl = v.rows;
@@ -317,7 +322,7 @@ class Tp {
     xa.dlogits = tmp.at(dlogits);
     xa.scale = a.scale;
     dev_.xent(xa);
-    gemm(dev_, true, false, Vl, H, T, tmp.at<void>(dlogits), x, a.dweight, 1.0f, dt, dt);
+    gemm(dev_, true, false, Vl, H, T, tmp.at<void>(dlogits), x, a.dweight, 1.0f, dt, gt);
     if (!a.dx) return;
     void* dx = a.dx;
     gemm(dev_, false, false, T, H, Vl, tmp.at<void>(dlogits), w, tmp.at<void>(dfull), 0.0f, dt, dt);
@@ -367,35 +372,11 @@ class Tp {
     if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * dtype_bytes(dt));
     else comm().all_reduce(stream(), x, out, static_cast<size_t>(n), dt);
   }
-  void identity(void* eye, int64_t n, int32_t dt) const {
-    dev_.elementwise({.op = LOOM_EW_FILL, .n = n * n, .out = eye, .alpha = 0.f, .dtype = dt, .out_dtype = dt});
-    const float one_f32 = 1.0f;
-    const uint16_t one_bf16 = 0x3f80;  // 1.0 in bfloat16
-    const void* one = dt == LOOM_DTYPE_BF16 ? static_cast<const void*>(&one_bf16) : static_cast<const void*>(&one_f32);
-    for (int64_t i = 0; i < n; ++i)
-      dev_.copy(advance(eye, i * n + i, dt), one, dtype_bytes(dt), LOOM_COPY_HOST_TO_DEVICE);
-    dev_.synchronize();
-  }
-  // dst[r, 0:cols] (row stride ldd) = src[r, 0:cols] (row stride lds): a GEMM with
-  // the identity, exact, and on any device.
-  void strided_copy(const void* src, int64_t lds, void* dst, int64_t ldd, int64_t rows, int64_t cols,
-                    const void* eye, int32_t dt) const {
-    loom_gemm_args g = loom::make<loom_gemm_args>();
-    g.m = rows;
-    g.n = cols;
-    g.k = cols;
-    g.a = src;
-    g.lda = lds;
-    g.b = eye;
-    g.ldb = cols;
-    g.c = dst;
-    g.ldc = ldd;
-    g.batch = 1;
-    g.alpha = 1.0f;
-    g.beta = 0.0f;
-    g.dtype = dt;
-    g.c_dtype = dt;
-    dev_.gemm(g);
+  // The dtype of the parameter gradients of a backward: fp32 with grad_fp32 (1.2),
+  // else the activations'.
+  int32_t grad_dtype(int32_t grad_fp32, int32_t dt) const {
+    LOOM_REQUIRE(grad_fp32 == 0 || grad_fp32 == 1, name_ << ": grad_fp32 must be 0 or 1 (got " << grad_fp32 << ")");
+    return grad_fp32 ? LOOM_DTYPE_F32 : dt;
   }
 
   loom_rank* rank_;
@@ -475,6 +456,7 @@ const loom_tensor_parallel_api* tensor_parallel_api() {
     t.dropout_forward = [](loom_tp* h, const D* a) {
       return call(h, a, [](Tp& t, const D& r) { t.dropout_fwd(r); });
     };
+    t.features = LOOM_TP_GRAD_FP32;
     return t;
   }();
   return &api;

@@ -7,7 +7,8 @@
  *    pointers and opaque handles cross this boundary.
  *  - One exported entry symbol per ABI major: loom_plugin_init_v1.
  *  - Every table and every growing argument struct begins with uint32_t
- *    struct_size; new members are appended only (a minor version bump). A NULL
+ *    struct_size; new members are appended only (a minor version bump), after
+ *    the old struct's tail padding (an old caller's struct_size covers it). A NULL
  *    function slot means "not implemented". Each side reads only what the other
  *    side's struct_size covers (LOOM_HAS_SLOT below).
  *  - Errors are loom_status objects created by the host (NULL = success).
@@ -28,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 1
+#define LOOM_ABI_MINOR 2
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -163,7 +164,10 @@ typedef struct loom_layernorm_fwd_args {
   int32_t dtype;
 } loom_layernorm_fwd_args;
 
-/* dx = (or +=, when accumulate_dx) the input gradient; dgamma, dbeta are accumulated. */
+/* dx = (or +=, when accumulate_dx) the input gradient; dgamma, dbeta are accumulated.
+ * 1.2: with grad_fp32 = 1, dgamma and dbeta are fp32 whatever dtype is (bf16
+ * parameters with fp32 main gradients, accumulated without a bf16 rounding);
+ * only devices whose loom_device_api.features has LOOM_DEVICE_GRAD_FP32. */
 typedef struct loom_layernorm_bwd_args {
   uint32_t struct_size;
   int64_t rows, cols;
@@ -172,6 +176,7 @@ typedef struct loom_layernorm_bwd_args {
   void* dx; void* dgamma; void* dbeta;
   int32_t accumulate_dx;
   int32_t dtype;
+  int32_t grad_fp32;                   /* 1.2 */
 } loom_layernorm_bwd_args;
 
 /* GeLU, tanh approximation. Forward y = gelu(x); backward dx = dy * gelu'(x). */
@@ -233,7 +238,8 @@ typedef struct loom_xent_args {
 
 /* Embedding rows [vocab_start, vocab_start + vocab_rows) of a table [vocab_rows, dim].
  * Forward: out[i] = table[ids[i] - vocab_start], or 0 when outside the slice.
- * Backward: dtable[ids[i] - vocab_start] += dout[i] for ids inside the slice. */
+ * Backward: dtable[ids[i] - vocab_start] += dout[i] for ids inside the slice;
+ * 1.2: with grad_fp32 = 1, dtable is fp32 whatever dtype is (as layernorm_bwd). */
 typedef struct loom_embedding_args {
   uint32_t struct_size;
   int64_t n, dim, vocab_rows, vocab_start;
@@ -242,6 +248,7 @@ typedef struct loom_embedding_args {
   const void* dout; void* dtable;      /* backward */
   int32_t accumulate;                  /* forward: out += instead of = */
   int32_t dtype;
+  int32_t grad_fp32;                   /* 1.2, backward */
 } loom_embedding_args;
 
 /* Element-wise kernels. */
@@ -348,7 +355,18 @@ typedef struct loom_device_api {
   /* DLPack device type of this device's memory (kDLCPU, kDLCUDA). */
   int32_t dl_device_type;
   const loom_device_ops* ops;
+  /* 1.2. A stream-ordered 2-D copy (cudaMemcpy2DAsync's semantics): `rows` rows of
+   * `width` bytes, row r from src + r * src_pitch to dst + r * dst_pitch (pitches in
+   * bytes, >= width). The regions must not overlap. */
+  loom_status (*copy_2d)(loom_device* dev, loom_stream* stream, void* dst, size_t dst_pitch, const void* src,
+                         size_t src_pitch, size_t width, size_t rows, int32_t kind);
+  /* 1.2. LOOM_DEVICE_* capability bits (a 1.1 table, which lacks the member, has none). */
+  uint64_t features;
 } loom_device_api;
+
+/* loom_device_api.features: layernorm_bwd and embedding_bwd honour grad_fp32 (gemm's
+ * bf16 A/B with an fp32 C and reduce's fp32 out of bf16 x are 1.0 contract). */
+#define LOOM_DEVICE_GRAD_FP32 (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -460,6 +478,10 @@ typedef struct loom_layer_create_args {
   const char* instance_name; /* e.g. "blocks.3.attention" */
   loom_group tp;             /* tensor-parallel group of this rank */
   int32_t sequence_parallel;
+  int32_t pad_1_1;           /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  /* 1.2: bf16 parameters with fp32 gradients may be accumulated by the ops straight
+   * into the fp32 gradients (grad_fp32; manifest device.grad_accumulation_fusion). */
+  int32_t grad_accumulation_fusion;
 } loom_layer_create_args;
 
 /* Hidden states are [seq, micro_batch, hidden] (sequence-major, as in Megatron),
@@ -704,6 +726,8 @@ typedef struct loom_tp_linear_args {
   int32_t gather_output;         /* column-parallel only */
   int32_t accumulate_dx;
   int32_t dtype;
+  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  int32_t grad_fp32;             /* 1.2: dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_linear_args;
 
 /* Vocab-parallel embedding: the table [padded_vocab / tp, dim] is this rank's
@@ -723,6 +747,8 @@ typedef struct loom_tp_embedding_args {
   const void* dout;
   void* dtable;
   int32_t dtype;
+  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  int32_t grad_fp32;             /* 1.2: dtable is fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_embedding_args;
 
 /* Output logits fused with vocab-parallel softmax cross-entropy. The logits stay
@@ -754,6 +780,7 @@ typedef struct loom_tp_xent_args {
   void* dweight;
   int32_t accumulate_dx;
   int32_t dtype;
+  int32_t grad_fp32;             /* 1.2: dweight is fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_xent_args;
 
 /* Dropout under the model-parallel RNG (Megatron's tracker): region
@@ -804,7 +831,15 @@ typedef struct loom_tensor_parallel_api {
   loom_status (*xent_forward)(loom_tp* tp, const loom_tp_xent_args* args);
   loom_status (*xent_backward)(loom_tp* tp, const loom_tp_xent_args* args);
   loom_status (*dropout_forward)(loom_tp* tp, const loom_tp_dropout_args* args);
+  /* 1.2. LOOM_TP_* capability bits (a 1.1 table, which lacks the member, has none). */
+  uint64_t features;
 } loom_tensor_parallel_api;
+
+/* loom_tensor_parallel_api.features: the linear, embedding and xent backwards honour
+ * grad_fp32 (when the rank's device has LOOM_DEVICE_GRAD_FP32): the parameter
+ * gradients of bf16 layers are accumulated straight into fp32 main gradients
+ * (Megatron's gradient-accumulation fusion). */
+#define LOOM_TP_GRAD_FP32 (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* The host API: what the engine offers every plugin.                         */

@@ -229,6 +229,19 @@ class Device {
     check(api_->copy(dev_, stream_, dst, src, bytes, kind));
   }
   void synchronize() const { check(api_->stream_synchronize(dev_, stream_)); }
+  // rows x width bytes from src (row pitch src_pitch) to dst (row pitch dst_pitch).
+  // A device without copy_2d (ABI 1.1) gets one copy per row.
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows,
+               int32_t kind) const {
+    if (LOOM_HAS_SLOT(api_, loom_device_api, copy_2d) && api_->copy_2d != nullptr) {
+      check(api_->copy_2d(dev_, stream_, dst, dst_pitch, src, src_pitch, width, rows, kind));
+      return;
+    }
+    for (size_t r = 0; r < rows; ++r)
+      copy(static_cast<char*>(dst) + r * dst_pitch, static_cast<const char*>(src) + r * src_pitch, width, kind);
+  }
+  // LOOM_DEVICE_* capability bits (none for a 1.1 device).
+  uint64_t features() const { return LOOM_HAS_SLOT(api_, loom_device_api, features) ? api_->features : 0; }
 
  private:
   const loom_device_api* api_ = nullptr;

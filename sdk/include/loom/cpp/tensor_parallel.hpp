@@ -1,4 +1,4 @@
-// loom C++ layer: the tensor-parallel service (ABI 1.1, plugin parallel/tensor)
+// loom C++ layer: the tensor-parallel service (ABI 1.1+, plugin parallel/tensor)
 // as a layer uses it. One TensorParallel per layer instance:
 //
 //   tp_ = loom::TensorParallel(rank.raw(), args.tp, args.sequence_parallel, args.instance_name);
@@ -69,6 +69,11 @@ class TensorParallel {
   bool sequence_parallel() const { return sp_; }
   // Rows of an activation outside TP regions (the sequence shard under SP).
   int64_t local_rows(int64_t rows) const { return sp_ ? rows / size_ : rows; }
+
+  // LOOM_TP_* capability bits of the service (none for a 1.1 service).
+  uint64_t features() const {
+    return LOOM_HAS_SLOT(api_, loom_tensor_parallel_api, features) ? api_->features : 0;
+  }
 
   int64_t padded_vocab(int64_t vocab, int64_t divisor) const { return api_->padded_vocab(vocab, divisor, size_); }
   loom_tp_vocab_range vocab_range(int64_t vocab, int64_t padded_vocab) const {
