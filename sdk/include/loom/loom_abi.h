@@ -151,7 +151,8 @@ typedef struct loom_gemm_args {
   float alpha, beta;
   int32_t dtype;                 /* of a and b */
   int32_t c_dtype;               /* of c */
-  int32_t allow_tf32;            /* 0 or 1 */
+  int32_t allow_tf32;            /* unused (set 0): the device's own option decides TF32, e.g.
+                                    device/cuda's tf32 (manifest device.options.tf32) */
 } loom_gemm_args;
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
