@@ -168,9 +168,10 @@ std::vector<KeySpec> build() {
   v.push_back(s("device.grad_dtype", "fp32", "gradient dtype (the gradient buffer and its data-parallel reduction)",
                 {"fp32", "bf16"}));
   v.push_back(b("device.grad_accumulation_fusion", true,
-                "bf16 parameters with fp32 gradients: the backward ops accumulate straight into the fp32 "
-                "gradients (Megatron's gradient-accumulation fusion); false = each microbatch's gradients in "
-                "bf16 first, then added (needs device and tensor-parallel plugins of ABI 1.2 to take effect)"));
+                "bf16 parameters with fp32 gradients: true = the backward ops accumulate straight into the "
+                "fp32 gradients (Megatron's gradient-accumulation fusion; with device and tensor-parallel "
+                "plugins of ABI 1.2, else as false); false = each microbatch's gradients in bf16 first, "
+                "then added"));
   v.push_back(i("device.threads", 0, 0, "compute threads per rank (0 = auto)"));
   v.push_back(f("device.peak_tflops", "0.0", 0, false,
                 "peak TFLOP/s for MFU (0 = use the device's own figure)"));

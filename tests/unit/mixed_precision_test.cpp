@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -139,7 +140,9 @@ TEST(MixedPrecision, FusedBf16Dp2TracksDp1) {
   const auto dp2 = run_and_trace(tiny_manifest(), cat({"parallel.dp=2"}, kBf16));
   ASSERT_EQ(dp1.loss.size(), 10u);
   ASSERT_EQ(dp2.loss.size(), dp1.loss.size());
-  EXPECT_NEAR(dp2.loss[0], dp1.loss[0], 1e-6 * dp1.loss[0]);
+  // Step 2's loss is the first to see a dp sum: Adam's first step is sign(g), which
+  // the last bits of g do not change.
+  EXPECT_NEAR(dp2.loss[1], dp1.loss[1], 1e-6 * dp1.loss[1]);
   for (size_t s = 0; s < dp1.loss.size(); ++s) {
     EXPECT_NEAR(dp2.loss[s], dp1.loss[s], 1e-3 * dp1.loss[s]) << "step " << s + 1;
     std::string worst;
@@ -149,19 +152,76 @@ TEST(MixedPrecision, FusedBf16Dp2TracksDp1) {
 }
 
 // Fusion changes only where a microbatch's gradient is rounded: the fused and the
-// unfused run start alike (same first loss: the first backward differs only in the
-// last bits of the gradients, which Adam's first step sign(g) hides for nonzero
-// g), then track each other like two bf16 runs do; and fusion frees the bf16
+// unfused run's second losses agree closely (the first backward differs only in
+// the last bits of the gradients, which Adam's first step sign(g) hides except
+// where g is near zero),
+// then they track each other like two bf16 runs do; and fusion frees the bf16
 // gradient copies the unfused backward allocates (the embedding table's is the
 // largest: vocab x hidden bf16, plus its fp32 cast).
 TEST(MixedPrecision, FusionTracksUnfusedAndNeedsLessMemory) {
   const std::vector<std::string> o = {"run.steps=20"};
   const auto fused = run_and_trace(tiny_manifest(), cat(o, kBf16));
   const auto unfused = run_and_trace(tiny_manifest(), cat(o, kBf16Unfused));
-  EXPECT_EQ(fused.loss[0], unfused.loss[0]);
+  EXPECT_NEAR(fused.loss[1], unfused.loss[1], 1e-3 * unfused.loss[1]);  // measured 1.1e-4
   expect_tracks(fused.loss, unfused.loss, 0.05, "fused vs unfused");
   ASSERT_FALSE(fused.result.steps.empty());
   EXPECT_LT(fused.result.steps.back().mem_peak, unfused.result.steps.back().mem_peak);
+}
+
+// The fp32 gradients of step 1 (rank 0's, after the step: the optimizer leaves
+// them in the buffer), fused against unfused, for every parameter tensor: the
+// same gradients up to the unfused path's bf16 rounding of each microbatch's
+// gradient (2^-9 relative), at tp 1 and at tp 2 with sequence parallelism (every
+// grad_fp32 call of the layers and parallel/tensor, tied embedding included). A
+// gradient written in the wrong dtype, scaled, or accumulated twice is off by
+// orders of magnitude more; some tensor must differ at all (fusion engaged).
+TEST(MixedPrecision, FusedGradientsEqualUnfusedUpToBf16Rounding) {
+  struct Grads {
+    std::vector<float> g;
+    std::vector<std::pair<size_t, size_t>> tensors;
+    std::vector<std::string> names;
+  };
+  auto step1_grads = [](const std::vector<std::string>& o) {
+    Grads out;
+    std::mutex mu;
+    loom::train::TrainOptions opts;
+    opts.on_step = [&](int64_t step, int rank, const loom::model::Model& m) {
+      if (rank != 0 || step != 1) return;
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_EQ(m.grad_dtype(), LOOM_DTYPE_F32);
+      out.g.assign(static_cast<const float*>(m.grads()), static_cast<const float*>(m.grads()) + m.numel());
+      for (const auto& e : m.param_entries()) {
+        out.tensors.emplace_back(e.offset, e.numel);
+        out.names.push_back(e.name);
+      }
+    };
+    run_and_trace(tiny_manifest(), cat({"run.steps=1"}, o), opts);
+    return out;
+  };
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.dp=1"},
+        std::vector<std::string>{"parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true"}}) {
+    SCOPED_TRACE(layout.back());
+    const Grads fused = step1_grads(cat(layout, kBf16)), unfused = step1_grads(cat(layout, kBf16Unfused));
+    ASSERT_EQ(fused.g.size(), unfused.g.size());
+    ASSERT_FALSE(fused.tensors.empty());
+    double largest = 0;
+    for (size_t k = 0; k < fused.tensors.size(); ++k) {
+      const auto [off, n] = fused.tensors[k];
+      double num = 0, den = 0;
+      for (size_t i = off; i < off + n; ++i) {
+        ASSERT_TRUE(std::isfinite(fused.g[i])) << fused.names[k];
+        num += std::pow(double(fused.g[i]) - double(unfused.g[i]), 2);
+        den += std::pow(double(unfused.g[i]), 2);
+      }
+      const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      EXPECT_LT(rel, 1e-2) << fused.names[k];
+      largest = std::max(largest, rel);
+    }
+    EXPECT_GT(largest, 1e-5) << "fused and unfused gradients are the same: was fusion used?";
+    std::printf("%s: largest norm-wise difference of a gradient tensor, fused vs unfused: %.2e\n",
+                layout.back().c_str(), largest);
+  }
 }
 
 loom::testing::RankTrace run_ranks(std::vector<std::string> o) {

@@ -3,7 +3,7 @@
 // Conventions: 64-bit indices everywhere; grid-stride loops over a grid whose size
 // depends on the problem size only, so every reduction sums in a fixed order and
 // results are reproducible run to run (no float atomics except embedding_bwd's
-// scatter-add, whose order is the one nondeterministic sum). Sums that the CPU
+// fp32 scatter-add, whose order is the one nondeterministic sum). Sums that the CPU
 // reference takes in fp64 are taken in fp64 here too.
 #include <cuda_runtime.h>
 
@@ -49,26 +49,6 @@ __device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) { p[i] = f32
       using T = uint16_t;          \
       __VA_ARGS__;                 \
     }                              \
-  } while (0)
-
-// Activations `dt` with parameter gradients `gdt` (op_contract::grad_dtype): both
-// fp32, both bf16, or bf16 activations with fp32 gradients (grad_fp32). fp32
-// activations never have bf16 gradients: the launcher refuses that pair first.
-#define LOOM_DISPATCH_GRAD(dt, gdt, T, G, ...) \
-  do {                                         \
-    if ((dt) == Dt::F32) {                     \
-      using T = float;                         \
-      using G = float;                         \
-      __VA_ARGS__;                             \
-    } else if ((gdt) == Dt::F32) {             \
-      using T = uint16_t;                      \
-      using G = float;                         \
-      __VA_ARGS__;                             \
-    } else {                                   \
-      using T = uint16_t;                      \
-      using G = uint16_t;                      \
-      __VA_ARGS__;                             \
-    }                                          \
   } while (0)
 
 // ---- block reductions ----------------------------------------------------------
@@ -364,27 +344,15 @@ __global__ void embedding_fwd_kernel(int64_t dim, int64_t vocab_rows, int64_t vo
   }
 }
 
-__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
-// bf16 += fp32 by compare-and-swap of the 16-bit word, rounding each sum to nearest even.
-__device__ __forceinline__ void atomic_add(uint16_t* p, float v) {
-  unsigned short* a = reinterpret_cast<unsigned short*>(p);
-  unsigned short old = *a, assumed;
-  do {
-    assumed = old;
-    const unsigned short next = f32_to_bf16(bf16_to_f32(assumed) + v);
-    old = atomicCAS(a, assumed, next);
-  } while (old != assumed);
-}
-
-// dout of the activations' storage T, dtable of the gradients' G (fp32 with
-// grad_fp32: plain float atomics, no bf16 rounding per sum).
-template <typename T, typename G>
+// dout of the activations' storage T into an fp32 table (the fp32 gradients, or
+// the fp32 copy of a bf16 table that ops.cpp rounds once afterwards).
+template <typename T>
 __global__ void embedding_bwd_kernel(int64_t dim, int64_t vocab_rows, int64_t vocab_start, const int32_t* ids,
-                                     const T* dout, G* dtable) {
+                                     const T* dout, float* dtable) {
   const int64_t i = blockIdx.x;
   const int64_t row = static_cast<int64_t>(ids[i]) - vocab_start;
   if (row < 0 || row >= vocab_rows) return;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) atomic_add(dtable + row * dim + c, ld(dout, i * dim + c));
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) atomicAdd(dtable + row * dim + c, ld(dout, i * dim + c));
 }
 
 // ---- element-wise ----------------------------------------------------------------------------
@@ -718,13 +686,12 @@ cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64
   return cudaGetLastError();
 }
 
-cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, Dt grad_dt, int64_t n, int64_t dim, int64_t vocab_rows,
-                            int64_t vocab_start, const int32_t* ids, const void* dout, void* dtable) {
-  if (dt == Dt::F32 && grad_dt != Dt::F32) return cudaErrorInvalidValue;  // not a pair grad_dtype gives
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* dout, float* dtable) {
   if (n == 0 || vocab_rows == 0) return cudaSuccess;
-  LOOM_DISPATCH_GRAD(dt, grad_dt, T, G,
-                     embedding_bwd_kernel<T, G><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
-                         dim, vocab_rows, vocab_start, ids, static_cast<const T*>(dout), static_cast<G*>(dtable)));
+  LOOM_DISPATCH(dt, T,
+                embedding_bwd_kernel<T><<<static_cast<unsigned>(n), row_threads(dim), 0, s>>>(
+                    dim, vocab_rows, vocab_start, ids, static_cast<const T*>(dout), dtable));
   return cudaGetLastError();
 }
 

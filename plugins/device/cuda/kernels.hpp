@@ -60,9 +60,9 @@ cudaError_t k_xent(cudaStream_t s, Dt dt, int step, int64_t rows, int64_t cols, 
 
 cudaError_t k_embedding_fwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
                             const int32_t* ids, const void* table, void* out, int accumulate);
-// dout of `dt`, dtable of `grad_dt` (as k_layernorm_bwd_params).
-cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, Dt grad_dt, int64_t n, int64_t dim, int64_t vocab_rows,
-                            int64_t vocab_start, const int32_t* ids, const void* dout, void* dtable);
+// dout of `dt` scattered into an fp32 table with float atomics.
+cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64_t vocab_rows, int64_t vocab_start,
+                            const int32_t* ids, const void* dout, float* dtable);
 
 struct EwParams {
   int op;  // LOOM_EW_* except CAST

@@ -291,9 +291,23 @@ void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a) {
   // dtable: fp32 main gradients under bf16 with grad_fp32 (1.2), else dtype.
   const Dt dt = float_dt("embedding_bwd", "dtype", a.dtype);
   const Dt gdt = float_dt("embedding_bwd", "dtable dtype", op_contract::grad_dtype(a));
+  if (gdt == Dt::F32) {
+    check_launch(d, "embedding_bwd", "embedding_bwd kernel",
+                 k_embedding_bwd(s.s, dt, a.n, a.dim, a.vocab_rows, a.vocab_start, a.ids, a.dout,
+                                 static_cast<float*>(a.dtable)));
+    return;
+  }
+  if (a.n == 0 || a.vocab_rows == 0) return;
+  // A bf16 table: sum in an fp32 copy and round once, as device/cpu does (bf16
+  // atomics would round after every add: a token seen k times loses ~log2(k) bits).
+  const int64_t elems = a.vocab_rows * a.dim;
+  Scratch wide(d, s, static_cast<size_t>(elems) * sizeof(float), "embedding_bwd");
+  check_launch(d, "embedding_bwd", "widening cast", k_cast(s.s, Dt::BF16, Dt::F32, elems, a.dtable, wide.get()));
   check_launch(d, "embedding_bwd", "embedding_bwd kernel",
-               k_embedding_bwd(s.s, dt, gdt, a.n, a.dim, a.vocab_rows, a.vocab_start, a.ids, a.dout, a.dtable));
+               k_embedding_bwd(s.s, dt, a.n, a.dim, a.vocab_rows, a.vocab_start, a.ids, a.dout, wide.get<float>()));
+  check_launch(d, "embedding_bwd", "rounding cast", k_cast(s.s, Dt::F32, Dt::BF16, elems, wide.get(), a.dtable));
 }
+
 
 // ---------------------------------------------------------------------------
 // Element-wise
