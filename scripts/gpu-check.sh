@@ -9,6 +9,10 @@
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one
 #   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
+# Dependencies the GPU machine lacks: .deb files in $LOOM_GPU_DEPS (default .gpu-deps/,
+# made by scripts/gpu-deps.sh on a Debian 12 machine) are unpacked into $build/sysroot and
+# used from there (CMAKE_PREFIX_PATH, LD_LIBRARY_PATH); NCCL is looked for in the CUDA
+# toolkit, then in the Python wheel nvidia-nccl (PyTorch's), or at $LOOM_NCCL_ROOT.
 # Exit status: 0 when every check passed (a check that could not run is reported as
 # SKIPPED with the reason), 1 otherwise. Logs and metrics go to $LOOM_GPU_CHECK_DIR
 # (default build-gpu/gpu-check/).
@@ -27,6 +31,7 @@ pass() { say "ok:   $*"; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 say "gpu-check: $gpus GPU(s) visible"
+say "host: $( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null), $(ldd --version 2>/dev/null | head -1), $(c++ --version 2>/dev/null | head -1), $(cmake --version | head -1)"
 if [ "$gpus" -eq 0 ]; then
   say "gpu-check: no GPU visible (nvidia-smi); nothing to check here"
   exit 1
@@ -35,8 +40,36 @@ fi
 # ---- 1. build -------------------------------------------------------------------------
 say "== build ($build, CUDA arch $arch)"
 t0=$(date +%s)
+cmake_extra=()
+deps=${LOOM_GPU_DEPS:-.gpu-deps}
+if ls "$deps"/*.deb >/dev/null 2>&1; then
+  sysroot=$root/$build/sysroot
+  mkdir -p "$sysroot"
+  for f in "$deps"/*.deb; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$f" "$sysroot" || exit 1
+    else  # a .deb is an ar archive holding data.tar.*
+      tmp=$(mktemp -d) && (cd "$tmp" && ar x "$root/$f") && tar -xf "$tmp"/data.tar.* -C "$sysroot" && rm -rf "$tmp" ||
+        exit 1
+    fi
+  done
+  libdir=$sysroot/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=$libdir:$libdir/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  cmake_extra+=(-DCMAKE_PREFIX_PATH="$sysroot/usr" -DBLAS_LIBRARIES="$libdir/openblas-pthread/libopenblas.so.0")
+  say "dependencies: $(ls "$deps"/*.deb | wc -l) packages from $deps unpacked into $sysroot"
+fi
+nccl_root=${LOOM_NCCL_ROOT:-}
+if [ -z "$nccl_root" ] && [ ! -e /usr/local/cuda/include/nccl.h ]; then
+  nccl_root=$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null || true)
+fi
+if [ -n "$nccl_root" ]; then
+  cmake_extra+=(-DLOOM_NCCL_ROOT="$nccl_root")
+  export LD_LIBRARY_PATH=$nccl_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  say "NCCL from $nccl_root"
+fi
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-  >"$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+  "${cmake_extra[@]}" >"$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
+grep -E "^-- loom:" "$build.configure.log"
 grep -q "loom: CUDA ON" "$build.configure.log" || { say "CUDA toolkit not found by CMake"; exit 1; }
 cmake --build "$build" -j "$jobs" || exit 1
 say "build: $(( $(date +%s) - t0 )) s"
