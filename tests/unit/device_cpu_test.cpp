@@ -427,6 +427,36 @@ TEST(DeviceCpu, Copy2dGathersRowsAndLeavesTheGapsAlone) {
   loom::check(api->copy_2d(d.raw(), nullptr, nullptr, 0, nullptr, 0, 0, 5, LOOM_COPY_DEVICE_TO_DEVICE));
 }
 
+// grad_fp32 is a flag: anything but 0 or 1 is refused, naming the member.
+TEST(DeviceCpu, GradFp32OtherThanZeroOrOneIsRefused) {
+  Dev d;
+  Buf<float> x(d, 8), dy(d, 8), g(d, 8), stats(d, 2);
+  Buf<int32_t> ids(d, std::vector<int32_t>{0, 1});
+  loom_layernorm_bwd_args ln = loom::make<loom_layernorm_bwd_args>();
+  ln.rows = 2;
+  ln.cols = 4;
+  ln.dy = dy.data();
+  ln.x = x.data();
+  ln.mean = stats.data();
+  ln.rstd = stats.data();
+  ln.dgamma = g.data();
+  ln.grad_fp32 = 2;
+  const StatusInfo a = take(d.api()->ops->layernorm_bwd(d.raw(), nullptr, &ln));
+  EXPECT_EQ(a.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(a.message.find("grad_fp32"), std::string::npos) << a.message;
+  loom_embedding_args em = loom::make<loom_embedding_args>();
+  em.n = 2;
+  em.dim = 4;
+  em.vocab_rows = 2;
+  em.ids = ids.data();
+  em.dout = dy.data();
+  em.dtable = g.data();
+  em.grad_fp32 = -1;
+  const StatusInfo b = take(d.api()->ops->embedding_bwd(d.raw(), nullptr, &em));
+  EXPECT_EQ(b.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(b.message.find("grad_fp32"), std::string::npos) << b.message;
+}
+
 // ---------------------------------------------------------------------------
 // GEMM
 // ---------------------------------------------------------------------------
