@@ -1369,7 +1369,7 @@ TEST(Layers, TensorParallelRefusesGradFp32OnA11Device) {
   loom_device_api v1_1 = *p.device();
   v1_1.struct_size = static_cast<uint32_t>(offsetof(loom_device_api, copy_2d));
   {
-    loom::runtime::RankRuntime rt(0, &v1_1, dev);
+    loom::runtime::RankRuntime rt(0, &v1_1, dev);  // owns dev: destroys it at the end
     loom_group alone = loom::make<loom_group>();
     alone.size = 1;
     rt.add_group("tp", alone);
@@ -1389,7 +1389,6 @@ TEST(Layers, TensorParallelRefusesGradFp32OnA11Device) {
     }
     EXPECT_EQ(dtable, std::vector<float>(8 * 8, 0.0f));
   }
-  p.device()->destroy(dev);
 }
 
 }  // namespace
