@@ -81,7 +81,9 @@ void ok(loom_status s) { loom::check(s); }
 class Rank {
  public:
   // A rank of a tensor-parallel group `tp` (default: alone, size 1, null comm).
-  explicit Rank(int global_rank = 0, const loom_group* tp = nullptr) {
+  // `device_api`: a table to use instead of device/cpu's (e.g. a copy cut to an
+  // older ABI size); it must outlive the Rank.
+  explicit Rank(int global_rank = 0, const loom_group* tp = nullptr, const loom_device_api* device_api = nullptr) {
     registry();
     const loom::plugins::LoadedPlugin& p = registry().get("device", "cpu");
     loom::plugins::OptionValues opts(nullptr, p.options);
@@ -90,7 +92,7 @@ class Rank {
     args.ranks_in_process = 1;
     loom_device* dev = nullptr;
     ok(p.device()->create(opts.raw(), &args, &dev));
-    rt_ = std::make_unique<loom::runtime::RankRuntime>(global_rank, p.device(), dev);
+    rt_ = std::make_unique<loom::runtime::RankRuntime>(global_rank, device_api ? device_api : p.device(), dev);
     loom_group alone = loom::make<loom_group>();
     alone.size = 1;
     alone.rank = 0;
@@ -1359,36 +1361,25 @@ TEST(Layers, GradShadowFusesOnlyWithA12DeviceAndService) {
 // grad_fp32 is refused with a message, not run as a bf16 scatter into fp32 memory.
 TEST(Layers, TensorParallelRefusesGradFp32OnA11Device) {
   registry();
-  const loom::plugins::LoadedPlugin& p = registry().get("device", "cpu");
-  loom::plugins::OptionValues opts(nullptr, p.options);
-  loom_device_create_args args = loom::make<loom_device_create_args>();
-  args.num_threads = 1;
-  args.ranks_in_process = 1;
-  loom_device* dev = nullptr;
-  ok(p.device()->create(opts.raw(), &args, &dev));
-  loom_device_api v1_1 = *p.device();
+  loom_device_api v1_1 = *registry().get("device", "cpu").device();
   v1_1.struct_size = static_cast<uint32_t>(offsetof(loom_device_api, copy_2d));
-  {
-    loom::runtime::RankRuntime rt(0, &v1_1, dev);  // owns dev: destroys it at the end
-    loom_group alone = loom::make<loom_group>();
-    alone.size = 1;
-    rt.add_group("tp", alone);
-    rt.set_service(LOOM_API_TENSOR_PARALLEL, registry().get("parallel", "tensor").api);
-    loom::TensorParallel tp(&rt, alone, false, "old-device");
-    EXPECT_NE(tp.features() & LOOM_TP_GRAD_FP32, 0u);  // the service could, the device cannot
-    std::vector<int32_t> ids(4, 1);
-    std::vector<uint16_t> dout(4 * 8, 0);
-    std::vector<float> dtable(8 * 8, 0.0f);
-    try {
-      tp.vocab_parallel_embedding_backward({.rows = 4, .dim = 8, .padded_vocab = 8, .ids = ids.data(),
-                                            .dout = dout.data(), .dtable = dtable.data(),
-                                            .dtype = LOOM_DTYPE_BF16, .grad_fp32 = 1});
-      ADD_FAILURE() << "grad_fp32 on a 1.1 device was accepted";
-    } catch (const loom::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("LOOM_DEVICE_GRAD_FP32"), std::string::npos) << e.what();
-    }
-    EXPECT_EQ(dtable, std::vector<float>(8 * 8, 0.0f));
+  Rank rank(0, nullptr, &v1_1);
+  loom_group alone = loom::make<loom_group>();
+  alone.size = 1;
+  loom::TensorParallel tp(&rank.rt(), alone, false, "old-device");
+  EXPECT_NE(tp.features() & LOOM_TP_GRAD_FP32, 0u);  // the service could, the device cannot
+  std::vector<int32_t> ids(4, 1);
+  std::vector<uint16_t> dout(4 * 8, 0);
+  std::vector<float> dtable(8 * 8, 0.0f);
+  try {
+    tp.vocab_parallel_embedding_backward({.rows = 4, .dim = 8, .padded_vocab = 8, .ids = ids.data(),
+                                          .dout = dout.data(), .dtable = dtable.data(), .dtype = LOOM_DTYPE_BF16,
+                                          .grad_fp32 = 1});
+    ADD_FAILURE() << "grad_fp32 on a 1.1 device was accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LOOM_DEVICE_GRAD_FP32"), std::string::npos) << e.what();
   }
+  EXPECT_EQ(dtable, std::vector<float>(8 * 8, 0.0f));
 }
 
 }  // namespace
