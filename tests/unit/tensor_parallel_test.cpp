@@ -266,7 +266,9 @@ void expect_only(const loom::runtime::CommStats& s, const std::string& kind) {
 //       an all-gather (entering one) of T*H elements, the same bus bytes:
 //       forward 1 + 2L reduce-scatters, 2L + 1 all-gathers; backward 2L + 1
 //       reduce-scatters, 2L + 1 all-gathers; the scalars unchanged; and after the
-//       last microbatch one all-reduce per duplicated parameter.
+//       last microbatch one all-reduce per duplicated parameter. As in Megatron,
+//       each column-parallel GEMM's input (the LN output) is gathered again in
+//       backward instead of being kept: 2L + 1 more all-gathers of T*H there.
 TEST(TensorParallel, CommunicationCountsMatchMegatron) {
   const std::vector<std::string> base = {"parallel.tp=2"};
   auto man = loom::testing::plan_from(loom::testing::tiny_manifest(), base).manifest;
@@ -305,7 +307,7 @@ TEST(TensorParallel, CommunicationCountsMatchMegatron) {
       SCOPED_TRACE(fwd ? "forward" : "backward");
       auto rs = op(*phase, "tp", "reduce_scatter"), ag = op(*phase, "tp", "all_gather");
       EXPECT_EQ(rs.calls, 2 * L + 1);
-      EXPECT_EQ(ag.calls, 2 * L + 1);
+      EXPECT_EQ(ag.calls, (fwd ? 1 : 2) * (2 * L + 1));
       EXPECT_EQ(rs.elements, rs.calls * T * H);
       EXPECT_EQ(ag.elements, ag.calls * T * H);
       EXPECT_DOUBLE_EQ(rs.bus_bytes, ring * double(rs.calls * T * H * f32));
@@ -314,10 +316,10 @@ TEST(TensorParallel, CommunicationCountsMatchMegatron) {
       EXPECT_EQ(sar.elements, fwd ? T + 2 * T : 0u);
       EXPECT_EQ(loom::runtime::total(*phase, "tp").calls, rs.calls + ag.calls + sar.calls);
     }
-    // The same bus bytes as tensor parallelism alone.
+    // The bus bytes of tensor parallelism alone, plus the backward's re-gathers.
     const double tp_bus = loom::runtime::total(a.forward, "tp").bus_bytes + loom::runtime::total(a.backward, "tp").bus_bytes;
     const double sp_bus = loom::runtime::total(b.forward, "tp").bus_bytes + loom::runtime::total(b.backward, "tp").bus_bytes;
-    EXPECT_DOUBLE_EQ(sp_bus, tp_bus);
+    EXPECT_DOUBLE_EQ(sp_bus, tp_bus + ring * double((2 * L + 1) * T * H * f32));
     // finalize_grads: one all-reduce per duplicated parameter, their sizes.
     auto fin = op(b.finalize, "tp", "all_reduce");
     EXPECT_GT(b.duplicated_params, 0);
@@ -329,6 +331,35 @@ TEST(TensorParallel, CommunicationCountsMatchMegatron) {
   std::map<int, MicrobatchComm> one = count_one_microbatch({"parallel.tp=1"});
   EXPECT_EQ(loom::runtime::total(one.at(0).forward, "tp").calls, 0u);
   EXPECT_EQ(loom::runtime::total(one.at(0).backward, "tp").calls, 0u);
+}
+
+// Sequence parallelism exists to save activation memory: what a layer keeps
+// outside tensor-parallel regions covers seq / tp positions. At tp = 2, per
+// microbatch, the 2L + 1 hidden states between layers and the 2L + 1 layer
+// inputs saved for backward (attention, MLP, logits) are halved, so SP must hold
+// at least (2L + 1) * T * H fp32 less than tp alone (more: layernorm statistics
+// and dropout masks are halved too). Keeping the gathered T * H LN output for
+// the weight gradient instead of gathering it again in backward undoes that.
+TEST(TensorParallel, SequenceParallelHoldsLessActivationMemoryThanTensorParallelAlone) {
+  auto held = [](const std::vector<std::string>& o) {
+    auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+    return loom::train::train(plan, {}).peak_activation_bytes;
+  };
+  const std::vector<std::string> base = {"parallel.tp=2", "run.steps=1"};
+  auto with_sp = base;
+  with_sp.push_back("parallel.sequence_parallel=true");
+  const auto tp = held(base), sp = held(with_sp);
+  auto man = loom::testing::plan_from(loom::testing::tiny_manifest(), base).manifest;
+  const uint64_t L = static_cast<uint64_t>(man.get_int("model.num_layers"));
+  const uint64_t T = static_cast<uint64_t>(man.get_int("model.seq_length") * man.get_int("batch.micro_batch_size"));
+  const uint64_t H = static_cast<uint64_t>(man.get_int("model.hidden_size"));
+  ASSERT_EQ(tp.size(), 2u);
+  ASSERT_EQ(sp.size(), 2u);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_GT(sp.at(r), 0u);
+    EXPECT_LE(sp.at(r) + (2 * L + 1) * T * H * sizeof(float), tp.at(r));
+  }
 }
 
 TEST(TensorParallel, CommStatsFormatting) {

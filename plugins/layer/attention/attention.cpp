@@ -89,7 +89,6 @@ class Attention : public loom::Layer {
     s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
     s.qkv = s.mem.elems(T * 3 * Hl, dt_.act);
     s.ctx = s.mem.elems(T * Hl, dt_.act);
     s.lse = s.mem.floats(B * heads_local_ * S);
@@ -98,7 +97,8 @@ class Attention : public loom::Layer {
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), proj = tmp.elems(Tl * H, dt_.act);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
+                 proj = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -107,7 +107,7 @@ class Attention : public loom::Layer {
     // Column-parallel QKV (f: identity, or the all-gather under SP): local
     // columns [q | k | v], each heads_local * head_dim.
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
-                                        .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kQkvW],
+                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kQkvW],
                                         .bias = w_[kQkvB], .y = s.mem.at(s.qkv), .dtype = dt_.act});
     dev.attention_fwd(attention_args(s));
     // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
@@ -139,7 +139,8 @@ class Attention : public loom::Layer {
     GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
-    const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(sp ? 0 : T * H, dt_.act),
+    const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
+                 ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
                  dctx = tmp.elems(T * Hl, dt_.act), dqkv = tmp.elems(T * 3 * Hl, dt_.act), dln = tmp.elems(Tl * H, dt_.act),
                  dbias = tmp.floats(3 * Hl);
     tmp.allocate(rank_);
@@ -162,11 +163,9 @@ class Attention : public loom::Layer {
     att.dv = advance(tmp.at<void>(dqkv), 2 * Hl, dt_.act);
     dev.attention_bwd(att);
 
-    // The LN output: kept gathered under SP, else recomputed (same op, same input).
-    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
-    if (!sp)
-      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps, dt_.act);
+    // The LN output, recomputed (and gathered again under SP).
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
     // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w_[kQkvW],
                                          .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = gs[kQkvW], .dtype = dt_.act,
@@ -199,7 +198,6 @@ class Attention : public loom::Layer {
     a.elems(Tl * H, dt_.act);                 // x (this rank's shard under SP)
     a.floats(Tl);                             // mean
     a.floats(Tl);                             // rstd
-    a.elems(sp ? T * H : 0, dt_.act);         // the gathered LN output (SP)
     a.elems(T * 3 * Hl, dt_.act);             // qkv
     a.elems(T * Hl, dt_.act);                 // attention output
     a.floats(micro_batch_ * heads_local_ * seq_);  // lse
@@ -225,7 +223,7 @@ class Attention : public loom::Layer {
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
-    size_t x = 0, mean = 0, rstd = 0, ln_full = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
+    size_t x = 0, mean = 0, rstd = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
     bool dropped = false;
   };
 

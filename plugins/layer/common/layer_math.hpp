@@ -398,4 +398,23 @@ inline loom::OptionSpec dropout_option_spec(const char* where) {
 
 constexpr float kLayerNormEps = 1e-5f;
 
+// The input of a layer's first, column-parallel GEMM, for its weight gradient:
+// LN(x) recomputed from the saved input x [local rows, cols] and its statistics
+// into `ln` [local rows, cols], and under sequence parallelism all-gathered into
+// `ln_full` [rows, cols] (unused without SP). Megatron's sequence parallelism: a
+// layer saves only its shard and gathers again in backward, so what it keeps
+// outside TP regions is 1/tp of the sequence; keeping the gathered LN output
+// instead would hold more than tensor parallelism alone. Returns what to pass as
+// the GEMM's x. The recomputed values equal the forward's bit for bit (same op,
+// same input), so saving and recomputing train identically.
+inline const void* recompute_ln_input(const loom::Device& dev, const loom::TensorParallel& tp, const void* x,
+                                      const void* gamma, const void* beta, float* mean, float* rstd, void* ln,
+                                      void* ln_full, int64_t local_rows, int64_t cols, int32_t dtype) {
+  layernorm_fwd(dev, x, gamma, beta, ln, mean, rstd, local_rows, cols, kLayerNormEps, dtype);
+  if (!tp.sequence_parallel()) return ln;
+  // f's forward (the all-gather entering the TP region), repeated.
+  tp.enter_forward({.rows = local_rows * tp.size(), .cols = cols, .x = ln, .out = ln_full, .dtype = dtype});
+  return ln_full;
+}
+
 }  // namespace loom::layers

@@ -81,14 +81,14 @@ class LmHead : public loom::Layer {
     s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
     s.logits = s.mem.elems(T * Vl, dt_.act);
     s.stats = s.mem.floats(3 * T);  // row_max | row_sumexp | target_logit
     s.targets = s.mem.add(T * sizeof(int32_t));
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), loss = tmp.floats(T), total = tmp.floats(1);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
+                 loss = tmp.floats(T), total = tmp.floats(1);
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -99,7 +99,7 @@ class LmHead : public loom::Layer {
     // (f: identity, or the all-gather of the LN output under SP).
     tp_.vocab_parallel_cross_entropy_forward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = tmp.at(ln),
-         .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kW], .logits = s.mem.at(s.logits),
+         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kW], .logits = s.mem.at(s.logits),
          .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets), .loss = tmp.at(loss),
          .predictions = a.predictions, .dtype = dt_.act});
 
@@ -134,14 +134,13 @@ class LmHead : public loom::Layer {
                   tp_.features(), fusion_);
 
     Arena tmp;
-    const size_t ln = tmp.elems(sp ? 0 : T * H, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
+                 dln = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
-    // The LN output: kept gathered under SP, else recomputed.
-    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
-    if (!sp)
-      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps, dt_.act);
+    // The LN output, recomputed (and gathered again under SP).
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
     // dlogits = loss_scale * (softmax - onehot) on the local slice; dW_local +=
     // dlogits^T LN(x); dLN = dlogits W_local summed over tp (f's backward).
     tp_.vocab_parallel_cross_entropy_backward(
@@ -165,7 +164,6 @@ class LmHead : public loom::Layer {
     a.elems(Tl * hidden_, dt_.act);  // x (this rank's shard under SP)
     a.floats(Tl);                // mean
     a.floats(Tl);                // rstd
-    a.elems(sp ? T * hidden_ : 0, dt_.act);  // the gathered LN output (SP)
     a.elems(T * vocab_local_, dt_.act);      // logits
     a.floats(3 * T);             // row max, sum-exp, target logit
     a.add(T * sizeof(int32_t));  // targets
@@ -184,7 +182,7 @@ class LmHead : public loom::Layer {
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
-    size_t x = 0, mean = 0, rstd = 0, ln_full = 0, logits = 0, stats = 0, targets = 0;
+    size_t x = 0, mean = 0, rstd = 0, logits = 0, stats = 0, targets = 0;
   };
 
   loom_rank* rank_;

@@ -86,8 +86,7 @@ class Mlp : public loom::Layer {
     s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.ln_full = s.mem.elems(sp ? T * H : 0, dt_.act);  // the gathered LN output (kept for dW)
-    s.h = s.mem.elems(T * Fl, dt_.act);                // fc1 output before GeLU
+    s.h = s.mem.elems(T * Fl, dt_.act);  // fc1 output before GeLU
     s.act_mask = s.mem.add(act_drop ? T * Fl : 0);
     s.mask = s.mem.add(drop ? Tl * H : 0);
     s.dropped = drop;
@@ -95,7 +94,8 @@ class Mlp : public loom::Layer {
     s.mem.allocate(rank_);
 
     Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), act = tmp.elems(T * Fl, dt_.act), out = tmp.elems(Tl * H, dt_.act);
+    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
+                 act = tmp.elems(T * Fl, dt_.act), out = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -103,7 +103,7 @@ class Mlp : public loom::Layer {
                   kLayerNormEps, dt_.act);
     // Column-parallel fc1 (f: identity, or the all-gather under SP); GeLU locally.
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = Fl, .x = tmp.at(ln),
-                                        .x_full = sp ? s.mem.at(s.ln_full) : nullptr, .weight = w_[kFc1W],
+                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kFc1W],
                                         .bias = w_[kFc1B], .y = s.mem.at(s.h), .dtype = dt_.act});
     dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = dt_.act});
     // Inside the TP region: each tp rank holds other columns, so its own stream.
@@ -141,7 +141,8 @@ class Mlp : public loom::Layer {
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
-                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(sp ? 0 : T * H, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
+                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
+                 ln_full = tmp.elems(sp ? T * H : 0, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
     const void* d = dy;
@@ -161,12 +162,10 @@ class Mlp : public loom::Layer {
     // GeLU backward into the buffer of the recomputed activation (no longer needed).
     dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(act),
                   .dtype = dt_.act});
-    // fc1 with the LN output kept gathered under SP, else recomputed; f's backward
-    // (all-reduce, or reduce-scatter to the shard) closes it.
-    const void* ln_in = sp ? s.mem.at(s.ln_full) : tmp.at(ln);
-    if (!sp)
-      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), T, H,
-                    kLayerNormEps, dt_.act);
+    // fc1 with the LN output recomputed (and gathered again under SP); f's
+    // backward (all-reduce, or reduce-scatter to the shard) closes it.
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = Fl, .x = ln_in, .weight = w_[kFc1W],
                                          .dy = tmp.at(act), .dx = tmp.at(dln), .dweight = gs[kFc1W],
                                          .dbias = gs[kFc1B], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
@@ -189,7 +188,6 @@ class Mlp : public loom::Layer {
     a.elems(Tl * H, dt_.act);                        // x (this rank's shard under SP)
     a.floats(Tl);                                    // mean
     a.floats(Tl);                                    // rstd
-    a.elems(sp ? T * H : 0, dt_.act);                // the gathered LN output (SP)
     a.elems(T * Fl, dt_.act);                        // fc1 output
     a.add(activation_dropout_ > 0.0f ? T * Fl : 0);  // activation dropout mask
     a.add(dropout_ > 0.0f ? Tl * H : 0);             // dropout mask
@@ -213,7 +211,7 @@ class Mlp : public loom::Layer {
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
-    size_t x = 0, mean = 0, rstd = 0, ln_full = 0, h = 0, act_mask = 0, mask = 0;
+    size_t x = 0, mean = 0, rstd = 0, h = 0, act_mask = 0, mask = 0;
     bool dropped = false, act_dropped = false;
   };
 
