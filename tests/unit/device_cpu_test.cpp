@@ -1679,6 +1679,63 @@ TEST(DeviceCpu, GraphRecordsLaunchesAndReplaysThemOnTheSameAddresses) {
   api->graph_destroy(d.raw(), graph);
 }
 
+// The graph pool (device/cuda's rules): memory allocated and freed during a
+// capture stays the graph's, since every replay writes it again. It is not handed
+// to eager allocations while a graph is alive, later captures reuse it, and it is
+// released with the last graph. (Without the pool a replay writes freed memory:
+// ASan reports it in the sanitizer build.)
+TEST(DeviceCpu, MemoryFreedDuringCaptureStaysWithTheGraphs) {
+  Dev d(1);
+  const loom_device_api* api = d.api();
+  const int64_t n = 1000;
+  const size_t bytes = n * sizeof(float);
+  Buf<float> out(d, n);
+  out.fill(0.0f);
+
+  // Graph 1: tmp = 2, out = out + tmp, with tmp freed before capture_end (as a
+  // layer's temporaries are).
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  void* tmp = nullptr;
+  loom::check(api->alloc(d.raw(), bytes, &tmp));
+  auto fill = ew(LOOM_EW_FILL, n, nullptr, nullptr, tmp);
+  fill.alpha = 2.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &fill));
+  auto acc = ew(LOOM_EW_ADD, n, out.data(), tmp, out.data());
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &acc));
+  api->free(d.raw(), tmp);
+  loom_graph* g1 = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &g1));
+  const uint64_t reserved_with_pool = d.stats().reserved_bytes;
+  EXPECT_GE(reserved_with_pool, bytes + bytes);  // out + the pooled tmp
+
+  // An eager allocation of the same size gets other memory.
+  void* eager = nullptr;
+  loom::check(api->alloc(d.raw(), bytes, &eager));
+  EXPECT_NE(eager, tmp);
+  std::memset(eager, 0xff, bytes);
+  // A later capture reuses the pooled block.
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  void* tmp2 = nullptr;
+  loom::check(api->alloc(d.raw(), bytes, &tmp2));
+  EXPECT_EQ(tmp2, tmp);
+  api->free(d.raw(), tmp2);
+  loom_graph* g2 = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &g2));
+  api->free(d.raw(), eager);
+
+  // The replay writes the pooled block and computes with it.
+  loom::check(api->graph_replay(d.raw(), g1, nullptr));
+  loom::check(api->graph_replay(d.raw(), g1, nullptr));
+  for (int64_t i = 0; i < n; i += 97) ASSERT_EQ(out[i], 4.0f) << i;
+  EXPECT_EQ(d.stats().current_bytes, bytes);  // pooled blocks are not in use
+
+  // Released with the last graph.
+  api->graph_destroy(d.raw(), g1);
+  EXPECT_EQ(d.stats().reserved_bytes, reserved_with_pool);
+  api->graph_destroy(d.raw(), g2);
+  EXPECT_EQ(d.stats().reserved_bytes, reserved_with_pool - (bytes + 255) / 256 * 256);  // 256-byte aligned
+}
+
 TEST(DeviceCpu, GraphCaptureRulesAndOtherStreams) {
   Dev d(1);
   const loom_device_api* api = d.api();

@@ -17,7 +17,9 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <map>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kernels.hpp"
@@ -163,6 +165,18 @@ struct Device {
   std::mutex mem_mu;
   std::unordered_map<void*, std::pair<size_t, size_t>> allocations;  // ptr -> (bytes, reserved)
   uint64_t current_bytes = 0, peak_bytes = 0, reserved_bytes = 0, num_allocs = 0;
+
+  // The graph pool, with device/cuda's rules: memory allocated during a capture is
+  // written again by every replay, so freeing it returns it here instead of to the
+  // system, and only later allocations during a capture reuse it (graphs sharing
+  // the pool are replayed in the order they were captured, so a block freed before
+  // a capture is dead when that graph replays). When no graph is alive and no
+  // capture runs, the pool is released.
+  std::unordered_set<void*> graph_blocks;   // allocated during a capture: live or pooled
+  std::multimap<size_t, void*> graph_free;  // pooled: reserved size -> block
+  int64_t graphs_alive = 0;
+  // Frees the pooled blocks when no graph can replay any more (mem_mu held).
+  void release_graph_pool_locked();
 
   // Any GEMM of this device: picks OpenBLAS or the builtin kernel.
   void gemm1(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,

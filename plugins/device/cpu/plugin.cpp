@@ -144,6 +144,8 @@ void destroy(loom_device* d) {
       for (auto& [ptr, sizes] : dev.allocations) std::free(ptr);
       dev.allocations.clear();
     }
+    for (auto& [size, ptr] : dev.graph_free) std::free(ptr);  // no graph can replay any more
+    dev.graph_free.clear();
     dev.magic = 0;
     dev.default_stream.magic = 0;
     delete &dev;
@@ -159,6 +161,21 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     constexpr size_t kAlign = 256;
     LOOM_REQUIRE(bytes <= SIZE_MAX - kAlign, "device/cpu alloc: " << bytes << " bytes is too large");
     const size_t reserved = (bytes + kAlign - 1) / kAlign * kAlign;
+    const bool capturing = dev.capturing != nullptr;
+    if (capturing) {  // reuse a pooled graph block of at most twice the size
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      auto it = dev.graph_free.lower_bound(reserved);
+      if (it != dev.graph_free.end() && it->first <= 2 * reserved) {
+        void* p = it->second;
+        dev.allocations.emplace(p, std::make_pair(bytes, it->first));
+        dev.graph_free.erase(it);
+        dev.current_bytes += bytes;
+        dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
+        dev.num_allocs += 1;
+        *out = p;
+        return;
+      }
+    }
     void* p = nullptr;
     if (posix_memalign(&p, kAlign, reserved) != 0 || p == nullptr) {
       std::lock_guard<std::mutex> lock(dev.mem_mu);
@@ -169,6 +186,7 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     }
     std::lock_guard<std::mutex> lock(dev.mem_mu);
     dev.allocations.emplace(p, std::make_pair(bytes, reserved));
+    if (capturing) dev.graph_blocks.insert(p);
     dev.current_bytes += bytes;
     dev.reserved_bytes += reserved;
     dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
@@ -189,9 +207,17 @@ void free_(loom_device* d, void* ptr) {
                         << ", which this device did not allocate (or already freed); ignored";
         return;
       }
+      const size_t reserved = it->second.second;
       dev.current_bytes -= it->second.first;
-      dev.reserved_bytes -= it->second.second;
       dev.allocations.erase(it);
+      if (dev.graph_blocks.count(ptr) != 0) {
+        if (dev.graphs_alive > 0 || dev.capturing != nullptr) {
+          dev.graph_free.emplace(reserved, ptr);  // a replay may still write it
+          return;
+        }
+        dev.graph_blocks.erase(ptr);
+      }
+      dev.reserved_bytes -= reserved;
     }
     std::free(ptr);
   });
@@ -265,6 +291,8 @@ void stream_destroy(loom_device* d, loom_stream* s) {
     if (dev.capturing == &st) {
       LOOM_LOG(WARNING) << "device/cpu: stream destroyed during graph capture; the capture is discarded";
       dev.capturing = nullptr;
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      dev.release_graph_pool_locked();
     }
     st.magic = 0;
     delete &st;
@@ -332,6 +360,20 @@ loom_status event_synchronize(loom_device* d, loom_event* e) {
 // Graphs
 // ---------------------------------------------------------------------------
 
+}  // namespace
+
+void Device::release_graph_pool_locked() {
+  if (graphs_alive > 0 || capturing != nullptr) return;
+  for (auto& [size, ptr] : graph_free) {
+    graph_blocks.erase(ptr);
+    reserved_bytes -= size;
+    std::free(ptr);
+  }
+  graph_free.clear();
+}
+
+namespace {
+
 loom_status capture_begin(loom_device* d, loom_stream* s) {
   return guard([&] {
     Device& dev = device_of(d);
@@ -358,6 +400,8 @@ loom_status capture_end(loom_device* d, loom_stream* s, loom_graph** out) {
     st.recorded.clear();
     st.capturing = false;
     dev.capturing = nullptr;
+    std::lock_guard<std::mutex> lock(dev.mem_mu);
+    dev.graphs_alive += 1;
     *out = reinterpret_cast<loom_graph*>(g.release());
   });
 }
@@ -395,6 +439,9 @@ void graph_destroy(loom_device* d, loom_graph* g) {
     Graph& gr = graph_of(dev, g);
     gr.magic = 0;
     delete &gr;
+    std::lock_guard<std::mutex> lock(dev.mem_mu);
+    dev.graphs_alive -= 1;
+    dev.release_graph_pool_locked();
   });
 }
 
