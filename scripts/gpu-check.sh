@@ -6,7 +6,9 @@
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
 #      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
 #      against dp = 2 on the CPU
-#   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one
+#   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
+#      graphs (exec.mode = partial_graph) whose losses must equal eager's, and the ms/step
+#      of both on the quickstart model (small kernels: launch-bound, where graphs help)
 #   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
 # Dependencies the GPU machine lacks: .deb files in $LOOM_GPU_DEPS (default .gpu-deps/,
@@ -166,6 +168,29 @@ if run cuda_bf16 "${common[@]}" --set device.kind=cuda --set device.param_dtype=
   fi
 else
   fail "bf16 run failed (see $out/cuda_bf16.log)"; tail -5 "$out/cuda_bf16.log"
+fi
+
+say "== partial graphs (exec.mode = partial_graph) against eager, device/cuda fp32"
+if run cuda_graph "${common[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
+  # The graphs replay the launches eager makes, on the same stream; the tolerance only
+  # covers cuBLAS choosing another algorithm under capture.
+  if compare "$out/cuda_graph.jsonl" "$out/cuda_dp1.jsonl" 1e-6 "partial_graph vs eager"; then
+    grep "^exec " "$out/cuda_graph.log" || true
+    pass "partial_graph = eager on the GPU"
+  else fail "partial_graph losses differ from eager on the GPU"; fi
+  speed=(configs/quickstart.toml --set run.steps=60 --set run.eval_every=0 --set run.log_every=1 --set device.kind=cuda)
+  if run speed_eager "${speed[@]}" && run speed_graph "${speed[@]}" --set exec.mode=partial_graph; then
+    python3 - "$out/speed_eager.jsonl" "$out/speed_graph.jsonl" <<'EOF'
+import json, sys
+def ms(path):
+    rows = [json.loads(l) for l in open(path)][10:]  # after warm-up and capture
+    return sum(r["ms"] for r in rows) / len(rows)
+e, g = ms(sys.argv[1]), ms(sys.argv[2])
+print(f"  quickstart model, steps 11-60: eager {e:.2f} ms/step, partial_graph {g:.2f} ms/step ({e / g:.2f}x)")
+EOF
+  fi
+else
+  fail "partial_graph run failed (see $out/cuda_graph.log)"; tail -5 "$out/cuda_graph.log"
 fi
 
 # ---- 5. benchmark ------------------------------------------------------------------------

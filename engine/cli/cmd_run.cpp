@@ -92,6 +92,9 @@ int cmd_run(int argc, char** argv) {
                     << "\n";
           break;
         }
+      if (auto it = r.exec_stats.find(0); it != r.exec_stats.end())
+        std::cout << "exec " << plan.exec->name << " (rank 0): " << it->second.graphs << " graphs captured, "
+                  << it->second.replays << " layer steps replayed, " << it->second.direct << " run directly\n";
       if (plan.sizes.pp > 1) {  // the schedule's activation cost, per pipeline rank
         std::cout << "pipeline: peak microbatch-chunks in flight (activation memory) by rank:";
         for (const auto& [rank, n] : r.peak_in_flight)

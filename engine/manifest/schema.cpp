@@ -157,7 +157,10 @@ std::vector<KeySpec> build() {
   v.push_back(i("optimizer.bucket_size", 0, 0, "gradient bucket size in elements (0 = one bucket)"));
   v.push_back(open_table("optimizer.options", "options of the optimizer strategy plugin"));
   // exec
-  v.push_back(s("exec.mode", "eager", "execution mode", {"eager", "partial_graph"}));
+  v.push_back(s("exec.mode", "eager",
+                "execution mode: eager runs every layer step directly; partial_graph captures the capturable "
+                "ones (attention, MLP without dropout, tp = 1) into device graphs and replays them.",
+                {"eager", "partial_graph"}));
   v.push_back(open_table("exec.options", "options of the exec plugin"));
   // device
   v.push_back(s("device.kind", "cpu", "device plugin (device/NAME)"));

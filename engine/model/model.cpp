@@ -127,6 +127,8 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       layer.spec = spec;
       layer.chunk = static_cast<int>(c);
       layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
+      layer.capturable = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable &&
+                         layer.api->capturable(layer.handle) == 1;
       layers_.push_back(std::move(layer));
     }
     chunk.end_layer = layers_.size();
@@ -142,6 +144,11 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
   grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
+  act_sets_.resize(chunks_.size());
+  const loom_exec_api* exec = rank_.exec_api();
+  keep_act_sets_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
+                   (exec->features & LOOM_EXEC_REPLAYS) != 0;
+  tp_single_ = tp.size() == 1;
 }
 
 size_t Model::hidden_numel() const {
@@ -173,6 +180,7 @@ void Model::finalize_grads() {
 
 Model::~Model() {
   acts_.clear();
+  act_sets_.clear();
   for (Layer& l : layers_)
     if (l.handle) l.api->destroy(l.handle);
 }
@@ -287,7 +295,7 @@ void Model::zero_grads() {
                            .alpha = 0.f, .dtype = grad_dtype_, .out_dtype = grad_dtype_});
 }
 
-void Model::run_step(const char* scope, int64_t key, const std::function<void()>& fn) {
+void Model::run_step(size_t i, int mb, bool backward, bool training, const std::function<void()>& fn) {
   const loom_exec_api* api = rank_.exec_api();
   if (api == nullptr) {
     fn();
@@ -296,10 +304,14 @@ void Model::run_step(const char* scope, int64_t key, const std::function<void()>
   struct Ctx {
     const std::function<void()>* fn;
   } ctx{&fn};
+  const Layer& l = layers_[i];
   loom_exec_step step = loom::make<loom_exec_step>();
-  step.scope = scope;
-  step.key = key;
-  step.capturable = 0;
+  step.scope = l.spec.plugin.c_str();
+  step.key = (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
+             (backward ? 1 : 0);
+  // Evaluation forwards keep nothing and run directly; a layer step with a tp
+  // collective inside is not captured (comm plugins do not promise capture).
+  step.capturable = training && l.capturable && tp_single_ && keep_act_sets_ ? 1 : 0;
   step.ctx = &ctx;
   step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
   loom::check(api->run(rank_.exec_handle(), &rank_, &step));
@@ -312,19 +324,48 @@ std::vector<int32_t> Model::counted_elsewhere() const {
   return out;
 }
 
+Model::ActSet& Model::act_set(int c, int mb, bool create) {
+  auto it = acts_.find({c, mb});
+  if (it != acts_.end()) return act_sets_[static_cast<size_t>(c)][it->second];
+  LOOM_REQUIRE(create, "chunk " << chunk_global_index(c) << ", microbatch " << mb << " has no forward in flight");
+  std::vector<ActSet>& sets = act_sets_[static_cast<size_t>(c)];
+  size_t k = 0;
+  while (k < sets.size() && sets[k].in_use) ++k;  // the lowest free set
+  if (k == sets.size()) sets.emplace_back();
+  sets[k].in_use = true;
+  sets[k].used = 0;
+  acts_[{c, mb}] = k;
+  return sets[k];
+}
+
+void* Model::next_act(ActSet& set) {
+  if (set.used == set.buffers.size()) set.buffers.emplace_back(&rank_, hidden_bytes());
+  return set.buffers[set.used++].get();
+}
+
+void Model::give_back(int c, int mb) {
+  auto it = acts_.find({c, mb});
+  if (it == acts_.end()) return;
+  ActSet& set = act_sets_[static_cast<size_t>(c)][it->second];
+  set.in_use = false;
+  set.used = 0;
+  if (!keep_act_sets_) set.buffers.clear();
+  acts_.erase(it);
+}
+
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
-  std::vector<loom::Buffer>& acts = acts_[{c, mb}];
-  if (acts.empty()) acts.emplace_back(&rank_, hidden_bytes());
-  return acts.front().get();
+  ActSet& set = act_set(c, mb, true);
+  if (set.used == 0) next_act(set);
+  return set.buffers.front().get();
 }
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
-  std::vector<loom::Buffer>& acts = acts_[{c, mb}];
   const bool first = is_first_global(c), last = is_last_global(c);
-  LOOM_REQUIRE(first ? acts.empty() : acts.size() == 1,
+  ActSet& acts = act_set(c, mb, first);
+  LOOM_REQUIRE(first ? acts.used == 0 : acts.used == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
   std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
@@ -333,15 +374,16 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
   tok.dtype = {kDLInt, 32, 1};
   DLTensor tgt = view(rank_, const_cast<int32_t*>(targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
+  void* held = first ? nullptr : acts.buffers.front().get();  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     Layer& l = layers_[i];
-    const bool has_input = !acts.empty();
+    const bool has_input = held != nullptr;
     const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor in{}, out{};
-    if (has_input) in = view(rank_, acts.back().get(), hid_shape, act_dtype());
+    if (has_input) in = view(rank_, held, hid_shape, act_dtype());
     if (has_output) {
-      acts.emplace_back(&rank_, hidden_bytes());
-      out = view(rank_, acts.back().get(), hid_shape, act_dtype());
+      held = next_act(acts);
+      out = view(rank_, held, hid_shape, act_dtype());
     }
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
     a.microbatch = mb;
@@ -354,15 +396,15 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     a.loss_count = loss_count;
     a.dropout_seed = dropout_seed;
     a.predictions = predictions;
-    run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+    run_step(i, mb, false, training, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
   }
-  return last ? nullptr : acts.back().get();
+  return last ? nullptr : held;
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
-  auto it = acts_.find({c, mb});
-  LOOM_REQUIRE(it != acts_.end(), "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
+  LOOM_REQUIRE(acts_.count({c, mb}) != 0,
+               "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   const bool first = is_first_global(c);
   loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
@@ -378,12 +420,11 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale) {
     a.grad_output = grad_out ? &gout : nullptr;
     a.grad_input = has_grad_input ? &gin : nullptr;
     a.loss_scale = loss_scale;
-    run_step(l.spec.plugin.c_str(), static_cast<int64_t>(i) * 2 + 1,
-             [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    run_step(i, mb, true, true, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
   }
-  acts_.erase(it);
+  give_back(c, mb);
   return first ? nullptr : grad_out->get();
 }
 
@@ -391,7 +432,7 @@ void Model::release_chunk(int c, int mb) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
-  acts_.erase({c, mb});
+  give_back(c, mb);
 }
 
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,

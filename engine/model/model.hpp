@@ -150,13 +150,26 @@ class Model {
     loom_layer* handle = nullptr;
     std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
     std::vector<DLTensor> param_views, grad_views;
+    bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable)
   };
   struct Chunk {
     int global_index = 0, num_global = 1;
     size_t first_layer = 0, end_layer = 0;  // [first, end) in layers_
   };
+  // The hidden states of one (chunk, microbatch) in flight: the chunk's input
+  // (received; unused on the first global chunk) and the state after each layer.
+  struct ActSet {
+    std::vector<loom::Buffer> buffers;
+    size_t used = 0;  // buffers holding this forward's states
+    bool in_use = false;
+  };
   void build_buffers(uint64_t seed);
-  void run_step(const char* scope, int64_t key, const std::function<void()>& fn);
+  // Layer i's forward (backward = false) or backward of microbatch mb through the
+  // execution mode; captured and replayed when the mode replays and it may.
+  void run_step(size_t i, int mb, bool backward, bool training, const std::function<void()>& fn);
+  ActSet& act_set(int c, int mb, bool create);
+  void* next_act(ActSet& set);
+  void give_back(int c, int mb);
 
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
@@ -170,9 +183,15 @@ class Model {
   loom::Buffer params_, grads_;
   bool sequence_parallel_ = false;
   int64_t hidden_shape_[3];
-  // Per (chunk, microbatch) in flight: the chunk's input (received; empty on the
-  // first global chunk) and the hidden state after each of its layers.
-  std::map<std::pair<int, int>, std::vector<loom::Buffer>> acts_;
+  // Hidden-state sets per chunk, and which one each (chunk, microbatch) in flight
+  // holds. A forward takes the lowest free set, so in a fixed schedule order a
+  // (chunk, microbatch) gets the same set, at the same addresses, every step. With
+  // an exec mode that replays (LOOM_EXEC_REPLAYS) sets are kept for the next step,
+  // which graphs need; else their memory is freed with the backward.
+  std::vector<std::vector<ActSet>> act_sets_;
+  std::map<std::pair<int, int>, size_t> acts_;
+  bool keep_act_sets_ = false;
+  bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 

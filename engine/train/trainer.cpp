@@ -266,6 +266,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       std::lock_guard<std::mutex> lock(result_mu);
       result.peak_in_flight[rank] = peak_in_flight;
       result.peak_activation_bytes[rank] = peak_activation_bytes;
+      const loom_exec_api* exec_api = rt.exec_api();
+      loom_exec_stats es = loom::make<loom_exec_stats>();
+      if (LOOM_HAS_SLOT(exec_api, loom_exec_api, stats) && exec_api->stats) {
+        if (loom_status st = exec_api->stats(rt.exec_handle(), &es)) plugins::host_api()->status_destroy(st);
+        else result.exec_stats[rank] = es;
+      }
       if (trace) trace_events.insert(trace_events.end(), trace->events().begin(), trace->events().end());
     }};
 

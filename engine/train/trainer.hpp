@@ -54,6 +54,9 @@ struct TrainResult {
   // their backward at once, over all steps, and the activation bytes at that peak.
   std::map<int, int> peak_in_flight;
   std::map<int, uint64_t> peak_activation_bytes;
+  // Per global rank: what the execution mode did (graphs captured, steps replayed,
+  // steps run directly), when its plugin reports it (ABI 1.3 loom_exec_api.stats).
+  std::map<int, loom_exec_stats> exec_stats;
 };
 
 // The LR at (1-based) step: linear warmup, then cosine decay to min_lr.

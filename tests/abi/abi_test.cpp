@@ -17,7 +17,10 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_1(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_1(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_2(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_2(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_3(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_3(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
+extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
 
 namespace {
 
@@ -84,6 +87,25 @@ TEST(AbiLayout, MembersAppendedIn12StartPastThe11Size) {
 #undef PAST
 }
 
+// 1.3's too (loom_layer_api.capturable, loom_exec_api.features and .stats,
+// loom_exec_stats).
+TEST(AbiLayout, Released13MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_12 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_3(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_3(&n_current);
+  loom_abi_layout_current_v1_2(&n_12);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_12 + 2 * 7);  // three appended members and loom_exec_stats' four
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+}
+
+TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
+  ASSERT_GT(loom_abi_sizeof_v1_2("loom_layer_api"), 0u);
+  EXPECT_GE(offsetof(loom_layer_api, capturable), loom_abi_sizeof_v1_2("loom_layer_api"));
+  ASSERT_GT(loom_abi_sizeof_v1_2("loom_exec_api"), 0u);
+  EXPECT_GE(offsetof(loom_exec_api, features), loom_abi_sizeof_v1_2("loom_exec_api"));
+}
+
 TEST(AbiLayout, VersionMacrosAndEntryName) {
   EXPECT_EQ(LOOM_ABI_MAJOR, 1);
   EXPECT_STREQ(LOOM_PLUGIN_ENTRY_V1, "loom_plugin_init_v1");
@@ -139,6 +161,13 @@ TEST(AbiLoader, PluginBuiltAgainstFrozenHeaderLoadsAndShortTablesAreRespected) {
   EXPECT_TRUE(LOOM_HAS_SLOT(api, loom_layer_api, release));
   EXPECT_FALSE(LOOM_HAS_SLOT(api, loom_layer_api, activation_bytes));
   EXPECT_FALSE(LOOM_HAS_SLOT(api, loom_layer_api, forward_flops));
+  EXPECT_FALSE(LOOM_HAS_SLOT(api, loom_layer_api, capturable));  // 1.3: never captured
+  // Its exec table ends before 1.3's features and stats: it does not replay, so
+  // the engine frees hidden states with each backward, and reports no stats.
+  const loom_exec_api* exec = r.get("exec", "c_repeat").exec();
+  EXPECT_TRUE(LOOM_HAS_SLOT(exec, loom_exec_api, run));
+  EXPECT_FALSE(LOOM_HAS_SLOT(exec, loom_exec_api, features));
+  EXPECT_FALSE(LOOM_HAS_SLOT(exec, loom_exec_api, stats));
 
   loom::plugins::OptionValues opts(nullptr, p.options);  // alpha defaults to 2.0
   loom_layer* layer = nullptr;

@@ -1,6 +1,6 @@
 /* Member offsets and sizes under the CURRENT header (the SDK include path).
  * Compared with layout_frozen.c (1.0), layout_frozen_v1_1.c (1.1) and
- * layout_frozen_v1_2.c (1.2) by the ABI test: every released member must keep its
+ * layout_frozen_v1_2.c (1.2), layout_frozen_v1_3.c (1.3) by the ABI test: every released member must keep its
  * offset and size. */
 #include <loom/loom_abi.h>
 
@@ -19,6 +19,12 @@ static const size_t k_layout_v1_2[] = {
 #include "layout_members_v1_1.inc"
 #include "layout_members_v1_2.inc"
 };
+static const size_t k_layout_v1_3[] = {
+#include "layout_members.inc"
+#include "layout_members_v1_1.inc"
+#include "layout_members_v1_2.inc"
+#include "layout_members_v1_3.inc"
+};
 #undef M
 const size_t* loom_abi_layout_current(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
@@ -31,4 +37,8 @@ const size_t* loom_abi_layout_current_v1_1(size_t* count) {
 const size_t* loom_abi_layout_current_v1_2(size_t* count) {
   *count = sizeof(k_layout_v1_2) / sizeof(k_layout_v1_2[0]);
   return k_layout_v1_2;
+}
+const size_t* loom_abi_layout_current_v1_3(size_t* count) {
+  *count = sizeof(k_layout_v1_3) / sizeof(k_layout_v1_3[0]);
+  return k_layout_v1_3;
 }

@@ -180,6 +180,10 @@ class Mlp : public loom::Layer {
 
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
+  // Device work only, on fixed shapes; without dropout nothing changes between
+  // steps (a dropout mask depends on the step's seed, passed by value). With tp > 1 the engine does not capture (collectives).
+  bool capturable() override { return dropout_ == 0.0f && activation_dropout_ == 0.0f; }
+
   uint64_t activation_bytes() override {
     const int64_t T = seq_ * micro_batch_, H = hidden_, Fl = ffn_local_;
     const bool sp = tp_.sequence_parallel();

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 2
+#define LOOM_ABI_MINOR 3
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -528,6 +528,15 @@ typedef struct loom_layer_api {
   uint64_t (*activation_bytes)(loom_layer* layer);
   /* Multiply-adds x2 of one forward over one microbatch (for MFU). */
   double (*forward_flops)(loom_layer* layer);
+  /* 1.3. 1 when this layer's training forward and backward obey the graph rules,
+   * so an exec plugin with LOOM_EXEC_REPLAYS may capture them once and replay:
+   * every launch on the rank's device (default stream); no host synchronisation,
+   * device-to-host read or host decision on device data; no value that changes
+   * from step to step passed to a launch by value (a dropout seed); no collective
+   * (the engine captures only layers whose tp group has one rank). Memory it
+   * allocates inside a step comes from the device's graph pool while captured.
+   * NULL or 0: always run directly. */
+  int32_t (*capturable)(loom_layer* layer);
 } loom_layer_api;
 
 /* ------------------------------------------------------------------------- */
@@ -642,19 +651,37 @@ typedef loom_status (*loom_step_fn)(void* ctx);
 
 typedef struct loom_exec_step {
   uint32_t struct_size;
-  const char* scope;         /* "attn", "mlp", "moe_router", ... */
-  int64_t key;               /* identifies (layer, microbatch slot, direction) */
-  int32_t capturable;        /* 1 when fn obeys the graph rules */
+  const char* scope;         /* the layer plugin's name: "attention", "mlp", ... */
+  int64_t key;               /* identifies (microbatch, layer, direction) within a step */
+  int32_t capturable;        /* 1 when fn obeys the graph rules (loom_layer_api.capturable) */
   loom_step_fn fn;
   void* ctx;
 } loom_exec_step;
+
+/* 1.3. What an exec plugin did so far (loom_exec_api.stats). */
+typedef struct loom_exec_stats {
+  uint32_t struct_size;
+  uint64_t graphs;           /* graphs captured (and alive) */
+  uint64_t replays;          /* steps run by replaying a graph (the capturing run included) */
+  uint64_t direct;           /* steps run by calling fn: not capturable, out of scope, warm-up */
+} loom_exec_stats;
 
 typedef struct loom_exec_api {
   uint32_t struct_size;
   loom_status (*create)(const loom_options* options, loom_rank* rank, loom_exec** out);
   void (*destroy)(loom_exec* exec);
   loom_status (*run)(loom_exec* exec, loom_rank* rank, const loom_exec_step* step);
+  /* 1.3. LOOM_EXEC_* capability bits (a 1.0-1.2 table, which lacks them, has none). */
+  uint64_t features;
+  /* 1.3. Counters since create; NULL = none. */
+  loom_status (*stats)(loom_exec* exec, loom_exec_stats* out);
 } loom_exec_api;
+
+/* loom_exec_api.features: steps with the same key may be replayed from a graph
+ * captured on an earlier run, over the addresses of that run. The engine then
+ * keeps every buffer it passes to a capturable step (hidden states, their
+ * gradients) at the same address for the same key in every training step. */
+#define LOOM_EXEC_REPLAYS (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* --- 1.1 --- Tensor-parallel services (the parallel/tensor plugin).         */

@@ -114,6 +114,10 @@ class Layer {
   virtual void release(int32_t /*microbatch*/) {}
   virtual uint64_t activation_bytes() { return 0; }
   virtual double forward_flops() { return 0; }
+  // ABI 1.3: true when the training forward and backward obey the graph rules
+  // (loom_layer_api.capturable): device work only, no host sync, nothing that
+  // changes between steps passed by value. The engine may then capture them.
+  virtual bool capturable() { return false; }
 };
 
 namespace detail {
@@ -187,6 +191,11 @@ const loom_layer_api* layer_api() {
       uint64_t v = 0;
       (void)guard([&] { v = detail::box(l)->layer->activation_bytes(); });
       return v;
+    };
+    a.capturable = [](loom_layer* l) -> int32_t {
+      bool v = false;
+      (void)guard([&] { v = detail::box(l)->layer->capturable(); });
+      return v ? 1 : 0;
     };
     a.forward_flops = [](loom_layer* l) -> double {
       double v = 0;

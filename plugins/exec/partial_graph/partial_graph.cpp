@@ -1,0 +1,159 @@
+// exec/partial_graph: Megatron-LM's partial CUDA graphs. A capturable layer step
+// (a layer's training forward or backward of one microbatch, see
+// loom_layer_api.capturable) in one of the configured scopes runs directly for
+// `warmup_steps` runs of its key, is then captured into a device graph once
+// (capture records, it does not run, so the graph is replayed right away), and
+// from then on replayed: one launch of recorded work instead of the layer's host
+// code and its many kernel launches. Everything else (embedding, logits and loss,
+// communication, optimizer) stays eager.
+//
+// The graph rules this relies on: the engine keeps the buffers it passes to a
+// step at the same address for the same key (LOOM_EXEC_REPLAYS), the layer does
+// no host synchronisation and passes nothing step-dependent by value, and the
+// steps replay in the order they were captured (the schedule is fixed), which
+// lets all graphs share the device's graph pool: memory a captured step frees is
+// reused only by steps captured after it.
+#include <loom/cpp/plugin.hpp>
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+
+namespace {
+
+struct Exec {
+  loom::Device dev;
+  int global_rank = 0;
+  std::set<std::string> scopes;  // empty: every capturable step
+  int64_t warmup = 1;
+  struct Key {
+    int64_t runs = 0;  // direct runs so far (warm-up)
+    loom_graph* graph = nullptr;
+  };
+  std::map<int64_t, Key> keys;
+  std::set<std::string> seen_scopes;
+  loom_exec_stats stats = loom::make<loom_exec_stats>();
+};
+
+std::set<std::string> parse_scopes(const std::string& list) {
+  std::set<std::string> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const size_t b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+    if (b != std::string::npos) out.insert(item.substr(b, e - b + 1));
+  }
+  return out;
+}
+
+loom_status create(const loom_options* options, loom_rank* rank, loom_exec** out) {
+  return loom::guard([&] {
+    LOOM_REQUIRE(out != nullptr, "exec/partial_graph: out is NULL");
+    *out = nullptr;
+    LOOM_REQUIRE(rank != nullptr, "exec/partial_graph: needs the rank (its device captures the graphs)");
+    loom::Options opts(options);
+    auto e = std::make_unique<Exec>();
+    loom::Rank r(rank);
+    e->dev = r.device();
+    e->global_rank = r.global_rank();
+    e->scopes = parse_scopes(opts.get_string("scopes", ""));
+    e->warmup = opts.get_int("warmup_steps", 1);
+    LOOM_REQUIRE(e->warmup >= 0, "exec/partial_graph: option warmup_steps = " << e->warmup << " must be >= 0");
+    const loom_device_api* api = e->dev.api();
+    LOOM_REQUIRE(api->capture_begin && api->capture_end && api->graph_replay && api->graph_destroy,
+                 "exec/partial_graph: the rank's device plugin does not implement graph capture "
+                 "(capture_begin/capture_end/graph_replay); use exec.mode = \"eager\"");
+    *out = reinterpret_cast<loom_exec*>(e.release());
+  });
+}
+
+void destroy(loom_exec* x) {
+  if (x == nullptr) return;
+  auto* e = reinterpret_cast<Exec*>(x);
+  for (auto& [key, k] : e->keys)
+    if (k.graph) e->dev.api()->graph_destroy(e->dev.raw(), k.graph);
+  // A scope that matched nothing is most likely a typo; say which names exist.
+  for (const std::string& s : e->scopes)
+    if (e->seen_scopes.count(s) == 0) {
+      std::string seen;
+      for (const std::string& n : e->seen_scopes) seen += (seen.empty() ? "" : ", ") + n;
+      LOOM_LOG(WARNING) << "exec/partial_graph rank " << e->global_rank << ": scope \"" << s
+                        << "\" matched no capturable layer step (capturable scopes seen: "
+                        << (seen.empty() ? "none" : seen) << ")";
+    }
+  delete e;
+}
+
+loom_status run_direct(Exec& e, const loom_exec_step& step) {
+  e.stats.direct += 1;
+  return step.fn(step.ctx);
+}
+
+loom_status run(loom_exec* x, loom_rank*, const loom_exec_step* step) {
+  if (x == nullptr || step == nullptr || step->fn == nullptr)
+    return loom::make_status(LOOM_CODE_INVALID_ARGUMENT, "exec/partial_graph: step without a function");
+  Exec& e = *reinterpret_cast<Exec*>(x);
+  if (!step->capturable) return run_direct(e, *step);
+  const std::string scope = step->scope ? step->scope : "";
+  e.seen_scopes.insert(scope);
+  if (!e.scopes.empty() && e.scopes.count(scope) == 0) return run_direct(e, *step);
+
+  Exec::Key& k = e.keys[step->key];
+  if (k.graph == nullptr && k.runs < e.warmup) {
+    k.runs += 1;
+    return run_direct(e, *step);
+  }
+  const loom_device_api* api = e.dev.api();
+  if (k.graph == nullptr) {
+    // Capture: the device records the step's launches (and allocations come from
+    // its graph pool); nothing runs until the replay below.
+    if (loom_status s = api->capture_begin(e.dev.raw(), e.dev.stream())) return s;
+    loom_status failed = step->fn(step->ctx);
+    loom_graph* g = nullptr;
+    loom_status ended = api->capture_end(e.dev.raw(), e.dev.stream(), &g);
+    if (failed != nullptr || ended != nullptr) {
+      if (g) api->graph_destroy(e.dev.raw(), g);
+      if (failed != nullptr && ended != nullptr) loom::host().status_destroy(ended);
+      return failed != nullptr ? failed : ended;
+    }
+    k.graph = g;
+    e.stats.graphs += 1;
+  }
+  e.stats.replays += 1;
+  return api->graph_replay(e.dev.raw(), k.graph, e.dev.stream());
+}
+
+loom_status stats(loom_exec* x, loom_exec_stats* out) {
+  if (x == nullptr || out == nullptr)
+    return loom::make_status(LOOM_CODE_INVALID_ARGUMENT, "exec/partial_graph stats: NULL argument");
+  const loom_exec_stats& s = reinterpret_cast<Exec*>(x)->stats;
+  const uint32_t size = out->struct_size;
+  std::memcpy(out, &s, std::min<size_t>(size, sizeof(s)));
+  out->struct_size = size;
+  return nullptr;
+}
+
+const loom_exec_api* table() {
+  static const loom_exec_api api = [] {
+    loom_exec_api a = loom::make<loom_exec_api>();
+    a.create = create;
+    a.destroy = destroy;
+    a.run = run;
+    a.features = LOOM_EXEC_REPLAYS;
+    a.stats = stats;
+    return a;
+  }();
+  return &api;
+}
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
+    "exec", "partial_graph", "1.0.0",
+    "captures capturable layer steps (attention, MLP without dropout) into device graphs once and replays them",
+    LOOM_API_EXEC, table(),
+    {loom::opt_string("scopes", "",
+                      "comma-separated layer plugin names whose steps are captured, e.g. \"attention,mlp\"; "
+                      "empty: every capturable layer"),
+     loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured (>= 0)")}))

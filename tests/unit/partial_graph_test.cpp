@@ -1,0 +1,134 @@
+// exec/partial_graph: capturable layer steps (attention and MLP without dropout,
+// tp = 1) are captured into device graphs after warm-up and replayed. device/cpu
+// graphs have CUDA's semantics (a capture records, host code does not run again on
+// replay, one graph pool), so on CPU:
+//  - the run is bit-identical to exec/eager at every step, for dp, pp (1F1B and
+//    interleaved, several microbatches in flight) and bf16: replay computes on
+//    the addresses of the capture, so any buffer the engine moved between steps,
+//    any step-dependent value baked into a graph, or a skipped replay would show;
+//  - the graph count is Megatron's 2 x captured layers x microbatches per rank and
+//    every later step replays all of them;
+//  - layers that are not capturable (dropout; tp > 1) run directly, still equal;
+//  - memory follows the schedule's in-flight bound, not the microbatch count.
+#include "support/rank_trace.hpp"
+
+#include <gtest/gtest.h>
+
+namespace {
+
+using loom::testing::RankTrace;
+using loom::testing::run_all_ranks;
+using loom::testing::tiny_manifest;
+
+std::vector<std::string> with(std::vector<std::string> base, const std::vector<std::string>& more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
+// The graph run and the eager run hold the same parameters on every rank after
+// every step, bit for bit.
+void expect_bit_identical(const RankTrace& eager, const RankTrace& graph) {
+  ASSERT_EQ(eager.loss.size(), graph.loss.size());
+  for (size_t s = 0; s < eager.loss.size(); ++s) EXPECT_EQ(eager.loss[s], graph.loss[s]) << "step " << s + 1;
+  ASSERT_EQ(eager.params.size(), graph.params.size());
+  for (const auto& [rank, steps] : eager.params) {
+    ASSERT_EQ(steps.size(), graph.params.at(rank).size());
+    for (size_t s = 0; s < steps.size(); ++s)
+      ASSERT_EQ(steps[s], graph.params.at(rank)[s]) << "rank " << rank << ", step " << s + 1;
+  }
+}
+
+struct Counts {
+  uint64_t graphs, replays, direct;
+};
+
+// Runs eager and partial_graph (with its `exec_options`) on the same manifest;
+// returns each rank's exec stats.
+std::map<int, loom_exec_stats> run_both(const std::vector<std::string>& overrides,
+                                        const std::vector<std::string>& exec_options = {}) {
+  const RankTrace eager = run_all_ranks(tiny_manifest(), with(overrides, {"exec.mode=\"eager\""}));
+  const RankTrace graph =
+      run_all_ranks(tiny_manifest(), with(with(overrides, {"exec.mode=\"partial_graph\""}), exec_options));
+  expect_bit_identical(eager, graph);
+  EXPECT_TRUE(eager.result.exec_stats.empty());  // eager reports nothing
+  return graph.result.exec_stats;
+}
+
+// Per rank with `captured` capturable layers on it, M microbatches, `steps`
+// steps and w warm-up runs: 2 * captured * M graphs (one per direction and
+// microbatch, as Megatron counts them), each replayed on every step after the
+// warm-up, the capturing one included; `direct_per_step` other layer steps.
+void expect_counts(const loom_exec_stats& s, uint64_t captured, uint64_t M, uint64_t steps, uint64_t w,
+                   uint64_t direct_per_step) {
+  const uint64_t graphs = 2 * captured * M;
+  EXPECT_EQ(s.graphs, graphs);
+  EXPECT_EQ(s.replays, graphs * (steps - w));
+  EXPECT_EQ(s.direct, graphs * w + direct_per_step * steps);
+}
+
+// tiny: 2 layers (attention + mlp each) between embedding and lm_head; global
+// batch 8 of micro-batch 2 -> M = 4 microbatches per step at dp 1.
+TEST(PartialGraph, SerialAndDp2AreBitIdenticalToEager) {
+  auto one = run_both({"run.steps=5"});
+  ASSERT_EQ(one.size(), 1u);
+  expect_counts(one.at(0), 4, 4, 5, 1, 4 * 4);  // embedding + lm_head, forward + backward, 4 microbatches
+  auto two = run_both({"run.steps=5", "parallel.dp=2"});
+  ASSERT_EQ(two.size(), 2u);
+  for (int r = 0; r < 2; ++r) expect_counts(two.at(r), 4, 2, 5, 1, 4 * 2);
+}
+
+TEST(PartialGraph, PipelineSchedulesAreBitIdenticalToEager) {
+  // 1F1B, pp 2: stage 0 has embedding + layer 1, stage 1 layer 2 + lm_head.
+  auto pp = run_both({"run.steps=4", "parallel.pp=2"});
+  ASSERT_EQ(pp.size(), 2u);
+  for (int r = 0; r < 2; ++r) expect_counts(pp.at(r), 2, 4, 4, 1, 2 * 4);
+  // Interleaved, pp 2 x vpp 2 with four layers: one layer per chunk.
+  auto vpp = run_both({"run.steps=4", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"});
+  ASSERT_EQ(vpp.size(), 2u);
+  for (int r = 0; r < 2; ++r) expect_counts(vpp.at(r), 4, 4, 4, 1, 2 * 4);
+}
+
+TEST(PartialGraph, Bf16AndWarmupAndScopes) {
+  auto bf16 = run_both({"run.steps=4", "device.param_dtype=\"bf16\""});
+  expect_counts(bf16.at(0), 4, 4, 4, 1, 4 * 4);
+  auto w0 = run_both({"run.steps=3"}, {"exec.options.warmup_steps=0"});
+  expect_counts(w0.at(0), 4, 4, 3, 0, 4 * 4);
+  auto w2 = run_both({"run.steps=3"}, {"exec.options.warmup_steps=2"});
+  expect_counts(w2.at(0), 4, 4, 3, 2, 4 * 4);
+  // Only the MLPs: the attention steps run directly.
+  auto mlp = run_both({"run.steps=3"}, {"exec.options.scopes=\"mlp\""});
+  expect_counts(mlp.at(0), 2, 4, 3, 1, (4 + 4) * 4);
+}
+
+TEST(PartialGraph, LayersThatAreNotCapturableRunDirectly) {
+  // Dropout: the mask depends on the step's seed, so the attention is not captured.
+  auto drop = run_both({"run.steps=3", "model.layer.attention.dropout=0.1"});
+  expect_counts(drop.at(0), 2, 4, 3, 1, (4 + 4) * 4);
+  // tp 2: the layers' collectives are not captured; nothing is.
+  auto tp = run_both({"run.steps=3", "parallel.tp=2"});
+  ASSERT_EQ(tp.size(), 2u);
+  for (int r = 0; r < 2; ++r) expect_counts(tp.at(r), 0, 4, 3, 1, 12 * 4);  // all six layers, both ways
+}
+
+// Graphs keep their memory (hidden states at fixed addresses, the layers' saved
+// activations in the graph pool), but only as much as the schedule holds at
+// once: with 1F1B, doubling the microbatches adds graphs, and memory only for
+// the extra microbatches' token and target buffers, which eager loads too.
+TEST(PartialGraph, MemoryFollowsTheScheduleNotTheMicrobatchCount) {
+  auto peak = [](const std::string& mode, int global_batch) {
+    const RankTrace t = run_all_ranks(tiny_manifest(), {"run.steps=3", "parallel.pp=2", "exec.mode=\"" + mode + "\"",
+                                                        "batch.global_batch_size=" + std::to_string(global_batch)});
+    if (mode == "partial_graph") {
+      EXPECT_EQ(t.result.exec_stats.at(0).graphs, 2u * 2u * static_cast<uint64_t>(global_batch / 2));
+    }
+    return static_cast<int64_t>(t.result.steps.back().mem_peak);
+  };
+  const int64_t g4 = peak("partial_graph", 8), g8 = peak("partial_graph", 16);
+  const int64_t e4 = peak("eager", 8), e8 = peak("eager", 16);
+  EXPECT_GT(g4, 0);
+  EXPECT_EQ(g8 - g4, e8 - e4);
+  // And about what eager needs at its peak: the same activations, held over.
+  EXPECT_LE(g4, e4 + e4 / 4);
+}
+
+}  // namespace
