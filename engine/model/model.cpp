@@ -144,11 +144,13 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
   grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
-  act_sets_.resize(chunks_.size());
   const loom_exec_api* exec = rank_.exec_api();
-  keep_act_sets_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
-                   (exec->features & LOOM_EXEC_REPLAYS) != 0;
   tp_single_ = tp.size() == 1;
+  // Hidden states stay put across steps only when some step can be captured.
+  const bool any_capturable =
+      std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.capturable; });
+  keep_act_sets_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
+                   (exec->features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
 }
 
 size_t Model::hidden_numel() const {
@@ -180,7 +182,7 @@ void Model::finalize_grads() {
 
 Model::~Model() {
   acts_.clear();
-  act_sets_.clear();
+  hidden_pool_.clear();
   for (Layer& l : layers_)
     if (l.handle) l.api->destroy(l.handle);
 }
@@ -324,48 +326,41 @@ std::vector<int32_t> Model::counted_elsewhere() const {
   return out;
 }
 
-Model::ActSet& Model::act_set(int c, int mb, bool create) {
-  auto it = acts_.find({c, mb});
-  if (it != acts_.end()) return act_sets_[static_cast<size_t>(c)][it->second];
-  LOOM_REQUIRE(create, "chunk " << chunk_global_index(c) << ", microbatch " << mb << " has no forward in flight");
-  std::vector<ActSet>& sets = act_sets_[static_cast<size_t>(c)];
+void* Model::take_hidden(int c, int mb) {
   size_t k = 0;
-  while (k < sets.size() && sets[k].in_use) ++k;  // the lowest free set
-  if (k == sets.size()) sets.emplace_back();
-  sets[k].in_use = true;
-  sets[k].used = 0;
-  acts_[{c, mb}] = k;
-  return sets[k];
-}
-
-void* Model::next_act(ActSet& set) {
-  if (set.used == set.buffers.size()) set.buffers.emplace_back(&rank_, hidden_bytes());
-  return set.buffers[set.used++].get();
+  while (k < hidden_pool_.size() && hidden_pool_[k].in_use) ++k;  // the lowest free slot
+  if (k == hidden_pool_.size()) hidden_pool_.emplace_back();
+  HiddenSlot& slot = hidden_pool_[k];
+  if (!slot.buffer) slot.buffer = loom::Buffer(&rank_, hidden_bytes());
+  slot.in_use = true;
+  acts_[{c, mb}].push_back(k);
+  return slot.buffer.get();
 }
 
 void Model::give_back(int c, int mb) {
   auto it = acts_.find({c, mb});
   if (it == acts_.end()) return;
-  ActSet& set = act_sets_[static_cast<size_t>(c)][it->second];
-  set.in_use = false;
-  set.used = 0;
-  if (!keep_act_sets_) set.buffers.clear();
+  for (size_t k : it->second) {
+    hidden_pool_[k].in_use = false;
+    if (!keep_act_sets_) hidden_pool_[k].buffer.reset();
+  }
   acts_.erase(it);
 }
 
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
-  ActSet& set = act_set(c, mb, true);
-  if (set.used == 0) next_act(set);
-  return set.buffers.front().get();
+  auto it = acts_.find({c, mb});
+  if (it != acts_.end()) return hidden_pool_[it->second.front()].buffer.get();
+  return take_hidden(c, mb);
 }
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
   const bool first = is_first_global(c), last = is_last_global(c);
-  ActSet& acts = act_set(c, mb, first);
-  LOOM_REQUIRE(first ? acts.used == 0 : acts.used == 1,
+  auto held_it = acts_.find({c, mb});
+  const size_t held_count = held_it == acts_.end() ? 0 : held_it->second.size();
+  LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
   std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
@@ -374,7 +369,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
   tok.dtype = {kDLInt, 32, 1};
   DLTensor tgt = view(rank_, const_cast<int32_t*>(targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
-  void* held = first ? nullptr : acts.buffers.front().get();  // the latest hidden state
+  void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     Layer& l = layers_[i];
     const bool has_input = held != nullptr;
@@ -382,7 +377,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     DLTensor in{}, out{};
     if (has_input) in = view(rank_, held, hid_shape, act_dtype());
     if (has_output) {
-      held = next_act(acts);
+      held = take_hidden(c, mb);
       out = view(rank_, held, hid_shape, act_dtype());
     }
     loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();

@@ -141,6 +141,9 @@ class Model {
   double forward_flops() const;       // one microbatch through this rank's layers
   uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers (all chunks)
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
+  // Whether layer steps may be replayed from graphs (the exec mode replays and some
+  // layer is capturable): then hidden states stay allocated across steps.
+  bool replays_steps() const { return keep_act_sets_; }
 
  private:
   struct Layer {
@@ -156,19 +159,18 @@ class Model {
     int global_index = 0, num_global = 1;
     size_t first_layer = 0, end_layer = 0;  // [first, end) in layers_
   };
-  // The hidden states of one (chunk, microbatch) in flight: the chunk's input
-  // (received; unused on the first global chunk) and the state after each layer.
-  struct ActSet {
-    std::vector<loom::Buffer> buffers;
-    size_t used = 0;  // buffers holding this forward's states
+  // A hidden-state buffer of the pool below.
+  struct HiddenSlot {
+    loom::Buffer buffer;
     bool in_use = false;
   };
   void build_buffers(uint64_t seed);
   // Layer i's forward (backward = false) or backward of microbatch mb through the
   // execution mode; captured and replayed when the mode replays and it may.
   void run_step(size_t i, int mb, bool backward, bool training, const std::function<void()>& fn);
-  ActSet& act_set(int c, int mb, bool create);
-  void* next_act(ActSet& set);
+  // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
+  void* take_hidden(int c, int mb);
+  // Frees (c, mb)'s slots (their memory too unless replays_steps()).
   void give_back(int c, int mb);
 
   runtime::RankRuntime& rank_;
@@ -183,13 +185,16 @@ class Model {
   loom::Buffer params_, grads_;
   bool sequence_parallel_ = false;
   int64_t hidden_shape_[3];
-  // Hidden-state sets per chunk, and which one each (chunk, microbatch) in flight
-  // holds. A forward takes the lowest free set, so in a fixed schedule order a
-  // (chunk, microbatch) gets the same set, at the same addresses, every step. With
-  // an exec mode that replays (LOOM_EXEC_REPLAYS) sets are kept for the next step,
-  // which graphs need; else their memory is freed with the backward.
-  std::vector<std::vector<ActSet>> act_sets_;
-  std::map<std::pair<int, int>, size_t> acts_;
+  // Hidden states of the (chunk, microbatch) forwards in flight: per (c, mb) the
+  // slots holding the chunk's input (received; none on the first global chunk)
+  // and the state after each of its layers, in that order. Each state takes the
+  // lowest free slot of one pool, so in a fixed schedule order a (c, mb) gets the
+  // same slots, at the same addresses, every step, and the pool never holds more
+  // buffers than the schedule has in use at once. With an exec mode that replays
+  // (replays_steps()) the buffers stay allocated for the next step, which graphs
+  // need; else each is freed with its backward, as the slot is given back.
+  std::vector<HiddenSlot> hidden_pool_;
+  std::map<std::pair<int, int>, std::vector<size_t>> acts_;
   bool keep_act_sets_ = false;
   bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
   loom::Buffer grad_a_, grad_b_, grad_recv_;

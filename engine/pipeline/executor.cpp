@@ -104,6 +104,10 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
       }
     }
   }
+  if (model_.replays_steps()) {
+    measured_activation_bytes_ = std::max(measured_activation_bytes_, stats.peak_activation_bytes);
+    stats.peak_activation_bytes = measured_activation_bytes_;
+  }
   return stats;
 }
 

@@ -47,7 +47,10 @@ class TraceRecorder {
 struct StepStats {
   double loss = 0;             // mean over microbatches of the per-token loss (last stage; 0 elsewhere)
   int peak_in_flight = 0;      // most (chunk, microbatch) forwards awaiting their backward at once
-  uint64_t peak_activation_bytes = 0;  // device memory above the step's start, at its highest
+  // Device memory above the step's start, at its highest. When layer steps are
+  // replayed from graphs they allocate nothing: a replayed step holds what its
+  // capture (or warm-up) allocated, so the highest measurement so far stands for it.
+  uint64_t peak_activation_bytes = 0;
 };
 
 class Executor {
@@ -75,6 +78,7 @@ class Executor {
   int microbatches_;
   TraceRecorder* trace_;
   loom::Group pp_;
+  uint64_t measured_activation_bytes_ = 0;  // the highest step measurement so far (see StepStats)
 };
 
 }  // namespace loom::pipeline

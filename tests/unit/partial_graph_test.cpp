@@ -10,6 +10,7 @@
 //    every later step replays all of them;
 //  - layers that are not capturable (dropout; tp > 1) run directly, still equal;
 //  - memory follows the schedule's in-flight bound, not the microbatch count.
+#include "engine/runtime/rank_runtime.hpp"
 #include "support/rank_trace.hpp"
 
 #include <gtest/gtest.h>
@@ -26,10 +27,15 @@ std::vector<std::string> with(std::vector<std::string> base, const std::vector<s
 }
 
 // The graph run and the eager run hold the same parameters on every rank after
-// every step, bit for bit.
+// every step, bit for bit, with the same losses (validation included) and the same
+// activation memory per step (a replayed step holds what its capture allocated).
 void expect_bit_identical(const RankTrace& eager, const RankTrace& graph) {
   ASSERT_EQ(eager.loss.size(), graph.loss.size());
-  for (size_t s = 0; s < eager.loss.size(); ++s) EXPECT_EQ(eager.loss[s], graph.loss[s]) << "step " << s + 1;
+  for (size_t s = 0; s < eager.loss.size(); ++s) {
+    EXPECT_EQ(eager.loss[s], graph.loss[s]) << "step " << s + 1;
+    EXPECT_EQ(eager.result.steps[s].val_loss, graph.result.steps[s].val_loss) << "step " << s + 1;
+    EXPECT_EQ(eager.result.steps[s].activation_bytes, graph.result.steps[s].activation_bytes) << "step " << s + 1;
+  }
   ASSERT_EQ(eager.params.size(), graph.params.size());
   for (const auto& [rank, steps] : eager.params) {
     ASSERT_EQ(steps.size(), graph.params.at(rank).size());
@@ -75,6 +81,10 @@ TEST(PartialGraph, SerialAndDp2AreBitIdenticalToEager) {
   auto two = run_both({"run.steps=5", "parallel.dp=2"});
   ASSERT_EQ(two.size(), 2u);
   for (int r = 0; r < 2; ++r) expect_counts(two.at(r), 4, 2, 5, 1, 4 * 2);
+  // Evaluation between steps runs its forwards directly and leaves the graphs be.
+  auto eval = run_both({"run.steps=4", "run.eval_every=2"});
+  EXPECT_EQ(eval.at(0).graphs, 2u * 4u * 4u);
+  EXPECT_EQ(eval.at(0).replays, 2u * 4u * 4u * 3u);
 }
 
 TEST(PartialGraph, PipelineSchedulesAreBitIdenticalToEager) {
@@ -91,8 +101,6 @@ TEST(PartialGraph, PipelineSchedulesAreBitIdenticalToEager) {
 TEST(PartialGraph, Bf16AndWarmupAndScopes) {
   auto bf16 = run_both({"run.steps=4", "device.param_dtype=\"bf16\""});
   expect_counts(bf16.at(0), 4, 4, 4, 1, 4 * 4);
-  auto w0 = run_both({"run.steps=3"}, {"exec.options.warmup_steps=0"});
-  expect_counts(w0.at(0), 4, 4, 3, 0, 4 * 4);
   auto w2 = run_both({"run.steps=3"}, {"exec.options.warmup_steps=2"});
   expect_counts(w2.at(0), 4, 4, 3, 2, 4 * 4);
   // Only the MLPs: the attention steps run directly.
@@ -108,6 +116,53 @@ TEST(PartialGraph, LayersThatAreNotCapturableRunDirectly) {
   auto tp = run_both({"run.steps=3", "parallel.tp=2"});
   ASSERT_EQ(tp.size(), 2u);
   for (int r = 0; r < 2; ++r) expect_counts(tp.at(r), 0, 4, 3, 1, 12 * 4);  // all six layers, both ways
+}
+
+// A capture must not be a library's first call (cuBLAS and lazy kernel loading
+// initialise on first use): at least one warm-up run.
+TEST(PartialGraph, WarmupStepsBelowOneAreRefused) {
+  try {
+    run_all_ranks(tiny_manifest(), {"run.steps=1", "exec.mode=\"partial_graph\"", "exec.options.warmup_steps=0"});
+    FAIL() << "warmup_steps = 0 was accepted";
+  } catch (const std::exception& e) {  // the launcher's, naming the rank
+    EXPECT_NE(std::string(e.what()).find("warmup_steps = 0 must be >= 1"), std::string::npos) << e.what();
+  }
+}
+
+// A device without a graph pool (a plugin built before ABI 1.3, whose table has
+// no such feature) would hand memory a captured step freed to eager work while
+// replays still write it: exec/partial_graph refuses it, naming the reason.
+TEST(PartialGraph, ADeviceWithoutAGraphPoolIsRefused) {
+  (void)loom::testing::plan_from(tiny_manifest(), {"exec.mode=\"partial_graph\""});  // loads the plugins
+  const loom::plugins::LoadedPlugin& cpu = loom::plugins::registry().get("device", "cpu");
+  loom::plugins::OptionValues dev_opts(nullptr, cpu.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.num_threads = 1;
+  loom_device* dev = nullptr;
+  loom::check(cpu.device()->create(dev_opts.raw(), &args, &dev));
+  loom_device_api no_pool = *cpu.device();
+  no_pool.features &= ~LOOM_DEVICE_GRAPH_POOL;
+  loom::runtime::RankRuntime rt(0, &no_pool, dev);  // owns dev
+
+  const loom::plugins::LoadedPlugin& pg = loom::plugins::registry().get("exec", "partial_graph");
+  loom::plugins::OptionValues opts(nullptr, pg.options);
+  loom_exec* exec = nullptr;
+  try {
+    loom::check(pg.exec()->create(opts.raw(), &rt, &exec));
+    FAIL() << "a device without LOOM_DEVICE_GRAPH_POOL was accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no graph pool"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(exec, nullptr);
+  // With the pool (device/cpu as built) it is accepted.
+  loom::runtime::RankRuntime ok_rt(0, cpu.device(), [&] {
+    loom_device* d = nullptr;
+    loom::check(cpu.device()->create(dev_opts.raw(), &args, &d));
+    return d;
+  }());
+  loom::check(pg.exec()->create(opts.raw(), &ok_rt, &exec));
+  ASSERT_NE(exec, nullptr);
+  pg.exec()->destroy(exec);
 }
 
 // Graphs keep their memory (hidden states at fixed addresses, the layers' saved

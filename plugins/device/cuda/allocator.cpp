@@ -215,6 +215,11 @@ void Allocator::release_cached_locked() {
   }
 }
 
+void Allocator::release_cached_before_first_capture() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (graphs_alive_ == 0 && captures_ == 0) release_cached_locked();
+}
+
 void Allocator::release_cached() {
   std::lock_guard<std::mutex> lock(mu_);
   if (captures_ > 0) return;

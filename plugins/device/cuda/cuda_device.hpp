@@ -113,6 +113,8 @@ class Allocator {
   void graph_destroyed();
   void capture_began();
   void capture_ended();
+  // Frees the cached blocks when no graph exists yet and no capture runs.
+  void release_cached_before_first_capture();
   // Frees every cached block (the device is idle; not during a capture).
   void release_cached();
   size_t live_count();

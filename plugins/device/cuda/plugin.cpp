@@ -484,6 +484,10 @@ loom_status capture_begin(loom_device* d, loom_stream* s) {
                  "device/cuda capture_begin: a capture is already in progress on this device "
                  "(nested capture is not supported; end it with capture_end first)");
     GpuScope gpu(&dev, dev.ordinal, "capture_begin");
+    // Before the first graph: the general cache (e.g. the activations of eager
+    // warm-up steps) is never handed to a capture, so give it back to CUDA rather
+    // than need the memory twice.
+    dev.alloc->release_cached_before_first_capture();
     // Thread-local: other threads (other ranks) keep making any CUDA call.
     LOOM_CUDA(&dev, "capture_begin", cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
     st.capturing = true;
@@ -650,7 +654,8 @@ const loom_device_api* device_api() {
     a.dl_device_type = kDLCUDA;
     a.ops = &ops;
     a.copy_2d = copy_2d;
-    a.features = LOOM_DEVICE_GRAD_FP32;  // layernorm_bwd / embedding_bwd honour grad_fp32
+    // layernorm_bwd / embedding_bwd honour grad_fp32; the allocator has a graph pool.
+    a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL;
     return a;
   }();
   return &api;

@@ -15,6 +15,8 @@
 // reused only by steps captured after it.
 #include <loom/cpp/plugin.hpp>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
 #include <sstream>
@@ -59,11 +61,19 @@ loom_status create(const loom_options* options, loom_rank* rank, loom_exec** out
     e->global_rank = r.global_rank();
     e->scopes = parse_scopes(opts.get_string("scopes", ""));
     e->warmup = opts.get_int("warmup_steps", 1);
-    LOOM_REQUIRE(e->warmup >= 0, "exec/partial_graph: option warmup_steps = " << e->warmup << " must be >= 0");
+    // A direct run first: libraries initialise on first use (cuBLAS handles and
+    // workspaces, lazily loaded kernels), which must not happen inside a capture.
+    LOOM_REQUIRE(e->warmup >= 1, "exec/partial_graph: option warmup_steps = " << e->warmup << " must be >= 1");
     const loom_device_api* api = e->dev.api();
     LOOM_REQUIRE(api->capture_begin && api->capture_end && api->graph_replay && api->graph_destroy,
                  "exec/partial_graph: the rank's device plugin does not implement graph capture "
                  "(capture_begin/capture_end/graph_replay); use exec.mode = \"eager\"");
+    // Without a graph pool, memory a captured step frees goes back to eager use
+    // while later replays still write it.
+    LOOM_REQUIRE((e->dev.features() & LOOM_DEVICE_GRAPH_POOL) != 0,
+                 "exec/partial_graph: the rank's device plugin has no graph pool (LOOM_DEVICE_GRAPH_POOL, ABI 1.3), "
+                 "so replayed steps could write memory it has handed out again; use exec.mode = \"eager\" or a "
+                 "device plugin built for ABI 1.3");
     *out = reinterpret_cast<loom_exec*>(e.release());
   });
 }
@@ -156,4 +166,4 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     {loom::opt_string("scopes", "",
                       "comma-separated layer plugin names whose steps are captured, e.g. \"attention,mlp\"; "
                       "empty: every capturable layer"),
-     loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured (>= 0)")}))
+     loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured (>= 1)")}))

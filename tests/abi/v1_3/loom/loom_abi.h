@@ -368,6 +368,11 @@ typedef struct loom_device_api {
 /* loom_device_api.features: layernorm_bwd and embedding_bwd honour grad_fp32 (gemm's
  * bf16 A/B with an fp32 C and reduce's fp32 out of bf16 x are 1.0 contract). */
 #define LOOM_DEVICE_GRAD_FP32 (1ull << 0)
+/* 1.3: memory allocated during a capture and freed stays with the device's graphs
+ * (a graph pool shared by all its graphs, reused only by later captures, released
+ * with the last graph), as replays write it again. exec plugins that replay
+ * captured steps need it. */
+#define LOOM_DEVICE_GRAPH_POOL (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -532,10 +537,12 @@ typedef struct loom_layer_api {
    * so an exec plugin with LOOM_EXEC_REPLAYS may capture them once and replay:
    * every launch on the rank's device (default stream); no host synchronisation,
    * device-to-host read or host decision on device data; no value that changes
-   * from step to step passed to a launch by value (a dropout seed); no collective
-   * (the engine captures only layers whose tp group has one rank). Memory it
-   * allocates inside a step comes from the device's graph pool while captured.
-   * NULL or 0: always run directly. */
+   * from step to step passed to a launch by value (a dropout seed, the backward's
+   * loss_scale) and no write through the forward's host pointers (loss_sum,
+   * loss_count, predictions); no collective (the engine captures only layers whose
+   * tp group has one rank). Its host code runs once, at capture: per-microbatch
+   * state must live in device memory allocated inside the step (from the device's
+   * graph pool while captured). NULL or 0: always run directly. */
   int32_t (*capturable)(loom_layer* layer);
 } loom_layer_api;
 
