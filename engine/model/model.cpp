@@ -297,7 +297,7 @@ void Model::zero_grads() {
                            .alpha = 0.f, .dtype = grad_dtype_, .out_dtype = grad_dtype_});
 }
 
-void Model::run_step(size_t i, int mb, bool backward, bool training, const std::function<void()>& fn) {
+void Model::run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn) {
   const loom_exec_api* api = rank_.exec_api();
   if (api == nullptr) {
     fn();
@@ -311,9 +311,10 @@ void Model::run_step(size_t i, int mb, bool backward, bool training, const std::
   step.scope = l.spec.plugin.c_str();
   step.key = (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
              (backward ? 1 : 0);
-  // Evaluation forwards keep nothing and run directly; a layer step with a tp
+  // capture_ok: a training step (evaluation forwards keep nothing and run
+  // directly) whose dropout seed is in device memory. A layer step with a tp
   // collective inside is not captured (comm plugins do not promise capture).
-  step.capturable = training && l.capturable && tp_single_ && keep_act_sets_ ? 1 : 0;
+  step.capturable = capture_ok && l.capturable && tp_single_ && keep_act_sets_ ? 1 : 0;
   step.ctx = &ctx;
   step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
   loom::check(api->run(rank_.exec_handle(), &rank_, &step));
@@ -324,6 +325,32 @@ std::vector<int32_t> Model::counted_elsewhere() const {
   for (const ParamEntry& e : entries_)
     out.push_back(e.shared_across_stages && chunks_[static_cast<size_t>(e.chunk)].global_index != 0 ? 1 : 0);
   return out;
+}
+
+void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
+  if (seeds.empty()) return;
+  if (seeds.size() > staged_seeds_.size()) {
+    // Graphs read the seeds at the addresses of their capture: a step with more
+    // microbatches than the first would need new ones.
+    LOOM_REQUIRE(staged_seeds_.empty() || !keep_act_sets_,
+                 "a step with " << seeds.size() << " microbatches after steps with " << staged_seeds_.size()
+                                << ": the number of microbatches must not change under exec.mode = partial_graph");
+    dropout_seeds_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
+    staged_seeds_.assign(seeds.size(), 0);
+  }
+  std::copy(seeds.begin(), seeds.end(), staged_seeds_.begin());
+  rank_.dev().copy(dropout_seeds_.get(), staged_seeds_.data(), seeds.size() * sizeof(uint64_t),
+                   LOOM_COPY_HOST_TO_DEVICE);
+}
+
+const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
+  if (mb < 0 || static_cast<size_t>(mb) >= staged_seeds_.size()) return nullptr;
+  uint64_t* slot = dropout_seeds_.get<uint64_t>() + mb;
+  if (staged_seeds_[static_cast<size_t>(mb)] != value) {
+    staged_seeds_[static_cast<size_t>(mb)] = value;
+    rank_.dev().copy(slot, &staged_seeds_[static_cast<size_t>(mb)], sizeof(uint64_t), LOOM_COPY_HOST_TO_DEVICE);
+  }
+  return slot;
 }
 
 void* Model::take_hidden(int c, int mb) {
@@ -370,6 +397,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
   DLTensor tgt = view(rank_, const_cast<int32_t*>(targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
   void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
+  const uint64_t* seed_device = training ? dropout_seed_slot(mb, dropout_seed) : nullptr;
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     Layer& l = layers_[i];
     const bool has_input = held != nullptr;
@@ -390,8 +418,10 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     a.loss_sum = loss_sum;
     a.loss_count = loss_count;
     a.dropout_seed = dropout_seed;
+    a.dropout_seed_device = seed_device;
     a.predictions = predictions;
-    run_step(i, mb, false, training, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+    run_step(i, mb, false, training && seed_device != nullptr,
+             [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
   }
   return last ? nullptr : held;
 }
@@ -415,7 +445,10 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale) {
     a.grad_output = grad_out ? &gout : nullptr;
     a.grad_input = has_grad_input ? &gin : nullptr;
     a.loss_scale = loss_scale;
-    run_step(i, mb, true, true, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    // Captured exactly when its forward could be (a replayed backward needs the
+    // activations of a replayed forward): the microbatch's seed slot exists.
+    run_step(i, mb, true, static_cast<size_t>(mb) < staged_seeds_.size(),
+             [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
   }

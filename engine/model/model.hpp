@@ -100,6 +100,10 @@ class Model {
   const void* backward_chunk(int c, int mb, float loss_scale);
   // Drops what the forward of (c, mb) saved, without a backward (evaluation).
   void release_chunk(int c, int mb);
+  // The step's dropout seed of every microbatch (index = mb), copied to device
+  // memory in one go before the step: layers read them there (ABI 1.3
+  // dropout_seed_device), so captured dropouts draw new masks every step.
+  void stage_dropout_seeds(const std::vector<uint64_t>& seeds);
 
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.
@@ -167,7 +171,10 @@ class Model {
   void build_buffers(uint64_t seed);
   // Layer i's forward (backward = false) or backward of microbatch mb through the
   // execution mode; captured and replayed when the mode replays and it may.
-  void run_step(size_t i, int mb, bool backward, bool training, const std::function<void()>& fn);
+  void run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn);
+  // Device memory holding microbatch mb's dropout seed `value` (written when it
+  // differs from what is there), or nullptr when mb has no slot.
+  const uint64_t* dropout_seed_slot(int mb, uint64_t value);
   // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
   void* take_hidden(int c, int mb);
   // Frees (c, mb)'s slots (their memory too unless replays_steps()).
@@ -195,6 +202,8 @@ class Model {
   // need; else each is freed with its backward, as the slot is given back.
   std::vector<HiddenSlot> hidden_pool_;
   std::map<std::pair<int, int>, std::vector<size_t>> acts_;
+  loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
+  std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
   bool keep_act_sets_ = false;
   bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
   loom::Buffer grad_a_, grad_b_, grad_recv_;

@@ -54,6 +54,9 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
   std::vector<int> next_forward(chunks, 0), next_backward(chunks, 0);
   // The loss scale of each microbatch, known once the last chunk's forward counted its tokens.
   std::vector<float> loss_scale(static_cast<size_t>(microbatches_), 1.f);
+  std::vector<uint64_t> seeds;
+  for (const MicrobatchInput& in : inputs) seeds.push_back(in.dropout_seed);
+  model_.stage_dropout_seeds(seeds);  // one copy; before base_bytes (allocated once)
   const uint64_t base_bytes = rank_.memory().current_bytes;
   int in_flight = 0;
   void* stream = rank_.dev().native_stream();

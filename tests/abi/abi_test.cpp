@@ -95,7 +95,7 @@ TEST(AbiLayout, Released13MembersKeepOffsetsAndSizes) {
   const size_t* current = loom_abi_layout_current_v1_3(&n_current);
   loom_abi_layout_current_v1_2(&n_12);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_12 + 2 * 7);  // three appended members and loom_exec_stats' four
+  ASSERT_EQ(n_frozen, n_12 + 2 * 10);  // six appended members and loom_exec_stats' four
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
 }
 
@@ -104,6 +104,12 @@ TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
   EXPECT_GE(offsetof(loom_layer_api, capturable), loom_abi_sizeof_v1_2("loom_layer_api"));
   ASSERT_GT(loom_abi_sizeof_v1_2("loom_exec_api"), 0u);
   EXPECT_GE(offsetof(loom_exec_api, features), loom_abi_sizeof_v1_2("loom_exec_api"));
+  ASSERT_GT(loom_abi_sizeof_v1_2("loom_elementwise_args"), 0u);
+  EXPECT_GE(offsetof(loom_elementwise_args, seed_device), loom_abi_sizeof_v1_2("loom_elementwise_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_2("loom_layer_fwd_args"), 0u);
+  EXPECT_GE(offsetof(loom_layer_fwd_args, dropout_seed_device), loom_abi_sizeof_v1_2("loom_layer_fwd_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_2("loom_tp_dropout_args"), 0u);
+  EXPECT_GE(offsetof(loom_tp_dropout_args, seed_device), loom_abi_sizeof_v1_2("loom_tp_dropout_args"));
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

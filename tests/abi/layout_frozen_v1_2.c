@@ -25,6 +25,9 @@ size_t loom_abi_sizeof_v1_2(const char* name) {
   if (strcmp(name, #s) == 0) return sizeof(s);
   SIZE(loom_layer_api)
   SIZE(loom_exec_api)
+  SIZE(loom_elementwise_args)
+  SIZE(loom_layer_fwd_args)
+  SIZE(loom_tp_dropout_args)
 #undef SIZE
   return 0;
 }

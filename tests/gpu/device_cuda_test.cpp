@@ -885,6 +885,47 @@ TEST(DeviceCuda, DropoutMaskIsBitIdenticalToTheCpu) {
   }
 }
 
+// ABI 1.3 seed_device: read by the kernel when it runs. Eager launches with it
+// equal the CPU's; a captured one replayed after the value changed draws the new
+// value's mask (what exec/partial_graph relies on for dropout).
+TEST(DeviceCuda, DropoutReadsSeedDeviceWhenItRunsAlsoOnReplay) {
+  REQUIRE_GPU();
+  Env env;
+  EXPECT_NE(env.gpu.api()->features & LOOM_DEVICE_SEED_DEVICE, 0u);
+  const int64_t n = 100000;
+  Tensor x(env, randu(n, 101)), out(env, n);
+  Raw<uint8_t> mask(env, std::vector<uint8_t>(n, 7));
+  Raw<uint64_t> seed(env, std::vector<uint64_t>{5});
+  auto launch = [&](bool gpu) {
+    loom_elementwise_args a = ew(LOOM_EW_DROPOUT, n, gpu ? x.g() : x.c(), gpu ? static_cast<void*>(mask.g()) : mask.c(),
+                                 gpu ? out.g() : out.c(), F32);
+    a.p = 0.5f;
+    a.seed = 0x1234;
+    a.seed_device = gpu ? seed.g() : seed.c();
+    return a;
+  };
+  both<loom_elementwise_args>(env, &loom::Device::elementwise, launch);
+  EXPECT_EQ(mask.gpu(), mask.cpu()) << "seed_device 5";
+  const std::vector<uint8_t> m5 = mask.gpu();
+
+  const loom_device_api* api = env.gpu.api();
+  loom::check(api->capture_begin(env.gpu.raw(), nullptr));
+  const loom_elementwise_args a = launch(true);
+  loom::check(api->ops->elementwise(env.gpu.raw(), nullptr, &a));
+  loom_graph* g = nullptr;
+  loom::check(api->capture_end(env.gpu.raw(), nullptr, &g));
+  const uint64_t six = 6;
+  env.gpu.upload(seed.g(), &six, sizeof(six));
+  env.cpu.upload(seed.c(), &six, sizeof(six));
+  loom::check(api->graph_replay(env.gpu.raw(), g, nullptr));
+  env.gpu.sync();
+  const loom_elementwise_args c = launch(false);
+  loom::check(env.cpu.api()->ops->elementwise(env.cpu.raw(), nullptr, &c));
+  EXPECT_EQ(mask.gpu(), mask.cpu()) << "replayed with seed_device 6";
+  EXPECT_NE(mask.gpu(), m5) << "the replay must read the new value";
+  api->graph_destroy(env.gpu.raw(), g);
+}
+
 TEST(DeviceCuda, ReductionsMatchCpu) {
   REQUIRE_GPU();
   Env env;

@@ -1479,6 +1479,45 @@ TEST(DeviceCpu, DropoutMaskIsDeterministicSeededAndKeepsOneMinusP) {
   for (size_t i = 0; i < n; ++i) ASSERT_FLOAT_EQ(dx[i], m1[i] ? gv[i] / (1.0f - p) : 0.0f) << i;
 }
 
+// ABI 1.3 seed_device: the stream's seed is loom_mix64(seed ^ loom_mix64(*seed_device)),
+// read when the launch runs: a captured dropout replayed after the value changed
+// draws the mask of the new value, equal to the host-seeded launch of that seed.
+TEST(DeviceCpu, DropoutReadsSeedDeviceWhenItRunsAlsoOnReplay) {
+  Dev d(1);
+  EXPECT_NE(d.api()->features & LOOM_DEVICE_SEED_DEVICE, 0u);
+  const int64_t n = 4096;
+  const float p = 0.5f;
+  Buf<float> x(d, randn(n, 112)), out(d, n);
+  Buf<uint8_t> mask(d, n);
+  Buf<uint64_t> step_seed(d, 1);
+  const uint64_t key = 0x1234;
+  auto host_seeded = [&](uint64_t value) {
+    auto a = ew(LOOM_EW_DROPOUT, n, x.data(), mask.data(), out.data());
+    a.p = p;
+    a.seed = loom_mix64(key ^ loom_mix64(value));
+    d.ops().elementwise(a);
+    return mask.get();
+  };
+  const std::vector<uint8_t> m5 = host_seeded(5), m6 = host_seeded(6);
+  ASSERT_NE(m5, m6);
+
+  auto a = ew(LOOM_EW_DROPOUT, n, x.data(), mask.data(), out.data());
+  a.p = p;
+  a.seed = key;
+  a.seed_device = step_seed.data();
+  loom::check(d.api()->capture_begin(d.raw(), nullptr));
+  d.ops().elementwise(a);
+  loom_graph* g = nullptr;
+  loom::check(d.api()->capture_end(d.raw(), nullptr, &g));
+  step_seed[0] = 5;
+  loom::check(d.api()->graph_replay(d.raw(), g, nullptr));
+  EXPECT_EQ(mask.get(), m5);
+  step_seed[0] = 6;
+  loom::check(d.api()->graph_replay(d.raw(), g, nullptr));
+  EXPECT_EQ(mask.get(), m6);
+  d.api()->graph_destroy(d.raw(), g);
+}
+
 // ---------------------------------------------------------------------------
 // Reductions
 // ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@
 //    any step-dependent value baked into a graph, or a skipped replay would show;
 //  - the graph count is Megatron's 2 x captured layers x microbatches per rank and
 //    every later step replays all of them;
-//  - layers that are not capturable (dropout; tp > 1) run directly, still equal;
+//  - dropout is captured and still draws new masks every step (the seed is read
+//    from device memory when the replay runs); tp > 1 runs directly, still equal;
 //  - memory follows the schedule's in-flight bound, not the microbatch count.
 #include "engine/runtime/rank_runtime.hpp"
 #include "support/rank_trace.hpp"
@@ -108,12 +109,22 @@ TEST(PartialGraph, Bf16AndWarmupAndScopes) {
   expect_counts(mlp.at(0), 2, 4, 3, 1, (4 + 4) * 4);
 }
 
-TEST(PartialGraph, LayersThatAreNotCapturableRunDirectly) {
-  // Dropout: the mask depends on the step's seed, so the attention is not captured.
-  auto drop = run_both({"run.steps=3", "model.layer.attention.dropout=0.1"});
-  expect_counts(drop.at(0), 2, 4, 3, 1, (4 + 4) * 4);
-  // tp 2: the layers' collectives are not captured; nothing is.
-  auto tp = run_both({"run.steps=3", "parallel.tp=2"});
+// Dropout is captured too: the step's seed reaches the device by address (ABI 1.3
+// seed_device) and is read when the replay runs, so every step draws new masks,
+// the masks eager draws. (A seed baked into the graph would repeat step 2's masks
+// and part from eager at step 3.)
+TEST(PartialGraph, DropoutIsCapturedAndDrawsTheEagerMasksEveryStep) {
+  auto drop = run_both({"run.steps=4", "model.layer.attention.dropout=0.1", "model.layer.mlp.dropout=0.1",
+                        "model.layer.mlp.activation_dropout=0.1", "model.layer.embedding.dropout=0.1"});
+  expect_counts(drop.at(0), 4, 4, 4, 1, 4 * 4);
+  auto pp = run_both({"run.steps=3", "parallel.pp=2", "model.layer.attention.dropout=0.1"});
+  for (int r = 0; r < 2; ++r) expect_counts(pp.at(r), 2, 4, 3, 1, 2 * 4);
+}
+
+// tp 2: the layers' collectives are not captured; nothing is, and it still
+// trains as eager does.
+TEST(PartialGraph, TensorParallelLayersRunDirectly) {
+  auto tp = run_both({"run.steps=3", "parallel.tp=2", "model.layer.mlp.dropout=0.1"});
   ASSERT_EQ(tp.size(), 2u);
   for (int r = 0; r < 2; ++r) expect_counts(tp.at(r), 0, 4, 3, 1, 12 * 4);  // all six layers, both ways
 }

@@ -544,7 +544,9 @@ EwConsts ew_consts(const loom_elementwise_args& a) {
   EwConsts k;
   k.keep_scale = a.p < 1.0f ? 1.0f / (1.0f - a.p) : 0.0f;
   k.threshold = static_cast<uint32_t>(std::min(16777216.0, std::ceil(static_cast<double>(a.p) * 16777216.0)));
-  const uint64_t seed_key = mix64(a.seed);
+  // With seed_device the step's value is read now, when the launch runs (a replay too).
+  const uint64_t seed = a.seed_device ? loom_mix64(a.seed ^ loom_mix64(*a.seed_device)) : a.seed;
+  const uint64_t seed_key = mix64(seed);
   k.key0 = static_cast<uint32_t>(seed_key);
   k.key1 = static_cast<uint32_t>(seed_key >> 32);
   return k;

@@ -370,11 +370,23 @@ __device__ __forceinline__ uint32_t fmix32(uint32_t h) {
   return h;
 }
 
+// loom_mix64 of loom_abi.h, on the device.
+__device__ __forceinline__ uint64_t mix64_dev(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 template <typename T>
 __global__ void elementwise_kernel(EwParams p) {
   const T* x = static_cast<const T*>(p.x);
   T* y = static_cast<T*>(p.y);
   T* out = static_cast<T*>(p.out);
+  if (p.op == kEwDropout && p.seed_device != nullptr) {  // the step's seed, read now
+    const uint64_t key = mix64_dev(mix64_dev(p.seed ^ mix64_dev(*p.seed_device)));
+    p.key0 = static_cast<uint32_t>(key);
+    p.key1 = static_cast<uint32_t>(key >> 32);
+  }
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     switch (p.op) {

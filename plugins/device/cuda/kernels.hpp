@@ -75,6 +75,10 @@ struct EwParams {
   uint32_t threshold;   // dropout: drop when the 24 random bits are below it
   uint32_t key0, key1;  // dropout: the halves of mix64(seed)
   uint64_t offset;      // dropout: index of element 0 in the stream
+  // dropout with loom_elementwise_args.seed_device: the key is derived in the kernel
+  // from loom_mix64(seed ^ loom_mix64(*seed_device)) instead of key0/key1.
+  const uint64_t* seed_device;
+  uint64_t seed;
 };
 cudaError_t k_elementwise(cudaStream_t s, Dt dt, const EwParams& p);
 cudaError_t k_cast(cudaStream_t s, Dt from, Dt to, int64_t n, const void* x, void* out);

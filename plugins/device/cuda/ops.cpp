@@ -356,6 +356,8 @@ void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a) {
     p.key0 = static_cast<uint32_t>(key);
     p.key1 = static_cast<uint32_t>(key >> 32);
     p.offset = a.offset;
+    p.seed_device = a.seed_device;  // read by the kernel when it runs (a graph replay too)
+    p.seed = a.seed;
   }
   check_launch(d, op, "elementwise kernel", k_elementwise(s.s, float_dt(op, "dtype", a.dtype), p));
 }

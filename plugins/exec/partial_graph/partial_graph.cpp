@@ -161,7 +161,7 @@ const loom_exec_api* table() {
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     "exec", "partial_graph", "1.0.0",
-    "captures capturable layer steps (attention, MLP without dropout) into device graphs once and replays them",
+    "captures capturable layer steps (attention, MLP) into device graphs once and replays them",
     LOOM_API_EXEC, table(),
     {loom::opt_string("scopes", "",
                       "comma-separated layer plugin names whose steps are captured, e.g. \"attention,mlp\"; "

@@ -117,7 +117,8 @@ class Attention : public loom::Layer {
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = p, .out = p,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch, .dtype = dt_.act});
+                           .microbatch = a.microbatch, .dtype = dt_.act,
+                           .seed_device = a.dropout_seed_device});
     add(dev, x, p, y, Tl * H, dt_.act);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
@@ -190,9 +191,12 @@ class Attention : public loom::Layer {
 
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
-  // Device work only, on fixed shapes; without dropout nothing changes between
-  // steps (a dropout mask depends on the step's seed, passed by value). With tp > 1 the engine does not capture (collectives).
-  bool capturable() override { return dropout_ == 0.0f; }
+  // Device work only, on fixed shapes; the dropout reads the step's seed on the
+  // device when the service and device can (ABI 1.3). With tp > 1 the engine does
+  // not capture (collectives).
+  bool capturable() override {
+    return dropout_ == 0.0f || dropout_seed_on_device(loom::Rank(rank_).device(), tp_);
+  }
 
   uint64_t activation_bytes() override {
     const int64_t T = seq_ * micro_batch_, H = hidden_, Hl = hidden_local_;

@@ -363,11 +363,19 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// seed = hash(run's dropout seed, the layer's instance name, microbatch).
-inline uint64_t dropout_seed(uint64_t base, const std::string& instance, int32_t microbatch) {
+// A dropout stream's key before the step's seed: hash(the layer's instance name,
+// microbatch). The step's seed comes last, as loom_mix64(key ^ loom_mix64(seed)),
+// which a device computes itself from seed_device (ABI 1.3) for captured launches.
+inline uint64_t dropout_key(const std::string& instance, int32_t microbatch) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name
   for (unsigned char ch : instance) h = (h ^ ch) * 0x100000001b3ull;
-  return mix64(mix64(base ^ mix64(h)) ^ static_cast<uint64_t>(static_cast<uint32_t>(microbatch)));
+  return mix64(mix64(h) ^ static_cast<uint64_t>(static_cast<uint32_t>(microbatch)));
+}
+
+// Whether this layer's dropouts can be captured: the service passes the step's
+// seed to the device by address, and the device reads it when the launch runs.
+inline bool dropout_seed_on_device(const loom::Device& dev, const loom::TensorParallel& tp) {
+  return (tp.features() & LOOM_TP_SEED_DEVICE) != 0 && (dev.features() & LOOM_DEVICE_SEED_DEVICE) != 0;
 }
 
 // out = x * mask / (1 - p); mask [n] u8 written.

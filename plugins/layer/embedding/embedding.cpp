@@ -95,7 +95,8 @@ class Embedding : public loom::Layer {
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch, .dtype = dt_.act});
+                           .microbatch = a.microbatch, .dtype = dt_.act,
+                           .seed_device = a.dropout_seed_device});
 
     if (a.training) saved_[a.microbatch] = std::move(s);
   }

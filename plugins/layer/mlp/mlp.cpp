@@ -110,7 +110,8 @@ class Mlp : public loom::Layer {
     if (act_drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_PARALLEL, .n = T * Fl, .x = tmp.at(act), .out = tmp.at(act),
                            .mask = s.mem.at<uint8_t>(s.act_mask), .p = activation_dropout_,
-                           .seed = a.dropout_seed, .microbatch = a.microbatch, .stream = 1, .dtype = dt_.act});
+                           .seed = a.dropout_seed, .microbatch = a.microbatch, .stream = 1, .dtype = dt_.act,
+                           .seed_device = a.dropout_seed_device});
     // Row-parallel fc2 (g: all-reduce, or reduce-scatter under SP), bias after it.
     void* o = tmp.at<void>(out);
     tp_.row_parallel_linear_forward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
@@ -118,7 +119,8 @@ class Mlp : public loom::Layer {
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = o, .out = o,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
-                           .microbatch = a.microbatch, .dtype = dt_.act});
+                           .microbatch = a.microbatch, .dtype = dt_.act,
+                           .seed_device = a.dropout_seed_device});
     add(dev, x, o, y, Tl * H, dt_.act);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
@@ -180,9 +182,12 @@ class Mlp : public loom::Layer {
 
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
-  // Device work only, on fixed shapes; without dropout nothing changes between
-  // steps (a dropout mask depends on the step's seed, passed by value). With tp > 1 the engine does not capture (collectives).
-  bool capturable() override { return dropout_ == 0.0f && activation_dropout_ == 0.0f; }
+  // Device work only, on fixed shapes; the dropouts read the step's seed on the
+  // device when the service and device can (ABI 1.3). With tp > 1 the engine does
+  // not capture (collectives).
+  bool capturable() override {
+    return (dropout_ == 0.0f && activation_dropout_ == 0.0f) || dropout_seed_on_device(loom::Rank(rank_).device(), tp_);
+  }
 
   uint64_t activation_bytes() override {
     const int64_t T = seq_ * micro_batch_, H = hidden_, Fl = ffn_local_;

@@ -338,7 +338,7 @@ class Tp {
 
   void dropout_fwd(const loom_tp_dropout_args& a) const {
     const int32_t dt = require_float(a.dtype);
-    uint64_t seed = dropout_seed(a.seed, name_, a.microbatch);
+    uint64_t seed = dropout_key(name_, a.microbatch);
     if (a.stream != 0) seed = mix64(seed ^ mix64(0x5bd1e995ull + static_cast<uint64_t>(a.stream)));
     uint64_t offset = 0;
     if (a.region == LOOM_TP_RNG_PARALLEL) {
@@ -349,8 +349,12 @@ class Tp {
       // One stream on every tp rank; under SP this rank holds block tp_rank of it.
       if (sp_) offset = static_cast<uint64_t>(tp_rank_) * static_cast<uint64_t>(a.n);
     }
+    // The step's seed last: by address when the device reads it at run time (a
+    // captured dropout then draws a new mask every step), else here; same mask.
+    const bool on_device = a.seed_device != nullptr && (dev_.features() & LOOM_DEVICE_SEED_DEVICE) != 0;
     dev_.elementwise({.op = LOOM_EW_DROPOUT, .n = a.n, .x = a.x, .y = a.mask, .out = a.out, .p = a.p,
-                      .seed = seed, .offset = offset, .dtype = dt, .out_dtype = dt});
+                      .seed = on_device ? seed : loom_mix64(seed ^ loom_mix64(a.seed)), .offset = offset,
+                      .dtype = dt, .out_dtype = dt, .seed_device = on_device ? a.seed_device : nullptr});
   }
 
  private:
@@ -456,7 +460,7 @@ const loom_tensor_parallel_api* tensor_parallel_api() {
     t.dropout_forward = [](loom_tp* h, const D* a) {
       return call(h, a, [](Tp& t, const D& r) { t.dropout_fwd(r); });
     };
-    t.features = LOOM_TP_GRAD_FP32;
+    t.features = LOOM_TP_GRAD_FP32 | LOOM_TP_SEED_DEVICE;
     return t;
   }();
   return &api;

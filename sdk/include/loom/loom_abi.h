@@ -274,7 +274,20 @@ typedef struct loom_elementwise_args {
   uint64_t seed, offset;
   int32_t dtype;
   int32_t out_dtype;
+  /* 1.3, DROPOUT, devices with LOOM_DEVICE_SEED_DEVICE: when non-NULL, the stream's
+   * seed is loom_mix64(seed ^ loom_mix64(*seed_device)), *seed_device read from device
+   * memory when the launch runs, so a captured launch draws a new mask when the value
+   * there changes between replays. */
+  const uint64_t* seed_device;
 } loom_elementwise_args;
+
+/* 1.3: splitmix64's finaliser, the mix of loom_elementwise_args.seed_device (callers
+ * that compute a seed_device stream's seed on the host use the same function). */
+static inline uint64_t loom_mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 /* Reductions to one fp32 scalar on the device (out[0]), or column sums. */
 #define LOOM_RED_SUM 0
@@ -373,6 +386,8 @@ typedef struct loom_device_api {
  * with the last graph), as replays write it again. exec plugins that replay
  * captured steps need it. */
 #define LOOM_DEVICE_GRAPH_POOL (1ull << 1)
+/* 1.3: elementwise DROPOUT honours seed_device. */
+#define LOOM_DEVICE_SEED_DEVICE (1ull << 2)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -504,6 +519,9 @@ typedef struct loom_layer_fwd_args {
   int64_t* loss_count;       /* host: and how many tokens it covers */
   uint64_t dropout_seed;     /* identical on all tp ranks; layers derive per-rank seeds */
   int32_t* predictions;      /* host, optional: the last layer writes argmax tokens [seq, micro_batch] */
+  /* 1.3: device memory holding dropout_seed (the same value, at the same address
+   * for the same microbatch every step): what a captured dropout reads. */
+  const uint64_t* dropout_seed_device;
 } loom_layer_fwd_args;
 
 typedef struct loom_layer_bwd_args {
@@ -837,6 +855,9 @@ typedef struct loom_tp_dropout_args {
   int32_t microbatch;
   int32_t stream;                /* tells several dropouts of one layer apart: 0, 1, ... */
   int32_t dtype;
+  /* 1.3, services with LOOM_TP_SEED_DEVICE: device memory holding `seed` (the
+   * forward's dropout_seed_device), read when the dropout runs; NULL = use seed. */
+  const uint64_t* seed_device;
 } loom_tp_dropout_args;
 
 /* This rank's slice of the padded vocabulary: ids [start, start + rows), the first
@@ -875,6 +896,9 @@ typedef struct loom_tensor_parallel_api {
  * gradients of bf16 layers are accumulated straight into fp32 main gradients
  * (Megatron's gradient-accumulation fusion). */
 #define LOOM_TP_GRAD_FP32 (1ull << 0)
+/* 1.3: dropout_forward honours seed_device (when the device has LOOM_DEVICE_SEED_DEVICE;
+ * else it reads the seed on the host: not capturable). The mask is the same either way. */
+#define LOOM_TP_SEED_DEVICE (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
 /* The host API: what the engine offers every plugin.                         */
