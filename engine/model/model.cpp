@@ -343,6 +343,14 @@ void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
                    LOOM_COPY_HOST_TO_DEVICE);
 }
 
+std::vector<uint64_t> Model::staged_dropout_seeds() const {
+  std::vector<uint64_t> out(staged_seeds_.size());
+  if (out.empty()) return out;
+  rank_.dev().copy(out.data(), dropout_seeds_.get(), out.size() * sizeof(uint64_t), LOOM_COPY_DEVICE_TO_HOST);
+  rank_.dev().synchronize();
+  return out;
+}
+
 const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
   if (mb < 0 || static_cast<size_t>(mb) >= staged_seeds_.size()) return nullptr;
   uint64_t* slot = dropout_seeds_.get<uint64_t>() + mb;

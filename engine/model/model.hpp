@@ -104,6 +104,8 @@ class Model {
   // memory in one go before the step: layers read them there (ABI 1.3
   // dropout_seed_device), so captured dropouts draw new masks every step.
   void stage_dropout_seeds(const std::vector<uint64_t>& seeds);
+  // What the device buffer holds now (read back; for tests and diagnostics).
+  std::vector<uint64_t> staged_dropout_seeds() const;
 
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.

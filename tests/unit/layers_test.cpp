@@ -213,7 +213,8 @@ class TestLayer {
 
   // One forward of microbatch `mb`; returns L (Σ out∘R, or lm_head's loss_sum).
   double forward(const Batch& b, int32_t mb = 0, bool training = true, uint64_t seed = 1234,
-                 std::vector<float>* out = nullptr, int64_t* loss_count = nullptr) {
+                 std::vector<float>* out = nullptr, int64_t* loss_count = nullptr,
+                 const uint64_t* seed_device = nullptr) {
     std::vector<float> y(has_output() ? static_cast<size_t>(kT * kHidden) : 0, -7.0f);
     std::vector<int64_t> hshape{kSeq, kBatch, kHidden}, tshape{kSeq, kBatch};
     DLTensor in = view(const_cast<float*>(b.x.data()), hshape, kDLFloat, 32);
@@ -232,6 +233,7 @@ class TestLayer {
     a.loss_sum = &loss_sum;
     a.loss_count = &count;
     a.dropout_seed = seed;
+    a.dropout_seed_device = seed_device;
     ok(api()->forward(layer_, &rank_.rt(), &a));
     rank_.rt().dev().synchronize();
     if (loss_count) *loss_count = count;
@@ -875,6 +877,37 @@ TEST(Layers, MicrobatchesInFlightMatchSequentialOrder) {
 // ---------------------------------------------------------------------------
 // Dropout
 // ---------------------------------------------------------------------------
+
+// ABI 1.3: the step's seed by address (dropout_seed_device, what a captured
+// forward reads) draws the masks the same seed by value draws, and follows the
+// value at that address.
+TEST(Layers, DropoutSeedByAddressEqualsTheSeedByValue) {
+  for (const std::string name : {"embedding", "attention", "mlp"}) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = dropout_options(0.5);
+    opts.insert_or_assign("activation_dropout", 0.25);
+    if (name != "mlp") opts.erase("activation_dropout");
+    TestLayer layer(rank, name, dims, &opts);
+    std::mt19937 rng(15);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    loom::Buffer slot_memory(&rank.rt(), sizeof(uint64_t));
+    uint64_t* slot = slot_memory.get<uint64_t>();  // CPU device: host memory
+    std::vector<float> by_value, by_address, other_value, other_address;
+    *slot = 42;
+    layer.forward(b, 3, true, 42, &by_value);
+    layer.forward(b, 3, true, 42, &by_address, nullptr, slot);
+    layer.forward(b, 3, true, 43, &other_value);
+    *slot = 43;  // the value at the address decides, not the one passed by value
+    layer.forward(b, 3, true, 42, &other_address, nullptr, slot);
+    layer.api()->release(layer.raw(), 3);
+    EXPECT_EQ(by_address, by_value);
+    EXPECT_EQ(other_address, other_value);
+    EXPECT_GT(max_abs_diff(by_value, other_value), 1e-3);
+  }
+}
 
 TEST(Layers, DropoutFollowsTheSeedAndOnlyInTraining) {
   for (const std::string name : {"embedding", "attention", "mlp"}) {

@@ -1,5 +1,5 @@
-// exec/partial_graph: capturable layer steps (attention and MLP without dropout,
-// tp = 1) are captured into device graphs after warm-up and replayed. device/cpu
+// exec/partial_graph: capturable layer steps (attention and MLP, dropout
+// included, at tp = 1) are captured into device graphs after warm-up and replayed. device/cpu
 // graphs have CUDA's semantics (a capture records, host code does not run again on
 // replay, one graph pool), so on CPU:
 //  - the run is bit-identical to exec/eager at every step, for dp, pp (1F1B and
@@ -15,6 +15,8 @@
 #include "support/rank_trace.hpp"
 
 #include <gtest/gtest.h>
+
+#include <set>
 
 namespace {
 
@@ -119,6 +121,29 @@ TEST(PartialGraph, DropoutIsCapturedAndDrawsTheEagerMasksEveryStep) {
   expect_counts(drop.at(0), 4, 4, 4, 1, 4 * 4);
   auto pp = run_both({"run.steps=3", "parallel.pp=2", "model.layer.attention.dropout=0.1"});
   for (int r = 0; r < 2; ++r) expect_counts(pp.at(r), 2, 4, 3, 1, 2 * 4);
+}
+
+// What captured dropouts read: the engine's device copy of each step's
+// per-microbatch seeds, new every step and distinct per microbatch (a copy made
+// once would repeat the first step's masks in eager and graph runs alike).
+TEST(PartialGraph, EveryStepStagesNewDropoutSeedsOnTheDevice) {
+  std::vector<std::vector<uint64_t>> staged;
+  loom::train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+    if (rank == 0) staged.push_back(m.staged_dropout_seeds());
+  };
+  loom::testing::run_and_trace(tiny_manifest(),
+                               {"run.steps=3", "exec.mode=\"partial_graph\"", "model.layer.attention.dropout=0.1"},
+                               opts);
+  ASSERT_EQ(staged.size(), 3u);
+  for (size_t s = 0; s < staged.size(); ++s) {
+    ASSERT_EQ(staged[s].size(), 4u) << "one per microbatch";
+    std::set<uint64_t> distinct(staged[s].begin(), staged[s].end());
+    EXPECT_EQ(distinct.size(), 4u) << "step " << s + 1;
+    if (s > 0) {
+      for (size_t mb = 0; mb < 4; ++mb) EXPECT_NE(staged[s][mb], staged[s - 1][mb]) << "step " << s + 1;
+    }
+  }
 }
 
 // tp 2: the layers' collectives are not captured; nothing is, and it still

@@ -127,6 +127,17 @@ struct LayerBox {
   std::vector<loom_param_decl> decls;
 };
 inline LayerBox* box(loom_layer* l) { return reinterpret_cast<LayerBox*>(l); }
+// A copy of the caller's argument struct in this build's layout, zero past the
+// caller's struct_size (a caller of an older minor lacks the members appended since).
+template <typename T>
+T widened(const T* in, const char* what) {
+  if (in == nullptr || in->struct_size < sizeof(uint32_t))
+    throw Error(std::string("layer ") + what + ": args is NULL or has no struct_size", LOOM_CODE_INVALID_ARGUMENT);
+  T out = make<T>();
+  std::memcpy(&out, in, in->struct_size < sizeof(T) ? in->struct_size : sizeof(T));
+  out.struct_size = static_cast<uint32_t>(sizeof(T));
+  return out;
+}
 }  // namespace detail
 
 // T must be constructible from (const Options&, Rank&, const loom_layer_create_args&).
@@ -172,16 +183,18 @@ const loom_layer_api* layer_api() {
     a.bind = [](loom_layer* l, const DLTensor* p, const DLTensor* g, size_t n) -> loom_status {
       return guard([&] { detail::box(l)->layer->bind({p, n}, {g, n}); });
     };
+    // The caller's args widened to this build's layout: members a caller of an
+    // older minor did not have read as zero (NULL), never past its struct_size.
     a.forward = [](loom_layer* l, loom_rank* r, const loom_layer_fwd_args* args) -> loom_status {
       return guard([&] {
         Rank rank(r);
-        detail::box(l)->layer->forward(rank, *args);
+        detail::box(l)->layer->forward(rank, detail::widened(args, "forward"));
       });
     };
     a.backward = [](loom_layer* l, loom_rank* r, const loom_layer_bwd_args* args) -> loom_status {
       return guard([&] {
         Rank rank(r);
-        detail::box(l)->layer->backward(rank, *args);
+        detail::box(l)->layer->backward(rank, detail::widened(args, "backward"));
       });
     };
     a.release = [](loom_layer* l, int32_t mb) {
