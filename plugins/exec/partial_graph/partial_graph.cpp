@@ -34,7 +34,9 @@ struct Exec {
     loom_graph* graph = nullptr;
   };
   std::map<int64_t, Key> keys;
-  std::set<std::string> seen_scopes;
+  std::set<std::string> seen_scopes;  // every layer step's scope, capturable or not
+  int64_t first_key = -1;             // seen again: a whole step has been seen
+  bool scopes_checked = false;
   loom_exec_stats stats = loom::make<loom_exec_stats>();
 };
 
@@ -78,20 +80,25 @@ loom_status create(const loom_options* options, loom_rank* rank, loom_exec** out
   });
 }
 
+// After one whole step: a configured scope that matched none of this rank's layer
+// steps is most likely a typo; say which names exist. (A warning, not an error: with
+// pipeline parallelism another stage may hold that layer.)
+void check_scopes(Exec& e) {
+  e.scopes_checked = true;
+  for (const std::string& s : e.scopes)
+    if (e.seen_scopes.count(s) == 0) {
+      std::string seen;
+      for (const std::string& n : e.seen_scopes) seen += (seen.empty() ? "" : ", ") + n;
+      LOOM_LOG(WARNING) << "exec/partial_graph rank " << e.global_rank << ": option scopes names \"" << s
+                        << "\", which none of this rank's layer steps has (layers: " << seen << ")";
+    }
+}
+
 void destroy(loom_exec* x) {
   if (x == nullptr) return;
   auto* e = reinterpret_cast<Exec*>(x);
   for (auto& [key, k] : e->keys)
     if (k.graph) e->dev.api()->graph_destroy(e->dev.raw(), k.graph);
-  // A scope that matched nothing is most likely a typo; say which names exist.
-  for (const std::string& s : e->scopes)
-    if (e->seen_scopes.count(s) == 0) {
-      std::string seen;
-      for (const std::string& n : e->seen_scopes) seen += (seen.empty() ? "" : ", ") + n;
-      LOOM_LOG(WARNING) << "exec/partial_graph rank " << e->global_rank << ": scope \"" << s
-                        << "\" matched no capturable layer step (capturable scopes seen: "
-                        << (seen.empty() ? "none" : seen) << ")";
-    }
   delete e;
 }
 
@@ -104,9 +111,13 @@ loom_status run(loom_exec* x, loom_rank*, const loom_exec_step* step) {
   if (x == nullptr || step == nullptr || step->fn == nullptr)
     return loom::make_status(LOOM_CODE_INVALID_ARGUMENT, "exec/partial_graph: step without a function");
   Exec& e = *reinterpret_cast<Exec*>(x);
-  if (!step->capturable) return run_direct(e, *step);
   const std::string scope = step->scope ? step->scope : "";
-  e.seen_scopes.insert(scope);
+  if (!e.scopes_checked) {
+    if (e.first_key < 0) e.first_key = step->key;
+    else if (step->key == e.first_key) check_scopes(e);
+    e.seen_scopes.insert(scope);
+  }
+  if (!step->capturable) return run_direct(e, *step);
   if (!e.scopes.empty() && e.scopes.count(scope) == 0) return run_direct(e, *step);
 
   Exec::Key& k = e.keys[step->key];
