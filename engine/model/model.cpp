@@ -149,7 +149,7 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   // Hidden states stay put across steps only when some step can be captured.
   const bool any_capturable =
       std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.capturable; });
-  keep_act_sets_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
+  replays_steps_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
                    (exec->features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
 }
 
@@ -314,7 +314,7 @@ void Model::run_step(size_t i, int mb, bool backward, bool capture_ok, const std
   // capture_ok: a training step (evaluation forwards keep nothing and run
   // directly) whose dropout seed is in device memory. A layer step with a tp
   // collective inside is not captured (comm plugins do not promise capture).
-  step.capturable = capture_ok && l.capturable && tp_single_ && keep_act_sets_ ? 1 : 0;
+  step.capturable = capture_ok && l.capturable && tp_single_ && replays_steps_ ? 1 : 0;
   step.ctx = &ctx;
   step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
   loom::check(api->run(rank_.exec_handle(), &rank_, &step));
@@ -332,7 +332,7 @@ void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
   if (seeds.size() > staged_seeds_.size()) {
     // Graphs read the seeds at the addresses of their capture: a step with more
     // microbatches than the first would need new ones.
-    LOOM_REQUIRE(staged_seeds_.empty() || !keep_act_sets_,
+    LOOM_REQUIRE(staged_seeds_.empty() || !replays_steps_,
                  "a step with " << seeds.size() << " microbatches after steps with " << staged_seeds_.size()
                                 << ": the number of microbatches must not change under exec.mode = partial_graph");
     dropout_seeds_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
@@ -377,7 +377,7 @@ void Model::give_back(int c, int mb) {
   if (it == acts_.end()) return;
   for (size_t k : it->second) {
     hidden_pool_[k].in_use = false;
-    if (!keep_act_sets_) hidden_pool_[k].buffer.reset();
+    if (!replays_steps_) hidden_pool_[k].buffer.reset();
   }
   acts_.erase(it);
 }

@@ -149,7 +149,7 @@ class Model {
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
   // Whether layer steps may be replayed from graphs (the exec mode replays and some
   // layer is capturable): then hidden states stay allocated across steps.
-  bool replays_steps() const { return keep_act_sets_; }
+  bool replays_steps() const { return replays_steps_; }
 
  private:
   struct Layer {
@@ -206,7 +206,7 @@ class Model {
   std::map<std::pair<int, int>, std::vector<size_t>> acts_;
   loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
   std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
-  bool keep_act_sets_ = false;
+  bool replays_steps_ = false;
   bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
