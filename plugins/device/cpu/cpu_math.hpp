@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <loom/loom_abi.h>  // loom_mix64
 
 namespace loom::cpu {
 namespace {
@@ -68,12 +69,8 @@ inline uint16_t f32_to_bf16(float f) {
 }
 inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
 
-// splitmix64's finaliser: a strong 64-bit mix.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+// splitmix64's finaliser: a strong 64-bit mix (one definition, in the ABI header).
+inline uint64_t mix64(uint64_t z) { return loom_mix64(z); }
 // murmur3's 32-bit finaliser: a bijection with full avalanche, in 32-bit integer
 // ops only, so loops over it vectorise on every x86 level.
 inline uint32_t fmix32(uint32_t h) {

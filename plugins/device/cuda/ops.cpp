@@ -313,15 +313,6 @@ void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a) {
 // Element-wise
 // ---------------------------------------------------------------------------
 
-namespace {
-// splitmix64's finaliser (the dropout key, as device/cpu derives it from the seed).
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-}  // namespace
-
 void validate(const loom_elementwise_args& a) {
   op_contract::check("device/cuda", a);
 }
@@ -352,7 +343,7 @@ void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a) {
     // Dropout keeps with probability 1 - p and scales kept values by 1 / (1 - p).
     p.keep_scale = a.p < 1.0f ? 1.0f / (1.0f - a.p) : 0.0f;
     p.threshold = static_cast<uint32_t>(std::min(16777216.0, std::ceil(static_cast<double>(a.p) * 16777216.0)));
-    const uint64_t key = mix64(a.seed);
+    const uint64_t key = loom_mix64(a.seed);  // the dropout key, as device/cpu derives it
     p.key0 = static_cast<uint32_t>(key);
     p.key1 = static_cast<uint32_t>(key >> 32);
     p.offset = a.offset;
