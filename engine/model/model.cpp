@@ -390,7 +390,8 @@ void* Model::chunk_input(int c, int mb) {
 }
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
-                                 uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions) {
+                                 uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions,
+                                 float* aux_loss) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
   const bool first = is_first_global(c), last = is_last_global(c);
   auto held_it = acts_.find({c, mb});
@@ -428,13 +429,14 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     a.dropout_seed = dropout_seed;
     a.dropout_seed_device = seed_device;
     a.predictions = predictions;
+    a.aux_loss = training ? aux_loss : nullptr;
     run_step(i, mb, false, training && seed_device != nullptr,
              [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
   }
   return last ? nullptr : held;
 }
 
-const void* Model::backward_chunk(int c, int mb, float loss_scale) {
+const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
   LOOM_REQUIRE(acts_.count({c, mb}) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
@@ -453,6 +455,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale) {
     a.grad_output = grad_out ? &gout : nullptr;
     a.grad_input = has_grad_input ? &gin : nullptr;
     a.loss_scale = loss_scale;
+    a.aux_loss_scale = aux_loss_scale;
     // Captured exactly when its forward could be (a replayed backward needs the
     // activations of a replayed forward): the microbatch's seed slot exists.
     run_step(i, mb, true, static_cast<size_t>(mb) < staged_seeds_.size(),
@@ -472,18 +475,18 @@ void Model::release_chunk(int c, int mb) {
 }
 
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
-                    float* loss_sum, int64_t* loss_count, int32_t* predictions) {
+                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss) {
   const void* out = nullptr;
   for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
     if (c > 0) rank_.dev().copy(chunk_input(c, mb), out, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
-    out = forward_chunk(c, mb, tokens, targets, training, dropout_seed, loss_sum, loss_count, predictions);
+    out = forward_chunk(c, mb, tokens, targets, training, dropout_seed, loss_sum, loss_count, predictions, aux_loss);
   }
   if (!training) release(mb);
 }
 
-void Model::backward(int mb, float loss_scale) {
+void Model::backward(int mb, float loss_scale, float aux_loss_scale) {
   for (int c = static_cast<int>(chunks_.size()); c-- > 0;) {
-    const void* grad = backward_chunk(c, mb, loss_scale);
+    const void* grad = backward_chunk(c, mb, loss_scale, aux_loss_scale);
     if (c > 0) rank_.dev().copy(chunk_grad_output(), grad, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
   }
 }

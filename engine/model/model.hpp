@@ -88,16 +88,19 @@ class Model {
   // alive until the backward of mb. Returns the output hidden state (held until
   // the backward), or nullptr for the last global chunk, which writes
   // loss_sum/loss_count and, when non-null, the argmax predictions (host).
+  // aux_loss (host, optional): training forwards add the layers' weighted
+  // auxiliary losses (MoE load balancing) of the microbatch.
   const void* forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                             uint64_t dropout_seed, float* loss_sum, int64_t* loss_count,
-                            int32_t* predictions = nullptr);
+                            int32_t* predictions = nullptr, float* aux_loss = nullptr);
   // The buffer the gradient of a chunk's output is received into before its
   // backward (not for the last global chunk).
   void* chunk_grad_output() { return grad_recv_.get(); }
   // Backward of the chunk; frees what its forward saved. Returns the gradient of
   // the chunk's input (valid until the next backward_chunk), or nullptr for the
-  // first global chunk.
-  const void* backward_chunk(int c, int mb, float loss_scale);
+  // first global chunk. aux_loss_scale: d(objective)/d(auxiliary loss) of the
+  // microbatch, 1 / microbatches per step (ABI 1.4, every layer).
+  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale = 1.0f);
   // Drops what the forward of (c, mb) saved, without a backward (evaluation).
   void release_chunk(int c, int mb);
   // The step's dropout seed of every microbatch (index = mb), copied to device
@@ -110,8 +113,8 @@ class Model {
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.
   void forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
-               float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr);
-  void backward(int mb, float loss_scale);
+               float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr, float* aux_loss = nullptr);
+  void backward(int mb, float loss_scale, float aux_loss_scale = 1.0f);
   void release(int mb);
   void zero_grads();
   // After the last microbatch's backward, before the optimizer: the reductions

@@ -70,9 +70,11 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
       const MicrobatchInput& in = inputs[static_cast<size_t>(mb)];
       if (!model_.is_first_global(c)) receive_input(c, mb);
       const Clock::time_point tf = Clock::now();
-      float loss_sum = 0;
+      float loss_sum = 0, aux_loss = 0;
       int64_t count = 0;
-      const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count);
+      const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count,
+                                             nullptr, &aux_loss);
+      stats.aux_loss += aux_loss / microbatches_;
       ++in_flight;
       stats.peak_in_flight = std::max(stats.peak_in_flight, in_flight);
       stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
@@ -94,7 +96,8 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
         if (trace_) trace_->add(rank_.global_rank(), "recv grad c" + std::to_string(g), "p2p", t0);
       }
       const Clock::time_point tb = Clock::now();
-      const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)]);
+      const void* grad_in =
+          model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)], 1.0f / static_cast<float>(microbatches_));
       --in_flight;
       if (trace_)
         trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,

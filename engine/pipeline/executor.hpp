@@ -46,6 +46,7 @@ class TraceRecorder {
 
 struct StepStats {
   double loss = 0;             // mean over microbatches of the per-token loss (last stage; 0 elsewhere)
+  double aux_loss = 0;         // this rank's layers' weighted auxiliary losses, mean over microbatches
   int peak_in_flight = 0;      // most (chunk, microbatch) forwards awaiting their backward at once
   // Device memory above the step's start, at its highest. When layer steps are
   // replayed from graphs they allocate nothing: a replayed step holds what its

@@ -55,7 +55,7 @@ std::string mib(uint64_t b) {
 std::string step_json(const StepRecord& r) {
   std::ostringstream os;
   os.precision(9);
-  os << "{\"step\": " << r.step << ", \"loss\": " << r.loss << ", \"lr\": " << r.lr << ", \"grad_norm\": " << r.grad_norm
+  os << "{\"step\": " << r.step << ", \"loss\": " << r.loss << ", \"aux_loss\": " << r.aux_loss << ", \"lr\": " << r.lr << ", \"grad_norm\": " << r.grad_norm
      << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"ms\": " << r.ms << ", \"flops_per_s\": " << r.flops_per_s
      << ", \"mfu\": " << r.mfu << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
      << ", \"in_flight\": " << r.in_flight << ", \"activation_bytes\": " << r.activation_bytes
@@ -383,19 +383,21 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       // optimizer's collectives (not the bookkeeping below, nor evaluation).
       runtime::CommStats step_comm = rt.comm_stats();
 
-      // The step's loss: mean over microbatches (from the last stage), averaged
-      // over dp; plus the stop flag.
-      double reduced[2] = {stats.loss, 0};
-      ppg.all_reduce(nullptr, reduced, reduced, 1, LOOM_DTYPE_F64);
-      dp.all_reduce(nullptr, reduced, reduced, 1, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
-      reduced[1] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
-      world.all_reduce(nullptr, &reduced[1], &reduced[1], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-      const bool stop = reduced[1] > 0;
+      // The step's loss: mean over microbatches (from the last stage) and the
+      // auxiliary losses (summed over the stages' layers), averaged over dp;
+      // plus the stop flag.
+      double reduced[3] = {stats.loss, stats.aux_loss, 0};
+      ppg.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64);
+      dp.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
+      reduced[2] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
+      world.all_reduce(nullptr, &reduced[2], &reduced[2], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+      const bool stop = reduced[2] > 0;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
       StepRecord rec;
       rec.step = step;
       rec.loss = reduced[0];
+      rec.aux_loss = reduced[1];
       rec.lr = sa.lr;
       rec.grad_norm = sr.grad_norm;
       rec.ms = ms;
@@ -418,7 +420,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           const double avg_ms = window_ms / window_steps;
           std::ostream& os = *options.log;
           os << "step " << std::setw(5) << step << "/" << steps << " | loss " << std::fixed << std::setprecision(4)
-             << rec.loss << " | lr " << std::scientific << std::setprecision(2) << rec.lr << std::fixed
+             << rec.loss;
+          if (rec.aux_loss != 0) os << " | aux loss " << std::setprecision(4) << rec.aux_loss;
+          os << " | lr " << std::scientific << std::setprecision(2) << rec.lr << std::fixed
              << " | grad norm " << std::setprecision(3) << rec.grad_norm << " | " << human(tokens_step / (avg_ms / 1000))
              << " tok/s | " << std::setprecision(1) << avg_ms << " ms/step | " << human(flops_step / (avg_ms / 1000))
              << "FLOP/s";

@@ -18,6 +18,7 @@ namespace loom::train {
 struct StepRecord {
   int64_t step = 0;       // 1-based: the step just completed
   double loss = 0;        // mean over the global batch
+  double aux_loss = 0;    // the layers' weighted auxiliary losses (MoE load balancing), same mean; 0 = none
   double lr = 0;
   double grad_norm = 0;
   double ms = 0;

@@ -19,8 +19,11 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_2(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_2(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_3(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_3(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_4(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_4(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
+extern "C" size_t loom_abi_sizeof_v1_3(const char* name);
 
 namespace {
 
@@ -110,6 +113,29 @@ TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
   EXPECT_GE(offsetof(loom_layer_fwd_args, dropout_seed_device), loom_abi_sizeof_v1_2("loom_layer_fwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_2("loom_tp_dropout_args"), 0u);
   EXPECT_GE(offsetof(loom_tp_dropout_args, seed_device), loom_abi_sizeof_v1_2("loom_tp_dropout_args"));
+}
+
+// 1.4's too (loom_layer_fwd_args.aux_loss, loom_layer_bwd_args.pad_1_3 and
+// .aux_loss_scale).
+TEST(AbiLayout, Released14MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_13 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_4(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_4(&n_current);
+  loom_abi_layout_current_v1_3(&n_13);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_13 + 2 * 3);  // the three members 1.4 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+}
+
+// aux_loss and aux_loss_scale start at or past 1.3's sizeof; pad_1_3 is the
+// documented exception: it fills 1.3's tail padding (which a 1.3 caller's
+// struct_size covers, so its bytes are indeterminate and never read).
+TEST(AbiLayout, MembersAppendedIn14StartPastThe13Size) {
+  ASSERT_GT(loom_abi_sizeof_v1_3("loom_layer_fwd_args"), 0u);
+  EXPECT_GE(offsetof(loom_layer_fwd_args, aux_loss), loom_abi_sizeof_v1_3("loom_layer_fwd_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_3("loom_layer_bwd_args"), 0u);
+  EXPECT_LT(offsetof(loom_layer_bwd_args, pad_1_3), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
+  EXPECT_GE(offsetof(loom_layer_bwd_args, aux_loss_scale), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 3
+#define LOOM_ABI_MINOR 4
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -522,6 +522,10 @@ typedef struct loom_layer_fwd_args {
   /* 1.3: device memory holding dropout_seed (the same value, at the same address
    * for the same microbatch every step): what a captured dropout reads. */
   const uint64_t* dropout_seed_device;
+  /* 1.4, host, training forwards: a layer with an auxiliary loss (MoE load
+   * balancing) adds this microbatch's value, already weighted by its coefficient,
+   * for reporting; NULL = not reported. */
+  float* aux_loss;
 } loom_layer_fwd_args;
 
 typedef struct loom_layer_bwd_args {
@@ -530,6 +534,12 @@ typedef struct loom_layer_bwd_args {
   const DLTensor* grad_output; /* NULL for the last layer */
   DLTensor* grad_input;        /* NULL for the first layer */
   float loss_scale;            /* last layer: dL/d(loss_sum) */
+  /* 1.4: d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
+   * (auxiliary losses are averaged over microbatches like the main loss, and over
+   * data-parallel ranks by the gradient reduction), on every pipeline stage.
+   * Reads 0 from an engine before 1.4. */
+  int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
+  float aux_loss_scale;
 } loom_layer_bwd_args;
 
 typedef struct loom_layer_api {
