@@ -17,6 +17,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <numeric>
+#include <tuple>
 #include <random>
 #include <set>
 #include <string>
@@ -97,6 +99,7 @@ class Rank {
     alone.size = 1;
     alone.rank = 0;
     rt_->add_group("tp", tp ? *tp : alone);
+    rt_->add_group("ep", alone);  // layer/moe asks for it (expert parallelism: 1)
     // The layers build their tensor parallelism from the parallel/tensor service.
     rt_->set_service(LOOM_API_TENSOR_PARALLEL, registry().get("parallel", "tensor").api);
   }
@@ -195,6 +198,10 @@ class TestLayer {
     throw std::runtime_error(name_ + " has no parameter " + n);
   }
   bool has_input() const { return name_ != "embedding"; }
+  // The weight of the layer's auxiliary loss in the objective (ABI 1.4
+  // aux_loss_scale); 0 leaves it out, as an engine before 1.4 would.
+  double aux_weight = 0.0;
+  float last_aux = 0.0f;  // what the last training forward reported
   bool has_output() const { return name_ != "lm_head"; }
 
   // Random values that exercise every path: LN gains around 1, non-zero biases.
@@ -234,12 +241,15 @@ class TestLayer {
     a.loss_count = &count;
     a.dropout_seed = seed;
     a.dropout_seed_device = seed_device;
+    float aux = 0.0f;
+    a.aux_loss = &aux;
     ok(api()->forward(layer_, &rank_.rt(), &a));
     rank_.rt().dev().synchronize();
+    last_aux = aux;
     if (loss_count) *loss_count = count;
     if (out) *out = y;
     if (!has_output()) return loss_sum;
-    double l = 0.0;
+    double l = aux_weight * aux;
     for (size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y[i]) * b.r[i];
     return l;
   }
@@ -257,6 +267,7 @@ class TestLayer {
     a.grad_output = has_output() ? &dy : nullptr;
     a.grad_input = has_input() ? &di : nullptr;
     a.loss_scale = loss_scale;
+    a.aux_loss_scale = static_cast<float>(aux_weight);
     ok(api()->backward(layer_, &rank_.rt(), &a));
     rank_.rt().dev().synchronize();
     return dx;
@@ -1413,6 +1424,298 @@ TEST(Layers, TensorParallelRefusesGradFp32OnA11Device) {
     EXPECT_NE(std::string(e.what()).find("LOOM_DEVICE_GRAD_FP32"), std::string::npos) << e.what();
   }
   EXPECT_EQ(dtable, std::vector<float>(8 * 8, 0.0f));
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// layer/moe: a reference forward in double, finite differences (where the top-k
+// choice is smooth, and across a routing that holds), one expert = the MLP, and
+// tp = 2 = tp = 1.
+// ---------------------------------------------------------------------------
+
+toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
+                        double dropout = 0.0) {
+  toml::table t;
+  t.insert("num_experts", experts);
+  t.insert("top_k", top_k);
+  t.insert("aux_loss_coeff", aux_coeff);
+  t.insert("pre_softmax", pre_softmax);
+  if (dropout > 0) t.insert("dropout", dropout);
+  return t;
+}
+
+// Central differences at h and h/2 of a piecewise-smooth objective (the top-k
+// choice jumps): a coordinate whose two estimates disagree has a routing change
+// within h and is skipped; the rest must match the analytic gradient, and at most
+// a quarter may be skipped.
+void fd_check_piecewise(std::vector<float>& v, const std::vector<float>& analytic,
+                        const std::function<double()>& objective, const std::string& what, std::mt19937& rng) {
+  ASSERT_EQ(v.size(), analytic.size()) << what;
+  std::set<size_t> coords;
+  std::uniform_int_distribution<size_t> pick(0, v.size() - 1);
+  for (int i = 0; i < 16 && coords.size() < v.size(); ++i) coords.insert(pick(rng));
+  double max_abs = 0.0;
+  for (float g : analytic) max_abs = std::max(max_abs, static_cast<double>(std::fabs(g)));
+  EXPECT_GT(max_abs, 1e-4) << what << ": the analytic gradient is all zeros";
+  auto central = [&](size_t j, float h) {
+    const float saved = v[j];
+    v[j] = saved + h;
+    const double lp = objective();
+    v[j] = saved - h;
+    const double lm = objective();
+    v[j] = saved;
+    return (lp - lm) / (2.0 * static_cast<double>(h));
+  };
+  size_t skipped = 0;
+  for (size_t j : coords) {
+    const double coarse = central(j, 1e-2f), fine = central(j, 5e-3f);
+    const double tol = 2e-2 * std::max(std::fabs(fine), std::fabs(static_cast<double>(analytic[j]))) + 3e-3;
+    if (std::fabs(coarse - fine) > tol) {
+      ++skipped;
+      continue;
+    }
+    EXPECT_NEAR(analytic[j], fine, tol) << what << "[" << j << "]";
+  }
+  EXPECT_LE(skipped * 4, coords.size()) << what << ": routing changed within h at too many coordinates";
+}
+
+TEST(Layers, MoeForwardMatchesReference) {
+  constexpr int64_t kExperts = 4, kTopK = 2;
+  for (const bool pre_softmax : {false, true}) {
+    SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
+    Rank rank;
+    auto dims = make_dims();
+    const double coeff = 0.3;
+    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax);
+    TestLayer layer(rank, "moe", dims, &opts);
+    std::mt19937 rng(41);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    std::vector<float> y;
+    layer.forward(b, 0, true, 0, &y);
+    layer.api()->release(layer.raw(), 0);
+
+    const Mat ln = ref_layernorm(b.x, layer.param("ln.weight").value, layer.param("ln.bias").value, kT, kHidden);
+    const std::vector<float> no_bias(kExperts, 0.0f);
+    const Mat logits = ref_linear(ln, layer.param("router.weight").value, no_bias, kT, kHidden, kExperts);
+    const auto& w1 = layer.param("experts.fc1.weight").value;
+    const auto& b1 = layer.param("experts.fc1.bias").value;
+    const auto& w2 = layer.param("experts.fc2.weight").value;
+    const auto& b2 = layer.param("experts.fc2.bias").value;
+    Mat out(b.x.begin(), b.x.end());  // the residual
+    std::vector<double> routed(kExperts, 0.0), prob_sum(kExperts, 0.0);
+    for (int64_t t = 0; t < kT; ++t) {
+      std::vector<double> p(kExperts);
+      double mx = -1e300, sum = 0;
+      for (int64_t e = 0; e < kExperts; ++e) mx = std::max(mx, logits[t * kExperts + e]);
+      for (int64_t e = 0; e < kExperts; ++e) sum += (p[e] = std::exp(logits[t * kExperts + e] - mx));
+      for (int64_t e = 0; e < kExperts; ++e) prob_sum[e] += (p[e] /= sum);
+      std::vector<int64_t> order(kExperts);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return p[a] > p[c]; });
+      double chosen = 0;
+      for (int64_t k = 0; k < kTopK; ++k) chosen += p[order[k]];
+      for (int64_t k = 0; k < kTopK; ++k) {
+        const int64_t e = order[k];
+        routed[e] += 1;
+        const double gate = pre_softmax ? p[e] : p[e] / chosen;
+        // expert e on token t: fc2(gelu(fc1 ln_t))
+        std::vector<double> h(kFfn);
+        for (int64_t f = 0; f < kFfn; ++f) {
+          double v = b1[e * kFfn + f];
+          for (int64_t i = 0; i < kHidden; ++i) v += ln[t * kHidden + i] * w1[(e * kHidden + i) * kFfn + f];
+          h[f] = 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+        }
+        for (int64_t o = 0; o < kHidden; ++o) {
+          double v = b2[e * kHidden + o];
+          for (int64_t f = 0; f < kFfn; ++f) v += h[f] * w2[(e * kFfn + f) * kHidden + o];
+          out[t * kHidden + o] += gate * v;
+        }
+      }
+    }
+    expect_close(y, out, 1e-5, "moe output");
+    double aux = 0;
+    for (int64_t e = 0; e < kExperts; ++e) aux += (routed[e] / (kT * kTopK)) * (prob_sum[e] / kT);
+    aux *= coeff * kExperts;
+    EXPECT_NEAR(layer.last_aux, aux, 1e-5 * aux) << "the load-balancing loss";
+    // A forward that is not training reports nothing.
+    layer.forward(b, 0, false, 0);
+    EXPECT_EQ(layer.last_aux, 0.0f);
+  }
+}
+
+// With top_k = num_experts every expert sees every token: the objective is
+// smooth and the gates are the router's softmax, so every parameter (the router
+// included) and the input are checked exactly as the other layers'.
+TEST(Layers, MoeGradientsMatchFiniteDifferencesWithEveryExpertChosen) {
+  Rank rank;
+  auto dims = make_dims();
+  toml::table opts = moe_options(3, 3);
+  TestLayer layer(rank, "moe", dims, &opts);
+  std::mt19937 rng(42);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
+}
+
+// Top-2 of 4 with a heavy load-balancing loss in the objective: the gates'
+// renormalisation (or pre-softmax gates), the router's softmax and the auxiliary
+// loss's gradient, all where the routing holds.
+TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
+  for (const bool pre_softmax : {false, true}) {
+    SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2);
+    TestLayer layer(rank, "moe", dims, &opts);
+    layer.aux_weight = 0.75;
+    std::mt19937 rng(43);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    layer.zero_grads();
+    layer.forward(b, 0, true, 9);
+    const std::vector<float> dx = layer.backward(b, 0);
+    for (Param& p : layer.params()) {
+      const std::vector<float> analytic = p.grad;
+      fd_check_piecewise(p.value, analytic, [&] { return layer.objective(b, 9); }, p.name, rng);
+    }
+    fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
+  }
+}
+
+// The auxiliary loss's gradient reaches the router only through aux_loss_scale:
+// at 0 (an engine before ABI 1.4) the router gradient is the gates' alone.
+TEST(Layers, MoeAuxiliaryLossGradientFollowsAuxLossScale) {
+  Rank rank;
+  auto dims = make_dims();
+  toml::table opts = moe_options(4, 2, /*aux_coeff=*/1.0);
+  TestLayer layer(rank, "moe", dims, &opts);
+  std::mt19937 rng(44);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<std::vector<float>> router_grad;
+  for (const double w : {0.0, 1.0, 2.0}) {
+    layer.aux_weight = w;
+    layer.zero_grads();
+    layer.forward(b, 0, true, 1);
+    layer.backward(b, 0);
+    router_grad.push_back(layer.param("router.weight").grad);
+  }
+  // Linear in the weight: g(2) - g(1) = g(1) - g(0) != 0.
+  double diff = 0;
+  for (size_t i = 0; i < router_grad[0].size(); ++i) {
+    const double d1 = router_grad[1][i] - router_grad[0][i], d2 = router_grad[2][i] - router_grad[1][i];
+    EXPECT_NEAR(d1, d2, 1e-5 * (1.0 + std::fabs(d1)));
+    diff = std::max(diff, std::fabs(d1));
+  }
+  EXPECT_GT(diff, 1e-4);
+}
+
+// One expert chosen by every token with gate 1 is exactly layer/mlp.
+TEST(Layers, MoeWithOneExpertIsTheMlp) {
+  Rank rank;
+  auto dims = make_dims();
+  toml::table opts = moe_options(1, 1, /*aux_coeff=*/0.01);
+  TestLayer moe(rank, "moe", dims, &opts);
+  TestLayer mlp(rank, "mlp", dims);
+  std::mt19937 rng(45);
+  mlp.randomize(rng);
+  moe.randomize(rng);  // the router: any values
+  const std::map<std::string, std::string> same = {{"ln.weight", "ln.weight"},
+                                                   {"ln.bias", "ln.bias"},
+                                                   {"experts.fc1.weight", "fc1.weight"},
+                                                   {"experts.fc1.bias", "fc1.bias"},
+                                                   {"experts.fc2.weight", "fc2.weight"},
+                                                   {"experts.fc2.bias", "fc2.bias"}};
+  for (const auto& [m, l] : same) {
+    ASSERT_EQ(moe.param(m).value.size(), mlp.param(l).value.size()) << m;
+    moe.param(m).value = mlp.param(l).value;
+  }
+  Batch b = make_batch(rng);
+  std::vector<float> y_moe, y_mlp;
+  moe.aux_weight = 1.0;
+  moe.zero_grads();
+  mlp.zero_grads();
+  moe.forward(b, 0, true, 3, &y_moe);
+  mlp.forward(b, 0, true, 3, &y_mlp);
+  EXPECT_LE(max_abs_diff(y_moe, y_mlp), 1e-6);
+  EXPECT_FLOAT_EQ(moe.last_aux, 0.01f);  // coeff * E * f * P = coeff * 1 * 1 * 1
+  const std::vector<float> dx_moe = moe.backward(b, 0), dx_mlp = mlp.backward(b, 0);
+  EXPECT_LE(max_abs_diff(dx_moe, dx_mlp), 1e-5);
+  for (const auto& [m, l] : same) {
+    double scale = 0;
+    for (float v : mlp.param(l).grad) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+    EXPECT_LE(max_abs_diff(moe.param(m).grad, mlp.param(l).grad), 1e-5 * (1.0 + scale)) << m;
+  }
+  for (float g : moe.param("router.weight").grad) EXPECT_EQ(g, 0.0f);  // softmax over one expert is constant
+}
+
+// Expert tensor parallelism (etp = tp = 2): each rank holds half of every
+// expert's ffn; the same output, input gradient and gradient slices as one rank.
+TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
+  constexpr int kTp = 2;
+  auto dims = make_dims();
+  toml::table opts = moe_options(4, 2, /*aux_coeff=*/0.5, false, /*dropout=*/0.25);
+  Rank serial;
+  TestLayer full(serial, "moe", dims, &opts);
+  full.aux_weight = 0.5;
+  std::mt19937 rng(46);
+  full.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> want_out;
+  full.zero_grads();
+  const double want_obj = full.forward(b, 0, true, 5, &want_out);
+  const std::vector<float> want_dx = full.backward(b, 0);
+
+  std::vector<RankResult> res(kTp);
+  const std::vector<std::string> errors = run_two_ranks([&](int r, Rank& rank) {
+    TestLayer layer(rank, "moe", dims, &opts);
+    layer.aux_weight = 0.5;
+    for (size_t i = 0; i < layer.params().size(); ++i) {
+      Param& p = layer.params()[i];
+      const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
+      if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
+      p.value = mine;
+    }
+    layer.zero_grads();
+    RankResult& out = res[static_cast<size_t>(r)];
+    out.objective = layer.forward(b, 0, true, 5, &out.out);
+    out.dx = layer.backward(b, 0);
+    for (Param& p : layer.params()) out.grads.push_back(p.grad);
+  });
+  for (int r = 0; r < kTp; ++r) {
+    SCOPED_TRACE("tp rank " + std::to_string(r));
+    ASSERT_EQ(errors[static_cast<size_t>(r)], "");
+    const RankResult& got = res[static_cast<size_t>(r)];
+    EXPECT_NEAR(got.objective, want_obj, 1e-5 * (1.0 + std::fabs(want_obj)));
+    EXPECT_LE(max_abs_diff(got.out, want_out), 1e-5);
+    EXPECT_LE(max_abs_diff(got.dx, want_dx), 1e-5);
+    for (size_t i = 0; i < full.params().size(); ++i) {
+      const Param& p = full.params()[i];
+      const std::vector<float> want = slice(p, p.grad, kTp, r);
+      ASSERT_EQ(got.grads[i].size(), want.size()) << p.name;
+      double scale = 0.0;
+      for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+      EXPECT_LE(max_abs_diff(got.grads[i], want), 1e-5 * (1.0 + scale)) << p.name;
+    }
+  }
+}
+
+TEST(Layers, MoeRefusesBadOptions) {
+  Rank rank;
+  auto dims = make_dims();
+  for (const auto& [experts, top_k, what] :
+       std::vector<std::tuple<int64_t, int64_t, std::string>>{{4, 5, "top_k = 5"}, {0, 1, "num_experts = 0"}}) {
+    toml::table opts = moe_options(experts, top_k);
+    try {
+      TestLayer layer(rank, "moe", dims, &opts);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

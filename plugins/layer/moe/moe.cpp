@@ -1,0 +1,539 @@
+// layer/moe: pre-LayerNorm mixture-of-experts feed-forward block with a residual,
+//   y = x + dropout(sum_k gate_k(t) * expert_{e_k(t)}(LN(x)_t))
+// as Megatron-Core's MoE layer with a dropless top-k router:
+//  - router: logits = LN(x) W_r [tokens, experts] (no bias); probs = softmax over
+//    all experts; each token goes to its top_k experts (ties: lower index). Gates
+//    are the softmax over the chosen logits (= the chosen probs renormalised,
+//    Megatron's default), or the chosen probs as they are with pre_softmax = true.
+//  - experts: GeLU MLPs fc2(gelu(fc1 x)), each with its own weights, on the tokens
+//    routed to it (dropless: no capacity, no token dropped).
+//  - load balancing: the Switch Transformer auxiliary loss
+//      aux = coeff * E * sum_e f_e * P_e,
+//    f_e = (tokens routed to e) / (tokens * top_k), P_e = mean over tokens of
+//    probs[:, e]; its gradient flows into the router only (f_e is a count). It
+//    enters the objective with the engine's aux_loss_scale (1 / microbatches,
+//    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
+// Routing is decided on the host (the router's [tokens, experts] probabilities are
+// read back once per forward, as Megatron's dropless dispatcher syncs on the
+// tokens-per-expert counts), so the layer is not capturable. Tokens are permuted
+// into expert order with the device's row gather (embedding_fwd) and combined back
+// with its scatter-add (embedding_bwd); the expert GEMMs run per expert on
+// contiguous rows.
+//
+// Tensor parallelism (expert tensor parallelism = tp, Megatron's default): each
+// expert's fc1 is split by output columns and fc2 by input rows across tp, the
+// router and LayerNorm are duplicated. The layer enters the TP region once (f:
+// identity, or the all-gather of the sequence shards under SP), every rank routes
+// all tokens identically, and the combined partial outputs leave it once (g:
+// all-reduce, or reduce-scatter under SP), so one collective per direction for all
+// experts together. fc2's bias is added by tp rank 0 only (it must be counted once
+// in the sum). Expert parallelism (parallel.ep > 1) is not implemented yet.
+#include "../common/layer_math.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+namespace {
+
+using namespace loom::layers;
+
+// The host side of one microbatch's routing (what the backward needs of it).
+struct Routing {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  std::vector<float> probs;         // [tokens, experts]: softmax over all experts
+  std::vector<int32_t> chosen;      // [tokens, top_k]: expert of each slot
+  std::vector<int32_t> row_token;   // [tokens * top_k]: dispatch row -> token (expert-major)
+  std::vector<int32_t> row_slot;    // dispatch row -> its slot (t * top_k + k)
+  std::vector<float> row_gate;      // dispatch row -> gate
+  std::vector<int64_t> offset;      // [experts + 1]: first dispatch row of each expert
+  double aux = 0;                   // the unweighted load-balancing term E * sum f_e P_e
+  int64_t rows() const { return tokens * top_k; }
+  int64_t count(int64_t e) const { return offset[e + 1] - offset[e]; }
+};
+
+// Routes `tokens` rows of fp32 logits: softmax, top-k, gates, dispatch order.
+Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts, int64_t top_k, bool pre_softmax) {
+  Routing r;
+  r.tokens = tokens;
+  r.experts = experts;
+  r.top_k = top_k;
+  r.probs.resize(static_cast<size_t>(tokens * experts));
+  r.chosen.resize(static_cast<size_t>(tokens * top_k));
+  std::vector<float> slot_gate(static_cast<size_t>(tokens * top_k));
+  std::vector<int64_t> routed(static_cast<size_t>(experts), 0);
+  std::vector<double> prob_sum(static_cast<size_t>(experts), 0.0);
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits.data() + t * experts;
+    float* p = r.probs.data() + t * experts;
+    double mx = l[0];
+    for (int64_t e = 1; e < experts; ++e) mx = std::max<double>(mx, l[e]);
+    double sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - mx);
+    for (int64_t e = 0; e < experts; ++e) {
+      p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - mx) / sum);
+      prob_sum[static_cast<size_t>(e)] += p[e];
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
+      return l[a] > l[b] || (l[a] == l[b] && a < b);
+    });
+    double chosen_sum = 0;
+    for (int64_t k = 0; k < top_k; ++k) chosen_sum += p[order[static_cast<size_t>(k)]];
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int32_t e = order[static_cast<size_t>(k)];
+      r.chosen[static_cast<size_t>(t * top_k + k)] = e;
+      slot_gate[static_cast<size_t>(t * top_k + k)] = static_cast<float>(pre_softmax ? p[e] : p[e] / chosen_sum);
+      ++routed[static_cast<size_t>(e)];
+    }
+  }
+  r.offset.assign(static_cast<size_t>(experts + 1), 0);
+  for (int64_t e = 0; e < experts; ++e) r.offset[e + 1] = r.offset[e] + routed[static_cast<size_t>(e)];
+  const int64_t n = r.rows();
+  r.row_token.resize(static_cast<size_t>(n));
+  r.row_slot.resize(static_cast<size_t>(n));
+  r.row_gate.resize(static_cast<size_t>(n));
+  std::vector<int64_t> next(r.offset.begin(), r.offset.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t)  // tokens in order within each expert
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t slot = t * top_k + k;
+      const int64_t row = next[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)])]++;
+      r.row_token[static_cast<size_t>(row)] = static_cast<int32_t>(t);
+      r.row_slot[static_cast<size_t>(row)] = static_cast<int32_t>(slot);
+      r.row_gate[static_cast<size_t>(row)] = slot_gate[static_cast<size_t>(slot)];
+    }
+  double aux = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    aux += (static_cast<double>(routed[static_cast<size_t>(e)]) / static_cast<double>(n)) *
+           (prob_sum[static_cast<size_t>(e)] / static_cast<double>(tokens));
+  r.aux = aux * static_cast<double>(experts);
+  return r;
+}
+
+// d(objective)/d(logits) [tokens, experts] from the gates' gradients (per
+// dispatch row) and the auxiliary loss's weight aux_scale = coeff * aux_loss_scale.
+std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_dgate, double aux_scale,
+                               bool pre_softmax) {
+  const int64_t T = r.tokens, E = r.experts, K = r.top_k;
+  std::vector<double> slot_dgate(static_cast<size_t>(T * K), 0.0);
+  for (int64_t row = 0; row < r.rows(); ++row)
+    slot_dgate[static_cast<size_t>(r.row_slot[static_cast<size_t>(row)])] = row_dgate[static_cast<size_t>(row)];
+  // d aux / d probs[t, e] = E * f_e / T (f_e is a count: no gradient).
+  std::vector<double> aux_dp(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e)
+    aux_dp[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
+                                     (static_cast<double>(r.count(e)) / static_cast<double>(r.rows())) /
+                                     static_cast<double>(T);
+  std::vector<float> dlogits(static_cast<size_t>(T * E));
+  std::vector<double> dp(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* p = r.probs.data() + t * E;
+    for (int64_t e = 0; e < E; ++e) dp[static_cast<size_t>(e)] = aux_dp[static_cast<size_t>(e)];
+    const int32_t* chosen = r.chosen.data() + t * K;
+    const double* dg = slot_dgate.data() + t * K;
+    if (pre_softmax) {  // gate_k = p[e_k]
+      for (int64_t k = 0; k < K; ++k) dp[static_cast<size_t>(chosen[k])] += dg[k];
+    } else {  // gate_k = p[e_k] / S, S = sum_j p[e_j]
+      double s = 0, dg_dot_p = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        s += p[chosen[k]];
+        dg_dot_p += dg[k] * p[chosen[k]];
+      }
+      for (int64_t k = 0; k < K; ++k) dp[static_cast<size_t>(chosen[k])] += dg[k] / s - dg_dot_p / (s * s);
+    }
+    double dot = 0;
+    for (int64_t e = 0; e < E; ++e) dot += p[e] * dp[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < E; ++e)
+      dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot));
+  }
+  return dlogits;
+}
+
+class Moe : public loom::Layer {
+ public:
+  Moe(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
+      : rank_(rank.raw()), tp_group_(args.tp) {
+    LOOM_REQUIRE(args.dims != nullptr, "moe: model dims are required");
+    const loom_model_dims& d = *args.dims;
+    name_ = args.instance_name ? args.instance_name : "moe";
+    tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
+    fusion_ = grad_accumulation_fusion(args);
+    hidden_ = d.hidden;
+    seq_ = d.seq_len;
+    micro_batch_ = d.micro_batch;
+    experts_ = options.get_int("num_experts", 8);
+    top_k_ = options.get_int("top_k", 2);
+    ffn_ = options.get_int("ffn_hidden_size", 0);
+    if (ffn_ == 0) ffn_ = d.ffn_hidden;
+    pre_softmax_ = options.get_bool("pre_softmax", false);
+    aux_coeff_ = options.get_float("aux_loss_coeff", 0.01);
+    dropout_ = dropout_option(options, name_);
+    LOOM_REQUIRE(experts_ >= 1, name_ << ": option num_experts = " << experts_ << " must be at least 1");
+    LOOM_REQUIRE(top_k_ >= 1 && top_k_ <= experts_, name_ << ": option top_k = " << top_k_
+                                                        << " must be in [1, num_experts = " << experts_ << "]");
+    LOOM_REQUIRE(hidden_ > 0 && ffn_ > 0, name_ << ": hidden and ffn_hidden_size must be positive");
+    LOOM_REQUIRE(aux_coeff_ >= 0.0, name_ << ": option aux_loss_coeff = " << aux_coeff_ << " must be >= 0");
+    const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
+    LOOM_REQUIRE(ffn_ % tp == 0, name_ << ": ffn_hidden_size (" << ffn_
+                                       << ") must be divisible by the tensor-parallel size (" << tp << ")");
+    ffn_local_ = ffn_ / tp;
+    const loom::Group ep = rank.group("ep");
+    LOOM_REQUIRE(ep.size() == 1, name_ << ": expert parallelism (parallel.ep = " << ep.size()
+                                       << ") is not implemented yet; every rank holds all " << experts_
+                                       << " experts: use parallel.ep = 1");
+  }
+
+  std::vector<loom::ParamSpec> params() override {
+    const int64_t E = experts_, H = hidden_, F = ffn_;
+    std::vector<loom::ParamSpec> p(7);
+    p[kLnW] = {.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
+    p[kLnB] = {.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
+    p[kRouter] = {.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL};
+    p[kFc1W] = {.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL};
+    p[kFc1B] = {.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
+                .no_weight_decay = true};
+    p[kFc2W] = {.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
+                .init = LOOM_INIT_NORMAL_SCALED};
+    p[kFc2B] = {.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
+    return p;
+  }
+
+  void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
+    LOOM_REQUIRE(params.size() == 7 && grads.size() == 7,
+                 name_ << ": bind expects 7 parameters, got " << params.size());
+    const std::vector<int64_t> expect = local_numels();
+    const char* names[7] = {"ln.weight",          "ln.bias",           "router.weight",     "experts.fc1.weight",
+                            "experts.fc1.bias",   "experts.fc2.weight", "experts.fc2.bias"};
+    dt_ = bound_dtypes(params, grads, name_);
+    for (int i = 0; i < 7; ++i) {
+      w_[i] = bound(params[i], expect[static_cast<size_t>(i)], name_, names[i], dt_.act);
+      g_[i] = bound(grads[i], expect[static_cast<size_t>(i)], name_, std::string(names[i]) + " (grad)", dt_.grad);
+    }
+  }
+
+  void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    const int64_t H = hidden_, E = experts_, Fl = ffn_local_, K = top_k_;
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
+    const bool sp = tp_.sequence_parallel();
+    const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
+    const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B, N = T * K;
+    require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
+    const void* x = data_of<void>(*a.input);
+    void* y = data_of<void>(*a.output);
+    loom::Device dev = rank.device();
+    const int32_t act = dt_.act;
+    const bool drop = a.training && dropout_ > 0.0f;
+
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.x = s.mem.elems(a.training ? Tl * H : 0, act);
+    s.mean = s.mem.floats(Tl);
+    s.rstd = s.mem.floats(Tl);
+    s.mask = s.mem.add(drop ? Tl * H : 0);
+    s.dropped = drop;
+    s.mem.allocate(rank_);
+
+    // LayerNorm, into the TP region (f), and the router's logits in fp32.
+    Arena pre;
+    const size_t ln = pre.elems(Tl * H, act), ln_full = pre.elems(sp ? T * H : 0, act), logits = pre.floats(T * E);
+    pre.allocate(rank_);
+    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
+    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], pre.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
+                  kLayerNormEps, act);
+    const void* xin = pre.at(ln);
+    if (sp) {
+      tp_.enter_forward({.rows = T, .cols = H, .x = pre.at(ln), .out = pre.at(ln_full), .dtype = act});
+      xin = pre.at(ln_full);
+    }
+    gemm(dev, false, false, T, E, H, xin, w_[kRouter], pre.at(logits), 0.0f, act, LOOM_DTYPE_F32);
+    std::vector<float> host_logits(static_cast<size_t>(T * E));
+    dev.copy(host_logits.data(), pre.at(logits), host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    s.routing = route(host_logits, T, E, K, pre_softmax_);
+    const Routing& r = s.routing;
+    if (a.training && a.aux_loss != nullptr && aux_coeff_ > 0.0)
+      *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux);
+
+    // What the backward needs of the dispatch: token ids and gates per row, and
+    // the experts' fc1 outputs (pre-GeLU).
+    s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
+    s.gate = s.route.elems(N, act);
+    s.h = s.route.elems(N * Fl, act);
+    s.route.allocate(rank_);
+    upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at(s.gate));
+
+    Arena tmp;
+    const size_t xg = tmp.elems(N * H, act), a_out = tmp.elems(N * Fl, act), yx = tmp.elems(N * H, act),
+                 gexp = tmp.elems(N * H, act), ones = tmp.elems(H, act), out_full = tmp.elems(T * H, act),
+                 o = tmp.elems(sp ? Tl * H : 0, act);
+    tmp.allocate(rank_);
+    gather_rows(dev, xin, s.route.at<int32_t>(s.tok), tmp.at(xg), N, T, H);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      void* h = advance(s.route.at(s.h), r0 * Fl, act);
+      gemm(dev, false, false, n, Fl, H, advance(tmp.at(xg), r0 * H, act), advance(w_[kFc1W], e * H * Fl, act), h,
+           0.0f, act, act);
+      add_bias(dev, h, advance(w_[kFc1B], e * Fl, act), h, n, Fl, act);
+    }
+    dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
+    expert_outputs(dev, tmp.at(a_out), tmp.at(yx), r);
+    // Gate each row, then scatter-add the rows back to their tokens.
+    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
+                     .dtype = act, .out_dtype = act});
+    dev.elementwise({.op = LOOM_EW_FILL, .n = T * H, .out = tmp.at(out_full), .alpha = 0.f, .dtype = act,
+                     .out_dtype = act});
+    scatter_add_rows(dev, tmp.at(yx), s.route.at<int32_t>(s.tok), tmp.at(out_full), N, T, H);
+    // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
+    void* out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
+    tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
+    if (drop)
+      tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = out, .out = out,
+                           .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
+                           .microbatch = a.microbatch, .dtype = act, .seed_device = a.dropout_seed_device});
+    add(dev, x, out, y, Tl * H, act);  // the residual
+
+    if (a.training) saved_[a.microbatch] = std::move(s);
+  }
+
+  void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
+    auto it = saved_.find(a.microbatch);
+    LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
+                                           << " without a training forward");
+    Saved& s = it->second;
+    const Routing& r = s.routing;
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, E = experts_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
+    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
+    require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
+    require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
+    const void* dy = data_of<void>(*a.grad_output);
+    void* dx = data_of<void>(*a.grad_input);
+    loom::Device dev = rank.device();
+    const int32_t act = dt_.act;
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 7), local_numels(), tp_.features(), fusion_);
+    const int32_t gdt = gs.grad_dtype();
+
+    Arena tmp;
+    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(sp ? T * H : 0, act),
+                 ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(sp ? T * H : 0, act), xg = tmp.elems(N * H, act),
+                 a_out = tmp.elems(N * Fl, act), yx = tmp.elems(N * H, act), dyg = tmp.elems(N * H, act),
+                 gexp = tmp.elems(N * H, act), ones = tmp.elems(H, act), dgate = tmp.floats(N),
+                 da = tmp.elems(N * Fl, act), dln_full = tmp.elems(T * H, act),
+                 dln = tmp.elems(sp ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
+                 dlogits_act = tmp.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
+    tmp.allocate(rank_);
+
+    const void* d = dy;
+    if (s.dropped) {
+      dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, act);
+      d = tmp.at(dout);
+    }
+    // g's backward: the whole output gradient on every tp rank.
+    if (sp) {
+      tp_.exit_backward({.rows = T, .cols = H, .x = d, .out = tmp.at(dfull), .dtype = act});
+      d = tmp.at(dfull);
+    }
+    // The dispatched inputs and the experts' outputs, recomputed.
+    const void* xin = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
+                                         s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, act);
+    const int32_t* tok = s.route.at<int32_t>(s.tok);
+    gather_rows(dev, xin, tok, tmp.at(xg), N, T, H);
+    dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
+    expert_outputs(dev, tmp.at(a_out), tmp.at(yx), r);
+    gather_rows(dev, d, tok, tmp.at(dyg), N, T, H);
+
+    // The gates' gradients: <dy_row, expert output row>, summed over tp (each rank
+    // holds a partial expert output).
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(dyg), .y = tmp.at(yx), .out = tmp.at(yx),
+                     .dtype = act, .out_dtype = act});
+    dev.elementwise({.op = LOOM_EW_FILL, .n = H, .out = tmp.at(ones), .alpha = 1.f, .dtype = act, .out_dtype = act});
+    gemm(dev, false, false, N, 1, H, tmp.at(yx), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
+    tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(N), LOOM_DTYPE_F32);
+    std::vector<float> row_dgate(static_cast<size_t>(N));
+    dev.copy(row_dgate.data(), tmp.at(dgate), row_dgate.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+
+    // The experts' backward on the gated output gradient.
+    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N);
+    void* dyr = tmp.at(dyg);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = dyr, .y = tmp.at(gexp), .out = dyr, .dtype = act,
+                     .out_dtype = act});
+    const bool count_bias = !sp || tp_.rank() == 0;  // SP: the engine sums duplicated gradients over tp
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      const void* ae = advance(tmp.at(a_out), r0 * Fl, act);
+      const void* dye = advance(dyr, r0 * H, act);
+      gemm(dev, true, false, Fl, H, n, ae, dye, advance(gs[kFc2W], e * Fl * H, gdt), 1.0f, act, gdt);
+      if (count_bias) column_sum_acc(rank_, dev, dye, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
+      gemm(dev, false, true, n, Fl, H, dye, advance(w_[kFc2W], e * Fl * H, act), advance(tmp.at(da), r0 * Fl, act),
+           0.0f, act, act);
+    }
+    dev.gelu_bwd({.n = N * Fl, .x = s.route.at(s.h), .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
+    void* dxg = tmp.at(gexp);  // the expanded gates are used up
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      const void* dhe = advance(tmp.at(da), r0 * Fl, act);
+      gemm(dev, true, false, H, Fl, n, advance(tmp.at(xg), r0 * H, act), dhe, advance(gs[kFc1W], e * H * Fl, gdt),
+           1.0f, act, gdt);
+      column_sum_acc(rank_, dev, dhe, advance(gs[kFc1B], e * Fl, gdt), n, Fl, act, gdt);
+      gemm(dev, false, true, n, H, Fl, dhe, advance(w_[kFc1W], e * H * Fl, act), advance(dxg, r0 * H, act), 0.0f,
+           act, act);
+    }
+    dev.elementwise({.op = LOOM_EW_FILL, .n = T * H, .out = tmp.at(dln_full), .alpha = 0.f, .dtype = act,
+                     .out_dtype = act});
+    scatter_add_rows(dev, dxg, tok, tmp.at(dln_full), N, T, H);
+    // f's backward: summed over tp (reduce-scattered to the shard under SP).
+    void* dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
+    tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
+
+    // The router, on the rows this rank holds (its shard under SP): every tp rank
+    // routed all tokens identically, so each adds the router's part of its rows.
+    dev.synchronize();  // row_dgate
+    const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale);
+    const std::vector<float> dlog = router_grad(r, row_dgate, aux_scale, pre_softmax_);
+    const int64_t row0 = sp ? tp_.rank() * Tl : 0;
+    dev.copy(tmp.at(dlogits), dlog.data() + row0 * E, static_cast<size_t>(Tl * E) * sizeof(float),
+             LOOM_COPY_HOST_TO_DEVICE);
+    const void* dl_router = tmp.at(dlogits);
+    if (act != LOOM_DTYPE_F32) {
+      dev.elementwise({.op = LOOM_EW_CAST, .n = Tl * E, .x = tmp.at(dlogits), .out = tmp.at(dlogits_act),
+                       .dtype = LOOM_DTYPE_F32, .out_dtype = act});
+      dl_router = tmp.at(dlogits_act);
+    }
+    gemm(dev, true, false, H, E, Tl, tmp.at(ln), dl_router, gs[kRouter], 1.0f, act, gdt);
+    gemm(dev, false, true, Tl, H, E, dl_router, w_[kRouter], dl, 1.0f, act, act);
+
+    // dx = dy (the residual) + LN backward.
+    copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
+    layernorm_bwd(dev, dl, s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx, gs[kLnW], gs[kLnB], Tl,
+                  H, /*accumulate_dx=*/true, act, gs.grad_fp32());
+    gs.commit();
+    saved_.erase(it);
+  }
+
+  void release(int32_t microbatch) override { saved_.erase(microbatch); }
+
+  // Routing is decided on the host from device data: not capturable.
+  bool capturable() override { return false; }
+
+  // With balanced routing (every expert gets tokens * top_k / experts rows).
+  uint64_t activation_bytes() override {
+    const int64_t T = seq_ * micro_batch_, H = hidden_, N = T * top_k_;
+    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T;
+    Arena a;
+    a.elems(Tl * H, dt_.act);                 // x
+    a.floats(Tl);                             // mean
+    a.floats(Tl);                             // rstd
+    a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
+    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // dispatch token ids
+    a.elems(N, dt_.act);                      // gates
+    a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
+    return a.bytes();
+  }
+
+  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl).
+  double forward_flops() override {
+    const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
+    return 2.0 * T * H * static_cast<double>(experts_) +
+           4.0 * T * static_cast<double>(top_k_) * H * static_cast<double>(ffn_local_);
+  }
+
+ private:
+  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B };
+
+  std::vector<int64_t> local_numels() const {
+    const int64_t H = hidden_, E = experts_, Fl = ffn_local_;
+    return {H, H, H * E, E * H * Fl, E * Fl, E * Fl * H, E * H};
+  }
+
+  // The dispatch order's token ids (int32) and gates (activation dtype) to the device.
+  void upload_dispatch(const loom::Device& dev, const Routing& r, int32_t* tok, void* gate) const {
+    const int64_t N = r.rows();
+    dev.copy(tok, r.row_token.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+    if (dt_.act == LOOM_DTYPE_F32) {
+      dev.copy(gate, r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+      return;
+    }
+    Arena wide;
+    const size_t g = wide.floats(N);
+    wide.allocate(rank_);
+    dev.copy(wide.at(g), r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    dev.elementwise({.op = LOOM_EW_CAST, .n = N, .x = wide.at(g), .out = gate, .dtype = LOOM_DTYPE_F32,
+                     .out_dtype = dt_.act});
+  }
+
+  // out [rows, H] = table [table_rows, H] at ids (the device's embedding gather).
+  void gather_rows(const loom::Device& dev, const void* table, const int32_t* ids, void* out, int64_t rows,
+                   int64_t table_rows, int64_t H) const {
+    dev.embedding_fwd({.n = rows, .dim = H, .vocab_rows = table_rows, .vocab_start = 0, .ids = ids, .table = table,
+                       .out = out, .dtype = dt_.act});
+  }
+  // table [table_rows, H] at ids += rows (the device's embedding scatter-add).
+  void scatter_add_rows(const loom::Device& dev, const void* rows_in, const int32_t* ids, void* table, int64_t rows,
+                        int64_t table_rows, int64_t H) const {
+    dev.embedding_bwd({.n = rows, .dim = H, .vocab_rows = table_rows, .vocab_start = 0, .ids = ids, .dout = rows_in,
+                       .dtable = table, .dtype = dt_.act});
+  }
+  // out [N, H] = gate [N, 1] x ones [1, H]: each row's gate across its columns.
+  void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N) const {
+    dev.elementwise({.op = LOOM_EW_FILL, .n = hidden_, .out = ones, .alpha = 1.f, .dtype = dt_.act,
+                     .out_dtype = dt_.act});
+    gemm(dev, false, false, N, hidden_, 1, gate, ones, out, 0.0f, dt_.act, dt_.act);
+  }
+  // y [N, H] = fc2(act) per expert on its rows, + fc2's bias on tp rank 0 (the
+  // outputs are partial sums over tp).
+  void expert_outputs(const loom::Device& dev, const void* act_in, void* y, const Routing& r) const {
+    const int64_t H = hidden_, Fl = ffn_local_;
+    const int32_t act = dt_.act;
+    for (int64_t e = 0; e < experts_; ++e) {
+      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      void* ye = advance(y, r0 * H, act);
+      gemm(dev, false, false, n, H, Fl, advance(act_in, r0 * Fl, act), advance(w_[kFc2W], e * Fl * H, act), ye, 0.0f,
+           act, act);
+      if (tp_.rank() == 0) add_bias(dev, ye, advance(w_[kFc2B], e * H, act), ye, n, H, act);
+    }
+  }
+
+  struct Saved {
+    int64_t S = 0, B = 0;
+    Arena mem;    // fixed size: x, LN statistics, dropout mask
+    Arena route;  // sized by the routing: token ids, gates, fc1 outputs
+    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, gate = 0, h = 0;
+    bool dropped = false;
+    Routing routing;
+  };
+
+  loom_rank* rank_;
+  loom::Group tp_group_;
+  loom::TensorParallel tp_;
+  std::string name_;
+  int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
+  bool pre_softmax_ = false;
+  double aux_coeff_ = 0.0;
+  float dropout_ = 0.0f;
+  Dtypes dt_;
+  bool fusion_ = false;
+  void* w_[7] = {};
+  void* g_[7] = {};
+  std::map<int32_t, Saved> saved_;
+};
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
+    "moe", "1.0.0", "pre-LN mixture of GeLU experts, dropless top-k router, load-balancing loss (tensor-parallel)",
+    {loom::opt_int("num_experts", 8, "experts in the layer"),
+     loom::opt_int("top_k", 2, "experts each token is routed to"),
+     loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)"),
+     loom::opt_bool("pre_softmax", false,
+                    "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
+                    "chosen logits only (false, Megatron's default)"),
+     loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)"),
+     loom::layers::dropout_option_spec("the MoE output")}))

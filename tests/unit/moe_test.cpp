@@ -1,0 +1,120 @@
+// layer/moe through the whole engine: a GPT whose blocks are attention + MoE
+// trains the same model, step by step, serial and at tp = 2 (with and without
+// sequence parallelism), dp = 2 (DDP and the distributed optimizer), pp = 2
+// (1F1B and interleaved) and tp x pp x dp; the load-balancing loss is reported
+// and its gradient reaches every pipeline stage with the engine's aux_loss_scale
+// (ABI 1.4); expert parallelism is refused with a clear message until it exists.
+#include "support/rank_trace.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace {
+
+using loom::testing::RankTrace;
+
+std::string manifest() {
+  return loom::testing::tiny_manifest() + R"(
+[parallel]
+[model.layer.moe]
+num_experts = 4
+top_k = 2
+ffn_hidden_size = 64
+aux_loss_coeff = 0.1
+)";
+}
+
+// Four blocks of attention + moe, Adam's eps small as in the tensor-parallel
+// tests (the comparison is then of the parallel arithmetic).
+RankTrace run(std::vector<std::string> overrides) {
+  overrides.insert(overrides.end(),
+                   {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
+  return loom::testing::run_all_ranks(manifest(), overrides);
+}
+
+void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
+  ASSERT_GE(serial.loss.size(), 10u);
+  ASSERT_EQ(par.loss.size(), serial.loss.size());
+  int moe_tensors = 0;
+  for (size_t s = 0; s < serial.loss.size(); ++s) {
+    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
+    const double aux = serial.result.steps[s].aux_loss;
+    EXPECT_NEAR(par.result.steps[s].aux_loss, aux, tol * aux + 1e-7) << "aux loss at step " << s + 1;
+    const auto want = loom::testing::full_params(serial, s);
+    const auto got = loom::testing::full_params(par, s);
+    ASSERT_EQ(got.size(), want.size()) << "the stages together hold every parameter once";
+    for (const auto& [key, w] : want) {
+      ASSERT_TRUE(got.count(key)) << key << " is on no stage";
+      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), tol) << key << " at step " << s + 1;
+      if (s == 0 && key.find(".moe.") != std::string::npos) ++moe_tensors;
+    }
+  }
+  EXPECT_EQ(moe_tensors, 4 * 7) << "every block's moe parameters are compared";
+}
+
+const RankTrace& serial() {
+  static const RankTrace t = run({});
+  return t;
+}
+
+TEST(Moe, SerialTrainsAndReportsTheLoadBalancingLoss) {
+  const RankTrace& t = serial();
+  ASSERT_GE(t.loss.size(), 10u);
+  EXPECT_LT(t.loss.back(), t.loss.front());
+  // Four layers at coefficient 0.1, each E * sum f_e P_e >= ... near 1 when balanced.
+  for (const auto& s : t.result.steps) {
+    EXPECT_GT(s.aux_loss, 4 * 0.1 * 0.5) << "step " << s.step;
+    EXPECT_LT(s.aux_loss, 4 * 0.1 * 4.0) << "step " << s.step;
+  }
+}
+
+TEST(Moe, Tp2MatchesSerial) { expect_same_training(serial(), run({"parallel.tp=2"})); }
+
+TEST(Moe, Tp2SequenceParallelMatchesSerial) {
+  expect_same_training(serial(), run({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+}
+
+TEST(Moe, Dp2MatchesSerial) { expect_same_training(serial(), run({"parallel.dp=2"})); }
+
+TEST(Moe, Dp2DistributedOptimizerMatchesSerial) {
+  expect_same_training(serial(), run({"parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+}
+
+// The first stage's MoE layers get their auxiliary gradient from aux_loss_scale
+// (the main loss's scale is known on the last stage only).
+TEST(Moe, Pp2MatchesSerial) { expect_same_training(serial(), run({"parallel.pp=2"})); }
+
+TEST(Moe, InterleavedPp2Vpp2MatchesSerial) {
+  expect_same_training(serial(), run({"parallel.pp=2", "parallel.vpp=2"}));
+}
+
+TEST(Moe, Tp2Pp2Dp2SequenceParallelMatchesSerial) {
+  expect_same_training(serial(), run({"parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                                      "parallel.sequence_parallel=true"}));
+}
+
+// Without the auxiliary loss the router learns from the gates alone: a different
+// run, so the comparisons above do see the auxiliary gradient.
+TEST(Moe, TheAuxiliaryLossChangesTraining) {
+  const RankTrace off = run({"model.layer.moe.aux_loss_coeff=0.0"});
+  ASSERT_EQ(off.loss.size(), serial().loss.size());
+  const auto a = loom::testing::full_params(off, off.loss.size() - 1);
+  const auto b = loom::testing::full_params(serial(), serial().loss.size() - 1);
+  EXPECT_GT(loom::testing::tensor_rel_diff(a.at("blocks.0.moe.router.weight"), b.at("blocks.0.moe.router.weight")),
+            1e-4);
+  for (const auto& s : off.result.steps) EXPECT_EQ(s.aux_loss, 0.0);
+}
+
+TEST(Moe, ExpertParallelismIsRefusedWithTheReason) {
+  try {
+    run({"parallel.dp=2", "parallel.ep=2"});
+    ADD_FAILURE() << "ep = 2 was accepted";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("expert parallelism"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("parallel.ep = 1"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
