@@ -5,7 +5,7 @@
 #   3. training equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
 #      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
-#      against dp = 2 on the CPU
+#      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks)
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
 #      graphs (exec.mode = partial_graph) whose losses must equal eager's, and the ms/step
 #      of both on the quickstart model (small kernels: launch-bound, where graphs help)
@@ -125,6 +125,15 @@ if run cpu_dp1 "${common[@]}" --set device.kind=cpu && run cuda_dp1 "${common[@]
   else fail "cuda fp32 vs cpu losses differ (dp=1)"; fi
 else
   fail "equivalence runs failed (see $out/cpu_dp1.log, $out/cuda_dp1.log)"; tail -5 "$out/cuda_dp1.log"
+fi
+# MoE blocks (layer/moe: host routing, row gather/scatter, per-expert GEMMs, aux loss).
+moe=(configs/quickstart_moe.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
+     --set parallel.dp=1)
+if run cpu_moe "${moe[@]}" --set device.kind=cpu && run cuda_moe "${moe[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_moe.jsonl" "$out/cpu_moe.jsonl" 1e-4 "cuda vs cpu, MoE, dp=1"; then pass "cuda fp32 = cpu with MoE blocks"
+  else fail "cuda fp32 vs cpu losses differ with MoE blocks"; fi
+else
+  fail "MoE equivalence runs failed (see $out/cpu_moe.log, $out/cuda_moe.log)"; tail -5 "$out/cuda_moe.log"
 fi
 if [ "$gpus" -ge 2 ]; then
   dp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2)

@@ -170,6 +170,12 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       tp.size = plan.sizes.tp;
       tp.rank = tp_rank;
       rt.add_group("tp", tp);
+      // Layers may ask for other groups by kind (layer/moe: "ep"); their sizes are
+      // the plan's, their communicators absent (planning runs no collective).
+      loom_group ep = tp;
+      ep.size = plan.sizes.ep;
+      ep.rank = groups.rank_in_group("ep", r);
+      rt.add_group("ep", ep);
 
       PlannedLayers layers;
       std::vector<std::string> instances;
