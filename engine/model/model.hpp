@@ -100,7 +100,7 @@ class Model {
   // the chunk's input (valid until the next backward_chunk), or nullptr for the
   // first global chunk. aux_loss_scale: d(objective)/d(auxiliary loss) of the
   // microbatch, 1 / microbatches per step (ABI 1.4, every layer).
-  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale = 1.0f);
+  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale);
   // Drops what the forward of (c, mb) saved, without a backward (evaluation).
   void release_chunk(int c, int mb);
   // The step's dropout seed of every microbatch (index = mb), copied to device
@@ -114,7 +114,7 @@ class Model {
   // One microbatch: forward through all chunks, handing each output to the next.
   void forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
                float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr, float* aux_loss = nullptr);
-  void backward(int mb, float loss_scale, float aux_loss_scale = 1.0f);
+  void backward(int mb, float loss_scale, float aux_loss_scale);
   void release(int mb);
   void zero_grads();
   // After the last microbatch's backward, before the optimizer: the reductions

@@ -38,7 +38,7 @@ void check_model_gradients(const std::vector<std::string>& overrides) {
       int64_t count = 0;
       model.zero_grads();
       model.forward(0, tokens.data(), targets.data(), with_backward, 0, &sum, &count);
-      if (with_backward) model.backward(0, 1.0f / count);
+      if (with_backward) model.backward(0, 1.0f / count, 1.0f);  // one microbatch
       return static_cast<double>(sum) / count;
     };
     loss(true);

@@ -223,7 +223,7 @@ std::map<int, MicrobatchComm> count_one_microbatch(const std::vector<std::string
     model.forward(0, tokens.data(), targets.data(), true, 1, &loss, &count);  // device/cpu: host memory
     c.forward = rt.comm_stats();
     rt.reset_comm_stats();
-    model.backward(0, 1.0f);
+    model.backward(0, 1.0f, 1.0f);
     c.backward = rt.comm_stats();
     rt.reset_comm_stats();
     model.finalize_grads();

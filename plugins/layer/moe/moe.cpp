@@ -17,8 +17,8 @@
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
 // tokens-per-expert counts), so the layer is not capturable. Tokens are permuted
 // into expert order with the device's row gather (embedding_fwd) and combined back
-// with its scatter-add (embedding_bwd); the expert GEMMs run per expert on
-// contiguous rows.
+// with the same gather, accumulating each token's top_k rows in slot order; the
+// expert GEMMs run per expert on contiguous rows.
 //
 // Tensor parallelism (expert tensor parallelism = tp, Megatron's default): each
 // expert's fc1 is split by output columns and fc2 by input rows across tp, the
@@ -46,6 +46,7 @@ struct Routing {
   std::vector<int32_t> chosen;      // [tokens, top_k]: expert of each slot
   std::vector<int32_t> row_token;   // [tokens * top_k]: dispatch row -> token (expert-major)
   std::vector<int32_t> row_slot;    // dispatch row -> its slot (t * top_k + k)
+  std::vector<int32_t> slot_row;    // [top_k, tokens]: the dispatch row of slot (t, k) at k * tokens + t
   std::vector<float> row_gate;      // dispatch row -> gate
   std::vector<int64_t> offset;      // [experts + 1]: first dispatch row of each expert
   double aux = 0;                   // the unweighted load-balancing term E * sum f_e P_e
@@ -95,6 +96,7 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
   r.row_token.resize(static_cast<size_t>(n));
   r.row_slot.resize(static_cast<size_t>(n));
   r.row_gate.resize(static_cast<size_t>(n));
+  r.slot_row.resize(static_cast<size_t>(n));
   std::vector<int64_t> next(r.offset.begin(), r.offset.end() - 1);
   for (int64_t t = 0; t < tokens; ++t)  // tokens in order within each expert
     for (int64_t k = 0; k < top_k; ++k) {
@@ -102,6 +104,7 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
       const int64_t row = next[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)])]++;
       r.row_token[static_cast<size_t>(row)] = static_cast<int32_t>(t);
       r.row_slot[static_cast<size_t>(row)] = static_cast<int32_t>(slot);
+      r.slot_row[static_cast<size_t>(k * tokens + t)] = static_cast<int32_t>(row);
       r.row_gate[static_cast<size_t>(row)] = slot_gate[static_cast<size_t>(slot)];
     }
   double aux = 0;
@@ -260,10 +263,11 @@ class Moe : public loom::Layer {
     // What the backward needs of the dispatch: token ids and gates per row, and
     // the experts' fc1 outputs (pre-GeLU).
     s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
+    s.slot_row = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.gate = s.route.elems(N, act);
     s.h = s.route.elems(N * Fl, act);
     s.route.allocate(rank_);
-    upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at(s.gate));
+    upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at<int32_t>(s.slot_row), s.route.at(s.gate));
 
     Arena tmp;
     const size_t xg = tmp.elems(N * H, act), a_out = tmp.elems(N * Fl, act), yx = tmp.elems(N * H, act),
@@ -285,9 +289,7 @@ class Moe : public loom::Layer {
     expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N);
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
                      .dtype = act, .out_dtype = act});
-    dev.elementwise({.op = LOOM_EW_FILL, .n = T * H, .out = tmp.at(out_full), .alpha = 0.f, .dtype = act,
-                     .out_dtype = act});
-    scatter_add_rows(dev, tmp.at(yx), s.route.at<int32_t>(s.tok), tmp.at(out_full), N, T, H);
+    combine_rows(dev, tmp.at(yx), s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
     // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
     void* out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
     tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
@@ -385,9 +387,7 @@ class Moe : public loom::Layer {
       gemm(dev, false, true, n, H, Fl, dhe, advance(w_[kFc1W], e * H * Fl, act), advance(dxg, r0 * H, act), 0.0f,
            act, act);
     }
-    dev.elementwise({.op = LOOM_EW_FILL, .n = T * H, .out = tmp.at(dln_full), .alpha = 0.f, .dtype = act,
-                     .out_dtype = act});
-    scatter_add_rows(dev, dxg, tok, tmp.at(dln_full), N, T, H);
+    combine_rows(dev, dxg, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
     // f's backward: summed over tp (reduce-scattered to the shard under SP).
     void* dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
     tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
@@ -432,6 +432,7 @@ class Moe : public loom::Layer {
     a.floats(Tl);                             // rstd
     a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // dispatch token ids
+    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
     return a.bytes();
@@ -453,9 +454,10 @@ class Moe : public loom::Layer {
   }
 
   // The dispatch order's token ids (int32) and gates (activation dtype) to the device.
-  void upload_dispatch(const loom::Device& dev, const Routing& r, int32_t* tok, void* gate) const {
+  void upload_dispatch(const loom::Device& dev, const Routing& r, int32_t* tok, int32_t* slot_row, void* gate) const {
     const int64_t N = r.rows();
     dev.copy(tok, r.row_token.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+    dev.copy(slot_row, r.slot_row.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
     if (dt_.act == LOOM_DTYPE_F32) {
       dev.copy(gate, r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
       return;
@@ -474,11 +476,15 @@ class Moe : public loom::Layer {
     dev.embedding_fwd({.n = rows, .dim = H, .vocab_rows = table_rows, .vocab_start = 0, .ids = ids, .table = table,
                        .out = out, .dtype = dt_.act});
   }
-  // table [table_rows, H] at ids += rows (the device's embedding scatter-add).
-  void scatter_add_rows(const loom::Device& dev, const void* rows_in, const int32_t* ids, void* table, int64_t rows,
-                        int64_t table_rows, int64_t H) const {
-    dev.embedding_bwd({.n = rows, .dim = H, .vocab_rows = table_rows, .vocab_start = 0, .ids = ids, .dout = rows_in,
-                       .dtable = table, .dtype = dt_.act});
+  // out [T, H] = sum over k of rows [N, H] at slot_row[k] (the device's gather with
+  // accumulate, slot 0 first): every token's top_k rows added in one fixed order,
+  // so the result does not depend on thread scheduling (a scatter-add by atomics
+  // would, from three rows per token on).
+  void combine_rows(const loom::Device& dev, const void* rows_in, const int32_t* slot_row, void* out, int64_t T,
+                    int64_t H) const {
+    for (int64_t k = 0; k < top_k_; ++k)
+      dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = T * top_k_, .vocab_start = 0, .ids = slot_row + k * T,
+                         .table = rows_in, .out = out, .accumulate = k > 0 ? 1 : 0, .dtype = dt_.act});
   }
   // out [N, H] = gate [N, 1] x ones [1, H]: each row's gate across its columns.
   void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N) const {
@@ -505,7 +511,7 @@ class Moe : public loom::Layer {
     int64_t S = 0, B = 0;
     Arena mem;    // fixed size: x, LN statistics, dropout mask
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, gate = 0, h = 0;
+    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0;
     bool dropped = false;
     Routing routing;
   };
