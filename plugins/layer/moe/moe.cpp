@@ -286,7 +286,7 @@ class Moe : public loom::Layer {
     dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
     expert_outputs(dev, tmp.at(a_out), tmp.at(yx), r);
     // Gate each row, then scatter-add the rows back to their tokens.
-    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N);
+    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
                      .dtype = act, .out_dtype = act});
     combine_rows(dev, tmp.at(yx), s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
@@ -323,9 +323,9 @@ class Moe : public loom::Layer {
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(sp ? T * H : 0, act),
                  ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(sp ? T * H : 0, act), xg = tmp.elems(N * H, act),
-                 a_out = tmp.elems(N * Fl, act), yx = tmp.elems(N * H, act), dyg = tmp.elems(N * H, act),
-                 gexp = tmp.elems(N * H, act), ones = tmp.elems(H, act), dgate = tmp.floats(N),
-                 da = tmp.elems(N * Fl, act), dln_full = tmp.elems(T * H, act),
+                 a_out = tmp.elems(N * Fl, act), dyg = tmp.elems(N * H, act), gexp = tmp.elems(N * H, act),
+                 ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(N), da = tmp.elems(N * Fl, act),
+                 prod = tmp.elems(N * Fl, act), dln_full = tmp.elems(T * H, act),
                  dln = tmp.elems(sp ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
                  dlogits_act = tmp.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
     tmp.allocate(rank_);
@@ -340,41 +340,58 @@ class Moe : public loom::Layer {
       tp_.exit_backward({.rows = T, .cols = H, .x = d, .out = tmp.at(dfull), .dtype = act});
       d = tmp.at(dfull);
     }
-    // The dispatched inputs and the experts' outputs, recomputed.
+    // The dispatched inputs and the experts' activations, recomputed.
     const void* xin = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
                                          s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, act);
     const int32_t* tok = s.route.at<int32_t>(s.tok);
     gather_rows(dev, xin, tok, tmp.at(xg), N, T, H);
     dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
-    expert_outputs(dev, tmp.at(a_out), tmp.at(yx), r);
     gather_rows(dev, d, tok, tmp.at(dyg), N, T, H);
 
-    // The gates' gradients: <dy_row, expert output row>, summed over tp (each rank
-    // holds a partial expert output).
-    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(dyg), .y = tmp.at(yx), .out = tmp.at(yx),
-                     .dtype = act, .out_dtype = act});
-    dev.elementwise({.op = LOOM_EW_FILL, .n = H, .out = tmp.at(ones), .alpha = 1.f, .dtype = act, .out_dtype = act});
-    gemm(dev, false, false, N, 1, H, tmp.at(yx), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
-    tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(N), LOOM_DTYPE_F32);
-    std::vector<float> row_dgate(static_cast<size_t>(N));
-    dev.copy(row_dgate.data(), tmp.at(dgate), row_dgate.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
-
-    // The experts' backward on the gated output gradient.
-    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N);
-    void* dyr = tmp.at(dyg);
-    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = dyr, .y = tmp.at(gexp), .out = dyr, .dtype = act,
-                     .out_dtype = act});
+    // fc2's input gradient before the gate, da_u = dy_row W2^T. The gate's gradient
+    // is <dy_row, fc2 output row> = <da_u_row, act_row> + <dy_row, b2>: no second
+    // fc2 forward. Partial over tp (each rank holds Fl of the ffn, and the bias term
+    // is rank 0's), so summed over tp.
     const bool count_bias = !sp || tp_.rank() == 0;  // SP: the engine sums duplicated gradients over tp
     for (int64_t e = 0; e < E; ++e) {
       const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
-      const void* ae = advance(tmp.at(a_out), r0 * Fl, act);
-      const void* dye = advance(dyr, r0 * H, act);
-      gemm(dev, true, false, Fl, H, n, ae, dye, advance(gs[kFc2W], e * Fl * H, gdt), 1.0f, act, gdt);
-      if (count_bias) column_sum_acc(rank_, dev, dye, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
-      gemm(dev, false, true, n, Fl, H, dye, advance(w_[kFc2W], e * Fl * H, act), advance(tmp.at(da), r0 * Fl, act),
-           0.0f, act, act);
+      gemm(dev, false, true, n, Fl, H, advance(tmp.at(dyg), r0 * H, act), advance(w_[kFc2W], e * Fl * H, act),
+           advance(tmp.at(da), r0 * Fl, act), 0.0f, act, act);
     }
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * Fl, .x = tmp.at(da), .y = tmp.at(a_out), .out = tmp.at(prod),
+                     .dtype = act, .out_dtype = act});
+    dev.elementwise({.op = LOOM_EW_FILL, .n = std::max(H, Fl), .out = tmp.at(ones), .alpha = 1.f, .dtype = act,
+                     .out_dtype = act});
+    gemm(dev, false, false, N, 1, Fl, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
+    if (tp_.rank() == 0)
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+        if (n == 0) continue;
+        gemm(dev, false, false, n, 1, H, advance(tmp.at(dyg), r0 * H, act), advance(w_[kFc2B], e * H, act),
+             tmp.at(dgate) + r0, 1.0f, act, LOOM_DTYPE_F32);
+      }
+    tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(N), LOOM_DTYPE_F32);
+    std::vector<float> row_dgate(static_cast<size_t>(N));
+    dev.copy(row_dgate.data(), tmp.at(dgate), row_dgate.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+
+    // The experts' backward on the gated gradients: fc2's weight and bias from
+    // gate * dy, GeLU's input gradient from gate * da_u.
+    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
+    void* dyr = tmp.at(dyg);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = dyr, .y = tmp.at(gexp), .out = dyr, .dtype = act,
+                     .out_dtype = act});
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      const void* dye = advance(dyr, r0 * H, act);
+      gemm(dev, true, false, Fl, H, n, advance(tmp.at(a_out), r0 * Fl, act), dye, advance(gs[kFc2W], e * Fl * H, gdt),
+           1.0f, act, gdt);
+      if (count_bias) column_sum_acc(rank_, dev, dye, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
+    }
+    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(prod), N, Fl);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = N * Fl, .x = tmp.at(da), .y = tmp.at(prod), .out = tmp.at(da),
+                     .dtype = act, .out_dtype = act});
     dev.gelu_bwd({.n = N * Fl, .x = s.route.at(s.h), .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
     void* dxg = tmp.at(gexp);  // the expanded gates are used up
     for (int64_t e = 0; e < E; ++e) {
@@ -486,11 +503,12 @@ class Moe : public loom::Layer {
       dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = T * top_k_, .vocab_start = 0, .ids = slot_row + k * T,
                          .table = rows_in, .out = out, .accumulate = k > 0 ? 1 : 0, .dtype = dt_.act});
   }
-  // out [N, H] = gate [N, 1] x ones [1, H]: each row's gate across its columns.
-  void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N) const {
-    dev.elementwise({.op = LOOM_EW_FILL, .n = hidden_, .out = ones, .alpha = 1.f, .dtype = dt_.act,
+  // out [N, width] = gate [N, 1] x ones [1, width]: each row's gate across its columns.
+  void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N,
+                    int64_t width) const {
+    dev.elementwise({.op = LOOM_EW_FILL, .n = width, .out = ones, .alpha = 1.f, .dtype = dt_.act,
                      .out_dtype = dt_.act});
-    gemm(dev, false, false, N, hidden_, 1, gate, ones, out, 0.0f, dt_.act, dt_.act);
+    gemm(dev, false, false, N, width, 1, gate, ones, out, 0.0f, dt_.act, dt_.act);
   }
   // y [N, H] = fc2(act) per expert on its rows, + fc2's bias on tp rank 0 (the
   // outputs are partial sums over tp).
