@@ -1437,8 +1437,9 @@ namespace {
 // ---------------------------------------------------------------------------
 
 toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
-                        double dropout = 0.0) {
+                        double dropout = 0.0, double z_coeff = 0.0) {
   toml::table t;
+  if (z_coeff > 0) t.insert("z_loss_coeff", z_coeff);
   t.insert("num_experts", experts);
   t.insert("top_k", top_k);
   t.insert("aux_loss_coeff", aux_coeff);
@@ -1488,8 +1489,8 @@ TEST(Layers, MoeForwardMatchesReference) {
     SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
     Rank rank;
     auto dims = make_dims();
-    const double coeff = 0.3;
-    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax);
+    const double coeff = 0.3, z_coeff = 0.05;
+    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff);
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1507,11 +1508,13 @@ TEST(Layers, MoeForwardMatchesReference) {
     const auto& b2 = layer.param("experts.fc2.bias").value;
     Mat out(b.x.begin(), b.x.end());  // the residual
     std::vector<double> routed(kExperts, 0.0), prob_sum(kExperts, 0.0);
+    double z = 0;
     for (int64_t t = 0; t < kT; ++t) {
       std::vector<double> p(kExperts);
       double mx = -1e300, sum = 0;
       for (int64_t e = 0; e < kExperts; ++e) mx = std::max(mx, logits[t * kExperts + e]);
       for (int64_t e = 0; e < kExperts; ++e) sum += (p[e] = std::exp(logits[t * kExperts + e] - mx));
+      z += std::pow(mx + std::log(sum), 2) / kT;
       for (int64_t e = 0; e < kExperts; ++e) prob_sum[e] += (p[e] /= sum);
       std::vector<int64_t> order(kExperts);
       std::iota(order.begin(), order.end(), 0);
@@ -1540,7 +1543,9 @@ TEST(Layers, MoeForwardMatchesReference) {
     double aux = 0;
     for (int64_t e = 0; e < kExperts; ++e) aux += (routed[e] / (kT * kTopK)) * (prob_sum[e] / kT);
     aux *= coeff * kExperts;
-    EXPECT_NEAR(layer.last_aux, aux, 1e-5 * aux) << "the load-balancing loss";
+    aux += z_coeff * z;
+    EXPECT_NEAR(layer.last_aux, aux, 1e-5 * aux) << "the load-balancing loss and the z-loss";
+    EXPECT_GT(z_coeff * z, 1e-3 * aux) << "the z-loss is part of what is compared";
     // A forward that is not training reports nothing.
     layer.forward(b, 0, false, 0);
     EXPECT_EQ(layer.last_aux, 0.0f);
@@ -1560,15 +1565,15 @@ TEST(Layers, MoeGradientsMatchFiniteDifferencesWithEveryExpertChosen) {
   check_gradients(rank, layer, rng);
 }
 
-// Top-2 of 4 with a heavy load-balancing loss in the objective: the gates'
-// renormalisation (or pre-softmax gates), the router's softmax and the auxiliary
-// loss's gradient, all where the routing holds.
+// Top-2 of 4 with a heavy load-balancing loss and z-loss in the objective: the
+// gates' renormalisation (or pre-softmax gates), the router's softmax and the
+// auxiliary losses' gradients, all where the routing holds.
 TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
   for (const bool pre_softmax : {false, true}) {
     SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
     Rank rank;
     auto dims = make_dims();
-    toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2);
+    toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5);
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(43);

@@ -13,6 +13,9 @@
 //    probs[:, e]; its gradient flows into the router only (f_e is a count). It
 //    enters the objective with the engine's aux_loss_scale (1 / microbatches,
 //    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
+//  - router z-loss (ST-MoE; Megatron's moe_z_loss_coeff), optional:
+//      z = z_loss_coeff * mean over tokens of logsumexp(logits)^2,
+//    keeps the router's logits small; weighted and reported with the aux loss.
 // Routing is decided on the host (the router's [tokens, experts] probabilities are
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
 // tokens-per-expert counts), so the layer is not capturable. Tokens are permuted
@@ -50,6 +53,8 @@ struct Routing {
   std::vector<float> row_gate;      // dispatch row -> gate
   std::vector<int64_t> offset;      // [experts + 1]: first dispatch row of each expert
   double aux = 0;                   // the unweighted load-balancing term E * sum f_e P_e
+  std::vector<double> lse;          // [tokens]: logsumexp of each token's logits
+  double z = 0;                     // the unweighted z-loss term, mean of lse^2
   int64_t rows() const { return tokens * top_k; }
   int64_t count(int64_t e) const { return offset[e + 1] - offset[e]; }
 };
@@ -66,6 +71,7 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
   std::vector<int64_t> routed(static_cast<size_t>(experts), 0);
   std::vector<double> prob_sum(static_cast<size_t>(experts), 0.0);
   std::vector<int32_t> order(static_cast<size_t>(experts));
+  r.lse.resize(static_cast<size_t>(tokens));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits.data() + t * experts;
     float* p = r.probs.data() + t * experts;
@@ -73,6 +79,8 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
     for (int64_t e = 1; e < experts; ++e) mx = std::max<double>(mx, l[e]);
     double sum = 0;
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - mx);
+    r.lse[static_cast<size_t>(t)] = mx + std::log(sum);
+    r.z += r.lse[static_cast<size_t>(t)] * r.lse[static_cast<size_t>(t)] / static_cast<double>(tokens);
     for (int64_t e = 0; e < experts; ++e) {
       p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - mx) / sum);
       prob_sum[static_cast<size_t>(e)] += p[e];
@@ -116,9 +124,10 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
 }
 
 // d(objective)/d(logits) [tokens, experts] from the gates' gradients (per
-// dispatch row) and the auxiliary loss's weight aux_scale = coeff * aux_loss_scale.
+// dispatch row), the load-balancing loss's weight aux_scale = coeff *
+// aux_loss_scale and the z-loss's z_scale = z_loss_coeff * aux_loss_scale.
 std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_dgate, double aux_scale,
-                               bool pre_softmax) {
+                               double z_scale, bool pre_softmax) {
   const int64_t T = r.tokens, E = r.experts, K = r.top_k;
   std::vector<double> slot_dgate(static_cast<size_t>(T * K), 0.0);
   for (int64_t row = 0; row < r.rows(); ++row)
@@ -148,8 +157,10 @@ std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_d
     }
     double dot = 0;
     for (int64_t e = 0; e < E; ++e) dot += p[e] * dp[static_cast<size_t>(e)];
+    // d lse^2 / d logit_e = 2 lse p_e.
+    const double dz = z_scale * 2.0 * r.lse[static_cast<size_t>(t)] / static_cast<double>(T);
     for (int64_t e = 0; e < E; ++e)
-      dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot));
+      dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot + dz));
   }
   return dlogits;
 }
@@ -172,12 +183,14 @@ class Moe : public loom::Layer {
     if (ffn_ == 0) ffn_ = d.ffn_hidden;
     pre_softmax_ = options.get_bool("pre_softmax", false);
     aux_coeff_ = options.get_float("aux_loss_coeff", 0.01);
+    z_coeff_ = options.get_float("z_loss_coeff", 0.0);
     dropout_ = dropout_option(options, name_);
     LOOM_REQUIRE(experts_ >= 1, name_ << ": option num_experts = " << experts_ << " must be at least 1");
     LOOM_REQUIRE(top_k_ >= 1 && top_k_ <= experts_, name_ << ": option top_k = " << top_k_
                                                         << " must be in [1, num_experts = " << experts_ << "]");
     LOOM_REQUIRE(hidden_ > 0 && ffn_ > 0, name_ << ": hidden and ffn_hidden_size must be positive");
     LOOM_REQUIRE(aux_coeff_ >= 0.0, name_ << ": option aux_loss_coeff = " << aux_coeff_ << " must be >= 0");
+    LOOM_REQUIRE(z_coeff_ >= 0.0, name_ << ": option z_loss_coeff = " << z_coeff_ << " must be >= 0");
     const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
     LOOM_REQUIRE(ffn_ % tp == 0, name_ << ": ffn_hidden_size (" << ffn_
                                        << ") must be divisible by the tensor-parallel size (" << tp << ")");
@@ -257,8 +270,8 @@ class Moe : public loom::Layer {
     dev.synchronize();
     s.routing = route(host_logits, T, E, K, pre_softmax_);
     const Routing& r = s.routing;
-    if (a.training && a.aux_loss != nullptr && aux_coeff_ > 0.0)
-      *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux);
+    if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
+      *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux + z_coeff_ * r.z);
 
     // What the backward needs of the dispatch: token ids and gates per row, and
     // the experts' fc1 outputs (pre-GeLU).
@@ -412,8 +425,9 @@ class Moe : public loom::Layer {
     // The router, on the rows this rank holds (its shard under SP): every tp rank
     // routed all tokens identically, so each adds the router's part of its rows.
     dev.synchronize();  // row_dgate
-    const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale);
-    const std::vector<float> dlog = router_grad(r, row_dgate, aux_scale, pre_softmax_);
+    const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale),
+                 z_scale = z_coeff_ * static_cast<double>(a.aux_loss_scale);
+    const std::vector<float> dlog = router_grad(r, row_dgate, aux_scale, z_scale, pre_softmax_);
     const int64_t row0 = sp ? tp_.rank() * Tl : 0;
     dev.copy(tmp.at(dlogits), dlog.data() + row0 * E, static_cast<size_t>(Tl * E) * sizeof(float),
              LOOM_COPY_HOST_TO_DEVICE);
@@ -540,7 +554,7 @@ class Moe : public loom::Layer {
   std::string name_;
   int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   bool pre_softmax_ = false;
-  double aux_coeff_ = 0.0;
+  double aux_coeff_ = 0.0, z_coeff_ = 0.0;
   float dropout_ = 0.0f;
   Dtypes dt_;
   bool fusion_ = false;
@@ -560,4 +574,5 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
                     "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
                     "chosen logits only (false, Megatron's default)"),
      loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)"),
+     loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)"),
      loom::layers::dropout_option_spec("the MoE output")}))
