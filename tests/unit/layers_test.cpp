@@ -1007,6 +1007,16 @@ std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp,
   return out;
 }
 
+// Tp rank r's slices of `full`'s parameter values, into `layer`'s bound storage.
+void load_slices(TestLayer& layer, TestLayer& full, int tp, int r) {
+  for (size_t i = 0; i < layer.params().size(); ++i) {
+    Param& p = layer.params()[i];
+    const std::vector<float> mine = slice(p, full.params()[i].value, tp, r);
+    if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
+    std::copy(mine.begin(), mine.end(), p.value.begin());
+  }
+}
+
 struct RankResult {
   std::string error;
   double objective = 0.0;
@@ -1066,12 +1076,7 @@ TEST(Layers, TensorParallelTwoRanksMatchOneRank) {
           ok(comm->comm()->group_create(world, &desc, &g.comm));
           Rank rank(r, &g);  // owns the communicator from here on
           TestLayer layer(rank, name, dims, options);
-          for (size_t i = 0; i < layer.params().size(); ++i) {
-            Param& p = layer.params()[i];
-            const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
-            if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
-            std::copy(mine.begin(), mine.end(), p.value.begin());  // in the bound storage
-          }
+          load_slices(layer, full, kTp, r);
           layer.zero_grads();
           RankResult& out = res[static_cast<size_t>(r)];
           out.objective = layer.forward(b, 0, true, 5, &out.out, &out.count);
@@ -1678,12 +1683,7 @@ TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
   const std::vector<std::string> errors = run_two_ranks([&](int r, Rank& rank) {
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.5;
-    for (size_t i = 0; i < layer.params().size(); ++i) {
-      Param& p = layer.params()[i];
-      const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
-      if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
-      std::copy(mine.begin(), mine.end(), p.value.begin());  // in the bound storage
-    }
+    load_slices(layer, full, kTp, r);
     layer.zero_grads();
     RankResult& out = res[static_cast<size_t>(r)];
     out.objective = layer.forward(b, 0, true, 5, &out.out);

@@ -111,6 +111,15 @@ TEST(Moe, TheAuxiliaryLossChangesTraining) {
   for (const auto& s : off.result.steps) EXPECT_EQ(s.aux_loss, 0.0);
 }
 
+// The bf16 runs the tests below compare with fp32: fused fp32 gradients, unfused,
+// bf16 gradients, and fused at tp 2 + SP (last: the layout).
+const std::vector<std::vector<std::string>> kBf16Variants = {
+    {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""},
+    {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "device.grad_accumulation_fusion=false"},
+    {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"bf16\""},
+    {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "parallel.tp=2",
+     "parallel.sequence_parallel=true"}};
+
 // bf16 parameters and activations (gates, dispatched rows and the experts' GEMMs
 // in bf16, the router's softmax in fp32): with fused fp32 gradients, unfused, and
 // bf16 gradients, at tp 2 + SP too, the loss tracks the fp32 run.
@@ -123,13 +132,7 @@ TEST(Moe, Bf16TracksFp32) {
     return run(o);
   };
   const RankTrace fp32 = with({});
-  const std::vector<std::vector<std::string>> variants = {
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "device.grad_accumulation_fusion=false"},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"bf16\""},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "parallel.tp=2",
-       "parallel.sequence_parallel=true"}};
-  for (const auto& v : variants) {
+  for (const auto& v : kBf16Variants) {
     SCOPED_TRACE(v.back());
     const RankTrace bf16 = with(v);
     ASSERT_EQ(bf16.loss.size(), fp32.loss.size());
@@ -181,13 +184,7 @@ std::map<std::string, std::vector<float>> step1_grads(std::vector<std::string> o
 // router's gradient is mostly its own. Same weights up to bf16 rounding, same batch:
 // every tensor within 3% norm-wise.
 TEST(Moe, Bf16GradientsMatchFp32) {
-  const std::vector<std::vector<std::string>> variants = {
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "device.grad_accumulation_fusion=false"},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"bf16\""},
-      {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"", "parallel.tp=2",
-       "parallel.sequence_parallel=true"}};
-  for (const auto& v : variants) {
+  for (const auto& v : kBf16Variants) {
     SCOPED_TRACE(v.back());
     const bool tp2 = v.back() == "parallel.sequence_parallel=true";
     const auto want = step1_grads(tp2 ? std::vector<std::string>{"parallel.tp=2", "parallel.sequence_parallel=true"}
