@@ -49,4 +49,27 @@ BufferLayout layout_chunked_buffer(const std::vector<std::vector<size_t>>& numel
   return out;
 }
 
+BufferLayout layout_model_buffer(const std::vector<int>& chunk_of, const std::vector<size_t>& numels,
+                                 const std::vector<bool>& expert, size_t chunks, int dp, size_t bucket_size) {
+  if (chunk_of.size() != numels.size() || expert.size() != numels.size())
+    throw std::invalid_argument("layout_model_buffer: one chunk, size and expert flag per parameter");
+  std::vector<std::vector<size_t>> regions(chunks + 1);
+  std::vector<std::pair<size_t, size_t>> where(numels.size());  // (region, index in it)
+  for (size_t i = 0; i < numels.size(); ++i) {
+    const size_t region = expert[i] ? chunks : static_cast<size_t>(chunk_of[i]);
+    if (region > chunks) throw std::invalid_argument("layout_model_buffer: chunk out of range");
+    where[i] = {region, regions[region].size()};
+    regions[region].push_back(numels[i]);
+  }
+  if (regions.back().empty()) regions.pop_back();
+  BufferLayout chunked = layout_chunked_buffer(regions, dp, bucket_size);
+  std::vector<size_t> first(regions.size() + 1, 0);  // index of each region's first parameter in chunked.params
+  for (size_t r = 0; r < regions.size(); ++r) first[r + 1] = first[r] + regions[r].size();
+  BufferLayout out;
+  out.numel = chunked.numel;
+  out.buckets = std::move(chunked.buckets);
+  for (const auto& [region, k] : where) out.params.push_back(chunked.params[first[region] + k]);
+  return out;
+}
+
 }  // namespace loom::model

@@ -35,6 +35,14 @@ BufferLayout layout_buffer(const std::vector<size_t>& numels, int dp, size_t buc
 // buffer order, and every bucket still lies inside one chunk's buffer.
 BufferLayout layout_chunked_buffer(const std::vector<std::vector<size_t>>& numels, int dp, size_t bucket_size = 0);
 
+// The model's buffer: each parameter in its chunk's region, except expert
+// parameters (ABI 1.4, split over ep and reduced over edp), which all go to one
+// region after the chunks', so they form the tail of the buffer and never share a
+// bucket with a dense parameter. chunk_of[i] / numels[i] / expert[i] describe
+// parameter i in model order; params come back indexed the same way.
+BufferLayout layout_model_buffer(const std::vector<int>& chunk_of, const std::vector<size_t>& numels,
+                                 const std::vector<bool>& expert, size_t chunks, int dp, size_t bucket_size = 0);
+
 // The shard of a bucket that data-parallel rank r of dp owns.
 inline Range shard_of(const Range& bucket, int dp, int r) {
   const size_t size = bucket.size() / static_cast<size_t>(dp);

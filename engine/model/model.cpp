@@ -201,7 +201,8 @@ void Model::build_buffers(uint64_t seed) {
     layer_decls.push_back(d);
     counts.push_back(n);
   }
-  CollectedParams collected = collect_param_entries(instances, layer_decls, counts, tp.size());
+  const loom::Group ep = rank_.group_or_self("ep");
+  CollectedParams collected = collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size());
   entries_ = std::move(collected.entries);
   const std::vector<DeclRef>& decls = collected.decls;
   const std::vector<size_t>& entry_of = collected.entry_of;
@@ -220,10 +221,8 @@ void Model::build_buffers(uint64_t seed) {
     e.shared_across_stages = true;
   }
   // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
-  // buckets), one buffer region per chunk.
-  std::vector<std::vector<size_t>> numels(chunks_.size());
-  for (const ParamEntry& e : entries_) numels[static_cast<size_t>(e.chunk)].push_back(e.numel);
-  layout_ = layout_chunked_buffer(numels, rank_.group_or_self("dp").size(), bucket_size_);
+  // buckets), one buffer region per chunk and one for the expert parameters.
+  layout_ = layout_entries(entries_, chunks_.size(), rank_.group_or_self("dp").size(), bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
   const size_t psize = dtype_size(param_dtype_), gsize = dtype_size(grad_dtype_);
@@ -240,12 +239,20 @@ void Model::build_buffers(uint64_t seed) {
   loom::Buffer staging;
   if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
 
-  // Initialise: the full tensor from (seed, name), this rank's slice of it.
+  // Initialise: the full tensor from (seed, name), this rank's slice of it: its
+  // experts' block of dim 0 for an expert parameter, then its tp part.
   for (const ParamEntry& e : entries_) {
     std::vector<float> full = init_full(e.decl.init, e.decl.init_std, dims_.num_layers, product(e.full_shape), seed,
                                         e.tie_key.empty() ? e.name : e.tie_key);
+    std::vector<int64_t> shape = e.full_shape;
+    if (e.expert && ep.size() > 1) {
+      shape[0] /= ep.size();
+      const size_t block = full.size() / static_cast<size_t>(ep.size());
+      full = std::vector<float>(full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank())),
+                                full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank() + 1)));
+    }
     std::vector<float> local(e.numel);
-    take_slice(full, e.full_shape, e.decl.partition_dim, e.decl.partition_stride, tp.size(), tp.rank(), local.data());
+    take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, tp.size(), tp.rank(), local.data());
     if (param_dtype_ == LOOM_DTYPE_F32) {
       dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
     } else {
@@ -325,6 +332,16 @@ std::vector<int32_t> Model::counted_elsewhere() const {
   for (const ParamEntry& e : entries_)
     out.push_back(e.shared_across_stages && chunks_[static_cast<size_t>(e.chunk)].global_index != 0 ? 1 : 0);
   return out;
+}
+
+std::vector<int32_t> Model::expert_flags() const {
+  std::vector<int32_t> out;
+  for (const ParamEntry& e : entries_) out.push_back(e.expert ? 1 : 0);
+  return out;
+}
+
+bool Model::has_expert_params() const {
+  return std::any_of(entries_.begin(), entries_.end(), [](const ParamEntry& e) { return e.expert; });
 }
 
 void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {

@@ -59,6 +59,7 @@ struct ParamEntry {
   int chunk = 0;                   // local chunk of the owner
   loom_param_decl decl{};          // as declared (pointers valid while the layer lives)
   bool duplicated = false;         // identical on every tp rank
+  bool expert = false;             // dim 0 split over ep, reduced over edp (loom_param_decl.expert)
   std::string tie_key;
   bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
 };
@@ -141,6 +142,9 @@ class Model {
   std::vector<loom_param_info> param_infos() const;
   // Per entry: 1 when its gradient norm is counted on another stage (the optimizer's counted_elsewhere).
   std::vector<int32_t> counted_elsewhere() const;
+  // Per entry: 1 for an expert parameter (the optimizer's expert flags, ABI 1.4).
+  std::vector<int32_t> expert_flags() const;
+  bool has_expert_params() const;
   size_t layer_count() const { return layers_.size(); }
   const LayerSpec& layer_spec(size_t i) const { return layers_[i].spec; }
   size_t chunk_count() const { return chunks_.size(); }

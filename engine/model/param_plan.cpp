@@ -13,6 +13,9 @@
 
 #include <loom/cpp/core.hpp>
 
+#include <cstddef>
+#include <cstring>
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -26,15 +29,28 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
+loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std::string& layer) {
+  const size_t stride = decls[0].struct_size;
+  constexpr size_t kSize10 = offsetof(loom_param_decl, tie_key) + sizeof(const char*);  // 1.0-1.3
+  LOOM_REQUIRE(stride >= kSize10 && stride <= sizeof(loom_param_decl) && stride % alignof(loom_param_decl) == 0,
+               layer << ": its parameter declarations have struct_size " << stride
+                     << ", which no loom_param_decl of ABI 1.x has (" << kSize10 << " for 1.0-1.3, "
+                     << sizeof(loom_param_decl) << " for 1." << LOOM_ABI_MINOR
+                     << "); was the layer built against another header?");
+  loom_param_decl d{};
+  std::memcpy(&d, reinterpret_cast<const char*>(decls) + i * stride, stride);
+  return d;
+}
+
 CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<const loom_param_decl*>& decls,
-                                      const std::vector<size_t>& counts, int tp_size) {
+                                      const std::vector<size_t>& counts, int tp_size, int ep_size) {
   LOOM_REQUIRE(instances.size() == decls.size() && decls.size() == counts.size(),
                "collect_param_entries: one instance name, declaration array and count per layer");
   CollectedParams out;
   for (size_t li = 0; li < decls.size(); ++li)
     for (size_t i = 0; i < counts[li]; ++i)
-      out.decls.push_back({static_cast<int>(li), static_cast<int>(i), decls[li][i]});
+      out.decls.push_back({static_cast<int>(li), static_cast<int>(i), param_decl_at(decls[li], i, instances[li])});
   // One entry per parameter in model order; a tied parameter is owned by its
   // first declaration and later declarations share it.
   std::map<std::string, size_t> tied;  // tie_key -> entry index
@@ -44,7 +60,16 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
     const std::string name = instances[static_cast<size_t>(d.layer)] + "." + d.decl.name;
     LOOM_REQUIRE(d.decl.ndim >= 1 && d.decl.ndim <= 4, name << ": ndim must be 1..4");
     std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
-    std::vector<int64_t> local = local_shape(full, d.decl.partition_dim, d.decl.partition_stride, tp_size, name);
+    const bool expert = d.decl.expert != 0;
+    std::vector<int64_t> local = full;
+    if (expert) {  // dim 0: one block per expert, split over ep
+      LOOM_REQUIRE(d.decl.partition_dim != 0, name << ": an expert parameter's dim 0 is split over ep; partition_dim "
+                                                      "must name another dimension (or -1)");
+      LOOM_REQUIRE(full[0] % ep_size == 0, name << ": its " << full[0] << " experts (dim 0) do not split over ep = "
+                                                << ep_size << "; choose parallel.ep dividing the number of experts");
+      local[0] = full[0] / ep_size;
+    }
+    local = local_shape(local, d.decl.partition_dim, d.decl.partition_stride, tp_size, name);
     const std::string tie = d.decl.tie_key ? d.decl.tie_key : "";
     if (!tie.empty()) {
       auto it = tied.find(tie);
@@ -64,12 +89,25 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
     e.layer = d.layer;
     e.decl = d.decl;
     e.duplicated = d.decl.partition_dim < 0;
+    e.expert = expert;
     e.tie_key = tie;
     out.entry_of[k] = out.entries.size();
     if (!tie.empty()) tied[tie] = out.entries.size();
     out.entries.push_back(std::move(e));
   }
   return out;
+}
+
+BufferLayout layout_entries(const std::vector<ParamEntry>& entries, size_t chunks, int dp, size_t bucket_size) {
+  std::vector<int> chunk_of;
+  std::vector<size_t> numels;
+  std::vector<bool> expert;
+  for (const ParamEntry& e : entries) {
+    chunk_of.push_back(e.chunk);
+    numels.push_back(e.numel);
+    expert.push_back(e.expert);
+  }
+  return layout_model_buffer(chunk_of, numels, expert, chunks, dp, bucket_size);
 }
 
 size_t dtype_bytes(const std::string& dtype) {
@@ -176,6 +214,10 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       ep.size = plan.sizes.ep;
       ep.rank = groups.rank_in_group("ep", r);
       rt.add_group("ep", ep);
+      loom_group etp = tp;
+      etp.size = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
+      etp.rank = groups.rank_in_group("etp", r);
+      rt.add_group("etp", etp);
 
       PlannedLayers layers;
       std::vector<std::string> instances;
@@ -198,7 +240,8 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
           chunk_of_layer.push_back(static_cast<int>(c));
         }
       }
-      const CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp);
+      CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp, plan.sizes.ep);
+      for (ParamEntry& e : cp.entries) e.chunk = chunk_of_layer[static_cast<size_t>(e.layer)];
 
       // Bind each layer to views without memory, of the run's dtypes and local
       // shapes (as the Model binds them): a layer sizes its activations by the
@@ -235,17 +278,21 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
         if (chunks[c].global_index > 0) chunk_activations[c] += hidden_state_bytes;
       }
 
-      std::vector<std::vector<size_t>> numels(chunks.size());
-      for (const ParamEntry& e : cp.entries) {
-        numels[static_cast<size_t>(chunk_of_layer[static_cast<size_t>(e.layer)])].push_back(e.numel);
-        rm.params += e.numel;
-      }
+      for (const ParamEntry& e : cp.entries) rm.params += e.numel;
       rm.param_count = cp.entries.size();
-      rm.layout = layout_chunked_buffer(numels, plan.dp, out.bucket_size);
+      rm.layout = layout_entries(cp.entries, chunks.size(), plan.dp, out.bucket_size);
       rm.buffer_numel = rm.layout.numel;
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
-      const size_t state_elems = distributed ? rm.buffer_numel / static_cast<size_t>(plan.dp) : rm.buffer_numel;
+      // The distributed optimizer shards dense buckets over dp and the expert
+      // region (the buffer's tail) over edp = dp / ep.
+      size_t expert_start = rm.layout.numel;
+      for (size_t i = 0; i < cp.entries.size(); ++i)
+        if (cp.entries[i].expert) expert_start = std::min(expert_start, rm.layout.params[i].start);
+      const size_t edp = static_cast<size_t>(plan.dp / std::max(1, plan.sizes.ep));
+      const size_t state_elems = distributed ? expert_start / static_cast<size_t>(plan.dp) +
+                                                   (rm.buffer_numel - expert_start) / std::max<size_t>(1, edp)
+                                             : rm.buffer_numel;
       rm.optimizer_bytes = state_elems * opt_per_elem;
       // Activations at the schedule's peak: walk the stage's order, adding a
       // chunk's bytes at each forward and dropping them at its backward.

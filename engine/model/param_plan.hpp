@@ -32,13 +32,26 @@ struct CollectedParams {
   std::vector<size_t> entry_of;     // decls[k] -> index into entries
 };
 
+// Declaration i of a layer's array as this engine's loom_param_decl. The array is
+// read with the stride of its first element's struct_size, so a 1.0-1.3 layer's
+// shorter elements read correctly and members it lacks (1.4's expert) are 0.
+// Throws loom::Error naming `layer` for a struct_size no 1.x declaration has.
+loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std::string& layer);
+
 // The entries of a rank from its layers' declarations (decls[li] / counts[li] as
 // returned by layer li's params()), named "<instance>.<decl name>". A tied
 // declaration (same tie_key) after the first shares the first's entry; shapes are
-// the tp-local ones. Throws loom::Error for bad ndim or mismatched tied shapes.
+// the local ones: an expert parameter's dim 0 split over ep (ABI 1.4), then
+// partition_dim over tp. Throws loom::Error for bad ndim, mismatched tied shapes
+// or an expert dimension that does not split over ep.
 CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<const loom_param_decl*>& decls,
-                                      const std::vector<size_t>& counts, int tp_size);
+                                      const std::vector<size_t>& counts, int tp_size, int ep_size = 1);
+
+// The buffer layout of a rank's entries (Megatron's rules per chunk, expert
+// parameters in one region after every chunk's; layout_model_buffer). The Model,
+// the memory planner and resharding on resume all lay out through this.
+BufferLayout layout_entries(const std::vector<ParamEntry>& entries, size_t chunks, int dp, size_t bucket_size);
 
 // Bytes of one element of "fp32" / "bf16".
 size_t dtype_bytes(const std::string& dtype);

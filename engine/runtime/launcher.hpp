@@ -24,7 +24,7 @@ struct LaunchConfig {
   int threads = 0;                                // per rank; 0 = cores / ranks
   // Group kinds to create communicators for (collective set-up, so all up front).
   std::vector<std::string> group_kinds = {"world", "tp", "cp", "dp", "pp", "dp-cp", "tp-dp-cp",
-                                          "embedding", "ep", "edp"};
+                                          "embedding", "ep", "etp", "edp"};
 };
 
 // The error of a run: the root cause (the first rank that failed on its own, not

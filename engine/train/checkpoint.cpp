@@ -1,5 +1,7 @@
 #include "engine/train/checkpoint.hpp"
 
+#include "engine/model/param_plan.hpp"
+
 #include "engine/model/param_init.hpp"
 
 #include <boost/filesystem.hpp>
@@ -126,6 +128,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   std::ostringstream os;
   if (meta.bucket_size >= 0) t.insert("bucket_size", meta.bucket_size);
   t.insert("param_dtype", meta.param_dtype);
+  t.insert("ep", meta.ep);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -163,6 +166,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.strategy = t["strategy"].value_or(std::string());
     m.bucket_size = t["bucket_size"].value_or(int64_t{-1});
     m.param_dtype = t["param_dtype"].value_or(std::string("fp32"));
+    m.ep = static_cast<int>(t["ep"].value_or(int64_t{1}));
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
@@ -246,9 +250,8 @@ std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size
 void load_resharded(const std::string& step_dir, int old_dp, int old_world, const topology::ParallelSizes& sizes,
                     int rank, model::Model& model, const loom::Device& dev, size_t bucket_size,
                     const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin) {
-  std::vector<std::vector<size_t>> numels(model.chunk_count());
-  for (const model::ParamEntry& e : model.param_entries()) numels[static_cast<size_t>(e.chunk)].push_back(e.numel);
-  const model::BufferLayout old_layout = model::layout_chunked_buffer(numels, old_dp, bucket_size);
+  const model::BufferLayout old_layout =
+      model::layout_entries(model.param_entries(), model.chunk_count(), old_dp, bucket_size);
   const std::vector<int> peers = old_dp_peers(sizes, rank, old_world);
   if (static_cast<int>(peers.size()) != old_dp)
     throw CheckpointError(step_dir + " is corrupt: its meta says dp=" + std::to_string(old_dp) + " over " +

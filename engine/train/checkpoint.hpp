@@ -35,6 +35,7 @@ struct CheckpointMeta {
   std::string strategy;              // optimizer.strategy that wrote it
   int64_t bucket_size = -1;          // optimizer.bucket_size that wrote it (-1: not recorded)
   std::string param_dtype = "fp32";  // device.param_dtype that wrote it (not recorded before bf16: fp32)
+  int ep = 1;                        // parallel.ep that wrote it (not recorded before expert parallelism: 1)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and

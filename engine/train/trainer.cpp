@@ -120,6 +120,14 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
                                       "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
                             " parallel.pp=" + std::to_string(meta.pp));
+    // Ranks of one ep group hold different experts: their files cannot be
+    // regrouped into another ep, nor their expert shards resharded over another dp.
+    if (meta.ep != plan.sizes.ep || (meta.ep > 1 && meta.dp != plan.dp))
+      throw CheckpointError(resume_dir + " was written with ep=" + std::to_string(meta.ep) + " dp=" +
+                            std::to_string(meta.dp) + "; this run has ep=" + std::to_string(plan.sizes.ep) +
+                            " dp=" + std::to_string(plan.dp) + ": with expert parallelism a resume keeps ep and dp "
+                            "(expert parameters and their optimizer state are not resharded); resume with "
+                            "parallel.ep=" + std::to_string(meta.ep) + " parallel.dp=" + std::to_string(meta.dp));
     if (meta.dp != plan.dp) {
       const loom_optimizer_api* api = plan.optimizer->optimizer();
       if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)
@@ -210,6 +218,22 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                         " was built for plugin ABI 1.0, which cannot tell it that the tied word embedding on the last "
                         "pipeline stage is a copy (it would count its gradient twice); rebuild it against ABI 1.1 or "
                         "set model.tie_embeddings = false");
+    // Expert parameters (ABI 1.4) are reduced over edp by a strategy that says it
+    // can; with ep = 1, edp is dp and any strategy reduces them right.
+    const std::vector<int32_t> expert = model.expert_flags();
+    const bool expert_parallel_strategy =
+        LOOM_HAS_SLOT(plan.optimizer->optimizer(), loom_optimizer_api, features) &&
+        (plan.optimizer->optimizer()->features & LOOM_OPTIMIZER_EXPERT_PARALLEL) != 0;
+    if (plan.sizes.ep > 1 && model.has_expert_params() && !expert_parallel_strategy)
+      throw loom::Error("optimizer plugin parallel/" + plan.optimizer->name +
+                        " cannot reduce expert parameters over the expert data-parallel group (it does not "
+                        "advertise LOOM_OPTIMIZER_EXPERT_PARALLEL, ABI 1.4); use optimizer.strategy = \"ddp\" or "
+                        "\"distributed\", or parallel.ep = 1");
+    if (expert_parallel_strategy) {
+      oa.expert = expert.data();
+      oa.ep = rt.group_or_self("ep").raw();
+      oa.edp = rt.group_or_self("edp").raw();
+    }
     plugins::OptionValues opt_opts(m.get_table("optimizer.options"), plan.optimizer->options);
     const loom_optimizer_api* opt_api = plan.optimizer->optimizer();
     loom_optimizer* opt = nullptr;
@@ -293,7 +317,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       if (leader) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
                             m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size"),
-                            m.get_string("device.param_dtype")};
+                            m.get_string("device.param_dtype"), plan.sizes.ep};
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);

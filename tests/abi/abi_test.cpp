@@ -1,6 +1,7 @@
 // The plugin ABI promise: plain-C plugins load and run, a plugin built against
 // the frozen 1.0 header loads, short (older) tables are respected, and every
 // broken plugin is refused with a message naming the file and the reason.
+#include "engine/model/param_plan.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_context.hpp"
 
@@ -9,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 #include <string>
 
 extern "C" const size_t* loom_abi_layout_frozen_v1_0(size_t* count);
@@ -116,14 +119,15 @@ TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
 }
 
 // 1.4's too (loom_layer_fwd_args.aux_loss, loom_layer_bwd_args.pad_1_3 and
-// .aux_loss_scale).
+// .aux_loss_scale; for expert parallelism loom_param_decl.expert,
+// loom_optimizer_create_args.expert/.ep/.edp and loom_optimizer_api.features).
 TEST(AbiLayout, Released14MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_13 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_4(&n_frozen);
   const size_t* current = loom_abi_layout_current_v1_4(&n_current);
   loom_abi_layout_current_v1_3(&n_13);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_13 + 2 * 3);  // the three members 1.4 appended
+  ASSERT_EQ(n_frozen, n_13 + 2 * 8);  // the eight members 1.4 appended
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
 }
 
@@ -136,6 +140,47 @@ TEST(AbiLayout, MembersAppendedIn14StartPastThe13Size) {
   ASSERT_GT(loom_abi_sizeof_v1_3("loom_layer_bwd_args"), 0u);
   EXPECT_LT(offsetof(loom_layer_bwd_args, pad_1_3), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
   EXPECT_GE(offsetof(loom_layer_bwd_args, aux_loss_scale), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_3("loom_param_decl"), 0u);
+  EXPECT_GE(offsetof(loom_param_decl, expert), loom_abi_sizeof_v1_3("loom_param_decl"));
+  ASSERT_GT(loom_abi_sizeof_v1_3("loom_optimizer_create_args"), 0u);
+  EXPECT_GE(offsetof(loom_optimizer_create_args, expert), loom_abi_sizeof_v1_3("loom_optimizer_create_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_3("loom_optimizer_api"), 0u);
+  EXPECT_GE(offsetof(loom_optimizer_api, features), loom_abi_sizeof_v1_3("loom_optimizer_api"));
+}
+
+// A layer's declarations are read with the stride of their own struct_size: a
+// 1.0-1.3 layer's array of shorter elements reads element by element, with 1.4's
+// expert as 0; a struct_size no 1.x declaration has is refused naming the layer.
+TEST(AbiLayout, ParamDeclarationsOfAnOlderLayerReadWithTheirOwnStride) {
+  const size_t old_size = loom_abi_sizeof_v1_3("loom_param_decl");
+  ASSERT_LT(old_size, sizeof(loom_param_decl));
+  std::vector<unsigned char> bytes(3 * old_size + sizeof(loom_param_decl), 0xAB);  // garbage past each element
+  const char* names[3] = {"a", "b", "c"};
+  for (size_t i = 0; i < 3; ++i) {
+    loom_param_decl d{};
+    d.struct_size = static_cast<uint32_t>(old_size);
+    d.name = names[i];
+    d.ndim = 1;
+    d.shape[0] = static_cast<int64_t>(10 + i);
+    d.partition_dim = -1;
+    std::memcpy(bytes.data() + i * old_size, &d, old_size);
+  }
+  const auto* decls = reinterpret_cast<const loom_param_decl*>(bytes.data());
+  for (size_t i = 0; i < 3; ++i) {
+    const loom_param_decl d = loom::model::param_decl_at(decls, i, "blocks.0.old");
+    EXPECT_STREQ(d.name, names[i]);
+    EXPECT_EQ(d.shape[0], static_cast<int64_t>(10 + i));
+    EXPECT_EQ(d.expert, 0) << "a member the layer's ABI lacks reads as 0";
+  }
+  loom_param_decl bad{};
+  bad.struct_size = 12;
+  try {
+    loom::model::param_decl_at(&bad, 0, "blocks.0.odd");
+    ADD_FAILURE() << "struct_size 12 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("blocks.0.odd"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("struct_size 12"), std::string::npos) << e.what();
+  }
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

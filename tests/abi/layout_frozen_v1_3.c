@@ -26,6 +26,9 @@ size_t loom_abi_sizeof_v1_3(const char* name) {
   if (strcmp(name, #s) == 0) return sizeof(s);
   SIZE(loom_layer_fwd_args)
   SIZE(loom_layer_bwd_args)
+  SIZE(loom_param_decl)
+  SIZE(loom_optimizer_create_args)
+  SIZE(loom_optimizer_api)
 #undef SIZE
   return 0;
 }

@@ -196,6 +196,44 @@ TEST(DistoptLayout, RulesHoldOnGeneratedCases) {
   }
 }
 
+// Expert parameters (ABI 1.4) form one region after every chunk's, whatever the
+// chunk of their layer: no bucket mixes them with dense ones, each region keeps
+// the reverse-order, aligned, dp-divisible rules, and params come back in model order.
+TEST(DistoptLayout, ExpertParametersFormTheTail) {
+  using loom::model::layout_model_buffer;
+  // Model order: chunk 0 {dense 100, expert 300, dense 50}, chunk 1 {expert 70, dense 20}.
+  const std::vector<int> chunk = {0, 0, 0, 1, 1};
+  const std::vector<size_t> numels = {100, 300, 50, 70, 20};
+  const std::vector<bool> expert = {false, true, false, true, false};
+  const BufferLayout l = layout_model_buffer(chunk, numels, expert, 2, 4, 128);
+  ASSERT_EQ(l.params.size(), numels.size());
+  size_t dense_end = 0, expert_start = l.numel;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    EXPECT_EQ(l.params[i].size(), numels[i]) << "param " << i;
+    EXPECT_EQ(l.params[i].start % 64, 0u) << "param " << i;
+    if (expert[i]) expert_start = std::min(expert_start, l.params[i].start);
+    else dense_end = std::max(dense_end, l.params[i].end);
+  }
+  EXPECT_LE(dense_end, expert_start);
+  // The expert region: reverse model order, starting a bucket.
+  EXPECT_EQ(l.params[3].start, expert_start);
+  EXPECT_GT(l.params[1].start, l.params[3].start);
+  bool starts_bucket = false;
+  for (const auto& b : l.buckets) {
+    EXPECT_TRUE(b.end <= expert_start || b.start >= expert_start) << "bucket [" << b.start << ", " << b.end << ")";
+    EXPECT_EQ(b.size() % 128, 0u);
+    starts_bucket |= b.start == expert_start;
+  }
+  EXPECT_TRUE(starts_bucket);
+  EXPECT_EQ(l.buckets.back().end, l.numel);
+  // Without expert parameters it is the chunked layout.
+  const BufferLayout dense = layout_model_buffer({0, 1}, {10, 20}, {false, false}, 2, 2);
+  const BufferLayout chunked = loom::model::layout_chunked_buffer({{10}, {20}}, 2);
+  EXPECT_EQ(dense.numel, chunked.numel);
+  ASSERT_EQ(dense.params.size(), 2u);
+  EXPECT_EQ(dense.params[1].start, chunked.params[1].start);
+}
+
 TEST(DistoptLayout, BadRankIsRejected) {
   const BufferLayout l = layout_buffer({3, 5}, 2);
   EXPECT_THROW(shard_ranges(l, 2, 2), std::invalid_argument);

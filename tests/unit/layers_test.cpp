@@ -100,6 +100,12 @@ class Rank {
     alone.rank = 0;
     rt_->add_group("tp", tp ? *tp : alone);
     rt_->add_group("ep", alone);  // layer/moe asks for it (expert parallelism: 1)
+    // ... and checks that its experts split over tp: etp's size, no communicator
+    // (the runtime owns and destroys each group's, tp's already).
+    loom_group etp = tp ? *tp : alone;
+    etp.api = nullptr;
+    etp.comm = nullptr;
+    rt_->add_group("etp", etp);
     // The layers build their tensor parallelism from the parallel/tensor service.
     rt_->set_service(LOOM_API_TENSOR_PARALLEL, registry().get("parallel", "tensor").api);
   }

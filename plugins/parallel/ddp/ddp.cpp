@@ -4,6 +4,10 @@
 // the dp group (averaged), take the global gradient norm (summed over this
 // rank's parameters, counting tp-duplicated ones on tp rank 0 only and tied
 // pipeline copies on their owning stage only, then reduced over tp and pp), clip, and step AdamW on fp32 master weights.
+// Expert parallelism (ABI 1.4): the expert parameters, the buffers' tail, differ
+// across the ep group; their gradients already hold the contributions of every
+// dp rank of that group (the tokens came to them by all-to-all), so they are
+// summed over edp and scaled by 1 / dp, and their norm is summed over ep too.
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
@@ -15,14 +19,21 @@ namespace {
 
 class Ddp : public loom::OptimizerStrategy {
  public:
+  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL;
   Ddp(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel),
         param_dtype_(a.param_dtype), grad_dtype_(a.grad_dtype), dp_(a.dp), tp_(a.tp), pp_(a.pp) {
+    if (loom::expert_parallel(a)) {
+      ep_ = a.ep;
+      edp_ = a.edp;
+      expert_start_ = loom::expert_tail_start(a);
+    }
     LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
                  "parallel/ddp: gradient dtype " << grad_dtype_ << " is not supported");
     for (size_t i = 0; i < a.num_params; ++i) {
       const loom_param_info& p = a.infos[i];
-      infos_.push_back({p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i)});
+      infos_.push_back(
+          {p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i), p.offset >= expert_start_});
     }
     loom::Device dev = rank.device();
     m_ = loom::Buffer(rank_, numel_ * sizeof(float));
@@ -42,25 +53,45 @@ class Ddp : public loom::OptimizerStrategy {
     loom::Device dev = rank.device();
     void* stream = dev.native_stream();
     loom::Group dp(dp_);
-    // 1. average gradients over data-parallel replicas
-    if (dp.size() > 1) dp.all_reduce(stream, grads_, grads_, numel_, grad_dtype_, LOOM_REDUCE_AVG);
+    // 1. average gradients over data-parallel replicas; the expert tail summed
+    // over edp, then scaled as the average over dp.
+    if (dp.size() > 1 && expert_start_ > 0)
+      dp.all_reduce(stream, grads_, grads_, expert_start_, grad_dtype_, LOOM_REDUCE_AVG);
+    if (expert_start_ < numel_) {
+      char* tail = static_cast<char*>(grads_) + expert_start_ * elem(grad_dtype_);
+      const size_t n = numel_ - expert_start_;
+      loom::Group(edp_).all_reduce(stream, tail, tail, n, grad_dtype_, LOOM_REDUCE_SUM);
+      if (dp.size() > 1)
+        dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(n), .x = tail, .out = tail,
+                         .alpha = 1.f / static_cast<float>(dp.size()), .dtype = grad_dtype_,
+                         .out_dtype = grad_dtype_});
+    }
 
     // 2. global norm: this rank's share (one fp32 partial per parameter, copied to
     // the host at once and summed in double), then the model-parallel sum on a
     // device scalar, so a GPU communicator gets device memory on the stream.
-    size_t k = 0;
+    std::vector<bool> expert_part;
     for (const Info& p : infos_) {
       if (p.counted_elsewhere) continue;
       dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
-                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_), .out = norm_parts_.get<float>() + k,
-                  .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
-      ++k;
+                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_),
+                  .out = norm_parts_.get<float>() + expert_part.size(), .dtype = grad_dtype_,
+                  .out_dtype = LOOM_DTYPE_F32});
+      expert_part.push_back(p.expert);
     }
+    const size_t k = expert_part.size();
     std::vector<float> parts(k);
     if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    double total = 0;
-    for (float part : parts) total += part;
+    double total = 0, experts = 0;
+    for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
+    if (expert_start_ < numel_) {  // every ep rank holds other experts
+      dev.copy(norm_total_.get(), &experts, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      loom::Group(ep_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+      dev.copy(&experts, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+      dev.synchronize();
+      total += experts;
+    }
     dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
     for (const loom_group& g : {tp_, pp_})
       loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
@@ -130,7 +161,7 @@ class Ddp : public loom::OptimizerStrategy {
  private:
   struct Info {
     size_t offset, numel;
-    bool no_weight_decay, counted_elsewhere;
+    bool no_weight_decay, counted_elsewhere, expert;
   };
 
   static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
@@ -157,6 +188,8 @@ class Ddp : public loom::OptimizerStrategy {
   size_t numel_;
   int32_t param_dtype_, grad_dtype_;
   loom_group dp_, tp_, pp_;
+  loom_group ep_ = loom::make<loom_group>(), edp_ = loom::make<loom_group>();
+  size_t expert_start_ = numel_;  // the expert tail [expert_start_, numel_), when expert-parallel
   std::vector<Info> infos_;
   loom::Buffer m_, v_, main_, norm_parts_, norm_total_;
 };

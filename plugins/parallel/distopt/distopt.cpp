@@ -14,6 +14,11 @@
 //      layer says so), writing the updated slice back into the parameter buffer;
 //   4. all-gather each bucket's parameters so every rank has all of them.
 // Padding never takes part in a step: its gradients are zero and the pieces skip it.
+// Expert parallelism (ABI 1.4): the expert parameters, the buffers' tail, differ
+// across the ep group and already hold the contributions of its dp ranks (their
+// tokens came by all-to-all); their buckets are sharded over edp instead of dp,
+// reduce-scattered as a sum over edp scaled by 1 / dp, all-gathered over edp, and
+// their norm is summed over edp and ep.
 // Checkpoints: each rank saves its shard with a header describing the layout; a
 // resume at another dp size (state_load_resharded) finds each element of the new
 // shard by (parameter, element within it) in whichever old rank's shard held it.
@@ -26,6 +31,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -150,15 +156,22 @@ Saved parse(const void* buf, size_t bytes) {
 
 class DistOpt : public loom::OptimizerStrategy {
  public:
+  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL;
+
   DistOpt(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel), param_dtype_(a.param_dtype),
         grad_dtype_(a.grad_dtype), dp_(a.dp), tp_(a.tp), pp_(a.pp) {
+    if (loom::expert_parallel(a)) {
+      ep_ = a.ep;
+      edp_ = a.edp;
+      expert_start_ = loom::expert_tail_start(a);
+    } else {
+      expert_start_ = numel_;
+    }
     LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
                  "parallel/distopt: gradient dtype " << grad_dtype_ << " is not supported (f32, bf16)");
     LOOM_REQUIRE(param_dtype_ == LOOM_DTYPE_F32 || param_dtype_ == LOOM_DTYPE_BF16,
                  "parallel/distopt: parameter dtype " << param_dtype_ << " is not supported (f32, bf16)");
-    const size_t d = static_cast<size_t>(dp_size());
-    const size_t r = static_cast<size_t>(dp_rank());
 
     // Buckets as the engine laid them out (one bucket over everything if it gave none).
     const bool has_buckets =
@@ -177,8 +190,14 @@ class DistOpt : public loom::OptimizerStrategy {
       LOOM_REQUIRE(k.end > k.start && (b == 0 || k.start == buckets_[b - 1].end),
                    "parallel/distopt: bucket " << b << " [" << k.start << ", " << k.end
                                                << ") is empty or does not follow the previous one");
+      LOOM_REQUIRE(k.end <= expert_start_ || k.start >= expert_start_,
+                   "parallel/distopt: bucket " << b << " [" << k.start << ", " << k.end
+                                               << ") holds dense and expert parameters (the expert region starts at "
+                                               << expert_start_ << ")");
+      const loom_group& g = group_of(b);
+      const size_t d = static_cast<size_t>(std::max(1, g.size)), r = static_cast<size_t>(std::max(0, g.rank));
       LOOM_REQUIRE(k.size() % d == 0, "parallel/distopt: bucket " << b << " holds " << k.size()
-                                          << " elements, which do not split into dp = " << d
+                                          << " elements, which do not split into " << d
                                           << " equal shards (the engine pads buckets to lcm(dp, 128))");
       const size_t size = k.size() / d;
       shards_.push_back({k.start + r * size, k.start + (r + 1) * size});
@@ -233,30 +252,47 @@ class DistOpt : public loom::OptimizerStrategy {
     const loom::Group dp(dp_);
     const size_t ge = elem(grad_dtype_), pe = elem(param_dtype_);
 
-    // 1. Reduce-scatter: this rank's shard of each bucket gets the dp-averaged gradient.
+    // 1. Reduce-scatter: this rank's shard of each bucket gets the dp-averaged
+    // gradient (an expert bucket: the sum over edp, scaled by 1 / dp).
     for (size_t b = 0; b < buckets_.size(); ++b) {
       char* bucket = static_cast<char*>(grads_) + buckets_[b].start * ge;
       char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
-      dp.reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_AVG);
+      if (!is_expert_bucket(b)) {
+        dp.reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_AVG);
+        continue;
+      }
+      loom::Group(edp_).reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_SUM);
+      if (dp.size() > 1)
+        dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(shards_[b].size()), .x = shard, .out = shard,
+                         .alpha = 1.f / static_cast<float>(dp.size()), .dtype = grad_dtype_,
+                         .out_dtype = grad_dtype_});
     }
 
-    // 2. Global norm over all shards of all model-parallel ranks.
-    size_t k = 0;
+    // 2. Global norm over all shards of all model-parallel ranks: dense shards
+    // summed over dp, expert shards over edp and ep.
+    std::vector<bool> expert_part;
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const Piece& p = pieces_[i];
       if (params_info_[p.param].counted_elsewhere) continue;
       dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
-                  .x = static_cast<char*>(grads_) + p.world * ge, .out = norm_parts_.get<float>() + k,
+                  .x = static_cast<char*>(grads_) + p.world * ge, .out = norm_parts_.get<float>() + expert_part.size(),
                   .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
-      ++k;
+      expert_part.push_back(p.world >= expert_start_);
     }
+    const size_t k = expert_part.size();
     std::vector<float> parts(k);
     if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    double total = 0;
-    for (float f : parts) total += f;
-    dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-    for (const loom_group& g : {dp_, tp_, pp_})
+    double total = 0, experts = 0;
+    for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
+    if (expert_start_ < numel_) {  // the two parts over their own groups, then together
+      total = reduced_sum(dev, total, {dp_}) + reduced_sum(dev, experts, {edp_, ep_});
+      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    } else {
+      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      loom::Group(dp_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    }
+    for (const loom_group& g : {tp_, pp_})
       loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
     dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
@@ -282,7 +318,7 @@ class DistOpt : public loom::OptimizerStrategy {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       char* bucket = static_cast<char*>(params_) + buckets_[b].start * pe;
       char* shard = static_cast<char*>(params_) + shards_[b].start * pe;
-      dp.all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
+      loom::Group(group_of(b)).all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
     }
     return norm;
   }
@@ -441,6 +477,18 @@ class DistOpt : public loom::OptimizerStrategy {
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
                      .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
   }
+  // v summed over the groups, one after the other, on the device scalar.
+  double reduced_sum(const loom::Device& dev, double v, std::initializer_list<loom_group> groups) {
+    dev.copy(norm_total_.get(), &v, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    for (const loom_group& g : groups)
+      loom::Group(g).all_reduce(dev.native_stream(), norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    dev.copy(&v, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    return v;
+  }
+  // Expert buckets (the tail) are sharded over edp, the others over dp.
+  bool is_expert_bucket(size_t b) const { return buckets_[b].start >= expert_start_; }
+  const loom_group& group_of(size_t b) const { return is_expert_bucket(b) ? edp_ : dp_; }
   int dp_size() const { return std::max(1, dp_.size); }
   int dp_rank() const { return std::max(0, dp_.rank); }
   size_t header_bytes() const { return kFixedHeader + buckets_.size() * 4 * 8 + params_info_.size() * 2 * 8; }
@@ -463,6 +511,8 @@ class DistOpt : public loom::OptimizerStrategy {
   size_t numel_;
   int32_t param_dtype_, grad_dtype_;
   loom_group dp_, tp_, pp_;
+  loom_group ep_ = loom::make<loom_group>(), edp_ = loom::make<loom_group>();
+  size_t expert_start_ = 0;  // the expert tail [expert_start_, numel_) when expert-parallel; else numel_
   std::vector<Span> buckets_, shards_;  // shards_[b]: this rank's part of bucket b
   std::vector<ParamRef> params_info_;
   std::vector<Piece> pieces_;

@@ -480,6 +480,13 @@ typedef struct loom_param_decl {
   float init_std;
   int32_t no_weight_decay;   /* 1 for norms and biases */
   const char* tie_key;       /* params with the same tie_key share storage (weight tying) */
+  /* 1.4: 1 = dim 0 holds one block per expert (a MoE layer's experts) and is split
+   * over the expert-parallel group: ep rank i holds experts [i * n / ep, (i + 1) * n
+   * / ep) of the n in dim 0 (partition_dim then splits over tp as usual). Its
+   * gradient is reduced over the expert data-parallel group (edp), not dp. The
+   * engine reads a layer's array of loom_param_decl with the stride of its first
+   * element's struct_size, so an older layer's shorter elements read as expert 0. */
+  int32_t expert;
 } loom_param_decl;
 
 typedef struct loom_model_dims {
@@ -607,6 +614,15 @@ typedef struct loom_optimizer_create_args {
    * gradient arrives already summed over the copies; gradient norms count it on
    * the owning stage only, so skip it here. */
   const int32_t* counted_elsewhere;
+  /* --- 1.4 --- */
+  /* NULL, or num_params flags: 1 = an expert parameter (loom_param_decl.expert),
+   * different on each rank of the ep group. Its gradient is summed over the edp
+   * group instead of averaged over dp, then scaled by 1 / dp: its tokens came from
+   * every dp rank of the ep group. Global norms sum it over ep as well. The engine
+   * places expert parameters after all others, so they form the tail of the
+   * buffers. Only strategies with LOOM_OPTIMIZER_EXPERT_PARALLEL are given any. */
+  const int32_t* expert;
+  loom_group ep, edp;          /* the expert-parallel and expert data-parallel groups */
 } loom_optimizer_create_args;
 
 typedef struct loom_optimizer_step_args {
@@ -659,7 +675,14 @@ typedef struct loom_optimizer_api {
    * by parameter index and range within the parameter, never by old buffer offset);
    * padding gets zeros. NULL = the strategy cannot reshard (the engine refuses). */
   loom_status (*state_load_resharded)(loom_optimizer* opt, const loom_optimizer_reshard_args* args);
+  /* 1.4. LOOM_OPTIMIZER_* capability bits (a 1.0-1.3 table, which lacks them, has none). */
+  uint64_t features;
 } loom_optimizer_api;
+
+/* loom_optimizer_api.features: 1.4, the strategy reduces expert parameters over edp
+ * (loom_optimizer_create_args.expert, .ep, .edp); the engine refuses expert
+ * parallelism (parallel.ep > 1) with a strategy that lacks it. */
+#define LOOM_OPTIMIZER_EXPERT_PARALLEL (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* Pipeline schedule plugins (parallel/pipeline.*)                            */

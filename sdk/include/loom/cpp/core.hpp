@@ -160,6 +160,17 @@ class Group {
     if (g_.size <= 1 && send == recv) return;  // in-place on one rank: identity
     check(g_.api->reduce_scatter(g_.comm, stream, send, recv, count, dtype, op));
   }
+  // Block i of send (count elements) to rank i; block j of recv from rank j.
+  void all_to_all(void* stream, const void* send, void* recv, size_t count, int32_t dtype) const {
+    check(g_.api->all_to_all(g_.comm, stream, send, recv, count, dtype));
+  }
+  // Variable blocks: send_counts[i] elements at send_displs[i] go to rank i;
+  // recv_counts[j] elements from rank j land at recv_displs[j].
+  void all_to_all_v(void* stream, const void* send, const size_t* send_counts, const size_t* send_displs, void* recv,
+                    const size_t* recv_counts, const size_t* recv_displs, int32_t dtype) const {
+    check(g_.api->all_to_all_v(g_.comm, stream, send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                               dtype));
+  }
   void broadcast(void* stream, void* buf, size_t count, int32_t dtype, int root) const {
     if (g_.size <= 1) return;
     check(g_.api->broadcast(g_.comm, stream, buf, count, dtype, root));

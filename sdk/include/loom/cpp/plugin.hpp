@@ -11,6 +11,7 @@
 #include <loom/cpp/core.hpp>
 #include <loom/cpp/tensor_parallel.hpp>
 
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <string>
@@ -101,6 +102,9 @@ struct ParamSpec {
   float init_std = 0.02f;
   bool no_weight_decay = false;
   std::string tie_key;
+  // ABI 1.4: dim 0 holds one block per expert, split over the expert-parallel
+  // group (loom_param_decl.expert).
+  bool expert = false;
 };
 
 class Layer {
@@ -174,6 +178,7 @@ const loom_layer_api* layer_api() {
           d.init_std = s.init_std;
           d.no_weight_decay = s.no_weight_decay ? 1 : 0;
           d.tie_key = s.tie_key.empty() ? nullptr : s.tie_key.c_str();
+          d.expert = s.expert ? 1 : 0;
           b->decls.push_back(d);
         }
         *out = b->decls.data();
@@ -260,7 +265,37 @@ inline bool counted_elsewhere(const loom_optimizer_create_args& a, size_t i) {
   return has_slot && a.counted_elsewhere != nullptr && a.counted_elsewhere[i] != 0;
 }
 
+// Whether parameter i is an expert parameter (ABI 1.4; never from an older engine).
+inline bool is_expert(const loom_optimizer_create_args& a, size_t i) {
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, expert) + sizeof(a.expert);
+  return has_slot && a.expert != nullptr && a.expert[i] != 0;
+}
+
+// Whether the engine gave expert flags and an expert-parallel group of more than
+// one rank (ABI 1.4): then expert gradients are reduced over a.edp, not a.dp.
+inline bool expert_parallel(const loom_optimizer_create_args& a) {
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, edp) + sizeof(a.edp);
+  return has_slot && a.expert != nullptr && a.ep.size > 1;
+}
+
+// Where the expert parameters begin in the buffers (ABI 1.4: the engine places
+// them after all others, from a bucket boundary on); a.numel when there are none.
+// Throws when a dense parameter lies past an expert one.
+inline size_t expert_tail_start(const loom_optimizer_create_args& a) {
+  size_t start = a.numel, dense_end = 0;
+  for (size_t i = 0; i < a.num_params; ++i) {
+    const loom_param_info& p = a.infos[i];
+    if (is_expert(a, i)) start = std::min(start, p.offset);
+    else dense_end = std::max(dense_end, p.offset + p.numel);
+  }
+  LOOM_REQUIRE(start == a.numel || dense_end <= start,
+               "the expert parameters do not form the tail of the buffers (they start at "
+                   << start << ", a dense parameter ends at " << dense_end << ")");
+  return start;
+}
+
 // T must be constructible from (const Options&, Rank&, const loom_optimizer_create_args&).
+// A static constexpr uint64_t kFeatures in T sets loom_optimizer_api.features.
 template <typename T>
 const loom_optimizer_api* optimizer_api() {
   static const loom_optimizer_api api = [] {
@@ -301,6 +336,7 @@ const loom_optimizer_api* optimizer_api() {
         reinterpret_cast<OptimizerStrategy*>(p)->state_load_resharded(*args);
       });
     };
+    if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
     return a;
   }();
   return &api;
