@@ -3,7 +3,8 @@
 // sequence parallelism), dp = 2 (DDP and the distributed optimizer), pp = 2
 // (1F1B and interleaved) and tp x pp x dp; the load-balancing loss is reported
 // and its gradient reaches every pipeline stage with the engine's aux_loss_scale
-// (ABI 1.4); expert parallelism is refused with a clear message until it exists.
+// (ABI 1.4); with expert parallelism (ep 2 and 4, with dp, tp + SP and pp, both
+// optimizer strategies) the training is the same, and a checkpoint resumes.
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
@@ -46,6 +47,10 @@ void expect_same_training(const RankTrace& serial, const RankTrace& par, double 
     EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
     const double aux = serial.result.steps[s].aux_loss;
     EXPECT_NEAR(par.result.steps[s].aux_loss, aux, tol * aux + 1e-7) << "aux loss at step " << s + 1;
+    // The norm clipping uses: each parameter counted once (tp-duplicated ones, and
+    // every ep rank's experts).
+    const double gn = serial.result.steps[s].grad_norm;
+    EXPECT_NEAR(par.result.steps[s].grad_norm, gn, tol * gn) << "gradient norm at step " << s + 1;
     const auto want = loom::testing::full_params(serial, s);
     const auto got = loom::testing::full_params(par, s);
     ASSERT_EQ(got.size(), want.size()) << "the stages together hold every parameter once";
@@ -261,14 +266,158 @@ TEST(Moe, PlanMatchesTheModel) {
   }
 }
 
-TEST(Moe, ExpertParallelismIsRefusedWithTheReason) {
+// Expert parallelism: the experts split over ep, tokens dispatched by all-to-all,
+// expert gradients reduced over edp; the same training as the serial run.
+TEST(Moe, Ep2Dp2MatchesSerial) { expect_same_training(serial(), run({"parallel.dp=2", "parallel.ep=2"})); }
+
+TEST(Moe, Ep2Dp2DistributedOptimizerMatchesSerial) {
+  expect_same_training(serial(), run({"parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""}));
+}
+
+// One expert per rank; and ep 2 inside dp 4, so edp = 2 sums expert gradients
+// (DDP) and shards their buckets (distributed optimizer).
+TEST(Moe, Ep4Dp4MatchesSerial) { expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=4"})); }
+
+TEST(Moe, Ep2Dp4BothStrategiesMatchSerial) {
+  expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=2"}));
+  expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=2", "optimizer.strategy=\"distributed\""}));
+}
+
+TEST(Moe, Ep2Tp2SequenceParallelMatchesSerial) {
+  expect_same_training(serial(), run({"parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
+                                      "parallel.sequence_parallel=true"}));
+}
+
+TEST(Moe, Ep2Pp2MatchesSerial) {
+  expect_same_training(serial(), run({"parallel.pp=2", "parallel.dp=2", "parallel.ep=2"}));
+}
+
+// What crosses the ep group per step: per MoE layer and microbatch one
+// all_to_all of the per-expert counts, and all_to_all_v of rows: forward the
+// inputs out and the outputs back; backward the inputs, output gradients and
+// gates out, input and gate gradients back. Dense gradients are averaged over dp,
+// expert gradients not (edp = 1 here).
+TEST(Moe, Ep2CommunicatesByAllToAll) {
+  const RankTrace t = run({"parallel.dp=2", "parallel.ep=2", "run.steps=2"});
+  const int64_t layers = 4, microbatches = 8 / (2 * 2), experts = 4;
+  for (const auto& step : t.result.steps) {
+    ASSERT_TRUE(step.comm.count("ep")) << "no collective on the ep group";
+    const auto& ep = step.comm.at("ep");
+    EXPECT_EQ(ep.at("all_to_all").calls, static_cast<uint64_t>(layers * microbatches));
+    EXPECT_EQ(ep.at("all_to_all").bytes, static_cast<uint64_t>(layers * microbatches * experts * 4));
+    EXPECT_EQ(ep.at("all_to_all_v").calls, static_cast<uint64_t>(7 * layers * microbatches));
+    EXPECT_GT(ep.at("all_to_all_v").bytes, 0u);
+    const auto& entries = t.entries.at(0);
+    size_t dense = 0, total = 0;
+    for (const auto& e : entries) (e.expert ? total : dense) += e.numel;
+    total += dense;
+    const uint64_t reduced = step.comm.at("dp").at("all_reduce").elements;
+    EXPECT_GE(reduced, dense);
+    EXPECT_LT(reduced, total) << "expert gradients are not averaged over dp";
+  }
+}
+
+// Each ep rank holds its own block of experts: half the expert parameters, and
+// the dense ones whole.
+TEST(Moe, Ep2RanksHoldHalfTheExperts) {
+  const RankTrace t = run({"parallel.dp=2", "parallel.ep=2", "run.steps=1"});
+  const auto& e0 = t.entries.at(0);
+  const auto& e1 = t.entries.at(1);
+  ASSERT_EQ(e0.size(), e1.size());
+  int experts = 0;
+  for (size_t k = 0; k < e0.size(); ++k) {
+    int64_t full = 1;
+    for (int64_t d : e0[k].full_shape) full *= d;
+    const bool expert = e0[k].name.find(".experts.") != std::string::npos;
+    EXPECT_EQ(e0[k].expert, expert) << e0[k].name;
+    EXPECT_EQ(static_cast<int64_t>(e0[k].numel), expert ? full / 2 : full) << e0[k].name;
+    if (!expert) continue;
+    ++experts;
+    const std::vector<float> a(t.params.at(0)[0].begin() + e0[k].offset,
+                               t.params.at(0)[0].begin() + e0[k].offset + e0[k].numel);
+    const std::vector<float> b(t.params.at(1)[0].begin() + e1[k].offset,
+                               t.params.at(1)[0].begin() + e1[k].offset + e1[k].numel);
+    if (e0[k].name.find("weight") != std::string::npos) {
+      EXPECT_NE(a, b) << e0[k].name << ": other experts";
+    }
+  }
+  EXPECT_EQ(experts, 4 * 4);
+}
+
+// A checkpoint of an ep run keeps every rank's experts: split at step 5, it ends
+// bit-identical to the uninterrupted run; another ep is refused with the reason.
+TEST(Moe, Ep2ResumeIsBitExactAndAnotherEpIsRefused) {
+  const std::string dir = loom::testing::scratch_dir("moe-ep-resume");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  const std::vector<std::string> base = {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]",
+                                         "optimizer.decay_steps=10", "parallel.dp=2",
+                                         "optimizer.strategy=\"distributed\""};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), base.begin(), base.end());
+    return o;
+  };
+  const auto full = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2"}));
+  loom::testing::run_and_trace(manifest(), with({"run.steps=5", "parallel.ep=2", ck}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
   try {
-    run({"parallel.dp=2", "parallel.ep=2"});
-    ADD_FAILURE() << "ep = 2 was accepted";
+    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=1", ck}), resume);
+    ADD_FAILURE() << "a resume at ep = 1 of an ep = 2 checkpoint was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.ep=2"), std::string::npos) << e.what();
+  }
+  const auto second = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2", ck}), resume);
+  ASSERT_EQ(second.loss.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(second.loss[i], full.loss[5 + i]) << "step " << 6 + i;
+  EXPECT_EQ(second.params.back(), full.params.back());
+  boost::filesystem::remove_all(dir);
+}
+
+// `loom plan` splits the experts like the run does: the same buffers per rank,
+// and the distributed optimizer's state is the dense part over dp plus the
+// expert part over edp.
+TEST(Moe, Ep2PlanMatchesTheModel) {
+  const std::vector<std::string> o = {"run.steps=1", "parallel.dp=4", "parallel.ep=2",
+                                      "optimizer.strategy=\"distributed\"", "model.num_layers=4",
+                                      "model.block=[\"attention\", \"moe\"]"};
+  std::map<int, std::pair<size_t, size_t>> buffers;  // rank -> (numel, where the expert tail starts)
+  std::mutex mu;
+  loom::train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+    size_t tail = m.numel();
+    for (const auto& e : m.param_entries())
+      if (e.expert) tail = std::min(tail, e.offset);
+    std::lock_guard<std::mutex> lock(mu);
+    buffers[rank] = {m.numel(), tail};
+  };
+  loom::testing::run_and_trace(manifest(), o, opts);
+  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  ASSERT_EQ(plan.ranks.size(), 4u);
+  for (const auto& r : plan.ranks) {
+    const auto [numel, tail] = buffers.at(r.rank);
+    EXPECT_EQ(r.buffer_numel, numel) << "rank " << r.rank;
+    ASSERT_LT(tail, numel) << "rank " << r.rank << " holds expert parameters";
+    // fp32 Adam: m and v, 8 bytes per element of the shard.
+    EXPECT_EQ(r.optimizer_bytes, (tail / 4 + (numel - tail) / 2) * 8) << "rank " << r.rank;
+  }
+}
+
+// What cannot be split is refused with the reason: experts that do not divide
+// over ep, and experts split over another tp than the layer's.
+TEST(Moe, ExpertsThatDoNotSplitOverEpAreRefused) {
+  try {
+    run({"parallel.dp=4", "parallel.ep=4", "model.layer.moe.num_experts=6", "run.steps=1"});
+    ADD_FAILURE() << "6 experts over ep = 4 were accepted";
   } catch (const std::exception& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("expert parallelism"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("parallel.ep = 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("num_experts = 6"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("parallel.ep = 4"), std::string::npos) << msg;
+  }
+  try {
+    run({"parallel.tp=2", "parallel.etp=1", "run.steps=1"});
+    ADD_FAILURE() << "etp = 1 under tp = 2 was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.etp"), std::string::npos) << e.what();
   }
 }
 

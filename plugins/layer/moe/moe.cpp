@@ -30,7 +30,19 @@
 // all tokens identically, and the combined partial outputs leave it once (g:
 // all-reduce, or reduce-scatter under SP), so one collective per direction for all
 // experts together. fc2's bias is added by tp rank 0 only (it must be counted once
-// in the sum). Expert parallelism (parallel.ep > 1) is not implemented yet.
+// in the sum).
+//
+// Expert parallelism (parallel.ep = P > 1; Megatron's all-to-all dispatcher): ep
+// rank q holds experts [q E/P, (q+1) E/P) (the expert parameters' dim 0, split by
+// the engine, ABI 1.4). Each rank routes its own tokens over all E experts; the
+// dispatch rows are expert-major, so the rows for each ep rank are contiguous. The
+// per-expert counts are exchanged (all_to_all), the rows sent (all_to_all_v) and
+// sorted from (source rank, expert) into expert-major order, the experts run, and
+// their outputs go back the same way, to be gated and combined where the tokens
+// live. Backward sends the recomputed inputs, the output gradients and the gates
+// the same way and returns the input and gate gradients. An ep group joins ranks
+// of one tp rank, which route identically to their tp peers, so each expert's
+// tensor parallelism is unchanged. The engine reduces expert gradients over edp.
 #include "../common/layer_math.hpp"
 
 #include <algorithm>
@@ -58,6 +70,59 @@ struct Routing {
   int64_t rows() const { return tokens * top_k; }
   int64_t count(int64_t e) const { return offset[e + 1] - offset[e]; }
 };
+
+// The rows this rank's experts process, expert-major. With ep = 1 they are the
+// dispatch rows themselves; with ep > 1 they come from every rank of the ep group.
+struct ExpertRows {
+  int64_t rows = 0;             // R
+  std::vector<int64_t> offset;  // [local experts + 1]: first row of each
+  // ep > 1: per ep rank j, the dispatch rows sent to j (contiguous from
+  // send_displ[j]) and the rows received from j (at recv_displ[j]); in rows.
+  std::vector<size_t> send, send_displ, recv, recv_displ;
+  std::vector<int32_t> sorted_from;    // [R] expert-major row -> received row
+  std::vector<int32_t> received_from;  // [R] received row -> expert-major row
+  int64_t count(int64_t le) const { return offset[le + 1] - offset[le]; }
+};
+
+// The plan of an ep exchange from this rank's routing and, per (source ep rank j,
+// local expert le), the rows j routed to it: recv_counts[j * local + le].
+ExpertRows plan_expert_rows(const Routing& r, int64_t ep, const std::vector<int32_t>& recv_counts) {
+  ExpertRows x;
+  if (ep == 1) {
+    x.rows = r.rows();
+    x.offset = r.offset;
+    return x;
+  }
+  const int64_t local = r.experts / ep;
+  auto rc = [&](int64_t j, int64_t le) { return static_cast<size_t>(recv_counts[static_cast<size_t>(j * local + le)]); };
+  size_t displ = 0;
+  for (int64_t j = 0; j < ep; ++j) {
+    x.send.push_back(static_cast<size_t>(r.offset[static_cast<size_t>((j + 1) * local)] -
+                                         r.offset[static_cast<size_t>(j * local)]));
+    x.send_displ.push_back(static_cast<size_t>(r.offset[static_cast<size_t>(j * local)]));
+    size_t n = 0;
+    for (int64_t le = 0; le < local; ++le) n += rc(j, le);
+    x.recv.push_back(n);
+    x.recv_displ.push_back(displ);
+    displ += n;
+  }
+  x.rows = static_cast<int64_t>(displ);
+  x.offset.assign(static_cast<size_t>(local + 1), 0);
+  x.sorted_from.resize(displ);
+  x.received_from.resize(displ);
+  std::vector<size_t> next(x.recv_displ);  // per source: its next received row
+  size_t pos = 0;
+  for (int64_t le = 0; le < local; ++le) {
+    for (int64_t j = 0; j < ep; ++j)
+      for (size_t i = 0; i < rc(j, le); ++i, ++pos) {
+        const size_t from = next[static_cast<size_t>(j)]++;
+        x.sorted_from[pos] = static_cast<int32_t>(from);
+        x.received_from[from] = static_cast<int32_t>(pos);
+      }
+    x.offset[static_cast<size_t>(le + 1)] = static_cast<int64_t>(pos);
+  }
+  return x;
+}
 
 // Routes `tokens` rows of fp32 logits: softmax, top-k, gates, dispatch order.
 Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts, int64_t top_k, bool pre_softmax) {
@@ -195,10 +260,15 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(ffn_ % tp == 0, name_ << ": ffn_hidden_size (" << ffn_
                                        << ") must be divisible by the tensor-parallel size (" << tp << ")");
     ffn_local_ = ffn_ / tp;
-    const loom::Group ep = rank.group("ep");
-    LOOM_REQUIRE(ep.size() == 1, name_ << ": expert parallelism (parallel.ep = " << ep.size()
-                                       << ") is not implemented yet; every rank holds all " << experts_
-                                       << " experts: use parallel.ep = 1");
+    ep_group_ = rank.group("ep");
+    ep_ = std::max(1, ep_group_.size());
+    LOOM_REQUIRE(experts_ % ep_ == 0, name_ << ": option num_experts = " << experts_
+                                            << " does not split over the expert-parallel group (parallel.ep = " << ep_
+                                            << "); choose an ep that divides it");
+    local_experts_ = experts_ / ep_;
+    const int64_t etp = std::max(1, rank.group("etp").size());
+    LOOM_REQUIRE(etp == tp, name_ << ": the experts are split over tp like the MLP, but parallel.etp = " << etp
+                                  << " differs from parallel.tp = " << tp << "; set parallel.etp = 0 (same as tp)");
   }
 
   std::vector<loom::ParamSpec> params() override {
@@ -207,12 +277,15 @@ class Moe : public loom::Layer {
     p[kLnW] = {.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
     p[kLnB] = {.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
     p[kRouter] = {.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL};
-    p[kFc1W] = {.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL};
+    // The experts' parameters: dim 0 is the expert, split over ep by the engine.
+    p[kFc1W] = {.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL,
+                .expert = true};
     p[kFc1B] = {.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
-                .no_weight_decay = true};
+                .no_weight_decay = true, .expert = true};
     p[kFc2W] = {.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
-                .init = LOOM_INIT_NORMAL_SCALED};
-    p[kFc2B] = {.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
+                .init = LOOM_INIT_NORMAL_SCALED, .expert = true};
+    p[kFc2B] = {.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true,
+                .expert = true};
     return p;
   }
 
@@ -273,31 +346,53 @@ class Moe : public loom::Layer {
     if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
       *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux + z_coeff_ * r.z);
 
-    // What the backward needs of the dispatch: token ids and gates per row, and
-    // the experts' fc1 outputs (pre-GeLU).
+    // Where this rank's experts get their rows (the counts exchanged over ep).
+    s.experts = exchange_counts(dev, r);
+    const ExpertRows& xr = s.experts;
+    const int64_t R = xr.rows;
+    const bool moved = ep_ > 1;
+
+    // What the backward needs of the dispatch: token ids and gates per row, the
+    // exchange's sort orders, and the experts' fc1 outputs (pre-GeLU).
     s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.slot_row = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.gate = s.route.elems(N, act);
-    s.h = s.route.elems(N * Fl, act);
+    s.h = s.route.elems(R * Fl, act);
+    s.sorted_from = s.route.add(moved ? static_cast<size_t>(R) * sizeof(int32_t) : 0);
+    s.received_from = s.route.add(moved ? static_cast<size_t>(R) * sizeof(int32_t) : 0);
     s.route.allocate(rank_);
     upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at<int32_t>(s.slot_row), s.route.at(s.gate));
+    if (moved && R > 0) {
+      dev.copy(s.route.at(s.sorted_from), xr.sorted_from.data(), static_cast<size_t>(R) * sizeof(int32_t),
+               LOOM_COPY_HOST_TO_DEVICE);
+      dev.copy(s.route.at(s.received_from), xr.received_from.data(), static_cast<size_t>(R) * sizeof(int32_t),
+               LOOM_COPY_HOST_TO_DEVICE);
+    }
 
     Arena tmp;
-    const size_t xg = tmp.elems(N * H, act), a_out = tmp.elems(N * Fl, act), yx = tmp.elems(N * H, act),
-                 gexp = tmp.elems(N * H, act), ones = tmp.elems(H, act), out_full = tmp.elems(T * H, act),
-                 o = tmp.elems(sp ? Tl * H : 0, act);
+    const size_t xg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act), a_out = tmp.elems(R * Fl, act),
+                 ys = tmp.elems(moved ? R * H : 0, act), yx = tmp.elems(N * H, act), gexp = tmp.elems(N * H, act),
+                 ones = tmp.elems(H, act), out_full = tmp.elems(T * H, act), o = tmp.elems(sp ? Tl * H : 0, act);
     tmp.allocate(rank_);
     gather_rows(dev, xin, s.route.at<int32_t>(s.tok), tmp.at(xg), N, T, H);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+    const void* xe = tmp.at(xg);  // the experts' input rows, expert-major
+    void* ye = tmp.at(yx);        // their output rows
+    if (moved) {
+      to_experts(dev, s, xe, tmp.at(xs), H, act);
+      xe = tmp.at(xs);
+      ye = tmp.at(ys);
+    }
+    for (int64_t e = 0; e < local_experts_; ++e) {
+      const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
       void* h = advance(s.route.at(s.h), r0 * Fl, act);
-      gemm(dev, false, false, n, Fl, H, advance(tmp.at(xg), r0 * H, act), advance(w_[kFc1W], e * H * Fl, act), h,
-           0.0f, act, act);
+      gemm(dev, false, false, n, Fl, H, advance(xe, r0 * H, act), advance(w_[kFc1W], e * H * Fl, act), h, 0.0f, act,
+           act);
       add_bias(dev, h, advance(w_[kFc1B], e * Fl, act), h, n, Fl, act);
     }
-    dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
-    expert_outputs(dev, tmp.at(a_out), tmp.at(yx), r);
+    if (R > 0) dev.gelu_fwd({.n = R * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
+    expert_outputs(dev, tmp.at(a_out), ye, xr);
+    if (moved) from_experts(dev, s, ye, tmp.at(yx), H, act);
     // Gate each row, then scatter-add the rows back to their tokens.
     expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
@@ -333,12 +428,17 @@ class Moe : public loom::Layer {
     GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 7), local_numels(), tp_.features(), fusion_);
     const int32_t gdt = gs.grad_dtype();
 
+    const ExpertRows& xr = s.experts;
+    const int64_t R = xr.rows;
+    const bool moved = ep_ > 1;
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(sp ? T * H : 0, act),
                  ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(sp ? T * H : 0, act), xg = tmp.elems(N * H, act),
-                 a_out = tmp.elems(N * Fl, act), dyg = tmp.elems(N * H, act), gexp = tmp.elems(N * H, act),
-                 ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(N), da = tmp.elems(N * Fl, act),
-                 prod = tmp.elems(N * Fl, act), dln_full = tmp.elems(T * H, act),
+                 dyg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act),
+                 dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
+                 dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems(R * H, act),
+                 ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
+                 prod = tmp.elems(R * Fl, act), dln_full = tmp.elems(T * H, act),
                  dln = tmp.elems(sp ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
                  dlogits_act = tmp.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
     tmp.allocate(rank_);
@@ -353,69 +453,101 @@ class Moe : public loom::Layer {
       tp_.exit_backward({.rows = T, .cols = H, .x = d, .out = tmp.at(dfull), .dtype = act});
       d = tmp.at(dfull);
     }
-    // The dispatched inputs and the experts' activations, recomputed.
+    // The dispatched inputs, recomputed, and the output gradients per dispatch row;
+    // at the experts (sent there under ep > 1) with the gates.
     const void* xin = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
                                          s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, act);
     const int32_t* tok = s.route.at<int32_t>(s.tok);
     gather_rows(dev, xin, tok, tmp.at(xg), N, T, H);
-    dev.gelu_fwd({.n = N * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
     gather_rows(dev, d, tok, tmp.at(dyg), N, T, H);
+    const void* xe = tmp.at(xg);
+    void* dye = tmp.at(dyg);
+    const void* gate_e = s.route.at(s.gate);
+    if (moved) {
+      to_experts(dev, s, xe, tmp.at(xs), H, act);
+      to_experts(dev, s, dye, tmp.at(dys), H, act);
+      to_experts(dev, s, gate_e, tmp.at(gates), 1, act);
+      xe = tmp.at(xs);
+      dye = tmp.at(dys);
+      gate_e = tmp.at(gates);
+    }
+    if (R > 0) dev.gelu_fwd({.n = R * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
 
     // fc2's input gradient before the gate, da_u = dy_row W2^T. The gate's gradient
     // is <dy_row, fc2 output row> = <da_u_row, act_row> + <dy_row, b2>: no second
     // fc2 forward. Partial over tp (each rank holds Fl of the ffn, and the bias term
     // is rank 0's), so summed over tp.
     const bool count_bias = !sp || tp_.rank() == 0;  // SP: the engine sums duplicated gradients over tp
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < local_experts_; ++e) {
+      const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
-      gemm(dev, false, true, n, Fl, H, advance(tmp.at(dyg), r0 * H, act), advance(w_[kFc2W], e * Fl * H, act),
+      gemm(dev, false, true, n, Fl, H, advance(dye, r0 * H, act), advance(w_[kFc2W], e * Fl * H, act),
            advance(tmp.at(da), r0 * Fl, act), 0.0f, act, act);
     }
-    dev.elementwise({.op = LOOM_EW_MUL, .n = N * Fl, .x = tmp.at(da), .y = tmp.at(a_out), .out = tmp.at(prod),
-                     .dtype = act, .out_dtype = act});
     dev.elementwise({.op = LOOM_EW_FILL, .n = std::max(H, Fl), .out = tmp.at(ones), .alpha = 1.f, .dtype = act,
                      .out_dtype = act});
-    gemm(dev, false, false, N, 1, Fl, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
+    if (R > 0) {
+      dev.elementwise({.op = LOOM_EW_MUL, .n = R * Fl, .x = tmp.at(da), .y = tmp.at(a_out), .out = tmp.at(prod),
+                       .dtype = act, .out_dtype = act});
+      gemm(dev, false, false, R, 1, Fl, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
+    }
     if (tp_.rank() == 0)
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < local_experts_; ++e) {
+        const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
         if (n == 0) continue;
-        gemm(dev, false, false, n, 1, H, advance(tmp.at(dyg), r0 * H, act), advance(w_[kFc2B], e * H, act),
+        gemm(dev, false, false, n, 1, H, advance(dye, r0 * H, act), advance(w_[kFc2B], e * H, act),
              tmp.at(dgate) + r0, 1.0f, act, LOOM_DTYPE_F32);
       }
-    tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(N), LOOM_DTYPE_F32);
+    // Every tp rank of the group has the same R (its ep peers route as its tp peers').
+    if (R > 0)
+      tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(R),
+                           LOOM_DTYPE_F32);
+    const float* dgate_src = tmp.at(dgate);  // per dispatch row, where the tokens live
+    if (moved) {
+      from_experts(dev, s, tmp.at(dgate), tmp.at(dgate_rows), 1, LOOM_DTYPE_F32);
+      dgate_src = tmp.at(dgate_rows);
+    }
     std::vector<float> row_dgate(static_cast<size_t>(N));
-    dev.copy(row_dgate.data(), tmp.at(dgate), row_dgate.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.copy(row_dgate.data(), dgate_src, row_dgate.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
 
     // The experts' backward on the gated gradients: fc2's weight and bias from
     // gate * dy, GeLU's input gradient from gate * da_u.
-    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
-    void* dyr = tmp.at(dyg);
-    dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = dyr, .y = tmp.at(gexp), .out = dyr, .dtype = act,
-                     .out_dtype = act});
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
-      if (n == 0) continue;
-      const void* dye = advance(dyr, r0 * H, act);
-      gemm(dev, true, false, Fl, H, n, advance(tmp.at(a_out), r0 * Fl, act), dye, advance(gs[kFc2W], e * Fl * H, gdt),
-           1.0f, act, gdt);
-      if (count_bias) column_sum_acc(rank_, dev, dye, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
+    if (R > 0) {
+      expand_gates(dev, gate_e, tmp.at(ones), tmp.at(gexp), R, H);
+      dev.elementwise({.op = LOOM_EW_MUL, .n = R * H, .x = dye, .y = tmp.at(gexp), .out = dye, .dtype = act,
+                       .out_dtype = act});
     }
-    expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(prod), N, Fl);
-    dev.elementwise({.op = LOOM_EW_MUL, .n = N * Fl, .x = tmp.at(da), .y = tmp.at(prod), .out = tmp.at(da),
-                     .dtype = act, .out_dtype = act});
-    dev.gelu_bwd({.n = N * Fl, .x = s.route.at(s.h), .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
-    void* dxg = tmp.at(gexp);  // the expanded gates are used up
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < local_experts_; ++e) {
+      const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
+      if (n == 0) continue;
+      const void* dy_e = advance(dye, r0 * H, act);
+      gemm(dev, true, false, Fl, H, n, advance(tmp.at(a_out), r0 * Fl, act), dy_e,
+           advance(gs[kFc2W], e * Fl * H, gdt), 1.0f, act, gdt);
+      if (count_bias) column_sum_acc(rank_, dev, dy_e, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
+    }
+    if (R > 0) {
+      expand_gates(dev, gate_e, tmp.at(ones), tmp.at(prod), R, Fl);
+      dev.elementwise({.op = LOOM_EW_MUL, .n = R * Fl, .x = tmp.at(da), .y = tmp.at(prod), .out = tmp.at(da),
+                       .dtype = act, .out_dtype = act});
+      dev.gelu_bwd({.n = R * Fl, .x = s.route.at(s.h), .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
+    }
+    void* dxe = tmp.at(gexp);  // the expanded gates are used up
+    for (int64_t e = 0; e < local_experts_; ++e) {
+      const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
       const void* dhe = advance(tmp.at(da), r0 * Fl, act);
-      gemm(dev, true, false, H, Fl, n, advance(tmp.at(xg), r0 * H, act), dhe, advance(gs[kFc1W], e * H * Fl, gdt),
-           1.0f, act, gdt);
+      gemm(dev, true, false, H, Fl, n, advance(xe, r0 * H, act), dhe, advance(gs[kFc1W], e * H * Fl, gdt), 1.0f, act,
+           gdt);
       column_sum_acc(rank_, dev, dhe, advance(gs[kFc1B], e * Fl, gdt), n, Fl, act, gdt);
-      gemm(dev, false, true, n, H, Fl, dhe, advance(w_[kFc1W], e * H * Fl, act), advance(dxg, r0 * H, act), 0.0f,
+      gemm(dev, false, true, n, H, Fl, dhe, advance(w_[kFc1W], e * H * Fl, act), advance(dxe, r0 * H, act), 0.0f,
            act, act);
+    }
+    // The input gradients per dispatch row, back where the tokens live (the
+    // output-gradient rows there are used up), then summed per token.
+    void* dxg = dxe;
+    if (moved) {
+      dxg = tmp.at(dyg);
+      from_experts(dev, s, dxe, dxg, H, act);
     }
     combine_rows(dev, dxg, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
     // f's backward: summed over tp (reduce-scattered to the shard under SP).
@@ -466,10 +598,13 @@ class Moe : public loom::Layer {
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
+    if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the ep exchange's sort orders
     return a.bytes();
   }
 
-  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl).
+  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
+  // processed here are the group's tokens routed to this rank's experts, as many
+  // as its own when the routing is balanced.
   double forward_flops() override {
     const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
     return 2.0 * T * H * static_cast<double>(experts_) +
@@ -479,9 +614,20 @@ class Moe : public loom::Layer {
  private:
   enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B };
 
+  struct Saved {
+    int64_t S = 0, B = 0;
+    Arena mem;    // fixed size: x, LN statistics, dropout mask
+    Arena route;  // sized by the routing: token ids, gates, fc1 outputs
+    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, sorted_from = 0,
+           received_from = 0;
+    bool dropped = false;
+    Routing routing;
+    ExpertRows experts;
+  };
+
   std::vector<int64_t> local_numels() const {
-    const int64_t H = hidden_, E = experts_, Fl = ffn_local_;
-    return {H, H, H * E, E * H * Fl, E * Fl, E * Fl * H, E * H};
+    const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_;
+    return {H, H, H * E, El * H * Fl, El * Fl, El * Fl * H, El * H};
   }
 
   // The dispatch order's token ids (int32) and gates (activation dtype) to the device.
@@ -503,9 +649,55 @@ class Moe : public loom::Layer {
 
   // out [rows, H] = table [table_rows, H] at ids (the device's embedding gather).
   void gather_rows(const loom::Device& dev, const void* table, const int32_t* ids, void* out, int64_t rows,
-                   int64_t table_rows, int64_t H) const {
+                   int64_t table_rows, int64_t H, int32_t dtype = -1) const {
     dev.embedding_fwd({.n = rows, .dim = H, .vocab_rows = table_rows, .vocab_start = 0, .ids = ids, .table = table,
-                       .out = out, .dtype = dt_.act});
+                       .out = out, .dtype = dtype < 0 ? dt_.act : dtype});
+  }
+
+  // The per-expert row counts exchanged over the ep group (all_to_all of int32):
+  // where this rank's experts get their rows from. ep = 1: the dispatch rows.
+  ExpertRows exchange_counts(const loom::Device& dev, const Routing& r) const {
+    if (ep_ == 1) return plan_expert_rows(r, 1, {});
+    std::vector<int32_t> sent(static_cast<size_t>(experts_)), received(static_cast<size_t>(experts_));
+    for (int64_t e = 0; e < experts_; ++e) sent[static_cast<size_t>(e)] = static_cast<int32_t>(r.count(e));
+    Arena a;
+    const size_t sc = a.add(sent.size() * sizeof(int32_t)), rc = a.add(received.size() * sizeof(int32_t));
+    a.allocate(rank_);
+    dev.copy(a.at(sc), sent.data(), sent.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+    ep_group_.all_to_all(dev.native_stream(), a.at(sc), a.at(rc), static_cast<size_t>(local_experts_),
+                         LOOM_DTYPE_I32);
+    dev.copy(received.data(), a.at(rc), received.size() * sizeof(int32_t), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    return plan_expert_rows(r, ep_, received);
+  }
+  // rows [N, w] in dispatch order -> out [R, w] at this rank's experts, expert-major.
+  void to_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
+                  int32_t dtype) const {
+    const ExpertRows& x = s.experts;
+    Arena a;
+    const size_t received = a.elems(x.rows * w, dtype);
+    a.allocate(rank_);
+    ep_group_.all_to_all_v(dev.native_stream(), rows, scaled(x.send, w).data(), scaled(x.send_displ, w).data(),
+                           a.at(received), scaled(x.recv, w).data(), scaled(x.recv_displ, w).data(), dtype);
+    if (x.rows > 0) gather_rows(dev, a.at(received), s.route.at<int32_t>(s.sorted_from), out, x.rows, x.rows, w, dtype);
+  }
+  // The inverse: rows [R, w] at this rank's experts -> out [N, w] in dispatch order.
+  void from_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
+                    int32_t dtype) const {
+    const ExpertRows& x = s.experts;
+    Arena a;
+    const size_t unsorted = a.elems(x.rows * w, dtype);
+    a.allocate(rank_);
+    if (x.rows > 0)
+      gather_rows(dev, rows, s.route.at<int32_t>(s.received_from), a.at(unsorted), x.rows, x.rows, w, dtype);
+    ep_group_.all_to_all_v(dev.native_stream(), a.at(unsorted), scaled(x.recv, w).data(),
+                           scaled(x.recv_displ, w).data(), out, scaled(x.send, w).data(),
+                           scaled(x.send_displ, w).data(), dtype);
+  }
+  static std::vector<size_t> scaled(const std::vector<size_t>& rows, int64_t w) {
+    std::vector<size_t> out(rows);
+    for (size_t& v : out) v *= static_cast<size_t>(w);
+    return out;
   }
   // out [T, H] = sum over k of rows [N, H] at slot_row[k] (the device's gather with
   // accumulate, slot 0 first): every token's top_k rows added in one fixed order,
@@ -526,10 +718,10 @@ class Moe : public loom::Layer {
   }
   // y [N, H] = fc2(act) per expert on its rows, + fc2's bias on tp rank 0 (the
   // outputs are partial sums over tp).
-  void expert_outputs(const loom::Device& dev, const void* act_in, void* y, const Routing& r) const {
+  void expert_outputs(const loom::Device& dev, const void* act_in, void* y, const ExpertRows& r) const {
     const int64_t H = hidden_, Fl = ffn_local_;
     const int32_t act = dt_.act;
-    for (int64_t e = 0; e < experts_; ++e) {
+    for (int64_t e = 0; e < local_experts_; ++e) {
       const int64_t n = r.count(e), r0 = r.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
       void* ye = advance(y, r0 * H, act);
@@ -539,17 +731,10 @@ class Moe : public loom::Layer {
     }
   }
 
-  struct Saved {
-    int64_t S = 0, B = 0;
-    Arena mem;    // fixed size: x, LN statistics, dropout mask
-    Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0;
-    bool dropped = false;
-    Routing routing;
-  };
 
   loom_rank* rank_;
-  loom::Group tp_group_;
+  loom::Group tp_group_, ep_group_;
+  int64_t ep_ = 1, local_experts_ = 0;  // ep group size; experts held here (num_experts / ep)
   loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
