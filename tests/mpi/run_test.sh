@@ -2,7 +2,7 @@
 # `loom run` under mpirun with comm/mpi against the threads backend (comm/local):
 #   1. -np 2 (dp 2) and -np 4 (dp 2 x tp 2, distributed optimizer): the per-step
 #      metrics (loss, lr, grad norm, memory, validation) are identical, timing
-#      fields aside; only rank 0 prints the step log;
+#      fields aside; only rank 0 prints the step log; 1b. MoE blocks at ep 2 too;
 #   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
 #      under mpirun to the same steps as the uninterrupted threads run;
 #   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
@@ -47,6 +47,14 @@ four=(--set parallel.tp=2 --set optimizer.strategy=distributed)
 threads "${four[@]}" --metrics "$work/t4.jsonl" >/dev/null
 mpi 4 "${four[@]}" --metrics "$work/m4.jsonl" >/dev/null
 same "$work/t4.jsonl" "$work/m4.jsonl" "mpirun -np 4 vs threads (dp 2 x tp 2, distributed optimizer)"
+
+# 1b. Expert parallelism: MoE blocks with their experts split over ep = 2, the
+# tokens dispatched between the processes by comm/mpi's all_to_all(v).
+moe=(--set 'model.block=["attention", "moe"]' --set model.layer.moe.num_experts=4 --set parallel.ep=2)
+threads "${moe[@]}" --metrics "$work/te.jsonl" >/dev/null
+mpi 2 "${moe[@]}" --metrics "$work/me.jsonl" >/dev/null
+same "$work/te.jsonl" "$work/me.jsonl" "mpirun -np 2 vs threads (MoE, dp 2 x ep 2)"
+grep -q '"aux_loss"' "$work/me.jsonl" || fail "the MoE run under mpirun reports no aux_loss"
 
 # 2. Checkpoints under mpirun, and resuming from them.
 ck=(--set "checkpoint.dir=\"$work/ck\"" --set checkpoint.every=3)
