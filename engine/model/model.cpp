@@ -103,7 +103,20 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
   try {
     loom::check((*api)->create(opts.raw(), rank, &args, &handle));
   } catch (const loom::Error& e) {
-    throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin + "): " + e.what(), e.code());
+    // A refused option ("option NAME = value", the built-in layers' wording) is
+    // cited where the manifest sets it.
+    const std::string msg = e.what();
+    std::string where;
+    for (const auto& [key, node] : section) {
+      const std::string path = "model.layer." + spec.config + "." + std::string(key.str());
+      const manifest::Origin origin = m.origin(path);
+      if (origin.kind != manifest::Origin::Kind::Default &&
+          msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
+        where = origin.str() + ": " + path + ": ";
+        break;
+      }
+    }
+    throw loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
   }
   return handle;
 }

@@ -412,6 +412,8 @@ TEST(Moe, ExpertsThatDoNotSplitOverEpAreRefused) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("num_experts = 6"), std::string::npos) << msg;
     EXPECT_NE(msg.find("parallel.ep = 4"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--set model.layer.moe.num_experts=6: model.layer.moe.num_experts: "), std::string::npos)
+        << "the option is cited where it was set: " << msg;
   }
   try {
     run({"parallel.tp=2", "parallel.etp=1", "run.steps=1"});
