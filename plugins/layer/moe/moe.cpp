@@ -673,26 +673,35 @@ class Moe : public loom::Layer {
   // rows [N, w] in dispatch order -> out [R, w] at this rank's experts, expert-major.
   void to_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
                   int32_t dtype) const {
-    const ExpertRows& x = s.experts;
     Arena a;
-    const size_t received = a.elems(x.rows * w, dtype);
+    const size_t received = a.elems(s.experts.rows * w, dtype);
     a.allocate(rank_);
-    ep_group_.all_to_all_v(dev.native_stream(), rows, scaled(x.send, w).data(), scaled(x.send_displ, w).data(),
-                           a.at(received), scaled(x.recv, w).data(), scaled(x.recv_displ, w).data(), dtype);
-    if (x.rows > 0) gather_rows(dev, a.at(received), s.route.at<int32_t>(s.sorted_from), out, x.rows, x.rows, w, dtype);
+    all_to_all_rows(dev, s.experts, /*outward=*/true, rows, a.at(received), w, dtype);
+    if (s.experts.rows > 0)
+      gather_rows(dev, a.at(received), s.route.at<int32_t>(s.sorted_from), out, s.experts.rows, s.experts.rows, w,
+                  dtype);
   }
   // The inverse: rows [R, w] at this rank's experts -> out [N, w] in dispatch order.
   void from_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
                     int32_t dtype) const {
-    const ExpertRows& x = s.experts;
     Arena a;
-    const size_t unsorted = a.elems(x.rows * w, dtype);
+    const size_t unsorted = a.elems(s.experts.rows * w, dtype);
     a.allocate(rank_);
-    if (x.rows > 0)
-      gather_rows(dev, rows, s.route.at<int32_t>(s.received_from), a.at(unsorted), x.rows, x.rows, w, dtype);
-    ep_group_.all_to_all_v(dev.native_stream(), a.at(unsorted), scaled(x.recv, w).data(),
-                           scaled(x.recv_displ, w).data(), out, scaled(x.send, w).data(),
-                           scaled(x.send_displ, w).data(), dtype);
+    if (s.experts.rows > 0)
+      gather_rows(dev, rows, s.route.at<int32_t>(s.received_from), a.at(unsorted), s.experts.rows, s.experts.rows, w,
+                  dtype);
+    all_to_all_rows(dev, s.experts, /*outward=*/false, a.at(unsorted), out, w, dtype);
+  }
+  // One all_to_all_v of rows of width w over the ep group: the dispatch rows out
+  // to their experts' ranks, or (outward = false) the received rows back.
+  void all_to_all_rows(const loom::Device& dev, const ExpertRows& x, bool outward, const void* in, void* out,
+                       int64_t w, int32_t dtype) const {
+    const std::vector<size_t>& in_rows = outward ? x.send : x.recv;
+    const std::vector<size_t>& in_displ = outward ? x.send_displ : x.recv_displ;
+    const std::vector<size_t>& out_rows = outward ? x.recv : x.send;
+    const std::vector<size_t>& out_displ = outward ? x.recv_displ : x.send_displ;
+    ep_group_.all_to_all_v(dev.native_stream(), in, scaled(in_rows, w).data(), scaled(in_displ, w).data(), out,
+                           scaled(out_rows, w).data(), scaled(out_displ, w).data(), dtype);
   }
   static std::vector<size_t> scaled(const std::vector<size_t>& rows, int64_t w) {
     std::vector<size_t> out(rows);
