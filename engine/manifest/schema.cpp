@@ -418,7 +418,12 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
     int64_t ep = I("parallel.ep"), etp = resolved_etp(m), tp = I("parallel.tp"),
             dp = I("parallel.dp"), cp = I("parallel.cp");
-    if (etp == tp) {
+    if (ep > 1 && cp > 1) {
+      report({"parallel.ep", "parallel.cp"},
+             "expert parallelism (parallel.ep = " + S(ep) + ") with context parallelism (parallel.cp = " + S(cp) +
+                 ") is not supported: the experts' gradients would count the cp ranks' tokens twice; set "
+                 "parallel.cp = 1 or parallel.ep = 1");
+    } else if (etp == tp) {
       if (ep > 1 && (dp * cp) % ep != 0)
         report({"parallel.ep", "parallel.dp", "parallel.cp"},
                "parallel.ep (" + S(ep) + ") must divide parallel.dp * parallel.cp (" + S(dp) + "*" +

@@ -129,6 +129,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   if (meta.bucket_size >= 0) t.insert("bucket_size", meta.bucket_size);
   t.insert("param_dtype", meta.param_dtype);
   t.insert("ep", meta.ep);
+  t.insert("order", meta.order);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -167,6 +168,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.bucket_size = t["bucket_size"].value_or(int64_t{-1});
     m.param_dtype = t["param_dtype"].value_or(std::string("fp32"));
     m.ep = static_cast<int>(t["ep"].value_or(int64_t{1}));
+    m.order = t["order"].value_or(std::string("tp-cp-ep-dp-pp"));
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }

@@ -36,6 +36,7 @@ struct CheckpointMeta {
   int64_t bucket_size = -1;          // optimizer.bucket_size that wrote it (-1: not recorded)
   std::string param_dtype = "fp32";  // device.param_dtype that wrote it (not recorded before bf16: fp32)
   int ep = 1;                        // parallel.ep that wrote it (not recorded before expert parallelism: 1)
+  std::string order = "tp-cp-ep-dp-pp";  // parallel.order that wrote it (not recorded before: the default)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and

@@ -1,9 +1,11 @@
 #include "engine/train/run_plan.hpp"
 
 #include "engine/pipeline/schedule.hpp"
+#include "engine/topology/rank_groups.hpp"
 
 #include <boost/filesystem.hpp>
 
+#include <algorithm>
 #include <set>
 
 namespace loom::train {
@@ -18,6 +20,31 @@ std::string schedule_name(const manifest::Manifest& m) {
 std::string optimizer_plugin_name(const std::string& strategy) {
   return strategy == "distributed" ? "distopt" : strategy;
 }
+
+namespace {
+// Expert parallelism splits each dp group's tokens over its experts: the ranks an
+// expert's gradient is summed over (ep x edp) must be one dp group, and the
+// experts' tp slices those of the dense tp group. Orders that put ep elsewhere
+// (or cp > 1, refused by the schema) would mix tp slices or replicas silently.
+void require_experts_fold_into_dp(const manifest::Manifest& man, const topology::ParallelSizes& sizes) {
+  const topology::RankGroups groups = topology::RankGroups::build(sizes);
+  for (int r = 0; r < groups.world(); ++r) {
+    std::vector<int> expert = groups.group_of("ep", r);
+    for (int peer : groups.group_of("ep", r))
+      for (int q : groups.group_of("edp", peer)) expert.push_back(q);
+    std::vector<int> dense = groups.group_of("dp", r);
+    std::sort(expert.begin(), expert.end());
+    expert.erase(std::unique(expert.begin(), expert.end()), expert.end());
+    std::sort(dense.begin(), dense.end());
+    if (groups.group_of("etp", r) == groups.group_of("tp", r) && expert == dense) continue;
+    throw manifest::ManifestError({{"parallel.order", man.origin("parallel.order"),
+                                    "parallel.order = \"" + sizes.order + "\" puts rank " + std::to_string(r) +
+                                        "'s expert groups (ep x edp) across other ranks than its dp group, or its "
+                                        "expert tp group apart from its tp group; expert parallelism needs ep "
+                                        "between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
+  }
+}
+}  // namespace
 
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   RunPlan plan{std::move(m)};
@@ -105,6 +132,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.dp = static_cast<int>(man.get_int("parallel.dp"));
   plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
   plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
+  if (plan.sizes.ep > 1) require_experts_fold_into_dp(man, plan.sizes);
   return plan;
 }
 

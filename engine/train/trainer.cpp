@@ -120,6 +120,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
                                       "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
                             " parallel.pp=" + std::to_string(meta.pp));
+    // The order maps a rank file to its coordinates (which tp slice, stage and
+    // experts it holds): another order would load them onto other ranks' places.
+    if (meta.order != plan.sizes.order)
+      throw CheckpointError(resume_dir + " was written with parallel.order = \"" + meta.order +
+                            "\"; this run has \"" + plan.sizes.order + "\": rank files would land on ranks with "
+                            "other coordinates; resume with parallel.order=\"" + meta.order + "\"");
     // Ranks of one ep group hold different experts: their files cannot be
     // regrouped into another ep, nor their expert shards resharded over another dp.
     if (meta.ep != plan.sizes.ep || (meta.ep > 1 && meta.dp != plan.dp))
@@ -317,7 +323,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       if (leader) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
                             m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size"),
-                            m.get_string("device.param_dtype"), plan.sizes.ep};
+                            m.get_string("device.param_dtype"), plan.sizes.ep, plan.sizes.order};
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);

@@ -366,6 +366,13 @@ TEST(Moe, Ep2ResumeIsBitExactAndAnotherEpIsRefused) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("parallel.ep=2"), std::string::npos) << e.what();
   }
+  try {  // another order puts the rank files' experts on other ranks
+    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2", ck,
+                                                   "parallel.order=\"tp-cp-dp-ep-pp\""}), resume);
+    ADD_FAILURE() << "a resume with another parallel.order was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.order=\"tp-cp-ep-dp-pp\""), std::string::npos) << e.what();
+  }
   const auto second = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2", ck}), resume);
   ASSERT_EQ(second.loss.size(), 5u);
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(second.loss[i], full.loss[5 + i]) << "step " << 6 + i;
@@ -400,6 +407,27 @@ TEST(Moe, Ep2PlanMatchesTheModel) {
     // fp32 Adam: m and v, 8 bytes per element of the shard.
     EXPECT_EQ(r.optimizer_bytes, (tail / 4 + (numel - tail) / 2) * 8) << "rank " << r.rank;
   }
+}
+
+// Layouts whose expert groups are not the dp group's ranks at one tp rank would
+// sum expert gradients over replicas or mix tp slices: refused before anything
+// runs, at the key that causes it.
+TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
+  auto refusal = [](std::vector<std::string> o) -> std::string {
+    try {
+      loom::testing::plan_from(manifest(), o);
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string order = refusal({"parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
+                                     "parallel.order=\"dp-tp-cp-ep-pp\""});
+  EXPECT_NE(order.find("parallel.order: parallel.order = \"dp-tp-cp-ep-pp\""), std::string::npos) << order;
+  const std::string cp = refusal({"parallel.cp=2", "parallel.dp=1", "parallel.ep=2"});
+  EXPECT_NE(cp.find("parallel.cp = 1"), std::string::npos) << cp;
+  // ep after dp in the order still folds into the dp groups: accepted.
+  EXPECT_EQ(refusal({"parallel.dp=4", "parallel.ep=2", "parallel.order=\"tp-cp-dp-ep-pp\""}), "");
 }
 
 // What cannot be split is refused with the reason: experts that do not divide

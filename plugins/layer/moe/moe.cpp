@@ -585,7 +585,9 @@ class Moe : public loom::Layer {
   // Routing is decided on the host from device data: not capturable.
   bool capturable() override { return false; }
 
-  // With balanced routing (every expert gets tokens * top_k / experts rows).
+  // With balanced routing (every expert gets tokens * top_k / experts rows). Under
+  // ep the rows this rank's experts take range from 0 to ep times that, so a
+  // skewed router can need up to ep x the experts' part of this estimate.
   uint64_t activation_bytes() override {
     const int64_t T = seq_ * micro_batch_, H = hidden_, N = T * top_k_;
     const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T;
