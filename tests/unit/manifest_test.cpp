@@ -441,7 +441,12 @@ TEST_F(ManifestTest, ExpertParallelMustDivideDataTimesContext) {
   EXPECT_THAT(d.message, HasSubstr("parallel.ep (3) must divide parallel.dp * parallel.cp (2*1 = 2)"));
   EXPECT_EQ(pos(d.origin), "m.toml:2:6");
   EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 2\ndp = 2\n", "m"));
-  EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 4\ndp = 2\ncp = 2\n", "m"));
+  // Expert parallelism with context parallelism is refused (cp ranks would be
+  // counted as token sources twice), at parallel.ep.
+  Diagnostic cp = one_error("[parallel]\nep = 4\ndp = 2\ncp = 2\n");
+  EXPECT_EQ(cp.key, "parallel.ep");
+  EXPECT_THAT(cp.message, HasSubstr("set parallel.cp = 1 or parallel.ep = 1"));
+  EXPECT_EQ(pos(cp.origin), "m.toml:2:6");
 }
 
 TEST_F(ManifestTest, TextDataNeedsAPath) {
