@@ -130,6 +130,18 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       grad_dtype_(model_dtype(m.get_string("device.grad_dtype"))) {
   const loom::Group tp = rank.group_or_self("tp");
   LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
+  // ~Model destroys the layers, but it does not run when this constructor throws
+  // (a layer refusing its options, a parameter that does not split): then the
+  // layers created so far are destroyed here.
+  struct DestroyLayersOnThrow {
+    std::vector<Layer>& layers;
+    bool armed = true;
+    ~DestroyLayersOnThrow() {
+      if (!armed) return;
+      for (Layer& l : layers)
+        if (l.handle) l.api->destroy(l.handle);
+    }
+  } guard{layers_};
   for (size_t c = 0; c < chunks.size(); ++c) {
     Chunk chunk;
     chunk.global_index = chunks[c].global_index;
@@ -164,6 +176,7 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.capturable; });
   replays_steps_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
                    (exec->features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
+  guard.armed = false;
 }
 
 size_t Model::hidden_numel() const {
