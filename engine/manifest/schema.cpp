@@ -116,7 +116,7 @@ std::vector<KeySpec> build() {
   v.push_back(i("parallel.tp", 1, 1, "tensor-parallel size"));
   v.push_back(i("parallel.pp", 1, 1, "pipeline-parallel size (stages)"));
   v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)"));
-  v.push_back(i("parallel.cp", 1, 1, "context-parallel size"));
+  v.push_back(i("parallel.cp", 1, 1, "context-parallel size (rank groups only: context parallelism is not implemented, so it must be 1)"));
   v.push_back(i("parallel.ep", 1, 1, "expert-parallel size"));
   v.push_back(i("parallel.etp", 0, 0, "expert tensor-parallel size (0 = same as tp)"));
   v.push_back(i("parallel.dp", 1, 1, "data-parallel size"));
@@ -415,15 +415,19 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
+  // Context parallelism has rank groups (loom groups shows them) but no layer
+  // splits the sequence over them: cp ranks would be replicas, each computing the
+  // same tokens, and expert gradients would count them twice.
+  if (usable({"parallel.cp"}) && I("parallel.cp") > 1)
+    report({"parallel.cp"}, "context parallelism (parallel.cp = " + S(I("parallel.cp")) +
+                                ") is not implemented: no layer splits the sequence over cp ranks, which would only "
+                                "repeat each other's work; set parallel.cp = 1 (sequence_parallel with tp splits "
+                                "activations along the sequence)");
+
   if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
     int64_t ep = I("parallel.ep"), etp = resolved_etp(m), tp = I("parallel.tp"),
             dp = I("parallel.dp"), cp = I("parallel.cp");
-    if (ep > 1 && cp > 1) {
-      report({"parallel.ep", "parallel.cp"},
-             "expert parallelism (parallel.ep = " + S(ep) + ") with context parallelism (parallel.cp = " + S(cp) +
-                 ") is not supported: the experts' gradients would count the cp ranks' tokens twice; set "
-                 "parallel.cp = 1 or parallel.ep = 1");
-    } else if (etp == tp) {
+    if (etp == tp) {
       if (ep > 1 && (dp * cp) % ep != 0)
         report({"parallel.ep", "parallel.dp", "parallel.cp"},
                "parallel.ep (" + S(ep) + ") must divide parallel.dp * parallel.cp (" + S(dp) + "*" +

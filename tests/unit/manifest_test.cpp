@@ -441,12 +441,16 @@ TEST_F(ManifestTest, ExpertParallelMustDivideDataTimesContext) {
   EXPECT_THAT(d.message, HasSubstr("parallel.ep (3) must divide parallel.dp * parallel.cp (2*1 = 2)"));
   EXPECT_EQ(pos(d.origin), "m.toml:2:6");
   EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 2\ndp = 2\n", "m"));
-  // Expert parallelism with context parallelism is refused (cp ranks would be
-  // counted as token sources twice), at parallel.ep.
-  Diagnostic cp = one_error("[parallel]\nep = 4\ndp = 2\ncp = 2\n");
-  EXPECT_EQ(cp.key, "parallel.ep");
-  EXPECT_THAT(cp.message, HasSubstr("set parallel.cp = 1 or parallel.ep = 1"));
-  EXPECT_EQ(pos(cp.origin), "m.toml:2:6");
+}
+
+// Context parallelism is not implemented: cp > 1 would run replicas (and count
+// their tokens twice in expert gradients); refused at parallel.cp.
+TEST_F(ManifestTest, ContextParallelismIsRefusedUntilImplemented) {
+  Diagnostic cp = one_error("[parallel]\nep = 4\ndp = 4\ncp = 2\n");
+  EXPECT_EQ(cp.key, "parallel.cp");
+  EXPECT_THAT(cp.message, HasSubstr("context parallelism (parallel.cp = 2) is not implemented"));
+  EXPECT_THAT(cp.message, HasSubstr("set parallel.cp = 1"));
+  EXPECT_EQ(pos(cp.origin), "m.toml:4:6");
 }
 
 TEST_F(ManifestTest, TextDataNeedsAPath) {
