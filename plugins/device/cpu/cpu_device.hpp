@@ -102,6 +102,7 @@ struct OpenBlas {
   std::string corename;              // "SkylakeX", "Haswell", "Zen", ...
   std::string error;                 // why it is not loaded
   bool avx512_but_not_used = false;  // AVX-512 CPU, yet OpenBLAS picked an AVX2 core
+  std::string why_not;               // why: the environment's OPENBLAS_CORETYPE, or loaded before us
 };
 // Loads libopenblas once per process (thread-safe), after arranging
 // OPENBLAS_CORETYPE for AVX-512 machines; pins OpenBLAS to one thread per call.

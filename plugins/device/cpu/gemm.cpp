@@ -42,6 +42,7 @@ OpenBlas load_openblas() {
 #else
   const bool avx512 = false;
 #endif
+  const char* user_coretype = std::getenv("OPENBLAS_CORETYPE");  // respected: the user chose it
   if (!already_loaded) {
     // Debian's OpenBLAS 0.3.21 takes Zen 4/5 for Haswell (AVX2 kernels at half the
     // speed) unless told otherwise before it initialises.
@@ -73,6 +74,9 @@ OpenBlas load_openblas() {
   }
   r.avx512_but_not_used = avx512 && r.corename.find("Skylake") == std::string::npos && r.corename != "Cooperlake" &&
                           r.corename != "SapphireRapids";
+  if (already_loaded) r.why_not = "it was loaded before device/cpu could set OPENBLAS_CORETYPE";
+  else if (user_coretype != nullptr) r.why_not = "the environment sets OPENBLAS_CORETYPE=" + std::string(user_coretype);
+  else r.why_not = "its CPU detection chose them";
   r.loaded = true;
   return r;
 }

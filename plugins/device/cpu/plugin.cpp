@@ -107,8 +107,8 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
         if (ob.avx512_but_not_used)
           std::call_once(warned, [&] {
             LOOM_LOG(WARNING) << "device/cpu: the CPU has AVX-512 but OpenBLAS chose its " << ob.corename
-                              << " kernels (it was loaded before device/cpu could set OPENBLAS_CORETYPE); "
-                                 "set OPENBLAS_CORETYPE=SkylakeX in the environment for ~2x GEMM speed";
+                              << " kernels (" << ob.why_not
+                              << "); set OPENBLAS_CORETYPE=SkylakeX in the environment for ~2x GEMM speed";
           });
       } else {
         static std::once_flag warned;
