@@ -130,6 +130,9 @@ std::vector<KeySpec> build() {
                 "shard layer-norm/dropout activations along the sequence over tp"));
   v.push_back(s("parallel.tensor", "tensor",
                 "tensor-parallel service the layers call (plugin parallel/NAME, ABI 1.1)"));
+  v.push_back(s("parallel.expert", "expert",
+                "expert-parallel token dispatcher MoE layers call when ep > 1 (plugin parallel/NAME, ABI 1.4): "
+                "expert = all-to-all, expert.allgather = all-gather + reduce-scatter"));
   // pipeline
   v.push_back(s("pipeline.schedule", "1f1b", "pipeline schedule plugin (parallel/pipeline.NAME)"));
   v.push_back(i("pipeline.microbatch_group_size", 0, 0,

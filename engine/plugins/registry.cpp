@@ -32,7 +32,8 @@ int32_t expected_api_type(const std::string& kind, int32_t api_type) {
   if (kind == "layer") return LOOM_API_LAYER;
   if (kind == "exec") return LOOM_API_EXEC;
   if (kind == "parallel")
-    return (api_type == LOOM_API_OPTIMIZER || api_type == LOOM_API_SCHEDULE || api_type == LOOM_API_TENSOR_PARALLEL)
+    return (api_type == LOOM_API_OPTIMIZER || api_type == LOOM_API_SCHEDULE || api_type == LOOM_API_TENSOR_PARALLEL ||
+            api_type == LOOM_API_EXPERT_PARALLEL)
                ? api_type
                : LOOM_API_OPTIMIZER;
   return -1;
@@ -122,7 +123,8 @@ const void* find_service(int32_t api_type, const char* name) {
   }
   if (name == nullptr || *name == '\0') {
     if (chosen) return chosen->api;
-    name = "tensor";  // the built-in default (manifest key parallel.tensor)
+    // The built-in defaults (manifest keys parallel.tensor, parallel.expert).
+    name = api_type == LOOM_API_EXPERT_PARALLEL ? "expert" : "tensor";
   }
   if (chosen && chosen->name == name && chosen->api_type == api_type) return chosen->api;
   const LoadedPlugin* p = registry().find("parallel", name);

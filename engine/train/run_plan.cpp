@@ -88,12 +88,19 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.schedule = need("pipeline.schedule", "parallel", pipeline::schedule_plugin_name(schedule_name(man)),
                        "pipeline.options");
 
-  plan.tensor = need("parallel.tensor", "parallel", man.get_string("parallel.tensor"), "");
-  if (plan.tensor && plan.tensor->api_type != LOOM_API_TENSOR_PARALLEL) {
-    diags.push_back({"parallel.tensor", man.origin("parallel.tensor"),
-                     "plugin " + plan.tensor->key() + " is not a tensor-parallel service (it provides another table)"});
-    plan.tensor = nullptr;
-  }
+  // The services layers call: the configured plugin must provide that table.
+  auto service = [&](const std::string& key, int32_t api_type, const char* what) -> const plugins::LoadedPlugin* {
+    const plugins::LoadedPlugin* p = need(key, "parallel", man.get_string(key), "");
+    if (p && p->api_type != api_type) {
+      diags.push_back({key, man.origin(key),
+                       "plugin " + p->key() + " is not " + what + " (it provides another table)"});
+      return nullptr;
+    }
+    return p;
+  };
+  plan.tensor = service("parallel.tensor", LOOM_API_TENSOR_PARALLEL, "a tensor-parallel service");
+  if (man.get_int("parallel.ep") > 1)
+    plan.expert = service("parallel.expert", LOOM_API_EXPERT_PARALLEL, "an expert-parallel dispatcher");
 
   plan.layers = model::model_layers(man);
   std::set<std::string> configured;
@@ -122,6 +129,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
   // What host->service(rank, LOOM_API_TENSOR_PARALLEL, NULL) gives the layers.
   plugins::set_default_service(LOOM_API_TENSOR_PARALLEL, plan.tensor);
+  plugins::set_default_service(LOOM_API_EXPERT_PARALLEL, plan.expert);
 
   plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
   plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));

@@ -21,6 +21,7 @@ struct RunPlan {
   const plugins::LoadedPlugin* exec = nullptr;
   const plugins::LoadedPlugin* optimizer = nullptr;
   const plugins::LoadedPlugin* tensor = nullptr;  // parallel.tensor: the service the layers call
+  const plugins::LoadedPlugin* expert = nullptr;  // parallel.expert: the MoE layers' dispatcher (ABI 1.4)
   const plugins::LoadedPlugin* schedule = nullptr;  // parallel/pipeline.NAME
   std::vector<model::LayerSpec> layers;
   topology::ParallelSizes sizes;

@@ -120,14 +120,15 @@ TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
 
 // 1.4's too (loom_layer_fwd_args.aux_loss, loom_layer_bwd_args.pad_1_3 and
 // .aux_loss_scale; for expert parallelism loom_param_decl.expert,
-// loom_optimizer_create_args.expert/.ep/.edp and loom_optimizer_api.features).
+// loom_optimizer_create_args.expert/.ep/.edp, loom_optimizer_api.features, and the
+// expert-parallel dispatch service's structs).
 TEST(AbiLayout, Released14MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_13 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_4(&n_frozen);
   const size_t* current = loom_abi_layout_current_v1_4(&n_current);
   loom_abi_layout_current_v1_3(&n_13);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_13 + 2 * 8);  // the eight members 1.4 appended
+  ASSERT_EQ(n_frozen, n_13 + 2 * (8 + 23));  // the 8 members 1.4 appended and the 23 of its new structs
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
 }
 

@@ -55,6 +55,14 @@ threads "${moe[@]}" --metrics "$work/te.jsonl" >/dev/null
 mpi 2 "${moe[@]}" --metrics "$work/me.jsonl" >/dev/null
 same "$work/te.jsonl" "$work/me.jsonl" "mpirun -np 2 vs threads (MoE, dp 2 x ep 2)"
 grep -q '"aux_loss"' "$work/me.jsonl" || fail "the MoE run under mpirun reports no aux_loss"
+# The all-gather dispatcher between processes trains exactly as the all-to-all one
+# (what it communicates and allocates differs, so only the training is compared).
+mpi 2 "${moe[@]}" --set parallel.expert=expert.allgather --metrics "$work/mg.jsonl" >/dev/null
+training() { grep -o '"\(loss\|aux_loss\|grad_norm\|val_loss\)": [^,}]*' "$1"; }
+diff <(training "$work/te.jsonl") <(training "$work/mg.jsonl") >/dev/null ||
+  fail "mpirun -np 2 all-gather dispatcher vs threads all-to-all (MoE, ep 2): the training differs"
+[ "$(training "$work/mg.jsonl" | grep -c '"loss"')" -eq 6 ] || fail "the all-gather run reported no losses"
+echo "ok: mpirun -np 2 all-gather dispatcher vs threads all-to-all (MoE, ep 2): losses and norms identical"
 
 # 2. Checkpoints under mpirun, and resuming from them.
 ck=(--set "checkpoint.dir=\"$work/ck\"" --set checkpoint.every=3)

@@ -339,6 +339,53 @@ TEST(Moe, Ep2Bf16TracksBf16WithoutEp) {
     EXPECT_NEAR(ep.loss[s], base.loss[s], 3e-3 * base.loss[s]) << "loss at step " << s + 1;
 }
 
+// The all-gather dispatcher (parallel.expert = "expert.allgather") delivers the
+// same rows in the same order, and its combine adds only zeros to each output:
+// training is bit-identical to the all-to-all dispatcher's, and equal to serial.
+TEST(Moe, AllGatherDispatcherEqualsAllToAllBitForBit) {
+  const std::string allgather = "parallel.expert=\"expert.allgather\"";
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.dp=2", "parallel.ep=2"},
+        std::vector<std::string>{"parallel.dp=4", "parallel.ep=4", "optimizer.strategy=\"distributed\""},
+        std::vector<std::string>{"parallel.tp=2", "parallel.dp=2", "parallel.ep=2", "parallel.sequence_parallel=true"}}) {
+    std::string name;
+    for (const auto& o : layout) name += o + " ";
+    SCOPED_TRACE(name);
+    std::vector<std::string> with = layout;
+    with.push_back(allgather);
+    const RankTrace a2a = run(layout), ag = run(with);
+    ASSERT_EQ(ag.loss.size(), a2a.loss.size());
+    for (size_t st = 0; st < a2a.loss.size(); ++st) {
+      EXPECT_EQ(ag.loss[st], a2a.loss[st]) << "step " << st + 1;
+      EXPECT_EQ(ag.result.steps[st].grad_norm, a2a.result.steps[st].grad_norm) << "step " << st + 1;
+    }
+    for (const auto& [rank, steps] : a2a.params) EXPECT_EQ(ag.params.at(rank), steps) << "rank " << rank;
+    // What crossed the ep group: gathers and reduce-scatters, no all-to-all of rows.
+    const auto& ep = ag.result.steps.back().comm.at("ep");
+    EXPECT_GT(ep.at("all_gather").calls, 0u);
+    EXPECT_GT(ep.at("reduce_scatter").calls, 0u);
+    EXPECT_EQ(ep.count("all_to_all_v"), 0u);
+  }
+  expect_same_training(serial(), run({"parallel.dp=2", "parallel.ep=2", allgather}));
+}
+
+// parallel.expert names a dispatcher plugin; anything else is refused where it is set.
+TEST(Moe, AnUnknownOrWrongDispatcherIsRefused) {
+  auto refusal = [](const std::string& name) -> std::string {
+    try {
+      loom::testing::plan_from(manifest(), {"parallel.dp=2", "parallel.ep=2", "parallel.expert=\"" + name + "\""});
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string unknown = refusal("expert.ring");
+  EXPECT_NE(unknown.find("parallel.expert: no plugin parallel/expert.ring is loaded"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("expert.allgather"), std::string::npos) << "lists what is available: " << unknown;
+  const std::string wrong = refusal("tensor");
+  EXPECT_NE(wrong.find("is not an expert-parallel dispatcher"), std::string::npos) << wrong;
+}
+
 // Each ep rank holds its own block of experts: half the expert parameters, and
 // the dense ones whole.
 TEST(Moe, Ep2RanksHoldHalfTheExperts) {

@@ -32,17 +32,16 @@
 // experts together. fc2's bias is added by tp rank 0 only (it must be counted once
 // in the sum).
 //
-// Expert parallelism (parallel.ep = P > 1; Megatron's all-to-all dispatcher): ep
-// rank q holds experts [q E/P, (q+1) E/P) (the expert parameters' dim 0, split by
-// the engine, ABI 1.4). Each rank routes its own tokens over all E experts; the
-// dispatch rows are expert-major, so the rows for each ep rank are contiguous. The
-// per-expert counts are exchanged (all_to_all), the rows sent (all_to_all_v) and
-// sorted from (source rank, expert) into expert-major order, the experts run, and
-// their outputs go back the same way, to be gated and combined where the tokens
-// live. Backward sends the recomputed inputs, the output gradients and the gates
-// the same way and returns the input and gate gradients. An ep group joins ranks
-// of one tp rank, which route identically to their tp peers, so each expert's
-// tensor parallelism is unchanged. The engine reduces expert gradients over edp.
+// Expert parallelism (parallel.ep = P > 1): ep rank q holds experts
+// [q E/P, (q+1) E/P) (the expert parameters' dim 0, split by the engine, ABI 1.4).
+// Each rank routes its own tokens over all E experts into expert-major dispatch
+// rows; the expert-parallel service (parallel.expert: all-to-all, or all-gather +
+// reduce-scatter) moves them to their experts' ranks and the outputs back, where
+// they are gated and combined. Backward sends the recomputed inputs, the output
+// gradients and the gates the same way and returns the input and gate gradients.
+// An ep group joins ranks of one tp rank, which route identically to their tp
+// peers, so each expert's tensor parallelism is unchanged. The engine reduces
+// expert gradients over edp.
 #include "../common/layer_math.hpp"
 
 #include <algorithm>
@@ -71,58 +70,13 @@ struct Routing {
   int64_t count(int64_t e) const { return offset[e + 1] - offset[e]; }
 };
 
-// The rows this rank's experts process, expert-major. With ep = 1 they are the
-// dispatch rows themselves; with ep > 1 they come from every rank of the ep group.
+// The rows this rank's experts process, expert-major: the dispatch rows
+// themselves (ep = 1), or what the expert-parallel service delivers (ep > 1).
 struct ExpertRows {
   int64_t rows = 0;             // R
   std::vector<int64_t> offset;  // [local experts + 1]: first row of each
-  // ep > 1: per ep rank j, the dispatch rows sent to j (contiguous from
-  // send_displ[j]) and the rows received from j (at recv_displ[j]); in rows.
-  std::vector<size_t> send, send_displ, recv, recv_displ;
-  std::vector<int32_t> sorted_from;    // [R] expert-major row -> received row
-  std::vector<int32_t> received_from;  // [R] received row -> expert-major row
   int64_t count(int64_t le) const { return offset[le + 1] - offset[le]; }
 };
-
-// The plan of an ep exchange from this rank's routing and, per (source ep rank j,
-// local expert le), the rows j routed to it: recv_counts[j * local + le].
-ExpertRows plan_expert_rows(const Routing& r, int64_t ep, const std::vector<int32_t>& recv_counts) {
-  ExpertRows x;
-  if (ep == 1) {
-    x.rows = r.rows();
-    x.offset = r.offset;
-    return x;
-  }
-  const int64_t local = r.experts / ep;
-  auto rc = [&](int64_t j, int64_t le) { return static_cast<size_t>(recv_counts[static_cast<size_t>(j * local + le)]); };
-  size_t displ = 0;
-  for (int64_t j = 0; j < ep; ++j) {
-    x.send.push_back(static_cast<size_t>(r.offset[static_cast<size_t>((j + 1) * local)] -
-                                         r.offset[static_cast<size_t>(j * local)]));
-    x.send_displ.push_back(static_cast<size_t>(r.offset[static_cast<size_t>(j * local)]));
-    size_t n = 0;
-    for (int64_t le = 0; le < local; ++le) n += rc(j, le);
-    x.recv.push_back(n);
-    x.recv_displ.push_back(displ);
-    displ += n;
-  }
-  x.rows = static_cast<int64_t>(displ);
-  x.offset.assign(static_cast<size_t>(local + 1), 0);
-  x.sorted_from.resize(displ);
-  x.received_from.resize(displ);
-  std::vector<size_t> next(x.recv_displ);  // per source: its next received row
-  size_t pos = 0;
-  for (int64_t le = 0; le < local; ++le) {
-    for (int64_t j = 0; j < ep; ++j)
-      for (size_t i = 0; i < rc(j, le); ++i, ++pos) {
-        const size_t from = next[static_cast<size_t>(j)]++;
-        x.sorted_from[pos] = static_cast<int32_t>(from);
-        x.received_from[from] = static_cast<int32_t>(pos);
-      }
-    x.offset[static_cast<size_t>(le + 1)] = static_cast<int64_t>(pos);
-  }
-  return x;
-}
 
 // Routes `tokens` rows of fp32 logits: softmax, top-k, gates, dispatch order.
 Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts, int64_t top_k, bool pre_softmax) {
@@ -266,6 +220,7 @@ class Moe : public loom::Layer {
                                             << " does not split over the expert-parallel group (parallel.ep = " << ep_
                                             << "); choose an ep that divides it");
     local_experts_ = experts_ / ep_;
+    if (ep_ > 1) ep_service_ = loom::ExpertParallel(rank_, ep_group_.raw(), experts_, name_);
     const int64_t etp = std::max(1, rank.group("etp").size());
     LOOM_REQUIRE(etp == tp, name_ << ": the experts are split over tp like the MLP, but parallel.etp = " << etp
                                   << " differs from parallel.tp = " << tp << "; set parallel.etp = 0 (same as tp)");
@@ -347,27 +302,19 @@ class Moe : public loom::Layer {
       *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux + z_coeff_ * r.z);
 
     // Where this rank's experts get their rows (the counts exchanged over ep).
-    s.experts = exchange_counts(dev, r);
+    s.experts = plan_expert_rows(dev, r, a.microbatch);
     const ExpertRows& xr = s.experts;
     const int64_t R = xr.rows;
     const bool moved = ep_ > 1;
 
-    // What the backward needs of the dispatch: token ids and gates per row, the
-    // exchange's sort orders, and the experts' fc1 outputs (pre-GeLU).
+    // What the backward needs of the dispatch: token ids and gates per row, and
+    // the experts' fc1 outputs (pre-GeLU); the service keeps the exchange's plan.
     s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.slot_row = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.gate = s.route.elems(N, act);
     s.h = s.route.elems(R * Fl, act);
-    s.sorted_from = s.route.add(moved ? static_cast<size_t>(R) * sizeof(int32_t) : 0);
-    s.received_from = s.route.add(moved ? static_cast<size_t>(R) * sizeof(int32_t) : 0);
     s.route.allocate(rank_);
     upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at<int32_t>(s.slot_row), s.route.at(s.gate));
-    if (moved && R > 0) {
-      dev.copy(s.route.at(s.sorted_from), xr.sorted_from.data(), static_cast<size_t>(R) * sizeof(int32_t),
-               LOOM_COPY_HOST_TO_DEVICE);
-      dev.copy(s.route.at(s.received_from), xr.received_from.data(), static_cast<size_t>(R) * sizeof(int32_t),
-               LOOM_COPY_HOST_TO_DEVICE);
-    }
 
     Arena tmp;
     const size_t xg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act), a_out = tmp.elems(R * Fl, act),
@@ -378,7 +325,7 @@ class Moe : public loom::Layer {
     const void* xe = tmp.at(xg);  // the experts' input rows, expert-major
     void* ye = tmp.at(yx);        // their output rows
     if (moved) {
-      to_experts(dev, s, xe, tmp.at(xs), H, act);
+      to_experts(dev, a.microbatch, xe, tmp.at(xs), H, act);
       xe = tmp.at(xs);
       ye = tmp.at(ys);
     }
@@ -392,7 +339,10 @@ class Moe : public loom::Layer {
     }
     if (R > 0) dev.gelu_fwd({.n = R * Fl, .x = s.route.at(s.h), .out = tmp.at(a_out), .dtype = act});
     expert_outputs(dev, tmp.at(a_out), ye, xr);
-    if (moved) from_experts(dev, s, ye, tmp.at(yx), H, act);
+    if (moved) {
+      from_experts(dev, a.microbatch, ye, tmp.at(yx), H, act);
+      if (!a.training) ep_service_.release(a.microbatch);  // no backward will use the plan
+    }
     // Gate each row, then scatter-add the rows back to their tokens.
     expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
@@ -464,9 +414,9 @@ class Moe : public loom::Layer {
     void* dye = tmp.at(dyg);
     const void* gate_e = s.route.at(s.gate);
     if (moved) {
-      to_experts(dev, s, xe, tmp.at(xs), H, act);
-      to_experts(dev, s, dye, tmp.at(dys), H, act);
-      to_experts(dev, s, gate_e, tmp.at(gates), 1, act);
+      to_experts(dev, a.microbatch, xe, tmp.at(xs), H, act);
+      to_experts(dev, a.microbatch, dye, tmp.at(dys), H, act);
+      to_experts(dev, a.microbatch, gate_e, tmp.at(gates), 1, act);
       xe = tmp.at(xs);
       dye = tmp.at(dys);
       gate_e = tmp.at(gates);
@@ -504,7 +454,7 @@ class Moe : public loom::Layer {
                            LOOM_DTYPE_F32);
     const float* dgate_src = tmp.at(dgate);  // per dispatch row, where the tokens live
     if (moved) {
-      from_experts(dev, s, tmp.at(dgate), tmp.at(dgate_rows), 1, LOOM_DTYPE_F32);
+      from_experts(dev, a.microbatch, tmp.at(dgate), tmp.at(dgate_rows), 1, LOOM_DTYPE_F32);
       dgate_src = tmp.at(dgate_rows);
     }
     std::vector<float> row_dgate(static_cast<size_t>(N));
@@ -547,7 +497,7 @@ class Moe : public loom::Layer {
     void* dxg = dxe;
     if (moved) {
       dxg = tmp.at(dyg);
-      from_experts(dev, s, dxe, dxg, H, act);
+      from_experts(dev, a.microbatch, dxe, dxg, H, act);
     }
     combine_rows(dev, dxg, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
     // f's backward: summed over tp (reduce-scattered to the shard under SP).
@@ -578,9 +528,13 @@ class Moe : public loom::Layer {
                   H, /*accumulate_dx=*/true, act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
+    ep_service_.release(a.microbatch);
   }
 
-  void release(int32_t microbatch) override { saved_.erase(microbatch); }
+  void release(int32_t microbatch) override {
+    saved_.erase(microbatch);
+    ep_service_.release(microbatch);
+  }
 
   // Routing is decided on the host from device data: not capturable.
   bool capturable() override { return false; }
@@ -600,7 +554,6 @@ class Moe : public loom::Layer {
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
-    if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the ep exchange's sort orders
     return a.bytes();
   }
 
@@ -620,8 +573,7 @@ class Moe : public loom::Layer {
     int64_t S = 0, B = 0;
     Arena mem;    // fixed size: x, LN statistics, dropout mask
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, sorted_from = 0,
-           received_from = 0;
+    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0;
     bool dropped = false;
     Routing routing;
     ExpertRows experts;
@@ -656,59 +608,22 @@ class Moe : public loom::Layer {
                        .out = out, .dtype = dtype < 0 ? dt_.act : dtype});
   }
 
-  // The per-expert row counts exchanged over the ep group (all_to_all of int32):
-  // where this rank's experts get their rows from. ep = 1: the dispatch rows.
-  ExpertRows exchange_counts(const loom::Device& dev, const Routing& r) const {
-    if (ep_ == 1) return plan_expert_rows(r, 1, {});
-    std::vector<int32_t> sent(static_cast<size_t>(experts_)), received(static_cast<size_t>(experts_));
-    for (int64_t e = 0; e < experts_; ++e) sent[static_cast<size_t>(e)] = static_cast<int32_t>(r.count(e));
-    Arena a;
-    const size_t sc = a.add(sent.size() * sizeof(int32_t)), rc = a.add(received.size() * sizeof(int32_t));
-    a.allocate(rank_);
-    dev.copy(a.at(sc), sent.data(), sent.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
-    ep_group_.all_to_all(dev.native_stream(), a.at(sc), a.at(rc), static_cast<size_t>(local_experts_),
-                         LOOM_DTYPE_I32);
-    dev.copy(received.data(), a.at(rc), received.size() * sizeof(int32_t), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
-    return plan_expert_rows(r, ep_, received);
+  // Where this rank's experts get their rows: the dispatch rows (ep = 1), or the
+  // service's plan of the exchange, kept under the microbatch until release.
+  ExpertRows plan_expert_rows(const loom::Device& dev, const Routing& r, int32_t microbatch) const {
+    if (ep_ == 1) return {r.rows(), r.offset};
+    std::vector<int64_t> local = ep_service_.plan(dev.native_stream(), microbatch, r.offset);
+    return {local.back(), std::move(local)};
   }
   // rows [N, w] in dispatch order -> out [R, w] at this rank's experts, expert-major.
-  void to_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
+  void to_experts(const loom::Device& dev, int32_t microbatch, const void* rows, void* out, int64_t w,
                   int32_t dtype) const {
-    Arena a;
-    const size_t received = a.elems(s.experts.rows * w, dtype);
-    a.allocate(rank_);
-    all_to_all_rows(dev, s.experts, /*outward=*/true, rows, a.at(received), w, dtype);
-    if (s.experts.rows > 0)
-      gather_rows(dev, a.at(received), s.route.at<int32_t>(s.sorted_from), out, s.experts.rows, s.experts.rows, w,
-                  dtype);
+    ep_service_.dispatch(dev.native_stream(), microbatch, rows, out, w, dtype);
   }
   // The inverse: rows [R, w] at this rank's experts -> out [N, w] in dispatch order.
-  void from_experts(const loom::Device& dev, const Saved& s, const void* rows, void* out, int64_t w,
+  void from_experts(const loom::Device& dev, int32_t microbatch, const void* rows, void* out, int64_t w,
                     int32_t dtype) const {
-    Arena a;
-    const size_t unsorted = a.elems(s.experts.rows * w, dtype);
-    a.allocate(rank_);
-    if (s.experts.rows > 0)
-      gather_rows(dev, rows, s.route.at<int32_t>(s.received_from), a.at(unsorted), s.experts.rows, s.experts.rows, w,
-                  dtype);
-    all_to_all_rows(dev, s.experts, /*outward=*/false, a.at(unsorted), out, w, dtype);
-  }
-  // One all_to_all_v of rows of width w over the ep group: the dispatch rows out
-  // to their experts' ranks, or (outward = false) the received rows back.
-  void all_to_all_rows(const loom::Device& dev, const ExpertRows& x, bool outward, const void* in, void* out,
-                       int64_t w, int32_t dtype) const {
-    const std::vector<size_t>& in_rows = outward ? x.send : x.recv;
-    const std::vector<size_t>& in_displ = outward ? x.send_displ : x.recv_displ;
-    const std::vector<size_t>& out_rows = outward ? x.recv : x.send;
-    const std::vector<size_t>& out_displ = outward ? x.recv_displ : x.send_displ;
-    ep_group_.all_to_all_v(dev.native_stream(), in, scaled(in_rows, w).data(), scaled(in_displ, w).data(), out,
-                           scaled(out_rows, w).data(), scaled(out_displ, w).data(), dtype);
-  }
-  static std::vector<size_t> scaled(const std::vector<size_t>& rows, int64_t w) {
-    std::vector<size_t> out(rows);
-    for (size_t& v : out) v *= static_cast<size_t>(w);
-    return out;
+    ep_service_.combine(dev.native_stream(), microbatch, rows, out, w, dtype);
   }
   // out [T, H] = sum over k of rows [N, H] at slot_row[k] (the device's gather with
   // accumulate, slot 0 first): every token's top_k rows added in one fixed order,
@@ -745,6 +660,7 @@ class Moe : public loom::Layer {
 
   loom_rank* rank_;
   loom::Group tp_group_, ep_group_;
+  loom::ExpertParallel ep_service_;  // open when ep > 1
   int64_t ep_ = 1, local_experts_ = 0;  // ep group size; experts held here (num_experts / ep)
   loom::TensorParallel tp_;
   std::string name_;

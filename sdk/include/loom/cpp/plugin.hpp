@@ -9,6 +9,7 @@
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/cpp/expert_parallel.hpp>
 #include <loom/cpp/tensor_parallel.hpp>
 
 #include <algorithm>

@@ -934,6 +934,68 @@ typedef struct loom_tensor_parallel_api {
 #define LOOM_TP_SEED_DEVICE (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
+/* --- 1.4 --- Expert-parallel token dispatch (the parallel/expert plugins).  */
+/* A MoE layer gets the table from host->service(rank,                        */
+/* LOOM_API_EXPERT_PARALLEL, NULL) (manifest key parallel.expert) and opens   */
+/* one handle per layer instance. ep rank q holds experts                     */
+/* [q * E / ep, (q + 1) * E / ep) of the E in the layer.                      */
+/*                                                                            */
+/* A microbatch's dispatch rows are [N, width], expert-major over the E       */
+/* experts: the rows this rank routed to expert e are                         */
+/* [expert_rows[e], expert_rows[e + 1]). dispatch moves every rank's rows to  */
+/* the rank holding their expert: [R, width] here, expert-major over the      */
+/* local experts, the rows of one expert ordered by source ep rank, then by   */
+/* their row at the source. combine is its inverse ([R, width] back to        */
+/* [N, width] at the sources). Every call is collective over the ep group;   */
+/* buffers are device memory, ordered on `stream`.                            */
+/* ------------------------------------------------------------------------- */
+
+typedef struct loom_ep_s loom_ep;  /* one layer's handle, owned by the service */
+
+typedef struct loom_ep_create_args {
+  uint32_t struct_size;
+  loom_group ep;                 /* the layer's expert-parallel group */
+  int64_t num_experts;           /* E, a multiple of the group's size */
+  const char* instance_name;     /* for messages ("blocks.3.moe") */
+} loom_ep_create_args;
+
+/* Learns where every rank's rows go (the counts are exchanged: collective) and
+ * keeps that plan under `slot` (the layer's key, e.g. its microbatch) until
+ * release. expert_rows: host [E + 1]; local_rows: host, filled [E / ep + 1] with
+ * the first row of each local expert in the dispatched rows (local_rows[E / ep]
+ * = R). */
+typedef struct loom_ep_plan_args {
+  uint32_t struct_size;
+  void* stream;
+  int32_t slot;
+  const int64_t* expert_rows;
+  int64_t* local_rows;
+} loom_ep_plan_args;
+
+/* dispatch: x [N, width] -> out [R, width]; combine: x [R, width] -> out [N,
+ * width], under the plan of `slot`. width counts elements of dtype. */
+typedef struct loom_ep_move_args {
+  uint32_t struct_size;
+  void* stream;
+  int32_t slot;
+  const void* x;
+  void* out;
+  int64_t width;
+  int32_t dtype;
+} loom_ep_move_args;
+
+typedef struct loom_expert_parallel_api {
+  uint32_t struct_size;
+  loom_status (*create)(loom_rank* rank, const loom_ep_create_args* args, loom_ep** out);
+  void (*destroy)(loom_ep* ep);
+  loom_status (*plan)(loom_ep* ep, const loom_ep_plan_args* args);
+  loom_status (*dispatch)(loom_ep* ep, const loom_ep_move_args* args);
+  loom_status (*combine)(loom_ep* ep, const loom_ep_move_args* args);
+  /* Forgets the plan of `slot` (no collective). */
+  void (*release)(loom_ep* ep, int32_t slot);
+} loom_expert_parallel_api;
+
+/* ------------------------------------------------------------------------- */
 /* The host API: what the engine offers every plugin.                         */
 /* ------------------------------------------------------------------------- */
 
@@ -967,9 +1029,10 @@ typedef struct loom_host_api {
   int32_t (*global_rank)(loom_rank* rank);
   /* --- 1.1 --- */
   /* A service table offered by a plugin: api_type LOOM_API_TENSOR_PARALLEL gives a
-   * loom_tensor_parallel_api. name NULL = the one the run configured
-   * (manifest key parallel.tensor); otherwise the parallel plugin of that name.
-   * NULL when none is loaded. */
+   * loom_tensor_parallel_api (1.4: LOOM_API_EXPERT_PARALLEL a
+   * loom_expert_parallel_api). name NULL = the one the run configured
+   * (manifest key parallel.tensor, parallel.expert); otherwise the parallel
+   * plugin of that name. NULL when none is loaded. */
   const void* (*service)(loom_rank* rank, int32_t api_type, const char* name);
 } loom_host_api;
 
@@ -985,6 +1048,8 @@ typedef struct loom_host_api {
 #define LOOM_API_EXEC 6
 /* --- 1.1 --- */
 #define LOOM_API_TENSOR_PARALLEL 7 /* loom_tensor_parallel_api (parallel/tensor) */
+/* --- 1.4 --- */
+#define LOOM_API_EXPERT_PARALLEL 8 /* loom_expert_parallel_api (parallel/expert, parallel/expert.allgather) */
 
 typedef struct loom_plugin_info {
   uint32_t struct_size;
