@@ -88,8 +88,11 @@ int cmd_plugins(int argc, char** argv) {
         for (const auto& p : r.all()) items.push_back(plugin_json(*p, false));
         std::cout << JsonObject().add_raw("plugins", json_array(items)).str() << "\n";
       } else {
+        size_t width = 0;  // the longest kind/name, so every column lines up
+        for (const auto& p : r.all()) width = std::max(width, p->key().size());
         for (const auto& p : r.all())
-          std::cout << std::left << std::setw(28) << p->key() << std::setw(8) << p->version << p->description << "\n";
+          std::cout << std::left << std::setw(static_cast<int>(width + 2)) << p->key() << std::setw(8) << p->version
+                    << p->description << "\n";
       }
       return 0;
     }
