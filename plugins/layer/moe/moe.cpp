@@ -678,7 +678,8 @@ class Moe : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.0.0", "pre-LN mixture of GeLU experts, dropless top-k router, load-balancing loss (tensor-parallel)",
+    "moe", "1.1.0",
+    "pre-LN mixture of GeLU experts, dropless top-k router, load-balancing loss (tensor- and expert-parallel)",
     {loom::opt_int("num_experts", 8, "experts in the layer"),
      loom::opt_int("top_k", 2, "experts each token is routed to"),
      loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)"),
