@@ -1670,6 +1670,90 @@ TEST(Layers, MoeWithOneExpertIsTheMlp) {
 
 // Expert tensor parallelism (etp = tp = 2): each rank holds half of every
 // expert's ffn; the same output, input gradient and gradient slices as one rank.
+// The expert-parallel dispatchers' contract (loom_abi.h), checked on both
+// plugins with two ep ranks whose routings differ in size (6 and 5 rows) and
+// leave experts empty: plan returns the local experts' first rows, dispatch
+// delivers every source's rows for this rank's experts expert-major with the
+// sources in order, combine brings [R, w] back to [N, w] at the sources.
+TEST(Layers, ExpertDispatchersDeliverTheRowOrderTheAbiFixes) {
+  constexpr int64_t kExperts = 4, kLocal = 2, kWidth = 3;
+  // counts[source][expert]
+  const std::vector<std::vector<int64_t>> counts = {{2, 0, 3, 1}, {0, 4, 1, 0}};
+  auto expert_rows = [&](int src) {
+    std::vector<int64_t> rows(kExperts + 1, 0);
+    for (int64_t e = 0; e < kExperts; ++e) rows[e + 1] = rows[e] + counts[src][e];
+    return rows;
+  };
+  // Row i of source j carries 100 j + i (+ 0.1 c in column c).
+  auto value = [](int src, int64_t row, int64_t col) { return float(100 * src + row) + 0.1f * float(col); };
+  for (const std::string name : {"expert", "expert.allgather"}) {
+    SCOPED_TRACE("parallel/" + name);
+    const loom::plugins::LoadedPlugin* p = registry().find("parallel", name);
+    ASSERT_NE(p, nullptr);
+    ASSERT_EQ(p->api_type, LOOM_API_EXPERT_PARALLEL);
+    const auto* api = static_cast<const loom_expert_parallel_api*>(p->api);
+    std::vector<std::vector<int64_t>> local(2);
+    std::vector<std::vector<float>> delivered(2), returned(2);
+    const std::vector<std::string> errors = run_two_ranks([&](int r, Rank& rank) {
+      loom_ep_create_args ca = loom::make<loom_ep_create_args>();
+      ca.ep = rank.rt().group_or_self("tp").raw();  // the two ranks' group, as the ep group
+      ca.num_experts = kExperts;
+      ca.instance_name = "test.moe";
+      loom_ep* h = nullptr;
+      ok(api->create(&rank.rt(), &ca, &h));
+      const std::vector<int64_t> rows = expert_rows(r);
+      local[r].assign(kLocal + 1, -1);
+      loom_ep_plan_args pa = loom::make<loom_ep_plan_args>();
+      pa.slot = 7;
+      pa.expert_rows = rows.data();
+      pa.local_rows = local[r].data();
+      ok(api->plan(h, &pa));
+      const int64_t n = rows.back(), received = local[r].back();
+      loom::Buffer x(&rank.rt(), static_cast<size_t>(n * kWidth) * sizeof(float)),
+          at_experts(&rank.rt(), static_cast<size_t>(received * kWidth) * sizeof(float)),
+          back(&rank.rt(), static_cast<size_t>(n * kWidth) * sizeof(float));
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < kWidth; ++c) x.get<float>()[i * kWidth + c] = value(r, i, c);
+      loom_ep_move_args ma = loom::make<loom_ep_move_args>();
+      ma.slot = 7;
+      ma.x = x.get();
+      ma.out = at_experts.get();
+      ma.width = kWidth;
+      ma.dtype = LOOM_DTYPE_F32;
+      ok(api->dispatch(h, &ma));
+      rank.rt().dev().synchronize();
+      delivered[r].assign(at_experts.get<float>(), at_experts.get<float>() + received * kWidth);
+      ma.x = at_experts.get();
+      ma.out = back.get();
+      ok(api->combine(h, &ma));
+      rank.rt().dev().synchronize();
+      returned[r].assign(back.get<float>(), back.get<float>() + n * kWidth);
+      api->release(h, 7);
+      api->destroy(h);
+    });
+    ASSERT_EQ(errors, std::vector<std::string>(2, ""));
+    for (int r = 0; r < 2; ++r) {
+      std::vector<int64_t> want_local = {0};
+      std::vector<float> want;
+      for (int64_t le = 0; le < kLocal; ++le) {
+        const int64_t e = r * kLocal + le;
+        for (int src = 0; src < 2; ++src) {
+          const std::vector<int64_t> rows = expert_rows(src);
+          for (int64_t i = rows[e]; i < rows[e + 1]; ++i)
+            for (int64_t c = 0; c < kWidth; ++c) want.push_back(value(src, i, c));
+        }
+        want_local.push_back(static_cast<int64_t>(want.size()) / kWidth);
+      }
+      EXPECT_EQ(local[r], want_local) << "rank " << r;
+      EXPECT_EQ(delivered[r], want) << "rank " << r << ": the rows at its experts";
+      std::vector<float> x;
+      for (int64_t i = 0; i < expert_rows(r).back(); ++i)
+        for (int64_t c = 0; c < kWidth; ++c) x.push_back(value(r, i, c));
+      EXPECT_EQ(returned[r], x) << "rank " << r << ": combine is dispatch's inverse";
+    }
+  }
+}
+
 TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
   constexpr int kTp = 2;
   auto dims = make_dims();
