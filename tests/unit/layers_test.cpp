@@ -1448,9 +1448,14 @@ namespace {
 // ---------------------------------------------------------------------------
 
 toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
-                        double dropout = 0.0, double z_coeff = 0.0) {
+                        double dropout = 0.0, double z_coeff = 0.0, double capacity_factor = 0.0,
+                        const std::string& drop_policy = "probs") {
   toml::table t;
   if (z_coeff > 0) t.insert("z_loss_coeff", z_coeff);
+  if (capacity_factor > 0) {
+    t.insert("capacity_factor", capacity_factor);
+    t.insert("drop_policy", drop_policy);
+  }
   t.insert("num_experts", experts);
   t.insert("top_k", top_k);
   t.insert("aux_loss_coeff", aux_coeff);
@@ -1494,14 +1499,25 @@ void fd_check_piecewise(std::vector<float>& v, const std::vector<float>& analyti
   EXPECT_LE(skipped * 4, coords.size()) << what << ": routing changed within h at too many coordinates";
 }
 
+// The reference also applies Megatron's expert capacity: ceil(T k / E * c) slots
+// per expert, kept by largest gate (ties: lower token) or by position; dropped
+// slots add nothing and the load-balancing term counts the routing before the drop.
 TEST(Layers, MoeForwardMatchesReference) {
   constexpr int64_t kExperts = 4, kTopK = 2;
-  for (const bool pre_softmax : {false, true}) {
-    SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
+  struct Variant {
+    bool pre_softmax;
+    double capacity_factor;
+    std::string policy;
+  };
+  for (const Variant& v : {Variant{false, 0.0, "probs"}, Variant{true, 0.0, "probs"}, Variant{false, 0.5, "probs"},
+                           Variant{true, 0.5, "position"}}) {
+    const bool pre_softmax = v.pre_softmax;
+    SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
+                 std::to_string(v.capacity_factor) + " by " + v.policy);
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
-    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff);
+    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy);
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1520,6 +1536,11 @@ TEST(Layers, MoeForwardMatchesReference) {
     Mat out(b.x.begin(), b.x.end());  // the residual
     std::vector<double> routed(kExperts, 0.0), prob_sum(kExperts, 0.0);
     double z = 0;
+    struct Slot {
+      int64_t t, e;
+      double gate;
+    };
+    std::vector<std::vector<Slot>> slots_of(kExperts);  // in token order
     for (int64_t t = 0; t < kT; ++t) {
       std::vector<double> p(kExperts);
       double mx = -1e300, sum = 0;
@@ -1535,21 +1556,38 @@ TEST(Layers, MoeForwardMatchesReference) {
       for (int64_t k = 0; k < kTopK; ++k) {
         const int64_t e = order[k];
         routed[e] += 1;
-        const double gate = pre_softmax ? p[e] : p[e] / chosen;
+        slots_of[e].push_back({t, e, pre_softmax ? p[e] : p[e] / chosen});
+      }
+    }
+    const int64_t capacity =
+        v.capacity_factor > 0 ? static_cast<int64_t>(std::ceil(double(kT * kTopK) / kExperts * v.capacity_factor)) : 0;
+    int64_t dropped = 0;
+    for (std::vector<Slot>& sl : slots_of) {
+      if (capacity == 0 || static_cast<int64_t>(sl.size()) <= capacity) continue;
+      if (v.policy == "probs")
+        std::stable_sort(sl.begin(), sl.end(), [](const Slot& a, const Slot& c) { return a.gate > c.gate; });
+      dropped += static_cast<int64_t>(sl.size()) - capacity;
+      sl.resize(static_cast<size_t>(capacity));
+    }
+    if (v.capacity_factor > 0) {
+      EXPECT_GT(dropped, 0) << "the capacity drops slots in this case";
+    }
+    for (const std::vector<Slot>& sl : slots_of)
+      for (const Slot& slot : sl) {
+        const int64_t t = slot.t, e = slot.e;
         // expert e on token t: fc2(gelu(fc1 ln_t))
         std::vector<double> h(kFfn);
         for (int64_t f = 0; f < kFfn; ++f) {
-          double v = b1[e * kFfn + f];
-          for (int64_t i = 0; i < kHidden; ++i) v += ln[t * kHidden + i] * w1[(e * kHidden + i) * kFfn + f];
-          h[f] = 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+          double val = b1[e * kFfn + f];
+          for (int64_t i = 0; i < kHidden; ++i) val += ln[t * kHidden + i] * w1[(e * kHidden + i) * kFfn + f];
+          h[f] = 0.5 * val * (1.0 + std::tanh(0.7978845608028654 * (val + 0.044715 * val * val * val)));
         }
         for (int64_t o = 0; o < kHidden; ++o) {
-          double v = b2[e * kHidden + o];
-          for (int64_t f = 0; f < kFfn; ++f) v += h[f] * w2[(e * kFfn + f) * kHidden + o];
-          out[t * kHidden + o] += gate * v;
+          double val = b2[e * kHidden + o];
+          for (int64_t f = 0; f < kFfn; ++f) val += h[f] * w2[(e * kFfn + f) * kHidden + o];
+          out[t * kHidden + o] += slot.gate * val;
         }
       }
-    }
     expect_close(y, out, 1e-5, "moe output");
     double aux = 0;
     for (int64_t e = 0; e < kExperts; ++e) aux += (routed[e] / (kT * kTopK)) * (prob_sum[e] / kT);
@@ -1580,11 +1618,16 @@ TEST(Layers, MoeGradientsMatchFiniteDifferencesWithEveryExpertChosen) {
 // gates' renormalisation (or pre-softmax gates), the router's softmax and the
 // auxiliary losses' gradients, all where the routing holds.
 TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
-  for (const bool pre_softmax : {false, true}) {
-    SCOPED_TRACE(pre_softmax ? "pre_softmax" : "softmax over the chosen");
+  // Dropless, and with a capacity that drops slots (by gate; by position).
+  for (const auto& [pre_softmax, capacity_factor, policy] :
+       {std::tuple<bool, double, std::string>{false, 0.0, "probs"}, {true, 0.0, "probs"}, {false, 0.5, "probs"},
+        {true, 0.5, "position"}}) {
+    SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
+                 std::to_string(capacity_factor) + " by " + policy);
     Rank rank;
     auto dims = make_dims();
-    toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5);
+    toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5,
+                                   capacity_factor, policy);
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(43);
@@ -1804,6 +1847,18 @@ TEST(Layers, MoeRefusesBadOptions) {
   for (const auto& [experts, top_k, what] :
        std::vector<std::tuple<int64_t, int64_t, std::string>>{{4, 5, "top_k = 5"}, {0, 1, "num_experts = 0"}}) {
     toml::table opts = moe_options(experts, top_k);
+    try {
+      TestLayer layer(rank, "moe", dims, &opts);
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  for (const auto& [factor, policy, what] : std::vector<std::tuple<double, std::string, std::string>>{
+           {-1.0, "probs", "capacity_factor = -1"}, {1.0, "random", "drop_policy = \"random\""}}) {
+    toml::table opts = moe_options(4, 2);
+    opts.insert_or_assign("capacity_factor", factor);
+    opts.insert_or_assign("drop_policy", policy);
     try {
       TestLayer layer(rank, "moe", dims, &opts);
       ADD_FAILURE() << what << " was accepted";

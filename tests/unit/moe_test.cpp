@@ -339,6 +339,30 @@ TEST(Moe, Ep2Bf16TracksBf16WithoutEp) {
     EXPECT_NEAR(ep.loss[s], base.loss[s], 3e-3 * base.loss[s]) << "loss at step " << s + 1;
 }
 
+// Expert capacity (capacity_factor, Megatron's moe_expert_capacity_factor) drops
+// slots per rank's microbatch: a different training than dropless, and the same
+// under ep (each rank drops from its own tokens, as serially) and tp + SP.
+TEST(Moe, CapacityDropsSlotsAndParallelLayoutsMatchSerial) {
+  const std::vector<std::string> capacity = {"model.layer.moe.capacity_factor=0.5"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), capacity.begin(), capacity.end());
+    return run(o);
+  };
+  const RankTrace serial_capacity = with({});
+  bool differs = false;
+  for (size_t st = 0; st < serial_capacity.loss.size(); ++st)
+    differs |= std::fabs(serial_capacity.loss[st] - serial().loss[st]) > 1e-4 * serial().loss[st];
+  EXPECT_TRUE(differs) << "a capacity of half the balanced load should drop slots and change the training";
+  expect_same_training(serial_capacity, with({"parallel.dp=2", "parallel.ep=2"}));
+  expect_same_training(serial_capacity, with({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  std::vector<std::string> position = {"model.layer.moe.drop_policy=\"position\""};
+  const RankTrace by_position = with(position);
+  EXPECT_NE(by_position.loss.back(), serial_capacity.loss.back()) << "the drop policy decides which slots stay";
+  position.push_back("parallel.dp=2");
+  position.push_back("parallel.ep=2");
+  expect_same_training(by_position, with(position));
+}
+
 // The all-gather dispatcher (parallel.expert = "expert.allgather") delivers the
 // same rows in the same order, and its combine adds only zeros to each output:
 // training is bit-identical to the all-to-all dispatcher's, and equal to serial.

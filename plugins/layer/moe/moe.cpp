@@ -6,7 +6,12 @@
 //    are the softmax over the chosen logits (= the chosen probs renormalised,
 //    Megatron's default), or the chosen probs as they are with pre_softmax = true.
 //  - experts: GeLU MLPs fc2(gelu(fc1 x)), each with its own weights, on the tokens
-//    routed to it (dropless: no capacity, no token dropped).
+//    routed to it. Dropless by default; with capacity_factor c > 0 (Megatron's
+//    moe_expert_capacity_factor) each expert takes at most ceil(T k / E * c) of a
+//    microbatch's routed slots: those with the largest gates (drop_policy =
+//    "probs", ties to the lower token) or the first tokens ("position"). A dropped
+//    slot contributes nothing (its gate is not renormalised away); the load
+//    balancing term counts the routing before the drop, as Megatron does.
 //  - load balancing: the Switch Transformer auxiliary loss
 //      aux = coeff * E * sum_e f_e * P_e,
 //    f_e = (tokens routed to e) / (tokens * top_k), P_e = mean over tokens of
@@ -63,10 +68,15 @@ struct Routing {
   std::vector<int32_t> slot_row;    // [top_k, tokens]: the dispatch row of slot (t, k) at k * tokens + t
   std::vector<float> row_gate;      // dispatch row -> gate
   std::vector<int64_t> offset;      // [experts + 1]: first dispatch row of each expert
+  std::vector<int64_t> routed;      // [experts]: slots routed to each before any capacity drop
   double aux = 0;                   // the unweighted load-balancing term E * sum f_e P_e
   std::vector<double> lse;          // [tokens]: logsumexp of each token's logits
   double z = 0;                     // the unweighted z-loss term, mean of lse^2
-  int64_t rows() const { return tokens * top_k; }
+  // Dispatch rows (the kept slots): tokens * top_k without a capacity drop. A
+  // dropped slot's slot_row is rows(), a zero row after the real ones.
+  int64_t rows() const { return offset[static_cast<size_t>(experts)]; }
+  int64_t slots() const { return tokens * top_k; }
+  bool dropped_any() const { return rows() < slots(); }
   int64_t count(int64_t e) const { return offset[e + 1] - offset[e]; }
 };
 
@@ -79,7 +89,10 @@ struct ExpertRows {
 };
 
 // Routes `tokens` rows of fp32 logits: softmax, top-k, gates, dispatch order.
-Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts, int64_t top_k, bool pre_softmax) {
+// capacity: the most slots an expert keeps (0 = dropless); by_probs: keep the
+// largest gates (else the first tokens).
+Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts, int64_t top_k, bool pre_softmax,
+              int64_t capacity = 0, bool by_probs = true) {
   Routing r;
   r.tokens = tokens;
   r.experts = experts;
@@ -117,17 +130,37 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
       ++routed[static_cast<size_t>(e)];
     }
   }
+  r.routed = routed;
+  // The capacity: each expert keeps at most `capacity` of its slots.
+  std::vector<char> kept(static_cast<size_t>(tokens * top_k), 1);
+  std::vector<int64_t> keep = routed;
+  if (capacity > 0) {
+    std::vector<std::vector<int64_t>> slots_of(static_cast<size_t>(experts));  // in token order
+    for (int64_t slot = 0; slot < tokens * top_k; ++slot)
+      slots_of[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)])].push_back(slot);
+    for (int64_t e = 0; e < experts; ++e) {
+      std::vector<int64_t>& sl = slots_of[static_cast<size_t>(e)];
+      if (static_cast<int64_t>(sl.size()) <= capacity) continue;
+      if (by_probs)
+        std::stable_sort(sl.begin(), sl.end(), [&](int64_t a, int64_t b) {
+          return slot_gate[static_cast<size_t>(a)] > slot_gate[static_cast<size_t>(b)];
+        });
+      for (size_t i = static_cast<size_t>(capacity); i < sl.size(); ++i) kept[static_cast<size_t>(sl[i])] = 0;
+      keep[static_cast<size_t>(e)] = capacity;
+    }
+  }
   r.offset.assign(static_cast<size_t>(experts + 1), 0);
-  for (int64_t e = 0; e < experts; ++e) r.offset[e + 1] = r.offset[e] + routed[static_cast<size_t>(e)];
+  for (int64_t e = 0; e < experts; ++e) r.offset[e + 1] = r.offset[e] + keep[static_cast<size_t>(e)];
   const int64_t n = r.rows();
   r.row_token.resize(static_cast<size_t>(n));
   r.row_slot.resize(static_cast<size_t>(n));
   r.row_gate.resize(static_cast<size_t>(n));
-  r.slot_row.resize(static_cast<size_t>(n));
+  r.slot_row.assign(static_cast<size_t>(tokens * top_k), static_cast<int32_t>(n));  // dropped: the zero row
   std::vector<int64_t> next(r.offset.begin(), r.offset.end() - 1);
   for (int64_t t = 0; t < tokens; ++t)  // tokens in order within each expert
     for (int64_t k = 0; k < top_k; ++k) {
       const int64_t slot = t * top_k + k;
+      if (!kept[static_cast<size_t>(slot)]) continue;
       const int64_t row = next[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)])]++;
       r.row_token[static_cast<size_t>(row)] = static_cast<int32_t>(t);
       r.row_slot[static_cast<size_t>(row)] = static_cast<int32_t>(slot);
@@ -136,7 +169,7 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
     }
   double aux = 0;
   for (int64_t e = 0; e < experts; ++e)
-    aux += (static_cast<double>(routed[static_cast<size_t>(e)]) / static_cast<double>(n)) *
+    aux += (static_cast<double>(routed[static_cast<size_t>(e)]) / static_cast<double>(r.slots())) *
            (prob_sum[static_cast<size_t>(e)] / static_cast<double>(tokens));
   r.aux = aux * static_cast<double>(experts);
   return r;
@@ -148,14 +181,15 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
 std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_dgate, double aux_scale,
                                double z_scale, bool pre_softmax) {
   const int64_t T = r.tokens, E = r.experts, K = r.top_k;
-  std::vector<double> slot_dgate(static_cast<size_t>(T * K), 0.0);
+  std::vector<double> slot_dgate(static_cast<size_t>(T * K), 0.0);  // 0 for a dropped slot
   for (int64_t row = 0; row < r.rows(); ++row)
     slot_dgate[static_cast<size_t>(r.row_slot[static_cast<size_t>(row)])] = row_dgate[static_cast<size_t>(row)];
   // d aux / d probs[t, e] = E * f_e / T (f_e is a count: no gradient).
   std::vector<double> aux_dp(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e)
     aux_dp[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
-                                     (static_cast<double>(r.count(e)) / static_cast<double>(r.rows())) /
+                                     (static_cast<double>(r.routed[static_cast<size_t>(e)]) /
+                                      static_cast<double>(r.slots())) /
                                      static_cast<double>(T);
   std::vector<float> dlogits(static_cast<size_t>(T * E));
   std::vector<double> dp(static_cast<size_t>(E));
@@ -203,6 +237,13 @@ class Moe : public loom::Layer {
     pre_softmax_ = options.get_bool("pre_softmax", false);
     aux_coeff_ = options.get_float("aux_loss_coeff", 0.01);
     z_coeff_ = options.get_float("z_loss_coeff", 0.0);
+    capacity_factor_ = options.get_float("capacity_factor", 0.0);
+    const std::string policy = options.get_string("drop_policy", "probs");
+    LOOM_REQUIRE(capacity_factor_ >= 0.0, name_ << ": option capacity_factor = " << capacity_factor_
+                                                << " must be >= 0 (0 = dropless)");
+    LOOM_REQUIRE(policy == "probs" || policy == "position",
+                 name_ << ": option drop_policy = \"" << policy << "\" must be \"probs\" or \"position\"");
+    drop_by_probs_ = policy == "probs";
     dropout_ = dropout_option(options, name_);
     LOOM_REQUIRE(experts_ >= 1, name_ << ": option num_experts = " << experts_ << " must be at least 1");
     LOOM_REQUIRE(top_k_ >= 1 && top_k_ <= experts_, name_ << ": option top_k = " << top_k_
@@ -262,7 +303,7 @@ class Moe : public loom::Layer {
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     const bool sp = tp_.sequence_parallel();
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
-    const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B, N = T * K;
+    const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
@@ -296,8 +337,9 @@ class Moe : public loom::Layer {
     std::vector<float> host_logits(static_cast<size_t>(T * E));
     dev.copy(host_logits.data(), pre.at(logits), host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    s.routing = route(host_logits, T, E, K, pre_softmax_);
+    s.routing = route(host_logits, T, E, K, pre_softmax_, capacity(T), drop_by_probs_);
     const Routing& r = s.routing;
+    const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
     if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
       *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux + z_coeff_ * r.z);
 
@@ -310,7 +352,7 @@ class Moe : public loom::Layer {
     // What the backward needs of the dispatch: token ids and gates per row, and
     // the experts' fc1 outputs (pre-GeLU); the service keeps the exchange's plan.
     s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
-    s.slot_row = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
+    s.slot_row = s.route.add(static_cast<size_t>(r.slots()) * sizeof(int32_t));
     s.gate = s.route.elems(N, act);
     s.h = s.route.elems(R * Fl, act);
     s.route.allocate(rank_);
@@ -318,7 +360,8 @@ class Moe : public loom::Layer {
 
     Arena tmp;
     const size_t xg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act), a_out = tmp.elems(R * Fl, act),
-                 ys = tmp.elems(moved ? R * H : 0, act), yx = tmp.elems(N * H, act), gexp = tmp.elems(N * H, act),
+                 ys = tmp.elems(moved ? R * H : 0, act), yx = tmp.elems((N + zero_row) * H, act),
+                 gexp = tmp.elems(N * H, act),
                  ones = tmp.elems(H, act), out_full = tmp.elems(T * H, act), o = tmp.elems(sp ? Tl * H : 0, act);
     tmp.allocate(rank_);
     gather_rows(dev, xin, s.route.at<int32_t>(s.tok), tmp.at(xg), N, T, H);
@@ -347,7 +390,8 @@ class Moe : public loom::Layer {
     expand_gates(dev, s.route.at(s.gate), tmp.at(ones), tmp.at(gexp), N, H);
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
                      .dtype = act, .out_dtype = act});
-    combine_rows(dev, tmp.at(yx), s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
+    if (zero_row) fill_zero_row(dev, tmp.at(yx), N, H);
+    combine_rows(dev, tmp.at(yx), N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
     // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
     void* out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
     tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
@@ -379,14 +423,14 @@ class Moe : public loom::Layer {
     const int32_t gdt = gs.grad_dtype();
 
     const ExpertRows& xr = s.experts;
-    const int64_t R = xr.rows;
+    const int64_t R = xr.rows, zero_row = r.dropped_any() ? 1 : 0;
     const bool moved = ep_ > 1;
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(sp ? T * H : 0, act),
                  ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(sp ? T * H : 0, act), xg = tmp.elems(N * H, act),
-                 dyg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act),
+                 dyg = tmp.elems((N + zero_row) * H, act), xs = tmp.elems(moved ? R * H : 0, act),
                  dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
-                 dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems(R * H, act),
+                 dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems((R + zero_row) * H, act),
                  ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
                  prod = tmp.elems(R * Fl, act), dln_full = tmp.elems(T * H, act),
                  dln = tmp.elems(sp ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
@@ -499,7 +543,8 @@ class Moe : public loom::Layer {
       dxg = tmp.at(dyg);
       from_experts(dev, a.microbatch, dxe, dxg, H, act);
     }
-    combine_rows(dev, dxg, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
+    if (zero_row) fill_zero_row(dev, dxg, N, H);
+    combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
     // f's backward: summed over tp (reduce-scattered to the shard under SP).
     void* dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
     tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
@@ -588,7 +633,7 @@ class Moe : public loom::Layer {
   void upload_dispatch(const loom::Device& dev, const Routing& r, int32_t* tok, int32_t* slot_row, void* gate) const {
     const int64_t N = r.rows();
     dev.copy(tok, r.row_token.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
-    dev.copy(slot_row, r.slot_row.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+    dev.copy(slot_row, r.slot_row.data(), r.slot_row.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
     if (dt_.act == LOOM_DTYPE_F32) {
       dev.copy(gate, r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
       return;
@@ -629,11 +674,25 @@ class Moe : public loom::Layer {
   // accumulate, slot 0 first): every token's top_k rows added in one fixed order,
   // so the result does not depend on thread scheduling (a scatter-add by atomics
   // would, from three rows per token on).
-  void combine_rows(const loom::Device& dev, const void* rows_in, const int32_t* slot_row, void* out, int64_t T,
-                    int64_t H) const {
+  // rows_in has `rows` rows: the N dispatch rows, and a zero row after them when a
+  // capacity drop left slots without one.
+  void combine_rows(const loom::Device& dev, const void* rows_in, int64_t rows, const int32_t* slot_row, void* out,
+                    int64_t T, int64_t H) const {
     for (int64_t k = 0; k < top_k_; ++k)
-      dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = T * top_k_, .vocab_start = 0, .ids = slot_row + k * T,
+      dev.embedding_fwd({.n = T, .dim = H, .vocab_rows = rows, .vocab_start = 0, .ids = slot_row + k * T,
                          .table = rows_in, .out = out, .accumulate = k > 0 ? 1 : 0, .dtype = dt_.act});
+  }
+  // Row `row` of rows [.., H] to zeros: what a dropped slot combines.
+  void fill_zero_row(const loom::Device& dev, void* rows, int64_t row, int64_t H) const {
+    dev.elementwise({.op = LOOM_EW_FILL, .n = H, .out = advance(rows, row * H, dt_.act), .alpha = 0.f,
+                     .dtype = dt_.act, .out_dtype = dt_.act});
+  }
+  // The most slots an expert keeps of a microbatch's T tokens (0 = dropless):
+  // Megatron's get_capacity, ceil(T k / E * capacity_factor).
+  int64_t capacity(int64_t T) const {
+    if (capacity_factor_ <= 0.0) return 0;
+    return static_cast<int64_t>(std::ceil(static_cast<double>(T * top_k_) / static_cast<double>(experts_) *
+                                          capacity_factor_));
   }
   // out [N, width] = gate [N, 1] x ones [1, width]: each row's gate across its columns.
   void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N,
@@ -666,7 +725,8 @@ class Moe : public loom::Layer {
   std::string name_;
   int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   bool pre_softmax_ = false;
-  double aux_coeff_ = 0.0, z_coeff_ = 0.0;
+  double aux_coeff_ = 0.0, z_coeff_ = 0.0, capacity_factor_ = 0.0;
+  bool drop_by_probs_ = true;
   float dropout_ = 0.0f;
   Dtypes dt_;
   bool fusion_ = false;
@@ -688,4 +748,10 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
                     "chosen logits only (false, Megatron's default)"),
      loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)"),
      loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)"),
+     loom::opt_float("capacity_factor", 0.0,
+                     "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
+                     "microbatch's slots, the rest are dropped (0 = dropless)"),
+     loom::opt_string("drop_policy", "probs",
+                      "which slots an expert over capacity keeps: \"probs\" (largest gates) or \"position\" "
+                      "(first tokens)"),
      loom::layers::dropout_option_spec("the MoE output")}))
