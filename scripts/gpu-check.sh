@@ -5,7 +5,8 @@
 #   3. training equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
 #      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
-#      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks)
+#      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
+#      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
 #      graphs (exec.mode = partial_graph) whose losses must equal eager's, and the ms/step
 #      of both on the quickstart model (small kernels: launch-bound, where graphs help)
@@ -135,6 +136,16 @@ if run cpu_moe "${moe[@]}" --set device.kind=cpu && run cuda_moe "${moe[@]}" --s
 else
   fail "MoE equivalence runs failed (see $out/cpu_moe.log, $out/cuda_moe.log)"; tail -5 "$out/cuda_moe.log"
 fi
+# ... with expert capacity (dropped slots combine a zero row).
+cap=(--set model.layer.moe.capacity_factor=0.5)
+if run cpu_moe_cap "${moe[@]}" "${cap[@]}" --set device.kind=cpu &&
+   run cuda_moe_cap "${moe[@]}" "${cap[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_moe_cap.jsonl" "$out/cpu_moe_cap.jsonl" 1e-4 "cuda vs cpu, MoE with capacity"; then
+    pass "cuda fp32 = cpu with MoE blocks and expert capacity"
+  else fail "cuda fp32 vs cpu losses differ with MoE capacity"; fi
+else
+  fail "MoE capacity runs failed (see $out/cpu_moe_cap.log, $out/cuda_moe_cap.log)"; tail -5 "$out/cuda_moe_cap.log"
+fi
 if [ "$gpus" -ge 2 ]; then
   dp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2)
   if run cpu_dp2 "${dp2[@]}" --set device.kind=cpu &&
@@ -143,6 +154,24 @@ if [ "$gpus" -ge 2 ]; then
     else fail "cuda+nccl dp=2 vs cpu dp=2 losses differ"; fi
   else
     fail "dp=2 runs failed (see $out/cpu_dp2.log, $out/nccl_dp2.log)"; tail -5 "$out/nccl_dp2.log"
+  fi
+  # Expert parallelism over NCCL (all_to_all_v as grouped send/recv; all_gather and
+  # reduce_scatter for the other dispatcher) against the CPU without ep.
+  moe2=(configs/quickstart_moe.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
+        --set parallel.dp=2)
+  if run cpu_moe_dp2 "${moe2[@]}" --set device.kind=cpu; then
+    for d in expert expert.allgather; do
+      if run "nccl_moe_ep2_$d" "${moe2[@]}" --set parallel.ep=2 --set parallel.expert="$d" --set device.kind=cuda \
+           --set comm.backend=nccl; then
+        if compare "$out/nccl_moe_ep2_$d.jsonl" "$out/cpu_moe_dp2.jsonl" 1e-4 "cuda+nccl ep=2 ($d) vs cpu ep=1"; then
+          pass "cuda+nccl MoE dp=2 x ep=2 ($d dispatcher) = cpu dp=2"
+        else fail "cuda+nccl MoE ep=2 ($d) vs cpu losses differ"; fi
+      else
+        fail "MoE ep=2 over nccl ($d) failed (see $out/nccl_moe_ep2_$d.log)"; tail -5 "$out/nccl_moe_ep2_$d.log"
+      fi
+    done
+  else
+    fail "the CPU MoE dp=2 run failed (see $out/cpu_moe_dp2.log)"
   fi
   # One process per rank: the NCCL ids travel over MPI.
   if command -v mpirun >/dev/null; then
@@ -159,7 +188,7 @@ if [ "$gpus" -ge 2 ]; then
     say "SKIPPED: comm/nccl with one process per rank needs mpirun"
   fi
 else
-  say "SKIPPED: dp=2 over comm/nccl (threads and mpirun) needs 2 GPUs"
+  say "SKIPPED: dp=2 and MoE ep=2 over comm/nccl (threads and mpirun) need 2 GPUs"
 fi
 
 # ---- 4. bf16 ----------------------------------------------------------------------------
