@@ -1449,8 +1449,9 @@ namespace {
 
 toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
                         double dropout = 0.0, double z_coeff = 0.0, double capacity_factor = 0.0,
-                        const std::string& drop_policy = "probs") {
+                        const std::string& drop_policy = "probs", int64_t shared_ffn = 0) {
   toml::table t;
+  if (shared_ffn > 0) t.insert("shared_expert_ffn_hidden_size", shared_ffn);
   if (z_coeff > 0) t.insert("z_loss_coeff", z_coeff);
   if (capacity_factor > 0) {
     t.insert("capacity_factor", capacity_factor);
@@ -1508,16 +1509,20 @@ TEST(Layers, MoeForwardMatchesReference) {
     bool pre_softmax;
     double capacity_factor;
     std::string policy;
+    int64_t shared;  // the shared expert's width (0 = none)
   };
-  for (const Variant& v : {Variant{false, 0.0, "probs"}, Variant{true, 0.0, "probs"}, Variant{false, 0.5, "probs"},
-                           Variant{true, 0.5, "position"}}) {
+  for (const Variant& v : {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0},
+                           Variant{false, 0.5, "probs", 0}, Variant{true, 0.5, "position", 0},
+                           Variant{false, 0.0, "probs", 12}, Variant{false, 0.5, "probs", 12}}) {
     const bool pre_softmax = v.pre_softmax;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
-                 std::to_string(v.capacity_factor) + " by " + v.policy);
+                 std::to_string(v.capacity_factor) + " by " + v.policy + ", shared expert " +
+                 std::to_string(v.shared));
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
-    toml::table opts = moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy);
+    toml::table opts =
+        moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared);
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1588,6 +1593,25 @@ TEST(Layers, MoeForwardMatchesReference) {
           out[t * kHidden + o] += slot.gate * val;
         }
       }
+    if (v.shared > 0) {  // every token through the shared expert, ungated
+      const auto& s1 = layer.param("shared.fc1.weight").value;
+      const auto& c1 = layer.param("shared.fc1.bias").value;
+      const auto& s2 = layer.param("shared.fc2.weight").value;
+      const auto& c2 = layer.param("shared.fc2.bias").value;
+      for (int64_t t = 0; t < kT; ++t) {
+        std::vector<double> h(static_cast<size_t>(v.shared));
+        for (int64_t f = 0; f < v.shared; ++f) {
+          double val = c1[f];
+          for (int64_t i = 0; i < kHidden; ++i) val += ln[t * kHidden + i] * s1[i * v.shared + f];
+          h[f] = 0.5 * val * (1.0 + std::tanh(0.7978845608028654 * (val + 0.044715 * val * val * val)));
+        }
+        for (int64_t o = 0; o < kHidden; ++o) {
+          double val = c2[o];
+          for (int64_t f = 0; f < v.shared; ++f) val += h[f] * s2[f * kHidden + o];
+          out[t * kHidden + o] += val;
+        }
+      }
+    }
     expect_close(y, out, 1e-5, "moe output");
     double aux = 0;
     for (int64_t e = 0; e < kExperts; ++e) aux += (routed[e] / (kT * kTopK)) * (prob_sum[e] / kT);
@@ -1619,15 +1643,16 @@ TEST(Layers, MoeGradientsMatchFiniteDifferencesWithEveryExpertChosen) {
 // auxiliary losses' gradients, all where the routing holds.
 TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
   // Dropless, and with a capacity that drops slots (by gate; by position).
-  for (const auto& [pre_softmax, capacity_factor, policy] :
-       {std::tuple<bool, double, std::string>{false, 0.0, "probs"}, {true, 0.0, "probs"}, {false, 0.5, "probs"},
-        {true, 0.5, "position"}}) {
+  // And with a shared expert beside the routed ones.
+  for (const auto& [pre_softmax, capacity_factor, policy, shared] :
+       {std::tuple<bool, double, std::string, int64_t>{false, 0.0, "probs", 0}, {true, 0.0, "probs", 0},
+        {false, 0.5, "probs", 0}, {true, 0.5, "position", 0}, {false, 0.5, "probs", 12}}) {
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
-                 std::to_string(capacity_factor) + " by " + policy);
+                 std::to_string(capacity_factor) + " by " + policy + ", shared expert " + std::to_string(shared));
     Rank rank;
     auto dims = make_dims();
     toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5,
-                                   capacity_factor, policy);
+                                   capacity_factor, policy, shared);
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(43);

@@ -39,7 +39,8 @@ RankTrace run(std::vector<std::string> overrides) {
   return loom::testing::run_all_ranks(manifest(), overrides);
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
+void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5,
+                          int moe_params_per_layer = 7) {
   ASSERT_GE(serial.loss.size(), 10u);
   ASSERT_EQ(par.loss.size(), serial.loss.size());
   int moe_tensors = 0;
@@ -60,7 +61,7 @@ void expect_same_training(const RankTrace& serial, const RankTrace& par, double 
       if (s == 0 && key.find(".moe.") != std::string::npos) ++moe_tensors;
     }
   }
-  EXPECT_EQ(moe_tensors, 4 * 7) << "every block's moe parameters are compared";
+  EXPECT_EQ(moe_tensors, 4 * moe_params_per_layer) << "every block's moe parameters are compared";
 }
 
 const RankTrace& serial() {
@@ -361,6 +362,28 @@ TEST(Moe, CapacityDropsSlotsAndParallelLayoutsMatchSerial) {
   position.push_back("parallel.dp=2");
   position.push_back("parallel.ep=2");
   expect_same_training(by_position, with(position));
+}
+
+// A shared expert (shared_expert_ffn_hidden_size) beside the routed ones: its
+// parameters are dense (split over tp, replicated over ep), and the training is
+// the serial one at tp 2 + SP and at dp 2 x ep 2.
+TEST(Moe, SharedExpertMatchesSerialAtTp2AndEp2) {
+  const std::vector<std::string> shared = {"model.layer.moe.shared_expert_ffn_hidden_size=32"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), shared.begin(), shared.end());
+    return run(o);
+  };
+  const RankTrace base = with({});
+  expect_same_training(base, with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5, 11);
+  const RankTrace ep = with({"parallel.dp=2", "parallel.ep=2"});
+  expect_same_training(base, ep, 1e-5, 11);
+  int shared_params = 0;
+  for (const auto& e : ep.entries.at(0)) {
+    if (e.name.find(".shared.") == std::string::npos) continue;
+    ++shared_params;
+    EXPECT_FALSE(e.expert) << e.name << " is not split over ep";
+  }
+  EXPECT_EQ(shared_params, 4 * 4);
 }
 
 // The all-gather dispatcher (parallel.expert = "expert.allgather") delivers the

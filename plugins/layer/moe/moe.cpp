@@ -18,6 +18,10 @@
 //    probs[:, e]; its gradient flows into the router only (f_e is a count). It
 //    enters the objective with the engine's aux_loss_scale (1 / microbatches,
 //    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
+//  - shared experts (Megatron's moe_shared_expert_intermediate_size), optional: a
+//    GeLU MLP of width shared_expert_ffn_hidden_size on every token, beside the
+//    routed experts on the same LN output, its output added to theirs (ungated):
+//      y = x + dropout(routed(LN(x)) + shared(LN(x))).
 //  - router z-loss (ST-MoE; Megatron's moe_z_loss_coeff), optional:
 //      z = z_loss_coeff * mean over tokens of logsumexp(logits)^2,
 //    keeps the router's logits small; weighted and reported with the aux loss.
@@ -238,6 +242,7 @@ class Moe : public loom::Layer {
     aux_coeff_ = options.get_float("aux_loss_coeff", 0.01);
     z_coeff_ = options.get_float("z_loss_coeff", 0.0);
     capacity_factor_ = options.get_float("capacity_factor", 0.0);
+    shared_ffn_ = options.get_int("shared_expert_ffn_hidden_size", 0);
     const std::string policy = options.get_string("drop_policy", "probs");
     LOOM_REQUIRE(capacity_factor_ >= 0.0, name_ << ": option capacity_factor = " << capacity_factor_
                                                 << " must be >= 0 (0 = dropless)");
@@ -255,6 +260,11 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(ffn_ % tp == 0, name_ << ": ffn_hidden_size (" << ffn_
                                        << ") must be divisible by the tensor-parallel size (" << tp << ")");
     ffn_local_ = ffn_ / tp;
+    LOOM_REQUIRE(shared_ffn_ >= 0 && shared_ffn_ % tp == 0,
+                 name_ << ": option shared_expert_ffn_hidden_size = " << shared_ffn_
+                       << " must be >= 0 (0 = no shared expert) and divisible by the tensor-parallel size (" << tp
+                       << ")");
+    shared_local_ = shared_ffn_ / tp;
     ep_group_ = rank.group("ep");
     ep_ = std::max(1, ep_group_.size());
     LOOM_REQUIRE(experts_ % ep_ == 0, name_ << ": option num_experts = " << experts_
@@ -282,17 +292,30 @@ class Moe : public loom::Layer {
                 .init = LOOM_INIT_NORMAL_SCALED, .expert = true};
     p[kFc2B] = {.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true,
                 .expert = true};
+    if (shared_ffn_ > 0) {  // split like the MLP: fc1 by columns, fc2 by rows
+      const int64_t Fs = shared_ffn_;
+      p.resize(kShared2B + 1);
+      p[kShared1W] = {.name = "shared.fc1.weight", .shape = {H, Fs}, .partition_dim = 1, .init = LOOM_INIT_NORMAL};
+      p[kShared1B] = {.name = "shared.fc1.bias", .shape = {Fs}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
+                      .no_weight_decay = true};
+      p[kShared2W] = {.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0,
+                      .init = LOOM_INIT_NORMAL_SCALED};
+      p[kShared2B] = {.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
+    }
     return p;
   }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    LOOM_REQUIRE(params.size() == 7 && grads.size() == 7,
-                 name_ << ": bind expects 7 parameters, got " << params.size());
+    const size_t n = num_params();
+    LOOM_REQUIRE(params.size() == n && grads.size() == n,
+                 name_ << ": bind expects " << n << " parameters, got " << params.size());
     const std::vector<int64_t> expect = local_numels();
-    const char* names[7] = {"ln.weight",          "ln.bias",           "router.weight",     "experts.fc1.weight",
-                            "experts.fc1.bias",   "experts.fc2.weight", "experts.fc2.bias"};
+    const char* names[kShared2B + 1] = {"ln.weight",          "ln.bias",           "router.weight",
+                                        "experts.fc1.weight", "experts.fc1.bias",  "experts.fc2.weight",
+                                        "experts.fc2.bias",   "shared.fc1.weight", "shared.fc1.bias",
+                                        "shared.fc2.weight",  "shared.fc2.bias"};
     dt_ = bound_dtypes(params, grads, name_);
-    for (int i = 0; i < 7; ++i) {
+    for (size_t i = 0; i < n; ++i) {
       w_[i] = bound(params[i], expect[static_cast<size_t>(i)], name_, names[i], dt_.act);
       g_[i] = bound(grads[i], expect[static_cast<size_t>(i)], name_, std::string(names[i]) + " (grad)", dt_.grad);
     }
@@ -318,6 +341,7 @@ class Moe : public loom::Layer {
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
     s.mask = s.mem.add(drop ? Tl * H : 0);
+    s.shared_h = s.mem.elems(a.training ? T * shared_local_ : 0, act);  // the shared expert's fc1 output
     s.dropped = drop;
     s.mem.allocate(rank_);
 
@@ -392,6 +416,7 @@ class Moe : public loom::Layer {
                      .dtype = act, .out_dtype = act});
     if (zero_row) fill_zero_row(dev, tmp.at(yx), N, H);
     combine_rows(dev, tmp.at(yx), N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
+    if (shared_ffn_ > 0) shared_expert_forward(dev, xin, a.training ? s.mem.at(s.shared_h) : nullptr, tmp.at(out_full), T);
     // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
     void* out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
     tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
@@ -419,7 +444,8 @@ class Moe : public loom::Layer {
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
     const int32_t act = dt_.act;
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 7), local_numels(), tp_.features(), fusion_);
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), local_numels(), tp_.features(),
+                  fusion_);
     const int32_t gdt = gs.grad_dtype();
 
     const ExpertRows& xr = s.experts;
@@ -545,6 +571,8 @@ class Moe : public loom::Layer {
     }
     if (zero_row) fill_zero_row(dev, dxg, N, H);
     combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
+    if (shared_ffn_ > 0)
+      shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, tmp.at(dln_full), T, count_bias);
     // f's backward: summed over tp (reduce-scattered to the shard under SP).
     void* dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
     tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
@@ -599,6 +627,7 @@ class Moe : public loom::Layer {
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
+    a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
     return a.bytes();
   }
 
@@ -608,25 +637,29 @@ class Moe : public loom::Layer {
   double forward_flops() override {
     const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
     return 2.0 * T * H * static_cast<double>(experts_) +
-           4.0 * T * static_cast<double>(top_k_) * H * static_cast<double>(ffn_local_);
+           4.0 * T * static_cast<double>(top_k_) * H * static_cast<double>(ffn_local_) +
+           4.0 * T * H * static_cast<double>(shared_local_);
   }
 
  private:
-  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B };
+  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B };
+  size_t num_params() const { return shared_ffn_ > 0 ? kShared2B + 1 : kFc2B + 1; }
 
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;    // fixed size: x, LN statistics, dropout mask
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0;
+    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
     bool dropped = false;
     Routing routing;
     ExpertRows experts;
   };
 
   std::vector<int64_t> local_numels() const {
-    const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_;
-    return {H, H, H * E, El * H * Fl, El * Fl, El * Fl * H, El * H};
+    const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_, Fs = shared_local_;
+    std::vector<int64_t> n = {H, H, H * E, El * H * Fl, El * Fl, El * Fl * H, El * H};
+    if (shared_ffn_ > 0) n.insert(n.end(), {H * Fs, Fs, Fs * H, H});
+    return n;
   }
 
   // The dispatch order's token ids (int32) and gates (activation dtype) to the device.
@@ -694,6 +727,41 @@ class Moe : public loom::Layer {
     return static_cast<int64_t>(std::ceil(static_cast<double>(T * top_k_) / static_cast<double>(experts_) *
                                           capacity_factor_));
   }
+  // The shared expert on all T tokens of the TP region: out [T, H] += fc2(gelu(fc1
+  // xin)), partial over tp like the routed experts' (fc2's bias on tp rank 0).
+  // saved_h (training) keeps fc1's output [T, Fs/tp] for the backward.
+  void shared_expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T) const {
+    const int64_t H = hidden_, Fs = shared_local_;
+    const int32_t act = dt_.act;
+    Arena tmp;
+    const size_t h = tmp.elems(saved_h ? 0 : T * Fs, act), a = tmp.elems(T * Fs, act);
+    tmp.allocate(rank_);
+    void* hs = saved_h ? saved_h : tmp.at(h);
+    gemm(dev, false, false, T, Fs, H, xin, w_[kShared1W], hs, 0.0f, act, act);
+    add_bias(dev, hs, w_[kShared1B], hs, T, Fs, act);
+    dev.gelu_fwd({.n = T * Fs, .x = hs, .out = tmp.at(a), .dtype = act});
+    gemm(dev, false, false, T, H, Fs, tmp.at(a), w_[kShared2W], out, 1.0f, act, act);
+    if (tp_.rank() == 0) add_bias(dev, out, w_[kShared2B], out, T, H, act);
+  }
+  // Its backward from the whole output gradient d [T, H]: the parameters'
+  // gradients, and dxin [T, H] += its input gradient (partial over tp, summed by
+  // the layer's f backward). count_bias: this rank adds fc2's bias gradient.
+  void shared_expert_backward(const loom::Device& dev, GradShadow& gs, const void* xin, const void* hs,
+                              const void* d, void* dxin, int64_t T, bool count_bias) const {
+    const int64_t H = hidden_, Fs = shared_local_;
+    const int32_t act = dt_.act, gdt = gs.grad_dtype();
+    Arena tmp;
+    const size_t a = tmp.elems(T * Fs, act), da = tmp.elems(T * Fs, act);
+    tmp.allocate(rank_);
+    dev.gelu_fwd({.n = T * Fs, .x = hs, .out = tmp.at(a), .dtype = act});
+    gemm(dev, true, false, Fs, H, T, tmp.at(a), d, gs[kShared2W], 1.0f, act, gdt);
+    if (count_bias) column_sum_acc(rank_, dev, d, gs[kShared2B], T, H, act, gdt);
+    gemm(dev, false, true, T, Fs, H, d, w_[kShared2W], tmp.at(da), 0.0f, act, act);
+    dev.gelu_bwd({.n = T * Fs, .x = hs, .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
+    gemm(dev, true, false, H, Fs, T, xin, tmp.at(da), gs[kShared1W], 1.0f, act, gdt);
+    column_sum_acc(rank_, dev, tmp.at(da), gs[kShared1B], T, Fs, act, gdt);
+    gemm(dev, false, true, T, H, Fs, tmp.at(da), w_[kShared1W], dxin, 1.0f, act, act);
+  }
   // out [N, width] = gate [N, 1] x ones [1, width]: each row's gate across its columns.
   void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N,
                     int64_t width) const {
@@ -724,14 +792,15 @@ class Moe : public loom::Layer {
   loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
+  int64_t shared_ffn_ = 0, shared_local_ = 0;  // the shared expert's width (0 = none), and this tp rank's part
   bool pre_softmax_ = false;
   double aux_coeff_ = 0.0, z_coeff_ = 0.0, capacity_factor_ = 0.0;
   bool drop_by_probs_ = true;
   float dropout_ = 0.0f;
   Dtypes dt_;
   bool fusion_ = false;
-  void* w_[7] = {};
-  void* g_[7] = {};
+  void* w_[kShared2B + 1] = {};
+  void* g_[kShared2B + 1] = {};
   std::map<int32_t, Saved> saved_;
 };
 
@@ -748,6 +817,8 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
                     "chosen logits only (false, Megatron's default)"),
      loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)"),
      loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)"),
+     loom::opt_int("shared_expert_ffn_hidden_size", 0,
+                   "width of a shared expert every token goes through beside the routed ones (0 = none)"),
      loom::opt_float("capacity_factor", 0.0,
                      "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
                      "microbatch's slots, the rest are dropped (0 = dropless)"),
