@@ -197,6 +197,14 @@ void Registry::load_file(const std::string& path) {
       throw PluginError(file + ": plugin " + p->key() + " declares api_type " + std::to_string(p->api_type) +
                         ", which is not a table of kind '" + p->kind +
                         "' (kinds: device, comm, layer, parallel, exec)");
+    // A table kind exists from the minor that introduced it; an older library cannot mean it.
+    const uint32_t introduced = p->api_type == LOOM_API_EXPERT_PARALLEL   ? 4
+                                : p->api_type == LOOM_API_TENSOR_PARALLEL ? 1
+                                                                          : 0;
+    if (p->abi_minor < introduced)
+      throw PluginError(file + ": plugin " + p->key() + " declares api_type " + std::to_string(p->api_type) +
+                        ", which ABI 1." + std::to_string(introduced) + " introduced, but it was built for ABI " +
+                        version_str(p->abi_major, p->abi_minor));
     if (p->api == nullptr || *static_cast<const uint32_t*>(p->api) < sizeof(uint32_t) * 2)
       throw PluginError(file + ": plugin " + p->key() + " has no API table");
     if (info->num_options > 0 && info->options == nullptr)

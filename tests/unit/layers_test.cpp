@@ -1736,17 +1736,24 @@ TEST(Layers, MoeWithOneExpertIsTheMlp) {
   for (float g : moe.param("router.weight").grad) EXPECT_EQ(g, 0.0f);  // softmax over one expert is constant
 }
 
-// Expert tensor parallelism (etp = tp = 2): each rank holds half of every
-// expert's ffn; the same output, input gradient and gradient slices as one rank.
+void check_expert_dispatchers(const std::vector<std::vector<int64_t>>& counts);
+
 // The expert-parallel dispatchers' contract (loom_abi.h), checked on both
 // plugins with two ep ranks whose routings differ in size (6 and 5 rows) and
 // leave experts empty: plan returns the local experts' first rows, dispatch
 // delivers every source's rows for this rank's experts expert-major with the
 // sources in order, combine brings [R, w] back to [N, w] at the sources.
 TEST(Layers, ExpertDispatchersDeliverTheRowOrderTheAbiFixes) {
+  // counts[source][expert]: unequal rows with empty experts; and a source with no
+  // rows at all while the other's go to rank 0 only (rank 1 receives nothing).
+  for (const std::vector<std::vector<int64_t>>& counts :
+       {std::vector<std::vector<int64_t>>{{2, 0, 3, 1}, {0, 4, 1, 0}},
+        std::vector<std::vector<int64_t>>{{3, 1, 0, 0}, {0, 0, 0, 0}}})
+    check_expert_dispatchers(counts);
+}
+
+void check_expert_dispatchers(const std::vector<std::vector<int64_t>>& counts) {
   constexpr int64_t kExperts = 4, kLocal = 2, kWidth = 3;
-  // counts[source][expert]
-  const std::vector<std::vector<int64_t>> counts = {{2, 0, 3, 1}, {0, 4, 1, 0}};
   auto expert_rows = [&](int src) {
     std::vector<int64_t> rows(kExperts + 1, 0);
     for (int64_t e = 0; e < kExperts; ++e) rows[e + 1] = rows[e] + counts[src][e];
@@ -1822,6 +1829,8 @@ TEST(Layers, ExpertDispatchersDeliverTheRowOrderTheAbiFixes) {
   }
 }
 
+// Expert tensor parallelism (etp = tp = 2): each rank holds half of every
+// expert's ffn; the same output, input gradient and gradient slices as one rank.
 TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
   constexpr int kTp = 2;
   auto dims = make_dims();

@@ -356,6 +356,7 @@ TEST(Moe, CapacityDropsSlotsAndParallelLayoutsMatchSerial) {
   EXPECT_TRUE(differs) << "a capacity of half the balanced load should drop slots and change the training";
   expect_same_training(serial_capacity, with({"parallel.dp=2", "parallel.ep=2"}));
   expect_same_training(serial_capacity, with({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  expect_same_training(serial_capacity, with({"parallel.tp=2", "parallel.dp=2", "parallel.ep=2"}));
   std::vector<std::string> position = {"model.layer.moe.drop_policy=\"position\""};
   const RankTrace by_position = with(position);
   EXPECT_NE(by_position.loss.back(), serial_capacity.loss.back()) << "the drop policy decides which slots stay";
@@ -374,6 +375,7 @@ TEST(Moe, SharedExpertMatchesSerialAtTp2AndEp2) {
     return run(o);
   };
   const RankTrace base = with({});
+  expect_same_training(base, with({"parallel.tp=2"}), 1e-5, 11);
   expect_same_training(base, with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5, 11);
   const RankTrace ep = with({"parallel.dp=2", "parallel.ep=2"});
   expect_same_training(base, ep, 1e-5, 11);

@@ -159,8 +159,6 @@ TEST(PartialGraph, TensorParallelLayersRunDirectly) {
   for (int r = 0; r < 2; ++r) expect_counts(tp.at(r), 0, 4, 3, 1, 12 * 4);  // all six layers, both ways
 }
 
-// A capture must not be a library's first call (cuBLAS and lazy kernel loading
-// initialise on first use): at least one warm-up run.
 // MoE blocks (not capturable: routing on the host) at dp 2 x ep 2 stay eager,
 // their all-to-all between the captured attention steps; the run is still
 // bit-identical to eager and only the attention steps become graphs.
@@ -174,6 +172,8 @@ TEST(PartialGraph, ExpertParallelMoeBlocksRunDirectlyBetweenCapturedSteps) {
   for (const auto& [rank, s] : stats) expect_counts(s, 2, 2, 10, 1, 2 * (2 + 2) * 2);
 }
 
+// A capture must not be a library's first call (cuBLAS and lazy kernel loading
+// initialise on first use): at least one warm-up run.
 TEST(PartialGraph, WarmupStepsBelowOneAreRefused) {
   try {
     run_all_ranks(tiny_manifest(), {"run.steps=1", "exec.mode=\"partial_graph\"", "exec.options.warmup_steps=0"});

@@ -1,6 +1,6 @@
 // layer/moe: pre-LayerNorm mixture-of-experts feed-forward block with a residual,
 //   y = x + dropout(sum_k gate_k(t) * expert_{e_k(t)}(LN(x)_t))
-// as Megatron-Core's MoE layer with a dropless top-k router:
+// as Megatron-Core's MoE layer with a top-k router (dropless, or with expert capacity):
 //  - router: logits = LN(x) W_r [tokens, experts] (no bias); probs = softmax over
 //    all experts; each token goes to its top_k experts (ties: lower index). Gates
 //    are the softmax over the chosen logits (= the chosen probs renormalised,
@@ -11,7 +11,10 @@
 //    microbatch's routed slots: those with the largest gates (drop_policy =
 //    "probs", ties to the lower token) or the first tokens ("position"). A dropped
 //    slot contributes nothing (its gate is not renormalised away); the load
-//    balancing term counts the routing before the drop, as Megatron does.
+//    balancing term counts the routing before the drop, as Megatron does. The
+//    capacity counts a microbatch's tokens over the whole sequence, also under
+//    sequence parallelism (where Megatron's router drops per shard), so SP does
+//    not change which slots are dropped.
 //  - load balancing: the Switch Transformer auxiliary loss
 //      aux = coeff * E * sum_e f_e * P_e,
 //    f_e = (tokens routed to e) / (tokens * top_k), P_e = mean over tokens of
@@ -628,6 +631,7 @@ class Moe : public loom::Layer {
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
     a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
+    if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the dispatcher's plan (row indices)
     return a.bytes();
   }
 
@@ -808,7 +812,8 @@ class Moe : public loom::Layer {
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
     "moe", "1.1.0",
-    "pre-LN mixture of GeLU experts, dropless top-k router, load-balancing loss (tensor- and expert-parallel)",
+    "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
+    "loss (tensor- and expert-parallel)",
     {loom::opt_int("num_experts", 8, "experts in the layer"),
      loom::opt_int("top_k", 2, "experts each token is routed to"),
      loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)"),

@@ -6,7 +6,9 @@
 // The contract (loom_abi.h): a rank's dispatch rows [N, w] are expert-major over
 // the E experts; dispatch delivers [R, w] to the rank holding each expert,
 // expert-major over its local experts, the rows of one expert ordered by source
-// ep rank, then by their row at the source; combine is the inverse.
+// ep rank, then by their row at the source; combine is the inverse. Collectives
+// take the caller's stream, which the ABI fixes as the rank's compute stream, the
+// one dev_ runs the gathers and copies on, so both are ordered.
 #pragma once
 
 #include <loom/cpp/plugin.hpp>
@@ -58,6 +60,8 @@ class Dispatcher {
  protected:
   // This rank's counts per global expert from expert_rows [E + 1].
   std::vector<int32_t> counts_of(const int64_t* expert_rows) const {
+    LOOM_REQUIRE(expert_rows[0] == 0, plugin_ << ": " << name_ << ": expert_rows must start at 0 (got "
+                                              << expert_rows[0] << ")");
     std::vector<int32_t> c(static_cast<size_t>(experts_));
     for (int64_t e = 0; e < experts_; ++e) {
       LOOM_REQUIRE(expert_rows[e + 1] >= expert_rows[e], plugin_ << ": " << name_ << ": expert_rows must not decrease");

@@ -946,8 +946,10 @@ typedef struct loom_tensor_parallel_api {
 /* the rank holding their expert: [R, width] here, expert-major over the      */
 /* local experts, the rows of one expert ordered by source ep rank, then by   */
 /* their row at the source. combine is its inverse ([R, width] back to        */
-/* [N, width] at the sources). Every call is collective over the ep group;   */
-/* buffers are device memory, ordered on `stream`.                            */
+/* [N, width] at the sources). plan, dispatch and combine are collective     */
+/* over the ep group; buffers are device memory. `stream` is the rank's      */
+/* compute stream (its device's native stream): the service's own device    */
+/* work runs there too.                                                       */
 /* ------------------------------------------------------------------------- */
 
 typedef struct loom_ep_s loom_ep;  /* one layer's handle, owned by the service */
@@ -961,9 +963,9 @@ typedef struct loom_ep_create_args {
 
 /* Learns where every rank's rows go (the counts are exchanged: collective) and
  * keeps that plan under `slot` (the layer's key, e.g. its microbatch) until
- * release. expert_rows: host [E + 1]; local_rows: host, filled [E / ep + 1] with
- * the first row of each local expert in the dispatched rows (local_rows[E / ep]
- * = R). */
+ * release. expert_rows: host [E + 1], non-decreasing from expert_rows[0] = 0 to
+ * N; local_rows: host, filled [E / ep + 1] with the first row of each local
+ * expert in the dispatched rows (local_rows[E / ep] = R). */
 typedef struct loom_ep_plan_args {
   uint32_t struct_size;
   void* stream;
@@ -982,6 +984,7 @@ typedef struct loom_ep_move_args {
   void* out;
   int64_t width;
   int32_t dtype;
+  int32_t reserved;              /* 0: fills the tail, so a later member starts past sizeof */
 } loom_ep_move_args;
 
 typedef struct loom_expert_parallel_api {

@@ -34,6 +34,11 @@ class ExpertParallel {
     if (api_ == nullptr)
       throw Error("no expert-parallel service is loaded (plugin parallel/expert, manifest key parallel.expert)",
                   LOOM_CODE_NOT_FOUND);
+    if (!LOOM_HAS_SLOT(api_, loom_expert_parallel_api, release) || !api_->create || !api_->destroy || !api_->plan ||
+        !api_->dispatch || !api_->combine || !api_->release)
+      throw Error("the expert-parallel service's table is incomplete (every slot of loom_expert_parallel_api is "
+                  "required)",
+                  LOOM_CODE_UNSUPPORTED);
     loom_ep_create_args a = make<loom_ep_create_args>();
     a.ep = ep;
     a.num_experts = num_experts;
