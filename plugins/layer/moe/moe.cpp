@@ -638,10 +638,14 @@ class Moe : public loom::Layer {
   // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
   // processed here are the group's tokens routed to this rank's experts, as many
   // as its own when the routing is balanced.
+  // A capacity bounds the routed rows at E * capacity.
   double forward_flops() override {
-    const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
+    const int64_t tokens = seq_ * micro_batch_;
+    const double T = static_cast<double>(tokens), H = static_cast<double>(hidden_);
+    int64_t rows = tokens * top_k_;
+    if (capacity_factor_ > 0.0) rows = std::min(rows, experts_ * capacity(tokens));
     return 2.0 * T * H * static_cast<double>(experts_) +
-           4.0 * T * static_cast<double>(top_k_) * H * static_cast<double>(ffn_local_) +
+           4.0 * static_cast<double>(rows) * H * static_cast<double>(ffn_local_) +
            4.0 * T * H * static_cast<double>(shared_local_);
   }
 
