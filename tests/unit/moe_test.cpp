@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -546,6 +547,38 @@ TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
   EXPECT_NE(cp.find("parallel.cp = 1"), std::string::npos) << cp;
   // ep after dp in the order still folds into the dp groups: accepted.
   EXPECT_EQ(refusal({"parallel.dp=4", "parallel.ep=2", "parallel.order=\"tp-cp-dp-ep-pp\""}), "");
+}
+
+// An optimizer strategy from before ABI 1.4 (its table ends before `features`):
+// refused at ep > 1, where it would average expert gradients over dp; at ep = 1
+// it gets no expert flags and trains exactly as today's.
+TEST(Moe, AnOptimizerBuiltBeforeAbi14IsRefusedUnderEpAndServesEp1) {
+  loom::plugins::LoadedPlugin old_plugin;
+  loom_optimizer_api old_table{};
+  auto with_old_strategy = [&](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
+    loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
+    old_plugin = *plan.optimizer;
+    old_table = *plan.optimizer->optimizer();
+    old_table.struct_size = offsetof(loom_optimizer_api, features);
+    old_table.features = 0;
+    old_plugin.api = &old_table;
+    old_plugin.abi_minor = 3;
+    plan.optimizer = &old_plugin;
+    return loom::train::train(plan, {});
+  };
+  try {
+    with_old_strategy({"parallel.dp=2", "parallel.ep=2"});
+    ADD_FAILURE() << "a 1.3 optimizer strategy was given expert parallelism";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not advertise LOOM_OPTIMIZER_EXPERT_PARALLEL"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel/ddp"), std::string::npos) << e.what();
+  }
+  const loom::train::TrainResult old = with_old_strategy({"parallel.dp=2"});
+  const RankTrace today = run({"parallel.dp=2"});
+  ASSERT_EQ(old.steps.size(), today.result.steps.size());
+  for (size_t st = 0; st < old.steps.size(); ++st) EXPECT_EQ(old.steps[st].loss, today.loss[st]) << "step " << st + 1;
 }
 
 // What cannot be split is refused with the reason: experts that do not divide
