@@ -294,6 +294,18 @@ TEST(AbiLoader, NewerMinorIsRefusedNamingBothVersions) {
   EXPECT_NE(e.find("newer than this engine's ABI 1." + std::to_string(LOOM_ABI_MINOR)), std::string::npos) << e;
 }
 
+// A table kind a library's minor does not have yet (an expert-parallel service,
+// ABI 1.4, from a 1.3 library) is refused naming both versions.
+TEST(AbiLoader, AServiceOlderThanItsTableKindIsRefused) {
+  Registry r;
+  std::string file = abi_dir("bad/loom_test_service_before_its_minor.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("parallel/expert_old declares api_type 8, which ABI 1.4 introduced, but it was built for ABI 1.3"),
+            std::string::npos)
+      << e;
+}
+
 TEST(AbiLoader, FailingInitShowsThePluginsOwnMessage) {
   Registry r;
   std::string file = abi_dir("bad/loom_test_failing_init.so");
@@ -360,7 +372,7 @@ TEST(AbiCli, PluginsCheckReportsEachLibrary) {
   }
   EXPECT_NE(out.find("FAIL"), std::string::npos) << out;
   EXPECT_NE(out.find("license file"), std::string::npos) << out;
-  EXPECT_NE(out.find("0 of 4 libraries load"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 5 libraries load"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -28,13 +28,21 @@ static const loom_exec_api k_api = {sizeof(loom_exec_api), noop_create, noop_des
 #ifndef BAD_NAME
 #define BAD_NAME "bad"
 #endif
+#if defined(BAD_SERVICE_BEFORE_ITS_MINOR)
+/* An expert-parallel service (ABI 1.4) in a library that says it was built for 1.3. */
+static const loom_plugin_info k_info = {sizeof(loom_plugin_info), "parallel", "expert_old", "0.0.1",
+                                        "test plugin", LOOM_API_EXPERT_PARALLEL, &k_api, NULL, 0};
+#else
 static const loom_plugin_info k_info = {
     sizeof(loom_plugin_info), "exec", BAD_NAME, "0.0.1", "test plugin", LOOM_API_EXEC, &k_api, NULL, 0};
+#endif
 static const loom_plugin_info* const k_plugins[] = {&k_info};
 
 #if defined(BAD_NEWER_MINOR)
 static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_MAJOR, LOOM_ABI_MINOR + 1,
                                           k_plugins, 1};
+#elif defined(BAD_SERVICE_BEFORE_ITS_MINOR)
+static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_MAJOR, 3, k_plugins, 1};
 #else
 static const loom_plugin_library k_lib = {sizeof(loom_plugin_library), LOOM_ABI_MAJOR, LOOM_ABI_MINOR,
                                           k_plugins, 1};
