@@ -363,13 +363,16 @@ inline uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// A dropout stream's key before the step's seed: hash(the layer's instance name,
-// microbatch). The step's seed comes last, as loom_mix64(key ^ loom_mix64(seed)),
-// which a device computes itself from seed_device (ABI 1.3) for captured launches.
-inline uint64_t dropout_key(const std::string& instance, int32_t microbatch) {
+// A dropout stream's key before the step's seed: hash(the layer's instance name).
+// The step's seed comes last, as loom_mix64(key ^ loom_mix64(seed)), which a
+// device computes itself from seed_device (ABI 1.3) for captured launches. The
+// microbatch index is not part of it: the engine's seed already names the
+// microbatch's first sample, so masks follow the samples and are the same under
+// any dp (the index of a microbatch is not).
+inline uint64_t dropout_key(const std::string& instance) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a of the name
   for (unsigned char ch : instance) h = (h ^ ch) * 0x100000001b3ull;
-  return mix64(mix64(h) ^ static_cast<uint64_t>(static_cast<uint32_t>(microbatch)));
+  return mix64(h);
 }
 
 // Whether this layer's dropouts can be captured: the service passes the step's

@@ -338,7 +338,7 @@ class Tp {
 
   void dropout_fwd(const loom_tp_dropout_args& a) const {
     const int32_t dt = require_float(a.dtype);
-    uint64_t seed = dropout_key(name_, a.microbatch);
+    uint64_t seed = dropout_key(name_);  // a.microbatch is not mixed in: a.seed names the samples
     if (a.stream != 0) seed = mix64(seed ^ mix64(0x5bd1e995ull + static_cast<uint64_t>(a.stream)));
     uint64_t offset = 0;
     if (a.region == LOOM_TP_RNG_PARALLEL) {

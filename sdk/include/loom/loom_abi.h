@@ -885,7 +885,8 @@ typedef struct loom_tp_dropout_args {
   uint8_t* mask;
   float p;
   uint64_t seed;                 /* the forward's dropout_seed (equal on every rank) */
-  int32_t microbatch;
+  int32_t microbatch;            /* the layer's microbatch (parallel/tensor's masks follow seed, which
+                                  * names the samples, not this index, so they do not depend on dp) */
   int32_t stream;                /* tells several dropouts of one layer apart: 0, 1, ... */
   int32_t dtype;
   /* 1.3, services with LOOM_TP_SEED_DEVICE: device memory holding `seed` (the
