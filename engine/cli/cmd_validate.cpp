@@ -8,6 +8,7 @@
 #include "engine/pipeline/split.hpp"
 #include "engine/train/run_plan.hpp"
 
+#include <algorithm>
 #include <iomanip>
 #include <iostream>
 
@@ -98,6 +99,7 @@ int cmd_validate(int argc, char** argv) {
           .add("microbatches_per_rank", static_cast<long long>(plan.microbatches))
           .add("device", plan.device->key()).add("comm", plan.comm->key()).add("exec", plan.exec->key())
           .add("optimizer", plan.optimizer->key()).add("schedule", plan.schedule->key())
+          .add("expert_dispatcher", plan.expert ? plan.expert->key() : "")
           .add_raw("layers", json_array(layer_items));
       std::cout << JsonObject().add("valid", true).add_raw("plan", p.str()).add_raw("values", json_array(entries)).str()
                 << "\n";
@@ -110,7 +112,9 @@ int cmd_validate(int argc, char** argv) {
     std::cout << "\nplan:\n"
               << "  world size        " << world << " = tp " << plan.sizes.tp << " x cp " << plan.sizes.cp << " x pp "
               << plan.sizes.pp << " x dp " << plan.dp << "\n"
-              << "  expert layout     ep " << plan.sizes.ep << " x etp " << etp << "\n"
+              << "  expert layout     ep " << plan.sizes.ep << " x etp " << etp << " (edp "
+              << plan.dp * plan.sizes.tp * plan.sizes.cp / std::max<int64_t>(1, plan.sizes.ep * etp)
+              << (plan.expert ? ", dispatcher " + plan.expert->key() : std::string()) << ")\n"
               << "  layers per chunk  " << per_chunk_text << " (global chunks 0.." << per_chunk.size() - 1 << " of "
               << layers << " blocks; vpp " << m.get_int("parallel.vpp") << ", schedule " << plan.schedule->key()
               << ")\n"
@@ -118,7 +122,7 @@ int cmd_validate(int argc, char** argv) {
               << " sequences each; global batch " << m.get_int("batch.global_batch_size") << ")\n"
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
               << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()
-              << "\n  model             ";
+              << (plan.expert ? ", " + plan.expert->key() : std::string()) << "\n  model             ";
     for (size_t i = 0; i < plan.layers.size(); ++i)
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
     std::cout << "\n";

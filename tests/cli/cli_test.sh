@@ -58,6 +58,13 @@ grep -q "bad.toml:3:1: parallel.tpp: unknown key 'parallel.tpp' (did you mean 'p
 grep -q "model.num_heads (6)" "$work/bad.out" || fail "num_heads message: $(cat "$work/bad.out")"
 [ "$(grep -c ': ' "$work/bad.out")" -ge 2 ] || fail "both problems must be reported at once"
 
+# 4b. The plan of an expert-parallel MoE manifest names its dispatcher and edp.
+"$loom" validate "$here/tiny.toml" --set 'model.block=["attention", "moe"]' --set model.layer.moe.num_experts=4 \
+  --set parallel.dp=4 --set parallel.ep=2 --set parallel.expert=expert.allgather > "$work/moe.out" 2>&1 ||
+  fail "validate of an ep = 2 manifest: $(tail -3 "$work/moe.out")"
+grep -q "expert layout     ep 2 x etp 1 (edp 2, dispatcher parallel/expert.allgather)" "$work/moe.out" ||
+  fail "expert layout line: $(grep 'expert layout' "$work/moe.out")"
+
 # 5. Pipeline schedules: seed 003's case, and a refusal that names the rule.
 "$loom" schedule --pp 4 --vpp 2 --microbatches 8 --json > "$work/sched.json" || fail "loom schedule"
 grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1, -1, -1, -2, -2, -2, -2, -1, -1, -1, -1\]}' "$work/sched.json" \
