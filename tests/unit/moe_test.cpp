@@ -283,6 +283,9 @@ TEST(Moe, Ep4Dp4MatchesSerial) { expect_same_training(serial(), run({"parallel.d
 TEST(Moe, Ep2Dp4BothStrategiesMatchSerial) {
   expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=2"}));
   expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=2", "optimizer.strategy=\"distributed\""}));
+  // Many small buckets: several expert buckets, each sharded over edp.
+  expect_same_training(serial(), run({"parallel.dp=4", "parallel.ep=2", "optimizer.strategy=\"distributed\"",
+                                      "optimizer.bucket_size=3000"}));
 }
 
 TEST(Moe, Ep2Tp2SequenceParallelMatchesSerial) {
