@@ -13,7 +13,6 @@
 
 #include <loom/cpp/plugin.hpp>
 
-#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -99,15 +98,12 @@ class Dispatcher {
 namespace detail {
 inline Dispatcher* handle(loom_ep* h) { return reinterpret_cast<Dispatcher*>(h); }
 
+// fn(handle, args widened to this build's layout: an older caller's missing members read as zero).
 template <typename Args, typename Fn>
 loom_status call(loom_ep* h, const Args* a, const char* what, Fn&& fn) {
   return loom::guard([&] {
-    LOOM_REQUIRE(h != nullptr && a != nullptr, what << ": a handle and arguments are required");
-    LOOM_REQUIRE(a->struct_size >= sizeof(uint32_t), what << ": arguments without struct_size");
-    Args full = loom::make<Args>();  // an older caller's missing members read as zero
-    std::memcpy(&full, a, std::min<size_t>(a->struct_size, sizeof(Args)));
-    full.struct_size = sizeof(Args);
-    fn(*handle(h), full);
+    LOOM_REQUIRE(h != nullptr, what << ": a handle is required");
+    fn(*handle(h), loom::detail::widened(a, what));
   });
 }
 }  // namespace detail
@@ -120,10 +116,9 @@ const loom_expert_parallel_api* expert_parallel_api() {
     loom_expert_parallel_api t = loom::make<loom_expert_parallel_api>();
     t.create = [](loom_rank* rank, const loom_ep_create_args* args, loom_ep** out) -> loom_status {
       return loom::guard([&] {
-        LOOM_REQUIRE(args != nullptr && out != nullptr, "expert-parallel create needs args and out");
-        loom_ep_create_args full = loom::make<loom_ep_create_args>();
-        std::memcpy(&full, args, std::min<size_t>(args->struct_size, sizeof(full)));
-        *out = reinterpret_cast<loom_ep*>(static_cast<Dispatcher*>(new T(rank, full)));
+        LOOM_REQUIRE(out != nullptr, "expert-parallel create needs out");
+        *out = reinterpret_cast<loom_ep*>(
+            static_cast<Dispatcher*>(new T(rank, loom::detail::widened(args, "expert-parallel create"))));
       });
     };
     t.destroy = [](loom_ep* h) { delete detail::handle(h); };

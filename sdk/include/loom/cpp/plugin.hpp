@@ -137,7 +137,7 @@ inline LayerBox* box(loom_layer* l) { return reinterpret_cast<LayerBox*>(l); }
 template <typename T>
 T widened(const T* in, const char* what) {
   if (in == nullptr || in->struct_size < sizeof(uint32_t))
-    throw Error(std::string("layer ") + what + ": args is NULL or has no struct_size", LOOM_CODE_INVALID_ARGUMENT);
+    throw Error(std::string(what) + ": args is NULL or has no struct_size", LOOM_CODE_INVALID_ARGUMENT);
   T out = make<T>();
   std::memcpy(&out, in, in->struct_size < sizeof(T) ? in->struct_size : sizeof(T));
   out.struct_size = static_cast<uint32_t>(sizeof(T));
@@ -194,13 +194,13 @@ const loom_layer_api* layer_api() {
     a.forward = [](loom_layer* l, loom_rank* r, const loom_layer_fwd_args* args) -> loom_status {
       return guard([&] {
         Rank rank(r);
-        detail::box(l)->layer->forward(rank, detail::widened(args, "forward"));
+        detail::box(l)->layer->forward(rank, detail::widened(args, "layer forward"));
       });
     };
     a.backward = [](loom_layer* l, loom_rank* r, const loom_layer_bwd_args* args) -> loom_status {
       return guard([&] {
         Rank rank(r);
-        detail::box(l)->layer->backward(rank, detail::widened(args, "backward"));
+        detail::box(l)->layer->backward(rank, detail::widened(args, "layer backward"));
       });
     };
     a.release = [](loom_layer* l, int32_t mb) {
