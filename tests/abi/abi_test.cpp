@@ -24,6 +24,9 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_3(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_3(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_4(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_4(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_5(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_5(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_3(const char* name);
@@ -147,6 +150,20 @@ TEST(AbiLayout, MembersAppendedIn14StartPastThe13Size) {
   EXPECT_GE(offsetof(loom_optimizer_create_args, expert), loom_abi_sizeof_v1_3("loom_optimizer_create_args"));
   ASSERT_GT(loom_abi_sizeof_v1_3("loom_optimizer_api"), 0u);
   EXPECT_GE(offsetof(loom_optimizer_api, features), loom_abi_sizeof_v1_3("loom_optimizer_api"));
+}
+
+// 1.5's too (loom_optimizer_create_args.etp, for MoE parallel folding), which
+// starts past 1.4's sizeof of its struct.
+TEST(AbiLayout, Released15MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_14 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_5(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_5(&n_current);
+  loom_abi_layout_current_v1_4(&n_14);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_14 + 2 * 1);  // the one member 1.5 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_4("loom_optimizer_create_args"), 0u);
+  EXPECT_GE(offsetof(loom_optimizer_create_args, etp), loom_abi_sizeof_v1_4("loom_optimizer_create_args"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

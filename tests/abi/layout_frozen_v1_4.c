@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -17,4 +18,14 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_4(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the 1.4 structs that 1.5 appended to (0 for others): a 1.5 member
+ * must start at or past it. */
+size_t loom_abi_sizeof_v1_4(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_optimizer_create_args)
+#undef SIZE
+  return 0;
 }

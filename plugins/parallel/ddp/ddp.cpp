@@ -8,18 +8,22 @@
 // across the ep group; their gradients already hold the contributions of every
 // dp rank of that group (the tokens came to them by all-to-all), so they are
 // summed over edp and scaled by 1 / dp, and their norm is summed over ep too.
+// MoE folding (ABI 1.5, etp != tp): the experts are split over etp, not tp, and
+// the ep group spans tp ranks, so their norm is summed over ep and etp and the
+// dense part's over tp.
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace {
 
 class Ddp : public loom::OptimizerStrategy {
  public:
-  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL;
+  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING;
   Ddp(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel),
         param_dtype_(a.param_dtype), grad_dtype_(a.grad_dtype), dp_(a.dp), tp_(a.tp), pp_(a.pp) {
@@ -27,6 +31,7 @@ class Ddp : public loom::OptimizerStrategy {
       ep_ = a.ep;
       edp_ = a.edp;
       expert_start_ = loom::expert_tail_start(a);
+      if (loom::experts_fold_tp(a)) etp_ = loom::expert_tp_group(a);
     }
     LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
                  "parallel/ddp: gradient dtype " << grad_dtype_ << " is not supported");
@@ -85,18 +90,12 @@ class Ddp : public loom::OptimizerStrategy {
     dev.synchronize();
     double total = 0, experts = 0;
     for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
-    if (expert_start_ < numel_) {  // every ep rank holds other experts
-      dev.copy(norm_total_.get(), &experts, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-      loom::Group(ep_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
-      dev.copy(&experts, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-      dev.synchronize();
-      total += experts;
+    if (etp_.size > 0) {  // folded: each part over its own model-parallel ranks
+      total = reduced_sum(dev, total, {tp_, pp_}) + reduced_sum(dev, experts, {ep_, etp_, pp_});
+    } else {
+      if (expert_start_ < numel_) total += reduced_sum(dev, experts, {ep_});  // every ep rank holds other experts
+      total = reduced_sum(dev, total, {tp_, pp_});
     }
-    dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-    for (const loom_group& g : {tp_, pp_})
-      loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
-    dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
     const float norm = static_cast<float>(std::sqrt(total));
     float scale = 1.f;
     if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
@@ -165,6 +164,16 @@ class Ddp : public loom::OptimizerStrategy {
   };
 
   static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+  // v summed over each group in turn, on a device scalar (a GPU communicator gets
+  // device memory on the stream).
+  double reduced_sum(const loom::Device& dev, double v, std::initializer_list<loom_group> groups) {
+    dev.copy(norm_total_.get(), &v, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    for (const loom_group& g : groups)
+      loom::Group(g).all_reduce(dev.native_stream(), norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    dev.copy(&v, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    return v;
+  }
   static void zero(const loom::Device& dev, void* p, size_t n) {
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
                      .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
@@ -189,6 +198,7 @@ class Ddp : public loom::OptimizerStrategy {
   int32_t param_dtype_, grad_dtype_;
   loom_group dp_, tp_, pp_;
   loom_group ep_ = loom::make<loom_group>(), edp_ = loom::make<loom_group>();
+  loom_group etp_ = loom::make<loom_group>();  // size 0 unless the run folds MoE parallelism (etp != tp)
   size_t expert_start_ = numel_;  // the expert tail [expert_start_, numel_), when expert-parallel
   std::vector<Info> infos_;
   loom::Buffer m_, v_, main_, norm_parts_, norm_total_;

@@ -18,7 +18,9 @@
 // across the ep group and already hold the contributions of its dp ranks (their
 // tokens came by all-to-all); their buckets are sharded over edp instead of dp,
 // reduce-scattered as a sum over edp scaled by 1 / dp, all-gathered over edp, and
-// their norm is summed over edp and ep.
+// their norm is summed over edp and ep. MoE folding (ABI 1.5, etp != tp): the
+// experts are split over etp and the ep group spans tp ranks, so the expert part of
+// the norm is summed over edp, ep and etp, the dense part over dp and tp.
 // Checkpoints: each rank saves its shard with a header describing the layout; a
 // resume at another dp size (state_load_resharded) finds each element of the new
 // shard by (parameter, element within it) in whichever old rank's shard held it.
@@ -156,7 +158,7 @@ Saved parse(const void* buf, size_t bytes) {
 
 class DistOpt : public loom::OptimizerStrategy {
  public:
-  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL;
+  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING;
 
   DistOpt(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel), param_dtype_(a.param_dtype),
@@ -165,6 +167,7 @@ class DistOpt : public loom::OptimizerStrategy {
       ep_ = a.ep;
       edp_ = a.edp;
       expert_start_ = loom::expert_tail_start(a);
+      if (loom::experts_fold_tp(a)) etp_ = loom::expert_tp_group(a);
     } else {
       expert_start_ = numel_;
     }
@@ -285,15 +288,20 @@ class DistOpt : public loom::OptimizerStrategy {
     dev.synchronize();
     double total = 0, experts = 0;
     for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
-    if (expert_start_ < numel_) {  // the two parts over their own groups, then together
+    if (etp_.size > 0) {  // folded: each part over its own data- and model-parallel ranks
+      total = reduced_sum(dev, total, {dp_, tp_}) + reduced_sum(dev, experts, {edp_, ep_, etp_});
+      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      loom::Group(pp_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    } else if (expert_start_ < numel_) {  // the two parts over their own groups, then together
       total = reduced_sum(dev, total, {dp_}) + reduced_sum(dev, experts, {edp_, ep_});
       dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
     } else {
       dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
       loom::Group(dp_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
     }
-    for (const loom_group& g : {tp_, pp_})
-      loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    if (etp_.size == 0)
+      for (const loom_group& g : {tp_, pp_})
+        loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
     dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
     const float norm = static_cast<float>(std::sqrt(total));
@@ -512,6 +520,7 @@ class DistOpt : public loom::OptimizerStrategy {
   int32_t param_dtype_, grad_dtype_;
   loom_group dp_, tp_, pp_;
   loom_group ep_ = loom::make<loom_group>(), edp_ = loom::make<loom_group>();
+  loom_group etp_ = loom::make<loom_group>();  // size 0 unless the run folds MoE parallelism (etp != tp)
   size_t expert_start_ = 0;  // the expert tail [expert_start_, numel_) when expert-parallel; else numel_
   std::vector<Span> buckets_, shards_;  // shards_[b]: this rank's part of bucket b
   std::vector<ParamRef> params_info_;

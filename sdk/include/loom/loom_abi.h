@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 4
+#define LOOM_ABI_MINOR 5
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -591,7 +591,8 @@ typedef struct loom_param_info {
   size_t offset;             /* element offset in the flat buffers */
   size_t numel;              /* local elements */
   int32_t no_weight_decay;
-  int32_t duplicated;        /* 1: identical copy on every tp rank (count once in norms) */
+  int32_t duplicated;        /* 1: identical copy on every tp rank (count once in norms);
+                              * 1.5: for an expert parameter, on every etp rank */
 } loom_param_info;
 
 typedef struct loom_optimizer_create_args {
@@ -623,6 +624,15 @@ typedef struct loom_optimizer_create_args {
    * buffers. Only strategies with LOOM_OPTIMIZER_EXPERT_PARALLEL are given any. */
   const int32_t* expert;
   loom_group ep, edp;          /* the expert-parallel and expert data-parallel groups */
+  /* --- 1.5 --- */
+  /* The expert tensor-parallel group (parallel.etp), over which expert parameters
+   * are split instead of tp. It is the tp group unless the run folds MoE
+   * parallelism (seed 001's "MoE folding": etp = 1 under tp > 1 with sequence
+   * parallelism, the ep group then spanning tp ranks): then global norms sum the
+   * expert part over ep and etp but not over tp, and an expert parameter's
+   * `duplicated` means identical on every etp rank. Given (and a.expert then set
+   * even at ep = 1) only to strategies with LOOM_OPTIMIZER_EXPERT_FOLDING. */
+  loom_group etp;
 } loom_optimizer_create_args;
 
 typedef struct loom_optimizer_step_args {
@@ -683,6 +693,9 @@ typedef struct loom_optimizer_api {
  * (loom_optimizer_create_args.expert, .ep, .edp); the engine refuses expert
  * parallelism (parallel.ep > 1) with a strategy that lacks it. */
 #define LOOM_OPTIMIZER_EXPERT_PARALLEL (1ull << 0)
+/* 1.5: the strategy reads loom_optimizer_create_args.etp (MoE folding, etp != tp);
+ * the engine refuses a folded run with a strategy that lacks it. */
+#define LOOM_OPTIMIZER_EXPERT_FOLDING (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
 /* Pipeline schedule plugins (parallel/pipeline.*)                            */

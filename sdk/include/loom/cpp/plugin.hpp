@@ -256,14 +256,11 @@ class OptimizerStrategy {
   }
 };
 
-// Whether parameter i's gradient is counted in global norms by another rank: a
-// tp-duplicated copy (counted on tp rank 0) or a tied copy on another pipeline
-// stage (ABI 1.1, counted on the owning stage).
-inline bool counted_elsewhere(const loom_optimizer_create_args& a, size_t i) {
-  if (a.infos[i].duplicated && a.tp.rank != 0) return true;
-  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, counted_elsewhere) +
-                                            sizeof(a.counted_elsewhere);
-  return has_slot && a.counted_elsewhere != nullptr && a.counted_elsewhere[i] != 0;
+// The group expert parameters are split over (ABI 1.5's etp; the tp group from an
+// older engine, where etp was always tp).
+inline const loom_group& expert_tp_group(const loom_optimizer_create_args& a) {
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, etp) + sizeof(a.etp);
+  return has_slot && a.etp.size > 0 ? a.etp : a.tp;
 }
 
 // Whether parameter i is an expert parameter (ABI 1.4; never from an older engine).
@@ -272,11 +269,30 @@ inline bool is_expert(const loom_optimizer_create_args& a, size_t i) {
   return has_slot && a.expert != nullptr && a.expert[i] != 0;
 }
 
-// Whether the engine gave expert flags and an expert-parallel group of more than
-// one rank (ABI 1.4): then expert gradients are reduced over a.edp, not a.dp.
+// Whether parameter i's gradient is counted in global norms by another rank: a
+// tp-duplicated copy (counted on tp rank 0; an expert one on etp rank 0) or a tied copy on another pipeline
+// stage (ABI 1.1, counted on the owning stage).
+inline bool counted_elsewhere(const loom_optimizer_create_args& a, size_t i) {
+  const loom_group& tp = is_expert(a, i) ? expert_tp_group(a) : a.tp;
+  if (a.infos[i].duplicated && tp.rank != 0) return true;
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, counted_elsewhere) +
+                                            sizeof(a.counted_elsewhere);
+  return has_slot && a.counted_elsewhere != nullptr && a.counted_elsewhere[i] != 0;
+}
+
+// Whether the run folds MoE parallelism (ABI 1.5): expert parameters split over an
+// etp group other than tp, the ep group spanning tp ranks. Then global norms sum
+// the expert part over ep and etp, the dense part over tp.
+inline bool experts_fold_tp(const loom_optimizer_create_args& a) {
+  return a.expert != nullptr && expert_tp_group(a).size != a.tp.size;
+}
+
+// Whether the engine gave expert flags and expert groups other than the dense ones
+// (ABI 1.4: ep > 1; 1.5: or folded): then expert gradients are reduced over a.edp,
+// not a.dp.
 inline bool expert_parallel(const loom_optimizer_create_args& a) {
   const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, edp) + sizeof(a.edp);
-  return has_slot && a.expert != nullptr && a.ep.size > 1;
+  return has_slot && a.expert != nullptr && (a.ep.size > 1 || experts_fold_tp(a));
 }
 
 // Where the expert parameters begin in the buffers (ABI 1.4: the engine places
