@@ -118,7 +118,9 @@ std::vector<KeySpec> build() {
   v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)"));
   v.push_back(i("parallel.cp", 1, 1, "context-parallel size (rank groups only: context parallelism is not implemented, so it must be 1)"));
   v.push_back(i("parallel.ep", 1, 1, "expert-parallel size"));
-  v.push_back(i("parallel.etp", 0, 0, "expert tensor-parallel size (0 = same as tp)"));
+  v.push_back(i("parallel.etp", 0, 0,
+                "expert tensor-parallel size (0 = same as tp; 1 under tp > 1 with sequence parallelism folds "
+                "the experts into ep: whole experts per rank, ep groups spanning tp ranks)"));
   v.push_back(i("parallel.dp", 1, 1, "data-parallel size"));
   {
     KeySpec k = s("parallel.order", "tp-cp-ep-dp-pp",

@@ -192,10 +192,13 @@ void Model::finalize_grads() {
   // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
   // after a reduce-scatter, position embeddings) has seen only this rank's
   // sequence shard: its full gradient is the sum over the tp group.
+  // Expert parameters split over an etp other than tp (MoE folding) hold other
+  // experts on each tp rank, their tokens gathered by the ep exchange: no tp sum.
   const loom::Group tp = rank_.group_or_self("tp");
+  const bool experts_fold_tp = rank_.group_or_self("etp").size() != tp.size();
   if (sequence_parallel_)
     for (const ParamEntry& e : entries_)
-      if (e.duplicated)
+      if (e.duplicated && !(e.expert && experts_fold_tp))
         tp.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, grad_dtype_);
   // A word embedding tied across pipeline stages: the first stage's copy got the
   // lookup's gradient, the last stage's the output layer's; both need the sum.
@@ -227,8 +230,9 @@ void Model::build_buffers(uint64_t seed) {
     layer_decls.push_back(d);
     counts.push_back(n);
   }
-  const loom::Group ep = rank_.group_or_self("ep");
-  CollectedParams collected = collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size());
+  const loom::Group ep = rank_.group_or_self("ep"), etp = rank_.group_or_self("etp");
+  CollectedParams collected =
+      collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size(), etp.size());
   entries_ = std::move(collected.entries);
   const std::vector<DeclRef>& decls = collected.decls;
   const std::vector<size_t>& entry_of = collected.entry_of;
@@ -266,7 +270,8 @@ void Model::build_buffers(uint64_t seed) {
   if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
 
   // Initialise: the full tensor from (seed, name), this rank's slice of it: its
-  // experts' block of dim 0 for an expert parameter, then its tp part.
+  // experts' block of dim 0 for an expert parameter, then its etp part (the tp
+  // part of any other).
   for (const ParamEntry& e : entries_) {
     std::vector<float> full = init_full(e.decl.init, e.decl.init_std, dims_.num_layers, product(e.full_shape), seed,
                                         e.tie_key.empty() ? e.name : e.tie_key);
@@ -278,7 +283,8 @@ void Model::build_buffers(uint64_t seed) {
                                 full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank() + 1)));
     }
     std::vector<float> local(e.numel);
-    take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, tp.size(), tp.rank(), local.data());
+    const loom::Group& split = e.expert ? etp : tp;
+    take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, split.size(), split.rank(), local.data());
     if (param_dtype_ == LOOM_DTYPE_F32) {
       dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
     } else {

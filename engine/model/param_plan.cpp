@@ -44,7 +44,9 @@ loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std:
 
 CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<const loom_param_decl*>& decls,
-                                      const std::vector<size_t>& counts, int tp_size, int ep_size) {
+                                      const std::vector<size_t>& counts, int tp_size, int ep_size,
+                                      int etp_size) {
+  if (etp_size <= 0) etp_size = tp_size;
   LOOM_REQUIRE(instances.size() == decls.size() && decls.size() == counts.size(),
                "collect_param_entries: one instance name, declaration array and count per layer");
   CollectedParams out;
@@ -69,7 +71,7 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                                 << ep_size << "; choose parallel.ep dividing the number of experts");
       local[0] = full[0] / ep_size;
     }
-    local = local_shape(local, d.decl.partition_dim, d.decl.partition_stride, tp_size, name);
+    local = local_shape(local, d.decl.partition_dim, d.decl.partition_stride, expert ? etp_size : tp_size, name);
     const std::string tie = d.decl.tie_key ? d.decl.tie_key : "";
     if (!tie.empty()) {
       auto it = tied.find(tie);
@@ -240,7 +242,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
           chunk_of_layer.push_back(static_cast<int>(c));
         }
       }
-      CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp, plan.sizes.ep);
+      CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp, plan.sizes.ep, etp.size);
       for (ParamEntry& e : cp.entries) e.chunk = chunk_of_layer[static_cast<size_t>(e.layer)];
 
       // Bind each layer to views without memory, of the run's dtypes and local
@@ -285,11 +287,11 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
       // The distributed optimizer shards dense buckets over dp and the expert
-      // region (the buffer's tail) over edp = dp / ep.
+      // region (the buffer's tail) over edp (dp / ep, or tp dp / (etp ep) folded).
       size_t expert_start = rm.layout.numel;
       for (size_t i = 0; i < cp.entries.size(); ++i)
         if (cp.entries[i].expert) expert_start = std::min(expert_start, rm.layout.params[i].start);
-      const size_t edp = static_cast<size_t>(plan.dp / std::max(1, plan.sizes.ep));
+      const size_t edp = static_cast<size_t>(groups.edp());
       const size_t state_elems = distributed ? expert_start / static_cast<size_t>(plan.dp) +
                                                    (rm.buffer_numel - expert_start) / std::max<size_t>(1, edp)
                                              : rm.buffer_numel;

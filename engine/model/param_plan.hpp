@@ -42,11 +42,14 @@ loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std:
 // returned by layer li's params()), named "<instance>.<decl name>". A tied
 // declaration (same tie_key) after the first shares the first's entry; shapes are
 // the local ones: an expert parameter's dim 0 split over ep (ABI 1.4), then
-// partition_dim over tp. Throws loom::Error for bad ndim, mismatched tied shapes
-// or an expert dimension that does not split over ep.
+// partition_dim over etp (0 = tp; etp differs from tp only when the run folds MoE
+// parallelism), every other parameter's partition_dim over tp. Throws loom::Error
+// for bad ndim, mismatched tied shapes or an expert dimension that does not split
+// over ep.
 CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<const loom_param_decl*>& decls,
-                                      const std::vector<size_t>& counts, int tp_size, int ep_size = 1);
+                                      const std::vector<size_t>& counts, int tp_size, int ep_size = 1,
+                                      int etp_size = 0);
 
 // The buffer layout of a rank's entries (Megatron's rules per chunk, expert
 // parameters in one region after every chunk's; layout_model_buffer). The Model,

@@ -130,6 +130,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("param_dtype", meta.param_dtype);
   t.insert("ep", meta.ep);
   t.insert("order", meta.order);
+  t.insert("etp", meta.resolved_etp());
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -169,6 +170,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.param_dtype = t["param_dtype"].value_or(std::string("fp32"));
     m.ep = static_cast<int>(t["ep"].value_or(int64_t{1}));
     m.order = t["order"].value_or(std::string("tp-cp-ep-dp-pp"));
+    m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }

@@ -22,26 +22,42 @@ std::string optimizer_plugin_name(const std::string& strategy) {
 }
 
 namespace {
-// Expert parallelism splits each dp group's tokens over its experts: the ranks an
-// expert's gradient is summed over (ep x edp) must be one dp group, and the
-// experts' tp slices those of the dense tp group. Orders that put ep elsewhere
-// (or cp > 1, refused by the schema) would mix tp slices or replicas silently.
+// The ranks of one expert group with its edp replicas: the union of the edp groups
+// of the members of group `kind` ("ep", or "etp-ep" folded) of rank r, sorted.
+std::vector<int> with_edp_replicas(const topology::RankGroups& groups, const std::string& kind, int r) {
+  std::vector<int> out;
+  for (int peer : groups.group_of(kind, r))
+    for (int q : groups.group_of("edp", peer)) out.push_back(q);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<int> sorted(std::vector<int> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+// Expert parallelism splits a stage's tokens over its experts. Either the experts
+// keep the dense tp split (etp = tp) and the ranks an expert's gradient is summed
+// over (ep x edp) are one dp group; or the run folds MoE parallelism (etp != tp,
+// seed 001): then the expert groups (etp x ep x edp) cover exactly a stage's tp x
+// dp ranks. Orders that put ep elsewhere (or cp > 1, refused by the schema) would
+// mix tp slices or replicas silently.
 void require_experts_fold_into_dp(const manifest::Manifest& man, const topology::ParallelSizes& sizes) {
   const topology::RankGroups groups = topology::RankGroups::build(sizes);
   for (int r = 0; r < groups.world(); ++r) {
-    std::vector<int> expert = groups.group_of("ep", r);
-    for (int peer : groups.group_of("ep", r))
-      for (int q : groups.group_of("edp", peer)) expert.push_back(q);
-    std::vector<int> dense = groups.group_of("dp", r);
-    std::sort(expert.begin(), expert.end());
-    expert.erase(std::unique(expert.begin(), expert.end()), expert.end());
-    std::sort(dense.begin(), dense.end());
-    if (groups.group_of("etp", r) == groups.group_of("tp", r) && expert == dense) continue;
-    throw manifest::ManifestError({{"parallel.order", man.origin("parallel.order"),
-                                    "parallel.order = \"" + sizes.order + "\" puts rank " + std::to_string(r) +
-                                        "'s expert groups (ep x edp) across other ranks than its dp group, or its "
-                                        "expert tp group apart from its tp group; expert parallelism needs ep "
-                                        "between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
+    const bool folded = groups.group_of("etp", r).size() != groups.group_of("tp", r).size();
+    const bool fits = folded ? with_edp_replicas(groups, "etp-ep", r) == sorted(groups.group_of("tp-dp", r))
+                             : groups.group_of("etp", r) == groups.group_of("tp", r) &&
+                                   with_edp_replicas(groups, "ep", r) == sorted(groups.group_of("dp", r));
+    if (fits) continue;
+    throw manifest::ManifestError(
+        {{"parallel.order", man.origin("parallel.order"),
+          "parallel.order = \"" + sizes.order + "\" puts rank " + std::to_string(r) +
+              (folded ? "'s expert groups (etp x ep x edp) across other ranks than its tp x dp ranks"
+                      : "'s expert groups (ep x edp) across other ranks than its dp group") +
+              "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }
 }  // namespace
@@ -140,7 +156,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.dp = static_cast<int>(man.get_int("parallel.dp"));
   plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
   plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
-  if (plan.sizes.ep > 1) require_experts_fold_into_dp(man, plan.sizes);
+  if (plan.sizes.ep > 1 || (plan.sizes.etp > 0 && plan.sizes.etp != plan.sizes.tp))
+    require_experts_fold_into_dp(man, plan.sizes);
   return plan;
 }
 
