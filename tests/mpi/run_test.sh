@@ -3,6 +3,7 @@
 #   1. -np 2 (dp 2) and -np 4 (dp 2 x tp 2, distributed optimizer): the per-step
 #      metrics (loss, lr, grad norm, memory, validation) are identical, timing
 #      fields aside; only rank 0 prints the step log; 1b. MoE blocks at ep 2 too;
+#      1c. and folded (etp 1 under tp 2 + SP, ep 2, dp 2) at -np 4;
 #   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
 #      under mpirun to the same steps as the uninterrupted threads run;
 #   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
@@ -63,6 +64,12 @@ diff <(training "$work/te.jsonl") <(training "$work/mg.jsonl") >/dev/null ||
   fail "mpirun -np 2 all-gather dispatcher vs threads all-to-all (MoE, ep 2): the training differs"
 [ "$(training "$work/mg.jsonl" | grep -c '"loss"')" -eq 6 ] || fail "the all-gather run reported no losses"
 echo "ok: mpirun -np 2 all-gather dispatcher vs threads all-to-all (MoE, ep 2): losses and norms identical"
+# 1c. MoE parallel folding: etp 1 under tp 2 + SP, ep 2 in tp 2 x dp 2, so each ep
+# group joins tp peers (other processes) that hold other sequence shards.
+fold=("${moe[@]}" --set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.etp=1)
+threads "${fold[@]}" --metrics "$work/tf.jsonl" >/dev/null
+mpi 4 "${fold[@]}" --metrics "$work/mf.jsonl" >/dev/null
+same "$work/tf.jsonl" "$work/mf.jsonl" "mpirun -np 4 vs threads (MoE folded: tp 2 + SP, etp 1, ep 2, dp 2)"
 
 # 2. Checkpoints under mpirun, and resuming from them.
 ck=(--set "checkpoint.dir=\"$work/ck\"" --set checkpoint.every=3)

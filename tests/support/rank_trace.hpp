@@ -6,6 +6,7 @@
 
 #include "support/train_fixture.hpp"
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -18,7 +19,7 @@ struct RankTrace {
   train::TrainResult result;
   std::map<int, std::vector<std::vector<float>>> params;  // rank -> step -> flat buffer
   std::map<int, std::vector<model::ParamEntry>> entries;
-  int tp = 1, dp = 1, pp = 1, ep = 1;
+  int tp = 1, dp = 1, pp = 1, ep = 1, etp = 1;
 };
 
 inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<std::string>& overrides,
@@ -36,6 +37,7 @@ inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<st
   t.pp = plan.sizes.pp;
   t.dp = plan.dp;
   t.ep = plan.sizes.ep;
+  t.etp = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
   t.result = train::train(plan, opts);
   for (const auto& s : t.result.steps) t.loss.push_back(s.loss);
   return t;
@@ -52,16 +54,17 @@ inline int rank_of(const RankTrace& t, int tp_rank, int dp_rank, int pp_rank) {
   return tp_rank + dp_rank * t.tp + pp_rank * t.tp * t.dp;
 }
 
-// The tensor of `shape` that the tp slices of entry k at (dp rank, pp stage) make up.
-inline std::vector<float> assemble_tp(const RankTrace& t, int dp_rank, int pp_rank, size_t k, size_t step,
-                                      const std::vector<int64_t>& shape) {
-  const model::ParamEntry& e0 = t.entries.at(rank_of(t, 0, dp_rank, pp_rank))[k];
+// The tensor of `shape` that `slices` partition_dim slices of entry k make up,
+// slice r held by global rank holder(r).
+inline std::vector<float> assemble_slices(const RankTrace& t, size_t k, size_t step, const std::vector<int64_t>& shape,
+                                          int slices, const std::function<int(int)>& holder) {
+  const model::ParamEntry& e0 = t.entries.at(holder(0))[k];
   int64_t full_numel = 1;
   for (int64_t d : shape) full_numel *= d;
   std::vector<float> full(static_cast<size_t>(full_numel));
   const int dim = e0.decl.partition_dim;
-  if (dim < 0 || t.tp == 1) {
-    const auto& buf = t.params.at(rank_of(t, 0, dp_rank, pp_rank))[step];
+  if (dim < 0 || slices == 1) {
+    const auto& buf = t.params.at(holder(0))[step];
     std::copy(buf.begin() + e0.offset, buf.begin() + e0.offset + e0.numel, full.begin());
     return full;
   }
@@ -69,9 +72,9 @@ inline std::vector<float> assemble_tp(const RankTrace& t, int dp_rank, int pp_ra
   for (int d = 0; d < dim; ++d) outer *= shape[d];
   for (size_t d = dim + 1; d < shape.size(); ++d) inner *= shape[d];
   const int stride = std::max(1, e0.decl.partition_stride);
-  const int64_t block = shape[dim] / stride, part = block / t.tp;
-  for (int r = 0; r < t.tp; ++r) {
-    const int g = rank_of(t, r, dp_rank, pp_rank);
+  const int64_t block = shape[dim] / stride, part = block / slices;
+  for (int r = 0; r < slices; ++r) {
+    const int g = holder(r);
     const model::ParamEntry& e = t.entries.at(g)[k];
     const float* src = t.params.at(g)[step].data() + e.offset;
     for (int64_t o = 0; o < outer; ++o)
@@ -83,16 +86,20 @@ inline std::vector<float> assemble_tp(const RankTrace& t, int dp_rank, int pp_ra
 }
 
 // The full tensor of one entry of a pp stage at a step: from dp rank 0's tp
-// slices, or for an expert parameter under ep > 1 the blocks of dim 0 that ep
-// ranks 0.. hold (ep rank q is dp rank q in the default order) concatenated.
+// slices, or for an expert parameter the blocks of dim 0 that ep ranks 0.. hold,
+// each from its etp slices, concatenated. In the default order the expert ranks
+// of a stage are etp_rank + etp * ep_rank (+ etp * ep * edp_rank): with etp = tp,
+// ep rank q is dp rank q; folded (etp = 1), ep rank q is the stage's rank q.
 inline std::vector<float> assemble_tensor(const RankTrace& t, int pp_rank, size_t k, size_t step) {
   const model::ParamEntry& e0 = t.entries.at(rank_of(t, 0, 0, pp_rank))[k];
-  if (!e0.expert || t.ep == 1) return assemble_tp(t, 0, pp_rank, k, step, e0.full_shape);
+  if (!e0.expert)
+    return assemble_slices(t, k, step, e0.full_shape, t.tp, [&](int r) { return rank_of(t, r, 0, pp_rank); });
   std::vector<int64_t> block = e0.full_shape;
   block[0] /= t.ep;
   std::vector<float> full;
   for (int q = 0; q < t.ep; ++q) {
-    const std::vector<float> part = assemble_tp(t, q, pp_rank, k, step, block);
+    const std::vector<float> part = assemble_slices(
+        t, k, step, block, t.etp, [&](int r) { return r + q * t.etp + pp_rank * t.tp * t.dp; });
     full.insert(full.end(), part.begin(), part.end());
   }
   return full;

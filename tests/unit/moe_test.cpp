@@ -609,12 +609,166 @@ TEST(Moe, ExpertsThatDoNotSplitOverEpAreRefused) {
     EXPECT_NE(msg.find("--set model.layer.moe.num_experts=6: model.layer.moe.num_experts: "), std::string::npos)
         << "the option is cited where it was set: " << msg;
   }
+  // Folding needs each tp rank to hold other tokens: without SP it is refused.
   try {
     run({"parallel.tp=2", "parallel.etp=1", "run.steps=1"});
-    ADD_FAILURE() << "etp = 1 under tp = 2 was accepted";
+    ADD_FAILURE() << "etp = 1 under tp = 2 without sequence parallelism was accepted";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.etp"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.etp = 1 under parallel.tp = 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("set parallel.sequence_parallel = true"), std::string::npos) << e.what();
   }
+}
+
+// MoE parallel folding (seed 001's ETP1 layouts): parallel.etp = 1 under tp = 2
+// with sequence parallelism. The experts are whole on every rank and the expert
+// groups fold over the tp x dp ranks, so an ep group joins tp peers (which hold
+// other sequence shards). Each layout trains the serial model: the experts
+// replicated over tp (ep 1, edp 2), ep = the tp group, ep spanning tp and dp (ep
+// 4 in tp 2 x dp 2) with both optimizer strategies, and with pp.
+std::vector<std::string> folded(std::vector<std::string> o) {
+  o.insert(o.end(), {"parallel.tp=2", "parallel.etp=1", "parallel.sequence_parallel=true"});
+  return o;
+}
+
+TEST(Moe, FoldedExpertsMatchSerial) {
+  expect_same_training(serial(), run(folded({})));
+  expect_same_training(serial(), run(folded({"parallel.ep=2"})));
+  expect_same_training(serial(), run(folded({"parallel.ep=2", "optimizer.strategy=\"distributed\""})));
+  expect_same_training(serial(), run(folded({"parallel.dp=2", "parallel.ep=4"})));
+  expect_same_training(serial(), run(folded({"parallel.dp=2", "parallel.ep=4", "optimizer.strategy=\"distributed\""})));
+  expect_same_training(serial(), run(folded({"parallel.dp=2", "parallel.ep=2"})));
+  expect_same_training(serial(), run(folded({"parallel.pp=2", "parallel.ep=2"})));
+}
+
+// Folded, every rank holds whole experts: at tp 2 x ep 2 the two tp ranks hold
+// the two halves of the experts, each at full width (nothing split over tp),
+// while the attention stays split over tp.
+TEST(Moe, FoldedRanksHoldWholeExperts) {
+  const RankTrace t = run(folded({"parallel.ep=2", "run.steps=1"}));
+  const auto& e0 = t.entries.at(0);
+  const auto& e1 = t.entries.at(1);
+  ASSERT_EQ(e0.size(), e1.size());
+  int experts = 0;
+  for (size_t k = 0; k < e0.size(); ++k) {
+    int64_t full = 1;
+    for (int64_t d : e0[k].full_shape) full *= d;
+    if (!e0[k].expert) continue;
+    ++experts;
+    EXPECT_EQ(static_cast<int64_t>(e0[k].numel), full / 2) << e0[k].name << ": half the experts, whole";
+    EXPECT_EQ(e0[k].local_shape.back(), e0[k].full_shape.back()) << e0[k].name;
+    if (e0[k].name.find("weight") == std::string::npos) continue;
+    const std::vector<float> a(t.params.at(0)[0].begin() + e0[k].offset,
+                               t.params.at(0)[0].begin() + e0[k].offset + e0[k].numel);
+    const std::vector<float> b(t.params.at(1)[0].begin() + e1[k].offset,
+                               t.params.at(1)[0].begin() + e1[k].offset + e1[k].numel);
+    EXPECT_NE(a, b) << e0[k].name << ": the tp peers hold other experts";
+  }
+  EXPECT_EQ(experts, 4 * 4);
+}
+
+// Folded with expert capacity, and with a shared expert: the capacity is the
+// whole microbatch's (the logits are gathered over tp), and the shared expert,
+// split over tp like the MLP, enters and leaves its own TP region.
+TEST(Moe, FoldedCapacityAndSharedExpertMatchSerial) {
+  for (const std::string extra : {"model.layer.moe.capacity_factor=0.5",
+                                  "model.layer.moe.shared_expert_ffn_hidden_size=32"}) {
+    SCOPED_TRACE(extra);
+    const int params = extra.find("shared") != std::string::npos ? 11 : 7;
+    const RankTrace base = run({extra});
+    expect_same_training(base, run(folded({extra, "parallel.ep=2"})), 1e-5, params);
+    expect_same_training(base, run(folded({extra, "parallel.dp=2", "parallel.ep=4"})), 1e-5, params);
+  }
+}
+
+// A folded checkpoint (tp 2 + SP, etp 1, ep 2, distributed optimizer) resumes
+// bit-exactly; resuming it unfolded (etp = tp) is refused naming both layouts,
+// since each rank file holds whole experts of its own.
+TEST(Moe, FoldedResumeIsBitExactAndAnotherEtpIsRefused) {
+  const std::string dir = loom::testing::scratch_dir("moe-folded-resume");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.decay_steps=10",
+                       "optimizer.strategy=\"distributed\"", "parallel.tp=2", "parallel.sequence_parallel=true",
+                       "parallel.ep=2"});
+    return o;
+  };
+  const auto full = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.etp=1"}));
+  loom::testing::run_and_trace(manifest(), with({"run.steps=5", "parallel.etp=1", ck}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  try {
+    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.dp=2", ck}), resume);
+    ADD_FAILURE() << "an unfolded resume of a folded checkpoint was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("ep=2 etp=1 dp=1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.etp=1"), std::string::npos) << e.what();
+  }
+  const auto second =
+      loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.etp=1", ck}), resume);
+  ASSERT_EQ(second.loss.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(second.loss[i], full.loss[5 + i]) << "step " << 6 + i;
+  EXPECT_EQ(second.params.back(), full.params.back());
+  boost::filesystem::remove_all(dir);
+}
+
+// `loom plan` folds like the run: whole experts per rank, and the distributed
+// optimizer's expert state sharded over edp = tp dp / (etp ep) = 2 at tp 2 x dp 2
+// x ep 2.
+TEST(Moe, FoldedPlanMatchesTheModel) {
+  const std::vector<std::string> o = folded({"run.steps=1", "parallel.dp=2", "parallel.ep=2",
+                                             "optimizer.strategy=\"distributed\"", "model.num_layers=4",
+                                             "model.block=[\"attention\", \"moe\"]"});
+  std::map<int, std::pair<size_t, size_t>> buffers;  // rank -> (numel, where the expert tail starts)
+  std::mutex mu;
+  loom::train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+    size_t tail = m.numel();
+    for (const auto& e : m.param_entries())
+      if (e.expert) tail = std::min(tail, e.offset);
+    std::lock_guard<std::mutex> lock(mu);
+    buffers[rank] = {m.numel(), tail};
+  };
+  loom::testing::run_and_trace(manifest(), o, opts);
+  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  ASSERT_EQ(plan.ranks.size(), 4u);
+  for (const auto& r : plan.ranks) {
+    const auto [numel, tail] = buffers.at(r.rank);
+    EXPECT_EQ(r.buffer_numel, numel) << "rank " << r.rank;
+    ASSERT_LT(tail, numel) << "rank " << r.rank << " holds expert parameters";
+    EXPECT_EQ(r.optimizer_bytes, (tail / 2 + (numel - tail) / 2) * 8) << "rank " << r.rank;
+  }
+}
+
+// An optimizer strategy built for ABI 1.4 (expert parallelism, but no
+// LOOM_OPTIMIZER_EXPERT_FOLDING: it cannot know etp) is refused for a folded
+// run, where it would sum the experts' norm over tp too; unfolded ep it trains
+// exactly as today's.
+TEST(Moe, AnOptimizerBuiltForAbi14IsRefusedWhenFoldedAndServesEp) {
+  loom::plugins::LoadedPlugin old_plugin;
+  loom_optimizer_api old_table{};
+  auto with_old_strategy = [&](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
+    loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
+    old_plugin = *plan.optimizer;
+    old_table = *plan.optimizer->optimizer();
+    old_table.features = LOOM_OPTIMIZER_EXPERT_PARALLEL;
+    old_plugin.api = &old_table;
+    old_plugin.abi_minor = 4;
+    plan.optimizer = &old_plugin;
+    return loom::train::train(plan, {});
+  };
+  try {
+    with_old_strategy(folded({"parallel.ep=2"}));
+    ADD_FAILURE() << "a 1.4 optimizer strategy was given a folded run";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("does not advertise LOOM_OPTIMIZER_EXPERT_FOLDING"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("parallel.etp = 1"), std::string::npos) << e.what();
+  }
+  const loom::train::TrainResult old = with_old_strategy({"parallel.dp=2", "parallel.ep=2"});
+  const RankTrace today = run({"parallel.dp=2", "parallel.ep=2"});
+  ASSERT_EQ(old.steps.size(), today.result.steps.size());
+  for (size_t st = 0; st < old.steps.size(); ++st) EXPECT_EQ(old.steps[st].loss, today.loss[st]) << "step " << st + 1;
 }
 
 }  // namespace

@@ -54,6 +54,17 @@
 // An ep group joins ranks of one tp rank, which route identically to their tp
 // peers, so each expert's tensor parallelism is unchanged. The engine reduces
 // expert gradients over edp.
+//
+// MoE parallel folding (parallel.etp = 1 under tp > 1, seed 001's ETP1 layouts,
+// sequence parallelism required): the experts are not split over tp; the expert
+// groups (ep x edp) fold over the tp x dp ranks, so an ep group may join tp peers,
+// which hold other tokens (their sequence shards). Each rank runs LayerNorm and
+// the router on its shard only; the router's logits are all-gathered over tp
+// (tokens x experts floats) so that every tp rank takes the whole sequence's
+// routing decision, as without folding (capacity drops and the load-balancing
+// term see the whole microbatch), and each dispatches its own tokens' rows. The
+// experts run at full width with no tp collective; only the shared expert, split
+// over tp like the MLP, enters and leaves the TP region.
 #include "../common/layer_math.hpp"
 
 #include <algorithm>
@@ -182,6 +193,37 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
   return r;
 }
 
+// The dispatch of tokens [t0, t0 + n) of a routing (a tp rank's sequence shard
+// under MoE folding): its rows in the same expert-major order, token ids and
+// slots relative to t0, and full_row, each row's index in `r`. probs, chosen,
+// routed and the loss terms stay with `r`, which the router's backward uses.
+Routing shard_of(const Routing& r, int64_t t0, int64_t n, std::vector<int32_t>& full_row) {
+  Routing s;
+  s.tokens = n;
+  s.experts = r.experts;
+  s.top_k = r.top_k;
+  s.offset.assign(static_cast<size_t>(r.experts + 1), 0);
+  full_row.clear();
+  for (int64_t row = 0; row < r.rows(); ++row) {
+    const int64_t t = r.row_token[static_cast<size_t>(row)];
+    if (t < t0 || t >= t0 + n) continue;
+    const int32_t slot = r.row_slot[static_cast<size_t>(row)];
+    ++s.offset[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)]) + 1];
+    s.row_token.push_back(static_cast<int32_t>(t - t0));
+    s.row_slot.push_back(static_cast<int32_t>(slot - t0 * r.top_k));
+    s.row_gate.push_back(r.row_gate[static_cast<size_t>(row)]);
+    full_row.push_back(static_cast<int32_t>(row));
+  }
+  for (int64_t e = 0; e < r.experts; ++e) s.offset[e + 1] += s.offset[e];
+  const int64_t rows = s.rows();
+  s.slot_row.assign(static_cast<size_t>(n * r.top_k), static_cast<int32_t>(rows));  // dropped: the zero row
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t slot = s.row_slot[static_cast<size_t>(i)];
+    s.slot_row[static_cast<size_t>((slot % r.top_k) * n + slot / r.top_k)] = static_cast<int32_t>(i);
+  }
+  return s;
+}
+
 // d(objective)/d(logits) [tokens, experts] from the gates' gradients (per
 // dispatch row), the load-balancing loss's weight aux_scale = coeff *
 // aux_loss_scale and the z-loss's z_scale = z_loss_coeff * aux_loss_scale.
@@ -260,9 +302,19 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(aux_coeff_ >= 0.0, name_ << ": option aux_loss_coeff = " << aux_coeff_ << " must be >= 0");
     LOOM_REQUIRE(z_coeff_ >= 0.0, name_ << ": option z_loss_coeff = " << z_coeff_ << " must be >= 0");
     const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
-    LOOM_REQUIRE(ffn_ % tp == 0, name_ << ": ffn_hidden_size (" << ffn_
-                                       << ") must be divisible by the tensor-parallel size (" << tp << ")");
-    ffn_local_ = ffn_ / tp;
+    const int64_t etp = std::max(1, rank.group("etp").size());
+    LOOM_REQUIRE(etp == tp || etp == 1,
+                 name_ << ": parallel.etp = " << etp << " under parallel.tp = " << tp
+                       << ": the experts are split over tp like the MLP (etp = tp) or not at all (etp = 1, MoE "
+                          "folding); set parallel.etp = 0 (same as tp) or 1");
+    fold_ = etp != tp;
+    LOOM_REQUIRE(!fold_ || tp_.sequence_parallel(),
+                 name_ << ": parallel.etp = 1 under parallel.tp = " << tp
+                       << " folds the experts' tensor parallelism into expert parallelism, which needs every tp rank "
+                          "to hold other tokens; set parallel.sequence_parallel = true (or parallel.etp = 0)");
+    LOOM_REQUIRE(ffn_ % etp == 0, name_ << ": ffn_hidden_size (" << ffn_
+                                        << ") must be divisible by the expert tensor-parallel size (" << etp << ")");
+    ffn_local_ = ffn_ / etp;
     LOOM_REQUIRE(shared_ffn_ >= 0 && shared_ffn_ % tp == 0,
                  name_ << ": option shared_expert_ffn_hidden_size = " << shared_ffn_
                        << " must be >= 0 (0 = no shared expert) and divisible by the tensor-parallel size (" << tp
@@ -275,9 +327,6 @@ class Moe : public loom::Layer {
                                             << "); choose an ep that divides it");
     local_experts_ = experts_ / ep_;
     if (ep_ > 1) ep_service_ = loom::ExpertParallel(rank_, ep_group_.raw(), experts_, name_);
-    const int64_t etp = std::max(1, rank.group("etp").size());
-    LOOM_REQUIRE(etp == tp, name_ << ": the experts are split over tp like the MLP, but parallel.etp = " << etp
-                                  << " differs from parallel.tp = " << tp << "; set parallel.etp = 0 (same as tp)");
   }
 
   std::vector<loom::ParamSpec> params() override {
@@ -286,7 +335,8 @@ class Moe : public loom::Layer {
     p[kLnW] = {.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
     p[kLnB] = {.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
     p[kRouter] = {.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL};
-    // The experts' parameters: dim 0 is the expert, split over ep by the engine.
+    // The experts' parameters: dim 0 is the expert, split over ep by the engine,
+    // then partition_dim over etp (tp, or 1 when folded).
     p[kFc1W] = {.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL,
                 .expert = true};
     p[kFc1B] = {.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
@@ -348,27 +398,41 @@ class Moe : public loom::Layer {
     s.dropped = drop;
     s.mem.allocate(rank_);
 
-    // LayerNorm, into the TP region (f), and the router's logits in fp32.
+    // LayerNorm, into the TP region (f), and the router's logits in fp32. Folded,
+    // the routed experts read this rank's shard (Tr = Tl tokens) and only the
+    // shared expert enters the TP region; the logits are all-gathered instead.
+    const bool fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
+    const int64_t Tr = fold ? Tl : T;  // tokens whose dispatch rows this rank gathers and combines
     Arena pre;
-    const size_t ln = pre.elems(Tl * H, act), ln_full = pre.elems(sp ? T * H : 0, act), logits = pre.floats(T * E);
+    const size_t ln = pre.elems(Tl * H, act), ln_full = pre.elems(full_in ? T * H : 0, act),
+                 logits = pre.floats(T * E), shard_logits = pre.floats(fold ? Tl * E : 0);
     pre.allocate(rank_);
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], pre.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
                   kLayerNormEps, act);
-    const void* xin = pre.at(ln);
-    if (sp) {
+    const void* xfull = pre.at(ln);  // LN(x) of every token of the TP region
+    if (full_in) {
       tp_.enter_forward({.rows = T, .cols = H, .x = pre.at(ln), .out = pre.at(ln_full), .dtype = act});
-      xin = pre.at(ln_full);
+      xfull = pre.at(ln_full);
     }
-    gemm(dev, false, false, T, E, H, xin, w_[kRouter], pre.at(logits), 0.0f, act, LOOM_DTYPE_F32);
+    const void* xin = fold ? pre.at(ln) : xfull;  // the routed experts' input, Tr rows
+    if (fold) {
+      gemm(dev, false, false, Tl, E, H, xin, w_[kRouter], pre.at(shard_logits), 0.0f, act, LOOM_DTYPE_F32);
+      tp_group_.all_gather(dev.native_stream(), pre.at(shard_logits), pre.at(logits), static_cast<size_t>(Tl * E),
+                           LOOM_DTYPE_F32);
+    } else {
+      gemm(dev, false, false, T, E, H, xin, w_[kRouter], pre.at(logits), 0.0f, act, LOOM_DTYPE_F32);
+    }
     std::vector<float> host_logits(static_cast<size_t>(T * E));
     dev.copy(host_logits.data(), pre.at(logits), host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
     s.routing = route(host_logits, T, E, K, pre_softmax_, capacity(T), drop_by_probs_);
-    const Routing& r = s.routing;
+    s.folded = fold;
+    if (fold) s.shard = shard_of(s.routing, tp_.rank() * Tl, Tl, s.full_row);
+    const Routing& r = s.dispatch();
     const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
     if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
-      *a.aux_loss += static_cast<float>(aux_coeff_ * r.aux + z_coeff_ * r.z);
+      *a.aux_loss += static_cast<float>(aux_coeff_ * s.routing.aux + z_coeff_ * s.routing.z);
 
     // Where this rank's experts get their rows (the counts exchanged over ep).
     s.experts = plan_expert_rows(dev, r, a.microbatch);
@@ -386,12 +450,14 @@ class Moe : public loom::Layer {
     upload_dispatch(dev, r, s.route.at<int32_t>(s.tok), s.route.at<int32_t>(s.slot_row), s.route.at(s.gate));
 
     Arena tmp;
+    const bool shared_apart = fold && shared_ffn_ > 0;  // the shared expert's own TP region
     const size_t xg = tmp.elems(N * H, act), xs = tmp.elems(moved ? R * H : 0, act), a_out = tmp.elems(R * Fl, act),
                  ys = tmp.elems(moved ? R * H : 0, act), yx = tmp.elems((N + zero_row) * H, act),
-                 gexp = tmp.elems(N * H, act),
-                 ones = tmp.elems(H, act), out_full = tmp.elems(T * H, act), o = tmp.elems(sp ? Tl * H : 0, act);
+                 gexp = tmp.elems(N * H, act), ones = tmp.elems(H, act), out_full = tmp.elems(Tr * H, act),
+                 o = tmp.elems(sp && !fold ? Tl * H : 0, act), shared_full = tmp.elems(shared_apart ? T * H : 0, act),
+                 shared_o = tmp.elems(shared_apart ? Tl * H : 0, act);
     tmp.allocate(rank_);
-    gather_rows(dev, xin, s.route.at<int32_t>(s.tok), tmp.at(xg), N, T, H);
+    gather_rows(dev, xin, s.route.at<int32_t>(s.tok), tmp.at(xg), N, Tr, H);
     const void* xe = tmp.at(xg);  // the experts' input rows, expert-major
     void* ye = tmp.at(yx);        // their output rows
     if (moved) {
@@ -418,11 +484,21 @@ class Moe : public loom::Layer {
     dev.elementwise({.op = LOOM_EW_MUL, .n = N * H, .x = tmp.at(yx), .y = tmp.at(gexp), .out = tmp.at(yx),
                      .dtype = act, .out_dtype = act});
     if (zero_row) fill_zero_row(dev, tmp.at(yx), N, H);
-    combine_rows(dev, tmp.at(yx), N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(out_full), T, H);
-    if (shared_ffn_ > 0) shared_expert_forward(dev, xin, a.training ? s.mem.at(s.shared_h) : nullptr, tmp.at(out_full), T);
-    // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
-    void* out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
-    tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
+    combine_rows(dev, tmp.at(yx), N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(out_full), Tr, H);
+    void* shared_h = a.training ? s.mem.at(s.shared_h) : nullptr;
+    void* out = tmp.at<void>(out_full);
+    if (fold) {  // the routed output is this rank's shard already; the shared expert's leaves its region (g)
+      if (shared_apart) {
+        shared_expert_forward(dev, xfull, shared_h, tmp.at(shared_full), T, /*accumulate=*/false);
+        tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(shared_full), .out = tmp.at(shared_o), .dtype = act});
+        add(dev, tmp.at(shared_o), out, out, Tl * H, act);
+      }
+    } else {
+      if (shared_ffn_ > 0) shared_expert_forward(dev, xin, shared_h, out, T, /*accumulate=*/true);
+      // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
+      out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
+      tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
+    }
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = out, .out = out,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
@@ -437,10 +513,11 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
                                            << " without a training forward");
     Saved& s = it->second;
-    const Routing& r = s.routing;
-    const bool sp = tp_.sequence_parallel();
+    const Routing& r = s.dispatch();
+    const bool sp = tp_.sequence_parallel(), fold = s.folded, full_in = sp && (!fold || shared_ffn_ > 0);
+    const bool shared_apart = fold && shared_ffn_ > 0;
     const int64_t H = hidden_, E = experts_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
-    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
+    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
@@ -455,14 +532,16 @@ class Moe : public loom::Layer {
     const int64_t R = xr.rows, zero_row = r.dropped_any() ? 1 : 0;
     const bool moved = ep_ > 1;
     Arena tmp;
-    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(sp ? T * H : 0, act),
-                 ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(sp ? T * H : 0, act), xg = tmp.elems(N * H, act),
+    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(full_in ? T * H : 0, act),
+                 ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(full_in ? T * H : 0, act), xg = tmp.elems(N * H, act),
                  dyg = tmp.elems((N + zero_row) * H, act), xs = tmp.elems(moved ? R * H : 0, act),
                  dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
                  dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems((R + zero_row) * H, act),
                  ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
-                 prod = tmp.elems(R * Fl, act), dln_full = tmp.elems(T * H, act),
-                 dln = tmp.elems(sp ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
+                 prod = tmp.elems(R * Fl, act), dln_full = tmp.elems(Tr * H, act),
+                 dln = tmp.elems(sp && !fold ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
+                 shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
+                 shared_dshard = tmp.elems(shared_apart ? Tl * H : 0, act),
                  dlogits_act = tmp.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
     tmp.allocate(rank_);
 
@@ -471,18 +550,26 @@ class Moe : public loom::Layer {
       dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, act);
       d = tmp.at(dout);
     }
-    // g's backward: the whole output gradient on every tp rank.
-    if (sp) {
+    // g's backward: the whole output gradient on every tp rank (folded: for the
+    // shared expert only; the routed rows are this rank's shard's).
+    const void* dshard = d;
+    if (full_in) {
       tp_.exit_backward({.rows = T, .cols = H, .x = d, .out = tmp.at(dfull), .dtype = act});
       d = tmp.at(dfull);
     }
     // The dispatched inputs, recomputed, and the output gradients per dispatch row;
     // at the experts (sent there under ep > 1) with the gates.
-    const void* xin = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
-                                         s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, act);
+    const void* xfull = tmp.at(ln);
+    if (full_in)
+      xfull = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean), s.mem.at(s.rstd),
+                                 tmp.at(ln), tmp.at(ln_full), Tl, H, act);
+    else
+      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
+                    kLayerNormEps, act);
+    const void* xin = fold ? tmp.at(ln) : xfull;
     const int32_t* tok = s.route.at<int32_t>(s.tok);
-    gather_rows(dev, xin, tok, tmp.at(xg), N, T, H);
-    gather_rows(dev, d, tok, tmp.at(dyg), N, T, H);
+    gather_rows(dev, xin, tok, tmp.at(xg), N, Tr, H);
+    gather_rows(dev, fold ? dshard : d, tok, tmp.at(dyg), N, Tr, H);
     const void* xe = tmp.at(xg);
     void* dye = tmp.at(dyg);
     const void* gate_e = s.route.at(s.gate);
@@ -499,8 +586,9 @@ class Moe : public loom::Layer {
     // fc2's input gradient before the gate, da_u = dy_row W2^T. The gate's gradient
     // is <dy_row, fc2 output row> = <da_u_row, act_row> + <dy_row, b2>: no second
     // fc2 forward. Partial over tp (each rank holds Fl of the ffn, and the bias term
-    // is rank 0's), so summed over tp.
+    // is rank 0's), so summed over tp; whole where the experts are folded.
     const bool count_bias = !sp || tp_.rank() == 0;  // SP: the engine sums duplicated gradients over tp
+    const bool count_expert_bias = fold || count_bias;  // folded: no tp sum of expert gradients
     for (int64_t e = 0; e < local_experts_; ++e) {
       const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
       if (n == 0) continue;
@@ -514,7 +602,7 @@ class Moe : public loom::Layer {
                        .dtype = act, .out_dtype = act});
       gemm(dev, false, false, R, 1, Fl, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
     }
-    if (tp_.rank() == 0)
+    if (expert_bias_here())
       for (int64_t e = 0; e < local_experts_; ++e) {
         const int64_t n = xr.count(e), r0 = xr.offset[static_cast<size_t>(e)];
         if (n == 0) continue;
@@ -522,7 +610,7 @@ class Moe : public loom::Layer {
              tmp.at(dgate) + r0, 1.0f, act, LOOM_DTYPE_F32);
       }
     // Every tp rank of the group has the same R (its ep peers route as its tp peers').
-    if (R > 0)
+    if (R > 0 && !fold)
       tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(R),
                            LOOM_DTYPE_F32);
     const float* dgate_src = tmp.at(dgate);  // per dispatch row, where the tokens live
@@ -546,7 +634,7 @@ class Moe : public loom::Layer {
       const void* dy_e = advance(dye, r0 * H, act);
       gemm(dev, true, false, Fl, H, n, advance(tmp.at(a_out), r0 * Fl, act), dy_e,
            advance(gs[kFc2W], e * Fl * H, gdt), 1.0f, act, gdt);
-      if (count_bias) column_sum_acc(rank_, dev, dy_e, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
+      if (count_expert_bias) column_sum_acc(rank_, dev, dy_e, advance(gs[kFc2B], e * H, gdt), n, H, act, gdt);
     }
     if (R > 0) {
       expand_gates(dev, gate_e, tmp.at(ones), tmp.at(prod), R, Fl);
@@ -573,19 +661,39 @@ class Moe : public loom::Layer {
       from_experts(dev, a.microbatch, dxe, dxg, H, act);
     }
     if (zero_row) fill_zero_row(dev, dxg, N, H);
-    combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), T, H);
-    if (shared_ffn_ > 0)
-      shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, tmp.at(dln_full), T, count_bias);
-    // f's backward: summed over tp (reduce-scattered to the shard under SP).
-    void* dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
-    tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
+    combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), Tr, H);
+    void* dl = tmp.at<void>(dln_full);
+    if (fold) {  // the routed part is this rank's shard's; the shared expert's leaves its region (f)
+      if (shared_apart) {
+        shared_expert_backward(dev, gs, xfull, s.mem.at(s.shared_h), d, tmp.at(shared_dfull), T, count_bias,
+                               /*accumulate=*/false);
+        tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(shared_dfull), .out = tmp.at(shared_dshard),
+                            .dtype = act});
+        add(dev, tmp.at(shared_dshard), dl, dl, Tl * H, act);
+      }
+    } else {
+      if (shared_ffn_ > 0)
+        shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, tmp.at(dln_full), T, count_bias,
+                               /*accumulate=*/true);
+      // f's backward: summed over tp (reduce-scattered to the shard under SP).
+      dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
+      tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
+    }
 
     // The router, on the rows this rank holds (its shard under SP): every tp rank
-    // routed all tokens identically, so each adds the router's part of its rows.
+    // routed all tokens identically, so each adds the router's part of its rows
+    // (folded, the gates' gradients of its own rows are all it has, and all it needs).
     dev.synchronize();  // row_dgate
     const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale),
                  z_scale = z_coeff_ * static_cast<double>(a.aux_loss_scale);
-    const std::vector<float> dlog = router_grad(r, row_dgate, aux_scale, z_scale, pre_softmax_);
+    std::vector<float> full_dgate;  // folded: per row of the whole routing, 0 for other shards' rows
+    if (fold) {
+      full_dgate.assign(static_cast<size_t>(s.routing.rows()), 0.f);
+      for (int64_t i = 0; i < N; ++i)
+        full_dgate[static_cast<size_t>(s.full_row[static_cast<size_t>(i)])] = row_dgate[static_cast<size_t>(i)];
+    }
+    const std::vector<float> dlog =
+        router_grad(s.routing, fold ? full_dgate : row_dgate, aux_scale, z_scale, pre_softmax_);
     const int64_t row0 = sp ? tp_.rank() * Tl : 0;
     dev.copy(tmp.at(dlogits), dlog.data() + row0 * E, static_cast<size_t>(Tl * E) * sizeof(float),
              LOOM_COPY_HOST_TO_DEVICE);
@@ -619,8 +727,8 @@ class Moe : public loom::Layer {
   // ep the rows this rank's experts take range from 0 to ep times that, so a
   // skewed router can need up to ep x the experts' part of this estimate.
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_, H = hidden_, N = T * top_k_;
-    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T;
+    const int64_t T = seq_ * micro_batch_, H = hidden_;
+    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T, N = (fold_ ? Tl : T) * top_k_;
     Arena a;
     a.elems(Tl * H, dt_.act);                 // x
     a.floats(Tl);                             // mean
@@ -637,16 +745,17 @@ class Moe : public loom::Layer {
 
   // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
   // processed here are the group's tokens routed to this rank's experts, as many
-  // as its own when the routing is balanced.
-  // A capacity bounds the routed rows at E * capacity.
+  // as its own when the routing is balanced. Folded, a rank routes its sequence
+  // shard and its experts take whole rows.
+  // A capacity bounds the routed rows at E * capacity (this shard's part of it).
   double forward_flops() override {
-    const int64_t tokens = seq_ * micro_batch_;
+    const int64_t tokens = seq_ * micro_batch_, own = fold_ ? tokens / tp_.size() : tokens;
     const double T = static_cast<double>(tokens), H = static_cast<double>(hidden_);
-    int64_t rows = tokens * top_k_;
-    if (capacity_factor_ > 0.0) rows = std::min(rows, experts_ * capacity(tokens));
-    return 2.0 * T * H * static_cast<double>(experts_) +
-           4.0 * static_cast<double>(rows) * H * static_cast<double>(ffn_local_) +
-           4.0 * T * H * static_cast<double>(shared_local_);
+    double rows = static_cast<double>(own * top_k_);
+    if (capacity_factor_ > 0.0)
+      rows = std::min(rows, static_cast<double>(experts_ * capacity(tokens)) * static_cast<double>(own) / T);
+    return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
+           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_);
   }
 
  private:
@@ -659,8 +768,12 @@ class Moe : public loom::Layer {
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
     size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
     bool dropped = false;
-    Routing routing;
+    Routing routing;                // the whole TP region's routing (the router's backward)
+    bool folded = false;            // MoE folding: this rank dispatches its shard's rows only
+    Routing shard;                  // folded: those rows (shard_of)
+    std::vector<int32_t> full_row;  // folded: each of them as a row of `routing`
     ExpertRows experts;
+    const Routing& dispatch() const { return folded ? shard : routing; }
   };
 
   std::vector<int64_t> local_numels() const {
@@ -738,7 +851,8 @@ class Moe : public loom::Layer {
   // The shared expert on all T tokens of the TP region: out [T, H] += fc2(gelu(fc1
   // xin)), partial over tp like the routed experts' (fc2's bias on tp rank 0).
   // saved_h (training) keeps fc1's output [T, Fs/tp] for the backward.
-  void shared_expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T) const {
+  void shared_expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T,
+                             bool accumulate) const {
     const int64_t H = hidden_, Fs = shared_local_;
     const int32_t act = dt_.act;
     Arena tmp;
@@ -748,14 +862,14 @@ class Moe : public loom::Layer {
     gemm(dev, false, false, T, Fs, H, xin, w_[kShared1W], hs, 0.0f, act, act);
     add_bias(dev, hs, w_[kShared1B], hs, T, Fs, act);
     dev.gelu_fwd({.n = T * Fs, .x = hs, .out = tmp.at(a), .dtype = act});
-    gemm(dev, false, false, T, H, Fs, tmp.at(a), w_[kShared2W], out, 1.0f, act, act);
+    gemm(dev, false, false, T, H, Fs, tmp.at(a), w_[kShared2W], out, accumulate ? 1.0f : 0.0f, act, act);
     if (tp_.rank() == 0) add_bias(dev, out, w_[kShared2B], out, T, H, act);
   }
   // Its backward from the whole output gradient d [T, H]: the parameters'
   // gradients, and dxin [T, H] += its input gradient (partial over tp, summed by
   // the layer's f backward). count_bias: this rank adds fc2's bias gradient.
   void shared_expert_backward(const loom::Device& dev, GradShadow& gs, const void* xin, const void* hs,
-                              const void* d, void* dxin, int64_t T, bool count_bias) const {
+                              const void* d, void* dxin, int64_t T, bool count_bias, bool accumulate) const {
     const int64_t H = hidden_, Fs = shared_local_;
     const int32_t act = dt_.act, gdt = gs.grad_dtype();
     Arena tmp;
@@ -768,7 +882,7 @@ class Moe : public loom::Layer {
     dev.gelu_bwd({.n = T * Fs, .x = hs, .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
     gemm(dev, true, false, H, Fs, T, xin, tmp.at(da), gs[kShared1W], 1.0f, act, gdt);
     column_sum_acc(rank_, dev, tmp.at(da), gs[kShared1B], T, Fs, act, gdt);
-    gemm(dev, false, true, T, H, Fs, tmp.at(da), w_[kShared1W], dxin, 1.0f, act, act);
+    gemm(dev, false, true, T, H, Fs, tmp.at(da), w_[kShared1W], dxin, accumulate ? 1.0f : 0.0f, act, act);
   }
   // out [N, width] = gate [N, 1] x ones [1, width]: each row's gate across its columns.
   void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N,
@@ -788,14 +902,18 @@ class Moe : public loom::Layer {
       void* ye = advance(y, r0 * H, act);
       gemm(dev, false, false, n, H, Fl, advance(act_in, r0 * Fl, act), advance(w_[kFc2W], e * Fl * H, act), ye, 0.0f,
            act, act);
-      if (tp_.rank() == 0) add_bias(dev, ye, advance(w_[kFc2B], e * H, act), ye, n, H, act);
+      if (expert_bias_here()) add_bias(dev, ye, advance(w_[kFc2B], e * H, act), ye, n, H, act);
     }
   }
+  // Whether this rank adds the experts' fc2 bias: tp rank 0 when the outputs are
+  // partial sums over tp; every rank when the experts are folded (whole width).
+  bool expert_bias_here() const { return fold_ || tp_.rank() == 0; }
 
 
   loom_rank* rank_;
   loom::Group tp_group_, ep_group_;
   loom::ExpertParallel ep_service_;  // open when ep > 1
+  bool fold_ = false;                // parallel.etp = 1 under tp > 1: experts whole, ep spanning tp ranks
   int64_t ep_ = 1, local_experts_ = 0;  // ep group size; experts held here (num_experts / ep)
   loom::TensorParallel tp_;
   std::string name_;
