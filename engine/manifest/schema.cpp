@@ -445,6 +445,13 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  ") must divide parallel.tp * parallel.cp * parallel.dp (" + S(tp) + "*" + S(cp) +
                  "*" + S(dp) + " = " + S(tp * cp * dp) +
                  ") (MoE folding: ep\u00b7etp\u00b7edp\u00b7pp = world)");
+    } else if (usable({"parallel.sequence_parallel"}) && !m.get_bool("parallel.sequence_parallel")) {
+      // Folded, the tp ranks act as expert ranks of their own tokens: without SP
+      // they would all hold the same tokens and count them tp times.
+      report({"parallel.etp", "parallel.sequence_parallel"},
+             "parallel.etp = " + S(etp) + " under parallel.tp = " + S(tp) +
+                 " folds the experts' tensor parallelism into expert parallelism, which needs every tp rank to "
+                 "hold other tokens; set parallel.sequence_parallel = true (or parallel.etp = 0, same as tp)");
     }
   }
 

@@ -609,11 +609,13 @@ TEST(Moe, ExpertsThatDoNotSplitOverEpAreRefused) {
     EXPECT_NE(msg.find("--set model.layer.moe.num_experts=6: model.layer.moe.num_experts: "), std::string::npos)
         << "the option is cited where it was set: " << msg;
   }
-  // Folding needs each tp rank to hold other tokens: without SP it is refused.
+  // Folding needs each tp rank to hold other tokens: without SP the manifest is
+  // refused, citing where etp was set.
   try {
     run({"parallel.tp=2", "parallel.etp=1", "run.steps=1"});
     ADD_FAILURE() << "etp = 1 under tp = 2 without sequence parallelism was accepted";
   } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--set parallel.etp=1: parallel.etp: "), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("parallel.etp = 1 under parallel.tp = 2"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("set parallel.sequence_parallel = true"), std::string::npos) << e.what();
   }
