@@ -480,47 +480,60 @@ TEST(Moe, Ep2RanksHoldHalfTheExperts) {
 
 // A checkpoint of an ep run keeps every rank's experts: split at step 5, it ends
 // bit-identical to the uninterrupted run; another ep is refused with the reason.
-TEST(Moe, Ep2ResumeIsBitExactAndAnotherEpIsRefused) {
-  const std::string dir = loom::testing::scratch_dir("moe-ep-resume");
+// Layout `layout` (MoE blocks, distributed optimizer) trained 10 steps straight,
+// and 5 + 5 through a checkpoint: the resumed half is bit-identical. Before the
+// good resume, each of `refused` (a resume with other overrides) must be refused
+// with a message containing its text.
+void expect_bit_exact_resume(const std::string& name, const std::vector<std::string>& layout,
+                             const std::vector<std::pair<std::vector<std::string>, std::string>>& refused) {
+  const std::string dir = loom::testing::scratch_dir(name);
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  const std::vector<std::string> base = {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]",
-                                         "optimizer.decay_steps=10", "parallel.dp=2",
-                                         "optimizer.strategy=\"distributed\""};
   auto with = [&](std::vector<std::string> o) {
-    o.insert(o.end(), base.begin(), base.end());
+    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.decay_steps=10",
+                       "optimizer.strategy=\"distributed\""});
     return o;
   };
-  const auto full = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2"}));
-  loom::testing::run_and_trace(manifest(), with({"run.steps=5", "parallel.ep=2", ck}));
+  auto steps = [&](const char* n, std::vector<std::string> o) {
+    o.insert(o.begin(), n);
+    return with(o);
+  };
+  std::vector<std::string> saving = layout;
+  saving.push_back(ck);
+  const auto full = loom::testing::run_and_trace(manifest(), steps("run.steps=10", layout));
+  loom::testing::run_and_trace(manifest(), steps("run.steps=5", saving));
   loom::train::TrainOptions resume;
   resume.resume = true;
-  try {
-    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=1", ck}), resume);
-    ADD_FAILURE() << "a resume at ep = 1 of an ep = 2 checkpoint was accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.ep=2"), std::string::npos) << e.what();
+  for (const auto& [overrides, why] : refused) {
+    std::vector<std::string> o = overrides;
+    o.push_back(ck);
+    try {
+      loom::testing::run_and_trace(manifest(), steps("run.steps=10", o), resume);
+      ADD_FAILURE() << "a resume with " << overrides.back() << " was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
   }
-  try {  // another order puts the rank files' experts on other ranks
-    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2", ck,
-                                                   "parallel.order=\"tp-cp-dp-ep-pp\""}), resume);
-    ADD_FAILURE() << "a resume with another parallel.order was accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.order=\"tp-cp-ep-dp-pp\""), std::string::npos) << e.what();
-  }
-  const auto second = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.ep=2", ck}), resume);
+  const auto second = loom::testing::run_and_trace(manifest(), steps("run.steps=10", saving), resume);
   ASSERT_EQ(second.loss.size(), 5u);
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(second.loss[i], full.loss[5 + i]) << "step " << 6 + i;
   EXPECT_EQ(second.params.back(), full.params.back());
   boost::filesystem::remove_all(dir);
 }
 
-// `loom plan` splits the experts like the run does: the same buffers per rank,
-// and the distributed optimizer's state is the dense part over dp plus the
-// expert part over edp.
-TEST(Moe, Ep2PlanMatchesTheModel) {
-  const std::vector<std::string> o = {"run.steps=1", "parallel.dp=4", "parallel.ep=2",
-                                      "optimizer.strategy=\"distributed\"", "model.num_layers=4",
-                                      "model.block=[\"attention\", \"moe\"]"};
+TEST(Moe, Ep2ResumeIsBitExactAndAnotherEpIsRefused) {
+  expect_bit_exact_resume(
+      "moe-ep-resume", {"parallel.dp=2", "parallel.ep=2"},
+      {{{"parallel.dp=2", "parallel.ep=1"}, "parallel.ep=2"},
+       // another order puts the rank files' experts on other ranks
+       {{"parallel.dp=2", "parallel.ep=2", "parallel.order=\"tp-cp-dp-ep-pp\""},
+        "parallel.order=\"tp-cp-ep-dp-pp\""}});
+}
+
+// Runs one step of layout `o` (the distributed optimizer over 4 ranks) and
+// checks `loom plan` against the Model on every rank: the same buffer, and
+// optimizer state of fp32 Adam (m and v, 8 bytes per element) for the dense part
+// over dense_shards ranks and the expert tail over expert_shards.
+void expect_plan_matches_the_model(const std::vector<std::string>& o, size_t dense_shards, size_t expert_shards) {
   std::map<int, std::pair<size_t, size_t>> buffers;  // rank -> (numel, where the expert tail starts)
   std::mutex mu;
   loom::train::TrainOptions opts;
@@ -538,9 +551,18 @@ TEST(Moe, Ep2PlanMatchesTheModel) {
     const auto [numel, tail] = buffers.at(r.rank);
     EXPECT_EQ(r.buffer_numel, numel) << "rank " << r.rank;
     ASSERT_LT(tail, numel) << "rank " << r.rank << " holds expert parameters";
-    // fp32 Adam: m and v, 8 bytes per element of the shard.
-    EXPECT_EQ(r.optimizer_bytes, (tail / 4 + (numel - tail) / 2) * 8) << "rank " << r.rank;
+    EXPECT_EQ(r.optimizer_bytes, (tail / dense_shards + (numel - tail) / expert_shards) * 8) << "rank " << r.rank;
   }
+}
+
+// `loom plan` splits the experts like the run does: the same buffers per rank,
+// and the distributed optimizer's state is the dense part over dp plus the
+// expert part over edp.
+TEST(Moe, Ep2PlanMatchesTheModel) {
+  expect_plan_matches_the_model({"run.steps=1", "parallel.dp=4", "parallel.ep=2",
+                                 "optimizer.strategy=\"distributed\"", "model.num_layers=4",
+                                 "model.block=[\"attention\", \"moe\"]"},
+                                /*dense over dp*/ 4, /*experts over edp*/ 2);
 }
 
 // Layouts whose expert groups are not the dp group's ranks at one tp rank would
@@ -567,20 +589,26 @@ TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
 // An optimizer strategy from before ABI 1.4 (its table ends before `features`):
 // refused at ep > 1, where it would average expert gradients over dp; at ep = 1
 // it gets no expert flags and trains exactly as today's.
+// Trains layout `o` (MoE blocks) with the run's optimizer strategy as a library
+// built for ABI 1.<minor> would present it: its table `table_size` bytes long and
+// advertising `features`.
+loom::train::TrainResult train_with_older_strategy(std::vector<std::string> o, uint32_t minor, uint32_t table_size,
+                                                   uint64_t features) {
+  o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
+  loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
+  loom::plugins::LoadedPlugin old_plugin = *plan.optimizer;
+  loom_optimizer_api old_table = *plan.optimizer->optimizer();
+  old_table.struct_size = table_size;
+  old_table.features = features;
+  old_plugin.api = &old_table;
+  old_plugin.abi_minor = minor;
+  plan.optimizer = &old_plugin;
+  return loom::train::train(plan, {});
+}
+
 TEST(Moe, AnOptimizerBuiltBeforeAbi14IsRefusedUnderEpAndServesEp1) {
-  loom::plugins::LoadedPlugin old_plugin;
-  loom_optimizer_api old_table{};
-  auto with_old_strategy = [&](std::vector<std::string> o) {
-    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
-    loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
-    old_plugin = *plan.optimizer;
-    old_table = *plan.optimizer->optimizer();
-    old_table.struct_size = offsetof(loom_optimizer_api, features);
-    old_table.features = 0;
-    old_plugin.api = &old_table;
-    old_plugin.abi_minor = 3;
-    plan.optimizer = &old_plugin;
-    return loom::train::train(plan, {});
+  auto with_old_strategy = [](std::vector<std::string> o) {
+    return train_with_older_strategy(o, 3, offsetof(loom_optimizer_api, features), 0);
   };
   try {
     with_old_strategy({"parallel.dp=2", "parallel.ep=2"});
@@ -686,59 +714,19 @@ TEST(Moe, FoldedCapacityAndSharedExpertMatchSerial) {
 // bit-exactly; resuming it unfolded (etp = tp) is refused naming both layouts,
 // since each rank file holds whole experts of its own.
 TEST(Moe, FoldedResumeIsBitExactAndAnotherEtpIsRefused) {
-  const std::string dir = loom::testing::scratch_dir("moe-folded-resume");
-  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  auto with = [&](std::vector<std::string> o) {
-    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.decay_steps=10",
-                       "optimizer.strategy=\"distributed\"", "parallel.tp=2", "parallel.sequence_parallel=true",
-                       "parallel.ep=2"});
-    return o;
-  };
-  const auto full = loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.etp=1"}));
-  loom::testing::run_and_trace(manifest(), with({"run.steps=5", "parallel.etp=1", ck}));
-  loom::train::TrainOptions resume;
-  resume.resume = true;
-  try {
-    loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.dp=2", ck}), resume);
-    ADD_FAILURE() << "an unfolded resume of a folded checkpoint was accepted";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("ep=2 etp=1 dp=1"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("parallel.etp=1"), std::string::npos) << e.what();
-  }
-  const auto second =
-      loom::testing::run_and_trace(manifest(), with({"run.steps=10", "parallel.etp=1", ck}), resume);
-  ASSERT_EQ(second.loss.size(), 5u);
-  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(second.loss[i], full.loss[5 + i]) << "step " << 6 + i;
-  EXPECT_EQ(second.params.back(), full.params.back());
-  boost::filesystem::remove_all(dir);
+  expect_bit_exact_resume("moe-folded-resume", folded({"parallel.ep=2"}),
+                          {{{"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2", "parallel.dp=2"},
+                            "resume with parallel.ep=2 parallel.etp=1 parallel.dp=1"}});
 }
 
 // `loom plan` folds like the run: whole experts per rank, and the distributed
 // optimizer's expert state sharded over edp = tp dp / (etp ep) = 2 at tp 2 x dp 2
 // x ep 2.
 TEST(Moe, FoldedPlanMatchesTheModel) {
-  const std::vector<std::string> o = folded({"run.steps=1", "parallel.dp=2", "parallel.ep=2",
-                                             "optimizer.strategy=\"distributed\"", "model.num_layers=4",
-                                             "model.block=[\"attention\", \"moe\"]"});
-  std::map<int, std::pair<size_t, size_t>> buffers;  // rank -> (numel, where the expert tail starts)
-  std::mutex mu;
-  loom::train::TrainOptions opts;
-  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
-    size_t tail = m.numel();
-    for (const auto& e : m.param_entries())
-      if (e.expert) tail = std::min(tail, e.offset);
-    std::lock_guard<std::mutex> lock(mu);
-    buffers[rank] = {m.numel(), tail};
-  };
-  loom::testing::run_and_trace(manifest(), o, opts);
-  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
-  ASSERT_EQ(plan.ranks.size(), 4u);
-  for (const auto& r : plan.ranks) {
-    const auto [numel, tail] = buffers.at(r.rank);
-    EXPECT_EQ(r.buffer_numel, numel) << "rank " << r.rank;
-    ASSERT_LT(tail, numel) << "rank " << r.rank << " holds expert parameters";
-    EXPECT_EQ(r.optimizer_bytes, (tail / 2 + (numel - tail) / 2) * 8) << "rank " << r.rank;
-  }
+  expect_plan_matches_the_model(folded({"run.steps=1", "parallel.dp=2", "parallel.ep=2",
+                                        "optimizer.strategy=\"distributed\"", "model.num_layers=4",
+                                        "model.block=[\"attention\", \"moe\"]"}),
+                                /*dense over dp*/ 2, /*experts over edp*/ 2);
 }
 
 // An optimizer strategy built for ABI 1.4 (expert parallelism, but no
@@ -746,18 +734,8 @@ TEST(Moe, FoldedPlanMatchesTheModel) {
 // run, where it would sum the experts' norm over tp too; unfolded ep it trains
 // exactly as today's.
 TEST(Moe, AnOptimizerBuiltForAbi14IsRefusedWhenFoldedAndServesEp) {
-  loom::plugins::LoadedPlugin old_plugin;
-  loom_optimizer_api old_table{};
-  auto with_old_strategy = [&](std::vector<std::string> o) {
-    o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
-    loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
-    old_plugin = *plan.optimizer;
-    old_table = *plan.optimizer->optimizer();
-    old_table.features = LOOM_OPTIMIZER_EXPERT_PARALLEL;
-    old_plugin.api = &old_table;
-    old_plugin.abi_minor = 4;
-    plan.optimizer = &old_plugin;
-    return loom::train::train(plan, {});
+  auto with_old_strategy = [](std::vector<std::string> o) {
+    return train_with_older_strategy(o, 4, sizeof(loom_optimizer_api), LOOM_OPTIMIZER_EXPERT_PARALLEL);
   };
   try {
     with_old_strategy(folded({"parallel.ep=2"}));

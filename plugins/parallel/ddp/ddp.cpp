@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <vector>
 
 namespace {
@@ -90,11 +89,14 @@ class Ddp : public loom::OptimizerStrategy {
     dev.synchronize();
     double total = 0, experts = 0;
     for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
+    void* scratch = norm_total_.get();
     if (etp_.size > 0) {  // folded: each part over its own model-parallel ranks
-      total = reduced_sum(dev, total, {tp_, pp_}) + reduced_sum(dev, experts, {ep_, etp_, pp_});
+      total = loom::all_reduce_sum(dev, scratch, total, {tp_, pp_}) +
+              loom::all_reduce_sum(dev, scratch, experts, {ep_, etp_, pp_});
     } else {
-      if (expert_start_ < numel_) total += reduced_sum(dev, experts, {ep_});  // every ep rank holds other experts
-      total = reduced_sum(dev, total, {tp_, pp_});
+      if (expert_start_ < numel_)  // every ep rank holds other experts
+        total += loom::all_reduce_sum(dev, scratch, experts, {ep_});
+      total = loom::all_reduce_sum(dev, scratch, total, {tp_, pp_});
     }
     const float norm = static_cast<float>(std::sqrt(total));
     float scale = 1.f;
@@ -164,16 +166,6 @@ class Ddp : public loom::OptimizerStrategy {
   };
 
   static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
-  // v summed over each group in turn, on a device scalar (a GPU communicator gets
-  // device memory on the stream).
-  double reduced_sum(const loom::Device& dev, double v, std::initializer_list<loom_group> groups) {
-    dev.copy(norm_total_.get(), &v, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-    for (const loom_group& g : groups)
-      loom::Group(g).all_reduce(dev.native_stream(), norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
-    dev.copy(&v, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
-    return v;
-  }
   static void zero(const loom::Device& dev, void* p, size_t n) {
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
                      .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});

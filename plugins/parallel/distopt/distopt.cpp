@@ -288,22 +288,18 @@ class DistOpt : public loom::OptimizerStrategy {
     dev.synchronize();
     double total = 0, experts = 0;
     for (size_t i = 0; i < k; ++i) (expert_part[i] ? experts : total) += parts[i];
-    if (etp_.size > 0) {  // folded: each part over its own data- and model-parallel ranks
-      total = reduced_sum(dev, total, {dp_, tp_}) + reduced_sum(dev, experts, {edp_, ep_, etp_});
-      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-      loom::Group(pp_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+    void* scratch = norm_total_.get();
+    if (etp_.size > 0) {  // folded: each part over its own data- and model-parallel ranks, then pp
+      total = loom::all_reduce_sum(dev, scratch, total, {dp_, tp_}) +
+              loom::all_reduce_sum(dev, scratch, experts, {edp_, ep_, etp_});
+      total = loom::all_reduce_sum(dev, scratch, total, {pp_});
     } else if (expert_start_ < numel_) {  // the two parts over their own groups, then together
-      total = reduced_sum(dev, total, {dp_}) + reduced_sum(dev, experts, {edp_, ep_});
-      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      total = loom::all_reduce_sum(dev, scratch, total, {dp_}) +
+              loom::all_reduce_sum(dev, scratch, experts, {edp_, ep_});
+      total = loom::all_reduce_sum(dev, scratch, total, {tp_, pp_});
     } else {
-      dev.copy(norm_total_.get(), &total, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-      loom::Group(dp_).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
+      total = loom::all_reduce_sum(dev, scratch, total, {dp_, tp_, pp_});
     }
-    if (etp_.size == 0)
-      for (const loom_group& g : {tp_, pp_})
-        loom::Group(g).all_reduce(stream, norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
-    dev.copy(&total, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
     const float norm = static_cast<float>(std::sqrt(total));
     float scale = 1.f;
     if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
@@ -484,15 +480,6 @@ class DistOpt : public loom::OptimizerStrategy {
     if (n == 0) return;
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
                      .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
-  }
-  // v summed over the groups, one after the other, on the device scalar.
-  double reduced_sum(const loom::Device& dev, double v, std::initializer_list<loom_group> groups) {
-    dev.copy(norm_total_.get(), &v, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-    for (const loom_group& g : groups)
-      loom::Group(g).all_reduce(dev.native_stream(), norm_total_.get(), norm_total_.get(), 1, LOOM_DTYPE_F64);
-    dev.copy(&v, norm_total_.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
-    return v;
   }
   // Expert buckets (the tail) are sharded over edp, the others over dp.
   bool is_expert_bucket(size_t b) const { return buckets_[b].start >= expert_start_; }

@@ -13,6 +13,7 @@
 #include <loom/cpp/tensor_parallel.hpp>
 
 #include <algorithm>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -309,6 +310,16 @@ inline size_t expert_tail_start(const loom_optimizer_create_args& a) {
                "the expert parameters do not form the tail of the buffers (they start at "
                    << start << ", a dense parameter ends at " << dense_end << ")");
   return start;
+}
+
+// A global-norm partial v summed over each group in turn, through `scratch` (one
+// double of device memory, so a GPU communicator gets device memory on the stream).
+inline double all_reduce_sum(const Device& dev, void* scratch, double v, std::initializer_list<loom_group> groups) {
+  dev.copy(scratch, &v, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+  for (const loom_group& g : groups) Group(g).all_reduce(dev.native_stream(), scratch, scratch, 1, LOOM_DTYPE_F64);
+  dev.copy(&v, scratch, sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+  dev.synchronize();
+  return v;
 }
 
 // T must be constructible from (const Options&, Rank&, const loom_optimizer_create_args&).
