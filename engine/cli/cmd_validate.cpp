@@ -80,7 +80,7 @@ int cmd_validate(int argc, char** argv) {
     std::string per_chunk_text;
     for (size_t g = 0; g < per_chunk.size(); ++g) per_chunk_text += (g ? ", " : "") + std::to_string(per_chunk[g]);
     const int world = plan.sizes.world;
-    const int64_t etp = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
+    const int64_t etp = plan.sizes.expert_tp();
 
     if (json) {
       std::vector<std::string> entries;

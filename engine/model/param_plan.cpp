@@ -217,7 +217,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       ep.rank = groups.rank_in_group("ep", r);
       rt.add_group("ep", ep);
       loom_group etp = tp;
-      etp.size = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
+      etp.size = plan.sizes.expert_tp();
       etp.rank = groups.rank_in_group("etp", r);
       rt.add_group("etp", etp);
 

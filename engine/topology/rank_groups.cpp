@@ -148,7 +148,7 @@ RankGroups RankGroups::build(const ParallelSizes& s) {
   require_positive("pp", s.pp);
   require_positive("ep", s.ep);
   if (s.etp < 0) throw TopologyError("etp must be at least 1 (or 0 for 'same as tp'), got " + std::to_string(s.etp));
-  const int etp = s.etp == 0 ? s.tp : s.etp;
+  const int etp = s.expert_tp();
   const auto dims = parse_order(s.order);
 
   // 64-bit products so absurd sizes report a clean error instead of overflowing.

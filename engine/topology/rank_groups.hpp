@@ -16,6 +16,11 @@ struct ParallelSizes {
   int tp = 1, cp = 1, pp = 1, ep = 1;
   int etp = 0;                        // 0 = same as tp
   std::string order = "tp-cp-ep-dp-pp";
+  // The expert tensor-parallel size etp resolves to.
+  int expert_tp() const { return etp > 0 ? etp : tp; }
+  // Whether the experts fold over other ranks than the dense tp split (MoE
+  // folding: etp != tp, seed 001).
+  bool experts_fold_tp() const { return expert_tp() != tp; }
 };
 
 class TopologyError : public std::runtime_error {

@@ -130,7 +130,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("param_dtype", meta.param_dtype);
   t.insert("ep", meta.ep);
   t.insert("order", meta.order);
-  t.insert("etp", meta.resolved_etp());
+  t.insert("etp", meta.expert_tp());
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});

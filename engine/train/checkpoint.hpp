@@ -38,7 +38,7 @@ struct CheckpointMeta {
   int ep = 1;                        // parallel.ep that wrote it (not recorded before expert parallelism: 1)
   std::string order = "tp-cp-ep-dp-pp";  // parallel.order that wrote it (not recorded before: the default)
   int etp = 0;                       // parallel.etp that wrote it, resolved (0: not recorded, i.e. tp)
-  int resolved_etp() const { return etp > 0 ? etp : tp; }
+  int expert_tp() const { return etp > 0 ? etp : tp; }
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and

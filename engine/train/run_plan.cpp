@@ -156,7 +156,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.dp = static_cast<int>(man.get_int("parallel.dp"));
   plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
   plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
-  if (plan.sizes.ep > 1 || (plan.sizes.etp > 0 && plan.sizes.etp != plan.sizes.tp))
+  if (plan.sizes.ep > 1 || plan.sizes.experts_fold_tp())
     require_experts_fold_into_dp(man, plan.sizes);
   return plan;
 }

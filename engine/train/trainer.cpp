@@ -129,16 +129,16 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     // Ranks of one ep group hold different experts: their files cannot be
     // regrouped into another ep, nor their expert shards resharded over another dp.
     // So do ranks of a folded expert layout (etp != tp), whose ep spans tp ranks.
-    const int run_etp = plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp;
-    const bool experts_apart = meta.ep > 1 || meta.resolved_etp() != meta.tp;
-    if (meta.ep != plan.sizes.ep || meta.resolved_etp() != run_etp || (experts_apart && meta.dp != plan.dp))
+    const bool experts_apart = meta.ep > 1 || meta.expert_tp() != meta.tp;
+    if (meta.ep != plan.sizes.ep || meta.expert_tp() != plan.sizes.expert_tp() ||
+        (experts_apart && meta.dp != plan.dp))
       throw CheckpointError(resume_dir + " was written with ep=" + std::to_string(meta.ep) + " etp=" +
-                            std::to_string(meta.resolved_etp()) + " dp=" + std::to_string(meta.dp) +
+                            std::to_string(meta.expert_tp()) + " dp=" + std::to_string(meta.dp) +
                             "; this run has ep=" + std::to_string(plan.sizes.ep) + " etp=" +
-                            std::to_string(run_etp) + " dp=" + std::to_string(plan.dp) +
+                            std::to_string(plan.sizes.expert_tp()) + " dp=" + std::to_string(plan.dp) +
                             ": with expert parallelism a resume keeps ep, etp and dp (expert parameters and their "
                             "optimizer state are not resharded); resume with parallel.ep=" +
-                            std::to_string(meta.ep) + " parallel.etp=" + std::to_string(meta.resolved_etp()) +
+                            std::to_string(meta.ep) + " parallel.etp=" + std::to_string(meta.expert_tp()) +
                             " parallel.dp=" + std::to_string(meta.dp));
     if (meta.dp != plan.dp) {
       const loom_optimizer_api* api = plan.optimizer->optimizer();
@@ -243,13 +243,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                         "\"distributed\", or parallel.ep = 1");
     // MoE folding (etp != tp, ABI 1.5): expert parameters split over etp, ep
     // spanning tp ranks; only a strategy that reads etp gets such a run.
-    const bool experts_fold_tp =
-        model.has_expert_params() && rt.group_or_self("etp").size() != rt.group_or_self("tp").size();
+    const bool experts_fold_tp = model.has_expert_params() && plan.sizes.experts_fold_tp();
     const bool folding_strategy = expert_parallel_strategy &&
                                   (plan.optimizer->optimizer()->features & LOOM_OPTIMIZER_EXPERT_FOLDING) != 0;
     if (experts_fold_tp && !folding_strategy)
       throw loom::Error("optimizer plugin parallel/" + plan.optimizer->name + " cannot take expert parameters split "
-                        "over parallel.etp = " + std::to_string(rt.group_or_self("etp").size()) +
+                        "over parallel.etp = " + std::to_string(plan.sizes.expert_tp()) +
                         " rather than parallel.tp = " + std::to_string(plan.sizes.tp) +
                         " (it does not advertise LOOM_OPTIMIZER_EXPERT_FOLDING, ABI 1.5); use optimizer.strategy = "
                         "\"ddp\" or \"distributed\", or parallel.etp = 0 (same as tp)");
@@ -343,7 +342,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
                             m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size"),
                             m.get_string("device.param_dtype"), plan.sizes.ep, plan.sizes.order,
-                            plan.sizes.etp > 0 ? plan.sizes.etp : plan.sizes.tp};
+                            plan.sizes.expert_tp()};
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);
