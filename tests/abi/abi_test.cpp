@@ -26,6 +26,9 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_4(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_4(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_5(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_5(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_6(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_6(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
@@ -164,6 +167,22 @@ TEST(AbiLayout, Released15MembersKeepOffsetsAndSizes) {
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_4("loom_optimizer_create_args"), 0u);
   EXPECT_GE(offsetof(loom_optimizer_create_args, etp), loom_abi_sizeof_v1_4("loom_optimizer_create_args"));
+}
+
+// 1.6's too (context parallelism: the attention op's query window and the layer
+// capability bits), each starting past 1.5's sizeof of its struct.
+TEST(AbiLayout, Released16MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_15 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_6(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_6(&n_current);
+  loom_abi_layout_current_v1_5(&n_15);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_15 + 2 * 6);  // the six members 1.6 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_5("loom_attention_args"), 0u);
+  EXPECT_GE(offsetof(loom_attention_args, kv_seq), loom_abi_sizeof_v1_5("loom_attention_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_5("loom_layer_api"), 0u);
+  EXPECT_GE(offsetof(loom_layer_api, features), loom_abi_sizeof_v1_5("loom_layer_api"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -18,4 +19,15 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_5(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the 1.5 structs that 1.6 appended to (0 for others): a 1.6 member
+ * must start at or past it. */
+size_t loom_abi_sizeof_v1_5(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_attention_args)
+  SIZE(loom_layer_api)
+#undef SIZE
+  return 0;
 }

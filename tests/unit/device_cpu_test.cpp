@@ -2326,6 +2326,144 @@ TEST(DeviceCpu, Bf16AttentionEqualsFp32OnTheBf16Values) {
     }
 }
 
+// ABI 1.6's query window, as context parallelism calls it: the queries of each
+// window (q and out [b, s, h, d]) attend to keys and values of the whole sequence in
+// another layout (packed [s, b, k|v]) with q_offset at the window's start, and every
+// call accumulates into the same dk, dv. Over windows that cover the sequence in
+// any order this must equal one attention over the whole sequence.
+struct AttnWindow {
+  int64_t offset, length, kv_extra;  // kv_seq = offset + length + kv_extra (capped at S), causal
+};
+
+AttnIo run_attention_windows(const Dev& d, const AttnRef& ref, int32_t dt, const std::vector<float>& q,
+                             const std::vector<float>& k, const std::vector<float>& v,
+                             const std::vector<float>& dout, const std::vector<AttnWindow>& windows) {
+  const int64_t B = ref.B, S = ref.S, H = ref.H, D = ref.D, W = H * D;
+  auto kvat = [&](int64_t b, int64_t s, int64_t h, int64_t e) {  // k at +0, v at +W
+    return static_cast<size_t>(s * B * 2 * W + b * 2 * W + h * D + e);
+  };
+  std::vector<float> kv(static_cast<size_t>(S * B * 2 * W), 0.0f);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t e = 0; e < D; ++e) {
+          kv[kvat(b, s, h, e)] = k[ref.idx(b, s, h, e)];
+          kv[kvat(b, s, h, e) + W] = v[ref.idx(b, s, h, e)];
+        }
+  const size_t n = q.size();
+  DTensor Q(d, dt, q), KV(d, dt, kv), dO(d, dt, dout), O(d, dt, std::vector<float>(n, kNaN)),
+      dQ(d, dt, std::vector<float>(n, kNaN)), dKV(d, dt, std::vector<float>(kv.size(), 0.0f));
+  const size_t es = dt == LOOM_DTYPE_F32 ? 4 : 2;
+  auto off = [&](void* p, int64_t e) { return static_cast<void*>(static_cast<char*>(p) + e * static_cast<int64_t>(es)); };
+  AttnIo r;
+  r.lse.assign(static_cast<size_t>(B * H * S), kNaN);
+  for (const AttnWindow& w : windows) {
+    Buf<float> LSE(d, static_cast<size_t>(B * H * w.length));
+    loom_attention_args a = loom::make<loom_attention_args>();
+    a.batch = B;
+    a.seq = w.length;
+    a.heads = H;
+    a.head_dim = D;
+    a.qkv_stride_b = a.out_stride_b = S * W;  // q, out, their gradients: [b, s, h, d]
+    a.qkv_stride_s = a.out_stride_s = W;
+    a.kv_seq = ref.causal ? std::min(S, w.offset + w.length + w.kv_extra) : S;
+    a.q_offset = w.offset;
+    a.kv_stride_b = 2 * W;
+    a.kv_stride_s = B * 2 * W;
+    a.q = off(Q.data(), w.offset * W);
+    a.k = KV.data();
+    a.v = off(KV.data(), W);
+    a.out = off(O.data(), w.offset * W);
+    a.lse = LSE.data();
+    a.scale = static_cast<float>(ref.scale);
+    a.causal = ref.causal ? 1 : 0;
+    a.dtype = dt;
+    d.ops().attention_fwd(a);
+    a.dout = off(dO.data(), w.offset * W);
+    a.dq = off(dQ.data(), w.offset * W);
+    a.dk = dKV.data();
+    a.dv = off(dKV.data(), W);
+    a.accumulate_dkv = 1;
+    d.ops().attention_bwd(a);
+    const std::vector<float> l = LSE.get();
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t i = 0; i < w.length; ++i) r.lse[bh * S + w.offset + i] = l[bh * w.length + i];
+  }
+  r.out = O.values();
+  r.dq = dQ.values();
+  const std::vector<float> g = dKV.values();
+  r.dk.resize(n);
+  r.dv.resize(n);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t e = 0; e < D; ++e) {
+          r.dk[ref.idx(b, s, h, e)] = g[kvat(b, s, h, e)];
+          r.dv[ref.idx(b, s, h, e)] = g[kvat(b, s, h, e) + W];
+        }
+  return r;
+}
+
+TEST(DeviceCpu, WindowedAttentionOverContextChunksEqualsTheWholeSequence) {
+  // cp = 2 over S = 4 chunks of 35 (a partial query block each): rank 0 holds chunks
+  // 0 and 3, rank 1 chunks 1 and 2; keys up to the causal limit, or a few past it
+  // (masked), or all of them.
+  const int64_t c = 35;
+  const std::vector<AttnWindow> windows = {{0, c, 0}, {3 * c, c, 0}, {c, c, 7}, {2 * c, c, 4 * c}};
+  Dev dev(2);
+  ASSERT_NE(dev.api()->features & LOOM_DEVICE_ATTENTION_WINDOW, 0u) << "device/cpu must advertise the query window";
+  for (bool causal : {true, false}) {
+    AttnRef ref{2, 4 * c, 3, 8, causal, 1.0 / std::sqrt(8.0)};
+    const size_t n = static_cast<size_t>(ref.B * ref.S * ref.H * ref.D);
+    const std::vector<float> q = rounded(randn(n, 70, -2, 2)), k = rounded(randn(n, 71, -2, 2)),
+                             v = rounded(randn(n, 72)), dout = rounded(randn(n, 73));
+    const std::string tag = causal ? " causal" : " full";
+    Vec out, lse, dq, dk, dv;
+    ref.forward(to_d(q), to_d(k), to_d(v), out, lse);
+    ref.backward(to_d(q), to_d(k), to_d(v), to_d(dout), dq, dk, dv);
+    const AttnIo f = run_attention_windows(dev, ref, LOOM_DTYPE_F32, q, k, v, dout, windows);
+    expect_close(f.out, out, 1e-5, 1e-4, "windowed out" + tag);
+    expect_close(f.lse, lse, 1e-5, 1e-5, "windowed lse" + tag);
+    expect_close(f.dq, dq, 2e-5, 1e-4, "windowed dq" + tag);
+    expect_close(f.dk, dk, 2e-5, 1e-4, "windowed dk (accumulated over windows)" + tag);
+    expect_close(f.dv, dv, 2e-5, 1e-4, "windowed dv (accumulated over windows)" + tag);
+    // bf16 storage: windows equal the whole-sequence bf16 op to bf16 rounding (the
+    // GEMM blocks differ; dk, dv are rounded between accumulating calls).
+    const AttnIo hw = run_attention_windows(dev, ref, LOOM_DTYPE_BF16, q, k, v, dout, windows);
+    const AttnIo h = run_attention_dt(dev, ref, false, LOOM_DTYPE_BF16, q, k, v, dout, nullptr);
+    expect_close(hw.out, to_d(h.out), 1e-2, 1e-2, "bf16 windowed out" + tag);
+    expect_close(hw.lse, to_d(h.lse), 1e-6, 1e-6, "bf16 windowed lse" + tag);
+    expect_close(hw.dq, to_d(h.dq), 1e-2, 1e-2, "bf16 windowed dq" + tag);
+    expect_close(hw.dk, to_d(h.dk), 1e-2, 1e-2, "bf16 windowed dk" + tag);
+    expect_close(hw.dv, to_d(h.dv), 1e-2, 1e-2, "bf16 windowed dv" + tag);
+  }
+}
+
+// A causal window must lie inside its keys; the op says which bounds it got.
+TEST(DeviceCpu, WindowedAttentionRefusesAWindowPastItsKeys) {
+  Dev d(1);
+  Buf<float> x(d, 64), lse(d, 8);
+  loom_attention_args a = loom::make<loom_attention_args>();
+  a.batch = 1;
+  a.seq = 4;
+  a.heads = 1;
+  a.head_dim = 2;
+  a.qkv_stride_b = a.out_stride_b = a.kv_stride_b = 8;
+  a.qkv_stride_s = a.out_stride_s = a.kv_stride_s = 2;
+  a.q = a.k = a.v = x.data();
+  a.out = x.data() + 32;
+  a.lse = lse.data();
+  a.scale = 1.0f;
+  a.causal = 1;
+  a.kv_seq = 6;
+  a.q_offset = 3;  // [3, 7) reaches past the 6 keys
+  const StatusInfo st = take(d.api()->ops->attention_fwd(d.raw(), nullptr, &a));
+  EXPECT_EQ(st.code, LOOM_CODE_INVALID_ARGUMENT);
+  const std::string& msg = st.message;
+  EXPECT_NE(msg.find("[3, 7)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("kv_seq = 6"), std::string::npos) << msg;
+}
+
 TEST(DeviceCpu, Bf16XentEqualsFp32OnTheBf16Values) {
   for (const std::string& simd : simd_variants()) {
     SCOPED_TRACE("simd " + simd);

@@ -109,18 +109,35 @@ void check(const char* device, const loom_gelu_args& a, bool backward) {
                op << ": x, out" << (backward ? " and dy" : "") << " must not be NULL");
 }
 
-void check(const char* device, const loom_attention_args& a, bool backward) {
+loom_attention_args resolved(const loom_attention_args& a) {
+  loom_attention_args r = a;
+  if (r.kv_seq == 0) {
+    r.kv_seq = r.seq;
+    r.q_offset = 0;
+    r.kv_stride_b = r.qkv_stride_b;
+    r.kv_stride_s = r.qkv_stride_s;
+  }
+  return r;
+}
+
+void check(const char* device, const loom_attention_args& args, bool backward) {
   const char* op = backward ? "attention_bwd" : "attention_fwd";
+  const loom_attention_args a = resolved(args);
   require_float(device, op, "dtype", a.dtype);
   LOOM_REQUIRE(a.batch >= 0 && a.seq >= 0 && a.heads >= 0 && a.head_dim >= 0,
                op << ": batch, seq, heads, head_dim must be >= 0");
+  LOOM_REQUIRE(a.kv_seq >= 0 && a.q_offset >= 0, op << ": kv_seq (" << a.kv_seq << ") and q_offset (" << a.q_offset
+                                                     << ") must be >= 0");
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  LOOM_REQUIRE(!a.causal || a.q_offset + a.seq <= a.kv_seq,
+               op << ": the query window [q_offset, q_offset + seq) = [" << a.q_offset << ", " << a.q_offset + a.seq
+                  << ") must lie inside the kv_seq = " << a.kv_seq << " keys of causal attention");
   const int64_t width = a.heads * a.head_dim;
-  LOOM_REQUIRE(a.qkv_stride_s >= width && a.out_stride_s >= width, op << ": qkv_stride_s (" << a.qkv_stride_s
-                                                                      << ") and out_stride_s (" << a.out_stride_s
-                                                                      << ") must be >= heads*head_dim = " << width);
-  LOOM_REQUIRE(a.batch == 1 || (a.qkv_stride_b >= width && a.out_stride_b >= width),
-               op << ": qkv_stride_b and out_stride_b must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.qkv_stride_s >= width && a.out_stride_s >= width && a.kv_stride_s >= width,
+               op << ": qkv_stride_s (" << a.qkv_stride_s << "), kv_stride_s (" << a.kv_stride_s
+                  << ") and out_stride_s (" << a.out_stride_s << ") must be >= heads*head_dim = " << width);
+  LOOM_REQUIRE(a.batch == 1 || (a.qkv_stride_b >= width && a.out_stride_b >= width && a.kv_stride_b >= width),
+               op << ": qkv_stride_b, kv_stride_b and out_stride_b must be >= heads*head_dim = " << width);
   LOOM_REQUIRE(a.q && a.k && a.v && a.out, op << ": q, k, v and out must not be NULL");
   if (backward)
     LOOM_REQUIRE(a.lse && a.dout && a.dq && a.dk && a.dv, op << ": lse, dout, dq, dk and dv must not be NULL");

@@ -24,6 +24,11 @@ void require_float(const char* device, const char* op, const char* what, int32_t
 int32_t grad_dtype(const loom_layernorm_bwd_args& a);
 int32_t grad_dtype(const loom_embedding_args& a);
 
+// The attention args with ABI 1.6's query window resolved: kv_seq = 0 (a caller
+// before 1.6, or no window) becomes kv_seq = seq, q_offset = 0 and k, v with the
+// qkv strides. Devices run the resolved form; check() validates it.
+loom_attention_args resolved(const loom_attention_args& a);
+
 void check(const char* device, const loom_gemm_args& g);
 void check(const char* device, const loom_layernorm_fwd_args& a);
 void check(const char* device, const loom_layernorm_bwd_args& a);

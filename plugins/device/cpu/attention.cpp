@@ -5,6 +5,8 @@
 // matrices [seq, head_dim] with leading dimension stride_s, so every product is
 // one sgemm on the tensors in place (packed QKV included). A causal block of query
 // rows [i0, i1) only needs keys [0, i1), so causal attention costs about half.
+// With ABI 1.6's query window (context parallelism) the queries sit at positions
+// q_offset.. of a longer key sequence: the block then needs keys [0, q_offset + i1).
 //
 // Forward:  S = scale Q K^T, P = softmax(S) (masked), O = P V, lse = max + log(sum).
 // Backward: P = exp(scale Q K^T - lse) recomputed; D = rowsum(dO o O);
@@ -21,14 +23,20 @@ namespace {
 constexpr int64_t kBlockRows = 64;
 
 struct Layout {
-  int64_t seq, heads, hd;
-  int64_t qs_b, qs_s, os_b, os_s;
+  int64_t seq, kv, q_off, heads, hd;
+  int64_t qs_b, qs_s, ks_b, ks_s, os_b, os_s;
   int64_t blocks;  // query row blocks per (batch, head)
+  bool causal;
+  // Keys query block [i0, i1) needs, and how many of them row i (0-based in the block) sees.
+  int64_t keys(int64_t i1) const { return causal ? q_off + i1 : kv; }
+  int64_t visible(int64_t i0, int64_t i) const { return causal ? q_off + i0 + i + 1 : kv; }
 };
 
+// `a` resolved (op_contract::resolved): kv_seq, q_offset and the kv strides are set.
 Layout layout_of(const loom_attention_args& a) {
-  return Layout{a.seq,          a.heads,        a.head_dim,     a.qkv_stride_b,
-                a.qkv_stride_s, a.out_stride_b, a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows};
+  return Layout{a.seq,          a.kv_seq,       a.q_offset,     a.heads,        a.head_dim,
+                a.qkv_stride_b, a.qkv_stride_s, a.kv_stride_b,  a.kv_stride_s,  a.out_stride_b,
+                a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows, a.causal != 0};
 }
 
 inline const float* F(const void* p) { return static_cast<const float*>(p); }
@@ -38,65 +46,66 @@ inline float* F(void* p) { return static_cast<float*>(p); }
 void forward_block(const Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, int64_t blk) {
   const int64_t S = L.seq, D = L.hd;
   const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-  const int64_t nk = a.causal ? i1 : S;
+  const int64_t nk = L.keys(i1);
   const float* q = F(a.q) + b * L.qs_b + h * D;
-  const float* k = F(a.k) + b * L.qs_b + h * D;
-  const float* v = F(a.v) + b * L.qs_b + h * D;
+  const float* k = F(a.k) + b * L.ks_b + h * D;
+  const float* v = F(a.v) + b * L.ks_b + h * D;
   float* o = F(a.out) + b * L.os_b + h * D;
   float* lse = a.lse ? a.lse + (b * L.heads + h) * S : nullptr;
 
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(nr * nk));
   float* P = scratch.data();
-  d.gemm1(false, true, nr, nk, D, a.scale, q + i0 * L.qs_s, L.qs_s, k, L.qs_s, 0.0f, P, nk);
+  d.gemm1(false, true, nr, nk, D, a.scale, q + i0 * L.qs_s, L.qs_s, k, L.ks_s, 0.0f, P, nk);
   for (int64_t i = 0; i < nr; ++i) {
-    const float l = d.k->softmax_row(P + i * nk, a.causal ? i0 + i + 1 : S, nk);
+    const float l = d.k->softmax_row(P + i * nk, L.visible(i0, i), nk);
     if (lse) lse[i0 + i] = l;
   }
-  d.gemm1(false, false, nr, D, nk, 1.0f, P, nk, v, L.qs_s, 0.0f, o + i0 * L.os_s, L.os_s);
+  d.gemm1(false, false, nr, D, nk, 1.0f, P, nk, v, L.ks_s, 0.0f, o + i0 * L.os_s, L.os_s);
 }
 
 // All query blocks of one (batch, head): dQ rows, and dK, dV accumulated over blocks.
 void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, bool parallel_gemm) {
-  const int64_t S = L.seq, D = L.hd, ld = L.qs_s, lo = L.os_s;
-  const int64_t base = b * L.qs_b + h * D, obase = b * L.os_b + h * D;
-  const float* q = F(a.q) + base;
-  const float* k = F(a.k) + base;
-  const float* v = F(a.v) + base;
+  const int64_t S = L.seq, D = L.hd, ld = L.qs_s, lk = L.ks_s, lo = L.os_s;
+  const int64_t qbase = b * L.qs_b + h * D, kbase = b * L.ks_b + h * D, obase = b * L.os_b + h * D;
+  const float* q = F(a.q) + qbase;
+  const float* k = F(a.k) + kbase;
+  const float* v = F(a.v) + kbase;
   const float* o = F(a.out) + obase;
   const float* dout = F(a.dout) + obase;
-  float* dq = F(a.dq) + base;
-  float* dk = F(a.dk) + base;
-  float* dv = F(a.dv) + base;
+  float* dq = F(a.dq) + qbase;
+  float* dk = F(a.dk) + kbase;
+  float* dv = F(a.dv) + kbase;
   const float* lse = a.lse + (b * L.heads + h) * S;
 
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t c = 0; c < D; ++c) dk[s * ld + c] = dv[s * ld + c] = 0.0f;
+  if (!a.accumulate_dkv)
+    for (int64_t s = 0; s < L.kv; ++s)
+      for (int64_t c = 0; c < D; ++c) dk[s * lk + c] = dv[s * lk + c] = 0.0f;
 
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(2 * kBlockRows * S + kBlockRows));
+  scratch.resize(static_cast<size_t>(2 * kBlockRows * L.kv + kBlockRows));
   for (int64_t blk = 0; blk < L.blocks; ++blk) {
     const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-    const int64_t nk = a.causal ? i1 : S;
+    const int64_t nk = L.keys(i1);
     float* P = scratch.data();
     float* dP = P + nr * nk;
     float* Dv = dP + nr * nk;
     const float* qb = q + i0 * ld;
     const float* dob = dout + i0 * lo;
-    d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, k, ld, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
+    d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, k, lk, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
     for (int64_t i = 0; i < nr; ++i) {
-      d.k->exp_shift_row(P + i * nk, a.causal ? i0 + i + 1 : S, nk, lse[i0 + i]);
+      d.k->exp_shift_row(P + i * nk, L.visible(i0, i), nk, lse[i0 + i]);
       Dv[i] = d.k->dot(o + (i0 + i) * lo, dob + i * lo, D);
     }
     // dV[0:nk] += P^T dO
-    d.gemm(true, false, nk, D, nr, 1.0f, P, nk, 0, dob, lo, 0, 1.0f, dv, ld, 0, 1, parallel_gemm);
+    d.gemm(true, false, nk, D, nr, 1.0f, P, nk, 0, dob, lo, 0, 1.0f, dv, lk, 0, 1, parallel_gemm);
     // dP = dO V^T
-    d.gemm(false, true, nr, nk, D, 1.0f, dob, lo, 0, v, ld, 0, 0.0f, dP, nk, 0, 1, parallel_gemm);
+    d.gemm(false, true, nr, nk, D, 1.0f, dob, lo, 0, v, lk, 0, 0.0f, dP, nk, 0, 1, parallel_gemm);
     // dS = P o (dP - D)
     for (int64_t i = 0; i < nr; ++i) d.k->softmax_grad_row(P + i * nk, dP + i * nk, nk, Dv[i]);
     // dQ = scale dS K ; dK[0:nk] += scale dS^T Q
-    d.gemm(false, false, nr, D, nk, a.scale, dP, nk, 0, k, ld, 0, 0.0f, dq + i0 * ld, ld, 0, 1, parallel_gemm);
-    d.gemm(true, false, nk, D, nr, a.scale, dP, nk, 0, qb, ld, 0, 1.0f, dk, ld, 0, 1, parallel_gemm);
+    d.gemm(false, false, nr, D, nk, a.scale, dP, nk, 0, k, lk, 0, 0.0f, dq + i0 * ld, ld, 0, 1, parallel_gemm);
+    d.gemm(true, false, nk, D, nr, a.scale, dP, nk, 0, qb, ld, 0, 1.0f, dk, lk, 0, 1, parallel_gemm);
   }
 }
 
@@ -105,38 +114,45 @@ void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int
 void validate_attention(const loom_attention_args& a, bool backward) {
   op_contract::check("device/cpu", a, backward);
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  LOOM_REQUIRE(a.qkv_stride_s <= INT_MAX && a.out_stride_s <= INT_MAX && a.seq <= INT_MAX,
+  const loom_attention_args r = op_contract::resolved(a);
+  LOOM_REQUIRE(r.qkv_stride_s <= INT_MAX && r.kv_stride_s <= INT_MAX && r.out_stride_s <= INT_MAX && r.kv_seq <= INT_MAX,
                (backward ? "attention_bwd" : "attention_fwd") << ": strides must fit in 32 bits (BLAS interface)");
 }
 
 namespace {
 
-// bf16 attention, one batch element at a time: its q, k, v (and out, dout) widened
-// into fp32 [seq, heads*head_dim] scratch, the fp32 attention run on them (batch 1;
-// every (head, query block) of the F32 path is computed the same way, whatever the
-// batch), out (dq, dk, dv) rounded back into their strided places. lse stays fp32.
+// bf16 attention, one batch element at a time: its q (and out, dout) widened into
+// fp32 [seq, heads*head_dim] scratch, k and v into [kv_seq, heads*head_dim], the
+// fp32 attention run on them (batch 1; every (head, query block) of the F32 path is
+// computed the same way, whatever the batch), out (dq, dk, dv) rounded back into
+// their strided places (dk, dv widened first when accumulated). lse stays fp32.
 // The probabilities P and dS stay fp32 between the GEMMs (device/cuda rounds them to
 // bf16 for its bf16 GEMMs: the two differ by about bf16 precision).
 struct Bf16Attention {
   Device& d;
-  const loom_attention_args& a;
-  int64_t S, W;
+  const loom_attention_args& a;  // resolved
+  int64_t S, KV, W;
   Bf16Attention(Device& dev, const loom_attention_args& args)
-      : d(dev), a(args), S(args.seq), W(args.heads * args.head_dim) {}
+      : d(dev), a(args), S(args.seq), KV(args.kv_seq), W(args.heads * args.head_dim) {}
 
-  void widen(const void* src, int64_t stride_b, int64_t stride_s, int64_t b, float* dst) const {
-    widen_matrix(d, static_cast<const uint16_t*>(src) + b * stride_b, stride_s, 0, dst, W, 0, 1, S, W, true);
+  void widen(const void* src, int64_t stride_b, int64_t stride_s, int64_t b, int64_t rows, float* dst) const {
+    widen_matrix(d, static_cast<const uint16_t*>(src) + b * stride_b, stride_s, 0, dst, W, 0, 1, rows, W, true);
   }
-  void round(const float* src, void* dst, int64_t stride_b, int64_t stride_s, int64_t b) const {
-    round_matrix(d, src, W, 0, static_cast<uint16_t*>(dst) + b * stride_b, stride_s, 0, 1, S, W, true);
+  void round(const float* src, void* dst, int64_t stride_b, int64_t stride_s, int64_t b, int64_t rows) const {
+    round_matrix(d, src, W, 0, static_cast<uint16_t*>(dst) + b * stride_b, stride_s, 0, 1, rows, W, true);
   }
-  // The fp32 arguments of batch element b over scratch tensors [S, W].
+  void widen_q(const void* src, int64_t b, float* dst) const { widen(src, a.qkv_stride_b, a.qkv_stride_s, b, S, dst); }
+  void widen_kv(const void* src, int64_t b, float* dst) const { widen(src, a.kv_stride_b, a.kv_stride_s, b, KV, dst); }
+  void widen_out(const void* src, int64_t b, float* dst) const { widen(src, a.out_stride_b, a.out_stride_s, b, S, dst); }
+  // The fp32 arguments of batch element b over scratch tensors q, out [S, W] and k, v [KV, W].
   loom_attention_args f32_args(int64_t b, float* q, float* k, float* v, float* out) const {
     loom_attention_args f = a;
     f.dtype = LOOM_DTYPE_F32;
     f.batch = 1;
     f.qkv_stride_b = f.out_stride_b = S * W;
     f.qkv_stride_s = f.out_stride_s = W;
+    f.kv_stride_b = KV * W;
+    f.kv_stride_s = W;
     f.q = q;
     f.k = k;
     f.v = v;
@@ -146,21 +162,18 @@ struct Bf16Attention {
   }
 };
 
-}  // namespace
-
-void run_attention_fwd(Device& d, const loom_attention_args& a) {
-  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+void attention_fwd(Device& d, const loom_attention_args& a) {
   if (is_bf16(a.dtype)) {
     const Bf16Attention x(d, a);
-    const size_t t = static_cast<size_t>(x.S * x.W);
-    F32Buffer buf(4 * t);
-    float *q = buf.get(), *k = q + t, *v = k + t, *o = v + t;
+    const size_t t = static_cast<size_t>(x.S * x.W), kt = static_cast<size_t>(x.KV * x.W);
+    F32Buffer buf(2 * t + 2 * kt);
+    float *q = buf.get(), *o = q + t, *k = o + t, *v = k + kt;
     for (int64_t b = 0; b < a.batch; ++b) {
-      x.widen(a.q, a.qkv_stride_b, a.qkv_stride_s, b, q);
-      x.widen(a.k, a.qkv_stride_b, a.qkv_stride_s, b, k);
-      x.widen(a.v, a.qkv_stride_b, a.qkv_stride_s, b, v);
-      run_attention_fwd(d, x.f32_args(b, q, k, v, o));
-      x.round(o, a.out, a.out_stride_b, a.out_stride_s, b);
+      x.widen_q(a.q, b, q);
+      x.widen_kv(a.k, b, k);
+      x.widen_kv(a.v, b, v);
+      attention_fwd(d, x.f32_args(b, q, k, v, o));
+      x.round(o, a.out, a.out_stride_b, a.out_stride_s, b, x.S);
     }
     return;
   }
@@ -173,28 +186,32 @@ void run_attention_fwd(Device& d, const loom_attention_args& a) {
   });
 }
 
-void run_attention_bwd(Device& d, const loom_attention_args& a) {
-  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+void attention_bwd(Device& d, const loom_attention_args& a) {
   if (is_bf16(a.dtype)) {
     const Bf16Attention x(d, a);
-    const size_t t = static_cast<size_t>(x.S * x.W);
-    F32Buffer buf(8 * t);
-    float *q = buf.get(), *k = q + t, *v = k + t, *o = v + t, *dout = o + t, *dq = dout + t, *dk = dq + t, *dv = dk + t;
+    const size_t t = static_cast<size_t>(x.S * x.W), kt = static_cast<size_t>(x.KV * x.W);
+    F32Buffer buf(4 * t + 4 * kt);
+    float *q = buf.get(), *o = q + t, *dout = o + t, *dq = dout + t;
+    float *k = dq + t, *v = k + kt, *dk = v + kt, *dv = dk + kt;
     for (int64_t b = 0; b < a.batch; ++b) {
-      x.widen(a.q, a.qkv_stride_b, a.qkv_stride_s, b, q);
-      x.widen(a.k, a.qkv_stride_b, a.qkv_stride_s, b, k);
-      x.widen(a.v, a.qkv_stride_b, a.qkv_stride_s, b, v);
-      x.widen(a.out, a.out_stride_b, a.out_stride_s, b, o);
-      x.widen(a.dout, a.out_stride_b, a.out_stride_s, b, dout);
+      x.widen_q(a.q, b, q);
+      x.widen_kv(a.k, b, k);
+      x.widen_kv(a.v, b, v);
+      x.widen_out(a.out, b, o);
+      x.widen_out(a.dout, b, dout);
+      if (a.accumulate_dkv) {
+        x.widen_kv(a.dk, b, dk);
+        x.widen_kv(a.dv, b, dv);
+      }
       loom_attention_args f = x.f32_args(b, q, k, v, o);
       f.dout = dout;
       f.dq = dq;
       f.dk = dk;
       f.dv = dv;
-      run_attention_bwd(d, f);
-      x.round(dq, a.dq, a.qkv_stride_b, a.qkv_stride_s, b);
-      x.round(dk, a.dk, a.qkv_stride_b, a.qkv_stride_s, b);
-      x.round(dv, a.dv, a.qkv_stride_b, a.qkv_stride_s, b);
+      attention_bwd(d, f);
+      x.round(dq, a.dq, a.qkv_stride_b, a.qkv_stride_s, b, x.S);
+      x.round(dk, a.dk, a.kv_stride_b, a.kv_stride_s, b, x.KV);
+      x.round(dv, a.dv, a.kv_stride_b, a.kv_stride_s, b, x.KV);
     }
     return;
   }
@@ -205,6 +222,18 @@ void run_attention_bwd(Device& d, const loom_attention_args& a) {
   } else {  // few heads: one at a time, each GEMM spread over the pool
     for (int64_t t = 0; t < tasks; ++t) backward_head(d, a, L, t / a.heads, t % a.heads, true);
   }
+}
+
+}  // namespace
+
+void run_attention_fwd(Device& d, const loom_attention_args& a) {
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  attention_fwd(d, op_contract::resolved(a));
+}
+
+void run_attention_bwd(Device& d, const loom_attention_args& a) {
+  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
+  attention_bwd(d, op_contract::resolved(a));
 }
 
 }  // namespace loom::cpu

@@ -207,11 +207,14 @@ __global__ void gelu_kernel(int64_t n, bool backward, const T* x, const T* dy, T
 
 // ---- attention pieces -----------------------------------------------------------------
 
-__global__ void softmax_fwd_kernel(int64_t seq, bool causal, float* scores, uint16_t* pb, float* lse) {
+// Row r = h * q_rows + i of the scores [heads * q_rows, cols]: query i sits at key
+// position q_offset + i, so causal attention keeps columns j <= q_offset + i.
+__global__ void softmax_fwd_kernel(int64_t q_rows, int64_t cols, int64_t q_offset, bool causal, float* scores,
+                                   uint16_t* pb, float* lse) {
   __shared__ float shf[32];
-  const int64_t r = blockIdx.x, i = r % seq;
-  const int64_t valid = causal ? i + 1 : seq;
-  float* row = scores + r * seq;
+  const int64_t r = blockIdx.x, i = r % q_rows;
+  const int64_t valid = causal ? min(q_offset + i + 1, cols) : cols;
+  float* row = scores + r * cols;
   float m = kNegInf;
   for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, row[j]);
   m = block_reduce(m, shf, MaxOp{}, kNegInf);
@@ -223,20 +226,21 @@ __global__ void softmax_fwd_kernel(int64_t seq, bool causal, float* scores, uint
   }
   sum = block_reduce(sum, shf, SumOp{}, 0.0f);
   const float inv = 1.0f / sum;
-  for (int64_t j = threadIdx.x; j < seq; j += blockDim.x) {
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
     const float p = j < valid ? row[j] * inv : 0.0f;
     row[j] = p;
-    if (pb) pb[r * seq + j] = f32_to_bf16(p);
+    if (pb) pb[r * cols + j] = f32_to_bf16(p);
   }
   if (threadIdx.x == 0 && lse) lse[r] = m + logf(sum);
 }
 
-__global__ void softmax_p_kernel(int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb, const float* lse) {
-  const int64_t total = rows * seq;
+__global__ void softmax_p_kernel(int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
+                                 float* scores, uint16_t* pb, const float* lse) {
+  const int64_t total = rows * cols;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / seq, j = idx % seq, i = r % seq;
-    const bool inside = !causal || j <= i;
+    const int64_t r = idx / cols, j = idx % cols, i = r % q_rows;
+    const bool inside = !causal || j <= q_offset + i;
     const float p = inside ? expf(scores[idx] - lse[r]) : 0.0f;
     scores[idx] = p;
     if (pb) pb[idx] = f32_to_bf16(p);
@@ -259,12 +263,12 @@ __global__ void rowdot_kernel(int64_t heads, int64_t seq, int64_t head_dim, int6
   if (lane == 0) dvec[r] = s;
 }
 
-__global__ void dsoftmax_kernel(int64_t rows, int64_t seq, const float* p, float* dp, const float* dvec,
+__global__ void dsoftmax_kernel(int64_t rows, int64_t cols, const float* p, float* dp, const float* dvec,
                                 uint16_t* dsb) {
-  const int64_t total = rows * seq;
+  const int64_t total = rows * cols;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = p[idx] * (dp[idx] - dvec[idx / seq]);
+    const float v = p[idx] * (dp[idx] - dvec[idx / cols]);
     dp[idx] = v;
     if (dsb) dsb[idx] = f32_to_bf16(v);
   }
@@ -639,17 +643,18 @@ cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* 
   return cudaGetLastError();
 }
 
-cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
-                          float* lse) {
+cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
+                          float* scores, uint16_t* pb, float* lse) {
   if (rows == 0) return cudaSuccess;
-  softmax_fwd_kernel<<<static_cast<unsigned>(rows), row_threads(seq), 0, s>>>(seq, causal, scores, pb, lse);
+  softmax_fwd_kernel<<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(q_rows, cols, q_offset, causal, scores,
+                                                                              pb, lse);
   return cudaGetLastError();
 }
 
-cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t seq, bool causal, float* scores, uint16_t* pb,
-                        const float* lse) {
+cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
+                        float* scores, uint16_t* pb, const float* lse) {
   if (rows == 0) return cudaSuccess;
-  softmax_p_kernel<<<grid_for(rows * seq), kThreads, 0, s>>>(rows, seq, causal, scores, pb, lse);
+  softmax_p_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(rows, q_rows, cols, q_offset, causal, scores, pb, lse);
   return cudaGetLastError();
 }
 
@@ -666,10 +671,10 @@ cudaError_t k_rowdot(cudaStream_t s, Dt dt, int64_t heads, int64_t seq, int64_t 
   return cudaGetLastError();
 }
 
-cudaError_t k_dsoftmax(cudaStream_t s, int64_t rows, int64_t seq, const float* p, float* dp, const float* dvec,
+cudaError_t k_dsoftmax(cudaStream_t s, int64_t rows, int64_t cols, const float* p, float* dp, const float* dvec,
                        uint16_t* dsb) {
   if (rows == 0) return cudaSuccess;
-  dsoftmax_kernel<<<grid_for(rows * seq), kThreads, 0, s>>>(rows, seq, p, dp, dvec, dsb);
+  dsoftmax_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(rows, cols, p, dp, dvec, dsb);
   return cudaGetLastError();
 }
 

@@ -180,75 +180,87 @@ void run_gelu_bwd(Device& d, Stream& s, const loom_gelu_args& a) {
 void validate_attention(const loom_attention_args& a, bool backward) {
   op_contract::check("device/cuda", a, backward);
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  LOOM_REQUIRE(a.qkv_stride_s <= kMax32 && a.out_stride_s <= kMax32 && a.seq <= kMax32 &&
-                   a.heads * a.seq <= kMax32,
+  const loom_attention_args r = op_contract::resolved(a);
+  LOOM_REQUIRE(r.qkv_stride_s <= kMax32 && r.kv_stride_s <= kMax32 && r.out_stride_s <= kMax32 &&
+                   r.kv_seq <= kMax32 && r.heads * r.seq <= kMax32 && r.seq * r.kv_seq <= kMax32,
                (backward ? "attention_bwd" : "attention_fwd")
-                   << ": strides and heads*seq must fit in 32 bits (cuBLAS interface)");
+                   << ": strides, heads*seq and seq*kv_seq must fit in 32 bits (cuBLAS interface)");
 }
 
-void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& a) {
+// Scores are [heads, Sq, Skv] per batch element: the Sq queries (ABI 1.6: a window at
+// q_offset of the Skv keys; without one Skv = Sq) against every key, masked past the
+// causal limit by the softmax kernels.
+void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& args) {
   const char* op = "attention_fwd";
-  const Dt dt = float_dt(op, "dtype", a.dtype);
-  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  const int64_t S = a.seq, H = a.heads, D = a.head_dim, ss = a.qkv_stride_s, os = a.out_stride_s;
+  const Dt dt = float_dt(op, "dtype", args.dtype);
+  if (args.batch == 0 || args.seq == 0 || args.heads == 0 || args.head_dim == 0) return;
+  const loom_attention_args a = op_contract::resolved(args);
+  const int64_t Sq = a.seq, Skv = a.kv_seq, H = a.heads, D = a.head_dim;
+  const int64_t qs = a.qkv_stride_s, ks = a.kv_stride_s, os = a.out_stride_s;
   const bool bf16 = dt == Dt::BF16;
-  Scratch scores(d, s, static_cast<size_t>(H * S * S) * sizeof(float), op);
-  Scratch pb(d, s, bf16 ? static_cast<size_t>(H * S * S) * 2 : 0, op);
+  const size_t sq = static_cast<size_t>(H * Sq * Skv);
+  Scratch scores(d, s, sq * sizeof(float), op);
+  Scratch pb(d, s, bf16 ? sq * 2 : 0, op);
   for (int64_t b = 0; b < a.batch; ++b) {
     const char* q = at(a.q, b * a.qkv_stride_b, dt);
-    const char* k = at(a.k, b * a.qkv_stride_b, dt);
-    const char* v = at(a.v, b * a.qkv_stride_b, dt);
+    const char* k = at(a.k, b * a.kv_stride_b, dt);
+    const char* v = at(a.v, b * a.kv_stride_b, dt);
     char* o = at(a.out, b * a.out_stride_b, dt);
     // scores[h] = scale Q_h K_h^T (fp32)
-    gemm_impl(d, s, op, false, true, S, S, D, a.scale, q, ss, D, k, ss, D, 0.0f, scores.get(), S, S * S, H, dt,
-              Dt::F32);
+    gemm_impl(d, s, op, false, true, Sq, Skv, D, a.scale, q, qs, D, k, ks, D, 0.0f, scores.get(), Skv, Sq * Skv, H,
+              dt, Dt::F32);
     check_launch(d, op, "softmax kernel",
-                 k_softmax_fwd(s.s, H * S, S, a.causal != 0, scores.get<float>(), bf16 ? pb.get<uint16_t>() : nullptr,
-                               a.lse ? a.lse + b * H * S : nullptr));
+                 k_softmax_fwd(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, scores.get<float>(),
+                               bf16 ? pb.get<uint16_t>() : nullptr, a.lse ? a.lse + b * H * Sq : nullptr));
     // O_h = P_h V_h
-    gemm_impl(d, s, op, false, false, S, D, S, 1.0f, bf16 ? pb.get() : scores.get(), S, S * S, v, ss, D, 0.0f, o, os,
-              D, H, dt, dt);
+    gemm_impl(d, s, op, false, false, Sq, D, Skv, 1.0f, bf16 ? pb.get() : scores.get(), Skv, Sq * Skv, v, ks, D, 0.0f,
+              o, os, D, H, dt, dt);
   }
 }
 
-void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& a) {
+void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& args) {
   const char* op = "attention_bwd";
-  const Dt dt = float_dt(op, "dtype", a.dtype);
-  if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  const int64_t S = a.seq, H = a.heads, D = a.head_dim, ss = a.qkv_stride_s, os = a.out_stride_s;
+  const Dt dt = float_dt(op, "dtype", args.dtype);
+  if (args.batch == 0 || args.seq == 0 || args.heads == 0 || args.head_dim == 0) return;
+  const loom_attention_args a = op_contract::resolved(args);
+  const int64_t Sq = a.seq, Skv = a.kv_seq, H = a.heads, D = a.head_dim;
+  const int64_t qs = a.qkv_stride_s, ks = a.kv_stride_s, os = a.out_stride_s;
   const bool bf16 = dt == Dt::BF16;
-  const size_t sq = static_cast<size_t>(H * S * S);
+  const float beta_kv = a.accumulate_dkv ? 1.0f : 0.0f;
+  const size_t sq = static_cast<size_t>(H * Sq * Skv);
   Scratch p(d, s, sq * sizeof(float), op), dp(d, s, sq * sizeof(float), op);
   Scratch pb(d, s, bf16 ? sq * 2 : 0, op), dsb(d, s, bf16 ? sq * 2 : 0, op);
-  Scratch dvec(d, s, static_cast<size_t>(H * S) * sizeof(float), op);
+  Scratch dvec(d, s, static_cast<size_t>(H * Sq) * sizeof(float), op);
   for (int64_t b = 0; b < a.batch; ++b) {
     const char* q = at(a.q, b * a.qkv_stride_b, dt);
-    const char* k = at(a.k, b * a.qkv_stride_b, dt);
-    const char* v = at(a.v, b * a.qkv_stride_b, dt);
+    const char* k = at(a.k, b * a.kv_stride_b, dt);
+    const char* v = at(a.v, b * a.kv_stride_b, dt);
     const char* o = at(a.out, b * a.out_stride_b, dt);
     const char* dout = at(a.dout, b * a.out_stride_b, dt);
     char* dq = at(a.dq, b * a.qkv_stride_b, dt);
-    char* dk = at(a.dk, b * a.qkv_stride_b, dt);
-    char* dv = at(a.dv, b * a.qkv_stride_b, dt);
+    char* dk = at(a.dk, b * a.kv_stride_b, dt);
+    char* dv = at(a.dv, b * a.kv_stride_b, dt);
     // P = exp(scale Q K^T - lse), recomputed.
-    gemm_impl(d, s, op, false, true, S, S, D, a.scale, q, ss, D, k, ss, D, 0.0f, p.get(), S, S * S, H, dt, Dt::F32);
+    gemm_impl(d, s, op, false, true, Sq, Skv, D, a.scale, q, qs, D, k, ks, D, 0.0f, p.get(), Skv, Sq * Skv, H, dt,
+              Dt::F32);
     check_launch(d, op, "softmax recompute kernel",
-                 k_softmax_p(s.s, H * S, S, a.causal != 0, p.get<float>(), bf16 ? pb.get<uint16_t>() : nullptr,
-                             a.lse + b * H * S));
+                 k_softmax_p(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, p.get<float>(),
+                             bf16 ? pb.get<uint16_t>() : nullptr, a.lse + b * H * Sq));
     // D_i = rowsum(dO o O)
-    check_launch(d, op, "rowdot kernel", k_rowdot(s.s, dt, H, S, D, os, o, dout, dvec.get<float>()));
-    // dV = P^T dO
-    gemm_impl(d, s, op, true, false, S, D, S, 1.0f, bf16 ? pb.get() : p.get(), S, S * S, dout, os, D, 0.0f, dv, ss, D,
-              H, dt, dt);
+    check_launch(d, op, "rowdot kernel", k_rowdot(s.s, dt, H, Sq, D, os, o, dout, dvec.get<float>()));
+    // dV (+)= P^T dO
+    gemm_impl(d, s, op, true, false, Skv, D, Sq, 1.0f, bf16 ? pb.get() : p.get(), Skv, Sq * Skv, dout, os, D, beta_kv,
+              dv, ks, D, H, dt, dt);
     // dP = dO V^T (fp32), then dS = P o (dP - D) in place
-    gemm_impl(d, s, op, false, true, S, S, D, 1.0f, dout, os, D, v, ss, D, 0.0f, dp.get(), S, S * S, H, dt, Dt::F32);
+    gemm_impl(d, s, op, false, true, Sq, Skv, D, 1.0f, dout, os, D, v, ks, D, 0.0f, dp.get(), Skv, Sq * Skv, H, dt,
+              Dt::F32);
     check_launch(d, op, "softmax backward kernel",
-                 k_dsoftmax(s.s, H * S, S, p.get<float>(), dp.get<float>(), dvec.get<float>(),
+                 k_dsoftmax(s.s, H * Sq, Skv, p.get<float>(), dp.get<float>(), dvec.get<float>(),
                             bf16 ? dsb.get<uint16_t>() : nullptr));
     const void* ds = bf16 ? dsb.get() : dp.get();
-    // dQ = scale dS K ; dK = scale dS^T Q
-    gemm_impl(d, s, op, false, false, S, D, S, a.scale, ds, S, S * S, k, ss, D, 0.0f, dq, ss, D, H, dt, dt);
-    gemm_impl(d, s, op, true, false, S, D, S, a.scale, ds, S, S * S, q, ss, D, 0.0f, dk, ss, D, H, dt, dt);
+    // dQ = scale dS K ; dK (+)= scale dS^T Q
+    gemm_impl(d, s, op, false, false, Sq, D, Skv, a.scale, ds, Skv, Sq * Skv, k, ks, D, 0.0f, dq, qs, D, H, dt, dt);
+    gemm_impl(d, s, op, true, false, Skv, D, Sq, a.scale, ds, Skv, Sq * Skv, q, qs, D, beta_kv, dk, ks, D, H, dt, dt);
   }
 }
 

@@ -8,6 +8,14 @@
 // rank's sequence shard, f and g becoming all-gather and reduce-scatter. The k
 // part of qkv.bias gets an exactly-zero gradient (see backward): it cannot
 // change the output.
+//
+// Context parallelism (parallel.cp > 1; Megatron's all-gather form): this rank's
+// rows are two chunks of the sequence (loom::ContextSlice). Its queries attend to
+// the keys and values of the whole sequence, all-gathered over cp and put in
+// position order; each chunk is one windowed attention call (its queries at their
+// positions, keys up to its causal limit). Backward sums the key/value gradients
+// of every rank's queries with a reduce-scatter back to their owners. K and V are
+// gathered again in backward rather than kept, so saved activations shrink with cp.
 #include "../common/layer_math.hpp"
 
 #include <cmath>
@@ -41,7 +49,15 @@ class Attention : public loom::Layer {
     heads_local_ = heads_ / tp;
     hidden_local_ = heads_local_ * head_dim_;
     dropout_ = dropout_option(options, name_);
+    cp_group_ = rank.group_or_single("cp");
+    cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
+    LOOM_REQUIRE(cp_.cp() == 1 || (rank.device().features() & LOOM_DEVICE_ATTENTION_WINDOW) != 0,
+                 name_ << ": context parallelism (cp = " << cp_.cp()
+                       << ") needs windowed attention, which this device plugin does not advertise "
+                          "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
   }
+
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(6);
@@ -109,7 +125,10 @@ class Attention : public loom::Layer {
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
                                         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kQkvW],
                                         .bias = w_[kQkvB], .y = s.mem.at(s.qkv), .dtype = dt_.act});
-    dev.attention_fwd(attention_args(s));
+    {
+      KvFull kv(*this, dev, s, /*backward=*/false);
+      for (int h = 0; h < halves(); ++h) dev.attention_fwd(attention_args(s, kv, h));
+    }
     // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
     void* p = tmp.at<void>(proj);
     tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
@@ -157,12 +176,20 @@ class Attention : public loom::Layer {
                                       .dy = d, .dx = tmp.at(dctx), .dweight = gs[kProjW], .dbias = gs[kProjB], .dtype = dt_.act,
                                       .grad_fp32 = gs.grad_fp32()});
 
-    loom_attention_args att = attention_args(s);
-    att.dout = tmp.at(dctx);
-    att.dq = tmp.at<void>(dqkv);
-    att.dk = advance(tmp.at<void>(dqkv), Hl, dt_.act);
-    att.dv = advance(tmp.at<void>(dqkv), 2 * Hl, dt_.act);
-    dev.attention_bwd(att);
+    {
+      KvFull kv(*this, dev, s, /*backward=*/true);
+      void* dkv = kv.gathered ? kv.grad() : nullptr;  // dK, dV of the whole sequence (cp > 1)
+      for (int h = 0; h < halves(); ++h) {
+        loom_attention_args att = attention_args(s, kv, h);
+        att.dout = advance(tmp.at<const void>(dctx), h * kv.chunk_rows * Hl, dt_.act);
+        att.dq = advance(tmp.at<void>(dqkv), h * kv.chunk_rows * 3 * Hl, dt_.act);
+        att.dk = dkv ? dkv : advance(tmp.at<void>(dqkv), Hl, dt_.act);
+        att.dv = advance(att.dk, Hl, dt_.act);
+        att.accumulate_dkv = dkv ? 1 : 0;
+        dev.attention_bwd(att);
+      }
+      if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
+    }
 
     // The LN output, recomputed (and gathered again under SP).
     const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
@@ -199,7 +226,7 @@ class Attention : public loom::Layer {
   }
 
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_, H = hidden_, Hl = hidden_local_;
+    const int64_t T = cp_.local_length() * micro_batch_, H = hidden_, Hl = hidden_local_;
     const bool sp = tp_.sequence_parallel();
     const int64_t Tl = sp ? T / tp_.size() : T;
     Arena a;
@@ -208,14 +235,15 @@ class Attention : public loom::Layer {
     a.floats(Tl);                             // rstd
     a.elems(T * 3 * Hl, dt_.act);             // qkv
     a.elems(T * Hl, dt_.act);                 // attention output
-    a.floats(micro_batch_ * heads_local_ * seq_);  // lse
+    a.floats(micro_batch_ * heads_local_ * cp_.local_length());  // lse
     a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
     return a.bytes();
   }
 
-  // QKV 2*T*H*3Hl + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H (causal counted as full).
+  // QKV 2*T*H*3Hl + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H (causal counted as
+  // full), over this rank's T tokens (1/cp of them) against all S keys.
   double forward_flops() override {
-    const double T = static_cast<double>(seq_ * micro_batch_), S = static_cast<double>(seq_);
+    const double T = static_cast<double>(cp_.local_length() * micro_batch_), S = static_cast<double>(seq_);
     const double H = static_cast<double>(hidden_), Hl = static_cast<double>(hidden_local_);
     return 2.0 * T * H * 3.0 * Hl + 4.0 * T * S * Hl + 2.0 * T * Hl * H;
   }
@@ -235,12 +263,78 @@ class Attention : public loom::Layer {
     bool dropped = false;
   };
 
-  // q, k, v inside the packed [T, 3*Hl] activation; row r = s*B + b.
-  loom_attention_args attention_args(const Saved& s) const {
+  int halves() const { return cp_.cp() > 1 ? 2 : 1; }
+
+  // Under context parallelism, K and V of the whole sequence [cp * S, B, 2*Hl] in
+  // position order, gathered from every cp rank's packed qkv (nothing with cp = 1:
+  // k and v are read in place). grad() is a zeroed buffer of the same shape for
+  // their gradients (backward only), which scatter_grad() sums back to their owners.
+  struct KvFull {
+    const Attention& l;
+    const loom::Device& dev;
+    int64_t B = 0, T = 0, chunk_rows = 0;  // chunk_rows: one chunk's rows (= T with cp = 1)
+    Arena mem;
+    size_t full = 0, local = 0, gathered_at = 0, dfull = 0;
+    bool gathered = false;
+    KvFull(const Attention& layer, const loom::Device& d, const Saved& s, bool backward)
+        : l(layer), dev(d) {
+      const int64_t W = 2 * l.hidden_local_, cp = l.cp_.cp();
+      B = s.B;
+      T = s.S * s.B;
+      chunk_rows = (cp > 1 ? s.S / 2 : s.S) * B;
+      gathered = cp > 1;
+      if (!gathered) return;
+      full = mem.elems(cp * T * W, l.dt_.act);
+      local = mem.elems(T * W, l.dt_.act);
+      gathered_at = mem.elems(cp * T * W, l.dt_.act);
+      dfull = mem.elems(backward ? cp * T * W : 0, l.dt_.act);
+      mem.allocate(l.rank_);
+      const size_t eb = dtype_bytes(l.dt_.act);
+      // This rank's k|v columns, all-gathered over cp (rank-major), then each
+      // rank's two chunks copied to their positions.
+      dev.copy_2d(mem.at(local), W * eb, advance(s.mem.at<const void>(s.qkv), l.hidden_local_, l.dt_.act),
+                  3 * l.hidden_local_ * eb, W * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+      l.cp_group_.all_gather(dev.native_stream(), mem.at(local), mem.at(gathered_at), static_cast<size_t>(T * W),
+                             l.dt_.act);
+      permute(mem.at<void>(gathered_at), mem.at<void>(full), /*to_positions=*/true);
+      if (backward) fill_zero(dev, mem.at(dfull), cp * T * W, l.dt_.act);
+    }
+    void* k() const { return mem.at<void>(full); }
+    void* grad() const { return mem.at<void>(dfull); }
+    // Rank-major blocks (rank j's rows: its early chunk, then its late one) to
+    // position order, or back.
+    void permute(void* rank_major, void* positions, bool to_positions) const {
+      const int64_t W = 2 * l.hidden_local_;
+      const size_t chunk_bytes = static_cast<size_t>(chunk_rows * W) * dtype_bytes(l.dt_.act);
+      for (int j = 0; j < l.cp_.cp(); ++j)
+        for (int h = 0; h < 2; ++h) {
+          void* r = advance(rank_major, (j * T + h * chunk_rows) * W, l.dt_.act);
+          void* p = advance(positions, l.cp_.chunk_start(j, h) * B * W, l.dt_.act);
+          copy_d2d(dev, to_positions ? p : r, to_positions ? r : p, chunk_bytes);
+        }
+    }
+    // dK, dV of the whole sequence (grad()) summed over cp into this rank's rows,
+    // written into the k|v columns of the packed dqkv [T, 3*Hl].
+    void scatter_grad(void* dqkv) const {
+      const int64_t W = 2 * l.hidden_local_;
+      const size_t eb = dtype_bytes(l.dt_.act);
+      permute(mem.at<void>(gathered_at), mem.at<void>(dfull), /*to_positions=*/false);
+      l.cp_group_.reduce_scatter(dev.native_stream(), mem.at(gathered_at), mem.at(local), static_cast<size_t>(T * W),
+                                 l.dt_.act);
+      dev.copy_2d(advance(dqkv, l.hidden_local_, l.dt_.act), 3 * l.hidden_local_ * eb, mem.at(local), W * eb, W * eb,
+                  static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    }
+  };
+
+  // The attention of query rows `half` (the whole local sequence with cp = 1; else
+  // chunk `half` of this rank's two) over q, k, v in the packed [T, 3*Hl]
+  // activation, row r = s*B + b; under context parallelism k and v are the
+  // gathered whole sequence and the queries a window of it at their positions.
+  loom_attention_args attention_args(const Saved& s, const KvFull& kv, int half) const {
     const int64_t Hl = hidden_local_;
     loom_attention_args at = loom::make<loom_attention_args>();
     at.batch = s.B;
-    at.seq = s.S;
+    at.seq = kv.chunk_rows / s.B;
     at.heads = heads_local_;
     at.head_dim = head_dim_;
     at.qkv_stride_b = 3 * Hl;
@@ -248,19 +342,29 @@ class Attention : public loom::Layer {
     at.out_stride_b = Hl;
     at.out_stride_s = s.B * Hl;
     void* qkv = s.mem.at<void>(s.qkv);
-    at.q = qkv;
+    at.q = advance(qkv, half * kv.chunk_rows * 3 * Hl, dt_.act);
     at.k = advance(qkv, Hl, dt_.act);
     at.v = advance(qkv, 2 * Hl, dt_.act);
-    at.out = s.mem.at(s.ctx);
-    at.lse = s.mem.at(s.lse);
+    at.out = advance(s.mem.at<void>(s.ctx), half * kv.chunk_rows * Hl, dt_.act);
+    at.lse = s.mem.at(s.lse) + half * s.B * heads_local_ * at.seq;
     at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
     at.causal = 1;
     at.dtype = dt_.act;
+    if (kv.gathered) {
+      at.q_offset = cp_.chunk_start(cp_.rank(), half);
+      at.kv_seq = at.q_offset + at.seq;  // the keys its causal limit reaches
+      at.k = kv.k();
+      at.v = advance(kv.k(), Hl, dt_.act);
+      at.kv_stride_b = 2 * Hl;
+      at.kv_stride_s = s.B * 2 * Hl;
+    }
     return at;
   }
 
   loom_rank* rank_;
   loom::TensorParallel tp_;
+  loom::Group cp_group_;
+  loom::ContextSlice cp_;
   std::string name_;
   int64_t hidden_ = 0, heads_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
@@ -275,5 +379,5 @@ class Attention : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.1.0", "pre-LN causal multi-head self-attention with residual (tensor-parallel)",
+    "attention", "1.2.0", "pre-LN causal multi-head self-attention with residual (tensor- and context-parallel)",
     {loom::layers::dropout_option_spec("the attention output")}))

@@ -185,6 +185,10 @@ inline void copy_d2d(const loom::Device& dev, void* dst, const void* src, size_t
   if (dst != src && bytes) dev.copy(dst, src, bytes, LOOM_COPY_DEVICE_TO_DEVICE);
 }
 
+inline void fill_zero(const loom::Device& dev, void* out, int64_t n, int32_t dtype) {
+  dev.elementwise({.op = LOOM_EW_FILL, .n = n, .out = out, .alpha = 0.f, .dtype = dtype, .out_dtype = dtype});
+}
+
 // C[m, n] = alpha * op(A) op(B) + beta * C, compact row-major; A, B in dtype, C in c_dtype.
 inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                  const void* a, const void* b, void* c, float beta, int32_t dtype, int32_t c_dtype,

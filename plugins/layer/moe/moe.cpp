@@ -838,8 +838,7 @@ class Moe : public loom::Layer {
   }
   // Row `row` of rows [.., H] to zeros: what a dropped slot combines.
   void fill_zero_row(const loom::Device& dev, void* rows, int64_t row, int64_t H) const {
-    dev.elementwise({.op = LOOM_EW_FILL, .n = H, .out = advance(rows, row * H, dt_.act), .alpha = 0.f,
-                     .dtype = dt_.act, .out_dtype = dt_.act});
+    fill_zero(dev, advance(rows, row * H, dt_.act), H, dt_.act);
   }
   // The most slots an expert keeps of a microbatch's T tokens (0 = dropless):
   // Megatron's get_capacity, ceil(T k / E * capacity_factor).

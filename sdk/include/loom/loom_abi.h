@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 5
+#define LOOM_ABI_MINOR 6
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -207,6 +207,16 @@ typedef struct loom_attention_args {
   float scale;
   int32_t causal;
   int32_t dtype;
+  /* --- 1.6 (context parallelism) --- The queries are a window of `seq` rows inside
+   * a key/value sequence of kv_seq rows: query row i sits at position q_offset + i of
+   * it, so causal attention lets it see keys j <= q_offset + i (q_offset + seq <=
+   * kv_seq). k, v, dk and dv then have kv_seq rows and the strides kv_stride_b /
+   * kv_stride_s; q, dq, out, dout and lse keep `seq` rows and their strides.
+   * kv_seq = 0 (a caller before 1.6) means the 1.5 op: kv_seq = seq, q_offset = 0,
+   * k and v with the qkv strides. Honoured by devices with LOOM_DEVICE_ATTENTION_WINDOW. */
+  int64_t kv_seq, q_offset;
+  int64_t kv_stride_b, kv_stride_s;
+  int32_t accumulate_dkv;              /* backward: dk, dv += (else overwritten) */
 } loom_attention_args;
 
 /* Softmax cross-entropy over vocab slices, in three steps so a vocab-split run
@@ -388,6 +398,9 @@ typedef struct loom_device_api {
 #define LOOM_DEVICE_GRAPH_POOL (1ull << 1)
 /* 1.3: elementwise DROPOUT honours seed_device. */
 #define LOOM_DEVICE_SEED_DEVICE (1ull << 2)
+/* 1.6: attention_fwd / attention_bwd honour kv_seq, q_offset, the kv strides and
+ * accumulate_dkv (a query window inside a longer key sequence: context parallelism). */
+#define LOOM_DEVICE_ATTENTION_WINDOW (1ull << 3)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -513,7 +526,18 @@ typedef struct loom_layer_create_args {
 } loom_layer_create_args;
 
 /* Hidden states are [seq, micro_batch, hidden] (sequence-major, as in Megatron),
- * fp32 or the run's activation dtype. tokens and targets are [seq, micro_batch] int32. */
+ * fp32 or the run's activation dtype. tokens and targets are [seq, micro_batch] int32.
+ *
+ * 1.6, context parallelism (the rank group "cp" has cp > 1 ranks; only layers with
+ * LOOM_LAYER_CONTEXT_PARALLEL are given such a run): the sequence of seq_len
+ * positions is cut into 2*cp chunks of seq_len / (2*cp); cp rank r holds chunks r
+ * and 2*cp - 1 - r, in that order (each rank gets an early and a late chunk, so
+ * causal attention costs the same on every rank). tokens, targets and hidden states
+ * hold these seq_len / cp rows (hidden states: their 1/tp shard under sequence
+ * parallelism); a layer computes the serial model's values for them. The loss
+ * scale and the gradients follow Megatron: the engine sums loss_sum and loss_count
+ * over cp, gives every cp rank loss_scale = cp / (tokens * microbatches) and the
+ * optimizer strategy averages gradients over the "dp-cp" group (its `dp`). */
 typedef struct loom_layer_fwd_args {
   uint32_t struct_size;
   int32_t microbatch;        /* activations are saved per microbatch */
@@ -579,7 +603,14 @@ typedef struct loom_layer_api {
    * state must live in device memory allocated inside the step (from the device's
    * graph pool while captured). NULL or 0: always run directly. */
   int32_t (*capturable)(loom_layer* layer);
+  /* 1.6. LOOM_LAYER_* capability bits (a 1.0-1.5 table, which lacks them, has none). */
+  uint64_t features;
 } loom_layer_api;
+
+/* loom_layer_api.features: 1.6, the layer takes a context-parallel slice of the
+ * sequence (see loom_layer_fwd_args); the engine refuses parallel.cp > 1 for a model
+ * with a layer that lacks it. */
+#define LOOM_LAYER_CONTEXT_PARALLEL (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* Optimizer strategy plugins (parallel/ddp, parallel/distopt)                */

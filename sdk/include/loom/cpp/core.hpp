@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace loom {
 
@@ -201,6 +202,56 @@ class Group {
   loom_group g_;
 };
 
+// Context parallelism's split of a sequence (ABI 1.6, see loom_layer_fwd_args): the
+// `seq` positions are cut into 2*cp chunks and cp rank r holds chunks r and
+// 2*cp - 1 - r, in that order, as seq / cp consecutive local rows. With cp = 1 a
+// rank holds the whole sequence. The one place this layout is spelled out: the
+// engine slices tokens with it, layers map their rows to positions with it.
+class ContextSlice {
+ public:
+  // Local rows [local, local + length) hold positions [position, position + length).
+  struct Run {
+    int64_t local, position, length;
+  };
+  ContextSlice() = default;
+  ContextSlice(int64_t seq, int cp, int rank) : seq_(seq), cp_(cp), rank_(rank) {
+    if (cp < 1 || rank < 0 || rank >= cp || seq < 0 || (cp > 1 && seq % (2 * cp) != 0))
+      throw Error("context parallelism: a sequence of " + std::to_string(seq) + " positions cannot be split into " +
+                      std::to_string(2 * cp) + " equal chunks for cp rank " + std::to_string(rank) + " of " +
+                      std::to_string(cp),
+                  LOOM_CODE_INVALID_ARGUMENT);
+  }
+  int64_t seq() const { return seq_; }
+  int cp() const { return cp_; }
+  int rank() const { return rank_; }
+  int64_t local_length() const { return seq_ / cp_; }
+  int64_t chunk_length() const { return cp_ > 1 ? seq_ / (2 * cp_) : seq_; }
+  // The first position of chunk `half` (0: the early one, 1: the late one) of cp rank j.
+  int64_t chunk_start(int j, int half) const {
+    return cp_ > 1 ? (half == 0 ? j : 2 * cp_ - 1 - j) * chunk_length() : 0;
+  }
+  // This rank's runs (one with cp = 1, else two) cut to the local rows [begin, end).
+  std::vector<Run> runs(int64_t begin, int64_t end) const {
+    std::vector<Run> out;
+    const int halves = cp_ > 1 ? 2 : 1;
+    for (int h = 0; h < halves; ++h) {
+      const int64_t lo = h * chunk_length(), hi = lo + chunk_length();
+      const int64_t a = begin > lo ? begin : lo, b = end < hi ? end : hi;
+      if (a < b) out.push_back({a, chunk_start(rank_, h) + (a - lo), b - a});
+    }
+    return out;
+  }
+  std::vector<Run> runs() const { return runs(0, local_length()); }
+  int64_t position(int64_t local_row) const {
+    const int64_t c = chunk_length();
+    return local_row < c ? chunk_start(rank_, 0) + local_row : chunk_start(rank_, 1) + (local_row - c);
+  }
+
+ private:
+  int64_t seq_ = 0;
+  int cp_ = 1, rank_ = 0;
+};
+
 // The device of a rank, with the op table wrapped so failures throw.
 class Device {
  public:
@@ -276,6 +327,18 @@ class Rank {
   Group group(const char* kind) const {
     loom_group g = make<loom_group>();
     check(host().group(r_, kind, &g));
+    return Group(g);
+  }
+  // The group, or a one-rank group when this host has none of that kind (a host
+  // before the kind existed, or a test harness that builds only some groups).
+  Group group_or_single(const char* kind) const {
+    loom_group g = make<loom_group>();
+    loom_status st = host().group(r_, kind, &g);
+    if (st != nullptr && host().status_code(st) == LOOM_CODE_NOT_FOUND) {
+      host().status_destroy(st);
+      return Group();
+    }
+    check(st);
     return Group(g);
   }
   void* alloc(size_t bytes) const {
