@@ -116,7 +116,7 @@ std::vector<KeySpec> build() {
   v.push_back(i("parallel.tp", 1, 1, "tensor-parallel size"));
   v.push_back(i("parallel.pp", 1, 1, "pipeline-parallel size (stages)"));
   v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)"));
-  v.push_back(i("parallel.cp", 1, 1, "context-parallel size (rank groups only: context parallelism is not implemented, so it must be 1)"));
+  v.push_back(i("parallel.cp", 1, 1, "context-parallel size: the sequence is split over cp ranks, 2*cp chunks with each rank holding an early and a late one (causal balance); model.seq_length must be divisible by 2*cp"));
   v.push_back(i("parallel.ep", 1, 1, "expert-parallel size"));
   v.push_back(i("parallel.etp", 0, 0,
                 "expert tensor-parallel size (0 = same as tp; 1 under tp > 1 with sequence parallelism folds "
@@ -393,12 +393,27 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  ") so each of the dp ranks runs a whole number of microbatches");
   }
 
-  if (usable({"parallel.sequence_parallel", "model.seq_length", "parallel.tp"}) &&
-      m.get_bool("parallel.sequence_parallel") && I("model.seq_length") % I("parallel.tp") != 0)
+  // Context parallelism: each cp rank holds chunks r and 2cp-1-r of 2*cp equal ones.
+  const bool cp_splits = usable({"parallel.cp", "model.seq_length"}) && I("parallel.cp") > 1 &&
+                         I("model.seq_length") % (2 * I("parallel.cp")) == 0;
+  if (usable({"parallel.cp", "model.seq_length"}) && I("parallel.cp") > 1 && !cp_splits)
+    report({"parallel.cp", "model.seq_length"},
+           "parallel.cp = " + S(I("parallel.cp")) + " splits the sequence into 2*cp = " + S(2 * I("parallel.cp")) +
+               " equal chunks (each cp rank holds an early and a late one), so model.seq_length (" +
+               S(I("model.seq_length")) + ") must be divisible by " + S(2 * I("parallel.cp")) + "; cp could be " +
+               divisors_text(I("model.seq_length") / 2));
+  // Under sequence parallelism the rows each rank holds (the whole sequence, or its
+  // cp slice) split over tp.
+  if (usable({"parallel.sequence_parallel", "model.seq_length", "parallel.tp", "parallel.cp"}) &&
+      m.get_bool("parallel.sequence_parallel") &&
+      I("model.seq_length") % (I("parallel.tp") * I("parallel.cp")) != 0 &&
+      (I("parallel.cp") == 1 || cp_splits))
     report({"parallel.sequence_parallel", "model.seq_length", "parallel.tp"},
-           "parallel.sequence_parallel = true requires model.seq_length (" +
-               S(I("model.seq_length")) + ") to be divisible by parallel.tp (" +
-               S(I("parallel.tp")) + ")");
+           "parallel.sequence_parallel = true requires model.seq_length (" + S(I("model.seq_length")) +
+               ") to be divisible by parallel.tp (" + S(I("parallel.tp")) + ")" +
+               (I("parallel.cp") > 1 ? " times parallel.cp (" + S(I("parallel.cp")) + "): each cp rank's " +
+                                           S(I("model.seq_length") / I("parallel.cp")) + " rows split over tp"
+                                     : std::string()));
 
   if (usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
     std::string var;
@@ -420,16 +435,15 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
-  // Context parallelism has rank groups (loom groups shows them) but no layer
-  // splits the sequence over them: cp ranks would be replicas, each computing the
-  // same tokens, and expert gradients would count them twice.
-  if (usable({"parallel.cp"}) && I("parallel.cp") > 1)
-    report({"parallel.cp"}, "context parallelism (parallel.cp = " + S(I("parallel.cp")) +
-                                ") is not implemented: no layer splits the sequence over cp ranks, which would only "
-                                "repeat each other's work; set parallel.cp = 1 (sequence_parallel with tp splits "
-                                "activations along the sequence)");
-
-  if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
+  // Expert layers route whole sequences (capacity, load balancing) and do not take
+  // a context-parallel slice; with cp > 1 the expert groups would mix cp ranks.
+  if (usable({"parallel.ep", "parallel.cp"}) && I("parallel.cp") > 1 &&
+      (I("parallel.ep") > 1 || (usable({"parallel.etp", "parallel.tp"}) && resolved_etp(m) != I("parallel.tp"))))
+    report({"parallel.cp", "parallel.ep"},
+           "expert parallelism (parallel.ep = " + S(I("parallel.ep")) + ", parallel.etp) with context parallelism "
+           "(parallel.cp = " + S(I("parallel.cp")) + ") is not implemented: MoE layers do not take a "
+           "context-parallel slice of the sequence; set parallel.cp = 1, or parallel.ep = 1 and parallel.etp = 0");
+  else if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
     int64_t ep = I("parallel.ep"), etp = resolved_etp(m), tp = I("parallel.tp"),
             dp = I("parallel.dp"), cp = I("parallel.cp");
     if (etp == tp) {

@@ -3,6 +3,7 @@
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/model/param_plan.hpp"
+#include "engine/topology/rank_groups.hpp"
 
 #include <glog/logging.h>
 
@@ -160,10 +161,12 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     chunks_.push_back(chunk);
   }
   build_buffers(seed);
-  // Hidden states between layers: [seq, micro_batch, hidden], or this rank's
-  // sequence shard [seq / tp, micro_batch, hidden] under sequence parallelism.
+  // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
+  // seq / cp rows under context parallelism), or its sequence shard [rows / tp,
+  // micro_batch, hidden] under sequence parallelism.
   sequence_parallel_ = m.get_bool("parallel.sequence_parallel") && tp.size() > 1;
-  hidden_shape_[0] = sequence_parallel_ ? dims_.seq_len / tp.size() : dims_.seq_len;
+  context_rows_ = dims_.seq_len / rank_.group_or_self("cp").size();
+  hidden_shape_[0] = sequence_parallel_ ? context_rows_ / tp.size() : context_rows_;
   hidden_shape_[1] = dims_.micro_batch;
   hidden_shape_[2] = dims_.hidden;
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
@@ -252,7 +255,9 @@ void Model::build_buffers(uint64_t seed) {
   }
   // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
   // buckets), one buffer region per chunk and one for the expert parameters.
-  layout_ = layout_entries(entries_, chunks_.size(), rank_.group_or_self("dp").size(), bucket_size_);
+  const int cp = rank_.group_or_self("cp").size();
+  layout_ = layout_entries(entries_, chunks_.size(), rank_.group_or_self(topology::gradient_group_kind(cp)).size(),
+                           bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
   const size_t psize = dtype_size(param_dtype_), gsize = dtype_size(grad_dtype_);
@@ -448,7 +453,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
   LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
-  std::vector<int64_t> tok_shape = {dims_.seq_len, dims_.micro_batch};
+  std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   DLTensor tok = view(rank_, const_cast<int32_t*>(tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};

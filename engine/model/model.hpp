@@ -200,6 +200,7 @@ class Model {
   size_t numel_ = 0;
   loom::Buffer params_, grads_;
   bool sequence_parallel_ = false;
+  int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
   int64_t hidden_shape_[3];
   // Hidden states of the (chunk, microbatch) forwards in flight: per (c, mb) the
   // slots holding the chunk's input (received; none on the first global chunk)

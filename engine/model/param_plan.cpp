@@ -144,9 +144,6 @@ struct PlannedLayers {
 
 MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   const manifest::Manifest& m = plan.manifest;
-  if (plan.sizes.cp != 1)
-    throw std::runtime_error("memory planning supports cp = 1 only (this manifest has cp = " +
-                             std::to_string(plan.sizes.cp) + ")");
   if (vocab <= 0) vocab = m.get_int("model.vocab_size");
   if (vocab <= 0) vocab = train::make_data_source(m)->vocab_size();
 
@@ -184,8 +181,12 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
                                       static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
   }
   // Hidden states (and every activation) are in the parameters' dtype.
+  // A rank holds seq / cp rows (its context-parallel slice), / tp of them under SP.
+  const int64_t rows = dims.seq_len / plan.sizes.cp;
   const uint64_t hidden_state_bytes = static_cast<uint64_t>(
-      (sp && plan.sizes.tp > 1 ? dims.seq_len / plan.sizes.tp : dims.seq_len) * dims.micro_batch * dims.hidden * psize);
+      (sp && plan.sizes.tp > 1 ? rows / plan.sizes.tp : rows) * dims.micro_batch * dims.hidden * psize);
+  // Parameters are replicated over dp x cp ranks: the optimizer's group.
+  const int grad_group = plan.dp * plan.sizes.cp;
 
   // Ranks differ only by their (tp, pp) coordinates; plan each once.
   std::map<std::pair<int, int>, RankMemory> by_coords;
@@ -220,6 +221,10 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       etp.size = plan.sizes.expert_tp();
       etp.rank = groups.rank_in_group("etp", r);
       rt.add_group("etp", etp);
+      loom_group cpg = tp;
+      cpg.size = plan.sizes.cp;
+      cpg.rank = groups.rank_in_group("cp", r);
+      rt.add_group("cp", cpg);
 
       PlannedLayers layers;
       std::vector<std::string> instances;
@@ -282,17 +287,17 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
 
       for (const ParamEntry& e : cp.entries) rm.params += e.numel;
       rm.param_count = cp.entries.size();
-      rm.layout = layout_entries(cp.entries, chunks.size(), plan.dp, out.bucket_size);
+      rm.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);
       rm.buffer_numel = rm.layout.numel;
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
-      // The distributed optimizer shards dense buckets over dp and the expert
+      // The distributed optimizer shards dense buckets over dp (x cp) and the expert
       // region (the buffer's tail) over edp (dp / ep, or tp dp / (etp ep) folded).
       size_t expert_start = rm.layout.numel;
       for (size_t i = 0; i < cp.entries.size(); ++i)
         if (cp.entries[i].expert) expert_start = std::min(expert_start, rm.layout.params[i].start);
       const size_t edp = static_cast<size_t>(groups.edp());
-      const size_t state_elems = distributed ? expert_start / static_cast<size_t>(plan.dp) +
+      const size_t state_elems = distributed ? expert_start / static_cast<size_t>(grad_group) +
                                                    (rm.buffer_numel - expert_start) / std::max<size_t>(1, edp)
                                              : rm.buffer_numel;
       rm.optimizer_bytes = state_elems * opt_per_elem;

@@ -22,7 +22,7 @@ void TraceRecorder::add(int rank, const std::string& name, const std::string& ca
 Executor::Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
                    TraceRecorder* trace)
     : model_(model), rank_(rank), order_(std::move(order)), microbatches_(microbatches), trace_(trace),
-      pp_(rank.group_or_self("pp")) {
+      pp_(rank.group_or_self("pp")), cp_(rank.group_or_self("cp")) {
   LOOM_REQUIRE(order_.size() == 2 * model.chunk_count() * static_cast<size_t>(microbatches),
                "pipeline order of " << order_.size() << " entries for " << model.chunk_count() << " chunk(s) and "
                                     << microbatches << " microbatch(es)");
@@ -82,9 +82,15 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
         trace_->add(rank_.global_rank(), "F mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "forward", tf,
                     {{"microbatch", mb + 1}, {"chunk", g}});
       if (model_.is_last_global(c)) {
-        const double denom = static_cast<double>(std::max<int64_t>(count, 1)) * microbatches_;
-        loss_scale[static_cast<size_t>(mb)] = static_cast<float>(1.0 / denom);
-        stats.loss += loss_sum / denom;
+        // Under context parallelism each cp rank holds other tokens of the
+        // microbatch: its loss and token count are summed over cp. Every cp rank's
+        // gradient is then a partial sum that the optimizer averages over dp-cp,
+        // so the scale carries a factor cp (Megatron's loss * cp_size).
+        double sums[2] = {loss_sum, static_cast<double>(count)};
+        if (cp_.size() > 1) cp_.all_reduce(nullptr, sums, sums, 2, LOOM_DTYPE_F64);
+        const double denom = std::max(sums[1], 1.0) * microbatches_;
+        loss_scale[static_cast<size_t>(mb)] = static_cast<float>(cp_.size() / denom);
+        stats.loss += sums[0] / denom;
       } else {
         send_output(c, out);
       }

@@ -79,6 +79,7 @@ class Executor {
   int microbatches_;
   TraceRecorder* trace_;
   loom::Group pp_;
+  loom::Group cp_;  // context parallelism: the loss of a microbatch is summed over it
   uint64_t measured_activation_bytes_ = 0;  // the highest step measurement so far (see StepStats)
 };
 

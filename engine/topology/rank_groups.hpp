@@ -23,6 +23,12 @@ struct ParallelSizes {
   bool experts_fold_tp() const { return expert_tp() != tp; }
 };
 
+// The group a rank's parameters are replicated over, whose gradients the optimizer
+// strategy averages (its `dp`) and whose size pads the gradient buckets: dp, or
+// Megatron's dp-cp under context parallelism (cp ranks hold other tokens of the same
+// samples, so their gradients are partial sums too).
+inline const char* gradient_group_kind(int cp) { return cp > 1 ? "dp-cp" : "dp"; }
+
 class TopologyError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -131,6 +131,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("ep", meta.ep);
   t.insert("order", meta.order);
   t.insert("etp", meta.expert_tp());
+  t.insert("cp", meta.cp);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -171,6 +172,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.ep = static_cast<int>(t["ep"].value_or(int64_t{1}));
     m.order = t["order"].value_or(std::string("tp-cp-ep-dp-pp"));
     m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
+    m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
@@ -219,13 +221,12 @@ std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, in
   old.world = old_world;
   const topology::RankGroups now = topology::RankGroups::build(sizes);
   const topology::RankGroups before = topology::RankGroups::build(old);
+  // The old gradient group (dp, or dp-cp) of this rank's tp and pp coordinates, in
+  // its rank-in-group order: the order its optimizer shards were laid out in.
   topology::Coords c = now.coords(rank);
-  std::vector<int> peers;
-  for (int r = 0; r < before.dp(); ++r) {
-    c.dp = r;
-    peers.push_back(before.rank_of(c));
-  }
-  return peers;
+  c.dp = 0;
+  c.cp = 0;
+  return before.group_of(topology::gradient_group_kind(sizes.cp), before.rank_of(c));
 }
 
 std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size, const model::BufferLayout& from,
@@ -254,10 +255,12 @@ std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size
 void load_resharded(const std::string& step_dir, int old_dp, int old_world, const topology::ParallelSizes& sizes,
                     int rank, model::Model& model, const loom::Device& dev, size_t bucket_size,
                     const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin) {
+  // The optimizer's group was dp x cp ranks (dp-cp under context parallelism).
+  const int old_group = old_dp * sizes.cp;
   const model::BufferLayout old_layout =
-      model::layout_entries(model.param_entries(), model.chunk_count(), old_dp, bucket_size);
+      model::layout_entries(model.param_entries(), model.chunk_count(), old_group, bucket_size);
   const std::vector<int> peers = old_dp_peers(sizes, rank, old_world);
-  if (static_cast<int>(peers.size()) != old_dp)
+  if (static_cast<int>(peers.size()) != old_group)
     throw CheckpointError(step_dir + " is corrupt: its meta says dp=" + std::to_string(old_dp) + " over " +
                           std::to_string(old_world) + " ranks, which gives " + std::to_string(peers.size()) +
                           " data-parallel ranks under this run's tp, cp and pp");
@@ -283,7 +286,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
   for (const model::Range& b : old_layout.buckets) old_buckets.push_back(b.start);
   old_buckets.push_back(old_layout.numel);
   loom_optimizer_reshard_args ra = loom::make<loom_optimizer_reshard_args>();
-  ra.old_dp = old_dp;
+  ra.old_dp = old_group;
   ra.states = states.data();
   ra.state_bytes = state_bytes.data();
   ra.old_numel = old_layout.numel;

@@ -39,6 +39,7 @@ struct CheckpointMeta {
   std::string order = "tp-cp-ep-dp-pp";  // parallel.order that wrote it (not recorded before: the default)
   int etp = 0;                       // parallel.etp that wrote it, resolved (0: not recorded, i.e. tp)
   int expert_tp() const { return etp > 0 ? etp : tp; }
+  int cp = 1;                        // parallel.cp that wrote it (not recorded before: 1)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and
@@ -67,7 +68,8 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
 
 // --- Resuming at another data-parallel size (tp and pp unchanged) ---
 // The global ranks that held this rank's (tp, pp) position in a run of `old_world`
-// ranks (the same tp, cp, pp and order as `sizes`), in old dp-rank order.
+// ranks (the same tp, cp, pp and order as `sizes`): its old gradient group (dp, or
+// dp-cp under context parallelism), in that group's rank order.
 std::vector<int> old_dp_peers(const topology::ParallelSizes& sizes, int rank, int old_world);
 // A flat parameter buffer laid out as `from` re-laid as `to`: parameter i (model
 // order, the same in both) moves from from.params[i] to to.params[i]; padding is zero.

@@ -141,6 +141,17 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
       continue;
     }
     man.apply_plugin_options(section, p->key(), p->options, diags, {"plugin"});
+    // Context parallelism hands every layer a slice of the sequence (ABI 1.6): only
+    // layers that say they compute the serial model's values for it get one.
+    const loom_layer_api* api = p->layer();
+    const bool takes_slice = LOOM_HAS_SLOT(api, loom_layer_api, features) &&
+                             (api->features & LOOM_LAYER_CONTEXT_PARALLEL) != 0;
+    if (man.get_int("parallel.cp") > 1 && !takes_slice)
+      diags.push_back({"parallel.cp", man.origin("parallel.cp"),
+                       "layer '" + l.config + "' (plugin " + p->key() + ", ABI 1." + std::to_string(p->abi_minor) +
+                           ") does not take a context-parallel slice of the sequence (it does not advertise "
+                           "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1" +
+                           (l.plugin == "moe" ? " (MoE routing under context parallelism is not implemented)" : "")});
   }
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
   // What host->service(rank, LOOM_API_TENSOR_PARALLEL, NULL) gives the layers.

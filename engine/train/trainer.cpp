@@ -115,6 +115,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                                 std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
                                 std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
                                 " dp=" + std::to_string(plan.dp);
+    // Context parallelism lays the optimizer shards over dp x cp ranks and gives
+    // each cp rank other positions: a resume keeps cp.
+    if (meta.cp != plan.sizes.cp)
+      throw CheckpointError(resume_dir + " was written with cp=" + std::to_string(meta.cp) + "; this run has cp=" +
+                            std::to_string(plan.sizes.cp) + ": a resume keeps cp (the optimizer state is sharded over "
+                            "dp x cp ranks); resume with parallel.cp=" + std::to_string(meta.cp));
     if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp ||
         meta.world != plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * meta.dp)
       throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
@@ -214,7 +220,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     oa.grad_dtype = model.grad_dtype();
     oa.infos = infos.data();
     oa.num_params = infos.size();
-    oa.dp = dp.raw();
+    // Parameters are replicated over dp (and cp): the strategy averages over both.
+    const loom::Group grad_group = rt.group_or_self(topology::gradient_group_kind(plan.sizes.cp));
+    oa.dp = grad_group.raw();
     oa.tp = rt.group_or_self("tp").raw();
     oa.pp = rt.group_or_self("pp").raw();
     std::vector<size_t> bucket_offsets;
@@ -281,7 +289,21 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     world.all_reduce(nullptr, &flops_step, &flops_step, 1, LOOM_DTYPE_F64);
     const double tokens_step = static_cast<double>(global_batch * seq);
 
-    const size_t tok_bytes = static_cast<size_t>(seq * mbs) * sizeof(int32_t);
+    // This rank's rows of each sequence: all of them, or its context-parallel slice.
+    const loom::Group cpg = rt.group_or_self("cp");
+    const loom::ContextSlice context(seq, cpg.size(), cpg.rank());
+    const int64_t rows = context.local_length();
+    std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs), predictions(rows * mbs);
+    std::vector<int32_t> tokens_local(static_cast<size_t>(rows * mbs)), targets_local(tokens_local.size());
+    // Fills tokens_local / targets_local from the whole-sequence tokens / targets.
+    auto take_context_rows = [&] {
+      for (const loom::ContextSlice::Run& run : context.runs()) {
+        const size_t n = static_cast<size_t>(run.length * mbs);
+        std::copy_n(tokens.begin() + run.position * mbs, n, tokens_local.begin() + run.local * mbs);
+        std::copy_n(targets.begin() + run.position * mbs, n, targets_local.begin() + run.local * mbs);
+      }
+    };
+    const size_t tok_bytes = static_cast<size_t>(rows * mbs) * sizeof(int32_t);
     // Every microbatch of a step has its own token buffers: a pipeline keeps
     // several in flight, and the embedding's backward reads its tokens.
     std::vector<loom::Buffer> tokens_dev, targets_dev;
@@ -289,7 +311,6 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       tokens_dev.emplace_back(&rt, tok_bytes);
       targets_dev.emplace_back(&rt, tok_bytes);
     }
-    std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs), predictions(seq * mbs);
     std::unique_ptr<pipeline::TraceRecorder> trace;
     if (!options.trace_file.empty()) {
       trace = std::make_unique<pipeline::TraceRecorder>(trace_origin);
@@ -343,6 +364,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                             m.get_string("optimizer.strategy"), m.get_int("optimizer.bucket_size"),
                             m.get_string("device.param_dtype"), plan.sizes.ep, plan.sizes.order,
                             plan.sizes.expert_tp()};
+        meta.cp = plan.sizes.cp;
         commit_checkpoint(ckpt_dir, tmp, meta, manifest_toml);
         std::lock_guard<std::mutex> lock(result_mu);
         result.checkpoint = checkpoint_path(ckpt_dir, step);
@@ -352,11 +374,15 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
     auto evaluate = [&](StepRecord& rec) {
       double sums[4] = {0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens
+      // Per batch: loss sum, token count, right tokens, then each sample's wrong
+      // tokens (a sample matches exactly when none of its cp slices has one).
+      std::vector<double> batch(static_cast<size_t>(3 + mbs));
       for (int64_t b = 0; b < eval_batches; ++b) {
         const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
         fill_microbatch(*data, Split::Validation, first, mbs, seq, tokens.data(), targets.data());
-        dev.copy(tokens_dev[0].get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        dev.copy(targets_dev[0].get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        take_context_rows();
+        dev.copy(tokens_dev[0].get(), tokens_local.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev[0].get(), targets_local.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
         double loss_sum = 0;
         int64_t count = 0;
         pipeline::MicrobatchInput in;
@@ -364,20 +390,24 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         in.targets = targets_dev[0].get<int32_t>();
         in.predictions = data->has_exact_match() ? predictions.data() : nullptr;
         executor.forward_only(static_cast<int>(b), in, &loss_sum, &count);
-        if (!last_stage) continue;  // the loss and predictions live on the last stage
-        sums[0] += loss_sum;
-        sums[1] += static_cast<double>(count);
+        if (!last_stage) continue;  // the loss and predictions live on the last stage (on all its cp ranks)
+        std::fill(batch.begin(), batch.end(), 0.0);
+        batch[0] = loss_sum;
+        batch[1] = static_cast<double>(count);
         if (data->has_exact_match())
-          for (int64_t s = 0; s < mbs; ++s) {
-            bool all = true;
-            for (int64_t t = 0; t < seq; ++t) {
+          for (int64_t t = 0; t < rows; ++t)
+            for (int64_t s = 0; s < mbs; ++s) {
               const int64_t i = t * mbs + s;
-              if (targets[i] < 0) continue;
-              if (predictions[i] != targets[i]) all = false;
-              else sums[3] += 1;
+              if (targets_local[i] < 0) continue;
+              if (predictions[i] != targets_local[i]) batch[static_cast<size_t>(3 + s)] += 1;
+              else batch[2] += 1;
             }
-            sums[2] += all ? 1 : 0;
-          }
+        if (cpg.size() > 1) cpg.all_reduce(nullptr, batch.data(), batch.data(), batch.size(), LOOM_DTYPE_F64);
+        sums[0] += batch[0];
+        sums[1] += batch[1];
+        sums[3] += batch[2];
+        if (data->has_exact_match())
+          for (int64_t s = 0; s < mbs; ++s) sums[2] += batch[static_cast<size_t>(3 + s)] == 0 ? 1 : 0;
       }
       ppg.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
       dp.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
@@ -388,8 +418,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     };
 
     if (leader && options.log)
-      *options.log << "loom: " << plan.sizes.world << " rank(s) (tp " << plan.sizes.tp << ", pp " << plan.sizes.pp
-                   << ", dp " << plan.dp << "), " << model.numel() << " parameter elements on rank 0, "
+      *options.log << "loom: " << plan.sizes.world << " rank(s) (tp " << plan.sizes.tp
+                   << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : std::string()) << ", pp "
+                   << plan.sizes.pp << ", dp " << plan.dp << "), " << model.numel() << " parameter elements on rank 0, "
                    << M << " microbatch(es) of " << mbs << " x " << seq << " per rank per step; data: " << data->describe()
                    << std::endl;
 
@@ -404,8 +435,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       for (int mb = 0; mb < M; ++mb) {
         const uint64_t first = sample_index(step, global_batch, dp.rank(), M, mb, mbs);
         fill_microbatch(*data, Split::Train, first, mbs, seq, tokens.data(), targets.data());
-        dev.copy(tokens_dev[mb].get(), tokens.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
-        dev.copy(targets_dev[mb].get(), targets.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        take_context_rows();
+        dev.copy(tokens_dev[mb].get(), tokens_local.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
+        dev.copy(targets_dev[mb].get(), targets_local.data(), tok_bytes, LOOM_COPY_HOST_TO_DEVICE);
         inputs[mb].tokens = tokens_dev[mb].get<int32_t>();
         inputs[mb].targets = targets_dev[mb].get<int32_t>();
         inputs[mb].dropout_seed = dropout_seed(seed, step, first);

@@ -19,7 +19,7 @@ struct RankTrace {
   train::TrainResult result;
   std::map<int, std::vector<std::vector<float>>> params;  // rank -> step -> flat buffer
   std::map<int, std::vector<model::ParamEntry>> entries;
-  int tp = 1, dp = 1, pp = 1, ep = 1, etp = 1;
+  int tp = 1, cp = 1, dp = 1, pp = 1, ep = 1, etp = 1;
 };
 
 inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<std::string>& overrides,
@@ -34,6 +34,7 @@ inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<st
   };
   train::RunPlan plan = plan_from(manifest, overrides);
   t.tp = plan.sizes.tp;
+  t.cp = plan.sizes.cp;
   t.pp = plan.sizes.pp;
   t.dp = plan.dp;
   t.ep = plan.sizes.ep;
@@ -49,9 +50,10 @@ inline std::string param_key(const model::ParamEntry& e) {
   return e.tie_key.empty() ? e.name : "tied:" + e.tie_key;
 }
 
-// Global rank of (tp, dp, pp) coordinates for the default order tp-cp-ep-dp-pp, cp = 1.
-inline int rank_of(const RankTrace& t, int tp_rank, int dp_rank, int pp_rank) {
-  return tp_rank + dp_rank * t.tp + pp_rank * t.tp * t.dp;
+// Global rank of (tp, dp, pp) coordinates (cp rank 0, or cp_rank) for the default
+// order tp-cp-ep-dp-pp.
+inline int rank_of(const RankTrace& t, int tp_rank, int dp_rank, int pp_rank, int cp_rank = 0) {
+  return tp_rank + cp_rank * t.tp + dp_rank * t.tp * t.cp + pp_rank * t.tp * t.cp * t.dp;
 }
 
 // The tensor of `shape` that `slices` partition_dim slices of entry k make up,
@@ -99,7 +101,7 @@ inline std::vector<float> assemble_tensor(const RankTrace& t, int pp_rank, size_
   std::vector<float> full;
   for (int q = 0; q < t.ep; ++q) {
     const std::vector<float> part = assemble_slices(
-        t, k, step, block, t.etp, [&](int r) { return r + q * t.etp + pp_rank * t.tp * t.dp; });
+        t, k, step, block, t.etp, [&](int r) { return r + q * t.etp + pp_rank * t.tp * t.cp * t.dp; });
     full.insert(full.end(), part.begin(), part.end());
   }
   return full;

@@ -443,14 +443,19 @@ TEST_F(ManifestTest, ExpertParallelMustDivideDataTimesContext) {
   EXPECT_NO_THROW(Manifest::parse("[parallel]\nep = 2\ndp = 2\n", "m"));
 }
 
-// Context parallelism is not implemented: cp > 1 would run replicas (and count
-// their tokens twice in expert gradients); refused at parallel.cp.
-TEST_F(ManifestTest, ContextParallelismIsRefusedUntilImplemented) {
-  Diagnostic cp = one_error("[parallel]\nep = 4\ndp = 4\ncp = 2\n");
+// Context parallelism cuts the sequence into 2*cp chunks (an early and a late one
+// per rank), so seq_length must divide by 2*cp, and under sequence parallelism each
+// rank's seq / cp rows by tp; refused at the key, with the cp sizes that would fit.
+TEST_F(ManifestTest, ContextParallelismNeedsTheSequenceToSplit) {
+  Diagnostic cp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 4\n");
   EXPECT_EQ(cp.key, "parallel.cp");
-  EXPECT_THAT(cp.message, HasSubstr("context parallelism (parallel.cp = 2) is not implemented"));
-  EXPECT_THAT(cp.message, HasSubstr("set parallel.cp = 1"));
+  EXPECT_THAT(cp.message, HasSubstr("model.seq_length (12) must be divisible by 8"));
+  EXPECT_THAT(cp.message, HasSubstr("cp could be 1, 2, 3, 6"));
   EXPECT_EQ(pos(cp.origin), "m.toml:4:6");
+  Diagnostic sp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n");
+  EXPECT_EQ(sp.key, "parallel.sequence_parallel");
+  EXPECT_THAT(sp.message, HasSubstr("divisible by parallel.tp (4) times parallel.cp (2)"));
+  EXPECT_NO_THROW(Manifest::parse("[model]\nseq_length = 16\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n", "m"));
 }
 
 TEST_F(ManifestTest, TextDataNeedsAPath) {

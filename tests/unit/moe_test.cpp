@@ -582,8 +582,15 @@ TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
   const std::string order = refusal({"parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                      "parallel.order=\"dp-tp-cp-ep-pp\""});
   EXPECT_NE(order.find("parallel.order: parallel.order = \"dp-tp-cp-ep-pp\""), std::string::npos) << order;
+  // MoE layers do not take a context-parallel slice (routing over a slice is not
+  // implemented): refused with ep > 1 at the keys, and at ep = 1 naming the layer.
   const std::string cp = refusal({"parallel.cp=2", "parallel.dp=1", "parallel.ep=2"});
-  EXPECT_NE(cp.find("parallel.cp = 1"), std::string::npos) << cp;
+  EXPECT_NE(cp.find("parallel.cp: expert parallelism (parallel.ep = 2, parallel.etp) with context parallelism"),
+            std::string::npos) << cp;
+  EXPECT_NE(cp.find("set parallel.cp = 1"), std::string::npos) << cp;
+  const std::string layer = refusal({"parallel.cp=2", "parallel.dp=1", "model.block=[\"attention\", \"moe\"]"});
+  EXPECT_NE(layer.find("layer 'moe' (plugin layer/moe"), std::string::npos) << layer;
+  EXPECT_NE(layer.find("LOOM_LAYER_CONTEXT_PARALLEL"), std::string::npos) << layer;
   // ep after dp in the order still folds into the dp groups: accepted.
   EXPECT_EQ(refusal({"parallel.dp=4", "parallel.ep=2", "parallel.order=\"tp-cp-dp-ep-pp\""}), "");
 }

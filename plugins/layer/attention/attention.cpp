@@ -220,8 +220,10 @@ class Attention : public loom::Layer {
 
   // Device work only, on fixed shapes; the dropout reads the step's seed on the
   // device when the service and device can (ABI 1.3). With tp > 1 the engine does
-  // not capture (collectives).
+  // not capture (collectives); under context parallelism the K/V exchange over cp
+  // is a collective too.
   bool capturable() override {
+    if (cp_.cp() > 1) return false;
     return dropout_ == 0.0f || dropout_seed_on_device(loom::Rank(rank_).device(), tp_);
   }
 

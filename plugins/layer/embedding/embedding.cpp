@@ -9,7 +9,10 @@
 // the shard only; the engine sums it over tp).
 //
 // The position term is a second embedding lookup whose ids are the positions of
-// the rows (row r = s*B + b has id s): one op forward, one op backward.
+// the rows (row r = s*B + b has id s): one op forward, one op backward. Under
+// context parallelism the rows are this cp rank's two chunks of the sequence
+// (loom::ContextSlice) and carry those positions; pos.weight's gradient then covers
+// them only, and the gradient reduction over dp-cp completes it.
 #include "../common/layer_math.hpp"
 
 #include <map>
@@ -40,9 +43,12 @@ class Embedding : public loom::Layer {
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
     dropout_ = dropout_option(options, name_);
+    cp_ = rank.group_or_single("cp");
     // Built now so that a steady-state forward does no host-to-device copy.
-    if (micro_batch_ > 0) position_ids(rank.device(), seq_, micro_batch_);
+    if (micro_batch_ > 0) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
   }
+
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(2);
@@ -66,8 +72,8 @@ class Embedding : public loom::Layer {
     const int64_t H = hidden_;
     require_tensor(a.tokens, "tokens", name_, kDLInt, 32, {-1, -1});
     const int64_t S = a.tokens->shape[0], B = a.tokens->shape[1], T = S * B;
-    LOOM_REQUIRE(S <= seq_, name_ << ": sequence of " << S << " tokens is longer than seq_len "
-                                  << seq_ << " (the position table)");
+    LOOM_REQUIRE(S * cp_.size() <= seq_, name_ << ": sequence of " << S * cp_.size() << " tokens is longer than seq_len "
+                                               << seq_ << " (the position table)");
     // The output is this rank's sequence shard under sequence parallelism.
     const int64_t Sl = shard_positions(S), Tl = Sl * B;
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
@@ -138,7 +144,7 @@ class Embedding : public loom::Layer {
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_, Tl = shard_positions(seq_) * micro_batch_;
+    const int64_t S = seq_ / cp_.size(), T = S * micro_batch_, Tl = shard_positions(S) * micro_batch_;
     Arena a;
     a.add(T * sizeof(int32_t));                 // tokens
     a.add(dropout_ > 0.0f ? Tl * hidden_ : 0);  // dropout mask (this rank's shard under SP)
@@ -165,15 +171,18 @@ class Embedding : public loom::Layer {
     return S / tp_.size();
   }
 
-  // Device ids [Sl*B] with id first + s for row s*B + b of this rank's rows (first
-  // = the shard's first position); built at creation for (seq_len, micro_batch)
-  // and again only if a microbatch of another shape comes.
+  // Device ids [Sl*B]: row s*B + b of this rank's rows gets the position of local
+  // row first + s (first = the SP shard's first row) in this cp rank's slice of a
+  // sequence of S * cp; built at creation for (seq_len, micro_batch) and again only
+  // if a microbatch of another shape comes.
   const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
     if (!positions_ || pos_S_ != S || pos_B_ != B) {
       const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
+      const loom::ContextSlice slice(S * cp_.size(), cp_.size(), cp_.rank());
       std::vector<int32_t> ids(static_cast<size_t>(Sl * B));
       for (int64_t s = 0; s < Sl; ++s)
-        for (int64_t b = 0; b < B; ++b) ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(first + s);
+        for (int64_t b = 0; b < B; ++b)
+          ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(slice.position(first + s));
       loom::Buffer buf(rank_, ids.size() * sizeof(int32_t));
       dev.copy(buf.get(), ids.data(), ids.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
       dev.synchronize();  // the host vector dies here
@@ -186,6 +195,7 @@ class Embedding : public loom::Layer {
 
   loom_rank* rank_;
   loom::TensorParallel tp_;
+  loom::Group cp_;  // context parallelism: this rank's slice of the sequence
   std::string name_;
   int64_t hidden_ = 0, seq_ = 0, micro_batch_ = 0, vocab_ = 0, padded_vocab_ = 0;
   int64_t vocab_local_ = 0;
@@ -205,5 +215,5 @@ class Embedding : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
-    "embedding", "1.1.0", "word (vocab-parallel) + learned position embeddings",
+    "embedding", "1.2.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
     {loom::layers::dropout_option_spec("the embedding output")}))

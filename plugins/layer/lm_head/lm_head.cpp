@@ -27,7 +27,7 @@ class LmHead : public loom::Layer {
     tp_ = loom::TensorParallel(rank_, args.tp, args.sequence_parallel != 0, name_);
     fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
-    seq_ = d.seq_len;
+    seq_ = d.seq_len / rank.group_or_single("cp").size();  // this rank's rows (its slice under context parallelism)
     micro_batch_ = d.micro_batch;
     vocab_ = d.vocab;
     padded_vocab_ = d.padded_vocab;
@@ -39,6 +39,9 @@ class LmHead : public loom::Layer {
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
   }
+
+  // Position-independent: a context-parallel slice of the sequence is just fewer rows.
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(3);

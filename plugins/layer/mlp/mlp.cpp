@@ -25,7 +25,7 @@ class Mlp : public loom::Layer {
     fusion_ = grad_accumulation_fusion(args);
     hidden_ = d.hidden;
     ffn_ = d.ffn_hidden;
-    seq_ = d.seq_len;
+    seq_ = d.seq_len / rank.group_or_single("cp").size();  // this rank's rows (its slice under context parallelism)
     micro_batch_ = d.micro_batch;
     const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
     LOOM_REQUIRE(hidden_ > 0 && ffn_ > 0, name_ << ": hidden and ffn_hidden must be positive");
@@ -38,6 +38,9 @@ class Mlp : public loom::Layer {
     LOOM_REQUIRE(ap >= 0.0 && ap < 1.0, name_ << ": option activation_dropout = " << ap << " must be in [0, 1)");
     activation_dropout_ = static_cast<float>(ap);
   }
+
+  // Position-independent: a context-parallel slice of the sequence is just fewer rows.
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(6);

@@ -13,7 +13,9 @@
 //    the sum of exponentials and the target logit cross ranks, never the logits);
 //  - vocabulary padding, and dropout under the model-parallel RNG: one stream on
 //    every tp rank outside TP regions (each rank drawing its shard's part under
-//    sequence parallelism), a stream per tp rank inside them.
+//    sequence parallelism), a stream per tp rank inside them. Under context
+//    parallelism an element draws the number of its place in the whole sequence
+//    (loom::ContextSlice), so every cp layout masks the serial run's elements.
 //
 // With tp = 1 every collective is skipped: the calls are the local math. With
 // grad_fp32 the parameter gradients of bf16 layers go straight into fp32 buffers
@@ -43,6 +45,7 @@ class Tp {
     has_comm_ = a.tp.api != nullptr && a.tp.comm != nullptr;
     sp_ = a.sequence_parallel != 0 && size_ > 1;
     dev_ = loom::Rank(rank).device();
+    cp_ = loom::Rank(rank).group_or_single("cp");
   }
 
   // ----- f and g -----------------------------------------------------------
@@ -340,21 +343,34 @@ class Tp {
     const int32_t dt = require_float(a.dtype);
     uint64_t seed = dropout_key(name_);  // a.microbatch is not mixed in: a.seed names the samples
     if (a.stream != 0) seed = mix64(seed ^ mix64(0x5bd1e995ull + static_cast<uint64_t>(a.stream)));
-    uint64_t offset = 0;
+    // The a.n elements are rows [first, first + a.n) of this cp rank's slice of
+    // `slice` elements (position-major, so its two context chunks are halves).
+    int64_t first = 0, slice = a.n;
     if (a.region == LOOM_TP_RNG_PARALLEL) {
       // A stream of this tp rank's own (Megatron: the model-parallel tracker).
       seed = mix64(seed ^ mix64(0x2718281828459045ull + static_cast<uint64_t>(tp_rank_)));
     } else {
       LOOM_REQUIRE(a.region == LOOM_TP_RNG_DUPLICATED, name_ << ": unknown dropout region " << a.region);
       // One stream on every tp rank; under SP this rank holds block tp_rank of it.
-      if (sp_) offset = static_cast<uint64_t>(tp_rank_) * static_cast<uint64_t>(a.n);
+      if (sp_) {
+        first = tp_rank_ * a.n;
+        slice = size_ * a.n;
+      }
     }
     // The step's seed last: by address when the device reads it at run time (a
     // captured dropout then draws a new mask every step), else here; same mask.
     const bool on_device = a.seed_device != nullptr && (dev_.features() & LOOM_DEVICE_SEED_DEVICE) != 0;
-    dev_.elementwise({.op = LOOM_EW_DROPOUT, .n = a.n, .x = a.x, .y = a.mask, .out = a.out, .p = a.p,
-                      .seed = on_device ? seed : loom_mix64(seed ^ loom_mix64(a.seed)), .offset = offset,
-                      .dtype = dt, .out_dtype = dt, .seed_device = on_device ? a.seed_device : nullptr});
+    // Each run of consecutive elements draws from its offset in the whole sequence
+    // (one run without context parallelism: offset = first).
+    const loom::ContextSlice context(slice * cp_.size(), cp_.size(), cp_.rank());
+    for (const loom::ContextSlice::Run& run : context.runs(first, first + a.n)) {
+      const int64_t at = run.local - first;
+      dev_.elementwise({.op = LOOM_EW_DROPOUT, .n = run.length, .x = advance(a.x, at, dt),
+                        .y = static_cast<uint8_t*>(a.mask) + at, .out = advance(a.out, at, dt), .p = a.p,
+                        .seed = on_device ? seed : loom_mix64(seed ^ loom_mix64(a.seed)),
+                        .offset = static_cast<uint64_t>(run.position), .dtype = dt, .out_dtype = dt,
+                        .seed_device = on_device ? a.seed_device : nullptr});
+    }
   }
 
  private:
@@ -387,6 +403,7 @@ class Tp {
   loom::Group group_;
   std::string name_;
   int size_ = 1, tp_rank_ = 0;
+  loom::Group cp_;  // context parallelism: where this rank's rows sit in the sequence
   bool sp_ = false, has_comm_ = false;
   loom::Device dev_;
 };

@@ -222,6 +222,9 @@ const loom_layer_api* layer_api() {
       (void)guard([&] { v = detail::box(l)->layer->forward_flops(); });
       return v;
     };
+    // A static constexpr uint64_t kFeatures in T sets loom_layer_api.features
+    // (LOOM_LAYER_*, ABI 1.6).
+    if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
     return a;
   }();
   return &api;

@@ -1,0 +1,206 @@
+// Context parallelism (parallel.cp): every cp rank holds two chunks of each sequence
+// (an early and a late one), attends to the keys of the whole sequence gathered over
+// cp, and the gradients are averaged over dp-cp. Proven by equivalence with the
+// serial run, step by step, from the same seed: alone and with tp + sequence
+// parallelism, dp and the distributed optimizer, pipeline stages, and dropout (whose
+// masks follow positions in the whole sequence). The cp replicas stay identical, a
+// resume is bit-exact (and reshards over dp x cp), `loom plan` sizes the run, and a
+// layer that cannot take a slice is refused naming itself.
+#include "support/rank_trace.hpp"
+
+#include "engine/model/param_plan.hpp"
+#include "engine/train/checkpoint.hpp"
+
+#include <gtest/gtest.h>
+
+#include <boost/filesystem.hpp>
+
+#include <map>
+#include <mutex>
+
+namespace {
+
+using loom::testing::RankTrace;
+
+// Sequences of 32 so cp = 4 has chunks of 4 positions and cp 2 x tp 2 (SP) shards
+// of 8 rows; Adam's eps small so the comparison is of the parallel arithmetic.
+std::string manifest() { return loom::testing::tiny_manifest() + "\n[parallel]\n"; }
+
+RankTrace run(std::vector<std::string> o, loom::train::TrainOptions opts = {}) {
+  o.insert(o.begin(), {"model.seq_length=32", "data.digits=4", "optimizer.eps=1e-6"});
+  return loom::testing::run_all_ranks(manifest(), o, std::move(opts));
+}
+
+void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
+  ASSERT_EQ(par.loss.size(), serial.loss.size());
+  ASSERT_GE(serial.loss.size(), 10u);
+  for (size_t s = 0; s < serial.loss.size(); ++s) {
+    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
+    EXPECT_NEAR(par.result.steps[s].grad_norm, serial.result.steps[s].grad_norm,
+                tol * serial.result.steps[s].grad_norm)
+        << "gradient norm at step " << s + 1;
+    const auto want = loom::testing::full_params(serial, s);
+    const auto got = loom::testing::full_params(par, s);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [key, w] : want) {
+      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
+      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), tol) << key << " at step " << s + 1;
+    }
+  }
+}
+
+// Every rank's buffer equals that of its cp rank 0 peer (same tp, dp, pp): the
+// replicas stay replicas.
+void expect_cp_replicas_identical(const RankTrace& t) {
+  for (int p = 0; p < t.pp; ++p)
+    for (int d = 0; d < t.dp; ++d)
+      for (int x = 0; x < t.tp; ++x)
+        for (int c = 1; c < t.cp; ++c) {
+          const int a = loom::testing::rank_of(t, x, d, p), b = loom::testing::rank_of(t, x, d, p, c);
+          ASSERT_EQ(t.params.at(a).size(), t.params.at(b).size());
+          for (size_t s = 0; s < t.params.at(a).size(); ++s)
+            EXPECT_EQ(t.params.at(a)[s], t.params.at(b)[s]) << "rank " << b << " differs from rank " << a
+                                                            << " after step " << s + 1;
+        }
+}
+
+TEST(ContextParallel, Cp2MatchesSerial) {
+  const RankTrace serial = run({}), cp2 = run({"parallel.cp=2"});
+  expect_same_training(serial, cp2);
+  expect_cp_replicas_identical(cp2);
+  // The two ranks really split the work: K/V gathered and their gradients scattered over cp.
+  const auto& comm = cp2.result.steps.back().comm;  // group kind -> op -> counter
+  ASSERT_TRUE(comm.count("cp")) << "no traffic over cp";
+  EXPECT_GT(comm.at("cp").count("all_gather") ? comm.at("cp").at("all_gather").bytes : 0u, 0u);
+  EXPECT_GT(comm.at("cp").count("reduce_scatter") ? comm.at("cp").at("reduce_scatter").bytes : 0u, 0u);
+  EXPECT_TRUE(comm.count("dp-cp")) << "gradients are not averaged over dp-cp";
+}
+
+TEST(ContextParallel, Cp4MatchesSerial) { expect_same_training(run({}), run({"parallel.cp=4"})); }
+
+TEST(ContextParallel, Cp2WithTp2SequenceParallelMatchesSerial) {
+  const RankTrace par = run({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"});
+  expect_same_training(run({}), par);
+  expect_cp_replicas_identical(par);
+}
+
+TEST(ContextParallel, Cp2Dp2WithTheDistributedOptimizerMatchesSerial) {
+  const RankTrace par = run({"parallel.cp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""});
+  expect_same_training(run({}), par);
+  expect_cp_replicas_identical(par);
+}
+
+TEST(ContextParallel, Cp2Pp2MatchesSerial) {
+  expect_same_training(run({"model.num_layers=4"}), run({"model.num_layers=4", "parallel.cp=2", "parallel.pp=2"}));
+}
+
+// Dropout draws each element's mask from its place in the whole sequence, so a
+// cp run (with tp + SP too) masks exactly what the serial run masks.
+TEST(ContextParallel, DropoutMasksFollowPositionsInTheWholeSequence) {
+  const std::vector<std::string> drop = {"model.layer.embedding.dropout=0.1", "model.layer.attention.dropout=0.1",
+                                         "model.layer.mlp.dropout=0.1"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), drop.begin(), drop.end());
+    return o;
+  };
+  const RankTrace serial = run(with({})), no_drop = run({});
+  ASSERT_GT(std::fabs(serial.loss[0] - no_drop.loss[0]), 1e-4) << "dropout changed nothing";
+  expect_same_training(serial, run(with({"parallel.cp=2"})));
+  expect_same_training(serial, run(with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"})));
+}
+
+// Checkpoints record cp: a resume at the same layout is bit-exact, one at another
+// dp reshards the distributed optimizer over dp x cp, and one at another cp is
+// refused naming both.
+TEST(ContextParallel, ResumeIsBitExactReshardsOverDpAndKeepsCp) {
+  const std::string dir = loom::testing::scratch_dir("cp-resume");
+  const std::vector<std::string> layout = {"parallel.cp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\"",
+                                          "optimizer.decay_steps=10"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), layout.begin(), layout.end());
+    return o;
+  };
+  const RankTrace whole = run(with({}));
+  run(with({"run.steps=5", "checkpoint.dir=\"" + dir + "\""}));
+  EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 5)).cp, 2);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  const RankTrace rest = run(with({"checkpoint.dir=\"" + dir + "\""}), resume);
+  ASSERT_EQ(rest.loss.size(), 5u);
+  for (size_t s = 0; s < 5; ++s) EXPECT_EQ(rest.loss[s], whole.loss[s + 5]) << "step " << s + 6;
+  for (const auto& [rank, steps] : rest.params) EXPECT_EQ(steps.back(), whole.params.at(rank).back()) << "rank " << rank;
+
+  // dp 2 -> 1 at cp 2: the states of the four dp-cp ranks go to two.
+  const std::string dir2 = loom::testing::scratch_dir("cp-reshard");
+  run(with({"run.steps=5", "checkpoint.dir=\"" + dir2 + "\""}));
+  const RankTrace resharded = run({"parallel.cp=2", "parallel.dp=1", "optimizer.strategy=\"distributed\"", "optimizer.decay_steps=10",
+                                   "batch.micro_batch_size=4", "checkpoint.dir=\"" + dir2 + "\""},
+                                  resume);
+  ASSERT_EQ(resharded.loss.size(), 5u);
+  for (size_t s = 0; s < 5; ++s)
+    EXPECT_NEAR(resharded.loss[s], whole.loss[s + 5], 1e-5 * whole.loss[s + 5]) << "step " << s + 6;
+
+  try {
+    run({"parallel.cp=1", "parallel.dp=2", "optimizer.strategy=\"distributed\"", "checkpoint.dir=\"" + dir + "\""},
+        resume);
+    ADD_FAILURE() << "a resume at cp 1 of a cp 2 checkpoint was accepted";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("written with cp=2; this run has cp=1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("resume with parallel.cp=2"), std::string::npos) << msg;
+  }
+  boost::filesystem::remove_all(dir);
+  boost::filesystem::remove_all(dir2);
+}
+
+// `loom plan` sizes a cp run as the run allocates it: the same buffers (padded for
+// dp x cp), the distributed optimizer's state over dp x cp, and activations of the
+// rank's seq / cp rows, smaller than without cp.
+TEST(ContextParallel, PlanMatchesTheRun) {
+  const std::vector<std::string> o = {"model.seq_length=32", "data.digits=4", "run.steps=1", "parallel.cp=2",
+                                      "parallel.dp=2", "optimizer.strategy=\"distributed\""};
+  std::map<int, std::pair<size_t, uint64_t>> measured;  // rank -> (numel, activation bytes)
+  std::mutex mu;
+  loom::train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+    std::lock_guard<std::mutex> lock(mu);
+    measured[rank] = {m.numel(), m.activation_bytes()};
+  };
+  loom::testing::run_and_trace(manifest(), o, opts);
+  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  std::vector<std::string> serial_o = o;
+  serial_o.push_back("parallel.cp=1");
+  const loom::model::MemoryPlan serial = loom::model::plan_memory(loom::testing::plan_from(manifest(), serial_o));
+  ASSERT_EQ(plan.ranks.size(), 4u);
+  for (const auto& r : plan.ranks) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank));
+    EXPECT_EQ(r.buffer_numel, measured.at(r.rank).first);
+    EXPECT_EQ(r.buffer_numel % 4, 0u) << "buckets padded for the 4 dp-cp ranks";
+    EXPECT_EQ(r.optimizer_bytes, r.buffer_numel / 4 * 8) << "fp32 Adam moments of a 1/(dp x cp) shard";
+    EXPECT_EQ(r.activation_bytes, measured.at(r.rank).second);
+    EXPECT_LT(r.activation_bytes, serial.ranks[0].activation_bytes);
+  }
+}
+
+// A layer that does not advertise LOOM_LAYER_CONTEXT_PARALLEL (an ABI 1.5 build of
+// layer/mlp, say) is refused at parallel.cp, naming the layer and its plugin.
+TEST(ContextParallel, ALayerWithoutTheCapabilityIsRefused) {
+  loom::train::RunPlan ok = loom::testing::plan_from(manifest(), {"parallel.cp=2"});
+  EXPECT_EQ(ok.sizes.cp, 2);
+  const loom::plugins::LoadedPlugin& mlp = loom::plugins::registry().get("layer", "mlp");
+  loom_layer_api* table = const_cast<loom_layer_api*>(mlp.layer());
+  const uint64_t saved = table->features;
+  table->features = 0;
+  std::string msg;
+  try {
+    loom::testing::plan_from(manifest(), {"parallel.cp=2"});
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  table->features = saved;
+  EXPECT_NE(msg.find("parallel.cp"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("layer 'mlp' (plugin layer/mlp"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("LOOM_LAYER_CONTEXT_PARALLEL"), std::string::npos) << msg;
+}
+
+}  // namespace
