@@ -5,6 +5,7 @@
 #   3. training equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
 #      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
+#      and cp = 2 (context parallelism) over comm/nccl
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
@@ -154,6 +155,17 @@ if [ "$gpus" -ge 2 ]; then
     else fail "cuda+nccl dp=2 vs cpu dp=2 losses differ"; fi
   else
     fail "dp=2 runs failed (see $out/cpu_dp2.log, $out/nccl_dp2.log)"; tail -5 "$out/nccl_dp2.log"
+  fi
+  # Context parallelism over NCCL (K/V all-gathered over cp, windowed attention) against
+  # the serial CPU run of the same data.
+  cp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=1)
+  if run cpu_cp1 "${cp2[@]}" --set device.kind=cpu &&
+     run nccl_cp2 "${cp2[@]}" --set parallel.cp=2 --set device.kind=cuda --set comm.backend=nccl; then
+    if compare "$out/nccl_cp2.jsonl" "$out/cpu_cp1.jsonl" 1e-4 "cuda+nccl cp=2 vs cpu serial"; then
+      pass "cuda+nccl cp=2 = cpu serial"
+    else fail "cuda+nccl cp=2 vs cpu serial losses differ"; fi
+  else
+    fail "cp=2 runs failed (see $out/cpu_cp1.log, $out/nccl_cp2.log)"; tail -5 "$out/nccl_cp2.log"
   fi
   # Expert parallelism over NCCL (all_to_all_v as grouped send/recv; all_gather and
   # reduce_scatter for the other dispatcher) against the CPU without ep.

@@ -634,6 +634,65 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
   dqkv.expect_match("attention_bwd dq|dk|dv " + tag.str());
 }
 
+// ABI 1.6's query window (context parallelism): Sq queries [b, s, h, d] at
+// q_offset of Skv keys packed [s, b, k|v], dk and dv accumulated into what they hold.
+void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int64_t Skv, int64_t q_offset, int64_t H,
+                            int64_t D, uint32_t seed) {
+  Env env;
+  const int64_t W = H * D;
+  Tensor q(env, randu(B * Sq * W, seed, -2, 2), dt), kv(env, randu(Skv * B * 2 * W, seed + 1, -2, 2), dt);
+  Tensor out(env, B * Sq * W, dt), lse(env, B * H * Sq), dout(env, randu(B * Sq * W, seed + 2), dt);
+  Tensor dq(env, randu(B * Sq * W, seed + 3), dt), dkv(env, randu(Skv * B * 2 * W, seed + 4), dt);
+  const size_t es = dt == BF16 ? 2 : 4;
+  auto build = [&](bool gpu) {
+    loom_attention_args a = loom::make<loom_attention_args>();
+    a.batch = B;
+    a.seq = Sq;
+    a.heads = H;
+    a.head_dim = D;
+    a.qkv_stride_b = a.out_stride_b = Sq * W;
+    a.qkv_stride_s = a.out_stride_s = W;
+    a.kv_seq = Skv;
+    a.q_offset = q_offset;
+    a.kv_stride_b = 2 * W;
+    a.kv_stride_s = B * 2 * W;
+    const size_t e = gpu ? es : 4;
+    char* kvb = static_cast<char*>(gpu ? kv.g() : static_cast<void*>(kv.c()));
+    char* dkvb = static_cast<char*>(gpu ? dkv.g() : static_cast<void*>(dkv.c()));
+    a.q = gpu ? q.g() : q.c();
+    a.k = kvb;
+    a.v = kvb + W * e;
+    a.out = gpu ? out.g() : out.c();
+    a.lse = static_cast<float*>(gpu ? lse.g() : lse.c());
+    a.dout = gpu ? dout.g() : dout.c();
+    a.dq = gpu ? dq.g() : dq.c();
+    a.dk = dkvb;
+    a.dv = dkvb + W * e;
+    a.accumulate_dkv = 1;
+    a.scale = 1.0f / std::sqrt(static_cast<float>(D));
+    a.causal = causal ? 1 : 0;
+    a.dtype = gpu ? dt : F32;
+    return a;
+  };
+  both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
+  std::ostringstream tag;
+  tag << (dt == BF16 ? "bf16" : "f32") << (causal ? " causal" : "") << " window B=" << B << " Sq=" << Sq
+      << " Skv=" << Skv << " q_offset=" << q_offset << " H=" << H << " D=" << D;
+  out.expect_match("attention_fwd out " + tag.str());
+  lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
+  both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
+  dq.expect_match("attention_bwd dq " + tag.str());
+  dkv.expect_match("attention_bwd dk|dv (accumulated) " + tag.str());
+}
+
+TEST(DeviceCuda, AttentionWindowMatchesCpu) {
+  REQUIRE_GPU();
+  check_attention_window(F32, true, 2, 35, 140, 70, 3, 16, 80);   // cp 2: rank 1's early chunk
+  check_attention_window(F32, true, 1, 64, 256, 192, 4, 32, 81);  // the last chunk of 4
+  check_attention_window(F32, false, 2, 17, 40, 0, 2, 8, 82);
+  check_attention_window(BF16, true, 2, 35, 140, 105, 3, 16, 83);
+}
+
 TEST(DeviceCuda, AttentionFp32MatchesCpu) {
   REQUIRE_GPU();
   check_attention(F32, true, true, 2, 70, 3, 16, 60);
