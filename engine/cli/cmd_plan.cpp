@@ -69,6 +69,7 @@ int cmd_plan(int argc, char** argv) {
                             .add("bytes_per_param", r.bytes_per_param)
                             .add("buffer_numel", r.buffer_numel)
                             .add("tp_rank", r.tp_rank)
+                            .add("cp_rank", r.cp_rank)
                             .add("dp_rank", r.dp_rank)
                             .add("pp_rank", r.pp_rank)
                             .add("in_flight", r.in_flight)
@@ -80,6 +81,7 @@ int cmd_plan(int argc, char** argv) {
                        .add_raw("ranks", json_array(ranks))
                        .add("world_size", mp.world)
                        .add("tp", mp.tp)
+                       .add("cp", mp.cp)
                        .add("dp", mp.dp)
                        .add("pp", mp.pp)
                        .add("param_dtype", mp.param_dtype)
@@ -93,13 +95,14 @@ int cmd_plan(int argc, char** argv) {
     }
 
     std::cout << "memory plan: " << args.positionals()[0] << "\n"
-              << "  world " << mp.world << " = tp " << mp.tp << " x dp " << mp.dp << " x pp " << mp.pp << "; params "
+              << "  world " << mp.world << " = tp " << mp.tp << (mp.cp > 1 ? " x cp " + std::to_string(mp.cp) : "")
+              << " x dp " << mp.dp << " x pp " << mp.pp << "; params "
               << mp.param_dtype
               << ", grads " << mp.grad_dtype << ", optimizer " << mp.strategy << "; vocab " << mp.vocab
               << "; bucket_size " << mp.bucket_size << (mp.bucket_size ? "" : " (one bucket)") << "\n"
               << "  activations: at the schedule's peak, up to " << mp.microbatches_in_flight
               << " microbatch-chunk(s) in flight on a rank (estimate)\n\n";
-    std::cout << cell("rank", 5) << cell("tp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
+    std::cout << cell("rank", 5) << cell("tp", 3) << cell("cp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
               << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
               << cell("total MiB", 10) << cell("B/param", 8) << "\n";
@@ -107,7 +110,7 @@ int cmd_plan(int argc, char** argv) {
       char bpp[32];
       std::snprintf(bpp, sizeof(bpp), "%.3f", r.bytes_per_param);
       std::cout << cell(std::to_string(r.rank), 5) << cell(std::to_string(r.tp_rank), 3)
-                << cell(std::to_string(r.dp_rank), 3) << cell(std::to_string(r.pp_rank), 3)
+                << cell(std::to_string(r.cp_rank), 3) << cell(std::to_string(r.dp_rank), 3) << cell(std::to_string(r.pp_rank), 3)
                 << cell(std::to_string(r.params), 12)
                 << cell(std::to_string(r.buffer_numel), 12) << cell(mib(r.param_bytes), 10)
                 << cell(mib(r.grad_bytes), 10) << cell(mib(r.optimizer_bytes), 10)
@@ -115,8 +118,11 @@ int cmd_plan(int argc, char** argv) {
                 << cell(mib(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes), 10)
                 << cell(bpp, 8) << "\n";
     }
-    // The buffer layout of each distinct (tp, pp) position (dp replicas share it).
-    std::cout << "\nbuffer layout (elements; dp replicas identical):\n";
+    // The buffer layout of each distinct (tp, pp) position (dp and cp replicas share
+    // it); the distributed optimizer shards each bucket over dp x cp ranks.
+    const int grad_ranks = mp.dp * mp.cp;
+    std::cout << "\nbuffer layout (elements; dp" << (mp.cp > 1 ? " and cp" : "") << " replicas identical"
+              << (mp.ep > 1 ? ", ep ranks holding other experts" : "") << "):\n";
     std::set<std::pair<int, int>> shown;
     for (const model::RankMemory& r : mp.ranks) {
       if (!shown.insert({r.tp_rank, r.pp_rank}).second) continue;
@@ -126,7 +132,10 @@ int cmd_plan(int argc, char** argv) {
       for (size_t i = 0; i < r.layout.buckets.size(); ++i) {
         const model::Range& b = r.layout.buckets[i];
         std::cout << "    bucket " << i << ": [" << b.start << ", " << b.end << ") " << b.size() << " elements, shard "
-                  << b.size() / static_cast<size_t>(mp.dp) << " per dp rank\n";
+                  << (b.start >= r.expert_start
+                          ? std::to_string(b.size() / static_cast<size_t>(mp.edp)) + " per edp rank (experts)\n"
+                          : std::to_string(b.size() / static_cast<size_t>(grad_ranks)) +
+                                (mp.cp > 1 ? " per dp-cp rank\n" : " per dp rank\n"));
       }
     }
     return 0;

@@ -401,7 +401,8 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
            "parallel.cp = " + S(I("parallel.cp")) + " splits the sequence into 2*cp = " + S(2 * I("parallel.cp")) +
                " equal chunks (each cp rank holds an early and a late one), so model.seq_length (" +
                S(I("model.seq_length")) + ") must be divisible by " + S(2 * I("parallel.cp")) + "; cp could be " +
-               divisors_text(I("model.seq_length") / 2));
+               // cp > 1 needs seq_length = 2 cp k: the divisors of seq_length / 2 when it is even
+               (I("model.seq_length") % 2 == 0 ? divisors_text(I("model.seq_length") / 2) : std::string("1")));
   // Under sequence parallelism the rows each rank holds (the whole sequence, or its
   // cp slice) split over tp.
   if (usable({"parallel.sequence_parallel", "model.seq_length", "parallel.tp", "parallel.cp"}) &&

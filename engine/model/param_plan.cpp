@@ -153,6 +153,8 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   out.strategy = m.get_string("optimizer.strategy");
   out.world = plan.sizes.world;
   out.tp = plan.sizes.tp;
+  out.cp = plan.sizes.cp;
+  out.ep = plan.sizes.ep;
   out.dp = plan.dp;
   out.pp = plan.sizes.pp;
   out.vocab = vocab;
@@ -163,6 +165,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   const bool distributed = out.strategy == "distributed";
 
   const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
+  out.edp = groups.edp();
   const plugins::LoadedPlugin& cpu = plan.registry->get("device", "cpu");
   plugins::OptionValues dev_opts(nullptr, cpu.options);
   const loom_model_dims dims = model_dims(m, vocab, plan.sizes.tp);
@@ -296,6 +299,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       size_t expert_start = rm.layout.numel;
       for (size_t i = 0; i < cp.entries.size(); ++i)
         if (cp.entries[i].expert) expert_start = std::min(expert_start, rm.layout.params[i].start);
+      rm.expert_start = expert_start;
       const size_t edp = static_cast<size_t>(groups.edp());
       const size_t state_elems = distributed ? expert_start / static_cast<size_t>(grad_group) +
                                                    (rm.buffer_numel - expert_start) / std::max<size_t>(1, edp)
@@ -321,6 +325,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
     }
     rm.rank = r;
     rm.tp_rank = tp_rank;
+    rm.cp_rank = groups.rank_in_group("cp", r);
     rm.dp_rank = groups.rank_in_group("dp", r);
     rm.pp_rank = pp_rank;
     out.ranks.push_back(std::move(rm));

@@ -64,11 +64,12 @@ size_t dtype_bytes(const std::string& dtype);
 size_t optimizer_bytes_per_element(const std::string& param_dtype, const std::string& grad_dtype);
 
 struct RankMemory {
-  int rank = 0, tp_rank = 0, dp_rank = 0, pp_rank = 0;
+  int rank = 0, tp_rank = 0, cp_rank = 0, dp_rank = 0, pp_rank = 0;
   size_t params = 0;        // the rank's real parameter count (tied once, no padding)
   size_t buffer_numel = 0;  // flat buffer elements, padding included
   size_t param_count = 0;   // number of parameter tensors
   BufferLayout layout;
+  size_t expert_start = 0;  // where the expert region (sharded over edp) begins; buffer_numel = none
   uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   uint64_t activation_bytes = 0;  // at the schedule's peak (estimate from the layers' saved bytes)
   int in_flight = 0;              // (chunk, microbatch) forwards awaiting backward at that peak
@@ -77,7 +78,7 @@ struct RankMemory {
 
 struct MemoryPlan {
   std::string param_dtype, grad_dtype, strategy;
-  int world = 1, tp = 1, dp = 1, pp = 1;
+  int world = 1, tp = 1, cp = 1, dp = 1, pp = 1, ep = 1, edp = 1;
   int64_t vocab = 0;
   size_t bucket_size = 0;
   int64_t microbatches_in_flight = 1;  // the most any rank holds

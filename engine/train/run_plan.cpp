@@ -150,9 +150,29 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
       diags.push_back({"parallel.cp", man.origin("parallel.cp"),
                        "layer '" + l.config + "' (plugin " + p->key() + ", ABI 1." + std::to_string(p->abi_minor) +
                            ") does not take a context-parallel slice of the sequence (it does not advertise "
-                           "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1" +
-                           (l.plugin == "moe" ? " (MoE routing under context parallelism is not implemented)" : "")});
+                           "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
   }
+  // Layers that mix positions run their context-parallel slice through windowed
+  // attention (ABI 1.6): a device without it is refused here, so `loom validate`
+  // says so before a run starts.
+  if (plan.device != nullptr && man.get_int("parallel.cp") > 1) {
+    const loom_device_api* dev = plan.device->device();
+    const bool window = dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
+                        (dev->features & LOOM_DEVICE_ATTENTION_WINDOW) != 0;
+    if (!window)
+      diags.push_back({"parallel.cp", man.origin("parallel.cp"),
+                       "context parallelism needs windowed attention from the device, which " + plan.device->key() +
+                           " (ABI 1." + std::to_string(plan.device->abi_minor) +
+                           ") does not advertise (LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); set parallel.cp = 1 or "
+                           "use a device plugin built against ABI 1.6"});
+  }
+  // A tensor-parallel service before 1.6 draws dropout masks by the rank's rows,
+  // the same on every cp rank.
+  if (plan.tensor != nullptr && man.get_int("parallel.cp") > 1 && plan.tensor->abi_minor < 6)
+    diags.push_back({"parallel.cp", man.origin("parallel.cp"),
+                     "context parallelism needs a tensor-parallel service built for ABI 1.6 or later (its dropout "
+                     "masks follow positions in the whole sequence); " + plan.tensor->key() + " is ABI 1." +
+                         std::to_string(plan.tensor->abi_minor) + "; set parallel.cp = 1 or rebuild it"});
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
   // What host->service(rank, LOOM_API_TENSOR_PARALLEL, NULL) gives the layers.
   plugins::set_default_service(LOOM_API_TENSOR_PARALLEL, plan.tensor);

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,19 @@ inline std::map<std::string, std::vector<float>> full_params(const RankTrace& t,
     for (size_t k = 0; k < entries.size(); ++k)
       if (!out.count(param_key(entries[k]))) out[param_key(entries[k])] = assemble_tensor(t, p, k, step);
   }
+  return out;
+}
+
+// The param_keys of tensors that start at zero (biases, LayerNorm shifts). After
+// the first Adam step such a tensor is nothing but its update lr*g/(|g| + eps),
+// whose slope near |g| = eps turns summation-order differences of the gradient
+// into the largest relative differences of any step (docs/design-notes.md, "What
+// equal means"); equivalence tests may give them a looser bound at step 1.
+inline std::set<std::string> zero_initialised(const RankTrace& t) {
+  std::set<std::string> out;
+  for (int p = 0; p < t.pp; ++p)
+    for (const model::ParamEntry& e : t.entries.at(rank_of(t, 0, 0, p)))
+      if (e.decl.init == LOOM_INIT_ZEROS) out.insert(param_key(e));
   return out;
 }
 

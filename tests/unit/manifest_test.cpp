@@ -23,6 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 constexpr const char* kLauncherVars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"};
@@ -452,6 +453,10 @@ TEST_F(ManifestTest, ContextParallelismNeedsTheSequenceToSplit) {
   EXPECT_THAT(cp.message, HasSubstr("model.seq_length (12) must be divisible by 8"));
   EXPECT_THAT(cp.message, HasSubstr("cp could be 1, 2, 3, 6"));
   EXPECT_EQ(pos(cp.origin), "m.toml:4:6");
+  // An odd length has no two equal halves: only cp = 1 fits.
+  Diagnostic odd = one_error("[model]\nseq_length = 9\n[parallel]\ncp = 2\n");
+  EXPECT_THAT(odd.message, HasSubstr("cp could be 1"));
+  EXPECT_THAT(odd.message, Not(HasSubstr("cp could be 1,")));
   Diagnostic sp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n");
   EXPECT_EQ(sp.key, "parallel.sequence_parallel");
   EXPECT_THAT(sp.message, HasSubstr("divisible by parallel.tp (4) times parallel.cp (2)"));

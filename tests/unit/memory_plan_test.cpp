@@ -108,7 +108,8 @@ TEST(MemoryPlan, CliJson) {
   const std::string dir = loom::testing::scratch_dir("memory-plan");
   const std::string path = dir + "/tiny.toml";
   std::ofstream(path) << tiny_manifest();
-  std::vector<std::string> words = {path, "--set", "parallel.dp=2", "--set", "parallel.tp=2", "--json"};
+  std::vector<std::string> words = {path, "--set", "parallel.dp=2", "--set", "parallel.tp=2", "--set", "parallel.cp=2",
+                                    "--json"};
   std::vector<char*> argv;
   for (std::string& w : words) argv.push_back(w.data());
   ::testing::internal::CaptureStdout();
@@ -119,9 +120,14 @@ TEST(MemoryPlan, CliJson) {
   std::istringstream is(out);
   ASSERT_NO_THROW(boost::property_tree::read_json(is, tree)) << out;
   const auto& ranks = tree.get_child("ranks");
-  ASSERT_EQ(ranks.size(), 4u) << out;  // world = tp 2 x dp 2
+  ASSERT_EQ(ranks.size(), 8u) << out;  // world = tp 2 x cp 2 x dp 2
+  EXPECT_EQ(tree.get<int>("cp"), 2);
   int expect_rank = 0;
   for (const auto& [key, r] : ranks) {
+    // The default order tp-cp-ep-dp-pp: tp fastest, then cp, then dp.
+    EXPECT_EQ(r.get<int>("tp_rank"), expect_rank % 2);
+    EXPECT_EQ(r.get<int>("cp_rank"), expect_rank / 2 % 2);
+    EXPECT_EQ(r.get<int>("dp_rank"), expect_rank / 4);
     EXPECT_EQ(r.get<int>("rank"), expect_rank++);
     for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"})
       EXPECT_GT(r.get<double>(k), 0) << k;

@@ -917,7 +917,12 @@ typedef struct loom_tp_xent_args {
  * DUPLICATED (outside TP regions) draws from one stream identical on every tp rank
  * (under SP each rank draws its shard's part of it, so the mask equals the serial
  * run's); PARALLEL (inside a TP region) from a stream of its own per tp rank.
- * out = x * mask / (1 - p); mask [n] u8 is written for the backward. */
+ * out = x * mask / (1 - p); mask [n] u8 is written for the backward.
+ * 1.6, context parallelism: x is hidden-state shaped, this rank's rows of its cp
+ * slice position-major (see loom_layer_fwd_args), so the slice's two halves are
+ * its two context chunks; a 1.6 service draws each element by its place in the
+ * whole sequence, so every cp layout masks the serial run's elements (the engine
+ * refuses parallel.cp > 1 with a service built before 1.6). */
 #define LOOM_TP_RNG_DUPLICATED 0
 #define LOOM_TP_RNG_PARALLEL 1
 typedef struct loom_tp_dropout_args {
