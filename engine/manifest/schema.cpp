@@ -436,15 +436,9 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
-  // Expert layers route whole sequences (capacity, load balancing) and do not take
-  // a context-parallel slice; with cp > 1 the expert groups would mix cp ranks.
-  if (usable({"parallel.ep", "parallel.cp"}) && I("parallel.cp") > 1 &&
-      (I("parallel.ep") > 1 || (usable({"parallel.etp", "parallel.tp"}) && resolved_etp(m) != I("parallel.tp"))))
-    report({"parallel.cp", "parallel.ep"},
-           "expert parallelism (parallel.ep = " + S(I("parallel.ep")) + ", parallel.etp) with context parallelism "
-           "(parallel.cp = " + S(I("parallel.cp")) + ") is not implemented: MoE layers do not take a "
-           "context-parallel slice of the sequence; set parallel.cp = 1, or parallel.ep = 1 and parallel.etp = 0");
-  else if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
+  // Expert groups fold over the tp x cp x dp ranks (Megatron's expert generator
+  // counts cp into edp); MoE layers route the whole microbatch under cp.
+  if (usable({"parallel.ep", "parallel.etp", "parallel.dp", "parallel.cp", "parallel.tp"})) {
     int64_t ep = I("parallel.ep"), etp = resolved_etp(m), tp = I("parallel.tp"),
             dp = I("parallel.dp"), cp = I("parallel.cp");
     if (etp == tp) {

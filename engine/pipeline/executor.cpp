@@ -102,8 +102,10 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
         if (trace_) trace_->add(rank_.global_rank(), "recv grad c" + std::to_string(g), "p2p", t0);
       }
       const Clock::time_point tb = Clock::now();
-      const void* grad_in =
-          model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)], 1.0f / static_cast<float>(microbatches_));
+      // Auxiliary losses are averaged over microbatches; under cp each rank's part
+      // of them is a partial sum too, scaled by cp as the loss is.
+      const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)],
+                                                  static_cast<float>(cp_.size()) / static_cast<float>(microbatches_));
       --in_flight;
       if (trace_)
         trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,

@@ -42,21 +42,24 @@ std::vector<int> sorted(std::vector<int> v) {
 // keep the dense tp split (etp = tp) and the ranks an expert's gradient is summed
 // over (ep x edp) are one dp group; or the run folds MoE parallelism (etp != tp,
 // seed 001): then the expert groups (etp x ep x edp) cover exactly a stage's tp x
-// dp ranks. Orders that put ep elsewhere (or cp > 1, refused by the schema) would
-// mix tp slices or replicas silently.
+// dp ranks. Under context parallelism the cp ranks count as dp ranks (their
+// tokens meet the same experts): dp-cp and tp-dp-cp. Orders that put ep elsewhere
+// would mix tp slices or replicas silently.
 void require_experts_fold_into_dp(const manifest::Manifest& man, const topology::ParallelSizes& sizes) {
   const topology::RankGroups groups = topology::RankGroups::build(sizes);
   for (int r = 0; r < groups.world(); ++r) {
     const bool folded = groups.group_of("etp", r).size() != groups.group_of("tp", r).size();
-    const bool fits = folded ? with_edp_replicas(groups, "etp-ep", r) == sorted(groups.group_of("tp-dp", r))
-                             : groups.group_of("etp", r) == groups.group_of("tp", r) &&
-                                   with_edp_replicas(groups, "ep", r) == sorted(groups.group_of("dp", r));
+    const bool cp = sizes.cp > 1;
+    const bool fits =
+        folded ? with_edp_replicas(groups, "etp-ep", r) == sorted(groups.group_of(cp ? "tp-dp-cp" : "tp-dp", r))
+               : groups.group_of("etp", r) == groups.group_of("tp", r) &&
+                     with_edp_replicas(groups, "ep", r) == sorted(groups.group_of(topology::gradient_group_kind(sizes.cp), r));
     if (fits) continue;
     throw manifest::ManifestError(
         {{"parallel.order", man.origin("parallel.order"),
           "parallel.order = \"" + sizes.order + "\" puts rank " + std::to_string(r) +
-              (folded ? "'s expert groups (etp x ep x edp) across other ranks than its tp x dp ranks"
-                      : "'s expert groups (ep x edp) across other ranks than its dp group") +
+              (folded ? "'s expert groups (etp x ep x edp) across other ranks than its tp x dp (x cp) ranks"
+                      : "'s expert groups (ep x edp) across other ranks than its dp (x cp) group") +
               "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }

@@ -570,7 +570,7 @@ TEST(Moe, Ep2PlanMatchesTheModel) {
 // Layouts whose expert groups are not the dp group's ranks at one tp rank would
 // sum expert gradients over replicas or mix tp slices: refused before anything
 // runs, at the key that causes it.
-TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
+TEST(Moe, EpAcrossTpOrOutsideTheDpCpRanksIsRefused) {
   auto refusal = [](std::vector<std::string> o) -> std::string {
     try {
       loom::testing::plan_from(manifest(), o);
@@ -582,15 +582,14 @@ TEST(Moe, EpAcrossTpOrWithContextParallelismIsRefused) {
   const std::string order = refusal({"parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                      "parallel.order=\"dp-tp-cp-ep-pp\""});
   EXPECT_NE(order.find("parallel.order: parallel.order = \"dp-tp-cp-ep-pp\""), std::string::npos) << order;
-  // MoE layers do not take a context-parallel slice (routing over a slice is not
-  // implemented): refused with ep > 1 at the keys, and at ep = 1 naming the layer.
-  const std::string cp = refusal({"parallel.cp=2", "parallel.dp=1", "parallel.ep=2"});
-  EXPECT_NE(cp.find("parallel.cp: expert parallelism (parallel.ep = 2, parallel.etp) with context parallelism"),
-            std::string::npos) << cp;
-  EXPECT_NE(cp.find("set parallel.cp = 1"), std::string::npos) << cp;
-  const std::string layer = refusal({"parallel.cp=2", "parallel.dp=1", "model.block=[\"attention\", \"moe\"]"});
-  EXPECT_NE(layer.find("layer 'moe' (plugin layer/moe"), std::string::npos) << layer;
-  EXPECT_NE(layer.find("LOOM_LAYER_CONTEXT_PARALLEL"), std::string::npos) << layer;
+  // Under context parallelism the ep groups join cp ranks (Megatron counts cp into
+  // edp): accepted with the default order, refused where ep would cross tp.
+  EXPECT_EQ(refusal({"parallel.cp=2", "parallel.dp=1", "parallel.ep=2"}), "");
+  EXPECT_EQ(refusal({"parallel.cp=2", "parallel.dp=2", "parallel.ep=4"}), "");
+  const std::string cp = refusal({"parallel.cp=2", "parallel.tp=2", "parallel.dp=1", "parallel.ep=2",
+                                  "parallel.order=\"cp-tp-ep-dp-pp\""});
+  EXPECT_NE(cp.find("expert groups (ep x edp) across other ranks than its dp (x cp) group"), std::string::npos)
+      << cp;
   // ep after dp in the order still folds into the dp groups: accepted.
   EXPECT_EQ(refusal({"parallel.dp=4", "parallel.ep=2", "parallel.order=\"tp-cp-dp-ep-pp\""}), "");
 }
@@ -776,6 +775,85 @@ TEST(Moe, FoldedBf16TracksSerialBf16) {
   EXPECT_NEAR(fold.result.steps[0].grad_norm, gn, 1e-3 * gn);
   for (size_t s = 0; s < ser.loss.size(); ++s)
     EXPECT_NEAR(fold.loss[s], ser.loss[s], 3e-2 * ser.loss[s]) << "loss at step " << s + 1;
+}
+
+// Context parallelism (parallel.cp, ABI 1.6): each cp rank holds two chunks of
+// every sequence; MoE layers gather the router's logits over cp and route the
+// whole microbatch, each rank dispatching its own tokens. Every layout trains the
+// serial model: cp alone, ep = the cp group (both strategies), ep over cp x dp,
+// with tp + SP (experts split over tp, and folded), and with pipeline stages.
+std::vector<std::string> cp2(std::vector<std::string> o) {
+  o.insert(o.end(), {"parallel.cp=2"});
+  return o;
+}
+
+TEST(Moe, ContextParallelMatchesSerial) {
+  const RankTrace par = run(cp2({"parallel.ep=2"}));
+  expect_same_training(serial(), run(cp2({})));
+  expect_same_training(serial(), par);
+  expect_same_training(serial(), run(cp2({"parallel.ep=2", "optimizer.strategy=\"distributed\""})));
+  expect_same_training(serial(), run(cp2({"parallel.dp=2", "parallel.ep=4"})));
+  expect_same_training(serial(), run(cp2({"parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""})));
+  expect_same_training(serial(), run({"parallel.cp=4", "parallel.ep=2"}));
+  // The two cp ranks hold the two halves of the experts and exchange tokens over ep
+  // (= the cp group), besides attention's K/V and the logits gathered over cp.
+  const auto& comm = par.result.steps.back().comm;
+  ASSERT_TRUE(comm.count("ep") && comm.at("ep").count("all_to_all_v")) << "no tokens travel over ep";
+  ASSERT_TRUE(comm.count("cp") && comm.at("cp").count("all_gather"));
+  int expert_tensors = 0;
+  for (const auto& e : par.entries.at(0))
+    if (e.expert) {
+      ++expert_tensors;
+      int64_t full = 1;
+      for (int64_t d : e.full_shape) full *= d;
+      EXPECT_EQ(static_cast<int64_t>(e.numel) * 2, full) << e.name << ": half the experts";
+    }
+  EXPECT_EQ(expert_tensors, 4 * 4);
+}
+
+TEST(Moe, ContextParallelWithTensorParallelismMatchesSerial) {
+  expect_same_training(serial(), run(cp2({"parallel.tp=2", "parallel.sequence_parallel=true"})));
+  expect_same_training(serial(), run(cp2({"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"})));
+  expect_same_training(serial(), run(cp2(folded({"parallel.ep=2"}))));
+  expect_same_training(serial(), run(cp2(folded({"parallel.ep=4"}))));
+}
+
+TEST(Moe, ContextParallelWithPipelineStagesMatchesSerial) {
+  expect_same_training(serial(), run(cp2({"parallel.pp=2", "parallel.ep=2"})));
+}
+
+// The routing decisions that depend on the whole microbatch see it in the serial
+// run's token order: capacity drops by position (the first tokens of the whole
+// sequence keep their slots, whichever cp rank holds them) and by gate, the z-loss
+// (a mean over all tokens), and a shared expert beside the routed ones.
+TEST(Moe, ContextParallelRoutesTheWholeMicrobatch) {
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"model.layer.moe.capacity_factor=0.5", "model.layer.moe.drop_policy=\"position\""},
+        std::vector<std::string>{"model.layer.moe.capacity_factor=0.5", "model.layer.moe.z_loss_coeff=0.01"},
+        std::vector<std::string>{"model.layer.moe.shared_expert_ffn_hidden_size=32"}}) {
+    SCOPED_TRACE(extra.front());
+    const int params = extra.front().find("shared") != std::string::npos ? 11 : 7;
+    auto with = [&](std::vector<std::string> o) {
+      o.insert(o.end(), extra.begin(), extra.end());
+      return run(o);
+    };
+    const RankTrace base = with({});
+    expect_same_training(base, with(cp2({"parallel.ep=2"})), 1e-5, params);
+    expect_same_training(base, with(cp2(folded({"parallel.ep=4"}))), 1e-5, params);
+  }
+}
+
+TEST(Moe, ContextParallelResumeIsBitExact) {
+  expect_bit_exact_resume("moe-cp-resume", cp2({"parallel.dp=2", "parallel.ep=2"}),
+                          {{{"parallel.dp=2", "parallel.ep=2", "parallel.cp=1"}, "parallel.cp=2"}});
+}
+
+TEST(Moe, ContextParallelPlanMatchesTheModel) {
+  // 4 ranks (cp 2 x dp 2): the dense part over dp-cp, the experts (ep 2) over edp 2.
+  expect_plan_matches_the_model(cp2({"run.steps=1", "parallel.dp=2", "parallel.ep=2",
+                                     "optimizer.strategy=\"distributed\"", "model.num_layers=4",
+                                     "model.block=[\"attention\", \"moe\"]"}),
+                                /*dense over dp-cp*/ 4, /*experts over edp*/ 2);
 }
 
 }  // namespace

@@ -65,6 +65,18 @@
 // term see the whole microbatch), and each dispatches its own tokens' rows. The
 // experts run at full width with no tp collective; only the shared expert, split
 // over tp like the MLP, enters and leaves the TP region.
+//
+// Context parallelism (parallel.cp = C > 1, ABI 1.6): this rank's rows are two
+// chunks of the sequence (loom::ContextSlice). The MoE block is token-wise except
+// for its routing decision, which (capacity, load balancing, z-loss) is the whole
+// microbatch's: the fp32 logits of the cp ranks are all-gathered over cp (after
+// the tp gather when folded) and put in position order, so every cp rank routes
+// the whole sequence exactly as the serial run does, and each dispatches only its
+// own tokens' rows. The router's backward then adds, on each rank, its tokens'
+// part of the whole routing's gradient; the engine scales aux_loss_scale by C as
+// it does loss_scale, so the dp-cp average of those partial sums is the serial
+// gradient. An ep group spans cp ranks (Megatron's expert generator folds cp into
+// edp), which dispatch their own tokens like any ep peers.
 #include "../common/layer_math.hpp"
 
 #include <algorithm>
@@ -193,11 +205,16 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
   return r;
 }
 
-// The dispatch of tokens [t0, t0 + n) of a routing (a tp rank's sequence shard
-// under MoE folding): its rows in the same expert-major order, token ids and
-// slots relative to t0, and full_row, each row's index in `r`. probs, chosen,
-// routed and the loss terms stay with `r`, which the router's backward uses.
-Routing shard_of(const Routing& r, int64_t t0, int64_t n, std::vector<int32_t>& full_row) {
+// The dispatch of this rank's tokens within a routing of more (a tp rank's
+// sequence shard under MoE folding, a cp rank's chunks under context
+// parallelism): token i of this rank is token mine[i] of `r`. Its rows in the
+// same expert-major order, token ids and slots local to this rank, and full_row,
+// each row's index in `r`. probs, chosen, routed and the loss terms stay with
+// `r`, which the router's backward uses.
+Routing shard_of(const Routing& r, const std::vector<int64_t>& mine, std::vector<int32_t>& full_row) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> local_of(static_cast<size_t>(r.tokens), -1);  // token of r -> this rank's, or -1
+  for (int64_t i = 0; i < n; ++i) local_of[static_cast<size_t>(mine[static_cast<size_t>(i)])] = i;
   Routing s;
   s.tokens = n;
   s.experts = r.experts;
@@ -205,12 +222,12 @@ Routing shard_of(const Routing& r, int64_t t0, int64_t n, std::vector<int32_t>& 
   s.offset.assign(static_cast<size_t>(r.experts + 1), 0);
   full_row.clear();
   for (int64_t row = 0; row < r.rows(); ++row) {
-    const int64_t t = r.row_token[static_cast<size_t>(row)];
-    if (t < t0 || t >= t0 + n) continue;
+    const int64_t t = local_of[static_cast<size_t>(r.row_token[static_cast<size_t>(row)])];
+    if (t < 0) continue;
     const int32_t slot = r.row_slot[static_cast<size_t>(row)];
     ++s.offset[static_cast<size_t>(r.chosen[static_cast<size_t>(slot)]) + 1];
-    s.row_token.push_back(static_cast<int32_t>(t - t0));
-    s.row_slot.push_back(static_cast<int32_t>(slot - t0 * r.top_k));
+    s.row_token.push_back(static_cast<int32_t>(t));
+    s.row_slot.push_back(static_cast<int32_t>(t * r.top_k + slot % r.top_k));
     s.row_gate.push_back(r.row_gate[static_cast<size_t>(row)]);
     full_row.push_back(static_cast<int32_t>(row));
   }
@@ -327,7 +344,11 @@ class Moe : public loom::Layer {
                                             << "); choose an ep that divides it");
     local_experts_ = experts_ / ep_;
     if (ep_ > 1) ep_service_ = loom::ExpertParallel(rank_, ep_group_.raw(), experts_, name_);
+    cp_group_ = rank.group_or_single("cp");
+    cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
   }
+
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
   std::vector<loom::ParamSpec> params() override {
     const int64_t E = experts_, H = hidden_, F = ffn_;
@@ -379,7 +400,8 @@ class Moe : public loom::Layer {
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     const bool sp = tp_.sequence_parallel();
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
-    const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;
+    const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;  // the TP region: this cp rank's rows
+    const int64_t cp = cp_.cp(), Tw = cp * T;                // the whole microbatch's tokens
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
@@ -405,7 +427,8 @@ class Moe : public loom::Layer {
     const int64_t Tr = fold ? Tl : T;  // tokens whose dispatch rows this rank gathers and combines
     Arena pre;
     const size_t ln = pre.elems(Tl * H, act), ln_full = pre.elems(full_in ? T * H : 0, act),
-                 logits = pre.floats(T * E), shard_logits = pre.floats(fold ? Tl * E : 0);
+                 logits = pre.floats(T * E), shard_logits = pre.floats(fold ? Tl * E : 0),
+                 cp_logits = pre.floats(cp > 1 ? Tw * E : 0);
     pre.allocate(rank_);
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], pre.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
@@ -423,12 +446,24 @@ class Moe : public loom::Layer {
     } else {
       gemm(dev, false, false, T, E, H, xin, w_[kRouter], pre.at(logits), 0.0f, act, LOOM_DTYPE_F32);
     }
-    std::vector<float> host_logits(static_cast<size_t>(T * E));
-    dev.copy(host_logits.data(), pre.at(logits), host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    // Under context parallelism every cp rank's logits, in position order: the
+    // whole microbatch is routed on every rank.
+    const float* routed_logits = pre.at(logits);
+    if (cp > 1) {
+      cp_group_.all_gather(dev.native_stream(), pre.at(logits), pre.at(cp_logits), static_cast<size_t>(T * E),
+                           LOOM_DTYPE_F32);
+      routed_logits = pre.at(cp_logits);
+    }
+    std::vector<float> gathered(static_cast<size_t>(Tw * E));
+    dev.copy(gathered.data(), routed_logits, gathered.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    s.routing = route(host_logits, T, E, K, pre_softmax_, capacity(T), drop_by_probs_);
-    s.folded = fold;
-    if (fold) s.shard = shard_of(s.routing, tp_.rank() * Tl, Tl, s.full_row);
+    std::vector<float> host_logits = cp > 1 ? std::vector<float>(gathered.size()) : std::move(gathered);
+    for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
+      for (int64_t t = 0; t < T; ++t)
+        std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
+    s.routing = route(host_logits, Tw, E, K, pre_softmax_, capacity(Tw), drop_by_probs_);
+    s.partial = fold || cp > 1;
+    if (s.partial) s.shard = shard_of(s.routing, whole_tokens(fold ? tp_.rank() * Tl : 0, Tr, B), s.full_row);
     const Routing& r = s.dispatch();
     const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
     if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
@@ -514,7 +549,7 @@ class Moe : public loom::Layer {
                                            << " without a training forward");
     Saved& s = it->second;
     const Routing& r = s.dispatch();
-    const bool sp = tp_.sequence_parallel(), fold = s.folded, full_in = sp && (!fold || shared_ffn_ > 0);
+    const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
     const bool shared_apart = fold && shared_ffn_ > 0;
     const int64_t H = hidden_, E = experts_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
@@ -682,21 +717,24 @@ class Moe : public loom::Layer {
 
     // The router, on the rows this rank holds (its shard under SP): every tp rank
     // routed all tokens identically, so each adds the router's part of its rows
-    // (folded, the gates' gradients of its own rows are all it has, and all it needs).
+    // (folded or under cp, the gates' gradients of its own rows are all it has, and
+    // all it needs).
     dev.synchronize();  // row_dgate
     const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale),
                  z_scale = z_coeff_ * static_cast<double>(a.aux_loss_scale);
-    std::vector<float> full_dgate;  // folded: per row of the whole routing, 0 for other shards' rows
-    if (fold) {
+    std::vector<float> full_dgate;  // partial: per row of the whole routing, 0 for other ranks' rows
+    if (s.partial) {
       full_dgate.assign(static_cast<size_t>(s.routing.rows()), 0.f);
       for (int64_t i = 0; i < N; ++i)
         full_dgate[static_cast<size_t>(s.full_row[static_cast<size_t>(i)])] = row_dgate[static_cast<size_t>(i)];
     }
     const std::vector<float> dlog =
-        router_grad(s.routing, fold ? full_dgate : row_dgate, aux_scale, z_scale, pre_softmax_);
-    const int64_t row0 = sp ? tp_.rank() * Tl : 0;
-    dev.copy(tmp.at(dlogits), dlog.data() + row0 * E, static_cast<size_t>(Tl * E) * sizeof(float),
-             LOOM_COPY_HOST_TO_DEVICE);
+        router_grad(s.routing, s.partial ? full_dgate : row_dgate, aux_scale, z_scale, pre_softmax_);
+    std::vector<float> my_dlog(static_cast<size_t>(Tl * E));  // the rows of this rank's Tl tokens
+    const std::vector<int64_t> mine = whole_tokens(sp ? tp_.rank() * Tl : 0, Tl, B);
+    for (int64_t i = 0; i < Tl; ++i)
+      std::copy_n(dlog.begin() + mine[static_cast<size_t>(i)] * E, E, my_dlog.begin() + i * E);
+    dev.copy(tmp.at(dlogits), my_dlog.data(), my_dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
     const void* dl_router = tmp.at(dlogits);
     if (act != LOOM_DTYPE_F32) {
       dev.elementwise({.op = LOOM_EW_CAST, .n = Tl * E, .x = tmp.at(dlogits), .out = tmp.at(dlogits_act),
@@ -727,7 +765,7 @@ class Moe : public loom::Layer {
   // ep the rows this rank's experts take range from 0 to ep times that, so a
   // skewed router can need up to ep x the experts' part of this estimate.
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_, H = hidden_;
+    const int64_t T = cp_.local_length() * micro_batch_, H = hidden_;  // this cp rank's tokens
     const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T, N = (fold_ ? Tl : T) * top_k_;
     Arena a;
     a.elems(Tl * H, dt_.act);                 // x
@@ -748,12 +786,14 @@ class Moe : public loom::Layer {
   // as its own when the routing is balanced. Folded, a rank routes its sequence
   // shard and its experts take whole rows.
   // A capacity bounds the routed rows at E * capacity (this shard's part of it).
+  // Under cp all of this is over the rank's tokens, 1/cp of the sequence.
   double forward_flops() override {
-    const int64_t tokens = seq_ * micro_batch_, own = fold_ ? tokens / tp_.size() : tokens;
+    const int64_t whole = seq_ * micro_batch_, tokens = whole / cp_.cp(), own = fold_ ? tokens / tp_.size() : tokens;
     const double T = static_cast<double>(tokens), H = static_cast<double>(hidden_);
     double rows = static_cast<double>(own * top_k_);
     if (capacity_factor_ > 0.0)
-      rows = std::min(rows, static_cast<double>(experts_ * capacity(tokens)) * static_cast<double>(own) / T);
+      rows = std::min(rows, static_cast<double>(experts_ * capacity(whole)) * static_cast<double>(own) /
+                                static_cast<double>(whole));
     return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
            4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_);
   }
@@ -768,12 +808,14 @@ class Moe : public loom::Layer {
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
     size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
     bool dropped = false;
-    Routing routing;                // the whole TP region's routing (the router's backward)
-    bool folded = false;            // MoE folding: this rank dispatches its shard's rows only
-    Routing shard;                  // folded: those rows (shard_of)
-    std::vector<int32_t> full_row;  // folded: each of them as a row of `routing`
+    Routing routing;                // the whole microbatch's routing (the router's backward)
+    // MoE folding or context parallelism: `routing` has more tokens than this
+    // rank's, which dispatches its own tokens' rows only.
+    bool partial = false;
+    Routing shard;                  // partial: those rows (shard_of)
+    std::vector<int32_t> full_row;  // partial: each of them as a row of `routing`
     ExpertRows experts;
-    const Routing& dispatch() const { return folded ? shard : routing; }
+    const Routing& dispatch() const { return partial ? shard : routing; }
   };
 
   std::vector<int64_t> local_numels() const {
@@ -904,13 +946,26 @@ class Moe : public loom::Layer {
       if (expert_bias_here()) add_bias(dev, ye, advance(w_[kFc2B], e * H, act), ye, n, H, act);
     }
   }
+  // The whole microbatch's token (position-major, as the serial run numbers them)
+  // of token t of cp rank j's TP region (rows seq-major: t = s * B + b).
+  int64_t whole_token(int j, int64_t t, int64_t B) const {
+    if (cp_.cp() == 1) return t;
+    return loom::ContextSlice(seq_, cp_.cp(), j).position(t / B) * B + t % B;
+  }
+  // Those of this rank's TP-region tokens [t0, t0 + n).
+  std::vector<int64_t> whole_tokens(int64_t t0, int64_t n, int64_t B) const {
+    std::vector<int64_t> out(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = whole_token(cp_.rank(), t0 + i, B);
+    return out;
+  }
   // Whether this rank adds the experts' fc2 bias: tp rank 0 when the outputs are
   // partial sums over tp; every rank when the experts are folded (whole width).
   bool expert_bias_here() const { return fold_ || tp_.rank() == 0; }
 
 
   loom_rank* rank_;
-  loom::Group tp_group_, ep_group_;
+  loom::Group tp_group_, ep_group_, cp_group_;
+  loom::ContextSlice cp_;  // this rank's rows of the sequence (all of them with cp = 1)
   loom::ExpertParallel ep_service_;  // open when ep > 1
   bool fold_ = false;                // parallel.etp = 1 under tp > 1: experts whole, ep spanning tp ranks
   int64_t ep_ = 1, local_experts_ = 0;  // ep group size; experts held here (num_experts / ep)

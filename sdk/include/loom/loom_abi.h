@@ -536,8 +536,9 @@ typedef struct loom_layer_create_args {
  * hold these seq_len / cp rows (hidden states: their 1/tp shard under sequence
  * parallelism); a layer computes the serial model's values for them. The loss
  * scale and the gradients follow Megatron: the engine sums loss_sum and loss_count
- * over cp, gives every cp rank loss_scale = cp / (tokens * microbatches) and the
- * optimizer strategy averages gradients over the "dp-cp" group (its `dp`). */
+ * over cp, gives every cp rank loss_scale = cp / (tokens * microbatches) (and
+ * aux_loss_scale = cp / microbatches) and the optimizer strategy averages
+ * gradients over the "dp-cp" group (its `dp`). */
 typedef struct loom_layer_fwd_args {
   uint32_t struct_size;
   int32_t microbatch;        /* activations are saved per microbatch */
@@ -568,7 +569,10 @@ typedef struct loom_layer_bwd_args {
   /* 1.4: d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
    * (auxiliary losses are averaged over microbatches like the main loss, and over
    * data-parallel ranks by the gradient reduction), on every pipeline stage.
-   * Reads 0 from an engine before 1.4. */
+   * Reads 0 from an engine before 1.4. 1.6: cp / microbatches under context
+   * parallelism, as loss_scale carries the factor cp: a layer whose auxiliary
+   * loss covers the whole microbatch (MoE routing) backpropagates, on each cp
+   * rank, its own tokens' part of it, and the dp-cp average sums those. */
   int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
   float aux_loss_scale;
 } loom_layer_bwd_args;
