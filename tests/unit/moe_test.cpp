@@ -4,7 +4,8 @@
 // (1F1B and interleaved) and tp x pp x dp; the load-balancing loss is reported
 // and its gradient reaches every pipeline stage with the engine's aux_loss_scale
 // (ABI 1.4); with expert parallelism (ep 2 and 4, with dp, tp + SP and pp, both
-// optimizer strategies) the training is the same, and a checkpoint resumes.
+// optimizer strategies) the training is the same, and a checkpoint resumes; so
+// with MoE folding (etp 1) and context parallelism (cp, with and without ep).
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"

@@ -987,9 +987,9 @@ class Moe : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.1.0",
+    "moe", "1.2.0",
     "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
-    "loss (tensor- and expert-parallel)",
+    "loss (tensor-, expert- and context-parallel)",
     {loom::opt_int("num_experts", 8, "experts in the layer"),
      loom::opt_int("top_k", 2, "experts each token is routed to"),
      loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)"),
