@@ -228,8 +228,14 @@ TEST(ContextParallel, ResumeIsBitExactReshardsOverDpAndKeepsCp) {
                                    "batch.micro_batch_size=4", "checkpoint.dir=\"" + dir2 + "\""},
                                   resume);
   ASSERT_EQ(resharded.loss.size(), 5u);
-  for (size_t s = 0; s < 5; ++s)
+  for (size_t s = 0; s < 5; ++s) {
     EXPECT_NEAR(resharded.loss[s], whole.loss[s + 5], 1e-5 * whole.loss[s + 5]) << "step " << s + 6;
+    // and the parameters: the Adam moments went to the right elements
+    const auto want = loom::testing::full_params(whole, s + 5), got = loom::testing::full_params(resharded, s);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [key, w] : want)
+      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), 1e-5) << key << " at step " << s + 6;
+  }
 
   try {
     run({"parallel.cp=1", "parallel.dp=2", "optimizer.strategy=\"distributed\"", "checkpoint.dir=\"" + dir + "\""},
