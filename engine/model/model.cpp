@@ -83,6 +83,10 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
+bool recomputes(const manifest::Manifest& m, const LayerSpec& spec) {
+  return m.get_string("model.recompute_granularity") == "full" && spec.block_index >= 0;
+}
+
 loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
                          const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
                          const loom_layer_api** api) {
@@ -155,6 +159,15 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
       layer.capturable = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable &&
                          layer.api->capturable(layer.handle) == 1;
+      layer.recompute = recomputes(m, spec);
+      // Dropping a forward's saved state without its backward is the release slot.
+      if (layer.recompute && layer.api->release == nullptr) {
+        layers_.push_back(std::move(layer));
+        throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin +
+                              ") has no release slot, so its saved activations cannot be dropped for recomputation; "
+                              "set model.recompute_granularity = \"none\"",
+                          LOOM_CODE_UNSUPPORTED);
+      }
       layers_.push_back(std::move(layer));
     }
     chunk.end_layer = layers_.size();
@@ -453,41 +466,56 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
   LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
-  std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  DLTensor tok = view(rank_, const_cast<int32_t*>(tokens), tok_shape);
-  tok.dtype = {kDLInt, 32, 1};
-  DLTensor tgt = view(rank_, const_cast<int32_t*>(targets), tok_shape);
-  tgt.dtype = {kDLInt, 32, 1};
+  const ForwardInputs in{tokens, targets, dropout_seed};
+  bool recomputes = false;
   void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
-  const uint64_t* seed_device = training ? dropout_seed_slot(mb, dropout_seed) : nullptr;
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
-    Layer& l = layers_[i];
     const bool has_input = held != nullptr;
     const bool has_output = !(last && i + 1 == chunk.end_layer);
-    DLTensor in{}, out{};
-    if (has_input) in = view(rank_, held, hid_shape, act_dtype());
+    DLTensor input{}, output{};
+    if (has_input) input = view(rank_, held, hid_shape, act_dtype());
     if (has_output) {
       held = take_hidden(c, mb);
-      out = view(rank_, held, hid_shape, act_dtype());
+      output = view(rank_, held, hid_shape, act_dtype());
     }
-    loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
-    a.microbatch = mb;
-    a.training = training ? 1 : 0;
-    a.input = has_input ? &in : nullptr;
-    a.output = has_output ? &out : nullptr;
-    a.tokens = &tok;
-    a.targets = &tgt;
-    a.loss_sum = loss_sum;
-    a.loss_count = loss_count;
-    a.dropout_seed = dropout_seed;
-    a.dropout_seed_device = seed_device;
-    a.predictions = predictions;
-    a.aux_loss = training ? aux_loss : nullptr;
-    run_step(i, mb, false, training && seed_device != nullptr,
-             [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+    run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
+                predictions, aux_loss, training);
+    Layer& l = layers_[i];
+    if (training && l.recompute) {  // keep only the input (a held hidden state); backward runs the forward again
+      l.api->release(l.handle, mb);
+      recomputes = true;
+    }
   }
+  if (recomputes) forward_inputs_[{c, mb}] = in;
   return last ? nullptr : held;
+}
+
+void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
+                        float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training) {
+  std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
+  DLTensor tok = view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
+  tok.dtype = {kDLInt, 32, 1};
+  DLTensor tgt = view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
+  tgt.dtype = {kDLInt, 32, 1};
+  const uint64_t* seed_device = training ? dropout_seed_slot(mb, in.dropout_seed) : nullptr;
+  Layer& l = layers_[i];
+  loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
+  a.microbatch = mb;
+  a.training = training ? 1 : 0;
+  a.input = input;
+  a.output = output;
+  a.tokens = &tok;
+  a.targets = &tgt;
+  a.loss_sum = loss_sum;
+  a.loss_count = loss_count;
+  a.dropout_seed = in.dropout_seed;
+  a.dropout_seed_device = seed_device;
+  a.predictions = predictions;
+  a.aux_loss = training ? aux_loss : nullptr;
+  // A recomputing layer's forward is not captured: its backward pair runs it again.
+  run_step(i, mb, false, training && seed_device != nullptr && !l.recompute,
+           [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
@@ -498,8 +526,24 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   const bool first = is_first_global(c);
   loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
+  const std::vector<size_t> held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
+  const size_t outputs_from = first ? 0 : 1;
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     Layer& l = layers_[i];
+    if (l.recompute) {
+      // The forward again, on the input it had (bit for bit: the same dropout
+      // seeds), into its output buffer (already consumed by the next layer's
+      // backward); its loss and aux outputs are not counted twice.
+      const size_t j = i - chunk.first_layer, out_at = outputs_from + j;
+      DLTensor input{}, output{};
+      const bool has_input = j > 0 || !first, has_output = out_at < held.size();
+      if (has_input) input = view(rank_, hidden_pool_[held[j > 0 ? out_at - 1 : 0]].buffer.get(), hid_shape, act_dtype());
+      if (has_output) output = view(rank_, hidden_pool_[held[out_at]].buffer.get(), hid_shape, act_dtype());
+      float loss_sum = 0;
+      int64_t loss_count = 0;
+      run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
+                  &loss_sum, &loss_count, nullptr, nullptr, true);
+    }
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
     if (grad_out) gout = view(rank_, grad_out->get(), hid_shape, act_dtype());
@@ -517,6 +561,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
   }
+  forward_inputs_.erase({c, mb});
   give_back(c, mb);
   return first ? nullptr : grad_out->get();
 }
@@ -525,6 +570,7 @@ void Model::release_chunk(int c, int mb) {
   const Chunk& chunk = chunks_[static_cast<size_t>(c)];
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
+  forward_inputs_.erase({c, mb});
   give_back(c, mb);
 }
 
@@ -559,8 +605,8 @@ double Model::forward_flops() const {
 
 uint64_t Model::activation_bytes() const {
   uint64_t b = 0;
-  for (const Layer& l : layers_)
-    if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+  for (const Layer& l : layers_)  // a recomputing layer keeps nothing between its forward and backward
+    if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
       b += l.api->activation_bytes(l.handle);
   return b + static_cast<uint64_t>(layers_.size()) * hidden_bytes();  // the hidden state after each layer
 }

@@ -31,6 +31,11 @@ struct LayerSpec {
 // pre + block × num_layers + post, in model order.
 std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 
+// Whether the layer's activations are recomputed in backward instead of kept
+// (model.recompute_granularity = "full": every block layer; Megatron's full
+// recomputation of each transformer layer).
+bool recomputes(const manifest::Manifest& m, const LayerSpec& spec);
+
 // The model dimensions given the vocabulary and the tensor-parallel size.
 loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
 
@@ -167,6 +172,15 @@ class Model {
     std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
     std::vector<DLTensor> param_views, grad_views;
     bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable)
+    // model.recompute_granularity = "full" and a block layer: what its training
+    // forward saved is dropped at once, and the forward runs again in backward.
+    bool recompute = false;
+  };
+  // What a recomputed forward of (chunk, microbatch) needs again in backward.
+  struct ForwardInputs {
+    const int32_t* tokens = nullptr;
+    const int32_t* targets = nullptr;
+    uint64_t dropout_seed = 0;
   };
   struct Chunk {
     int global_index = 0, num_global = 1;
@@ -184,6 +198,10 @@ class Model {
   // Device memory holding microbatch mb's dropout seed `value` (written when it
   // differs from what is there), or nullptr when mb has no slot.
   const uint64_t* dropout_seed_slot(int mb, uint64_t value);
+  // Layer i's training forward of microbatch mb: its fwd args over the chunk's
+  // held hidden states (input, output), with the given loss and aux outputs.
+  void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
+                   float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
   // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
   void* take_hidden(int c, int mb);
   // Frees (c, mb)'s slots (their memory too unless replays_steps()).
@@ -215,6 +233,7 @@ class Model {
   loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
   std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
   bool replays_steps_ = false;
+  std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
   bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };

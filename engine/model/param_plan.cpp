@@ -236,8 +236,10 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       const std::vector<ModelChunk> chunks = pipeline::local_chunks(global_chunks, pp, pp_rank);
       std::vector<uint64_t> chunk_activations;  // saved per microbatch by each local chunk
       std::vector<int> chunk_of_layer;
+      std::vector<bool> recomputed;  // per layer: keeps nothing between forward and backward
       for (size_t c = 0; c < chunks.size(); ++c) {
         for (const LayerSpec& spec : chunks[c].layers) {
+          recomputed.push_back(recomputes(m, spec));
           PlannedLayers::Layer l;
           l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);
@@ -278,7 +280,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       chunk_activations.assign(chunks.size(), 0);
       for (size_t li = 0; li < layers.layers.size(); ++li) {
         const PlannedLayers::Layer& l = layers.layers[li];
-        if (LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+        if (!recomputed[li] && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
           chunk_activations[static_cast<size_t>(chunk_of_layer[li])] += l.api->activation_bytes(l.handle);
       }
       for (size_t c = 0; c < chunks.size(); ++c) {

@@ -1,0 +1,121 @@
+// Activation recomputation (model.recompute_granularity = "full", Megatron's full
+// granularity): block layers keep nothing between forward and backward but their
+// input, and the forward runs again before each backward. The recomputed forward
+// sees the same input and the same dropout seeds, so training is bit-identical to
+// keeping the activations, in every layout (tp + SP, interleaved pipeline, dropout,
+// MoE with expert parallelism and capacity, context parallelism); the activation
+// memory a run holds falls, and `loom plan` predicts it.
+#include "support/rank_trace.hpp"
+
+#include "engine/model/param_plan.hpp"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <mutex>
+
+namespace {
+
+using loom::testing::RankTrace;
+
+std::string manifest() {
+  return loom::testing::tiny_manifest() + R"(
+[parallel]
+[model.layer.moe]
+num_experts = 4
+top_k = 2
+ffn_hidden_size = 64
+)";
+}
+
+RankTrace run(std::vector<std::string> o) { return loom::testing::run_all_ranks(manifest(), o); }
+
+// Every step's loss and every rank's parameters equal bit for bit.
+void expect_bit_identical(const std::vector<std::string>& layout) {
+  SCOPED_TRACE(::testing::PrintToString(layout));
+  std::vector<std::string> full = layout;
+  full.push_back("model.recompute_granularity=\"full\"");
+  const RankTrace kept = run(layout), recomputed = run(full);
+  ASSERT_EQ(recomputed.loss.size(), kept.loss.size());
+  for (size_t s = 0; s < kept.loss.size(); ++s) {
+    EXPECT_EQ(recomputed.loss[s], kept.loss[s]) << "loss at step " << s + 1;
+    EXPECT_EQ(recomputed.result.steps[s].aux_loss, kept.result.steps[s].aux_loss) << "aux loss at step " << s + 1;
+  }
+  for (const auto& [rank, steps] : kept.params)
+    EXPECT_EQ(recomputed.params.at(rank).back(), steps.back()) << "rank " << rank;
+}
+
+TEST(Recompute, FullTrainsBitIdenticallyToKeepingActivations) {
+  expect_bit_identical({});
+  expect_bit_identical({"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"});
+  expect_bit_identical({"model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"});
+  expect_bit_identical({"parallel.cp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""});
+}
+
+// The masks of a recomputed forward are the forward's: they follow the step's
+// seeds, not how often a layer ran.
+TEST(Recompute, DropoutDrawsTheSameMasksAgain) {
+  expect_bit_identical({"model.layer.embedding.dropout=0.1", "model.layer.attention.dropout=0.1",
+                        "model.layer.mlp.dropout=0.1", "model.layer.mlp.activation_dropout=0.1"});
+}
+
+// MoE blocks route again in backward (the same logits, so the same routing and
+// capacity drops) and exchange their tokens over ep again; the auxiliary loss is
+// counted once.
+TEST(Recompute, MoeBlocksRouteAndDispatchAgain) {
+  const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]",
+                                        "model.layer.moe.capacity_factor=0.5", "model.layer.moe.dropout=0.1"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), moe.begin(), moe.end());
+    return o;
+  };
+  expect_bit_identical(with({}));
+  expect_bit_identical(with({"parallel.dp=2", "parallel.ep=2"}));
+}
+
+// What a rank holds for a microbatch between forward and backward: the run's
+// measured activation memory falls, and `loom plan` says what the Model holds.
+TEST(Recompute, HoldsLessActivationMemoryAndThePlanSaysHowMuch) {
+  auto measure = [](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.num_layers=4", "run.steps=2"});
+    std::map<int, uint64_t> declared;
+    std::mutex mu;
+    loom::train::TrainOptions opts;
+    opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+      std::lock_guard<std::mutex> lock(mu);
+      declared[rank] = m.activation_bytes();
+    };
+    const loom::train::TrainResult r = loom::testing::run_and_trace(manifest(), o, opts).result;
+    const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+    // One stage: one microbatch in flight, so the plan is what the Model holds for it.
+    EXPECT_EQ(plan.ranks.at(0).in_flight, 1);
+    EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
+    return std::make_pair(r.steps.back().activation_bytes, plan.ranks[0].activation_bytes);
+  };
+  const auto [kept_run, kept_plan] = measure({});
+  const auto [full_run, full_plan] = measure({"model.recompute_granularity=\"full\""});
+  EXPECT_LT(full_run, kept_run / 2) << "rank 0 holds the blocks' inputs only";
+  EXPECT_LT(full_plan, kept_plan / 2);
+}
+
+// A recomputed forward runs inside the backward, which partial graphs cannot
+// replay around: refused at the key, with what to set.
+TEST(Recompute, PartialGraphsAreRefusedAtTheKey) {
+  std::string msg;
+  try {
+    loom::testing::plan_from(manifest(), {"model.recompute_granularity=\"full\"", "exec.mode=\"partial_graph\""});
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("model.recompute_granularity"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("exec.mode = \"eager\""), std::string::npos) << msg;
+  std::string bad;
+  try {
+    loom::testing::plan_from(manifest(), {"model.recompute_granularity=\"selective\""});
+  } catch (const std::exception& e) {
+    bad = e.what();
+  }
+  EXPECT_NE(bad.find("\"full\""), std::string::npos) << bad;
+}
+
+}  // namespace
