@@ -796,6 +796,7 @@ TEST(Moe, ContextParallelMatchesSerial) {
   expect_same_training(serial(), run(cp2({"parallel.dp=2", "parallel.ep=4"})));
   expect_same_training(serial(), run(cp2({"parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""})));
   expect_same_training(serial(), run({"parallel.cp=4", "parallel.ep=2"}));
+  expect_same_training(serial(), run(cp2({"parallel.ep=2", "parallel.expert=\"expert.allgather\""})));
   // The two cp ranks hold the two halves of the experts and exchange tokens over ep
   // (= the cp group), besides attention's K/V and the logits gathered over cp.
   const auto& comm = par.result.steps.back().comm;
@@ -813,6 +814,7 @@ TEST(Moe, ContextParallelMatchesSerial) {
 }
 
 TEST(Moe, ContextParallelWithTensorParallelismMatchesSerial) {
+  expect_same_training(serial(), run(cp2({"parallel.tp=2", "parallel.ep=2"})));  // no SP: tp ranks share tokens
   expect_same_training(serial(), run(cp2({"parallel.tp=2", "parallel.sequence_parallel=true"})));
   expect_same_training(serial(), run(cp2({"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"})));
   expect_same_training(serial(), run(cp2(folded({"parallel.ep=2"}))));
@@ -841,6 +843,7 @@ TEST(Moe, ContextParallelRoutesTheWholeMicrobatch) {
     const RankTrace base = with({});
     expect_same_training(base, with(cp2({"parallel.ep=2"})), 1e-5, params);
     expect_same_training(base, with(cp2(folded({"parallel.ep=4"}))), 1e-5, params);
+    expect_same_training(base, with({"parallel.cp=4", "parallel.ep=4"}), 1e-5, params);
   }
 }
 
@@ -855,6 +858,27 @@ TEST(Moe, ContextParallelPlanMatchesTheModel) {
                                      "optimizer.strategy=\"distributed\"", "model.num_layers=4",
                                      "model.block=[\"attention\", \"moe\"]"}),
                                 /*dense over dp-cp*/ 4, /*experts over edp*/ 2);
+  // Activations: a MoE layer under cp holds its rank's tokens only; the plan says
+  // what the Model declares (one microbatch in flight without pp).
+  const std::vector<std::string> o = {"run.steps=1", "parallel.cp=2", "parallel.ep=2", "model.num_layers=4",
+                                      "model.block=[\"attention\", \"moe\"]"};
+  std::map<int, uint64_t> declared;
+  std::mutex mu;
+  loom::train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+    std::lock_guard<std::mutex> lock(mu);
+    declared[rank] = m.activation_bytes();
+  };
+  loom::testing::run_and_trace(manifest(), o, opts);
+  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  std::vector<std::string> no_cp = o;
+  no_cp.push_back("parallel.cp=1");
+  no_cp.push_back("parallel.dp=2");
+  const loom::model::MemoryPlan serial_plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), no_cp));
+  for (const auto& r : plan.ranks) {
+    EXPECT_EQ(r.activation_bytes, declared.at(r.rank)) << "rank " << r.rank;
+    EXPECT_LT(r.activation_bytes * 3, serial_plan.ranks.at(0).activation_bytes * 2) << "rank " << r.rank;
+  }
 }
 
 }  // namespace

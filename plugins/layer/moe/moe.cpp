@@ -208,10 +208,10 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
 // The dispatch of this rank's tokens within a routing of more (a tp rank's
 // sequence shard under MoE folding, a cp rank's chunks under context
 // parallelism): token i of this rank is token mine[i] of `r`. Its rows in the
-// same expert-major order, token ids and slots local to this rank, and full_row,
-// each row's index in `r`. probs, chosen, routed and the loss terms stay with
-// `r`, which the router's backward uses.
-Routing shard_of(const Routing& r, const std::vector<int64_t>& mine, std::vector<int32_t>& full_row) {
+// same expert-major order, with token ids and slots local to this rank. probs,
+// chosen, routed and the loss terms stay with `r` (router_rows keeps what the
+// router's backward needs of them).
+Routing shard_of(const Routing& r, const std::vector<int64_t>& mine) {
   const int64_t n = static_cast<int64_t>(mine.size());
   std::vector<int64_t> local_of(static_cast<size_t>(r.tokens), -1);  // token of r -> this rank's, or -1
   for (int64_t i = 0; i < n; ++i) local_of[static_cast<size_t>(mine[static_cast<size_t>(i)])] = i;
@@ -220,7 +220,6 @@ Routing shard_of(const Routing& r, const std::vector<int64_t>& mine, std::vector
   s.experts = r.experts;
   s.top_k = r.top_k;
   s.offset.assign(static_cast<size_t>(r.experts + 1), 0);
-  full_row.clear();
   for (int64_t row = 0; row < r.rows(); ++row) {
     const int64_t t = local_of[static_cast<size_t>(r.row_token[static_cast<size_t>(row)])];
     if (t < 0) continue;
@@ -229,7 +228,6 @@ Routing shard_of(const Routing& r, const std::vector<int64_t>& mine, std::vector
     s.row_token.push_back(static_cast<int32_t>(t));
     s.row_slot.push_back(static_cast<int32_t>(t * r.top_k + slot % r.top_k));
     s.row_gate.push_back(r.row_gate[static_cast<size_t>(row)]);
-    full_row.push_back(static_cast<int32_t>(row));
   }
   for (int64_t e = 0; e < r.experts; ++e) s.offset[e + 1] += s.offset[e];
   const int64_t rows = s.rows();
@@ -241,25 +239,53 @@ Routing shard_of(const Routing& r, const std::vector<int64_t>& mine, std::vector
   return s;
 }
 
-// d(objective)/d(logits) [tokens, experts] from the gates' gradients (per
-// dispatch row), the load-balancing loss's weight aux_scale = coeff *
-// aux_loss_scale and the z-loss's z_scale = z_loss_coeff * aux_loss_scale.
-std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_dgate, double aux_scale,
+// What the router's backward needs of a routing, for the tokens whose logits this
+// rank computed (mine: their indices in the routing): their probabilities, choices
+// and logsumexp, and the whole routing's counts. Under cp or folding the routing
+// covers cp * tp times this rank's tokens; only these rows are kept per microbatch.
+struct RouterRows {
+  int64_t tokens = 0, slots = 0;  // of the whole routing (the loss terms' means)
+  int64_t experts = 0, top_k = 0;
+  std::vector<int64_t> routed;    // [experts]: slots routed to each before any drop
+  std::vector<float> probs;       // [n, experts]
+  std::vector<int32_t> chosen;    // [n, top_k]
+  std::vector<double> lse;        // [n]
+};
+
+RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine) {
+  RouterRows rr;
+  rr.tokens = r.tokens;
+  rr.slots = r.slots();
+  rr.experts = r.experts;
+  rr.top_k = r.top_k;
+  rr.routed = r.routed;
+  const int64_t E = r.experts, K = r.top_k;
+  for (const int64_t t : mine) {
+    rr.probs.insert(rr.probs.end(), r.probs.begin() + t * E, r.probs.begin() + (t + 1) * E);
+    rr.chosen.insert(rr.chosen.end(), r.chosen.begin() + t * K, r.chosen.begin() + (t + 1) * K);
+    rr.lse.push_back(r.lse[static_cast<size_t>(t)]);
+  }
+  return rr;
+}
+
+// d(objective)/d(logits) [n, experts] of the router's rows from their slots'
+// gate gradients slot_dgate [n, top_k] (0 for a dropped slot), the load-balancing
+// loss's weight aux_scale = coeff * aux_loss_scale and the z-loss's z_scale =
+// z_loss_coeff * aux_loss_scale.
+std::vector<float> router_grad(const RouterRows& r, const std::vector<double>& slot_dgate, double aux_scale,
                                double z_scale, bool pre_softmax) {
-  const int64_t T = r.tokens, E = r.experts, K = r.top_k;
-  std::vector<double> slot_dgate(static_cast<size_t>(T * K), 0.0);  // 0 for a dropped slot
-  for (int64_t row = 0; row < r.rows(); ++row)
-    slot_dgate[static_cast<size_t>(r.row_slot[static_cast<size_t>(row)])] = row_dgate[static_cast<size_t>(row)];
+  const int64_t n = static_cast<int64_t>(r.lse.size()), E = r.experts, K = r.top_k;
+  const double T = static_cast<double>(r.tokens);
   // d aux / d probs[t, e] = E * f_e / T (f_e is a count: no gradient).
   std::vector<double> aux_dp(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e)
     aux_dp[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
                                      (static_cast<double>(r.routed[static_cast<size_t>(e)]) /
-                                      static_cast<double>(r.slots())) /
-                                     static_cast<double>(T);
-  std::vector<float> dlogits(static_cast<size_t>(T * E));
+                                      static_cast<double>(r.slots)) /
+                                     T;
+  std::vector<float> dlogits(static_cast<size_t>(n * E));
   std::vector<double> dp(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < n; ++t) {
     const float* p = r.probs.data() + t * E;
     for (int64_t e = 0; e < E; ++e) dp[static_cast<size_t>(e)] = aux_dp[static_cast<size_t>(e)];
     const int32_t* chosen = r.chosen.data() + t * K;
@@ -277,7 +303,7 @@ std::vector<float> router_grad(const Routing& r, const std::vector<float>& row_d
     double dot = 0;
     for (int64_t e = 0; e < E; ++e) dot += p[e] * dp[static_cast<size_t>(e)];
     // d lse^2 / d logit_e = 2 lse p_e.
-    const double dz = z_scale * 2.0 * r.lse[static_cast<size_t>(t)] / static_cast<double>(T);
+    const double dz = z_scale * 2.0 * r.lse[static_cast<size_t>(t)] / T;
     for (int64_t e = 0; e < E; ++e)
       dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot + dz));
   }
@@ -403,6 +429,11 @@ class Moe : public loom::Layer {
     const int64_t S = sp ? Sl * tp_.size() : Sl, T = S * B;  // the TP region: this cp rank's rows
     const int64_t cp = cp_.cp(), Tw = cp * T;                // the whole microbatch's tokens
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
+    // Positions in the whole sequence come from the model's seq_len (whole_token).
+    LOOM_REQUIRE(cp == 1 || S == cp_.local_length(),
+                 name_ << ": under context parallelism (cp = " << cp << ") the input holds " << S
+                       << " positions per sequence, expected this rank's " << cp_.local_length() << " of "
+                       << cp_.seq());
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
@@ -461,13 +492,15 @@ class Moe : public loom::Layer {
     for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
-    s.routing = route(host_logits, Tw, E, K, pre_softmax_, capacity(Tw), drop_by_probs_);
-    s.partial = fold || cp > 1;
-    if (s.partial) s.shard = shard_of(s.routing, whole_tokens(fold ? tp_.rank() * Tl : 0, Tr, B), s.full_row);
-    const Routing& r = s.dispatch();
-    const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
+    Routing whole = route(host_logits, Tw, E, K, pre_softmax_, capacity(Tw), drop_by_probs_);
     if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
-      *a.aux_loss += static_cast<float>(aux_coeff_ * s.routing.aux + z_coeff_ * s.routing.z);
+      *a.aux_loss += static_cast<float>(aux_coeff_ * whole.aux + z_coeff_ * whole.z);
+    // The router's backward runs on the rows of this rank's LN (its shard under SP).
+    if (a.training) s.router = router_rows(whole, whole_tokens(sp ? tp_.rank() * Tl : 0, Tl, B));
+    // Folded or under cp, the routing covers more tokens than this rank dispatches.
+    s.routing = fold || cp > 1 ? shard_of(whole, whole_tokens(fold ? tp_.rank() * Tl : 0, Tr, B)) : std::move(whole);
+    const Routing& r = s.routing;
+    const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
 
     // Where this rank's experts get their rows (the counts exchanged over ep).
     s.experts = plan_expert_rows(dev, r, a.microbatch);
@@ -548,7 +581,7 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
                                            << " without a training forward");
     Saved& s = it->second;
-    const Routing& r = s.dispatch();
+    const Routing& r = s.routing;
     const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
     const bool shared_apart = fold && shared_ffn_ > 0;
     const int64_t H = hidden_, E = experts_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
@@ -722,19 +755,19 @@ class Moe : public loom::Layer {
     dev.synchronize();  // row_dgate
     const double aux_scale = aux_coeff_ * static_cast<double>(a.aux_loss_scale),
                  z_scale = z_coeff_ * static_cast<double>(a.aux_loss_scale);
-    std::vector<float> full_dgate;  // partial: per row of the whole routing, 0 for other ranks' rows
-    if (s.partial) {
-      full_dgate.assign(static_cast<size_t>(s.routing.rows()), 0.f);
-      for (int64_t i = 0; i < N; ++i)
-        full_dgate[static_cast<size_t>(s.full_row[static_cast<size_t>(i)])] = row_dgate[static_cast<size_t>(i)];
+    // The gates' gradients of the router's Tl tokens (TP-region tokens from row0),
+    // from the dispatch rows (TP-region tokens from t0): every router token is
+    // among the dispatched ones, whose slots it shares.
+    const int64_t K = top_k_, row0 = sp ? tp_.rank() * Tl : 0, t0 = fold ? tp_.rank() * Tl : 0;
+    std::vector<double> slot_dgate(static_cast<size_t>(Tl * K), 0.0);  // 0 for a dropped slot
+    for (int64_t row = 0; row < N; ++row) {
+      const int64_t t = r.row_token[static_cast<size_t>(row)] + t0 - row0;
+      if (t >= 0 && t < Tl)
+        slot_dgate[static_cast<size_t>(t * K + r.row_slot[static_cast<size_t>(row)] % K)] =
+            row_dgate[static_cast<size_t>(row)];
     }
-    const std::vector<float> dlog =
-        router_grad(s.routing, s.partial ? full_dgate : row_dgate, aux_scale, z_scale, pre_softmax_);
-    std::vector<float> my_dlog(static_cast<size_t>(Tl * E));  // the rows of this rank's Tl tokens
-    const std::vector<int64_t> mine = whole_tokens(sp ? tp_.rank() * Tl : 0, Tl, B);
-    for (int64_t i = 0; i < Tl; ++i)
-      std::copy_n(dlog.begin() + mine[static_cast<size_t>(i)] * E, E, my_dlog.begin() + i * E);
-    dev.copy(tmp.at(dlogits), my_dlog.data(), my_dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    const std::vector<float> dlog = router_grad(s.router, slot_dgate, aux_scale, z_scale, pre_softmax_);
+    dev.copy(tmp.at(dlogits), dlog.data(), dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
     const void* dl_router = tmp.at(dlogits);
     if (act != LOOM_DTYPE_F32) {
       dev.elementwise({.op = LOOM_EW_CAST, .n = Tl * E, .x = tmp.at(dlogits), .out = tmp.at(dlogits_act),
@@ -808,14 +841,9 @@ class Moe : public loom::Layer {
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
     size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
     bool dropped = false;
-    Routing routing;                // the whole microbatch's routing (the router's backward)
-    // MoE folding or context parallelism: `routing` has more tokens than this
-    // rank's, which dispatches its own tokens' rows only.
-    bool partial = false;
-    Routing shard;                  // partial: those rows (shard_of)
-    std::vector<int32_t> full_row;  // partial: each of them as a row of `routing`
+    Routing routing;     // the rows this rank dispatches (its tokens' part of the whole microbatch's routing)
+    RouterRows router;   // what the router's backward needs of the whole routing, for this rank's LN rows
     ExpertRows experts;
-    const Routing& dispatch() const { return partial ? shard : routing; }
   };
 
   std::vector<int64_t> local_numels() const {
