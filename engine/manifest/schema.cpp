@@ -114,6 +114,10 @@ std::vector<KeySpec> build() {
                 "layer's input between its forward and backward and runs its forward again in backward (less "
                 "activation memory for about one more forward of the blocks); \"none\" keeps what the layers save",
                 {"none", "full"}));
+  v.push_back(i("model.recompute_num_layers", 0, 0,
+                "with recompute_granularity = \"full\": recompute only the first N blocks of each pipeline stage "
+                "(each virtual stage under interleaving), keeping the others' activations (Megatron's "
+                "--recompute-method block); 0 = every block"));
   v.push_back(open_table("model.layer",
                          "[model.layer.NAME] configures layer instance NAME: plugin (default NAME) "
                          "and that plugin's options"));

@@ -83,8 +83,13 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
-bool recomputes(const manifest::Manifest& m, const LayerSpec& spec) {
-  return m.get_string("model.recompute_granularity") == "full" && spec.block_index >= 0;
+bool recomputes(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk, size_t k) {
+  if (m.get_string("model.recompute_granularity") != "full" || chunk[k].block_index < 0) return false;
+  const int64_t n = m.get_int("model.recompute_num_layers");
+  int first_block = chunk[k].block_index;
+  for (const LayerSpec& l : chunk)
+    if (l.block_index >= 0) first_block = std::min(first_block, l.block_index);
+  return n == 0 || chunk[k].block_index - first_block < n;
 }
 
 loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
@@ -152,14 +157,15 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     chunk.global_index = chunks[c].global_index;
     chunk.num_global = chunks[c].num_global;
     chunk.first_layer = layers_.size();
-    for (LayerSpec& spec : chunks[c].layers) {
+    for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
+      const LayerSpec& spec = chunks[c].layers[k];
       Layer layer;
       layer.spec = spec;
       layer.chunk = static_cast<int>(c);
       layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
       layer.capturable = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable &&
                          layer.api->capturable(layer.handle) == 1;
-      layer.recompute = recomputes(m, spec);
+      layer.recompute = recomputes(m, chunks[c].layers, k);
       // Dropping a forward's saved state without its backward is the release slot.
       if (layer.recompute && layer.api->release == nullptr) {
         layers_.push_back(std::move(layer));

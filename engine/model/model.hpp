@@ -31,10 +31,11 @@ struct LayerSpec {
 // pre + block × num_layers + post, in model order.
 std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 
-// Whether the layer's activations are recomputed in backward instead of kept
-// (model.recompute_granularity = "full": every block layer; Megatron's full
-// recomputation of each transformer layer).
-bool recomputes(const manifest::Manifest& m, const LayerSpec& spec);
+// Whether layer k of a chunk (a pipeline stage's, or virtual stage's, layers)
+// has its activations recomputed in backward instead of kept:
+// model.recompute_granularity = "full" and a block layer, among the chunk's first
+// model.recompute_num_layers blocks (0: all of them; Megatron's "block" method).
+bool recomputes(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk, size_t k);
 
 // The model dimensions given the vocabulary and the tensor-parallel size.
 loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);

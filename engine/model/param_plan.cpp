@@ -238,8 +238,9 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       std::vector<int> chunk_of_layer;
       std::vector<bool> recomputed;  // per layer: keeps nothing between forward and backward
       for (size_t c = 0; c < chunks.size(); ++c) {
-        for (const LayerSpec& spec : chunks[c].layers) {
-          recomputed.push_back(recomputes(m, spec));
+        for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
+          const LayerSpec& spec = chunks[c].layers[k];
+          recomputed.push_back(recomputes(m, chunks[c].layers, k));
           PlannedLayers::Layer l;
           l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);

@@ -50,6 +50,7 @@ TEST(Recompute, FullTrainsBitIdenticallyToKeepingActivations) {
   expect_bit_identical({"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"});
   expect_bit_identical({"model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"});
   expect_bit_identical({"parallel.cp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""});
+  expect_bit_identical({"model.num_layers=4", "parallel.pp=2", "model.recompute_num_layers=1"});
 }
 
 // The masks of a recomputed forward are the forward's: they follow the step's
@@ -96,6 +97,13 @@ TEST(Recompute, HoldsLessActivationMemoryAndThePlanSaysHowMuch) {
   const auto [full_run, full_plan] = measure({"model.recompute_granularity=\"full\""});
   EXPECT_LT(full_run, kept_run / 2) << "rank 0 holds the blocks' inputs only";
   EXPECT_LT(full_plan, kept_plan / 2);
+  // Megatron's block method: the first 2 of the 4 blocks recomputed, the others
+  // keep theirs; halfway between (every block saves the same bytes).
+  const auto [half_run, half_plan] =
+      measure({"model.recompute_granularity=\"full\"", "model.recompute_num_layers=2"});
+  EXPECT_LT(full_run, half_run);
+  EXPECT_LT(half_run, kept_run);
+  EXPECT_EQ(half_plan - full_plan, kept_plan - half_plan);
 }
 
 // A recomputed forward runs inside the backward, which partial graphs cannot
