@@ -107,13 +107,16 @@ TEST(DataParallel, EquivalenceTestCanFail) {
 
 // 2-digit addition: the loss first falls to (2/4) ln 10 = 1.15, where the model
 // knows the answer's format but not the sums; a model that learns to add goes far
-// below it, and gets held-out problems exactly right.
+// below it, and gets held-out problems exactly right. 1000 steps: when the model
+// leaves the plateau is chaotic (at 600 steps seeds 7-11 scored 7% to 91% exact,
+// and the ASan build's last-bit differences turned seed 7's 91% into 48%); by 1000
+// every one of them scored 99-100%.
 TEST(Training, LearnsTheSyntheticTask) {
   auto t = run_and_trace(tiny_manifest(),
-                         {"run.steps=600", "parallel.dp=2", "model.hidden_size=64", "optimizer.lr=3e-3",
+                         {"run.steps=1000", "parallel.dp=2", "model.hidden_size=64", "optimizer.lr=3e-3",
                           "optimizer.min_lr=3e-4", "optimizer.warmup_steps=50", "batch.global_batch_size=32",
-                          "batch.micro_batch_size=16", "run.eval_every=600", "run.eval_batches=4"});
-  ASSERT_EQ(t.loss.size(), 600u);
+                          "batch.micro_batch_size=16", "run.eval_every=1000", "run.eval_batches=4"});
+  ASSERT_EQ(t.loss.size(), 1000u);
   const double plateau = 0.5 * std::log(10.0);
   EXPECT_GT(t.loss.front(), 0.8 * std::log(13.0));  // starts near chance over the 13 tokens
   EXPECT_LT(t.loss.back(), 0.5 * plateau);
