@@ -133,6 +133,24 @@ inline std::set<std::string> zero_initialised(const RankTrace& t) {
   return out;
 }
 
+// Runs `overrides` and returns what each rank's Model declares it holds per
+// microbatch (Model::activation_bytes, what `loom plan` sizes); the run's result
+// goes to *result when given.
+inline std::map<int, uint64_t> declared_activation_bytes(const std::string& manifest,
+                                                         const std::vector<std::string>& overrides,
+                                                         train::TrainResult* result = nullptr) {
+  std::map<int, uint64_t> declared;
+  std::mutex mu;
+  train::TrainOptions opts;
+  opts.on_step = [&](int64_t, int rank, const model::Model& m) {
+    std::lock_guard<std::mutex> lock(mu);
+    declared[rank] = m.activation_bytes();
+  };
+  auto trace = run_and_trace(manifest, overrides, opts);
+  if (result) *result = std::move(trace.result);
+  return declared;
+}
+
 // ||a - b|| / ||b|| over the elements both have: the padded vocabulary grows
 // with tp (a multiple of vocab_divisor * tp), and the real rows come first.
 inline double tensor_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {

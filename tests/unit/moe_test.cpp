@@ -862,14 +862,7 @@ TEST(Moe, ContextParallelPlanMatchesTheModel) {
   // what the Model declares (one microbatch in flight without pp).
   const std::vector<std::string> o = {"run.steps=1", "parallel.cp=2", "parallel.ep=2", "model.num_layers=4",
                                       "model.block=[\"attention\", \"moe\"]"};
-  std::map<int, uint64_t> declared;
-  std::mutex mu;
-  loom::train::TrainOptions opts;
-  opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
-    std::lock_guard<std::mutex> lock(mu);
-    declared[rank] = m.activation_bytes();
-  };
-  loom::testing::run_and_trace(manifest(), o, opts);
+  const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o);
   const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
   std::vector<std::string> no_cp = o;
   no_cp.push_back("parallel.cp=1");

@@ -79,14 +79,8 @@ TEST(Recompute, MoeBlocksRouteAndDispatchAgain) {
 TEST(Recompute, HoldsLessActivationMemoryAndThePlanSaysHowMuch) {
   auto measure = [](std::vector<std::string> o) {
     o.insert(o.end(), {"model.num_layers=4", "run.steps=2"});
-    std::map<int, uint64_t> declared;
-    std::mutex mu;
-    loom::train::TrainOptions opts;
-    opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
-      std::lock_guard<std::mutex> lock(mu);
-      declared[rank] = m.activation_bytes();
-    };
-    const loom::train::TrainResult r = loom::testing::run_and_trace(manifest(), o, opts).result;
+    loom::train::TrainResult r;
+    const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
     const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
     // One stage: one microbatch in flight, so the plan is what the Model holds for it.
     EXPECT_EQ(plan.ranks.at(0).in_flight, 1);
