@@ -474,7 +474,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   const ForwardInputs in{tokens, targets, dropout_seed};
-  bool recomputes = false;
+  bool any_recomputed = false;
   void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     const bool has_input = held != nullptr;
@@ -490,10 +490,10 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     Layer& l = layers_[i];
     if (training && l.recompute) {  // keep only the input (a held hidden state); backward runs the forward again
       l.api->release(l.handle, mb);
-      recomputes = true;
+      any_recomputed = true;
     }
   }
-  if (recomputes) forward_inputs_[{c, mb}] = in;
+  if (any_recomputed) forward_inputs_[{c, mb}] = in;
   return last ? nullptr : held;
 }
 
@@ -532,7 +532,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   const bool first = is_first_global(c);
   loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  const std::vector<size_t> held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
+  const std::vector<size_t>& held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
   const size_t outputs_from = first ? 0 : 1;
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     Layer& l = layers_[i];

@@ -47,13 +47,14 @@ std::vector<int> sorted(std::vector<int> v) {
 // would mix tp slices or replicas silently.
 void require_experts_fold_into_dp(const manifest::Manifest& man, const topology::ParallelSizes& sizes) {
   const topology::RankGroups groups = topology::RankGroups::build(sizes);
+  // The ranks that hold replicas of a stage's dense parameters (with and without its tp peers).
+  const char* replicas = topology::gradient_group_kind(sizes.cp);
+  const char* tp_replicas = sizes.cp > 1 ? "tp-dp-cp" : "tp-dp";
   for (int r = 0; r < groups.world(); ++r) {
     const bool folded = groups.group_of("etp", r).size() != groups.group_of("tp", r).size();
-    const bool cp = sizes.cp > 1;
-    const bool fits =
-        folded ? with_edp_replicas(groups, "etp-ep", r) == sorted(groups.group_of(cp ? "tp-dp-cp" : "tp-dp", r))
-               : groups.group_of("etp", r) == groups.group_of("tp", r) &&
-                     with_edp_replicas(groups, "ep", r) == sorted(groups.group_of(topology::gradient_group_kind(sizes.cp), r));
+    const bool fits = folded ? with_edp_replicas(groups, "etp-ep", r) == sorted(groups.group_of(tp_replicas, r))
+                             : groups.group_of("etp", r) == groups.group_of("tp", r) &&
+                                   with_edp_replicas(groups, "ep", r) == sorted(groups.group_of(replicas, r));
     if (fits) continue;
     throw manifest::ManifestError(
         {{"parallel.order", man.origin("parallel.order"),

@@ -95,10 +95,7 @@ class Attention : public loom::Layer {
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
     // The windows' positions come from the model's seq_len: the rows must be this
     // cp rank's slice of it, or the key window would run past the gathered rows.
-    LOOM_REQUIRE(cp_.cp() == 1 || S == cp_.local_length(),
-                 name_ << ": under context parallelism (cp = " << cp_.cp() << ") the input holds " << S
-                       << " positions per sequence, expected this rank's " << cp_.local_length() << " of "
-                       << cp_.seq());
+    cp_.require_local_rows(S, name_);
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();

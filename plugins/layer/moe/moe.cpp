@@ -430,10 +430,7 @@ class Moe : public loom::Layer {
     const int64_t cp = cp_.cp(), Tw = cp * T;                // the whole microbatch's tokens
     require_act(a.output, "output", name_, dt_.act, {Sl, B, H});
     // Positions in the whole sequence come from the model's seq_len (whole_token).
-    LOOM_REQUIRE(cp == 1 || S == cp_.local_length(),
-                 name_ << ": under context parallelism (cp = " << cp << ") the input holds " << S
-                       << " positions per sequence, expected this rank's " << cp_.local_length() << " of "
-                       << cp_.seq());
+    cp_.require_local_rows(S, name_);
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
@@ -978,7 +975,7 @@ class Moe : public loom::Layer {
   // of token t of cp rank j's TP region (rows seq-major: t = s * B + b).
   int64_t whole_token(int j, int64_t t, int64_t B) const {
     if (cp_.cp() == 1) return t;
-    return loom::ContextSlice(seq_, cp_.cp(), j).position(t / B) * B + t % B;
+    return cp_.position_of(j, t / B) * B + t % B;
   }
   // Those of this rank's TP-region tokens [t0, t0 + n).
   std::vector<int64_t> whole_tokens(int64_t t0, int64_t n, int64_t B) const {

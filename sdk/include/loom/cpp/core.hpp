@@ -242,9 +242,20 @@ class ContextSlice {
     return out;
   }
   std::vector<Run> runs() const { return runs(0, local_length()); }
-  int64_t position(int64_t local_row) const {
+  // The position of local row `local_row` of cp rank j (of this rank: position()).
+  int64_t position_of(int j, int64_t local_row) const {
     const int64_t c = chunk_length();
-    return local_row < c ? chunk_start(rank_, 0) + local_row : chunk_start(rank_, 1) + (local_row - c);
+    return local_row < c ? chunk_start(j, 0) + local_row : chunk_start(j, 1) + (local_row - c);
+  }
+  int64_t position(int64_t local_row) const { return position_of(rank_, local_row); }
+  // A layer's check that its input holds this rank's rows: positions are derived
+  // from seq(), so another row count would map rows past the sequence.
+  void require_local_rows(int64_t rows, const std::string& who) const {
+    if (cp_ > 1 && rows != local_length())
+      throw Error(who + ": under context parallelism (cp = " + std::to_string(cp_) + ") the input holds " +
+                      std::to_string(rows) + " positions per sequence, expected this rank's " +
+                      std::to_string(local_length()) + " of " + std::to_string(seq_),
+                  LOOM_CODE_INVALID_ARGUMENT);
   }
 
  private:
