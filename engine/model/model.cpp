@@ -163,8 +163,11 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       layer.spec = spec;
       layer.chunk = static_cast<int>(c);
       layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
-      layer.capturable = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable &&
-                         layer.api->capturable(layer.handle) == 1;
+      const int32_t capture_kind = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable
+                                       ? layer.api->capturable(layer.handle)
+                                       : 0;
+      layer.capturable = capture_kind == 1;
+      layer.captures_parts = capture_kind == 2;
       layer.recompute = recomputes(m, chunks[c].layers, k);
       // Dropping a forward's saved state without its backward is the release slot.
       if (layer.recompute && layer.api->release == nullptr) {
@@ -194,10 +197,12 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   const loom_exec_api* exec = rank_.exec_api();
   tp_single_ = tp.size() == 1;
   // Hidden states stay put across steps only when some step can be captured.
-  const bool any_capturable =
-      std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.capturable; });
-  replays_steps_ = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) &&
-                   (exec->features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
+  const uint64_t exec_features = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) ? exec->features : 0;
+  exec_substeps_ = (exec_features & LOOM_EXEC_SUBSTEPS) != 0;
+  const bool any_capturable = std::any_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
+    return l.capturable || (l.captures_parts && exec_substeps_);
+  });
+  replays_steps_ = (exec_features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
   guard.armed = false;
 }
 
@@ -372,15 +377,27 @@ void Model::run_step(size_t i, int mb, bool backward, bool capture_ok, const std
   const Layer& l = layers_[i];
   loom_exec_step step = loom::make<loom_exec_step>();
   step.scope = l.spec.plugin.c_str();
-  step.key = (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
-             (backward ? 1 : 0);
-  // capture_ok: a training step (evaluation forwards keep nothing and run
-  // directly) whose dropout seed is in device memory. A layer step with a tp
-  // collective inside is not captured (comm plugins do not promise capture).
-  step.capturable = capture_ok && l.capturable && tp_single_ && replays_steps_ ? 1 : 0;
+  step.key = step_key(i, mb, backward);
+  step.capturable = may_capture(i, capture_ok) ? 1 : 0;
   step.ctx = &ctx;
   step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
   loom::check(api->run(rank_.exec_handle(), &rank_, &step));
+}
+
+int64_t Model::step_key(size_t i, int mb, bool backward) const {
+  return (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
+         (backward ? 1 : 0);
+}
+
+// capture_ok: a training step (evaluation forwards keep nothing and run directly)
+// whose dropout seed is in device memory. A layer step with a tp collective inside
+// is not captured (comm plugins do not promise capture).
+bool Model::may_capture(size_t i, bool capture_ok) const {
+  return capture_ok && layers_[i].capturable && tp_single_ && replays_steps_;
+}
+
+bool Model::may_capture_parts(size_t i, bool capture_ok) const {
+  return capture_ok && layers_[i].captures_parts && exec_substeps_ && tp_single_ && replays_steps_;
 }
 
 std::vector<int32_t> Model::counted_elsewhere() const {
@@ -520,8 +537,10 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.predictions = predictions;
   a.aux_loss = training ? aux_loss : nullptr;
   // A recomputing layer's forward is not captured: its backward pair runs it again.
-  run_step(i, mb, false, training && seed_device != nullptr && !l.recompute,
-           [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+  const bool capture_ok = training && seed_device != nullptr && !l.recompute;
+  a.step_key = step_key(i, mb, false);
+  a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
+  run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
@@ -562,8 +581,10 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     a.aux_loss_scale = aux_loss_scale;
     // Captured exactly when its forward could be (a replayed backward needs the
     // activations of a replayed forward): the microbatch's seed slot exists.
-    run_step(i, mb, true, static_cast<size_t>(mb) < staged_seeds_.size(),
-             [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    const bool capture_ok = static_cast<size_t>(mb) < staged_seeds_.size() && !l.recompute;
+    a.step_key = step_key(i, mb, true);
+    a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
+    run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
   }

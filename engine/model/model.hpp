@@ -172,7 +172,10 @@ class Model {
     loom_layer* handle = nullptr;
     std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
     std::vector<DLTensor> param_views, grad_views;
-    bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable)
+    bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable == 1)
+    // capturable() == 2 (ABI 1.7): its steps run directly and capture parts of
+    // themselves as sub-steps (MoE: the router), when step args say they may.
+    bool captures_parts = false;
     // model.recompute_granularity = "full" and a block layer: what its training
     // forward saved is dropped at once, and the forward runs again in backward.
     bool recompute = false;
@@ -196,6 +199,13 @@ class Model {
   // Layer i's forward (backward = false) or backward of microbatch mb through the
   // execution mode; captured and replayed when the mode replays and it may.
   void run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn);
+  // The exec key of that step: the same for the same layer, microbatch and
+  // direction every step (graphs are looked up by it).
+  int64_t step_key(size_t i, int mb, bool backward) const;
+  // Whether layer i's step, or (captures_parts) parts of it, may be captured now.
+  // capture_ok: a training step whose dropout seed is in device memory.
+  bool may_capture(size_t i, bool capture_ok) const;
+  bool may_capture_parts(size_t i, bool capture_ok) const;
   // Device memory holding microbatch mb's dropout seed `value` (written when it
   // differs from what is there), or nullptr when mb has no slot.
   const uint64_t* dropout_seed_slot(int mb, uint64_t value);
@@ -236,6 +246,7 @@ class Model {
   bool replays_steps_ = false;
   std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
   bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
+  bool exec_substeps_ = false;  // the exec mode keys graphs by sub-step too (LOOM_EXEC_SUBSTEPS)
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 

@@ -28,6 +28,9 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_5(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_5(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_6(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_6(size_t* count);
+extern "C" const size_t* loom_abi_layout_frozen_v1_7(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_7(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
@@ -183,6 +186,26 @@ TEST(AbiLayout, Released16MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_attention_args, kv_seq), loom_abi_sizeof_v1_5("loom_attention_args"));
   ASSERT_GT(loom_abi_sizeof_v1_5("loom_layer_api"), 0u);
   EXPECT_GE(offsetof(loom_layer_api, features), loom_abi_sizeof_v1_5("loom_layer_api"));
+}
+
+// 1.7's too (sub-steps: a layer step's key and whether its parts may be
+// captured, the exec step's substep), each starting past 1.6's sizeof of its
+// struct; loom_layer_bwd_args's 1.6 tail padding is filled by pad_1_6 first.
+TEST(AbiLayout, Released17MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_16 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_7(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_7(&n_current);
+  loom_abi_layout_current_v1_6(&n_16);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_16 + 2 * 9);  // the nine members 1.7 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_6("loom_layer_fwd_args"), 0u);
+  EXPECT_GE(offsetof(loom_layer_fwd_args, step_key), loom_abi_sizeof_v1_6("loom_layer_fwd_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_6("loom_layer_bwd_args"), 0u);
+  EXPECT_LT(offsetof(loom_layer_bwd_args, pad_1_6), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
+  EXPECT_GE(offsetof(loom_layer_bwd_args, step_key), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_6("loom_exec_step"), 0u);
+  EXPECT_GE(offsetof(loom_exec_step, substep), loom_abi_sizeof_v1_6("loom_exec_step"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

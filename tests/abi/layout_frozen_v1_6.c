@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -19,4 +20,16 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_6(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the 1.6 structs that 1.7 appended to (0 for others): a 1.7 member
+ * must start at or past it. */
+size_t loom_abi_sizeof_v1_6(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_layer_fwd_args)
+  SIZE(loom_layer_bwd_args)
+  SIZE(loom_exec_step)
+#undef SIZE
+  return 0;
 }

@@ -71,10 +71,12 @@ std::map<int, loom_exec_stats> run_both(const std::vector<std::string>& override
 // Per rank with `captured` capturable layers on it, M microbatches, `steps`
 // steps and w warm-up runs: 2 * captured * M graphs (one per direction and
 // microbatch, as Megatron counts them), each replayed on every step after the
-// warm-up, the capturing one included; `direct_per_step` other layer steps.
+// warm-up, the capturing one included; `direct_per_step` other layer steps (and
+// sub-steps). `router_blocks` MoE blocks whose moe_router sub-steps are captured
+// add 3 graphs per microbatch each: the forward's, and the backward's two.
 void expect_counts(const loom_exec_stats& s, uint64_t captured, uint64_t M, uint64_t steps, uint64_t w,
-                   uint64_t direct_per_step) {
-  const uint64_t graphs = 2 * captured * M;
+                   uint64_t direct_per_step, uint64_t router_blocks = 0) {
+  const uint64_t graphs = (2 * captured + 3 * router_blocks) * M;
   EXPECT_EQ(s.graphs, graphs);
   EXPECT_EQ(s.replays, graphs * (steps - w));
   EXPECT_EQ(s.direct, graphs * w + direct_per_step * steps);
@@ -159,17 +161,80 @@ TEST(PartialGraph, TensorParallelLayersRunDirectly) {
   for (int r = 0; r < 2; ++r) expect_counts(tp.at(r), 0, 4, 3, 1, 12 * 4);  // all six layers, both ways
 }
 
-// MoE blocks (not capturable: routing on the host) at dp 2 x ep 2 stay eager,
-// their all-to-all between the captured attention steps; the run is still
-// bit-identical to eager and only the attention steps become graphs.
-TEST(PartialGraph, ExpertParallelMoeBlocksRunDirectlyBetweenCapturedSteps) {
+// MoE blocks (routing is decided on the host) run directly, and capture their
+// static parts as moe_router sub-steps (ABI 1.7, seed 003's scope): LayerNorm and
+// the router GEMM in forward, LayerNorm again and the router's backward. At dp 2 x
+// ep 2 their all-to-all runs eagerly between those replays, reading the logits and
+// LN output where the forward's graph wrote them and handing the router's graph
+// its gradients at the addresses of its capture. Bit-identical to eager.
+TEST(PartialGraph, MoeRouterSubStepsAreCapturedAroundEagerExpertsAtDp2Ep2) {
   const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
                                         "parallel.dp=2", "parallel.ep=2"};
   const auto stats = run_both(moe, {}, /*same_activation_bytes=*/false);
   ASSERT_EQ(stats.size(), 2u);
-  // Per rank: M = 2 microbatches, 10 steps, 1 warm-up; 2 attention layers captured;
-  // per step directly: embedding, lm_head and the 2 moe blocks, forward and backward.
-  for (const auto& [rank, s] : stats) expect_counts(s, 2, 2, 10, 1, 2 * (2 + 2) * 2);
+  // Per rank: M = 2 microbatches, 10 steps, 1 warm-up; 2 attention layers and the
+  // routers of 2 moe blocks captured; per step directly: embedding, lm_head and the
+  // 2 moe blocks' steps, forward and backward.
+  for (const auto& [rank, s] : stats) expect_counts(s, 2, 2, 10, 1, 2 * (2 + 2) * 2, /*router_blocks=*/2);
+}
+
+// Serial, with every routing feature that reads or writes the router's memory
+// between its sub-steps: capacity drops, the shared expert (on the captured LN
+// output), dropout, z-loss; bf16 with its fp32 gradients accumulated by the ops
+// and without (a gradient shadow inside the router's backward graph); evaluation
+// between steps (its forwards must not move the addresses the training replays use).
+TEST(PartialGraph, MoeRouterSubStepsWithCapacitySharedExpertDropoutBf16AndEvaluation) {
+  const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]",
+                                        "model.layer.moe.num_experts=4",
+                                        "model.layer.moe.capacity_factor=1.0",
+                                        "model.layer.moe.shared_expert_ffn_hidden_size=32",
+                                        "model.layer.moe.dropout=0.1",
+                                        "model.layer.moe.z_loss_coeff=0.001",
+                                        "run.steps=4"};
+  // M = 4: embedding, lm_head and 2 moe steps run directly, both ways.
+  expect_counts(run_both(moe, {}, false).at(0), 2, 4, 4, 1, 4 * 2 * 4, 2);
+  expect_counts(run_both(with(moe, {"device.param_dtype=\"bf16\""}), {}, false).at(0), 2, 4, 4, 1, 4 * 2 * 4, 2);
+  expect_counts(run_both(with(moe, {"device.param_dtype=\"bf16\"", "device.grad_accumulation_fusion=false"}), {},
+                         false)
+                    .at(0),
+                2, 4, 4, 1, 4 * 2 * 4, 2);
+  const auto eval = run_both(with(moe, {"run.eval_every=2"}), {}, false);
+  EXPECT_EQ(eval.at(0).graphs, (2u * 2u + 3u * 2u) * 4u);
+  EXPECT_EQ(eval.at(0).replays, (2u * 2u + 3u * 2u) * 4u * 3u);
+}
+
+// 1F1B at pp 2 with a moe block on each stage: several microbatches' router
+// memory in flight at once, each at its own addresses.
+TEST(PartialGraph, MoeRouterSubStepsUnderPipelineParallelism) {
+  const auto pp = run_both({"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
+                            "model.layer.moe.capacity_factor=1.0", "run.steps=4", "parallel.pp=2"},
+                           {}, false);
+  ASSERT_EQ(pp.size(), 2u);
+  // Per stage: 1 attention, 1 moe router; directly: embedding or lm_head and the moe step.
+  for (int r = 0; r < 2; ++r) expect_counts(pp.at(r), 1, 4, 4, 1, 2 * 2 * 4, 1);
+}
+
+// exec.options.scopes picks sub-steps by their scope: "moe_router" captures only the
+// routers (attention runs directly); "attention" leaves the routers' parts direct.
+TEST(PartialGraph, ScopesSelectTheMoeRouterSubSteps) {
+  const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
+                                        "run.steps=3"};
+  // Directly per microbatch: embedding, lm_head, 2 attention, 2 moe steps, both ways.
+  expect_counts(run_both(moe, {"exec.options.scopes=\"moe_router\""}, false).at(0), 0, 4, 3, 1, 6 * 2 * 4, 2);
+  // The 2 routers' 3 sub-steps per microbatch run directly beside the 4 other steps.
+  expect_counts(run_both(moe, {"exec.options.scopes=\"attention\""}, false).at(0), 2, 4, 3, 1,
+                (4 * 2 + 3 * 2) * 4, 0);
+}
+
+// Under context parallelism the router's forward gathers logits over cp: a
+// collective, so its sub-steps run directly, and the run still equals eager.
+TEST(PartialGraph, MoeRouterUnderContextParallelismRunsDirectly) {
+  const auto cp = run_both({"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
+                            "run.steps=3", "parallel.cp=2"},
+                           {}, false);
+  ASSERT_EQ(cp.size(), 2u);
+  // Attention gathers K/V over cp inside its step, so it runs directly too.
+  for (const auto& [rank, s] : cp) EXPECT_EQ(s.graphs, 0u) << "rank " << rank;
 }
 
 // A capture must not be a library's first call (cuBLAS and lazy kernel loading

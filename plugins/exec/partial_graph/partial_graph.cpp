@@ -7,6 +7,14 @@
 // code and its many kernel launches. Everything else (embedding, logits and loss,
 // communication, optimizer) stays eager.
 //
+// Sub-steps (ABI 1.7, LOOM_EXEC_SUBSTEPS): a layer whose step as a whole is not
+// capturable (MoE: routing is decided on the host) runs its graph-safe parts
+// (the "moe_router" scope: LayerNorm and router GEMM, the router's backward)
+// through this plugin from inside its directly run step. They are keyed by
+// (key, substep) and captured and replayed like whole steps, so seed 003's
+// partial graphs for MoE: the graphs cover the static parts, the rest runs
+// eagerly between their replays.
+//
 // The graph rules this relies on: the engine keeps the buffers it passes to a
 // step at the same address for the same key (LOOM_EXEC_REPLAYS), the layer does
 // no host synchronisation and passes nothing step-dependent by value, and the
@@ -33,10 +41,12 @@ struct Exec {
     int64_t runs = 0;  // direct runs so far (warm-up)
     loom_graph* graph = nullptr;
   };
-  std::map<int64_t, Key> keys;
+  using StepId = std::pair<int64_t, int32_t>;  // (key, substep)
+  std::map<StepId, Key> keys;
   std::set<std::string> seen_scopes;  // every layer step's scope, capturable or not
-  int64_t first_key = -1;             // seen again: a whole step has been seen
+  StepId first_step{-1, 0};           // seen again: a whole step has been seen
   bool scopes_checked = false;
+  bool capturing = false;             // a capture is open: a nested step is recorded into it
   loom_exec_stats stats = loom::make<loom_exec_stats>();
 };
 
@@ -112,15 +122,20 @@ loom_status run(loom_exec* x, loom_rank*, const loom_exec_step* step) {
     return loom::make_status(LOOM_CODE_INVALID_ARGUMENT, "exec/partial_graph: step without a function");
   Exec& e = *reinterpret_cast<Exec*>(x);
   const std::string scope = step->scope ? step->scope : "";
+  const int32_t substep = LOOM_HAS_SLOT(step, loom_exec_step, substep) ? step->substep : 0;
+  const Exec::StepId id{step->key, substep};
+  // A step run from inside one being captured (a sub-step of a layer that called
+  // itself capturable) is part of that graph.
+  if (e.capturing) return step->fn(step->ctx);
   if (!e.scopes_checked) {
-    if (e.first_key < 0) e.first_key = step->key;
-    else if (step->key == e.first_key) check_scopes(e);
+    if (e.first_step.first < 0) e.first_step = id;
+    else if (id == e.first_step) check_scopes(e);
     e.seen_scopes.insert(scope);
   }
   if (!step->capturable) return run_direct(e, *step);
   if (!e.scopes.empty() && e.scopes.count(scope) == 0) return run_direct(e, *step);
 
-  Exec::Key& k = e.keys[step->key];
+  Exec::Key& k = e.keys[id];
   if (k.graph == nullptr && k.runs < e.warmup) {
     k.runs += 1;
     return run_direct(e, *step);
@@ -130,7 +145,9 @@ loom_status run(loom_exec* x, loom_rank*, const loom_exec_step* step) {
     // Capture: the device records the step's launches (and allocations come from
     // its graph pool); nothing runs until the replay below.
     if (loom_status s = api->capture_begin(e.dev.raw(), e.dev.stream())) return s;
+    e.capturing = true;
     loom_status failed = step->fn(step->ctx);
+    e.capturing = false;
     loom_graph* g = nullptr;
     loom_status ended = api->capture_end(e.dev.raw(), e.dev.stream(), &g);
     if (failed != nullptr || ended != nullptr) {
@@ -161,7 +178,7 @@ const loom_exec_api* table() {
     a.create = create;
     a.destroy = destroy;
     a.run = run;
-    a.features = LOOM_EXEC_REPLAYS;
+    a.features = LOOM_EXEC_REPLAYS | LOOM_EXEC_SUBSTEPS;
     a.stats = stats;
     return a;
   }();
@@ -171,10 +188,11 @@ const loom_exec_api* table() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "exec", "partial_graph", "1.0.0",
-    "captures capturable layer steps (attention, MLP) into device graphs once and replays them",
+    "exec", "partial_graph", "1.1.0",
+    "captures capturable layer steps (attention, MLP) and sub-steps (the MoE router) into device graphs once and "
+    "replays them",
     LOOM_API_EXEC, table(),
     {loom::opt_string("scopes", "",
-                      "comma-separated layer plugin names whose steps are captured, e.g. \"attention,mlp\"; "
-                      "empty: every capturable layer"),
+                      "comma-separated scopes whose steps are captured: layer plugin names (\"attention,mlp\") "
+                      "and sub-step scopes (\"moe_router\"); empty: every capturable step"),
      loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured (>= 1)")}))

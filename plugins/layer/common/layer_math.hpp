@@ -169,12 +169,43 @@ class Arena {
   T* at(size_t piece) const {
     return reinterpret_cast<T*>(buf_.get<char>() + offsets_[piece]);
   }
+  size_t offset(size_t piece) const { return offsets_[piece]; }
+  size_t pieces() const { return offsets_.size(); }
+  char* data() const { return buf_.get<char>(); }
+  void free() { buf_.reset(); }
 
  private:
   static constexpr size_t kAlign = 256;
   std::vector<size_t> offsets_;
   size_t total_ = 0;
   loom::Buffer buf_;
+};
+
+// Memory a layer's sub-step allocates (loom::Rank::run_substep, ABI 1.7): an Arena
+// that remembers where it was allocated. When the sub-step's host code runs
+// (directly, or while it is captured) it allocates and owns the memory; when the
+// sub-step is replayed its host code does not run, and the pieces are where the
+// capture put them (the device's graph pool keeps that memory for the replays), so
+// the code around the sub-step finds them through at() either way. Lay it out
+// once with the same pieces, keep the StepArena across steps, and free() it where
+// the eager code would free it.
+class StepArena {
+ public:
+  Arena& layout() { return arena_; }
+  bool laid_out() const { return arena_.pieces() > 0; }
+  void allocate(loom_rank* rank) {
+    arena_.allocate(rank);
+    base_ = arena_.data();
+  }
+  void free() { arena_.free(); }  // the address stays known: a replay writes there again
+  template <typename T = float>
+  T* at(size_t piece) const {
+    return reinterpret_cast<T*>(base_ + arena_.offset(piece));
+  }
+
+ private:
+  Arena arena_;
+  char* base_ = nullptr;
 };
 
 // ---------------------------------------------------------------------------

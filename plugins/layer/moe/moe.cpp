@@ -30,7 +30,13 @@
 //    keeps the router's logits small; weighted and reported with the aux loss.
 // Routing is decided on the host (the router's [tokens, experts] probabilities are
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
-// tokens-per-expert counts), so the layer is not capturable. Tokens are permuted
+// tokens-per-expert counts), so the layer step is not capturable as a whole. Its
+// static parts are (seed 003's moe_router scope, ABI 1.7 sub-steps): LayerNorm and
+// the router GEMM in forward, LayerNorm again at the start of the backward, and
+// the router's and LayerNorm's backward at its end run through the exec plugin,
+// which captures and replays them (tp = 1, cp = 1); routing, dispatch, experts and
+// combine run eagerly between them, reading and writing the sub-steps' memory at
+// the addresses of their capture (StepArena). Tokens are permuted
 // into expert order with the device's row gather (embedding_fwd) and combined back
 // with the same gather, accumulating each token's top_k rows in slot order; the
 // expert GEMMs run per expert on contiguous rows.
@@ -437,51 +443,61 @@ class Moe : public loom::Layer {
     const int32_t act = dt_.act;
     const bool drop = a.training && dropout_ > 0.0f;
 
+    // The router sub-step's memory: kept to the backward (training), or for this
+    // forward only (evaluation, which must not move the addresses training replays).
+    RouterMemory eval_memory;
+    RouterMemory& m = a.training ? router_memory_[a.microbatch] : eval_memory;
+    const bool fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
+    const int64_t Tr = fold ? Tl : T;  // tokens whose dispatch rows this rank gathers and combines
+    if (!m.kept.laid_out()) {
+      Arena& k = m.kept.layout();
+      m.x = k.elems(a.training ? Tl * H : 0, act);
+      m.mean = k.floats(Tl);
+      m.rstd = k.floats(Tl);
+      Arena& f = m.fwd.layout();
+      m.ln = f.elems(Tl * H, act);
+      m.ln_full = f.elems(full_in ? T * H : 0, act);
+      m.logits = f.floats(T * E);
+      m.shard_logits = f.floats(fold ? Tl * E : 0);
+      m.cp_logits = f.floats(cp > 1 ? Tw * E : 0);
+    }
     Saved s;
     s.S = S;
     s.B = B;
-    s.x = s.mem.elems(a.training ? Tl * H : 0, act);
-    s.mean = s.mem.floats(Tl);
-    s.rstd = s.mem.floats(Tl);
     s.mask = s.mem.add(drop ? Tl * H : 0);
     s.shared_h = s.mem.elems(a.training ? T * shared_local_ : 0, act);  // the shared expert's fc1 output
     s.dropped = drop;
     s.mem.allocate(rank_);
 
-    // LayerNorm, into the TP region (f), and the router's logits in fp32. Folded,
-    // the routed experts read this rank's shard (Tr = Tl tokens) and only the
-    // shared expert enters the TP region; the logits are all-gathered instead.
-    const bool fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
-    const int64_t Tr = fold ? Tl : T;  // tokens whose dispatch rows this rank gathers and combines
-    Arena pre;
-    const size_t ln = pre.elems(Tl * H, act), ln_full = pre.elems(full_in ? T * H : 0, act),
-                 logits = pre.floats(T * E), shard_logits = pre.floats(fold ? Tl * E : 0),
-                 cp_logits = pre.floats(cp > 1 ? Tw * E : 0);
-    pre.allocate(rank_);
-    if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
-    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], pre.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps, act);
-    const void* xfull = pre.at(ln);  // LN(x) of every token of the TP region
-    if (full_in) {
-      tp_.enter_forward({.rows = T, .cols = H, .x = pre.at(ln), .out = pre.at(ln_full), .dtype = act});
-      xfull = pre.at(ln_full);
-    }
-    const void* xin = fold ? pre.at(ln) : xfull;  // the routed experts' input, Tr rows
-    if (fold) {
-      gemm(dev, false, false, Tl, E, H, xin, w_[kRouter], pre.at(shard_logits), 0.0f, act, LOOM_DTYPE_F32);
-      tp_group_.all_gather(dev.native_stream(), pre.at(shard_logits), pre.at(logits), static_cast<size_t>(Tl * E),
-                           LOOM_DTYPE_F32);
-    } else {
-      gemm(dev, false, false, T, E, H, xin, w_[kRouter], pre.at(logits), 0.0f, act, LOOM_DTYPE_F32);
-    }
-    // Under context parallelism every cp rank's logits, in position order: the
-    // whole microbatch is routed on every rank.
-    const float* routed_logits = pre.at(logits);
-    if (cp > 1) {
-      cp_group_.all_gather(dev.native_stream(), pre.at(logits), pre.at(cp_logits), static_cast<size_t>(T * E),
-                           LOOM_DTYPE_F32);
-      routed_logits = pre.at(cp_logits);
-    }
+    // The moe_router sub-step: LayerNorm, into the TP region (f), and the router's
+    // logits in fp32. Folded, the routed experts read this rank's shard (Tr = Tl
+    // tokens) and only the shared expert enters the TP region; the logits are
+    // all-gathered instead. Under context parallelism every cp rank's logits are
+    // gathered, so the whole microbatch is routed on every rank. Captured (no
+    // collective inside then) when the engine allows parts to be.
+    rank.run_substep("moe_router", a.step_key, 1, a.substeps_capturable != 0 && router_capturable(), [&] {
+      m.kept.allocate(rank_);
+      m.fwd.allocate(rank_);
+      if (a.training) copy_d2d(dev, m.kept.at(m.x), x, Tl * H * dt_.act_bytes());
+      layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], m.fwd.at(m.ln), m.kept.at(m.mean), m.kept.at(m.rstd), Tl, H,
+                    kLayerNormEps, act);
+      if (full_in) tp_.enter_forward({.rows = T, .cols = H, .x = m.fwd.at(m.ln), .out = m.fwd.at(m.ln_full), .dtype = act});
+      if (fold) {
+        gemm(dev, false, false, Tl, E, H, m.fwd.at(m.ln), w_[kRouter], m.fwd.at(m.shard_logits), 0.0f, act,
+             LOOM_DTYPE_F32);
+        tp_group_.all_gather(dev.native_stream(), m.fwd.at(m.shard_logits), m.fwd.at(m.logits),
+                             static_cast<size_t>(Tl * E), LOOM_DTYPE_F32);
+      } else {
+        gemm(dev, false, false, T, E, H, full_in ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln), w_[kRouter],
+             m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
+      }
+      if (cp > 1)
+        cp_group_.all_gather(dev.native_stream(), m.fwd.at(m.logits), m.fwd.at(m.cp_logits),
+                             static_cast<size_t>(T * E), LOOM_DTYPE_F32);
+    });
+    const void* xfull = full_in ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln);  // LN(x) of every token of the TP region
+    const void* xin = fold ? m.fwd.at(m.ln) : xfull;                      // the routed experts' input, Tr rows
+    const float* routed_logits = cp > 1 ? m.fwd.at(m.cp_logits) : m.fwd.at(m.logits);
     std::vector<float> gathered(static_cast<size_t>(Tw * E));
     dev.copy(gathered.data(), routed_logits, gathered.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
@@ -570,6 +586,7 @@ class Moe : public loom::Layer {
                            .microbatch = a.microbatch, .dtype = act, .seed_device = a.dropout_seed_device});
     add(dev, x, out, y, Tl * H, act);  // the residual
 
+    m.fwd.free();  // LN output and logits (x and the LN statistics stay for the backward)
     if (a.training) saved_[a.microbatch] = std::move(s);
   }
 
@@ -578,10 +595,9 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(it != saved_.end(), name_ << ": backward of microbatch " << a.microbatch
                                            << " without a training forward");
     Saved& s = it->second;
-    const Routing& r = s.routing;
+    RouterMemory& m = router_memory_.at(a.microbatch);
     const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
-    const bool shared_apart = fold && shared_ffn_ > 0;
-    const int64_t H = hidden_, E = experts_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
+    const int64_t H = hidden_, E = experts_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
@@ -589,25 +605,173 @@ class Moe : public loom::Layer {
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
     const int32_t act = dt_.act;
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), local_numels(), tp_.features(),
-                  fusion_);
-    const int32_t gdt = gs.grad_dtype();
+    const bool capture_router = a.substeps_capturable != 0 && router_capturable();
 
+    // The router's memory for the backward: its recomputed LN output, and the
+    // gradients the eager part below hands to the router's backward (the LN
+    // output's, the logits').
+    if (!m.bwd.laid_out()) {
+      Arena& b = m.bwd.layout();
+      m.b_ln = b.elems(Tl * H, act);
+      m.b_ln_full = b.elems(full_in ? T * H : 0, act);
+      m.dln_full = b.elems(Tr * H, act);
+      m.dln = b.elems(sp && !fold ? Tl * H : 0, act);
+      m.dlogits = b.floats(Tl * E);
+      m.dlogits_act = b.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
+    }
+    // moe_router backward, part 1: LayerNorm again (and into the TP region), and
+    // the gradient buffers at addresses a replay keeps.
+    rank.run_substep("moe_router", a.step_key, 1, capture_router, [&] {
+      m.bwd.allocate(rank_);
+      if (full_in)
+        recompute_ln_input(dev, tp_, m.kept.at(m.x), w_[kLnW], w_[kLnB], m.kept.at(m.mean), m.kept.at(m.rstd),
+                           m.bwd.at(m.b_ln), m.bwd.at(m.b_ln_full), Tl, H, act);
+      else
+        layernorm_fwd(dev, m.kept.at(m.x), w_[kLnW], w_[kLnB], m.bwd.at(m.b_ln), m.kept.at(m.mean),
+                      m.kept.at(m.rstd), Tl, H, kLayerNormEps, act);
+    });
+    const void* xfull = full_in ? m.bwd.at(m.b_ln_full) : m.bwd.at(m.b_ln);
+    // The LN output's gradient: this rank's rows (its shard under SP).
+    void* dl = sp && !fold ? m.bwd.at<void>(m.dln) : m.bwd.at<void>(m.dln_full);
+    {
+      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), local_numels(), tp_.features(),
+                    fusion_);
+      experts_backward(rank, a, s, gs, dy, xfull, m.bwd.at(m.b_ln), m.bwd.at(m.dln_full), dl, m.bwd.at(m.dlogits));
+      gs.commit();
+    }
+
+    // moe_router backward, part 2: the router's weight and input gradients, the
+    // residual, LayerNorm's backward.
+    rank.run_substep("moe_router", a.step_key, 2, capture_router, [&] {
+      // The router's and LayerNorm's gradients only (the eager part's shadow has the rest).
+      GradShadow gs(rank_, dev, dt_, {g_[kLnW], g_[kLnB], g_[kRouter]}, {H, H, H * E}, tp_.features(), fusion_);
+      const int32_t gdt = gs.grad_dtype();
+      const void* dl_router = m.bwd.at(m.dlogits);
+      if (act != LOOM_DTYPE_F32) {
+        dev.elementwise({.op = LOOM_EW_CAST, .n = Tl * E, .x = m.bwd.at(m.dlogits), .out = m.bwd.at(m.dlogits_act),
+                         .dtype = LOOM_DTYPE_F32, .out_dtype = act});
+        dl_router = m.bwd.at(m.dlogits_act);
+      }
+      gemm(dev, true, false, H, E, Tl, m.bwd.at(m.b_ln), dl_router, gs[2], 1.0f, act, gdt);
+      gemm(dev, false, true, Tl, H, E, dl_router, w_[kRouter], dl, 1.0f, act, act);
+      // dx = dy (the residual) + LN backward.
+      copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
+      layernorm_bwd(dev, dl, m.kept.at(m.x), w_[kLnW], m.kept.at(m.mean), m.kept.at(m.rstd), dx, gs[0], gs[1], Tl,
+                    H, /*accumulate_dx=*/true, act, gs.grad_fp32());
+      gs.commit();
+      m.kept.free();
+      m.bwd.free();
+    });
+    saved_.erase(it);
+    ep_service_.release(a.microbatch);
+  }
+
+  void release(int32_t microbatch) override {
+    saved_.erase(microbatch);
+    ep_service_.release(microbatch);
+    auto m = router_memory_.find(microbatch);
+    if (m != router_memory_.end()) {  // what this step's sub-steps allocated (their layout stays)
+      m->second.kept.free();
+      m->second.fwd.free();
+      m->second.bwd.free();
+    }
+  }
+
+  // Routing is decided on the host from device data: the step as a whole is not
+  // capturable, but the router's parts are (moe_router sub-steps, ABI 1.7).
+  bool capturable() override { return false; }
+  bool captures_parts() override { return router_capturable(); }
+
+  // With balanced routing (every expert gets tokens * top_k / experts rows). Under
+  // ep the rows this rank's experts take range from 0 to ep times that, so a
+  // skewed router can need up to ep x the experts' part of this estimate.
+  uint64_t activation_bytes() override {
+    const int64_t T = cp_.local_length() * micro_batch_, H = hidden_;  // this cp rank's tokens
+    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T, N = (fold_ ? Tl : T) * top_k_;
+    Arena a;
+    a.elems(Tl * H, dt_.act);                 // x
+    a.floats(Tl);                             // mean
+    a.floats(Tl);                             // rstd
+    a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
+    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // dispatch token ids
+    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
+    a.elems(N, dt_.act);                      // gates
+    a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
+    a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
+    if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the dispatcher's plan (row indices)
+    return a.bytes();
+  }
+
+  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
+  // processed here are the group's tokens routed to this rank's experts, as many
+  // as its own when the routing is balanced. Folded, a rank routes its sequence
+  // shard and its experts take whole rows.
+  // A capacity bounds the routed rows at E * capacity (this shard's part of it).
+  // Under cp all of this is over the rank's tokens, 1/cp of the sequence.
+  double forward_flops() override {
+    const int64_t whole = seq_ * micro_batch_, tokens = whole / cp_.cp(), own = fold_ ? tokens / tp_.size() : tokens;
+    const double T = static_cast<double>(tokens), H = static_cast<double>(hidden_);
+    double rows = static_cast<double>(own * top_k_);
+    if (capacity_factor_ > 0.0)
+      rows = std::min(rows, static_cast<double>(experts_ * capacity(whole)) * static_cast<double>(own) /
+                                static_cast<double>(whole));
+    return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
+           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_);
+  }
+
+ private:
+  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B };
+  size_t num_params() const { return shared_ffn_ > 0 ? kShared2B + 1 : kFc2B + 1; }
+
+  struct Saved {
+    int64_t S = 0, B = 0;
+    Arena mem;    // fixed size: dropout mask, the shared expert's fc1 output
+    Arena route;  // sized by the routing: token ids, gates, fc1 outputs
+    size_t mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
+    bool dropped = false;
+    Routing routing;     // the rows this rank dispatches (its tokens' part of the whole microbatch's routing)
+    RouterRows router;   // what the router's backward needs of the whole routing, for this rank's LN rows
+    ExpertRows experts;
+  };
+
+  // What the moe_router sub-steps of one training microbatch allocate (the layout
+  // and, through StepArena, the addresses a replay uses): kept from the forward to
+  // the router's backward, the forward's LN output and logits, and the backward's
+  // LN output and gradients. Kept across steps, per microbatch.
+  struct RouterMemory {
+    StepArena kept, fwd, bwd;
+    size_t x = 0, mean = 0, rstd = 0;                                       // kept
+    size_t ln = 0, ln_full = 0, logits = 0, shard_logits = 0, cp_logits = 0;  // fwd
+    size_t b_ln = 0, b_ln_full = 0, dln_full = 0, dln = 0, dlogits = 0, dlogits_act = 0;  // bwd
+  };
+
+  // The backward between the router's sub-steps (eager: it reads routing decisions
+  // on the host): the output gradient through dropout and g, the experts' and the
+  // shared expert's backward into dln_full [Tr, H] (the LN output's gradient of the
+  // tokens this rank dispatched), f's backward into dl (this rank's rows; dl ==
+  // dln_full but under SP unfolded), and the router's logit gradients [Tl, E] fp32
+  // uploaded to dlogits. gs: where the expert and shared-expert gradients go.
+  void experts_backward(loom::Rank& rank, const loom_layer_bwd_args& a, Saved& s, GradShadow& gs, const void* dy,
+                        const void* xfull, const void* ln, void* dln_full, void* dl, float* dlogits) {
+    const Routing& r = s.routing;
+    const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
+    const bool shared_apart = fold && shared_ffn_ > 0;
+    const int64_t H = hidden_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
+    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
+    loom::Device dev = rank.device();
+    const int32_t act = dt_.act, gdt = gs.grad_dtype();
     const ExpertRows& xr = s.experts;
     const int64_t R = xr.rows, zero_row = r.dropped_any() ? 1 : 0;
     const bool moved = ep_ > 1;
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(full_in ? T * H : 0, act),
-                 ln = tmp.elems(Tl * H, act), ln_full = tmp.elems(full_in ? T * H : 0, act), xg = tmp.elems(N * H, act),
+                 xg = tmp.elems(N * H, act),
                  dyg = tmp.elems((N + zero_row) * H, act), xs = tmp.elems(moved ? R * H : 0, act),
                  dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
                  dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems((R + zero_row) * H, act),
                  ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
-                 prod = tmp.elems(R * Fl, act), dln_full = tmp.elems(Tr * H, act),
-                 dln = tmp.elems(sp && !fold ? Tl * H : 0, act), dlogits = tmp.floats(Tl * E),
-                 shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
-                 shared_dshard = tmp.elems(shared_apart ? Tl * H : 0, act),
-                 dlogits_act = tmp.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
+                 prod = tmp.elems(R * Fl, act), shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
+                 shared_dshard = tmp.elems(shared_apart ? Tl * H : 0, act);
     tmp.allocate(rank_);
 
     const void* d = dy;
@@ -622,16 +786,9 @@ class Moe : public loom::Layer {
       tp_.exit_backward({.rows = T, .cols = H, .x = d, .out = tmp.at(dfull), .dtype = act});
       d = tmp.at(dfull);
     }
-    // The dispatched inputs, recomputed, and the output gradients per dispatch row;
-    // at the experts (sent there under ep > 1) with the gates.
-    const void* xfull = tmp.at(ln);
-    if (full_in)
-      xfull = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean), s.mem.at(s.rstd),
-                                 tmp.at(ln), tmp.at(ln_full), Tl, H, act);
-    else
-      layernorm_fwd(dev, s.mem.at(s.x), w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                    kLayerNormEps, act);
-    const void* xin = fold ? tmp.at(ln) : xfull;
+    // The dispatched inputs (LN recomputed by the router's sub-step) and the output
+    // gradients per dispatch row; at the experts (sent there under ep > 1) with the gates.
+    const void* xin = fold ? ln : xfull;
     const int32_t* tok = s.route.at<int32_t>(s.tok);
     gather_rows(dev, xin, tok, tmp.at(xg), N, Tr, H);
     gather_rows(dev, fold ? dshard : d, tok, tmp.at(dyg), N, Tr, H);
@@ -726,23 +883,21 @@ class Moe : public loom::Layer {
       from_experts(dev, a.microbatch, dxe, dxg, H, act);
     }
     if (zero_row) fill_zero_row(dev, dxg, N, H);
-    combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(dln_full), Tr, H);
-    void* dl = tmp.at<void>(dln_full);
+    combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), dln_full, Tr, H);
     if (fold) {  // the routed part is this rank's shard's; the shared expert's leaves its region (f)
       if (shared_apart) {
         shared_expert_backward(dev, gs, xfull, s.mem.at(s.shared_h), d, tmp.at(shared_dfull), T, count_bias,
                                /*accumulate=*/false);
         tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(shared_dfull), .out = tmp.at(shared_dshard),
                             .dtype = act});
-        add(dev, tmp.at(shared_dshard), dl, dl, Tl * H, act);
+        add(dev, tmp.at(shared_dshard), dln_full, dln_full, Tl * H, act);
       }
     } else {
       if (shared_ffn_ > 0)
-        shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, tmp.at(dln_full), T, count_bias,
+        shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, dln_full, T, count_bias,
                                /*accumulate=*/true);
       // f's backward: summed over tp (reduce-scattered to the shard under SP).
-      dl = sp ? tmp.at<void>(dln) : tmp.at<void>(dln_full);
-      tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(dln_full), .out = dl, .dtype = act});
+      tp_.enter_backward({.rows = T, .cols = H, .x = dln_full, .out = dl, .dtype = act});
     }
 
     // The router, on the rows this rank holds (its shard under SP): every tp rank
@@ -764,84 +919,12 @@ class Moe : public loom::Layer {
             row_dgate[static_cast<size_t>(row)];
     }
     const std::vector<float> dlog = router_grad(s.router, slot_dgate, aux_scale, z_scale, pre_softmax_);
-    dev.copy(tmp.at(dlogits), dlog.data(), dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
-    const void* dl_router = tmp.at(dlogits);
-    if (act != LOOM_DTYPE_F32) {
-      dev.elementwise({.op = LOOM_EW_CAST, .n = Tl * E, .x = tmp.at(dlogits), .out = tmp.at(dlogits_act),
-                       .dtype = LOOM_DTYPE_F32, .out_dtype = act});
-      dl_router = tmp.at(dlogits_act);
-    }
-    gemm(dev, true, false, H, E, Tl, tmp.at(ln), dl_router, gs[kRouter], 1.0f, act, gdt);
-    gemm(dev, false, true, Tl, H, E, dl_router, w_[kRouter], dl, 1.0f, act, act);
-
-    // dx = dy (the residual) + LN backward.
-    copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
-    layernorm_bwd(dev, dl, s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx, gs[kLnW], gs[kLnB], Tl,
-                  H, /*accumulate_dx=*/true, act, gs.grad_fp32());
-    gs.commit();
-    saved_.erase(it);
-    ep_service_.release(a.microbatch);
+    dev.copy(dlogits, dlog.data(), dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
   }
 
-  void release(int32_t microbatch) override {
-    saved_.erase(microbatch);
-    ep_service_.release(microbatch);
-  }
-
-  // Routing is decided on the host from device data: not capturable.
-  bool capturable() override { return false; }
-
-  // With balanced routing (every expert gets tokens * top_k / experts rows). Under
-  // ep the rows this rank's experts take range from 0 to ep times that, so a
-  // skewed router can need up to ep x the experts' part of this estimate.
-  uint64_t activation_bytes() override {
-    const int64_t T = cp_.local_length() * micro_batch_, H = hidden_;  // this cp rank's tokens
-    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T, N = (fold_ ? Tl : T) * top_k_;
-    Arena a;
-    a.elems(Tl * H, dt_.act);                 // x
-    a.floats(Tl);                             // mean
-    a.floats(Tl);                             // rstd
-    a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
-    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // dispatch token ids
-    a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
-    a.elems(N, dt_.act);                      // gates
-    a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
-    a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
-    if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the dispatcher's plan (row indices)
-    return a.bytes();
-  }
-
-  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
-  // processed here are the group's tokens routed to this rank's experts, as many
-  // as its own when the routing is balanced. Folded, a rank routes its sequence
-  // shard and its experts take whole rows.
-  // A capacity bounds the routed rows at E * capacity (this shard's part of it).
-  // Under cp all of this is over the rank's tokens, 1/cp of the sequence.
-  double forward_flops() override {
-    const int64_t whole = seq_ * micro_batch_, tokens = whole / cp_.cp(), own = fold_ ? tokens / tp_.size() : tokens;
-    const double T = static_cast<double>(tokens), H = static_cast<double>(hidden_);
-    double rows = static_cast<double>(own * top_k_);
-    if (capacity_factor_ > 0.0)
-      rows = std::min(rows, static_cast<double>(experts_ * capacity(whole)) * static_cast<double>(own) /
-                                static_cast<double>(whole));
-    return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
-           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_);
-  }
-
- private:
-  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B };
-  size_t num_params() const { return shared_ffn_ > 0 ? kShared2B + 1 : kFc2B + 1; }
-
-  struct Saved {
-    int64_t S = 0, B = 0;
-    Arena mem;    // fixed size: x, LN statistics, dropout mask
-    Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t x = 0, mean = 0, rstd = 0, mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
-    bool dropped = false;
-    Routing routing;     // the rows this rank dispatches (its tokens' part of the whole microbatch's routing)
-    RouterRows router;   // what the router's backward needs of the whole routing, for this rank's LN rows
-    ExpertRows experts;
-  };
+  // Whether the router's sub-steps may be captured when the engine allows parts
+  // to be (tp = 1 then): not under cp, where the forward gathers logits over cp.
+  bool router_capturable() const { return cp_.cp() == 1; }
 
   std::vector<int64_t> local_numels() const {
     const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_, Fs = shared_local_;
@@ -1007,12 +1090,13 @@ class Moe : public loom::Layer {
   void* w_[kShared2B + 1] = {};
   void* g_[kShared2B + 1] = {};
   std::map<int32_t, Saved> saved_;
+  std::map<int32_t, RouterMemory> router_memory_;  // per training microbatch, across steps
 };
 
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.2.0",
+    "moe", "1.3.0",
     "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
     "loss (tensor-, expert- and context-parallel)",
     {loom::opt_int("num_experts", 8, "experts in the layer"),

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 6
+#define LOOM_ABI_MINOR 7
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -558,6 +558,17 @@ typedef struct loom_layer_fwd_args {
    * balancing) adds this microbatch's value, already weighted by its coefficient,
    * for reporting; NULL = not reported. */
   float* aux_loss;
+  /* 1.7, sub-steps: a layer that captures parts of its step (capturable() == 2)
+   * runs each part through the rank's exec plugin (host->exec) as a
+   * loom_exec_step with this key, its own substep >= 1 and capturable =
+   * substeps_capturable. step_key is the engine's key of this layer step (the
+   * same for the same layer and microbatch every step); substeps_capturable is 1
+   * when parts may be captured now: a training step whose dropout seed is in
+   * device memory, a tp group of one rank and an exec plugin with
+   * LOOM_EXEC_SUBSTEPS. Both read 0 from an engine before 1.7. */
+  int64_t step_key;
+  int32_t substeps_capturable;
+  int32_t reserved_1_7;      /* 0 */
 } loom_layer_fwd_args;
 
 typedef struct loom_layer_bwd_args {
@@ -575,6 +586,11 @@ typedef struct loom_layer_bwd_args {
    * rank, its own tokens' part of it, and the dp-cp average sums those. */
   int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
   float aux_loss_scale;
+  int32_t pad_1_6;             /* 1.6's tail padding (covered by its sizeof): unused, 0 */
+  /* 1.7: as in loom_layer_fwd_args (the key of this backward step). */
+  int64_t step_key;
+  int32_t substeps_capturable;
+  int32_t reserved_1_7;        /* 0 */
 } loom_layer_bwd_args;
 
 typedef struct loom_layer_api {
@@ -605,7 +621,11 @@ typedef struct loom_layer_api {
    * loss_count, predictions); no collective (the engine captures only layers whose
    * tp group has one rank). Its host code runs once, at capture: per-microbatch
    * state must live in device memory allocated inside the step (from the device's
-   * graph pool while captured). NULL or 0: always run directly. */
+   * graph pool while captured). NULL or 0: always run directly.
+   * 1.7: 2 = "captures parts of its step": the whole step runs directly and the
+   * layer runs its graph-safe parts as sub-steps (loom_layer_fwd_args.step_key);
+   * the engine keeps the hidden states at fixed addresses as for 1. An engine
+   * before 1.7 reads 2 as 0. */
   int32_t (*capturable)(loom_layer* layer);
   /* 1.6. LOOM_LAYER_* capability bits (a 1.0-1.5 table, which lacks them, has none). */
   uint64_t features;
@@ -762,6 +782,13 @@ typedef struct loom_exec_step {
   int32_t capturable;        /* 1 when fn obeys the graph rules (loom_layer_api.capturable) */
   loom_step_fn fn;
   void* ctx;
+  /* 1.7: 0 = the engine's whole layer step; >= 1 = a part a layer runs from
+   * inside its step under the same key (loom_layer_fwd_args.step_key). An exec
+   * plugin with LOOM_EXEC_SUBSTEPS keys its graphs by (key, substep); the layer
+   * marks a part capturable only when the engine said the plugin has the bit.
+   * The part's scope names it ("moe_router"). */
+  int32_t substep;
+  int32_t reserved_1_7;      /* 0 */
 } loom_exec_step;
 
 /* 1.3. What an exec plugin did so far (loom_exec_api.stats). */
@@ -788,6 +815,9 @@ typedef struct loom_exec_api {
  * keeps every buffer it passes to a capturable step (hidden states, their
  * gradients) at the same address for the same key in every training step. */
 #define LOOM_EXEC_REPLAYS (1ull << 0)
+/* 1.7: loom_exec_step.substep is read (graphs keyed by (key, substep)), and a
+ * step may run sub-steps from inside its fn (run is re-entered). */
+#define LOOM_EXEC_SUBSTEPS (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
 /* --- 1.1 --- Tensor-parallel services (the parallel/tensor plugin).         */

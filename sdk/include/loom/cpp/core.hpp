@@ -10,6 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -359,6 +360,31 @@ class Rank {
   }
   void free(void* p) const {
     if (p) host().free(r_, p);
+  }
+  // ABI 1.7: runs `part` as sub-step `substep` (>= 1) of the layer step `step_key`
+  // (loom_layer_fwd_args.step_key) through this rank's exec plugin, `scope` naming
+  // the part. With `capturable` (the step args' substeps_capturable, and the part
+  // obeys the graph rules) the plugin may capture it once and replay it: then
+  // `part` does not run, so what it allocates must be found again through
+  // addresses recorded when it last ran. Directly when the rank has no exec plugin.
+  template <typename Part>
+  void run_substep(const char* scope, int64_t step_key, int32_t substep, bool capturable, Part&& part) const {
+    const loom_exec_api* api = nullptr;
+    loom_exec* exec = nullptr;
+    loom_status st = host().exec(r_, &api, &exec);
+    if (st != nullptr) host().status_destroy(st);
+    if (st != nullptr || api == nullptr || api->run == nullptr) {
+      part();
+      return;
+    }
+    loom_exec_step step = make<loom_exec_step>();
+    step.scope = scope;
+    step.key = step_key;
+    step.substep = substep;
+    step.capturable = capturable ? 1 : 0;
+    step.ctx = &part;
+    step.fn = [](void* ctx) -> loom_status { return guard([&] { (*static_cast<std::remove_reference_t<Part>*>(ctx))(); }); };
+    check(api->run(exec, r_, &step));
   }
 
  private:

@@ -124,6 +124,9 @@ class Layer {
   // (loom_layer_api.capturable): device work only, no host sync, nothing that
   // changes between steps passed by value. The engine may then capture them.
   virtual bool capturable() { return false; }
+  // ABI 1.7: true when the layer's steps are not capturable as a whole but run
+  // graph-safe parts of themselves through Rank::run_substep (capturable() == 2).
+  virtual bool captures_parts() { return false; }
 };
 
 namespace detail {
@@ -213,9 +216,12 @@ const loom_layer_api* layer_api() {
       return v;
     };
     a.capturable = [](loom_layer* l) -> int32_t {
-      bool v = false;
-      (void)guard([&] { v = detail::box(l)->layer->capturable(); });
-      return v ? 1 : 0;
+      int32_t v = 0;
+      (void)guard([&] {
+        Layer& layer = *detail::box(l)->layer;
+        v = layer.capturable() ? 1 : layer.captures_parts() ? 2 : 0;
+      });
+      return v;
     };
     a.forward_flops = [](loom_layer* l) -> double {
       double v = 0;
