@@ -9,7 +9,7 @@
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
-#      graphs (exec.mode = partial_graph) whose losses must equal eager's, and the ms/step
+#      graphs (exec.mode = partial_graph; MoE router sub-steps too) whose losses must equal eager's, and the ms/step
 #      of both on the quickstart model (small kernels: launch-bound, where graphs help)
 #   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
@@ -241,6 +241,16 @@ EOF
   fi
 else
   fail "partial_graph run failed (see $out/cuda_graph.log)"; tail -5 "$out/cuda_graph.log"
+fi
+# MoE blocks: their router parts are captured as moe_router sub-steps (ABI 1.7), routing
+# and experts run eagerly between the replays, on the addresses of the capture.
+if run cuda_moe_graph "${moe[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
+  if compare "$out/cuda_moe_graph.jsonl" "$out/cuda_moe.jsonl" 1e-6 "partial_graph vs eager, MoE"; then
+    grep "^exec " "$out/cuda_moe_graph.log" || true
+    pass "partial_graph = eager on the GPU with MoE router sub-steps"
+  else fail "partial_graph losses differ from eager on the GPU with MoE blocks"; fi
+else
+  fail "partial_graph MoE run failed (see $out/cuda_moe_graph.log)"; tail -5 "$out/cuda_moe_graph.log"
 fi
 
 # ---- 5. benchmark ------------------------------------------------------------------------

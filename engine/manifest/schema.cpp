@@ -173,7 +173,7 @@ std::vector<KeySpec> build() {
   // exec
   v.push_back(s("exec.mode", "eager",
                 "execution mode: eager runs every layer step directly; partial_graph captures the capturable "
-                "ones (attention, MLP; tp = 1) into device graphs and replays them.",
+                "ones (attention, MLP, the MoE router's parts; tp = 1) into device graphs and replays them.",
                 {"eager", "partial_graph"}));
   v.push_back(open_table("exec.options", "options of the exec plugin"));
   // device
