@@ -172,9 +172,9 @@ std::vector<KeySpec> build() {
   v.push_back(open_table("optimizer.options", "options of the optimizer strategy plugin"));
   // exec
   v.push_back(s("exec.mode", "eager",
-                "execution mode: eager runs every layer step directly; partial_graph captures the capturable "
-                "ones (attention, MLP, the MoE router's parts; tp = 1) into device graphs and replays them.",
-                {"eager", "partial_graph"}));
+                "execution-mode plugin (exec/NAME): eager runs every layer step directly; partial_graph captures "
+                "the capturable ones (attention, MLP, the MoE router's parts; tp = 1) into device graphs and "
+                "replays them"));
   v.push_back(open_table("exec.options", "options of the exec plugin"));
   // device
   v.push_back(s("device.kind", "cpu", "device plugin (device/NAME)"));

@@ -87,11 +87,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                   const std::string& options_section) -> const plugins::LoadedPlugin* {
     const plugins::LoadedPlugin* p = registry.find(kind, name);
     if (p == nullptr) {
-      std::string available;
+      std::vector<std::string> names;
       for (const auto& q : registry.all())
-        if (q->kind == kind) available += (available.empty() ? "" : ", ") + q->name;
+        if (q->kind == kind) names.push_back(q->name);
+      std::string available;
+      for (const std::string& n : names) available += (available.empty() ? "" : ", ") + n;
+      const std::string close = manifest::did_you_mean(name, names);
       std::string msg = "no plugin " + kind + "/" + name + " is loaded (available: " +
-                        (available.empty() ? "none" : available) + ")";
+                        (available.empty() ? "none" : available) + ")" +
+                        (close.empty() ? "" : " (did you mean \"" + close + "\"?)");
       for (const std::string& e : plan.plugin_load_errors)
         if (e.find("_" + name) != std::string::npos) msg += "; note: " + e;
       diags.push_back({key, man.origin(key), msg});

@@ -334,6 +334,38 @@ TEST(AbiLoader, PluginBuiltAgainstFrozenHeaderLoadsAndShortTablesAreRespected) {
   api->destroy(layer);
 }
 
+// An exec plugin built against the 1.0 header (no features, no sub-steps) runs a
+// model whose MoE blocks run their router parts as sub-steps (ABI 1.7): the engine
+// tells the layer they may not be captured, the layer runs them through the old
+// plugin's run (re-entered, with a step struct longer than it knows), and the run
+// trains exactly as exec/eager does.
+TEST(AbiLoader, AnExecPluginBuiltForAbi10RunsMoeSubStepsDirectly) {
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom", out = std::string(LOOM_ABI_PLUGIN_DIR);
+  auto losses = [&](const std::string& mode) {
+    const std::string metrics = out + "/moe_" + mode + ".jsonl";
+    std::remove(metrics.c_str());
+    const std::string cmd = "LOOM_PLUGIN_PATH=" + abi_dir("v1_0") + " " + loom + " run " +
+                            std::string(LOOM_SOURCE_DIR) +
+                            "/configs/quickstart_moe.toml --set run.steps=4 --set run.eval_every=0 "
+                            "--set parallel.dp=1 --set exec.mode='\"" + mode + "\"' --metrics " + metrics +
+                            " > " + out + "/moe_" + mode + ".log 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    std::vector<std::string> found;
+    if (FILE* f = std::fopen(metrics.c_str(), "r")) {
+      char line[8192];
+      while (std::fgets(line, sizeof(line), f)) {
+        const char* at = std::strstr(line, "\"loss\":");
+        if (at) found.push_back(std::string(at, std::strcspn(at, ",}")));
+      }
+      std::fclose(f);
+    }
+    return found;
+  };
+  const std::vector<std::string> eager = losses("eager"), old_exec = losses("c_repeat");
+  ASSERT_EQ(eager.size(), 4u);
+  EXPECT_EQ(old_exec, eager);
+}
+
 TEST(AbiLoader, WrongMajorIsRefusedNamingBothVersions) {
   Registry r;
   std::string file = abi_dir("bad/loom_test_wrong_major.so");

@@ -264,10 +264,6 @@ TEST_F(ManifestTest, NotAllowedValue) {
   EXPECT_EQ(d.message, "optimizer.strategy must be one of \"ddp\", \"distributed\", got \"adam\"");
   EXPECT_EQ(pos(d.origin), "m.toml:2:12");
 
-  d = one_error("[exec]\nmode = \"partial_grpah\"\n");
-  EXPECT_EQ(d.message,
-            "exec.mode must be one of \"eager\", \"partial_graph\", got \"partial_grpah\" "
-            "(did you mean \"partial_graph\"?)");
 
   d = one_error("[parallel]\norder = \"tp-dp\"\n");
   EXPECT_EQ(d.message,

@@ -237,6 +237,20 @@ TEST(PartialGraph, MoeRouterUnderContextParallelismRunsDirectly) {
   for (const auto& [rank, s] : cp) EXPECT_EQ(s.graphs, 0u) << "rank " << rank;
 }
 
+// exec.mode names any loaded exec plugin (third parties' too); a misspelt one is
+// refused at the key, listing what is loaded and the closest name.
+TEST(PartialGraph, AnUnknownExecModeNamesTheLoadedOnesAndTheClosest) {
+  try {
+    (void)loom::testing::plan_from(tiny_manifest(), {"exec.mode=\"partial_grpah\""});
+    FAIL() << "exec.mode = partial_grpah was accepted";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("exec.mode: no plugin exec/partial_grpah is loaded (available: "), std::string::npos) << what;
+    EXPECT_NE(what.find("eager"), std::string::npos) << what;
+    EXPECT_NE(what.find("(did you mean \"partial_graph\"?)"), std::string::npos) << what;
+  }
+}
+
 // A capture must not be a library's first call (cuBLAS and lazy kernel loading
 // initialise on first use): at least one warm-up run.
 TEST(PartialGraph, WarmupStepsBelowOneAreRefused) {
