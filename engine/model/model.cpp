@@ -167,7 +167,8 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
                                        ? layer.api->capturable(layer.handle)
                                        : 0;
       layer.capturable = capture_kind == 1;
-      layer.captures_parts = capture_kind == 2;
+      // 2 ("captures parts") means something only from a layer built for 1.7 or later.
+      layer.captures_parts = capture_kind == 2 && registry.get("layer", spec.plugin).abi_minor >= 7;
       layer.recompute = recomputes(m, chunks[c].layers, k);
       // Dropping a forward's saved state without its backward is the release slot.
       if (layer.recompute && layer.api->release == nullptr) {

@@ -335,10 +335,10 @@ TEST(AbiLoader, PluginBuiltAgainstFrozenHeaderLoadsAndShortTablesAreRespected) {
 }
 
 // An exec plugin built against the 1.0 header (no features, no sub-steps) runs a
-// model whose MoE blocks run their router parts as sub-steps (ABI 1.7): the engine
-// tells the layer they may not be captured, the layer runs them through the old
-// plugin's run (re-entered, with a step struct longer than it knows), and the run
-// trains exactly as exec/eager does.
+// model whose MoE blocks have router parts (ABI 1.7 sub-steps): the engine tells the
+// layer they may not be captured, the layer runs them directly (the old plugin never
+// agreed to be re-entered from inside a step), and the run trains exactly as
+// exec/eager does.
 TEST(AbiLoader, AnExecPluginBuiltForAbi10RunsMoeSubStepsDirectly) {
   const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom", out = std::string(LOOM_ABI_PLUGIN_DIR);
   auto losses = [&](const std::string& mode) {

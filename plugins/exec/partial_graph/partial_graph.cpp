@@ -44,6 +44,7 @@ struct Exec {
   using StepId = std::pair<int64_t, int32_t>;  // (key, substep)
   std::map<StepId, Key> keys;
   std::set<std::string> seen_scopes;  // every layer step's scope, capturable or not
+  std::set<std::string> capturable_scopes;  // those of steps that could be captured
   StepId first_step{-1, 0};           // seen again: a whole step has been seen
   bool scopes_checked = false;
   bool capturing = false;             // a capture is open: a nested step is recorded into it
@@ -91,17 +92,25 @@ loom_status create(const loom_options* options, loom_rank* rank, loom_exec** out
 }
 
 // After one whole step: a configured scope that matched none of this rank's layer
-// steps is most likely a typo; say which names exist. (A warning, not an error: with
-// pipeline parallelism another stage may hold that layer.)
+// steps is most likely a typo; say which names exist. One whose steps are never
+// capturable (a MoE layer's, whose parts have their own scope) captures nothing:
+// say which scopes can be. (Warnings, not errors: with pipeline parallelism another
+// stage may hold that layer.)
 void check_scopes(Exec& e) {
   e.scopes_checked = true;
+  auto list = [](const std::set<std::string>& names) {
+    std::string out;
+    for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+    return out.empty() ? std::string("none") : out;
+  };
   for (const std::string& s : e.scopes)
-    if (e.seen_scopes.count(s) == 0) {
-      std::string seen;
-      for (const std::string& n : e.seen_scopes) seen += (seen.empty() ? "" : ", ") + n;
+    if (e.seen_scopes.count(s) == 0)
       LOOM_LOG(WARNING) << "exec/partial_graph rank " << e.global_rank << ": option scopes names \"" << s
-                        << "\", which none of this rank's layer steps has (layers: " << seen << ")";
-    }
+                        << "\", which none of this rank's layer steps has (scopes: " << list(e.seen_scopes) << ")";
+    else if (e.capturable_scopes.count(s) == 0)
+      LOOM_LOG(WARNING) << "exec/partial_graph rank " << e.global_rank << ": option scopes names \"" << s
+                        << "\", whose steps are not capturable here and run directly (capturable scopes: "
+                        << list(e.capturable_scopes) << ")";
 }
 
 void destroy(loom_exec* x) {
@@ -131,6 +140,7 @@ loom_status run(loom_exec* x, loom_rank*, const loom_exec_step* step) {
     if (e.first_step.first < 0) e.first_step = id;
     else if (id == e.first_step) check_scopes(e);
     e.seen_scopes.insert(scope);
+    if (step->capturable) e.capturable_scopes.insert(scope);
   }
   if (!step->capturable) return run_direct(e, *step);
   if (!e.scopes.empty() && e.scopes.count(scope) == 0) return run_direct(e, *step);

@@ -86,6 +86,7 @@
 #include "../common/layer_math.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -449,7 +450,14 @@ class Moe : public loom::Layer {
     RouterMemory& m = a.training ? router_memory_[a.microbatch] : eval_memory;
     const bool fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
     const int64_t Tr = fold ? Tl : T;  // tokens whose dispatch rows this rank gathers and combines
+    // A graph replays on the layout of its capture: the shapes must not change.
+    const std::array<int64_t, 3> shape = {Tl, T, Tw};
+    LOOM_REQUIRE(!m.kept.laid_out() || m.shape == shape,
+                 name_ << ": microbatch " << a.microbatch << " has " << Tl << " local tokens (" << T << " in the TP region, "
+                       << Tw << " in all) where an earlier step had " << m.shape[0] << " (" << m.shape[1] << ", "
+                       << m.shape[2] << "): the microbatch shape must not change between training steps");
     if (!m.kept.laid_out()) {
+      m.shape = shape;
       Arena& k = m.kept.layout();
       m.x = k.elems(a.training ? Tl * H : 0, act);
       m.mean = k.floats(Tl);
@@ -475,7 +483,7 @@ class Moe : public loom::Layer {
     // all-gathered instead. Under context parallelism every cp rank's logits are
     // gathered, so the whole microbatch is routed on every rank. Captured (no
     // collective inside then) when the engine allows parts to be.
-    rank.run_substep("moe_router", a.step_key, 1, a.substeps_capturable != 0 && router_capturable(), [&] {
+    rank.run_substep("moe_router", a.step_key, 1, a.training && a.substeps_capturable != 0 && router_capturable(), [&] {
       m.kept.allocate(rank_);
       m.fwd.allocate(rank_);
       if (a.training) copy_d2d(dev, m.kept.at(m.x), x, Tl * H * dt_.act_bytes());
@@ -634,8 +642,10 @@ class Moe : public loom::Layer {
     // The LN output's gradient: this rank's rows (its shard under SP).
     void* dl = sp && !fold ? m.bwd.at<void>(m.dln) : m.bwd.at<void>(m.dln_full);
     {
-      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), local_numels(), tp_.features(),
-                    fusion_);
+      // The router's and LayerNorm's gradients are the second sub-step's (numel 0: no shadow here).
+      std::vector<int64_t> numels = local_numels();
+      numels[kLnW] = numels[kLnB] = numels[kRouter] = 0;
+      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), numels, tp_.features(), fusion_);
       experts_backward(rank, a, s, gs, dy, xfull, m.bwd.at(m.b_ln), m.bwd.at(m.dln_full), dl, m.bwd.at(m.dlogits));
       gs.commit();
     }
@@ -740,6 +750,7 @@ class Moe : public loom::Layer {
   // LN output and gradients. Kept across steps, per microbatch.
   struct RouterMemory {
     StepArena kept, fwd, bwd;
+    std::array<int64_t, 3> shape{};  // tokens: this rank's, the TP region's, the microbatch's
     size_t x = 0, mean = 0, rstd = 0;                                       // kept
     size_t ln = 0, ln_full = 0, logits = 0, shard_logits = 0, cp_logits = 0;  // fwd
     size_t b_ln = 0, b_ln_full = 0, dln_full = 0, dln = 0, dlogits = 0, dlogits_act = 0;  // bwd

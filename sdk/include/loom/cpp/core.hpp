@@ -366,14 +366,16 @@ class Rank {
   // the part. With `capturable` (the step args' substeps_capturable, and the part
   // obeys the graph rules) the plugin may capture it once and replay it: then
   // `part` does not run, so what it allocates must be found again through
-  // addresses recorded when it last ran. Directly when the rank has no exec plugin.
+  // addresses recorded when it last ran. Directly when the rank's exec plugin does
+  // not take sub-steps (no LOOM_EXEC_SUBSTEPS: it never agreed to be re-entered).
   template <typename Part>
   void run_substep(const char* scope, int64_t step_key, int32_t substep, bool capturable, Part&& part) const {
     const loom_exec_api* api = nullptr;
     loom_exec* exec = nullptr;
     loom_status st = host().exec(r_, &api, &exec);
     if (st != nullptr) host().status_destroy(st);
-    if (st != nullptr || api == nullptr || api->run == nullptr) {
+    if (st != nullptr || api == nullptr || api->run == nullptr || !LOOM_HAS_SLOT(api, loom_exec_api, features) ||
+        (api->features & LOOM_EXEC_SUBSTEPS) == 0) {
       part();
       return;
     }
