@@ -798,7 +798,7 @@ TEST(Moe, ContextParallelMatchesSerial) {
   expect_same_training(serial(), run({"parallel.cp=4", "parallel.ep=2"}));
   expect_same_training(serial(), run(cp2({"parallel.ep=2", "parallel.expert=\"expert.allgather\""})));
   // The two cp ranks hold the two halves of the experts and exchange tokens over ep
-  // (= the cp group), besides attention's K/V and the logits gathered over cp.
+  // (= the cp group), besides attention's K/V gathered over cp.
   const auto& comm = par.result.steps.back().comm;
   ASSERT_TRUE(comm.count("ep") && comm.at("ep").count("all_to_all_v")) << "no tokens travel over ep";
   ASSERT_TRUE(comm.count("cp") && comm.at("cp").count("all_gather"));
@@ -845,6 +845,26 @@ TEST(Moe, ContextParallelRoutesTheWholeMicrobatch) {
     expect_same_training(base, with(cp2(folded({"parallel.ep=4"}))), 1e-5, params);
     expect_same_training(base, with({"parallel.cp=4", "parallel.ep=4"}), 1e-5, params);
   }
+}
+
+// Dropless, a cp rank routes only its own tokens: top-k is each token's decision,
+// and the loss terms need 2E + 1 sums of the whole microbatch, all-reduced over cp
+// (and over tp when folded) instead of gathering every rank's logits. So over cp
+// the all_gather carries attention's K/V only (what the same model with MLP blocks
+// gathers) and the all_reduce 2E + 1 doubles more per MoE layer and microbatch.
+// With a capacity (a decision over the whole microbatch) the logits are gathered.
+TEST(Moe, DroplessRoutingUnderCpAllReducesSumsInsteadOfGatheringLogits) {
+  auto cp_ops = [](const RankTrace& t) { return t.result.steps.back().comm.at("cp"); };
+  const auto moe = cp_ops(run(cp2({}))), moe_folded = cp_ops(run(cp2(folded({}))));
+  const auto mlp = cp_ops(loom::testing::run_all_ranks(
+      manifest(), cp2({"model.num_layers=4", "model.block=[\"attention\", \"mlp\"]", "optimizer.eps=1e-6"})));
+  const auto capacity = cp_ops(run(cp2({"model.layer.moe.capacity_factor=1.0"})));
+  const uint64_t sums = 4 /*moe layers*/ * 4 /*microbatches*/ * (2 * 4 + 1);
+  EXPECT_EQ(moe.at("all_gather").bytes, mlp.at("all_gather").bytes);
+  EXPECT_EQ(moe.at("all_reduce").elements, mlp.at("all_reduce").elements + sums);
+  EXPECT_EQ(moe_folded.at("all_reduce").elements, mlp.at("all_reduce").elements + sums);
+  EXPECT_GT(capacity.at("all_gather").bytes, mlp.at("all_gather").bytes);
+  EXPECT_EQ(capacity.at("all_reduce").elements, mlp.at("all_reduce").elements);
 }
 
 TEST(Moe, ContextParallelResumeIsBitExact) {

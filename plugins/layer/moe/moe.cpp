@@ -65,20 +65,24 @@
 // sequence parallelism required): the experts are not split over tp; the expert
 // groups (ep x edp) fold over the tp x dp ranks, so an ep group may join tp peers,
 // which hold other tokens (their sequence shards). Each rank runs LayerNorm and
-// the router on its shard only; the router's logits are all-gathered over tp
-// (tokens x experts floats) so that every tp rank takes the whole sequence's
-// routing decision, as without folding (capacity drops and the load-balancing
-// term see the whole microbatch), and each dispatches its own tokens' rows. The
+// the router on its shard only. With a capacity the router's logits are
+// all-gathered over tp (tokens x experts floats) so that every tp rank takes the
+// whole sequence's routing decision, as without folding (capacity drops see the
+// whole microbatch), and each dispatches its own tokens' rows; dropless, each
+// routes its own tokens and the load-balancing and z-loss terms' 2E + 1 sums are
+// all-reduced over tp (route_own_tokens). The
 // experts run at full width with no tp collective; only the shared expert, split
 // over tp like the MLP, enters and leaves the TP region.
 //
 // Context parallelism (parallel.cp = C > 1, ABI 1.6): this rank's rows are two
 // chunks of the sequence (loom::ContextSlice). The MoE block is token-wise except
 // for its routing decision, which (capacity, load balancing, z-loss) is the whole
-// microbatch's: the fp32 logits of the cp ranks are all-gathered over cp (after
-// the tp gather when folded) and put in position order, so every cp rank routes
-// the whole sequence exactly as the serial run does, and each dispatches only its
-// own tokens' rows. The router's backward then adds, on each rank, its tokens'
+// microbatch's. With a capacity the fp32 logits of the cp ranks are all-gathered
+// over cp (after the tp gather when folded) and put in position order, so every cp
+// rank routes the whole sequence exactly as the serial run does, and each
+// dispatches only its own tokens' rows. Dropless, each rank routes its own tokens
+// (top-k is per token) and all-reduces the loss terms' 2E + 1 sums over cp, which
+// trains identically for far less traffic. The router's backward then adds, on each rank, its tokens'
 // part of the whole routing's gradient; the engine scales aux_loss_scale by C as
 // it does loss_scale, so the dp-cp average of those partial sums is the serial
 // gradient. An ep group spans cp ranks (Megatron's expert generator folds cp into
@@ -106,6 +110,7 @@ struct Routing {
   std::vector<float> row_gate;      // dispatch row -> gate
   std::vector<int64_t> offset;      // [experts + 1]: first dispatch row of each expert
   std::vector<int64_t> routed;      // [experts]: slots routed to each before any capacity drop
+  std::vector<double> prob_sum;     // [experts]: sum over tokens of probs[:, e]
   double aux = 0;                   // the unweighted load-balancing term E * sum f_e P_e
   std::vector<double> lse;          // [tokens]: logsumexp of each token's logits
   double z = 0;                     // the unweighted z-loss term, mean of lse^2
@@ -124,6 +129,18 @@ struct ExpertRows {
   std::vector<int64_t> offset;  // [local experts + 1]: first row of each
   int64_t count(int64_t le) const { return offset[le + 1] - offset[le]; }
 };
+
+// The unweighted load-balancing term E * sum_e f_e P_e of a routing of `tokens`
+// tokens: f_e = routed[e] / (tokens * top_k), P_e = prob_sum[e] / tokens.
+double load_balance(const std::vector<int64_t>& routed, const std::vector<double>& prob_sum, int64_t tokens,
+                    int64_t top_k) {
+  const size_t experts = routed.size();
+  double aux = 0;
+  for (size_t e = 0; e < experts; ++e)
+    aux += (static_cast<double>(routed[e]) / static_cast<double>(tokens * top_k)) *
+           (prob_sum[e] / static_cast<double>(tokens));
+  return aux * static_cast<double>(experts);
+}
 
 // Routes `tokens` rows of fp32 logits: softmax, top-k, gates, dispatch order.
 // capacity: the most slots an expert keeps (0 = dropless); by_probs: keep the
@@ -204,11 +221,8 @@ Routing route(const std::vector<float>& logits, int64_t tokens, int64_t experts,
       r.slot_row[static_cast<size_t>(k * tokens + t)] = static_cast<int32_t>(row);
       r.row_gate[static_cast<size_t>(row)] = slot_gate[static_cast<size_t>(slot)];
     }
-  double aux = 0;
-  for (int64_t e = 0; e < experts; ++e)
-    aux += (static_cast<double>(routed[static_cast<size_t>(e)]) / static_cast<double>(r.slots())) *
-           (prob_sum[static_cast<size_t>(e)] / static_cast<double>(tokens));
-  r.aux = aux * static_cast<double>(experts);
+  r.prob_sum = prob_sum;
+  r.aux = load_balance(routed, prob_sum, tokens, top_k);
   return r;
 }
 
@@ -466,8 +480,8 @@ class Moe : public loom::Layer {
       m.ln = f.elems(Tl * H, act);
       m.ln_full = f.elems(full_in ? T * H : 0, act);
       m.logits = f.floats(T * E);
-      m.shard_logits = f.floats(fold ? Tl * E : 0);
-      m.cp_logits = f.floats(cp > 1 ? Tw * E : 0);
+      m.shard_logits = f.floats(fold && gathers_logits() ? Tl * E : 0);
+      m.cp_logits = f.floats(cp > 1 && gathers_logits() ? Tw * E : 0);
     }
     Saved s;
     s.S = S;
@@ -479,10 +493,11 @@ class Moe : public loom::Layer {
 
     // The moe_router sub-step: LayerNorm, into the TP region (f), and the router's
     // logits in fp32. Folded, the routed experts read this rank's shard (Tr = Tl
-    // tokens) and only the shared expert enters the TP region; the logits are
-    // all-gathered instead. Under context parallelism every cp rank's logits are
-    // gathered, so the whole microbatch is routed on every rank. Captured (no
-    // collective inside then) when the engine allows parts to be.
+    // tokens) and only the shared expert enters the TP region. With a capacity the
+    // logits are all-gathered (over tp when folded, over cp), so that the whole
+    // microbatch is routed on every rank; dropless, each rank routes its own tokens
+    // (below). Captured (no collective inside then) when the engine allows parts to be.
+    const bool gather = gathers_logits();
     rank.run_substep("moe_router", a.step_key, 1, a.training && a.substeps_capturable != 0 && router_capturable(), [&] {
       m.kept.allocate(rank_);
       m.fwd.allocate(rank_);
@@ -490,36 +505,42 @@ class Moe : public loom::Layer {
       layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], m.fwd.at(m.ln), m.kept.at(m.mean), m.kept.at(m.rstd), Tl, H,
                     kLayerNormEps, act);
       if (full_in) tp_.enter_forward({.rows = T, .cols = H, .x = m.fwd.at(m.ln), .out = m.fwd.at(m.ln_full), .dtype = act});
-      if (fold) {
+      if (fold && gather) {
         gemm(dev, false, false, Tl, E, H, m.fwd.at(m.ln), w_[kRouter], m.fwd.at(m.shard_logits), 0.0f, act,
              LOOM_DTYPE_F32);
         tp_group_.all_gather(dev.native_stream(), m.fwd.at(m.shard_logits), m.fwd.at(m.logits),
                              static_cast<size_t>(Tl * E), LOOM_DTYPE_F32);
-      } else {
-        gemm(dev, false, false, T, E, H, full_in ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln), w_[kRouter],
-             m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
+      } else {  // folded and dropless: this rank's Tl tokens only
+        gemm(dev, false, false, fold ? Tl : T, E, H, full_in && !fold ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln),
+             w_[kRouter], m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
       }
-      if (cp > 1)
+      if (cp > 1 && gather)
         cp_group_.all_gather(dev.native_stream(), m.fwd.at(m.logits), m.fwd.at(m.cp_logits),
                              static_cast<size_t>(T * E), LOOM_DTYPE_F32);
     });
     const void* xfull = full_in ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln);  // LN(x) of every token of the TP region
     const void* xin = fold ? m.fwd.at(m.ln) : xfull;                      // the routed experts' input, Tr rows
-    const float* routed_logits = cp > 1 ? m.fwd.at(m.cp_logits) : m.fwd.at(m.logits);
-    std::vector<float> gathered(static_cast<size_t>(Tw * E));
-    dev.copy(gathered.data(), routed_logits, gathered.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
-    std::vector<float> host_logits = cp > 1 ? std::vector<float>(gathered.size()) : std::move(gathered);
-    for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
-      for (int64_t t = 0; t < T; ++t)
-        std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
-    Routing whole = route(host_logits, Tw, E, K, pre_softmax_, capacity(Tw), drop_by_probs_);
-    if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
-      *a.aux_loss += static_cast<float>(aux_coeff_ * whole.aux + z_coeff_ * whole.z);
-    // The router's backward runs on the rows of this rank's LN (its shard under SP).
-    if (a.training) s.router = router_rows(whole, whole_tokens(sp ? tp_.rank() * Tl : 0, Tl, B));
-    // Folded or under cp, the routing covers more tokens than this rank dispatches.
-    s.routing = fold || cp > 1 ? shard_of(whole, whole_tokens(fold ? tp_.rank() * Tl : 0, Tr, B)) : std::move(whole);
+    if (gather || (!fold && cp == 1)) {
+      // The whole microbatch's logits here, in position order: route it all.
+      const float* routed_logits = cp > 1 ? m.fwd.at(m.cp_logits) : m.fwd.at(m.logits);
+      std::vector<float> gathered(static_cast<size_t>(Tw * E));
+      dev.copy(gathered.data(), routed_logits, gathered.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+      dev.synchronize();
+      std::vector<float> host_logits = cp > 1 ? std::vector<float>(gathered.size()) : std::move(gathered);
+      for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
+      Routing whole = route(host_logits, Tw, E, K, pre_softmax_, capacity(Tw), drop_by_probs_);
+      if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
+        *a.aux_loss += static_cast<float>(aux_coeff_ * whole.aux + z_coeff_ * whole.z);
+      // The router's backward runs on the rows of this rank's LN (its shard under SP).
+      if (a.training) s.router = router_rows(whole, whole_tokens(sp ? tp_.rank() * Tl : 0, Tl, B));
+      // Folded or under cp, the routing covers more tokens than this rank dispatches.
+      s.routing =
+          fold || cp > 1 ? shard_of(whole, whole_tokens(fold ? tp_.rank() * Tl : 0, Tr, B)) : std::move(whole);
+    } else {
+      route_own_tokens(dev, a, s, m.fwd.at(m.logits), Tr, Tl, Tw);
+    }
     const Routing& r = s.routing;
     const int64_t N = r.rows(), zero_row = r.dropped_any() ? 1 : 0;  // dropped slots read a zero row after the N
 
@@ -931,6 +952,60 @@ class Moe : public loom::Layer {
     }
     const std::vector<float> dlog = router_grad(s.router, slot_dgate, aux_scale, z_scale, pre_softmax_);
     dev.copy(dlogits, dlog.data(), dlog.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+  }
+
+  // With a capacity, which slots an expert keeps is decided over the whole
+  // microbatch, so its logits are gathered to every rank that holds part of it (cp
+  // ranks; tp ranks when folded). Dropless, top-k is each token's own decision.
+  bool gathers_logits() const { return capacity_factor_ > 0.0; }
+
+  // Dropless routing under cp or folding: this rank routes the Tr tokens it
+  // dispatches from their logits [Tr, E] (device, fp32), exactly as routing the
+  // whole microbatch would (top-k is per token; the local token order is the
+  // whole one's restricted to them). What the loss terms need of the whole
+  // microbatch (Tw tokens) is 2E + 1 sums (slots routed to each expert, their
+  // probabilities, the z-loss terms), all-reduced over the ranks holding its
+  // other tokens: cp, and tp when folded (unfolded tp ranks route the same tokens).
+  void route_own_tokens(const loom::Device& dev, const loom_layer_fwd_args& a, Saved& s, const float* logits,
+                        int64_t Tr, int64_t Tl, int64_t Tw) const {
+    const int64_t E = experts_, K = top_k_;
+    std::vector<float> host_logits(static_cast<size_t>(Tr * E));
+    dev.copy(host_logits.data(), logits, host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    Routing own = route(host_logits, Tr, E, K, pre_softmax_);
+    std::vector<double> sums(static_cast<size_t>(2 * E + 1), 0.0);
+    for (int64_t e = 0; e < E; ++e) {
+      sums[static_cast<size_t>(e)] = static_cast<double>(own.routed[static_cast<size_t>(e)]);
+      sums[static_cast<size_t>(E + e)] = own.prob_sum[static_cast<size_t>(e)];
+    }
+    for (const double l : own.lse) sums[static_cast<size_t>(2 * E)] += l * l / static_cast<double>(Tw);
+    Arena buf;
+    const size_t at = buf.add(sums.size() * sizeof(double));
+    buf.allocate(rank_);
+    double* d = buf.at<double>(at);
+    dev.copy(d, sums.data(), sums.size() * sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+    if (fold_) tp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
+    if (cp_.cp() > 1) cp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
+    dev.copy(sums.data(), d, sums.size() * sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    std::vector<int64_t> routed(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) routed[static_cast<size_t>(e)] = std::llround(sums[static_cast<size_t>(e)]);
+    const std::vector<double> prob_sum(sums.begin() + E, sums.begin() + 2 * E);
+    if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
+      *a.aux_loss += static_cast<float>(aux_coeff_ * load_balance(routed, prob_sum, Tw, K) +
+                                        z_coeff_ * sums[static_cast<size_t>(2 * E)]);
+    if (a.training) {
+      // The router's rows: this rank's LN rows among the tokens it routed (its
+      // sequence shard of them when unfolded under SP; all of them when folded).
+      const int64_t row0 = tp_.sequence_parallel() && !fold_ ? tp_.rank() * Tl : 0;
+      std::vector<int64_t> rows(static_cast<size_t>(Tl));
+      std::iota(rows.begin(), rows.end(), row0);
+      s.router = router_rows(own, rows);
+      s.router.tokens = Tw;  // the loss terms' means are over the whole microbatch
+      s.router.slots = Tw * K;
+      s.router.routed = std::move(routed);
+    }
+    s.routing = std::move(own);
   }
 
   // Whether the router's sub-steps may be captured when the engine allows parts
