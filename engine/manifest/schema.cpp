@@ -110,14 +110,20 @@ std::vector<KeySpec> build() {
                  "layer instances of one transformer block, repeated num_layers times"));
   v.push_back(sl("model.post", "[\"lm_head\"]", "layer instances after the blocks"));
   v.push_back(s("model.recompute_granularity", "none",
-                "activation recomputation (Megatron's --recompute-granularity): \"full\" keeps only each block "
-                "layer's input between its forward and backward and runs its forward again in backward (less "
-                "activation memory for about one more forward of the blocks); \"none\" keeps what the layers save",
+                "activation recomputation (Megatron's --recompute-granularity): \"full\" keeps only each block's "
+                "input (see recompute_method) between its forward and backward and runs its forward again in "
+                "backward (less activation memory for about one more forward of the blocks); \"none\" keeps what "
+                "the layers save",
                 {"none", "full"}));
+  v.push_back(s("model.recompute_method", "block",
+                "with recompute_granularity = \"full\" (Megatron's --recompute-method): \"block\" recomputes "
+                "each of the first recompute_num_layers blocks of each pipeline stage (each virtual stage under "
+                "interleaving) from its input and keeps the others' activations; \"uniform\" recomputes every "
+                "block, in groups of recompute_num_layers blocks that keep only the group's input",
+                {"block", "uniform"}));
   v.push_back(i("model.recompute_num_layers", 0, 0,
-                "with recompute_granularity = \"full\": recompute only the first N blocks of each pipeline stage "
-                "(each virtual stage under interleaving), keeping the others' activations (Megatron's "
-                "--recompute-method block); 0 = every block"));
+                "with recompute_granularity = \"full\": blocks recomputed per stage (method block; 0 = every "
+                "block), or blocks per group (method uniform; 0 = 1)"));
   v.push_back(open_table("model.layer",
                          "[model.layer.NAME] configures layer instance NAME: plugin (default NAME) "
                          "and that plugin's options"));

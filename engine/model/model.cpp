@@ -83,13 +83,30 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
-bool recomputes(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk, size_t k) {
-  if (m.get_string("model.recompute_granularity") != "full" || chunk[k].block_index < 0) return false;
+std::vector<int> recompute_groups(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk) {
+  std::vector<int> groups(chunk.size(), -1);
+  if (m.get_string("model.recompute_granularity") != "full") return groups;
   const int64_t n = m.get_int("model.recompute_num_layers");
-  int first_block = chunk[k].block_index;
+  const bool uniform = m.get_string("model.recompute_method") == "uniform";
+  int first_block = -1;
   for (const LayerSpec& l : chunk)
-    if (l.block_index >= 0) first_block = std::min(first_block, l.block_index);
-  return n == 0 || chunk[k].block_index - first_block < n;
+    if (l.block_index >= 0 && (first_block < 0 || l.block_index < first_block)) first_block = l.block_index;
+  for (size_t k = 0; k < chunk.size(); ++k) {
+    if (chunk[k].block_index < 0) continue;
+    const int64_t b = chunk[k].block_index - first_block;  // the chunk's b-th block
+    if (uniform)
+      groups[k] = static_cast<int>(b / std::max<int64_t>(n, 1));
+    else if (n == 0 || b < n)
+      groups[k] = static_cast<int>(b);
+  }
+  return groups;
+}
+
+size_t kept_hidden_states(const std::vector<int>& groups) {
+  size_t kept = groups.size();
+  for (size_t k = 0; k + 1 < groups.size(); ++k)
+    if (groups[k] >= 0 && groups[k + 1] == groups[k]) --kept;
+  return kept;
 }
 
 loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
@@ -157,6 +174,7 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     chunk.global_index = chunks[c].global_index;
     chunk.num_global = chunks[c].num_global;
     chunk.first_layer = layers_.size();
+    const std::vector<int> groups = recompute_groups(m, chunks[c].layers);
     for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
       const LayerSpec& spec = chunks[c].layers[k];
       Layer layer;
@@ -169,7 +187,8 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
       layer.capturable = capture_kind == 1;
       // 2 ("captures parts") means something only from a layer built for 1.7 or later.
       layer.captures_parts = capture_kind == 2 && registry.get("layer", spec.plugin).abi_minor >= 7;
-      layer.recompute = recomputes(m, chunks[c].layers, k);
+      layer.recompute_group = groups[k];
+      layer.recompute = groups[k] >= 0;
       // Dropping a forward's saved state without its backward is the release slot.
       if (layer.recompute && layer.api->release == nullptr) {
         layers_.push_back(std::move(layer));
@@ -452,24 +471,32 @@ const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
   return slot;
 }
 
-void* Model::take_hidden(int c, int mb) {
+size_t Model::take_slot() {
   size_t k = 0;
   while (k < hidden_pool_.size() && hidden_pool_[k].in_use) ++k;  // the lowest free slot
   if (k == hidden_pool_.size()) hidden_pool_.emplace_back();
   HiddenSlot& slot = hidden_pool_[k];
   if (!slot.buffer) slot.buffer = loom::Buffer(&rank_, hidden_bytes());
   slot.in_use = true;
+  return k;
+}
+
+void Model::drop_slot(size_t k) {
+  hidden_pool_[k].in_use = false;
+  if (!replays_steps_) hidden_pool_[k].buffer.reset();
+}
+
+void* Model::take_hidden(int c, int mb) {
+  const size_t k = take_slot();
   acts_[{c, mb}].push_back(k);
-  return slot.buffer.get();
+  return hidden_pool_[k].buffer.get();
 }
 
 void Model::give_back(int c, int mb) {
   auto it = acts_.find({c, mb});
   if (it == acts_.end()) return;
-  for (size_t k : it->second) {
-    hidden_pool_[k].in_use = false;
-    if (!replays_steps_) hidden_pool_[k].buffer.reset();
-  }
+  for (size_t k : it->second)
+    if (k != kDropped) drop_slot(k);
   acts_.erase(it);
 }
 
@@ -506,9 +533,15 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
     Layer& l = layers_[i];
-    if (training && l.recompute) {  // keep only the input (a held hidden state); backward runs the forward again
+    if (training && l.recompute) {  // keep only the group's input; backward runs the group's forward again
       l.api->release(l.handle, mb);
       any_recomputed = true;
+      if (i > chunk.first_layer && layers_[i - 1].recompute_group == l.recompute_group) {
+        // This layer's input was the output of the group's previous layer: dropped.
+        size_t& slot = acts_.at({c, mb})[(first ? 0 : 1) + (i - 1 - chunk.first_layer)];
+        drop_slot(slot);
+        slot = kDropped;
+      }
     }
   }
   if (any_recomputed) forward_inputs_[{c, mb}] = in;
@@ -552,23 +585,16 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   const bool first = is_first_global(c);
   loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  const std::vector<size_t>& held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
+  std::vector<size_t>& held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
   const size_t outputs_from = first ? 0 : 1;
+  size_t group_end = 0;  // the recompute group being backpropagated: its last layer
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     Layer& l = layers_[i];
-    if (l.recompute) {
-      // The forward again, on the input it had (bit for bit: the same dropout
-      // seeds), into its output buffer (already consumed by the next layer's
-      // backward); its loss and aux outputs are not counted twice.
-      const size_t j = i - chunk.first_layer, out_at = outputs_from + j;
-      DLTensor input{}, output{};
-      const bool has_input = j > 0 || !first, has_output = out_at < held.size();
-      if (has_input) input = view(rank_, hidden_pool_[held[j > 0 ? out_at - 1 : 0]].buffer.get(), hid_shape, act_dtype());
-      if (has_output) output = view(rank_, hidden_pool_[held[out_at]].buffer.get(), hid_shape, act_dtype());
-      float loss_sum = 0;
-      int64_t loss_count = 0;
-      run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
-                  &loss_sum, &loss_count, nullptr, nullptr, true);
+    if (l.recompute && (i + 1 == chunk.end_layer || layers_[i + 1].recompute_group != l.recompute_group)) {
+      size_t g0 = i;  // the group's first layer
+      while (g0 > chunk.first_layer && layers_[g0 - 1].recompute_group == l.recompute_group) --g0;
+      recompute_group(c, mb, g0, i);
+      group_end = i;
     }
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
@@ -588,10 +614,48 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
+    if (l.recompute && (i == chunk.first_layer || layers_[i - 1].recompute_group != l.recompute_group))
+      for (size_t j = i; j < group_end; ++j) {  // the group is done: its recomputed inner states go
+        size_t& slot = held[outputs_from + (j - chunk.first_layer)];
+        drop_slot(slot);
+        slot = kDropped;
+      }
   }
   forward_inputs_.erase({c, mb});
   give_back(c, mb);
   return first ? nullptr : grad_out->get();
+}
+
+// The forward of layers [g0, g1] again, on the group's input (bit for bit: the same
+// dropout seeds), its inner hidden states into fresh slots and its last output into
+// the buffer it had (already consumed by the next layer's backward); their loss and
+// aux outputs are not counted twice.
+void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
+  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
+  const bool first = is_first_global(c);
+  const size_t outputs_from = first ? 0 : 1;
+  for (size_t j = g0; j <= g1; ++j) {
+    std::vector<size_t>& held = acts_.at({c, mb});
+    const size_t lj = j - chunk.first_layer, out_at = outputs_from + lj;
+    DLTensor input{}, output{};
+    const bool has_input = lj > 0 || !first, has_output = out_at < held.size();
+    if (has_input) input = view(rank_, hidden_pool_[held[lj > 0 ? out_at - 1 : 0]].buffer.get(), hid_shape, act_dtype());
+    if (has_output) {
+      if (held[out_at] == kDropped) held[out_at] = take_slot();
+      output = view(rank_, hidden_pool_[held[out_at]].buffer.get(), hid_shape, act_dtype());
+    }
+    float loss_sum = 0;
+    int64_t loss_count = 0;
+    run_forward(j, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
+                &loss_sum, &loss_count, nullptr, nullptr, true);
+  }
+}
+
+std::vector<int> Model::groups_of(const Chunk& chunk) const {
+  std::vector<int> groups;
+  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) groups.push_back(layers_[i].recompute_group);
+  return groups;
 }
 
 void Model::release_chunk(int c, int mb) {
@@ -636,7 +700,9 @@ uint64_t Model::activation_bytes() const {
   for (const Layer& l : layers_)  // a recomputing layer keeps nothing between its forward and backward
     if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
       b += l.api->activation_bytes(l.handle);
-  return b + static_cast<uint64_t>(layers_.size()) * hidden_bytes();  // the hidden state after each layer
+  size_t kept = 0;  // the hidden state after each layer, but those recompute groups drop
+  for (const Chunk& chunk : chunks_) kept += kept_hidden_states(groups_of(chunk));
+  return b + static_cast<uint64_t>(kept) * hidden_bytes();
 }
 
 }  // namespace loom::model

@@ -31,11 +31,19 @@ struct LayerSpec {
 // pre + block × num_layers + post, in model order.
 std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 
-// Whether layer k of a chunk (a pipeline stage's, or virtual stage's, layers)
-// has its activations recomputed in backward instead of kept:
-// model.recompute_granularity = "full" and a block layer, among the chunk's first
-// model.recompute_num_layers blocks (0: all of them; Megatron's "block" method).
-bool recomputes(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk, size_t k);
+// Activation recomputation of a chunk's layers (a pipeline stage's, or virtual
+// stage's; model.recompute_*): per layer, the recompute group it belongs to, or
+// -1. A group is a run of whole consecutive blocks whose forward runs again in
+// backward from the group's input, the only hidden state it keeps (and its layers
+// keep nothing else). With model.recompute_granularity = "full": method "block"
+// makes each of the chunk's first model.recompute_num_layers blocks a group (0:
+// every block), "uniform" puts all its blocks in groups of recompute_num_layers
+// (0: 1), Megatron's --recompute-method.
+std::vector<int> recompute_groups(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk);
+
+// Hidden states a chunk with these groups keeps per microbatch: one after each
+// layer, less the outputs its groups drop (those their own next layer consumes).
+size_t kept_hidden_states(const std::vector<int>& groups);
 
 // The model dimensions given the vocabulary and the tensor-parallel size.
 loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
@@ -176,9 +184,11 @@ class Model {
     // capturable() == 2 (ABI 1.7): its steps run directly and capture parts of
     // themselves as sub-steps (MoE: the router), when step args say they may.
     bool captures_parts = false;
-    // model.recompute_granularity = "full" and a block layer: what its training
-    // forward saved is dropped at once, and the forward runs again in backward.
-    bool recompute = false;
+    // In a recompute group (recompute_groups): what its training forward saved is
+    // dropped at once (and its output, when the group's next layer consumed it),
+    // and the group's forward runs again in backward.
+    int recompute_group = -1;
+    bool recompute = false;  // recompute_group >= 0
   };
   // What a recomputed forward of (chunk, microbatch) needs again in backward.
   struct ForwardInputs {
@@ -215,6 +225,16 @@ class Model {
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
   // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
   void* take_hidden(int c, int mb);
+  // The lowest free slot, taken; and a slot given back (its memory too unless
+  // replays_steps()). kDropped marks an entry of acts_ whose state was dropped.
+  size_t take_slot();
+  void drop_slot(size_t k);
+  static constexpr size_t kDropped = static_cast<size_t>(-1);
+  // Runs the forward of recompute group [g0, g1] of chunk c again (backward of
+  // microbatch mb), its dropped hidden states into fresh slots.
+  void recompute_group(int c, int mb, size_t g0, size_t g1);
+  // The chunk's recompute groups, as recompute_groups() made them.
+  std::vector<int> groups_of(const Chunk& chunk) const;
   // Frees (c, mb)'s slots (their memory too unless replays_steps()).
   void give_back(int c, int mb);
 

@@ -237,10 +237,13 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       std::vector<uint64_t> chunk_activations;  // saved per microbatch by each local chunk
       std::vector<int> chunk_of_layer;
       std::vector<bool> recomputed;  // per layer: keeps nothing between forward and backward
+      std::vector<size_t> kept_states;  // per chunk: hidden states kept per microbatch
       for (size_t c = 0; c < chunks.size(); ++c) {
+        const std::vector<int> groups = recompute_groups(m, chunks[c].layers);
+        kept_states.push_back(kept_hidden_states(groups));
         for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
           const LayerSpec& spec = chunks[c].layers[k];
-          recomputed.push_back(recomputes(m, chunks[c].layers, k));
+          recomputed.push_back(groups[k] >= 0);
           PlannedLayers::Layer l;
           l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);
@@ -286,8 +289,9 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       }
       for (size_t c = 0; c < chunks.size(); ++c) {
         // The hidden states the engine keeps per microbatch, one per layer boundary
-        // (as Model::activation_bytes counts them), plus the received input.
-        chunk_activations[c] += static_cast<uint64_t>(chunks[c].layers.size()) * hidden_state_bytes;
+        // but inside recompute groups (as Model::activation_bytes counts them), plus
+        // the received input.
+        chunk_activations[c] += static_cast<uint64_t>(kept_states[c]) * hidden_state_bytes;
         if (chunks[c].global_index > 0) chunk_activations[c] += hidden_state_bytes;
       }
 

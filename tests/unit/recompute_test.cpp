@@ -1,6 +1,7 @@
 // Activation recomputation (model.recompute_granularity = "full", Megatron's full
-// granularity): block layers keep nothing between forward and backward but their
-// input, and the forward runs again before each backward. The recomputed forward
+// granularity): recomputed blocks keep nothing between forward and backward but
+// their input (a uniform group's blocks: the group's input), and the forward runs
+// again before their backward. The recomputed forward
 // sees the same input and the same dropout seeds, so training is bit-identical to
 // keeping the activations, in every layout (tp + SP, interleaved pipeline, dropout,
 // MoE with expert parallelism and capacity, context parallelism); the activation
@@ -98,6 +99,47 @@ TEST(Recompute, HoldsLessActivationMemoryAndThePlanSaysHowMuch) {
   EXPECT_LT(full_run, half_run);
   EXPECT_LT(half_run, kept_run);
   EXPECT_EQ(half_plan - full_plan, kept_plan - half_plan);
+}
+
+// Megatron's uniform method: every block recomputed, in groups of N blocks that
+// keep only the group's input; backward runs the whole group's forward again
+// before the backward of its last layer. Bit-identical in every layout (the
+// groups are per pipeline stage, or virtual stage).
+TEST(Recompute, UniformGroupsTrainBitIdentically) {
+  const std::vector<std::string> uniform = {"model.recompute_method=\"uniform\"", "model.num_layers=4",
+                                            "model.recompute_num_layers=2"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), uniform.begin(), uniform.end());
+    return o;
+  };
+  expect_bit_identical(with({}));
+  expect_bit_identical(with({"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2"}));
+  expect_bit_identical(with({"parallel.pp=2", "parallel.vpp=2"}));
+  expect_bit_identical(with({"parallel.pp=2", "model.layer.attention.dropout=0.1", "model.layer.mlp.dropout=0.1"}));
+  expect_bit_identical(with({"model.block=[\"attention\", \"moe\"]", "model.layer.moe.capacity_factor=0.5",
+                             "parallel.dp=2", "parallel.ep=2"}));
+  expect_bit_identical({"model.recompute_method=\"uniform\"", "model.num_layers=3", "model.recompute_num_layers=2"});
+}
+
+// A group keeps one hidden state where the block method keeps one per block (its
+// input; each block's inner state between attention and MLP goes either way):
+// with 4 blocks in groups of 2, 2 hidden states fewer per microbatch. The plan
+// says what the Model holds, and the run measures less.
+TEST(Recompute, UniformGroupsKeepOnlyTheirInputs) {
+  auto measure = [](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.num_layers=4", "run.steps=2", "model.recompute_granularity=\"full\""});
+    loom::train::TrainResult r;
+    const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
+    const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+    EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
+    return std::make_pair(r.steps.back().activation_bytes, plan.ranks[0].activation_bytes);
+  };
+  const auto [block_run, block_plan] = measure({});
+  const auto [uniform_run, uniform_plan] =
+      measure({"model.recompute_method=\"uniform\"", "model.recompute_num_layers=2"});
+  const uint64_t hidden_state = 16 /*seq*/ * 2 /*micro batch*/ * 32 /*hidden*/ * sizeof(float);
+  EXPECT_EQ(block_plan - uniform_plan, 2 * hidden_state);
+  EXPECT_LT(uniform_run, block_run);
 }
 
 // A recomputed forward runs inside the backward, which partial graphs cannot
