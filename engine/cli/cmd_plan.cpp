@@ -9,6 +9,7 @@
 #include "engine/train/run_plan.hpp"
 
 #include <cstdio>
+#include <algorithm>
 #include <iostream>
 #include <set>
 #include <string>
@@ -66,6 +67,7 @@ int cmd_plan(int argc, char** argv) {
                             .add("grad_bytes", static_cast<size_t>(r.grad_bytes))
                             .add("optimizer_bytes", static_cast<size_t>(r.optimizer_bytes))
                             .add("activation_bytes", static_cast<size_t>(r.activation_bytes))
+                            .add("recompute_bytes", static_cast<size_t>(r.recompute_bytes))
                             .add("bytes_per_param", r.bytes_per_param)
                             .add("buffer_numel", r.buffer_numel)
                             .add("tp_rank", r.tp_rank)
@@ -94,6 +96,8 @@ int cmd_plan(int argc, char** argv) {
       return 0;
     }
 
+    const bool recomputes = std::any_of(mp.ranks.begin(), mp.ranks.end(),
+                                        [](const model::RankMemory& r) { return r.recompute_bytes > 0; });
     std::cout << "memory plan: " << args.positionals()[0] << "\n"
               << "  world " << mp.world << " = tp " << mp.tp << (mp.cp > 1 ? " x cp " + std::to_string(mp.cp) : "")
               << " x dp " << mp.dp << " x pp " << mp.pp << "; params "
@@ -101,11 +105,13 @@ int cmd_plan(int argc, char** argv) {
               << ", grads " << mp.grad_dtype << ", optimizer " << mp.strategy << "; vocab " << mp.vocab
               << "; bucket_size " << mp.bucket_size << (mp.bucket_size ? "" : " (one bucket)") << "\n"
               << "  activations: at the schedule's peak, up to " << mp.microbatches_in_flight
-              << " microbatch-chunk(s) in flight on a rank (estimate)\n\n";
+              << " microbatch-chunk(s) in flight on a rank (estimate)"
+              << (recomputes ? "; recomp: more while a recompute group runs its forward again in backward" : "")
+              << "\n\n";
     std::cout << cell("rank", 5) << cell("tp", 3) << cell("cp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
               << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
-              << cell("total MiB", 10) << cell("B/param", 8) << "\n";
+              << (recomputes ? cell("recomp MiB", 11) : "") << cell("total MiB", 10) << cell("B/param", 8) << "\n";
     for (const model::RankMemory& r : mp.ranks) {
       char bpp[32];
       std::snprintf(bpp, sizeof(bpp), "%.3f", r.bytes_per_param);
@@ -114,8 +120,9 @@ int cmd_plan(int argc, char** argv) {
                 << cell(std::to_string(r.params), 12)
                 << cell(std::to_string(r.buffer_numel), 12) << cell(mib(r.param_bytes), 10)
                 << cell(mib(r.grad_bytes), 10) << cell(mib(r.optimizer_bytes), 10)
-                << cell(mib(r.activation_bytes), 10)
-                << cell(mib(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes), 10)
+                << cell(mib(r.activation_bytes), 10) << (recomputes ? cell(mib(r.recompute_bytes), 11) : "")
+                << cell(mib(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes),
+                        10)
                 << cell(bpp, 8) << "\n";
     }
     // The buffer layout of each distinct (tp, pp) position (dp and cp replicas share

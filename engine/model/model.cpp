@@ -223,6 +223,14 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     return l.capturable || (l.captures_parts && exec_substeps_);
   });
   replays_steps_ = (exec_features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
+  // A recomputed forward runs inside the backward, between a layer's captured
+  // forward and backward, on hidden states it re-creates (the schema refuses
+  // exec.mode = "partial_graph"; this covers any exec plugin that replays).
+  const bool any_recompute = std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.recompute; });
+  LOOM_REQUIRE(!(replays_steps_ && any_recompute),
+               "activation recomputation (model.recompute_granularity) cannot run under an exec plugin that replays "
+               "captured steps (LOOM_EXEC_REPLAYS); set model.recompute_granularity = \"none\" or exec.mode = "
+               "\"eager\"");
   guard.armed = false;
 }
 

@@ -236,14 +236,14 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       const std::vector<ModelChunk> chunks = pipeline::local_chunks(global_chunks, pp, pp_rank);
       std::vector<uint64_t> chunk_activations;  // saved per microbatch by each local chunk
       std::vector<int> chunk_of_layer;
-      std::vector<bool> recomputed;  // per layer: keeps nothing between forward and backward
+      std::vector<int> group_of_layer;  // per layer: its recompute group in its chunk, or -1
       std::vector<size_t> kept_states;  // per chunk: hidden states kept per microbatch
       for (size_t c = 0; c < chunks.size(); ++c) {
         const std::vector<int> groups = recompute_groups(m, chunks[c].layers);
         kept_states.push_back(kept_hidden_states(groups));
         for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
           const LayerSpec& spec = chunks[c].layers[k];
-          recomputed.push_back(groups[k] >= 0);
+          group_of_layer.push_back(groups[k]);
           PlannedLayers::Layer l;
           l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);
@@ -282,10 +282,26 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
         loom::check(l.api->bind(l.handle, pv.data(), gv.data(), pv.size()));
       }
       chunk_activations.assign(chunks.size(), 0);
+      // Per chunk, the largest recompute group's re-created bytes: its layers' saved
+      // activations and its inner hidden states (the group's input and output are held).
+      std::vector<uint64_t> chunk_recompute(chunks.size(), 0);
+      std::map<std::pair<size_t, int>, uint64_t> group_bytes;
       for (size_t li = 0; li < layers.layers.size(); ++li) {
         const PlannedLayers::Layer& l = layers.layers[li];
-        if (!recomputed[li] && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-          chunk_activations[static_cast<size_t>(chunk_of_layer[li])] += l.api->activation_bytes(l.handle);
+        const uint64_t bytes = LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes
+                                   ? l.api->activation_bytes(l.handle)
+                                   : 0;
+        const size_t c = static_cast<size_t>(chunk_of_layer[li]);
+        const int g = group_of_layer[li];
+        if (g < 0) {
+          chunk_activations[c] += bytes;
+          continue;
+        }
+        uint64_t& gb = group_bytes[{c, g}];
+        // Its input is an inner state of the group unless it is the group's first layer.
+        const bool inner_input = li > 0 && group_of_layer[li - 1] == g && chunk_of_layer[li - 1] == chunk_of_layer[li];
+        gb += bytes + (inner_input ? hidden_state_bytes : 0);
+        chunk_recompute[c] = std::max(chunk_recompute[c], gb);
       }
       for (size_t c = 0; c < chunks.size(); ++c) {
         // The hidden states the engine keeps per microbatch, one per layer boundary
@@ -318,13 +334,17 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       int in_flight = 0;
       const std::vector<int32_t> order =
           orders.order.empty() ? std::vector<int32_t>{1, -1} : orders.order[static_cast<size_t>(pp_rank)];
+      uint64_t recompute_peak = 0;
       for (const int32_t entry : order) {
-        const uint64_t bytes = chunk_activations[static_cast<size_t>(std::abs(entry) - 1)];
+        const size_t c = static_cast<size_t>(std::abs(entry) - 1);
+        const uint64_t bytes = chunk_activations[c];
+        if (entry < 0) recompute_peak = std::max(recompute_peak, held + chunk_recompute[c]);
         held = entry > 0 ? held + bytes : held - bytes;
         in_flight += entry > 0 ? 1 : -1;
         rm.activation_bytes = std::max(rm.activation_bytes, held);
         rm.in_flight = std::max(rm.in_flight, in_flight);
       }
+      rm.recompute_bytes = recompute_peak > rm.activation_bytes ? recompute_peak - rm.activation_bytes : 0;
       out.microbatches_in_flight = std::max<int64_t>(out.microbatches_in_flight, rm.in_flight);
       rm.bytes_per_param =
           rm.params ? double(rm.param_bytes + rm.grad_bytes + rm.optimizer_bytes) / double(rm.params) : 0.0;

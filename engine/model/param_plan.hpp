@@ -73,6 +73,10 @@ struct RankMemory {
   uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   uint64_t activation_bytes = 0;  // at the schedule's peak (estimate from the layers' saved bytes)
   int in_flight = 0;              // (chunk, microbatch) forwards awaiting backward at that peak
+  // Activation recomputation: the most a rank holds while a recompute group's
+  // forward runs again in backward (its layers' saved bytes and inner hidden
+  // states alive at once, over what is held then), less activation_bytes; 0 without.
+  uint64_t recompute_bytes = 0;
   double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
 };
 

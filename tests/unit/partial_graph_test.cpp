@@ -226,15 +226,20 @@ TEST(PartialGraph, ScopesSelectTheMoeRouterSubSteps) {
                 (4 * 2 + 3 * 2) * 4, 0);
 }
 
-// Under context parallelism the router's forward gathers logits over cp: a
-// collective, so its sub-steps run directly, and the run still equals eager.
-TEST(PartialGraph, MoeRouterUnderContextParallelismRunsDirectly) {
-  const auto cp = run_both({"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
-                            "run.steps=3", "parallel.cp=2"},
-                           {}, false);
-  ASSERT_EQ(cp.size(), 2u);
-  // Attention gathers K/V over cp inside its step, so it runs directly too.
-  for (const auto& [rank, s] : cp) EXPECT_EQ(s.graphs, 0u) << "rank " << rank;
+// Under context parallelism a dropless router's sub-steps hold no collective (each
+// cp rank routes its own tokens; the loss sums are all-reduced eagerly after the
+// forward's sub-step), so they are captured; with a capacity the forward's sub-step
+// gathers the logits over cp and they all run directly. Attention gathers K/V over
+// cp inside its step, so it runs directly either way. Both equal eager.
+TEST(PartialGraph, MoeRouterUnderContextParallelism) {
+  const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
+                                        "run.steps=3", "parallel.cp=2"};
+  const auto dropless = run_both(moe, {}, false);
+  ASSERT_EQ(dropless.size(), 2u);
+  // Per rank M = 4; directly: embedding, lm_head, 2 attention and 2 moe steps, both ways.
+  for (const auto& [rank, s] : dropless) expect_counts(s, 0, 4, 3, 1, 6 * 2 * 4, 2);
+  const auto capacity = run_both(with(moe, {"model.layer.moe.capacity_factor=1.0"}), {}, false);
+  for (const auto& [rank, s] : capacity) EXPECT_EQ(s.graphs, 0u) << "rank " << rank;
 }
 
 // exec.mode names any loaded exec plugin (third parties' too); a misspelt one is

@@ -126,20 +126,32 @@ TEST(Recompute, UniformGroupsTrainBitIdentically) {
 // with 4 blocks in groups of 2, 2 hidden states fewer per microbatch. The plan
 // says what the Model holds, and the run measures less.
 TEST(Recompute, UniformGroupsKeepOnlyTheirInputs) {
-  auto measure = [](std::vector<std::string> o) {
+  uint64_t recompute_bytes = 0;  // of the last plan measured
+  auto measure = [&](std::vector<std::string> o) {
     o.insert(o.end(), {"model.num_layers=4", "run.steps=2", "model.recompute_granularity=\"full\""});
     loom::train::TrainResult r;
     const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
     const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
     EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
+    recompute_bytes = plan.ranks[0].recompute_bytes;
     return std::make_pair(r.steps.back().activation_bytes, plan.ranks[0].activation_bytes);
   };
   const auto [block_run, block_plan] = measure({});
+  const uint64_t block_recompute = recompute_bytes;
   const auto [uniform_run, uniform_plan] =
       measure({"model.recompute_method=\"uniform\"", "model.recompute_num_layers=2"});
   const uint64_t hidden_state = 16 /*seq*/ * 2 /*micro batch*/ * 32 /*hidden*/ * sizeof(float);
   EXPECT_EQ(block_plan - uniform_plan, 2 * hidden_state);
   EXPECT_LT(uniform_run, block_run);
+  // What a group re-creates during its backward (one microbatch in flight: on top of
+  // the saved peak): a block's two layers' activations and the state between them;
+  // a group of two blocks twice that and the state between the blocks.
+  EXPECT_GT(block_recompute, hidden_state);
+  EXPECT_EQ(recompute_bytes, 2 * block_recompute + hidden_state);
+  EXPECT_EQ(loom::model::plan_memory(loom::testing::plan_from(manifest(), {"model.num_layers=4"}))
+                .ranks.at(0)
+                .recompute_bytes,
+            0u);
 }
 
 // A recomputed forward runs inside the backward, which partial graphs cannot

@@ -34,7 +34,7 @@
 // static parts are (seed 003's moe_router scope, ABI 1.7 sub-steps): LayerNorm and
 // the router GEMM in forward, LayerNorm again at the start of the backward, and
 // the router's and LayerNorm's backward at its end run through the exec plugin,
-// which captures and replays them (tp = 1, cp = 1); routing, dispatch, experts and
+// which captures and replays them (tp = 1; cp = 1 or dropless); routing, dispatch, experts and
 // combine run eagerly between them, reading and writing the sub-steps' memory at
 // the addresses of their capture (StepArena). Tokens are permuted
 // into expert order with the device's row gather (embedding_fwd) and combined back
@@ -479,7 +479,7 @@ class Moe : public loom::Layer {
       Arena& f = m.fwd.layout();
       m.ln = f.elems(Tl * H, act);
       m.ln_full = f.elems(full_in ? T * H : 0, act);
-      m.logits = f.floats(T * E);
+      m.logits = f.floats((fold && !gathers_logits() ? Tl : T) * E);  // folded and dropless: its shard's
       m.shard_logits = f.floats(fold && gathers_logits() ? Tl * E : 0);
       m.cp_logits = f.floats(cp > 1 && gathers_logits() ? Tw * E : 0);
     }
@@ -510,7 +510,7 @@ class Moe : public loom::Layer {
              LOOM_DTYPE_F32);
         tp_group_.all_gather(dev.native_stream(), m.fwd.at(m.shard_logits), m.fwd.at(m.logits),
                              static_cast<size_t>(Tl * E), LOOM_DTYPE_F32);
-      } else {  // folded and dropless: this rank's Tl tokens only
+      } else {  // the TP region's T tokens, or folded and dropless this rank's Tl only
         gemm(dev, false, false, fold ? Tl : T, E, H, full_in && !fold ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln),
              w_[kRouter], m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
       }
@@ -973,44 +973,58 @@ class Moe : public loom::Layer {
     dev.copy(host_logits.data(), logits, host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
     Routing own = route(host_logits, Tr, E, K, pre_softmax_);
-    std::vector<double> sums(static_cast<size_t>(2 * E + 1), 0.0);
-    for (int64_t e = 0; e < E; ++e) {
-      sums[static_cast<size_t>(e)] = static_cast<double>(own.routed[static_cast<size_t>(e)]);
-      sums[static_cast<size_t>(E + e)] = own.prob_sum[static_cast<size_t>(e)];
-    }
-    for (const double l : own.lse) sums[static_cast<size_t>(2 * E)] += l * l / static_cast<double>(Tw);
-    Arena buf;
-    const size_t at = buf.add(sums.size() * sizeof(double));
-    buf.allocate(rank_);
-    double* d = buf.at<double>(at);
-    dev.copy(d, sums.data(), sums.size() * sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
-    if (fold_) tp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
-    if (cp_.cp() > 1) cp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
-    dev.copy(sums.data(), d, sums.size() * sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
-    dev.synchronize();
-    std::vector<int64_t> routed(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) routed[static_cast<size_t>(e)] = std::llround(sums[static_cast<size_t>(e)]);
-    const std::vector<double> prob_sum(sums.begin() + E, sums.begin() + 2 * E);
-    if (a.training && a.aux_loss != nullptr && (aux_coeff_ > 0.0 || z_coeff_ > 0.0))
-      *a.aux_loss += static_cast<float>(aux_coeff_ * load_balance(routed, prob_sum, Tw, K) +
-                                        z_coeff_ * sums[static_cast<size_t>(2 * E)]);
-    if (a.training) {
-      // The router's rows: this rank's LN rows among the tokens it routed (its
-      // sequence shard of them when unfolded under SP; all of them when folded).
-      const int64_t row0 = tp_.sequence_parallel() && !fold_ ? tp_.rank() * Tl : 0;
-      std::vector<int64_t> rows(static_cast<size_t>(Tl));
-      std::iota(rows.begin(), rows.end(), row0);
-      s.router = router_rows(own, rows);
+    // The sums feed the loss terms only: without them (evaluation, both coefficients
+    // 0; the same on every rank) the router's rows need nothing of the others.
+    const bool loss_terms = a.training && (aux_coeff_ > 0.0 || z_coeff_ > 0.0);
+    if (a.training) s.router = router_rows(own, own_router_rows(Tl));
+    if (loss_terms) {
+      std::vector<double> sums(static_cast<size_t>(2 * E + 1), 0.0);
+      for (int64_t e = 0; e < E; ++e) {
+        sums[static_cast<size_t>(e)] = static_cast<double>(own.routed[static_cast<size_t>(e)]);
+        sums[static_cast<size_t>(E + e)] = own.prob_sum[static_cast<size_t>(e)];
+      }
+      for (const double l : own.lse) sums[static_cast<size_t>(2 * E)] += l * l / static_cast<double>(Tw);
+      Arena buf;
+      const size_t at = buf.add(sums.size() * sizeof(double));
+      buf.allocate(rank_);
+      double* d = buf.at<double>(at);
+      dev.copy(d, sums.data(), sums.size() * sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      if (fold_) tp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
+      if (cp_.cp() > 1) cp_group_.all_reduce(dev.native_stream(), d, d, sums.size(), LOOM_DTYPE_F64);
+      dev.copy(sums.data(), d, sums.size() * sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+      dev.synchronize();
+      std::vector<int64_t> routed(static_cast<size_t>(E));
+      for (int64_t e = 0; e < E; ++e) routed[static_cast<size_t>(e)] = std::llround(sums[static_cast<size_t>(e)]);
+      const std::vector<double> prob_sum(sums.begin() + E, sums.begin() + 2 * E);
+      if (a.aux_loss != nullptr)
+        *a.aux_loss += static_cast<float>(aux_coeff_ * load_balance(routed, prob_sum, Tw, K) +
+                                          z_coeff_ * sums[static_cast<size_t>(2 * E)]);
       s.router.tokens = Tw;  // the loss terms' means are over the whole microbatch
       s.router.slots = Tw * K;
       s.router.routed = std::move(routed);
     }
+    // The backward reads the dispatch only: not the probabilities (router_rows has
+    // the router's rows of them), so they are not kept per microbatch.
+    own.probs = {};
+    own.chosen = {};
+    own.lse = {};
+    own.prob_sum = {};
     s.routing = std::move(own);
   }
 
+  // The router's rows among the tokens this rank routes itself: its Tl LN rows (its
+  // sequence shard of the TP region when unfolded under SP; all of them when folded).
+  std::vector<int64_t> own_router_rows(int64_t Tl) const {
+    const int64_t row0 = tp_.sequence_parallel() && !fold_ ? tp_.rank() * Tl : 0;
+    std::vector<int64_t> rows(static_cast<size_t>(Tl));
+    std::iota(rows.begin(), rows.end(), row0);
+    return rows;
+  }
+
   // Whether the router's sub-steps may be captured when the engine allows parts
-  // to be (tp = 1 then): not under cp, where the forward gathers logits over cp.
-  bool router_capturable() const { return cp_.cp() == 1; }
+  // to be (tp = 1 then): not when the forward gathers logits over cp (with a
+  // capacity); dropless, the all-reduce of the loss sums runs eagerly after it.
+  bool router_capturable() const { return cp_.cp() == 1 || !gathers_logits(); }
 
   std::vector<int64_t> local_numels() const {
     const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_, Fs = shared_local_;
