@@ -75,30 +75,40 @@ TEST(Recompute, MoeBlocksRouteAndDispatchAgain) {
   expect_bit_identical(with({"parallel.dp=2", "parallel.ep=2"}));
 }
 
+// A 4-block run of 2 steps with these options, on one stage (one microbatch in
+// flight): the activation memory it measured, and what `loom plan` says it holds
+// and re-creates while recomputing (the plan's held bytes must be the Model's).
+struct Measured {
+  uint64_t run = 0, plan = 0, recompute_plan = 0;
+};
+Measured measure(std::vector<std::string> o) {
+  o.insert(o.end(), {"model.num_layers=4", "run.steps=2"});
+  loom::train::TrainResult r;
+  const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
+  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  EXPECT_EQ(plan.ranks.at(0).in_flight, 1);
+  EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
+  return {r.steps.back().activation_bytes, plan.ranks[0].activation_bytes, plan.ranks[0].recompute_bytes};
+}
+
 // What a rank holds for a microbatch between forward and backward: the run's
 // measured activation memory falls, and `loom plan` says what the Model holds.
 TEST(Recompute, HoldsLessActivationMemoryAndThePlanSaysHowMuch) {
-  auto measure = [](std::vector<std::string> o) {
-    o.insert(o.end(), {"model.num_layers=4", "run.steps=2"});
-    loom::train::TrainResult r;
-    const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
-    const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
-    // One stage: one microbatch in flight, so the plan is what the Model holds for it.
-    EXPECT_EQ(plan.ranks.at(0).in_flight, 1);
-    EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
-    return std::make_pair(r.steps.back().activation_bytes, plan.ranks[0].activation_bytes);
-  };
-  const auto [kept_run, kept_plan] = measure({});
-  const auto [full_run, full_plan] = measure({"model.recompute_granularity=\"full\""});
+  const auto [kept_run, kept_plan, kept_recompute] = measure({});
+  const auto [full_run, full_plan, full_recompute] = measure({"model.recompute_granularity=\"full\""});
   EXPECT_LT(full_run, kept_run / 2) << "rank 0 holds the blocks' inputs only";
   EXPECT_LT(full_plan, kept_plan / 2);
   // Megatron's block method: the first 2 of the 4 blocks recomputed, the others
   // keep theirs; halfway between (every block saves the same bytes).
-  const auto [half_run, half_plan] =
+  const auto [half_run, half_plan, half_recompute] =
       measure({"model.recompute_granularity=\"full\"", "model.recompute_num_layers=2"});
   EXPECT_LT(full_run, half_run);
   EXPECT_LT(half_run, kept_run);
   EXPECT_EQ(half_plan - full_plan, kept_plan - half_plan);
+  // Recomputing re-creates one block's activations at a time, whatever N is.
+  EXPECT_EQ(kept_recompute, 0u);
+  EXPECT_GT(full_recompute, 0u);
+  EXPECT_EQ(half_recompute, full_recompute);
 }
 
 // Megatron's uniform method: every block recomputed, in groups of N blocks that
@@ -126,20 +136,10 @@ TEST(Recompute, UniformGroupsTrainBitIdentically) {
 // with 4 blocks in groups of 2, 2 hidden states fewer per microbatch. The plan
 // says what the Model holds, and the run measures less.
 TEST(Recompute, UniformGroupsKeepOnlyTheirInputs) {
-  uint64_t recompute_bytes = 0;  // of the last plan measured
-  auto measure = [&](std::vector<std::string> o) {
-    o.insert(o.end(), {"model.num_layers=4", "run.steps=2", "model.recompute_granularity=\"full\""});
-    loom::train::TrainResult r;
-    const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
-    const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
-    EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
-    recompute_bytes = plan.ranks[0].recompute_bytes;
-    return std::make_pair(r.steps.back().activation_bytes, plan.ranks[0].activation_bytes);
-  };
-  const auto [block_run, block_plan] = measure({});
-  const uint64_t block_recompute = recompute_bytes;
-  const auto [uniform_run, uniform_plan] =
-      measure({"model.recompute_method=\"uniform\"", "model.recompute_num_layers=2"});
+  const std::string full = "model.recompute_granularity=\"full\"";
+  const auto [block_run, block_plan, block_recompute] = measure({full});
+  const auto [uniform_run, uniform_plan, uniform_recompute] =
+      measure({full, "model.recompute_method=\"uniform\"", "model.recompute_num_layers=2"});
   const uint64_t hidden_state = 16 /*seq*/ * 2 /*micro batch*/ * 32 /*hidden*/ * sizeof(float);
   EXPECT_EQ(block_plan - uniform_plan, 2 * hidden_state);
   EXPECT_LT(uniform_run, block_run);
@@ -147,11 +147,8 @@ TEST(Recompute, UniformGroupsKeepOnlyTheirInputs) {
   // the saved peak): a block's two layers' activations and the state between them;
   // a group of two blocks twice that and the state between the blocks.
   EXPECT_GT(block_recompute, hidden_state);
-  EXPECT_EQ(recompute_bytes, 2 * block_recompute + hidden_state);
-  EXPECT_EQ(loom::model::plan_memory(loom::testing::plan_from(manifest(), {"model.num_layers=4"}))
-                .ranks.at(0)
-                .recompute_bytes,
-            0u);
+  EXPECT_EQ(uniform_recompute, 2 * block_recompute + hidden_state);
+  EXPECT_EQ(measure({}).recompute_plan, 0u);
 }
 
 // A recomputed forward runs inside the backward, which partial graphs cannot
