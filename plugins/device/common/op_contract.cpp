@@ -78,6 +78,9 @@ void check(const char* device, const loom_gemm_args& g) {
   LOOM_REQUIRE(g.ldb >= std::max<int64_t>(1, b_cols),
                "gemm: ldb=" << g.ldb << " is smaller than the " << b_cols << " columns of the stored B");
   LOOM_REQUIRE(g.ldc >= std::max<int64_t>(1, g.n), "gemm: ldc=" << g.ldc << " is smaller than n=" << g.n);
+  // bf16 C accumulates through an fp32 copy of the region the batch spans.
+  if (g.c_dtype == LOOM_DTYPE_BF16 && g.batch > 1)
+    LOOM_REQUIRE(g.stride_c >= 0, "gemm: stride_c=" << g.stride_c << " must be >= 0 when c_dtype is bf16");
   if (g.m > 0 && g.n > 0) {
     LOOM_REQUIRE(g.c != nullptr, "gemm: c is NULL");
     LOOM_REQUIRE(g.k == 0 || (g.a != nullptr && g.b != nullptr), "gemm: a or b is NULL");

@@ -210,8 +210,6 @@ void validate(const loom_gemm_args& g) {
   constexpr int64_t kMax = INT_MAX;
   LOOM_REQUIRE(g.m <= kMax && g.n <= kMax && g.k <= kMax && g.lda <= kMax && g.ldb <= kMax && g.ldc <= kMax,
                "gemm: dimensions and leading dimensions must fit in 32 bits (BLAS interface)");
-  if (is_bf16(g.c_dtype) && g.batch > 1)
-    LOOM_REQUIRE(g.stride_c >= 0, "gemm: stride_c=" << g.stride_c << " must be >= 0 when c_dtype is bf16");
 }
 
 namespace {

@@ -24,6 +24,7 @@ Allocator::~Allocator() {
     if (b.freed) cudaEventDestroy(b.freed);
     cudaFree(p);
   }
+  cudaGetLastError();  // a failure while tearing down is not a later op's
   live_.clear();
   graphs_alive_ = 0;
   captures_ = 0;
@@ -81,7 +82,10 @@ void* Allocator::allocate(size_t bytes, cudaStream_t stream, bool graph_pool, bo
       RelaxedCaptureMode relaxed;
       err = cudaMalloc(&p, rounded);
     }
-    if (err == cudaErrorMemoryAllocation && captures_ == 0 && !free_general_.empty()) {
+    // Cached blocks can be given back: the general ones, and the graph pool's once
+    // no graph is alive.
+    const bool cached = !free_general_.empty() || (graphs_alive_ == 0 && !free_graph_.empty());
+    if (err == cudaErrorMemoryAllocation && captures_ == 0 && cached) {
       cudaGetLastError();  // clear it, give the cache back, try once more
       release_cached_locked();
       RelaxedCaptureMode relaxed;
@@ -121,12 +125,15 @@ bool Allocator::release(void* ptr) {
   Block b = it->second;
   live_.erase(it);
   stats_.current -= b.requested;
+  // A graph-pool block freed while no graph is alive and none is being captured
+  // can never be replayed into again: an ordinary block (as device/cpu frees it).
+  if (b.graph && graphs_alive_ == 0 && captures_ == 0) b.graph = false;
   if (!caching_ && !b.graph) {
     // Not cached: cudaFree waits for the device, so nothing can still use it.
     // (A graph-pool block is still used by the graph that captured it: it stays in
     // the graph pool, freed with the cache.)
     RelaxedCaptureMode relaxed;
-    cudaFree(b.ptr);
+    if (cudaFree(b.ptr) != cudaSuccess) cudaGetLastError();  // not reported against a later op
     stats_.reserved -= b.size;
     return true;
   }
@@ -186,7 +193,7 @@ void Allocator::graph_destroyed() {
   for (auto& [size, b] : free_graph_) {
     if (!caching_) {  // kept only while a graph could use them (see release)
       RelaxedCaptureMode relaxed;
-      cudaFree(b.ptr);
+      if (cudaFree(b.ptr) != cudaSuccess) cudaGetLastError();
       stats_.reserved -= b.size;
       continue;
     }
@@ -213,6 +220,12 @@ void Allocator::release_cached_locked() {
     }
     pool->clear();
   }
+  cudaGetLastError();  // a failed free is not reported against a later op
+}
+
+bool Allocator::graphs_idle() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return graphs_alive_ == 0 && captures_ == 0;
 }
 
 void Allocator::release_cached_before_first_capture() {

@@ -118,6 +118,8 @@ class Allocator {
   // Frees every cached block (the device is idle; not during a capture).
   void release_cached();
   size_t live_count();
+  // No graph alive and none being captured (nothing can replay device memory).
+  bool graphs_idle();
 
  private:
   struct Block {
@@ -194,6 +196,10 @@ struct Device {
   Stream* capturing = nullptr;  // the stream under capture (one per device)
   std::vector<std::unique_ptr<Stream>> streams;  // created streams, for cleanup
   std::mutex streams_mu;
+  // cuBLAS workspaces of destroyed streams while graphs were alive: a graph
+  // captured on such a stream has the workspace's address baked in, so it is
+  // freed with the device.
+  std::vector<void*> retired_workspaces;
 
   cublasHandle_t cublas = nullptr;
   std::mutex cublas_mu;  // the handle's stream/workspace are set per call

@@ -58,6 +58,22 @@ void gemm_impl(Device& d, Stream& st, const char* op, bool ta, bool tb, int64_t 
   // run one after the other, in order, as on device/cpu.
   const bool stacked = sc >= (m - 1) * ldc + n;
   const bool side_by_side = sc >= n && (batch - 1) * sc + n <= ldc;
+  if (batch > 1 && !stacked && !side_by_side && cd == Dt::BF16) {
+    // As on device/cpu, the batch elements accumulate into fp32 copies of the C
+    // elements they share, in order, and C is rounded once (op_contract: sc >= 0).
+    const int64_t span = (batch - 1) * sc + (m - 1) * ldc + n;
+    Scratch cf(d, st, static_cast<size_t>(span) * sizeof(float), op);
+    for (int64_t i = 0; i < batch && beta != 0.0f; ++i)  // shared elements are written the same value again
+      check_launch(d, op, "copy_matrix kernel",
+                   k_copy_matrix(st.s, Dt::BF16, Dt::F32, m, n, 1, at(c, i * sc, Dt::BF16), ldc, 0,
+                                 at(cf.get(), i * sc, Dt::F32), ldc, 0));
+    gemm_impl(d, st, op, ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, cf.get(), ldc, sc, batch, ab, Dt::F32);
+    for (int64_t i = 0; i < batch; ++i)
+      check_launch(d, op, "copy_matrix kernel",
+                   k_copy_matrix(st.s, Dt::F32, Dt::BF16, m, n, 1, at(cf.get(), i * sc, Dt::F32), ldc, 0,
+                                 at(c, i * sc, Dt::BF16), ldc, 0));
+    return;
+  }
   if (batch > 1 && !stacked && !side_by_side) {
     for (int64_t i = 0; i < batch; ++i)
       gemm_impl(d, st, op, ta, tb, m, n, k, alpha, at(a, i * sa, ab), lda, 0, at(b, i * sb, ab), ldb, 0, beta,

@@ -63,7 +63,7 @@ GpuScope::GpuScope(const Device* dev, int ordinal, const char* op) : ordinal_(or
   if (previous_ != ordinal_) LOOM_CUDA(dev, op, cudaSetDevice(ordinal_));
 }
 GpuScope::~GpuScope() {
-  if (previous_ >= 0 && previous_ != ordinal_) cudaSetDevice(previous_);
+  if (previous_ >= 0 && previous_ != ordinal_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
 }
 
 RelaxedCaptureMode::RelaxedCaptureMode() : mode_(cudaStreamCaptureModeRelaxed) {
@@ -160,6 +160,7 @@ void destroy_stream_resources(Stream& st) {
   st.workspace = nullptr;
   if (st.s) cudaStreamDestroy(st.s);
   st.s = nullptr;
+  cudaGetLastError();  // a failure while tearing down is not a later op's
 }
 
 // ---------------------------------------------------------------------------
@@ -253,6 +254,8 @@ void destroy(loom_device* d) {
         st->magic = 0;
       }
       dev.streams.clear();
+      for (void* w : dev.retired_workspaces) cudaFree(w);
+      dev.retired_workspaces.clear();
     }
     destroy_stream_resources(dev.default_stream);
     if (dev.cublas) cublasDestroy(dev.cublas);
@@ -381,9 +384,15 @@ void stream_destroy(loom_device* d, loom_stream* s) {
       LOOM_LOG(WARNING) << dev.who() << ": stream destroyed during graph capture; the capture is discarded";
       discard_capture(dev, st);
     }
-    // Its workspace may still be read by queued GEMMs: wait for them.
+    // Its workspace may still be read by queued GEMMs: wait for them. A graph
+    // captured on this stream keeps using it: then it lives as long as the device.
     cudaStreamSynchronize(st.s);
     cudaGetLastError();
+    if (st.workspace != nullptr && !dev.alloc->graphs_idle()) {
+      std::lock_guard<std::mutex> lock(dev.streams_mu);
+      dev.retired_workspaces.push_back(st.workspace);
+      st.workspace = nullptr;
+    }
     destroy_stream_resources(st);
     st.magic = 0;
     std::lock_guard<std::mutex> lock(dev.streams_mu);
@@ -431,7 +440,8 @@ void event_destroy(loom_device* d, loom_event* e) {
     Device& dev = device_of(d);
     Event& ev = event_of(dev, e);
     GpuScope gpu(&dev, dev.ordinal, "event_destroy");
-    cudaEventDestroy(ev.e);  // CUDA defers the release until recorded work is done
+    // CUDA defers the release until recorded work is done; a failure is not a later op's.
+    if (cudaEventDestroy(ev.e) != cudaSuccess) cudaGetLastError();
     ev.magic = 0;
     delete &ev;
   });
@@ -565,6 +575,7 @@ void graph_destroy(loom_device* d, loom_graph* g) {
     GpuScope gpu(&dev, dev.ordinal, "graph_destroy");
     if (gr.exec) cudaGraphExecDestroy(gr.exec);
     if (gr.graph) cudaGraphDestroy(gr.graph);
+    cudaGetLastError();  // a failure while tearing down is not a later op's
     gr.magic = 0;
     delete &gr;
     dev.alloc->graph_destroyed();
