@@ -26,6 +26,8 @@ Allocator::~Allocator() {
   }
   cudaGetLastError();  // a failure while tearing down is not a later op's
   live_.clear();
+  for (const Block& b : deferred_frees_) cudaFree(b.ptr);
+  deferred_frees_.clear();
   graphs_alive_ = 0;
   captures_ = 0;
   release_cached_locked();
@@ -131,7 +133,12 @@ bool Allocator::release(void* ptr) {
   if (!caching_ && !b.graph) {
     // Not cached: cudaFree waits for the device, so nothing can still use it.
     // (A graph-pool block is still used by the graph that captured it: it stays in
-    // the graph pool, freed with the cache.)
+    // the graph pool, freed with the cache.) Not during a capture, which a
+    // device-wide wait would break: then at the capture's end.
+    if (captures_ > 0) {
+      deferred_frees_.push_back(b);
+      return true;
+    }
     RelaxedCaptureMode relaxed;
     if (cudaFree(b.ptr) != cudaSuccess) cudaGetLastError();  // not reported against a later op
     stats_.reserved -= b.size;
@@ -178,6 +185,12 @@ void Allocator::capture_began() {
 void Allocator::capture_ended() {
   std::lock_guard<std::mutex> lock(mu_);
   if (captures_ > 0) --captures_;
+  if (captures_ > 0) return;
+  for (const Block& b : deferred_frees_) {  // what caching off freed during the capture
+    if (cudaFree(b.ptr) != cudaSuccess) cudaGetLastError();
+    stats_.reserved -= b.size;
+  }
+  deferred_frees_.clear();
 }
 
 void Allocator::graph_destroyed() {

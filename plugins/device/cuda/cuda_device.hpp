@@ -141,6 +141,7 @@ class Allocator {
   std::unordered_map<void*, Block> live_;
   std::multimap<size_t, Block> free_general_, free_graph_;
   std::vector<cudaEvent_t> spare_events_;
+  std::vector<Block> deferred_frees_;  // uncached blocks freed during a capture
   int graphs_alive_ = 0;
   int captures_ = 0;
   Stats stats_;
