@@ -1450,9 +1450,10 @@ namespace {
 
 toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
                         double dropout = 0.0, double z_coeff = 0.0, double capacity_factor = 0.0,
-                        const std::string& drop_policy = "probs", int64_t shared_ffn = 0) {
+                        const std::string& drop_policy = "probs", int64_t shared_ffn = 0, bool shared_gate = false) {
   toml::table t;
   if (shared_ffn > 0) t.insert("shared_expert_ffn_hidden_size", shared_ffn);
+  if (shared_gate) t.insert("shared_expert_gate", true);
   if (z_coeff > 0) t.insert("z_loss_coeff", z_coeff);
   if (capacity_factor > 0) {
     t.insert("capacity_factor", capacity_factor);
@@ -1511,19 +1512,21 @@ TEST(Layers, MoeForwardMatchesReference) {
     double capacity_factor;
     std::string policy;
     int64_t shared;  // the shared expert's width (0 = none)
+    bool gate = false;  // the shared expert's output times sigmoid(ln . w) per token
   };
   for (const Variant& v : {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0},
                            Variant{false, 0.5, "probs", 0}, Variant{true, 0.5, "position", 0},
-                           Variant{false, 0.0, "probs", 12}, Variant{false, 0.5, "probs", 12}}) {
+                           Variant{false, 0.0, "probs", 12}, Variant{false, 0.5, "probs", 12},
+                           Variant{false, 0.0, "probs", 12, true}}) {
     const bool pre_softmax = v.pre_softmax;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
                  std::to_string(v.capacity_factor) + " by " + v.policy + ", shared expert " +
-                 std::to_string(v.shared));
+                 std::to_string(v.shared) + (v.gate ? " gated" : ""));
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
     toml::table opts =
-        moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared);
+        moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared, v.gate);
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1594,7 +1597,7 @@ TEST(Layers, MoeForwardMatchesReference) {
           out[t * kHidden + o] += slot.gate * val;
         }
       }
-    if (v.shared > 0) {  // every token through the shared expert, ungated
+    if (v.shared > 0) {  // every token through the shared expert, gated by sigmoid(ln . w) or not
       const auto& s1 = layer.param("shared.fc1.weight").value;
       const auto& c1 = layer.param("shared.fc1.bias").value;
       const auto& s2 = layer.param("shared.fc2.weight").value;
@@ -1606,10 +1609,17 @@ TEST(Layers, MoeForwardMatchesReference) {
           for (int64_t i = 0; i < kHidden; ++i) val += ln[t * kHidden + i] * s1[i * v.shared + f];
           h[f] = 0.5 * val * (1.0 + std::tanh(0.7978845608028654 * (val + 0.044715 * val * val * val)));
         }
+        double gate = 1.0;
+        if (v.gate) {
+          const auto& wg = layer.param("shared.gate.weight").value;
+          double logit = 0;
+          for (int64_t i = 0; i < kHidden; ++i) logit += ln[t * kHidden + i] * wg[i];
+          gate = 1.0 / (1.0 + std::exp(-logit));
+        }
         for (int64_t o = 0; o < kHidden; ++o) {
           double val = c2[o];
           for (int64_t f = 0; f < v.shared; ++f) val += h[f] * s2[f * kHidden + o];
-          out[t * kHidden + o] += val;
+          out[t * kHidden + o] += gate * val;
         }
       }
     }
@@ -1647,13 +1657,14 @@ TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
   // And with a shared expert beside the routed ones.
   for (const auto& [pre_softmax, capacity_factor, policy, shared] :
        {std::tuple<bool, double, std::string, int64_t>{false, 0.0, "probs", 0}, {true, 0.0, "probs", 0},
-        {false, 0.5, "probs", 0}, {true, 0.5, "position", 0}, {false, 0.5, "probs", 12}}) {
+        {false, 0.5, "probs", 0}, {true, 0.5, "position", 0}, {false, 0.5, "probs", 12}, {false, 0.0, "probs", -12}}) {
+    // A negative width: that shared expert, gated.
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
                  std::to_string(capacity_factor) + " by " + policy + ", shared expert " + std::to_string(shared));
     Rank rank;
     auto dims = make_dims();
     toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5,
-                                   capacity_factor, policy, shared);
+                                   capacity_factor, policy, std::abs(shared), shared < 0);
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(43);
@@ -1887,6 +1898,15 @@ TEST(Layers, MoeRefusesBadOptions) {
       ADD_FAILURE() << what << " was accepted";
     } catch (const std::exception& e) {
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
+  {  // a gate without a shared expert to gate
+    toml::table opts = moe_options(4, 2, 0.01, false, 0.0, 0.0, 0.0, "probs", 0, /*shared_gate=*/true);
+    try {
+      TestLayer layer(rank, "moe", dims, &opts);
+      ADD_FAILURE() << "shared_expert_gate without a shared expert was accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("shared_expert_ffn_hidden_size > 0"), std::string::npos) << e.what();
     }
   }
   for (const auto& [factor, policy, what] : std::vector<std::tuple<double, std::string, std::string>>{

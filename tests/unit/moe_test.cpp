@@ -701,6 +701,26 @@ TEST(Moe, FoldedRanksHoldWholeExperts) {
   EXPECT_EQ(experts, 4 * 4);
 }
 
+// The shared expert gated (Megatron's moe_shared_expert_gate): a duplicated [hidden]
+// weight; each rank scales its partial rows before the tp sum, the gate's gradient
+// sums the rows' dot products over tp, and under SP each rank adds its shard's
+// part of the weight's gradient. Equal to serial at tp 2 with and without SP,
+// folded, at cp 2 and at dp 2 x ep 2.
+TEST(Moe, GatedSharedExpertMatchesSerial) {
+  const std::vector<std::string> gated = {"model.layer.moe.shared_expert_ffn_hidden_size=32",
+                                          "model.layer.moe.shared_expert_gate=true"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), gated.begin(), gated.end());
+    return run(o);
+  };
+  const RankTrace base = with({});
+  expect_same_training(base, with({"parallel.tp=2"}), 1e-5, 12);
+  expect_same_training(base, with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5, 12);
+  expect_same_training(base, with(folded({"parallel.ep=2"})), 1e-5, 12);
+  expect_same_training(base, with({"parallel.cp=2"}), 1e-5, 12);
+  expect_same_training(base, with({"parallel.dp=2", "parallel.ep=2"}), 1e-5, 12);
+}
+
 // Folded with expert capacity, and with a shared expert: the capacity is the
 // whole microbatch's (the logits are gathered over tp), and the shared expert,
 // split over tp like the MLP, enters and leaves its own TP region.

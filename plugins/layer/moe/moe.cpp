@@ -24,7 +24,9 @@
 //  - shared experts (Megatron's moe_shared_expert_intermediate_size), optional: a
 //    GeLU MLP of width shared_expert_ffn_hidden_size on every token, beside the
 //    routed experts on the same LN output, its output added to theirs (ungated):
-//      y = x + dropout(routed(LN(x)) + shared(LN(x))).
+//      y = x + dropout(routed(LN(x)) + shared(LN(x))),
+//    optionally gated (shared_expert_gate, Megatron's moe_shared_expert_gate):
+//    shared(LN(x))_t times sigmoid(LN(x)_t . w_gate), w_gate a [hidden] weight.
 //  - router z-loss (ST-MoE; Megatron's moe_z_loss_coeff), optional:
 //      z = z_loss_coeff * mean over tokens of logsumexp(logits)^2,
 //    keeps the router's logits small; weighted and reported with the aux loss.
@@ -352,6 +354,7 @@ class Moe : public loom::Layer {
     z_coeff_ = options.get_float("z_loss_coeff", 0.0);
     capacity_factor_ = options.get_float("capacity_factor", 0.0);
     shared_ffn_ = options.get_int("shared_expert_ffn_hidden_size", 0);
+    shared_gate_ = options.get_bool("shared_expert_gate", false);
     const std::string policy = options.get_string("drop_policy", "probs");
     LOOM_REQUIRE(capacity_factor_ >= 0.0, name_ << ": option capacity_factor = " << capacity_factor_
                                                 << " must be >= 0 (0 = dropless)");
@@ -384,6 +387,9 @@ class Moe : public loom::Layer {
                        << " must be >= 0 (0 = no shared expert) and divisible by the tensor-parallel size (" << tp
                        << ")");
     shared_local_ = shared_ffn_ / tp;
+    LOOM_REQUIRE(!shared_gate_ || shared_ffn_ > 0,
+                 name_ << ": option shared_expert_gate = true gates the shared expert, but there is none; set "
+                          "shared_expert_ffn_hidden_size > 0 or shared_expert_gate = false");
     ep_group_ = rank.group("ep");
     ep_ = std::max(1, ep_group_.size());
     LOOM_REQUIRE(experts_ % ep_ == 0, name_ << ": option num_experts = " << experts_
@@ -422,6 +428,8 @@ class Moe : public loom::Layer {
       p[kShared2W] = {.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0,
                       .init = LOOM_INIT_NORMAL_SCALED};
       p[kShared2B] = {.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
+      // Megatron's shared-expert gate: sigmoid(x . w) per token, duplicated over tp.
+      if (shared_gate_) p.push_back({.name = "shared.gate.weight", .shape = {H}, .init = LOOM_INIT_NORMAL});
     }
     return p;
   }
@@ -431,10 +439,10 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(params.size() == n && grads.size() == n,
                  name_ << ": bind expects " << n << " parameters, got " << params.size());
     const std::vector<int64_t> expect = local_numels();
-    const char* names[kShared2B + 1] = {"ln.weight",          "ln.bias",           "router.weight",
-                                        "experts.fc1.weight", "experts.fc1.bias",  "experts.fc2.weight",
-                                        "experts.fc2.bias",   "shared.fc1.weight", "shared.fc1.bias",
-                                        "shared.fc2.weight",  "shared.fc2.bias"};
+    const char* names[kSharedGate + 1] = {"ln.weight",          "ln.bias",           "router.weight",
+                                          "experts.fc1.weight", "experts.fc1.bias",  "experts.fc2.weight",
+                                          "experts.fc2.bias",   "shared.fc1.weight", "shared.fc1.bias",
+                                          "shared.fc2.weight",  "shared.fc2.bias",   "shared.gate.weight"};
     dt_ = bound_dtypes(params, grads, name_);
     for (size_t i = 0; i < n; ++i) {
       w_[i] = bound(params[i], expect[static_cast<size_t>(i)], name_, names[i], dt_.act);
@@ -488,6 +496,7 @@ class Moe : public loom::Layer {
     s.B = B;
     s.mask = s.mem.add(drop ? Tl * H : 0);
     s.shared_h = s.mem.elems(a.training ? T * shared_local_ : 0, act);  // the shared expert's fc1 output
+    s.shared_out = s.mem.elems(a.training && shared_gate_ ? T * H : 0, act);  // and its output, ungated
     s.dropped = drop;
     s.mem.allocate(rank_);
 
@@ -596,15 +605,16 @@ class Moe : public loom::Layer {
     if (zero_row) fill_zero_row(dev, tmp.at(yx), N, H);
     combine_rows(dev, tmp.at(yx), N + zero_row, s.route.at<int32_t>(s.slot_row), tmp.at(out_full), Tr, H);
     void* shared_h = a.training ? s.mem.at(s.shared_h) : nullptr;
+    void* shared_out = a.training && shared_gate_ ? s.mem.at(s.shared_out) : nullptr;
     void* out = tmp.at<void>(out_full);
     if (fold) {  // the routed output is this rank's shard already; the shared expert's leaves its region (g)
       if (shared_apart) {
-        shared_expert_forward(dev, xfull, shared_h, tmp.at(shared_full), T, /*accumulate=*/false);
+        shared_forward(dev, xfull, shared_h, shared_out, tmp.at(shared_full), T, /*accumulate=*/false);
         tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(shared_full), .out = tmp.at(shared_o), .dtype = act});
         add(dev, tmp.at(shared_o), out, out, Tl * H, act);
       }
     } else {
-      if (shared_ffn_ > 0) shared_expert_forward(dev, xin, shared_h, out, T, /*accumulate=*/true);
+      if (shared_ffn_ > 0) shared_forward(dev, xin, shared_h, shared_out, out, T, /*accumulate=*/true);
       // g: the partial sums over tp ranks, reduced (to this rank's shard under SP).
       out = sp ? tmp.at<void>(o) : tmp.at<void>(out_full);
       tp_.exit_forward({.rows = T, .cols = H, .x = tmp.at(out_full), .out = out, .dtype = act});
@@ -729,6 +739,7 @@ class Moe : public loom::Layer {
     a.elems(N, dt_.act);                      // gates
     a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
     a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
+    a.elems(shared_gate_ ? T * H : 0, dt_.act);  // and its ungated output
     if (ep_ > 1) a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the dispatcher's plan (row indices)
     return a.bytes();
   }
@@ -747,18 +758,19 @@ class Moe : public loom::Layer {
       rows = std::min(rows, static_cast<double>(experts_ * capacity(whole)) * static_cast<double>(own) /
                                 static_cast<double>(whole));
     return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
-           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_);
+           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_) +
+           (shared_gate_ ? 2.0 * T * H : 0.0);
   }
 
  private:
-  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B };
-  size_t num_params() const { return shared_ffn_ > 0 ? kShared2B + 1 : kFc2B + 1; }
+  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B, kSharedGate };
+  size_t num_params() const { return shared_ffn_ > 0 ? (shared_gate_ ? kSharedGate : kShared2B) + 1 : kFc2B + 1; }
 
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;    // fixed size: dropout mask, the shared expert's fc1 output
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
-    size_t mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0;
+    size_t mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0, shared_out = 0;
     bool dropped = false;
     Routing routing;     // the rows this rank dispatches (its tokens' part of the whole microbatch's routing)
     RouterRows router;   // what the router's backward needs of the whole routing, for this rank's LN rows
@@ -916,20 +928,32 @@ class Moe : public loom::Layer {
     }
     if (zero_row) fill_zero_row(dev, dxg, N, H);
     combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), dln_full, Tr, H);
+    std::vector<float> gate_dlogits;  // the shared-expert gate's logit gradients of the TP region's tokens
     if (fold) {  // the routed part is this rank's shard's; the shared expert's leaves its region (f)
       if (shared_apart) {
-        shared_expert_backward(dev, gs, xfull, s.mem.at(s.shared_h), d, tmp.at(shared_dfull), T, count_bias,
-                               /*accumulate=*/false);
+        gate_dlogits = shared_backward(dev, gs, xfull, s.mem.at(s.shared_h), s.mem.at(s.shared_out), d,
+                                       tmp.at(shared_dfull), T, count_bias, /*accumulate=*/false);
         tp_.enter_backward({.rows = T, .cols = H, .x = tmp.at(shared_dfull), .out = tmp.at(shared_dshard),
                             .dtype = act});
         add(dev, tmp.at(shared_dshard), dln_full, dln_full, Tl * H, act);
       }
     } else {
       if (shared_ffn_ > 0)
-        shared_expert_backward(dev, gs, xin, s.mem.at(s.shared_h), d, dln_full, T, count_bias,
-                               /*accumulate=*/true);
+        gate_dlogits = shared_backward(dev, gs, xin, s.mem.at(s.shared_h), s.mem.at(s.shared_out), d, dln_full,
+                                       T, count_bias, /*accumulate=*/true);
       // f's backward: summed over tp (reduce-scattered to the shard under SP).
       tp_.enter_backward({.rows = T, .cols = H, .x = dln_full, .out = dl, .dtype = act});
+    }
+    if (shared_gate_) {
+      // The gate's weight and input gradients, on the rows this rank holds (its
+      // shard under SP: the engine sums the duplicated weight's gradient over tp).
+      const int64_t g0 = sp ? tp_.rank() * Tl : 0;
+      Arena g;
+      const size_t dlr = g.elems(Tl, act);
+      g.allocate(rank_);
+      upload_values(dev, std::vector<float>(gate_dlogits.begin() + g0, gate_dlogits.begin() + g0 + Tl), g.at(dlr));
+      gemm(dev, true, false, H, 1, Tl, ln, g.at(dlr), gs[kSharedGate], 1.0f, act, gdt);
+      gemm(dev, false, false, Tl, H, 1, g.at(dlr), w_[kSharedGate], dl, 1.0f, act, act);
     }
 
     // The router, on the rows this rank holds (its shard under SP): every tp rank
@@ -1030,6 +1054,7 @@ class Moe : public loom::Layer {
     const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_, Fs = shared_local_;
     std::vector<int64_t> n = {H, H, H * E, El * H * Fl, El * Fl, El * Fl * H, El * H};
     if (shared_ffn_ > 0) n.insert(n.end(), {H * Fs, Fs, Fs * H, H});
+    if (shared_gate_) n.push_back(H);
     return n;
   }
 
@@ -1038,15 +1063,21 @@ class Moe : public loom::Layer {
     const int64_t N = r.rows();
     dev.copy(tok, r.row_token.data(), static_cast<size_t>(N) * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
     dev.copy(slot_row, r.slot_row.data(), r.slot_row.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
+    upload_values(dev, r.row_gate, gate);
+  }
+
+  // Host values to the device in the activation dtype.
+  void upload_values(const loom::Device& dev, const std::vector<float>& v, void* out) const {
+    const int64_t n = static_cast<int64_t>(v.size());
     if (dt_.act == LOOM_DTYPE_F32) {
-      dev.copy(gate, r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+      dev.copy(out, v.data(), v.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
       return;
     }
     Arena wide;
-    const size_t g = wide.floats(N);
+    const size_t g = wide.floats(n);
     wide.allocate(rank_);
-    dev.copy(wide.at(g), r.row_gate.data(), static_cast<size_t>(N) * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
-    dev.elementwise({.op = LOOM_EW_CAST, .n = N, .x = wide.at(g), .out = gate, .dtype = LOOM_DTYPE_F32,
+    dev.copy(wide.at(g), v.data(), v.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    dev.elementwise({.op = LOOM_EW_CAST, .n = n, .x = wide.at(g), .out = out, .dtype = LOOM_DTYPE_F32,
                      .out_dtype = dt_.act});
   }
 
@@ -1133,6 +1164,84 @@ class Moe : public loom::Layer {
     column_sum_acc(rank_, dev, tmp.at(da), gs[kShared1B], T, Fs, act, gdt);
     gemm(dev, false, true, T, H, Fs, tmp.at(da), w_[kShared1W], dxin, accumulate ? 1.0f : 0.0f, act, act);
   }
+  // The shared expert into out [T, H] (+= when accumulate), partial over tp; with
+  // shared_expert_gate each token's row times sigmoid(xin_t . w_gate) (Megatron's
+  // shared-expert gate; the row scaling commutes with the tp sum). saved_out
+  // (training, gated) keeps the ungated rows for the gate's gradient.
+  void shared_forward(const loom::Device& dev, const void* xin, void* saved_h, void* saved_out, void* out, int64_t T,
+                      bool accumulate) const {
+    if (!shared_gate_) {
+      shared_expert_forward(dev, xin, saved_h, out, T, accumulate);
+      return;
+    }
+    const int64_t H = hidden_;
+    const int32_t act = dt_.act;
+    Arena tmp;
+    const size_t raw = tmp.elems(saved_out ? 0 : T * H, act), gated = tmp.elems(T * H, act),
+                 gate = tmp.elems(T, act), ones = tmp.elems(H, act);
+    tmp.allocate(rank_);
+    void* ungated = saved_out ? saved_out : tmp.at(raw);
+    shared_expert_forward(dev, xin, saved_h, ungated, T, /*accumulate=*/false);
+    const std::vector<float> s = shared_gates(dev, xin, T);
+    upload_values(dev, s, tmp.at(gate));
+    expand_gates(dev, tmp.at(gate), tmp.at(ones), tmp.at(gated), T, H);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = T * H, .x = ungated, .y = tmp.at(gated), .out = tmp.at(gated),
+                     .dtype = act, .out_dtype = act});
+    if (accumulate)
+      add(dev, tmp.at(gated), out, out, T * H, act);
+    else
+      copy_d2d(dev, out, tmp.at(gated), static_cast<size_t>(T * H) * dt_.act_bytes());
+  }
+  // sigmoid(xin_t . w_gate) of the T tokens (host: the router's values are read
+  // there too).
+  std::vector<float> shared_gates(const loom::Device& dev, const void* xin, int64_t T) const {
+    Arena tmp;
+    const size_t logit = tmp.floats(T);
+    tmp.allocate(rank_);
+    gemm(dev, false, false, T, 1, hidden_, xin, w_[kSharedGate], tmp.at(logit), 0.0f, dt_.act, LOOM_DTYPE_F32);
+    std::vector<float> s(static_cast<size_t>(T));
+    dev.copy(s.data(), tmp.at(logit), s.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    for (float& v : s) v = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(v))));
+    return s;
+  }
+  // The shared expert's backward from the TP region's output gradient d [T, H]
+  // (see shared_expert_backward); gated, d reaches the expert scaled by the gates
+  // and the result is the gate logits' gradients of the T tokens (host; the
+  // ungated rows are partial over tp, so their dot products are summed over tp),
+  // empty when ungated.
+  std::vector<float> shared_backward(const loom::Device& dev, GradShadow& gs, const void* xin, const void* hs,
+                                     const void* saved_out, const void* d, void* dxin, int64_t T, bool count_bias,
+                                     bool accumulate) const {
+    if (!shared_gate_) {
+      shared_expert_backward(dev, gs, xin, hs, d, dxin, T, count_bias, accumulate);
+      return {};
+    }
+    const int64_t H = hidden_;
+    const int32_t act = dt_.act;
+    Arena tmp;
+    const size_t gate = tmp.elems(T, act), ones = tmp.elems(H, act), scaled = tmp.elems(T * H, act),
+                 prod = tmp.elems(T * H, act), dgate = tmp.floats(T);
+    tmp.allocate(rank_);
+    std::vector<float> s = shared_gates(dev, xin, T);
+    upload_values(dev, s, tmp.at(gate));
+    expand_gates(dev, tmp.at(gate), tmp.at(ones), tmp.at(scaled), T, H);
+    dev.elementwise({.op = LOOM_EW_MUL, .n = T * H, .x = d, .y = tmp.at(scaled), .out = tmp.at(scaled), .dtype = act,
+                     .out_dtype = act});
+    shared_expert_backward(dev, gs, xin, hs, tmp.at(scaled), dxin, T, count_bias, accumulate);
+    // d gate_t = <d_t, ungated_t>, summed over tp.
+    dev.elementwise({.op = LOOM_EW_MUL, .n = T * H, .x = d, .y = const_cast<void*>(saved_out), .out = tmp.at(prod), .dtype = act,
+                     .out_dtype = act});
+    gemm(dev, false, false, T, 1, H, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
+    if (tp_.size() > 1)
+      tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(T),
+                           LOOM_DTYPE_F32);
+    std::vector<float> dlogit(static_cast<size_t>(T));
+    dev.copy(dlogit.data(), tmp.at(dgate), dlogit.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    for (size_t t = 0; t < dlogit.size(); ++t) dlogit[t] *= s[t] * (1.0f - s[t]);
+    return dlogit;
+  }
   // out [N, width] = gate [N, 1] x ones [1, width]: each row's gate across its columns.
   void expand_gates(const loom::Device& dev, const void* gate, void* ones, void* out, int64_t N,
                     int64_t width) const {
@@ -1181,14 +1290,15 @@ class Moe : public loom::Layer {
   std::string name_;
   int64_t hidden_ = 0, experts_ = 0, top_k_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t shared_ffn_ = 0, shared_local_ = 0;  // the shared expert's width (0 = none), and this tp rank's part
+  bool shared_gate_ = false;                   // its output times sigmoid(x . w) per token
   bool pre_softmax_ = false;
   double aux_coeff_ = 0.0, z_coeff_ = 0.0, capacity_factor_ = 0.0;
   bool drop_by_probs_ = true;
   float dropout_ = 0.0f;
   Dtypes dt_;
   bool fusion_ = false;
-  void* w_[kShared2B + 1] = {};
-  void* g_[kShared2B + 1] = {};
+  void* w_[kSharedGate + 1] = {};
+  void* g_[kSharedGate + 1] = {};
   std::map<int32_t, Saved> saved_;
   std::map<int32_t, RouterMemory> router_memory_;  // per training microbatch, across steps
 };
@@ -1196,7 +1306,7 @@ class Moe : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.3.0",
+    "moe", "1.4.0",
     "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
     "loss (tensor-, expert- and context-parallel)",
     {loom::opt_int("num_experts", 8, "experts in the layer"),
@@ -1209,6 +1319,9 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
      loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)"),
      loom::opt_int("shared_expert_ffn_hidden_size", 0,
                    "width of a shared expert every token goes through beside the routed ones (0 = none)"),
+     loom::opt_bool("shared_expert_gate", false,
+                    "scale the shared expert's output per token by sigmoid(x . w), w a learned [hidden] vector "
+                    "(Megatron's moe_shared_expert_gate, Qwen2-MoE)"),
      loom::opt_float("capacity_factor", 0.0,
                      "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
                      "microbatch's slots, the rest are dropped (0 = dropless)"),
