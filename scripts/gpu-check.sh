@@ -10,7 +10,8 @@
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
 #   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
 #      graphs (exec.mode = partial_graph; MoE router sub-steps too) whose losses must equal eager's, and the ms/step
-#      of both on the quickstart model (small kernels: launch-bound, where graphs help)
+#      of both on the quickstart model (small kernels: launch-bound, where graphs help);
+#      activation recomputation whose losses must equal keeping the activations
 #   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
 # Dependencies the GPU machine lacks: .deb files in $LOOM_GPU_DEPS (default .gpu-deps/,
@@ -251,6 +252,17 @@ if run cuda_moe_graph "${moe[@]}" --set device.kind=cuda --set exec.mode=partial
   else fail "partial_graph losses differ from eager on the GPU with MoE blocks"; fi
 else
   fail "partial_graph MoE run failed (see $out/cuda_moe_graph.log)"; tail -5 "$out/cuda_moe_graph.log"
+fi
+
+say "== activation recomputation (uniform groups of 2) against keeping activations, device/cuda"
+# The recomputed forward repeats the same kernels on the same inputs: equal losses.
+if run cuda_recompute "${common[@]}" --set device.kind=cuda --set model.recompute_granularity=full \
+     --set model.recompute_method=uniform --set model.recompute_num_layers=2; then
+  if compare "$out/cuda_recompute.jsonl" "$out/cuda_dp1.jsonl" 1e-6 "recompute vs kept activations"; then
+    pass "recomputation = keeping activations on the GPU"
+  else fail "recomputation changes the losses on the GPU"; fi
+else
+  fail "recompute run failed (see $out/cuda_recompute.log)"; tail -5 "$out/cuda_recompute.log"
 fi
 
 # ---- 5. benchmark ------------------------------------------------------------------------
