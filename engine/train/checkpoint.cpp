@@ -106,6 +106,64 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir) {
   return best;
 }
 
+namespace {
+std::string layout_file(const std::string& dir, int rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "rank_%05d.params", rank);
+  return (fs::path(dir) / name).string();
+}
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+}  // namespace
+
+ParamLayoutList param_layout_of(const model::Model& model) {
+  ParamLayoutList out;
+  for (const model::ParamEntry& e : model.param_entries()) out.push_back({e.name, e.local_shape});
+  return out;
+}
+
+void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList& params) {
+  std::ostringstream os;
+  for (const ParamLayoutEntry& p : params) {
+    os << p.name;
+    for (int64_t d : p.shape) os << ' ' << d;
+    os << '\n';
+  }
+  const std::string text = os.str();
+  write_all(layout_file(tmp, rank), {{text.data(), text.size()}});
+}
+
+void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params) {
+  const std::string path = layout_file(step_dir, file_rank);
+  std::ifstream in(path);
+  if (!in) return;  // written before checkpoints recorded it
+  ParamLayoutList saved;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    ParamLayoutEntry e;
+    if (!(ls >> e.name)) continue;
+    for (int64_t d; ls >> d;) e.shape.push_back(d);
+    saved.push_back(std::move(e));
+  }
+  const std::string why = "; resume with the model it was written by (its manifest: " +
+                          (fs::path(step_dir) / "manifest.toml").string() + ")";
+  for (size_t i = 0; i < std::min(saved.size(), params.size()); ++i) {
+    if (saved[i].name != params[i].name)
+      throw CheckpointError(path + ": parameter " + std::to_string(i) + " is " + saved[i].name +
+                            " in the checkpoint but " + params[i].name + " in this model" + why);
+    if (saved[i].shape != params[i].shape)
+      throw CheckpointError(path + ": parameter " + params[i].name + " has shape " + shape_text(saved[i].shape) +
+                            " in the checkpoint but " + shape_text(params[i].shape) + " in this model" + why);
+  }
+  if (saved.size() != params.size())
+    throw CheckpointError(path + ": the checkpoint holds " + std::to_string(saved.size()) +
+                          " parameters on this rank, this model " + std::to_string(params.size()) + why);
+}
+
 void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state) {
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
@@ -266,8 +324,11 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
                           " data-parallel ranks under this run's tp, cp and pp");
   std::vector<RankState> old;
   const size_t elem_size = model::dtype_size(model.param_dtype());
-  for (int peer : peers)
+  const ParamLayoutList layout = param_layout_of(model);
+  for (int peer : peers) {
+    check_param_layout(step_dir, peer, layout);  // dp peers hold the same parameters
     old.push_back(read_rank_file(step_dir, peer, static_cast<int64_t>(old_layout.numel), elem_size));
+  }
 
   // Parameters: every dp replica saved the same buffer; old dp rank 0's is used.
   const std::vector<char> params = remap_params(old.front().params, elem_size, old_layout, model.layout());

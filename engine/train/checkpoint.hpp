@@ -52,6 +52,23 @@ std::string checkpoint_path(const std::string& dir, int64_t step);
 // The highest complete step in dir, or nullopt when there is none.
 std::optional<int64_t> latest_checkpoint(const std::string& dir);
 
+// The parameters a rank holds, as a checkpoint records them: name and local
+// shape, in model order (model::Model::param_entries()).
+struct ParamLayoutEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+using ParamLayoutList = std::vector<ParamLayoutEntry>;
+ParamLayoutList param_layout_of(const model::Model& model);
+// rank_NNNNN.params next to the rank's file in `tmp`: one line per parameter,
+// "name d0 d1 ...". A resume checks it against the model (check_param_layout), so a
+// checkpoint of another model is refused naming the first parameter that differs
+// (the rank file alone would only show a different element count, or none).
+void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList& params);
+// Throws CheckpointError naming the file and the first difference; a checkpoint
+// written before these files existed has none and passes.
+void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params);
+
 // Per-rank file, written into the temporary directory `tmp` (fsynced).
 void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state);
 // Rank 0, after every rank wrote its file: meta + manifest, fsync, atomic rename.

@@ -273,6 +273,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     std::unique_ptr<loom_optimizer, void (*)(loom_optimizer*)> opt_guard(opt, opt_api->destroy);
 
     if (!resume_dir.empty() && resume_old_dp == 0) {
+      check_param_layout(resume_dir, rank, param_layout_of(model));
       RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()),
                                    model::dtype_size(model.param_dtype()));
       dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
@@ -358,6 +359,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       s.optimizer.resize(bytes);
       loom::check(opt_api->state_save(opt, s.optimizer.data(), bytes));
       write_rank_file(tmp, rank, step, s);
+      write_param_layout(tmp, rank, param_layout_of(model));
       world.barrier();
       if (leader) {
         CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,

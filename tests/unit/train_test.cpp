@@ -213,6 +213,43 @@ TEST(Checkpoint, CorruptCheckpointIsAClearErrorAndChangesNothing) {
   fs::remove_all(dir);
 }
 
+// A checkpoint records each rank's parameters (rank_NNNNN.params: names and local
+// shapes). Resuming another model is refused naming the first parameter that
+// differs: blocks reordered (attention after mlp: the same element count, which
+// the rank file alone would have loaded into the wrong parameters), another width
+// (also when resharding over another dp). A checkpoint without the files (written
+// before they existed) still loads.
+TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
+  const std::string dir = loom::testing::scratch_dir("another-model");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=2", "parallel.dp=2", ck});
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto refusal = [&](std::vector<std::string> o) -> std::string {
+    o.insert(o.end(), {"run.steps=4", ck});
+    try {
+      run_and_trace(tiny_manifest(), o, resume);
+    } catch (const std::exception& e) {  // the launcher's, naming the rank
+      return e.what();
+    }
+    return "";
+  };
+  const std::string swapped = refusal({"parallel.dp=2", "model.block=[\"mlp\", \"attention\"]"});
+  EXPECT_NE(swapped.find(".params: parameter 2 is blocks.0.attention.ln.weight"), std::string::npos) << swapped;
+  EXPECT_NE(swapped.find("in the checkpoint but blocks.0.mlp"), std::string::npos) << swapped;
+  EXPECT_NE(swapped.find("manifest.toml"), std::string::npos) << "says where the checkpoint's model is: " << swapped;
+  for (const std::string dp : {"parallel.dp=2", "parallel.dp=1"}) {  // as written, and resharded
+    const std::string wider = refusal({dp, "model.ffn_hidden_size=96"});
+    EXPECT_NE(wider.find("has shape [32, 128] in the checkpoint but [32, 96] in this model"), std::string::npos)
+        << dp << ": " << wider;
+  }
+  for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
+    if (e.path().extension() == ".params") fs::remove(e.path());
+  auto old = run_and_trace(tiny_manifest(), {"run.steps=4", "parallel.dp=2", ck}, resume);
+  EXPECT_EQ(old.result.start_step, 2);
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, ResumeWithoutCheckpointSaysWhere) {
   const std::string dir = loom::testing::scratch_dir("empty");
   loom::train::TrainOptions resume;
