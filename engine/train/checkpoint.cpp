@@ -127,9 +127,9 @@ ParamLayoutList param_layout_of(const model::Model& model) {
 
 void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList& params) {
   std::ostringstream os;
-  for (const ParamLayoutEntry& p : params) {
-    os << p.name;
-    for (int64_t d : p.shape) os << ' ' << d;
+  for (const ParamLayoutEntry& p : params) {  // a tab after the name: names may hold spaces
+    os << p.name << '\t';
+    for (size_t i = 0; i < p.shape.size(); ++i) os << (i ? " " : "") << p.shape[i];
     os << '\n';
   }
   const std::string text = os.str();
@@ -138,14 +138,16 @@ void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList&
 
 void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params) {
   const std::string path = layout_file(step_dir, file_rank);
+  boost::system::error_code ec;
+  if (!fs::exists(path, ec)) return;  // written before checkpoints recorded it
   std::ifstream in(path);
-  if (!in) return;  // written before checkpoints recorded it
+  if (!in) throw CheckpointError("cannot read " + path + ": " + std::strerror(errno));
   ParamLayoutList saved;
   std::string line;
   while (std::getline(in, line)) {
     std::istringstream ls(line);
     ParamLayoutEntry e;
-    if (!(ls >> e.name)) continue;
+    if (!std::getline(ls, e.name, '\t') || e.name.empty()) continue;
     for (int64_t d; ls >> d;) e.shape.push_back(d);
     saved.push_back(std::move(e));
   }

@@ -719,6 +719,16 @@ TEST(Moe, GatedSharedExpertMatchesSerial) {
   expect_same_training(base, with(folded({"parallel.ep=2"})), 1e-5, 12);
   expect_same_training(base, with({"parallel.cp=2"}), 1e-5, 12);
   expect_same_training(base, with({"parallel.dp=2", "parallel.ep=2"}), 1e-5, 12);
+  // bf16 (the gates and their gradients cast to bf16 on upload) with dropout after
+  // the gate: tp 2 + SP tracks serial bf16 as the other bf16 layouts do.
+  const std::vector<std::string> bf16 = {"device.param_dtype=\"bf16\"", "model.layer.moe.dropout=0.1"};
+  const RankTrace ser = with(bf16), sp = with({bf16[0], bf16[1], "parallel.tp=2", "parallel.sequence_parallel=true"});
+  ASSERT_EQ(sp.loss.size(), ser.loss.size());
+  EXPECT_NEAR(sp.loss[0], ser.loss[0], 1e-4 * ser.loss[0]);
+  const double gn = ser.result.steps[0].grad_norm;
+  EXPECT_NEAR(sp.result.steps[0].grad_norm, gn, 1e-3 * gn);
+  for (size_t s = 0; s < ser.loss.size(); ++s)
+    EXPECT_NEAR(sp.loss[s], ser.loss[s], 3e-2 * ser.loss[s]) << "loss at step " << s + 1;
 }
 
 // Folded with expert capacity, and with a shared expert: the capacity is the
@@ -799,8 +809,10 @@ TEST(Moe, FoldedBf16TracksSerialBf16) {
 }
 
 // Context parallelism (parallel.cp, ABI 1.6): each cp rank holds two chunks of
-// every sequence; MoE layers gather the router's logits over cp and route the
-// whole microbatch, each rank dispatching its own tokens. Every layout trains the
+// every sequence; MoE layers route as the serial run does (with a capacity they
+// gather the router's logits over cp and route the whole microbatch; dropless each
+// rank routes its own tokens and all-reduces the loss sums), each rank dispatching
+// its own tokens. Every layout trains the
 // serial model: cp alone, ep = the cp group (both strategies), ep over cp x dp,
 // with tp + SP (experts split over tp, and folded), and with pipeline stages.
 std::vector<std::string> cp2(std::vector<std::string> o) {

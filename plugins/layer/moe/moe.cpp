@@ -768,7 +768,7 @@ class Moe : public loom::Layer {
 
   struct Saved {
     int64_t S = 0, B = 0;
-    Arena mem;    // fixed size: dropout mask, the shared expert's fc1 output
+    Arena mem;    // fixed size: dropout mask, the shared expert's fc1 output (and its ungated output)
     Arena route;  // sized by the routing: token ids, gates, fc1 outputs
     size_t mask = 0, tok = 0, slot_row = 0, gate = 0, h = 0, shared_h = 0, shared_out = 0;
     bool dropped = false;
