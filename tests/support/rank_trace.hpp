@@ -6,6 +6,8 @@
 
 #include "support/train_fixture.hpp"
 
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <map>
 #include <mutex>
@@ -161,6 +163,20 @@ inline double tensor_rel_diff(const std::vector<float>& a, const std::vector<flo
     den += double(b[i]) * double(b[i]);
   }
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+}
+
+// A lower-precision (bf16) parallel run tracks its serial reference: the first
+// loss within first_loss_tol and the first gradient norm within grad_norm_tol
+// (relative: before the runs' last bits compound), every loss within loss_tol.
+inline void expect_tracks(const RankTrace& reference, const RankTrace& run, double first_loss_tol,
+                          double grad_norm_tol, double loss_tol) {
+  ASSERT_EQ(run.loss.size(), reference.loss.size());
+  ASSERT_FALSE(reference.loss.empty());
+  EXPECT_NEAR(run.loss[0], reference.loss[0], first_loss_tol * reference.loss[0]);
+  const double gn = reference.result.steps[0].grad_norm;
+  EXPECT_NEAR(run.result.steps[0].grad_norm, gn, grad_norm_tol * gn);
+  for (size_t s = 0; s < reference.loss.size(); ++s)
+    EXPECT_NEAR(run.loss[s], reference.loss[s], loss_tol * reference.loss[s]) << "loss at step " << s + 1;
 }
 
 }  // namespace loom::testing

@@ -167,13 +167,7 @@ TEST(ContextParallel, Bf16TracksSerialBf16) {
   const std::vector<std::string> bf16 = {"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""};
   std::vector<std::string> cp = bf16;
   cp.push_back("parallel.cp=2");
-  const RankTrace ser = run(bf16), par = run(cp);
-  ASSERT_EQ(par.loss.size(), ser.loss.size());
-  EXPECT_NEAR(par.loss[0], ser.loss[0], 1e-5 * ser.loss[0]);
-  const double gn = ser.result.steps[0].grad_norm;
-  EXPECT_NEAR(par.result.steps[0].grad_norm, gn, 2e-4 * gn);
-  for (size_t s = 0; s < ser.loss.size(); ++s)
-    EXPECT_NEAR(par.loss[s], ser.loss[s], 1e-3 * ser.loss[s]) << "loss at step " << s + 1;
+  loom::testing::expect_tracks(run(bf16), run(cp), 1e-5, 2e-4, 1e-3);
 }
 
 // Dropout draws each element's mask from its place in the whole sequence, so a
