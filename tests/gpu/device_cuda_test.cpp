@@ -1129,6 +1129,32 @@ TEST(DeviceCuda, AllocatorStatisticsTrackCurrentPeakAndReserved) {
   EXPECT_EQ(d.stats().current_bytes, 0u);
 }
 
+// Memory allocated inside a capture belongs to the graph pool while a graph could
+// replay into it; freed once no graph is alive, it is an ordinary block again, so
+// the next eager allocation of its size reuses it instead of reserving more.
+TEST(DeviceCuda, AGraphBlockFreedWhenNoGraphLivesServesEagerAllocations) {
+  REQUIRE_GPU();
+  Dev d("cuda");
+  const loom_device_api* api = d.api();
+  const int64_t n = int64_t{1} << 20;  // 4 MiB of fp32
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  void* p = d.alloc(static_cast<size_t>(n) * 4);  // from the graph pool
+  loom_elementwise_args fill = ew(LOOM_EW_FILL, n, nullptr, nullptr, p, F32);
+  fill.alpha = 3.0f;
+  loom::check(api->ops->elementwise(d.raw(), nullptr, &fill));
+  loom_graph* g = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &g));
+  loom::check(api->graph_replay(d.raw(), g, nullptr));
+  loom::check(api->stream_synchronize(d.raw(), nullptr));
+  api->graph_destroy(d.raw(), g);
+  d.free(p);
+  const uint64_t reserved = d.stats().reserved_bytes;
+  void* q = d.alloc(static_cast<size_t>(n) * 4);
+  EXPECT_EQ(d.stats().reserved_bytes, reserved) << "the idle graph block was not reused";
+  EXPECT_EQ(q, p);
+  d.free(q);
+}
+
 TEST(DeviceCuda, StreamsAreOrderedByEvents) {
   REQUIRE_GPU();
   Dev d("cuda");
