@@ -1,94 +1,244 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU (CUDA toolkit + NCCL in /usr/local/cuda):
-#   1. builds loom with CUDA (build-gpu/, CMAKE_CUDA_ARCHITECTURES from $LOOM_CUDA_ARCH, default 90)
-#   2. runs the GPU tests (device/cuda against device/cpu on every op; comm/nccl with >= 2 GPUs)
-#   3. training equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
+# On a machine with an NVIDIA GPU (CUDA toolkit in /usr/local/cuda):
+#   1. builds loom with CUDA (build-gpu/, CMAKE_CUDA_ARCHITECTURES from $LOOM_CUDA_ARCH, default 90),
+#      or takes a pack built elsewhere (LOOM_GPU_PREBUILT, below); then checks that every
+#      binary finds its libraries and every plugin loads
+#   2. tests: the GPU tests (device/cuda against device/cpu on every op; comm/nccl with >= 2 GPUs)
+#   3. equivalence: configs/quickstart.toml for 10 steps on device/cuda (fp32) and on
 #      device/cpu; every step's loss must agree within 1e-4 (relative); with >= 2 GPUs also
 #      dp = 2 over comm/nccl (ranks as threads, and one process per rank under mpirun)
 #      and cp = 2 (context parallelism) over comm/nccl
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
-#   4. a bf16 run (device.param_dtype = bf16) whose loss must track the fp32 one; partial
-#      graphs (exec.mode = partial_graph; MoE router sub-steps too) whose losses must equal eager's, and the ms/step
-#      of both on the quickstart model (small kernels: launch-bound, where graphs help);
-#      activation recomputation whose losses must equal keeping the activations
-#   5. a benchmark: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
+#   4. bf16: a run with device.param_dtype = bf16 whose loss must track the fp32 one;
+#      graphs: partial graphs (exec.mode = partial_graph; MoE router sub-steps too) whose
+#      losses must equal eager's, and the ms/step of both on the quickstart model (small
+#      kernels: launch-bound, where graphs help);
+#      recompute: activation recomputation whose losses must equal keeping the activations
+#   5. bench: configs/gpt2_124m.toml (GPT-2 124M shape, sequence 1024) with the
 #      largest micro-batch that fits; prints ms/step, tokens/s and MFU
 # Dependencies the GPU machine lacks: .deb files in $LOOM_GPU_DEPS (default .gpu-deps/,
 # made by scripts/gpu-deps.sh on a Debian 12 machine) are unpacked into $build/sysroot and
 # used from there (CMAKE_PREFIX_PATH, LD_LIBRARY_PATH); NCCL is looked for in the CUDA
 # toolkit, then in the Python wheel nvidia-nccl (PyTorch's), or at $LOOM_NCCL_ROOT.
-# Exit status: 0 when every check passed (a check that could not run is reported as
-# SKIPPED with the reason), 1 otherwise. Logs and metrics go to $LOOM_GPU_CHECK_DIR
-# (default build-gpu/gpu-check/).
+#
+# Build here, run there: LOOM_GPU_PREBUILT=DIR runs every phase on the binaries of a pack
+# made by scripts/gpu-pack.sh on another machine (DIR/run-gpu-check.sh sets it), and builds
+# nothing: the pack's debs/ are unpacked into DIR/sysroot (never into /), LD_LIBRARY_PATH
+# gets their library folders, /usr/local/cuda/lib64 and the NCCL wheel's lib, and the
+# pack's configs are used.
+#
+# Environment:
+#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute bench"
+#                       (default all); bf16, graphs and recompute make the eager runs they
+#                       compare against when equivalence is not among them
+#   LOOM_GPU_TIMEOUT    seconds each phase may take (default 1800, timeout(1)); a phase out
+#                       of time is a failure, and the next phase runs
+#   LOOM_GPU_CHECK_DIR  logs and metrics (default build-gpu/gpu-check/, DIR/gpu-check/ with a pack)
+#   LOOM_GPU_PREBUILT   a pack (above); LOOM_JOBS, LOOM_CUDA_ARCH, LOOM_GPU_BUILD, LOOM_GPU_DEPS,
+#                       LOOM_NCCL_ROOT: the build
+# Exit status: 0 when every check passed, 1 otherwise. Checks that need 2 GPUs (or mpirun,
+# or comm/nccl built with MPI) say SKIPPED with the reason; any other check that cannot run
+# is a failure, never skipped.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+# Paths the caller gives are relative to where it stands: resolve them before moving.
+prebuilt=${LOOM_GPU_PREBUILT:-}
+if [ -n "$prebuilt" ]; then
+  prebuilt=$(cd "$prebuilt" 2>/dev/null && pwd) ||
+    { echo "gpu-check: LOOM_GPU_PREBUILT=$LOOM_GPU_PREBUILT is not a folder"; exit 1; }
+fi
+out=${LOOM_GPU_CHECK_DIR:-}
+case "$out" in /* | "") ;; *) out=$PWD/$out ;; esac
+deps=${LOOM_GPU_DEPS:-}  # else the repository's .gpu-deps/
+case "$deps" in /* | "") ;; *) deps=$PWD/$deps ;; esac
+cd "$(dirname "$0")/.." || exit 1
+if [ -n "$prebuilt" ]; then cd "$prebuilt" || exit 1; fi  # the pack's configs and layout
 root=$PWD
 jobs=${LOOM_JOBS:-$(nproc)}
 arch=${LOOM_CUDA_ARCH:-90}
 build=${LOOM_GPU_BUILD:-build-gpu}
-out=${LOOM_GPU_CHECK_DIR:-$build/gpu-check}
+deps=${deps:-$root/.gpu-deps}
+if [ -z "$out" ]; then
+  if [ -n "$prebuilt" ]; then out=$root/gpu-check; else out=$root/$build/gpu-check; fi
+fi
+mkdir -p "$out" || { echo "gpu-check: cannot create $out"; exit 1; }
+out=$(cd "$out" && pwd)
 failures=0
 say() { printf '%s\n' "$*"; }
 fail() { say "FAIL: $*"; failures=$((failures + 1)); }
 pass() { say "ok:   $*"; }
 
+all_phases="tests equivalence bf16 graphs recompute bench"
+phases=${LOOM_GPU_PHASES:-$all_phases}
+for p in $phases; do
+  case " $all_phases " in
+    *" $p "*) ;;
+    *) say "gpu-check: unknown phase '$p' in LOOM_GPU_PHASES (phases: $all_phases)"; exit 2 ;;
+  esac
+done
+want() { case " $phases " in *" $1 "*) return 0 ;; esac; return 1; }
+phase_limit=${LOOM_GPU_TIMEOUT:-1800}
+[[ $phase_limit =~ ^[1-9][0-9]*$ ]] || { say "gpu-check: LOOM_GPU_TIMEOUT=$phase_limit is not a number of seconds"; exit 2; }
+# Each phase gets phase_limit seconds in all: every command of it runs under timeout(1)
+# with what is left, so a hung run fails its phase instead of hanging the script.
+phase_name=""
+phase_end=0
+phase() {  # phase NAME TITLE: starts a phase
+  phase_name=$1
+  phase_end=$(( $(date +%s) + phase_limit ))
+  say "== $2"
+}
+limited() {  # limited CMD...: CMD under the time its phase has left; 124 when out of time
+  local left=$(( phase_end - $(date +%s) )) rc
+  if [ "$left" -le 0 ]; then
+    say "gpu-check: phase $phase_name is out of time (LOOM_GPU_TIMEOUT=$phase_limit s); not started: $*"
+    return 124
+  fi
+  timeout -k 30 "$left" "$@"
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    say "gpu-check: timed out: phase $phase_name has $phase_limit s (LOOM_GPU_TIMEOUT); stopped: $*"
+    rc=124
+  fi
+  return "$rc"
+}
+
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
 say "gpu-check: $gpus GPU(s) visible"
-say "host: $( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null), $(ldd --version 2>/dev/null | head -1), $(c++ --version 2>/dev/null | head -1), $(cmake --version | head -1)"
+say "host: $( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null), $(ldd --version 2>/dev/null | head -1), $(c++ --version 2>/dev/null | head -1), $(cmake --version 2>/dev/null | head -1)"
+say "phases: $phases (at most $phase_limit s each); logs in $out"
 if [ "$gpus" -eq 0 ]; then
   say "gpu-check: no GPU visible (nvidia-smi); nothing to check here"
   exit 1
 fi
 
-# ---- 1. build -------------------------------------------------------------------------
-say "== build ($build, CUDA arch $arch)"
-t0=$(date +%s)
-cmake_extra=()
-deps=${LOOM_GPU_DEPS:-.gpu-deps}
-if ls "$deps"/*.deb >/dev/null 2>&1; then
-  sysroot=$root/$build/sysroot
-  mkdir -p "$sysroot"
-  for f in "$deps"/*.deb; do
+unpack() {  # unpack DIR PREFIX: every .deb of DIR into PREFIX (never into /)
+  local f tmp
+  mkdir -p "$2" || return 1
+  for f in "$1"/*.deb; do
     if command -v dpkg-deb >/dev/null; then
-      dpkg-deb -x "$f" "$sysroot" || exit 1
+      dpkg-deb -x "$f" "$2" || return 1
     else  # a .deb is an ar archive holding data.tar.*
-      tmp=$(mktemp -d) && (cd "$tmp" && ar x "$root/$f") && tar -xf "$tmp"/data.tar.* -C "$sysroot" && rm -rf "$tmp" ||
-        exit 1
+      tmp=$(mktemp -d) && (cd "$tmp" && ar x "$f") && tar -xf "$tmp"/data.tar.* -C "$2" && rm -rf "$tmp" ||
+        return 1
     fi
   done
+}
+# The nvidia-nccl wheel's folder (PyTorch's NCCL; include/nccl.h, lib/libnccl.so.2), or nothing.
+nccl_wheel() {
+  python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null || true
+}
+nccl_version() {  # nccl_version NCCL_H: "2.28.9"
+  sed -n 's/^#define NCCL_\(MAJOR\|MINOR\|PATCH\) *\([0-9]*\).*/\2/p' "$1" 2>/dev/null | paste -sd.
+}
+mpi=OFF  # comm/nccl built with MPI (one process per rank under mpirun)
+
+if [ -n "$prebuilt" ]; then
+  # ---- 1. a prebuilt pack ---------------------------------------------------------------
+  say "== prebuilt pack $root (nothing is built)"
+  if [ ! -x bin/loom ] || [ ! -x bin/loom_gpu_tests ] || ! ls lib/loom/plugins/*.so >/dev/null 2>&1; then
+    say "gpu-check: $root is not a pack of scripts/gpu-pack.sh (bin/loom, bin/loom_gpu_tests, lib/loom/plugins/*.so)"
+    exit 1
+  fi
+  [ -f PACK-INFO ] && grep -v "^#" PACK-INFO | sed 's/^/  /'
+  mpi=$(sed -n 's/^mpi=//p' PACK-INFO 2>/dev/null)
+  sysroot=$root/sysroot
+  if ls debs/*.deb >/dev/null 2>&1; then
+    unpack "$root/debs" "$sysroot" || { say "gpu-check: cannot unpack $root/debs into $sysroot"; exit 1; }
+    say "dependencies: $(ls debs/*.deb | wc -l) packages from debs/ unpacked into $sysroot"
+  fi
   libdir=$sysroot/usr/lib/x86_64-linux-gnu
-  export LD_LIBRARY_PATH=$libdir:$libdir/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  cmake_extra+=(-DCMAKE_PREFIX_PATH="$sysroot/usr" -DBLAS_LIBRARIES="$libdir/openblas-pthread/libopenblas.so.0")
-  say "dependencies: $(ls "$deps"/*.deb | wc -l) packages from $deps unpacked into $sysroot"
+  nccl_root=${LOOM_NCCL_ROOT:-}
+  [ -z "$nccl_root" ] && [ ! -e /usr/local/cuda/lib64/libnccl.so.2 ] && nccl_root=$(nccl_wheel)
+  # CUDA libraries a CUDA image lacks may come with PyTorch's wheels (nvidia/*/lib): looked
+  # in last, after the toolkit's.
+  wheel_libs=$(python3 -c 'import glob, importlib.util as u; s = u.find_spec("nvidia")
+print(":".join(d for p in (s.submodule_search_locations if s else []) for d in sorted(glob.glob(p + "/*/lib"))))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH=${nccl_root:+$nccl_root/lib:}$libdir:$libdir/openblas-pthread:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}${wheel_libs:+:$wheel_libs}
+  if [ -n "$nccl_root" ]; then
+    packed=$(sed -n 's/^nccl=//p' PACK-INFO 2>/dev/null)
+    found=$(nccl_version "$nccl_root/include/nccl.h")
+    say "NCCL from $nccl_root (${found:-version unknown}; the pack was built against ${packed:-?})"
+  fi
+  loom=$root/bin/loom
+  gpu_tests=$root/bin/loom_gpu_tests
+else
+  # ---- 1. build -------------------------------------------------------------------------
+  say "== build ($build, CUDA arch $arch)"
+  t0=$(date +%s)
+  cmake_extra=()
+  if ls "$deps"/*.deb >/dev/null 2>&1; then
+    sysroot=$root/$build/sysroot
+    unpack "$deps" "$sysroot" || { say "gpu-check: cannot unpack $deps into $sysroot"; exit 1; }
+    libdir=$sysroot/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH=$libdir:$libdir/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # CMAKE_PREFIX_PATH also puts the prefix's share/glog/cmake (Debian glog's FindUnwind)
+    # on the module path: see CMakeLists.txt.
+    cmake_extra+=(-DCMAKE_PREFIX_PATH="$sysroot/usr" -DBLAS_LIBRARIES="$libdir/openblas-pthread/libopenblas.so.0")
+    say "dependencies: $(ls "$deps"/*.deb | wc -l) packages from $deps unpacked into $sysroot"
+  fi
+  nccl_root=${LOOM_NCCL_ROOT:-}
+  [ -z "$nccl_root" ] && [ ! -e /usr/local/cuda/include/nccl.h ] && nccl_root=$(nccl_wheel)
+  if [ -n "$nccl_root" ]; then
+    # Header and library both from there (CMake looks nowhere else when it is set).
+    cmake_extra+=(-DLOOM_NCCL_ROOT="$nccl_root")
+    export LD_LIBRARY_PATH=$nccl_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    say "NCCL from $nccl_root ($(nccl_version "$nccl_root/include/nccl.h"))"
+  fi
+  mkdir -p "$build"
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+    "${cmake_extra[@]}" >"$out/configure.log" 2>&1 || { cat "$out/configure.log"; fail "configure"; exit 1; }
+  grep -E "^-- loom:" "$out/configure.log"
+  grep -q "loom: CUDA ON" "$out/configure.log" || { fail "CUDA toolkit not found by CMake"; exit 1; }
+  grep -q "loom: MPI  ON" "$out/configure.log" && mpi=ON
+  say "building with $jobs jobs (log: $out/build.log)"
+  cmake --build "$build" -j "$jobs" >"$out/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$out/build.log" | head -20; fail "build (see $out/build.log)"; exit 1; }
+  say "build: $(( $(date +%s) - t0 )) s"
+  loom=$root/$build/bin/loom
+  gpu_tests=$root/$build/bin/loom_gpu_tests
 fi
-nccl_root=${LOOM_NCCL_ROOT:-}
-if [ -z "$nccl_root" ] && [ ! -e /usr/local/cuda/include/nccl.h ]; then
-  nccl_root=$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] if s else "")' 2>/dev/null || true)
+
+# Every library found, every plugin loaded (a plugin that fails to load, e.g. comm/nccl on
+# an NCCL older than the one it was compiled with, is otherwise noticed only by the checks
+# that need it, some of which need 2 GPUs).
+say "== libraries and plugins"
+plugin_dir=$(dirname "$loom")/../lib/loom/plugins
+missing=$(ldd "$loom" "$gpu_tests" "$plugin_dir"/*.so 2>&1 | grep "not found" | sort -u)
+if [ -n "$missing" ]; then
+  fail "libraries not found (LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}):"; say "$missing"
+  exit 1
 fi
-if [ -n "$nccl_root" ]; then
-  cmake_extra+=(-DLOOM_NCCL_ROOT="$nccl_root")
-  export LD_LIBRARY_PATH=$nccl_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  say "NCCL from $nccl_root"
+ldd "$plugin_dir"/loom_device_cuda.so "$plugin_dir"/loom_comm_nccl.so 2>/dev/null |
+  grep -E "libcudart|libcublas\.|libnccl" | sed 's/ (0x.*//; s/^[[:space:]]*/  /' | sort -u
+if "$loom" plugins list >"$out/plugins.log" 2>"$out/plugins.err" && ! grep -q . "$out/plugins.err"; then
+  missing=""
+  for p in device/cpu device/cuda comm/local comm/nccl; do
+    grep -q "^$p " "$out/plugins.log" || missing+=" $p"
+  done
+  if [ -z "$missing" ]; then pass "$(wc -l <"$out/plugins.log") plugins load (device/cuda, comm/nccl among them)"
+  else fail "plugins missing:$missing (see $out/plugins.log)"; fi
+else
+  fail "plugins fail to load:"; cat "$out/plugins.err"
 fi
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-  "${cmake_extra[@]}" >"$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
-grep -E "^-- loom:" "$build.configure.log"
-grep -q "loom: CUDA ON" "$build.configure.log" || { say "CUDA toolkit not found by CMake"; exit 1; }
-cmake --build "$build" -j "$jobs" || exit 1
-say "build: $(( $(date +%s) - t0 )) s"
-mkdir -p "$out"
-loom=$root/$build/bin/loom
 
 # ---- 2. GPU tests ---------------------------------------------------------------------
-say "== GPU tests"
-if "$build/bin/loom_gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log"; then
-  pass "GPU tests"
-else
-  fail "GPU tests (see $out/gpu_tests.log)"
+if want tests; then
+  phase tests "GPU tests ($gpu_tests)"
+  limited "$gpu_tests" --gtest_brief=1 2>&1 | tee "$out/gpu_tests.log"
+  if [ "${PIPESTATUS[0]}" -eq 0 ]; then
+    pass "GPU tests"
+  else
+    fail "GPU tests (see $out/gpu_tests.log)"
+  fi
+  grep "SKIPPED" "$out/gpu_tests.log" | head -20
+  # nvidia-smi sees a GPU but the CUDA runtime none (a driver older than the runtime, no
+  # device nodes in a container): every test would skip and pass.
+  if grep -q "no CUDA GPU visible" "$out/gpu_tests.log"; then
+    fail "nvidia-smi shows $gpus GPU(s) but the CUDA runtime sees none: $(grep -m1 -o "no CUDA GPU visible[^]]*" "$out/gpu_tests.log")"
+  fi
 fi
-grep -c "SKIPPED" "$out/gpu_tests.log" >/dev/null && grep "SKIPPED" "$out/gpu_tests.log" | head -20
 
 # ---- 3. training equivalence ----------------------------------------------------------
 # compare A.jsonl B.jsonl TOL WHAT [MEAN_TOL]: every step's loss, relative difference <= TOL
@@ -117,26 +267,39 @@ EOF
 
 run() {  # run NAME ARGS...: loom run with metrics into $out/NAME.jsonl, log into $out/NAME.log
   local name=$1; shift
-  "$loom" run "$@" --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1
+  rm -f "$out/$name.jsonl"  # never compare against an earlier invocation's metrics
+  limited "$loom" run "$@" --metrics "$out/$name.jsonl" >"$out/$name.log" 2>&1
+}
+# once NAME ARGS...: `run`, the first time only: the eager device/cuda runs that later
+# phases compare against, made by the equivalence phase or, without it, by the first
+# phase that needs them.
+declare -A ran=()
+once() {
+  local name=$1
+  [ -n "${ran[$name]:-}" ] || { run "$@"; ran[$name]=$?; }
+  return "${ran[$name]}"
 }
 
-say "== training equivalence (10 steps, fp32, loss within 1e-4)"
+# The runs every phase shares.
 common=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
         --set parallel.dp=1)
-if run cpu_dp1 "${common[@]}" --set device.kind=cpu && run cuda_dp1 "${common[@]}" --set device.kind=cuda; then
-  if compare "$out/cuda_dp1.jsonl" "$out/cpu_dp1.jsonl" 1e-4 "cuda vs cpu, dp=1"; then pass "cuda fp32 = cpu (dp=1)"
-  else fail "cuda fp32 vs cpu losses differ (dp=1)"; fi
-else
-  fail "equivalence runs failed (see $out/cpu_dp1.log, $out/cuda_dp1.log)"; tail -5 "$out/cuda_dp1.log"
-fi
 # MoE blocks (layer/moe: host routing, row gather/scatter, per-expert GEMMs, aux loss).
 moe=(configs/quickstart_moe.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
      --set parallel.dp=1)
-if run cpu_moe "${moe[@]}" --set device.kind=cpu && run cuda_moe "${moe[@]}" --set device.kind=cuda; then
+
+if want equivalence; then
+phase equivalence "training equivalence (10 steps, fp32, loss within 1e-4)"
+if run cpu_dp1 "${common[@]}" --set device.kind=cpu && once cuda_dp1 "${common[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_dp1.jsonl" "$out/cpu_dp1.jsonl" 1e-4 "cuda vs cpu, dp=1"; then pass "cuda fp32 = cpu (dp=1)"
+  else fail "cuda fp32 vs cpu losses differ (dp=1)"; fi
+else
+  fail "equivalence runs failed (see $out/cpu_dp1.log, $out/cuda_dp1.log)"; tail -n 5 "$out/cpu_dp1.log" "$out/cuda_dp1.log" 2>/dev/null
+fi
+if run cpu_moe "${moe[@]}" --set device.kind=cpu && once cuda_moe "${moe[@]}" --set device.kind=cuda; then
   if compare "$out/cuda_moe.jsonl" "$out/cpu_moe.jsonl" 1e-4 "cuda vs cpu, MoE, dp=1"; then pass "cuda fp32 = cpu with MoE blocks"
   else fail "cuda fp32 vs cpu losses differ with MoE blocks"; fi
 else
-  fail "MoE equivalence runs failed (see $out/cpu_moe.log, $out/cuda_moe.log)"; tail -5 "$out/cuda_moe.log"
+  fail "MoE equivalence runs failed (see $out/cpu_moe.log, $out/cuda_moe.log)"; tail -n 5 "$out/cpu_moe.log" "$out/cuda_moe.log" 2>/dev/null
 fi
 # ... with expert capacity (dropped slots combine a zero row).
 cap=(--set model.layer.moe.capacity_factor=0.5)
@@ -146,7 +309,7 @@ if run cpu_moe_cap "${moe[@]}" "${cap[@]}" --set device.kind=cpu &&
     pass "cuda fp32 = cpu with MoE blocks and expert capacity"
   else fail "cuda fp32 vs cpu losses differ with MoE capacity"; fi
 else
-  fail "MoE capacity runs failed (see $out/cpu_moe_cap.log, $out/cuda_moe_cap.log)"; tail -5 "$out/cuda_moe_cap.log"
+  fail "MoE capacity runs failed (see $out/cpu_moe_cap.log, $out/cuda_moe_cap.log)"; tail -n 5 "$out/cpu_moe_cap.log" "$out/cuda_moe_cap.log" 2>/dev/null
 fi
 if [ "$gpus" -ge 2 ]; then
   dp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2)
@@ -187,9 +350,12 @@ if [ "$gpus" -ge 2 ]; then
     fail "the CPU MoE dp=2 run failed (see $out/cpu_moe_dp2.log)"
   fi
   # One process per rank: the NCCL ids travel over MPI.
-  if command -v mpirun >/dev/null; then
+  if [ "$mpi" != ON ]; then
+    say "SKIPPED: comm/nccl with one process per rank: this comm/nccl was built without MPI (a pack of scripts/gpu-pack.sh, or no MPI found by CMake)"
+  elif command -v mpirun >/dev/null; then
     mpi_flags=(--oversubscribe); [ "$(id -u)" -eq 0 ] && mpi_flags+=(--allow-run-as-root)
-    if mpirun "${mpi_flags[@]}" -np 2 "$loom" run "${dp2[@]}" --set device.kind=cuda --set comm.backend=nccl \
+    rm -f "$out/nccl_mpi_dp2.jsonl"
+    if limited mpirun "${mpi_flags[@]}" -np 2 "$loom" run "${dp2[@]}" --set device.kind=cuda --set comm.backend=nccl \
          --metrics "$out/nccl_mpi_dp2.jsonl" >"$out/nccl_mpi_dp2.log" 2>&1; then
       if compare "$out/nccl_mpi_dp2.jsonl" "$out/cpu_dp2.jsonl" 1e-4 "cuda+nccl under mpirun vs cpu, dp=2"; then
         pass "cuda+nccl dp=2, one process per rank = cpu dp=2"
@@ -203,10 +369,14 @@ if [ "$gpus" -ge 2 ]; then
 else
   say "SKIPPED: dp=2 and MoE ep=2 over comm/nccl (threads and mpirun) need 2 GPUs"
 fi
+fi  # equivalence
 
-# ---- 4. bf16 ----------------------------------------------------------------------------
-say "== bf16 run (device.param_dtype = bf16) against fp32"
-if run cuda_bf16 "${common[@]}" --set device.kind=cuda --set device.param_dtype=bf16 --set device.grad_dtype=bf16; then
+# ---- 4. bf16, partial graphs, recomputation ---------------------------------------------
+if want bf16; then
+phase bf16 "bf16 run (device.param_dtype = bf16) against fp32"
+if ! once cuda_dp1 "${common[@]}" --set device.kind=cuda; then
+  fail "the fp32 device/cuda run bf16 is compared against failed (see $out/cuda_dp1.log)"; tail -5 "$out/cuda_dp1.log"
+elif run cuda_bf16 "${common[@]}" --set device.kind=cuda --set device.param_dtype=bf16 --set device.grad_dtype=bf16; then
   # The criteria of tests/unit/mixed_precision_test.cpp on the CPU: within 5% at every
   # step and 2.5% on average; identical losses would mean bf16 was not applied.
   if cmp -s <(python3 -c 'import json,sys; [print(json.loads(l)["loss"]) for l in open(sys.argv[1])]' "$out/cuda_bf16.jsonl") \
@@ -220,18 +390,27 @@ if run cuda_bf16 "${common[@]}" --set device.kind=cuda --set device.param_dtype=
 else
   fail "bf16 run failed (see $out/cuda_bf16.log)"; tail -5 "$out/cuda_bf16.log"
 fi
+fi  # bf16
 
-say "== partial graphs (exec.mode = partial_graph) against eager, device/cuda fp32"
-if run cuda_graph "${common[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
+if want graphs; then
+phase graphs "partial graphs (exec.mode = partial_graph) against eager, device/cuda fp32"
+if ! once cuda_dp1 "${common[@]}" --set device.kind=cuda; then
+  fail "the eager device/cuda run partial graphs are compared against failed (see $out/cuda_dp1.log)"; tail -5 "$out/cuda_dp1.log"
+elif run cuda_graph "${common[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
   # The graphs replay the launches eager makes, on the same stream; the tolerance only
   # covers cuBLAS choosing another algorithm under capture.
   if compare "$out/cuda_graph.jsonl" "$out/cuda_dp1.jsonl" 1e-6 "partial_graph vs eager"; then
     grep "^exec " "$out/cuda_graph.log" || true
     pass "partial_graph = eager on the GPU"
   else fail "partial_graph losses differ from eager on the GPU"; fi
-  speed=(configs/quickstart.toml --set run.steps=60 --set run.eval_every=0 --set run.log_every=1 --set device.kind=cuda)
-  if run speed_eager "${speed[@]}" && run speed_graph "${speed[@]}" --set exec.mode=partial_graph; then
-    python3 - "$out/speed_eager.jsonl" "$out/speed_graph.jsonl" <<'EOF'
+else
+  fail "partial_graph run failed (see $out/cuda_graph.log)"; tail -5 "$out/cuda_graph.log"
+fi
+# The speed of both, at dp = 1 (the quickstart's dp = 2 is refused on device/cuda with comm/local).
+speed=(configs/quickstart.toml --set run.steps=60 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=1
+       --set device.kind=cuda)
+if run speed_eager "${speed[@]}" && run speed_graph "${speed[@]}" --set exec.mode=partial_graph; then
+  if python3 - "$out/speed_eager.jsonl" "$out/speed_graph.jsonl" <<'EOF'
 import json, sys
 def ms(path):
     rows = [json.loads(l) for l in open(path)][10:]  # after warm-up and capture
@@ -239,13 +418,17 @@ def ms(path):
 e, g = ms(sys.argv[1]), ms(sys.argv[2])
 print(f"  quickstart model, steps 11-60: eager {e:.2f} ms/step, partial_graph {g:.2f} ms/step ({e / g:.2f}x)")
 EOF
-  fi
+  then pass "partial_graph and eager ms/step measured"
+  else fail "no ms/step from $out/speed_eager.jsonl, $out/speed_graph.jsonl"; fi
 else
-  fail "partial_graph run failed (see $out/cuda_graph.log)"; tail -5 "$out/cuda_graph.log"
+  fail "the speed runs failed (see $out/speed_eager.log, $out/speed_graph.log)"
+  tail -n 5 "$out/speed_eager.log" "$out/speed_graph.log" 2>/dev/null
 fi
 # MoE blocks: their router parts are captured as moe_router sub-steps (ABI 1.7), routing
 # and experts run eagerly between the replays, on the addresses of the capture.
-if run cuda_moe_graph "${moe[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
+if ! once cuda_moe "${moe[@]}" --set device.kind=cuda; then
+  fail "the eager device/cuda MoE run failed (see $out/cuda_moe.log)"; tail -5 "$out/cuda_moe.log"
+elif run cuda_moe_graph "${moe[@]}" --set device.kind=cuda --set exec.mode=partial_graph; then
   if compare "$out/cuda_moe_graph.jsonl" "$out/cuda_moe.jsonl" 1e-6 "partial_graph vs eager, MoE"; then
     grep "^exec " "$out/cuda_moe_graph.log" || true
     pass "partial_graph = eager on the GPU with MoE router sub-steps"
@@ -253,10 +436,14 @@ if run cuda_moe_graph "${moe[@]}" --set device.kind=cuda --set exec.mode=partial
 else
   fail "partial_graph MoE run failed (see $out/cuda_moe_graph.log)"; tail -5 "$out/cuda_moe_graph.log"
 fi
+fi  # graphs
 
-say "== activation recomputation (uniform groups of 2) against keeping activations, device/cuda"
+if want recompute; then
+phase recompute "activation recomputation (uniform groups of 2) against keeping activations, device/cuda"
 # The recomputed forward repeats the same kernels on the same inputs: equal losses.
-if run cuda_recompute "${common[@]}" --set device.kind=cuda --set model.recompute_granularity=full \
+if ! once cuda_dp1 "${common[@]}" --set device.kind=cuda; then
+  fail "the device/cuda run recomputation is compared against failed (see $out/cuda_dp1.log)"; tail -5 "$out/cuda_dp1.log"
+elif run cuda_recompute "${common[@]}" --set device.kind=cuda --set model.recompute_granularity=full \
      --set model.recompute_method=uniform --set model.recompute_num_layers=2; then
   if compare "$out/cuda_recompute.jsonl" "$out/cuda_dp1.jsonl" 1e-6 "recompute vs kept activations"; then
     pass "recomputation = keeping activations on the GPU"
@@ -264,9 +451,11 @@ if run cuda_recompute "${common[@]}" --set device.kind=cuda --set model.recomput
 else
   fail "recompute run failed (see $out/cuda_recompute.log)"; tail -5 "$out/cuda_recompute.log"
 fi
+fi  # recompute
 
 # ---- 5. benchmark ------------------------------------------------------------------------
-say "== benchmark: GPT-2 124M shape, sequence 1024"
+if want bench; then
+phase bench "benchmark: GPT-2 124M shape, sequence 1024"
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 peak=494.7  # TF32 dense TFLOP/s of H100 SXM / H200 (the engine trains fp32 storage; GEMMs on TF32)
 case "$name" in
@@ -276,19 +465,25 @@ esac
 head -c 2000000 /dev/urandom | base64 >"$out/bench.txt"  # ~2.7 MB of text: enough distinct windows
 best=""
 for mbs in 64 32 24 16 8 4 2 1; do
-  if run "bench_mbs$mbs" configs/gpt2_124m.toml --set run.steps=12 --set batch.micro_batch_size=$mbs \
-       --set batch.global_batch_size=$mbs --set device.peak_tflops=$peak --set data.path="\"$root/$out/bench.txt\""; then
+  run "bench_mbs$mbs" configs/gpt2_124m.toml --set run.steps=12 --set batch.micro_batch_size=$mbs \
+    --set batch.global_batch_size=$mbs --set device.peak_tflops=$peak --set data.path="\"$out/bench.txt\""
+  rc=$?
+  if [ "$rc" -eq 0 ]; then
     best=$mbs
     break
   fi
-  if grep -qi "out of memory\|OUT_OF_MEMORY\|cudaErrorMemoryAllocation\|CUBLAS_STATUS_ALLOC_FAILED" "$out/bench_mbs$mbs.log"; then
+  if [ "$rc" -eq 124 ]; then
+    say "  micro-batch $mbs: out of time"; tail -1 "$out/bench_mbs$mbs.log"
+    break
+  elif grep -qi "out of memory\|OUT_OF_MEMORY\|cudaErrorMemoryAllocation\|CUBLAS_STATUS_ALLOC_FAILED" "$out/bench_mbs$mbs.log"; then
     say "  micro-batch $mbs: out of memory"
   else
     say "  micro-batch $mbs: failed (not OOM):"; tail -3 "$out/bench_mbs$mbs.log"
   fi
 done
-if [ -n "$best" ]; then
-  python3 - "$out/bench_mbs$best.jsonl" "$best" "$name" "$peak" <<'EOF'
+if [ -z "$best" ]; then
+  fail "benchmark: no micro-batch size ran (see $out/bench_mbs*.log)"
+elif python3 - "$out/bench_mbs$best.jsonl" "$best" "$name" "$peak" <<'EOF'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 steady = rows[2:] if len(rows) > 4 else rows  # the first steps include warm-up (cuBLAS heuristics, allocator)
@@ -299,10 +494,13 @@ peak_mem = max(r["mem_peak_bytes"] for r in rows) / 2**30
 print(f"benchmark: GPT-2 124M, seq 1024, micro-batch {sys.argv[2]}, 1 x {sys.argv[3]}")
 print(f"  {ms:.1f} ms/step | {tok:,.0f} tokens/s | MFU {100*mfu:.1f}% of {sys.argv[4]} TFLOP/s | peak memory {peak_mem:.1f} GiB")
 EOF
+then
   pass "benchmark"
 else
-  fail "benchmark: no micro-batch size ran (see $out/bench_mbs*.log)"
+  fail "benchmark: no figures from $out/bench_mbs$best.jsonl"
 fi
+fi  # bench
 
+for p in $all_phases; do want "$p" || say "not selected (LOOM_GPU_PHASES): $p"; done
 say "== gpu-check: $failures failure(s); logs in $out"
 [ "$failures" -eq 0 ]

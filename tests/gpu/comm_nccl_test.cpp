@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/plugins/registry.hpp"
+#include "tests/gpu/plugin_dir.hpp"
 
 namespace {
 
@@ -32,8 +33,8 @@ int gpu_count() {
 loom::plugins::Registry& registry() {
   static loom::plugins::Registry* r = [] {
     auto* reg = new loom::plugins::Registry();
-    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_comm_nccl.so");
-    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cuda.so");
+    reg->load_file(loom_test::plugin_file("loom_comm_nccl.so"));
+    reg->load_file(loom_test::plugin_file("loom_device_cuda.so"));
     loom::host_slot() = loom::plugins::host_api();
     return reg;
   }();

@@ -38,8 +38,21 @@
 // Communicators are non-blocking (config.blocking = 0): a call that returns
 // ncclInProgress is polled to completion with the same timeout, so a group whose
 // members never all arrive fails instead of hanging.
+//
+// NCCL version: the library loaded at run time (libnccl.so.2, wherever the dynamic
+// loader finds it) must be at least the one of the nccl.h this was compiled with;
+// an older one is refused when the plugin library loads, naming both versions.
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <nccl.h>
+
+// Functions newer than what an older libnccl.so.2 exports are weak references, so that
+// loading against such a library reaches the version check of the library's entry point
+// (which names both versions) instead of failing in the dynamic loader with "undefined
+// symbol"; the check refuses before anything could call them.
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 7)
+extern "C" ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) __attribute__((weak));
+#endif
 
 #ifdef LOOM_NCCL_WITH_MPI
 #include "../common/mpi_world.hpp"
@@ -1287,6 +1300,37 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
   });
 }
 
+// "2.28.9" from an NCCL_VERSION_CODE: X*10000 + Y*100 + Z since 2.9, X*1000 + Y*100 + Z before.
+std::string nccl_version_name(int code) {
+  const int base = code >= 10000 ? 10000 : 1000;
+  return std::to_string(code / base) + "." + std::to_string(code % base / 100) + "." + std::to_string(code % 100);
+}
+
+// Refuses an NCCL library older than the header this was compiled with (functions the
+// header declares may be missing, structs may be smaller, behaviour differs): the
+// header of one install and the library of another is how "undefined reference to
+// ncclCommRevoke" happened at link time; at run time it is LD_LIBRARY_PATH or the
+// system's libnccl.so.2 winning over the rpath. A newer library is fine (NCCL keeps its
+// ABI within major version 2).
+void require_runtime_nccl() {
+  int runtime = 0;
+  const ncclResult_t r = ncclGetVersion(&runtime);
+  if (r != ncclSuccess)
+    throw Error(std::string("comm/nccl: ncclGetVersion failed: ") + ncclGetErrorString(r), LOOM_CODE_INTERNAL);
+  if (runtime >= NCCL_VERSION_CODE) return;
+  Dl_info info{};
+  const std::string where = dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) && info.dli_fname
+                                ? std::string(info.dli_fname)
+                                : std::string("libnccl.so.2");
+  throw Error("comm/nccl: the NCCL library loaded at run time (" + where + ") is NCCL " +
+                  nccl_version_name(runtime) + ", older than NCCL " + nccl_version_name(NCCL_VERSION_CODE) +
+                  " whose nccl.h this plugin was compiled with; put an NCCL >= " +
+                  nccl_version_name(NCCL_VERSION_CODE) +
+                  " first on LD_LIBRARY_PATH (PyTorch's nvidia-nccl wheel: site-packages/nvidia/nccl/lib), or "
+                  "rebuild loom against the NCCL it is to run with (-DLOOM_NCCL_ROOT=<its prefix>)",
+              LOOM_CODE_UNSUPPORTED);
+}
+
 const loom_comm_api* comm_api() {
   static const loom_comm_api api = [] {
     loom_comm_api a = make<loom_comm_api>();
@@ -1309,18 +1353,26 @@ const loom_comm_api* comm_api() {
   return &api;
 }
 
+// The library's plugin, once the NCCL found at run time passed the version check (a
+// refusal fails the library's load: "loom_comm_nccl.so: plugin initialisation failed:
+// ...", which a run asking for comm.backend = "nccl" shows as its note).
+PluginDefPtr plugin_def() {
+  require_runtime_nccl();
+  return raw_plugin("comm", "nccl", "1.1.0",
+                    "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process, or "
+                    "one process per rank under mpirun/srun with the NCCL ids over MPI); "
+                    "stream-ordered, with a watchdog that aborts a hung collective",
+                    LOOM_API_COMM, comm_api(),
+                    {opt_string("p2p_groups", "pp",
+                                "comma-separated group kinds whose send/recv get one channel "
+                                "per ordered pair of ranks (a send never waits for the "
+                                "receiver); other groups use NCCL's blocking send/recv"),
+                     opt_bool("abort_on_failure", true,
+                              "one process per rank: after a failed run, call MPI_Abort at "
+                              "process exit so no process of the job keeps waiting")});
+}
+
 }  // namespace
 }  // namespace loom::comm_nccl
 
-LOOM_PLUGIN_LIBRARY(loom::raw_plugin("comm", "nccl", "1.1.0",
-                                     "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process, or "
-                                     "one process per rank under mpirun/srun with the NCCL ids over MPI); "
-                                     "stream-ordered, with a watchdog that aborts a hung collective",
-                                     LOOM_API_COMM, loom::comm_nccl::comm_api(),
-                                     {loom::opt_string("p2p_groups", "pp",
-                                                       "comma-separated group kinds whose send/recv get one channel "
-                                                       "per ordered pair of ranks (a send never waits for the "
-                                                       "receiver); other groups use NCCL's blocking send/recv"),
-                                      loom::opt_bool("abort_on_failure", true,
-                                                     "one process per rank: after a failed run, call MPI_Abort at "
-                                                     "process exit so no process of the job keeps waiting")}))
+LOOM_PLUGIN_LIBRARY(loom::comm_nccl::plugin_def())
