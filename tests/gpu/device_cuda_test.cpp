@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "engine/plugins/registry.hpp"
+#include "tests/gpu/plugin_dir.hpp"
 
 namespace {
 
@@ -59,8 +60,8 @@ const GpuInfo& gpu_info() {
 loom::plugins::Registry& registry() {
   static loom::plugins::Registry* r = [] {
     auto* reg = new loom::plugins::Registry();  // plugins are never unloaded
-    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cpu.so");
-    reg->load_file(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cuda.so");
+    reg->load_file(loom_test::plugin_file("loom_device_cpu.so"));
+    reg->load_file(loom_test::plugin_file("loom_device_cuda.so"));
     loom::host_slot() = loom::plugins::host_api();
     return reg;
   }();
@@ -594,8 +595,9 @@ TEST(DeviceCuda, GeluMatchesCpu) {
 // plain [B, S, H, D] one; causal and not.
 // ---------------------------------------------------------------------------
 
-void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S, int64_t H, int64_t D, uint32_t seed) {
-  Env env;
+void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S, int64_t H, int64_t D, uint32_t seed,
+                     toml::table gpu_options = {}) {
+  Env env(std::move(gpu_options));
   const int64_t W = H * D;
   const int64_t qs_s = packed ? B * 3 * W : W, qs_b = packed ? 3 * W : S * W;
   const int64_t os_s = packed ? B * W : W, os_b = packed ? W : S * W;
@@ -644,8 +646,8 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
 // ABI 1.6's query window (context parallelism): Sq queries [b, s, h, d] at
 // q_offset of Skv keys packed [s, b, k|v], dk and dv accumulated into what they hold.
 void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int64_t Skv, int64_t q_offset, int64_t H,
-                            int64_t D, uint32_t seed) {
-  Env env;
+                            int64_t D, uint32_t seed, toml::table gpu_options = {}) {
+  Env env(std::move(gpu_options));
   const int64_t W = H * D;
   Tensor q(env, randu(B * Sq * W, seed, -2, 2), dt), kv(env, randu(Skv * B * 2 * W, seed + 1, -2, 2), dt);
   Tensor out(env, B * Sq * W, dt), lse(env, B * H * Sq), dout(env, randu(B * Sq * W, seed + 2), dt);
@@ -712,6 +714,71 @@ TEST(DeviceCuda, AttentionBf16MatchesCpu) {
   REQUIRE_GPU();
   check_attention(BF16, true, true, 2, 70, 3, 16, 64);
   check_attention(BF16, false, false, 2, 64, 2, 64, 65);
+  // The GEMM path that fused_attention = false selects for the fused kernels' shapes.
+  const toml::table unfused{{"fused_attention", false}};
+  check_attention(BF16, true, true, 2, 70, 3, 64, 66, unfused);
+  check_attention_window(BF16, true, 2, 35, 140, 105, 3, 128, 67, unfused);
+}
+
+// The fused kernels (bf16, head sizes 64 and 128): sequences that are not multiples
+// of their 64-row tiles, both layouts, causal and not, and query windows (causal tiles
+// past the diagonal skipped, dk and dv accumulated).
+TEST(DeviceCuda, AttentionFusedBf16MatchesCpu) {
+  REQUIRE_GPU();
+  for (int64_t D : {64, 128}) {
+    check_attention(BF16, true, true, 2, 200, 3, D, 70);
+    check_attention(BF16, false, true, 1, 130, 2, D, 71);
+    check_attention(BF16, true, false, 2, 77, 2, D, 72);
+    check_attention(BF16, false, false, 1, 1, 1, D, 73);
+    check_attention(BF16, false, true, 1, 256, 1, D, 74);
+    check_attention_window(BF16, true, 2, 100, 300, 150, 2, D, 75);
+    check_attention_window(BF16, false, 1, 50, 170, 0, 2, D, 76);
+    check_attention_window(BF16, true, 1, 64, 256, 192, 2, D, 77);
+    check_attention_window(BF16, true, 1, 64, 256, 0, 1, D, 78);  // keys past every query: dk, dv += 0
+  }
+}
+
+// No atomics in the fused backward: the same inputs give the same bits.
+TEST(DeviceCuda, AttentionFusedIsDeterministic) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t B = 2, S = 300, H = 4, D = 64, W = H * D, n = B * S * W;
+  Tensor q(env, randu(n, 90, -2, 2), BF16), k(env, randu(n, 91, -2, 2), BF16), v(env, randu(n, 92, -2, 2), BF16);
+  Tensor out(env, n, BF16), lse(env, B * H * S), dout(env, randu(n, 93), BF16);
+  Tensor dq(env, n, BF16), dk(env, n, BF16), dv(env, n, BF16);
+  loom_attention_args a = loom::make<loom_attention_args>();
+  a.batch = B;
+  a.seq = S;
+  a.heads = H;
+  a.head_dim = D;
+  a.qkv_stride_b = a.out_stride_b = S * W;
+  a.qkv_stride_s = a.out_stride_s = W;
+  a.q = q.g();
+  a.k = k.g();
+  a.v = v.g();
+  a.out = out.g();
+  a.lse = static_cast<float*>(lse.g());
+  a.dout = dout.g();
+  a.dq = dq.g();
+  a.dk = dk.g();
+  a.dv = dv.g();
+  a.scale = 0.125f;
+  a.causal = 1;
+  a.dtype = BF16;
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    env.gpu.ops().attention_fwd(a);
+    env.gpu.ops().attention_bwd(a);
+    env.gpu.sync();
+    std::vector<float> all = out.gpu();
+    for (const Tensor* t : {&lse, &dq, &dk, &dv}) {
+      const std::vector<float> x = t->gpu();
+      all.insert(all.end(), x.begin(), x.end());
+    }
+    if (run == 0) first = all;
+    else EXPECT_TRUE(std::memcmp(first.data(), all.data(), all.size() * sizeof(float)) == 0)
+        << "two runs of the fused attention differ";
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -192,6 +192,7 @@ struct Device {
   std::string gpu_name;
   bool verbose = false;
   bool tf32 = false;  // fp32 GEMMs may use TF32 (manifest opt-in)
+  bool fused_attention = true;  // bf16 attention on the kernels of flash_attention.cu
   size_t workspace_bytes = 32u << 20;
   Stream default_stream;
   Stream* capturing = nullptr;  // the stream under capture (one per device)

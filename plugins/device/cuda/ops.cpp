@@ -1,14 +1,18 @@
 // device/cuda: the op table. Validation mirrors device/cpu (same messages, same
 // codes), extended to bf16 storage; GEMMs go to cuBLAS, everything else to the
-// kernels in kernels.cu. Attention is batched GEMMs around a fused masked softmax:
-// per batch element, the H heads are one strided-batched GEMM each way, with the
-// scores [H, S, S] in fp32 scratch (causal rows are masked, not skipped).
+// kernels in kernels.cu. Attention on bf16 with head size 64 or 128 is the fused
+// kernels of flash_attention.cu (no [H, S, S] tensor, causal tiles skipped); any other
+// case (fp32, other head sizes, unaligned tensors, or the device option
+// fused_attention = false) is batched GEMMs around a masked softmax: per batch
+// element, the H heads are one strided-batched GEMM each way, with the scores
+// [H, S, S] in fp32 scratch (causal rows are masked, not skipped).
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
 
 #include "cuda_device.hpp"
+#include "flash_attention.hpp"
 #include "../common/op_contract.hpp"
 
 namespace loom::cuda {
@@ -198,10 +202,69 @@ void validate_attention(const loom_attention_args& a, bool backward) {
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
   const loom_attention_args r = op_contract::resolved(a);
   LOOM_REQUIRE(r.qkv_stride_s <= kMax32 && r.kv_stride_s <= kMax32 && r.out_stride_s <= kMax32 &&
-                   r.kv_seq <= kMax32 && r.heads * r.seq <= kMax32 && r.seq * r.kv_seq <= kMax32,
-               (backward ? "attention_bwd" : "attention_fwd")
-                   << ": strides, heads*seq and seq*kv_seq must fit in 32 bits (cuBLAS interface)");
+                   r.kv_seq <= kMax32 && r.q_offset <= kMax32,
+               (backward ? "attention_bwd" : "attention_fwd") << ": strides and kv_seq must fit in 32 bits");
 }
+
+namespace {
+
+// The GEMM path's limits (cuBLAS takes 32-bit sizes; the scores are [heads, seq, kv_seq]).
+void require_unfused_fits(const loom_attention_args& a, const char* op) {
+  LOOM_REQUIRE(a.heads * a.seq <= kMax32 && a.seq * a.kv_seq <= kMax32,
+               op << ": heads*seq and seq*kv_seq must fit in 32 bits (cuBLAS interface) unless the fused kernels "
+                     "take the call (bf16, head size 64 or 128)");
+}
+
+}  // namespace
+
+namespace {
+
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether the fused kernels take this call: bf16, a head size they are built for,
+// 16-byte aligned rows (their copies move 16 bytes at a time), a grid that fits.
+bool use_flash(const Device& d, const loom_attention_args& a, bool backward) {
+  if (!d.fused_attention || a.dtype != LOOM_DTYPE_BF16 || !flash_head_dim_supported(a.head_dim)) return false;
+  if (a.batch * a.heads > 65535) return false;
+  for (int64_t stride : {a.qkv_stride_b, a.qkv_stride_s, a.kv_stride_b, a.kv_stride_s, a.out_stride_b, a.out_stride_s})
+    if (stride % 8 != 0) return false;
+  const void* ptrs[] = {a.q, a.k, a.v, a.out, backward ? a.dout : nullptr, backward ? a.dq : nullptr,
+                        backward ? a.dk : nullptr, backward ? a.dv : nullptr};
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
+FlashArgs flash_args(const loom_attention_args& a) {  // `a` resolved
+  FlashArgs f{};
+  f.q = static_cast<const uint16_t*>(a.q);
+  f.k = static_cast<const uint16_t*>(a.k);
+  f.v = static_cast<const uint16_t*>(a.v);
+  f.out = static_cast<const uint16_t*>(a.out);
+  f.out_w = static_cast<uint16_t*>(a.out);
+  f.lse = a.lse;
+  f.dout = static_cast<const uint16_t*>(a.dout);
+  f.dq = static_cast<uint16_t*>(a.dq);
+  f.dk = static_cast<uint16_t*>(a.dk);
+  f.dv = static_cast<uint16_t*>(a.dv);
+  f.q_sb = a.qkv_stride_b;
+  f.q_ss = a.qkv_stride_s;
+  f.kv_sb = a.kv_stride_b;
+  f.kv_ss = a.kv_stride_s;
+  f.o_sb = a.out_stride_b;
+  f.o_ss = a.out_stride_s;
+  f.batch = static_cast<int>(a.batch);
+  f.heads = static_cast<int>(a.heads);
+  f.seq = static_cast<int>(a.seq);
+  f.kv_seq = static_cast<int>(a.kv_seq);
+  f.q_offset = static_cast<int>(a.q_offset);
+  f.scale = a.scale;
+  f.causal = a.causal != 0;
+  f.accumulate_dkv = a.accumulate_dkv != 0;
+  return f;
+}
+
+}  // namespace
 
 // Scores are [heads, Sq, Skv] per batch element: the Sq queries (ABI 1.6: a window at
 // q_offset of the Skv keys; without one Skv = Sq) against every key, masked past the
@@ -211,6 +274,12 @@ void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& args) {
   const Dt dt = float_dt(op, "dtype", args.dtype);
   if (args.batch == 0 || args.seq == 0 || args.heads == 0 || args.head_dim == 0) return;
   const loom_attention_args a = op_contract::resolved(args);
+  if (use_flash(d, a, false)) {
+    check_launch(d, op, "flash attention forward kernel",
+                 k_flash_fwd(s.s, static_cast<int>(a.head_dim), flash_args(a)));
+    return;
+  }
+  require_unfused_fits(a, op);
   const int64_t Sq = a.seq, Skv = a.kv_seq, H = a.heads, D = a.head_dim;
   const int64_t qs = a.qkv_stride_s, ks = a.kv_stride_s, os = a.out_stride_s;
   const bool bf16 = dt == Dt::BF16;
@@ -239,6 +308,14 @@ void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& args) {
   const Dt dt = float_dt(op, "dtype", args.dtype);
   if (args.batch == 0 || args.seq == 0 || args.heads == 0 || args.head_dim == 0) return;
   const loom_attention_args a = op_contract::resolved(args);
+  if (use_flash(d, a, true)) {
+    Scratch dvec(d, s, static_cast<size_t>(a.batch * a.heads * a.seq) * sizeof(float), op);
+    FlashArgs f = flash_args(a);
+    f.dvec = dvec.get<float>();
+    check_launch(d, op, "flash attention backward kernels", k_flash_bwd(s.s, static_cast<int>(a.head_dim), f));
+    return;
+  }
+  require_unfused_fits(a, op);
   const int64_t Sq = a.seq, Skv = a.kv_seq, H = a.heads, D = a.head_dim;
   const int64_t qs = a.qkv_stride_s, ks = a.kv_stride_s, os = a.out_stride_s;
   const bool bf16 = dt == Dt::BF16;

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "cuda_device.hpp"
+#include "flash_attention.hpp"
 
 namespace loom::cuda {
 
@@ -179,6 +180,7 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     }
     dev->verbose = opts.get_bool("verbose", false);
     dev->tf32 = opts.get_bool("tf32", false);
+    dev->fused_attention = opts.get_bool("fused_attention", true);
     const int64_t ws_mb = opts.get_int("workspace_mb", 32);
     LOOM_REQUIRE(ws_mb >= 0 && ws_mb <= 4096, "device/cuda: option workspace_mb = " << ws_mb << " is not in [0, 4096]");
     dev->workspace_bytes = static_cast<size_t>(ws_mb) << 20;
@@ -213,6 +215,8 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     cudaDeviceProp prop{};
     LOOM_CUDA(dev.get(), "create", cudaGetDeviceProperties(&prop, dev->ordinal));
     dev->gpu_name = prop.name;
+    // The fused attention kernels use more than 48 KiB of shared memory a block.
+    LOOM_CUDA(dev.get(), "create", flash_prepare());
     dev->default_stream.dev = dev.get();
     LOOM_CUDA(dev.get(), "create", cudaStreamCreateWithFlags(&dev->default_stream.s, cudaStreamNonBlocking));
     const cublasStatus_t cs = cublasCreate(&dev->cublas);
@@ -683,6 +687,9 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     LOOM_API_DEVICE, loom::cuda::device_api(),
     {loom::opt_bool("tf32", false,
                     "fp32 GEMMs may use TF32 tensor cores (about 1e-3 relative error; off = full fp32)"),
+     loom::opt_bool("fused_attention", true,
+                    "bf16 attention with head size 64 or 128 runs on fused flash-attention kernels (false: "
+                    "batched GEMMs around a materialised softmax, as for fp32 and other head sizes)"),
      loom::opt_int("gpu", -1, "GPU ordinal for every rank of this process; -1 = local rank modulo the GPU count"),
      loom::opt_bool("caching_allocator", true,
                     "cache freed blocks (false: cudaMalloc/cudaFree on every alloc/free; slow, for debugging)"),
