@@ -461,11 +461,14 @@ TEST(DeviceCuda, GemmSumsOverBatchWhenCStrideIsZero) {
 // LayerNorm, GeLU
 // ---------------------------------------------------------------------------
 
-void check_layernorm(int32_t dt) {
+// cols % 8 == 0 takes device/cuda's warp-a-row kernels (16-byte accesses), others the
+// block-a-row ones.
+void check_layernorm(int32_t dt, int64_t cols) {
   Env env;
-  const int64_t rows = 37, cols = 300;
+  const int64_t rows = 37;
   for (int variant = 0; variant < 3; ++variant) {  // gamma+beta, gamma only, neither
-    const std::string tag = std::string(dt == BF16 ? "bf16 " : "f32 ") + std::to_string(variant);
+    const std::string tag =
+        std::string(dt == BF16 ? "bf16 " : "f32 ") + std::to_string(variant) + " cols " + std::to_string(cols);
     Tensor x(env, randu(rows * cols, 40 + variant, -2, 3), dt), y(env, rows * cols, dt);
     Tensor gamma(env, randu(cols, 41, 0.5f, 1.5f), dt), beta(env, randu(cols, 42), dt);
     Tensor mean(env, rows), rstd(env, rows);
@@ -517,11 +520,11 @@ void check_layernorm(int32_t dt) {
 
 TEST(DeviceCuda, LayerNormFp32MatchesCpu) {
   REQUIRE_GPU();
-  check_layernorm(F32);
+  for (int64_t cols : {300, 768}) check_layernorm(F32, cols);
 }
 TEST(DeviceCuda, LayerNormBf16MatchesCpu) {
   REQUIRE_GPU();
-  check_layernorm(BF16);
+  for (int64_t cols : {300, 768}) check_layernorm(BF16, cols);
 }
 
 // grad_fp32 (ABI 1.2): dgamma/dbeta are fp32 buffers whatever dtype is, accumulated
@@ -786,9 +789,10 @@ TEST(DeviceCuda, AttentionFusedIsDeterministic) {
 // slices combined as a tensor-parallel run combines them (max, then sums).
 // ---------------------------------------------------------------------------
 
-void check_xent(int32_t dt) {
+// cols (and the slice's columns) multiples of 8 take device/cuda's 8-element row kernels.
+void check_xent(int32_t dt, int64_t cols, int64_t slice_cols) {
   Env env;
-  const int64_t rows = 23, cols = 517, ld = 520, valid = 500;
+  const int64_t rows = 23, ld = 520, valid = 500;
   std::vector<int32_t> t(rows);
   std::mt19937 gen(70);
   for (int64_t r = 0; r < rows; ++r) t[r] = r % 7 == 3 ? -1 : static_cast<int32_t>(gen() % valid);
@@ -801,9 +805,9 @@ void check_xent(int32_t dt) {
         loom_xent_args a = loom::make<loom_xent_args>();
         a.step = step;
         a.rows = rows;
-        a.cols = vocab_start == 0 ? cols : 250;  // a slice: columns [250, 500) of the vocab
+        a.cols = vocab_start == 0 ? cols : slice_cols;  // a slice: columns [250, 250 + slice_cols) of the vocab
         a.ld = ld;
-        a.valid_cols = vocab_start == 0 ? valid : 250;
+        a.valid_cols = vocab_start == 0 ? valid : slice_cols;
         a.vocab_start = vocab_start;
         a.logits = gpu ? logits.g() : logits.c();
         a.targets = gpu ? targets.g() : targets.c();
@@ -817,7 +821,8 @@ void check_xent(int32_t dt) {
         return a;
       });
     }
-    const std::string tag = std::string(dt == BF16 ? "bf16" : "f32") + " vocab_start " + std::to_string(vocab_start);
+    const std::string tag = std::string(dt == BF16 ? "bf16" : "f32") + " vocab_start " + std::to_string(vocab_start) +
+                            " cols " + std::to_string(vocab_start == 0 ? cols : slice_cols);
     row_max.expect_match("xent row_max " + tag, tol_of(dt));
     sumexp.expect_match("xent row_sumexp " + tag, tol_of(dt));
     target.expect_match("xent target_logit " + tag, tol_of(dt));
@@ -828,11 +833,13 @@ void check_xent(int32_t dt) {
 
 TEST(DeviceCuda, XentFp32MatchesCpu) {
   REQUIRE_GPU();
-  check_xent(F32);
+  check_xent(F32, 517, 250);
+  check_xent(F32, 512, 248);
 }
 TEST(DeviceCuda, XentBf16MatchesCpu) {
   REQUIRE_GPU();
-  check_xent(BF16);
+  check_xent(BF16, 517, 250);
+  check_xent(BF16, 512, 248);
 }
 
 // ---------------------------------------------------------------------------
@@ -932,8 +939,10 @@ loom_elementwise_args ew(int32_t op, int64_t n, const void* x, void* y, void* ou
 TEST(DeviceCuda, ElementwiseMatchesCpu) {
   REQUIRE_GPU();
   Env env;
-  for (int32_t dt : {F32, BF16}) {
-    const int64_t rows = 301, cols = 77, n = rows * cols;
+  // cols 96: rows of whole 8-element groups (ADD_BIAS and MUL_COLS take device/cuda's
+  // 8-element kernel too); n odd: the last elements one by one.
+  for (const auto& [dt, cols] : std::vector<std::pair<int32_t, int64_t>>{{F32, 77}, {BF16, 77}, {F32, 96}, {BF16, 96}}) {
+    const int64_t rows = 301, n = rows * cols;
     for (int32_t op : {LOOM_EW_AXPBY, LOOM_EW_ADD, LOOM_EW_MUL, LOOM_EW_SCALE, LOOM_EW_FILL, LOOM_EW_ADD_BIAS,
                        LOOM_EW_MUL_COLS}) {
       const bool per_col = op == LOOM_EW_ADD_BIAS || op == LOOM_EW_MUL_COLS;
@@ -948,7 +957,8 @@ TEST(DeviceCuda, ElementwiseMatchesCpu) {
           a.beta = beta;
           return a;
         });
-        const std::string tag = "elementwise op " + std::to_string(op) + (dt == BF16 ? " bf16" : " f32");
+        const std::string tag = "elementwise op " + std::to_string(op) + (dt == BF16 ? " bf16" : " f32") + " cols " +
+                                std::to_string(cols);
         (op == LOOM_EW_AXPBY ? y : out).expect_match(tag);
       }
     }

@@ -7,7 +7,9 @@
 // reference takes in fp64 are taken in fp64 here too.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "kernels.hpp"
 
@@ -39,6 +41,35 @@ __device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float ld(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 __device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// ---- 16-byte accesses: 8 consecutive elements (bf16: one load; fp32: two) ---------------
+// The memory-bound kernels move 16 bytes a thread per access when their pointers are
+// 16-byte aligned (vec_ok on the host); the same rounding as st().
+
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void store8(uint16_t* p, const float (&v)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = static_cast<uint32_t>(f32_to_bf16(v[2 * j])) | (static_cast<uint32_t>(f32_to_bf16(v[2 * j + 1])) << 16);
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 #define LOOM_DISPATCH(dt, T, ...)  \
   do {                             \
@@ -149,6 +180,101 @@ __global__ void layernorm_bwd_dx_kernel(int64_t cols, const T* dy, const T* x, c
   }
 }
 
+// The same two ops with a warp a row, for cols % 8 == 0 and 16-byte aligned tensors: 16-byte
+// accesses, no block barriers (rows of a few thousand elements stay in L1 between the
+// passes). Sums in fp64 as above; only their order differs.
+template <typename T>
+__global__ void layernorm_fwd_warp_kernel(int64_t rows, int64_t cols, const T* x, const T* gamma, const T* beta, T* y,
+                                          float* mean_out, float* rstd_out, float eps) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const T* xr = x + r * cols;
+  T* yr = y + r * cols;
+  float v[8];
+  double s = 0.0;
+  for (int64_t c = lane * 8; c < cols; c += 256) {
+    load8(xr + c, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += static_cast<double>(v[j]);
+  }
+  s = warp_reduce(s, SumOp{});
+  const float mean = static_cast<float>(s / static_cast<double>(cols));
+  double q = 0.0;
+  for (int64_t c = lane * 8; c < cols; c += 256) {
+    load8(xr + c, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float d = v[j] - mean;
+      q += static_cast<double>(d * d);
+    }
+  }
+  q = warp_reduce(q, SumOp{});
+  const float rstd = static_cast<float>(1.0 / sqrt(q / static_cast<double>(cols) + static_cast<double>(eps)));
+  for (int64_t c = lane * 8; c < cols; c += 256) {
+    float g[8], b[8];
+    load8(xr + c, v);
+    if (gamma) load8(gamma + c, g);
+    if (beta) load8(beta + c, b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float o = (v[j] - mean) * rstd;
+      if (gamma) o = o * g[j];
+      if (beta) o = o + b[j];
+      v[j] = o;
+    }
+    store8(yr + c, v);
+  }
+  if (lane == 0) {
+    if (mean_out) mean_out[r] = mean;
+    if (rstd_out) rstd_out[r] = rstd;
+  }
+}
+
+// In place over dy is fine: a lane writes only the elements it read, after the warp's sums.
+template <typename T>
+__global__ void layernorm_bwd_dx_warp_kernel(int64_t rows, int64_t cols, const T* dy, const T* x, const T* gamma,
+                                             const float* mean, const float* rstd, T* dx, int accumulate) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const T* dyr = dy + r * cols;
+  const T* xr = x + r * cols;
+  T* dxr = dx + r * cols;
+  const float mu = mean[r], rs = rstd[r];
+  float d[8], v[8], g[8];
+  double sg = 0.0, sgx = 0.0;
+  for (int64_t c = lane * 8; c < cols; c += 256) {
+    load8(dyr + c, d);
+    load8(xr + c, v);
+    if (gamma) load8(gamma + c, g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float gj = gamma ? d[j] * g[j] : d[j];
+      sg += static_cast<double>(gj);
+      sgx += static_cast<double>(gj * ((v[j] - mu) * rs));
+    }
+  }
+  sg = warp_reduce(sg, SumOp{});
+  sgx = warp_reduce(sgx, SumOp{});
+  const float mg = static_cast<float>(sg / static_cast<double>(cols));
+  const float mgx = static_cast<float>(sgx / static_cast<double>(cols));
+  for (int64_t c = lane * 8; c < cols; c += 256) {
+    float o[8];
+    load8(dyr + c, d);
+    load8(xr + c, v);
+    if (gamma) load8(gamma + c, g);
+    if (accumulate) load8(dxr + c, o);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float gj = gamma ? d[j] * g[j] : d[j];
+      const float val = rs * (gj - mg - (v[j] - mu) * rs * mgx);
+      o[j] = accumulate ? o[j] + val : val;
+    }
+    store8(dxr + c, o);
+  }
+}
+
 // Partial sums of dgamma (dy * xhat) and dbeta (dy) over a chunk of rows, one
 // thread per column (coalesced across the row).
 template <typename T>
@@ -171,16 +297,36 @@ __global__ void layernorm_params_partial_kernel(int64_t rows, int64_t cols, int6
 
 // dgamma/dbeta += the chunk sums, in chunk order. G is the gradients' storage, not
 // the activations' (fp32 with grad_fp32: one rounding, to fp32).
+// A block of kFinishWarps warps per 32 columns: warp w sums chunks w, w + kFinishWarps, ...,
+// then lane c of warp 0 adds the warps' sums in warp order (a fixed order: the same
+// result every run).
+constexpr int kFinishWarps = 32;
+
+// The sum over `chunks` rows of partial[k * cols + c] for this thread's column (valid in
+// warp 0 only); every thread of the block must call it.
+__device__ __forceinline__ double finish_column(const double* partial, int64_t cols, int64_t chunks, int64_t c,
+                                                double (*sh)[32]) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  double a = 0.0;
+  if (c < cols)
+    for (int64_t k = w; k < chunks; k += kFinishWarps) a += partial[k * cols + c];
+  __syncthreads();  // sh may still be read by a previous call
+  sh[w][lane] = a;
+  __syncthreads();
+  double total = 0.0;
+  if (w == 0)
+    for (int k = 0; k < kFinishWarps; ++k) total += sh[k][lane];
+  return total;
+}
+
 template <typename G>
 __global__ void layernorm_params_finish_kernel(int64_t cols, int64_t chunks, const double* partial, G* dgamma,
                                                G* dbeta) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  double ag = 0.0, ab = 0.0;
-  for (int64_t k = 0; k < chunks; ++k) {
-    ag += partial[k * cols + c];
-    ab += partial[(chunks + k) * cols + c];
-  }
+  __shared__ double sh[kFinishWarps][32];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + (threadIdx.x & 31);
+  const double ag = finish_column(partial, cols, chunks, c, sh);
+  const double ab = finish_column(partial + chunks * cols, cols, chunks, c, sh);
+  if (threadIdx.x >= 32 || c >= cols) return;
   if (dgamma) st(dgamma, c, ld(dgamma, c) + static_cast<float>(ag));
   if (dbeta) st(dbeta, c, ld(dbeta, c) + static_cast<float>(ab));
 }
@@ -190,19 +336,36 @@ __global__ void layernorm_params_finish_kernel(int64_t cols, int64_t chunks, con
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluA = 0.044715f;
 
+// gelu(v), or dy * gelu'(v) when backward.
+__device__ __forceinline__ float gelu_at(float v, bool backward, float dy) {
+  const float t = tanhf(kGeluC * (v + kGeluA * v * v * v));
+  if (!backward) return 0.5f * v * (1.0f + t);
+  const float du = kGeluC * (1.0f + 3.0f * kGeluA * v * v);
+  return dy * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+}
+
 template <typename T>
 __global__ void gelu_kernel(int64_t n, bool backward, const T* x, const T* dy, T* out) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = ld(x, i);
-    const float t = tanhf(kGeluC * (v + kGeluA * v * v * v));
-    if (!backward) {
-      st(out, i, 0.5f * v * (1.0f + t));
-    } else {
-      const float du = kGeluC * (1.0f + 3.0f * kGeluA * v * v);
-      st(out, i, ld(dy, i) * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du));
-    }
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    st(out, i, gelu_at(ld(x, i), backward, backward ? ld(dy, i) : 0.0f));
+}
+
+// Groups of 8 elements (16-byte aligned tensors), then the last n % 8 one by one.
+template <typename T>
+__global__ void gelu_vec_kernel(int64_t n, bool backward, const T* x, const T* dy, T* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t g = first; g < n / 8; g += stride) {
+    float v[8], d[8] = {};
+    load8(x + g * 8, v);
+    if (backward) load8(dy + g * 8, d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = gelu_at(v[j], backward, d[j]);
+    store8(out + g * 8, v);
   }
+  for (int64_t i = n / 8 * 8 + first; i < n; i += stride)
+    st(out, i, gelu_at(ld(x, i), backward, backward ? ld(dy, i) : 0.0f));
 }
 
 // ---- attention pieces -----------------------------------------------------------------
@@ -322,6 +485,66 @@ __global__ void xent_row_kernel(int step, int64_t cols, int64_t ld_, int64_t val
   }
 }
 
+// The same steps over rows whose elements come 8 at a time (cols and ld multiples of 8,
+// 16-byte aligned logits and dlogits); columns at or past `valid` are masked as above.
+template <typename T>
+__global__ void xent_row_vec_kernel(int step, int64_t cols, int64_t ld_, int64_t valid, int64_t vocab_start,
+                                    const T* logits, const int32_t* targets, float* row_max, float* row_sumexp,
+                                    float* target_logit, T* dlogits, float scale) {
+  __shared__ float shf[32];
+  __shared__ double shd[32];
+  const int64_t r = blockIdx.x;
+  const T* l = logits + r * ld_;
+  float v[8];
+  if (step == kXentRowMax) {
+    float m = kNegInf;
+    for (int64_t c = threadIdx.x * 8; c < valid; c += blockDim.x * 8) {
+      load8(l + c, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (c + j < valid) m = fmaxf(m, v[j]);
+    }
+    m = block_reduce(m, shf, MaxOp{}, kNegInf);
+    if (threadIdx.x == 0) row_max[r] = m;
+  } else if (step == kXentSumexp) {
+    const float m = row_max[r];
+    double s = 0.0;
+    if (m != kNegInf)
+      for (int64_t c = threadIdx.x * 8; c < valid; c += blockDim.x * 8) {
+        load8(l + c, v);
+        float part = 0.0f;  // 8 terms in fp32, then one fp64 add
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (c + j < valid) part += expf(v[j] - m);
+        s += static_cast<double>(part);
+      }
+    s = block_reduce(s, shd, SumOp{}, 0.0);
+    if (threadIdx.x == 0) {
+      row_sumexp[r] = static_cast<float>(s);
+      if (target_logit) {
+        const int64_t t = targets[r], c = t - vocab_start;
+        target_logit[r] = (t >= 0 && c >= 0 && c < valid) ? ld(l, c) : 0.0f;
+      }
+    }
+  } else {  // backward
+    T* g = dlogits + r * ld_;
+    const int64_t t = targets[r];
+    const float m = row_max[r];
+    const float k = t < 0 ? 0.0f : scale / row_sumexp[r];
+    const int64_t tc = t < 0 ? -1 : t - vocab_start;
+    for (int64_t c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+      load8(l + c, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float o = c + j < valid && t >= 0 ? k * expf(v[j] - m) : 0.0f;
+        if (c + j == tc && c + j < valid) o -= scale;
+        v[j] = o;
+      }
+      store8(g + c, v);
+    }
+  }
+}
+
 __global__ void xent_loss_kernel(int64_t rows, const int32_t* targets, const float* row_max, const float* row_sumexp,
                                  const float* target_logit, float* loss) {
   for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows;
@@ -381,56 +604,149 @@ __device__ __forceinline__ uint64_t mix64_dev(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-template <typename T>
-__global__ void elementwise_kernel(EwParams p) {
-  const T* x = static_cast<const T*>(p.x);
-  T* y = static_cast<T*>(p.y);
-  T* out = static_cast<T*>(p.out);
-  if (p.op == kEwDropout && p.seed_device != nullptr) {  // the step's seed, read now
+// Whether dropout keeps element `index` of the stream (24 random bits against the threshold).
+__device__ __forceinline__ bool dropout_keep(const EwParams& p, uint64_t index) {
+  const uint32_t lo = static_cast<uint32_t>(index), hi = static_cast<uint32_t>(index >> 32);
+  return (fmix32(fmix32(lo ^ p.key0) ^ (hi ^ p.key1)) >> 8) >= p.threshold;
+}
+
+// The step's seed, read when the launch runs (a graph replay too).
+__device__ __forceinline__ void resolve_dropout_key(EwParams& p) {
+  if (p.op == kEwDropout && p.seed_device != nullptr) {
     const uint64_t key = mix64_dev(mix64_dev(p.seed ^ mix64_dev(*p.seed_device)));
     p.key0 = static_cast<uint32_t>(key);
     p.key1 = static_cast<uint32_t>(key >> 32);
   }
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    switch (p.op) {
-      case kEwAxpby:
-        st(y, i, p.beta == 0.0f ? p.alpha * ld(x, i) : p.alpha * ld(x, i) + p.beta * ld(y, i));
-        break;
-      case kEwAdd:
-        st(out, i, ld(x, i) + ld(y, i));
-        break;
-      case kEwMul:
-        st(out, i, ld(x, i) * ld(y, i));
-        break;
-      case kEwScale:
-        st(out, i, p.alpha * ld(x, i));
-        break;
-      case kEwFill:
-        st(out, i, p.alpha);
-        break;
-      case kEwAddBias:
-        st(out, i, ld(x, i) + ld(y, i % p.cols));
-        break;
-      case kEwMulCols:
-        st(out, i, ld(x, i) * ld(y, i % p.cols));
-        break;
-      case kEwDropout: {
-        const uint64_t index = p.offset + static_cast<uint64_t>(i);
-        const uint32_t lo = static_cast<uint32_t>(index), hi = static_cast<uint32_t>(index >> 32);
-        const uint32_t bits = fmix32(fmix32(lo ^ p.key0) ^ (hi ^ p.key1)) >> 8;
-        const bool keep = bits >= p.threshold;
-        static_cast<uint8_t*>(p.y)[i] = keep ? 1 : 0;
-        st(out, i, keep ? ld(x, i) * p.keep_scale : 0.0f);
-        break;
-      }
-      case kEwDropoutBwd:
-        st(out, i, static_cast<const uint8_t*>(p.y)[i] ? ld(x, i) * p.keep_scale : 0.0f);
-        break;
-      default:
-        break;
+}
+
+// Element i of the op.
+template <typename T>
+__device__ __forceinline__ void ew_at(const EwParams& p, int64_t i) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  T* out = static_cast<T*>(p.out);
+  switch (p.op) {
+    case kEwAxpby:
+      st(y, i, p.beta == 0.0f ? p.alpha * ld(x, i) : p.alpha * ld(x, i) + p.beta * ld(y, i));
+      break;
+    case kEwAdd:
+      st(out, i, ld(x, i) + ld(y, i));
+      break;
+    case kEwMul:
+      st(out, i, ld(x, i) * ld(y, i));
+      break;
+    case kEwScale:
+      st(out, i, p.alpha * ld(x, i));
+      break;
+    case kEwFill:
+      st(out, i, p.alpha);
+      break;
+    case kEwAddBias:
+      st(out, i, ld(x, i) + ld(y, i % p.cols));
+      break;
+    case kEwMulCols:
+      st(out, i, ld(x, i) * ld(y, i % p.cols));
+      break;
+    case kEwDropout: {
+      const bool keep = dropout_keep(p, p.offset + static_cast<uint64_t>(i));
+      static_cast<uint8_t*>(p.y)[i] = keep ? 1 : 0;
+      st(out, i, keep ? ld(x, i) * p.keep_scale : 0.0f);
+      break;
     }
+    case kEwDropoutBwd:
+      st(out, i, static_cast<const uint8_t*>(p.y)[i] ? ld(x, i) * p.keep_scale : 0.0f);
+      break;
+    default:
+      break;
   }
+}
+
+template <typename T>
+__global__ void elementwise_kernel(EwParams p) {
+  resolve_dropout_key(p);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    ew_at<T>(p, i);
+}
+
+// Elements i .. i+7 (16-byte aligned tensors; ADD_BIAS and MUL_COLS with cols % 8 == 0,
+// so the 8 share one row). The same arithmetic as ew_at.
+template <typename T>
+__device__ __forceinline__ void ew_at8(const EwParams& p, int64_t i) {
+  const T* x = static_cast<const T*>(p.x);
+  T* y = static_cast<T*>(p.y);
+  T* out = static_cast<T*>(p.out);
+  float a[8], b[8];
+  switch (p.op) {
+    case kEwAxpby:
+      load8(x + i, a);
+      if (p.beta == 0.0f) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = p.alpha * a[j];
+      } else {
+        load8(y + i, b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] = p.alpha * a[j] + p.beta * b[j];
+      }
+      store8(y + i, a);
+      return;
+    case kEwAdd:
+    case kEwMul:
+      load8(x + i, a);
+      load8(y + i, b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = p.op == kEwAdd ? a[j] + b[j] : a[j] * b[j];
+      break;
+    case kEwScale:
+      load8(x + i, a);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = p.alpha * a[j];
+      break;
+    case kEwFill:
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = p.alpha;
+      break;
+    case kEwAddBias:
+    case kEwMulCols:
+      load8(x + i, a);
+      load8(y + i % p.cols, b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = p.op == kEwAddBias ? a[j] + b[j] : a[j] * b[j];
+      break;
+    case kEwDropout: {
+      load8(x + i, a);
+      uint32_t mask[2] = {0, 0};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool keep = dropout_keep(p, p.offset + static_cast<uint64_t>(i + j));
+        mask[j / 4] |= static_cast<uint32_t>(keep) << (8 * (j % 4));
+        a[j] = keep ? a[j] * p.keep_scale : 0.0f;
+      }
+      *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.y) + i) = make_uint2(mask[0], mask[1]);
+      break;
+    }
+    case kEwDropoutBwd: {
+      load8(x + i, a);
+      const uint2 m = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(p.y) + i);
+      const uint32_t mask[2] = {m.x, m.y};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = (mask[j / 4] >> (8 * (j % 4))) & 0xffu ? a[j] * p.keep_scale : 0.0f;
+      break;
+    }
+    default:
+      return;
+  }
+  store8(out + i, a);
+}
+
+// Groups of 8, then the last n % 8 elements one by one.
+template <typename T>
+__global__ void elementwise_vec_kernel(EwParams p) {
+  resolve_dropout_key(p);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t g = first; g < p.n / 8; g += stride) ew_at8<T>(p, g * 8);
+  for (int64_t i = p.n / 8 * 8 + first; i < p.n; i += stride) ew_at<T>(p, i);
 }
 
 template <typename From, typename To>
@@ -456,6 +772,30 @@ __global__ void reduce_partial_kernel(int op, int64_t n, const T* x, double* par
     else acc = NanMaxOp{}(acc, fabs(v));
   }
   acc = op == kRedMaxAbs ? block_reduce(acc, sh, NanMaxOp{}, 0.0) : block_reduce(acc, sh, SumOp{}, 0.0);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// SUM and SUM_SQUARES 8 elements at a time (16-byte aligned x); the same per-element fp64 sums.
+template <typename T>
+__global__ void reduce_partial_vec_kernel(int op, int64_t n, const T* x, double* partial) {
+  __shared__ double sh[32];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  double acc = 0.0;
+  for (int64_t g = first; g < n / 8; g += stride) {
+    float v[8];
+    load8(x + g * 8, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const double d = static_cast<double>(v[j]);
+      acc += op == kRedSumSquares ? d * d : d;
+    }
+  }
+  for (int64_t i = n / 8 * 8 + first; i < n; i += stride) {
+    const double d = static_cast<double>(ld(x, i));
+    acc += op == kRedSumSquares ? d * d : d;
+  }
+  acc = block_reduce(acc, sh, SumOp{}, 0.0);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
@@ -488,10 +828,10 @@ __global__ void column_partial_kernel(int64_t rows, int64_t cols, int64_t ld_, i
 }
 
 __global__ void column_finish_kernel(int64_t cols, int64_t chunks, const double* partial, float* out, int accumulate) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  double s = 0.0;
-  for (int64_t k = 0; k < chunks; ++k) s += partial[k * cols + c];
+  __shared__ double sh[kFinishWarps][32];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + (threadIdx.x & 31);
+  const double s = finish_column(partial, cols, chunks, c, sh);
+  if (threadIdx.x >= 32 || c >= cols) return;
   out[c] = accumulate ? static_cast<float>(static_cast<double>(out[c]) + s) : static_cast<float>(s);
 }
 
@@ -540,18 +880,52 @@ __global__ void row_argmax_kernel(int64_t cols, int64_t ld_, const T* x, int32_t
 
 // ---- AdamW ------------------------------------------------------------------------------------------
 
+// One element: m, v updated in place; returns the new weight.
+__device__ __forceinline__ float adamw_at(const AdamwParams& p, float w, float grad, float& m, float& v) {
+  const float g = grad * p.grad_scale;
+  m = p.beta1 * m + (1.0f - p.beta1) * g;
+  v = p.beta2 * v + (1.0f - p.beta2) * g * g;
+  const float mhat = m / p.bias_correction1, vhat = v / p.bias_correction2;
+  return w - p.lr * (mhat / (sqrtf(vhat) + p.eps) + p.weight_decay * w);
+}
+
 template <typename G, typename C>
 __global__ void adamw_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = ld(grad, i) * p.grad_scale;
-    const float mi = p.beta1 * m[i] + (1.0f - p.beta1) * g;
-    const float vi = p.beta2 * v[i] + (1.0f - p.beta2) * g * g;
+    float mi = m[i], vi = v[i];
+    const float nw = adamw_at(p, param[i], ld(grad, i), mi, vi);
     m[i] = mi;
     v[i] = vi;
-    const float mhat = mi / p.bias_correction1, vhat = vi / p.bias_correction2;
-    const float w = param[i];
-    const float nw = w - p.lr * (mhat / (sqrtf(vhat) + p.eps) + p.weight_decay * w);
+    param[i] = nw;
+    if (copy) st(copy, i, nw);
+  }
+}
+
+// Groups of 8 (16-byte aligned buffers), then the last n % 8 one by one.
+template <typename G, typename C>
+__global__ void adamw_vec_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t g = first; g < n / 8; g += stride) {
+    const int64_t i = g * 8;
+    float w[8], gr[8], mi[8], vi[8];
+    load8(param + i, w);
+    load8(grad + i, gr);
+    load8(m + i, mi);
+    load8(v + i, vi);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = adamw_at(p, w[j], gr[j], mi[j], vi[j]);
+    store8(m + i, mi);
+    store8(v + i, vi);
+    store8(param + i, w);
+    if (copy) store8(copy + i, w);
+  }
+  for (int64_t i = n / 8 * 8 + first; i < n; i += stride) {
+    float mi = m[i], vi = v[i];
+    const float nw = adamw_at(p, param[i], ld(grad, i), mi, vi);
+    m[i] = mi;
+    v[i] = vi;
     param[i] = nw;
     if (copy) st(copy, i, nw);
   }
@@ -583,6 +957,17 @@ __global__ void copy_matrix_kernel(int64_t m, int64_t n, int64_t batch, const Fr
 // Threads for one block per row of `cols` elements.
 int row_threads(int64_t cols) { return cols >= 1024 ? 512 : cols >= 256 ? 256 : 128; }
 
+// Whether every pointer given (null ones aside) is 16-byte aligned: the 8-element kernels.
+bool vec_ok(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+// Rows of `cols` elements (a multiple of 8) for the warp-a-row kernels: 8 warps a block.
+constexpr int kRowWarps = 8;
+unsigned warp_row_blocks(int64_t rows) { return static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps); }
+
 }  // namespace
 
 int64_t column_chunks(int64_t rows) {
@@ -602,6 +987,13 @@ int64_t reduce_blocks(int64_t n) {
 cudaError_t k_layernorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* x, const void* gamma,
                             const void* beta, void* y, float* mean, float* rstd, float eps) {
   if (rows == 0) return cudaSuccess;
+  if (cols % 8 == 0 && vec_ok({x, gamma, beta, y})) {
+    LOOM_DISPATCH(dt, T,
+                  layernorm_fwd_warp_kernel<T><<<warp_row_blocks(rows), kRowWarps * 32, 0, s>>>(
+                      rows, cols, static_cast<const T*>(x), static_cast<const T*>(gamma),
+                      static_cast<const T*>(beta), static_cast<T*>(y), mean, rstd, eps));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(dt, T,
                 layernorm_fwd_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
                     cols, static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta),
@@ -612,6 +1004,13 @@ cudaError_t k_layernorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, c
 cudaError_t k_layernorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
                                const void* gamma, const float* mean, const float* rstd, void* dx, int accumulate) {
   if (rows == 0) return cudaSuccess;
+  if (cols % 8 == 0 && vec_ok({dy, x, gamma, dx})) {
+    LOOM_DISPATCH(dt, T,
+                  layernorm_bwd_dx_warp_kernel<T><<<warp_row_blocks(rows), kRowWarps * 32, 0, s>>>(
+                      rows, cols, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma),
+                      mean, rstd, static_cast<T*>(dx), accumulate));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(dt, T,
                 layernorm_bwd_dx_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
                     cols, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma), mean,
@@ -629,14 +1028,21 @@ cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, Dt grad_dt, int64_t ro
   LOOM_DISPATCH(dt, T,
                 layernorm_params_partial_kernel<T><<<grid, kThreads, 0, s>>>(
                     rows, cols, chunks, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, partial));
+  const unsigned finish_blocks = static_cast<unsigned>((cols + 31) / 32);
   LOOM_DISPATCH(grad_dt, G,
-                layernorm_params_finish_kernel<G><<<grid.x, kThreads, 0, s>>>(
+                layernorm_params_finish_kernel<G><<<finish_blocks, kFinishWarps * 32, 0, s>>>(
                     cols, chunks, partial, static_cast<G*>(dgamma), static_cast<G*>(dbeta)));
   return cudaGetLastError();
 }
 
 cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out) {
   if (n == 0) return cudaSuccess;
+  if (vec_ok({x, dy, out})) {
+    LOOM_DISPATCH(dt, T,
+                  gelu_vec_kernel<T><<<grid_for(std::max<int64_t>(n / 8, 1)), kThreads, 0, s>>>(
+                      n, backward, static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(out)));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(dt, T,
                 gelu_kernel<T><<<grid_for(n), kThreads, 0, s>>>(n, backward, static_cast<const T*>(x),
                                                                 static_cast<const T*>(dy), static_cast<T*>(out)));
@@ -686,6 +1092,13 @@ cudaError_t k_xent(cudaStream_t s, Dt dt, int step, int64_t rows, int64_t cols, 
     xent_loss_kernel<<<grid_for(rows), kThreads, 0, s>>>(rows, targets, row_max, row_sumexp, target_logit, loss);
     return cudaGetLastError();
   }
+  if (cols % 8 == 0 && ld_ % 8 == 0 && vec_ok({logits, dlogits})) {
+    LOOM_DISPATCH(dt, T,
+                  xent_row_vec_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols / 8), 0, s>>>(
+                      step, cols, ld_, valid, vocab_start, static_cast<const T*>(logits), targets, row_max,
+                      row_sumexp, target_logit, static_cast<T*>(dlogits), scale));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(dt, T,
                 xent_row_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
                     step, cols, ld_, valid, vocab_start, static_cast<const T*>(logits), targets, row_max, row_sumexp,
@@ -714,6 +1127,15 @@ cudaError_t k_embedding_bwd(cudaStream_t s, Dt dt, int64_t n, int64_t dim, int64
 
 cudaError_t k_elementwise(cudaStream_t s, Dt dt, const EwParams& p) {
   if (p.n == 0) return cudaSuccess;
+  // 8 at a time: 16-byte aligned tensors (the dropout mask: 8 bytes), ADD_BIAS and
+  // MUL_COLS with rows of whole groups.
+  const bool mask = p.op == kEwDropout || p.op == kEwDropoutBwd;
+  const bool rows_whole = (p.op != kEwAddBias && p.op != kEwMulCols) || p.cols % 8 == 0;
+  const bool mask_ok = !mask || reinterpret_cast<uintptr_t>(p.y) % 8 == 0;
+  if (rows_whole && mask_ok && vec_ok({p.x, mask ? nullptr : p.y, p.out})) {
+    LOOM_DISPATCH(dt, T, elementwise_vec_kernel<T><<<grid_for(std::max<int64_t>(p.n / 8, 1)), kThreads, 0, s>>>(p));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(dt, T, elementwise_kernel<T><<<grid_for(p.n), kThreads, 0, s>>>(p));
   return cudaGetLastError();
 }
@@ -729,7 +1151,11 @@ cudaError_t k_cast(cudaStream_t s, Dt from, Dt to, int64_t n, const void* x, voi
 cudaError_t k_reduce_scalar(cudaStream_t s, Dt dt, int op, int64_t n, const void* x, double* partial, float* out,
                             int accumulate) {
   const int64_t blocks = reduce_blocks(n);
-  if (n > 0) {
+  if (n > 0 && op != kRedMaxAbs && vec_ok({x})) {
+    LOOM_DISPATCH(dt, T,
+                  reduce_partial_vec_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+                      op, n, static_cast<const T*>(x), partial));
+  } else if (n > 0) {
     LOOM_DISPATCH(dt, T,
                   reduce_partial_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
                       op, n, static_cast<const T*>(x), partial));
@@ -748,7 +1174,8 @@ cudaError_t k_column_sum(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int6
                   column_partial_kernel<T><<<grid, kThreads, 0, s>>>(rows, cols, ld_, chunks,
                                                                      static_cast<const T*>(x), partial));
   }
-  column_finish_kernel<<<grid.x, kThreads, 0, s>>>(cols, rows > 0 ? chunks : 0, partial, out, accumulate);
+  column_finish_kernel<<<static_cast<unsigned>((cols + 31) / 32), kFinishWarps * 32, 0, s>>>(
+      cols, rows > 0 ? chunks : 0, partial, out, accumulate);
   return cudaGetLastError();
 }
 
@@ -763,6 +1190,14 @@ cudaError_t k_row_argmax(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int6
 cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, Dt grad_dt, float* m, float* v,
                     const AdamwParams& p, void* param_copy, Dt copy_dt) {
   if (n == 0) return cudaSuccess;
+  if (vec_ok({param, grad, m, v, param_copy})) {
+    LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
+                                            adamw_vec_kernel<G, C><<<grid_for(std::max<int64_t>(n / 8, 1)),
+                                                                     kThreads, 0, s>>>(
+                                                n, param, static_cast<const G*>(grad), m, v, p,
+                                                static_cast<C*>(param_copy))));
+    return cudaGetLastError();
+  }
   LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
                                           adamw_kernel<G, C><<<grid_for(n), kThreads, 0, s>>>(
                                               n, param, static_cast<const G*>(grad), m, v, p,
