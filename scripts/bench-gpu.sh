@@ -6,9 +6,10 @@
 #   dtypes   bf16: loom device.param_dtype = bf16, device.grad_dtype = fp32 (fp32 master weights);
 #                  torch autocast bf16 over fp32 weights
 #            fp32: loom fp32 with device.options.tf32 = true; torch fp32 with TF32 allowed
-#   engines  loom ($LOOM_BIN run, metrics from --metrics), loom-base (the same with
-#            $LOOM_BENCH_BASE_SET, default: the fused attention kernels off, for before/after
-#            figures from one run), torch-eager, torch-compile
+#   engines  loom ($LOOM_BIN run, metrics from --metrics), loom-base (a baseline for before/after
+#            figures from one run: the same with $LOOM_BENCH_BASE_SET, default the fused attention
+#            kernels off, and plugins first from $LOOM_BENCH_BASE_PLUGIN_PATH, e.g. an older
+#            build's device/cuda), torch-eager, torch-compile
 #            (scripts/bench/torch_gpt.py: the same model, AdamW fused, SDPA causal attention)
 # Each row: median ms/step over the timed steps (after the warm-up steps), tokens/s = B*T / step,
 # MFU with one FLOP formula for every row (loom's Model::forward_flops() x 3; see torch_gpt.py),
@@ -30,8 +31,10 @@
 #   LOOM_BENCH_PEAK_BF16 / LOOM_BENCH_PEAK_FP32 [989.4 / 494.7: dense bf16 / TF32 of H100 SXM and
 #     H200; H100 PCIe 756 / 378, A100 312 / 156, by the GPU's name] TFLOP/s for MFU, both engines
 #   LOOM_BENCH_GRAD_DTYPE [fp32] loom's device.grad_dtype in bf16 runs
-#   LOOM_BENCH_BASE_SET ["device.options.fused_attention=false"] the --set options (space-separated)
-#     of the loom-base engine
+#   LOOM_BENCH_BASE_SET ["device.options.fused_attention=false"; set but empty: none] the --set
+#     options (space-separated) of the loom-base engine
+#   LOOM_BENCH_BASE_PLUGIN_PATH [none] put ahead of LOOM_PLUGIN_PATH for the loom-base engine (the
+#     first library of a plugin's name found wins; later duplicates only log an error line)
 #   LOOM_BENCH_PYTHON [python3]
 # Smoke test without a GPU (the loom half and the table on the CPU, tiny shapes):
 #   LOOM_BENCH_DEVICE [cuda]  device.kind for loom (and --device for torch_gpt.py): cpu
@@ -167,10 +170,13 @@ for model in $models; do
                 --set device.kind="$device" --set device.peak_tflops="$peak" --set data.path="\"$data\""
                 "${dtype_set[@]}")
           [ "$device" = cuda ] || opts+=(--set 'device.options={}')
+          plugin_path=${LOOM_PLUGIN_PATH:-}
           if [ "$engine" = loom-base ]; then
-            for kv in ${LOOM_BENCH_BASE_SET:-device.options.fused_attention=false}; do opts+=(--set "$kv"); done
+            for kv in ${LOOM_BENCH_BASE_SET-device.options.fused_attention=false}; do opts+=(--set "$kv"); done
+            [ -n "${LOOM_BENCH_BASE_PLUGIN_PATH:-}" ] && plugin_path=$LOOM_BENCH_BASE_PLUGIN_PATH${plugin_path:+:$plugin_path}
           fi
-          timeout "$limit" "$loom" run "$manifest" "${opts[@]}" --metrics "$metrics" >"$log" 2>&1
+          LOOM_PLUGIN_PATH=$plugin_path timeout "$limit" "$loom" run "$manifest" "${opts[@]}" --metrics "$metrics" \
+            >"$log" 2>&1
           rc=$?
           if [ "$rc" -ne 0 ]; then failed "$name" "$log" "$rc" "$model" "$dtype" "$engine" "$B" "$T"; continue; fi
           # Steps after the warm-up, in the row format of torch_gpt.py; the FLOPs loom counted
