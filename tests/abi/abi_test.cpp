@@ -30,6 +30,9 @@ extern "C" const size_t* loom_abi_layout_frozen_v1_6(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_6(size_t* count);
 extern "C" const size_t* loom_abi_layout_frozen_v1_7(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_7(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_7(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_8(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_8(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -206,6 +209,23 @@ TEST(AbiLayout, Released17MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_layer_bwd_args, step_key), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_6("loom_exec_step"), 0u);
   EXPECT_GE(offsetof(loom_exec_step, substep), loom_abi_sizeof_v1_6("loom_exec_step"));
+}
+
+// 1.8's too (multi-tensor segments of reduce and adamw), each starting past 1.7's sizeof
+// of its struct; loom_adamw_args's 1.7 tail padding is named pad_1_7 first.
+TEST(AbiLayout, Released18MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_17 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_8(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_8(&n_current);
+  loom_abi_layout_current_v1_7(&n_17);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_17 + 2 * 14);  // the fourteen members 1.8 appended (9 in the new segment structs)
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_7("loom_reduce_args"), 0u);
+  EXPECT_GE(offsetof(loom_reduce_args, num_segments), loom_abi_sizeof_v1_7("loom_reduce_args"));
+  ASSERT_GT(loom_abi_sizeof_v1_7("loom_adamw_args"), 0u);
+  EXPECT_LT(offsetof(loom_adamw_args, pad_1_7), loom_abi_sizeof_v1_7("loom_adamw_args"));
+  EXPECT_GE(offsetof(loom_adamw_args, num_segments), loom_abi_sizeof_v1_7("loom_adamw_args"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -22,3 +23,13 @@ const size_t* loom_abi_layout_frozen_v1_7(size_t* count) {
   return k_layout;
 }
 
+
+/* sizeof of the structs 1.8 appended to, as released in 1.7. */
+size_t loom_abi_sizeof_v1_7(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_reduce_args)
+  SIZE(loom_adamw_args)
+#undef SIZE
+  return 0;
+}

@@ -1096,6 +1096,25 @@ TEST(DeviceCuda, ReductionsMatchCpu) {
     }
     const int64_t rows = 1000, cols = 37, ld = 40;
     Tensor m(env, randu(rows * ld, 111), dt), sums(env, randu(cols, 112));
+    // Whole 8-element groups (cols 40, ld 48) as well as the odd shape below.
+    const int64_t c_cols = 40, c_ld = 48;
+    Tensor cm(env, randu(rows * c_ld, 114), dt), csums(env, randu(c_cols, 115));
+    for (int acc = 0; acc < 2; ++acc) {
+      both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
+        loom_reduce_args a = loom::make<loom_reduce_args>();
+        a.op = LOOM_RED_COLUMN_SUM;
+        a.n = rows * c_cols;
+        a.cols = c_cols;
+        a.ld = c_ld;
+        a.x = gpu ? cm.g() : cm.c();
+        a.out = gpu ? csums.g() : csums.c();
+        a.accumulate = acc;
+        a.dtype = gpu ? dt : F32;
+        a.out_dtype = F32;
+        return a;
+      });
+      csums.expect_match("column sum cols 40, accumulate " + std::to_string(acc), 1e-5);
+    }
     for (int acc = 0; acc < 2; ++acc) {
       both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
         loom_reduce_args a = loom::make<loom_reduce_args>();
@@ -1130,6 +1149,73 @@ TEST(DeviceCuda, ReductionsMatchCpu) {
       return a;
     });
     EXPECT_EQ(idx.gpu(), idx.cpu());  // both see the same (rounded) values: the same first maximum
+  }
+}
+
+// ABI 1.8 multi-tensor calls: one adamw over segments at different offsets of each
+// buffer (16-byte aligned ones take the 8-element path, the others one by one) and one
+// SUM_SQUARES with an out per segment, against device/cpu's (one call per segment).
+TEST(DeviceCuda, MultiTensorAdamwAndReduceMatchCpu) {
+  REQUIRE_GPU();
+  Env env;
+  ASSERT_NE(env.gpu.api()->features & LOOM_DEVICE_MULTI_TENSOR, 0u);
+  const int64_t n = 120000;
+  const std::vector<loom_adamw_segment> table = {{0, 64, 8, 16, 50000, 0.1f, 0},
+                                                 {50003, 50064, 50001, 50016, 997, 0.0f, 0},
+                                                 {51000, 60000, 70000, 80000, 33333, 0.1f, 0}};
+  Raw<loom_adamw_segment> segs(env, table);
+  for (int32_t gdt : {F32, BF16}) {
+    Tensor param(env, randu(n, 180)), grad(env, randu(n, 181, -1e-3f, 1e-3f), gdt);
+    Tensor m(env, randu(n, 182, -1e-4f, 1e-4f)), v(env, randu(n, 183, 0, 1e-6f)), copy(env, n, BF16);
+    for (int64_t step = 1; step <= 2; ++step) {
+      both<loom_adamw_args>(env, &loom::Device::adamw, [&](bool gpu) {
+        loom_adamw_args a = loom::make<loom_adamw_args>();
+        a.param = static_cast<float*>(gpu ? param.g() : param.c());
+        a.grad = gpu ? grad.g() : grad.c();
+        a.m = static_cast<float*>(gpu ? m.g() : m.c());
+        a.v = static_cast<float*>(gpu ? v.g() : v.c());
+        a.grad_dtype = gpu ? gdt : F32;
+        a.lr = 1e-3f;
+        a.beta1 = 0.9f;
+        a.beta2 = 0.95f;
+        a.eps = 1e-8f;
+        a.grad_scale = 0.5f;
+        a.step = step;
+        a.param_copy = gpu ? copy.g() : nullptr;
+        a.copy_dtype = BF16;
+        a.num_segments = static_cast<int64_t>(table.size());
+        a.segments = gpu ? segs.g() : segs.c();
+        return a;
+      });
+    }
+    const std::string tag = gdt == BF16 ? " (bf16 gradients)" : " (fp32 gradients)";
+    param.expect_match("multi-tensor adamw param" + tag);
+    m.expect_match("multi-tensor adamw m" + tag);
+    v.expect_match("multi-tensor adamw v" + tag);
+    const std::vector<float> p = param.gpu(), c = copy.gpu();
+    for (const loom_adamw_segment& sg : table)
+      for (int64_t i = 0; i < sg.numel; ++i)
+        ASSERT_EQ(c[sg.copy_offset + i], round_bf16(p[sg.param_offset + i])) << "param_copy" << tag;
+  }
+  const std::vector<loom_reduce_segment> rtable = {{0, 70000}, {3, 5}, {70001, 0}, {70001, 49999}};
+  Raw<loom_reduce_segment> rsegs(env, rtable);
+  for (int32_t dt : {F32, BF16}) {
+    Tensor x(env, randu(n, 190), dt), out(env, randu(rtable.size(), 191));
+    for (int32_t op : {LOOM_RED_SUM, LOOM_RED_SUM_SQUARES, LOOM_RED_MAX_ABS}) {
+      both<loom_reduce_args>(env, &loom::Device::reduce, [&](bool gpu) {
+        loom_reduce_args a = loom::make<loom_reduce_args>();
+        a.op = op;
+        a.x = gpu ? x.g() : x.c();
+        a.out = gpu ? out.g() : out.c();
+        a.accumulate = 1;
+        a.dtype = gpu ? dt : F32;
+        a.out_dtype = F32;
+        a.num_segments = static_cast<int64_t>(rtable.size());
+        a.segments = gpu ? rsegs.g() : rsegs.c();
+        return a;
+      });
+      out.expect_match("multi-tensor reduce op " + std::to_string(op) + (dt == BF16 ? " bf16" : " f32"), 1e-5);
+    }
   }
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 #include <limits>
 #include <loom/cpp/core.hpp>
+#include <loom/cpp/plugin.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -1633,6 +1634,127 @@ TEST(DeviceCpu, AdamwStepMatchesTheFormula) {
       ASSERT_EQ(copy[i], bits >> 16) << "param_copy (bf16) of " << p[i];
     }
   }
+}
+
+// ABI 1.8 multi-tensor calls: one adamw over segments at different offsets of each
+// buffer (master weights, moments, gradients, bf16 copy), and one SUM / SUM_SQUARES /
+// MAX_ABS with an out per segment, give the bits of a call per segment; a segment with
+// a negative numel is an error naming it.
+TEST(DeviceCpu, MultiTensorCallsEqualOneCallPerSegment) {
+  Dev d(2);
+  ASSERT_NE(d.api()->features & LOOM_DEVICE_MULTI_TENSOR, 0u);
+  const std::vector<loom_adamw_segment> segs = {
+      {0, 100, 7, 30, 1000, 0.1f, 0}, {1000, 1100, 1500, 1040, 3, 0.0f, 0}, {1003, 0, 2000, 3000, 97, 0.1f, 0}};
+  const size_t n = 4000;
+  for (int32_t grad_dtype : {LOOM_DTYPE_F32, LOOM_DTYPE_BF16}) {
+    SCOPED_TRACE(grad_dtype == LOOM_DTYPE_BF16 ? "bf16 gradients" : "fp32 gradients");
+    const std::vector<float> pv = randn(n, 160), mv = randn(n, 162, -0.1f, 0.1f), vv = randn(n, 163, 0.0f, 0.01f);
+    const std::vector<float> gv = randn(n, 161);
+    std::vector<uint16_t> gb(n);
+    for (size_t i = 0; i < n; ++i) {  // the gradients truncated to bf16
+      uint32_t bits;
+      std::memcpy(&bits, &gv[i], 4);
+      gb[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    Buf<float> g(d, gv);
+    Buf<uint16_t> g16(d, gb);
+    const void* grad = grad_dtype == LOOM_DTYPE_BF16 ? static_cast<const void*>(g16.data()) : g.data();
+    auto args = [&](float* p, float* m, float* v, uint16_t* copy) {
+      loom_adamw_args a = loom::make<loom_adamw_args>();
+      a.param = p;
+      a.grad = grad;
+      a.m = m;
+      a.v = v;
+      a.grad_dtype = grad_dtype;
+      a.lr = 1e-2f;
+      a.beta1 = 0.9f;
+      a.beta2 = 0.95f;
+      a.eps = 1e-8f;
+      a.grad_scale = 0.5f;
+      a.step = 3;
+      a.param_copy = copy;
+      a.copy_dtype = LOOM_DTYPE_BF16;
+      return a;
+    };
+    Buf<float> p1(d, pv), m1(d, mv), v1(d, vv), p2(d, pv), m2(d, mv), v2(d, vv);
+    Buf<uint16_t> c1(d, n), c2(d, n);
+    c1.fill(7);
+    c2.fill(7);
+    for (const loom_adamw_segment& sg : segs) {  // one call a segment
+      loom_adamw_args a = args(p1.data() + sg.param_offset, m1.data() + sg.state_offset, v1.data() + sg.state_offset,
+                               c1.data() + sg.copy_offset);
+      a.grad = static_cast<const char*>(grad) + sg.grad_offset * (grad_dtype == LOOM_DTYPE_BF16 ? 2 : 4);
+      a.n = sg.numel;
+      a.weight_decay = sg.weight_decay;
+      d.ops().adamw(a);
+    }
+    loom_adamw_args multi = args(p2.data(), m2.data(), v2.data(), c2.data());
+    multi.n = 12345;              // ignored
+    multi.weight_decay = 123.0f;  // ignored
+    multi.num_segments = static_cast<int64_t>(segs.size());
+    multi.segments = segs.data();
+    d.ops().adamw(multi);
+    EXPECT_TRUE(p1.get() == p2.get() && m1.get() == m2.get() && v1.get() == v2.get() && c1.get() == c2.get())
+        << "the multi-tensor adamw differs from one call per segment";
+  }
+
+  const std::vector<float> xv = randn(n, 170);
+  Buf<float> x(d, xv);
+  const std::vector<loom_reduce_segment> rsegs = {{0, 1000}, {5, 0}, {1000, 3}, {2500, 1500}};
+  for (int32_t op : {LOOM_RED_SUM, LOOM_RED_SUM_SQUARES, LOOM_RED_MAX_ABS}) {
+    Buf<float> one(d, rsegs.size()), multi(d, rsegs.size());
+    one.fill(2.0f);
+    multi.fill(2.0f);
+    for (size_t i = 0; i < rsegs.size(); ++i) {
+      loom_reduce_args r = loom::make<loom_reduce_args>();
+      r.op = op;
+      r.n = rsegs[i].numel;
+      r.x = x.data() + rsegs[i].offset;
+      r.out = one.data() + i;
+      r.accumulate = 1;
+      r.dtype = r.out_dtype = LOOM_DTYPE_F32;
+      d.ops().reduce(r);
+    }
+    loom_reduce_args r = loom::make<loom_reduce_args>();
+    r.op = op;
+    r.x = x.data();
+    r.out = multi.data();
+    r.accumulate = 1;
+    r.dtype = r.out_dtype = LOOM_DTYPE_F32;
+    r.num_segments = static_cast<int64_t>(rsegs.size());
+    r.segments = rsegs.data();
+    d.ops().reduce(r);
+    EXPECT_EQ(one.get(), multi.get()) << "reduce op " << op;
+  }
+
+  const loom_reduce_segment bad[] = {{0, 10}, {10, -1}};
+  Buf<float> out(d, 2);
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_SUM;
+  r.x = x.data();
+  r.out = out.data();
+  r.dtype = r.out_dtype = LOOM_DTYPE_F32;
+  r.num_segments = 2;
+  r.segments = bad;
+  const StatusInfo st = take(d.api()->ops->reduce(d.raw(), nullptr, &r));
+  EXPECT_EQ(st.code, LOOM_CODE_INVALID_ARGUMENT) << st.message;
+  EXPECT_NE(st.message.find("segment 1"), std::string::npos) << st.message;
+  r.op = LOOM_RED_COLUMN_SUM;
+  r.cols = 1;
+  r.segments = bad;
+  const StatusInfo col = take(d.api()->ops->reduce(d.raw(), nullptr, &r));
+  EXPECT_NE(col.message.find("segments are for SUM"), std::string::npos) << col.message;
+}
+
+// An optimizer strategy's MultiTensorStep is off on a device without the 1.8 bit (an
+// older device plugin), so ddp and distopt call the ops tensor by tensor there.
+TEST(DeviceCpu, MultiTensorStepIsOffWithoutTheDeviceBit) {
+  Dev d(2);
+  loom_device_api old_table = *d.api();
+  old_table.features &= ~LOOM_DEVICE_MULTI_TENSOR;
+  const loom::MultiTensorStep off(nullptr, loom::Device(&old_table, d.raw(), nullptr), {{0, 4}},
+                                  {{0, 0, 0, 0, 4, 0.0f, 0}}, {true});
+  EXPECT_FALSE(off.enabled());
 }
 
 // ---------------------------------------------------------------------------

@@ -234,9 +234,28 @@ void check(const char* device, const loom_elementwise_args& a) {
   }
 }
 
+int64_t num_segments(const loom_reduce_args& a) {
+  return a.struct_size >= offsetof(loom_reduce_args, segments) + sizeof(a.segments) ? a.num_segments : 0;
+}
+
+int64_t num_segments(const loom_adamw_args& a) {
+  return a.struct_size >= offsetof(loom_adamw_args, segments) + sizeof(a.segments) ? a.num_segments : 0;
+}
+
 void check(const char* device, const loom_reduce_args& a) {
   LOOM_REQUIRE(a.op >= LOOM_RED_SUM && a.op <= LOOM_RED_ROW_ARGMAX,
                "reduce: unknown op " << a.op << " (expected LOOM_RED_SUM..LOOM_RED_ROW_ARGMAX)");
+  const int64_t segments = num_segments(a);
+  LOOM_REQUIRE(segments >= 0, "reduce: num_segments must be >= 0 (got " << segments << ")");
+  if (segments > 0) {
+    LOOM_REQUIRE(a.op == LOOM_RED_SUM || a.op == LOOM_RED_SUM_SQUARES || a.op == LOOM_RED_MAX_ABS,
+                 "reduce: segments are for SUM, SUM_SQUARES and MAX_ABS (got op " << a.op << ")");
+    LOOM_REQUIRE(a.segments && a.x && a.out, "reduce: with num_segments = " << segments
+                                                  << ", segments, x and out must not be NULL");
+    require_float(device, "reduce", "dtype", a.dtype);
+    require_f32(device, "reduce", "out_dtype", a.out_dtype);
+    return;
+  }
   require_float(device, "reduce", "dtype", a.dtype);
   if (a.op == LOOM_RED_ROW_ARGMAX)
     LOOM_REQUIRE(a.out_dtype == LOOM_DTYPE_I32, "reduce(ROW_ARGMAX): out_dtype must be I32 (the column index)");
@@ -258,6 +277,18 @@ void check(const char* device, const loom_reduce_args& a) {
 void check(const char* device, const loom_adamw_args& a) {
   LOOM_REQUIRE(a.grad_dtype == LOOM_DTYPE_F32 || a.grad_dtype == LOOM_DTYPE_BF16,
                "adamw: grad_dtype " << dtype_name(a.grad_dtype) << " is not supported by " << device << " (f32, bf16)");
+  const int64_t segments = num_segments(a);
+  LOOM_REQUIRE(segments >= 0, "adamw: num_segments must be >= 0 (got " << segments << ")");
+  if (segments > 0) {
+    LOOM_REQUIRE(a.step >= 1, "adamw: step is 1-based (got " << a.step << ")");
+    LOOM_REQUIRE(a.segments && a.param && a.grad && a.m && a.v,
+                 "adamw: with num_segments = " << segments << ", segments, param, grad, m and v must not be NULL");
+    if (a.param_copy)
+      LOOM_REQUIRE(a.copy_dtype == LOOM_DTYPE_F32 || a.copy_dtype == LOOM_DTYPE_BF16,
+                   "adamw: copy_dtype " << dtype_name(a.copy_dtype) << " is not supported by " << device
+                                        << " (f32, bf16)");
+    return;
+  }
   LOOM_REQUIRE(a.n >= 0, "adamw: n must be >= 0 (got " << a.n << ")");
   LOOM_REQUIRE(a.step >= 1, "adamw: step is 1-based (got " << a.step << ")");
   LOOM_REQUIRE(a.n == 0 || (a.param && a.grad && a.m && a.v), "adamw: param, grad, m and v must not be NULL");

@@ -29,6 +29,11 @@ int32_t grad_dtype(const loom_embedding_args& a);
 // qkv strides. Devices run the resolved form; check() validates it.
 loom_attention_args resolved(const loom_attention_args& a);
 
+// ABI 1.8's multi-tensor calls: the number of segments, 0 for a single tensor (or a
+// caller before 1.8, whose struct ends before the member).
+int64_t num_segments(const loom_reduce_args& a);
+int64_t num_segments(const loom_adamw_args& a);
+
 void check(const char* device, const loom_gemm_args& g);
 void check(const char* device, const loom_layernorm_fwd_args& a);
 void check(const char* device, const loom_layernorm_bwd_args& a);

@@ -761,6 +761,21 @@ double reduce_block(int32_t op, const float* x, int64_t n) {
 }  // namespace
 
 void run_reduce(Device& d, const loom_reduce_args& a) {
+  if (const int64_t count = op_contract::num_segments(a); count > 0) {  // 1.8: each segment as its own call
+    for (int64_t i = 0; i < count; ++i) {
+      const loom_reduce_segment& seg = a.segments[i];
+      LOOM_REQUIRE(seg.offset >= 0 && seg.numel >= 0, "reduce: segment " << i << " has offset " << seg.offset
+                                                                          << " and numel " << seg.numel
+                                                                          << " (both must be >= 0)");
+      loom_reduce_args one = a;
+      one.num_segments = 0;
+      one.n = seg.numel;
+      one.x = static_cast<const char*>(a.x) + seg.offset * (is_bf16(a.dtype) ? 2 : 4);
+      one.out = F(a.out) + i;
+      run_reduce(d, one);
+    }
+    return;
+  }
   // bf16 x: each row, row segment or block is widened into scratch first; out is fp32
   // (ROW_ARGMAX: int32) either way.
   const bool bf16 = is_bf16(a.dtype);
@@ -834,6 +849,26 @@ void validate(const loom_adamw_args& a) {
 }
 
 void run_adamw(Device& d, const loom_adamw_args& a) {
+  if (const int64_t count = op_contract::num_segments(a); count > 0) {  // 1.8: each segment as its own call
+    const size_t grad_size = a.grad_dtype == LOOM_DTYPE_BF16 ? 2 : 4, copy_size = is_bf16(a.copy_dtype) ? 2 : 4;
+    for (int64_t i = 0; i < count; ++i) {
+      const loom_adamw_segment& seg = a.segments[i];
+      LOOM_REQUIRE(seg.numel >= 0 && seg.param_offset >= 0 && seg.state_offset >= 0 && seg.grad_offset >= 0 &&
+                       (a.param_copy == nullptr || seg.copy_offset >= 0),
+                   "adamw: segment " << i << " has a negative offset or numel");
+      loom_adamw_args one = a;
+      one.num_segments = 0;
+      one.n = seg.numel;
+      one.weight_decay = seg.weight_decay;
+      one.param = a.param + seg.param_offset;
+      one.m = a.m + seg.state_offset;
+      one.v = a.v + seg.state_offset;
+      one.grad = static_cast<const char*>(a.grad) + static_cast<size_t>(seg.grad_offset) * grad_size;
+      if (a.param_copy) one.param_copy = static_cast<char*>(a.param_copy) + static_cast<size_t>(seg.copy_offset) * copy_size;
+      run_adamw(d, one);
+    }
+    return;
+  }
   AdamwParams p{a.beta1, a.beta2, a.lr, a.eps, a.weight_decay, a.grad_scale, 0.0f, 0.0f};
   p.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(a.step)));
   p.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(a.step)));

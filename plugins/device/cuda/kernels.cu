@@ -931,6 +931,117 @@ __global__ void adamw_vec_kernel(int64_t n, float* param, const G* grad, float* 
   }
 }
 
+// ---- multi-tensor (ABI 1.8 segments) --------------------------------------------------------
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+constexpr int kMultiBlocks = 512;  // fixed: the partial sums do not depend on the problem
+
+// A block-stride loop over every segment: each segment is spread over the whole grid.
+template <typename G, typename C>
+__global__ void adamw_multi_kernel(int64_t count, const AdamwSegment* segments, float* param, const G* grad, float* m,
+                                   float* v, AdamwParams p, C* copy) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t s = 0; s < count; ++s) {
+    const AdamwSegment seg = segments[s];
+    AdamwParams q = p;
+    q.weight_decay = seg.weight_decay;
+    float* pw = param + seg.param_offset;
+    float* pm = m + seg.state_offset;
+    float* pv = v + seg.state_offset;
+    const G* pg = grad + seg.grad_offset;
+    C* pc = copy ? copy + seg.copy_offset : nullptr;
+    const int64_t n = seg.numel;
+    int64_t done = 0;
+    if (aligned16(pw) && aligned16(pm) && aligned16(pv) && aligned16(pg) && aligned16(pc)) {
+      for (int64_t g = first; g < n / 8; g += stride) {
+        const int64_t i = g * 8;
+        float w[8], gr[8], mi[8], vi[8];
+        load8(pw + i, w);
+        load8(pg + i, gr);
+        load8(pm + i, mi);
+        load8(pv + i, vi);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = adamw_at(q, w[j], gr[j], mi[j], vi[j]);
+        store8(pm + i, mi);
+        store8(pv + i, vi);
+        store8(pw + i, w);
+        if (pc) store8(pc + i, w);
+      }
+      done = n / 8 * 8;
+    }
+    for (int64_t i = done + first; i < n; i += stride) {
+      float mi = pm[i], vi = pv[i];
+      const float nw = adamw_at(q, pw[i], ld(pg, i), mi, vi);
+      pm[i] = mi;
+      pv[i] = vi;
+      pw[i] = nw;
+      if (pc) st(pc, i, nw);
+    }
+  }
+}
+
+// partial[s * gridDim.x + block] = this block's share of segment s; a block that holds no
+// element of a segment writes the identity without a block reduction.
+template <typename T>
+__global__ void reduce_multi_partial_kernel(int op, int64_t count, const ReduceSegment* segments, const T* x,
+                                            double* partial) {
+  __shared__ double sh[32];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t s = 0; s < count; ++s) {
+    const ReduceSegment seg = segments[s];
+    const T* xs = x + seg.offset;
+    const bool vec = op != kRedMaxAbs && aligned16(xs);
+    const int64_t units = vec ? (seg.numel + 7) / 8 : seg.numel;  // what one thread index covers
+    double* out = partial + s * gridDim.x + blockIdx.x;
+    if (static_cast<int64_t>(blockIdx.x) * blockDim.x >= units) {  // the same for the whole block
+      if (threadIdx.x == 0) *out = 0.0;
+      continue;
+    }
+    double acc = 0.0;
+    int64_t done = 0;
+    if (vec) {
+      for (int64_t g = first; g < seg.numel / 8; g += stride) {
+        float v[8];
+        load8(xs + g * 8, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const double d = static_cast<double>(v[j]);
+          acc += op == kRedSumSquares ? d * d : d;
+        }
+      }
+      done = seg.numel / 8 * 8;
+    }
+    for (int64_t i = done + first; i < seg.numel; i += stride) {
+      const double d = static_cast<double>(ld(xs, i));
+      if (op == kRedSum) acc += d;
+      else if (op == kRedSumSquares) acc += d * d;
+      else acc = NanMaxOp{}(acc, fabs(d));
+    }
+    acc = op == kRedMaxAbs ? block_reduce(acc, sh, NanMaxOp{}, 0.0) : block_reduce(acc, sh, SumOp{}, 0.0);
+    if (threadIdx.x == 0) *out = acc;
+  }
+}
+
+// out[s] (+)= the sum (or NaN-winning maximum) of segment s's partials: a block a segment.
+__global__ void reduce_multi_finish_kernel(int op, int64_t blocks, const double* partial, float* out, int accumulate) {
+  __shared__ double sh[32];
+  const int64_t s = blockIdx.x;
+  const double* ps = partial + s * blocks;
+  double acc = 0.0;
+  for (int64_t b = threadIdx.x; b < blocks; b += blockDim.x) acc = op == kRedMaxAbs ? NanMaxOp{}(acc, ps[b]) : acc + ps[b];
+  acc = op == kRedMaxAbs ? block_reduce(acc, sh, NanMaxOp{}, 0.0) : block_reduce(acc, sh, SumOp{}, 0.0);
+  if (threadIdx.x != 0) return;
+  if (op == kRedMaxAbs) {
+    const float r = static_cast<float>(acc);
+    out[s] = accumulate ? ((r > out[s] || r != r) ? r : out[s]) : r;
+  } else {
+    out[s] = accumulate ? static_cast<float>(static_cast<double>(out[s]) + acc) : static_cast<float>(acc);
+  }
+}
+
 template <typename T>
 __global__ void scale_matrix_kernel(int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch, float beta,
                                     T* c) {
@@ -1025,6 +1136,8 @@ cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, Dt grad_dt, int64_t ro
   if (rows == 0 || cols == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
   // The partials are fp64 whatever the storage: only the finish sees the gradients.
+  // (One column a thread: 8 columns a thread with 16-byte loads measured 2x slower on an
+  // H200, too few threads in flight for rows of 768.)
   LOOM_DISPATCH(dt, T,
                 layernorm_params_partial_kernel<T><<<grid, kThreads, 0, s>>>(
                     rows, cols, chunks, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, partial));
@@ -1169,7 +1282,7 @@ cudaError_t k_column_sum(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int6
   if (cols == 0) return cudaSuccess;
   const int64_t chunks = column_chunks(rows);
   const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
-  if (rows > 0) {
+  if (rows > 0) {  // one column a thread, as for the LayerNorm parameters
     LOOM_DISPATCH(dt, T,
                   column_partial_kernel<T><<<grid, kThreads, 0, s>>>(rows, cols, ld_, chunks,
                                                                      static_cast<const T*>(x), partial));
@@ -1202,6 +1315,29 @@ cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, D
                                           adamw_kernel<G, C><<<grid_for(n), kThreads, 0, s>>>(
                                               n, param, static_cast<const G*>(grad), m, v, p,
                                               static_cast<C*>(param_copy))));
+  return cudaGetLastError();
+}
+
+int64_t multi_reduce_blocks() { return kMultiBlocks; }
+
+cudaError_t k_adamw_multi(cudaStream_t s, int64_t count, const AdamwSegment* segments, float* param, const void* grad,
+                          Dt grad_dt, float* m, float* v, const AdamwParams& p, void* param_copy, Dt copy_dt) {
+  if (count == 0) return cudaSuccess;
+  LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
+                                          adamw_multi_kernel<G, C><<<kMultiBlocks * 2, kThreads, 0, s>>>(
+                                              count, segments, param, static_cast<const G*>(grad), m, v, p,
+                                              static_cast<C*>(param_copy))));
+  return cudaGetLastError();
+}
+
+cudaError_t k_reduce_multi(cudaStream_t s, Dt dt, int op, int64_t count, const ReduceSegment* segments,
+                           const void* x, double* partial, float* out, int accumulate) {
+  if (count == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                reduce_multi_partial_kernel<T><<<kMultiBlocks, kThreads, 0, s>>>(op, count, segments,
+                                                                                static_cast<const T*>(x), partial));
+  reduce_multi_finish_kernel<<<static_cast<unsigned>(count), kThreads, 0, s>>>(op, kMultiBlocks, partial, out,
+                                                                               accumulate);
   return cudaGetLastError();
 }
 

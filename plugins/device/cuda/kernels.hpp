@@ -99,6 +99,25 @@ struct AdamwParams {
 cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, Dt grad_dt, float* m, float* v,
                     const AdamwParams& p, void* param_copy, Dt copy_dt);
 
+// ABI 1.8's multi-tensor segments, mirrored (ops.cpp checks the layouts match
+// loom_adamw_segment and loom_reduce_segment).
+struct AdamwSegment {
+  int64_t param_offset, state_offset, grad_offset, copy_offset, numel;
+  float weight_decay;
+  int32_t reserved;
+};
+struct ReduceSegment {
+  int64_t offset, numel;
+};
+// Every segment of a device-resident table in one launch: AdamW as k_adamw would run
+// each (the same values), and SUM / SUM_SQUARES / MAX_ABS of each into out[i] through
+// partial[count * multi_reduce_blocks()] (fixed blocks: the same sums every run).
+int64_t multi_reduce_blocks();
+cudaError_t k_adamw_multi(cudaStream_t s, int64_t count, const AdamwSegment* segments, float* param, const void* grad,
+                          Dt grad_dt, float* m, float* v, const AdamwParams& p, void* param_copy, Dt copy_dt);
+cudaError_t k_reduce_multi(cudaStream_t s, Dt dt, int op, int64_t count, const ReduceSegment* segments,
+                           const void* x, double* partial, float* out, int accumulate);
+
 // C = beta * C over a batch of m x n blocks (beta = 0 writes zeros whatever C held):
 // GEMMs with k = 0 or alpha = 0.
 cudaError_t k_scale_matrix(cudaStream_t s, Dt dt, int64_t m, int64_t n, int64_t ldc, int64_t stride_c, int64_t batch,

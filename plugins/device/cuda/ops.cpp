@@ -8,6 +8,7 @@
 // [H, S, S] in fp32 scratch (causal rows are masked, not skipped).
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <cmath>
 #include <cstring>
 
@@ -468,8 +469,27 @@ void validate(const loom_reduce_args& a) {
     LOOM_REQUIRE(a.n / a.cols <= kMax32, "reduce(ROW_ARGMAX): rows must fit in 32 bits (one CUDA block per row)");
 }
 
+// The kernels' mirrors of ABI 1.8's segment structs.
+static_assert(sizeof(AdamwSegment) == sizeof(loom_adamw_segment) &&
+              offsetof(loom_adamw_segment, param_offset) == offsetof(AdamwSegment, param_offset) &&
+              offsetof(loom_adamw_segment, state_offset) == offsetof(AdamwSegment, state_offset) &&
+              offsetof(loom_adamw_segment, grad_offset) == offsetof(AdamwSegment, grad_offset) &&
+              offsetof(loom_adamw_segment, copy_offset) == offsetof(AdamwSegment, copy_offset) &&
+              offsetof(loom_adamw_segment, numel) == offsetof(AdamwSegment, numel) &&
+              offsetof(loom_adamw_segment, weight_decay) == offsetof(AdamwSegment, weight_decay));
+static_assert(sizeof(ReduceSegment) == sizeof(loom_reduce_segment) &&
+              offsetof(loom_reduce_segment, offset) == offsetof(ReduceSegment, offset) &&
+              offsetof(loom_reduce_segment, numel) == offsetof(ReduceSegment, numel));
+
 void run_reduce(Device& d, Stream& s, const loom_reduce_args& a) {
   const Dt dt = float_dt("reduce", "dtype", a.dtype);
+  if (const int64_t count = op_contract::num_segments(a); count > 0) {
+    Scratch partial(d, s, static_cast<size_t>(count * multi_reduce_blocks()) * sizeof(double), "reduce(segments)");
+    check_launch(d, "reduce(segments)", "multi-tensor reduce kernels",
+                 k_reduce_multi(s.s, dt, a.op, count, reinterpret_cast<const ReduceSegment*>(a.segments), a.x,
+                                partial.get<double>(), static_cast<float*>(a.out), a.accumulate));
+    return;
+  }
   if (a.op == LOOM_RED_ROW_ARGMAX) {
     const int64_t rows = a.n / a.cols, ld = a.ld > 0 ? a.ld : a.cols;
     check_launch(d, "reduce(ROW_ARGMAX)", "row_argmax kernel",
@@ -510,6 +530,12 @@ void run_adamw(Device& d, Stream& s, const loom_adamw_args& a) {
   p.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(a.step)));
   const Dt gdt = a.grad_dtype == LOOM_DTYPE_BF16 ? Dt::BF16 : Dt::F32;
   const Dt cdt = a.copy_dtype == LOOM_DTYPE_BF16 ? Dt::BF16 : Dt::F32;
+  if (const int64_t count = op_contract::num_segments(a); count > 0) {
+    check_launch(d, "adamw(segments)", "multi-tensor adamw kernel",
+                 k_adamw_multi(s.s, count, reinterpret_cast<const AdamwSegment*>(a.segments), a.param, a.grad, gdt,
+                               a.m, a.v, p, a.param_copy, cdt));
+    return;
+  }
   void* copy = a.param_copy == a.param && cdt == Dt::F32 ? nullptr : a.param_copy;  // in place: nothing to copy
   check_launch(d, "adamw", "adamw kernel", k_adamw(s.s, a.n, a.param, a.grad, gdt, a.m, a.v, p, copy, cdt));
 }

@@ -671,7 +671,8 @@ const loom_device_api* device_api() {
     a.copy_2d = copy_2d;
     // layernorm_bwd / embedding_bwd honour grad_fp32; the allocator has a graph pool.
     // dropout reads seed_device in the kernel.
-    a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW;
+    a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
+                 LOOM_DEVICE_MULTI_TENSOR;
     return a;
   }();
   return &api;

@@ -40,6 +40,7 @@ class Ddp : public loom::OptimizerStrategy {
           {p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i), p.offset >= expert_start_});
     }
     loom::Device dev = rank.device();
+    multi_ = multi_tensor_step(dev);
     m_ = loom::Buffer(rank_, numel_ * sizeof(float));
     v_ = loom::Buffer(rank_, numel_ * sizeof(float));
     norm_parts_ = loom::Buffer(rank_, std::max<size_t>(1, infos_.size()) * sizeof(float));
@@ -77,12 +78,14 @@ class Ddp : public loom::OptimizerStrategy {
     std::vector<bool> expert_part;
     for (const Info& p : infos_) {
       if (p.counted_elsewhere) continue;
-      dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
-                  .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_),
-                  .out = norm_parts_.get<float>() + expert_part.size(), .dtype = grad_dtype_,
-                  .out_dtype = LOOM_DTYPE_F32});
+      if (!multi_.enabled())
+        dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
+                    .x = static_cast<char*>(grads_) + p.offset * elem(grad_dtype_),
+                    .out = norm_parts_.get<float>() + expert_part.size(), .dtype = grad_dtype_,
+                    .out_dtype = LOOM_DTYPE_F32});
       expert_part.push_back(p.expert);
     }
+    if (multi_.enabled()) multi_.norm_parts(dev, grads_, grad_dtype_, norm_parts_.get<float>());
     const size_t k = expert_part.size();
     std::vector<float> parts(k);
     if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
@@ -103,6 +106,14 @@ class Ddp : public loom::OptimizerStrategy {
     if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
 
     // 3. AdamW on each parameter (weight decay only where the layer allows it)
+    if (multi_.enabled()) {
+      multi_.adamw(dev, {.param = static_cast<float*>(main_ ? main_.get() : params_), .grad = grads_,
+                         .m = m_.get<float>(), .v = v_.get<float>(), .grad_dtype = grad_dtype_, .lr = a.lr,
+                         .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps, .weight_decay = a.weight_decay,
+                         .grad_scale = scale, .step = a.step, .param_copy = main_ ? params_ : nullptr,
+                         .copy_dtype = param_dtype_});
+      return norm;
+    }
     for (const Info& p : infos_) {
       float* master = static_cast<float*>(main_ ? main_.get() : params_) + p.offset;
       dev.adamw({.n = static_cast<int64_t>(p.numel), .param = master,
@@ -166,6 +177,22 @@ class Ddp : public loom::OptimizerStrategy {
   };
 
   static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+
+  // The step's tables: the norm's segments (the parameters counted here, in the order
+  // of the per-tensor loop) and every parameter's AdamW segment (all buffers share
+  // the parameter's offset).
+  loom::MultiTensorStep multi_tensor_step(const loom::Device& dev) const {
+    std::vector<loom_reduce_segment> norm;
+    std::vector<loom_adamw_segment> adamw;
+    std::vector<bool> decayed;
+    for (const Info& p : infos_) {
+      const auto offset = static_cast<int64_t>(p.offset), numel = static_cast<int64_t>(p.numel);
+      if (!p.counted_elsewhere) norm.push_back({offset, numel});
+      adamw.push_back({offset, offset, offset, offset, numel, 0.0f, 0});
+      decayed.push_back(!p.no_weight_decay);
+    }
+    return loom::MultiTensorStep(rank_, dev, norm, std::move(adamw), std::move(decayed));
+  }
   static void zero(const loom::Device& dev, void* p, size_t n) {
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,
                      .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
@@ -194,6 +221,7 @@ class Ddp : public loom::OptimizerStrategy {
   size_t expert_start_ = numel_;  // the expert tail [expert_start_, numel_), when expert-parallel
   std::vector<Info> infos_;
   loom::Buffer m_, v_, main_, norm_parts_, norm_total_;
+  loom::MultiTensorStep multi_;
 };
 
 }  // namespace

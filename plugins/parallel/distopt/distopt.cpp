@@ -236,6 +236,7 @@ class DistOpt : public loom::OptimizerStrategy {
     if (separate_master_) master_ = loom::Buffer(rank_, bytes);
     norm_parts_ = loom::Buffer(rank_, std::max<size_t>(1, pieces_.size()) * sizeof(float));
     norm_total_ = loom::Buffer(rank_, sizeof(double));
+    multi_ = multi_tensor_step(dev);
     fill_zero(dev, m_.get(), shard_numel_);
     fill_zero(dev, v_.get(), shard_numel_);
     size_t local = 0;
@@ -277,11 +278,14 @@ class DistOpt : public loom::OptimizerStrategy {
     for (size_t i = 0; i < pieces_.size(); ++i) {
       const Piece& p = pieces_[i];
       if (params_info_[p.param].counted_elsewhere) continue;
-      dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
-                  .x = static_cast<char*>(grads_) + p.world * ge, .out = norm_parts_.get<float>() + expert_part.size(),
-                  .dtype = grad_dtype_, .out_dtype = LOOM_DTYPE_F32});
+      if (!multi_.enabled())
+        dev.reduce({.op = LOOM_RED_SUM_SQUARES, .n = static_cast<int64_t>(p.numel),
+                    .x = static_cast<char*>(grads_) + p.world * ge,
+                    .out = norm_parts_.get<float>() + expert_part.size(), .dtype = grad_dtype_,
+                    .out_dtype = LOOM_DTYPE_F32});
       expert_part.push_back(p.world >= expert_start_);
     }
+    if (multi_.enabled()) multi_.norm_parts(dev, grads_, grad_dtype_, norm_parts_.get<float>());
     const size_t k = expert_part.size();
     std::vector<float> parts(k);
     if (k > 0) dev.copy(parts.data(), norm_parts_.get(), k * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
@@ -305,17 +309,25 @@ class DistOpt : public loom::OptimizerStrategy {
     if (a.clip_grad > 0 && norm > a.clip_grad) scale = a.clip_grad / (norm + 1e-6f);
 
     // 3. AdamW on the owned pieces; the updated values go back into the parameter buffer.
-    for (const Piece& p : pieces_) {
-      const ParamRef& info = params_info_[p.param];
-      float* master = separate_master_ ? master_.get<float>() + p.local
-                                       : reinterpret_cast<float*>(static_cast<char*>(params_) + p.world * pe);
-      dev.adamw({.n = static_cast<int64_t>(p.numel), .param = master,
-                 .grad = static_cast<char*>(grads_) + p.world * ge, .m = m_.get<float>() + p.local,
-                 .v = v_.get<float>() + p.local, .grad_dtype = grad_dtype_, .lr = a.lr, .beta1 = a.beta1,
-                 .beta2 = a.beta2, .eps = a.eps, .weight_decay = info.no_weight_decay ? 0.f : a.weight_decay,
-                 .grad_scale = scale, .step = a.step,
-                 .param_copy = separate_master_ ? static_cast<char*>(params_) + p.world * pe : nullptr,
-                 .copy_dtype = param_dtype_});
+    if (multi_.enabled()) {
+      multi_.adamw(dev, {.param = separate_master_ ? master_.get<float>() : static_cast<float*>(params_),
+                         .grad = grads_, .m = m_.get<float>(), .v = v_.get<float>(), .grad_dtype = grad_dtype_,
+                         .lr = a.lr, .beta1 = a.beta1, .beta2 = a.beta2, .eps = a.eps,
+                         .weight_decay = a.weight_decay, .grad_scale = scale, .step = a.step,
+                         .param_copy = separate_master_ ? params_ : nullptr, .copy_dtype = param_dtype_});
+    } else {
+      for (const Piece& p : pieces_) {
+        const ParamRef& info = params_info_[p.param];
+        float* master = separate_master_ ? master_.get<float>() + p.local
+                                         : reinterpret_cast<float*>(static_cast<char*>(params_) + p.world * pe);
+        dev.adamw({.n = static_cast<int64_t>(p.numel), .param = master,
+                   .grad = static_cast<char*>(grads_) + p.world * ge, .m = m_.get<float>() + p.local,
+                   .v = v_.get<float>() + p.local, .grad_dtype = grad_dtype_, .lr = a.lr, .beta1 = a.beta1,
+                   .beta2 = a.beta2, .eps = a.eps, .weight_decay = info.no_weight_decay ? 0.f : a.weight_decay,
+                   .grad_scale = scale, .step = a.step,
+                   .param_copy = separate_master_ ? static_cast<char*>(params_) + p.world * pe : nullptr,
+                   .copy_dtype = param_dtype_});
+      }
     }
 
     // 4. All-gather: every rank gets every shard's updated parameters.
@@ -328,6 +340,24 @@ class DistOpt : public loom::OptimizerStrategy {
   }
 
   uint32_t num_arrays() const { return separate_master_ ? 3u : 2u; }  // m, v (, master)
+
+  // The step's tables: the norm's segments (the pieces counted here, in the order of the
+  // per-tensor loop) and every owned piece's AdamW segment: master weights (or the fp32
+  // parameters), m and v at the piece's shard offset, gradients and the parameter copy
+  // at its buffer offset.
+  loom::MultiTensorStep multi_tensor_step(const loom::Device& dev) const {
+    std::vector<loom_reduce_segment> norm;
+    std::vector<loom_adamw_segment> adamw;
+    std::vector<bool> decayed;
+    for (const Piece& p : pieces_) {
+      const auto world = static_cast<int64_t>(p.world), local = static_cast<int64_t>(p.local);
+      const auto numel = static_cast<int64_t>(p.numel);
+      if (!params_info_[p.param].counted_elsewhere) norm.push_back({world, numel});
+      adamw.push_back({separate_master_ ? local : world, local, world, world, numel, 0.0f, 0});
+      decayed.push_back(!params_info_[p.param].no_weight_decay);
+    }
+    return loom::MultiTensorStep(rank_, dev, norm, std::move(adamw), std::move(decayed));
+  }
   size_t state_size() override { return header_bytes() + num_arrays() * shard_numel_ * sizeof(float); }
 
   void state_save(void* buf, size_t bytes) override {
@@ -515,6 +545,7 @@ class DistOpt : public loom::OptimizerStrategy {
   size_t shard_numel_ = 0;
   bool separate_master_ = false;
   loom::Buffer m_, v_, master_, norm_parts_, norm_total_;
+  loom::MultiTensorStep multi_;
 };
 
 }  // namespace

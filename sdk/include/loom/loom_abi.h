@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 7
+#define LOOM_ABI_MINOR 8
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -305,6 +305,12 @@ static inline uint64_t loom_mix64(uint64_t z) {
 #define LOOM_RED_MAX_ABS 2
 #define LOOM_RED_COLUMN_SUM 3   /* out[c] (+)= sum_r x[r, c]; n = rows*cols */
 #define LOOM_RED_ROW_ARGMAX 4   /* out[r] (int32) = first argmax_c x[r, c]; n = rows*cols */
+/* 1.8: one tensor of a multi-tensor reduction: elements [offset, offset + numel) of x. */
+typedef struct loom_reduce_segment {
+  int64_t offset;
+  int64_t numel;
+} loom_reduce_segment;
+
 typedef struct loom_reduce_args {
   uint32_t struct_size;
   int32_t op;
@@ -316,11 +322,31 @@ typedef struct loom_reduce_args {
   int32_t dtype;           /* of x */
   int32_t out_dtype;
   int64_t ld;              /* COLUMN_SUM, ROW_ARGMAX: row stride of x (0 = cols) */
+  /* --- 1.8, devices with LOOM_DEVICE_MULTI_TENSOR --- SUM, SUM_SQUARES and MAX_ABS of
+   * many tensors in one call: with num_segments > 0, out[i] (fp32) is the reduction of
+   * segment i of x (accumulate applies to each out[i]); n is ignored. `segments` is an
+   * array of num_segments in the device's memory, unchanged while the op may run (a
+   * graph replay reads it again). Each out[i] is what the op gives for that segment
+   * alone up to the order of its fp64 sums. */
+  int64_t num_segments;
+  const loom_reduce_segment* segments;
 } loom_reduce_args;
 
 /* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),
  * with grad scaled by grad_scale first and bias corrections 1 - beta^step. When
  * param_copy is set, the updated value is also written there in copy_dtype. */
+/* 1.8: one tensor of a multi-tensor AdamW: numel elements at these offsets (in
+ * elements) of param (and its m and v: state_offset), grad and param_copy. */
+typedef struct loom_adamw_segment {
+  int64_t param_offset;
+  int64_t state_offset;  /* of m and v */
+  int64_t grad_offset;
+  int64_t copy_offset;   /* of param_copy, when set */
+  int64_t numel;
+  float weight_decay;    /* this tensor's (0: not decayed) */
+  int32_t reserved;      /* 0 */
+} loom_adamw_segment;
+
 typedef struct loom_adamw_args {
   uint32_t struct_size;
   int64_t n;
@@ -329,6 +355,14 @@ typedef struct loom_adamw_args {
   float lr, beta1, beta2, eps, weight_decay, grad_scale;
   int64_t step;
   void* param_copy; int32_t copy_dtype;
+  int32_t pad_1_7;                     /* 1.8: the tail padding of 1.7's struct, named */
+  /* --- 1.8, devices with LOOM_DEVICE_MULTI_TENSOR --- many tensors in one call: with
+   * num_segments > 0, every segment is updated as a call with its offsets, numel and
+   * weight_decay would update it (the same values); n and weight_decay are ignored.
+   * `segments` is an array of num_segments in the device's memory, unchanged while the
+   * op may run. Segments must not overlap. */
+  int64_t num_segments;
+  const loom_adamw_segment* segments;
 } loom_adamw_args;
 
 typedef struct loom_device_ops {
@@ -401,6 +435,9 @@ typedef struct loom_device_api {
 /* 1.6: attention_fwd / attention_bwd honour kv_seq, q_offset, the kv strides and
  * accumulate_dkv (a query window inside a longer key sequence: context parallelism). */
 #define LOOM_DEVICE_ATTENTION_WINDOW (1ull << 3)
+/* 1.8: adamw and reduce (SUM, SUM_SQUARES, MAX_ABS) honour num_segments / segments:
+ * one call for many tensors of a flat buffer (an optimizer step in two launches). */
+#define LOOM_DEVICE_MULTI_TENSOR (1ull << 4)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */

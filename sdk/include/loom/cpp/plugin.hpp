@@ -331,6 +331,65 @@ inline double all_reduce_sum(const Device& dev, void* scratch, double v, std::in
   return v;
 }
 
+// An optimizer step's multi-tensor calls (ABI 1.8, devices with LOOM_DEVICE_MULTI_TENSOR):
+// the segments of its gradient norm and of its AdamW as tables in device memory, so
+// each is one device call instead of one per tensor, with the same values. On an older
+// device enabled() is false and the strategy calls the ops tensor by tensor.
+class MultiTensorStep {
+ public:
+  MultiTensorStep() = default;
+  // `decayed[i]`: whether AdamW segment i takes the step's weight decay (else 0).
+  MultiTensorStep(loom_rank* rank, const Device& dev, const std::vector<loom_reduce_segment>& norm,
+                  std::vector<loom_adamw_segment> adamw, std::vector<bool> decayed)
+      : adamw_(std::move(adamw)), decayed_(std::move(decayed)), num_norm_(norm.size()) {
+    if ((dev.features() & LOOM_DEVICE_MULTI_TENSOR) == 0) return;
+    enabled_ = true;
+    norm_dev_ = Buffer(rank, std::max<size_t>(1, norm.size()) * sizeof(loom_reduce_segment));
+    adamw_dev_ = Buffer(rank, std::max<size_t>(1, adamw_.size()) * sizeof(loom_adamw_segment));
+    if (!norm.empty())
+      dev.copy(norm_dev_.get(), norm.data(), norm.size() * sizeof(loom_reduce_segment), LOOM_COPY_HOST_TO_DEVICE);
+  }
+  bool enabled() const { return enabled_; }
+
+  // out[i] = the sum of squares of norm segment i of `grads`, in one call.
+  void norm_parts(const Device& dev, const void* grads, int32_t grad_dtype, float* out) const {
+    if (num_norm_ == 0) return;
+    loom_reduce_args r = make<loom_reduce_args>();
+    r.op = LOOM_RED_SUM_SQUARES;
+    r.x = grads;
+    r.out = out;
+    r.dtype = grad_dtype;
+    r.out_dtype = LOOM_DTYPE_F32;
+    r.num_segments = static_cast<int64_t>(num_norm_);
+    r.segments = norm_dev_.get<loom_reduce_segment>();
+    dev.reduce(r);
+  }
+
+  // AdamW over every segment in one call: `a` as for one tensor (buffers at offset 0;
+  // n and weight_decay are taken from the segments). The table is rewritten when the
+  // weight decay changes.
+  void adamw(const Device& dev, loom_adamw_args a) {
+    if (adamw_.empty()) return;
+    if (!uploaded_ || a.weight_decay != weight_decay_) {
+      for (size_t i = 0; i < adamw_.size(); ++i) adamw_[i].weight_decay = decayed_[i] ? a.weight_decay : 0.0f;
+      dev.copy(adamw_dev_.get(), adamw_.data(), adamw_.size() * sizeof(loom_adamw_segment), LOOM_COPY_HOST_TO_DEVICE);
+      weight_decay_ = a.weight_decay;
+      uploaded_ = true;
+    }
+    a.num_segments = static_cast<int64_t>(adamw_.size());
+    a.segments = adamw_dev_.get<loom_adamw_segment>();
+    dev.adamw(a);
+  }
+
+ private:
+  bool enabled_ = false, uploaded_ = false;
+  float weight_decay_ = 0.0f;
+  std::vector<loom_adamw_segment> adamw_;
+  std::vector<bool> decayed_;
+  size_t num_norm_ = 0;
+  Buffer norm_dev_, adamw_dev_;
+};
+
 // T must be constructible from (const Options&, Rank&, const loom_optimizer_create_args&).
 // A static constexpr uint64_t kFeatures in T sets loom_optimizer_api.features.
 template <typename T>
