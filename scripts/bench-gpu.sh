@@ -9,7 +9,8 @@
 #   engines  loom ($LOOM_BIN run, metrics from --metrics), loom-base (a baseline for before/after
 #            figures from one run: the same with $LOOM_BENCH_BASE_SET, default the fused attention
 #            kernels off, and plugins first from $LOOM_BENCH_BASE_PLUGIN_PATH, e.g. an older
-#            build's device/cuda), torch-eager, torch-compile
+#            build's device/cuda), loom-graph (loom with exec.mode = partial_graph: each layer's
+#            forward and backward replayed as CUDA graphs), torch-eager, torch-compile
 #            (scripts/bench/torch_gpt.py: the same model, AdamW fused, SDPA causal attention)
 # Each row: median ms/step over the timed steps (after the warm-up steps), tokens/s = B*T / step,
 # MFU with one FLOP formula for every row (loom's Model::forward_flops() x 3; see torch_gpt.py),
@@ -162,7 +163,7 @@ for model in $models; do
       log=$out/$name.log
       say "== $model $dtype $engine (B $B, T $T)"
       case "$engine" in
-        loom | loom-base)
+        loom | loom-base | loom-graph)
           metrics=$out/$name.jsonl
           rm -f "$metrics"
           opts=(--set run.steps=$((warmup + steps)) --set run.log_every=1 --set run.eval_every=0
@@ -171,6 +172,7 @@ for model in $models; do
                 "${dtype_set[@]}")
           [ "$device" = cuda ] || opts+=(--set 'device.options={}')
           plugin_path=${LOOM_PLUGIN_PATH:-}
+          [ "$engine" = loom-graph ] && opts+=(--set exec.mode=partial_graph)
           if [ "$engine" = loom-base ]; then
             for kv in ${LOOM_BENCH_BASE_SET-device.options.fused_attention=false}; do opts+=(--set "$kv"); done
             [ -n "${LOOM_BENCH_BASE_PLUGIN_PATH:-}" ] && plugin_path=$LOOM_BENCH_BASE_PLUGIN_PATH${plugin_path:+:$plugin_path}
@@ -224,7 +226,7 @@ EOF
           say "$row" >>"$results"
           ;;
         *)
-          say "FAIL: unknown engine '$engine' (loom, loom-base, torch-eager, torch-compile)"
+          say "FAIL: unknown engine '$engine' (loom, loom-base, loom-graph, torch-eager, torch-compile)"
           failures=$((failures + 1))
           continue
           ;;
