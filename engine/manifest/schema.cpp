@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cstdlib>
 #include <initializer_list>
+#include <iomanip>
 #include <sstream>
 #include <stdexcept>
 
@@ -19,6 +20,22 @@ std::string number_text(double v) {
   auto res = std::to_chars(buf, buf + sizeof buf, v);
   return std::string(buf, res.ptr);
 }
+
+// Bounds that keep every size and product of sizes the engine forms far from int64
+// (and the rank counts from int): a parallel group of at most 2^20 ranks, a world of at
+// most 2^20 ranks (check_rules), at most 2^30 sequences in a batch.
+constexpr double kMaxGroupSize = 1 << 20;
+constexpr double kMaxBatch = 1 << 30;
+constexpr int64_t kMaxWorld = int64_t{1} << 20;
+// Model dimensions: widths of at most 2^20 (the MLP 2^22), at most 2^16 layers or heads,
+// 2^24 tokens a sequence, int32 token ids; and a microbatch's widest activation
+// (sequence x micro-batch x the widest of hidden, MLP and vocab) of at most 2^48
+// elements (check_rules), so element and byte counts of any tensor fit in int64.
+constexpr double kMaxWidth = 1 << 20;
+constexpr double kMaxCount = 1 << 16;
+constexpr double kMaxSeq = 1 << 24;
+constexpr double kMaxVocab = 2147483647.0;
+constexpr double kMaxActivation = static_cast<double>(int64_t{1} << 48);
 
 KeySpec key(std::string path, KeyType type, std::optional<std::string> dflt, std::string doc) {
   KeySpec k;
@@ -96,12 +113,12 @@ std::vector<KeySpec> build() {
   v.push_back(i("run.eval_batches", 4, 1, "validation batches per evaluation"));
   v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
   // model
-  v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream"));
-  v.push_back(i("model.num_heads", 4, 1, "attention heads"));
-  v.push_back(i("model.ffn_hidden_size", 0, 0, "MLP inner width (0 = 4 * hidden_size)"));
-  v.push_back(i("model.num_layers", 4, 1, "transformer blocks"));
-  v.push_back(i("model.seq_length", 64, 1, "tokens per sequence"));
-  v.push_back(i("model.vocab_size", 0, 0, "vocabulary size (0 = taken from the data)"));
+  v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream", kMaxWidth));
+  v.push_back(i("model.num_heads", 4, 1, "attention heads", kMaxCount));
+  v.push_back(i("model.ffn_hidden_size", 0, 0, "MLP inner width (0 = 4 * hidden_size)", 4 * kMaxWidth));
+  v.push_back(i("model.num_layers", 4, 1, "transformer blocks", kMaxCount));
+  v.push_back(i("model.seq_length", 64, 1, "tokens per sequence", kMaxSeq));
+  v.push_back(i("model.vocab_size", 0, 0, "vocabulary size (0 = taken from the data; token ids are int32)", kMaxVocab));
   v.push_back(i("model.vocab_divisor", 128, 1,
                 "vocabulary padded to a multiple of vocab_divisor * tp"));
   v.push_back(b("model.tie_embeddings", true, "share the embedding and lm_head weights"));
@@ -128,15 +145,17 @@ std::vector<KeySpec> build() {
                          "[model.layer.NAME] configures layer instance NAME: plugin (default NAME) "
                          "and that plugin's options"));
   // parallel
-  v.push_back(i("parallel.tp", 1, 1, "tensor-parallel size"));
-  v.push_back(i("parallel.pp", 1, 1, "pipeline-parallel size (stages)"));
-  v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)"));
-  v.push_back(i("parallel.cp", 1, 1, "context-parallel size: the sequence is split over cp ranks, 2*cp chunks with each rank holding an early and a late one (causal balance); model.seq_length must be divisible by 2*cp"));
-  v.push_back(i("parallel.ep", 1, 1, "expert-parallel size"));
+  v.push_back(i("parallel.tp", 1, 1, "tensor-parallel size", kMaxGroupSize));
+  v.push_back(i("parallel.pp", 1, 1, "pipeline-parallel size (stages)", kMaxGroupSize));
+  v.push_back(i("parallel.vpp", 1, 1, "virtual pipeline chunks per stage (interleaved schedule)", kMaxGroupSize));
+  v.push_back(i("parallel.cp", 1, 1, "context-parallel size: the sequence is split over cp ranks, 2*cp chunks with each rank holding an early and a late one (causal balance); model.seq_length must be divisible by 2*cp",
+                kMaxGroupSize));
+  v.push_back(i("parallel.ep", 1, 1, "expert-parallel size", kMaxGroupSize));
   v.push_back(i("parallel.etp", 0, 0,
                 "expert tensor-parallel size (0 = same as tp; 1 under tp > 1 with sequence parallelism folds "
-                "the experts into ep: whole experts per rank, ep groups spanning tp ranks)"));
-  v.push_back(i("parallel.dp", 1, 1, "data-parallel size"));
+                "the experts into ep: whole experts per rank, ep groups spanning tp ranks)",
+                kMaxGroupSize));
+  v.push_back(i("parallel.dp", 1, 1, "data-parallel size", kMaxGroupSize));
   {
     KeySpec k = s("parallel.order", "tp-cp-ep-dp-pp",
                   "rank-group order, fastest-varying first ('-'-joined permutation of tp,cp,ep,dp,pp)");
@@ -160,8 +179,8 @@ std::vector<KeySpec> build() {
                 "transformer layers in the last pipeline chunk, which also holds the output layer (0 = even split)"));
   v.push_back(open_table("pipeline.options", "options of the schedule plugin"));
   // batch
-  v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch"));
-  v.push_back(i("batch.global_batch_size", 32, 1, "sequences per optimizer step, over all dp ranks"));
+  v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch", kMaxBatch));
+  v.push_back(i("batch.global_batch_size", 32, 1, "sequences per optimizer step, over all dp ranks", kMaxBatch));
   // optimizer
   v.push_back(s("optimizer.strategy", "ddp", "gradient sync / optimizer sharding strategy",
                 {"ddp", "distributed"}));
@@ -343,6 +362,37 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   auto I = [&](const char* k) { return m.get_int(k); };
   auto S = [](int64_t v) { return std::to_string(v); };
 
+  // A microbatch's widest activation (the logits, or the MLP's inner activation).
+  if (usable({"model.seq_length", "batch.micro_batch_size", "model.hidden_size", "model.ffn_hidden_size",
+              "model.vocab_size"})) {
+    const double width = std::max({static_cast<double>(I("model.hidden_size")),
+                                   static_cast<double>(resolved_ffn_hidden_size(m)),
+                                   static_cast<double>(I("model.vocab_size"))});
+    const double elems = static_cast<double>(I("model.seq_length")) * static_cast<double>(I("batch.micro_batch_size")) * width;
+    if (elems > kMaxActivation) {
+      std::ostringstream os;
+      os << "a microbatch's widest activation, model.seq_length x batch.micro_batch_size x " << std::fixed
+         << std::setprecision(0) << width << " (the widest of hidden, MLP and vocab) = " << elems
+         << " elements, is more than loom holds in one tensor (2^48)";
+      report({"model.seq_length", "batch.micro_batch_size"}, os.str());
+    }
+  }
+
+  // The world first: the rules below multiply the group sizes, each at most 2^20.
+  bool world_ok = true;
+  if (usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
+    const double world = static_cast<double>(I("parallel.tp")) * static_cast<double>(I("parallel.cp")) *
+                         static_cast<double>(I("parallel.pp")) * static_cast<double>(I("parallel.dp"));
+    if (world > static_cast<double>(kMaxWorld)) {
+      world_ok = false;
+      std::ostringstream os;
+      os << "world size tp\u00b7cp\u00b7pp\u00b7dp = " << I("parallel.tp") << "\u00b7" << I("parallel.cp") << "\u00b7"
+         << I("parallel.pp") << "\u00b7" << I("parallel.dp") << " = " << std::fixed << std::setprecision(0) << world
+         << " ranks is more than loom runs (" << kMaxWorld << ")";
+      report({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}, os.str());
+    }
+  }
+
   if (usable({"model.num_heads", "parallel.tp"}) && I("model.num_heads") % I("parallel.tp") != 0)
     report({"model.num_heads", "parallel.tp"},
            "model.num_heads (" + S(I("model.num_heads")) + ") must be divisible by parallel.tp (" +
@@ -440,7 +490,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                                            S(I("model.seq_length") / I("parallel.cp")) + " rows split over tp"
                                      : std::string()));
 
-  if (usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
+  if (world_ok && usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
     std::string var;
     if (auto launched = launcher_world_size(&var)) {
       int64_t tp = I("parallel.tp"), cp = I("parallel.cp"), pp = I("parallel.pp"),
@@ -488,7 +538,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
-  if (usable({"comm.backend", "device.kind", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}) &&
+  if (world_ok && usable({"comm.backend", "device.kind", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}) &&
       m.get_string("comm.backend") == "local" && m.get_string("device.kind") == "cuda" &&
       I("parallel.tp") * I("parallel.cp") * I("parallel.pp") * I("parallel.dp") > 1)
     report({"comm.backend", "device.kind"},

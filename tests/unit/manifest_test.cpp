@@ -241,7 +241,7 @@ TEST_F(ManifestTest, WrongType) {
 
 TEST_F(ManifestTest, OutOfRange) {
   Diagnostic d = one_error("[parallel]\ntp = 0\n");
-  EXPECT_EQ(d.message, "parallel.tp must be >= 1, got 0");
+  EXPECT_EQ(d.message, "parallel.tp must be between 1 and 1048576, got 0");
   EXPECT_EQ(pos(d.origin), "m.toml:2:6");
 
   d = one_error("[optimizer]\nlr = 0\n");
@@ -308,7 +308,7 @@ TEST_F(ManifestTest, OneErrorIsSingular) {
     FAIL() << "expected a ManifestError";
   } catch (const ManifestError& e) {
     EXPECT_EQ(std::string(e.what()),
-              "manifest has 1 error:\nm.toml:2:6: parallel.tp: parallel.tp must be >= 1, got 0");
+              "manifest has 1 error:\nm.toml:2:6: parallel.tp: parallel.tp must be between 1 and 1048576, got 0");
   }
 }
 
@@ -374,6 +374,38 @@ TEST_F(ManifestTest, GlobalBatchDivisibleByMicroTimesDp) {
                         "batch.micro_batch_size * parallel.dp (4*2 = 8)"));
   EXPECT_THAT(d.message, HasSubstr("so each of the dp ranks runs a whole number of microbatches"));
   EXPECT_EQ(pos(d.origin), "m.toml:3:21");
+}
+
+// Sizes whose products wrapped around int64 (a SIGFPE in validate, plan and run, or
+// "world size -2") are refused with the bound; a world of more ranks than loom runs too.
+TEST_F(ManifestTest, HugeParallelAndBatchSizesAreRefusedWithTheirBound) {
+  for (const char* set : {"parallel.dp=2305843009213693952", "parallel.pp=4611686018427387904",
+                                 "parallel.cp=9223372036854775807", "parallel.vpp=9223372036854775807",
+                                 "parallel.tp=1048577", "parallel.ep=1048577", "parallel.etp=1048577"}) {
+    const Diagnostic d = one_error("", {set});
+    EXPECT_THAT(d.message, HasSubstr("must be between")) << set;
+    EXPECT_THAT(d.message, HasSubstr("1048576")) << set;
+  }
+  for (const char* set : {"batch.micro_batch_size=4611686018427387904", "batch.global_batch_size=1073741825"}) {
+    const Diagnostic d = one_error("", {set});
+    EXPECT_THAT(d.message, HasSubstr("must be between 1 and 1073741824")) << set;
+  }
+  // Model dimensions (num_layers 2^62 used to validate and build a model without blocks).
+  for (const char* set : {"model.hidden_size=4611686018427387904", "model.num_layers=4611686018427387904",
+                          "model.seq_length=4611686018427387904", "model.vocab_size=2147483648",
+                          "model.ffn_hidden_size=4611686018427387904", "model.num_heads=65537"}) {
+    const Diagnostic d = one_error("", {set});
+    EXPECT_THAT(d.message, HasSubstr("must be between")) << set;
+  }
+  const Diagnostic wide = one_error("", {"model.seq_length=16777216", "batch.micro_batch_size=1048576",
+                                         "batch.global_batch_size=2097152"});
+  EXPECT_THAT(wide.message, HasSubstr("a microbatch's widest activation"));
+  EXPECT_THAT(wide.message, HasSubstr("is more than loom holds in one tensor (2^48)"));
+  const Diagnostic world = one_error("[model]\nnum_heads = 1024\nhidden_size = 1024\n[batch]\nmicro_batch_size = 1\n"
+                                     "global_batch_size = 1024\n",
+                                     {"parallel.tp=1024", "parallel.dp=1024", "parallel.pp=2", "model.num_layers=2"});
+  EXPECT_THAT(world.message, HasSubstr("world size tp\u00b7cp\u00b7pp\u00b7dp = 1024\u00b71\u00b72\u00b71024 = "
+                                       "2097152 ranks is more than loom runs (1048576)"));
 }
 
 TEST_F(ManifestTest, SequenceParallelNeedsSeqDivisibleByTp) {
