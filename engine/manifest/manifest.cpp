@@ -724,7 +724,11 @@ class ManifestLoader {
     if (spec.type == KeyType::Int || spec.type == KeyType::Float) {
       double x = v.is_integer() ? static_cast<double>(v.as_integer()->get())
                                 : v.as_floating_point()->get();
-      bool ok = !std::isnan(x);
+      if (!std::isfinite(x)) {  // TOML's inf and nan: no setting takes them
+        diag(spec.path, where, spec.path + " must be a finite number, got " + to_toml_text(v));
+        return false;
+      }
+      bool ok = true;
       if (spec.min) ok = ok && (spec.min_exclusive ? x > *spec.min : x >= *spec.min);
       if (spec.max) ok = ok && (spec.max_exclusive ? x < *spec.max : x <= *spec.max);
       if (!ok) {
@@ -959,6 +963,13 @@ void Manifest::apply_plugin_options(const std::string& section_path, const std::
                                    path + " must be " + type_text(it->type) + ", got " +
                                        describe_value(v) + " (option of " + plugin_name +
                                        (it->doc.empty() ? "" : ": " + it->doc) + ")"});
+        continue;
+      }
+      if (it->type == OptionDecl::Type::Float && v.is_floating_point() &&
+          !std::isfinite(v.as_floating_point()->get())) {  // as for the engine's own settings
+        diags.push_back(Diagnostic{path, origin(path),
+                                   path + " must be a finite number, got " + to_toml_text(v) + " (option of " +
+                                       plugin_name + (it->doc.empty() ? "" : ": " + it->doc) + ")"});
         continue;
       }
       if (it->type == OptionDecl::Type::Float && v.is_integer())

@@ -52,18 +52,29 @@ std::string mib(uint64_t b) {
   return os.str();
 }
 
+// A JSON number; null for inf and nan, which JSON cannot spell (every line stays JSON).
+struct JsonNumber {
+  double v;
+};
+std::ostream& operator<<(std::ostream& os, JsonNumber n) {
+  if (std::isfinite(n.v)) return os << n.v;
+  return os << "null";
+}
+
 std::string step_json(const StepRecord& r) {
+  using N = JsonNumber;
   std::ostringstream os;
   os.precision(9);
-  os << "{\"step\": " << r.step << ", \"loss\": " << r.loss << ", \"aux_loss\": " << r.aux_loss << ", \"lr\": " << r.lr << ", \"grad_norm\": " << r.grad_norm
-     << ", \"tokens_per_s\": " << r.tokens_per_s << ", \"ms\": " << r.ms << ", \"flops_per_s\": " << r.flops_per_s
-     << ", \"mfu\": " << r.mfu << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
+  os << "{\"step\": " << r.step << ", \"loss\": " << N{r.loss} << ", \"aux_loss\": " << N{r.aux_loss}
+     << ", \"lr\": " << N{r.lr} << ", \"grad_norm\": " << N{r.grad_norm} << ", \"tokens_per_s\": " << N{r.tokens_per_s}
+     << ", \"ms\": " << N{r.ms} << ", \"flops_per_s\": " << N{r.flops_per_s} << ", \"mfu\": " << N{r.mfu}
+     << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
      << ", \"in_flight\": " << r.in_flight << ", \"activation_bytes\": " << r.activation_bytes
      << ", \"comm\": " << runtime::comm_stats_json(r.comm);
   if (r.evaluated) {
-    os << ", \"val_loss\": " << r.val_loss;
-    if (r.exact_match >= 0) os << ", \"val_exact_match\": " << r.exact_match;
-    if (r.token_accuracy >= 0) os << ", \"val_token_accuracy\": " << r.token_accuracy;
+    os << ", \"val_loss\": " << N{r.val_loss};
+    if (r.exact_match >= 0) os << ", \"val_exact_match\": " << N{r.exact_match};
+    if (r.token_accuracy >= 0) os << ", \"val_token_accuracy\": " << N{r.token_accuracy};
   }
   os << "}";
   return os.str();
@@ -523,6 +534,18 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         std::lock_guard<std::mutex> lock(result_mu);
         result.steps.push_back(rec);
         result.final_step = step;
+      }
+      // A non-finite loss or gradient norm (the same on every rank: both are reduced)
+      // stops the run before this step's weights are saved, as Megatron-LM's
+      // check for NaN in the loss and gradients does.
+      if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) {
+        std::ostringstream os;
+        os << "step " << step << ": the loss is " << rec.loss << " and the gradient norm " << rec.grad_norm
+           << "; training stops without saving this step's weights"
+           << (!ckpt_dir.empty() ? " (the last checkpoint in " + ckpt_dir + " holds finite ones)" : std::string())
+           << ". Usual causes: a learning rate too high (optimizer.lr = " << m.get_float("optimizer.lr")
+           << "), no gradient clipping (optimizer.clip_grad), or data the model cannot represent";
+        throw loom::Error(os.str());
       }
       if (stop) {
         save(step);

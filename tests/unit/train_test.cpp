@@ -263,6 +263,41 @@ TEST(Checkpoint, ResumeWithoutCheckpointSaysWhere) {
   fs::remove_all(dir);
 }
 
+// A learning rate that blows the weights up: the run stops at the first non-finite
+// loss or gradient norm, naming the step, and saves no checkpoint of it; every metrics
+// line stays JSON (non-finite numbers as null).
+TEST(Training, ANonFiniteLossStopsTheRunAndMetricsStayJson) {
+  const std::string dir = loom::testing::scratch_dir("nonfinite");
+  fs::remove_all(dir);
+  loom::train::TrainOptions options;
+  options.metrics_file = dir + ".jsonl";
+  try {
+    run_and_trace(tiny_manifest(), {"optimizer.lr=1e300", "optimizer.clip_grad=0", "run.steps=20",
+                                    "checkpoint.dir=\"" + dir + "\"", "checkpoint.every=100"},
+                  options);
+    FAIL() << "a run whose loss is not finite must fail";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("training stops without saving this step's weights"), std::string::npos) << what;
+    EXPECT_NE(what.find("optimizer.lr = 1e+300"), std::string::npos) << what;
+  }
+  EXPECT_FALSE(fs::exists(dir) && !fs::is_empty(dir)) << "a checkpoint of non-finite weights was written";
+  std::ifstream in(options.metrics_file);
+  std::string line, last;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    ++lines;
+    last = line;
+    EXPECT_EQ(line.find("nan"), std::string::npos) << line;
+    EXPECT_EQ(line.find("inf"), std::string::npos) << line;
+  }
+  EXPECT_GE(lines, 1);
+  EXPECT_LT(lines, 20) << "the run went on after a non-finite loss";
+  EXPECT_NE(last.find("null"), std::string::npos) << last;
+  fs::remove_all(dir);
+  fs::remove(options.metrics_file);
+}
+
 TEST(Data, BadPathIsAClearErrorAndWritesNothing) {
   const std::string dir = loom::testing::scratch_dir("badpath");
   fs::remove_all(dir);
