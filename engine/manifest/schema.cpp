@@ -551,6 +551,19 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
   }
+  // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
+  // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).
+  if (usable({"data.kind", "data.task"}) && m.get_string("data.kind") == "synthetic" &&
+      m.get_string("data.task") != "add")
+    report({"data.task", "data.kind"},
+           "data.task = \"" + m.get_string("data.task") + "\" is not a synthetic task; valid: \"add\"");
+  if (usable({"data.kind", "data.task", "data.digits", "model.seq_length"}) &&
+      m.get_string("data.kind") == "synthetic" && m.get_string("data.task") == "add" &&
+      I("model.seq_length") < 3 * I("data.digits") + 4)
+    report({"model.seq_length", "data.digits"},
+           "model.seq_length (" + S(I("model.seq_length")) + ") holds no addition problem of data.digits = " +
+               S(I("data.digits")) + " (one takes 3 * digits + 4 = " + S(3 * I("data.digits") + 4) +
+               " tokens), so nothing would be trained; use model.seq_length >= " + S(3 * I("data.digits") + 4));
 }
 
 }  // namespace loom::manifest::schema

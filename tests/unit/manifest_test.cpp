@@ -476,19 +476,32 @@ TEST_F(ManifestTest, ExpertParallelMustDivideDataTimesContext) {
 // per rank), so seq_length must divide by 2*cp, and under sequence parallelism each
 // rank's seq / cp rows by tp; refused at the key, with the cp sizes that would fit.
 TEST_F(ManifestTest, ContextParallelismNeedsTheSequenceToSplit) {
-  Diagnostic cp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 4\n");
+  Diagnostic cp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 4\n[data]\ndigits = 1\n");
   EXPECT_EQ(cp.key, "parallel.cp");
   EXPECT_THAT(cp.message, HasSubstr("model.seq_length (12) must be divisible by 8"));
   EXPECT_THAT(cp.message, HasSubstr("cp could be 1, 2, 3, 6"));
   EXPECT_EQ(pos(cp.origin), "m.toml:4:6");
   // An odd length has no two equal halves: only cp = 1 fits.
-  Diagnostic odd = one_error("[model]\nseq_length = 9\n[parallel]\ncp = 2\n");
+  Diagnostic odd = one_error("[model]\nseq_length = 9\n[parallel]\ncp = 2\n[data]\ndigits = 1\n");
   EXPECT_THAT(odd.message, HasSubstr("cp could be 1"));
   EXPECT_THAT(odd.message, Not(HasSubstr("cp could be 1,")));
-  Diagnostic sp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n");
+  Diagnostic sp = one_error("[model]\nseq_length = 12\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n[data]\ndigits = 1\n");
   EXPECT_EQ(sp.key, "parallel.sequence_parallel");
   EXPECT_THAT(sp.message, HasSubstr("divisible by parallel.tp (4) times parallel.cp (2)"));
   EXPECT_NO_THROW(Manifest::parse("[model]\nseq_length = 16\n[parallel]\ncp = 2\ntp = 4\nsequence_parallel = true\n", "m"));
+}
+
+// The synthetic addition task: a sequence too short for one problem trained to "loss
+// 0, exact-match 100%" on nothing; an unknown task passed validate and failed in run.
+TEST_F(ManifestTest, SyntheticDataNeedsAKnownTaskAndRoomForAProblem) {
+  Diagnostic d = one_error("[model]\nseq_length = 12\n");
+  EXPECT_EQ(d.key, "model.seq_length");
+  EXPECT_THAT(d.message, HasSubstr("holds no addition problem of data.digits = 3 (one takes 3 * digits + 4 = 13"));
+  EXPECT_NO_THROW(Manifest::parse("[model]\nseq_length = 13\n", "m"));
+  EXPECT_NO_THROW(Manifest::parse("[model]\nseq_length = 7\n[data]\ndigits = 1\n", "m"));
+  Diagnostic task = one_error("[data]\ntask = \"mul\"\n");
+  EXPECT_EQ(task.key, "data.task");
+  EXPECT_THAT(task.message, HasSubstr("is not a synthetic task; valid: \"add\""));
 }
 
 TEST_F(ManifestTest, TextDataNeedsAPath) {
