@@ -12,7 +12,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <mutex>
@@ -177,6 +179,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);
     if (!metrics) throw std::runtime_error("--metrics " + options.metrics_file + ": cannot open the file for writing");
   }
+  // The trace is written after training: a path it cannot be written to fails now.
+  if (!options.trace_file.empty() && !std::ofstream(options.trace_file, std::ios::app))
+    throw std::runtime_error("--trace " + options.trace_file + ": cannot open the file for writing");
 
   // The pipeline: every rank's order from the schedule plugin, proven free of
   // deadlock before any rank starts, and the layers of each global chunk.
@@ -530,7 +535,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           window_ms = 0;
           window_steps = 0;
         }
-        if (metrics.is_open()) metrics << step_json(rec) << "\n" << std::flush;
+        if (metrics.is_open()) {  // a failed write (a full disk, /dev/full) stops the run
+          metrics << step_json(rec) << "\n" << std::flush;
+          if (!metrics)
+            throw std::runtime_error("--metrics " + options.metrics_file + ": writing step " + std::to_string(step) +
+                                     " failed (" + std::strerror(errno) + ")");
+        }
         std::lock_guard<std::mutex> lock(result_mu);
         result.steps.push_back(rec);
         result.final_step = step;

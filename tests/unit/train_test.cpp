@@ -298,6 +298,39 @@ TEST(Training, ANonFiniteLossStopsTheRunAndMetricsStayJson) {
   fs::remove(options.metrics_file);
 }
 
+// A metrics file that cannot be written (a full disk) stops the run at the first step
+// it fails; a trace path that cannot be written fails before training, not after.
+TEST(Training, UnwritableMetricsAndTraceAreErrors) {
+  if (fs::exists("/dev/full")) {
+    loom::train::TrainOptions full;
+    full.metrics_file = "/dev/full";
+    try {
+      run_and_trace(tiny_manifest(), {"run.steps=5"}, full);
+      FAIL() << "writing the metrics to /dev/full must fail the run";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("--metrics /dev/full: writing step 1 failed"), std::string::npos)
+          << e.what();
+    }
+  }
+  const std::string dir = loom::testing::scratch_dir("trace");
+  fs::remove_all(dir);
+  loom::train::TrainOptions trace;
+  trace.trace_file = dir + "/missing/trace.json";
+  trace.metrics_file = dir + ".jsonl";
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=5"}, trace);
+    FAIL() << "a trace path in a missing directory must fail the run";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--trace " + trace.trace_file + ": cannot open the file for writing"),
+              std::string::npos)
+        << e.what();
+  }
+  std::ifstream metrics(trace.metrics_file);
+  std::string line;
+  EXPECT_FALSE(std::getline(metrics, line)) << "the run trained before failing on its trace path: " << line;
+  fs::remove(trace.metrics_file);
+}
+
 TEST(Data, BadPathIsAClearErrorAndWritesNothing) {
   const std::string dir = loom::testing::scratch_dir("badpath");
   fs::remove_all(dir);
