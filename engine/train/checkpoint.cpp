@@ -5,6 +5,7 @@
 #include "engine/model/param_init.hpp"
 
 #include <boost/filesystem.hpp>
+#include <glog/logging.h>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <fcntl.h>
 #include <fstream>
 #include <sstream>
+#include <signal.h>
 #include <unistd.h>
 
 namespace loom::train {
@@ -91,7 +93,7 @@ void prepare_temp_dir(const std::string& tmp) {
   if (ec) throw CheckpointError("cannot create checkpoint directory " + tmp + ": " + ec.message());
 }
 
-std::optional<int64_t> latest_checkpoint(const std::string& dir) {
+std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped) {
   boost::system::error_code ec;
   if (!fs::is_directory(dir, ec)) return std::nullopt;
   std::optional<int64_t> best;
@@ -99,11 +101,54 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step_", 0) != 0 || !fs::is_directory(e.path())) continue;
     char* end = nullptr;
-    long long step = std::strtoll(name.c_str() + 5, &end, 10);
-    if (*end != '\0') continue;
+    errno = 0;
+    const long long step = std::strtoll(name.c_str() + 5, &end, 10);
+    // A name that is no step number (or one past int64), or a directory without the
+    // meta.toml a save writes last before its rename: not a checkpoint of this engine.
+    const bool number = end != name.c_str() + 5 && *end == '\0' && errno != ERANGE && step >= 0;
+    if (!number || !fs::is_regular_file(e.path() / "meta.toml", ec)) {
+      if (skipped) skipped->push_back(e.path().string());
+      continue;
+    }
     if (!best || step > *best) best = step;
   }
   return best;
+}
+
+void prepare_checkpoint_dir(const std::string& dir) {
+  boost::system::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    throw CheckpointError("checkpoint.dir " + dir + " cannot be created" + (ec ? ": " + ec.message() : std::string()) +
+                          "; checkpoints would fail only after training");
+  const std::string probe = (fs::path(dir) / (".probe-" + std::to_string(::getpid()))).string();
+  {
+    std::ofstream f(probe);
+    if (!(f << "loom\n") || !f.flush()) {
+      fs::remove(probe, ec);
+      throw CheckpointError("checkpoint.dir " + dir + " is not writable (" + std::strerror(errno) +
+                            "); checkpoints would fail only after training");
+    }
+  }
+  fs::remove(probe, ec);
+  // Temporary directories of saves that never finished (a crash, a full disk) whose
+  // process is gone: .tmp-step_N-PID with a dead PID. A job id in place of the PID
+  // (mpirun, srun) cannot be checked and is left alone.
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".tmp-step_", 0) != 0) continue;
+    const size_t dash = name.rfind('-');
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + dash + 1, &end, 10);
+    if (dash == std::string::npos || end == name.c_str() + dash + 1 || *end != '\0' || pid <= 0 || pid == ::getpid())
+      continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      boost::system::error_code rm;
+      fs::remove_all(e.path(), rm);
+      LOG(INFO) << "checkpoint.dir: removed " << e.path().string() << ", an unfinished save of process " << pid
+                << ", which no longer runs";
+    }
+  }
 }
 
 namespace {

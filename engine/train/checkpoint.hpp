@@ -49,8 +49,14 @@ void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta&
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
-// The highest complete step in dir, or nullopt when there is none.
-std::optional<int64_t> latest_checkpoint(const std::string& dir);
+// The highest complete step in dir (a step_N directory with its meta.toml), or nullopt
+// when there is none; `skipped` gets the step_* directories that are not complete
+// checkpoints (no meta.toml, or no step number).
+std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+// Before training: creates checkpoint.dir, proves it writable (a probe file), and
+// removes the temporary directories of unfinished saves whose process is gone.
+// Throws CheckpointError naming the directory.
+void prepare_checkpoint_dir(const std::string& dir);
 
 // The parameters a rank holds, as a checkpoint records them: name and local
 // shape, in model order (model::Model::param_entries()).

@@ -119,7 +119,10 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   if (options.resume) {
     if (ckpt_dir.empty())
       throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
-    auto latest = latest_checkpoint(ckpt_dir);
+    std::vector<std::string> incomplete;
+    auto latest = latest_checkpoint(ckpt_dir, &incomplete);
+    for (const std::string& d : incomplete)
+      LOG(WARNING) << "--resume: " << d << " is not a complete checkpoint (no meta.toml, or no step number); skipped";
     if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
     resume_dir = checkpoint_path(ckpt_dir, *latest);
     CheckpointMeta meta = read_meta(resume_dir);
@@ -174,6 +177,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   }
   result.start_step = start_step;
 
+  if (!ckpt_dir.empty()) prepare_checkpoint_dir(ckpt_dir);
   std::ofstream metrics;
   if (!options.metrics_file.empty()) {
     metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);

@@ -147,6 +147,42 @@ TEST(Checkpoint, ResumeIsBitExact) {
   fs::remove_all(dir);
 }
 
+// checkpoint.dir's problems show before training: one that cannot be created fails
+// the run before step 1; on resume, step_* directories that are not complete
+// checkpoints (no meta.toml, a number past int64) are skipped for the newest complete
+// one; the temporary directory of a save whose process is gone is removed.
+TEST(Checkpoint, DirectoryProblemsShowBeforeTrainingAndIncompleteStepsAreSkipped) {
+  loom::train::TrainOptions options;
+  options.metrics_file = loom::testing::scratch_dir("ckdir") + ".jsonl";
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=3", "checkpoint.dir=\"/dev/null/ckpt\""}, options);
+    FAIL() << "a checkpoint.dir that cannot be created must fail the run";
+  } catch (const loom::train::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint.dir /dev/null/ckpt cannot be created"), std::string::npos)
+        << e.what();
+  }
+  std::ifstream none(options.metrics_file);
+  std::string line;
+  EXPECT_FALSE(std::getline(none, line)) << "the run trained before failing on checkpoint.dir: " << line;
+  fs::remove(options.metrics_file);
+
+  const std::string dir = loom::testing::scratch_dir("ckskip");
+  fs::remove_all(dir);
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=4", "checkpoint.every=2", ck});
+  fs::create_directories(loom::train::checkpoint_path(dir, 99));                   // no meta.toml
+  fs::create_directories(fs::path(dir) / "step_99999999999999999999");             // past int64
+  const fs::path stale = fs::path(dir) / ".tmp-step_00000005-4194305";            // above any pid_max
+  fs::create_directories(stale);
+  EXPECT_EQ(loom::train::latest_checkpoint(dir), 4);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto resumed = run_and_trace(tiny_manifest(), {"run.steps=6", ck}, resume);
+  EXPECT_EQ(resumed.result.start_step, 4);
+  EXPECT_FALSE(fs::exists(stale)) << "the unfinished save of a process that is gone was left";
+  fs::remove_all(dir);
+}
+
 // An interrupt (the flag the SIGINT/SIGTERM handler sets) stops after the current
 // step with a checkpoint; resuming finishes exactly like an uninterrupted run.
 TEST(Checkpoint, InterruptThenResumeEqualsUninterrupted) {
