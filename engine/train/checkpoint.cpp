@@ -284,6 +284,32 @@ CheckpointMeta read_meta(const std::string& step_dir) {
   return m;
 }
 
+void require_same_model(const std::string& step_dir, const std::string& manifest_toml) {
+  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
+  boost::system::error_code ec;
+  if (!fs::exists(path, ec)) return;  // written before checkpoints kept their manifest
+  toml::table saved, now;
+  try {
+    saved = toml::parse_file(path);
+    now = toml::parse(manifest_toml);
+  } catch (const toml::parse_error& e) {
+    throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
+  }
+  // The keys that make another model with the same parameter shapes (the shapes
+  // themselves are compared by check_param_layout).
+  for (const char* key : {"model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.num_layers",
+                          "model.vocab_size", "model.vocab_divisor", "model.tie_embeddings", "model.pre",
+                          "model.block", "model.post"}) {
+    std::ostringstream a, b;
+    if (auto n = saved.at_path(key)) a << n;
+    if (auto n = now.at_path(key)) b << n;
+    if (a.str() != b.str())
+      throw CheckpointError(step_dir + " holds a model with " + key + " = " + (a.str().empty() ? "(unset)" : a.str()) +
+                            ", this run has " + key + " = " + (b.str().empty() ? "(unset)" : b.str()) +
+                            ": resuming would continue another model; set " + key + " as the checkpoint has it");
+  }
+}
+
 void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype) {
   if (meta.param_dtype == param_dtype) return;
   throw CheckpointError(step_dir + " holds " + meta.param_dtype + " parameters (device.param_dtype = \"" +
@@ -307,6 +333,21 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
     throw CheckpointError(path + ": holds " + std::to_string(h.numel) + " parameters but this model has " +
                           std::to_string(expect_numel) + " on rank " + std::to_string(rank) +
                           "; the manifest's model or parallel layout differs from the checkpoint's");
+  // The header's sizes against the file's before anything is allocated (a corrupt
+  // optimizer_bytes asked for gigabytes), and its step and rank against meta.toml's.
+  boost::system::error_code size_ec;
+  const uint64_t file_bytes = fs::file_size(path, size_ec);
+  const uint64_t payload = file_bytes - std::min<uint64_t>(file_bytes, sizeof(h));
+  if (size_ec || h.numel > payload / elem_size || h.optimizer_bytes != payload - h.numel * elem_size)
+    throw CheckpointError(path + ": the header's sizes (" + std::to_string(h.numel) + " parameters, " +
+                          std::to_string(h.optimizer_bytes) + " optimizer bytes) do not match the file's " +
+                          std::to_string(file_bytes) + " bytes; the checkpoint is truncated or corrupt");
+  const int64_t meta_step = read_meta(step_dir).step;
+  if (h.step != meta_step || h.rank != static_cast<uint32_t>(rank))
+    throw CheckpointError(path + ": written by rank " + std::to_string(h.rank) + " at step " + std::to_string(h.step) +
+                          ", but it is rank " + std::to_string(rank) + "'s file of " + step_dir +
+                          ", whose meta.toml says step " + std::to_string(meta_step) +
+                          "; the checkpoint is inconsistent (a file copied in, or meta.toml edited)");
   RankState s;
   s.elem_size = elem_size;
   s.params.resize(h.numel * elem_size);

@@ -47,6 +47,11 @@ struct CheckpointMeta {
 // Throws a CheckpointError naming both otherwise.
 void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype);
 
+// A resume must continue the same model: the architecture keys of the manifest the
+// checkpoint kept (manifest.toml) against this run's (`manifest_toml`); throws a
+// CheckpointError naming the first that differs (a checkpoint without a manifest passes).
+void require_same_model(const std::string& step_dir, const std::string& manifest_toml);
+
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
 // The highest complete step in dir (a step_N directory with its meta.toml), or nullopt

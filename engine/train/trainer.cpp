@@ -127,6 +127,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     resume_dir = checkpoint_path(ckpt_dir, *latest);
     CheckpointMeta meta = read_meta(resume_dir);
     require_same_param_dtype(resume_dir, meta, m.get_string("device.param_dtype"));
+    if (meta.step > m.get_int("run.steps"))
+      throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +
+                            std::to_string(m.get_int("run.steps")) + "; raise run.steps to continue training it");
+    if (meta.step == m.get_int("run.steps") && options.log)
+      *options.log << "resume: " << resume_dir << " is at run.steps = " << meta.step << "; nothing to train"
+                   << std::endl;
     const std::string layouts = resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
                                 std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
                                 std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
@@ -294,6 +300,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
     if (!resume_dir.empty() && resume_old_dp == 0) {
       check_param_layout(resume_dir, rank, param_layout_of(model));
+      require_same_model(resume_dir, manifest_toml);  // what the shapes cannot tell
       RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()),
                                    model::dtype_size(model.param_dtype()));
       dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
@@ -302,6 +309,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     } else if (!resume_dir.empty()) {
       load_resharded(resume_dir, resume_old_dp, resume_old_world, plan.sizes, rank, model, dev,
                      static_cast<size_t>(resume_old_bucket_size), opt_api, opt, "parallel/" + plan.optimizer->name);
+      require_same_model(resume_dir, manifest_toml);  // after the shapes, which load_resharded compares
     }
 
     // FLOPs of one step over the whole world: forward + backward (2x) per microbatch.

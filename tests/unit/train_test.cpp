@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <set>
 
 namespace {
@@ -246,6 +247,20 @@ TEST(Checkpoint, CorruptCheckpointIsAClearErrorAndChangesNothing) {
     EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
   }
   EXPECT_EQ(snapshot(dir), before);
+  // A corrupt optimizer_bytes header field (bytes 32..39) is checked against the file's
+  // size before anything is allocated (it once asked for gigabytes).
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(32);
+    const uint64_t huge = uint64_t{1} << 42;
+    f.write(reinterpret_cast<const char*>(&huge), sizeof(huge));
+  }
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=6", ck}, resume);
+    FAIL() << "a checkpoint whose header sizes are not the file's must not load";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("do not match the file's"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 
@@ -279,6 +294,36 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
     EXPECT_NE(wider.find("has shape [32, 128] in the checkpoint but [32, 96] in this model"), std::string::npos)
         << dp << ": " << wider;
   }
+  // Another model with the same shapes: fewer heads, or a given vocab instead of the data's.
+  for (const std::string dp : {"parallel.dp=2", "parallel.dp=1"}) {
+    const std::string heads = refusal({dp, "model.num_heads=2"});
+    EXPECT_NE(heads.find("holds a model with model.num_heads = 4, this run has model.num_heads = 2"),
+              std::string::npos)
+        << dp << ": " << heads;
+  }
+  const std::string vocab = refusal({"parallel.dp=2", "model.vocab_size=20"});
+  EXPECT_NE(vocab.find("model.vocab_size = 0, this run has model.vocab_size = 20"), std::string::npos) << vocab;
+  // run.steps below the checkpoint's step is an error, not a silent exit.
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=1", "parallel.dp=2", ck}, resume);
+    ADD_FAILURE() << "resuming step 2 with run.steps = 1 must fail";
+  } catch (const loom::train::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("is at step 2, past run.steps = 1"), std::string::npos) << e.what();
+  }
+  // A rank file of another step (meta.toml edited): refused naming both steps.
+  const std::string meta = loom::train::checkpoint_path(dir, 2) + "/meta.toml";
+  std::string text;
+  {
+    std::ifstream in(meta);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t at = text.find("step = 2");
+  ASSERT_NE(at, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, at) << "step = 1" << text.substr(at + 8);
+  const std::string edited = refusal({"parallel.dp=2"});
+  EXPECT_NE(edited.find("written by rank 0 at step 2"), std::string::npos) << edited;
+  EXPECT_NE(edited.find("whose meta.toml says step 1"), std::string::npos) << edited;
+  std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
   auto old = run_and_trace(tiny_manifest(), {"run.steps=4", "parallel.dp=2", ck}, resume);
