@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <sys/stat.h>
 
 namespace loom::train {
 namespace {
@@ -127,9 +128,21 @@ class StreamSource : public DataSource {
 };
 
 std::vector<char> read_file(const std::string& path, const std::string& key) {
+  // Only a regular file: a FIFO would block the read where no signal is looked at,
+  // a directory or a device reads as nonsense.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    throw DataError("data." + key + " = \"" + path + "\" is not a regular file (" +
+                    (S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
+                                                                   : "not a file") +
+                    "); give a text or token file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError("data." + key + " = \"" + path + "\": cannot open the file (" + std::strerror(errno) + ")");
-  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw DataError("data." + key + " = \"" + path + "\": reading the file failed (" + std::strerror(errno) + ")");
+  return bytes;
 }
 
 // llm.c's token files: a header of 256 int32 (magic 20240520, version 1, token

@@ -402,12 +402,21 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       world.barrier();
     };
 
+    // Whether a stop signal reached any rank (every rank gets the same answer).
+    auto stop_requested = [&] {
+      double flag = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
+      world.all_reduce(nullptr, &flag, &flag, 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+      return flag > 0;
+    };
+
+    // Returns false when a stop signal ended it early (then nothing is recorded).
     auto evaluate = [&](StepRecord& rec) {
       double sums[4] = {0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens
       // Per batch: loss sum, token count, right tokens, then each sample's wrong
       // tokens (a sample matches exactly when none of its cp slices has one).
       std::vector<double> batch(static_cast<size_t>(3 + mbs));
       for (int64_t b = 0; b < eval_batches; ++b) {
+        if (stop_requested()) return false;  // a signal is honoured between batches, not after all of them
         const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
         fill_microbatch(*data, Split::Validation, first, mbs, seq, tokens.data(), targets.data());
         take_context_rows();
@@ -445,6 +454,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       rec.val_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
       rec.exact_match = data->has_exact_match() ? sums[2] / (eval_batches * mbs * dp.size()) : -1;
       rec.token_accuracy = data->has_exact_match() && sums[1] > 0 ? sums[3] / sums[1] : -1;
+      return true;
     };
 
     if (leader && options.log)
@@ -502,7 +512,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       dp.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
       reduced[2] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
       world.all_reduce(nullptr, &reduced[2], &reduced[2], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-      const bool stop = reduced[2] > 0;
+      bool stop = reduced[2] > 0;
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
       StepRecord rec;
@@ -521,7 +531,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       rec.in_flight = stats.peak_in_flight;
       rec.comm = std::move(step_comm);
       rec.activation_bytes = stats.peak_activation_bytes;
-      if (eval_every > 0 && (step % eval_every == 0 || step == steps)) evaluate(rec);
+      if (!stop && eval_every > 0 && (step % eval_every == 0 || step == steps) && !evaluate(rec)) stop = true;
       if (options.on_step) options.on_step(step, rank, model);
 
       if (leader) {
