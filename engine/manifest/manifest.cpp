@@ -10,9 +10,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -428,16 +430,36 @@ class ManifestLoader {
     if (text != nullptr) {
       content = *text;
     } else {
+      Origin o;
+      o.kind = Origin::Kind::File;
+      o.file = path;
+      // A manifest is a small regular file: a directory, a FIFO (which would block) or
+      // a device (endless /dev/zero) is refused before reading.
+      constexpr std::uintmax_t kMaxManifestBytes = 16u << 20;
+      std::error_code ec;
+      const fs::file_status st = fs::status(path, ec);
+      if (!ec && fs::exists(st) && !fs::is_regular_file(st)) {
+        diag("", o, std::string("is not a manifest file: it is ") +
+                        (fs::is_directory(st) ? "a directory" : "not a regular file (a FIFO, socket or device)") +
+                        "; give the path of a TOML file");
+        return false;
+      }
+      if (!ec && fs::exists(st) && fs::file_size(path, ec) > kMaxManifestBytes) {
+        diag("", o, "is " + std::to_string(fs::file_size(path, ec)) +
+                        " bytes, not a manifest (a TOML file of at most 16 MiB)");
+        return false;
+      }
       std::ifstream in(path, std::ios::binary);
       if (!in) {
-        Origin o;
-        o.kind = Origin::Kind::File;
-        o.file = path;
         diag("", o, "cannot open the manifest file (check the path)");
         return false;
       }
       std::ostringstream ss;
       ss << in.rdbuf();
+      if (in.bad() || (ss.str().empty() && errno == EIO)) {
+        diag("", o, "cannot read the manifest file (" + std::string(std::strerror(errno)) + ")");
+        return false;
+      }
       content = ss.str();
     }
 
@@ -476,6 +498,13 @@ class ManifestLoader {
       for (size_t j = i; j < chain.size(); ++j) names.push_back(chain[j].second);
       names.push_back(shown);
       diag("extends", where, "extends cycle: " + join_list(names, " -> "));
+      return false;
+    }
+    if (fs::exists(target, ec) && !fs::is_regular_file(target, ec)) {
+      diag("extends", where,
+           "base manifest " + quote_basic(rel) + " (" + shown + ") is " +
+               (fs::is_directory(target, ec) ? "a directory" : "not a regular file (a FIFO, socket or device)") +
+               ", not a TOML file");
       return false;
     }
     if (!fs::is_regular_file(target, ec)) {
@@ -544,7 +573,24 @@ class ManifestLoader {
       parsed = std::make_unique<toml::table>();
       parsed->insert("v", val);
     }
+    assign(key, parts, std::move(*parsed->get("v")), o);
+  }
 
+  // Sets `key` (split into `parts`) to `value`. A table value given for a key that
+  // already holds a table merges into it, key by key (--set 'parallel={tp=2}' keeps the
+  // file's other parallel keys, as TOML's own dotted keys would).
+  void assign(const std::string& key, const std::vector<std::string>& parts, toml::node&& value, const Origin& o) {
+    if (value.is_table()) {
+      const toml::node* existing = m_.table_.at_path(key).node();
+      if (existing != nullptr && existing->is_table()) {
+        for (auto&& [k, v] : *value.as_table()) {
+          std::vector<std::string> sub = parts;
+          sub.emplace_back(k.str());
+          assign(join_path(key, std::string(k.str())), sub, std::move(v), o);
+        }
+        return;
+      }
+    }
     toml::table* t = &m_.table_;
     std::string path;
     for (size_t i = 0; i + 1 < parts.size(); ++i) {
@@ -565,7 +611,6 @@ class ManifestLoader {
     }
     erase_under(m_.origins_, key);
     erase_under(m_.key_origins_, key);
-    toml::node& value = *parsed->get("v");
     mark(value, key, o, m_.origins_, m_.key_origins_);
     t->insert_or_assign(parts.back(), std::move(value));
   }

@@ -587,6 +587,37 @@ TEST_F(ManifestTest, ExtendsCycleIsAnError) {
   EXPECT_THROW(Manifest::load(self), ManifestError);
 }
 
+// Not a TOML file: a directory trained the default model, /dev/zero ran out of memory
+// ("std::bad_alloc"), a FIFO would block, an unreadable file read as empty.
+TEST_F(ManifestTest, AManifestOrBaseThatIsNoFileIsRefusedSayingWhatItIs) {
+  auto load_error = [](const std::string& path) -> std::string {
+    try {
+      Manifest::load(path);
+    } catch (const ManifestError& e) {
+      return e.diagnostics().empty() ? "" : e.diagnostics()[0].str();
+    }
+    return "(loaded)";
+  };
+  EXPECT_THAT(load_error(dir_.string()), HasSubstr("is not a manifest file: it is a directory"));
+  if (fs::exists("/dev/zero")) {
+    EXPECT_THAT(load_error("/dev/zero"), HasSubstr("is not a manifest file: it is not a regular file"));
+    const std::string ext = write("ext.toml", "extends = \"/dev/zero\"\n");
+    EXPECT_THAT(load_error(ext), HasSubstr("(/dev/zero) is not a regular file"));
+  }
+  const std::string dir_base = write("dirbase.toml", "extends = \"" + dir_.string() + "\"\n");
+  EXPECT_THAT(load_error(dir_base), HasSubstr("is a directory, not a TOML file"));
+}
+
+// --set with a table value merges into the table the file has, as dotted keys would.
+TEST_F(ManifestTest, ATableOverrideMergesIntoTheFilesTable) {
+  Manifest m = Manifest::parse("[parallel]\ndp = 2\ntp = 2\n[model]\nnum_heads = 4\n", "m.toml",
+                               {"parallel={tp=1, pp=1}"});
+  EXPECT_EQ(m.get_int("parallel.dp"), 2);  // kept
+  EXPECT_EQ(m.get_int("parallel.tp"), 1);  // replaced
+  EXPECT_EQ(m.origin("parallel.dp").kind, Origin::Kind::File);
+  EXPECT_EQ(m.origin("parallel.tp").kind, Origin::Kind::Override);
+}
+
 TEST_F(ManifestTest, MissingBaseIsAnError) {
   const std::string child = write("child.toml", "\nextends = \"nope.toml\"\n");
   try {
