@@ -551,6 +551,12 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
   }
+  // Recomputation counts blocks of a stage: more than the model has is a typo.
+  if (usable({"model.recompute_num_layers", "model.num_layers"}) &&
+      I("model.recompute_num_layers") > I("model.num_layers"))
+    report({"model.recompute_num_layers", "model.num_layers"},
+           "model.recompute_num_layers (" + S(I("model.recompute_num_layers")) + ") is more than model.num_layers (" +
+               S(I("model.num_layers")) + ")");
   // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
   // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).
   if (usable({"data.kind", "data.task"}) && m.get_string("data.kind") == "synthetic" &&

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 namespace loom::train {
@@ -113,6 +114,32 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
     if (!best || step > *best) best = step;
   }
   return best;
+}
+
+CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
+  const std::string path = (fs::path(dir) / ".lock").string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw CheckpointError("checkpoint.dir " + dir + ": cannot open " + path + " (" + std::strerror(errno) + ")");
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    char holder[32] = {};
+    const ssize_t n = ::pread(fd_, holder, sizeof(holder) - 1, 0);
+    ::close(fd_);
+    fd_ = -1;
+    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : std::string();
+    who.erase(std::remove(who.begin(), who.end(), '\n'), who.end());
+    throw CheckpointError("checkpoint.dir " + dir + " is in use by another run" +
+                          (who.empty() ? std::string() : " (process " + who + ")") +
+                          "; two runs saving into one directory would interleave their checkpoints: wait for it, "
+                          "or give this run another checkpoint.dir");
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
+    // The lock holds without the note of who holds it.
+  }
+}
+
+CheckpointDirLock::~CheckpointDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
 void prepare_checkpoint_dir(const std::string& dir) {

@@ -62,6 +62,19 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
 // removes the temporary directories of unfinished saves whose process is gone.
 // Throws CheckpointError naming the directory.
 void prepare_checkpoint_dir(const std::string& dir);
+// Held by the process of global rank 0 while it trains (flock on checkpoint.dir/.lock,
+// released when the process ends however it ends): a second run saving into the same
+// directory is refused naming the process that holds it.
+class CheckpointDirLock {
+ public:
+  explicit CheckpointDirLock(const std::string& dir);  // throws CheckpointError
+  ~CheckpointDirLock();
+  CheckpointDirLock(const CheckpointDirLock&) = delete;
+  CheckpointDirLock& operator=(const CheckpointDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // The parameters a rank holds, as a checkpoint records them: name and local
 // shape, in model order (model::Model::param_entries()).

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iomanip>
 #include <mutex>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -116,6 +117,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   std::string resume_dir;
   int resume_old_dp = 0, resume_old_world = 0;  // set when the checkpoint's dp differs: reshard
   int64_t resume_old_bucket_size = m.get_int("optimizer.bucket_size");
+  std::optional<CheckpointDirLock> ckpt_lock;
+  if (!ckpt_dir.empty()) {
+    prepare_checkpoint_dir(ckpt_dir);
+    const runtime::ProcessLaunch proc = runtime::detect_process_launch();
+    if (!proc.multi_process || proc.rank == 0) ckpt_lock.emplace(ckpt_dir);
+  }
   if (options.resume) {
     if (ckpt_dir.empty())
       throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
@@ -183,7 +190,6 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   }
   result.start_step = start_step;
 
-  if (!ckpt_dir.empty()) prepare_checkpoint_dir(ckpt_dir);
   std::ofstream metrics;
   if (!options.metrics_file.empty()) {
     metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);
@@ -235,6 +241,16 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     const loom_model_dims dims = model::model_dims(m, vocab, plan.sizes.tp);
     model::Model model(m, *plan.registry, rt, dims, pipeline::local_chunks(global_chunks, pp, ppg.rank()), seed);
     const bool last_stage = model.is_last_global(static_cast<int>(model.chunk_count()) - 1);
+    // Expert parallelism splits expert parameters: a model without any (on every
+    // stage, hence the reduction) would only get ep times the ranks to do the same.
+    if (plan.sizes.ep > 1) {
+      double any_expert = model.has_expert_params() ? 1 : 0;
+      world.all_reduce(nullptr, &any_expert, &any_expert, 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+      if (any_expert == 0)
+        throw loom::Error("parallel.ep = " + std::to_string(plan.sizes.ep) +
+                          " but no layer of the model has expert parameters (a dense model); set parallel.ep = 1 "
+                          "or use a layer with experts (e.g. model.block = [\"attention\", \"moe\"])");
+    }
 
     // Optimizer strategy over the flat buffers.
     std::vector<loom_param_info> infos = model.param_infos();

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <unistd.h>
 
 namespace {
 
@@ -212,6 +213,33 @@ TEST(Checkpoint, DirectoryProblemsShowBeforeTrainingAndIncompleteStepsAreSkipped
   fs::remove_all(dir);
 }
 
+// Two runs saving into one checkpoint.dir would interleave their checkpoints: while a
+// run holds the directory, another is refused naming the holder's process.
+TEST(Checkpoint, ASecondRunOnTheSameDirectoryIsRefused) {
+  const std::string dir = loom::testing::scratch_dir("locked");
+  fs::remove_all(dir);
+  std::atomic<int> stop{0};
+  std::string second;
+  loom::train::TrainOptions first;
+  first.stop_signal = &stop;
+  first.on_step = [&](int64_t step, int rank, const loom::model::Model&) {
+    if (step != 1 || rank != 0) return;
+    try {
+      run_and_trace(tiny_manifest(), {"run.steps=2", "checkpoint.dir=\"" + dir + "\""});
+    } catch (const std::exception& e) {
+      second = e.what();
+    }
+    stop = 1;
+  };
+  run_and_trace(tiny_manifest(), {"run.steps=10", "checkpoint.dir=\"" + dir + "\""}, first);
+  EXPECT_NE(second.find("checkpoint.dir " + dir + " is in use by another run (process " +
+                        std::to_string(::getpid()) + ")"),
+            std::string::npos)
+      << second;
+  run_and_trace(tiny_manifest(), {"run.steps=2", "checkpoint.dir=\"" + dir + "\""});  // free again
+  fs::remove_all(dir);
+}
+
 // An interrupt (the flag the SIGINT/SIGTERM handler sets) stops after the current
 // step with a checkpoint; resuming finishes exactly like an uninterrupted run.
 TEST(Checkpoint, InterruptThenResumeEqualsUninterrupted) {
@@ -390,7 +418,7 @@ TEST(Training, ANonFiniteLossStopsTheRunAndMetricsStayJson) {
     EXPECT_NE(what.find("training stops without saving this step's weights"), std::string::npos) << what;
     EXPECT_NE(what.find("optimizer.lr = 1e+300"), std::string::npos) << what;
   }
-  EXPECT_FALSE(fs::exists(dir) && !fs::is_empty(dir)) << "a checkpoint of non-finite weights was written";
+  EXPECT_FALSE(loom::train::latest_checkpoint(dir)) << "a checkpoint of non-finite weights was written";
   std::ifstream in(options.metrics_file);
   std::string line, last;
   int lines = 0;
