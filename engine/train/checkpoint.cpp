@@ -216,7 +216,13 @@ void check_param_layout(const std::string& step_dir, int file_rank, const ParamL
   if (!in) throw CheckpointError("cannot read " + path + ": " + std::strerror(errno));
   ParamLayoutList saved;
   std::string line;
+  int64_t line_no = 0;
   while (std::getline(in, line)) {
+    ++line_no;
+    // A name is printable text (a garbage file would otherwise be echoed as raw bytes).
+    if (std::any_of(line.begin(), line.end(), [](unsigned char c) { return c != '\t' && (c < 0x20 || c > 0x7e); }))
+      throw CheckpointError(path + ": line " + std::to_string(line_no) +
+                            " is not a parameter line (name, then its shape); the checkpoint is corrupt");
     std::istringstream ls(line);
     ParamLayoutEntry e;
     if (!std::getline(ls, e.name, '\t') || e.name.empty()) continue;

@@ -160,8 +160,10 @@ std::vector<int32_t> read_llmc_tokens(const std::string& path) {
   if (header[1] != 1)
     throw DataError(path + ": llm.c token file version " + std::to_string(header[1]) + " is not supported (expected 1)");
   const int64_t n = header[2];
+  if (n <= 0)
+    throw DataError(path + ": the llm.c token file holds no tokens (its header says " + std::to_string(n) + ")");
   const size_t want = kHeader + static_cast<size_t>(n) * sizeof(uint16_t);
-  if (n <= 0 || bytes.size() != want)
+  if (bytes.size() != want)
     throw DataError(path + ": truncated or padded token file: header says " + std::to_string(n) + " tokens (" +
                     std::to_string(want) + " bytes) but the file has " + std::to_string(bytes.size()) + " bytes");
   std::vector<int32_t> tokens(n);

@@ -150,8 +150,14 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw CheckpointError(resume_dir + " was written with cp=" + std::to_string(meta.cp) + "; this run has cp=" +
                             std::to_string(plan.sizes.cp) + ": a resume keeps cp (the optimizer state is sharded over "
                             "dp x cp ranks); resume with parallel.cp=" + std::to_string(meta.cp));
-    if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp ||
-        meta.world != plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * meta.dp)
+    // meta.toml's own sizes must agree (an edited world gave 'written with tp=1 pp=1 dp=2;
+    // this run has tp=1 pp=1 dp=2').
+    if (meta.world != meta.tp * meta.cp * meta.pp * meta.dp)
+      throw CheckpointError(resume_dir + "/meta.toml is inconsistent: world = " + std::to_string(meta.world) +
+                            " but tp*cp*pp*dp = " + std::to_string(meta.tp) + "*" + std::to_string(meta.cp) + "*" +
+                            std::to_string(meta.pp) + "*" + std::to_string(meta.dp) + " = " +
+                            std::to_string(meta.tp * meta.cp * meta.pp * meta.dp) + "; the checkpoint is corrupt");
+    if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp)
       throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
                                       "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
                             " parallel.pp=" + std::to_string(meta.pp));

@@ -379,6 +379,18 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   const std::string edited = refusal({"parallel.dp=2"});
   EXPECT_NE(edited.find(" at step 2, but it is rank "), std::string::npos) << edited;  // either rank may report
   EXPECT_NE(edited.find("whose meta.toml says step 1"), std::string::npos) << edited;
+  // meta.toml whose world is not its tp*cp*pp*dp: named as inconsistent.
+  const size_t w = text.find("world = 2");
+  ASSERT_NE(w, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, w) << "world = 3" << text.substr(w + 9);
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=4", "parallel.dp=2", ck}, resume);
+    ADD_FAILURE() << "an inconsistent meta.toml must not load";
+  } catch (const loom::train::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("meta.toml is inconsistent: world = 3 but tp*cp*pp*dp = 1*1*1*2 = 2"),
+              std::string::npos)
+        << e.what();
+  }
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
@@ -513,6 +525,21 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
   } catch (const loom::train::DataError& e) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+  }
+  // An empty token file says so (it read "header says 0 tokens (1024 bytes) but the
+  // file has 1024 bytes"); a directory as data.path says it is one.
+  const std::string empty = dir + "/empty.bin";
+  write_tokens(empty, {}, 0, 0);
+  for (const auto& [path, want] : {std::pair<std::string, std::string>{empty, "holds no tokens"},
+                                   {dir, "is not a regular file (a directory)"}}) {
+    auto me = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml",
+                                              {"data.kind=tokens", "data.path=\"" + path + "\""});
+    try {
+      loom::train::make_data_source(me);
+      ADD_FAILURE() << path;
+    } catch (const loom::train::DataError& e) {
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
   }
   fs::remove_all(dir);
 }

@@ -13,6 +13,7 @@
 #include <loom/cpp/tensor_parallel.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
 #include <memory>
 #include <span>
@@ -39,10 +40,15 @@ inline OptionSpec opt_int(std::string name, int64_t dflt, std::string doc) {
   return {LOOM_OPTION_INT, std::move(name), std::to_string(dflt), std::move(doc)};
 }
 inline OptionSpec opt_float(std::string name, double dflt, std::string doc) {
-  std::ostringstream os;
-  os.precision(17);
-  os << dflt;
-  std::string s = os.str();
+  // The shortest text that reads back as the same double (1e-05, not 1.0000000000000001e-05).
+  std::string s;
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::ostringstream os;
+    os.precision(precision);
+    os << dflt;
+    s = os.str();
+    if (std::strtod(s.c_str(), nullptr) == dflt) break;
+  }
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // keep it a TOML float
   return {LOOM_OPTION_FLOAT, std::move(name), s, std::move(doc)};
 }
