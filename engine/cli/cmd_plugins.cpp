@@ -63,6 +63,25 @@ plugins::Registry& loaded(const Args& args) {
   return r;
 }
 
+// A kind/name of DIR that the rest of the search path ($LOOM_PLUGIN_PATH, the
+// plugins next to loom) provides too: `loom run` refuses a kind/name found in two
+// files, so say it now (a warning: DIR itself is fine).
+void warn_shadowed(const plugins::Registry& checked, const boost::filesystem::path& dir) {
+  if (checked.all().empty()) return;
+  boost::system::error_code ec;
+  std::vector<std::string> others_dirs;
+  for (const std::string& d : plugins::Registry::search_paths())
+    if (!boost::filesystem::equivalent(d, dir, ec)) others_dirs.push_back(d);
+  plugins::Registry others;
+  others.load_dirs(others_dirs);  // their own load errors are not DIR's business
+  for (const auto& p : checked.all()) {
+    const plugins::LoadedPlugin* q = others.find(p->kind, p->name);
+    if (q == nullptr || boost::filesystem::equivalent(q->file, p->file, ec)) continue;
+    std::cerr << "warning: plugin " << p->key() << " in " << p->file << " is also provided by " << q->file
+              << "; `loom run` refuses a plugin found in two files on its search path: remove one of them or rename it\n";
+  }
+}
+
 const char* kUsage =
     "usage: loom plugins list [--json] [--plugin-path DIR]...\n"
     "       loom plugins info KIND/NAME|NAME [--json] [--plugin-path DIR]...\n"
@@ -151,6 +170,7 @@ int cmd_plugins(int argc, char** argv) {
           std::cout << "FAIL  " << error << "\n";
         }
       }
+      warn_shadowed(r, dir);
       if (args.flag("--json"))
         std::cout << JsonObject().add("dir", pos[1]).add("failures", failures).add_raw("files", json_array(items)).str()
                   << "\n";

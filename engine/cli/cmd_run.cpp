@@ -4,8 +4,10 @@
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/trainer.hpp"
+#include "engine/plugins/registry.hpp"
 #include "engine/runtime/launcher.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <iomanip>
@@ -27,6 +29,22 @@ const char* kUsage =
     "              process writes FILE.rankN)\n"
     "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
+// What loading the plugins went wrong, on stderr once: a library that failed to load
+// or a search path that does not exist is a warning (the run may not need it); a
+// kind/name found in two files is an error, as in `loom plugins check` (which one
+// the run would use depends on the search order). True when there was a duplicate.
+bool report_plugin_loading() {
+  static bool reported = false;
+  const plugins::Registry& r = plugins::registry();
+  if (reported) return !r.duplicate_errors().empty();
+  reported = true;
+  for (const std::string& e : r.load_errors())
+    if (std::find(r.duplicate_errors().begin(), r.duplicate_errors().end(), e) == r.duplicate_errors().end())
+      std::cerr << "loom run: warning: " << e << "\n";
+  for (const std::string& e : r.duplicate_errors()) std::cerr << "loom run: " << e << "\n";
+  return !r.duplicate_errors().empty();
+}
+
 }  // namespace
 
 int cmd_run(int argc, char** argv) {
@@ -39,6 +57,7 @@ int cmd_run(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("run takes one MANIFEST");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    if (report_plugin_loading()) return 1;
     // Under mpirun/srun this process hosts one rank; only global rank 0 prints the
     // step log and writes --metrics (checkpoints: every rank writes its own file,
     // rank 0 commits).
@@ -106,7 +125,11 @@ int cmd_run(int argc, char** argv) {
     if (!opts.trace_file.empty() && leader) std::cout << "trace: " << opts.trace_file << "\n";
     if (!r.checkpoint.empty()) std::cout << "checkpoint: " << r.checkpoint << "\n";
     if (r.interrupted) {
-      std::cout << "interrupted: stopped after step " << r.final_step << "; resume with --resume\n";
+      if (plan.manifest.get_string("checkpoint.dir").empty())
+        std::cout << "interrupted: stopped after step " << r.final_step
+                  << "; no checkpoint was written (checkpoint.dir is not set), so --resume cannot continue it\n";
+      else
+        std::cout << "interrupted: stopped after step " << r.final_step << "; resume with --resume\n";
       return 130;
     }
     return 0;
@@ -114,9 +137,11 @@ int cmd_run(int argc, char** argv) {
     std::cerr << "loom run: " << e.what() << "\n" << kUsage;
     return 2;
   } catch (const manifest::ManifestError& e) {
+    report_plugin_loading();  // often why a plugin the manifest names is missing
     std::cerr << e.what() << "\n";
     return 1;
   } catch (const std::exception& e) {
+    report_plugin_loading();
     std::cerr << "loom run: " << e.what() << "\n";
     return 1;
   }

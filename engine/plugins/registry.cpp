@@ -3,8 +3,18 @@
 #include <boost/dll/shared_library.hpp>
 #include <boost/filesystem.hpp>
 
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -80,6 +90,357 @@ std::string take_message(loom_status s) {
   return m;
 }
 
+// --- The file, before the dynamic loader sees it ---------------------------------
+// dlopen maps each PT_LOAD segment's file range as it is: a range past the end of
+// the file (a truncated copy) is mapped anyway and the loader's first touch of it
+// raises SIGBUS. So the file is read first and refused unless it is a regular ELF
+// shared object of this machine whose headers, segments and sections lie inside it.
+
+constexpr unsigned char kNativeClass = sizeof(void*) == 8 ? ELFCLASS64 : ELFCLASS32;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+constexpr unsigned char kNativeData = ELFDATA2MSB;
+#else
+constexpr unsigned char kNativeData = ELFDATA2LSB;
+#endif
+#if defined(__x86_64__)
+constexpr int kNativeMachine = EM_X86_64;
+#elif defined(__aarch64__)
+constexpr int kNativeMachine = EM_AARCH64;
+#elif defined(__i386__)
+constexpr int kNativeMachine = EM_386;
+#elif defined(__arm__)
+constexpr int kNativeMachine = EM_ARM;
+#elif defined(__powerpc64__)
+constexpr int kNativeMachine = EM_PPC64;
+#elif defined(__riscv)
+constexpr int kNativeMachine = EM_RISCV;
+#elif defined(__s390x__)
+constexpr int kNativeMachine = EM_S390;
+#else
+constexpr int kNativeMachine = -1;  // not checked: dlopen says it
+#endif
+
+std::string file_kind(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a named pipe";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Reads exactly n bytes at off; false on a short read or an error.
+bool read_at(int fd, uint64_t off, void* buf, size_t n) {
+  auto* p = static_cast<char*>(buf);
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, p, n, static_cast<off_t>(off));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    p += got;
+    off += static_cast<uint64_t>(got);
+    n -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+// [off, off + count * entry) inside a file of `size` bytes (no overflow); end receives off + count * entry.
+bool inside(uint64_t off, uint64_t count, uint64_t entry, uint64_t size, uint64_t& end) {
+  if (entry != 0 && count > (UINT64_MAX - off) / entry) return false;
+  end = off + count * entry;
+  return end <= size;
+}
+
+const char* segment_name(uint32_t type) {
+  switch (type) {
+    case PT_LOAD: return "PT_LOAD";
+    case PT_DYNAMIC: return "PT_DYNAMIC";
+    case PT_INTERP: return "PT_INTERP";
+    case PT_NOTE: return "PT_NOTE";
+    case PT_PHDR: return "PT_PHDR";
+    case PT_TLS: return "PT_TLS";
+    case PT_GNU_EH_FRAME: return "PT_GNU_EH_FRAME";
+    case PT_GNU_RELRO: return "PT_GNU_RELRO";
+    case PT_GNU_PROPERTY: return "PT_GNU_PROPERTY";
+    default: return "segment";
+  }
+}
+
+// Why `file` must not be handed to dlopen, as "<what is wrong>; <what to do>", or ""
+// when it may be.
+std::string file_problem(const std::string& file) {
+  const std::string rebuild = "rebuild the plugin (or copy it again: a partial copy is truncated)";
+  const std::string not_plugin = "check that it is a loom plugin built for this platform";
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) {
+    const int err = errno;
+    return std::string("cannot be read (") + std::strerror(err) + "); check that it exists and is readable";
+  }
+  if (!S_ISREG(st.st_mode))
+    return "is " + file_kind(st.st_mode) + ", not a shared library file; remove it from the plugin directory";
+  Fd f;
+  f.fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (f.fd < 0) {
+    const int err = errno;
+    return std::string("cannot be read (") + std::strerror(err) + "); check its permissions";
+  }
+  if (::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode))
+    return "is not a regular file; remove it from the plugin directory";
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  const std::string has = " but the file has " + std::to_string(size) + " bytes";
+
+  unsigned char ident[EI_NIDENT];
+  if (size < EI_NIDENT || !read_at(f.fd, 0, ident, EI_NIDENT))
+    return "is not an ELF shared object (" + std::to_string(size) + " bytes, too short for an ELF header); " +
+           not_plugin;
+  if (std::memcmp(ident, ELFMAG, SELFMAG) != 0) return "is not an ELF shared object (no ELF magic number); " + not_plugin;
+  if (ident[EI_CLASS] != kNativeClass)
+    return std::string("is a ") + (ident[EI_CLASS] == ELFCLASS32 ? "32-bit" : ident[EI_CLASS] == ELFCLASS64 ? "64-bit" : "corrupt") +
+           " ELF file (EI_CLASS " + std::to_string(ident[EI_CLASS]) + ") but this engine is " +
+           (kNativeClass == ELFCLASS64 ? "64-bit" : "32-bit") + "; rebuild the plugin for this platform";
+  if (ident[EI_DATA] != kNativeData)
+    return std::string("is a ") +
+           (ident[EI_DATA] == ELFDATA2MSB ? "big-endian" : ident[EI_DATA] == ELFDATA2LSB ? "little-endian" : "corrupt") +
+           " ELF file (EI_DATA " + std::to_string(ident[EI_DATA]) + ") but this machine is " +
+           (kNativeData == ELFDATA2LSB ? "little-endian" : "big-endian") + "; rebuild the plugin for this platform";
+  ElfW(Ehdr) eh;
+  if (size < sizeof(eh) || !read_at(f.fd, 0, &eh, sizeof(eh)))
+    return "is truncated: its ELF header needs " + std::to_string(sizeof(eh)) + " bytes" + has + "; " + rebuild;
+  if (eh.e_type != ET_DYN)
+    return std::string("is an ELF ") +
+           (eh.e_type == ET_EXEC ? "executable" : eh.e_type == ET_REL ? "object file (.o)" : eh.e_type == ET_CORE ? "core dump" : "file") +
+           " (e_type " + std::to_string(eh.e_type) + "), not a shared library; build it with loom_add_plugin";
+  if (kNativeMachine >= 0 && eh.e_machine != kNativeMachine)
+    return "is built for another processor (ELF e_machine " + std::to_string(eh.e_machine) + ", this engine's is " +
+           std::to_string(kNativeMachine) + "); rebuild the plugin for this platform";
+
+  // Program headers: the table and every segment's bytes in the file.
+  uint64_t end = 0;
+  uint64_t phnum = eh.e_phnum;
+  if (phnum == PN_XNUM) {  // more than 0xfffe: the count is section 0's sh_info
+    ElfW(Shdr) first{};
+    if (eh.e_shoff == 0 || !inside(eh.e_shoff, 1, sizeof(first), size, end) ||
+        !read_at(f.fd, eh.e_shoff, &first, sizeof(first)))
+      return "is truncated or corrupt: its program header count is in a section header the file does not hold; " +
+             rebuild;
+    phnum = first.sh_info;
+  }
+  if (phnum == 0) return "has no program headers, so it cannot be loaded as a shared library; " + not_plugin;
+  if (eh.e_phentsize != sizeof(ElfW(Phdr)))
+    return "is corrupt: its program headers are " + std::to_string(eh.e_phentsize) + " bytes each, not " +
+           std::to_string(sizeof(ElfW(Phdr))) + "; " + rebuild;
+  if (!inside(eh.e_phoff, phnum, sizeof(ElfW(Phdr)), size, end))
+    return "is truncated: its program header table ends at byte " + std::to_string(end) + has + "; " + rebuild;
+  std::vector<ElfW(Phdr)> ph(phnum);
+  if (!read_at(f.fd, eh.e_phoff, ph.data(), phnum * sizeof(ElfW(Phdr))))
+    return "cannot be read (program header table); " + rebuild;
+  for (size_t i = 0; i < ph.size(); ++i) {
+    const ElfW(Phdr)& p = ph[i];
+    if (p.p_filesz == 0) continue;
+    if (!inside(p.p_offset, 1, p.p_filesz, size, end))
+      return "is truncated: segment #" + std::to_string(i) + " (" + segment_name(p.p_type) + ") covers bytes " +
+             std::to_string(p.p_offset) + ".." + std::to_string(p.p_offset + p.p_filesz) + has + "; " + rebuild;
+    if (p.p_type == PT_LOAD && p.p_filesz > p.p_memsz)
+      return "is corrupt: segment #" + std::to_string(i) + " (PT_LOAD) has more bytes in the file (" +
+             std::to_string(p.p_filesz) + ") than in memory (" + std::to_string(p.p_memsz) + "); " + rebuild;
+  }
+  // The section header table (section 0 holds the count when it does not fit e_shnum).
+  std::vector<ElfW(Shdr)> sh;
+  if (eh.e_shoff != 0) {
+    if (eh.e_shentsize != sizeof(ElfW(Shdr)))
+      return "is corrupt: its section headers are " + std::to_string(eh.e_shentsize) + " bytes each, not " +
+             std::to_string(sizeof(ElfW(Shdr))) + "; " + rebuild;
+    uint64_t count = eh.e_shnum;
+    ElfW(Shdr) first{};
+    if (!inside(eh.e_shoff, 1, sizeof(first), size, end) || !read_at(f.fd, eh.e_shoff, &first, sizeof(first)))
+      return "is truncated: its section header table starts at byte " + std::to_string(eh.e_shoff) + has + "; " + rebuild;
+    if (count == 0) count = first.sh_size;  // SHN_LORESERVE or more sections
+    if (!inside(eh.e_shoff, count, sizeof(ElfW(Shdr)), size, end))
+      return "is truncated: its section header table (" + std::to_string(count) + " entries from byte " +
+             std::to_string(eh.e_shoff) + ") ends at byte " + std::to_string(end) + has + "; " + rebuild;
+    sh.resize(count);
+    if (count > 0 && !read_at(f.fd, eh.e_shoff, sh.data(), count * sizeof(ElfW(Shdr))))
+      return "cannot be read (section header table); " + rebuild;
+  }
+
+  // Sections' bytes (a cut that spares the segments but not the symbols or debug info).
+  for (size_t i = 1; i < sh.size(); ++i) {
+    const ElfW(Shdr)& s = sh[i];
+    if (s.sh_type == SHT_NOBITS || s.sh_type == SHT_NULL || s.sh_size == 0) continue;
+    if (!inside(s.sh_offset, 1, s.sh_size, size, end))
+      return "is truncated: section #" + std::to_string(i) + " covers bytes " + std::to_string(s.sh_offset) + ".." +
+             std::to_string(s.sh_offset + s.sh_size) + has + "; " + rebuild;
+  }
+  return "";
+}
+
+// --- The entry point, before it is called ----------------------------------------
+
+const char* symbol_type_name(int type) {
+  switch (type) {
+    case STT_NOTYPE: return "an untyped symbol";
+    case STT_OBJECT: return "a data object";
+    case STT_SECTION: return "a section";
+    case STT_FILE: return "a file symbol";
+    case STT_COMMON: return "a common (data) block";
+    case STT_TLS: return "a thread-local variable";
+    default: return "not a function";
+  }
+}
+
+struct CodeSearch {
+  uintptr_t addr = 0;
+  bool executable = false;
+};
+
+int find_code(struct dl_phdr_info* info, size_t, void* data) {
+  auto* s = static_cast<CodeSearch*>(data);
+  for (ElfW(Half) i = 0; i < info->dlpi_phnum; ++i) {
+    const ElfW(Phdr)& p = info->dlpi_phdr[i];
+    if (p.p_type != PT_LOAD) continue;
+    const uintptr_t start = info->dlpi_addr + p.p_vaddr;
+    if (s->addr >= start && s->addr - start < p.p_memsz) {
+      s->executable = (p.p_flags & PF_X) != 0;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// Why the entry symbol found at `addr` cannot be called, or "" when it is code:
+// a data object exported under the entry's name (`int loom_plugin_init_v1 = 5;`)
+// would be jumped into.
+std::string entry_problem(void* addr) {
+  Dl_info info{};
+  void* extra = nullptr;
+  if (::dladdr1(addr, &info, &extra, RTLD_DL_SYMENT) != 0 && extra != nullptr && info.dli_saddr == addr) {
+    const auto* sym = static_cast<const ElfW(Sym)*>(extra);
+    const int type = ELF64_ST_TYPE(sym->st_info);  // the same low 4 bits in ELF32_ST_TYPE
+    if (type != STT_FUNC && type != STT_GNU_IFUNC)
+      return std::string("is ") + symbol_type_name(type) + " (ELF symbol type " + std::to_string(type) +
+             "), not a function";
+  }
+  CodeSearch s;
+  s.addr = reinterpret_cast<uintptr_t>(addr);
+  ::dl_iterate_phdr(find_code, &s);
+  if (!s.executable) return "does not point into executable code";
+  return "";
+}
+
+// --- The table, before the engine uses it ----------------------------------------
+// The slots the engine (or the SDK's C++ wrappers every in-tree plugin uses) calls
+// without a NULL check are required; the others are optional: loom_abi.h documents
+// them so (NULL = not implemented / none), or every caller checks them and reports
+// a clear error (the device ops, each checked by loom::Device; the collectives, by
+// the engine's counting shim; the tensor-parallel operations, by
+// loom::TensorParallel). A table whose struct_size ends before a required slot
+// lacks it too.
+//   device:   create, destroy, alloc, free, copy, stream_synchronize, ops (a table:
+//             every op call reads its struct_size)
+//   comm:     world_create, world_destroy, group_create, group_destroy
+//   layer:    create, destroy, params, bind, forward, backward
+//   optimizer: create, destroy, step, state_size, state_save, state_load
+//   schedule: order
+//   exec:     create, destroy, run
+//   tensor-parallel: create, destroy, padded_vocab, vocab_range
+//   expert-parallel: every slot (loom::ExpertParallel refuses a table without one)
+// Returns "" or "<what is missing>; <what to do>".
+#define LOOM_REQUIRE_SLOT(type, slot)                                                                        \
+  do {                                                                                                       \
+    const auto* t = static_cast<const type*>(api);                                                           \
+    if (!LOOM_HAS_SLOT(t, type, slot))                                                                       \
+      return "has a " #type " of struct_size " + std::to_string(t->struct_size) +                            \
+             ", which ends before the required slot " #slot "; rebuild it against this SDK";                 \
+    if (t->slot == nullptr)                                                                                  \
+      return "leaves the required slot " #type "." #slot                                                     \
+             " NULL; implement it and rebuild (only slots loom_abi.h documents as optional may be NULL)";    \
+  } while (0)
+
+std::string required_slot_problem(int32_t api_type, const void* api) {
+  switch (api_type) {
+    case LOOM_API_DEVICE: {
+      LOOM_REQUIRE_SLOT(loom_device_api, create);
+      LOOM_REQUIRE_SLOT(loom_device_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_device_api, alloc);
+      LOOM_REQUIRE_SLOT(loom_device_api, free);
+      LOOM_REQUIRE_SLOT(loom_device_api, copy);
+      LOOM_REQUIRE_SLOT(loom_device_api, stream_synchronize);
+      LOOM_REQUIRE_SLOT(loom_device_api, ops);
+      const loom_device_ops* ops = static_cast<const loom_device_api*>(api)->ops;
+      if (ops->struct_size < sizeof(uint32_t))
+        return "has a loom_device_ops table of struct_size " + std::to_string(ops->struct_size) +
+               "; set it to sizeof(loom_device_ops) and rebuild";
+      return "";
+    }
+    case LOOM_API_COMM:
+      LOOM_REQUIRE_SLOT(loom_comm_api, world_create);
+      LOOM_REQUIRE_SLOT(loom_comm_api, world_destroy);
+      LOOM_REQUIRE_SLOT(loom_comm_api, group_create);
+      LOOM_REQUIRE_SLOT(loom_comm_api, group_destroy);
+      return "";
+    case LOOM_API_LAYER:
+      LOOM_REQUIRE_SLOT(loom_layer_api, create);
+      LOOM_REQUIRE_SLOT(loom_layer_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_layer_api, params);
+      LOOM_REQUIRE_SLOT(loom_layer_api, bind);
+      LOOM_REQUIRE_SLOT(loom_layer_api, forward);
+      LOOM_REQUIRE_SLOT(loom_layer_api, backward);
+      return "";
+    case LOOM_API_OPTIMIZER:
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, create);
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, step);
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, state_size);
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, state_save);
+      LOOM_REQUIRE_SLOT(loom_optimizer_api, state_load);
+      return "";
+    case LOOM_API_SCHEDULE:
+      LOOM_REQUIRE_SLOT(loom_schedule_api, order);
+      return "";
+    case LOOM_API_EXEC:
+      LOOM_REQUIRE_SLOT(loom_exec_api, create);
+      LOOM_REQUIRE_SLOT(loom_exec_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_exec_api, run);
+      return "";
+    case LOOM_API_TENSOR_PARALLEL:
+      LOOM_REQUIRE_SLOT(loom_tensor_parallel_api, create);
+      LOOM_REQUIRE_SLOT(loom_tensor_parallel_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_tensor_parallel_api, padded_vocab);
+      LOOM_REQUIRE_SLOT(loom_tensor_parallel_api, vocab_range);
+      return "";
+    case LOOM_API_EXPERT_PARALLEL:
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, create);
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, destroy);
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, plan);
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, dispatch);
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, combine);
+      LOOM_REQUIRE_SLOT(loom_expert_parallel_api, release);
+      return "";
+    default:
+      return "";
+  }
+}
+#undef LOOM_REQUIRE_SLOT
+
+// The directories search_paths() adds next to the loom binary (never reported missing).
+std::vector<std::string> default_paths() {
+  std::vector<std::string> paths;
+  boost::system::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    fs::path bin = exe.parent_path();
+    paths.push_back((bin / LOOM_PLUGIN_REL_DIR).lexically_normal().string());
+    paths.push_back((bin / "../lib/loom/plugins").lexically_normal().string());
+  }
+  return paths;
+}
+
 }  // namespace
 
 template <typename T>
@@ -133,11 +494,19 @@ const void* find_service(int32_t api_type, const char* name) {
 
 void Registry::load_file(const std::string& path) {
   const std::string file = fs::absolute(path).lexically_normal().string();
+  if (const std::string problem = file_problem(file); !problem.empty())
+    throw PluginError(file + ": cannot be loaded: it " + problem);
   boost::dll::shared_library lib;
-  try {
-    lib.load(file, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
-  } catch (const std::exception& e) {
-    throw PluginError(file + ": cannot be loaded (" + e.what() +
+  boost::system::error_code ec;
+  ::dlerror();  // clear
+  lib.load(file, boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local, ec);
+  if (ec || !lib.is_loaded()) {
+    // dlerror() says why (Boost.DLL's own exception would append its error code's
+    // text, always "Bad file descriptor", whatever the cause).
+    const char* why = ::dlerror();
+    std::string reason = why ? why : ec.message();
+    if (reason.rfind(file + ": ", 0) == 0) reason.erase(0, file.size() + 2);  // dlerror repeats the path
+    throw PluginError(file + ": cannot be loaded (" + reason +
                       "); check that it is a loom plugin built for this platform and that its "
                       "dependencies are installed");
   }
@@ -157,6 +526,14 @@ void Registry::load_file(const std::string& path) {
                       "; it is not a loom plugin (build it with loom_add_plugin and LOOM_PLUGIN_LIBRARY)");
   }
 
+  void* entry_addr = ::dlsym(lib.native(), entry.c_str());
+  if (entry_addr == nullptr)
+    throw PluginError(file + ": " + entry + " resolves to address 0, so it cannot be called; export the function "
+                      "loom_status " + entry + "(const loom_host_api*, const loom_plugin_library**) (LOOM_PLUGIN_LIBRARY does)");
+  if (const std::string problem = entry_problem(entry_addr); !problem.empty())
+    throw PluginError(file + ": the entry symbol " + entry + " " + problem +
+                      ", so it cannot be called; export the function loom_status " + entry +
+                      "(const loom_host_api*, const loom_plugin_library**) (LOOM_PLUGIN_LIBRARY does)");
   auto& init = lib.get<loom_status(const loom_host_api*, const loom_plugin_library**)>(entry);
   const loom_plugin_library* desc = nullptr;
   loom_status st = init(host_api(), &desc);
@@ -207,6 +584,8 @@ void Registry::load_file(const std::string& path) {
                         version_str(p->abi_major, p->abi_minor));
     if (p->api == nullptr || *static_cast<const uint32_t*>(p->api) < sizeof(uint32_t) * 2)
       throw PluginError(file + ": plugin " + p->key() + " has no API table");
+    if (const std::string problem = required_slot_problem(p->api_type, p->api); !problem.empty())
+      throw PluginError(file + ": plugin " + p->key() + " " + problem);
     if (info->num_options > 0 && info->options == nullptr)
       throw PluginError(file + ": plugin " + p->key() + " lists options but the array is NULL");
     for (size_t j = 0; j < info->num_options; ++j) {
@@ -231,8 +610,8 @@ void Registry::load_file(const std::string& path) {
   }
   for (const auto& p : found)
     if (const LoadedPlugin* prev = find(p->kind, p->name))
-      throw PluginError("plugin " + p->key() + " in " + file + " duplicates the one already loaded from " +
-                        prev->file + "; remove one of them from the search path or rename it");
+      throw DuplicatePluginError("plugin " + p->key() + " in " + file + " duplicates the one already loaded from " +
+                                 prev->file + "; remove one of them from the search path or rename it");
 
   for (auto& p : found) plugins_.push_back(std::move(p));
   loaded_libraries().push_back(std::move(lib));
@@ -240,11 +619,26 @@ void Registry::load_file(const std::string& path) {
 
 std::vector<std::string> Registry::load_dirs(const std::vector<std::string>& dirs) {
   std::vector<std::string> errors;
+  auto fail = [&](const std::string& e, bool duplicate) {
+    errors.push_back(e);
+    load_errors_.push_back(e);
+    if (duplicate) duplicate_errors_.push_back(e);
+  };
+  const std::vector<std::string> defaults = default_paths();
   std::set<std::string> seen_dirs;
   for (const std::string& d : dirs) {
     boost::system::error_code ec;
     fs::path dir = fs::canonical(d, ec);
-    if (ec || !fs::is_directory(dir) || !seen_dirs.insert(dir.string()).second) continue;
+    if (ec || !fs::is_directory(dir)) {
+      // A directory someone named (plugins.search_paths, LOOM_PLUGIN_PATH, --plugin-path)
+      // that is not there is most likely a typo: its plugins would be missing silently.
+      if (std::find(defaults.begin(), defaults.end(), fs::path(d).lexically_normal().string()) == defaults.end())
+        fail("plugin search path " + d + (ec ? " does not exist" : " is not a directory") +
+                 "; fix plugins.search_paths, LOOM_PLUGIN_PATH or --plugin-path",
+             false);
+      continue;
+    }
+    if (!seen_dirs.insert(dir.string()).second) continue;
     std::vector<std::string> files;
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
       const std::string name = entry.path().filename().string();
@@ -254,8 +648,10 @@ std::vector<std::string> Registry::load_dirs(const std::vector<std::string>& dir
     for (const std::string& f : files) {
       try {
         load_file(f);
+      } catch (const DuplicatePluginError& e) {
+        fail(e.what(), true);
       } catch (const PluginError& e) {
-        errors.push_back(e.what());
+        fail(e.what(), false);
       }
     }
   }
@@ -286,13 +682,7 @@ std::vector<std::string> Registry::search_paths(const std::vector<std::string>& 
     while (std::getline(ss, item, ':'))
       if (!item.empty()) paths.push_back(item);
   }
-  boost::system::error_code ec;
-  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  if (!ec) {
-    fs::path bin = exe.parent_path();
-    paths.push_back((bin / LOOM_PLUGIN_REL_DIR).lexically_normal().string());
-    paths.push_back((bin / "../lib/loom/plugins").lexically_normal().string());
-  }
+  for (std::string& d : default_paths()) paths.push_back(std::move(d));
   return paths;
 }
 

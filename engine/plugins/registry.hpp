@@ -1,6 +1,9 @@
-// Plugin discovery and loading: Boost.DLL opens each library (RTLD_NOW|RTLD_LOCAL),
-// the ABI is negotiated through loom_plugin_init_v<major>, and each plugin it
-// describes is registered as kind/name. Libraries are never unloaded.
+// Plugin discovery and loading: each file is checked first (a regular ELF file of
+// this machine whose segments and section headers lie inside it: a truncated copy
+// would crash the dynamic loader), Boost.DLL opens it (RTLD_NOW|RTLD_LOCAL), the
+// ABI is negotiated through loom_plugin_init_v<major> (which must be a function),
+// and each plugin it describes is registered as kind/name once its table has every
+// required slot. Libraries are never unloaded.
 #pragma once
 
 #include <loom/loom_abi.h>
@@ -18,6 +21,11 @@ namespace loom::plugins {
 class PluginError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+// A kind/name already registered from another file (the message names both files).
+class DuplicatePluginError : public PluginError {
+ public:
+  using PluginError::PluginError;
 };
 
 struct LoadedPlugin {
@@ -40,11 +48,19 @@ struct LoadedPlugin {
 
 class Registry {
  public:
-  // Loads one library and registers its plugins. Throws PluginError.
+  // Loads one library and registers its plugins. Throws PluginError
+  // (DuplicatePluginError when a kind/name it describes is already registered).
   void load_file(const std::string& path);
-  // Loads every loom_*.so in each directory (missing directories are skipped);
-  // returns one error line per library that failed; the others stay registered.
+  // Loads every loom_*.so in each directory; returns one error line per library
+  // that failed (the others stay registered) and per directory that does not exist
+  // (the default next to the loom binary excepted). Each line is also kept in
+  // load_errors(), duplicates in duplicate_errors() too.
   std::vector<std::string> load_dirs(const std::vector<std::string>& dirs);
+  // Every error line load_dirs returned so far, in order.
+  const std::vector<std::string>& load_errors() const { return load_errors_; }
+  // Those of them that name a kind/name found in two files: which one a run would
+  // use depends on the search order, so `loom run` refuses them.
+  const std::vector<std::string>& duplicate_errors() const { return duplicate_errors_; }
   // Null when absent.
   const LoadedPlugin* find(const std::string& kind, const std::string& name) const;
   // Throws PluginError "no plugin kind/name is loaded (available kind plugins: ...)".
@@ -57,6 +73,7 @@ class Registry {
 
  private:
   std::vector<std::unique_ptr<LoadedPlugin>> plugins_;
+  std::vector<std::string> load_errors_, duplicate_errors_;
 };
 
 // The process-wide registry the CLI uses.

@@ -9,8 +9,14 @@
 
 #include <gtest/gtest.h>
 
+#include <elf.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <vector>
 #include <string>
 
@@ -484,6 +490,177 @@ TEST(AbiCli, PluginsCheckReportsEachLibrary) {
   EXPECT_NE(out.find("FAIL"), std::string::npos) << out;
   EXPECT_NE(out.find("license file"), std::string::npos) << out;
   EXPECT_NE(out.find("0 of 5 libraries load"), std::string::npos) << out;
+}
+
+// --- Hostile files and libraries: refused with a message, never a crash ---------
+
+std::string read_text(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& file, const std::string& bytes) {
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+// A scratch directory of its own under the ABI plugin directory (emptied first).
+std::string scratch_dir(const std::string& name) {
+  const std::string dir = abi_dir(name);
+  EXPECT_EQ(std::system(("rm -rf '" + dir + "' && mkdir -p '" + dir + "'").c_str()), 0);
+  return dir;
+}
+
+// Runs a shell command; its exit status (-1 when a signal ended it) and output.
+std::pair<int, std::string> run_shell(const std::string& cmd, const std::string& out_file) {
+  const int rc = std::system((cmd + " > '" + out_file + "' 2>&1").c_str());
+  const int status = WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+  return {status >= 128 ? -1 : status, read_text(out_file)};  // 128 + N: the shell saw signal N
+}
+
+// A truncated copy of a plugin (an interrupted cp) was mapped by dlopen, and the
+// loader's first touch of the missing pages killed the process with SIGBUS.
+TEST(AbiLoader, TruncatedOrForeignElfFilesAreRefusedBeforeMapping) {
+  const std::string mlp = read_text(std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_layer_mlp.so");
+  ASSERT_GT(mlp.size(), 100000u);
+  const std::string dir = scratch_dir("hostile_files");
+  Registry r;
+
+  const std::string head = dir + "/loom_head_5000.so";  // segments past the end
+  write_bytes(head, mlp.substr(0, 5000));
+  std::string e = load_error(r, head);
+  EXPECT_NE(e.find(head + ": cannot be loaded"), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  EXPECT_NE(e.find("PT_LOAD"), std::string::npos) << e;
+  EXPECT_NE(e.find("5000 bytes"), std::string::npos) << e;
+
+  const std::string tail = dir + "/loom_tail_cut.so";  // only the section header table cut
+  write_bytes(tail, mlp.substr(0, mlp.size() - 100));
+  e = load_error(r, tail);
+  EXPECT_NE(e.find(tail + ": cannot be loaded"), std::string::npos) << e;
+  EXPECT_NE(e.find("section header table"), std::string::npos) << e;
+
+  std::string other = mlp;  // a 32-bit ELF (EI_CLASS)
+  other[EI_CLASS] = ELFCLASS32;
+  const std::string cls = dir + "/loom_class.so";
+  write_bytes(cls, other);
+  e = load_error(r, cls);
+  EXPECT_NE(e.find(cls), std::string::npos) << e;
+  EXPECT_NE(e.find("32-bit ELF file"), std::string::npos) << e;
+
+  other = mlp;  // big-endian (EI_DATA)
+  other[EI_DATA] = ELFDATA2MSB;
+  const std::string data = dir + "/loom_data_encoding.so";
+  write_bytes(data, other);
+  e = load_error(r, data);
+  EXPECT_NE(e.find(data), std::string::npos) << e;
+  EXPECT_NE(e.find("big-endian ELF file"), std::string::npos) << e;
+
+  const std::string sub = dir + "/loom_a_directory.so";  // not a regular file
+  ASSERT_EQ(::mkdir(sub.c_str(), 0755), 0);
+  e = load_error(r, sub);
+  EXPECT_NE(e.find(sub), std::string::npos) << e;
+  EXPECT_NE(e.find("is a directory"), std::string::npos) << e;
+  EXPECT_TRUE(r.all().empty());
+
+  // The same files through `loom plugins check` and `loom run`: a FAIL line / a warning each.
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom";
+  auto [rc, out] = run_shell(loom + " plugins check " + dir, dir + "/../hostile_files_check.out");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("FAIL  " + head), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 5 libraries load"), std::string::npos) << out;
+  std::tie(rc, out) = run_shell("LOOM_PLUGIN_PATH=" + dir + " " + loom + " run " + std::string(LOOM_SOURCE_DIR) +
+                                    "/tests/cli/tiny.toml --set run.steps=2",
+                                dir + "/../hostile_files_run.out");
+  EXPECT_EQ(rc, 0) << out;  // the run does not need them
+  EXPECT_NE(out.find("loom run: warning: " + head + ": cannot be loaded"), std::string::npos) << out;
+}
+
+// `int loom_plugin_init_v1 = 5;` was called as the entry point: SIGSEGV.
+TEST(AbiLoader, AnEntrySymbolThatIsDataIsRefused) {
+  Registry r;
+  const std::string file = abi_dir("hostile/loom_test_data_entry.so");
+  const std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file), std::string::npos) << e;
+  EXPECT_NE(e.find("loom_plugin_init_v1 is a data object"), std::string::npos) << e;
+  EXPECT_NE(e.find("not a function"), std::string::npos) << e;
+  EXPECT_TRUE(r.all().empty());
+}
+
+// A table whose required slots are NULL (or beyond its struct_size) was registered,
+// and the run called through it: SIGSEGV.
+TEST(AbiLoader, TablesWithoutTheirRequiredSlotsAreRefused) {
+  Registry r;
+  std::string file = abi_dir("hostile/loom_test_null_device.so");
+  std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file + ": plugin device/cpu leaves the required slot loom_device_api.create NULL"),
+            std::string::npos)
+      << e;
+  file = abi_dir("hostile/loom_test_short_device.so");
+  e = load_error(r, file);
+  EXPECT_NE(e.find(file + ": plugin device/short has a loom_device_api of struct_size"), std::string::npos) << e;
+  EXPECT_NE(e.find("ends before the required slot copy"), std::string::npos) << e;
+  file = abi_dir("hostile/loom_test_null_ops.so");
+  e = load_error(r, file);
+  EXPECT_NE(e.find(file + ": plugin device/no_ops leaves the required slot loom_device_api.ops NULL"),
+            std::string::npos)
+      << e;
+  file = abi_dir("hostile/loom_test_null_layer.so");
+  e = load_error(r, file);
+  EXPECT_NE(e.find(file + ": plugin layer/no_forward leaves the required slot loom_layer_api.forward NULL"),
+            std::string::npos)
+      << e;
+  EXPECT_TRUE(r.all().empty());
+  // Optional slots may be NULL: the 1.0 plugin's layer has no release, exec no stats.
+  Registry current, v1_0;
+  EXPECT_EQ(load_error(current, abi_dir("current/loom_test_c_current.so")), "");
+  EXPECT_EQ(load_error(v1_0, abi_dir("v1_0/loom_test_c_v1_0.so")), "");
+}
+
+// dlopen's own refusal is reported with dlerror()'s reason only (Boost.DLL's
+// exception appended "Bad file descriptor" to every one).
+TEST(AbiLoader, ALibraryTheDynamicLoaderRefusesIsReportedWithItsReason) {
+  Registry r;
+  const std::string file = abi_dir("hostile/loom_test_undefined_symbol.so");
+  const std::string e = load_error(r, file);
+  EXPECT_NE(e.find(file + ": cannot be loaded ("), std::string::npos) << e;
+  EXPECT_NE(e.find("undefined symbol: loom_test_no_such_symbol"), std::string::npos) << e;
+  EXPECT_EQ(e.find("Bad file descriptor"), std::string::npos) << e;
+  EXPECT_EQ(e.find("boost::dll"), std::string::npos) << e;
+}
+
+// `loom run` with the hostile libraries on its path: each is named in a warning
+// (the device/cpu with NULL slots no longer shadows the built-in: the run trains),
+// and so is a search path that does not exist.
+TEST(AbiCli, RunShowsWhyEachLibraryWasNotLoaded) {
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom", missing = abi_dir("no_such_dir");
+  auto [rc, out] = run_shell("LOOM_PLUGIN_PATH=" + abi_dir("hostile") + ":" + missing + " " + loom + " run " +
+                                 std::string(LOOM_SOURCE_DIR) + "/tests/cli/tiny.toml --set run.steps=2",
+                             abi_dir("hostile_run.out"));
+  EXPECT_EQ(rc, 0) << out;
+  for (const char* f : {"data_entry", "null_device", "short_device", "null_ops", "null_layer", "undefined_symbol"})
+    EXPECT_NE(out.find("loom run: warning: " + abi_dir("hostile/loom_test_") + f + ".so: "), std::string::npos)
+        << f << "\n" << out;
+  EXPECT_NE(out.find("loom run: warning: plugin search path " + missing + " does not exist"), std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("Bad file descriptor"), std::string::npos) << out;
+  EXPECT_NE(out.find("summary: steps 1..2"), std::string::npos) << out;
+}
+
+// A kind/name in two files on the search path fails the run naming both, as
+// `loom plugins check` does (the first one found used to win silently).
+TEST(AbiCli, RunRefusesAPluginFoundInTwoFiles) {
+  const std::string dir = scratch_dir("dup_cpu"), builtin = std::string(LOOM_TEST_PLUGIN_DIR) + "/loom_device_cpu.so";
+  write_bytes(dir + "/loom_device_cpu.so", read_text(builtin));
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom";
+  auto [rc, out] = run_shell("LOOM_PLUGIN_PATH=" + dir + " " + loom + " run " + std::string(LOOM_SOURCE_DIR) +
+                                 "/tests/cli/tiny.toml --set run.steps=2",
+                             abi_dir("dup_cpu_run.out"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("loom run: plugin device/cpu in "), std::string::npos) << out;
+  EXPECT_NE(out.find(dir + "/loom_device_cpu.so"), std::string::npos) << out;
+  EXPECT_NE(out.find("duplicates the one already loaded from"), std::string::npos) << out;
+  EXPECT_EQ(out.find("summary:"), std::string::npos) << out;  // no training
 }
 
 }  // namespace
