@@ -8,8 +8,8 @@
 #            fp32: loom fp32 with device.options.tf32 = true; torch fp32 with TF32 allowed
 #   engines  loom ($LOOM_BIN run, metrics from --metrics), loom-base (a baseline for before/after
 #            figures from one run: the same with $LOOM_BENCH_BASE_SET, default the fused attention
-#            kernels off, and plugins first from $LOOM_BENCH_BASE_PLUGIN_PATH, e.g. an older
-#            build's device/cuda), loom-graph (loom with exec.mode = partial_graph: each layer's
+#            kernels off, and the plugins of $LOOM_BENCH_BASE_PLUGIN_PATH in place of loom's own,
+#            e.g. an older build's device/cuda), loom-graph (loom with exec.mode = partial_graph: each layer's
 #            forward and backward replayed as CUDA graphs), torch-eager, torch-compile
 #            (scripts/bench/torch_gpt.py: the same model, AdamW fused, SDPA causal attention)
 # Each row: median ms/step over the timed steps (after the warm-up steps), tokens/s = B*T / step,
@@ -34,8 +34,10 @@
 #   LOOM_BENCH_GRAD_DTYPE [fp32] loom's device.grad_dtype in bf16 runs
 #   LOOM_BENCH_BASE_SET ["device.options.fused_attention=false"; set but empty: none] the --set
 #     options (space-separated) of the loom-base engine
-#   LOOM_BENCH_BASE_PLUGIN_PATH [none] put ahead of LOOM_PLUGIN_PATH for the loom-base engine (the
-#     first library of a plugin's name found wins; later duplicates only log an error line)
+#   LOOM_BENCH_BASE_PLUGIN_PATH [none] ':'-separated folders whose plugin files replace loom's
+#     own of the same file name for the loom-base engine: loom and its plugins are copied into
+#     $LOOM_BENCH_DIR/base-install, the baseline's files over them (a plugin found in two
+#     folders is an error, so the baseline cannot simply go first on the search path)
 #   LOOM_BENCH_PYTHON [python3]
 # Smoke test without a GPU (the loom half and the table on the CPU, tiny shapes):
 #   LOOM_BENCH_DEVICE [cuda]  device.kind for loom (and --device for torch_gpt.py): cpu
@@ -171,13 +173,20 @@ for model in $models; do
                 --set device.kind="$device" --set device.peak_tflops="$peak" --set data.path="\"$data\""
                 "${dtype_set[@]}")
           [ "$device" = cuda ] || opts+=(--set 'device.options={}')
-          plugin_path=${LOOM_PLUGIN_PATH:-}
+          plugin_path=${LOOM_PLUGIN_PATH:-} run_loom=$loom
           [ "$engine" = loom-graph ] && opts+=(--set exec.mode=partial_graph)
           if [ "$engine" = loom-base ]; then
             for kv in ${LOOM_BENCH_BASE_SET-device.options.fused_attention=false}; do opts+=(--set "$kv"); done
-            [ -n "${LOOM_BENCH_BASE_PLUGIN_PATH:-}" ] && plugin_path=$LOOM_BENCH_BASE_PLUGIN_PATH${plugin_path:+:$plugin_path}
+            if [ -n "${LOOM_BENCH_BASE_PLUGIN_PATH:-}" ]; then
+              base=$out/base-install
+              rm -rf "$base" && mkdir -p "$base/bin" "$base/lib/loom/plugins" && cp "$loom" "$base/bin/loom" &&
+                cp "$(dirname "$loom")"/../lib/loom/plugins/*.so "$base/lib/loom/plugins/" || exit 1
+              IFS=: read -ra base_dirs <<<"$LOOM_BENCH_BASE_PLUGIN_PATH"
+              for d in "${base_dirs[@]}"; do cp "$d"/*.so "$base/lib/loom/plugins/" || exit 1; done
+              run_loom=$base/bin/loom plugin_path=""
+            fi
           fi
-          LOOM_PLUGIN_PATH=$plugin_path timeout "$limit" "$loom" run "$manifest" "${opts[@]}" --metrics "$metrics" \
+          LOOM_PLUGIN_PATH=$plugin_path timeout "$limit" "$run_loom" run "$manifest" "${opts[@]}" --metrics "$metrics" \
             >"$log" 2>&1
           rc=$?
           if [ "$rc" -ne 0 ]; then failed "$name" "$log" "$rc" "$model" "$dtype" "$engine" "$B" "$T"; continue; fi

@@ -576,11 +576,12 @@ class ManifestLoader {
     assign(key, parts, std::move(*parsed->get("v")), o);
   }
 
-  // Sets `key` (split into `parts`) to `value`. A table value given for a key that
-  // already holds a table merges into it, key by key (--set 'parallel={tp=2}' keeps the
-  // file's other parallel keys, as TOML's own dotted keys would).
+  // Sets `key` (split into `parts`) to `value`. A non-empty table value given for a key
+  // that already holds a table merges into it, key by key (--set 'parallel={tp=2}' keeps
+  // the file's other parallel keys, as TOML's own dotted keys would); an empty one,
+  // --set 'device.options={}', empties it.
   void assign(const std::string& key, const std::vector<std::string>& parts, toml::node&& value, const Origin& o) {
-    if (value.is_table()) {
+    if (value.is_table() && !value.as_table()->empty()) {
       const toml::node* existing = m_.table_.at_path(key).node();
       if (existing != nullptr && existing->is_table()) {
         for (auto&& [k, v] : *value.as_table()) {

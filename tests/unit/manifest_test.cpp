@@ -616,6 +616,10 @@ TEST_F(ManifestTest, ATableOverrideMergesIntoTheFilesTable) {
   EXPECT_EQ(m.get_int("parallel.tp"), 1);  // replaced
   EXPECT_EQ(m.origin("parallel.dp").kind, Origin::Kind::File);
   EXPECT_EQ(m.origin("parallel.tp").kind, Origin::Kind::Override);
+  // An empty table empties it (how a script clears a table of options).
+  Manifest cleared = Manifest::parse("[device.options]\nthreads = 2\n", "m.toml", {"device.options={}"});
+  ASSERT_NE(cleared.get_table("device.options"), nullptr);
+  EXPECT_TRUE(cleared.get_table("device.options")->empty());
 }
 
 TEST_F(ManifestTest, MissingBaseIsAnError) {
