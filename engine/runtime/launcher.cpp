@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <system_error>
 #include <thread>
 
 namespace loom::runtime {
@@ -154,20 +156,40 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       }
       fn(rt);
     } catch (const std::exception& e) {
+      // A bare "std::bad_alloc" says nothing of whose memory ran out.
+      const std::string why = dynamic_cast<const std::bad_alloc*>(&e) != nullptr
+                                  ? std::string("out of host memory (") + e.what() +
+                                        "): the process's memory limit (ulimit -v, a container's) is too small for "
+                                        "this run, or lower the batch or the ranks per process"
+                                  : std::string(e.what());
       {
         std::lock_guard<std::mutex> lock(mu);
-        errors[rank] = e.what();
+        errors[rank] = why;
       }
-      abort_world(rank, e.what());
+      abort_world(rank, why);
     }
   };
 
   if (local_ranks.size() == 1) {
     rank_main(local_ranks[0]);
   } else {
+    // A thread that cannot be started (a thread or memory limit) stops the ranks already
+    // running, which may be waiting for it in a collective, before its error is thrown:
+    // an exception with joinable threads alive would end the process in std::terminate.
     std::vector<std::thread> threads_v;
-    for (int r = 0; r < world; ++r) threads_v.emplace_back(rank_main, r);
+    std::string start_error;
+    for (int r = 0; r < world && start_error.empty(); ++r) {
+      try {
+        threads_v.emplace_back(rank_main, r);
+      } catch (const std::exception& e) {
+        start_error = "cannot start the thread of rank " + std::to_string(r) + " of " + std::to_string(world) + " (" +
+                      e.what() + "); the process's thread or memory limit (ulimit -u, ulimit -v) is too small for "
+                      "this many ranks as threads of one process";
+        abort_world(r, start_error);
+      }
+    }
     for (auto& t : threads_v) t.join();
+    if (!start_error.empty()) throw RunError(start_error);
   }
   int failed = first_failure.load();
   if (failed >= 0) throw RunError("rank " + std::to_string(failed) + ": " + errors[failed]);

@@ -97,4 +97,16 @@ done
 [ $? -eq 1 ] || fail "resume with another tp should exit 1"
 grep -q "may change dp only" "$work/rs3.out" || fail "tp-change refusal: $(cat "$work/rs3.out")"
 
+# 8. More rank threads than the process may start (a virtual-memory limit that thread
+# stacks exhaust): exit 1 with a message, not std::terminate (134) with live threads.
+# (Not under AddressSanitizer, whose shadow memory needs far more address space.)
+if [ -z "${ASAN_OPTIONS:-}" ]; then
+  ( ulimit -v 8000000 && exec "$loom" run "$here/tiny.toml" --set run.steps=2 --set parallel.dp=1000 \
+      --set batch.global_batch_size=1000 --set batch.micro_batch_size=1 ) > "$work/threads.out" 2>&1
+  rc=$?
+  [ $rc -eq 1 ] || fail "1000 rank threads under ulimit -v 8000000 should exit 1, exited $rc: $(tail -3 "$work/threads.out")"
+  grep -qE "cannot start the thread of rank|out of host memory" "$work/threads.out" \
+    || fail "thread-limit message: $(tail -3 "$work/threads.out")"
+fi
+
 echo "cli tests passed"
