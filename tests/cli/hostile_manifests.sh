@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The manifest cases of a hostile-input campaign, kept as a corpus: `loom validate` on each
+# must end with exit 0 (valid) or 1 (refused with a message on stderr) within a few
+# seconds, never a signal (SIGFPE, SIGSEGV, SIGBUS, abort), a hang, or a bare library
+# message. Cases marked "refuse" must be refused. Usage: hostile_manifests.sh LOOM
+set -uo pipefail
+loom=$1
+here=$(cd "$(dirname "$0")" && pwd)
+base=$here/tiny.toml
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# check EXPECT MANIFEST ARGS...: EXPECT is "refuse" (exit 1) or "any" (0 or 1).
+check() {
+  local expect=$1 manifest=$2; shift 2
+  timeout 20 "$loom" validate "$manifest" "$@" > "$work/out" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ] && [ $rc -ne 1 ]; then
+    fail "validate $manifest $*: exit $rc ($(tail -2 "$work/out" | tr '\n' ' '))"
+  elif [ "$expect" = refuse ] && [ $rc -ne 1 ]; then
+    fail "validate $manifest $*: accepted, expected a refusal"
+  elif [ $rc -eq 1 ] && grep -qE "std::|basic_filebuf|bad_alloc|Bad file descriptor" "$work/out"; then
+    fail "validate $manifest $*: a library's message instead of loom's: $(tail -1 "$work/out")"
+  fi
+}
+
+# Sizes whose products used to wrap around int64 (SIGFPE), and their neighbours.
+for kv in parallel.dp=2305843009213693952 parallel.pp=4611686018427387904 parallel.cp=9223372036854775807 \
+          parallel.tp=-1 parallel.vpp=9223372036854775807 batch.micro_batch_size=4611686018427387904 \
+          batch.global_batch_size=0 model.hidden_size=4611686018427387904 model.num_layers=4611686018427387904 \
+          model.seq_length=0 model.seq_length=4611686018427387904 model.vocab_size=2147483648 \
+          model.num_heads=0 run.steps=-1; do
+  check refuse "$base" --set "$kv"
+done
+check refuse "$base" --set parallel.pp=4611686018427387904 --set parallel.vpp=4
+check refuse "$base" --set parallel.dp=1024 --set parallel.tp=1024 --set parallel.pp=2
+# Non-finite numbers and nonsense settings.
+for kv in optimizer.eps=inf optimizer.lr=nan optimizer.lr=-inf model.layer.attention.dropout=inf \
+          model.seq_length=1 'data.task="mul"' model.recompute_num_layers=99; do
+  check refuse "$base" --set "$kv"
+done
+# Overrides that are not key paths or values.
+for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
+  check refuse "$base" --set "$kv"
+done
+check any "$base" --set 'parallel={tp=1}'
+check any "$base" --set 'device.options={}'
+# Paths that are not manifests.
+check refuse "$work"
+check refuse /dev/zero
+check refuse /nonexistent/manifest.toml
+echo 'extends = "/dev/zero"' > "$work/ext.toml"
+check refuse "$work/ext.toml"
+echo 'extends = "ext2.toml"' > "$work/ext2.toml"
+check refuse "$work/ext2.toml"
+printf '[run\nsteps = 3\n' > "$work/broken.toml"
+check refuse "$work/broken.toml"
+head -c 3000 /dev/urandom > "$work/random.toml"
+check refuse "$work/random.toml"
+
+[ $failures -eq 0 ] && echo "hostile manifests: every case ended with a message" || exit 1
