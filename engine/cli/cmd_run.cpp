@@ -1,6 +1,7 @@
 // loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE] [--json]
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/model/param_plan.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/trainer.hpp"
@@ -58,6 +59,16 @@ int cmd_run(int argc, char** argv) {
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     if (report_plugin_loading()) return 1;
+    // device/cpu's ranks share this machine's memory: a plan far past it is refused
+    // before anything is allocated (it would end in the OOM killer or in swap).
+    if (plan.manifest.get_string("device.kind") == "cpu") {
+      const runtime::ProcessLaunch launch = runtime::detect_process_launch();
+      const std::string memory =
+          model::host_memory_problem(model::plan_memory(plan), "cpu", launch.multi_process ? 1 : 0);
+      if (!memory.empty())
+        throw std::runtime_error(memory + "; make the model, the micro-batch or the ranks per process smaller "
+                                          "(loom plan shows each rank's share)");
+    }
     // Under mpirun/srun this process hosts one rank; only global rank 0 prints the
     // step log and writes --metrics (checkpoints: every rank writes its own file,
     // rank 0 commits).

@@ -5,6 +5,7 @@
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/manifest/schema.hpp"
+#include "engine/model/param_plan.hpp"
 #include "engine/pipeline/split.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -127,6 +128,10 @@ int cmd_validate(int argc, char** argv) {
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
     std::cout << "\n";
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
+    if (m.get_string("device.kind") == "cpu") {
+      const std::string memory = model::host_memory_problem(model::plan_memory(plan), "cpu");
+      if (!memory.empty()) std::cout << "warning: " << memory << "; loom run refuses it (see loom plan)\n";
+    }
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom validate: " << e.what() << "\n" << kUsage;

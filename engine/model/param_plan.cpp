@@ -11,6 +11,11 @@
 #include "engine/train/data.hpp"
 #include "engine/train/run_plan.hpp"
 
+#include <unistd.h>
+
+#include <iomanip>
+#include <sstream>
+
 #include <loom/cpp/core.hpp>
 
 #include <cstddef>
@@ -141,6 +146,26 @@ struct PlannedLayers {
 };
 
 }  // namespace
+
+uint64_t rank_total_bytes(const RankMemory& r) {
+  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes;
+}
+
+std::string host_memory_problem(const MemoryPlan& mp, const std::string& device_kind, int hosted) {
+  if (device_kind != "cpu" || mp.ranks.empty()) return "";
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return "";
+  const double ram = static_cast<double>(pages) * static_cast<double>(page);
+  double need = 0;
+  const size_t n = hosted > 0 ? std::min(mp.ranks.size(), static_cast<size_t>(hosted)) : mp.ranks.size();
+  for (size_t i = 0; i < n; ++i) need += static_cast<double>(rank_total_bytes(mp.ranks[i]));
+  if (need <= ram) return "";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << "the plan needs " << need / (1024.0 * 1024.0 * 1024.0) << " GiB for "
+     << n << " rank(s) on this machine (parameters, gradients, optimizer state, activations), more than its "
+     << ram / (1024.0 * 1024.0 * 1024.0) << " GiB of memory";
+  return os.str();
+}
 
 MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   const manifest::Manifest& m = plan.manifest;

@@ -94,4 +94,12 @@ struct MemoryPlan {
 // vocab 0 = model.vocab_size, or the data source's vocabulary when that is 0.
 MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab = 0);
 
+// Bytes the plan says rank `r` holds (parameters, gradients, optimizer state,
+// activations at the schedule's peak, recomputation).
+uint64_t rank_total_bytes(const RankMemory& r);
+// For device/cpu, whose ranks are threads of this process: the plan's total over every
+// rank against this machine's memory. "" when it fits (or the device is another), else
+// the sentence to warn with. `hosted` = ranks this process runs (0: the whole world).
+std::string host_memory_problem(const MemoryPlan& mp, const std::string& device_kind, int hosted = 0);
+
 }  // namespace loom::model

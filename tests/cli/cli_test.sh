@@ -109,4 +109,12 @@ if [ -z "${ASAN_OPTIONS:-}" ]; then
     || fail "thread-limit message: $(tail -3 "$work/threads.out")"
 fi
 
+# 9. A plan far past this machine's memory (hidden 65536, 1000 layers) is refused before
+# anything is allocated, and validate warns about it.
+big=(--set model.hidden_size=65536 --set model.num_heads=64 --set model.num_layers=1000 --set run.steps=1)
+"$loom" run "$here/tiny.toml" "${big[@]}" > "$work/big.out" 2>&1
+rc=$?
+[ $rc -eq 1 ] && grep -q "GiB of memory" "$work/big.out" || fail "huge plan: exit $rc, $(tail -2 "$work/big.out")"
+"$loom" validate "$here/tiny.toml" "${big[@]}" 2>&1 | grep -q "warning: the plan needs" || fail "validate: no memory warning"
+
 echo "cli tests passed"
