@@ -551,6 +551,13 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
   }
+  // The first layer takes the tokens (the embedding) and the last computes the loss
+  // (lm_head): without either the run fails at its first step.
+  for (const char* list : {"model.pre", "model.post"})
+    if (usable({list}) && m.get_string_list(list).empty())
+      report({list}, std::string(list) + " is empty, but the model needs " +
+                         (std::string(list) == "model.pre" ? "a first layer that takes the tokens (e.g. [\"embedding\"])"
+                                                           : "a last layer that computes the loss (e.g. [\"lm_head\"])"));
   // Recomputation counts blocks of a stage: more than the model has is a typo.
   if (usable({"model.recompute_num_layers", "model.num_layers"}) &&
       I("model.recompute_num_layers") > I("model.num_layers"))

@@ -197,6 +197,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
   if (plan.sizes.ep > 1 || plan.sizes.experts_fold_tp())
     require_experts_fold_into_dp(man, plan.sizes);
+  // The schedule plugin's orders, proven free of deadlock, now rather than when the run
+  // starts: a group size or layout it refuses is then a validate error too.
+  plugins::OptionValues schedule_opts(man.get_table("pipeline.options"), plan.schedule->options);
+  pipeline::simulate(pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
+                                              static_cast<int>(man.get_int("parallel.vpp")),
+                                              static_cast<int>(plan.microbatches),
+                                              static_cast<int>(man.get_int("pipeline.microbatch_group_size"))));
   return plan;
 }
 

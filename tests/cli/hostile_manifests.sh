@@ -41,6 +41,13 @@ for kv in optimizer.eps=inf optimizer.lr=nan optimizer.lr=-inf model.layer.atten
           model.seq_length=1 'data.task="mul"' model.recompute_num_layers=99; do
   check refuse "$base" --set "$kv"
 done
+# What validate used to pass and run refuse: an empty first or last layer list, a group
+# size the interleaved schedule refuses.
+check refuse "$base" --set 'model.pre=[]'
+check refuse "$base" --set 'model.post=[]'
+check refuse "$base" --set parallel.pp=2 --set parallel.vpp=2 --set 'pipeline.schedule="interleaved"' \
+  --set pipeline.microbatch_group_size=3 --set model.num_layers=4 --set batch.global_batch_size=8 \
+  --set batch.micro_batch_size=1 --set parallel.dp=2
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"
