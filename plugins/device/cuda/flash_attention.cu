@@ -159,6 +159,30 @@ __device__ __forceinline__ void mma_pb(float (&acc)[DT][4], const float (&p)[2 *
   }
 }
 
+// Elements of one K or V tile in shared memory (64 rows of pitch D + 8).
+template <int D>
+constexpr int kKvTileElems = kTile * (D + 8);
+
+// The forward and dQ kernels' walk over key tiles: makes tile t's K and V ready in
+// buffer t & 1 (complete and visible to every thread after the barrier) while the
+// copies of tile t + 1 go into the other buffer; returns t & 1. The caller's barrier at
+// the end of each step keeps a buffer from being refilled while it is read.
+template <int D>
+__device__ __forceinline__ int kv_tile_ready(bf16_t* sK, bf16_t* sV, const bf16_t* k, const bf16_t* v,
+                                             const FlashArgs& p, int t, int n_kt) {
+  const int buf = t & 1;
+  if (t + 1 < n_kt) {
+    load_tile<D, kTile>(sK + (buf ^ 1) * kKvTileElems<D>, k, p.kv_ss, (t + 1) * kTile, p.kv_seq);
+    load_tile<D, kTile>(sV + (buf ^ 1) * kKvTileElems<D>, v, p.kv_ss, (t + 1) * kTile, p.kv_seq);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+  return buf;
+}
+
 template <int D>
 struct FwdSmem {
   static constexpr int kPitch = D + 8;
@@ -201,18 +225,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
   float m_run[2] = {-kInf, -kInf}, l_run[2] = {0.0f, 0.0f};
 
   for (int t = 0; t < n_kt; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < n_kt) {
-      load_tile<D, kTile>(sK + (buf ^ 1) * S::kTileElems, k, p.kv_ss, (t + 1) * kTile, p.kv_seq);
-      load_tile<D, kTile>(sV + (buf ^ 1) * S::kTileElems, v, p.kv_ss, (t + 1) * kTile, p.kv_seq);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16_t* tk = sK + buf * S::kTileElems;
-    const bf16_t* tv = sV + buf * S::kTileElems;
+    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, n_kt);
+    const bf16_t* tk = sK + buf * kKvTileElems<D>;
+    const bf16_t* tv = sV + buf * kKvTileElems<D>;
 
     float s[8][4];
 #pragma unroll
@@ -476,18 +491,9 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
   for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
 
   for (int t = 0; t < n_kt; ++t) {
-    const int buf = t & 1;
-    if (t + 1 < n_kt) {
-      load_tile<D, kTile>(sK + (buf ^ 1) * S::kTileElems, k, p.kv_ss, (t + 1) * kTile, p.kv_seq);
-      load_tile<D, kTile>(sV + (buf ^ 1) * S::kTileElems, v, p.kv_ss, (t + 1) * kTile, p.kv_seq);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const bf16_t* tk = sK + buf * S::kTileElems;
-    const bf16_t* tv = sV + buf * S::kTileElems;
+    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, n_kt);
+    const bf16_t* tk = sK + buf * kKvTileElems<D>;
+    const bf16_t* tv = sV + buf * kKvTileElems<D>;
 
     float s[8][4], dp[8][4];
 #pragma unroll

@@ -889,10 +889,33 @@ __device__ __forceinline__ float adamw_at(const AdamwParams& p, float w, float g
   return w - p.lr * (mhat / (sqrtf(vhat) + p.eps) + p.weight_decay * w);
 }
 
+// AdamW over n elements spread over the grid: groups of 8 when `vec` (16-byte aligned
+// buffers), then one by one whatever is left. The kernels below and the multi-tensor
+// one (a span per segment) share it, so each element gets the same arithmetic.
 template <typename G, typename C>
-__global__ void adamw_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__device__ __forceinline__ void adamw_span(int64_t n, float* param, const G* grad, float* m, float* v,
+                                           const AdamwParams& p, C* copy, bool vec) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t done = 0;
+  if (vec) {
+    for (int64_t g = first; g < n / 8; g += stride) {
+      const int64_t i = g * 8;
+      float w[8], gr[8], mi[8], vi[8];
+      load8(param + i, w);
+      load8(grad + i, gr);
+      load8(m + i, mi);
+      load8(v + i, vi);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = adamw_at(p, w[j], gr[j], mi[j], vi[j]);
+      store8(m + i, mi);
+      store8(v + i, vi);
+      store8(param + i, w);
+      if (copy) store8(copy + i, w);
+    }
+    done = n / 8 * 8;
+  }
+  for (int64_t i = done + first; i < n; i += stride) {
     float mi = m[i], vi = v[i];
     const float nw = adamw_at(p, param[i], ld(grad, i), mi, vi);
     m[i] = mi;
@@ -902,33 +925,10 @@ __global__ void adamw_kernel(int64_t n, float* param, const G* grad, float* m, f
   }
 }
 
-// Groups of 8 (16-byte aligned buffers), then the last n % 8 one by one.
 template <typename G, typename C>
-__global__ void adamw_vec_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t g = first; g < n / 8; g += stride) {
-    const int64_t i = g * 8;
-    float w[8], gr[8], mi[8], vi[8];
-    load8(param + i, w);
-    load8(grad + i, gr);
-    load8(m + i, mi);
-    load8(v + i, vi);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) w[j] = adamw_at(p, w[j], gr[j], mi[j], vi[j]);
-    store8(m + i, mi);
-    store8(v + i, vi);
-    store8(param + i, w);
-    if (copy) store8(copy + i, w);
-  }
-  for (int64_t i = n / 8 * 8 + first; i < n; i += stride) {
-    float mi = m[i], vi = v[i];
-    const float nw = adamw_at(p, param[i], ld(grad, i), mi, vi);
-    m[i] = mi;
-    v[i] = vi;
-    param[i] = nw;
-    if (copy) st(copy, i, nw);
-  }
+__global__ void adamw_kernel(int64_t n, float* param, const G* grad, float* m, float* v, AdamwParams p, C* copy,
+                             bool vec) {
+  adamw_span(n, param, grad, m, v, p, copy, vec);
 }
 
 // ---- multi-tensor (ABI 1.8 segments) --------------------------------------------------------
@@ -941,8 +941,6 @@ constexpr int kMultiBlocks = 512;  // fixed: the partial sums do not depend on t
 template <typename G, typename C>
 __global__ void adamw_multi_kernel(int64_t count, const AdamwSegment* segments, float* param, const G* grad, float* m,
                                    float* v, AdamwParams p, C* copy) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t s = 0; s < count; ++s) {
     const AdamwSegment seg = segments[s];
     AdamwParams q = p;
@@ -952,33 +950,8 @@ __global__ void adamw_multi_kernel(int64_t count, const AdamwSegment* segments, 
     float* pv = v + seg.state_offset;
     const G* pg = grad + seg.grad_offset;
     C* pc = copy ? copy + seg.copy_offset : nullptr;
-    const int64_t n = seg.numel;
-    int64_t done = 0;
-    if (aligned16(pw) && aligned16(pm) && aligned16(pv) && aligned16(pg) && aligned16(pc)) {
-      for (int64_t g = first; g < n / 8; g += stride) {
-        const int64_t i = g * 8;
-        float w[8], gr[8], mi[8], vi[8];
-        load8(pw + i, w);
-        load8(pg + i, gr);
-        load8(pm + i, mi);
-        load8(pv + i, vi);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[j] = adamw_at(q, w[j], gr[j], mi[j], vi[j]);
-        store8(pm + i, mi);
-        store8(pv + i, vi);
-        store8(pw + i, w);
-        if (pc) store8(pc + i, w);
-      }
-      done = n / 8 * 8;
-    }
-    for (int64_t i = done + first; i < n; i += stride) {
-      float mi = pm[i], vi = pv[i];
-      const float nw = adamw_at(q, pw[i], ld(pg, i), mi, vi);
-      pm[i] = mi;
-      pv[i] = vi;
-      pw[i] = nw;
-      if (pc) st(pc, i, nw);
-    }
+    adamw_span(seg.numel, pw, pg, pm, pv, q, pc,
+               aligned16(pw) && aligned16(pm) && aligned16(pv) && aligned16(pg) && aligned16(pc));
   }
 }
 
@@ -1305,18 +1278,12 @@ cudaError_t k_row_argmax(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, int6
 cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, Dt grad_dt, float* m, float* v,
                     const AdamwParams& p, void* param_copy, Dt copy_dt) {
   if (n == 0) return cudaSuccess;
-  if (vec_ok({param, grad, m, v, param_copy})) {
-    LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
-                                            adamw_vec_kernel<G, C><<<grid_for(std::max<int64_t>(n / 8, 1)),
-                                                                     kThreads, 0, s>>>(
-                                                n, param, static_cast<const G*>(grad), m, v, p,
-                                                static_cast<C*>(param_copy))));
-    return cudaGetLastError();
-  }
+  const bool vec = vec_ok({param, grad, m, v, param_copy});
   LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
-                                          adamw_kernel<G, C><<<grid_for(n), kThreads, 0, s>>>(
+                                          adamw_kernel<G, C><<<grid_for(vec ? std::max<int64_t>(n / 8, 1) : n),
+                                                               kThreads, 0, s>>>(
                                               n, param, static_cast<const G*>(grad), m, v, p,
-                                              static_cast<C*>(param_copy))));
+                                              static_cast<C*>(param_copy), vec)));
   return cudaGetLastError();
 }
 
