@@ -202,12 +202,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       plan.layers, pipeline::blocks_per_chunk(static_cast<int>(m.get_int("model.num_layers")), pp, vpp,
                                               static_cast<int>(m.get_int("pipeline.first_chunk_layers")),
                                               static_cast<int>(m.get_int("pipeline.last_chunk_layers"))));
-  pipeline::PipelineOrders orders;
-  if (plan.schedule != nullptr) {
-    plugins::OptionValues schedule_opts(m.get_table("pipeline.options"), plan.schedule->options);
-    orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), pp, vpp, static_cast<int>(plan.microbatches),
-                                      static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
-  }
+  const pipeline::PipelineOrders& orders = plan.orders;  // make_plan's
   // Hidden states (and every activation) are in the parameters' dtype.
   // A rank holds seq / cp rows (its context-parallel slice), / tp of them under SP.
   const int64_t rows = dims.seq_len / plan.sizes.cp;

@@ -41,7 +41,7 @@ std::vector<int> sorted(std::vector<int> v) {
 // Expert parallelism splits a stage's tokens over its experts. Either the experts
 // keep the dense tp split (etp = tp) and the ranks an expert's gradient is summed
 // over (ep x edp) are one dp group; or the run folds MoE parallelism (etp != tp,
-// seed 001): then the expert groups (etp x ep x edp) cover exactly a stage's tp x
+// Megatron-Core's "MoE Parallel Folding"): then the expert groups (etp x ep x edp) cover exactly a stage's tp x
 // dp ranks. Under context parallelism the cp ranks count as dp ranks (their
 // tokens meet the same experts): dp-cp and tp-dp-cp. Orders that put ep elsewhere
 // would mix tp slices or replicas silently.
@@ -200,10 +200,11 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   // The schedule plugin's orders, proven free of deadlock, now rather than when the run
   // starts: a group size or layout it refuses is then a validate error too.
   plugins::OptionValues schedule_opts(man.get_table("pipeline.options"), plan.schedule->options);
-  pipeline::simulate(pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
-                                              static_cast<int>(man.get_int("parallel.vpp")),
-                                              static_cast<int>(plan.microbatches),
-                                              static_cast<int>(man.get_int("pipeline.microbatch_group_size"))));
+  plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
+                                        static_cast<int>(man.get_int("parallel.vpp")),
+                                        static_cast<int>(plan.microbatches),
+                                        static_cast<int>(man.get_int("pipeline.microbatch_group_size")));
+  pipeline::simulate(plan.orders);
   return plan;
 }
 

@@ -5,6 +5,7 @@
 
 #include "engine/manifest/manifest.hpp"
 #include "engine/model/model.hpp"
+#include "engine/pipeline/schedule.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/topology/rank_groups.hpp"
 
@@ -27,6 +28,7 @@ struct RunPlan {
   topology::ParallelSizes sizes;
   int dp = 1;
   int64_t microbatches = 1;  // per dp rank per step
+  pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load
 };
 

@@ -209,11 +209,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   // deadlock before any rank starts, and the layers of each global chunk.
   const int pp = plan.sizes.pp;
   const int vpp = static_cast<int>(m.get_int("parallel.vpp"));
-  plugins::OptionValues schedule_opts(m.get_table("pipeline.options"), plan.schedule->options);
-  const pipeline::PipelineOrders orders =
-      pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), pp, vpp, static_cast<int>(M),
-                               static_cast<int>(m.get_int("pipeline.microbatch_group_size")));
-  pipeline::simulate(orders);
+  const pipeline::PipelineOrders& orders = plan.orders;  // computed and simulated by make_plan
   const std::vector<std::vector<model::LayerSpec>> global_chunks = pipeline::partition_layers(
       plan.layers, pipeline::blocks_per_chunk(static_cast<int>(m.get_int("model.num_layers")), pp, vpp,
                                               static_cast<int>(m.get_int("pipeline.first_chunk_layers")),
@@ -528,13 +524,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
       // The step's loss: mean over microbatches (from the last stage) and the
       // auxiliary losses (summed over the stages' layers), averaged over dp;
-      // plus the stop flag.
-      double reduced[3] = {stats.loss, stats.aux_loss, 0};
+      // then the stop flag.
+      double reduced[2] = {stats.loss, stats.aux_loss};
       ppg.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64);
       dp.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
-      reduced[2] = (options.stop_signal && options.stop_signal->load()) ? 1 : 0;
-      world.all_reduce(nullptr, &reduced[2], &reduced[2], 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-      bool stop = reduced[2] > 0;
+      bool stop = stop_requested();
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
       StepRecord rec;
