@@ -1,7 +1,7 @@
 // `loom optimizer-layout`: the flat buffer layout the engine gives a model's
 // parameters (Megatron-LM's rules, from layout_buffer) and, per data-parallel rank,
 // the shard of each bucket the distributed optimizer steps, with the world,
-// bucket, local and param ranges of every parameter piece in it (seed 004).
+// bucket, local and param ranges of every parameter piece in it (Megatron-LM's `distrib_optimizer.py`).
 #include "engine/cli/args.hpp"
 #include "engine/cli/json.hpp"
 #include "engine/model/buffer_layout.hpp"

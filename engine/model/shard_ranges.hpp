@@ -1,5 +1,5 @@
 // Which part of each parameter a data-parallel rank owns under the distributed
-// optimizer (seed 004): rank r of dp owns shard r of every bucket, and for each
+// optimizer (Megatron-LM's `distrib_optimizer.py`): rank r of dp owns shard r of every bucket, and for each
 // parameter overlapping that shard there are four views of the same elements —
 // where they sit in the whole buffer (world), in their bucket, in the rank's
 // shard (local) and in the flattened parameter (param). All ranges are half-open,

@@ -1,4 +1,4 @@
-// Megatron-LM's rank generator (seed 001): the order string, the dense generator
+// Megatron-LM's rank generator (`parallel_state.py`, RankGenerator): the order string, the dense generator
 // over tp·cp·dp·pp and the expert generator over etp·ep·edp·pp on the same world
 // ("MoE folding"), and every group kind derived from them by mask-and-enumerate.
 #pragma once
@@ -19,7 +19,7 @@ struct ParallelSizes {
   // The expert tensor-parallel size etp resolves to.
   int expert_tp() const { return etp > 0 ? etp : tp; }
   // Whether the experts fold over other ranks than the dense tp split (MoE
-  // folding: etp != tp, seed 001).
+  // folding: etp != tp, Megatron-Core's "MoE Parallel Folding").
   bool experts_fold_tp() const { return expert_tp() != tp; }
 };
 

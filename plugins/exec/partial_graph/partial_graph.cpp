@@ -11,7 +11,7 @@
 // capturable (MoE: routing is decided on the host) runs its graph-safe parts
 // (the "moe_router" scope: LayerNorm and router GEMM, the router's backward)
 // through this plugin from inside its directly run step. They are keyed by
-// (key, substep) and captured and replayed like whole steps, so seed 003's
+// (key, substep) and captured and replayed like whole steps, so Megatron-LM's
 // partial graphs for MoE: the graphs cover the static parts, the rest runs
 // eagerly between their replays.
 //

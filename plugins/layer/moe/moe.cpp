@@ -33,7 +33,7 @@
 // Routing is decided on the host (the router's [tokens, experts] probabilities are
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
 // tokens-per-expert counts), so the layer step is not capturable as a whole. Its
-// static parts are (seed 003's moe_router scope, ABI 1.7 sub-steps): LayerNorm and
+// static parts are (Megatron-LM's moe_router CUDA-graph scope, ABI 1.7 sub-steps): LayerNorm and
 // the router GEMM in forward, LayerNorm again at the start of the backward, and
 // the router's and LayerNorm's backward at its end run through the exec plugin,
 // which captures and replays them (tp = 1; cp = 1 or dropless); routing, dispatch, experts and
@@ -63,7 +63,7 @@
 // peers, so each expert's tensor parallelism is unchanged. The engine reduces
 // expert gradients over edp.
 //
-// MoE parallel folding (parallel.etp = 1 under tp > 1, seed 001's ETP1 layouts,
+// MoE parallel folding (parallel.etp = 1 under tp > 1, Megatron-Core's ETP1 layouts,
 // sequence parallelism required): the experts are not split over tp; the expert
 // groups (ep x edp) fold over the tp x dp ranks, so an ep group may join tp peers,
 // which hold other tokens (their sequence shards). Each rank runs LayerNorm and

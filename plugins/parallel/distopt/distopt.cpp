@@ -1,4 +1,4 @@
-// parallel/distopt: Megatron-LM's distributed optimizer (ZeRO-1, seed 004).
+// parallel/distopt: Megatron-LM's distributed optimizer (ZeRO-1; `distrib_optimizer.py`).
 //
 // The engine lays the flat parameter/gradient buffers out in buckets whose sizes
 // divide by dp (loom_optimizer_create_args.bucket_offsets); data-parallel rank r
@@ -227,7 +227,7 @@ class DistOpt : public loom::OptimizerStrategy {
 
     // State for the shard only: Adam moments, and fp32 master weights when the
     // model's weights are not fp32 (fp32 weights are their own master copy, which
-    // gives seed 004's 8 + 8/d bytes per parameter).
+    // gives the 8 + 8/d bytes of Megatron-LM's distributed-optimizer guide per parameter).
     loom::Device dev = rank.device();
     const size_t bytes = shard_numel_ * sizeof(float);
     separate_master_ = param_dtype_ != LOOM_DTYPE_F32;

@@ -1,4 +1,4 @@
-// The orders of the built-in pipeline schedules (seed 003, DESIGN.md §5 "Pipeline"),
+// The orders of the built-in pipeline schedules (Megatron-LM's `megatron/core/pipeline_parallel/schedules.py`),
 // shared by the parallel/pipeline.* plugins. Header-only; no CMakeLists here.
 //
 // An order is one rank's list of signed local chunks: +c runs the forward of local

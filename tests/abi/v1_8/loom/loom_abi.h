@@ -719,7 +719,7 @@ typedef struct loom_optimizer_create_args {
   /* --- 1.5 --- */
   /* The expert tensor-parallel group (parallel.etp), over which expert parameters
    * are split instead of tp. It is the tp group unless the run folds MoE
-   * parallelism (seed 001's "MoE folding": etp = 1 under tp > 1 with sequence
+   * parallelism (Megatron-Core's "MoE Parallel Folding": etp = 1 under tp > 1 with sequence
    * parallelism, the ep group then spanning tp ranks): then global norms sum the
    * expert part over ep and etp but not over tp, and an expert parameter's
    * `duplicated` means identical on every etp rank. Given (and a.expert then set
