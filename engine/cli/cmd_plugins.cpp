@@ -23,6 +23,13 @@ const char* type_name(manifest::OptionDecl::Type t) {
   return "?";
 }
 
+// "[0, 1)" or "probs|position"; "" when the option allows any value of its type.
+std::string allowed_text(const manifest::OptionDecl& d) {
+  std::string choices;
+  for (const std::string& c : d.bounds.allowed) choices += (choices.empty() ? "" : "|") + c;
+  return choices.empty() ? d.bounds.interval_text() : choices;
+}
+
 std::string plugin_json(const plugins::LoadedPlugin& p, bool with_options) {
   JsonObject o;
   o.add("name", p.key()).add("kind", p.kind).add("version", p.version).add("description", p.description)
@@ -34,6 +41,12 @@ std::string plugin_json(const plugins::LoadedPlugin& p, bool with_options) {
       od.add("name", d.name).add("type", type_name(d.type)).add("doc", d.doc);
       if (d.default_value) od.add("default", *d.default_value);
       else od.add_raw("default", "null");
+      if (!d.bounds.interval_text().empty()) od.add("range", d.bounds.interval_text());
+      if (!d.bounds.allowed.empty()) {
+        std::vector<std::string> choices;
+        for (const std::string& c : d.bounds.allowed) choices.push_back(json_str(c));
+        od.add_raw("choices", json_array(choices));
+      }
       opts.push_back(od.str());
     }
     o.add_raw("options", json_array(opts));
@@ -48,10 +61,17 @@ void print_info(const plugins::LoadedPlugin& p) {
     std::cout << "  options: none\n";
     return;
   }
+  size_t name_width = 0, allowed_width = 0;
+  for (const auto& d : p.options) {
+    name_width = std::max(name_width, d.name.size());
+    allowed_width = std::max(allowed_width, allowed_text(d).size());
+  }
   std::cout << "  options:\n";
   for (const auto& d : p.options)
-    std::cout << "    " << std::left << std::setw(22) << d.name << std::setw(8) << type_name(d.type)
-              << std::setw(14) << (d.default_value ? *d.default_value : "(required)") << d.doc << "\n";
+    std::cout << "    " << std::left << std::setw(static_cast<int>(name_width + 2)) << d.name << std::setw(8)
+              << type_name(d.type) << std::setw(14) << (d.default_value ? *d.default_value : "(required)")
+              << std::setw(static_cast<int>(allowed_width + (allowed_width ? 2 : 0))) << allowed_text(d) << d.doc
+              << "\n";
 }
 
 // Loads the default search path; load errors are warnings here (one bad file must

@@ -71,6 +71,9 @@ int cmd_validate(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("validate takes one MANIFEST");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    // Creating every rank's layers (on a CPU device, as the memory plan does) runs
+    // the checks plugins make beyond their declared options, before "valid" is said.
+    const model::MemoryPlan memory = model::plan_memory(plan);
     const manifest::Manifest& m = plan.manifest;
     const int64_t layers = m.get_int("model.num_layers");
     const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));  // the even split
@@ -128,10 +131,8 @@ int cmd_validate(int argc, char** argv) {
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
     std::cout << "\n";
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
-    if (m.get_string("device.kind") == "cpu") {
-      const std::string memory = model::host_memory_problem(model::plan_memory(plan), "cpu");
-      if (!memory.empty()) std::cout << "warning: " << memory << "; loom run refuses it (see loom plan)\n";
-    }
+    if (const std::string problem = model::host_memory_problem(memory, m.get_string("device.kind")); !problem.empty())
+      std::cout << "warning: " << problem << "; loom run refuses it (see loom plan)\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom validate: " << e.what() << "\n" << kUsage;

@@ -386,6 +386,98 @@ std::string did_you_mean(const std::string& word, const std::vector<std::string>
   return out;
 }
 
+// ---- allowed values ------------------------------------------------------
+
+namespace {
+
+// Shortest text of a bound: 1, 0.5, 1e-08.
+std::string number_text(double v) {
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, res.ptr);
+}
+
+std::string trimmed(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return std::string(s);
+}
+
+// One end of an interval: nullopt for "", "inf" or "-inf" (unbounded).
+std::optional<double> interval_end(const std::string& text, const std::string& range) {
+  if (text.empty() || text == "inf" || text == "+inf" || text == "-inf") return std::nullopt;
+  double v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || ptr != text.data() + text.size() || !std::isfinite(v))
+    throw std::invalid_argument("range \"" + range + "\" has the bound '" + text + "', which is not a number");
+  return v;
+}
+
+}  // namespace
+
+std::string ValueBounds::bounds_text() const {
+  if (min && max && !min_exclusive && !max_exclusive)
+    return "must be between " + number_text(*min) + " and " + number_text(*max);
+  std::string out;
+  if (min) out = std::string(min_exclusive ? "> " : ">= ") + number_text(*min);
+  if (max) {
+    if (!out.empty()) out += " and ";
+    out += std::string(max_exclusive ? "< " : "<= ") + number_text(*max);
+  }
+  return out.empty() ? out : "must be " + out;
+}
+
+std::string ValueBounds::interval_text() const {
+  if (!min && !max) return "";
+  return std::string(min && !min_exclusive ? "[" : "(") + (min ? number_text(*min) : "-inf") + ", " +
+         (max ? number_text(*max) : "inf") + (max && !max_exclusive ? "]" : ")");
+}
+
+std::string ValueBounds::problem(const toml::node& v) const {
+  if (v.is_integer() || v.is_floating_point()) {
+    const double x = v.is_integer() ? static_cast<double>(v.as_integer()->get()) : v.as_floating_point()->get();
+    bool ok = true;
+    if (min) ok = ok && (min_exclusive ? x > *min : x >= *min);
+    if (max) ok = ok && (max_exclusive ? x < *max : x <= *max);
+    return ok ? "" : bounds_text() + ", got " + to_toml_text(v);
+  }
+  if (v.is_string() && !allowed.empty()) {
+    const std::string& s = v.as_string()->get();
+    if (std::find(allowed.begin(), allowed.end(), s) != allowed.end()) return "";
+    const std::string close = did_you_mean(s, allowed);
+    return "must be one of " + quoted_list(allowed) + ", got " + quote_basic(s) +
+           (close.empty() ? "" : " (did you mean " + quote_basic(close) + "?)");
+  }
+  return "";
+}
+
+ValueBounds ValueBounds::parse(const char* range, const char* choices) {
+  ValueBounds b;
+  if (range != nullptr) {
+    const std::string r = trimmed(range);
+    const size_t comma = r.find(',');
+    if (r.size() < 3 || (r.front() != '[' && r.front() != '(') || (r.back() != ']' && r.back() != ')') ||
+        comma == std::string::npos || r.find(',', comma + 1) != std::string::npos)
+      throw std::invalid_argument("range \"" + r + "\" is not an interval like \"[0, 1)\" or \"[1, inf)\"");
+    b.min = interval_end(trimmed(std::string_view(r).substr(1, comma - 1)), r);
+    b.max = interval_end(trimmed(std::string_view(r).substr(comma + 1, r.size() - comma - 2)), r);
+    b.min_exclusive = r.front() == '(';
+    b.max_exclusive = r.back() == ')';
+    if (b.min && b.max && (*b.min > *b.max || (*b.min == *b.max && (b.min_exclusive || b.max_exclusive))))
+      throw std::invalid_argument("range \"" + r + "\" is empty");
+  }
+  if (choices != nullptr) {
+    std::string_view c(choices);
+    for (size_t start = 0;;) {
+      const size_t bar = c.find('|', start);
+      b.allowed.push_back(std::string(c.substr(start, bar == std::string_view::npos ? bar : bar - start)));
+      if (bar == std::string_view::npos) break;
+      start = bar + 1;
+    }
+  }
+  return b;
+}
+
 // ---- loading -------------------------------------------------------------
 
 class ManifestLoader {
@@ -774,24 +866,10 @@ class ManifestLoader {
         diag(spec.path, where, spec.path + " must be a finite number, got " + to_toml_text(v));
         return false;
       }
-      bool ok = true;
-      if (spec.min) ok = ok && (spec.min_exclusive ? x > *spec.min : x >= *spec.min);
-      if (spec.max) ok = ok && (spec.max_exclusive ? x < *spec.max : x <= *spec.max);
-      if (!ok) {
-        diag(spec.path, where, spec.path + " " + spec.bounds_text() + ", got " + to_toml_text(v));
-        return false;
-      }
     }
-    if (spec.type == KeyType::String) {
-      const std::string& s = v.as_string()->get();
-      if (!spec.allowed.empty() &&
-          std::find(spec.allowed.begin(), spec.allowed.end(), s) == spec.allowed.end()) {
-        std::string close = did_you_mean(s, spec.allowed);
-        diag(spec.path, where,
-             spec.path + " must be one of " + quoted_list(spec.allowed) + ", got " + quote_basic(s) +
-                 (close.empty() ? "" : " (did you mean " + quote_basic(close) + "?)"));
-        return false;
-      }
+    if (const std::string problem = spec.problem(v); !problem.empty()) {
+      diag(spec.path, where, spec.path + " " + problem);
+      return false;
     }
     if (spec.check) {
       std::string problem = spec.check(v);
@@ -1016,6 +1094,12 @@ void Manifest::apply_plugin_options(const std::string& section_path, const std::
         diags.push_back(Diagnostic{path, origin(path),
                                    path + " must be a finite number, got " + to_toml_text(v) + " (option of " +
                                        plugin_name + (it->doc.empty() ? "" : ": " + it->doc) + ")"});
+        continue;
+      }
+      if (const std::string problem = it->bounds.problem(v); !problem.empty()) {
+        diags.push_back(Diagnostic{path, origin(path),
+                                   path + " " + problem + " (option of " + plugin_name +
+                                       (it->doc.empty() ? "" : ": " + it->doc) + ")"});
         continue;
       }
       if (it->type == OptionDecl::Type::Float && v.is_integer())

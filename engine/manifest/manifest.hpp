@@ -43,6 +43,25 @@ class ManifestError : public std::runtime_error {
   std::vector<Diagnostic> diags_;
 };
 
+// The values a numeric or string setting allows: the engine's own keys and the
+// options plugins declare are checked by the same rules and messages.
+struct ValueBounds {
+  std::optional<double> min, max;  // Int and Float
+  bool min_exclusive = false, max_exclusive = false;
+  std::vector<std::string> allowed;  // String: the allowed values; empty = any
+
+  // "must be >= 1", "must be between 0 and 0.5", "" when unbounded.
+  std::string bounds_text() const;
+  // "[0, 1)", "[1, inf)"; "" when unbounded.
+  std::string interval_text() const;
+  // "" when `v` (already of the right type and finite) is allowed; otherwise the
+  // message tail after the key: "must be >= 1, got 0", "must be one of ..., got ...".
+  std::string problem(const toml::node& v) const;
+  // A plugin's declaration: `range` like "[0, 1)" or "(0, inf)" (NULL = none) and
+  // `choices` like "a|b" (NULL = none). Throws std::invalid_argument when malformed.
+  static ValueBounds parse(const char* range, const char* choices);
+};
+
 // One option of a plugin, as its declaration says (mirrors loom_option_decl).
 struct OptionDecl {
   enum class Type { Bool, Int, Float, String };
@@ -50,6 +69,7 @@ struct OptionDecl {
   std::string name;
   std::optional<std::string> default_value;  // TOML literal; nullopt = required
   std::string doc;
+  ValueBounds bounds;  // ABI 1.9 range / choices; unbounded for older plugins
 };
 
 class Manifest {

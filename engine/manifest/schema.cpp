@@ -14,13 +14,6 @@
 namespace loom::manifest::schema {
 namespace {
 
-// Shortest text of a bound: 1, 0.5, 1e-08.
-std::string number_text(double v) {
-  char buf[64];
-  auto res = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, res.ptr);
-}
-
 // Bounds that keep every size and product of sizes the engine forms far from int64
 // (and the rank counts from int): a parallel group of at most 2^20 ranks, a world of at
 // most 2^20 ranks (check_rules), at most 2^30 sequences in a batch.
@@ -253,18 +246,6 @@ std::string_view describe(KeyType type) {
 
 std::string KeySpec::section() const { return path.substr(0, path.find('.')); }
 std::string KeySpec::name() const { return path.substr(path.find('.') + 1); }
-
-std::string KeySpec::bounds_text() const {
-  if (min && max && !min_exclusive && !max_exclusive)
-    return "must be between " + number_text(*min) + " and " + number_text(*max);
-  std::string out;
-  if (min) out = std::string(min_exclusive ? "> " : ">= ") + number_text(*min);
-  if (max) {
-    if (!out.empty()) out += " and ";
-    out += std::string(max_exclusive ? "< " : "<= ") + number_text(*max);
-  }
-  return out.empty() ? out : "must be " + out;
-}
 
 const std::vector<KeySpec>& keys() {
   static const std::vector<KeySpec> all = build();

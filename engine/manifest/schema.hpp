@@ -21,17 +21,13 @@ enum class KeyType { Bool, Int, Float, String, StringList, Table };
 // "a boolean", "an integer", ... as used in "X must be <...>".
 std::string_view describe(KeyType type);
 
-struct KeySpec {
+// Numeric bounds (Int and Float) and allowed strings come from ValueBounds.
+struct KeySpec : ValueBounds {
   std::string path;  // dotted, e.g. "parallel.tp"
   KeyType type = KeyType::String;
   // TOML literal ("1", "\"ddp\"", "[\"mlp\"]"); nullopt = required. Tables have none.
   std::optional<std::string> default_value;
   std::string doc;  // one line
-  // Numeric bounds (Int and Float).
-  std::optional<double> min, max;
-  bool min_exclusive = false, max_exclusive = false;
-  // String: the allowed values; empty = any.
-  std::vector<std::string> allowed;
   // Table: open tables accept any keys here (plugins validate them later).
   bool open = false;
   // Extra check on a value of the right type: returns "" or the message tail
@@ -40,8 +36,6 @@ struct KeySpec {
 
   std::string section() const;  // "parallel"
   std::string name() const;     // "tp"
-  // "must be >= 1", "must be between 0 and 0.5", "" when unbounded.
-  std::string bounds_text() const;
 };
 
 // Every core key, in the order of the manifest reference (sections in order,

@@ -67,19 +67,47 @@ manifest::OptionDecl::Type option_type(int32_t t, bool& ok) {
   }
 }
 
-bool default_matches(manifest::OptionDecl::Type type, const std::string& literal) {
+// Option j of a library's array, read with the stride of the library's own
+// struct (options[0].struct_size: smaller for a library built before 1.9).
+manifest::OptionDecl read_option(const loom_option_decl* options, size_t j, const std::string& who) {
+  const uint32_t stride = options[0].struct_size;
+  const auto* d = reinterpret_cast<const loom_option_decl*>(reinterpret_cast<const char*>(options) + j * stride);
+  const std::string where = who + " option #" + std::to_string(j);
+  if (stride < offsetof(loom_option_decl, doc) + sizeof(d->doc) || d->struct_size != stride)
+    throw PluginError(where + " has struct_size " + std::to_string(d->struct_size) +
+                      (j > 0 ? " (the first option's is " + std::to_string(stride) + ")" : "") +
+                      "; every option of the array must carry the size of loom_option_decl it was built with");
+  bool ok = false;
+  manifest::OptionDecl od{option_type(d->type, ok), d->name ? d->name : "", std::nullopt, d->doc ? d->doc : "", {}};
+  if (!ok || od.name.empty()) throw PluginError(where + " has no name or an unknown type");
+  const bool numeric = od.type == manifest::OptionDecl::Type::Int || od.type == manifest::OptionDecl::Type::Float;
+  const char* range = LOOM_HAS_SLOT(d, loom_option_decl, range) ? d->range : nullptr;
+  const char* choices = LOOM_HAS_SLOT(d, loom_option_decl, choices) ? d->choices : nullptr;
+  const std::string named = who + " option '" + od.name + "'";
+  if ((range != nullptr && !numeric) || (choices != nullptr && od.type != manifest::OptionDecl::Type::String))
+    throw PluginError(named + ": a range is for integer and float options, choices for string options");
   try {
-    toml::table t = toml::parse("v = " + literal);
-    const toml::node* v = t.get("v");
-    switch (type) {
-      case manifest::OptionDecl::Type::Bool: return v->is_boolean();
-      case manifest::OptionDecl::Type::Int: return v->is_integer();
-      case manifest::OptionDecl::Type::Float: return v->is_floating_point() || v->is_integer();
-      case manifest::OptionDecl::Type::String: return v->is_string();
-    }
+    od.bounds = manifest::ValueBounds::parse(range, choices);
+  } catch (const std::invalid_argument& e) {
+    throw PluginError(named + ": " + e.what());
+  }
+  if (d->default_value == nullptr) return od;
+  od.default_value = d->default_value;
+  std::unique_ptr<toml::table> literal;
+  try {
+    literal = std::make_unique<toml::table>(toml::parse("v = " + *od.default_value));
   } catch (const toml::parse_error&) {
   }
-  return false;
+  const toml::node* v = literal ? literal->get("v") : nullptr;
+  const bool type_ok = v != nullptr && (od.type == manifest::OptionDecl::Type::Bool     ? v->is_boolean()
+                                        : od.type == manifest::OptionDecl::Type::Int    ? v->is_integer()
+                                        : od.type == manifest::OptionDecl::Type::String ? v->is_string()
+                                                                                        : v->is_number());
+  if (!type_ok)
+    throw PluginError(named + " has default '" + *od.default_value + "' that does not match its declared type");
+  if (const std::string problem = od.bounds.problem(*v); !problem.empty())
+    throw PluginError(named + " has a default outside what it allows: the value " + problem);
+  return od;
 }
 
 // Converts a status from a plugin into text and frees it.
@@ -588,21 +616,8 @@ void Registry::load_file(const std::string& path) {
       throw PluginError(file + ": plugin " + p->key() + " " + problem);
     if (info->num_options > 0 && info->options == nullptr)
       throw PluginError(file + ": plugin " + p->key() + " lists options but the array is NULL");
-    for (size_t j = 0; j < info->num_options; ++j) {
-      const loom_option_decl& d = info->options[j];
-      bool ok = false;
-      manifest::OptionDecl od{option_type(d.type, ok), d.name ? d.name : "", std::nullopt, d.doc ? d.doc : ""};
-      if (!ok || od.name.empty())
-        throw PluginError(file + ": plugin " + p->key() + " option #" + std::to_string(j) +
-                          " has no name or an unknown type");
-      if (d.default_value) {
-        od.default_value = d.default_value;
-        if (!default_matches(od.type, d.default_value))
-          throw PluginError(file + ": plugin " + p->key() + " option '" + od.name + "' has default '" +
-                            d.default_value + "' that does not match its declared type");
-      }
-      p->options.push_back(std::move(od));
-    }
+    for (size_t j = 0; j < info->num_options; ++j)
+      p->options.push_back(read_option(info->options, j, file + ": plugin " + p->key()));
     for (const auto& q : found)
       if (q->key() == p->key())
         throw PluginError(file + ": describes plugin " + p->key() + " twice");

@@ -77,4 +77,4 @@ class LearnedScale : public loom::Layer {
 // The one registration line: kind "layer", name "learned_scale", its options.
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<LearnedScale>(
     "learned_scale", "1.0.0", "per-channel learned gain y = x * g (SDK sample)",
-    {loom::opt_float("init", 1.0, "initial gain: 1.0 (identity) or 0.0")}))
+    {loom::opt_float("init", 1.0, "initial gain: 1.0 (identity) or 0.0").in("[0, 1]")}))

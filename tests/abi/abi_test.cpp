@@ -39,6 +39,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_7(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_7(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_8(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_8(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_8(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_9(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_9(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -234,6 +237,19 @@ TEST(AbiLayout, Released18MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_adamw_args, num_segments), loom_abi_sizeof_v1_7("loom_adamw_args"));
 }
 
+// 1.9's too (an option's range and choices), past 1.8's sizeof of loom_option_decl.
+TEST(AbiLayout, Released19MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_18 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_9(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_9(&n_current);
+  loom_abi_layout_current_v1_8(&n_18);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_18 + 2 * 2);  // the two members 1.9 appended
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_8("loom_option_decl"), 0u);
+  EXPECT_GE(offsetof(loom_option_decl, range), loom_abi_sizeof_v1_8("loom_option_decl"));
+}
+
 // A layer's declarations are read with the stride of their own struct_size: a
 // 1.0-1.3 layer's array of shorter elements reads element by element, with 1.4's
 // expert as 0; a struct_size no 1.x declaration has is refused naming the layer.
@@ -279,7 +295,7 @@ TEST(AbiLoader, PlainCExecPluginLoadsAndRuns) {
   r.load_file(abi_dir("current/loom_test_c_current.so"));
   const auto& p = r.get("exec", "c_repeat");
   EXPECT_EQ(p.version, "1.0.0");
-  ASSERT_EQ(p.options.size(), 1u);
+  ASSERT_EQ(p.options.size(), 2u);
   EXPECT_EQ(p.options[0].name, "repeat");
 
   toml::table section{{"repeat", 3}};
@@ -423,6 +439,51 @@ TEST(AbiLoader, AServiceOlderThanItsTableKindIsRefused) {
       << e;
 }
 
+// Option declarations (1.9 range and choices) the loader refuses, naming the option.
+TEST(AbiLoader, BadOptionDeclarationsAreRefused) {
+  for (const auto& [file, what] : std::vector<std::pair<std::string, std::string>>{
+           {"bad/loom_test_default_outside_range.so",
+            "option 'p' has a default outside what it allows: the value must be >= 0 and < 1, got 1.5"},
+           {"bad/loom_test_range_text.so", "option 'n': range \"1..8\" is not an interval"},
+           {"bad/loom_test_mixed_option_sizes.so", "option #1 has struct_size"}}) {
+    Registry r;
+    const std::string e = load_error(r, abi_dir(file));
+    EXPECT_NE(e.find(abi_dir(file)), std::string::npos) << e;
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+    EXPECT_TRUE(r.all().empty());
+  }
+}
+
+// An options array is read with the stride of the header the library was built
+// with: the 1.0 build's two options (smaller elements) and the current build's,
+// whose 1.9 range and choices the manifest check then applies.
+TEST(AbiLoader, OptionsReadWithTheirOwnStrideAndBounds) {
+  Registry old_r, cur_r;
+  old_r.load_file(abi_dir("v1_0/loom_test_c_v1_0.so"));
+  cur_r.load_file(abi_dir("current/loom_test_c_current.so"));
+  const auto& old_opts = old_r.get("exec", "c_repeat").options;
+  const auto& cur_opts = cur_r.get("exec", "c_repeat").options;
+  ASSERT_EQ(old_opts.size(), 2u);
+  ASSERT_EQ(cur_opts.size(), 2u);
+  for (const auto* opts : {&old_opts, &cur_opts}) {
+    EXPECT_EQ((*opts)[0].name, "repeat");
+    EXPECT_EQ((*opts)[0].default_value, std::optional<std::string>("1"));
+    EXPECT_EQ((*opts)[1].name, "label");
+    EXPECT_EQ((*opts)[1].default_value, std::optional<std::string>("\"c\""));
+  }
+  EXPECT_EQ(old_opts[0].bounds.interval_text(), "");  // a 1.0 library declares no bounds
+  EXPECT_EQ(cur_opts[0].bounds.interval_text(), "[1, 100]");
+  EXPECT_EQ(cur_opts[1].bounds.allowed, (std::vector<std::string>{"c", "test"}));
+
+  loom::manifest::Manifest m =
+      loom::manifest::Manifest::parse("[exec.options]\nrepeat = 0\nlabel = \"other\"\n", "m.toml");
+  std::vector<loom::manifest::Diagnostic> diags;
+  m.apply_plugin_options("exec.options", "exec/c_repeat", cur_opts, diags);
+  ASSERT_EQ(diags.size(), 2u);
+  EXPECT_NE(diags[0].message.find("label must be one of \"c\", \"test\""), std::string::npos) << diags[0].message;
+  EXPECT_NE(diags[1].message.find("repeat must be between 1 and 100, got 0"), std::string::npos) << diags[1].message;
+}
+
 TEST(AbiLoader, FailingInitShowsThePluginsOwnMessage) {
   Registry r;
   std::string file = abi_dir("bad/loom_test_failing_init.so");
@@ -489,7 +550,7 @@ TEST(AbiCli, PluginsCheckReportsEachLibrary) {
   }
   EXPECT_NE(out.find("FAIL"), std::string::npos) << out;
   EXPECT_NE(out.find("license file"), std::string::npos) << out;
-  EXPECT_NE(out.find("0 of 5 libraries load"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 8 libraries load"), std::string::npos) << out;
 }
 
 // --- Hostile files and libraries: refused with a message, never a crash ---------

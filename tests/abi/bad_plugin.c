@@ -32,6 +32,21 @@ static const loom_exec_api k_api = {sizeof(loom_exec_api), noop_create, noop_des
 /* An expert-parallel service (ABI 1.4) in a library that says it was built for 1.3. */
 static const loom_plugin_info k_info = {sizeof(loom_plugin_info), "parallel", "expert_old", "0.0.1",
                                         "test plugin", LOOM_API_EXPERT_PARALLEL, &k_api, NULL, 0};
+#elif defined(BAD_DEFAULT_OUTSIDE_RANGE) || defined(BAD_RANGE_TEXT) || defined(BAD_MIXED_OPTION_SIZES)
+/* Option declarations the loader must refuse: a default its own range excludes, a range
+ * that is not an interval, elements of two different struct sizes. */
+static const loom_option_decl k_options[] = {
+#if defined(BAD_DEFAULT_OUTSIDE_RANGE)
+    {sizeof(loom_option_decl), LOOM_OPTION_FLOAT, "p", "1.5", "a probability", "[0, 1)", NULL},
+#elif defined(BAD_RANGE_TEXT)
+    {sizeof(loom_option_decl), LOOM_OPTION_INT, "n", "1", "a count", "1..8", NULL},
+#else
+    {sizeof(loom_option_decl), LOOM_OPTION_INT, "n", "1", "a count", NULL, NULL},
+    {sizeof(loom_option_decl) - 2 * sizeof(const char*), LOOM_OPTION_INT, "m", "1", "a count", NULL, NULL},
+#endif
+};
+static const loom_plugin_info k_info = {sizeof(loom_plugin_info), "exec", BAD_NAME, "0.0.1", "test plugin",
+                                        LOOM_API_EXEC, &k_api, k_options, sizeof(k_options) / sizeof(k_options[0])};
 #else
 static const loom_plugin_info k_info = {
     sizeof(loom_plugin_info), "exec", BAD_NAME, "0.0.1", "test plugin", LOOM_API_EXEC, &k_api, NULL, 0};

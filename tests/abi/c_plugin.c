@@ -52,12 +52,22 @@ static loom_status exec_run(loom_exec* exec, loom_rank* rank, const loom_exec_st
 static const loom_exec_api k_exec_api = {
     sizeof(loom_exec_api), exec_create, exec_destroy, exec_run,
 };
+/* Two options, so the host's walk over the array shows whether it uses the stride of
+ * the header the plugin was built with (1.0's element is smaller than 1.9's). */
+#if LOOM_ABI_MINOR >= 9
+#define ALLOWED(range, choices) , range, choices
+#else
+#define ALLOWED(range, choices)
+#endif
 static const loom_option_decl k_exec_options[] = {
-    {sizeof(loom_option_decl), LOOM_OPTION_INT, "repeat", "1", "how many times each step runs"},
+    {sizeof(loom_option_decl), LOOM_OPTION_INT, "repeat", "1", "how many times each step runs"
+     ALLOWED("[1, 100]", NULL)},
+    {sizeof(loom_option_decl), LOOM_OPTION_STRING, "label", "\"c\"", "a name for the log (declared only)"
+     ALLOWED(NULL, "c|test")},
 };
 static const loom_plugin_info k_exec_info = {
     sizeof(loom_plugin_info), "exec", "c_repeat", "1.0.0", "runs every step N times (C test plugin)",
-    LOOM_API_EXEC, &k_exec_api, k_exec_options, 1,
+    LOOM_API_EXEC, &k_exec_api, k_exec_options, 2,
 };
 
 /* ---- layer/c_scale ---- */

@@ -1,7 +1,7 @@
 /* Member offsets and sizes under the CURRENT header (the SDK include path).
  * Compared with layout_frozen.c (1.0), layout_frozen_v1_1.c (1.1),
  * layout_frozen_v1_2.c (1.2), layout_frozen_v1_3.c (1.3) and layout_frozen_v1_4.c
- * (1.4), layout_frozen_v1_5.c (1.5), layout_frozen_v1_6.c (1.6), layout_frozen_v1_7.c (1.7), layout_frozen_v1_8.c (1.8) by the ABI test: every released member must keep its offset and size. */
+ * (1.4), layout_frozen_v1_5.c (1.5), layout_frozen_v1_6.c (1.6), layout_frozen_v1_7.c (1.7), layout_frozen_v1_8.c (1.8), layout_frozen_v1_9.c (1.9) by the ABI test: every released member must keep its offset and size. */
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
@@ -70,6 +70,18 @@ static const size_t k_layout_v1_8[] = {
 #include "layout_members_v1_7.inc"
 #include "layout_members_v1_8.inc"
 };
+static const size_t k_layout_v1_9[] = {
+#include "layout_members.inc"
+#include "layout_members_v1_1.inc"
+#include "layout_members_v1_2.inc"
+#include "layout_members_v1_3.inc"
+#include "layout_members_v1_4.inc"
+#include "layout_members_v1_5.inc"
+#include "layout_members_v1_6.inc"
+#include "layout_members_v1_7.inc"
+#include "layout_members_v1_8.inc"
+#include "layout_members_v1_9.inc"
+};
 #undef M
 const size_t* loom_abi_layout_current(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
@@ -106,4 +118,8 @@ const size_t* loom_abi_layout_current_v1_7(size_t* count) {
 const size_t* loom_abi_layout_current_v1_8(size_t* count) {
   *count = sizeof(k_layout_v1_8) / sizeof(k_layout_v1_8[0]);
   return k_layout_v1_8;
+}
+const size_t* loom_abi_layout_current_v1_9(size_t* count) {
+  *count = sizeof(k_layout_v1_9) / sizeof(k_layout_v1_9[0]);
+  return k_layout_v1_9;
 }

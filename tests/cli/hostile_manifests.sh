@@ -23,6 +23,8 @@ check() {
     fail "validate $manifest $*: accepted, expected a refusal"
   elif [ $rc -eq 1 ] && grep -qE "std::|basic_filebuf|bad_alloc|Bad file descriptor" "$work/out"; then
     fail "validate $manifest $*: a library's message instead of loom's: $(tail -1 "$work/out")"
+  elif [ $rc -eq 1 ] && grep -q " is valid" "$work/out"; then
+    fail "validate $manifest $*: refused after saying the manifest is valid"
   fi
 }
 
@@ -48,6 +50,20 @@ check refuse "$base" --set 'model.post=[]'
 check refuse "$base" --set parallel.pp=2 --set parallel.vpp=2 --set 'pipeline.schedule="interleaved"' \
   --set pipeline.microbatch_group_size=3 --set model.num_layers=4 --set batch.global_batch_size=8 \
   --set batch.micro_batch_size=1 --set parallel.dp=2
+# Plugin options outside the range or choices their plugin declares, and the checks a
+# plugin makes when created (top_k above num_experts), on CPU and CUDA manifests alike.
+moe=(--set 'model.block=["attention", "moe"]' --set model.layer.moe.num_experts=4)
+for kv in model.layer.moe.top_k=0 model.layer.moe.top_k=-9223372036854775808 model.layer.moe.top_k=5 \
+          model.layer.moe.num_experts=0 model.layer.moe.aux_loss_coeff=nan 'model.layer.moe.drop_policy=""' \
+          model.layer.moe.z_loss_coeff=-1 model.layer.moe.capacity_factor=-0.5 model.layer.moe.dropout=1 \
+          'device.options.simd="avx3"' device.options.threads=-1; do
+  check refuse "$base" "${moe[@]}" --set "$kv"
+done
+check refuse "$base" --set model.layer.mlp.activation_dropout=1.5
+check refuse "$base" --set 'device.kind="cuda"' --set model.layer.attention.dropout=2
+check refuse "$base" --set 'device.kind="cuda"' --set device.options.workspace_mb=-1
+check refuse "$base" --set 'exec.mode="partial_graph"' --set exec.options.warmup_steps=0
+check any "$base" "${moe[@]}" --set model.layer.moe.top_k=4 --set model.layer.moe.dropout=0.5
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"

@@ -1909,17 +1909,20 @@ TEST(Layers, MoeRefusesBadOptions) {
       EXPECT_NE(std::string(e.what()).find("shared_expert_ffn_hidden_size > 0"), std::string::npos) << e.what();
     }
   }
-  for (const auto& [factor, policy, what] : std::vector<std::tuple<double, std::string, std::string>>{
-           {-1.0, "probs", "capacity_factor = -1"}, {1.0, "random", "drop_policy = \"random\""}}) {
-    toml::table opts = moe_options(4, 2);
-    opts.insert_or_assign("capacity_factor", factor);
-    opts.insert_or_assign("drop_policy", policy);
-    try {
-      TestLayer layer(rank, "moe", dims, &opts);
-      ADD_FAILURE() << what << " was accepted";
-    } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
+  // Single-option limits are declared (ABI 1.9 range / choices): the manifest check
+  // refuses them, with the key and what is allowed, before any layer exists.
+  const loom::plugins::LoadedPlugin& moe = registry().get("layer", "moe");
+  for (const auto& [kv, what] : std::vector<std::pair<std::string, std::string>>{
+           {"capacity_factor = -1.0", "capacity_factor must be >= 0, got -1.0"},
+           {"drop_policy = \"random\"", "drop_policy must be one of \"probs\", \"position\", got \"random\""},
+           {"num_experts = 0", "num_experts must be between 1 and 65536, got 0"},
+           {"aux_loss_coeff = -0.5", "aux_loss_coeff must be >= 0, got -0.5"},
+           {"dropout = 1.0", "dropout must be >= 0 and < 1, got 1.0"}}) {
+    loom::manifest::Manifest m = loom::manifest::Manifest::parse("[model.layer.moe]\n" + kv + "\n", "m.toml");
+    std::vector<loom::manifest::Diagnostic> diags;
+    m.apply_plugin_options("model.layer.moe", "layer/moe", moe.options, diags, {"plugin"});
+    ASSERT_EQ(diags.size(), 1u) << kv;
+    EXPECT_NE(diags[0].message.find(what), std::string::npos) << diags[0].message;
   }
 }
 

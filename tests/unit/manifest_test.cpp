@@ -767,6 +767,41 @@ TEST_F(ManifestTest, PluginOptionErrors) {
   EXPECT_THAT(none[0].message, HasSubstr("exec/eager takes no options"));
 }
 
+TEST_F(ManifestTest, PluginOptionRangesAndChoices) {
+  // The declaration forms of loom_option_decl.range / .choices.
+  const ValueBounds unit = ValueBounds::parse("[0, 1)", nullptr);
+  EXPECT_EQ(unit.interval_text(), "[0, 1)");
+  EXPECT_EQ(unit.bounds_text(), "must be >= 0 and < 1");
+  EXPECT_EQ(ValueBounds::parse(" ( 0 , inf ) ", nullptr).interval_text(), "(0, inf)");
+  EXPECT_EQ(ValueBounds::parse("[-1,]", nullptr).bounds_text(), "must be >= -1");
+  EXPECT_EQ(ValueBounds::parse("[1, 8]", nullptr).bounds_text(), "must be between 1 and 8");
+  EXPECT_EQ(ValueBounds::parse(nullptr, "a|b|c").allowed, (std::vector<std::string>{"a", "b", "c"}));
+  for (const char* bad : {"0, 1", "[0; 1]", "[a, 1]", "[2, 1]", "[1, 1)", "[0, 1, 2]", "[nan, 1]", "[]"})
+    EXPECT_THROW(ValueBounds::parse(bad, nullptr), std::invalid_argument) << bad;
+
+  Manifest m = Manifest::parse(
+      "[model.layer.attention]\ndropout = 1\nkv_heads = -2\nimpl = \"flsh\"\n", "m.toml");
+  std::vector<OptionDecl> decls = attention_decls();
+  decls[0].bounds = ValueBounds::parse("[0, 1)", nullptr);
+  decls[2].bounds = ValueBounds::parse("[0, 4096]", nullptr);
+  decls[3].bounds = ValueBounds::parse(nullptr, "naive|flash");
+  std::vector<Diagnostic> diags;
+  m.apply_plugin_options("model.layer.attention", "layer/attention", decls, diags, {"plugin"});
+  ASSERT_EQ(diags.size(), 3u) << joined(diags);
+  EXPECT_THAT(diags[0].message, StartsWith("model.layer.attention.dropout must be >= 0 and < 1, got 1"));
+  EXPECT_EQ(pos(diags[0].origin), "m.toml:2:11");
+  EXPECT_THAT(diags[1].message, StartsWith("model.layer.attention.impl must be one of \"naive\", \"flash\", got "
+                                           "\"flsh\" (did you mean \"flash\"?)"));
+  EXPECT_THAT(diags[1].message, HasSubstr("(option of layer/attention: kernel)"));
+  EXPECT_THAT(diags[2].message, StartsWith("model.layer.attention.kv_heads must be between 0 and 4096, got -2"));
+
+  // Values inside the bounds pass, the bounds' ends as declared.
+  Manifest ok = Manifest::parse("[model.layer.attention]\ndropout = 0\nkv_heads = 4096\nimpl = \"flash\"\n", "m.toml");
+  std::vector<Diagnostic> none;
+  ok.apply_plugin_options("model.layer.attention", "layer/attention", decls, none, {"plugin"});
+  EXPECT_TRUE(none.empty()) << joined(none);
+}
+
 // ---- serialisation and entries ---------------------------------------------------------
 
 TEST_F(ManifestTest, ToTomlRoundTrips) {

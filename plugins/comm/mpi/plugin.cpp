@@ -41,8 +41,8 @@ loom_status world_create(const loom_options* options, const loom_comm_world_args
     const Options opts(options);
     Settings s;
     s.timeout_ms = args->timeout_ms;
-    s.spin_us = std::max<int64_t>(0, opts.get_int("spin_us", s.spin_us));
-    s.max_sleep_us = std::max<int64_t>(1, opts.get_int("max_sleep_us", s.max_sleep_us));
+    s.spin_us = opts.get_int("spin_us", s.spin_us);
+    s.max_sleep_us = opts.get_int("max_sleep_us", s.max_sleep_us);
     s.abort_on_failure = opts.get_bool("abort_on_failure", s.abort_on_failure);
     auto h = std::make_unique<WorldHandle>();
     h->world = std::make_shared<World>(s, args->world_size, args->local_ranks[0]);
@@ -160,7 +160,9 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     "comm", "mpi", "1.0.0",
     "one rank per process over MPI (start with mpirun/srun); CPU buffers; results bit-identical to comm/local",
     LOOM_API_COMM, loom::comm_mpi::comm_api(),
-    {loom::opt_int("spin_us", 50, "microseconds a wait polls MPI without sleeping before it backs off"),
-     loom::opt_int("max_sleep_us", 500, "longest sleep in microseconds between two polls of a waiting operation"),
+    {loom::opt_int("spin_us", 50, "microseconds a wait polls MPI without sleeping before it backs off")
+         .in("[0, 1000000]"),
+     loom::opt_int("max_sleep_us", 500, "longest sleep in microseconds between two polls of a waiting operation")
+         .in("[1, 1000000]"),
      loom::opt_bool("abort_on_failure", true,
                     "after a failed run, call MPI_Abort at process exit so no process of the job keeps waiting")}))

@@ -85,8 +85,6 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     *out = nullptr;
     Options opts(options);
     const std::string blas = opts.get_string("blas", "openblas");
-    LOOM_REQUIRE(blas == "openblas" || blas == "builtin",
-                 "device/cpu: option blas = \"" << blas << "\" is not one of \"openblas\", \"builtin\"");
     auto dev = std::make_unique<Device>();
     dev->default_stream.dev = dev.get();
     dev->verbose = opts.get_bool("verbose", false);
@@ -537,9 +535,12 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     loom::cpu::device_api(),
     {loom::opt_string(
          "blas", "openblas",
-         "GEMM backend: \"openblas\" (loaded at run time; falls back to builtin if absent) or \"builtin\""),
+         "GEMM backend: \"openblas\" (loaded at run time; falls back to builtin if absent) or \"builtin\"")
+         .one_of("openblas|builtin"),
      loom::opt_string(
          "simd", "auto",
-         "instruction set of the non-GEMM loops: \"auto\" (best the CPU runs), \"avx512\", \"avx2\", \"base\""),
-     loom::opt_int("threads", 0, "threads per rank for math; 0 = what the engine grants the rank (num_threads)"),
+         "instruction set of the non-GEMM loops: \"auto\" (best the CPU runs), \"avx512\", \"avx2\", \"base\"")
+         .one_of("auto|avx512|avx2|base"),
+     loom::opt_int("threads", 0, "threads per rank for math; 0 = what the engine grants the rank (num_threads)")
+         .in("[0, 4096]"),
      loom::opt_bool("verbose", false, "log the thread count and GEMM backend of each device at creation")}))

@@ -182,7 +182,6 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     dev->tf32 = opts.get_bool("tf32", false);
     dev->fused_attention = opts.get_bool("fused_attention", true);
     const int64_t ws_mb = opts.get_int("workspace_mb", 32);
-    LOOM_REQUIRE(ws_mb >= 0 && ws_mb <= 4096, "device/cuda: option workspace_mb = " << ws_mb << " is not in [0, 4096]");
     dev->workspace_bytes = static_cast<size_t>(ws_mb) << 20;
     dev->alloc->set_caching(opts.get_bool("caching_allocator", true));
 
@@ -691,8 +690,9 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
      loom::opt_bool("fused_attention", true,
                     "bf16 attention with head size 64 or 128 runs on fused flash-attention kernels (false: "
                     "batched GEMMs around a materialised softmax, as for fp32 and other head sizes)"),
-     loom::opt_int("gpu", -1, "GPU ordinal for every rank of this process; -1 = local rank modulo the GPU count"),
+     loom::opt_int("gpu", -1, "GPU ordinal for every rank of this process; -1 = local rank modulo the GPU count")
+         .in("[-1, inf)"),
      loom::opt_bool("caching_allocator", true,
                     "cache freed blocks (false: cudaMalloc/cudaFree on every alloc/free; slow, for debugging)"),
-     loom::opt_int("workspace_mb", 32, "cuBLAS workspace per stream, MiB"),
+     loom::opt_int("workspace_mb", 32, "cuBLAS workspace per stream, MiB").in("[0, 4096]"),
      loom::opt_bool("verbose", false, "log each device's GPU at creation")}))

@@ -76,7 +76,6 @@ loom_status create(const loom_options* options, loom_rank* rank, loom_exec** out
     e->warmup = opts.get_int("warmup_steps", 1);
     // A direct run first: libraries initialise on first use (cuBLAS handles and
     // workspaces, lazily loaded kernels), which must not happen inside a capture.
-    LOOM_REQUIRE(e->warmup >= 1, "exec/partial_graph: option warmup_steps = " << e->warmup << " must be >= 1");
     const loom_device_api* api = e->dev.api();
     LOOM_REQUIRE(api->capture_begin && api->capture_end && api->graph_replay && api->graph_destroy,
                  "exec/partial_graph: the rank's device plugin does not implement graph capture "
@@ -205,4 +204,4 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     {loom::opt_string("scopes", "",
                       "comma-separated scopes whose steps are captured: layer plugin names (\"attention,mlp\") "
                       "and sub-step scopes (\"moe_router\"); empty: every capturable step"),
-     loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured (>= 1)")}))
+     loom::opt_int("warmup_steps", 1, "runs of each step made directly before it is captured").in("[1, 1000]")}))

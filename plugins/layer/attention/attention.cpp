@@ -48,7 +48,7 @@ class Attention : public loom::Layer {
     head_dim_ = hidden_ / heads_;
     heads_local_ = heads_ / tp;
     hidden_local_ = heads_local_ * head_dim_;
-    dropout_ = dropout_option(options, name_);
+    dropout_ = dropout_option(options);
     cp_group_ = rank.group_or_single("cp");
     cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
     LOOM_REQUIRE(cp_.cp() == 1 || (rank.device().features() & LOOM_DEVICE_ATTENTION_WINDOW) != 0,

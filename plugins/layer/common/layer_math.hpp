@@ -430,16 +430,15 @@ inline void dropout_bwd(const loom::Device& dev, const void* dy, void* dx, const
                    .p = p, .dtype = dtype, .out_dtype = dtype});
 }
 
-inline float dropout_option(const loom::Options& options, const std::string& layer) {
-  const double p = options.get_float("dropout", 0.0);
-  LOOM_REQUIRE(p >= 0.0 && p < 1.0,
-               layer << ": option dropout = " << p << " must be in [0, 1)");
-  return static_cast<float>(p);
+// The range is declared (dropout_option_spec), so the engine has checked it.
+inline float dropout_option(const loom::Options& options) {
+  return static_cast<float>(options.get_float("dropout", 0.0));
 }
 
 inline loom::OptionSpec dropout_option_spec(const char* where) {
   return loom::opt_float("dropout", 0.0,
-                         std::string("dropout probability on ") + where + " (training only)");
+                         std::string("dropout probability on ") + where + " (training only)")
+      .in("[0, 1)");
 }
 
 constexpr float kLayerNormEps = 1e-5f;

@@ -42,7 +42,7 @@ class Embedding : public loom::Layer {
                  name_ << ": padded_vocab (" << padded_vocab_ << ") must be >= vocab (" << vocab_
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
-    dropout_ = dropout_option(options, name_);
+    dropout_ = dropout_option(options);
     cp_ = rank.group_or_single("cp");
     // Built now so that a steady-state forward does no host-to-device copy.
     if (micro_batch_ > 0) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);

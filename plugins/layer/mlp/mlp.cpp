@@ -33,10 +33,8 @@ class Mlp : public loom::Layer {
                                        << ") must be divisible by the tensor-parallel size ("
                                        << tp << ")");
     ffn_local_ = ffn_ / tp;
-    dropout_ = dropout_option(options, name_);
-    const double ap = options.get_float("activation_dropout", 0.0);
-    LOOM_REQUIRE(ap >= 0.0 && ap < 1.0, name_ << ": option activation_dropout = " << ap << " must be in [0, 1)");
-    activation_dropout_ = static_cast<float>(ap);
+    dropout_ = dropout_option(options);
+    activation_dropout_ = static_cast<float>(options.get_float("activation_dropout", 0.0));
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
@@ -246,4 +244,5 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Mlp>(
     {loom::layers::dropout_option_spec("the MLP output"),
      loom::opt_float("activation_dropout", 0.0,
                      "dropout probability on the GeLU output, inside the tensor-parallel region (a stream "
-                     "per tp rank; training only)")}))
+                     "per tp rank; training only)")
+         .in("[0, 1)")}))

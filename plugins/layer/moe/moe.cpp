@@ -356,18 +356,11 @@ class Moe : public loom::Layer {
     shared_ffn_ = options.get_int("shared_expert_ffn_hidden_size", 0);
     shared_gate_ = options.get_bool("shared_expert_gate", false);
     const std::string policy = options.get_string("drop_policy", "probs");
-    LOOM_REQUIRE(capacity_factor_ >= 0.0, name_ << ": option capacity_factor = " << capacity_factor_
-                                                << " must be >= 0 (0 = dropless)");
-    LOOM_REQUIRE(policy == "probs" || policy == "position",
-                 name_ << ": option drop_policy = \"" << policy << "\" must be \"probs\" or \"position\"");
     drop_by_probs_ = policy == "probs";
-    dropout_ = dropout_option(options, name_);
-    LOOM_REQUIRE(experts_ >= 1, name_ << ": option num_experts = " << experts_ << " must be at least 1");
-    LOOM_REQUIRE(top_k_ >= 1 && top_k_ <= experts_, name_ << ": option top_k = " << top_k_
-                                                        << " must be in [1, num_experts = " << experts_ << "]");
+    dropout_ = dropout_option(options);
+    LOOM_REQUIRE(top_k_ <= experts_, name_ << ": option top_k = " << top_k_ << " must be at most num_experts = "
+                                           << experts_);
     LOOM_REQUIRE(hidden_ > 0 && ffn_ > 0, name_ << ": hidden and ffn_hidden_size must be positive");
-    LOOM_REQUIRE(aux_coeff_ >= 0.0, name_ << ": option aux_loss_coeff = " << aux_coeff_ << " must be >= 0");
-    LOOM_REQUIRE(z_coeff_ >= 0.0, name_ << ": option z_loss_coeff = " << z_coeff_ << " must be >= 0");
     const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
     const int64_t etp = std::max(1, rank.group("etp").size());
     LOOM_REQUIRE(etp == tp || etp == 1,
@@ -1309,23 +1302,28 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
     "moe", "1.4.0",
     "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
     "loss (tensor-, expert- and context-parallel)",
-    {loom::opt_int("num_experts", 8, "experts in the layer"),
-     loom::opt_int("top_k", 2, "experts each token is routed to"),
-     loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)"),
+    {loom::opt_int("num_experts", 8, "experts in the layer").in("[1, 65536]"),
+     loom::opt_int("top_k", 2, "experts each token is routed to (at most num_experts)").in("[1, 65536]"),
+     loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)").in("[0, 4194304]"),
      loom::opt_bool("pre_softmax", false,
                     "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
                     "chosen logits only (false, Megatron's default)"),
-     loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)"),
-     loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)"),
+     loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
+         .in("[0, inf)"),
+     loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
+         .in("[0, inf)"),
      loom::opt_int("shared_expert_ffn_hidden_size", 0,
-                   "width of a shared expert every token goes through beside the routed ones (0 = none)"),
+                   "width of a shared expert every token goes through beside the routed ones (0 = none)")
+         .in("[0, 4194304]"),
      loom::opt_bool("shared_expert_gate", false,
                     "scale the shared expert's output per token by sigmoid(x . w), w a learned [hidden] vector "
                     "(Megatron's moe_shared_expert_gate, Qwen2-MoE)"),
      loom::opt_float("capacity_factor", 0.0,
                      "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
-                     "microbatch's slots, the rest are dropped (0 = dropless)"),
+                     "microbatch's slots, the rest are dropped (0 = dropless)")
+         .in("[0, inf)"),
      loom::opt_string("drop_policy", "probs",
                       "which slots an expert over capacity keeps: \"probs\" (largest gates) or \"position\" "
-                      "(first tokens)"),
+                      "(first tokens)")
+         .one_of("probs|position"),
      loom::layers::dropout_option_spec("the MoE output")}))

@@ -29,7 +29,7 @@ extern "C" {
 #endif
 
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 8
+#define LOOM_ABI_MINOR 9
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -86,12 +86,24 @@ typedef struct loom_status_s* loom_status;
 #define LOOM_OPTION_FLOAT 3
 #define LOOM_OPTION_STRING 4
 
+/* An array of these is read with a stride of options[0].struct_size, and every
+ * element must carry the same struct_size, so a library built against an older
+ * header (a smaller struct) is read correctly. The engine checks each value of the
+ * manifest against `range` and `choices` before any plugin is created (`loom
+ * validate` reports it with the file and line), and refuses at load a library
+ * whose default lies outside them or whose range does not parse. */
 typedef struct loom_option_decl {
   uint32_t struct_size;
   int32_t type;                /* LOOM_OPTION_* */
   const char* name;            /* key inside the plugin's manifest section */
   const char* default_value;   /* TOML literal ("4", "true", "\"gelu\""); NULL = required */
   const char* doc;             /* one line */
+  /* --- 1.9 --- */
+  const char* range;           /* INT and FLOAT: the allowed interval, "[0, 1)", "[1, inf)",
+                                  "(0, 10]" ('[' ']' include the bound, '(' ')' exclude it;
+                                  "inf" or nothing = unbounded); NULL = any finite value */
+  const char* choices;         /* STRING: the allowed values separated by '|', e.g.
+                                  "probs|position"; NULL = any string */
 } loom_option_decl;
 
 /* Resolved options of one plugin instance (opaque, owned by the host). */

@@ -28,13 +28,27 @@
 
 namespace loom {
 
-// One option of a plugin's manifest section.
+// One option of a plugin's manifest section. The engine checks a manifest's value
+// against `range` / `choices` before the plugin is created, so create() may rely on
+// them:  opt_float("dropout", 0.0, "...").in("[0, 1)"),
+//        opt_string("policy", "probs", "...").one_of("probs|position").
 struct OptionSpec {
   int32_t type;
   std::string name;
   std::string default_value;  // TOML literal; empty together with required = true
   std::string doc;
   bool required = false;
+  std::string range;    // integer and float options: "[0, 1)", "[1, inf)"; empty = any
+  std::string choices;  // string options: "a|b|c"; empty = any
+
+  OptionSpec in(std::string interval) && {
+    range = std::move(interval);
+    return std::move(*this);
+  }
+  OptionSpec one_of(std::string values) && {
+    choices = std::move(values);
+    return std::move(*this);
+  }
 };
 inline OptionSpec opt_int(std::string name, int64_t dflt, std::string doc) {
   return {LOOM_OPTION_INT, std::move(name), std::to_string(dflt), std::move(doc)};
@@ -72,6 +86,8 @@ class PluginDef {
       d.name = o.name.c_str();
       d.default_value = o.required ? nullptr : o.default_value.c_str();
       d.doc = o.doc.c_str();
+      d.range = o.range.empty() ? nullptr : o.range.c_str();
+      d.choices = o.choices.empty() ? nullptr : o.choices.c_str();
       decls_.push_back(d);
     }
     info_ = make<loom_plugin_info>();
