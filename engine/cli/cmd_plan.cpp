@@ -55,6 +55,7 @@ int cmd_plan(int argc, char** argv) {
     const model::MemoryPlan mp = model::plan_memory(plan);
     const std::string memory = model::host_memory_problem(mp, plan.manifest.get_string("device.kind"));
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
+    for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
 
     if (json) {
       std::vector<std::string> ranks;

@@ -73,6 +73,8 @@ int cmd_run(int argc, char** argv) {
     // step log and writes --metrics (checkpoints: every rank writes its own file,
     // rank 0 commits).
     const runtime::ProcessLaunch proc = runtime::detect_process_launch();
+    if (proc.rank == 0)
+      for (const std::string& w : plan.warnings) std::cerr << "loom run: warning: " << w << "\n";
     const bool leader = !proc.multi_process || proc.rank == 0;
     if (proc.multi_process && plan.manifest.get_string("comm.backend") == "local") {
       if (!leader) return 1;  // every process would say the same: rank 0 says it once

@@ -131,6 +131,7 @@ int cmd_validate(int argc, char** argv) {
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
     std::cout << "\n";
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
+    for (const std::string& w : plan.warnings) std::cout << "warning: " << w << "\n";
     if (const std::string problem = model::host_memory_problem(memory, m.get_string("device.kind")); !problem.empty())
       std::cout << "warning: " << problem << "; loom run refuses it (see loom plan)\n";
     return 0;

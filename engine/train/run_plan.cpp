@@ -1,5 +1,6 @@
 #include "engine/train/run_plan.hpp"
 
+#include "engine/manifest/schema.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/topology/rank_groups.hpp"
 
@@ -64,6 +65,27 @@ void require_experts_fold_into_dp(const manifest::Manifest& man, const topology:
               "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }
+// [model.layer.X] tables with a value written in the manifest or by --set that no
+// layer of model.pre, model.block or model.post uses: their options are not even
+// checked (e.g. MoE options on a dense model).
+std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, const std::set<std::string>& used) {
+  std::vector<std::string> out;
+  const toml::table* layers = man.get_table(std::string(manifest::schema::kLayerTable));
+  if (layers == nullptr) return out;
+  for (auto&& [k, v] : *layers) {
+    const std::string name(k.str()), section = std::string(manifest::schema::kLayerTable) + "." + name;
+    if (used.count(name) || !v.is_table()) continue;
+    for (auto&& [key, value] : *v.as_table()) {
+      const manifest::Origin o = man.origin(section + "." + std::string(key.str()));
+      if (o.kind == manifest::Origin::Kind::Default) continue;
+      out.push_back(o.str() + ": " + section + " is set but no layer of model.pre, model.block or model.post is '" +
+                    name + "', so it has no effect and its options are not checked");
+      break;
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
@@ -160,6 +182,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                            ") does not take a context-parallel slice of the sequence (it does not advertise "
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
   }
+  plan.warnings = unused_layer_tables(man, configured);
   // Layers that mix positions run their context-parallel slice through windowed
   // attention (ABI 1.6): a device without it is refused here, so `loom validate`
   // says so before a run starts.

@@ -30,6 +30,9 @@ struct RunPlan {
   int64_t microbatches = 1;  // per dp rank per step
   pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load
+  // What is legal but most likely a mistake (a [model.layer.X] table no layer uses);
+  // validate, plan and run print them.
+  std::vector<std::string> warnings;
 };
 
 // Loads plugins (plugins.search_paths, LOOM_PLUGIN_PATH, the install dir) into

@@ -117,4 +117,13 @@ rc=$?
 [ $rc -eq 1 ] && grep -q "GiB of memory" "$work/big.out" || fail "huge plan: exit $rc, $(tail -2 "$work/big.out")"
 "$loom" validate "$here/tiny.toml" "${big[@]}" 2>&1 | grep -q "warning: the plan needs" || fail "validate: no memory warning"
 
+# 10. Options of a layer table no layer uses (MoE options on a dense model) change nothing:
+# validate, plan and run say so, naming where the value was set.
+unused=(--set model.layer.moe.num_experts=4 --set run.steps=1)
+for c in validate plan run; do
+  "$loom" $c "$here/tiny.toml" "${unused[@]}" > "$work/unused.out" 2>&1
+  grep -q "warning: --set model.layer.moe.num_experts=4: model.layer.moe is set but no layer" "$work/unused.out" \
+    || fail "$c: no warning about the unused model.layer.moe: $(tail -2 "$work/unused.out")"
+done
+
 echo "cli tests passed"
