@@ -53,7 +53,8 @@ int cmd_plan(int argc, char** argv) {
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     const model::MemoryPlan mp = model::plan_memory(plan);
-    const std::string memory = model::host_memory_problem(mp, plan.manifest.get_string("device.kind"));
+    const std::string memory =
+        model::memory_problem(mp, model::device_capacity(plan, plan.sizes.world), plan.device->key(), plan.sizes.world);
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
 

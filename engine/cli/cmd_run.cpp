@@ -59,12 +59,14 @@ int cmd_run(int argc, char** argv) {
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     if (report_plugin_loading()) return 1;
-    // device/cpu's ranks share this machine's memory: a plan far past it is refused
-    // before anything is allocated (it would end in the OOM killer or in swap).
-    if (plan.manifest.get_string("device.kind") == "cpu") {
+    // A plan past the memory the device offers each rank is refused before anything is
+    // allocated (it would end in the OOM killer, in swap, or in an allocation failure
+    // midway through the first step).
+    {
       const runtime::ProcessLaunch launch = runtime::detect_process_launch();
-      const std::string memory =
-          model::host_memory_problem(model::plan_memory(plan), "cpu", launch.multi_process ? 1 : 0);
+      const int hosted = launch.multi_process ? 1 : plan.sizes.world;
+      const std::string memory = model::memory_problem(model::plan_memory(plan), model::device_capacity(plan, hosted),
+                                                       plan.device->key(), hosted);
       if (!memory.empty())
         throw std::runtime_error(memory + "; make the model, the micro-batch or the ranks per process smaller "
                                           "(loom plan shows each rank's share)");

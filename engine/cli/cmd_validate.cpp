@@ -132,7 +132,9 @@ int cmd_validate(int argc, char** argv) {
     std::cout << "\n";
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
     for (const std::string& w : plan.warnings) std::cout << "warning: " << w << "\n";
-    if (const std::string problem = model::host_memory_problem(memory, m.get_string("device.kind")); !problem.empty())
+    if (const std::string problem = model::memory_problem(memory, model::device_capacity(plan, world),
+                                                          plan.device->key(), world);
+        !problem.empty())
       std::cout << "warning: " << problem << "; loom run refuses it (see loom plan)\n";
     return 0;
   } catch (const UsageError& e) {

@@ -151,19 +151,42 @@ uint64_t rank_total_bytes(const RankMemory& r) {
   return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes;
 }
 
-std::string host_memory_problem(const MemoryPlan& mp, const std::string& device_kind, int hosted) {
-  if (device_kind != "cpu" || mp.ranks.empty()) return "";
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return "";
-  const double ram = static_cast<double>(pages) * static_cast<double>(page);
-  double need = 0;
-  const size_t n = hosted > 0 ? std::min(mp.ranks.size(), static_cast<size_t>(hosted)) : mp.ranks.size();
-  for (size_t i = 0; i < n; ++i) need += static_cast<double>(rank_total_bytes(mp.ranks[i]));
-  if (need <= ram) return "";
+uint64_t device_capacity(const train::RunPlan& plan, int ranks_in_process) {
+  if (plan.device == nullptr || plan.device->device() == nullptr) return 0;
+  const loom_device_api* api = plan.device->device();
+  if (!LOOM_HAS_SLOT(api, loom_device_api, memory_stats) || api->memory_stats == nullptr) return 0;
+  plugins::OptionValues options(plan.manifest.get_table("device.options"), plan.device->options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.num_threads = 1;
+  args.ranks_in_process = std::max(1, ranks_in_process);
+  loom_device* dev = nullptr;
+  if (loom_status st = api->create(options.raw(), &args, &dev); st != nullptr) {
+    plugins::host_api()->status_destroy(st);  // e.g. no GPU on this machine: unknown
+    return 0;
+  }
+  loom_memory_stats stats = loom::make<loom_memory_stats>();
+  uint64_t capacity = 0;
+  if (loom_status st = api->memory_stats(dev, &stats); st == nullptr)
+    capacity = stats.capacity_bytes;
+  else
+    plugins::host_api()->status_destroy(st);
+  api->destroy(dev);
+  return capacity;
+}
+
+std::string memory_problem(const MemoryPlan& mp, uint64_t capacity, const std::string& device, int ranks_in_process) {
+  if (capacity == 0 || mp.ranks.empty()) return "";
+  const RankMemory* worst = &mp.ranks.front();
+  for (const RankMemory& r : mp.ranks)
+    if (rank_total_bytes(r) > rank_total_bytes(*worst)) worst = &r;
+  const uint64_t need = rank_total_bytes(*worst);
+  if (need <= capacity) return "";
+  constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
   std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << "the plan needs " << need / (1024.0 * 1024.0 * 1024.0) << " GiB for "
-     << n << " rank(s) on this machine (parameters, gradients, optimizer state, activations), more than its "
-     << ram / (1024.0 * 1024.0 * 1024.0) << " GiB of memory";
+  os << std::fixed << std::setprecision(1) << "the plan needs " << static_cast<double>(need) / GiB
+     << " GiB on rank " << worst->rank << " (parameters, gradients, optimizer state, activations), more than the "
+     << static_cast<double>(capacity) / GiB << " GiB of memory " << device << " offers a rank here";
+  if (ranks_in_process > 1) os << " (its memory shared by the " << ranks_in_process << " ranks of this process)";
   return os.str();
 }
 

@@ -97,9 +97,14 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab = 0);
 // Bytes the plan says rank `r` holds (parameters, gradients, optimizer state,
 // activations at the schedule's peak, recomputation).
 uint64_t rank_total_bytes(const RankMemory& r);
-// For device/cpu, whose ranks are threads of this process: the plan's total over every
-// rank against this machine's memory. "" when it fits (or the device is another), else
-// the sentence to warn with. `hosted` = ranks this process runs (0: the whole world).
-std::string host_memory_problem(const MemoryPlan& mp, const std::string& device_kind, int hosted = 0);
+// The memory one rank may plan to hold, as the manifest's device reports it
+// (loom_memory_stats.capacity_bytes, ABI 1.9) for a process that runs
+// `ranks_in_process` ranks: the device is created once with the manifest's options to
+// ask. 0 when unknown: a device older than 1.9, or one this machine cannot create
+// (device/cuda without a GPU).
+uint64_t device_capacity(const train::RunPlan& plan, int ranks_in_process);
+// "" when every rank fits `capacity` (or it is 0: unknown); else the sentence to warn or
+// refuse with, naming the rank that needs most and `device` ("device/cpu").
+std::string memory_problem(const MemoryPlan& mp, uint64_t capacity, const std::string& device, int ranks_in_process);
 
 }  // namespace loom::model

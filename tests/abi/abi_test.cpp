@@ -237,17 +237,19 @@ TEST(AbiLayout, Released18MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_adamw_args, num_segments), loom_abi_sizeof_v1_7("loom_adamw_args"));
 }
 
-// 1.9's too (an option's range and choices), past 1.8's sizeof of loom_option_decl.
+// 1.9's too (an option's range and choices, a device's memory capacity), past 1.8's sizeofs.
 TEST(AbiLayout, Released19MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_18 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_9(&n_frozen);
   const size_t* current = loom_abi_layout_current_v1_9(&n_current);
   loom_abi_layout_current_v1_8(&n_18);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_18 + 2 * 2);  // the two members 1.9 appended
+  ASSERT_EQ(n_frozen, n_18 + 2 * 3);  // the three members 1.9 appended
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_8("loom_option_decl"), 0u);
   EXPECT_GE(offsetof(loom_option_decl, range), loom_abi_sizeof_v1_8("loom_option_decl"));
+  ASSERT_GT(loom_abi_sizeof_v1_8("loom_memory_stats"), 0u);
+  EXPECT_GE(offsetof(loom_memory_stats, capacity_bytes), loom_abi_sizeof_v1_8("loom_memory_stats"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -29,6 +29,7 @@ size_t loom_abi_sizeof_v1_8(const char* name) {
 #define SIZE(s) \
   if (strcmp(name, #s) == 0) return sizeof(s);
   SIZE(loom_option_decl)
+  SIZE(loom_memory_stats)
 #undef SIZE
   return 0;
 }

@@ -1246,6 +1246,10 @@ TEST(DeviceCuda, AllocatorStatisticsTrackCurrentPeakAndReserved) {
   Dev d("cuda");
   const loom_memory_stats s0 = d.stats();
   EXPECT_EQ(s0.current_bytes, 0u);
+  // ABI 1.9: what one rank may plan to hold, the whole GPU for a lone rank.
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  EXPECT_EQ(s0.capacity_bytes, static_cast<uint64_t>(total_bytes));
   void* a = d.alloc(1000);
   void* b = d.alloc(5 << 20);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % 256, 0u);

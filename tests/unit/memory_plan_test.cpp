@@ -11,6 +11,8 @@
 #include <boost/property_tree/ptree.hpp>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -71,6 +73,30 @@ TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
       for (const auto& r : plan.ranks) EXPECT_LT(r.params, serial_params);
     }
   }
+}
+
+// The device reports what a rank may hold (ABI 1.9 capacity_bytes; device/cpu: the
+// host's RAM shared by the ranks of the process), and the plan is compared with it:
+// the rank that needs most is named, a plan that fits says nothing, unknown skips.
+TEST(MemoryPlan, ComparedWithWhatTheDeviceOffersARank) {
+  const loom::train::RunPlan plan = plan_from(tiny_manifest(), {"parallel.dp=2"});
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  ASSERT_GT(pages, 0);
+  const uint64_t ram = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+  EXPECT_EQ(loom::model::device_capacity(plan, 1), ram);
+  EXPECT_EQ(loom::model::device_capacity(plan, 4), ram / 4);
+
+  loom::model::MemoryPlan mp = loom::model::plan_memory(plan);
+  ASSERT_EQ(mp.ranks.size(), 2u);
+  const uint64_t need = loom::model::rank_total_bytes(mp.ranks[1]);
+  mp.ranks[1].activation_bytes += 1000;  // rank 1 needs most
+  EXPECT_EQ(loom::model::memory_problem(mp, ram, "device/cpu", 2), "");
+  EXPECT_EQ(loom::model::memory_problem(mp, 0, "device/cpu", 2), "");  // unknown
+  const std::string problem = loom::model::memory_problem(mp, need, "device/cpu", 2);
+  EXPECT_NE(problem.find("the plan needs"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("on rank 1"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("device/cpu offers a rank here (its memory shared by the 2 ranks"), std::string::npos)
+      << problem;
 }
 
 TEST(MemoryPlan, BytesPerParamTable) {

@@ -9,6 +9,7 @@
 // code that ran during capture does not run again.
 #include <cstdlib>
 #include <cstring>
+#include <unistd.h>
 #include <loom/cpp/plugin.hpp>
 
 #include "cpu_device.hpp"
@@ -96,6 +97,13 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
       dev->global_rank = args->global_rank;
       dev->local_rank = args->local_rank;
     }
+    // The ranks of this process share the host's memory.
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page_size = ::sysconf(_SC_PAGESIZE);
+    const int32_t sharing = args != nullptr && LOOM_HAS_SLOT(args, loom_device_create_args, ranks_in_process)
+                                ? std::max(1, args->ranks_in_process)
+                                : 1;
+    if (pages > 0 && page_size > 0)
+      dev->capacity_bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / sharing;
     if (blas == "openblas") {
       const OpenBlas& ob = openblas();
       if (ob.loaded) {
@@ -230,6 +238,7 @@ loom_status memory_stats(loom_device* d, loom_memory_stats* out) {
     if (LOOM_HAS_SLOT(out, loom_memory_stats, peak_bytes)) out->peak_bytes = dev.peak_bytes;
     if (LOOM_HAS_SLOT(out, loom_memory_stats, reserved_bytes)) out->reserved_bytes = dev.reserved_bytes;
     if (LOOM_HAS_SLOT(out, loom_memory_stats, num_allocs)) out->num_allocs = dev.num_allocs;
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, capacity_bytes)) out->capacity_bytes = dev.capacity_bytes;
   });
 }
 

@@ -194,6 +194,7 @@ struct Device {
   bool tf32 = false;  // fp32 GEMMs may use TF32 (manifest opt-in)
   bool fused_attention = true;  // bf16 attention on the kernels of flash_attention.cu
   size_t workspace_bytes = 32u << 20;
+  uint64_t capacity_bytes = 0;  // this rank's share of the GPU's memory
   Stream default_stream;
   Stream* capturing = nullptr;  // the stream under capture (one per device)
   std::vector<std::unique_ptr<Stream>> streams;  // created streams, for cleanup

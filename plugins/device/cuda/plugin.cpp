@@ -214,6 +214,13 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     cudaDeviceProp prop{};
     LOOM_CUDA(dev.get(), "create", cudaGetDeviceProperties(&prop, dev->ordinal));
     dev->gpu_name = prop.name;
+    // The ranks of this process on this GPU share its memory: all of them when the
+    // manifest names the GPU, else those that local_rank % count places here.
+    const int ranks_here =
+        args != nullptr && LOOM_HAS_SLOT(args, loom_device_create_args, ranks_in_process) && args->ranks_in_process > 1
+            ? (forced >= 0 ? args->ranks_in_process : (args->ranks_in_process + count - 1) / count)
+            : 1;
+    dev->capacity_bytes = static_cast<uint64_t>(prop.totalGlobalMem) / static_cast<uint64_t>(ranks_here);
     // The fused attention kernels use more than 48 KiB of shared memory a block.
     LOOM_CUDA(dev.get(), "create", flash_prepare());
     dev->default_stream.dev = dev.get();
@@ -306,6 +313,7 @@ loom_status memory_stats(loom_device* d, loom_memory_stats* out) {
     if (LOOM_HAS_SLOT(out, loom_memory_stats, peak_bytes)) out->peak_bytes = s.peak;
     if (LOOM_HAS_SLOT(out, loom_memory_stats, reserved_bytes)) out->reserved_bytes = s.reserved + workspaces;
     if (LOOM_HAS_SLOT(out, loom_memory_stats, num_allocs)) out->num_allocs = s.num_allocs;
+    if (LOOM_HAS_SLOT(out, loom_memory_stats, capacity_bytes)) out->capacity_bytes = dev.capacity_bytes;
   });
 }
 

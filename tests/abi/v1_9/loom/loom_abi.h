@@ -140,6 +140,12 @@ typedef struct loom_memory_stats {
   uint64_t peak_bytes;      /* high-water mark of current_bytes */
   uint64_t reserved_bytes;  /* held by the allocator (>= current) */
   uint64_t num_allocs;      /* allocations made so far */
+  /* --- 1.9 --- */
+  uint64_t capacity_bytes;  /* what this rank may plan to hold: the memory the device allocates
+                               from (the GPU's; the host's RAM for a CPU device) divided among
+                               the ranks of this process that share it (create args'
+                               ranks_in_process); 0 = unknown. The engine compares its memory
+                               plan with it before a run allocates anything. */
 } loom_memory_stats;
 
 typedef struct loom_device_create_args {
