@@ -17,16 +17,17 @@ build() {  # build DIR [cmake args...]
 case "$mode" in
   quickstart)
     scripts/install-deps.sh
-    build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake --build build -j "$jobs" --target loom_runtime  # the CLI and the plugins, no tests
     build/bin/loom run configs/quickstart.toml "${@:2}"
     ;;
   test)
     scripts/install-deps.sh
-    build build -DCMAKE_BUILD_TYPE=RelWithDebInfo
+    build build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_WERROR=ON
     build/bin/loom validate configs/quickstart.toml >/dev/null
     (cd build && ctest --output-on-failure -j "$jobs" --timeout 900)
     # The same suite under AddressSanitizer + UndefinedBehaviorSanitizer.
-    build build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON -DLOOM_WITH_CUDA=OFF
+    build build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_SANITIZE=ON -DLOOM_WITH_CUDA=OFF -DLOOM_WERROR=ON
     (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
        ctest --output-on-failure -j "$jobs" --timeout 1800)
     ;;

@@ -6,6 +6,7 @@
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/model/param_plan.hpp"
+#include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <cstdio>
@@ -52,9 +53,9 @@ int cmd_plan(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("plan takes one MANIFEST");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
-    const model::MemoryPlan mp = model::plan_memory(plan);
-    const std::string memory =
-        model::memory_problem(mp, model::device_capacity(plan, plan.sizes.world), plan.device->key(), plan.sizes.world);
+    const train::Preflight checked = train::preflight(plan, plan.sizes.world);
+    const model::MemoryPlan& mp = checked.memory;
+    const std::string& memory = checked.memory_problem;
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
 

@@ -8,6 +8,9 @@
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/launcher.hpp"
 
+#include <boost/filesystem.hpp>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <csignal>
@@ -18,7 +21,21 @@ namespace loom::cli {
 namespace {
 
 std::atomic<int> g_stop{0};
-extern "C" void on_signal(int) { g_stop.store(1); }
+// The first signal asks every rank to stop after its current step (a step can take
+// minutes, so it says so at once); a second one ends the process without waiting,
+// for a step that cannot finish. Only async-signal-safe calls here.
+extern "C" void on_signal(int) {
+  if (g_stop.exchange(1) == 0) {
+    static const char kFirst[] =
+        "\nloom run: signal received: stopping after the current step (and writing a checkpoint when "
+        "checkpoint.dir is set); signal again to stop at once without one\n";
+    [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kFirst, sizeof kFirst - 1);
+    return;
+  }
+  static const char kSecond[] = "loom run: second signal: stopping now, without a checkpoint\n";
+  [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kSecond, sizeof kSecond - 1);
+  ::_exit(130);
+}
 
 const char* kUsage =
     "usage: loom run MANIFEST [--set key.path=value]... [--resume] [--metrics FILE] [--trace FILE]\n"
@@ -28,7 +45,7 @@ const char* kUsage =
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
-    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
+    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
 // What loading the plugins went wrong, on stderr once: a library that failed to load
 // or a search path that does not exist is a warning (the run may not need it); a
@@ -59,18 +76,6 @@ int cmd_run(int argc, char** argv) {
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     if (report_plugin_loading()) return 1;
-    // A plan past the memory the device offers each rank is refused before anything is
-    // allocated (it would end in the OOM killer, in swap, or in an allocation failure
-    // midway through the first step).
-    {
-      const runtime::ProcessLaunch launch = runtime::detect_process_launch();
-      const int hosted = launch.multi_process ? 1 : plan.sizes.world;
-      const std::string memory = model::memory_problem(model::plan_memory(plan), model::device_capacity(plan, hosted),
-                                                       plan.device->key(), hosted);
-      if (!memory.empty())
-        throw std::runtime_error(memory + "; make the model, the micro-batch or the ranks per process smaller "
-                                          "(loom plan shows each rank's share)");
-    }
     // Under mpirun/srun this process hosts one rank; only global rank 0 prints the
     // step log and writes --metrics (checkpoints: every rank writes its own file,
     // rank 0 commits).
@@ -87,9 +92,15 @@ int cmd_run(int argc, char** argv) {
     train::TrainOptions opts;
     opts.resume = args.flag("--resume");
     opts.metrics_file = args.get("--metrics").value_or(plan.manifest.get_string("run.metrics_file"));
+    if (args.has("--metrics") && opts.metrics_file.empty()) throw UsageError("--metrics needs a file name");
     opts.log = &std::cout;
     opts.trace_file = args.get("--trace").value_or("");
     if (args.has("--trace") && opts.trace_file.empty()) throw UsageError("--trace needs a file name");
+    boost::system::error_code ec;
+    if (!opts.trace_file.empty() && !opts.metrics_file.empty() &&
+        boost::filesystem::weakly_canonical(opts.trace_file, ec) ==
+            boost::filesystem::weakly_canonical(opts.metrics_file, ec))
+      throw UsageError("--trace and the metrics file are both " + opts.trace_file + "; one would overwrite the other");
     // One process per rank: each writes its own rank's timeline beside the others.
     if (proc.multi_process && !opts.trace_file.empty()) opts.trace_file += ".rank" + std::to_string(proc.rank);
     if (!leader) {

@@ -7,6 +7,7 @@
 #include "engine/manifest/schema.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/pipeline/split.hpp"
+#include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <algorithm>
@@ -42,6 +43,7 @@ void print_reference() {
     }
     std::string doc = k.doc;
     if (!k.allowed.empty()) {
+      if (!doc.empty() && doc.back() != '.') doc += ".";
       doc += " One of:";
       for (const auto& a : k.allowed) doc += " `" + a + "`";
       doc += ".";
@@ -71,9 +73,9 @@ int cmd_validate(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("validate takes one MANIFEST");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
-    // Creating every rank's layers (on a CPU device, as the memory plan does) runs
-    // the checks plugins make beyond their declared options, before "valid" is said.
-    const model::MemoryPlan memory = model::plan_memory(plan);
+    // What train() checks before launch (the data, every rank's layers, memory), before
+    // "valid" is said.
+    const train::Preflight checked = train::preflight(plan, plan.sizes.world);
     const manifest::Manifest& m = plan.manifest;
     const int64_t layers = m.get_int("model.num_layers");
     const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));  // the even split
@@ -127,15 +129,18 @@ int cmd_validate(int argc, char** argv) {
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
               << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()
               << (plan.expert ? ", " + plan.expert->key() : std::string()) << "\n  model             ";
-    for (size_t i = 0; i < plan.layers.size(); ++i)
+    // The chain, or its ends when it is long (thousands of layers).
+    const size_t shown = plan.layers.size() <= 24 ? plan.layers.size() : 12;
+    for (size_t i = 0; i < shown; ++i)
       std::cout << (i ? " -> " : "") << plan.layers[i].instance << (i % 4 == 3 ? "\n                    " : "");
+    if (shown < plan.layers.size())
+      std::cout << " -> ... (" << plan.layers.size() - shown - 2 << " more) -> "
+                << plan.layers[plan.layers.size() - 2].instance << " -> " << plan.layers.back().instance;
     std::cout << "\n";
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
     for (const std::string& w : plan.warnings) std::cout << "warning: " << w << "\n";
-    if (const std::string problem = model::memory_problem(memory, model::device_capacity(plan, world),
-                                                          plan.device->key(), world);
-        !problem.empty())
-      std::cout << "warning: " << problem << "; loom run refuses it (see loom plan)\n";
+    if (!checked.memory_problem.empty())
+      std::cout << "warning: " << checked.memory_problem << "; loom run refuses it (see loom plan)\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom validate: " << e.what() << "\n" << kUsage;

@@ -19,6 +19,7 @@ namespace {
 // most 2^20 ranks (check_rules), at most 2^30 sequences in a batch.
 constexpr double kMaxGroupSize = 1 << 20;
 constexpr double kMaxBatch = 1 << 30;
+constexpr double kMaxThreads = 4096;  // host threads a rank may ask for
 constexpr int64_t kMaxWorld = int64_t{1} << 20;
 // Model dimensions: widths of at most 2^20 (the MLP 2^22), at most 2^16 layers or heads,
 // 2^24 tokens a sequence, int32 token ids; and a microbatch's widest activation
@@ -165,11 +166,13 @@ std::vector<KeySpec> build() {
   // pipeline
   v.push_back(s("pipeline.schedule", "1f1b", "pipeline schedule plugin (parallel/pipeline.NAME)"));
   v.push_back(i("pipeline.microbatch_group_size", 0, 0,
-                "microbatches per interleaving group (0 = pp)"));
+                "microbatches per interleaving group (0 = pp)", kMaxBatch));
   v.push_back(i("pipeline.first_chunk_layers", 0, 0,
-                "transformer layers in the first pipeline chunk, which also holds the embedding (0 = even split)"));
+                "transformer layers in the first pipeline chunk, which also holds the embedding (0 = even split)",
+                kMaxCount));
   v.push_back(i("pipeline.last_chunk_layers", 0, 0,
-                "transformer layers in the last pipeline chunk, which also holds the output layer (0 = even split)"));
+                "transformer layers in the last pipeline chunk, which also holds the output layer (0 = even split)",
+                kMaxCount));
   v.push_back(open_table("pipeline.options", "options of the schedule plugin"));
   // batch
   v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch", kMaxBatch));
@@ -207,7 +210,7 @@ std::vector<KeySpec> build() {
                 "fp32 gradients (Megatron's gradient-accumulation fusion; with device and tensor-parallel "
                 "plugins of ABI 1.2, else as false); false = each microbatch's gradients in bf16 first, "
                 "then added"));
-  v.push_back(i("device.threads", 0, 0, "compute threads per rank (0 = auto)"));
+  v.push_back(i("device.threads", 0, 0, "compute threads per rank (0 = auto)", kMaxThreads));
   v.push_back(f("device.peak_tflops", "0.0", 0, false,
                 "peak TFLOP/s for MFU (0 = use the device's own figure)"));
   v.push_back(open_table("device.options", "options of the device plugin"));

@@ -307,10 +307,11 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
       // dtype of its parameters.
       const DLDataType pdl = psize == 2 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
       const DLDataType gdl = gsize == 2 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLFloat, 32, 1};
+      std::vector<std::vector<size_t>> decls_of_layer(layers.layers.size());  // in declaration order
+      for (size_t k = 0; k < cp.decls.size(); ++k) decls_of_layer[static_cast<size_t>(cp.decls[k].layer)].push_back(k);
       for (size_t li = 0; li < layers.layers.size(); ++li) {
         std::vector<DLTensor> pv, gv;
-        for (size_t k = 0; k < cp.decls.size(); ++k) {
-          if (cp.decls[k].layer != static_cast<int>(li)) continue;
+        for (const size_t k : decls_of_layer[li]) {
           const ParamEntry& e = cp.entries[cp.entry_of[k]];
           DLTensor t{};
           t.device = {kDLCPU, 0};

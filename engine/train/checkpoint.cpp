@@ -148,18 +148,9 @@ void prepare_checkpoint_dir(const std::string& dir) {
   if (ec || !fs::is_directory(dir))
     throw CheckpointError("checkpoint.dir " + dir + " cannot be created" + (ec ? ": " + ec.message() : std::string()) +
                           "; checkpoints would fail only after training");
-  const std::string probe = (fs::path(dir) / (".probe-" + std::to_string(::getpid()))).string();
-  {
-    std::ofstream f(probe);
-    if (!(f << "loom\n") || !f.flush()) {
-      fs::remove(probe, ec);
-      throw CheckpointError("checkpoint.dir " + dir + " is not writable (" + std::strerror(errno) +
-                            "); checkpoints would fail only after training");
-    }
-  }
-  fs::remove(probe, ec);
-  // Temporary directories of saves that never finished (a crash, a full disk) whose
-  // process is gone: .tmp-step_N-PID with a dead PID. A job id in place of the PID
+  // Temporary directories of saves that never finished (a crash, a full disk) go first:
+  // on a full disk they are what the probe below would fail for.
+  // They are .tmp-step_N-PID with a dead PID. A job id in place of the PID
   // (mpirun, srun) cannot be checked and is left alone.
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
@@ -176,6 +167,16 @@ void prepare_checkpoint_dir(const std::string& dir) {
                 << ", which no longer runs";
     }
   }
+  const std::string probe = (fs::path(dir) / (".probe-" + std::to_string(::getpid()))).string();
+  {
+    std::ofstream f(probe);
+    if (!(f << "loom\n") || !f.flush()) {
+      fs::remove(probe, ec);
+      throw CheckpointError("checkpoint.dir " + dir + " is not writable (" + std::strerror(errno) +
+                            "); checkpoints would fail only after training");
+    }
+  }
+  fs::remove(probe, ec);
 }
 
 namespace {

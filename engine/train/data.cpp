@@ -6,7 +6,9 @@
 
 #include <cstring>
 #include <fstream>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace loom::train {
 namespace {
@@ -138,10 +140,30 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
                      : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
                                                                    : "not a file") +
                     "); give a text or token file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError("data." + key + " = \"" + path + "\": cannot open the file (" + std::strerror(errno) + ")");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw DataError("data." + key + " = \"" + path + "\": reading the file failed (" + std::strerror(errno) + ")");
+  // POSIX reads, so a read error (EIO: /proc/self/mem, a failing disk) is reported with
+  // the path rather than thrown from inside std::filebuf.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw DataError("data." + key + " = \"" + path + "\": cannot open the file (" + std::strerror(errno) + ")");
+  std::vector<char> bytes;
+  std::string failure;
+  try {
+    if (st.st_size > 0) bytes.reserve(static_cast<size_t>(st.st_size));
+    char chunk[1 << 16];
+    for (;;) {
+      const ssize_t n = ::read(fd, chunk, sizeof chunk);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        failure = std::string("reading the file failed (") + std::strerror(errno) + ")";
+        break;
+      }
+      if (n == 0) break;
+      bytes.insert(bytes.end(), chunk, chunk + n);
+    }
+  } catch (const std::bad_alloc&) {
+    failure = "not enough memory to hold the file (" + std::to_string(st.st_size >> 20) + " MiB)";
+  }
+  ::close(fd);
+  if (!failure.empty()) throw DataError("data." + key + " = \"" + path + "\": " + failure);
   return bytes;
 }
 
@@ -205,7 +227,13 @@ std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m) {
   if (kind == "text") {
     std::vector<char> bytes = read_file(path, "path");
     if (bytes.empty()) throw DataError(path + ": the text file is empty");
-    std::vector<int32_t> tokens(bytes.size());
+    std::vector<int32_t> tokens;
+    try {
+      tokens.resize(bytes.size());
+    } catch (const std::bad_alloc&) {
+      throw DataError(path + ": not enough memory for its " + std::to_string(bytes.size()) + " tokens (" +
+                      std::to_string(bytes.size() * sizeof(int32_t) >> 20) + " MiB)");
+    }
     for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
     return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
   }

@@ -183,6 +183,9 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
   }
   plan.warnings = unused_layer_tables(man, configured);
+  if (man.get_string("data.kind") == "synthetic" && !man.get_string("data.path").empty())
+    plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
+                            "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
   // Layers that mix positions run their context-parallel slice through windowed
   // attention (ABI 1.6): a device without it is refused here, so `loom validate`
   // says so before a run starts.

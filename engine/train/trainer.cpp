@@ -7,6 +7,7 @@
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
+#include "engine/train/preflight.hpp"
 
 #include <glog/logging.h>
 
@@ -92,11 +93,14 @@ uint64_t dropout_seed(uint64_t seed, int64_t step, uint64_t sample) {
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const manifest::Manifest& m = plan.manifest;
+  // Everything known before launch is refused before launch (loom validate reports the same).
+  const runtime::ProcessLaunch launch = runtime::detect_process_launch();
+  const Preflight checked = preflight(plan, launch.multi_process ? 1 : plan.sizes.world);
+  if (!checked.memory_problem.empty())
+    throw loom::Error(checked.memory_problem + "; make the model, the micro-batch or the ranks per process smaller "
+                                               "(loom plan shows each rank's share)");
   std::unique_ptr<DataSource> data = make_data_source(m);
-  const int64_t vocab = m.get_int("model.vocab_size") > 0 ? m.get_int("model.vocab_size") : data->vocab_size();
-  if (vocab < data->vocab_size())
-    throw DataError("model.vocab_size = " + std::to_string(vocab) + " is smaller than the data's vocabulary (" +
-                    std::to_string(data->vocab_size()) + ")");
+  const int64_t vocab = checked.vocab;
 
   const int64_t steps = m.get_int("run.steps");
   const int64_t seq = m.get_int("model.seq_length");
@@ -199,7 +203,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   std::ofstream metrics;
   if (!options.metrics_file.empty()) {
     metrics.open(options.metrics_file, options.resume ? std::ios::app : std::ios::trunc);
-    if (!metrics) throw std::runtime_error("--metrics " + options.metrics_file + ": cannot open the file for writing");
+    if (!metrics) throw std::runtime_error("metrics file " + options.metrics_file + ": cannot open the file for writing");
   }
   // The trace is written after training: a path it cannot be written to fails now.
   if (!options.trace_file.empty() && !std::ofstream(options.trace_file, std::ios::app))
@@ -243,16 +247,6 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     const loom_model_dims dims = model::model_dims(m, vocab, plan.sizes.tp);
     model::Model model(m, *plan.registry, rt, dims, pipeline::local_chunks(global_chunks, pp, ppg.rank()), seed);
     const bool last_stage = model.is_last_global(static_cast<int>(model.chunk_count()) - 1);
-    // Expert parallelism splits expert parameters: a model without any (on every
-    // stage, hence the reduction) would only get ep times the ranks to do the same.
-    if (plan.sizes.ep > 1) {
-      double any_expert = model.has_expert_params() ? 1 : 0;
-      world.all_reduce(nullptr, &any_expert, &any_expert, 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-      if (any_expert == 0)
-        throw loom::Error("parallel.ep = " + std::to_string(plan.sizes.ep) +
-                          " but no layer of the model has expert parameters (a dense model); set parallel.ep = 1 "
-                          "or use a layer with experts (e.g. model.block = [\"attention\", \"moe\"])");
-    }
 
     // Optimizer strategy over the flat buffers.
     std::vector<loom_param_info> infos = model.param_infos();
@@ -576,7 +570,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         if (metrics.is_open()) {  // a failed write (a full disk, /dev/full) stops the run
           metrics << step_json(rec) << "\n" << std::flush;
           if (!metrics)
-            throw std::runtime_error("--metrics " + options.metrics_file + ": writing step " + std::to_string(step) +
+            throw std::runtime_error("metrics file " + options.metrics_file + ": writing step " + std::to_string(step) +
                                      " failed (" + std::strerror(errno) + ")");
         }
         std::lock_guard<std::mutex> lock(result_mu);
@@ -595,15 +589,24 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
            << "), no gradient clipping (optimizer.clip_grad), or data the model cannot represent";
         throw loom::Error(os.str());
       }
+      auto interrupted = [&] {
+        if (!leader) return;
+        std::lock_guard<std::mutex> lock(result_mu);
+        result.interrupted = true;
+      };
       if (stop) {
         save(step);
-        if (leader) {
-          std::lock_guard<std::mutex> lock(result_mu);
-          result.interrupted = true;
-        }
+        interrupted();
         return;
       }
-      if (ckpt_every > 0 && step % ckpt_every == 0 && step < steps) save(step);
+      if (ckpt_every > 0 && step % ckpt_every == 0 && step < steps) {
+        save(step);
+        // A signal that came while the checkpoint was written: this step is saved, stop now.
+        if (stop_requested()) {
+          interrupted();
+          return;
+        }
+      }
     }
     if (step > start_step) save(step);
   });

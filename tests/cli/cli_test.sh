@@ -126,4 +126,24 @@ for c in validate plan run; do
     || fail "$c: no warning about the unused model.layer.moe: $(tail -2 "$work/unused.out")"
 done
 
+# 11. A stop signal is acknowledged as it arrives (a step may take minutes), and a second
+# one ends the run at once, without waiting for the step (one step here takes ~30 s).
+long=(--set model.hidden_size=1024 --set model.num_layers=4 --set model.seq_length=1024 --set parallel.dp=1
+      --set batch.micro_batch_size=8 --set batch.global_batch_size=8 --set data.kind=text
+      --set "data.path=\"$here/../../README.md\"" --set run.steps=5)
+"$loom" run "$here/tiny.toml" "${long[@]}" > "$work/sig.out" 2>&1 &
+pid=$!
+sleep 6
+kill -TERM $pid
+sleep 1
+grep -q "signal received: stopping after the current step" "$work/sig.out" \
+  || fail "first signal not acknowledged: $(tail -2 "$work/sig.out")"
+kill -TERM $pid 2>/dev/null
+start=$(date +%s)
+wait $pid
+rc=$?
+[ $rc -eq 130 ] || fail "second signal: exit $rc, expected 130: $(tail -2 "$work/sig.out")"
+[ $(( $(date +%s) - start )) -le 5 ] || fail "second signal: the run took more than 5 s to stop"
+grep -q "second signal: stopping now" "$work/sig.out" || fail "second signal not reported: $(tail -2 "$work/sig.out")"
+
 echo "cli tests passed"

@@ -37,6 +37,11 @@ for kv in parallel.dp=2305843009213693952 parallel.pp=4611686018427387904 parall
   check refuse "$base" --set "$kv"
 done
 check refuse "$base" --set parallel.pp=4611686018427387904 --set parallel.vpp=4
+# Integer keys the engine holds in 32 bits: a value past 2^32 must not wrap to a small one.
+for kv in pipeline.first_chunk_layers=4294967296 pipeline.last_chunk_layers=4294967298 \
+          pipeline.microbatch_group_size=4294967298 device.threads=4294967296; do
+  check refuse "$base" --set parallel.pp=2 --set "$kv"
+done
 check refuse "$base" --set parallel.dp=1024 --set parallel.tp=1024 --set parallel.pp=2
 # Non-finite numbers and nonsense settings.
 for kv in optimizer.eps=inf optimizer.lr=nan optimizer.lr=-inf model.layer.attention.dropout=inf \
@@ -64,6 +69,14 @@ check refuse "$base" --set 'device.kind="cuda"' --set model.layer.attention.drop
 check refuse "$base" --set 'device.kind="cuda"' --set device.options.workspace_mb=-1
 check refuse "$base" --set 'exec.mode="partial_graph"' --set exec.options.warmup_steps=0
 check any "$base" "${moe[@]}" --set model.layer.moe.top_k=4 --set model.layer.moe.dropout=0.5
+# What run used to refuse after launch: a vocabulary below the data's, ep on a dense model,
+# data too short for a sequence or without a validation split when evaluation needs one.
+printf 'abcdefghij' > "$work/short.txt"
+check refuse "$base" --set model.vocab_size=5
+check refuse "$base" --set parallel.ep=2
+check refuse "$base" --set data.kind=text --set "data.path=\"$work/short.txt\""
+check refuse "$base" --set data.kind=text --set "data.path=\"$here/tiny.toml\"" --set data.val_fraction=0 \
+  --set run.eval_every=10
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"

@@ -457,7 +457,7 @@ TEST(Training, UnwritableMetricsAndTraceAreErrors) {
       run_and_trace(tiny_manifest(), {"run.steps=5"}, full);
       FAIL() << "writing the metrics to /dev/full must fail the run";
     } catch (const std::exception& e) {
-      EXPECT_NE(std::string(e.what()).find("--metrics /dev/full: writing step 1 failed"), std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("metrics file /dev/full: writing step 1 failed"), std::string::npos)
           << e.what();
     }
   }

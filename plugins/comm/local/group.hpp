@@ -19,6 +19,8 @@
 
 #include "../common/timeout_text.hpp"
 
+#include <loom/loom_abi.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -85,8 +87,8 @@ class Group {
 
  private:
   struct Message {
-    int32_t dtype;
-    size_t count;
+    int32_t dtype = LOOM_DTYPE_F32;
+    size_t count = 0;
     std::vector<unsigned char> data;
   };
   struct Inbox {

@@ -288,14 +288,14 @@ class OptimizerStrategy {
   }
 };
 
-// The group expert parameters are split over (ABI 1.5's etp; the tp group from an
-// older engine, where etp was always tp).
+// The group expert parameters are split over: etp (since 1.5), or tp when the engine
+// gave none (a strategy without LOOM_OPTIMIZER_EXPERT_FOLDING, where etp is tp).
 inline const loom_group& expert_tp_group(const loom_optimizer_create_args& a) {
   const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, etp) + sizeof(a.etp);
   return has_slot && a.etp.size > 0 ? a.etp : a.tp;
 }
 
-// Whether parameter i is an expert parameter (ABI 1.4; never from an older engine).
+// Whether parameter i is an expert parameter (since 1.4).
 inline bool is_expert(const loom_optimizer_create_args& a, size_t i) {
   const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, expert) + sizeof(a.expert);
   return has_slot && a.expert != nullptr && a.expert[i] != 0;

@@ -1,0 +1,27 @@
+// What a run is checked for before any rank starts. `loom validate` and `loom plan`
+// report it, and train() refuses it, so a manifest validate accepts does not fail
+// later for a reason known in advance.
+#pragma once
+
+#include "engine/model/param_plan.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <cstdint>
+#include <string>
+
+namespace loom::train {
+
+struct Preflight {
+  int64_t vocab = 0;           // the model's vocabulary: model.vocab_size, or the data's
+  model::MemoryPlan memory;    // every rank's plan, from the layers the ranks create
+  std::string memory_problem;  // "" or why a rank does not fit what its device offers
+};
+
+// Opens the data (its vocabulary must fit model.vocab_size; a training sequence, and a
+// validation one when run.eval_every > 0, must be readable), creates every rank's
+// layers on a CPU device (the checks each plugin makes in create, and expert
+// parameters when parallel.ep > 1) and plans memory against the device's capacity for
+// a process that runs `ranks_in_process` ranks. Throws DataError or loom::Error.
+Preflight preflight(const RunPlan& plan, int ranks_in_process);
+
+}  // namespace loom::train
