@@ -9,12 +9,42 @@
  *  - Every table and every growing argument struct begins with uint32_t
  *    struct_size; new members are appended only (a minor version bump), after
  *    the old struct's tail padding (an old caller's struct_size covers it). A NULL
- *    function slot means "not implemented". Each side reads only what the other
- *    side's struct_size covers (LOOM_HAS_SLOT below).
+ *    function slot means "not implemented" where the slot's comment says it is
+ *    optional; the loader refuses a table that leaves a required slot NULL. Each
+ *    side reads only what the other side's struct_size covers (LOOM_HAS_SLOT below).
  *  - Errors are loom_status objects created by the host (NULL = success).
  *    Nothing throws across the boundary, and a plugin never aborts the process.
  *  - Whoever allocates frees. Borrowed pointers live for the duration of a call.
  *  - Tensors crossing the layer interface are DLPack DLTensor views.
+ *
+ * Versions. The loader accepts a library built for this major and a minor no newer
+ * than the engine's (LOOM_ABI_MINOR), and refuses a newer one. A plugin therefore
+ * always runs on an engine at least as new as the header it was built against: the
+ * host table and every struct the engine fills cover all the members that plugin
+ * knows. What each side must handle is an OLDER peer: the engine reads the shorter
+ * tables and structs of a plugin built for an earlier minor (a slot or member past
+ * their struct_size is absent), and a plugin called by another plugin (a layer
+ * calling a device op or a service) may get an older caller's shorter argument
+ * struct, whose missing members it reads as zero. Members with no marker date from
+ * 1.0; a comment line "--- since 1.N ---" precedes the members appended in minor N,
+ * and prose says "(since 1.N)" of anything else that minor N added.
+ *
+ * Ownership. Pointers passed to a call (arguments, the members of argument structs,
+ * option strings) are borrowed for that call unless their comment says otherwise;
+ * keep a copy, not the pointer. A handle a create call returns is the plugin's
+ * object, valid until the matching destroy. A status a call returns belongs to the
+ * receiver, which destroys it (host->status_destroy). Descriptors, tables and option
+ * declarations are the library's and must stay valid while it is loaded (libraries
+ * are never unloaded, so static data does).
+ *
+ * Threads. The engine runs each rank on a thread of its own: every rank of the run
+ * in one process under comm/local, one rank per process under mpirun or srun. Unless
+ * a slot says otherwise, the calls on one handle (device, communicator, layer,
+ * optimizer, exec, tensor- or expert-parallel handle) come from the thread of the
+ * rank that created it, one at a time; handles of different ranks are called
+ * concurrently, so state a plugin shares among its handles (statics, caches, a
+ * process-wide world) must be thread-safe. Host functions that take no loom_rank
+ * may be called from any thread.
  */
 #ifndef LOOM_ABI_H
 #define LOOM_ABI_H
@@ -28,6 +58,8 @@
 extern "C" {
 #endif
 
+/* The ABI version this header describes; a library records the one it was built
+ * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
 #define LOOM_ABI_MINOR 9
 
@@ -46,6 +78,7 @@ extern "C" {
 /* Opaque error object, created and freed by the host. NULL means success. */
 typedef struct loom_status_s* loom_status;
 
+/* loom_status codes (host->status_code). */
 #define LOOM_CODE_OK 0
 #define LOOM_CODE_INVALID_ARGUMENT 1
 #define LOOM_CODE_UNSUPPORTED 2
@@ -55,6 +88,7 @@ typedef struct loom_status_s* loom_status;
 #define LOOM_CODE_IO 6
 #define LOOM_CODE_NOT_FOUND 7
 
+/* Severities of host->log. */
 #define LOOM_LOG_INFO 0
 #define LOOM_LOG_WARNING 1
 #define LOOM_LOG_ERROR 2
@@ -63,6 +97,7 @@ typedef struct loom_status_s* loom_status;
 /* Data types, element-wise and reduction ops                                 */
 /* ------------------------------------------------------------------------- */
 
+/* Element types (the dtype members of argument structs, the comm calls' dtype). */
 #define LOOM_DTYPE_F32 0
 #define LOOM_DTYPE_BF16 1
 #define LOOM_DTYPE_F16 2
@@ -71,6 +106,7 @@ typedef struct loom_status_s* loom_status;
 #define LOOM_DTYPE_U8 5
 #define LOOM_DTYPE_F64 6
 
+/* Reduction operators of the comm calls (all_reduce, reduce_scatter). */
 #define LOOM_REDUCE_SUM 0
 #define LOOM_REDUCE_MAX 1
 #define LOOM_REDUCE_MIN 2
@@ -81,48 +117,56 @@ typedef struct loom_status_s* loom_status;
 /* section against it and hands the resolved values back through the host.   */
 /* ------------------------------------------------------------------------- */
 
+/* loom_option_decl.type. */
 #define LOOM_OPTION_BOOL 1
 #define LOOM_OPTION_INT 2
 #define LOOM_OPTION_FLOAT 3
 #define LOOM_OPTION_STRING 4
 
-/* An array of these is read with a stride of options[0].struct_size, and every
- * element must carry the same struct_size, so a library built against an older
- * header (a smaller struct) is read correctly. The engine checks each value of the
- * manifest against `range` and `choices` before any plugin is created (`loom
- * validate` reports it with the file and line), and refuses at load a library
- * whose default lies outside them or whose range does not parse. */
+/* One option of a plugin (loom_plugin_info.options). The array and its strings are
+ * the library's, read at load and copied; they must stay valid while the library is
+ * loaded (static data). An array of these is read with a stride of
+ * options[0].struct_size, and every element must carry the same struct_size, so a
+ * library built against an older header (a smaller struct) is read correctly. The
+ * engine checks each value of the manifest against `range` and `choices` before any
+ * plugin is created (`loom validate` reports it with the file and line), and refuses
+ * at load a library whose default lies outside them or whose range does not parse. */
 typedef struct loom_option_decl {
-  uint32_t struct_size;
+  uint32_t struct_size;        /* sizeof(loom_option_decl) of the library's header */
   int32_t type;                /* LOOM_OPTION_* */
   const char* name;            /* key inside the plugin's manifest section */
   const char* default_value;   /* TOML literal ("4", "true", "\"gelu\""); NULL = required */
   const char* doc;             /* one line */
-  /* --- 1.9 --- */
+  /* --- since 1.9 --- */
   const char* range;           /* INT and FLOAT: the allowed interval, "[0, 1)", "[1, inf)",
                                   "(0, 10]" ('[' ']' include the bound, '(' ')' exclude it;
-                                  "inf" or nothing = unbounded); NULL = any finite value */
+                                  "inf" or nothing = unbounded); NULL = any finite value.
+                                  A range on a STRING option is refused at load. */
   const char* choices;         /* STRING: the allowed values separated by '|', e.g.
                                   "probs|position"; NULL = any string */
 } loom_option_decl;
 
-/* Resolved options of one plugin instance (opaque, owned by the host). */
+/* Resolved options of one plugin instance (opaque, owned by the host): the
+ * manifest's values with the declared defaults applied. Borrowed: valid only during
+ * the call that receives it (create, order); read what you need there and copy it. */
 typedef struct loom_options_s loom_options;
 
 /* ------------------------------------------------------------------------- */
 /* Opaque handles                                                             */
 /* ------------------------------------------------------------------------- */
 
-typedef struct loom_rank_s loom_rank;        /* a rank's runtime, owned by the host */
+typedef struct loom_rank_s loom_rank;        /* a rank's runtime, owned by the host; valid
+                                                until the object created with it is destroyed */
 typedef struct loom_device_s loom_device;    /* a device instance, owned by its plugin */
-typedef struct loom_stream_s loom_stream;
-typedef struct loom_event_s loom_event;
-typedef struct loom_graph_s loom_graph;
-typedef struct loom_comm_world_s loom_comm_world;
-typedef struct loom_comm_s loom_comm;
-typedef struct loom_layer_s loom_layer;
-typedef struct loom_optimizer_s loom_optimizer;
-typedef struct loom_exec_s loom_exec;
+typedef struct loom_stream_s loom_stream;    /* a device's stream, owned by the device plugin
+                                                (NULL = the device's default stream) */
+typedef struct loom_event_s loom_event;      /* a device's event, owned by the device plugin */
+typedef struct loom_graph_s loom_graph;      /* a captured graph, owned by the device plugin */
+typedef struct loom_comm_world_s loom_comm_world; /* the comm plugin's per-process state */
+typedef struct loom_comm_s loom_comm;        /* one member of a rank group, owned by the comm plugin */
+typedef struct loom_layer_s loom_layer;      /* a layer instance, owned by its plugin */
+typedef struct loom_optimizer_s loom_optimizer; /* a rank's optimizer strategy, owned by its plugin */
+typedef struct loom_exec_s loom_exec;        /* a rank's execution mode, owned by its plugin */
 
 /* ------------------------------------------------------------------------- */
 /* Device plugins: memory, streams, events, graphs and the op table.          */
@@ -130,27 +174,34 @@ typedef struct loom_exec_s loom_exec;
 /* Matrices are row-major; ld* are leading dimensions in elements.            */
 /* ------------------------------------------------------------------------- */
 
+/* loom_device_api.copy and copy_2d: where src and dst live. */
 #define LOOM_COPY_HOST_TO_DEVICE 0
 #define LOOM_COPY_DEVICE_TO_HOST 1
 #define LOOM_COPY_DEVICE_TO_DEVICE 2
 
+/* Filled by loom_device_api.memory_stats. The caller sets struct_size and zeroes the
+ * rest (loom::make); the device writes the members that struct_size covers, so a
+ * member it does not know keeps the caller's 0. Counts are bytes of this device
+ * instance's allocations. */
 typedef struct loom_memory_stats {
-  uint32_t struct_size;
+  uint32_t struct_size;     /* set by the caller */
   uint64_t current_bytes;   /* live allocations */
   uint64_t peak_bytes;      /* high-water mark of current_bytes */
   uint64_t reserved_bytes;  /* held by the allocator (>= current) */
   uint64_t num_allocs;      /* allocations made so far */
-  /* --- 1.9 --- */
+  /* --- since 1.9 --- */
   uint64_t capacity_bytes;  /* what this rank may plan to hold: the memory the device allocates
                                from (the GPU's; the host's RAM for a CPU device) divided among
                                the ranks of this process that share it (create args'
-                               ranks_in_process); 0 = unknown. The engine compares its memory
-                               plan with it before a run allocates anything. */
+                               ranks_in_process); 0 = unknown (also what a device built before
+                               1.9 leaves). The engine compares its memory plan with it before
+                               a run allocates anything. */
 } loom_memory_stats;
 
+/* loom_device_api.create's arguments (borrowed for the call). */
 typedef struct loom_device_create_args {
   uint32_t struct_size;
-  int32_t global_rank;
+  int32_t global_rank;      /* the rank this instance serves (for messages) */
   int32_t local_rank;       /* rank within this process/node: picks the GPU */
   int32_t num_threads;      /* host threads this rank may use (CPU math) */
   int32_t ranks_in_process; /* how many ranks share this process */
@@ -161,51 +212,54 @@ typedef struct loom_device_create_args {
 typedef struct loom_gemm_args {
   uint32_t struct_size;
   int32_t trans_a, trans_b;      /* 0 or 1 */
-  int64_t m, n, k;
+  int64_t m, n, k;               /* the shapes of op(A), op(B) and C above */
+  /* Each operand: its device pointer, its leading dimension (elements between rows
+   * as stored) and the elements between consecutive matrices of the batch. */
   const void* a; int64_t lda; int64_t stride_a;
   const void* b; int64_t ldb; int64_t stride_b;
   void* c; int64_t ldc; int64_t stride_c;
   int64_t batch;                 /* >= 1 */
-  float alpha, beta;
+  float alpha, beta;             /* the scales of the formula above */
   int32_t dtype;                 /* of a and b */
   int32_t c_dtype;               /* of c */
-  int32_t allow_tf32;            /* unused (set 0): the device's own option decides TF32, e.g.
+  int32_t allow_tf32;            /* unused; always 0. The device's own option decides TF32, e.g.
                                     device/cuda's tf32 (manifest device.options.tf32) */
 } loom_gemm_args;
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
 typedef struct loom_layernorm_fwd_args {
   uint32_t struct_size;
-  int64_t rows, cols;
-  const void* x; const void* gamma; const void* beta;
-  void* y; float* mean; float* rstd;
-  float eps;
-  int32_t dtype;
+  int64_t rows, cols;            /* x and y are [rows, cols]; gamma and beta [cols] */
+  const void* x; const void* gamma; const void* beta;   /* inputs: [rows, cols], [cols], [cols] */
+  void* y; float* mean; float* rstd;   /* y written; mean and rstd: [rows] fp32, kept for backward */
+  float eps;                     /* added to the variance */
+  int32_t dtype;                 /* of x, gamma, beta and y */
 } loom_layernorm_fwd_args;
 
 /* dx = (or +=, when accumulate_dx) the input gradient; dgamma, dbeta are accumulated.
- * 1.2: with grad_fp32 = 1, dgamma and dbeta are fp32 whatever dtype is (bf16
+ * With grad_fp32 = 1 (since 1.2), dgamma and dbeta are fp32 whatever dtype is (bf16
  * parameters with fp32 main gradients, accumulated without a bf16 rounding);
  * only devices whose loom_device_api.features has LOOM_DEVICE_GRAD_FP32. */
 typedef struct loom_layernorm_bwd_args {
   uint32_t struct_size;
-  int64_t rows, cols;
-  const void* dy; const void* x; const void* gamma;
-  const float* mean; const float* rstd;
-  void* dx; void* dgamma; void* dbeta;
-  int32_t accumulate_dx;
-  int32_t dtype;
-  int32_t grad_fp32;                   /* 1.2 */
+  int64_t rows, cols;            /* as in the forward */
+  const void* dy; const void* x; const void* gamma;   /* [rows, cols], [rows, cols], [cols] */
+  const float* mean; const float* rstd;               /* the forward's, [rows] */
+  void* dx; void* dgamma; void* dbeta;                /* [rows, cols], [cols], [cols] */
+  int32_t accumulate_dx;         /* 1: dx += (else dx is overwritten) */
+  int32_t dtype;                 /* of dy, x, gamma, dx (and dgamma, dbeta unless grad_fp32) */
+  /* --- since 1.2 --- */
+  int32_t grad_fp32;             /* 1: dgamma and dbeta are fp32 (see above); 0 from an older caller */
 } loom_layernorm_bwd_args;
 
 /* GeLU, tanh approximation. Forward y = gelu(x); backward dx = dy * gelu'(x). */
 typedef struct loom_gelu_args {
   uint32_t struct_size;
-  int64_t n;
-  const void* x;
+  int64_t n;        /* elements */
+  const void* x;    /* input (both directions) */
   const void* dy;   /* backward only */
   void* out;        /* y (forward) or dx (backward) */
-  int32_t dtype;
+  int32_t dtype;    /* of x, dy and out */
 } loom_gelu_args;
 
 /* Scaled dot-product attention. Element (b, s, head, d) of q lives at
@@ -214,24 +268,26 @@ typedef struct loom_gelu_args {
  * holds the log-sum-exp of each softmax row, written by forward, read by backward. */
 typedef struct loom_attention_args {
   uint32_t struct_size;
-  int64_t batch, seq, heads, head_dim;
+  int64_t batch, seq, heads, head_dim;   /* seq: query rows (see the window below) */
   int64_t qkv_stride_b, qkv_stride_s;  /* strides of q, k and v (and dq, dk, dv) */
   int64_t out_stride_b, out_stride_s;  /* strides of out (and dout) */
-  const void* q; const void* k; const void* v;
-  void* out;
-  float* lse;
+  const void* q; const void* k; const void* v;   /* inputs (both directions) */
+  void* out;                           /* forward: written */
+  float* lse;                          /* [batch * heads * seq] fp32: forward writes, backward reads */
   const void* dout;                    /* backward */
-  void* dq; void* dk; void* dv;        /* backward: overwritten */
-  float scale;
-  int32_t causal;
-  int32_t dtype;
-  /* --- 1.6 (context parallelism) --- The queries are a window of `seq` rows inside
-   * a key/value sequence of kv_seq rows: query row i sits at position q_offset + i of
-   * it, so causal attention lets it see keys j <= q_offset + i (q_offset + seq <=
-   * kv_seq). k, v, dk and dv then have kv_seq rows and the strides kv_stride_b /
-   * kv_stride_s; q, dq, out, dout and lse keep `seq` rows and their strides.
-   * kv_seq = 0 (a caller before 1.6) means the 1.5 op: kv_seq = seq, q_offset = 0,
-   * k and v with the qkv strides. Honoured by devices with LOOM_DEVICE_ATTENTION_WINDOW. */
+  void* dq; void* dk; void* dv;        /* backward: overwritten (dk, dv: see accumulate_dkv) */
+  float scale;                         /* multiplies q . k before the softmax (usually 1/sqrt(head_dim)) */
+  int32_t causal;                      /* 1: query i sees keys j <= i (see the window below) */
+  int32_t dtype;                       /* of q, k, v, out and the gradients */
+  /* --- since 1.6 --- */
+  /* Context parallelism: the queries are a window of `seq` rows
+   * inside a key/value sequence of kv_seq rows: query row i sits at position
+   * q_offset + i of it, so causal attention lets it see keys j <= q_offset + i
+   * (q_offset + seq <= kv_seq). k, v, dk and dv then have kv_seq rows and the strides
+   * kv_stride_b / kv_stride_s; q, dq, out, dout and lse keep `seq` rows and their
+   * strides. kv_seq = 0 (what a caller built before 1.6 passes, its struct ending
+   * before these members) is the op without a window: kv_seq = seq, q_offset = 0, k
+   * and v with the qkv strides. Honoured by devices with LOOM_DEVICE_ATTENTION_WINDOW. */
   int64_t kv_seq, q_offset;
   int64_t kv_stride_b, kv_stride_s;
   int32_t accumulate_dkv;              /* backward: dk, dv += (else overwritten) */
@@ -254,30 +310,32 @@ typedef struct loom_attention_args {
 typedef struct loom_xent_args {
   uint32_t struct_size;
   int32_t step;                     /* LOOM_XENT_* */
-  int64_t rows, cols, ld;
+  int64_t rows, cols, ld;           /* logits (and dlogits) [rows, cols], row stride ld elements */
   int64_t valid_cols;               /* columns < valid_cols are real vocab entries */
-  int64_t vocab_start;
-  const void* logits;
-  const int32_t* targets;
+  int64_t vocab_start;              /* the vocabulary id of column 0 */
+  const void* logits;               /* [rows, cols], row stride ld */
+  const int32_t* targets;           /* [rows] vocabulary ids; negative = ignored */
+  /* [rows] fp32 each: the partials the steps write and read (see above) */
   float* row_max; float* row_sumexp; float* target_logit; float* loss;
-  void* dlogits;
-  float scale;
-  int32_t dtype;
+  void* dlogits;                    /* XENT_BACKWARD: written, [rows, cols] with row stride ld */
+  float scale;                      /* XENT_BACKWARD: dL / d loss[r] */
+  int32_t dtype;                    /* of logits and dlogits */
 } loom_xent_args;
 
 /* Embedding rows [vocab_start, vocab_start + vocab_rows) of a table [vocab_rows, dim].
  * Forward: out[i] = table[ids[i] - vocab_start], or 0 when outside the slice.
  * Backward: dtable[ids[i] - vocab_start] += dout[i] for ids inside the slice;
- * 1.2: with grad_fp32 = 1, dtable is fp32 whatever dtype is (as layernorm_bwd). */
+ * with grad_fp32 = 1 (since 1.2), dtable is fp32 whatever dtype is (as layernorm_bwd). */
 typedef struct loom_embedding_args {
   uint32_t struct_size;
-  int64_t n, dim, vocab_rows, vocab_start;
-  const int32_t* ids;
+  int64_t n, dim, vocab_rows, vocab_start;   /* n ids; rows of dim elements */
+  const int32_t* ids;                  /* [n] */
   const void* table; void* out;        /* forward */
   const void* dout; void* dtable;      /* backward */
   int32_t accumulate;                  /* forward: out += instead of = */
-  int32_t dtype;
-  int32_t grad_fp32;                   /* 1.2, backward */
+  int32_t dtype;                       /* of table, out, dout (and dtable unless grad_fp32) */
+  /* --- since 1.2 --- */
+  int32_t grad_fp32;                   /* backward: 1 = dtable is fp32; 0 from an older caller */
 } loom_embedding_args;
 
 /* Element-wise kernels. */
@@ -293,24 +351,26 @@ typedef struct loom_embedding_args {
 #define LOOM_EW_MUL_COLS 9   /* out[r, c] = x[r, c] * y[c]; n = rows * cols, cols given */
 typedef struct loom_elementwise_args {
   uint32_t struct_size;
-  int32_t op;
-  int64_t n;
-  int64_t cols;
-  const void* x; void* y; void* out;
-  float alpha, beta;
-  float p;
-  uint64_t seed, offset;
-  int32_t dtype;
-  int32_t out_dtype;
-  /* 1.3, DROPOUT, devices with LOOM_DEVICE_SEED_DEVICE: when non-NULL, the stream's
+  int32_t op;                    /* LOOM_EW_* */
+  int64_t n;                     /* elements of out */
+  int64_t cols;                  /* ADD_BIAS, MUL_COLS: the row length */
+  const void* x; void* y; void* out;   /* operands, as each op above uses them */
+  float alpha, beta;             /* AXPBY, SCALE, FILL */
+  float p;                       /* DROPOUT, DROPOUT_BWD: drop probability in [0, 1] */
+  uint64_t seed, offset;         /* DROPOUT: element i's draw is keyed by (seed, offset + i) */
+  int32_t dtype;                 /* of x, y (not a dropout mask) and out */
+  int32_t out_dtype;             /* CAST: of out; ignored by the other ops */
+  /* --- since 1.3 --- */
+  /* DROPOUT, devices with LOOM_DEVICE_SEED_DEVICE: when non-NULL, the stream's
    * seed is loom_mix64(seed ^ loom_mix64(*seed_device)), *seed_device read from device
    * memory when the launch runs, so a captured launch draws a new mask when the value
    * there changes between replays. */
   const uint64_t* seed_device;
 } loom_elementwise_args;
 
-/* 1.3: splitmix64's finaliser, the mix of loom_elementwise_args.seed_device (callers
- * that compute a seed_device stream's seed on the host use the same function). */
+/* splitmix64's finaliser, the mix of loom_elementwise_args.seed_device (callers
+ * that compute a seed_device stream's seed on the host use the same function)
+ * (since 1.3). */
 static inline uint64_t loom_mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -323,138 +383,224 @@ static inline uint64_t loom_mix64(uint64_t z) {
 #define LOOM_RED_MAX_ABS 2
 #define LOOM_RED_COLUMN_SUM 3   /* out[c] (+)= sum_r x[r, c]; n = rows*cols */
 #define LOOM_RED_ROW_ARGMAX 4   /* out[r] (int32) = first argmax_c x[r, c]; n = rows*cols */
-/* 1.8: one tensor of a multi-tensor reduction: elements [offset, offset + numel) of x. */
+/* One tensor of a multi-tensor reduction: elements [offset, offset + numel) of x
+ * (since 1.8). It has no struct_size: its layout can never grow. */
 typedef struct loom_reduce_segment {
-  int64_t offset;
-  int64_t numel;
+  int64_t offset;          /* in elements of x */
+  int64_t numel;           /* elements of the segment */
 } loom_reduce_segment;
 
 typedef struct loom_reduce_args {
   uint32_t struct_size;
-  int32_t op;
-  int64_t n;
-  int64_t cols;
-  const void* x;
-  void* out;
+  int32_t op;              /* LOOM_RED_* */
+  int64_t n;               /* elements of x (rows * cols for COLUMN_SUM and ROW_ARGMAX) */
+  int64_t cols;            /* COLUMN_SUM, ROW_ARGMAX: the row length */
+  const void* x;           /* the input */
+  void* out;               /* fp32 (ROW_ARGMAX: int32), device memory */
   int32_t accumulate;      /* out += result */
   int32_t dtype;           /* of x */
-  int32_t out_dtype;
+  int32_t out_dtype;       /* LOOM_DTYPE_F32, or LOOM_DTYPE_I32 for ROW_ARGMAX */
   int64_t ld;              /* COLUMN_SUM, ROW_ARGMAX: row stride of x (0 = cols) */
-  /* --- 1.8, devices with LOOM_DEVICE_MULTI_TENSOR --- SUM, SUM_SQUARES and MAX_ABS of
+  /* --- since 1.8 --- */
+  /* Devices with LOOM_DEVICE_MULTI_TENSOR: SUM, SUM_SQUARES and MAX_ABS of
    * many tensors in one call: with num_segments > 0, out[i] (fp32) is the reduction of
    * segment i of x (accumulate applies to each out[i]); n is ignored. `segments` is an
    * array of num_segments in the device's memory, unchanged while the op may run (a
    * graph replay reads it again). Each out[i] is what the op gives for that segment
-   * alone up to the order of its fp64 sums. */
+   * alone up to the order of its fp64 sums. 0 (and an older caller's struct) = one
+   * tensor of n elements. */
   int64_t num_segments;
   const loom_reduce_segment* segments;
 } loom_reduce_args;
 
-/* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),
- * with grad scaled by grad_scale first and bias corrections 1 - beta^step. When
- * param_copy is set, the updated value is also written there in copy_dtype. */
-/* 1.8: one tensor of a multi-tensor AdamW: numel elements at these offsets (in
- * elements) of param (and its m and v: state_offset), grad and param_copy. */
+/* One tensor of a multi-tensor AdamW: numel elements at these offsets (in
+ * elements) of param (and its m and v: state_offset), grad and param_copy
+ * (since 1.8). It has no struct_size: its layout can never grow. */
 typedef struct loom_adamw_segment {
-  int64_t param_offset;
+  int64_t param_offset;  /* of param */
   int64_t state_offset;  /* of m and v */
-  int64_t grad_offset;
+  int64_t grad_offset;   /* of grad */
   int64_t copy_offset;   /* of param_copy, when set */
-  int64_t numel;
+  int64_t numel;         /* elements of the tensor */
   float weight_decay;    /* this tensor's (0: not decayed) */
   int32_t reserved;      /* 0 */
 } loom_adamw_segment;
 
+/* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),
+ * with grad scaled by grad_scale first and bias corrections 1 - beta^step. When
+ * param_copy is set, the updated value is also written there in copy_dtype. */
 typedef struct loom_adamw_args {
   uint32_t struct_size;
-  int64_t n;
+  int64_t n;                     /* elements (without segments) */
+  /* fp32 master weights, the gradient (grad_dtype) and the fp32 moments, all [n] */
   float* param; const void* grad; float* m; float* v;
-  int32_t grad_dtype;
-  float lr, beta1, beta2, eps, weight_decay, grad_scale;
-  int64_t step;
-  void* param_copy; int32_t copy_dtype;
-  int32_t pad_1_7;                     /* 1.8: the tail padding of 1.7's struct, named */
-  /* --- 1.8, devices with LOOM_DEVICE_MULTI_TENSOR --- many tensors in one call: with
+  int32_t grad_dtype;            /* LOOM_DTYPE_F32 or LOOM_DTYPE_BF16 */
+  float lr, beta1, beta2, eps, weight_decay, grad_scale;   /* see the formula above */
+  int64_t step;                  /* 1-based, for the bias corrections */
+  void* param_copy; int32_t copy_dtype;   /* NULL = none; else also written, in copy_dtype */
+  /* --- since 1.8 --- */
+  int32_t pad_1_7;               /* the tail padding of the 1.7 struct, named: unused, 0 */
+  /* Devices with LOOM_DEVICE_MULTI_TENSOR: many tensors in one call: with
    * num_segments > 0, every segment is updated as a call with its offsets, numel and
    * weight_decay would update it (the same values); n and weight_decay are ignored.
    * `segments` is an array of num_segments in the device's memory, unchanged while the
-   * op may run. Segments must not overlap. */
+   * op may run. Segments must not overlap. 0 (and an older caller's struct) = one
+   * tensor of n elements. */
   int64_t num_segments;
   const loom_adamw_segment* segments;
 } loom_adamw_args;
 
+/* The op table (loom_device_api.ops). Every op enqueues its work on `stream` (NULL =
+ * the device's default stream) and returns; under a capture of that stream it is
+ * recorded instead (capture_begin). The argument struct is borrowed for the call (a
+ * device copies it); the buffers it points to must stay valid until the launch has
+ * run, and for a recorded launch as long as its graph may replay. An argument struct
+ * from a caller built for an older minor is shorter: the device reads the members
+ * past its struct_size as zero. Each op may be NULL (not implemented: loom::Device
+ * reports it when called); an op past the table's struct_size is absent. Ops of one
+ * device come from its rank's thread. */
 typedef struct loom_device_ops {
   uint32_t struct_size;
+  /* loom_gemm_args. */
   loom_status (*gemm)(loom_device*, loom_stream*, const loom_gemm_args*);
+  /* LayerNorm forward (loom_layernorm_fwd_args): y, mean and rstd. */
   loom_status (*layernorm_fwd)(loom_device*, loom_stream*, const loom_layernorm_fwd_args*);
+  /* LayerNorm backward (loom_layernorm_bwd_args): dx, dgamma and dbeta. */
   loom_status (*layernorm_bwd)(loom_device*, loom_stream*, const loom_layernorm_bwd_args*);
+  /* GeLU forward (loom_gelu_args): out = gelu(x). */
   loom_status (*gelu_fwd)(loom_device*, loom_stream*, const loom_gelu_args*);
+  /* GeLU backward (loom_gelu_args): out = dy * gelu'(x). */
   loom_status (*gelu_bwd)(loom_device*, loom_stream*, const loom_gelu_args*);
+  /* Attention forward (loom_attention_args): writes out and lse. */
   loom_status (*attention_fwd)(loom_device*, loom_stream*, const loom_attention_args*);
+  /* Attention backward (loom_attention_args): reads lse, writes dq, dk and dv. */
   loom_status (*attention_bwd)(loom_device*, loom_stream*, const loom_attention_args*);
+  /* One step of the softmax cross-entropy (loom_xent_args.step). */
   loom_status (*xent)(loom_device*, loom_stream*, const loom_xent_args*);
+  /* Embedding lookup (loom_embedding_args, forward members). */
   loom_status (*embedding_fwd)(loom_device*, loom_stream*, const loom_embedding_args*);
+  /* Embedding gradient (loom_embedding_args, backward members): dtable +=. */
   loom_status (*embedding_bwd)(loom_device*, loom_stream*, const loom_embedding_args*);
+  /* One LOOM_EW_* kernel (loom_elementwise_args). */
   loom_status (*elementwise)(loom_device*, loom_stream*, const loom_elementwise_args*);
+  /* One LOOM_RED_* reduction (loom_reduce_args). */
   loom_status (*reduce)(loom_device*, loom_stream*, const loom_reduce_args*);
+  /* An AdamW update (loom_adamw_args). */
   loom_status (*adamw)(loom_device*, loom_stream*, const loom_adamw_args*);
 } loom_device_ops;
 
+/* A device plugin's table. Each rank creates its own instance; the calls on one
+ * instance come from that rank's thread, while the instances of the ranks of one
+ * process run concurrently (state they share must be thread-safe). The engine may
+ * also create short-lived instances from its main thread (the memory check of `loom
+ * plan`, `validate` and `run`; device/cpu for planning). */
 typedef struct loom_device_api {
   uint32_t struct_size;
+  /* Creates the instance of one rank. options and args are borrowed for the call;
+   * *out is the plugin's object, valid until destroy. May fail (e.g. no GPU): the
+   * memory check then treats the capacity as unknown. Required. */
   loom_status (*create)(const loom_options* options, const loom_device_create_args* args,
                         loom_device** out);
+  /* Destroys the instance, after every other call on it has returned and after the
+   * streams, events and graphs made from it are destroyed; memory still allocated
+   * is freed with it. Required. */
   void (*destroy)(loom_device* dev);
-  /* Memory. Allocations are at least 256-byte aligned. */
+  /* Memory. Allocations are at least 256-byte aligned.
+   *
+   * Allocates `bytes` of device memory into *out (NULL for 0 bytes), owned by the
+   * caller until free on the same instance; LOOM_CODE_OUT_OF_MEMORY when it cannot.
+   * During a capture on a device with LOOM_DEVICE_GRAPH_POOL it comes from the graph
+   * pool. Plugins allocate through host->alloc, which calls this slot. Required. */
   loom_status (*alloc)(loom_device* dev, size_t bytes, void** out);
+  /* Frees memory from alloc of this instance; NULL is a no-op. Memory freed during a
+   * capture (LOOM_DEVICE_GRAPH_POOL) stays with the graphs. Required. */
   void (*free)(loom_device* dev, void* ptr);
+  /* Fills *out (loom_memory_stats: the caller sets struct_size). Optional: NULL = no
+   * statistics (the engine reports none and cannot check its memory plan). */
   loom_status (*memory_stats)(loom_device* dev, loom_memory_stats* out);
+  /* Copies `bytes` from src to dst, stream-ordered on `stream`; kind LOOM_COPY_*
+   * says which side is host memory. It may return before the copy has run: host
+   * memory passed must stay valid, and a DEVICE_TO_HOST result is readable, only
+   * after stream_synchronize. Recorded under a capture. Required. */
   loom_status (*copy)(loom_device* dev, loom_stream* stream, void* dst, const void* src,
                       size_t bytes, int32_t kind);
-  /* Streams and events. stream NULL = the device's default stream. */
+  /* Streams and events. stream NULL = the device's default stream. The stream, event
+   * and graph slots are optional (NULL = not implemented), but stream_synchronize is
+   * required.
+   *
+   * Creates a stream; *out is the plugin's, valid until stream_destroy. */
   loom_status (*stream_create)(loom_device* dev, loom_stream** out);
+  /* Destroys a stream from stream_create; NULL (the default stream) is a no-op. */
   void (*stream_destroy)(loom_device* dev, loom_stream* stream);
+  /* Blocks the calling thread until the work launched on the stream so far has run.
+   * Fails with LOOM_CODE_INVALID_ARGUMENT on a stream under capture (no host sync in
+   * a captured region). Required. */
   loom_status (*stream_synchronize)(loom_device* dev, loom_stream* stream);
+  /* Creates an event; *out is the plugin's, valid until event_destroy. */
   loom_status (*event_create)(loom_device* dev, loom_event** out);
+  /* Destroys an event; NULL is a no-op. */
   void (*event_destroy)(loom_device* dev, loom_event* event);
+  /* Records the event after the work launched on the stream so far. */
   loom_status (*event_record)(loom_device* dev, loom_event* event, loom_stream* stream);
+  /* Makes later work on the stream wait for the event's last record (the host does
+   * not wait). */
   loom_status (*stream_wait_event)(loom_device* dev, loom_stream* stream, loom_event* event);
+  /* Blocks the calling thread until the event's last record has been reached. */
   loom_status (*event_synchronize)(loom_device* dev, loom_event* event);
   /* Graphs: between capture_begin and capture_end, work launched on the stream is
-   * recorded, not run; replay runs it again on the same addresses. */
+   * recorded, not run; replay runs it again on the same addresses. One capture at a
+   * time per instance.
+   *
+   * Starts recording the stream (a nested capture on the same instance is refused). */
   loom_status (*capture_begin)(loom_device* dev, loom_stream* stream);
+  /* Ends the capture of the stream; *out is the recorded graph, the plugin's, valid
+   * until graph_destroy. */
   loom_status (*capture_end)(loom_device* dev, loom_stream* stream, loom_graph** out);
+  /* Runs the graph's work on the stream (stream-ordered); on a stream under capture
+   * the graph is recorded into the outer capture. */
   loom_status (*graph_replay)(loom_device* dev, loom_graph* graph, loom_stream* stream);
+  /* Destroys a graph; NULL is a no-op. With LOOM_DEVICE_GRAPH_POOL the pool is
+   * released with the last graph. */
   void (*graph_destroy)(loom_device* dev, loom_graph* graph);
-  /* The backend's native stream (cudaStream_t for CUDA; NULL on CPU), for comm plugins. */
+  /* The backend's native stream (cudaStream_t for CUDA; NULL on CPU), for comm plugins.
+   * Owned by the device, valid while the stream lives. Optional: NULL = callers pass
+   * NULL. */
   void* (*native_stream)(loom_device* dev, loom_stream* stream);
   /* DLPack device type of this device's memory (kDLCPU, kDLCUDA). */
   int32_t dl_device_type;
+  /* The op table, the library's (static), valid while it is loaded. Required. */
   const loom_device_ops* ops;
-  /* 1.2. A stream-ordered 2-D copy (cudaMemcpy2DAsync's semantics): `rows` rows of
+  /* --- since 1.2 --- */
+  /* A stream-ordered 2-D copy (cudaMemcpy2DAsync's semantics): `rows` rows of
    * `width` bytes, row r from src + r * src_pitch to dst + r * dst_pitch (pitches in
-   * bytes, >= width). The regions must not overlap. */
+   * bytes, >= width). The regions must not overlap. Host memory as for copy.
+   * Optional: NULL (and a table built before 1.2) = loom::Device::copy_2d issues one
+   * copy per row. */
   loom_status (*copy_2d)(loom_device* dev, loom_stream* stream, void* dst, size_t dst_pitch, const void* src,
                          size_t src_pitch, size_t width, size_t rows, int32_t kind);
-  /* 1.2. LOOM_DEVICE_* capability bits (a 1.1 table, which lacks the member, has none). */
+  /* LOOM_DEVICE_* capability bits (a table built before 1.2, which lacks the member,
+   * has none). */
   uint64_t features;
 } loom_device_api;
 
 /* loom_device_api.features: layernorm_bwd and embedding_bwd honour grad_fp32 (gemm's
- * bf16 A/B with an fp32 C and reduce's fp32 out of bf16 x are 1.0 contract). */
+ * bf16 A/B with an fp32 C and reduce's fp32 out of bf16 x are required of every
+ * device). */
 #define LOOM_DEVICE_GRAD_FP32 (1ull << 0)
-/* 1.3: memory allocated during a capture and freed stays with the device's graphs
+/* Memory allocated during a capture and freed stays with the device's graphs
  * (a graph pool shared by all its graphs, reused only by later captures, released
  * with the last graph), as replays write it again. exec plugins that replay
- * captured steps need it. */
+ * captured steps need it (since 1.3). */
 #define LOOM_DEVICE_GRAPH_POOL (1ull << 1)
-/* 1.3: elementwise DROPOUT honours seed_device. */
+/* elementwise DROPOUT honours seed_device (since 1.3). */
 #define LOOM_DEVICE_SEED_DEVICE (1ull << 2)
-/* 1.6: attention_fwd / attention_bwd honour kv_seq, q_offset, the kv strides and
- * accumulate_dkv (a query window inside a longer key sequence: context parallelism). */
+/* attention_fwd / attention_bwd honour kv_seq, q_offset, the kv strides and
+ * accumulate_dkv (a query window inside a longer key sequence: context parallelism)
+ * (since 1.6). */
 #define LOOM_DEVICE_ATTENTION_WINDOW (1ull << 3)
-/* 1.8: adamw and reduce (SUM, SUM_SQUARES, MAX_ABS) honour num_segments / segments:
- * one call for many tensors of a flat buffer (an optimizer step in two launches). */
+/* adamw and reduce (SUM, SUM_SQUARES, MAX_ABS) honour num_segments / segments:
+ * one call for many tensors of a flat buffer (an optimizer step in two launches)
+ * (since 1.8). */
 #define LOOM_DEVICE_MULTI_TENSOR (1ull << 4)
 
 /* ------------------------------------------------------------------------- */
@@ -463,31 +609,58 @@ typedef struct loom_device_api {
 /* native stream (NULL on CPU). Counts are in elements.                       */
 /* ------------------------------------------------------------------------- */
 
+/* loom_comm_api.world_create's arguments (borrowed for the call). */
 typedef struct loom_comm_world_args {
   uint32_t struct_size;
-  int32_t world_size;
+  int32_t world_size;            /* ranks of the whole run */
   int32_t num_local_ranks;       /* ranks hosted by this process */
   const int32_t* local_ranks;    /* their global ranks */
-  int64_t timeout_ms;            /* a collective that waits longer fails */
+  int64_t timeout_ms;            /* a collective that waits longer fails (<= 0: wait forever) */
 } loom_comm_world_args;
 
+/* loom_comm_api.group_create's arguments (borrowed for the call). */
 typedef struct loom_group_desc {
   uint32_t struct_size;
   const char* kind;              /* "tp", "dp", "pp", ... (for messages) */
   const int32_t* ranks;          /* global ranks, in rank-in-group order */
-  int32_t size;
+  int32_t size;                  /* entries of ranks */
   int32_t my_rank;               /* the caller's global rank */
 } loom_group_desc;
 
+/* A comm plugin's table. A collective is called by every member of the group, each
+ * from its own rank's thread (or process), with matching arguments and in the same
+ * order as the group's other collectives; it returns a status on this member only.
+ * The calls on one loom_comm come from one thread at a time; different members call
+ * concurrently. Where the backend has streams (comm/nccl) the work is ordered on
+ * `stream` and the caller synchronises before reading a result on the host; the
+ * others complete before returning. In place: all_reduce and broadcast with send ==
+ * recv, all_gather with send == recv + rank * count, reduce_scatter with recv ==
+ * send + rank * count; other overlaps are refused. The collectives are optional
+ * (NULL: the engine's shim and loom::Group report the missing one when called). */
 typedef struct loom_comm_api {
   uint32_t struct_size;
-  /* Once per process. */
+  /* Once per process.
+   *
+   * Called by the engine's launching thread before any rank starts. options and args
+   * are borrowed for the call; *out is the plugin's, valid until world_destroy.
+   * Required. */
   loom_status (*world_create)(const loom_options* options, const loom_comm_world_args* args,
                               loom_comm_world** out);
+  /* Called by the launching thread after every rank's thread has ended (their
+   * groups destroyed). Required. */
   void (*world_destroy)(loom_comm_world* world);
-  /* Called by every member of a group (from its own rank thread or process). */
+  /* Called by every member of a group (from its own rank thread or process).
+   *
+   * Joins the group `desc` describes; returns once every member has joined (or
+   * fails after the world's timeout). *out is this member's handle, the plugin's,
+   * valid until group_destroy; a group of one rank gets one too. Members create the
+   * groups of one rank list in the same order. Required. */
   loom_status (*group_create)(loom_comm_world* world, const loom_group_desc* desc, loom_comm** out);
+  /* Releases this member's handle, from its rank's thread after its last call on it
+   * (the engine: when the rank ends). No collective. Required. */
   void (*group_destroy)(loom_comm* comm);
+  /* recv = the elementwise reduction (op: LOOM_REDUCE_*) of every member's send,
+   * count elements of dtype each. */
   loom_status (*all_reduce)(loom_comm* comm, void* stream, const void* send, void* recv,
                             size_t count, int32_t dtype, int32_t op);
   /* recv holds size * count elements, rank i's contribution at i * count. */
@@ -499,29 +672,44 @@ typedef struct loom_comm_api {
   /* Block i of send (count elements) goes to rank i; block j of recv came from rank j. */
   loom_status (*all_to_all)(loom_comm* comm, void* stream, const void* send, void* recv,
                             size_t count, int32_t dtype);
+  /* As all_to_all with a count and a displacement (in elements) per rank: send_counts[i]
+   * elements from send + send_displs[i] go to rank i, recv_counts[j] elements from rank
+   * j land at recv + recv_displs[j]. Each array has one entry per member (borrowed for
+   * the call); recv_counts[j] must equal what rank j sends here. */
   loom_status (*all_to_all_v)(loom_comm* comm, void* stream, const void* send,
                               const size_t* send_counts, const size_t* send_displs, void* recv,
                               const size_t* recv_counts, const size_t* recv_displs, int32_t dtype);
+  /* buf of the member `root` (a rank in the group) is copied into every member's buf. */
   loom_status (*broadcast)(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype,
                            int32_t root);
+  /* Returns once every member has called it (host-synchronous; no stream). */
   loom_status (*barrier)(loom_comm* comm);
-  /* Point to point; peers are ranks within the group. send never blocks on the receiver. */
+  /* Point to point; peers are ranks within the group. send never blocks on the receiver.
+   *
+   * Sends count elements to peer under tag; buf may be reused once it returns (stream
+   * backends: once the stream reaches it). */
   loom_status (*send)(loom_comm* comm, void* stream, const void* buf, size_t count, int32_t dtype,
                       int32_t peer, int32_t tag);
+  /* Receives the oldest unreceived message of (peer, tag) into buf; count and dtype
+   * must match the send's. Waits for it up to the world's timeout. */
   loom_status (*recv)(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype,
                       int32_t peer, int32_t tag);
   /* Makes every pending and future wait of this world fail at once with `reason`
    * (the engine calls it when a rank fails, so the others stop instead of waiting
-   * for their timeout). */
+   * for their timeout). Called from any thread (the failing rank's), concurrently
+   * with the other ranks' calls; reason is borrowed for the call. Optional: NULL =
+   * the others wait for their timeout. */
   void (*world_abort)(loom_comm_world* world, const char* reason);
 } loom_comm_api;
 
-/* A rank group as the host hands it to plugins. */
+/* A rank group as the host hands it to plugins (a copy; the host owns the
+ * communicator, which stays valid until the rank ends). */
 typedef struct loom_group {
   uint32_t struct_size;
-  const loom_comm_api* api;
-  loom_comm* comm;               /* valid for every group, size 1 included */
-  int32_t size;
+  const loom_comm_api* api;      /* the comm table (the engine's shim, counting calls) */
+  loom_comm* comm;               /* valid for every group, size 1 included, in a run; NULL, as
+                                    api, in the groups of layers created only to plan memory */
+  int32_t size;                  /* members */
   int32_t rank;                  /* the caller's rank in the group */
 } loom_group;
 
@@ -537,45 +725,55 @@ typedef struct loom_group {
 #define LOOM_INIT_NORMAL 2          /* N(0, init_std) */
 #define LOOM_INIT_NORMAL_SCALED 3   /* N(0, init_std / sqrt(2 * num_layers)) */
 
+/* One parameter a layer declares (loom_layer_api.params). The engine reads a
+ * layer's array with the stride of its first element's struct_size (every element
+ * must carry the same), so the shorter elements of a layer built for an older minor
+ * read right; a struct_size no 1.x declaration has is refused naming the layer. */
 typedef struct loom_param_decl {
-  uint32_t struct_size;
+  uint32_t struct_size;      /* sizeof(loom_param_decl) of the layer's header */
   const char* name;          /* unique within the layer, e.g. "qkv.weight" */
   int32_t ndim;              /* 1..4 */
   int64_t shape[4];          /* full (unpartitioned) shape */
   int32_t partition_dim;     /* dim split across tp (-1 = duplicated on every tp rank) */
   int32_t partition_stride;  /* >1: that dim is `stride` concatenated blocks, each split */
   int32_t init;              /* LOOM_INIT_* */
-  float init_std;
+  float init_std;            /* the standard deviation of the NORMAL inits */
   int32_t no_weight_decay;   /* 1 for norms and biases */
-  const char* tie_key;       /* params with the same tie_key share storage (weight tying) */
-  /* 1.4: 1 = dim 0 holds one block per expert (a MoE layer's experts) and is split
+  const char* tie_key;       /* params with the same tie_key share storage (weight tying);
+                                NULL = not tied */
+  /* --- since 1.4 --- */
+  /* 1 = dim 0 holds one block per expert (a MoE layer's experts) and is split
    * over the expert-parallel group: ep rank i holds experts [i * n / ep, (i + 1) * n
-   * / ep) of the n in dim 0 (partition_dim then splits over tp as usual). Its
-   * gradient is reduced over the expert data-parallel group (edp), not dp. The
-   * engine reads a layer's array of loom_param_decl with the stride of its first
-   * element's struct_size, so an older layer's shorter elements read as expert 0. */
+   * / ep) of the n in dim 0 (partition_dim, which must not be 0, then splits over tp
+   * as usual). Its gradient is reduced over the expert data-parallel group (edp), not
+   * dp. The elements of a layer built before 1.4 end before it: expert 0. */
   int32_t expert;
 } loom_param_decl;
 
+/* The model's dimensions, as the manifest sets them (not divided by tp or cp). */
 typedef struct loom_model_dims {
   uint32_t struct_size;
-  int64_t hidden, heads, ffn_hidden, seq_len;
+  int64_t hidden, heads, ffn_hidden, seq_len;   /* hidden size, attention heads, MLP width,
+                                                   tokens per sample */
   int64_t vocab;             /* real vocabulary size */
   int64_t padded_vocab;      /* multiple of the padding divisor (and of tp) */
-  int64_t micro_batch;
+  int64_t micro_batch;       /* samples per microbatch */
   int32_t num_layers;        /* transformer blocks in the whole model */
   int32_t block_index;       /* which block this layer belongs to (-1 outside blocks) */
   int32_t tie_embeddings;    /* 1: the output layer shares the word embedding (tie_key "word_embedding") */
 } loom_model_dims;
 
+/* loom_layer_api.create's arguments (borrowed for the call: copy what you keep). */
 typedef struct loom_layer_create_args {
   uint32_t struct_size;
-  const loom_model_dims* dims;
+  const loom_model_dims* dims;   /* the model's dimensions (block_index: this layer's) */
   const char* instance_name; /* e.g. "blocks.3.attention" */
-  loom_group tp;             /* tensor-parallel group of this rank */
-  int32_t sequence_parallel;
+  loom_group tp;             /* tensor-parallel group of this rank (its communicator stays
+                                valid until the layer is destroyed) */
+  int32_t sequence_parallel; /* 1: hidden states outside TP regions are 1/tp sequence shards */
+  /* --- since 1.2 --- */
   int32_t pad_1_1;           /* 1.1's tail padding (covered by its sizeof): unused, 0 */
-  /* 1.2: bf16 parameters with fp32 gradients may be accumulated by the ops straight
+  /* bf16 parameters with fp32 gradients may be accumulated by the ops straight
    * into the fp32 gradients (grad_fp32; manifest device.grad_accumulation_fusion). */
   int32_t grad_accumulation_fusion;
 } loom_layer_create_args;
@@ -583,8 +781,8 @@ typedef struct loom_layer_create_args {
 /* Hidden states are [seq, micro_batch, hidden] (sequence-major, as in Megatron),
  * fp32 or the run's activation dtype. tokens and targets are [seq, micro_batch] int32.
  *
- * 1.6, context parallelism (the rank group "cp" has cp > 1 ranks; only layers with
- * LOOM_LAYER_CONTEXT_PARALLEL are given such a run): the sequence of seq_len
+ * Context parallelism (since 1.6), where the rank group "cp" has cp > 1 ranks (only
+ * layers with LOOM_LAYER_CONTEXT_PARALLEL are given such a run): the sequence of seq_len
  * positions is cut into 2*cp chunks of seq_len / (2*cp); cp rank r holds chunks r
  * and 2*cp - 1 - r, in that order (each rank gets an early and a late chunk, so
  * causal attention costs the same on every rank). tokens, targets and hidden states
@@ -593,81 +791,121 @@ typedef struct loom_layer_create_args {
  * scale and the gradients follow Megatron: the engine sums loss_sum and loss_count
  * over cp, gives every cp rank loss_scale = cp / (tokens * microbatches) (and
  * aux_loss_scale = cp / microbatches) and the optimizer strategy averages
- * gradients over the "dp-cp" group (its `dp`). */
+ * gradients over the "dp-cp" group (its `dp`).
+ *
+ * loom_layer_api.forward's arguments, borrowed for the call: the DLTensor views and
+ * host pointers are valid during the call only; the device memory the views point
+ * to holds the data until the step's backward. */
 typedef struct loom_layer_fwd_args {
   uint32_t struct_size;
   int32_t microbatch;        /* activations are saved per microbatch */
   int32_t training;          /* 0: no activations need be saved */
   const DLTensor* input;     /* NULL for the first layer */
   DLTensor* output;          /* NULL for the last layer */
-  const DLTensor* tokens;
-  const DLTensor* targets;
+  const DLTensor* tokens;    /* this microbatch's input ids */
+  const DLTensor* targets;   /* and the ids each position predicts (negative = ignored) */
   float* loss_sum;           /* host: the last layer writes the summed loss of the microbatch */
   int64_t* loss_count;       /* host: and how many tokens it covers */
   uint64_t dropout_seed;     /* identical on all tp ranks; layers derive per-rank seeds */
   int32_t* predictions;      /* host, optional: the last layer writes argmax tokens [seq, micro_batch] */
-  /* 1.3: device memory holding dropout_seed (the same value, at the same address
+  /* --- since 1.3 --- */
+  /* Device memory holding dropout_seed (the same value, at the same address
    * for the same microbatch every step): what a captured dropout reads. */
   const uint64_t* dropout_seed_device;
-  /* 1.4, host, training forwards: a layer with an auxiliary loss (MoE load
+  /* --- since 1.4 --- */
+  /* Host, training forwards: a layer with an auxiliary loss (MoE load
    * balancing) adds this microbatch's value, already weighted by its coefficient,
    * for reporting; NULL = not reported. */
   float* aux_loss;
-  /* 1.7, sub-steps: a layer that captures parts of its step (capturable() == 2)
+  /* --- since 1.7 --- */
+  /* Sub-steps: a layer that captures parts of its step (capturable() == 2)
    * runs each part through the rank's exec plugin (host->exec) as a
    * loom_exec_step with this key, its own substep >= 1 and capturable =
    * substeps_capturable. step_key is the engine's key of this layer step (the
    * same for the same layer and microbatch every step); substeps_capturable is 1
    * when parts may be captured now: a training step whose dropout seed is in
    * device memory, a tp group of one rank and an exec plugin with
-   * LOOM_EXEC_SUBSTEPS. Both read 0 from an engine before 1.7. */
+   * LOOM_EXEC_SUBSTEPS, else 0. The engine always sets both. */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;      /* 0 */
+  int32_t reserved_1_7;      /* unused, 0 */
 } loom_layer_fwd_args;
 
+/* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
 typedef struct loom_layer_bwd_args {
   uint32_t struct_size;
-  int32_t microbatch;
+  int32_t microbatch;          /* the forward's */
   const DLTensor* grad_output; /* NULL for the last layer */
   DLTensor* grad_input;        /* NULL for the first layer */
   float loss_scale;            /* last layer: dL/d(loss_sum) */
-  /* 1.4: d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
+  /* --- since 1.4 --- */
+  int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
+  /* d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
    * (auxiliary losses are averaged over microbatches like the main loss, and over
    * data-parallel ranks by the gradient reduction), on every pipeline stage.
-   * Reads 0 from an engine before 1.4. 1.6: cp / microbatches under context
-   * parallelism, as loss_scale carries the factor cp: a layer whose auxiliary
-   * loss covers the whole microbatch (MoE routing) backpropagates, on each cp
-   * rank, its own tokens' part of it, and the dp-cp average sums those. */
-  int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
+   * Under context parallelism (since 1.6) cp / microbatches, as loss_scale carries
+   * the factor cp: a layer whose auxiliary loss covers the whole microbatch (MoE
+   * routing) backpropagates, on each cp rank, its own tokens' part of it, and the
+   * dp-cp average sums those. */
   float aux_loss_scale;
+  /* --- since 1.7 --- */
   int32_t pad_1_6;             /* 1.6's tail padding (covered by its sizeof): unused, 0 */
-  /* 1.7: as in loom_layer_fwd_args (the key of this backward step). */
+  /* As in loom_layer_fwd_args (the key of this backward step). */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;        /* 0 */
+  int32_t reserved_1_7;        /* unused, 0 */
 } loom_layer_bwd_args;
 
+/* A layer plugin's table. Each rank creates its own instances (one per layer of
+ * the model it holds) and calls them from its thread. The engine also creates
+ * instances only to plan memory (`loom plan`, `validate`, the check before a run):
+ * their groups have NULL api and comm, bind gets views whose data is NULL, and only
+ * params, bind, activation_bytes and destroy are called; create must not
+ * communicate. */
 typedef struct loom_layer_api {
   uint32_t struct_size;
+  /* Creates one layer instance. options and args are borrowed for the call; rank
+   * stays valid until destroy; *out is the plugin's, valid until destroy. Required. */
   loom_status (*create)(const loom_options* options, loom_rank* rank,
                         const loom_layer_create_args* args, loom_layer** out);
+  /* Destroys the instance and what it allocated. Required. */
   void (*destroy)(loom_layer* layer);
-  /* The layer's parameters; the array stays valid while the layer lives. */
+  /* The layer's parameters; the array stays valid while the layer lives.
+   *
+   * *out: *count declarations, owned by the layer (read with the stride of
+   * (*out)[0].struct_size). Required. */
   loom_status (*params)(loom_layer* layer, const loom_param_decl** out, size_t* count);
   /* Views of this rank's slice of each parameter and its gradient, in declaration
-   * order, living in the engine's flat buffers. Gradients are accumulated (+=). */
+   * order, living in the engine's flat buffers. Gradients are accumulated (+=).
+   *
+   * Called once, before the first forward. The two arrays of `count` DLTensors (and
+   * their shapes) are borrowed for the call; the memory they point to stays valid
+   * until destroy. Required. */
   loom_status (*bind)(loom_layer* layer, const DLTensor* params, const DLTensor* grads,
                       size_t count);
+  /* Runs the forward of one microbatch (loom_layer_fwd_args), enqueuing its work on
+   * the rank's device; rank is the one of create. A training forward saves what the
+   * backward of args->microbatch needs; several microbatches may be in flight
+   * (pipeline schedules). Required. */
   loom_status (*forward)(loom_layer* layer, loom_rank* rank, const loom_layer_fwd_args* args);
+  /* Runs the backward of a microbatch whose training forward ran (loom_layer_bwd_args),
+   * accumulates the parameter gradients and frees what that forward saved. Required. */
   loom_status (*backward)(loom_layer* layer, loom_rank* rank, const loom_layer_bwd_args* args);
-  /* Frees what forward saved for `microbatch` (also done by backward). */
+  /* Frees what forward saved for `microbatch` (also done by backward).
+   *
+   * Optional, but the engine refuses activation recomputation
+   * (model.recompute_granularity) for a layer without it. */
   void (*release)(loom_layer* layer, int32_t microbatch);
-  /* Bytes of activations saved per microbatch (for planning). */
+  /* Bytes of activations saved per microbatch (for planning).
+   *
+   * Called after bind. Optional: NULL = 0. */
   uint64_t (*activation_bytes)(loom_layer* layer);
-  /* Multiply-adds x2 of one forward over one microbatch (for MFU). */
+  /* Multiply-adds x2 of one forward over one microbatch (for MFU).
+   *
+   * Optional: NULL = 0. */
   double (*forward_flops)(loom_layer* layer);
-  /* 1.3. 1 when this layer's training forward and backward obey the graph rules,
+  /* --- since 1.3 --- */
+  /* 1 when this layer's training forward and backward obey the graph rules,
    * so an exec plugin with LOOM_EXEC_REPLAYS may capture them once and replay:
    * every launch on the rank's device (default stream); no host synchronisation,
    * device-to-host read or host decision on device data; no value that changes
@@ -677,93 +915,106 @@ typedef struct loom_layer_api {
    * tp group has one rank). Its host code runs once, at capture: per-microbatch
    * state must live in device memory allocated inside the step (from the device's
    * graph pool while captured). NULL or 0: always run directly.
-   * 1.7: 2 = "captures parts of its step": the whole step runs directly and the
-   * layer runs its graph-safe parts as sub-steps (loom_layer_fwd_args.step_key);
-   * the engine keeps the hidden states at fixed addresses as for 1. An engine
-   * before 1.7 reads 2 as 0. */
+   * 2 (since 1.7) = "captures parts of its step": the whole step runs directly and
+   * the layer runs its graph-safe parts as sub-steps (loom_layer_fwd_args.step_key);
+   * the engine keeps the hidden states at fixed addresses as for 1. The engine
+   * treats 2 from a layer built before 1.7 as 0. Called once, after create. */
   int32_t (*capturable)(loom_layer* layer);
-  /* 1.6. LOOM_LAYER_* capability bits (a 1.0-1.5 table, which lacks them, has none). */
+  /* --- since 1.6 --- */
+  /* LOOM_LAYER_* capability bits (a table built before 1.6, which lacks the member,
+   * has none). */
   uint64_t features;
 } loom_layer_api;
 
-/* loom_layer_api.features: 1.6, the layer takes a context-parallel slice of the
+/* loom_layer_api.features: the layer takes a context-parallel slice of the
  * sequence (see loom_layer_fwd_args); the engine refuses parallel.cp > 1 for a model
- * with a layer that lacks it. */
+ * with a layer that lacks it (since 1.6). */
 #define LOOM_LAYER_CONTEXT_PARALLEL (1ull << 0)
 
 /* ------------------------------------------------------------------------- */
 /* Optimizer strategy plugins (parallel/ddp, parallel/distopt)                */
 /* ------------------------------------------------------------------------- */
 
+/* One parameter of the model as the optimizer sees it (loom_optimizer_create_args.infos). */
 typedef struct loom_param_info {
   uint32_t struct_size;
   const char* name;          /* global, e.g. "blocks.3.attention.qkv.weight" */
   size_t offset;             /* element offset in the flat buffers */
   size_t numel;              /* local elements */
-  int32_t no_weight_decay;
+  int32_t no_weight_decay;   /* 1: weight_decay does not apply (loom_param_decl's) */
   int32_t duplicated;        /* 1: identical copy on every tp rank (count once in norms);
-                              * 1.5: for an expert parameter, on every etp rank */
+                              * for an expert parameter under MoE folding (since 1.5),
+                              * on every etp rank */
 } loom_param_info;
 
+/* loom_optimizer_api.create's arguments. The arrays and the struct are borrowed for
+ * the call (copy what you keep); the flat buffers and the groups' communicators stay
+ * valid until destroy. */
 typedef struct loom_optimizer_create_args {
   uint32_t struct_size;
   void* params;              /* flat parameter buffer (device) */
   void* grads;               /* flat gradient buffer (device) */
-  size_t numel;
-  int32_t param_dtype, grad_dtype;
-  const loom_param_info* infos;
-  size_t num_params;
-  loom_group dp, tp, pp;     /* groups for grad sync and norm reductions */
+  size_t numel;              /* elements of each buffer, padding included */
+  int32_t param_dtype, grad_dtype;   /* LOOM_DTYPE_F32 or LOOM_DTYPE_BF16 */
+  const loom_param_info* infos;      /* num_params entries, in model order */
+  size_t num_params;                 /* entries of infos (and of the flag arrays below) */
+  /* Groups for grad sync and norm reductions. dp is the group gradients are averaged
+   * over: the "dp-cp" group under context parallelism. */
+  loom_group dp, tp, pp;
   /* Buckets of the buffers (Megatron's layout: reverse model order, 64-element
    * aligned starts, each bucket a multiple of lcm(dp, 128) elements): bucket b is
    * [bucket_offsets[b], bucket_offsets[b + 1]); num_buckets + 1 entries. */
   const size_t* bucket_offsets;
-  size_t num_buckets;
-  /* --- 1.1 --- */
+  size_t num_buckets;          /* buckets (bucket_offsets has one entry more) */
+  /* --- since 1.1 --- */
   /* NULL, or num_params flags: 1 = this rank's copy of the parameter is also held
    * on another pipeline stage (the tied word embedding on the last stage). Its
    * gradient arrives already summed over the copies; gradient norms count it on
-   * the owning stage only, so skip it here. */
+   * the owning stage only, so skip it here. The engine refuses to run a strategy
+   * built for 1.0 when a flag would be 1. */
   const int32_t* counted_elsewhere;
-  /* --- 1.4 --- */
+  /* --- since 1.4 --- */
   /* NULL, or num_params flags: 1 = an expert parameter (loom_param_decl.expert),
    * different on each rank of the ep group. Its gradient is summed over the edp
    * group instead of averaged over dp, then scaled by 1 / dp: its tokens came from
    * every dp rank of the ep group. Global norms sum it over ep as well. The engine
    * places expert parameters after all others, so they form the tail of the
-   * buffers. Only strategies with LOOM_OPTIMIZER_EXPERT_PARALLEL are given any. */
+   * buffers. Only strategies with LOOM_OPTIMIZER_EXPERT_PARALLEL are given any;
+   * the others get NULL here and zeroed ep and edp. */
   const int32_t* expert;
   loom_group ep, edp;          /* the expert-parallel and expert data-parallel groups */
-  /* --- 1.5 --- */
+  /* --- since 1.5 --- */
   /* The expert tensor-parallel group (parallel.etp), over which expert parameters
    * are split instead of tp. It is the tp group unless the run folds MoE
    * parallelism (Megatron-Core's "MoE Parallel Folding": etp = 1 under tp > 1 with sequence
    * parallelism, the ep group then spanning tp ranks): then global norms sum the
    * expert part over ep and etp but not over tp, and an expert parameter's
    * `duplicated` means identical on every etp rank. Given (and a.expert then set
-   * even at ep = 1) only to strategies with LOOM_OPTIMIZER_EXPERT_FOLDING. */
+   * even at ep = 1) only to strategies with LOOM_OPTIMIZER_EXPERT_FOLDING; zeroed
+   * (size 0, NULL comm) for the others, which use tp. */
   loom_group etp;
 } loom_optimizer_create_args;
 
+/* loom_optimizer_api.step's arguments (borrowed for the call). */
 typedef struct loom_optimizer_step_args {
   uint32_t struct_size;
   int64_t step;              /* 1-based */
-  float lr;
-  float beta1, beta2, eps, weight_decay;
+  float lr;                  /* this step's learning rate (the schedule applied) */
+  float beta1, beta2, eps, weight_decay;   /* AdamW's */
   float clip_grad;           /* 0 = no clipping */
 } loom_optimizer_step_args;
 
+/* Filled by loom_optimizer_api.step (the caller sets struct_size). */
 typedef struct loom_optimizer_step_result {
   uint32_t struct_size;
   float grad_norm;           /* before clipping */
 } loom_optimizer_step_result;
 
-/* --- 1.1 --- */
 /* Resuming at another data-parallel size (same tp and pp): the states that every
- * old dp rank of this rank's (tp, pp) position saved, and the old buffer layout.
- * A parameter is identified by its index in model order, the same list as
- * loom_optimizer_create_args.infos; its numel is unchanged, but its offset may
- * differ, since the padding depends on dp. */
+ * old dp rank of this rank's (tp, pp) position saved, and the old buffer layout
+ * (since 1.1). A parameter is identified by its index in model order, the same list
+ * as loom_optimizer_create_args.infos; its numel is unchanged, but its offset may
+ * differ, since the padding depends on dp. Borrowed for the call, blobs included. */
 typedef struct loom_optimizer_reshard_args {
   uint32_t struct_size;
   int32_t old_dp;                      /* the dp size the states were saved at */
@@ -774,52 +1025,82 @@ typedef struct loom_optimizer_reshard_args {
   const size_t* old_numels;            /* num_params element counts (model order) */
   size_t num_params;                   /* == loom_optimizer_create_args.num_params */
   const size_t* old_bucket_offsets;    /* old_num_buckets + 1 entries, as bucket_offsets */
-  size_t old_num_buckets;
+  size_t old_num_buckets;              /* buckets of the old layout */
 } loom_optimizer_reshard_args;
 
+/* An optimizer strategy's table. Each rank creates one instance and calls it from
+ * its thread; step (and what it reduces) is collective over the groups it was
+ * given, so every rank calls it for every training step. */
 typedef struct loom_optimizer_api {
   uint32_t struct_size;
+  /* Creates the rank's strategy (loom_optimizer_create_args for what is borrowed).
+   * options are borrowed for the call; rank stays valid until destroy; *out is the
+   * plugin's, valid until destroy. Required. */
   loom_status (*create)(const loom_options* options, loom_rank* rank,
                         const loom_optimizer_create_args* args, loom_optimizer** out);
+  /* Destroys the strategy and the state it allocated. Required. */
   void (*destroy)(loom_optimizer* opt);
-  /* Synchronise gradients, clip, update parameters. */
+  /* Synchronise gradients, clip, update parameters.
+   *
+   * Called after the backwards of every microbatch of the step; args are borrowed,
+   * *result is filled (the caller sets struct_size). Required. */
   loom_status (*step)(loom_optimizer* opt, loom_rank* rank, const loom_optimizer_step_args* args,
                       loom_optimizer_step_result* result);
-  /* Optimizer state for checkpoints: a byte blob this rank owns. */
+  /* Optimizer state for checkpoints: a byte blob this rank owns.
+   *
+   * *bytes = the size of this rank's blob, fixed for the life of opt. Required. */
   loom_status (*state_size)(loom_optimizer* opt, size_t* bytes);
+  /* Writes the blob into host_buf, host memory of `bytes` (= state_size) borrowed for
+   * the call. Required. */
   loom_status (*state_save)(loom_optimizer* opt, void* host_buf, size_t bytes);
+  /* Restores a blob state_save wrote at the same layout (borrowed for the call);
+   * refuses one whose size does not match. Required. */
   loom_status (*state_load)(loom_optimizer* opt, const void* host_buf, size_t bytes);
-  /* --- 1.1 --- */
+  /* --- since 1.1 --- */
   /* Loads state saved at another dp size: each element of this rank's state takes
    * its value from whichever old rank held that element of that parameter (mapped
    * by parameter index and range within the parameter, never by old buffer offset);
    * padding gets zeros. NULL = the strategy cannot reshard (the engine refuses). */
   loom_status (*state_load_resharded)(loom_optimizer* opt, const loom_optimizer_reshard_args* args);
-  /* 1.4. LOOM_OPTIMIZER_* capability bits (a 1.0-1.3 table, which lacks them, has none). */
+  /* --- since 1.4 --- */
+  /* LOOM_OPTIMIZER_* capability bits (a table built before 1.4, which lacks the
+   * member, has none). */
   uint64_t features;
 } loom_optimizer_api;
 
-/* loom_optimizer_api.features: 1.4, the strategy reduces expert parameters over edp
+/* loom_optimizer_api.features: the strategy reduces expert parameters over edp
  * (loom_optimizer_create_args.expert, .ep, .edp); the engine refuses expert
- * parallelism (parallel.ep > 1) with a strategy that lacks it. */
+ * parallelism (parallel.ep > 1) with a strategy that lacks it (since 1.4). */
 #define LOOM_OPTIMIZER_EXPERT_PARALLEL (1ull << 0)
-/* 1.5: the strategy reads loom_optimizer_create_args.etp (MoE folding, etp != tp);
- * the engine refuses a folded run with a strategy that lacks it. */
+/* The strategy reads loom_optimizer_create_args.etp (MoE folding, etp != tp);
+ * the engine refuses a folded run with a strategy that lacks it (since 1.5). */
 #define LOOM_OPTIMIZER_EXPERT_FOLDING (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
 /* Pipeline schedule plugins (parallel/pipeline.*)                            */
 /* ------------------------------------------------------------------------- */
 
+/* loom_schedule_api.order's arguments (borrowed for the call). */
 typedef struct loom_schedule_args {
   uint32_t struct_size;
+  /* pipeline stages, model chunks per stage (virtual stages), microbatches per step,
+   * microbatches per group of the interleaved schedule (pipeline.microbatch_group_size;
+   * 0 = pp), and the pipeline rank (0..pp-1) whose order is asked for */
   int32_t pp, vpp, microbatches, group_size, rank;
 } loom_schedule_args;
 
+/* A pipeline schedule's table. */
 typedef struct loom_schedule_api {
   uint32_t struct_size;
   /* Writes the rank's signed order (+c forward of local chunk c, -c backward),
-   * 2 * vpp * microbatches entries, into order[capacity]. */
+   * 2 * vpp * microbatches entries, into order[capacity].
+   *
+   * c runs 1..vpp; the n-th +c (or -c) is microbatch n - 1 of chunk c. *length = the
+   * entries written; *warmup = the forwards before the first backward. The engine
+   * asks from one thread for every pipeline rank in turn (before a run and for `loom
+   * schedule`), so the answer must depend on options and args only. options (the
+   * manifest's, or the defaults) and the host buffer order are borrowed for the call.
+   * Required. */
   loom_status (*order)(const loom_options* options, const loom_schedule_args* args, int32_t* order,
                        size_t capacity, size_t* length, int32_t* warmup);
 } loom_schedule_api;
@@ -828,25 +1109,29 @@ typedef struct loom_schedule_api {
 /* Execution-mode plugins (exec/eager, exec/partial_graph)                    */
 /* ------------------------------------------------------------------------- */
 
+/* The work of a step (loom_exec_step.fn), called with loom_exec_step.ctx. */
 typedef loom_status (*loom_step_fn)(void* ctx);
 
+/* One step handed to loom_exec_api.run (borrowed for the call, scope included). */
 typedef struct loom_exec_step {
   uint32_t struct_size;
   const char* scope;         /* the layer plugin's name: "attention", "mlp", ... */
   int64_t key;               /* identifies (microbatch, layer, direction) within a step */
   int32_t capturable;        /* 1 when fn obeys the graph rules (loom_layer_api.capturable) */
-  loom_step_fn fn;
-  void* ctx;
-  /* 1.7: 0 = the engine's whole layer step; >= 1 = a part a layer runs from
+  loom_step_fn fn;           /* runs the step; run calls it (or replays its graph) */
+  void* ctx;                 /* fn's argument, valid during run */
+  /* --- since 1.7 --- */
+  /* 0 = the engine's whole layer step; >= 1 = a part a layer runs from
    * inside its step under the same key (loom_layer_fwd_args.step_key). An exec
    * plugin with LOOM_EXEC_SUBSTEPS keys its graphs by (key, substep); the layer
    * marks a part capturable only when the engine said the plugin has the bit.
    * The part's scope names it ("moe_router"). */
   int32_t substep;
-  int32_t reserved_1_7;      /* 0 */
+  int32_t reserved_1_7;      /* unused, 0 */
 } loom_exec_step;
 
-/* 1.3. What an exec plugin did so far (loom_exec_api.stats). */
+/* What an exec plugin did so far (loom_exec_api.stats) (since 1.3). Filled by the
+ * plugin; the caller sets struct_size. */
 typedef struct loom_exec_stats {
   uint32_t struct_size;
   uint64_t graphs;           /* graphs captured (and alive) */
@@ -854,28 +1139,43 @@ typedef struct loom_exec_stats {
   uint64_t direct;           /* steps run by calling fn: not capturable, out of scope, warm-up */
 } loom_exec_stats;
 
+/* An execution mode's table. Each rank creates one instance (before its layers) and
+ * calls it from its thread. */
 typedef struct loom_exec_api {
   uint32_t struct_size;
+  /* Creates the rank's instance. options are borrowed for the call; rank stays valid
+   * until destroy. *out is the plugin's, valid until destroy; it may stay NULL for a
+   * stateless plugin (exec/eager), which destroy is then not called for. Required. */
   loom_status (*create)(const loom_options* options, loom_rank* rank, loom_exec** out);
+  /* Destroys the instance and its graphs, before the rank's device. Required. */
   void (*destroy)(loom_exec* exec);
+  /* Runs one step: calls step->fn(step->ctx), or replays a graph captured from an
+   * earlier run of the same key (LOOM_EXEC_REPLAYS), and returns its status. Called
+   * from the rank's thread; re-entered from inside fn (sub-steps) only for a plugin
+   * with LOOM_EXEC_SUBSTEPS. Required. */
   loom_status (*run)(loom_exec* exec, loom_rank* rank, const loom_exec_step* step);
-  /* 1.3. LOOM_EXEC_* capability bits (a 1.0-1.2 table, which lacks them, has none). */
+  /* --- since 1.3 --- */
+  /* LOOM_EXEC_* capability bits (a table built before 1.3, which lacks the member,
+   * has none). */
   uint64_t features;
-  /* 1.3. Counters since create; NULL = none. */
+  /* Counters since create; NULL = none.
+   *
+   * Fills *out (loom_exec_stats). Optional. */
   loom_status (*stats)(loom_exec* exec, loom_exec_stats* out);
 } loom_exec_api;
 
 /* loom_exec_api.features: steps with the same key may be replayed from a graph
  * captured on an earlier run, over the addresses of that run. The engine then
  * keeps every buffer it passes to a capturable step (hidden states, their
- * gradients) at the same address for the same key in every training step. */
+ * gradients) at the same address for the same key in every training step
+ * (since 1.3). */
 #define LOOM_EXEC_REPLAYS (1ull << 0)
-/* 1.7: loom_exec_step.substep is read (graphs keyed by (key, substep)), and a
- * step may run sub-steps from inside its fn (run is re-entered). */
+/* loom_exec_step.substep is read (graphs keyed by (key, substep)), and a
+ * step may run sub-steps from inside its fn (run is re-entered) (since 1.7). */
 #define LOOM_EXEC_SUBSTEPS (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
-/* --- 1.1 --- Tensor-parallel services (the parallel/tensor plugin).         */
+/* Tensor-parallel services (the parallel/tensor plugin) (since 1.1).         */
 /* A TP-aware layer gets the table from host->service(rank,                   */
 /* LOOM_API_TENSOR_PARALLEL, NULL) and opens one handle per layer instance.   */
 /* With tp = 1 every call is the plain local math (collectives are identities)*/
@@ -893,9 +1193,10 @@ typedef struct loom_exec_api {
 
 typedef struct loom_tp_s loom_tp;  /* one layer's handle, owned by the service */
 
+/* loom_tensor_parallel_api.create's arguments (borrowed for the call). */
 typedef struct loom_tp_create_args {
   uint32_t struct_size;
-  loom_group tp;                 /* the layer's tensor-parallel group */
+  loom_group tp;                 /* the layer's tensor-parallel group (valid until destroy) */
   int32_t sequence_parallel;     /* 1: activations outside TP regions are sequence shards */
   const char* instance_name;     /* keys the layer's dropout streams ("blocks.3.mlp") */
 } loom_tp_create_args;
@@ -907,10 +1208,10 @@ typedef struct loom_tp_create_args {
  * all-gather (SP). x and out may be the same buffer when no shape changes. */
 typedef struct loom_tp_region_args {
   uint32_t struct_size;
-  int64_t rows, cols;
-  const void* x;
-  void* out;
-  int32_t dtype;
+  int64_t rows, cols;            /* rows: the full count (see above) */
+  const void* x;                 /* the input */
+  void* out;                     /* the output (may be x when no shape changes) */
+  int32_t dtype;                 /* of x and out */
 } loom_tp_region_args;
 
 /* Column-parallel linear (weight [in, out_local], split by output columns):
@@ -933,20 +1234,21 @@ typedef struct loom_tp_linear_args {
   uint32_t struct_size;
   int64_t rows;                  /* full rows: seq * micro_batch */
   int64_t in, out;               /* this rank's weight is [in, out] */
-  const void* x;
-  void* x_full;
-  const void* weight;
+  const void* x;                 /* the input (see above) */
+  void* x_full;                  /* column-parallel under SP: the gathered input */
+  const void* weight;            /* [in, out] */
   const void* bias;              /* NULL = none */
-  void* y;
-  const void* dy;
+  void* y;                       /* forward: the output */
+  const void* dy;                /* backward: the output's gradient */
   void* dx;                      /* NULL = not needed */
-  void* dweight;
+  void* dweight;                 /* backward: accumulated (+=) */
   void* dbias;                   /* NULL = none */
   int32_t gather_output;         /* column-parallel only */
-  int32_t accumulate_dx;
-  int32_t dtype;
+  int32_t accumulate_dx;         /* 1: dx += (else overwritten) */
+  int32_t dtype;                 /* of every buffer (dweight, dbias: unless grad_fp32) */
+  /* --- since 1.2 --- */
   int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
-  int32_t grad_fp32;             /* 1.2: dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
+  int32_t grad_fp32;             /* dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_linear_args;
 
 /* Vocab-parallel embedding: the table [padded_vocab / tp, dim] is this rank's
@@ -958,16 +1260,17 @@ typedef struct loom_tp_linear_args {
  *            this rank's slice. */
 typedef struct loom_tp_embedding_args {
   uint32_t struct_size;
-  int64_t rows, dim;
+  int64_t rows, dim;             /* rows: every token of the microbatch; dim: the hidden size */
   int64_t padded_vocab;          /* the whole padded vocabulary */
   const int32_t* ids;            /* [rows]: every token of the microbatch */
-  const void* table;
-  void* out;
-  const void* dout;
-  void* dtable;
-  int32_t dtype;
+  const void* table;             /* this rank's slice */
+  void* out;                     /* forward: written */
+  const void* dout;              /* backward */
+  void* dtable;                  /* backward: accumulated (+=) */
+  int32_t dtype;                 /* of table, out, dout (and dtable unless grad_fp32) */
+  /* --- since 1.2 --- */
   int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
-  int32_t grad_fp32;             /* 1.2: dtable is fp32 (see LOOM_TP_GRAD_FP32) */
+  int32_t grad_fp32;             /* dtable is fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_embedding_args;
 
 /* Output logits fused with vocab-parallel softmax cross-entropy. The logits stay
@@ -982,11 +1285,11 @@ typedef struct loom_tp_embedding_args {
  *            reduce-scattered to the shard under SP. */
 typedef struct loom_tp_xent_args {
   uint32_t struct_size;
-  int64_t rows, hidden;
+  int64_t rows, hidden;          /* rows: the full count; hidden: the input's width */
   int64_t vocab;                 /* real vocabulary */
-  int64_t padded_vocab;
-  const void* x;
-  void* x_full;
+  int64_t padded_vocab;          /* the whole padded vocabulary */
+  const void* x;                 /* the input as held (see above) */
+  void* x_full;                  /* under SP: the gathered input (keep from forward to backward) */
   const void* weight;            /* [padded_vocab / tp, hidden] */
   void* logits;                  /* [rows, padded_vocab / tp]: keep from forward to backward */
   float* stats;                  /* [3 * rows]: row max | sum of exp | target logit; keep */
@@ -995,11 +1298,12 @@ typedef struct loom_tp_xent_args {
   int32_t* predictions;          /* forward, optional, HOST memory: [rows] argmax token
                                     over the real vocabulary (lowest id among ties) */
   float scale;                   /* backward: dL / d loss[r] */
-  void* dx;
-  void* dweight;
-  int32_t accumulate_dx;
-  int32_t dtype;
-  int32_t grad_fp32;             /* 1.2: dweight is fp32 (see LOOM_TP_GRAD_FP32) */
+  void* dx;                      /* backward: the input's gradient */
+  void* dweight;                 /* backward: accumulated (+=) */
+  int32_t accumulate_dx;         /* 1: dx += (else overwritten) */
+  int32_t dtype;                 /* of x, weight, logits, dx (and dweight unless grad_fp32) */
+  /* --- since 1.2 --- */
+  int32_t grad_fp32;             /* dweight is fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_xent_args;
 
 /* Dropout under the model-parallel RNG (Megatron's tracker): region
@@ -1007,9 +1311,9 @@ typedef struct loom_tp_xent_args {
  * (under SP each rank draws its shard's part of it, so the mask equals the serial
  * run's); PARALLEL (inside a TP region) from a stream of its own per tp rank.
  * out = x * mask / (1 - p); mask [n] u8 is written for the backward.
- * 1.6, context parallelism: x is hidden-state shaped, this rank's rows of its cp
- * slice position-major (see loom_layer_fwd_args), so the slice's two halves are
- * its two context chunks; a 1.6 service draws each element by its place in the
+ * Context parallelism (since 1.6): x is hidden-state shaped, this rank's rows of its
+ * cp slice position-major (see loom_layer_fwd_args), so the slice's two halves are
+ * its two context chunks; the service draws each element by its place in the
  * whole sequence, so every cp layout masks the serial run's elements (the engine
  * refuses parallel.cp > 1 with a service built before 1.6). */
 #define LOOM_TP_RNG_DUPLICATED 0
@@ -1018,62 +1322,93 @@ typedef struct loom_tp_dropout_args {
   uint32_t struct_size;
   int32_t region;                /* LOOM_TP_RNG_* */
   int64_t n;                     /* elements of x on this rank */
-  const void* x;
-  void* out;
-  uint8_t* mask;
-  float p;
+  const void* x;                 /* [n] */
+  void* out;                     /* [n] */
+  uint8_t* mask;                 /* [n] device memory: written, for the backward */
+  float p;                       /* drop probability */
   uint64_t seed;                 /* the forward's dropout_seed (equal on every rank) */
   int32_t microbatch;            /* the layer's microbatch (parallel/tensor's masks follow seed, which
                                   * names the samples, not this index, so they do not depend on dp) */
   int32_t stream;                /* tells several dropouts of one layer apart: 0, 1, ... */
-  int32_t dtype;
-  /* 1.3, services with LOOM_TP_SEED_DEVICE: device memory holding `seed` (the
+  int32_t dtype;                 /* of x and out */
+  /* --- since 1.3 --- */
+  /* Services with LOOM_TP_SEED_DEVICE: device memory holding `seed` (the
    * forward's dropout_seed_device), read when the dropout runs; NULL = use seed. */
   const uint64_t* seed_device;
 } loom_tp_dropout_args;
 
 /* This rank's slice of the padded vocabulary: ids [start, start + rows), the first
- * `valid` of them real (the rest padding). */
+ * `valid` of them real (the rest padding). Filled by vocab_range (the caller sets
+ * struct_size). */
 typedef struct loom_tp_vocab_range {
   uint32_t struct_size;
-  int64_t start, rows, valid;
+  int64_t start, rows, valid;    /* see above */
 } loom_tp_vocab_range;
 
+/* The tensor-parallel service's table. A handle is used by its layer, from its rank's
+ * thread. The operations other than vocab_range are collective over the handle's tp
+ * group: every member calls the same operation with matching shapes, in the same
+ * order. They enqueue their device work on the rank's compute stream (the default
+ * stream of its device); the args are borrowed for the call and the buffers must stay
+ * valid until that work has run. The operations past vocab_range are optional (NULL:
+ * loom::TensorParallel reports the missing one when called). */
 typedef struct loom_tensor_parallel_api {
   uint32_t struct_size;
+  /* Opens a handle for one layer instance (from its create). args are borrowed for
+   * the call; *out is the service's, valid until destroy. Required. */
   loom_status (*create)(loom_rank* rank, const loom_tp_create_args* args, loom_tp** out);
+  /* Closes the handle (from the layer's destroy). Required. */
   void (*destroy)(loom_tp* tp);
-  /* The vocabulary padded to the next multiple of divisor * tp_size. */
+  /* The vocabulary padded to the next multiple of divisor * tp_size.
+   *
+   * A pure function of its arguments, callable from any thread. Required. */
   int64_t (*padded_vocab)(int64_t vocab, int64_t divisor, int32_t tp_size);
+  /* Fills *out with this rank's slice of padded_vocab (no collective). Required. */
   loom_status (*vocab_range)(loom_tp* tp, int64_t vocab, int64_t padded_vocab, loom_tp_vocab_range* out);
+  /* Megatron's f, forward (loom_tp_region_args): identity, or all-gather under SP. */
   loom_status (*enter_forward)(loom_tp* tp, const loom_tp_region_args* args);
+  /* f, backward: all-reduce, or reduce-scatter under SP. */
   loom_status (*enter_backward)(loom_tp* tp, const loom_tp_region_args* args);
+  /* Megatron's g, forward: all-reduce, or reduce-scatter under SP. */
   loom_status (*exit_forward)(loom_tp* tp, const loom_tp_region_args* args);
+  /* g, backward: identity, or all-gather under SP. */
   loom_status (*exit_backward)(loom_tp* tp, const loom_tp_region_args* args);
+  /* Column-parallel linear, forward (loom_tp_linear_args). */
   loom_status (*column_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
+  /* Column-parallel linear, backward: dweight, dbias +=; dx reduced over tp. */
   loom_status (*column_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
+  /* Row-parallel linear, forward: y reduced over tp. */
   loom_status (*row_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
+  /* Row-parallel linear, backward: dweight, dbias +=; dx local. */
   loom_status (*row_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
+  /* Vocab-parallel embedding, forward (loom_tp_embedding_args). */
   loom_status (*embedding_forward)(loom_tp* tp, const loom_tp_embedding_args* args);
+  /* Vocab-parallel embedding, backward: dtable += this rank's rows. */
   loom_status (*embedding_backward)(loom_tp* tp, const loom_tp_embedding_args* args);
+  /* Logits and vocab-parallel cross-entropy, forward (loom_tp_xent_args). */
   loom_status (*xent_forward)(loom_tp* tp, const loom_tp_xent_args* args);
+  /* Its backward: dweight +=; dx reduced over tp. */
   loom_status (*xent_backward)(loom_tp* tp, const loom_tp_xent_args* args);
+  /* Dropout under the model-parallel RNG (loom_tp_dropout_args); no collective. */
   loom_status (*dropout_forward)(loom_tp* tp, const loom_tp_dropout_args* args);
-  /* 1.2. LOOM_TP_* capability bits (a 1.1 table, which lacks the member, has none). */
+  /* --- since 1.2 --- */
+  /* LOOM_TP_* capability bits (a table built before 1.2, which lacks the member, has
+   * none). */
   uint64_t features;
 } loom_tensor_parallel_api;
 
 /* loom_tensor_parallel_api.features: the linear, embedding and xent backwards honour
  * grad_fp32 (when the rank's device has LOOM_DEVICE_GRAD_FP32): the parameter
  * gradients of bf16 layers are accumulated straight into fp32 main gradients
- * (Megatron's gradient-accumulation fusion). */
+ * (Megatron's gradient-accumulation fusion) (since 1.2). */
 #define LOOM_TP_GRAD_FP32 (1ull << 0)
-/* 1.3: dropout_forward honours seed_device (when the device has LOOM_DEVICE_SEED_DEVICE;
- * else it reads the seed on the host: not capturable). The mask is the same either way. */
+/* dropout_forward honours seed_device (when the device has LOOM_DEVICE_SEED_DEVICE;
+ * else it reads the seed on the host: not capturable). The mask is the same either
+ * way (since 1.3). */
 #define LOOM_TP_SEED_DEVICE (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
-/* --- 1.4 --- Expert-parallel token dispatch (the parallel/expert plugins).  */
+/* Expert-parallel token dispatch (the parallel/expert plugins) (since 1.4).  */
 /* A MoE layer gets the table from host->service(rank,                        */
 /* LOOM_API_EXPERT_PARALLEL, NULL) (manifest key parallel.expert) and opens   */
 /* one handle per layer instance. ep rank q holds experts                     */
@@ -1093,9 +1428,10 @@ typedef struct loom_tensor_parallel_api {
 
 typedef struct loom_ep_s loom_ep;  /* one layer's handle, owned by the service */
 
+/* loom_expert_parallel_api.create's arguments (borrowed for the call). */
 typedef struct loom_ep_create_args {
   uint32_t struct_size;
-  loom_group ep;                 /* the layer's expert-parallel group */
+  loom_group ep;                 /* the layer's expert-parallel group (valid until destroy) */
   int64_t num_experts;           /* E, a multiple of the group's size */
   const char* instance_name;     /* for messages ("blocks.3.moe") */
 } loom_ep_create_args;
@@ -1104,34 +1440,43 @@ typedef struct loom_ep_create_args {
  * keeps that plan under `slot` (the layer's key, e.g. its microbatch) until
  * release. expert_rows: host [E + 1], non-decreasing from expert_rows[0] = 0 to
  * N; local_rows: host, filled [E / ep + 1] with the first row of each local
- * expert in the dispatched rows (local_rows[E / ep] = R). */
+ * expert in the dispatched rows (local_rows[E / ep] = R). Both are borrowed for
+ * the call. */
 typedef struct loom_ep_plan_args {
   uint32_t struct_size;
-  void* stream;
-  int32_t slot;
-  const int64_t* expert_rows;
-  int64_t* local_rows;
+  void* stream;                  /* the rank's native compute stream (NULL on CPU) */
+  int32_t slot;                  /* the plan's key */
+  const int64_t* expert_rows;    /* host [E + 1], read (see above) */
+  int64_t* local_rows;           /* host [E / ep + 1], written (see above) */
 } loom_ep_plan_args;
 
 /* dispatch: x [N, width] -> out [R, width]; combine: x [R, width] -> out [N,
  * width], under the plan of `slot`. width counts elements of dtype. */
 typedef struct loom_ep_move_args {
   uint32_t struct_size;
-  void* stream;
-  int32_t slot;
-  const void* x;
-  void* out;
-  int64_t width;
-  int32_t dtype;
+  void* stream;                  /* as in loom_ep_plan_args */
+  int32_t slot;                  /* a plan made by plan and not yet released */
+  const void* x;                 /* the rows to move */
+  void* out;                     /* where they land */
+  int64_t width;                 /* elements per row */
+  int32_t dtype;                 /* of x and out */
   int32_t reserved;              /* 0: fills the tail, so a later member starts past sizeof */
 } loom_ep_move_args;
 
+/* The expert-parallel service's table; every slot is required. A handle is used by
+ * its layer from its rank's thread; the args are borrowed for the call. */
 typedef struct loom_expert_parallel_api {
   uint32_t struct_size;
+  /* Opens a handle for one layer instance (from its create); *out is the
+   * service's, valid until destroy. */
   loom_status (*create)(loom_rank* rank, const loom_ep_create_args* args, loom_ep** out);
+  /* Closes the handle and forgets its plans. */
   void (*destroy)(loom_ep* ep);
+  /* Makes the plan of args->slot (loom_ep_plan_args); collective over ep. */
   loom_status (*plan)(loom_ep* ep, const loom_ep_plan_args* args);
+  /* Moves rows to their experts' ranks (loom_ep_move_args); collective over ep. */
   loom_status (*dispatch)(loom_ep* ep, const loom_ep_move_args* args);
+  /* Moves them back to their sources; collective over ep. */
   loom_status (*combine)(loom_ep* ep, const loom_ep_move_args* args);
   /* Forgets the plan of `slot` (no collective). */
   void (*release)(loom_ep* ep, int32_t slot);
@@ -1141,40 +1486,77 @@ typedef struct loom_expert_parallel_api {
 /* The host API: what the engine offers every plugin.                         */
 /* ------------------------------------------------------------------------- */
 
+/* The engine's table, handed to the entry point; valid, unchanged, for the life of
+ * the process. Its struct_size covers every member of the plugin's header (the
+ * engine is at least as new). The functions that take a loom_rank are called from
+ * that rank's thread; the others from any thread. */
 typedef struct loom_host_api {
   uint32_t struct_size;
-  uint32_t abi_major, abi_minor;
-  const char* engine_version;
-  /* Logging into the engine's log, with the plugin's file and line. */
+  uint32_t abi_major, abi_minor;   /* the engine's ABI (a minor >= the plugin's) */
+  const char* engine_version;      /* the engine's version string; static */
+  /* Logging into the engine's log, with the plugin's file and line.
+   *
+   * severity: LOOM_LOG_*; file may be NULL; message is borrowed for the call. */
   void (*log)(int32_t severity, const char* file, int32_t line, const char* message);
-  /* Status objects; the message is copied. */
+  /* Status objects; the message is copied.
+   *
+   * A new error status, owned by whoever receives it. code LOOM_CODE_OK is turned
+   * into LOOM_CODE_INTERNAL (a status is never a success). Returns NULL only when
+   * host memory is exhausted. */
   loom_status (*status_create)(int32_t code, const char* message);
+  /* The status's code; LOOM_CODE_OK for NULL. */
   int32_t (*status_code)(loom_status status);
+  /* Its message, owned by the status (valid until status_destroy); "" for NULL. */
   const char* (*status_message)(loom_status status);
+  /* Frees a status, once, by its receiver; NULL is a no-op. */
   void (*status_destroy)(loom_status status);
-  /* Options (defaults already applied). Return 1 when the option exists, 0 if not. */
+  /* Options (defaults already applied). Return 1 when the option exists, 0 if not.
+   *
+   * *out is written only when 1 is returned. option_int takes an integer value only;
+   * option_float an integer or a float; option_bool a boolean (1 or 0). */
   int32_t (*option_int)(const loom_options* options, const char* name, int64_t* out);
+  /* A float option (an integer value converts). */
   int32_t (*option_float)(const loom_options* options, const char* name, double* out);
+  /* A boolean option, as 1 or 0. */
   int32_t (*option_bool)(const loom_options* options, const char* name, int32_t* out);
-  /* NULL when absent; valid while the options live. */
+  /* NULL when absent; valid while the options live.
+   *
+   * (Absent also when the value is not a string.) The options live for the call
+   * that received them: copy the string to keep it. */
   const char* (*option_string)(const loom_options* options, const char* name);
-  /* Device memory of a rank (through its device plugin, accounted by the engine). */
+  /* Device memory of a rank (through its device plugin, which accounts it).
+   *
+   * alloc: `bytes` from the rank's device (its alloc slot), owned by the caller
+   * until free with the same rank; counted in the device's memory_stats. */
   loom_status (*alloc)(loom_rank* rank, size_t bytes, void** out);
+  /* Frees memory from host->alloc with the same rank; NULL is a no-op. */
   void (*free)(loom_rank* rank, void* ptr);
-  /* The rank's device and its compute stream. */
+  /* The rank's device and its compute stream.
+   *
+   * Borrowed, owned by the engine for the rank's life (never destroy them): the
+   * device table, the instance, and the stream (NULL: the device's default stream). */
   loom_status (*device)(loom_rank* rank, const loom_device_api** api, loom_device** dev,
                         loom_stream** stream);
-  /* A rank group by kind ("tp", "dp", "pp", "ep", ...); see `loom groups`. */
+  /* A rank group by kind ("tp", "dp", "pp", "ep", ...); see `loom groups`.
+   *
+   * *out is a copy; its communicator is the engine's, valid for the rank's life.
+   * LOOM_CODE_NOT_FOUND when the rank has no group of that kind. */
   loom_status (*group)(loom_rank* rank, const char* kind, loom_group* out);
-  /* The rank's execution mode, for layers that split themselves into steps. */
+  /* The rank's execution mode, for layers that split themselves into steps.
+   *
+   * Borrowed, the engine's for the rank's life; LOOM_CODE_NOT_FOUND while the rank
+   * has none (layers created only to plan memory). */
   loom_status (*exec)(loom_rank* rank, const loom_exec_api** api, loom_exec** exec);
+  /* The rank's global rank; -1 for NULL. */
   int32_t (*global_rank)(loom_rank* rank);
-  /* --- 1.1 --- */
+  /* --- since 1.1 --- */
   /* A service table offered by a plugin: api_type LOOM_API_TENSOR_PARALLEL gives a
-   * loom_tensor_parallel_api (1.4: LOOM_API_EXPERT_PARALLEL a
-   * loom_expert_parallel_api). name NULL = the one the run configured
+   * loom_tensor_parallel_api, LOOM_API_EXPERT_PARALLEL a loom_expert_parallel_api
+   * (since 1.4). name NULL = the one the run configured
    * (manifest key parallel.tensor, parallel.expert); otherwise the parallel
-   * plugin of that name. NULL when none is loaded. */
+   * plugin of that name. NULL when none is loaded. The table is its library's,
+   * valid for the life of the process; it may be built for an older minor than the
+   * caller (check its struct_size). */
   const void* (*service)(loom_rank* rank, int32_t api_type, const char* name);
 } loom_host_api;
 
@@ -1182,17 +1564,19 @@ typedef struct loom_host_api {
 /* Plugin descriptors and the entry point                                     */
 /* ------------------------------------------------------------------------- */
 
+/* loom_plugin_info.api_type: which table a plugin's `api` points to. */
 #define LOOM_API_DEVICE 1
 #define LOOM_API_COMM 2
 #define LOOM_API_LAYER 3
 #define LOOM_API_OPTIMIZER 4
 #define LOOM_API_SCHEDULE 5
 #define LOOM_API_EXEC 6
-/* --- 1.1 --- */
-#define LOOM_API_TENSOR_PARALLEL 7 /* loom_tensor_parallel_api (parallel/tensor) */
-/* --- 1.4 --- */
-#define LOOM_API_EXPERT_PARALLEL 8 /* loom_expert_parallel_api (parallel/expert, parallel/expert.allgather) */
+#define LOOM_API_TENSOR_PARALLEL 7 /* loom_tensor_parallel_api (parallel/tensor) (since 1.1) */
+#define LOOM_API_EXPERT_PARALLEL 8 /* loom_expert_parallel_api (parallel/expert, parallel/expert.allgather)
+                                      (since 1.4) */
 
+/* One plugin of a library (loom_plugin_library.plugins). It, its strings, its table
+ * and its options are the library's, valid while it is loaded (static data). */
 typedef struct loom_plugin_info {
   uint32_t struct_size;
   const char* kind;          /* "device", "comm", "layer", "parallel", "exec" */
@@ -1201,20 +1585,24 @@ typedef struct loom_plugin_info {
   const char* description;   /* one line */
   int32_t api_type;          /* LOOM_API_*: which table `api` points to */
   const void* api;           /* begins with uint32_t struct_size */
-  const loom_option_decl* options;
-  size_t num_options;
+  const loom_option_decl* options;   /* num_options declarations (NULL when 0) */
+  size_t num_options;        /* entries of options */
 } loom_plugin_info;
 
+/* What the entry point returns: the library's, valid while it is loaded. */
 typedef struct loom_plugin_library {
   uint32_t struct_size;
   uint32_t abi_major;        /* the ABI the library was built against */
-  uint32_t abi_minor;
-  const loom_plugin_info* const* plugins;
-  size_t num_plugins;
+  uint32_t abi_minor;        /* (LOOM_ABI_MINOR of its header; a newer one than the engine's is refused) */
+  const loom_plugin_info* const* plugins;   /* num_plugins descriptors */
+  size_t num_plugins;        /* entries of plugins */
 } loom_plugin_library;
 
 /* The entry point. `host` stays valid for the life of the process. On success
- * *out points to a descriptor owned by the library, valid while it is loaded. */
+ * *out points to a descriptor owned by the library, valid while it is loaded.
+ * The loader calls it once per library, from the engine's main thread, before any
+ * other call into the library; a library registers its plugins here (never in
+ * static constructors). */
 typedef loom_status (*loom_plugin_init_v1_fn)(const loom_host_api* host,
                                               const loom_plugin_library** out);
 
