@@ -1,0 +1,106 @@
+// layer/moe's router (Megatron-Core's router.py, TopKRouter, and the
+// topk_softmax_with_capacity of its moe_utils.py): from a microbatch's router
+// logits on the host, each token's top_k experts and gates, the capacity drop,
+// the load-balancing (Switch Transformer) and z (ST-MoE) loss terms, and the
+// logits' gradient. The router's GEMM itself runs in moe.cpp's moe_router
+// sub-step, beside LayerNorm; dispatch.hpp turns a Routing into rows per expert.
+#pragma once
+
+#include "../common/layer_math.hpp"
+
+#include <cstdint>
+#include <vector>
+
+namespace loom::layers::moe {
+
+// The router's options (the layer's num_experts, top_k, pre_softmax,
+// aux_loss_coeff, z_loss_coeff, capacity_factor, drop_policy).
+struct RouterConfig {
+  int64_t experts = 0, top_k = 0;
+  bool pre_softmax = false;       // gates = the chosen probs as they are (else renormalised over the chosen)
+  double aux_coeff = 0.0, z_coeff = 0.0;
+  double capacity_factor = 0.0;   // 0 = dropless
+  bool drop_by_probs = true;      // an expert over capacity keeps its largest gates (else its first tokens)
+};
+
+// The host side of one microbatch's routing decision.
+struct Routing {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  std::vector<float> probs;          // [tokens, experts]: softmax over all experts
+  std::vector<int32_t> chosen;       // [tokens, top_k]: expert of each slot (t * top_k + k)
+  std::vector<float> slot_gate;      // [tokens, top_k]: gate of each slot
+  std::vector<char> kept;            // [tokens, top_k]: 0 where the expert's capacity dropped the slot
+  std::vector<int64_t> kept_slots;   // [experts]: slots each expert keeps
+  std::vector<int64_t> routed;       // [experts]: slots routed to each before any capacity drop
+  std::vector<double> prob_sum;      // [experts]: sum over tokens of probs[:, e]
+  double aux = 0;                    // the unweighted load-balancing term E * sum f_e P_e
+  std::vector<double> lse;           // [tokens]: logsumexp of each token's logits
+  double z = 0;                      // the unweighted z-loss term, mean of lse^2
+  int64_t slots() const { return tokens * top_k; }
+};
+
+// What the router's backward needs of a routing, for the tokens whose logits this
+// rank computed (mine: their indices in the routing): their probabilities, choices
+// and logsumexp, and the whole routing's counts. Under cp or folding the routing
+// covers cp * tp times this rank's tokens; only these rows are kept per microbatch.
+struct RouterRows {
+  int64_t tokens = 0, slots = 0;  // of the whole routing (the loss terms' means)
+  int64_t experts = 0, top_k = 0;
+  std::vector<int64_t> routed;    // [experts]: slots routed to each before any drop
+  std::vector<float> probs;       // [n, experts]
+  std::vector<int32_t> chosen;    // [n, top_k]
+  std::vector<double> lse;        // [n]
+};
+
+RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine);
+
+// The whole microbatch's loss-term counts of a routing spread over ranks.
+struct LossTerms {
+  double loss = 0;              // coeff * aux + z_coeff * z, before the engine's aux_loss_scale
+  std::vector<int64_t> routed;  // [experts]: slots routed to each over all the ranks
+};
+
+class Router {
+ public:
+  Router() = default;
+  explicit Router(const RouterConfig& config) : c_(config) {}
+
+  const RouterConfig& config() const { return c_; }
+
+  // The most slots an expert keeps of a microbatch's `tokens` (0 = dropless):
+  // Megatron's get_capacity, ceil(tokens k / E * capacity_factor).
+  int64_t capacity(int64_t tokens) const;
+
+  // With a capacity, which slots an expert keeps is decided over the whole
+  // microbatch, so its logits are gathered to every rank that holds part of it (cp
+  // ranks; tp ranks when folded). Dropless, top-k is each token's own decision.
+  bool gathers_logits() const { return c_.capacity_factor > 0.0; }
+
+  // Whether the objective has a router loss term (the same on every rank).
+  bool has_loss_terms() const { return c_.aux_coeff > 0.0 || c_.z_coeff > 0.0; }
+
+  // Routes `tokens` rows of fp32 logits [tokens, experts]: softmax, top-k, gates,
+  // and the capacity drop over these tokens.
+  Routing route(const std::vector<float>& logits, int64_t tokens) const;
+
+  // The weighted loss terms of a routing of the whole microbatch.
+  double loss(const Routing& whole) const { return c_.aux_coeff * whole.aux + c_.z_coeff * whole.z; }
+
+  // Dropless routing spread over ranks, each routing its own tokens (`own`): the
+  // whole microbatch's (whole_tokens) loss terms from 2E + 1 sums (slots routed to
+  // each expert, their probabilities, the z-loss terms) all-reduced over `groups`,
+  // the ranks holding its other tokens.
+  LossTerms reduce_loss_terms(loom_rank* rank, const loom::Device& dev, const Routing& own, int64_t whole_tokens,
+                              const std::vector<loom::Group>& groups) const;
+
+  // d(objective)/d(logits) [n, experts] of the router's rows from their slots'
+  // gate gradients slot_dgate [n, top_k] (0 for a dropped slot); the loss terms
+  // enter with the engine's aux_loss_scale.
+  std::vector<float> logit_gradients(const RouterRows& r, const std::vector<double>& slot_dgate,
+                                     double aux_loss_scale) const;
+
+ private:
+  RouterConfig c_;
+};
+
+}  // namespace loom::layers::moe

@@ -1,0 +1,83 @@
+// layer/moe's shared expert (Megatron-Core's shared_experts.py,
+// moe_shared_expert_intermediate_size): a GeLU MLP of width
+// shared_expert_ffn_hidden_size on every token of the TP region, beside the
+// routed experts on the same LN output, split over tp like the MLP (fc1 by
+// columns, fc2 by rows; fc2's bias on tp rank 0), so its output is a partial sum
+// over tp. Optionally gated (shared_expert_gate, Megatron's
+// moe_shared_expert_gate, Qwen2-MoE): each token's row times sigmoid(x_t . w_gate),
+// w_gate a [hidden] weight duplicated over tp.
+#pragma once
+
+#include "../common/layer_math.hpp"
+
+#include <cstdint>
+#include <vector>
+
+namespace loom::layers::moe {
+
+// This rank's part of the shared expert's parameters (or of their gradients):
+// fc1 [H, Fs/tp], its bias [Fs/tp], fc2 [Fs/tp, H], its bias [H], the gate [H].
+template <typename Ptr>
+struct SharedExpertTensors {
+  Ptr fc1_w = nullptr, fc1_b = nullptr, fc2_w = nullptr, fc2_b = nullptr, gate_w = nullptr;
+};
+using SharedExpertWeights = SharedExpertTensors<const void*>;
+using SharedExpertGrads = SharedExpertTensors<void*>;
+
+class SharedExpert {
+ public:
+  SharedExpert() = default;
+  // ffn_local: this tp rank's part of the width; gated: shared_expert_gate.
+  SharedExpert(loom_rank* rank, int64_t hidden, int64_t ffn_local, bool gated, int tp_rank, int tp_size,
+               const loom::Group& tp);
+
+  void bind(const SharedExpertWeights& w, int32_t act) {
+    w_ = w;
+    act_ = act;
+  }
+
+  // out [T, H] (+= when accumulate) = the shared expert on xin [T, H], partial over
+  // tp; gated, each row times its gate (the row scaling commutes with the tp sum).
+  // saved_h (training) keeps fc1's output [T, Fs/tp] for the backward; saved_out
+  // (training, gated) the ungated rows for the gate's gradient.
+  void forward(const loom::Device& dev, const void* xin, void* saved_h, void* saved_out, void* out, int64_t T,
+               bool accumulate) const;
+
+  // The backward from the TP region's output gradient d [T, H]: the parameters'
+  // gradients into g, and dxin [T, H] (+= when accumulate) its input gradient
+  // (partial over tp, summed by the layer's f backward). count_bias: this rank
+  // adds fc2's bias gradient. Gated, d reaches the expert scaled by the gates and
+  // the result is the gate logits' gradients of the T tokens (host; the ungated
+  // rows are partial over tp, so their dot products are summed over tp); empty
+  // when ungated.
+  std::vector<float> backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
+                              const void* xin, const void* hs, const void* saved_out, const void* d, void* dxin,
+                              int64_t T, bool count_bias, bool accumulate) const;
+
+  // The gate's weight gradient and dl [n, H] += its input gradient, on the n rows
+  // this rank holds (ln [n, H]: its shard under SP, where the engine sums the
+  // duplicated weight's gradient over tp), from the gate logits' gradients of the
+  // TP region's tokens (backward's result), this rank's from `first`.
+  void gate_input_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
+                           const std::vector<float>& gate_dlogits, int64_t first, int64_t n, const void* ln,
+                           void* dl) const;
+
+ private:
+  void expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T,
+                      bool accumulate) const;
+  void expert_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype, const void* xin,
+                       const void* hs, const void* d, void* dxin, int64_t T, bool count_bias, bool accumulate) const;
+  // sigmoid(xin_t . w_gate) of the T tokens (host: the router's values are read
+  // there too).
+  std::vector<float> gates(const loom::Device& dev, const void* xin, int64_t T) const;
+
+  loom_rank* rank_ = nullptr;
+  int64_t hidden_ = 0, ffn_local_ = 0;
+  bool gated_ = false;
+  int tp_rank_ = 0, tp_size_ = 1;
+  loom::Group tp_group_;
+  SharedExpertWeights w_;
+  int32_t act_ = LOOM_DTYPE_F32;
+};
+
+}  // namespace loom::layers::moe
