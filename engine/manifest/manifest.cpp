@@ -659,8 +659,14 @@ class ManifestLoader {
       return;
     }
 
-    // A TOML value, or else the text itself as a string.
+    // A TOML value, or else the text itself as a string; but digits that do not fit a
+    // TOML integer are a number out of range, not a word.
     std::unique_ptr<toml::table> parsed = parse_literal(val);
+    if (!parsed && !val.empty() && val.find_first_not_of("+-0123456789_") == std::string::npos &&
+        val.find_first_of("0123456789") != std::string::npos) {
+      diag(key, o, key + " = " + val + " is out of the range of a 64-bit integer (-2^63 to 2^63-1)");
+      return;
+    }
     if (!parsed) {
       parsed = std::make_unique<toml::table>();
       parsed->insert("v", val);

@@ -9,6 +9,7 @@
 // code that ran during capture does not run again.
 #include <cstdlib>
 #include <cstring>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <loom/cpp/plugin.hpp>
 
@@ -102,8 +103,14 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     const int32_t sharing = args != nullptr && LOOM_HAS_SLOT(args, loom_device_create_args, ranks_in_process)
                                 ? std::max(1, args->ranks_in_process)
                                 : 1;
-    if (pages > 0 && page_size > 0)
-      dev->capacity_bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / sharing;
+    if (pages > 0 && page_size > 0) {
+      uint64_t bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+      // A virtual-memory limit (ulimit -v) below the RAM is what allocations hit first.
+      struct rlimit as {};
+      if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY)
+        bytes = std::min<uint64_t>(bytes, static_cast<uint64_t>(as.rlim_cur));
+      dev->capacity_bytes = bytes / sharing;
+    }
     if (blas == "openblas") {
       const OpenBlas& ob = openblas();
       if (ob.loaded) {
