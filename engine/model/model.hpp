@@ -159,6 +159,8 @@ class Model {
   // Per entry: 1 for an expert parameter (the optimizer's expert flags, ABI 1.4).
   std::vector<int32_t> expert_flags() const;
   bool has_expert_params() const;
+  // The rank this model runs on (its device's memory statistics, for example).
+  const runtime::RankRuntime& runtime() const { return rank_; }
   size_t layer_count() const { return layers_.size(); }
   const LayerSpec& layer_spec(size_t i) const { return layers_[i].spec; }
   size_t chunk_count() const { return chunks_.size(); }

@@ -123,10 +123,12 @@ size_t dtype_bytes(const std::string& dtype) {
   throw std::invalid_argument("unknown dtype '" + dtype + "' (fp32 or bf16)");
 }
 
-size_t optimizer_bytes_per_element(const std::string& param_dtype, const std::string& grad_dtype) {
-  size_t b = 4 + 4;                       // Adam m and v (fp32)
+size_t optimizer_bytes_per_element(const std::string& param_dtype) {
+  size_t b = 4 + 4;                           // Adam m and v (fp32)
   if (dtype_bytes(param_dtype) != 4) b += 4;  // fp32 master parameters
-  if (dtype_bytes(grad_dtype) != 4) b += 4;   // fp32 main gradients
+  // No fp32 copy of bf16 gradients: AdamW reads them in their own dtype, so bf16
+  // gradients cost 2 bytes where Megatron-LM's table (which keeps fp32 main
+  // gradients) counts 2 + 4.
   return b;
 }
 
@@ -209,7 +211,7 @@ MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab) {
   out.bucket_size = static_cast<size_t>(m.get_int("optimizer.bucket_size"));
   out.microbatches_in_flight = 1;  // the most over ranks, set below
   const size_t psize = dtype_bytes(out.param_dtype), gsize = dtype_bytes(out.grad_dtype);
-  const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype, out.grad_dtype);
+  const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype);
   const bool distributed = out.strategy == "distributed";
 
   const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);

@@ -59,9 +59,9 @@ BufferLayout layout_entries(const std::vector<ParamEntry>& entries, size_t chunk
 // Bytes of one element of "fp32" / "bf16".
 size_t dtype_bytes(const std::string& dtype);
 
-// Optimizer-state bytes per buffer element (before sharding): fp32 master params
-// when params are not fp32, Adam m and v, fp32 main grads when grads are not fp32.
-size_t optimizer_bytes_per_element(const std::string& param_dtype, const std::string& grad_dtype);
+// Optimizer-state bytes per buffer element (before sharding), as ddp and distopt
+// allocate them: Adam m and v, and fp32 master params when params are not fp32.
+size_t optimizer_bytes_per_element(const std::string& param_dtype);
 
 struct RankMemory {
   int rank = 0, tp_rank = 0, cp_rank = 0, dp_rank = 0, pp_rank = 0;

@@ -29,7 +29,7 @@ check() {
 }
 
 # Sizes whose products used to wrap around int64 (SIGFPE), and their neighbours.
-for kv in parallel.dp=2305843009213693952 parallel.pp=4611686018427387904 parallel.cp=9223372036854775807 \
+for kv in run.seed=18446744073709551615 parallel.dp=2305843009213693952 parallel.pp=4611686018427387904 parallel.cp=9223372036854775807 \
           parallel.tp=-1 parallel.vpp=9223372036854775807 batch.micro_batch_size=4611686018427387904 \
           batch.global_batch_size=0 model.hidden_size=4611686018427387904 model.num_layers=4611686018427387904 \
           model.seq_length=0 model.seq_length=4611686018427387904 model.vocab_size=2147483648 \
