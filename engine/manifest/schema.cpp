@@ -442,15 +442,6 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  ") so each of the dp ranks runs a whole number of microbatches");
   }
 
-  // A recomputed forward runs inside the backward, outside the captured pairs of
-  // forward and backward steps that partial graphs replay.
-  if (usable({"model.recompute_granularity", "exec.mode"}) && m.get_string("model.recompute_granularity") != "none" &&
-      m.get_string("exec.mode") == "partial_graph")
-    report({"model.recompute_granularity", "exec.mode"},
-           "model.recompute_granularity = \"" + m.get_string("model.recompute_granularity") +
-               "\" with exec.mode = \"partial_graph\" is not supported (a recomputed forward runs inside the "
-               "backward, between captured steps); set model.recompute_granularity = \"none\" or exec.mode = "
-               "\"eager\"");
   // Context parallelism: each cp rank holds chunks r and 2cp-1-r of 2*cp equal ones.
   const bool cp_splits = usable({"parallel.cp", "model.seq_length"}) && I("parallel.cp") > 1 &&
                          I("model.seq_length") % (2 * I("parallel.cp")) == 0;

@@ -186,6 +186,18 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   if (man.get_string("data.kind") == "synthetic" && !man.get_string("data.path").empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
+  // A recomputed forward runs inside the backward, outside the captured forward and
+  // backward steps an exec plugin that replays would replay.
+  if (plan.exec != nullptr && man.get_string("model.recompute_granularity") != "none") {
+    const loom_exec_api* exec = plan.exec->exec();
+    if (exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) && (exec->features & LOOM_EXEC_REPLAYS) != 0)
+      diags.push_back({"model.recompute_granularity", man.origin("model.recompute_granularity"),
+                       "model.recompute_granularity = \"" + man.get_string("model.recompute_granularity") +
+                           "\" with exec.mode = \"" + man.get_string("exec.mode") + "\" (" + plan.exec->key() +
+                           ", which captures and replays layer steps) is not supported: a recomputed forward runs "
+                           "inside the backward, between captured steps; set model.recompute_granularity = "
+                           "\"none\" or exec.mode = \"eager\""});
+  }
   // Layers that mix positions run their context-parallel slice through windowed
   // attention (ABI 1.6): a device without it is refused here, so `loom validate`
   // says so before a run starts.
