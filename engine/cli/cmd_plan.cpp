@@ -6,6 +6,7 @@
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -54,14 +55,14 @@ int cmd_plan(int argc, char** argv) {
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
-    const model::MemoryPlan& mp = checked.memory;
+    const train::MemoryPlan& mp = checked.memory;
     const std::string& memory = checked.memory_problem;
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
 
     if (json) {
       std::vector<std::string> ranks;
-      for (const model::RankMemory& r : mp.ranks) {
+      for (const train::RankMemory& r : mp.ranks) {
         std::vector<std::string> buckets;
         for (const model::Range& b : r.layout.buckets)
           buckets.push_back(JsonObject().add("start", b.start).add("end", b.end).str());
@@ -102,7 +103,7 @@ int cmd_plan(int argc, char** argv) {
     }
 
     const bool recomputes = std::any_of(mp.ranks.begin(), mp.ranks.end(),
-                                        [](const model::RankMemory& r) { return r.recompute_bytes > 0; });
+                                        [](const train::RankMemory& r) { return r.recompute_bytes > 0; });
     std::cout << "memory plan: " << args.positionals()[0] << "\n"
               << "  world " << mp.world << " = tp " << mp.tp << (mp.cp > 1 ? " x cp " + std::to_string(mp.cp) : "")
               << " x dp " << mp.dp << " x pp " << mp.pp << "; params "
@@ -117,7 +118,7 @@ int cmd_plan(int argc, char** argv) {
               << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
               << (recomputes ? cell("recomp MiB", 11) : "") << cell("total MiB", 10) << cell("B/param", 8) << "\n";
-    for (const model::RankMemory& r : mp.ranks) {
+    for (const train::RankMemory& r : mp.ranks) {
       char bpp[32];
       std::snprintf(bpp, sizeof(bpp), "%.3f", r.bytes_per_param);
       std::cout << cell(std::to_string(r.rank), 5) << cell(std::to_string(r.tp_rank), 3)
@@ -136,7 +137,7 @@ int cmd_plan(int argc, char** argv) {
     std::cout << "\nbuffer layout (elements; dp" << (mp.cp > 1 ? " and cp" : "") << " replicas identical"
               << (mp.ep > 1 ? ", ep ranks holding other experts" : "") << "):\n";
     std::set<std::pair<int, int>> shown;
-    for (const model::RankMemory& r : mp.ranks) {
+    for (const train::RankMemory& r : mp.ranks) {
       if (!shown.insert({r.tp_rank, r.pp_rank}).second) continue;
       std::cout << "  tp rank " << r.tp_rank << ", pp rank " << r.pp_rank << ": " << r.param_count << " tensors, " << r.params << " params, buffer "
                 << r.buffer_numel << " (padding " << r.buffer_numel - r.params << "), " << r.layout.buckets.size()

@@ -57,8 +57,6 @@ int32_t model_dtype(const std::string& name) {
   throw loom::Error("unsupported model dtype '" + name + "' (fp32 or bf16)", LOOM_CODE_INVALID_ARGUMENT);
 }
 
-size_t dtype_size(int32_t dtype) { return dtype == LOOM_DTYPE_BF16 || dtype == LOOM_DTYPE_F16 ? 2 : 4; }
-
 namespace {
 DLDataType dl_dtype(int32_t dtype) {
   if (dtype == LOOM_DTYPE_BF16) return {kDLBfloat, 16, 1};
@@ -238,12 +236,12 @@ size_t Model::hidden_numel() const {
   return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]);
 }
 
-size_t Model::hidden_bytes() const { return hidden_numel() * dtype_size(act_dtype()); }
+size_t Model::hidden_bytes() const { return hidden_numel() * loom::dtype_size(act_dtype()); }
 
 void Model::finalize_grads() {
   void* stream = rank_.dev().native_stream();
   char* g = grads_.get<char>();
-  const size_t gsize = dtype_size(grad_dtype_);
+  const size_t gsize = loom::dtype_size(grad_dtype_);
   // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
   // after a reduce-scatter, position embeddings) has seen only this rank's
   // sequence shard: its full gradient is the sum over the tp group.
@@ -312,7 +310,7 @@ void Model::build_buffers(uint64_t seed) {
                            bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
-  const size_t psize = dtype_size(param_dtype_), gsize = dtype_size(grad_dtype_);
+  const size_t psize = loom::dtype_size(param_dtype_), gsize = loom::dtype_size(grad_dtype_);
   params_ = loom::Buffer(&rank_, numel_ * psize);
   grads_ = loom::Buffer(&rank_, numel_ * gsize);
   loom::Device dev = rank_.dev();

@@ -81,7 +81,6 @@ struct ParamEntry {
 // LOOM_DTYPE_* of a device.param_dtype / grad_dtype value ("fp32", "bf16"), and
 // the bytes of one element of it.
 int32_t model_dtype(const std::string& name);
-size_t dtype_size(int32_t dtype);
 
 class Model {
  public:

@@ -1,7 +1,6 @@
-// Memory planning without running the model: which parameters a rank holds (the
-// same collection Model::build_buffers uses — one place for the tie/dedupe and
-// local-shape rules), and what its parameters, gradients, optimizer state and
-// activations cost in bytes for the manifest's dtypes and optimizer strategy.
+// Which parameters a rank holds, from its layers' declarations: the collection and
+// layout Model::build_buffers, the memory plan (train/memory_plan.hpp) and resharding
+// on resume share (one place for the tie/dedupe and local-shape rules).
 #pragma once
 
 #include "engine/model/buffer_layout.hpp"
@@ -12,10 +11,6 @@
 #include <cstdint>
 #include <string>
 #include <vector>
-
-namespace loom::train {
-struct RunPlan;
-}
 
 namespace loom::model {
 
@@ -56,55 +51,5 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
 // the memory planner and resharding on resume all lay out through this.
 BufferLayout layout_entries(const std::vector<ParamEntry>& entries, size_t chunks, int dp, size_t bucket_size);
 
-// Bytes of one element of "fp32" / "bf16".
-size_t dtype_bytes(const std::string& dtype);
-
-// Optimizer-state bytes per buffer element (before sharding), as ddp and distopt
-// allocate them: Adam m and v, and fp32 master params when params are not fp32.
-size_t optimizer_bytes_per_element(const std::string& param_dtype);
-
-struct RankMemory {
-  int rank = 0, tp_rank = 0, cp_rank = 0, dp_rank = 0, pp_rank = 0;
-  size_t params = 0;        // the rank's real parameter count (tied once, no padding)
-  size_t buffer_numel = 0;  // flat buffer elements, padding included
-  size_t param_count = 0;   // number of parameter tensors
-  BufferLayout layout;
-  size_t expert_start = 0;  // where the expert region (sharded over edp) begins; buffer_numel = none
-  uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
-  uint64_t activation_bytes = 0;  // at the schedule's peak (estimate from the layers' saved bytes)
-  int in_flight = 0;              // (chunk, microbatch) forwards awaiting backward at that peak
-  // Activation recomputation: the most a rank holds while a recompute group's
-  // forward runs again in backward (its layers' saved bytes and inner hidden
-  // states alive at once, over what is held then), less activation_bytes; 0 without.
-  uint64_t recompute_bytes = 0;
-  double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
-};
-
-struct MemoryPlan {
-  std::string param_dtype, grad_dtype, strategy;
-  int world = 1, tp = 1, cp = 1, dp = 1, pp = 1, ep = 1, edp = 1;
-  int64_t vocab = 0;
-  size_t bucket_size = 0;
-  int64_t microbatches_in_flight = 1;  // the most any rank holds
-  std::vector<RankMemory> ranks;  // every rank of the world, by global rank
-};
-
-// Plans every rank of `plan` from the layer plugins' declarations alone (a
-// device/cpu instance for create, no communicators, no parameter memory).
-// vocab 0 = model.vocab_size, or the data source's vocabulary when that is 0.
-MemoryPlan plan_memory(const train::RunPlan& plan, int64_t vocab = 0);
-
-// Bytes the plan says rank `r` holds (parameters, gradients, optimizer state,
-// activations at the schedule's peak, recomputation).
-uint64_t rank_total_bytes(const RankMemory& r);
-// The memory one rank may plan to hold, as the manifest's device reports it
-// (loom_memory_stats.capacity_bytes, ABI 1.9) for a process that runs
-// `ranks_in_process` ranks: the device is created once with the manifest's options to
-// ask. 0 when unknown: a device older than 1.9, or one this machine cannot create
-// (device/cuda without a GPU).
-uint64_t device_capacity(const train::RunPlan& plan, int ranks_in_process);
-// "" when every rank fits `capacity` (or it is 0: unknown); else the sentence to warn or
-// refuse with, naming the rank that needs most and `device` ("device/cpu").
-std::string memory_problem(const MemoryPlan& mp, uint64_t capacity, const std::string& device, int ranks_in_process);
 
 }  // namespace loom::model

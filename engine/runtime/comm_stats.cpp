@@ -2,6 +2,8 @@
 
 #include "engine/plugins/registry.hpp"
 
+#include <loom/cpp/core.hpp>
+
 #include <cstdio>
 #include <sstream>
 
@@ -34,16 +36,6 @@ struct Shim {
 };
 Shim* shim(loom_comm* c) { return reinterpret_cast<Shim*>(c); }
 
-uint64_t dtype_bytes(int32_t dtype) {
-  switch (dtype) {
-    case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
-    case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
-    case LOOM_DTYPE_I64: case LOOM_DTYPE_F64: return 8;
-    case LOOM_DTYPE_U8: return 1;
-    default: return 0;  // the comm plugin reports the bad dtype
-  }
-}
-
 // factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
 // Counts the call, runs it, and tells the observer (if any) how long it took.
 template <typename Call>
@@ -51,7 +43,7 @@ loom_status counted(Shim* s, const char* op, uint64_t elements, int32_t dtype, d
   CommCounter c;
   c.calls = 1;
   c.elements = elements;
-  c.bytes = elements * dtype_bytes(dtype);
+  c.bytes = elements * loom::dtype_size(dtype);  // 0 for a bad dtype: the comm plugin reports it
   c.bus_bytes = static_cast<double>(c.bytes) * factor;
   s->recorder->add(s->kind, op, c);
   const CommObserver& observer = s->recorder->observer();

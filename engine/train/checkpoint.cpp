@@ -445,7 +445,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
                           std::to_string(old_world) + " ranks, which gives " + std::to_string(peers.size()) +
                           " data-parallel ranks under this run's tp, cp and pp");
   std::vector<RankState> old;
-  const size_t elem_size = model::dtype_size(model.param_dtype());
+  const size_t elem_size = loom::dtype_size(model.param_dtype());
   const ParamLayoutList layout = param_layout_of(model);
   for (int peer : peers) {
     check_param_layout(step_dir, peer, layout);  // dp peers hold the same parameters

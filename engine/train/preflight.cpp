@@ -17,9 +17,9 @@ void read_one(const DataSource& data, Split split, int64_t seq) {
 
 // Expert parallelism splits expert parameters: a model without any would only get ep
 // times the ranks to do the same work.
-void check_experts(const RunPlan& plan, const model::MemoryPlan& memory) {
+void check_experts(const RunPlan& plan, const MemoryPlan& memory) {
   if (plan.sizes.ep <= 1) return;
-  for (const model::RankMemory& r : memory.ranks)
+  for (const RankMemory& r : memory.ranks)
     if (r.expert_start < r.buffer_numel) return;
   throw loom::Error("parallel.ep = " + std::to_string(plan.sizes.ep) +
                     " but no layer of the model has expert parameters (a dense model); set parallel.ep = 1 "
@@ -40,9 +40,9 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   read_one(*data, Split::Train, seq);
   if (m.get_int("run.eval_every") > 0) read_one(*data, Split::Validation, seq);
 
-  out.memory = model::plan_memory(plan, out.vocab);
+  out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);
-  out.memory_problem = model::memory_problem(out.memory, model::device_capacity(plan, ranks_in_process),
+  out.memory_problem = memory_problem(out.memory, device_capacity(plan, ranks_in_process),
                                              plan.device->key(), ranks_in_process);
   return out;
 }

@@ -3,7 +3,7 @@
 // later for a reason known in advance.
 #pragma once
 
-#include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <cstdint>
@@ -13,7 +13,7 @@ namespace loom::train {
 
 struct Preflight {
   int64_t vocab = 0;           // the model's vocabulary: model.vocab_size, or the data's
-  model::MemoryPlan memory;    // every rank's plan, from the layers the ranks create
+  MemoryPlan memory;           // every rank's plan, from the layers the ranks create
   std::string memory_problem;  // "" or why a rank does not fit what its device offers
 };
 

@@ -314,7 +314,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       check_param_layout(resume_dir, rank, param_layout_of(model));
       require_same_model(resume_dir, manifest_toml);  // what the shapes cannot tell
       RankState s = read_rank_file(resume_dir, rank, static_cast<int64_t>(model.numel()),
-                                   model::dtype_size(model.param_dtype()));
+                                   loom::dtype_size(model.param_dtype()));
       dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
       loom::check(opt_api->state_load(opt, s.optimizer.data(), s.optimizer.size()));
       dev.synchronize();
@@ -391,7 +391,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       if (leader) prepare_temp_dir(tmp);
       world.barrier();
       RankState s;
-      s.elem_size = model::dtype_size(model.param_dtype());
+      s.elem_size = loom::dtype_size(model.param_dtype());
       s.params.resize(model.numel() * s.elem_size);
       dev.copy(s.params.data(), model.params(), s.params.size(), LOOM_COPY_DEVICE_TO_HOST);
       size_t bytes = 0;

@@ -9,6 +9,7 @@
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 #include "engine/train/checkpoint.hpp"
 
 #include <gtest/gtest.h>
@@ -258,10 +259,10 @@ TEST(ContextParallel, PlanMatchesTheRun) {
     measured[rank] = {m.numel(), m.activation_bytes()};
   };
   loom::testing::run_and_trace(manifest(), o, opts);
-  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), o));
   std::vector<std::string> serial_o = o;
   serial_o.push_back("parallel.cp=1");
-  const loom::model::MemoryPlan serial = loom::model::plan_memory(loom::testing::plan_from(manifest(), serial_o));
+  const loom::train::MemoryPlan serial = loom::train::plan_memory(loom::testing::plan_from(manifest(), serial_o));
   ASSERT_EQ(plan.ranks.size(), 4u);
   for (const auto& r : plan.ranks) {
     SCOPED_TRACE("rank " + std::to_string(r.rank));

@@ -5,6 +5,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 #include "tests/support/train_fixture.hpp"
 
 #include <boost/property_tree/json_parser.hpp>
@@ -52,7 +53,7 @@ TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
     };
     const loom::testing::Trace run = loom::testing::run_and_trace(tiny_manifest(), overrides, opts);
 
-    const loom::model::MemoryPlan plan = loom::model::plan_memory(plan_from(tiny_manifest(), overrides));
+    const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), overrides));
     ASSERT_EQ(plan.ranks.size(), 2u - (layout == "parallel.dp=1" ? 1u : 0u)) << layout;
     ASSERT_EQ(measured.size(), plan.ranks.size()) << layout;
     for (const auto& r : plan.ranks) {
@@ -83,16 +84,16 @@ TEST(MemoryPlan, ComparedWithWhatTheDeviceOffersARank) {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   ASSERT_GT(pages, 0);
   const uint64_t ram = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
-  EXPECT_EQ(loom::model::device_capacity(plan, 1), ram);
-  EXPECT_EQ(loom::model::device_capacity(plan, 4), ram / 4);
+  EXPECT_EQ(loom::train::device_capacity(plan, 1), ram);
+  EXPECT_EQ(loom::train::device_capacity(plan, 4), ram / 4);
 
-  loom::model::MemoryPlan mp = loom::model::plan_memory(plan);
+  loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
   ASSERT_EQ(mp.ranks.size(), 2u);
-  const uint64_t need = loom::model::rank_total_bytes(mp.ranks[1]);
+  const uint64_t need = loom::train::rank_total_bytes(mp.ranks[1]);
   mp.ranks[1].activation_bytes += 1000;  // rank 1 needs most
-  EXPECT_EQ(loom::model::memory_problem(mp, ram, "device/cpu", 2), "");
-  EXPECT_EQ(loom::model::memory_problem(mp, 0, "device/cpu", 2), "");  // unknown
-  const std::string problem = loom::model::memory_problem(mp, need, "device/cpu", 2);
+  EXPECT_EQ(loom::train::memory_problem(mp, ram, "device/cpu", 2), "");
+  EXPECT_EQ(loom::train::memory_problem(mp, 0, "device/cpu", 2), "");  // unknown
+  const std::string problem = loom::train::memory_problem(mp, need, "device/cpu", 2);
   EXPECT_NE(problem.find("the plan needs"), std::string::npos) << problem;
   EXPECT_NE(problem.find("on rank 1"), std::string::npos) << problem;
   EXPECT_NE(problem.find("device/cpu offers a rank here (its memory shared by the 2 ranks"), std::string::npos)
@@ -123,9 +124,9 @@ TEST(MemoryPlan, PlanEqualsWhatEachRankAllocates) {
           held[rank] = bytes;
         };
         (void)loom::testing::run_and_trace(tiny_manifest(), o, opts);
-        const loom::model::MemoryPlan plan = loom::model::plan_memory(plan_from(tiny_manifest(), o));
+        const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), o));
         ASSERT_EQ(held.size(), plan.ranks.size()) << what;
-        for (const loom::model::RankMemory& r : plan.ranks) {
+        for (const loom::train::RankMemory& r : plan.ranks) {
           const uint64_t planned = r.param_bytes + r.grad_bytes + r.optimizer_bytes;
           // The rest is tens of KiB here (0.2-0.4%); a byte per element planned wrongly is 6% or more.
           EXPECT_GE(held[r.rank], planned) << what << " rank " << r.rank;
@@ -156,7 +157,7 @@ TEST(MemoryPlan, BytesPerParamTable) {
         o.push_back("device.grad_dtype=" + c.grad);
         o.push_back("parallel.dp=" + std::to_string(d));
         o.push_back("optimizer.strategy=" + strategy);
-        const loom::model::MemoryPlan plan = loom::model::plan_memory(plan_from(tiny_manifest(), o));
+        const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), o));
         ASSERT_EQ(plan.ranks.size(), static_cast<size_t>(d));
         const double want = strategy == "ddp" ? c.plain : c.fixed + c.sharded / d;
         for (const auto& r : plan.ranks) {

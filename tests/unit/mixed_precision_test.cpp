@@ -9,6 +9,7 @@
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 #include "engine/train/checkpoint.hpp"
 
 #include <gtest/gtest.h>
@@ -367,7 +368,7 @@ TEST(MixedPrecision, PlanMatchesTheRealBf16Allocation) {
         measured[rank] = x;
       };
       const auto run = run_and_trace(tiny_manifest(), overrides, opts);
-      const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(tiny_manifest(), overrides));
+      const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(tiny_manifest(), overrides));
       ASSERT_EQ(measured.size(), plan.ranks.size());
       for (const auto& r : plan.ranks) {
         const Measured& x = measured[r.rank];
@@ -383,8 +384,8 @@ TEST(MixedPrecision, PlanMatchesTheRealBf16Allocation) {
     }
   }
   // Activations halve (up to the fp32 statistics): the planned bytes of fp32 and bf16.
-  const auto p32 = loom::model::plan_memory(loom::testing::plan_from(tiny_manifest(), {}));
-  const auto p16 = loom::model::plan_memory(loom::testing::plan_from(tiny_manifest(), kBf16));
+  const auto p32 = loom::train::plan_memory(loom::testing::plan_from(tiny_manifest(), {}));
+  const auto p16 = loom::train::plan_memory(loom::testing::plan_from(tiny_manifest(), kBf16));
   EXPECT_LT(p16.ranks[0].activation_bytes, 0.6 * p32.ranks[0].activation_bytes);
   EXPECT_GT(p16.ranks[0].activation_bytes, 0.4 * p32.ranks[0].activation_bytes);
 }

@@ -9,6 +9,7 @@
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 
 #include <gtest/gtest.h>
 
@@ -258,7 +259,7 @@ TEST(Moe, PlanMatchesTheModel) {
         if (rank == 0) numel = m.numel();
       };
       const auto run = loom::testing::run_and_trace(manifest(), o, opts);
-      const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+      const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), o));
       ASSERT_FALSE(plan.ranks.empty());
       EXPECT_EQ(plan.ranks[0].buffer_numel, numel);
       ASSERT_EQ(run.result.steps.size(), 1u);
@@ -548,7 +549,7 @@ void expect_plan_matches_the_model(const std::vector<std::string>& o, size_t den
     buffers[rank] = {m.numel(), tail};
   };
   loom::testing::run_and_trace(manifest(), o, opts);
-  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), o));
   ASSERT_EQ(plan.ranks.size(), 4u);
   for (const auto& r : plan.ranks) {
     const auto [numel, tail] = buffers.at(r.rank);
@@ -904,11 +905,11 @@ TEST(Moe, ContextParallelPlanMatchesTheModel) {
   const std::vector<std::string> o = {"run.steps=1", "parallel.cp=2", "parallel.ep=2", "model.num_layers=4",
                                       "model.block=[\"attention\", \"moe\"]"};
   const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o);
-  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), o));
   std::vector<std::string> no_cp = o;
   no_cp.push_back("parallel.cp=1");
   no_cp.push_back("parallel.dp=2");
-  const loom::model::MemoryPlan serial_plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), no_cp));
+  const loom::train::MemoryPlan serial_plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), no_cp));
   for (const auto& r : plan.ranks) {
     EXPECT_EQ(r.activation_bytes, declared.at(r.rank)) << "rank " << r.rank;
     EXPECT_LT(r.activation_bytes * 3, serial_plan.ranks.at(0).activation_bytes * 2) << "rank " << r.rank;

@@ -9,6 +9,7 @@
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/train/memory_plan.hpp"
 
 #include <gtest/gtest.h>
 
@@ -85,7 +86,7 @@ Measured measure(std::vector<std::string> o) {
   o.insert(o.end(), {"model.num_layers=4", "run.steps=2"});
   loom::train::TrainResult r;
   const std::map<int, uint64_t> declared = loom::testing::declared_activation_bytes(manifest(), o, &r);
-  const loom::model::MemoryPlan plan = loom::model::plan_memory(loom::testing::plan_from(manifest(), o));
+  const loom::train::MemoryPlan plan = loom::train::plan_memory(loom::testing::plan_from(manifest(), o));
   EXPECT_EQ(plan.ranks.at(0).in_flight, 1);
   EXPECT_EQ(plan.ranks.at(0).activation_bytes, declared.at(0));
   return {r.steps.back().activation_bytes, plan.ranks[0].activation_bytes, plan.ranks[0].recompute_bytes};

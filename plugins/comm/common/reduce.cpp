@@ -1,6 +1,6 @@
 #include "reduce.hpp"
 
-#include <loom/loom_abi.h>
+#include <loom/cpp/core.hpp>
 
 #include <cmath>
 #include <cstring>
@@ -138,16 +138,6 @@ void reduce_op(void* out, const void* const* in, int n, size_t len, int32_t op) 
 
 }  // namespace
 
-size_t element_size(int32_t dtype) {
-  switch (dtype) {
-    case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
-    case LOOM_DTYPE_F64: case LOOM_DTYPE_I64: return 8;
-    case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
-    case LOOM_DTYPE_U8: return 1;
-    default: return 0;
-  }
-}
-
 std::string dtype_name(int32_t dtype) {
   switch (dtype) {
     case LOOM_DTYPE_F32: return "f32";
@@ -174,7 +164,7 @@ std::string reduce_name(int32_t op) {
 bool reducible(int32_t dtype, int32_t op) {
   if (op < LOOM_REDUCE_SUM || op > LOOM_REDUCE_AVG) return false;
   if (dtype == LOOM_DTYPE_F16) return LOOM_COMM_HAVE_F16 != 0;
-  return element_size(dtype) != 0;
+  return loom::dtype_size(dtype) != 0;
 }
 
 void reduce_into(void* out, const void* const* in, int n, size_t len, int32_t dtype, int32_t op) {

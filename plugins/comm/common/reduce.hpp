@@ -18,8 +18,6 @@
 
 namespace loom::comm_common {
 
-// Bytes per element; 0 for an unknown dtype.
-size_t element_size(int32_t dtype);
 // "f32", "bf16", ... or "dtype#<n>".
 std::string dtype_name(int32_t dtype);
 // "sum", "max", ... or "op#<n>".

@@ -13,7 +13,6 @@
 
 namespace loom::comm_local {
 using comm_common::dtype_name;
-using comm_common::element_size;
 using comm_common::reduce_into;
 using comm_common::reduce_name;
 using comm_common::reducible;
@@ -249,7 +248,7 @@ void Group::all_reduce(int me, const void* send, void* recv, size_t count, int32
   c.reduce = op;
   c.send = send;
   c.recv = recv;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   if (!reducible(dtype, op)) {
     c.invalid = "reduction " + reduce_name(op) + " on " + dtype_name(dtype) + " is not supported";
@@ -289,7 +288,7 @@ void Group::reduce_scatter(int me, const void* send, void* recv, size_t count, i
   c.reduce = op;
   c.send = send;
   c.recv = recv;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   size_t bytes = 0, total = 0;
   if (!reducible(dtype, op)) {
@@ -323,7 +322,7 @@ void Group::all_gather(int me, const void* send, void* recv, size_t count, int32
   c.dtype = dtype;
   c.send = send;
   c.recv = recv;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   size_t bytes = 0, total = 0;
   if (es == 0) {
@@ -353,7 +352,7 @@ void Group::all_to_all(int me, const void* send, void* recv, size_t count, int32
   c.dtype = dtype;
   c.send = send;
   c.recv = recv;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   size_t bytes = 0, total = 0;
   std::vector<Bytes> staging;  // in-place: the others read a copy of this member's send
@@ -385,7 +384,7 @@ void Group::all_to_all_v(int me, const void* send, const size_t* send_counts, co
   c.send_displs = send_displs;
   c.recv_counts = recv_counts;
   c.recv_displs = recv_displs;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   std::vector<Bytes> staging;
   // Extent in elements of each side, from its counts and displacements.
@@ -430,7 +429,7 @@ void Group::broadcast(int me, void* buf, size_t count, int32_t dtype, int32_t ro
   c.root = root;
   c.send = buf;
   c.recv = buf;
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   if (es == 0) {
     c.invalid = "unknown dtype " + std::to_string(dtype);
@@ -459,7 +458,7 @@ void Group::barrier(int me) {
 
 void Group::send(int me, const void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   if (poisoned_.load()) fail_fast("send");
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   LOOM_REQUIRE(es != 0, "comm/local: send on " << label_ << ": unknown dtype " << dtype);
   LOOM_REQUIRE(peer >= 0 && peer < size(), "comm/local: send on " << label_ << " from " << member(me)
@@ -478,7 +477,7 @@ void Group::send(int me, const void* buf, size_t count, int32_t dtype, int32_t p
 
 void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   if (poisoned_.load()) fail_fast("recv");
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   LOOM_REQUIRE(es != 0, "comm/local: recv on " << label_ << ": unknown dtype " << dtype);
   LOOM_REQUIRE(peer >= 0 && peer < size(), "comm/local: recv on " << label_ << " at " << member(me)

@@ -11,7 +11,6 @@
 
 namespace loom::comm_mpi {
 using comm_common::dtype_name;
-using comm_common::element_size;
 using comm_common::reduce_into;
 using comm_common::reduce_name;
 using comm_common::reducible;
@@ -316,7 +315,7 @@ void Group::join() {
 // ---------------------------------------------------------------------------
 
 void Group::all_reduce(const void* send, void* recv, size_t count, int32_t dtype, int32_t op) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   std::string invalid;
   if (!reducible(dtype, op)) {
@@ -369,7 +368,7 @@ void Group::all_reduce(const void* send, void* recv, size_t count, int32_t dtype
 }
 
 void Group::reduce_scatter(const void* send, void* recv, size_t count, int32_t dtype, int32_t op) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   const auto me = static_cast<size_t>(me_);
   size_t bytes = 0, total = 0;
@@ -406,7 +405,7 @@ void Group::reduce_scatter(const void* send, void* recv, size_t count, int32_t d
 }
 
 void Group::all_gather(const void* send, void* recv, size_t count, int32_t dtype) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   const auto me = static_cast<size_t>(me_);
   size_t bytes = 0, total = 0;
@@ -437,7 +436,7 @@ void Group::all_gather(const void* send, void* recv, size_t count, int32_t dtype
 }
 
 void Group::all_to_all(const void* send, void* recv, size_t count, int32_t dtype) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   const auto me = static_cast<size_t>(me_);
   size_t bytes = 0, total = 0;
@@ -469,7 +468,7 @@ void Group::all_to_all(const void* send, void* recv, size_t count, int32_t dtype
 
 void Group::all_to_all_v(const void* send, const size_t* send_counts, const size_t* send_displs, void* recv,
                          const size_t* recv_counts, const size_t* recv_displs, int32_t dtype) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   const auto n = static_cast<size_t>(size());
   const auto me = static_cast<size_t>(me_);
   std::vector<Bytes> staging;
@@ -518,7 +517,7 @@ void Group::all_to_all_v(const void* send, const size_t* send_counts, const size
 }
 
 void Group::broadcast(void* buf, size_t count, int32_t dtype, int32_t root) {
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   std::string invalid;
   if (es == 0) {
@@ -556,7 +555,7 @@ void Group::barrier() { handshake(Op::Barrier, Header{}, ""); }
 void Group::send(const void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   if (poisoned_) fail_fast("send");
   if (world_->failed()) throw Error("comm/mpi: send on " + label_ + " refused: the run was aborted", LOOM_CODE_INTERNAL);
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   LOOM_REQUIRE(es != 0, "comm/mpi: send on " << label_ << ": unknown dtype " << dtype);
   LOOM_REQUIRE(peer >= 0 && peer < size(), "comm/mpi: send on " << label_ << " from " << member(me_) << ": peer "
@@ -580,7 +579,7 @@ void Group::send(const void* buf, size_t count, int32_t dtype, int32_t peer, int
 
 void Group::recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   if (poisoned_) fail_fast("recv");
-  const size_t es = element_size(dtype);
+  const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
   LOOM_REQUIRE(es != 0, "comm/mpi: recv on " << label_ << ": unknown dtype " << dtype);
   LOOM_REQUIRE(peer >= 0 && peer < size(), "comm/mpi: recv on " << label_ << " at " << member(me_) << ": peer "

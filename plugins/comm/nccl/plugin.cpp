@@ -1044,7 +1044,7 @@ void group_destroy(loom_comm* comm) {
 // Collectives and point to point
 // ---------------------------------------------------------------------------
 
-size_t bytes_of(size_t count, int32_t dtype) { return count * Group::dtype_size(dtype); }
+size_t bytes_of(size_t count, int32_t dtype) { return count * loom::dtype_size(dtype); }
 
 loom_status all_reduce(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
                        int32_t op) {
@@ -1096,7 +1096,7 @@ loom_status all_to_all_v(loom_comm* comm, void* stream, const void* send, const 
   return guard([&] {
     Comm& c = comm_of(comm);
     const ncclDataType_t t = nccl_type(dtype, "all_to_all_v");
-    const size_t n = c.ranks.size(), es = Group::dtype_size(dtype);
+    const size_t n = c.ranks.size(), es = loom::dtype_size(dtype);
     LOOM_REQUIRE(send_counts && send_displs && recv_counts && recv_displs,
                  "comm/nccl all_to_all_v: counts and displacements must not be NULL");
     size_t send_end = 0, recv_end = 0;

@@ -294,7 +294,7 @@ class Attention : public loom::Layer {
       gathered_at = mem.elems(cp * T * W, l.dt_.act);
       dfull = mem.elems(backward ? cp * T * W : 0, l.dt_.act);
       mem.allocate(l.rank_);
-      const size_t eb = dtype_bytes(l.dt_.act);
+      const size_t eb = loom::dtype_size(l.dt_.act);
       // This rank's k|v columns, all-gathered over cp (rank-major), then each
       // rank's two chunks copied to their positions.
       dev.copy_2d(mem.at(local), W * eb, advance(s.mem.at<const void>(s.qkv), l.hidden_local_, l.dt_.act),
@@ -310,7 +310,7 @@ class Attention : public loom::Layer {
     // position order, or back.
     void permute(void* rank_major, void* positions, bool to_positions) const {
       const int64_t W = 2 * l.hidden_local_;
-      const size_t chunk_bytes = static_cast<size_t>(chunk_rows * W) * dtype_bytes(l.dt_.act);
+      const size_t chunk_bytes = static_cast<size_t>(chunk_rows * W) * loom::dtype_size(l.dt_.act);
       for (int j = 0; j < l.cp_.cp(); ++j)
         for (int h = 0; h < 2; ++h) {
           void* r = advance(rank_major, (j * T + h * chunk_rows) * W, l.dt_.act);
@@ -322,7 +322,7 @@ class Attention : public loom::Layer {
     // written into the k|v columns of the packed dqkv [T, 3*Hl].
     void scatter_grad(void* dqkv) const {
       const int64_t W = 2 * l.hidden_local_;
-      const size_t eb = dtype_bytes(l.dt_.act);
+      const size_t eb = loom::dtype_size(l.dt_.act);
       permute(mem.at<void>(gathered_at), mem.at<void>(dfull), /*to_positions=*/false);
       l.cp_group_.reduce_scatter(dev.native_stream(), mem.at(gathered_at), mem.at(local), static_cast<size_t>(T * W),
                                  l.dt_.act);

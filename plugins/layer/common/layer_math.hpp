@@ -77,10 +77,6 @@ inline void require_tensor(const DLTensor* t, const char* what, const std::strin
 // cross-entropy statistics stay fp32 (the device ops keep fp32 math inside).
 // ---------------------------------------------------------------------------
 
-inline size_t dtype_bytes(int32_t dtype) {
-  return dtype == LOOM_DTYPE_BF16 || dtype == LOOM_DTYPE_F16 ? 2 : 4;
-}
-
 inline const char* dtype_name(int32_t dtype) { return dtype == LOOM_DTYPE_BF16 ? "bfloat16" : "float32"; }
 
 // LOOM_DTYPE_F32 or LOOM_DTYPE_BF16 of a view; anything else is an error.
@@ -93,10 +89,10 @@ inline int32_t float_dtype(const DLTensor& t, const std::string& what) {
 
 // p + n elements of dtype.
 inline void* advance(void* p, int64_t n, int32_t dtype) {
-  return static_cast<char*>(p) + n * static_cast<int64_t>(dtype_bytes(dtype));
+  return static_cast<char*>(p) + n * static_cast<int64_t>(dtype_size(dtype));
 }
 inline const void* advance(const void* p, int64_t n, int32_t dtype) {
-  return static_cast<const char*>(p) + n * static_cast<int64_t>(dtype_bytes(dtype));
+  return static_cast<const char*>(p) + n * static_cast<int64_t>(dtype_size(dtype));
 }
 
 // Whether the engine allows gradient-accumulation fusion (ABI 1.2 create args).
@@ -109,7 +105,7 @@ inline bool grad_accumulation_fusion(const loom_layer_create_args& a) {
 struct Dtypes {
   int32_t act = LOOM_DTYPE_F32;
   int32_t grad = LOOM_DTYPE_F32;
-  size_t act_bytes() const { return dtype_bytes(act); }
+  size_t act_bytes() const { return dtype_size(act); }
 };
 
 // An activation of the layer interface: as require_tensor, of the layer's dtype.
@@ -160,7 +156,7 @@ class Arena {
   }
   size_t floats(int64_t n) { return add(static_cast<size_t>(n) * sizeof(float)); }
   // n elements of LOOM_DTYPE_* dtype.
-  size_t elems(int64_t n, int32_t dtype) { return add(static_cast<size_t>(n) * dtype_bytes(dtype)); }
+  size_t elems(int64_t n, int32_t dtype) { return add(static_cast<size_t>(n) * dtype_size(dtype)); }
   size_t bytes() const { return total_; }
   void allocate(loom_rank* rank) { buf_ = loom::Buffer(rank, total_); }
   // The piece's address (float* by default: also for pieces of another dtype,

@@ -39,7 +39,7 @@ void SharedExpert::forward(const loom::Device& dev, const void* xin, void* saved
   if (accumulate)
     add(dev, tmp.at(gated), out, out, T * H, act);
   else
-    copy_d2d(dev, out, tmp.at(gated), static_cast<size_t>(T * H) * dtype_bytes(act));
+    copy_d2d(dev, out, tmp.at(gated), static_cast<size_t>(T * H) * loom::dtype_size(act));
 }
 
 std::vector<float> SharedExpert::backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,

@@ -176,7 +176,7 @@ class Ddp : public loom::OptimizerStrategy {
     bool no_weight_decay, counted_elsewhere, expert;
   };
 
-  static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+  static size_t elem(int32_t dtype) { return loom::dtype_size(dtype); }
 
   // The step's tables: the norm's segments (the parameters counted here, in the order
   // of the per-tensor loop) and every parameter's AdamW segment (all buffers share

@@ -505,7 +505,7 @@ class DistOpt : public loom::OptimizerStrategy {
   }
 
  private:
-  static size_t elem(int32_t dtype) { return loom::Group::dtype_size(dtype); }
+  static size_t elem(int32_t dtype) { return loom::dtype_size(dtype); }
   static void fill_zero(const loom::Device& dev, void* p, size_t n) {
     if (n == 0) return;
     dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(n), .out = p, .alpha = 0.f,

@@ -104,7 +104,7 @@ class AllGather : public Dispatcher {
     loom::Buffer place;        // [ep * block] gathered row -> expert-major row, or R (a zero row)
   };
   static size_t row_bytes(const loom_ep_move_args& a) {
-    return static_cast<size_t>(a.width) * loom::Group::dtype_size(a.dtype);
+    return static_cast<size_t>(a.width) * loom::dtype_size(a.dtype);
   }
 
   std::map<int32_t, Plan> plans_;

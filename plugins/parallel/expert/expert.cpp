@@ -83,7 +83,7 @@ class AllToAll : public Dispatcher {
     loom::Buffer received_from;  // [R] received row -> expert-major row
   };
 
-  static size_t bytes(int64_t n, int32_t dtype) { return static_cast<size_t>(n) * loom::Group::dtype_size(dtype); }
+  static size_t bytes(int64_t n, int32_t dtype) { return static_cast<size_t>(n) * loom::dtype_size(dtype); }
   // One all_to_all_v of rows: out to the experts' ranks, or (outward = false) back.
   void exchange(const loom_ep_move_args& a, const Plan& p, bool outward, const void* in, void* out) const {
     auto scaled = [&](const std::vector<size_t>& rows) {

@@ -60,7 +60,7 @@ class Tp {
   // f forward: [local rows] -> [rows].
   void enter_fwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
     if (sp_) comm().all_gather(stream(), x, out, static_cast<size_t>(local_rows(rows) * cols), dt);
-    else copy_d2d(dev_, out, x, static_cast<size_t>(rows * cols) * dtype_bytes(dt));
+    else copy_d2d(dev_, out, x, static_cast<size_t>(rows * cols) * loom::dtype_size(dt));
   }
   // f backward: [rows] summed over tp -> [local rows]. x may be out without SP.
   void enter_bwd(int64_t rows, int64_t cols, const void* x, void* out, int32_t dt) const {
@@ -112,7 +112,7 @@ class Tp {
     tmp.allocate(rank_);
     linear_fwd(dev_, x, w, b, tmp.at<void>(local), R, in, out, dt);
     comm().all_gather(stream(), tmp.at<void>(local), tmp.at<void>(all), static_cast<size_t>(R * out), dt);
-    const size_t row = static_cast<size_t>(out) * dtype_bytes(dt);
+    const size_t row = static_cast<size_t>(out) * loom::dtype_size(dt);
     for (int r = 0; r < size_; ++r)
       dev_.copy_2d(advance(a.y, r * out, dt), size_ * row, advance(tmp.at<const void>(all), r * R * out, dt), row,
                    row, static_cast<size_t>(R), LOOM_COPY_DEVICE_TO_DEVICE);
@@ -133,7 +133,7 @@ class Tp {
     const size_t dred = tmp.elems(a.dx && a.accumulate_dx ? local_rows(R) * in : 0, dt);
     tmp.allocate(rank_);
     if (gathered) {  // this rank's columns of the whole output's gradient
-      const size_t row = static_cast<size_t>(out) * dtype_bytes(dt);
+      const size_t row = static_cast<size_t>(out) * loom::dtype_size(dt);
       dev_.copy_2d(tmp.at<void>(dyl), row, advance(dy, tp_rank_ * out, dt), size_ * row, row, static_cast<size_t>(R),
                    LOOM_COPY_DEVICE_TO_DEVICE);
       dy = tmp.at<const void>(dyl);
@@ -389,7 +389,7 @@ class Tp {
   }
   // out = the sum over tp of x (a copy on one rank; in place when x == out).
   void all_reduce(const void* x, void* out, int64_t n, int32_t dt) const {
-    if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * dtype_bytes(dt));
+    if (size_ == 1) copy_d2d(dev_, out, x, static_cast<size_t>(n) * loom::dtype_size(dt));
     else comm().all_reduce(stream(), x, out, static_cast<size_t>(n), dt);
   }
   // The dtype of the parameter gradients of a backward: fp32 with grad_fp32 (1.2),

@@ -16,6 +16,18 @@
 
 namespace loom {
 
+// Bytes of one element of a LOOM_DTYPE_*; 0 for a value that is none of them. The one
+// table of element sizes, for the engine and every plugin.
+constexpr size_t dtype_size(int32_t dtype) noexcept {
+  switch (dtype) {
+    case LOOM_DTYPE_U8: return 1;
+    case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
+    case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
+    case LOOM_DTYPE_F64: case LOOM_DTYPE_I64: return 8;
+    default: return 0;
+  }
+}
+
 // The host table of this module (one per shared object; set by the entry point,
 // or by the engine for itself).
 inline const loom_host_api*& host_slot() {
@@ -187,16 +199,6 @@ class Group {
   }
   void recv(void* stream, void* buf, size_t count, int32_t dtype, int peer, int tag) const {
     check(g_.api->recv(g_.comm, stream, buf, count, dtype, peer, tag));
-  }
-
-  static size_t dtype_size(int32_t dtype) {
-    switch (dtype) {
-      case LOOM_DTYPE_F32: case LOOM_DTYPE_I32: return 4;
-      case LOOM_DTYPE_BF16: case LOOM_DTYPE_F16: return 2;
-      case LOOM_DTYPE_I64: case LOOM_DTYPE_F64: return 8;
-      case LOOM_DTYPE_U8: return 1;
-      default: throw Error("unknown dtype " + std::to_string(dtype), LOOM_CODE_INVALID_ARGUMENT);
-    }
   }
 
  private:
