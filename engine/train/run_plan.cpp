@@ -65,6 +65,39 @@ void require_experts_fold_into_dp(const manifest::Manifest& man, const topology:
               "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }
+// The list of model.pre, model.block or model.post that layer i of the model came from.
+std::string list_of(const manifest::Manifest& man, const std::vector<model::LayerSpec>& layers, size_t i) {
+  if (layers[i].block_index >= 0) return "model.block";
+  return i < man.get_string_list("model.pre").size() ? "model.pre" : "model.post";
+}
+
+// A layer that reads the tokens comes first and one that writes the loss comes last
+// (ABI 1.9 LOOM_LAYER_READS_TOKENS / LOOM_LAYER_WRITES_LOSS): an embedding in a block
+// or an output head in model.pre would train nonsense or fail inside the first step.
+void check_layer_places(const manifest::Manifest& man, const plugins::Registry& registry,
+                        const std::vector<model::LayerSpec>& layers, std::vector<manifest::Diagnostic>& diags) {
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const plugins::LoadedPlugin* p = registry.find("layer", layers[i].plugin);
+    if (p == nullptr || p->abi_minor < 9 || p->layer() == nullptr) continue;  // older layers declare no place
+    const loom_layer_api* api = p->layer();
+    const uint64_t features = LOOM_HAS_SLOT(api, loom_layer_api, features) ? api->features : 0;
+    const bool reads = (features & LOOM_LAYER_READS_TOKENS) != 0, writes = (features & LOOM_LAYER_WRITES_LOSS) != 0;
+    const bool first = i == 0, last = i + 1 == layers.size();
+    std::string problem;
+    if (reads && !first) problem = "reads the tokens (an embedding), so it can only be the model's first layer";
+    else if (writes && !last) problem = "writes the loss (an output head), so it can only be the model's last layer";
+    else if (first && !reads) problem = "is the model's first layer but does not read the tokens (it needs an input)";
+    else if (last && !writes) problem = "is the model's last layer but does not write the loss";
+    if (problem.empty()) continue;
+    const std::string key = list_of(man, layers, i);
+    diags.push_back({key, man.origin(key),
+                     "layer " + layers[i].instance + " (" + p->key() + ") " + problem +
+                         "; the model is model.pre, then model.block num_layers times, then model.post (e.g. "
+                         "pre = [\"embedding\"], block = [\"attention\", \"mlp\"], post = [\"lm_head\"])"});
+    return;  // one is enough: the others follow from the same list
+  }
+}
+
 // [model.layer.X] tables with a value written in the manifest or by --set that no
 // layer of model.pre, model.block or model.post uses: their options are not even
 // checked (e.g. MoE options on a dense model).
@@ -182,6 +215,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                            ") does not take a context-parallel slice of the sequence (it does not advertise "
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
   }
+  check_layer_places(man, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
   if (man.get_string("data.kind") == "synthetic" && !man.get_string("data.path").empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "

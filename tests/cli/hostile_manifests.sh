@@ -52,6 +52,12 @@ done
 # size the interleaved schedule refuses.
 check refuse "$base" --set 'model.pre=[]'
 check refuse "$base" --set 'model.post=[]'
+# Layers out of their place (ABI 1.9 LOOM_LAYER_READS_TOKENS / WRITES_LOSS): used to train
+# nonsense with exit 0, or to fail inside the first step.
+for kv in 'model.block=["embedding"]' 'model.block=["lm_head"]' 'model.pre=["lm_head"]' 'model.post=["embedding"]' \
+          'model.pre=["attention"]' 'model.post=["mlp"]'; do
+  check refuse "$base" --set "$kv"
+done
 check refuse "$base" --set parallel.pp=2 --set parallel.vpp=2 --set 'pipeline.schedule="interleaved"' \
   --set pipeline.microbatch_group_size=3 --set model.num_layers=4 --set batch.global_batch_size=8 \
   --set batch.micro_batch_size=1 --set parallel.dp=2

@@ -48,7 +48,7 @@ class Embedding : public loom::Layer {
     if (micro_batch_ > 0) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(2);

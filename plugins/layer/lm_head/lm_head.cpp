@@ -41,7 +41,7 @@ class LmHead : public loom::Layer {
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS;
 
   std::vector<loom::ParamSpec> params() override {
     std::vector<loom::ParamSpec> p(3);

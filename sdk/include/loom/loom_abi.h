@@ -930,6 +930,14 @@ typedef struct loom_layer_api {
  * sequence (see loom_layer_fwd_args); the engine refuses parallel.cp > 1 for a model
  * with a layer that lacks it (since 1.6). */
 #define LOOM_LAYER_CONTEXT_PARALLEL (1ull << 0)
+/* The layer's place in the model (since 1.9). LOOM_LAYER_READS_TOKENS: it reads the
+ * batch's tokens and takes no input hidden state (an embedding), so it can only be
+ * the model's first layer. LOOM_LAYER_WRITES_LOSS: it writes the loss and no output
+ * hidden state (an output head), so it can only be the last. The engine refuses a
+ * model whose first or last layer, built for 1.9 or later, does not have the bit, or
+ * whose other layers do; a layer built before 1.9 declares neither and is not checked. */
+#define LOOM_LAYER_READS_TOKENS (1ull << 1)
+#define LOOM_LAYER_WRITES_LOSS (1ull << 2)
 
 /* ------------------------------------------------------------------------- */
 /* Optimizer strategy plugins (parallel/ddp, parallel/distopt)                */
