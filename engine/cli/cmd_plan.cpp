@@ -3,6 +3,7 @@
 // gradients, optimizer state and an activation estimate, without running the
 // model or allocating parameter memory.
 #include "engine/cli/args.hpp"
+#include "engine/runtime/launcher.hpp"
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/model/param_plan.hpp"
@@ -158,7 +159,7 @@ int cmd_plan(int argc, char** argv) {
   } catch (const manifest::ManifestError& e) {
     return report_manifest_error(e, json);
   } catch (const std::exception& e) {
-    std::cerr << "loom plan: " << e.what() << "\n";
+    std::cerr << "loom plan: " << runtime::error_message(e) << "\n";
     return 1;
   }
 }

@@ -168,7 +168,7 @@ int cmd_run(int argc, char** argv) {
     return 1;
   } catch (const std::exception& e) {
     report_plugin_loading();
-    std::cerr << "loom run: " << e.what() << "\n";
+    std::cerr << "loom run: " << runtime::error_message(e) << "\n";
     return 1;
   }
 }

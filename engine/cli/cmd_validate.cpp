@@ -1,6 +1,7 @@
 // loom validate MANIFEST [--set key=value]... [--json]
 // Prints every resolved value with where it came from, and the plan.
 #include "engine/cli/args.hpp"
+#include "engine/runtime/launcher.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
@@ -148,7 +149,7 @@ int cmd_validate(int argc, char** argv) {
   } catch (const manifest::ManifestError& e) {
     return report_manifest_error(e, json);
   } catch (const std::exception& e) {
-    std::cerr << "loom validate: " << e.what() << "\n";
+    std::cerr << "loom validate: " << runtime::error_message(e) << "\n";
     return 1;
   }
 }

@@ -14,6 +14,16 @@
 #include <thread>
 
 namespace loom::runtime {
+
+std::string error_message(const std::exception& e) {
+  // A bare "std::bad_alloc" says nothing of whose memory ran out.
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr)
+    return std::string("out of host memory (") + e.what() +
+           "): the process's memory limit (ulimit -v, a container's) is too small for this run, or lower the batch "
+           "or the ranks per process";
+  return e.what();
+}
+
 namespace {
 
 // A non-negative integer environment variable, or -1.
@@ -156,12 +166,7 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       }
       fn(rt);
     } catch (const std::exception& e) {
-      // A bare "std::bad_alloc" says nothing of whose memory ran out.
-      const std::string why = dynamic_cast<const std::bad_alloc*>(&e) != nullptr
-                                  ? std::string("out of host memory (") + e.what() +
-                                        "): the process's memory limit (ulimit -v, a container's) is too small for "
-                                        "this run, or lower the batch or the ranks per process"
-                                  : std::string(e.what());
+      const std::string why = error_message(e);
       {
         std::lock_guard<std::mutex> lock(mu);
         errors[rank] = why;

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <stdexcept>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,9 @@ class RunError : public std::runtime_error {
 // How this process was started. Under mpirun (OMPI_COMM_WORLD_SIZE/RANK), an MPI
 // process manager (PMI_SIZE/PMI_RANK) or srun (SLURM_NTASKS/SLURM_PROCID) with more
 // than one process, the run has one process per rank and this one hosts `rank`.
+// What an exception says to a user: its text, or for std::bad_alloc, whose memory ran out.
+std::string error_message(const std::exception& e);
+
 struct ProcessLaunch {
   bool multi_process = false;
   int world_size = 1;      // processes started

@@ -95,6 +95,7 @@ void prepare_temp_dir(const std::string& tmp) {
 }
 
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped) {
+  // skipped: "<path> (<why>)" for each step_* directory that is not a checkpoint.
   boost::system::error_code ec;
   if (!fs::is_directory(dir, ec)) return std::nullopt;
   std::optional<int64_t> best;
@@ -107,8 +108,12 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
     // A name that is no step number (or one past int64), or a directory without the
     // meta.toml a save writes last before its rename: not a checkpoint of this engine.
     const bool number = end != name.c_str() + 5 && *end == '\0' && errno != ERANGE && step >= 0;
-    if (!number || !fs::is_regular_file(e.path() / "meta.toml", ec)) {
-      if (skipped) skipped->push_back(e.path().string());
+    if (!number) {
+      if (skipped) skipped->push_back(e.path().string() + " (its name is not step_ and a step number of 0 to 2^63-1)");
+      continue;
+    }
+    if (!fs::is_regular_file(e.path() / "meta.toml", ec)) {
+      if (skipped) skipped->push_back(e.path().string() + " (no meta.toml: a save that did not finish)");
       continue;
     }
     if (!best || step > *best) best = step;
@@ -144,6 +149,9 @@ CheckpointDirLock::~CheckpointDirLock() {
 
 void prepare_checkpoint_dir(const std::string& dir) {
   boost::system::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    throw CheckpointError("checkpoint.dir " + dir + " exists and is not a directory; name a directory for the "
+                          "checkpoints");
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir))
     throw CheckpointError("checkpoint.dir " + dir + " cannot be created" + (ec ? ": " + ec.message() : std::string()) +

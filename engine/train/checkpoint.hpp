@@ -55,8 +55,8 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
 // The highest complete step in dir (a step_N directory with its meta.toml), or nullopt
-// when there is none; `skipped` gets the step_* directories that are not complete
-// checkpoints (no meta.toml, or no step number).
+// when there is none; `skipped` gets each step_* directory that is not a complete
+// checkpoint, as "<path> (<why>)": no meta.toml, or a name that is no step number.
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
 // Before training: creates checkpoint.dir, proves it writable (a probe file), and
 // removes the temporary directories of unfinished saves whose process is gone.

@@ -132,10 +132,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
     std::vector<std::string> incomplete;
     auto latest = latest_checkpoint(ckpt_dir, &incomplete);
-    for (const std::string& d : incomplete)
-      LOG(WARNING) << "--resume: " << d << " is not a complete checkpoint (no meta.toml, or no step number); skipped";
     if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
     resume_dir = checkpoint_path(ckpt_dir, *latest);
+    if (options.log)
+      for (const std::string& d : incomplete)
+        *options.log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
     CheckpointMeta meta = read_meta(resume_dir);
     require_same_param_dtype(resume_dir, meta, m.get_string("device.param_dtype"));
     if (meta.step > m.get_int("run.steps"))

@@ -33,9 +33,15 @@ fi
 ls -d "$work"/ckpt/step_* > /dev/null 2>&1 || fail "no checkpoint written on SIGTERM"
 ls -a "$work/ckpt" | grep -q '^\.tmp' && fail "a temporary checkpoint directory was left behind"
 
-# 3. Resume to the end; the final loss equals the uninterrupted run's, bit for bit.
+# 3. Resume to the end; the final loss equals the uninterrupted run's, bit for bit. A
+# save that never finished (a step directory without meta.toml, past the real one) is
+# skipped, saying which checkpoint the run resumes from.
+mkdir -p "$work/ckpt/step_99999999"
 "$loom" run "$here/tiny.toml" --set checkpoint.dir="\"$work/ckpt\"" --resume --metrics "$work/cut.jsonl" > "$work/resume.out" 2>&1 \
   || fail "resume: $(tail -3 "$work/resume.out")"
+grep -q "resume: skipped .*step_99999999 (no meta.toml: a save that did not finish); resuming from .*step_" \
+  "$work/resume.out" || fail "incomplete step directory: $(head -3 "$work/resume.out")"
+rmdir "$work/ckpt/step_99999999"
 last_ref=$(tail -1 "$work/ref.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
 last_res=$(tail -1 "$work/cut.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
 [ "$(tail -1 "$work/cut.jsonl" | sed 's/.*"step": \([0-9]*\),.*/\1/')" = 300 ] || fail "resumed run did not reach step 300"
