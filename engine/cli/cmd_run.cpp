@@ -83,12 +83,6 @@ int cmd_run(int argc, char** argv) {
     if (proc.rank == 0)
       for (const std::string& w : plan.warnings) std::cerr << "loom run: warning: " << w << "\n";
     const bool leader = !proc.multi_process || proc.rank == 0;
-    if (proc.multi_process && plan.manifest.get_string("comm.backend") == "local") {
-      if (!leader) return 1;  // every process would say the same: rank 0 says it once
-      throw std::runtime_error("started by " + proc.launcher +
-                               " (one process per rank), but comm.backend = \"local\" runs every rank as a thread "
-                               "of one process; add --set comm.backend=mpi");
-    }
     train::TrainOptions opts;
     opts.resume = args.flag("--resume");
     opts.metrics_file = args.get("--metrics").value_or(plan.manifest.get_string("run.metrics_file"));
@@ -163,6 +157,9 @@ int cmd_run(int argc, char** argv) {
     std::cerr << "loom run: " << e.what() << "\n" << kUsage;
     return 2;
   } catch (const manifest::ManifestError& e) {
+    // Under mpirun every process finds the same problems: rank 0 says them once.
+    if (const runtime::ProcessLaunch proc = runtime::detect_process_launch(); proc.multi_process && proc.rank != 0)
+      return 1;
     report_plugin_loading();  // often why a plugin the manifest names is missing
     std::cerr << e.what() << "\n";
     return 1;

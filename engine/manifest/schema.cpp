@@ -513,13 +513,6 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
-  if (world_ok && usable({"comm.backend", "device.kind", "parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}) &&
-      m.get_string("comm.backend") == "local" && m.get_string("device.kind") == "cuda" &&
-      I("parallel.tp") * I("parallel.cp") * I("parallel.pp") * I("parallel.dp") > 1)
-    report({"comm.backend", "device.kind"},
-           "comm.backend = \"local\" exchanges host memory, but device.kind = \"cuda\" keeps tensors on the GPU; "
-           "with more than one rank set comm.backend = \"nccl\"");
-
   if (usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");
     if ((kind == "text" || kind == "tokens") && m.get_string("data.path").empty())

@@ -95,10 +95,6 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       throw RunError("the run has " + std::to_string(world) + " ranks but " + proc.launcher + " started " +
                      std::to_string(proc.world_size) + " processes; start one process per rank (mpirun -np " +
                      std::to_string(world) + ")");
-    if (config.comm_plugin->name == "local")
-      throw RunError("this process was started by " + proc.launcher +
-                     " as one process per rank, but comm.backend = \"local\" runs every rank as a thread of one "
-                     "process; add --set comm.backend=mpi (or run without mpirun/srun)");
     local_ranks = {proc.rank};
   }
   loom_comm_world_args wargs = loom::make<loom_comm_world_args>();

@@ -2,6 +2,7 @@
 
 #include "engine/manifest/schema.hpp"
 #include "engine/pipeline/schedule.hpp"
+#include "engine/runtime/launcher.hpp"
 #include "engine/topology/rank_groups.hpp"
 
 #include <boost/filesystem.hpp>
@@ -65,6 +66,37 @@ void require_experts_fold_into_dp(const manifest::Manifest& man, const topology:
               "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }
+// The comm plugin's declared reach (ABI 1.9 LOOM_COMM_*): host buffers only cannot
+// carry a device's memory between ranks, and a plugin whose ranks are threads of one
+// process cannot serve one process per rank (mpirun, srun), nor the reverse.
+void check_comm_fits(const manifest::Manifest& man, const RunPlan& plan, std::vector<manifest::Diagnostic>& diags) {
+  if (plan.comm == nullptr || plan.device == nullptr || plan.comm->abi_minor < 9) return;  // older: undeclared
+  const loom_comm_api* comm = plan.comm->comm();
+  const uint64_t features = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) ? comm->features : 0;
+  const int64_t world = man.get_int("parallel.tp") * man.get_int("parallel.cp") * man.get_int("parallel.pp") *
+                        man.get_int("parallel.dp");  // the schema bounds each factor and the product
+  const loom_device_api* dev = plan.device->device();
+  const bool host_memory = plan.device->abi_minor < 9 ||  // undeclared: assume host memory
+                           (dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
+                            (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0);
+  if (world > 1 && !host_memory && (features & LOOM_COMM_DEVICE_BUFFERS) == 0)
+    diags.push_back({"comm.backend", man.origin("comm.backend"),
+                     plan.comm->key() + " exchanges host memory, but " + plan.device->key() +
+                         " keeps tensors in device memory; with more than one rank use a comm plugin that takes "
+                         "device buffers (comm.backend = \"nccl\" for CUDA)"});
+  const runtime::ProcessLaunch launch = runtime::detect_process_launch();
+  // A world of one rank in one process is both.
+  const uint64_t needed = launch.multi_process ? LOOM_COMM_PROCESSES : world > 1 ? LOOM_COMM_THREADS : 0;
+  if ((features & needed) != needed)
+    diags.push_back({"comm.backend", man.origin("comm.backend"),
+                     launch.multi_process
+                         ? "this process was started by " + launch.launcher + " as one process per rank, but " +
+                               plan.comm->key() + " runs every rank as a thread of one process; add --set "
+                               "comm.backend=mpi (or run without mpirun/srun)"
+                         : plan.comm->key() + " needs one process per rank; start the run with mpirun -np " +
+                               std::to_string(world) + " (or srun), or use comm.backend = \"local\""});
+}
+
 // The list of model.pre, model.block or model.post that layer i of the model came from.
 std::string list_of(const manifest::Manifest& man, const std::vector<model::LayerSpec>& layers, size_t i) {
   if (layers[i].block_index >= 0) return "model.block";
@@ -220,6 +252,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   if (man.get_string("data.kind") == "synthetic" && !man.get_string("data.path").empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
+  check_comm_fits(man, plan, diags);
   // A recomputed forward runs inside the backward, outside the captured forward and
   // backward steps an exec plugin that replays would replay.
   if (plan.exec != nullptr && man.get_string("model.recompute_granularity") != "none") {

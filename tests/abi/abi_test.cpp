@@ -244,12 +244,14 @@ TEST(AbiLayout, Released19MembersKeepOffsetsAndSizes) {
   const size_t* current = loom_abi_layout_current_v1_9(&n_current);
   loom_abi_layout_current_v1_8(&n_18);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_18 + 2 * 3);  // the three members 1.9 appended
+  ASSERT_EQ(n_frozen, n_18 + 2 * 4);  // the four members 1.9 appended
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_8("loom_option_decl"), 0u);
   EXPECT_GE(offsetof(loom_option_decl, range), loom_abi_sizeof_v1_8("loom_option_decl"));
   ASSERT_GT(loom_abi_sizeof_v1_8("loom_memory_stats"), 0u);
   EXPECT_GE(offsetof(loom_memory_stats, capacity_bytes), loom_abi_sizeof_v1_8("loom_memory_stats"));
+  ASSERT_GT(loom_abi_sizeof_v1_8("loom_comm_api"), 0u);
+  EXPECT_GE(offsetof(loom_comm_api, features), loom_abi_sizeof_v1_8("loom_comm_api"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -30,6 +30,7 @@ size_t loom_abi_sizeof_v1_8(const char* name) {
   if (strcmp(name, #s) == 0) return sizeof(s);
   SIZE(loom_option_decl)
   SIZE(loom_memory_stats)
+  SIZE(loom_comm_api)
 #undef SIZE
   return 0;
 }

@@ -155,6 +155,7 @@ const loom_comm_api* comm_api() {
     a.world_create = world_create;
     a.world_destroy = world_destroy;
     a.world_abort = world_abort;
+    a.features = LOOM_COMM_THREADS;  // host buffers, ranks as threads of one process
     a.group_create = group_create;
     a.group_destroy = group_destroy;
     a.all_reduce = all_reduce;

@@ -137,6 +137,7 @@ const loom_comm_api* comm_api() {
     a.world_create = world_create;
     a.world_destroy = world_destroy;
     a.world_abort = world_abort;
+    a.features = LOOM_COMM_PROCESSES;  // host buffers, one process per rank
     a.group_create = group_create;
     a.group_destroy = group_destroy;
     a.all_reduce = all_reduce;

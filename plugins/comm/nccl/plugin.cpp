@@ -1348,6 +1348,7 @@ const loom_comm_api* comm_api() {
     a.send = send;
     a.recv = recv;
     a.world_abort = world_abort;
+    a.features = LOOM_COMM_THREADS | LOOM_COMM_PROCESSES | LOOM_COMM_DEVICE_BUFFERS;
     return a;
   }();
   return &api;

@@ -602,6 +602,9 @@ typedef struct loom_device_api {
  * one call for many tensors of a flat buffer (an optimizer step in two launches)
  * (since 1.8). */
 #define LOOM_DEVICE_MULTI_TENSOR (1ull << 4)
+/* The device's memory is the host's: its allocations are ordinary host pointers, which
+ * any comm plugin can read and write (since 1.9). */
+#define LOOM_DEVICE_HOST_MEMORY (1ull << 5)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -700,7 +703,21 @@ typedef struct loom_comm_api {
    * with the other ranks' calls; reason is borrowed for the call. Optional: NULL =
    * the others wait for their timeout. */
   void (*world_abort)(loom_comm_world* world, const char* reason);
+  /* --- since 1.9 --- */
+  /* LOOM_COMM_* bits: where the ranks of a world may live and what buffers the
+   * collectives take. The engine checks a run against them before launch; a table
+   * built before 1.9 ends before this member and is not checked. */
+  uint64_t features;
 } loom_comm_api;
+
+/* loom_comm_api.features (since 1.9). LOOM_COMM_THREADS: every rank of a world may be
+ * a thread of one process. LOOM_COMM_PROCESSES: one process per rank (mpirun, srun).
+ * LOOM_COMM_DEVICE_BUFFERS: send and receive buffers may be device memory (a device
+ * without LOOM_DEVICE_HOST_MEMORY); without it, buffers are host memory, so a run of
+ * more than one rank on such a device is refused. */
+#define LOOM_COMM_THREADS (1ull << 0)
+#define LOOM_COMM_PROCESSES (1ull << 1)
+#define LOOM_COMM_DEVICE_BUFFERS (1ull << 2)
 
 /* A rank group as the host hands it to plugins (a copy; the host owns the
  * communicator, which stays valid until the rank ends). */
