@@ -178,8 +178,9 @@ std::vector<KeySpec> build() {
   v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch", kMaxBatch));
   v.push_back(i("batch.global_batch_size", 32, 1, "sequences per optimizer step, over all dp ranks", kMaxBatch));
   // optimizer
-  v.push_back(s("optimizer.strategy", "ddp", "gradient sync / optimizer sharding strategy",
-                {"ddp", "distributed"}));
+  v.push_back(s("optimizer.strategy", "ddp",
+                "optimizer strategy plugin (parallel/NAME): \"ddp\" (data-parallel all-reduce), \"distributed\" "
+                "(Megatron-LM's distributed optimizer, ZeRO-1), or a third party's"));
   v.push_back(f("optimizer.lr", "1e-3", 0, true, "peak learning rate"));
   v.push_back(f("optimizer.min_lr", "0.0", 0, false, "learning rate at the end of the decay"));
   v.push_back(i("optimizer.warmup_steps", 0, 0, "linear warmup steps"));

@@ -111,7 +111,10 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
   const size_t psize = loom::dtype_size(model_dtype(out.param_dtype)),
                gsize = loom::dtype_size(model_dtype(out.grad_dtype));
   const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype);
-  const bool distributed = out.strategy == "distributed";
+  // A strategy that shards its state keeps 1/dp of it (Megatron's distributed optimizer).
+  const loom_optimizer_api* opt = plan.optimizer != nullptr ? plan.optimizer->optimizer() : nullptr;
+  const bool distributed = opt != nullptr && LOOM_HAS_SLOT(opt, loom_optimizer_api, features) &&
+                           (opt->features & LOOM_OPTIMIZER_SHARDED_STATE) != 0;
 
   const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
   out.edp = groups.edp();

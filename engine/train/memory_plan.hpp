@@ -13,7 +13,7 @@
 
 namespace loom::train {
 
-// Optimizer-state bytes per buffer element (before sharding), as ddp and distopt
+// Optimizer-state bytes per buffer element (before sharding), as ddp and distributed
 // allocate them: Adam m and v, and fp32 master params when params are not fp32.
 size_t optimizer_bytes_per_element(const std::string& param_dtype);
 

@@ -19,10 +19,6 @@ std::string schedule_name(const manifest::Manifest& m) {
   return s;
 }
 
-std::string optimizer_plugin_name(const std::string& strategy) {
-  return strategy == "distributed" ? "distopt" : strategy;
-}
-
 namespace {
 // The ranks of one expert group with its edp replicas: the union of the edp groups
 // of the members of group `kind` ("ep", or "etp-ep" folded) of rank r, sorted.
@@ -194,8 +190,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.device = need("device.kind", "device", man.get_string("device.kind"), "device.options");
   plan.comm = need("comm.backend", "comm", man.get_string("comm.backend"), "comm.options");
   plan.exec = need("exec.mode", "exec", man.get_string("exec.mode"), "exec.options");
-  plan.optimizer = need("optimizer.strategy", "parallel", optimizer_plugin_name(man.get_string("optimizer.strategy")),
+  plan.optimizer = need("optimizer.strategy", "parallel", man.get_string("optimizer.strategy"),
                         "optimizer.options");
+  if (plan.optimizer != nullptr && plan.optimizer->api_type != LOOM_API_OPTIMIZER) {
+    diags.push_back({"optimizer.strategy", man.origin("optimizer.strategy"),
+                     "plugin " + plan.optimizer->key() + " is not an optimizer strategy (it provides another table); "
+                     "optimizer.strategy names a parallel plugin with an optimizer table: \"ddp\", \"distributed\" "
+                     "or a third party's"});
+    plan.optimizer = nullptr;
+  }
   plan.schedule = need("pipeline.schedule", "parallel", pipeline::schedule_plugin_name(schedule_name(man)),
                        "pipeline.options");
 

@@ -43,7 +43,4 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry);
 // pipeline.schedule, with "interleaved" standing in for the default when vpp > 1.
 std::string schedule_name(const manifest::Manifest& m);
 
-// Optimizer strategy name -> parallel plugin name.
-std::string optimizer_plugin_name(const std::string& strategy);
-
 }  // namespace loom::train

@@ -84,7 +84,7 @@ grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -
 for c in run validate plugins groups schedule; do "$loom" $c --help > /dev/null || fail "loom $c --help"; done
 
 # 7. Resharding on resume: 6 steps at dp = 4 (distributed optimizer), resumed at dp = 2 to
-# step 12; steps 7..12 match the dp = 2 reference run above (distopt trains like ddp) up to
+# step 12; steps 7..12 match the dp = 2 reference run above (distributed trains like ddp) up to
 # the reduction order. A tp change is refused in one line, exit 1.
 rs=(--set optimizer.strategy=distributed --set checkpoint.dir="\"$work/rs\"")
 "$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=4 --set run.steps=6 > "$work/rs1.out" 2>&1 \
@@ -151,5 +151,9 @@ rc=$?
 [ $rc -eq 130 ] || fail "second signal: exit $rc, expected 130: $(tail -2 "$work/sig.out")"
 [ $(( $(date +%s) - start )) -le 5 ] || fail "second signal: the run took more than 5 s to stop"
 grep -q "second signal: stopping now" "$work/sig.out" || fail "second signal not reported: $(tail -2 "$work/sig.out")"
+
+# 12. The manifest reference in docs is what the schema says.
+{ head -4 "$here/../../docs/manifest.md"; "$loom" validate --reference; } | diff -q - "$here/../../docs/manifest.md" \
+  > /dev/null || fail "docs/manifest.md differs from loom validate --reference; regenerate it"
 
 echo "cli tests passed"

@@ -1746,7 +1746,7 @@ TEST(DeviceCpu, MultiTensorCallsEqualOneCallPerSegment) {
 }
 
 // An optimizer strategy's MultiTensorStep is off on a device without the 1.8 bit (an
-// older device plugin), so ddp and distopt call the ops tensor by tensor there.
+// older device plugin), so ddp and distributed call the ops tensor by tensor there.
 TEST(DeviceCpu, MultiTensorStepIsOffWithoutTheDeviceBit) {
   Dev d(2);
   loom_device_api old_table = *d.api();

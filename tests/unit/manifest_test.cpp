@@ -259,10 +259,10 @@ TEST_F(ManifestTest, OutOfRange) {
 }
 
 TEST_F(ManifestTest, NotAllowedValue) {
-  Diagnostic d = one_error("[optimizer]\nstrategy = \"adam\"\n");
-  EXPECT_EQ(d.key, "optimizer.strategy");
-  EXPECT_EQ(d.message, "optimizer.strategy must be one of \"ddp\", \"distributed\", got \"adam\"");
-  EXPECT_EQ(pos(d.origin), "m.toml:2:12");
+  Diagnostic d = one_error("[data]\nkind = \"csv\"\n");
+  EXPECT_EQ(d.key, "data.kind");
+  EXPECT_EQ(d.message, "data.kind must be one of \"synthetic\", \"text\", \"tokens\", got \"csv\"");
+  EXPECT_EQ(pos(d.origin), "m.toml:2:8");
 
 
   d = one_error("[parallel]\norder = \"tp-dp\"\n");
@@ -279,8 +279,8 @@ TEST_F(ManifestTest, AllErrorsAreReportedAtOnce) {
       "[parallel]\n"
       "tp = \"2\"\n"     // 2:6 wrong type
       "tpp = 2\n"        // 3:1 unknown key
-      "[optimizer]\n"
-      "strategy = \"adam\"\n"  // 5:12 not allowed
+      "[device]\n"
+      "param_dtype = \"fp8\"\n"  // 5:15 not allowed
       "[data]\n"
       "digits = 0\n";    // 7:10 out of range
   try {
@@ -292,8 +292,8 @@ TEST_F(ManifestTest, AllErrorsAreReportedAtOnce) {
     EXPECT_EQ(d[0].str(), "m.toml:2:6: parallel.tp: parallel.tp must be an integer, got string \"2\"");
     EXPECT_EQ(pos(d[1].origin), "m.toml:3:1");
     EXPECT_EQ(d[1].key, "parallel.tpp");
-    EXPECT_EQ(pos(d[2].origin), "m.toml:5:12");
-    EXPECT_EQ(d[2].key, "optimizer.strategy");
+    EXPECT_EQ(pos(d[2].origin), "m.toml:5:15");
+    EXPECT_EQ(d[2].key, "device.param_dtype");
     EXPECT_EQ(pos(d[3].origin), "m.toml:7:10");
     EXPECT_EQ(d[3].key, "data.digits");
     std::string what = e.what();
@@ -418,15 +418,6 @@ TEST_F(ManifestTest, SequenceParallelNeedsSeqDivisibleByTp) {
   // Pointless but allowed with tp = 1; fine without sequence parallelism.
   EXPECT_NO_THROW(Manifest::parse("[parallel]\nsequence_parallel = true\n[model]\nseq_length = 65\n", "m"));
   EXPECT_NO_THROW(Manifest::parse("[parallel]\ntp = 2\n[model]\nseq_length = 65\n", "m"));
-}
-
-TEST_F(ManifestTest, CudaWithSeveralRanksNeedsAGpuCommunicator) {
-  Diagnostic d = one_error("[device]\nkind = \"cuda\"\n[parallel]\ndp = 2\n");
-  EXPECT_EQ(d.key, "comm.backend");
-  EXPECT_THAT(d.message, HasSubstr("set comm.backend = \"nccl\""));
-  EXPECT_EQ(pos(d.origin), "m.toml:2:8");  // comm.backend is a default: reported where device.kind is
-  EXPECT_NO_THROW(Manifest::parse("[device]\nkind = \"cuda\"\n", "m"));  // one rank needs no communicator
-  EXPECT_NO_THROW(Manifest::parse("[device]\nkind = \"cuda\"\n[comm]\nbackend = \"nccl\"\n[parallel]\ndp = 2\n", "m"));
 }
 
 TEST_F(ManifestTest, UnevenPipelineSplitMustAddUp) {
@@ -687,8 +678,8 @@ TEST_F(ManifestTest, OverrideErrorsNameTheSetText) {
   d = one_error("[parallel]\ntp = 2\n", {"parallel.tp=two"});
   EXPECT_EQ(d.str(), "--set parallel.tp=two: parallel.tp: parallel.tp must be an integer, got string \"two\"");
 
-  d = one_error("", {"optimizer.strategy=adam"});
-  EXPECT_THAT(d.str(), StartsWith("--set optimizer.strategy=adam: optimizer.strategy: "));
+  d = one_error("", {"device.param_dtype=fp8"});
+  EXPECT_THAT(d.str(), StartsWith("--set device.param_dtype=fp8: device.param_dtype: "));
 
   d = one_error("", {"run.steps"});
   EXPECT_THAT(d.message, HasSubstr("expected --set key.path=value"));

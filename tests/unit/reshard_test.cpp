@@ -3,7 +3,7 @@
 // position, moves the parameters by entry from the old layout to the new one, and
 // the optimizer strategy (state_load_resharded, ABI 1.1) maps its state by
 // parameter and element. Checked here: the resharded state, gathered per
-// parameter, is bit-identical to what was saved (distopt 4 -> 2, 2 -> 4, 4 -> 3;
+// parameter, is bit-identical to what was saved (distributed 4 -> 2, 2 -> 4, 4 -> 3;
 // ddp 4 -> 3); training resumed at dp = 2 from dp = 4 continues like an
 // uninterrupted dp = 2 run (also with tp = 2, and with another bucket size); and the refusals (tp / pp changes,
 // a plugin without the slot, a C++ strategy that keeps the default).
@@ -124,7 +124,7 @@ T take(const std::vector<char>& b, size_t& pos) {
   return v;
 }
 
-// parallel/distopt's blob, read by its documented header (distopt.cpp): every
+// parallel/distributed's blob, read by its documented header (distributed.cpp): every
 // element of the rank's shards goes to (parameter, element) or is padding.
 void gather_distopt(const std::vector<char>& blob, Gathered& g) {
   ASSERT_GE(blob.size(), 56u);
@@ -397,7 +397,7 @@ TEST(Reshard, Refusals) {
     plan.optimizer = &old_plugin;
   });
   EXPECT_NE(no_slot.find("dp=4"), std::string::npos) << no_slot;
-  EXPECT_NE(no_slot.find("optimizer plugin parallel/distopt (ABI 1.0) cannot reshard"), std::string::npos) << no_slot;
+  EXPECT_NE(no_slot.find("optimizer plugin parallel/distributed (ABI 1.0) cannot reshard"), std::string::npos) << no_slot;
   EXPECT_NE(no_slot.find("resume with parallel.dp=4"), std::string::npos) << no_slot;
   EXPECT_EQ(no_slot.find('\n'), std::string::npos) << no_slot;
 

@@ -31,6 +31,53 @@ namespace fs = boost::filesystem;
 // fp32 summation-order noise makes individual near-zero elements differ by more
 // than 1e-5 of their own tiny size while the tensor agrees to ~3e-7. The averaged
 // gradients are compared too, relative to each step's largest gradient.
+// The comm plugin's declared reach (ABI 1.9 LOOM_COMM_*), checked before launch by
+// capability, not by plugin name: host buffers cannot carry a GPU's tensors between
+// ranks, and a one-process-per-rank plugin needs mpirun.
+TEST(RunPlan, TheCommPluginMustReachTheRanksAndTheirMemory) {
+  auto refusal = [](const std::vector<std::string>& overrides) -> loom::manifest::Diagnostic {
+    try {
+      (void)loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
+    } catch (const loom::manifest::ManifestError& e) {
+      for (const auto& d : e.diagnostics())
+        if (d.key == "comm.backend") return d;
+    }
+    return {};
+  };
+  (void)loom::testing::plan_from(loom::testing::tiny_manifest(), {});  // loads the plugins
+  if (loom::plugins::registry().find("comm", "mpi") != nullptr) {
+    const loom::manifest::Diagnostic d = refusal({"comm.backend=\"mpi\"", "parallel.dp=2"});
+    EXPECT_NE(d.message.find("comm/mpi needs one process per rank; start the run with mpirun -np 2"),
+              std::string::npos) << d.message;
+  }
+  if (loom::plugins::registry().find("device", "cuda") != nullptr) {  // CUDA builds
+    const loom::manifest::Diagnostic d = refusal({"device.kind=\"cuda\"", "parallel.dp=2"});
+    EXPECT_NE(d.message.find("comm/local exchanges host memory, but device/cuda keeps tensors in device memory"),
+              std::string::npos) << d.message;
+    EXPECT_EQ(refusal({"device.kind=\"cuda\"", "parallel.dp=1"}).message, "");  // one rank exchanges nothing
+  }
+  EXPECT_EQ(refusal({"parallel.dp=2"}).message, "");  // comm/local with device/cpu: host memory
+}
+
+// optimizer.strategy names any parallel plugin with an optimizer table (ABI 1.9 opened
+// it): one that does not exist, or provides another table, is refused at the key.
+TEST(RunPlan, TheOptimizerStrategyIsAnyOptimizerPlugin) {
+  auto message = [](const std::string& strategy) -> std::string {
+    try {
+      (void)loom::testing::plan_from(loom::testing::tiny_manifest(), {"optimizer.strategy=\"" + strategy + "\""});
+    } catch (const loom::manifest::ManifestError& e) {
+      for (const auto& d : e.diagnostics())
+        if (d.key == "optimizer.strategy") return d.message;
+    }
+    return "";
+  };
+  EXPECT_EQ(message("ddp"), "");
+  EXPECT_EQ(message("distributed"), "");
+  EXPECT_NE(message("adam").find("no plugin parallel/adam is loaded"), std::string::npos) << message("adam");
+  EXPECT_NE(message("tensor").find("plugin parallel/tensor is not an optimizer strategy"), std::string::npos)
+      << message("tensor");
+}
+
 TEST(DataParallel, MatchesSerialStepByStep) {
   const std::vector<std::string> common = {};
   std::vector<std::vector<float>> serial_grads;

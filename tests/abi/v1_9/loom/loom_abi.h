@@ -957,7 +957,7 @@ typedef struct loom_layer_api {
 #define LOOM_LAYER_WRITES_LOSS (1ull << 2)
 
 /* ------------------------------------------------------------------------- */
-/* Optimizer strategy plugins (parallel/ddp, parallel/distopt)                */
+/* Optimizer strategy plugins (parallel/ddp, parallel/distributed)                */
 /* ------------------------------------------------------------------------- */
 
 /* One parameter of the model as the optimizer sees it (loom_optimizer_create_args.infos). */
@@ -1100,6 +1100,10 @@ typedef struct loom_optimizer_api {
 /* The strategy reads loom_optimizer_create_args.etp (MoE folding, etp != tp);
  * the engine refuses a folded run with a strategy that lacks it (since 1.5). */
 #define LOOM_OPTIMIZER_EXPERT_FOLDING (1ull << 1)
+/* The strategy keeps the optimizer state (moments, fp32 master weights) of its shard of
+ * each dp (x cp) group's buckets only, as Megatron-LM's distributed optimizer does; the
+ * engine's memory plan divides that state by the group size (since 1.9). */
+#define LOOM_OPTIMIZER_SHARDED_STATE (1ull << 2)
 
 /* ------------------------------------------------------------------------- */
 /* Pipeline schedule plugins (parallel/pipeline.*)                            */

@@ -1,4 +1,4 @@
-// The distributed optimizer (parallel/distopt, optimizer.strategy = "distributed"):
+// The distributed optimizer (parallel/distributed, optimizer.strategy = "distributed"):
 // the buffer layout and per-rank shard ranges on the seed's known cases and on many
 // generated ones, `loom optimizer-layout --json`, step-by-step equivalence with DDP
 // (dp 2, 3, 4 and tp 2 x dp 2, several buckets, shards cutting through parameters),
@@ -518,7 +518,7 @@ TEST(Distopt, StateRoundTripsAndStateFromAnotherDpIsRefused) {
   EXPECT_NE(other_dp.find("dp=2"), std::string::npos) << other_dp;
   EXPECT_NE(other_dp.find("dp=4"), std::string::npos) << other_dp;
   EXPECT_NE(other_dp.find("resharding"), std::string::npos) << other_dp;
-  EXPECT_NE(ddp_blob.find("not written by parallel/distopt"), std::string::npos) << ddp_blob;
+  EXPECT_NE(ddp_blob.find("not written by parallel/distributed"), std::string::npos) << ddp_blob;
   EXPECT_NE(truncated.find("truncated"), std::string::npos) << truncated;
   EXPECT_NE(wrong_rank.find("belongs to dp rank 0"), std::string::npos) << wrong_rank;
 

@@ -1,4 +1,4 @@
-// parallel/distopt: Megatron-LM's distributed optimizer (ZeRO-1; `distrib_optimizer.py`).
+// parallel/distributed: Megatron-LM's distributed optimizer (ZeRO-1; `distrib_optimizer.py`).
 //
 // The engine lays the flat parameter/gradient buffers out in buckets whose sizes
 // divide by dp (loom_optimizer_create_args.bucket_offsets); data-parallel rank r
@@ -98,7 +98,7 @@ class Reader {
   Reader(const char* p, size_t bytes) : p_(p), bytes_(bytes) {}
   template <typename T>
   T get() {
-    LOOM_REQUIRE(n_ + sizeof(T) <= bytes_, "parallel/distopt: the checkpointed optimizer state is truncated ("
+    LOOM_REQUIRE(n_ + sizeof(T) <= bytes_, "parallel/distributed: the checkpointed optimizer state is truncated ("
                                                << bytes_ << " bytes)");
     T v;
     std::memcpy(&v, p_ + n_, sizeof(T));
@@ -123,12 +123,12 @@ struct Saved {
 Saved parse(const void* buf, size_t bytes) {
   const char* c = static_cast<const char*>(buf);
   LOOM_REQUIRE(c != nullptr && bytes >= sizeof(kMagic) && std::memcmp(c, kMagic, sizeof(kMagic)) == 0,
-               "parallel/distopt: the checkpointed optimizer state was not written by parallel/distopt (no "
+               "parallel/distributed: the checkpointed optimizer state was not written by parallel/distributed (no "
                "distributed-optimizer header; was it saved with another optimizer.strategy?)");
   Reader r(c + sizeof(kMagic), bytes - sizeof(kMagic));
   Saved s;
   const uint32_t version = r.get<uint32_t>();
-  LOOM_REQUIRE(version == kStateVersion, "parallel/distopt: optimizer state format "
+  LOOM_REQUIRE(version == kStateVersion, "parallel/distributed: optimizer state format "
                                              << version << " is not supported (this plugin reads format "
                                              << kStateVersion << ")");
   s.header_bytes = r.get<uint32_t>();
@@ -150,7 +150,7 @@ Saved parse(const void* buf, size_t bytes) {
   }
   LOOM_REQUIRE(s.header_bytes == r.pos() + sizeof(kMagic) && s.arrays >= 2 && s.arrays <= 3 &&
                    bytes == s.header_bytes + s.arrays * s.shard_numel * sizeof(float),
-               "parallel/distopt: the checkpointed optimizer state is malformed ("
+               "parallel/distributed: the checkpointed optimizer state is malformed ("
                    << bytes << " bytes; its header describes " << s.arrays << " arrays of " << s.shard_numel
                    << " elements after " << s.header_bytes << " header bytes)");
   return s;
@@ -158,7 +158,8 @@ Saved parse(const void* buf, size_t bytes) {
 
 class DistOpt : public loom::OptimizerStrategy {
  public:
-  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING;
+  static constexpr uint64_t kFeatures =
+      LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING | LOOM_OPTIMIZER_SHARDED_STATE;
 
   DistOpt(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel), param_dtype_(a.param_dtype),
@@ -172,9 +173,9 @@ class DistOpt : public loom::OptimizerStrategy {
       expert_start_ = numel_;
     }
     LOOM_REQUIRE(grad_dtype_ == LOOM_DTYPE_F32 || grad_dtype_ == LOOM_DTYPE_BF16,
-                 "parallel/distopt: gradient dtype " << grad_dtype_ << " is not supported (f32, bf16)");
+                 "parallel/distributed: gradient dtype " << grad_dtype_ << " is not supported (f32, bf16)");
     LOOM_REQUIRE(param_dtype_ == LOOM_DTYPE_F32 || param_dtype_ == LOOM_DTYPE_BF16,
-                 "parallel/distopt: parameter dtype " << param_dtype_ << " is not supported (f32, bf16)");
+                 "parallel/distributed: parameter dtype " << param_dtype_ << " is not supported (f32, bf16)");
 
     // Buckets as the engine laid them out (one bucket over everything if it gave none).
     const bool has_buckets =
@@ -186,20 +187,20 @@ class DistOpt : public loom::OptimizerStrategy {
       buckets_.push_back({0, numel_});
     }
     LOOM_REQUIRE(buckets_.front().start == 0 && buckets_.back().end == numel_,
-                 "parallel/distopt: the buckets cover [" << buckets_.front().start << ", " << buckets_.back().end
+                 "parallel/distributed: the buckets cover [" << buckets_.front().start << ", " << buckets_.back().end
                                                          << ") but the buffers hold " << numel_ << " elements");
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Span& k = buckets_[b];
       LOOM_REQUIRE(k.end > k.start && (b == 0 || k.start == buckets_[b - 1].end),
-                   "parallel/distopt: bucket " << b << " [" << k.start << ", " << k.end
+                   "parallel/distributed: bucket " << b << " [" << k.start << ", " << k.end
                                                << ") is empty or does not follow the previous one");
       LOOM_REQUIRE(k.end <= expert_start_ || k.start >= expert_start_,
-                   "parallel/distopt: bucket " << b << " [" << k.start << ", " << k.end
+                   "parallel/distributed: bucket " << b << " [" << k.start << ", " << k.end
                                                << ") holds dense and expert parameters (the expert region starts at "
                                                << expert_start_ << ")");
       const loom_group& g = group_of(b);
       const size_t d = static_cast<size_t>(std::max(1, g.size)), r = static_cast<size_t>(std::max(0, g.rank));
-      LOOM_REQUIRE(k.size() % d == 0, "parallel/distopt: bucket " << b << " holds " << k.size()
+      LOOM_REQUIRE(k.size() % d == 0, "parallel/distributed: bucket " << b << " holds " << k.size()
                                           << " elements, which do not split into " << d
                                           << " equal shards (the engine pads buckets to lcm(dp, 128))");
       const size_t size = k.size() / d;
@@ -208,7 +209,7 @@ class DistOpt : public loom::OptimizerStrategy {
 
     for (size_t i = 0; i < a.num_params; ++i) {
       const loom_param_info& p = a.infos[i];
-      LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distopt: parameter '" << (p.name ? p.name : "?")
+      LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distributed: parameter '" << (p.name ? p.name : "?")
                                                      << "' [" << p.offset << ", " << p.offset + p.numel
                                                      << ") lies outside the buffers of " << numel_ << " elements");
       params_info_.push_back({p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i)});
@@ -362,7 +363,7 @@ class DistOpt : public loom::OptimizerStrategy {
 
   void state_save(void* buf, size_t bytes) override {
     LOOM_REQUIRE(bytes == state_size(),
-                 "parallel/distopt: state buffer of " << bytes << " bytes, expected " << state_size());
+                 "parallel/distributed: state buffer of " << bytes << " bytes, expected " << state_size());
     Writer w(static_cast<char*>(buf));
     w.raw(kMagic, sizeof(kMagic));
     w.put<uint32_t>(kStateVersion);
@@ -391,24 +392,24 @@ class DistOpt : public loom::OptimizerStrategy {
   void state_load(const void* buf, size_t bytes) override {
     const Saved old = parse(buf, bytes);
     LOOM_REQUIRE(old.dp == static_cast<uint32_t>(dp_size()),
-                 "parallel/distopt: the optimizer state was saved by rank " << old.rank << " of dp=" << old.dp
+                 "parallel/distributed: the optimizer state was saved by rank " << old.rank << " of dp=" << old.dp
                      << " but this run has dp=" << dp_size()
                      << "; distributed-optimizer shards of another data-parallel size need resharding "
                         "(state_load_resharded, which the engine uses on resume), not state_load");
-    LOOM_REQUIRE(old.rank == static_cast<uint32_t>(dp_rank()), "parallel/distopt: the optimizer state belongs to dp rank "
+    LOOM_REQUIRE(old.rank == static_cast<uint32_t>(dp_rank()), "parallel/distributed: the optimizer state belongs to dp rank "
                                                                    << old.rank << " but was given to dp rank "
                                                                    << dp_rank());
     std::vector<Span> mine;
     for (const ParamRef& p : params_info_) mine.push_back({p.offset, p.offset + p.numel});
     LOOM_REQUIRE(old.numel == numel_ && old.buckets == buckets_ && old.shards == shards_ && old.params == mine &&
                      old.shard_numel == shard_numel_,
-                 "parallel/distopt: the optimizer state was saved for another buffer layout ("
+                 "parallel/distributed: the optimizer state was saved for another buffer layout ("
                      << old.numel << " elements, " << old.buckets.size() << " bucket(s), " << old.params.size()
                      << " parameters; this run: " << numel_ << " elements, " << buckets_.size() << " bucket(s), "
                      << params_info_.size()
                      << " parameters); the model, parallel layout or optimizer.bucket_size differ from the checkpoint's");
     LOOM_REQUIRE(old.arrays == num_arrays() && old.header_bytes == header_bytes() && bytes == state_size(),
-                 "parallel/distopt: the checkpointed optimizer state is malformed (" << bytes << " bytes, expected "
+                 "parallel/distributed: the checkpointed optimizer state is malformed (" << bytes << " bytes, expected "
                                                                                      << state_size() << ")");
     transfer(const_cast<char*>(static_cast<const char*>(buf)) + old.header_bytes, LOOM_COPY_HOST_TO_DEVICE);
   }
@@ -420,17 +421,17 @@ class DistOpt : public loom::OptimizerStrategy {
   // there in a fresh run too).
   void state_load_resharded(const loom_optimizer_reshard_args& a) override {
     LOOM_REQUIRE(a.old_dp >= 1 && a.states != nullptr && a.state_bytes != nullptr,
-                 "parallel/distopt: resharding needs the saved state of every old dp rank (old dp = " << a.old_dp
+                 "parallel/distributed: resharding needs the saved state of every old dp rank (old dp = " << a.old_dp
                                                                                                       << ")");
     LOOM_REQUIRE(a.num_params == params_info_.size() && a.old_offsets != nullptr && a.old_numels != nullptr,
-                 "parallel/distopt: the checkpoint's layout lists " << a.num_params << " parameters but this model has "
+                 "parallel/distributed: the checkpoint's layout lists " << a.num_params << " parameters but this model has "
                                                                     << params_info_.size()
                                                                     << " on this rank; the model differs from the "
                                                                        "checkpoint's");
     std::vector<Span> old_params;
     for (size_t i = 0; i < a.num_params; ++i) {
       LOOM_REQUIRE(a.old_numels[i] == params_info_[i].numel,
-                   "parallel/distopt: parameter " << i << " held " << a.old_numels[i]
+                   "parallel/distributed: parameter " << i << " held " << a.old_numels[i]
                                                   << " elements in the checkpoint but has " << params_info_[i].numel
                                                   << " here; the model differs from the checkpoint's");
       old_params.push_back({a.old_offsets[i], a.old_offsets[i] + a.old_numels[i]});
@@ -450,16 +451,16 @@ class DistOpt : public loom::OptimizerStrategy {
       Saved& o = old[r];
       o = parse(a.states[r], a.state_bytes[r]);
       LOOM_REQUIRE(o.dp == old_dp && o.rank == r,
-                   "parallel/distopt: the state given as old dp rank " << r << " of " << old_dp
+                   "parallel/distributed: the state given as old dp rank " << r << " of " << old_dp
                                                                        << " was saved by rank " << o.rank << " of dp="
                                                                        << o.dp);
       LOOM_REQUIRE(o.numel == a.old_numel && o.params == old_params && o.buckets == old_buckets,
-                   "parallel/distopt: the state of old dp rank "
+                   "parallel/distributed: the state of old dp rank "
                        << r << " describes another buffer layout than the checkpoint's (" << o.numel << " elements, "
                        << o.buckets.size() << " bucket(s); the engine computed " << a.old_numel << " elements, "
                        << old_buckets.size() << " bucket(s)); the model or optimizer.bucket_size differ");
       LOOM_REQUIRE(o.arrays == num_arrays(),
-                   "parallel/distopt: the state of old dp rank " << r << " holds " << o.arrays
+                   "parallel/distributed: the state of old dp rank " << r << " holds " << o.arrays
                        << " arrays but this run needs " << num_arrays()
                        << " (m, v, and master weights when parameters are not fp32); device.param_dtype differs "
                           "from the checkpoint's");
@@ -469,7 +470,7 @@ class DistOpt : public loom::OptimizerStrategy {
         const size_t size = o.buckets[b].size() / old_dp;
         LOOM_REQUIRE(o.buckets[b].size() % old_dp == 0 && sh.start == o.buckets[b].start + r * size &&
                          sh.end == sh.start + size,
-                     "parallel/distopt: the state of old dp rank " << r << " has a malformed shard of bucket " << b);
+                     "parallel/distributed: the state of old dp rank " << r << " has a malformed shard of bucket " << b);
         for (size_t i = 0; i < old_params.size(); ++i) {
           const size_t lo = std::max(old_params[i].start, sh.start), hi = std::min(old_params[i].end, sh.end);
           if (lo < hi)
@@ -477,7 +478,7 @@ class DistOpt : public loom::OptimizerStrategy {
         }
         local += sh.size();
       }
-      LOOM_REQUIRE(local == o.shard_numel, "parallel/distopt: the state of old dp rank " << r << " is malformed");
+      LOOM_REQUIRE(local == o.shard_numel, "parallel/distributed: the state of old dp rank " << r << " is malformed");
     }
 
     // This rank's new state on the host, zero where nothing maps (padding).
@@ -496,7 +497,7 @@ class DistOpt : public loom::OptimizerStrategy {
                       src + k * o.shard_numel + q.local + (lo - q.begin), (hi - lo) * sizeof(float));
         covered += hi - lo;
       }
-      LOOM_REQUIRE(covered == p.numel, "parallel/distopt: the old shards hold " << covered << " of the " << p.numel
+      LOOM_REQUIRE(covered == p.numel, "parallel/distributed: the old shards hold " << covered << " of the " << p.numel
                                                                                 << " elements [" << begin << ", " << end
                                                                                 << ") of parameter " << p.param
                                                                                 << "; the checkpoint is incomplete");
@@ -551,5 +552,5 @@ class DistOpt : public loom::OptimizerStrategy {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::optimizer_plugin<DistOpt>(
-    "distopt", "1.0.0",
+    "distributed", "1.0.0",
     "distributed optimizer (ZeRO-1): reduce-scatter, fp32 AdamW on this rank's 1/dp shard, all-gather"))
