@@ -32,6 +32,21 @@ size_t optimizer_bytes_per_element(const std::string& param_dtype) {
 
 namespace {
 
+// The device the layers are created on to be planned: one whose memory is the host's
+// (LOOM_DEVICE_HOST_MEMORY), so any machine can plan any run; the run's own device when
+// it is one, else the first loaded one that is.
+const plugins::LoadedPlugin& planning_device(const RunPlan& plan) {
+  auto host_memory = [](const plugins::LoadedPlugin& p) {
+    const loom_device_api* d = p.kind == "device" ? p.device() : nullptr;
+    return d != nullptr && LOOM_HAS_SLOT(d, loom_device_api, features) && (d->features & LOOM_DEVICE_HOST_MEMORY) != 0;
+  };
+  if (plan.device != nullptr && host_memory(*plan.device)) return *plan.device;
+  for (const auto& p : plan.registry->all())
+    if (host_memory(*p)) return *p;
+  throw loom::Error("no loaded device plugin allocates host memory (LOOM_DEVICE_HOST_MEMORY), so the layers cannot "
+                    "be planned on this machine; add device/cpu to the plugin search path");
+}
+
 // The layers of one rank, created from their plugins and destroyed with it.
 struct PlannedLayers {
   struct Layer {
@@ -118,8 +133,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
 
   const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
   out.edp = groups.edp();
-  const plugins::LoadedPlugin& cpu = plan.registry->get("device", "cpu");
-  plugins::OptionValues dev_opts(nullptr, cpu.options);
+  const plugins::LoadedPlugin& cpu = planning_device(plan);
+  plugins::OptionValues dev_opts(nullptr, cpu.options);  // its defaults: planning runs no math
   const loom_model_dims dims = model_dims(m, vocab, plan.sizes.tp);
   const bool sp = m.get_bool("parallel.sequence_parallel");
 
