@@ -501,4 +501,81 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
   dev.synchronize();
 }
 
+ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log) {
+  const manifest::Manifest& m = plan.manifest;
+  ResumePoint out;
+  if (ckpt_dir.empty())
+    throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
+  std::vector<std::string> incomplete;
+  auto latest = latest_checkpoint(ckpt_dir, &incomplete);
+  if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
+  const std::string resume_dir = checkpoint_path(ckpt_dir, *latest);
+  out.dir = resume_dir;
+  if (log)
+    for (const std::string& d : incomplete)
+      *log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
+  CheckpointMeta meta = read_meta(resume_dir);
+  require_same_param_dtype(resume_dir, meta, m.get_string("device.param_dtype"));
+  if (meta.step > m.get_int("run.steps"))
+    throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +
+                          std::to_string(m.get_int("run.steps")) + "; raise run.steps to continue training it");
+  if (meta.step == m.get_int("run.steps") && log)
+    *log << "resume: " << resume_dir << " is at run.steps = " << meta.step << "; nothing to train"
+                 << std::endl;
+  const std::string layouts = resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +
+                              std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
+                              std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
+                              " dp=" + std::to_string(plan.dp);
+  // Context parallelism lays the optimizer shards over dp x cp ranks and gives
+  // each cp rank other positions: a resume keeps cp.
+  if (meta.cp != plan.sizes.cp)
+    throw CheckpointError(resume_dir + " was written with cp=" + std::to_string(meta.cp) + "; this run has cp=" +
+                          std::to_string(plan.sizes.cp) + ": a resume keeps cp (the optimizer state is sharded over "
+                          "dp x cp ranks); resume with parallel.cp=" + std::to_string(meta.cp));
+  // meta.toml's own sizes must agree (an edited world gave 'written with tp=1 pp=1 dp=2;
+  // this run has tp=1 pp=1 dp=2').
+  if (meta.world != meta.tp * meta.cp * meta.pp * meta.dp)
+    throw CheckpointError(resume_dir + "/meta.toml is inconsistent: world = " + std::to_string(meta.world) +
+                          " but tp*cp*pp*dp = " + std::to_string(meta.tp) + "*" + std::to_string(meta.cp) + "*" +
+                          std::to_string(meta.pp) + "*" + std::to_string(meta.dp) + " = " +
+                          std::to_string(meta.tp * meta.cp * meta.pp * meta.dp) + "; the checkpoint is corrupt");
+  if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp)
+    throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
+                                    "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
+                          " parallel.pp=" + std::to_string(meta.pp));
+  // The order maps a rank file to its coordinates (which tp slice, stage and
+  // experts it holds): another order would load them onto other ranks' places.
+  if (meta.order != plan.sizes.order)
+    throw CheckpointError(resume_dir + " was written with parallel.order = \"" + meta.order +
+                          "\"; this run has \"" + plan.sizes.order + "\": rank files would land on ranks with "
+                          "other coordinates; resume with parallel.order=\"" + meta.order + "\"");
+  // Ranks of one ep group hold different experts: their files cannot be
+  // regrouped into another ep, nor their expert shards resharded over another dp.
+  // So do ranks of a folded expert layout (etp != tp), whose ep spans tp ranks.
+  const bool experts_apart = meta.ep > 1 || meta.expert_tp() != meta.tp;
+  if (meta.ep != plan.sizes.ep || meta.expert_tp() != plan.sizes.expert_tp() ||
+      (experts_apart && meta.dp != plan.dp))
+    throw CheckpointError(resume_dir + " was written with ep=" + std::to_string(meta.ep) + " etp=" +
+                          std::to_string(meta.expert_tp()) + " dp=" + std::to_string(meta.dp) +
+                          "; this run has ep=" + std::to_string(plan.sizes.ep) + " etp=" +
+                          std::to_string(plan.sizes.expert_tp()) + " dp=" + std::to_string(plan.dp) +
+                          ": with expert parallelism a resume keeps ep, etp and dp (expert parameters and their "
+                          "optimizer state are not resharded); resume with parallel.ep=" +
+                          std::to_string(meta.ep) + " parallel.etp=" + std::to_string(meta.expert_tp()) +
+                          " parallel.dp=" + std::to_string(meta.dp));
+  if (meta.dp != plan.dp) {
+    const loom_optimizer_api* api = plan.optimizer->optimizer();
+    if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)
+      throw CheckpointError(layouts + ", and optimizer plugin parallel/" + plan.optimizer->name + " (ABI 1." +
+                            std::to_string(plan.optimizer->abi_minor) +
+                            ") cannot reshard its state (no state_load_resharded, ABI 1.1); resume with parallel.dp=" +
+                            std::to_string(meta.dp) + " or rebuild the plugin with resharding");
+    out.old_dp = meta.dp;
+    out.old_world = meta.world;
+    out.old_bucket_size = meta.bucket_size;  // the old layout's buckets (-1: not recorded)
+  }
+  out.step = meta.step;
+  return out;
+}
+
 }  // namespace loom::train

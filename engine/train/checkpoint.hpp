@@ -7,10 +7,12 @@
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/model.hpp"
 #include "engine/topology/rank_groups.hpp"
+#include "engine/train/run_plan.hpp"
 
 #include <loom/cpp/core.hpp>
 
 #include <cstdint>
+#include <ostream>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -127,5 +129,17 @@ std::vector<char> remap_params(const std::vector<char>& params, size_t elem_size
 void load_resharded(const std::string& step_dir, int old_dp, int old_world, const topology::ParallelSizes& sizes,
                     int rank, model::Model& model, const loom::Device& dev, size_t bucket_size,
                     const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin);
+
+// Where --resume continues from: the newest complete checkpoint in ckpt_dir, checked
+// against this run (step within run.steps, parameter dtype, cp, tp, pp, order, ep and
+// etp kept; a dp change only with an optimizer that reshards). Says on `log` which
+// incomplete step directories it skipped. Throws CheckpointError with what to set.
+struct ResumePoint {
+  std::string dir;                 // the checkpoint's directory
+  int64_t step = 0;                // the step it holds
+  int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp changes (reshard); else 0
+  int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)
+};
+ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log);
 
 }  // namespace loom::train
