@@ -487,35 +487,10 @@ const loom_tensor_parallel_api* LoadedPlugin::tensor_parallel() const {
   return typed_api<loom_tensor_parallel_api>(*this, LOOM_API_TENSOR_PARALLEL, "tensor-parallel");
 }
 
-namespace {
-std::mutex& services_mu() {
-  static std::mutex mu;
-  return mu;
-}
-std::map<int32_t, const LoadedPlugin*>& default_services() {
-  static std::map<int32_t, const LoadedPlugin*> m;
-  return m;
-}
-}  // namespace
-
-void set_default_service(int32_t api_type, const LoadedPlugin* plugin) {
-  std::lock_guard<std::mutex> lock(services_mu());
-  default_services()[api_type] = plugin;
-}
-
 const void* find_service(int32_t api_type, const char* name) {
-  const LoadedPlugin* chosen = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(services_mu());
-    auto it = default_services().find(api_type);
-    if (it != default_services().end()) chosen = it->second;
-  }
-  if (name == nullptr || *name == '\0') {
-    if (chosen) return chosen->api;
-    // The built-in defaults (manifest keys parallel.tensor, parallel.expert).
-    name = api_type == LOOM_API_EXPERT_PARALLEL ? "expert" : "tensor";
-  }
-  if (chosen && chosen->name == name && chosen->api_type == api_type) return chosen->api;
+  // No name: the schema's defaults of parallel.tensor and parallel.expert (a rank
+  // the engine runs has the manifest's own, RankRuntime::set_service).
+  if (name == nullptr || *name == '\0') name = api_type == LOOM_API_EXPERT_PARALLEL ? "expert" : "tensor";
   const LoadedPlugin* p = registry().find("parallel", name);
   return p && p->api_type == api_type ? p->api : nullptr;
 }

@@ -79,12 +79,10 @@ class Registry {
 // The process-wide registry the CLI uses.
 Registry& registry();
 
-// Services (ABI 1.1): what host->service(rank, api_type, NULL) returns when the
-// rank has no service of its own for api_type (RankRuntime::set_service). make_plan
-// sets the plugin the manifest names (parallel.tensor).
-void set_default_service(int32_t api_type, const LoadedPlugin* plugin);
-// The table of api_type: name NULL = the default (else parallel/tensor of the
-// process registry); otherwise the parallel plugin of that name. Null when none.
+// Services (ABI 1.1): the table of api_type when a rank has none of its own
+// (RankRuntime::set_service: the run plan's), or a named one: name NULL = the
+// schema's default (parallel/tensor, parallel/expert of the process registry);
+// otherwise the parallel plugin of that name. Null when none.
 const void* find_service(int32_t api_type, const char* name);
 
 // The host table given to every plugin (also installed as loom::host_slot() for the engine).

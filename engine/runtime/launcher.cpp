@@ -137,6 +137,7 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       loom_device* dev = nullptr;
       loom::check(dev_api->create(dev_opts.raw(), &dargs, &dev));
       RankRuntime rt(rank, dev_api, dev);
+      for (const auto& [api_type, table] : config.services) rt.set_service(api_type, table);
       for (const std::string& kind : config.group_kinds) {
         std::vector<int32_t> members;
         if (kind == "world") {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <stdexcept>
 #include <exception>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,9 @@ struct LaunchConfig {
   topology::ParallelSizes sizes;                  // world, tp, cp, pp, ep, etp, order
   int64_t timeout_ms = 300000;
   int threads = 0;                                // per rank; 0 = cores / ranks
+  // The services every rank's layers get from host->service(rank, api_type, NULL):
+  // api_type -> table (the run plan's parallel.tensor and parallel.expert).
+  std::map<int32_t, const void*> services;
   // Group kinds to create communicators for (collective set-up, so all up front).
   std::vector<std::string> group_kinds = {"world", "tp", "cp", "dp", "pp", "dp-cp", "tp-dp-cp",
                                           "embedding", "ep", "etp", "edp"};

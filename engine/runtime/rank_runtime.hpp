@@ -27,7 +27,7 @@ class RankRuntime : public loom_rank_s {
   void reset_comm_stats() { comm_stats_.reset(); }
   void set_comm_observer(CommObserver observer) { comm_stats_.set_observer(std::move(observer)); }
   // ABI 1.1: the table host->service(rank, api_type, NULL) returns for this rank
-  // (without one, the process-wide default: plugins::set_default_service).
+  // (the launcher sets the run plan's; without one, plugins::find_service's default).
   void set_service(int32_t api_type, const void* table) { services_[api_type] = table; }
   void set_exec(const loom_exec_api* api, loom_exec* exec);  // owned
 

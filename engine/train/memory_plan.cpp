@@ -170,6 +170,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       loom_device* dev = nullptr;
       loom::check(cpu.device()->create(dev_opts.raw(), &dargs, &dev));
       runtime::RankRuntime rt(r, cpu.device(), dev);
+      for (const auto& [api_type, table] : plan.services()) rt.set_service(api_type, table);
       loom_group tp = loom::make<loom_group>();
       tp.api = nullptr;
       tp.comm = nullptr;

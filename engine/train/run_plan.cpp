@@ -149,6 +149,13 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
 
 }  // namespace
 
+std::map<int32_t, const void*> RunPlan::services() const {
+  std::map<int32_t, const void*> out;
+  if (tensor != nullptr) out[LOOM_API_TENSOR_PARALLEL] = tensor->api;
+  if (expert != nullptr) out[LOOM_API_EXPERT_PARALLEL] = expert->api;
+  return out;
+}
+
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   RunPlan plan{std::move(m)};
   plan.registry = &registry;
@@ -290,9 +297,6 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                      "masks follow positions in the whole sequence); " + plan.tensor->key() + " is ABI 1." +
                          std::to_string(plan.tensor->abi_minor) + "; set parallel.cp = 1 or rebuild it"});
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
-  // What host->service(rank, LOOM_API_TENSOR_PARALLEL, NULL) gives the layers.
-  plugins::set_default_service(LOOM_API_TENSOR_PARALLEL, plan.tensor);
-  plugins::set_default_service(LOOM_API_EXPERT_PARALLEL, plan.expert);
 
   plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
   plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));

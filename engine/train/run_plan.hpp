@@ -9,6 +9,7 @@
 #include "engine/plugins/registry.hpp"
 #include "engine/topology/rank_groups.hpp"
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,9 @@ struct RunPlan {
   int64_t microbatches = 1;  // per dp rank per step
   pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load
+  // api_type -> table: the services a rank's layers get from host->service(rank, api_type,
+  // NULL), as the manifest names them (parallel.tensor, parallel.expert).
+  std::map<int32_t, const void*> services() const;
   // What is legal but most likely a mistake (a [model.layer.X] table no layer uses);
   // validate, plan and run print them.
   std::vector<std::string> warnings;

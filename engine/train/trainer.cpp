@@ -166,6 +166,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   lc.sizes = plan.sizes;
   lc.timeout_ms = static_cast<int64_t>(m.get_float("comm.timeout_s") * 1000);
   lc.threads = static_cast<int>(m.get_int("device.threads"));
+  lc.services = plan.services();
 
   std::mutex result_mu;
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
