@@ -374,7 +374,12 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       os << "world size tp\u00b7cp\u00b7pp\u00b7dp = " << I("parallel.tp") << "\u00b7" << I("parallel.cp") << "\u00b7"
          << I("parallel.pp") << "\u00b7" << I("parallel.dp") << " = " << std::fixed << std::setprecision(0) << world
          << " ranks is more than loom runs (" << kMaxWorld << ")";
-      report({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}, os.str());
+      // Keyed to the largest factor, the one most likely mistyped.
+      const int64_t biggest = std::max({I("parallel.tp"), I("parallel.cp"), I("parallel.pp"), I("parallel.dp")});
+      if (I("parallel.pp") == biggest) report({"parallel.pp", "parallel.tp", "parallel.cp", "parallel.dp"}, os.str());
+      else if (I("parallel.dp") == biggest) report({"parallel.dp", "parallel.tp", "parallel.cp", "parallel.pp"}, os.str());
+      else if (I("parallel.cp") == biggest) report({"parallel.cp", "parallel.tp", "parallel.pp", "parallel.dp"}, os.str());
+      else report({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"}, os.str());
     }
   }
 

@@ -345,10 +345,18 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
     std::ostringstream a, b;
     if (auto n = saved.at_path(key)) a << n;
     if (auto n = now.at_path(key)) b << n;
+    // 0 in the manifest means "derived" (the data's vocabulary, 4 x hidden): say so.
+    auto shown = [&](const std::string& v) {
+      if (v.empty()) return std::string("(unset)");
+      if (v != "0") return v;
+      return std::string(key) == "model.vocab_size" ? std::string("0 (the data's vocabulary)")
+             : std::string(key) == "model.ffn_hidden_size" ? std::string("0 (4 x hidden_size)")
+                                                             : v;
+    };
     if (a.str() != b.str())
-      throw CheckpointError(step_dir + " holds a model with " + key + " = " + (a.str().empty() ? "(unset)" : a.str()) +
-                            ", this run has " + key + " = " + (b.str().empty() ? "(unset)" : b.str()) +
-                            ": resuming would continue another model; set " + key + " as the checkpoint has it");
+      throw CheckpointError(step_dir + " holds a model with " + key + " = " + shown(a.str()) + ", this run has " + key +
+                            " = " + shown(b.str()) + ": resuming would continue another model; set " + key +
+                            " as the checkpoint has it");
   }
 }
 

@@ -406,6 +406,11 @@ TEST_F(ManifestTest, HugeParallelAndBatchSizesAreRefusedWithTheirBound) {
                                      {"parallel.tp=1024", "parallel.dp=1024", "parallel.pp=2", "model.num_layers=2"});
   EXPECT_THAT(world.message, HasSubstr("world size tp\u00b7cp\u00b7pp\u00b7dp = 1024\u00b71\u00b72\u00b71024 = "
                                        "2097152 ranks is more than loom runs (1048576)"));
+  // Keyed to the largest factor (here dp), not to tp.
+  const Diagnostic dp = one_error("", {"parallel.dp=1048576", "parallel.tp=2", "batch.micro_batch_size=1",
+                                       "batch.global_batch_size=1048576"});
+  EXPECT_EQ(dp.key, "parallel.dp");
+  EXPECT_THAT(dp.message, HasSubstr("world size"));
 }
 
 TEST_F(ManifestTest, SequenceParallelNeedsSeqDivisibleByTp) {

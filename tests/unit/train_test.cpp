@@ -405,7 +405,7 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
         << dp << ": " << heads;
   }
   const std::string vocab = refusal({"parallel.dp=2", "model.vocab_size=20"});
-  EXPECT_NE(vocab.find("model.vocab_size = 0, this run has model.vocab_size = 20"), std::string::npos) << vocab;
+  EXPECT_NE(vocab.find("model.vocab_size = 0 (the data's vocabulary), this run has model.vocab_size = 20"), std::string::npos) << vocab;
   // run.steps below the checkpoint's step is an error, not a silent exit.
   try {
     run_and_trace(tiny_manifest(), {"run.steps=1", "parallel.dp=2", ck}, resume);
