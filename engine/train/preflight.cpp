@@ -31,7 +31,8 @@ void check_experts(const RunPlan& plan, const MemoryPlan& memory) {
 Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   const manifest::Manifest& m = plan.manifest;
   Preflight out;
-  const std::unique_ptr<DataSource> data = make_data_source(m);
+  out.data = make_data_source(m);
+  const DataSource* data = out.data.get();
   out.vocab = m.get_int("model.vocab_size") > 0 ? m.get_int("model.vocab_size") : data->vocab_size();
   if (out.vocab < data->vocab_size())
     throw DataError("model.vocab_size = " + std::to_string(out.vocab) + " is smaller than the vocabulary of the data (" +

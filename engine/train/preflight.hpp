@@ -3,15 +3,18 @@
 // later for a reason known in advance.
 #pragma once
 
+#include "engine/train/data.hpp"
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace loom::train {
 
 struct Preflight {
+  std::unique_ptr<DataSource> data;  // opened once, for the run to read from
   int64_t vocab = 0;           // the model's vocabulary: model.vocab_size, or the data's
   MemoryPlan memory;           // every rank's plan, from the layers the ranks create
   std::string memory_problem;  // "" or why a rank does not fit what its device offers

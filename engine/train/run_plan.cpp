@@ -69,12 +69,11 @@ void check_comm_fits(const manifest::Manifest& man, const RunPlan& plan, std::ve
   if (plan.comm == nullptr || plan.device == nullptr || plan.comm->abi_minor < 9) return;  // older: undeclared
   const loom_comm_api* comm = plan.comm->comm();
   const uint64_t features = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) ? comm->features : 0;
-  const int64_t world = man.get_int("parallel.tp") * man.get_int("parallel.cp") * man.get_int("parallel.pp") *
-                        man.get_int("parallel.dp");  // the schema bounds each factor and the product
   const loom_device_api* dev = plan.device->device();
   const bool host_memory = plan.device->abi_minor < 9 ||  // undeclared: assume host memory
                            (dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
                             (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0);
+  const int world = plan.sizes.world;
   if (world > 1 && !host_memory && (features & LOOM_COMM_DEVICE_BUFFERS) == 0)
     diags.push_back({"comm.backend", man.origin("comm.backend"),
                      plan.comm->key() + " exchanges host memory, but " + plan.device->key() +
@@ -171,6 +170,17 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     extra.push_back(path.lexically_normal().string());
   }
   plan.plugin_load_errors = registry.load_dirs(plugins::Registry::search_paths(extra));
+
+  // The layout, from keys the schema has checked (each size and their product bounded).
+  plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
+  plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));
+  plan.sizes.pp = static_cast<int>(man.get_int("parallel.pp"));
+  plan.sizes.ep = static_cast<int>(man.get_int("parallel.ep"));
+  plan.sizes.etp = static_cast<int>(man.get_int("parallel.etp"));
+  plan.sizes.order = man.get_string("parallel.order");
+  plan.dp = static_cast<int>(man.get_int("parallel.dp"));
+  plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
+  plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
 
   std::vector<manifest::Diagnostic> diags;
   auto need = [&](const std::string& key, const std::string& kind, const std::string& name,
@@ -298,15 +308,6 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                          std::to_string(plan.tensor->abi_minor) + "; set parallel.cp = 1 or rebuild it"});
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
 
-  plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
-  plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));
-  plan.sizes.pp = static_cast<int>(man.get_int("parallel.pp"));
-  plan.sizes.ep = static_cast<int>(man.get_int("parallel.ep"));
-  plan.sizes.etp = static_cast<int>(man.get_int("parallel.etp"));
-  plan.sizes.order = man.get_string("parallel.order");
-  plan.dp = static_cast<int>(man.get_int("parallel.dp"));
-  plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
-  plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
   if (plan.sizes.ep > 1 || plan.sizes.experts_fold_tp())
     require_experts_fold_into_dp(man, plan.sizes);
   // The schedule plugin's orders, proven free of deadlock, now rather than when the run

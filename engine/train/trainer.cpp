@@ -95,11 +95,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const manifest::Manifest& m = plan.manifest;
   // Everything known before launch is refused before launch (loom validate reports the same).
   const runtime::ProcessLaunch launch = runtime::detect_process_launch();
-  const Preflight checked = preflight(plan, launch.multi_process ? 1 : plan.sizes.world);
+  Preflight checked = preflight(plan, launch.multi_process ? 1 : plan.sizes.world);
   if (!checked.memory_problem.empty())
     throw loom::Error(checked.memory_problem + "; make the model, the micro-batch or the ranks per process smaller "
                                                "(loom plan shows each rank's share)");
-  std::unique_ptr<DataSource> data = make_data_source(m);
+  const std::unique_ptr<DataSource> data = std::move(checked.data);
   const int64_t vocab = checked.vocab;
 
   const int64_t steps = m.get_int("run.steps");
@@ -124,8 +124,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   std::optional<CheckpointDirLock> ckpt_lock;
   if (!ckpt_dir.empty()) {
     prepare_checkpoint_dir(ckpt_dir);
-    const runtime::ProcessLaunch proc = runtime::detect_process_launch();
-    if (!proc.multi_process || proc.rank == 0) ckpt_lock.emplace(ckpt_dir);
+    if (!launch.multi_process || launch.rank == 0) ckpt_lock.emplace(ckpt_dir);
   }
   if (options.resume) {
     const ResumePoint from = plan_resume(plan, ckpt_dir, options.log);
