@@ -1,7 +1,6 @@
 // loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE] [--json]
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
-#include "engine/model/param_plan.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/trainer.hpp"
