@@ -84,7 +84,7 @@ int cmd_run(int argc, char** argv) {
     const bool leader = !proc.multi_process || proc.rank == 0;
     train::TrainOptions opts;
     opts.resume = args.flag("--resume");
-    opts.metrics_file = args.get("--metrics").value_or(plan.manifest.get_string("run.metrics_file"));
+    opts.metrics_file = args.get("--metrics").value_or(plan.config.run.metrics_file);
     if (args.has("--metrics") && opts.metrics_file.empty()) throw UsageError("--metrics needs a file name");
     opts.log = &std::cout;
     opts.trace_file = args.get("--trace").value_or("");
@@ -144,7 +144,7 @@ int cmd_run(int argc, char** argv) {
     if (!opts.trace_file.empty() && leader) std::cout << "trace: " << opts.trace_file << "\n";
     if (!r.checkpoint.empty()) std::cout << "checkpoint: " << r.checkpoint << "\n";
     if (r.interrupted) {
-      if (plan.manifest.get_string("checkpoint.dir").empty())
+      if (plan.config.checkpoint.dir.empty())
         std::cout << "interrupted: stopped after step " << r.final_step
                   << "; no checkpoint was written (checkpoint.dir is not set), so --resume cannot continue it\n";
       else

@@ -77,12 +77,11 @@ int cmd_validate(int argc, char** argv) {
     // "valid" is said.
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
     const manifest::Manifest& m = plan.manifest;
-    const int64_t layers = m.get_int("model.num_layers");
-    const int64_t per_stage = layers / (plan.sizes.pp * m.get_int("parallel.vpp"));  // the even split
+    const manifest::RunConfig& config = plan.config;
+    const int64_t layers = config.model.num_layers;
+    const int64_t per_stage = layers / (plan.sizes.pp * config.parallel.vpp);  // the even split
     // Transformer layers per global pipeline chunk (uneven when the manifest says so).
-    const std::vector<int> per_chunk = pipeline::blocks_per_chunk(
-        static_cast<int>(layers), plan.sizes.pp, static_cast<int>(m.get_int("parallel.vpp")),
-        static_cast<int>(m.get_int("pipeline.first_chunk_layers")), static_cast<int>(m.get_int("pipeline.last_chunk_layers")));
+    const std::vector<int>& per_chunk = plan.blocks_per_chunk;
     std::string per_chunk_text;
     for (size_t g = 0; g < per_chunk.size(); ++g) per_chunk_text += (g ? ", " : "") + std::to_string(per_chunk[g]);
     const int world = plan.sizes.world;
@@ -99,7 +98,7 @@ int cmd_validate(int argc, char** argv) {
       JsonObject p;
       p.add("world_size", world).add("tp", plan.sizes.tp).add("cp", plan.sizes.cp).add("pp", plan.sizes.pp)
           .add("dp", plan.dp).add("ep", plan.sizes.ep).add("etp", static_cast<long long>(etp))
-          .add("vpp", static_cast<long long>(m.get_int("parallel.vpp")))
+          .add("vpp", config.parallel.vpp)
           .add("layers_per_stage", static_cast<long long>(per_stage))
           .add_raw("layers_per_chunk", "[" + per_chunk_text + "]")
           .add("microbatches_per_rank", static_cast<long long>(plan.microbatches))
@@ -122,10 +121,10 @@ int cmd_validate(int argc, char** argv) {
               << plan.dp * plan.sizes.tp * plan.sizes.cp / std::max<int64_t>(1, plan.sizes.ep * etp)
               << (plan.expert ? ", dispatcher " + plan.expert->key() : std::string()) << ")\n"
               << "  layers per chunk  " << per_chunk_text << " (global chunks 0.." << per_chunk.size() - 1 << " of "
-              << layers << " blocks; vpp " << m.get_int("parallel.vpp") << ", schedule " << plan.schedule->key()
+              << layers << " blocks; vpp " << config.parallel.vpp << ", schedule " << plan.schedule->key()
               << ")\n"
-              << "  microbatches      " << plan.microbatches << " per dp rank per step (" << m.get_int("batch.micro_batch_size")
-              << " sequences each; global batch " << m.get_int("batch.global_batch_size") << ")\n"
+              << "  microbatches      " << plan.microbatches << " per dp rank per step (" << config.batch.micro_batch_size
+              << " sequences each; global batch " << config.batch.global_batch_size << ")\n"
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
               << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()
               << (plan.expert ? ", " + plan.expert->key() : std::string()) << "\n  model             ";

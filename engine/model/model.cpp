@@ -13,41 +13,39 @@
 
 namespace loom::model {
 
-std::vector<LayerSpec> model_layers(const manifest::Manifest& m) {
-  auto resolve = [&](const std::string& config, int block, const std::string& instance) {
+std::vector<LayerSpec> model_layers(const manifest::RunConfig& config) {
+  auto resolve = [&](const std::string& name, int block, const std::string& instance) {
     LayerSpec s;
-    s.config = config;
+    s.config = name;
     s.instance = instance;
     s.block_index = block;
-    s.plugin = config;
-    if (const toml::table* t = m.get_table("model.layer." + config))
-      if (auto p = t->get_as<std::string>("plugin")) s.plugin = p->get();
+    s.plugin = name;
+    if (auto p = config.model.layer_section(name).get_as<std::string>("plugin")) s.plugin = p->get();
     return s;
   };
   std::vector<LayerSpec> out;
-  for (const auto& c : m.get_string_list("model.pre")) out.push_back(resolve(c, -1, c));
-  const int blocks = static_cast<int>(m.get_int("model.num_layers"));
+  for (const auto& c : config.model.pre) out.push_back(resolve(c, -1, c));
+  const int blocks = static_cast<int>(config.model.num_layers);
   for (int b = 0; b < blocks; ++b)
-    for (const auto& c : m.get_string_list("model.block"))
+    for (const auto& c : config.model.block)
       out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
-  for (const auto& c : m.get_string_list("model.post")) out.push_back(resolve(c, -1, c));
+  for (const auto& c : config.model.post) out.push_back(resolve(c, -1, c));
   return out;
 }
 
-loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp) {
+loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp) {
   loom_model_dims d = loom::make<loom_model_dims>();
-  d.hidden = m.get_int("model.hidden_size");
-  d.heads = m.get_int("model.num_heads");
-  int64_t ffn = m.get_int("model.ffn_hidden_size");
-  d.ffn_hidden = ffn > 0 ? ffn : 4 * d.hidden;
-  d.seq_len = m.get_int("model.seq_length");
+  d.hidden = config.model.hidden_size;
+  d.heads = config.model.num_heads;
+  d.ffn_hidden = config.model.ffn_hidden_size;
+  d.seq_len = config.model.seq_length;
   d.vocab = vocab;
-  const int64_t multiple = m.get_int("model.vocab_divisor") * tp;
+  const int64_t multiple = config.model.vocab_divisor * tp;
   d.padded_vocab = (vocab + multiple - 1) / multiple * multiple;
-  d.micro_batch = m.get_int("batch.micro_batch_size");
-  d.num_layers = static_cast<int32_t>(m.get_int("model.num_layers"));
+  d.micro_batch = config.batch.micro_batch_size;
+  d.num_layers = static_cast<int32_t>(config.model.num_layers);
   d.block_index = -1;
-  d.tie_embeddings = m.get_bool("model.tie_embeddings") ? 1 : 0;
+  d.tie_embeddings = config.model.tie_embeddings ? 1 : 0;
   return d;
 }
 
@@ -81,11 +79,11 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
-std::vector<int> recompute_groups(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk) {
+std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk) {
   std::vector<int> groups(chunk.size(), -1);
-  if (m.get_string("model.recompute_granularity") != "full") return groups;
-  const int64_t n = m.get_int("model.recompute_num_layers");
-  const bool uniform = m.get_string("model.recompute_method") == "uniform";
+  if (config.model.recompute_granularity != "full") return groups;
+  const int64_t n = config.model.recompute_num_layers;
+  const bool uniform = config.model.recompute_method == "uniform";
   int first_block = -1;
   for (const LayerSpec& l : chunk)
     if (l.block_index >= 0 && (first_block < 0 || l.block_index < first_block)) first_block = l.block_index;
@@ -107,12 +105,11 @@ size_t kept_hidden_states(const std::vector<int>& groups) {
   return kept;
 }
 
-loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
+loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
                          const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
                          const loom_layer_api** api) {
   const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-  toml::table section;
-  if (const toml::table* t = m.get_table("model.layer." + spec.config)) section = *t;
+  toml::table section = config.model.layer_section(spec.config);
   section.erase("plugin");
   plugins::OptionValues opts(&section, p.options);
   loom_model_dims ld = dims;
@@ -121,8 +118,8 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
   args.dims = &ld;
   args.instance_name = spec.instance.c_str();
   args.tp = tp;
-  args.sequence_parallel = m.get_bool("parallel.sequence_parallel") ? 1 : 0;
-  args.grad_accumulation_fusion = m.get_bool("device.grad_accumulation_fusion") ? 1 : 0;
+  args.sequence_parallel = config.parallel.sequence_parallel ? 1 : 0;
+  args.grad_accumulation_fusion = config.device.grad_accumulation_fusion ? 1 : 0;
   *api = p.layer();
   loom_layer* handle = nullptr;
   try {
@@ -133,11 +130,11 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
     const std::string msg = e.what();
     std::string where;
     for (const auto& [key, node] : section) {
-      const std::string path = "model.layer." + spec.config + "." + std::string(key.str());
-      const manifest::Origin origin = m.origin(path);
-      if (origin.kind != manifest::Origin::Kind::Default &&
+      const std::string option = spec.config + "." + std::string(key.str());
+      auto origin = config.model.layer_origin.find(option);
+      if (origin != config.model.layer_origin.end() &&
           msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
-        where = origin.str() + ": " + path + ": ";
+        where = origin->second.str() + ": model.layer." + option + ": ";
         break;
       }
     }
@@ -146,13 +143,13 @@ loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& r
   return handle;
 }
 
-Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
+Model::Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
     : rank_(rank),
       dims_(dims),
-      bucket_size_(static_cast<size_t>(m.get_int("optimizer.bucket_size"))),
-      param_dtype_(model_dtype(m.get_string("device.param_dtype"))),
-      grad_dtype_(model_dtype(m.get_string("device.grad_dtype"))) {
+      bucket_size_(static_cast<size_t>(config.optimizer.bucket_size)),
+      param_dtype_(model_dtype(config.device.param_dtype)),
+      grad_dtype_(model_dtype(config.device.grad_dtype)) {
   const loom::Group tp = rank.group_or_self("tp");
   LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
   // ~Model destroys the layers, but it does not run when this constructor throws
@@ -172,13 +169,13 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
     chunk.global_index = chunks[c].global_index;
     chunk.num_global = chunks[c].num_global;
     chunk.first_layer = layers_.size();
-    const std::vector<int> groups = recompute_groups(m, chunks[c].layers);
+    const std::vector<int> groups = recompute_groups(config, chunks[c].layers);
     for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
       const LayerSpec& spec = chunks[c].layers[k];
       Layer layer;
       layer.spec = spec;
       layer.chunk = static_cast<int>(c);
-      layer.handle = create_layer(m, registry, &rank, spec, dims, tp.raw(), &layer.api);
+      layer.handle = create_layer(config, registry, &rank, spec, dims, tp.raw(), &layer.api);
       const int32_t capture_kind = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable
                                        ? layer.api->capturable(layer.handle)
                                        : 0;
@@ -204,7 +201,7 @@ Model::Model(const manifest::Manifest& m, const plugins::Registry& registry, run
   // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
   // seq / cp rows under context parallelism), or its sequence shard [rows / tp,
   // micro_batch, hidden] under sequence parallelism.
-  sequence_parallel_ = m.get_bool("parallel.sequence_parallel") && tp.size() > 1;
+  sequence_parallel_ = config.parallel.sequence_parallel && tp.size() > 1;
   context_rows_ = dims_.seq_len / rank_.group_or_self("cp").size();
   hidden_shape_[0] = sequence_parallel_ ? context_rows_ / tp.size() : context_rows_;
   hidden_shape_[1] = dims_.micro_batch;
@@ -286,23 +283,13 @@ void Model::build_buffers(uint64_t seed) {
   const loom::Group ep = rank_.group_or_self("ep"), etp = rank_.group_or_self("etp");
   CollectedParams collected =
       collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size(), etp.size());
+  std::vector<int> chunk_of_layer, chunk_global_index;
+  for (const Layer& l : layers_) chunk_of_layer.push_back(l.chunk);
+  for (const Chunk& c : chunks_) chunk_global_index.push_back(c.global_index);
+  place_entries_in_chunks(collected, chunk_of_layer, chunk_global_index, chunks_.front().num_global);
   entries_ = std::move(collected.entries);
   const std::vector<DeclRef>& decls = collected.decls;
   const std::vector<size_t>& entry_of = collected.entry_of;
-  // Tied parameters whose other declaration is on another pipeline stage.
-  std::vector<int> decls_per_entry(entries_.size(), 0);
-  for (size_t k = 0; k < decls.size(); ++k) ++decls_per_entry[entry_of[k]];
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    ParamEntry& e = entries_[i];
-    e.chunk = layers_[static_cast<size_t>(e.layer)].chunk;
-    const Chunk& c = chunks_[static_cast<size_t>(e.chunk)];
-    if (e.tie_key.empty() || decls_per_entry[i] > 1 || c.num_global == 1) continue;
-    LOOM_REQUIRE(c.global_index == 0 || c.global_index + 1 == c.num_global,
-                 "parameter " << e.name << " is tied (tie_key '" << e.tie_key << "') across pipeline stages from chunk "
-                              << c.global_index << "; ties across stages are kept in sync over the embedding group, "
-                              << "which joins the first and the last chunk only");
-    e.shared_across_stages = true;
-  }
   // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
   // buckets), one buffer region per chunk and one for the expert parameters.
   const int cp = rank_.group_or_self("cp").size();

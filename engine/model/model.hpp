@@ -5,7 +5,7 @@
 // pipeline schedule can hold several in flight.
 #pragma once
 
-#include "engine/manifest/manifest.hpp"
+#include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
@@ -29,7 +29,7 @@ struct LayerSpec {
 };
 
 // pre + block × num_layers + post, in model order.
-std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
+std::vector<LayerSpec> model_layers(const manifest::RunConfig& config);
 
 // Activation recomputation of a chunk's layers (a pipeline stage's, or virtual
 // stage's; model.recompute_*): per layer, the recompute group it belongs to, or
@@ -39,19 +39,19 @@ std::vector<LayerSpec> model_layers(const manifest::Manifest& m);
 // makes each of the chunk's first model.recompute_num_layers blocks a group (0:
 // every block), "uniform" puts all its blocks in groups of recompute_num_layers
 // (0: 1), Megatron's --recompute-method.
-std::vector<int> recompute_groups(const manifest::Manifest& m, const std::vector<LayerSpec>& chunk);
+std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk);
 
 // Hidden states a chunk with these groups keeps per microbatch: one after each
 // layer, less the outputs its groups drop (those their own next layer consumes).
 size_t kept_hidden_states(const std::vector<int>& groups);
 
 // The model dimensions given the vocabulary and the tensor-parallel size.
-loom_model_dims model_dims(const manifest::Manifest& m, int64_t vocab, int tp);
+loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp);
 
 // Creates one layer from its plugin, with the manifest's [model.layer.NAME]
 // options for it (what the Model and the memory planner both do). Returns the
 // handle; *api is the plugin's table. Errors name the instance and the plugin.
-loom_layer* create_layer(const manifest::Manifest& m, const plugins::Registry& registry, loom_rank* rank,
+loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
                          const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
                          const loom_layer_api** api);
 
@@ -84,12 +84,12 @@ int32_t model_dtype(const std::string& name);
 
 class Model {
  public:
-  Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
+  Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
         const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed);
   // The whole model in one chunk (no pipeline parallelism).
-  Model(const manifest::Manifest& m, const plugins::Registry& registry, runtime::RankRuntime& rank,
+  Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
         const loom_model_dims& dims, std::vector<LayerSpec> layers, uint64_t seed)
-      : Model(m, registry, rank, dims, std::vector<ModelChunk>{{0, 1, std::move(layers)}}, seed) {}
+      : Model(config, registry, rank, dims, std::vector<ModelChunk>{{0, 1, std::move(layers)}}, seed) {}
   ~Model();
   Model(const Model&) = delete;
   Model& operator=(const Model&) = delete;

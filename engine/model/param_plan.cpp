@@ -91,6 +91,23 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
   return out;
 }
 
+void place_entries_in_chunks(CollectedParams& c, const std::vector<int>& chunk_of_layer,
+                             const std::vector<int>& chunk_global_index, int num_global) {
+  std::vector<int> decls_per_entry(c.entries.size(), 0);
+  for (size_t k = 0; k < c.decls.size(); ++k) ++decls_per_entry[c.entry_of[k]];
+  for (size_t i = 0; i < c.entries.size(); ++i) {
+    ParamEntry& e = c.entries[i];
+    e.chunk = chunk_of_layer[static_cast<size_t>(e.layer)];
+    const int global_index = chunk_global_index[static_cast<size_t>(e.chunk)];
+    if (e.tie_key.empty() || decls_per_entry[i] > 1 || num_global == 1) continue;
+    LOOM_REQUIRE(global_index == 0 || global_index + 1 == num_global,
+                 "parameter " << e.name << " is tied (tie_key '" << e.tie_key << "') across pipeline stages from chunk "
+                              << global_index << "; ties across stages are kept in sync over the embedding group, "
+                              << "which joins the first and the last chunk only");
+    e.shared_across_stages = true;
+  }
+}
+
 BufferLayout layout_entries(const std::vector<ParamEntry>& entries, size_t chunks, int dp, size_t bucket_size) {
   std::vector<int> chunk_of;
   std::vector<size_t> numels;

@@ -46,6 +46,14 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<size_t>& counts, int tp_size, int ep_size = 1,
                                       int etp_size = 0);
 
+// Sets each entry's chunk (the local chunk of its layer, chunk_of_layer) and marks
+// the tied entries whose other declaration is on another pipeline stage
+// (shared_across_stages; kept in sync over the embedding group, which joins the
+// first and the last global chunk: a tie from any other chunk throws loom::Error).
+// chunk_global_index[c] is local chunk c's global index, of num_global chunks.
+void place_entries_in_chunks(CollectedParams& c, const std::vector<int>& chunk_of_layer,
+                             const std::vector<int>& chunk_global_index, int num_global);
+
 // The buffer layout of a rank's entries (Megatron's rules per chunk, expert
 // parameters in one region after every chunk's; layout_model_buffer). The Model,
 // the memory planner and resharding on resume all lay out through this.

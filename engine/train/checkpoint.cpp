@@ -510,7 +510,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
 }
 
 ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log) {
-  const manifest::Manifest& m = plan.manifest;
+  const int64_t steps = plan.config.run.steps;
   ResumePoint out;
   if (ckpt_dir.empty())
     throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
@@ -523,11 +523,11 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
     for (const std::string& d : incomplete)
       *log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
   CheckpointMeta meta = read_meta(resume_dir);
-  require_same_param_dtype(resume_dir, meta, m.get_string("device.param_dtype"));
-  if (meta.step > m.get_int("run.steps"))
+  require_same_param_dtype(resume_dir, meta, plan.config.device.param_dtype);
+  if (meta.step > steps)
     throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +
-                          std::to_string(m.get_int("run.steps")) + "; raise run.steps to continue training it");
-  if (meta.step == m.get_int("run.steps") && log)
+                          std::to_string(steps) + "; raise run.steps to continue training it");
+  if (meta.step == steps && log)
     *log << "resume: " << resume_dir << " is at run.steps = " << meta.step << "; nothing to train"
                  << std::endl;
   const std::string layouts = resume_dir + " was written with tp=" + std::to_string(meta.tp) + " pp=" +

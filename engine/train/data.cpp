@@ -194,18 +194,6 @@ std::vector<int32_t> read_llmc_tokens(const std::string& path) {
   return tokens;
 }
 
-std::string resolve_path(const manifest::Manifest& m, const std::string& path) {
-  if (path.empty() || path[0] == '/') return path;
-  // Relative paths are relative to the manifest file that set data.path.
-  manifest::Origin o = m.origin("data.path");
-  if (o.kind == manifest::Origin::Kind::File && !o.file.empty()) {
-    boost::filesystem::path base = boost::filesystem::path(o.file).parent_path();
-    boost::filesystem::path candidate = base / path;
-    if (boost::filesystem::exists(candidate)) return candidate.lexically_normal().string();
-  }
-  return path;
-}
-
 }  // namespace
 
 std::string DataSource::render(const int32_t* tokens, int64_t n) const {
@@ -214,16 +202,16 @@ std::string DataSource::render(const int32_t* tokens, int64_t n) const {
   return s;
 }
 
-std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m) {
-  const std::string kind = m.get_string("data.kind");
-  const uint64_t seed = static_cast<uint64_t>(m.get_int("run.seed"));
-  const double val_fraction = m.get_float("data.val_fraction");
+std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) {
+  const std::string& kind = config.data.kind;
+  const uint64_t seed = static_cast<uint64_t>(config.run.seed);
+  const double val_fraction = config.data.val_fraction;
   if (kind == "synthetic") {
-    const std::string task = m.get_string("data.task");
+    const std::string& task = config.data.task;
     if (task != "add") throw DataError("data.task = \"" + task + "\" is not a synthetic task; valid: \"add\"");
-    return std::make_unique<AdditionTask>(static_cast<int>(m.get_int("data.digits")), seed);
+    return std::make_unique<AdditionTask>(static_cast<int>(config.data.digits), seed);
   }
-  const std::string path = resolve_path(m, m.get_string("data.path"));
+  const std::string& path = config.data.path;
   if (kind == "text") {
     std::vector<char> bytes = read_file(path, "path");
     if (bytes.empty()) throw DataError(path + ": the text file is empty");
@@ -239,7 +227,7 @@ std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m) {
   }
   if (kind == "tokens") {
     std::vector<int32_t> tokens = read_llmc_tokens(path);
-    int64_t vocab = m.get_int("model.vocab_size");
+    int64_t vocab = config.model.vocab_size;
     int32_t max_token = 0;
     for (int32_t t : tokens) max_token = std::max(max_token, t);
     if (vocab == 0) vocab = max_token + 1;

@@ -3,7 +3,7 @@
 // microbatch), so a resumed run reads exactly what the uninterrupted one would.
 #pragma once
 
-#include "engine/manifest/manifest.hpp"
+#include "engine/manifest/run_config.hpp"
 
 #include <cstdint>
 #include <memory>
@@ -35,7 +35,7 @@ class DataSource {
 
 // kind = data.kind: "synthetic" (data.task, data.digits), "text" (bytes of data.path),
 // "tokens" (llm.c .bin at data.path). Throws DataError naming the file and the problem.
-std::unique_ptr<DataSource> make_data_source(const manifest::Manifest& m);
+std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config);
 
 // A microbatch laid out [seq, micro_batch] (sequence-major, as the model wants).
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,

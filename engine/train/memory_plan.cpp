@@ -70,7 +70,7 @@ uint64_t device_capacity(const RunPlan& plan, int ranks_in_process) {
   if (plan.device == nullptr || plan.device->device() == nullptr) return 0;
   const loom_device_api* api = plan.device->device();
   if (!LOOM_HAS_SLOT(api, loom_device_api, memory_stats) || api->memory_stats == nullptr) return 0;
-  plugins::OptionValues options(plan.manifest.get_table("device.options"), plan.device->options);
+  plugins::OptionValues options(&plan.config.device.options, plan.device->options);
   loom_device_create_args args = loom::make<loom_device_create_args>();
   args.num_threads = 1;
   args.ranks_in_process = std::max(1, ranks_in_process);
@@ -106,14 +106,14 @@ std::string memory_problem(const MemoryPlan& mp, uint64_t capacity, const std::s
 }
 
 MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
-  const manifest::Manifest& m = plan.manifest;
-  if (vocab <= 0) vocab = m.get_int("model.vocab_size");
-  if (vocab <= 0) vocab = make_data_source(m)->vocab_size();
+  const manifest::RunConfig& config = plan.config;
+  if (vocab <= 0) vocab = config.model.vocab_size;
+  if (vocab <= 0) vocab = make_data_source(config)->vocab_size();
 
   MemoryPlan out;
-  out.param_dtype = m.get_string("device.param_dtype");
-  out.grad_dtype = m.get_string("device.grad_dtype");
-  out.strategy = m.get_string("optimizer.strategy");
+  out.param_dtype = config.device.param_dtype;
+  out.grad_dtype = config.device.grad_dtype;
+  out.strategy = config.optimizer.strategy;
   out.world = plan.sizes.world;
   out.tp = plan.sizes.tp;
   out.cp = plan.sizes.cp;
@@ -121,7 +121,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
   out.dp = plan.dp;
   out.pp = plan.sizes.pp;
   out.vocab = vocab;
-  out.bucket_size = static_cast<size_t>(m.get_int("optimizer.bucket_size"));
+  out.bucket_size = static_cast<size_t>(config.optimizer.bucket_size);
   out.microbatches_in_flight = 1;  // the most over ranks, set below
   const size_t psize = loom::dtype_size(model_dtype(out.param_dtype)),
                gsize = loom::dtype_size(model_dtype(out.grad_dtype));
@@ -135,15 +135,12 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
   out.edp = groups.edp();
   const plugins::LoadedPlugin& cpu = planning_device(plan);
   plugins::OptionValues dev_opts(nullptr, cpu.options);  // its defaults: planning runs no math
-  const loom_model_dims dims = model_dims(m, vocab, plan.sizes.tp);
-  const bool sp = m.get_bool("parallel.sequence_parallel");
+  const loom_model_dims dims = model_dims(config, vocab, plan.sizes.tp);
+  const bool sp = config.parallel.sequence_parallel;
 
   // The pipeline: each stage's chunks, and the order its schedule runs them in.
-  const int pp = plan.sizes.pp, vpp = static_cast<int>(m.get_int("parallel.vpp"));
-  const std::vector<std::vector<LayerSpec>> global_chunks = pipeline::partition_layers(
-      plan.layers, pipeline::blocks_per_chunk(static_cast<int>(m.get_int("model.num_layers")), pp, vpp,
-                                              static_cast<int>(m.get_int("pipeline.first_chunk_layers")),
-                                              static_cast<int>(m.get_int("pipeline.last_chunk_layers"))));
+  const int pp = plan.sizes.pp;
+  const std::vector<std::vector<LayerSpec>>& global_chunks = plan.chunks;
   const pipeline::PipelineOrders& orders = plan.orders;  // make_plan's
   // Hidden states (and every activation) are in the parameters' dtype.
   // A rank holds seq / cp rows (its context-parallel slice), / tp of them under SP.
@@ -202,13 +199,13 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       std::vector<int> group_of_layer;  // per layer: its recompute group in its chunk, or -1
       std::vector<size_t> kept_states;  // per chunk: hidden states kept per microbatch
       for (size_t c = 0; c < chunks.size(); ++c) {
-        const std::vector<int> groups = recompute_groups(m, chunks[c].layers);
+        const std::vector<int> groups = recompute_groups(config, chunks[c].layers);
         kept_states.push_back(kept_hidden_states(groups));
         for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
           const LayerSpec& spec = chunks[c].layers[k];
           group_of_layer.push_back(groups[k]);
           PlannedLayers::Layer l;
-          l.handle = create_layer(m, *plan.registry, &rt, spec, dims, tp, &l.api);
+          l.handle = create_layer(config, *plan.registry, &rt, spec, dims, tp, &l.api);
           layers.layers.push_back(l);
           const loom_param_decl* d = nullptr;
           size_t n = 0;
@@ -220,7 +217,11 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         }
       }
       CollectedParams cp = collect_param_entries(instances, decls, counts, plan.sizes.tp, plan.sizes.ep, etp.size);
-      for (ParamEntry& e : cp.entries) e.chunk = chunk_of_layer[static_cast<size_t>(e.layer)];
+      std::vector<int> chunk_global_index;
+      for (const ModelChunk& c : chunks) chunk_global_index.push_back(c.global_index);
+      place_entries_in_chunks(cp, chunk_of_layer, chunk_global_index, chunks.front().num_global);
+      for (const ParamEntry& e : cp.entries)
+        rm.counted_elsewhere |= e.shared_across_stages && chunk_global_index[static_cast<size_t>(e.chunk)] != 0;
 
       // Bind each layer to views without memory, of the run's dtypes and local
       // shapes (as the Model binds them): a layer sizes its activations by the

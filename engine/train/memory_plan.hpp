@@ -24,6 +24,7 @@ struct RankMemory {
   size_t param_count = 0;   // number of parameter tensors
   model::BufferLayout layout;
   size_t expert_start = 0;  // where the expert region (sharded over edp) begins; buffer_numel = none
+  bool counted_elsewhere = false;  // holds a tied copy whose gradient norm another stage counts (Model::counted_elsewhere)
   uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
   uint64_t activation_bytes = 0;  // at the schedule's peak (estimate from the layers' saved bytes)
   int in_flight = 0;              // (chunk, microbatch) forwards awaiting backward at that peak

@@ -26,23 +26,57 @@ void check_experts(const RunPlan& plan, const MemoryPlan& memory) {
                     "or use a layer with experts (e.g. model.block = [\"attention\", \"moe\"])");
 }
 
+// The optimizer strategy can take this model: what its ABI version and feature bits
+// say about tied copies on the last pipeline stage and about expert parameters.
+void check_optimizer(const RunPlan& plan, const MemoryPlan& memory) {
+  const plugins::LoadedPlugin& p = *plan.optimizer;
+  bool counted_elsewhere = false, experts = false;
+  for (const RankMemory& r : memory.ranks) {
+    counted_elsewhere |= r.counted_elsewhere;
+    experts |= r.expert_start < r.buffer_numel;
+  }
+  if (p.abi_minor < 1 && counted_elsewhere)
+    throw loom::Error("optimizer plugin parallel/" + p.name +
+                      " was built for plugin ABI 1.0, which cannot tell it that the tied word embedding on the last "
+                      "pipeline stage is a copy (it would count its gradient twice); rebuild it against ABI 1.1 or "
+                      "set model.tie_embeddings = false");
+  const loom_optimizer_api* api = p.optimizer();
+  const uint64_t features = LOOM_HAS_SLOT(api, loom_optimizer_api, features) ? api->features : 0;
+  // With ep = 1, edp is dp and any strategy reduces expert parameters right.
+  const bool expert_parallel = (features & LOOM_OPTIMIZER_EXPERT_PARALLEL) != 0;
+  if (plan.sizes.ep > 1 && experts && !expert_parallel)
+    throw loom::Error("optimizer plugin parallel/" + p.name +
+                      " cannot reduce expert parameters over the expert data-parallel group (it does not "
+                      "advertise LOOM_OPTIMIZER_EXPERT_PARALLEL, ABI 1.4); use optimizer.strategy = \"ddp\" or "
+                      "\"distributed\", or parallel.ep = 1");
+  // MoE folding (etp != tp, ABI 1.5): only a strategy that reads etp gets such a run.
+  const bool folding = expert_parallel && (features & LOOM_OPTIMIZER_EXPERT_FOLDING) != 0;
+  if (experts && plan.sizes.experts_fold_tp() && !folding)
+    throw loom::Error("optimizer plugin parallel/" + p.name + " cannot take expert parameters split "
+                      "over parallel.etp = " + std::to_string(plan.sizes.expert_tp()) +
+                      " rather than parallel.tp = " + std::to_string(plan.sizes.tp) +
+                      " (it does not advertise LOOM_OPTIMIZER_EXPERT_FOLDING, ABI 1.5); use optimizer.strategy = "
+                      "\"ddp\" or \"distributed\", or parallel.etp = 0 (same as tp)");
+}
+
 }  // namespace
 
 Preflight preflight(const RunPlan& plan, int ranks_in_process) {
-  const manifest::Manifest& m = plan.manifest;
+  const manifest::RunConfig& config = plan.config;
   Preflight out;
-  out.data = make_data_source(m);
+  out.data = make_data_source(config);
   const DataSource* data = out.data.get();
-  out.vocab = m.get_int("model.vocab_size") > 0 ? m.get_int("model.vocab_size") : data->vocab_size();
+  out.vocab = config.model.vocab_size > 0 ? config.model.vocab_size : data->vocab_size();
   if (out.vocab < data->vocab_size())
     throw DataError("model.vocab_size = " + std::to_string(out.vocab) + " is smaller than the vocabulary of the data (" +
                     data->describe() + ")");
-  const int64_t seq = m.get_int("model.seq_length");
+  const int64_t seq = config.model.seq_length;
   read_one(*data, Split::Train, seq);
-  if (m.get_int("run.eval_every") > 0) read_one(*data, Split::Validation, seq);
+  if (config.run.eval_every > 0) read_one(*data, Split::Validation, seq);
 
   out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);
+  check_optimizer(plan, out.memory);
   out.memory_problem = memory_problem(out.memory, device_capacity(plan, ranks_in_process),
                                              plan.device->key(), ranks_in_process);
   return out;

@@ -23,8 +23,10 @@ struct Preflight {
 // Opens the data (its vocabulary must fit model.vocab_size; a training sequence, and a
 // validation one when run.eval_every > 0, must be readable), creates every rank's
 // layers on a CPU device (the checks each plugin makes in create, and expert
-// parameters when parallel.ep > 1) and plans memory against the device's capacity for
-// a process that runs `ranks_in_process` ranks. Throws DataError or loom::Error.
+// parameters when parallel.ep > 1), checks the optimizer strategy can take the model
+// (tied copies across stages, expert parameters, MoE folding) and plans memory against
+// the device's capacity for a process that runs `ranks_in_process` ranks. Throws
+// DataError or loom::Error.
 Preflight preflight(const RunPlan& plan, int ranks_in_process);
 
 }  // namespace loom::train

@@ -1,6 +1,7 @@
 #include "engine/train/run_plan.hpp"
 
 #include "engine/manifest/schema.hpp"
+#include "engine/pipeline/partition.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/topology/rank_groups.hpp"
@@ -11,13 +12,6 @@
 #include <set>
 
 namespace loom::train {
-
-std::string schedule_name(const manifest::Manifest& m) {
-  const std::string s = m.get_string("pipeline.schedule");
-  if (m.get_int("parallel.vpp") > 1 && m.origin("pipeline.schedule").kind == manifest::Origin::Kind::Default)
-    return "interleaved";
-  return s;
-}
 
 namespace {
 // The ranks of one expert group with its edp replicas: the union of the edp groups
@@ -93,15 +87,16 @@ void check_comm_fits(const manifest::Manifest& man, const RunPlan& plan, std::ve
 }
 
 // The list of model.pre, model.block or model.post that layer i of the model came from.
-std::string list_of(const manifest::Manifest& man, const std::vector<model::LayerSpec>& layers, size_t i) {
+std::string list_of(const manifest::RunConfig& config, const std::vector<model::LayerSpec>& layers, size_t i) {
   if (layers[i].block_index >= 0) return "model.block";
-  return i < man.get_string_list("model.pre").size() ? "model.pre" : "model.post";
+  return i < config.model.pre.size() ? "model.pre" : "model.post";
 }
 
 // A layer that reads the tokens comes first and one that writes the loss comes last
 // (ABI 1.9 LOOM_LAYER_READS_TOKENS / LOOM_LAYER_WRITES_LOSS): an embedding in a block
 // or an output head in model.pre would train nonsense or fail inside the first step.
-void check_layer_places(const manifest::Manifest& man, const plugins::Registry& registry,
+void check_layer_places(const manifest::Manifest& man, const manifest::RunConfig& config,
+                        const plugins::Registry& registry,
                         const std::vector<model::LayerSpec>& layers, std::vector<manifest::Diagnostic>& diags) {
   for (size_t i = 0; i < layers.size(); ++i) {
     const plugins::LoadedPlugin* p = registry.find("layer", layers[i].plugin);
@@ -116,7 +111,7 @@ void check_layer_places(const manifest::Manifest& man, const plugins::Registry& 
     else if (first && !reads) problem = "is the model's first layer but does not read the tokens (it needs an input)";
     else if (last && !writes) problem = "is the model's last layer but does not write the loss";
     if (problem.empty()) continue;
-    const std::string key = list_of(man, layers, i);
+    const std::string key = list_of(config, layers, i);
     diags.push_back({key, man.origin(key),
                      "layer " + layers[i].instance + " (" + p->key() + ") " + problem +
                          "; the model is model.pre, then model.block num_layers times, then model.post (e.g. "
@@ -159,11 +154,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   RunPlan plan{std::move(m)};
   plan.registry = &registry;
   manifest::Manifest& man = plan.manifest;
+  plan.config = manifest::RunConfig::from(man);
+  const manifest::RunConfig& config = plan.config;
 
   // Search paths named in the manifest are relative to the file that names them.
   std::vector<std::string> extra;
   const manifest::Origin po = man.origin("plugins.search_paths");
-  for (const std::string& p : man.get_string_list("plugins.search_paths")) {
+  for (const std::string& p : config.plugins.search_paths) {
     boost::filesystem::path path(p);
     if (path.is_relative() && po.kind == manifest::Origin::Kind::File && !po.file.empty())
       path = boost::filesystem::path(po.file).parent_path() / path;
@@ -172,15 +169,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   plan.plugin_load_errors = registry.load_dirs(plugins::Registry::search_paths(extra));
 
   // The layout, from keys the schema has checked (each size and their product bounded).
-  plan.sizes.tp = static_cast<int>(man.get_int("parallel.tp"));
-  plan.sizes.cp = static_cast<int>(man.get_int("parallel.cp"));
-  plan.sizes.pp = static_cast<int>(man.get_int("parallel.pp"));
-  plan.sizes.ep = static_cast<int>(man.get_int("parallel.ep"));
-  plan.sizes.etp = static_cast<int>(man.get_int("parallel.etp"));
-  plan.sizes.order = man.get_string("parallel.order");
-  plan.dp = static_cast<int>(man.get_int("parallel.dp"));
+  plan.sizes.tp = config.parallel.tp;
+  plan.sizes.cp = config.parallel.cp;
+  plan.sizes.pp = config.parallel.pp;
+  plan.sizes.ep = config.parallel.ep;
+  plan.sizes.etp = config.parallel.etp;
+  plan.sizes.order = config.parallel.order;
+  plan.dp = config.parallel.dp;
   plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
-  plan.microbatches = man.get_int("batch.global_batch_size") / (man.get_int("batch.micro_batch_size") * plan.dp);
+  plan.microbatches = config.batch.global_batch_size / (config.batch.micro_batch_size * plan.dp);
 
   std::vector<manifest::Diagnostic> diags;
   auto need = [&](const std::string& key, const std::string& kind, const std::string& name,
@@ -204,11 +201,10 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     if (!options_section.empty()) man.apply_plugin_options(options_section, p->key(), p->options, diags);
     return p;
   };
-  plan.device = need("device.kind", "device", man.get_string("device.kind"), "device.options");
-  plan.comm = need("comm.backend", "comm", man.get_string("comm.backend"), "comm.options");
-  plan.exec = need("exec.mode", "exec", man.get_string("exec.mode"), "exec.options");
-  plan.optimizer = need("optimizer.strategy", "parallel", man.get_string("optimizer.strategy"),
-                        "optimizer.options");
+  plan.device = need("device.kind", "device", config.device.kind, "device.options");
+  plan.comm = need("comm.backend", "comm", config.comm.backend, "comm.options");
+  plan.exec = need("exec.mode", "exec", config.exec.mode, "exec.options");
+  plan.optimizer = need("optimizer.strategy", "parallel", config.optimizer.strategy, "optimizer.options");
   if (plan.optimizer != nullptr && plan.optimizer->api_type != LOOM_API_OPTIMIZER) {
     diags.push_back({"optimizer.strategy", man.origin("optimizer.strategy"),
                      "plugin " + plan.optimizer->key() + " is not an optimizer strategy (it provides another table); "
@@ -216,12 +212,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                      "or a third party's"});
     plan.optimizer = nullptr;
   }
-  plan.schedule = need("pipeline.schedule", "parallel", pipeline::schedule_plugin_name(schedule_name(man)),
+  plan.schedule = need("pipeline.schedule", "parallel", pipeline::schedule_plugin_name(config.pipeline.schedule),
                        "pipeline.options");
 
   // The services layers call: the configured plugin must provide that table.
-  auto service = [&](const std::string& key, int32_t api_type, const char* what) -> const plugins::LoadedPlugin* {
-    const plugins::LoadedPlugin* p = need(key, "parallel", man.get_string(key), "");
+  auto service = [&](const std::string& key, const std::string& name, int32_t api_type,
+                     const char* what) -> const plugins::LoadedPlugin* {
+    const plugins::LoadedPlugin* p = need(key, "parallel", name, "");
     if (p && p->api_type != api_type) {
       diags.push_back({key, man.origin(key),
                        "plugin " + p->key() + " is not " + what + " (it provides another table)"});
@@ -229,11 +226,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     }
     return p;
   };
-  plan.tensor = service("parallel.tensor", LOOM_API_TENSOR_PARALLEL, "a tensor-parallel service");
-  if (man.get_int("parallel.ep") > 1)
-    plan.expert = service("parallel.expert", LOOM_API_EXPERT_PARALLEL, "an expert-parallel dispatcher");
+  plan.tensor =
+      service("parallel.tensor", config.parallel.tensor, LOOM_API_TENSOR_PARALLEL, "a tensor-parallel service");
+  if (config.parallel.ep > 1)
+    plan.expert =
+        service("parallel.expert", config.parallel.expert, LOOM_API_EXPERT_PARALLEL, "an expert-parallel dispatcher");
 
-  plan.layers = model::model_layers(man);
+  plan.layers = model::model_layers(config);
   std::set<std::string> configured;
   for (const model::LayerSpec& l : plan.layers) {
     if (!configured.insert(l.config).second) continue;
@@ -242,9 +241,10 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     if (p == nullptr) {
       std::string key = man.contains(section + ".plugin") ? section + ".plugin" : "model.block";
       if (!man.contains(section + ".plugin")) {
-        for (const char* list : {"model.pre", "model.block", "model.post"})
-          for (const std::string& c : man.get_string_list(list))
-            if (c == l.config) key = list;
+        const std::pair<const char*, const std::vector<std::string>*> lists[] = {
+            {"model.pre", &config.model.pre}, {"model.block", &config.model.block}, {"model.post", &config.model.post}};
+        for (const auto& [list, names] : lists)
+          if (std::find(names->begin(), names->end(), l.config) != names->end()) key = list;
       }
       std::string available;
       for (const auto& q : registry.all())
@@ -261,26 +261,26 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
     const loom_layer_api* api = p->layer();
     const bool takes_slice = LOOM_HAS_SLOT(api, loom_layer_api, features) &&
                              (api->features & LOOM_LAYER_CONTEXT_PARALLEL) != 0;
-    if (man.get_int("parallel.cp") > 1 && !takes_slice)
+    if (config.parallel.cp > 1 && !takes_slice)
       diags.push_back({"parallel.cp", man.origin("parallel.cp"),
                        "layer '" + l.config + "' (plugin " + p->key() + ", ABI 1." + std::to_string(p->abi_minor) +
                            ") does not take a context-parallel slice of the sequence (it does not advertise "
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
   }
-  check_layer_places(man, registry, plan.layers, diags);
+  check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
-  if (man.get_string("data.kind") == "synthetic" && !man.get_string("data.path").empty())
+  if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
   check_comm_fits(man, plan, diags);
   // A recomputed forward runs inside the backward, outside the captured forward and
   // backward steps an exec plugin that replays would replay.
-  if (plan.exec != nullptr && man.get_string("model.recompute_granularity") != "none") {
+  if (plan.exec != nullptr && config.model.recompute_granularity != "none") {
     const loom_exec_api* exec = plan.exec->exec();
     if (exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) && (exec->features & LOOM_EXEC_REPLAYS) != 0)
       diags.push_back({"model.recompute_granularity", man.origin("model.recompute_granularity"),
-                       "model.recompute_granularity = \"" + man.get_string("model.recompute_granularity") +
-                           "\" with exec.mode = \"" + man.get_string("exec.mode") + "\" (" + plan.exec->key() +
+                       "model.recompute_granularity = \"" + config.model.recompute_granularity +
+                           "\" with exec.mode = \"" + config.exec.mode + "\" (" + plan.exec->key() +
                            ", which captures and replays layer steps) is not supported: a recomputed forward runs "
                            "inside the backward, between captured steps; set model.recompute_granularity = "
                            "\"none\" or exec.mode = \"eager\""});
@@ -288,7 +288,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   // Layers that mix positions run their context-parallel slice through windowed
   // attention (ABI 1.6): a device without it is refused here, so `loom validate`
   // says so before a run starts.
-  if (plan.device != nullptr && man.get_int("parallel.cp") > 1) {
+  if (plan.device != nullptr && config.parallel.cp > 1) {
     const loom_device_api* dev = plan.device->device();
     const bool window = dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
                         (dev->features & LOOM_DEVICE_ATTENTION_WINDOW) != 0;
@@ -301,23 +301,26 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   }
   // A tensor-parallel service before 1.6 draws dropout masks by the rank's rows,
   // the same on every cp rank.
-  if (plan.tensor != nullptr && man.get_int("parallel.cp") > 1 && plan.tensor->abi_minor < 6)
+  if (plan.tensor != nullptr && config.parallel.cp > 1 && plan.tensor->abi_minor < 6)
     diags.push_back({"parallel.cp", man.origin("parallel.cp"),
                      "context parallelism needs a tensor-parallel service built for ABI 1.6 or later (its dropout "
                      "masks follow positions in the whole sequence); " + plan.tensor->key() + " is ABI 1." +
                          std::to_string(plan.tensor->abi_minor) + "; set parallel.cp = 1 or rebuild it"});
   if (!diags.empty()) throw manifest::ManifestError(std::move(diags));
+  plan.config = manifest::RunConfig::from(man);  // again: the plugins' option defaults are now filled in
 
   if (plan.sizes.ep > 1 || plan.sizes.experts_fold_tp())
     require_experts_fold_into_dp(man, plan.sizes);
   // The schedule plugin's orders, proven free of deadlock, now rather than when the run
   // starts: a group size or layout it refuses is then a validate error too.
-  plugins::OptionValues schedule_opts(man.get_table("pipeline.options"), plan.schedule->options);
-  plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
-                                        static_cast<int>(man.get_int("parallel.vpp")),
-                                        static_cast<int>(plan.microbatches),
-                                        static_cast<int>(man.get_int("pipeline.microbatch_group_size")));
+  plugins::OptionValues schedule_opts(&config.pipeline.options, plan.schedule->options);
+  plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp, config.parallel.vpp,
+                                        static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
   pipeline::simulate(plan.orders);
+  plan.blocks_per_chunk =
+      pipeline::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
+                                 config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers);
+  plan.chunks = pipeline::partition_layers(plan.layers, plan.blocks_per_chunk);
   return plan;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "engine/manifest/manifest.hpp"
+#include "engine/manifest/run_config.hpp"
 #include "engine/model/model.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/plugins/registry.hpp"
@@ -16,7 +17,8 @@
 namespace loom::train {
 
 struct RunPlan {
-  manifest::Manifest manifest;
+  manifest::Manifest manifest;  // provenance of every value, plugin option sections, the TOML text
+  manifest::RunConfig config;   // the manifest's values, typed, with the plugins' option defaults filled in
   const plugins::Registry* registry = nullptr;
   const plugins::LoadedPlugin* device = nullptr;
   const plugins::LoadedPlugin* comm = nullptr;
@@ -30,6 +32,8 @@ struct RunPlan {
   int dp = 1;
   int64_t microbatches = 1;  // per dp rank per step
   pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
+  std::vector<int> blocks_per_chunk;  // transformer blocks of each global pipeline chunk
+  std::vector<std::vector<model::LayerSpec>> chunks;  // the layers of each global pipeline chunk
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load
   // api_type -> table: the services a rank's layers get from host->service(rank, api_type,
   // NULL), as the manifest names them (parallel.tensor, parallel.expert).
@@ -43,8 +47,5 @@ struct RunPlan {
 // `registry`, resolves every plugin the manifest names and validates their option
 // sections. Throws manifest::ManifestError with every problem found.
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry);
-
-// pipeline.schedule, with "interleaved" standing in for the default when vpp > 1.
-std::string schedule_name(const manifest::Manifest& m);
 
 }  // namespace loom::train

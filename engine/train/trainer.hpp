@@ -1,9 +1,12 @@
-// The training loop of every rank: microbatches through the model, gradient
-// sync and update through the optimizer strategy, LR schedule, evaluation,
-// metrics and checkpoints.
+// Training: every rank of the plan launched, each building its part of the model
+// and its optimizer strategy (optimizer_binding.hpp), restoring a checkpoint when
+// resuming (rank_checkpoint.hpp), then stepping: microbatches through the pipeline,
+// the optimizer step, evaluation (evaluator.hpp), metrics (metrics.hpp) and
+// checkpoints, until run.steps or a stop signal.
 #pragma once
 
 #include "engine/model/model.hpp"
+#include "engine/train/metrics.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <atomic>
@@ -14,26 +17,6 @@
 #include <vector>
 
 namespace loom::train {
-
-struct StepRecord {
-  int64_t step = 0;       // 1-based: the step just completed
-  double loss = 0;        // mean over the global batch
-  double aux_loss = 0;    // the layers' weighted auxiliary losses (MoE load balancing), same mean; 0 = none
-  double lr = 0;
-  double grad_norm = 0;
-  double ms = 0;
-  double tokens_per_s = 0;
-  double flops_per_s = 0;
-  double mfu = 0;         // 0 when the peak is unknown
-  uint64_t mem_current = 0, mem_peak = 0;  // rank 0's device memory
-  int in_flight = 0;            // rank 0's most microbatch-chunks awaiting backward at once
-  uint64_t activation_bytes = 0;  // rank 0's device memory held by them at the peak
-  runtime::CommStats comm;      // rank 0's collectives and p2p of the step (evaluation excluded)
-  bool evaluated = false;
-  double val_loss = 0;
-  double exact_match = -1;  // fraction of validation samples fully right; -1 when not applicable
-  double token_accuracy = -1;  // fraction of validation target tokens predicted (argmax); -1 when not computed
-};
 
 struct TrainOptions {
   bool resume = false;
@@ -59,9 +42,6 @@ struct TrainResult {
   // steps run directly), when its plugin reports it (ABI 1.3 loom_exec_api.stats).
   std::map<int, loom_exec_stats> exec_stats;
 };
-
-// The LR at (1-based) step: linear warmup, then cosine decay to min_lr.
-double learning_rate(const manifest::Manifest& m, int64_t step);
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options);
 

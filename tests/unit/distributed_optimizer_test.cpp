@@ -421,13 +421,13 @@ using OptFn = std::function<void(loom::runtime::RankRuntime&, loom::model::Model
 
 void with_optimizer(const std::vector<std::string>& overrides, const OptFn& fn) {
   const loom::train::RunPlan plan = loom::testing::plan_from(tiny_manifest(), overrides);
-  const auto& m = plan.manifest;
+  const auto& m = plan.config;
   const int64_t vocab = loom::train::make_data_source(m)->vocab_size();
   loom::runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;
-  lc.device_options = m.get_table("device.options");
+  lc.device_options = &m.device.options;
   lc.comm_plugin = plan.comm;
-  lc.comm_options = m.get_table("comm.options");
+  lc.comm_options = &m.comm.options;
   lc.sizes = plan.sizes;
   lc.threads = 1;
   loom::runtime::launch(lc, [&](loom::runtime::RankRuntime& rt) {
@@ -450,7 +450,7 @@ void with_optimizer(const std::vector<std::string>& overrides, const OptFn& fn) 
     offsets.push_back(model.layout().numel);
     oa.bucket_offsets = offsets.data();
     oa.num_buckets = model.layout().buckets.size();
-    loom::plugins::OptionValues opts(m.get_table("optimizer.options"), plan.optimizer->options);
+    loom::plugins::OptionValues opts(&m.optimizer.options, plan.optimizer->options);
     const loom_optimizer_api* api = plan.optimizer->optimizer();
     const uint64_t before = rt.memory().current_bytes;
     loom_optimizer* opt = nullptr;

@@ -16,7 +16,7 @@ namespace {
 void check_model_gradients(const std::vector<std::string>& overrides) {
   using namespace loom;
   train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
-  const manifest::Manifest& m = plan.manifest;
+  const manifest::RunConfig& m = plan.config;
   auto data = train::make_data_source(m);
   runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;

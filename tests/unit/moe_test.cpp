@@ -10,6 +10,7 @@
 
 #include "engine/model/param_plan.hpp"
 #include "engine/train/memory_plan.hpp"
+#include "engine/train/preflight.hpp"
 
 #include <gtest/gtest.h>
 
@@ -602,8 +603,9 @@ TEST(Moe, EpAcrossTpOrOutsideTheDpCpRanksIsRefused) {
 // Trains layout `o` (MoE blocks) with the run's optimizer strategy as a library
 // built for ABI 1.<minor> would present it: its table `table_size` bytes long and
 // advertising `features`.
+// With `preflight_only`, only the checks before launch run (what loom validate reports).
 loom::train::TrainResult train_with_older_strategy(std::vector<std::string> o, uint32_t minor, uint32_t table_size,
-                                                   uint64_t features) {
+                                                   uint64_t features, bool preflight_only = false) {
   o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6"});
   loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
   loom::plugins::LoadedPlugin old_plugin = *plan.optimizer;
@@ -613,6 +615,10 @@ loom::train::TrainResult train_with_older_strategy(std::vector<std::string> o, u
   old_plugin.api = &old_table;
   old_plugin.abi_minor = minor;
   plan.optimizer = &old_plugin;
+  if (preflight_only) {
+    loom::train::preflight(plan, plan.sizes.world);
+    return {};
+  }
   return loom::train::train(plan, {});
 }
 
@@ -628,6 +634,10 @@ TEST(Moe, AnOptimizerBuiltBeforeAbi14IsRefusedUnderEpAndServesEp1) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("parallel/ddp"), std::string::npos) << e.what();
   }
+  // Refused before any rank starts, so loom validate says so too.
+  EXPECT_THROW(train_with_older_strategy({"parallel.dp=2", "parallel.ep=2"}, 3, offsetof(loom_optimizer_api, features),
+                                         0, /*preflight_only=*/true),
+               loom::Error);
   const loom::train::TrainResult old = with_old_strategy({"parallel.dp=2"});
   const RankTrace today = run({"parallel.dp=2"});
   ASSERT_EQ(old.steps.size(), today.result.steps.size());
@@ -776,6 +786,9 @@ TEST(Moe, AnOptimizerBuiltForAbi14IsRefusedWhenFoldedAndServesEp) {
         << e.what();
     EXPECT_NE(std::string(e.what()).find("parallel.etp = 1"), std::string::npos) << e.what();
   }
+  EXPECT_THROW(train_with_older_strategy(folded({"parallel.ep=2"}), 4, sizeof(loom_optimizer_api),
+                                         LOOM_OPTIMIZER_EXPERT_PARALLEL, /*preflight_only=*/true),
+               loom::Error);
   const loom::train::TrainResult old = with_old_strategy({"parallel.dp=2", "parallel.ep=2"});
   const RankTrace today = run({"parallel.dp=2", "parallel.ep=2"});
   ASSERT_EQ(old.steps.size(), today.result.steps.size());

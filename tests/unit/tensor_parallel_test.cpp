@@ -201,7 +201,7 @@ struct MicrobatchComm {
 
 std::map<int, MicrobatchComm> count_one_microbatch(const std::vector<std::string>& overrides) {
   auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
-  const loom::manifest::Manifest& m = plan.manifest;
+  const loom::manifest::RunConfig& m = plan.config;
   auto data = loom::train::make_data_source(m);
   loom::runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;

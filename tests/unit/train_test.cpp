@@ -559,7 +559,7 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
   write_tokens(good, tokens, 400, 0);
   write_tokens(bad, tokens, 400, 3);
   auto m = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml", {"data.kind=tokens", "data.path=\"" + good + "\""});
-  auto src = loom::train::make_data_source(m);
+  auto src = loom::train::make_data_source(loom::manifest::RunConfig::from(m));
   EXPECT_EQ(src->vocab_size(), 50);
   std::vector<int32_t> t(16), g(16);
   src->sample(loom::train::Split::Train, 3, 16, t.data(), g.data());
@@ -567,7 +567,7 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
   EXPECT_EQ((t[1] - t[0] + 50) % 50, 7);                        // consecutive tokens of the stream
   auto mb = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml", {"data.kind=tokens", "data.path=\"" + bad + "\""});
   try {
-    loom::train::make_data_source(mb);
+    loom::train::make_data_source(loom::manifest::RunConfig::from(mb));
     FAIL();
   } catch (const loom::train::DataError& e) {
     EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
@@ -582,7 +582,7 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
     auto me = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml",
                                               {"data.kind=tokens", "data.path=\"" + path + "\""});
     try {
-      loom::train::make_data_source(me);
+      loom::train::make_data_source(loom::manifest::RunConfig::from(me));
       ADD_FAILURE() << path;
     } catch (const loom::train::DataError& e) {
       EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
@@ -593,7 +593,7 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
 
 TEST(Data, AdditionTaskValidationProblemsAreHeldOut) {
   auto m = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml", {});
-  auto src = loom::train::make_data_source(m);
+  auto src = loom::train::make_data_source(loom::manifest::RunConfig::from(m));
   ASSERT_TRUE(src->has_exact_match());
   std::set<std::string> train_problems, val_problems;
   std::vector<int32_t> t(64), g(64);

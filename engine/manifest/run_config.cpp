@@ -1,0 +1,143 @@
+#include "engine/manifest/run_config.hpp"
+
+#include "engine/manifest/schema.hpp"
+
+#include <boost/filesystem.hpp>
+
+namespace loom::manifest {
+
+namespace {
+
+toml::table table_or_empty(const Manifest& m, const std::string& path) {
+  const toml::table* t = m.get_table(path);
+  return t != nullptr ? *t : toml::table{};
+}
+
+// A relative data.path is taken relative to the manifest file that sets it when
+// the file exists there (so a config works from any working directory).
+std::string resolved_data_path(const Manifest& m) {
+  const std::string path = m.get_string("data.path");
+  const Origin o = m.origin("data.path");
+  if (!path.empty() && path[0] != '/' && o.kind == Origin::Kind::File && !o.file.empty()) {
+    const boost::filesystem::path candidate = boost::filesystem::path(o.file).parent_path() / path;
+    if (boost::filesystem::exists(candidate)) return candidate.lexically_normal().string();
+  }
+  return path;
+}
+
+// The default schedule with vpp > 1 is the interleaved one (as Megatron-LM's).
+std::string resolved_schedule(const Manifest& m) {
+  if (m.get_int("parallel.vpp") > 1 && m.origin("pipeline.schedule").kind == Origin::Kind::Default)
+    return "interleaved";
+  return m.get_string("pipeline.schedule");
+}
+
+int as_int(int64_t v) { return static_cast<int>(v); }  // the schema bounds these keys to 32 bits
+
+}  // namespace
+
+const toml::table& RunConfig::Model::layer_section(const std::string& name) const {
+  static const toml::table empty;
+  auto it = layer.find(name);
+  return it == layer.end() ? empty : it->second;
+}
+
+RunConfig RunConfig::from(const Manifest& m) {
+  RunConfig c;
+  c.run.name = m.get_string("run.name");
+  c.run.steps = m.get_int("run.steps");
+  c.run.seed = m.get_int("run.seed");
+  c.run.log_every = m.get_int("run.log_every");
+  c.run.eval_every = m.get_int("run.eval_every");
+  c.run.eval_batches = m.get_int("run.eval_batches");
+  c.run.metrics_file = m.get_string("run.metrics_file");
+
+  c.model.hidden_size = m.get_int("model.hidden_size");
+  c.model.num_heads = m.get_int("model.num_heads");
+  c.model.ffn_hidden_size = schema::resolved_ffn_hidden_size(m);
+  c.model.num_layers = m.get_int("model.num_layers");
+  c.model.seq_length = m.get_int("model.seq_length");
+  c.model.vocab_size = m.get_int("model.vocab_size");
+  c.model.vocab_divisor = m.get_int("model.vocab_divisor");
+  c.model.tie_embeddings = m.get_bool("model.tie_embeddings");
+  c.model.pre = m.get_string_list("model.pre");
+  c.model.block = m.get_string_list("model.block");
+  c.model.post = m.get_string_list("model.post");
+  c.model.recompute_granularity = m.get_string("model.recompute_granularity");
+  c.model.recompute_method = m.get_string("model.recompute_method");
+  c.model.recompute_num_layers = m.get_int("model.recompute_num_layers");
+  if (const toml::table* layers = m.get_table(std::string(schema::kLayerTable)))
+    for (const auto& [name, node] : *layers)
+      if (const toml::table* t = node.as_table()) {
+        const std::string layer(name.str());
+        c.model.layer.emplace(layer, *t);
+        for (const auto& [key, value] : *t) {
+          const std::string option = layer + "." + std::string(key.str());
+          const Origin o = m.origin(std::string(schema::kLayerTable) + "." + option);
+          if (o.kind != Origin::Kind::Default) c.model.layer_origin.emplace(option, o);
+        }
+      }
+
+  c.parallel.tp = as_int(m.get_int("parallel.tp"));
+  c.parallel.pp = as_int(m.get_int("parallel.pp"));
+  c.parallel.vpp = as_int(m.get_int("parallel.vpp"));
+  c.parallel.cp = as_int(m.get_int("parallel.cp"));
+  c.parallel.ep = as_int(m.get_int("parallel.ep"));
+  c.parallel.etp = as_int(m.get_int("parallel.etp"));
+  c.parallel.dp = as_int(m.get_int("parallel.dp"));
+  c.parallel.order = m.get_string("parallel.order");
+  c.parallel.sequence_parallel = m.get_bool("parallel.sequence_parallel");
+  c.parallel.tensor = m.get_string("parallel.tensor");
+  c.parallel.expert = m.get_string("parallel.expert");
+
+  c.pipeline.schedule = resolved_schedule(m);
+  c.pipeline.microbatch_group_size = as_int(m.get_int("pipeline.microbatch_group_size"));
+  c.pipeline.first_chunk_layers = as_int(m.get_int("pipeline.first_chunk_layers"));
+  c.pipeline.last_chunk_layers = as_int(m.get_int("pipeline.last_chunk_layers"));
+  c.pipeline.options = table_or_empty(m, "pipeline.options");
+
+  c.batch.micro_batch_size = m.get_int("batch.micro_batch_size");
+  c.batch.global_batch_size = m.get_int("batch.global_batch_size");
+
+  c.optimizer.strategy = m.get_string("optimizer.strategy");
+  c.optimizer.lr = m.get_float("optimizer.lr");
+  c.optimizer.min_lr = m.get_float("optimizer.min_lr");
+  c.optimizer.warmup_steps = m.get_int("optimizer.warmup_steps");
+  c.optimizer.decay_steps = m.get_int("optimizer.decay_steps");
+  c.optimizer.beta1 = m.get_float("optimizer.beta1");
+  c.optimizer.beta2 = m.get_float("optimizer.beta2");
+  c.optimizer.eps = m.get_float("optimizer.eps");
+  c.optimizer.weight_decay = m.get_float("optimizer.weight_decay");
+  c.optimizer.clip_grad = m.get_float("optimizer.clip_grad");
+  c.optimizer.bucket_size = m.get_int("optimizer.bucket_size");
+  c.optimizer.options = table_or_empty(m, "optimizer.options");
+
+  c.exec.mode = m.get_string("exec.mode");
+  c.exec.options = table_or_empty(m, "exec.options");
+
+  c.device.kind = m.get_string("device.kind");
+  c.device.param_dtype = m.get_string("device.param_dtype");
+  c.device.grad_dtype = m.get_string("device.grad_dtype");
+  c.device.grad_accumulation_fusion = m.get_bool("device.grad_accumulation_fusion");
+  c.device.threads = as_int(m.get_int("device.threads"));
+  c.device.peak_tflops = m.get_float("device.peak_tflops");
+  c.device.options = table_or_empty(m, "device.options");
+
+  c.comm.backend = m.get_string("comm.backend");
+  c.comm.timeout_s = m.get_float("comm.timeout_s");
+  c.comm.options = table_or_empty(m, "comm.options");
+
+  c.data.kind = m.get_string("data.kind");
+  c.data.path = resolved_data_path(m);
+  c.data.val_fraction = m.get_float("data.val_fraction");
+  c.data.task = m.get_string("data.task");
+  c.data.digits = m.get_int("data.digits");
+
+  c.checkpoint.dir = m.get_string("checkpoint.dir");
+  c.checkpoint.every = m.get_int("checkpoint.every");
+
+  c.plugins.search_paths = m.get_string_list("plugins.search_paths");
+  return c;
+}
+
+}  // namespace loom::manifest

@@ -1,0 +1,99 @@
+// The run configuration: every engine key of a validated manifest, read once
+// into typed fields. Engine code reads these fields, never the manifest by key;
+// the manifest keeps provenance (file:line), plugin option sections and the
+// TOML text that checkpoints store. Field names are the manifest's key names.
+#pragma once
+
+#include "engine/manifest/manifest.hpp"
+
+#include <toml++/toml.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace loom::manifest {
+
+struct RunConfig {
+  struct Run {
+    std::string name;
+    int64_t steps = 0, seed = 0, log_every = 0, eval_every = 0, eval_batches = 0;
+    std::string metrics_file;
+  } run;
+  struct Model {
+    int64_t hidden_size = 0, num_heads = 0;
+    int64_t ffn_hidden_size = 0;  // resolved: 0 in the manifest means 4 * hidden_size
+    int64_t num_layers = 0, seq_length = 0;
+    int64_t vocab_size = 0;  // 0: the data source's vocabulary
+    int64_t vocab_divisor = 0;
+    bool tie_embeddings = false;
+    std::vector<std::string> pre, block, post;  // layer configuration names
+    std::string recompute_granularity, recompute_method;
+    int64_t recompute_num_layers = 0;
+    std::map<std::string, toml::table> layer;  // [model.layer.NAME] sections
+    // Where the manifest sets each layer option ("NAME.key"); options left at their defaults are absent.
+    std::map<std::string, Origin> layer_origin;
+    // The [model.layer.NAME] section, or an empty table when there is none.
+    const toml::table& layer_section(const std::string& name) const;
+  } model;
+  struct Parallel {
+    int tp = 1, pp = 1, vpp = 1, cp = 1, ep = 1;
+    int etp = 0;  // 0 = the same as tp (topology::ParallelSizes::expert_tp resolves it)
+    int dp = 1;
+    std::string order;
+    bool sequence_parallel = false;
+    std::string tensor, expert;  // the service plugins' names
+  } parallel;
+  struct Pipeline {
+    std::string schedule;  // resolved: "interleaved" for the default schedule when vpp > 1
+    int microbatch_group_size = 0, first_chunk_layers = 0, last_chunk_layers = 0;
+    toml::table options;
+  } pipeline;
+  struct Batch {
+    int64_t micro_batch_size = 1, global_batch_size = 1;
+  } batch;
+  struct Optimizer {
+    std::string strategy;
+    double lr = 0, min_lr = 0;
+    int64_t warmup_steps = 0, decay_steps = 0;
+    double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
+    int64_t bucket_size = 0;
+    toml::table options;
+  } optimizer;
+  struct Exec {
+    std::string mode;
+    toml::table options;
+  } exec;
+  struct Device {
+    std::string kind, param_dtype, grad_dtype;
+    bool grad_accumulation_fusion = false;
+    int threads = 0;
+    double peak_tflops = 0;
+    toml::table options;
+  } device;
+  struct Comm {
+    std::string backend;
+    double timeout_s = 0;
+    toml::table options;
+  } comm;
+  struct Data {
+    std::string kind;
+    std::string path;  // resolved: relative to the manifest file that names it, when the file exists there
+    double val_fraction = 0;
+    std::string task;
+    int64_t digits = 0;
+  } data;
+  struct Checkpoint {
+    std::string dir;
+    int64_t every = 0;
+  } checkpoint;
+  struct Plugins {
+    std::vector<std::string> search_paths;
+  } plugins;
+
+  // Reads every engine key of `m`, which has passed the schema (Manifest::load or parse).
+  static RunConfig from(const Manifest& m);
+};
+
+}  // namespace loom::manifest

@@ -1,0 +1,108 @@
+#include "engine/train/metrics.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+
+namespace loom::train {
+
+namespace {
+
+std::string human(double v) {
+  const char* units[] = {"", "k", "M", "G", "T"};
+  int u = 0;
+  while (std::fabs(v) >= 1000 && u < 4) {
+    v /= 1000;
+    ++u;
+  }
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(v < 10 ? 2 : 1) << v << units[u];
+  return os.str();
+}
+
+std::string mib(uint64_t b) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(1) << b / (1024.0 * 1024.0) << " MiB";
+  return os.str();
+}
+
+// A JSON number; null for inf and nan, which JSON cannot spell (every line stays JSON).
+struct JsonNumber {
+  double v;
+};
+std::ostream& operator<<(std::ostream& os, JsonNumber n) {
+  if (std::isfinite(n.v)) return os << n.v;
+  return os << "null";
+}
+
+}  // namespace
+
+std::string step_json(const StepRecord& r) {
+  using N = JsonNumber;
+  std::ostringstream os;
+  os.precision(9);
+  os << "{\"step\": " << r.step << ", \"loss\": " << N{r.loss} << ", \"aux_loss\": " << N{r.aux_loss}
+     << ", \"lr\": " << N{r.lr} << ", \"grad_norm\": " << N{r.grad_norm} << ", \"tokens_per_s\": " << N{r.tokens_per_s}
+     << ", \"ms\": " << N{r.ms} << ", \"flops_per_s\": " << N{r.flops_per_s} << ", \"mfu\": " << N{r.mfu}
+     << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
+     << ", \"in_flight\": " << r.in_flight << ", \"activation_bytes\": " << r.activation_bytes
+     << ", \"comm\": " << runtime::comm_stats_json(r.comm);
+  if (r.evaluated) {
+    os << ", \"val_loss\": " << N{r.val_loss};
+    if (r.exact_match >= 0) os << ", \"val_exact_match\": " << N{r.exact_match};
+    if (r.token_accuracy >= 0) os << ", \"val_token_accuracy\": " << N{r.token_accuracy};
+  }
+  os << "}";
+  return os.str();
+}
+
+MetricsSink::MetricsSink(const std::string& metrics_file, bool append, std::ostream* log, int64_t steps,
+                         int64_t log_every)
+    : file_(metrics_file), log_(log), steps_(steps), log_every_(log_every) {
+  if (file_.empty()) return;
+  out_.open(file_, append ? std::ios::app : std::ios::trunc);
+  if (!out_) throw std::runtime_error("metrics file " + file_ + ": cannot open the file for writing");
+}
+
+void MetricsSink::complete(StepRecord& r) const {
+  r.tokens_per_s = rates_.tokens_per_step / (r.ms / 1000.0);
+  r.flops_per_s = rates_.flops_per_step / (r.ms / 1000.0);
+  r.mfu = rates_.peak_tflops > 0 ? r.flops_per_s / (rates_.peak_tflops * 1e12 * rates_.world) : 0;
+}
+
+void MetricsSink::write(const StepRecord& r, bool stopping) {
+  window_ms_ += r.ms;
+  ++window_steps_;
+  if (log_ && (r.step % log_every_ == 0 || r.step == steps_ || r.evaluated || stopping)) {
+    const double avg_ms = window_ms_ / window_steps_;
+    std::ostream& os = *log_;
+    os << "step " << std::setw(5) << r.step << "/" << steps_ << " | loss " << std::fixed << std::setprecision(4)
+       << r.loss;
+    if (r.aux_loss != 0) os << " | aux loss " << std::setprecision(4) << r.aux_loss;
+    os << " | lr " << std::scientific << std::setprecision(2) << r.lr << std::fixed << " | grad norm "
+       << std::setprecision(3) << r.grad_norm << " | " << human(rates_.tokens_per_step / (avg_ms / 1000))
+       << " tok/s | " << std::setprecision(1) << avg_ms << " ms/step | "
+       << human(rates_.flops_per_step / (avg_ms / 1000)) << "FLOP/s";
+    if (rates_.peak_tflops > 0) os << " (MFU " << std::setprecision(1) << 100 * r.mfu << "%)";
+    os << " | mem " << mib(r.mem_current) << " (peak " << mib(r.mem_peak) << ")";
+    if (r.evaluated) {
+      os << " | val loss " << std::setprecision(4) << r.val_loss;
+      if (r.exact_match >= 0) os << " | val exact-match " << std::setprecision(1) << 100 * r.exact_match << "%";
+    }
+    os << std::endl;
+    window_ms_ = 0;
+    window_steps_ = 0;
+  }
+  if (out_.is_open()) {  // a failed write (a full disk, /dev/full) stops the run
+    out_ << step_json(r) << "\n" << std::flush;
+    if (!out_)
+      throw std::runtime_error("metrics file " + file_ + ": writing step " + std::to_string(r.step) + " failed (" +
+                               std::strerror(errno) + ")");
+  }
+}
+
+}  // namespace loom::train

@@ -1,0 +1,68 @@
+// What each step reports: the record rank 0 keeps, the progress line it prints
+// every run.log_every steps (averaged over the steps since the last line) and the
+// JSON line per step of the metrics file.
+#pragma once
+
+#include "engine/runtime/comm_stats.hpp"
+
+#include <cstdint>
+#include <fstream>
+#include <iosfwd>
+#include <string>
+
+namespace loom::train {
+
+struct StepRecord {
+  int64_t step = 0;       // 1-based: the step just completed
+  double loss = 0;        // mean over the global batch
+  double aux_loss = 0;    // the layers' weighted auxiliary losses (MoE load balancing), same mean; 0 = none
+  double lr = 0;
+  double grad_norm = 0;
+  double ms = 0;
+  double tokens_per_s = 0;
+  double flops_per_s = 0;
+  double mfu = 0;         // 0 when the peak is unknown
+  uint64_t mem_current = 0, mem_peak = 0;  // rank 0's device memory
+  int in_flight = 0;            // rank 0's most microbatch-chunks awaiting backward at once
+  uint64_t activation_bytes = 0;  // rank 0's device memory held by them at the peak
+  runtime::CommStats comm;      // rank 0's collectives and p2p of the step (evaluation excluded)
+  bool evaluated = false;
+  double val_loss = 0;
+  double exact_match = -1;  // fraction of validation samples fully right; -1 when not applicable
+  double token_accuracy = -1;  // fraction of validation target tokens predicted (argmax); -1 when not computed
+};
+
+// One line of the metrics file (JSON; inf and nan, which JSON cannot spell, as null).
+std::string step_json(const StepRecord& r);
+
+class MetricsSink {
+ public:
+  struct Rates {
+    double tokens_per_step = 0, flops_per_step = 0;  // over the whole world
+    double peak_tflops = 0;                          // per rank; 0 = unknown (no MFU)
+    int world = 1;
+  };
+  // `metrics_file` "" = none; appended to when resuming. `log` null = quiet. Throws
+  // std::runtime_error when the file cannot be opened for writing.
+  MetricsSink(const std::string& metrics_file, bool append, std::ostream* log, int64_t steps, int64_t log_every);
+  // What a step computes, known once the model is built.
+  void set_rates(const Rates& rates) { rates_ = rates; }
+
+  // Fills the record's rates from its ms.
+  void complete(StepRecord& r) const;
+  // Rank 0, after each step: the progress line when due (every log_every steps, the
+  // last step, an evaluation, a stop) and the metrics line. A failed write (a full
+  // disk) throws std::runtime_error.
+  void write(const StepRecord& r, bool stopping);
+
+ private:
+  std::string file_;
+  std::ofstream out_;
+  std::ostream* log_;
+  int64_t steps_, log_every_;
+  Rates rates_;
+  double window_ms_ = 0;
+  int64_t window_steps_ = 0;
+};
+
+}  // namespace loom::train

@@ -1,0 +1,42 @@
+// A rank's microbatches on its device: samples read from the data source,
+// laid out [seq, micro_batch], cut to the rank's context-parallel slice of the
+// sequence and copied into per-microbatch device buffers (a pipeline keeps
+// several in flight, and the embedding's backward reads its tokens).
+#pragma once
+
+#include "engine/pipeline/executor.hpp"
+#include "engine/runtime/rank_runtime.hpp"
+#include "engine/train/data.hpp"
+
+#include <loom/cpp/core.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace loom::train {
+
+class Microbatches {
+ public:
+  // `slots` device buffer pairs of this rank's rows of seq x micro_batch tokens.
+  Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch, int64_t slots);
+
+  // Reads samples first_sample .. + micro_batch of `split` into slot `slot`; the
+  // input's dropout seed is left 0.
+  pipeline::MicrobatchInput load(Split split, uint64_t first_sample, int64_t slot);
+
+  // This rank's rows of the sequence (seq, or seq / cp), and the host copy of the
+  // targets of the last load, [rows, micro_batch] (-1 = no target).
+  int64_t rows() const { return context_.local_length(); }
+  const std::vector<int32_t>& targets() const { return targets_local_; }
+
+ private:
+  runtime::RankRuntime& rank_;
+  const DataSource& data_;
+  int64_t seq_, micro_batch_;
+  loom::ContextSlice context_;
+  std::vector<int32_t> tokens_, targets_;              // the whole sequences
+  std::vector<int32_t> tokens_local_, targets_local_;  // this rank's rows
+  std::vector<loom::Buffer> tokens_dev_, targets_dev_;
+};
+
+}  // namespace loom::train

@@ -1,0 +1,90 @@
+#include "engine/train/optimizer_binding.hpp"
+
+#include "engine/plugins/registry.hpp"
+#include "engine/topology/rank_groups.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace loom::train {
+
+double learning_rate(const manifest::RunConfig& config, int64_t step) {
+  const manifest::RunConfig::Optimizer& o = config.optimizer;
+  const int64_t warmup = o.warmup_steps;
+  const int64_t decay = o.decay_steps > 0 ? o.decay_steps : config.run.steps;
+  if (warmup > 0 && step <= warmup) return o.lr * static_cast<double>(step) / warmup;
+  if (step >= decay) return o.min_lr;
+  const double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, decay - warmup);
+  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+OptimizerBinding::OptimizerBinding(const RunPlan& plan, runtime::RankRuntime& rank, model::Model& model)
+    : config_(plan.config), rank_(rank), api_(plan.optimizer->optimizer()) {
+  const std::vector<loom_param_info> infos = model.param_infos();
+  loom_optimizer_create_args args = loom::make<loom_optimizer_create_args>();
+  args.params = model.params();
+  args.grads = model.grads();
+  args.numel = model.numel();
+  args.param_dtype = model.param_dtype();
+  args.grad_dtype = model.grad_dtype();
+  args.infos = infos.data();
+  args.num_params = infos.size();
+  // Parameters are replicated over dp (and cp): the strategy averages over both.
+  args.dp = rank.group_or_self(topology::gradient_group_kind(plan.sizes.cp)).raw();
+  args.tp = rank.group_or_self("tp").raw();
+  args.pp = rank.group_or_self("pp").raw();
+  std::vector<size_t> bucket_offsets;
+  for (const model::Range& b : model.layout().buckets) bucket_offsets.push_back(b.start);
+  bucket_offsets.push_back(model.layout().numel);
+  args.bucket_offsets = bucket_offsets.data();
+  args.num_buckets = model.layout().buckets.size();
+  const std::vector<int32_t> counted_elsewhere = model.counted_elsewhere();
+  args.counted_elsewhere = counted_elsewhere.data();
+  // Expert parameters (ABI 1.4) go to a strategy that reduces them over edp (and
+  // etp, when the run folds MoE parallelism); with ep = 1, edp is dp and any
+  // strategy reduces them right.
+  const uint64_t features =
+      LOOM_HAS_SLOT(api_, loom_optimizer_api, features) ? api_->features : 0;
+  const std::vector<int32_t> expert = model.expert_flags();
+  if ((features & LOOM_OPTIMIZER_EXPERT_PARALLEL) != 0) {
+    args.expert = expert.data();
+    args.ep = rank.group_or_self("ep").raw();
+    args.edp = rank.group_or_self("edp").raw();
+    if ((features & LOOM_OPTIMIZER_EXPERT_FOLDING) != 0) args.etp = rank.group_or_self("etp").raw();
+  }
+  plugins::OptionValues options(&plan.config.optimizer.options, plan.optimizer->options);
+  loom::check(api_->create(options.raw(), &rank, &args, &handle_));
+}
+
+OptimizerBinding::~OptimizerBinding() {
+  if (handle_ != nullptr) api_->destroy(handle_);
+}
+
+loom_optimizer_step_result OptimizerBinding::step(int64_t step) {
+  const manifest::RunConfig::Optimizer& o = config_.optimizer;
+  loom_optimizer_step_args args = loom::make<loom_optimizer_step_args>();
+  args.step = step;
+  args.lr = static_cast<float>(learning_rate(config_, step));
+  args.beta1 = static_cast<float>(o.beta1);
+  args.beta2 = static_cast<float>(o.beta2);
+  args.eps = static_cast<float>(o.eps);
+  args.weight_decay = static_cast<float>(o.weight_decay);
+  args.clip_grad = static_cast<float>(o.clip_grad);
+  loom_optimizer_step_result result = loom::make<loom_optimizer_step_result>();
+  loom::check(api_->step(handle_, &rank_, &args, &result));
+  return result;
+}
+
+std::vector<char> OptimizerBinding::save_state() const {
+  size_t bytes = 0;
+  loom::check(api_->state_size(handle_, &bytes));
+  std::vector<char> state(bytes);
+  loom::check(api_->state_save(handle_, state.data(), bytes));
+  return state;
+}
+
+void OptimizerBinding::load_state(const std::vector<char>& state) {
+  loom::check(api_->state_load(handle_, state.data(), state.size()));
+}
+
+}  // namespace loom::train

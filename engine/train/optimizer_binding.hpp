@@ -1,0 +1,45 @@
+// A rank's optimizer strategy bound to its model: the strategy plugin created over
+// the model's flat buffers and the rank's groups, stepped with the run's
+// hyperparameters and learning-rate schedule, and its state for checkpoints.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <loom/loom_abi.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace loom::train {
+
+// The learning rate at (1-based) step: linear warmup over optimizer.warmup_steps,
+// then cosine decay to optimizer.min_lr at optimizer.decay_steps (0: run.steps).
+double learning_rate(const manifest::RunConfig& config, int64_t step);
+
+class OptimizerBinding {
+ public:
+  // Creates plan.optimizer's strategy over `model` (which must outlive it). The
+  // strategy's capabilities were checked against the model before launch (preflight).
+  OptimizerBinding(const RunPlan& plan, runtime::RankRuntime& rank, model::Model& model);
+  ~OptimizerBinding();
+  OptimizerBinding(const OptimizerBinding&) = delete;
+  OptimizerBinding& operator=(const OptimizerBinding&) = delete;
+
+  // Updates the parameters from the finalised gradients for (1-based) `step`.
+  loom_optimizer_step_result step(int64_t step);
+  // The strategy's state (moments, master weights), as its plugin serialises it.
+  std::vector<char> save_state() const;
+  void load_state(const std::vector<char>& state);
+
+  const loom_optimizer_api* api() const { return api_; }
+  loom_optimizer* handle() const { return handle_; }
+
+ private:
+  const manifest::RunConfig& config_;
+  runtime::RankRuntime& rank_;
+  const loom_optimizer_api* api_ = nullptr;
+  loom_optimizer* handle_ = nullptr;
+};
+
+}  // namespace loom::train

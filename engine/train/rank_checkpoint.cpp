@@ -1,0 +1,57 @@
+#include "engine/train/rank_checkpoint.hpp"
+
+namespace loom::train {
+
+std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
+                            const OptimizerBinding& optimizer, int64_t step, const std::string& manifest_toml) {
+  const manifest::RunConfig& config = plan.config;
+  const std::string& dir = config.checkpoint.dir;
+  const loom::Group world = rank.group_or_self("world");
+  const bool leader = rank.global_rank() == 0;
+  const std::string tmp = temp_checkpoint_path(dir, step);
+  if (leader) prepare_temp_dir(tmp);
+  world.barrier();
+  RankState s;
+  s.elem_size = loom::dtype_size(model.param_dtype());
+  s.params.resize(model.numel() * s.elem_size);
+  rank.dev().copy(s.params.data(), model.params(), s.params.size(), LOOM_COPY_DEVICE_TO_HOST);
+  s.optimizer = optimizer.save_state();
+  write_rank_file(tmp, rank.global_rank(), step, s);
+  write_param_layout(tmp, rank.global_rank(), param_layout_of(model));
+  world.barrier();
+  std::string committed;
+  if (leader) {
+    CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
+                        config.optimizer.strategy, config.optimizer.bucket_size,
+                        config.device.param_dtype, plan.sizes.ep, plan.sizes.order,
+                        plan.sizes.expert_tp()};
+    meta.cp = plan.sizes.cp;
+    commit_checkpoint(dir, tmp, meta, manifest_toml);
+    committed = checkpoint_path(dir, step);
+  }
+  world.barrier();
+  return committed;
+}
+
+void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::RankRuntime& rank,
+                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml) {
+  const loom::Device dev = rank.dev();
+  const int r = rank.global_rank();
+  if (from.old_dp == 0) {  // the same layout
+    check_param_layout(from.dir, r, param_layout_of(model));
+    require_same_model(from.dir, manifest_toml);  // what the shapes cannot tell
+    RankState s = read_rank_file(from.dir, r, static_cast<int64_t>(model.numel()),
+                                 loom::dtype_size(model.param_dtype()));
+    dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
+    optimizer.load_state(s.optimizer);
+  } else {
+    const int64_t bucket_size =
+        from.old_bucket_size >= 0 ? from.old_bucket_size : plan.config.optimizer.bucket_size;
+    load_resharded(from.dir, from.old_dp, from.old_world, plan.sizes, r, model, dev, static_cast<size_t>(bucket_size),
+                   optimizer.api(), optimizer.handle(), "parallel/" + plan.optimizer->name);
+    require_same_model(from.dir, manifest_toml);  // after the shapes, which load_resharded compares
+  }
+  dev.synchronize();
+}
+
+}  // namespace loom::train

@@ -1,0 +1,27 @@
+// Each rank's part of a checkpoint: its parameters and optimizer state written
+// into the step's temporary directory and committed by rank 0 once every rank
+// has written (checkpoint.hpp has the files and the atomic commit), and read back
+// on resume, in the same layout or resharded to another dp.
+#pragma once
+
+#include "engine/model/model.hpp"
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/optimizer_binding.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <cstdint>
+#include <string>
+
+namespace loom::train {
+
+// Every rank of the world calls it (barriers inside) when checkpoint.dir is set.
+// Returns the committed directory on rank 0, "" on the others.
+std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
+                            const OptimizerBinding& optimizer, int64_t step, const std::string& manifest_toml);
+
+// Loads `from` into this rank's parameters and optimizer state, after checking the
+// parameter layout and the model the checkpoint kept.
+void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::RankRuntime& rank,
+                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml);
+
+}  // namespace loom::train
