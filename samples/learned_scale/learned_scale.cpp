@@ -13,7 +13,7 @@
 class LearnedScale : public loom::Layer {
  public:
   LearnedScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), hidden_(args.dims->hidden), init_(options.get_float("init", 1.0)) {}
+      : rank_(rank.raw()), hidden_(args.dims->hidden), init_(options.declared_float("init")) {}
 
   // (1) One parameter of shape [hidden], duplicated on every tensor-parallel rank.
   std::vector<loom::ParamSpec> params() override {

@@ -17,6 +17,7 @@
 // of every rank's queries with a reduce-scatter back to their owners. K and V are
 // gathered again in backward rather than kept, so saved activations shrink with cp.
 #include "../common/layer_math.hpp"
+#include "../common/param_set.hpp"
 
 #include <cmath>
 #include <map>
@@ -55,35 +56,25 @@ class Attention : public loom::Layer {
                  name_ << ": context parallelism (cp = " << cp_.cp()
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
+    const int64_t H = hidden_;
+    params_ = ParamSet(name_, {.tp = tp});
+    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3).
+    params_.add({.name = "qkv.weight", .shape = {H, 3 * H}, .partition_dim = 1, .partition_stride = 3,
+                 .init = LOOM_INIT_NORMAL});
+    params_.add({.name = "qkv.bias", .shape = {3 * H}, .partition_dim = 0, .partition_stride = 3,
+                 .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
-  std::vector<loom::ParamSpec> params() override {
-    std::vector<loom::ParamSpec> p(6);
-    p[0] = {.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
-    p[1] = {.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    p[2] = {.name = "qkv.weight", .shape = {hidden_, 3 * hidden_}, .partition_dim = 1,
-            .partition_stride = 3, .init = LOOM_INIT_NORMAL};
-    p[3] = {.name = "qkv.bias", .shape = {3 * hidden_}, .partition_dim = 0, .partition_stride = 3,
-            .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    p[4] = {.name = "proj.weight", .shape = {hidden_, hidden_}, .partition_dim = 0,
-            .init = LOOM_INIT_NORMAL_SCALED};
-    p[5] = {.name = "proj.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    return p;
-  }
+  std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    LOOM_REQUIRE(params.size() == 6 && grads.size() == 6,
-                 name_ << ": bind expects 6 parameters, got " << params.size());
-    const int64_t H = hidden_, Hl = hidden_local_;
-    const int64_t expect[6] = {H, H, H * 3 * Hl, 3 * Hl, Hl * H, H};
-    const char* names[6] = {"ln.weight", "ln.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias"};
-    dt_ = bound_dtypes(params, grads, name_);
-    for (int i = 0; i < 6; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
-    }
+    dt_ = params_.bind(params, grads, w_, g_);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -102,17 +93,7 @@ class Attention : public loom::Layer {
     const bool drop = a.training && dropout_ > 0.0f;
     const bool sp = tp_.sequence_parallel();
 
-    Saved s;
-    s.S = S;
-    s.B = B;
-    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
-    s.mean = s.mem.floats(Tl);
-    s.rstd = s.mem.floats(Tl);
-    s.qkv = s.mem.elems(T * 3 * Hl, dt_.act);
-    s.ctx = s.mem.elems(T * Hl, dt_.act);
-    s.lse = s.mem.floats(B * heads_local_ * S);
-    s.mask = s.mem.add(drop ? Tl * H : 0);
-    s.dropped = drop;
+    Saved s = saved_layout(S, B, a.training, drop);
     s.mem.allocate(rank_);
 
     Arena tmp;
@@ -159,7 +140,7 @@ class Attention : public loom::Layer {
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels(), tp_.features(), fusion_);
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), params_.local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
     const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
@@ -231,18 +212,7 @@ class Attention : public loom::Layer {
   }
 
   uint64_t activation_bytes() override {
-    const int64_t T = cp_.local_length() * micro_batch_, H = hidden_, Hl = hidden_local_;
-    const bool sp = tp_.sequence_parallel();
-    const int64_t Tl = sp ? T / tp_.size() : T;
-    Arena a;
-    a.elems(Tl * H, dt_.act);                 // x (this rank's shard under SP)
-    a.floats(Tl);                             // mean
-    a.floats(Tl);                             // rstd
-    a.elems(T * 3 * Hl, dt_.act);             // qkv
-    a.elems(T * Hl, dt_.act);                 // attention output
-    a.floats(micro_batch_ * heads_local_ * cp_.local_length());  // lse
-    a.add(dropout_ > 0.0f ? Tl * H : 0);      // dropout mask
-    return a.bytes();
+    return saved_layout(cp_.local_length(), micro_batch_, true, dropout_ > 0.0f).mem.bytes();
   }
 
   // QKV 2*T*H*3Hl + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H (causal counted as
@@ -256,17 +226,31 @@ class Attention : public loom::Layer {
  private:
   enum { kLnW, kLnB, kQkvW, kQkvB, kProjW, kProjB };
 
-  std::vector<int64_t> local_numels() const {
-    const int64_t H = hidden_, Hl = hidden_local_;
-    return {H, H, H * 3 * Hl, 3 * Hl, Hl * H, H};
-  }
-
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
     size_t x = 0, mean = 0, rstd = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
     bool dropped = false;
   };
+
+  // What a forward of S x B rows keeps for its backward (laid out, not allocated):
+  // activation_bytes() reports the same layout a training forward allocates.
+  Saved saved_layout(int64_t S, int64_t B, bool training, bool drop) const {
+    const int64_t H = hidden_, Hl = hidden_local_;
+    const int64_t T = S * B, Tl = (tp_.sequence_parallel() ? S / tp_.size() : S) * B;
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.x = s.mem.elems(training ? Tl * H : 0, dt_.act);  // this rank's shard under SP
+    s.mean = s.mem.floats(Tl);
+    s.rstd = s.mem.floats(Tl);
+    s.qkv = s.mem.elems(T * 3 * Hl, dt_.act);
+    s.ctx = s.mem.elems(T * Hl, dt_.act);  // the attention output
+    s.lse = s.mem.floats(B * heads_local_ * S);
+    s.mask = s.mem.add(drop ? Tl * H : 0);
+    s.dropped = drop;
+    return s;
+  }
 
   int halves() const { return cp_.cp() > 1 ? 2 : 1; }
 
@@ -374,6 +358,7 @@ class Attention : public loom::Layer {
   int64_t hidden_ = 0, heads_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
   float dropout_ = 0.0f;
+  ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[6] = {};

@@ -428,7 +428,7 @@ inline void dropout_bwd(const loom::Device& dev, const void* dy, void* dx, const
 
 // The range is declared (dropout_option_spec), so the engine has checked it.
 inline float dropout_option(const loom::Options& options) {
-  return static_cast<float>(options.get_float("dropout", 0.0));
+  return static_cast<float>(options.declared_float("dropout"));
 }
 
 inline loom::OptionSpec dropout_option_spec(const char* where) {

@@ -14,6 +14,7 @@
 // (loom::ContextSlice) and carry those positions; pos.weight's gradient then covers
 // them only, and the gradient reduction over dp-cp completes it.
 #include "../common/layer_math.hpp"
+#include "../common/param_set.hpp"
 
 #include <map>
 
@@ -46,26 +47,18 @@ class Embedding : public loom::Layer {
     cp_ = rank.group_or_single("cp");
     // Built now so that a steady-state forward does no host-to-device copy.
     if (micro_batch_ > 0) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
+    params_ = ParamSet(name_, {.tp = tp});
+    params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
+                 .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
+    params_.add({.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL});
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS;
 
-  std::vector<loom::ParamSpec> params() override {
-    std::vector<loom::ParamSpec> p(2);
-    p[0] = {.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
-            .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""};
-    p[1] = {.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL};
-    return p;
-  }
+  std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    LOOM_REQUIRE(params.size() == 2 && grads.size() == 2,
-                 name_ << ": bind expects 2 parameters, got " << params.size());
-    dt_ = bound_dtypes(params, grads, name_);
-    word_ = bound(params[0], vocab_local_ * hidden_, name_, "word.weight", dt_.act);
-    word_grad_ = bound(grads[0], vocab_local_ * hidden_, name_, "word.weight (grad)", dt_.grad);
-    pos_ = bound(params[1], seq_ * hidden_, name_, "pos.weight", dt_.act);
-    pos_grad_ = bound(grads[1], seq_ * hidden_, name_, "pos.weight (grad)", dt_.grad);
+    dt_ = params_.bind(params, grads, w_, g_);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -83,21 +76,16 @@ class Embedding : public loom::Layer {
     const bool drop = a.training && dropout_ > 0.0f;
     const int32_t* positions = position_ids(dev, S, B);
 
-    Saved s;
-    s.S = S;
-    s.B = B;
-    s.tokens = s.mem.add(a.training ? T * sizeof(int32_t) : 0);
-    s.mask = s.mem.add(drop ? Tl * H : 0);
-    s.dropped = drop;
+    Saved s = saved_layout(S, B, a.training, drop);
     s.mem.allocate(rank_);
     if (a.training) copy_d2d(dev, s.mem.at<int32_t>(s.tokens), tokens, T * sizeof(int32_t));
 
     // Vocab-parallel lookup of every token, then g (all-reduce, or reduce-scatter
     // to the shard under SP); then the positions of the rows this rank holds.
     tp_.vocab_parallel_embedding_forward({.rows = T, .dim = H, .padded_vocab = padded_vocab_, .ids = tokens,
-                                          .table = word_, .out = y, .dtype = dt_.act});
+                                          .table = w_[kWord], .out = y, .dtype = dt_.act});
     dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
-                       .table = pos_, .out = y, .accumulate = 1, .dtype = dt_.act});
+                       .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
@@ -117,7 +105,7 @@ class Embedding : public loom::Layer {
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, {word_grad_, pos_grad_}, {vocab_local_ * hidden_, seq_ * hidden_}, tp_.features(),
+    GradShadow gs(rank_, dev, dt_, {g_[kWord], g_[kPos]}, params_.local_numels(), tp_.features(),
                   fusion_);
 
     Arena tmp;
@@ -144,23 +132,33 @@ class Embedding : public loom::Layer {
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
   uint64_t activation_bytes() override {
-    const int64_t S = seq_ / cp_.size(), T = S * micro_batch_, Tl = shard_positions(S) * micro_batch_;
-    Arena a;
-    a.add(T * sizeof(int32_t));                 // tokens
-    a.add(dropout_ > 0.0f ? Tl * hidden_ : 0);  // dropout mask (this rank's shard under SP)
-    return a.bytes();
+    return saved_layout(seq_ / cp_.size(), micro_batch_, true, dropout_ > 0.0f).mem.bytes();
   }
 
   // A lookup: no multiply-adds.
   double forward_flops() override { return 0.0; }
 
  private:
+  enum { kWord, kPos };
+
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
     size_t tokens = 0, mask = 0;
     bool dropped = false;
   };
+
+  // What a forward of S x B tokens keeps for its backward (laid out, not allocated):
+  // activation_bytes() reports the same layout a training forward allocates.
+  Saved saved_layout(int64_t S, int64_t B, bool training, bool drop) const {
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.tokens = s.mem.add(training ? S * B * sizeof(int32_t) : 0);
+    s.mask = s.mem.add(drop ? shard_positions(S) * B * hidden_ : 0);  // this rank's shard under SP
+    s.dropped = drop;
+    return s;
+  }
 
   // Positions this rank holds of a sequence of S: all of them, or under sequence
   // parallelism the shard [tp_rank * S / tp, (tp_rank + 1) * S / tp).
@@ -203,10 +201,9 @@ class Embedding : public loom::Layer {
   float dropout_ = 0.0f;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
-  void* word_ = nullptr;
-  void* word_grad_ = nullptr;
-  void* pos_ = nullptr;
-  void* pos_grad_ = nullptr;
+  ParamSet params_;
+  void* w_[2] = {};
+  void* g_[2] = {};
   loom::Buffer positions_;
   int64_t pos_S_ = 0, pos_B_ = 0;
   std::map<int32_t, Saved> saved_;

@@ -8,6 +8,7 @@
 // O(tokens * vocab). Under sequence parallelism the final LayerNorm runs on this
 // rank's sequence shard and its output is all-gathered before the logits.
 #include "../common/layer_math.hpp"
+#include "../common/param_set.hpp"
 
 #include <algorithm>
 #include <limits>
@@ -38,35 +39,24 @@ class LmHead : public loom::Layer {
                  name_ << ": padded_vocab (" << padded_vocab_ << ") must be >= vocab (" << vocab_
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
+    params_ = ParamSet(name_, {.tp = tp});
+    params_.add({.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    params_.add({.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
+                 .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS;
 
-  std::vector<loom::ParamSpec> params() override {
-    std::vector<loom::ParamSpec> p(3);
-    p[0] = {.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
-    p[1] = {.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    p[2] = {.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
-            .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""};
-    return p;
-  }
+  std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    LOOM_REQUIRE(params.size() == 3 && grads.size() == 3,
-                 name_ << ": bind expects 3 parameters, got " << params.size());
-    const int64_t H = hidden_;
-    const int64_t expect[3] = {H, H, vocab_local_ * H};
-    const char* names[3] = {"ln.weight", "ln.bias", "word.weight"};
-    dt_ = bound_dtypes(params, grads, name_);
-    for (int i = 0; i < 3; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
-    }
+    dt_ = params_.bind(params, grads, w_, g_);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
-    const int64_t H = hidden_, Vl = vocab_local_;
+    const int64_t H = hidden_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism; the
     // targets cover the whole sequence.
@@ -78,15 +68,7 @@ class LmHead : public loom::Layer {
     const int32_t* targets = data_of<int32_t>(*a.targets);
     loom::Device dev = rank.device();
 
-    Saved s;
-    s.S = S;
-    s.B = B;
-    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
-    s.mean = s.mem.floats(Tl);
-    s.rstd = s.mem.floats(Tl);
-    s.logits = s.mem.elems(T * Vl, dt_.act);
-    s.stats = s.mem.floats(3 * T);  // row_max | row_sumexp | target_logit
-    s.targets = s.mem.add(T * sizeof(int32_t));
+    Saved s = saved_layout(S, B, a.training);
     s.mem.allocate(rank_);
 
     Arena tmp;
@@ -133,7 +115,7 @@ class LmHead : public loom::Layer {
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), {hidden_, hidden_, vocab_local_ * hidden_},
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), params_.local_numels(),
                   tp_.features(), fusion_);
 
     Arena tmp;
@@ -159,19 +141,7 @@ class LmHead : public loom::Layer {
   void release(int32_t microbatch) override { saved_.erase(microbatch); }
 
   // Includes the local logits [T, V_local], kept for backward.
-  uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_;
-    const bool sp = tp_.sequence_parallel();
-    const int64_t Tl = sp ? T / tp_.size() : T;
-    Arena a;
-    a.elems(Tl * hidden_, dt_.act);  // x (this rank's shard under SP)
-    a.floats(Tl);                // mean
-    a.floats(Tl);                // rstd
-    a.elems(T * vocab_local_, dt_.act);      // logits
-    a.floats(3 * T);             // row max, sum-exp, target logit
-    a.add(T * sizeof(int32_t));  // targets
-    return a.bytes();
-  }
+  uint64_t activation_bytes() override { return saved_layout(seq_, micro_batch_, true).mem.bytes(); }
 
   // logits 2*T*H*V_local.
   double forward_flops() override {
@@ -188,12 +158,29 @@ class LmHead : public loom::Layer {
     size_t x = 0, mean = 0, rstd = 0, logits = 0, stats = 0, targets = 0;
   };
 
+  // What a forward of S x B rows keeps for its backward (laid out, not allocated):
+  // activation_bytes() reports the same layout a training forward allocates.
+  Saved saved_layout(int64_t S, int64_t B, bool training) const {
+    const int64_t T = S * B, Tl = (tp_.sequence_parallel() ? S / tp_.size() : S) * B;
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.x = s.mem.elems(training ? Tl * hidden_ : 0, dt_.act);  // this rank's shard under SP
+    s.mean = s.mem.floats(Tl);
+    s.rstd = s.mem.floats(Tl);
+    s.logits = s.mem.elems(T * vocab_local_, dt_.act);
+    s.stats = s.mem.floats(3 * T);  // row max | row sum-exp | target logit
+    s.targets = s.mem.add(T * sizeof(int32_t));
+    return s;
+  }
+
   loom_rank* rank_;
   loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, seq_ = 0, micro_batch_ = 0, vocab_ = 0, padded_vocab_ = 0;
   int64_t vocab_local_ = 0;
   bool tie_ = false;
+  ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[3] = {};

@@ -7,6 +7,7 @@
 // sequence parallelism. activation_dropout (on the GeLU output) is inside the TP
 // region and draws from a stream per tp rank.
 #include "../common/layer_math.hpp"
+#include "../common/param_set.hpp"
 
 #include <map>
 
@@ -34,37 +35,25 @@ class Mlp : public loom::Layer {
                                        << tp << ")");
     ffn_local_ = ffn_ / tp;
     dropout_ = dropout_option(options);
-    activation_dropout_ = static_cast<float>(options.get_float("activation_dropout", 0.0));
+    activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
+    const int64_t H = hidden_, F = ffn_;
+    params_ = ParamSet(name_, {.tp = tp});
+    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    params_.add({.name = "fc1.weight", .shape = {H, F}, .partition_dim = 1, .init = LOOM_INIT_NORMAL});
+    params_.add({.name = "fc1.bias", .shape = {F}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
+                 .no_weight_decay = true});
+    params_.add({.name = "fc2.weight", .shape = {F, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    params_.add({.name = "fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
-  std::vector<loom::ParamSpec> params() override {
-    std::vector<loom::ParamSpec> p(6);
-    p[0] = {.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
-    p[1] = {.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    p[2] = {.name = "fc1.weight", .shape = {hidden_, ffn_}, .partition_dim = 1,
-            .init = LOOM_INIT_NORMAL};
-    p[3] = {.name = "fc1.bias", .shape = {ffn_}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
-            .no_weight_decay = true};
-    p[4] = {.name = "fc2.weight", .shape = {ffn_, hidden_}, .partition_dim = 0,
-            .init = LOOM_INIT_NORMAL_SCALED};
-    p[5] = {.name = "fc2.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    return p;
-  }
+  std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    LOOM_REQUIRE(params.size() == 6 && grads.size() == 6,
-                 name_ << ": bind expects 6 parameters, got " << params.size());
-    const int64_t H = hidden_, Fl = ffn_local_;
-    const int64_t expect[6] = {H, H, H * Fl, Fl, Fl * H, H};
-    const char* names[6] = {"ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
-    dt_ = bound_dtypes(params, grads, name_);
-    for (int i = 0; i < 6; ++i) {
-      w_[i] = bound(params[i], expect[i], name_, names[i], dt_.act);
-      g_[i] = bound(grads[i], expect[i], name_, std::string(names[i]) + " (grad)", dt_.grad);
-    }
+    dt_ = params_.bind(params, grads, w_, g_);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -81,17 +70,7 @@ class Mlp : public loom::Layer {
     const bool drop = a.training && dropout_ > 0.0f;
     const bool act_drop = a.training && activation_dropout_ > 0.0f;
 
-    Saved s;
-    s.S = S;
-    s.B = B;
-    s.x = s.mem.elems(a.training ? Tl * H : 0, dt_.act);
-    s.mean = s.mem.floats(Tl);
-    s.rstd = s.mem.floats(Tl);
-    s.h = s.mem.elems(T * Fl, dt_.act);  // fc1 output before GeLU
-    s.act_mask = s.mem.add(act_drop ? T * Fl : 0);
-    s.mask = s.mem.add(drop ? Tl * H : 0);
-    s.dropped = drop;
-    s.act_dropped = act_drop;
+    Saved s = saved_layout(S, B, a.training, drop, act_drop);
     s.mem.allocate(rank_);
 
     Arena tmp;
@@ -140,7 +119,7 @@ class Mlp : public loom::Layer {
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), local_numels(), tp_.features(), fusion_);
+    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), params_.local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
@@ -191,17 +170,7 @@ class Mlp : public loom::Layer {
   }
 
   uint64_t activation_bytes() override {
-    const int64_t T = seq_ * micro_batch_, H = hidden_, Fl = ffn_local_;
-    const bool sp = tp_.sequence_parallel();
-    const int64_t Tl = sp ? T / tp_.size() : T;
-    Arena a;
-    a.elems(Tl * H, dt_.act);                        // x (this rank's shard under SP)
-    a.floats(Tl);                                    // mean
-    a.floats(Tl);                                    // rstd
-    a.elems(T * Fl, dt_.act);                        // fc1 output
-    a.add(activation_dropout_ > 0.0f ? T * Fl : 0);  // activation dropout mask
-    a.add(dropout_ > 0.0f ? Tl * H : 0);             // dropout mask
-    return a.bytes();
+    return saved_layout(seq_, micro_batch_, true, dropout_ > 0.0f, activation_dropout_ > 0.0f).mem.bytes();
   }
 
   // fc1 2*T*H*Fl + fc2 2*T*Fl*H.
@@ -213,11 +182,6 @@ class Mlp : public loom::Layer {
  private:
   enum { kLnW, kLnB, kFc1W, kFc1B, kFc2W, kFc2B };
 
-  std::vector<int64_t> local_numels() const {
-    const int64_t H = hidden_, Fl = ffn_local_;
-    return {H, H, H * Fl, Fl, Fl * H, H};
-  }
-
   struct Saved {
     int64_t S = 0, B = 0;
     Arena mem;
@@ -225,11 +189,30 @@ class Mlp : public loom::Layer {
     bool dropped = false, act_dropped = false;
   };
 
+  // What a forward of S x B rows keeps for its backward (laid out, not allocated):
+  // activation_bytes() reports the same layout a training forward allocates.
+  Saved saved_layout(int64_t S, int64_t B, bool training, bool drop, bool act_drop) const {
+    const int64_t T = S * B, Tl = (tp_.sequence_parallel() ? S / tp_.size() : S) * B;
+    Saved s;
+    s.S = S;
+    s.B = B;
+    s.x = s.mem.elems(training ? Tl * hidden_ : 0, dt_.act);  // this rank's shard under SP
+    s.mean = s.mem.floats(Tl);
+    s.rstd = s.mem.floats(Tl);
+    s.h = s.mem.elems(T * ffn_local_, dt_.act);  // fc1 output before GeLU
+    s.act_mask = s.mem.add(act_drop ? T * ffn_local_ : 0);
+    s.mask = s.mem.add(drop ? Tl * hidden_ : 0);
+    s.dropped = drop;
+    s.act_dropped = act_drop;
+    return s;
+  }
+
   loom_rank* rank_;
   loom::TensorParallel tp_;
   std::string name_;
   int64_t hidden_ = 0, ffn_ = 0, ffn_local_ = 0, seq_ = 0, micro_batch_ = 0;
   float dropout_ = 0.0f, activation_dropout_ = 0.0f;
+  ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   void* w_[6] = {};

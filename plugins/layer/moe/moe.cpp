@@ -105,6 +105,7 @@
 //                            dispatches under tp/sp/cp/folding, the TP region's f and g, dropout and
 //                            the residual, and the plugin's registration
 #include "../common/layer_math.hpp"
+#include "../common/param_set.hpp"
 #include "dispatch.hpp"
 #include "experts.hpp"
 #include "router.hpp"
@@ -133,17 +134,17 @@ class Moe : public loom::Layer {
     seq_ = d.seq_len;
     micro_batch_ = d.micro_batch;
     RouterConfig router;
-    experts_ = router.experts = options.get_int("num_experts", 8);
-    top_k_ = router.top_k = options.get_int("top_k", 2);
-    ffn_ = options.get_int("ffn_hidden_size", 0);
+    experts_ = router.experts = options.declared_int("num_experts");
+    top_k_ = router.top_k = options.declared_int("top_k");
+    ffn_ = options.declared_int("ffn_hidden_size");
     if (ffn_ == 0) ffn_ = d.ffn_hidden;
-    router.pre_softmax = options.get_bool("pre_softmax", false);
-    router.aux_coeff = options.get_float("aux_loss_coeff", 0.01);
-    router.z_coeff = options.get_float("z_loss_coeff", 0.0);
-    router.capacity_factor = options.get_float("capacity_factor", 0.0);
-    shared_ffn_ = options.get_int("shared_expert_ffn_hidden_size", 0);
-    shared_gate_ = options.get_bool("shared_expert_gate", false);
-    const std::string policy = options.get_string("drop_policy", "probs");
+    router.pre_softmax = options.declared_bool("pre_softmax");
+    router.aux_coeff = options.declared_float("aux_loss_coeff");
+    router.z_coeff = options.declared_float("z_loss_coeff");
+    router.capacity_factor = options.declared_float("capacity_factor");
+    shared_ffn_ = options.declared_int("shared_expert_ffn_hidden_size");
+    shared_gate_ = options.declared_bool("shared_expert_gate");
+    const std::string policy = options.declared_string("drop_policy");
     router.drop_by_probs = policy == "probs";
     router_ = Router(router);
     dropout_ = dropout_option(options);
@@ -183,55 +184,15 @@ class Moe : public loom::Layer {
     cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
     routed_experts_ = Experts(rank_, local_experts_, hidden_, ffn_local_, fold_, tp_.rank(), tp_group_);
     shared_expert_ = SharedExpert(rank_, hidden_, shared_local_, shared_gate_, tp_.rank(), tp_.size(), tp_group_);
+    declare_params(tp, ep, etp);
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
 
-  std::vector<loom::ParamSpec> params() override {
-    const int64_t E = experts_, H = hidden_, F = ffn_;
-    std::vector<loom::ParamSpec> p(7);
-    p[kLnW] = {.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true};
-    p[kLnB] = {.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-    p[kRouter] = {.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL};
-    // The experts' parameters: dim 0 is the expert, split over ep by the engine,
-    // then partition_dim over etp (tp, or 1 when folded).
-    p[kFc1W] = {.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL,
-                .expert = true};
-    p[kFc1B] = {.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
-                .no_weight_decay = true, .expert = true};
-    p[kFc2W] = {.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
-                .init = LOOM_INIT_NORMAL_SCALED, .expert = true};
-    p[kFc2B] = {.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true,
-                .expert = true};
-    if (shared_ffn_ > 0) {  // split like the MLP: fc1 by columns, fc2 by rows
-      const int64_t Fs = shared_ffn_;
-      p.resize(kShared2B + 1);
-      p[kShared1W] = {.name = "shared.fc1.weight", .shape = {H, Fs}, .partition_dim = 1, .init = LOOM_INIT_NORMAL};
-      p[kShared1B] = {.name = "shared.fc1.bias", .shape = {Fs}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
-                      .no_weight_decay = true};
-      p[kShared2W] = {.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0,
-                      .init = LOOM_INIT_NORMAL_SCALED};
-      p[kShared2B] = {.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true};
-      // Megatron's shared-expert gate: sigmoid(x . w) per token, duplicated over tp.
-      if (shared_gate_) p.push_back({.name = "shared.gate.weight", .shape = {H}, .init = LOOM_INIT_NORMAL});
-    }
-    return p;
-  }
+  std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    const size_t n = num_params();
-    LOOM_REQUIRE(params.size() == n && grads.size() == n,
-                 name_ << ": bind expects " << n << " parameters, got " << params.size());
-    const std::vector<int64_t> expect = local_numels();
-    const char* names[kSharedGate + 1] = {"ln.weight",          "ln.bias",           "router.weight",
-                                          "experts.fc1.weight", "experts.fc1.bias",  "experts.fc2.weight",
-                                          "experts.fc2.bias",   "shared.fc1.weight", "shared.fc1.bias",
-                                          "shared.fc2.weight",  "shared.fc2.bias",   "shared.gate.weight"};
-    dt_ = bound_dtypes(params, grads, name_);
-    for (size_t i = 0; i < n; ++i) {
-      w_[i] = bound(params[i], expect[static_cast<size_t>(i)], name_, names[i], dt_.act);
-      g_[i] = bound(grads[i], expect[static_cast<size_t>(i)], name_, std::string(names[i]) + " (grad)", dt_.grad);
-    }
+    dt_ = params_.bind(params, grads, w_, g_);
     routed_experts_.bind({.fc1_w = w_[kFc1W], .fc1_b = w_[kFc1B], .fc2_w = w_[kFc2W], .fc2_b = w_[kFc2B]}, dt_.act);
     shared_expert_.bind({.fc1_w = w_[kShared1W], .fc1_b = w_[kShared1B], .fc2_w = w_[kShared2W],
                          .fc2_b = w_[kShared2B], .gate_w = w_[kSharedGate]},
@@ -374,9 +335,9 @@ class Moe : public loom::Layer {
     void* dl = sp && !fold ? m.bwd.at<void>(m.dln) : m.bwd.at<void>(m.dln_full);
     {
       // The router's and LayerNorm's gradients are the second sub-step's (numel 0: no shadow here).
-      std::vector<int64_t> numels = local_numels();
+      std::vector<int64_t> numels = params_.local_numels();
       numels[kLnW] = numels[kLnB] = numels[kRouter] = 0;
-      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + num_params()), numels, tp_.features(), fusion_);
+      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + params_.size()), numels, tp_.features(), fusion_);
       eager_backward(rank, a, s, gs, dy, xfull, m.bwd.at(m.b_ln), m.bwd.at(m.dln_full), dl, m.bwd.at(m.dlogits));
       gs.commit();
     }
@@ -465,7 +426,6 @@ class Moe : public loom::Layer {
 
  private:
   enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B, kSharedGate };
-  size_t num_params() const { return shared_ffn_ > 0 ? (shared_gate_ ? kSharedGate : kShared2B) + 1 : kFc2B + 1; }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -748,12 +708,33 @@ class Moe : public loom::Layer {
   // capacity); dropless, the all-reduce of the loss sums runs eagerly after it.
   bool router_capturable() const { return cp_.cp() == 1 || !router_.gathers_logits(); }
 
-  std::vector<int64_t> local_numels() const {
-    const int64_t H = hidden_, E = experts_, El = local_experts_, Fl = ffn_local_, Fs = shared_local_;
-    std::vector<int64_t> n = {H, H, H * E, El * H * Fl, El * Fl, El * Fl * H, El * H};
-    if (shared_ffn_ > 0) n.insert(n.end(), {H * Fs, Fs, Fs * H, H});
-    if (shared_gate_) n.push_back(H);
-    return n;
+  // The parameters, in the order of the k* indices.
+  void declare_params(int64_t tp, int64_t ep, int64_t etp) {
+    const int64_t E = experts_, H = hidden_, F = ffn_;
+    params_ = ParamSet(name_, {.tp = tp, .ep = ep, .etp = etp});
+    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    params_.add({.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL});
+    // The experts' parameters: dim 0 is the expert, split over ep by the engine,
+    // then partition_dim over etp (tp, or 1 when folded).
+    params_.add({.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL,
+                 .expert = true});
+    params_.add({.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
+                 .no_weight_decay = true, .expert = true});
+    params_.add({.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
+                 .init = LOOM_INIT_NORMAL_SCALED, .expert = true});
+    params_.add({.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true,
+                 .expert = true});
+    if (shared_ffn_ == 0) return;
+    // The shared expert, split like the MLP: fc1 by columns, fc2 by rows.
+    const int64_t Fs = shared_ffn_;
+    params_.add({.name = "shared.fc1.weight", .shape = {H, Fs}, .partition_dim = 1, .init = LOOM_INIT_NORMAL});
+    params_.add({.name = "shared.fc1.bias", .shape = {Fs}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
+                 .no_weight_decay = true});
+    params_.add({.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    params_.add({.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    // Megatron's shared-expert gate: sigmoid(x . w) per token, duplicated over tp.
+    if (shared_gate_) params_.add({.name = "shared.gate.weight", .shape = {H}, .init = LOOM_INIT_NORMAL});
   }
 
   // Where the backward accumulates the experts' and the shared expert's gradients.
@@ -794,6 +775,7 @@ class Moe : public loom::Layer {
   TokenDispatcher dispatcher_;
   Experts routed_experts_;
   SharedExpert shared_expert_;
+  ParamSet params_;  // in the order of the k* indices (the shared expert's only when it has one)
   Dtypes dt_;
   bool fusion_ = false;
   void* w_[kSharedGate + 1] = {};

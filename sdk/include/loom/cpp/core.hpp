@@ -136,9 +136,37 @@ class Options {
     const char* s = opts_ ? host().option_string(opts_, name) : nullptr;
     return s ? std::string(s) : fallback;
   }
+  // The value of an option the plugin declares: the engine fills in the declared
+  // default, so the default is written once, in the declaration. Throws loom::Error
+  // when the option has no value (not declared, or of another type).
+  int64_t declared_int(const char* name) const {
+    int64_t v = 0;
+    if (!opts_ || !host().option_int(opts_, name, &v)) missing(name, "integer");
+    return v;
+  }
+  double declared_float(const char* name) const {
+    double v = 0;
+    if (!opts_ || !host().option_float(opts_, name, &v)) missing(name, "float");
+    return v;
+  }
+  bool declared_bool(const char* name) const {
+    int32_t v = 0;
+    if (!opts_ || !host().option_bool(opts_, name, &v)) missing(name, "boolean");
+    return v != 0;
+  }
+  std::string declared_string(const char* name) const {
+    const char* s = opts_ ? host().option_string(opts_, name) : nullptr;
+    if (s == nullptr) missing(name, "string");
+    return s;
+  }
   const loom_options* raw() const { return opts_; }
 
  private:
+  [[noreturn]] static void missing(const char* name, const char* type) {
+    throw ::loom::Error(std::string("option ") + name + " has no " + type +
+                            " value: the plugin reads an option it does not declare (or declares another type)",
+                        LOOM_CODE_INTERNAL);
+  }
   const loom_options* opts_;
 };
 
