@@ -55,7 +55,9 @@ Result take(loom_status s) {
 
 class World {
  public:
-  explicit World(int size, int64_t timeout_ms = 20000) : options_(nullptr, plugin().options) {
+  // `links`: the plugin's option of that name ("" = ideal links).
+  explicit World(int size, int64_t timeout_ms = 20000, const std::string& links = "")
+      : table_{{"links", links}}, options_(&table_, plugin().options) {
     std::vector<int32_t> local(static_cast<size_t>(size));
     for (int i = 0; i < size; ++i) local[static_cast<size_t>(i)] = i;
     loom_comm_world_args args{};
@@ -73,6 +75,7 @@ class World {
   loom_comm_world* raw() const { return world_; }
 
  private:
+  toml::table table_;
   loom::plugins::OptionValues options_;
   loom_comm_world* world_ = nullptr;
 };
@@ -847,6 +850,73 @@ TEST(CommLocal, WorldAbortReleasesWaitersPromptly) {
   Result r = Comm::create(world, "tp", {0}, 0, &late);
   EXPECT_NE(r.message.find("aborted"), std::string::npos) << r.message;
   EXPECT_EQ(late, nullptr);
+}
+
+
+// --- The link model (option links): lower bounds only, so no test depends on
+// the machine being fast; the ideal link is what every other test here uses.
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+TEST(CommLocalLinks, AnAllReduceTakesTheRingTimeOfItsGroupKindsLink) {
+  // dp: 1 GB/s and 2 ms; 2 ranks reduce 1 MB: 2 (p-1) (a + n/(p b)) = 2 (2 ms + 0.5 ms) = 5 ms.
+  World w(2, 20000, "dp=1GB/s,2ms; tp=1000GB/s");
+  std::vector<double> took(2), took_tp(2);
+  run_ranks(2, [&](int r) {
+    Comm dp(w, "dp", {0, 1}, r), tp(w, "tp", {0, 1}, r);
+    std::vector<float> x(250000, 1.0f);
+    const Clock::time_point t0 = Clock::now();
+    EXPECT_OK(api()->all_reduce(dp.get(), nullptr, x.data(), x.data(), x.size(), LOOM_DTYPE_F32, LOOM_REDUCE_SUM));
+    took[static_cast<size_t>(r)] = seconds_since(t0);
+    EXPECT_EQ(x[0], 2.0f);  // the model changes the time, not the result
+    const Clock::time_point t1 = Clock::now();
+    EXPECT_OK(api()->all_reduce(tp.get(), nullptr, x.data(), x.data(), x.size(), LOOM_DTYPE_F32, LOOM_REDUCE_SUM));
+    took_tp[static_cast<size_t>(r)] = seconds_since(t1);
+    EXPECT_EQ(x[0], 4.0f);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(took[static_cast<size_t>(r)], 0.005) << "rank " << r;
+    // tp's link moves the 1 MB in 1 us: far less than dp's (a generous bound, not a timing).
+    EXPECT_LT(took_tp[static_cast<size_t>(r)], took[static_cast<size_t>(r)]) << "rank " << r;
+  }
+}
+
+TEST(CommLocalLinks, AMessageArrivesNoEarlierThanItsTransferTime) {
+  // Any kind ("*"): 0.5 GB/s and 3 ms; 1 MB takes 3 ms + 2 ms. The send returns at once.
+  World w(2, 20000, "*=0.5GB/s,3ms");
+  double sent = 0, received = 0;
+  run_ranks(2, [&](int r) {
+    Comm pp(w, "pp", {0, 1}, r);
+    std::vector<float> x(250000, static_cast<float>(r + 1));
+    const Clock::time_point t0 = Clock::now();
+    if (r == 0) {
+      EXPECT_OK(api()->send(pp.get(), nullptr, x.data(), x.size(), LOOM_DTYPE_F32, 1, 7));
+      sent = seconds_since(t0);
+    } else {
+      EXPECT_OK(api()->recv(pp.get(), nullptr, x.data(), x.size(), LOOM_DTYPE_F32, 0, 7));
+      received = seconds_since(t0);
+      EXPECT_EQ(x[0], 1.0f);
+    }
+  });
+  EXPECT_GE(received, 0.005);
+  EXPECT_LT(sent, received);
+}
+
+TEST(CommLocalLinks, AMalformedLinkIsRefusedWithWhatWouldBeValid) {
+  for (const auto& [spec, want] :
+       {std::pair<std::string, std::string>{"dp=25", "must be a positive number with a unit: GB/s"},
+        {"dp=25GB/s,10", "must be a number >= 0 with a unit: ns, us, ms or s"},
+        {"dp 25GB/s", "must be KIND=BANDWIDTH[,LATENCY]"},
+        {"dp=25GB/s; dp=1GB/s", "given twice"},
+        {"=1GB/s", "names no group kind"}}) {
+    try {
+      World w(1, 1000, spec);
+      ADD_FAILURE() << spec << " was accepted";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("option links"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << spec << ": " << e.what();
+    }
+  }
 }
 
 }  // namespace

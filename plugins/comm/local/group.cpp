@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 #include <sstream>
+#include <thread>
 
 namespace loom::comm_local {
 using comm_common::dtype_name;
@@ -66,7 +67,7 @@ const char* op_name(Op op) {
   return "collective";
 }
 
-Group::Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms)
+Group::Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms, comm_common::Link link)
     : kind_(std::move(kind)), ranks_(std::move(ranks)), timeout_ms_(timeout_ms),
       label_([this] {
         std::ostringstream os;
@@ -75,6 +76,7 @@ Group::Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms)
         os << "])";
         return os.str();
       }()),
+      link_(link),
       here_(ranks_.size(), 0),
       slots_(ranks_.size()) {
   for (size_t i = 0; i < ranks_.size(); ++i) inboxes_.push_back(std::make_unique<Inbox>());
@@ -216,10 +218,39 @@ std::string Group::disagreement() const {
   return {};
 }
 
+namespace {
+
+// The link model's view of a call: its algorithm and the bytes that set its cost
+// (the buffer for all-reduce and broadcast, one member's piece otherwise).
+std::pair<comm_common::CollectiveKind, double> modelled(const Call& c, int me, int members) {
+  using K = comm_common::CollectiveKind;
+  const double es = static_cast<double>(loom::dtype_size(c.dtype));
+  const double bytes = static_cast<double>(c.count) * es;
+  switch (c.op) {
+    case Op::AllReduce: return {K::AllReduce, bytes};
+    case Op::AllGather: return {K::AllGather, bytes};
+    case Op::ReduceScatter: return {K::ReduceScatter, bytes};
+    case Op::AllToAll: return {K::AllToAll, bytes};
+    case Op::AllToAllV: {  // the mean piece this member sends to the others
+      double sent = 0;
+      for (int j = 0; c.send_counts != nullptr && j < members; ++j)
+        if (j != me) sent += static_cast<double>(c.send_counts[j]) * es;
+      return {K::AllToAll, members > 1 ? sent / (members - 1) : 0};
+    }
+    case Op::Broadcast: return {K::Broadcast, bytes};
+    case Op::Barrier: return {K::Barrier, 0};
+  }
+  return {K::Barrier, 0};
+}
+
+}  // namespace
+
 template <typename Work>
 void Group::collective(int me, Call call, Work&& work) {
   const Op op = call.op;
   if (poisoned_.load()) fail_fast(op_name(op));
+  const Clock::time_point start = Clock::now();
+  const auto [kind, bytes] = modelled(call, me, size());
   slots_[static_cast<size_t>(me)] = std::move(call);  // read by the others between the barriers
   arrive(me, op, 0);
   const std::string problem = disagreement();  // the same verdict on every member
@@ -234,6 +265,7 @@ void Group::collective(int me, Call call, Work&& work) {
   arrive(me, op, 1);  // nobody returns (and reuses buffers) while another may still read them
   if (!problem.empty()) throw Error(problem, LOOM_CODE_INVALID_ARGUMENT);
   if (failure) std::rethrow_exception(failure);
+  model_time(start, kind, bytes);
 }
 
 // ---------------------------------------------------------------------------
@@ -466,7 +498,11 @@ void Group::send(int me, const void* buf, size_t count, int32_t dtype, int32_t p
                                                 << size() << "; peers are ranks within the group)");
   LOOM_REQUIRE(product(count, es, &bytes), "comm/local: send on " << label_ << ": count " << count << " overflows");
   LOOM_REQUIRE(bytes == 0 || buf != nullptr, "comm/local: send on " << label_ << ": null buffer with count " << count);
-  Message msg{dtype, count, std::vector<Bytes>(static_cast<const Bytes*>(buf), static_cast<const Bytes*>(buf) + bytes)};
+  Message msg{dtype, count, std::vector<Bytes>(static_cast<const Bytes*>(buf), static_cast<const Bytes*>(buf) + bytes),
+              {}};
+  if (!link_.ideal())
+    msg.ready_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                      std::chrono::duration<double>(link_.transfer_s(static_cast<double>(bytes))));
   Inbox& ib = *inboxes_[static_cast<size_t>(peer)];
   {
     std::lock_guard<std::mutex> lk(ib.mu);
@@ -533,6 +569,11 @@ void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, i
     throw Error(os.str(), LOOM_CODE_INVALID_ARGUMENT);
   }
   if (bytes) std::memcpy(buf, msg.data.data(), bytes);
+  if (!link_.ideal()) std::this_thread::sleep_until(msg.ready_at);
+}
+
+void Group::model_time(Clock::time_point start, comm_common::CollectiveKind kind, double bytes) const {
+  if (!link_.ideal()) comm_common::wait_until(start, comm_common::collective_seconds(link_, kind, size(), bytes));
 }
 
 }  // namespace loom::comm_local

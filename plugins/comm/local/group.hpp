@@ -15,8 +15,13 @@
 //
 // Thread model: each member's calls come from one thread at a time (its rank
 // thread); different members call concurrently. send/recv are safe from any thread.
+//
+// With a modelled link (comm.options.links, link_model.hpp) a collective returns no
+// earlier than the link's time for it after the call began, and a message can be
+// received no earlier than its transfer time after it was sent.
 #pragma once
 
+#include "../common/link_model.hpp"
 #include "../common/timeout_text.hpp"
 
 #include <loom/loom_abi.h>
@@ -58,8 +63,9 @@ struct Call {
 
 class Group {
  public:
-  // `ranks`: global ranks in group order. timeout_ms <= 0 waits forever.
-  Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms);
+  // `ranks`: global ranks in group order. timeout_ms <= 0 waits forever. `link`:
+  // the modelled network between the members (ideal: no modelled time).
+  Group(std::string kind, std::vector<int32_t> ranks, int64_t timeout_ms, comm_common::Link link = {});
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
 
@@ -90,6 +96,7 @@ class Group {
     int32_t dtype = LOOM_DTYPE_F32;
     size_t count = 0;
     std::vector<unsigned char> data;
+    std::chrono::steady_clock::time_point ready_at{};  // when the modelled link delivers it
   };
   struct Inbox {
     std::mutex mu;
@@ -108,6 +115,8 @@ class Group {
   std::string describe(const Call& c) const;
   std::string member(int m) const;  // "rank 5" or "rank 5 (group rank 1)"
   [[noreturn]] void fail_fast(const char* op) const;  // the group is poisoned
+  // Waits out the rest of the link's time for collective `kind` of `bytes` begun at `start`.
+  void model_time(std::chrono::steady_clock::time_point start, comm_common::CollectiveKind kind, double bytes) const;
   void poison(int32_t code, const std::string& message);  // call with mu_ held
   void wake_inboxes();
 
@@ -115,6 +124,7 @@ class Group {
   const std::vector<int32_t> ranks_;
   const int64_t timeout_ms_;
   const std::string label_;
+  const comm_common::Link link_;
 
   // Collective state, guarded by mu_ (slots_[m] is written by member m before it
   // arrives and read by the others between the two barriers).

@@ -24,7 +24,7 @@ Handle& handle(loom_comm* comm) {
   return *reinterpret_cast<Handle*>(comm);
 }
 
-loom_status world_create(const loom_options* /*options*/, const loom_comm_world_args* args,
+loom_status world_create(const loom_options* options, const loom_comm_world_args* args,
                          loom_comm_world** out) {
   return guard([&] {
     LOOM_REQUIRE(args != nullptr && out != nullptr, "comm/local: world_create needs args and out");
@@ -48,7 +48,14 @@ loom_status world_create(const loom_options* /*options*/, const loom_comm_world_
                       "(or comm/nccl) for ranks in several processes",
                   LOOM_CODE_UNSUPPORTED);
     }
-    *out = reinterpret_cast<loom_comm_world*>(new World(args->world_size, std::move(local), args->timeout_ms));
+    comm_common::LinkModel links;
+    try {
+      links = comm_common::LinkModel::parse(Options(options).declared_string("links"));
+    } catch (const std::invalid_argument& e) {
+      throw Error(std::string("comm/local: option links: ") + e.what(), LOOM_CODE_INVALID_ARGUMENT);
+    }
+    *out = reinterpret_cast<loom_comm_world*>(
+        new World(args->world_size, std::move(local), args->timeout_ms, std::move(links)));
   });
 }
 
@@ -175,6 +182,10 @@ const loom_comm_api* comm_api() {
 }  // namespace
 }  // namespace loom::comm_local
 
-LOOM_PLUGIN_LIBRARY(loom::raw_plugin("comm", "local", "1.0.0",
-                                     "ranks as threads of one process; deterministic shared-memory collectives",
-                                     LOOM_API_COMM, loom::comm_local::comm_api()))
+LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
+    "comm", "local", "1.1.0", "ranks as threads of one process; deterministic shared-memory collectives",
+    LOOM_API_COMM, loom::comm_local::comm_api(),
+    {loom::opt_string("links", "",
+                      "a modelled network per group kind, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\": "
+                      "each collective and transfer takes at least the ring algorithm's time on that link "
+                      "(\"\" = no modelled time)")}))

@@ -8,11 +8,12 @@
 
 namespace loom::comm_local {
 
-World::World(int32_t world_size, std::vector<int32_t> local_ranks, int64_t timeout_ms)
+World::World(int32_t world_size, std::vector<int32_t> local_ranks, int64_t timeout_ms, comm_common::LinkModel links)
     : world_size_(world_size),
       local_ranks_(std::move(local_ranks)),
       // <= 0 waits forever; so does anything past ~100 days (keeps deadlines from overflowing).
-      timeout_ms_(timeout_ms > 0 && timeout_ms < kForeverMs ? timeout_ms : 0) {}
+      timeout_ms_(timeout_ms > 0 && timeout_ms < kForeverMs ? timeout_ms : 0),
+      links_(std::move(links)) {}
 
 std::shared_ptr<Group> World::join(const std::string& kind, const std::vector<int32_t>& ranks, int32_t my_rank,
                                    int* index) {
@@ -59,7 +60,7 @@ std::shared_ptr<Group> World::join(const std::string& kind, const std::vector<in
   }
   if (!p) {
     p = std::make_shared<Pending>();
-    p->group = std::make_shared<Group>(kind, ranks, timeout_ms_);
+    p->group = std::make_shared<Group>(kind, ranks, timeout_ms_, links_.link(kind));
     groups_.push_back(p->group);
     p->joined.assign(ranks.size(), 0);
     queue.push_back(p);

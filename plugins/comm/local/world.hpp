@@ -25,7 +25,9 @@ class World {
  public:
   static constexpr int64_t kForeverMs = int64_t{100} * 24 * 3600 * 1000;
   // timeout_ms <= 0 (or absurdly large): every wait waits forever.
-  World(int32_t world_size, std::vector<int32_t> local_ranks, int64_t timeout_ms);
+  // `links`: the modelled network per group kind (empty: ideal links).
+  World(int32_t world_size, std::vector<int32_t> local_ranks, int64_t timeout_ms,
+        comm_common::LinkModel links = {});
   World(const World&) = delete;
   World& operator=(const World&) = delete;
 
@@ -52,6 +54,7 @@ class World {
   const int32_t world_size_;
   const std::vector<int32_t> local_ranks_;
   const int64_t timeout_ms_;
+  const comm_common::LinkModel links_;
 
   std::mutex mu_;
   std::condition_variable cv_;

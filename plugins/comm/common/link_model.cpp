@@ -1,0 +1,118 @@
+#include "link_model.hpp"
+
+#include <cctype>
+#include <cmath>
+#include <stdexcept>
+#include <thread>
+
+namespace loom::comm_common {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  size_t b = 0, e = s.size();
+  while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
+  while (e > b && std::isspace(static_cast<unsigned char>(s[e - 1]))) --e;
+  return s.substr(b, e - b);
+}
+
+// "25GB/s" -> bytes per second; "100Gb/s" -> bits / 8.
+double parse_bandwidth(const std::string& text, const std::string& entry) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = trim(text.substr(used));
+  double scale = 0;
+  if (unit == "GB/s") scale = 1e9;
+  else if (unit == "MB/s") scale = 1e6;
+  else if (unit == "Gb/s") scale = 1e9 / 8;
+  else if (unit == "Mb/s") scale = 1e6 / 8;
+  if (used == 0 || scale == 0 || !(v > 0) || !std::isfinite(v))
+    throw std::invalid_argument("link '" + entry + "': bandwidth '" + text +
+                                "' must be a positive number with a unit: GB/s, MB/s, Gb/s or Mb/s (e.g. 25GB/s)");
+  return v * scale;
+}
+
+// "10us" -> seconds.
+double parse_latency(const std::string& text, const std::string& entry) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = trim(text.substr(used));
+  double scale = 0;
+  if (unit == "ns") scale = 1e-9;
+  else if (unit == "us") scale = 1e-6;
+  else if (unit == "ms") scale = 1e-3;
+  else if (unit == "s") scale = 1;
+  if (used == 0 || scale == 0 || !(v >= 0) || !std::isfinite(v))
+    throw std::invalid_argument("link '" + entry + "': latency '" + text +
+                                "' must be a number >= 0 with a unit: ns, us, ms or s (e.g. 10us)");
+  return v * scale;
+}
+
+int ceil_log2(int p) {
+  int steps = 0;
+  while ((1 << steps) < p) ++steps;
+  return steps;
+}
+
+}  // namespace
+
+double collective_seconds(const Link& link, CollectiveKind kind, int members, double bytes) {
+  if (members <= 1 || link.ideal()) return 0;
+  const double p = members;
+  switch (kind) {
+    case CollectiveKind::AllReduce: return 2 * (p - 1) * link.transfer_s(bytes / p);
+    case CollectiveKind::AllGather:
+    case CollectiveKind::ReduceScatter:
+    case CollectiveKind::AllToAll: return (p - 1) * link.transfer_s(bytes);
+    case CollectiveKind::Broadcast: return ceil_log2(members) * link.transfer_s(bytes);
+    case CollectiveKind::Barrier: return 2 * ceil_log2(members) * link.latency_s;
+  }
+  return 0;
+}
+
+LinkModel LinkModel::parse(const std::string& spec) {
+  LinkModel m;
+  size_t pos = 0;
+  while (pos <= spec.size()) {
+    const size_t end = std::min(spec.find(';', pos), spec.size());
+    const std::string entry = trim(spec.substr(pos, end - pos));
+    pos = end + 1;
+    if (entry.empty()) continue;
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos)
+      throw std::invalid_argument("link '" + entry + "' must be KIND=BANDWIDTH[,LATENCY], e.g. dp=25GB/s,10us");
+    const std::string kind = trim(entry.substr(0, eq)), value = entry.substr(eq + 1);
+    if (kind.empty()) throw std::invalid_argument("link '" + entry + "' names no group kind (tp, dp, pp, ..., or *)");
+    const size_t comma = value.find(',');
+    Link link;
+    link.bytes_per_s = parse_bandwidth(trim(value.substr(0, comma)), entry);
+    if (comma != std::string::npos) link.latency_s = parse_latency(trim(value.substr(comma + 1)), entry);
+    if (!m.links_.emplace(kind, link).second)
+      throw std::invalid_argument("link '" + entry + "': group kind '" + kind + "' is given twice");
+  }
+  return m;
+}
+
+Link LinkModel::link(const std::string& kind) const {
+  auto it = links_.find(kind);
+  if (it == links_.end()) it = links_.find("*");
+  return it == links_.end() ? Link{} : it->second;
+}
+
+void wait_until(std::chrono::steady_clock::time_point start, double seconds) {
+  if (seconds <= 0) return;
+  std::this_thread::sleep_until(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                            std::chrono::duration<double>(seconds)));
+}
+
+}  // namespace loom::comm_common
