@@ -6,7 +6,6 @@
 #include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/manifest/schema.hpp"
-#include "engine/pipeline/split.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 

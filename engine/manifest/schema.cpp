@@ -1,7 +1,7 @@
 // The engine schema (every core key) and the cross-key rules.
 #include "engine/manifest/schema.hpp"
 
-#include "engine/pipeline/split.hpp"
+#include "engine/topology/layer_split.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -421,7 +421,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                    "pipeline.first_chunk_layers / pipeline.last_chunk_layers for an uneven split");
     } else {
       try {
-        pipeline::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp),
+        topology::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp),
                                    static_cast<int>(first), static_cast<int>(last));
       } catch (const std::invalid_argument& e) {
         report({first > 0 ? "pipeline.first_chunk_layers" : "pipeline.last_chunk_layers", "model.num_layers",

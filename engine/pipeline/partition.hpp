@@ -8,7 +8,7 @@
 #pragma once
 
 #include "engine/model/model.hpp"
-#include "engine/pipeline/split.hpp"
+#include "engine/topology/layer_split.hpp"
 
 #include <vector>
 

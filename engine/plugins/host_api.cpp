@@ -3,7 +3,7 @@
 #include <loom/cpp/core.hpp>
 
 #include "engine/plugins/registry.hpp"
-#include "engine/runtime/rank_context.hpp"
+#include "engine/plugins/rank_context.hpp"
 
 #include <glog/logging.h>
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "engine/runtime/comm_stats.hpp"
-#include "engine/runtime/rank_context.hpp"
+#include "engine/plugins/rank_context.hpp"
 
 #include <loom/cpp/core.hpp>
 

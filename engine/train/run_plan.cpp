@@ -318,7 +318,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
                                         static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
   pipeline::simulate(plan.orders);
   plan.blocks_per_chunk =
-      pipeline::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
+      topology::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
                                  config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers);
   plan.chunks = pipeline::partition_layers(plan.layers, plan.blocks_per_chunk);
   return plan;

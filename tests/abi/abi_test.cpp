@@ -3,7 +3,7 @@
 // broken plugin is refused with a message naming the file and the reason.
 #include "engine/model/param_plan.hpp"
 #include "engine/plugins/registry.hpp"
-#include "engine/runtime/rank_context.hpp"
+#include "engine/plugins/rank_context.hpp"
 
 #include <loom/cpp/core.hpp>
 

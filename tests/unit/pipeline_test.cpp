@@ -7,7 +7,7 @@
 #include "support/rank_trace.hpp"
 
 #include "engine/pipeline/schedule.hpp"
-#include "engine/pipeline/split.hpp"
+#include "engine/topology/layer_split.hpp"
 
 #include <gtest/gtest.h>
 
@@ -186,7 +186,7 @@ TEST(Pipeline, RunRefusesADeadlockingScheduleBeforeAnyRankStarts) {
 }
 
 TEST(Pipeline, LayerSplitRule) {
-  using loom::pipeline::blocks_per_chunk;
+  using loom::topology::blocks_per_chunk;
   EXPECT_EQ(blocks_per_chunk(8, 2, 2, 0, 0), (std::vector<int>{2, 2, 2, 2}));
   EXPECT_EQ(blocks_per_chunk(7, 4, 1, 1, 0), (std::vector<int>{1, 2, 2, 2}));
   EXPECT_EQ(blocks_per_chunk(6, 4, 1, 1, 1), (std::vector<int>{1, 2, 2, 1}));

@@ -1,6 +1,6 @@
-// What the engine puts behind the opaque loom_rank handle that plugins receive.
-// The host API (engine/plugins/host_api.cpp) forwards to these virtuals, so the
-// runtime that owns a rank decides how memory, devices and groups are provided.
+// What the engine puts behind the opaque loom_rank handle that plugins receive:
+// the interface the host API (host_api.cpp) forwards to. The runtime implements it
+// (runtime::RankRuntime), so it decides how memory, devices and groups are provided.
 #pragma once
 
 #include <loom/loom_abi.h>

@@ -1,14 +1,15 @@
-// How many transformer blocks each pipeline chunk gets (see partition.hpp); on
-// its own so the manifest check can apply the same rule.
+// How many transformer blocks each pipeline chunk gets: a pure rule over the
+// pipeline's shape, applied by the manifest check and by the partition of the
+// model's layers (pipeline/partition.hpp).
 #pragma once
 
 #include <vector>
 
-namespace loom::pipeline {
+namespace loom::topology {
 
 // Transformer blocks per global chunk (pp * vpp of them): even, or with the first
 // and/or last chunk given its own count (> 0). Throws std::invalid_argument
 // naming the numbers when they do not add up.
 std::vector<int> blocks_per_chunk(int num_blocks, int pp, int vpp, int first_chunk_blocks, int last_chunk_blocks);
 
-}  // namespace loom::pipeline
+}  // namespace loom::topology
