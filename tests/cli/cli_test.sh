@@ -74,7 +74,7 @@ grep -q "expert layout     ep 2 x etp 1 (edp 2, dispatcher parallel/expert.allga
 # 5. Pipeline schedules: Megatron-LM's interleaved 1F1B order (pp 4, 2 virtual chunks, 8
 # microbatches; megatron/core/pipeline_parallel/schedules.py), and a refusal that names the rule.
 "$loom" schedule --pp 4 --vpp 2 --microbatches 8 --json > "$work/sched.json" || fail "loom schedule"
-grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1, -1, -1, -2, -2, -2, -2, -1, -1, -1, -1\]}' "$work/sched.json" \
+grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2,2,-1,2,-1,-1,-1,-2,-2,-2,-2,-1,-1,-1,-1\]}' "$work/sched.json" \
   || fail "interleaved order of rank 0: $(head -c 300 "$work/sched.json")"
 "$loom" schedule --pp 4 --vpp 2 --microbatches 6 > /dev/null 2> "$work/sched.err"
 [ $? -eq 1 ] && grep -q "microbatches mod N must be 0 or at least pp" "$work/sched.err" || fail "refusal: $(cat "$work/sched.err")"
