@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetches, on this (Debian 12) machine, the Debian packages loom builds against that a
-# GPU machine's CUDA image may lack (Boost, TOML++, glog, GoogleTest, OpenBLAS,
-# DLPack), into DIR (default .gpu-deps/, git-ignored). scripts/gpu-check.sh unpacks
+# GPU machine's CUDA image may lack (Boost, TOML++, nlohmann JSON, glog, GoogleTest,
+# OpenBLAS, DLPack), into DIR (default .gpu-deps/, git-ignored). scripts/gpu-check.sh unpacks
 # them into a private prefix (never into /) when it finds DIR, so a machine that
 # cannot download anything can still build and run the checks:
 #
@@ -18,6 +18,7 @@ packages=(
   libboost1.74-dev libboost-filesystem1.74-dev libboost-filesystem1.74.0 libboost-system1.74-dev
   libboost-system1.74.0 libboost-atomic1.74.0
   libtomlplusplus-dev libtomlplusplus3
+  nlohmann-json3-dev
   libgoogle-glog-dev libgoogle-glog0v6 libgflags-dev libgflags2.2 libunwind-dev libunwind8
   libgtest-dev
   libopenblas0-pthread

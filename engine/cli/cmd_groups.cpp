@@ -10,6 +10,7 @@
 
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/runtime/json.hpp"
 #include "engine/topology/rank_groups.hpp"
 
 namespace loom::cli {
@@ -43,16 +44,9 @@ std::string join_group(const std::vector<int>& g) {
 }
 
 void print_json(const RankGroups& rg) {
-  std::string out = "{\"world_size\": " + std::to_string(rg.world()) + ", \"groups\": {";
-  bool first_kind = true;
-  for (const auto& kind : RankGroups::kinds()) {
-    out += (first_kind ? "\"" : ", \"") + kind + "\": [";
-    first_kind = false;
-    const auto& gs = rg.groups(kind);
-    for (std::size_t i = 0; i < gs.size(); ++i) out += (i ? "," : "") + join_group(gs[i]);
-    out += "]";
-  }
-  std::cout << out << "}}\n";
+  nlohmann::ordered_json groups = nlohmann::ordered_json::object();
+  for (const auto& kind : RankGroups::kinds()) groups[kind] = rg.groups(kind);
+  std::cout << runtime::dump_json({{"world_size", rg.world()}, {"groups", groups}}) << "\n";
 }
 
 // A rank grid per pipeline stage: rows enumerate one pair of coordinates, columns

@@ -3,9 +3,9 @@
 // the shard of each bucket the distributed optimizer steps, with the world,
 // bucket, local and param ranges of every parameter piece in it (Megatron-LM's `distrib_optimizer.py`).
 #include "engine/cli/args.hpp"
-#include "engine/cli/json.hpp"
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/shard_ranges.hpp"
+#include "engine/runtime/json.hpp"
 
 #include <cerrno>
 #include <cstdlib>
@@ -71,43 +71,34 @@ std::vector<size_t> parse_numels(const std::string& list) {
   return out;
 }
 
-std::string range_json(const model::Range& r) {
-  return "[" + std::to_string(r.start) + ", " + std::to_string(r.end) + "]";
-}
+// [start, end] as a two-element array.
+nlohmann::ordered_json range_json(const model::Range& r) { return {r.start, r.end}; }
 
 std::string range_text(const model::Range& r) {
   return "[" + std::to_string(r.start) + ", " + std::to_string(r.end) + ")";
 }
 
 void print_json(const model::BufferLayout& l, int dp) {
-  std::vector<std::string> buckets, params, ranks;
-  for (const model::Range& b : l.buckets)
-    buckets.push_back(JsonObject().add("start", b.start).add("end", b.end).str());
+  using nlohmann::ordered_json;
+  ordered_json buckets = ordered_json::array(), params = ordered_json::array(), ranks = ordered_json::array();
+  for (const model::Range& b : l.buckets) buckets.push_back({{"start", b.start}, {"end", b.end}});
   for (size_t i = 0; i < l.params.size(); ++i)
-    params.push_back(JsonObject().add("index", i).add("start", l.params[i].start).add("end", l.params[i].end).str());
+    params.push_back({{"index", i}, {"start", l.params[i].start}, {"end", l.params[i].end}});
   for (int r = 0; r < dp; ++r) {
-    std::vector<std::string> shards;
+    ordered_json shards = ordered_json::array();
     for (const model::RankShard& s : model::shard_ranges(l, dp, r)) {
-      std::vector<std::string> pieces;
+      ordered_json pieces = ordered_json::array();
       for (const model::ParamShard& p : s.params)
-        pieces.push_back(JsonObject()
-                             .add("index", p.index)
-                             .add_raw("world", range_json(p.world))
-                             .add_raw("bucket", range_json(p.bucket))
-                             .add_raw("local", range_json(p.local))
-                             .add_raw("param", range_json(p.param))
-                             .str());
-      shards.push_back(
-          JsonObject().add("bucket", s.bucket).add_raw("range", range_json(s.range)).add_raw("params", json_array(pieces)).str());
+        pieces.push_back({{"index", p.index},
+                          {"world", range_json(p.world)},
+                          {"bucket", range_json(p.bucket)},
+                          {"local", range_json(p.local)},
+                          {"param", range_json(p.param)}});
+      shards.push_back({{"bucket", s.bucket}, {"range", range_json(s.range)}, {"params", pieces}});
     }
-    ranks.push_back(JsonObject().add("rank", r).add_raw("shards", json_array(shards)).str());
+    ranks.push_back({{"rank", r}, {"shards", shards}});
   }
-  std::cout << JsonObject()
-                   .add("buffer_numel", l.numel)
-                   .add_raw("buckets", json_array(buckets))
-                   .add_raw("params", json_array(params))
-                   .add_raw("ranks", json_array(ranks))
-                   .str()
+  std::cout << runtime::dump_json({{"buffer_numel", l.numel}, {"buckets", buckets}, {"params", params}, {"ranks", ranks}})
             << "\n";
 }
 

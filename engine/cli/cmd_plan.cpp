@@ -4,9 +4,9 @@
 // model or allocating parameter memory.
 #include "engine/cli/args.hpp"
 #include "engine/runtime/launcher.hpp"
-#include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/model/param_plan.hpp"
+#include "engine/runtime/json.hpp"
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
@@ -62,43 +62,39 @@ int cmd_plan(int argc, char** argv) {
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
 
     if (json) {
-      std::vector<std::string> ranks;
+      using nlohmann::ordered_json;
+      ordered_json ranks = ordered_json::array();
       for (const train::RankMemory& r : mp.ranks) {
-        std::vector<std::string> buckets;
-        for (const model::Range& b : r.layout.buckets)
-          buckets.push_back(JsonObject().add("start", b.start).add("end", b.end).str());
-        ranks.push_back(JsonObject()
-                            .add("rank", r.rank)
-                            .add("params", r.params)
-                            .add("param_bytes", static_cast<size_t>(r.param_bytes))
-                            .add("grad_bytes", static_cast<size_t>(r.grad_bytes))
-                            .add("optimizer_bytes", static_cast<size_t>(r.optimizer_bytes))
-                            .add("activation_bytes", static_cast<size_t>(r.activation_bytes))
-                            .add("recompute_bytes", static_cast<size_t>(r.recompute_bytes))
-                            .add("bytes_per_param", r.bytes_per_param)
-                            .add("buffer_numel", r.buffer_numel)
-                            .add("tp_rank", r.tp_rank)
-                            .add("cp_rank", r.cp_rank)
-                            .add("dp_rank", r.dp_rank)
-                            .add("pp_rank", r.pp_rank)
-                            .add("in_flight", r.in_flight)
-                            .add("tensors", r.param_count)
-                            .add_raw("buckets", json_array(buckets))
-                            .str());
+        ordered_json buckets = ordered_json::array();
+        for (const model::Range& b : r.layout.buckets) buckets.push_back({{"start", b.start}, {"end", b.end}});
+        ranks.push_back({{"rank", r.rank},
+                         {"params", r.params},
+                         {"param_bytes", r.param_bytes},
+                         {"grad_bytes", r.grad_bytes},
+                         {"optimizer_bytes", r.optimizer_bytes},
+                         {"activation_bytes", r.activation_bytes},
+                         {"recompute_bytes", r.recompute_bytes},
+                         {"bytes_per_param", r.bytes_per_param},
+                         {"buffer_numel", r.buffer_numel},
+                         {"tp_rank", r.tp_rank},
+                         {"cp_rank", r.cp_rank},
+                         {"dp_rank", r.dp_rank},
+                         {"pp_rank", r.pp_rank},
+                         {"in_flight", r.in_flight},
+                         {"tensors", r.param_count},
+                         {"buckets", buckets}});
       }
-      std::cout << JsonObject()
-                       .add_raw("ranks", json_array(ranks))
-                       .add("world_size", mp.world)
-                       .add("tp", mp.tp)
-                       .add("cp", mp.cp)
-                       .add("dp", mp.dp)
-                       .add("pp", mp.pp)
-                       .add("param_dtype", mp.param_dtype)
-                       .add("grad_dtype", mp.grad_dtype)
-                       .add("optimizer_strategy", mp.strategy)
-                       .add("vocab", static_cast<long long>(mp.vocab))
-                       .add("microbatches_in_flight", static_cast<long long>(mp.microbatches_in_flight))
-                       .str()
+      std::cout << runtime::dump_json({{"ranks", ranks},
+                                       {"world_size", mp.world},
+                                       {"tp", mp.tp},
+                                       {"cp", mp.cp},
+                                       {"dp", mp.dp},
+                                       {"pp", mp.pp},
+                                       {"param_dtype", mp.param_dtype},
+                                       {"grad_dtype", mp.grad_dtype},
+                                       {"optimizer_strategy", mp.strategy},
+                                       {"vocab", mp.vocab},
+                                       {"microbatches_in_flight", mp.microbatches_in_flight}})
                 << "\n";
       return 0;
     }

@@ -1,8 +1,8 @@
 // loom plugins list | info NAME | check DIR
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
-#include "engine/cli/json.hpp"
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/json.hpp"
 
 #include <boost/filesystem.hpp>
 
@@ -30,28 +30,25 @@ std::string allowed_text(const manifest::OptionDecl& d) {
   return choices.empty() ? d.bounds.interval_text() : choices;
 }
 
-std::string plugin_json(const plugins::LoadedPlugin& p, bool with_options) {
-  JsonObject o;
-  o.add("name", p.key()).add("kind", p.kind).add("version", p.version).add("description", p.description)
-      .add("file", p.file).add("abi", std::to_string(p.abi_major) + "." + std::to_string(p.abi_minor));
+nlohmann::ordered_json plugin_json(const plugins::LoadedPlugin& p, bool with_options) {
+  nlohmann::ordered_json o = {{"name", p.key()},
+                              {"kind", p.kind},
+                              {"version", p.version},
+                              {"description", p.description},
+                              {"file", p.file},
+                              {"abi", std::to_string(p.abi_major) + "." + std::to_string(p.abi_minor)}};
   if (with_options) {
-    std::vector<std::string> opts;
+    nlohmann::ordered_json opts = nlohmann::ordered_json::array();
     for (const auto& d : p.options) {
-      JsonObject od;
-      od.add("name", d.name).add("type", type_name(d.type)).add("doc", d.doc);
-      if (d.default_value) od.add("default", *d.default_value);
-      else od.add_raw("default", "null");
-      if (!d.bounds.interval_text().empty()) od.add("range", d.bounds.interval_text());
-      if (!d.bounds.allowed.empty()) {
-        std::vector<std::string> choices;
-        for (const std::string& c : d.bounds.allowed) choices.push_back(json_str(c));
-        od.add_raw("choices", json_array(choices));
-      }
-      opts.push_back(od.str());
+      nlohmann::ordered_json od = {{"name", d.name}, {"type", type_name(d.type)}, {"doc", d.doc}};
+      od["default"] = d.default_value ? nlohmann::ordered_json(*d.default_value) : nlohmann::ordered_json(nullptr);
+      if (!d.bounds.interval_text().empty()) od["range"] = d.bounds.interval_text();
+      if (!d.bounds.allowed.empty()) od["choices"] = d.bounds.allowed;
+      opts.push_back(std::move(od));
     }
-    o.add_raw("options", json_array(opts));
+    o["options"] = std::move(opts);
   }
-  return o.str();
+  return o;
 }
 
 void print_info(const plugins::LoadedPlugin& p) {
@@ -123,9 +120,9 @@ int cmd_plugins(int argc, char** argv) {
     if (sub == "list") {
       plugins::Registry& r = loaded(args);
       if (args.flag("--json")) {
-        std::vector<std::string> items;
+        nlohmann::ordered_json items = nlohmann::ordered_json::array();
         for (const auto& p : r.all()) items.push_back(plugin_json(*p, false));
-        std::cout << JsonObject().add_raw("plugins", json_array(items)).str() << "\n";
+        std::cout << runtime::dump_json({{"plugins", items}}) << "\n";
       } else {
         size_t width = 0;  // the longest kind/name, so every column lines up
         for (const auto& p : r.all()) width = std::max(width, p->key().size());
@@ -147,7 +144,7 @@ int cmd_plugins(int argc, char** argv) {
                   << "'; `loom plugins list` shows the kind/name of each\n";
         return 1;
       }
-      if (args.flag("--json")) std::cout << plugin_json(*hits[0], true) << "\n";
+      if (args.flag("--json")) std::cout << runtime::dump_json(plugin_json(*hits[0], true)) << "\n";
       else print_info(*hits[0]);
       return 0;
     }
@@ -156,7 +153,7 @@ int cmd_plugins(int argc, char** argv) {
       // A fresh registry: check DIR on its own, against this engine's ABI.
       plugins::Registry r;
       int failures = 0;
-      std::vector<std::string> items;
+      nlohmann::ordered_json items = nlohmann::ordered_json::array();
       boost::filesystem::path dir(pos[1]);
       if (!boost::filesystem::is_directory(dir)) {
         std::cerr << "loom plugins check: " << pos[1] << " is not a directory\n";
@@ -178,10 +175,7 @@ int cmd_plugins(int argc, char** argv) {
         std::vector<std::string> names;
         for (size_t i = before; i < r.all().size(); ++i) names.push_back(r.all()[i]->key());
         if (args.flag("--json")) {
-          std::vector<std::string> jn;
-          for (const auto& n : names) jn.push_back(json_str(n));
-          items.push_back(JsonObject().add("file", f).add("ok", error.empty()).add("error", error)
-                              .add_raw("plugins", json_array(jn)).str());
+          items.push_back({{"file", f}, {"ok", error.empty()}, {"error", error}, {"plugins", names}});
         } else if (error.empty()) {
           std::cout << "ok    " << f << ":";
           for (const auto& n : names) std::cout << " " << n;
@@ -192,8 +186,7 @@ int cmd_plugins(int argc, char** argv) {
       }
       warn_shadowed(r, dir);
       if (args.flag("--json"))
-        std::cout << JsonObject().add("dir", pos[1]).add("failures", failures).add_raw("files", json_array(items)).str()
-                  << "\n";
+        std::cout << runtime::dump_json({{"dir", pos[1]}, {"failures", failures}, {"files", items}}) << "\n";
       else
         std::cout << files.size() - failures << " of " << files.size() << " libraries load\n";
       return failures ? 1 : 0;

@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "engine/cli/args.hpp"
-#include "engine/cli/json.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/json.hpp"
 
 namespace loom::cli {
 
@@ -73,20 +73,16 @@ std::string order_str(const std::vector<int32_t>& order) {
 }
 
 void print_json(const pipeline::PipelineOrders& o) {
-  std::vector<std::string> ranks;
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
   for (int r = 0; r < o.pp; ++r)
-    ranks.push_back(JsonObject()
-                        .add("rank", r)
-                        .add("warmup", static_cast<int>(o.warmup[static_cast<size_t>(r)]))
-                        .add_raw("order", order_str(o.order[static_cast<size_t>(r)]))
-                        .str());
-  std::cout << JsonObject()
-                   .add("pp", o.pp)
-                   .add("vpp", o.vpp)
-                   .add("microbatches", o.microbatches)
-                   .add("group_size", o.group_size)
-                   .add_raw("ranks", json_array(ranks))
-                   .str()
+    ranks.push_back({{"rank", r},
+                     {"warmup", o.warmup[static_cast<size_t>(r)]},
+                     {"order", o.order[static_cast<size_t>(r)]}});
+  std::cout << runtime::dump_json({{"pp", o.pp},
+                                   {"vpp", o.vpp},
+                                   {"microbatches", o.microbatches},
+                                   {"group_size", o.group_size},
+                                   {"ranks", ranks}})
             << "\n";
 }
 

@@ -3,9 +3,9 @@
 #include "engine/cli/args.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/cli/commands.hpp"
-#include "engine/cli/json.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/manifest/schema.hpp"
+#include "engine/runtime/json.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -87,26 +87,32 @@ int cmd_validate(int argc, char** argv) {
     const int64_t etp = plan.sizes.expert_tp();
 
     if (json) {
-      std::vector<std::string> entries;
+      using nlohmann::ordered_json;
+      ordered_json entries = ordered_json::array();
       for (const auto& e : m.entries())
-        entries.push_back(JsonObject().add("key", e.key).add("value", e.value).add("origin", e.origin.str())
-                              .add("source", origin_kind(e.origin)).str());
-      std::vector<std::string> layer_items;
-      for (const auto& l : plan.layers)
-        layer_items.push_back(JsonObject().add("name", l.instance).add("plugin", "layer/" + l.plugin).str());
-      JsonObject p;
-      p.add("world_size", world).add("tp", plan.sizes.tp).add("cp", plan.sizes.cp).add("pp", plan.sizes.pp)
-          .add("dp", plan.dp).add("ep", plan.sizes.ep).add("etp", static_cast<long long>(etp))
-          .add("vpp", config.parallel.vpp)
-          .add("layers_per_stage", static_cast<long long>(per_stage))
-          .add_raw("layers_per_chunk", "[" + per_chunk_text + "]")
-          .add("microbatches_per_rank", static_cast<long long>(plan.microbatches))
-          .add("device", plan.device->key()).add("comm", plan.comm->key()).add("exec", plan.exec->key())
-          .add("optimizer", plan.optimizer->key()).add("schedule", plan.schedule->key())
-          .add("expert_dispatcher", plan.expert ? plan.expert->key() : "")
-          .add_raw("layers", json_array(layer_items));
-      std::cout << JsonObject().add("valid", true).add_raw("plan", p.str()).add_raw("values", json_array(entries)).str()
-                << "\n";
+        entries.push_back(
+            {{"key", e.key}, {"value", e.value}, {"origin", e.origin.str()}, {"source", origin_kind(e.origin)}});
+      ordered_json layer_items = ordered_json::array();
+      for (const auto& l : plan.layers) layer_items.push_back({{"name", l.instance}, {"plugin", "layer/" + l.plugin}});
+      const ordered_json p = {{"world_size", world},
+                              {"tp", plan.sizes.tp},
+                              {"cp", plan.sizes.cp},
+                              {"pp", plan.sizes.pp},
+                              {"dp", plan.dp},
+                              {"ep", plan.sizes.ep},
+                              {"etp", etp},
+                              {"vpp", config.parallel.vpp},
+                              {"layers_per_stage", per_stage},
+                              {"layers_per_chunk", per_chunk},
+                              {"microbatches_per_rank", plan.microbatches},
+                              {"device", plan.device->key()},
+                              {"comm", plan.comm->key()},
+                              {"exec", plan.exec->key()},
+                              {"optimizer", plan.optimizer->key()},
+                              {"schedule", plan.schedule->key()},
+                              {"expert_dispatcher", plan.expert ? plan.expert->key() : ""},
+                              {"layers", layer_items}};
+      std::cout << runtime::dump_json({{"valid", true}, {"plan", p}, {"values", entries}}) << "\n";
       return 0;
     }
     std::cout << "manifest: " << args.positionals()[0] << " is valid\n\nresolved values:\n";

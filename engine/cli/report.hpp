@@ -2,8 +2,8 @@
 // stdout with --json, otherwise the text (one line per problem) on stderr.
 #pragma once
 
-#include "engine/cli/json.hpp"
 #include "engine/manifest/manifest.hpp"
+#include "engine/runtime/json.hpp"
 
 #include <iostream>
 
@@ -12,10 +12,10 @@ namespace loom::cli {
 // Returns the exit code for an invalid manifest (1).
 inline int report_manifest_error(const manifest::ManifestError& e, bool json) {
   if (json) {
-    std::vector<std::string> errs;
+    nlohmann::ordered_json errors = nlohmann::ordered_json::array();
     for (const auto& d : e.diagnostics())
-      errs.push_back(JsonObject().add("key", d.key).add("origin", d.origin.str()).add("message", d.message).str());
-    std::cout << JsonObject().add("valid", false).add_raw("errors", json_array(errs)).str() << "\n";
+      errors.push_back({{"key", d.key}, {"origin", d.origin.str()}, {"message", d.message}});
+    std::cout << runtime::dump_json({{"valid", false}, {"errors", errors}}) << "\n";
   } else {
     std::cerr << e.what() << "\n";
   }

@@ -1,13 +1,13 @@
 #include "engine/pipeline/schedule.hpp"
 
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/json.hpp"
 
 #include <loom/cpp/core.hpp>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <ostream>
@@ -38,32 +38,9 @@ std::string step_str(int index, int32_t entry, const StepRef& s) {
          (entry > 0 ? "+" : "") + std::to_string(entry) + ": " + describe(s) + ")";
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "0";
-  char buf[64];
-  if (v == std::floor(v) && std::fabs(v) < 9e15)
-    std::snprintf(buf, sizeof(buf), "%.0f", v);
-  else
-    std::snprintf(buf, sizeof(buf), "%.3f", v);
-  return buf;
-}
+// A trace time in microseconds: to the nanosecond, and 0 for a non-finite one (the
+// Trace Event Format needs a number there).
+double trace_us(double v) { return std::isfinite(v) ? std::round(v * 1000.0) / 1000.0 : 0.0; }
 
 }  // namespace
 
@@ -386,28 +363,30 @@ void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events)
   std::sort(ranks.begin(), ranks.end());
   ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
 
-  os << "[\n";
-  bool first = true;
-  auto sep = [&]() -> std::ostream& {
-    os << (first ? "" : ",\n");
-    first = false;
-    return os;
-  };
+  // One event per line, so the file also reads and greps line by line.
+  std::vector<nlohmann::ordered_json> lines;
   for (int r : ranks)
-    sep() << "{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": " << r
-          << ", \"args\": {\"name\": \"rank " << r << "\"}}";
+    lines.push_back({{"name", "thread_name"},
+                     {"ph", "M"},
+                     {"pid", 0},
+                     {"tid", r},
+                     {"args", {{"name", "rank " + std::to_string(r)}}}});
   for (const TraceEvent& e : events) {
-    sep() << "{\"name\": \"" << json_escape(e.name) << "\", \"cat\": \"" << json_escape(e.category)
-          << "\", \"ph\": \"X\", \"pid\": 0, \"tid\": " << e.rank << ", \"ts\": " << json_number(e.start_us)
-          << ", \"dur\": " << json_number(e.dur_us);
+    nlohmann::ordered_json j = {{"name", e.name},
+                                {"cat", e.category},
+                                {"ph", "X"},
+                                {"pid", 0},
+                                {"tid", e.rank},
+                                {"ts", trace_us(e.start_us)},
+                                {"dur", trace_us(e.dur_us)}};
     if (!e.args.empty()) {
-      os << ", \"args\": {";
-      for (size_t i = 0; i < e.args.size(); ++i)
-        os << (i ? ", " : "") << "\"" << json_escape(e.args[i].first) << "\": " << e.args[i].second;
-      os << "}";
+      nlohmann::ordered_json& args = j["args"];
+      for (const auto& [key, value] : e.args) args[key] = value;
     }
-    os << "}";
+    lines.push_back(std::move(j));
   }
+  os << "[\n";
+  for (size_t i = 0; i < lines.size(); ++i) os << (i ? ",\n" : "") << runtime::dump_json(lines[i]);
   os << "\n]\n";
 }
 

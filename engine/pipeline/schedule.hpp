@@ -138,7 +138,8 @@ struct TraceEvent {
 std::vector<TraceEvent> trace_events(const Timeline& timeline, double us_per_slot = 1000.0);
 
 // Writes a JSON array of complete ("X") events, plus one thread_name metadata ("M")
-// event per rank so that rows read "rank N".
+// event per rank so that rows read "rank N"; one event per line, times rounded to the
+// nanosecond (non-finite ones as 0).
 void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events);
 // The same into a file; throws std::runtime_error naming the file when it cannot be written.
 void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& events);

@@ -1,6 +1,7 @@
 #include "engine/runtime/comm_stats.hpp"
 
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/json.hpp"
 
 #include <loom/cpp/core.hpp>
 
@@ -176,26 +177,16 @@ CommCounter total(const CommStats& s, const std::string& kind) {
   return t;
 }
 
-std::string comm_stats_json(const CommStats& s) {
-  std::ostringstream os;
-  os.precision(17);
-  os << "{";
-  bool first_kind = true;
+nlohmann::ordered_json comm_stats_to_json(const CommStats& s) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
   for (const auto& [kind, ops] : s) {
     if (total(s, kind).calls == 0) continue;
-    os << (first_kind ? "" : ", ") << "\"" << kind << "\": {";
-    first_kind = false;
-    bool first_op = true;
-    for (const auto& [op, c] : ops) {
-      if (c.calls == 0) continue;
-      os << (first_op ? "" : ", ") << "\"" << op << "\": {\"calls\": " << c.calls << ", \"elements\": " << c.elements
-         << ", \"bytes\": " << c.bytes << ", \"bus_bytes\": " << c.bus_bytes << "}";
-      first_op = false;
-    }
-    os << "}";
+    nlohmann::ordered_json& by_op = out[kind];
+    for (const auto& [op, c] : ops)
+      if (c.calls != 0)
+        by_op[op] = {{"calls", c.calls}, {"elements", c.elements}, {"bytes", c.bytes}, {"bus_bytes", c.bus_bytes}};
   }
-  os << "}";
-  return os.str();
+  return out;
 }
 
 std::string comm_stats_summary(const CommStats& s, const std::string& label) {

@@ -22,6 +22,8 @@
 
 #include <loom/loom_abi.h>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -81,9 +83,10 @@ CommStats& operator+=(CommStats& a, const CommStats& b);
 // One kind's counters summed over its ops.
 CommCounter total(const CommStats& s, const std::string& kind);
 
-// For --metrics: {"tp": {"all_reduce": {"calls": 8, "elements": 4096, "bytes": 16384,
-// "bus_bytes": 16384}, ...}, "dp": {...}}; kinds and ops in name order, empty ones left out.
-std::string comm_stats_json(const CommStats& s);
+// For --metrics: {"dp": {...}, "tp": {"all_reduce": {"calls": 8, "elements": 4096,
+// "bytes": 16384, "bus_bytes": 16384.0}, ...}}; kinds and ops in name order, empty ones
+// left out; bus_bytes is a double, the rest integers.
+nlohmann::ordered_json comm_stats_to_json(const CommStats& s);
 // For the run summary: one line, e.g.
 // "comm per step: tp 24 all_reduce 1.50 MiB, 8 all_gather 512.0 KiB; dp 1 all_reduce 2.0 MiB"
 // (per kind, per op: calls and bytes; "none" when nothing was called).

@@ -1,5 +1,7 @@
 #include "engine/train/metrics.hpp"
 
+#include "engine/runtime/json.hpp"
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -30,34 +32,29 @@ std::string mib(uint64_t b) {
   return os.str();
 }
 
-// A JSON number; null for inf and nan, which JSON cannot spell (every line stays JSON).
-struct JsonNumber {
-  double v;
-};
-std::ostream& operator<<(std::ostream& os, JsonNumber n) {
-  if (std::isfinite(n.v)) return os << n.v;
-  return os << "null";
-}
-
 }  // namespace
 
 std::string step_json(const StepRecord& r) {
-  using N = JsonNumber;
-  std::ostringstream os;
-  os.precision(9);
-  os << "{\"step\": " << r.step << ", \"loss\": " << N{r.loss} << ", \"aux_loss\": " << N{r.aux_loss}
-     << ", \"lr\": " << N{r.lr} << ", \"grad_norm\": " << N{r.grad_norm} << ", \"tokens_per_s\": " << N{r.tokens_per_s}
-     << ", \"ms\": " << N{r.ms} << ", \"flops_per_s\": " << N{r.flops_per_s} << ", \"mfu\": " << N{r.mfu}
-     << ", \"mem_bytes\": " << r.mem_current << ", \"mem_peak_bytes\": " << r.mem_peak
-     << ", \"in_flight\": " << r.in_flight << ", \"activation_bytes\": " << r.activation_bytes
-     << ", \"comm\": " << runtime::comm_stats_json(r.comm);
+  nlohmann::ordered_json j = {{"step", r.step},
+                              {"loss", r.loss},
+                              {"aux_loss", r.aux_loss},
+                              {"lr", r.lr},
+                              {"grad_norm", r.grad_norm},
+                              {"tokens_per_s", r.tokens_per_s},
+                              {"ms", r.ms},
+                              {"flops_per_s", r.flops_per_s},
+                              {"mfu", r.mfu},
+                              {"mem_bytes", r.mem_current},
+                              {"mem_peak_bytes", r.mem_peak},
+                              {"in_flight", r.in_flight},
+                              {"activation_bytes", r.activation_bytes},
+                              {"comm", runtime::comm_stats_to_json(r.comm)}};
   if (r.evaluated) {
-    os << ", \"val_loss\": " << N{r.val_loss};
-    if (r.exact_match >= 0) os << ", \"val_exact_match\": " << N{r.exact_match};
-    if (r.token_accuracy >= 0) os << ", \"val_token_accuracy\": " << N{r.token_accuracy};
+    j["val_loss"] = r.val_loss;
+    if (r.exact_match >= 0) j["val_exact_match"] = r.exact_match;
+    if (r.token_accuracy >= 0) j["val_token_accuracy"] = r.token_accuracy;
   }
-  os << "}";
-  return os.str();
+  return runtime::dump_json(j);  // inf and nan, which JSON cannot spell, as null
 }
 
 MetricsSink::MetricsSink(const std::string& metrics_file, bool append, std::ostream* log, int64_t steps,

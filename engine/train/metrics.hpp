@@ -32,7 +32,7 @@ struct StepRecord {
   double token_accuracy = -1;  // fraction of validation target tokens predicted (argmax); -1 when not computed
 };
 
-// One line of the metrics file (JSON; inf and nan, which JSON cannot spell, as null).
+// One line of the metrics file: compact JSON (inf and nan, which JSON cannot spell, as null).
 std::string step_json(const StepRecord& r);
 
 class MetricsSink {

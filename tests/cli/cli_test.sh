@@ -42,9 +42,9 @@ mkdir -p "$work/ckpt/step_99999999"
 grep -q "resume: skipped .*step_99999999 (no meta.toml: a save that did not finish); resuming from .*step_" \
   "$work/resume.out" || fail "incomplete step directory: $(head -3 "$work/resume.out")"
 rmdir "$work/ckpt/step_99999999"
-last_ref=$(tail -1 "$work/ref.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
-last_res=$(tail -1 "$work/cut.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
-[ "$(tail -1 "$work/cut.jsonl" | sed 's/.*"step": \([0-9]*\),.*/\1/')" = 300 ] || fail "resumed run did not reach step 300"
+last_ref=$(tail -1 "$work/ref.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
+last_res=$(tail -1 "$work/cut.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
+[ "$(tail -1 "$work/cut.jsonl" | sed 's/.*"step": *\([0-9]*\),.*/\1/')" = 300 ] || fail "resumed run did not reach step 300"
 [ "$last_ref" = "$last_res" ] || fail "final loss after SIGTERM+resume $last_res != uninterrupted $last_ref"
 
 # 4. A bad manifest: every problem, each with file:line:column; exit 1.
@@ -74,7 +74,7 @@ grep -q "expert layout     ep 2 x etp 1 (edp 2, dispatcher parallel/expert.allga
 # 5. Pipeline schedules: Megatron-LM's interleaved 1F1B order (pp 4, 2 virtual chunks, 8
 # microbatches; megatron/core/pipeline_parallel/schedules.py), and a refusal that names the rule.
 "$loom" schedule --pp 4 --vpp 2 --microbatches 8 --json > "$work/sched.json" || fail "loom schedule"
-grep -q '{"rank": 0, "warmup": 10, "order": \[1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -2, 1, -2, 2, -2, 2, -2, 2, -1, 2, -1, -1, -1, -2, -2, -2, -2, -1, -1, -1, -1\]}' "$work/sched.json" \
+grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2,2,-1,2,-1,-1,-1,-2,-2,-2,-2,-1,-1,-1,-1\]}' "$work/sched.json" \
   || fail "interleaved order of rank 0: $(head -c 300 "$work/sched.json")"
 "$loom" schedule --pp 4 --vpp 2 --microbatches 6 > /dev/null 2> "$work/sched.err"
 [ $? -eq 1 ] && grep -q "microbatches mod N must be 0 or at least pp" "$work/sched.err" || fail "refusal: $(cat "$work/sched.err")"
@@ -94,8 +94,8 @@ rs=(--set optimizer.strategy=distributed --set checkpoint.dir="\"$work/rs\"")
   > "$work/rs2.out" 2>&1 || fail "resume at dp=2: $(tail -3 "$work/rs2.out")"
 [ "$(wc -l < "$work/rs.jsonl")" -eq 6 ] || fail "resumed run wrote $(wc -l < "$work/rs.jsonl") steps, expected 6"
 for s in 7 12; do
-  a=$(grep "\"step\": $s," "$work/rs.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
-  b=$(grep "\"step\": $s," "$work/ref.jsonl" | sed 's/.*"loss": \([^,]*\),.*/\1/')
+  a=$(grep "\"step\": *$s," "$work/rs.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
+  b=$(grep "\"step\": *$s," "$work/ref.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
   awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-5 * b) }' \
     || fail "step $s after resharding dp 4 -> 2: loss $a, uninterrupted dp = 2: $b"
 done

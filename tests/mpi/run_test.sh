@@ -21,7 +21,7 @@ trap 'rm -rf "$work"' EXIT
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 # The metrics without the fields that measure time.
-strip() { sed -E 's/, "(tokens_per_s|ms|flops_per_s|mfu)": [^,}]*//g' "$1"; }
+strip() { sed -E 's/, ?"(tokens_per_s|ms|flops_per_s|mfu)": ?[^,}]*//g' "$1"; }
 same() {  # same FILE_A FILE_B WHAT
   [ -s "$1" ] || fail "$3: $1 is empty"
   if ! diff <(strip "$1") <(strip "$2") >"$work/diff"; then
@@ -59,7 +59,7 @@ grep -q '"aux_loss"' "$work/me.jsonl" || fail "the MoE run under mpirun reports 
 # The all-gather dispatcher between processes trains exactly as the all-to-all one
 # (what it communicates and allocates differs, so only the training is compared).
 mpi 2 "${moe[@]}" --set parallel.expert=expert.allgather --metrics "$work/mg.jsonl" >/dev/null
-training() { grep -o '"\(loss\|aux_loss\|grad_norm\|val_loss\)": [^,}]*' "$1"; }
+training() { grep -o '"\(loss\|aux_loss\|grad_norm\|val_loss\)": *[^,}]*' "$1"; }
 diff <(training "$work/te.jsonl") <(training "$work/mg.jsonl") >/dev/null ||
   fail "mpirun -np 2 all-gather dispatcher vs threads all-to-all (MoE, ep 2): the training differs"
 [ "$(training "$work/mg.jsonl" | grep -c '"loss"')" -eq 6 ] || fail "the all-gather run reported no losses"
@@ -134,7 +134,7 @@ done
 timeout 150 "$mpiexec" "${flags[@]}" -np 2 "$loom" run "$manifest" --set comm.backend=mpi "${long[@]}" --resume \
   --set run.steps=$((stopped + 2)) --metrics "$work/sig_r.jsonl" >"$work/sig_r.out" 2>&1 ||
   { tail -5 "$work/sig_r.out" >&2; fail "resuming the interrupted run failed"; }
-first=$(head -1 "$work/sig_r.jsonl" | sed -nE 's/.*"step": ([0-9]+).*/\1/p')
+first=$(head -1 "$work/sig_r.jsonl" | sed -nE 's/.*"step": ?([0-9]+).*/\1/p')
 [ "$first" = "$((stopped + 1))" ] || fail "the resumed run should start at step $((stopped + 1)), not $first"
 echo "ok: SIGUSR1 to mpirun stopped both ranks after step $stopped with a checkpoint; resumed at step $first"
 

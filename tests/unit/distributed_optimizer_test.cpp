@@ -4,6 +4,7 @@
 // (dp 2, 3, 4 and tp 2 x dp 2, several buckets, shards cutting through parameters),
 // bit-exact resume, refusal of shard state saved under another dp, and optimizer
 // memory that falls as 1/dp.
+#include "support/json_line.hpp"
 #include "support/train_fixture.hpp"
 
 #include "engine/model/buffer_layout.hpp"
@@ -272,19 +273,19 @@ CliResult run_cli(std::vector<std::string> args) {
 TEST(DistoptCli, JsonOfTheKnownCase) {
   const CliResult r = run_cli({"--param-numels", "3,5,4,4", "--dp", "2", "--json"});
   EXPECT_EQ(r.rc, 0) << r.err;
-  const std::string expected =
-      "{\"buffer_numel\": 256, \"buckets\": [{\"start\": 0, \"end\": 256}], "
-      "\"params\": [{\"index\": 0, \"start\": 192, \"end\": 195}, {\"index\": 1, \"start\": 128, \"end\": 133}, "
-      "{\"index\": 2, \"start\": 64, \"end\": 68}, {\"index\": 3, \"start\": 0, \"end\": 4}], "
-      "\"ranks\": ["
-      "{\"rank\": 0, \"shards\": [{\"bucket\": 0, \"range\": [0, 128], \"params\": ["
-      "{\"index\": 3, \"world\": [0, 4], \"bucket\": [0, 4], \"local\": [0, 4], \"param\": [0, 4]}, "
-      "{\"index\": 2, \"world\": [64, 68], \"bucket\": [64, 68], \"local\": [64, 68], \"param\": [0, 4]}]}]}, "
-      "{\"rank\": 1, \"shards\": [{\"bucket\": 0, \"range\": [128, 256], \"params\": ["
-      "{\"index\": 1, \"world\": [128, 133], \"bucket\": [128, 133], \"local\": [0, 5], \"param\": [0, 5]}, "
-      "{\"index\": 0, \"world\": [192, 195], \"bucket\": [192, 195], \"local\": [64, 67], \"param\": [0, 3]}]}]}"
-      "]}\n";
-  EXPECT_EQ(r.out, expected);
+  const nlohmann::ordered_json expected = nlohmann::ordered_json::parse(
+      R"({"buffer_numel": 256, "buckets": [{"start": 0, "end": 256}], )"
+      R"("params": [{"index": 0, "start": 192, "end": 195}, {"index": 1, "start": 128, "end": 133}, )"
+      R"({"index": 2, "start": 64, "end": 68}, {"index": 3, "start": 0, "end": 4}], )"
+      R"("ranks": [)"
+      R"({"rank": 0, "shards": [{"bucket": 0, "range": [0, 128], "params": [)"
+      R"({"index": 3, "world": [0, 4], "bucket": [0, 4], "local": [0, 4], "param": [0, 4]}, )"
+      R"({"index": 2, "world": [64, 68], "bucket": [64, 68], "local": [64, 68], "param": [0, 4]}]}]}, )"
+      R"({"rank": 1, "shards": [{"bucket": 0, "range": [128, 256], "params": [)"
+      R"({"index": 1, "world": [128, 133], "bucket": [128, 133], "local": [0, 5], "param": [0, 5]}, )"
+      R"({"index": 0, "world": [192, 195], "bucket": [192, 195], "local": [64, 67], "param": [0, 3]}]}]})"
+      R"(]})");
+  EXPECT_EQ(loom::testing::json_line(r.out), expected) << r.out;
 }
 
 TEST(DistoptCli, TableHelpAndUsageErrors) {
@@ -294,8 +295,8 @@ TEST(DistoptCli, TableHelpAndUsageErrors) {
   EXPECT_NE(t.out.find("padding only"), std::string::npos) << t.out;  // rank 2
   const CliResult b = run_cli({"--param-numels", "300,200,100", "--dp", "2", "--bucket-size", "250", "--json"});
   EXPECT_EQ(b.rc, 0) << b.err;
-  EXPECT_NE(b.out.find("\"buckets\": [{\"start\": 0, \"end\": 384}, {\"start\": 384, \"end\": 768}]"),
-            std::string::npos)
+  EXPECT_EQ(loom::testing::json_line(b.out).at("buckets"),
+            nlohmann::ordered_json::parse(R"([{"start": 0, "end": 384}, {"start": 384, "end": 768}])"))
       << b.out;
 
   const CliResult h = run_cli({"--help"});

@@ -1,15 +1,11 @@
 // loom plan: memory planned from the layer declarations matches what the trainer
 // allocates, reproduces the bytes-per-parameter table, and the CLI's JSON.
-// GCC 12 with -fsanitize=address,undefined reports a false -Wmaybe-uninitialized
-// inside Boost.PropertyTree's boost::optional (used here only to parse JSON).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 #include "engine/model/param_plan.hpp"
 #include "engine/train/memory_plan.hpp"
+#include "tests/support/json_line.hpp"
 #include "tests/support/train_fixture.hpp"
 
-#include <boost/property_tree/json_parser.hpp>
-#include <boost/property_tree/ptree.hpp>
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -182,23 +178,22 @@ TEST(MemoryPlan, CliJson) {
   const int rc = loom::cli::cmd_plan(static_cast<int>(argv.size()), argv.data());
   const std::string out = ::testing::internal::GetCapturedStdout();
   ASSERT_EQ(rc, 0) << out;
-  boost::property_tree::ptree tree;
-  std::istringstream is(out);
-  ASSERT_NO_THROW(boost::property_tree::read_json(is, tree)) << out;
-  const auto& ranks = tree.get_child("ranks");
+  nlohmann::ordered_json tree;
+  ASSERT_NO_THROW(tree = loom::testing::json_line(out)) << out;
+  const auto& ranks = tree.at("ranks");
   ASSERT_EQ(ranks.size(), 8u) << out;  // world = tp 2 x cp 2 x dp 2
-  EXPECT_EQ(tree.get<int>("cp"), 2);
+  EXPECT_EQ(tree.at("cp"), 2);
   int expect_rank = 0;
-  for (const auto& [key, r] : ranks) {
+  for (const auto& r : ranks) {
     // The default order tp-cp-ep-dp-pp: tp fastest, then cp, then dp.
-    EXPECT_EQ(r.get<int>("tp_rank"), expect_rank % 2);
-    EXPECT_EQ(r.get<int>("cp_rank"), expect_rank / 2 % 2);
-    EXPECT_EQ(r.get<int>("dp_rank"), expect_rank / 4);
-    EXPECT_EQ(r.get<int>("rank"), expect_rank++);
+    EXPECT_EQ(r.at("tp_rank"), expect_rank % 2);
+    EXPECT_EQ(r.at("cp_rank"), expect_rank / 2 % 2);
+    EXPECT_EQ(r.at("dp_rank"), expect_rank / 4);
+    EXPECT_EQ(r.at("rank"), expect_rank++);
     for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"})
-      EXPECT_GT(r.get<double>(k), 0) << k;
-    EXPECT_NEAR(r.get<double>("bytes_per_param"), 16, 0.5);
-    EXPECT_EQ(r.get<double>("param_bytes"), 4 * r.get<double>("buffer_numel"));
+      EXPECT_GT(r.at(k).get<double>(), 0) << k;
+    EXPECT_NEAR(r.at("bytes_per_param").get<double>(), 16, 0.5);
+    EXPECT_EQ(r.at("param_bytes").get<double>(), 4 * r.at("buffer_numel").get<double>());
   }
 
   // Usage errors exit 2; --help exits 0; an invalid manifest exits 1.

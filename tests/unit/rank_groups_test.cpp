@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
 #include <iostream>
 #include <map>
 #include <set>
@@ -13,6 +12,7 @@
 
 #include "engine/cli/commands.hpp"
 #include "engine/topology/rank_groups.hpp"
+#include "support/json_line.hpp"
 
 namespace {
 
@@ -378,115 +378,43 @@ Run run_groups(std::vector<std::string> args) {
   return {rc, out.str(), err.str()};
 }
 
-// A tiny reader for the JSON subset `loom groups --json` writes, so the test checks
-// that the output parses, not just that it contains the right substrings.
-struct JsonReader {
-  const std::string& s;
-  std::size_t i = 0;
-  void ws() {
-    while (i < s.size() && std::isspace(static_cast<unsigned char>(s[i]))) ++i;
-  }
-  void expect(char c) {
-    ws();
-    if (i >= s.size() || s[i] != c) throw std::runtime_error(std::string("expected '") + c + "' at " + std::to_string(i));
-    ++i;
-  }
-  bool peek(char c) {
-    ws();
-    return i < s.size() && s[i] == c;
-  }
-  std::string str() {
-    expect('"');
-    const auto end = s.find('"', i);
-    if (end == std::string::npos) throw std::runtime_error("unterminated string");
-    std::string v = s.substr(i, end - i);
-    i = end + 1;
-    return v;
-  }
-  int integer() {
-    ws();
-    std::size_t n = 0;
-    const int v = std::stoi(s.substr(i), &n);
-    i += n;
-    return v;
-  }
-  template <class F>
-  void list(char open, char close, F each) {
-    expect(open);
-    if (peek(close)) {
-      ++i;
-      return;
-    }
-    do each();
-    while (peek(',') && ++i);
-    expect(close);
-  }
-};
-
-struct ParsedGroups {
-  int world = -1;
-  std::vector<std::pair<std::string, Groups>> kinds;
-};
-
-ParsedGroups parse_groups_json(const std::string& text) {
-  JsonReader r{text};
-  ParsedGroups p;
-  r.list('{', '}', [&] {
-    const auto key = r.str();
-    r.expect(':');
-    if (key == "world_size") {
-      p.world = r.integer();
-    } else if (key == "groups") {
-      r.list('{', '}', [&] {
-        std::pair<std::string, Groups> kind{r.str(), {}};
-        r.expect(':');
-        r.list('[', ']', [&] {
-          kind.second.emplace_back();
-          r.list('[', ']', [&] { kind.second.back().push_back(r.integer()); });
-        });
-        p.kinds.push_back(std::move(kind));
-      });
-    } else {
-      throw std::runtime_error("unexpected key " + key);
-    }
-  });
-  r.ws();
-  if (r.i != text.size()) throw std::runtime_error("trailing text after JSON");
-  return p;
-}
-
 TEST(CmdGroups, JsonForTp4Pp2Dp2) {
   const auto run = run_groups({"--world-size", "16", "--tp", "4", "--pp", "2", "--cp", "1", "--json"});
   ASSERT_EQ(run.rc, 0) << run.err;
   EXPECT_EQ(run.err, "");
-  EXPECT_NE(run.out.find(R"("tp": [[0,1,2,3],[4,5,6,7],[8,9,10,11],[12,13,14,15]])"), std::string::npos)
-      << run.out;
-  EXPECT_NE(run.out.find(R"("dp": [[0,4],[1,5],[2,6],[3,7],[8,12],[9,13],[10,14],[11,15]])"), std::string::npos);
-  EXPECT_EQ(run.out.rfind(R"({"world_size": 16, "groups": {)", 0), 0u);
+  const nlohmann::ordered_json j = loom::testing::json_line(run.out);
+  ASSERT_TRUE(j.is_object()) << run.out;
+  ASSERT_EQ(j.size(), 2u) << run.out;
+  EXPECT_EQ(j.begin().key(), "world_size");
+  EXPECT_EQ(j.at("world_size"), 16);
+  const nlohmann::ordered_json& groups = j.at("groups");
+  EXPECT_EQ(groups.at("tp"), nlohmann::ordered_json::parse("[[0,1,2,3],[4,5,6,7],[8,9,10,11],[12,13,14,15]]"));
+  EXPECT_EQ(groups.at("dp"), nlohmann::ordered_json::parse("[[0,4],[1,5],[2,6],[3,7],[8,12],[9,13],[10,14],[11,15]]"));
 
   // Every kind, in kinds() order, with exactly the library's groups.
-  const auto parsed = parse_groups_json(run.out);
-  EXPECT_EQ(parsed.world, 16);
   const auto rg = RankGroups::build(make(16, 4, 1, 2));
-  ASSERT_EQ(parsed.kinds.size(), RankGroups::kinds().size());
-  for (std::size_t k = 0; k < parsed.kinds.size(); ++k) {
-    EXPECT_EQ(parsed.kinds[k].first, RankGroups::kinds()[k]);
-    EXPECT_EQ(parsed.kinds[k].second, rg.groups(RankGroups::kinds()[k])) << parsed.kinds[k].first;
+  ASSERT_EQ(groups.size(), RankGroups::kinds().size());
+  std::size_t k = 0;
+  for (const auto& [kind, value] : groups.items()) {
+    EXPECT_EQ(kind, RankGroups::kinds()[k]);
+    EXPECT_EQ(value.get<Groups>(), rg.groups(RankGroups::kinds()[k])) << kind;
+    ++k;
   }
 }
 
 TEST(CmdGroups, JsonForFourRanksExactly) {
   const auto run = run_groups({"--world-size", "4", "--tp", "2", "--pp", "1", "--cp", "1", "--json"});
   ASSERT_EQ(run.rc, 0) << run.err;
-  EXPECT_EQ(run.out,
-            R"({"world_size": 4, "groups": {"tp": [[0,1],[2,3]], "cp": [[0],[1],[2],[3]], )"
-            R"("dp": [[0,2],[1,3]], "pp": [[0],[1],[2],[3]], "dp-cp": [[0,2],[1,3]], )"
-            R"("tp-pp": [[0,1],[2,3]], "tp-dp-cp": [[0,1,2,3]], "tp-dp": [[0,1,2,3]], )"
-            R"("tp-cp": [[0,1],[2,3]], "embedding": [[0],[1],[2],[3]], )"
-            R"("position_embedding": [[0],[1],[2],[3]], "ep": [[0],[1],[2],[3]], )"
-            R"("etp": [[0,1],[2,3]], "edp": [[0,2],[1,3]], "etp-ep": [[0,1],[2,3]], )"
-            R"("etp-ep-pp": [[0,1],[2,3]]}})"
-            "\n");
+  EXPECT_EQ(loom::testing::json_line(run.out),
+            nlohmann::ordered_json::parse(
+                R"({"world_size": 4, "groups": {"tp": [[0,1],[2,3]], "cp": [[0],[1],[2],[3]], )"
+                R"("dp": [[0,2],[1,3]], "pp": [[0],[1],[2],[3]], "dp-cp": [[0,2],[1,3]], )"
+                R"("tp-pp": [[0,1],[2,3]], "tp-dp-cp": [[0,1,2,3]], "tp-dp": [[0,1,2,3]], )"
+                R"("tp-cp": [[0,1],[2,3]], "embedding": [[0],[1],[2],[3]], )"
+                R"("position_embedding": [[0],[1],[2],[3]], "ep": [[0],[1],[2],[3]], )"
+                R"("etp": [[0,1],[2,3]], "edp": [[0,2],[1,3]], "etp-ep": [[0,1],[2,3]], )"
+                R"("etp-ep-pp": [[0,1],[2,3]]}})"))
+      << run.out;
 }
 
 TEST(CmdGroups, TableShowsSizesGroupsAndLayout) {

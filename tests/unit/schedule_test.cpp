@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -20,6 +20,7 @@
 
 #include "engine/pipeline/schedule.hpp"
 #include "engine/plugins/registry.hpp"
+#include "support/json_line.hpp"
 
 namespace loom::cli {
 int cmd_schedule(int argc, char** argv);
@@ -491,158 +492,66 @@ TEST(ScheduleValidation, HandMadeOrders) {
 // Chrome trace
 // ---------------------------------------------------------------------------
 
-// A small JSON reader: enough to check that the outputs parse and to read them back.
-struct Json {
-  enum class Type { null, boolean, number, string, array, object } type = Type::null;
-  double num = 0;
-  bool b = false;
-  std::string str;
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> fields;
-  const Json& at(const std::string& key) const {
-    for (const auto& f : fields)
-      if (f.first == key) return f.second;
-    throw std::runtime_error("no key " + key);
-  }
-  bool has(const std::string& key) const {
-    return std::any_of(fields.begin(), fields.end(), [&](const auto& f) { return f.first == key; });
-  }
-};
-
-class JsonParser {
- public:
-  explicit JsonParser(const std::string& s) : s_(s) {}
-  Json parse() {
-    Json v = value();
-    ws();
-    if (i_ != s_.size()) fail("trailing text");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) {
-    throw std::runtime_error("JSON: " + what + " at offset " + std::to_string(i_));
-  }
-  void ws() {
-    while (i_ < s_.size() && std::isspace(static_cast<unsigned char>(s_[i_]))) ++i_;
-  }
-  bool eat(char c) {
-    ws();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!eat(c)) fail(std::string("expected '") + c + "'");
-  }
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (i_ < s_.size() && s_[i_] != '"') {
-      if (s_[i_] == '\\') {
-        ++i_;
-        if (i_ >= s_.size()) fail("bad escape");
-        const char c = s_[i_];
-        if (c == 'u') {
-          out += static_cast<char>(std::stoi(s_.substr(i_ + 1, 4), nullptr, 16));
-          i_ += 4;
-        } else {
-          out += c == 'n' ? '\n' : c == 't' ? '\t' : c;
-        }
-      } else {
-        out += s_[i_];
-      }
-      ++i_;
-    }
-    expect('"');
-    return out;
-  }
-  Json value() {
-    ws();
-    Json v;
-    if (i_ >= s_.size()) fail("unexpected end");
-    const char c = s_[i_];
-    if (c == '{') {
-      v.type = Json::Type::object;
-      ++i_;
-      if (eat('}')) return v;
-      do {
-        std::string k = string();
-        expect(':');
-        v.fields.emplace_back(std::move(k), value());
-      } while (eat(','));
-      expect('}');
-    } else if (c == '[') {
-      v.type = Json::Type::array;
-      ++i_;
-      if (eat(']')) return v;
-      do v.items.push_back(value());
-      while (eat(','));
-      expect(']');
-    } else if (c == '"') {
-      v.type = Json::Type::string;
-      v.str = string();
-    } else if (s_.compare(i_, 4, "true") == 0 || s_.compare(i_, 5, "false") == 0) {
-      v.type = Json::Type::boolean;
-      v.b = s_[i_] == 't';
-      i_ += v.b ? 4 : 5;
-    } else if (s_.compare(i_, 4, "null") == 0) {
-      i_ += 4;
-    } else {
-      v.type = Json::Type::number;
-      size_t n = 0;
-      v.num = std::stod(s_.substr(i_), &n);
-      if (n == 0) fail("bad number");
-      i_ += n;
-    }
-    return v;
-  }
-  const std::string& s_;
-  size_t i_ = 0;
-};
+using nlohmann::ordered_json;
 
 TEST(ScheduleTrace, ChromeTraceOfASimulation) {
   const PipelineOrders o = orders("interleaved", 2, 2, 4);
   const auto t = loom::pipeline::simulate(o);
   std::ostringstream os;
   loom::pipeline::write_chrome_trace(os, loom::pipeline::trace_events(t, 1000.0));
-  const Json j = JsonParser(os.str()).parse();
-  ASSERT_EQ(j.type, Json::Type::array);
+  const ordered_json j = ordered_json::parse(os.str());
+  ASSERT_TRUE(j.is_array());
   int complete = 0, names = 0;
   bool saw_first = false;
-  for (const Json& e : j.items) {
-    EXPECT_EQ(e.at("pid").num, 0);
-    if (e.at("ph").str == "M") {
-      EXPECT_EQ(e.at("args").at("name").str, "rank " + std::to_string(static_cast<int>(e.at("tid").num)));
+  for (const ordered_json& e : j) {
+    EXPECT_EQ(e.at("pid"), 0);
+    if (e.at("ph") == "M") {
+      EXPECT_EQ(e.at("args").at("name"), "rank " + std::to_string(e.at("tid").get<int>()));
       ++names;
       continue;
     }
-    ASSERT_EQ(e.at("ph").str, "X");
+    ASSERT_EQ(e.at("ph"), "X");
     ++complete;
-    EXPECT_EQ(e.at("dur").num, 1000);
-    const std::string& cat = e.at("cat").str;
+    EXPECT_EQ(e.at("dur"), 1000);
+    const std::string cat = e.at("cat").get<std::string>();
     EXPECT_TRUE(cat == "forward" || cat == "backward") << cat;
-    EXPECT_EQ(e.at("name").str[0], cat == "forward" ? 'F' : 'B');
-    if (e.at("tid").num == 0 && e.at("ts").num == 0) {
-      EXPECT_EQ(e.at("name").str, "F mb1 c1");
+    EXPECT_EQ(e.at("name").get<std::string>()[0], cat == "forward" ? 'F' : 'B');
+    if (e.at("tid") == 0 && e.at("ts") == 0) {
+      EXPECT_EQ(e.at("name"), "F mb1 c1");
       saw_first = true;
     }
   }
   EXPECT_EQ(names, 2);
   EXPECT_EQ(complete, 2 * 2 * 2 * 4);
   EXPECT_TRUE(saw_first);
+  // One event per line between the brackets.
+  std::istringstream lines(os.str());
+  std::string line;
+  std::vector<std::string> all;
+  while (std::getline(lines, line)) all.push_back(line);
+  ASSERT_EQ(all.size(), j.size() + 2);
+  EXPECT_EQ(all.front(), "[");
+  EXPECT_EQ(all.back(), "]");
+  for (size_t i = 1; i + 1 < all.size(); ++i) {
+    const std::string event = i + 2 < all.size() ? all[i].substr(0, all[i].size() - 1) : all[i];  // less the comma
+    EXPECT_EQ(ordered_json::parse(event), j[i - 1]) << all[i];
+  }
 
-  // Arbitrary events (the runtime's trace later): names are escaped, fractions kept.
+  // Arbitrary events (the runtime's trace later): names are escaped, fractions kept,
+  // times to the nanosecond, a non-finite time written as 0.
   std::ostringstream os2;
-  loom::pipeline::write_chrome_trace(os2, {{3, "a \"quoted\" step", "comm", 1.5, 2.25, {}}});
-  const Json j2 = JsonParser(os2.str()).parse();
-  ASSERT_EQ(j2.items.size(), 2u);
-  EXPECT_EQ(j2.items[1].at("name").str, "a \"quoted\" step");
-  EXPECT_EQ(j2.items[1].at("tid").num, 3);
-  EXPECT_DOUBLE_EQ(j2.items[1].at("ts").num, 1.5);
-  EXPECT_DOUBLE_EQ(j2.items[1].at("dur").num, 2.25);
+  loom::pipeline::write_chrome_trace(os2, {{3, "a \"quoted\" step", "comm", 1.5, 2.25, {}},
+                                           {1, "b", "comm", 0.1234567, std::nan(""), {{"bytes", 4096}}}});
+  const ordered_json j2 = ordered_json::parse(os2.str());
+  ASSERT_EQ(j2.size(), 4u);
+  EXPECT_EQ(j2[2].at("name"), "a \"quoted\" step");
+  EXPECT_EQ(j2[2].at("tid"), 3);
+  EXPECT_DOUBLE_EQ(j2[2].at("ts").get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(j2[2].at("dur").get<double>(), 2.25);
+  EXPECT_FALSE(j2[2].contains("args"));
+  EXPECT_DOUBLE_EQ(j2[3].at("ts").get<double>(), 0.123);
+  EXPECT_EQ(j2[3].at("dur"), 0);
+  EXPECT_EQ(j2[3].at("args"), ordered_json::parse(R"({"bytes": 4096})"));
 }
 
 // ---------------------------------------------------------------------------
@@ -685,32 +594,31 @@ TEST(ScheduleCmd, JsonMatchesTheLibrary) {
     const CmdRun run = run_schedule(args);
     ASSERT_EQ(run.rc, 0) << run.err;
     EXPECT_EQ(run.err, "");
-    const Json j = JsonParser(run.out).parse();
-    ASSERT_EQ(j.fields.size(), 5u);
-    EXPECT_EQ(j.fields[0].first, "pp");
-    EXPECT_EQ(j.at("pp").num, pp);
-    EXPECT_EQ(j.at("vpp").num, vpp);
-    EXPECT_EQ(j.at("microbatches").num, m);
-    EXPECT_EQ(j.at("group_size").num, n);
+    const ordered_json j = loom::testing::json_line(run.out);
+    ASSERT_EQ(j.size(), 5u);
+    EXPECT_EQ(j.begin().key(), "pp");
+    EXPECT_EQ(j.at("pp"), pp);
+    EXPECT_EQ(j.at("vpp"), vpp);
+    EXPECT_EQ(j.at("microbatches"), m);
+    EXPECT_EQ(j.at("group_size"), n);
     const PipelineOrders o = orders(name, pp, vpp, m, n);
-    const Json& ranks = j.at("ranks");
-    ASSERT_EQ(ranks.items.size(), static_cast<size_t>(pp));
+    const ordered_json& ranks = j.at("ranks");
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(pp));
     for (int r = 0; r < pp; ++r) {
-      const Json& rk = ranks.items[static_cast<size_t>(r)];
-      EXPECT_EQ(rk.fields[0].first, "rank");
-      EXPECT_EQ(rk.at("rank").num, r);
-      EXPECT_EQ(rk.at("warmup").num, o.warmup[static_cast<size_t>(r)]);
-      Order got;
-      for (const Json& e : rk.at("order").items) got.push_back(static_cast<int32_t>(e.num));
-      EXPECT_EQ(got, o.order[static_cast<size_t>(r)]);
+      const ordered_json& rk = ranks[static_cast<size_t>(r)];
+      EXPECT_EQ(rk.begin().key(), "rank");
+      EXPECT_EQ(rk.at("rank"), r);
+      EXPECT_EQ(rk.at("warmup"), o.warmup[static_cast<size_t>(r)]);
+      EXPECT_EQ(rk.at("order").get<Order>(), o.order[static_cast<size_t>(r)]);
     }
   }
   // The exact shape of the line.
   const CmdRun small = run_schedule({"--pp", "2", "--microbatches", "2", "--json"});
-  EXPECT_EQ(small.out,
-            "{\"pp\": 2, \"vpp\": 1, \"microbatches\": 2, \"group_size\": 2, \"ranks\": ["
-            "{\"rank\": 0, \"warmup\": 1, \"order\": [1, 1, -1, -1]}, "
-            "{\"rank\": 1, \"warmup\": 0, \"order\": [1, -1, 1, -1]}]}\n");
+  EXPECT_EQ(loom::testing::json_line(small.out),
+            ordered_json::parse(R"({"pp": 2, "vpp": 1, "microbatches": 2, "group_size": 2, "ranks": [)"
+                                R"({"rank": 0, "warmup": 1, "order": [1, 1, -1, -1]}, )"
+                                R"({"rank": 1, "warmup": 0, "order": [1, -1, 1, -1]}]})"))
+      << small.out;
 }
 
 TEST(ScheduleCmd, DiagramAndTrace) {
@@ -729,7 +637,7 @@ TEST(ScheduleCmd, DiagramAndTrace) {
   ASSERT_TRUE(f.good()) << trace;
   std::stringstream text;
   text << f.rdbuf();
-  EXPECT_EQ(JsonParser(text.str()).parse().items.size(), 2u + 12u);
+  EXPECT_EQ(ordered_json::parse(text.str()).size(), 2u + 12u);
 
   const CmdRun v = run_schedule({"--pp", "4", "--vpp", "2", "--microbatches", "8"});
   ASSERT_EQ(v.rc, 0) << v.err;

@@ -7,11 +7,13 @@
 // step. Dropout: the same seed gives the same run, and duplicated-region masks
 // equal the serial run's (so tp = 2, with or without SP, still equals tp = 1).
 // Communication: the engine's counts for one microbatch equal Megatron's.
+#include "engine/runtime/json.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/data.hpp"
 #include "support/train_fixture.hpp"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <map>
@@ -367,9 +369,15 @@ TEST(TensorParallel, CommStatsFormatting) {
   s["tp"]["all_reduce"] = {3, 48, 192, 192.0};
   s["dp"]["reduce_scatter"] = {1, 2048, 8192, 4096.0};
   s["pp"]["send"] = {};  // empty counters are left out
-  EXPECT_EQ(loom::runtime::comm_stats_json(s),
-            "{\"dp\": {\"reduce_scatter\": {\"calls\": 1, \"elements\": 2048, \"bytes\": 8192, \"bus_bytes\": 4096}}, "
-            "\"tp\": {\"all_reduce\": {\"calls\": 3, \"elements\": 48, \"bytes\": 192, \"bus_bytes\": 192}}}");
+  const nlohmann::ordered_json expected = nlohmann::ordered_json::parse(
+      R"({"dp": {"reduce_scatter": {"calls": 1, "elements": 2048, "bytes": 8192, "bus_bytes": 4096}}, )"
+      R"("tp": {"all_reduce": {"calls": 3, "elements": 48, "bytes": 192, "bus_bytes": 192}}})");
+  EXPECT_EQ(loom::runtime::comm_stats_to_json(s), expected);
+  const std::string text = loom::runtime::dump_json(loom::runtime::comm_stats_to_json(s));
+  EXPECT_EQ(text.find('\n'), std::string::npos) << text;
+  EXPECT_EQ(nlohmann::ordered_json::parse(text), expected) << text;
+  EXPECT_TRUE(loom::runtime::comm_stats_to_json(s)["tp"]["all_reduce"]["bus_bytes"].is_number_float());
+  EXPECT_EQ(loom::runtime::dump_json(loom::runtime::comm_stats_to_json({})), "{}");
   EXPECT_EQ(loom::runtime::comm_stats_summary(s), "comm per step: dp 1 reduce_scatter 8.00 KiB; tp 3 all_reduce 192 B");
   EXPECT_EQ(loom::runtime::comm_stats_summary({}), "comm per step: none");
   loom::runtime::CommStats sum = s;

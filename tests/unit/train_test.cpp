@@ -7,6 +7,7 @@
 #include "engine/train/data.hpp"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -486,6 +487,7 @@ TEST(Training, ANonFiniteLossStopsTheRunAndMetricsStayJson) {
     last = line;
     EXPECT_EQ(line.find("nan"), std::string::npos) << line;
     EXPECT_EQ(line.find("inf"), std::string::npos) << line;
+    EXPECT_TRUE(nlohmann::json::accept(line)) << line;
   }
   EXPECT_GE(lines, 1);
   EXPECT_LT(lines, 20) << "the run went on after a non-finite loss";
