@@ -10,4 +10,6 @@ int cmd_groups(int argc, char** argv);
 int cmd_schedule(int argc, char** argv);
 int cmd_optimizer_layout(int argc, char** argv);
 int cmd_plan(int argc, char** argv);
+int cmd_preprocess(int argc, char** argv);
+int cmd_tokenize(int argc, char** argv);
 }  // namespace loom::cli

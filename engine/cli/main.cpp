@@ -26,6 +26,9 @@ const Command kCommands[] = {
      "the distributed optimizer's buffer layout and dp shards: --param-numels 3,5,4,4 --dp 2"},
     {"groups", loom::cli::cmd_groups, "print the rank groups of a parallel layout"},
     {"schedule", loom::cli::cmd_schedule, "print, check and simulate a pipeline schedule: --pp P --microbatches M [--vpp V]"},
+    {"preprocess", loom::cli::cmd_preprocess,
+     "text or JSONL to token files (Megatron .bin/.idx or llm.c .bin): --tokenizer DIR --input F --output-prefix P"},
+    {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR --text TEXT"},
 };
 
 void usage(std::ostream& os) {

@@ -1,0 +1,266 @@
+// loom preprocess --tokenizer DIR --input FILE... --output-prefix PREFIX [options]
+// loom tokenize --tokenizer DIR (--text TEXT | --file FILE) [--decode]
+// Text to token files, as Megatron-LM's tools/preprocess_data.py does: each line of
+// a JSONL file (its --json-key field) or each whole text file is one document,
+// encoded on several threads and written in input order.
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/runtime/json.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/text/gpt2_tokenizer.hpp"
+#include "engine/text/token_files.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+namespace loom::cli {
+namespace {
+
+const char* kPreprocessUsage =
+    "usage: loom preprocess --tokenizer DIR --input FILE [--input FILE]... --output-prefix PREFIX\n"
+    "                       [--format megatron|llmc] [--json-key text] [--append-eod] [--workers N]\n"
+    "Tokenizes text into the files a run trains on. An input ending in .jsonl (or .json) has one\n"
+    "document per line, its text in the --json-key field; any other input is one document.\n"
+    "  --tokenizer   a GPT-2 byte-level BPE: a directory with encoder.json and vocab.bpe\n"
+    "                (scripts/fetch-gpt2-tokenizer.sh fetches GPT-2's)\n"
+    "  --format      megatron (default): PREFIX.bin + PREFIX.idx, Megatron-LM's indexed dataset,\n"
+    "                one sequence per document; llmc: PREFIX.bin, llm.c's uint16 token file\n"
+    "  --append-eod  end every document with <|endoftext|> (as Megatron's --append-eod)\n"
+    "  --workers     encoding threads (default: the machine's cores)\n"
+    "Progress (documents, MB/s) goes to stderr; the files appear only when complete.\n";
+
+const char* kTokenizeUsage =
+    "usage: loom tokenize --tokenizer DIR (--text TEXT | --file FILE) [--decode] [--json]\n"
+    "Prints the token ids of the text (space-separated), or with --decode the text of the\n"
+    "ids given as TEXT or in FILE.\n";
+
+std::string read_input(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(path + ": cannot open the file");
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+bool is_jsonl(const std::string& path) {
+  for (const char* ext : {".jsonl", ".json"})
+    if (path.size() >= std::strlen(ext) && path.compare(path.size() - std::strlen(ext), std::string::npos, ext) == 0)
+      return true;
+  return false;
+}
+
+// The documents of one input: its JSON lines' `key` fields, or the whole file.
+std::vector<std::string> documents_of(const std::string& path, const std::string& key) {
+  std::string content = read_input(path);
+  if (!is_jsonl(path)) return {std::move(content)};
+  std::vector<std::string> docs;
+  std::istringstream lines(content);
+  std::string line;
+  for (int line_no = 1; std::getline(lines, line); ++line_no) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(path + ":" + std::to_string(line_no) + ": not valid JSON (" + e.what() + ")");
+    }
+    if (!j.is_object() || !j.contains(key) || !j[key].is_string())
+      throw std::runtime_error(path + ":" + std::to_string(line_no) + ": no string field \"" + key +
+                               "\" (--json-key names the field that holds the text)");
+    docs.push_back(j[key].get<std::string>());
+  }
+  return docs;
+}
+
+// "\r  1200/5000 documents  12.3 MB  4.1 MB/s" on a terminal; a final line otherwise.
+class Progress {
+ public:
+  Progress(size_t documents, double bytes) : documents_(documents), bytes_(bytes), tty_(isatty(2) != 0) {}
+  void update(size_t done, double bytes_done, bool last) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (!last && (!tty_ || s - shown_ < 0.2)) return;
+    shown_ = s;
+    char line[160];
+    std::snprintf(line, sizeof(line), "%s%zu/%zu documents  %.1f/%.1f MB  %.1f MB/s%s", tty_ ? "\r" : "", done,
+                  documents_, bytes_done / 1e6, bytes_ / 1e6, s > 0 ? bytes_done / 1e6 / s : 0.0,
+                  last || !tty_ ? "\n" : "");
+    std::cerr << line << std::flush;
+  }
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+
+ private:
+  size_t documents_;
+  double bytes_;
+  bool tty_;
+  double shown_ = -1;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
+// Encodes every document on `workers` threads; calls `emit` with each document's
+// tokens in input order (from the calling thread).
+template <typename Emit>
+void encode_in_order(const text::Gpt2Tokenizer& tok, const std::vector<std::string>& docs, bool append_eod,
+                     int workers, Progress& progress, double total_bytes, Emit&& emit) {
+  std::vector<std::vector<int32_t>> encoded(docs.size());
+  std::vector<char> ready(docs.size(), 0);
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string failure;
+  auto work = [&] {
+    for (size_t d; (d = next.fetch_add(1)) < docs.size();) {
+      std::vector<int32_t> ids;
+      try {
+        ids = tok.encode(docs[d]);
+        if (append_eod) ids.push_back(tok.eod());
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (failure.empty()) failure = "document " + std::to_string(d) + ": " + e.what();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      encoded[d] = std::move(ids);
+      ready[d] = 1;
+      cv.notify_all();
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) threads.emplace_back(work);
+  double bytes_done = 0;
+  try {
+    for (size_t d = 0; d < docs.size(); ++d) {
+      std::vector<int32_t> ids;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return ready[d] != 0; });
+        if (!failure.empty()) throw std::runtime_error(failure);
+        ids = std::move(encoded[d]);
+      }
+      emit(ids);
+      bytes_done += static_cast<double>(docs[d].size());
+      progress.update(d + 1, bytes_done, d + 1 == docs.size());
+    }
+  } catch (...) {
+    next = docs.size();  // the workers stop after their current document
+    for (std::thread& t : threads) t.join();
+    throw;
+  }
+  for (std::thread& t : threads) t.join();
+  (void)total_bytes;
+}
+
+int preprocess(const Args& args) {
+  if (!args.has("--tokenizer") || args.all("--input").empty() || !args.has("--output-prefix"))
+    throw UsageError("preprocess needs --tokenizer, at least one --input and --output-prefix");
+  const std::string format = args.get("--format").value_or("megatron");
+  if (format != "megatron" && format != "llmc")
+    throw UsageError("--format " + format + " is unknown; valid: megatron, llmc");
+  const long long workers = args.get_int("--workers", std::max(1u, std::thread::hardware_concurrency()));
+  if (workers < 1 || workers > 1024) throw UsageError("--workers must be between 1 and 1024");
+  const std::string prefix = *args.get("--output-prefix");
+  const text::Gpt2Tokenizer tok = text::Gpt2Tokenizer::load(*args.get("--tokenizer"));
+
+  std::vector<std::string> docs;
+  for (const std::string& input : args.all("--input")) {
+    std::vector<std::string> d = documents_of(input, args.get("--json-key").value_or("text"));
+    docs.insert(docs.end(), std::make_move_iterator(d.begin()), std::make_move_iterator(d.end()));
+  }
+  double total_bytes = 0;
+  for (const std::string& d : docs) total_bytes += static_cast<double>(d.size());
+  Progress progress(docs.size(), total_bytes);
+  int64_t tokens = 0;
+  if (format == "megatron") {
+    text::IndexedDatasetWriter out(prefix, text::token_type_for(tok.vocab_size()));
+    encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
+                    [&](const std::vector<int32_t>& ids) { out.add_document(ids); });
+    out.finish();
+    tokens = out.tokens();
+    std::cerr << "wrote " << prefix << ".bin and " << prefix << ".idx: ";
+  } else {
+    std::vector<int32_t> all;
+    encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
+                    [&](const std::vector<int32_t>& ids) { all.insert(all.end(), ids.begin(), ids.end()); });
+    text::write_llmc_tokens(prefix + ".bin", all);
+    tokens = static_cast<int64_t>(all.size());
+    std::cerr << "wrote " << prefix << ".bin: ";
+  }
+  std::cerr << docs.size() << " documents, " << tokens << " tokens (vocab " << tok.vocab_size() << ") in "
+            << progress.seconds() << " s\n";
+  return 0;
+}
+
+int tokenize(const Args& args) {
+  if (!args.has("--tokenizer") || args.has("--text") == args.has("--file"))
+    throw UsageError("tokenize needs --tokenizer and one of --text or --file");
+  const text::Gpt2Tokenizer tok = text::Gpt2Tokenizer::load(*args.get("--tokenizer"));
+  const std::string input = args.has("--text") ? *args.get("--text") : read_input(*args.get("--file"));
+  if (args.flag("--decode")) {
+    std::vector<int32_t> ids;
+    std::istringstream in(input);
+    for (std::string word; in >> word;) {
+      try {
+        size_t used = 0;
+        const long long v = std::stoll(word, &used);
+        if (used != word.size() || v < INT32_MIN || v > INT32_MAX) throw std::invalid_argument(word);
+        ids.push_back(static_cast<int32_t>(v));
+      } catch (const std::exception&) {
+        throw UsageError("--decode reads token ids separated by spaces; '" + word + "' is not one");
+      }
+    }
+    std::cout << tok.decode(ids);
+    return 0;
+  }
+  const std::vector<int32_t> ids = tok.encode(input);
+  if (args.flag("--json")) {
+    std::cout << runtime::dump_json({{"tokens", ids}, {"count", ids.size()}}) << "\n";
+    return 0;
+  }
+  for (size_t i = 0; i < ids.size(); ++i) std::cout << (i ? " " : "") << ids[i];
+  std::cout << "\n";
+  return 0;
+}
+
+int run_command(const char* name, const char* usage, int argc, char** argv, std::set<std::string> flags,
+                std::set<std::string> options, int (*fn)(const Args&)) {
+  try {
+    Args args(argc, argv, std::move(flags), std::move(options));
+    if (args.flag("--help")) {
+      std::cout << usage;
+      return 0;
+    }
+    if (!args.positionals().empty()) throw UsageError(std::string(name) + " takes no positional arguments");
+    return fn(args);
+  } catch (const UsageError& e) {
+    std::cerr << "loom " << name << ": " << e.what() << "\n" << usage;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "loom " << name << ": " << runtime::error_message(e) << "\n";
+    return 1;
+  }
+}
+
+}  // namespace
+
+int cmd_preprocess(int argc, char** argv) {
+  return run_command("preprocess", kPreprocessUsage, argc, argv, {"--append-eod"},
+                     {"--tokenizer", "--input", "--output-prefix", "--format", "--json-key", "--workers"}, preprocess);
+}
+
+int cmd_tokenize(int argc, char** argv) {
+  return run_command("tokenize", kTokenizeUsage, argc, argv, {"--decode", "--json"}, {"--tokenizer", "--text", "--file"},
+                     tokenize);
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,57 @@
+// GPT-2's byte-level BPE tokenizer (Radford et al., "Language Models are
+// Unsupervised Multitask Learners", 2019), from the standard encoder.json (token ->
+// id) and vocab.bpe (merges by rank) files: text is split by GPT-2's pre-tokenizer
+// pattern (contractions, letters, numbers, other symbols, white space, each run
+// with an optional leading space), each piece's bytes are mapped to printable
+// characters and merged pair by pair, lowest rank first.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace loom::text {
+
+class TokenizerError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The pieces GPT-2's pattern splits `text` into, in order; their concatenation is `text`.
+std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
+
+class Gpt2Tokenizer {
+ public:
+  // Reads DIR/encoder.json and DIR/vocab.bpe. Throws TokenizerError naming the file
+  // and what is wrong with it.
+  static Gpt2Tokenizer load(const std::string& dir);
+
+  // Encodes any bytes (valid UTF-8 or not); decode(encode(s)) == s. Safe to call
+  // from several threads at once.
+  std::vector<int32_t> encode(std::string_view text) const;
+  // Throws TokenizerError for an id outside the vocabulary.
+  std::string decode(const std::vector<int32_t>& ids) const;
+
+  int32_t vocab_size() const { return static_cast<int32_t>(tokens_.size()); }
+  // <|endoftext|>: the end-of-document token.
+  int32_t eod() const { return eod_; }
+
+ private:
+  // The ids of one pre-tokenized piece (cached), and the merges that make them.
+  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
+  void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
+
+  std::unordered_map<std::string, int32_t> ids_;    // token (mapped characters, UTF-8) -> id
+  std::vector<std::string> tokens_;                 // id -> token
+  std::unordered_map<std::string, int32_t> ranks_;  // "left right" -> merge rank
+  std::string byte_char_[256];                      // byte -> its printable character, UTF-8
+  std::unordered_map<std::string, unsigned char> char_byte_;
+  int32_t eod_ = -1;
+  uint64_t vocabulary_id_ = 0;  // one per load(): the key of the threads' merge caches
+};
+
+}  // namespace loom::text

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# loom tokenize / preprocess against references worked out independently: GPT-2 ids
+# from a JavaScript encoder (tests/text/gpt2_reference.js, the Unicode pattern in
+# V8's regex engine), Megatron's .idx/.bin and llm.c's .bin bytes packed by Python's
+# struct module from those ids, and clear errors for bad input.
+#   preprocess_test.sh LOOM SOURCE_DIR
+set -uo pipefail
+loom=$1
+src=$2
+tok="$src/.cache/tokenizers/gpt2"
+"$src/scripts/fetch-gpt2-tokenizer.sh" "$tok" >/dev/null || { echo "SKIP: the GPT-2 tokenizer files could not be fetched"; exit 77; }
+command -v node >/dev/null || { echo "SKIP: node is needed for the reference encoder"; exit 77; }
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# 1. Known ids, and the reference encoder on Shakespeare and on text that exercises
+#    every branch of the pattern (contractions, numbers of several scripts, symbols,
+#    runs of white space of several kinds, 4-byte characters).
+[ "$("$loom" tokenize --tokenizer "$tok" --text "Hello world")" = "15496 995" ] || fail "Hello world is not 15496 995"
+printf "It's 2026! They'll've  Über naïve   café\n\tend \n٣٤ ½ Ⅻ 日本語のテキスト 🚀🚀 x\u00a0y  \n\n  z's '' \r\n" > "$work/unicode.txt"
+cp "$src/../shared/data/tinyshakespeare.txt" "$work/shakespeare.txt" 2>/dev/null ||
+  head -c 200000 /dev/urandom | base64 > "$work/shakespeare.txt"
+for f in unicode.txt shakespeare.txt; do
+  node "$src/tests/text/gpt2_reference.js" "$tok" "$work/$f" > "$work/$f.want"
+  "$loom" tokenize --tokenizer "$tok" --file "$work/$f" > "$work/$f.got" || fail "tokenize $f exited $?"
+  cmp -s "$work/$f.want" "$work/$f.got" || fail "$f: ids differ from the reference encoder"
+  "$loom" tokenize --tokenizer "$tok" --decode --file "$work/$f.got" > "$work/$f.back"
+  cmp -s "$work/$f" "$work/$f.back" || fail "$f: decode(encode(text)) is not the text"
+done
+
+# 2. Megatron's indexed dataset: three JSONL documents (one empty) with --append-eod,
+#    on 3 workers, against bytes packed independently.
+printf '%s\n' '{"text": "Hello world"}' '{"id": 2, "text": ""}' '{"text": "naïve café, 2026 🚀"}' > "$work/docs.jsonl"
+"$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/ds" --append-eod \
+  --workers 3 2>"$work/log" || fail "preprocess exited $?: $(cat "$work/log")"
+grep -q "3 documents" "$work/log" || fail "preprocess did not report 3 documents: $(cat "$work/log")"
+for t in "Hello world" "" "naïve café, 2026 🚀"; do
+  printf '%s' "$t" > "$work/doc"
+  node "$src/tests/text/gpt2_reference.js" "$tok" "$work/doc"
+done > "$work/doc_ids"
+python3 - "$work/doc_ids" "$work/want" <<'PY'
+import struct, sys
+docs = [[int(x) for x in line.split()] + [50256] for line in open(sys.argv[1])]
+lens = [len(d) for d in docs]
+ptrs = [2 * sum(lens[:i]) for i in range(len(docs))]
+idx = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
+idx += struct.pack("<Q", len(docs)) + struct.pack("<Q", len(docs) + 1)
+idx += struct.pack(f"<{len(docs)}i", *lens) + struct.pack(f"<{len(docs)}q", *ptrs)
+idx += struct.pack(f"<{len(docs) + 1}q", *range(len(docs) + 1))
+open(sys.argv[2] + ".idx", "wb").write(idx)
+open(sys.argv[2] + ".bin", "wb").write(b"".join(struct.pack(f"<{len(d)}H", *d) for d in docs))
+# llm.c: header of 256 int32 (magic, version, count), then uint16 tokens.
+flat = [t for d in docs for t in d]
+open(sys.argv[2] + ".llmc", "wb").write(struct.pack("<256i", 20240520, 1, len(flat), *([0] * 253)) +
+                                        struct.pack(f"<{len(flat)}H", *flat))
+PY
+cmp -s "$work/want.idx" "$work/ds.idx" || fail "ds.idx differs from Megatron's layout"
+cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's layout"
+"$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/llmc" --append-eod \
+  --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
+cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
+
+# 3. Bad input: a clear message, exit 1 (2 for usage), and no files under the final names.
+printf '%s\n' '{"text": "ok"}' '{"body": "no text"}' > "$work/bad.jsonl"
+out=$("$loom" preprocess --tokenizer "$tok" --input "$work/bad.jsonl" --output-prefix "$work/bad" 2>&1)
+rc=$?
+[ $rc -eq 1 ] || fail "a line without text exited $rc"
+[[ "$out" == *"bad.jsonl:2: no string field \"text\""* ]] || fail "no file:line for a line without text: $out"
+[ ! -e "$work/bad.bin" ] && [ ! -e "$work/bad.idx" ] || fail "a failed preprocess left files"
+out=$("$loom" preprocess --tokenizer "$work/nowhere" --input "$work/docs.jsonl" --output-prefix "$work/x" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"fetch-gpt2-tokenizer.sh"* ]] || fail "a missing tokenizer does not say how to get one: $out"
+out=$("$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/no/such/dir/x" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"cannot open for writing"* ]] || fail "an unwritable prefix: $out"
+"$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/x" --format parquet \
+  >/dev/null 2>&1
+[ $? -eq 2 ] || fail "an unknown --format is not a usage error"
+"$loom" tokenize --tokenizer "$tok" --decode --text "15496 nine" >/dev/null 2>&1
+[ $? -eq 2 ] || fail "decoding a non-number is not a usage error"
+
+[ $fails -eq 0 ] && echo "preprocess: all checks passed"
+exit $((fails > 0))

@@ -1,0 +1,98 @@
+// The text module without tokenizer files: GPT-2's pre-tokenizer on cases worked
+// out from its pattern, pieces that always rebuild the input (any bytes), and the
+// token files' writer and reader (round trip, refusals, no half-written files).
+// tests/text/preprocess_test.sh checks the tokenizer against a reference encoder.
+#include "engine/text/gpt2_tokenizer.hpp"
+#include "engine/text/token_files.hpp"
+#include "support/train_fixture.hpp"
+
+#include <gtest/gtest.h>
+
+#include <boost/filesystem.hpp>
+
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = boost::filesystem;
+using loom::text::gpt2_pretokenize;
+
+std::vector<std::string> pieces(const std::string& text) {
+  std::vector<std::string> out;
+  for (std::string_view p : gpt2_pretokenize(text)) out.emplace_back(p);
+  return out;
+}
+
+TEST(Text, Gpt2PretokenizerSplitsAsItsPattern) {
+  using V = std::vector<std::string>;
+  EXPECT_EQ(pieces("Hello world"), (V{"Hello", " world"}));
+  EXPECT_EQ(pieces("it's they'll"), (V{"it", "'s", " they", "'ll"}));
+  // A white-space run leaves its last space to lead the next word.
+  EXPECT_EQ(pieces("a   b"), (V{"a", "  ", " b"}));
+  EXPECT_EQ(pieces("x\n\ny"), (V{"x", "\n", "\n", "y"}));
+  EXPECT_EQ(pieces("end  "), (V{"end", "  "}));
+  EXPECT_EQ(pieces("2026 items!!"), (V{"2026", " items", "!!"}));
+  EXPECT_EQ(pieces("naïve café"), (V{"naïve", " café"}));  // letters beyond ASCII
+  EXPECT_EQ(pieces("٣٤ ½"), (V{"٣٤", " ½"}));              // numbers beyond ASCII
+}
+
+TEST(Text, PretokenizedPiecesRebuildAnyBytes) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string s(static_cast<size_t>(rng() % 64), '\0');
+    for (char& c : s) c = static_cast<char>(rng() % 256);  // invalid UTF-8 included
+    std::string joined;
+    for (std::string_view p : gpt2_pretokenize(s)) {
+      EXPECT_FALSE(p.empty());
+      joined += p;
+    }
+    EXPECT_EQ(joined, s);
+  }
+}
+
+TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
+  const std::string dir = loom::testing::scratch_dir("text_ds");
+  const std::vector<std::vector<int32_t>> docs = {{1, 2, 3}, {}, {65535, 0}};
+  {
+    loom::text::IndexedDatasetWriter w(dir + "/a", loom::text::TokenType::U16);
+    for (const auto& d : docs) w.add_document(d);
+    EXPECT_FALSE(fs::exists(dir + "/a.bin"));  // not under the final name before finish()
+    w.finish();
+  }
+  const loom::text::IndexedDataset back = loom::text::IndexedDataset::read(dir + "/a");
+  EXPECT_EQ(back.documents, docs);
+  EXPECT_EQ(fs::file_size(dir + "/a.bin"), 10u);  // five uint16 tokens
+
+  {
+    loom::text::IndexedDatasetWriter w(dir + "/b", loom::text::TokenType::U16);
+    EXPECT_THROW(w.add_document({70000}), loom::text::TokenFileError);
+  }  // abandoned: nothing left behind
+  EXPECT_FALSE(fs::exists(dir + "/b.bin"));
+  EXPECT_FALSE(fs::exists(dir + "/b.bin.tmp"));
+  EXPECT_EQ(loom::text::token_type_for(50257), loom::text::TokenType::U16);
+  EXPECT_EQ(loom::text::token_type_for(128256), loom::text::TokenType::I32);
+
+  // A truncated index, and one that is not an index, are refused by name.
+  const std::string idx = dir + "/a.idx";
+  const auto size = fs::file_size(idx);
+  fs::resize_file(idx, size - 5);
+  try {
+    loom::text::IndexedDataset::read(dir + "/a");
+    ADD_FAILURE() << "a truncated index was read";
+  } catch (const loom::text::TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("a.idx: truncated"), std::string::npos) << e.what();
+  }
+  std::ofstream(idx, std::ios::trunc) << "not an index";
+  try {
+    loom::text::IndexedDataset::read(dir + "/a");
+    ADD_FAILURE() << "a non-index was read";
+  } catch (const loom::text::TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("no MMIDIDX header"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
