@@ -14,13 +14,15 @@ toml::table table_or_empty(const Manifest& m, const std::string& path) {
 }
 
 // A relative data.path is taken relative to the manifest file that sets it when
-// the file exists there (so a config works from any working directory).
+// the file (or, for an indexed dataset's prefix, its .idx) exists there, so a
+// config works from any working directory.
 std::string resolved_data_path(const Manifest& m) {
   const std::string path = m.get_string("data.path");
   const Origin o = m.origin("data.path");
   if (!path.empty() && path[0] != '/' && o.kind == Origin::Kind::File && !o.file.empty()) {
     const boost::filesystem::path candidate = boost::filesystem::path(o.file).parent_path() / path;
-    if (boost::filesystem::exists(candidate)) return candidate.lexically_normal().string();
+    if (boost::filesystem::exists(candidate) || boost::filesystem::exists(candidate.string() + ".idx"))
+      return candidate.lexically_normal().string();
   }
   return path;
 }

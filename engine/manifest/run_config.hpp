@@ -79,7 +79,7 @@ struct RunConfig {
   } comm;
   struct Data {
     std::string kind;
-    std::string path;  // resolved: relative to the manifest file that names it, when the file exists there
+    std::string path;  // resolved: relative to the manifest file that names it, when the file (prefix) exists there
     double val_fraction = 0;
     std::string task;
     int64_t digits = 0;

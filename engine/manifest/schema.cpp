@@ -220,8 +220,9 @@ std::vector<KeySpec> build() {
   v.push_back(f("comm.timeout_s", "300.0", 0, true, "collective timeout in seconds"));
   v.push_back(open_table("comm.options", "options of the comm plugin"));
   // data
-  v.push_back(s("data.kind", "synthetic", "data source", {"synthetic", "text", "tokens"}));
-  v.push_back(s("data.path", "", "file to read for kind text or tokens"));
+  v.push_back(s("data.kind", "synthetic", "data source: synthetic, text (bytes), tokens (llm.c .bin), indexed "
+                "(Megatron .bin/.idx, e.g. from loom preprocess)", {"synthetic", "text", "tokens", "indexed"}));
+  v.push_back(s("data.path", "", "file to read for kind text or tokens; the PREFIX of PREFIX.bin/.idx for indexed"));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
   v.push_back(s("data.task", "add", "synthetic task name"));
   v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
@@ -521,7 +522,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
 
   if (usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");
-    if ((kind == "text" || kind == "tokens") && m.get_string("data.path").empty())
+    if ((kind == "text" || kind == "tokens" || kind == "indexed") && m.get_string("data.path").empty())
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
   }

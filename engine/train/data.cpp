@@ -1,6 +1,7 @@
 #include "engine/train/data.hpp"
 
 #include "engine/model/param_init.hpp"
+#include "engine/text/token_files.hpp"
 
 #include <boost/filesystem.hpp>
 
@@ -225,8 +226,19 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
     for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
     return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
   }
-  if (kind == "tokens") {
-    std::vector<int32_t> tokens = read_llmc_tokens(path);
+  if (kind == "tokens" || kind == "indexed") {
+    std::vector<int32_t> tokens;
+    if (kind == "tokens") {
+      tokens = read_llmc_tokens(path);
+    } else {
+      try {
+        for (const std::vector<int32_t>& doc : text::IndexedDataset::read(path).documents)
+          tokens.insert(tokens.end(), doc.begin(), doc.end());
+      } catch (const text::TokenFileError& e) {
+        throw DataError(e.what());
+      }
+      if (tokens.size() < 2) throw DataError(path + ".bin: the indexed dataset holds fewer than 2 tokens");
+    }
     int64_t vocab = config.model.vocab_size;
     int32_t max_token = 0;
     for (int32_t t : tokens) max_token = std::max(max_token, t);
@@ -236,7 +248,7 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
                       std::to_string(vocab));
     return std::make_unique<StreamSource>(std::move(tokens), vocab, val_fraction, seed, path, false);
   }
-  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\"");
+  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
 }
 
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,

@@ -34,7 +34,9 @@ class DataSource {
 };
 
 // kind = data.kind: "synthetic" (data.task, data.digits), "text" (bytes of data.path),
-// "tokens" (llm.c .bin at data.path). Throws DataError naming the file and the problem.
+// "tokens" (llm.c .bin at data.path), "indexed" (Megatron's indexed dataset
+// data.path.bin/.idx: its documents back to back, as Megatron's GPT dataset samples
+// across document boundaries). Throws DataError naming the file and the problem.
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config);
 
 // A microbatch laid out [seq, micro_batch] (sequence-major, as the model wants).

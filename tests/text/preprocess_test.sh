@@ -62,7 +62,21 @@ cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's l
   --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
 cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
 
-# 3. Bad input: a clear message, exit 1 (2 for usage), and no files under the final names.
+# 3. What preprocess writes trains: a few steps of the quickstart model on the
+#    Shakespeare dataset start near ln(50257) = 10.8 and fall.
+"$loom" preprocess --tokenizer "$tok" --input "$work/shakespeare.txt" --output-prefix "$work/shakespeare" \
+  --append-eod 2>/dev/null || fail "preprocess shakespeare exited $?"
+"$loom" run "$src/configs/quickstart.toml" --set data.kind=indexed --set "data.path=\"$work/shakespeare\"" \
+  --set run.steps=8 --set run.eval_every=0 --set model.seq_length=32 --set optimizer.lr=0.003 \
+  --set optimizer.warmup_steps=0 --metrics "$work/m.jsonl" >/dev/null 2>"$work/run.log" ||
+  fail "training on the indexed dataset exited $?: $(tail -3 "$work/run.log")"
+python3 - "$work/m.jsonl" <<'PY' || fail "the loss on the indexed dataset did not start near 10.8 and fall"
+import json, sys
+loss = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+assert 10.0 < loss[0] < 11.5 and loss[-1] < loss[0] - 0.5, loss
+PY
+
+# 4. Bad input: a clear message, exit 1 (2 for usage), and no files under the final names.
 printf '%s\n' '{"text": "ok"}' '{"body": "no text"}' > "$work/bad.jsonl"
 out=$("$loom" preprocess --tokenizer "$tok" --input "$work/bad.jsonl" --output-prefix "$work/bad" 2>&1)
 rc=$?
