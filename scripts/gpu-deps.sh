@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches, on this (Debian 12) machine, the Debian packages loom builds against that a
-# GPU machine's CUDA image may lack (Boost, TOML++, nlohmann JSON, glog, GoogleTest,
+# GPU machine's CUDA image may lack (Boost, TOML++, nlohmann JSON, SentencePiece, glog, GoogleTest,
 # OpenBLAS, DLPack), into DIR (default .gpu-deps/, git-ignored). scripts/gpu-check.sh unpacks
 # them into a private prefix (never into /) when it finds DIR, so a machine that
 # cannot download anything can still build and run the checks:
@@ -23,6 +23,7 @@ packages=(
   libgtest-dev
   libopenblas0-pthread
   libdlpack-dev
+  libsentencepiece-dev libsentencepiece0
 )
 mkdir -p "$dir"
 # apt-get download writes into the current directory; as root it warns that the

@@ -1,5 +1,6 @@
 // loom preprocess --tokenizer DIR --input FILE... --output-prefix PREFIX [options]
 // loom tokenize --tokenizer DIR (--text TEXT | --file FILE) [--decode]
+// loom tokenizer-train --input FILE... --model-prefix PREFIX --vocab-size N
 // Text to token files, as Megatron-LM's tools/preprocess_data.py does: each line of
 // a JSONL file (its --json-key field) or each whole text file is one document,
 // encoded on several threads and written in input order.
@@ -7,7 +8,7 @@
 #include "engine/cli/commands.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/runtime/launcher.hpp"
-#include "engine/text/gpt2_tokenizer.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "engine/text/token_files.hpp"
 
 #include <algorithm>
@@ -36,16 +37,17 @@ const char* kPreprocessUsage =
     "                       [--format megatron|llmc] [--json-key text] [--append-eod] [--workers N]\n"
     "Tokenizes text into the files a run trains on. An input ending in .jsonl (or .json) has one\n"
     "document per line, its text in the --json-key field; any other input is one document.\n"
-    "  --tokenizer   a GPT-2 byte-level BPE: a directory with encoder.json and vocab.bpe\n"
-    "                (scripts/fetch-gpt2-tokenizer.sh fetches GPT-2's)\n"
+    "  --tokenizer   a directory with GPT-2's encoder.json and vocab.bpe (byte-level BPE;\n"
+    "                scripts/fetch-gpt2-tokenizer.sh fetches them) or a SentencePiece .model\n"
     "  --format      megatron (default): PREFIX.bin + PREFIX.idx, Megatron-LM's indexed dataset,\n"
     "                one sequence per document; llmc: PREFIX.bin, llm.c's uint16 token file\n"
-    "  --append-eod  end every document with <|endoftext|> (as Megatron's --append-eod)\n"
+    "  --append-eod  end every document with the end-of-document token (<|endoftext|>, </s>),\n"
+    "                as Megatron's --append-eod\n"
     "  --workers     encoding threads (default: the machine's cores)\n"
     "Progress (documents, MB/s) goes to stderr; the files appear only when complete.\n";
 
 const char* kTokenizeUsage =
-    "usage: loom tokenize --tokenizer DIR (--text TEXT | --file FILE) [--decode] [--json]\n"
+    "usage: loom tokenize --tokenizer DIR|MODEL (--text TEXT | --file FILE) [--decode] [--json]\n"
     "Prints the token ids of the text (space-separated), or with --decode the text of the\n"
     "ids given as TEXT or in FILE.\n";
 
@@ -112,7 +114,7 @@ class Progress {
 // Encodes every document on `workers` threads; calls `emit` with each document's
 // tokens in input order (from the calling thread).
 template <typename Emit>
-void encode_in_order(const text::Gpt2Tokenizer& tok, const std::vector<std::string>& docs, bool append_eod,
+void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>& docs, bool append_eod,
                      int workers, Progress& progress, double total_bytes, Emit&& emit) {
   std::vector<std::vector<int32_t>> encoded(docs.size());
   std::vector<char> ready(docs.size(), 0);
@@ -170,7 +172,10 @@ int preprocess(const Args& args) {
   const long long workers = args.get_int("--workers", std::max(1u, std::thread::hardware_concurrency()));
   if (workers < 1 || workers > 1024) throw UsageError("--workers must be between 1 and 1024");
   const std::string prefix = *args.get("--output-prefix");
-  const text::Gpt2Tokenizer tok = text::Gpt2Tokenizer::load(*args.get("--tokenizer"));
+  const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
+  const text::Tokenizer& tok = *loaded;
+  if (args.flag("--append-eod") && tok.eod() < 0)
+    throw std::runtime_error(tok.describe() + " has no end-of-document token for --append-eod");
 
   std::vector<std::string> docs;
   for (const std::string& input : args.all("--input")) {
@@ -204,7 +209,8 @@ int preprocess(const Args& args) {
 int tokenize(const Args& args) {
   if (!args.has("--tokenizer") || args.has("--text") == args.has("--file"))
     throw UsageError("tokenize needs --tokenizer and one of --text or --file");
-  const text::Gpt2Tokenizer tok = text::Gpt2Tokenizer::load(*args.get("--tokenizer"));
+  const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
+  const text::Tokenizer& tok = *loaded;
   const std::string input = args.has("--text") ? *args.get("--text") : read_input(*args.get("--file"));
   if (args.flag("--decode")) {
     std::vector<int32_t> ids;
@@ -232,6 +238,42 @@ int tokenize(const Args& args) {
   return 0;
 }
 
+const char* kTrainUsage =
+    "usage: loom tokenizer-train --input FILE [--input FILE]... --model-prefix PREFIX --vocab-size N\n"
+    "                            [--model-type bpe|unigram] [--character-coverage C] [--workers N]\n"
+    "Trains a SentencePiece model on text (one sentence per line) into PREFIX.model and\n"
+    "PREFIX.vocab as Llama-family tokenizers are made: byte fallback (any text encodes) and\n"
+    "no normalization (the text is kept as written, so decoding gives it back).\n";
+
+int train_tokenizer(const Args& args) {
+  if (args.all("--input").empty() || !args.has("--model-prefix") || !args.has("--vocab-size"))
+    throw UsageError("tokenizer-train needs at least one --input, --model-prefix and --vocab-size");
+  text::SentencePieceTraining how;
+  how.inputs = args.all("--input");
+  how.model_prefix = *args.get("--model-prefix");
+  how.vocab_size = static_cast<int32_t>(args.get_int("--vocab-size", 0));
+  if (how.vocab_size < 1 || how.vocab_size > 1000000) throw UsageError("--vocab-size must be between 1 and 1000000");
+  how.model_type = args.get("--model-type").value_or("bpe");
+  if (how.model_type != "bpe" && how.model_type != "unigram")
+    throw UsageError("--model-type " + how.model_type + " is unknown; valid: bpe, unigram");
+  if (const auto c = args.get("--character-coverage")) {
+    try {
+      how.character_coverage = std::stod(*c);
+    } catch (const std::exception&) {
+      how.character_coverage = -1;
+    }
+    if (!(how.character_coverage > 0 && how.character_coverage <= 1))
+      throw UsageError("--character-coverage must be in (0, 1], got " + *c);
+  }
+  how.threads = static_cast<int>(args.get_int("--workers", std::max(1u, std::thread::hardware_concurrency())));
+  const auto start = std::chrono::steady_clock::now();
+  text::train_sentencepiece(how);
+  std::cerr << "wrote " << how.model_prefix << ".model and " << how.model_prefix << ".vocab (" << how.vocab_size
+            << " tokens, " << how.model_type << ") in "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s\n";
+  return 0;
+}
+
 int run_command(const char* name, const char* usage, int argc, char** argv, std::set<std::string> flags,
                 std::set<std::string> options, int (*fn)(const Args&)) {
   try {
@@ -256,6 +298,12 @@ int run_command(const char* name, const char* usage, int argc, char** argv, std:
 int cmd_preprocess(int argc, char** argv) {
   return run_command("preprocess", kPreprocessUsage, argc, argv, {"--append-eod"},
                      {"--tokenizer", "--input", "--output-prefix", "--format", "--json-key", "--workers"}, preprocess);
+}
+
+int cmd_tokenizer_train(int argc, char** argv) {
+  return run_command("tokenizer-train", kTrainUsage, argc, argv, {},
+                     {"--input", "--model-prefix", "--vocab-size", "--model-type", "--character-coverage", "--workers"},
+                     train_tokenizer);
 }
 
 int cmd_tokenize(int argc, char** argv) {

@@ -28,7 +28,9 @@ const Command kCommands[] = {
     {"schedule", loom::cli::cmd_schedule, "print, check and simulate a pipeline schedule: --pp P --microbatches M [--vpp V]"},
     {"preprocess", loom::cli::cmd_preprocess,
      "text or JSONL to token files (Megatron .bin/.idx or llm.c .bin): --tokenizer DIR --input F --output-prefix P"},
-    {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR --text TEXT"},
+    {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR|MODEL --text TEXT"},
+    {"tokenizer-train", loom::cli::cmd_tokenizer_train,
+     "train a SentencePiece model: --input F --model-prefix P --vocab-size N"},
 };
 
 void usage(std::ostream& os) {

@@ -102,6 +102,7 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
   static std::atomic<uint64_t> loaded{0};
   Gpt2Tokenizer t;
   t.vocabulary_id_ = ++loaded;
+  t.dir_ = dir;
   // GPT-2's byte -> character map: printable Latin-1 bytes stand for themselves,
   // the others for 256, 257, ... in byte order.
   int next = 0;
@@ -204,6 +205,10 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
   for (std::string_view piece : gpt2_pretokenize(text)) encode_piece(piece, out);
   return out;
+}
+
+std::string Gpt2Tokenizer::describe() const {
+  return "GPT-2 byte-level BPE (" + std::to_string(vocab_size()) + " tokens) from " + dir_;
 }
 
 std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {

@@ -6,9 +6,10 @@
 // characters and merged pair by pair, lowest rank first.
 #pragma once
 
+#include "engine/text/tokenizer.hpp"
+
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -16,29 +17,21 @@
 
 namespace loom::text {
 
-class TokenizerError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 // The pieces GPT-2's pattern splits `text` into, in order; their concatenation is `text`.
 std::vector<std::string_view> gpt2_pretokenize(std::string_view text);
 
-class Gpt2Tokenizer {
+class Gpt2Tokenizer : public Tokenizer {
  public:
   // Reads DIR/encoder.json and DIR/vocab.bpe. Throws TokenizerError naming the file
   // and what is wrong with it.
   static Gpt2Tokenizer load(const std::string& dir);
 
-  // Encodes any bytes (valid UTF-8 or not); decode(encode(s)) == s. Safe to call
-  // from several threads at once.
-  std::vector<int32_t> encode(std::string_view text) const;
-  // Throws TokenizerError for an id outside the vocabulary.
-  std::string decode(const std::vector<int32_t>& ids) const;
-
-  int32_t vocab_size() const { return static_cast<int32_t>(tokens_.size()); }
-  // <|endoftext|>: the end-of-document token.
-  int32_t eod() const { return eod_; }
+  // Encodes any bytes (valid UTF-8 or not); decode(encode(s)) == s.
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(const std::vector<int32_t>& ids) const override;
+  int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
+  int32_t eod() const override { return eod_; }  // <|endoftext|>
+  std::string describe() const override;
 
  private:
   // The ids of one pre-tokenized piece (cached), and the merges that make them.
@@ -52,6 +45,7 @@ class Gpt2Tokenizer {
   std::unordered_map<std::string, unsigned char> char_byte_;
   int32_t eod_ = -1;
   uint64_t vocabulary_id_ = 0;  // one per load(): the key of the threads' merge caches
+  std::string dir_;
 };
 
 }  // namespace loom::text

@@ -62,6 +62,32 @@ cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's l
   --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
 cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
 
+# 2b. SentencePiece: a model trained here encodes each line as spm_encode (the
+#     sentencepiece package's own tool) does, and decodes back.
+if command -v spm_encode >/dev/null; then
+  "$loom" tokenizer-train --input "$work/shakespeare.txt" --model-prefix "$work/spm" --vocab-size 400 \
+    --workers 2 2>/dev/null || fail "tokenizer-train exited $?"
+  head -40 "$work/shakespeare.txt" | grep -v '^$' > "$work/lines.txt"
+  printf 'naïve café 🚀 ½\n' >> "$work/lines.txt"
+  spm_encode --model="$work/spm.model" --output_format=id < "$work/lines.txt" > "$work/spm.want"
+  while IFS= read -r line; do
+    "$loom" tokenize --tokenizer "$work/spm.model" --text "$line"
+  done < "$work/lines.txt" > "$work/spm.got"
+  cmp -s "$work/spm.want" "$work/spm.got" || fail "SentencePiece ids differ from spm_encode's"
+  back=$("$loom" tokenize --tokenizer "$work/spm.model" --decode --text "$(tail -1 "$work/spm.got")")
+  [ "$back" = "naïve café 🚀 ½" ] || fail "SentencePiece decode(encode(text)) is '$back'"
+  "$loom" preprocess --tokenizer "$work/spm.model" --input "$work/docs.jsonl" --output-prefix "$work/spm_ds" \
+    --append-eod 2>/dev/null || fail "preprocess with SentencePiece exited $?"
+  python3 - "$work/spm_ds.idx" <<'PY' || fail "the SentencePiece dataset's index is not 3 documents ending in </s>"
+import struct, sys
+idx = open(sys.argv[1], "rb").read()
+assert idx[:9] == b"MMIDIDX\x00\x00" and idx[17] == 8, idx[:18]
+assert struct.unpack_from("<QQ", idx, 18) == (3, 4)
+PY
+else
+  echo "note: spm_encode not installed (Debian package sentencepiece); SentencePiece checks skipped"
+fi
+
 # 3. What preprocess writes trains: a few steps of the quickstart model on the
 #    Shakespeare dataset start near ln(50257) = 10.8 and fall.
 "$loom" preprocess --tokenizer "$tok" --input "$work/shakespeare.txt" --output-prefix "$work/shakespeare" \

@@ -4,6 +4,7 @@
 // tests/text/preprocess_test.sh checks the tokenizer against a reference encoder.
 #include "engine/text/gpt2_tokenizer.hpp"
 #include "engine/text/token_files.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "support/train_fixture.hpp"
 
 #include <gtest/gtest.h>
@@ -51,6 +52,28 @@ TEST(Text, PretokenizedPiecesRebuildAnyBytes) {
     }
     EXPECT_EQ(joined, s);
   }
+}
+
+TEST(Text, ATokenizerPathThatIsNoneSaysWhatWouldBe) {
+  const std::string dir = loom::testing::scratch_dir("text_tok");
+  auto message = [](const std::string& path) {
+    try {
+      loom::text::load_tokenizer(path);
+    } catch (const loom::text::TokenizerError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(loaded)");
+  };
+  EXPECT_NE(message(dir + "/none").find("no such tokenizer"), std::string::npos) << message(dir + "/none");
+  std::ofstream(dir + "/x.model") << "not a model";
+  EXPECT_NE(message(dir + "/x.model").find("not a SentencePiece model"), std::string::npos) << message(dir + "/x.model");
+  // A directory without GPT-2's files names the missing one and the script that fetches it.
+  const std::string m = message(dir);
+  EXPECT_NE(m.find("encoder.json"), std::string::npos) << m;
+  EXPECT_NE(m.find("fetch-gpt2-tokenizer.sh"), std::string::npos) << m;
+  std::ofstream(dir + "/encoder.json") << "{\"a\": 0, \"b\": 0}";
+  EXPECT_NE(message(dir).find("id 0 is given twice"), std::string::npos) << message(dir);
+  fs::remove_all(dir);
 }
 
 TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {

@@ -1,0 +1,85 @@
+#include "engine/text/tokenizer.hpp"
+
+#include "engine/text/gpt2_tokenizer.hpp"
+
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
+
+#include <boost/filesystem.hpp>
+
+#include <unordered_map>
+
+namespace loom::text {
+
+namespace {
+
+class SentencePieceTokenizer : public Tokenizer {
+ public:
+  explicit SentencePieceTokenizer(const std::string& path) : path_(path) {
+    const auto status = sp_.Load(path);
+    if (!status.ok()) throw TokenizerError(path + ": not a SentencePiece model (" + status.ToString() + ")");
+  }
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int> ids;
+    const auto status = sp_.Encode(std::string(text), &ids);
+    if (!status.ok()) throw TokenizerError(path_ + ": encoding failed (" + status.ToString() + ")");
+    return {ids.begin(), ids.end()};
+  }
+  std::string decode(const std::vector<int32_t>& ids) const override {
+    for (int32_t id : ids)
+      if (id < 0 || id >= vocab_size())
+        throw TokenizerError(path_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
+                             std::to_string(vocab_size()));
+    std::string out;
+    const auto status = sp_.Decode(std::vector<int>(ids.begin(), ids.end()), &out);
+    if (!status.ok()) throw TokenizerError(path_ + ": decoding failed (" + status.ToString() + ")");
+    return out;
+  }
+  int32_t vocab_size() const override { return sp_.GetPieceSize(); }
+  int32_t eod() const override { return sp_.eos_id(); }
+  std::string describe() const override {
+    return "SentencePiece (" + std::to_string(vocab_size()) + " tokens) from " + path_;
+  }
+
+ private:
+  std::string path_;
+  sentencepiece::SentencePieceProcessor sp_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
+  namespace fs = boost::filesystem;
+  if (fs::is_directory(path)) return std::make_unique<Gpt2Tokenizer>(Gpt2Tokenizer::load(path));
+  if (fs::is_regular_file(path)) return std::make_unique<SentencePieceTokenizer>(path);
+  throw TokenizerError(path + ": no such tokenizer: give a directory with GPT-2's encoder.json and vocab.bpe "
+                              "(scripts/fetch-gpt2-tokenizer.sh fetches them) or a SentencePiece .model file "
+                              "(loom tokenizer-train makes one)");
+}
+
+void train_sentencepiece(const SentencePieceTraining& how) {
+  if (how.inputs.empty()) throw TokenizerError("training a SentencePiece model needs at least one input file");
+  std::string inputs;
+  for (const std::string& f : how.inputs) {
+    if (!boost::filesystem::is_regular_file(f)) throw TokenizerError(f + ": cannot read the training text");
+    inputs += (inputs.empty() ? "" : ",") + f;
+  }
+  const std::unordered_map<std::string, std::string> args = {
+      {"input", inputs},
+      {"model_prefix", how.model_prefix},
+      {"vocab_size", std::to_string(how.vocab_size)},
+      {"model_type", how.model_type},
+      {"character_coverage", std::to_string(how.character_coverage)},
+      {"num_threads", std::to_string(how.threads)},
+      // As Llama's tokenizer: any text encodes (unknown characters as their bytes), and
+      // text is kept as written (no NFKC folding, white space kept), so decode(encode(s)) == s.
+      {"byte_fallback", "true"},
+      {"normalization_rule_name", "identity"},
+      {"remove_extra_whitespaces", "false"},
+      {"minloglevel", "2"},
+  };
+  const auto status = sentencepiece::SentencePieceTrainer::Train(args);
+  if (!status.ok()) throw TokenizerError("training the SentencePiece model failed: " + status.ToString());
+}
+
+}  // namespace loom::text

@@ -1,0 +1,51 @@
+// A tokenizer: text to token ids and back. Two kinds, chosen by what the path
+// names: a directory with encoder.json and vocab.bpe is GPT-2's byte-level BPE
+// (gpt2_tokenizer.hpp); a SentencePiece .model file (Kudo and Richardson, 2018) is
+// read by Debian's libsentencepiece, as Llama-family models ship theirs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::text {
+
+class TokenizerError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Safe to call from several threads at once.
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Throws TokenizerError for an id outside the vocabulary.
+  virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
+  virtual int32_t vocab_size() const = 0;
+  // The end-of-document token (GPT-2's <|endoftext|>, SentencePiece's </s>); -1 when none.
+  virtual int32_t eod() const = 0;
+  // "GPT-2 BPE (50257 tokens) from DIR".
+  virtual std::string describe() const = 0;
+};
+
+// Throws TokenizerError naming the path and what is wrong.
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path);
+
+// Trains a SentencePiece model on text files (one sentence per line, as
+// SentencePiece reads them) into PREFIX.model and PREFIX.vocab. `model_type`:
+// "bpe" or "unigram". Throws TokenizerError with SentencePiece's message.
+struct SentencePieceTraining {
+  std::vector<std::string> inputs;
+  std::string model_prefix;
+  int32_t vocab_size = 32000;
+  std::string model_type = "bpe";
+  double character_coverage = 0.9995;
+  int threads = 1;
+};
+void train_sentencepiece(const SentencePieceTraining& how);
+
+}  // namespace loom::text
