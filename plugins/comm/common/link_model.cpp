@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cmath>
+#include <initializer_list>
 #include <stdexcept>
 #include <thread>
 
@@ -16,8 +17,15 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b);
 }
 
-// "25GB/s" -> bytes per second; "100Gb/s" -> bits / 8.
-double parse_bandwidth(const std::string& text, const std::string& entry) {
+struct Unit {
+  const char* name;
+  double scale;
+};
+
+// A number followed by one of `units` (e.g. "25GB/s", "10us"), scaled; `what`
+// names the quantity in the error, with `rule` saying what is valid.
+double parse_quantity(const std::string& text, const std::string& entry, std::initializer_list<Unit> units,
+                      bool zero_ok, const char* what, const char* rule) {
   size_t used = 0;
   double v = 0;
   try {
@@ -27,35 +35,21 @@ double parse_bandwidth(const std::string& text, const std::string& entry) {
   }
   const std::string unit = trim(text.substr(used));
   double scale = 0;
-  if (unit == "GB/s") scale = 1e9;
-  else if (unit == "MB/s") scale = 1e6;
-  else if (unit == "Gb/s") scale = 1e9 / 8;
-  else if (unit == "Mb/s") scale = 1e6 / 8;
-  if (used == 0 || scale == 0 || !(v > 0) || !std::isfinite(v))
-    throw std::invalid_argument("link '" + entry + "': bandwidth '" + text +
-                                "' must be a positive number with a unit: GB/s, MB/s, Gb/s or Mb/s (e.g. 25GB/s)");
+  for (const Unit& u : units)
+    if (unit == u.name) scale = u.scale;
+  if (used == 0 || scale == 0 || !std::isfinite(v) || v < 0 || (v == 0 && !zero_ok))
+    throw std::invalid_argument("link '" + entry + "': " + what + " '" + text + "' must be " + rule);
   return v * scale;
 }
 
-// "10us" -> seconds.
+double parse_bandwidth(const std::string& text, const std::string& entry) {
+  return parse_quantity(text, entry, {{"GB/s", 1e9}, {"MB/s", 1e6}, {"Gb/s", 1e9 / 8}, {"Mb/s", 1e6 / 8}}, false,
+                        "bandwidth", "a positive number with a unit: GB/s, MB/s, Gb/s or Mb/s (e.g. 25GB/s)");
+}
+
 double parse_latency(const std::string& text, const std::string& entry) {
-  size_t used = 0;
-  double v = 0;
-  try {
-    v = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string unit = trim(text.substr(used));
-  double scale = 0;
-  if (unit == "ns") scale = 1e-9;
-  else if (unit == "us") scale = 1e-6;
-  else if (unit == "ms") scale = 1e-3;
-  else if (unit == "s") scale = 1;
-  if (used == 0 || scale == 0 || !(v >= 0) || !std::isfinite(v))
-    throw std::invalid_argument("link '" + entry + "': latency '" + text +
-                                "' must be a number >= 0 with a unit: ns, us, ms or s (e.g. 10us)");
-  return v * scale;
+  return parse_quantity(text, entry, {{"ns", 1e-9}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}}, true, "latency",
+                        "a number >= 0 with a unit: ns, us, ms or s (e.g. 10us)");
 }
 
 int ceil_log2(int p) {
