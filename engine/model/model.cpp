@@ -13,42 +13,6 @@
 
 namespace loom::model {
 
-std::vector<LayerSpec> model_layers(const manifest::RunConfig& config) {
-  auto resolve = [&](const std::string& name, int block, const std::string& instance) {
-    LayerSpec s;
-    s.config = name;
-    s.instance = instance;
-    s.block_index = block;
-    s.plugin = name;
-    if (auto p = config.model.layer_section(name).get_as<std::string>("plugin")) s.plugin = p->get();
-    return s;
-  };
-  std::vector<LayerSpec> out;
-  for (const auto& c : config.model.pre) out.push_back(resolve(c, -1, c));
-  const int blocks = static_cast<int>(config.model.num_layers);
-  for (int b = 0; b < blocks; ++b)
-    for (const auto& c : config.model.block)
-      out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
-  for (const auto& c : config.model.post) out.push_back(resolve(c, -1, c));
-  return out;
-}
-
-loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp) {
-  loom_model_dims d = loom::make<loom_model_dims>();
-  d.hidden = config.model.hidden_size;
-  d.heads = config.model.num_heads;
-  d.ffn_hidden = config.model.ffn_hidden_size;
-  d.seq_len = config.model.seq_length;
-  d.vocab = vocab;
-  const int64_t multiple = config.model.vocab_divisor * tp;
-  d.padded_vocab = (vocab + multiple - 1) / multiple * multiple;
-  d.micro_batch = config.batch.micro_batch_size;
-  d.num_layers = static_cast<int32_t>(config.model.num_layers);
-  d.block_index = -1;
-  d.tie_embeddings = config.model.tie_embeddings ? 1 : 0;
-  return d;
-}
-
 int32_t model_dtype(const std::string& name) {
   if (name == "fp32") return LOOM_DTYPE_F32;
   if (name == "bf16") return LOOM_DTYPE_BF16;
@@ -79,124 +43,15 @@ int64_t product(const std::vector<int64_t>& s) {
 }
 }  // namespace
 
-std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk) {
-  std::vector<int> groups(chunk.size(), -1);
-  if (config.model.recompute_granularity != "full") return groups;
-  const int64_t n = config.model.recompute_num_layers;
-  const bool uniform = config.model.recompute_method == "uniform";
-  int first_block = -1;
-  for (const LayerSpec& l : chunk)
-    if (l.block_index >= 0 && (first_block < 0 || l.block_index < first_block)) first_block = l.block_index;
-  for (size_t k = 0; k < chunk.size(); ++k) {
-    if (chunk[k].block_index < 0) continue;
-    const int64_t b = chunk[k].block_index - first_block;  // the chunk's b-th block
-    if (uniform)
-      groups[k] = static_cast<int>(b / std::max<int64_t>(n, 1));
-    else if (n == 0 || b < n)
-      groups[k] = static_cast<int>(b);
-  }
-  return groups;
-}
-
-size_t kept_hidden_states(const std::vector<int>& groups) {
-  size_t kept = groups.size();
-  for (size_t k = 0; k + 1 < groups.size(); ++k)
-    if (groups[k] >= 0 && groups[k + 1] == groups[k]) --kept;
-  return kept;
-}
-
-loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
-                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
-                         const loom_layer_api** api) {
-  const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-  toml::table section = config.model.layer_section(spec.config);
-  section.erase("plugin");
-  plugins::OptionValues opts(&section, p.options);
-  loom_model_dims ld = dims;
-  ld.block_index = spec.block_index;
-  loom_layer_create_args args = loom::make<loom_layer_create_args>();
-  args.dims = &ld;
-  args.instance_name = spec.instance.c_str();
-  args.tp = tp;
-  args.sequence_parallel = config.parallel.sequence_parallel ? 1 : 0;
-  args.grad_accumulation_fusion = config.device.grad_accumulation_fusion ? 1 : 0;
-  *api = p.layer();
-  loom_layer* handle = nullptr;
-  try {
-    loom::check((*api)->create(opts.raw(), rank, &args, &handle));
-  } catch (const loom::Error& e) {
-    // A refused option ("option NAME = value", the built-in layers' wording) is
-    // cited where the manifest sets it.
-    const std::string msg = e.what();
-    std::string where;
-    for (const auto& [key, node] : section) {
-      const std::string option = spec.config + "." + std::string(key.str());
-      auto origin = config.model.layer_origin.find(option);
-      if (origin != config.model.layer_origin.end() &&
-          msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
-        where = origin->second.str() + ": model.layer." + option + ": ";
-        break;
-      }
-    }
-    throw loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
-  }
-  return handle;
-}
-
 Model::Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
     : rank_(rank),
       dims_(dims),
       bucket_size_(static_cast<size_t>(config.optimizer.bucket_size)),
       param_dtype_(model_dtype(config.device.param_dtype)),
-      grad_dtype_(model_dtype(config.device.grad_dtype)) {
+      grad_dtype_(model_dtype(config.device.grad_dtype)),
+      layers_(config, registry, rank, dims, chunks) {
   const loom::Group tp = rank.group_or_self("tp");
-  LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
-  // ~Model destroys the layers, but it does not run when this constructor throws
-  // (a layer refusing its options, a parameter that does not split): then the
-  // layers created so far are destroyed here.
-  struct DestroyLayersOnThrow {
-    std::vector<Layer>& layers;
-    bool armed = true;
-    ~DestroyLayersOnThrow() {
-      if (!armed) return;
-      for (Layer& l : layers)
-        if (l.handle) l.api->destroy(l.handle);
-    }
-  } guard{layers_};
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    Chunk chunk;
-    chunk.global_index = chunks[c].global_index;
-    chunk.num_global = chunks[c].num_global;
-    chunk.first_layer = layers_.size();
-    const std::vector<int> groups = recompute_groups(config, chunks[c].layers);
-    for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
-      const LayerSpec& spec = chunks[c].layers[k];
-      Layer layer;
-      layer.spec = spec;
-      layer.chunk = static_cast<int>(c);
-      layer.handle = create_layer(config, registry, &rank, spec, dims, tp.raw(), &layer.api);
-      const int32_t capture_kind = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable
-                                       ? layer.api->capturable(layer.handle)
-                                       : 0;
-      layer.capturable = capture_kind == 1;
-      // 2 ("captures parts") means something only from a layer built for 1.7 or later.
-      layer.captures_parts = capture_kind == 2 && registry.get("layer", spec.plugin).abi_minor >= 7;
-      layer.recompute_group = groups[k];
-      layer.recompute = groups[k] >= 0;
-      // Dropping a forward's saved state without its backward is the release slot.
-      if (layer.recompute && layer.api->release == nullptr) {
-        layers_.push_back(std::move(layer));
-        throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin +
-                              ") has no release slot, so its saved activations cannot be dropped for recomputation; "
-                              "set model.recompute_granularity = \"none\"",
-                          LOOM_CODE_UNSUPPORTED);
-      }
-      layers_.push_back(std::move(layer));
-    }
-    chunk.end_layer = layers_.size();
-    chunks_.push_back(chunk);
-  }
   build_buffers(seed);
   // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
   // seq / cp rows under context parallelism), or its sequence shard [rows / tp,
@@ -226,7 +81,6 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
                "activation recomputation (model.recompute_granularity) cannot run under an exec plugin that replays "
                "captured steps (LOOM_EXEC_REPLAYS); set model.recompute_granularity = \"none\" or exec.mode = "
                "\"eager\"");
-  guard.armed = false;
 }
 
 size_t Model::hidden_numel() const {
@@ -260,10 +114,10 @@ void Model::finalize_grads() {
 }
 
 Model::~Model() {
+  // The hidden states go first, then the layers, before the buffers they view.
   acts_.clear();
   hidden_pool_.clear();
-  for (Layer& l : layers_)
-    if (l.handle) l.api->destroy(l.handle);
+  layers_.destroy();
 }
 
 void Model::build_buffers(uint64_t seed) {
@@ -285,15 +139,15 @@ void Model::build_buffers(uint64_t seed) {
       collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size(), etp.size());
   std::vector<int> chunk_of_layer, chunk_global_index;
   for (const Layer& l : layers_) chunk_of_layer.push_back(l.chunk);
-  for (const Chunk& c : chunks_) chunk_global_index.push_back(c.global_index);
-  place_entries_in_chunks(collected, chunk_of_layer, chunk_global_index, chunks_.front().num_global);
+  for (const LocalChunk& c : layers_.chunks()) chunk_global_index.push_back(c.global_index);
+  place_entries_in_chunks(collected, chunk_of_layer, chunk_global_index, layers_.chunk(0).num_global);
   entries_ = std::move(collected.entries);
   const std::vector<DeclRef>& decls = collected.decls;
   const std::vector<size_t>& entry_of = collected.entry_of;
   // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
   // buckets), one buffer region per chunk and one for the expert parameters.
   const int cp = rank_.group_or_self("cp").size();
-  layout_ = layout_entries(entries_, chunks_.size(), rank_.group_or_self(topology::gradient_group_kind(cp)).size(),
+  layout_ = layout_entries(entries_, layers_.chunk_count(), rank_.group_or_self(topology::gradient_group_kind(cp)).size(),
                            bucket_size_);
   for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
   numel_ = layout_.numel;
@@ -340,22 +194,24 @@ void Model::build_buffers(uint64_t seed) {
   dev.synchronize();
 
   // Bind views in each layer's declaration order.
+  views_.resize(layers_.size());
   for (size_t li = 0; li < layers_.size(); ++li) {
-    Layer& l = layers_[li];
+    const Layer& l = layers_[li];
+    LayerViews& v = views_[li];
     for (size_t k = 0; k < decls.size(); ++k) {
       if (decls[k].layer != static_cast<int>(li)) continue;
       const ParamEntry& e = entries_[entry_of[k]];
-      l.shapes.push_back(e.local_shape);
+      v.shapes.push_back(e.local_shape);
     }
     size_t j = 0;
     for (size_t k = 0; k < decls.size(); ++k) {
       if (decls[k].layer != static_cast<int>(li)) continue;
       const ParamEntry& e = entries_[entry_of[k]];
-      l.param_views.push_back(view(rank_, params_.get<char>() + e.offset * psize, l.shapes[j], param_dtype_));
-      l.grad_views.push_back(view(rank_, grads_.get<char>() + e.offset * gsize, l.shapes[j], grad_dtype_));
+      v.params.push_back(view(rank_, params_.get<char>() + e.offset * psize, v.shapes[j], param_dtype_));
+      v.grads.push_back(view(rank_, grads_.get<char>() + e.offset * gsize, v.shapes[j], grad_dtype_));
       ++j;
     }
-    loom::check(l.api->bind(l.handle, l.param_views.data(), l.grad_views.data(), l.param_views.size()));
+    loom::check(l.api->bind(l.handle, v.params.data(), v.grads.data(), v.params.size()));
   }
 }
 
@@ -416,7 +272,7 @@ bool Model::may_capture_parts(size_t i, bool capture_ok) const {
 std::vector<int32_t> Model::counted_elsewhere() const {
   std::vector<int32_t> out;
   for (const ParamEntry& e : entries_)
-    out.push_back(e.shared_across_stages && chunks_[static_cast<size_t>(e.chunk)].global_index != 0 ? 1 : 0);
+    out.push_back(e.shared_across_stages && layers_.chunk(e.chunk).global_index != 0 ? 1 : 0);
   return out;
 }
 
@@ -503,7 +359,7 @@ void* Model::chunk_input(int c, int mb) {
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions,
                                  float* aux_loss) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  const LocalChunk& chunk = layers_.chunk(c);
   const bool first = is_first_global(c), last = is_last_global(c);
   auto held_it = acts_.find({c, mb});
   const size_t held_count = held_it == acts_.end() ? 0 : held_it->second.size();
@@ -525,7 +381,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     }
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
-    Layer& l = layers_[i];
+    const Layer& l = layers_[i];
     if (training && l.recompute) {  // keep only the group's input; backward runs the group's forward again
       l.api->release(l.handle, mb);
       any_recomputed = true;
@@ -549,7 +405,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   DLTensor tgt = view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
   const uint64_t* seed_device = training ? dropout_seed_slot(mb, in.dropout_seed) : nullptr;
-  Layer& l = layers_[i];
+  const Layer& l = layers_[i];
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
   a.microbatch = mb;
   a.training = training ? 1 : 0;
@@ -571,7 +427,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  const LocalChunk& chunk = layers_.chunk(c);
   LOOM_REQUIRE(acts_.count({c, mb}) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
@@ -582,7 +438,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   const size_t outputs_from = first ? 0 : 1;
   size_t group_end = 0;  // the recompute group being backpropagated: its last layer
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
-    Layer& l = layers_[i];
+    const Layer& l = layers_[i];
     if (l.recompute && (i + 1 == chunk.end_layer || layers_[i + 1].recompute_group != l.recompute_group)) {
       size_t g0 = i;  // the group's first layer
       while (g0 > chunk.first_layer && layers_[g0 - 1].recompute_group == l.recompute_group) --g0;
@@ -624,7 +480,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
 // the buffer it had (already consumed by the next layer's backward); their loss and
 // aux outputs are not counted twice.
 void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  const LocalChunk& chunk = layers_.chunk(c);
   std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   const bool first = is_first_global(c);
   const size_t outputs_from = first ? 0 : 1;
@@ -645,14 +501,14 @@ void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
   }
 }
 
-std::vector<int> Model::groups_of(const Chunk& chunk) const {
+std::vector<int> Model::groups_of(const LocalChunk& chunk) const {
   std::vector<int> groups;
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) groups.push_back(layers_[i].recompute_group);
   return groups;
 }
 
 void Model::release_chunk(int c, int mb) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  const LocalChunk& chunk = layers_.chunk(c);
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
   forward_inputs_.erase({c, mb});
@@ -662,7 +518,7 @@ void Model::release_chunk(int c, int mb) {
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
                     float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss) {
   const void* out = nullptr;
-  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
+  for (int c = 0; c < static_cast<int>(chunk_count()); ++c) {
     if (c > 0) rank_.dev().copy(chunk_input(c, mb), out, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
     out = forward_chunk(c, mb, tokens, targets, training, dropout_seed, loss_sum, loss_count, predictions, aux_loss);
   }
@@ -670,32 +526,20 @@ void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool 
 }
 
 void Model::backward(int mb, float loss_scale, float aux_loss_scale) {
-  for (int c = static_cast<int>(chunks_.size()); c-- > 0;) {
+  for (int c = static_cast<int>(chunk_count()); c-- > 0;) {
     const void* grad = backward_chunk(c, mb, loss_scale, aux_loss_scale);
     if (c > 0) rank_.dev().copy(chunk_grad_output(), grad, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
   }
 }
 
 void Model::release(int mb) {
-  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) release_chunk(c, mb);
-}
-
-double Model::forward_flops() const {
-  double f = 0;
-  for (const Layer& l : layers_)
-    if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
-      f += l.api->forward_flops(l.handle);
-  return f;
+  for (int c = 0; c < static_cast<int>(chunk_count()); ++c) release_chunk(c, mb);
 }
 
 uint64_t Model::activation_bytes() const {
-  uint64_t b = 0;
-  for (const Layer& l : layers_)  // a recomputing layer keeps nothing between its forward and backward
-    if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-      b += l.api->activation_bytes(l.handle);
   size_t kept = 0;  // the hidden state after each layer, but those recompute groups drop
-  for (const Chunk& chunk : chunks_) kept += kept_hidden_states(groups_of(chunk));
-  return b + static_cast<uint64_t>(kept) * hidden_bytes();
+  for (const LocalChunk& chunk : layers_.chunks()) kept += kept_hidden_states(groups_of(chunk));
+  return layers_.saved_activation_bytes() + static_cast<uint64_t>(kept) * hidden_bytes();
 }
 
 }  // namespace loom::model

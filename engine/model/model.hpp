@@ -7,6 +7,8 @@
 
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
+#include "engine/model/layers.hpp"
+#include "engine/model/recompute.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
 
@@ -19,50 +21,6 @@
 #include <vector>
 
 namespace loom::model {
-
-// One layer of the composed model, as the manifest describes it.
-struct LayerSpec {
-  std::string instance;    // "embedding", "blocks.3.attention", "lm_head"
-  std::string config;      // the name used in model.pre/block/post (a [model.layer.NAME] table, or a plugin)
-  std::string plugin;      // layer plugin name
-  int block_index = -1;    // -1 outside the repeated blocks
-};
-
-// pre + block × num_layers + post, in model order.
-std::vector<LayerSpec> model_layers(const manifest::RunConfig& config);
-
-// Activation recomputation of a chunk's layers (a pipeline stage's, or virtual
-// stage's; model.recompute_*): per layer, the recompute group it belongs to, or
-// -1. A group is a run of whole consecutive blocks whose forward runs again in
-// backward from the group's input, the only hidden state it keeps (and its layers
-// keep nothing else). With model.recompute_granularity = "full": method "block"
-// makes each of the chunk's first model.recompute_num_layers blocks a group (0:
-// every block), "uniform" puts all its blocks in groups of recompute_num_layers
-// (0: 1), Megatron's --recompute-method.
-std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk);
-
-// Hidden states a chunk with these groups keeps per microbatch: one after each
-// layer, less the outputs its groups drop (those their own next layer consumes).
-size_t kept_hidden_states(const std::vector<int>& groups);
-
-// The model dimensions given the vocabulary and the tensor-parallel size.
-loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp);
-
-// Creates one layer from its plugin, with the manifest's [model.layer.NAME]
-// options for it (what the Model and the memory planner both do). Returns the
-// handle; *api is the plugin's table. Errors name the instance and the plugin.
-loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
-                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
-                         const loom_layer_api** api);
-
-// A pipeline chunk held by this rank: global chunk `global_index` of
-// `num_global` (0-based), its layers in model order. A rank without pipeline
-// parallelism holds one chunk, the whole model.
-struct ModelChunk {
-  int global_index = 0;
-  int num_global = 1;
-  std::vector<LayerSpec> layers;
-};
 
 // A parameter of this rank as the optimizer sees it; tied parameters appear once.
 struct ParamEntry {
@@ -162,11 +120,11 @@ class Model {
   const runtime::RankRuntime& runtime() const { return rank_; }
   size_t layer_count() const { return layers_.size(); }
   const LayerSpec& layer_spec(size_t i) const { return layers_[i].spec; }
-  size_t chunk_count() const { return chunks_.size(); }
-  int chunk_global_index(int c) const { return chunks_[static_cast<size_t>(c)].global_index; }
-  bool is_first_global(int c) const { return chunk_global_index(c) == 0; }
-  bool is_last_global(int c) const { return chunk_global_index(c) + 1 == chunks_[static_cast<size_t>(c)].num_global; }
-  double forward_flops() const;       // one microbatch through this rank's layers
+  size_t chunk_count() const { return layers_.chunk_count(); }
+  int chunk_global_index(int c) const { return layers_.chunk(c).global_index; }
+  bool is_first_global(int c) const { return layers_.chunk(c).is_first_global(); }
+  bool is_last_global(int c) const { return layers_.chunk(c).is_last_global(); }
+  double forward_flops() const { return layers_.forward_flops(); }  // one microbatch through this rank's layers
   uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers (all chunks)
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
   // Whether layer steps may be replayed from graphs (the exec mode replays and some
@@ -174,32 +132,16 @@ class Model {
   bool replays_steps() const { return replays_steps_; }
 
  private:
-  struct Layer {
-    LayerSpec spec;
-    int chunk = 0;
-    const loom_layer_api* api = nullptr;
-    loom_layer* handle = nullptr;
-    std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
-    std::vector<DLTensor> param_views, grad_views;
-    bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable == 1)
-    // capturable() == 2 (ABI 1.7): its steps run directly and capture parts of
-    // themselves as sub-steps (MoE: the router), when step args say they may.
-    bool captures_parts = false;
-    // In a recompute group (recompute_groups): what its training forward saved is
-    // dropped at once (and its output, when the group's next layer consumed it),
-    // and the group's forward runs again in backward.
-    int recompute_group = -1;
-    bool recompute = false;  // recompute_group >= 0
+  // A layer's parameter and gradient views; bind() hands the layer their arrays.
+  struct LayerViews {
+    std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the views
+    std::vector<DLTensor> params, grads;
   };
   // What a recomputed forward of (chunk, microbatch) needs again in backward.
   struct ForwardInputs {
     const int32_t* tokens = nullptr;
     const int32_t* targets = nullptr;
     uint64_t dropout_seed = 0;
-  };
-  struct Chunk {
-    int global_index = 0, num_global = 1;
-    size_t first_layer = 0, end_layer = 0;  // [first, end) in layers_
   };
   // A hidden-state buffer of the pool below.
   struct HiddenSlot {
@@ -235,7 +177,7 @@ class Model {
   // microbatch mb), its dropped hidden states into fresh slots.
   void recompute_group(int c, int mb, size_t g0, size_t g1);
   // The chunk's recompute groups, as recompute_groups() made them.
-  std::vector<int> groups_of(const Chunk& chunk) const;
+  std::vector<int> groups_of(const LocalChunk& chunk) const;
   // Frees (c, mb)'s slots (their memory too unless replays_steps()).
   void give_back(int c, int mb);
 
@@ -244,11 +186,11 @@ class Model {
   size_t bucket_size_ = 0;
   int32_t param_dtype_ = LOOM_DTYPE_F32, grad_dtype_ = LOOM_DTYPE_F32;
   BufferLayout layout_;
-  std::vector<Layer> layers_;
-  std::vector<Chunk> chunks_;
+  Layers layers_;
   std::vector<ParamEntry> entries_;
   size_t numel_ = 0;
   loom::Buffer params_, grads_;
+  std::vector<LayerViews> views_;  // by layer
   bool sequence_parallel_ = false;
   int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
   int64_t hidden_shape_[3];
