@@ -50,7 +50,8 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       bucket_size_(static_cast<size_t>(config.optimizer.bucket_size)),
       param_dtype_(model_dtype(config.device.param_dtype)),
       grad_dtype_(model_dtype(config.device.grad_dtype)),
-      layers_(config, registry, rank, dims, chunks) {
+      layers_(config, registry, rank, dims, chunks),
+      capture_(rank, layers_, rank.group_or_self("tp").size()) {
   const loom::Group tp = rank.group_or_self("tp");
   build_buffers(seed);
   // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
@@ -64,20 +65,11 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
   grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
-  const loom_exec_api* exec = rank_.exec_api();
-  tp_single_ = tp.size() == 1;
-  // Hidden states stay put across steps only when some step can be captured.
-  const uint64_t exec_features = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) ? exec->features : 0;
-  exec_substeps_ = (exec_features & LOOM_EXEC_SUBSTEPS) != 0;
-  const bool any_capturable = std::any_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
-    return l.capturable || (l.captures_parts && exec_substeps_);
-  });
-  replays_steps_ = (exec_features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
   // A recomputed forward runs inside the backward, between a layer's captured
   // forward and backward, on hidden states it re-creates (the schema refuses
   // exec.mode = "partial_graph"; this covers any exec plugin that replays).
   const bool any_recompute = std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.recompute; });
-  LOOM_REQUIRE(!(replays_steps_ && any_recompute),
+  LOOM_REQUIRE(!(replays_steps() && any_recompute),
                "activation recomputation (model.recompute_granularity) cannot run under an exec plugin that replays "
                "captured steps (LOOM_EXEC_REPLAYS); set model.recompute_granularity = \"none\" or exec.mode = "
                "\"eager\"");
@@ -234,41 +226,6 @@ void Model::zero_grads() {
                            .alpha = 0.f, .dtype = grad_dtype_, .out_dtype = grad_dtype_});
 }
 
-void Model::run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn) {
-  const loom_exec_api* api = rank_.exec_api();
-  if (api == nullptr) {
-    fn();
-    return;
-  }
-  struct Ctx {
-    const std::function<void()>* fn;
-  } ctx{&fn};
-  const Layer& l = layers_[i];
-  loom_exec_step step = loom::make<loom_exec_step>();
-  step.scope = l.spec.plugin.c_str();
-  step.key = step_key(i, mb, backward);
-  step.capturable = may_capture(i, capture_ok) ? 1 : 0;
-  step.ctx = &ctx;
-  step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
-  loom::check(api->run(rank_.exec_handle(), &rank_, &step));
-}
-
-int64_t Model::step_key(size_t i, int mb, bool backward) const {
-  return (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
-         (backward ? 1 : 0);
-}
-
-// capture_ok: a training step (evaluation forwards keep nothing and run directly)
-// whose dropout seed is in device memory. A layer step with a tp collective inside
-// is not captured (comm plugins do not promise capture).
-bool Model::may_capture(size_t i, bool capture_ok) const {
-  return capture_ok && layers_[i].capturable && tp_single_ && replays_steps_;
-}
-
-bool Model::may_capture_parts(size_t i, bool capture_ok) const {
-  return capture_ok && layers_[i].captures_parts && exec_substeps_ && tp_single_ && replays_steps_;
-}
-
 std::vector<int32_t> Model::counted_elsewhere() const {
   std::vector<int32_t> out;
   for (const ParamEntry& e : entries_)
@@ -291,7 +248,7 @@ void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
   if (seeds.size() > staged_seeds_.size()) {
     // Graphs read the seeds at the addresses of their capture: a step with more
     // microbatches than the first would need new ones.
-    LOOM_REQUIRE(staged_seeds_.empty() || !replays_steps_,
+    LOOM_REQUIRE(staged_seeds_.empty() || !replays_steps(),
                  "a step with " << seeds.size() << " microbatches after steps with " << staged_seeds_.size()
                                 << ": the number of microbatches must not change under exec.mode = partial_graph");
     dropout_seeds_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
@@ -332,7 +289,7 @@ size_t Model::take_slot() {
 
 void Model::drop_slot(size_t k) {
   hidden_pool_[k].in_use = false;
-  if (!replays_steps_) hidden_pool_[k].buffer.reset();
+  if (!replays_steps()) hidden_pool_[k].buffer.reset();
 }
 
 void* Model::take_hidden(int c, int mb) {
@@ -421,9 +378,9 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.aux_loss = training ? aux_loss : nullptr;
   // A recomputing layer's forward is not captured: its backward pair runs it again.
   const bool capture_ok = training && seed_device != nullptr && !l.recompute;
-  a.step_key = step_key(i, mb, false);
-  a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
-  run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+  a.step_key = capture_.step_key(i, mb, false);
+  a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
+  capture_.run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
@@ -458,9 +415,9 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     // Captured exactly when its forward could be (a replayed backward needs the
     // activations of a replayed forward): the microbatch's seed slot exists.
     const bool capture_ok = static_cast<size_t>(mb) < staged_seeds_.size() && !l.recompute;
-    a.step_key = step_key(i, mb, true);
-    a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
-    run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    a.step_key = capture_.step_key(i, mb, true);
+    a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
+    capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
     if (l.recompute && (i == chunk.first_layer || layers_[i - 1].recompute_group != l.recompute_group))

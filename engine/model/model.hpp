@@ -7,6 +7,7 @@
 
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
+#include "engine/model/capture_policy.hpp"
 #include "engine/model/layers.hpp"
 #include "engine/model/recompute.hpp"
 #include "engine/plugins/registry.hpp"
@@ -129,7 +130,7 @@ class Model {
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
   // Whether layer steps may be replayed from graphs (the exec mode replays and some
   // layer is capturable): then hidden states stay allocated across steps.
-  bool replays_steps() const { return replays_steps_; }
+  bool replays_steps() const { return capture_.replays_steps(); }
 
  private:
   // A layer's parameter and gradient views; bind() hands the layer their arrays.
@@ -149,16 +150,6 @@ class Model {
     bool in_use = false;
   };
   void build_buffers(uint64_t seed);
-  // Layer i's forward (backward = false) or backward of microbatch mb through the
-  // execution mode; captured and replayed when the mode replays and it may.
-  void run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn);
-  // The exec key of that step: the same for the same layer, microbatch and
-  // direction every step (graphs are looked up by it).
-  int64_t step_key(size_t i, int mb, bool backward) const;
-  // Whether layer i's step, or (captures_parts) parts of it, may be captured now.
-  // capture_ok: a training step whose dropout seed is in device memory.
-  bool may_capture(size_t i, bool capture_ok) const;
-  bool may_capture_parts(size_t i, bool capture_ok) const;
   // Device memory holding microbatch mb's dropout seed `value` (written when it
   // differs from what is there), or nullptr when mb has no slot.
   const uint64_t* dropout_seed_slot(int mb, uint64_t value);
@@ -187,6 +178,7 @@ class Model {
   int32_t param_dtype_ = LOOM_DTYPE_F32, grad_dtype_ = LOOM_DTYPE_F32;
   BufferLayout layout_;
   Layers layers_;
+  CapturePolicy capture_;
   std::vector<ParamEntry> entries_;
   size_t numel_ = 0;
   loom::Buffer params_, grads_;
@@ -206,10 +198,7 @@ class Model {
   std::map<std::pair<int, int>, std::vector<size_t>> acts_;
   loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
   std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
-  bool replays_steps_ = false;
   std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
-  bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
-  bool exec_substeps_ = false;  // the exec mode keys graphs by sub-step too (LOOM_EXEC_SUBSTEPS)
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 
