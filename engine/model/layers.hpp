@@ -68,6 +68,9 @@ struct LocalChunk {
   size_t first_layer = 0, end_layer = 0;
   bool is_first_global() const { return global_index == 0; }
   bool is_last_global() const { return global_index + 1 == num_global; }
+  // Where the output of `layer` lies among a microbatch's hidden states of the
+  // chunk (HiddenStates positions): after the received input, when there is one.
+  size_t output_position(size_t layer) const { return (is_first_global() ? 0 : 1) + (layer - first_layer); }
 };
 
 // The layers of this rank's chunks in model order, created from their plugins

@@ -3,6 +3,7 @@
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/model/param_plan.hpp"
+#include "engine/model/tensor_view.hpp"
 #include "engine/topology/rank_groups.hpp"
 
 #include <glog/logging.h>
@@ -20,26 +21,17 @@ int32_t model_dtype(const std::string& name) {
 }
 
 namespace {
-DLDataType dl_dtype(int32_t dtype) {
-  if (dtype == LOOM_DTYPE_BF16) return {kDLBfloat, 16, 1};
-  return {kDLFloat, 32, 1};
-}
-// A compact row-major view of device memory of `rank` (device id 0: a rank sees
-// one device, its own), of LOOM_DTYPE_* `dtype`.
-DLTensor view(const runtime::RankRuntime& rank, void* data, const std::vector<int64_t>& shape,
-              int32_t dtype = LOOM_DTYPE_F32) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {static_cast<DLDeviceType>(rank.dl_device_type()), 0};
-  t.ndim = static_cast<int32_t>(shape.size());
-  t.dtype = dl_dtype(dtype);
-  t.shape = const_cast<int64_t*>(shape.data());
-  t.strides = nullptr;  // compact row-major
-  t.byte_offset = 0;
-  return t;
-}
 int64_t product(const std::vector<int64_t>& s) {
   return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+int tp_size(const runtime::RankRuntime& rank) { return rank.group_or_self("tp").size(); }
+
+// Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
+// seq / cp rows under context parallelism), or its sequence shard [rows / tp,
+// micro_batch, hidden] under sequence parallelism.
+std::vector<int64_t> hidden_shape(const loom_model_dims& dims, int64_t context_rows, bool sequence_parallel, int tp) {
+  return {sequence_parallel ? context_rows / tp : context_rows, dims.micro_batch, dims.hidden};
 }
 }  // namespace
 
@@ -51,17 +43,12 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       param_dtype_(model_dtype(config.device.param_dtype)),
       grad_dtype_(model_dtype(config.device.grad_dtype)),
       layers_(config, registry, rank, dims, chunks),
-      capture_(rank, layers_, rank.group_or_self("tp").size()) {
-  const loom::Group tp = rank.group_or_self("tp");
+      capture_(rank, layers_, tp_size(rank)),
+      sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
+      context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
+      hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)), param_dtype_,
+              capture_.replays_steps()) {
   build_buffers(seed);
-  // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
-  // seq / cp rows under context parallelism), or its sequence shard [rows / tp,
-  // micro_batch, hidden] under sequence parallelism.
-  sequence_parallel_ = config.parallel.sequence_parallel && tp.size() > 1;
-  context_rows_ = dims_.seq_len / rank_.group_or_self("cp").size();
-  hidden_shape_[0] = sequence_parallel_ ? context_rows_ / tp.size() : context_rows_;
-  hidden_shape_[1] = dims_.micro_batch;
-  hidden_shape_[2] = dims_.hidden;
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
   grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
@@ -74,12 +61,6 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
                "captured steps (LOOM_EXEC_REPLAYS); set model.recompute_granularity = \"none\" or exec.mode = "
                "\"eager\"");
 }
-
-size_t Model::hidden_numel() const {
-  return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]);
-}
-
-size_t Model::hidden_bytes() const { return hidden_numel() * loom::dtype_size(act_dtype()); }
 
 void Model::finalize_grads() {
   void* stream = rank_.dev().native_stream();
@@ -107,8 +88,7 @@ void Model::finalize_grads() {
 
 Model::~Model() {
   // The hidden states go first, then the layers, before the buffers they view.
-  acts_.clear();
-  hidden_pool_.clear();
+  hidden_.clear();
   layers_.destroy();
 }
 
@@ -199,8 +179,8 @@ void Model::build_buffers(uint64_t seed) {
     for (size_t k = 0; k < decls.size(); ++k) {
       if (decls[k].layer != static_cast<int>(li)) continue;
       const ParamEntry& e = entries_[entry_of[k]];
-      v.params.push_back(view(rank_, params_.get<char>() + e.offset * psize, v.shapes[j], param_dtype_));
-      v.grads.push_back(view(rank_, grads_.get<char>() + e.offset * gsize, v.shapes[j], grad_dtype_));
+      v.params.push_back(device_view(rank_, params_.get<char>() + e.offset * psize, v.shapes[j], param_dtype_));
+      v.grads.push_back(device_view(rank_, grads_.get<char>() + e.offset * gsize, v.shapes[j], grad_dtype_));
       ++j;
     }
     loom::check(l.api->bind(l.handle, v.params.data(), v.grads.data(), v.params.size()));
@@ -277,64 +257,32 @@ const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
   return slot;
 }
 
-size_t Model::take_slot() {
-  size_t k = 0;
-  while (k < hidden_pool_.size() && hidden_pool_[k].in_use) ++k;  // the lowest free slot
-  if (k == hidden_pool_.size()) hidden_pool_.emplace_back();
-  HiddenSlot& slot = hidden_pool_[k];
-  if (!slot.buffer) slot.buffer = loom::Buffer(&rank_, hidden_bytes());
-  slot.in_use = true;
-  return k;
-}
-
-void Model::drop_slot(size_t k) {
-  hidden_pool_[k].in_use = false;
-  if (!replays_steps()) hidden_pool_[k].buffer.reset();
-}
-
-void* Model::take_hidden(int c, int mb) {
-  const size_t k = take_slot();
-  acts_[{c, mb}].push_back(k);
-  return hidden_pool_[k].buffer.get();
-}
-
-void Model::give_back(int c, int mb) {
-  auto it = acts_.find({c, mb});
-  if (it == acts_.end()) return;
-  for (size_t k : it->second)
-    if (k != kDropped) drop_slot(k);
-  acts_.erase(it);
-}
-
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
-  auto it = acts_.find({c, mb});
-  if (it != acts_.end()) return hidden_pool_[it->second.front()].buffer.get();
-  return take_hidden(c, mb);
+  if (hidden_.count(c, mb) != 0) return hidden_.at(c, mb, 0);
+  return hidden_.push(c, mb);
 }
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions,
                                  float* aux_loss) {
   const LocalChunk& chunk = layers_.chunk(c);
-  const bool first = is_first_global(c), last = is_last_global(c);
-  auto held_it = acts_.find({c, mb});
-  const size_t held_count = held_it == acts_.end() ? 0 : held_it->second.size();
+  const bool first = chunk.is_first_global(), last = chunk.is_last_global();
+  const size_t held_count = hidden_.count(c, mb);
   LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   const ForwardInputs in{tokens, targets, dropout_seed};
   bool any_recomputed = false;
-  void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
+  void* held = first ? nullptr : hidden_.at(c, mb, 0);  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     const bool has_input = held != nullptr;
     const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor input{}, output{};
-    if (has_input) input = view(rank_, held, hid_shape, act_dtype());
+    if (has_input) input = hidden_.view(held);
     if (has_output) {
-      held = take_hidden(c, mb);
-      output = view(rank_, held, hid_shape, act_dtype());
+      held = hidden_.push(c, mb);
+      output = hidden_.view(held);
     }
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
@@ -342,12 +290,8 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     if (training && l.recompute) {  // keep only the group's input; backward runs the group's forward again
       l.api->release(l.handle, mb);
       any_recomputed = true;
-      if (i > chunk.first_layer && layers_[i - 1].recompute_group == l.recompute_group) {
-        // This layer's input was the output of the group's previous layer: dropped.
-        size_t& slot = acts_.at({c, mb})[(first ? 0 : 1) + (i - 1 - chunk.first_layer)];
-        drop_slot(slot);
-        slot = kDropped;
-      }
+      if (i > chunk.first_layer && layers_[i - 1].recompute_group == l.recompute_group)
+        hidden_.drop(c, mb, chunk.output_position(i - 1));  // the group's previous output, this layer's input
     }
   }
   if (any_recomputed) forward_inputs_[{c, mb}] = in;
@@ -357,9 +301,9 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
 void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                         float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training) {
   std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
-  DLTensor tok = view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
+  DLTensor tok = device_view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
-  DLTensor tgt = view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
+  DLTensor tgt = device_view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
   const uint64_t* seed_device = training ? dropout_seed_slot(mb, in.dropout_seed) : nullptr;
   const Layer& l = layers_[i];
@@ -385,14 +329,11 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
   const LocalChunk& chunk = layers_.chunk(c);
-  LOOM_REQUIRE(acts_.count({c, mb}) != 0,
+  LOOM_REQUIRE(hidden_.count(c, mb) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  const bool first = is_first_global(c);
-  loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
+  const bool first = chunk.is_first_global();
+  loom::Buffer* grad_out = chunk.is_last_global() ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  std::vector<size_t>& held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
-  const size_t outputs_from = first ? 0 : 1;
   size_t group_end = 0;  // the recompute group being backpropagated: its last layer
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     const Layer& l = layers_[i];
@@ -404,8 +345,8 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     }
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
-    if (grad_out) gout = view(rank_, grad_out->get(), hid_shape, act_dtype());
-    if (has_grad_input) gin = view(rank_, grad_in->get(), hid_shape, act_dtype());
+    if (grad_out) gout = hidden_.view(grad_out->get());
+    if (has_grad_input) gin = hidden_.view(grad_in->get());
     loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
     a.microbatch = mb;
     a.grad_output = grad_out ? &gout : nullptr;
@@ -421,14 +362,11 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
     if (l.recompute && (i == chunk.first_layer || layers_[i - 1].recompute_group != l.recompute_group))
-      for (size_t j = i; j < group_end; ++j) {  // the group is done: its recomputed inner states go
-        size_t& slot = held[outputs_from + (j - chunk.first_layer)];
-        drop_slot(slot);
-        slot = kDropped;
-      }
+      for (size_t j = i; j < group_end; ++j)  // the group is done: its recomputed inner states go
+        hidden_.drop(c, mb, chunk.output_position(j));
   }
   forward_inputs_.erase({c, mb});
-  give_back(c, mb);
+  hidden_.give_back(c, mb);
   return first ? nullptr : grad_out->get();
 }
 
@@ -438,19 +376,14 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
 // aux outputs are not counted twice.
 void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
   const LocalChunk& chunk = layers_.chunk(c);
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  const bool first = is_first_global(c);
-  const size_t outputs_from = first ? 0 : 1;
+  const bool first = chunk.is_first_global();
   for (size_t j = g0; j <= g1; ++j) {
-    std::vector<size_t>& held = acts_.at({c, mb});
-    const size_t lj = j - chunk.first_layer, out_at = outputs_from + lj;
+    const size_t lj = j - chunk.first_layer, out_at = chunk.output_position(j);
     DLTensor input{}, output{};
-    const bool has_input = lj > 0 || !first, has_output = out_at < held.size();
-    if (has_input) input = view(rank_, hidden_pool_[held[lj > 0 ? out_at - 1 : 0]].buffer.get(), hid_shape, act_dtype());
-    if (has_output) {
-      if (held[out_at] == kDropped) held[out_at] = take_slot();
-      output = view(rank_, hidden_pool_[held[out_at]].buffer.get(), hid_shape, act_dtype());
-    }
+    const bool has_input = lj > 0 || !first, has_output = out_at < hidden_.count(c, mb);
+    // The previous layer's output, or the chunk's received input.
+    if (has_input) input = hidden_.view(hidden_.at(c, mb, lj > 0 ? out_at - 1 : 0));
+    if (has_output) output = hidden_.view(hidden_.refill(c, mb, out_at));
     float loss_sum = 0;
     int64_t loss_count = 0;
     run_forward(j, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
@@ -469,7 +402,7 @@ void Model::release_chunk(int c, int mb) {
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
   forward_inputs_.erase({c, mb});
-  give_back(c, mb);
+  hidden_.give_back(c, mb);
 }
 
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,

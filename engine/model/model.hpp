@@ -8,6 +8,7 @@
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/capture_policy.hpp"
+#include "engine/model/hidden_states.hpp"
 #include "engine/model/layers.hpp"
 #include "engine/model/recompute.hpp"
 #include "engine/plugins/registry.hpp"
@@ -95,9 +96,9 @@ class Model {
   // sequence parallelism; sum of tied copies over the embedding group).
   void finalize_grads();
   // Bytes of the hidden state between two layers of one microbatch.
-  size_t hidden_bytes() const;
+  size_t hidden_bytes() const { return hidden_.bytes(); }
   // Elements of that hidden state (the p2p message count, in act_dtype()).
-  size_t hidden_numel() const;
+  size_t hidden_numel() const { return hidden_.numel(); }
   // LOOM_DTYPE_* of the parameters (device.param_dtype; also the activations:
   // hidden states, layer-internal activations, their gradients) and of the
   // gradient buffer (device.grad_dtype).
@@ -144,11 +145,6 @@ class Model {
     const int32_t* targets = nullptr;
     uint64_t dropout_seed = 0;
   };
-  // A hidden-state buffer of the pool below.
-  struct HiddenSlot {
-    loom::Buffer buffer;
-    bool in_use = false;
-  };
   void build_buffers(uint64_t seed);
   // Device memory holding microbatch mb's dropout seed `value` (written when it
   // differs from what is there), or nullptr when mb has no slot.
@@ -157,20 +153,11 @@ class Model {
   // held hidden states (input, output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
-  // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
-  void* take_hidden(int c, int mb);
-  // The lowest free slot, taken; and a slot given back (its memory too unless
-  // replays_steps()). kDropped marks an entry of acts_ whose state was dropped.
-  size_t take_slot();
-  void drop_slot(size_t k);
-  static constexpr size_t kDropped = static_cast<size_t>(-1);
   // Runs the forward of recompute group [g0, g1] of chunk c again (backward of
   // microbatch mb), its dropped hidden states into fresh slots.
   void recompute_group(int c, int mb, size_t g0, size_t g1);
   // The chunk's recompute groups, as recompute_groups() made them.
   std::vector<int> groups_of(const LocalChunk& chunk) const;
-  // Frees (c, mb)'s slots (their memory too unless replays_steps()).
-  void give_back(int c, int mb);
 
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
@@ -185,17 +172,7 @@ class Model {
   std::vector<LayerViews> views_;  // by layer
   bool sequence_parallel_ = false;
   int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
-  int64_t hidden_shape_[3];
-  // Hidden states of the (chunk, microbatch) forwards in flight: per (c, mb) the
-  // slots holding the chunk's input (received; none on the first global chunk)
-  // and the state after each of its layers, in that order. Each state takes the
-  // lowest free slot of one pool, so in a fixed schedule order a (c, mb) gets the
-  // same slots, at the same addresses, every step, and the pool never holds more
-  // buffers than the schedule has in use at once. With an exec mode that replays
-  // (replays_steps()) the buffers stay allocated for the next step, which graphs
-  // need; else each is freed with its backward, as the slot is given back.
-  std::vector<HiddenSlot> hidden_pool_;
-  std::map<std::pair<int, int>, std::vector<size_t>> acts_;
+  HiddenStates hidden_;
   loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
   std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
   std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
