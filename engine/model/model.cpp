@@ -47,7 +47,8 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
       hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)), param_dtype_,
-              capture_.replays_steps()) {
+              capture_.replays_steps()),
+      recompute_(layers_, hidden_) {
   build_buffers(seed);
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
   grad_b_ = loom::Buffer(&rank_, hidden_bytes());
@@ -286,15 +287,12 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
     }
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
-    const Layer& l = layers_[i];
-    if (training && l.recompute) {  // keep only the group's input; backward runs the group's forward again
-      l.api->release(l.handle, mb);
+    if (training && layers_[i].recompute) {  // keep only the group's input; backward runs the group's forward again
+      recompute_.drop_after_forward(c, mb, i);
       any_recomputed = true;
-      if (i > chunk.first_layer && layers_[i - 1].recompute_group == l.recompute_group)
-        hidden_.drop(c, mb, chunk.output_position(i - 1));  // the group's previous output, this layer's input
     }
   }
-  if (any_recomputed) forward_inputs_[{c, mb}] = in;
+  if (any_recomputed) recompute_.keep_inputs(c, mb, in);
   return last ? nullptr : held;
 }
 
@@ -334,15 +332,16 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   const bool first = chunk.is_first_global();
   loom::Buffer* grad_out = chunk.is_last_global() ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  size_t group_end = 0;  // the recompute group being backpropagated: its last layer
+  // A recomputed layer's loss and aux outputs were counted by its first forward.
+  const Recomputation::LayerForward forward_again = [&](size_t j, const DLTensor* input, DLTensor* output,
+                                                        const ForwardInputs& in) {
+    float loss_sum = 0;
+    int64_t loss_count = 0;
+    run_forward(j, mb, input, output, in, &loss_sum, &loss_count, nullptr, nullptr, true);
+  };
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
     const Layer& l = layers_[i];
-    if (l.recompute && (i + 1 == chunk.end_layer || layers_[i + 1].recompute_group != l.recompute_group)) {
-      size_t g0 = i;  // the group's first layer
-      while (g0 > chunk.first_layer && layers_[g0 - 1].recompute_group == l.recompute_group) --g0;
-      recompute_group(c, mb, g0, i);
-      group_end = i;
-    }
+    if (recompute_.ends_group(i)) recompute_.run_group_again(c, mb, i, forward_again);
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
     if (grad_out) gout = hidden_.view(grad_out->get());
@@ -361,47 +360,18 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
-    if (l.recompute && (i == chunk.first_layer || layers_[i - 1].recompute_group != l.recompute_group))
-      for (size_t j = i; j < group_end; ++j)  // the group is done: its recomputed inner states go
-        hidden_.drop(c, mb, chunk.output_position(j));
+    if (recompute_.begins_group(i)) recompute_.drop_group_states(c, mb, i);
   }
-  forward_inputs_.erase({c, mb});
+  recompute_.forget(c, mb);
   hidden_.give_back(c, mb);
   return first ? nullptr : grad_out->get();
-}
-
-// The forward of layers [g0, g1] again, on the group's input (bit for bit: the same
-// dropout seeds), its inner hidden states into fresh slots and its last output into
-// the buffer it had (already consumed by the next layer's backward); their loss and
-// aux outputs are not counted twice.
-void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
-  const LocalChunk& chunk = layers_.chunk(c);
-  const bool first = chunk.is_first_global();
-  for (size_t j = g0; j <= g1; ++j) {
-    const size_t lj = j - chunk.first_layer, out_at = chunk.output_position(j);
-    DLTensor input{}, output{};
-    const bool has_input = lj > 0 || !first, has_output = out_at < hidden_.count(c, mb);
-    // The previous layer's output, or the chunk's received input.
-    if (has_input) input = hidden_.view(hidden_.at(c, mb, lj > 0 ? out_at - 1 : 0));
-    if (has_output) output = hidden_.view(hidden_.refill(c, mb, out_at));
-    float loss_sum = 0;
-    int64_t loss_count = 0;
-    run_forward(j, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
-                &loss_sum, &loss_count, nullptr, nullptr, true);
-  }
-}
-
-std::vector<int> Model::groups_of(const LocalChunk& chunk) const {
-  std::vector<int> groups;
-  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) groups.push_back(layers_[i].recompute_group);
-  return groups;
 }
 
 void Model::release_chunk(int c, int mb) {
   const LocalChunk& chunk = layers_.chunk(c);
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
-  forward_inputs_.erase({c, mb});
+  recompute_.forget(c, mb);
   hidden_.give_back(c, mb);
 }
 
@@ -426,10 +396,9 @@ void Model::release(int mb) {
   for (int c = 0; c < static_cast<int>(chunk_count()); ++c) release_chunk(c, mb);
 }
 
+// The hidden state after each layer, but those recompute groups drop.
 uint64_t Model::activation_bytes() const {
-  size_t kept = 0;  // the hidden state after each layer, but those recompute groups drop
-  for (const LocalChunk& chunk : layers_.chunks()) kept += kept_hidden_states(groups_of(chunk));
-  return layers_.saved_activation_bytes() + static_cast<uint64_t>(kept) * hidden_bytes();
+  return layers_.saved_activation_bytes() + static_cast<uint64_t>(recompute_.kept_hidden_states()) * hidden_bytes();
 }
 
 }  // namespace loom::model

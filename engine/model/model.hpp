@@ -139,12 +139,6 @@ class Model {
     std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the views
     std::vector<DLTensor> params, grads;
   };
-  // What a recomputed forward of (chunk, microbatch) needs again in backward.
-  struct ForwardInputs {
-    const int32_t* tokens = nullptr;
-    const int32_t* targets = nullptr;
-    uint64_t dropout_seed = 0;
-  };
   void build_buffers(uint64_t seed);
   // Device memory holding microbatch mb's dropout seed `value` (written when it
   // differs from what is there), or nullptr when mb has no slot.
@@ -153,12 +147,6 @@ class Model {
   // held hidden states (input, output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
-  // Runs the forward of recompute group [g0, g1] of chunk c again (backward of
-  // microbatch mb), its dropped hidden states into fresh slots.
-  void recompute_group(int c, int mb, size_t g0, size_t g1);
-  // The chunk's recompute groups, as recompute_groups() made them.
-  std::vector<int> groups_of(const LocalChunk& chunk) const;
-
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
   size_t bucket_size_ = 0;
@@ -175,7 +163,7 @@ class Model {
   HiddenStates hidden_;
   loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
   std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
-  std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
+  Recomputation recompute_;
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 
