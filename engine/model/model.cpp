@@ -48,6 +48,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
       hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)), param_dtype_,
               capture_.replays_steps()),
+      seeds_(rank, capture_.replays_steps()),
       recompute_(layers_, hidden_) {
   build_buffers(seed);
   grad_a_ = loom::Buffer(&rank_, hidden_bytes());
@@ -224,40 +225,6 @@ bool Model::has_expert_params() const {
   return std::any_of(entries_.begin(), entries_.end(), [](const ParamEntry& e) { return e.expert; });
 }
 
-void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
-  if (seeds.empty()) return;
-  if (seeds.size() > staged_seeds_.size()) {
-    // Graphs read the seeds at the addresses of their capture: a step with more
-    // microbatches than the first would need new ones.
-    LOOM_REQUIRE(staged_seeds_.empty() || !replays_steps(),
-                 "a step with " << seeds.size() << " microbatches after steps with " << staged_seeds_.size()
-                                << ": the number of microbatches must not change under exec.mode = partial_graph");
-    dropout_seeds_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
-    staged_seeds_.assign(seeds.size(), 0);
-  }
-  std::copy(seeds.begin(), seeds.end(), staged_seeds_.begin());
-  rank_.dev().copy(dropout_seeds_.get(), staged_seeds_.data(), seeds.size() * sizeof(uint64_t),
-                   LOOM_COPY_HOST_TO_DEVICE);
-}
-
-std::vector<uint64_t> Model::staged_dropout_seeds() const {
-  std::vector<uint64_t> out(staged_seeds_.size());
-  if (out.empty()) return out;
-  rank_.dev().copy(out.data(), dropout_seeds_.get(), out.size() * sizeof(uint64_t), LOOM_COPY_DEVICE_TO_HOST);
-  rank_.dev().synchronize();
-  return out;
-}
-
-const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
-  if (mb < 0 || static_cast<size_t>(mb) >= staged_seeds_.size()) return nullptr;
-  uint64_t* slot = dropout_seeds_.get<uint64_t>() + mb;
-  if (staged_seeds_[static_cast<size_t>(mb)] != value) {
-    staged_seeds_[static_cast<size_t>(mb)] = value;
-    rank_.dev().copy(slot, &staged_seeds_[static_cast<size_t>(mb)], sizeof(uint64_t), LOOM_COPY_HOST_TO_DEVICE);
-  }
-  return slot;
-}
-
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
   if (hidden_.count(c, mb) != 0) return hidden_.at(c, mb, 0);
@@ -303,7 +270,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   tok.dtype = {kDLInt, 32, 1};
   DLTensor tgt = device_view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
-  const uint64_t* seed_device = training ? dropout_seed_slot(mb, in.dropout_seed) : nullptr;
+  const uint64_t* seed_device = training ? seeds_.slot(mb, in.dropout_seed) : nullptr;
   const Layer& l = layers_[i];
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
   a.microbatch = mb;
@@ -354,7 +321,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     a.aux_loss_scale = aux_loss_scale;
     // Captured exactly when its forward could be (a replayed backward needs the
     // activations of a replayed forward): the microbatch's seed slot exists.
-    const bool capture_ok = static_cast<size_t>(mb) < staged_seeds_.size() && !l.recompute;
+    const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
     a.step_key = capture_.step_key(i, mb, true);
     a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
     capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });

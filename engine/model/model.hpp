@@ -8,6 +8,7 @@
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/capture_policy.hpp"
+#include "engine/model/dropout_seeds.hpp"
 #include "engine/model/hidden_states.hpp"
 #include "engine/model/layers.hpp"
 #include "engine/model/recompute.hpp"
@@ -80,9 +81,9 @@ class Model {
   // The step's dropout seed of every microbatch (index = mb), copied to device
   // memory in one go before the step: layers read them there (ABI 1.3
   // dropout_seed_device), so captured dropouts draw new masks every step.
-  void stage_dropout_seeds(const std::vector<uint64_t>& seeds);
+  void stage_dropout_seeds(const std::vector<uint64_t>& seeds) { seeds_.stage(seeds); }
   // What the device buffer holds now (read back; for tests and diagnostics).
-  std::vector<uint64_t> staged_dropout_seeds() const;
+  std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.
@@ -140,9 +141,6 @@ class Model {
     std::vector<DLTensor> params, grads;
   };
   void build_buffers(uint64_t seed);
-  // Device memory holding microbatch mb's dropout seed `value` (written when it
-  // differs from what is there), or nullptr when mb has no slot.
-  const uint64_t* dropout_seed_slot(int mb, uint64_t value);
   // Layer i's training forward of microbatch mb: its fwd args over the chunk's
   // held hidden states (input, output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
@@ -161,8 +159,7 @@ class Model {
   bool sequence_parallel_ = false;
   int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
   HiddenStates hidden_;
-  loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
-  std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
+  DropoutSeeds seeds_;
   Recomputation recompute_;
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
