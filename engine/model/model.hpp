@@ -2,7 +2,9 @@
 // plugins), their parameters and gradients in flat per-rank buffers (one region
 // per chunk, Megatron's layout), and forward/backward of one microbatch through a
 // chunk. Activations are kept per (chunk, microbatch) until that backward, so a
-// pipeline schedule can hold several in flight.
+// pipeline schedule can hold several in flight. The Model composes the parts that
+// do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds
+// and CapturePolicy.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
@@ -11,6 +13,7 @@
 #include "engine/model/dropout_seeds.hpp"
 #include "engine/model/hidden_states.hpp"
 #include "engine/model/layers.hpp"
+#include "engine/model/param_buffers.hpp"
 #include "engine/model/recompute.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
@@ -24,24 +27,6 @@
 #include <vector>
 
 namespace loom::model {
-
-// A parameter of this rank as the optimizer sees it; tied parameters appear once.
-struct ParamEntry {
-  std::string name;                // "blocks.0.attention.qkv.weight" (entries are in model order)
-  std::vector<int64_t> full_shape, local_shape;
-  size_t offset = 0, numel = 0;    // in elements, in the flat buffers
-  int layer = 0;                   // index into layers() of the owner
-  int chunk = 0;                   // local chunk of the owner
-  loom_param_decl decl{};          // as declared (pointers valid while the layer lives)
-  bool duplicated = false;         // identical on every tp rank
-  bool expert = false;             // dim 0 split over ep, reduced over edp (loom_param_decl.expert)
-  std::string tie_key;
-  bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
-};
-
-// LOOM_DTYPE_* of a device.param_dtype / grad_dtype value ("fp32", "bf16"), and
-// the bytes of one element of it.
-int32_t model_dtype(const std::string& name);
 
 class Model {
  public:
@@ -91,7 +76,7 @@ class Model {
                float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr, float* aux_loss = nullptr);
   void backward(int mb, float loss_scale, float aux_loss_scale);
   void release(int mb);
-  void zero_grads();
+  void zero_grads() { buffers_.zero_grads(); }
   // After the last microbatch's backward, before the optimizer: the reductions
   // that make each gradient whole (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).
@@ -103,22 +88,22 @@ class Model {
   // LOOM_DTYPE_* of the parameters (device.param_dtype; also the activations:
   // hidden states, layer-internal activations, their gradients) and of the
   // gradient buffer (device.grad_dtype).
-  int32_t param_dtype() const { return param_dtype_; }
-  int32_t act_dtype() const { return param_dtype_; }
-  int32_t grad_dtype() const { return grad_dtype_; }
+  int32_t param_dtype() const { return buffers_.param_dtype(); }
+  int32_t act_dtype() const { return buffers_.param_dtype(); }
+  int32_t grad_dtype() const { return buffers_.grad_dtype(); }
 
-  void* params() const { return params_.get(); }
-  void* grads() const { return grads_.get(); }
-  size_t numel() const { return numel_; }
+  void* params() const { return buffers_.params(); }
+  void* grads() const { return buffers_.grads(); }
+  size_t numel() const { return buffers_.numel(); }
   // Where each entry (param_entries() order = model order) and bucket lives.
-  const BufferLayout& layout() const { return layout_; }
-  const std::vector<ParamEntry>& param_entries() const { return entries_; }
-  std::vector<loom_param_info> param_infos() const;
+  const BufferLayout& layout() const { return buffers_.layout(); }
+  const std::vector<ParamEntry>& param_entries() const { return buffers_.entries(); }
+  std::vector<loom_param_info> param_infos() const { return buffers_.param_infos(); }
   // Per entry: 1 when its gradient norm is counted on another stage (the optimizer's counted_elsewhere).
-  std::vector<int32_t> counted_elsewhere() const;
+  std::vector<int32_t> counted_elsewhere() const { return buffers_.counted_elsewhere(); }
   // Per entry: 1 for an expert parameter (the optimizer's expert flags, ABI 1.4).
-  std::vector<int32_t> expert_flags() const;
-  bool has_expert_params() const;
+  std::vector<int32_t> expert_flags() const { return buffers_.expert_flags(); }
+  bool has_expert_params() const { return buffers_.has_expert_params(); }
   // The rank this model runs on (its device's memory statistics, for example).
   const runtime::RankRuntime& runtime() const { return rank_; }
   size_t layer_count() const { return layers_.size(); }
@@ -135,32 +120,23 @@ class Model {
   bool replays_steps() const { return capture_.replays_steps(); }
 
  private:
-  // A layer's parameter and gradient views; bind() hands the layer their arrays.
-  struct LayerViews {
-    std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the views
-    std::vector<DLTensor> params, grads;
-  };
-  void build_buffers(uint64_t seed);
-  // Layer i's training forward of microbatch mb: its fwd args over the chunk's
-  // held hidden states (input, output), with the given loss and aux outputs.
+  // Layer i's forward of microbatch mb over the chunk's hidden states (input,
+  // output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
+
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
-  size_t bucket_size_ = 0;
-  int32_t param_dtype_ = LOOM_DTYPE_F32, grad_dtype_ = LOOM_DTYPE_F32;
-  BufferLayout layout_;
   Layers layers_;
+  ParamBuffers buffers_;
+  bool sequence_parallel_ = false;  // hidden states are sharded over tp
+  int64_t context_rows_ = 0;        // sequence rows this rank holds: seq_len, or its cp slice
   CapturePolicy capture_;
-  std::vector<ParamEntry> entries_;
-  size_t numel_ = 0;
-  loom::Buffer params_, grads_;
-  std::vector<LayerViews> views_;  // by layer
-  bool sequence_parallel_ = false;
-  int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
   HiddenStates hidden_;
   DropoutSeeds seeds_;
   Recomputation recompute_;
+  // Gradients of hidden states in backward: each layer's input gradient, in
+  // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received.
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 
