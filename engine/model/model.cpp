@@ -1,5 +1,6 @@
 #include "engine/model/model.hpp"
 
+#include "engine/model/grad_finalize.hpp"
 #include "engine/model/tensor_view.hpp"
 
 #include <algorithm>
@@ -50,30 +51,7 @@ Model::~Model() {
   layers_.destroy();
 }
 
-void Model::finalize_grads() {
-  void* stream = rank_.dev().native_stream();
-  char* g = static_cast<char*>(buffers_.grads());
-  const int32_t dtype = buffers_.grad_dtype();
-  const size_t gsize = loom::dtype_size(dtype);
-  // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
-  // after a reduce-scatter, position embeddings) has seen only this rank's
-  // sequence shard: its full gradient is the sum over the tp group.
-  // Expert parameters split over an etp other than tp (MoE folding) hold other
-  // experts on each tp rank, their tokens gathered by the ep exchange: no tp sum.
-  const loom::Group tp = rank_.group_or_self("tp");
-  const bool experts_fold_tp = rank_.group_or_self("etp").size() != tp.size();
-  if (sequence_parallel_)
-    for (const ParamEntry& e : buffers_.entries())
-      if (e.duplicated && !(e.expert && experts_fold_tp))
-        tp.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, dtype);
-  // A word embedding tied across pipeline stages: the first stage's copy got the
-  // lookup's gradient, the last stage's the output layer's; both need the sum.
-  const loom::Group emb = rank_.group_or_self("embedding");
-  if (emb.size() > 1)
-    for (const ParamEntry& e : buffers_.entries())
-      if (e.shared_across_stages)
-        emb.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, dtype);
-}
+void Model::finalize_grads() { model::finalize_grads(rank_, buffers_, sequence_parallel_); }
 
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");

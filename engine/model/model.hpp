@@ -3,8 +3,8 @@
 // per chunk, Megatron's layout), and forward/backward of one microbatch through a
 // chunk. Activations are kept per (chunk, microbatch) until that backward, so a
 // pipeline schedule can hold several in flight. The Model composes the parts that
-// do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds
-// and CapturePolicy.
+// do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds,
+// CapturePolicy and finalize_grads.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
