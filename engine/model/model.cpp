@@ -45,7 +45,8 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
                "\"eager\"");
 }
 
-// The hidden states go first, then the layers, before the buffers they view.
+// The hidden states go first, then the layers, while the parameter buffers they
+// view still exist.
 Model::~Model() {
   hidden_.clear();
   layers_.destroy();
@@ -135,24 +136,12 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     run_forward(j, mb, input, output, in, &loss_sum, &loss_count, nullptr, nullptr, true);
   };
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
-    const Layer& l = layers_[i];
     if (recompute_.ends_group(i)) recompute_.run_group_again(c, mb, i, forward_again);
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
     if (grad_out) gout = hidden_.view(grad_out->get());
     if (has_grad_input) gin = hidden_.view(grad_in->get());
-    loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
-    a.microbatch = mb;
-    a.grad_output = grad_out ? &gout : nullptr;
-    a.grad_input = has_grad_input ? &gin : nullptr;
-    a.loss_scale = loss_scale;
-    a.aux_loss_scale = aux_loss_scale;
-    // Captured exactly when its forward could be (a replayed backward needs the
-    // activations of a replayed forward): the microbatch's seed slot exists.
-    const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
-    a.step_key = capture_.step_key(i, mb, true);
-    a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
-    capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    run_backward(i, mb, grad_out ? &gout : nullptr, has_grad_input ? &gin : nullptr, loss_scale, aux_loss_scale);
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
     if (recompute_.begins_group(i)) recompute_.drop_group_states(c, mb, i);
@@ -160,6 +149,23 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
   recompute_.forget(c, mb);
   hidden_.give_back(c, mb);
   return first ? nullptr : grad_out->get();
+}
+
+void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor* grad_input, float loss_scale,
+                         float aux_loss_scale) {
+  const Layer& l = layers_[i];
+  loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
+  a.microbatch = mb;
+  a.grad_output = grad_output;
+  a.grad_input = grad_input;
+  a.loss_scale = loss_scale;
+  a.aux_loss_scale = aux_loss_scale;
+  // Captured exactly when its forward could be (a replayed backward needs the
+  // activations of a replayed forward): the microbatch's seed slot exists.
+  const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
+  a.step_key = capture_.step_key(i, mb, true);
+  a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
+  capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
 }
 
 void Model::release_chunk(int c, int mb) {

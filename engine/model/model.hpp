@@ -124,6 +124,11 @@ class Model {
   // output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
+  // Layer i's backward of microbatch mb: the gradient of its output in (none
+  // after the last global chunk's last layer), of its input out (none before the
+  // first global chunk's first layer).
+  void run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor* grad_input, float loss_scale,
+                    float aux_loss_scale);
 
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
