@@ -1,555 +1,106 @@
 #include "engine/model/model.hpp"
 
-#include "engine/model/buffer_layout.hpp"
-#include "engine/model/param_init.hpp"
-#include "engine/model/param_plan.hpp"
-#include "engine/topology/rank_groups.hpp"
-
-#include <glog/logging.h>
+#include "engine/model/grad_finalize.hpp"
+#include "engine/model/tensor_view.hpp"
 
 #include <algorithm>
-#include <functional>
-#include <numeric>
 
 namespace loom::model {
 
-std::vector<LayerSpec> model_layers(const manifest::RunConfig& config) {
-  auto resolve = [&](const std::string& name, int block, const std::string& instance) {
-    LayerSpec s;
-    s.config = name;
-    s.instance = instance;
-    s.block_index = block;
-    s.plugin = name;
-    if (auto p = config.model.layer_section(name).get_as<std::string>("plugin")) s.plugin = p->get();
-    return s;
-  };
-  std::vector<LayerSpec> out;
-  for (const auto& c : config.model.pre) out.push_back(resolve(c, -1, c));
-  const int blocks = static_cast<int>(config.model.num_layers);
-  for (int b = 0; b < blocks; ++b)
-    for (const auto& c : config.model.block)
-      out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
-  for (const auto& c : config.model.post) out.push_back(resolve(c, -1, c));
-  return out;
-}
-
-loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp) {
-  loom_model_dims d = loom::make<loom_model_dims>();
-  d.hidden = config.model.hidden_size;
-  d.heads = config.model.num_heads;
-  d.ffn_hidden = config.model.ffn_hidden_size;
-  d.seq_len = config.model.seq_length;
-  d.vocab = vocab;
-  const int64_t multiple = config.model.vocab_divisor * tp;
-  d.padded_vocab = (vocab + multiple - 1) / multiple * multiple;
-  d.micro_batch = config.batch.micro_batch_size;
-  d.num_layers = static_cast<int32_t>(config.model.num_layers);
-  d.block_index = -1;
-  d.tie_embeddings = config.model.tie_embeddings ? 1 : 0;
-  return d;
-}
-
-int32_t model_dtype(const std::string& name) {
-  if (name == "fp32") return LOOM_DTYPE_F32;
-  if (name == "bf16") return LOOM_DTYPE_BF16;
-  throw loom::Error("unsupported model dtype '" + name + "' (fp32 or bf16)", LOOM_CODE_INVALID_ARGUMENT);
-}
-
 namespace {
-DLDataType dl_dtype(int32_t dtype) {
-  if (dtype == LOOM_DTYPE_BF16) return {kDLBfloat, 16, 1};
-  return {kDLFloat, 32, 1};
-}
-// A compact row-major view of device memory of `rank` (device id 0: a rank sees
-// one device, its own), of LOOM_DTYPE_* `dtype`.
-DLTensor view(const runtime::RankRuntime& rank, void* data, const std::vector<int64_t>& shape,
-              int32_t dtype = LOOM_DTYPE_F32) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {static_cast<DLDeviceType>(rank.dl_device_type()), 0};
-  t.ndim = static_cast<int32_t>(shape.size());
-  t.dtype = dl_dtype(dtype);
-  t.shape = const_cast<int64_t*>(shape.data());
-  t.strides = nullptr;  // compact row-major
-  t.byte_offset = 0;
-  return t;
-}
-int64_t product(const std::vector<int64_t>& s) {
-  return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+int tp_size(const runtime::RankRuntime& rank) { return rank.group_or_self("tp").size(); }
+
+// Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
+// seq / cp rows under context parallelism), or its sequence shard [rows / tp,
+// micro_batch, hidden] under sequence parallelism.
+std::vector<int64_t> hidden_shape(const loom_model_dims& dims, int64_t context_rows, bool sequence_parallel, int tp) {
+  return {sequence_parallel ? context_rows / tp : context_rows, dims.micro_batch, dims.hidden};
 }
 }  // namespace
-
-std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk) {
-  std::vector<int> groups(chunk.size(), -1);
-  if (config.model.recompute_granularity != "full") return groups;
-  const int64_t n = config.model.recompute_num_layers;
-  const bool uniform = config.model.recompute_method == "uniform";
-  int first_block = -1;
-  for (const LayerSpec& l : chunk)
-    if (l.block_index >= 0 && (first_block < 0 || l.block_index < first_block)) first_block = l.block_index;
-  for (size_t k = 0; k < chunk.size(); ++k) {
-    if (chunk[k].block_index < 0) continue;
-    const int64_t b = chunk[k].block_index - first_block;  // the chunk's b-th block
-    if (uniform)
-      groups[k] = static_cast<int>(b / std::max<int64_t>(n, 1));
-    else if (n == 0 || b < n)
-      groups[k] = static_cast<int>(b);
-  }
-  return groups;
-}
-
-size_t kept_hidden_states(const std::vector<int>& groups) {
-  size_t kept = groups.size();
-  for (size_t k = 0; k + 1 < groups.size(); ++k)
-    if (groups[k] >= 0 && groups[k + 1] == groups[k]) --kept;
-  return kept;
-}
-
-loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
-                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
-                         const loom_layer_api** api) {
-  const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-  toml::table section = config.model.layer_section(spec.config);
-  section.erase("plugin");
-  plugins::OptionValues opts(&section, p.options);
-  loom_model_dims ld = dims;
-  ld.block_index = spec.block_index;
-  loom_layer_create_args args = loom::make<loom_layer_create_args>();
-  args.dims = &ld;
-  args.instance_name = spec.instance.c_str();
-  args.tp = tp;
-  args.sequence_parallel = config.parallel.sequence_parallel ? 1 : 0;
-  args.grad_accumulation_fusion = config.device.grad_accumulation_fusion ? 1 : 0;
-  *api = p.layer();
-  loom_layer* handle = nullptr;
-  try {
-    loom::check((*api)->create(opts.raw(), rank, &args, &handle));
-  } catch (const loom::Error& e) {
-    // A refused option ("option NAME = value", the built-in layers' wording) is
-    // cited where the manifest sets it.
-    const std::string msg = e.what();
-    std::string where;
-    for (const auto& [key, node] : section) {
-      const std::string option = spec.config + "." + std::string(key.str());
-      auto origin = config.model.layer_origin.find(option);
-      if (origin != config.model.layer_origin.end() &&
-          msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
-        where = origin->second.str() + ": model.layer." + option + ": ";
-        break;
-      }
-    }
-    throw loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
-  }
-  return handle;
-}
 
 Model::Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
              const loom_model_dims& dims, std::vector<ModelChunk> chunks, uint64_t seed)
     : rank_(rank),
       dims_(dims),
-      bucket_size_(static_cast<size_t>(config.optimizer.bucket_size)),
-      param_dtype_(model_dtype(config.device.param_dtype)),
-      grad_dtype_(model_dtype(config.device.grad_dtype)) {
-  const loom::Group tp = rank.group_or_self("tp");
-  LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
-  // ~Model destroys the layers, but it does not run when this constructor throws
-  // (a layer refusing its options, a parameter that does not split): then the
-  // layers created so far are destroyed here.
-  struct DestroyLayersOnThrow {
-    std::vector<Layer>& layers;
-    bool armed = true;
-    ~DestroyLayersOnThrow() {
-      if (!armed) return;
-      for (Layer& l : layers)
-        if (l.handle) l.api->destroy(l.handle);
-    }
-  } guard{layers_};
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    Chunk chunk;
-    chunk.global_index = chunks[c].global_index;
-    chunk.num_global = chunks[c].num_global;
-    chunk.first_layer = layers_.size();
-    const std::vector<int> groups = recompute_groups(config, chunks[c].layers);
-    for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
-      const LayerSpec& spec = chunks[c].layers[k];
-      Layer layer;
-      layer.spec = spec;
-      layer.chunk = static_cast<int>(c);
-      layer.handle = create_layer(config, registry, &rank, spec, dims, tp.raw(), &layer.api);
-      const int32_t capture_kind = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable
-                                       ? layer.api->capturable(layer.handle)
-                                       : 0;
-      layer.capturable = capture_kind == 1;
-      // 2 ("captures parts") means something only from a layer built for 1.7 or later.
-      layer.captures_parts = capture_kind == 2 && registry.get("layer", spec.plugin).abi_minor >= 7;
-      layer.recompute_group = groups[k];
-      layer.recompute = groups[k] >= 0;
-      // Dropping a forward's saved state without its backward is the release slot.
-      if (layer.recompute && layer.api->release == nullptr) {
-        layers_.push_back(std::move(layer));
-        throw loom::Error("layer " + spec.instance + " (layer/" + spec.plugin +
-                              ") has no release slot, so its saved activations cannot be dropped for recomputation; "
-                              "set model.recompute_granularity = \"none\"",
-                          LOOM_CODE_UNSUPPORTED);
-      }
-      layers_.push_back(std::move(layer));
-    }
-    chunk.end_layer = layers_.size();
-    chunks_.push_back(chunk);
-  }
-  build_buffers(seed);
-  // Hidden states between layers: [seq, micro_batch, hidden] (this rank's slice of
-  // seq / cp rows under context parallelism), or its sequence shard [rows / tp,
-  // micro_batch, hidden] under sequence parallelism.
-  sequence_parallel_ = config.parallel.sequence_parallel && tp.size() > 1;
-  context_rows_ = dims_.seq_len / rank_.group_or_self("cp").size();
-  hidden_shape_[0] = sequence_parallel_ ? context_rows_ / tp.size() : context_rows_;
-  hidden_shape_[1] = dims_.micro_batch;
-  hidden_shape_[2] = dims_.hidden;
-  grad_a_ = loom::Buffer(&rank_, hidden_bytes());
-  grad_b_ = loom::Buffer(&rank_, hidden_bytes());
-  grad_recv_ = loom::Buffer(&rank_, hidden_bytes());
-  const loom_exec_api* exec = rank_.exec_api();
-  tp_single_ = tp.size() == 1;
-  // Hidden states stay put across steps only when some step can be captured.
-  const uint64_t exec_features = exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) ? exec->features : 0;
-  exec_substeps_ = (exec_features & LOOM_EXEC_SUBSTEPS) != 0;
-  const bool any_capturable = std::any_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
-    return l.capturable || (l.captures_parts && exec_substeps_);
-  });
-  replays_steps_ = (exec_features & LOOM_EXEC_REPLAYS) != 0 && tp_single_ && any_capturable;
+      layers_(config, registry, rank, dims, chunks),
+      buffers_(rank, layers_, dims.num_layers, static_cast<size_t>(config.optimizer.bucket_size),
+               model_dtype(config.device.param_dtype), model_dtype(config.device.grad_dtype), seed),
+      sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
+      context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
+      capture_(rank, layers_, tp_size(rank)),
+      hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)),
+              buffers_.param_dtype(), capture_.replays_steps()),
+      seeds_(rank, capture_.replays_steps()),
+      recompute_(layers_, hidden_),
+      grad_a_(&rank, hidden_.bytes()),
+      grad_b_(&rank, hidden_.bytes()),
+      grad_recv_(&rank, hidden_.bytes()) {
   // A recomputed forward runs inside the backward, between a layer's captured
   // forward and backward, on hidden states it re-creates (the schema refuses
   // exec.mode = "partial_graph"; this covers any exec plugin that replays).
   const bool any_recompute = std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.recompute; });
-  LOOM_REQUIRE(!(replays_steps_ && any_recompute),
+  LOOM_REQUIRE(!(capture_.replays_steps() && any_recompute),
                "activation recomputation (model.recompute_granularity) cannot run under an exec plugin that replays "
                "captured steps (LOOM_EXEC_REPLAYS); set model.recompute_granularity = \"none\" or exec.mode = "
                "\"eager\"");
-  guard.armed = false;
 }
 
-size_t Model::hidden_numel() const {
-  return static_cast<size_t>(hidden_shape_[0] * hidden_shape_[1] * hidden_shape_[2]);
-}
-
-size_t Model::hidden_bytes() const { return hidden_numel() * loom::dtype_size(act_dtype()); }
-
-void Model::finalize_grads() {
-  void* stream = rank_.dev().native_stream();
-  char* g = grads_.get<char>();
-  const size_t gsize = loom::dtype_size(grad_dtype_);
-  // Under sequence parallelism a tp-duplicated parameter (layernorm, the bias
-  // after a reduce-scatter, position embeddings) has seen only this rank's
-  // sequence shard: its full gradient is the sum over the tp group.
-  // Expert parameters split over an etp other than tp (MoE folding) hold other
-  // experts on each tp rank, their tokens gathered by the ep exchange: no tp sum.
-  const loom::Group tp = rank_.group_or_self("tp");
-  const bool experts_fold_tp = rank_.group_or_self("etp").size() != tp.size();
-  if (sequence_parallel_)
-    for (const ParamEntry& e : entries_)
-      if (e.duplicated && !(e.expert && experts_fold_tp))
-        tp.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, grad_dtype_);
-  // A word embedding tied across pipeline stages: the first stage's copy got the
-  // lookup's gradient, the last stage's the output layer's; both need the sum.
-  const loom::Group emb = rank_.group_or_self("embedding");
-  if (emb.size() > 1)
-    for (const ParamEntry& e : entries_)
-      if (e.shared_across_stages)
-        emb.all_reduce(stream, g + e.offset * gsize, g + e.offset * gsize, e.numel, grad_dtype_);
-}
-
+// The hidden states go first, then the layers, while the parameter buffers they
+// view still exist.
 Model::~Model() {
-  acts_.clear();
-  hidden_pool_.clear();
-  for (Layer& l : layers_)
-    if (l.handle) l.api->destroy(l.handle);
+  hidden_.clear();
+  layers_.destroy();
 }
 
-void Model::build_buffers(uint64_t seed) {
-  const loom::Group tp = rank_.group_or_self("tp");
-  // The entries from the layers' declarations (tie dedupe, local shapes).
-  std::vector<std::string> instances;
-  std::vector<const loom_param_decl*> layer_decls;
-  std::vector<size_t> counts;
-  for (const Layer& l : layers_) {
-    const loom_param_decl* d = nullptr;
-    size_t n = 0;
-    loom::check(l.api->params(l.handle, &d, &n));
-    instances.push_back(l.spec.instance);
-    layer_decls.push_back(d);
-    counts.push_back(n);
-  }
-  const loom::Group ep = rank_.group_or_self("ep"), etp = rank_.group_or_self("etp");
-  CollectedParams collected =
-      collect_param_entries(instances, layer_decls, counts, tp.size(), ep.size(), etp.size());
-  std::vector<int> chunk_of_layer, chunk_global_index;
-  for (const Layer& l : layers_) chunk_of_layer.push_back(l.chunk);
-  for (const Chunk& c : chunks_) chunk_global_index.push_back(c.global_index);
-  place_entries_in_chunks(collected, chunk_of_layer, chunk_global_index, chunks_.front().num_global);
-  entries_ = std::move(collected.entries);
-  const std::vector<DeclRef>& decls = collected.decls;
-  const std::vector<size_t>& entry_of = collected.entry_of;
-  // Placement: Megatron's layout (reverse order, aligned starts, dp-divisible
-  // buckets), one buffer region per chunk and one for the expert parameters.
-  const int cp = rank_.group_or_self("cp").size();
-  layout_ = layout_entries(entries_, chunks_.size(), rank_.group_or_self(topology::gradient_group_kind(cp)).size(),
-                           bucket_size_);
-  for (size_t i = 0; i < entries_.size(); ++i) entries_[i].offset = layout_.params[i].start;
-  numel_ = layout_.numel;
-  const size_t psize = loom::dtype_size(param_dtype_), gsize = loom::dtype_size(grad_dtype_);
-  params_ = loom::Buffer(&rank_, numel_ * psize);
-  grads_ = loom::Buffer(&rank_, numel_ * gsize);
-  loom::Device dev = rank_.dev();
-  dev.elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = params_.get(), .alpha = 0.f,
-                   .dtype = param_dtype_, .out_dtype = param_dtype_});
-  zero_grads();
-  // A non-fp32 parameter is drawn in fp32 like every other and stored cast by the
-  // device's EW_CAST (round to nearest even), through an fp32 staging buffer.
-  size_t largest = 0;
-  for (const ParamEntry& e : entries_) largest = std::max(largest, e.numel);
-  loom::Buffer staging;
-  if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
-
-  // Initialise: the full tensor from (seed, name), this rank's slice of it: its
-  // experts' block of dim 0 for an expert parameter, then its etp part (the tp
-  // part of any other).
-  for (const ParamEntry& e : entries_) {
-    std::vector<float> full = init_full(e.decl.init, e.decl.init_std, dims_.num_layers, product(e.full_shape), seed,
-                                        e.tie_key.empty() ? e.name : e.tie_key);
-    std::vector<int64_t> shape = e.full_shape;
-    if (e.expert && ep.size() > 1) {
-      shape[0] /= ep.size();
-      const size_t block = full.size() / static_cast<size_t>(ep.size());
-      full = std::vector<float>(full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank())),
-                                full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank() + 1)));
-    }
-    std::vector<float> local(e.numel);
-    const loom::Group& split = e.expert ? etp : tp;
-    take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, split.size(), split.rank(), local.data());
-    if (param_dtype_ == LOOM_DTYPE_F32) {
-      dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
-    } else {
-      dev.copy(staging.get(), local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
-      dev.elementwise({.op = LOOM_EW_CAST, .n = static_cast<int64_t>(e.numel), .x = staging.get(),
-                       .out = params_.get<char>() + e.offset * psize, .dtype = LOOM_DTYPE_F32,
-                       .out_dtype = param_dtype_});
-      dev.synchronize();  // the staging buffer is reused by the next entry
-    }
-  }
-  dev.synchronize();
-
-  // Bind views in each layer's declaration order.
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    Layer& l = layers_[li];
-    for (size_t k = 0; k < decls.size(); ++k) {
-      if (decls[k].layer != static_cast<int>(li)) continue;
-      const ParamEntry& e = entries_[entry_of[k]];
-      l.shapes.push_back(e.local_shape);
-    }
-    size_t j = 0;
-    for (size_t k = 0; k < decls.size(); ++k) {
-      if (decls[k].layer != static_cast<int>(li)) continue;
-      const ParamEntry& e = entries_[entry_of[k]];
-      l.param_views.push_back(view(rank_, params_.get<char>() + e.offset * psize, l.shapes[j], param_dtype_));
-      l.grad_views.push_back(view(rank_, grads_.get<char>() + e.offset * gsize, l.shapes[j], grad_dtype_));
-      ++j;
-    }
-    loom::check(l.api->bind(l.handle, l.param_views.data(), l.grad_views.data(), l.param_views.size()));
-  }
-}
-
-std::vector<loom_param_info> Model::param_infos() const {
-  std::vector<loom_param_info> out;
-  for (const ParamEntry& e : entries_) {
-    loom_param_info i = loom::make<loom_param_info>();
-    i.name = e.name.c_str();
-    i.offset = e.offset;
-    i.numel = e.numel;
-    i.no_weight_decay = e.decl.no_weight_decay;
-    i.duplicated = e.duplicated ? 1 : 0;
-    out.push_back(i);
-  }
-  return out;
-}
-
-void Model::zero_grads() {
-  rank_.dev().elementwise({.op = LOOM_EW_FILL, .n = static_cast<int64_t>(numel_), .out = grads_.get(),
-                           .alpha = 0.f, .dtype = grad_dtype_, .out_dtype = grad_dtype_});
-}
-
-void Model::run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn) {
-  const loom_exec_api* api = rank_.exec_api();
-  if (api == nullptr) {
-    fn();
-    return;
-  }
-  struct Ctx {
-    const std::function<void()>* fn;
-  } ctx{&fn};
-  const Layer& l = layers_[i];
-  loom_exec_step step = loom::make<loom_exec_step>();
-  step.scope = l.spec.plugin.c_str();
-  step.key = step_key(i, mb, backward);
-  step.capturable = may_capture(i, capture_ok) ? 1 : 0;
-  step.ctx = &ctx;
-  step.fn = [](void* c) -> loom_status { return loom::guard([&] { (*static_cast<Ctx*>(c)->fn)(); }); };
-  loom::check(api->run(rank_.exec_handle(), &rank_, &step));
-}
-
-int64_t Model::step_key(size_t i, int mb, bool backward) const {
-  return (static_cast<int64_t>(mb) * static_cast<int64_t>(layers_.size()) + static_cast<int64_t>(i)) * 2 +
-         (backward ? 1 : 0);
-}
-
-// capture_ok: a training step (evaluation forwards keep nothing and run directly)
-// whose dropout seed is in device memory. A layer step with a tp collective inside
-// is not captured (comm plugins do not promise capture).
-bool Model::may_capture(size_t i, bool capture_ok) const {
-  return capture_ok && layers_[i].capturable && tp_single_ && replays_steps_;
-}
-
-bool Model::may_capture_parts(size_t i, bool capture_ok) const {
-  return capture_ok && layers_[i].captures_parts && exec_substeps_ && tp_single_ && replays_steps_;
-}
-
-std::vector<int32_t> Model::counted_elsewhere() const {
-  std::vector<int32_t> out;
-  for (const ParamEntry& e : entries_)
-    out.push_back(e.shared_across_stages && chunks_[static_cast<size_t>(e.chunk)].global_index != 0 ? 1 : 0);
-  return out;
-}
-
-std::vector<int32_t> Model::expert_flags() const {
-  std::vector<int32_t> out;
-  for (const ParamEntry& e : entries_) out.push_back(e.expert ? 1 : 0);
-  return out;
-}
-
-bool Model::has_expert_params() const {
-  return std::any_of(entries_.begin(), entries_.end(), [](const ParamEntry& e) { return e.expert; });
-}
-
-void Model::stage_dropout_seeds(const std::vector<uint64_t>& seeds) {
-  if (seeds.empty()) return;
-  if (seeds.size() > staged_seeds_.size()) {
-    // Graphs read the seeds at the addresses of their capture: a step with more
-    // microbatches than the first would need new ones.
-    LOOM_REQUIRE(staged_seeds_.empty() || !replays_steps_,
-                 "a step with " << seeds.size() << " microbatches after steps with " << staged_seeds_.size()
-                                << ": the number of microbatches must not change under exec.mode = partial_graph");
-    dropout_seeds_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
-    staged_seeds_.assign(seeds.size(), 0);
-  }
-  std::copy(seeds.begin(), seeds.end(), staged_seeds_.begin());
-  rank_.dev().copy(dropout_seeds_.get(), staged_seeds_.data(), seeds.size() * sizeof(uint64_t),
-                   LOOM_COPY_HOST_TO_DEVICE);
-}
-
-std::vector<uint64_t> Model::staged_dropout_seeds() const {
-  std::vector<uint64_t> out(staged_seeds_.size());
-  if (out.empty()) return out;
-  rank_.dev().copy(out.data(), dropout_seeds_.get(), out.size() * sizeof(uint64_t), LOOM_COPY_DEVICE_TO_HOST);
-  rank_.dev().synchronize();
-  return out;
-}
-
-const uint64_t* Model::dropout_seed_slot(int mb, uint64_t value) {
-  if (mb < 0 || static_cast<size_t>(mb) >= staged_seeds_.size()) return nullptr;
-  uint64_t* slot = dropout_seeds_.get<uint64_t>() + mb;
-  if (staged_seeds_[static_cast<size_t>(mb)] != value) {
-    staged_seeds_[static_cast<size_t>(mb)] = value;
-    rank_.dev().copy(slot, &staged_seeds_[static_cast<size_t>(mb)], sizeof(uint64_t), LOOM_COPY_HOST_TO_DEVICE);
-  }
-  return slot;
-}
-
-size_t Model::take_slot() {
-  size_t k = 0;
-  while (k < hidden_pool_.size() && hidden_pool_[k].in_use) ++k;  // the lowest free slot
-  if (k == hidden_pool_.size()) hidden_pool_.emplace_back();
-  HiddenSlot& slot = hidden_pool_[k];
-  if (!slot.buffer) slot.buffer = loom::Buffer(&rank_, hidden_bytes());
-  slot.in_use = true;
-  return k;
-}
-
-void Model::drop_slot(size_t k) {
-  hidden_pool_[k].in_use = false;
-  if (!replays_steps_) hidden_pool_[k].buffer.reset();
-}
-
-void* Model::take_hidden(int c, int mb) {
-  const size_t k = take_slot();
-  acts_[{c, mb}].push_back(k);
-  return hidden_pool_[k].buffer.get();
-}
-
-void Model::give_back(int c, int mb) {
-  auto it = acts_.find({c, mb});
-  if (it == acts_.end()) return;
-  for (size_t k : it->second)
-    if (k != kDropped) drop_slot(k);
-  acts_.erase(it);
-}
+void Model::finalize_grads() { model::finalize_grads(rank_, buffers_, sequence_parallel_); }
 
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
-  auto it = acts_.find({c, mb});
-  if (it != acts_.end()) return hidden_pool_[it->second.front()].buffer.get();
-  return take_hidden(c, mb);
+  if (hidden_.count(c, mb) != 0) return hidden_.at(c, mb, 0);
+  return hidden_.push(c, mb);
 }
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions,
                                  float* aux_loss) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
-  const bool first = is_first_global(c), last = is_last_global(c);
-  auto held_it = acts_.find({c, mb});
-  const size_t held_count = held_it == acts_.end() ? 0 : held_it->second.size();
+  const LocalChunk& chunk = layers_.chunk(c);
+  const bool first = chunk.is_first_global(), last = chunk.is_last_global();
+  const size_t held_count = hidden_.count(c, mb);
   LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
   const ForwardInputs in{tokens, targets, dropout_seed};
   bool any_recomputed = false;
-  void* held = first ? nullptr : hidden_pool_[held_it->second.front()].buffer.get();  // the latest hidden state
+  void* held = first ? nullptr : hidden_.at(c, mb, 0);  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
     const bool has_input = held != nullptr;
     const bool has_output = !(last && i + 1 == chunk.end_layer);
     DLTensor input{}, output{};
-    if (has_input) input = view(rank_, held, hid_shape, act_dtype());
+    if (has_input) input = hidden_.view(held);
     if (has_output) {
-      held = take_hidden(c, mb);
-      output = view(rank_, held, hid_shape, act_dtype());
+      held = hidden_.push(c, mb);
+      output = hidden_.view(held);
     }
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
-    Layer& l = layers_[i];
-    if (training && l.recompute) {  // keep only the group's input; backward runs the group's forward again
-      l.api->release(l.handle, mb);
+    if (training && layers_[i].recompute) {  // keep only the group's input; backward runs the group's forward again
+      recompute_.drop_after_forward(c, mb, i);
       any_recomputed = true;
-      if (i > chunk.first_layer && layers_[i - 1].recompute_group == l.recompute_group) {
-        // This layer's input was the output of the group's previous layer: dropped.
-        size_t& slot = acts_.at({c, mb})[(first ? 0 : 1) + (i - 1 - chunk.first_layer)];
-        drop_slot(slot);
-        slot = kDropped;
-      }
     }
   }
-  if (any_recomputed) forward_inputs_[{c, mb}] = in;
+  if (any_recomputed) recompute_.keep_inputs(c, mb, in);
   return last ? nullptr : held;
 }
 
 void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                         float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training) {
   std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
-  DLTensor tok = view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
+  DLTensor tok = device_view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
-  DLTensor tgt = view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
+  DLTensor tgt = device_view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
   tgt.dtype = {kDLInt, 32, 1};
-  const uint64_t* seed_device = training ? dropout_seed_slot(mb, in.dropout_seed) : nullptr;
-  Layer& l = layers_[i];
+  const uint64_t* seed_device = training ? seeds_.slot(mb, in.dropout_seed) : nullptr;
+  const Layer& l = layers_[i];
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
   a.microbatch = mb;
   a.training = training ? 1 : 0;
@@ -565,104 +116,70 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.aux_loss = training ? aux_loss : nullptr;
   // A recomputing layer's forward is not captured: its backward pair runs it again.
   const bool capture_ok = training && seed_device != nullptr && !l.recompute;
-  a.step_key = step_key(i, mb, false);
-  a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
-  run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+  a.step_key = capture_.step_key(i, mb, false);
+  a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
+  capture_.run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
-  LOOM_REQUIRE(acts_.count({c, mb}) != 0,
+  const LocalChunk& chunk = layers_.chunk(c);
+  LOOM_REQUIRE(hidden_.count(c, mb) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  const bool first = is_first_global(c);
-  loom::Buffer* grad_out = is_last_global(c) ? nullptr : &grad_recv_;
+  const bool first = chunk.is_first_global();
+  loom::Buffer* grad_out = chunk.is_last_global() ? nullptr : &grad_recv_;
   loom::Buffer* grad_in = &grad_a_;
-  std::vector<size_t>& held = acts_.at({c, mb});  // [chunk input unless first], then each layer's output
-  const size_t outputs_from = first ? 0 : 1;
-  size_t group_end = 0;  // the recompute group being backpropagated: its last layer
+  // A recomputed layer's loss and aux outputs were counted by its first forward.
+  const Recomputation::LayerForward forward_again = [&](size_t j, const DLTensor* input, DLTensor* output,
+                                                        const ForwardInputs& in) {
+    float loss_sum = 0;
+    int64_t loss_count = 0;
+    run_forward(j, mb, input, output, in, &loss_sum, &loss_count, nullptr, nullptr, true);
+  };
   for (size_t i = chunk.end_layer; i-- > chunk.first_layer;) {
-    Layer& l = layers_[i];
-    if (l.recompute && (i + 1 == chunk.end_layer || layers_[i + 1].recompute_group != l.recompute_group)) {
-      size_t g0 = i;  // the group's first layer
-      while (g0 > chunk.first_layer && layers_[g0 - 1].recompute_group == l.recompute_group) --g0;
-      recompute_group(c, mb, g0, i);
-      group_end = i;
-    }
+    if (recompute_.ends_group(i)) recompute_.run_group_again(c, mb, i, forward_again);
     const bool has_grad_input = !(first && i == chunk.first_layer);
     DLTensor gout{}, gin{};
-    if (grad_out) gout = view(rank_, grad_out->get(), hid_shape, act_dtype());
-    if (has_grad_input) gin = view(rank_, grad_in->get(), hid_shape, act_dtype());
-    loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
-    a.microbatch = mb;
-    a.grad_output = grad_out ? &gout : nullptr;
-    a.grad_input = has_grad_input ? &gin : nullptr;
-    a.loss_scale = loss_scale;
-    a.aux_loss_scale = aux_loss_scale;
-    // Captured exactly when its forward could be (a replayed backward needs the
-    // activations of a replayed forward): the microbatch's seed slot exists.
-    const bool capture_ok = static_cast<size_t>(mb) < staged_seeds_.size() && !l.recompute;
-    a.step_key = step_key(i, mb, true);
-    a.substeps_capturable = may_capture_parts(i, capture_ok) ? 1 : 0;
-    run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+    if (grad_out) gout = hidden_.view(grad_out->get());
+    if (has_grad_input) gin = hidden_.view(grad_in->get());
+    run_backward(i, mb, grad_out ? &gout : nullptr, has_grad_input ? &gin : nullptr, loss_scale, aux_loss_scale);
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
-    if (l.recompute && (i == chunk.first_layer || layers_[i - 1].recompute_group != l.recompute_group))
-      for (size_t j = i; j < group_end; ++j) {  // the group is done: its recomputed inner states go
-        size_t& slot = held[outputs_from + (j - chunk.first_layer)];
-        drop_slot(slot);
-        slot = kDropped;
-      }
+    if (recompute_.begins_group(i)) recompute_.drop_group_states(c, mb, i);
   }
-  forward_inputs_.erase({c, mb});
-  give_back(c, mb);
+  recompute_.forget(c, mb);
+  hidden_.give_back(c, mb);
   return first ? nullptr : grad_out->get();
 }
 
-// The forward of layers [g0, g1] again, on the group's input (bit for bit: the same
-// dropout seeds), its inner hidden states into fresh slots and its last output into
-// the buffer it had (already consumed by the next layer's backward); their loss and
-// aux outputs are not counted twice.
-void Model::recompute_group(int c, int mb, size_t g0, size_t g1) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
-  std::vector<int64_t> hid_shape(hidden_shape_, hidden_shape_ + 3);
-  const bool first = is_first_global(c);
-  const size_t outputs_from = first ? 0 : 1;
-  for (size_t j = g0; j <= g1; ++j) {
-    std::vector<size_t>& held = acts_.at({c, mb});
-    const size_t lj = j - chunk.first_layer, out_at = outputs_from + lj;
-    DLTensor input{}, output{};
-    const bool has_input = lj > 0 || !first, has_output = out_at < held.size();
-    if (has_input) input = view(rank_, hidden_pool_[held[lj > 0 ? out_at - 1 : 0]].buffer.get(), hid_shape, act_dtype());
-    if (has_output) {
-      if (held[out_at] == kDropped) held[out_at] = take_slot();
-      output = view(rank_, hidden_pool_[held[out_at]].buffer.get(), hid_shape, act_dtype());
-    }
-    float loss_sum = 0;
-    int64_t loss_count = 0;
-    run_forward(j, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, forward_inputs_.at({c, mb}),
-                &loss_sum, &loss_count, nullptr, nullptr, true);
-  }
-}
-
-std::vector<int> Model::groups_of(const Chunk& chunk) const {
-  std::vector<int> groups;
-  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) groups.push_back(layers_[i].recompute_group);
-  return groups;
+void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor* grad_input, float loss_scale,
+                         float aux_loss_scale) {
+  const Layer& l = layers_[i];
+  loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
+  a.microbatch = mb;
+  a.grad_output = grad_output;
+  a.grad_input = grad_input;
+  a.loss_scale = loss_scale;
+  a.aux_loss_scale = aux_loss_scale;
+  // Captured exactly when its forward could be (a replayed backward needs the
+  // activations of a replayed forward): the microbatch's seed slot exists.
+  const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
+  a.step_key = capture_.step_key(i, mb, true);
+  a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
+  capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
 }
 
 void Model::release_chunk(int c, int mb) {
-  const Chunk& chunk = chunks_[static_cast<size_t>(c)];
+  const LocalChunk& chunk = layers_.chunk(c);
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)
     if (layers_[i].api->release) layers_[i].api->release(layers_[i].handle, mb);
-  forward_inputs_.erase({c, mb});
-  give_back(c, mb);
+  recompute_.forget(c, mb);
+  hidden_.give_back(c, mb);
 }
 
 void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
                     float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss) {
   const void* out = nullptr;
-  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) {
+  for (int c = 0; c < static_cast<int>(chunk_count()); ++c) {
     if (c > 0) rank_.dev().copy(chunk_input(c, mb), out, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
     out = forward_chunk(c, mb, tokens, targets, training, dropout_seed, loss_sum, loss_count, predictions, aux_loss);
   }
@@ -670,32 +187,19 @@ void Model::forward(int mb, const int32_t* tokens, const int32_t* targets, bool 
 }
 
 void Model::backward(int mb, float loss_scale, float aux_loss_scale) {
-  for (int c = static_cast<int>(chunks_.size()); c-- > 0;) {
+  for (int c = static_cast<int>(chunk_count()); c-- > 0;) {
     const void* grad = backward_chunk(c, mb, loss_scale, aux_loss_scale);
     if (c > 0) rank_.dev().copy(chunk_grad_output(), grad, hidden_bytes(), LOOM_COPY_DEVICE_TO_DEVICE);
   }
 }
 
 void Model::release(int mb) {
-  for (int c = 0; c < static_cast<int>(chunks_.size()); ++c) release_chunk(c, mb);
+  for (int c = 0; c < static_cast<int>(chunk_count()); ++c) release_chunk(c, mb);
 }
 
-double Model::forward_flops() const {
-  double f = 0;
-  for (const Layer& l : layers_)
-    if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
-      f += l.api->forward_flops(l.handle);
-  return f;
-}
-
+// The hidden state after each layer, but those recompute groups drop.
 uint64_t Model::activation_bytes() const {
-  uint64_t b = 0;
-  for (const Layer& l : layers_)  // a recomputing layer keeps nothing between its forward and backward
-    if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-      b += l.api->activation_bytes(l.handle);
-  size_t kept = 0;  // the hidden state after each layer, but those recompute groups drop
-  for (const Chunk& chunk : chunks_) kept += kept_hidden_states(groups_of(chunk));
-  return b + static_cast<uint64_t>(kept) * hidden_bytes();
+  return layers_.saved_activation_bytes() + static_cast<uint64_t>(recompute_.kept_hidden_states()) * hidden_bytes();
 }
 
 }  // namespace loom::model

@@ -2,11 +2,19 @@
 // plugins), their parameters and gradients in flat per-rank buffers (one region
 // per chunk, Megatron's layout), and forward/backward of one microbatch through a
 // chunk. Activations are kept per (chunk, microbatch) until that backward, so a
-// pipeline schedule can hold several in flight.
+// pipeline schedule can hold several in flight. The Model composes the parts that
+// do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds,
+// CapturePolicy and finalize_grads.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
+#include "engine/model/capture_policy.hpp"
+#include "engine/model/dropout_seeds.hpp"
+#include "engine/model/hidden_states.hpp"
+#include "engine/model/layers.hpp"
+#include "engine/model/param_buffers.hpp"
+#include "engine/model/recompute.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
 
@@ -19,68 +27,6 @@
 #include <vector>
 
 namespace loom::model {
-
-// One layer of the composed model, as the manifest describes it.
-struct LayerSpec {
-  std::string instance;    // "embedding", "blocks.3.attention", "lm_head"
-  std::string config;      // the name used in model.pre/block/post (a [model.layer.NAME] table, or a plugin)
-  std::string plugin;      // layer plugin name
-  int block_index = -1;    // -1 outside the repeated blocks
-};
-
-// pre + block × num_layers + post, in model order.
-std::vector<LayerSpec> model_layers(const manifest::RunConfig& config);
-
-// Activation recomputation of a chunk's layers (a pipeline stage's, or virtual
-// stage's; model.recompute_*): per layer, the recompute group it belongs to, or
-// -1. A group is a run of whole consecutive blocks whose forward runs again in
-// backward from the group's input, the only hidden state it keeps (and its layers
-// keep nothing else). With model.recompute_granularity = "full": method "block"
-// makes each of the chunk's first model.recompute_num_layers blocks a group (0:
-// every block), "uniform" puts all its blocks in groups of recompute_num_layers
-// (0: 1), Megatron's --recompute-method.
-std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk);
-
-// Hidden states a chunk with these groups keeps per microbatch: one after each
-// layer, less the outputs its groups drop (those their own next layer consumes).
-size_t kept_hidden_states(const std::vector<int>& groups);
-
-// The model dimensions given the vocabulary and the tensor-parallel size.
-loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp);
-
-// Creates one layer from its plugin, with the manifest's [model.layer.NAME]
-// options for it (what the Model and the memory planner both do). Returns the
-// handle; *api is the plugin's table. Errors name the instance and the plugin.
-loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
-                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
-                         const loom_layer_api** api);
-
-// A pipeline chunk held by this rank: global chunk `global_index` of
-// `num_global` (0-based), its layers in model order. A rank without pipeline
-// parallelism holds one chunk, the whole model.
-struct ModelChunk {
-  int global_index = 0;
-  int num_global = 1;
-  std::vector<LayerSpec> layers;
-};
-
-// A parameter of this rank as the optimizer sees it; tied parameters appear once.
-struct ParamEntry {
-  std::string name;                // "blocks.0.attention.qkv.weight" (entries are in model order)
-  std::vector<int64_t> full_shape, local_shape;
-  size_t offset = 0, numel = 0;    // in elements, in the flat buffers
-  int layer = 0;                   // index into layers() of the owner
-  int chunk = 0;                   // local chunk of the owner
-  loom_param_decl decl{};          // as declared (pointers valid while the layer lives)
-  bool duplicated = false;         // identical on every tp rank
-  bool expert = false;             // dim 0 split over ep, reduced over edp (loom_param_decl.expert)
-  std::string tie_key;
-  bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
-};
-
-// LOOM_DTYPE_* of a device.param_dtype / grad_dtype value ("fp32", "bf16"), and
-// the bytes of one element of it.
-int32_t model_dtype(const std::string& name);
 
 class Model {
  public:
@@ -120,9 +66,9 @@ class Model {
   // The step's dropout seed of every microbatch (index = mb), copied to device
   // memory in one go before the step: layers read them there (ABI 1.3
   // dropout_seed_device), so captured dropouts draw new masks every step.
-  void stage_dropout_seeds(const std::vector<uint64_t>& seeds);
+  void stage_dropout_seeds(const std::vector<uint64_t>& seeds) { seeds_.stage(seeds); }
   // What the device buffer holds now (read back; for tests and diagnostics).
-  std::vector<uint64_t> staged_dropout_seeds() const;
+  std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.
@@ -130,144 +76,72 @@ class Model {
                float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr, float* aux_loss = nullptr);
   void backward(int mb, float loss_scale, float aux_loss_scale);
   void release(int mb);
-  void zero_grads();
+  void zero_grads() { buffers_.zero_grads(); }
   // After the last microbatch's backward, before the optimizer: the reductions
   // that make each gradient whole (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).
   void finalize_grads();
   // Bytes of the hidden state between two layers of one microbatch.
-  size_t hidden_bytes() const;
+  size_t hidden_bytes() const { return hidden_.bytes(); }
   // Elements of that hidden state (the p2p message count, in act_dtype()).
-  size_t hidden_numel() const;
+  size_t hidden_numel() const { return hidden_.numel(); }
   // LOOM_DTYPE_* of the parameters (device.param_dtype; also the activations:
   // hidden states, layer-internal activations, their gradients) and of the
   // gradient buffer (device.grad_dtype).
-  int32_t param_dtype() const { return param_dtype_; }
-  int32_t act_dtype() const { return param_dtype_; }
-  int32_t grad_dtype() const { return grad_dtype_; }
+  int32_t param_dtype() const { return buffers_.param_dtype(); }
+  int32_t act_dtype() const { return buffers_.param_dtype(); }
+  int32_t grad_dtype() const { return buffers_.grad_dtype(); }
 
-  void* params() const { return params_.get(); }
-  void* grads() const { return grads_.get(); }
-  size_t numel() const { return numel_; }
+  void* params() const { return buffers_.params(); }
+  void* grads() const { return buffers_.grads(); }
+  size_t numel() const { return buffers_.numel(); }
   // Where each entry (param_entries() order = model order) and bucket lives.
-  const BufferLayout& layout() const { return layout_; }
-  const std::vector<ParamEntry>& param_entries() const { return entries_; }
-  std::vector<loom_param_info> param_infos() const;
+  const BufferLayout& layout() const { return buffers_.layout(); }
+  const std::vector<ParamEntry>& param_entries() const { return buffers_.entries(); }
+  std::vector<loom_param_info> param_infos() const { return buffers_.param_infos(); }
   // Per entry: 1 when its gradient norm is counted on another stage (the optimizer's counted_elsewhere).
-  std::vector<int32_t> counted_elsewhere() const;
+  std::vector<int32_t> counted_elsewhere() const { return buffers_.counted_elsewhere(); }
   // Per entry: 1 for an expert parameter (the optimizer's expert flags, ABI 1.4).
-  std::vector<int32_t> expert_flags() const;
-  bool has_expert_params() const;
+  std::vector<int32_t> expert_flags() const { return buffers_.expert_flags(); }
+  bool has_expert_params() const { return buffers_.has_expert_params(); }
   // The rank this model runs on (its device's memory statistics, for example).
   const runtime::RankRuntime& runtime() const { return rank_; }
   size_t layer_count() const { return layers_.size(); }
   const LayerSpec& layer_spec(size_t i) const { return layers_[i].spec; }
-  size_t chunk_count() const { return chunks_.size(); }
-  int chunk_global_index(int c) const { return chunks_[static_cast<size_t>(c)].global_index; }
-  bool is_first_global(int c) const { return chunk_global_index(c) == 0; }
-  bool is_last_global(int c) const { return chunk_global_index(c) + 1 == chunks_[static_cast<size_t>(c)].num_global; }
-  double forward_flops() const;       // one microbatch through this rank's layers
+  size_t chunk_count() const { return layers_.chunk_count(); }
+  int chunk_global_index(int c) const { return layers_.chunk(c).global_index; }
+  bool is_first_global(int c) const { return layers_.chunk(c).is_first_global(); }
+  bool is_last_global(int c) const { return layers_.chunk(c).is_last_global(); }
+  double forward_flops() const { return layers_.forward_flops(); }  // one microbatch through this rank's layers
   uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers (all chunks)
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
   // Whether layer steps may be replayed from graphs (the exec mode replays and some
   // layer is capturable): then hidden states stay allocated across steps.
-  bool replays_steps() const { return replays_steps_; }
+  bool replays_steps() const { return capture_.replays_steps(); }
 
  private:
-  struct Layer {
-    LayerSpec spec;
-    int chunk = 0;
-    const loom_layer_api* api = nullptr;
-    loom_layer* handle = nullptr;
-    std::vector<std::vector<int64_t>> shapes;  // local shapes, alive for the DLTensor views
-    std::vector<DLTensor> param_views, grad_views;
-    bool capturable = false;  // its training steps may be captured (loom_layer_api.capturable == 1)
-    // capturable() == 2 (ABI 1.7): its steps run directly and capture parts of
-    // themselves as sub-steps (MoE: the router), when step args say they may.
-    bool captures_parts = false;
-    // In a recompute group (recompute_groups): what its training forward saved is
-    // dropped at once (and its output, when the group's next layer consumed it),
-    // and the group's forward runs again in backward.
-    int recompute_group = -1;
-    bool recompute = false;  // recompute_group >= 0
-  };
-  // What a recomputed forward of (chunk, microbatch) needs again in backward.
-  struct ForwardInputs {
-    const int32_t* tokens = nullptr;
-    const int32_t* targets = nullptr;
-    uint64_t dropout_seed = 0;
-  };
-  struct Chunk {
-    int global_index = 0, num_global = 1;
-    size_t first_layer = 0, end_layer = 0;  // [first, end) in layers_
-  };
-  // A hidden-state buffer of the pool below.
-  struct HiddenSlot {
-    loom::Buffer buffer;
-    bool in_use = false;
-  };
-  void build_buffers(uint64_t seed);
-  // Layer i's forward (backward = false) or backward of microbatch mb through the
-  // execution mode; captured and replayed when the mode replays and it may.
-  void run_step(size_t i, int mb, bool backward, bool capture_ok, const std::function<void()>& fn);
-  // The exec key of that step: the same for the same layer, microbatch and
-  // direction every step (graphs are looked up by it).
-  int64_t step_key(size_t i, int mb, bool backward) const;
-  // Whether layer i's step, or (captures_parts) parts of it, may be captured now.
-  // capture_ok: a training step whose dropout seed is in device memory.
-  bool may_capture(size_t i, bool capture_ok) const;
-  bool may_capture_parts(size_t i, bool capture_ok) const;
-  // Device memory holding microbatch mb's dropout seed `value` (written when it
-  // differs from what is there), or nullptr when mb has no slot.
-  const uint64_t* dropout_seed_slot(int mb, uint64_t value);
-  // Layer i's training forward of microbatch mb: its fwd args over the chunk's
-  // held hidden states (input, output), with the given loss and aux outputs.
+  // Layer i's forward of microbatch mb over the chunk's hidden states (input,
+  // output), with the given loss and aux outputs.
   void run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                    float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training);
-  // Takes the lowest free slot for (c, mb)'s next hidden state; returns its memory.
-  void* take_hidden(int c, int mb);
-  // The lowest free slot, taken; and a slot given back (its memory too unless
-  // replays_steps()). kDropped marks an entry of acts_ whose state was dropped.
-  size_t take_slot();
-  void drop_slot(size_t k);
-  static constexpr size_t kDropped = static_cast<size_t>(-1);
-  // Runs the forward of recompute group [g0, g1] of chunk c again (backward of
-  // microbatch mb), its dropped hidden states into fresh slots.
-  void recompute_group(int c, int mb, size_t g0, size_t g1);
-  // The chunk's recompute groups, as recompute_groups() made them.
-  std::vector<int> groups_of(const Chunk& chunk) const;
-  // Frees (c, mb)'s slots (their memory too unless replays_steps()).
-  void give_back(int c, int mb);
+  // Layer i's backward of microbatch mb: the gradient of its output in (none
+  // after the last global chunk's last layer), of its input out (none before the
+  // first global chunk's first layer).
+  void run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor* grad_input, float loss_scale,
+                    float aux_loss_scale);
 
   runtime::RankRuntime& rank_;
   loom_model_dims dims_;
-  size_t bucket_size_ = 0;
-  int32_t param_dtype_ = LOOM_DTYPE_F32, grad_dtype_ = LOOM_DTYPE_F32;
-  BufferLayout layout_;
-  std::vector<Layer> layers_;
-  std::vector<Chunk> chunks_;
-  std::vector<ParamEntry> entries_;
-  size_t numel_ = 0;
-  loom::Buffer params_, grads_;
-  bool sequence_parallel_ = false;
-  int64_t context_rows_ = 0;  // sequence rows this rank holds: seq_len, or its cp slice
-  int64_t hidden_shape_[3];
-  // Hidden states of the (chunk, microbatch) forwards in flight: per (c, mb) the
-  // slots holding the chunk's input (received; none on the first global chunk)
-  // and the state after each of its layers, in that order. Each state takes the
-  // lowest free slot of one pool, so in a fixed schedule order a (c, mb) gets the
-  // same slots, at the same addresses, every step, and the pool never holds more
-  // buffers than the schedule has in use at once. With an exec mode that replays
-  // (replays_steps()) the buffers stay allocated for the next step, which graphs
-  // need; else each is freed with its backward, as the slot is given back.
-  std::vector<HiddenSlot> hidden_pool_;
-  std::map<std::pair<int, int>, std::vector<size_t>> acts_;
-  loom::Buffer dropout_seeds_;          // device: one uint64 per microbatch, fixed addresses
-  std::vector<uint64_t> staged_seeds_;  // what dropout_seeds_ holds
-  bool replays_steps_ = false;
-  std::map<std::pair<int, int>, ForwardInputs> forward_inputs_;  // (c, mb) of recomputing chunks, until backward
-  bool tp_single_ = true;  // no collective inside a layer step (capture needs that)
-  bool exec_substeps_ = false;  // the exec mode keys graphs by sub-step too (LOOM_EXEC_SUBSTEPS)
+  Layers layers_;
+  ParamBuffers buffers_;
+  bool sequence_parallel_ = false;  // hidden states are sharded over tp
+  int64_t context_rows_ = 0;        // sequence rows this rank holds: seq_len, or its cp slice
+  CapturePolicy capture_;
+  HiddenStates hidden_;
+  DropoutSeeds seeds_;
+  Recomputation recompute_;
+  // Gradients of hidden states in backward: each layer's input gradient, in
+  // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received.
   loom::Buffer grad_a_, grad_b_, grad_recv_;
 };
 

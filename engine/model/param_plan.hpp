@@ -1,10 +1,9 @@
 // Which parameters a rank holds, from its layers' declarations: the collection and
-// layout Model::build_buffers, the memory plan (train/memory_plan.hpp) and resharding
-// on resume share (one place for the tie/dedupe and local-shape rules).
+// layout the model's ParamBuffers, the memory plan (train/memory_plan.hpp) and
+// resharding on resume share (one place for the tie/dedupe and local-shape rules).
 #pragma once
 
 #include "engine/model/buffer_layout.hpp"
-#include "engine/model/model.hpp"
 
 #include <loom/loom_abi.h>
 
@@ -13,6 +12,20 @@
 #include <vector>
 
 namespace loom::model {
+
+// A parameter of this rank as the optimizer sees it; tied parameters appear once.
+struct ParamEntry {
+  std::string name;                // "blocks.0.attention.qkv.weight" (entries are in model order)
+  std::vector<int64_t> full_shape, local_shape;
+  size_t offset = 0, numel = 0;    // in elements, in the flat buffers
+  int layer = 0;                   // index into the model's layers of the owner
+  int chunk = 0;                   // local chunk of the owner
+  loom_param_decl decl{};          // as declared (pointers valid while the layer lives)
+  bool duplicated = false;         // identical on every tp rank
+  bool expert = false;             // dim 0 split over ep, reduced over edp (loom_param_decl.expert)
+  std::string tie_key;
+  bool shared_across_stages = false;  // tied to a copy on another pipeline stage (embedding group)
+};
 
 // One parameter declaration of a layer, in model order.
 struct DeclRef {

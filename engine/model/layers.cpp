@@ -1,0 +1,164 @@
+#include "engine/model/layers.hpp"
+
+#include "engine/model/recompute.hpp"
+
+namespace loom::model {
+
+std::vector<LayerSpec> model_layers(const manifest::RunConfig& config) {
+  auto resolve = [&](const std::string& name, int block, const std::string& instance) {
+    LayerSpec s;
+    s.config = name;
+    s.instance = instance;
+    s.block_index = block;
+    s.plugin = name;
+    if (auto p = config.model.layer_section(name).get_as<std::string>("plugin")) s.plugin = p->get();
+    return s;
+  };
+  std::vector<LayerSpec> out;
+  for (const auto& c : config.model.pre) out.push_back(resolve(c, -1, c));
+  const int blocks = static_cast<int>(config.model.num_layers);
+  for (int b = 0; b < blocks; ++b)
+    for (const auto& c : config.model.block)
+      out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
+  for (const auto& c : config.model.post) out.push_back(resolve(c, -1, c));
+  return out;
+}
+
+loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int tp) {
+  loom_model_dims d = loom::make<loom_model_dims>();
+  d.hidden = config.model.hidden_size;
+  d.heads = config.model.num_heads;
+  d.ffn_hidden = config.model.ffn_hidden_size;
+  d.seq_len = config.model.seq_length;
+  d.vocab = vocab;
+  const int64_t multiple = config.model.vocab_divisor * tp;
+  d.padded_vocab = (vocab + multiple - 1) / multiple * multiple;
+  d.micro_batch = config.batch.micro_batch_size;
+  d.num_layers = static_cast<int32_t>(config.model.num_layers);
+  d.block_index = -1;
+  d.tie_embeddings = config.model.tie_embeddings ? 1 : 0;
+  return d;
+}
+
+loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
+                         const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
+                         const loom_layer_api** api) {
+  const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
+  toml::table section = config.model.layer_section(spec.config);
+  section.erase("plugin");
+  plugins::OptionValues opts(&section, p.options);
+  loom_model_dims ld = dims;
+  ld.block_index = spec.block_index;
+  loom_layer_create_args args = loom::make<loom_layer_create_args>();
+  args.dims = &ld;
+  args.instance_name = spec.instance.c_str();
+  args.tp = tp;
+  args.sequence_parallel = config.parallel.sequence_parallel ? 1 : 0;
+  args.grad_accumulation_fusion = config.device.grad_accumulation_fusion ? 1 : 0;
+  *api = p.layer();
+  loom_layer* handle = nullptr;
+  try {
+    loom::check((*api)->create(opts.raw(), rank, &args, &handle));
+  } catch (const loom::Error& e) {
+    // A refused option ("option NAME = value", the built-in layers' wording) is
+    // cited where the manifest sets it.
+    const std::string msg = e.what();
+    std::string where;
+    for (const auto& [key, node] : section) {
+      const std::string option = spec.config + "." + std::string(key.str());
+      auto origin = config.model.layer_origin.find(option);
+      if (origin != config.model.layer_origin.end() &&
+          msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
+        where = origin->second.str() + ": model.layer." + option + ": ";
+        break;
+      }
+    }
+    throw loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
+  }
+  return handle;
+}
+
+namespace {
+// Creates layer `spec` of local chunk `chunk`, in recompute group `group` (-1: none).
+Layer make_layer(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
+                 const loom_model_dims& dims, const loom_group& tp, const LayerSpec& spec, int chunk, int group) {
+  Layer layer;
+  layer.spec = spec;
+  layer.chunk = chunk;
+  layer.handle = create_layer(config, registry, &rank, spec, dims, tp, &layer.api);
+  const int32_t capture_kind = LOOM_HAS_SLOT(layer.api, loom_layer_api, capturable) && layer.api->capturable
+                                   ? layer.api->capturable(layer.handle)
+                                   : 0;
+  layer.capturable = capture_kind == 1;
+  // 2 ("captures parts") means something only from a layer built for 1.7 or later.
+  layer.captures_parts = capture_kind == 2 && registry.get("layer", spec.plugin).abi_minor >= 7;
+  layer.recompute_group = group;
+  layer.recompute = group >= 0;
+  return layer;
+}
+
+// Dropping a forward's saved state without its backward is the release slot.
+void require_release_to_recompute(const Layer& layer) {
+  if (layer.recompute && layer.api->release == nullptr)
+    throw loom::Error("layer " + layer.spec.instance + " (layer/" + layer.spec.plugin +
+                          ") has no release slot, so its saved activations cannot be dropped for recomputation; "
+                          "set model.recompute_granularity = \"none\"",
+                      LOOM_CODE_UNSUPPORTED);
+}
+}  // namespace
+
+Layers::Layers(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
+               const loom_model_dims& dims, const std::vector<ModelChunk>& chunks) {
+  const loom::Group tp = rank.group_or_self("tp");
+  LOOM_REQUIRE(!chunks.empty(), "a model needs at least one chunk");
+  try {
+    for (const ModelChunk& chunk : chunks) add_chunk(config, registry, rank, dims, tp.raw(), chunk);
+  } catch (...) {
+    destroy();  // a constructor that throws does not run the destructor
+    throw;
+  }
+}
+
+void Layers::add_chunk(const manifest::RunConfig& config, const plugins::Registry& registry,
+                       runtime::RankRuntime& rank, const loom_model_dims& dims, const loom_group& tp,
+                       const ModelChunk& chunk) {
+  LocalChunk local;
+  local.global_index = chunk.global_index;
+  local.num_global = chunk.num_global;
+  local.first_layer = layers_.size();
+  const std::vector<int> groups = recompute_groups(config, chunk.layers);
+  for (size_t k = 0; k < chunk.layers.size(); ++k) {
+    // Pushed before the check, so that a refused layer is destroyed with the others.
+    layers_.push_back(make_layer(config, registry, rank, dims, tp, chunk.layers[k],
+                                 static_cast<int>(chunks_.size()), groups[k]));
+    require_release_to_recompute(layers_.back());
+  }
+  local.end_layer = layers_.size();
+  chunks_.push_back(local);
+}
+
+void Layers::destroy() {
+  for (Layer& l : layers_)
+    if (l.handle) {
+      l.api->destroy(l.handle);
+      l.handle = nullptr;
+    }
+}
+
+double Layers::forward_flops() const {
+  double f = 0;
+  for (const Layer& l : layers_)
+    if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
+      f += l.api->forward_flops(l.handle);
+  return f;
+}
+
+uint64_t Layers::saved_activation_bytes() const {
+  uint64_t b = 0;
+  for (const Layer& l : layers_)
+    if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
+      b += l.api->activation_bytes(l.handle);
+  return b;
+}
+
+}  // namespace loom::model
