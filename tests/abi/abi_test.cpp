@@ -48,6 +48,8 @@ extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_3(const char* name);
+extern "C" size_t loom_abi_sizes_tp_first(void);
+extern "C" size_t loom_abi_sizes_ep_first(void);
 
 namespace {
 
@@ -287,6 +289,15 @@ TEST(AbiLayout, ParamDeclarationsOfAnOlderLayerReadWithTheirOwnStride) {
     EXPECT_NE(std::string(e.what()).find("blocks.0.odd"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("struct_size 12"), std::string::npos) << e.what();
   }
+}
+
+// The service tables have headers of their own (loom_tp.h, loom_ep.h); each, included
+// alone by a C99 file, gives the same ABI as loom_abi.h does here.
+TEST(AbiLayout, EachServiceHeaderIncludedAloneGivesTheWholeAbi) {
+  const size_t sizes =
+      sizeof(loom_tensor_parallel_api) + 3 * sizeof(loom_expert_parallel_api) + 5 * sizeof(loom_host_api);
+  EXPECT_EQ(loom_abi_sizes_tp_first(), sizes);
+  EXPECT_EQ(loom_abi_sizes_ep_first(), sizes);
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

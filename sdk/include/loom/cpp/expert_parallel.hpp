@@ -10,11 +10,12 @@
 //   ep_.combine(stream, mb, outputs, rows_back, hidden, dtype);        // [R, w] -> [N, w]
 //   ep_.release(mb);
 //
-// The argument structs are the C ones of loom_abi.h; every failure throws
+// The argument structs are the C ones of loom_ep.h; every failure throws
 // loom::Error. See loom_expert_parallel_api for the row orders.
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/loom_ep.h>
 
 #include <string>
 #include <utility>

@@ -8,13 +8,14 @@
 //   tp_.row_parallel_linear_forward({.rows = T, .in = F / tp_.size(), .out = H, .x = act,
 //                                    .weight = w2, .bias = b2, .y = out});
 //
-// The argument structs are the C ones of loom_abi.h (struct_size is filled in
+// The argument structs are the C ones of loom_tp.h (struct_size is filled in
 // here); every failure throws loom::Error. With tp = 1 the calls are the plain
 // local math. Under sequence parallelism activations outside TP regions are this
 // rank's sequence shard: local_rows(rows) of them.
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/loom_tp.h>
 
 #include <string>
 #include <utility>
