@@ -30,6 +30,19 @@
  * 1.0; a comment line "--- since 1.N ---" precedes the members appended in minor N,
  * and prose says "(since 1.N)" of anything else that minor N added.
  *
+ * Reserved and padding members. A member named `reserved` holds no value: whoever
+ * fills the struct sets it to 0, whoever reads the struct ignores it. A member named
+ * pad0, pad1, ... is the same, and the bytes it names were tail padding of the
+ * struct in an earlier minor: that minor's sizeof, the struct_size its callers pass,
+ * covers them, so a caller built for it may leave anything there. A member appended
+ * directly into those bytes would be read from such a caller as garbage; the padding
+ * member fills them, and the appended member starts past the old sizeof. A struct
+ * whose last member would leave tail padding ends with a `reserved` member, so the
+ * next appended member starts past its sizeof too. Some of these members also
+ * answer to a second name, through an anonymous union of two members of one type
+ * (LOOM_EXTENSION below): the same bytes, so that sources which use that name
+ * (allow_tf32, pad_1_1, reserved_1_7, ...) keep compiling.
+ *
  * Ownership. Pointers passed to a call (arguments, the members of argument structs,
  * option strings) are borrowed for that call unless their comment says otherwise;
  * keep a copy, not the pointer. A handle a create call returns is the plugin's
@@ -63,6 +76,14 @@ extern "C" {
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
 #define LOOM_ABI_MINOR 9
+
+/* Precedes the anonymous unions that give a member a second name (C11; GCC and
+ * Clang also accept them in C99 with this keyword, -pedantic included). */
+#if defined(__GNUC__)
+#define LOOM_EXTENSION __extension__
+#else
+#define LOOM_EXTENSION
+#endif
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -424,7 +445,7 @@ typedef struct loom_adamw_segment {
   int64_t copy_offset;   /* of param_copy, when set */
   int64_t numel;         /* elements of the tensor */
   float weight_decay;    /* this tensor's (0: not decayed) */
-  int32_t reserved;      /* 0 */
+  int32_t reserved;      /* 0 (see "Reserved and padding members" above) */
 } loom_adamw_segment;
 
 /* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),
@@ -440,7 +461,8 @@ typedef struct loom_adamw_args {
   int64_t step;                  /* 1-based, for the bias corrections */
   void* param_copy; int32_t copy_dtype;   /* NULL = none; else also written, in copy_dtype */
   /* --- since 1.8 --- */
-  int32_t pad_1_7;               /* the tail padding of the 1.7 struct, named: unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_7; };  /* padding: 1.7's struct ended after
+                                                               copy_dtype; 0 */
   /* Devices with LOOM_DEVICE_MULTI_TENSOR: many tensors in one call: with
    * num_segments > 0, every segment is updated as a call with its offsets, numel and
    * weight_decay would update it (the same values); n and weight_decay are ignored.
@@ -790,7 +812,8 @@ typedef struct loom_layer_create_args {
                                 valid until the layer is destroyed) */
   int32_t sequence_parallel; /* 1: hidden states outside TP regions are 1/tp sequence shards */
   /* --- since 1.2 --- */
-  int32_t pad_1_1;           /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_1; };  /* padding: 1.1's struct ended after
+                                                           sequence_parallel; 0 */
   /* bf16 parameters with fp32 gradients may be accumulated by the ops straight
    * into the fp32 gradients (grad_fp32; manifest device.grad_accumulation_fusion). */
   int32_t grad_accumulation_fusion;
@@ -846,7 +869,7 @@ typedef struct loom_layer_fwd_args {
    * LOOM_EXEC_SUBSTEPS, else 0. The engine always sets both. */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;      /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_layer_fwd_args;
 
 /* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
@@ -857,7 +880,8 @@ typedef struct loom_layer_bwd_args {
   DLTensor* grad_input;        /* NULL for the first layer */
   float loss_scale;            /* last layer: dL/d(loss_sum) */
   /* --- since 1.4 --- */
-  int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_3; };  /* padding: 1.3's struct ended after
+                                                             loss_scale; 0 */
   /* d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
    * (auxiliary losses are averaged over microbatches like the main loss, and over
    * data-parallel ranks by the gradient reduction), on every pipeline stage.
@@ -867,11 +891,12 @@ typedef struct loom_layer_bwd_args {
    * dp-cp average sums those. */
   float aux_loss_scale;
   /* --- since 1.7 --- */
-  int32_t pad_1_6;             /* 1.6's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad1; int32_t pad_1_6; };  /* padding: 1.6's struct ended after
+                                                             aux_loss_scale; 0 */
   /* As in loom_layer_fwd_args (the key of this backward step). */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;        /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_layer_bwd_args;
 
 /* A layer plugin's table. Each rank creates its own instances (one per layer of
@@ -1157,7 +1182,7 @@ typedef struct loom_exec_step {
    * marks a part capturable only when the engine said the plugin has the bit.
    * The part's scope names it ("moe_router"). */
   int32_t substep;
-  int32_t reserved_1_7;      /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_exec_step;
 
 /* What an exec plugin did so far (loom_exec_api.stats) (since 1.3). Filled by the

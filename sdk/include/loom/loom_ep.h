@@ -66,7 +66,7 @@ typedef struct loom_ep_move_args {
   void* out;                     /* where they land */
   int64_t width;                 /* elements per row */
   int32_t dtype;                 /* of x and out */
-  int32_t reserved;              /* 0: fills the tail, so a later member starts past sizeof */
+  int32_t reserved;              /* 0 (see "Reserved and padding members" in loom_abi.h) */
 } loom_ep_move_args;
 
 /* The expert-parallel service's table; every slot is required. A handle is used by

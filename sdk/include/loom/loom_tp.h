@@ -86,7 +86,8 @@ typedef struct loom_tp_linear_args {
   int32_t accumulate_dx;         /* 1: dx += (else overwritten) */
   int32_t dtype;                 /* of every buffer (dweight, dbias: unless grad_fp32) */
   /* --- since 1.2 --- */
-  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_1; };  /* padding: 1.1's struct ended after
+                                                               dtype; 0 (see loom_abi.h) */
   int32_t grad_fp32;             /* dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_linear_args;
 
@@ -108,7 +109,8 @@ typedef struct loom_tp_embedding_args {
   void* dtable;                  /* backward: accumulated (+=) */
   int32_t dtype;                 /* of table, out, dout (and dtable unless grad_fp32) */
   /* --- since 1.2 --- */
-  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_1; };  /* padding: 1.1's struct ended after
+                                                               dtype; 0 (see loom_abi.h) */
   int32_t grad_fp32;             /* dtable is fp32 (see LOOM_TP_GRAD_FP32) */
 } loom_tp_embedding_args;
 
