@@ -316,6 +316,7 @@ TEST(AbiLayout, SecondNamesAreTheSameBytes) {
   SAME(loom_layer_fwd_args, reserved, reserved_1_7)
   SAME(loom_layer_bwd_args, reserved, reserved_1_7)
   SAME(loom_exec_step, reserved, reserved_1_7)
+  SAME(loom_gemm_args, reserved, allow_tf32)
 #undef SAME
   loom_layer_bwd_args b = loom::make<loom_layer_bwd_args>();
   b.pad_1_3 = 7;

@@ -244,8 +244,9 @@ typedef struct loom_gemm_args {
   float alpha, beta;             /* the scales of the formula above */
   int32_t dtype;                 /* of a and b */
   int32_t c_dtype;               /* of c */
-  int32_t allow_tf32;            /* unused; always 0. The device's own option decides TF32, e.g.
-                                    device/cuda's tf32 (manifest device.options.tf32) */
+  /* reserved: 0, never read (second name allow_tf32). Whether fp32 GEMMs may use TF32
+   * is the device's own option, e.g. device/cuda's tf32 (manifest device.options.tf32). */
+  LOOM_EXTENSION union { int32_t reserved; int32_t allow_tf32; };
 } loom_gemm_args;
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
