@@ -18,6 +18,14 @@
  *  - Whoever allocates frees. Borrowed pointers live for the duration of a call.
  *  - Tensors crossing the layer interface are DLPack DLTensor views.
  *
+ * Names. Device ops are <op>_fwd and <op>_bwd (layernorm_fwd, attention_bwd), or one
+ * name for an op without a backward of its own (gemm, xent, elementwise, reduce,
+ * adamw); their argument structs are loom_<op>_args. Layer and service methods are
+ * verbs: forward and backward (loom_layer_api), enter_forward, column_linear_backward,
+ * dropout_forward (loom_tensor_parallel_api), plan, dispatch, combine
+ * (loom_expert_parallel_api), step, run, order. The layer's argument structs keep the
+ * device ops' short form: loom_layer_fwd_args, loom_layer_bwd_args.
+ *
  * Versions. The loader accepts a library built for this major and a minor no newer
  * than the engine's (LOOM_ABI_MINOR), and refuses a newer one. A plugin therefore
  * always runs on an engine at least as new as the header it was built against: the
