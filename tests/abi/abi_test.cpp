@@ -48,6 +48,8 @@ extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_1(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_2(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_3(const char* name);
+extern "C" size_t loom_abi_sizes_tp_first(void);
+extern "C" size_t loom_abi_sizes_ep_first(void);
 
 namespace {
 
@@ -98,7 +100,7 @@ TEST(AbiLayout, Released12MembersKeepOffsetsAndSizes) {
 
 // A member appended in 1.2 starts at or past the 1.1 struct's sizeof: in its tail
 // padding a 1.1 caller (whose struct_size covers the padding) would hand the callee
-// indeterminate bytes as the new member. (The pad_1_1 members fill that padding.)
+// indeterminate bytes as the new member. (The pad0 members fill that padding.)
 TEST(AbiLayout, MembersAppendedIn12StartPastThe11Size) {
 #define PAST(s, m)                                                       \
   ASSERT_GT(loom_abi_sizeof_v1_1(#s), 0u) << #s;                         \
@@ -139,7 +141,7 @@ TEST(AbiLayout, MembersAppendedIn13StartPastThe12Size) {
   EXPECT_GE(offsetof(loom_tp_dropout_args, seed_device), loom_abi_sizeof_v1_2("loom_tp_dropout_args"));
 }
 
-// 1.4's too (loom_layer_fwd_args.aux_loss, loom_layer_bwd_args.pad_1_3 and
+// 1.4's too (loom_layer_fwd_args.aux_loss, loom_layer_bwd_args.pad0 and
 // .aux_loss_scale; for expert parallelism loom_param_decl.expert,
 // loom_optimizer_create_args.expert/.ep/.edp, loom_optimizer_api.features, and the
 // expert-parallel dispatch service's structs).
@@ -153,14 +155,14 @@ TEST(AbiLayout, Released14MembersKeepOffsetsAndSizes) {
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
 }
 
-// aux_loss and aux_loss_scale start at or past 1.3's sizeof; pad_1_3 is the
+// aux_loss and aux_loss_scale start at or past 1.3's sizeof; pad0 is the
 // documented exception: it fills 1.3's tail padding (which a 1.3 caller's
 // struct_size covers, so its bytes are indeterminate and never read).
 TEST(AbiLayout, MembersAppendedIn14StartPastThe13Size) {
   ASSERT_GT(loom_abi_sizeof_v1_3("loom_layer_fwd_args"), 0u);
   EXPECT_GE(offsetof(loom_layer_fwd_args, aux_loss), loom_abi_sizeof_v1_3("loom_layer_fwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_3("loom_layer_bwd_args"), 0u);
-  EXPECT_LT(offsetof(loom_layer_bwd_args, pad_1_3), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
+  EXPECT_LT(offsetof(loom_layer_bwd_args, pad0), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
   EXPECT_GE(offsetof(loom_layer_bwd_args, aux_loss_scale), loom_abi_sizeof_v1_3("loom_layer_bwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_3("loom_param_decl"), 0u);
   EXPECT_GE(offsetof(loom_param_decl, expert), loom_abi_sizeof_v1_3("loom_param_decl"));
@@ -202,7 +204,7 @@ TEST(AbiLayout, Released16MembersKeepOffsetsAndSizes) {
 
 // 1.7's too (sub-steps: a layer step's key and whether its parts may be
 // captured, the exec step's substep), each starting past 1.6's sizeof of its
-// struct; loom_layer_bwd_args's 1.6 tail padding is filled by pad_1_6 first.
+// struct; loom_layer_bwd_args's 1.6 tail padding is filled by pad1 first.
 TEST(AbiLayout, Released17MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_16 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_7(&n_frozen);
@@ -214,14 +216,14 @@ TEST(AbiLayout, Released17MembersKeepOffsetsAndSizes) {
   ASSERT_GT(loom_abi_sizeof_v1_6("loom_layer_fwd_args"), 0u);
   EXPECT_GE(offsetof(loom_layer_fwd_args, step_key), loom_abi_sizeof_v1_6("loom_layer_fwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_6("loom_layer_bwd_args"), 0u);
-  EXPECT_LT(offsetof(loom_layer_bwd_args, pad_1_6), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
+  EXPECT_LT(offsetof(loom_layer_bwd_args, pad1), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
   EXPECT_GE(offsetof(loom_layer_bwd_args, step_key), loom_abi_sizeof_v1_6("loom_layer_bwd_args"));
   ASSERT_GT(loom_abi_sizeof_v1_6("loom_exec_step"), 0u);
   EXPECT_GE(offsetof(loom_exec_step, substep), loom_abi_sizeof_v1_6("loom_exec_step"));
 }
 
 // 1.8's too (multi-tensor segments of reduce and adamw), each starting past 1.7's sizeof
-// of its struct; loom_adamw_args's 1.7 tail padding is named pad_1_7 first.
+// of its struct; loom_adamw_args's 1.7 tail padding is named pad0 first.
 TEST(AbiLayout, Released18MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_17 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_8(&n_frozen);
@@ -233,7 +235,7 @@ TEST(AbiLayout, Released18MembersKeepOffsetsAndSizes) {
   ASSERT_GT(loom_abi_sizeof_v1_7("loom_reduce_args"), 0u);
   EXPECT_GE(offsetof(loom_reduce_args, num_segments), loom_abi_sizeof_v1_7("loom_reduce_args"));
   ASSERT_GT(loom_abi_sizeof_v1_7("loom_adamw_args"), 0u);
-  EXPECT_LT(offsetof(loom_adamw_args, pad_1_7), loom_abi_sizeof_v1_7("loom_adamw_args"));
+  EXPECT_LT(offsetof(loom_adamw_args, pad0), loom_abi_sizeof_v1_7("loom_adamw_args"));
   EXPECT_GE(offsetof(loom_adamw_args, num_segments), loom_abi_sizeof_v1_7("loom_adamw_args"));
 }
 
@@ -287,6 +289,38 @@ TEST(AbiLayout, ParamDeclarationsOfAnOlderLayerReadWithTheirOwnStride) {
     EXPECT_NE(std::string(e.what()).find("blocks.0.odd"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("struct_size 12"), std::string::npos) << e.what();
   }
+}
+
+// The service tables have headers of their own (loom_tp.h, loom_ep.h); each, included
+// alone by a C99 file, gives the same ABI as loom_abi.h does here.
+TEST(AbiLayout, EachServiceHeaderIncludedAloneGivesTheWholeAbi) {
+  const size_t sizes =
+      sizeof(loom_tensor_parallel_api) + 3 * sizeof(loom_expert_parallel_api) + 5 * sizeof(loom_host_api);
+  EXPECT_EQ(loom_abi_sizes_tp_first(), sizes);
+  EXPECT_EQ(loom_abi_sizes_ep_first(), sizes);
+}
+
+// Padding and reserved members answer to the names the released headers gave them
+// (the layout_members files use those): a second member of an anonymous union,
+// the same bytes. Sources written against those headers keep compiling.
+TEST(AbiLayout, SecondNamesAreTheSameBytes) {
+#define SAME(s, name, other)                                                 \
+  EXPECT_EQ(offsetof(s, name), offsetof(s, other)) << #s "." #name;         \
+  EXPECT_EQ(sizeof(((s*)0)->name), sizeof(((s*)0)->other)) << #s "." #name;
+  SAME(loom_layer_create_args, pad0, pad_1_1)
+  SAME(loom_tp_linear_args, pad0, pad_1_1)
+  SAME(loom_tp_embedding_args, pad0, pad_1_1)
+  SAME(loom_layer_bwd_args, pad0, pad_1_3)
+  SAME(loom_layer_bwd_args, pad1, pad_1_6)
+  SAME(loom_adamw_args, pad0, pad_1_7)
+  SAME(loom_layer_fwd_args, reserved, reserved_1_7)
+  SAME(loom_layer_bwd_args, reserved, reserved_1_7)
+  SAME(loom_exec_step, reserved, reserved_1_7)
+  SAME(loom_gemm_args, reserved, allow_tf32)
+#undef SAME
+  loom_layer_bwd_args b = loom::make<loom_layer_bwd_args>();
+  b.pad_1_3 = 7;
+  EXPECT_EQ(b.pad0, 7);
 }
 
 TEST(AbiLayout, VersionMacrosAndEntryName) {

@@ -1,7 +1,9 @@
-/* Member offsets and sizes under the CURRENT header (the SDK include path).
- * Compared with layout_frozen.c (1.0), layout_frozen_v1_1.c (1.1),
- * layout_frozen_v1_2.c (1.2), layout_frozen_v1_3.c (1.3) and layout_frozen_v1_4.c
- * (1.4), layout_frozen_v1_5.c (1.5), layout_frozen_v1_6.c (1.6), layout_frozen_v1_7.c (1.7), layout_frozen_v1_8.c (1.8), layout_frozen_v1_9.c (1.9) by the ABI test: every released member must keep its offset and size. */
+/* Member offsets and sizes under the CURRENT header set (the SDK include path:
+ * loom_abi.h and the service headers it includes). Compared by the ABI test with
+ * layout_frozen.c (1.0) and layout_frozen_v1_1.c to layout_frozen_v1_9.c (1.1 to
+ * 1.9): every released member must keep its offset and size. The members files
+ * name each member as the released headers do; the current header's padding and
+ * reserved members answer to those names as well (AbiLayout.SecondNamesAreTheSameBytes). */
 #include <loom/loom_abi.h>
 
 #include <stddef.h>

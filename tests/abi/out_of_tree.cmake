@@ -10,6 +10,12 @@ function(run)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+# The SDK's headers: the ABI (loom_abi.h and the service headers it includes) and the C++ layer.
+foreach(header loom_abi.h loom_tp.h loom_ep.h cpp/plugin.hpp cpp/tensor_parallel.hpp cpp/expert_parallel.hpp)
+  if(NOT EXISTS ${WORK_DIR}/prefix/include/loom/${header})
+    message(FATAL_ERROR "the installed SDK lacks include/loom/${header}")
+  endif()
+endforeach()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/samples/learned_scale -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)

@@ -205,7 +205,7 @@ class TestLayer {
   }
   bool has_input() const { return name_ != "embedding"; }
   // The weight of the layer's auxiliary loss in the objective (ABI 1.4
-  // aux_loss_scale); 0 leaves it out, as an engine before 1.4 would.
+  // aux_loss_scale); 0 leaves it out.
   double aux_weight = 0.0;
   float last_aux = 0.0f;  // what the last training forward reported
   bool has_output() const { return name_ != "lm_head"; }
@@ -1682,7 +1682,7 @@ TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
 }
 
 // The auxiliary loss's gradient reaches the router only through aux_loss_scale:
-// at 0 (an engine before ABI 1.4) the router gradient is the gates' alone.
+// at 0 the router gradient is the gates' alone.
 TEST(Layers, MoeAuxiliaryLossGradientFollowsAuxLossScale) {
   Rank rank;
   auto dims = make_dims();

@@ -3,7 +3,7 @@
 // base class, the per-slot plan bookkeeping, the device row gather, and the C
 // table (loom_expert_parallel_api, ABI 1.4) built from a Dispatcher subclass.
 //
-// The contract (loom_abi.h): a rank's dispatch rows [N, w] are expert-major over
+// The contract (loom_ep.h): a rank's dispatch rows [N, w] are expert-major over
 // the E experts; dispatch delivers [R, w] to the rank holding each expert,
 // expert-major over its local experts, the rows of one expert ordered by source
 // ep rank, then by their row at the source; combine is the inverse. Collectives

@@ -1,6 +1,7 @@
 /*
- * loom_abi.h — the loom plugin ABI. C99; the only normative interface between
- * the engine and its plugins.
+ * loom_abi.h — the loom plugin ABI. C99; with the service headers it includes
+ * (loom_tp.h, loom_ep.h), the only normative interface between the engine and its
+ * plugins. Including any one of the three gives all of them.
  *
  * Rules (see docs/abi.md):
  *  - Only fixed-width integers, size_t, UTF-8 const char*, POD structs, function
@@ -17,6 +18,14 @@
  *  - Whoever allocates frees. Borrowed pointers live for the duration of a call.
  *  - Tensors crossing the layer interface are DLPack DLTensor views.
  *
+ * Names. Device ops are <op>_fwd and <op>_bwd (layernorm_fwd, attention_bwd), or one
+ * name for an op without a backward of its own (gemm, xent, elementwise, reduce,
+ * adamw); their argument structs are loom_<op>_args. Layer and service methods are
+ * verbs: forward and backward (loom_layer_api), enter_forward, column_linear_backward,
+ * dropout_forward (loom_tensor_parallel_api), plan, dispatch, combine
+ * (loom_expert_parallel_api), step, run, order. The layer's argument structs keep the
+ * device ops' short form: loom_layer_fwd_args, loom_layer_bwd_args.
+ *
  * Versions. The loader accepts a library built for this major and a minor no newer
  * than the engine's (LOOM_ABI_MINOR), and refuses a newer one. A plugin therefore
  * always runs on an engine at least as new as the header it was built against: the
@@ -28,6 +37,19 @@
  * struct, whose missing members it reads as zero. Members with no marker date from
  * 1.0; a comment line "--- since 1.N ---" precedes the members appended in minor N,
  * and prose says "(since 1.N)" of anything else that minor N added.
+ *
+ * Reserved and padding members. A member named `reserved` holds no value: whoever
+ * fills the struct sets it to 0, whoever reads the struct ignores it. A member named
+ * pad0, pad1, ... is the same, and the bytes it names were tail padding of the
+ * struct in an earlier minor: that minor's sizeof, the struct_size its callers pass,
+ * covers them, so a caller built for it may leave anything there. A member appended
+ * directly into those bytes would be read from such a caller as garbage; the padding
+ * member fills them, and the appended member starts past the old sizeof. A struct
+ * whose last member would leave tail padding ends with a `reserved` member, so the
+ * next appended member starts past its sizeof too. Some of these members also
+ * answer to a second name, through an anonymous union of two members of one type
+ * (LOOM_EXTENSION below): the same bytes, so that sources which use that name
+ * (allow_tf32, pad_1_1, reserved_1_7, ...) keep compiling.
  *
  * Ownership. Pointers passed to a call (arguments, the members of argument structs,
  * option strings) are borrowed for that call unless their comment says otherwise;
@@ -62,6 +84,14 @@ extern "C" {
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
 #define LOOM_ABI_MINOR 9
+
+/* Precedes the anonymous unions that give a member a second name (C11; GCC and
+ * Clang also accept them in C99 with this keyword, -pedantic included). */
+#if defined(__GNUC__)
+#define LOOM_EXTENSION __extension__
+#else
+#define LOOM_EXTENSION
+#endif
 
 /* The one symbol a plugin library exports for ABI major 1. */
 #define LOOM_PLUGIN_ENTRY_V1 "loom_plugin_init_v1"
@@ -222,8 +252,9 @@ typedef struct loom_gemm_args {
   float alpha, beta;             /* the scales of the formula above */
   int32_t dtype;                 /* of a and b */
   int32_t c_dtype;               /* of c */
-  int32_t allow_tf32;            /* unused; always 0. The device's own option decides TF32, e.g.
-                                    device/cuda's tf32 (manifest device.options.tf32) */
+  /* reserved: 0, never read (second name allow_tf32). Whether fp32 GEMMs may use TF32
+   * is the device's own option, e.g. device/cuda's tf32 (manifest device.options.tf32). */
+  LOOM_EXTENSION union { int32_t reserved; int32_t allow_tf32; };
 } loom_gemm_args;
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
@@ -423,7 +454,7 @@ typedef struct loom_adamw_segment {
   int64_t copy_offset;   /* of param_copy, when set */
   int64_t numel;         /* elements of the tensor */
   float weight_decay;    /* this tensor's (0: not decayed) */
-  int32_t reserved;      /* 0 */
+  int32_t reserved;      /* 0 (see "Reserved and padding members" above) */
 } loom_adamw_segment;
 
 /* AdamW on fp32 master weights. param -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * param),
@@ -439,7 +470,8 @@ typedef struct loom_adamw_args {
   int64_t step;                  /* 1-based, for the bias corrections */
   void* param_copy; int32_t copy_dtype;   /* NULL = none; else also written, in copy_dtype */
   /* --- since 1.8 --- */
-  int32_t pad_1_7;               /* the tail padding of the 1.7 struct, named: unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_7; };  /* padding: 1.7's struct ended after
+                                                               copy_dtype; 0 */
   /* Devices with LOOM_DEVICE_MULTI_TENSOR: many tensors in one call: with
    * num_segments > 0, every segment is updated as a call with its offsets, numel and
    * weight_decay would update it (the same values); n and weight_decay are ignored.
@@ -789,7 +821,8 @@ typedef struct loom_layer_create_args {
                                 valid until the layer is destroyed) */
   int32_t sequence_parallel; /* 1: hidden states outside TP regions are 1/tp sequence shards */
   /* --- since 1.2 --- */
-  int32_t pad_1_1;           /* 1.1's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_1; };  /* padding: 1.1's struct ended after
+                                                           sequence_parallel; 0 */
   /* bf16 parameters with fp32 gradients may be accumulated by the ops straight
    * into the fp32 gradients (grad_fp32; manifest device.grad_accumulation_fusion). */
   int32_t grad_accumulation_fusion;
@@ -845,7 +878,7 @@ typedef struct loom_layer_fwd_args {
    * LOOM_EXEC_SUBSTEPS, else 0. The engine always sets both. */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;      /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_layer_fwd_args;
 
 /* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
@@ -856,7 +889,8 @@ typedef struct loom_layer_bwd_args {
   DLTensor* grad_input;        /* NULL for the first layer */
   float loss_scale;            /* last layer: dL/d(loss_sum) */
   /* --- since 1.4 --- */
-  int32_t pad_1_3;             /* 1.3's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_3; };  /* padding: 1.3's struct ended after
+                                                             loss_scale; 0 */
   /* d(objective)/d(aux_loss) for this microbatch: 1 / microbatches per step
    * (auxiliary losses are averaged over microbatches like the main loss, and over
    * data-parallel ranks by the gradient reduction), on every pipeline stage.
@@ -866,11 +900,12 @@ typedef struct loom_layer_bwd_args {
    * dp-cp average sums those. */
   float aux_loss_scale;
   /* --- since 1.7 --- */
-  int32_t pad_1_6;             /* 1.6's tail padding (covered by its sizeof): unused, 0 */
+  LOOM_EXTENSION union { int32_t pad1; int32_t pad_1_6; };  /* padding: 1.6's struct ended after
+                                                             aux_loss_scale; 0 */
   /* As in loom_layer_fwd_args (the key of this backward step). */
   int64_t step_key;
   int32_t substeps_capturable;
-  int32_t reserved_1_7;        /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_layer_bwd_args;
 
 /* A layer plugin's table. Each rank creates its own instances (one per layer of
@@ -1156,7 +1191,7 @@ typedef struct loom_exec_step {
    * marks a part capturable only when the engine said the plugin has the bit.
    * The part's scope names it ("moe_router"). */
   int32_t substep;
-  int32_t reserved_1_7;      /* unused, 0 */
+  LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_exec_step;
 
 /* What an exec plugin did so far (loom_exec_api.stats) (since 1.3). Filled by the
@@ -1204,312 +1239,15 @@ typedef struct loom_exec_api {
 #define LOOM_EXEC_SUBSTEPS (1ull << 1)
 
 /* ------------------------------------------------------------------------- */
-/* Tensor-parallel services (the parallel/tensor plugin) (since 1.1).         */
-/* A TP-aware layer gets the table from host->service(rank,                   */
-/* LOOM_API_TENSOR_PARALLEL, NULL) and opens one handle per layer instance.   */
-/* With tp = 1 every call is the plain local math (collectives are identities)*/
-/*                                                                            */
-/* Activations are row-major [rows, cols] with rows = seq * micro_batch in    */
-/* sequence-major order (row s * micro_batch + b); `rows` below is always the */
-/* FULL count. Under sequence parallelism the activations outside TP regions  */
-/* are this rank's shard: the rows / tp consecutive rows of positions         */
-/* [r * seq / tp, (r + 1) * seq / tp). Entering a TP region (Megatron's f) is */
-/* then an all-gather along the rows instead of the identity (backward: a     */
-/* reduce-scatter instead of an all-reduce); leaving it (g) a reduce-scatter  */
-/* instead of an all-reduce (backward: an all-gather instead of the identity).*/
-/* Weights are [in, out] with y = x W (+ bias). Buffers are device memory.    */
+/* Parallel services: tables a parallel plugin offers to layers, which get    */
+/* them from host->service (below). Each has a header of its own, part of     */
+/* this ABI and versioned with it: loom_tp.h, the tensor-parallel service    */
+/* (LOOM_API_TENSOR_PARALLEL, since 1.1); loom_ep.h, the expert-parallel     */
+/* token dispatch (LOOM_API_EXPERT_PARALLEL, since 1.4).                      */
 /* ------------------------------------------------------------------------- */
 
-typedef struct loom_tp_s loom_tp;  /* one layer's handle, owned by the service */
-
-/* loom_tensor_parallel_api.create's arguments (borrowed for the call). */
-typedef struct loom_tp_create_args {
-  uint32_t struct_size;
-  loom_group tp;                 /* the layer's tensor-parallel group (valid until destroy) */
-  int32_t sequence_parallel;     /* 1: activations outside TP regions are sequence shards */
-  const char* instance_name;     /* keys the layer's dropout streams ("blocks.3.mlp") */
-} loom_tp_create_args;
-
-/* f or g on its own: x [rows or rows/tp, cols] -> out [rows or rows/tp, cols].
- * enter_forward: identity, or all-gather (SP: shard -> full);
- * enter_backward: all-reduce, or reduce-scatter (SP: full -> shard);
- * exit_forward: all-reduce, or reduce-scatter (SP); exit_backward: identity, or
- * all-gather (SP). x and out may be the same buffer when no shape changes. */
-typedef struct loom_tp_region_args {
-  uint32_t struct_size;
-  int64_t rows, cols;            /* rows: the full count (see above) */
-  const void* x;                 /* the input */
-  void* out;                     /* the output (may be x when no shape changes) */
-  int32_t dtype;                 /* of x and out */
-} loom_tp_region_args;
-
-/* Column-parallel linear (weight [in, out_local], split by output columns):
- *  forward:  x = the input as held ([rows, in], or the shard under SP); x_full
- *            receives the gathered input [rows, in] under SP (keep it for backward;
- *            unused without SP); y [rows, out] = x_full W + bias, or with
- *            gather_output the whole output [rows, out * tp] (rank blocks in order).
- *  backward: x = the full input (x_full under SP); dy [rows, out] (or [rows, out * tp]
- *            with gather_output); dweight += x^T dy; dbias += column sums of dy;
- *            dx = (or += with accumulate_dx) dy W^T summed over tp (all-reduce), or
- *            reduce-scattered to the shard [rows / tp, in] under SP.
- * Row-parallel linear (weight [in_local, out], split by input rows):
- *  forward:  x [rows, in] (inside the TP region); y = sum over tp of x W, then + bias:
- *            all-reduced [rows, out], or reduce-scattered [rows / tp, out] under SP.
- *  backward: x as in forward; dy [rows, out] (or the shard under SP, all-gathered
- *            here); dweight += x^T dy; dbias += column sums of dy as held (under SP
- *            this rank's shard: the engine sums duplicated gradients over tp);
- *            dx [rows, in] = (or +=) dy W^T. */
-typedef struct loom_tp_linear_args {
-  uint32_t struct_size;
-  int64_t rows;                  /* full rows: seq * micro_batch */
-  int64_t in, out;               /* this rank's weight is [in, out] */
-  const void* x;                 /* the input (see above) */
-  void* x_full;                  /* column-parallel under SP: the gathered input */
-  const void* weight;            /* [in, out] */
-  const void* bias;              /* NULL = none */
-  void* y;                       /* forward: the output */
-  const void* dy;                /* backward: the output's gradient */
-  void* dx;                      /* NULL = not needed */
-  void* dweight;                 /* backward: accumulated (+=) */
-  void* dbias;                   /* NULL = none */
-  int32_t gather_output;         /* column-parallel only */
-  int32_t accumulate_dx;         /* 1: dx += (else overwritten) */
-  int32_t dtype;                 /* of every buffer (dweight, dbias: unless grad_fp32) */
-  /* --- since 1.2 --- */
-  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
-  int32_t grad_fp32;             /* dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
-} loom_tp_linear_args;
-
-/* Vocab-parallel embedding: the table [padded_vocab / tp, dim] is this rank's
- * slice of the padded vocabulary; ids outside it look up zeros and the reduction
- * over tp completes every row.
- *  forward:  out [rows, dim] (all-reduce), or this rank's shard [rows / tp, dim]
- *            (reduce-scatter) under SP.
- *  backward: dout shaped like out (all-gathered under SP); dtable += the rows of
- *            this rank's slice. */
-typedef struct loom_tp_embedding_args {
-  uint32_t struct_size;
-  int64_t rows, dim;             /* rows: every token of the microbatch; dim: the hidden size */
-  int64_t padded_vocab;          /* the whole padded vocabulary */
-  const int32_t* ids;            /* [rows]: every token of the microbatch */
-  const void* table;             /* this rank's slice */
-  void* out;                     /* forward: written */
-  const void* dout;              /* backward */
-  void* dtable;                  /* backward: accumulated (+=) */
-  int32_t dtype;                 /* of table, out, dout (and dtable unless grad_fp32) */
-  /* --- since 1.2 --- */
-  int32_t pad_1_1;               /* 1.1's tail padding (covered by its sizeof): unused, 0 */
-  int32_t grad_fp32;             /* dtable is fp32 (see LOOM_TP_GRAD_FP32) */
-} loom_tp_embedding_args;
-
-/* Output logits fused with vocab-parallel softmax cross-entropy. The logits stay
- * split ([rows, padded_vocab / tp] on each rank, logits = x_full weight^T);
- * per token the max, the sum of exponentials and the target logit are reduced
- * over tp (3 * rows floats in two all-reduces), never the logits. Padded columns
- * never win.
- *  forward:  x / x_full as for a column-parallel linear; writes logits, stats and
- *            loss (identical on every tp rank), and predictions when non-NULL.
- *  backward: x = the full input; reads logits and stats; dweight += dlogits^T x;
- *            dx = (or +=) dlogits weight summed over tp (all-reduce), or
- *            reduce-scattered to the shard under SP. */
-typedef struct loom_tp_xent_args {
-  uint32_t struct_size;
-  int64_t rows, hidden;          /* rows: the full count; hidden: the input's width */
-  int64_t vocab;                 /* real vocabulary */
-  int64_t padded_vocab;          /* the whole padded vocabulary */
-  const void* x;                 /* the input as held (see above) */
-  void* x_full;                  /* under SP: the gathered input (keep from forward to backward) */
-  const void* weight;            /* [padded_vocab / tp, hidden] */
-  void* logits;                  /* [rows, padded_vocab / tp]: keep from forward to backward */
-  float* stats;                  /* [3 * rows]: row max | sum of exp | target logit; keep */
-  const int32_t* targets;        /* [rows]; negative = ignored (loss 0, no gradient) */
-  float* loss;                   /* forward: [rows] per-token loss */
-  int32_t* predictions;          /* forward, optional, HOST memory: [rows] argmax token
-                                    over the real vocabulary (lowest id among ties) */
-  float scale;                   /* backward: dL / d loss[r] */
-  void* dx;                      /* backward: the input's gradient */
-  void* dweight;                 /* backward: accumulated (+=) */
-  int32_t accumulate_dx;         /* 1: dx += (else overwritten) */
-  int32_t dtype;                 /* of x, weight, logits, dx (and dweight unless grad_fp32) */
-  /* --- since 1.2 --- */
-  int32_t grad_fp32;             /* dweight is fp32 (see LOOM_TP_GRAD_FP32) */
-} loom_tp_xent_args;
-
-/* Dropout under the model-parallel RNG (Megatron's tracker): region
- * DUPLICATED (outside TP regions) draws from one stream identical on every tp rank
- * (under SP each rank draws its shard's part of it, so the mask equals the serial
- * run's); PARALLEL (inside a TP region) from a stream of its own per tp rank.
- * out = x * mask / (1 - p); mask [n] u8 is written for the backward.
- * Context parallelism (since 1.6): x is hidden-state shaped, this rank's rows of its
- * cp slice position-major (see loom_layer_fwd_args), so the slice's two halves are
- * its two context chunks; the service draws each element by its place in the
- * whole sequence, so every cp layout masks the serial run's elements (the engine
- * refuses parallel.cp > 1 with a service built before 1.6). */
-#define LOOM_TP_RNG_DUPLICATED 0
-#define LOOM_TP_RNG_PARALLEL 1
-typedef struct loom_tp_dropout_args {
-  uint32_t struct_size;
-  int32_t region;                /* LOOM_TP_RNG_* */
-  int64_t n;                     /* elements of x on this rank */
-  const void* x;                 /* [n] */
-  void* out;                     /* [n] */
-  uint8_t* mask;                 /* [n] device memory: written, for the backward */
-  float p;                       /* drop probability */
-  uint64_t seed;                 /* the forward's dropout_seed (equal on every rank) */
-  int32_t microbatch;            /* the layer's microbatch (parallel/tensor's masks follow seed, which
-                                  * names the samples, not this index, so they do not depend on dp) */
-  int32_t stream;                /* tells several dropouts of one layer apart: 0, 1, ... */
-  int32_t dtype;                 /* of x and out */
-  /* --- since 1.3 --- */
-  /* Services with LOOM_TP_SEED_DEVICE: device memory holding `seed` (the
-   * forward's dropout_seed_device), read when the dropout runs; NULL = use seed. */
-  const uint64_t* seed_device;
-} loom_tp_dropout_args;
-
-/* This rank's slice of the padded vocabulary: ids [start, start + rows), the first
- * `valid` of them real (the rest padding). Filled by vocab_range (the caller sets
- * struct_size). */
-typedef struct loom_tp_vocab_range {
-  uint32_t struct_size;
-  int64_t start, rows, valid;    /* see above */
-} loom_tp_vocab_range;
-
-/* The tensor-parallel service's table. A handle is used by its layer, from its rank's
- * thread. The operations other than vocab_range are collective over the handle's tp
- * group: every member calls the same operation with matching shapes, in the same
- * order. They enqueue their device work on the rank's compute stream (the default
- * stream of its device); the args are borrowed for the call and the buffers must stay
- * valid until that work has run. The operations past vocab_range are optional (NULL:
- * loom::TensorParallel reports the missing one when called). */
-typedef struct loom_tensor_parallel_api {
-  uint32_t struct_size;
-  /* Opens a handle for one layer instance (from its create). args are borrowed for
-   * the call; *out is the service's, valid until destroy. Required. */
-  loom_status (*create)(loom_rank* rank, const loom_tp_create_args* args, loom_tp** out);
-  /* Closes the handle (from the layer's destroy). Required. */
-  void (*destroy)(loom_tp* tp);
-  /* The vocabulary padded to the next multiple of divisor * tp_size.
-   *
-   * A pure function of its arguments, callable from any thread. Required. */
-  int64_t (*padded_vocab)(int64_t vocab, int64_t divisor, int32_t tp_size);
-  /* Fills *out with this rank's slice of padded_vocab (no collective). Required. */
-  loom_status (*vocab_range)(loom_tp* tp, int64_t vocab, int64_t padded_vocab, loom_tp_vocab_range* out);
-  /* Megatron's f, forward (loom_tp_region_args): identity, or all-gather under SP. */
-  loom_status (*enter_forward)(loom_tp* tp, const loom_tp_region_args* args);
-  /* f, backward: all-reduce, or reduce-scatter under SP. */
-  loom_status (*enter_backward)(loom_tp* tp, const loom_tp_region_args* args);
-  /* Megatron's g, forward: all-reduce, or reduce-scatter under SP. */
-  loom_status (*exit_forward)(loom_tp* tp, const loom_tp_region_args* args);
-  /* g, backward: identity, or all-gather under SP. */
-  loom_status (*exit_backward)(loom_tp* tp, const loom_tp_region_args* args);
-  /* Column-parallel linear, forward (loom_tp_linear_args). */
-  loom_status (*column_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
-  /* Column-parallel linear, backward: dweight, dbias +=; dx reduced over tp. */
-  loom_status (*column_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
-  /* Row-parallel linear, forward: y reduced over tp. */
-  loom_status (*row_linear_forward)(loom_tp* tp, const loom_tp_linear_args* args);
-  /* Row-parallel linear, backward: dweight, dbias +=; dx local. */
-  loom_status (*row_linear_backward)(loom_tp* tp, const loom_tp_linear_args* args);
-  /* Vocab-parallel embedding, forward (loom_tp_embedding_args). */
-  loom_status (*embedding_forward)(loom_tp* tp, const loom_tp_embedding_args* args);
-  /* Vocab-parallel embedding, backward: dtable += this rank's rows. */
-  loom_status (*embedding_backward)(loom_tp* tp, const loom_tp_embedding_args* args);
-  /* Logits and vocab-parallel cross-entropy, forward (loom_tp_xent_args). */
-  loom_status (*xent_forward)(loom_tp* tp, const loom_tp_xent_args* args);
-  /* Its backward: dweight +=; dx reduced over tp. */
-  loom_status (*xent_backward)(loom_tp* tp, const loom_tp_xent_args* args);
-  /* Dropout under the model-parallel RNG (loom_tp_dropout_args); no collective. */
-  loom_status (*dropout_forward)(loom_tp* tp, const loom_tp_dropout_args* args);
-  /* --- since 1.2 --- */
-  /* LOOM_TP_* capability bits (a table built before 1.2, which lacks the member, has
-   * none). */
-  uint64_t features;
-} loom_tensor_parallel_api;
-
-/* loom_tensor_parallel_api.features: the linear, embedding and xent backwards honour
- * grad_fp32 (when the rank's device has LOOM_DEVICE_GRAD_FP32): the parameter
- * gradients of bf16 layers are accumulated straight into fp32 main gradients
- * (Megatron's gradient-accumulation fusion) (since 1.2). */
-#define LOOM_TP_GRAD_FP32 (1ull << 0)
-/* dropout_forward honours seed_device (when the device has LOOM_DEVICE_SEED_DEVICE;
- * else it reads the seed on the host: not capturable). The mask is the same either
- * way (since 1.3). */
-#define LOOM_TP_SEED_DEVICE (1ull << 1)
-
-/* ------------------------------------------------------------------------- */
-/* Expert-parallel token dispatch (the parallel/expert plugins) (since 1.4).  */
-/* A MoE layer gets the table from host->service(rank,                        */
-/* LOOM_API_EXPERT_PARALLEL, NULL) (manifest key parallel.expert) and opens   */
-/* one handle per layer instance. ep rank q holds experts                     */
-/* [q * E / ep, (q + 1) * E / ep) of the E in the layer.                      */
-/*                                                                            */
-/* A microbatch's dispatch rows are [N, width], expert-major over the E       */
-/* experts: the rows this rank routed to expert e are                         */
-/* [expert_rows[e], expert_rows[e + 1]). dispatch moves every rank's rows to  */
-/* the rank holding their expert: [R, width] here, expert-major over the      */
-/* local experts, the rows of one expert ordered by source ep rank, then by   */
-/* their row at the source. combine is its inverse ([R, width] back to        */
-/* [N, width] at the sources). plan, dispatch and combine are collective     */
-/* over the ep group; buffers are device memory. `stream` is the rank's      */
-/* compute stream (its device's native stream): the service's own device    */
-/* work runs there too.                                                       */
-/* ------------------------------------------------------------------------- */
-
-typedef struct loom_ep_s loom_ep;  /* one layer's handle, owned by the service */
-
-/* loom_expert_parallel_api.create's arguments (borrowed for the call). */
-typedef struct loom_ep_create_args {
-  uint32_t struct_size;
-  loom_group ep;                 /* the layer's expert-parallel group (valid until destroy) */
-  int64_t num_experts;           /* E, a multiple of the group's size */
-  const char* instance_name;     /* for messages ("blocks.3.moe") */
-} loom_ep_create_args;
-
-/* Learns where every rank's rows go (the counts are exchanged: collective) and
- * keeps that plan under `slot` (the layer's key, e.g. its microbatch) until
- * release. expert_rows: host [E + 1], non-decreasing from expert_rows[0] = 0 to
- * N; local_rows: host, filled [E / ep + 1] with the first row of each local
- * expert in the dispatched rows (local_rows[E / ep] = R). Both are borrowed for
- * the call. */
-typedef struct loom_ep_plan_args {
-  uint32_t struct_size;
-  void* stream;                  /* the rank's native compute stream (NULL on CPU) */
-  int32_t slot;                  /* the plan's key */
-  const int64_t* expert_rows;    /* host [E + 1], read (see above) */
-  int64_t* local_rows;           /* host [E / ep + 1], written (see above) */
-} loom_ep_plan_args;
-
-/* dispatch: x [N, width] -> out [R, width]; combine: x [R, width] -> out [N,
- * width], under the plan of `slot`. width counts elements of dtype. */
-typedef struct loom_ep_move_args {
-  uint32_t struct_size;
-  void* stream;                  /* as in loom_ep_plan_args */
-  int32_t slot;                  /* a plan made by plan and not yet released */
-  const void* x;                 /* the rows to move */
-  void* out;                     /* where they land */
-  int64_t width;                 /* elements per row */
-  int32_t dtype;                 /* of x and out */
-  int32_t reserved;              /* 0: fills the tail, so a later member starts past sizeof */
-} loom_ep_move_args;
-
-/* The expert-parallel service's table; every slot is required. A handle is used by
- * its layer from its rank's thread; the args are borrowed for the call. */
-typedef struct loom_expert_parallel_api {
-  uint32_t struct_size;
-  /* Opens a handle for one layer instance (from its create); *out is the
-   * service's, valid until destroy. */
-  loom_status (*create)(loom_rank* rank, const loom_ep_create_args* args, loom_ep** out);
-  /* Closes the handle and forgets its plans. */
-  void (*destroy)(loom_ep* ep);
-  /* Makes the plan of args->slot (loom_ep_plan_args); collective over ep. */
-  loom_status (*plan)(loom_ep* ep, const loom_ep_plan_args* args);
-  /* Moves rows to their experts' ranks (loom_ep_move_args); collective over ep. */
-  loom_status (*dispatch)(loom_ep* ep, const loom_ep_move_args* args);
-  /* Moves them back to their sources; collective over ep. */
-  loom_status (*combine)(loom_ep* ep, const loom_ep_move_args* args);
-  /* Forgets the plan of `slot` (no collective). */
-  void (*release)(loom_ep* ep, int32_t slot);
-} loom_expert_parallel_api;
+#include "loom_tp.h"
+#include "loom_ep.h"
 
 /* ------------------------------------------------------------------------- */
 /* The host API: what the engine offers every plugin.                         */

@@ -10,11 +10,12 @@
 //   ep_.combine(stream, mb, outputs, rows_back, hidden, dtype);        // [R, w] -> [N, w]
 //   ep_.release(mb);
 //
-// The argument structs are the C ones of loom_abi.h; every failure throws
+// The argument structs are the C ones of loom_ep.h; every failure throws
 // loom::Error. See loom_expert_parallel_api for the row orders.
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/loom_ep.h>
 
 #include <string>
 #include <utility>
@@ -28,8 +29,8 @@ class ExpertParallel {
   // Opens a handle on the service the run configured (manifest parallel.expert).
   ExpertParallel(loom_rank* rank, const loom_group& ep, int64_t num_experts, const std::string& instance) {
     const loom_host_api& h = host();
-    if (h.abi_minor < 4 || !LOOM_HAS_SLOT(&h, loom_host_api, service) || h.service == nullptr)
-      throw Error("this engine offers no expert-parallel service (it needs ABI 1.4)", LOOM_CODE_UNSUPPORTED);
+    if (!LOOM_HAS_SLOT(&h, loom_host_api, service) || h.service == nullptr)
+      throw Error("the host table has no service slot (loom_host_api.service)", LOOM_CODE_UNSUPPORTED);
     api_ = static_cast<const loom_expert_parallel_api*>(h.service(rank, LOOM_API_EXPERT_PARALLEL, nullptr));
     if (api_ == nullptr)
       throw Error("no expert-parallel service is loaded (plugin parallel/expert, manifest key parallel.expert)",

@@ -158,8 +158,9 @@ struct LayerBox {
   std::vector<loom_param_decl> decls;
 };
 inline LayerBox* box(loom_layer* l) { return reinterpret_cast<LayerBox*>(l); }
-// A copy of the caller's argument struct in this build's layout, zero past the
-// caller's struct_size (a caller of an older minor lacks the members appended since).
+// A copy of the caller's argument struct in this build's layout: at most the
+// caller's struct_size bytes are read, and the members past it are zero (an older
+// caller's struct ends before the members appended since its minor).
 template <typename T>
 T widened(const T* in, const char* what) {
   if (in == nullptr || in->struct_size < sizeof(uint32_t))
@@ -215,8 +216,9 @@ const loom_layer_api* layer_api() {
     a.bind = [](loom_layer* l, const DLTensor* p, const DLTensor* g, size_t n) -> loom_status {
       return guard([&] { detail::box(l)->layer->bind({p, n}, {g, n}); });
     };
-    // The caller's args widened to this build's layout: members a caller of an
-    // older minor did not have read as zero (NULL), never past its struct_size.
+    // The caller's args in this build's layout, read no further than their
+    // struct_size. The engine's cover every member of this build's header (the
+    // loader refuses a library newer than the engine).
     a.forward = [](loom_layer* l, loom_rank* r, const loom_layer_fwd_args* args) -> loom_status {
       return guard([&] {
         Rank rank(r);
@@ -448,9 +450,9 @@ const loom_optimizer_api* optimizer_api() {
     a.state_load_resharded = [](loom_optimizer* p, const loom_optimizer_reshard_args* args) -> loom_status {
       return guard([&] {
         LOOM_REQUIRE(args != nullptr && args->struct_size >= sizeof(loom_optimizer_reshard_args),
-                     "state_load_resharded: the engine passed a loom_optimizer_reshard_args of "
+                     "state_load_resharded: got a loom_optimizer_reshard_args of "
                          << (args ? args->struct_size : 0) << " bytes, fewer than the " << sizeof(loom_optimizer_reshard_args)
-                         << " this plugin reads; use an engine of ABI 1.1 or newer");
+                         << " this plugin reads");
         reinterpret_cast<OptimizerStrategy*>(p)->state_load_resharded(*args);
       });
     };

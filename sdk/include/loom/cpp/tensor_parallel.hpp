@@ -8,13 +8,14 @@
 //   tp_.row_parallel_linear_forward({.rows = T, .in = F / tp_.size(), .out = H, .x = act,
 //                                    .weight = w2, .bias = b2, .y = out});
 //
-// The argument structs are the C ones of loom_abi.h (struct_size is filled in
+// The argument structs are the C ones of loom_tp.h (struct_size is filled in
 // here); every failure throws loom::Error. With tp = 1 the calls are the plain
 // local math. Under sequence parallelism activations outside TP regions are this
 // rank's sequence shard: local_rows(rows) of them.
 #pragma once
 
 #include <loom/cpp/core.hpp>
+#include <loom/loom_tp.h>
 
 #include <string>
 #include <utility>
@@ -28,8 +29,7 @@ class TensorParallel {
   TensorParallel(loom_rank* rank, const loom_group& tp, bool sequence_parallel, const std::string& instance) {
     const loom_host_api& h = host();
     if (!LOOM_HAS_SLOT(&h, loom_host_api, service) || h.service == nullptr)
-      throw Error("this engine offers no services (ABI 1.0): tensor-parallel layers need ABI 1.1",
-                  LOOM_CODE_UNSUPPORTED);
+      throw Error("the host table has no service slot (loom_host_api.service)", LOOM_CODE_UNSUPPORTED);
     api_ = static_cast<const loom_tensor_parallel_api*>(h.service(rank, LOOM_API_TENSOR_PARALLEL, nullptr));
     if (api_ == nullptr)
       throw Error("no tensor-parallel service is loaded (plugin parallel/tensor, manifest key parallel.tensor)",
