@@ -42,6 +42,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_8(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_8(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_9(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_9(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_9(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_10(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_10(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -254,6 +257,20 @@ TEST(AbiLayout, Released19MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_memory_stats, capacity_bytes), loom_abi_sizeof_v1_8("loom_memory_stats"));
   ASSERT_GT(loom_abi_sizeof_v1_8("loom_comm_api"), 0u);
   EXPECT_GE(offsetof(loom_comm_api, features), loom_abi_sizeof_v1_8("loom_comm_api"));
+}
+
+// 1.10's too (the device ops of Llama-style blocks and their argument structs), the
+// op slots past 1.9's sizeof(loom_device_ops).
+TEST(AbiLayout, Released110MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_19 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_10(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_10(&n_current);
+  loom_abi_layout_current_v1_9(&n_19);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_19 + 2 * 55);  // the 8 op slots and the 47 members of the 5 new structs
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_9("loom_device_ops"), 0u);
+  EXPECT_GE(offsetof(loom_device_ops, rmsnorm_fwd), loom_abi_sizeof_v1_9("loom_device_ops"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

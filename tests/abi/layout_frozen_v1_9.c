@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -22,4 +23,13 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_9(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the structs 1.10 appended to, as released in 1.9. */
+size_t loom_abi_sizeof_v1_9(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_device_ops)
+#undef SIZE
+  return 0;
 }

@@ -320,7 +320,9 @@ TEST(DeviceCuda, DescribesItselfAndFillsEverySlot) {
                             (void*)ops->gelu_fwd,      (void*)ops->gelu_bwd,      (void*)ops->attention_fwd,
                             (void*)ops->attention_bwd, (void*)ops->xent,          (void*)ops->embedding_fwd,
                             (void*)ops->embedding_bwd, (void*)ops->elementwise,   (void*)ops->reduce,
-                            (void*)ops->adamw};
+                            (void*)ops->adamw,         (void*)ops->rmsnorm_fwd,   (void*)ops->rmsnorm_bwd,
+                            (void*)ops->swiglu_fwd,    (void*)ops->swiglu_bwd,    (void*)ops->rope_fwd,
+                            (void*)ops->rope_bwd,      (void*)ops->sigmoid_fwd,   (void*)ops->sigmoid_bwd};
   for (const void* s : op_slots) EXPECT_NE(s, nullptr);
   std::vector<std::string> names;
   for (const auto& o : p.options) names.push_back(o.name);
@@ -590,6 +592,103 @@ TEST(DeviceCuda, GeluMatchesCpu) {
     });
     y.expect_match(std::string("gelu_fwd ") + (dt == BF16 ? "bf16" : "f32"));
     dx.expect_match(std::string("gelu_bwd ") + (dt == BF16 ? "bf16" : "f32"));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// ABI 1.10: RMSNorm, SwiGLU, rotary embedding, sigmoid against device/cpu
+// ---------------------------------------------------------------------------
+
+TEST(DeviceCuda, RmsNormMatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t rows = 200, cols = 333;  // several row chunks and column blocks
+  for (int32_t dt : {F32, BF16}) {
+    const std::string tag = dt == BF16 ? " bf16" : " f32";
+    Tensor x(env, randu(rows * cols, 140, -2, 2), dt), gamma(env, randu(cols, 141, 0.5f, 1.5f), dt);
+    Tensor y(env, rows * cols, dt), rstd(env, rows), dy(env, randu(rows * cols, 142), dt);
+    Tensor dx(env, randu(rows * cols, 143), dt), dgamma(env, randu(cols, 144));  // fp32 main gradients
+    both<loom_rmsnorm_fwd_args>(env, &loom::Device::rmsnorm_fwd, [&](bool gpu) {
+      loom_rmsnorm_fwd_args a = loom::make<loom_rmsnorm_fwd_args>();
+      a.rows = rows, a.cols = cols, a.eps = 1e-5f, a.dtype = gpu ? dt : F32;
+      a.x = gpu ? x.g() : x.c(), a.gamma = gpu ? gamma.g() : gamma.c(), a.y = gpu ? y.g() : y.c();
+      a.rstd = static_cast<float*>(gpu ? rstd.g() : rstd.c());
+      return a;
+    });
+    y.expect_match("rmsnorm_fwd y" + tag);
+    rstd.expect_match("rmsnorm_fwd rstd" + tag, 1e-5);
+    both<loom_rmsnorm_bwd_args>(env, &loom::Device::rmsnorm_bwd, [&](bool gpu) {
+      loom_rmsnorm_bwd_args a = loom::make<loom_rmsnorm_bwd_args>();
+      a.rows = rows, a.cols = cols, a.dtype = gpu ? dt : F32, a.grad_fp32 = 1, a.accumulate_dx = 1;
+      a.dy = gpu ? dy.g() : dy.c(), a.x = gpu ? x.g() : x.c(), a.gamma = gpu ? gamma.g() : gamma.c();
+      a.rstd = static_cast<const float*>(gpu ? rstd.g() : rstd.c());
+      a.dx = gpu ? dx.g() : dx.c(), a.dgamma = gpu ? dgamma.g() : dgamma.c();
+      return a;
+    });
+    dx.expect_match("rmsnorm_bwd dx" + tag);
+    dgamma.expect_match("rmsnorm_bwd dgamma" + tag, dt == BF16 ? 2e-2 : 1e-5);
+  }
+}
+
+TEST(DeviceCuda, SwigluAndSigmoidMatchCpu) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t rows = 97, cols = 1000;
+  for (int32_t dt : {F32, BF16}) {
+    const std::string tag = dt == BF16 ? " bf16" : " f32";
+    Tensor x(env, randu(rows * 2 * cols, 150, -6, 6), dt), dy(env, randu(rows * cols, 151), dt);
+    Tensor y(env, rows * cols, dt), dx(env, rows * 2 * cols, dt);
+    for (bool backward : {false, true})
+      both<loom_swiglu_args>(env, backward ? &loom::Device::swiglu_bwd : &loom::Device::swiglu_fwd, [&](bool gpu) {
+        loom_swiglu_args a = loom::make<loom_swiglu_args>();
+        a.rows = rows, a.cols = cols, a.dtype = gpu ? dt : F32, a.x = gpu ? x.g() : x.c();
+        a.dy = backward ? (gpu ? dy.g() : dy.c()) : nullptr;
+        a.out = backward ? (gpu ? dx.g() : dx.c()) : (gpu ? y.g() : y.c());
+        return a;
+      });
+    y.expect_match("swiglu_fwd" + tag);
+    dx.expect_match("swiglu_bwd" + tag);
+    Tensor s(env, rows * cols, dt), ds(env, rows * cols, dt);
+    for (bool backward : {false, true})
+      both<loom_activation_args>(env, backward ? &loom::Device::sigmoid_bwd : &loom::Device::sigmoid_fwd,
+                                 [&](bool gpu) {
+                                   loom_activation_args a = loom::make<loom_activation_args>();
+                                   a.n = rows * cols, a.dtype = gpu ? dt : F32, a.x = gpu ? dy.g() : dy.c();
+                                   a.dy = backward ? (gpu ? y.g() : y.c()) : nullptr;
+                                   a.out = backward ? (gpu ? ds.g() : ds.c()) : (gpu ? s.g() : s.c());
+                                   return a;
+                                 });
+    s.expect_match("sigmoid_fwd" + tag);
+    ds.expect_match("sigmoid_bwd" + tag);
+  }
+}
+
+// Rotary embedding on q and k inside a packed qkv (stride_t = 3 heads' widths), partial
+// rotary dims, positions past 4096 (the fp32 angle), in place and out of place.
+TEST(DeviceCuda, RopeMatchesCpu) {
+  REQUIRE_GPU();
+  Env env;
+  const int64_t T = 300, H = 4, D = 64, R = 48, st = 3 * H * D;
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131) % 8192);
+  Raw<int32_t> positions(env, pos);
+  for (int32_t dt : {F32, BF16}) {
+    const std::string tag = dt == BF16 ? " bf16" : " f32";
+    Tensor qkv(env, randu(T * st, 160), dt), out(env, T * st, dt), back(env, T * st, dt);
+    for (int pass = 0; pass < 3; ++pass)  // forward out of place, backward out of place, forward in place
+      both<loom_rope_args>(env, pass == 1 ? &loom::Device::rope_bwd : &loom::Device::rope_fwd, [&](bool gpu) {
+        loom_rope_args a = loom::make<loom_rope_args>();
+        a.tokens = T, a.heads = 2 * H, a.head_dim = D, a.rotary_dim = R, a.stride_t = st, a.theta = 500000.0f;
+        a.dtype = gpu ? dt : F32, a.positions = gpu ? positions.g() : positions.c();
+        const Tensor& src = pass == 1 ? out : qkv;
+        const Tensor& dst = pass == 0 ? out : pass == 1 ? back : qkv;
+        a.x = gpu ? src.g() : static_cast<const void*>(src.c());
+        a.out = gpu ? dst.g() : static_cast<void*>(dst.c());
+        return a;
+      });
+    out.expect_match("rope_fwd" + tag);
+    back.expect_match("rope_bwd" + tag);
+    qkv.expect_match("rope_fwd in place" + tag);
   }
 }
 

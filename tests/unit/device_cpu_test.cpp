@@ -255,7 +255,9 @@ TEST(DeviceCpu, DescribesItselfAndFillsEverySlot) {
                             (void*)ops->gelu_fwd,      (void*)ops->gelu_bwd,      (void*)ops->attention_fwd,
                             (void*)ops->attention_bwd, (void*)ops->xent,          (void*)ops->embedding_fwd,
                             (void*)ops->embedding_bwd, (void*)ops->elementwise,   (void*)ops->reduce,
-                            (void*)ops->adamw};
+                            (void*)ops->adamw,         (void*)ops->rmsnorm_fwd,   (void*)ops->rmsnorm_bwd,
+                            (void*)ops->swiglu_fwd,    (void*)ops->swiglu_bwd,    (void*)ops->rope_fwd,
+                            (void*)ops->rope_bwd,      (void*)ops->sigmoid_fwd,   (void*)ops->sigmoid_bwd};
   for (const void* s : op_slots) EXPECT_NE(s, nullptr);
   std::vector<std::string> names;
   for (const auto& o : p.options) names.push_back(o.name);
@@ -3046,6 +3048,281 @@ TEST(DeviceCpu, RowArgmaxFindsTheFirstMaximumWithinCols) {
     float want = 0;
     for (int64_t r = 0; r < rows; ++r) want += x[r * ld + c];
     EXPECT_FLOAT_EQ(sums[c], want) << "column " << c;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// ABI 1.10: RMSNorm, SwiGLU, rotary embedding, sigmoid
+// ---------------------------------------------------------------------------
+
+// RMSNorm in double: y = x * rstd * g, and the gradients of sum(w * y) (w = dy).
+struct RmsRef {
+  int64_t R, C;
+  double eps = 1e-5;
+  Vec y(const Vec& x, const Vec& g) const {
+    Vec out(x.size());
+    for (int64_t r = 0; r < R; ++r) {
+      const double rs = rstd(x, r);
+      for (int64_t c = 0; c < C; ++c) out[r * C + c] = x[r * C + c] * rs * g[c];
+    }
+    return out;
+  }
+  double rstd(const Vec& x, int64_t r) const {
+    double ss = 0;
+    for (int64_t c = 0; c < C; ++c) ss += x[r * C + c] * x[r * C + c];
+    return 1.0 / std::sqrt(ss / C + eps);
+  }
+  // dx and dg of sum(w * y).
+  void grads(const Vec& x, const Vec& g, const Vec& w, Vec& dx, Vec& dg) const {
+    dx.assign(x.size(), 0.0);
+    dg.assign(g.size(), 0.0);
+    for (int64_t r = 0; r < R; ++r) {
+      const double rs = rstd(x, r);
+      double dot = 0;  // sum_c w g xhat
+      for (int64_t c = 0; c < C; ++c) dot += w[r * C + c] * g[c] * x[r * C + c] * rs;
+      for (int64_t c = 0; c < C; ++c) {
+        const double xh = x[r * C + c] * rs;
+        dx[r * C + c] = rs * (w[r * C + c] * g[c] - xh * dot / C);
+        dg[c] += w[r * C + c] * xh;
+      }
+    }
+  }
+};
+
+TEST(DeviceCpu, RmsNormReferenceGradientsMatchFiniteDifferences) {
+  const RmsRef ref{3, 5};
+  Vec x = to_d(randn(15, 31)), g = to_d(randn(5, 32, 0.5f, 1.5f)), w = to_d(randn(15, 33));
+  Vec dx, dg;
+  ref.grads(x, g, w, dx, dg);
+  auto loss = [&] { return dot(w, ref.y(x, g)); };
+  expect_fd(x, loss, dx, "rmsnorm dx");
+  expect_fd(g, loss, dg, "rmsnorm dgamma");
+}
+
+TEST(DeviceCpu, RmsNormMatchesReference) {
+  const int64_t R = 37, C = 300;  // several chunks of rows and of columns
+  const RmsRef ref{R, C};
+  const std::vector<float> xv = randn(R * C, 34, -2.0f, 2.0f), gv = randn(C, 35, 0.5f, 1.5f), dyv = randn(R * C, 36),
+                           dx0 = randn(R * C, 37), dg0 = randn(C, 38);
+  Dev d(3);
+  Buf<float> x(d, xv), g(d, gv), y(d, R * C), rstd(d, R), dy(d, dyv), dx(d, dx0), dgamma(d, dg0);
+  loom_rmsnorm_fwd_args f = loom::make<loom_rmsnorm_fwd_args>();
+  f.rows = R, f.cols = C, f.x = x.data(), f.gamma = g.data(), f.y = y.data(), f.rstd = rstd.data();
+  f.eps = 1e-5f;
+  d.ops().rmsnorm_fwd(f);
+  expect_close(y.get(), ref.y(to_d(xv), to_d(gv)), 1e-5, 1e-5, "rmsnorm y");
+  for (int64_t r = 0; r < R; ++r) EXPECT_NEAR(rstd[r], ref.rstd(to_d(xv), r), 1e-5 * ref.rstd(to_d(xv), r));
+  Vec want_dx, want_dg;
+  ref.grads(to_d(xv), to_d(gv), to_d(dyv), want_dx, want_dg);
+  loom_rmsnorm_bwd_args b = loom::make<loom_rmsnorm_bwd_args>();
+  b.rows = R, b.cols = C, b.dy = dy.data(), b.x = x.data(), b.gamma = g.data(), b.rstd = rstd.data();
+  b.dx = dx.data(), b.dgamma = dgamma.data(), b.accumulate_dx = 1;
+  d.ops().rmsnorm_bwd(b);
+  for (size_t i = 0; i < want_dx.size(); ++i) want_dx[i] += dx0[i];  // accumulated
+  for (size_t i = 0; i < want_dg.size(); ++i) want_dg[i] += dg0[i];
+  expect_close(dx.get(), want_dx, 1e-5, 1e-5, "rmsnorm dx (+=)");
+  expect_close(dgamma.get(), want_dg, 1e-4, 1e-5, "rmsnorm dgamma (+=)");
+  // dx overwritten, in place over dy.
+  b.accumulate_dx = 0, b.dgamma = nullptr, b.dx = dy.data();
+  d.ops().rmsnorm_bwd(b);
+  for (size_t i = 0; i < want_dx.size(); ++i) want_dx[i] -= dx0[i];
+  expect_close(dy.get(), want_dx, 1e-5, 1e-5, "rmsnorm dx in place");
+}
+
+// bf16 storage: the fp32 op on the bf16 values, rounded once (bit for bit), and
+// dgamma into fp32 with grad_fp32.
+TEST(DeviceCpu, Bf16RmsNormEqualsFp32OnTheBf16Values) {
+  const int64_t R = 9, C = 130;
+  std::vector<float> xv = randn(R * C, 40, -3.0f, 3.0f), gv = randn(C, 41, 0.5f, 1.5f), dyv = randn(R * C, 42);
+  for (std::vector<float>* v : {&xv, &gv, &dyv})
+    for (float& e : *v) e = bf16_round_ref(e);
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &v[i], 4);
+      h[i] = static_cast<uint16_t>(u >> 16);  // exact: the values are bf16 already
+    }
+    return h;
+  };
+  auto from_bf16 = [](const std::vector<uint16_t>& h) {
+    std::vector<float> v(h.size());
+    for (size_t i = 0; i < h.size(); ++i) {
+      const uint32_t u = static_cast<uint32_t>(h[i]) << 16;
+      std::memcpy(&v[i], &u, 4);
+    }
+    return v;
+  };
+  Dev d(2);
+  Buf<float> x32(d, xv), g32(d, gv), y32(d, R * C), r32(d, R), dy32(d, dyv), dx32(d, R * C), dg32(d, C);
+  Buf<uint16_t> x16(d, to_bf16(xv)), g16(d, to_bf16(gv)), y16(d, R * C), dy16(d, to_bf16(dyv)), dx16(d, R * C);
+  Buf<float> r16(d, R), dg16(d, C);
+  dg32.fill(0.0f);
+  dg16.fill(0.0f);
+  loom_rmsnorm_fwd_args f = loom::make<loom_rmsnorm_fwd_args>();
+  f.rows = R, f.cols = C, f.x = x32.data(), f.gamma = g32.data(), f.y = y32.data(), f.rstd = r32.data(), f.eps = 1e-6f;
+  d.ops().rmsnorm_fwd(f);
+  f.x = x16.data(), f.gamma = g16.data(), f.y = y16.data(), f.rstd = r16.data(), f.dtype = LOOM_DTYPE_BF16;
+  d.ops().rmsnorm_fwd(f);
+  const std::vector<float> y16v = from_bf16(y16.get()), y32v = y32.get();
+  for (size_t i = 0; i < y32v.size(); ++i) ASSERT_EQ(y16v[i], bf16_round_ref(y32v[i])) << "y[" << i << "]";
+  EXPECT_EQ(r16.get(), r32.get());
+  loom_rmsnorm_bwd_args b = loom::make<loom_rmsnorm_bwd_args>();
+  b.rows = R, b.cols = C, b.dy = dy32.data(), b.x = x32.data(), b.gamma = g32.data(), b.rstd = r32.data();
+  b.dx = dx32.data(), b.dgamma = dg32.data();
+  d.ops().rmsnorm_bwd(b);
+  b.dy = dy16.data(), b.x = x16.data(), b.gamma = g16.data(), b.rstd = r16.data(), b.dx = dx16.data();
+  b.dgamma = dg16.data(), b.dtype = LOOM_DTYPE_BF16, b.grad_fp32 = 1;
+  d.ops().rmsnorm_bwd(b);
+  const std::vector<float> dx16v = from_bf16(dx16.get()), dx32v = dx32.get();
+  for (size_t i = 0; i < dx32v.size(); ++i) ASSERT_EQ(dx16v[i], bf16_round_ref(dx32v[i])) << "dx[" << i << "]";
+  EXPECT_EQ(dg16.get(), dg32.get());  // fp32 main gradients: the same sums
+}
+
+double silu_ref(double g) { return g / (1.0 + std::exp(-g)); }
+
+TEST(DeviceCpu, SwigluMatchesReferenceAndFiniteDifferences) {
+  const int64_t R = 23, C = 77;
+  Vec xs = to_d(randn(2 * 8, 50, -6.0f, 6.0f)), w = to_d(randn(8, 51));
+  auto swiglu = [&](const Vec& x) {  // one row of 8 outputs
+    Vec out(8);
+    for (int c = 0; c < 8; ++c) out[c] = silu_ref(x[c]) * x[8 + c];
+    return out;
+  };
+  Vec grad(16);
+  for (int c = 0; c < 8; ++c) {
+    const double g = xs[c], u = xs[8 + c], s = 1.0 / (1.0 + std::exp(-g));
+    grad[c] = w[c] * u * (s + g * s * (1 - s));
+    grad[8 + c] = w[c] * silu_ref(g);
+  }
+  expect_fd(xs, [&] { return dot(w, swiglu(xs)); }, grad, "swiglu reference");
+
+  const std::vector<float> xv = randn(R * 2 * C, 52, -8.0f, 8.0f), dyv = randn(R * C, 53);
+  Dev d(3);
+  Buf<float> x(d, xv), dy(d, dyv), y(d, R * C), dx(d, R * 2 * C);
+  loom_swiglu_args a = loom::make<loom_swiglu_args>();
+  a.rows = R, a.cols = C, a.x = x.data(), a.out = y.data();
+  d.ops().swiglu_fwd(a);
+  a.dy = dy.data(), a.out = dx.data();
+  d.ops().swiglu_bwd(a);
+  Vec want_y(R * C), want_dx(R * 2 * C);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      const double g = xv[r * 2 * C + c], u = xv[r * 2 * C + C + c], s = 1.0 / (1.0 + std::exp(-g));
+      want_y[r * C + c] = silu_ref(g) * u;
+      want_dx[r * 2 * C + c] = dyv[r * C + c] * u * (s + g * s * (1 - s));
+      want_dx[r * 2 * C + C + c] = dyv[r * C + c] * silu_ref(g);
+    }
+  expect_close(y.get(), want_y, 1e-6, 2e-6, "swiglu y");
+  expect_close(dx.get(), want_dx, 1e-6, 2e-6, "swiglu dx");
+}
+
+// RoPE in double, rotate-half pairs (i, i + R/2) of each head; angle p * theta^(-2i/R).
+Vec rope_ref(const Vec& x, const std::vector<int32_t>& pos, int64_t T, int64_t H, int64_t D, int64_t Rd, int64_t st,
+             double theta, double sign) {
+  Vec out = x;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < Rd / 2; ++i) {
+        const double inv = std::pow(theta, -2.0 * i / Rd), ang = pos[t] * inv;
+        const double c = std::cos(ang), s = sign * std::sin(ang);
+        const int64_t a = t * st + h * D + i, b = a + Rd / 2;
+        out[a] = x[a] * c - x[b] * s;
+        out[b] = x[b] * c + x[a] * s;
+      }
+  return out;
+}
+
+TEST(DeviceCpu, RopeRotatesPairsAndItsBackwardIsTheTranspose) {
+  const int64_t T = 29, H = 3, D = 10, Rd = 6, st = H * D + 4;  // partial rotary dims, a gap between tokens
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>((t * 37) % 200);
+  const std::vector<float> xv = randn(T * st, 60), yv = randn(T * st, 61);
+  Dev d(2);
+  Buf<float> x(d, xv), y(d, yv), out(d, T * st), back(d, T * st);
+  Buf<int32_t> p(d, pos);
+  out.fill(7.0f);
+  loom_rope_args a = loom::make<loom_rope_args>();
+  a.tokens = T, a.heads = H, a.head_dim = D, a.rotary_dim = Rd, a.stride_t = st;
+  a.x = x.data(), a.out = out.data(), a.positions = p.data(), a.theta = 10000.0f;
+  d.ops().rope_fwd(a);
+  Vec want = rope_ref(to_d(xv), pos, T, H, D, Rd, st, 10000.0, 1.0);
+  std::vector<float> got = out.get();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = H * D; k < st; ++k) {
+      EXPECT_EQ(got[t * st + k], 7.0f) << "the gap between tokens was written";
+      got[t * st + k] = static_cast<float>(want[t * st + k]);
+    }
+  expect_close(got, want, 2e-6, 2e-6, "rope fwd");
+  // Backward is the transpose: <rope(x), y> = <x, rope_bwd(y)> over the heads' elements.
+  a.x = y.data(), a.out = back.data();
+  d.ops().rope_bwd(a);
+  double lhs = 0, rhs = 0;
+  const std::vector<float> bv = back.get();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < H * D; ++k) {
+      lhs += want[t * st + k] * yv[t * st + k];
+      rhs += xv[t * st + k] * static_cast<double>(bv[t * st + k]);
+    }
+  EXPECT_NEAR(lhs, rhs, 1e-4 * std::max(1.0, std::fabs(lhs)));
+  // In place equals out of place.
+  a.x = x.data(), a.out = x.data();
+  d.ops().rope_fwd(a);
+  const std::vector<float> inplace = x.get();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < H * D; ++k) EXPECT_EQ(inplace[t * st + k], out[t * st + k]) << t << "," << k;
+}
+
+TEST(DeviceCpu, SigmoidMatchesReference) {
+  const size_t n = 50001;
+  const std::vector<float> xv = randn(n, 70, -20.0f, 20.0f), dyv = randn(n, 71);
+  Dev d(2);
+  Buf<float> x(d, xv), dy(d, dyv), y(d, n), dx(d, n);
+  loom_activation_args a = loom::make<loom_activation_args>();
+  a.n = static_cast<int64_t>(n), a.x = x.data(), a.out = y.data();
+  d.ops().sigmoid_fwd(a);
+  a.dy = dy.data(), a.out = dx.data();
+  d.ops().sigmoid_bwd(a);
+  Vec wy(n), wdx(n);
+  for (size_t i = 0; i < n; ++i) {
+    const double s = 1.0 / (1.0 + std::exp(-static_cast<double>(xv[i])));
+    wy[i] = s;
+    wdx[i] = dyv[i] * s * (1 - s);
+  }
+  expect_close(y.get(), wy, 1e-7, 1e-6, "sigmoid y");
+  expect_close(dx.get(), wdx, 1e-7, 1e-6, "sigmoid dx");
+}
+
+TEST(DeviceCpu, LlamaOpsRefuseBadArgumentsNamingTheOp) {
+  Dev d(1);
+  Buf<float> x(d, 64), y(d, 64);
+  Buf<int32_t> p(d, 4);
+  loom_rope_args r = loom::make<loom_rope_args>();
+  r.tokens = 4, r.heads = 2, r.head_dim = 8, r.rotary_dim = 7, r.stride_t = 16, r.x = x.data(), r.out = y.data();
+  r.positions = p.data(), r.theta = 10000.0f;
+  try {
+    d.ops().rope_fwd(r);
+    ADD_FAILURE() << "an odd rotary_dim was accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_fwd: rotary_dim (7) must be even"), std::string::npos) << e.what();
+  }
+  r.rotary_dim = 8, r.stride_t = 15;
+  EXPECT_THROW(d.ops().rope_bwd(r), loom::Error);  // stride_t smaller than heads * head_dim
+  loom_rmsnorm_fwd_args f = loom::make<loom_rmsnorm_fwd_args>();
+  f.rows = 2, f.cols = 0, f.x = x.data(), f.gamma = x.data(), f.y = y.data();
+  try {
+    d.ops().rmsnorm_fwd(f);
+    ADD_FAILURE() << "cols = 0 was accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rmsnorm_fwd: rows must be >= 0 and cols > 0"), std::string::npos) << e.what();
+  }
+  loom_swiglu_args s = loom::make<loom_swiglu_args>();
+  s.rows = 2, s.cols = 4, s.x = x.data(), s.out = y.data();
+  try {
+    d.ops().swiglu_bwd(s);  // no dy
+    ADD_FAILURE() << "swiglu_bwd without dy was accepted";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("swiglu_bwd: x, out and dy must not be NULL"), std::string::npos) << e.what();
   }
 }
 

@@ -1,6 +1,7 @@
 #include "op_contract.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <sstream>
 #include <string>
@@ -63,6 +64,7 @@ int32_t grad_dtype_of(const Args& a, const char* op) {
 
 int32_t grad_dtype(const loom_layernorm_bwd_args& a) { return grad_dtype_of(a, "layernorm_bwd"); }
 int32_t grad_dtype(const loom_embedding_args& a) { return grad_dtype_of(a, "embedding_bwd"); }
+int32_t grad_dtype(const loom_rmsnorm_bwd_args& a) { return grad_dtype_of(a, "rmsnorm_bwd"); }
 
 void check(const char* device, const loom_gemm_args& g) {
   require_float(device, "gemm", "dtype", g.dtype);
@@ -295,6 +297,55 @@ void check(const char* device, const loom_adamw_args& a) {
   if (a.param_copy)
     LOOM_REQUIRE(a.copy_dtype == LOOM_DTYPE_F32 || a.copy_dtype == LOOM_DTYPE_BF16,
                  "adamw: copy_dtype " << dtype_name(a.copy_dtype) << " is not supported by " << device << " (f32, bf16)");
+}
+
+void check(const char* device, const loom_rmsnorm_fwd_args& a) {
+  require_float(device, "rmsnorm_fwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "rmsnorm_fwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.x && a.gamma && a.y), "rmsnorm_fwd: x, gamma and y must not be NULL");
+  LOOM_REQUIRE(a.eps >= 0.0f, "rmsnorm_fwd: eps must be >= 0 (got " << a.eps << ")");
+}
+
+void check(const char* device, const loom_rmsnorm_bwd_args& a) {
+  require_float(device, "rmsnorm_bwd", "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols > 0,
+               "rmsnorm_bwd: rows must be >= 0 and cols > 0 (got rows=" << a.rows << " cols=" << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || (a.dy && a.x && a.gamma && a.rstd),
+               "rmsnorm_bwd: dy, x, gamma and rstd must not be NULL");
+  LOOM_REQUIRE(a.accumulate_dx == 0 || a.accumulate_dx == 1,
+               "rmsnorm_bwd: accumulate_dx must be 0 or 1 (got " << a.accumulate_dx << ")");
+  grad_dtype(a);  // validates grad_fp32
+}
+
+void check(const char* device, const loom_swiglu_args& a, bool backward) {
+  const char* op = backward ? "swiglu_bwd" : "swiglu_fwd";
+  require_float(device, op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.rows >= 0 && a.cols >= 0, op << ": rows and cols must be >= 0 (got rows=" << a.rows << " cols="
+                                              << a.cols << ")");
+  LOOM_REQUIRE(a.rows == 0 || a.cols == 0 || (a.x && a.out && (!backward || a.dy)),
+               op << ": x, out" << (backward ? " and dy" : "") << " must not be NULL");
+}
+
+void check(const char* device, const loom_rope_args& a, bool backward) {
+  const char* op = backward ? "rope_bwd" : "rope_fwd";
+  require_float(device, op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.tokens >= 0 && a.heads >= 0 && a.head_dim >= 0, op << ": tokens, heads and head_dim must be >= 0");
+  LOOM_REQUIRE(a.rotary_dim >= 0 && a.rotary_dim % 2 == 0 && a.rotary_dim <= a.head_dim,
+               op << ": rotary_dim (" << a.rotary_dim << ") must be even and at most head_dim (" << a.head_dim << ")");
+  LOOM_REQUIRE(a.stride_t >= a.heads * a.head_dim,
+               op << ": stride_t (" << a.stride_t << ") is smaller than heads * head_dim (" << a.heads * a.head_dim
+                  << ")");
+  LOOM_REQUIRE(std::isfinite(a.theta) && a.theta > 0.0f, op << ": theta must be positive (got " << a.theta << ")");
+  LOOM_REQUIRE(a.tokens == 0 || a.heads == 0 || a.head_dim == 0 || (a.x && a.out && a.positions),
+               op << ": x, out and positions must not be NULL");
+}
+
+void check(const char* device, const loom_activation_args& a, const char* op, bool backward) {
+  require_float(device, op, "dtype", a.dtype);
+  LOOM_REQUIRE(a.n >= 0, op << ": n must be >= 0 (got " << a.n << ")");
+  LOOM_REQUIRE(a.n == 0 || (a.x && a.out && (!backward || a.dy)),
+               op << ": x, out" << (backward ? " and dy" : "") << " must not be NULL");
 }
 
 }  // namespace loom::op_contract

@@ -23,6 +23,7 @@ void require_float(const char* device, const char* op, const char* what, int32_t
 // for 1.1 passes a struct without the member: its gradients are of dtype.
 int32_t grad_dtype(const loom_layernorm_bwd_args& a);
 int32_t grad_dtype(const loom_embedding_args& a);
+int32_t grad_dtype(const loom_rmsnorm_bwd_args& a);
 
 // The attention args with ABI 1.6's query window resolved: kv_seq = 0 (a caller
 // before 1.6, or no window) becomes kv_seq = seq, q_offset = 0 and k, v with the
@@ -44,5 +45,10 @@ void check(const char* device, const loom_embedding_args& a, bool backward);
 void check(const char* device, const loom_elementwise_args& a);
 void check(const char* device, const loom_reduce_args& a);
 void check(const char* device, const loom_adamw_args& a);
+void check(const char* device, const loom_rmsnorm_fwd_args& a);
+void check(const char* device, const loom_rmsnorm_bwd_args& a);
+void check(const char* device, const loom_swiglu_args& a, bool backward);
+void check(const char* device, const loom_rope_args& a, bool backward);
+void check(const char* device, const loom_activation_args& a, const char* op, bool backward);
 
 }  // namespace loom::op_contract

@@ -203,6 +203,11 @@ void validate_embedding(const loom_embedding_args& a, bool backward);
 void validate(const loom_elementwise_args& a);
 void validate(const loom_reduce_args& a);
 void validate(const loom_adamw_args& a);
+void validate(const loom_rmsnorm_fwd_args& a);
+void validate(const loom_rmsnorm_bwd_args& a);
+void validate_swiglu(const loom_swiglu_args& a, bool backward);
+void validate_rope(const loom_rope_args& a, bool backward);
+void validate_sigmoid(const loom_activation_args& a, bool backward);
 
 void run_gemm(Device& d, const loom_gemm_args& a);
 void run_layernorm_fwd(Device& d, const loom_layernorm_fwd_args& a);
@@ -217,6 +222,15 @@ void run_embedding_bwd(Device& d, const loom_embedding_args& a);
 void run_elementwise(Device& d, const loom_elementwise_args& a);
 void run_reduce(Device& d, const loom_reduce_args& a);
 void run_adamw(Device& d, const loom_adamw_args& a);
+// llama_ops.cpp (ABI 1.10)
+void run_rmsnorm_fwd(Device& d, const loom_rmsnorm_fwd_args& a);
+void run_rmsnorm_bwd(Device& d, const loom_rmsnorm_bwd_args& a);
+void run_swiglu_fwd(Device& d, const loom_swiglu_args& a);
+void run_swiglu_bwd(Device& d, const loom_swiglu_args& a);
+void run_rope_fwd(Device& d, const loom_rope_args& a);
+void run_rope_bwd(Device& d, const loom_rope_args& a);
+void run_sigmoid_fwd(Device& d, const loom_activation_args& a);
+void run_sigmoid_bwd(Device& d, const loom_activation_args& a);
 
 // Argument validation (validate above) is plugins/device/common/op_contract's,
 // plus this device's own limits.

@@ -250,6 +250,11 @@ void validate_embedding(const loom_embedding_args& a, bool backward);
 void validate(const loom_elementwise_args& a);
 void validate(const loom_reduce_args& a);
 void validate(const loom_adamw_args& a);
+void validate(const loom_rmsnorm_fwd_args& a);
+void validate(const loom_rmsnorm_bwd_args& a);
+void validate_swiglu(const loom_swiglu_args& a, bool backward);
+void validate_rope(const loom_rope_args& a, bool backward);
+void validate_sigmoid(const loom_activation_args& a, bool backward);
 
 void run_gemm(Device& d, Stream& s, const loom_gemm_args& a);
 void run_layernorm_fwd(Device& d, Stream& s, const loom_layernorm_fwd_args& a);
@@ -264,5 +269,13 @@ void run_embedding_bwd(Device& d, Stream& s, const loom_embedding_args& a);
 void run_elementwise(Device& d, Stream& s, const loom_elementwise_args& a);
 void run_reduce(Device& d, Stream& s, const loom_reduce_args& a);
 void run_adamw(Device& d, Stream& s, const loom_adamw_args& a);
+void run_rmsnorm_fwd(Device& d, Stream& s, const loom_rmsnorm_fwd_args& a);
+void run_rmsnorm_bwd(Device& d, Stream& s, const loom_rmsnorm_bwd_args& a);
+void run_swiglu_fwd(Device& d, Stream& s, const loom_swiglu_args& a);
+void run_swiglu_bwd(Device& d, Stream& s, const loom_swiglu_args& a);
+void run_rope_fwd(Device& d, Stream& s, const loom_rope_args& a);
+void run_rope_bwd(Device& d, Stream& s, const loom_rope_args& a);
+void run_sigmoid_fwd(Device& d, Stream& s, const loom_activation_args& a);
+void run_sigmoid_bwd(Device& d, Stream& s, const loom_activation_args& a);
 
 }  // namespace loom::cuda

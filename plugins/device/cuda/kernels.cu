@@ -1038,6 +1038,134 @@ __global__ void copy_matrix_kernel(int64_t m, int64_t n, int64_t batch, const Fr
   }
 }
 
+// ---- ABI 1.10: RMSNorm, SwiGLU, rotary embedding, sigmoid ---------------------------
+// One block a row for the row ops (sums in fp64, as device/cpu takes them), grid-stride
+// loops for the element-wise ones; fp32 math, bf16 rounded on store.
+
+template <typename T>
+__global__ void rmsnorm_fwd_kernel(int64_t cols, const T* x, const T* gamma, T* y, float* rstd_out, float eps) {
+  __shared__ double sh[32];
+  const int64_t r = blockIdx.x;
+  const T* xr = x + r * cols;
+  T* yr = y + r * cols;
+  double q = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = ld(xr, c);
+    q += static_cast<double>(v) * static_cast<double>(v);
+  }
+  q = block_reduce(q, sh, SumOp{}, 0.0);
+  const float rstd = static_cast<float>(1.0 / sqrt(q / static_cast<double>(cols) + static_cast<double>(eps)));
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) st(yr, c, ld(xr, c) * rstd * ld(gamma, c));
+  if (threadIdx.x == 0 && rstd_out) rstd_out[r] = rstd;
+}
+
+// dx = rstd * (g - xhat * mean(g * xhat)), g = dy * gamma, xhat = x * rstd. Each thread
+// reads dy[c] and writes dx[c] for the same c after the block's sum: in place is fine.
+template <typename T>
+__global__ void rmsnorm_bwd_dx_kernel(int64_t cols, const T* dy, const T* x, const T* gamma, const float* rstd, T* dx,
+                                      int accumulate) {
+  __shared__ double sh[32];
+  const int64_t r = blockIdx.x;
+  const T* dyr = dy + r * cols;
+  const T* xr = x + r * cols;
+  T* dxr = dx + r * cols;
+  const float rs = rstd[r];
+  double dot = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    dot += static_cast<double>(ld(gamma, c) * ld(dyr, c)) * static_cast<double>(ld(xr, c) * rs);
+  dot = block_reduce(dot, sh, SumOp{}, 0.0);
+  const float mean = static_cast<float>(dot / static_cast<double>(cols));
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float v = rs * (ld(gamma, c) * ld(dyr, c) - ld(xr, c) * rs * mean);
+    st(dxr, c, accumulate ? ld(dxr, c) + v : v);
+  }
+}
+
+// Partial column sums of dy * x * rstd over a chunk of rows, one thread a column.
+template <typename T>
+__global__ void rmsnorm_dgamma_partial_kernel(int64_t rows, int64_t cols, int64_t chunks, const T* dy, const T* x,
+                                              const float* rstd, double* partial) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  if (c >= cols) return;
+  const int64_t per = (rows + chunks - 1) / chunks;
+  const int64_t r0 = chunk * per, r1 = r0 + per < rows ? r0 + per : rows;
+  double a = 0.0;
+  for (int64_t r = r0; r < r1; ++r) a += static_cast<double>(ld(dy, r * cols + c) * (ld(x, r * cols + c) * rstd[r]));
+  partial[chunk * cols + c] = a;
+}
+
+template <typename G>
+__global__ void rmsnorm_dgamma_finish_kernel(int64_t cols, int64_t chunks, const double* partial, G* dgamma) {
+  __shared__ double sh[kFinishWarps][32];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + (threadIdx.x & 31);
+  const double a = finish_column(partial, cols, chunks, c, sh);
+  if (threadIdx.x >= 32 || c >= cols) return;
+  st(dgamma, c, ld(dgamma, c) + static_cast<float>(a));
+}
+
+__device__ __forceinline__ float sigmoid_at(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+template <typename T>
+__global__ void swiglu_kernel(int64_t rows, int64_t cols, bool backward, const T* x, const T* dy, T* out) {
+  const int64_t total = rows * cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const float g = ld(x, r * 2 * cols + c), u = ld(x, r * 2 * cols + cols + c), s = sigmoid_at(g);
+    if (!backward) {
+      st(out, i, g * s * u);
+    } else {
+      const float d = ld(dy, i);
+      st(out, r * 2 * cols + c, d * u * (s * (1.0f + g * (1.0f - s))));
+      st(out, r * 2 * cols + cols + c, d * g * s);
+    }
+  }
+}
+
+// One thread per (token, head, pair): reads both elements of its pair before writing.
+// inv_freq = theta^(-2k / rotary_dim) in fp64, rounded once: device/cpu's table.
+template <typename T>
+__global__ void rope_kernel(int64_t tokens, int64_t heads, int64_t head_dim, int64_t half, int64_t stride_t,
+                            const T* x, T* out, const int32_t* positions, float theta, float sign) {
+  const int64_t total = tokens * heads * half;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t k = i % half, th = i / half, h = th % heads, t = th / heads;
+    const float inv_freq = static_cast<float>(
+        pow(static_cast<double>(theta), -2.0 * static_cast<double>(k) / static_cast<double>(2 * half)));
+    const float angle = static_cast<float>(positions[t]) * inv_freq;  // fp32 angle, as Megatron's
+    const float c = static_cast<float>(cos(static_cast<double>(angle)));
+    const float s = sign * static_cast<float>(sin(static_cast<double>(angle)));
+    const int64_t base = t * stride_t + h * head_dim;
+    const float u = ld(x, base + k), v = ld(x, base + half + k);
+    st(out, base + k, u * c - v * s);
+    st(out, base + half + k, v * c + u * s);
+  }
+}
+
+// The elements of each head past rotary_dim, copied when out is not x.
+template <typename T>
+__global__ void rope_pass_kernel(int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                                 int64_t stride_t, const T* x, T* out) {
+  const int64_t rest = head_dim - rotary_dim, total = tokens * heads * rest;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t d = rotary_dim + i % rest, th = i / rest, h = th % heads, t = th / heads;
+    const int64_t at = t * stride_t + h * head_dim + d;
+    st(out, at, ld(x, at));
+  }
+}
+
+template <typename T>
+__global__ void sigmoid_kernel(int64_t n, bool backward, const T* x, const T* dy, T* out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float s = sigmoid_at(ld(x, i));
+    st(out, i, backward ? ld(dy, i) * s * (1.0f - s) : s);
+  }
+}
+
 // Threads for one block per row of `cols` elements.
 int row_threads(int64_t cols) { return cols >= 1024 ? 512 : cols >= 256 ? 256 : 128; }
 
@@ -1307,6 +1435,73 @@ cudaError_t k_reduce_multi(cudaStream_t s, Dt dt, int op, int64_t count, const R
                                                                                 static_cast<const T*>(x), partial));
   reduce_multi_finish_kernel<<<static_cast<unsigned>(count), kThreads, 0, s>>>(op, kMultiBlocks, partial, out,
                                                                                accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t k_rmsnorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* x, const void* gamma, void* y,
+                          float* rstd, float eps) {
+  if (rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                rmsnorm_fwd_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    cols, static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<T*>(y), rstd, eps));
+  return cudaGetLastError();
+}
+
+cudaError_t k_rmsnorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                             const void* gamma, const float* rstd, void* dx, int accumulate) {
+  if (rows == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                rmsnorm_bwd_dx_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(
+                    cols, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(gamma), rstd,
+                    static_cast<T*>(dx), accumulate));
+  return cudaGetLastError();
+}
+
+cudaError_t k_rmsnorm_bwd_dgamma(cudaStream_t s, Dt dt, Dt grad_dt, int64_t rows, int64_t cols, const void* dy,
+                                 const void* x, const float* rstd, double* partial, int64_t chunks, void* dgamma) {
+  if (dt == Dt::F32 && grad_dt != Dt::F32) return cudaErrorInvalidValue;  // not a pair grad_dtype gives
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((cols + kThreads - 1) / kThreads), static_cast<unsigned>(chunks));
+  LOOM_DISPATCH(dt, T,
+                rmsnorm_dgamma_partial_kernel<T><<<grid, kThreads, 0, s>>>(
+                    rows, cols, chunks, static_cast<const T*>(dy), static_cast<const T*>(x), rstd, partial));
+  const unsigned finish_blocks = static_cast<unsigned>((cols + 31) / 32);
+  LOOM_DISPATCH(grad_dt, G,
+                rmsnorm_dgamma_finish_kernel<G><<<finish_blocks, kFinishWarps * 32, 0, s>>>(
+                    cols, chunks, partial, static_cast<G*>(dgamma)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_swiglu(cudaStream_t s, Dt dt, bool backward, int64_t rows, int64_t cols, const void* x, const void* dy,
+                     void* out) {
+  if (rows == 0 || cols == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                swiglu_kernel<T><<<grid_for(rows * cols), kThreads, 0, s>>>(
+                    rows, cols, backward, static_cast<const T*>(x), static_cast<const T*>(dy), static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_rope(cudaStream_t s, Dt dt, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta, float sign) {
+  if (tokens == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
+  const int64_t half = rotary_dim / 2;
+  if (half > 0)
+    LOOM_DISPATCH(dt, T,
+                  rope_kernel<T><<<grid_for(tokens * heads * half), kThreads, 0, s>>>(
+                      tokens, heads, head_dim, half, stride_t, static_cast<const T*>(x), static_cast<T*>(out),
+                      positions, theta, sign));
+  if (rotary_dim < head_dim && out != x)
+    LOOM_DISPATCH(dt, T,
+                  rope_pass_kernel<T><<<grid_for(tokens * heads * (head_dim - rotary_dim)), kThreads, 0, s>>>(
+                      tokens, heads, head_dim, rotary_dim, stride_t, static_cast<const T*>(x), static_cast<T*>(out)));
+  return cudaGetLastError();
+}
+
+cudaError_t k_sigmoid(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out) {
+  if (n == 0) return cudaSuccess;
+  LOOM_DISPATCH(dt, T,
+                sigmoid_kernel<T><<<grid_for(n), kThreads, 0, s>>>(n, backward, static_cast<const T*>(x),
+                                                                    static_cast<const T*>(dy), static_cast<T*>(out)));
   return cudaGetLastError();
 }
 

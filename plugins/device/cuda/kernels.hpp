@@ -37,6 +37,23 @@ cudaError_t k_layernorm_bwd_params(cudaStream_t s, Dt dt, Dt grad_dt, int64_t ro
 
 cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out);
 
+// ABI 1.10. RMSNorm: forward y and rstd; dx (or +=) per row, in
+// place over dy is fine; dgamma += the column sums of dy * x * rstd through
+// partial[chunks * cols] (fp64), chunk by chunk in order (as layernorm_bwd_params).
+cudaError_t k_rmsnorm_fwd(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* x, const void* gamma, void* y,
+                          float* rstd, float eps);
+cudaError_t k_rmsnorm_bwd_dx(cudaStream_t s, Dt dt, int64_t rows, int64_t cols, const void* dy, const void* x,
+                             const void* gamma, const float* rstd, void* dx, int accumulate);
+cudaError_t k_rmsnorm_bwd_dgamma(cudaStream_t s, Dt dt, Dt grad_dt, int64_t rows, int64_t cols, const void* dy,
+                                 const void* x, const float* rstd, double* partial, int64_t chunks, void* dgamma);
+// SwiGLU over x = [rows, gate | up]; backward writes dx [rows, 2 * cols].
+cudaError_t k_swiglu(cudaStream_t s, Dt dt, bool backward, int64_t rows, int64_t cols, const void* x, const void* dy,
+                     void* out);
+// Rotary embedding; sign +1 forward, -1 backward.
+cudaError_t k_rope(cudaStream_t s, Dt dt, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta, float sign);
+cudaError_t k_sigmoid(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out);
+
 // Attention pieces over one batch element: `rows` = heads * q_rows rows of `cols`
 // scores each (row r = h * q_rows + i is query i of head h, at key position
 // q_offset + i: ABI 1.6's query window; q_offset = 0 and cols = q_rows without one).

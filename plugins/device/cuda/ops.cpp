@@ -195,6 +195,72 @@ void run_gelu_bwd(Device& d, Stream& s, const loom_gelu_args& a) {
 }
 
 // ---------------------------------------------------------------------------
+// ABI 1.10: RMSNorm, SwiGLU, rotary embedding, sigmoid
+// ---------------------------------------------------------------------------
+
+void validate(const loom_rmsnorm_fwd_args& a) { op_contract::check("device/cuda", a); }
+void validate(const loom_rmsnorm_bwd_args& a) { op_contract::check("device/cuda", a); }
+void validate_swiglu(const loom_swiglu_args& a, bool backward) { op_contract::check("device/cuda", a, backward); }
+void validate_rope(const loom_rope_args& a, bool backward) { op_contract::check("device/cuda", a, backward); }
+void validate_sigmoid(const loom_activation_args& a, bool backward) {
+  op_contract::check("device/cuda", a, backward ? "sigmoid_bwd" : "sigmoid_fwd", backward);
+}
+
+void run_rmsnorm_fwd(Device& d, Stream& s, const loom_rmsnorm_fwd_args& a) {
+  check_launch(d, "rmsnorm_fwd", "rmsnorm kernel",
+               k_rmsnorm_fwd(s.s, float_dt("rmsnorm_fwd", "dtype", a.dtype), a.rows, a.cols, a.x, a.gamma, a.y,
+                             a.rstd, a.eps));
+}
+
+void run_rmsnorm_bwd(Device& d, Stream& s, const loom_rmsnorm_bwd_args& a) {
+  const Dt dt = float_dt("rmsnorm_bwd", "dtype", a.dtype);
+  const Dt gdt = float_dt("rmsnorm_bwd", "dgamma dtype", op_contract::grad_dtype(a));
+  if (a.rows == 0) return;
+  if (a.dgamma) {  // first: dx may overwrite dy in place
+    const int64_t chunks = column_chunks(a.rows);
+    Scratch partial(d, s, static_cast<size_t>(chunks * a.cols) * sizeof(double), "rmsnorm_bwd");
+    check_launch(d, "rmsnorm_bwd", "rmsnorm_bwd dgamma kernels",
+                 k_rmsnorm_bwd_dgamma(s.s, dt, gdt, a.rows, a.cols, a.dy, a.x, a.rstd, partial.get<double>(), chunks,
+                                      a.dgamma));
+  }
+  if (a.dx == nullptr) return;
+  check_launch(d, "rmsnorm_bwd", "rmsnorm_bwd dx kernel",
+               k_rmsnorm_bwd_dx(s.s, dt, a.rows, a.cols, a.dy, a.x, a.gamma, a.rstd, a.dx, a.accumulate_dx));
+}
+
+void run_swiglu_fwd(Device& d, Stream& s, const loom_swiglu_args& a) {
+  check_launch(d, "swiglu_fwd", "swiglu kernel",
+               k_swiglu(s.s, float_dt("swiglu_fwd", "dtype", a.dtype), false, a.rows, a.cols, a.x, nullptr, a.out));
+}
+
+void run_swiglu_bwd(Device& d, Stream& s, const loom_swiglu_args& a) {
+  check_launch(d, "swiglu_bwd", "swiglu kernel",
+               k_swiglu(s.s, float_dt("swiglu_bwd", "dtype", a.dtype), true, a.rows, a.cols, a.x, a.dy, a.out));
+}
+
+void run_rope_fwd(Device& d, Stream& s, const loom_rope_args& a) {
+  check_launch(d, "rope_fwd", "rope kernels",
+               k_rope(s.s, float_dt("rope_fwd", "dtype", a.dtype), a.tokens, a.heads, a.head_dim, a.rotary_dim,
+                      a.stride_t, a.x, a.out, a.positions, a.theta, 1.0f));
+}
+
+void run_rope_bwd(Device& d, Stream& s, const loom_rope_args& a) {
+  check_launch(d, "rope_bwd", "rope kernels",
+               k_rope(s.s, float_dt("rope_bwd", "dtype", a.dtype), a.tokens, a.heads, a.head_dim, a.rotary_dim,
+                      a.stride_t, a.x, a.out, a.positions, a.theta, -1.0f));
+}
+
+void run_sigmoid_fwd(Device& d, Stream& s, const loom_activation_args& a) {
+  check_launch(d, "sigmoid_fwd", "sigmoid kernel",
+               k_sigmoid(s.s, float_dt("sigmoid_fwd", "dtype", a.dtype), false, a.n, a.x, nullptr, a.out));
+}
+
+void run_sigmoid_bwd(Device& d, Stream& s, const loom_activation_args& a) {
+  check_launch(d, "sigmoid_bwd", "sigmoid kernel",
+               k_sigmoid(s.s, float_dt("sigmoid_bwd", "dtype", a.dtype), true, a.n, a.x, a.dy, a.out));
+}
+
+// ---------------------------------------------------------------------------
 // Attention
 // ---------------------------------------------------------------------------
 

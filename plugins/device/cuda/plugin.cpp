@@ -632,6 +632,14 @@ LOOM_CUDA_OP(op_embedding_bwd, loom_embedding_args, validate_embedding(a, true),
 LOOM_CUDA_OP(op_elementwise, loom_elementwise_args, validate(a), run_elementwise)
 LOOM_CUDA_OP(op_reduce, loom_reduce_args, validate(a), run_reduce)
 LOOM_CUDA_OP(op_adamw, loom_adamw_args, validate(a), run_adamw)
+LOOM_CUDA_OP(op_rmsnorm_fwd, loom_rmsnorm_fwd_args, validate(a), run_rmsnorm_fwd)
+LOOM_CUDA_OP(op_rmsnorm_bwd, loom_rmsnorm_bwd_args, validate(a), run_rmsnorm_bwd)
+LOOM_CUDA_OP(op_swiglu_fwd, loom_swiglu_args, validate_swiglu(a, false), run_swiglu_fwd)
+LOOM_CUDA_OP(op_swiglu_bwd, loom_swiglu_args, validate_swiglu(a, true), run_swiglu_bwd)
+LOOM_CUDA_OP(op_rope_fwd, loom_rope_args, validate_rope(a, false), run_rope_fwd)
+LOOM_CUDA_OP(op_rope_bwd, loom_rope_args, validate_rope(a, true), run_rope_bwd)
+LOOM_CUDA_OP(op_sigmoid_fwd, loom_activation_args, validate_sigmoid(a, false), run_sigmoid_fwd)
+LOOM_CUDA_OP(op_sigmoid_bwd, loom_activation_args, validate_sigmoid(a, true), run_sigmoid_bwd)
 #undef LOOM_CUDA_OP
 
 const loom_device_api* device_api() {
@@ -650,6 +658,14 @@ const loom_device_api* device_api() {
     o.elementwise = op_elementwise;
     o.reduce = op_reduce;
     o.adamw = op_adamw;
+    o.rmsnorm_fwd = op_rmsnorm_fwd;
+    o.rmsnorm_bwd = op_rmsnorm_bwd;
+    o.swiglu_fwd = op_swiglu_fwd;
+    o.swiglu_bwd = op_swiglu_bwd;
+    o.rope_fwd = op_rope_fwd;
+    o.rope_bwd = op_rope_bwd;
+    o.sigmoid_fwd = op_sigmoid_fwd;
+    o.sigmoid_bwd = op_sigmoid_bwd;
     return o;
   }();
   static const loom_device_api api = [] {

@@ -83,7 +83,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 9
+#define LOOM_ABI_MINOR 10
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -482,6 +482,73 @@ typedef struct loom_adamw_args {
   const loom_adamw_segment* segments;
 } loom_adamw_args;
 
+/* RMSNorm (since 1.10; Zhang and Sennrich, "Root Mean Square Layer Normalization",
+ * 2019), as Llama and Megatron-Core apply it: y = x * rstd * gamma over the last dim,
+ * rstd = 1 / sqrt(mean(x^2) + eps), with fp32 math; saves rstd. */
+typedef struct loom_rmsnorm_fwd_args {
+  uint32_t struct_size;
+  int64_t rows, cols;            /* x and y are [rows, cols]; gamma [cols] */
+  const void* x; const void* gamma;   /* inputs */
+  void* y; float* rstd;          /* y written; rstd: [rows] fp32, kept for backward (NULL = not kept) */
+  float eps;                     /* added to the mean square */
+  int32_t dtype;                 /* of x, gamma and y */
+} loom_rmsnorm_fwd_args;
+
+/* dx = (or +=, when accumulate_dx) the input gradient; dgamma is accumulated (fp32
+ * with grad_fp32 = 1, on devices with LOOM_DEVICE_GRAD_FP32, as layernorm_bwd). */
+typedef struct loom_rmsnorm_bwd_args {
+  uint32_t struct_size;
+  int64_t rows, cols;            /* as in the forward */
+  const void* dy; const void* x; const void* gamma;   /* [rows, cols], [rows, cols], [cols] */
+  const float* rstd;             /* the forward's, [rows] */
+  void* dx; void* dgamma;        /* [rows, cols] (NULL = not wanted), [cols] (NULL = not wanted) */
+  int32_t accumulate_dx;         /* 1: dx += (else dx is overwritten) */
+  int32_t dtype;                 /* of dy, x, gamma, dx (and dgamma unless grad_fp32) */
+  int32_t grad_fp32;             /* 1: dgamma is fp32 */
+  int32_t reserved;              /* 0 */
+} loom_rmsnorm_bwd_args;
+
+/* SwiGLU (since 1.10; Shazeer, "GLU Variants Improve Transformer", 2020), as Megatron's
+ * swiglu: each row of x holds the gate's cols values, then the up projection's;
+ * forward out[r, c] = silu(gate[r, c]) * up[r, c], silu(g) = g * sigmoid(g); backward
+ * out = dx, [rows, 2 * cols]: dgate = dy * up * silu'(gate), dup = dy * silu(gate). */
+typedef struct loom_swiglu_args {
+  uint32_t struct_size;
+  int64_t rows, cols;            /* cols: the output's width (the input has 2 * cols) */
+  const void* x;                 /* [rows, 2 * cols] (both directions) */
+  const void* dy;                /* [rows, cols], backward only */
+  void* out;                     /* forward: [rows, cols]; backward: dx [rows, 2 * cols] */
+  int32_t dtype;                 /* of x, dy and out */
+  int32_t reserved;              /* 0 */
+} loom_swiglu_args;
+
+/* Rotary position embedding (since 1.10; Su et al., "RoFormer", 2021) as Llama and
+ * Megatron-LM apply it (not interleaved): in each head, element i < rotary_dim / 2 pairs
+ * with element i + rotary_dim / 2; for a token at position p the pair (a, b) becomes
+ * (a cos t - b sin t, b cos t + a sin t), t = p * theta^(-2i / rotary_dim), in fp32;
+ * elements from rotary_dim on pass through. Backward rotates by -t (the transpose).
+ * out may be x (in place). */
+typedef struct loom_rope_args {
+  uint32_t struct_size;
+  int64_t tokens, heads, head_dim;   /* element (t, h, d) at x[t * stride_t + h * head_dim + d] */
+  int64_t rotary_dim;            /* even, <= head_dim */
+  int64_t stride_t;              /* elements between tokens (>= heads * head_dim), of x and out */
+  const void* x; void* out;
+  const int32_t* positions;      /* [tokens], device memory: each token's position */
+  float theta;                   /* the base, e.g. 10000 (Llama 2) or 500000 (Llama 3) */
+  int32_t dtype;                 /* of x and out */
+} loom_rope_args;
+
+/* An element-wise activation (since 1.10): forward out = f(x), backward out = dy * f'(x). */
+typedef struct loom_activation_args {
+  uint32_t struct_size;
+  int64_t n;        /* elements */
+  const void* x;    /* input (both directions) */
+  const void* dy;   /* backward only */
+  void* out;        /* y (forward) or dx (backward) */
+  int32_t dtype;    /* of x, dy and out */
+} loom_activation_args;
+
 /* The op table (loom_device_api.ops). Every op enqueues its work on `stream` (NULL =
  * the device's default stream) and returns; under a capture of that stream it is
  * recorded instead (capture_begin). The argument struct is borrowed for the call (a
@@ -519,6 +586,23 @@ typedef struct loom_device_ops {
   loom_status (*reduce)(loom_device*, loom_stream*, const loom_reduce_args*);
   /* An AdamW update (loom_adamw_args). */
   loom_status (*adamw)(loom_device*, loom_stream*, const loom_adamw_args*);
+  /* --- since 1.10 --- (the ops of Llama-style blocks) */
+  /* RMSNorm forward (loom_rmsnorm_fwd_args): y and rstd. */
+  loom_status (*rmsnorm_fwd)(loom_device*, loom_stream*, const loom_rmsnorm_fwd_args*);
+  /* RMSNorm backward (loom_rmsnorm_bwd_args): dx and dgamma. */
+  loom_status (*rmsnorm_bwd)(loom_device*, loom_stream*, const loom_rmsnorm_bwd_args*);
+  /* SwiGLU forward (loom_swiglu_args): out = silu(gate) * up. */
+  loom_status (*swiglu_fwd)(loom_device*, loom_stream*, const loom_swiglu_args*);
+  /* SwiGLU backward (loom_swiglu_args): out = d[gate | up]. */
+  loom_status (*swiglu_bwd)(loom_device*, loom_stream*, const loom_swiglu_args*);
+  /* Rotary embedding forward (loom_rope_args): rotate by +t. */
+  loom_status (*rope_fwd)(loom_device*, loom_stream*, const loom_rope_args*);
+  /* Rotary embedding backward (loom_rope_args): rotate by -t. */
+  loom_status (*rope_bwd)(loom_device*, loom_stream*, const loom_rope_args*);
+  /* Sigmoid forward (loom_activation_args): out = 1 / (1 + exp(-x)). */
+  loom_status (*sigmoid_fwd)(loom_device*, loom_stream*, const loom_activation_args*);
+  /* Sigmoid backward (loom_activation_args): out = dy * s * (1 - s), s = sigmoid(x). */
+  loom_status (*sigmoid_bwd)(loom_device*, loom_stream*, const loom_activation_args*);
 } loom_device_ops;
 
 /* A device plugin's table. Each rank creates its own instance; the calls on one

@@ -327,6 +327,14 @@ class Device {
   LOOM_DEVICE_OP(elementwise, loom_elementwise_args)
   LOOM_DEVICE_OP(reduce, loom_reduce_args)
   LOOM_DEVICE_OP(adamw, loom_adamw_args)
+  LOOM_DEVICE_OP(rmsnorm_fwd, loom_rmsnorm_fwd_args)  // since 1.10
+  LOOM_DEVICE_OP(rmsnorm_bwd, loom_rmsnorm_bwd_args)
+  LOOM_DEVICE_OP(swiglu_fwd, loom_swiglu_args)
+  LOOM_DEVICE_OP(swiglu_bwd, loom_swiglu_args)
+  LOOM_DEVICE_OP(rope_fwd, loom_rope_args)
+  LOOM_DEVICE_OP(rope_bwd, loom_rope_args)
+  LOOM_DEVICE_OP(sigmoid_fwd, loom_activation_args)
+  LOOM_DEVICE_OP(sigmoid_bwd, loom_activation_args)
 #undef LOOM_DEVICE_OP
 
   void copy(void* dst, const void* src, size_t bytes, int32_t kind) const {
