@@ -11,7 +11,11 @@
 #include "engine/text/tokenizer.hpp"
 #include "engine/text/token_files.hpp"
 
+#include <boost/filesystem.hpp>
+
 #include <algorithm>
+#include <cctype>
+#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -52,17 +56,31 @@ const char* kTokenizeUsage =
     "ids given as TEXT or in FILE.\n";
 
 std::string read_input(const std::string& path) {
+  if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error(path + ": cannot open the file");
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 bool is_jsonl(const std::string& path) {
-  for (const char* ext : {".jsonl", ".json"})
-    if (path.size() >= std::strlen(ext) && path.compare(path.size() - std::strlen(ext), std::string::npos, ext) == 0)
-      return true;
-  return false;
+  std::string ext = boost::filesystem::path(path).extension().string();
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return ext == ".jsonl" || ext == ".json";
 }
+
+// The first signal stops the encoding between documents (the partial files are
+// removed, nothing appears under the final names); a second stops at once.
+std::atomic<int> g_stop{0};
+extern "C" void on_preprocess_signal(int) {
+  if (g_stop.exchange(1) != 0) _exit(130);
+  static const char kFirst[] = "\nloom preprocess: signal received: stopping, no files written; signal again to stop at once\n";
+  const ssize_t ignored = write(2, kFirst, sizeof(kFirst) - 1);
+  (void)ignored;
+}
+
+struct Interrupted : std::runtime_error {
+  Interrupted() : std::runtime_error("stopped by a signal; no files written") {}
+};
 
 // The documents of one input: its JSON lines' `key` fields, or the whole file.
 std::vector<std::string> documents_of(const std::string& path, const std::string& key) {
@@ -123,7 +141,7 @@ void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>&
   std::condition_variable cv;
   std::string failure;
   auto work = [&] {
-    for (size_t d; (d = next.fetch_add(1)) < docs.size();) {
+    for (size_t d; g_stop.load() == 0 && (d = next.fetch_add(1)) < docs.size();) {
       std::vector<int32_t> ids;
       try {
         ids = tok.encode(docs[d]);
@@ -146,7 +164,9 @@ void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>&
       std::vector<int32_t> ids;
       {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return ready[d] != 0; });
+        while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return ready[d] != 0; }))
+          if (g_stop.load() != 0) throw Interrupted();
+        if (g_stop.load() != 0) throw Interrupted();
         if (!failure.empty()) throw std::runtime_error(failure);
         ids = std::move(encoded[d]);
       }
@@ -172,6 +192,17 @@ int preprocess(const Args& args) {
   const long long workers = args.get_int("--workers", std::max(1u, std::thread::hardware_concurrency()));
   if (workers < 1 || workers > 1024) throw UsageError("--workers must be between 1 and 1024");
   const std::string prefix = *args.get("--output-prefix");
+  if (prefix.empty() || prefix.back() == '/') throw UsageError("--output-prefix must name files (PREFIX.bin, PREFIX.idx)");
+  // An output must not overwrite an input.
+  for (const std::string& input : args.all("--input"))
+    for (const char* ext : {".bin", ".idx"}) {
+      boost::system::error_code ec;
+      if (boost::filesystem::equivalent(input, prefix + ext, ec) && !ec)
+        throw UsageError("--output-prefix " + prefix + " would write " + prefix + ext + ", which is the input " + input);
+    }
+  const bool jsonl_input = std::any_of(args.all("--input").begin(), args.all("--input").end(), is_jsonl);
+  if (args.has("--json-key") && !jsonl_input)
+    throw UsageError("--json-key names a field of JSONL inputs (.jsonl, .json), and no input is one");
   const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
   const text::Tokenizer& tok = *loaded;
   if (args.flag("--append-eod") && tok.eod() < 0)
@@ -186,10 +217,20 @@ int preprocess(const Args& args) {
   for (const std::string& d : docs) total_bytes += static_cast<double>(d.size());
   Progress progress(docs.size(), total_bytes);
   int64_t tokens = 0;
+  g_stop = 0;
+  struct Handlers {  // SIGINT/SIGTERM while encoding and writing
+    Handlers() {
+      for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_preprocess_signal);
+    }
+    ~Handlers() {
+      for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
+    }
+  } handlers;
   if (format == "megatron") {
     text::IndexedDatasetWriter out(prefix, text::token_type_for(tok.vocab_size()));
     encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
                     [&](const std::vector<int32_t>& ids) { out.add_document(ids); });
+    if (g_stop.load() != 0) throw Interrupted();
     out.finish();
     tokens = out.tokens();
     std::cerr << "wrote " << prefix << ".bin and " << prefix << ".idx: ";
@@ -197,6 +238,7 @@ int preprocess(const Args& args) {
     std::vector<int32_t> all;
     encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
                     [&](const std::vector<int32_t>& ids) { all.insert(all.end(), ids.begin(), ids.end()); });
+    if (g_stop.load() != 0) throw Interrupted();
     text::write_llmc_tokens(prefix + ".bin", all);
     tokens = static_cast<int64_t>(all.size());
     std::cerr << "wrote " << prefix << ".bin: ";
@@ -225,6 +267,10 @@ int tokenize(const Args& args) {
         throw UsageError("--decode reads token ids separated by spaces; '" + word + "' is not one");
       }
     }
+    if (args.flag("--json")) {
+      std::cout << runtime::dump_json({{"text", tok.decode(ids)}}) << "\n";
+      return 0;
+    }
     std::cout << tok.decode(ids);
     return 0;
   }
@@ -252,7 +298,8 @@ int train_tokenizer(const Args& args) {
   how.inputs = args.all("--input");
   how.model_prefix = *args.get("--model-prefix");
   how.vocab_size = static_cast<int32_t>(args.get_int("--vocab-size", 0));
-  if (how.vocab_size < 1 || how.vocab_size > 1000000) throw UsageError("--vocab-size must be between 1 and 1000000");
+  // Byte fallback needs its 256 byte pieces, <unk>, <s> and </s>, and a piece more.
+  if (how.vocab_size < 260 || how.vocab_size > 1000000) throw UsageError("--vocab-size must be between 260 and 1000000");
   how.model_type = args.get("--model-type").value_or("bpe");
   if (how.model_type != "bpe" && how.model_type != "unigram")
     throw UsageError("--model-type " + how.model_type + " is unknown; valid: bpe, unigram");
@@ -265,7 +312,11 @@ int train_tokenizer(const Args& args) {
     if (!(how.character_coverage > 0 && how.character_coverage <= 1))
       throw UsageError("--character-coverage must be in (0, 1], got " + *c);
   }
-  how.threads = static_cast<int>(args.get_int("--workers", std::max(1u, std::thread::hardware_concurrency())));
+  const long long workers = args.get_int("--workers", std::min(128u, std::max(1u, std::thread::hardware_concurrency())));
+  if (workers < 1 || workers > 128) throw UsageError("--workers must be between 1 and 128 (SentencePiece's limit)");
+  how.threads = static_cast<int>(workers);
+  if (how.model_prefix.empty() || how.model_prefix.back() == '/')
+    throw UsageError("--model-prefix must name files (PREFIX.model, PREFIX.vocab)");
   const auto start = std::chrono::steady_clock::now();
   text::train_sentencepiece(how);
   std::cerr << "wrote " << how.model_prefix << ".model and " << how.model_prefix << ".vocab (" << how.vocab_size
@@ -287,6 +338,9 @@ int run_command(const char* name, const char* usage, int argc, char** argv, std:
   } catch (const UsageError& e) {
     std::cerr << "loom " << name << ": " << e.what() << "\n" << usage;
     return 2;
+  } catch (const Interrupted& e) {
+    std::cerr << "loom " << name << ": " << e.what() << "\n";
+    return 130;
   } catch (const std::exception& e) {
     std::cerr << "loom " << name << ": " << runtime::error_message(e) << "\n";
     return 1;

@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <boost/filesystem.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <climits>
@@ -30,6 +32,7 @@ std::string utf8(uint32_t cp) {
 }
 
 std::string read_all(const std::string& path) {
+  if (boost::filesystem::is_directory(path)) throw TokenizerError(path + ": is a directory, not a file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TokenizerError(path + ": cannot open the file (a GPT-2 tokenizer directory holds encoder.json and "
                                        "vocab.bpe; scripts/fetch-gpt2-tokenizer.sh fetches them)");
@@ -144,6 +147,7 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
   int32_t rank = 0, line_no = 0;
   while (std::getline(merges, line)) {
     ++line_no;
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // a file with CRLF line ends
     if (line.empty() || (line_no == 1 && line.rfind("#version", 0) == 0)) continue;
     const size_t space = line.find(' ');
     if (space == std::string::npos || space == 0 || space + 1 == line.size() ||
@@ -151,6 +155,7 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
       throw TokenizerError(merges_path + ":" + std::to_string(line_no) + ": expected two symbols separated by a space");
     t.ranks_.emplace(line, rank++);
   }
+  if (t.ranks_.empty()) throw TokenizerError(merges_path + ": holds no merges (a GPT-2 vocab.bpe has 50000)");
   return t;
 }
 

@@ -33,18 +33,28 @@ T get(const std::string& in, size_t& at, const std::string& path) {
 
 std::string errno_text() { return std::strerror(errno); }
 
-// Writes `bytes` to PATH.tmp, flushes it to disk and renames it to PATH.
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
+// Writes `bytes` to `tmp` and flushes it to disk; removes it and throws on failure.
+void write_synced(const std::string& tmp, const std::string& bytes) {
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (f == nullptr) throw TokenFileError(tmp + ": cannot open for writing (" + errno_text() + ")");
   const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size() && std::fflush(f) == 0 &&
                   ::fsync(fileno(f)) == 0;
   const std::string why = errno_text();
   std::fclose(f);
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (!ok) {
     std::remove(tmp.c_str());
-    throw TokenFileError(path + ": writing failed (" + (ok ? errno_text() : why) + ")");
+    throw TokenFileError(tmp + ": writing failed (" + why + ")");
+  }
+}
+
+// Writes `bytes` to PATH.tmp, flushes it to disk and renames it to PATH.
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  write_synced(tmp, bytes);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = errno_text();
+    std::remove(tmp.c_str());
+    throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
   }
 }
 
@@ -111,10 +121,22 @@ void IndexedDatasetWriter::finish() {
     offset += static_cast<int64_t>(len) * static_cast<int64_t>(item_size(type_));
   }
   for (uint64_t d = 0; d <= n; ++d) put<int64_t>(idx, static_cast<int64_t>(d));
-  if (std::rename((prefix_ + ".bin.tmp").c_str(), (prefix_ + ".bin").c_str()) != 0)
-    throw TokenFileError(prefix_ + ".bin: cannot rename the finished file into place (" + errno_text() + ")");
+  // Both files complete under their temporary names, then renamed: a failure leaves
+  // neither under its final name (a renamed .bin whose .idx cannot follow is removed).
+  const std::string bin = prefix_ + ".bin", idx_path = prefix_ + ".idx";
+  write_synced(idx_path + ".tmp", idx);
+  auto fail = [&](const std::string& path) {
+    const std::string why = errno_text();
+    std::remove((idx_path + ".tmp").c_str());
+    throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
+  };
+  if (std::rename((bin + ".tmp").c_str(), bin.c_str()) != 0) fail(bin);
+  if (std::rename((idx_path + ".tmp").c_str(), idx_path.c_str()) != 0) {
+    std::remove(bin.c_str());
+    finished_ = true;  // nothing left to remove under .tmp
+    fail(idx_path);
+  }
   finished_ = true;
-  write_file_atomically(prefix_ + ".idx", idx);
 }
 
 IndexedDataset IndexedDataset::read(const std::string& prefix) {
@@ -142,6 +164,15 @@ IndexedDataset IndexedDataset::read(const std::string& prefix) {
   for (auto& v : offsets) v = get<int64_t>(idx, at, idx_path);
   for (auto& v : docs) v = get<int64_t>(idx, at, idx_path);
   const size_t es = item_size(out.type);
+  // Megatron's writer lays the sequences back to back: each pointer is where the
+  // previous sequence ends, so a damaged index is caught here, not read as tokens.
+  for (size_t s = 0; s < lengths.size(); ++s) {
+    const int64_t want = s == 0 ? 0 : offsets[s - 1] + static_cast<int64_t>(lengths[s - 1]) * static_cast<int64_t>(es);
+    if (lengths[s] < 0 || offsets[s] != want)
+      throw TokenFileError(idx_path + ": sequence " + std::to_string(s) + " has length " + std::to_string(lengths[s]) +
+                           " at byte " + std::to_string(offsets[s]) + ", expected a length >= 0 at byte " +
+                           std::to_string(want) + " (the sequences lie back to back)");
+  }
   for (size_t d = 0; d + 1 < docs.size(); ++d) {
     if (docs[d] < 0 || docs[d] > docs[d + 1] || static_cast<uint64_t>(docs[d + 1]) > sequences)
       throw TokenFileError(idx_path + ": document " + std::to_string(d) + " has sequences " + std::to_string(docs[d]) +

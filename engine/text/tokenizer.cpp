@@ -79,6 +79,8 @@ void train_sentencepiece(const SentencePieceTraining& how) {
       {"minloglevel", "2"},
   };
   const auto status = sentencepiece::SentencePieceTrainer::Train(args);
+  if (!status.ok() && status.ToString().find("!sentences_.empty()") != std::string::npos)
+    throw TokenizerError("no training text in " + inputs + " (SentencePiece skips blank lines and lines over 4192 bytes)");
   if (!status.ok()) throw TokenizerError("training the SentencePiece model failed: " + status.ToString());
 }
 

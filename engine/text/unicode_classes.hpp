@@ -1,5 +1,6 @@
 // The Unicode classes the GPT-2 pre-tokenizer splits text by: letters (\p{L}),
-// numbers (\p{N}) and white space (JavaScript's \s), as code point ranges
+// numbers (\p{N}) and white space (the White_Space property: what \s matches in
+// Python's regex module, which OpenAI's encoder.py uses), as code point ranges
 // generated from Unicode's data (unicode_classes.inc), and UTF-8 decoding.
 #pragma once
 

@@ -37,7 +37,10 @@ function bpe(piece) {
   return word.map(s => encoder.get(s));
 }
 
-const pattern = /'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+/gu;
+// \s as Python's regex module matches it in encoder.py: Unicode's White_Space (JavaScript's
+// \s would add U+FEFF and leave out U+0085).
+const pattern =
+    /'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\p{White_Space}\p{L}\p{N}]+|\p{White_Space}+(?!\P{White_Space})|\p{White_Space}+/gu;
 const text = fs.readFileSync(file, 'utf8');
 const ids = [];
 for (const m of text.matchAll(pattern)) ids.push(...bpe(m[0]));

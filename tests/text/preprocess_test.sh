@@ -19,7 +19,8 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 #    every branch of the pattern (contractions, numbers of several scripts, symbols,
 #    runs of white space of several kinds, 4-byte characters).
 [ "$("$loom" tokenize --tokenizer "$tok" --text "Hello world")" = "15496 995" ] || fail "Hello world is not 15496 995"
-printf "It's 2026! They'll've  Über naïve   café\n\tend \n٣٤ ½ Ⅻ 日本語のテキスト 🚀🚀 x\u00a0y  \n\n  z's '' \r\n" > "$work/unicode.txt"
+printf "It's 2026! They'll've  Über naïve   café\n\tend \n٣٤ ½ Ⅻ 日本語のテキスト 🚀🚀 x\u00a0y  \n\n  z's '' \r\n a\u0085're \ufeff's\n" \
+  > "$work/unicode.txt"
 cp "$src/../shared/data/tinyshakespeare.txt" "$work/shakespeare.txt" 2>/dev/null ||
   head -c 200000 /dev/urandom | base64 > "$work/shakespeare.txt"
 for f in unicode.txt shakespeare.txt; do
@@ -118,6 +119,17 @@ out=$("$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-
 [ $? -eq 2 ] || fail "an unknown --format is not a usage error"
 "$loom" tokenize --tokenizer "$tok" --decode --text "15496 nine" >/dev/null 2>&1
 [ $? -eq 2 ] || fail "decoding a non-number is not a usage error"
+# An output that would overwrite an input is refused, and the input is untouched.
+cp "$work/docs.jsonl" "$work/in.bin"
+"$loom" preprocess --tokenizer "$tok" --input "$work/in.bin" --output-prefix "$work/in" >/dev/null 2>&1
+[ $? -eq 2 ] && cmp -s "$work/docs.jsonl" "$work/in.bin" || fail "an output over an input was not refused"
+# vocab.bpe with CRLF line ends gives the same ids; one without merges is refused.
+mkdir -p "$work/crlf" "$work/nomerge"
+cp "$tok/encoder.json" "$work/crlf/" && sed 's/$/\r/' "$tok/vocab.bpe" > "$work/crlf/vocab.bpe"
+[ "$("$loom" tokenize --tokenizer "$work/crlf" --text "Hello world")" = "15496 995" ] || fail "CRLF vocab.bpe"
+cp "$tok/encoder.json" "$work/nomerge/" && echo "#version: 0.2" > "$work/nomerge/vocab.bpe"
+out=$("$loom" tokenize --tokenizer "$work/nomerge" --text "Hello" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"holds no merges"* ]] || fail "a vocab.bpe without merges: $out"
 
 [ $fails -eq 0 ] && echo "preprocess: all checks passed"
 exit $((fails > 0))

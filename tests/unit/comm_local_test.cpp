@@ -908,7 +908,11 @@ TEST(CommLocalLinks, AMalformedLinkIsRefusedWithWhatWouldBeValid) {
         {"dp=25GB/s,10", "must be a number >= 0 with a unit: ns, us, ms or s"},
         {"dp 25GB/s", "must be KIND=BANDWIDTH[,LATENCY]"},
         {"dp=25GB/s; dp=1GB/s", "given twice"},
-        {"=1GB/s", "names no group kind"}}) {
+        {"=1GB/s", "names no group kind"},
+        {"DP=1GB/s", "'DP' is not a group kind; valid: tp"},
+        {"dp=1GB/s,2s", "above the 1s this model takes"},
+        {"dp=0.5MB/s", "below the 1MB/s this model takes"},
+        {"dp=0x10GB/s", "must be a positive number with a unit"}}) {
     try {
       World w(1, 1000, spec);
       ADD_FAILURE() << spec << " was accepted";

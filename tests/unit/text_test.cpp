@@ -73,6 +73,9 @@ TEST(Text, ATokenizerPathThatIsNoneSaysWhatWouldBe) {
   EXPECT_NE(m.find("fetch-gpt2-tokenizer.sh"), std::string::npos) << m;
   std::ofstream(dir + "/encoder.json") << "{\"a\": 0, \"b\": 0}";
   EXPECT_NE(message(dir).find("id 0 is given twice"), std::string::npos) << message(dir);
+  boost::filesystem::create_directory(dir + "/d");
+  boost::filesystem::create_directory(dir + "/d/encoder.json");
+  EXPECT_NE(message(dir + "/d").find("encoder.json: is a directory"), std::string::npos) << message(dir + "/d");
   fs::remove_all(dir);
 }
 
@@ -98,8 +101,28 @@ TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
   EXPECT_EQ(loom::text::token_type_for(50257), loom::text::TokenType::U16);
   EXPECT_EQ(loom::text::token_type_for(128256), loom::text::TokenType::I32);
 
-  // A truncated index, and one that is not an index, are refused by name.
+  // An index whose sequences do not lie back to back (a damaged pointer) is refused.
   const std::string idx = dir + "/a.idx";
+  {
+    std::fstream f(idx, std::ios::in | std::ios::out | std::ios::binary);
+    // Header 9 + 8 + 1 + 8 + 8 bytes, three int32 lengths, then the pointers: the third += 2.
+    const std::streamoff third_pointer = 34 + 3 * 4 + 2 * 8;
+    int64_t p = 0;
+    f.seekg(third_pointer);
+    f.read(reinterpret_cast<char*>(&p), 8);
+    p += 2;
+    f.seekp(third_pointer);
+    f.write(reinterpret_cast<const char*>(&p), 8);
+  }
+  try {
+    loom::text::IndexedDataset::read(dir + "/a");
+    ADD_FAILURE() << "a damaged pointer was read";
+  } catch (const loom::text::TokenFileError& e) {
+    EXPECT_NE(std::string(e.what()).find("sequence 2 has length 2 at byte 8, expected a length >= 0 at byte 6"),
+              std::string::npos)
+        << e.what();
+  }
+  // A truncated index, and one that is not an index, are refused by name.
   const auto size = fs::file_size(idx);
   fs::resize_file(idx, size - 5);
   try {

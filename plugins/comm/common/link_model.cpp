@@ -29,7 +29,8 @@ double parse_quantity(const std::string& text, const std::string& entry, std::in
   size_t used = 0;
   double v = 0;
   try {
-    v = std::stod(text, &used);
+    // Decimal only (stod would also take hexadecimal).
+    if (text.find_first_of("xX") == std::string::npos) v = std::stod(text, &used);
   } catch (const std::exception&) {
     used = 0;
   }
@@ -42,14 +43,35 @@ double parse_quantity(const std::string& text, const std::string& entry, std::in
   return v * scale;
 }
 
+// Bounds that keep every modelled time finite and a run's wait sane: a link of at
+// least 1 MB/s, a latency of at most 1 s.
+constexpr double kMinBytesPerS = 1e6, kMaxLatencyS = 1.0;
+
 double parse_bandwidth(const std::string& text, const std::string& entry) {
-  return parse_quantity(text, entry, {{"GB/s", 1e9}, {"MB/s", 1e6}, {"Gb/s", 1e9 / 8}, {"Mb/s", 1e6 / 8}}, false,
-                        "bandwidth", "a positive number with a unit: GB/s, MB/s, Gb/s or Mb/s (e.g. 25GB/s)");
+  const double v =
+      parse_quantity(text, entry, {{"GB/s", 1e9}, {"MB/s", 1e6}, {"Gb/s", 1e9 / 8}, {"Mb/s", 1e6 / 8}}, false,
+                     "bandwidth", "a positive number with a unit: GB/s, MB/s, Gb/s or Mb/s (e.g. 25GB/s)");
+  if (v < kMinBytesPerS)
+    throw std::invalid_argument("link '" + entry + "': bandwidth '" + text + "' is below the 1MB/s this model takes");
+  return v;
 }
 
 double parse_latency(const std::string& text, const std::string& entry) {
-  return parse_quantity(text, entry, {{"ns", 1e-9}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}}, true, "latency",
-                        "a number >= 0 with a unit: ns, us, ms or s (e.g. 10us)");
+  const double v = parse_quantity(text, entry, {{"ns", 1e-9}, {"us", 1e-6}, {"ms", 1e-3}, {"s", 1}}, true, "latency",
+                                  "a number >= 0 with a unit: ns, us, ms or s (e.g. 10us)");
+  if (v > kMaxLatencyS)
+    throw std::invalid_argument("link '" + entry + "': latency '" + text + "' is above the 1s this model takes");
+  return v;
+}
+
+// The group kinds the engine creates (loom_group_desc.kind), and "*" for any other.
+bool known_kind(const std::string& kind) {
+  static const char* kKinds[] = {"*",         "world",   "tp",    "cp",      "dp",         "pp",
+                                 "ep",        "etp",     "edp",   "dp-cp",   "tp-dp-cp",   "tp-dp",
+                                 "tp-cp",     "tp-pp",   "etp-ep", "etp-ep-pp", "embedding", "position_embedding"};
+  for (const char* k : kKinds)
+    if (kind == k) return true;
+  return false;
 }
 
 int ceil_log2(int p) {
@@ -87,6 +109,10 @@ LinkModel LinkModel::parse(const std::string& spec) {
       throw std::invalid_argument("link '" + entry + "' must be KIND=BANDWIDTH[,LATENCY], e.g. dp=25GB/s,10us");
     const std::string kind = trim(entry.substr(0, eq)), value = entry.substr(eq + 1);
     if (kind.empty()) throw std::invalid_argument("link '" + entry + "' names no group kind (tp, dp, pp, ..., or *)");
+    if (!known_kind(kind))
+      throw std::invalid_argument("link '" + entry + "': '" + kind + "' is not a group kind; valid: tp, cp, dp, pp, "
+                                  "ep, etp, edp, dp-cp, tp-dp-cp, tp-dp, tp-cp, tp-pp, etp-ep, etp-ep-pp, embedding, "
+                                  "position_embedding, world, or * for any other");
     const size_t comma = value.find(',');
     Link link;
     link.bytes_per_s = parse_bandwidth(trim(value.substr(0, comma)), entry);
