@@ -548,6 +548,54 @@ TEST(Layers, MlpForwardMatchesReference) {
   expect_close(y, out, 1e-5, "mlp output");
 }
 
+// Llama's MLP: RMSNorm, SwiGLU (fc1 = [gate | up]), no biases.
+toml::table llama_mlp_options() {
+  return toml::table{{"activation", "swiglu"}, {"norm", "rmsnorm"}, {"bias", false}, {"norm_epsilon", 1e-6}};
+}
+
+TEST(Layers, LlamaMlpGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table opts = llama_mlp_options();
+  TestLayer layer(rank, "mlp", dims, &opts);
+  std::vector<std::string> names;
+  for (Param& p : layer.params()) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"ln.weight", "fc1.weight", "fc2.weight"}));  // no biases, no beta
+  std::mt19937 rng(23);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
+}
+
+TEST(Layers, LlamaMlpForwardMatchesReference) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table opts = llama_mlp_options();
+  TestLayer layer(rank, "mlp", dims, &opts);
+  std::mt19937 rng(24);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> y;
+  layer.forward(b, 0, false, 0, &y);
+  const std::vector<float>& g = layer.param("ln.weight").value;
+  Mat n(static_cast<size_t>(kT * kHidden));
+  for (int64_t r = 0; r < kT; ++r) {  // RMSNorm
+    double ss = 0;
+    for (int64_t c = 0; c < kHidden; ++c) ss += static_cast<double>(b.x[r * kHidden + c]) * b.x[r * kHidden + c];
+    const double rstd = 1.0 / std::sqrt(ss / kHidden + 1e-6);
+    for (int64_t c = 0; c < kHidden; ++c) n[r * kHidden + c] = b.x[r * kHidden + c] * rstd * g[c];
+  }
+  Mat h = ref_linear(n, layer.param("fc1.weight").value, std::vector<float>(2 * kFfn, 0.0f), kT, kHidden, 2 * kFfn);
+  Mat act(static_cast<size_t>(kT * kFfn));
+  for (int64_t r = 0; r < kT; ++r)  // silu(gate) * up, gate = columns [0, ffn), up = [ffn, 2 ffn)
+    for (int64_t c = 0; c < kFfn; ++c) {
+      const double gate = h[r * 2 * kFfn + c], up = h[r * 2 * kFfn + kFfn + c];
+      act[r * kFfn + c] = gate / (1.0 + std::exp(-gate)) * up;
+    }
+  Mat out = ref_linear(act, layer.param("fc2.weight").value, std::vector<float>(kHidden, 0.0f), kT, kFfn, kHidden);
+  for (size_t i = 0; i < out.size(); ++i) out[i] += b.x[i];
+  expect_close(y, out, 1e-5, "llama mlp output");
+}
+
 // ---------------------------------------------------------------------------
 // Accumulation: a second backward adds the same gradient again.
 // ---------------------------------------------------------------------------

@@ -168,6 +168,19 @@ TEST(TensorParallel, DropoutOutsideTpRegionsMatchesSerialWithAndWithoutSp) {
   expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, drop);
 }
 
+// Llama's MLP (RMSNorm, SwiGLU with fc1's gate and up split with stride 2, no
+// biases) under tp 2, with and without sequence parallelism, trains as the serial run.
+TEST(TensorParallel, LlamaMlpMatchesSerialWithAndWithoutSp) {
+  const std::vector<std::string> llama = {"model.layer.mlp.activation=swiglu", "model.layer.mlp.norm=rmsnorm",
+                                          "model.layer.mlp.bias=false"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), llama.begin(), llama.end());
+    return v;
+  };
+  expect_same_training(with({"parallel.tp=2"}), 2, llama);
+  expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, llama);
+}
+
 // Dropout inside the TP region (the MLP's activation dropout, a stream per tp
 // rank) and outside it: the same seed gives bit-identical runs, another seed
 // another run, and the duplicated parameters stay bit-identical across tp ranks

@@ -439,6 +439,51 @@ inline loom::OptionSpec dropout_option_spec(const char* where) {
 
 constexpr float kLayerNormEps = 1e-5f;
 
+// The normalisation in front of a block's sublayer, as its `norm` option chooses:
+// LayerNorm (gamma and beta; saves mean and rstd) or RMSNorm (Zhang and Sennrich,
+// 2019: gamma only, no mean subtracted; saves rstd), as Llama and Megatron-Core's
+// normalization = "RMSNorm" apply it. `eps` is the norm_epsilon option.
+struct Norm {
+  bool rms = false;
+  float eps = kLayerNormEps;
+
+  void forward(const loom::Device& dev, const void* x, const void* gamma, const void* beta, void* y, float* mean,
+               float* rstd, int64_t rows, int64_t cols, int32_t dtype) const {
+    if (!rms) {
+      layernorm_fwd(dev, x, gamma, beta, y, mean, rstd, rows, cols, eps, dtype);
+      return;
+    }
+    dev.rmsnorm_fwd({.rows = rows, .cols = cols, .x = x, .gamma = gamma, .y = y, .rstd = rstd, .eps = eps,
+                     .dtype = dtype});
+  }
+  // dgamma (and dbeta, LayerNorm only) accumulated; dx written or added.
+  void backward(const loom::Device& dev, const void* dy, const void* x, const void* gamma, const float* mean,
+                const float* rstd, void* dx, void* dgamma, void* dbeta, int64_t rows, int64_t cols,
+                bool accumulate_dx, int32_t dtype, int32_t grad_fp32) const {
+    if (!rms) {
+      layernorm_bwd(dev, dy, x, gamma, mean, rstd, dx, dgamma, dbeta, rows, cols, accumulate_dx, dtype, grad_fp32);
+      return;
+    }
+    dev.rmsnorm_bwd({.rows = rows, .cols = cols, .dy = dy, .x = x, .gamma = gamma, .rstd = rstd, .dx = dx,
+                     .dgamma = dgamma, .accumulate_dx = accumulate_dx ? 1 : 0, .dtype = dtype,
+                     .grad_fp32 = grad_fp32});
+  }
+};
+
+// The options that choose it, declared by every layer that normalises.
+inline Norm norm_option(const loom::Options& options) {
+  return {.rms = options.declared_string("norm") == "rmsnorm",
+          .eps = static_cast<float>(options.declared_float("norm_epsilon"))};
+}
+inline std::vector<loom::OptionSpec> norm_option_specs() {
+  return {loom::opt_string("norm", "layernorm",
+                           "the normalisation before the sublayer: layernorm (gamma and beta) or rmsnorm (gamma "
+                           "only, as Llama)")
+              .one_of("layernorm|rmsnorm"),
+          loom::opt_float("norm_epsilon", 1e-5, "added to the variance (layernorm) or the mean square (rmsnorm)")
+              .in("(0, 1)")};
+}
+
 // The input of a layer's first, column-parallel GEMM, for its weight gradient:
 // LN(x) recomputed from the saved input x [local rows, cols] and its statistics
 // into `ln` [local rows, cols], and under sequence parallelism all-gathered into
@@ -450,8 +495,9 @@ constexpr float kLayerNormEps = 1e-5f;
 // same input), so saving and recomputing train identically.
 inline const void* recompute_ln_input(const loom::Device& dev, const loom::TensorParallel& tp, const void* x,
                                       const void* gamma, const void* beta, float* mean, float* rstd, void* ln,
-                                      void* ln_full, int64_t local_rows, int64_t cols, int32_t dtype) {
-  layernorm_fwd(dev, x, gamma, beta, ln, mean, rstd, local_rows, cols, kLayerNormEps, dtype);
+                                      void* ln_full, int64_t local_rows, int64_t cols, int32_t dtype,
+                                      const Norm& norm = {}) {
+  norm.forward(dev, x, gamma, beta, ln, mean, rstd, local_rows, cols, dtype);
   if (!tp.sequence_parallel()) return ln;
   // f's forward (the all-gather entering the TP region), repeated.
   tp.enter_forward({.rows = local_rows * tp.size(), .cols = cols, .x = ln, .out = ln_full, .dtype = dtype});

@@ -1,10 +1,14 @@
-// layer/mlp: pre-LayerNorm feed-forward block with a residual,
-//   y = x + dropout(fc2(gelu(fc1(LN(x)))))
+// layer/mlp: pre-norm feed-forward block with a residual,
+//   y = x + dropout(fc2(act(fc1(norm(x)))))
+// GPT-2's (LayerNorm, GeLU, biases) by default; Llama's with norm = "rmsnorm",
+// activation = "swiglu" (fc1 makes the gate and the up projection, ffn columns each:
+// silu(gate) * up) and bias = false.
 // Tensor-parallel in Megatron's way, through the parallel/tensor service: fc1 is
-// column-parallel (this rank holds ffn/tp columns, GeLU applied locally), fc2
-// row-parallel (`g` after it, bias after the reduction). LayerNorm, dropout and
+// column-parallel (this rank holds ffn/tp columns, of the gate and of the up
+// projection under SwiGLU: partition_stride 2; the activation applied locally), fc2
+// row-parallel (`g` after it, bias after the reduction). The norm, dropout and
 // the residual are duplicated, or run on this rank's sequence shard under
-// sequence parallelism. activation_dropout (on the GeLU output) is inside the TP
+// sequence parallelism. activation_dropout (on the activation's output) is inside the TP
 // region and draws from a stream per tp rank.
 #include "../common/layer_math.hpp"
 #include "../common/param_set.hpp"
@@ -36,15 +40,28 @@ class Mlp : public loom::Layer {
     ffn_local_ = ffn_ / tp;
     dropout_ = dropout_option(options);
     activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
+    norm_ = norm_option(options);
+    swiglu_ = options.declared_string("activation") == "swiglu";
+    const bool bias = options.declared_bool("bias");
+    // fc1's columns: ffn, or the gate's ffn then the up projection's under SwiGLU,
+    // split with stride 2 so that each tp rank holds [its gate | its up].
+    const int32_t parts = swiglu_ ? 2 : 1;
+    fc1_local_ = parts * ffn_local_;
     const int64_t H = hidden_, F = ffn_;
     params_ = ParamSet(name_, {.tp = tp});
-    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
-    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    params_.add({.name = "fc1.weight", .shape = {H, F}, .partition_dim = 1, .init = LOOM_INIT_NORMAL});
-    params_.add({.name = "fc1.bias", .shape = {F}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
-                 .no_weight_decay = true});
-    params_.add({.name = "fc2.weight", .shape = {F, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
-    params_.add({.name = "fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    if (!norm_.rms)
+      ln_b_ = params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    fc1_w_ = params_.add({.name = "fc1.weight", .shape = {H, parts * F}, .partition_dim = 1,
+                          .partition_stride = parts, .init = LOOM_INIT_NORMAL});
+    if (bias)
+      fc1_b_ = params_.add({.name = "fc1.bias", .shape = {parts * F}, .partition_dim = 0, .partition_stride = parts,
+                            .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    fc2_w_ = params_.add({.name = "fc2.weight", .shape = {F, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    if (bias)
+      fc2_b_ = params_.add({.name = "fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    w_.assign(params_.size(), nullptr);
+    g_.assign(params_.size(), nullptr);
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
@@ -53,11 +70,11 @@ class Mlp : public loom::Layer {
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    dt_ = params_.bind(params, grads, w_, g_);
+    dt_ = params_.bind(params, grads, w_.data(), g_.data());
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
-    const int64_t H = hidden_, Fl = ffn_local_;
+    const int64_t H = hidden_, Fl = ffn_local_, F1 = fc1_local_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism.
     const bool sp = tp_.sequence_parallel();
@@ -79,13 +96,12 @@ class Mlp : public loom::Layer {
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
-    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps, dt_.act);
-    // Column-parallel fc1 (f: identity, or the all-gather under SP); GeLU locally.
-    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = Fl, .x = tmp.at(ln),
-                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kFc1W],
-                                        .bias = w_[kFc1B], .y = s.mem.at(s.h), .dtype = dt_.act});
-    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = dt_.act});
+    norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
+    // Column-parallel fc1 (f: identity, or the all-gather under SP); the activation locally.
+    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = F1, .x = tmp.at(ln),
+                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(fc1_w_),
+                                        .bias = w(fc1_b_), .y = s.mem.at(s.h), .dtype = dt_.act});
+    activate(dev, s.mem.at(s.h), tmp.at(act), T);
     // Inside the TP region: each tp rank holds other columns, so its own stream.
     if (act_drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_PARALLEL, .n = T * Fl, .x = tmp.at(act), .out = tmp.at(act),
@@ -94,8 +110,8 @@ class Mlp : public loom::Layer {
                            .seed_device = a.dropout_seed_device});
     // Row-parallel fc2 (g: all-reduce, or reduce-scatter under SP), bias after it.
     void* o = tmp.at<void>(out);
-    tp_.row_parallel_linear_forward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
-                                     .bias = w_[kFc2B], .y = o, .dtype = dt_.act});
+    tp_.row_parallel_linear_forward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w(fc2_w_),
+                                     .bias = w(fc2_b_), .y = o, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = o, .out = o,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
@@ -112,18 +128,19 @@ class Mlp : public loom::Layer {
                                            << " without a training forward");
     Saved& s = it->second;
     const bool sp = tp_.sequence_parallel();
-    const int64_t H = hidden_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B;
+    const int64_t H = hidden_, Fl = ffn_local_, F1 = fc1_local_, S = s.S, B = s.B, T = S * B;
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), params_.local_numels(), tp_.features(), fusion_);
+    GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(), tp_.features(), fusion_);
+    auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
-                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
+                 dact = tmp.elems(T * Fl, dt_.act), dh = tmp.elems(T * F1, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
                  ln_full = tmp.elems(sp ? T * H : 0, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
     tmp.allocate(rank_);
 
@@ -132,30 +149,33 @@ class Mlp : public loom::Layer {
       dropout_bwd(dev, dy, tmp.at(dout), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dout);
     }
-    // fc2 (its input, gelu(h) after the activation dropout, is recomputed).
-    dev.gelu_fwd({.n = T * Fl, .x = s.mem.at(s.h), .out = tmp.at(act), .dtype = dt_.act});
+    // fc2 (its input, act(h) after the activation dropout, is recomputed).
+    activate(dev, s.mem.at(s.h), tmp.at(act), T);
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(act), tmp.at(act), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
-    tp_.row_parallel_linear_backward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w_[kFc2W],
-                                      .dy = d, .dx = tmp.at(dact), .dweight = gs[kFc2W], .dbias = gs[kFc2B], .dtype = dt_.act,
-                                      .grad_fp32 = gs.grad_fp32()});
+    tp_.row_parallel_linear_backward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w(fc2_w_),
+                                      .dy = d, .dx = tmp.at(dact), .dweight = grad(fc2_w_), .dbias = grad(fc2_b_),
+                                      .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(dact), tmp.at(dact), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
-    // GeLU backward into the buffer of the recomputed activation (no longer needed).
-    dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(act),
-                  .dtype = dt_.act});
-    // fc1 with the LN output recomputed (and gathered again under SP); f's
+    // The activation's backward: dh, the gradient of fc1's output.
+    if (swiglu_)
+      dev.swiglu_bwd({.rows = T, .cols = Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(dh),
+                      .dtype = dt_.act});
+    else
+      dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(dh), .dtype = dt_.act});
+    // fc1 with the norm's output recomputed (and gathered again under SP); f's
     // backward (all-reduce, or reduce-scatter to the shard) closes it.
-    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
-                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
-    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = Fl, .x = ln_in, .weight = w_[kFc1W],
-                                         .dy = tmp.at(act), .dx = tmp.at(dln), .dweight = gs[kFc1W],
-                                         .dbias = gs[kFc1B], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
+    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = F1, .x = ln_in, .weight = w(fc1_w_),
+                                         .dy = tmp.at(dh), .dx = tmp.at(dln), .dweight = grad(fc1_w_),
+                                         .dbias = grad(fc1_b_), .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
 
-    // dx = dy (the residual) + LN backward; every read of dy is done above.
+    // dx = dy (the residual) + the norm's backward; every read of dy is done above.
     copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
-    layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
+    norm_.backward(dev, tmp.at(dln), s.mem.at(s.x), w(ln_w_), s.mem.at(s.mean), s.mem.at(s.rstd), dx, grad(ln_w_),
+                   grad(ln_b_), Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -173,14 +193,23 @@ class Mlp : public loom::Layer {
     return saved_layout(seq_, micro_batch_, true, dropout_ > 0.0f, activation_dropout_ > 0.0f).mem.bytes();
   }
 
-  // fc1 2*T*H*Fl + fc2 2*T*Fl*H.
+  // fc1 2*T*H*F1 + fc2 2*T*Fl*H (F1 = Fl, or 2 Fl under SwiGLU).
   double forward_flops() override {
-    const double T = static_cast<double>(seq_ * micro_batch_);
-    return 4.0 * T * static_cast<double>(hidden_) * static_cast<double>(ffn_local_);
+    const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
+    return 2.0 * T * H * static_cast<double>(fc1_local_) + 2.0 * T * static_cast<double>(ffn_local_) * H;
   }
 
  private:
-  enum { kLnW, kLnB, kFc1W, kFc1B, kFc2W, kFc2B };
+  static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
+  void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
+
+  // act = gelu(h), or silu(gate) * up of h = [gate | up] (T rows).
+  void activate(const loom::Device& dev, const void* h, void* act, int64_t T) const {
+    if (swiglu_)
+      dev.swiglu_fwd({.rows = T, .cols = ffn_local_, .x = h, .out = act, .dtype = dt_.act});
+    else
+      dev.gelu_fwd({.n = T * ffn_local_, .x = h, .out = act, .dtype = dt_.act});
+  }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -199,7 +228,7 @@ class Mlp : public loom::Layer {
     s.x = s.mem.elems(training ? Tl * hidden_ : 0, dt_.act);  // this rank's shard under SP
     s.mean = s.mem.floats(Tl);
     s.rstd = s.mem.floats(Tl);
-    s.h = s.mem.elems(T * ffn_local_, dt_.act);  // fc1 output before GeLU
+    s.h = s.mem.elems(T * fc1_local_, dt_.act);  // fc1 output before the activation
     s.act_mask = s.mem.add(act_drop ? T * ffn_local_ : 0);
     s.mask = s.mem.add(drop ? Tl * hidden_ : 0);
     s.dropped = drop;
@@ -215,17 +244,34 @@ class Mlp : public loom::Layer {
   ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
-  void* w_[6] = {};
-  void* g_[6] = {};
+  Norm norm_;
+  bool swiglu_ = false;
+  int64_t fc1_local_ = 0;  // fc1's columns on this rank: ffn_local_, or twice that under SwiGLU
+  size_t ln_w_ = kNone, ln_b_ = kNone, fc1_w_ = kNone, fc1_b_ = kNone, fc2_w_ = kNone, fc2_b_ = kNone;
+  std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
 };
 
 }  // namespace
 
+namespace {
+std::vector<loom::OptionSpec> mlp_options() {
+  std::vector<loom::OptionSpec> o = {
+      loom::layers::dropout_option_spec("the MLP output"),
+      loom::opt_float("activation_dropout", 0.0,
+                      "dropout probability on the activation's output, inside the tensor-parallel region (a stream "
+                      "per tp rank; training only)")
+          .in("[0, 1)"),
+      loom::opt_string("activation", "gelu",
+                       "gelu (GPT-2), or swiglu: fc1 makes a gate and an up projection of ffn_hidden_size "
+                       "each, silu(gate) * up (Llama)")
+          .one_of("gelu|swiglu"),
+      loom::opt_bool("bias", true, "fc1 and fc2 have biases (GPT-2); false as Llama")};
+  for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
+  return o;
+}
+}  // namespace
+
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Mlp>(
-    "mlp", "1.1.0", "pre-LN GeLU feed-forward block with residual (tensor-parallel)",
-    {loom::layers::dropout_option_spec("the MLP output"),
-     loom::opt_float("activation_dropout", 0.0,
-                     "dropout probability on the GeLU output, inside the tensor-parallel region (a stream "
-                     "per tp rank; training only)")
-         .in("[0, 1)")}))
+    "mlp", "1.2.0", "pre-norm feed-forward block with residual: GeLU or SwiGLU, LayerNorm or RMSNorm (tensor-parallel)",
+    mlp_options()))
