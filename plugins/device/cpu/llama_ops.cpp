@@ -36,7 +36,8 @@ void row_out_done(const Device& d, const float* row, void* base, int64_t offset,
   if (bf16) d.k->f32_to_bf16(row, static_cast<uint16_t*>(base) + offset, n);
 }
 
-float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+// In double, rounded once (the same value on every device).
+float sigmoid(float v) { return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(v)))); }
 
 }  // namespace
 
@@ -231,7 +232,7 @@ void run_sigmoid(Device& d, const loom_activation_args& a, bool backward) {
       float* out = row_out(a.out, i0, n, bf16, 2);
       for (int64_t i = 0; i < n; ++i) {
         const float s = sigmoid(x[i]);
-        out[i] = backward ? dy[i] * s * (1.0f - s) : s;
+        out[i] = backward ? dy[i] * (s * (1.0f - s)) : s;
       }
       row_out_done(d, out, a.out, i0, n, bf16);
     }

@@ -1104,7 +1104,10 @@ __global__ void rmsnorm_dgamma_finish_kernel(int64_t cols, int64_t chunks, const
   st(dgamma, c, ld(dgamma, c) + static_cast<float>(a));
 }
 
-__device__ __forceinline__ float sigmoid_at(float v) { return 1.0f / (1.0f + expf(-v)); }
+// In double, rounded once: device/cpu's value.
+__device__ __forceinline__ float sigmoid_at(float v) {
+  return static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(v))));
+}
 
 template <typename T>
 __global__ void swiglu_kernel(int64_t rows, int64_t cols, bool backward, const T* x, const T* dy, T* out) {
@@ -1162,7 +1165,7 @@ __global__ void sigmoid_kernel(int64_t n, bool backward, const T* x, const T* dy
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float s = sigmoid_at(ld(x, i));
-    st(out, i, backward ? ld(dy, i) * s * (1.0f - s) : s);
+    st(out, i, backward ? ld(dy, i) * (s * (1.0f - s)) : s);
   }
 }
 

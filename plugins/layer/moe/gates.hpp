@@ -1,7 +1,8 @@
 // layer/moe: per-row gates on the device, shared by the dispatch (the router's
-// gates), the experts' backward and the shared expert's sigmoid gate. Gates are
-// decided on the host, uploaded in the activation dtype, and broadcast across a
-// row's columns by a k = 1 GEMM so that rows can be scaled elementwise.
+// gates), the experts' backward and the shared expert's sigmoid gate. The router's
+// gates are decided on the host and uploaded in the activation dtype; the shared
+// expert's are computed on the device (sigmoid_fwd, ABI 1.10). Either is broadcast
+// across a row's columns by a k = 1 GEMM so that rows can be scaled elementwise.
 #pragma once
 
 #include "../common/layer_math.hpp"

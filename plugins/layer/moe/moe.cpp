@@ -604,7 +604,7 @@ class Moe : public loom::Layer {
     }
     if (zero_row) fill_zero_row(dev, dxg, N, H, act);
     combine_rows(dev, dxg, N + zero_row, s.route.at<int32_t>(s.slot_row), dln_full, Tr, H, top_k_, act);
-    std::vector<float> gate_dlogits;  // the shared-expert gate's logit gradients of the TP region's tokens
+    loom::Buffer gate_dlogits;  // the shared-expert gate's logit gradients of the TP region's tokens (device)
     if (fold) {  // the routed part is this rank's shard's; the shared expert's leaves its region (f)
       if (shared_apart) {
         gate_dlogits = shared_expert_.backward(dev, shared_grads(gs), gdt, xfull, s.mem.at(s.shared_h),
@@ -625,8 +625,8 @@ class Moe : public loom::Layer {
     // The shared-expert gate's weight and input gradients, on the rows this rank
     // holds (its shard under SP).
     if (shared_gate_)
-      shared_expert_.gate_input_backward(dev, shared_grads(gs), gdt, gate_dlogits, sp ? tp_.rank() * Tl : 0, Tl, ln,
-                                         dl);
+      shared_expert_.gate_input_backward(dev, shared_grads(gs), gdt, gate_dlogits.get<float>(),
+                                         sp ? tp_.rank() * Tl : 0, Tl, ln, dl);
 
     // The router, on the rows this rank holds (its shard under SP): every tp rank
     // routed all tokens identically, so each adds the router's part of its rows

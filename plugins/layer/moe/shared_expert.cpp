@@ -31,8 +31,10 @@ void SharedExpert::forward(const loom::Device& dev, const void* xin, void* saved
   tmp.allocate(rank_);
   void* ungated = saved_out ? saved_out : tmp.at(raw);
   expert_forward(dev, xin, saved_h, ungated, T, /*accumulate=*/false);
-  const std::vector<float> s = gates(dev, xin, T);
-  upload_values(rank_, dev, s, tmp.at(gate), act);
+  Arena gate_tmp;
+  const size_t logit = gate_tmp.floats(T), sig = gate_tmp.floats(T);
+  gate_tmp.allocate(rank_);
+  gates(dev, xin, T, gate_tmp.at<float>(logit), gate_tmp.at<float>(sig), tmp.at(gate));
   expand_gates(dev, tmp.at(gate), tmp.at(ones), tmp.at(gated), T, H, act);
   dev.elementwise({.op = LOOM_EW_MUL, .n = T * H, .x = ungated, .y = tmp.at(gated), .out = tmp.at(gated),
                    .dtype = act, .out_dtype = act});
@@ -42,9 +44,9 @@ void SharedExpert::forward(const loom::Device& dev, const void* xin, void* saved
     copy_d2d(dev, out, tmp.at(gated), static_cast<size_t>(T * H) * loom::dtype_size(act));
 }
 
-std::vector<float> SharedExpert::backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
-                                          const void* xin, const void* hs, const void* saved_out, const void* d,
-                                          void* dxin, int64_t T, bool count_bias, bool accumulate) const {
+loom::Buffer SharedExpert::backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
+                                    const void* xin, const void* hs, const void* saved_out, const void* d,
+                                    void* dxin, int64_t T, bool count_bias, bool accumulate) const {
   if (!gated_) {
     expert_backward(dev, g, grad_dtype, xin, hs, d, dxin, T, count_bias, accumulate);
     return {};
@@ -53,10 +55,9 @@ std::vector<float> SharedExpert::backward(const loom::Device& dev, const SharedE
   const int32_t act = act_;
   Arena tmp;
   const size_t gate = tmp.elems(T, act), ones = tmp.elems(H, act), scaled = tmp.elems(T * H, act),
-               prod = tmp.elems(T * H, act), dgate = tmp.floats(T);
+               prod = tmp.elems(T * H, act), dgate = tmp.floats(T), logit = tmp.floats(T), sig = tmp.floats(T);
   tmp.allocate(rank_);
-  std::vector<float> s = gates(dev, xin, T);
-  upload_values(rank_, dev, s, tmp.at(gate), act);
+  gates(dev, xin, T, tmp.at<float>(logit), tmp.at<float>(sig), tmp.at(gate));
   expand_gates(dev, tmp.at(gate), tmp.at(ones), tmp.at(scaled), T, H, act);
   dev.elementwise({.op = LOOM_EW_MUL, .n = T * H, .x = d, .y = tmp.at(scaled), .out = tmp.at(scaled), .dtype = act,
                    .out_dtype = act});
@@ -67,23 +68,22 @@ std::vector<float> SharedExpert::backward(const loom::Device& dev, const SharedE
   gemm(dev, false, false, T, 1, H, tmp.at(prod), tmp.at(ones), tmp.at(dgate), 0.0f, act, LOOM_DTYPE_F32);
   if (tp_size_ > 1)
     tp_group_.all_reduce(dev.native_stream(), tmp.at(dgate), tmp.at(dgate), static_cast<size_t>(T), LOOM_DTYPE_F32);
-  std::vector<float> dlogit(static_cast<size_t>(T));
-  dev.copy(dlogit.data(), tmp.at(dgate), dlogit.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
-  dev.synchronize();
-  for (size_t t = 0; t < dlogit.size(); ++t) dlogit[t] *= s[t] * (1.0f - s[t]);
+  // d logit = d gate * s (1 - s), on the device (fp32).
+  loom::Buffer dlogit(rank_, static_cast<size_t>(T) * sizeof(float));
+  dev.sigmoid_bwd({.n = T, .x = tmp.at(logit), .dy = tmp.at(dgate), .out = dlogit.get(), .dtype = LOOM_DTYPE_F32});
   return dlogit;
 }
 
 void SharedExpert::gate_input_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
-                                       const std::vector<float>& gate_dlogits, int64_t first, int64_t n,
-                                       const void* ln, void* dl) const {
+                                       const float* gate_dlogits, int64_t first, int64_t n, const void* ln,
+                                       void* dl) const {
   const int64_t H = hidden_;
   const int32_t act = act_;
   Arena tmp;
   const size_t dlr = tmp.elems(n, act);
   tmp.allocate(rank_);
-  upload_values(rank_, dev, std::vector<float>(gate_dlogits.begin() + first, gate_dlogits.begin() + first + n),
-                tmp.at(dlr), act);
+  dev.elementwise({.op = LOOM_EW_CAST, .n = n, .x = gate_dlogits + first, .out = tmp.at(dlr),
+                   .dtype = LOOM_DTYPE_F32, .out_dtype = act});
   gemm(dev, true, false, H, 1, n, ln, tmp.at(dlr), g.gate_w, 1.0f, act, grad_dtype);
   gemm(dev, false, false, n, H, 1, tmp.at(dlr), w_.gate_w, dl, 1.0f, act, act);
 }
@@ -121,16 +121,11 @@ void SharedExpert::expert_backward(const loom::Device& dev, const SharedExpertGr
   gemm(dev, false, true, T, H, Fs, tmp.at(da), w_.fc1_w, dxin, accumulate ? 1.0f : 0.0f, act, act);
 }
 
-std::vector<float> SharedExpert::gates(const loom::Device& dev, const void* xin, int64_t T) const {
-  Arena tmp;
-  const size_t logit = tmp.floats(T);
-  tmp.allocate(rank_);
-  gemm(dev, false, false, T, 1, hidden_, xin, w_.gate_w, tmp.at(logit), 0.0f, act_, LOOM_DTYPE_F32);
-  std::vector<float> s(static_cast<size_t>(T));
-  dev.copy(s.data(), tmp.at(logit), s.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
-  dev.synchronize();
-  for (float& v : s) v = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(v))));
-  return s;
+void SharedExpert::gates(const loom::Device& dev, const void* xin, int64_t T, float* logit, float* sig,
+                         void* gate) const {
+  gemm(dev, false, false, T, 1, hidden_, xin, w_.gate_w, logit, 0.0f, act_, LOOM_DTYPE_F32);
+  dev.sigmoid_fwd({.n = T, .x = logit, .out = sig, .dtype = LOOM_DTYPE_F32});
+  dev.elementwise({.op = LOOM_EW_CAST, .n = T, .x = sig, .out = gate, .dtype = LOOM_DTYPE_F32, .out_dtype = act_});
 }
 
 }  // namespace loom::layers::moe

@@ -47,10 +47,10 @@ class SharedExpert {
   // gradients into g, and dxin [T, H] (+= when accumulate) its input gradient
   // (partial over tp, summed by the layer's f backward). count_bias: this rank
   // adds fc2's bias gradient. Gated, d reaches the expert scaled by the gates and
-  // the result is the gate logits' gradients of the T tokens (host; the ungated
-  // rows are partial over tp, so their dot products are summed over tp); empty
-  // when ungated.
-  std::vector<float> backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
+  // the result is the gate logits' gradients of the T tokens (device memory, fp32 [T];
+  // the ungated rows are partial over tp, so their dot products are summed over tp);
+  // empty when ungated.
+  loom::Buffer backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
                               const void* xin, const void* hs, const void* saved_out, const void* d, void* dxin,
                               int64_t T, bool count_bias, bool accumulate) const;
 
@@ -59,17 +59,16 @@ class SharedExpert {
   // duplicated weight's gradient over tp), from the gate logits' gradients of the
   // TP region's tokens (backward's result), this rank's from `first`.
   void gate_input_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
-                           const std::vector<float>& gate_dlogits, int64_t first, int64_t n, const void* ln,
-                           void* dl) const;
+                           const float* gate_dlogits, int64_t first, int64_t n, const void* ln, void* dl) const;
 
  private:
   void expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T,
                       bool accumulate) const;
   void expert_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype, const void* xin,
                        const void* hs, const void* d, void* dxin, int64_t T, bool count_bias, bool accumulate) const;
-  // sigmoid(xin_t . w_gate) of the T tokens (host: the router's values are read
-  // there too).
-  std::vector<float> gates(const loom::Device& dev, const void* xin, int64_t T) const;
+  // The gates of the T rows of xin, on the device: logit [T] = xin . w (fp32),
+  // sig = sigmoid(logit) (fp32) and gate = sig in the activation dtype.
+  void gates(const loom::Device& dev, const void* xin, int64_t T, float* logit, float* sig, void* gate) const;
 
   loom_rank* rank_ = nullptr;
   int64_t hidden_ = 0, ffn_local_ = 0;

@@ -599,7 +599,8 @@ typedef struct loom_device_ops {
   loom_status (*rope_fwd)(loom_device*, loom_stream*, const loom_rope_args*);
   /* Rotary embedding backward (loom_rope_args): rotate by -t. */
   loom_status (*rope_bwd)(loom_device*, loom_stream*, const loom_rope_args*);
-  /* Sigmoid forward (loom_activation_args): out = 1 / (1 + exp(-x)). */
+  /* Sigmoid forward (loom_activation_args): out = 1 / (1 + exp(-x)), computed in double
+   * and rounded once. */
   loom_status (*sigmoid_fwd)(loom_device*, loom_stream*, const loom_activation_args*);
   /* Sigmoid backward (loom_activation_args): out = dy * s * (1 - s), s = sigmoid(x). */
   loom_status (*sigmoid_bwd)(loom_device*, loom_stream*, const loom_activation_args*);
