@@ -36,7 +36,7 @@ void row_out_done(const Device& d, const float* row, void* base, int64_t offset,
   if (bf16) d.k->f32_to_bf16(row, static_cast<uint16_t*>(base) + offset, n);
 }
 
-// In double, rounded once (the same value on every device).
+// In double, rounded once to fp32 (devices agree to within that rounding).
 float sigmoid(float v) { return static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(v)))); }
 
 }  // namespace

@@ -1104,7 +1104,7 @@ __global__ void rmsnorm_dgamma_finish_kernel(int64_t cols, int64_t chunks, const
   st(dgamma, c, ld(dgamma, c) + static_cast<float>(a));
 }
 
-// In double, rounded once: device/cpu's value.
+// In double, rounded once to fp32, as device/cpu (they agree to within that rounding).
 __device__ __forceinline__ float sigmoid_at(float v) {
   return static_cast<float>(1.0 / (1.0 + exp(-static_cast<double>(v))));
 }

@@ -198,8 +198,14 @@ void run_gelu_bwd(Device& d, Stream& s, const loom_gelu_args& a) {
 // ABI 1.10: RMSNorm, SwiGLU, rotary embedding, sigmoid
 // ---------------------------------------------------------------------------
 
-void validate(const loom_rmsnorm_fwd_args& a) { op_contract::check("device/cuda", a); }
-void validate(const loom_rmsnorm_bwd_args& a) { op_contract::check("device/cuda", a); }
+void validate(const loom_rmsnorm_fwd_args& a) {
+  op_contract::check("device/cuda", a);
+  LOOM_REQUIRE(a.rows <= kMax32, "rmsnorm_fwd: rows must fit in 32 bits (one CUDA block per row)");
+}
+void validate(const loom_rmsnorm_bwd_args& a) {
+  op_contract::check("device/cuda", a);
+  LOOM_REQUIRE(a.rows <= kMax32, "rmsnorm_bwd: rows must fit in 32 bits (one CUDA block per row)");
+}
 void validate_swiglu(const loom_swiglu_args& a, bool backward) { op_contract::check("device/cuda", a, backward); }
 void validate_rope(const loom_rope_args& a, bool backward) { op_contract::check("device/cuda", a, backward); }
 void validate_sigmoid(const loom_activation_args& a, bool backward) {

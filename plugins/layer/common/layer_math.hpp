@@ -441,8 +441,8 @@ constexpr float kLayerNormEps = 1e-5f;
 
 // The normalisation in front of a block's sublayer, as its `norm` option chooses:
 // LayerNorm (gamma and beta; saves mean and rstd) or RMSNorm (Zhang and Sennrich,
-// 2019: gamma only, no mean subtracted; saves rstd), as Llama and Megatron-Core's
-// normalization = "RMSNorm" apply it. `eps` is the norm_epsilon option.
+// 2019: gamma only, no mean subtracted; saves rstd), as Megatron-Core's
+// normalization = "RMSNorm" applies it. `eps` is the norm_epsilon option.
 struct Norm {
   bool rms = false;
   float eps = kLayerNormEps;
@@ -470,7 +470,7 @@ struct Norm {
   }
 };
 
-// The options that choose it, declared by every layer that normalises.
+// The options that choose it, declared by the layers that offer the choice (layer/mlp).
 inline Norm norm_option(const loom::Options& options) {
   return {.rms = options.declared_string("norm") == "rmsnorm",
           .eps = static_cast<float>(options.declared_float("norm_epsilon"))};

@@ -139,9 +139,12 @@ class Mlp : public loom::Layer {
     auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
 
     Arena tmp;
-    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * Fl, dt_.act),
-                 dact = tmp.elems(T * Fl, dt_.act), dh = tmp.elems(T * F1, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
+    // act holds the recomputed activation, then (once fc2's backward has read it) dh,
+    // the gradient of fc1's output: T x F1.
+    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * F1, dt_.act),
+                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
                  ln_full = tmp.elems(sp ? T * H : 0, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
+    const size_t dh = act;
     tmp.allocate(rank_);
 
     const void* d = dy;

@@ -483,8 +483,9 @@ typedef struct loom_adamw_args {
 } loom_adamw_args;
 
 /* RMSNorm (since 1.10; Zhang and Sennrich, "Root Mean Square Layer Normalization",
- * 2019), as Llama and Megatron-Core apply it: y = x * rstd * gamma over the last dim,
- * rstd = 1 / sqrt(mean(x^2) + eps), with fp32 math; saves rstd. */
+ * 2019), as Megatron-Core applies it: y = x * rstd * gamma over the last dim,
+ * rstd = 1 / sqrt(mean(x^2) + eps), in fp32 and rounded once (Llama's reference code
+ * rounds x * rstd to the storage dtype before the gamma); saves rstd. */
 typedef struct loom_rmsnorm_fwd_args {
   uint32_t struct_size;
   int64_t rows, cols;            /* x and y are [rows, cols]; gamma [cols] */
@@ -522,8 +523,8 @@ typedef struct loom_swiglu_args {
   int32_t reserved;              /* 0 */
 } loom_swiglu_args;
 
-/* Rotary position embedding (since 1.10; Su et al., "RoFormer", 2021) as Llama and
- * Megatron-LM apply it (not interleaved): in each head, element i < rotary_dim / 2 pairs
+/* Rotary position embedding (since 1.10; Su et al., "RoFormer", 2021) as Megatron-LM
+ * and Hugging Face's Llama apply it (not interleaved): in each head, element i < rotary_dim / 2 pairs
  * with element i + rotary_dim / 2; for a token at position p the pair (a, b) becomes
  * (a cos t - b sin t, b cos t + a sin t), t = p * theta^(-2i / rotary_dim), in fp32;
  * elements from rotary_dim on pass through. Backward rotates by -t (the transpose).
@@ -547,6 +548,7 @@ typedef struct loom_activation_args {
   const void* dy;   /* backward only */
   void* out;        /* y (forward) or dx (backward) */
   int32_t dtype;    /* of x, dy and out */
+  int32_t reserved; /* 0 */
 } loom_activation_args;
 
 /* The op table (loom_device_api.ops). Every op enqueues its work on `stream` (NULL =
@@ -599,10 +601,10 @@ typedef struct loom_device_ops {
   loom_status (*rope_fwd)(loom_device*, loom_stream*, const loom_rope_args*);
   /* Rotary embedding backward (loom_rope_args): rotate by -t. */
   loom_status (*rope_bwd)(loom_device*, loom_stream*, const loom_rope_args*);
-  /* Sigmoid forward (loom_activation_args): out = 1 / (1 + exp(-x)), computed in double
-   * and rounded once. */
+  /* Sigmoid forward (loom_activation_args): out = s = 1 / (1 + exp(-x)), computed in
+   * double and rounded once to fp32 (devices agree to within that rounding). */
   loom_status (*sigmoid_fwd)(loom_device*, loom_stream*, const loom_activation_args*);
-  /* Sigmoid backward (loom_activation_args): out = dy * s * (1 - s), s = sigmoid(x). */
+  /* Sigmoid backward (loom_activation_args): out = dy * (s * (1 - s)), s as the forward's. */
   loom_status (*sigmoid_bwd)(loom_device*, loom_stream*, const loom_activation_args*);
 } loom_device_ops;
 
