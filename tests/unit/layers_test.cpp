@@ -566,6 +566,24 @@ TEST(Layers, LlamaMlpGradientsMatchFiniteDifferences) {
   check_gradients(rank, layer, rng);
 }
 
+// Attention without biases behind RMSNorm, and the head behind RMSNorm.
+TEST(Layers, RmsNormAttentionAndHeadGradientsMatchFiniteDifferences) {
+  for (const std::string name : {"attention", "lm_head"}) {
+    SCOPED_TRACE(name);
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts{{"norm", "rmsnorm"}};
+    if (name == "attention") opts.insert_or_assign("bias", false);
+    TestLayer layer(rank, name, dims, &opts);
+    for (Param& p : layer.params()) {
+      EXPECT_EQ(p.name.find(".bias"), std::string::npos) << p.name << " declared";
+    }
+    std::mt19937 rng(25);
+    layer.randomize(rng, name == "lm_head" ? 0.5f : 1.0f);
+    check_gradients(rank, layer, rng);
+  }
+}
+
 TEST(Layers, LlamaMlpForwardMatchesReference) {
   Rank rank;
   auto dims = make_dims();

@@ -168,11 +168,13 @@ TEST(TensorParallel, DropoutOutsideTpRegionsMatchesSerialWithAndWithoutSp) {
   expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, drop);
 }
 
-// Llama's MLP (RMSNorm, SwiGLU with fc1's gate and up split with stride 2, no
-// biases) under tp 2, with and without sequence parallelism, trains as the serial run.
+// Llama-style blocks (RMSNorm everywhere, SwiGLU with fc1's gate and up split with
+// stride 2, no biases) under tp 2, with and without sequence parallelism, train as
+// the serial run.
 TEST(TensorParallel, LlamaMlpMatchesSerialWithAndWithoutSp) {
-  const std::vector<std::string> llama = {"model.layer.mlp.activation=swiglu", "model.layer.mlp.norm=rmsnorm",
-                                          "model.layer.mlp.bias=false"};
+  const std::vector<std::string> llama = {"model.layer.mlp.activation=swiglu",     "model.layer.mlp.norm=rmsnorm",
+                                          "model.layer.mlp.bias=false",            "model.layer.attention.norm=rmsnorm",
+                                          "model.layer.attention.bias=false",      "model.layer.lm_head.norm=rmsnorm"};
   auto with = [&](std::vector<std::string> v) {
     v.insert(v.end(), llama.begin(), llama.end());
     return v;

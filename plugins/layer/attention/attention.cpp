@@ -56,17 +56,24 @@ class Attention : public loom::Layer {
                  name_ << ": context parallelism (cp = " << cp_.cp()
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
+    norm_ = norm_option(options);
+    const bool bias = options.declared_bool("bias");
     const int64_t H = hidden_;
     params_ = ParamSet(name_, {.tp = tp});
-    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
-    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    if (!norm_.rms)
+      ln_b_ = params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3).
-    params_.add({.name = "qkv.weight", .shape = {H, 3 * H}, .partition_dim = 1, .partition_stride = 3,
-                 .init = LOOM_INIT_NORMAL});
-    params_.add({.name = "qkv.bias", .shape = {3 * H}, .partition_dim = 0, .partition_stride = 3,
-                 .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
-    params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, 3 * H}, .partition_dim = 1, .partition_stride = 3,
+                          .init = LOOM_INIT_NORMAL});
+    if (bias)
+      qkv_b_ = params_.add({.name = "qkv.bias", .shape = {3 * H}, .partition_dim = 0, .partition_stride = 3,
+                            .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    proj_w_ = params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    if (bias)
+      proj_b_ = params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    w_.assign(params_.size(), nullptr);
+    g_.assign(params_.size(), nullptr);
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
@@ -74,7 +81,7 @@ class Attention : public loom::Layer {
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    dt_ = params_.bind(params, grads, w_, g_);
+    dt_ = params_.bind(params, grads, w_.data(), g_.data());
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -102,21 +109,20 @@ class Attention : public loom::Layer {
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
-    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps, dt_.act);
+    norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
     // Column-parallel QKV (f: identity, or the all-gather under SP): local
     // columns [q | k | v], each heads_local * head_dim.
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
-                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kQkvW],
-                                        .bias = w_[kQkvB], .y = s.mem.at(s.qkv), .dtype = dt_.act});
+                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(qkv_w_),
+                                        .bias = w(qkv_b_), .y = s.mem.at(s.qkv), .dtype = dt_.act});
     {
       KvFull kv(*this, dev, s, /*backward=*/false);
       for (int h = 0; h < halves(); ++h) dev.attention_fwd(attention_args(s, kv, h));
     }
     // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
     void* p = tmp.at<void>(proj);
-    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
-                                     .bias = w_[kProjB], .y = p, .dtype = dt_.act});
+    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w(proj_w_),
+                                     .bias = w(proj_b_), .y = p, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = p, .out = p,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
@@ -140,7 +146,8 @@ class Attention : public loom::Layer {
     const void* dy = data_of<void>(*a.grad_output);
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 6), params_.local_numels(), tp_.features(), fusion_);
+    GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(), tp_.features(), fusion_);
+    auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
 
     Arena tmp;
     const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
@@ -156,8 +163,8 @@ class Attention : public loom::Layer {
       dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dproj);
     }
-    tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w_[kProjW],
-                                      .dy = d, .dx = tmp.at(dctx), .dweight = gs[kProjW], .dbias = gs[kProjB], .dtype = dt_.act,
+    tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w(proj_w_),
+                                      .dy = d, .dx = tmp.at(dctx), .dweight = grad(proj_w_), .dbias = grad(proj_b_), .dtype = dt_.act,
                                       .grad_fp32 = gs.grad_fp32()});
 
     {
@@ -176,26 +183,28 @@ class Attention : public loom::Layer {
     }
 
     // The LN output, recomputed (and gathered again under SP).
-    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
-                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
     // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
-    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w_[kQkvW],
-                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = gs[kQkvW], .dtype = dt_.act,
+    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w(qkv_w_),
+                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
                                          .grad_fp32 = gs.grad_fp32()});
     // qkv.bias: only its q and v parts get a gradient. The k part's is exactly zero
     // (softmax is invariant to adding one vector to every key: each row of dS sums
     // to 0, so sum_t dK[t] = 0); summing dK would only accumulate rounding noise,
     // which Adam (g / sqrt(v)) turns into real, run-dependent updates.
     float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
-    void* qkv_b = gs[kQkvB];
-    column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl, dt_.act);
-    accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gs.grad_dtype());                                        // q
-    accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gs.grad_dtype()), Hl, gs.grad_dtype());  // v
+    if (qkv_b_ != kNone) {
+      void* qkv_b = gs[qkv_b_];
+      column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl, dt_.act);
+      accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gs.grad_dtype());                                        // q
+      accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gs.grad_dtype()), Hl, gs.grad_dtype());  // v
+    }
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
     copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
-    layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
+    norm_.backward(dev, tmp.at(dln), s.mem.at(s.x), w(ln_w_), s.mem.at(s.mean), s.mem.at(s.rstd), dx, grad(ln_w_),
+                   grad(ln_b_), Tl, H, /*accumulate_dx=*/true, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -224,7 +233,8 @@ class Attention : public loom::Layer {
   }
 
  private:
-  enum { kLnW, kLnB, kQkvW, kQkvB, kProjW, kProjB };
+  static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
+  void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -361,13 +371,23 @@ class Attention : public loom::Layer {
   ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
-  void* w_[6] = {};
-  void* g_[6] = {};
+  Norm norm_;
+  size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
+  std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
 };
 
 }  // namespace
 
+namespace {
+std::vector<loom::OptionSpec> attention_options() {
+  std::vector<loom::OptionSpec> o = {loom::layers::dropout_option_spec("the attention output"),
+                                     loom::opt_bool("bias", true, "qkv and proj have biases (GPT-2); false as Llama")};
+  for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
+  return o;
+}
+}  // namespace
+
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.2.0", "pre-LN causal multi-head self-attention with residual (tensor- and context-parallel)",
-    {loom::layers::dropout_option_spec("the attention output")}))
+    "attention", "1.3.0", "pre-norm causal multi-head self-attention with residual (tensor- and context-parallel)",
+    attention_options()))

@@ -20,7 +20,7 @@ using namespace loom::layers;
 
 class LmHead : public loom::Layer {
  public:
-  LmHead(const loom::Options& /*options*/, loom::Rank& rank, const loom_layer_create_args& args)
+  LmHead(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
       : rank_(rank.raw()) {
     LOOM_REQUIRE(args.dims != nullptr, "lm_head: model dims are required");
     const loom_model_dims& d = *args.dims;
@@ -39,11 +39,15 @@ class LmHead : public loom::Layer {
                  name_ << ": padded_vocab (" << padded_vocab_ << ") must be >= vocab (" << vocab_
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
+    norm_ = norm_option(options);
     params_ = ParamSet(name_, {.tp = tp});
-    params_.add({.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
-    params_.add({.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
-                 .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
+    ln_w_ = params_.add({.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    if (!norm_.rms)
+      ln_b_ = params_.add({.name = "ln.bias", .shape = {hidden_}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    word_ = params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
+                         .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
+    w_.assign(params_.size(), nullptr);
+    g_.assign(params_.size(), nullptr);
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
@@ -52,7 +56,7 @@ class LmHead : public loom::Layer {
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    dt_ = params_.bind(params, grads, w_, g_);
+    dt_ = params_.bind(params, grads, w_.data(), g_.data());
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -78,13 +82,12 @@ class LmHead : public loom::Layer {
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     copy_d2d(dev, s.mem.at<int32_t>(s.targets), targets, T * sizeof(int32_t));
-    layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                  kLayerNormEps, dt_.act);
+    norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
     // logits[T, Vl] = LN(x) W_local^T fused with the vocab-parallel cross-entropy
     // (f: identity, or the all-gather of the LN output under SP).
     tp_.vocab_parallel_cross_entropy_forward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = tmp.at(ln),
-         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w_[kW], .logits = s.mem.at(s.logits),
+         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(word_), .logits = s.mem.at(s.logits),
          .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets), .loss = tmp.at(loss),
          .predictions = a.predictions, .dtype = dt_.act});
 
@@ -115,7 +118,7 @@ class LmHead : public loom::Layer {
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     void* dx = data_of<void>(*a.grad_input);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + 3), params_.local_numels(),
+    GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(),
                   tp_.features(), fusion_);
 
     Arena tmp;
@@ -124,16 +127,16 @@ class LmHead : public loom::Layer {
     tmp.allocate(rank_);
 
     // The LN output, recomputed (and gathered again under SP).
-    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w_[kLnW], w_[kLnB], s.mem.at(s.mean),
-                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act);
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
     // dlogits = loss_scale * (softmax - onehot) on the local slice; dW_local +=
     // dlogits^T LN(x); dLN = dlogits W_local summed over tp (f's backward).
     tp_.vocab_parallel_cross_entropy_backward(
-        {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = ln_in, .weight = w_[kW],
+        {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = ln_in, .weight = w(word_),
          .logits = s.mem.at(s.logits), .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets),
-         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[kW], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
-    layernorm_bwd(dev, tmp.at(dln), s.mem.at(s.x), w_[kLnW], s.mem.at(s.mean), s.mem.at(s.rstd), dx,
-                  gs[kLnW], gs[kLnB], Tl, H, /*accumulate_dx=*/false, dt_.act, gs.grad_fp32());
+         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[word_], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
+    norm_.backward(dev, tmp.at(dln), s.mem.at(s.x), w(ln_w_), s.mem.at(s.mean), s.mem.at(s.rstd), dx, gs[ln_w_],
+                   ln_b_ == kNone ? nullptr : gs[ln_b_], Tl, H, /*accumulate_dx=*/false, dt_.act, gs.grad_fp32());
     gs.commit();
     saved_.erase(it);
   }
@@ -150,7 +153,8 @@ class LmHead : public loom::Layer {
   }
 
  private:
-  enum { kLnW, kLnB, kW };
+  static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
+  void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -183,13 +187,15 @@ class LmHead : public loom::Layer {
   ParamSet params_;
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
-  void* w_[3] = {};
-  void* g_[3] = {};
+  Norm norm_;
+  size_t ln_w_ = kNone, ln_b_ = kNone, word_ = kNone;
+  std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
 };
 
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<LmHead>(
-    "lm_head", "1.1.0",
-    "final LayerNorm + output logits fused with vocab-parallel cross-entropy (last layer)"))
+    "lm_head", "1.2.0",
+    "final norm (LayerNorm or RMSNorm) + output logits fused with vocab-parallel cross-entropy (last layer)",
+    loom::layers::norm_option_specs()))
