@@ -553,7 +553,7 @@ TEST(Distopt, OptimizerMemoryFallsAsOneOverDp) {
                      });
     }
   for (int dp : {1, 2, 4}) {
-    // m and v in fp32 for the shard; fp32 weights are their own master copy (seed 004: 8 + 8/d).
+    // m and v in fp32 for the shard; fp32 weights are their own master copy (8 + 8/d, as Megatron-LM's docs/source/api-guide/dist_optimizer.md gives).
     const double ideal = 2.0 * 4.0 * static_cast<double>(numel[dp]) / dp;
     for (uint64_t b : bytes[{"distributed", dp}]) {
       EXPECT_GE(static_cast<double>(b), ideal) << "dp=" << dp;

@@ -669,7 +669,7 @@ TEST(Moe, ExpertsThatDoNotSplitOverEpAreRefused) {
   }
 }
 
-// MoE parallel folding (seed 001's ETP1 layouts): parallel.etp = 1 under tp = 2
+// MoE parallel folding (Megatron-Core's "MoE Parallel Folding", ETP 1 layouts): parallel.etp = 1 under tp = 2
 // with sequence parallelism. The experts are whole on every rank and the expert
 // groups fold over the tp x dp ranks, so an ep group joins tp peers (which hold
 // other sequence shards). Each layout trains the serial model: the experts
