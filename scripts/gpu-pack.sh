@@ -55,6 +55,7 @@ packages=(
   libtomlplusplus3
   libgoogle-glog0v6 libgflags2.2 libunwind8
   libopenblas0-pthread libgfortran5 libquadmath0
+  libsentencepiece0
 )
 # Libraries the GPU machine has itself (Ubuntu 24.04: glibc 2.39, GCC 13/14's libstdc++ and
 # libgcc_s, zlib, xz, zstd; CUDA in /usr/local/cuda; NCCL from the wheel).

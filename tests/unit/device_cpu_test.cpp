@@ -696,6 +696,162 @@ TEST(DeviceCpu, GemmReportsUnsupportedDtypesAndBadShapes) {
 }
 
 // ---------------------------------------------------------------------------
+// GEMM epilogues (ABI 1.11)
+// ---------------------------------------------------------------------------
+
+loom_gemm_args epilogue_gemm(int ta, int tb, int64_t m, int64_t n, int64_t k, const void* a, const void* b, void* c,
+                             int64_t ldc, float beta, int32_t dtype) {
+  loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.trans_a = ta;
+  g.trans_b = tb;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = a;
+  g.lda = ta ? m : k;
+  g.b = b;
+  g.ldb = tb ? k : n;
+  g.c = c;
+  g.ldc = ldc;
+  g.batch = 1;
+  g.alpha = 1.0f;
+  g.beta = beta;
+  g.dtype = dtype;
+  g.c_dtype = dtype;
+  return g;
+}
+
+// In fp32 an epilogue is the unfused ops' very math: the same bits as gemm, then
+// ADD_BIAS, gelu_fwd (aux = its input) or gelu_bwd, row by row at C's and aux's
+// leading dimensions.
+TEST(DeviceCpu, GemmEpiloguesEqualTheUnfusedOpsBitForBit) {
+  Dev d(2);
+  const int64_t m = 37, n = 45, k = 29, ldc = n + 3;
+  for (int t = 0; t < 4; ++t) {
+    const int ta = t & 1, tb = t >> 1;
+    const std::vector<float> av = randn(static_cast<size_t>(m * k), 300 + t, -2, 2),
+                             bv = randn(static_cast<size_t>(k * n), 310 + t, -2, 2),
+                             cv = randn(static_cast<size_t>(m * ldc), 320 + t), biasv = randn(n, 330 + t),
+                             auxv = randn(static_cast<size_t>(m * ldc), 340 + t, -4, 4);
+    Buf<float> A(d, av), B(d, bv), bias(d, biasv);
+    for (const int32_t e : {LOOM_GEMM_EPILOGUE_BIAS, LOOM_GEMM_EPILOGUE_GELU_AUX, LOOM_GEMM_EPILOGUE_DGELU}) {
+      const float beta = e == LOOM_GEMM_EPILOGUE_BIAS ? 1.0f : 0.0f;
+      const bool with_bias = e != LOOM_GEMM_EPILOGUE_DGELU;
+      // Fused.
+      Buf<float> C(d, cv), aux(d, auxv);
+      loom_gemm_args g = epilogue_gemm(ta, tb, m, n, k, A.data(), B.data(), C.data(), ldc, beta, LOOM_DTYPE_F32);
+      g.epilogue = e;
+      g.bias = with_bias ? bias.data() : nullptr;
+      if (e != LOOM_GEMM_EPILOGUE_BIAS) {
+        g.aux = aux.data();
+        g.ldaux = ldc;
+      }
+      d.ops().gemm(g);
+      // Unfused, row by row (the ops take packed rows).
+      Buf<float> U(d, cv), pre(d, auxv);
+      d.ops().gemm(epilogue_gemm(ta, tb, m, n, k, A.data(), B.data(), U.data(), ldc, beta, LOOM_DTYPE_F32));
+      for (int64_t i = 0; i < m; ++i) {
+        float* row = U.data() + i * ldc;
+        if (with_bias)
+          d.ops().elementwise({.op = LOOM_EW_ADD_BIAS, .n = n, .cols = n, .x = row, .y = bias.data(), .out = row,
+                               .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+        float* x = pre.data() + i * ldc;
+        if (e == LOOM_GEMM_EPILOGUE_GELU_AUX) {
+          std::memcpy(x, row, static_cast<size_t>(n) * sizeof(float));
+          d.ops().gelu_fwd({.n = n, .x = x, .out = row, .dtype = LOOM_DTYPE_F32});
+        } else if (e == LOOM_GEMM_EPILOGUE_DGELU) {
+          d.ops().gelu_bwd({.n = n, .x = x, .dy = row, .out = row, .dtype = LOOM_DTYPE_F32});
+        }
+      }
+      const std::string what = "epilogue " + std::to_string(e) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb);
+      const std::vector<float> got = C.get(), want = U.get(), got_aux = aux.get(), want_aux = pre.get();
+      for (size_t i = 0; i < got.size(); ++i) {
+        ASSERT_EQ(got[i], want[i]) << what << " C[" << i << "]";
+      }
+      for (size_t i = 0; i < got_aux.size(); ++i) {
+        ASSERT_EQ(got_aux[i], want_aux[i]) << what << " aux[" << i << "]";
+      }
+      if (e != LOOM_GEMM_EPILOGUE_BIAS) {  // the epilogue changed something: the test can fail
+        EXPECT_NE(got[0], cv[0]) << what;
+      }
+    }
+  }
+}
+
+// bf16 C: the fp32 epilogue on the same (bf16) values, rounded once to bf16.
+TEST(DeviceCpu, GemmEpiloguesInBf16RoundOnce) {
+  Dev d(2);
+  const int64_t m = 19, n = 24, k = 33;
+  auto bf16_values = [](std::vector<float> v) {
+    for (float& x : v) x = bf16_round_ref(x);
+    return v;
+  };
+  auto to_bits = [](const std::vector<float>& v) {
+    std::vector<uint16_t> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &v[i], 4);
+      h[i] = static_cast<uint16_t>(u >> 16);  // exact: the values are bf16 already
+    }
+    return h;
+  };
+  const std::vector<float> av = bf16_values(randn(static_cast<size_t>(m * k), 350, -2, 2)),
+                           bv = bf16_values(randn(static_cast<size_t>(k * n), 351, -2, 2)),
+                           biasv = bf16_values(randn(n, 352)), auxv = bf16_values(randn(static_cast<size_t>(m * n), 353, -4, 4));
+  for (const int32_t e : {LOOM_GEMM_EPILOGUE_BIAS, LOOM_GEMM_EPILOGUE_GELU_AUX, LOOM_GEMM_EPILOGUE_DGELU}) {
+    const bool with_bias = e != LOOM_GEMM_EPILOGUE_DGELU, with_aux = e != LOOM_GEMM_EPILOGUE_BIAS;
+    Buf<float> A(d, av), B(d, bv), bias(d, biasv), C(d, static_cast<size_t>(m * n)), aux(d, auxv);
+    loom_gemm_args g = epilogue_gemm(0, 0, m, n, k, A.data(), B.data(), C.data(), n, 0.0f, LOOM_DTYPE_F32);
+    g.epilogue = e;
+    g.bias = with_bias ? bias.data() : nullptr;
+    g.aux = with_aux ? aux.data() : nullptr;
+    g.ldaux = with_aux ? n : 0;
+    d.ops().gemm(g);
+    Buf<uint16_t> A16(d, to_bits(av)), B16(d, to_bits(bv)), bias16(d, to_bits(biasv)),
+        C16(d, static_cast<size_t>(m * n)), aux16(d, to_bits(auxv));
+    loom_gemm_args h = epilogue_gemm(0, 0, m, n, k, A16.data(), B16.data(), C16.data(), n, 0.0f, LOOM_DTYPE_BF16);
+    h.epilogue = e;
+    h.bias = with_bias ? bias16.data() : nullptr;
+    h.aux = with_aux ? aux16.data() : nullptr;
+    h.ldaux = with_aux ? n : 0;
+    d.ops().gemm(h);
+    const std::vector<float> want = C.get(), want_aux = aux.get();
+    const std::vector<uint16_t> got = C16.get(), got_aux = aux16.get();
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i], to_bits({bf16_round_ref(want[i])})[0]) << "epilogue " << e << " C[" << i << "]";
+    }
+    if (e == LOOM_GEMM_EPILOGUE_GELU_AUX) {
+      for (size_t i = 0; i < got_aux.size(); ++i) {
+        ASSERT_EQ(got_aux[i], to_bits({bf16_round_ref(want_aux[i])})[0]) << "aux[" << i << "]";
+      }
+    }
+  }
+}
+
+TEST(DeviceCpu, GemmEpilogueArgumentsAreChecked) {
+  Dev d;
+  Buf<float> A(d, 16), B(d, 16), C(d, 16), V(d, 16);
+  auto refused = [&](const std::function<void(loom_gemm_args&)>& change, const std::string& words) {
+    loom_gemm_args a = epilogue_gemm(0, 0, 4, 4, 4, A.data(), B.data(), C.data(), 4, 0.0f, LOOM_DTYPE_F32);
+    a.epilogue = LOOM_GEMM_EPILOGUE_GELU_AUX;
+    a.aux = V.data();
+    a.ldaux = 4;
+    change(a);
+    const StatusInfo s = take(d.api()->ops->gemm(d.raw(), nullptr, &a));
+    EXPECT_EQ(s.code, LOOM_CODE_INVALID_ARGUMENT) << words;
+    EXPECT_NE(s.message.find(words), std::string::npos) << s.message;
+  };
+  refused([](loom_gemm_args& a) { a.epilogue = 7; }, "epilogue 7");
+  refused([](loom_gemm_args& a) { a.batch = 2; }, "batch 1");
+  refused([](loom_gemm_args& a) { a.aux = nullptr; }, "needs aux");
+  refused([](loom_gemm_args& a) { a.ldaux = 3; }, "ldaux=3");
+  refused([](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_DGELU, a.beta = 1.0f; }, "beta 0");
+  refused([&](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_BIAS, a.aux = nullptr; }, "needs a bias");
+  refused([&](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_NONE, a.bias = V.data(), a.aux = nullptr; },
+          "only with an epilogue");
+}
+
+// ---------------------------------------------------------------------------
 // LayerNorm
 // ---------------------------------------------------------------------------
 

@@ -1428,6 +1428,71 @@ TEST(Layers, ColumnParallelLinearGatherOutputMatchesSerial) {
   }
 }
 
+// ABI 1.11's activation on the linear calls: a column-parallel forward ends in a GeLU
+// (pre_activation keeps its input) and a row-parallel backward begins with its
+// gradient, on each rank's own columns / rows; the device fuses both into its GEMMs.
+TEST(Layers, LinearCallsApplyTheGeluAndItsGradientOnEachRanksShard) {
+  constexpr int64_t R = 5, in = 6, out = 8, local = out / 2;
+  auto gelu = [](double v) { return 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v))); };
+  auto dgelu = [](double v) {
+    const double t = std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v));
+    return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * v * v);
+  };
+  std::mt19937 rng(43);
+  std::normal_distribution<float> n01(0.0f, 1.0f);
+  std::vector<float> x(R * in), w(in * out), bias(out), w2(out * in), dy2(R * in);
+  for (auto* v : {&x, &w, &bias, &w2, &dy2})
+    for (float& e : *v) e = n01(rng);
+  std::vector<std::vector<float>> y(2), pre(2), dh(2);
+  std::vector<std::string> refusals(2);
+  auto errors = run_two_ranks([&](int r, Rank& rank) {
+    loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "mlp");
+    ASSERT_NE(tp.features() & LOOM_TP_ACTIVATION, 0u);
+    std::vector<float> wl(in * local), bl(bias.begin() + r * local, bias.begin() + (r + 1) * local), w2l(local * in);
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t c = 0; c < local; ++c) wl[i * local + c] = w[i * out + r * local + c];
+    for (int64_t c = 0; c < local; ++c)
+      for (int64_t i = 0; i < in; ++i) w2l[c * in + i] = w2[(r * local + c) * in + i];
+    auto& yr = y[static_cast<size_t>(r)];
+    auto& pr = pre[static_cast<size_t>(r)];
+    yr.assign(R * local, -1.0f);
+    pr.assign(R * local, -1.0f);
+    tp.column_parallel_linear_forward({.rows = R, .in = in, .out = local, .x = x.data(), .weight = wl.data(),
+                                       .bias = bl.data(), .y = yr.data(), .pre_activation = pr.data(),
+                                       .activation = LOOM_TP_ACTIVATION_GELU});
+    // fc2-like row-parallel backward from this rank's activation.
+    std::vector<float> dw2(local * in, 0.0f);
+    dh[r].assign(R * local, 7.0f);
+    tp.row_parallel_linear_backward({.rows = R, .in = local, .out = in, .x = yr.data(), .weight = w2l.data(),
+                                     .dy = dy2.data(), .dx = dh[r].data(), .dweight = dw2.data(),
+                                     .pre_activation = pr.data(), .activation = LOOM_TP_ACTIVATION_GELU});
+    try {
+      tp.column_parallel_linear_forward({.rows = R, .in = in, .out = local, .x = x.data(), .weight = wl.data(),
+                                         .y = yr.data(), .gather_output = 1, .pre_activation = pr.data(),
+                                         .activation = LOOM_TP_ACTIVATION_GELU});
+    } catch (const loom::Error& e) {
+      refusals[static_cast<size_t>(r)] = e.what();
+    }
+  });
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_NE(refusals[r].find("cannot gather its output"), std::string::npos) << refusals[r];
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t c = 0; c < local; ++c) {
+        const int64_t o = r * local + c;
+        double h = bias[o];
+        for (int64_t k = 0; k < in; ++k) h += double(x[i * in + k]) * w[k * out + o];
+        EXPECT_NEAR(pre[r][i * local + c], h, 1e-5) << i << "," << c;
+        EXPECT_NEAR(y[r][i * local + c], gelu(h), 1e-5) << i << "," << c;
+        double dact = 0;
+        for (int64_t k = 0; k < in; ++k) dact += double(dy2[i * in + k]) * w2[o * in + k];
+        EXPECT_NEAR(dh[r][i * local + c], dact * dgelu(pre[r][i * local + c]), 1e-5) << i << "," << c;
+      }
+  }
+}
+
 // Gradient-accumulation fusion (ABI 1.2) is used only when the run allows it and
 // both the device and the tensor-parallel service say they honour grad_fp32; a
 // 1.1 device or service (tables that end before `features`) gets the bf16 shadows

@@ -44,7 +44,8 @@ RankTrace run(std::vector<std::string> overrides) {
 }
 
 void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5,
-                          int moe_params_per_layer = 7) {
+                          int moe_params_per_layer = 7, double grad_norm_tol = -1) {
+  if (grad_norm_tol < 0) grad_norm_tol = tol;
   ASSERT_GE(serial.loss.size(), 10u);
   ASSERT_EQ(par.loss.size(), serial.loss.size());
   int moe_tensors = 0;
@@ -55,7 +56,7 @@ void expect_same_training(const RankTrace& serial, const RankTrace& par, double 
     // The norm clipping uses: each parameter counted once (tp-duplicated ones, and
     // every ep rank's experts).
     const double gn = serial.result.steps[s].grad_norm;
-    EXPECT_NEAR(par.result.steps[s].grad_norm, gn, tol * gn) << "gradient norm at step " << s + 1;
+    EXPECT_NEAR(par.result.steps[s].grad_norm, gn, grad_norm_tol * gn) << "gradient norm at step " << s + 1;
     const auto want = loom::testing::full_params(serial, s);
     const auto got = loom::testing::full_params(par, s);
     ASSERT_EQ(got.size(), want.size()) << "the stages together hold every parameter once";
@@ -354,7 +355,10 @@ TEST(Moe, Ep2Bf16TracksBf16WithoutEp) {
   // tensors by ~3e-3 after a few steps), losses tighter. For scale, on this model
   // tp 2 departs from tp 1 in bf16 by up to 4.7e-3 in the loss over 10 steps, dp 2
   // from dp 1 by 3.9e-4, ep 2 from ep 1 by 1.0e-3 (measured when this was written).
-  expect_same_training(base, ep, 1e-2);
+  // The gradient norm sums every expert's gradient, so a token routed to another
+  // expert moves it more than the loss: ep 2 departs by up to 3.2% (step 9, with the
+  // linear layers' biases added in the GEMM's epilogue, one bf16 rounding less).
+  expect_same_training(base, ep, 1e-2, 7, 5e-2);
   for (size_t s = 0; s < base.loss.size(); ++s)
     EXPECT_NEAR(ep.loss[s], base.loss[s], 3e-3 * base.loss[s]) << "loss at step " << s + 1;
 }

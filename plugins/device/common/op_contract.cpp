@@ -66,6 +66,34 @@ int32_t grad_dtype(const loom_layernorm_bwd_args& a) { return grad_dtype_of(a, "
 int32_t grad_dtype(const loom_embedding_args& a) { return grad_dtype_of(a, "embedding_bwd"); }
 int32_t grad_dtype(const loom_rmsnorm_bwd_args& a) { return grad_dtype_of(a, "rmsnorm_bwd"); }
 
+namespace {
+
+// ABI 1.11's epilogue members (all zero from an older caller).
+void check_epilogue(const loom_gemm_args& g) {
+  const int32_t e = g.epilogue;
+  LOOM_REQUIRE(e >= LOOM_GEMM_EPILOGUE_NONE && e <= LOOM_GEMM_EPILOGUE_DGELU,
+               "gemm: epilogue " << e << " is not a LOOM_GEMM_EPILOGUE_* value");
+  if (e == LOOM_GEMM_EPILOGUE_NONE) {
+    LOOM_REQUIRE(g.bias == nullptr && g.aux == nullptr,
+                 "gemm: bias and aux are read only with an epilogue (epilogue is NONE)");
+    return;
+  }
+  LOOM_REQUIRE(g.batch == 1, "gemm: an epilogue needs batch 1 (got batch=" << g.batch << ")");
+  if (e == LOOM_GEMM_EPILOGUE_BIAS)
+    LOOM_REQUIRE(g.bias != nullptr || g.n == 0 || g.m == 0, "gemm: epilogue BIAS needs a bias");
+  if (e == LOOM_GEMM_EPILOGUE_BIAS) LOOM_REQUIRE(g.aux == nullptr, "gemm: epilogue BIAS reads no aux");
+  if (e == LOOM_GEMM_EPILOGUE_GELU_AUX || e == LOOM_GEMM_EPILOGUE_DGELU) {
+    LOOM_REQUIRE(g.aux != nullptr || g.m == 0 || g.n == 0,
+                 "gemm: epilogue " << (e == LOOM_GEMM_EPILOGUE_DGELU ? "DGELU" : "GELU_AUX") << " needs aux");
+    LOOM_REQUIRE(g.ldaux >= std::max<int64_t>(1, g.n), "gemm: ldaux=" << g.ldaux << " is smaller than n=" << g.n);
+  }
+  if (e == LOOM_GEMM_EPILOGUE_DGELU)
+    LOOM_REQUIRE(g.beta == 0.0f && g.bias == nullptr, "gemm: epilogue DGELU takes no bias and beta 0 (got beta="
+                                                          << g.beta << (g.bias ? ", a bias" : "") << ")");
+}
+
+}  // namespace
+
 void check(const char* device, const loom_gemm_args& g) {
   require_float(device, "gemm", "dtype", g.dtype);
   require_float(device, "gemm", "c_dtype", g.c_dtype);
@@ -87,6 +115,7 @@ void check(const char* device, const loom_gemm_args& g) {
     LOOM_REQUIRE(g.c != nullptr, "gemm: c is NULL");
     LOOM_REQUIRE(g.k == 0 || (g.a != nullptr && g.b != nullptr), "gemm: a or b is NULL");
   }
+  check_epilogue(g);
 }
 
 void check(const char* device, const loom_layernorm_fwd_args& a) {

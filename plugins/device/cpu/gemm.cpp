@@ -17,6 +17,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "cpu_device.hpp"
@@ -267,9 +268,76 @@ void run_gemm_mixed(Device& d, const loom_gemm_args& g) {
   round_matrix(d, cbuf.get(), ldc, sc, c, g.ldc, g.stride_c, g.batch, g.m, g.n, disjoint);
 }
 
+// ABI 1.11's epilogue on one row of r = alpha AB + beta C (fp32, in place), then
+// stored: C's row (and aux's for GELU_AUX) in c_dtype. bias: the widened bias or
+// NULL. The fp32 steps are those of the unfused ops (elementwise ADD_BIAS, gelu_fwd,
+// gelu_bwd), so with fp32 C the results are theirs bit for bit.
+void epilogue_row(Device& d, const loom_gemm_args& g, int64_t i, float* r, const float* bias, float* tmp) {
+  const int64_t n = g.n;
+  const bool bf16 = is_bf16(g.c_dtype);
+  const int64_t ai = i * g.ldaux;
+  if (bias != nullptr) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) r[j] = r[j] + bias[j];
+  }
+  if (g.epilogue == LOOM_GEMM_EPILOGUE_GELU_AUX) {
+    if (bf16)
+      d.k->f32_to_bf16(r, static_cast<uint16_t*>(g.aux) + ai, n);
+    else
+      std::memcpy(static_cast<float*>(g.aux) + ai, r, static_cast<size_t>(n) * sizeof(float));
+    d.k->gelu_fwd(r, r, n);
+  } else if (g.epilogue == LOOM_GEMM_EPILOGUE_DGELU) {
+    const float* x = static_cast<const float*>(g.aux) + ai;
+    if (bf16) {
+      d.k->bf16_to_f32(static_cast<const uint16_t*>(g.aux) + ai, tmp, n);
+      x = tmp;
+    }
+    d.k->gelu_bwd(x, r, r, n);
+  }
+  if (bf16) d.k->f32_to_bf16(r, static_cast<uint16_t*>(g.c) + i * g.ldc, n);
+}
+
+// A GEMM with an epilogue: r into fp32 (C itself when it is fp32, else packed
+// scratch with C widened when beta reads it), then the epilogue row by row.
+void run_gemm_epilogue(Device& d, const loom_gemm_args& g) {
+  if (g.m <= 0 || g.n <= 0) return;
+  const bool bf16 = is_bf16(g.c_dtype);
+  loom_gemm_args plain = g;
+  plain.epilogue = LOOM_GEMM_EPILOGUE_NONE;
+  plain.bias = nullptr;
+  plain.aux = nullptr;
+  F32Buffer r(bf16 ? static_cast<size_t>(g.m * g.n) : 0);
+  if (bf16) {
+    if (g.beta != 0.0f)
+      widen_matrix(d, static_cast<const uint16_t*>(g.c), g.ldc, 0, r.get(), g.n, 0, 1, g.m, g.n, true);
+    plain.c = r.get();
+    plain.ldc = g.n;
+    plain.stride_c = g.m * g.n;
+    plain.c_dtype = LOOM_DTYPE_F32;
+  }
+  run_gemm(d, plain);
+  F32Buffer bias(g.bias ? static_cast<size_t>(g.n) : 0);
+  if (g.bias != nullptr) {
+    if (bf16)
+      d.k->bf16_to_f32(static_cast<const uint16_t*>(g.bias), bias.get(), g.n);
+    else
+      std::memcpy(bias.get(), g.bias, static_cast<size_t>(g.n) * sizeof(float));
+  }
+  float* rows = bf16 ? r.get() : static_cast<float*>(g.c);
+  const int64_t ld = bf16 ? g.n : g.ldc;
+  d.pool->parallel_for(g.m, std::max<int64_t>(1, 16384 / g.n), [&](int64_t i0, int64_t i1) {
+    float* tmp = scratch(0, static_cast<size_t>(g.n));
+    for (int64_t i = i0; i < i1; ++i) epilogue_row(d, g, i, rows + i * ld, bias.get(), tmp);
+  });
+}
+
 }  // namespace
 
 void run_gemm(Device& d, const loom_gemm_args& g) {
+  if (g.epilogue != LOOM_GEMM_EPILOGUE_NONE) {
+    run_gemm_epilogue(d, g);
+    return;
+  }
   if (is_bf16(g.dtype) || is_bf16(g.c_dtype)) {
     run_gemm_mixed(d, g);
     return;

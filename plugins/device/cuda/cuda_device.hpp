@@ -7,9 +7,11 @@
 // it into a status at the ABI edge. Nothing aborts the process.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <loom/cpp/core.hpp>
@@ -181,6 +183,14 @@ struct Graph {
   cudaGraphExec_t exec = nullptr;
 };
 
+// A cuBLASLt problem (shape, leading dimensions, transposes, types, epilogue,
+// operand alignment, workspace) and the algorithm its heuristic chose.
+using LtKey = std::array<int64_t, 12>;
+struct LtAlgo {
+  bool found = false;  // false: cuBLASLt has no kernel for it (the unfused ops run)
+  cublasLtMatmulAlgo_t algo{};
+};
+
 // ---------------------------------------------------------------------------
 // The device instance of one rank.
 // ---------------------------------------------------------------------------
@@ -205,7 +215,13 @@ struct Device {
   std::vector<void*> retired_workspaces;
 
   cublasHandle_t cublas = nullptr;
-  std::mutex cublas_mu;  // the handle's stream/workspace are set per call
+  std::mutex cublas_mu;  // the handle's stream/workspace are set per call; guards lt_algos too
+
+  // GEMMs with an epilogue (ABI 1.11) on cuBLASLt (gemm_lt.cpp); false (option
+  // gemm_epilogues): the unfused kernels do the epilogue.
+  bool gemm_epilogues = true;
+  cublasLtHandle_t cublaslt = nullptr;
+  std::map<LtKey, LtAlgo> lt_algos;  // the heuristic's choice per problem
 
   std::unique_ptr<Allocator> alloc;
 
@@ -257,6 +273,11 @@ void validate_rope(const loom_rope_args& a, bool backward);
 void validate_sigmoid(const loom_activation_args& a, bool backward);
 
 void run_gemm(Device& d, Stream& s, const loom_gemm_args& a);
+// A GEMM with an epilogue on cuBLASLt (gemm_lt.cpp); false, having done nothing, when
+// cuBLASLt cannot take it (alignment, types, no kernel) or the option is off. The
+// caller holds cublas_mu.
+bool lt_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt cd, void* workspace,
+                      size_t workspace_bytes);
 void run_layernorm_fwd(Device& d, Stream& s, const loom_layernorm_fwd_args& a);
 void run_layernorm_bwd(Device& d, Stream& s, const loom_layernorm_bwd_args& a);
 void run_gelu_fwd(Device& d, Stream& s, const loom_gelu_args& a);

@@ -132,7 +132,77 @@ void validate(const loom_gemm_args& g) {
                "gemm: dimensions, leading dimensions and batch must fit in 32 bits (cuBLAS interface)");
 }
 
+namespace {
+
+// The epilogue by the unfused ops, where cuBLASLt cannot take the GEMM: the GEMM
+// into C (or packed scratch when ldc != n), then ADD_BIAS, the copy to aux and
+// gelu_fwd, or gelu_bwd; the result is the fused one up to the roundings between
+// the steps.
+void gemm_epilogue_unfused(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt cd) {
+  const int64_t m = g.m, n = g.n;
+  const bool packed = g.ldc == n;
+  Scratch cs(d, st, packed ? 0 : static_cast<size_t>(m * n) * dt_size(cd), "gemm");
+  void* c = packed ? g.c : cs.get();
+  if (!packed && g.beta != 0.0f)
+    check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, g.c, g.ldc, 0, c, n, 0));
+  gemm_impl(d, st, "gemm", g.trans_a != 0, g.trans_b != 0, m, n, g.k, g.alpha, g.a, g.lda, g.stride_a, g.b, g.ldb,
+            g.stride_b, g.beta, c, n, m * n, 1, ab, cd);
+  const int32_t dtype = cd == Dt::BF16 ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32;
+  if (g.bias) {
+    loom_elementwise_args e = loom::make<loom_elementwise_args>();
+    e.op = LOOM_EW_ADD_BIAS;
+    e.n = m * n;
+    e.cols = n;
+    e.x = c;
+    e.y = const_cast<void*>(g.bias);
+    e.out = c;
+    e.dtype = e.out_dtype = dtype;
+    run_elementwise(d, st, e);
+  }
+  if (g.epilogue != LOOM_GEMM_EPILOGUE_BIAS) {
+    // aux packed: in place when ldaux = n, else through scratch.
+    const bool aux_packed = g.ldaux == n;
+    Scratch xs(d, st, aux_packed ? 0 : static_cast<size_t>(m * n) * dt_size(cd), "gemm");
+    void* x = aux_packed ? g.aux : xs.get();
+    loom_gelu_args ga = loom::make<loom_gelu_args>();
+    ga.n = m * n;
+    ga.x = x;
+    ga.out = c;
+    ga.dtype = dtype;
+    if (g.epilogue == LOOM_GEMM_EPILOGUE_GELU_AUX) {
+      check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, c, n, 0, x, n, 0));
+      run_gelu_fwd(d, st, ga);
+      if (!aux_packed)
+        check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, x, n, 0, g.aux, g.ldaux, 0));
+    } else {  // DGELU
+      if (!aux_packed)
+        check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, g.aux, g.ldaux, 0, x, n, 0));
+      ga.dy = c;
+      run_gelu_bwd(d, st, ga);
+    }
+  }
+  if (!packed)
+    check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, c, n, 0, g.c, g.ldc, 0));
+}
+
+void run_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g) {
+  if (g.m <= 0 || g.n <= 0) return;
+  const Dt ab = float_dt("gemm", "dtype", g.dtype), cd = float_dt("gemm", "c_dtype", g.c_dtype);
+  {
+    std::lock_guard<std::mutex> lock(d.cublas_mu);
+    void* ws = workspace(d, st, "gemm");
+    if (lt_gemm_epilogue(d, st, g, ab, cd, ws, st.workspace_bytes)) return;
+  }
+  gemm_epilogue_unfused(d, st, g, ab, cd);
+}
+
+}  // namespace
+
 void run_gemm(Device& d, Stream& s, const loom_gemm_args& g) {
+  if (g.epilogue != LOOM_GEMM_EPILOGUE_NONE) {
+    run_gemm_epilogue(d, s, g);
+    return;
+  }
   gemm_impl(d, s, "gemm", g.trans_a != 0, g.trans_b != 0, g.m, g.n, g.k, g.alpha, g.a, g.lda, g.stride_a, g.b, g.ldb,
             g.stride_b, g.beta, g.c, g.ldc, g.stride_c, g.batch, float_dt("gemm", "dtype", g.dtype),
             float_dt("gemm", "c_dtype", g.c_dtype));

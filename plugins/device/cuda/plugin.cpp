@@ -181,6 +181,7 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
     dev->verbose = opts.get_bool("verbose", false);
     dev->tf32 = opts.get_bool("tf32", false);
     dev->fused_attention = opts.get_bool("fused_attention", true);
+    dev->gemm_epilogues = opts.get_bool("gemm_epilogues", true);
     const int64_t ws_mb = opts.get_int("workspace_mb", 32);
     dev->workspace_bytes = static_cast<size_t>(ws_mb) << 20;
     dev->alloc->set_caching(opts.get_bool("caching_allocator", true));
@@ -230,6 +231,12 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
       destroy_stream_resources(dev->default_stream);
       throw_cublas(dev.get(), "create", "cublasCreate", cs);
     }
+    const cublasStatus_t ls = cublasLtCreate(&dev->cublaslt);
+    if (ls != CUBLAS_STATUS_SUCCESS) {
+      cublasDestroy(dev->cublas);
+      destroy_stream_resources(dev->default_stream);
+      throw_cublas(dev.get(), "create", "cublasLtCreate", ls);
+    }
     static std::once_flag announced;
     std::call_once(announced, [&] {
       LOOM_LOG(INFO) << "device/cuda: " << count << " GPU(s) visible; rank " << dev->global_rank << " on GPU "
@@ -268,6 +275,7 @@ void destroy(loom_device* d) {
       dev.retired_workspaces.clear();
     }
     destroy_stream_resources(dev.default_stream);
+    if (dev.cublaslt) cublasLtDestroy(dev.cublaslt);
     if (dev.cublas) cublasDestroy(dev.cublas);
     dev.magic = 0;
     dev.default_stream.magic = 0;
@@ -693,9 +701,10 @@ const loom_device_api* device_api() {
     a.ops = &ops;
     a.copy_2d = copy_2d;
     // layernorm_bwd / embedding_bwd honour grad_fp32; the allocator has a graph pool.
-    // dropout reads seed_device in the kernel.
+    // dropout reads seed_device in the kernel. GEMM epilogues on cuBLASLt (or, with
+    // gemm_epilogues = false, by the unfused kernels).
     a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
-                 LOOM_DEVICE_MULTI_TENSOR;
+                 LOOM_DEVICE_MULTI_TENSOR | LOOM_DEVICE_GEMM_EPILOGUE;
     return a;
   }();
   return &api;
@@ -706,7 +715,7 @@ const loom_device_api* device_api() {
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
     "device", "cuda", "1.0.0",
-    "NVIDIA GPU backend: cuBLAS GEMMs, CUDA kernels, fp32 or bf16 storage with fp32 math, caching allocator, "
+    "NVIDIA GPU backend: cuBLAS/cuBLASLt GEMMs, CUDA kernels, fp32 or bf16 storage with fp32 math, caching allocator, "
     "CUDA graphs",
     LOOM_API_DEVICE, loom::cuda::device_api(),
     {loom::opt_bool("tf32", false,
@@ -714,6 +723,9 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
      loom::opt_bool("fused_attention", true,
                     "bf16 attention with head size 64 or 128 runs on fused flash-attention kernels (false: "
                     "batched GEMMs around a materialised softmax, as for fp32 and other head sizes)"),
+     loom::opt_bool("gemm_epilogues", true,
+                    "a linear layer's bias and GeLU (and the GeLU's backward) in the GEMM's epilogue on cuBLASLt "
+                    "(false: separate kernels after cuBLAS, as before ABI 1.11)"),
      loom::opt_int("gpu", -1, "GPU ordinal for every rank of this process; -1 = local rank modulo the GPU count")
          .in("[-1, inf)"),
      loom::opt_bool("caching_allocator", true,

@@ -217,10 +217,24 @@ inline void fill_zero(const loom::Device& dev, void* out, int64_t n, int32_t dty
 }
 
 // C[m, n] = alpha * op(A) op(B) + beta * C, compact row-major; A, B in dtype, C in c_dtype.
+// A GEMM's epilogue (ABI 1.11, LOOM_GEMM_EPILOGUE_*): only for devices with
+// LOOM_DEVICE_GEMM_EPILOGUE (fused_gemm_epilogues).
+struct Epilogue {
+  int32_t kind = LOOM_GEMM_EPILOGUE_NONE;
+  const void* bias = nullptr;
+  void* aux = nullptr;  // [m, n], packed (ldaux = n)
+};
+
+inline bool fused_gemm_epilogues(const loom::Device& dev) { return (dev.features() & LOOM_DEVICE_GEMM_EPILOGUE) != 0; }
+
 inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
                  const void* a, const void* b, void* c, float beta, int32_t dtype, int32_t c_dtype,
-                 float alpha = 1.0f) {
+                 float alpha = 1.0f, Epilogue e = {}) {
   loom_gemm_args g = loom::make<loom_gemm_args>();
+  g.epilogue = e.kind;
+  g.bias = e.bias;
+  g.aux = e.aux;
+  g.ldaux = e.aux ? n : 0;
   g.trans_a = ta ? 1 : 0;
   g.trans_b = tb ? 1 : 0;
   g.m = m;
@@ -294,11 +308,43 @@ inline void column_sum_acc(loom_rank* rank, const loom::Device& dev, const void*
   accumulate_f32(rank, dev, tmp.at(sum), out, cols, out_dtype);
 }
 
-// Linear y[T, out] = x[T, in] W[in, out] (+ b[out]), all in dtype.
+// Linear y[T, out] = x[T, in] W[in, out] (+ b[out]), all in dtype; the bias in the
+// GEMM's epilogue where the device fuses it.
 inline void linear_fwd(const loom::Device& dev, const void* x, const void* w, const void* b, void* y,
                        int64_t rows, int64_t in, int64_t out, int32_t dtype) {
+  if (b && fused_gemm_epilogues(dev)) {
+    gemm(dev, false, false, rows, out, in, x, w, y, 0.0f, dtype, dtype, 1.0f, {.kind = LOOM_GEMM_EPILOGUE_BIAS, .bias = b});
+    return;
+  }
   gemm(dev, false, false, rows, out, in, x, w, y, 0.0f, dtype, dtype);
   if (b) add_bias(dev, y, b, y, rows, out, dtype);
+}
+
+// pre = x W (+ b), y = gelu(pre) [T, out]: one GEMM with the GELU_AUX epilogue where
+// the device fuses it, else the linear and gelu_fwd.
+inline void linear_gelu_fwd(const loom::Device& dev, const void* x, const void* w, const void* b, void* pre, void* y,
+                            int64_t rows, int64_t in, int64_t out, int32_t dtype) {
+  if (fused_gemm_epilogues(dev)) {
+    gemm(dev, false, false, rows, out, in, x, w, y, 0.0f, dtype, dtype, 1.0f,
+         {.kind = LOOM_GEMM_EPILOGUE_GELU_AUX, .bias = b, .aux = pre});
+    return;
+  }
+  linear_fwd(dev, x, w, b, pre, rows, in, out, dtype);
+  dev.gelu_fwd({.n = rows * out, .x = pre, .out = y, .dtype = dtype});
+}
+
+// dx[T, in] = (dy[T, out] W[in, out]^T) * gelu'(pre[T, in]): the gradient through the
+// GeLU that made this linear's input; one GEMM with the DGELU epilogue where the device
+// fuses it, else the GEMM and gelu_bwd.
+inline void linear_dgelu_dx(const loom::Device& dev, const void* dy, const void* w, const void* pre, void* dx,
+                            int64_t rows, int64_t in, int64_t out, int32_t dtype) {
+  if (fused_gemm_epilogues(dev)) {
+    gemm(dev, false, true, rows, in, out, dy, w, dx, 0.0f, dtype, dtype, 1.0f,
+         {.kind = LOOM_GEMM_EPILOGUE_DGELU, .aux = const_cast<void*>(pre)});
+    return;
+  }
+  gemm(dev, false, true, rows, in, out, dy, w, dx, 0.0f, dtype, dtype);
+  dev.gelu_bwd({.n = rows * in, .x = pre, .dy = dx, .out = dx, .dtype = dtype});
 }
 
 // LayerNorm over the last dim; mean/rstd [rows] fp32; x, gamma, beta, y in dtype.

@@ -42,6 +42,7 @@ class Mlp : public loom::Layer {
     activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
     norm_ = norm_option(options);
     swiglu_ = options.declared_string("activation") == "swiglu";
+    service_gelu_ = !swiglu_ && (tp_.features() & LOOM_TP_ACTIVATION) != 0;
     const bool bias = options.declared_bool("bias");
     // fc1's columns: ffn, or the gate's ffn then the up projection's under SwiGLU,
     // split with stride 2 so that each tp rank holds [its gate | its up].
@@ -98,10 +99,17 @@ class Mlp : public loom::Layer {
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
     // Column-parallel fc1 (f: identity, or the all-gather under SP); the activation locally.
-    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = F1, .x = tmp.at(ln),
-                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(fc1_w_),
-                                        .bias = w(fc1_b_), .y = s.mem.at(s.h), .dtype = dt_.act});
-    activate(dev, s.mem.at(s.h), tmp.at(act), T);
+    if (service_gelu_) {  // h and gelu(h) from fc1's call (one GEMM on a device with epilogues)
+      tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = F1, .x = tmp.at(ln),
+                                          .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(fc1_w_),
+                                          .bias = w(fc1_b_), .y = tmp.at(act), .dtype = dt_.act,
+                                          .pre_activation = s.mem.at(s.h), .activation = LOOM_TP_ACTIVATION_GELU});
+    } else {
+      tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = F1, .x = tmp.at(ln),
+                                          .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(fc1_w_),
+                                          .bias = w(fc1_b_), .y = s.mem.at(s.h), .dtype = dt_.act});
+      activate(dev, s.mem.at(s.h), tmp.at(act), T);
+    }
     // Inside the TP region: each tp rank holds other columns, so its own stream.
     if (act_drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_PARALLEL, .n = T * Fl, .x = tmp.at(act), .out = tmp.at(act),
@@ -140,7 +148,7 @@ class Mlp : public loom::Layer {
 
     Arena tmp;
     // act holds the recomputed activation, then (once fc2's backward has read it) dh,
-    // the gradient of fc1's output: T x F1.
+    // the gradient of fc1's output: T x F1; or dh is dact, when fc2's backward makes it.
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * F1, dt_.act),
                  dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
                  ln_full = tmp.elems(sp ? T * H : 0, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
@@ -156,23 +164,28 @@ class Mlp : public loom::Layer {
     activate(dev, s.mem.at(s.h), tmp.at(act), T);
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(act), tmp.at(act), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
+    // With the GeLU's backward in fc2's (no activation dropout between them), dh
+    // comes straight from it; else dact, then the dropout's and the activation's
+    // backwards make dh, the gradient of fc1's output.
+    const bool through_gelu = service_gelu_ && !s.act_dropped;
+    void* dfc1 = tmp.at(through_gelu ? dact : dh);  // dh
     tp_.row_parallel_linear_backward({.rows = T, .in = Fl, .out = H, .x = tmp.at(act), .weight = w(fc2_w_),
-                                      .dy = d, .dx = tmp.at(dact), .dweight = grad(fc2_w_), .dbias = grad(fc2_b_),
-                                      .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
+                                      .dy = d, .dx = tmp.at(dact), .dweight = grad(fc2_w_),
+                                      .dbias = grad(fc2_b_), .dtype = dt_.act, .grad_fp32 = gs.grad_fp32(),
+                                      .pre_activation = through_gelu ? s.mem.at(s.h) : nullptr,
+                                      .activation = through_gelu ? LOOM_TP_ACTIVATION_GELU : LOOM_TP_ACTIVATION_NONE});
     if (s.act_dropped)
       dropout_bwd(dev, tmp.at(dact), tmp.at(dact), s.mem.at<uint8_t>(s.act_mask), T * Fl, activation_dropout_, dt_.act);
-    // The activation's backward: dh, the gradient of fc1's output.
     if (swiglu_)
-      dev.swiglu_bwd({.rows = T, .cols = Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(dh),
-                      .dtype = dt_.act});
-    else
-      dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = tmp.at(dh), .dtype = dt_.act});
+      dev.swiglu_bwd({.rows = T, .cols = Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = dfc1, .dtype = dt_.act});
+    else if (!through_gelu)
+      dev.gelu_bwd({.n = T * Fl, .x = s.mem.at(s.h), .dy = tmp.at(dact), .out = dfc1, .dtype = dt_.act});
     // fc1 with the norm's output recomputed (and gathered again under SP); f's
     // backward (all-reduce, or reduce-scatter to the shard) closes it.
     const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
                                            s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
     tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = F1, .x = ln_in, .weight = w(fc1_w_),
-                                         .dy = tmp.at(dh), .dx = tmp.at(dln), .dweight = grad(fc1_w_),
+                                         .dy = dfc1, .dx = tmp.at(dln), .dweight = grad(fc1_w_),
                                          .dbias = grad(fc1_b_), .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
 
     // dx = dy (the residual) + the norm's backward; every read of dy is done above.
@@ -249,6 +262,7 @@ class Mlp : public loom::Layer {
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   Norm norm_;
   bool swiglu_ = false;
+  bool service_gelu_ = false;  // the tp service applies the GeLU (and its backward) in fc1's and fc2's calls
   int64_t fc1_local_ = 0;  // fc1's columns on this rank: ffn_local_, or twice that under SwiGLU
   size_t ln_w_ = kNone, ln_b_ = kNone, fc1_w_ = kNone, fc1_b_ = kNone, fc2_w_ = kNone, fc2_b_ = kNone;
   std::vector<void*> w_, g_;  // by parameter index

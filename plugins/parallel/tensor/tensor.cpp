@@ -17,6 +17,11 @@
 //    parallelism an element draws the number of its place in the whole sequence
 //    (loom::ContextSlice), so every cp layout masks the serial run's elements.
 //
+// A column-parallel forward may end in a GeLU and a row-parallel backward begin
+// with its gradient (ABI 1.11, activation): on a device with GEMM epilogues both are
+// in the GEMM (bias + GeLU forward, GeLU' on dx backward), as is every bias added
+// before g (column-parallel, and row-parallel when g is the identity).
+//
 // With tp = 1 every collective is skipped: the calls are the local math. With
 // grad_fp32 the parameter gradients of bf16 layers go straight into fp32 buffers
 // (the GEMMs accumulate in fp32 into an fp32 C): no bf16 rounding, no shadow.
@@ -102,6 +107,12 @@ class Tp {
     }
     const void* w = a.weight;
     const void* b = a.bias;
+    if (gelu(a)) {
+      LOOM_REQUIRE(!a.gather_output || size_ == 1,
+                   name_ << ": a column-parallel linear with an activation cannot gather its output");
+      linear_gelu_fwd(dev_, x, w, b, a.pre_activation, a.y, R, in, out, dt);
+      return;
+    }
     if (!a.gather_output || size_ == 1) {
       linear_fwd(dev_, x, w, b, a.y, R, in, out, dt);
       return;
@@ -162,6 +173,10 @@ class Tp {
     const size_t partial = tmp.elems(sp_ ? R * out : 0, dt);
     tmp.allocate(rank_);
     void* p = sp_ ? tmp.at<void>(partial) : y;
+    if (size_ == 1 && !sp_) {  // g is the identity: the bias may go into the GEMM's epilogue
+      linear_fwd(dev_, a.x, a.weight, a.bias, y, R, in, out, dt);
+      return;
+    }
     gemm(dev_, false, false, R, out, in, a.x, a.weight, p, 0.0f, dt, dt);
     exit_fwd(R, out, p, y, dt);
     if (a.bias) add_bias(dev_, y, a.bias, y, local_rows(R), out, dt);
@@ -182,7 +197,22 @@ class Tp {
       d = tmp.at<const void>(full);
     }
     gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, gt);
-    if (a.dx) gemm(dev_, false, true, R, in, out, d, a.weight, a.dx, a.accumulate_dx ? 1.0f : 0.0f, dt, dt);
+    if (!a.dx) return;
+    if (gelu(a)) {  // dx is the gradient of the activation's input
+      LOOM_REQUIRE(!a.accumulate_dx, name_ << ": a row-parallel backward through an activation cannot accumulate dx");
+      linear_dgelu_dx(dev_, d, a.weight, a.pre_activation, a.dx, R, in, out, dt);
+      return;
+    }
+    gemm(dev_, false, true, R, in, out, d, a.weight, a.dx, a.accumulate_dx ? 1.0f : 0.0f, dt, dt);
+  }
+
+  // ABI 1.11's activation of a linear call (0 from an older caller).
+  bool gelu(const loom_tp_linear_args& a) const {
+    LOOM_REQUIRE(a.activation == LOOM_TP_ACTIVATION_NONE || a.activation == LOOM_TP_ACTIVATION_GELU,
+                 name_ << ": activation " << a.activation << " is not a LOOM_TP_ACTIVATION_* value");
+    if (a.activation == LOOM_TP_ACTIVATION_NONE) return false;
+    LOOM_REQUIRE(a.pre_activation != nullptr, name_ << ": a linear call with an activation needs pre_activation");
+    return true;
   }
 
   // ----- vocabulary ----------------------------------------------------------
@@ -477,7 +507,7 @@ const loom_tensor_parallel_api* tensor_parallel_api() {
     t.dropout_forward = [](loom_tp* h, const D* a) {
       return call(h, a, [](Tp& t, const D& r) { t.dropout_fwd(r); });
     };
-    t.features = LOOM_TP_GRAD_FP32 | LOOM_TP_SEED_DEVICE;
+    t.features = LOOM_TP_GRAD_FP32 | LOOM_TP_SEED_DEVICE | LOOM_TP_ACTIVATION;
     return t;
   }();
   return &api;

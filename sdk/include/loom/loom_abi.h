@@ -38,7 +38,8 @@
  * 1.0; a comment line "--- since 1.N ---" precedes the members appended in minor N,
  * and prose says "(since 1.N)" of anything else that minor N added.
  *
- * Reserved and padding members. A member named `reserved` holds no value: whoever
+ * Reserved and padding members. A member named `reserved` (reserved1, ... where a
+ * struct has more than one) holds no value: whoever
  * fills the struct sets it to 0, whoever reads the struct ignores it. A member named
  * pad0, pad1, ... is the same, and the bytes it names were tail padding of the
  * struct in an earlier minor: that minor's sizeof, the struct_size its callers pass,
@@ -83,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 10
+#define LOOM_ABI_MINOR 11
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -255,7 +256,33 @@ typedef struct loom_gemm_args {
   /* reserved: 0, never read (second name allow_tf32). Whether fp32 GEMMs may use TF32
    * is the device's own option, e.g. device/cuda's tf32 (manifest device.options.tf32). */
   LOOM_EXTENSION union { int32_t reserved; int32_t allow_tf32; };
+  /* --- since 1.11 --- */
+  int32_t pad0;                  /* padding: 1.10's struct ended after reserved; 0 */
+  /* An epilogue applied to C in the GEMM (LOOM_GEMM_EPILOGUE_* below; only devices with
+   * LOOM_DEVICE_GEMM_EPILOGUE, and batch 1). bias: [n] in c_dtype, added to every row;
+   * aux: [m, n] in c_dtype, ldaux elements between rows (>= n). */
+  const void* bias;
+  void* aux;
+  int64_t ldaux;
+  int32_t epilogue;              /* LOOM_GEMM_EPILOGUE_*; 0 (none) from an older caller */
+  int32_t reserved1;             /* 0 */
 } loom_gemm_args;
+
+/* loom_gemm_args.epilogue (since 1.11). With r = alpha op(A) op(B) + beta C for one
+ * element C[i, j], computed in fp32, each stores once, rounded to c_dtype:
+ *  NONE      C = r.
+ *  BIAS      C = r + bias[j].
+ *  GELU_AUX  aux[i, j] = r (+ bias[j] when bias is not NULL); C = gelu(that sum)
+ *            (tanh approximation, of the unrounded sum): a linear layer's bias and
+ *            activation, keeping the activation's input for its backward.
+ *  DGELU     C = r * gelu'(aux[i, j]) (beta 0, no bias): the activation's backward in
+ *            the GEMM that makes its output gradient.
+ * The same as the unfused ops (gemm, elementwise ADD_BIAS, gelu_fwd / gelu_bwd) up to
+ * the one rounding: with fp32 C they agree bit for bit on device/cpu. */
+#define LOOM_GEMM_EPILOGUE_NONE 0
+#define LOOM_GEMM_EPILOGUE_BIAS 1
+#define LOOM_GEMM_EPILOGUE_GELU_AUX 2
+#define LOOM_GEMM_EPILOGUE_DGELU 3
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
 typedef struct loom_layernorm_fwd_args {
@@ -724,6 +751,8 @@ typedef struct loom_device_api {
 /* The device's memory is the host's: its allocations are ordinary host pointers, which
  * any comm plugin can read and write (since 1.9). */
 #define LOOM_DEVICE_HOST_MEMORY (1ull << 5)
+/* gemm honours epilogue, bias, aux and ldaux (since 1.11). */
+#define LOOM_DEVICE_GEMM_EPILOGUE (1ull << 6)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */

@@ -89,7 +89,22 @@ typedef struct loom_tp_linear_args {
   LOOM_EXTENSION union { int32_t pad0; int32_t pad_1_1; };  /* padding: 1.1's struct ended after
                                                                dtype; 0 (see loom_abi.h) */
   int32_t grad_fp32;             /* dweight, dbias are fp32 (see LOOM_TP_GRAD_FP32) */
+  /* --- since 1.11 --- */
+  int32_t pad1;                  /* padding: 1.10's struct ended after grad_fp32; 0 */
+  /* With activation (only services with LOOM_TP_ACTIVATION; 0 from an older caller):
+   *  column-parallel forward: pre_activation [rows, out] receives x_full W + bias and
+   *            y = act(pre_activation) (not with gather_output);
+   *  row-parallel backward: the activation made this linear's input from
+   *            pre_activation [rows, in]; dx = (dy W^T) * act'(pre_activation), the
+   *            gradient of the activation's input (not with accumulate_dx).
+   * A device with LOOM_DEVICE_GEMM_EPILOGUE does either in the GEMM's epilogue. */
+  void* pre_activation;
+  int32_t activation;            /* LOOM_TP_ACTIVATION_*: 0 none, 1 GeLU (tanh approximation) */
+  int32_t reserved;              /* 0 */
 } loom_tp_linear_args;
+
+#define LOOM_TP_ACTIVATION_NONE 0
+#define LOOM_TP_ACTIVATION_GELU 1
 
 /* Vocab-parallel embedding: the table [padded_vocab / tp, dim] is this rank's
  * slice of the padded vocabulary; ids outside it look up zeros and the reduction
@@ -247,6 +262,8 @@ typedef struct loom_tensor_parallel_api {
  * else it reads the seed on the host: not capturable). The mask is the same either
  * way (since 1.3). */
 #define LOOM_TP_SEED_DEVICE (1ull << 1)
+/* The linear calls honour activation and pre_activation (since 1.11). */
+#define LOOM_TP_ACTIVATION (1ull << 2)
 
 #ifdef __cplusplus
 } /* extern "C" */
