@@ -59,6 +59,30 @@ __device__ __forceinline__ void load8(const uint16_t* p, float (&v)[8]) {
     v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
   }
 }
+// Four elements: 16 bytes of fp32, 8 of bf16. A warp's fp32 accesses of 4 a lane are one
+// contiguous 512-byte span per instruction; 8 a lane (load8) would cover every 32-byte
+// sector half per instruction and take two passes through the caches.
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* p, float (&v)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
+  v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+}
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(uint16_t* p, const float (&v)[4]) {
+  *reinterpret_cast<uint2*>(p) =
+      make_uint2(static_cast<uint32_t>(f32_to_bf16(v[0])) | (static_cast<uint32_t>(f32_to_bf16(v[1])) << 16),
+                 static_cast<uint32_t>(f32_to_bf16(v[2])) | (static_cast<uint32_t>(f32_to_bf16(v[3])) << 16));
+}
+// 16 bytes a lane whatever the type: 4 fp32 or 8 bf16 elements.
+template <typename T>
+constexpr int kVec16 = 16 / static_cast<int>(sizeof(T));
+
 __device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
   *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
   *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
@@ -889,8 +913,9 @@ __device__ __forceinline__ float adamw_at(const AdamwParams& p, float w, float g
   return w - p.lr * (mhat / (sqrtf(vhat) + p.eps) + p.weight_decay * w);
 }
 
-// AdamW over n elements spread over the grid: groups of 8 when `vec` (16-byte aligned
-// buffers), then one by one whatever is left. The kernels below and the multi-tensor
+// AdamW over n elements spread over the grid: groups of 4 when `vec` (16-byte aligned
+// buffers; fp32 state, so 4 a lane keeps every access coalesced), then one by one
+// whatever is left. The kernels below and the multi-tensor
 // one (a span per segment) share it, so each element gets the same arithmetic.
 template <typename G, typename C>
 __device__ __forceinline__ void adamw_span(int64_t n, float* param, const G* grad, float* m, float* v,
@@ -899,21 +924,21 @@ __device__ __forceinline__ void adamw_span(int64_t n, float* param, const G* gra
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t done = 0;
   if (vec) {
-    for (int64_t g = first; g < n / 8; g += stride) {
-      const int64_t i = g * 8;
-      float w[8], gr[8], mi[8], vi[8];
-      load8(param + i, w);
-      load8(grad + i, gr);
-      load8(m + i, mi);
-      load8(v + i, vi);
+    for (int64_t g = first; g < n / 4; g += stride) {
+      const int64_t i = g * 4;
+      float w[4], gr[4], mi[4], vi[4];
+      load4(param + i, w);
+      load4(grad + i, gr);
+      load4(m + i, mi);
+      load4(v + i, vi);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) w[j] = adamw_at(p, w[j], gr[j], mi[j], vi[j]);
-      store8(m + i, mi);
-      store8(v + i, vi);
-      store8(param + i, w);
-      if (copy) store8(copy + i, w);
+      for (int j = 0; j < 4; ++j) w[j] = adamw_at(p, w[j], gr[j], mi[j], vi[j]);
+      store4(m + i, mi);
+      store4(v + i, vi);
+      store4(param + i, w);
+      if (copy) store4(copy + i, w);
     }
-    done = n / 8 * 8;
+    done = n / 4 * 4;
   }
   for (int64_t i = done + first; i < n; i += stride) {
     float mi = m[i], vi = v[i];
@@ -967,7 +992,8 @@ __global__ void reduce_multi_partial_kernel(int op, int64_t count, const ReduceS
     const ReduceSegment seg = segments[s];
     const T* xs = x + seg.offset;
     const bool vec = op != kRedMaxAbs && aligned16(xs);
-    const int64_t units = vec ? (seg.numel + 7) / 8 : seg.numel;  // what one thread index covers
+    constexpr int V = kVec16<T>;  // 16 bytes a lane
+    const int64_t units = vec ? (seg.numel + V - 1) / V : seg.numel;  // what one thread index covers
     double* out = partial + s * gridDim.x + blockIdx.x;
     if (static_cast<int64_t>(blockIdx.x) * blockDim.x >= units) {  // the same for the whole block
       if (threadIdx.x == 0) *out = 0.0;
@@ -976,16 +1002,19 @@ __global__ void reduce_multi_partial_kernel(int op, int64_t count, const ReduceS
     double acc = 0.0;
     int64_t done = 0;
     if (vec) {
-      for (int64_t g = first; g < seg.numel / 8; g += stride) {
-        float v[8];
-        load8(xs + g * 8, v);
+      for (int64_t g = first; g < seg.numel / V; g += stride) {
+        float v[V];
+        if constexpr (V == 4)
+          load4(xs + g * V, v);
+        else
+          load8(xs + g * V, v);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < V; ++j) {
           const double d = static_cast<double>(v[j]);
           acc += op == kRedSumSquares ? d * d : d;
         }
       }
-      done = seg.numel / 8 * 8;
+      done = seg.numel / V * V;
     }
     for (int64_t i = done + first; i < seg.numel; i += stride) {
       const double d = static_cast<double>(ld(xs, i));
@@ -1411,7 +1440,7 @@ cudaError_t k_adamw(cudaStream_t s, int64_t n, float* param, const void* grad, D
   if (n == 0) return cudaSuccess;
   const bool vec = vec_ok({param, grad, m, v, param_copy});
   LOOM_DISPATCH(grad_dt, G, LOOM_DISPATCH(copy_dt, C,
-                                          adamw_kernel<G, C><<<grid_for(vec ? std::max<int64_t>(n / 8, 1) : n),
+                                          adamw_kernel<G, C><<<grid_for(vec ? std::max<int64_t>(n / 4, 1) : n),
                                                                kThreads, 0, s>>>(
                                               n, param, static_cast<const G*>(grad), m, v, p,
                                               static_cast<C*>(param_copy), vec)));
