@@ -471,13 +471,16 @@ struct EpilogueCase {
   float beta;
 };
 
-void check_gemm_epilogue(Env& env, const EpilogueCase& e, int32_t dt, uint32_t seed) {
+// c_dt: C's type (and bias's, aux's), dt that of A and B unless given.
+void check_gemm_epilogue(Env& env, const EpilogueCase& e, int32_t dt, uint32_t seed, int32_t c_dt = -1) {
+  if (c_dt < 0) c_dt = dt;
   const int64_t a_size = e.m * e.k, b_size = e.k * e.n, c_size = e.m * e.n;
   Tensor A(env, randu(static_cast<size_t>(a_size), seed, -1, 1), dt);
   Tensor B(env, randu(static_cast<size_t>(b_size), seed + 1, -1, 1), dt);
-  Tensor C(env, randu(static_cast<size_t>(c_size), seed + 2), dt);
-  Tensor bias(env, randu(static_cast<size_t>(e.n), seed + 3), dt);
-  Tensor aux(env, randu(static_cast<size_t>(c_size), seed + 4, -4, 4), dt);
+  Tensor C(env, randu(static_cast<size_t>(c_size), seed + 2), c_dt);
+  Tensor bias(env, randu(static_cast<size_t>(e.n), seed + 3), c_dt);
+  const bool vector_aux = e.epilogue == LOOM_GEMM_EPILOGUE_BIAS_GRAD;
+  Tensor aux(env, randu(static_cast<size_t>(vector_aux ? e.n : c_size), seed + 4, -4, 4), c_dt);
   both<loom_gemm_args>(env, &loom::Device::gemm, [&](bool gpu) {
     loom_gemm_args a = loom::make<loom_gemm_args>();
     a.trans_a = e.ta;
@@ -495,22 +498,24 @@ void check_gemm_epilogue(Env& env, const EpilogueCase& e, int32_t dt, uint32_t s
     a.alpha = 1.0f;
     a.beta = e.beta;
     a.dtype = gpu ? dt : F32;
-    a.c_dtype = gpu ? dt : F32;
+    a.c_dtype = gpu ? c_dt : F32;
     a.epilogue = e.epilogue;
     a.bias = e.bias ? (gpu ? bias.g() : bias.c()) : nullptr;
     if (e.epilogue != LOOM_GEMM_EPILOGUE_BIAS) {
       a.aux = gpu ? aux.g() : aux.c();
-      a.ldaux = e.n;
+      a.ldaux = vector_aux ? 0 : e.n;
     }
     return a;
   });
   std::ostringstream what;
   what << "gemm epilogue " << e.epilogue << (e.bias ? " with bias" : "") << " ta=" << e.ta << " tb=" << e.tb
-       << " m=" << e.m << " n=" << e.n << " k=" << e.k << " beta=" << e.beta << (dt == BF16 ? " bf16" : " f32");
+       << " m=" << e.m << " n=" << e.n << " k=" << e.k << " beta=" << e.beta << (dt == BF16 ? " bf16" : " f32")
+       << (c_dt == BF16 ? " C bf16" : " C f32");
   // cuBLASLt's GeLU derivative differs from device/cpu's (both approximate tanh) by up to
   // 1.2e-5 of the largest fp32 result (measured on an H100): fp32 DGELU gets 3e-5.
-  C.expect_match(what.str(), dt == F32 && e.epilogue == LOOM_GEMM_EPILOGUE_DGELU ? 3e-5 : tol_of(dt));
-  if (e.epilogue == LOOM_GEMM_EPILOGUE_GELU_AUX) aux.expect_match(what.str() + " (aux)");
+  const double tol = std::max(tol_of(dt), tol_of(c_dt));
+  C.expect_match(what.str(), dt == F32 && e.epilogue == LOOM_GEMM_EPILOGUE_DGELU ? 3e-5 : tol);
+  if (e.epilogue == LOOM_GEMM_EPILOGUE_GELU_AUX || vector_aux) aux.expect_match(what.str() + " (aux)", tol);
 }
 
 void gemm_epilogue_sweep(Env& env, int32_t dt) {
@@ -524,6 +529,15 @@ void gemm_epilogue_sweep(Env& env, int32_t dt) {
       check_gemm_epilogue(env, {ta, tb, 96, n, 64, LOOM_GEMM_EPILOGUE_GELU_AUX, false, 0.0f}, dt, seed++);
       check_gemm_epilogue(env, {ta, tb, 96, n, 64, LOOM_GEMM_EPILOGUE_DGELU, false, 0.0f}, dt, seed++);
     }
+  // Bias gradients in the weight-gradient GEMM (dW = x^T dy, dbias += column sums of dy):
+  // fp32, and bf16 inputs with fp32 C (gradient-accumulation fusion) or bf16 C.
+  for (int64_t n : {int64_t{384}, int64_t{45}}) {
+    check_gemm_epilogue(env, {1, 0, 64, n, 96, LOOM_GEMM_EPILOGUE_BIAS_GRAD, false, 1.0f}, dt, seed++);
+    check_gemm_epilogue(env, {0, 0, 64, n, 96, LOOM_GEMM_EPILOGUE_BIAS_GRAD, false, 0.0f}, dt, seed++);
+    if (dt == BF16) check_gemm_epilogue(env, {1, 0, 64, n, 96, LOOM_GEMM_EPILOGUE_BIAS_GRAD, false, 1.0f}, dt, seed++, F32);
+  }
+  check_gemm_epilogue(env, {1, 0, 768, 3072, 512, LOOM_GEMM_EPILOGUE_BIAS_GRAD, false, 1.0f}, dt, seed++,
+                      dt == BF16 ? F32 : dt);
   // A linear layer's shapes (GPT-2 small MLP, 512 tokens).
   check_gemm_epilogue(env, {0, 0, 512, 3072, 768, LOOM_GEMM_EPILOGUE_GELU_AUX, true, 0.0f}, dt, seed++);
   check_gemm_epilogue(env, {0, 1, 512, 3072, 768, LOOM_GEMM_EPILOGUE_DGELU, false, 0.0f}, dt, seed++);

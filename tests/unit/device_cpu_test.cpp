@@ -778,6 +778,52 @@ TEST(DeviceCpu, GemmEpiloguesEqualTheUnfusedOpsBitForBit) {
   }
 }
 
+// BIAS_GRAD: the weight-gradient GEMM with the bias gradient accumulated from its B,
+// bit for bit the GEMM then reduce COLUMN_SUM (fp32), and for a bf16 aux the fp32 sum
+// added to the widened aux and rounded once.
+TEST(DeviceCpu, GemmBiasGradEpilogueIsTheGemmAndTheColumnSums) {
+  Dev d(2);
+  const int64_t in = 23, out = 40, rows = 57;
+  const std::vector<float> xv = randn(static_cast<size_t>(rows * in), 360, -2, 2),
+                           dyv = randn(static_cast<size_t>(rows * out), 361, -2, 2),
+                           wv = randn(static_cast<size_t>(in * out), 362), bv = randn(out, 363);
+  Buf<float> X(d, xv), DY(d, dyv), W(d, wv), Bg(d, bv), W2(d, wv), Bg2(d, bv);
+  loom_gemm_args g = epilogue_gemm(1, 0, in, out, rows, X.data(), DY.data(), W.data(), out, 1.0f, LOOM_DTYPE_F32);
+  g.epilogue = LOOM_GEMM_EPILOGUE_BIAS_GRAD;
+  g.aux = Bg.data();
+  d.ops().gemm(g);
+  d.ops().gemm(epilogue_gemm(1, 0, in, out, rows, X.data(), DY.data(), W2.data(), out, 1.0f, LOOM_DTYPE_F32));
+  d.ops().reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * out, .cols = out, .x = DY.data(), .out = Bg2.data(),
+                  .accumulate = 1, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  EXPECT_EQ(W.get(), W2.get());
+  EXPECT_EQ(Bg.get(), Bg2.get());
+  EXPECT_NE(Bg.get(), bv);
+  // bf16 aux: aux + the fp32 sum, rounded once.
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  };
+  std::vector<float> dy16v(dyv), b16v(bv);
+  for (float& v : dy16v) v = bf16_round_ref(v);
+  for (float& v : b16v) v = bf16_round_ref(v);
+  std::vector<uint16_t> dyh(dy16v.size()), bh(b16v.size()), xh(xv.size());
+  for (size_t i = 0; i < dyh.size(); ++i) dyh[i] = bits(dy16v[i]);
+  for (size_t i = 0; i < bh.size(); ++i) bh[i] = bits(b16v[i]);
+  for (size_t i = 0; i < xh.size(); ++i) xh[i] = bits(bf16_round_ref(xv[i]));
+  Buf<uint16_t> X16(d, xh), DY16(d, dyh), W16(d, static_cast<size_t>(in * out)), B16(d, bh);
+  Buf<float> DYf(d, dy16v), S(d, static_cast<size_t>(out));
+  loom_gemm_args h = epilogue_gemm(1, 0, in, out, rows, X16.data(), DY16.data(), W16.data(), out, 0.0f, LOOM_DTYPE_BF16);
+  h.epilogue = LOOM_GEMM_EPILOGUE_BIAS_GRAD;
+  h.aux = B16.data();
+  d.ops().gemm(h);
+  d.ops().reduce({.op = LOOM_RED_COLUMN_SUM, .n = rows * out, .cols = out, .x = DYf.data(), .out = S.data(),
+                  .accumulate = 0, .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+  for (int64_t j = 0; j < out; ++j)
+    ASSERT_EQ(B16[static_cast<size_t>(j)], bits(bf16_round_ref(b16v[static_cast<size_t>(j)] + S[static_cast<size_t>(j)])))
+        << "bias gradient " << j;
+}
+
 // bf16 C: the fp32 epilogue on the same (bf16) values, rounded once to bf16.
 TEST(DeviceCpu, GemmEpiloguesInBf16RoundOnce) {
   Dev d(2);
@@ -849,6 +895,9 @@ TEST(DeviceCpu, GemmEpilogueArgumentsAreChecked) {
   refused([&](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_BIAS, a.aux = nullptr; }, "needs a bias");
   refused([&](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_NONE, a.bias = V.data(), a.aux = nullptr; },
           "only with an epilogue");
+  refused([](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_BIAS_GRAD, a.trans_b = 1; }, "trans_b 0");
+  refused([](loom_gemm_args& a) { a.epilogue = LOOM_GEMM_EPILOGUE_BIAS_GRAD, a.aux = nullptr; },
+          "needs aux (the bias gradient)");
 }
 
 // ---------------------------------------------------------------------------

@@ -71,7 +71,7 @@ namespace {
 // ABI 1.11's epilogue members (all zero from an older caller).
 void check_epilogue(const loom_gemm_args& g) {
   const int32_t e = g.epilogue;
-  LOOM_REQUIRE(e >= LOOM_GEMM_EPILOGUE_NONE && e <= LOOM_GEMM_EPILOGUE_DGELU,
+  LOOM_REQUIRE(e >= LOOM_GEMM_EPILOGUE_NONE && e <= LOOM_GEMM_EPILOGUE_BIAS_GRAD,
                "gemm: epilogue " << e << " is not a LOOM_GEMM_EPILOGUE_* value");
   if (e == LOOM_GEMM_EPILOGUE_NONE) {
     LOOM_REQUIRE(g.bias == nullptr && g.aux == nullptr,
@@ -87,6 +87,9 @@ void check_epilogue(const loom_gemm_args& g) {
                  "gemm: epilogue " << (e == LOOM_GEMM_EPILOGUE_DGELU ? "DGELU" : "GELU_AUX") << " needs aux");
     LOOM_REQUIRE(g.ldaux >= std::max<int64_t>(1, g.n), "gemm: ldaux=" << g.ldaux << " is smaller than n=" << g.n);
   }
+  if (e == LOOM_GEMM_EPILOGUE_BIAS_GRAD)
+    LOOM_REQUIRE(g.aux != nullptr && g.bias == nullptr && g.trans_b == 0,
+                 "gemm: epilogue BIAS_GRAD needs aux (the bias gradient), no bias and trans_b 0");
   if (e == LOOM_GEMM_EPILOGUE_DGELU)
     LOOM_REQUIRE(g.beta == 0.0f && g.bias == nullptr, "gemm: epilogue DGELU takes no bias and beta 0 (got beta="
                                                           << g.beta << (g.bias ? ", a bias" : "") << ")");

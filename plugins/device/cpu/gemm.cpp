@@ -21,6 +21,7 @@
 #include <memory>
 
 #include "cpu_device.hpp"
+#include "cpu_math.hpp"
 
 namespace loom::cpu {
 namespace {
@@ -297,9 +298,41 @@ void epilogue_row(Device& d, const loom_gemm_args& g, int64_t i, float* r, const
   if (bf16) d.k->f32_to_bf16(r, static_cast<uint16_t*>(g.c) + i * g.ldc, n);
 }
 
+// BIAS_GRAD's aux[j] += the column sums of B, as reduce COLUMN_SUM (then, for a bf16
+// aux, widened, added in fp32 and rounded once).
+void bias_grad(Device& d, const loom_gemm_args& g) {
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_COLUMN_SUM;
+  r.n = g.k * g.n;
+  r.cols = g.n;
+  r.ld = g.ldb;
+  r.x = g.b;
+  r.dtype = g.dtype;
+  r.out_dtype = LOOM_DTYPE_F32;
+  if (!is_bf16(g.c_dtype)) {
+    r.out = g.aux;
+    r.accumulate = 1;
+    run_reduce(d, r);
+    return;
+  }
+  F32Buffer sum(static_cast<size_t>(g.n));
+  r.out = sum.get();
+  run_reduce(d, r);
+  uint16_t* aux = static_cast<uint16_t*>(g.aux);
+  for (int64_t j = 0; j < g.n; ++j) aux[j] = f32_to_bf16(bf16_to_f32(aux[j]) + sum.get()[j]);
+}
+
 // A GEMM with an epilogue: r into fp32 (C itself when it is fp32, else packed
 // scratch with C widened when beta reads it), then the epilogue row by row.
 void run_gemm_epilogue(Device& d, const loom_gemm_args& g) {
+  if (g.epilogue == LOOM_GEMM_EPILOGUE_BIAS_GRAD) {
+    loom_gemm_args plain = g;
+    plain.epilogue = LOOM_GEMM_EPILOGUE_NONE;
+    plain.aux = nullptr;
+    run_gemm(d, plain);
+    if (g.n > 0) bias_grad(d, g);
+    return;
+  }
   if (g.m <= 0 || g.n <= 0) return;
   const bool bf16 = is_bf16(g.c_dtype);
   loom_gemm_args plain = g;

@@ -3,8 +3,9 @@
 // ops.cpp's cuBLAS calls: cuBLASLt's "A" is loom's B, its "B" loom's A, and its D
 // has n rows, so the bias (one value per row of D) is loom's per-column bias and
 // the aux matrix is loom's [m, n] with ldaux. The epilogues used: BIAS,
-// GELU_AUX(_BIAS) (the GeLU input stored to aux) and DGELU (aux read), computed in
-// fp32 and stored once in C's type.
+// GELU_AUX(_BIAS) (the GeLU input stored to aux), DGELU (aux read), computed in fp32
+// and stored once in C's type, and BGRADA (loom's BIAS_GRAD: the sums over k of
+// loom's B written to the bias pointer, which the caller points at fp32 scratch).
 //
 // The algorithm cuBLASLt's heuristic picks for a shape is cached per device (the
 // heuristic call costs far more than the matmul's launch); pointer alignment is
@@ -49,6 +50,8 @@ cublasLtEpilogue_t lt_epilogue(const loom_gemm_args& g) {
     case LOOM_GEMM_EPILOGUE_BIAS: return CUBLASLT_EPILOGUE_BIAS;
     case LOOM_GEMM_EPILOGUE_GELU_AUX: return g.bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     case LOOM_GEMM_EPILOGUE_DGELU: return CUBLASLT_EPILOGUE_DGELU;
+    // The reduction over k of cuBLASLt's A, which is loom's B (see above).
+    case LOOM_GEMM_EPILOGUE_BIAS_GRAD: return CUBLASLT_EPILOGUE_BGRADA;
     default: return CUBLASLT_EPILOGUE_DEFAULT;
   }
 }
@@ -112,7 +115,11 @@ bool lt_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt 
     entry.found = hs == CUBLAS_STATUS_SUCCESS && found > 0;
     if (entry.found) entry.algo = result.algo;
     d.lt_algos.emplace(key, entry);
-    if (!entry.found) return false;  // no kernel for this case: the unfused ops do it
+    if (!entry.found) {  // no kernel for this case: the unfused ops do it (said once per problem)
+      LOOM_LOG(INFO) << d.who() << ": cuBLASLt has no kernel for GEMM epilogue " << g.epilogue << " (m " << m
+                     << ", n " << n << ", k " << k << ", trans " << ta << tb << "): it runs unfused";
+      return false;
+    }
     algo = result.algo;
   }
   const float alpha = g.alpha, beta = g.beta;

@@ -185,9 +185,58 @@ void gemm_epilogue_unfused(Device& d, Stream& st, const loom_gemm_args& g, Dt ab
     check_launch(d, "gemm", "copy_matrix kernel", k_copy_matrix(st.s, cd, cd, m, n, 1, c, n, 0, g.c, g.ldc, 0));
 }
 
+// BIAS_GRAD: the GEMM, and aux (+)= the column sums of B. cuBLASLt writes the sums
+// (fp32 C only) to scratch, added to aux; else reduce COLUMN_SUM, through fp32 scratch
+// for a bf16 aux (widened, added, rounded once, as device/cpu).
+void gemm_bias_grad(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt cd) {
+  Scratch sum(d, st, static_cast<size_t>(g.n) * sizeof(float), "gemm");
+  loom_elementwise_args add = loom::make<loom_elementwise_args>();
+  add.op = LOOM_EW_ADD;
+  add.n = g.n;
+  add.dtype = add.out_dtype = LOOM_DTYPE_F32;
+  if (cd == Dt::F32 && g.m > 0) {
+    loom_gemm_args lt = g;
+    lt.bias = sum.get();
+    std::lock_guard<std::mutex> lock(d.cublas_mu);
+    void* ws = workspace(d, st, "gemm");
+    if (lt_gemm_epilogue(d, st, lt, ab, cd, ws, st.workspace_bytes)) {
+      add.x = g.aux;
+      add.y = sum.get();
+      add.out = g.aux;
+      run_elementwise(d, st, add);
+      return;
+    }
+  }
+  gemm_impl(d, st, "gemm", g.trans_a != 0, false, g.m, g.n, g.k, g.alpha, g.a, g.lda, g.stride_a, g.b, g.ldb,
+            g.stride_b, g.beta, g.c, g.ldc, g.stride_c, 1, ab, cd);
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_COLUMN_SUM;
+  r.n = g.k * g.n;
+  r.cols = g.n;
+  r.ld = g.ldb;
+  r.x = g.b;
+  r.dtype = g.dtype;
+  r.out_dtype = LOOM_DTYPE_F32;
+  r.out = cd == Dt::F32 ? g.aux : sum.get();
+  r.accumulate = cd == Dt::F32 ? 1 : 0;
+  run_reduce(d, st, r);
+  if (cd == Dt::F32) return;
+  Scratch wide(d, st, static_cast<size_t>(g.n) * sizeof(float), "gemm");
+  check_launch(d, "gemm", "cast kernel", k_cast(st.s, Dt::BF16, Dt::F32, g.n, g.aux, wide.get()));
+  add.x = wide.get();
+  add.y = sum.get();
+  add.out = wide.get();
+  run_elementwise(d, st, add);
+  check_launch(d, "gemm", "cast kernel", k_cast(st.s, Dt::F32, Dt::BF16, g.n, wide.get(), g.aux));
+}
+
 void run_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g) {
-  if (g.m <= 0 || g.n <= 0) return;
   const Dt ab = float_dt("gemm", "dtype", g.dtype), cd = float_dt("gemm", "c_dtype", g.c_dtype);
+  if (g.epilogue == LOOM_GEMM_EPILOGUE_BIAS_GRAD) {
+    if (g.n > 0) gemm_bias_grad(d, st, g, ab, cd);
+    return;
+  }
+  if (g.m <= 0 || g.n <= 0) return;
   {
     std::lock_guard<std::mutex> lock(d.cublas_mu);
     void* ws = workspace(d, st, "gemm");

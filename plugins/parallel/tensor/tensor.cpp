@@ -20,7 +20,9 @@
 // A column-parallel forward may end in a GeLU and a row-parallel backward begin
 // with its gradient (ABI 1.11, activation): on a device with GEMM epilogues both are
 // in the GEMM (bias + GeLU forward, GeLU' on dx backward), as is every bias added
-// before g (column-parallel, and row-parallel when g is the identity).
+// before g (column-parallel, and row-parallel when g is the identity), and every bias
+// gradient taken from the dy that the weight-gradient GEMM reads (all but row-parallel
+// under SP, whose bias gradient is this rank's shard).
 //
 // With tp = 1 every collective is skipped: the calls are the local math. With
 // grad_fp32 the parameter gradients of bf16 layers go straight into fp32 buffers
@@ -149,8 +151,7 @@ class Tp {
                    LOOM_COPY_DEVICE_TO_DEVICE);
       dy = tmp.at<const void>(dyl);
     }
-    gemm(dev_, true, false, in, out, R, x, dy, a.dweight, 1.0f, dt, gt);
-    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, R, out, dt, gt);
+    weight_and_bias_grad(x, dy, a.dweight, a.dbias, R, in, out, dt, gt);
     if (!a.dx) return;
     void* dx = a.dx;
     void* full = direct ? dx : tmp.at<void>(dfull);
@@ -189,14 +190,17 @@ class Tp {
     Arena tmp;
     const size_t full = tmp.elems(sp_ ? R * out : 0, dt);
     tmp.allocate(rank_);
-    // The bias came after the reduction: its gradient is dy as held (the shard under SP).
-    if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, local_rows(R), out, dt, gt);
+    // The bias came after the reduction: its gradient is dy as held (the shard under SP,
+    // where the weight's GEMM reads the gathered dy instead).
     const void* d = dy;
     if (sp_) {
+      if (a.dbias) column_sum_acc(rank_, dev_, dy, a.dbias, local_rows(R), out, dt, gt);
       exit_bwd(R, out, dy, tmp.at<void>(full), dt);
       d = tmp.at<const void>(full);
+      gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, gt);
+    } else {
+      weight_and_bias_grad(a.x, dy, a.dweight, a.dbias, R, in, out, dt, gt);
     }
-    gemm(dev_, true, false, in, out, R, a.x, d, a.dweight, 1.0f, dt, gt);
     if (!a.dx) return;
     if (gelu(a)) {  // dx is the gradient of the activation's input
       LOOM_REQUIRE(!a.accumulate_dx, name_ << ": a row-parallel backward through an activation cannot accumulate dx");
@@ -204,6 +208,19 @@ class Tp {
       return;
     }
     gemm(dev_, false, true, R, in, out, d, a.weight, a.dx, a.accumulate_dx ? 1.0f : 0.0f, dt, dt);
+  }
+
+  // dweight += x^T dy and dbias += the column sums of dy (when asked): the sums in the
+  // weight GEMM's epilogue where the device fuses it.
+  void weight_and_bias_grad(const void* x, const void* dy, void* dweight, void* dbias, int64_t R, int64_t in,
+                            int64_t out, int32_t dt, int32_t gt) const {
+    if (dbias && fused_gemm_epilogues(dev_)) {
+      gemm(dev_, true, false, in, out, R, x, dy, dweight, 1.0f, dt, gt, 1.0f,
+           {.kind = LOOM_GEMM_EPILOGUE_BIAS_GRAD, .aux = dbias});
+      return;
+    }
+    gemm(dev_, true, false, in, out, R, x, dy, dweight, 1.0f, dt, gt);
+    if (dbias) column_sum_acc(rank_, dev_, dy, dbias, R, out, dt, gt);
   }
 
   // ABI 1.11's activation of a linear call (0 from an older caller).

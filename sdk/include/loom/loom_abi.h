@@ -260,7 +260,7 @@ typedef struct loom_gemm_args {
   int32_t pad0;                  /* padding: 1.10's struct ended after reserved; 0 */
   /* An epilogue applied to C in the GEMM (LOOM_GEMM_EPILOGUE_* below; only devices with
    * LOOM_DEVICE_GEMM_EPILOGUE, and batch 1). bias: [n] in c_dtype, added to every row;
-   * aux: [m, n] in c_dtype, ldaux elements between rows (>= n). */
+   * aux: [m, n] in c_dtype, ldaux elements between rows (>= n), or for BIAS_GRAD [n]. */
   const void* bias;
   void* aux;
   int64_t ldaux;
@@ -277,12 +277,16 @@ typedef struct loom_gemm_args {
  *            activation, keeping the activation's input for its backward.
  *  DGELU     C = r * gelu'(aux[i, j]) (beta 0, no bias): the activation's backward in
  *            the GEMM that makes its output gradient.
- * The same as the unfused ops (gemm, elementwise ADD_BIAS, gelu_fwd / gelu_bwd) up to
- * the one rounding: with fp32 C they agree bit for bit on device/cpu. */
+ *  BIAS_GRAD C = r, and aux[j] += the sum over k of B[k, j] (trans_b 0, no bias; aux
+ *            [n] in c_dtype, the sum in fp32, added and rounded once): a linear layer's
+ *            bias gradient from the output gradient its weight-gradient GEMM reads.
+ * The same as the unfused ops (gemm, elementwise ADD_BIAS, gelu_fwd / gelu_bwd, reduce
+ * COLUMN_SUM) up to the one rounding: with fp32 C they agree bit for bit on device/cpu. */
 #define LOOM_GEMM_EPILOGUE_NONE 0
 #define LOOM_GEMM_EPILOGUE_BIAS 1
 #define LOOM_GEMM_EPILOGUE_GELU_AUX 2
 #define LOOM_GEMM_EPILOGUE_DGELU 3
+#define LOOM_GEMM_EPILOGUE_BIAS_GRAD 4
 
 /* y = (x - mean) * rstd * gamma + beta over the last dim; saves mean and rstd. */
 typedef struct loom_layernorm_fwd_args {
