@@ -5,8 +5,9 @@
         loom run MANIFEST --set run.steps=2 ...
     python3 scripts/bench/kernel_summary.py k.csv [TOP]
 
-The launches of the second half (the last of two steps: warm-up out) are grouped by kernel
-name, largest total first, with each one's share of the step's kernel time and its launches.
+The launches of the last step (from the last launch of the run's first kernel; with two
+steps, the warm-up is left out) are grouped by kernel name, largest total first, with each
+one's share of the step's kernel time and its launches.
 """
 import collections
 import csv
@@ -25,7 +26,13 @@ def main():
             ms = float(r["Metric Value"].replace(",", "")) * UNITS.get(r.get("Metric Unit", "ns"), 1e-6)
             rows.append((int(r["ID"]), r["Kernel Name"], ms))
     rows.sort()
-    step = rows[len(rows) // 2:]
+    # The last step begins at the last launch of the run's first kernel (a step's first
+    # launch, e.g. the embedding lookup); half of the launches would not do: the steps
+    # need not launch the same number of kernels, and the first step's optimizer launches
+    # would count as the last one's.
+    first = rows[0][1] if rows else ""
+    start = max((i for i, r in enumerate(rows) if r[1] == first), default=0)
+    step = rows[start:] if start > 0 else rows[len(rows) // 2:]
     total, count = collections.Counter(), collections.Counter()
     for _, name, ms in step:
         key = name.split("(")[0][:90]

@@ -45,6 +45,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_9(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_9(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_10(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_10(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_10(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_11(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_11(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -271,6 +274,24 @@ TEST(AbiLayout, Released110MembersKeepOffsetsAndSizes) {
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_9("loom_device_ops"), 0u);
   EXPECT_GE(offsetof(loom_device_ops, rmsnorm_fwd), loom_abi_sizeof_v1_9("loom_device_ops"));
+}
+
+// 1.11's too (the GEMM epilogue and the linear calls' activation), past 1.10's
+// sizeof of the structs they extend (whose tail padding pad0 / pad1 name).
+TEST(AbiLayout, Released111MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_110 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_11(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_11(&n_current);
+  loom_abi_layout_current_v1_10(&n_110);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_110 + 2 * 10);  // 6 members of loom_gemm_args, 4 of loom_tp_linear_args
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_10("loom_gemm_args"), 0u);
+  ASSERT_GT(loom_abi_sizeof_v1_10("loom_tp_linear_args"), 0u);
+  EXPECT_GE(offsetof(loom_gemm_args, bias), loom_abi_sizeof_v1_10("loom_gemm_args"));
+  EXPECT_GE(offsetof(loom_tp_linear_args, pre_activation), loom_abi_sizeof_v1_10("loom_tp_linear_args"));
+  EXPECT_EQ(offsetof(loom_gemm_args, pad0) + sizeof(int32_t), loom_abi_sizeof_v1_10("loom_gemm_args"));
+  EXPECT_EQ(offsetof(loom_tp_linear_args, pad1) + sizeof(int32_t), loom_abi_sizeof_v1_10("loom_tp_linear_args"));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a
