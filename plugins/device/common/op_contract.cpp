@@ -97,6 +97,18 @@ void check_epilogue(const loom_gemm_args& g) {
 
 }  // namespace
 
+loom_reduce_args bias_grad_sums(const loom_gemm_args& g) {
+  loom_reduce_args r = loom::make<loom_reduce_args>();
+  r.op = LOOM_RED_COLUMN_SUM;
+  r.n = g.k * g.n;
+  r.cols = g.n;
+  r.ld = g.ldb;
+  r.x = g.b;
+  r.dtype = g.dtype;
+  r.out_dtype = LOOM_DTYPE_F32;
+  return r;
+}
+
 void check(const char* device, const loom_gemm_args& g) {
   require_float(device, "gemm", "dtype", g.dtype);
   require_float(device, "gemm", "c_dtype", g.c_dtype);

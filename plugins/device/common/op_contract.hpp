@@ -33,6 +33,9 @@ loom_attention_args resolved(const loom_attention_args& a);
 // ABI 1.8's multi-tensor calls: the number of segments, 0 for a single tensor (or a
 // caller before 1.8, whose struct ends before the member).
 int64_t num_segments(const loom_reduce_args& a);
+// The reduction a gemm's BIAS_GRAD epilogue adds to aux: COLUMN_SUM of B ([k, n], ldb)
+// into fp32; out and accumulate are the caller's.
+loom_reduce_args bias_grad_sums(const loom_gemm_args& g);
 int64_t num_segments(const loom_adamw_args& a);
 
 void check(const char* device, const loom_gemm_args& g);

@@ -301,14 +301,7 @@ void epilogue_row(Device& d, const loom_gemm_args& g, int64_t i, float* r, const
 // BIAS_GRAD's aux[j] += the column sums of B, as reduce COLUMN_SUM (then, for a bf16
 // aux, widened, added in fp32 and rounded once).
 void bias_grad(Device& d, const loom_gemm_args& g) {
-  loom_reduce_args r = loom::make<loom_reduce_args>();
-  r.op = LOOM_RED_COLUMN_SUM;
-  r.n = g.k * g.n;
-  r.cols = g.n;
-  r.ld = g.ldb;
-  r.x = g.b;
-  r.dtype = g.dtype;
-  r.out_dtype = LOOM_DTYPE_F32;
+  loom_reduce_args r = op_contract::bias_grad_sums(g);
   if (!is_bf16(g.c_dtype)) {
     r.out = g.aux;
     r.accumulate = 1;

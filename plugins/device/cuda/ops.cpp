@@ -209,14 +209,7 @@ void gemm_bias_grad(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt cd
   }
   gemm_impl(d, st, "gemm", g.trans_a != 0, false, g.m, g.n, g.k, g.alpha, g.a, g.lda, g.stride_a, g.b, g.ldb,
             g.stride_b, g.beta, g.c, g.ldc, g.stride_c, 1, ab, cd);
-  loom_reduce_args r = loom::make<loom_reduce_args>();
-  r.op = LOOM_RED_COLUMN_SUM;
-  r.n = g.k * g.n;
-  r.cols = g.n;
-  r.ld = g.ldb;
-  r.x = g.b;
-  r.dtype = g.dtype;
-  r.out_dtype = LOOM_DTYPE_F32;
+  loom_reduce_args r = op_contract::bias_grad_sums(g);
   r.out = cd == Dt::F32 ? g.aux : sum.get();
   r.accumulate = cd == Dt::F32 ? 1 : 0;
   run_reduce(d, st, r);
