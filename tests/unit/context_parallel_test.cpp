@@ -83,6 +83,25 @@ TEST(ContextParallel, Cp2MatchesSerial) {
   EXPECT_TRUE(comm.count("dp-cp")) << "gradients are not averaged over dp-cp";
 }
 
+// Rotary embeddings (no position table): each token is rotated by its position in the
+// whole sequence, so the chunks a cp rank holds (one early, one late) and the shards
+// of cp 2 x tp 2 with SP rotate as the serial run does.
+TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
+  const std::vector<std::string> rope = {"model.layer.embedding.position_embedding=rope",
+                                         "model.layer.attention.position_embedding=rope"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), rope.begin(), rope.end());
+    return run(o);
+  };
+  const RankTrace serial = with({});
+  expect_same_training(serial, with({"parallel.cp=2"}));
+  expect_same_training(serial, with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  // Without rope and without the table the model could not tell positions apart: rope
+  // must change the training.
+  const RankTrace none = run({"model.layer.embedding.position_embedding=rope"});
+  EXPECT_NE(none.loss.back(), serial.loss.back());
+}
+
 TEST(ContextParallel, Cp4MatchesSerial) {
   const RankTrace par = run({"parallel.cp=4"});
   expect_same_training(run({}), par);

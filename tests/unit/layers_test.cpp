@@ -491,10 +491,13 @@ TEST(Layers, EmbeddingForwardMatchesReference) {
   expect_close(y, want, 1e-6, "embedding output");
 }
 
-TEST(Layers, AttentionForwardMatchesReference) {
+// The attention layer against a double-precision reference; with rotary_dim > 0, q
+// and k of each head rotated first (RoFormer's rotation, pairs (i, i + rotary_dim/2),
+// the token at row s * B + b at position s).
+void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta) {
   Rank rank;
   auto dims = make_dims();
-  TestLayer layer(rank, "attention", dims);
+  TestLayer layer(rank, "attention", dims, opts);
   std::mt19937 rng(21);
   layer.randomize(rng);
   Batch b = make_batch(rng);
@@ -504,6 +507,20 @@ TEST(Layers, AttentionForwardMatchesReference) {
   const int64_t H = kHidden, d = kHidden / kHeads;
   Mat ln = ref_layernorm(b.x, layer.param("ln.weight").value, layer.param("ln.bias").value, kT, H);
   Mat qkv = ref_linear(ln, layer.param("qkv.weight").value, layer.param("qkv.bias").value, kT, H, 3 * H);
+  const int64_t half = rotary_dim / 2;
+  for (int64_t r = 0; r < kT && half > 0; ++r) {
+    const double pos = static_cast<double>(r / kBatch);
+    for (int64_t part = 0; part < 2; ++part)  // q, k
+      for (int64_t h = 0; h < kHeads; ++h)
+        for (int64_t i = 0; i < half; ++i) {
+          const double angle = pos * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
+          double& u = qkv[r * 3 * H + part * H + h * d + i];
+          double& v = qkv[r * 3 * H + part * H + h * d + half + i];
+          const double u0 = u, v0 = v;
+          u = u0 * std::cos(angle) - v0 * std::sin(angle);
+          v = v0 * std::cos(angle) + u0 * std::sin(angle);
+        }
+  }
   Mat ctx(static_cast<size_t>(kT * H), 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (int64_t bb = 0; bb < kBatch; ++bb)
@@ -528,6 +545,45 @@ TEST(Layers, AttentionForwardMatchesReference) {
   Mat out = ref_linear(ctx, layer.param("proj.weight").value, layer.param("proj.bias").value, kT, H, H);
   for (size_t i = 0; i < out.size(); ++i) out[i] += b.x[i];
   expect_close(y, out, 1e-5, "attention output");
+}
+
+TEST(Layers, AttentionForwardMatchesReference) { check_attention_forward(nullptr, 0, 0.0); }
+
+// Rotary embeddings on the whole head and on half of it (rotary_percent), with another
+// base: each token's q and k turned by its own position.
+TEST(Layers, RopeAttentionForwardMatchesReference) {
+  const int64_t d = kHidden / kHeads;
+  {
+    const toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 10000.0}};
+    check_attention_forward(&opts, d, 10000.0);
+  }
+  {
+    const toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 500.0}, {"rotary_percent", 0.5}};
+    check_attention_forward(&opts, d / 2, 500.0);
+  }
+}
+
+TEST(Layers, RopeAttentionGradientsMatchFiniteDifferences) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 100.0}, {"norm", "rmsnorm"}, {"bias", false}};
+  TestLayer layer(rank, "attention", dims, &opts);
+  std::mt19937 rng(26);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
+}
+
+// position_embedding = rope leaves the embedding without a position table.
+TEST(Layers, EmbeddingWithRopeHasNoPositionTable) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table opts{{"position_embedding", "rope"}};
+  TestLayer layer(rank, "embedding", dims, &opts);
+  ASSERT_EQ(layer.params().size(), 1u);
+  EXPECT_EQ(layer.params()[0].name.find("pos."), std::string::npos) << layer.params()[0].name;
+  std::mt19937 rng(27);
+  layer.randomize(rng);
+  check_gradients(rank, layer, rng);
 }
 
 TEST(Layers, MlpForwardMatchesReference) {

@@ -169,12 +169,14 @@ TEST(TensorParallel, DropoutOutsideTpRegionsMatchesSerialWithAndWithoutSp) {
 }
 
 // Llama-style blocks (RMSNorm everywhere, SwiGLU with fc1's gate and up split with
-// stride 2, no biases) under tp 2, with and without sequence parallelism, train as
-// the serial run.
-TEST(TensorParallel, LlamaMlpMatchesSerialWithAndWithoutSp) {
+// stride 2, no biases, rotary embeddings instead of a position table) under tp 2,
+// with and without sequence parallelism, train as the serial run.
+TEST(TensorParallel, LlamaBlocksMatchSerialWithAndWithoutSp) {
   const std::vector<std::string> llama = {"model.layer.mlp.activation=swiglu",     "model.layer.mlp.norm=rmsnorm",
                                           "model.layer.mlp.bias=false",            "model.layer.attention.norm=rmsnorm",
-                                          "model.layer.attention.bias=false",      "model.layer.lm_head.norm=rmsnorm"};
+                                          "model.layer.attention.bias=false",      "model.layer.lm_head.norm=rmsnorm",
+                                          "model.layer.attention.position_embedding=rope",
+                                          "model.layer.embedding.position_embedding=rope"};
   auto with = [&](std::vector<std::string> v) {
     v.insert(v.end(), llama.begin(), llama.end());
     return v;

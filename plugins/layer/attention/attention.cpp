@@ -16,8 +16,16 @@
 // positions, keys up to its causal limit). Backward sums the key/value gradients
 // of every rank's queries with a reduce-scatter back to their owners. K and V are
 // gathered again in backward rather than kept, so saved activations shrink with cp.
+//
+// Rotary position embedding (position_embedding = "rope"; Su et al., RoFormer, 2021,
+// as Llama and Megatron-LM apply it): q and k of every head are rotated right after
+// the QKV GEMM, each token by its position in the whole sequence (under cp, this
+// rank's chunks), and the saved qkv holds the rotated values; backward rotates dq
+// and dk back before the QKV GEMM's backward. The first rotary_percent of each head's
+// dimensions rotate, the rest pass through.
 #include "../common/layer_math.hpp"
 #include "../common/param_set.hpp"
+#include "../common/positions.hpp"
 
 #include <cmath>
 #include <map>
@@ -57,6 +65,11 @@ class Attention : public loom::Layer {
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
     norm_ = norm_option(options);
+    rope_ = options.declared_string("position_embedding") == "rope";
+    rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
+    rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
+    LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
+                                                     << " dimensions to rotate");
     const bool bias = options.declared_bool("bias");
     const int64_t H = hidden_;
     params_ = ParamSet(name_, {.tp = tp});
@@ -115,6 +128,7 @@ class Attention : public loom::Layer {
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
                                         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(qkv_w_),
                                         .bias = w(qkv_b_), .y = s.mem.at(s.qkv), .dtype = dt_.act});
+    if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false);
     {
       KvFull kv(*this, dev, s, /*backward=*/false);
       for (int h = 0; h < halves(); ++h) dev.attention_fwd(attention_args(s, kv, h));
@@ -181,6 +195,7 @@ class Attention : public loom::Layer {
       }
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
+    if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true);  // dq, dk of the unrotated q, k
 
     // The LN output, recomputed (and gathered again under SP).
     const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
@@ -263,6 +278,24 @@ class Attention : public loom::Layer {
   }
 
   int halves() const { return cp_.cp() > 1 ? 2 : 1; }
+
+  // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
+  // (row s * B + b: local row s of this cp rank's slice), or back (backward: the
+  // transpose, for their gradients).
+  void rotate(const loom::Device& dev, void* qkv, int64_t S, int64_t B, bool backward) {
+    const int64_t Hl = hidden_local_;
+    const int32_t* positions = rope_positions_.get(rank_, dev, cp_, 0, S, B);
+    for (int part = 0; part < 2; ++part) {  // q, then k
+      void* x = advance(qkv, part * Hl, dt_.act);
+      const loom_rope_args r = {.tokens = S * B, .heads = heads_local_, .head_dim = head_dim_,
+                                .rotary_dim = rotary_dim_, .stride_t = 3 * Hl, .x = x, .out = x,
+                                .positions = positions, .theta = rope_theta_, .dtype = dt_.act};
+      if (backward)
+        dev.rope_bwd(r);
+      else
+        dev.rope_fwd(r);
+    }
+  }
 
   // Under context parallelism, K and V of the whole sequence [cp * S, B, 2*Hl] in
   // position order, gathered from every cp rank's packed qkv (nothing with cp = 1:
@@ -372,6 +405,10 @@ class Attention : public loom::Layer {
   Dtypes dt_;
   bool fusion_ = false;  // gradient-accumulation fusion allowed (see GradShadow)
   Norm norm_;
+  bool rope_ = false;  // position_embedding = rope
+  float rope_theta_ = 10000.0f;
+  int64_t rotary_dim_ = 0;
+  PositionIds rope_positions_;
   size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
   std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
@@ -381,13 +418,19 @@ class Attention : public loom::Layer {
 
 namespace {
 std::vector<loom::OptionSpec> attention_options() {
-  std::vector<loom::OptionSpec> o = {loom::layers::dropout_option_spec("the attention output"),
-                                     loom::opt_bool("bias", true, "qkv and proj have biases (GPT-2); false as Llama")};
+  std::vector<loom::OptionSpec> o = {
+      loom::layers::dropout_option_spec("the attention output"),
+      loom::opt_bool("bias", true, "qkv and proj have biases (GPT-2); false as Llama"),
+      loom::layers::position_embedding_option_spec("rotary embeddings on q and k here"),
+      loom::opt_float("rotary_base", 10000.0, "rope: the base theta of the rotation frequencies (Llama 2 10000, Llama 3 500000)")
+          .in("(1, inf)"),
+      loom::opt_float("rotary_percent", 1.0, "rope: the share of each head's dimensions that rotate (Megatron-LM's --rotary-percent)")
+          .in("(0, 1]")};
   for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
   return o;
 }
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.3.0", "pre-norm causal multi-head self-attention with residual (tensor- and context-parallel)",
+    "attention", "1.4.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
     attention_options()))

@@ -1,5 +1,7 @@
 // layer/embedding: word + learned position embeddings, the first layer.
 //   out[s, b, :] = dropout(word[tokens[s, b]] + pos[s])
+// With position_embedding = "rope" there is no position table (the attention layers
+// rotate q and k instead): out = dropout(word[tokens]).
 // The word table is vocab-parallel (this rank holds rows [tp_rank*V_local,
 // (tp_rank+1)*V_local)); through the parallel/tensor service a token outside the
 // slice looks up zeros and `g` (all-reduce over tp) completes every row. Position
@@ -15,6 +17,7 @@
 // them only, and the gradient reduction over dp-cp completes it.
 #include "../common/layer_math.hpp"
 #include "../common/param_set.hpp"
+#include "../common/positions.hpp"
 
 #include <map>
 
@@ -45,12 +48,13 @@ class Embedding : public loom::Layer {
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
     dropout_ = dropout_option(options);
     cp_ = rank.group_or_single("cp");
+    learned_positions_ = options.declared_string("position_embedding") == "learned_absolute";
     // Built now so that a steady-state forward does no host-to-device copy.
-    if (micro_batch_ > 0) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
+    if (micro_batch_ > 0 && learned_positions_) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
     params_ = ParamSet(name_, {.tp = tp});
     params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
                  .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
-    params_.add({.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL});
+    if (learned_positions_) params_.add({.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL});
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS;
@@ -74,7 +78,6 @@ class Embedding : public loom::Layer {
     void* y = data_of<void>(*a.output);
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
-    const int32_t* positions = position_ids(dev, S, B);
 
     Saved s = saved_layout(S, B, a.training, drop);
     s.mem.allocate(rank_);
@@ -84,8 +87,9 @@ class Embedding : public loom::Layer {
     // to the shard under SP); then the positions of the rows this rank holds.
     tp_.vocab_parallel_embedding_forward({.rows = T, .dim = H, .padded_vocab = padded_vocab_, .ids = tokens,
                                           .table = w_[kWord], .out = y, .dtype = dt_.act});
-    dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = positions,
-                       .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
+    if (learned_positions_)
+      dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = position_ids(dev, S, B),
+                         .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
                            .mask = s.mem.at<uint8_t>(s.mask), .p = dropout_, .seed = a.dropout_seed,
@@ -105,8 +109,9 @@ class Embedding : public loom::Layer {
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
     loom::Device dev = rank.device();
-    GradShadow gs(rank_, dev, dt_, {g_[kWord], g_[kPos]}, params_.local_numels(), tp_.features(),
-                  fusion_);
+    std::vector<void*> grads = {g_[kWord]};
+    if (learned_positions_) grads.push_back(g_[kPos]);
+    GradShadow gs(rank_, dev, dt_, grads, params_.local_numels(), tp_.features(), fusion_);
 
     Arena tmp;
     const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act);
@@ -122,9 +127,10 @@ class Embedding : public loom::Layer {
                                            .ids = s.mem.at<int32_t>(s.tokens), .dout = d, .dtable = gs[0], .dtype = dt_.act,
                                            .grad_fp32 = gs.grad_fp32()});
     // pos grad[s] += sum_b dout[s, b] over the positions this rank holds.
-    dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
-                       .ids = position_ids(dev, S, B), .dout = d, .dtable = gs[1],
-                       .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
+    if (learned_positions_)
+      dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
+                         .ids = position_ids(dev, S, B), .dout = d, .dtable = gs[1],
+                         .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
     gs.commit();
     saved_.erase(it);
   }
@@ -174,21 +180,8 @@ class Embedding : public loom::Layer {
   // sequence of S * cp; built at creation for (seq_len, micro_batch) and again only
   // if a microbatch of another shape comes.
   const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
-    if (!positions_ || pos_S_ != S || pos_B_ != B) {
-      const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
-      const loom::ContextSlice slice(S * cp_.size(), cp_.size(), cp_.rank());
-      std::vector<int32_t> ids(static_cast<size_t>(Sl * B));
-      for (int64_t s = 0; s < Sl; ++s)
-        for (int64_t b = 0; b < B; ++b)
-          ids[static_cast<size_t>(s * B + b)] = static_cast<int32_t>(slice.position(first + s));
-      loom::Buffer buf(rank_, ids.size() * sizeof(int32_t));
-      dev.copy(buf.get(), ids.data(), ids.size() * sizeof(int32_t), LOOM_COPY_HOST_TO_DEVICE);
-      dev.synchronize();  // the host vector dies here
-      positions_ = std::move(buf);
-      pos_S_ = S;
-      pos_B_ = B;
-    }
-    return positions_.get<int32_t>();
+    const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
+    return positions_.get(rank_, dev, loom::ContextSlice(S * cp_.size(), cp_.size(), cp_.rank()), first, Sl, B);
   }
 
   loom_rank* rank_;
@@ -204,13 +197,14 @@ class Embedding : public loom::Layer {
   ParamSet params_;
   void* w_[2] = {};
   void* g_[2] = {};
-  loom::Buffer positions_;
-  int64_t pos_S_ = 0, pos_B_ = 0;
+  bool learned_positions_ = true;  // position_embedding = learned_absolute: pos.weight
+  PositionIds positions_;
   std::map<int32_t, Saved> saved_;
 };
 
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
-    "embedding", "1.2.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
-    {loom::layers::dropout_option_spec("the embedding output")}))
+    "embedding", "1.3.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
+    {loom::layers::dropout_option_spec("the embedding output"),
+     loom::layers::position_embedding_option_spec("no position table here: the attention layers rotate q and k")}))
