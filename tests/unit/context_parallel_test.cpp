@@ -96,6 +96,13 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
   const RankTrace serial = with({});
   expect_same_training(serial, with({"parallel.cp=2"}));
   expect_same_training(serial, with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  // Grouped-query attention (the gathered K/V are the repeated heads) too.
+  const std::vector<std::string> gqa = {"model.layer.attention.num_query_groups=2"};
+  auto grouped = [&](std::vector<std::string> o) {
+    o.insert(o.end(), gqa.begin(), gqa.end());
+    return with(o);
+  };
+  expect_same_training(grouped({}), grouped({"parallel.cp=2"}));
   // Without rope and without the table the model could not tell positions apart: rope
   // must change the training.
   const RankTrace none = run({"model.layer.embedding.position_embedding=rope"});

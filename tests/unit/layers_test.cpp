@@ -28,7 +28,7 @@
 namespace {
 
 // Small dims: hidden 16, 2 heads of 8, seq 8, micro-batch 2, vocab 37 padded to 40.
-constexpr int64_t kHidden = 16, kHeads = 2, kFfn = 32, kSeq = 8, kBatch = 2;
+constexpr int64_t kHidden = 16, kHeads = 4, kFfn = 32, kSeq = 8, kBatch = 2;
 constexpr int64_t kVocab = 37, kPadded = 40, kT = kSeq * kBatch;
 
 loom::plugins::Registry& registry() {
@@ -202,6 +202,11 @@ class TestLayer {
     for (Param& p : params_)
       if (p.name == n) return p;
     throw std::runtime_error(name_ + " has no parameter " + n);
+  }
+  bool has_param(const std::string& n) const {
+    for (const Param& p : params_)
+      if (p.name == n) return true;
+    return false;
   }
   bool has_input() const { return name_ != "embedding"; }
   // The weight of the layer's auxiliary loss in the objective (ABI 1.4
@@ -493,8 +498,10 @@ TEST(Layers, EmbeddingForwardMatchesReference) {
 
 // The attention layer against a double-precision reference; with rotary_dim > 0, q
 // and k of each head rotated first (RoFormer's rotation, pairs (i, i + rotary_dim/2),
-// the token at row s * B + b at position s).
-void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta) {
+// the token at row s * B + b at position s); with groups > 0 (grouped-query attention)
+// the QKV columns are Megatron's per group [its query heads | k | v] and head h reads
+// group h / (heads / groups).
+void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta, int64_t groups = 0) {
   Rank rank;
   auto dims = make_dims();
   TestLayer layer(rank, "attention", dims, opts);
@@ -504,21 +511,38 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
   std::vector<float> y;
   layer.forward(b, 0, false, 0, &y);
 
-  const int64_t H = kHidden, d = kHidden / kHeads;
+  const int64_t H = kHidden, d = kHidden / kHeads, G = groups > 0 ? groups : kHeads, qpg = kHeads / G;
+  const bool grouped = groups > 0 && groups < kHeads;
+  const int64_t W = grouped ? G * (qpg + 2) * d : 3 * H;
+  const std::vector<float> no_bias(static_cast<size_t>(W), 0.0f);
   Mat ln = ref_layernorm(b.x, layer.param("ln.weight").value, layer.param("ln.bias").value, kT, H);
-  Mat qkv = ref_linear(ln, layer.param("qkv.weight").value, layer.param("qkv.bias").value, kT, H, 3 * H);
+  Mat qkv = ref_linear(ln, layer.param("qkv.weight").value,
+                       layer.has_param("qkv.bias") ? layer.param("qkv.bias").value : no_bias, kT, H, W);
+  // q, k, v of every query head: [kT, H] each.
+  Mat q(static_cast<size_t>(kT * H)), k(static_cast<size_t>(kT * H)), v(static_cast<size_t>(kT * H));
+  for (int64_t r = 0; r < kT; ++r)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t e = 0; e < d; ++e) {
+        const int64_t g = h / qpg;
+        const int64_t qc = grouped ? g * (qpg + 2) * d + (h % qpg) * d : h * d;
+        const int64_t kc = grouped ? g * (qpg + 2) * d + qpg * d : H + h * d;
+        const int64_t vc = grouped ? kc + d : 2 * H + h * d;
+        q[r * H + h * d + e] = qkv[r * W + qc + e];
+        k[r * H + h * d + e] = qkv[r * W + kc + e];
+        v[r * H + h * d + e] = qkv[r * W + vc + e];
+      }
   const int64_t half = rotary_dim / 2;
   for (int64_t r = 0; r < kT && half > 0; ++r) {
     const double pos = static_cast<double>(r / kBatch);
-    for (int64_t part = 0; part < 2; ++part)  // q, k
+    for (Mat* m : {&q, &k})
       for (int64_t h = 0; h < kHeads; ++h)
         for (int64_t i = 0; i < half; ++i) {
           const double angle = pos * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
-          double& u = qkv[r * 3 * H + part * H + h * d + i];
-          double& v = qkv[r * 3 * H + part * H + h * d + half + i];
-          const double u0 = u, v0 = v;
-          u = u0 * std::cos(angle) - v0 * std::sin(angle);
-          v = v0 * std::cos(angle) + u0 * std::sin(angle);
+          double& u = (*m)[r * H + h * d + i];
+          double& w = (*m)[r * H + h * d + half + i];
+          const double u0 = u, w0 = w;
+          u = u0 * std::cos(angle) - w0 * std::sin(angle);
+          w = w0 * std::cos(angle) + u0 * std::sin(angle);
         }
   }
   Mat ctx(static_cast<size_t>(kT * H), 0.0);
@@ -532,17 +556,18 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
         for (int64_t t = 0; t <= s; ++t) {  // causal
           const int64_t rk = t * kBatch + bb;
           double dot = 0.0;
-          for (int64_t e = 0; e < d; ++e) dot += qkv[rq * 3 * H + h * d + e] * qkv[rk * 3 * H + H + h * d + e];
+          for (int64_t e = 0; e < d; ++e) dot += q[rq * H + h * d + e] * k[rk * H + h * d + e];
           p[t] = dot * scale;
           mx = std::max(mx, p[t]);
         }
-        for (double& v : p) sum += (v = std::exp(v - mx));
+        for (double& x : p) sum += (x = std::exp(x - mx));
         for (int64_t t = 0; t <= s; ++t) {
           const int64_t rv = t * kBatch + bb;
-          for (int64_t e = 0; e < d; ++e) ctx[rq * H + h * d + e] += p[t] / sum * qkv[rv * 3 * H + 2 * H + h * d + e];
+          for (int64_t e = 0; e < d; ++e) ctx[rq * H + h * d + e] += p[t] / sum * v[rv * H + h * d + e];
         }
       }
-  Mat out = ref_linear(ctx, layer.param("proj.weight").value, layer.param("proj.bias").value, kT, H, H);
+  Mat out = ref_linear(ctx, layer.param("proj.weight").value,
+                       layer.has_param("proj.bias") ? layer.param("proj.bias").value : std::vector<float>(H, 0.0f), kT, H, H);
   for (size_t i = 0; i < out.size(); ++i) out[i] += b.x[i];
   expect_close(y, out, 1e-5, "attention output");
 }
@@ -560,6 +585,37 @@ TEST(Layers, RopeAttentionForwardMatchesReference) {
   {
     const toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 500.0}, {"rotary_percent", 0.5}};
     check_attention_forward(&opts, d / 2, 500.0);
+  }
+}
+
+// Grouped-query attention: two groups of two heads, and multi-query (one key/value
+// head for all four) with rope.
+TEST(Layers, GroupedQueryAttentionForwardMatchesReference) {
+  {
+    const toml::table opts{{"num_query_groups", 2}};
+    check_attention_forward(&opts, 0, 0.0, 2);
+  }
+  {
+    const toml::table opts{{"num_query_groups", 1}, {"position_embedding", "rope"}, {"bias", false}};
+    check_attention_forward(&opts, kHidden / kHeads, 10000.0, 1);
+  }
+}
+
+// Gradients through the grouping (the repeated key/value heads' gradients summed
+// back), with biases: the key bias's gradient is exactly zero, as without groups.
+TEST(Layers, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
+  for (const int64_t groups : {1, 2})
+  for (const char* position : {"learned_absolute", "rope"}) {
+    SCOPED_TRACE(std::string(position) + ", " + std::to_string(groups) + " group(s)");
+    Rank rank;
+    auto dims = make_dims();
+    const toml::table opts{{"num_query_groups", groups}, {"position_embedding", position}};
+    TestLayer layer(rank, "attention", dims, &opts);
+    EXPECT_EQ(layer.param("qkv.weight").value.size(),
+              static_cast<size_t>(kHidden * (kHidden + 2 * groups * kHidden / kHeads)));
+    std::mt19937 rng(28);
+    layer.randomize(rng);
+    check_gradients(rank, layer, rng);
   }
 }
 

@@ -185,6 +185,20 @@ TEST(TensorParallel, LlamaBlocksMatchSerialWithAndWithoutSp) {
   expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, llama);
 }
 
+// Grouped-query attention (2 key/value groups for 4 heads, Megatron's per-group QKV
+// columns): each tp rank holds one group and its two query heads.
+TEST(TensorParallel, GroupedQueryAttentionMatchesSerialWithAndWithoutSp) {
+  const std::vector<std::string> gqa = {"model.layer.attention.num_query_groups=2",
+                                        "model.layer.attention.position_embedding=rope",
+                                        "model.layer.embedding.position_embedding=rope"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), gqa.begin(), gqa.end());
+    return v;
+  };
+  expect_same_training(with({"parallel.tp=2"}), 2, gqa);
+  expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, gqa);
+}
+
 // Dropout inside the TP region (the MLP's activation dropout, a stream per tp
 // rank) and outside it: the same seed gives bit-identical runs, another seed
 // another run, and the duplicated parameters stay bit-identical across tp ranks

@@ -23,6 +23,15 @@
 // rank's chunks), and the saved qkv holds the rotated values; backward rotates dq
 // and dk back before the QKV GEMM's backward. The first rotary_percent of each head's
 // dimensions rotate, the rest pass through.
+//
+// Grouped-query attention (num_query_groups G < heads; 1 = multi-query; Ainslie et
+// al., 2023): the QKV weight holds Megatron-LM's layout, per group [its heads/G query
+// heads | one key head | one value head], so a tp rank's contiguous block of columns is
+// its G/tp groups. After the GEMM the layer lays the rows out as for multi-head
+// attention (q copied, each group's k and v repeated for its query heads by a batched
+// GEMM with [I ... I]); backward sums the repeated heads' gradients back the same way.
+// Activations and the attention kernel are then those of multi-head attention: GQA
+// saves the K/V projection's parameters and FLOPs here, not attention memory.
 #include "../common/layer_math.hpp"
 #include "../common/param_set.hpp"
 #include "../common/positions.hpp"
@@ -57,6 +66,16 @@ class Attention : public loom::Layer {
     head_dim_ = hidden_ / heads_;
     heads_local_ = heads_ / tp;
     hidden_local_ = heads_local_ * head_dim_;
+    const int64_t G = options.declared_int("num_query_groups");
+    groups_ = G > 0 ? G : heads_;
+    LOOM_REQUIRE(heads_ % groups_ == 0, name_ << ": num_query_groups (" << groups_ << ") must divide the heads ("
+                                              << heads_ << ")");
+    LOOM_REQUIRE(groups_ % tp == 0, name_ << ": num_query_groups (" << groups_
+                                          << ") must be divisible by the tensor-parallel size (" << tp << ")");
+    grouped_ = groups_ < heads_;
+    group_heads_ = heads_ / groups_;
+    // Local QKV columns: [q | k | v] of this rank's heads, or its G/tp groups.
+    qkv_local_ = grouped_ ? groups_ / tp * (group_heads_ + 2) * head_dim_ : 3 * hidden_local_;
     dropout_ = dropout_option(options);
     cp_group_ = rank.group_or_single("cp");
     cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
@@ -76,12 +95,15 @@ class Attention : public loom::Layer {
     ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
     if (!norm_.rms)
       ln_b_ = params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3).
-    qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, 3 * H}, .partition_dim = 1, .partition_stride = 3,
-                          .init = LOOM_INIT_NORMAL});
+    // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3);
+    // grouped, [q heads | k | v] per group, each tp rank a contiguous block of groups.
+    const int64_t qkv_cols = grouped_ ? groups_ * (group_heads_ + 2) * head_dim_ : 3 * H;
+    const int32_t qkv_stride = grouped_ ? 1 : 3;
+    qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, qkv_cols}, .partition_dim = 1,
+                          .partition_stride = qkv_stride, .init = LOOM_INIT_NORMAL});
     if (bias)
-      qkv_b_ = params_.add({.name = "qkv.bias", .shape = {3 * H}, .partition_dim = 0, .partition_stride = 3,
-                            .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+      qkv_b_ = params_.add({.name = "qkv.bias", .shape = {qkv_cols}, .partition_dim = 0,
+                            .partition_stride = qkv_stride, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     proj_w_ = params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
     if (bias)
       proj_b_ = params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
@@ -118,16 +140,18 @@ class Attention : public loom::Layer {
 
     Arena tmp;
     const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 proj = tmp.elems(Tl * H, dt_.act);
+                 proj = tmp.elems(Tl * H, dt_.act), grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
     // Column-parallel QKV (f: identity, or the all-gather under SP): local
     // columns [q | k | v], each heads_local * head_dim.
-    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = 3 * Hl, .x = tmp.at(ln),
+    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln),
                                         .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(qkv_w_),
-                                        .bias = w(qkv_b_), .y = s.mem.at(s.qkv), .dtype = dt_.act});
+                                        .bias = w(qkv_b_), .y = grouped_ ? tmp.at(grouped) : s.mem.at(s.qkv),
+                                        .dtype = dt_.act});
+    if (grouped_) ungroup(dev, tmp.at(grouped), s.mem.at(s.qkv), T);
     if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false);
     {
       KvFull kv(*this, dev, s, /*backward=*/false);
@@ -167,7 +191,7 @@ class Attention : public loom::Layer {
     const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
                  ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
                  dctx = tmp.elems(T * Hl, dt_.act), dqkv = tmp.elems(T * 3 * Hl, dt_.act), dln = tmp.elems(Tl * H, dt_.act),
-                 dbias = tmp.floats(3 * Hl);
+                 dgrouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), dbias = tmp.floats(qkv_local_);
     tmp.allocate(rank_);
 
     // Through dropout; the projection and its bias (g's backward: identity, or
@@ -196,24 +220,44 @@ class Attention : public loom::Layer {
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
     if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true);  // dq, dk of the unrotated q, k
+    // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
+    void* dout = tmp.at(dqkv);
+    if (grouped_) {
+      regroup(dev, tmp.at(dqkv), tmp.at(dgrouped), T);
+      dout = tmp.at(dgrouped);
+    }
 
     // The LN output, recomputed (and gathered again under SP).
     const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
                                            s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
     // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
-    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = 3 * Hl, .x = ln_in, .weight = w(qkv_w_),
-                                         .dy = tmp.at(dqkv), .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
+    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = qkv_local_, .x = ln_in, .weight = w(qkv_w_),
+                                         .dy = dout, .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
                                          .grad_fp32 = gs.grad_fp32()});
-    // qkv.bias: only its q and v parts get a gradient. The k part's is exactly zero
-    // (softmax is invariant to adding one vector to every key: each row of dS sums
-    // to 0, so sum_t dK[t] = 0); summing dK would only accumulate rounding noise,
-    // which Adam (g / sqrt(v)) turns into real, run-dependent updates.
+    // qkv.bias: without rotary embeddings only its q and v parts get a gradient. The
+    // k part's is exactly zero (softmax is invariant to adding one vector to every
+    // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
+    // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
+    // run-dependent updates. Rotated, the added vector differs from token to token,
+    // and every part has a gradient.
     float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
     if (qkv_b_ != kNone) {
       void* qkv_b = gs[qkv_b_];
-      column_sum(dev, tmp.at(dqkv), colsum, T, 3 * Hl, dt_.act);
-      accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gs.grad_dtype());                                        // q
-      accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gs.grad_dtype()), Hl, gs.grad_dtype());  // v
+      const int32_t gdt = gs.grad_dtype();
+      column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
+      if (rope_) {
+        accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
+      } else if (!grouped_) {
+        accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
+        accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gdt), Hl, gdt);  // v
+      } else {
+        const int64_t D = head_dim_, Wg = (group_heads_ + 2) * D;
+        for (int64_t g = 0; g < qkv_local_ / Wg; ++g) {
+          accumulate_f32(rank_, dev, colsum + g * Wg, advance(qkv_b, g * Wg, gdt), group_heads_ * D, gdt);  // q
+          accumulate_f32(rank_, dev, colsum + g * Wg + (group_heads_ + 1) * D,
+                         advance(qkv_b, g * Wg + (group_heads_ + 1) * D, gdt), D, gdt);  // v
+        }
+      }
     }
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
@@ -239,12 +283,13 @@ class Attention : public loom::Layer {
     return saved_layout(cp_.local_length(), micro_batch_, true, dropout_ > 0.0f).mem.bytes();
   }
 
-  // QKV 2*T*H*3Hl + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H (causal counted as
-  // full), over this rank's T tokens (1/cp of them) against all S keys.
+  // QKV 2*T*H*(its local columns) + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H
+  // (causal counted as full), over this rank's T tokens (1/cp of them) against all S
+  // keys.
   double forward_flops() override {
     const double T = static_cast<double>(cp_.local_length() * micro_batch_), S = static_cast<double>(seq_);
     const double H = static_cast<double>(hidden_), Hl = static_cast<double>(hidden_local_);
-    return 2.0 * T * H * 3.0 * Hl + 4.0 * T * S * Hl + 2.0 * T * Hl * H;
+    return 2.0 * T * H * static_cast<double>(qkv_local_) + 4.0 * T * S * Hl + 2.0 * T * Hl * H;
   }
 
  private:
@@ -278,6 +323,84 @@ class Attention : public loom::Layer {
   }
 
   int halves() const { return cp_.cp() > 1 ? 2 : 1; }
+
+  // Grouped-query attention's layouts: `grouped` [T, qkv_local_] holds per local group
+  // [its query heads | k | v]; `packed` [T, 3 * Hl] is [q | k | v] of every local query
+  // head, the multi-head layout the attention op and the saved activations use.
+  // ungroup: q copied, each group's k and v repeated for its query heads; regroup:
+  // dq copied back, the repeated heads' dk and dv summed into their group's.
+  void ungroup(const loom::Device& dev, const void* grouped, void* packed, int64_t T) {
+    for_each_group(dev, const_cast<void*>(grouped), packed, T, /*to_packed=*/true);
+  }
+  void regroup(const loom::Device& dev, const void* packed, void* grouped, int64_t T) {
+    for_each_group(dev, grouped, const_cast<void*>(packed), T, /*to_packed=*/false);
+  }
+
+  void for_each_group(const loom::Device& dev, void* grouped, void* packed, int64_t T, bool to_packed) {
+    // Wg: one group's columns; a grouped row holds qkv_local_ (all local groups).
+    const int64_t D = head_dim_, Hl = hidden_local_, qD = group_heads_ * D, Wg = qD + 2 * D, Wr = qkv_local_;
+    const int64_t groups = qkv_local_ / Wg;
+    const size_t eb = loom::dtype_size(dt_.act);
+    for (int64_t g = 0; g < groups; ++g) {  // the query heads, as they are
+      void* q_g = advance(grouped, g * Wg, dt_.act);
+      void* q_p = advance(packed, g * qD, dt_.act);
+      if (to_packed)
+        dev.copy_2d(q_p, 3 * Hl * eb, q_g, Wr * eb, qD * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+      else
+        dev.copy_2d(q_g, Wr * eb, q_p, 3 * Hl * eb, qD * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    }
+    const void* repeat = repeat_matrix(dev);  // [D, qD] = [I ... I]
+    for (int part = 1; part <= 2; ++part) {   // k, then v: one GEMM batched over the groups
+      loom_gemm_args a = loom::make<loom_gemm_args>();
+      a.batch = groups;
+      a.alpha = 1.0f;
+      a.dtype = a.c_dtype = dt_.act;
+      void* g_part = advance(grouped, qD + (part - 1) * D, dt_.act);  // [T, D] per group, ld Wr
+      void* p_part = advance(packed, part * Hl, dt_.act);            // [T, qD] per group, ld 3 Hl
+      a.m = T;
+      a.b = repeat;
+      a.stride_b = 0;
+      if (to_packed) {  // [T, D] x [D, qD]
+        a.n = qD;
+        a.k = D;
+        a.a = g_part, a.lda = Wr, a.stride_a = Wg;
+        a.ldb = qD;
+        a.c = p_part, a.ldc = 3 * Hl, a.stride_c = qD;
+      } else {  // [T, qD] x [D, qD]^T: the sum over the group's heads
+        a.n = D;
+        a.k = qD;
+        a.a = p_part, a.lda = 3 * Hl, a.stride_a = qD;
+        a.trans_b = 1;
+        a.ldb = qD;
+        a.c = g_part, a.ldc = Wr, a.stride_c = Wg;
+      }
+      dev.gemm(a);
+    }
+  }
+
+  // [D, group_heads * D]: group_heads identity blocks side by side, in the activations'
+  // dtype (exact: 0 and 1), built once.
+  const void* repeat_matrix(const loom::Device& dev) {
+    if (repeat_.get() == nullptr) {
+      const int64_t D = head_dim_, n = group_heads_ * D;
+      std::vector<float> e(static_cast<size_t>(D * n), 0.0f);
+      for (int64_t r = 0; r < D; ++r)
+        for (int64_t h = 0; h < group_heads_; ++h) e[static_cast<size_t>(r * n + h * D + r)] = 1.0f;
+      const size_t eb = loom::dtype_size(dt_.act);
+      std::vector<uint16_t> e16;
+      const void* src = e.data();
+      if (dt_.act == LOOM_DTYPE_BF16) {
+        e16.assign(e.size(), 0);
+        for (size_t i = 0; i < e.size(); ++i) e16[i] = e[i] != 0.0f ? 0x3f80 : 0;  // bf16 1.0
+        src = e16.data();
+      }
+      loom::Buffer buf(rank_, e.size() * eb);
+      dev.copy(buf.get(), src, e.size() * eb, LOOM_COPY_HOST_TO_DEVICE);
+      dev.synchronize();  // the host vectors die here
+      repeat_ = std::move(buf);
+    }
+    return repeat_.get();
+  }
 
   // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
   // (row s * B + b: local row s of this cp rank's slice), or back (backward: the
@@ -400,6 +523,9 @@ class Attention : public loom::Layer {
   std::string name_;
   int64_t hidden_ = 0, heads_ = 0, seq_ = 0, micro_batch_ = 0;
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
+  int64_t groups_ = 0, group_heads_ = 1, qkv_local_ = 0;  // query groups, heads per group, local QKV columns
+  bool grouped_ = false;                                 // groups_ < heads_
+  loom::Buffer repeat_;                                  // repeat_matrix()
   float dropout_ = 0.0f;
   ParamSet params_;
   Dtypes dt_;
@@ -422,6 +548,10 @@ std::vector<loom::OptionSpec> attention_options() {
       loom::layers::dropout_option_spec("the attention output"),
       loom::opt_bool("bias", true, "qkv and proj have biases (GPT-2); false as Llama"),
       loom::layers::position_embedding_option_spec("rotary embeddings on q and k here"),
+      loom::opt_int("num_query_groups", 0,
+                    "grouped-query attention: key/value heads, each shared by heads / num_query_groups query heads "
+                    "(1 = multi-query; 0 = heads: multi-head); must divide heads and be divisible by tp")
+          .in("[0, inf)"),
       loom::opt_float("rotary_base", 10000.0, "rope: the base theta of the rotation frequencies (Llama 2 10000, Llama 3 500000)")
           .in("(1, inf)"),
       loom::opt_float("rotary_percent", 1.0, "rope: the share of each head's dimensions that rotate (Megatron-LM's --rotary-percent)")
