@@ -5,7 +5,7 @@
 // targets, weight tying, causality, microbatches in flight, dropout.
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
-#include "plugins/layer/common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <loom/cpp/tensor_parallel.hpp>
 

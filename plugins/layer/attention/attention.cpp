@@ -32,9 +32,9 @@
 // GEMM with [I ... I]); backward sums the repeated heads' gradients back the same way.
 // Activations and the attention kernel are then those of multi-head attention: GQA
 // saves the K/V projection's parameters and FLOPs here, not attention memory.
-#include "../common/layer_math.hpp"
-#include "../common/param_set.hpp"
-#include "../common/positions.hpp"
+#include <loom/layers/layer_math.hpp>
+#include <loom/layers/param_set.hpp>
+#include <loom/layers/positions.hpp>
 
 #include <cmath>
 #include <map>

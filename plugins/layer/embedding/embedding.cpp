@@ -15,9 +15,9 @@
 // context parallelism the rows are this cp rank's two chunks of the sequence
 // (loom::ContextSlice) and carry those positions; pos.weight's gradient then covers
 // them only, and the gradient reduction over dp-cp completes it.
-#include "../common/layer_math.hpp"
-#include "../common/param_set.hpp"
-#include "../common/positions.hpp"
+#include <loom/layers/layer_math.hpp>
+#include <loom/layers/param_set.hpp>
+#include <loom/layers/positions.hpp>
 
 #include <map>
 

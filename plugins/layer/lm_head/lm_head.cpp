@@ -7,8 +7,8 @@
 // then sum-exp and target logit), so only O(tokens) floats cross ranks, never
 // O(tokens * vocab). Under sequence parallelism the final LayerNorm runs on this
 // rank's sequence shard and its output is all-gathered before the logits.
-#include "../common/layer_math.hpp"
-#include "../common/param_set.hpp"
+#include <loom/layers/layer_math.hpp>
+#include <loom/layers/param_set.hpp>
 
 #include <algorithm>
 #include <limits>

@@ -10,8 +10,8 @@
 // the residual are duplicated, or run on this rank's sequence shard under
 // sequence parallelism. activation_dropout (on the activation's output) is inside the TP
 // region and draws from a stream per tp rank.
-#include "../common/layer_math.hpp"
-#include "../common/param_set.hpp"
+#include <loom/layers/layer_math.hpp>
+#include <loom/layers/param_set.hpp>
 
 #include <map>
 

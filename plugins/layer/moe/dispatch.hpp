@@ -5,7 +5,7 @@
 // reduce-scatter) that moves the rows to their experts' ep ranks and back.
 #pragma once
 
-#include "../common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 #include "router.hpp"
 
 #include <loom/cpp/expert_parallel.hpp>

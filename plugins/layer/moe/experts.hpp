@@ -6,7 +6,7 @@
 // only; folded (etp = 1) every rank runs its experts at full width.
 #pragma once
 
-#include "../common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 #include "dispatch.hpp"
 
 #include <cstdint>

@@ -5,7 +5,7 @@
 // across a row's columns by a k = 1 GEMM so that rows can be scaled elementwise.
 #pragma once
 
-#include "../common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <vector>
 

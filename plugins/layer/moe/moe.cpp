@@ -104,8 +104,8 @@
 //                            (LayerNorm and the router's GEMM), which tokens each rank routes and
 //                            dispatches under tp/sp/cp/folding, the TP region's f and g, dropout and
 //                            the residual, and the plugin's registration
-#include "../common/layer_math.hpp"
-#include "../common/param_set.hpp"
+#include <loom/layers/layer_math.hpp>
+#include <loom/layers/param_set.hpp>
 #include "dispatch.hpp"
 #include "experts.hpp"
 #include "router.hpp"

@@ -6,7 +6,7 @@
 // sub-step, beside LayerNorm; dispatch.hpp turns a Routing into rows per expert.
 #pragma once
 
-#include "../common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <cstdint>
 #include <vector>

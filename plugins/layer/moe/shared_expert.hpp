@@ -8,7 +8,7 @@
 // w_gate a [hidden] weight duplicated over tp.
 #pragma once
 
-#include "../common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <cstdint>
 #include <vector>

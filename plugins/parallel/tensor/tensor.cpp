@@ -29,7 +29,7 @@
 // (the GEMMs accumulate in fp32 into an fp32 C): no bf16 rounding, no shadow.
 // Temporaries are allocated per call and freed before it returns, so a layer's
 // device memory between forward and backward is only what it saves itself.
-#include "../../layer/common/layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <algorithm>
 #include <limits>

@@ -1280,7 +1280,11 @@ typedef struct loom_schedule_api {
    * 2 * vpp * microbatches entries, into order[capacity].
    *
    * c runs 1..vpp; the n-th +c (or -c) is microbatch n - 1 of chunk c. *length = the
-   * entries written; *warmup = the forwards before the first backward. The engine
+   * entries written; *warmup = the warm-up forwards, Megatron-LM's
+   * num_warmup_microbatches (1F1B: min(pp - rank - 1, microbatches), the forwards
+   * before the steady one-forward-one-backward phase; an all-forwards-first schedule:
+   * all of them). It is reported (`loom schedule`) and checked to lie in
+   * 0..vpp * microbatches; the run follows the order alone. The engine
    * asks from one thread for every pipeline rank in turn (before a run and for `loom
    * schedule`), so the answer must depend on options and args only. options (the
    * manifest's, or the defaults) and the host buffer order are borrowed for the call.

@@ -5,7 +5,7 @@
 // and hands out the views, by the index add() returned.
 #pragma once
 
-#include "layer_math.hpp"
+#include <loom/layers/layer_math.hpp>
 
 #include <string>
 #include <vector>

@@ -1,6 +1,10 @@
-// Helpers shared by the built-in layer plugins (embedding, attention, mlp, lm_head).
-// Header-only and compiled into each plugin; every piece of math goes through the
-// rank's loom::Device, so the same code runs on any device plugin.
+// Helpers for layer plugins, installed with the SDK (<loom/layers/...>) and used by
+// the built-in layers (embedding, attention, mlp, lm_head, moe) and parallel/tensor:
+// linears with their GEMM epilogues, norms, dropout, gradient shadows for mixed
+// precision (GradShadow), tensor-parallel recomputation. Header-only C++ compiled into
+// each plugin: no part of the C ABI, so a plugin built against an older copy keeps its
+// own. Every piece of math goes through the rank's loom::Device, so the same code runs
+// on any device plugin.
 //
 // Conventions: activations are [T, cols] row-major in the parameters' dtype (T = seq * micro_batch,
 // sequence-major rows r = s * B + b); weights are stored [in, out] so y = x W + b.
