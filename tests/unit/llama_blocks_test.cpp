@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "engine/plugins/registry.hpp"
+#include "engine/train/preflight.hpp"
 #include "support/rank_trace.hpp"
 #include "support/train_fixture.hpp"
 
@@ -81,6 +83,51 @@ TEST(LlamaBlocks, Bf16TracksFp32) {
   bool differs = false;
   for (size_t s = 0; s < fp32.loss.size(); ++s) differs |= fp32.loss[s] != bf16.loss[s];
   EXPECT_TRUE(differs) << "bf16 losses equal to fp32's bit for bit: bf16 was not applied";
+}
+
+// A device plugin without the ops an option needs (one built before ABI 1.10) is
+// refused when the layers are created, naming the option and the ops: `loom validate`
+// says it, not the first step.
+TEST(LlamaBlocks, ADeviceWithoutTheOpsAnOptionNeedsIsRefusedBeforeTheRun) {
+  loom::testing::plan_from(loom::testing::tiny_manifest(), {});  // loads the plugins
+  const loom::plugins::LoadedPlugin& cpu = loom::plugins::registry().get("device", "cpu");
+  auto* ops = const_cast<loom_device_ops*>(cpu.device()->ops);
+  auto refusal = [&](std::vector<std::string> o) {
+    o.insert(o.begin(), llama().begin(), llama().end());
+    try {
+      const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+      loom::train::preflight(plan, plan.sizes.world);  // what loom validate runs: creates every rank's layers
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  {
+    const auto saved = ops->rmsnorm_fwd;
+    ops->rmsnorm_fwd = nullptr;
+    const std::string msg = refusal({});
+    ops->rmsnorm_fwd = saved;
+    EXPECT_NE(msg.find("norm = \"rmsnorm\" needs the device ops rmsnorm_fwd and rmsnorm_bwd"), std::string::npos)
+        << msg;
+  }
+  {
+    const auto saved = ops->swiglu_bwd;
+    ops->swiglu_bwd = nullptr;
+    const std::string msg = refusal({"model.layer.attention.norm=layernorm", "model.layer.mlp.norm=layernorm",
+                                     "model.layer.lm_head.norm=layernorm"});
+    ops->swiglu_bwd = saved;
+    EXPECT_NE(msg.find("activation = \"swiglu\" needs the device ops swiglu_fwd and swiglu_bwd"), std::string::npos)
+        << msg;
+  }
+  {
+    const auto saved = ops->rope_fwd;
+    ops->rope_fwd = nullptr;
+    const std::string msg = refusal({});
+    ops->rope_fwd = saved;
+    EXPECT_NE(msg.find("position_embedding = \"rope\" needs the device ops rope_fwd and rope_bwd"), std::string::npos)
+        << msg;
+  }
+  EXPECT_EQ(refusal({}), "") << "with every op back, the Llama blocks plan";
 }
 
 }  // namespace

@@ -84,7 +84,11 @@ class Attention : public loom::Layer {
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
     norm_ = norm_option(options);
+    norm_.require_ops(rank.device(), name_);
     rope_ = options.declared_string("position_embedding") == "rope";
+    if (rope_)
+      require_device_ops(rank.device().has_rope_fwd() && rank.device().has_rope_bwd(), name_,
+                         "position_embedding = \"rope\"", "rope_fwd and rope_bwd");
     rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
     rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_

@@ -40,6 +40,7 @@ class LmHead : public loom::Layer {
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
     norm_ = norm_option(options);
+    norm_.require_ops(rank.device(), name_);
     params_ = ParamSet(name_, {.tp = tp});
     ln_w_ = params_.add({.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
     if (!norm_.rms)

@@ -41,7 +41,11 @@ class Mlp : public loom::Layer {
     dropout_ = dropout_option(options);
     activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
     norm_ = norm_option(options);
+    norm_.require_ops(rank.device(), name_);
     swiglu_ = options.declared_string("activation") == "swiglu";
+    if (swiglu_)
+      require_device_ops(rank.device().has_swiglu_fwd() && rank.device().has_swiglu_bwd(), name_,
+                         "activation = \"swiglu\"", "swiglu_fwd and swiglu_bwd");
     service_gelu_ = !swiglu_ && (tp_.features() & LOOM_TP_ACTIVATION) != 0;
     const bool bias = options.declared_bool("bias");
     // fc1's columns: ffn, or the gate's ffn then the up projection's under SwiGLU,

@@ -173,6 +173,9 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(!shared_gate_ || shared_ffn_ > 0,
                  name_ << ": option shared_expert_gate = true gates the shared expert, but there is none; set "
                           "shared_expert_ffn_hidden_size > 0 or shared_expert_gate = false");
+    if (shared_gate_)
+      require_device_ops(rank.device().has_sigmoid_fwd() && rank.device().has_sigmoid_bwd(), name_,
+                         "shared_expert_gate = true", "sigmoid_fwd and sigmoid_bwd");
     const loom::Group ep_group = rank.group("ep");
     const int64_t ep = std::max(1, ep_group.size());
     LOOM_REQUIRE(experts_ % ep == 0, name_ << ": option num_experts = " << experts_

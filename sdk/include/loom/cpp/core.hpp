@@ -306,7 +306,12 @@ class Device {
   void* native_stream() const { return api_->native_stream ? api_->native_stream(dev_, stream_) : nullptr; }
   bool is_host_memory() const { return api_->dl_device_type == kDLCPU; }
 
+// Each op fn: fn(args) runs it; has_fn() says whether the device implements it
+// (an older device's table ends before a newer op's slot).
 #define LOOM_DEVICE_OP(fn, argtype)                                                     \
+  bool has_##fn() const {                                                               \
+    return LOOM_HAS_SLOT(api_->ops, loom_device_ops, fn) && api_->ops->fn != nullptr;  \
+  }                                                                                     \
   void fn(argtype a) const {                                                            \
     a.struct_size = sizeof(a);                                                          \
     if (!LOOM_HAS_SLOT(api_->ops, loom_device_ops, fn) || api_->ops->fn == nullptr)     \

@@ -493,9 +493,27 @@ constexpr float kLayerNormEps = 1e-5f;
 // LayerNorm (gamma and beta; saves mean and rstd) or RMSNorm (Zhang and Sennrich,
 // 2019: gamma only, no mean subtracted; saves rstd), as Megatron-Core's
 // normalization = "RMSNorm" applies it. `eps` is the norm_epsilon option.
+// A layer option that needs device ops a device plugin may lack (those ABI 1.10
+// appended): refused when the layer is created, so `loom validate` says it before a
+// run rather than the first step.
+inline void require_device_ops(bool present, const std::string& layer, const std::string& option,
+                               const char* ops) {
+  if (!present)
+    throw loom::Error(layer + ": " + option + " needs the device ops " + ops +
+                          " (ABI 1.10), which this rank's device plugin does not implement; use a device built "
+                          "against ABI 1.10 or later, or another option",
+                      LOOM_CODE_UNSUPPORTED);
+}
+
 struct Norm {
   bool rms = false;
   float eps = kLayerNormEps;
+
+  void require_ops(const loom::Device& dev, const std::string& layer) const {
+    if (rms)
+      require_device_ops(dev.has_rmsnorm_fwd() && dev.has_rmsnorm_bwd(), layer, "norm = \"rmsnorm\"",
+                         "rmsnorm_fwd and rmsnorm_bwd");
+  }
 
   void forward(const loom::Device& dev, const void* x, const void* gamma, const void* beta, void* y, float* mean,
                float* rstd, int64_t rows, int64_t cols, int32_t dtype) const {
