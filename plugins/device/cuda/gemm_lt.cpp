@@ -8,11 +8,13 @@
 // loom's B written to the bias pointer, which the caller points at fp32 scratch).
 //
 // The algorithm cuBLASLt's heuristic picks for a shape is cached per device (the
-// heuristic call costs far more than the matmul's launch); pointer alignment is
-// part of the key, as the heuristic reads it from the pointers.
+// heuristic call costs far more than the matmul's launch). The heuristic sees no
+// pointers: each operand's actual alignment goes to it as a preference (it assumes
+// 256 bytes otherwise) and into the key.
 #include <cublasLt.h>
 
 #include <cstring>
+#include <utility>
 
 #include "cuda_device.hpp"
 
@@ -58,6 +60,14 @@ cublasLtEpilogue_t lt_epilogue(const loom_gemm_args& g) {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// The largest power of two, at most 256, that divides the address.
+uint32_t alignment(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && (a & (align - 1)) != 0) align >>= 1;
+  return align;
+}
+
 }  // namespace
 
 bool lt_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt cd, void* workspace,
@@ -91,10 +101,13 @@ bool lt_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt 
               cublasLtMatrixLayoutCreate(&call.b, lt_type(ab), ta ? m : k, ta ? k : m, g.lda));
   LOOM_CUBLAS(&d, "gemm", cublasLtMatrixLayoutCreate(&call.c, lt_type(cd), n, m, g.ldc));
 
+  // cuBLASLt's A is loom's b, its B loom's a; C and D are loom's c.
+  const uint32_t align_a = alignment(g.b), align_b = alignment(g.a), align_c = alignment(g.c);
   const LtKey key{m, n, k, g.lda, g.ldb, g.ldc, g.ldaux, static_cast<int32_t>(ta) | (static_cast<int32_t>(tb) << 1),
                   static_cast<int32_t>(ab) | (static_cast<int32_t>(cd) << 2) | (static_cast<int32_t>(d.tf32) << 4),
                   static_cast<int32_t>(lt_epilogue(g)),
-                  static_cast<int32_t>(aligned16(g.a)) | (static_cast<int32_t>(aligned16(g.b)) << 1),
+                  static_cast<int64_t>(align_a) | (static_cast<int64_t>(align_b) << 16) |
+                      (static_cast<int64_t>(align_c) << 32),
                   static_cast<int64_t>(workspace_bytes)};
   cublasLtMatmulAlgo_t algo;
   auto it = d.lt_algos.find(key);
@@ -106,6 +119,11 @@ bool lt_gemm_epilogue(Device& d, Stream& st, const loom_gemm_args& g, Dt ab, Dt 
     const uint64_t ws = workspace_bytes;
     LOOM_CUBLAS(&d, "gemm", cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                                    &ws, sizeof(ws)));
+    for (const auto& [attr, align] : {std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a},
+                                      std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b},
+                                      std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c},
+                                      std::pair{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c}})
+      LOOM_CUBLAS(&d, "gemm", cublasLtMatmulPreferenceSetAttribute(call.pref, attr, &align, sizeof(align)));
     cublasLtMatmulHeuristicResult_t result;
     std::memset(&result, 0, sizeof(result));
     int found = 0;

@@ -100,6 +100,9 @@ class Tp {
 
   void column_fwd(const loom_tp_linear_args& a) const {
     const int32_t dt = require_float(a.dtype);
+    const bool with_gelu = gelu(a);  // checked before any collective
+    LOOM_REQUIRE(!with_gelu || !a.gather_output || size_ == 1,
+                 name_ << ": a column-parallel linear with an activation cannot gather its output");
     const int64_t R = a.rows, in = a.in, out = a.out;
     const void* x = a.x;
     if (sp_) {
@@ -109,9 +112,7 @@ class Tp {
     }
     const void* w = a.weight;
     const void* b = a.bias;
-    if (gelu(a)) {
-      LOOM_REQUIRE(!a.gather_output || size_ == 1,
-                   name_ << ": a column-parallel linear with an activation cannot gather its output");
+    if (with_gelu) {
       linear_gelu_fwd(dev_, x, w, b, a.pre_activation, a.y, R, in, out, dt);
       return;
     }
@@ -185,6 +186,9 @@ class Tp {
 
   void row_bwd(const loom_tp_linear_args& a) const {
     const int32_t dt = require_float(a.dtype), gt = grad_dtype(a.grad_fp32, dt);
+    const bool with_gelu = gelu(a);  // checked before any gradient is touched
+    LOOM_REQUIRE(!with_gelu || !a.accumulate_dx,
+                 name_ << ": a row-parallel backward through an activation cannot accumulate dx");
     const int64_t R = a.rows, in = a.in, out = a.out;
     const void* dy = a.dy;
     Arena tmp;
@@ -202,8 +206,7 @@ class Tp {
       weight_and_bias_grad(a.x, dy, a.dweight, a.dbias, R, in, out, dt, gt);
     }
     if (!a.dx) return;
-    if (gelu(a)) {  // dx is the gradient of the activation's input
-      LOOM_REQUIRE(!a.accumulate_dx, name_ << ": a row-parallel backward through an activation cannot accumulate dx");
+    if (with_gelu) {  // dx is the gradient of the activation's input
       linear_dgelu_dx(dev_, d, a.weight, a.pre_activation, a.dx, R, in, out, dt);
       return;
     }
