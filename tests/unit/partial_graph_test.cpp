@@ -162,7 +162,7 @@ TEST(PartialGraph, TensorParallelLayersRunDirectly) {
 }
 
 // MoE blocks (routing is decided on the host) run directly, and capture their
-// static parts as moe_router sub-steps (ABI 1.7, seed 003's scope): LayerNorm and
+// static parts as moe_router sub-steps (ABI 1.7; Megatron-LM's --cuda-graph-scope moe_router): LayerNorm and
 // the router GEMM in forward, LayerNorm again and the router's backward. At dp 2 x
 // ep 2 their all-to-all runs eagerly between those replays, reading the logits and
 // LN output where the forward's graph wrote them and handing the router's graph

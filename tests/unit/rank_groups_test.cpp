@@ -1,4 +1,5 @@
-// Rank groups (seed 001): the worked 16-rank examples, structural properties over
+// Rank groups (Megatron-Core's parallel_state.py and its RankGenerator orders): the worked
+// 16-rank examples of parallel_state.py's docstring, structural properties over
 // many configurations and orders, error messages, and the `loom groups` command.
 #include <gtest/gtest.h>
 

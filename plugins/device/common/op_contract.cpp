@@ -79,9 +79,10 @@ void check_epilogue(const loom_gemm_args& g) {
     return;
   }
   LOOM_REQUIRE(g.batch == 1, "gemm: an epilogue needs batch 1 (got batch=" << g.batch << ")");
-  if (e == LOOM_GEMM_EPILOGUE_BIAS)
+  if (e == LOOM_GEMM_EPILOGUE_BIAS) {
     LOOM_REQUIRE(g.bias != nullptr || g.n == 0 || g.m == 0, "gemm: epilogue BIAS needs a bias");
-  if (e == LOOM_GEMM_EPILOGUE_BIAS) LOOM_REQUIRE(g.aux == nullptr, "gemm: epilogue BIAS reads no aux");
+    LOOM_REQUIRE(g.aux == nullptr, "gemm: epilogue BIAS reads no aux");
+  }
   if (e == LOOM_GEMM_EPILOGUE_GELU_AUX || e == LOOM_GEMM_EPILOGUE_DGELU) {
     LOOM_REQUIRE(g.aux != nullptr || g.m == 0 || g.n == 0,
                  "gemm: epilogue " << (e == LOOM_GEMM_EPILOGUE_DGELU ? "DGELU" : "GELU_AUX") << " needs aux");

@@ -333,11 +333,11 @@ class Attention : public loom::Layer {
   // head, the multi-head layout the attention op and the saved activations use.
   // ungroup: q copied, each group's k and v repeated for its query heads; regroup:
   // dq copied back, the repeated heads' dk and dv summed into their group's.
-  void ungroup(const loom::Device& dev, const void* grouped, void* packed, int64_t T) {
-    for_each_group(dev, const_cast<void*>(grouped), packed, T, /*to_packed=*/true);
+  void ungroup(const loom::Device& dev, void* grouped, void* packed, int64_t T) {
+    for_each_group(dev, grouped, packed, T, /*to_packed=*/true);
   }
-  void regroup(const loom::Device& dev, const void* packed, void* grouped, int64_t T) {
-    for_each_group(dev, grouped, const_cast<void*>(packed), T, /*to_packed=*/false);
+  void regroup(const loom::Device& dev, void* packed, void* grouped, int64_t T) {
+    for_each_group(dev, grouped, packed, T, /*to_packed=*/false);
   }
 
   void for_each_group(const loom::Device& dev, void* grouped, void* packed, int64_t T, bool to_packed) {
