@@ -1,4 +1,4 @@
-// loom plugins list | info NAME | check DIR
+// loom plugins list | info NAME | check DIR | test LIB (cmd_plugins_test.cpp)
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/plugins/registry.hpp"
@@ -103,11 +103,13 @@ const char* kUsage =
     "usage: loom plugins list [--json] [--plugin-path DIR]...\n"
     "       loom plugins info KIND/NAME|NAME [--json] [--plugin-path DIR]...\n"
     "       loom plugins check DIR [--json]\n"
+    "       loom plugins test LIB|DIR [--layer NAME] [--set KEY=VALUE]... [--tp N] [--no-sp] [--skip CHECK]... [--json]\n"
     "Plugins are found in --plugin-path, $LOOM_PLUGIN_PATH, then next to the loom binary.\n";
 
 }  // namespace
 
 int cmd_plugins(int argc, char** argv) {
+  if (argc > 0 && std::string(argv[0]) == "test") return cmd_plugins_test(argc, argv);  // its own options
   try {
     Args args(argc, argv, {"--json"}, {"--plugin-path"});
     const auto& pos = args.positionals();
@@ -115,7 +117,7 @@ int cmd_plugins(int argc, char** argv) {
       std::cout << kUsage;
       return 0;
     }
-    if (pos.empty()) throw UsageError("missing subcommand (list, info or check)");
+    if (pos.empty()) throw UsageError("missing subcommand (list, info, check or test)");
     const std::string& sub = pos[0];
     if (sub == "list") {
       plugins::Registry& r = loaded(args);
@@ -191,7 +193,7 @@ int cmd_plugins(int argc, char** argv) {
         std::cout << files.size() - failures << " of " << files.size() << " libraries load\n";
       return failures ? 1 : 0;
     }
-    throw UsageError("unknown subcommand '" + sub + "' (list, info, check)");
+    throw UsageError("unknown subcommand '" + sub + "' (list, info, check, test)");
   } catch (const UsageError& e) {
     std::cerr << "loom plugins: " << e.what() << "\n" << kUsage;
     return 2;

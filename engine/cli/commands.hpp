@@ -6,6 +6,7 @@ namespace loom::cli {
 int cmd_run(int argc, char** argv);
 int cmd_validate(int argc, char** argv);
 int cmd_plugins(int argc, char** argv);
+int cmd_plugins_test(int argc, char** argv);  // loom plugins test (argv[0] = "test")
 int cmd_groups(int argc, char** argv);
 int cmd_schedule(int argc, char** argv);
 int cmd_optimizer_layout(int argc, char** argv);

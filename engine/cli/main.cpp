@@ -20,7 +20,7 @@ struct Command {
 const Command kCommands[] = {
     {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]"},
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
-    {"plugins", loom::cli::cmd_plugins, "list, describe or check plugins: loom plugins list|info NAME|check DIR"},
+    {"plugins", loom::cli::cmd_plugins, "list, describe, check or test plugins: loom plugins list|info NAME|check DIR|test LIB"},
     {"plan", loom::cli::cmd_plan, "memory per rank without running: params, grads, optimizer state, activations"},
     {"optimizer-layout", loom::cli::cmd_optimizer_layout,
      "the distributed optimizer's buffer layout and dp shards: --param-numels 3,5,4,4 --dp 2"},

@@ -1,10 +1,13 @@
 // The built-in layer plugins (layer/embedding, layer/attention, layer/mlp,
-// layer/lm_head) driven through their C tables on a device/cpu rank with a size-1
-// tp group: gradients against central finite differences, gradient accumulation,
-// the loss against a double-precision reference, vocab padding and ignored
-// targets, weight tying, causality, microbatches in flight, dropout.
+// layer/lm_head, layer/moe) driven through their C tables on a device/cpu rank with
+// a size-1 tp group, by the layer harness plugin authors get (`loom plugins test`):
+// gradients against central finite differences, gradient accumulation, microbatches
+// in flight, tp 2 (with and without sequence parallelism) against one rank; and
+// beyond it the forwards against double-precision references, the loss, vocab padding
+// and ignored targets, weight tying, causality, dropout.
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
+#include "engine/testing/layer_harness.hpp"
 #include <loom/layers/layer_math.hpp>
 
 #include <loom/cpp/tensor_parallel.hpp>
@@ -57,250 +60,30 @@ loom_model_dims make_dims(bool tie = false) {
   return d;
 }
 
-int64_t numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  return n;
-}
-
-DLTensor view(void* data, std::vector<int64_t>& shape, uint8_t code, uint8_t bits) {
-  DLTensor t{};
-  t.data = data;
-  t.device = {kDLCPU, 0};
-  t.ndim = static_cast<int32_t>(shape.size());
-  t.dtype = {code, bits, 1};
-  t.shape = shape.data();
-  t.strides = nullptr;
-  t.byte_offset = 0;
-  return t;
-}
-
 // A status turned into an exception (gtest reports it as a failure with the message).
 void ok(loom_status s) { loom::check(s); }
 
-// One rank: device/cpu with one thread and a size-1 tp group (null comm: the
-// layers' all-reduces are in place, which loom::Group short-circuits at size 1).
-class Rank {
+// The harness's rank and layer (engine/testing/layer_harness.hpp: what `loom plugins
+// test` runs) over the test binary's plugins.
+using loom::harness::Batch;
+using loom::harness::HarnessRank;
+using loom::harness::Param;
+
+// One rank: device/cpu with one thread and a tp group (alone by default).
+class Rank : public loom::harness::HarnessRank {
  public:
-  // A rank of a tensor-parallel group `tp` (default: alone, size 1, null comm).
-  // `device_api`: a table to use instead of device/cpu's (e.g. a copy cut to an
-  // older ABI size); it must outlive the Rank.
-  explicit Rank(int global_rank = 0, const loom_group* tp = nullptr, const loom_device_api* device_api = nullptr) {
-    registry();
-    const loom::plugins::LoadedPlugin& p = registry().get("device", "cpu");
-    loom::plugins::OptionValues opts(nullptr, p.options);
-    loom_device_create_args args = loom::make<loom_device_create_args>();
-    args.num_threads = 1;
-    args.ranks_in_process = 1;
-    loom_device* dev = nullptr;
-    ok(p.device()->create(opts.raw(), &args, &dev));
-    rt_ = std::make_unique<loom::runtime::RankRuntime>(global_rank, device_api ? device_api : p.device(), dev);
-    loom_group alone = loom::make<loom_group>();
-    alone.size = 1;
-    alone.rank = 0;
-    rt_->add_group("tp", tp ? *tp : alone);
-    rt_->add_group("ep", alone);  // layer/moe asks for it (expert parallelism: 1)
-    // ... and checks that its experts split over tp: etp's size, no communicator
-    // (the runtime owns and destroys each group's, tp's already).
-    loom_group etp = tp ? *tp : alone;
-    etp.api = nullptr;
-    etp.comm = nullptr;
-    rt_->add_group("etp", etp);
-    // The layers build their tensor parallelism from the parallel/tensor service.
-    rt_->set_service(LOOM_API_TENSOR_PARALLEL, registry().get("parallel", "tensor").api);
-  }
-  loom::runtime::RankRuntime& rt() { return *rt_; }
-  uint64_t device_bytes() const { return rt_->memory().current_bytes; }
-
- private:
-  std::unique_ptr<loom::runtime::RankRuntime> rt_;
+  explicit Rank(int global_rank = 0, const loom_group* tp = nullptr, const loom_device_api* device_api = nullptr)
+      : HarnessRank(::registry(), global_rank, tp, device_api) {}
 };
 
-// The inputs of one microbatch for any of the four layers, and the fixed
-// random R of the objective L = Σ out∘R (unused by lm_head, whose L is the loss).
-struct Batch {
-  std::vector<float> x;           // [S, B, H] (attention, mlp, lm_head)
-  std::vector<int32_t> tokens;    // [S, B] (embedding)
-  std::vector<int32_t> targets;   // [S, B] (lm_head)
-  std::vector<float> r;           // [S, B, H] (= grad_output)
-};
-
-Batch make_batch(std::mt19937& rng) {
-  std::normal_distribution<float> n01(0.0f, 1.0f);
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(kVocab) - 1);
-  Batch b;
-  b.x.resize(kT * kHidden);
-  b.r.resize(kT * kHidden);
-  for (float& v : b.x) v = n01(rng);
-  for (float& v : b.r) v = n01(rng);
-  b.tokens.resize(kT);
-  b.targets.resize(kT);
-  for (int32_t& t : b.tokens) t = tok(rng);
-  for (int32_t& t : b.targets) t = tok(rng);
-  return b;
-}
-
-struct Param {
-  std::string name;
-  std::vector<int64_t> shape;        // full
-  std::vector<int64_t> local_shape;  // this tp rank's slice
-  int32_t partition_dim, partition_stride, init, no_weight_decay;
-  std::string tie_key;
-  std::vector<float> value, grad;
-};
-
-// A layer created through its plugin's C table, with parameters and gradients
-// in host vectors (device/cpu memory is host memory).
-class TestLayer {
+class TestLayer : public loom::harness::HarnessLayer {
  public:
-  TestLayer(Rank& rank, const std::string& name, const loom_model_dims& dims,
-            const toml::table* options = nullptr, const std::string& instance = "blocks.0.layer")
-      : rank_(rank), name_(name), instance_(instance), dims_(dims),
-        plugin_(registry().get("layer", name)), options_(options, plugin_.options) {
-    loom_layer_create_args args = loom::make<loom_layer_create_args>();
-    args.dims = &dims_;
-    args.instance_name = instance_.c_str();
-    args.tp = rank_.rt().group_or_self("tp").raw();
-    ok(api()->create(options_.raw(), &rank_.rt(), &args, &layer_));
-    const loom_param_decl* decls = nullptr;
-    size_t count = 0;
-    ok(api()->params(layer_, &decls, &count));
-    for (size_t i = 0; i < count; ++i) {
-      const loom_param_decl& d = decls[i];
-      Param p;
-      p.name = d.name;
-      p.shape.assign(d.shape, d.shape + d.ndim);
-      p.partition_dim = d.partition_dim;
-      p.partition_stride = d.partition_stride;
-      p.init = d.init;
-      p.no_weight_decay = d.no_weight_decay;
-      p.tie_key = d.tie_key ? d.tie_key : "";
-      // This rank's slice, as the engine allocates it.
-      p.local_shape = p.shape;
-      if (p.partition_dim >= 0) p.local_shape[static_cast<size_t>(p.partition_dim)] /= args.tp.size;
-      p.value.assign(static_cast<size_t>(numel(p.local_shape)), 0.0f);
-      p.grad.assign(p.value.size(), 0.0f);
-      params_.push_back(std::move(p));
-    }
-    std::vector<DLTensor> pv, gv;
-    for (Param& p : params_) {
-      pv.push_back(view(p.value.data(), p.local_shape, kDLFloat, 32));
-      gv.push_back(view(p.grad.data(), p.local_shape, kDLFloat, 32));
-    }
-    ok(api()->bind(layer_, pv.data(), gv.data(), params_.size()));
-  }
-  ~TestLayer() {
-    if (layer_) api()->destroy(layer_);
-  }
-  TestLayer(const TestLayer&) = delete;
-  TestLayer& operator=(const TestLayer&) = delete;
-
-  const loom_layer_api* api() const { return plugin_.layer(); }
-  loom_layer* raw() const { return layer_; }
-  std::vector<Param>& params() { return params_; }
-  Param& param(const std::string& n) {
-    for (Param& p : params_)
-      if (p.name == n) return p;
-    throw std::runtime_error(name_ + " has no parameter " + n);
-  }
-  bool has_param(const std::string& n) const {
-    for (const Param& p : params_)
-      if (p.name == n) return true;
-    return false;
-  }
-  bool has_input() const { return name_ != "embedding"; }
-  // The weight of the layer's auxiliary loss in the objective (ABI 1.4
-  // aux_loss_scale); 0 leaves it out.
-  double aux_weight = 0.0;
-  float last_aux = 0.0f;  // what the last training forward reported
-  bool has_output() const { return name_ != "lm_head"; }
-
-  // Random values that exercise every path: LN gains around 1, non-zero biases.
-  void randomize(std::mt19937& rng, float weight_std = 0.3f) {
-    std::normal_distribution<float> n01(0.0f, 1.0f);
-    for (Param& p : params_) {
-      const bool ln_weight = p.name == "ln.weight";
-      const bool bias = p.name.size() >= 4 && p.name.compare(p.name.size() - 4, 4, "bias") == 0;
-      for (float& v : p.value)
-        v = ln_weight ? 1.0f + 0.2f * n01(rng) : bias ? 0.2f * n01(rng) : weight_std * n01(rng);
-    }
-  }
-  void zero_grads() {
-    for (Param& p : params_) std::fill(p.grad.begin(), p.grad.end(), 0.0f);
-  }
-
-  // One forward of microbatch `mb`; returns L (Σ out∘R, or lm_head's loss_sum).
-  double forward(const Batch& b, int32_t mb = 0, bool training = true, uint64_t seed = 1234,
-                 std::vector<float>* out = nullptr, int64_t* loss_count = nullptr,
-                 const uint64_t* seed_device = nullptr) {
-    std::vector<float> y(has_output() ? static_cast<size_t>(kT * kHidden) : 0, -7.0f);
-    std::vector<int64_t> hshape{kSeq, kBatch, kHidden}, tshape{kSeq, kBatch};
-    DLTensor in = view(const_cast<float*>(b.x.data()), hshape, kDLFloat, 32);
-    DLTensor o = view(y.data(), hshape, kDLFloat, 32);
-    DLTensor tok = view(const_cast<int32_t*>(b.tokens.data()), tshape, kDLInt, 32);
-    DLTensor tgt = view(const_cast<int32_t*>(b.targets.data()), tshape, kDLInt, 32);
-    float loss_sum = -1.0f;
-    int64_t count = -1;
-    loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
-    a.microbatch = mb;
-    a.training = training ? 1 : 0;
-    a.input = has_input() ? &in : nullptr;
-    a.output = has_output() ? &o : nullptr;
-    a.tokens = &tok;
-    a.targets = &tgt;
-    a.loss_sum = &loss_sum;
-    a.loss_count = &count;
-    a.dropout_seed = seed;
-    a.dropout_seed_device = seed_device;
-    float aux = 0.0f;
-    a.aux_loss = &aux;
-    ok(api()->forward(layer_, &rank_.rt(), &a));
-    rank_.rt().dev().synchronize();
-    last_aux = aux;
-    if (loss_count) *loss_count = count;
-    if (out) *out = y;
-    if (!has_output()) return loss_sum;
-    double l = aux_weight * aux;
-    for (size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y[i]) * b.r[i];
-    return l;
-  }
-
-  // Backward of microbatch `mb` with grad_output = R (or loss_scale for
-  // lm_head); returns grad_input (empty for the embedding). grad_input starts
-  // as garbage: a layer must overwrite it, not accumulate into it.
-  std::vector<float> backward(const Batch& b, int32_t mb = 0, float loss_scale = 1.0f) {
-    std::vector<float> dx(has_input() ? static_cast<size_t>(kT * kHidden) : 0, 123.0f);
-    std::vector<int64_t> hshape{kSeq, kBatch, kHidden};
-    DLTensor dy = view(const_cast<float*>(b.r.data()), hshape, kDLFloat, 32);
-    DLTensor di = view(dx.data(), hshape, kDLFloat, 32);
-    loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
-    a.microbatch = mb;
-    a.grad_output = has_output() ? &dy : nullptr;
-    a.grad_input = has_input() ? &di : nullptr;
-    a.loss_scale = loss_scale;
-    a.aux_loss_scale = static_cast<float>(aux_weight);
-    ok(api()->backward(layer_, &rank_.rt(), &a));
-    rank_.rt().dev().synchronize();
-    return dx;
-  }
-
-  // A training forward whose saved activations are dropped right away (for FD
-  // evaluations; the microbatch is part of the dropout seed, so use the same one).
-  double objective(const Batch& b, uint64_t seed = 1234, int32_t mb = 0) {
-    double l = forward(b, mb, true, seed);
-    api()->release(layer_, mb);
-    return l;
-  }
-
- private:
-  Rank& rank_;
-  std::string name_, instance_;
-  loom_model_dims dims_;
-  const loom::plugins::LoadedPlugin& plugin_;
-  loom::plugins::OptionValues options_;
-  loom_layer* layer_ = nullptr;
-  std::vector<Param> params_;
+  TestLayer(HarnessRank& rank, const std::string& name, const loom_model_dims& dims, const toml::table* options = nullptr,
+            const std::string& instance = "blocks.0.layer")
+      : HarnessLayer(rank, name, dims, options, instance) {}
 };
+
+Batch make_batch(std::mt19937& rng) { return loom::harness::make_batch(make_dims(), rng); }
 
 toml::table dropout_options(double p) {
   toml::table t;
@@ -308,50 +91,11 @@ toml::table dropout_options(double p) {
   return t;
 }
 
-// Compares analytic derivatives with central differences of `objective` at a
-// sample of coordinates of `v`: 12 random ones and the 8 of largest |analytic|.
-void fd_check(std::vector<float>& v, const std::vector<float>& analytic,
-              const std::function<double()>& objective, const std::string& what, std::mt19937& rng,
-              float h = 1e-2f, double rtol = 2e-2, double atol = 3e-3) {
-  ASSERT_EQ(v.size(), analytic.size()) << what;
-  std::set<size_t> coords;
-  std::uniform_int_distribution<size_t> pick(0, v.size() - 1);
-  for (int i = 0; i < 12 && coords.size() < v.size(); ++i) coords.insert(pick(rng));
-  std::vector<size_t> order(v.size());
-  for (size_t i = 0; i < v.size(); ++i) order[i] = i;
-  std::partial_sort(order.begin(), order.begin() + std::min<size_t>(8, order.size()), order.end(),
-                    [&](size_t a, size_t b) { return std::fabs(analytic[a]) > std::fabs(analytic[b]); });
-  for (size_t i = 0; i < std::min<size_t>(8, order.size()); ++i) coords.insert(order[i]);
-
-  double max_abs = 0.0;
-  for (float g : analytic) max_abs = std::max(max_abs, static_cast<double>(std::fabs(g)));
-  EXPECT_GT(max_abs, 1e-4) << what << ": the analytic gradient is all zeros";
-  for (size_t j : coords) {
-    const float saved = v[j];
-    v[j] = saved + h;
-    const double lp = objective();
-    v[j] = saved - h;
-    const double lm = objective();
-    v[j] = saved;
-    const double num = (lp - lm) / (2.0 * static_cast<double>(h));
-    const double ana = analytic[j];
-    const double tol = rtol * std::max(std::fabs(num), std::fabs(ana)) + atol;
-    EXPECT_NEAR(ana, num, tol) << what << "[" << j << "]";
-  }
-}
-
 // FD checks of every parameter and (unless the embedding) of the input.
 void check_gradients(Rank& rank, TestLayer& layer, std::mt19937& rng, uint64_t seed = 1234) {
-  Batch b = make_batch(rng);
-  layer.zero_grads();
-  layer.forward(b, 0, true, seed);
-  std::vector<float> dx = layer.backward(b, 0);
   (void)rank;
-  for (Param& p : layer.params()) {
-    const std::vector<float> analytic = p.grad;
-    fd_check(p.value, analytic, [&] { return layer.objective(b, seed); }, p.name, rng);
-  }
-  if (layer.has_input()) fd_check(b.x, dx, [&] { return layer.objective(b, seed); }, "input", rng);
+  const loom::harness::Findings f = loom::harness::check_gradients(layer, rng, seed);
+  EXPECT_TRUE(f.ok()) << f.text();
 }
 
 std::vector<std::string> all_layers() { return {"embedding", "attention", "mlp", "lm_head"}; }
@@ -738,25 +482,8 @@ TEST(Layers, ParameterGradientsAccumulateAndInputGradientIsOverwritten) {
     TestLayer layer(rank, name, dims);
     std::mt19937 rng(6);
     layer.randomize(rng);
-    Batch b = make_batch(rng);
-    layer.zero_grads();
-    layer.forward(b, 0);
-    std::vector<float> dx1 = layer.backward(b, 0);
-    std::vector<std::vector<float>> once;
-    for (Param& p : layer.params()) once.push_back(p.grad);
-    layer.forward(b, 0);
-    std::vector<float> dx2 = layer.backward(b, 0);
-    for (size_t i = 0; i < layer.params().size(); ++i) {
-      const Param& p = layer.params()[i];
-      double scale = 0.0;
-      for (float g : once[i]) scale = std::max(scale, static_cast<double>(std::fabs(g)));
-      EXPECT_GT(scale, 0.0) << p.name << " got no gradient";
-      for (size_t j = 0; j < p.grad.size(); ++j)
-        ASSERT_NEAR(p.grad[j], 2.0f * once[i][j], 1e-5 * (1.0 + scale)) << p.name << "[" << j << "]";
-    }
-    // The garbage grad_input started with is gone, and the two agree.
-    EXPECT_EQ(dx1, dx2);
-    for (float v : dx1) ASSERT_NE(v, 123.0f);
+    const loom::harness::Findings f = loom::harness::check_accumulation(layer, rng);
+    EXPECT_TRUE(f.ok()) << f.text();
   }
 }
 
@@ -1043,29 +770,8 @@ TEST(Layers, MicrobatchesInFlightMatchSequentialOrder) {
     TestLayer layer(rank, name, dims, drop ? &opts : nullptr);
     std::mt19937 rng(13);
     layer.randomize(rng);
-    Batch m0 = make_batch(rng), m1 = make_batch(rng);
-
-    layer.zero_grads();
-    const double l0 = layer.forward(m0, 0);
-    std::vector<float> a0 = layer.backward(m0, 0);
-    const double l1 = layer.forward(m1, 1);
-    std::vector<float> a1 = layer.backward(m1, 1);
-    std::vector<std::vector<float>> seq;
-    for (Param& p : layer.params()) seq.push_back(p.grad);
-
-    layer.zero_grads();
-    EXPECT_EQ(layer.forward(m0, 0), l0);
-    EXPECT_EQ(layer.forward(m1, 1), l1);
-    std::vector<float> b1 = layer.backward(m1, 1);
-    std::vector<float> b0 = layer.backward(m0, 0);
-    EXPECT_EQ(a0, b0);
-    EXPECT_EQ(a1, b1);
-    for (size_t i = 0; i < seq.size(); ++i) {
-      const Param& p = layer.params()[i];
-      double scale = 0.0;
-      for (float g : seq[i]) scale = std::max(scale, static_cast<double>(std::fabs(g)));
-      EXPECT_LE(max_abs_diff(p.grad, seq[i]), 1e-6 * (1.0 + scale)) << p.name;
-    }
+    const loom::harness::Findings f = loom::harness::check_microbatches_in_flight(layer, rng);
+    EXPECT_TRUE(f.ok()) << f.text();
   }
 }
 
@@ -1174,130 +880,20 @@ std::vector<T> slice_of(const Param& p, const std::vector<T>& full, int tp, int 
   return out;
 }
 
-std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp, int r) {
-  if (p.partition_dim < 0) return full;
-  const size_t d = static_cast<size_t>(p.partition_dim);
-  int64_t outer = 1, inner = 1;
-  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
-  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
-  const int64_t stride = std::max(1, p.partition_stride), dim = p.shape[d];
-  const int64_t block = dim / stride, part = block / tp;
-  std::vector<float> out;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t k = 0; k < stride; ++k) {
-      const int64_t row0 = k * block + r * part;
-      const float* src = &full[static_cast<size_t>((o * dim + row0) * inner)];
-      out.insert(out.end(), src, src + part * inner);
-    }
-  return out;
-}
+using loom::harness::slice;
 
-// Tp rank r's slices of `full`'s parameter values, into `layer`'s bound storage.
-void load_slices(TestLayer& layer, TestLayer& full, int tp, int r) {
-  for (size_t i = 0; i < layer.params().size(); ++i) {
-    Param& p = layer.params()[i];
-    const std::vector<float> mine = slice(p, full.params()[i].value, tp, r);
-    if (mine.size() != p.value.size()) throw std::runtime_error("bad slice of " + p.name);
-    std::copy(mine.begin(), mine.end(), p.value.begin());
-  }
-}
-
-struct RankResult {
-  std::string error;
-  double objective = 0.0;
-  int64_t count = 0;
-  std::vector<float> out, dx;
-  std::vector<std::vector<float>> grads;
-};
-
+// Each layer at tp 2, with and without sequence parallelism, against one rank (the
+// harness's check); dropout outside the tp region draws the same mask on every rank.
 TEST(Layers, TensorParallelTwoRanksMatchOneRank) {
-  const loom::plugins::LoadedPlugin* comm = registry().find("comm", "local");
-  ASSERT_NE(comm, nullptr) << "comm/local is always built with the tests";
-  constexpr int kTp = 2;
-  for (const std::string& name : all_layers()) {
-    SCOPED_TRACE(name);
-    auto dims = make_dims();
-    // Dropout is outside the tp region: the same mask on every rank.
-    toml::table opts = dropout_options(0.25);
-    const toml::table* options = name != "lm_head" ? &opts : nullptr;
-    // The serial run.
-    Rank serial;
-    TestLayer full(serial, name, dims, options);
-    std::mt19937 rng(30);
-    full.randomize(rng);
-    Batch b = make_batch(rng);
-    b.tokens[1] = static_cast<int32_t>(kPadded / 2);  // a token of rank 1's vocab slice
-    b.targets[2] = static_cast<int32_t>(kVocab) - 1;  // a target in rank 1's slice
-    std::vector<float> want_out;
-    int64_t want_count = 0;
-    full.zero_grads();
-    const double want_obj = full.forward(b, 0, true, 5, &want_out, &want_count);
-    const std::vector<float> want_dx = full.backward(b, 0);
-
-    // The same layer over two tensor-parallel ranks.
-    loom::plugins::OptionValues copts(nullptr, comm->options);
-    const int32_t ranks[kTp] = {0, 1};
-    loom_comm_world_args wa = loom::make<loom_comm_world_args>();
-    wa.world_size = kTp;
-    wa.num_local_ranks = kTp;
-    wa.local_ranks = ranks;
-    wa.timeout_ms = 20000;
-    loom_comm_world* world = nullptr;
-    ok(comm->comm()->world_create(copts.raw(), &wa, &world));
-    std::vector<RankResult> res(kTp);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < kTp; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          loom_group_desc desc = loom::make<loom_group_desc>();
-          desc.kind = "tp";
-          desc.ranks = ranks;
-          desc.size = kTp;
-          desc.my_rank = r;
-          loom_group g = loom::make<loom_group>();
-          g.api = comm->comm();
-          g.size = kTp;
-          g.rank = r;
-          ok(comm->comm()->group_create(world, &desc, &g.comm));
-          Rank rank(r, &g);  // owns the communicator from here on
-          TestLayer layer(rank, name, dims, options);
-          load_slices(layer, full, kTp, r);
-          layer.zero_grads();
-          RankResult& out = res[static_cast<size_t>(r)];
-          out.objective = layer.forward(b, 0, true, 5, &out.out, &out.count);
-          out.dx = layer.backward(b, 0);
-          for (Param& p : layer.params()) out.grads.push_back(p.grad);
-        } catch (const std::exception& e) {
-          res[static_cast<size_t>(r)].error = e.what();
-          comm->comm()->world_abort(world, e.what());
-        }
-      });
+  for (const std::string& name : all_layers())
+    for (const bool sp : {false, true}) {
+      SCOPED_TRACE(name + (sp ? " with sequence parallelism" : ""));
+      toml::table opts = dropout_options(0.25);
+      std::mt19937 rng(30);
+      const loom::harness::Findings f = loom::harness::check_tensor_parallel(
+          registry(), name, make_dims(), name != "lm_head" ? &opts : nullptr, rng, {.tp = 2, .sequence_parallel = sp});
+      EXPECT_TRUE(f.ok()) << f.text();
     }
-    for (std::thread& t : threads) t.join();
-    comm->comm()->world_destroy(world);
-
-    for (int r = 0; r < kTp; ++r) {
-      SCOPED_TRACE("tp rank " + std::to_string(r));
-      const RankResult& got = res[static_cast<size_t>(r)];
-      ASSERT_EQ(got.error, "");
-      EXPECT_NEAR(got.objective, want_obj, 1e-5 * (1.0 + std::fabs(want_obj)));
-      if (name == "lm_head") {
-        EXPECT_EQ(got.count, want_count);
-      }
-      ASSERT_EQ(got.out.size(), want_out.size());
-      EXPECT_LE(max_abs_diff(got.out, want_out), 1e-5);
-      ASSERT_EQ(got.dx.size(), want_dx.size());
-      EXPECT_LE(max_abs_diff(got.dx, want_dx), 1e-5);
-      for (size_t i = 0; i < full.params().size(); ++i) {
-        const Param& p = full.params()[i];
-        const std::vector<float> want = slice(p, p.grad, kTp, r);
-        ASSERT_EQ(got.grads[i].size(), want.size()) << p.name;
-        double scale = 0.0;
-        for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-        EXPECT_LE(max_abs_diff(got.grads[i], want), 1e-5 * (1.0 + scale)) << p.name;
-      }
-    }
-  }
 }
 
 }  // namespace
@@ -1311,45 +907,8 @@ namespace {
 
 // Runs fn(r, rank) on two ranks (threads) of one tp group over comm/local;
 // returns each rank's error ("" = none).
-std::vector<std::string> run_two_ranks(const std::function<void(int, Rank&)>& fn) {
-  const loom::plugins::LoadedPlugin* comm = registry().find("comm", "local");
-  if (comm == nullptr) return {"comm/local is not loaded", ""};
-  constexpr int kTp = 2;
-  loom::plugins::OptionValues copts(nullptr, comm->options);
-  const int32_t ranks[kTp] = {0, 1};
-  loom_comm_world_args wa = loom::make<loom_comm_world_args>();
-  wa.world_size = kTp;
-  wa.num_local_ranks = kTp;
-  wa.local_ranks = ranks;
-  wa.timeout_ms = 20000;
-  loom_comm_world* world = nullptr;
-  ok(comm->comm()->world_create(copts.raw(), &wa, &world));
-  std::vector<std::string> errors(kTp);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kTp; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        loom_group_desc desc = loom::make<loom_group_desc>();
-        desc.kind = "tp";
-        desc.ranks = ranks;
-        desc.size = kTp;
-        desc.my_rank = r;
-        loom_group g = loom::make<loom_group>();
-        g.api = comm->comm();
-        g.size = kTp;
-        g.rank = r;
-        ok(comm->comm()->group_create(world, &desc, &g.comm));
-        Rank rank(r, &g);
-        fn(r, rank);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-        comm->comm()->world_abort(world, e.what());
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  comm->comm()->world_destroy(world);
-  return errors;
+std::vector<std::string> run_two_ranks(const std::function<void(int, HarnessRank&)>& fn) {
+  return loom::harness::run_tp_ranks(registry(), 2, fn);
 }
 
 // Central differences of the whole (two-rank) objective w.r.t. coordinates of the
@@ -1386,7 +945,7 @@ TEST(Layers, VocabParallelEmbeddingAndCrossEntropyMatchFiniteDifferencesAtTp2) {
     std::vector<std::vector<std::vector<float>>> grads(kTp);  // rank -> param -> local grad
     std::vector<std::vector<std::vector<size_t>>> index(kTp); // rank -> param -> full index of each local element
     std::vector<std::vector<double>> lp(kTp), lm(kTp);
-    auto errors = run_two_ranks([&](int r, Rank& rank) {
+    auto errors = run_two_ranks([&](int r, HarnessRank& rank) {
       TestLayer layer(rank, name, dims);
       auto& idx = index[static_cast<size_t>(r)];
       for (size_t i = 0; i < layer.params().size(); ++i) {
@@ -1458,7 +1017,7 @@ TEST(Layers, ModelParallelRngDuplicatedRegionsAgreeParallelRegionsDiffer) {
     serial_par = draw(tp, LOOM_TP_RNG_PARALLEL, n);
   }
   std::vector<std::vector<uint8_t>> dup(2), par(2), sp_dup(2);
-  auto errors = run_two_ranks([&](int r, Rank& rank) {
+  auto errors = run_two_ranks([&](int r, HarnessRank& rank) {
     loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "blocks.0.mlp");
     dup[static_cast<size_t>(r)] = draw(tp, LOOM_TP_RNG_DUPLICATED, n);
     par[static_cast<size_t>(r)] = draw(tp, LOOM_TP_RNG_PARALLEL, n);
@@ -1494,7 +1053,7 @@ TEST(Layers, ColumnParallelLinearGatherOutputMatchesSerial) {
   for (auto* v : {&x, &w, &bias, &dy})
     for (float& e : *v) e = n01(rng);
   std::vector<std::vector<float>> y(2), dx(2), dw(2), db(2);
-  auto errors = run_two_ranks([&](int r, Rank& rank) {
+  auto errors = run_two_ranks([&](int r, HarnessRank& rank) {
     loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "col");
     std::vector<float> wl(in * local), bl(bias.begin() + r * local, bias.begin() + (r + 1) * local);
     for (int64_t i = 0; i < in; ++i)
@@ -1557,7 +1116,7 @@ TEST(Layers, LinearCallsApplyTheGeluAndItsGradientOnEachRanksShard) {
     for (float& e : *v) e = n01(rng);
   std::vector<std::vector<float>> y(2), pre(2), dh(2);
   std::vector<std::string> refusals(2);
-  auto errors = run_two_ranks([&](int r, Rank& rank) {
+  auto errors = run_two_ranks([&](int r, HarnessRank& rank) {
     loom::TensorParallel tp(&rank.rt(), rank.rt().group_or_self("tp").raw(), false, "mlp");
     ASSERT_NE(tp.features() & LOOM_TP_ACTIVATION, 0u);
     std::vector<float> wl(in * local), bl(bias.begin() + r * local, bias.begin() + (r + 1) * local), w2l(local * in);
@@ -2024,7 +1583,7 @@ void check_expert_dispatchers(const std::vector<std::vector<int64_t>>& counts) {
     const auto* api = static_cast<const loom_expert_parallel_api*>(p->api);
     std::vector<std::vector<int64_t>> local(2);
     std::vector<std::vector<float>> delivered(2), returned(2);
-    const std::vector<std::string> errors = run_two_ranks([&](int r, Rank& rank) {
+    const std::vector<std::string> errors = run_two_ranks([&](int r, HarnessRank& rank) {
       loom_ep_create_args ca = loom::make<loom_ep_create_args>();
       ca.ep = rank.rt().group_or_self("tp").raw();  // the two ranks' group, as the ep group
       ca.num_experts = kExperts;
@@ -2087,46 +1646,13 @@ void check_expert_dispatchers(const std::vector<std::vector<int64_t>>& counts) {
 // Expert tensor parallelism (etp = tp = 2): each rank holds half of every
 // expert's ffn; the same output, input gradient and gradient slices as one rank.
 TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
-  constexpr int kTp = 2;
-  auto dims = make_dims();
   toml::table opts = moe_options(4, 2, /*aux_coeff=*/0.5, false, /*dropout=*/0.25);
-  Rank serial;
-  TestLayer full(serial, "moe", dims, &opts);
-  full.aux_weight = 0.5;
-  std::mt19937 rng(46);
-  full.randomize(rng);
-  Batch b = make_batch(rng);
-  std::vector<float> want_out;
-  full.zero_grads();
-  const double want_obj = full.forward(b, 0, true, 5, &want_out);
-  const std::vector<float> want_dx = full.backward(b, 0);
-
-  std::vector<RankResult> res(kTp);
-  const std::vector<std::string> errors = run_two_ranks([&](int r, Rank& rank) {
-    TestLayer layer(rank, "moe", dims, &opts);
-    layer.aux_weight = 0.5;
-    load_slices(layer, full, kTp, r);
-    layer.zero_grads();
-    RankResult& out = res[static_cast<size_t>(r)];
-    out.objective = layer.forward(b, 0, true, 5, &out.out);
-    out.dx = layer.backward(b, 0);
-    for (Param& p : layer.params()) out.grads.push_back(p.grad);
-  });
-  for (int r = 0; r < kTp; ++r) {
-    SCOPED_TRACE("tp rank " + std::to_string(r));
-    ASSERT_EQ(errors[static_cast<size_t>(r)], "");
-    const RankResult& got = res[static_cast<size_t>(r)];
-    EXPECT_NEAR(got.objective, want_obj, 1e-5 * (1.0 + std::fabs(want_obj)));
-    EXPECT_LE(max_abs_diff(got.out, want_out), 1e-5);
-    EXPECT_LE(max_abs_diff(got.dx, want_dx), 1e-5);
-    for (size_t i = 0; i < full.params().size(); ++i) {
-      const Param& p = full.params()[i];
-      const std::vector<float> want = slice(p, p.grad, kTp, r);
-      ASSERT_EQ(got.grads[i].size(), want.size()) << p.name;
-      double scale = 0.0;
-      for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
-      EXPECT_LE(max_abs_diff(got.grads[i], want), 1e-5 * (1.0 + scale)) << p.name;
-    }
+  for (const bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "with sequence parallelism" : "without sequence parallelism");
+    std::mt19937 rng(46);
+    const loom::harness::Findings f = loom::harness::check_tensor_parallel(
+        registry(), "moe", make_dims(), &opts, rng, {.tp = 2, .sequence_parallel = sp, .aux_weight = 0.5});
+    EXPECT_TRUE(f.ok()) << f.text();
   }
 }
 

@@ -1,0 +1,101 @@
+// layer/faulty_scale: a per-channel gain y = x * g (as samples/learned_scale) with
+// the mistakes layer authors make, chosen by the option `fault`, so the harness's
+// tests can show that each check catches its kind of mistake:
+//   none          correct
+//   gradient      the gain's gradient twice too large
+//   overwrite     the gain's gradient overwritten instead of accumulated
+//   input         grad_input accumulated into instead of overwritten
+//   shared_state  one saved input for all microbatches in flight
+//   reduce        the gain's gradient all-reduced over tp by the layer (the engine
+//                 does that for sequence parallelism; without it every rank's is whole)
+#include <loom/cpp/plugin.hpp>
+
+#include <map>
+#include <string>
+
+namespace {
+
+class FaultyScale : public loom::Layer {
+ public:
+  FaultyScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
+      : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")) {}
+
+  std::vector<loom::ParamSpec> params() override {
+    loom::ParamSpec gain;
+    gain.name = "gain";
+    gain.shape = {hidden_};
+    gain.init = LOOM_INIT_ONES;
+    return {gain};
+  }
+
+  void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
+    gain_ = static_cast<float*>(params[0].data);
+    gain_grad_ = static_cast<float*>(grads[0].data);
+  }
+
+  void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    const int64_t n = numel(*a.input);
+    loom::Device dev = rank.device();
+    const int32_t key = fault_ == "shared_state" ? 0 : a.microbatch;
+    loom::Buffer saved(rank_, n * sizeof(float));
+    dev.copy(saved.get(), a.input->data, n * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
+    dev.elementwise({.op = LOOM_EW_MUL_COLS, .n = n, .cols = hidden_, .x = a.input->data, .y = gain_,
+                     .out = a.output->data, .dtype = LOOM_DTYPE_F32});
+    if (a.training) saved_[key] = std::move(saved);
+  }
+
+  void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
+    const int64_t n = numel(*a.grad_output);
+    loom::Device dev = rank.device();
+    const int32_t key = fault_ == "shared_state" ? 0 : a.microbatch;
+    loom::Buffer dy_x(rank_, n * sizeof(float));
+    dev.elementwise({.op = LOOM_EW_MUL, .n = n, .x = a.grad_output->data, .y = saved_.at(key).get(),
+                     .out = dy_x.get(), .dtype = LOOM_DTYPE_F32});
+    loom::Buffer dg(rank_, hidden_ * sizeof(float));
+    dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = n, .cols = hidden_, .x = dy_x.get(), .out = dg.get(),
+                .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
+    if (fault_ == "reduce")
+      tp_.all_reduce(dev.native_stream(), dg.get(), dg.get(), static_cast<size_t>(hidden_), LOOM_DTYPE_F32);
+    const float scale = fault_ == "gradient" ? 2.0f : 1.0f;
+    if (fault_ == "overwrite")
+      dev.copy(gain_grad_, dg.get(), hidden_ * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
+    else
+      dev.elementwise({.op = LOOM_EW_AXPBY, .n = hidden_, .x = dg.get(), .y = gain_grad_, .alpha = scale,
+                       .beta = 1.0f, .dtype = LOOM_DTYPE_F32});
+    // dx = dy * g, or (fault "input") dx += dy * g.
+    loom::Buffer dx(rank_, n * sizeof(float));
+    dev.elementwise({.op = LOOM_EW_MUL_COLS, .n = n, .cols = hidden_, .x = a.grad_output->data, .y = gain_,
+                     .out = dx.get(), .dtype = LOOM_DTYPE_F32});
+    if (fault_ == "input")
+      dev.elementwise({.op = LOOM_EW_AXPBY, .n = n, .x = dx.get(), .y = a.grad_input->data, .alpha = 1.0f,
+                       .beta = 1.0f, .dtype = LOOM_DTYPE_F32});
+    else
+      dev.copy(a.grad_input->data, dx.get(), n * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
+    dev.synchronize();  // the temporaries die here
+    saved_.erase(key);
+  }
+
+  void release(int32_t microbatch) override { saved_.erase(fault_ == "shared_state" ? 0 : microbatch); }
+
+ private:
+  static int64_t numel(const DLTensor& t) {
+    int64_t n = 1;
+    for (int i = 0; i < t.ndim; ++i) n *= t.shape[i];
+    return n;
+  }
+
+  loom_rank* rank_;
+  loom::Group tp_;
+  int64_t hidden_;
+  std::string fault_;
+  float* gain_ = nullptr;
+  float* gain_grad_ = nullptr;
+  std::map<int32_t, loom::Buffer> saved_;
+};
+
+}  // namespace
+
+LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
+    "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
+    {loom::opt_string("fault", "none", "which mistake to make")
+         .one_of("none|gradient|overwrite|input|shared_state|reduce")}))

@@ -1,0 +1,75 @@
+// The layer harness (`loom plugins test`) catches each kind of mistake a layer author
+// makes: layer/faulty_scale (tests/harness) makes one at a time, chosen by its option,
+// and exactly the checks that should fail do; made correctly, every check passes.
+#include "engine/plugins/registry.hpp"
+#include "engine/testing/layer_harness.hpp"
+
+#include <gtest/gtest.h>
+#include <toml++/toml.h>
+
+#include <map>
+#include <set>
+#include <string>
+
+namespace {
+
+loom::plugins::Registry& registry() {
+  static loom::plugins::Registry r;
+  static const bool loaded = [] {
+    loom::plugins::host_api();
+    r.load_file(LOOM_TEST_HARNESS_PLUGIN);
+    r.load_dirs({LOOM_TEST_PLUGIN_DIR});
+    return true;
+  }();
+  (void)loaded;
+  return r;
+}
+
+// The checks that fail for layer/faulty_scale with `fault`.
+std::set<std::string> failing_checks(const std::string& fault) {
+  toml::table options;
+  options.insert("fault", fault);
+  std::set<std::string> failing;
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options)) {
+    if (c.error.empty()) {
+      EXPECT_GT(c.findings.compared, 0) << fault << ": " << c.check << " compared nothing";
+    }
+    if (!c.error.empty() || !c.findings.ok()) failing.insert(c.check);
+  }
+  return failing;
+}
+
+TEST(LayerHarness, ACorrectLayerPassesEveryCheck) {
+  EXPECT_EQ(failing_checks("none"), std::set<std::string>{});
+}
+
+TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
+  // A wrong gradient is as wrong on one rank as on two: tp compares them, so only
+  // the finite differences see it. An overwritten gradient also loses the first of
+  // two microbatches in flight; an input gradient added to the garbage in grad_input
+  // is wrong by that garbage.
+  const std::map<std::string, std::set<std::string>> expected = {
+      {"gradient", {"gradients"}},
+      {"overwrite", {"accumulation", "microbatches"}},
+      {"input", {"gradients", "accumulation"}},
+      {"shared_state", {"microbatches"}},
+      {"reduce", {"tp2", "tp2+sp"}},
+  };
+  for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
+}
+
+// What a failing check reports: the value, what it was compared with, the bound.
+TEST(LayerHarness, AFailureNamesTheParameterAndTheNumbers) {
+  loom::harness::HarnessRank rank(registry());
+  toml::table options;
+  options.insert("fault", "gradient");
+  loom::harness::HarnessLayer layer(rank, "faulty_scale", loom::harness::default_dims(), &options);
+  std::mt19937 rng(3);
+  layer.randomize(rng);
+  const loom::harness::Findings f = loom::harness::check_gradients(layer, rng);
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.text().find("gain["), std::string::npos) << f.text();
+  EXPECT_NE(f.text().find("finite differences"), std::string::npos) << f.text();
+}
+
+}  // namespace
