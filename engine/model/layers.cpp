@@ -40,12 +40,39 @@ loom_model_dims model_dims(const manifest::RunConfig& config, int64_t vocab, int
   return d;
 }
 
+namespace {
+// The manifest's [model.layer.NAME] options of a layer, as its plugin gets them.
+toml::table layer_options(const manifest::RunConfig& config, const LayerSpec& spec) {
+  toml::table section = config.model.layer_section(spec.config);
+  section.erase("plugin");
+  return section;
+}
+
+// A layer plugin's refusal, naming the instance and the plugin; a refused option
+// ("option NAME = value", the built-in layers' wording) is cited where the manifest
+// sets it.
+loom::Error layer_refusal(const manifest::RunConfig& config, const LayerSpec& spec, const toml::table& section,
+                          const loom::Error& e) {
+  const std::string msg = e.what();
+  std::string where;
+  for (const auto& [key, node] : section) {
+    const std::string option = spec.config + "." + std::string(key.str());
+    auto origin = config.model.layer_origin.find(option);
+    if (origin != config.model.layer_origin.end() &&
+        msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
+      where = origin->second.str() + ": model.layer." + option + ": ";
+      break;
+    }
+  }
+  return loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
+}
+}  // namespace
+
 loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Registry& registry, loom_rank* rank,
                          const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
                          const loom_layer_api** api) {
   const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
-  toml::table section = config.model.layer_section(spec.config);
-  section.erase("plugin");
+  const toml::table section = layer_options(config, spec);
   plugins::OptionValues opts(&section, p.options);
   loom_model_dims ld = dims;
   ld.block_index = spec.block_index;
@@ -60,22 +87,29 @@ loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Regis
   try {
     loom::check((*api)->create(opts.raw(), rank, &args, &handle));
   } catch (const loom::Error& e) {
-    // A refused option ("option NAME = value", the built-in layers' wording) is
-    // cited where the manifest sets it.
-    const std::string msg = e.what();
-    std::string where;
-    for (const auto& [key, node] : section) {
-      const std::string option = spec.config + "." + std::string(key.str());
-      auto origin = config.model.layer_origin.find(option);
-      if (origin != config.model.layer_origin.end() &&
-          msg.find("option " + std::string(key.str()) + " =") != std::string::npos) {
-        where = origin->second.str() + ": model.layer." + option + ": ";
-        break;
-      }
-    }
-    throw loom::Error(where + "layer " + spec.instance + " (layer/" + spec.plugin + "): " + msg, e.code());
+    throw layer_refusal(config, spec, section, e);
   }
   return handle;
+}
+
+void validate_layer(const manifest::RunConfig& config, const plugins::Registry& registry, const LayerSpec& spec,
+                    const loom_layer_validate_args& run) {
+  const plugins::LoadedPlugin& p = registry.get("layer", spec.plugin);
+  const loom_layer_api* api = p.layer();
+  // A layer built before 1.12 has no validate member (its table ends before it).
+  if (!LOOM_HAS_SLOT(api, loom_layer_api, validate) || api->validate == nullptr) return;
+  const toml::table section = layer_options(config, spec);
+  plugins::OptionValues opts(&section, p.options);
+  loom_model_dims ld = *run.dims;
+  ld.block_index = spec.block_index;
+  loom_layer_validate_args args = run;
+  args.dims = &ld;
+  args.instance_name = spec.instance.c_str();
+  try {
+    loom::check(api->validate(opts.raw(), &args));
+  } catch (const loom::Error& e) {
+    throw layer_refusal(config, spec, section, e);
+  }
 }
 
 namespace {

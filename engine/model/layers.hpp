@@ -35,6 +35,13 @@ loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Regis
                          const LayerSpec& spec, const loom_model_dims& dims, const loom_group& tp,
                          const loom_layer_api** api);
 
+// Asks the layer's plugin whether it can run the configuration `run` describes
+// (loom_layer_api.validate, ABI 1.12; `run` as for every layer, dims and
+// instance_name set here for `spec`). Throws loom::Error naming the instance and
+// the plugin when it refuses; a plugin without the slot is not asked.
+void validate_layer(const manifest::RunConfig& config, const plugins::Registry& registry, const LayerSpec& spec,
+                    const loom_layer_validate_args& run);
+
 // A pipeline chunk held by this rank: global chunk `global_index` of
 // `num_global` (0-based), its layers in model order. A rank without pipeline
 // parallelism holds one chunk, the whole model.

@@ -1,5 +1,7 @@
 #include "engine/train/preflight.hpp"
 
+#include "engine/model/layers.hpp"
+#include "engine/model/param_buffers.hpp"
 #include "engine/train/data.hpp"
 
 #include <loom/cpp/core.hpp>
@@ -59,6 +61,38 @@ void check_optimizer(const RunPlan& plan, const MemoryPlan& memory) {
                       "\"ddp\" or \"distributed\", or parallel.etp = 0 (same as tp)");
 }
 
+// What every layer's validate is told of the run: the run's device plugin (its
+// memory type, features and ops, not the CPU device memory is planned on), the
+// dtypes and the parallel layout.
+loom_layer_validate_args validate_args(const RunPlan& plan, const loom_model_dims& dims) {
+  const manifest::RunConfig& config = plan.config;
+  const loom_device_api* dev = plan.device->device();
+  loom_layer_validate_args a = loom::make<loom_layer_validate_args>();
+  a.device_type = dev->dl_device_type;
+  a.dims = &dims;
+  a.param_dtype = model::model_dtype(config.device.param_dtype);
+  a.act_dtype = a.param_dtype;  // hidden states and activations are in the parameters' dtype
+  a.grad_dtype = model::model_dtype(config.device.grad_dtype);
+  a.tp = plan.sizes.tp;
+  a.cp = plan.sizes.cp;
+  a.ep = plan.sizes.ep;
+  a.etp = static_cast<int32_t>(plan.sizes.expert_tp());
+  a.pp = plan.sizes.pp;
+  a.dp = plan.dp;
+  a.sequence_parallel = config.parallel.sequence_parallel ? 1 : 0;
+  a.device_features = LOOM_HAS_SLOT(dev, loom_device_api, features) ? dev->features : 0;
+  a.device_ops = dev->ops;
+  return a;
+}
+
+// Each layer's own check of the configuration (loom_layer_api.validate, ABI 1.12),
+// before any is created: a plugin's constraint is reported here, not at its first step.
+void validate_layers(const RunPlan& plan, int64_t vocab) {
+  const loom_model_dims dims = model::model_dims(plan.config, vocab, plan.sizes.tp);
+  const loom_layer_validate_args run = validate_args(plan, dims);
+  for (const model::LayerSpec& spec : plan.layers) model::validate_layer(plan.config, *plan.registry, spec, run);
+}
+
 }  // namespace
 
 Preflight preflight(const RunPlan& plan, int ranks_in_process) {
@@ -74,6 +108,7 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   read_one(*data, Split::Train, seq);
   if (config.run.eval_every > 0) read_one(*data, Split::Validation, seq);
 
+  validate_layers(plan, out.vocab);
   out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);
   check_optimizer(plan, out.memory);

@@ -21,7 +21,8 @@ struct Preflight {
 };
 
 // Opens the data (its vocabulary must fit model.vocab_size; a training sequence, and a
-// validation one when run.eval_every > 0, must be readable), creates every rank's
+// validation one when run.eval_every > 0, must be readable), asks each layer's plugin
+// whether it can run this configuration (its validate slot), creates every rank's
 // layers on a CPU device (the checks each plugin makes in create, and expert
 // parameters when parallel.ep > 1), checks the optimizer strategy can take the model
 // (tied copies across stages, expert parameters, MoE folding) and plans memory against

@@ -4,6 +4,8 @@
 #include "engine/model/param_plan.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/plugins/rank_context.hpp"
+#include "engine/train/preflight.hpp"
+#include "engine/train/run_plan.hpp"
 
 #include <loom/cpp/core.hpp>
 
@@ -17,6 +19,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <vector>
 #include <string>
 
@@ -48,6 +51,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_10(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_10(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_11(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_11(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_11(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_12(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_12(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -292,6 +298,27 @@ TEST(AbiLayout, Released111MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_tp_linear_args, pre_activation), loom_abi_sizeof_v1_10("loom_tp_linear_args"));
   EXPECT_EQ(offsetof(loom_gemm_args, pad0) + sizeof(int32_t), loom_abi_sizeof_v1_10("loom_gemm_args"));
   EXPECT_EQ(offsetof(loom_tp_linear_args, pad1) + sizeof(int32_t), loom_abi_sizeof_v1_10("loom_tp_linear_args"));
+}
+
+// 1.12's too (host tasks and the layer validate hook), the slots past 1.11's
+// sizeof of the tables they extend, and the new argument structs without padding.
+TEST(AbiLayout, Released112MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_111 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_12(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_12(&n_current);
+  loom_abi_layout_current_v1_11(&n_111);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_111 + 2 * 22);  // 2 slots, 4 members of loom_host_task_args, 16 of loom_layer_validate_args
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_11("loom_device_ops"), 0u);
+  ASSERT_GT(loom_abi_sizeof_v1_11("loom_layer_api"), 0u);
+  EXPECT_GE(offsetof(loom_device_ops, host_task), loom_abi_sizeof_v1_11("loom_device_ops"));
+  EXPECT_GE(offsetof(loom_layer_api, validate), loom_abi_sizeof_v1_11("loom_layer_api"));
+  // No hidden padding a later minor would have to name: the members fill each struct.
+  EXPECT_EQ(offsetof(loom_host_task_args, args_bytes) + sizeof(size_t), sizeof(loom_host_task_args));
+  EXPECT_EQ(offsetof(loom_layer_validate_args, dims), 8u);
+  EXPECT_EQ(offsetof(loom_layer_validate_args, device_features), 64u);
+  EXPECT_EQ(offsetof(loom_layer_validate_args, device_ops) + sizeof(void*), sizeof(loom_layer_validate_args));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a
@@ -798,6 +825,89 @@ TEST(AbiCli, RunRefusesAPluginFoundInTwoFiles) {
   EXPECT_NE(out.find(dir + "/loom_device_cpu.so"), std::string::npos) << out;
   EXPECT_NE(out.find("duplicates the one already loaded from"), std::string::npos) << out;
   EXPECT_EQ(out.find("summary:"), std::string::npos) << out;  // no training
+}
+
+// --- A layer's validate (ABI 1.12), as `loom validate` runs it ---------------------
+
+// tests/cli/tiny.toml with layer `layer` after each block's MLP and tests/abi's
+// layer/checked plugins on the search path, checked as `loom validate` checks it:
+// "" when accepted, else the refusal.
+std::string preflight_refusal(const std::string& layer, std::vector<std::string> overrides) {
+  overrides.push_back("model.block=[\"attention\", \"mlp\", \"" + layer + "\"]");
+  overrides.push_back("plugins.search_paths=[\"" + abi_dir("checked") + "\"]");
+  try {
+    Registry r;
+    const loom::train::RunPlan plan = loom::train::make_plan(
+        loom::manifest::Manifest::load(std::string(LOOM_SOURCE_DIR) + "/tests/cli/tiny.toml", overrides), r);
+    loom::train::preflight(plan, plan.sizes.world);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The layer's own refusal reaches preflight, naming the instance, the plugin and the
+// setting to change; the configuration it accepts passes.
+TEST(AbiValidate, PreflightReportsTheLayersRefusal) {
+  EXPECT_EQ(preflight_refusal("checked", {}), "");
+  const std::string bf16 = preflight_refusal("checked", {"device.param_dtype=\"bf16\""});
+  EXPECT_NE(bf16.find("layer blocks.0.checked (layer/checked): layer/checked has no bf16 kernel; set "
+                      "device.param_dtype = \"fp32\""),
+            std::string::npos)
+      << bf16;
+}
+
+// A layer built against 1.11 has no validate member: the engine does not read past
+// its table (where the test plugin keeps a function that refuses every run).
+TEST(AbiValidate, ALayerBuiltFor111IsNotAsked) {
+  Registry r;
+  r.load_file(abi_dir("checked/loom_test_checked_v1_11.so"));
+  const loom::plugins::LoadedPlugin& p = r.get("layer", "checked_v1_11");
+  EXPECT_EQ(p.abi_minor, 11u);
+  EXPECT_FALSE(LOOM_HAS_SLOT(p.layer(), loom_layer_api, validate));
+  EXPECT_EQ(preflight_refusal("checked_v1_11", {"device.param_dtype=\"bf16\""}), "");
+}
+
+// `loom validate` prints the refusal and exits 1, before any rank starts.
+TEST(AbiValidate, LoomValidatePrintsTheRefusalAndFails) {
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom";
+  const std::string cmd = "LOOM_PLUGIN_PATH=" + abi_dir("checked") + " " + loom + " validate " +
+                          std::string(LOOM_SOURCE_DIR) +
+                          "/tests/cli/tiny.toml --set 'model.block=[\"attention\", \"mlp\", \"checked\"]' "
+                          "--set device.param_dtype='\"bf16\"'";
+  auto [rc, out] = run_shell(cmd, abi_dir("checked_validate.out"));
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("layer/checked has no bf16 kernel; set device.param_dtype = \"fp32\""), std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("is valid"), std::string::npos) << out;
+}
+
+// The layer's kernel is a host task: captured with its args under partial graphs and
+// run by every replay, the run trains bit-identically to eager.
+TEST(AbiValidate, AHostTaskLayerTrainsTheSameCapturedAndEager) {
+  const std::string loom = std::string(LOOM_TEST_BIN_DIR) + "/loom";
+  auto run = [&](const std::string& mode) {
+    const std::string metrics = abi_dir("checked_" + mode + ".jsonl");
+    std::remove(metrics.c_str());
+    const std::string cmd = "LOOM_PLUGIN_PATH=" + abi_dir("checked") + " " + loom + " run " +
+                            std::string(LOOM_SOURCE_DIR) +
+                            "/tests/cli/tiny.toml --set 'model.block=[\"attention\", \"mlp\", \"checked\"]' "
+                            "--set run.steps=4 --set run.eval_every=0 --set parallel.dp=1 --set exec.mode='\"" +
+                            mode + "\"' --metrics " + metrics;
+    auto [rc, out] = run_shell(cmd, abi_dir("checked_" + mode + ".out"));
+    EXPECT_EQ(rc, 0) << out;
+    std::vector<std::string> losses;
+    std::istringstream lines(read_text(metrics));
+    for (std::string line; std::getline(lines, line);)
+      if (size_t at = line.find("\"loss\":"); at != std::string::npos)
+        losses.push_back(line.substr(at, line.find_first_of(",}", at) - at));
+    return std::make_pair(losses, out);
+  };
+  const auto [eager, eager_out] = run("eager");
+  const auto [graphs, graphs_out] = run("partial_graph");
+  ASSERT_EQ(eager.size(), 4u) << eager_out;
+  EXPECT_EQ(graphs, eager) << graphs_out;
+  EXPECT_NE(graphs_out.find("replayed"), std::string::npos) << graphs_out;
 }
 
 }  // namespace

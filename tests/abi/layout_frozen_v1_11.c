@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -24,4 +25,14 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_11(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the tables 1.12 appended to, as released in 1.11. */
+size_t loom_abi_sizeof_v1_11(const char* name) {
+#define SIZE(s) \
+  if (strcmp(name, #s) == 0) return sizeof(s);
+  SIZE(loom_device_ops)
+  SIZE(loom_layer_api)
+#undef SIZE
+  return 0;
 }

@@ -9,9 +9,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <loom/cpp/core.hpp>
 #include <loom/cpp/plugin.hpp>
 #include <random>
@@ -257,7 +260,8 @@ TEST(DeviceCpu, DescribesItselfAndFillsEverySlot) {
                             (void*)ops->embedding_bwd, (void*)ops->elementwise,   (void*)ops->reduce,
                             (void*)ops->adamw,         (void*)ops->rmsnorm_fwd,   (void*)ops->rmsnorm_bwd,
                             (void*)ops->swiglu_fwd,    (void*)ops->swiglu_bwd,    (void*)ops->rope_fwd,
-                            (void*)ops->rope_bwd,      (void*)ops->sigmoid_fwd,   (void*)ops->sigmoid_bwd};
+                            (void*)ops->rope_bwd,      (void*)ops->sigmoid_fwd,   (void*)ops->sigmoid_bwd,
+                            (void*)ops->host_task};
   for (const void* s : op_slots) EXPECT_NE(s, nullptr);
   std::vector<std::string> names;
   for (const auto& o : p.options) names.push_back(o.name);
@@ -2152,6 +2156,160 @@ TEST(DeviceCpu, GraphCaptureRulesAndOtherStreams) {
   api->graph_destroy(d.raw(), outer);
   loom::check(api->stream_synchronize(d.raw(), side));  // capture over: syncing is fine again
   api->stream_destroy(d.raw(), side);
+}
+
+// ---------------------------------------------------------------------------
+// Host tasks (ABI 1.12): a plugin's own CPU kernel, launched on a stream
+// ---------------------------------------------------------------------------
+
+// The args of the host tasks below: appends `value` to `log`, then, when out is set,
+// out[0] = in[0] * scale (reading what the work before it wrote).
+struct LogTask {
+  std::vector<int>* log;
+  int value;
+  const float* in;
+  float* out;
+  float scale;
+};
+void run_log_task(LogTask* t) {
+  t->log->push_back(t->value);
+  if (t->out != nullptr) t->out[0] = t->in[0] * t->scale;
+}
+// The raw form: what the C ABI's fn receives.
+void run_log_task_raw(void* p) { run_log_task(static_cast<LogTask*>(p)); }
+
+loom_host_task_args raw_task(const LogTask* t) {
+  loom_host_task_args a = loom::make<loom_host_task_args>();
+  a.fn = run_log_task_raw;
+  a.args = t;
+  a.args_bytes = sizeof(LogTask);
+  return a;
+}
+
+TEST(DeviceCpu, HostTaskRunsInStreamOrderBetweenOps) {
+  Dev d(1);
+  const loom::Device dev = d.ops();
+  ASSERT_TRUE(dev.has_host_task());
+  Buf<float> x(d, std::vector<float>{1.5f}), y(d, 1), z(d, 1);
+  std::vector<int> log;
+  auto twice = ew(LOOM_EW_SCALE, 1, x.data(), nullptr, y.data());
+  twice.alpha = 2.0f;
+  dev.elementwise(twice);                                              // y = 2x
+  dev.host_task(&run_log_task, LogTask{&log, 1, y.data(), z.data(), 3.0f});  // z = 3y
+  auto tenfold = ew(LOOM_EW_SCALE, 1, z.data(), nullptr, z.data());
+  tenfold.alpha = 10.0f;
+  dev.elementwise(tenfold);  // z *= 10
+  dev.synchronize();
+  EXPECT_EQ(log, std::vector<int>{1});
+  EXPECT_EQ(z[0], 90.0f) << "the task read the op before it, the op after it read the task's result";
+}
+
+// Under capture a host task is recorded, not run; each replay runs it once with its
+// args as they were at the call: changing the caller's struct afterwards, or freeing
+// it, changes nothing (the device keeps its own copy as long as the graph lives).
+TEST(DeviceCpu, HostTaskIsRecordedWithACopyOfItsArgsAndRunByEachReplay) {
+  Dev d(1);
+  const loom_device_api* api = d.api();
+  Buf<float> in(d, std::vector<float>{2.0f}), out(d, 1);
+  out.fill(0.0f);
+  std::vector<int> log;
+  loom::check(api->capture_begin(d.raw(), nullptr));
+  LogTask on_stack{&log, 7, in.data(), out.data(), 5.0f};
+  const loom_host_task_args a = raw_task(&on_stack);
+  loom::check(api->ops->host_task(d.raw(), nullptr, &a));
+  on_stack.value = 99;  // after the call: not what the graph runs
+  on_stack.scale = 0.0f;
+  auto on_heap = std::make_unique<LogTask>(LogTask{&log, 8, nullptr, nullptr, 0.0f});
+  const loom_host_task_args b = raw_task(on_heap.get());
+  loom::check(api->ops->host_task(d.raw(), nullptr, &b));
+  std::memset(on_heap.get(), 0xAB, sizeof(LogTask));
+  on_heap.reset();  // gone before the graph is even made
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(d.raw(), nullptr, &graph));
+  EXPECT_TRUE(log.empty()) << "a captured host task does not run at capture";
+  EXPECT_EQ(out[0], 0.0f);
+
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  EXPECT_EQ(log, (std::vector<int>{7, 8}));
+  EXPECT_EQ(out[0], 10.0f);
+  in[0] = 3.0f;  // same address, new contents: the replay reads them
+  loom::check(api->graph_replay(d.raw(), graph, nullptr));
+  EXPECT_EQ(log, (std::vector<int>{7, 8, 7, 8}));
+  EXPECT_EQ(out[0], 15.0f);
+  api->graph_destroy(d.raw(), graph);
+}
+
+// fn gets the device's copy (not the caller's struct), aligned as malloc's memory,
+// or NULL for a task without args.
+TEST(DeviceCpu, HostTaskReceivesTheDevicesAlignedCopy) {
+  Dev d(1);
+  static std::vector<const void*> seen;
+  seen.clear();
+  const double caller[3] = {1.0, 2.0, 3.0};
+  loom_host_task_args a = loom::make<loom_host_task_args>();
+  a.fn = [](void* p) {
+    seen.push_back(p);
+    if (p != nullptr) {
+      EXPECT_EQ(static_cast<const double*>(p)[2], 3.0);
+    }
+  };
+  a.args = caller;
+  a.args_bytes = sizeof(caller);
+  loom::check(d.api()->ops->host_task(d.raw(), nullptr, &a));
+  a.args = nullptr;
+  a.args_bytes = 0;
+  loom::check(d.api()->ops->host_task(d.raw(), nullptr, &a));
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_NE(seen[0], static_cast<const void*>(caller));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(seen[0]) % alignof(std::max_align_t), 0u);
+  EXPECT_EQ(seen[1], nullptr);
+}
+
+TEST(DeviceCpu, HostTaskArgumentsAreChecked) {
+  Dev d(1);
+  const loom_device_api* api = d.api();
+  std::vector<char> big(LOOM_HOST_TASK_MAX_ARGS_BYTES + 1, 0);
+  loom_host_task_args a = loom::make<loom_host_task_args>();
+  a.fn = [](void*) {};
+  a.args = big.data();
+  a.args_bytes = LOOM_HOST_TASK_MAX_ARGS_BYTES;
+  EXPECT_EQ(take(api->ops->host_task(d.raw(), nullptr, &a)).code, LOOM_CODE_OK);  // the limit itself is fine
+  a.args_bytes = LOOM_HOST_TASK_MAX_ARGS_BYTES + 1;
+  StatusInfo too_big = take(api->ops->host_task(d.raw(), nullptr, &a));
+  EXPECT_EQ(too_big.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(too_big.message.find("args_bytes is 4097, more than the 4096"), std::string::npos) << too_big.message;
+  a.args_bytes = 8;
+  a.fn = nullptr;
+  StatusInfo no_fn = take(api->ops->host_task(d.raw(), nullptr, &a));
+  EXPECT_EQ(no_fn.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(no_fn.message.find("host_task: fn is NULL"), std::string::npos) << no_fn.message;
+  a.fn = [](void*) {};
+  a.args = nullptr;
+  StatusInfo no_args = take(api->ops->host_task(d.raw(), nullptr, &a));
+  EXPECT_EQ(no_args.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(no_args.message.find("args is NULL but args_bytes is 8"), std::string::npos) << no_args.message;
+}
+
+// A device whose op table ends before host_task (built before 1.12): loom::Device
+// says it has none and refuses the call instead of reading past the table.
+TEST(DeviceCpu, AnOlderOpTableHasNoHostTask) {
+  Dev d(1);
+  loom_device_ops ops = *d.api()->ops;
+  ops.struct_size = offsetof(loom_device_ops, host_task);
+  loom_device_api api = *d.api();
+  api.ops = &ops;
+  const loom::Device dev(&api, d.raw(), nullptr);
+  EXPECT_TRUE(dev.has_sigmoid_bwd());
+  EXPECT_FALSE(dev.has_host_task());
+  std::vector<int> log;
+  try {
+    dev.host_task(&run_log_task, LogTask{&log, 1, nullptr, nullptr, 0.0f});
+    ADD_FAILURE() << "a host task ran on a table without the slot";
+  } catch (const loom::Error& e) {
+    EXPECT_EQ(e.code(), LOOM_CODE_UNSUPPORTED);
+    EXPECT_NE(std::string(e.what()).find("device op 'host_task' is not implemented"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(log.empty());
 }
 
 // ---------------------------------------------------------------------------

@@ -6,7 +6,9 @@
 // capture_end(stream) every op and copy launched on that stream is recorded, not
 // run: its argument struct is copied by value (pointers stay addresses) into a
 // closure. graph_replay runs the closures in order over the same addresses; host
-// code that ran during capture does not run again.
+// code that ran during capture does not run again, but a plugin's host task
+// (ABI 1.12) is a launch like an op: recorded with a copy of its args, run by each
+// replay.
 #include <cstdlib>
 #include <cstring>
 #include <sys/resource.h>
@@ -501,6 +503,33 @@ LOOM_CPU_OP(op_sigmoid_fwd, loom_activation_args, validate_sigmoid(a, false), ru
 LOOM_CPU_OP(op_sigmoid_bwd, loom_activation_args, validate_sigmoid(a, true), run_sigmoid_bwd)
 #undef LOOM_CPU_OP
 
+// A plugin's host task: its args copied into storage of the launch's own (malloc's
+// alignment, max_align_t units), so the caller's struct may change or go as soon as
+// the call returns; a recorded launch shares the copy with its graph (and with the
+// graphs a replay nests it into), and every replay passes it to fn again.
+void check_host_task(const loom_host_task_args& a) {
+  LOOM_REQUIRE(a.fn != nullptr, "host_task: fn is NULL (the task to run)");
+  LOOM_REQUIRE(a.args != nullptr || a.args_bytes == 0,
+               "host_task: args is NULL but args_bytes is " << a.args_bytes);
+  LOOM_REQUIRE(a.args_bytes <= LOOM_HOST_TASK_MAX_ARGS_BYTES,
+               "host_task: args_bytes is " << a.args_bytes << ", more than the " << LOOM_HOST_TASK_MAX_ARGS_BYTES
+                                           << " a launch copies (LOOM_HOST_TASK_MAX_ARGS_BYTES); pass a pointer "
+                                              "to the rest in device memory");
+}
+
+loom_status op_host_task(loom_device* d, loom_stream* s, const loom_host_task_args* in) {
+  return guard([&] {
+    Device& dev = device_of(d);
+    Stream& st = stream_of(dev, s);
+    const loom_host_task_args a = normalize(in, "host_task");
+    check_host_task(a);
+    const size_t units = (a.args_bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+    auto copy = std::make_shared<std::vector<std::max_align_t>>(units);
+    if (a.args_bytes > 0) std::memcpy(copy->data(), a.args, a.args_bytes);
+    launch(st, "host_task", [fn = a.fn, copy] { fn(copy->empty() ? nullptr : copy->data()); });
+  });
+}
+
 const loom_device_api* device_api() {
   static const loom_device_ops ops = [] {
     loom_device_ops o = make<loom_device_ops>();
@@ -525,6 +554,7 @@ const loom_device_api* device_api() {
     o.rope_bwd = op_rope_bwd;
     o.sigmoid_fwd = op_sigmoid_fwd;
     o.sigmoid_bwd = op_sigmoid_bwd;
+    o.host_task = op_host_task;
     return o;
   }();
   static const loom_device_api api = [] {

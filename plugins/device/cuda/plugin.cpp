@@ -12,6 +12,10 @@
 // capture_end instantiates the graph; graph_replay launches it (on a stream under
 // capture, it is added as a child graph node: the outer graph holds its own copy).
 // Host syncs inside a capture are refused with INVALID_ARGUMENT, as on device/cpu.
+//
+// A plugin's own kernels: launched by the plugin on native_stream(), they are work
+// on that stream like the ops here, captured into the same graphs; there is no
+// host_task op (ABI 1.12), since fn could not read this device's memory.
 #include <cstdlib>
 #include <cstring>
 #include <loom/cpp/plugin.hpp>
@@ -674,6 +678,10 @@ const loom_device_api* device_api() {
     o.rope_bwd = op_rope_bwd;
     o.sigmoid_fwd = op_sigmoid_fwd;
     o.sigmoid_bwd = op_sigmoid_bwd;
+    // host_task (ABI 1.12) stays NULL: a plugin brings CUDA kernels of its own (a .cu
+    // file of the plugin) and launches them itself on native_stream(stream), with
+    // memory from this device's allocator (host->alloc); a capture of the stream
+    // records them as it records these ops.
     return o;
   }();
   static const loom_device_api api = [] {

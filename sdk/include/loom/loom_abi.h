@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 11
+#define LOOM_ABI_MINOR 12
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -582,6 +582,30 @@ typedef struct loom_activation_args {
   int32_t reserved; /* 0 */
 } loom_activation_args;
 
+/* A host task (since 1.12): a plugin's own CPU kernel, launched on a stream like an op.
+ * fn(args) runs on the host in the stream's order: after the work launched on the
+ * stream before it, before the work launched after it. `args` (args_bytes bytes, at
+ * most LOOM_HOST_TASK_MAX_ARGS_BYTES) is copied at the call, as a kernel's parameters
+ * are; fn receives the device's copy (aligned as malloc's memory; NULL when args_bytes
+ * is 0), which stays valid while the launch may run and, for a launch recorded under a
+ * capture, as long as its graph lives: each replay passes the same copy again. So a
+ * host task is captured and replayed as a kernel is; pointers inside args stay
+ * addresses (the memory they point to must outlive the launch, or the graph).
+ * fn must not call back into the device (no op, copy or synchronisation) and must not
+ * block; it may run on a thread other than the caller's. On a device whose memory is
+ * not host memory (no LOOM_DEVICE_HOST_MEMORY) fn can read and write host memory only,
+ * never the device's allocations. */
+typedef struct loom_host_task_args {
+  uint32_t struct_size;
+  void (*fn)(void* args);   /* required */
+  const void* args;         /* copied at the call; may be NULL when args_bytes is 0 */
+  size_t args_bytes;        /* <= LOOM_HOST_TASK_MAX_ARGS_BYTES */
+} loom_host_task_args;
+
+/* The most bytes of loom_host_task_args.args a device copies (a CUDA kernel's
+ * parameter limit); more is LOOM_CODE_INVALID_ARGUMENT (since 1.12). */
+#define LOOM_HOST_TASK_MAX_ARGS_BYTES 4096
+
 /* The op table (loom_device_api.ops). Every op enqueues its work on `stream` (NULL =
  * the device's default stream) and returns; under a capture of that stream it is
  * recorded instead (capture_begin). The argument struct is borrowed for the call (a
@@ -637,6 +661,15 @@ typedef struct loom_device_ops {
   loom_status (*sigmoid_fwd)(loom_device*, loom_stream*, const loom_activation_args*);
   /* Sigmoid backward (loom_activation_args): out = dy * (s * (1 - s)), s as the forward's. */
   loom_status (*sigmoid_bwd)(loom_device*, loom_stream*, const loom_activation_args*);
+  /* --- since 1.12 --- */
+  /* Runs a plugin's host task (loom_host_task_args) in the stream's order, or records
+   * it under a capture (its args copied with it). LOOM_CODE_INVALID_ARGUMENT when fn is
+   * NULL, args is NULL with args_bytes > 0, or args_bytes exceeds
+   * LOOM_HOST_TASK_MAX_ARGS_BYTES. Optional: NULL = no host tasks. device/cuda leaves
+   * it NULL: a plugin brings CUDA kernels of its own and launches them on the stream's
+   * native_stream, with memory from the device's alloc (host->alloc), and a capture of
+   * that stream records them as it records the ops. */
+  loom_status (*host_task)(loom_device*, loom_stream*, const loom_host_task_args*);
 } loom_device_ops;
 
 /* A device plugin's table. Each rank creates its own instance; the calls on one
@@ -1028,6 +1061,24 @@ typedef struct loom_layer_bwd_args {
   LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
 } loom_layer_bwd_args;
 
+/* loom_layer_api.validate's arguments (since 1.12), borrowed for the call: the run as
+ * the engine has planned it, before any rank starts. Sizes are the parallel layout's
+ * (parallel.tp, cp, ep, pp, dp; etp as resolved: tp when the manifest leaves it 0). */
+typedef struct loom_layer_validate_args {
+  uint32_t struct_size;
+  int32_t device_type;            /* DLPack type of the run's device memory (kDLCPU, kDLCUDA) */
+  const loom_model_dims* dims;    /* the model's dimensions (block_index: this layer's) */
+  const char* instance_name;      /* e.g. "blocks.3.attention" */
+  int32_t act_dtype;              /* LOOM_DTYPE_* of hidden states and activations */
+  int32_t param_dtype;            /* of the parameters (device.param_dtype) */
+  int32_t grad_dtype;             /* of the gradients (device.grad_dtype) */
+  int32_t tp, cp, ep, etp, pp, dp;
+  int32_t sequence_parallel;      /* 1: parallel.sequence_parallel */
+  uint64_t device_features;       /* LOOM_DEVICE_* of the run's device plugin */
+  const loom_device_ops* device_ops;  /* the run's device plugin's op table (check an op with
+                                         LOOM_HAS_SLOT and non-NULL); never call it */
+} loom_layer_validate_args;
+
 /* A layer plugin's table. Each rank creates its own instances (one per layer of
  * the model it holds) and calls them from its thread. The engine also creates
  * instances only to plan memory (`loom plan`, `validate`, the check before a run):
@@ -1096,6 +1147,17 @@ typedef struct loom_layer_api {
   /* LOOM_LAYER_* capability bits (a table built before 1.6, which lacks the member,
    * has none). */
   uint64_t features;
+  /* --- since 1.12 --- */
+  /* Checks that the layer can run this configuration, before any rank starts:
+   * called by `loom validate`, `loom plan` and `loom run`'s check before launch, once
+   * per layer instance of the model, from the engine's main thread, with the options
+   * create would get and the run's device plugin (not the CPU device the engine plans
+   * memory on). Returns NULL, or a status with LOOM_CODE_INVALID_ARGUMENT whose message
+   * names the setting to change (a manifest key, an option: `device.param_dtype =
+   * "fp32"`); the engine reports it as it reports create's refusals. No device work,
+   * no allocation that outlives the call. Optional: NULL (and a table built before
+   * 1.12) = create's checks only. */
+  loom_status (*validate)(const loom_options* options, const loom_layer_validate_args* args);
 } loom_layer_api;
 
 /* loom_layer_api.features: the layer takes a context-parallel slice of the

@@ -5,6 +5,7 @@
 
 #include <loom/loom_abi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -294,6 +295,36 @@ class ContextSlice {
   int cp_ = 1, rank_ = 0;
 };
 
+// Every op of loom_device_ops as X(name, argument struct), in table order: what
+// loom::Device wraps and loom::LayerValidation's has_* helpers ask about.
+#define LOOM_DEVICE_OP_LIST(X)                    \
+  X(gemm, loom_gemm_args)                         \
+  X(layernorm_fwd, loom_layernorm_fwd_args)       \
+  X(layernorm_bwd, loom_layernorm_bwd_args)       \
+  X(gelu_fwd, loom_gelu_args)                     \
+  X(gelu_bwd, loom_gelu_args)                     \
+  X(attention_fwd, loom_attention_args)           \
+  X(attention_bwd, loom_attention_args)           \
+  X(xent, loom_xent_args)                         \
+  X(embedding_fwd, loom_embedding_args)           \
+  X(embedding_bwd, loom_embedding_args)           \
+  X(elementwise, loom_elementwise_args)           \
+  X(reduce, loom_reduce_args)                     \
+  X(adamw, loom_adamw_args)                       \
+  X(rmsnorm_fwd, loom_rmsnorm_fwd_args) /* 1.10 */\
+  X(rmsnorm_bwd, loom_rmsnorm_bwd_args)           \
+  X(swiglu_fwd, loom_swiglu_args)                 \
+  X(swiglu_bwd, loom_swiglu_args)                 \
+  X(rope_fwd, loom_rope_args)                     \
+  X(rope_bwd, loom_rope_args)                     \
+  X(sigmoid_fwd, loom_activation_args)            \
+  X(sigmoid_bwd, loom_activation_args)            \
+  X(host_task, loom_host_task_args) /* 1.12 */
+
+// Whether op table `ops` has op `fn`: its struct_size covers the slot (an older
+// device's table ends before a newer op) and the slot is set.
+#define LOOM_DEVICE_HAS_OP(ops, fn) (LOOM_HAS_SLOT(ops, loom_device_ops, fn) && (ops)->fn != nullptr)
+
 // The device of a rank, with the op table wrapped so failures throw.
 class Device {
  public:
@@ -309,38 +340,41 @@ class Device {
 // Each op fn: fn(args) runs it; has_fn() says whether the device implements it
 // (an older device's table ends before a newer op's slot).
 #define LOOM_DEVICE_OP(fn, argtype)                                                     \
-  bool has_##fn() const {                                                               \
-    return LOOM_HAS_SLOT(api_->ops, loom_device_ops, fn) && api_->ops->fn != nullptr;  \
-  }                                                                                     \
+  bool has_##fn() const { return LOOM_DEVICE_HAS_OP(api_->ops, fn); }                 \
   void fn(argtype a) const {                                                            \
     a.struct_size = sizeof(a);                                                          \
-    if (!LOOM_HAS_SLOT(api_->ops, loom_device_ops, fn) || api_->ops->fn == nullptr)     \
+    if (!has_##fn())                                                                    \
       throw Error("device op '" #fn "' is not implemented by this device plugin",       \
                   LOOM_CODE_UNSUPPORTED);                                               \
     check(api_->ops->fn(dev_, stream_, &a));                                            \
   }
-  LOOM_DEVICE_OP(gemm, loom_gemm_args)
-  LOOM_DEVICE_OP(layernorm_fwd, loom_layernorm_fwd_args)
-  LOOM_DEVICE_OP(layernorm_bwd, loom_layernorm_bwd_args)
-  LOOM_DEVICE_OP(gelu_fwd, loom_gelu_args)
-  LOOM_DEVICE_OP(gelu_bwd, loom_gelu_args)
-  LOOM_DEVICE_OP(attention_fwd, loom_attention_args)
-  LOOM_DEVICE_OP(attention_bwd, loom_attention_args)
-  LOOM_DEVICE_OP(xent, loom_xent_args)
-  LOOM_DEVICE_OP(embedding_fwd, loom_embedding_args)
-  LOOM_DEVICE_OP(embedding_bwd, loom_embedding_args)
-  LOOM_DEVICE_OP(elementwise, loom_elementwise_args)
-  LOOM_DEVICE_OP(reduce, loom_reduce_args)
-  LOOM_DEVICE_OP(adamw, loom_adamw_args)
-  LOOM_DEVICE_OP(rmsnorm_fwd, loom_rmsnorm_fwd_args)  // since 1.10
-  LOOM_DEVICE_OP(rmsnorm_bwd, loom_rmsnorm_bwd_args)
-  LOOM_DEVICE_OP(swiglu_fwd, loom_swiglu_args)
-  LOOM_DEVICE_OP(swiglu_bwd, loom_swiglu_args)
-  LOOM_DEVICE_OP(rope_fwd, loom_rope_args)
-  LOOM_DEVICE_OP(rope_bwd, loom_rope_args)
-  LOOM_DEVICE_OP(sigmoid_fwd, loom_activation_args)
-  LOOM_DEVICE_OP(sigmoid_bwd, loom_activation_args)
+  LOOM_DEVICE_OP_LIST(LOOM_DEVICE_OP)
 #undef LOOM_DEVICE_OP
+
+  // A host task (ABI 1.12): fn runs in this stream's order on the device's copy of
+  // `args`, taken now, and again at each replay of a graph that recorded it:
+  //   dev.host_task(&my_kernel, MyArgs{x, y, n});   // void my_kernel(MyArgs*)
+  template <class Args>
+  void host_task(void (*fn)(Args*), const Args& args) const {
+    static_assert(std::is_trivially_copyable_v<Args>, "host task arguments are copied bytewise");
+    static_assert(alignof(Args) <= alignof(std::max_align_t), "the device's copy is aligned as malloc's memory");
+    // fn travels in the copy beside its arguments, so the task calls it with its own type.
+    struct Task {
+      void (*fn)(Args*);
+      Args args;
+    };
+    static_assert(sizeof(Task) <= LOOM_HOST_TASK_MAX_ARGS_BYTES, "host task arguments exceed 4096 bytes");
+    if (fn == nullptr) throw Error("host_task: fn is NULL", LOOM_CODE_INVALID_ARGUMENT);
+    const Task task{fn, args};
+    loom_host_task_args a = make<loom_host_task_args>();
+    a.fn = [](void* p) {
+      Task* t = static_cast<Task*>(p);
+      t->fn(&t->args);
+    };
+    a.args = &task;
+    a.args_bytes = sizeof(Task);
+    host_task(a);
+  }
 
   void copy(void* dst, const void* src, size_t bytes, int32_t kind) const {
     check(api_->copy(dev_, stream_, dst, src, bytes, kind));

@@ -151,6 +151,40 @@ class Layer {
   virtual bool captures_parts() { return false; }
 };
 
+// What a layer's validate sees of the run (loom_layer_validate_args, ABI 1.12): the
+// run's device (its memory type, features and ops), dtypes and parallel layout.
+//   static void validate(const loom::Options& o, const loom::LayerValidation& v) {
+//     LOOM_REQUIRE(v.device_type() == kDLCPU, "layer/mine has CPU kernels only: set device.kind = \"cpu\"");
+//   }
+class LayerValidation {
+ public:
+  explicit LayerValidation(const loom_layer_validate_args& a) : a_(a) {}
+  const loom_model_dims& dims() const { return *a_.dims; }
+  std::string instance_name() const { return a_.instance_name ? a_.instance_name : ""; }
+  int32_t device_type() const { return a_.device_type; }
+  int32_t act_dtype() const { return a_.act_dtype; }
+  int32_t param_dtype() const { return a_.param_dtype; }
+  int32_t grad_dtype() const { return a_.grad_dtype; }
+  int tp() const { return a_.tp; }
+  int cp() const { return a_.cp; }
+  int ep() const { return a_.ep; }
+  int etp() const { return a_.etp; }
+  int pp() const { return a_.pp; }
+  int dp() const { return a_.dp; }
+  bool sequence_parallel() const { return a_.sequence_parallel != 0; }
+  uint64_t device_features() const { return a_.device_features; }
+  // has_gemm() ... has_host_task(): whether the run's device implements the op, as
+  // loom::Device's has_* says on a rank.
+#define LOOM_VALIDATION_HAS_OP(fn, argtype) \
+  bool has_##fn() const { return LOOM_DEVICE_HAS_OP(a_.device_ops, fn); }
+  LOOM_DEVICE_OP_LIST(LOOM_VALIDATION_HAS_OP)
+#undef LOOM_VALIDATION_HAS_OP
+  const loom_layer_validate_args& raw() const { return a_; }
+
+ private:
+  loom_layer_validate_args a_;
+};
+
 namespace detail {
 struct LayerBox {
   std::unique_ptr<Layer> layer;
@@ -255,6 +289,13 @@ const loom_layer_api* layer_api() {
     // A static constexpr uint64_t kFeatures in T sets loom_layer_api.features
     // (LOOM_LAYER_*, ABI 1.6).
     if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
+    // A static validate(const Options&, const LayerValidation&) in T sets
+    // loom_layer_api.validate (ABI 1.12); a LOOM_REQUIRE in it becomes the refusal.
+    if constexpr (requires(const Options& o, const LayerValidation& v) { T::validate(o, v); }) {
+      a.validate = [](const loom_options* o, const loom_layer_validate_args* args) -> loom_status {
+        return guard([&] { T::validate(Options(o), LayerValidation(detail::widened(args, "layer validate"))); });
+      };
+    }
     return a;
   }();
   return &api;
