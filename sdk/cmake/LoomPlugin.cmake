@@ -1,5 +1,6 @@
 # loom_add_plugin(<target> KIND <kind> NAME <name> SOURCES <files...> [LIBRARIES <libs...>]
 #                 [OUTPUT_DIR <dir>] [NO_INSTALL])
+# loom_add_layer_test(<target> [SET <option=value>...] [ARGS <arguments...>])
 #
 # Builds a loom plugin: a MODULE library with hidden visibility whose only exported
 # symbols are the ABI entry points (version script), linked against nothing of the
@@ -36,4 +37,25 @@ function(loom_add_plugin target)
       set_property(GLOBAL APPEND PROPERTY LOOM_PLUGIN_TARGETS ${target})
     endif()
   endif()
+endfunction()
+
+# A CTest test <target>.layer_harness running `loom plugins test` on the layer plugin
+# <target> (the engine's layer harness: finite differences, gradient accumulation,
+# microbatches in flight, tp 2 with and without sequence parallelism against one rank),
+# with its options from SET and further `loom plugins test` arguments from ARGS
+# (e.g. --tp 4, --skip gradients). Call enable_testing() first.
+function(loom_add_layer_test target)
+  cmake_parse_arguments(T "" "" "SET;ARGS" ${ARGN})
+  if(TARGET loom)
+    set(loom $<TARGET_FILE:loom>)
+  elseif(DEFINED LOOM_EXECUTABLE)
+    set(loom ${LOOM_EXECUTABLE})
+  else()
+    message(FATAL_ERROR "loom_add_layer_test(${target}): no loom executable (find_package(LoomSDK) sets LOOM_EXECUTABLE)")
+  endif()
+  set(sets)
+  foreach(s ${T_SET})
+    list(APPEND sets --set ${s})
+  endforeach()
+  add_test(NAME ${target}.layer_harness COMMAND ${loom} plugins test $<TARGET_FILE:${target}> ${sets} ${T_ARGS})
 endfunction()

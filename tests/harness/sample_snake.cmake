@@ -16,9 +16,14 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/samples/snake -B ${WORK_DIR}/build -G ${GE
     -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 set(loom ${WORK_DIR}/prefix/bin/loom)
-run(${loom} plugins test ${WORK_DIR}/build/loom_layer_snake.so)
+# The sample's own CTest test: loom_add_layer_test(snake), `loom plugins test` on it.
+run(${CMAKE_CTEST_COMMAND} --test-dir ${WORK_DIR}/build --output-on-failure)
+if(NOT last_output MATCHES "snake.layer_harness .* Passed")
+  message(FATAL_ERROR "the sample's layer harness test did not run:\n${last_output}")
+endif()
+run(${loom} plugins test ${WORK_DIR}/build/loom_layer_snake.so --tp 4)
 if(NOT last_output MATCHES "5 of 5 checks pass")
-  message(FATAL_ERROR "loom plugins test on the sample:\n${last_output}")
+  message(FATAL_ERROR "loom plugins test --tp 4 on the sample:\n${last_output}")
 endif()
 
 # The quickstart with a Snake layer in every block, eager and with partial graphs.
