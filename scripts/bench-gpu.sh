@@ -3,6 +3,7 @@
 # PyTorch"). For each model, precision and engine selected:
 #   models   gpt2-124m (configs/gpt2_124m.toml: L12 C768 H12, T 1024, B 16)
 #            gpt-1.3b  (configs/gpt_1p3b.toml:  L24 C2048 H16, T 2048, B 4)
+#            llama-1b  (configs/llama_1b.toml:  L16 C2048 H32 in 8 groups, SwiGLU 8192, vocab 128256, T 2048, B 4)
 #   dtypes   bf16: loom device.param_dtype = bf16, device.grad_dtype = fp32 (fp32 master weights);
 #                  torch autocast bf16 over fp32 weights
 #            fp32: loom fp32 with device.options.tf32 = true; torch fp32 with TF32 allowed
@@ -25,7 +26,7 @@
 #     if needed), /usr/local/cuda/lib64, PyTorch's NCCL wheel
 #   LOOM_BENCH_DIR [build-gpu/bench; DIR/bench in a pack]  logs, metrics, results.jsonl (a JSON
 #     row per phase), table.md
-#   LOOM_BENCH_MODELS ["gpt2-124m gpt-1.3b"]  LOOM_BENCH_DTYPES ["bf16 fp32"]
+#   LOOM_BENCH_MODELS ["gpt2-124m gpt-1.3b llama-1b"]  LOOM_BENCH_DTYPES ["bf16 fp32"]
 #   LOOM_BENCH_ENGINES ["loom torch-eager torch-compile"]
 #   LOOM_BENCH_STEPS [20] timed steps     LOOM_BENCH_WARMUP [5] warm-up steps (compile: at least 3)
 #   LOOM_BENCH_TIMEOUT [1200] seconds per phase (timeout(1))
@@ -65,7 +66,7 @@ else loom=build-gpu/bin/loom
 fi
 case "$loom" in /*) ;; */*) loom=$root/$loom ;; esac  # a bare name is looked up on PATH
 out=${LOOM_BENCH_DIR:-$([ -n "$pack" ] && echo "$pack/bench" || echo build-gpu/bench)}
-models=${LOOM_BENCH_MODELS:-gpt2-124m gpt-1.3b}
+models=${LOOM_BENCH_MODELS:-gpt2-124m gpt-1.3b llama-1b}
 dtypes=${LOOM_BENCH_DTYPES:-bf16 fp32}
 engines=${LOOM_BENCH_ENGINES:-loom torch-eager torch-compile}
 steps=${LOOM_BENCH_STEPS:-20}
@@ -148,7 +149,8 @@ for model in $models; do
   case "$model" in
     gpt2-124m) manifest=configs/gpt2_124m.toml B=16 T=1024 ;;
     gpt-1.3b) manifest=configs/gpt_1p3b.toml B=4 T=2048 ;;
-    *) say "FAIL: unknown model '$model' (gpt2-124m, gpt-1.3b)"; failures=$((failures + 1)); continue ;;
+    llama-1b) manifest=configs/llama_1b.toml B=4 T=2048 ;;
+    *) say "FAIL: unknown model '$model' (gpt2-124m, gpt-1.3b, llama-1b)"; failures=$((failures + 1)); continue ;;
   esac
   B=${LOOM_BENCH_BATCH:-$B}
   T=${LOOM_BENCH_SEQ:-$T}
@@ -202,8 +204,7 @@ warmup, B, T, peak = int(warmup), int(B), int(T), float(peak)
 rows = [json.loads(l) for l in open(path) if l.strip()]
 timed = [r for r in rows if r["step"] > warmup] or rows
 ms = statistics.median(r["ms"] for r in timed)
-L, C, H = torch_gpt.MODELS[model][:3]
-flops = torch_gpt.flops_per_step(L, C, T, torch_gpt.padded_vocab(), B)
+flops = torch_gpt.model_flops_per_step(model, B, T)
 loom_flops = statistics.median(r["flops_per_s"] * r["ms"] / 1e3 for r in timed)
 if abs(loom_flops - flops) > 1e-3 * flops:
     sys.exit(f"loom counts {loom_flops:.6e} FLOPs/step, torch_gpt.py's formula {flops:.6e}")

@@ -54,10 +54,17 @@ import sys
 import time
 
 MODELS = {
-    # name: (layers, hidden, heads, peak lr, min lr) as in configs/gpt2_124m.toml, configs/gpt_1p3b.toml
+    # name: (layers, hidden, heads, peak lr, min lr) as in configs/gpt2_124m.toml, configs/gpt_1p3b.toml,
+    # configs/llama_1b.toml
     "gpt2-124m": (12, 768, 12, 6e-4, 6e-5),
     "gpt-1.3b": (24, 2048, 16, 2e-4, 2e-5),
+    "llama-1b": (16, 2048, 32, 2e-4, 2e-5),
 }
+# Llama-shaped models (configs/llama_1b.toml, the shape of Llama 3.2 1B): RMSNorm (eps 1e-5) before
+# each sublayer and the head, no biases, rotary embeddings (rotate-half, base `theta`) on q and k and
+# no position table, grouped-query attention with `groups` key/value heads, a SwiGLU MLP of width
+# `ffn` (fc1 makes [gate | up], silu(gate) * up), its own vocabulary.
+LLAMA = {"llama-1b": {"groups": 8, "ffn": 8192, "vocab": 128256, "theta": 500000.0}}
 VOCAB = 50257
 VOCAB_DIVISOR = 128  # loom's model.vocab_divisor * tp (tp = 1)
 PEAK_TFLOPS = {"bf16": 989.4, "fp32": 494.7}  # dense H100 SXM / H200: bf16, TF32
@@ -77,6 +84,35 @@ def flops_per_step(L, C, T, Vp, B, F=None):
     F = F or 4 * C
     N = B * T
     layer = 2 * N * C * 3 * C + 4 * N * T * C + 2 * N * C * C + 4 * N * C * F
+    return 3.0 * (L * layer + 2 * N * C * Vp)
+
+
+def vocab_of(model):
+    return LLAMA[model]["vocab"] if model in LLAMA else VOCAB
+
+
+def model_param_count(model, T):
+    """The parameter count of MODELS[model] at sequence length T (the tied table once)."""
+    L, C, H = MODELS[model][:3]
+    Vp = padded_vocab(vocab_of(model))
+    if model not in LLAMA:
+        return param_count(L, C, T, Vp)
+    g, F = LLAMA[model]["groups"], LLAMA[model]["ffn"]
+    kv = C // H * g  # the key (and the value) width
+    per_layer = C + C * (C + 2 * kv) + C * C + C + C * 2 * F + F * C  # norms, qkv, proj, fc1, fc2
+    return Vp * C + L * per_layer + C
+
+
+def model_flops_per_step(model, B, T):
+    """loom's FLOP count of a training step of MODELS[model] (3 x forward): as flops_per_step, with
+    grouped-query QKV (C + 2 kv columns) and SwiGLU (fc1 2F columns) for the Llama shapes."""
+    L, C, H = MODELS[model][:3]
+    Vp = padded_vocab(vocab_of(model))
+    if model not in LLAMA:
+        return flops_per_step(L, C, T, Vp, B)
+    g, F = LLAMA[model]["groups"], LLAMA[model]["ffn"]
+    N, kv = B * T, C // H * g
+    layer = 2 * N * C * (C + 2 * kv) + 4 * N * T * C + 2 * N * C * C + 2 * N * C * 2 * F + 2 * N * F * C
     return 3.0 * (L * layer + 2 * N * C * Vp)
 
 
@@ -140,6 +176,66 @@ def build(torch, L, C, H, T, Vp):
     return model
 
 
+def build_llama(torch, L, C, H, T, Vp, vocab, groups, ffn, theta):
+    nn, F = torch.nn, torch.nn.functional
+    D, kv = C // H, C // H * groups
+    # Rotate-half RoPE as loom's device ops (Megatron-LM's default): frequency i of the first and
+    # the second half of each head, angles t * theta^(-2i / D) in fp32.
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = torch.outer(torch.arange(T, dtype=torch.float32), inv)
+    cos, sin = torch.cat([ang, ang], dim=-1).cos(), torch.cat([ang, ang], dim=-1).sin()
+
+    def rope(x, cos, sin):  # x [b, heads, t, D]
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x.float() * cos + torch.cat([-x2, x1], dim=-1).float() * sin).to(x.dtype)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1 = nn.RMSNorm(C, eps=1e-5)
+            self.qkv = nn.Linear(C, C + 2 * kv, bias=False)
+            self.proj = nn.Linear(C, C, bias=False)
+            self.n2 = nn.RMSNorm(C, eps=1e-5)
+            self.fc1 = nn.Linear(C, 2 * ffn, bias=False)
+            self.fc2 = nn.Linear(ffn, C, bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(self.n1(x)).split([C, kv, kv], dim=2)
+            q = rope(q.view(b, t, H, D).transpose(1, 2), cos, sin)
+            k = rope(k.view(b, t, groups, D).transpose(1, 2), cos, sin)
+            v = v.view(b, t, groups, D).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, C))
+            gate, up = self.fc1(self.n2(x)).chunk(2, dim=-1)
+            return x + self.fc2(F.silu(gate) * up)
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(Vp, C)
+            self.blocks = nn.ModuleList(Block() for _ in range(L))
+            self.norm = nn.RMSNorm(C, eps=1e-5)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+        def forward(self, idx, targets):
+            t = idx.shape[1]
+            x = self.wte(idx)
+            for blk in self.blocks:
+                x = blk(x, self.cos[:t], self.sin[:t])
+            logits = F.linear(self.norm(x), self.wte.weight)  # tied head, padded vocab
+            return F.cross_entropy(logits.view(-1, Vp)[:, :vocab], targets.reshape(-1))
+
+    model = Llama()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                scaled = name.endswith("proj.weight") or name.endswith("fc2.weight")
+                p.normal_(0.0, 0.02 / math.sqrt(2 * L) if scaled else 0.02)
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2-124m")
@@ -159,11 +255,12 @@ def main():
 
     L, C, H, lr, min_lr = MODELS[a.model]
     B, T = a.batch, a.seq
-    Vp = padded_vocab()
-    n_params = param_count(L, C, T, Vp)
-    flops = flops_per_step(L, C, T, Vp, B)
+    vocab = vocab_of(a.model)
+    Vp = padded_vocab(vocab)
+    n_params = model_param_count(a.model, T)
+    flops = model_flops_per_step(a.model, B, T)
     peak = a.peak_tflops or PEAK_TFLOPS[a.dtype]
-    print(f"# torch_gpt: {a.model} L{L} C{C} H{H} T{T} B{B} vocab {VOCAB} padded {Vp}: "
+    print(f"# torch_gpt: {a.model} L{L} C{C} H{H} T{T} B{B} vocab {vocab} padded {Vp}: "
           f"{n_params} parameters (analytic), {flops:.4e} FLOPs/step", flush=True)
     if a.params_only:
         return 0
@@ -178,7 +275,10 @@ def main():
     if a.dtype == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    model = build(torch, L, C, H, T, Vp).to(dev)
+    if a.model in LLAMA:
+        model = build_llama(torch, L, C, H, T, Vp, vocab, **LLAMA[a.model]).to(dev)
+    else:
+        model = build(torch, L, C, H, T, Vp).to(dev)
     n_torch = sum(p.numel() for p in model.parameters())  # the tied table once
     print(f"# torch_gpt: torch {torch.__version__}, {n_torch} parameters in the module"
           f"{'' if n_torch == n_params else ' (DIFFERS from the analytic count)'}"
@@ -192,7 +292,7 @@ def main():
     step_fn = torch.compile(model) if a.mode == "compile" else model
 
     gen = torch.Generator().manual_seed(a.seed)
-    pool = [torch.randint(0, VOCAB, (B, T + 1), generator=gen, dtype=torch.int64) for _ in range(4)]
+    pool = [torch.randint(0, vocab, (B, T + 1), generator=gen, dtype=torch.int64) for _ in range(4)]
     if cuda:
         pool = [t.pin_memory() for t in pool]
 
