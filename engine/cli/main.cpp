@@ -29,6 +29,8 @@ const Command kCommands[] = {
     {"preprocess", loom::cli::cmd_preprocess,
      "text or JSONL to token files (Megatron .bin/.idx or llm.c .bin): --tokenizer DIR --input F --output-prefix P"},
     {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR|MODEL --text TEXT"},
+    {"export", loom::cli::cmd_export,
+     "a checkpoint (any parallel layout) as a Hugging Face model: CHECKPOINT --format hf OUTDIR"},
     {"tokenizer-train", loom::cli::cmd_tokenizer_train,
      "train a SentencePiece model: --input F --model-prefix P --vocab-size N"},
 };

@@ -89,6 +89,7 @@ class Model {
   // hidden states, layer-internal activations, their gradients) and of the
   // gradient buffer (device.grad_dtype).
   int32_t param_dtype() const { return buffers_.param_dtype(); }
+  const loom_model_dims& dims() const { return dims_; }
   int32_t act_dtype() const { return buffers_.param_dtype(); }
   int32_t grad_dtype() const { return buffers_.grad_dtype(); }
 

@@ -279,6 +279,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("order", meta.order);
   t.insert("etp", meta.expert_tp());
   t.insert("cp", meta.cp);
+  if (meta.vocab > 0) t.insert("vocab", meta.vocab);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -320,6 +321,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.order = t["order"].value_or(std::string("tp-cp-ep-dp-pp"));
     m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
     m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
+    m.vocab = t["vocab"].value_or(int64_t{0});
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }

@@ -42,6 +42,7 @@ struct CheckpointMeta {
   int etp = 0;                       // parallel.etp that wrote it, resolved (0: not recorded, i.e. tp)
   int expert_tp() const { return etp > 0 ? etp : tp; }
   int cp = 1;                        // parallel.cp that wrote it (not recorded before: 1)
+  int64_t vocab = 0;                 // the model's vocabulary, unpadded (0: not recorded)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and

@@ -276,7 +276,12 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         if (chunks[c].global_index > 0) chunk_activations[c] += hidden_state_bytes;
       }
 
-      for (const ParamEntry& e : cp.entries) rm.params += e.numel;
+      for (const ParamEntry& e : cp.entries) {
+        rm.params += e.numel;
+        rm.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
+                              .partition_dim = e.decl.partition_dim,
+                              .partition_stride = std::max(1, e.decl.partition_stride), .expert = e.expert});
+      }
       rm.param_count = cp.entries.size();
       rm.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);
       rm.buffer_numel = rm.layout.numel;
@@ -320,6 +325,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
     rm.cp_rank = groups.rank_in_group("cp", r);
     rm.dp_rank = groups.rank_in_group("dp", r);
     rm.pp_rank = pp_rank;
+    rm.ep_rank = groups.rank_in_group("ep", r);
+    rm.etp_rank = groups.rank_in_group("etp", r);
     out.ranks.push_back(std::move(rm));
   }
   return out;

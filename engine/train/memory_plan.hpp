@@ -17,8 +17,18 @@ namespace loom::train {
 // allocate them: Adam m and v, and fp32 master params when params are not fp32.
 size_t optimizer_bytes_per_element(const std::string& param_dtype);
 
+// A parameter as a rank holds it: what gathering its shards from a checkpoint needs.
+struct PlannedParam {
+  std::string name;
+  std::vector<int64_t> full_shape, local_shape;
+  int32_t partition_dim = -1, partition_stride = 1;  // split over tp (etp for an expert parameter)
+  bool expert = false;                               // dim 0 split over ep
+};
+
 struct RankMemory {
   int rank = 0, tp_rank = 0, cp_rank = 0, dp_rank = 0, pp_rank = 0;
+  int ep_rank = 0, etp_rank = 0;
+  std::vector<PlannedParam> planned;  // its parameters in model order, as rm.layout.params
   size_t params = 0;        // the rank's real parameter count (tied once, no padding)
   size_t buffer_numel = 0;  // flat buffer elements, padding included
   size_t param_count = 0;   // number of parameter tensors

@@ -26,6 +26,7 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
                         config.device.param_dtype, plan.sizes.ep, plan.sizes.order,
                         plan.sizes.expert_tp()};
     meta.cp = plan.sizes.cp;
+    meta.vocab = model.dims().vocab;
     commit_checkpoint(dir, tmp, meta, manifest_toml);
     committed = checkpoint_path(dir, step);
   }

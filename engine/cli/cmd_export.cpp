@@ -1,0 +1,63 @@
+// loom export CHECKPOINT --format hf OUTDIR [--plugin-path DIR]...
+// A checkpoint (a step_N directory, or a checkpoint.dir whose newest complete step is
+// taken), from any parallel layout, as a Hugging Face transformers model directory.
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/interop/hf_export.hpp"
+#include "engine/train/checkpoint.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <iostream>
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom export CHECKPOINT --format hf OUTDIR [--plugin-path DIR]...\n"
+    "Writes OUTDIR/model.safetensors and OUTDIR/config.json, loadable by transformers'\n"
+    "GPT2LMHeadModel (GPT-2 blocks) or LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases),\n"
+    "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
+    "checkpoint.dir (its newest complete step).\n";
+
+// The step directory CHECKPOINT names.
+std::string step_dir_of(const std::string& path) {
+  namespace fs = boost::filesystem;
+  if (fs::exists(fs::path(path) / "meta.toml")) return path;
+  if (!fs::is_directory(path)) throw UsageError(path + " is not a checkpoint (no such directory)");
+  const auto step = train::latest_checkpoint(path);
+  if (!step) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+  return train::checkpoint_path(path, *step);
+}
+
+}  // namespace
+
+int cmd_export(int argc, char** argv) {
+  try {
+    Args args(argc, argv, {}, {"--format", "--plugin-path"});
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    const auto& pos = args.positionals();
+    if (pos.size() != 2) throw UsageError("export takes CHECKPOINT and OUTDIR");
+    if (args.get("--format").value_or("") != "hf") throw UsageError("--format hf is the one format (Hugging Face)");
+    plugins::Registry& r = plugins::registry();
+    r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
+    const std::string step = step_dir_of(pos[0]);
+    const interop::HfModel hf = interop::export_hf(step, pos[1], r);
+    size_t bytes = 0;
+    for (const auto& t : hf.tensors) bytes += t.data.size();
+    std::cout << "export: " << step << " -> " << pos[1] << " (" << hf.architecture << ", " << hf.tensors.size()
+              << " tensors, " << bytes / (1024 * 1024) << " MiB)\n";
+    return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom export: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "loom export: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli

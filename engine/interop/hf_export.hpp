@@ -1,0 +1,48 @@
+// loom checkpoints as Hugging Face transformers models: `loom export CHECKPOINT --format hf
+// OUTDIR` writes model.safetensors and config.json that transformers' GPT2LMHeadModel
+// (blocks of layer/attention + layer/mlp with LayerNorm, GeLU, biases and learned
+// positions: GPT-2) or LlamaForCausalLM (RMSNorm, SwiGLU, no biases, rotary embeddings,
+// grouped-query attention: Llama) loads, from any parallel layout (the shards are
+// gathered by engine/train/gather.hpp).
+//
+// Names and layouts (transformers' modeling_gpt2.py and modeling_llama.py):
+//   GPT-2  transformer.wte.weight [V, C] (the padded vocabulary's rows dropped),
+//          transformer.wpe.weight [T, C], transformer.h.i.{ln_1, attn.c_attn, attn.c_proj,
+//          ln_2, mlp.c_fc, mlp.c_proj}, transformer.ln_f; Conv1D weights are [in, out],
+//          loom's own layout, and c_attn's columns are [q | k | v], loom's qkv.weight;
+//          lm_head.weight only when the embeddings are not tied.
+//   Llama  model.embed_tokens.weight [V, C], model.layers.i.{input_layernorm,
+//          self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj},
+//          model.norm.weight, lm_head.weight when untied; nn.Linear weights are [out, in]
+//          (loom's transposed); q/k/v are cut out of loom's grouped QKV columns (per
+//          query group: its query heads, then its key and value head, Megatron-LM's layout)
+//          and gate/up out of fc1's [gate | up]. loom's rotary embedding rotates halves
+//          (Megatron-LM's and transformers' convention), so q and k need no permutation.
+#pragma once
+
+#include "engine/interop/safetensors.hpp"
+#include "engine/plugins/registry.hpp"
+#include "engine/train/gather.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace loom::interop {
+
+struct HfModel {
+  std::string architecture;          // "GPT2LMHeadModel" or "LlamaForCausalLM"
+  nlohmann::ordered_json config;     // config.json
+  std::vector<NamedTensor> tensors;  // model.safetensors, in model order
+};
+
+// The checkpoint's model in transformers' names and layouts; throws std::runtime_error
+// naming the option that has no counterpart (e.g. rotary_percent < 1, MoE blocks).
+HfModel to_hf(const train::WholeCheckpoint& ckpt, plugins::Registry& registry);
+
+// Gathers step_dir and writes out_dir/{model.safetensors, config.json} (out_dir is
+// created; existing files there are replaced). Returns what it wrote.
+HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry);
+
+}  // namespace loom::interop

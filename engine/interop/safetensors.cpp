@@ -1,0 +1,167 @@
+#include "engine/interop/safetensors.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <boost/filesystem.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+namespace loom::interop {
+
+namespace {
+
+// A header this large is not a model's (the format's own reader stops at 100 MB).
+constexpr uint64_t kMaxHeader = 100ull << 20;
+
+std::string fail_in(const std::string& what, const std::string& why) { return what + ": " + why; }
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+size_t safetensors_dtype_size(const std::string& d) {
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "BF16" || d == "F16" || d == "I16" || d == "U16") return 2;
+  if (d == "I8" || d == "U8" || d == "BOOL") return 1;
+  return 0;
+}
+
+void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<const NamedTensor*> by_name;
+  for (const NamedTensor& t : tensors) by_name.push_back(&t);
+  std::sort(by_name.begin(), by_name.end(), [](auto* a, auto* b) { return a->name < b->name; });
+  uint64_t offset = 0;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> at;
+  for (const NamedTensor& t : tensors) {
+    const size_t es = safetensors_dtype_size(t.dtype);
+    if (es == 0) throw SafetensorsError(fail_in(path, "tensor " + t.name + " has unknown dtype " + t.dtype));
+    if (static_cast<uint64_t>(numel(t.shape)) * es != t.data.size())
+      throw SafetensorsError(fail_in(path, "tensor " + t.name + " holds " + std::to_string(t.data.size()) +
+                                               " bytes, not its shape times its dtype's size"));
+    if (!at.emplace(t.name, std::make_pair(offset, offset + t.data.size())).second)
+      throw SafetensorsError(fail_in(path, "two tensors are named " + t.name));
+    offset += t.data.size();
+  }
+  for (const NamedTensor* t : by_name)
+    header[t->name] = {{"dtype", t->dtype}, {"shape", t->shape}, {"data_offsets", {at[t->name].first, at[t->name].second}}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw SafetensorsError("cannot write " + tmp);
+    const uint64_t n = text.size();
+    unsigned char len[8];
+    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+    out.write(reinterpret_cast<const char*>(len), 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const NamedTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
+    out.flush();
+    if (!out) throw SafetensorsError("cannot write " + tmp + " (disk full?)");
+  }
+  boost::filesystem::rename(tmp, path);
+}
+
+SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::string& what) {
+  if (bytes.size() < 8) throw SafetensorsError(fail_in(what, "shorter than the 8-byte header length"));
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  if (n > kMaxHeader || n > bytes.size() - 8)
+    throw SafetensorsError(fail_in(what, "header length " + std::to_string(n) + " exceeds the file (" +
+                                             std::to_string(bytes.size()) + " bytes) or 100 MB"));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+  } catch (const nlohmann::json::exception& e) {
+    throw SafetensorsError(fail_in(what, std::string("the header is not JSON: ") + e.what()));
+  }
+  if (!header.is_object()) throw SafetensorsError(fail_in(what, "the header is not a JSON object"));
+  const uint64_t data_size = bytes.size() - 8 - n;
+  const char* data = bytes.data() + 8 + n;
+  SafetensorsFile out;
+  struct Span {
+    uint64_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const nlohmann::json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw SafetensorsError(fail_in(what, "__metadata__ is not an object of strings"));
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) throw SafetensorsError(fail_in(what, "__metadata__." + m.key() + " is not a string"));
+        out.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& why) { return SafetensorsError(fail_in(what, "tensor " + name + ": " + why)); };
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      throw bad("needs dtype, shape and data_offsets");
+    if (!v["dtype"].is_string()) throw bad("dtype is not a string");
+    NamedTensor t;
+    t.name = name;
+    t.dtype = v["dtype"].get<std::string>();
+    const size_t es = safetensors_dtype_size(t.dtype);
+    if (es == 0) throw bad("unknown dtype " + t.dtype);
+    if (!v["shape"].is_array()) throw bad("shape is not an array");
+    uint64_t count = 1;
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) throw bad("shape holds something other than a non-negative integer");
+      const uint64_t dim = d.get<uint64_t>();
+      if (dim != 0 && count > std::numeric_limits<uint64_t>::max() / dim / es) throw bad("shape overflows");
+      count *= dim;
+      t.shape.push_back(static_cast<int64_t>(dim));
+    }
+    const nlohmann::json& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      throw bad("data_offsets is not two non-negative integers");
+    const uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    if (b > e || e > data_size)
+      throw bad("data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] lie outside the " +
+                std::to_string(data_size) + " bytes of data");
+    if (e - b != count * es)
+      throw bad("data_offsets span " + std::to_string(e - b) + " bytes, but shape x dtype is " +
+                std::to_string(count * es));
+    t.data.assign(data + b, data + e);
+    spans.push_back({b, e, out.tensors.size()});
+    out.tensors.push_back(std::move(t));
+  }
+  // The tensors tile the data exactly: no overlap, no hole.
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  uint64_t at = 0;
+  for (const Span& s : spans) {
+    if (s.begin < at)
+      throw SafetensorsError(fail_in(what, "tensor " + out.tensors[s.index].name + " overlaps the one before it"));
+    if (s.begin > at)
+      throw SafetensorsError(fail_in(what, "bytes [" + std::to_string(at) + ", " + std::to_string(s.begin) +
+                                               ") of the data belong to no tensor"));
+    at = s.end;
+  }
+  if (at != data_size)
+    throw SafetensorsError(fail_in(what, "the last " + std::to_string(data_size - at) + " bytes belong to no tensor"));
+  std::vector<NamedTensor> ordered;
+  for (const Span& s : spans) ordered.push_back(std::move(out.tensors[s.index]));
+  out.tensors = std::move(ordered);
+  return out;
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw SafetensorsError("cannot read " + path);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_safetensors(bytes, path);
+}
+
+}  // namespace loom::interop

@@ -1,0 +1,150 @@
+#include "engine/train/gather.hpp"
+
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace loom::train {
+
+namespace {
+
+namespace fs = boost::filesystem;
+
+int64_t product(const std::vector<int64_t>& shape, size_t from = 0) {
+  int64_t n = 1;
+  for (size_t i = from; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+// How one dim of a shard maps into the whole tensor: the shard's index j along it is
+// whole index (j / part) * block + piece * part + j % part (stride blocks, each cut
+// into parts, this shard holding part `piece` of each).
+struct DimSplit {
+  int64_t block = 0, part = 0, piece = 0;
+  int64_t whole(int64_t j) const { return (j / part) * block + piece * part + j % part; }
+};
+
+// The split of each dim of parameter p on a rank: dim 0 over ep for an expert
+// parameter; its partition dim over tp (etp for experts) with its stride.
+std::vector<DimSplit> splits_of(const PlannedParam& p, const RankMemory& r) {
+  std::vector<DimSplit> s(p.full_shape.size());
+  for (size_t d = 0; d < s.size(); ++d) s[d] = {p.full_shape[d], p.full_shape[d], 0};
+  if (p.expert) s[0] = {p.full_shape[0], p.local_shape[0], r.ep_rank};
+  if (p.partition_dim >= 0 && p.partition_dim < static_cast<int32_t>(s.size())) {
+    const size_t d = static_cast<size_t>(p.partition_dim);
+    s[d] = {p.full_shape[d] / p.partition_stride, p.local_shape[d] / p.partition_stride,
+            p.expert ? r.etp_rank : r.tp_rank};
+  }
+  return s;
+}
+
+// Copies a rank's shard (local_shape, row-major) into the whole tensor, marking the
+// elements it fills; rows of the last dim go in runs of `part` elements.
+void place(const PlannedParam& p, const RankMemory& r, const char* shard, size_t elem, WholeTensor& whole,
+           std::vector<bool>& filled) {
+  const std::vector<DimSplit> s = splits_of(p, r);
+  const size_t nd = p.local_shape.size();
+  if (nd == 0) return;
+  const int64_t cols = p.local_shape[nd - 1], run = s[nd - 1].part;
+  const int64_t rows = product(p.local_shape) / std::max<int64_t>(1, cols);
+  std::vector<int64_t> idx(nd, 0);  // the shard's index of the current row (last dim 0)
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t base = 0;  // the whole tensor's offset of the row's dims before the last
+    for (size_t d = 0; d + 1 < nd; ++d) base = base * p.full_shape[d] + s[d].whole(idx[d]);
+    for (int64_t c = 0; c < cols; c += run) {
+      const int64_t to = base * p.full_shape[nd - 1] + s[nd - 1].whole(c);
+      const int64_t from = row * cols + c;
+      std::memcpy(whole.data.data() + to * elem, shard + from * elem, static_cast<size_t>(run) * elem);
+      std::fill(filled.begin() + to, filled.begin() + to + run, true);
+    }
+    for (size_t d = nd - 1; d-- > 0;) {  // the next row's index
+      if (++idx[d] < p.local_shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw CheckpointError("cannot read " + path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+int64_t WholeTensor::numel() const { return product(shape); }
+
+const WholeTensor* WholeCheckpoint::find(const std::string& name) const {
+  for (const WholeTensor& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry) {
+  WholeCheckpoint out;
+  out.meta = read_meta(step_dir);
+  const std::string manifest_path = (fs::path(step_dir) / "manifest.toml").string();
+  out.manifest_toml = read_text(manifest_path);
+  RunPlan plan = make_plan(manifest::Manifest::parse(out.manifest_toml, manifest_path), registry);
+  const CheckpointMeta& m = out.meta;
+  if (plan.sizes.world != m.world || plan.sizes.tp != m.tp || plan.sizes.pp != m.pp || plan.sizes.ep != m.ep ||
+      plan.sizes.cp != m.cp)
+    throw CheckpointError("checkpoint " + step_dir + ": its manifest.toml plans world " +
+                          std::to_string(plan.sizes.world) + " (tp " + std::to_string(plan.sizes.tp) + ", pp " +
+                          std::to_string(plan.sizes.pp) + ") but meta.toml says world " + std::to_string(m.world) +
+                          " (tp " + std::to_string(m.tp) + ", pp " + std::to_string(m.pp) + ")");
+  // The vocabulary the run had (recorded since checkpoints carry it; else the data's).
+  const MemoryPlan mp = plan_memory(plan, m.vocab);
+  out.vocab = mp.vocab;
+  const int32_t dtype = m.param_dtype == "bf16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32;
+  const size_t elem = m.param_dtype == "bf16" ? 2 : 4;
+
+  std::map<std::string, size_t> index;  // name -> out.tensors
+  std::vector<std::vector<bool>> filled;
+  for (const RankMemory& r : mp.ranks) {
+    // dp and cp replicas of a position hold the same values: read one of each.
+    bool needed = false;
+    for (const PlannedParam& p : r.planned)
+      if (!index.count(p.name) || !std::all_of(filled[index[p.name]].begin(), filled[index[p.name]].end(),
+                                               [](bool b) { return b; }))
+        needed = true;
+    if (!needed) continue;
+    const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout.numel), elem);
+    ParamLayoutList layout;
+    for (const PlannedParam& p : r.planned) layout.push_back({p.name, p.local_shape});
+    check_param_layout(step_dir, r.rank, layout);  // the plan's parameters are the file's
+    for (size_t i = 0; i < r.planned.size(); ++i) {
+      const PlannedParam& p = r.planned[i];
+      auto [it, added] = index.emplace(p.name, out.tensors.size());
+      if (added) {
+        WholeTensor t;
+        t.name = p.name;
+        t.shape = p.full_shape;
+        t.dtype = dtype;
+        t.data.assign(static_cast<size_t>(t.numel()) * elem, 0);
+        out.tensors.push_back(std::move(t));
+        filled.emplace_back(static_cast<size_t>(out.tensors.back().numel()), false);
+      }
+      WholeTensor& t = out.tensors[it->second];
+      if (t.shape != p.full_shape)
+        throw CheckpointError("checkpoint " + step_dir + ": parameter " + p.name + " has two shapes across ranks");
+      place(p, r, state.params.data() + r.layout.params[i].start * elem, elem, t, filled[it->second]);
+    }
+  }
+  for (size_t k = 0; k < out.tensors.size(); ++k)
+    if (!std::all_of(filled[k].begin(), filled[k].end(), [](bool b) { return b; }))
+      throw CheckpointError("checkpoint " + step_dir + ": no rank holds all of " + out.tensors[k].name +
+                            " (its shards do not cover it)");
+  return out;
+}
+
+}  // namespace loom::train

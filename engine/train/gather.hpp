@@ -1,0 +1,41 @@
+// A checkpoint's parameters as whole tensors, by name, whatever parallel layout wrote
+// it: each rank's file is cut by the layout the engine gives that rank (the memory
+// plan of the checkpoint's own manifest: the same layers, the same buffer layout),
+// and each shard is put in its place in the whole tensor — tensor-parallel slices by
+// their partition dim and stride (Megatron's partition_dim / partition_stride),
+// expert slices by expert (ep) and then partition dim (expert tp), pipeline stages
+// and virtual chunks by name. Data-parallel and context-parallel replicas hold the
+// same values; each element is taken from the first rank that holds it.
+#pragma once
+
+#include "engine/plugins/registry.hpp"
+#include "engine/train/checkpoint.hpp"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+struct WholeTensor {
+  std::string name;            // the engine's name, e.g. "blocks.3.attention.qkv.weight"
+  std::vector<int64_t> shape;  // the whole tensor's (padded vocabularies included)
+  int32_t dtype = LOOM_DTYPE_F32;  // the checkpoint's parameter dtype (fp32 or bf16)
+  std::vector<char> data;      // row-major
+  int64_t numel() const;
+};
+
+struct WholeCheckpoint {
+  CheckpointMeta meta;
+  std::string manifest_toml;        // the resolved manifest the run saved
+  int64_t vocab = 0;                // the model's vocabulary, unpadded
+  std::vector<WholeTensor> tensors;  // model order, each name once
+  const WholeTensor* find(const std::string& name) const;
+};
+
+// Reads step_dir (a step_N directory) with the plugins of `registry` (the layer plugins
+// the checkpoint's manifest names must be loaded). Throws CheckpointError naming what
+// is missing or inconsistent (a rank file, a parameter the plan does not expect).
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry);
+
+}  // namespace loom::train

@@ -1,0 +1,370 @@
+// `loom export --format hf`: a checkpoint written at tp 2 x pp 2 (and dp 2), gathered
+// and exported, is read back from model.safetensors and config.json by forwards written
+// here from transformers' model definitions (modeling_gpt2.py: Conv1D [in, out], fused
+// c_attn [q | k | v], gelu_new; modeling_llama.py: nn.Linear [out, in], RMSNorm,
+// rotate-half RoPE, grouped KV heads shared by consecutive query heads, SwiGLU), in
+// double precision. Their loss on a batch equals loom's serial model's loss with the
+// checkpoint's gathered parameters: the shards were put together right and the names,
+// transposes and QKV cuts mean what transformers means by them. And the safetensors
+// reader refuses malformed headers.
+#include "support/train_fixture.hpp"
+
+#include "engine/interop/hf_export.hpp"
+#include "engine/interop/safetensors.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/data.hpp"
+#include "engine/train/gather.hpp"
+
+#include <boost/filesystem.hpp>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+namespace {
+
+namespace fs = boost::filesystem;
+using Vec = std::vector<double>;
+
+// ---- the reference: tensors of model.safetensors as doubles -----------------------
+
+struct HfWeights {
+  nlohmann::json config;
+  std::map<std::string, std::pair<std::vector<int64_t>, Vec>> t;
+  const Vec& at(const std::string& name) const {
+    auto it = t.find(name);
+    if (it == t.end()) throw std::runtime_error("model.safetensors has no " + name);
+    return it->second.second;
+  }
+  std::vector<int64_t> shape(const std::string& name) const { return t.at(name).first; }
+  bool has(const std::string& name) const { return t.count(name) > 0; }
+};
+
+HfWeights read_hf(const std::string& dir) {
+  HfWeights w;
+  std::ifstream(dir + "/config.json") >> w.config;
+  for (const auto& nt : loom::interop::read_safetensors(dir + "/model.safetensors").tensors) {
+    Vec v;
+    const size_t n = nt.data.size() / (nt.dtype == "BF16" ? 2 : 4);
+    for (size_t i = 0; i < n; ++i) {
+      float f = 0;
+      if (nt.dtype == "BF16") {
+        uint32_t bits = 0;
+        std::memcpy(reinterpret_cast<char*>(&bits) + 2, nt.data.data() + 2 * i, 2);
+        std::memcpy(&f, &bits, 4);
+      } else {
+        std::memcpy(&f, nt.data.data() + 4 * i, 4);
+      }
+      v.push_back(f);
+    }
+    w.t[nt.name] = {nt.shape, std::move(v)};
+  }
+  return w;
+}
+
+// y[T, out] = x[T, in] W (+ b): W [in, out] (Conv1D), or W^T with W [out, in] (nn.Linear).
+Vec linear(const Vec& x, int64_t T, int64_t in, const Vec& W, int64_t out, bool w_out_in, const Vec* b = nullptr) {
+  Vec y(static_cast<size_t>(T * out), 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t o = 0; o < out; ++o) {
+      double s = b ? (*b)[o] : 0.0;
+      for (int64_t i = 0; i < in; ++i) s += x[t * in + i] * (w_out_in ? W[o * in + i] : W[i * out + o]);
+      y[t * out + o] = s;
+    }
+  return y;
+}
+
+Vec layer_norm(const Vec& x, int64_t T, int64_t C, const Vec& g, const Vec* b, double eps, bool rms) {
+  Vec y(x.size());
+  for (int64_t t = 0; t < T; ++t) {
+    double mean = 0, var = 0;
+    if (!rms) {
+      for (int64_t c = 0; c < C; ++c) mean += x[t * C + c];
+      mean /= C;
+    }
+    for (int64_t c = 0; c < C; ++c) var += (x[t * C + c] - mean) * (x[t * C + c] - mean);
+    var /= C;
+    for (int64_t c = 0; c < C; ++c) y[t * C + c] = (x[t * C + c] - mean) / std::sqrt(var + eps) * g[c] + (b ? (*b)[c] : 0.0);
+  }
+  return y;
+}
+
+// Causal attention of q [T, H*D] over k, v [T, G*D]; query head h reads kv head h / (H / G).
+Vec attention(const Vec& q, const Vec& k, const Vec& v, int64_t T, int64_t H, int64_t G, int64_t D) {
+  Vec y(static_cast<size_t>(T * H * D), 0.0);
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t kh = h / (H / G);
+    for (int64_t i = 0; i < T; ++i) {
+      Vec s(static_cast<size_t>(i + 1));
+      double mx = -1e300;
+      for (int64_t j = 0; j <= i; ++j) {
+        double d = 0;
+        for (int64_t e = 0; e < D; ++e) d += q[i * H * D + h * D + e] * k[j * G * D + kh * D + e];
+        s[j] = d / std::sqrt(static_cast<double>(D));
+        mx = std::max(mx, s[j]);
+      }
+      double z = 0;
+      for (double& e : s) z += (e = std::exp(e - mx));
+      for (int64_t j = 0; j <= i; ++j)
+        for (int64_t e = 0; e < D; ++e) y[i * H * D + h * D + e] += s[j] / z * v[j * G * D + kh * D + e];
+    }
+  }
+  return y;
+}
+
+// Rotate-half RoPE (modeling_llama.py's rotate_half / apply_rotary_pos_emb) on [T, heads*D].
+void rope(Vec& x, int64_t T, int64_t heads, int64_t D, double theta) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const double a = t * std::pow(theta, -2.0 * i / D);
+        double& x1 = x[t * heads * D + h * D + i];
+        double& x2 = x[t * heads * D + h * D + i + D / 2];
+        const double r1 = x1 * std::cos(a) - x2 * std::sin(a), r2 = x2 * std::cos(a) + x1 * std::sin(a);
+        x1 = r1;
+        x2 = r2;
+      }
+}
+
+// Mean cross-entropy of one sequence's next tokens (targets < 0 skipped) under the HF model.
+double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt, int64_t* count) {
+  const nlohmann::json& c = w.config;
+  const bool llama = c["model_type"] == "llama";
+  const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
+  const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
+  const int64_t H = llama ? c["num_attention_heads"].get<int64_t>() : c["n_head"].get<int64_t>();
+  const int64_t L = llama ? c["num_hidden_layers"].get<int64_t>() : c["n_layer"].get<int64_t>();
+  const int64_t G = llama ? c["num_key_value_heads"].get<int64_t>() : H, D = C / H;
+  const int64_t F = llama ? c["intermediate_size"].get<int64_t>() : c["n_inner"].get<int64_t>();
+  const double eps = llama ? c["rms_norm_eps"].get<double>() : c["layer_norm_epsilon"].get<double>();
+  const std::string emb = llama ? "model.embed_tokens.weight" : "transformer.wte.weight";
+  Vec x(static_cast<size_t>(T * C));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < C; ++e)
+      x[t * C + e] = w.at(emb)[tok[t] * C + e] + (llama ? 0.0 : w.at("transformer.wpe.weight")[t * C + e]);
+  auto add = [](Vec& a, const Vec& b) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    if (llama) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      const Vec a = layer_norm(x, T, C, w.at(p + "input_layernorm.weight"), nullptr, eps, true);
+      Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true);
+      Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true);
+      const Vec v = linear(a, T, C, w.at(p + "self_attn.v_proj.weight"), G * D, true);
+      rope(q, T, H, D, c["rope_theta"].get<double>());
+      rope(k, T, G, D, c["rope_theta"].get<double>());
+      add(x, linear(attention(q, k, v, T, H, G, D), T, C, w.at(p + "self_attn.o_proj.weight"), C, true));
+      const Vec m = layer_norm(x, T, C, w.at(p + "post_attention_layernorm.weight"), nullptr, eps, true);
+      const Vec g = linear(m, T, C, w.at(p + "mlp.gate_proj.weight"), F, true);
+      Vec u = linear(m, T, C, w.at(p + "mlp.up_proj.weight"), F, true);
+      for (size_t i = 0; i < u.size(); ++i) u[i] *= g[i] / (1.0 + std::exp(-g[i]));  // silu(gate) * up
+      add(x, linear(u, T, F, w.at(p + "mlp.down_proj.weight"), C, true));
+    } else {
+      const std::string p = "transformer.h." + std::to_string(l) + ".";
+      const Vec a = layer_norm(x, T, C, w.at(p + "ln_1.weight"), &w.at(p + "ln_1.bias"), eps, false);
+      const Vec qkv = linear(a, T, C, w.at(p + "attn.c_attn.weight"), 3 * C, false, &w.at(p + "attn.c_attn.bias"));
+      Vec q(static_cast<size_t>(T * C)), k(q.size()), v(q.size());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t e = 0; e < C; ++e) {
+          q[t * C + e] = qkv[t * 3 * C + e];
+          k[t * C + e] = qkv[t * 3 * C + C + e];
+          v[t * C + e] = qkv[t * 3 * C + 2 * C + e];
+        }
+      add(x, linear(attention(q, k, v, T, H, H, D), T, C, w.at(p + "attn.c_proj.weight"), C, false,
+                    &w.at(p + "attn.c_proj.bias")));
+      const Vec m = layer_norm(x, T, C, w.at(p + "ln_2.weight"), &w.at(p + "ln_2.bias"), eps, false);
+      Vec h = linear(m, T, C, w.at(p + "mlp.c_fc.weight"), F, false, &w.at(p + "mlp.c_fc.bias"));
+      for (double& e : h) e = 0.5 * e * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (e + 0.044715 * e * e * e)));
+      add(x, linear(h, T, F, w.at(p + "mlp.c_proj.weight"), C, false, &w.at(p + "mlp.c_proj.bias")));
+    }
+  }
+  const Vec f = llama ? layer_norm(x, T, C, w.at("model.norm.weight"), nullptr, eps, true)
+                      : layer_norm(x, T, C, w.at("transformer.ln_f.weight"), &w.at("transformer.ln_f.bias"), eps, false);
+  const Vec& head = w.has("lm_head.weight") ? w.at("lm_head.weight") : w.at(emb);
+  const Vec logits = linear(f, T, C, head, V, true);
+  double loss = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    if (tgt[t] < 0) continue;
+    double mx = -1e300, z = 0;
+    for (int64_t o = 0; o < V; ++o) mx = std::max(mx, logits[t * V + o]);
+    for (int64_t o = 0; o < V; ++o) z += std::exp(logits[t * V + o] - mx);
+    loss += mx + std::log(z) - logits[t * V + tgt[t]];
+    ++*count;
+  }
+  return loss;
+}
+
+// ---- loom's side ------------------------------------------------------------------
+
+std::string scratch(const std::string& name) {
+  const fs::path p = fs::temp_directory_path() / fs::unique_path("loom-hf-" + name + "-%%%%%%");
+  fs::create_directories(p);
+  return p.string();
+}
+
+// Trains the tiny model `overrides` describe at tp 2 x pp 2 x dp 2 for 40 steps (its weights far from their initial values) and
+// returns its checkpoint's step directory.
+std::string parallel_checkpoint(std::vector<std::string> overrides, const std::string& dir) {
+  overrides.insert(overrides.end(), {"parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "run.steps=40",
+                                     "checkpoint.every=40", "checkpoint.dir=\"" + dir + "\"", "model.num_layers=4"});
+  const auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
+  return loom::train::train(plan, {}).checkpoint;
+}
+
+// The serial model (tp 1, pp 1) with the checkpoint's gathered parameters: the mean
+// loss over one microbatch of the training data, and that microbatch.
+double loom_loss(std::vector<std::string> overrides, const loom::train::WholeCheckpoint& ck,
+                 std::vector<int32_t>& tokens, std::vector<int32_t>& targets, int64_t& seq, int64_t& mbs) {
+  using namespace loom;
+  overrides.push_back("model.num_layers=4");
+  const train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
+  const manifest::RunConfig& m = plan.config;
+  auto data = train::make_data_source(m);
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.comm_plugin = plan.comm;
+  lc.sizes = plan.sizes;
+  double loss = 0;
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    const loom_model_dims dims = model::model_dims(m, data->vocab_size(), 1);
+    model::Model model(m, *plan.registry, rt, dims, plan.layers, 11);
+    seq = dims.seq_len;
+    mbs = dims.micro_batch;
+    tokens.assign(seq * mbs, 0);
+    targets.assign(seq * mbs, 0);
+    train::fill_microbatch(*data, train::Split::Train, 3, mbs, seq, tokens.data(), targets.data());
+    for (int64_t s = 0; s + 1 < seq; ++s)  // every next token, so every position counts
+      for (int64_t b = 0; b < mbs; ++b) targets[s * mbs + b] = tokens[(s + 1) * mbs + b];
+    for (int64_t b = 0; b < mbs; ++b) targets[(seq - 1) * mbs + b] = -1;
+    float* params = static_cast<float*>(model.params());
+    for (const model::ParamEntry& e : model.param_entries()) {
+      const train::WholeTensor* t = ck.find(e.name);
+      ASSERT_NE(t, nullptr) << e.name;
+      ASSERT_EQ(t->dtype, LOOM_DTYPE_F32);
+      const size_t n = std::min<size_t>(e.numel, static_cast<size_t>(t->numel()));  // padded vocab rows differ
+      std::fill(params + e.offset, params + e.offset + e.numel, 0.0f);
+      std::memcpy(params + e.offset, t->data.data(), n * sizeof(float));
+    }
+    float sum = 0;
+    int64_t count = 0;
+    model.forward(0, tokens.data(), targets.data(), false, 0, &sum, &count);
+    loss = static_cast<double>(sum) / static_cast<double>(count);
+  });
+  return loss;
+}
+
+void check_export(const std::vector<std::string>& model, const std::string& architecture) {
+  const std::string dir = scratch("ckpt"), out = scratch("out");
+  const std::string step = parallel_checkpoint(model, dir);
+  ASSERT_FALSE(step.empty());
+  const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
+  const loom::interop::HfModel hf = loom::interop::export_hf(step, out, loom::plugins::registry());
+  EXPECT_EQ(hf.architecture, architecture);
+
+  std::vector<int32_t> tokens, targets;
+  int64_t seq = 0, mbs = 0;
+  const double want = loom_loss(model, ck, tokens, targets, seq, mbs);
+  const HfWeights w = read_hf(out);
+  EXPECT_EQ(w.config["architectures"][0], architecture);
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t b = 0; b < mbs; ++b) {  // each sequence of the [seq, mbs] microbatch
+    std::vector<int32_t> tok, tgt;
+    for (int64_t s = 0; s < seq; ++s) {
+      tok.push_back(tokens[s * mbs + b]);
+      tgt.push_back(targets[s * mbs + b]);
+    }
+    sum += hf_loss(w, tok, tgt, &count);
+  }
+  const double got = sum / static_cast<double>(count);
+  EXPECT_GT(want, 0.5);  // not a degenerate model
+  EXPECT_NEAR(got, want, 1e-5 * want) << "the exported model's loss differs from loom's";
+  std::cout << "[ loss ] loom " << want << ", transformers-style reference " << got << "\n";
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
+
+TEST(HfExport, Gpt2FromTp2Pp2Dp2MatchesLoomsLoss) { check_export({}, "GPT2LMHeadModel"); }
+
+TEST(HfExport, LlamaWithGroupedQueriesAndUntiedHeadMatchesLoomsLoss) {
+  check_export({"model.tie_embeddings=false", "model.num_heads=4", "model.ffn_hidden_size=48",
+                "model.layer.embedding.position_embedding=\"rope\"", "model.layer.attention.position_embedding=\"rope\"",
+                "model.layer.attention.num_query_groups=2", "model.layer.attention.norm=\"rmsnorm\"",
+                "model.layer.attention.bias=false", "model.layer.attention.rotary_base=500000.0",
+                "model.layer.mlp.norm=\"rmsnorm\"", "model.layer.mlp.activation=\"swiglu\"", "model.layer.mlp.bias=false",
+                "model.layer.lm_head.norm=\"rmsnorm\""},
+               "LlamaForCausalLM");
+}
+
+TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
+  const std::string dir = scratch("moe");
+  const std::string step = parallel_checkpoint({"model.layer.mlp.activation=\"swiglu\""}, dir);
+  try {
+    loom::interop::export_hf(step, dir + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a GPT-2 model with SwiGLU MLPs was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("neither GPT-2's"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+// ---- safetensors ------------------------------------------------------------------
+
+std::vector<char> file_with_header(const std::string& header, size_t data_bytes) {
+  std::vector<char> bytes(8);
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(n >> (8 * i));
+  bytes.insert(bytes.end(), header.begin(), header.end());
+  bytes.resize(bytes.size() + data_bytes, 0);
+  return bytes;
+}
+
+TEST(Safetensors, WriteThenReadIsExact) {
+  const std::string dir = scratch("st");
+  std::vector<loom::interop::NamedTensor> in = {{"b", "F32", {2, 3}, std::vector<char>(24, 7)},
+                                                {"a", "BF16", {5}, std::vector<char>(10, 3)}};
+  loom::interop::write_safetensors(dir + "/x.safetensors", in, {{"format", "pt"}});
+  const auto f = loom::interop::read_safetensors(dir + "/x.safetensors");
+  ASSERT_EQ(f.tensors.size(), 2u);
+  EXPECT_EQ(f.tensors[0].name, "b");  // data order is write order
+  EXPECT_EQ(f.tensors[0].data, in[0].data);
+  EXPECT_EQ(f.tensors[1].shape, in[1].shape);
+  EXPECT_EQ(f.metadata.at("format"), "pt");
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, MalformedHeadersAreRefusedNamingTheProblem) {
+  const std::vector<std::pair<std::vector<char>, std::string>> cases = {
+      {{'\x05', 0, 0}, "shorter than the 8-byte header length"},
+      {file_with_header("{", 0), "not JSON"},
+      {file_with_header(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "lie outside"},
+      {file_with_header(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "shape x dtype"},
+      {file_with_header(R"({"w":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype Q4"},
+      {file_with_header(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "non-negative"},
+      {file_with_header(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                        12),
+       "overlaps"},
+      {file_with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "belong to no tensor"},
+      {file_with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8), "belong to no tensor"},
+      {file_with_header(R"({"a":{"dtype":"F32","shape":[1]}})", 4), "needs dtype, shape and data_offsets"},
+  };
+  for (const auto& [bytes, why] : cases) {
+    try {
+      loom::interop::parse_safetensors(bytes, "case");
+      ADD_FAILURE() << "accepted; expected: " << why;
+    } catch (const loom::interop::SafetensorsError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
+  // A header length beyond the file.
+  std::vector<char> huge = file_with_header("{}", 0);
+  huge[3] = 1;
+  EXPECT_THROW(loom::interop::parse_safetensors(huge, "huge"), loom::interop::SafetensorsError);
+}
+
+}  // namespace
