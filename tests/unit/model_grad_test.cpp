@@ -74,4 +74,29 @@ TEST(ModelGradients, UntiedEmbeddingsMatchFiniteDifferences) {
   check_model_gradients({"model.tie_embeddings=false"});
 }
 
+// MoE blocks. Every token takes every expert (top_k = num_experts): with fewer, a
+// difference step could move a token across a routing decision, where the loss
+// jumps; the gates (a softmax over the router's logits) still carry the router's
+// gradient. aux_loss_coeff = 0: the objective is then the cross-entropy alone, what
+// the differences measure.
+std::vector<std::string> moe_blocks(std::vector<std::string> options) {
+  options.insert(options.begin(), {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=4",
+                                   "model.layer.moe.top_k=4", "model.layer.moe.ffn_hidden_size=32",
+                                   "model.layer.moe.aux_loss_coeff=0.0"});
+  return options;
+}
+
+// Mixtral's: RMSNorm before the router, SwiGLU experts, no biases.
+TEST(ModelGradients, MixtralMoeBlocksMatchFiniteDifferences) {
+  check_model_gradients(moe_blocks(
+      {"model.layer.moe.norm=rmsnorm", "model.layer.moe.activation=swiglu", "model.layer.moe.bias=false"}));
+}
+
+// SwiGLU experts with biases, and a SwiGLU shared expert with its sigmoid gate.
+TEST(ModelGradients, SwigluMoeWithGatedSharedExpertMatchesFiniteDifferences) {
+  check_model_gradients(moe_blocks({"model.layer.moe.activation=swiglu",
+                                    "model.layer.moe.shared_expert_ffn_hidden_size=32",
+                                    "model.layer.moe.shared_expert_gate=true"}));
+}
+
 }  // namespace

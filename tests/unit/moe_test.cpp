@@ -6,9 +6,13 @@
 // (ABI 1.4); with expert parallelism (ep 2 and 4, with dp, tp + SP and pp, both
 // optimizer strategies) the training is the same, and a checkpoint resumes; so
 // with MoE folding (etp 1) and context parallelism (cp, with and without ep).
+// Mixtral-style blocks (MixtralMoe.*: RMSNorm, SwiGLU experts, no biases, beside
+// Llama-style attention) train the serial model in the same layouts.
 #include "support/rank_trace.hpp"
 
 #include "engine/model/param_plan.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/data.hpp"
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/preflight.hpp"
 
@@ -931,6 +935,284 @@ TEST(Moe, ContextParallelPlanMatchesTheModel) {
     EXPECT_EQ(r.activation_bytes, declared.at(r.rank)) << "rank " << r.rank;
     EXPECT_LT(r.activation_bytes * 3, serial_plan.ranks.at(0).activation_bytes * 2) << "rank " << r.rank;
   }
+}
+
+// Mixtral's blocks (Jiang et al., "Mixtral of Experts", 2024; Megatron-Core's
+// Mixtral recipe): Llama-style attention (rotary embeddings, grouped-query
+// attention, RMSNorm, no biases) and MoE blocks with RMSNorm before the router,
+// SwiGLU experts and no biases.
+const std::vector<std::string> kMixtralMoe = {"model.layer.moe.norm=rmsnorm", "model.layer.moe.activation=swiglu",
+                                               "model.layer.moe.bias=false"};
+
+const std::vector<std::string>& mixtral() {
+  static const std::vector<std::string> o = [] {
+    std::vector<std::string> v = {
+        "model.layer.embedding.position_embedding=rope", "model.layer.attention.position_embedding=rope",
+        "model.layer.attention.num_query_groups=2",      "model.layer.attention.norm=rmsnorm",
+        "model.layer.attention.bias=false",              "model.layer.lm_head.norm=rmsnorm"};
+    v.insert(v.end(), kMixtralMoe.begin(), kMixtralMoe.end());
+    return v;
+  }();
+  return o;
+}
+
+// At the tiny manifest's lr 1e-2 these blocks' loss spikes at step 7, where the
+// layouts' last-bit differences grow past the comparisons' 1e-5 (a trajectory
+// split, not an arithmetic one); 3e-3, as Moe.Bf16TracksFp32 uses, trains smoothly.
+RankTrace run_mixtral(std::vector<std::string> o) {
+  o.insert(o.begin(), mixtral().begin(), mixtral().end());
+  o.insert(o.begin(), "optimizer.lr=3e-3");
+  return run(o);
+}
+
+const RankTrace& mixtral_serial() {
+  static const RankTrace t = run_mixtral({});
+  return t;
+}
+
+// ln.weight, router.weight, experts.fc1.weight and experts.fc2.weight.
+constexpr int kMixtralParams = 4;
+
+// Block 0's MoE parameters on rank 0: name (after "blocks.0.moe.") -> entry.
+std::vector<std::pair<std::string, loom::model::ParamEntry>> block0_moe(const RankTrace& t) {
+  std::vector<std::pair<std::string, loom::model::ParamEntry>> out;
+  const std::string prefix = "blocks.0.moe.";
+  for (const auto& e : t.entries.at(0))
+    if (e.name.rfind(prefix, 0) == 0) out.emplace_back(e.name.substr(prefix.size()), e);
+  return out;
+}
+
+// The default options declare what every earlier version did (names, shapes and
+// order, so their checkpoints load); Mixtral's leave out ln.bias and the experts'
+// biases, and fc1 makes the gate's and the up projection's columns, split with
+// stride 2 over tp.
+TEST(MixtralMoe, DeclaresMixtralsParametersAndKeepsTheDefaultOnes) {
+  using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+  auto shapes = [](const RankTrace& t) {
+    Shapes out;
+    for (const auto& [name, e] : block0_moe(t)) out.emplace_back(name, e.full_shape);
+    return out;
+  };
+  const int64_t H = 32, E = 4, F = 64;
+  EXPECT_EQ(shapes(serial()), (Shapes{{"ln.weight", {H}},
+                                      {"ln.bias", {H}},
+                                      {"router.weight", {H, E}},
+                                      {"experts.fc1.weight", {E, H, F}},
+                                      {"experts.fc1.bias", {E, F}},
+                                      {"experts.fc2.weight", {E, F, H}},
+                                      {"experts.fc2.bias", {E, H}}}));
+  EXPECT_EQ(shapes(mixtral_serial()), (Shapes{{"ln.weight", {H}},
+                                              {"router.weight", {H, E}},
+                                              {"experts.fc1.weight", {E, H, 2 * F}},
+                                              {"experts.fc2.weight", {E, F, H}}}));
+  for (const auto& [name, e] : block0_moe(mixtral_serial()))
+    EXPECT_EQ(e.decl.partition_stride, name == "experts.fc1.weight" ? 2 : 1) << name;
+  for (const auto& [name, e] : block0_moe(serial())) EXPECT_EQ(e.decl.partition_stride, 1) << name;
+}
+
+TEST(MixtralMoe, TensorParallelMatchesSerial) {
+  expect_same_training(mixtral_serial(), run_mixtral({"parallel.tp=2"}), 1e-5, kMixtralParams);
+  expect_same_training(mixtral_serial(), run_mixtral({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5,
+                       kMixtralParams);
+}
+
+TEST(MixtralMoe, ExpertAndDataParallelMatchSerial) {
+  expect_same_training(mixtral_serial(), run_mixtral({"parallel.dp=2", "parallel.ep=2"}), 1e-5, kMixtralParams);
+  expect_same_training(mixtral_serial(), run_mixtral({"parallel.dp=2", "optimizer.strategy=\"distributed\""}), 1e-5,
+                       kMixtralParams);
+}
+
+TEST(MixtralMoe, PipelineMatchesSerial) {
+  expect_same_training(mixtral_serial(), run_mixtral({"parallel.pp=2"}), 1e-5, kMixtralParams);
+}
+
+TEST(MixtralMoe, ContextParallelMatchesSerial) {
+  expect_same_training(mixtral_serial(), run_mixtral(cp2({})), 1e-5, kMixtralParams);
+  expect_same_training(mixtral_serial(), run_mixtral(cp2({"parallel.ep=2"})), 1e-5, kMixtralParams);
+}
+
+// Folded (etp 1): whole SwiGLU experts on every rank, [gate | up] unsplit.
+TEST(MixtralMoe, FoldedMatchesSerial) {
+  expect_same_training(mixtral_serial(), run_mixtral(folded({"parallel.ep=2"})), 1e-5, kMixtralParams);
+}
+
+// A SwiGLU shared expert with Qwen2-MoE's sigmoid gate (and no biases) beside the
+// routed ones: split over tp like the MLP ([gate | up] per tp rank), folded apart
+// from the routed experts, replicated over ep.
+TEST(MixtralMoe, GatedSwigluSharedExpertMatchesSerial) {
+  const std::vector<std::string> shared = {"model.layer.moe.shared_expert_ffn_hidden_size=32",
+                                           "model.layer.moe.shared_expert_gate=true"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), shared.begin(), shared.end());
+    return run_mixtral(o);
+  };
+  const RankTrace base = with({});
+  const int params = kMixtralParams + 3;  // shared.fc1.weight, shared.fc2.weight, shared.gate.weight
+  expect_same_training(base, with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5, params);
+  expect_same_training(base, with(folded({"parallel.ep=2"})), 1e-5, params);
+  expect_same_training(base, with({"parallel.dp=2", "parallel.ep=2"}), 1e-5, params);
+  expect_same_training(base, with(cp2({})), 1e-5, params);
+}
+
+// bf16 parameters and activations with fp32 gradients, fused into them and through
+// bf16 shadows (GradShadow: the moe_router sub-step's own for RMSNorm and the
+// router), track the fp32 run over 20 steps (the bounds of LlamaBlocks.Bf16TracksFp32).
+TEST(MixtralMoe, Bf16TracksFp32) {
+  auto with = [&](std::vector<std::string> o) {
+    o.push_back("run.steps=20");
+    return run_mixtral(o);
+  };
+  const RankTrace fp32 = with({});
+  for (const std::string fusion : {"true", "false"}) {
+    SCOPED_TRACE(fusion);
+    const RankTrace bf16 = with({"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\"",
+                                 "device.grad_accumulation_fusion=" + fusion});
+    loom::testing::expect_tracks(fp32, bf16, 0.01, 0.05, 0.05);
+    EXPECT_NE(bf16.loss, fp32.loss) << "bf16 was not applied";
+    EXPECT_LT(bf16.loss.back(), 0.9 * bf16.loss.front());
+  }
+}
+
+// The moe_router sub-steps (RMSNorm and the router's GEMM, and their backward)
+// captured and replayed: bit-identical to eager, in fp32 and bf16.
+TEST(MixtralMoe, PartialGraphsAreBitIdenticalToEager) {
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{}, std::vector<std::string>{"device.param_dtype=\"bf16\""}}) {
+    std::vector<std::string> eager = layout, graphs = layout;
+    eager.insert(eager.end(), {"run.steps=4", "exec.mode=\"eager\""});
+    graphs.insert(graphs.end(), {"run.steps=4", "exec.mode=\"partial_graph\""});
+    const RankTrace a = run_mixtral(eager), b = run_mixtral(graphs);
+    ASSERT_EQ(a.loss.size(), b.loss.size());
+    for (size_t st = 0; st < a.loss.size(); ++st) EXPECT_EQ(a.loss[st], b.loss[st]) << "step " << st + 1;
+    EXPECT_EQ(a.params.at(0).back(), b.params.at(0).back());
+    // Per microbatch (4): both directions of the 4 attention layers, and the 4 MoE
+    // blocks' three moe_router sub-steps (as PartialGraph.MoeRouterSubSteps* count them).
+    ASSERT_TRUE(b.result.exec_stats.count(0));
+    EXPECT_EQ(b.result.exec_stats.at(0).graphs, (2u * 4u + 3u * 4u) * 4u);
+  }
+}
+
+// One expert that every token takes with gate 1 is layer/mlp with the same options
+// (RMSNorm, SwiGLU, no biases): the whole model (its MLP's weights copied into the
+// expert) computes the same loss and gradients, and a few steps of gradient
+// descent keep them the same. The router gets no gradient (a softmax over one
+// expert is constant).
+TEST(MixtralMoe, OneExpertTrainsAsTheSwigluMlp) {
+  using namespace loom;
+  const std::vector<std::string> llama = {"model.num_layers=2", "model.layer.mlp.norm=rmsnorm",
+                                          "model.layer.mlp.activation=swiglu", "model.layer.mlp.bias=false"};
+  std::vector<std::string> moe = {"model.num_layers=2", "model.block=[\"attention\", \"moe\"]",
+                                  "model.layer.moe.num_experts=1", "model.layer.moe.top_k=1",
+                                  "model.layer.moe.ffn_hidden_size=0"};
+  moe.insert(moe.end(), kMixtralMoe.begin(), kMixtralMoe.end());
+  const train::RunPlan mlp_plan = loom::testing::plan_from(manifest(), llama);
+  const train::RunPlan moe_plan = loom::testing::plan_from(manifest(), moe);
+  const manifest::RunConfig& m = mlp_plan.config;
+  auto data = train::make_data_source(m);
+  runtime::LaunchConfig lc;
+  lc.device_plugin = mlp_plan.device;
+  lc.comm_plugin = mlp_plan.comm;
+  lc.sizes = mlp_plan.sizes;
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    const loom_model_dims dims = model::model_dims(m, data->vocab_size(), 1);
+    model::Model mlp(m, *mlp_plan.registry, rt, dims, mlp_plan.layers, 11);
+    model::Model moe_model(moe_plan.config, *moe_plan.registry, rt, dims, moe_plan.layers, 11);
+    std::map<std::string, const model::ParamEntry*> moe_entry;
+    for (const auto& e : moe_model.param_entries()) moe_entry[e.name] = &e;
+    // Each MLP tensor's MoE counterpart: the same name, or the expert's.
+    std::vector<std::pair<const model::ParamEntry*, const model::ParamEntry*>> pairs;
+    for (const auto& e : mlp.param_entries()) {
+      std::string name = e.name;
+      const size_t at = name.find(".mlp.");
+      if (at != std::string::npos)
+        name.replace(at, 5, name.compare(at + 5, 3, "fc1") == 0 || name.compare(at + 5, 3, "fc2") == 0
+                                ? ".moe.experts."
+                                : ".moe.");
+      ASSERT_TRUE(moe_entry.count(name)) << e.name << " has no counterpart " << name;
+      ASSERT_EQ(moe_entry.at(name)->numel, e.numel) << name;
+      pairs.emplace_back(&e, moe_entry.at(name));
+    }
+    ASSERT_EQ(pairs.size() + 2, moe_model.param_entries().size()) << "the MoE model adds the routers only";
+    float* p_mlp = static_cast<float*>(mlp.params());
+    float* p_moe = static_cast<float*>(moe_model.params());
+    for (const auto& [a, b] : pairs) std::copy_n(p_mlp + a->offset, a->numel, p_moe + b->offset);
+
+    const int64_t seq = dims.seq_len, mbs = dims.micro_batch;
+    std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs);
+    train::fill_microbatch(*data, train::Split::Train, 5, mbs, seq, tokens.data(), targets.data());
+    auto step = [&](model::Model& model) {
+      float sum = 0;
+      int64_t count = 0;
+      model.zero_grads();
+      model.forward(0, tokens.data(), targets.data(), true, 0, &sum, &count);
+      model.backward(0, 1.0f / count, 1.0f);
+      return static_cast<double>(sum) / count;
+    };
+    for (int it = 0; it < 3; ++it) {
+      const double loss_mlp = step(mlp), loss_moe = step(moe_model);
+      EXPECT_NEAR(loss_moe, loss_mlp, 1e-6 * loss_mlp) << "step " << it + 1;
+      const float* g_mlp = static_cast<const float*>(mlp.grads());
+      const float* g_moe = static_cast<const float*>(moe_model.grads());
+      for (const auto& [a, b] : pairs) {
+        const std::vector<float> want(g_mlp + a->offset, g_mlp + a->offset + a->numel),
+            got(g_moe + b->offset, g_moe + b->offset + b->numel);
+        EXPECT_LE(loom::testing::tensor_rel_diff(got, want), 1e-5) << b->name << " at step " << it + 1;
+      }
+      for (const auto& e : moe_model.param_entries()) {
+        if (e.name.find("router") == std::string::npos) continue;
+        for (size_t i = 0; i < e.numel; ++i) ASSERT_EQ(g_moe[e.offset + i], 0.0f) << e.name;
+      }
+      // Plain gradient descent on both (the same update on the same gradients).
+      for (const auto& [a, b] : pairs)
+        for (size_t i = 0; i < a->numel; ++i) {
+          p_mlp[a->offset + i] -= 0.5f * g_mlp[a->offset + i];
+          p_moe[b->offset + i] -= 0.5f * g_moe[b->offset + i];
+        }
+    }
+  });
+}
+
+// Options outside their choices are refused where they are set, and a device
+// plugin without the ops an option needs (built before ABI 1.10) when the layers
+// are created, naming the option and the ops (what `loom validate` reports).
+TEST(MixtralMoe, BadOptionsAreRefused) {
+  auto refusal = [](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.block=[\"attention\", \"moe\"]"});
+    try {
+      const loom::train::RunPlan plan = loom::testing::plan_from(manifest(), o);
+      loom::train::preflight(plan, plan.sizes.world);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string relu = refusal({"model.layer.moe.activation=\"relu\""});
+  EXPECT_NE(relu.find("activation"), std::string::npos) << relu;
+  EXPECT_NE(relu.find("must be one of"), std::string::npos) << relu;
+  EXPECT_NE(relu.find("swiglu"), std::string::npos) << relu;
+  const std::string norm = refusal({"model.layer.moe.norm=\"batchnorm\""});
+  EXPECT_NE(norm.find("must be one of"), std::string::npos) << norm;
+
+  const loom::plugins::LoadedPlugin& cpu = loom::plugins::registry().get("device", "cpu");
+  auto* ops = const_cast<loom_device_ops*>(cpu.device()->ops);
+  {
+    const auto saved = ops->swiglu_fwd;
+    ops->swiglu_fwd = nullptr;
+    const std::string msg = refusal({"model.layer.moe.activation=\"swiglu\""});
+    ops->swiglu_fwd = saved;
+    EXPECT_NE(msg.find("activation = \"swiglu\" needs the device ops swiglu_fwd and swiglu_bwd"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("moe"), std::string::npos) << "names the layer: " << msg;
+  }
+  {
+    const auto saved = ops->rmsnorm_bwd;
+    ops->rmsnorm_bwd = nullptr;
+    const std::string msg = refusal({"model.layer.moe.norm=\"rmsnorm\""});
+    ops->rmsnorm_bwd = saved;
+    EXPECT_NE(msg.find("norm = \"rmsnorm\" needs the device ops rmsnorm_fwd and rmsnorm_bwd"), std::string::npos)
+        << msg;
+  }
+  EXPECT_EQ(refusal(mixtral()), "") << "with every op back, Mixtral's blocks plan";
 }
 
 }  // namespace

@@ -21,27 +21,28 @@ void for_each_expert(int64_t local_experts, const ExpertRows& rows, Fn&& fn) {
 
 }  // namespace
 
-Experts::Experts(loom_rank* rank, int64_t local_experts, int64_t hidden, int64_t ffn_local, bool fold, int tp_rank,
-                 const loom::Group& tp)
+Experts::Experts(loom_rank* rank, int64_t local_experts, int64_t hidden, int64_t ffn_local,
+                 ExpertActivation activation, bool fold, int tp_rank, const loom::Group& tp)
     : rank_(rank),
       local_experts_(local_experts),
       hidden_(hidden),
       ffn_local_(ffn_local),
+      activation_(activation),
       fold_(fold),
       tp_rank_(tp_rank),
       tp_group_(tp) {}
 
 void Experts::forward(const loom::Device& dev, const void* x, void* h, void* a, void* y,
                       const ExpertRows& rows) const {
-  const int64_t H = hidden_, Fl = ffn_local_, R = rows.rows;
+  const int64_t H = hidden_, Fl = ffn_local_, F1 = fc1_cols(), R = rows.rows;
   const int32_t act = act_;
   for_each_expert(local_experts_, rows, [&](int64_t e, int64_t r0, int64_t n) {
-    void* he = advance(h, r0 * Fl, act);
-    gemm(dev, false, false, n, Fl, H, advance(x, r0 * H, act), advance(w_.fc1_w, e * H * Fl, act), he, 0.0f, act,
+    void* he = advance(h, r0 * F1, act);
+    gemm(dev, false, false, n, F1, H, advance(x, r0 * H, act), advance(w_.fc1_w, e * H * F1, act), he, 0.0f, act,
          act);
-    add_bias(dev, he, advance(w_.fc1_b, e * Fl, act), he, n, Fl, act);
+    if (w_.fc1_b) add_bias(dev, he, advance(w_.fc1_b, e * F1, act), he, n, F1, act);
   });
-  if (R > 0) dev.gelu_fwd({.n = R * Fl, .x = h, .out = a, .dtype = act});
+  activation_.forward(dev, h, a, R, Fl, act);
   // fc2 (+ its bias where this rank adds it: the outputs are partial sums over tp).
   for_each_expert(local_experts_, rows, [&](int64_t e, int64_t r0, int64_t n) {
     void* ye = advance(y, r0 * H, act);
@@ -52,13 +53,14 @@ void Experts::forward(const loom::Device& dev, const void* x, void* h, void* a, 
 }
 
 // The gate's gradient is <dy_row, fc2 output row> = <da_u_row, act_row> + <dy_row,
-// b2>: no second fc2 forward. Partial over tp (each rank holds Fl of the ffn, and
-// the bias term is rank 0's), so summed over tp; whole where the experts are folded.
+// b2>, act the activation's output (GeLU's, or SwiGLU's silu(gate) * up): no second
+// fc2 forward. Partial over tp (each rank holds Fl of the ffn, and the bias term is
+// rank 0's), so summed over tp; whole where the experts are folded.
 void Experts::gate_gradients(const loom::Device& dev, const void* dy, const void* h, void* a, void* da, void* prod,
                              void* ones, float* dgate, const ExpertRows& rows) const {
   const int64_t H = hidden_, Fl = ffn_local_, R = rows.rows;
   const int32_t act = act_;
-  if (R > 0) dev.gelu_fwd({.n = R * Fl, .x = h, .out = a, .dtype = act});
+  activation_.forward(dev, h, a, R, Fl, act);
   // fc2's input gradient before the gate, da_u = dy_row W2^T.
   for_each_expert(local_experts_, rows, [&](int64_t e, int64_t r0, int64_t n) {
     gemm(dev, false, true, n, Fl, H, advance(dy, r0 * H, act), advance(w_.fc2_w, e * Fl * H, act),
@@ -83,7 +85,7 @@ void Experts::gate_gradients(const loom::Device& dev, const void* dy, const void
 void Experts::backward(const loom::Device& dev, const ExpertGrads& g, int32_t grad_dtype, const void* x, void* dy,
                        const void* gate, const void* h, const void* a, void* da, void* gexp, void* prod, void* ones,
                        void* dx, const ExpertRows& rows, bool count_bias) const {
-  const int64_t H = hidden_, Fl = ffn_local_, R = rows.rows;
+  const int64_t H = hidden_, Fl = ffn_local_, F1 = fc1_cols(), R = rows.rows;
   const int32_t act = act_, gdt = grad_dtype;
   // fc2's weight and bias gradients from gate * dy.
   if (R > 0) {
@@ -94,20 +96,22 @@ void Experts::backward(const loom::Device& dev, const ExpertGrads& g, int32_t gr
     const void* dy_e = advance(dy, r0 * H, act);
     gemm(dev, true, false, Fl, H, n, advance(a, r0 * Fl, act), dy_e, advance(g.fc2_w, e * Fl * H, gdt), 1.0f, act,
          gdt);
-    if (count_bias) column_sum_acc(rank_, dev, dy_e, advance(g.fc2_b, e * H, gdt), n, H, act, gdt);
+    if (count_bias && g.fc2_b) column_sum_acc(rank_, dev, dy_e, advance(g.fc2_b, e * H, gdt), n, H, act, gdt);
   });
-  // GeLU's input gradient from gate * da_u.
+  // fc1's output gradient dh from gate * da_u, through the activation: in place
+  // under GeLU, into prod (free again) under SwiGLU, where it is twice as wide.
+  void* dh = activation_.swiglu ? prod : da;
   if (R > 0) {
     expand_gates(dev, gate, ones, prod, R, Fl, act);
     dev.elementwise({.op = LOOM_EW_MUL, .n = R * Fl, .x = da, .y = prod, .out = da, .dtype = act, .out_dtype = act});
-    dev.gelu_bwd({.n = R * Fl, .x = h, .dy = da, .out = da, .dtype = act});
   }
+  activation_.backward(dev, h, da, dh, R, Fl, act);
   for_each_expert(local_experts_, rows, [&](int64_t e, int64_t r0, int64_t n) {
-    const void* dhe = advance(da, r0 * Fl, act);
-    gemm(dev, true, false, H, Fl, n, advance(x, r0 * H, act), dhe, advance(g.fc1_w, e * H * Fl, gdt), 1.0f, act,
+    const void* dhe = advance(dh, r0 * F1, act);
+    gemm(dev, true, false, H, F1, n, advance(x, r0 * H, act), dhe, advance(g.fc1_w, e * H * F1, gdt), 1.0f, act,
          gdt);
-    column_sum_acc(rank_, dev, dhe, advance(g.fc1_b, e * Fl, gdt), n, Fl, act, gdt);
-    gemm(dev, false, true, n, H, Fl, dhe, advance(w_.fc1_w, e * H * Fl, act), advance(dx, r0 * H, act), 0.0f, act,
+    if (g.fc1_b) column_sum_acc(rank_, dev, dhe, advance(g.fc1_b, e * F1, gdt), n, F1, act, gdt);
+    gemm(dev, false, true, n, H, F1, dhe, advance(w_.fc1_w, e * H * F1, act), advance(dx, r0 * H, act), 0.0f, act,
          act);
   });
 }

@@ -1,13 +1,20 @@
-// layer/moe: pre-LayerNorm mixture-of-experts feed-forward block with a residual,
+// layer/moe: pre-norm mixture-of-experts feed-forward block with a residual,
 //   y = x + dropout(sum_k gate_k(t) * expert_{e_k(t)}(LN(x)_t))
-// as Megatron-Core's MoE layer with a top-k router (dropless, or with expert capacity):
+// as Megatron-Core's MoE layer with a top-k router (dropless, or with expert capacity).
+// GPT-style by default (LayerNorm, GeLU experts with biases); Mixtral's and
+// Qwen-MoE's with norm = "rmsnorm" (LN is then RMSNorm, without ln.bias),
+// activation = "swiglu" and bias = false, as layer/mlp offers them for Llama:
 //  - router (router.cpp): logits = LN(x) W_r [tokens, experts] (no bias); probs =
 //    softmax over all experts; each token goes to its top_k experts (ties: lower
 //    index). Gates are the softmax over the chosen logits (= the chosen probs
 //    renormalised, Megatron's default), or the chosen probs as they are with
 //    pre_softmax = true.
-//  - experts (experts.cpp): GeLU MLPs fc2(gelu(fc1 x)), each with its own weights,
-//    on the tokens routed to it. Dropless by default; with capacity_factor c > 0
+//  - experts (experts.cpp): MLPs fc2(act(fc1 x)), each with its own weights, on
+//    the tokens routed to it; act is GeLU, or SwiGLU, silu(gate) * up, where fc1
+//    makes the gate and the up projection (experts.fc1.weight [E, H, 2F], each
+//    tp rank holding [its gate | its up]: partition_stride 2), as Mixtral's
+//    experts and Megatron-Core's gated_linear_unit; fc1 and fc2 have biases
+//    unless bias = false. Dropless by default; with capacity_factor c > 0
 //    (Megatron's moe_expert_capacity_factor; the router decides the drop) each
 //    expert takes at most ceil(T k / E * c) of a microbatch's routed slots: those
 //    with the largest gates (drop_policy = "probs", ties to the lower token) or the
@@ -23,8 +30,9 @@
 //    enters the objective with the engine's aux_loss_scale (1 / microbatches,
 //    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
 //  - shared experts (shared_expert.cpp; Megatron's
-//    moe_shared_expert_intermediate_size), optional: a GeLU MLP of width
-//    shared_expert_ffn_hidden_size on every token, beside the routed experts on
+//    moe_shared_expert_intermediate_size), optional: an MLP of width
+//    shared_expert_ffn_hidden_size with the routed experts' activation and biases
+//    (Qwen-MoE's is SwiGLU without biases) on every token, beside the routed experts on
 //    the same LN output, its output added to theirs (ungated):
 //      y = x + dropout(routed(LN(x)) + shared(LN(x))),
 //    optionally gated (shared_expert_gate, Megatron's moe_shared_expert_gate):
@@ -35,9 +43,9 @@
 // Routing is decided on the host (the router's [tokens, experts] probabilities are
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
 // tokens-per-expert counts), so the layer step is not capturable as a whole. Its
-// static parts are (Megatron-LM's moe_router CUDA-graph scope, ABI 1.7 sub-steps): LayerNorm and
-// the router GEMM in forward, LayerNorm again at the start of the backward, and
-// the router's and LayerNorm's backward at its end run through the exec plugin,
+// static parts are (Megatron-LM's moe_router CUDA-graph scope, ABI 1.7 sub-steps): the norm and
+// the router GEMM in forward, the norm again at the start of the backward, and
+// the router's and the norm's backward at its end run through the exec plugin,
 // which captures and replays them (tp = 1; cp = 1 or dropless); routing, dispatch, experts and
 // combine run eagerly between them, reading and writing the sub-steps' memory at
 // the addresses of their capture (StepArena). Tokens are permuted (dispatch.cpp)
@@ -47,7 +55,7 @@
 //
 // Tensor parallelism (expert tensor parallelism = tp, Megatron's default): each
 // expert's fc1 is split by output columns and fc2 by input rows across tp, the
-// router and LayerNorm are duplicated. The layer enters the TP region once (f:
+// router and the norm are duplicated. The layer enters the TP region once (f:
 // identity, or the all-gather of the sequence shards under SP), every rank routes
 // all tokens identically, and the combined partial outputs leave it once (g:
 // all-reduce, or reduce-scatter under SP), so one collective per direction for all
@@ -97,11 +105,12 @@
 //                            drop, the load-balancing and z-loss terms, the logits' gradient (router.py)
 //   dispatch.{hpp,cpp}       dispatch rows per expert, the row gather and combine on the device,
 //                            the expert-parallel service (token_dispatcher.py)
-//   experts.{hpp,cpp}        the routed experts' GEMMs and GeLU, split over tp or folded (experts.py)
+//   experts.{hpp,cpp}        the routed experts' GEMMs and activation, split over tp or folded (experts.py)
+//   activation.hpp           GeLU or SwiGLU, for the routed and the shared experts
 //   shared_expert.{hpp,cpp}  the shared expert and its sigmoid gate (shared_experts.py)
 //   gates.hpp                per-row gates on the device, shared by the three above
 //   moe.cpp                  the layer (moe_layer.py): parameters, the moe_router sub-steps
-//                            (LayerNorm and the router's GEMM), which tokens each rank routes and
+//                            (the norm and the router's GEMM), which tokens each rank routes and
 //                            dispatches under tp/sp/cp/folding, the TP region's f and g, dropout and
 //                            the residual, and the plugin's registration
 #include <loom/layers/layer_math.hpp>
@@ -148,6 +157,13 @@ class Moe : public loom::Layer {
     router.drop_by_probs = policy == "probs";
     router_ = Router(router);
     dropout_ = dropout_option(options);
+    norm_ = norm_option(options);
+    norm_.require_ops(rank.device(), name_);
+    activation_.swiglu = options.declared_string("activation") == "swiglu";
+    if (activation_.swiglu)
+      require_device_ops(rank.device().has_swiglu_fwd() && rank.device().has_swiglu_bwd(), name_,
+                         "activation = \"swiglu\"", "swiglu_fwd and swiglu_bwd");
+    bias_ = options.declared_bool("bias");
     LOOM_REQUIRE(top_k_ <= experts_, name_ << ": option top_k = " << top_k_ << " must be at most num_experts = "
                                            << experts_);
     LOOM_REQUIRE(hidden_ > 0 && ffn_ > 0, name_ << ": hidden and ffn_hidden_size must be positive");
@@ -185,9 +201,12 @@ class Moe : public loom::Layer {
     dispatcher_ = TokenDispatcher(rank_, ep_group, experts_, name_);
     cp_group_ = rank.group_or_single("cp");
     cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
-    routed_experts_ = Experts(rank_, local_experts_, hidden_, ffn_local_, fold_, tp_.rank(), tp_group_);
-    shared_expert_ = SharedExpert(rank_, hidden_, shared_local_, shared_gate_, tp_.rank(), tp_.size(), tp_group_);
+    routed_experts_ = Experts(rank_, local_experts_, hidden_, ffn_local_, activation_, fold_, tp_.rank(), tp_group_);
+    shared_expert_ = SharedExpert(rank_, hidden_, shared_local_, activation_, shared_gate_, tp_.rank(), tp_.size(),
+                                  tp_group_);
     declare_params(tp, ep, etp);
+    w_.assign(params_.size(), nullptr);
+    g_.assign(params_.size(), nullptr);
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
@@ -195,10 +214,10 @@ class Moe : public loom::Layer {
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
-    dt_ = params_.bind(params, grads, w_, g_);
-    routed_experts_.bind({.fc1_w = w_[kFc1W], .fc1_b = w_[kFc1B], .fc2_w = w_[kFc2W], .fc2_b = w_[kFc2B]}, dt_.act);
-    shared_expert_.bind({.fc1_w = w_[kShared1W], .fc1_b = w_[kShared1B], .fc2_w = w_[kShared2W],
-                         .fc2_b = w_[kShared2B], .gate_w = w_[kSharedGate]},
+    dt_ = params_.bind(params, grads, w_.data(), g_.data());
+    routed_experts_.bind({.fc1_w = w(fc1_w_), .fc1_b = w(fc1_b_), .fc2_w = w(fc2_w_), .fc2_b = w(fc2_b_)}, dt_.act);
+    shared_expert_.bind({.fc1_w = w(shared1_w_), .fc1_b = w(shared1_b_), .fc2_w = w(shared2_w_),
+                         .fc2_b = w(shared2_b_), .gate_w = w(shared_gate_w_)},
                         dt_.act);
   }
 
@@ -248,7 +267,8 @@ class Moe : public loom::Layer {
     s.S = S;
     s.B = B;
     s.mask = s.mem.add(drop ? Tl * H : 0);
-    s.shared_h = s.mem.elems(a.training ? T * shared_local_ : 0, act);  // the shared expert's fc1 output
+    // The shared expert's fc1 output (its gate and up projection under SwiGLU).
+    s.shared_h = s.mem.elems(a.training ? T * activation_.parts() * shared_local_ : 0, act);
     s.shared_out = s.mem.elems(a.training && shared_gate_ ? T * H : 0, act);  // and its output, ungated
     s.dropped = drop;
     s.mem.allocate(rank_);
@@ -263,17 +283,16 @@ class Moe : public loom::Layer {
       m.kept.allocate(rank_);
       m.fwd.allocate(rank_);
       if (a.training) copy_d2d(dev, m.kept.at(m.x), x, Tl * H * dt_.act_bytes());
-      layernorm_fwd(dev, x, w_[kLnW], w_[kLnB], m.fwd.at(m.ln), m.kept.at(m.mean), m.kept.at(m.rstd), Tl, H,
-                    kLayerNormEps, act);
+      norm_.forward(dev, x, w(ln_w_), w(ln_b_), m.fwd.at(m.ln), m.kept.at(m.mean), m.kept.at(m.rstd), Tl, H, act);
       if (full_in) tp_.enter_forward({.rows = T, .cols = H, .x = m.fwd.at(m.ln), .out = m.fwd.at(m.ln_full), .dtype = act});
       if (fold && gather) {
-        gemm(dev, false, false, Tl, E, H, m.fwd.at(m.ln), w_[kRouter], m.fwd.at(m.shard_logits), 0.0f, act,
+        gemm(dev, false, false, Tl, E, H, m.fwd.at(m.ln), w(router_w_), m.fwd.at(m.shard_logits), 0.0f, act,
              LOOM_DTYPE_F32);
         tp_group_.all_gather(dev.native_stream(), m.fwd.at(m.shard_logits), m.fwd.at(m.logits),
                              static_cast<size_t>(Tl * E), LOOM_DTYPE_F32);
       } else {  // the TP region's T tokens, or folded and dropless this rank's Tl only
         gemm(dev, false, false, fold ? Tl : T, E, H, full_in && !fold ? m.fwd.at(m.ln_full) : m.fwd.at(m.ln),
-             w_[kRouter], m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
+             w(router_w_), m.fwd.at(m.logits), 0.0f, act, LOOM_DTYPE_F32);
       }
       if (cp > 1 && gather)
         cp_group_.all_gather(dev.native_stream(), m.fwd.at(m.logits), m.fwd.at(m.cp_logits),
@@ -327,29 +346,40 @@ class Moe : public loom::Layer {
     rank.run_substep("moe_router", a.step_key, 1, capture_router, [&] {
       m.bwd.allocate(rank_);
       if (full_in)
-        recompute_ln_input(dev, tp_, m.kept.at(m.x), w_[kLnW], w_[kLnB], m.kept.at(m.mean), m.kept.at(m.rstd),
-                           m.bwd.at(m.b_ln), m.bwd.at(m.b_ln_full), Tl, H, act);
+        recompute_ln_input(dev, tp_, m.kept.at(m.x), w(ln_w_), w(ln_b_), m.kept.at(m.mean), m.kept.at(m.rstd),
+                           m.bwd.at(m.b_ln), m.bwd.at(m.b_ln_full), Tl, H, act, norm_);
       else
-        layernorm_fwd(dev, m.kept.at(m.x), w_[kLnW], w_[kLnB], m.bwd.at(m.b_ln), m.kept.at(m.mean),
-                      m.kept.at(m.rstd), Tl, H, kLayerNormEps, act);
+        norm_.forward(dev, m.kept.at(m.x), w(ln_w_), w(ln_b_), m.bwd.at(m.b_ln), m.kept.at(m.mean),
+                      m.kept.at(m.rstd), Tl, H, act);
     });
     const void* xfull = full_in ? m.bwd.at(m.b_ln_full) : m.bwd.at(m.b_ln);
     // The LN output's gradient: this rank's rows (its shard under SP).
     void* dl = sp && !fold ? m.bwd.at<void>(m.dln) : m.bwd.at<void>(m.dln_full);
     {
-      // The router's and LayerNorm's gradients are the second sub-step's (numel 0: no shadow here).
+      // The router's and the norm's gradients are the second sub-step's (numel 0: no shadow here).
       std::vector<int64_t> numels = params_.local_numels();
-      numels[kLnW] = numels[kLnB] = numels[kRouter] = 0;
-      GradShadow gs(rank_, dev, dt_, std::vector<void*>(g_, g_ + params_.size()), numels, tp_.features(), fusion_);
+      for (const size_t i : router_step_params()) numels[i] = 0;
+      GradShadow gs(rank_, dev, dt_, g_, numels, tp_.features(), fusion_);
       eager_backward(rank, a, s, gs, dy, xfull, m.bwd.at(m.b_ln), m.bwd.at(m.dln_full), dl, m.bwd.at(m.dlogits));
       gs.commit();
     }
 
     // moe_router backward, part 2: the router's weight and input gradients, the
-    // residual, LayerNorm's backward.
+    // residual, the norm's backward.
     rank.run_substep("moe_router", a.step_key, 2, capture_router, [&] {
-      // The router's and LayerNorm's gradients only (the eager part's shadow has the rest).
-      GradShadow gs(rank_, dev, dt_, {g_[kLnW], g_[kLnB], g_[kRouter]}, {H, H, H * E}, tp_.features(), fusion_);
+      // The router's and the norm's gradients only (the eager part's shadow has the rest).
+      const std::vector<size_t> mine = router_step_params();
+      std::vector<void*> grads;
+      std::vector<int64_t> numels;
+      for (const size_t i : mine) {
+        grads.push_back(g_[i]);
+        numels.push_back(params_.local_numel(i));
+      }
+      GradShadow gs(rank_, dev, dt_, grads, numels, tp_.features(), fusion_);
+      auto router_grad = [&](size_t i) -> void* {  // by parameter index; null for one the options leave out
+        const auto at = std::find(mine.begin(), mine.end(), i);
+        return at == mine.end() ? nullptr : gs[static_cast<size_t>(at - mine.begin())];
+      };
       const int32_t gdt = gs.grad_dtype();
       const void* dl_router = m.bwd.at(m.dlogits);
       if (act != LOOM_DTYPE_F32) {
@@ -357,12 +387,12 @@ class Moe : public loom::Layer {
                          .dtype = LOOM_DTYPE_F32, .out_dtype = act});
         dl_router = m.bwd.at(m.dlogits_act);
       }
-      gemm(dev, true, false, H, E, Tl, m.bwd.at(m.b_ln), dl_router, gs[2], 1.0f, act, gdt);
-      gemm(dev, false, true, Tl, H, E, dl_router, w_[kRouter], dl, 1.0f, act, act);
-      // dx = dy (the residual) + LN backward.
+      gemm(dev, true, false, H, E, Tl, m.bwd.at(m.b_ln), dl_router, router_grad(router_w_), 1.0f, act, gdt);
+      gemm(dev, false, true, Tl, H, E, dl_router, w(router_w_), dl, 1.0f, act, act);
+      // dx = dy (the residual) + the norm's backward.
       copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
-      layernorm_bwd(dev, dl, m.kept.at(m.x), w_[kLnW], m.kept.at(m.mean), m.kept.at(m.rstd), dx, gs[0], gs[1], Tl,
-                    H, /*accumulate_dx=*/true, act, gs.grad_fp32());
+      norm_.backward(dev, dl, m.kept.at(m.x), w(ln_w_), m.kept.at(m.mean), m.kept.at(m.rstd), dx,
+                     router_grad(ln_w_), router_grad(ln_b_), Tl, H, /*accumulate_dx=*/true, act, gs.grad_fp32());
       gs.commit();
       m.kept.free();
       m.bwd.free();
@@ -401,15 +431,16 @@ class Moe : public loom::Layer {
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // dispatch token ids
     a.add(static_cast<size_t>(N) * sizeof(int32_t));  // each slot's dispatch row
     a.elems(N, dt_.act);                      // gates
-    a.elems(N * ffn_local_, dt_.act);         // experts' fc1 outputs
-    a.elems(T * shared_local_, dt_.act);      // the shared expert's fc1 output
+    a.elems(N * activation_.parts() * ffn_local_, dt_.act);     // experts' fc1 outputs
+    a.elems(T * activation_.parts() * shared_local_, dt_.act);  // the shared expert's fc1 output
     a.elems(shared_gate_ ? T * H : 0, dt_.act);  // and its ungated output
     if (dispatcher_.moves_rows())
       a.add(2 * static_cast<size_t>(N) * sizeof(int32_t));  // the dispatcher's plan (row indices)
     return a.bytes();
   }
 
-  // Router 2*T*H*E, and per routed token fc1 + fc2 (4*H*Fl); under ep the rows
+  // Router 2*T*H*E, and per routed token fc1 + fc2 (2*H*F1 + 2*H*Fl, F1 = Fl or,
+  // under SwiGLU, 2 Fl; the shared expert's alike per token); under ep the rows
   // processed here are the group's tokens routed to this rank's experts, as many
   // as its own when the routing is balanced. Folded, a rank routes its sequence
   // shard and its experts take whole rows.
@@ -422,13 +453,24 @@ class Moe : public loom::Layer {
     if (router_.config().capacity_factor > 0.0)
       rows = std::min(rows, static_cast<double>(experts_ * router_.capacity(whole)) * static_cast<double>(own) /
                                 static_cast<double>(whole));
+    const double mlp_widths = static_cast<double>(activation_.parts() + 1);  // fc1's columns + fc2's rows, per Fl
     return 2.0 * static_cast<double>(own) * H * static_cast<double>(experts_) +
-           4.0 * rows * H * static_cast<double>(ffn_local_) + 4.0 * T * H * static_cast<double>(shared_local_) +
-           (shared_gate_ ? 2.0 * T * H : 0.0);
+           2.0 * mlp_widths * rows * H * static_cast<double>(ffn_local_) +
+           2.0 * mlp_widths * T * H * static_cast<double>(shared_local_) + (shared_gate_ ? 2.0 * T * H : 0.0);
   }
 
  private:
-  enum { kLnW, kLnB, kRouter, kFc1W, kFc1B, kFc2W, kFc2B, kShared1W, kShared1B, kShared2W, kShared2B, kSharedGate };
+  static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
+  void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
+  static void* grad(const GradShadow& gs, size_t i) { return i == kNone ? nullptr : gs[i]; }
+
+  // The parameters the moe_router sub-steps' backward updates: the norm's and the router's.
+  std::vector<size_t> router_step_params() const {
+    std::vector<size_t> p = {ln_w_};
+    if (ln_b_ != kNone) p.push_back(ln_b_);
+    p.push_back(router_w_);
+    return p;
+  }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -467,11 +509,12 @@ class Moe : public loom::Layer {
     const bool sp = tp_.sequence_parallel(), fold = fold_, moved = dispatcher_.moves_rows();
 
     // What the backward needs of the dispatch: token ids and gates per row, and
-    // the experts' fc1 outputs (pre-GeLU); the service keeps the exchange's plan.
+    // the experts' fc1 outputs (before the activation); the service keeps the
+    // exchange's plan.
     s.tok = s.route.add(static_cast<size_t>(N) * sizeof(int32_t));
     s.slot_row = s.route.add(static_cast<size_t>(r.slots()) * sizeof(int32_t));
     s.gate = s.route.elems(N, act);
-    s.h = s.route.elems(R * Fl, act);
+    s.h = s.route.elems(R * activation_.parts() * Fl, act);
     s.route.allocate(rank_);
     upload_dispatch(rank_, dev, r, s.route.at<int32_t>(s.tok), s.route.at<int32_t>(s.slot_row), s.route.at(s.gate),
                     act);
@@ -547,7 +590,8 @@ class Moe : public loom::Layer {
                  dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
                  dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems((R + zero_row) * H, act),
                  ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
-                 prod = tmp.elems(R * Fl, act), shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
+                 prod = tmp.elems(R * activation_.parts() * Fl, act),
+                 shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
                  shared_dshard = tmp.elems(shared_apart ? Tl * H : 0, act);
     tmp.allocate(rank_);
 
@@ -711,43 +755,59 @@ class Moe : public loom::Layer {
   // capacity); dropless, the all-reduce of the loss sums runs eagerly after it.
   bool router_capturable() const { return cp_.cp() == 1 || !router_.gathers_logits(); }
 
-  // The parameters, in the order of the k* indices.
+  // The parameters, each index kept (kNone where the options leave it out). With
+  // the default options (LayerNorm, GeLU, biases) the names and the order are
+  // those of every earlier version, so their checkpoints load.
   void declare_params(int64_t tp, int64_t ep, int64_t etp) {
-    const int64_t E = experts_, H = hidden_, F = ffn_;
+    const int64_t E = experts_, H = hidden_, F = ffn_, parts = activation_.parts();
     params_ = ParamSet(name_, {.tp = tp, .ep = ep, .etp = etp});
-    params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
-    params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    params_.add({.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL});
+    ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+    if (!norm_.rms)
+      ln_b_ = params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    router_w_ = params_.add({.name = "router.weight", .shape = {H, E}, .init = LOOM_INIT_NORMAL});
     // The experts' parameters: dim 0 is the expert, split over ep by the engine,
-    // then partition_dim over etp (tp, or 1 when folded).
-    params_.add({.name = "experts.fc1.weight", .shape = {E, H, F}, .partition_dim = 2, .init = LOOM_INIT_NORMAL,
-                 .expert = true});
-    params_.add({.name = "experts.fc1.bias", .shape = {E, F}, .partition_dim = 1, .init = LOOM_INIT_ZEROS,
-                 .no_weight_decay = true, .expert = true});
-    params_.add({.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
-                 .init = LOOM_INIT_NORMAL_SCALED, .expert = true});
-    params_.add({.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true,
-                 .expert = true});
+    // then partition_dim over etp (tp, or 1 when folded). fc1's columns are the
+    // gate's F then the up projection's under SwiGLU, split with stride 2 so that
+    // each etp rank holds [its gate | its up].
+    fc1_w_ = params_.add({.name = "experts.fc1.weight", .shape = {E, H, parts * F}, .partition_dim = 2,
+                          .partition_stride = static_cast<int32_t>(parts), .init = LOOM_INIT_NORMAL, .expert = true});
+    if (bias_)
+      fc1_b_ = params_.add({.name = "experts.fc1.bias", .shape = {E, parts * F}, .partition_dim = 1,
+                            .partition_stride = static_cast<int32_t>(parts), .init = LOOM_INIT_ZEROS,
+                            .no_weight_decay = true, .expert = true});
+    fc2_w_ = params_.add({.name = "experts.fc2.weight", .shape = {E, F, H}, .partition_dim = 1,
+                          .init = LOOM_INIT_NORMAL_SCALED, .expert = true});
+    if (bias_)
+      fc2_b_ = params_.add({.name = "experts.fc2.bias", .shape = {E, H}, .init = LOOM_INIT_ZEROS,
+                            .no_weight_decay = true, .expert = true});
     if (shared_ffn_ == 0) return;
-    // The shared expert, split like the MLP: fc1 by columns, fc2 by rows.
+    // The shared expert, split like the MLP: fc1 by columns (stride 2 under SwiGLU), fc2 by rows.
     const int64_t Fs = shared_ffn_;
-    params_.add({.name = "shared.fc1.weight", .shape = {H, Fs}, .partition_dim = 1, .init = LOOM_INIT_NORMAL});
-    params_.add({.name = "shared.fc1.bias", .shape = {Fs}, .partition_dim = 0, .init = LOOM_INIT_ZEROS,
-                 .no_weight_decay = true});
-    params_.add({.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
-    params_.add({.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    shared1_w_ = params_.add({.name = "shared.fc1.weight", .shape = {H, parts * Fs}, .partition_dim = 1,
+                              .partition_stride = static_cast<int32_t>(parts), .init = LOOM_INIT_NORMAL});
+    if (bias_)
+      shared1_b_ = params_.add({.name = "shared.fc1.bias", .shape = {parts * Fs}, .partition_dim = 0,
+                                .partition_stride = static_cast<int32_t>(parts), .init = LOOM_INIT_ZEROS,
+                                .no_weight_decay = true});
+    shared2_w_ = params_.add(
+        {.name = "shared.fc2.weight", .shape = {Fs, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    if (bias_)
+      shared2_b_ = params_.add({.name = "shared.fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS,
+                                .no_weight_decay = true});
     // Megatron's shared-expert gate: sigmoid(x . w) per token, duplicated over tp.
-    if (shared_gate_) params_.add({.name = "shared.gate.weight", .shape = {H}, .init = LOOM_INIT_NORMAL});
+    if (shared_gate_)
+      shared_gate_w_ = params_.add({.name = "shared.gate.weight", .shape = {H}, .init = LOOM_INIT_NORMAL});
   }
 
-  // Where the backward accumulates the experts' and the shared expert's gradients.
+  // Where the backward accumulates the experts' and the shared expert's gradients
+  // (null for a parameter the options leave out).
   ExpertGrads expert_grads(const GradShadow& gs) const {
-    return {.fc1_w = gs[kFc1W], .fc1_b = gs[kFc1B], .fc2_w = gs[kFc2W], .fc2_b = gs[kFc2B]};
+    return {.fc1_w = grad(gs, fc1_w_), .fc1_b = grad(gs, fc1_b_), .fc2_w = grad(gs, fc2_w_),
+            .fc2_b = grad(gs, fc2_b_)};
   }
   SharedExpertGrads shared_grads(const GradShadow& gs) const {
-    if (shared_ffn_ == 0) return {};
-    return {.fc1_w = gs[kShared1W], .fc1_b = gs[kShared1B], .fc2_w = gs[kShared2W], .fc2_b = gs[kShared2B],
-            .gate_w = shared_gate_ ? gs[kSharedGate] : nullptr};
+    return {.fc1_w = grad(gs, shared1_w_), .fc1_b = grad(gs, shared1_b_), .fc2_w = grad(gs, shared2_w_),
+            .fc2_b = grad(gs, shared2_b_), .gate_w = grad(gs, shared_gate_w_)};
   }
 
   // The whole microbatch's token (position-major, as the serial run numbers them)
@@ -774,47 +834,66 @@ class Moe : public loom::Layer {
   int64_t shared_ffn_ = 0, shared_local_ = 0;  // the shared expert's width (0 = none), and this tp rank's part
   bool shared_gate_ = false;                   // its output times sigmoid(x . w) per token
   float dropout_ = 0.0f;
+  Norm norm_;                    // before the router and the experts: LayerNorm, or RMSNorm (no ln.bias)
+  ExpertActivation activation_;  // of the routed and the shared experts: GeLU, or SwiGLU
+  bool bias_ = true;             // the experts' fc1 and fc2 have biases
   Router router_;
   TokenDispatcher dispatcher_;
   Experts routed_experts_;
   SharedExpert shared_expert_;
-  ParamSet params_;  // in the order of the k* indices (the shared expert's only when it has one)
+  ParamSet params_;
+  size_t ln_w_ = kNone, ln_b_ = kNone, router_w_ = kNone;  // indices into params_
+  size_t fc1_w_ = kNone, fc1_b_ = kNone, fc2_w_ = kNone, fc2_b_ = kNone;
+  size_t shared1_w_ = kNone, shared1_b_ = kNone, shared2_w_ = kNone, shared2_b_ = kNone, shared_gate_w_ = kNone;
   Dtypes dt_;
   bool fusion_ = false;
-  void* w_[kSharedGate + 1] = {};
-  void* g_[kSharedGate + 1] = {};
+  std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
   std::map<int32_t, RouterMemory> router_memory_;  // per training microbatch, across steps
 };
 
 }  // namespace
 
+namespace {
+std::vector<loom::OptionSpec> moe_options() {
+  std::vector<loom::OptionSpec> o = {
+      loom::opt_int("num_experts", 8, "experts in the layer").in("[1, 65536]"),
+      loom::opt_int("top_k", 2, "experts each token is routed to (at most num_experts)").in("[1, 65536]"),
+      loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)").in("[0, 4194304]"),
+      loom::opt_bool("pre_softmax", false,
+                     "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
+                     "chosen logits only (false, Megatron's default)"),
+      loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
+          .in("[0, inf)"),
+      loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
+          .in("[0, inf)"),
+      loom::opt_int("shared_expert_ffn_hidden_size", 0,
+                    "width of a shared expert every token goes through beside the routed ones (0 = none)")
+          .in("[0, 4194304]"),
+      loom::opt_bool("shared_expert_gate", false,
+                     "scale the shared expert's output per token by sigmoid(x . w), w a learned [hidden] vector "
+                     "(Megatron's moe_shared_expert_gate, Qwen2-MoE)"),
+      loom::opt_float("capacity_factor", 0.0,
+                      "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
+                      "microbatch's slots, the rest are dropped (0 = dropless)")
+          .in("[0, inf)"),
+      loom::opt_string("drop_policy", "probs",
+                       "which slots an expert over capacity keeps: \"probs\" (largest gates) or \"position\" "
+                       "(first tokens)")
+          .one_of("probs|position"),
+      loom::layers::dropout_option_spec("the MoE output"),
+      loom::opt_string("activation", "gelu",
+                       "the routed and shared experts' activation: gelu (GPT), or swiglu: fc1 makes a gate and an up "
+                       "projection of ffn_hidden_size each, silu(gate) * up (Mixtral, Qwen-MoE)")
+          .one_of("gelu|swiglu"),
+      loom::opt_bool("bias", true, "the routed and shared experts' fc1 and fc2 have biases (GPT); false as Mixtral")};
+  for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
+  return o;
+}
+}  // namespace
+
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.4.0",
-    "pre-LN mixture of GeLU experts, top-k router (dropless or with capacity), shared expert, load-balancing "
-    "loss (tensor-, expert- and context-parallel)",
-    {loom::opt_int("num_experts", 8, "experts in the layer").in("[1, 65536]"),
-     loom::opt_int("top_k", 2, "experts each token is routed to (at most num_experts)").in("[1, 65536]"),
-     loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)").in("[0, 4194304]"),
-     loom::opt_bool("pre_softmax", false,
-                    "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
-                    "chosen logits only (false, Megatron's default)"),
-     loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
-         .in("[0, inf)"),
-     loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
-         .in("[0, inf)"),
-     loom::opt_int("shared_expert_ffn_hidden_size", 0,
-                   "width of a shared expert every token goes through beside the routed ones (0 = none)")
-         .in("[0, 4194304]"),
-     loom::opt_bool("shared_expert_gate", false,
-                    "scale the shared expert's output per token by sigmoid(x . w), w a learned [hidden] vector "
-                    "(Megatron's moe_shared_expert_gate, Qwen2-MoE)"),
-     loom::opt_float("capacity_factor", 0.0,
-                     "each expert keeps at most ceil(tokens * top_k / num_experts * capacity_factor) of a "
-                     "microbatch's slots, the rest are dropped (0 = dropless)")
-         .in("[0, inf)"),
-     loom::opt_string("drop_policy", "probs",
-                      "which slots an expert over capacity keeps: \"probs\" (largest gates) or \"position\" "
-                      "(first tokens)")
-         .one_of("probs|position"),
-     loom::layers::dropout_option_spec("the MoE output")}))
+    "moe", "1.5.0",
+    "pre-norm mixture of GeLU or SwiGLU experts (LayerNorm or RMSNorm, biases optional), top-k router (dropless "
+    "or with capacity), shared expert, load-balancing loss (tensor-, expert- and context-parallel)",
+    moe_options()))

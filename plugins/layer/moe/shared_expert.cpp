@@ -7,11 +7,12 @@
 
 namespace loom::layers::moe {
 
-SharedExpert::SharedExpert(loom_rank* rank, int64_t hidden, int64_t ffn_local, bool gated, int tp_rank, int tp_size,
-                           const loom::Group& tp)
+SharedExpert::SharedExpert(loom_rank* rank, int64_t hidden, int64_t ffn_local, ExpertActivation activation,
+                           bool gated, int tp_rank, int tp_size, const loom::Group& tp)
     : rank_(rank),
       hidden_(hidden),
       ffn_local_(ffn_local),
+      activation_(activation),
       gated_(gated),
       tp_rank_(tp_rank),
       tp_size_(tp_size),
@@ -90,35 +91,38 @@ void SharedExpert::gate_input_backward(const loom::Device& dev, const SharedExpe
 
 void SharedExpert::expert_forward(const loom::Device& dev, const void* xin, void* saved_h, void* out, int64_t T,
                                   bool accumulate) const {
-  const int64_t H = hidden_, Fs = ffn_local_;
+  const int64_t H = hidden_, Fs = ffn_local_, F1 = fc1_cols();
   const int32_t act = act_;
   Arena tmp;
-  const size_t h = tmp.elems(saved_h ? 0 : T * Fs, act), a = tmp.elems(T * Fs, act);
+  const size_t h = tmp.elems(saved_h ? 0 : T * F1, act), a = tmp.elems(T * Fs, act);
   tmp.allocate(rank_);
   void* hs = saved_h ? saved_h : tmp.at(h);
-  gemm(dev, false, false, T, Fs, H, xin, w_.fc1_w, hs, 0.0f, act, act);
-  add_bias(dev, hs, w_.fc1_b, hs, T, Fs, act);
-  dev.gelu_fwd({.n = T * Fs, .x = hs, .out = tmp.at(a), .dtype = act});
+  gemm(dev, false, false, T, F1, H, xin, w_.fc1_w, hs, 0.0f, act, act);
+  if (w_.fc1_b) add_bias(dev, hs, w_.fc1_b, hs, T, F1, act);
+  activation_.forward(dev, hs, tmp.at(a), T, Fs, act);
   gemm(dev, false, false, T, H, Fs, tmp.at(a), w_.fc2_w, out, accumulate ? 1.0f : 0.0f, act, act);
-  if (tp_rank_ == 0) add_bias(dev, out, w_.fc2_b, out, T, H, act);
+  if (tp_rank_ == 0 && w_.fc2_b) add_bias(dev, out, w_.fc2_b, out, T, H, act);
 }
 
 void SharedExpert::expert_backward(const loom::Device& dev, const SharedExpertGrads& g, int32_t grad_dtype,
                                    const void* xin, const void* hs, const void* d, void* dxin, int64_t T,
                                    bool count_bias, bool accumulate) const {
-  const int64_t H = hidden_, Fs = ffn_local_;
+  const int64_t H = hidden_, Fs = ffn_local_, F1 = fc1_cols();
   const int32_t act = act_, gdt = grad_dtype;
   Arena tmp;
-  const size_t a = tmp.elems(T * Fs, act), da = tmp.elems(T * Fs, act);
+  // dh, fc1's output gradient: da itself under GeLU, twice as wide under SwiGLU.
+  const size_t a = tmp.elems(T * Fs, act), da = tmp.elems(T * Fs, act),
+               dh_wide = tmp.elems(activation_.swiglu ? T * F1 : 0, act);
   tmp.allocate(rank_);
-  dev.gelu_fwd({.n = T * Fs, .x = hs, .out = tmp.at(a), .dtype = act});
+  void* dh = tmp.at(activation_.swiglu ? dh_wide : da);
+  activation_.forward(dev, hs, tmp.at(a), T, Fs, act);
   gemm(dev, true, false, Fs, H, T, tmp.at(a), d, g.fc2_w, 1.0f, act, gdt);
-  if (count_bias) column_sum_acc(rank_, dev, d, g.fc2_b, T, H, act, gdt);
+  if (count_bias && g.fc2_b) column_sum_acc(rank_, dev, d, g.fc2_b, T, H, act, gdt);
   gemm(dev, false, true, T, Fs, H, d, w_.fc2_w, tmp.at(da), 0.0f, act, act);
-  dev.gelu_bwd({.n = T * Fs, .x = hs, .dy = tmp.at(da), .out = tmp.at(da), .dtype = act});
-  gemm(dev, true, false, H, Fs, T, xin, tmp.at(da), g.fc1_w, 1.0f, act, gdt);
-  column_sum_acc(rank_, dev, tmp.at(da), g.fc1_b, T, Fs, act, gdt);
-  gemm(dev, false, true, T, H, Fs, tmp.at(da), w_.fc1_w, dxin, accumulate ? 1.0f : 0.0f, act, act);
+  activation_.backward(dev, hs, tmp.at(da), dh, T, Fs, act);
+  gemm(dev, true, false, H, F1, T, xin, dh, g.fc1_w, 1.0f, act, gdt);
+  if (g.fc1_b) column_sum_acc(rank_, dev, dh, g.fc1_b, T, F1, act, gdt);
+  gemm(dev, false, true, T, H, F1, dh, w_.fc1_w, dxin, accumulate ? 1.0f : 0.0f, act, act);
 }
 
 void SharedExpert::gates(const loom::Device& dev, const void* xin, int64_t T, float* logit, float* sig,

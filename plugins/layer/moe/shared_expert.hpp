@@ -1,14 +1,16 @@
 // layer/moe's shared expert (Megatron-Core's shared_experts.py,
-// moe_shared_expert_intermediate_size): a GeLU MLP of width
-// shared_expert_ffn_hidden_size on every token of the TP region, beside the
-// routed experts on the same LN output, split over tp like the MLP (fc1 by
-// columns, fc2 by rows; fc2's bias on tp rank 0), so its output is a partial sum
-// over tp. Optionally gated (shared_expert_gate, Megatron's
+// moe_shared_expert_intermediate_size): an MLP of width
+// shared_expert_ffn_hidden_size with the routed experts' activation (GeLU, or
+// SwiGLU as Qwen-MoE's) and biases (optional), on every token of the TP region,
+// beside the routed experts on the same norm output, split over tp like the MLP
+// (fc1 by columns, of the gate and of the up projection under SwiGLU; fc2 by rows;
+// fc2's bias on tp rank 0), so its output is a partial sum over tp. Optionally gated (shared_expert_gate, Megatron's
 // moe_shared_expert_gate, Qwen2-MoE): each token's row times sigmoid(x_t . w_gate),
 // w_gate a [hidden] weight duplicated over tp.
 #pragma once
 
 #include <loom/layers/layer_math.hpp>
+#include "activation.hpp"
 
 #include <cstdint>
 #include <vector>
@@ -16,7 +18,8 @@
 namespace loom::layers::moe {
 
 // This rank's part of the shared expert's parameters (or of their gradients):
-// fc1 [H, Fs/tp], its bias [Fs/tp], fc2 [Fs/tp, H], its bias [H], the gate [H].
+// fc1 [H, F1], its bias [F1] (F1 = Fs/tp, or twice that under SwiGLU), fc2
+// [Fs/tp, H], its bias [H], the gate [H]; what the layer's options leave out null.
 template <typename Ptr>
 struct SharedExpertTensors {
   Ptr fc1_w = nullptr, fc1_b = nullptr, fc2_w = nullptr, fc2_b = nullptr, gate_w = nullptr;
@@ -28,8 +31,8 @@ class SharedExpert {
  public:
   SharedExpert() = default;
   // ffn_local: this tp rank's part of the width; gated: shared_expert_gate.
-  SharedExpert(loom_rank* rank, int64_t hidden, int64_t ffn_local, bool gated, int tp_rank, int tp_size,
-               const loom::Group& tp);
+  SharedExpert(loom_rank* rank, int64_t hidden, int64_t ffn_local, ExpertActivation activation, bool gated,
+               int tp_rank, int tp_size, const loom::Group& tp);
 
   void bind(const SharedExpertWeights& w, int32_t act) {
     w_ = w;
@@ -38,7 +41,7 @@ class SharedExpert {
 
   // out [T, H] (+= when accumulate) = the shared expert on xin [T, H], partial over
   // tp; gated, each row times its gate (the row scaling commutes with the tp sum).
-  // saved_h (training) keeps fc1's output [T, Fs/tp] for the backward; saved_out
+  // saved_h (training) keeps fc1's output [T, F1] for the backward; saved_out
   // (training, gated) the ungated rows for the gate's gradient.
   void forward(const loom::Device& dev, const void* xin, void* saved_h, void* saved_out, void* out, int64_t T,
                bool accumulate) const;
@@ -70,8 +73,12 @@ class SharedExpert {
   // sig = sigmoid(logit) (fp32) and gate = sig in the activation dtype.
   void gates(const loom::Device& dev, const void* xin, int64_t T, float* logit, float* sig, void* gate) const;
 
+  // fc1's columns on this rank (its part of the gate's and the up projection's under SwiGLU).
+  int64_t fc1_cols() const { return activation_.parts() * ffn_local_; }
+
   loom_rank* rank_ = nullptr;
   int64_t hidden_ = 0, ffn_local_ = 0;
+  ExpertActivation activation_;
   bool gated_ = false;
   int tp_rank_ = 0, tp_size_ = 1;
   loom::Group tp_group_;
