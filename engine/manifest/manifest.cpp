@@ -772,6 +772,7 @@ class ManifestLoader {
       m_.origins_[spec.path] = dflt;
       m_.key_origins_[spec.path] = dflt;
     }
+    default_schedule_for_vpp();
 
     // Report per-key problems in the order they appear, then the cross-key rules.
     std::stable_sort(diags_.begin(), diags_.end(), [](const Diagnostic& a, const Diagnostic& b) {
@@ -785,6 +786,17 @@ class ManifestLoader {
       return a.origin.column < b.origin.column;
     });
     schema::check_rules(m_, bad, diags_);
+  }
+
+  // pipeline.schedule's default follows parallel.vpp: the interleaved schedule when
+  // vpp > 1 (Megatron-LM's), so the resolved manifest — what `loom validate` prints and
+  // a checkpoint keeps — names the schedule that runs.
+  void default_schedule_for_vpp() {
+    auto origin = m_.origins_.find("pipeline.schedule");
+    if (origin == m_.origins_.end() || origin->second.kind != Origin::Kind::Default) return;
+    const auto vpp = m_.table_.at_path("parallel.vpp").value<int64_t>();
+    toml::table* pipeline = m_.table_["pipeline"].as_table();
+    if (vpp && *vpp > 1 && pipeline != nullptr) pipeline->insert_or_assign("schedule", "interleaved");
   }
 
   void unknown_top_level(const std::string& name, const toml::node& v) {

@@ -27,13 +27,6 @@ std::string resolved_data_path(const Manifest& m) {
   return path;
 }
 
-// The default schedule with vpp > 1 is the interleaved one (as Megatron-LM's).
-std::string resolved_schedule(const Manifest& m) {
-  if (m.get_int("parallel.vpp") > 1 && m.origin("pipeline.schedule").kind == Origin::Kind::Default)
-    return "interleaved";
-  return m.get_string("pipeline.schedule");
-}
-
 int as_int(int64_t v) { return static_cast<int>(v); }  // the schema bounds these keys to 32 bits
 
 }  // namespace
@@ -92,7 +85,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.parallel.tensor = m.get_string("parallel.tensor");
   c.parallel.expert = m.get_string("parallel.expert");
 
-  c.pipeline.schedule = resolved_schedule(m);
+  c.pipeline.schedule = m.get_string("pipeline.schedule");  // its default follows parallel.vpp (Manifest)
   c.pipeline.microbatch_group_size = as_int(m.get_int("pipeline.microbatch_group_size"));
   c.pipeline.first_chunk_layers = as_int(m.get_int("pipeline.first_chunk_layers"));
   c.pipeline.last_chunk_layers = as_int(m.get_int("pipeline.last_chunk_layers"));
