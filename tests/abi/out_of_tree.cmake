@@ -1,6 +1,6 @@
 # CTest script: install loom into a scratch prefix, build samples/learned_scale
 # against it with find_package(LoomSDK), then load the result with the installed
-# `loom plugins check`. Fails on any step.
+# `loom plugins check` and run its layer harness test. Fails on any step.
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -23,6 +23,11 @@ run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/prefix/bin/loom plugins check ${WORK_DIR}/build)
 if(NOT last_output MATCHES "layer/learned_scale")
   message(FATAL_ERROR "the sample plugin did not register layer/learned_scale:\n${last_output}")
+endif()
+# Its CTest test (loom_add_layer_test): the installed `loom plugins test` passes it.
+run(${CMAKE_CTEST_COMMAND} --test-dir ${WORK_DIR}/build --output-on-failure)
+if(NOT last_output MATCHES "learned_scale.layer_harness .* Passed")
+  message(FATAL_ERROR "the sample's layer harness test did not pass:\n${last_output}")
 endif()
 # The installed loom finds its own plugins without any environment.
 run(${WORK_DIR}/prefix/bin/loom plugins list)
