@@ -29,7 +29,7 @@
 # pack's configs are used.
 #
 # Environment:
-#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute bench"
+#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples bench"
 #                       (default all); bf16, graphs and recompute make the eager runs they
 #                       compare against when equivalence is not among them
 #   LOOM_GPU_TIMEOUT    seconds each phase may take (default 1800, timeout(1)); a phase out
@@ -68,7 +68,7 @@ say() { printf '%s\n' "$*"; }
 fail() { say "FAIL: $*"; failures=$((failures + 1)); }
 pass() { say "ok:   $*"; }
 
-all_phases="tests equivalence bf16 graphs recompute bench"
+all_phases="tests equivalence bf16 graphs recompute samples bench"
 phases=${LOOM_GPU_PHASES:-$all_phases}
 for p in $phases; do
   case " $all_phases " in
@@ -163,6 +163,7 @@ print(":".join(d for p in (s.submodule_search_locations if s else []) for d in s
   fi
   loom=$root/bin/loom
   gpu_tests=$root/bin/loom_gpu_tests
+  snake_dir=$root/samples  # the pack's samples/snake plugin
 else
   # ---- 1. build -------------------------------------------------------------------------
   say "== build ($build, CUDA arch $arch)"
@@ -198,6 +199,12 @@ else
   say "build: $(( $(date +%s) - t0 )) s"
   loom=$root/$build/bin/loom
   gpu_tests=$root/$build/bin/loom_gpu_tests
+  # samples/snake with its CUDA kernels, out of tree against this build's SDK.
+  snake_dir=$root/$build/sample-snake
+  { cmake --install "$build" --prefix "$root/$build/sdk-install" &&
+    cmake -S samples/snake -B "$snake_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$root/$build/sdk-install" -DSNAKE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" &&
+    cmake --build "$snake_dir"; } >"$out/sample-snake.log" 2>&1 || say "samples/snake did not build (see $out/sample-snake.log)"
 fi
 
 # Every library found, every plugin loaded (a plugin that fails to load, e.g. comm/nccl on
@@ -452,6 +459,31 @@ else
   fail "recompute run failed (see $out/cuda_recompute.log)"; tail -5 "$out/cuda_recompute.log"
 fi
 fi  # recompute
+
+# ---- a plugin's own kernels ----------------------------------------------------------------
+if want samples; then
+phase samples "a plugin's own CUDA kernels: samples/snake in every block, against device/cpu and under partial graphs"
+snake=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=1
+       "--set=model.block=[\"attention\", \"mlp\", \"snake\"]")
+if [ ! -e "$snake_dir/loom_layer_snake.so" ]; then
+  fail "samples/snake is not built ($snake_dir/loom_layer_snake.so)"
+else
+  export LOOM_PLUGIN_PATH=$snake_dir${LOOM_PLUGIN_PATH:+:$LOOM_PLUGIN_PATH}
+  if run snake_cpu "${snake[@]}" --set device.kind=cpu && run snake_cuda "${snake[@]}" --set device.kind=cuda; then
+    if compare "$out/snake_cuda.jsonl" "$out/snake_cpu.jsonl" 1e-4 "snake: cuda vs cpu"; then
+      pass "samples/snake's CUDA kernels train as its CPU host tasks do"
+    else fail "samples/snake: cuda losses differ from cpu"; fi
+    if run snake_cuda_graph "${snake[@]}" --set device.kind=cuda --set exec.mode=partial_graph &&
+       compare "$out/snake_cuda_graph.jsonl" "$out/snake_cuda.jsonl" 1e-6 "snake: partial_graph vs eager"; then
+      grep "^exec " "$out/snake_cuda_graph.log" || true
+      pass "samples/snake's kernels are captured and replayed on the GPU"
+    else fail "samples/snake under partial_graph (see $out/snake_cuda_graph.log)"; tail -5 "$out/snake_cuda_graph.log"; fi
+  else
+    fail "samples/snake runs failed (see $out/snake_cpu.log, $out/snake_cuda.log)"
+    tail -n 5 "$out/snake_cpu.log" "$out/snake_cuda.log" 2>/dev/null
+  fi
+fi
+fi  # samples
 
 # ---- 5. benchmark ------------------------------------------------------------------------
 if want bench; then

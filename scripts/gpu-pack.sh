@@ -6,6 +6,7 @@
 #
 #   bin/loom, bin/loom_gpu_tests (and the other GPU programs built: loom_attention_bench)
 #   lib/loom/plugins/*.so        every plugin; device/cuda for CUDA_ARCHITECTURES $LOOM_CUDA_ARCH
+#   samples/loom_layer_snake.so  samples/snake with its CUDA kernels (built against the SDK)
 #   debs/*.deb                   runtime libraries a bare Ubuntu 24.04 lacks (Boost 1.74,
 #                                TOML++, glog, gflags, libunwind, OpenBLAS and its libgfortran)
 #   configs/, scripts/           what the checks run
@@ -90,12 +91,22 @@ t0=$(date +%s)
 # shellcheck disable=SC2086  # one target per line
 cmake --build "$build" -j "$jobs" --target "${programs[@]}" $plugin_outputs || die "build failed"
 say "build: $(( $(date +%s) - t0 )) s"
+# samples/snake (a layer with its own CUDA kernels), built out of tree against this
+# build's SDK as a plugin author builds it; gpu-check's samples phase runs it on the GPU.
+sdk=$root/$build/sdk-install
+cmake --install "$build" --prefix "$sdk" >"$build/pack-sdk-install.log" 2>&1 || die "SDK install failed"
+cmake -S samples/snake -B "$build/sample-snake" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$sdk" \
+  -DSNAKE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" >"$build/pack-snake.log" 2>&1 &&
+  cmake --build "$build/sample-snake" >>"$build/pack-snake.log" 2>&1 ||
+  { cat "$build/pack-snake.log"; die "samples/snake failed to build"; }
 
 # ---- 2. stage ---------------------------------------------------------------------------
 rm -rf "$pack" && mkdir -p "$pack/bin" "$pack/lib/loom/plugins" "$pack/debs" || die "cannot create $pack"
 for p in "${programs[@]}"; do
   strip -o "$pack/bin/$p" "$build/bin/$p" || die "strip $p failed"
 done
+mkdir -p "$pack/samples" && strip --strip-unneeded -o "$pack/samples/loom_layer_snake.so" \
+  "$build/sample-snake/loom_layer_snake.so" || die "strip samples/snake failed"
 for f in $plugin_outputs; do
   strip --strip-unneeded -o "$pack/$f" "$build/$f" || die "strip $f failed"
 done
@@ -130,7 +141,7 @@ trap 'rm -rf "$check"' EXIT
 for f in "$pack"/debs/*.deb; do dpkg-deb -x "$f" "$check" || die "cannot unpack $f"; done
 libdir=$check/usr/lib/x86_64-linux-gnu
 problems=0
-staged=("$pack"/bin/* "$pack"/lib/loom/plugins/*.so)
+staged=("$pack"/bin/* "$pack"/lib/loom/plugins/*.so "$pack"/samples/*.so)
 for f in "${staged[@]}" "$libdir"/*.so.* "$libdir"/openblas-pthread/*.so.*; do
   [ -f "$f" ] && [ ! -L "$f" ] || continue
   # Only the unpacked prefix and CUDA on the path: whatever else resolves comes from this
