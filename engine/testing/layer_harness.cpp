@@ -133,24 +133,6 @@ Batch sequence_shard(const Batch& b, const loom_model_dims& d, int tp, int r) {
   return s;
 }
 
-std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp, int r) {
-  if (p.partition_dim < 0) return full;
-  const size_t d = static_cast<size_t>(p.partition_dim);
-  int64_t outer = 1, inner = 1;
-  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
-  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
-  const int64_t stride = std::max(1, p.partition_stride), dim = p.shape[d];
-  const int64_t block = dim / stride, part = block / tp;
-  std::vector<float> out;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t k = 0; k < stride; ++k) {
-      const int64_t row0 = k * block + r * part;
-      const float* src = &full[static_cast<size_t>((o * dim + row0) * inner)];
-      out.insert(out.end(), src, src + part * inner);
-    }
-  return out;
-}
-
 HarnessLayer::HarnessLayer(HarnessRank& rank, const std::string& name, const loom_model_dims& dims,
                            const toml::table* options, const std::string& instance, bool sequence_parallel)
     : rank_(rank),

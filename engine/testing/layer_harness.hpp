@@ -64,9 +64,25 @@ Batch make_batch(const loom_model_dims& dims, std::mt19937& rng);
 // [r S/tp, (r+1) S/tp) of the sequence); tokens and targets stay whole.
 Batch sequence_shard(const Batch& b, const loom_model_dims& dims, int tp, int r);
 
-// Rank r's slice of a full parameter tensor, the way the engine cuts it:
-// partition_dim is `partition_stride` concatenated blocks, each split into tp parts.
-std::vector<float> slice(const Param& p, const std::vector<float>& full, int tp, int r);
+// Rank r's slice of a full parameter tensor (of any element type), the way the engine
+// cuts it: partition_dim is `partition_stride` concatenated blocks, each split into tp parts.
+template <typename T>
+std::vector<T> slice(const Param& p, const std::vector<T>& full, int tp, int r) {
+  if (p.partition_dim < 0) return full;
+  const size_t d = static_cast<size_t>(p.partition_dim);
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
+  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
+  const int64_t stride = p.partition_stride > 1 ? p.partition_stride : 1, dim = p.shape[d];
+  const int64_t block = dim / stride, part = block / tp;
+  std::vector<T> out;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t k = 0; k < stride; ++k) {
+      const T* src = &full[static_cast<size_t>((o * dim + k * block + r * part) * inner)];
+      out.insert(out.end(), src, src + part * inner);
+    }
+  return out;
+}
 
 // A layer created through its plugin's C table on a HarnessRank, with its
 // parameters and gradients bound to host vectors.

@@ -4,6 +4,8 @@
 #include "engine/manifest/manifest.hpp"
 #include "engine/model/model.hpp"
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/data.hpp"
 #include "engine/train/run_plan.hpp"
 #include "engine/train/trainer.hpp"
 
@@ -13,6 +15,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -49,6 +52,22 @@ digits = 2
 
 inline train::RunPlan plan_from(const std::string& text, const std::vector<std::string>& overrides) {
   return train::make_plan(manifest::Manifest::parse(text, "test.toml", overrides), plugins::registry());
+}
+
+// Runs fn(rank, data, dims) on the one rank of `plan` (its device and comm plugins),
+// with the plan's data source and the model dimensions at tp = 1: what tests that build
+// a model::Model by hand need.
+inline void on_one_rank(const train::RunPlan& plan,
+                        const std::function<void(runtime::RankRuntime&, const train::DataSource&,
+                                                 const loom_model_dims&)>& fn) {
+  auto data = train::make_data_source(plan.config);
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.comm_plugin = plan.comm;
+  lc.sizes = plan.sizes;
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    fn(rt, *data, model::model_dims(plan.config, data->vocab_size(), 1));
+  });
 }
 
 // Per step: the mean loss and rank 0's parameters (dp replicas are identical).

@@ -222,21 +222,15 @@ double loom_loss(std::vector<std::string> overrides, const loom::train::WholeChe
   using namespace loom;
   overrides.push_back("model.num_layers=4");
   const train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
-  const manifest::RunConfig& m = plan.config;
-  auto data = train::make_data_source(m);
-  runtime::LaunchConfig lc;
-  lc.device_plugin = plan.device;
-  lc.comm_plugin = plan.comm;
-  lc.sizes = plan.sizes;
   double loss = 0;
-  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
-    const loom_model_dims dims = model::model_dims(m, data->vocab_size(), 1);
-    model::Model model(m, *plan.registry, rt, dims, plan.layers, 11);
+  loom::testing::on_one_rank(plan, [&](runtime::RankRuntime& rt, const train::DataSource& data,
+                                      const loom_model_dims& dims) {
+    model::Model model(plan.config, *plan.registry, rt, dims, plan.layers, 11);
     seq = dims.seq_len;
     mbs = dims.micro_batch;
     tokens.assign(seq * mbs, 0);
     targets.assign(seq * mbs, 0);
-    train::fill_microbatch(*data, train::Split::Train, 3, mbs, seq, tokens.data(), targets.data());
+    train::fill_microbatch(data, train::Split::Train, 3, mbs, seq, tokens.data(), targets.data());
     for (int64_t s = 0; s + 1 < seq; ++s)  // every next token, so every position counts
       for (int64_t b = 0; b < mbs; ++b) targets[s * mbs + b] = tokens[(s + 1) * mbs + b];
     for (int64_t b = 0; b < mbs; ++b) targets[(seq - 1) * mbs + b] = -1;

@@ -859,27 +859,6 @@ namespace {
 // layer's parameters and must compute the serial outputs, loss and gradients.
 // ---------------------------------------------------------------------------
 
-// Rank r's slice of a full tensor, the way the engine cuts it: partition_dim is
-// `stride` concatenated blocks, each split into `tp` equal parts.
-template <typename T>
-std::vector<T> slice_of(const Param& p, const std::vector<T>& full, int tp, int r) {
-  if (p.partition_dim < 0) return full;
-  const size_t d = static_cast<size_t>(p.partition_dim);
-  int64_t outer = 1, inner = 1;
-  for (size_t i = 0; i < d; ++i) outer *= p.shape[i];
-  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
-  const int64_t stride = std::max(1, p.partition_stride), dim = p.shape[d];
-  const int64_t block = dim / stride, part = block / tp;
-  std::vector<T> out;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t k = 0; k < stride; ++k) {
-      const int64_t row0 = k * block + r * part;
-      const T* src = &full[static_cast<size_t>((o * dim + row0) * inner)];
-      out.insert(out.end(), src, src + part * inner);
-    }
-  return out;
-}
-
 using loom::harness::slice;
 
 // Each layer at tp 2, with and without sequence parallelism, against one rank (the
@@ -952,7 +931,7 @@ TEST(Layers, VocabParallelEmbeddingAndCrossEntropyMatchFiniteDifferencesAtTp2) {
         Param& p = layer.params()[i];
         std::vector<size_t> iota(full.params()[i].value.size());
         for (size_t j = 0; j < iota.size(); ++j) iota[j] = j;
-        idx.push_back(slice_of(p, iota, kTp, r));
+        idx.push_back(slice(p, iota, kTp, r));
         const std::vector<float> mine = slice(p, full.params()[i].value, kTp, r);
         std::copy(mine.begin(), mine.end(), p.value.begin());
       }

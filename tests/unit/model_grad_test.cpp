@@ -17,17 +17,12 @@ void check_model_gradients(const std::vector<std::string>& overrides) {
   using namespace loom;
   train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
   const manifest::RunConfig& m = plan.config;
-  auto data = train::make_data_source(m);
-  runtime::LaunchConfig lc;
-  lc.device_plugin = plan.device;
-  lc.comm_plugin = plan.comm;
-  lc.sizes = plan.sizes;
-  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
-    const loom_model_dims dims = model::model_dims(m, data->vocab_size(), 1);
+  loom::testing::on_one_rank(plan, [&](runtime::RankRuntime& rt, const train::DataSource& data,
+                                      const loom_model_dims& dims) {
     model::Model model(m, *plan.registry, rt, dims, plan.layers, 11);
     const int64_t seq = dims.seq_len, mbs = dims.micro_batch;
     std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs);
-    train::fill_microbatch(*data, train::Split::Train, 5, mbs, seq, tokens.data(), targets.data());
+    train::fill_microbatch(data, train::Split::Train, 5, mbs, seq, tokens.data(), targets.data());
     // Predict every next token (not only answers) so every weight gets a gradient.
     for (int64_t s = 0; s + 1 < seq; ++s)
       for (int64_t b = 0; b < mbs; ++b) targets[s * mbs + b] = tokens[(s + 1) * mbs + b];

@@ -1108,13 +1108,8 @@ TEST(MixtralMoe, OneExpertTrainsAsTheSwigluMlp) {
   const train::RunPlan mlp_plan = loom::testing::plan_from(manifest(), llama);
   const train::RunPlan moe_plan = loom::testing::plan_from(manifest(), moe);
   const manifest::RunConfig& m = mlp_plan.config;
-  auto data = train::make_data_source(m);
-  runtime::LaunchConfig lc;
-  lc.device_plugin = mlp_plan.device;
-  lc.comm_plugin = mlp_plan.comm;
-  lc.sizes = mlp_plan.sizes;
-  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
-    const loom_model_dims dims = model::model_dims(m, data->vocab_size(), 1);
+  loom::testing::on_one_rank(mlp_plan, [&](runtime::RankRuntime& rt, const train::DataSource& data,
+                                          const loom_model_dims& dims) {
     model::Model mlp(m, *mlp_plan.registry, rt, dims, mlp_plan.layers, 11);
     model::Model moe_model(moe_plan.config, *moe_plan.registry, rt, dims, moe_plan.layers, 11);
     std::map<std::string, const model::ParamEntry*> moe_entry;
@@ -1139,7 +1134,7 @@ TEST(MixtralMoe, OneExpertTrainsAsTheSwigluMlp) {
 
     const int64_t seq = dims.seq_len, mbs = dims.micro_batch;
     std::vector<int32_t> tokens(seq * mbs), targets(seq * mbs);
-    train::fill_microbatch(*data, train::Split::Train, 5, mbs, seq, tokens.data(), targets.data());
+    train::fill_microbatch(data, train::Split::Train, 5, mbs, seq, tokens.data(), targets.data());
     auto step = [&](model::Model& model) {
       float sum = 0;
       int64_t count = 0;
