@@ -3,7 +3,7 @@
 // taken), from any parallel layout, as a Hugging Face transformers model directory.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
-#include "engine/interop/hf_export.hpp"
+#include "engine/interop/hugging_face.hpp"
 #include "engine/train/checkpoint.hpp"
 
 #include <boost/filesystem.hpp>

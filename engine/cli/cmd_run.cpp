@@ -1,5 +1,6 @@
 // loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE] [--json]
 #include "engine/cli/args.hpp"
+#include "engine/interop/hugging_face.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
@@ -84,6 +85,10 @@ int cmd_run(int argc, char** argv) {
     const bool leader = !proc.multi_process || proc.rank == 0;
     train::TrainOptions opts;
     opts.resume = args.flag("--resume");
+    // checkpoint.init_weights: a loom checkpoint of any layout, or a Hugging Face directory.
+    opts.read_init_weights = [&plan](int64_t vocab) {
+      return interop::read_initial_weights(plan.config.checkpoint.init_weights, plan, vocab, plugins::registry());
+    };
     opts.metrics_file = args.get("--metrics").value_or(plan.config.run.metrics_file);
     if (args.has("--metrics") && opts.metrics_file.empty()) throw UsageError("--metrics needs a file name");
     opts.log = &std::cout;

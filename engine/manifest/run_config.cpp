@@ -13,12 +13,12 @@ toml::table table_or_empty(const Manifest& m, const std::string& path) {
   return t != nullptr ? *t : toml::table{};
 }
 
-// A relative data.path is taken relative to the manifest file that sets it when
-// the file (or, for an indexed dataset's prefix, its .idx) exists there, so a
-// config works from any working directory.
-std::string resolved_data_path(const Manifest& m) {
-  const std::string path = m.get_string("data.path");
-  const Origin o = m.origin("data.path");
+// A relative path (data.path, checkpoint.init_weights) is taken relative to the
+// manifest file that sets it when the file (or, for an indexed dataset's prefix, its
+// .idx) exists there, so a config works from any working directory.
+std::string resolved_path(const Manifest& m, const std::string& key) {
+  const std::string path = m.get_string(key);
+  const Origin o = m.origin(key);
   if (!path.empty() && path[0] != '/' && o.kind == Origin::Kind::File && !o.file.empty()) {
     const boost::filesystem::path candidate = boost::filesystem::path(o.file).parent_path() / path;
     if (boost::filesystem::exists(candidate) || boost::filesystem::exists(candidate.string() + ".idx"))
@@ -123,12 +123,13 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.comm.options = table_or_empty(m, "comm.options");
 
   c.data.kind = m.get_string("data.kind");
-  c.data.path = resolved_data_path(m);
+  c.data.path = resolved_path(m, "data.path");
   c.data.val_fraction = m.get_float("data.val_fraction");
   c.data.task = m.get_string("data.task");
   c.data.digits = m.get_int("data.digits");
 
   c.checkpoint.dir = m.get_string("checkpoint.dir");
+  c.checkpoint.init_weights = resolved_path(m, "checkpoint.init_weights");
   c.checkpoint.every = m.get_int("checkpoint.every");
 
   c.plugins.search_paths = m.get_string_list("plugins.search_paths");

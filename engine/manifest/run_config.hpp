@@ -87,6 +87,7 @@ struct RunConfig {
   struct Checkpoint {
     std::string dir;
     int64_t every = 0;
+    std::string init_weights;  // "" = the layers' random initialization
   } checkpoint;
   struct Plugins {
     std::vector<std::string> search_paths;

@@ -229,6 +229,11 @@ std::vector<KeySpec> build() {
   // checkpoint
   v.push_back(s("checkpoint.dir", "", "checkpoint directory (\"\" = no checkpoints)"));
   v.push_back(i("checkpoint.every", 0, 0, "checkpoint every N steps (0 = only at the end and on signals)"));
+  v.push_back(s("checkpoint.init_weights", "",
+                "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "
+                "(a step_N directory, or a checkpoint directory: its newest step) of any parallel layout, or a "
+                "Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel or "
+                "LlamaForCausalLM); the optimizer starts fresh at step 0; not read when resuming (\"\" = none)"));
   // plugins
   v.push_back(sl("plugins.search_paths", "[]",
                  "extra plugin directories (relative to the manifest file naming them)"));

@@ -77,6 +77,8 @@ class Model {
   void backward(int mb, float loss_scale, float aux_loss_scale);
   void release(int mb);
   void zero_grads() { buffers_.zero_grads(); }
+  // Every parameter from its whole tensor (ParamBuffers::assign): starting from given weights.
+  void assign_params(const ParamBuffers::FullTensorOf& full_of) { buffers_.assign(full_of); }
   // After the last microbatch's backward, before the optimizer: the reductions
   // that make each gradient whole (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).

@@ -75,10 +75,15 @@ void ParamBuffers::allocate() {
   zero_grads();
 }
 
-// Each entry: the full tensor from (seed, name), this rank's slice of it: its
-// experts' block of dim 0 for an expert parameter, then its etp part (the tp
-// part of any other).
+// Each entry: the full tensor from (seed, name), independently of the layout.
 void ParamBuffers::initialise(int num_layers, uint64_t seed) {
+  assign([&](const ParamEntry& e) {
+    return init_full(e.decl.init, e.decl.init_std, num_layers, product(e.full_shape), seed,
+                     e.tie_key.empty() ? e.name : e.tie_key);
+  });
+}
+
+void ParamBuffers::assign(const FullTensorOf& full_of) {
   const loom::Group tp = rank_.group_or_self("tp");
   const loom::Group ep = rank_.group_or_self("ep"), etp = rank_.group_or_self("etp");
   const size_t psize = loom::dtype_size(param_dtype_);
@@ -91,8 +96,10 @@ void ParamBuffers::initialise(int num_layers, uint64_t seed) {
   if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
 
   for (const ParamEntry& e : entries_) {
-    std::vector<float> full = init_full(e.decl.init, e.decl.init_std, num_layers, product(e.full_shape), seed,
-                                        e.tie_key.empty() ? e.name : e.tie_key);
+    std::vector<float> full = full_of(e);
+    if (static_cast<int64_t>(full.size()) != product(e.full_shape))
+      throw loom::Error("parameter " + e.name + ": a whole tensor of " + std::to_string(full.size()) +
+                        " elements for its " + std::to_string(product(e.full_shape)));
     std::vector<int64_t> shape = e.full_shape;
     if (e.expert && ep.size() > 1) {
       shape[0] /= ep.size();

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <functional>
 #include <vector>
 
 namespace loom::model {
@@ -37,6 +38,13 @@ class ParamBuffers {
   const BufferLayout& layout() const { return layout_; }
   const std::vector<ParamEntry>& entries() const { return entries_; }
   void zero_grads();
+  // Every parameter from its whole tensor, full_of(entry) (fp32, entry.full_shape,
+  // row-major): this rank's slice of it — its experts' block of dim 0 for an expert
+  // parameter, then its etp part (the tp part of any other) — stored in the parameter
+  // dtype (rounded to nearest even). The random initialisation is this with the init's
+  // tensors; a run that starts from given weights passes those.
+  using FullTensorOf = std::function<std::vector<float>(const ParamEntry&)>;
+  void assign(const FullTensorOf& full_of);
 
   // Per entry, in entries() order, for the optimizer:
   std::vector<loom_param_info> param_infos() const;

@@ -1,6 +1,5 @@
 #include "engine/train/gather.hpp"
 
-#include "engine/train/memory_plan.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <boost/filesystem.hpp>
@@ -33,42 +32,16 @@ struct DimSplit {
 
 // The split of each dim of parameter p on a rank: dim 0 over ep for an expert
 // parameter; its partition dim over tp (etp for experts) with its stride.
-std::vector<DimSplit> splits_of(const PlannedParam& p, const RankMemory& r) {
+std::vector<DimSplit> splits_of(const PlannedParam& p, const ShardCoords& at) {
   std::vector<DimSplit> s(p.full_shape.size());
   for (size_t d = 0; d < s.size(); ++d) s[d] = {p.full_shape[d], p.full_shape[d], 0};
-  if (p.expert) s[0] = {p.full_shape[0], p.local_shape[0], r.ep_rank};
+  if (p.expert) s[0] = {p.full_shape[0], p.local_shape[0], at.ep_rank};
   if (p.partition_dim >= 0 && p.partition_dim < static_cast<int32_t>(s.size())) {
     const size_t d = static_cast<size_t>(p.partition_dim);
     s[d] = {p.full_shape[d] / p.partition_stride, p.local_shape[d] / p.partition_stride,
-            p.expert ? r.etp_rank : r.tp_rank};
+            p.expert ? at.etp_rank : at.tp_rank};
   }
   return s;
-}
-
-// Copies a rank's shard (local_shape, row-major) into the whole tensor, marking the
-// elements it fills; rows of the last dim go in runs of `part` elements.
-void place(const PlannedParam& p, const RankMemory& r, const char* shard, size_t elem, WholeTensor& whole,
-           std::vector<bool>& filled) {
-  const std::vector<DimSplit> s = splits_of(p, r);
-  const size_t nd = p.local_shape.size();
-  if (nd == 0) return;
-  const int64_t cols = p.local_shape[nd - 1], run = s[nd - 1].part;
-  const int64_t rows = product(p.local_shape) / std::max<int64_t>(1, cols);
-  std::vector<int64_t> idx(nd, 0);  // the shard's index of the current row (last dim 0)
-  for (int64_t row = 0; row < rows; ++row) {
-    int64_t base = 0;  // the whole tensor's offset of the row's dims before the last
-    for (size_t d = 0; d + 1 < nd; ++d) base = base * p.full_shape[d] + s[d].whole(idx[d]);
-    for (int64_t c = 0; c < cols; c += run) {
-      const int64_t to = base * p.full_shape[nd - 1] + s[nd - 1].whole(c);
-      const int64_t from = row * cols + c;
-      std::memcpy(whole.data.data() + to * elem, shard + from * elem, static_cast<size_t>(run) * elem);
-      std::fill(filled.begin() + to, filled.begin() + to + run, true);
-    }
-    for (size_t d = nd - 1; d-- > 0;) {  // the next row's index
-      if (++idx[d] < p.local_shape[d]) break;
-      idx[d] = 0;
-    }
-  }
 }
 
 std::string read_text(const std::string& path) {
@@ -82,6 +55,26 @@ std::string read_text(const std::string& path) {
 }  // namespace
 
 int64_t WholeTensor::numel() const { return product(shape); }
+
+void for_each_shard_run(const PlannedParam& p, const ShardCoords& at,
+                        const std::function<void(int64_t local, int64_t whole, int64_t count)>& run) {
+  const std::vector<DimSplit> s = splits_of(p, at);
+  const size_t nd = p.local_shape.size();
+  if (nd == 0) return;
+  // Rows of the last dim go in runs of `part` elements (its split's contiguous piece).
+  const int64_t cols = p.local_shape[nd - 1], step = s[nd - 1].part;
+  const int64_t rows = product(p.local_shape) / std::max<int64_t>(1, cols);
+  std::vector<int64_t> idx(nd, 0);  // the shard's index of the current row (last dim 0)
+  for (int64_t row = 0; row < rows; ++row) {
+    int64_t base = 0;  // the whole tensor's offset of the row's dims before the last
+    for (size_t d = 0; d + 1 < nd; ++d) base = base * p.full_shape[d] + s[d].whole(idx[d]);
+    for (int64_t c = 0; c < cols; c += step) run(row * cols + c, base * p.full_shape[nd - 1] + s[nd - 1].whole(c), step);
+    for (size_t d = nd - 1; d-- > 0;) {  // the next row's index
+      if (++idx[d] < p.local_shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
 
 const WholeTensor* WholeCheckpoint::find(const std::string& name) const {
   for (const WholeTensor& t : tensors)
@@ -130,6 +123,7 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
         t.name = p.name;
         t.shape = p.full_shape;
         t.dtype = dtype;
+        t.tie_key = p.tie_key;
         t.data.assign(static_cast<size_t>(t.numel()) * elem, 0);
         out.tensors.push_back(std::move(t));
         filled.emplace_back(static_cast<size_t>(out.tensors.back().numel()), false);
@@ -137,7 +131,12 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
       WholeTensor& t = out.tensors[it->second];
       if (t.shape != p.full_shape)
         throw CheckpointError("checkpoint " + step_dir + ": parameter " + p.name + " has two shapes across ranks");
-      place(p, r, state.params.data() + r.layout.params[i].start * elem, elem, t, filled[it->second]);
+      const char* shard = state.params.data() + r.layout.params[i].start * elem;
+      std::vector<bool>& done = filled[it->second];
+      for_each_shard_run(p, {r.tp_rank, r.ep_rank, r.etp_rank}, [&](int64_t local, int64_t whole, int64_t n) {
+        std::memcpy(t.data.data() + whole * elem, shard + local * elem, static_cast<size_t>(n) * elem);
+        std::fill(done.begin() + whole, done.begin() + whole + n, true);
+      });
     }
   }
   for (size_t k = 0; k < out.tensors.size(); ++k)

@@ -10,8 +10,10 @@
 
 #include "engine/plugins/registry.hpp"
 #include "engine/train/checkpoint.hpp"
+#include "engine/train/memory_plan.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -22,6 +24,7 @@ struct WholeTensor {
   std::vector<int64_t> shape;  // the whole tensor's (padded vocabularies included)
   int32_t dtype = LOOM_DTYPE_F32;  // the checkpoint's parameter dtype (fp32 or bf16)
   std::vector<char> data;      // row-major
+  std::string tie_key;         // a tied parameter's key (loom_param_decl.tie_key), else ""
   int64_t numel() const;
 };
 
@@ -32,6 +35,17 @@ struct WholeCheckpoint {
   std::vector<WholeTensor> tensors;  // model order, each name once
   const WholeTensor* find(const std::string& name) const;
 };
+
+// Where a rank's shard of a parameter sits in the whole tensor: the rank's tp rank, and
+// for an expert parameter its ep and expert-tp ranks.
+struct ShardCoords {
+  int tp_rank = 0, ep_rank = 0, etp_rank = 0;
+};
+// Calls run(local, whole, count) for each contiguous run of the shard `p` describes
+// (its local_shape, row-major): `count` elements at element `local` of the shard are
+// elements [whole, whole + count) of the whole tensor (full_shape).
+void for_each_shard_run(const PlannedParam& p, const ShardCoords& at,
+                        const std::function<void(int64_t local, int64_t whole, int64_t count)>& run);
 
 // Reads step_dir (a step_N directory) with the plugins of `registry` (the layer plugins
 // the checkpoint's manifest names must be loaded). Throws CheckpointError naming what

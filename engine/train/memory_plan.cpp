@@ -280,7 +280,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         rm.params += e.numel;
         rm.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
                               .partition_dim = e.decl.partition_dim,
-                              .partition_stride = std::max(1, e.decl.partition_stride), .expert = e.expert});
+                              .partition_stride = std::max(1, e.decl.partition_stride), .expert = e.expert,
+                              .tie_key = e.tie_key});
       }
       rm.param_count = cp.entries.size();
       rm.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);

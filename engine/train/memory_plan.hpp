@@ -23,6 +23,7 @@ struct PlannedParam {
   std::vector<int64_t> full_shape, local_shape;
   int32_t partition_dim = -1, partition_stride = 1;  // split over tp (etp for an expert parameter)
   bool expert = false;                               // dim 0 split over ep
+  std::string tie_key;                               // shared with another layer's parameter
 };
 
 struct RankMemory {

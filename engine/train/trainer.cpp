@@ -45,6 +45,7 @@ struct Run {
   std::mutex mu;
   TrainResult result;
   std::vector<pipeline::TraceEvent> trace_events;
+  std::shared_ptr<const InitialWeights> init_weights;  // checkpoint.init_weights, read once for every rank
 };
 
 // The "a non-finite loss stops the run" error, as Megatron-LM's check for NaN in
@@ -124,10 +125,13 @@ std::unique_ptr<model::Model> RankTraining::create_model(const Run& run, runtime
   loom::check(plan.exec->exec()->create(exec_options.raw(), &rt, &exec));
   rt.set_exec(plan.exec->exec(), exec);
   const loom_model_dims dims = model::model_dims(plan.config, run.vocab, plan.sizes.tp);
-  return std::make_unique<model::Model>(
+  auto model = std::make_unique<model::Model>(
       plan.config, *plan.registry, rt, dims,
       pipeline::local_chunks(plan.chunks, plan.sizes.pp, rt.group_or_self("pp").rank()),
       static_cast<uint64_t>(plan.config.run.seed));
+  // Given weights replace the random ones before the optimizer takes its master copy.
+  if (run.init_weights) load_initial_weights(*run.init_weights, run.vocab, *model);
+  return model;
 }
 
 // The rank's real timeline: the executor's steps and p2p, and its collectives.
@@ -308,6 +312,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume, plan.manifest.to_toml(),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.result.start_step = run.start_step;
+  if (!resume && !config.checkpoint.init_weights.empty()) {
+    if (!options.read_init_weights)
+      throw loom::Error("checkpoint.init_weights = \"" + config.checkpoint.init_weights +
+                        "\": this caller of train() reads no weights (TrainOptions::read_init_weights; `loom run` does)");
+    run.init_weights = std::make_shared<const InitialWeights>(options.read_init_weights(checked.vocab));
+  }
 
   runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;

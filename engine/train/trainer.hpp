@@ -7,10 +7,12 @@
 
 #include "engine/model/model.hpp"
 #include "engine/train/metrics.hpp"
+#include "engine/train/init_weights.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <iosfwd>
 #include <map>
 #include <string>
@@ -26,6 +28,10 @@ struct TrainOptions {
   std::string trace_file;                    // Chrome trace of every rank's real timeline
   // Called on every rank after each step (tests compare parameters step by step).
   std::function<void(int64_t step, int rank, const model::Model&)> on_step;
+  // checkpoint.init_weights: reads the weights a run that does not resume starts from,
+  // given the run's vocabulary (the CLI reads loom checkpoints and Hugging Face
+  // directories, engine/interop). Called once, before any rank starts.
+  std::function<InitialWeights(int64_t vocab)> read_init_weights;
 };
 
 struct TrainResult {

@@ -1,9 +1,10 @@
-// loom checkpoints as Hugging Face transformers models: `loom export CHECKPOINT --format hf
-// OUTDIR` writes model.safetensors and config.json that transformers' GPT2LMHeadModel
+// loom models as Hugging Face transformers models and back. `loom export CHECKPOINT
+// --format hf OUTDIR` writes model.safetensors and config.json that transformers' GPT2LMHeadModel
 // (blocks of layer/attention + layer/mlp with LayerNorm, GeLU, biases and learned
 // positions: GPT-2) or LlamaForCausalLM (RMSNorm, SwiGLU, no biases, rotary embeddings,
 // grouped-query attention: Llama) loads, from any parallel layout (the shards are
-// gathered by engine/train/gather.hpp).
+// gathered by engine/train/gather.hpp); checkpoint.init_weights = "DIR" starts a run of
+// the same architecture from such a directory (read_hf, the same mapping backwards).
 //
 // Names and layouts (transformers' modeling_gpt2.py and modeling_llama.py):
 //   GPT-2  transformer.wte.weight [V, C] (the padded vocabulary's rows dropped),
@@ -23,6 +24,8 @@
 #include "engine/interop/safetensors.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/train/gather.hpp"
+#include "engine/train/init_weights.hpp"
+#include "engine/train/run_plan.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -44,5 +47,16 @@ HfModel to_hf(const train::WholeCheckpoint& ckpt, plugins::Registry& registry);
 // Gathers step_dir and writes out_dir/{model.safetensors, config.json} (out_dir is
 // created; existing files there are replaced). Returns what it wrote.
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry);
+
+// A Hugging Face model directory (config.json, model.safetensors: F32 or BF16; names with
+// or without GPT-2's "transformer." prefix) as the whole tensors of `plan`'s model, in
+// loom's names and layouts. Throws std::runtime_error naming what does not match the
+// plan (architecture, sizes, vocabulary: model.vocab_size must be the model's).
+train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan, int64_t vocab);
+
+// checkpoint.init_weights: a Hugging Face directory (it has config.json), else a loom
+// checkpoint (a step_N directory, or a checkpoint.dir: its newest step) gathered.
+train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,
+                                           plugins::Registry& registry);
 
 }  // namespace loom::interop

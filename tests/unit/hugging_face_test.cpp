@@ -1,15 +1,16 @@
-// `loom export --format hf`: a checkpoint written at tp 2 x pp 2 (and dp 2), gathered
-// and exported, is read back from model.safetensors and config.json by forwards written
+// Hugging Face interoperability. `loom export --format hf`: a checkpoint written at tp 2 x
+// pp 2 (and dp 2), gathered and exported, is read back from model.safetensors and config.json by forwards written
 // here from transformers' model definitions (modeling_gpt2.py: Conv1D [in, out], fused
 // c_attn [q | k | v], gelu_new; modeling_llama.py: nn.Linear [out, in], RMSNorm,
 // rotate-half RoPE, grouped KV heads shared by consecutive query heads, SwiGLU), in
 // double precision. Their loss on a batch equals loom's serial model's loss with the
 // checkpoint's gathered parameters: the shards were put together right and the names,
-// transposes and QKV cuts mean what transformers means by them. And the safetensors
-// reader refuses malformed headers.
+// transposes and QKV cuts mean what transformers means by them. checkpoint.init_weights
+// reads such a directory back bit for bit, and runs of any layout start from it with the
+// same loss. And the safetensors reader refuses malformed headers.
 #include "support/train_fixture.hpp"
 
-#include "engine/interop/hf_export.hpp"
+#include "engine/interop/hugging_face.hpp"
 #include "engine/interop/safetensors.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/data.hpp"
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <set>
 
 namespace {
 
@@ -304,6 +306,105 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
     EXPECT_NE(std::string(e.what()).find("neither GPT-2's"), std::string::npos) << e.what();
   }
   fs::remove_all(dir);
+}
+
+// ---- checkpoint.init_weights ---------------------------------------------------------
+
+const std::vector<std::string>& llama() {
+  static const std::vector<std::string> o = {
+      "model.tie_embeddings=false", "model.num_heads=4", "model.ffn_hidden_size=48",
+      "model.layer.embedding.position_embedding=\"rope\"", "model.layer.attention.position_embedding=\"rope\"",
+      "model.layer.attention.num_query_groups=2", "model.layer.attention.norm=\"rmsnorm\"",
+      "model.layer.attention.bias=false", "model.layer.attention.rotary_base=500000.0", "model.layer.mlp.norm=\"rmsnorm\"",
+      "model.layer.mlp.activation=\"swiglu\"", "model.layer.mlp.bias=false", "model.layer.lm_head.norm=\"rmsnorm\""};
+  return o;
+}
+
+// The run of `overrides` (4 blocks) starting from `weights`: its losses.
+std::vector<double> losses_from(std::vector<std::string> overrides, const std::string& weights, int steps = 2) {
+  overrides.insert(overrides.end(), {"model.num_layers=4", "run.steps=" + std::to_string(steps)});
+  if (!weights.empty()) overrides.push_back("checkpoint.init_weights=\"" + weights + "\"");
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
+  loom::train::TrainOptions opts;
+  opts.read_init_weights = [&](int64_t vocab) {
+    return loom::interop::read_initial_weights(weights, plan, vocab, loom::plugins::registry());
+  };
+  std::vector<double> out;
+  for (const auto& s : loom::train::train(plan, opts).steps) out.push_back(s.loss);
+  return out;
+}
+
+// Export, then read back: the same tensors, bit for bit (the vocabulary tables' real rows).
+void check_round_trip(const std::vector<std::string>& model) {
+  const std::string dir = scratch("rt"), out = scratch("rt-out");
+  const std::string step = parallel_checkpoint(model, dir);
+  loom::interop::export_hf(step, out, loom::plugins::registry());
+  const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
+  std::vector<std::string> o = model;
+  o.push_back("model.num_layers=4");
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+  const loom::train::InitialWeights back = loom::interop::read_hf(out, plan, ck.vocab);
+  size_t compared = 0;
+  for (const loom::train::WholeTensor& t : back.tensors) {
+    const loom::train::WholeTensor* want = ck.find(t.name);
+    ASSERT_NE(want, nullptr) << t.name;
+    ASSERT_LE(t.data.size(), want->data.size()) << t.name;
+    EXPECT_EQ(0, std::memcmp(t.data.data(), want->data.data(), t.data.size())) << t.name << " differs after the round trip";
+    EXPECT_EQ(t.shape[0] == want->shape[0], t.data.size() == want->data.size()) << t.name;
+    ++compared;
+  }
+  std::set<std::string> ties;  // a tied copy another stage holds is one tensor of the export
+  size_t distinct = 0;
+  for (const loom::train::WholeTensor& t : ck.tensors) distinct += t.tie_key.empty() || ties.insert(t.tie_key).second;
+  EXPECT_EQ(compared, distinct);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
+
+TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
+TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
+
+// A run of another layout (serial; tp 2 with SP; pp 2 x dp 2) started from the export of a
+// tp 2 x pp 2 x dp 2 checkpoint, or from the checkpoint itself, has the same first loss,
+// not the random initialisation's.
+TEST(HfImport, RunsOfAnyLayoutStartFromTheExportedWeights) {
+  for (const std::vector<std::string>& model : {std::vector<std::string>{}, llama()}) {
+    const std::string dir = scratch("ft"), out = scratch("ft-out");
+    const std::string step = parallel_checkpoint(model, dir);
+    loom::interop::export_hf(step, out, loom::plugins::registry());
+    const double random = losses_from(model, "")[0];
+    const double serial = losses_from(model, out)[0];
+    EXPECT_GT(std::fabs(serial - random), 1e-3) << "the run did not start from the given weights";
+    std::vector<std::string> tp_sp = model, pp_dp = model;
+    tp_sp.insert(tp_sp.end(), {"parallel.tp=2", "parallel.sequence_parallel=true"});
+    pp_dp.insert(pp_dp.end(), {"parallel.pp=2", "parallel.dp=2"});
+    EXPECT_NEAR(losses_from(tp_sp, out)[0], serial, 1e-5 * serial);
+    EXPECT_NEAR(losses_from(pp_dp, out)[0], serial, 1e-5 * serial);
+    EXPECT_EQ(losses_from(model, step)[0], serial) << "the loom checkpoint and its export differ";
+    fs::remove_all(dir);
+    fs::remove_all(out);
+  }
+}
+
+TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {
+  const std::string dir = scratch("bad"), out = scratch("bad-out");
+  loom::interop::export_hf(parallel_checkpoint({}, dir), out, loom::plugins::registry());
+  auto refusal = [&](std::vector<std::string> o) {
+    try {
+      losses_from(o, out, 1);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(llama()).find("architecture GPT2LMHeadModel, but the manifest's blocks are LlamaForCausalLM's"),
+            std::string::npos);
+  EXPECT_NE(refusal({"model.hidden_size=64"}).find("n_embd = 32 but the model's model.hidden_size is 64"),
+            std::string::npos);
+  EXPECT_NE(refusal({"model.vocab_size=20"}).find("set model.vocab_size = "), std::string::npos);
+  EXPECT_EQ(refusal({}), "");  // and the matching model starts
+  fs::remove_all(dir);
+  fs::remove_all(out);
 }
 
 // ---- safetensors ------------------------------------------------------------------

@@ -1,0 +1,483 @@
+#include "engine/interop/hugging_face.hpp"
+
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <map>
+
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+namespace loom::interop {
+
+namespace {
+
+using train::WholeTensor;
+
+// A [rows, cols] matrix of `elem`-byte elements.
+struct Matrix {
+  int64_t rows = 0, cols = 0;
+  size_t elem = 4;
+  std::vector<char> data;
+};
+
+Matrix matrix_of(const WholeTensor& t) {
+  Matrix m;
+  m.elem = t.dtype == LOOM_DTYPE_BF16 ? 2 : 4;
+  m.rows = t.shape.size() > 1 ? t.shape[0] : 1;  // a vector is one row
+  m.cols = t.numel() / std::max<int64_t>(1, m.rows);
+  m.data = t.data;
+  return m;
+}
+
+// Columns [c0, c0 + n) of m.
+Matrix columns(const Matrix& m, int64_t c0, int64_t n) {
+  Matrix out{m.rows, n, m.elem, std::vector<char>(static_cast<size_t>(m.rows * n) * m.elem)};
+  for (int64_t r = 0; r < m.rows; ++r)
+    std::memcpy(out.data.data() + r * n * m.elem, m.data.data() + (r * m.cols + c0) * m.elem,
+                static_cast<size_t>(n) * m.elem);
+  return out;
+}
+
+// Columns of m taken in `pieces`: (first column, count) each, side by side.
+Matrix gather_columns(const Matrix& m, const std::vector<std::pair<int64_t, int64_t>>& pieces) {
+  int64_t n = 0;
+  for (const auto& p : pieces) n += p.second;
+  Matrix out{m.rows, n, m.elem, std::vector<char>(static_cast<size_t>(m.rows * n) * m.elem)};
+  int64_t at = 0;
+  for (const auto& [c0, count] : pieces) {
+    const Matrix part = columns(m, c0, count);
+    for (int64_t r = 0; r < m.rows; ++r)
+      std::memcpy(out.data.data() + (r * n + at) * m.elem, part.data.data() + r * count * m.elem,
+                  static_cast<size_t>(count) * m.elem);
+    at += count;
+  }
+  return out;
+}
+
+Matrix transposed(const Matrix& m) {
+  Matrix out{m.cols, m.rows, m.elem, std::vector<char>(m.data.size())};
+  for (int64_t r = 0; r < m.rows; ++r)
+    for (int64_t c = 0; c < m.cols; ++c)
+      std::memcpy(out.data.data() + (c * m.rows + r) * m.elem, m.data.data() + (r * m.cols + c) * m.elem, m.elem);
+  return out;
+}
+
+class Builder {
+ public:
+  Builder(const train::WholeCheckpoint& ck) : ck_(ck) {}
+
+  const WholeTensor& get(const std::string& name) const {
+    const WholeTensor* t = ck_.find(name);
+    if (t == nullptr) throw std::runtime_error("the checkpoint has no parameter " + name);
+    return *t;
+  }
+  std::string dtype() const { return ck_.meta.param_dtype == "bf16" ? "BF16" : "F32"; }
+
+  // A tensor as it is (vectors, Conv1D weights).
+  void as_is(const std::string& to, const std::string& from) {
+    const WholeTensor& t = get(from);
+    out_.push_back({to, dtype(), t.shape, t.data});
+  }
+  void matrix(const std::string& to, const Matrix& m) {
+    out_.push_back({to, dtype(), {m.rows, m.cols}, m.data});
+  }
+  // An embedding table without the padded vocabulary's rows.
+  void vocab_rows(const std::string& to, const std::string& from, int64_t vocab) {
+    const WholeTensor& t = get(from);
+    const size_t row = static_cast<size_t>(t.shape[1]) * (t.dtype == LOOM_DTYPE_BF16 ? 2 : 4);
+    out_.push_back({to, dtype(), {vocab, t.shape[1]}, std::vector<char>(t.data.begin(), t.data.begin() + vocab * row)});
+  }
+  std::vector<NamedTensor> take() { return std::move(out_); }
+
+ private:
+  const train::WholeCheckpoint& ck_;
+  std::vector<NamedTensor> out_;
+};
+
+std::string option_string(const toml::table& t, const char* key, const std::string& fallback) {
+  return t[key].value_or(fallback);
+}
+
+// What the blocks are, from the layer options (defaults as the plugins declare them).
+struct Shape {
+  bool gpt2 = false, llama = false;
+  int64_t groups = 0;
+  double theta = 10000.0, eps = 1e-5;
+};
+
+Shape shape_of(const train::RunPlan& plan) {
+  const manifest::RunConfig& c = plan.config;
+  const std::vector<model::LayerSpec>& L = plan.layers;
+  std::string layers;
+  for (const auto& s : L) layers += (layers.empty() ? "" : ", ") + s.plugin;
+  bool blocks_ok = L.size() >= 4 && L.front().plugin == "embedding" && L.back().plugin == "lm_head" &&
+                   (L.size() - 2) % 2 == 0;
+  for (size_t i = 1; blocks_ok && i + 1 < L.size(); ++i)
+    blocks_ok = L[i].plugin == ((i % 2 == 1) ? "attention" : "mlp");
+  if (!blocks_ok)
+    throw std::runtime_error("only models of embedding, blocks of attention + mlp, and lm_head have a Hugging Face "
+                             "counterpart here; this one's layers are: " + layers);
+  const toml::table &emb = c.model.layer_section(L[0].config), &att = c.model.layer_section(L[1].config),
+                    &mlp = c.model.layer_section(L[2].config), &head = c.model.layer_section(L.back().config);
+  Shape s;
+  const bool rope = option_string(att, "position_embedding", "learned_absolute") == "rope";
+  const bool rms = option_string(att, "norm", "layernorm") == "rmsnorm";
+  const bool att_bias = att["bias"].value_or(true), mlp_bias = mlp["bias"].value_or(true);
+  const bool swiglu = option_string(mlp, "activation", "gelu") == "swiglu";
+  const bool mlp_rms = option_string(mlp, "norm", "layernorm") == "rmsnorm";
+  const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
+  const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
+  s.groups = att["num_query_groups"].value_or(int64_t{0});
+  s.theta = att["rotary_base"].value_or(10000.0);
+  s.eps = att["norm_epsilon"].value_or(1e-5);
+  if (!rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
+      (s.groups == 0 || s.groups == c.model.num_heads))
+    s.gpt2 = true;
+  else if (rope && emb_rope && rms && mlp_rms && head_rms && swiglu && !att_bias && !mlp_bias)
+    s.llama = true;
+  else
+    throw std::runtime_error(
+        "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions) nor Llama's (rmsnorm, swiglu, "
+        "bias = false, rope in the embedding and attention): no Hugging Face architecture matches them");
+  if (s.llama && att["rotary_percent"].value_or(1.0) != 1.0)
+    throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no LlamaForCausalLM counterpart");
+  return s;
+}
+
+}  // namespace
+
+HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
+  const train::RunPlan plan =
+      train::make_plan(manifest::Manifest::parse(ck.manifest_toml, "the checkpoint's manifest.toml"), registry);
+  const manifest::RunConfig& c = plan.config;
+  const Shape s = shape_of(plan);
+  const int64_t C = c.model.hidden_size, H = c.model.num_heads, F = c.model.ffn_hidden_size, V = ck.vocab;
+  const int64_t Lyr = c.model.num_layers, D = C / H, T = c.model.seq_length;
+  const bool tied = c.model.tie_embeddings;
+  Builder b(ck);
+  HfModel hf;
+  const std::string torch_dtype = ck.meta.param_dtype == "bf16" ? "bfloat16" : "float32";
+  if (s.gpt2) {
+    hf.architecture = "GPT2LMHeadModel";
+    b.vocab_rows("transformer.wte.weight", "embedding.word.weight", V);
+    b.as_is("transformer.wpe.weight", "embedding.pos.weight");
+    for (int64_t i = 0; i < Lyr; ++i) {
+      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
+      const std::string h = "transformer.h." + std::to_string(i) + ".";
+      b.as_is(h + "ln_1.weight", at + "ln.weight");
+      b.as_is(h + "ln_1.bias", at + "ln.bias");
+      b.as_is(h + "attn.c_attn.weight", at + "qkv.weight");  // [C, 3C], columns [q | k | v]
+      b.as_is(h + "attn.c_attn.bias", at + "qkv.bias");
+      b.as_is(h + "attn.c_proj.weight", at + "proj.weight");
+      b.as_is(h + "attn.c_proj.bias", at + "proj.bias");
+      b.as_is(h + "ln_2.weight", ml + "ln.weight");
+      b.as_is(h + "ln_2.bias", ml + "ln.bias");
+      b.as_is(h + "mlp.c_fc.weight", ml + "fc1.weight");
+      b.as_is(h + "mlp.c_fc.bias", ml + "fc1.bias");
+      b.as_is(h + "mlp.c_proj.weight", ml + "fc2.weight");
+      b.as_is(h + "mlp.c_proj.bias", ml + "fc2.bias");
+    }
+    b.as_is("transformer.ln_f.weight", "lm_head.ln.weight");
+    b.as_is("transformer.ln_f.bias", "lm_head.ln.bias");
+    if (!tied) b.vocab_rows("lm_head.weight", "lm_head.word.weight", V);
+    hf.config = {{"architectures", {hf.architecture}}, {"model_type", "gpt2"}, {"vocab_size", V},
+                 {"n_positions", T}, {"n_embd", C}, {"n_layer", Lyr}, {"n_head", H},
+                 {"n_inner", F}, {"activation_function", "gelu_new"}, {"layer_norm_epsilon", s.eps},
+                 {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0},
+                 {"tie_word_embeddings", tied}, {"torch_dtype", torch_dtype}};
+  } else {
+    hf.architecture = "LlamaForCausalLM";
+    const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G;
+    b.vocab_rows("model.embed_tokens.weight", "embedding.word.weight", V);
+    for (int64_t i = 0; i < Lyr; ++i) {
+      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
+      const std::string h = "model.layers." + std::to_string(i) + ".";
+      b.as_is(h + "input_layernorm.weight", at + "ln.weight");
+      const Matrix qkv = matrix_of(b.get(at + "qkv.weight"));  // [C, cols]
+      std::vector<std::pair<int64_t, int64_t>> q, k, v;
+      if (G < H) {  // per group: its hg query heads, its key head, its value head
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t g0 = g * (hg + 2) * D;
+          q.push_back({g0, hg * D});
+          k.push_back({g0 + hg * D, D});
+          v.push_back({g0 + (hg + 1) * D, D});
+        }
+      } else {  // [q | k | v]
+        q.push_back({0, C});
+        k.push_back({C, C});
+        v.push_back({2 * C, C});
+      }
+      b.matrix(h + "self_attn.q_proj.weight", transposed(gather_columns(qkv, q)));
+      b.matrix(h + "self_attn.k_proj.weight", transposed(gather_columns(qkv, k)));
+      b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
+      b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
+      b.as_is(h + "post_attention_layernorm.weight", ml + "ln.weight");
+      const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
+      b.matrix(h + "mlp.gate_proj.weight", transposed(columns(fc1, 0, F)));
+      b.matrix(h + "mlp.up_proj.weight", transposed(columns(fc1, F, F)));
+      b.matrix(h + "mlp.down_proj.weight", transposed(matrix_of(b.get(ml + "fc2.weight"))));
+    }
+    b.as_is("model.norm.weight", "lm_head.ln.weight");
+    if (!tied) b.vocab_rows("lm_head.weight", "lm_head.word.weight", V);
+    hf.config = {{"architectures", {hf.architecture}}, {"model_type", "llama"}, {"vocab_size", V},
+                 {"hidden_size", C}, {"intermediate_size", F}, {"num_hidden_layers", Lyr},
+                 {"num_attention_heads", H}, {"num_key_value_heads", G}, {"head_dim", D},
+                 {"hidden_act", "silu"}, {"max_position_embeddings", T}, {"rms_norm_eps", s.eps},
+                 {"rope_theta", s.theta}, {"attention_bias", false}, {"mlp_bias", false},
+                 {"tie_word_embeddings", tied}, {"torch_dtype", torch_dtype}};
+  }
+  hf.tensors = b.take();
+  return hf;
+}
+
+HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry) {
+  const train::WholeCheckpoint ck = train::gather_checkpoint(step_dir, registry);
+  HfModel hf = to_hf(ck, registry);
+  boost::filesystem::create_directories(out_dir);
+  write_safetensors((boost::filesystem::path(out_dir) / "model.safetensors").string(), hf.tensors,
+                    {{"format", "pt"}, {"loom_checkpoint", step_dir}});
+  const std::string config = (boost::filesystem::path(out_dir) / "config.json").string();
+  std::ofstream out(config + ".tmp");
+  out << hf.config.dump(2) << "\n";
+  out.close();
+  if (!out) throw std::runtime_error("cannot write " + config);
+  boost::filesystem::rename(config + ".tmp", config);
+  return hf;
+}
+
+
+namespace {
+
+// model.safetensors' tensors by name; "transformer." is optional (GPT-2's files on the
+// Hub carry GPT2Model's names).
+class HfTensors {
+ public:
+  HfTensors(const std::string& dir) : dir_(dir) {
+    for (NamedTensor& t : read_safetensors((boost::filesystem::path(dir) / "model.safetensors").string()).tensors) {
+      if (t.dtype != "F32" && t.dtype != "BF16")
+        throw std::runtime_error(dir + "/model.safetensors: tensor " + t.name + " is " + t.dtype +
+                                 "; F32 and BF16 are read");
+      if (!dtype_.empty() && t.dtype != dtype_)
+        throw std::runtime_error(dir + "/model.safetensors mixes " + dtype_ + " and " + t.dtype +
+                                 " tensors; one dtype is read");
+      dtype_ = t.dtype;
+      std::string name = t.name;
+      by_name_[name] = std::move(t);
+    }
+  }
+  int32_t dtype() const { return dtype_ == "BF16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32; }
+  const NamedTensor& get(const std::string& name, const std::vector<int64_t>& shape) const {
+    const NamedTensor* t = find(name);
+    if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
+    if (t->shape != shape) {
+      std::string want, got;
+      for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
+      for (int64_t d : t->shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
+      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is [" + got + "], the model needs [" + want + "]");
+    }
+    return *t;
+  }
+
+ private:
+  const NamedTensor* find(const std::string& name) const {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end() && name.rfind("transformer.", 0) == 0) it = by_name_.find(name.substr(12));
+    return it == by_name_.end() ? nullptr : &it->second;
+  }
+  std::string dir_, dtype_;
+  std::map<std::string, NamedTensor> by_name_;
+};
+
+Matrix matrix_of(const NamedTensor& t) {
+  Matrix m;
+  m.elem = t.dtype == "BF16" ? 2 : 4;
+  m.rows = t.shape.size() > 1 ? t.shape[0] : 1;
+  m.cols = t.shape.size() > 1 ? t.shape[1] : t.shape[0];
+  m.data = t.data;
+  return m;
+}
+
+// Side by side: the columns of each matrix in turn (all of one row count).
+Matrix concat_columns(const std::vector<Matrix>& parts) {
+  Matrix out{parts.front().rows, 0, parts.front().elem, {}};
+  for (const Matrix& p : parts) out.cols += p.cols;
+  out.data.resize(static_cast<size_t>(out.rows * out.cols) * out.elem);
+  int64_t at = 0;
+  for (const Matrix& p : parts) {
+    for (int64_t r = 0; r < p.rows; ++r)
+      std::memcpy(out.data.data() + (r * out.cols + at) * out.elem, p.data.data() + r * p.cols * p.elem,
+                  static_cast<size_t>(p.cols) * p.elem);
+    at += p.cols;
+  }
+  return out;
+}
+
+class Collector {
+ public:
+  explicit Collector(int32_t dtype) : dtype_(dtype) {}
+  void add(const std::string& name, const std::vector<int64_t>& shape, std::vector<char> data,
+           const std::string& tie_key = "") {
+    train::WholeTensor t;
+    t.name = name;
+    t.shape = shape;
+    t.dtype = dtype_;
+    t.data = std::move(data);
+    t.tie_key = tie_key;
+    out_.push_back(std::move(t));
+  }
+  void add(const std::string& name, const Matrix& m) { add(name, {m.rows, m.cols}, m.data); }
+  void add(const std::string& name, const NamedTensor& t, const std::string& tie_key = "") {
+    add(name, t.shape, t.data, tie_key);
+  }
+  std::vector<train::WholeTensor> take() { return std::move(out_); }
+
+ private:
+  int32_t dtype_;
+  std::vector<train::WholeTensor> out_;
+};
+
+int64_t config_int(const nlohmann::json& c, const char* key, const std::string& where) {
+  if (!c.contains(key) || !c[key].is_number_integer())
+    throw std::runtime_error(where + " has no integer " + key);
+  return c[key].get<int64_t>();
+}
+
+void require_equal(int64_t hf, int64_t loom, const std::string& hf_key, const std::string& loom_key,
+                   const std::string& where) {
+  if (hf != loom)
+    throw std::runtime_error(where + ": " + hf_key + " = " + std::to_string(hf) + " but the model's " + loom_key +
+                             " is " + std::to_string(loom) + "; set " + loom_key + " = " + std::to_string(hf));
+}
+
+}  // namespace
+
+train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan, int64_t vocab) {
+  const std::string where = (boost::filesystem::path(dir) / "config.json").string();
+  nlohmann::json c;
+  {
+    std::ifstream in(where);
+    if (!in) throw std::runtime_error("cannot read " + where);
+    try {
+      in >> c;
+    } catch (const nlohmann::json::exception& e) {
+      throw std::runtime_error(where + " is not JSON: " + e.what());
+    }
+  }
+  const manifest::RunConfig& m = plan.config;
+  const Shape s = shape_of(plan);
+  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
+                               ? c["architectures"][0].get<std::string>()
+                               : std::string("(none)");
+  const std::string want_arch = s.gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  if (arch != want_arch)
+    throw std::runtime_error(where + ": architecture " + arch + ", but the manifest's blocks are " + want_arch + "'s");
+  const int64_t C = m.model.hidden_size, H = m.model.num_heads, F = m.model.ffn_hidden_size, L = m.model.num_layers;
+  const int64_t T = m.model.seq_length, D = C / H;
+  const bool tied = m.model.tie_embeddings;
+  const bool hf_tied = c.value("tie_word_embeddings", true);
+  HfTensors hf(dir);
+  Collector out(hf.dtype());
+  require_equal(config_int(c, "vocab_size", where), vocab, "vocab_size", "model.vocab_size", where);
+  if (!hf_tied && tied)
+    throw std::runtime_error(where + ": the model has its own lm_head.weight (tie_word_embeddings false); set "
+                             "model.tie_embeddings = false");
+  const std::string tie = tied ? "word_embedding" : "";
+  if (s.gpt2) {
+    require_equal(config_int(c, "n_embd", where), C, "n_embd", "model.hidden_size", where);
+    require_equal(config_int(c, "n_layer", where), L, "n_layer", "model.num_layers", where);
+    require_equal(config_int(c, "n_head", where), H, "n_head", "model.num_heads", where);
+    const int64_t inner = c.contains("n_inner") && c["n_inner"].is_number_integer() ? c["n_inner"].get<int64_t>() : 4 * C;
+    require_equal(inner, F, "n_inner", "model.ffn_hidden_size", where);
+    const int64_t positions = config_int(c, "n_positions", where);
+    if (positions < T)
+      throw std::runtime_error(where + ": n_positions = " + std::to_string(positions) + " is shorter than model.seq_length = " +
+                               std::to_string(T));
+    out.add("embedding.word.weight", hf.get("transformer.wte.weight", {vocab, C}), tie);
+    const NamedTensor& wpe = hf.get("transformer.wpe.weight", {positions, C});
+    out.add("embedding.pos.weight", {T, C},
+            std::vector<char>(wpe.data.begin(), wpe.data.begin() + static_cast<std::ptrdiff_t>(T * C * matrix_of(wpe).elem)));
+    for (int64_t i = 0; i < L; ++i) {
+      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
+      const std::string h = "transformer.h." + std::to_string(i) + ".";
+      out.add(at + "ln.weight", hf.get(h + "ln_1.weight", {C}));
+      out.add(at + "ln.bias", hf.get(h + "ln_1.bias", {C}));
+      out.add(at + "qkv.weight", hf.get(h + "attn.c_attn.weight", {C, 3 * C}));
+      out.add(at + "qkv.bias", hf.get(h + "attn.c_attn.bias", {3 * C}));
+      out.add(at + "proj.weight", hf.get(h + "attn.c_proj.weight", {C, C}));
+      out.add(at + "proj.bias", hf.get(h + "attn.c_proj.bias", {C}));
+      out.add(ml + "ln.weight", hf.get(h + "ln_2.weight", {C}));
+      out.add(ml + "ln.bias", hf.get(h + "ln_2.bias", {C}));
+      out.add(ml + "fc1.weight", hf.get(h + "mlp.c_fc.weight", {C, F}));
+      out.add(ml + "fc1.bias", hf.get(h + "mlp.c_fc.bias", {F}));
+      out.add(ml + "fc2.weight", hf.get(h + "mlp.c_proj.weight", {F, C}));
+      out.add(ml + "fc2.bias", hf.get(h + "mlp.c_proj.bias", {C}));
+    }
+    out.add("lm_head.ln.weight", hf.get("transformer.ln_f.weight", {C}));
+    out.add("lm_head.ln.bias", hf.get("transformer.ln_f.bias", {C}));
+    if (!tied) out.add("lm_head.word.weight", hf.get(hf_tied ? "transformer.wte.weight" : "lm_head.weight", {vocab, C}));
+  } else {
+    const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G;
+    require_equal(config_int(c, "hidden_size", where), C, "hidden_size", "model.hidden_size", where);
+    require_equal(config_int(c, "num_hidden_layers", where), L, "num_hidden_layers", "model.num_layers", where);
+    require_equal(config_int(c, "num_attention_heads", where), H, "num_attention_heads", "model.num_heads", where);
+    require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
+    require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : H, G,
+                  "num_key_value_heads", "model.layer.attention.num_query_groups", where);
+    if (c.contains("rope_theta") && c["rope_theta"].is_number() && c["rope_theta"].get<double>() != s.theta)
+      throw std::runtime_error(where + ": rope_theta = " + std::to_string(c["rope_theta"].get<double>()) +
+                               " but the model's rotary_base is " + std::to_string(s.theta) +
+                               "; set model.layer.attention.rotary_base to it");
+    out.add("embedding.word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
+    for (int64_t i = 0; i < L; ++i) {
+      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
+      const std::string h = "model.layers." + std::to_string(i) + ".";
+      out.add(at + "ln.weight", hf.get(h + "input_layernorm.weight", {C}));
+      const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
+      const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
+      const Matrix v = transposed(matrix_of(hf.get(h + "self_attn.v_proj.weight", {G * D, C})));
+      std::vector<Matrix> parts;
+      if (G < H) {  // per group: its hg query heads, its key head, its value head
+        for (int64_t g = 0; g < G; ++g) {
+          parts.push_back(columns(q, g * hg * D, hg * D));
+          parts.push_back(columns(k, g * D, D));
+          parts.push_back(columns(v, g * D, D));
+        }
+      } else {
+        parts = {q, k, v};
+      }
+      out.add(at + "qkv.weight", concat_columns(parts));
+      out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
+      out.add(ml + "ln.weight", hf.get(h + "post_attention_layernorm.weight", {C}));
+      out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
+                                                  transposed(matrix_of(hf.get(h + "mlp.up_proj.weight", {F, C})))}));
+      out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));
+    }
+    out.add("lm_head.ln.weight", hf.get("model.norm.weight", {C}));
+    if (!tied) out.add("lm_head.word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
+  }
+  return {dir, out.take()};
+}
+
+train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,
+                                           plugins::Registry& registry) {
+  namespace fs = boost::filesystem;
+  if (fs::exists(fs::path(path) / "config.json")) return read_hf(path, plan, vocab);
+  std::string step = path;
+  if (!fs::exists(fs::path(path) / "meta.toml")) {
+    if (!fs::is_directory(path))
+      throw std::runtime_error("checkpoint.init_weights = \"" + path + "\": no such directory");
+    const auto latest = train::latest_checkpoint(path);
+    if (!latest)
+      throw std::runtime_error("checkpoint.init_weights = \"" + path +
+                               "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
+    step = train::checkpoint_path(path, *latest);
+  }
+  train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
+  return {step, std::move(ck.tensors)};
+}
+
+}  // namespace loom::interop
