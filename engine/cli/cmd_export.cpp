@@ -16,7 +16,8 @@ namespace {
 const char* kUsage =
     "usage: loom export CHECKPOINT --format hf OUTDIR [--plugin-path DIR]...\n"
     "Writes OUTDIR/model.safetensors and OUTDIR/config.json, loadable by transformers'\n"
-    "GPT2LMHeadModel (GPT-2 blocks) or LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases),\n"
+    "GPT2LMHeadModel (GPT-2 blocks), LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases) or\n"
+    "MixtralForCausalLM (the same with top-k SwiGLU expert blocks),\n"
     "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
     "checkpoint.dir (its newest complete step).\n";
 

@@ -104,9 +104,18 @@ std::string option_string(const toml::table& t, const char* key, const std::stri
 
 // What the blocks are, from the layer options (defaults as the plugins declare them).
 struct Shape {
-  bool gpt2 = false, llama = false;
+  bool gpt2 = false, llama = false, mixtral = false;
   int64_t groups = 0;
   double theta = 10000.0, eps = 1e-5;
+  int64_t experts = 0, top_k = 0, expert_ffn = 0;  // Mixtral's sparse MoE blocks
+  double aux = 0.0;
+  // The layers' instance names with a trailing '.': the embedding, each block's
+  // attention and its MLP or MoE, the head.
+  std::string embedding, head;
+  std::vector<std::string> attention, ffn;
+  std::string architecture() const {
+    return gpt2 ? "GPT2LMHeadModel" : llama ? "LlamaForCausalLM" : "MixtralForCausalLM";
+  }
 };
 
 Shape shape_of(const train::RunPlan& plan) {
@@ -114,16 +123,24 @@ Shape shape_of(const train::RunPlan& plan) {
   const std::vector<model::LayerSpec>& L = plan.layers;
   std::string layers;
   for (const auto& s : L) layers += (layers.empty() ? "" : ", ") + s.plugin;
+  const std::string second = L.size() >= 4 ? L[2].plugin : "";
   bool blocks_ok = L.size() >= 4 && L.front().plugin == "embedding" && L.back().plugin == "lm_head" &&
-                   (L.size() - 2) % 2 == 0;
+                   (L.size() - 2) % 2 == 0 && (second == "mlp" || second == "moe");
   for (size_t i = 1; blocks_ok && i + 1 < L.size(); ++i)
-    blocks_ok = L[i].plugin == ((i % 2 == 1) ? "attention" : "mlp");
+    blocks_ok = L[i].plugin == ((i % 2 == 1) ? std::string("attention") : second);
   if (!blocks_ok)
-    throw std::runtime_error("only models of embedding, blocks of attention + mlp, and lm_head have a Hugging Face "
-                             "counterpart here; this one's layers are: " + layers);
+    throw std::runtime_error("only models of embedding, blocks of attention + mlp (or + moe), and lm_head have a "
+                             "Hugging Face counterpart here; this one's layers are: " + layers);
   const toml::table &emb = c.model.layer_section(L[0].config), &att = c.model.layer_section(L[1].config),
                     &mlp = c.model.layer_section(L[2].config), &head = c.model.layer_section(L.back().config);
   Shape s;
+  s.embedding = L.front().instance + ".";
+  s.head = L.back().instance + ".";
+  for (size_t i = 1; i + 1 < L.size(); i += 2) {
+    s.attention.push_back(L[i].instance + ".");
+    s.ffn.push_back(L[i + 1].instance + ".");
+  }
+  const bool moe = second == "moe";
   const bool rope = option_string(att, "position_embedding", "learned_absolute") == "rope";
   const bool rms = option_string(att, "norm", "layernorm") == "rmsnorm";
   const bool att_bias = att["bias"].value_or(true), mlp_bias = mlp["bias"].value_or(true);
@@ -134,18 +151,47 @@ Shape shape_of(const train::RunPlan& plan) {
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
   s.eps = att["norm_epsilon"].value_or(1e-5);
-  if (!rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
+  const bool llama_blocks = rope && emb_rope && rms && mlp_rms && head_rms && swiglu && !att_bias && !mlp_bias;
+  if (!moe && !rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
       (s.groups == 0 || s.groups == c.model.num_heads))
     s.gpt2 = true;
-  else if (rope && emb_rope && rms && mlp_rms && head_rms && swiglu && !att_bias && !mlp_bias)
+  else if (!moe && llama_blocks)
     s.llama = true;
+  else if (moe && llama_blocks)
+    s.mixtral = true;
   else
     throw std::runtime_error(
-        "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions) nor Llama's (rmsnorm, swiglu, "
-        "bias = false, rope in the embedding and attention): no Hugging Face architecture matches them");
-  if (s.llama && att["rotary_percent"].value_or(1.0) != 1.0)
-    throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no LlamaForCausalLM counterpart");
+        "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions) nor Llama's or Mixtral's "
+        "(rmsnorm, swiglu, bias = false, rope in the embedding and attention): no Hugging Face architecture matches "
+        "them");
+  if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
+    throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
+                             " counterpart");
+  if (s.mixtral) {
+    s.experts = mlp["num_experts"].value_or(int64_t{8});
+    s.top_k = mlp["top_k"].value_or(int64_t{2});
+    s.expert_ffn = mlp["ffn_hidden_size"].value_or(int64_t{0});
+    if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
+    s.aux = mlp["aux_loss_coeff"].value_or(0.01);
+    if (mlp["shared_expert_ffn_hidden_size"].value_or(int64_t{0}) != 0 || mlp["capacity_factor"].value_or(0.0) != 0.0 ||
+        mlp["pre_softmax"].value_or(false))
+      throw std::runtime_error("MixtralForCausalLM's MoE blocks are dropless top-k over the chosen logits without a "
+                               "shared expert: shared_expert_ffn_hidden_size, capacity_factor and pre_softmax have "
+                               "no counterpart");
+  }
   return s;
+}
+
+// Expert j's [rows, cols] matrix of a whole [E, rows, cols] tensor.
+Matrix expert_matrix(const WholeTensor& t, int64_t j) {
+  Matrix m;
+  m.elem = t.dtype == LOOM_DTYPE_BF16 ? 2 : 4;
+  m.rows = t.shape[1];
+  m.cols = t.shape[2];
+  const size_t bytes = static_cast<size_t>(m.rows * m.cols) * m.elem;
+  m.data.assign(t.data.begin() + static_cast<std::ptrdiff_t>(bytes * j),
+                t.data.begin() + static_cast<std::ptrdiff_t>(bytes * (j + 1)));
+  return m;
 }
 
 }  // namespace
@@ -161,13 +207,13 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
   Builder b(ck);
   HfModel hf;
   const std::string torch_dtype = ck.meta.param_dtype == "bf16" ? "bfloat16" : "float32";
+  hf.architecture = s.architecture();
+  const std::string& E = s.embedding;
   if (s.gpt2) {
-    hf.architecture = "GPT2LMHeadModel";
-    b.vocab_rows("transformer.wte.weight", "embedding.word.weight", V);
-    b.as_is("transformer.wpe.weight", "embedding.pos.weight");
+    b.vocab_rows("transformer.wte.weight", E + "word.weight", V);
+    b.as_is("transformer.wpe.weight", E + "pos.weight");
     for (int64_t i = 0; i < Lyr; ++i) {
-      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
-      const std::string h = "transformer.h." + std::to_string(i) + ".";
+      const std::string &at = s.attention[i], &ml = s.ffn[i], h = "transformer.h." + std::to_string(i) + ".";
       b.as_is(h + "ln_1.weight", at + "ln.weight");
       b.as_is(h + "ln_1.bias", at + "ln.bias");
       b.as_is(h + "attn.c_attn.weight", at + "qkv.weight");  // [C, 3C], columns [q | k | v]
@@ -181,21 +227,19 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
       b.as_is(h + "mlp.c_proj.weight", ml + "fc2.weight");
       b.as_is(h + "mlp.c_proj.bias", ml + "fc2.bias");
     }
-    b.as_is("transformer.ln_f.weight", "lm_head.ln.weight");
-    b.as_is("transformer.ln_f.bias", "lm_head.ln.bias");
-    if (!tied) b.vocab_rows("lm_head.weight", "lm_head.word.weight", V);
+    b.as_is("transformer.ln_f.weight", s.head + "ln.weight");
+    b.as_is("transformer.ln_f.bias", s.head + "ln.bias");
+    if (!tied) b.vocab_rows("lm_head.weight", s.head + "word.weight", V);
     hf.config = {{"architectures", {hf.architecture}}, {"model_type", "gpt2"}, {"vocab_size", V},
                  {"n_positions", T}, {"n_embd", C}, {"n_layer", Lyr}, {"n_head", H},
                  {"n_inner", F}, {"activation_function", "gelu_new"}, {"layer_norm_epsilon", s.eps},
                  {"resid_pdrop", 0.0}, {"embd_pdrop", 0.0}, {"attn_pdrop", 0.0},
                  {"tie_word_embeddings", tied}, {"torch_dtype", torch_dtype}};
   } else {
-    hf.architecture = "LlamaForCausalLM";
-    const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G;
-    b.vocab_rows("model.embed_tokens.weight", "embedding.word.weight", V);
+    const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G, Fe = s.expert_ffn;
+    b.vocab_rows("model.embed_tokens.weight", E + "word.weight", V);
     for (int64_t i = 0; i < Lyr; ++i) {
-      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
-      const std::string h = "model.layers." + std::to_string(i) + ".";
+      const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       b.as_is(h + "input_layernorm.weight", at + "ln.weight");
       const Matrix qkv = matrix_of(b.get(at + "qkv.weight"));  // [C, cols]
       std::vector<std::pair<int64_t, int64_t>> q, k, v;
@@ -216,19 +260,41 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
       b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
       b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
       b.as_is(h + "post_attention_layernorm.weight", ml + "ln.weight");
-      const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
-      b.matrix(h + "mlp.gate_proj.weight", transposed(columns(fc1, 0, F)));
-      b.matrix(h + "mlp.up_proj.weight", transposed(columns(fc1, F, F)));
-      b.matrix(h + "mlp.down_proj.weight", transposed(matrix_of(b.get(ml + "fc2.weight"))));
+      if (s.llama) {
+        const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
+        b.matrix(h + "mlp.gate_proj.weight", transposed(columns(fc1, 0, F)));
+        b.matrix(h + "mlp.up_proj.weight", transposed(columns(fc1, F, F)));
+        b.matrix(h + "mlp.down_proj.weight", transposed(matrix_of(b.get(ml + "fc2.weight"))));
+        continue;
+      }
+      // Mixtral: the router [C, E] is gate [E, C]; expert j's fc1 [C, 2Fe] = [w1 | w3]^T, fc2 [Fe, C] = w2^T.
+      b.matrix(h + "block_sparse_moe.gate.weight", transposed(matrix_of(b.get(ml + "router.weight"))));
+      for (int64_t j = 0; j < s.experts; ++j) {
+        const std::string x = h + "block_sparse_moe.experts." + std::to_string(j) + ".";
+        const Matrix fc1 = expert_matrix(b.get(ml + "experts.fc1.weight"), j);
+        b.matrix(x + "w1.weight", transposed(columns(fc1, 0, Fe)));
+        b.matrix(x + "w3.weight", transposed(columns(fc1, Fe, Fe)));
+        b.matrix(x + "w2.weight", transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
+      }
     }
-    b.as_is("model.norm.weight", "lm_head.ln.weight");
-    if (!tied) b.vocab_rows("lm_head.weight", "lm_head.word.weight", V);
-    hf.config = {{"architectures", {hf.architecture}}, {"model_type", "llama"}, {"vocab_size", V},
-                 {"hidden_size", C}, {"intermediate_size", F}, {"num_hidden_layers", Lyr},
-                 {"num_attention_heads", H}, {"num_key_value_heads", G}, {"head_dim", D},
-                 {"hidden_act", "silu"}, {"max_position_embeddings", T}, {"rms_norm_eps", s.eps},
-                 {"rope_theta", s.theta}, {"attention_bias", false}, {"mlp_bias", false},
-                 {"tie_word_embeddings", tied}, {"torch_dtype", torch_dtype}};
+    b.as_is("model.norm.weight", s.head + "ln.weight");
+    if (!tied) b.vocab_rows("lm_head.weight", s.head + "word.weight", V);
+    hf.config = {{"architectures", {hf.architecture}}, {"model_type", s.llama ? "llama" : "mixtral"},
+                 {"vocab_size", V}, {"hidden_size", C}, {"intermediate_size", s.llama ? F : Fe},
+                 {"num_hidden_layers", Lyr}, {"num_attention_heads", H}, {"num_key_value_heads", G},
+                 {"head_dim", D}, {"hidden_act", "silu"}, {"max_position_embeddings", T},
+                 {"rms_norm_eps", s.eps}, {"rope_theta", s.theta}, {"tie_word_embeddings", tied},
+                 {"torch_dtype", torch_dtype}};
+    if (s.llama) {
+      hf.config["attention_bias"] = false;
+      hf.config["mlp_bias"] = false;
+    } else {
+      hf.config["num_local_experts"] = s.experts;
+      hf.config["num_experts_per_tok"] = s.top_k;
+      hf.config["router_aux_loss_coef"] = s.aux;
+      hf.config["output_router_logits"] = false;
+      hf.config["sliding_window"] = nullptr;
+    }
   }
   hf.tensors = b.take();
   return hf;
@@ -372,7 +438,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
                                ? c["architectures"][0].get<std::string>()
                                : std::string("(none)");
-  const std::string want_arch = s.gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  const std::string want_arch = s.architecture();
   if (arch != want_arch)
     throw std::runtime_error(where + ": architecture " + arch + ", but the manifest's blocks are " + want_arch + "'s");
   const int64_t C = m.model.hidden_size, H = m.model.num_heads, F = m.model.ffn_hidden_size, L = m.model.num_layers;
@@ -396,13 +462,12 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     if (positions < T)
       throw std::runtime_error(where + ": n_positions = " + std::to_string(positions) + " is shorter than model.seq_length = " +
                                std::to_string(T));
-    out.add("embedding.word.weight", hf.get("transformer.wte.weight", {vocab, C}), tie);
+    out.add(s.embedding + "word.weight", hf.get("transformer.wte.weight", {vocab, C}), tie);
     const NamedTensor& wpe = hf.get("transformer.wpe.weight", {positions, C});
-    out.add("embedding.pos.weight", {T, C},
+    out.add(s.embedding + "pos.weight", {T, C},
             std::vector<char>(wpe.data.begin(), wpe.data.begin() + static_cast<std::ptrdiff_t>(T * C * matrix_of(wpe).elem)));
     for (int64_t i = 0; i < L; ++i) {
-      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
-      const std::string h = "transformer.h." + std::to_string(i) + ".";
+      const std::string &at = s.attention[i], &ml = s.ffn[i], h = "transformer.h." + std::to_string(i) + ".";
       out.add(at + "ln.weight", hf.get(h + "ln_1.weight", {C}));
       out.add(at + "ln.bias", hf.get(h + "ln_1.bias", {C}));
       out.add(at + "qkv.weight", hf.get(h + "attn.c_attn.weight", {C, 3 * C}));
@@ -416,25 +481,34 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       out.add(ml + "fc2.weight", hf.get(h + "mlp.c_proj.weight", {F, C}));
       out.add(ml + "fc2.bias", hf.get(h + "mlp.c_proj.bias", {C}));
     }
-    out.add("lm_head.ln.weight", hf.get("transformer.ln_f.weight", {C}));
-    out.add("lm_head.ln.bias", hf.get("transformer.ln_f.bias", {C}));
-    if (!tied) out.add("lm_head.word.weight", hf.get(hf_tied ? "transformer.wte.weight" : "lm_head.weight", {vocab, C}));
+    out.add(s.head + "ln.weight", hf.get("transformer.ln_f.weight", {C}));
+    out.add(s.head + "ln.bias", hf.get("transformer.ln_f.bias", {C}));
+    if (!tied) out.add(s.head + "word.weight", hf.get(hf_tied ? "transformer.wte.weight" : "lm_head.weight", {vocab, C}));
   } else {
     const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G;
     require_equal(config_int(c, "hidden_size", where), C, "hidden_size", "model.hidden_size", where);
     require_equal(config_int(c, "num_hidden_layers", where), L, "num_hidden_layers", "model.num_layers", where);
     require_equal(config_int(c, "num_attention_heads", where), H, "num_attention_heads", "model.num_heads", where);
-    require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
+    if (s.llama) {
+      require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
+    } else {
+      require_equal(config_int(c, "intermediate_size", where), s.expert_ffn, "intermediate_size",
+                    "the experts' ffn_hidden_size", where);
+      require_equal(config_int(c, "num_local_experts", where), s.experts, "num_local_experts",
+                    "model.layer.moe.num_experts", where);
+      require_equal(config_int(c, "num_experts_per_tok", where), s.top_k, "num_experts_per_tok",
+                    "model.layer.moe.top_k", where);
+    }
     require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : H, G,
                   "num_key_value_heads", "model.layer.attention.num_query_groups", where);
     if (c.contains("rope_theta") && c["rope_theta"].is_number() && c["rope_theta"].get<double>() != s.theta)
       throw std::runtime_error(where + ": rope_theta = " + std::to_string(c["rope_theta"].get<double>()) +
                                " but the model's rotary_base is " + std::to_string(s.theta) +
                                "; set model.layer.attention.rotary_base to it");
-    out.add("embedding.word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
+    out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
+    const int64_t Fe = s.expert_ffn;
     for (int64_t i = 0; i < L; ++i) {
-      const std::string at = "blocks." + std::to_string(i) + ".attention.", ml = "blocks." + std::to_string(i) + ".mlp.";
-      const std::string h = "model.layers." + std::to_string(i) + ".";
+      const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       out.add(at + "ln.weight", hf.get(h + "input_layernorm.weight", {C}));
       const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
       const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
@@ -452,12 +526,28 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       out.add(at + "qkv.weight", concat_columns(parts));
       out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
       out.add(ml + "ln.weight", hf.get(h + "post_attention_layernorm.weight", {C}));
-      out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
-                                                  transposed(matrix_of(hf.get(h + "mlp.up_proj.weight", {F, C})))}));
-      out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));
+      if (s.llama) {
+        out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
+                                                    transposed(matrix_of(hf.get(h + "mlp.up_proj.weight", {F, C})))}));
+        out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));
+        continue;
+      }
+      // Mixtral: the router, then each expert's [w1 | w3]^T and w2^T stacked by expert.
+      out.add(ml + "router.weight", transposed(matrix_of(hf.get(h + "block_sparse_moe.gate.weight", {s.experts, C}))));
+      std::vector<char> fc1, fc2;
+      for (int64_t j = 0; j < s.experts; ++j) {
+        const std::string x = h + "block_sparse_moe.experts." + std::to_string(j) + ".";
+        const Matrix up = concat_columns({transposed(matrix_of(hf.get(x + "w1.weight", {Fe, C}))),
+                                          transposed(matrix_of(hf.get(x + "w3.weight", {Fe, C})))});
+        const Matrix down = transposed(matrix_of(hf.get(x + "w2.weight", {C, Fe})));
+        fc1.insert(fc1.end(), up.data.begin(), up.data.end());
+        fc2.insert(fc2.end(), down.data.begin(), down.data.end());
+      }
+      out.add(ml + "experts.fc1.weight", {s.experts, C, 2 * Fe}, std::move(fc1));
+      out.add(ml + "experts.fc2.weight", {s.experts, Fe, C}, std::move(fc2));
     }
-    out.add("lm_head.ln.weight", hf.get("model.norm.weight", {C}));
-    if (!tied) out.add("lm_head.word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
+    out.add(s.head + "ln.weight", hf.get("model.norm.weight", {C}));
+    if (!tied) out.add(s.head + "word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
   }
   return {dir, out.take()};
 }

@@ -2,7 +2,8 @@
 // --format hf OUTDIR` writes model.safetensors and config.json that transformers' GPT2LMHeadModel
 // (blocks of layer/attention + layer/mlp with LayerNorm, GeLU, biases and learned
 // positions: GPT-2) or LlamaForCausalLM (RMSNorm, SwiGLU, no biases, rotary embeddings,
-// grouped-query attention: Llama) loads, from any parallel layout (the shards are
+// grouped-query attention: Llama) or MixtralForCausalLM (the same with blocks of
+// attention + layer/moe: top-k SwiGLU experts, dropless) loads, from any parallel layout (the shards are
 // gathered by engine/train/gather.hpp); checkpoint.init_weights = "DIR" starts a run of
 // the same architecture from such a directory (read_hf, the same mapping backwards).
 //
@@ -17,7 +18,12 @@
 //          model.norm.weight, lm_head.weight when untied; nn.Linear weights are [out, in]
 //          (loom's transposed); q/k/v are cut out of loom's grouped QKV columns (per
 //          query group: its query heads, then its key and value head, Megatron-LM's layout)
-//          and gate/up out of fc1's [gate | up]. loom's rotary embedding rotates halves
+//          and gate/up out of fc1's [gate | up].
+//   Mixtral as Llama, the MLP replaced by model.layers.i.block_sparse_moe.{gate [E, C],
+//          experts.j.{w1, w3, w2}}: loom's router.weight transposed, expert j's fc1
+//          [gate | up] and fc2 cut out of experts.fc1/fc2.weight [E, ...] and transposed;
+//          the routing (softmax over the chosen logits = the top-k probabilities
+//          renormalised) is the same. loom's rotary embedding rotates halves
 //          (Megatron-LM's and transformers' convention), so q and k need no permutation.
 #pragma once
 
@@ -35,7 +41,7 @@
 namespace loom::interop {
 
 struct HfModel {
-  std::string architecture;          // "GPT2LMHeadModel" or "LlamaForCausalLM"
+  std::string architecture;          // "GPT2LMHeadModel", "LlamaForCausalLM" or "MixtralForCausalLM"
   nlohmann::ordered_json config;     // config.json
   std::vector<NamedTensor> tensors;  // model.safetensors, in model order
 };

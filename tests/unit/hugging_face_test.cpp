@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -134,7 +135,7 @@ void rope(Vec& x, int64_t T, int64_t heads, int64_t D, double theta) {
 // Mean cross-entropy of one sequence's next tokens (targets < 0 skipped) under the HF model.
 double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt, int64_t* count) {
   const nlohmann::json& c = w.config;
-  const bool llama = c["model_type"] == "llama";
+  const bool mixtral = c["model_type"] == "mixtral", llama = c["model_type"] == "llama" || mixtral;
   const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
   const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
   const int64_t H = llama ? c["num_attention_heads"].get<int64_t>() : c["n_head"].get<int64_t>();
@@ -161,10 +162,38 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       rope(k, T, G, D, c["rope_theta"].get<double>());
       add(x, linear(attention(q, k, v, T, H, G, D), T, C, w.at(p + "self_attn.o_proj.weight"), C, true));
       const Vec m = layer_norm(x, T, C, w.at(p + "post_attention_layernorm.weight"), nullptr, eps, true);
-      const Vec g = linear(m, T, C, w.at(p + "mlp.gate_proj.weight"), F, true);
-      Vec u = linear(m, T, C, w.at(p + "mlp.up_proj.weight"), F, true);
-      for (size_t i = 0; i < u.size(); ++i) u[i] *= g[i] / (1.0 + std::exp(-g[i]));  // silu(gate) * up
-      add(x, linear(u, T, F, w.at(p + "mlp.down_proj.weight"), C, true));
+      auto swiglu_mlp = [&](const Vec& in, const std::string& gate, const std::string& up, const std::string& down) {
+        const Vec g = linear(in, T, C, w.at(gate), F, true);
+        Vec u = linear(in, T, C, w.at(up), F, true);
+        for (size_t i = 0; i < u.size(); ++i) u[i] *= g[i] / (1.0 + std::exp(-g[i]));  // silu(gate) * up
+        return linear(u, T, F, w.at(down), C, true);
+      };
+      if (!mixtral) {
+        add(x, swiglu_mlp(m, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"));
+        continue;
+      }
+      // modeling_mixtral.py: softmax over the experts, the top k, renormalised; the chosen experts' sum.
+      const int64_t E = c["num_local_experts"], K = c["num_experts_per_tok"];
+      const std::string moe = p + "block_sparse_moe.";
+      const Vec logits = linear(m, T, C, w.at(moe + "gate.weight"), E, true);
+      std::vector<Vec> expert_out;
+      for (int64_t j = 0; j < E; ++j) {
+        const std::string e = moe + "experts." + std::to_string(j) + ".";
+        expert_out.push_back(swiglu_mlp(m, e + "w1.weight", e + "w3.weight", e + "w2.weight"));
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<std::pair<double, int64_t>> prob;
+        double mx = -1e300, z = 0;
+        for (int64_t j = 0; j < E; ++j) mx = std::max(mx, logits[t * E + j]);
+        for (int64_t j = 0; j < E; ++j) z += std::exp(logits[t * E + j] - mx);
+        for (int64_t j = 0; j < E; ++j) prob.push_back({std::exp(logits[t * E + j] - mx) / z, j});
+        std::partial_sort(prob.begin(), prob.begin() + K, prob.end(),
+                          [](const auto& a, const auto& b) { return a.first > b.first; });
+        double chosen = 0;
+        for (int64_t k = 0; k < K; ++k) chosen += prob[k].first;
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t e = 0; e < C; ++e) x[t * C + e] += prob[k].first / chosen * expert_out[prob[k].second][t * C + e];
+      }
     } else {
       const std::string p = "transformer.h." + std::to_string(l) + ".";
       const Vec a = layer_norm(x, T, C, w.at(p + "ln_1.weight"), &w.at(p + "ln_1.bias"), eps, false);
@@ -219,10 +248,17 @@ std::string parallel_checkpoint(std::vector<std::string> overrides, const std::s
 
 // The serial model (tp 1, pp 1) with the checkpoint's gathered parameters: the mean
 // loss over one microbatch of the training data, and that microbatch.
-double loom_loss(std::vector<std::string> overrides, const loom::train::WholeCheckpoint& ck,
+// The model's settings without its parallel layout (the serial run's).
+std::vector<std::string> serial(std::vector<std::string> overrides) {
+  std::erase_if(overrides, [](const std::string& o) { return o.rfind("parallel.", 0) == 0; });
+  overrides.push_back("model.num_layers=4");
+  return overrides;
+}
+
+double loom_loss(const std::vector<std::string>& model, const loom::train::WholeCheckpoint& ck,
                  std::vector<int32_t>& tokens, std::vector<int32_t>& targets, int64_t& seq, int64_t& mbs) {
   using namespace loom;
-  overrides.push_back("model.num_layers=4");
+  const std::vector<std::string> overrides = serial(model);
   const train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), overrides);
   double loss = 0;
   loom::testing::on_one_rank(plan, [&](runtime::RankRuntime& rt, const train::DataSource& data,
@@ -296,6 +332,20 @@ TEST(HfExport, LlamaWithGroupedQueriesAndUntiedHeadMatchesLoomsLoss) {
                "LlamaForCausalLM");
 }
 
+const std::vector<std::string>& mixtral() {
+  static const std::vector<std::string> o = {
+      "model.block=[\"attention\", \"moe\"]", "model.num_heads=4", "model.layer.moe.num_experts=4",
+      "model.layer.moe.top_k=2", "model.layer.moe.ffn_hidden_size=24", "model.layer.moe.norm=\"rmsnorm\"",
+      "model.layer.moe.activation=\"swiglu\"", "model.layer.moe.bias=false",
+      "model.layer.embedding.position_embedding=\"rope\"", "model.layer.attention.position_embedding=\"rope\"",
+      "model.layer.attention.num_query_groups=2", "model.layer.attention.norm=\"rmsnorm\"",
+      "model.layer.attention.bias=false", "model.layer.lm_head.norm=\"rmsnorm\"", "parallel.ep=2",
+      "parallel.sequence_parallel=true"};
+  return o;
+}
+
+TEST(HfExport, MixtralFromTp2Pp2Dp2Ep2MatchesLoomsLoss) { check_export(mixtral(), "MixtralForCausalLM"); }
+
 TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
   const std::string dir = scratch("moe");
   const std::string step = parallel_checkpoint({"model.layer.mlp.activation=\"swiglu\""}, dir);
@@ -340,9 +390,7 @@ void check_round_trip(const std::vector<std::string>& model) {
   const std::string step = parallel_checkpoint(model, dir);
   loom::interop::export_hf(step, out, loom::plugins::registry());
   const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
-  std::vector<std::string> o = model;
-  o.push_back("model.num_layers=4");
-  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model));
   const loom::train::InitialWeights back = loom::interop::read_hf(out, plan, ck.vocab);
   size_t compared = 0;
   for (const loom::train::WholeTensor& t : back.tensors) {
@@ -363,6 +411,7 @@ void check_round_trip(const std::vector<std::string>& model) {
 
 TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
+TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
 
 // A run of another layout (serial; tp 2 with SP; pp 2 x dp 2) started from the export of a
 // tp 2 x pp 2 x dp 2 checkpoint, or from the checkpoint itself, has the same first loss,
