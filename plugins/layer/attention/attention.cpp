@@ -84,11 +84,8 @@ class Attention : public loom::Layer {
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
     norm_ = norm_option(options);
-    norm_.require_ops(rank.device(), name_);
+    require_ops(options, rank.device(), name_);
     rope_ = options.declared_string("position_embedding") == "rope";
-    if (rope_)
-      require_device_ops(rank.device().has_rope_fwd() && rank.device().has_rope_bwd(), name_,
-                         "position_embedding = \"rope\"", "rope_fwd and rope_bwd");
     rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
     rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
@@ -113,6 +110,18 @@ class Attention : public loom::Layer {
       proj_b_ = params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
+  }
+
+  // The device ops the options need: of the run's device before launch, of this rank's at create.
+  template <class Ops>
+  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
+    norm_option(options).require_ops(dev, name);
+    if (options.declared_string("position_embedding") == "rope")
+      require_device_ops(dev.has_rope_fwd() && dev.has_rope_bwd(), name, "position_embedding = \"rope\"",
+                         "rope_fwd and rope_bwd");
+  }
+  static void validate(const loom::Options& options, const loom::LayerValidation& v) {
+    require_ops(options, v, v.instance_name());
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;

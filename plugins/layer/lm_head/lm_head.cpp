@@ -40,7 +40,7 @@ class LmHead : public loom::Layer {
                        << ") and divisible by the tensor-parallel size (" << tp << ")");
     vocab_local_ = tp_.vocab_range(vocab_, padded_vocab_).rows;
     norm_ = norm_option(options);
-    norm_.require_ops(rank.device(), name_);
+    norm_.require_ops(rank.device(), name_);  // as validate asks the run's device
     params_ = ParamSet(name_, {.tp = tp});
     ln_w_ = params_.add({.name = "ln.weight", .shape = {hidden_}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
     if (!norm_.rms)
@@ -49,6 +49,11 @@ class LmHead : public loom::Layer {
                          .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
+  }
+
+  // Before launch: the norm's ops, of the run's device.
+  static void validate(const loom::Options& options, const loom::LayerValidation& v) {
+    norm_option(options).require_ops(v, v.instance_name());
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.

@@ -41,11 +41,8 @@ class Mlp : public loom::Layer {
     dropout_ = dropout_option(options);
     activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
     norm_ = norm_option(options);
-    norm_.require_ops(rank.device(), name_);
+    require_ops(options, rank.device(), name_);
     swiglu_ = options.declared_string("activation") == "swiglu";
-    if (swiglu_)
-      require_device_ops(rank.device().has_swiglu_fwd() && rank.device().has_swiglu_bwd(), name_,
-                         "activation = \"swiglu\"", "swiglu_fwd and swiglu_bwd");
     service_gelu_ = !swiglu_ && (tp_.features() & LOOM_TP_ACTIVATION) != 0;
     const bool bias = options.declared_bool("bias");
     // fc1's columns: ffn, or the gate's ffn then the up projection's under SwiGLU,
@@ -67,6 +64,18 @@ class Mlp : public loom::Layer {
       fc2_b_ = params_.add({.name = "fc2.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
+  }
+
+  // The device ops the options need: of the run's device before launch, of this rank's at create.
+  template <class Ops>
+  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
+    norm_option(options).require_ops(dev, name);
+    if (options.declared_string("activation") == "swiglu")
+      require_device_ops(dev.has_swiglu_fwd() && dev.has_swiglu_bwd(), name, "activation = \"swiglu\"",
+                         "swiglu_fwd and swiglu_bwd");
+  }
+  static void validate(const loom::Options& options, const loom::LayerValidation& v) {
+    require_ops(options, v, v.instance_name());
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.

@@ -158,11 +158,8 @@ class Moe : public loom::Layer {
     router_ = Router(router);
     dropout_ = dropout_option(options);
     norm_ = norm_option(options);
-    norm_.require_ops(rank.device(), name_);
+    require_ops(options, rank.device(), name_);
     activation_.swiglu = options.declared_string("activation") == "swiglu";
-    if (activation_.swiglu)
-      require_device_ops(rank.device().has_swiglu_fwd() && rank.device().has_swiglu_bwd(), name_,
-                         "activation = \"swiglu\"", "swiglu_fwd and swiglu_bwd");
     bias_ = options.declared_bool("bias");
     LOOM_REQUIRE(top_k_ <= experts_, name_ << ": option top_k = " << top_k_ << " must be at most num_experts = "
                                            << experts_);
@@ -189,9 +186,6 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE(!shared_gate_ || shared_ffn_ > 0,
                  name_ << ": option shared_expert_gate = true gates the shared expert, but there is none; set "
                           "shared_expert_ffn_hidden_size > 0 or shared_expert_gate = false");
-    if (shared_gate_)
-      require_device_ops(rank.device().has_sigmoid_fwd() && rank.device().has_sigmoid_bwd(), name_,
-                         "shared_expert_gate = true", "sigmoid_fwd and sigmoid_bwd");
     const loom::Group ep_group = rank.group("ep");
     const int64_t ep = std::max(1, ep_group.size());
     LOOM_REQUIRE(experts_ % ep == 0, name_ << ": option num_experts = " << experts_
@@ -207,6 +201,21 @@ class Moe : public loom::Layer {
     declare_params(tp, ep, etp);
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
+  }
+
+  // The device ops the options need: of the run's device before launch, of this rank's at create.
+  template <class Ops>
+  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
+    norm_option(options).require_ops(dev, name);
+    if (options.declared_string("activation") == "swiglu")
+      require_device_ops(dev.has_swiglu_fwd() && dev.has_swiglu_bwd(), name, "activation = \"swiglu\"",
+                         "swiglu_fwd and swiglu_bwd");
+    if (options.declared_bool("shared_expert_gate"))
+      require_device_ops(dev.has_sigmoid_fwd() && dev.has_sigmoid_bwd(), name, "shared_expert_gate = true",
+                         "sigmoid_fwd and sigmoid_bwd");
+  }
+  static void validate(const loom::Options& options, const loom::LayerValidation& v) {
+    require_ops(options, v, v.instance_name());
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;

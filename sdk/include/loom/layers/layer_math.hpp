@@ -494,13 +494,13 @@ constexpr float kLayerNormEps = 1e-5f;
 // 2019: gamma only, no mean subtracted; saves rstd), as Megatron-Core's
 // normalization = "RMSNorm" applies it. `eps` is the norm_epsilon option.
 // A layer option that needs device ops a device plugin may lack (those ABI 1.10
-// appended): refused when the layer is created, so `loom validate` says it before a
-// run rather than the first step.
+// appended): refused by the layer's validate (ABI 1.12: `loom validate` asks the run's
+// device before launch) and again when it is created on a rank.
 inline void require_device_ops(bool present, const std::string& layer, const std::string& option,
                                const char* ops) {
   if (!present)
     throw loom::Error(layer + ": " + option + " needs the device ops " + ops +
-                          " (ABI 1.10), which this rank's device plugin does not implement; use a device built "
+                          " (ABI 1.10), which the device plugin does not implement; use a device built "
                           "against ABI 1.10 or later, or another option",
                       LOOM_CODE_UNSUPPORTED);
 }
@@ -509,7 +509,9 @@ struct Norm {
   bool rms = false;
   float eps = kLayerNormEps;
 
-  void require_ops(const loom::Device& dev, const std::string& layer) const {
+  // `dev`: a rank's loom::Device, or the run's device before launch (loom::LayerValidation).
+  template <class Ops>
+  void require_ops(const Ops& dev, const std::string& layer) const {
     if (rms)
       require_device_ops(dev.has_rmsnorm_fwd() && dev.has_rmsnorm_bwd(), layer, "norm = \"rmsnorm\"",
                          "rmsnorm_fwd and rmsnorm_bwd");
