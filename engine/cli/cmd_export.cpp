@@ -43,6 +43,7 @@ int cmd_export(int argc, char** argv) {
     const auto& pos = args.positionals();
     if (pos.size() != 2) throw UsageError("export takes CHECKPOINT and OUTDIR");
     if (args.get("--format").value_or("") != "hf") throw UsageError("--format hf is the one format (Hugging Face)");
+    if (pos[1].empty()) throw UsageError("OUTDIR is empty");
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const std::string step = step_dir_of(pos[0]);

@@ -66,7 +66,7 @@ void print_run(const harness::CheckRun& c) {
     return;
   }
   std::cout << "\n";
-  const std::string text = c.error.empty() ? c.findings.text() : "error: " + c.error;
+  const std::string text = c.error.empty() ? c.findings.text() : "the layer refused or threw: " + c.error;
   size_t start = 0;
   for (size_t end = text.find('\n'); start <= text.size(); end = text.find('\n', start)) {
     std::cout << "        " << text.substr(start, end - start) << "\n";
@@ -91,6 +91,11 @@ int cmd_plugins_test(int argc, char** argv) {
     so.seed = static_cast<uint64_t>(args.get_int("--seed", 1));
     so.sequence_parallel = !args.flag("--no-sp");
     so.skip = args.all("--skip");
+    const std::string tp_check = "tp" + std::to_string(so.tp);
+    for (const std::string& c : so.skip)
+      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != tp_check && c != tp_check + "+sp")
+        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, " + tp_check + ", " +
+                         tp_check + "+sp)");
     if (so.tp < 1 || so.tp > 8 || so.dims.seq_len % so.tp != 0 || so.dims.ffn_hidden % so.tp != 0)
       throw UsageError("--tp must be 1, 2, 4 or 8");
 
@@ -139,6 +144,10 @@ int cmd_plugins_test(int argc, char** argv) {
       std::cout << runtime::dump_json({{"failures", failed}, {"checks", total}, {"plugins", items}}) << "\n";
     else
       std::cout << total - failed << " of " << total << " checks pass\n";
+    if (total == 0) {
+      std::cerr << "loom plugins test: every check was skipped; nothing was tested\n";
+      return 2;
+    }
     return failed ? 1 : 0;
   } catch (const UsageError& e) {
     std::cerr << "loom plugins test: " << e.what() << "\n" << kUsage;

@@ -7,6 +7,7 @@
 
 #include <map>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
@@ -301,17 +302,35 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
 }
 
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry) {
+  namespace fs = boost::filesystem;
+  if (out_dir.empty()) throw std::runtime_error("the output directory is empty");
+  boost::system::error_code ec;
+  if (fs::exists(out_dir, ec) && !fs::is_directory(out_dir, ec))
+    throw std::runtime_error(out_dir + " is a file; give a directory to write the model into");
+  if (fs::exists(fs::path(out_dir) / "meta.toml") || train::latest_checkpoint(out_dir))
+    throw std::runtime_error(out_dir + " holds a loom checkpoint; write the export into a directory of its own");
   const train::WholeCheckpoint ck = train::gather_checkpoint(step_dir, registry);
   HfModel hf = to_hf(ck, registry);
-  boost::filesystem::create_directories(out_dir);
-  write_safetensors((boost::filesystem::path(out_dir) / "model.safetensors").string(), hf.tensors,
-                    {{"format", "pt"}, {"loom_checkpoint", step_dir}});
-  const std::string config = (boost::filesystem::path(out_dir) / "config.json").string();
-  std::ofstream out(config + ".tmp");
-  out << hf.config.dump(2) << "\n";
-  out.close();
-  if (!out) throw std::runtime_error("cannot write " + config);
-  boost::filesystem::rename(config + ".tmp", config);
+  fs::create_directories(out_dir, ec);
+  if (ec) throw std::runtime_error("cannot create " + out_dir + ": " + ec.message());
+  // Both files complete before either replaces what is there.
+  const fs::path model = fs::path(out_dir) / "model.safetensors", config = fs::path(out_dir) / "config.json";
+  const std::string model_tmp = model.string() + ".tmp", config_tmp = config.string() + ".tmp";
+  try {
+    write_safetensors(model_tmp, hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
+    std::ofstream out(config_tmp);
+    out << hf.config.dump(2) << "\n";
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + config_tmp);
+    for (const fs::path& p : {model, config})
+      if (fs::is_directory(p, ec)) throw std::runtime_error(p.string() + " is a directory; remove it or write elsewhere");
+    fs::rename(model_tmp, model);
+    fs::rename(config_tmp, config);
+  } catch (const std::exception& e) {
+    fs::remove(model_tmp, ec);
+    fs::remove(config_tmp, ec);
+    throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
+  }
   return hf;
 }
 
@@ -435,9 +454,10 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   }
   const manifest::RunConfig& m = plan.config;
   const Shape s = shape_of(plan);
-  const std::string arch = c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
-                               ? c["architectures"][0].get<std::string>()
-                               : std::string("(none)");
+  if (!c.is_object() || !c.contains("architectures") || !c["architectures"].is_array() ||
+      c["architectures"].size() != 1 || !c["architectures"][0].is_string())
+    throw std::runtime_error(where + ": \"architectures\" must be a list of one class name");
+  const std::string arch = c["architectures"][0].get<std::string>();
   const std::string want_arch = s.architecture();
   if (arch != want_arch)
     throw std::runtime_error(where + ": architecture " + arch + ", but the manifest's blocks are " + want_arch + "'s");
@@ -452,6 +472,38 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     throw std::runtime_error(where + ": the model has its own lm_head.weight (tie_word_embeddings false); set "
                              "model.tie_embeddings = false");
   const std::string tie = tied ? "word_embedding" : "";
+  // Keys that would make transformers compute another model than loom's: refused.
+  auto require_value = [&](const char* k, const nlohmann::json& want, bool required) {
+    if (!c.contains(k) || c[k].is_null()) {
+      if (required) throw std::runtime_error(where + " has no " + k + " (loom's is " + want.dump() + ")");
+      return;
+    }
+    const nlohmann::json& v = c[k];
+    const bool same = v.is_number() && want.is_number() ? std::fabs(v.get<double>() - want.get<double>()) <=
+                                                               1e-12 * std::fabs(want.get<double>())
+                                                        : v == want;
+    if (!same)
+      throw std::runtime_error(where + ": " + k + " = " + v.dump() + ", which loom's model does not compute (it has " +
+                               want.dump() + ")");
+  };
+  require_value("model_type", s.gpt2 ? "gpt2" : s.llama ? "llama" : "mixtral", true);
+  if (s.gpt2) {
+    require_value("activation_function", "gelu_new", false);
+    require_value("layer_norm_epsilon", s.eps, false);
+  } else {
+    require_value("hidden_act", "silu", false);
+    require_value("rms_norm_eps", s.eps, false);
+    require_value("head_dim", C / H, false);
+    require_value("attention_bias", false, false);
+    require_value("mlp_bias", false, false);
+    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
+      throw std::runtime_error(where + ": rope_scaling = " + c["rope_scaling"].dump() +
+                               " (scaled rotary frequencies) has no loom counterpart");
+  }
+  for (const char* k : {"n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "intermediate_size", "vocab_size", "n_positions"})
+    if (c.contains(k) && (!c[k].is_number_integer() || c[k].get<int64_t>() <= 0))
+      throw std::runtime_error(where + ": " + k + " = " + c[k].dump() + " is not a positive integer");
   if (s.gpt2) {
     require_equal(config_int(c, "n_embd", where), C, "n_embd", "model.hidden_size", where);
     require_equal(config_int(c, "n_layer", where), L, "n_layer", "model.num_layers", where);
@@ -549,25 +601,32 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     out.add(s.head + "ln.weight", hf.get("model.norm.weight", {C}));
     if (!tied) out.add(s.head + "word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
   }
-  return {dir, out.take()};
+  return {dir, out.take(), vocab};
 }
 
 train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,
                                            plugins::Registry& registry) {
   namespace fs = boost::filesystem;
-  if (fs::exists(fs::path(path) / "config.json")) return read_hf(path, plan, vocab);
+  const std::string key = "checkpoint.init_weights = \"" + path + "\"";
+  if (!fs::exists(path)) throw std::runtime_error(key + ": no such directory");
+  if (!fs::is_directory(path))
+    throw std::runtime_error(key + " is a file; give a Hugging Face model directory or a loom checkpoint directory");
+  const bool hf = fs::exists(fs::path(path) / "config.json");
+  const auto latest = train::latest_checkpoint(path);
+  if (hf && (latest || fs::exists(fs::path(path) / "meta.toml")))
+    throw std::runtime_error(key + " holds both a Hugging Face model (config.json) and a loom checkpoint; keep "
+                             "exports apart from checkpoints, or name the one to use");
+  if (hf) return read_hf(path, plan, vocab);
   std::string step = path;
   if (!fs::exists(fs::path(path) / "meta.toml")) {
-    if (!fs::is_directory(path))
-      throw std::runtime_error("checkpoint.init_weights = \"" + path + "\": no such directory");
-    const auto latest = train::latest_checkpoint(path);
     if (!latest)
       throw std::runtime_error("checkpoint.init_weights = \"" + path +
                                "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
     step = train::checkpoint_path(path, *latest);
   }
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
-  return {step, std::move(ck.tensors)};
+  train::require_same_architecture(ck.manifest_toml, plan, step);
+  return {step, std::move(ck.tensors), ck.vocab};
 }
 
 }  // namespace loom::interop

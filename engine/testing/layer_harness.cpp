@@ -293,7 +293,6 @@ void fd_check(std::vector<float>& v, const std::vector<float>& analytic, const s
                     [&](size_t a, size_t b) { return std::fabs(analytic[a]) > std::fabs(analytic[b]); });
   coords.insert(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(top));
 
-  if (max_abs(analytic) <= 1e-4) out.fail(what + ": the analytic gradient is all zeros");
   for (size_t j : coords) {
     const float saved = v[j];
     v[j] = saved + tol.h;
@@ -340,7 +339,6 @@ Findings check_accumulation(HarnessLayer& layer, std::mt19937& rng) {
   const std::vector<float> dx2 = layer.backward(b, 0, 1.0f, -77.0f);  // other garbage in grad_input
   for (size_t i = 0; i < layer.params().size(); ++i) {
     const Param& p = layer.params()[i];
-    if (max_abs(once[i]) == 0.0) f.fail(p.name + " got no gradient");
     std::vector<float> twice(once[i]);
     for (float& g : twice) g *= 2.0f;
     expect_close(p.grad, twice, 1e-5, p.name + " after two backwards (must be twice one backward's)", f);
@@ -474,8 +472,10 @@ Findings check_tensor_parallel(const plugins::Registry& registry, const std::str
     out.dx = layer.backward(mb, 0);
     for (Param& p : layer.params()) out.grads.push_back(p.grad);
   });
-  for (int r = 0; r < tp; ++r)
-    if (!errors[static_cast<size_t>(r)].empty()) f.fail("tp rank " + std::to_string(r) + ": " + errors[r]);
+  for (int r = 0; r < tp; ++r)  // one line per distinct error (ranks refusing a layout say the same)
+    if (!errors[static_cast<size_t>(r)].empty() &&
+        std::find(errors.begin(), errors.begin() + r, errors[static_cast<size_t>(r)]) == errors.begin() + r)
+      f.fail("tp rank " + std::to_string(r) + ": " + errors[static_cast<size_t>(r)]);
   if (!f.failures.empty()) return f;
 
   const bool writes_loss = !full.has_output();
@@ -553,6 +553,14 @@ std::vector<CheckRun> check_layer_plugin(const plugins::Registry& registry, cons
       return fn(layer);
     };
   };
+  // A layer its options do not allow is one refusal, not one per check.
+  try {
+    HarnessRank rank(registry);
+    HarnessLayer layer(rank, name, so.dims, options);
+  } catch (const std::exception& e) {
+    runs.push_back({.check = "create", .findings = {}, .error = e.what()});
+    return runs;
+  }
   run("gradients", on_one_rank([&](HarnessLayer& l) { return check_gradients(l, rng); }));
   run("accumulation", on_one_rank([&](HarnessLayer& l) { return check_accumulation(l, rng); }));
   run("microbatches", on_one_rank([&](HarnessLayer& l) { return check_microbatches_in_flight(l, rng); }));

@@ -201,9 +201,11 @@ std::vector<std::string> run_tp_ranks(const plugins::Registry& registry, int tp,
 // 32, sequence 8, micro-batch 2, vocabulary 37 padded to 40.
 loom_model_dims default_dims();
 
-// Every check above for one layer plugin, as `loom plugins test` runs them.
+// Every check above for one layer plugin, as `loom plugins test` runs them; when the
+// layer cannot be created with these options at all, one "create" run with the error.
 struct CheckRun {
-  std::string check;  // "gradients", "accumulation", "microbatches", "tp2", "tp2+sp"
+  std::string check;  // "create" (when the layer refuses its options), "gradients", "accumulation",
+                      // "microbatches", "tp2", "tp2+sp"
   Findings findings;
   std::string error;  // an exception the check threw ("" = none)
 };

@@ -1,6 +1,10 @@
 #include "engine/train/init_weights.hpp"
 
 #include <cstring>
+#include <set>
+#include <sstream>
+
+#include <toml++/toml.h>
 
 namespace loom::train {
 
@@ -33,7 +37,79 @@ const WholeTensor* source_of(const InitialWeights& w, const model::ParamEntry& e
   return nullptr;
 }
 
+// Whether a tensor of `have` rows stands for a parameter of `want` rows: equal, or both a
+// vocabulary table (the run's padded vocabulary on the model's side, at least the
+// vocabulary on the other).
+bool fits(const std::vector<int64_t>& have, const std::vector<int64_t>& want, int64_t vocab, int64_t padded_vocab) {
+  if (have == want) return true;
+  return have.size() == 2 && want.size() == 2 && have[1] == want[1] && want[0] == padded_vocab && have[0] >= vocab;
+}
+
 }  // namespace
+
+void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab) {
+  if (w.vocab > 0 && w.vocab != vocab)
+    throw loom::Error("checkpoint.init_weights: " + w.source + " has a vocabulary of " + std::to_string(w.vocab) +
+                      ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
+  std::vector<bool> used(w.tensors.size(), false);
+  for (const RankMemory& r : plan.ranks)
+    for (const PlannedParam& p : r.planned) {
+      size_t k = 0;
+      while (k < w.tensors.size() && w.tensors[k].name != p.name) ++k;
+      if (k == w.tensors.size() && !p.tie_key.empty())
+        for (k = 0; k < w.tensors.size() && w.tensors[k].tie_key != p.tie_key;) ++k;
+      if (k == w.tensors.size())
+        throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + p.name +
+                          " (the model declares it; is it the same architecture?)");
+      if (!fits(w.tensors[k].shape, p.full_shape, vocab, padded_vocab))
+        throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + w.tensors[k].name + " is " +
+                          shape_text(w.tensors[k].shape) + ", the model's " + p.name + " " + shape_text(p.full_shape));
+      used[k] = true;
+      // A tied parameter uses the copies of its key (another stage's) too.
+      for (size_t j = 0; j < w.tensors.size(); ++j)
+        if (!p.tie_key.empty() && w.tensors[j].tie_key == p.tie_key) used[j] = true;
+    }
+  for (size_t k = 0; k < w.tensors.size(); ++k)
+    if (!used[k])
+      throw loom::Error("checkpoint.init_weights: " + w.source + " has " + w.tensors[k].name +
+                        ", which the model does not declare (a layer more, or another architecture)");
+}
+
+void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source) {
+  toml::table a, b;
+  try {
+    a = toml::parse(source_manifest_toml);
+    b = toml::parse(run.manifest.to_toml());
+  } catch (const toml::parse_error& e) {
+    throw loom::Error("checkpoint.init_weights: " + source + "'s manifest.toml: " + std::string(e.description()));
+  }
+  auto text = [](const toml::table& t, const std::string& key, const std::string& fallback) {
+    std::ostringstream os;
+    if (auto n = t.at_path(key)) os << n;
+    return os.str().empty() ? fallback : os.str();
+  };
+  auto differ = [&](const std::string& key, const std::string& fallback) {
+    const std::string x = text(a, key, fallback), y = text(b, key, fallback);
+    if (x != y)
+      throw loom::Error("checkpoint.init_weights: " + source + " holds a model with " + key + " = " + x +
+                        ", this run has " + y + ": the same tensors would be another model; set " + key +
+                        " as it has it");
+  };
+  for (const char* key : {"model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.num_layers",
+                          "model.tie_embeddings", "model.pre", "model.block", "model.post"})
+    differ(key, "(unset)");
+  // Each layer's options, as set or as its plugin declares them by default.
+  static const std::set<std::string> training_only = {"dropout", "activation_dropout", "aux_loss_coeff",
+                                                      "z_loss_coeff", "capacity_factor", "drop_policy"};
+  std::set<std::string> seen;
+  for (const model::LayerSpec& spec : run.layers) {
+    if (!seen.insert(spec.config).second) continue;
+    const plugins::LoadedPlugin& p = run.registry->get("layer", spec.plugin);
+    for (const manifest::OptionDecl& d : p.options)
+      if (!training_only.count(d.name))
+        differ("model.layer." + spec.config + "." + d.name, d.default_value.value_or("(unset)"));
+  }
+}
 
 void load_initial_weights(const InitialWeights& w, int64_t vocab, model::Model& model) {
   model.assign_params([&](const model::ParamEntry& e) {
@@ -42,9 +118,7 @@ void load_initial_weights(const InitialWeights& w, int64_t vocab, model::Model& 
       throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + e.name +
                         " (the model declares it; is it the same architecture?)");
     const std::vector<int64_t>& want = e.full_shape;
-    const bool rows_only = t->shape.size() == want.size() && want.size() == 2 && t->shape[1] == want[1] &&
-                           t->shape[0] >= vocab && want[0] >= vocab;  // a vocabulary table, padded otherwise
-    if (t->shape != want && !rows_only)
+    if (!fits(t->shape, want, vocab, model.dims().padded_vocab))
       throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + t->name + " is " + shape_text(t->shape) +
                         ", the model's " + e.name + " " + shape_text(want));
     int64_t n = 1;

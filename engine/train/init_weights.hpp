@@ -6,6 +6,8 @@
 
 #include "engine/model/model.hpp"
 #include "engine/train/gather.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/run_plan.hpp"
 
 #include <string>
 #include <vector>
@@ -15,7 +17,20 @@ namespace loom::train {
 struct InitialWeights {
   std::string source;               // where they came from, for messages
   std::vector<WholeTensor> tensors;  // engine names and whole shapes; fp32 or bf16
+  int64_t vocab = 0;                // the source model's vocabulary (0: not known)
 };
+
+// Before launch: the weights fit the run's model — its vocabulary, every parameter some
+// rank declares found with its whole shape (vocabulary tables may be padded otherwise),
+// and every tensor of the weights used (a layer fewer, or another architecture with the
+// same names, would otherwise load silently). Throws loom::Error naming the first misfit.
+void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab);
+
+// A loom checkpoint's model against the run's, by its manifest: the model keys and every
+// layer option but the training-only ones (dropouts, loss coefficients, capacity), as set
+// or as the plugin's default, must be equal, or the same tensors would mean another
+// model (e.g. other heads, another norm).
+void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source);
 
 // Each of the model's parameters from the tensor of its name (a tied copy: of its tie
 // key). A vocabulary table (dim 0 of at least `vocab` rows on both sides) may be padded

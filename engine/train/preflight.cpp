@@ -1,5 +1,7 @@
 #include "engine/train/preflight.hpp"
 
+#include <boost/filesystem.hpp>
+
 #include "engine/model/layers.hpp"
 #include "engine/model/param_buffers.hpp"
 #include "engine/train/data.hpp"
@@ -93,6 +95,16 @@ void validate_layers(const RunPlan& plan, int64_t vocab) {
   for (const model::LayerSpec& spec : plan.layers) model::validate_layer(plan.config, *plan.registry, spec, run);
 }
 
+// checkpoint.init_weights names a directory (its contents are read and checked when a
+// run that does not resume starts: loom run).
+void check_init_weights_path(const std::string& path) {
+  if (path.empty()) return;
+  boost::system::error_code ec;
+  if (!boost::filesystem::is_directory(path, ec))
+    throw loom::Error("checkpoint.init_weights = \"" + path + "\" is not a directory (a Hugging Face model directory "
+                      "or a loom checkpoint)");
+}
+
 }  // namespace
 
 Preflight preflight(const RunPlan& plan, int ranks_in_process) {
@@ -109,6 +121,7 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   if (config.run.eval_every > 0) read_one(*data, Split::Validation, seq);
 
   validate_layers(plan, out.vocab);
+  check_init_weights_path(plan.config.checkpoint.init_weights);
   out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);
   check_optimizer(plan, out.memory);

@@ -317,6 +317,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw loom::Error("checkpoint.init_weights = \"" + config.checkpoint.init_weights +
                         "\": this caller of train() reads no weights (TrainOptions::read_init_weights; `loom run` does)");
     run.init_weights = std::make_shared<const InitialWeights>(options.read_init_weights(checked.vocab));
+    check_initial_weights(*run.init_weights, checked.memory, checked.vocab,
+                          model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
   }
 
   runtime::LaunchConfig lc;

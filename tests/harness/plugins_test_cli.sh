@@ -20,6 +20,21 @@ grep -q "gain gradient" "$out" || fail "the failure does not name the parameter"
 "$loom" plugins test "$faulty" --set fault=reduce --skip tp2 --skip tp2+sp > "$out" 2>&1 || fail "--skip: exit $?"
 grep -q "3 of 3 checks pass" "$out" || fail "--skip did not leave the checks out"
 
+"$loom" plugins test "$faulty" --skip gradient > "$out" 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "--skip of no such check: exit $rc (expected 2)"
+grep -q "no such check" "$out" || fail "--skip of no such check: no message"
+
+"$loom" plugins test "$faulty" --skip gradients --skip accumulation --skip microbatches --skip tp2 --skip tp2+sp \
+  > "$out" 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "every check skipped: exit $rc (expected 2)"
+
+"$loom" plugins test "$builtin_dir/loom_layer_moe.so" --set num_experts=2 --set top_k=3 > "$out" 2>&1
+rc=$?
+[ $rc -eq 1 ] || fail "a layer refusing its options: exit $rc (expected 1)"
+[ "$(grep -c "must be at most num_experts" "$out")" -eq 1 ] || fail "the refusal is not said once"
+
 "$loom" plugins test "$faulty" --set faul=reduce > "$out" 2>&1
 rc=$?
 [ $rc -eq 2 ] || fail "a misspelt option: exit $rc (expected 2)"

@@ -452,8 +452,52 @@ TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {
             std::string::npos);
   EXPECT_NE(refusal({"model.vocab_size=20"}).find("set model.vocab_size = "), std::string::npos);
   EXPECT_EQ(refusal({}), "");  // and the matching model starts
+  // A config.json key loom's model does not compute.
+  {
+    nlohmann::json c;
+    std::ifstream(out + "/config.json") >> c;
+    c["activation_function"] = "relu";
+    std::ofstream(out + "/config.json") << c.dump();
+  }
+  EXPECT_NE(refusal({}).find("activation_function = \"relu\", which loom's model does not compute"), std::string::npos);
+  // From a loom checkpoint: the same tensors as another model (other heads, fewer layers) are refused.
+  std::string step;
+  for (const auto& e : fs::directory_iterator(dir)) step = e.path().string();
+  auto from_checkpoint = [&](std::vector<std::string> o) {
+    try {
+      losses_from(o, step, 1);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(from_checkpoint({"model.num_heads=8"}).find("model.num_heads = 4, this run has 8"), std::string::npos);
+  EXPECT_NE(from_checkpoint({"model.layer.attention.norm=\"rmsnorm\""}).find("model.layer.attention.norm"),
+            std::string::npos);
+  EXPECT_EQ(from_checkpoint({"model.layer.attention.dropout=0.1"}), "");  // training-only options may differ
   fs::remove_all(dir);
   fs::remove_all(out);
+}
+
+TEST(HfExport, OutputThatCannotBeWrittenLeavesNothingHalfWritten) {
+  const std::string dir = scratch("badout");
+  const std::string step = parallel_checkpoint({}, dir);
+  auto refusal = [&](const std::string& out) {
+    try {
+      loom::interop::export_hf(step, out, loom::plugins::registry());
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(dir).find("holds a loom checkpoint"), std::string::npos);  // exports stay apart from checkpoints
+  std::ofstream(dir + "/a-file") << "x";
+  EXPECT_NE(refusal(dir + "/a-file").find("is a file"), std::string::npos);
+  fs::create_directories(dir + "/out/config.json");  // a directory where config.json goes
+  EXPECT_NE(refusal(dir + "/out").find("is a directory"), std::string::npos);
+  for (const char* f : {"model.safetensors", "model.safetensors.tmp", "config.json.tmp"})
+    EXPECT_FALSE(fs::exists(dir + "/out/" + f)) << f << " was left behind";
+  fs::remove_all(dir);
 }
 
 // ---- safetensors ------------------------------------------------------------------
