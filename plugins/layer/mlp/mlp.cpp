@@ -41,7 +41,7 @@ class Mlp : public loom::Layer {
     dropout_ = dropout_option(options);
     activation_dropout_ = static_cast<float>(options.declared_float("activation_dropout"));
     norm_ = norm_option(options);
-    require_ops(options, rank.device(), name_);
+    require_ffn_ops(options, rank.device(), name_);
     swiglu_ = options.declared_string("activation") == "swiglu";
     service_gelu_ = !swiglu_ && (tp_.features() & LOOM_TP_ACTIVATION) != 0;
     const bool bias = options.declared_bool("bias");
@@ -66,16 +66,9 @@ class Mlp : public loom::Layer {
     g_.assign(params_.size(), nullptr);
   }
 
-  // The device ops the options need: of the run's device before launch, of this rank's at create.
-  template <class Ops>
-  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
-    norm_option(options).require_ops(dev, name);
-    if (options.declared_string("activation") == "swiglu")
-      require_device_ops(dev.has_swiglu_fwd() && dev.has_swiglu_bwd(), name, "activation = \"swiglu\"",
-                         "swiglu_fwd and swiglu_bwd");
-  }
+  // Before launch: the ops the options need, of the run's device (create asks the rank's).
   static void validate(const loom::Options& options, const loom::LayerValidation& v) {
-    require_ops(options, v, v.instance_name());
+    require_ffn_ops(options, v, v.instance_name());
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.

@@ -206,10 +206,7 @@ class Moe : public loom::Layer {
   // The device ops the options need: of the run's device before launch, of this rank's at create.
   template <class Ops>
   static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
-    norm_option(options).require_ops(dev, name);
-    if (options.declared_string("activation") == "swiglu")
-      require_device_ops(dev.has_swiglu_fwd() && dev.has_swiglu_bwd(), name, "activation = \"swiglu\"",
-                         "swiglu_fwd and swiglu_bwd");
+    require_ffn_ops(options, dev, name);
     if (options.declared_bool("shared_expert_gate"))
       require_device_ops(dev.has_sigmoid_fwd() && dev.has_sigmoid_bwd(), name, "shared_expert_gate = true",
                          "sigmoid_fwd and sigmoid_bwd");

@@ -545,6 +545,15 @@ inline Norm norm_option(const loom::Options& options) {
   return {.rms = options.declared_string("norm") == "rmsnorm",
           .eps = static_cast<float>(options.declared_float("norm_epsilon"))};
 }
+// The device ops a feed-forward block's `norm` and `activation` options need, of a rank's
+// device (loom::Device, at create) or of the run's before launch (loom::LayerValidation).
+template <class Ops>
+void require_ffn_ops(const loom::Options& options, const Ops& dev, const std::string& layer) {
+  norm_option(options).require_ops(dev, layer);
+  if (options.declared_string("activation") == "swiglu")
+    require_device_ops(dev.has_swiglu_fwd() && dev.has_swiglu_bwd(), layer, "activation = \"swiglu\"",
+                       "swiglu_fwd and swiglu_bwd");
+}
 inline std::vector<loom::OptionSpec> norm_option_specs() {
   return {loom::opt_string("norm", "layernorm",
                            "the normalisation before the sublayer: layernorm (gamma and beta) or rmsnorm (gamma "
