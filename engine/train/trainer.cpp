@@ -302,9 +302,17 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (!launch.multi_process || launch.rank == 0) ckpt_lock.emplace(ckpt_dir);
   }
   std::optional<ResumePoint> resume;
-  if (options.resume) resume = plan_resume(plan, ckpt_dir, options.log);
+  // --resume of a fine-tuning run (checkpoint.init_weights) that has saved nothing yet
+  // starts from the given weights: one command line serves every launch of a run that
+  // may be preempted.
+  const bool first_launch = options.resume && !config.checkpoint.init_weights.empty() && !ckpt_dir.empty() &&
+                            !latest_checkpoint(ckpt_dir);
+  if (first_launch && options.log)
+    *options.log << "resume: no checkpoint in " << ckpt_dir << " yet; starting from checkpoint.init_weights = "
+                 << config.checkpoint.init_weights << std::endl;
+  if (options.resume && !first_launch) resume = plan_resume(plan, ckpt_dir, options.log);
 
-  MetricsSink metrics(options.metrics_file, options.resume, options.log, config.run.steps, config.run.log_every);
+  MetricsSink metrics(options.metrics_file, resume.has_value(), options.log, config.run.steps, config.run.log_every);
   // The trace is written after training: a path it cannot be written to fails now.
   if (!options.trace_file.empty() && !std::ofstream(options.trace_file, std::ios::app))
     throw std::runtime_error("--trace " + options.trace_file + ": cannot open the file for writing");

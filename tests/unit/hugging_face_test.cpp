@@ -435,6 +435,33 @@ TEST(HfImport, RunsOfAnyLayoutStartFromTheExportedWeights) {
   }
 }
 
+// One command line for every launch of a fine-tuning run: --resume with nothing saved yet
+// starts from checkpoint.init_weights, and once a checkpoint exists continues from it.
+TEST(HfImport, ResumeBeforeTheFirstCheckpointStartsFromTheGivenWeights) {
+  const std::string dir = scratch("pre"), out = scratch("pre-out"), run_dir = scratch("pre-run");
+  loom::interop::export_hf(parallel_checkpoint({}, dir), out, loom::plugins::registry());
+  const double from_weights = losses_from({}, out, 1)[0];
+  auto launch = [&](int steps) {
+    const std::vector<std::string> o = {"model.num_layers=4", "run.steps=" + std::to_string(steps),
+                                        "checkpoint.init_weights=\"" + out + "\"", "checkpoint.dir=\"" + run_dir + "\""};
+    const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+    loom::train::TrainOptions opts;
+    opts.resume = true;
+    opts.read_init_weights = [&](int64_t vocab) {
+      return loom::interop::read_initial_weights(out, plan, vocab, loom::plugins::registry());
+    };
+    return loom::train::train(plan, opts);
+  };
+  const loom::train::TrainResult first = launch(2);
+  ASSERT_EQ(first.start_step, 0);
+  EXPECT_EQ(first.steps.front().loss, from_weights);
+  const loom::train::TrainResult second = launch(3);  // a checkpoint exists now: resumed, not restarted
+  EXPECT_EQ(second.start_step, 2);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  fs::remove_all(run_dir);
+}
+
 TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {
   const std::string dir = scratch("bad"), out = scratch("bad-out");
   loom::interop::export_hf(parallel_checkpoint({}, dir), out, loom::plugins::registry());
