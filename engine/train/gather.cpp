@@ -102,14 +102,14 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   const size_t elem = m.param_dtype == "bf16" ? 2 : 4;
 
   std::map<std::string, size_t> index;  // name -> out.tensors
-  std::vector<std::vector<bool>> filled;
+  std::vector<std::vector<bool>> filled;  // per tensor, which elements a rank has given
+  std::vector<int64_t> missing;            // per tensor, how many it still lacks
   for (const RankMemory& r : mp.ranks) {
     // dp and cp replicas of a position hold the same values: read one of each.
-    bool needed = false;
-    for (const PlannedParam& p : r.planned)
-      if (!index.count(p.name) || !std::all_of(filled[index[p.name]].begin(), filled[index[p.name]].end(),
-                                               [](bool b) { return b; }))
-        needed = true;
+    const bool needed = std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
+      auto it = index.find(p.name);
+      return it == index.end() || missing[it->second] > 0;
+    });
     if (!needed) continue;
     const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout.numel), elem);
     ParamLayoutList layout;
@@ -127,20 +127,26 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
         t.data.assign(static_cast<size_t>(t.numel()) * elem, 0);
         out.tensors.push_back(std::move(t));
         filled.emplace_back(static_cast<size_t>(out.tensors.back().numel()), false);
+        missing.push_back(out.tensors.back().numel());
       }
       WholeTensor& t = out.tensors[it->second];
       if (t.shape != p.full_shape)
         throw CheckpointError("checkpoint " + step_dir + ": parameter " + p.name + " has two shapes across ranks");
       const char* shard = state.params.data() + r.layout.params[i].start * elem;
       std::vector<bool>& done = filled[it->second];
+      int64_t& left = missing[it->second];
       for_each_shard_run(p, {r.tp_rank, r.ep_rank, r.etp_rank}, [&](int64_t local, int64_t whole, int64_t n) {
         std::memcpy(t.data.data() + whole * elem, shard + local * elem, static_cast<size_t>(n) * elem);
-        std::fill(done.begin() + whole, done.begin() + whole + n, true);
+        for (int64_t j = whole; j < whole + n; ++j)
+          if (!done[static_cast<size_t>(j)]) {
+            done[static_cast<size_t>(j)] = true;
+            --left;
+          }
       });
     }
   }
   for (size_t k = 0; k < out.tensors.size(); ++k)
-    if (!std::all_of(filled[k].begin(), filled[k].end(), [](bool b) { return b; }))
+    if (missing[k] > 0)
       throw CheckpointError("checkpoint " + step_dir + ": no rank holds all of " + out.tensors[k].name +
                             " (its shards do not cover it)");
   return out;
