@@ -51,9 +51,10 @@ std::string error_of(const ParallelSizes& s) {
   return "(no error)";
 }
 
-// ---- the worked examples from seed 001 ----
+// ---- worked examples: 16 ranks as Megatron-LM's initialize_model_parallel docstring
+// (megatron/core/parallel_state.py) lays them out, dense and with MoE folding ----
 
-TEST(RankGroups, DenseTp4Pp2Dp2MatchesSeed) {
+TEST(RankGroups, DenseTp4Pp2Dp2MatchesMegatronsLayout) {
   const auto rg = RankGroups::build(make(16, 4, 1, 2));
   EXPECT_EQ(rg.dp(), 2);
   EXPECT_EQ(rg.groups("tp"), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}));
@@ -76,7 +77,7 @@ TEST(RankGroups, DenseTp4Pp2Dp2MatchesSeed) {
   EXPECT_EQ(rg.rank_in_group("embedding", 13), 1);
 }
 
-TEST(RankGroups, MoeEtp1Pp2Ep4Edp2MatchesSeed) {
+TEST(RankGroups, MoeEtp1Pp2Ep4Edp2MatchesMegatronsLayout) {
   const auto rg = RankGroups::build(make(16, 4, 1, 2, /*ep=*/4, /*etp=*/1));
   EXPECT_EQ(rg.etp(), 1);
   EXPECT_EQ(rg.edp(), 2);

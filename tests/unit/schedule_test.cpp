@@ -1,5 +1,6 @@
-// Pipeline schedules (seed 003): the built-in plugins' orders against the seed's
-// worked example and hand-derived cases, Megatron's acceptance rules, the engine's
+// Pipeline schedules: the built-in plugins' orders against a worked example of
+// Megatron-LM's interleaved 1F1B (pp 4, vpp 2, 8 microbatches; megatron/core/
+// pipeline_parallel/schedules.py) and hand-derived cases, Megatron's acceptance rules, the engine's
 // order validation and deadlock simulation (with deliberately broken plugins from
 // tests/pipeline/), the Chrome trace, and `loom schedule`.
 #include <gtest/gtest.h>
@@ -67,7 +68,8 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 // Independent references (not the plugins' code)
 // ---------------------------------------------------------------------------
 
-// Warmup forwards per rank, straight from DESIGN.md §5.
+// Warmup forwards per rank, as Megatron-LM computes num_warmup_microbatches in
+// megatron/core/pipeline_parallel/schedules.py.
 int warmup_1f1b(int pp, int m, int r) { return std::min(pp - r - 1, m); }
 int warmup_interleaved(int pp, int v, int m, int n, int r) {
   return std::min((pp - r - 1) * 2 + (v - 1) * n, m * v);
@@ -137,10 +139,10 @@ void expect_consistent_timeline(const PipelineOrders& o, const loom::pipeline::T
 }
 
 // ---------------------------------------------------------------------------
-// The seed's worked example
+// A worked example: interleaved 1F1B, pp 4, vpp 2, 8 microbatches, rank 0
 // ---------------------------------------------------------------------------
 
-TEST(ScheduleSeed, InterleavedPp4Vpp2Mb8Rank0) {
+TEST(ScheduleWorkedExample, InterleavedPp4Vpp2Mb8Rank0) {
   const PipelineOrders o = orders("interleaved", 4, 2, 8);
   EXPECT_EQ(o.group_size, 4);  // 0 means pp
   const Order expected = {1, 1, 1, 1, 2, 2, 2, 2, 1, 1,                       // warmup
@@ -158,12 +160,12 @@ TEST(ScheduleSeed, InterleavedPp4Vpp2Mb8Rank0) {
   EXPECT_EQ(t.makespan, 2 * 2 * 8 + 2 * 3);
 }
 
-TEST(ScheduleSeed, FirstListingOfTheSeedIsNotTheOrder) {
-  // The seed's first listing (…, 1, -1, 1, -1, 2, -2, …) is wrong (DESIGN.md §5);
-  // make sure we do not produce it.
-  const Order seed_listing = {1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -1, 1, -1, 2, -2, 2, -2, 2, -1, 2, -1,
+TEST(ScheduleWorkedExample, AListingThatBackwardsChunk1TooEarlyIsNotTheOrder) {
+  // A plausible but wrong listing (…, 1, -1, 1, -1, 2, -2, …): in Megatron-LM's order the
+  // steady state's first backward is of the last chunk (-2), not chunk 1.
+  const Order wrong_listing = {1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 1, -1, 1, -1, 2, -2, 2, -2, 2, -1, 2, -1,
                               -2, -2, -1, -1, -2, -2, -1, -1, -2, -2};
-  EXPECT_NE(orders("interleaved", 4, 2, 8).order[0], seed_listing);
+  EXPECT_NE(orders("interleaved", 4, 2, 8).order[0], wrong_listing);
 }
 
 // ---------------------------------------------------------------------------
