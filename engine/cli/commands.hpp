@@ -15,4 +15,5 @@ int cmd_preprocess(int argc, char** argv);
 int cmd_tokenize(int argc, char** argv);
 int cmd_tokenizer_train(int argc, char** argv);
 int cmd_export(int argc, char** argv);
+int cmd_generate(int argc, char** argv);
 }  // namespace loom::cli

@@ -31,6 +31,8 @@ const Command kCommands[] = {
     {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR|MODEL --text TEXT"},
     {"export", loom::cli::cmd_export,
      "a checkpoint (any parallel layout) as a Hugging Face model: CHECKPOINT --format hf OUTDIR"},
+    {"generate", loom::cli::cmd_generate,
+     "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]"},
     {"tokenizer-train", loom::cli::cmd_tokenizer_train,
      "train a SentencePiece model: --input F --model-prefix P --vocab-size N"},
 };

@@ -168,6 +168,45 @@ void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor
   capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
 }
 
+size_t Model::hidden_bytes(int64_t rows) const {
+  return static_cast<size_t>(rows * dims_.micro_batch * dims_.hidden) * dtype_size(act_dtype());
+}
+
+const void* Model::forward_cached(int c, int64_t rows, int64_t position_offset, const int32_t* tokens,
+                                  const void* input, float* logits) {
+  const LocalChunk& chunk = layers_.chunk(c);
+  LOOM_REQUIRE(chunk.is_first_global() == (input == nullptr),
+               "generation: chunk " << chunk.global_index << (input ? " takes tokens, not a hidden state" : " needs its input"));
+  const size_t bytes = hidden_bytes(rows);
+  for (loom::Buffer& b : generated_)
+    if (b.bytes() < bytes) b = loom::Buffer(&rank_, bytes);
+  const std::vector<int64_t> shape = {rows, dims_.micro_batch, dims_.hidden}, tok_shape = {rows, dims_.micro_batch};
+  DLTensor tok = device_view(rank_, const_cast<int32_t*>(tokens), tok_shape);
+  tok.dtype = {kDLInt, 32, 1};
+  const void* held = input;
+  int turn = held == generated_[0].get() ? 1 : 0;  // never write over the input before it is read
+  for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
+    const bool has_output = !(chunk.is_last_global() && i + 1 == chunk.end_layer);
+    DLTensor in{}, out{};
+    if (held) in = device_view(rank_, const_cast<void*>(held), shape, act_dtype());
+    void* next = has_output ? generated_[turn].get() : nullptr;
+    if (has_output) out = device_view(rank_, next, shape, act_dtype());
+    loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
+    a.training = 0;
+    a.input = held ? &in : nullptr;
+    a.output = has_output ? &out : nullptr;
+    a.tokens = &tok;
+    a.kv_cache = 1;
+    a.position_offset = position_offset;
+    a.logits = has_output ? nullptr : logits;
+    const Layer& l = layers_[i];
+    loom::check(l.api->forward(l.handle, &rank_, &a));
+    held = next;
+    turn ^= 1;
+  }
+  return held;
+}
+
 void Model::release_chunk(int c, int mb) {
   const LocalChunk& chunk = layers_.chunk(c);
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i)

@@ -70,6 +70,18 @@ class Model {
   // What the device buffer holds now (read back; for tests and diagnostics).
   std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 
+  // --- Generation: kv_cache forwards (ABI 1.13), nothing saved for a backward ---
+  // Runs local chunk c on `rows` new positions, from position_offset, of the
+  // micro_batch sequences (position_offset 0 starts new ones): `tokens` (device,
+  // [rows, micro_batch]) feed the first global chunk, `input` (a device hidden state
+  // [rows, micro_batch, hidden]) the others. Returns the output hidden state, valid
+  // until the next call, or nullptr for the last global chunk, which writes the fp32
+  // logits of every sequence's last row to `logits` (host, [micro_batch, vocab]).
+  const void* forward_cached(int c, int64_t rows, int64_t position_offset, const int32_t* tokens, const void* input,
+                             float* logits);
+  // Bytes of a hidden state of `rows` positions of micro_batch sequences.
+  size_t hidden_bytes(int64_t rows) const;
+
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.
   void forward(int mb, const int32_t* tokens, const int32_t* targets, bool training, uint64_t dropout_seed,
@@ -146,6 +158,8 @@ class Model {
   // Gradients of hidden states in backward: each layer's input gradient, in
   // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received.
   loom::Buffer grad_a_, grad_b_, grad_recv_;
+  // Generation's hidden states, each layer's output in one of the two by turns.
+  loom::Buffer generated_[2];
 };
 
 }  // namespace loom::model

@@ -43,6 +43,18 @@ class AdditionTask : public DataSource {
     for (int64_t i = 0; i < n; ++i) s += t[i] < 10 ? char('0' + t[i]) : t[i] == kPlus ? '+' : t[i] == kEquals ? '=' : '|';
     return s;
   }
+  std::vector<int32_t> encode(const std::string& text) const override {
+    std::vector<int32_t> ids;
+    for (char c : text) {
+      if (c >= '0' && c <= '9') ids.push_back(c - '0');
+      else if (c == '+') ids.push_back(kPlus);
+      else if (c == '=') ids.push_back(kEquals);
+      else if (c == '|') ids.push_back(kEnd);
+      else
+        throw DataError(std::string("the addition task has no token for '") + c + "' (its symbols: 0-9 + = |)");
+    }
+    return ids;
+  }
   void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override {
     const int len = 3 * digits_ + 4;  // a + b = c(digits+1) end
     uint64_t state = mix(seed_ ^ (split == Split::Train ? 0x7261696eull : 0x76616c69ull), index);
@@ -201,6 +213,10 @@ std::string DataSource::render(const int32_t* tokens, int64_t n) const {
   std::string s;
   for (int64_t i = 0; i < n; ++i) s += (i ? " " : "") + std::to_string(tokens[i]);
   return s;
+}
+
+std::vector<int32_t> DataSource::encode(const std::string&) const {
+  throw DataError(describe() + ": its tokens have no text form here; give a tokenizer");
 }
 
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) {

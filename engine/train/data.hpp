@@ -31,6 +31,10 @@ class DataSource {
   virtual bool has_exact_match() const { return false; }
   // Token id -> printable text for samples shown to the user.
   virtual std::string render(const int32_t* tokens, int64_t n) const;
+  // Text -> token ids, for sources whose tokens are symbols of their own (a synthetic
+  // task; `loom generate` prompts). Throws DataError for a source without one or a
+  // character it has no token for.
+  virtual std::vector<int32_t> encode(const std::string& text) const;
 };
 
 // kind = data.kind: "synthetic" (data.task, data.digits), "text" (bytes of data.path),

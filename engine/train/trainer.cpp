@@ -118,20 +118,9 @@ class RankTraining {
   uint64_t peak_activation_bytes_ = 0;
 };
 
+// Given weights replace the random ones before the optimizer takes its master copy.
 std::unique_ptr<model::Model> RankTraining::create_model(const Run& run, runtime::RankRuntime& rt) {
-  const RunPlan& plan = run.plan;
-  plugins::OptionValues exec_options(&plan.config.exec.options, plan.exec->options);
-  loom_exec* exec = nullptr;
-  loom::check(plan.exec->exec()->create(exec_options.raw(), &rt, &exec));
-  rt.set_exec(plan.exec->exec(), exec);
-  const loom_model_dims dims = model::model_dims(plan.config, run.vocab, plan.sizes.tp);
-  auto model = std::make_unique<model::Model>(
-      plan.config, *plan.registry, rt, dims,
-      pipeline::local_chunks(plan.chunks, plan.sizes.pp, rt.group_or_self("pp").rank()),
-      static_cast<uint64_t>(plan.config.run.seed));
-  // Given weights replace the random ones before the optimizer takes its master copy.
-  if (run.init_weights) load_initial_weights(*run.init_weights, run.vocab, *model);
-  return model;
+  return create_rank_model(run.plan, rt, run.vocab, run.init_weights.get());
 }
 
 // The rank's real timeline: the executor's steps and p2p, and its collectives.
@@ -285,6 +274,21 @@ void RankTraining::run() {
 }
 
 }  // namespace
+
+std::unique_ptr<model::Model> create_rank_model(const RunPlan& plan, runtime::RankRuntime& rt, int64_t vocab,
+                                                const InitialWeights* weights) {
+  plugins::OptionValues exec_options(&plan.config.exec.options, plan.exec->options);
+  loom_exec* exec = nullptr;
+  loom::check(plan.exec->exec()->create(exec_options.raw(), &rt, &exec));
+  rt.set_exec(plan.exec->exec(), exec);
+  const loom_model_dims dims = model::model_dims(plan.config, vocab, plan.sizes.tp);
+  auto model = std::make_unique<model::Model>(
+      plan.config, *plan.registry, rt, dims,
+      pipeline::local_chunks(plan.chunks, plan.sizes.pp, rt.group_or_self("pp").rank()),
+      static_cast<uint64_t>(plan.config.run.seed));
+  if (weights) load_initial_weights(*weights, vocab, *model);
+  return model;
+}
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const manifest::RunConfig& config = plan.config;

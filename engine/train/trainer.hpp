@@ -51,4 +51,10 @@ struct TrainResult {
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options);
 
+// A rank's part of the model as a run creates it: the plan's exec plugin set on the
+// rank, the layers of its pipeline chunks, the parameters from `weights` when given
+// (else the seeded random initialisation).
+std::unique_ptr<model::Model> create_rank_model(const RunPlan& plan, runtime::RankRuntime& rt, int64_t vocab,
+                                                const InitialWeights* weights);
+
 }  // namespace loom::train

@@ -4,6 +4,7 @@
 #include "engine/model/param_plan.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/plugins/rank_context.hpp"
+#include "engine/train/generation.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -54,6 +55,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_11(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_11(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_12(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_12(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_12(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_13(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_13(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -319,6 +323,22 @@ TEST(AbiLayout, Released112MembersKeepOffsetsAndSizes) {
   EXPECT_EQ(offsetof(loom_layer_validate_args, dims), 8u);
   EXPECT_EQ(offsetof(loom_layer_validate_args, device_features), 64u);
   EXPECT_EQ(offsetof(loom_layer_validate_args, device_ops) + sizeof(void*), sizeof(loom_layer_validate_args));
+}
+
+// 1.13's too (generation with a key/value cache): the members past 1.12's sizeof of
+// loom_layer_fwd_args, without padding.
+TEST(AbiLayout, Released113MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_112 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_13(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_13(&n_current);
+  loom_abi_layout_current_v1_12(&n_112);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_112 + 2 * 4);  // kv_cache, reserved_1_13, position_offset, logits
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_12("loom_layer_fwd_args"), 0u);
+  EXPECT_EQ(offsetof(loom_layer_fwd_args, kv_cache), loom_abi_sizeof_v1_12("loom_layer_fwd_args"));
+  EXPECT_EQ(offsetof(loom_layer_fwd_args, position_offset) % 8, 0u);
+  EXPECT_EQ(offsetof(loom_layer_fwd_args, logits) + sizeof(float*), sizeof(loom_layer_fwd_args));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a
@@ -908,6 +928,34 @@ TEST(AbiValidate, AHostTaskLayerTrainsTheSameCapturedAndEager) {
   ASSERT_EQ(eager.size(), 4u) << eager_out;
   EXPECT_EQ(graphs, eager) << graphs_out;
   EXPECT_NE(graphs_out.find("replayed"), std::string::npos) << graphs_out;
+}
+
+
+// --- Generation's key/value-cache forwards (ABI 1.13) -------------------------------
+
+// `loom generate` asks every layer for LOOM_LAYER_KV_CACHE before any rank starts: a
+// layer built against 1.11 (before the bit existed) and a current one that does not
+// declare it are refused by name; the built-in layers declare it.
+TEST(AbiGenerate, ALayerWithoutTheKvCacheBitIsRefusedByName) {
+  const std::string tiny = read_text(std::string(LOOM_SOURCE_DIR) + "/tests/cli/tiny.toml");
+  auto refusal = [&](const std::string& layer) {
+    std::vector<std::string> overrides = {"plugins.search_paths=[\"" + abi_dir("checked") + "\"]"};
+    if (!layer.empty()) overrides.push_back("model.block=[\"attention\", \"mlp\", \"" + layer + "\"]");
+    try {
+      Registry r;
+      loom::train::generation_plan(tiny, "tiny.toml", overrides, r);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(refusal(""), "");
+  EXPECT_NE(refusal("checked").find("layer blocks.0.checked (layer/checked, ABI 1.13) cannot generate: it does not "
+                                    "take key/value-cache forwards (LOOM_LAYER_KV_CACHE, ABI 1.13)"),
+            std::string::npos)
+      << refusal("checked");
+  EXPECT_NE(refusal("checked_v1_11").find("(layer/checked_v1_11, ABI 1.11) cannot generate"), std::string::npos)
+      << refusal("checked_v1_11");
 }
 
 }  // namespace

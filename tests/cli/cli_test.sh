@@ -168,4 +168,20 @@ done
   > "$work/llama.out" 2>&1 || fail "llama_quickstart: $(tail -3 "$work/llama.out")"
 grep -q "step    20/20" "$work/llama.out" || fail "llama_quickstart did not reach step 20: $(tail -3 "$work/llama.out")"
 
+# 14. loom generate from a checkpoint: greedy decoding with the key/value cache gives
+# the ids of running the whole sequence again, and the same at tp 2 x pp 2; a prompt
+# symbol the data has no token for, and a manifest that names no weights, are refused.
+"$loom" run "$here/tiny.toml" --set run.steps=20 --set checkpoint.dir="\"$work/gen\"" > "$work/gen_train.out" 2>&1 \
+  || fail "generate: training: $(tail -3 "$work/gen_train.out")"
+ids() { "$loom" generate "$work/gen" --prompt "12+34=" --temperature 0 --max-new-tokens 6 --json "$@" \
+          | sed -n 's/.*"ids":\(\[[0-9,]*\]\).*/\1/p'; }
+cached=$(ids)
+[ -n "$cached" ] && [ "$(echo "$cached" | tr ',' '\n' | wc -l)" -eq 6 ] || fail "generate --json: ids '$cached'"
+[ "$(ids --no-cache)" = "$cached" ] || fail "generate: --no-cache gave $(ids --no-cache), the cache $cached"
+[ "$(ids --set parallel.tp=2 --set parallel.pp=2)" = "$cached" ] || fail "generate at tp 2 x pp 2 differs from $cached"
+"$loom" generate "$work/gen" --prompt "12+ab" > "$work/gen_bad.out" 2>&1
+[ $? -eq 1 ] && grep -q "no token for 'a'" "$work/gen_bad.out" || fail "generate: bad prompt: $(cat "$work/gen_bad.out")"
+"$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
+[ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
+
 echo "cli tests passed"

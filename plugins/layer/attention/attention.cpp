@@ -124,7 +124,7 @@ class Attention : public loom::Layer {
     require_ops(options, v, v.instance_name());
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -133,6 +133,7 @@ class Attention : public loom::Layer {
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    if (a.kv_cache) return forward_cached(rank, a);
     const int64_t H = hidden_, Hl = hidden_local_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism.
@@ -182,6 +183,74 @@ class Attention : public loom::Layer {
     add(dev, x, p, y, Tl * H, dt_.act);  // the residual
 
     if (a.training) saved_[a.microbatch] = std::move(s);
+  }
+
+  // Generation (ABI 1.13 kv_cache): rows at positions [P, P + S) of B sequences. Their
+  // keys and values go into the cache at those positions; the queries attend to the
+  // cache's first P + S positions as a window (the same op context parallelism uses).
+  void forward_cached(loom::Rank& rank, const loom_layer_fwd_args& a) {
+    const int64_t H = hidden_, Hl = hidden_local_;
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
+    const int64_t S = a.input->shape[0], B = a.input->shape[1], T = S * B, P = a.position_offset;
+    require_act(a.output, "output", name_, dt_.act, {S, B, H});
+    LOOM_REQUIRE(!tp_.sequence_parallel() && cp_.cp() == 1,
+                 name_ << ": a kv_cache forward runs without sequence or context parallelism");
+    LOOM_REQUIRE(P >= 0 && S > 0 && P + S <= seq_, name_ << ": positions [" << P << ", " << P + S
+                                                         << ") run past the model's seq_len " << seq_);
+    LOOM_REQUIRE(P == 0 || B == cache_batch_, name_ << ": a kv_cache forward at position " << P << " of " << B
+                                                    << " sequences continues no cached sequences of that batch");
+    loom::Device dev = rank.device();
+    LOOM_REQUIRE((dev.features() & LOOM_DEVICE_ATTENTION_WINDOW) != 0,
+                 name_ << ": generation with a key/value cache needs windowed attention (LOOM_DEVICE_ATTENTION_WINDOW)");
+    const size_t eb = loom::dtype_size(dt_.act);
+    const int64_t W = 2 * Hl;  // a cached row: this rank's k | v
+    if (P == 0 && (cache_.get() == nullptr || cache_batch_ != B)) {
+      cache_ = loom::Buffer(rank_, static_cast<size_t>(seq_ * B * W) * eb);
+      cache_batch_ = B;
+    }
+    const void* x = data_of<void>(*a.input);
+    void* y = data_of<void>(*a.output);
+
+    Arena tmp;
+    const size_t ln = tmp.elems(T * H, dt_.act), qkv = tmp.elems(T * 3 * Hl, dt_.act),
+                 grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), ctx = tmp.elems(T * Hl, dt_.act),
+                 mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
+                 proj = tmp.elems(T * H, dt_.act);
+    tmp.allocate(rank_);
+    norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
+    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln), .x_full = nullptr,
+                                        .weight = w(qkv_w_), .bias = w(qkv_b_),
+                                        .y = grouped_ ? tmp.at(grouped) : tmp.at(qkv), .dtype = dt_.act});
+    if (grouped_) ungroup(dev, tmp.at(grouped), tmp.at(qkv), T);
+    if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P);
+    void* cache = cache_.get();
+    dev.copy_2d(advance(cache, P * B * W, dt_.act), W * eb, advance(tmp.at<const void>(qkv), Hl, dt_.act), 3 * Hl * eb,
+                W * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    loom_attention_args at = loom::make<loom_attention_args>();
+    at.batch = B;
+    at.seq = S;
+    at.heads = heads_local_;
+    at.head_dim = head_dim_;
+    at.qkv_stride_b = 3 * Hl;
+    at.qkv_stride_s = B * 3 * Hl;
+    at.out_stride_b = Hl;
+    at.out_stride_s = B * Hl;
+    at.q = tmp.at(qkv);
+    at.k = cache;
+    at.v = advance(cache, Hl, dt_.act);
+    at.out = tmp.at(ctx);
+    at.lse = tmp.at(lse);
+    at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+    at.causal = 1;
+    at.dtype = dt_.act;
+    at.q_offset = P;
+    at.kv_seq = P + S;
+    at.kv_stride_b = W;
+    at.kv_stride_s = B * W;
+    dev.attention_fwd(at);
+    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = tmp.at(ctx), .weight = w(proj_w_),
+                                     .bias = w(proj_b_), .y = tmp.at(proj), .dtype = dt_.act});
+    add(dev, x, tmp.at(proj), y, T * H, dt_.act);  // the residual
   }
 
   void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
@@ -416,11 +485,11 @@ class Attention : public loom::Layer {
   }
 
   // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
-  // (row s * B + b: local row s of this cp rank's slice), or back (backward: the
+  // (row s * B + b: local row first + s of this cp rank's slice), or back (backward: the
   // transpose, for their gradients).
-  void rotate(const loom::Device& dev, void* qkv, int64_t S, int64_t B, bool backward) {
+  void rotate(const loom::Device& dev, void* qkv, int64_t S, int64_t B, bool backward, int64_t first = 0) {
     const int64_t Hl = hidden_local_;
-    const int32_t* positions = rope_positions_.get(rank_, dev, cp_, 0, S, B);
+    const int32_t* positions = rope_positions_.get(rank_, dev, cp_, first, S, B);
     for (int part = 0; part < 2; ++part) {  // q, then k
       void* x = advance(qkv, part * Hl, dt_.act);
       const loom_rope_args r = {.tokens = S * B, .heads = heads_local_, .head_dim = head_dim_,
@@ -539,6 +608,8 @@ class Attention : public loom::Layer {
   int64_t groups_ = 0, group_heads_ = 1, qkv_local_ = 0;  // query groups, heads per group, local QKV columns
   bool grouped_ = false;                                 // groups_ < heads_
   loom::Buffer repeat_;                                  // repeat_matrix()
+  loom::Buffer cache_;                                   // generation: k | v of seq_ positions x cache_batch_
+  int64_t cache_batch_ = 0;
   float dropout_ = 0.0f;
   ParamSet params_;
   Dtypes dt_;
@@ -575,5 +646,5 @@ std::vector<loom::OptionSpec> attention_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.4.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
+    "attention", "1.5.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
     attention_options()))

@@ -57,7 +57,7 @@ class Embedding : public loom::Layer {
     if (learned_positions_) params_.add({.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL});
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS | LOOM_LAYER_KV_CACHE;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -69,6 +69,7 @@ class Embedding : public loom::Layer {
     const int64_t H = hidden_;
     require_tensor(a.tokens, "tokens", name_, kDLInt, 32, {-1, -1});
     const int64_t S = a.tokens->shape[0], B = a.tokens->shape[1], T = S * B;
+    if (a.kv_cache) return forward_cached(rank, a, S, B);
     LOOM_REQUIRE(S * cp_.size() <= seq_, name_ << ": sequence of " << S * cp_.size() << " tokens is longer than seq_len "
                                                << seq_ << " (the position table)");
     // The output is this rank's sequence shard under sequence parallelism.
@@ -97,6 +98,25 @@ class Embedding : public loom::Layer {
                            .seed_device = a.dropout_seed_device});
 
     if (a.training) saved_[a.microbatch] = std::move(s);
+  }
+
+  // Generation (ABI 1.13 kv_cache): tokens at positions [P, P + S), no dropout, nothing kept.
+  void forward_cached(loom::Rank& rank, const loom_layer_fwd_args& a, int64_t S, int64_t B) {
+    const int64_t H = hidden_, P = a.position_offset;
+    LOOM_REQUIRE(!tp_.sequence_parallel() && cp_.size() == 1,
+                 name_ << ": a kv_cache forward runs without sequence or context parallelism");
+    LOOM_REQUIRE(P >= 0 && P + S <= seq_, name_ << ": positions [" << P << ", " << P + S
+                                                << ") run past seq_len " << seq_ << " (the position table)");
+    require_act(a.output, "output", name_, dt_.act, {S, B, H});
+    loom::Device dev = rank.device();
+    void* y = data_of<void>(*a.output);
+    tp_.vocab_parallel_embedding_forward({.rows = S * B, .dim = H, .padded_vocab = padded_vocab_,
+                                          .ids = data_of<int32_t>(*a.tokens), .table = w_[kWord], .out = y,
+                                          .dtype = dt_.act});
+    if (learned_positions_)
+      dev.embedding_fwd({.n = S * B, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
+                         .ids = positions_.get(rank_, dev, loom::ContextSlice(seq_, 1, 0), P, S, B),
+                         .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
   }
 
   void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
@@ -205,6 +225,6 @@ class Embedding : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
-    "embedding", "1.3.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
+    "embedding", "1.4.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
     {loom::layers::dropout_option_spec("the embedding output"),
      loom::layers::position_embedding_option_spec("no position table here: the attention layers rotate q and k")}))

@@ -57,7 +57,7 @@ class LmHead : public loom::Layer {
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS | LOOM_LAYER_KV_CACHE;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -66,6 +66,7 @@ class LmHead : public loom::Layer {
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    if (a.kv_cache) return forward_cached(rank, a);
     const int64_t H = hidden_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism; the
@@ -111,6 +112,49 @@ class LmHead : public loom::Layer {
     if (a.loss_count) *a.loss_count = count;
 
     if (a.training) saved_[a.microbatch] = std::move(s);
+  }
+
+  // Generation (ABI 1.13 kv_cache): the logits of each sequence's last row only,
+  // [B, V_local] in fp32 per tp rank, all-gathered and written whole to a.logits.
+  void forward_cached(loom::Rank& rank, const loom_layer_fwd_args& a) {
+    const int64_t H = hidden_;
+    require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
+    LOOM_REQUIRE(!tp_.sequence_parallel(), name_ << ": a kv_cache forward runs without sequence parallelism");
+    if (a.logits == nullptr) return;
+    const int64_t S = a.input->shape[0], B = a.input->shape[1], Vl = vocab_local_;
+    const int tp = tp_.size() > 0 ? tp_.size() : 1;
+    loom::Device dev = rank.device();
+    Arena tmp;
+    const size_t ln = tmp.elems(B * H, dt_.act), mean = tmp.floats(B), rstd = tmp.floats(B),
+                 local = tmp.floats(B * Vl), all = tmp.floats(tp * B * Vl);
+    tmp.allocate(rank_);
+    // Rows (S - 1) * B .. S * B - 1 are the last position of every sequence.
+    const void* last = advance(data_of<const void>(*a.input), (S - 1) * B * H, dt_.act);
+    norm_.forward(dev, last, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), B, H, dt_.act);
+    loom_gemm_args g = loom::make<loom_gemm_args>();  // [B, H] x W_local^T [H, V_local]
+    g.trans_b = 1;
+    g.m = B, g.n = Vl, g.k = H;
+    g.a = tmp.at(ln), g.lda = H;
+    g.b = w(word_), g.ldb = H;
+    g.c = tmp.at(local), g.ldc = Vl;
+    g.batch = 1;
+    g.alpha = 1.0f;
+    g.dtype = dt_.act;
+    g.c_dtype = LOOM_DTYPE_F32;
+    dev.gemm(g);
+    const float* gathered = tmp.at(local);
+    if (tp > 1) {
+      rank.group_or_single("tp").all_gather(dev.native_stream(), tmp.at(local), tmp.at(all),
+                                            static_cast<size_t>(B * Vl), LOOM_DTYPE_F32);
+      gathered = tmp.at(all);
+    }
+    std::vector<float> host(static_cast<size_t>(tp * B * Vl));
+    dev.copy(host.data(), gathered, host.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
+    dev.synchronize();
+    for (int r = 0; r < tp; ++r)  // rank r holds vocabulary rows [r * V_local, (r + 1) * V_local)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t j = 0; j < Vl && r * Vl + j < vocab_; ++j)
+          a.logits[b * vocab_ + r * Vl + j] = host[static_cast<size_t>((r * B + b) * Vl + j)];
   }
 
   void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
@@ -202,6 +246,6 @@ class LmHead : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<LmHead>(
-    "lm_head", "1.2.0",
+    "lm_head", "1.3.0",
     "final norm (LayerNorm or RMSNorm) + output logits fused with vocab-parallel cross-entropy (last layer)",
     loom::layers::norm_option_specs()))

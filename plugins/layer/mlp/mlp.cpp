@@ -71,8 +71,9 @@ class Mlp : public loom::Layer {
     require_ffn_ops(options, v, v.instance_name());
   }
 
-  // Position-independent: a context-parallel slice of the sequence is just fewer rows.
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
+  // Position-independent: a context-parallel slice of the sequence is just fewer rows,
+  // and a generation step (kv_cache) an evaluation forward of its rows.
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -296,5 +297,5 @@ std::vector<loom::OptionSpec> mlp_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Mlp>(
-    "mlp", "1.2.0", "pre-norm feed-forward block with residual: GeLU or SwiGLU, LayerNorm or RMSNorm (tensor-parallel)",
+    "mlp", "1.3.0", "pre-norm feed-forward block with residual: GeLU or SwiGLU, LayerNorm or RMSNorm (tensor-parallel)",
     mlp_options()))

@@ -215,7 +215,10 @@ class Moe : public loom::Layer {
     require_ops(options, v, v.instance_name());
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL;
+  // A generation step (kv_cache) is an evaluation forward of its rows: routing is per
+  // token, but with a capacity factor the capacity follows the tokens of the call, so
+  // a decode step of one token drops none (Megatron-LM's inference runs dropless too).
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -899,7 +902,7 @@ std::vector<loom::OptionSpec> moe_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.5.0",
+    "moe", "1.6.0",
     "pre-norm mixture of GeLU or SwiGLU experts (LayerNorm or RMSNorm, biases optional), top-k router (dropless "
     "or with capacity), shared expert, load-balancing loss (tensor-, expert- and context-parallel)",
     moe_options()))

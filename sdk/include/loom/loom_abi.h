@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 12
+#define LOOM_ABI_MINOR 13
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -1032,6 +1032,23 @@ typedef struct loom_layer_fwd_args {
   int64_t step_key;
   int32_t substeps_capturable;
   LOOM_EXTENSION union { int32_t reserved; int32_t reserved_1_7; };  /* 0 */
+  /* --- since 1.13 --- */
+  /* Generation with a key/value cache (`loom generate`), only for a layer with
+   * LOOM_LAYER_KV_CACHE and always with training = 0. 1: the rows are sequence
+   * positions [position_offset, position_offset + rows) of micro_batch sequences
+   * (hidden states [rows, micro_batch, hidden], tokens [rows, micro_batch]; never
+   * sequence- or context-parallel, no targets: `targets` is NULL). A layer that mixes
+   * positions keeps what later positions need of these rows (attention: their keys
+   * and values, up to the model's seq_len positions) and attends to what earlier
+   * calls kept of positions [0, position_offset); position_offset 0 starts new
+   * sequences. 0: a training or evaluation forward of whole sequences. */
+  int32_t kv_cache;
+  int32_t reserved_1_13;   /* 0 */
+  int64_t position_offset; /* kv_cache: the sequence position of the first row; else 0 */
+  /* Host, kv_cache forwards of the last layer, optional: it writes the fp32 logits
+   * of every sequence's last row here, [micro_batch, vocab] (the unpadded vocabulary,
+   * all of it on every tensor-parallel rank). NULL: not asked. */
+  float* logits;
 } loom_layer_fwd_args;
 
 /* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
@@ -1172,6 +1189,10 @@ typedef struct loom_layer_api {
  * whose other layers do; a layer built before 1.9 declares neither and is not checked. */
 #define LOOM_LAYER_READS_TOKENS (1ull << 1)
 #define LOOM_LAYER_WRITES_LOSS (1ull << 2)
+/* The layer takes loom_layer_fwd_args.kv_cache forwards (since 1.13; the last layer
+ * also writes `logits`): `loom generate` refuses a model with a layer, built for 1.13
+ * or later, that lacks the bit, and every layer built before 1.13. */
+#define LOOM_LAYER_KV_CACHE (1ull << 3)
 
 /* ------------------------------------------------------------------------- */
 /* Optimizer strategy plugins (parallel/ddp, parallel/distributed)                */

@@ -1,0 +1,244 @@
+// loom generate CHECKPOINT|MANIFEST --prompt TEXT [--max-new-tokens N] [--temperature T]
+//   [--top-k K] [--top-p P] [--seed S] [--tokenizer DIR|MODEL] [--prompt-ids 1,2,3]
+//   [--no-cache] [--set key=value]... [--json] [--plugin-path DIR]...
+// Text from a trained model, with a key/value cache (engine/train/generation.hpp).
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/interop/hugging_face.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/text/tokenizer.hpp"
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/data.hpp"
+#include "engine/train/gather.hpp"
+#include "engine/train/generation.hpp"
+
+#include <boost/filesystem.hpp>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom generate CHECKPOINT|MANIFEST (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
+    "  CHECKPOINT          a step_N directory, or a checkpoint.dir (its newest complete step): the model\n"
+    "                      of the manifest it saved, at its tensor and pipeline sizes\n"
+    "  MANIFEST            a .toml whose checkpoint.init_weights (a loom checkpoint or a Hugging Face\n"
+    "                      directory) or checkpoint.dir holds the weights\n"
+    "  --max-new-tokens N  tokens to add (default 64; fewer when the model's seq_length is reached)\n"
+    "  --temperature T     0 = greedy; default 1\n"
+    "  --top-k K           sample among the K most likely tokens (0 = all; default 0)\n"
+    "  --top-p P           then among the fewest whose probabilities reach P (default 1)\n"
+    "  --seed S            the sampling seed (default 0)\n"
+    "  --stop-token ID     end when this token is drawn (default: the tokenizer's end of document)\n"
+    "  --tokenizer PATH    GPT-2 BPE directory or SentencePiece .model; without it, a synthetic task's\n"
+    "                      symbols or, for data.kind = \"text\", bytes\n"
+    "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
+    "  --set key=value     override the manifest (e.g. parallel.tp=1, device.backend=\"cuda\"); repeatable\n"
+    "  --json              one JSON object: the prompt and new token ids, the text, timings\n"
+    "SIGINT/SIGTERM stop after the current token.\n";
+
+std::atomic<int> g_stop{0};
+extern "C" void on_generate_signal(int) { g_stop.store(1); }
+
+// Text <-> ids: a tokenizer file, or what the manifest's data defines.
+class Codec {
+ public:
+  Codec(const std::string& tokenizer, const manifest::RunConfig& config) {
+    if (!tokenizer.empty()) {
+      tok_ = text::load_tokenizer(tokenizer);
+    } else if (config.data.kind == "synthetic") {
+      data_ = train::make_data_source(config);
+    } else if (config.data.kind != "text") {
+      throw UsageError("the model was trained on data.kind = \"" + config.data.kind +
+                       "\" tokens: give their tokenizer with --tokenizer, or the ids with --prompt-ids");
+    }
+  }
+  std::vector<int32_t> encode(const std::string& s) const {
+    if (tok_) return tok_->encode(s);
+    if (data_) return data_->encode(s);
+    std::vector<int32_t> bytes;  // data.kind = "text": the bytes are the tokens
+    for (unsigned char c : s) bytes.push_back(c);
+    return bytes;
+  }
+  std::string decode(const std::vector<int32_t>& ids) const {
+    if (tok_) return tok_->decode(ids);
+    if (data_) return data_->render(ids.data(), static_cast<int64_t>(ids.size()));
+    std::string s;
+    for (int32_t t : ids) s += static_cast<char>(t);
+    return s;
+  }
+  int32_t eod() const { return tok_ ? tok_->eod() : -1; }
+
+ private:
+  std::unique_ptr<text::Tokenizer> tok_;
+  std::unique_ptr<train::DataSource> data_;
+};
+
+std::vector<int32_t> parse_ids(const std::string& list) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || item.empty() || v < 0 || v > INT32_MAX)
+      throw UsageError("--prompt-ids: '" + item + "' is not a token id (comma-separated integers >= 0)");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  return ids;
+}
+
+double parse_double(const Args& args, const std::string& name, double fallback) {
+  const auto v = args.get(name);
+  if (!v) return fallback;
+  size_t used = 0;
+  double d = 0;
+  try {
+    d = std::stod(*v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != v->size() || v->empty()) throw UsageError(name + " " + *v + " is not a number");
+  return d;
+}
+
+// The step directory of a checkpoint path, or "" when it is not one.
+std::string checkpoint_step(const std::string& path) {
+  namespace fs = boost::filesystem;
+  if (fs::exists(fs::path(path) / "meta.toml")) return path;
+  if (!fs::is_directory(path)) return "";
+  const auto step = train::latest_checkpoint(path);
+  return step ? train::checkpoint_path(path, *step) : "";
+}
+
+// The model and its weights: from a checkpoint (its own manifest) or a manifest.
+struct Source {
+  train::RunPlan plan;
+  train::InitialWeights weights;
+  int64_t vocab = 0;
+};
+
+Source load_source(const std::string& path, const std::vector<std::string>& overrides, plugins::Registry& r) {
+  namespace fs = boost::filesystem;
+  if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
+  std::string step = checkpoint_step(path);
+  if (step.empty() && fs::is_directory(path))
+    throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+  if (!step.empty()) {
+    train::WholeCheckpoint ck = train::gather_checkpoint(step, r);
+    train::RunPlan plan = train::generation_plan(ck.manifest_toml, step + "/manifest.toml", overrides, r);
+    return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
+  }
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  train::RunPlan plan = train::generation_plan(text.str(), path, overrides, r);
+  const manifest::RunConfig& c = plan.config;
+  // The manifest's own checkpoint settings (generation_plan clears them for the run).
+  const manifest::Manifest own = manifest::Manifest::parse(text.str(), path, overrides);
+  const std::string init = own.get_string("checkpoint.init_weights"), dir = own.get_string("checkpoint.dir");
+  const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
+  if (!init.empty()) {
+    train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, r);
+    return {std::move(plan), std::move(w), vocab};
+  }
+  if (!dir.empty() && !(step = checkpoint_step(dir)).empty()) {
+    train::WholeCheckpoint ck = train::gather_checkpoint(step, r);
+    train::require_same_architecture(ck.manifest_toml, plan, step);
+    return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
+  }
+  throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
+                          "with a checkpoint, or give the checkpoint itself");
+}
+
+}  // namespace
+
+int cmd_generate(int argc, char** argv) {
+  try {
+    Args args(argc, argv, {"--no-cache", "--json"},
+              {"--prompt", "--prompt-ids", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
+               "--stop-token", "--tokenizer", "--set", "--plugin-path"});
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (args.positionals().size() != 1) throw UsageError("generate takes one CHECKPOINT or MANIFEST");
+    if (args.has("--prompt") == args.has("--prompt-ids")) throw UsageError("give --prompt TEXT or --prompt-ids, one of them");
+    train::GenerationRequest req;
+    req.max_new_tokens = args.get_int("--max-new-tokens", 64);
+    if (req.max_new_tokens < 1) throw UsageError("--max-new-tokens must be >= 1");
+    req.sampling.temperature = parse_double(args, "--temperature", 1.0);
+    req.sampling.top_k = args.get_int("--top-k", 0);
+    req.sampling.top_p = parse_double(args, "--top-p", 1.0);
+    req.sampling.seed = static_cast<uint64_t>(args.get_int("--seed", 0));
+    if (req.sampling.temperature < 0) throw UsageError("--temperature must be >= 0");
+    if (req.sampling.top_k < 0) throw UsageError("--top-k must be >= 0");
+    if (!(req.sampling.top_p > 0 && req.sampling.top_p <= 1)) throw UsageError("--top-p must be in (0, 1]");
+    req.use_cache = !args.flag("--no-cache");
+
+    plugins::Registry& r = plugins::registry();
+    r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
+    Source src = load_source(args.positionals()[0], args.all("--set"), r);
+    const Codec codec(args.get("--tokenizer").value_or(""), src.plan.config);
+    req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
+    req.stop_token = static_cast<int32_t>(args.get_int("--stop-token", codec.eod()));
+    const bool json = args.flag("--json");
+    if (!json) {
+      std::cout << codec.decode(req.prompt) << std::flush;
+      req.on_token = [&codec](int32_t t) { std::cout << codec.decode({t}) << std::flush; };
+    }
+    req.stop_signal = &g_stop;
+    for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_generate_signal);
+    const train::GenerationResult res = train::generate(src.plan, src.weights, src.vocab, req);
+    for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
+
+    const double decode_tokens = res.tokens.size() > 1 ? static_cast<double>(res.tokens.size() - 1) : 0.0;
+    const double tokens_per_s = res.decode_ms > 0 ? 1000.0 * decode_tokens / res.decode_ms : 0.0;
+    if (json) {
+      nlohmann::ordered_json j;
+      j["source"] = src.weights.source;
+      j["prompt_ids"] = req.prompt;
+      j["ids"] = res.tokens;
+      j["text"] = codec.decode(res.tokens);
+      j["prefill_ms"] = res.prefill_ms;
+      j["decode_ms"] = res.decode_ms;
+      j["decode_tokens_per_s"] = tokens_per_s;
+      j["cache"] = req.use_cache;
+      j["reached_seq_length"] = res.reached_seq_len;
+      j["interrupted"] = res.interrupted;
+      std::cout << j.dump() << "\n";
+    } else {
+      std::cout << "\n"
+                << std::fixed << std::setprecision(1) << "generate: " << res.tokens.size() << " tokens from "
+                << src.weights.source << " (tp " << src.plan.sizes.tp << ", pp " << src.plan.sizes.pp << ", "
+                << (req.use_cache ? "kv cache" : "no cache") << ") | prompt " << req.prompt.size() << " tokens in "
+                << res.prefill_ms << " ms | " << tokens_per_s << " tokens/s after it"
+                << (res.reached_seq_len ? " | stopped at the model's seq_length" : "")
+                << (res.interrupted ? " | interrupted" : "") << "\n";
+    }
+    return res.interrupted ? 130 : 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom generate: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const manifest::ManifestError& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "loom generate: " << runtime::error_message(e) << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,237 @@
+#include "engine/train/generation.hpp"
+
+#include "engine/model/model.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <numeric>
+
+namespace loom::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// A uniform draw in [0, 1) from 53 bits (the same on every platform, unlike
+// std::uniform_real_distribution).
+double uniform(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
+
+// Every layer of the plan takes kv_cache forwards (ABI 1.13 LOOM_LAYER_KV_CACHE).
+void require_kv_cache_layers(const RunPlan& plan) {
+  for (const model::LayerSpec& l : plan.layers) {
+    const plugins::LoadedPlugin& p = plan.registry->get("layer", l.plugin);
+    const loom_layer_api* api = p.layer();
+    const bool kv = p.abi_minor >= 13 && api != nullptr && LOOM_HAS_SLOT(api, loom_layer_api, features) &&
+                    (api->features & LOOM_LAYER_KV_CACHE) != 0;
+    if (!kv)
+      throw loom::Error("layer " + l.instance + " (" + p.key() + ", ABI 1." + std::to_string(p.abi_minor) +
+                        ") cannot generate: it does not take key/value-cache forwards (LOOM_LAYER_KV_CACHE, ABI 1.13)");
+  }
+}
+
+// What the ranks of one generate() call share.
+struct Generation {
+  const RunPlan& plan;
+  const InitialWeights& weights;
+  int64_t vocab = 0;
+  const GenerationRequest& request;
+  std::mutex mu;
+  GenerationResult result;
+};
+
+// One rank's part: its chunks of the model, run in global chunk order with the
+// hidden states passed over the pipeline group, one step per new token.
+class RankGeneration {
+ public:
+  RankGeneration(Generation& g, runtime::RankRuntime& rt)
+      : g_(g), rt_(rt), world_(rt.group_or_self("world")), pp_(rt.group_or_self("pp")),
+        tp_rank_(rt.group_or_self("tp").rank()) {
+    model_ = create_rank_model(g.plan, rt, g.vocab, &g.weights);
+    seq_len_ = model_->dims().seq_len;
+    last_stage_ = pp_.rank() == pp_.size() - 1;
+    reports_ = last_stage_ && tp_rank_ == 0;
+  }
+
+  void run() {
+    const GenerationRequest& req = g_.request;
+    std::vector<int32_t> seq = req.prompt;
+    std::mt19937_64 rng(req.sampling.seed);
+    std::vector<float> logits(static_cast<size_t>(g_.vocab));
+    GenerationResult out;
+    loom::Buffer tokens(&rt_, static_cast<size_t>(seq_len_) * sizeof(int32_t));
+    loom::Buffer decided(&rt_, 2 * sizeof(float));
+    for (int64_t step = 0; step < req.max_new_tokens; ++step) {
+      if (static_cast<int64_t>(seq.size()) >= seq_len_) {
+        out.reached_seq_len = true;
+        break;
+      }
+      const Clock::time_point t0 = Clock::now();
+      // With the cache: the prompt, then the newest token at its position.
+      const int64_t offset = req.use_cache && step > 0 ? static_cast<int64_t>(seq.size()) - 1 : 0;
+      const int64_t rows = static_cast<int64_t>(seq.size()) - offset;
+      rt_.dev().copy(tokens.get(), seq.data() + offset, static_cast<size_t>(rows) * sizeof(int32_t),
+                     LOOM_COPY_HOST_TO_DEVICE);
+      forward_all_chunks(rows, offset, tokens.get<int32_t>(), logits.data());
+      // The last stage picks the token; every rank learns it and whether any saw a stop
+      // signal, so all stop after the same token.
+      float mine[2] = {0.0f, req.stop_signal && req.stop_signal->load() != 0 ? 1.0f : 0.0f};
+      if (reports_) mine[0] = static_cast<float>(sample_token(logits, req.sampling, rng) + 1);
+      rt_.dev().copy(decided.get(), mine, sizeof mine, LOOM_COPY_HOST_TO_DEVICE);
+      world_.all_reduce(rt_.dev().native_stream(), decided.get(), decided.get(), 2, LOOM_DTYPE_F32);
+      float both[2] = {0, 0};
+      rt_.dev().copy(both, decided.get(), sizeof both, LOOM_COPY_DEVICE_TO_HOST);
+      rt_.dev().synchronize();
+      const int32_t token = static_cast<int32_t>(both[0]) - 1;
+      seq.push_back(token);
+      (step == 0 ? out.prefill_ms : out.decode_ms) += ms_since(t0);
+      if (reports_) {
+        out.tokens.push_back(token);
+        if (req.keep_logits) out.logits.push_back(logits);
+        if (req.on_token) req.on_token(token);
+      }
+      if (token == req.stop_token) break;
+      if (both[1] > 0.0f) {
+        out.interrupted = true;
+        break;
+      }
+    }
+    if (reports_) {
+      std::lock_guard<std::mutex> lock(g_.mu);
+      g_.result = std::move(out);
+    }
+  }
+
+ private:
+  // Global chunk k runs on pipeline rank k % pp as its local chunk k / pp; its
+  // output goes to the rank of chunk k + 1 (tag k + 1).
+  void forward_all_chunks(int64_t rows, int64_t offset, const int32_t* tokens, float* logits) {
+    const int pp = pp_.size(), chunks = static_cast<int>(g_.plan.chunks.size());
+    const size_t numel = model_->hidden_bytes(rows) / dtype_size(model_->act_dtype());
+    const void* held = nullptr;
+    for (int k = 0; k < chunks; ++k) {
+      if (k % pp != pp_.rank()) continue;
+      const int c = k / pp;
+      const void* input = nullptr;
+      if (k > 0) {
+        if (pp > 1) {
+          if (received_.bytes() < model_->hidden_bytes(rows)) received_ = loom::Buffer(&rt_, model_->hidden_bytes(rows));
+          pp_.recv(rt_.dev().native_stream(), received_.get(), numel, model_->act_dtype(), (k - 1) % pp, k);
+          input = received_.get();
+        } else {
+          input = held;
+        }
+      }
+      held = model_->forward_cached(c, rows, offset, tokens, input, logits);
+      if (k + 1 < chunks && pp > 1)
+        pp_.send(rt_.dev().native_stream(), held, numel, model_->act_dtype(), (k + 1) % pp, k + 1);
+    }
+  }
+
+  Generation& g_;
+  runtime::RankRuntime& rt_;
+  const loom::Group world_, pp_;
+  const int tp_rank_;
+  std::unique_ptr<model::Model> model_;
+  int64_t seq_len_ = 0;
+  bool last_stage_ = false, reports_ = false;
+  loom::Buffer received_;
+};
+
+}  // namespace
+
+int32_t sample_token(std::span<const float> logits, const Sampling& s, std::mt19937_64& rng) {
+  LOOM_REQUIRE(!logits.empty(), "sampling from an empty vocabulary");
+  const auto best = std::max_element(logits.begin(), logits.end());  // the first of equal maxima
+  if (s.temperature <= 0.0 || s.top_k == 1) return static_cast<int32_t>(best - logits.begin());
+  // Candidates by decreasing logit (ties: lower id first), cut to top_k.
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  const size_t k = s.top_k > 0 ? std::min(ids.size(), static_cast<size_t>(s.top_k)) : ids.size();
+  const auto before = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(), before);
+  ids.resize(k);
+  // softmax(logits / T) over them, in double.
+  std::vector<double> p(k);
+  double sum = 0;
+  for (size_t i = 0; i < k; ++i) sum += p[i] = std::exp((logits[ids[i]] - *best) / s.temperature);
+  for (double& x : p) x /= sum;
+  // Nucleus: the fewest most likely tokens whose probabilities reach top_p.
+  size_t keep = k;
+  if (s.top_p < 1.0) {
+    double mass = 0;
+    for (keep = 0; keep < k;) {
+      mass += p[keep++];
+      if (mass >= s.top_p) break;
+    }
+  }
+  const double total = std::accumulate(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(keep), 0.0);
+  double u = uniform(rng) * total;
+  for (size_t i = 0; i < keep; ++i) {
+    u -= p[i];
+    if (u < 0) return ids[i];
+  }
+  return ids[keep - 1];  // rounding left u at the end
+}
+
+RunPlan generation_plan(const std::string& manifest_toml, const std::string& name, std::vector<std::string> overrides,
+                        plugins::Registry& registry) {
+  // One sequence: no data or context parallelism, no sequence sharding; eager layers
+  // with nothing recomputed; a checkpoint's own paths are not this run's. A training
+  // schedule is never run, but the plan checks one: GPipe takes any vpp (a saved
+  // manifest names 1F1B, which does not) with as many microbatches as stages.
+  const int64_t pp = manifest::Manifest::parse(manifest_toml, name, overrides).get_int("parallel.pp");
+  for (const std::string& o :
+       {std::string("parallel.dp=1"), std::string("parallel.cp=1"), std::string("parallel.ep=1"),
+        std::string("parallel.sequence_parallel=false"), std::string("batch.micro_batch_size=1"),
+        "batch.global_batch_size=" + std::to_string(pp), std::string("pipeline.schedule=\"gpipe\""),
+        std::string("exec.mode=\"eager\""),
+        std::string("model.recompute_granularity=\"none\""), std::string("checkpoint.dir=\"\""),
+        std::string("checkpoint.init_weights=\"\""), std::string("run.eval_every=0")})
+    overrides.push_back(o);
+  RunPlan plan = make_plan(manifest::Manifest::parse(manifest_toml, name, overrides), registry);
+  require_kv_cache_layers(plan);
+  return plan;
+}
+
+GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
+                          const GenerationRequest& request) {
+  const int64_t seq_len = plan.config.model.seq_length;
+  LOOM_REQUIRE(!request.prompt.empty(), "generate: the prompt is empty (it needs at least one token)");
+  LOOM_REQUIRE(static_cast<int64_t>(request.prompt.size()) < seq_len,
+               "generate: the prompt has " << request.prompt.size() << " tokens; the model's seq_length is "
+                                           << seq_len << ", so nothing can follow it");
+  for (int32_t t : request.prompt)
+    LOOM_REQUIRE(t >= 0 && t < vocab, "generate: prompt token " << t << " is outside the vocabulary [0, " << vocab << ")");
+  LOOM_REQUIRE(request.sampling.top_p > 0.0 && request.sampling.top_p <= 1.0,
+               "generate: top_p " << request.sampling.top_p << " is outside (0, 1]");
+  LOOM_REQUIRE(request.sampling.temperature >= 0.0 && std::isfinite(request.sampling.temperature),
+               "generate: temperature " << request.sampling.temperature << " must be finite and >= 0");
+  LOOM_REQUIRE(request.sampling.top_k >= 0, "generate: top_k " << request.sampling.top_k << " must be >= 0");
+  require_kv_cache_layers(plan);
+  check_initial_weights(weights, plan_memory(plan, vocab), vocab,
+                        model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
+
+  Generation g{plan, weights, vocab, request, {}, {}};
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.device_options = &plan.config.device.options;
+  lc.comm_plugin = plan.comm;
+  lc.comm_options = &plan.config.comm.options;
+  lc.sizes = plan.sizes;
+  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
+  lc.threads = plan.config.device.threads;
+  lc.services = plan.services();
+  runtime::launch(lc, [&g](runtime::RankRuntime& rt) { RankGeneration(g, rt).run(); });
+  return std::move(g.result);
+}
+
+}  // namespace loom::train

@@ -1,0 +1,75 @@
+// Text generation from a trained model (`loom generate`): the prompt runs through the
+// model once (prefill), then one token per step through every pipeline stage, each
+// attention layer keeping the keys and values of the positions seen so far (ABI 1.13
+// kv_cache forwards), so a step costs one position, not the whole prefix. Runs at the
+// tensor and pipeline layout of the plan, without data, context or sequence
+// parallelism (generation_plan makes such a plan from a training manifest); the last
+// stage picks each token from the logits (greedy, or sampled with temperature, top-k
+// and top-p) and every rank learns it by one all-reduce of two numbers.
+#pragma once
+
+#include "engine/plugins/registry.hpp"
+#include "engine/train/init_weights.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+struct Sampling {
+  double temperature = 1.0;  // 0: greedy (the most likely token)
+  int64_t top_k = 0;         // keep the k most likely tokens (0: all)
+  double top_p = 1.0;        // then the fewest whose probabilities sum to at least p (nucleus)
+  uint64_t seed = 0;
+};
+
+// One token from the logits of a vocabulary: argmax for temperature 0 or top_k 1 (the
+// first of equal maxima), else a draw from softmax(logits / temperature) cut to top_k
+// and top_p. Pure given rng's state: every rank that calls it with the same state
+// picks the same token.
+int32_t sample_token(std::span<const float> logits, const Sampling& sampling, std::mt19937_64& rng);
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;   // at least one token
+  int64_t max_new_tokens = 64;   // fewer when the model's seq_len is reached first
+  Sampling sampling;
+  int32_t stop_token = -1;       // ends generation (and is kept) when drawn; -1: none
+  // false: every step runs the whole sequence again from position 0 (what the cache
+  // saves; tests compare the two).
+  bool use_cache = true;
+  bool keep_logits = false;      // GenerationResult::logits (tests)
+  // Called as each token is chosen, on the rank that reports (last stage, tp rank 0).
+  std::function<void(int32_t token)> on_token;
+  const std::atomic<int>* stop_signal = nullptr;  // non-zero: stop after the current token
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;               // the new tokens
+  std::vector<std::vector<float>> logits;    // the logits each was chosen from (keep_logits)
+  double prefill_ms = 0, decode_ms = 0;      // the prompt's forward; the later steps together
+  bool reached_seq_len = false;              // stopped at the model's seq_len
+  bool interrupted = false;                  // stopped by stop_signal
+};
+
+// A plan for generation from a training manifest: its model, device and comm, at
+// the tensor and pipeline sizes it names (after `overrides`, e.g. parallel.tp=1),
+// with one sequence, no data, context or sequence parallelism, eager execution and no
+// recomputation. Throws manifest::ManifestError as make_plan does, and loom::Error
+// naming a layer that cannot generate with a key/value cache.
+RunPlan generation_plan(const std::string& manifest_toml, const std::string& name, std::vector<std::string> overrides,
+                        plugins::Registry& registry);
+
+// Generates on every rank of `plan` (generation_plan's), the model's parameters from
+// `weights` (whole tensors, checked by check_initial_weights first). vocab: the
+// model's vocabulary. Throws loom::Error for a prompt that is empty, has an id outside
+// the vocabulary or fills seq_len.
+GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
+                          const GenerationRequest& request);
+
+}  // namespace loom::train
