@@ -1,5 +1,7 @@
 #include "engine/cli/args.hpp"
 
+#include <cctype>
+#include <cerrno>
 #include <cstdlib>
 
 namespace loom::cli {
@@ -52,8 +54,11 @@ long long Args::get_int(const std::string& name, long long fallback) const {
   auto v = get(name);
   if (!v) return fallback;
   char* end = nullptr;
+  errno = 0;
   long long x = std::strtoll(v->c_str(), &end, 10);
-  if (v->empty() || *end != '\0') throw UsageError(name + " expects an integer, got '" + *v + "'");
+  if (v->empty() || *end != '\0' || std::isspace(static_cast<unsigned char>(v->front())))
+    throw UsageError(name + " expects an integer, got '" + *v + "'");
+  if (errno == ERANGE) throw UsageError(name + " " + *v + " is out of range");
   return x;
 }
 

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <csignal>
 #include <fstream>
 #include <iomanip>
@@ -41,7 +42,8 @@ const char* kUsage =
     "  --tokenizer PATH    GPT-2 BPE directory or SentencePiece .model; without it, a synthetic task's\n"
     "                      symbols or, for data.kind = \"text\", bytes\n"
     "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
-    "  --set key=value     override the manifest (e.g. parallel.tp=1, device.backend=\"cuda\"); repeatable\n"
+    "  --set key=value     override the manifest's layout or device (parallel.tp=2, parallel.pp=2;\n"
+    "                      device.kind=\"cuda\" with device.options={} for a CPU checkpoint); repeatable\n"
     "  --json              one JSON object: the prompt and new token ids, the text, timings\n"
     "SIGINT/SIGTERM stop after the current token.\n";
 
@@ -76,10 +78,36 @@ class Codec {
     return s;
   }
   int32_t eod() const { return tok_ ? tok_->eod() : -1; }
+  int64_t vocab() const { return tok_ ? tok_->vocab_size() : 0; }  // 0: the model's
 
  private:
   std::unique_ptr<text::Tokenizer> tok_;
   std::unique_ptr<train::DataSource> data_;
+};
+
+// The text as it is generated: the prompt once the first token comes (after the
+// request was checked), then what decoding all the ids so far adds. A tokenizer that
+// decodes a lone byte of a multi-byte character as U+FFFD is held back until the
+// character is whole.
+class Stream {
+ public:
+  Stream(const Codec& codec, const std::vector<int32_t>& prompt) : codec_(codec), ids_(prompt) {}
+  void add(int32_t token) {
+    if (printed_.empty()) std::cout << (printed_ = codec_.decode(ids_));
+    ids_.push_back(token);
+    std::string text = codec_.decode(ids_);
+    static const std::string kReplacement = "\xEF\xBF\xBD";
+    if (text.size() >= kReplacement.size() && text.compare(text.size() - 3, 3, kReplacement) == 0) return;
+    if (text.compare(0, printed_.size(), printed_) == 0) std::cout << text.substr(printed_.size());
+    else std::cout << codec_.decode({token});  // decoding changed earlier text: print the token alone
+    std::cout << std::flush;
+    printed_ = std::move(text);
+  }
+
+ private:
+  const Codec& codec_;
+  std::vector<int32_t> ids_;
+  std::string printed_;
 };
 
 std::vector<int32_t> parse_ids(const std::string& list) {
@@ -93,7 +121,8 @@ std::vector<int32_t> parse_ids(const std::string& list) {
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != item.size() || item.empty() || v < 0 || v > INT32_MAX)
+    if (used != item.size() || item.empty() || std::isspace(static_cast<unsigned char>(item.front())) || v < 0 ||
+        v > INT32_MAX)
       throw UsageError("--prompt-ids: '" + item + "' is not a token id (comma-separated integers >= 0)");
     ids.push_back(static_cast<int32_t>(v));
   }
@@ -110,7 +139,8 @@ double parse_double(const Args& args, const std::string& name, double fallback) 
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != v->size() || v->empty()) throw UsageError(name + " " + *v + " is not a number");
+  if (used != v->size() || v->empty() || std::isspace(static_cast<unsigned char>(v->front())))
+    throw UsageError(name + " " + *v + " is not a number (or out of range)");
   return d;
 }
 
@@ -135,10 +165,11 @@ Source load_source(const std::string& path, const std::vector<std::string>& over
   if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
   std::string step = checkpoint_step(path);
   if (step.empty() && fs::is_directory(path))
-    throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+    throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
   if (!step.empty()) {
     train::WholeCheckpoint ck = train::gather_checkpoint(step, r);
     train::RunPlan plan = train::generation_plan(ck.manifest_toml, step + "/manifest.toml", overrides, r);
+    train::require_same_architecture(ck.manifest_toml, plan, step);  // --set may change the layout, not the model
     return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
   }
   std::ifstream in(path);
@@ -193,12 +224,15 @@ int cmd_generate(int argc, char** argv) {
     Source src = load_source(args.positionals()[0], args.all("--set"), r);
     const Codec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
-    req.stop_token = static_cast<int32_t>(args.get_int("--stop-token", codec.eod()));
+    const long long stop = args.get_int("--stop-token", codec.eod());
+    if (stop < -1 || stop >= src.vocab)
+      throw UsageError("--stop-token " + std::to_string(stop) + " is not a token of the model's vocabulary [0, " +
+                       std::to_string(src.vocab) + ") (or -1: none)");
+    req.stop_token = static_cast<int32_t>(stop);
+    req.token_limit = codec.vocab();
     const bool json = args.flag("--json");
-    if (!json) {
-      std::cout << codec.decode(req.prompt) << std::flush;
-      req.on_token = [&codec](int32_t t) { std::cout << codec.decode({t}) << std::flush; };
-    }
+    Stream stream(codec, req.prompt);
+    if (!json) req.on_token = [&stream](int32_t t) { stream.add(t); };
     req.stop_signal = &g_stop;
     for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_generate_signal);
     const train::GenerationResult res = train::generate(src.plan, src.weights, src.vocab, req);
@@ -218,7 +252,9 @@ int cmd_generate(int argc, char** argv) {
       j["cache"] = req.use_cache;
       j["reached_seq_length"] = res.reached_seq_len;
       j["interrupted"] = res.interrupted;
-      std::cout << j.dump() << "\n";
+      // Bytes that are not UTF-8 (a byte-level model's, a token cut inside a character)
+      // become U+FFFD rather than an exception after the work is done.
+      std::cout << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
     } else {
       std::cout << "\n"
                 << std::fixed << std::setprecision(1) << "generate: " << res.tokens.size() << " tokens from "

@@ -45,6 +45,8 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.run.log_every = m.get_int("run.log_every");
   c.run.eval_every = m.get_int("run.eval_every");
   c.run.eval_batches = m.get_int("run.eval_batches");
+  c.run.sample_every = m.get_int("run.sample_every");
+  c.run.sample_tokens = m.get_int("run.sample_tokens");
   c.run.metrics_file = m.get_string("run.metrics_file");
 
   c.model.hidden_size = m.get_int("model.hidden_size");

@@ -19,6 +19,7 @@ struct RunConfig {
   struct Run {
     std::string name;
     int64_t steps = 0, seed = 0, log_every = 0, eval_every = 0, eval_batches = 0;
+    int64_t sample_every = 0, sample_tokens = 0;  // greedy samples during training
     std::string metrics_file;
   } run;
   struct Model {

@@ -105,6 +105,10 @@ std::vector<KeySpec> build() {
   v.push_back(i("run.log_every", 10, 1, "log metrics every N steps"));
   v.push_back(i("run.eval_every", 0, 0, "evaluate on the validation split every N steps (0 = never)"));
   v.push_back(i("run.eval_batches", 4, 1, "validation batches per evaluation"));
+  v.push_back(i("run.sample_every", 0, 0,
+                "print a greedy sample every N steps (0 = never): the start of a validation sequence and what the "
+                "model writes after it, with the key/value cache of `loom generate`"));
+  v.push_back(i("run.sample_tokens", 32, 1, "tokens each sample adds (fewer when the model's seq_length is reached)"));
   v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
   // model
   v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream", kMaxWidth));
@@ -465,6 +469,15 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                S(I("model.seq_length")) + ") must be divisible by " + S(2 * I("parallel.cp")) + "; cp could be " +
                // cp > 1 needs seq_length = 2 cp k: the divisors of seq_length / 2 when it is even
                (I("model.seq_length") % 2 == 0 ? divisors_text(I("model.seq_length") / 2) : std::string("1")));
+  // Samples run the training model's layers one position at a time, which they do
+  // with whole sequences on every rank only.
+  if (usable({"run.sample_every", "parallel.cp", "parallel.sequence_parallel", "parallel.tp"}) &&
+      I("run.sample_every") > 0 &&
+      (I("parallel.cp") > 1 || (m.get_bool("parallel.sequence_parallel") && I("parallel.tp") > 1)))
+    report({"run.sample_every", I("parallel.cp") > 1 ? "parallel.cp" : "parallel.sequence_parallel"},
+           "run.sample_every = " + S(I("run.sample_every")) +
+               " generates one position at a time, which the layers do without context or sequence "
+               "parallelism; set run.sample_every = 0 and sample a checkpoint with `loom generate` (at any layout)");
   // Under sequence parallelism the rows each rank holds (the whole sequence, or its
   // cp slice) split over tp.
   if (usable({"parallel.sequence_parallel", "model.seq_length", "parallel.tp", "parallel.cp"}) &&

@@ -168,19 +168,19 @@ void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor
   capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
 }
 
-size_t Model::hidden_bytes(int64_t rows) const {
-  return static_cast<size_t>(rows * dims_.micro_batch * dims_.hidden) * dtype_size(act_dtype());
+size_t Model::hidden_bytes(int64_t rows, int64_t batch) const {
+  return static_cast<size_t>(rows * batch * dims_.hidden) * dtype_size(act_dtype());
 }
 
-const void* Model::forward_cached(int c, int64_t rows, int64_t position_offset, const int32_t* tokens,
+const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t position_offset, const int32_t* tokens,
                                   const void* input, float* logits) {
   const LocalChunk& chunk = layers_.chunk(c);
   LOOM_REQUIRE(chunk.is_first_global() == (input == nullptr),
                "generation: chunk " << chunk.global_index << (input ? " takes tokens, not a hidden state" : " needs its input"));
-  const size_t bytes = hidden_bytes(rows);
+  const size_t bytes = hidden_bytes(rows, batch);
   for (loom::Buffer& b : generated_)
     if (b.bytes() < bytes) b = loom::Buffer(&rank_, bytes);
-  const std::vector<int64_t> shape = {rows, dims_.micro_batch, dims_.hidden}, tok_shape = {rows, dims_.micro_batch};
+  const std::vector<int64_t> shape = {rows, batch, dims_.hidden}, tok_shape = {rows, batch};
   DLTensor tok = device_view(rank_, const_cast<int32_t*>(tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
   const void* held = input;

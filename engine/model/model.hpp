@@ -71,16 +71,16 @@ class Model {
   std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 
   // --- Generation: kv_cache forwards (ABI 1.13), nothing saved for a backward ---
-  // Runs local chunk c on `rows` new positions, from position_offset, of the
-  // micro_batch sequences (position_offset 0 starts new ones): `tokens` (device,
-  // [rows, micro_batch]) feed the first global chunk, `input` (a device hidden state
-  // [rows, micro_batch, hidden]) the others. Returns the output hidden state, valid
-  // until the next call, or nullptr for the last global chunk, which writes the fp32
-  // logits of every sequence's last row to `logits` (host, [micro_batch, vocab]).
-  const void* forward_cached(int c, int64_t rows, int64_t position_offset, const int32_t* tokens, const void* input,
-                             float* logits);
-  // Bytes of a hidden state of `rows` positions of micro_batch sequences.
-  size_t hidden_bytes(int64_t rows) const;
+  // Runs local chunk c on `rows` new positions, from position_offset, of `batch`
+  // sequences (position_offset 0 starts new ones): `tokens` (device, [rows, batch])
+  // feed the first global chunk, `input` (a device hidden state [rows, batch, hidden])
+  // the others. Returns the output hidden state, valid until the next call, or nullptr
+  // for the last global chunk, which writes the fp32 logits of every sequence's last
+  // row to `logits` (host, [batch, vocab]).
+  const void* forward_cached(int c, int64_t rows, int64_t batch, int64_t position_offset, const int32_t* tokens,
+                             const void* input, float* logits);
+  // Bytes of a hidden state of `rows` positions of `batch` sequences.
+  size_t hidden_bytes(int64_t rows, int64_t batch) const;
 
   // --- The whole local model at once (every chunk on this rank, in order) ---
   // One microbatch: forward through all chunks, handing each output to the next.

@@ -25,7 +25,8 @@ double ms_since(Clock::time_point t0) {
 // std::uniform_real_distribution).
 double uniform(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
 
-// Every layer of the plan takes kv_cache forwards (ABI 1.13 LOOM_LAYER_KV_CACHE).
+}  // namespace
+
 void require_kv_cache_layers(const RunPlan& plan) {
   for (const model::LayerSpec& l : plan.layers) {
     const plugins::LoadedPlugin& p = plan.registry->get("layer", l.plugin);
@@ -38,39 +39,28 @@ void require_kv_cache_layers(const RunPlan& plan) {
   }
 }
 
-// What the ranks of one generate() call share.
-struct Generation {
-  const RunPlan& plan;
-  const InitialWeights& weights;
-  int64_t vocab = 0;
-  const GenerationRequest& request;
-  std::mutex mu;
-  GenerationResult result;
-};
+namespace {
 
-// One rank's part: its chunks of the model, run in global chunk order with the
-// hidden states passed over the pipeline group, one step per new token.
+// The generation loop of one rank: its chunks of the model run in global chunk order
+// (chunk k on pipeline rank k % pp, as its local chunk k / pp), the hidden states
+// passed over the pipeline group (tag k), one step per new token.
 class RankGeneration {
  public:
-  RankGeneration(Generation& g, runtime::RankRuntime& rt)
-      : g_(g), rt_(rt), world_(rt.group_or_self("world")), pp_(rt.group_or_self("pp")),
-        tp_rank_(rt.group_or_self("tp").rank()) {
-    model_ = create_rank_model(g.plan, rt, g.vocab, &g.weights);
-    seq_len_ = model_->dims().seq_len;
-    last_stage_ = pp_.rank() == pp_.size() - 1;
-    reports_ = last_stage_ && tp_rank_ == 0;
-  }
+  RankGeneration(model::Model& model, runtime::RankRuntime& rt, int64_t vocab, bool reports)
+      : model_(model), rt_(rt), world_(rt.group_or_self("world")), pp_(rt.group_or_self("pp")), vocab_(vocab),
+        reports_(reports) {}
 
-  void run() {
-    const GenerationRequest& req = g_.request;
+  GenerationResult run(const GenerationRequest& req) {
+    const int64_t seq_len = model_.dims().seq_len;
     std::vector<int32_t> seq = req.prompt;
     std::mt19937_64 rng(req.sampling.seed);
-    std::vector<float> logits(static_cast<size_t>(g_.vocab));
+    std::vector<float> logits(static_cast<size_t>(vocab_));
+    const std::span<const float> drawable(logits.data(), static_cast<size_t>(req.token_limit > 0 ? req.token_limit : vocab_));
     GenerationResult out;
-    loom::Buffer tokens(&rt_, static_cast<size_t>(seq_len_) * sizeof(int32_t));
+    loom::Buffer tokens(&rt_, static_cast<size_t>(seq_len) * sizeof(int32_t));
     loom::Buffer decided(&rt_, 2 * sizeof(float));
     for (int64_t step = 0; step < req.max_new_tokens; ++step) {
-      if (static_cast<int64_t>(seq.size()) >= seq_len_) {
+      if (static_cast<int64_t>(seq.size()) >= seq_len) {
         out.reached_seq_len = true;
         break;
       }
@@ -81,10 +71,10 @@ class RankGeneration {
       rt_.dev().copy(tokens.get(), seq.data() + offset, static_cast<size_t>(rows) * sizeof(int32_t),
                      LOOM_COPY_HOST_TO_DEVICE);
       forward_all_chunks(rows, offset, tokens.get<int32_t>(), logits.data());
-      // The last stage picks the token; every rank learns it and whether any saw a stop
-      // signal, so all stop after the same token.
+      // The reporting rank picks the token; every rank learns it and whether any saw a
+      // stop signal, so all stop after the same token.
       float mine[2] = {0.0f, req.stop_signal && req.stop_signal->load() != 0 ? 1.0f : 0.0f};
-      if (reports_) mine[0] = static_cast<float>(sample_token(logits, req.sampling, rng) + 1);
+      if (reports_) mine[0] = static_cast<float>(sample_token(drawable, req.sampling, rng) + 1);
       rt_.dev().copy(decided.get(), mine, sizeof mine, LOOM_COPY_HOST_TO_DEVICE);
       world_.all_reduce(rt_.dev().native_stream(), decided.get(), decided.get(), 2, LOOM_DTYPE_F32);
       float both[2] = {0, 0};
@@ -93,8 +83,8 @@ class RankGeneration {
       const int32_t token = static_cast<int32_t>(both[0]) - 1;
       seq.push_back(token);
       (step == 0 ? out.prefill_ms : out.decode_ms) += ms_since(t0);
+      out.tokens.push_back(token);
       if (reports_) {
-        out.tokens.push_back(token);
         if (req.keep_logits) out.logits.push_back(logits);
         if (req.on_token) req.on_token(token);
       }
@@ -104,45 +94,33 @@ class RankGeneration {
         break;
       }
     }
-    if (reports_) {
-      std::lock_guard<std::mutex> lock(g_.mu);
-      g_.result = std::move(out);
-    }
+    return out;
   }
 
  private:
-  // Global chunk k runs on pipeline rank k % pp as its local chunk k / pp; its
-  // output goes to the rank of chunk k + 1 (tag k + 1).
   void forward_all_chunks(int64_t rows, int64_t offset, const int32_t* tokens, float* logits) {
-    const int pp = pp_.size(), chunks = static_cast<int>(g_.plan.chunks.size());
-    const size_t numel = model_->hidden_bytes(rows) / dtype_size(model_->act_dtype());
+    const int pp = pp_.size(), chunks = pp * static_cast<int>(model_.chunk_count());
+    const size_t bytes = model_.hidden_bytes(rows, 1), numel = bytes / dtype_size(model_.act_dtype());
     const void* held = nullptr;
     for (int k = 0; k < chunks; ++k) {
       if (k % pp != pp_.rank()) continue;
-      const int c = k / pp;
-      const void* input = nullptr;
-      if (k > 0) {
-        if (pp > 1) {
-          if (received_.bytes() < model_->hidden_bytes(rows)) received_ = loom::Buffer(&rt_, model_->hidden_bytes(rows));
-          pp_.recv(rt_.dev().native_stream(), received_.get(), numel, model_->act_dtype(), (k - 1) % pp, k);
-          input = received_.get();
-        } else {
-          input = held;
-        }
+      const void* input = held;
+      if (k > 0 && pp > 1) {
+        if (received_.bytes() < bytes) received_ = loom::Buffer(&rt_, bytes);
+        pp_.recv(rt_.dev().native_stream(), received_.get(), numel, model_.act_dtype(), (k - 1) % pp, k);
+        input = received_.get();
       }
-      held = model_->forward_cached(c, rows, offset, tokens, input, logits);
+      held = model_.forward_cached(k / pp, rows, 1, offset, tokens, input, logits);
       if (k + 1 < chunks && pp > 1)
-        pp_.send(rt_.dev().native_stream(), held, numel, model_->act_dtype(), (k + 1) % pp, k + 1);
+        pp_.send(rt_.dev().native_stream(), held, numel, model_.act_dtype(), (k + 1) % pp, k + 1);
     }
   }
 
-  Generation& g_;
+  model::Model& model_;
   runtime::RankRuntime& rt_;
   const loom::Group world_, pp_;
-  const int tp_rank_;
-  std::unique_ptr<model::Model> model_;
-  int64_t seq_len_ = 0;
-  bool last_stage_ = false, reports_ = false;
+  const int64_t vocab_;
+  const bool reports_;
   loom::Buffer received_;
 };
 
@@ -150,6 +128,10 @@ class RankGeneration {
 
 int32_t sample_token(std::span<const float> logits, const Sampling& s, std::mt19937_64& rng) {
   LOOM_REQUIRE(!logits.empty(), "sampling from an empty vocabulary");
+  for (size_t i = 0; i < logits.size(); ++i)
+    LOOM_REQUIRE(std::isfinite(logits[i]), "the model's logit of token " << i << " is " << logits[i]
+                                                                        << ": its weights hold a NaN or an infinity, or "
+                                                                           "overflow in this dtype");
   const auto best = std::max_element(logits.begin(), logits.end());  // the first of equal maxima
   if (s.temperature <= 0.0 || s.top_k == 1) return static_cast<int32_t>(best - logits.begin());
   // Candidates by decreasing logit (ties: lower id first), cut to top_k.
@@ -205,22 +187,25 @@ RunPlan generation_plan(const std::string& manifest_toml, const std::string& nam
 GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
                           const GenerationRequest& request) {
   const int64_t seq_len = plan.config.model.seq_length;
-  LOOM_REQUIRE(!request.prompt.empty(), "generate: the prompt is empty (it needs at least one token)");
+  LOOM_REQUIRE(!request.prompt.empty(), "the prompt is empty (it needs at least one token)");
   LOOM_REQUIRE(static_cast<int64_t>(request.prompt.size()) < seq_len,
-               "generate: the prompt has " << request.prompt.size() << " tokens; the model's seq_length is "
+               "the prompt has " << request.prompt.size() << " tokens; the model's seq_length is "
                                            << seq_len << ", so nothing can follow it");
   for (int32_t t : request.prompt)
-    LOOM_REQUIRE(t >= 0 && t < vocab, "generate: prompt token " << t << " is outside the vocabulary [0, " << vocab << ")");
+    LOOM_REQUIRE(t >= 0 && t < vocab, "prompt token " << t << " is outside the vocabulary [0, " << vocab << ")");
   LOOM_REQUIRE(request.sampling.top_p > 0.0 && request.sampling.top_p <= 1.0,
-               "generate: top_p " << request.sampling.top_p << " is outside (0, 1]");
+               "top_p " << request.sampling.top_p << " is outside (0, 1]");
   LOOM_REQUIRE(request.sampling.temperature >= 0.0 && std::isfinite(request.sampling.temperature),
-               "generate: temperature " << request.sampling.temperature << " must be finite and >= 0");
-  LOOM_REQUIRE(request.sampling.top_k >= 0, "generate: top_k " << request.sampling.top_k << " must be >= 0");
+               "temperature " << request.sampling.temperature << " must be finite and >= 0");
+  LOOM_REQUIRE(request.sampling.top_k >= 0, "top_k " << request.sampling.top_k << " must be >= 0");
+  LOOM_REQUIRE(request.token_limit >= 0 && request.token_limit <= vocab,
+               "the tokenizer's " << request.token_limit << " tokens are more than the model's vocabulary of " << vocab);
   require_kv_cache_layers(plan);
   check_initial_weights(weights, plan_memory(plan, vocab), vocab,
                         model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
 
-  Generation g{plan, weights, vocab, request, {}, {}};
+  GenerationResult result;
+  std::mutex mu;
   runtime::LaunchConfig lc;
   lc.device_plugin = plan.device;
   lc.device_options = &plan.config.device.options;
@@ -230,8 +215,21 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
   lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
   lc.threads = plan.config.device.threads;
   lc.services = plan.services();
-  runtime::launch(lc, [&g](runtime::RankRuntime& rt) { RankGeneration(g, rt).run(); });
-  return std::move(g.result);
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
+    const bool reports = rt.group_or_self("pp").rank() == plan.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;
+    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports);
+    if (reports) {
+      std::lock_guard<std::mutex> lock(mu);
+      result = std::move(r);
+    }
+  });
+  return result;
+}
+
+GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
+                                  const GenerationRequest& request, bool reports) {
+  return RankGeneration(model, rt, vocab, reports).run(request);
 }
 
 }  // namespace loom::train

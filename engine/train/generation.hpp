@@ -8,7 +8,9 @@
 // and top-p) and every rank learns it by one all-reduce of two numbers.
 #pragma once
 
+#include "engine/model/model.hpp"
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/rank_runtime.hpp"
 #include "engine/train/init_weights.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -32,7 +34,7 @@ struct Sampling {
 // One token from the logits of a vocabulary: argmax for temperature 0 or top_k 1 (the
 // first of equal maxima), else a draw from softmax(logits / temperature) cut to top_k
 // and top_p. Pure given rng's state: every rank that calls it with the same state
-// picks the same token.
+// picks the same token. Throws loom::Error for a logit that is NaN or infinite.
 int32_t sample_token(std::span<const float> logits, const Sampling& sampling, std::mt19937_64& rng);
 
 struct GenerationRequest {
@@ -40,6 +42,9 @@ struct GenerationRequest {
   int64_t max_new_tokens = 64;   // fewer when the model's seq_len is reached first
   Sampling sampling;
   int32_t stop_token = -1;       // ends generation (and is kept) when drawn; -1: none
+  // Tokens at or above it are never drawn: a tokenizer's vocabulary below the model's
+  // (padded to a multiple, e.g. 50304 for GPT-2's 50257). 0: the model's vocabulary.
+  int64_t token_limit = 0;
   // false: every step runs the whole sequence again from position 0 (what the cache
   // saves; tests compare the two).
   bool use_cache = true;
@@ -64,6 +69,18 @@ struct GenerationResult {
 // naming a layer that cannot generate with a key/value cache.
 RunPlan generation_plan(const std::string& manifest_toml, const std::string& name, std::vector<std::string> overrides,
                         plugins::Registry& registry);
+
+// Every layer of the plan takes kv_cache forwards (ABI 1.13 LOOM_LAYER_KV_CACHE, a
+// layer built for 1.13 or later); throws loom::Error naming the first that does not.
+void require_kv_cache_layers(const RunPlan& plan);
+
+// The generation loop on one rank of a model that is already built (a run's, between
+// steps): every rank of the world calls it alike. The model must run without context
+// or sequence parallelism. `reports`: this rank picks the tokens, calls on_token and
+// keeps the logits (one rank of the world: the last pipeline stage's first tp rank of
+// dp rank 0); every rank's result has the tokens and timings.
+GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
+                                  const GenerationRequest& request, bool reports);
 
 // Generates on every rank of `plan` (generation_plan's), the model's parameters from
 // `weights` (whole tensors, checked by check_initial_weights first). vocab: the

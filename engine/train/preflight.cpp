@@ -5,6 +5,7 @@
 #include "engine/model/layers.hpp"
 #include "engine/model/param_buffers.hpp"
 #include "engine/train/data.hpp"
+#include "engine/train/generation.hpp"
 
 #include <loom/cpp/core.hpp>
 
@@ -118,9 +119,10 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
                     data->describe() + ")");
   const int64_t seq = config.model.seq_length;
   read_one(*data, Split::Train, seq);
-  if (config.run.eval_every > 0) read_one(*data, Split::Validation, seq);
+  if (config.run.eval_every > 0 || config.run.sample_every > 0) read_one(*data, Split::Validation, seq);
 
   validate_layers(plan, out.vocab);
+  if (config.run.sample_every > 0) require_kv_cache_layers(plan);  // samples are generated
   check_init_weights_path(plan.config.checkpoint.init_weights);
   out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);

@@ -7,6 +7,7 @@
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/evaluator.hpp"
+#include "engine/train/generation.hpp"
 #include "engine/train/microbatches.hpp"
 #include "engine/train/optimizer_binding.hpp"
 #include "engine/train/preflight.hpp"
@@ -97,6 +98,7 @@ class RankTraining {
   void start_trace();
   StepRecord train_step(int64_t step);
   bool stop_requested() const;
+  void sample(int64_t step);
   void checkpoint(int64_t step);
   void mark_interrupted();
   void publish();
@@ -257,6 +259,8 @@ void RankTraining::run() {
     }
     // Both are reduced, so every rank stops here alike, before this step's weights are saved.
     if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) throw_not_finite(run_, rec);
+    const int64_t sample_every = config_.run.sample_every;
+    if (!stop && sample_every > 0 && (step % sample_every == 0 || step == steps)) sample(step);
     if (stop) {
       checkpoint(step);
       mark_interrupted();
@@ -271,6 +275,24 @@ void RankTraining::run() {
     }
   }
   if (step > run_.start_step) checkpoint(step);
+}
+
+// run.sample_every: the start of validation sequence 0 (a quarter of seq_length) and
+// what the model writes after it, greedy, through the key/value cache; every rank
+// generates alike (expert and pipeline collectives need them all), rank 0 prints.
+void RankTraining::sample(int64_t step) {
+  const int64_t seq = config_.model.seq_length;
+  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
+  run_.data.sample(Split::Validation, 0, seq, tokens.data(), targets.data());
+  GenerationRequest req;
+  req.prompt.assign(tokens.begin(), tokens.begin() + std::max<int64_t>(1, seq / 4));
+  req.max_new_tokens = config_.run.sample_tokens;
+  req.sampling.temperature = 0;
+  const bool reports = pp_.rank() == pp_.size() - 1 && rt_.group_or_self("tp").rank() == 0 && dp_.rank() == 0;
+  const GenerationResult r = generate_on_rank(*model_, rt_, run_.vocab, req, reports);
+  if (leader_ && run_.options.log)
+    *run_.options.log << "sample at step " << step << ": " << run_.data.render(req.prompt.data(), static_cast<int64_t>(req.prompt.size()))
+                      << " -> " << run_.data.render(r.tokens.data(), static_cast<int64_t>(r.tokens.size())) << std::endl;
 }
 
 }  // namespace

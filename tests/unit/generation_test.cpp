@@ -6,6 +6,7 @@
 // checked against the distribution it draws from; bad requests are refused by name.
 #include "support/rank_trace.hpp"
 
+#include "engine/train/data.hpp"
 #include "engine/train/gather.hpp"
 #include "engine/train/generation.hpp"
 #include "engine/train/init_weights.hpp"
@@ -14,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <sstream>
 #include <map>
 
 namespace {
@@ -143,6 +145,37 @@ TEST(Generation, LlamaBlocksAtPipelineAndTensorParallel) {
   const Trained m = train_and_gather(kLlama);
   const GenerationResult one = generate(m, {}, greedy(8, true));
   expect_same(one, generate(m, {"parallel.tp=2", "parallel.pp=2"}, greedy(8, true)), 1e-5, "tp 2 x pp 2");
+}
+
+// run.sample_every: the sample printed during training (at the training layout, tp 2
+// x pp 2 x dp 2) is what `loom generate` writes from the checkpoint of that step, at
+// one rank, for the same prompt (a quarter of validation sequence 0).
+TEST(Generation, TrainingSamplesAreWhatGenerateWritesFromTheCheckpoint) {
+  const fs::path dir = fs::temp_directory_path() / fs::unique_path("loom-sample-%%%%%%");
+  std::ostringstream log;
+  loom::train::TrainOptions opts;
+  opts.log = &log;
+  const loom::testing::RankTrace t = loom::testing::run_all_ranks(
+      loom::testing::tiny_manifest(),
+      {"parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "batch.global_batch_size=8", "model.num_layers=4",
+       "run.steps=4", "run.sample_every=4", "run.sample_tokens=5", "checkpoint.dir=\"" + dir.string() + "\""},
+      opts);
+  const size_t at = log.str().find("sample at step 4: ");
+  ASSERT_NE(at, std::string::npos) << log.str();
+  const std::string line = log.str().substr(at, log.str().find('\n', at) - at);
+
+  loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(t.result.checkpoint, loom::plugins::registry());
+  const Trained m{ck.manifest_toml, {t.result.checkpoint, std::move(ck.tensors), ck.vocab}, ck.vocab};
+  const loom::train::RunPlan plan = loom::testing::plan_from(m.manifest_toml, {});
+  const auto data = loom::train::make_data_source(plan.config);
+  std::vector<int32_t> tokens(16), targets(16);
+  data->sample(loom::train::Split::Validation, 0, 16, tokens.data(), targets.data());
+  GenerationRequest r = greedy(5, true);
+  r.prompt.assign(tokens.begin(), tokens.begin() + 4);
+  const GenerationResult g = generate(m, {"parallel.tp=1", "parallel.pp=1"}, r);
+  ASSERT_EQ(g.tokens.size(), 5u);
+  EXPECT_EQ(line, "sample at step 4: " + data->render(r.prompt.data(), 4) + " -> " + data->render(g.tokens.data(), 5));
+  fs::remove_all(dir);
 }
 
 // Sampling: the same seed draws the same tokens; top_k 1 is greedy; at temperature 1
