@@ -4,13 +4,11 @@
 // Text from a trained model, with a key/value cache (engine/train/generation.hpp).
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
-#include "engine/interop/hugging_face.hpp"
+#include "engine/cli/model_source.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/tokenizer.hpp"
-#include "engine/train/checkpoint.hpp"
-#include "engine/train/data.hpp"
-#include "engine/train/gather.hpp"
 #include "engine/train/generation.hpp"
+#include "engine/train/text_codec.hpp"
 
 #include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
@@ -50,48 +48,13 @@ const char* kUsage =
 std::atomic<int> g_stop{0};
 extern "C" void on_generate_signal(int) { g_stop.store(1); }
 
-// Text <-> ids: a tokenizer file, or what the manifest's data defines.
-class Codec {
- public:
-  Codec(const std::string& tokenizer, const manifest::RunConfig& config) {
-    if (!tokenizer.empty()) {
-      tok_ = text::load_tokenizer(tokenizer);
-    } else if (config.data.kind == "synthetic") {
-      data_ = train::make_data_source(config);
-    } else if (config.data.kind != "text") {
-      throw UsageError("the model was trained on data.kind = \"" + config.data.kind +
-                       "\" tokens: give their tokenizer with --tokenizer, or the ids with --prompt-ids");
-    }
-  }
-  std::vector<int32_t> encode(const std::string& s) const {
-    if (tok_) return tok_->encode(s);
-    if (data_) return data_->encode(s);
-    std::vector<int32_t> bytes;  // data.kind = "text": the bytes are the tokens
-    for (unsigned char c : s) bytes.push_back(c);
-    return bytes;
-  }
-  std::string decode(const std::vector<int32_t>& ids) const {
-    if (tok_) return tok_->decode(ids);
-    if (data_) return data_->render(ids.data(), static_cast<int64_t>(ids.size()));
-    std::string s;
-    for (int32_t t : ids) s += static_cast<char>(t);
-    return s;
-  }
-  int32_t eod() const { return tok_ ? tok_->eod() : -1; }
-  int64_t vocab() const { return tok_ ? tok_->vocab_size() : 0; }  // 0: the model's
-
- private:
-  std::unique_ptr<text::Tokenizer> tok_;
-  std::unique_ptr<train::DataSource> data_;
-};
-
 // The text as it is generated: the prompt once the first token comes (after the
 // request was checked), then what decoding all the ids so far adds. A tokenizer that
 // decodes a lone byte of a multi-byte character as U+FFFD is held back until the
 // character is whole.
 class Stream {
  public:
-  Stream(const Codec& codec, const std::vector<int32_t>& prompt) : codec_(codec), ids_(prompt) {}
+  Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt) : codec_(codec), ids_(prompt) {}
   void add(int32_t token) {
     if (printed_.empty()) std::cout << (printed_ = codec_.decode(ids_));
     ids_.push_back(token);
@@ -105,7 +68,7 @@ class Stream {
   }
 
  private:
-  const Codec& codec_;
+  const train::TextCodec& codec_;
   std::vector<int32_t> ids_;
   std::string printed_;
 };
@@ -144,56 +107,6 @@ double parse_double(const Args& args, const std::string& name, double fallback) 
   return d;
 }
 
-// The step directory of a checkpoint path, or "" when it is not one.
-std::string checkpoint_step(const std::string& path) {
-  namespace fs = boost::filesystem;
-  if (fs::exists(fs::path(path) / "meta.toml")) return path;
-  if (!fs::is_directory(path)) return "";
-  const auto step = train::latest_checkpoint(path);
-  return step ? train::checkpoint_path(path, *step) : "";
-}
-
-// The model and its weights: from a checkpoint (its own manifest) or a manifest.
-struct Source {
-  train::RunPlan plan;
-  train::InitialWeights weights;
-  int64_t vocab = 0;
-};
-
-Source load_source(const std::string& path, const std::vector<std::string>& overrides, plugins::Registry& r) {
-  namespace fs = boost::filesystem;
-  if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
-  std::string step = checkpoint_step(path);
-  if (step.empty() && fs::is_directory(path))
-    throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
-  if (!step.empty()) {
-    train::WholeCheckpoint ck = train::gather_checkpoint(step, r);
-    train::RunPlan plan = train::generation_plan(ck.manifest_toml, step + "/manifest.toml", overrides, r);
-    train::require_same_architecture(ck.manifest_toml, plan, step);  // --set may change the layout, not the model
-    return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
-  }
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  train::RunPlan plan = train::generation_plan(text.str(), path, overrides, r);
-  const manifest::RunConfig& c = plan.config;
-  // The manifest's own checkpoint settings (generation_plan clears them for the run).
-  const manifest::Manifest own = manifest::Manifest::parse(text.str(), path, overrides);
-  const std::string init = own.get_string("checkpoint.init_weights"), dir = own.get_string("checkpoint.dir");
-  const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
-  if (!init.empty()) {
-    train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, r);
-    return {std::move(plan), std::move(w), vocab};
-  }
-  if (!dir.empty() && !(step = checkpoint_step(dir)).empty()) {
-    train::WholeCheckpoint ck = train::gather_checkpoint(step, r);
-    train::require_same_architecture(ck.manifest_toml, plan, step);
-    return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
-  }
-  throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
-                          "with a checkpoint, or give the checkpoint itself");
-}
-
 }  // namespace
 
 int cmd_generate(int argc, char** argv) {
@@ -221,8 +134,8 @@ int cmd_generate(int argc, char** argv) {
 
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
-    Source src = load_source(args.positionals()[0], args.all("--set"), r);
-    const Codec codec(args.get("--tokenizer").value_or(""), src.plan.config);
+    const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, train::generation_plan);
+    const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
     const long long stop = args.get_int("--stop-token", codec.eod());
     if (stop < -1 || stop >= src.vocab)

@@ -16,4 +16,5 @@ int cmd_tokenize(int argc, char** argv);
 int cmd_tokenizer_train(int argc, char** argv);
 int cmd_export(int argc, char** argv);
 int cmd_generate(int argc, char** argv);
+int cmd_eval(int argc, char** argv);
 }  // namespace loom::cli

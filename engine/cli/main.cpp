@@ -33,6 +33,8 @@ const Command kCommands[] = {
      "a checkpoint (any parallel layout) as a Hugging Face model: CHECKPOINT --format hf OUTDIR"},
     {"generate", loom::cli::cmd_generate,
      "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]"},
+    {"eval", loom::cli::cmd_eval,
+     "perplexity (sliding windows) or LAMBADA last-word accuracy: CHECKPOINT --data FILE [--task lambada]"},
     {"tokenizer-train", loom::cli::cmd_tokenizer_train,
      "train a SentencePiece model: --input F --model-prefix P --vocab-size N"},
 };

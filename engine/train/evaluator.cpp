@@ -1,6 +1,11 @@
 #include "engine/train/evaluator.hpp"
 
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/trainer.hpp"
+
 #include <algorithm>
+#include <mutex>
 
 namespace loom::train {
 
@@ -19,10 +24,11 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
   const loom::Group dp = rank_.group_or_self("dp"), pp = rank_.group_or_self("pp"), cp = rank_.group_or_self("cp");
   const bool exact = data_.has_exact_match();
   const int64_t mbs = micro_batch_, rows = batches_.rows();
-  double sums[4] = {0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens
-  // Per batch: loss sum, token count, right tokens, then each sample's wrong
-  // tokens (a sample matches exactly when none of its cp slices has one).
-  std::vector<double> batch(static_cast<size_t>(3 + mbs));
+  double sums[5] = {0, 0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens, samples with targets
+  // Per batch: loss sum, token count, right tokens, then each sample's wrong tokens
+  // (a sample matches exactly when none of its cp slices has one), then each
+  // sample's target tokens.
+  std::vector<double> batch(static_cast<size_t>(3 + 2 * mbs));
   for (int64_t b = 0; b < batches_per_rank_; ++b) {
     if (stop_requested()) return std::nullopt;  // a signal is honoured between batches
     const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
@@ -36,30 +42,75 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
     batch[0] = loss_sum;
     batch[1] = static_cast<double>(count);
     const std::vector<int32_t>& targets = batches_.targets();
-    if (exact)
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t s = 0; s < mbs; ++s) {
-          const size_t i = static_cast<size_t>(t * mbs + s);
-          if (targets[i] < 0) continue;
-          if (predictions_[i] != targets[i]) batch[static_cast<size_t>(3 + s)] += 1;
-          else batch[2] += 1;
-        }
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t s = 0; s < mbs; ++s) {
+        const size_t i = static_cast<size_t>(t * mbs + s);
+        if (targets[i] < 0) continue;
+        batch[static_cast<size_t>(3 + mbs + s)] += 1;
+        if (!exact) continue;
+        if (predictions_[i] != targets[i]) batch[static_cast<size_t>(3 + s)] += 1;
+        else batch[2] += 1;
+      }
     if (cp.size() > 1) cp.all_reduce(nullptr, batch.data(), batch.data(), batch.size(), LOOM_DTYPE_F64);
     sums[0] += batch[0];
     sums[1] += batch[1];
     sums[3] += batch[2];
-    if (exact)
-      for (int64_t s = 0; s < mbs; ++s) sums[2] += batch[static_cast<size_t>(3 + s)] == 0 ? 1 : 0;
+    for (int64_t s = 0; s < mbs; ++s) {
+      if (batch[static_cast<size_t>(3 + mbs + s)] == 0) continue;  // padding: nothing to predict
+      sums[4] += 1;
+      if (exact) sums[2] += batch[static_cast<size_t>(3 + s)] == 0 ? 1 : 0;
+    }
   }
-  pp.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
-  dp.all_reduce(nullptr, sums, sums, 4, LOOM_DTYPE_F64);
+  pp.all_reduce(nullptr, sums, sums, 5, LOOM_DTYPE_F64);
+  dp.all_reduce(nullptr, sums, sums, 5, LOOM_DTYPE_F64);
   Evaluation out;
   out.loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
+  out.loss_sum = sums[0];
+  out.tokens = static_cast<int64_t>(sums[1]);
+  out.samples = static_cast<int64_t>(sums[4]);
   if (exact) {
-    out.exact_match = sums[2] / static_cast<double>(batches_per_rank_ * mbs * dp.size());
+    out.exact_match = sums[4] > 0 ? sums[2] / sums[4] : 0;
     out.token_accuracy = sums[1] > 0 ? sums[3] / sums[1] : -1;
   }
   return out;
+}
+
+}  // namespace loom::train
+
+namespace loom::train {
+
+Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab, const DataSource& data,
+                    int64_t samples) {
+  check_initial_weights(weights, plan_memory(plan, vocab), vocab,
+                        model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
+  const int64_t mbs = plan.config.batch.micro_batch_size;
+  const int64_t batches_per_rank = std::max<int64_t>(1, (samples + mbs * plan.dp - 1) / (mbs * plan.dp));
+  Evaluation result;
+  std::mutex mu;
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.device_options = &plan.config.device.options;
+  lc.comm_plugin = plan.comm;
+  lc.comm_options = &plan.config.comm.options;
+  lc.sizes = plan.sizes;
+  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
+  lc.threads = plan.config.device.threads;
+  lc.services = plan.services();
+  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
+    std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
+    const loom::Group pp = rt.group_or_self("pp");
+    pipeline::Executor executor(*model, rt, plan.orders.order[static_cast<size_t>(pp.rank())],
+                                static_cast<int>(plan.microbatches));
+    Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1);
+    const bool last_stage = model->is_last_global(static_cast<int>(model->chunk_count()) - 1);
+    Evaluator evaluator(rt, executor, batches, data, batches_per_rank, mbs, last_stage);
+    const std::optional<Evaluation> e = evaluator.run([] { return false; });
+    if (rt.global_rank() == 0 && e) {
+      std::lock_guard<std::mutex> lock(mu);
+      result = *e;
+    }
+  });
+  return result;
 }
 
 }  // namespace loom::train

@@ -4,6 +4,8 @@
 #pragma once
 
 #include "engine/pipeline/executor.hpp"
+#include "engine/train/init_weights.hpp"
+#include "engine/train/run_plan.hpp"
 #include "engine/train/microbatches.hpp"
 
 #include <loom/cpp/core.hpp>
@@ -19,6 +21,9 @@ struct Evaluation {
   double loss = 0;
   double exact_match = -1;     // fraction of samples fully right; -1 when the data has no single answer
   double token_accuracy = -1;  // fraction of target tokens predicted (argmax); -1 likewise
+  double loss_sum = 0;         // the summed loss of every target token
+  int64_t tokens = 0;          // target tokens (loss = loss_sum / tokens)
+  int64_t samples = 0;         // samples with at least one target (what exact_match divides by)
 };
 
 class Evaluator {
@@ -40,5 +45,12 @@ class Evaluator {
   bool last_stage_;
   std::vector<int32_t> predictions_;
 };
+
+// Forward-only evaluation of the model `weights` hold over validation samples
+// [0, samples) of `data` (a source whose later samples may have no targets: padding),
+// on every rank of `plan` (any layout; run.eval_batches is not read): the loss summed
+// over target tokens and, when the data has single answers, exact matches.
+Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab, const DataSource& data,
+                    int64_t samples);
 
 }  // namespace loom::train

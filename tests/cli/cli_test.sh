@@ -184,4 +184,26 @@ cached=$(ids)
 "$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
 [ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
 
+# 15. loom eval: a byte-level model's perplexity over a text predicts every byte after
+# the first once (tokens = bytes - 1), the same at tp 2 x pp 2 as at its own layout;
+# LAMBADA-style JSONL gives an accuracy; a JSONL line without "text" is refused by line.
+for _ in $(seq 1 60); do echo "the quick brown fox jumps over the lazy dog and runs far away"; done > "$work/corpus.txt"
+"$loom" run "$here/tiny.toml" --set run.steps=20 --set data.kind='"text"' --set data.path="\"$work/corpus.txt\"" \
+  --set model.seq_length=32 --set checkpoint.dir="\"$work/bytes\"" > "$work/bytes_train.out" 2>&1 \
+  || fail "eval: training a byte model: $(tail -3 "$work/bytes_train.out")"
+head -c 1000 "$work/corpus.txt" > "$work/eval.txt"
+field() { sed -n "s/.*\"$1\":\([^,}]*\).*/\1/p"; }
+one=$("$loom" eval "$work/bytes" --data "$work/eval.txt" --json)
+[ "$(echo "$one" | field tokens)" = 999 ] || fail "eval: tokens in $one (expected 999)"
+other=$("$loom" eval "$work/bytes" --data "$work/eval.txt" --set parallel.tp=2 --set parallel.pp=2 --set parallel.dp=1 --json)
+awk -v a="$(echo "$one" | field loss)" -v b="$(echo "$other" | field loss)" 'BEGIN { d = a - b; exit !(d < 1e-5 && d > -1e-5) }' \
+  || fail "eval: loss at tp 2 x pp 2 ($other) differs from its own layout's ($one)"
+printf '{"text": "the quick brown fox jumps"}\n{"text": "over the lazy dog"}\n' > "$work/lambada.jsonl"
+"$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json | grep -q '"samples":2,.*"accuracy":' \
+  || fail "eval --task lambada: $("$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json 2>&1)"
+printf '{"txt": "a b"}\n' > "$work/bad.jsonl"
+"$loom" eval "$work/bytes" --data "$work/bad.jsonl" --task lambada > "$work/bad_eval.out" 2>&1
+[ $? -eq 1 ] && grep -q 'bad.jsonl:1: expected an object with a string field "text"' "$work/bad_eval.out" \
+  || fail "eval: bad JSONL: $(cat "$work/bad_eval.out")"
+
 echo "cli tests passed"

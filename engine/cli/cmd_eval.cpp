@@ -1,0 +1,165 @@
+// loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [--stride N]
+//   [--tokenizer DIR|MODEL] [--set key=value]... [--json] [--plugin-path DIR]...
+// Evaluation the standard ways: sliding-window perplexity over a text, last-word
+// accuracy on LAMBADA-style JSONL (engine/train/eval_data.hpp), at any layout.
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/cli/model_source.hpp"
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/eval_data.hpp"
+#include "engine/train/evaluator.hpp"
+#include "engine/train/text_codec.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [options]\n"
+    "  CHECKPOINT|MANIFEST  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
+    "  --task perplexity    FILE is text: perplexity with overlapping windows of the model's seq_length,\n"
+    "                       each token predicted once, after up to seq_length - stride tokens of context\n"
+    "                       (the Megatron-LM paper's WikiText-103 evaluation); the default\n"
+    "  --task lambada       FILE is JSONL with a \"text\" field per line: accuracy of predicting each\n"
+    "                       text's last word (all its tokens, greedy) from the words before it\n"
+    "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
+    "  --tokenizer PATH     GPT-2 BPE directory or SentencePiece .model; without it, a synthetic task's\n"
+    "                       symbols or, for data.kind = \"text\", bytes\n"
+    "  --set key=value      override the layout, micro-batch or device (parallel.tp=2, batch.micro_batch_size=8)\n"
+    "  --json               one JSON object with the numbers\n";
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw UsageError("--data " + path + ": cannot open the file");
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+int64_t count_words(const std::string& text) {
+  int64_t words = 0;
+  bool in_word = false;
+  for (unsigned char c : text) {
+    const bool space = std::isspace(c) != 0;
+    if (!space && !in_word) ++words;
+    in_word = !space;
+  }
+  return words;
+}
+
+// The run's own layout and micro-batch; nothing saved, sampled or evaluated on the way.
+train::RunPlan evaluation_plan(const std::string& toml, const std::string& name, std::vector<std::string> overrides,
+                               plugins::Registry& registry) {
+  for (const char* o : {"checkpoint.dir=\"\"", "checkpoint.init_weights=\"\"", "run.eval_every=0", "run.sample_every=0"})
+    overrides.emplace_back(o);
+  return train::make_plan(manifest::Manifest::parse(toml, name, overrides), registry);
+}
+
+}  // namespace
+
+int cmd_eval(int argc, char** argv) {
+  try {
+    Args args(argc, argv, {"--json"}, {"--data", "--task", "--stride", "--tokenizer", "--set", "--plugin-path"});
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (args.positionals().size() != 1) throw UsageError("eval takes one CHECKPOINT or MANIFEST");
+    const std::string data_path = args.get("--data").value_or("");
+    if (data_path.empty()) throw UsageError("--data FILE is required");
+    const std::string task = args.get("--task").value_or("perplexity");
+    if (task != "perplexity" && task != "lambada") throw UsageError("--task is perplexity or lambada, not " + task);
+    if (task == "lambada" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
+    const std::string text = read_file(data_path);
+
+    plugins::Registry& r = plugins::registry();
+    r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
+    const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, evaluation_plan);
+    const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
+    const int64_t seq = src.plan.config.model.seq_length;
+    const auto encode = [&codec, &src](const std::string& s) {
+      std::vector<int32_t> ids = codec.encode(s);
+      for (int32_t t : ids)
+        if (t < 0 || t >= src.vocab)
+          throw loom::Error("the text encodes to token " + std::to_string(t) + ", outside the model's vocabulary of " +
+                            std::to_string(src.vocab) + " (" + codec.describe() + ")");
+      return ids;
+    };
+
+    std::unique_ptr<train::DataSource> data;
+    int64_t samples = 0, words = 0;
+    if (task == "perplexity") {
+      const int64_t stride = args.get_int("--stride", std::max<int64_t>(1, seq / 2));
+      if (stride < 1 || stride > seq)
+        throw UsageError("--stride " + std::to_string(stride) + " must be in [1, seq_length = " + std::to_string(seq) + "]");
+      auto windows = std::make_unique<train::SlidingWindows>(encode(text), seq, stride, src.vocab, data_path);
+      samples = windows->windows();
+      data = std::move(windows);
+      words = count_words(text);
+    } else {
+      auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode),
+                                                            src.vocab, data_path);
+      samples = examples->size();
+      data = std::move(examples);
+    }
+
+    const auto t0 = std::chrono::steady_clock::now();
+    const train::Evaluation e = train::evaluate(src.plan, src.weights, src.vocab, *data, samples);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    // Perplexity per token, and per whitespace-separated word of the text (the token
+    // loss scaled by tokens / words, as Megatron-LM's adjusted perplexity).
+    const double ppl = std::exp(e.loss);
+    const double word_ppl = words > 1 ? std::exp(e.loss * static_cast<double>(e.tokens) / static_cast<double>(words - 1)) : 0.0;
+
+    if (args.flag("--json")) {
+      nlohmann::ordered_json j;
+      j["task"] = task;
+      j["source"] = src.weights.source;
+      j["data"] = data_path;
+      j["samples"] = e.samples;
+      j["tokens"] = e.tokens;
+      j["loss"] = e.loss;
+      if (task == "perplexity") {
+        j["perplexity"] = ppl;
+        j["words"] = words;
+        j["word_perplexity"] = word_ppl;
+      } else {
+        j["accuracy"] = e.exact_match;
+        j["target_perplexity"] = ppl;
+      }
+      j["ms"] = ms;
+      std::cout << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
+      return 0;
+    }
+    std::cout << "eval: " << data->describe() << " | model " << src.weights.source << " (tp " << src.plan.sizes.tp
+              << ", pp " << src.plan.sizes.pp << ", dp " << src.plan.dp << ")\n"
+              << std::fixed << std::setprecision(4);
+    if (task == "perplexity")
+      std::cout << "perplexity: " << ppl << " over " << e.tokens << " tokens (loss " << e.loss << ") | per word: "
+                << word_ppl << " (" << words << " words) | " << std::setprecision(1) << ms << " ms\n";
+    else
+      std::cout << "lambada: accuracy " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
+                << " examples | last-word tokens: loss " << std::setprecision(4) << e.loss << ", perplexity " << ppl
+                << " | " << std::setprecision(1) << ms << " ms\n";
+    return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom eval: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const manifest::ManifestError& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "loom eval: " << runtime::error_message(e) << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli

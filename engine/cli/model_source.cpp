@@ -1,0 +1,69 @@
+#include "engine/cli/model_source.hpp"
+
+#include "engine/cli/args.hpp"
+#include "engine/interop/hugging_face.hpp"
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/data.hpp"
+#include "engine/train/gather.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <fstream>
+#include <sstream>
+
+namespace loom::cli {
+namespace {
+
+// The step directory of a checkpoint path, or "" when it is not one.
+std::string checkpoint_step(const std::string& path) {
+  namespace fs = boost::filesystem;
+  if (fs::exists(fs::path(path) / "meta.toml")) return path;
+  if (!fs::is_directory(path)) return "";
+  const auto step = train::latest_checkpoint(path);
+  return step ? train::checkpoint_path(path, *step) : "";
+}
+
+// The weights of checkpoint `step` and the plan `plan_of` makes from the manifest it
+// saved, which must hold the same model.
+ModelSource from_checkpoint(const std::string& step,
+                            const std::function<train::RunPlan(const std::string& saved_toml)>& plan_of,
+                            plugins::Registry& registry) {
+  train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
+  train::RunPlan plan = plan_of(ck.manifest_toml);
+  train::require_same_architecture(ck.manifest_toml, plan, step);
+  return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
+}
+
+}  // namespace
+
+ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
+                              plugins::Registry& registry, const PlanFor& plan_for) {
+  namespace fs = boost::filesystem;
+  if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
+  std::string step = checkpoint_step(path);
+  if (step.empty() && fs::is_directory(path))
+    throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+  if (!step.empty())
+    return from_checkpoint(
+        step, [&](const std::string& saved) { return plan_for(saved, step + "/manifest.toml", overrides, registry); },
+        registry);
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  train::RunPlan plan = plan_for(text.str(), path, overrides, registry);
+  // The manifest's own checkpoint settings (the command's plan need not keep them).
+  const manifest::Manifest own = manifest::Manifest::parse(text.str(), path, overrides);
+  const std::string init = own.get_string("checkpoint.init_weights"), dir = own.get_string("checkpoint.dir");
+  const manifest::RunConfig& c = plan.config;
+  if (!init.empty()) {
+    const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
+    train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, registry);
+    return {std::move(plan), std::move(w), vocab};
+  }
+  if (!dir.empty() && !(step = checkpoint_step(dir)).empty())
+    return from_checkpoint(step, [&](const std::string&) { return std::move(plan); }, registry);
+  throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
+                          "with a checkpoint, or give the checkpoint itself");
+}
+
+}  // namespace loom::cli

@@ -1,0 +1,34 @@
+// What `loom generate` and `loom eval` run: a trained model named by a checkpoint (a
+// step_N directory or a checkpoint.dir; the model of the manifest it saved) or by a
+// manifest (whose checkpoint.init_weights or checkpoint.dir holds the weights), with
+// its weights as whole tensors and a run plan for the command's layout.
+#pragma once
+
+#include "engine/plugins/registry.hpp"
+#include "engine/train/init_weights.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace loom::cli {
+
+struct ModelSource {
+  train::RunPlan plan;
+  train::InitialWeights weights;
+  int64_t vocab = 0;
+};
+
+// Makes the command's plan from a manifest's TOML text (its name for messages) and the
+// user's --set overrides.
+using PlanFor = std::function<train::RunPlan(const std::string& toml, const std::string& name,
+                                             const std::vector<std::string>& overrides, plugins::Registry& registry)>;
+
+// Throws UsageError for a path that is neither a checkpoint nor a manifest, or a
+// manifest that names no weights; the plan's and the weights' errors as they come.
+// --set may change the layout and the device, not the model (refused by name).
+ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
+                              plugins::Registry& registry, const PlanFor& plan_for);
+
+}  // namespace loom::cli

@@ -1,0 +1,37 @@
+// Text to the token ids a model was trained on, and back, for the commands that take
+// or print text (`loom generate`, `loom eval`): a tokenizer file (GPT-2 BPE or
+// SentencePiece), or what the run's data defines without one — a synthetic task's
+// symbols, or bytes for data.kind = "text".
+#pragma once
+
+#include "engine/manifest/run_config.hpp"
+#include "engine/text/tokenizer.hpp"
+#include "engine/train/data.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+class TextCodec {
+ public:
+  // `tokenizer`: a path, or "" for the data's own symbols. Throws DataError when the
+  // data has none (token files: their tokenizer must be given) and
+  // text::TokenizerError for a tokenizer that does not load.
+  TextCodec(const std::string& tokenizer, const manifest::RunConfig& config);
+  // Throws DataError (or TokenizerError) for text it cannot encode.
+  std::vector<int32_t> encode(const std::string& text) const;
+  // Ids outside what the codec knows print as the data source renders them.
+  std::string decode(const std::vector<int32_t>& ids) const;
+  int32_t eod() const { return tokenizer_ ? tokenizer_->eod() : -1; }  // -1: none
+  int64_t vocab() const { return tokenizer_ ? tokenizer_->vocab_size() : 0; }  // 0: the model's
+  std::string describe() const;
+
+ private:
+  std::unique_ptr<text::Tokenizer> tokenizer_;
+  std::unique_ptr<DataSource> symbols_;  // a synthetic task
+};
+
+}  // namespace loom::train

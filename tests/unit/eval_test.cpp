@@ -1,0 +1,205 @@
+// `loom eval` (engine/train/eval_data.hpp, train::evaluate). The sliding windows predict
+// every token after the first exactly once, from the true tokens before it; the
+// perplexity equals the one computed from the logits of the generation path (another
+// forward: key/value-cache layers, one row at a time) for each target with its
+// window's context, at every layout; LAMBADA accuracy is the share of examples whose
+// last word greedy generation writes.
+#include "support/rank_trace.hpp"
+
+#include "engine/train/eval_data.hpp"
+#include "engine/train/evaluator.hpp"
+#include "engine/train/gather.hpp"
+#include "engine/train/generation.hpp"
+#include "engine/train/trainer.hpp"
+
+#include <boost/filesystem.hpp>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+
+namespace {
+
+namespace fs = boost::filesystem;
+using loom::train::Split;
+
+// Every target is counted once, in order, as the token after its context.
+TEST(EvalData, SlidingWindowsPredictEachTokenOnceFromItsTruePrefix) {
+  std::vector<int32_t> stream(101);
+  for (size_t i = 0; i < stream.size(); ++i) stream[i] = static_cast<int32_t>((i * 7 + 3) % 50);
+  for (int64_t stride : {1, 5, 8, 16}) {
+    const loom::train::SlidingWindows w(stream, 16, stride, 50, "stream");
+    std::map<int64_t, int> counted;  // token index -> times predicted
+    std::vector<int32_t> tokens(16), targets(16);
+    for (int64_t i = 0; i < w.windows() + 2; ++i) {  // two padding windows past the end
+      w.sample(Split::Validation, static_cast<uint64_t>(i), 16, tokens.data(), targets.data());
+      for (int64_t t = 0; t < 16; ++t) {
+        if (targets[t] < 0) continue;
+        ASSERT_LT(i, w.windows()) << "a padding window has a target";
+        const int64_t at = i * stride + t + 1;  // the predicted token's index in the stream
+        EXPECT_EQ(targets[t], stream[static_cast<size_t>(at)]);
+        for (int64_t k = 0; k <= t; ++k) EXPECT_EQ(tokens[k], stream[static_cast<size_t>(i * stride + k)]);
+        ++counted[at];
+      }
+    }
+    EXPECT_EQ(counted.size(), stream.size() - 1) << "stride " << stride;
+    for (const auto& [at, n] : counted) EXPECT_EQ(n, 1) << "token " << at << ", stride " << stride;
+    EXPECT_EQ(counted.begin()->first, 1);
+  }
+  EXPECT_THROW(loom::train::SlidingWindows(stream, 16, 17, 50, "s"), loom::train::DataError);
+  EXPECT_THROW(loom::train::SlidingWindows({1}, 16, 8, 50, "s"), loom::train::DataError);
+}
+
+struct Trained {
+  std::string manifest_toml;
+  loom::train::InitialWeights weights;
+  int64_t vocab = 0;
+};
+
+Trained train_and_gather(std::vector<std::string> overrides) {
+  const fs::path dir = fs::temp_directory_path() / fs::unique_path("loom-eval-%%%%%%");
+  overrides.insert(overrides.end(), {"run.steps=6", "checkpoint.every=6", "checkpoint.dir=\"" + dir.string() + "\""});
+  const loom::testing::RankTrace t = loom::testing::run_all_ranks(loom::testing::tiny_manifest(), overrides);
+  loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(t.result.checkpoint, loom::plugins::registry());
+  Trained out{ck.manifest_toml, {t.result.checkpoint, std::move(ck.tensors), ck.vocab}, ck.vocab};
+  fs::remove_all(dir);
+  return out;
+}
+
+loom::train::Evaluation evaluate(const Trained& m, const loom::train::DataSource& data, int64_t samples,
+                                 std::vector<std::string> layout) {
+  layout.insert(layout.end(), {"checkpoint.dir=\"\"", "run.eval_every=0"});
+  const loom::train::RunPlan plan = loom::testing::plan_from(m.manifest_toml, layout);
+  return loom::train::evaluate(plan, m.weights, m.vocab, data, samples);
+}
+
+// -log softmax(logits)[target], in double.
+double nll(const std::vector<float>& logits, int32_t target) {
+  double mx = -INFINITY, z = 0;
+  for (float x : logits) mx = std::max(mx, static_cast<double>(x));
+  for (float x : logits) z += std::exp(static_cast<double>(x) - mx);
+  return std::log(z) + mx - logits[static_cast<size_t>(target)];
+}
+
+// The reference loss of every counted target: the logits of its window's context
+// through the generation forward (kv_cache layers, one rank), in double.
+double reference_loss_sum(const Trained& m, const loom::train::SlidingWindows& windows, int64_t seq, int64_t* count) {
+  const loom::train::RunPlan plan =
+      loom::train::generation_plan(m.manifest_toml, "saved.toml", {"parallel.tp=1"}, loom::plugins::registry());
+  double sum = 0;
+  *count = 0;
+  loom::testing::on_one_rank(plan, [&](loom::runtime::RankRuntime& rt, const loom::train::DataSource&, const loom_model_dims&) {
+    std::unique_ptr<loom::model::Model> model = loom::train::create_rank_model(plan, rt, m.vocab, &m.weights);
+    std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
+    std::vector<float> logits(static_cast<size_t>(m.vocab));
+    for (int64_t i = 0; i < windows.windows(); ++i) {
+      windows.sample(Split::Validation, static_cast<uint64_t>(i), seq, tokens.data(), targets.data());
+      for (int64_t t = 0; t < seq; ++t) {
+        if (targets[static_cast<size_t>(t)] < 0) continue;
+        model->forward_cached(0, t + 1, 1, 0, tokens.data(), nullptr, logits.data());  // CPU: host memory
+        sum += nll(logits, targets[static_cast<size_t>(t)]);
+        ++*count;
+      }
+    }
+  });
+  return sum;
+}
+
+TEST(Eval, PerplexityEqualsTheGenerationForwardsAtEveryLayout) {
+  const Trained m = train_and_gather({"parallel.tp=2", "parallel.dp=2", "model.num_layers=4"});
+  std::vector<int32_t> stream(40);
+  for (size_t i = 0; i < stream.size(); ++i) stream[i] = static_cast<int32_t>((i * 5 + 1) % 13);
+  const int64_t seq = 16;
+  for (int64_t stride : {6, 16}) {
+    const loom::train::SlidingWindows windows(stream, seq, stride, m.vocab, "stream");
+    int64_t count = 0;
+    const double want = reference_loss_sum(m, windows, seq, &count);
+    ASSERT_EQ(count, static_cast<int64_t>(stream.size()) - 1);
+    for (const std::vector<std::string>& layout :
+         std::vector<std::vector<std::string>>{{},
+                                               {"parallel.tp=1", "parallel.dp=1"},
+                                               {"parallel.tp=1", "parallel.dp=1", "parallel.pp=2"},
+                                               {"parallel.tp=2", "parallel.dp=1", "parallel.pp=2", "parallel.vpp=2",
+                                                "pipeline.schedule=\"interleaved\"", "batch.global_batch_size=4"},
+                                               {"parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp=2",
+                                                "parallel.dp=1"}}) {
+      std::string what = "stride " + std::to_string(stride) + ": ";
+      for (const std::string& s : layout) what += s + " ";
+      const loom::train::Evaluation e = evaluate(m, windows, windows.windows(), layout);
+      EXPECT_EQ(e.tokens, count) << what;
+      EXPECT_NEAR(e.loss_sum, want, 1e-5 * want) << what;
+    }
+  }
+}
+
+// LAMBADA: an example is right exactly when greedy generation from its context writes
+// its last word's tokens.
+TEST(Eval, LastWordAccuracyIsWhatGreedyGenerationWrites) {
+  const Trained m = train_and_gather({});
+  std::vector<loom::train::LastWordExample> examples;
+  for (int k = 0; k < 24; ++k) {
+    loom::train::LastWordExample e;
+    for (int i = 0; i < 3 + k % 9; ++i) e.context.push_back((k * 3 + i * 5) % 13);
+    for (int i = 0; i < 1 + k % 3; ++i) e.target.push_back((k + i * 7) % 13);
+    examples.push_back(std::move(e));
+  }
+  // Make some of them right: the model's own greedy continuation as the last word.
+  const loom::train::RunPlan gen = loom::train::generation_plan(m.manifest_toml, "saved.toml", {}, loom::plugins::registry());
+  for (size_t k = 0; k < examples.size(); k += 3) {
+    loom::train::GenerationRequest r;
+    r.prompt = examples[k].context;
+    r.max_new_tokens = static_cast<int64_t>(examples[k].target.size());
+    r.sampling.temperature = 0;
+    examples[k].target = loom::train::generate(gen, m.weights, m.vocab, r).tokens;
+  }
+  int64_t right = 0;
+  for (const auto& e : examples) {
+    loom::train::GenerationRequest r;
+    r.prompt = e.context;
+    r.max_new_tokens = static_cast<int64_t>(e.target.size());
+    r.sampling.temperature = 0;
+    right += loom::train::generate(gen, m.weights, m.vocab, r).tokens == e.target ? 1 : 0;
+  }
+  ASSERT_GE(right, 8);
+  const loom::train::LastWordTask task(examples, m.vocab, "examples");
+  for (const std::vector<std::string>& layout :
+       std::vector<std::vector<std::string>>{{}, {"parallel.dp=1"}, {"parallel.dp=1", "parallel.tp=2", "parallel.pp=2"}}) {
+    const loom::train::Evaluation e = evaluate(m, task, task.size(), layout);
+    EXPECT_EQ(e.samples, 24) << layout.size();
+    EXPECT_DOUBLE_EQ(e.exact_match, static_cast<double>(right) / 24.0) << layout.size();
+  }
+}
+
+TEST(EvalData, LastWordExamplesFromJsonl) {
+  const fs::path file = fs::temp_directory_path() / fs::unique_path("loom-lambada-%%%%%%.jsonl");
+  {
+    std::ofstream out(file.string());
+    out << R"({"text": "the cat sat on the mat"})" << "\n\n" << R"({"text": "  a b  "})" << "\n";
+  }
+  const auto bytes = [](const std::string& s) { return std::vector<int32_t>(s.begin(), s.end()); };
+  const auto ex = loom::train::read_last_word_examples(file.string(), bytes);
+  ASSERT_EQ(ex.size(), 2u);
+  EXPECT_EQ(ex[0].context, bytes("the cat sat on the"));
+  EXPECT_EQ(ex[0].target, bytes(" mat"));
+  EXPECT_EQ(ex[1].context, bytes("  a"));
+  EXPECT_EQ(ex[1].target, bytes(" b"));
+  {
+    std::ofstream out(file.string());
+    out << R"({"text": "one"})" << "\n";
+  }
+  try {
+    loom::train::read_last_word_examples(file.string(), bytes);
+    ADD_FAILURE() << "a one-word text was accepted";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find(":1: the text needs a context and a last word"), std::string::npos) << e.what();
+  }
+  {
+    std::ofstream out(file.string());
+    out << R"({"txt": "a b"})" << "\n";
+  }
+  EXPECT_THROW(loom::train::read_last_word_examples(file.string(), bytes), loom::train::DataError);
+  fs::remove(file);
+}
+
+}  // namespace
