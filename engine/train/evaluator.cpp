@@ -87,15 +87,7 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
   const int64_t batches_per_rank = std::max<int64_t>(1, (samples + mbs * plan.dp - 1) / (mbs * plan.dp));
   Evaluation result;
   std::mutex mu;
-  runtime::LaunchConfig lc;
-  lc.device_plugin = plan.device;
-  lc.device_options = &plan.config.device.options;
-  lc.comm_plugin = plan.comm;
-  lc.comm_options = &plan.config.comm.options;
-  lc.sizes = plan.sizes;
-  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
-  lc.threads = plan.config.device.threads;
-  lc.services = plan.services();
+  const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
     std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
     const loom::Group pp = rt.group_or_self("pp");

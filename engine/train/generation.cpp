@@ -206,15 +206,7 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
 
   GenerationResult result;
   std::mutex mu;
-  runtime::LaunchConfig lc;
-  lc.device_plugin = plan.device;
-  lc.device_options = &plan.config.device.options;
-  lc.comm_plugin = plan.comm;
-  lc.comm_options = &plan.config.comm.options;
-  lc.sizes = plan.sizes;
-  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
-  lc.threads = plan.config.device.threads;
-  lc.services = plan.services();
+  const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
     std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
     const bool reports = rt.group_or_self("pp").rank() == plan.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;

@@ -150,6 +150,19 @@ std::map<int32_t, const void*> RunPlan::services() const {
   return out;
 }
 
+runtime::LaunchConfig launch_config(const RunPlan& plan) {
+  runtime::LaunchConfig lc;
+  lc.device_plugin = plan.device;
+  lc.device_options = &plan.config.device.options;
+  lc.comm_plugin = plan.comm;
+  lc.comm_options = &plan.config.comm.options;
+  lc.sizes = plan.sizes;
+  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
+  lc.threads = plan.config.device.threads;
+  lc.services = plan.services();
+  return lc;
+}
+
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   RunPlan plan{std::move(m)};
   plan.registry = &registry;

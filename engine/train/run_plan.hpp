@@ -8,6 +8,7 @@
 #include "engine/model/model.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/plugins/registry.hpp"
+#include "engine/runtime/launcher.hpp"
 #include "engine/topology/rank_groups.hpp"
 
 #include <map>
@@ -42,6 +43,10 @@ struct RunPlan {
   // validate, plan and run print them.
   std::vector<std::string> warnings;
 };
+
+// How to start the plan's ranks: its device and comm plugins with their options, the
+// layout, the comm timeout, threads per rank and the services the layers call.
+runtime::LaunchConfig launch_config(const RunPlan& plan);
 
 // Loads plugins (plugins.search_paths, LOOM_PLUGIN_PATH, the install dir) into
 // `registry`, resolves every plugin the manifest names and validates their option

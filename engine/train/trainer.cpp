@@ -355,15 +355,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
   }
 
-  runtime::LaunchConfig lc;
-  lc.device_plugin = plan.device;
-  lc.device_options = &config.device.options;
-  lc.comm_plugin = plan.comm;
-  lc.comm_options = &config.comm.options;
-  lc.sizes = plan.sizes;
-  lc.timeout_ms = static_cast<int64_t>(config.comm.timeout_s * 1000);
-  lc.threads = config.device.threads;
-  lc.services = plan.services();
+  const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
   if (!options.trace_file.empty()) pipeline::write_chrome_trace(options.trace_file, run.trace_events);
   return std::move(run.result);
