@@ -14,12 +14,14 @@ namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom export CHECKPOINT --format hf OUTDIR [--plugin-path DIR]...\n"
+    "usage: loom export CHECKPOINT --format hf OUTDIR [--tokenizer DIR|MODEL] [--plugin-path DIR]...\n"
     "Writes OUTDIR/model.safetensors and OUTDIR/config.json, loadable by transformers'\n"
     "GPT2LMHeadModel (GPT-2 blocks), LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases) or\n"
     "MixtralForCausalLM (the same with top-k SwiGLU expert blocks),\n"
     "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
-    "checkpoint.dir (its newest complete step).\n";
+    "checkpoint.dir (its newest complete step). --tokenizer (the GPT-2 BPE directory or SentencePiece\n"
+    "model the data was encoded with) adds the tokenizer files AutoTokenizer reads: vocab.json and\n"
+    "merges.txt, or tokenizer.model, with tokenizer_config.json and special_tokens_map.json.\n";
 
 // The step directory CHECKPOINT names.
 std::string step_dir_of(const std::string& path) {
@@ -35,7 +37,7 @@ std::string step_dir_of(const std::string& path) {
 
 int cmd_export(int argc, char** argv) {
   try {
-    Args args(argc, argv, {}, {"--format", "--plugin-path"});
+    Args args(argc, argv, {}, {"--format", "--plugin-path", "--tokenizer"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -47,11 +49,13 @@ int cmd_export(int argc, char** argv) {
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const std::string step = step_dir_of(pos[0]);
-    const interop::HfModel hf = interop::export_hf(step, pos[1], r);
+    const interop::HfModel hf = interop::export_hf(step, pos[1], r, args.get("--tokenizer").value_or(""));
     size_t bytes = 0;
     for (const auto& t : hf.tensors) bytes += t.data.size();
     std::cout << "export: " << step << " -> " << pos[1] << " (" << hf.architecture << ", " << hf.tensors.size()
-              << " tensors, " << bytes / (1024 * 1024) << " MiB)\n";
+              << " tensors, " << bytes / (1024 * 1024) << " MiB";
+    for (const std::string& f : hf.files) std::cout << (f == hf.files.front() ? "; tokenizer: " : ", ") << f;
+    std::cout << ")\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom export: " << e.what() << "\n" << kUsage;

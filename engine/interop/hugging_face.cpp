@@ -1,5 +1,7 @@
 #include "engine/interop/hugging_face.hpp"
 
+#include "engine/text/tokenizer.hpp"
+
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -10,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace loom::interop {
@@ -301,7 +304,59 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
   return hf;
 }
 
-HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry) {
+namespace {
+
+std::string read_whole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// The tokenizer files transformers reads beside a model (name -> content), from a loom
+// tokenizer path; the special token ids go into the model's config.
+std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::string& path, int64_t vocab,
+                                                                 int64_t seq_len, nlohmann::ordered_json& config) {
+  namespace fs = boost::filesystem;
+  const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(path);  // checks the files
+  if (tok->vocab_size() > vocab)
+    throw std::runtime_error("--tokenizer " + path + " has " + std::to_string(tok->vocab_size()) +
+                             " tokens, more than the model's vocabulary of " + std::to_string(vocab));
+  const bool gpt2 = fs::is_directory(path);
+  nlohmann::ordered_json special, cfg;
+  cfg["tokenizer_class"] = gpt2 ? "GPT2Tokenizer" : "LlamaTokenizer";
+  cfg["model_max_length"] = seq_len;
+  for (const auto& [name, id] : {std::pair<const char*, int32_t>{"bos", tok->bos()}, {"eos", tok->eod()}, {"unk", tok->unk()}}) {
+    if (id < 0) continue;
+    special[std::string(name) + "_token"] = tok->piece(id);
+    config[std::string(name) + "_token_id"] = id;
+  }
+  config.erase("unk_token_id");  // not a model config key
+  for (const auto& [k, v] : special.items()) cfg[k] = v;
+  if (gpt2) {
+    cfg["add_prefix_space"] = false;
+  } else {
+    cfg["add_bos_token"] = false;  // loom preprocess adds none: the model saw text as it was encoded
+    cfg["add_eos_token"] = false;
+    cfg["legacy"] = false;
+  }
+  std::vector<std::pair<std::string, std::string>> files;
+  if (gpt2) {
+    files.emplace_back("vocab.json", read_whole((fs::path(path) / "encoder.json").string()));
+    files.emplace_back("merges.txt", read_whole((fs::path(path) / "vocab.bpe").string()));
+  } else {
+    files.emplace_back("tokenizer.model", read_whole(path));
+  }
+  files.emplace_back("tokenizer_config.json", cfg.dump(2) + "\n");
+  files.emplace_back("special_tokens_map.json", special.dump(2) + "\n");
+  return files;
+}
+
+}  // namespace
+
+HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
+                  const std::string& tokenizer) {
   namespace fs = boost::filesystem;
   if (out_dir.empty()) throw std::runtime_error("the output directory is empty");
   boost::system::error_code ec;
@@ -311,24 +366,37 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(out_dir + " holds a loom checkpoint; write the export into a directory of its own");
   const train::WholeCheckpoint ck = train::gather_checkpoint(step_dir, registry);
   HfModel hf = to_hf(ck, registry);
+  std::vector<std::pair<std::string, std::string>> extra;
+  if (!tokenizer.empty()) {
+    const int64_t seq = hf.config.contains("n_positions") ? hf.config["n_positions"].get<int64_t>()
+                                                          : hf.config["max_position_embeddings"].get<int64_t>();
+    extra = tokenizer_files(tokenizer, ck.vocab, seq, hf.config);
+  }
   fs::create_directories(out_dir, ec);
   if (ec) throw std::runtime_error("cannot create " + out_dir + ": " + ec.message());
-  // Both files complete before either replaces what is there.
-  const fs::path model = fs::path(out_dir) / "model.safetensors", config = fs::path(out_dir) / "config.json";
-  const std::string model_tmp = model.string() + ".tmp", config_tmp = config.string() + ".tmp";
+  // Every file complete (as NAME.tmp) before any replaces what is there.
+  std::vector<std::pair<fs::path, std::string>> written;  // final path, temporary
+  const auto temporary = [&](const std::string& name) {
+    written.emplace_back(fs::path(out_dir) / name, (fs::path(out_dir) / name).string() + ".tmp");
+    return written.back().second;
+  };
   try {
-    write_safetensors(model_tmp, hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
-    std::ofstream out(config_tmp);
-    out << hf.config.dump(2) << "\n";
-    out.close();
-    if (!out) throw std::runtime_error("cannot write " + config_tmp);
-    for (const fs::path& p : {model, config})
-      if (fs::is_directory(p, ec)) throw std::runtime_error(p.string() + " is a directory; remove it or write elsewhere");
-    fs::rename(model_tmp, model);
-    fs::rename(config_tmp, config);
+    write_safetensors(temporary("model.safetensors"), hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
+    extra.emplace(extra.begin(), "config.json", hf.config.dump(2) + "\n");
+    for (const auto& [name, content] : extra) {
+      const std::string tmp = temporary(name);
+      std::ofstream out(tmp, std::ios::binary);
+      out << content;
+      out.close();
+      if (!out) throw std::runtime_error("cannot write " + tmp);
+      if (name != "config.json") hf.files.push_back(name);
+    }
+    for (const auto& [final_path, tmp] : written)
+      if (fs::is_directory(final_path, ec))
+        throw std::runtime_error(final_path.string() + " is a directory; remove it or write elsewhere");
+    for (const auto& [final_path, tmp] : written) fs::rename(tmp, final_path);
   } catch (const std::exception& e) {
-    fs::remove(model_tmp, ec);
-    fs::remove(config_tmp, ec);
+    for (const auto& [final_path, tmp] : written) fs::remove(tmp, ec);
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
   }
   return hf;

@@ -44,6 +44,7 @@ struct HfModel {
   std::string architecture;          // "GPT2LMHeadModel", "LlamaForCausalLM" or "MixtralForCausalLM"
   nlohmann::ordered_json config;     // config.json
   std::vector<NamedTensor> tensors;  // model.safetensors, in model order
+  std::vector<std::string> files;    // the other files written beside config.json (tokenizer)
 };
 
 // The checkpoint's model in transformers' names and layouts; throws std::runtime_error
@@ -51,8 +52,14 @@ struct HfModel {
 HfModel to_hf(const train::WholeCheckpoint& ckpt, plugins::Registry& registry);
 
 // Gathers step_dir and writes out_dir/{model.safetensors, config.json} (out_dir is
-// created; existing files there are replaced). Returns what it wrote.
-HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry);
+// created; existing files there are replaced), and with `tokenizer` (a loom tokenizer
+// path) the files transformers' AutoTokenizer reads beside them: GPT-2 BPE as
+// vocab.json + merges.txt (GPT2Tokenizer), SentencePiece as tokenizer.model
+// (LlamaTokenizer), each with tokenizer_config.json and special_tokens_map.json, and the
+// special token ids in config.json. Every file is complete before any replaces what is
+// there. Returns what it wrote (hf.files: the tokenizer files' names).
+HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
+                  const std::string& tokenizer = "");
 
 // A Hugging Face model directory (config.json, model.safetensors: F32 or BF16; names with
 // or without GPT-2's "transformer." prefix) as the whole tensors of `plan`'s model, in

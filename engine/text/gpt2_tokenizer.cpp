@@ -212,6 +212,13 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
   return out;
 }
 
+std::string Gpt2Tokenizer::piece(int32_t id) const {
+  if (id < 0 || id >= vocab_size())
+    throw TokenizerError(dir_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
+                         std::to_string(vocab_size()));
+  return tokens_[static_cast<size_t>(id)];
+}
+
 std::string Gpt2Tokenizer::describe() const {
   return "GPT-2 byte-level BPE (" + std::to_string(vocab_size()) + " tokens) from " + dir_;
 }

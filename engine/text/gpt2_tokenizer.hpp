@@ -31,6 +31,9 @@ class Gpt2Tokenizer : public Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const override;
   int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
   int32_t eod() const override { return eod_; }  // <|endoftext|>
+  int32_t bos() const override { return eod_; }
+  int32_t unk() const override { return eod_; }
+  std::string piece(int32_t id) const override;
   std::string describe() const override;
 
  private:

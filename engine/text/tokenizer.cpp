@@ -37,6 +37,14 @@ class SentencePieceTokenizer : public Tokenizer {
   }
   int32_t vocab_size() const override { return sp_.GetPieceSize(); }
   int32_t eod() const override { return sp_.eos_id(); }
+  int32_t bos() const override { return sp_.bos_id(); }
+  int32_t unk() const override { return sp_.unk_id(); }
+  std::string piece(int32_t id) const override {
+    if (id < 0 || id >= vocab_size())
+      throw TokenizerError(path_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
+                           std::to_string(vocab_size()));
+    return sp_.IdToPiece(id);
+  }
   std::string describe() const override {
     return "SentencePiece (" + std::to_string(vocab_size()) + " tokens) from " + path_;
   }

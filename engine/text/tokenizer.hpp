@@ -28,6 +28,13 @@ class Tokenizer {
   virtual int32_t vocab_size() const = 0;
   // The end-of-document token (GPT-2's <|endoftext|>, SentencePiece's </s>); -1 when none.
   virtual int32_t eod() const = 0;
+  // The beginning-of-document and unknown tokens (GPT-2: <|endoftext|> for both, as its
+  // Hugging Face tokenizer says); -1 when none.
+  virtual int32_t bos() const = 0;
+  virtual int32_t unk() const = 0;
+  // The vocabulary's entry for an id, as the tokenizer file spells it ("<|endoftext|>",
+  // "▁the"); throws TokenizerError outside the vocabulary.
+  virtual std::string piece(int32_t id) const = 0;
   // "GPT-2 BPE (50257 tokens) from DIR".
   virtual std::string describe() const = 0;
 };

@@ -12,6 +12,7 @@
 
 #include "engine/interop/hugging_face.hpp"
 #include "engine/interop/safetensors.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/gather.hpp"
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 
@@ -524,6 +526,46 @@ TEST(HfExport, OutputThatCannotBeWrittenLeavesNothingHalfWritten) {
   EXPECT_NE(refusal(dir + "/out").find("is a directory"), std::string::npos);
   for (const char* f : {"model.safetensors", "model.safetensors.tmp", "config.json.tmp"})
     EXPECT_FALSE(fs::exists(dir + "/out/" + f)) << f << " was left behind";
+  fs::remove_all(dir);
+}
+
+// --tokenizer: a SentencePiece model the data could have been encoded with goes beside
+// the weights as LlamaTokenizer reads it (the file byte for byte, its special tokens by
+// piece and id); one larger than the model's vocabulary is refused and nothing written.
+TEST(HfExport, TokenizerFilesGoBesideTheModel) {
+  const std::string dir = scratch("tok");
+  {
+    std::ofstream text(dir + "/corpus.txt");
+    for (int i = 0; i < 200; ++i) text << "the cat " << i << " sat on the mat and looked at the dog number " << i * 7 << "\n";
+  }
+  loom::text::SentencePieceTraining how;
+  how.inputs = {dir + "/corpus.txt"};
+  how.model_prefix = dir + "/spm";
+  how.vocab_size = 300;
+  loom::text::train_sentencepiece(how);
+  const std::string step = parallel_checkpoint({"model.block=[\"attention\", \"mlp\"]", "model.vocab_size=320"}, dir + "/ck");
+  const loom::interop::HfModel hf = loom::interop::export_hf(step, dir + "/out", loom::plugins::registry(), dir + "/spm.model");
+  EXPECT_EQ(hf.files, (std::vector<std::string>{"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"}));
+  std::ifstream a(dir + "/spm.model", std::ios::binary), b(dir + "/out/tokenizer.model", std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(a), {}), std::string(std::istreambuf_iterator<char>(b), {}));
+  const auto tok = loom::text::load_tokenizer(dir + "/spm.model");
+  const nlohmann::json cfg = nlohmann::json::parse(std::ifstream(dir + "/out/tokenizer_config.json"));
+  EXPECT_EQ(cfg["tokenizer_class"], "LlamaTokenizer");
+  EXPECT_EQ(cfg["eos_token"], tok->piece(tok->eod()));
+  EXPECT_EQ(cfg["add_bos_token"], false);
+  const nlohmann::json model = nlohmann::json::parse(std::ifstream(dir + "/out/config.json"));
+  EXPECT_EQ(model["eos_token_id"], tok->eod());
+  EXPECT_EQ(model["bos_token_id"], tok->bos());
+  EXPECT_TRUE(fs::exists(dir + "/out/special_tokens_map.json"));
+
+  const std::string small = parallel_checkpoint({}, dir + "/ck13");  // vocabulary 13
+  try {
+    loom::interop::export_hf(small, dir + "/out13", loom::plugins::registry(), dir + "/spm.model");
+    ADD_FAILURE() << "a tokenizer larger than the model was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("more than the model's vocabulary of 13"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/out13/model.safetensors"));
   fs::remove_all(dir);
 }
 
