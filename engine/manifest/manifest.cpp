@@ -868,6 +868,7 @@ class ManifestLoader {
         type_ok = v.is_array() && v.as_array()->is_homogeneous(toml::node_type::string);
         if (v.is_array() && v.as_array()->empty()) type_ok = true;
         break;
+      case KeyType::Array: type_ok = v.is_array(); break;
       case KeyType::Table: type_ok = v.is_table(); break;
     }
     const Origin where = value_origin(spec.path);

@@ -16,8 +16,7 @@ toml::table table_or_empty(const Manifest& m, const std::string& path) {
 // A relative path (data.path, checkpoint.init_weights) is taken relative to the
 // manifest file that sets it when the file (or, for an indexed dataset's prefix, its
 // .idx) exists there, so a config works from any working directory.
-std::string resolved_path(const Manifest& m, const std::string& key) {
-  const std::string path = m.get_string(key);
+std::string resolved_path(const Manifest& m, const std::string& key, std::string path) {
   const Origin o = m.origin(key);
   if (!path.empty() && path[0] != '/' && o.kind == Origin::Kind::File && !o.file.empty()) {
     const boost::filesystem::path candidate = boost::filesystem::path(o.file).parent_path() / path;
@@ -26,6 +25,7 @@ std::string resolved_path(const Manifest& m, const std::string& key) {
   }
   return path;
 }
+std::string resolved_path(const Manifest& m, const std::string& key) { return resolved_path(m, key, m.get_string(key)); }
 
 int as_int(int64_t v) { return static_cast<int>(v); }  // the schema bounds these keys to 32 bits
 
@@ -126,6 +126,12 @@ RunConfig RunConfig::from(const Manifest& m) {
 
   c.data.kind = m.get_string("data.kind");
   c.data.path = resolved_path(m, "data.path");
+  if (const toml::array* blend = m.table().at_path("data.blend").as_array())
+    for (size_t i = 0; i + 1 < blend->size(); i += 2) {
+      const toml::node& w = *blend->get(i);
+      const double weight = w.is_integer() ? static_cast<double>(w.as_integer()->get()) : w.value_or(0.0);
+      c.data.blend.emplace_back(weight, resolved_path(m, "data.blend", blend->get(i + 1)->value_or(std::string())));
+    }
   c.data.val_fraction = m.get_float("data.val_fraction");
   c.data.task = m.get_string("data.task");
   c.data.digits = m.get_int("data.digits");

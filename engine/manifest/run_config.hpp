@@ -81,6 +81,7 @@ struct RunConfig {
   struct Data {
     std::string kind;
     std::string path;  // resolved: relative to the manifest file that names it, when the file (prefix) exists there
+    std::vector<std::pair<double, std::string>> blend;  // (weight, path resolved as path is); empty: data.path
     double val_fraction = 0;
     std::string task;
     int64_t digits = 0;

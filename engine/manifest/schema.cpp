@@ -3,6 +3,7 @@
 
 #include "engine/topology/layer_split.hpp"
 
+#include <cmath>
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
@@ -227,6 +228,27 @@ std::vector<KeySpec> build() {
   v.push_back(s("data.kind", "synthetic", "data source: synthetic, text (bytes), tokens (llm.c .bin), indexed "
                 "(Megatron .bin/.idx, e.g. from loom preprocess)", {"synthetic", "text", "tokens", "indexed"}));
   v.push_back(s("data.path", "", "file to read for kind text or tokens; the PREFIX of PREFIX.bin/.idx for indexed"));
+  {
+    // Megatron-LM's --data-path with weights: [0.3, "a", 0.7, "b"].
+    KeySpec k = key("data.blend", KeyType::Array, "[]",
+                    "kind indexed or tokens: several datasets mixed by weight, Megatron-LM's --data-path "
+                    "[w1, \"prefix1\", w2, \"prefix2\", ...] (weights normalised; each split blended alike)");
+    k.check = [](const toml::node& v) -> std::string {
+      const toml::array& a = *v.as_array();
+      if (a.empty()) return "";
+      if (a.size() % 2 != 0) return "be pairs of a weight and a path, [w1, \"path1\", w2, \"path2\", ...]";
+      for (size_t i = 0; i < a.size(); i += 2) {
+        const toml::node& w = *a.get(i);
+        const double x = w.is_integer() ? static_cast<double>(w.as_integer()->get())
+                                        : w.is_floating_point() ? w.as_floating_point()->get() : -1.0;
+        if (!(x > 0) || !std::isfinite(x)) return "have a positive weight at position " + std::to_string(i + 1);
+        if (!a.get(i + 1)->is_string() || a.get(i + 1)->as_string()->get().empty())
+          return "have a non-empty path after each weight (position " + std::to_string(i + 2) + ")";
+      }
+      return "";
+    };
+    v.push_back(std::move(k));
+  }
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
   v.push_back(s("data.task", "add", "synthetic task name"));
   v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
@@ -254,6 +276,7 @@ std::string_view describe(KeyType type) {
     case KeyType::Float: return "a float";
     case KeyType::String: return "a string";
     case KeyType::StringList: return "an array of strings";
+    case KeyType::Array: return "an array";
     case KeyType::Table: return "a table";
   }
   return "a value";
@@ -539,7 +562,17 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     }
   }
 
-  if (usable({"data.kind", "data.path"})) {
+  const bool blended = usable({"data.blend"}) && m.table().at_path("data.blend").is_array() &&
+                       !m.table().at_path("data.blend").as_array()->empty();
+  if (blended && usable({"data.kind", "data.path"})) {
+    const std::string kind = m.get_string("data.kind");
+    if (kind != "tokens" && kind != "indexed")
+      report({"data.blend", "data.kind"}, "data.blend mixes token datasets: set data.kind = \"indexed\" (Megatron "
+                                          ".bin/.idx prefixes) or \"tokens\" (llm.c files), not \"" + kind + "\"");
+    else if (!m.get_string("data.path").empty())
+      report({"data.blend", "data.path"}, "data.blend and data.path both name the data; keep one");
+  }
+  if (!blended && usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");
     if ((kind == "text" || kind == "tokens" || kind == "indexed") && m.get_string("data.path").empty())
       report({"data.kind", "data.path"},

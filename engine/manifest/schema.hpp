@@ -16,7 +16,7 @@
 
 namespace loom::manifest::schema {
 
-enum class KeyType { Bool, Int, Float, String, StringList, Table };
+enum class KeyType { Bool, Int, Float, String, StringList, Array, Table };  // Array: any elements (its check says which)
 
 // "a boolean", "an integer", ... as used in "X must be <...>".
 std::string_view describe(KeyType type);

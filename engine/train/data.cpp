@@ -2,9 +2,12 @@
 
 #include "engine/model/param_init.hpp"
 #include "engine/text/token_files.hpp"
+#include "engine/train/blend.hpp"
+#include "engine/train/documents.hpp"
 
 #include <boost/filesystem.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <fcntl.h>
@@ -207,6 +210,40 @@ std::vector<int32_t> read_llmc_tokens(const std::string& path) {
   return tokens;
 }
 
+// The largest token must fit the vocabulary (model.vocab_size, or the data's own).
+int64_t checked_vocab(const std::string& path, int32_t max_token, int64_t vocab) {
+  if (vocab == 0) vocab = max_token + 1;
+  if (max_token >= vocab)
+    throw DataError(path + ": token " + std::to_string(max_token) + " is outside model.vocab_size = " + std::to_string(vocab));
+  return vocab;
+}
+
+// kind "tokens": an llm.c file as one stream; "indexed": Megatron's documents.
+std::unique_ptr<DataSource> token_source(const std::string& kind, const std::string& path, int64_t vocab,
+                                         double val_fraction, uint64_t seed) {
+  int32_t max_token = 0;
+  if (kind == "tokens") {
+    std::vector<int32_t> tokens = read_llmc_tokens(path);
+    for (int32_t t : tokens) max_token = std::max(max_token, t);
+    vocab = checked_vocab(path, max_token, vocab);
+    return std::make_unique<StreamSource>(std::move(tokens), vocab, val_fraction, seed, path, false);
+  }
+  std::vector<std::vector<int32_t>> docs;
+  try {
+    docs = text::IndexedDataset::read(path).documents;
+  } catch (const text::TokenFileError& e) {
+    throw DataError(e.what());
+  }
+  int64_t n = 0;
+  for (const auto& d : docs) {
+    n += static_cast<int64_t>(d.size());
+    for (int32_t t : d) max_token = std::max(max_token, t);
+  }
+  if (n < 2) throw DataError(path + ".bin: the indexed dataset holds fewer than 2 tokens");
+  vocab = checked_vocab(path, max_token, vocab);
+  return std::make_unique<DocumentSource>(std::move(docs), vocab, val_fraction, seed, path);
+}
+
 }  // namespace
 
 std::string DataSource::render(const int32_t* tokens, int64_t n) const {
@@ -242,28 +279,16 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
     for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
     return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
   }
-  if (kind == "tokens" || kind == "indexed") {
-    std::vector<int32_t> tokens;
-    if (kind == "tokens") {
-      tokens = read_llmc_tokens(path);
-    } else {
-      try {
-        for (const std::vector<int32_t>& doc : text::IndexedDataset::read(path).documents)
-          tokens.insert(tokens.end(), doc.begin(), doc.end());
-      } catch (const text::TokenFileError& e) {
-        throw DataError(e.what());
-      }
-      if (tokens.size() < 2) throw DataError(path + ".bin: the indexed dataset holds fewer than 2 tokens");
+  if ((kind == "tokens" || kind == "indexed") && !config.data.blend.empty()) {
+    std::vector<std::unique_ptr<DataSource>> parts;
+    std::vector<double> weights;
+    for (const auto& [weight, part] : config.data.blend) {
+      parts.push_back(token_source(kind, part, config.model.vocab_size, val_fraction, seed));
+      weights.push_back(weight);
     }
-    int64_t vocab = config.model.vocab_size;
-    int32_t max_token = 0;
-    for (int32_t t : tokens) max_token = std::max(max_token, t);
-    if (vocab == 0) vocab = max_token + 1;
-    if (max_token >= vocab)
-      throw DataError(path + ": token " + std::to_string(max_token) + " is outside model.vocab_size = " +
-                      std::to_string(vocab));
-    return std::make_unique<StreamSource>(std::move(tokens), vocab, val_fraction, seed, path, false);
+    return std::make_unique<BlendedSource>(std::move(parts), std::move(weights));
   }
+  if (kind == "tokens" || kind == "indexed") return token_source(kind, path, config.model.vocab_size, val_fraction, seed);
   throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
 }
 

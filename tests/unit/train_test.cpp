@@ -594,49 +594,6 @@ TEST(Data, LlmcTokenFilesReadAndTruncationIsCaught) {
   fs::remove_all(dir);
 }
 
-// A Megatron indexed dataset (loom preprocess's output) is the stream of its
-// documents: the same samples, train and validation, as an llm.c file of the same
-// tokens; and a damaged index is a DataError naming it.
-TEST(Data, IndexedDatasetIsTheStreamOfItsDocuments) {
-  const std::string dir = loom::testing::scratch_dir("indexed");
-  std::vector<std::vector<int32_t>> docs;
-  std::vector<int32_t> all;
-  for (int d = 0; d < 7; ++d) {
-    docs.emplace_back();
-    for (int i = 0; i < 20 + 13 * d; ++i) docs.back().push_back((d * 31 + i * 7) % 50);
-    docs.back().push_back(50);  // an end-of-document token
-    all.insert(all.end(), docs.back().begin(), docs.back().end());
-  }
-  {
-    loom::text::IndexedDatasetWriter w(dir + "/ds", loom::text::TokenType::U16);
-    for (const auto& doc : docs) w.add_document(doc);
-    w.finish();
-  }
-  loom::text::write_llmc_tokens(dir + "/flat.bin", all);
-  auto source = [&](const std::string& kind, const std::string& path) {
-    return loom::train::make_data_source(loom::manifest::RunConfig::from(loom::manifest::Manifest::parse(
-        tiny_manifest(), "t.toml", {"data.kind=" + kind, "data.path=\"" + path + "\""})));
-  };
-  auto indexed = source("indexed", dir + "/ds"), flat = source("tokens", dir + "/flat.bin");
-  EXPECT_EQ(indexed->vocab_size(), 51);
-  for (auto split : {loom::train::Split::Train, loom::train::Split::Validation})
-    for (uint64_t i = 0; i < 20; ++i) {
-      std::vector<int32_t> t1(16), g1(16), t2(16), g2(16);
-      indexed->sample(split, i, 16, t1.data(), g1.data());
-      flat->sample(split, i, 16, t2.data(), g2.data());
-      EXPECT_EQ(t1, t2) << "sample " << i;
-      EXPECT_EQ(g1, g2) << "sample " << i;
-    }
-  std::ofstream(dir + "/ds.idx", std::ios::trunc) << "MMIDIDX";
-  try {
-    source("indexed", dir + "/ds");
-    ADD_FAILURE() << "a damaged index was read";
-  } catch (const loom::train::DataError& e) {
-    EXPECT_NE(std::string(e.what()).find("ds.idx"), std::string::npos) << e.what();
-  }
-  fs::remove_all(dir);
-}
-
 TEST(Data, AdditionTaskValidationProblemsAreHeldOut) {
   auto m = loom::manifest::Manifest::parse(tiny_manifest(), "t.toml", {});
   auto src = loom::train::make_data_source(loom::manifest::RunConfig::from(m));
