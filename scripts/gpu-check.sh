@@ -29,7 +29,7 @@
 # pack's configs are used.
 #
 # Environment:
-#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples bench"
+#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples generate bench"
 #                       (default all); bf16, graphs and recompute make the eager runs they
 #                       compare against when equivalence is not among them
 #   LOOM_GPU_TIMEOUT    seconds each phase may take (default 1800, timeout(1)); a phase out
@@ -68,7 +68,7 @@ say() { printf '%s\n' "$*"; }
 fail() { say "FAIL: $*"; failures=$((failures + 1)); }
 pass() { say "ok:   $*"; }
 
-all_phases="tests equivalence bf16 graphs recompute samples bench"
+all_phases="tests equivalence bf16 graphs recompute samples generate bench"
 phases=${LOOM_GPU_PHASES:-$all_phases}
 for p in $phases; do
   case " $all_phases " in
@@ -484,6 +484,43 @@ else
   fi
 fi
 fi  # samples
+
+# ---- generation and evaluation ---------------------------------------------------------
+if want generate; then
+phase generate "loom generate (key/value cache) and loom eval on device/cuda against device/cpu"
+gen_ckpt=$out/gen_ckpt
+rm -rf "$gen_ckpt"
+if run gen_train configs/quickstart.toml --set run.steps=100 --set run.eval_every=0 --set parallel.dp=1 \
+     --set device.kind=cpu --set "checkpoint.dir=\"$gen_ckpt\""; then
+  ids() {  # ids NAME ARGS...: the greedy ids loom generate writes, into $out/NAME.json
+    local name=$1; shift
+    limited "$loom" generate "$gen_ckpt" --prompt "123+456=" --temperature 0 --max-new-tokens 6 --json "$@" \
+      >"$out/$name.json" 2>"$out/$name.err"
+    sed -n 's/.*"ids":\(\[[0-9,]*\]\).*/\1/p' "$out/$name.json"
+  }
+  cpu_ids=$(ids gen_cpu --set device.kind=cpu)
+  cuda_ids=$(ids gen_cuda --set device.kind=cuda --set 'device.options={}')
+  cuda_recompute=$(ids gen_cuda_nocache --set device.kind=cuda --set 'device.options={}' --no-cache)
+  if [ -n "$cpu_ids" ] && [ "$cuda_ids" = "$cpu_ids" ] && [ "$cuda_recompute" = "$cpu_ids" ]; then
+    pass "loom generate on the GPU (cache and no cache) writes the CPU's tokens $cpu_ids"
+  else
+    fail "loom generate: cpu $cpu_ids, cuda $cuda_ids, cuda --no-cache $cuda_recompute (see $out/gen_*.err)"
+  fi
+  printf '%s' "123+456=9750|321+654=5790|111+222=3330|" > "$out/eval.txt"
+  loss() {  # loss NAME ARGS...: loom eval's loss over eval.txt
+    local name=$1; shift
+    limited "$loom" eval "$gen_ckpt" --data "$out/eval.txt" --stride 4 --json "$@" >"$out/$name.json" 2>"$out/$name.err"
+    sed -n 's/.*"loss":\([^,}]*\).*/\1/p' "$out/$name.json"
+  }
+  cpu_loss=$(loss eval_cpu --set device.kind=cpu)
+  cuda_loss=$(loss eval_cuda --set device.kind=cuda --set 'device.options={}')
+  if [ -n "$cpu_loss" ] && awk -v a="$cpu_loss" -v b="$cuda_loss" 'BEGIN { d = a - b; exit !(b != "" && d < 1e-4 && d > -1e-4) }'; then
+    pass "loom eval on the GPU: loss $cuda_loss (cpu $cpu_loss)"
+  else fail "loom eval: cpu loss '$cpu_loss', cuda '$cuda_loss' (see $out/eval_*.err)"; fi
+else
+  fail "training the generation checkpoint failed (see $out/gen_train.log)"; tail -5 "$out/gen_train.log"
+fi
+fi  # generate
 
 # ---- 5. benchmark ------------------------------------------------------------------------
 if want bench; then
