@@ -20,10 +20,11 @@ const char* kUsage =
     "usage: loom plugins test LIB|DIR [--layer NAME] [--set KEY=VALUE]... [--tp N] [--no-sp] [--skip CHECK]...\n"
     "                         [--seed S] [--json] [--plugin-path DIR]...\n"
     "Checks each layer plugin of LIB (a .so, or every .so in DIR) on device/cpu: gradients against\n"
-    "finite differences, gradient accumulation, microbatches in flight, and tp N (default 2; 1 = none)\n"
+    "finite differences, gradient accumulation, microbatches in flight, generation's kv_cache forwards\n"
+    "(a layer with LOOM_LAYER_KV_CACHE) against a whole-sequence forward, and tp N (default 2; 1 = none)\n"
     "with and without sequence parallelism against one rank. --set gives the layer's options\n"
     "(TOML values, or a bare word as a string). --skip leaves a check out (gradients, accumulation,\n"
-    "microbatches, tpN, tpN+sp). Exit status 1 when a check fails.\n";
+    "microbatches, kv_cache, tpN, tpN+sp). Exit status 1 when a check fails.\n";
 
 // The .so files of LIB: the file itself, or those of the directory.
 std::vector<std::string> libraries(const std::string& lib) {
@@ -93,8 +94,9 @@ int cmd_plugins_test(int argc, char** argv) {
     so.skip = args.all("--skip");
     const std::string tp_check = "tp" + std::to_string(so.tp);
     for (const std::string& c : so.skip)
-      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != tp_check && c != tp_check + "+sp")
-        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, " + tp_check + ", " +
+      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != "kv_cache" && c != tp_check &&
+          c != tp_check + "+sp")
+        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, kv_cache, " + tp_check + ", " +
                          tp_check + "+sp)");
     if (so.tp < 1 || so.tp > 8 || so.dims.seq_len % so.tp != 0 || so.dims.ffn_hidden % so.tp != 0)
       throw UsageError("--tp must be 1, 2, 4 or 8");

@@ -242,6 +242,31 @@ double HarnessLayer::forward(const Batch& b, int32_t mb, bool training, uint64_t
   return l;
 }
 
+bool HarnessLayer::takes_kv_cache() const {
+  const loom_layer_api* a = api();
+  return plugin_.abi_minor >= 13 && LOOM_HAS_SLOT(a, loom_layer_api, features) && (a->features & LOOM_LAYER_KV_CACHE) != 0;
+}
+
+std::vector<float> HarnessLayer::forward_cached(const Batch& b, int64_t first, int64_t rows) {
+  const int64_t B = dims_.micro_batch, H = dims_.hidden;
+  std::vector<float> y(has_output() ? static_cast<size_t>(rows * B * H) : static_cast<size_t>(B * dims_.vocab), -7.0f);
+  std::vector<int64_t> hshape{rows, B, H}, tshape{rows, B};
+  DLTensor in = view(const_cast<float*>(b.x.data()) + first * B * H, hshape, kDLFloat, 32);
+  DLTensor o = view(y.data(), hshape, kDLFloat, 32);
+  DLTensor tok = view(const_cast<int32_t*>(b.tokens.data()) + first * B, tshape, kDLInt, 32);
+  loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
+  a.training = 0;
+  a.input = has_input() ? &in : nullptr;
+  a.output = has_output() ? &o : nullptr;
+  a.tokens = &tok;
+  a.kv_cache = 1;
+  a.position_offset = first;
+  a.logits = has_output() ? nullptr : y.data();
+  ok(api()->forward(layer_, &rank_.rt(), &a));
+  rank_.rt().dev().synchronize();
+  return y;
+}
+
 std::vector<float> HarnessLayer::backward(const Batch& b, int32_t mb, float loss_scale, float garbage) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden;
   std::vector<float> dx(has_input() ? static_cast<size_t>(local_seq_ * B * H) : 0, garbage);
@@ -347,6 +372,44 @@ Findings check_accumulation(HarnessLayer& layer, std::mt19937& rng) {
     f.fail("grad_input depends on what it held before the backward (it must be overwritten, not accumulated into)");
   f.compared += static_cast<int64_t>(dx1.size());
   return f;
+}
+
+Findings check_kv_cache(HarnessLayer& layer, std::mt19937& rng) {
+  Findings out;
+  const loom_model_dims& d = layer.dims();
+  const int64_t S = d.seq_len, B = d.micro_batch, H = d.hidden, half = std::max<int64_t>(1, S / 2);
+  const Batch b = make_batch(d, rng);
+  auto compare = [&](const std::vector<float>& got, const float* want, size_t n, const std::string& what) {
+    double scale = 1;
+    for (size_t i = 0; i < n; ++i) scale = std::max(scale, std::fabs(static_cast<double>(want[i])));
+    for (size_t i = 0; i < n; ++i)
+      if (++out.compared; !(std::fabs(static_cast<double>(got[i]) - want[i]) <= 1e-5 * scale)) {
+        out.fail(what + ", value " + std::to_string(i) + ": " + std::to_string(got[i]) + ", expected " +
+                 std::to_string(want[i]) + " (bound 1e-5 of the largest, " + std::to_string(scale) + ")");
+        return;
+      }
+  };
+  if (layer.has_output()) {  // each call's rows are the whole-sequence forward's rows
+    std::vector<float> whole;
+    layer.forward(b, 0, /*training=*/false, 1234, &whole);
+    for (int64_t first = 0; first < S; first = first == 0 ? half : first + 1) {
+      const int64_t rows = first == 0 ? half : 1;
+      compare(layer.forward_cached(b, first, rows), whole.data() + first * B * H, static_cast<size_t>(rows * B * H),
+              "kv_cache forward of positions [" + std::to_string(first) + ", " + std::to_string(first + rows) +
+                  ") against the whole-sequence forward");
+    }
+  } else {  // the logits after each call are those of one call over the whole prefix
+    std::vector<std::vector<float>> stepwise;
+    for (int64_t first = 0; first < S; first = first == 0 ? half : first + 1)
+      stepwise.push_back(layer.forward_cached(b, first, first == 0 ? half : 1));
+    size_t k = 0;
+    for (int64_t end = half; end <= S; ++end, ++k) {
+      const std::vector<float> prefix = layer.forward_cached(b, 0, end);
+      compare(stepwise[k], prefix.data(), prefix.size(),
+              "logits after position " + std::to_string(end - 1) + " one position at a time against the whole prefix");
+    }
+  }
+  return out;
 }
 
 Findings check_microbatches_in_flight(HarnessLayer& layer, std::mt19937& rng) {
@@ -564,6 +627,12 @@ std::vector<CheckRun> check_layer_plugin(const plugins::Registry& registry, cons
   run("gradients", on_one_rank([&](HarnessLayer& l) { return check_gradients(l, rng); }));
   run("accumulation", on_one_rank([&](HarnessLayer& l) { return check_accumulation(l, rng); }));
   run("microbatches", on_one_rank([&](HarnessLayer& l) { return check_microbatches_in_flight(l, rng); }));
+  bool kv = false;
+  {
+    HarnessRank rank(registry);
+    kv = HarnessLayer(rank, name, so.dims, options).takes_kv_cache();
+  }
+  if (kv) run("kv_cache", on_one_rank([&](HarnessLayer& l) { return check_kv_cache(l, rng); }));
   if (so.tp > 1) {
     const std::string tp = "tp" + std::to_string(so.tp);
     run(tp, [&] { return check_tensor_parallel(registry, name, so.dims, options, rng, {.tp = so.tp}); });

@@ -129,6 +129,12 @@ class HarnessLayer {
   // A training forward whose saved activations are dropped right away (for finite
   // differences; the microbatch is part of the dropout seed, so use the same one).
   double objective(const Batch& b, uint64_t seed = 1234, int32_t mb = 0);
+  // ABI 1.13: the layer declares LOOM_LAYER_KV_CACHE.
+  bool takes_kv_cache() const;
+  // A kv_cache forward of rows [first, first + rows) of b (whole sequences, no SP):
+  // the output rows (with an output), or the fp32 logits of each sequence's last row
+  // [micro_batch, vocab] (a layer that writes the loss).
+  std::vector<float> forward_cached(const Batch& b, int64_t first, int64_t rows);
 
  private:
   HarnessRank& rank_;
@@ -170,6 +176,11 @@ Findings check_gradients(HarnessLayer& layer, std::mt19937& rng, uint64_t seed =
 // Two backwards add up the parameter gradients (2x one backward) and each overwrites
 // the input gradient; every parameter gets a gradient.
 Findings check_accumulation(HarnessLayer& layer, std::mt19937& rng);
+// ABI 1.13 generation, for a layer with LOOM_LAYER_KV_CACHE: kv_cache forwards of the
+// first half of the sequence and then one position at a time give the rows of one
+// whole-sequence evaluation forward (the last layer: the logits of one kv_cache forward
+// of the whole prefix), so what the layer keeps between calls and its positions are right.
+Findings check_kv_cache(HarnessLayer& layer, std::mt19937& rng);
 // Two microbatches forwarded before either is backwarded, backwarded in reverse (as a
 // pipeline schedule does), give the losses, input gradients and (up to rounding) the
 // parameter gradients of running them one after the other.
@@ -205,7 +216,7 @@ loom_model_dims default_dims();
 // layer cannot be created with these options at all, one "create" run with the error.
 struct CheckRun {
   std::string check;  // "create" (when the layer refuses its options), "gradients", "accumulation",
-                      // "microbatches", "tp2", "tp2+sp"
+                      // "microbatches", "kv_cache" (layers with LOOM_LAYER_KV_CACHE), "tp2", "tp2+sp"
   Findings findings;
   std::string error;  // an exception the check threw ("" = none)
 };

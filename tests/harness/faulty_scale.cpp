@@ -8,6 +8,8 @@
 //   shared_state  one saved input for all microbatches in flight
 //   reduce        the gain's gradient all-reduced over tp by the layer (the engine
 //                 does that for sequence parallelism; without it every rank's is whole)
+//   kv_cache      LOOM_LAYER_KV_CACHE declared (as always here), but a kv_cache forward
+//                 (generation) leaves its output unwritten
 #include <loom/cpp/plugin.hpp>
 
 #include <map>
@@ -33,7 +35,11 @@ class FaultyScale : public loom::Layer {
     gain_grad_ = static_cast<float*>(grads[0].data);
   }
 
+  // Position-wise: generation's kv_cache forwards are evaluation forwards of their rows.
+  static constexpr uint64_t kFeatures = LOOM_LAYER_KV_CACHE;
+
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
+    if (a.kv_cache && fault_ == "kv_cache") return;
     const int64_t n = numel(*a.input);
     loom::Device dev = rank.device();
     const int32_t key = fault_ == "shared_state" ? 0 : a.microbatch;
@@ -98,4 +104,4 @@ class FaultyScale : public loom::Layer {
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
     "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
     {loom::opt_string("fault", "none", "which mistake to make")
-         .one_of("none|gradient|overwrite|input|shared_state|reduce")}))
+         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache")}))

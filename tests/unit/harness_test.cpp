@@ -54,6 +54,7 @@ TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
       {"input", {"gradients", "accumulation"}},
       {"shared_state", {"microbatches"}},
       {"reduce", {"tp2", "tp2+sp"}},
+      {"kv_cache", {"kv_cache"}},
   };
   for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
 }
