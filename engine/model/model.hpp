@@ -91,6 +91,10 @@ class Model {
   void zero_grads() { buffers_.zero_grads(); }
   // Every parameter from its whole tensor (ParamBuffers::assign): starting from given weights.
   void assign_params(const ParamBuffers::FullTensorOf& full_of) { buffers_.assign(full_of); }
+  // This rank's slice of a parameter's whole tensor (ParamBuffers::local_part).
+  std::vector<float> local_part(const ParamEntry& e, std::vector<float> full) const {
+    return buffers_.local_part(e, std::move(full));
+  }
   // After the last microbatch's backward, before the optimizer: the reductions
   // that make each gradient whole (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).

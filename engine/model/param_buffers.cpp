@@ -83,9 +83,26 @@ void ParamBuffers::initialise(int num_layers, uint64_t seed) {
   });
 }
 
-void ParamBuffers::assign(const FullTensorOf& full_of) {
+std::vector<float> ParamBuffers::local_part(const ParamEntry& e, std::vector<float> full) const {
+  if (static_cast<int64_t>(full.size()) != product(e.full_shape))
+    throw loom::Error("parameter " + e.name + ": a whole tensor of " + std::to_string(full.size()) +
+                      " elements for its " + std::to_string(product(e.full_shape)));
   const loom::Group tp = rank_.group_or_self("tp");
   const loom::Group ep = rank_.group_or_self("ep"), etp = rank_.group_or_self("etp");
+  std::vector<int64_t> shape = e.full_shape;
+  if (e.expert && ep.size() > 1) {
+    shape[0] /= ep.size();
+    const size_t block = full.size() / static_cast<size_t>(ep.size());
+    full = std::vector<float>(full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank())),
+                              full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank() + 1)));
+  }
+  std::vector<float> local(e.numel);
+  const loom::Group& split = e.expert ? etp : tp;
+  take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, split.size(), split.rank(), local.data());
+  return local;
+}
+
+void ParamBuffers::assign(const FullTensorOf& full_of) {
   const size_t psize = loom::dtype_size(param_dtype_);
   loom::Device dev = rank_.dev();
   // A non-fp32 parameter is drawn in fp32 like every other and stored cast by the
@@ -96,20 +113,7 @@ void ParamBuffers::assign(const FullTensorOf& full_of) {
   if (param_dtype_ != LOOM_DTYPE_F32) staging = loom::Buffer(&rank_, largest * sizeof(float));
 
   for (const ParamEntry& e : entries_) {
-    std::vector<float> full = full_of(e);
-    if (static_cast<int64_t>(full.size()) != product(e.full_shape))
-      throw loom::Error("parameter " + e.name + ": a whole tensor of " + std::to_string(full.size()) +
-                        " elements for its " + std::to_string(product(e.full_shape)));
-    std::vector<int64_t> shape = e.full_shape;
-    if (e.expert && ep.size() > 1) {
-      shape[0] /= ep.size();
-      const size_t block = full.size() / static_cast<size_t>(ep.size());
-      full = std::vector<float>(full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank())),
-                                full.begin() + static_cast<std::ptrdiff_t>(block * static_cast<size_t>(ep.rank() + 1)));
-    }
-    std::vector<float> local(e.numel);
-    const loom::Group& split = e.expert ? etp : tp;
-    take_slice(full, shape, e.decl.partition_dim, e.decl.partition_stride, split.size(), split.rank(), local.data());
+    const std::vector<float> local = local_part(e, full_of(e));
     if (param_dtype_ == LOOM_DTYPE_F32) {
       dev.copy(params_.get<float>() + e.offset, local.data(), e.numel * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
     } else {

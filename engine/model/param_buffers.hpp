@@ -45,6 +45,9 @@ class ParamBuffers {
   // tensors; a run that starts from given weights passes those.
   using FullTensorOf = std::function<std::vector<float>(const ParamEntry&)>;
   void assign(const FullTensorOf& full_of);
+  // This rank's slice of a parameter's whole tensor (fp32): its experts (ep), then its
+  // part of the partition dim (tp, or etp for experts), as the engine cuts parameters.
+  std::vector<float> local_part(const ParamEntry& e, std::vector<float> full) const;
 
   // Per entry, in entries() order, for the optimizer:
   std::vector<loom_param_info> param_infos() const;

@@ -536,12 +536,6 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
                               std::to_string(meta.pp) + " dp=" + std::to_string(meta.dp) + "; this run has tp=" +
                               std::to_string(plan.sizes.tp) + " pp=" + std::to_string(plan.sizes.pp) +
                               " dp=" + std::to_string(plan.dp);
-  // Context parallelism lays the optimizer shards over dp x cp ranks and gives
-  // each cp rank other positions: a resume keeps cp.
-  if (meta.cp != plan.sizes.cp)
-    throw CheckpointError(resume_dir + " was written with cp=" + std::to_string(meta.cp) + "; this run has cp=" +
-                          std::to_string(plan.sizes.cp) + ": a resume keeps cp (the optimizer state is sharded over "
-                          "dp x cp ranks); resume with parallel.cp=" + std::to_string(meta.cp));
   // meta.toml's own sizes must agree (an edited world gave 'written with tp=1 pp=1 dp=2;
   // this run has tp=1 pp=1 dp=2').
   if (meta.world != meta.tp * meta.cp * meta.pp * meta.dp)
@@ -549,30 +543,37 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
                           " but tp*cp*pp*dp = " + std::to_string(meta.tp) + "*" + std::to_string(meta.cp) + "*" +
                           std::to_string(meta.pp) + "*" + std::to_string(meta.dp) + " = " +
                           std::to_string(meta.tp * meta.cp * meta.pp * meta.dp) + "; the checkpoint is corrupt");
-  if (meta.tp != plan.sizes.tp || meta.pp != plan.sizes.pp)
-    throw CheckpointError(layouts + ": a resume may change dp only (the optimizer state is resharded over dp, not "
-                                    "over tp or pp); resume with parallel.tp=" + std::to_string(meta.tp) +
-                          " parallel.pp=" + std::to_string(meta.pp));
-  // The order maps a rank file to its coordinates (which tp slice, stage and
-  // experts it holds): another order would load them onto other ranks' places.
-  if (meta.order != plan.sizes.order)
-    throw CheckpointError(resume_dir + " was written with parallel.order = \"" + meta.order +
-                          "\"; this run has \"" + plan.sizes.order + "\": rank files would land on ranks with "
-                          "other coordinates; resume with parallel.order=\"" + meta.order + "\"");
-  // Ranks of one ep group hold different experts: their files cannot be
-  // regrouped into another ep, nor their expert shards resharded over another dp.
-  // So do ranks of a folded expert layout (etp != tp), whose ep spans tp ranks.
+  // Another tensor, pipeline, context or expert layout (or rank order) puts other
+  // slices on each rank, and ranks of an expert layout hold other experts whatever the
+  // dp: the parameters and the optimizer state are regathered by name and element, as
+  // Megatron's distributed checkpoints are loaded at another layout.
   const bool experts_apart = meta.ep > 1 || meta.expert_tp() != meta.tp;
-  if (meta.ep != plan.sizes.ep || meta.expert_tp() != plan.sizes.expert_tp() ||
-      (experts_apart && meta.dp != plan.dp))
-    throw CheckpointError(resume_dir + " was written with ep=" + std::to_string(meta.ep) + " etp=" +
-                          std::to_string(meta.expert_tp()) + " dp=" + std::to_string(meta.dp) +
-                          "; this run has ep=" + std::to_string(plan.sizes.ep) + " etp=" +
-                          std::to_string(plan.sizes.expert_tp()) + " dp=" + std::to_string(plan.dp) +
-                          ": with expert parallelism a resume keeps ep, etp and dp (expert parameters and their "
-                          "optimizer state are not resharded); resume with parallel.ep=" +
-                          std::to_string(meta.ep) + " parallel.etp=" + std::to_string(meta.expert_tp()) +
-                          " parallel.dp=" + std::to_string(meta.dp));
+  const bool same_places = meta.tp == plan.sizes.tp && meta.pp == plan.sizes.pp && meta.cp == plan.sizes.cp &&
+                           meta.ep == plan.sizes.ep && meta.expert_tp() == plan.sizes.expert_tp() &&
+                           meta.order == plan.sizes.order;
+  if (!same_places || (experts_apart && meta.dp != plan.dp)) {
+    const loom_optimizer_api* run_api = plan.optimizer->optimizer();
+    const plugins::LoadedPlugin* saver = plan.registry->find("parallel", meta.strategy);
+    const loom_optimizer_api* saver_api = saver != nullptr ? saver->optimizer() : nullptr;
+    const std::string moved = layouts + " cp=" + std::to_string(meta.cp) + " ep=" + std::to_string(meta.ep) + " etp=" +
+                              std::to_string(meta.expert_tp()) + " (this run: cp=" + std::to_string(plan.sizes.cp) +
+                              " ep=" + std::to_string(plan.sizes.ep) + " etp=" + std::to_string(plan.sizes.expert_tp()) + ")";
+    if (saver_api == nullptr || !LOOM_HAS_SLOT(saver_api, loom_optimizer_api, state_decode) ||
+        saver_api->state_decode == nullptr)
+      throw CheckpointError(moved + ": regathering needs optimizer plugin parallel/" + meta.strategy +
+                            (saver ? " (ABI 1." + std::to_string(saver->abi_minor) + ")" : std::string(" (not loaded)")) +
+                            " to read its state by element (state_decode, ABI 1.14); resume with parallel.tp=" +
+                            std::to_string(meta.tp) + " parallel.pp=" + std::to_string(meta.pp) + " parallel.cp=" +
+                            std::to_string(meta.cp) + " parallel.ep=" + std::to_string(meta.ep));
+    if (!LOOM_HAS_SLOT(run_api, loom_optimizer_api, state_import) || run_api->state_import == nullptr)
+      throw CheckpointError(moved + ": optimizer plugin parallel/" + plan.optimizer->name + " (ABI 1." +
+                            std::to_string(plan.optimizer->abi_minor) +
+                            ") cannot load state by element (state_import, ABI 1.14); resume at the checkpoint's layout");
+    if (log) *log << "resume: " << moved << "; regathering parameters and optimizer state by name" << std::endl;
+    out.regather = true;
+    out.step = meta.step;
+    return out;
+  }
   if (meta.dp != plan.dp) {
     const loom_optimizer_api* api = plan.optimizer->optimizer();
     if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)

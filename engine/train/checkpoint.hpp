@@ -140,6 +140,9 @@ struct ResumePoint {
   int64_t step = 0;                // the step it holds
   int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp changes (reshard); else 0
   int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)
+  // Another tp, pp, cp, ep or etp (or order): the parameters and optimizer state are
+  // regathered by name and element (gather_checkpoint with the state).
+  bool regather = false;
 };
 ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log);
 

@@ -82,7 +82,40 @@ const WholeTensor* WholeCheckpoint::find(const std::string& name) const {
   return nullptr;
 }
 
-WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry) {
+namespace {
+
+// The optimizer state of one rank's file, by element of its flat buffer.
+struct RankElements {
+  std::vector<std::vector<float>> arrays;
+  std::vector<uint8_t> held;
+};
+
+RankElements decode_state(const loom_optimizer_api* api, const std::string& strategy, const std::vector<char>& blob,
+                          size_t numel, const std::string& where) {
+  RankElements out;
+  loom_optimizer_elements e = loom::make<loom_optimizer_elements>();
+  e.numel = numel;
+  const auto check = [&](loom_status st) {
+    try {
+      loom::check(st);
+    } catch (const std::exception& ex) {
+      throw CheckpointError(where + ": parallel/" + strategy + " cannot read its optimizer state: " + ex.what());
+    }
+  };
+  check(api->state_decode(blob.data(), blob.size(), &e));
+  out.arrays.assign(e.num_arrays, std::vector<float>(numel, 0.0f));
+  out.held.assign(numel, 0);
+  std::vector<float*> ptrs;
+  for (auto& a : out.arrays) ptrs.push_back(a.data());
+  e.arrays = ptrs.data();
+  e.held = out.held.data();
+  check(api->state_decode(blob.data(), blob.size(), &e));
+  return out;
+}
+
+}  // namespace
+
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state) {
   WholeCheckpoint out;
   out.meta = read_meta(step_dir);
   const std::string manifest_path = (fs::path(step_dir) / "manifest.toml").string();
@@ -101,17 +134,30 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   const int32_t dtype = m.param_dtype == "bf16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32;
   const size_t elem = m.param_dtype == "bf16" ? 2 : 4;
 
+  const loom_optimizer_api* decoder = with_state ? plan.optimizer->optimizer() : nullptr;
+  if (with_state && (!LOOM_HAS_SLOT(decoder, loom_optimizer_api, state_decode) || decoder->state_decode == nullptr))
+    throw CheckpointError("checkpoint " + step_dir + ": its optimizer strategy parallel/" + plan.optimizer->name +
+                          " (ABI 1." + std::to_string(plan.optimizer->abi_minor) +
+                          ") cannot read back its state by element (no state_decode, ABI 1.14), so it resumes at its "
+                          "own tp, pp, cp and ep only");
   std::map<std::string, size_t> index;  // name -> out.tensors
   std::vector<std::vector<bool>> filled;  // per tensor, which elements a rank has given
   std::vector<int64_t> missing;            // per tensor, how many it still lacks
+  std::vector<std::vector<bool>> state_filled;  // per tensor, which elements' state a rank has given
+  std::vector<int64_t> state_missing;
   for (const RankMemory& r : mp.ranks) {
-    // dp and cp replicas of a position hold the same values: read one of each.
-    const bool needed = std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
+    // dp and cp replicas of a position hold the same values: read one of each (all of
+    // them for the state, which the distributed optimizer shards over them).
+    const bool needed = with_state || std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
       auto it = index.find(p.name);
       return it == index.end() || missing[it->second] > 0;
     });
     if (!needed) continue;
     const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout.numel), elem);
+    RankElements elements;
+    if (with_state)
+      elements = decode_state(decoder, plan.optimizer->name, state.optimizer, r.layout.numel,
+                              "checkpoint " + step_dir + ", rank " + std::to_string(r.rank));
     ParamLayoutList layout;
     for (const PlannedParam& p : r.planned) layout.push_back({p.name, p.local_shape});
     check_param_layout(step_dir, r.rank, layout);  // the plan's parameters are the file's
@@ -128,6 +174,8 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
         out.tensors.push_back(std::move(t));
         filled.emplace_back(static_cast<size_t>(out.tensors.back().numel()), false);
         missing.push_back(out.tensors.back().numel());
+        state_filled.emplace_back(with_state ? static_cast<size_t>(out.tensors.back().numel()) : 0, false);
+        state_missing.push_back(with_state ? out.tensors.back().numel() : 0);
       }
       WholeTensor& t = out.tensors[it->second];
       if (t.shape != p.full_shape)
@@ -143,8 +191,26 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
             --left;
           }
       });
+      if (!with_state) continue;
+      if (t.state.empty()) t.state.assign(elements.arrays.size(), std::vector<float>(static_cast<size_t>(t.numel()), 0.0f));
+      const size_t start = r.layout.params[i].start;
+      std::vector<bool>& state_done = state_filled[it->second];
+      int64_t& state_left = state_missing[it->second];
+      for_each_shard_run(p, {r.tp_rank, r.ep_rank, r.etp_rank}, [&](int64_t local, int64_t whole, int64_t n) {
+        for (int64_t j = 0; j < n; ++j) {
+          const size_t from = start + static_cast<size_t>(local + j), to = static_cast<size_t>(whole + j);
+          if (!elements.held[from] || state_done[to]) continue;
+          for (size_t k = 0; k < t.state.size(); ++k) t.state[k][to] = elements.arrays[k][from];
+          state_done[to] = true;
+          --state_left;
+        }
+      });
     }
   }
+  for (size_t k = 0; k < out.tensors.size(); ++k)
+    if (with_state && state_missing[k] > 0)
+      throw CheckpointError("checkpoint " + step_dir + ": the optimizer state of " + out.tensors[k].name + " lacks " +
+                            std::to_string(state_missing[k]) + " element(s) no rank's state holds");
   for (size_t k = 0; k < out.tensors.size(); ++k)
     if (missing[k] > 0)
       throw CheckpointError("checkpoint " + step_dir + ": no rank holds all of " + out.tensors[k].name +

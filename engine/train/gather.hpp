@@ -25,6 +25,9 @@ struct WholeTensor {
   int32_t dtype = LOOM_DTYPE_F32;  // the checkpoint's parameter dtype (fp32 or bf16)
   std::vector<char> data;      // row-major
   std::string tie_key;         // a tied parameter's key (loom_param_decl.tie_key), else ""
+  // The optimizer state of its elements (gather_checkpoint with_state): fp32 arrays of
+  // numel() elements (AdamW: m, v, and master weights when not fp32).
+  std::vector<std::vector<float>> state;
   int64_t numel() const;
 };
 
@@ -50,6 +53,9 @@ void for_each_shard_run(const PlannedParam& p, const ShardCoords& at,
 // Reads step_dir (a step_N directory) with the plugins of `registry` (the layer plugins
 // the checkpoint's manifest names must be loaded). Throws CheckpointError naming what
 // is missing or inconsistent (a rank file, a parameter the plan does not expect).
-WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry);
+// with_state: also each tensor's optimizer state, decoded from every rank's blob by the
+// checkpoint's optimizer strategy (ABI 1.14 state_decode; data-parallel ranks hold
+// shards of it) — what a resume at another layout loads.
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state = false);
 
 }  // namespace loom::train

@@ -1,6 +1,8 @@
 #include "engine/train/init_weights.hpp"
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <sstream>
 
@@ -111,23 +113,50 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
   }
 }
 
+namespace {
+
+// Parameter e's whole tensor from its source in `w`, element i of the source given by
+// value(t, i): the same shape, or a vocabulary table padded otherwise (its rows up to
+// `vocab` taken, the padding zero).
+std::vector<float> whole_of(const InitialWeights& w, int64_t vocab, const model::Model& model,
+                            const model::ParamEntry& e, const std::function<float(const WholeTensor&, int64_t)>& value) {
+  const WholeTensor* t = source_of(w, e);
+  if (t == nullptr)
+    throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + e.name +
+                      " (the model declares it; is it the same architecture?)");
+  const std::vector<int64_t>& want = e.full_shape;
+  if (!fits(t->shape, want, vocab, model.dims().padded_vocab))
+    throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + t->name + " is " + shape_text(t->shape) +
+                      ", the model's " + e.name + " " + shape_text(want));
+  int64_t n = 1;
+  for (int64_t d : want) n *= d;
+  std::vector<float> full(static_cast<size_t>(n), 0.0f);
+  const int64_t copy = t->shape == want ? n : vocab * want[1];
+  for (int64_t i = 0; i < copy; ++i) full[static_cast<size_t>(i)] = value(*t, i);
+  return full;
+}
+
+}  // namespace
+
 void load_initial_weights(const InitialWeights& w, int64_t vocab, model::Model& model) {
-  model.assign_params([&](const model::ParamEntry& e) {
-    const WholeTensor* t = source_of(w, e);
-    if (t == nullptr)
-      throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + e.name +
-                        " (the model declares it; is it the same architecture?)");
-    const std::vector<int64_t>& want = e.full_shape;
-    if (!fits(t->shape, want, vocab, model.dims().padded_vocab))
-      throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + t->name + " is " + shape_text(t->shape) +
-                        ", the model's " + e.name + " " + shape_text(want));
-    int64_t n = 1;
-    for (int64_t d : want) n *= d;
-    std::vector<float> full(static_cast<size_t>(n), 0.0f);
-    const int64_t copy = t->shape == want ? n : vocab * want[1];
-    for (int64_t i = 0; i < copy; ++i) full[static_cast<size_t>(i)] = element(*t, i);
-    return full;
-  });
+  model.assign_params([&](const model::ParamEntry& e) { return whole_of(w, vocab, model, e, element); });
+}
+
+std::vector<std::vector<float>> optimizer_state_for(const InitialWeights& w, int64_t vocab, const model::Model& model) {
+  size_t arrays = 0;
+  for (const WholeTensor& t : w.tensors) arrays = std::max(arrays, t.state.size());
+  std::vector<std::vector<float>> out(arrays, std::vector<float>(model.numel(), 0.0f));
+  for (const model::ParamEntry& e : model.param_entries())
+    for (size_t k = 0; k < arrays; ++k) {
+      const std::vector<float> local = model.local_part(e, whole_of(w, vocab, model, e, [&](const WholeTensor& t, int64_t i) {
+        if (t.state.size() != arrays)
+          throw loom::Error(w.source + ": no optimizer state for " + t.name + " (" + std::to_string(t.state.size()) +
+                            " arrays, others have " + std::to_string(arrays) + ")");
+        return t.state[k][static_cast<size_t>(i)];
+      }));
+      std::copy(local.begin(), local.end(), out[k].begin() + static_cast<std::ptrdiff_t>(e.offset));
+    }
+  return out;
 }
 
 }  // namespace loom::train

@@ -38,4 +38,9 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
 // naming a parameter that is missing or whose shape differs.
 void load_initial_weights(const InitialWeights& w, int64_t vocab, model::Model& model);
 
+// The optimizer state regathered with the weights (WholeTensor::state, from
+// gather_checkpoint with the state), cut as the parameters are for this rank's model:
+// arrays over its flat buffer (padding zero), what loom_optimizer_api.state_import takes.
+std::vector<std::vector<float>> optimizer_state_for(const InitialWeights& w, int64_t vocab, const model::Model& model);
+
 }  // namespace loom::train

@@ -35,10 +35,22 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
 }
 
 void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::RankRuntime& rank,
-                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml) {
+                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml,
+                        const InitialWeights* regathered) {
   const loom::Device dev = rank.dev();
   const int r = rank.global_rank();
-  if (from.old_dp == 0) {  // the same layout
+  if (from.regather) {  // another layout: whole tensors and their state, cut for this rank
+    LOOM_REQUIRE(regathered != nullptr, "resume from " << from.dir << " at another layout without its regathered state");
+    load_initial_weights(*regathered, model.dims().vocab, model);
+    std::vector<std::vector<float>> arrays = optimizer_state_for(*regathered, model.dims().vocab, model);
+    std::vector<float*> ptrs;
+    for (std::vector<float>& a : arrays) ptrs.push_back(a.data());
+    loom_optimizer_elements e = loom::make<loom_optimizer_elements>();
+    e.num_arrays = static_cast<uint32_t>(arrays.size());
+    e.numel = model.numel();
+    e.arrays = ptrs.data();
+    loom::check(optimizer.api()->state_import(optimizer.handle(), &e));
+  } else if (from.old_dp == 0) {  // the same layout
     check_param_layout(from.dir, r, param_layout_of(model));
     require_same_model(from.dir, manifest_toml);  // what the shapes cannot tell
     RankState s = read_rank_file(from.dir, r, static_cast<int64_t>(model.numel()),
@@ -52,6 +64,7 @@ void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::R
                    optimizer.api(), optimizer.handle(), "parallel/" + plan.optimizer->name);
     require_same_model(from.dir, manifest_toml);  // after the shapes, which load_resharded compares
   }
+  if (from.regather) require_same_model(from.dir, manifest_toml);
   dev.synchronize();
 }
 

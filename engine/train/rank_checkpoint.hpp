@@ -4,6 +4,8 @@
 // on resume, in the same layout or resharded to another dp.
 #pragma once
 
+#include "engine/train/init_weights.hpp"
+
 #include "engine/model/model.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/optimizer_binding.hpp"
@@ -21,7 +23,10 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
 
 // Loads `from` into this rank's parameters and optimizer state, after checking the
 // parameter layout and the model the checkpoint kept.
+// `regathered`: with from.regather, the checkpoint's whole tensors and their optimizer
+// state (gather_checkpoint with the state, read once for every rank), cut for this rank.
 void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::RankRuntime& rank,
-                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml);
+                        model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml,
+                        const InitialWeights* regathered = nullptr);
 
 }  // namespace loom::train

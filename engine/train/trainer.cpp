@@ -47,6 +47,7 @@ struct Run {
   TrainResult result;
   std::vector<pipeline::TraceEvent> trace_events;
   std::shared_ptr<const InitialWeights> init_weights;  // checkpoint.init_weights, read once for every rank
+  std::shared_ptr<const InitialWeights> regathered;    // a resume at another layout: tensors and their state
 };
 
 // The "a non-finite loss stops the run" error, as Megatron-LM's check for NaN in
@@ -79,7 +80,8 @@ class RankTraining {
         model_(create_model(run, rt)),
         optimizer_(run.plan, rt, *model_),
         batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches) {
-    if (run_.resume) restore_checkpoint(run_.plan, *run_.resume, rt_, *model_, optimizer_, run_.manifest_toml);
+    if (run_.resume)
+      restore_checkpoint(run_.plan, *run_.resume, rt_, *model_, optimizer_, run_.manifest_toml, run_.regathered.get());
     if (!run_.options.trace_file.empty()) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
                       static_cast<int>(run_.plan.microbatches), trace_.get());
@@ -355,6 +357,16 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
   }
 
+  if (resume && resume->regather) {  // read once, cut by every rank
+    // The checkpoint's manifest names this run's plugins (require_same_model): the
+    // registry only looks them up again.
+    WholeCheckpoint ck =
+        gather_checkpoint(resume->dir, const_cast<plugins::Registry&>(*plan.registry), /*with_state=*/true);
+    auto w = std::make_shared<InitialWeights>(InitialWeights{resume->dir, std::move(ck.tensors), ck.vocab});
+    check_initial_weights(*w, checked.memory, checked.vocab,
+                          model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
+    run.regathered = std::move(w);
+  }
   const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
   if (!options.trace_file.empty()) pipeline::write_chrome_trace(options.trace_file, run.trace_events);

@@ -58,6 +58,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_12(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_12(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_13(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_13(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_13(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_14(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_14(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -339,6 +342,22 @@ TEST(AbiLayout, Released113MembersKeepOffsetsAndSizes) {
   EXPECT_EQ(offsetof(loom_layer_fwd_args, kv_cache), loom_abi_sizeof_v1_12("loom_layer_fwd_args"));
   EXPECT_EQ(offsetof(loom_layer_fwd_args, position_offset) % 8, 0u);
   EXPECT_EQ(offsetof(loom_layer_fwd_args, logits) + sizeof(float*), sizeof(loom_layer_fwd_args));
+}
+
+// 1.14's too (optimizer state by element): the slots past 1.13's sizeof of
+// loom_optimizer_api, and loom_optimizer_elements without padding.
+TEST(AbiLayout, Released114MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_113 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_14(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_14(&n_current);
+  loom_abi_layout_current_v1_13(&n_113);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_113 + 2 * 7);  // 2 slots, 5 members of loom_optimizer_elements
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_13("loom_optimizer_api"), 0u);
+  EXPECT_GE(offsetof(loom_optimizer_api, state_decode), loom_abi_sizeof_v1_13("loom_optimizer_api"));
+  EXPECT_EQ(offsetof(loom_optimizer_elements, numel), 8u);
+  EXPECT_EQ(offsetof(loom_optimizer_elements, held) + sizeof(void*), sizeof(loom_optimizer_elements));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a
@@ -950,8 +969,9 @@ TEST(AbiGenerate, ALayerWithoutTheKvCacheBitIsRefusedByName) {
     return std::string();
   };
   EXPECT_EQ(refusal(""), "");
-  EXPECT_NE(refusal("checked").find("layer blocks.0.checked (layer/checked, ABI 1.13) cannot generate: it does not "
-                                    "take key/value-cache forwards (LOOM_LAYER_KV_CACHE, ABI 1.13)"),
+  EXPECT_NE(refusal("checked").find("layer blocks.0.checked (layer/checked, ABI 1." + std::to_string(LOOM_ABI_MINOR) +
+                                    ") cannot generate: it does not take key/value-cache forwards (LOOM_LAYER_KV_CACHE, "
+                                    "ABI 1.13)"),
             std::string::npos)
       << refusal("checked");
   EXPECT_NE(refusal("checked_v1_11").find("(layer/checked_v1_11, ABI 1.11) cannot generate"), std::string::npos)

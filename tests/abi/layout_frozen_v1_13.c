@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -26,4 +27,10 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_13(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the tables 1.14 appended to, as released in 1.13. */
+size_t loom_abi_sizeof_v1_13(const char* name) {
+  if (strcmp(name, "loom_optimizer_api") == 0) return sizeof(loom_optimizer_api);
+  return 0;
 }

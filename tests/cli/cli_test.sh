@@ -86,7 +86,8 @@ for c in run validate plugins groups schedule; do "$loom" $c --help > /dev/null 
 
 # 7. Resharding on resume: 6 steps at dp = 4 (distributed optimizer), resumed at dp = 2 to
 # step 12; steps 7..12 match the dp = 2 reference run above (distributed trains like ddp) up to
-# the reduction order. A tp change is refused in one line, exit 1.
+# the reduction order. Then resumed at tp = 2, dp = 1 (the parameters and optimizer
+# state regathered by name) to step 18, matching the reference to the reduction order.
 rs=(--set optimizer.strategy=distributed --set checkpoint.dir="\"$work/rs\"")
 "$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=4 --set run.steps=6 > "$work/rs1.out" 2>&1 \
   || fail "dp=4 run: $(tail -3 "$work/rs1.out")"
@@ -99,10 +100,15 @@ for s in 7 12; do
   awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-5 * b) }' \
     || fail "step $s after resharding dp 4 -> 2: loss $a, uninterrupted dp = 2: $b"
 done
-"$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=1 --set parallel.tp=2 --set run.steps=12 --resume \
-  > "$work/rs3.out" 2>&1
-[ $? -eq 1 ] || fail "resume with another tp should exit 1"
-grep -q "may change dp only" "$work/rs3.out" || fail "tp-change refusal: $(cat "$work/rs3.out")"
+"$loom" run "$here/tiny.toml" "${rs[@]}" --set parallel.dp=1 --set parallel.tp=2 --set run.steps=18 --resume \
+  --metrics "$work/rs3.jsonl" > "$work/rs3.out" 2>&1 || fail "resume at tp=2: $(tail -3 "$work/rs3.out")"
+grep -q "regathering parameters and optimizer state" "$work/rs3.out" || fail "tp-change resume: $(head -3 "$work/rs3.out")"
+for s in 13 18; do
+  a=$(grep "\"step\": *$s," "$work/rs3.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
+  b=$(grep "\"step\": *$s," "$work/ref.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
+  awk -v a="$a" -v b="$b" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-5 * b) }' \
+    || fail "step $s after resuming at tp 2 x dp 1 from tp 1 x dp 2: loss $a, uninterrupted tp 1 x dp 2: $b"
+done
 
 # 8. More rank threads than the process may start (a virtual-memory limit that thread
 # stacks exhaust): exit 1 with a message, not std::terminate (134) with live threads.

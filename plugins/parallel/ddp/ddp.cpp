@@ -139,6 +139,31 @@ class Ddp : public loom::OptimizerStrategy {
                                             << " (was it saved with another model or parallel layout?)");
     transfer(const_cast<void*>(buf), LOOM_COPY_HOST_TO_DEVICE);
   }
+  // ABI 1.14: a blob is m, v (and master weights) over the whole buffer, every
+  // element held (each dp replica saved the same).
+  static void state_decode(const void* buf, size_t bytes, loom_optimizer_elements& out) {
+    const size_t per_array = out.numel * sizeof(float);
+    LOOM_REQUIRE(per_array > 0 && bytes % per_array == 0 && (bytes / per_array == 2 || bytes / per_array == 3),
+                 "parallel/ddp: the checkpointed optimizer state has " << bytes << " bytes, not 2 or 3 arrays over its "
+                                                                       << out.numel << "-element buffer");
+    out.num_arrays = static_cast<uint32_t>(bytes / per_array);
+    if (out.arrays == nullptr) return;
+    for (uint32_t k = 0; k < out.num_arrays; ++k)
+      std::memcpy(out.arrays[k], static_cast<const char*>(buf) + k * per_array, per_array);
+    if (out.held != nullptr) std::fill(out.held, out.held + out.numel, uint8_t{1});
+  }
+
+  void state_import(const loom_optimizer_elements& in) override {
+    const size_t arrays = main_ ? 3 : 2;
+    LOOM_REQUIRE(in.numel == numel_ && in.num_arrays == arrays,
+                 "parallel/ddp: state of " << in.num_arrays << " arrays over " << in.numel << " elements for a buffer of "
+                                           << numel_ << " that keeps " << arrays
+                                           << " (m, v, and master weights when parameters are not fp32)");
+    std::vector<float> host(arrays * numel_);
+    for (size_t k = 0; k < arrays; ++k) std::memcpy(host.data() + k * numel_, in.arrays[k], numel_ * sizeof(float));
+    transfer(host.data(), LOOM_COPY_HOST_TO_DEVICE);
+  }
+
   // Another dp size pads the buffers differently, so each parameter moves: its
   // m, v (and master weights) go from its old offset to its new one; padding gets
   // zeros. Every dp replica saved the same state; old dp rank 0's copy is used.

@@ -414,6 +414,42 @@ class DistOpt : public loom::OptimizerStrategy {
     transfer(const_cast<char*>(static_cast<const char*>(buf)) + old.header_bytes, LOOM_COPY_HOST_TO_DEVICE);
   }
 
+  // ABI 1.14: the elements a blob holds (this rank's shard of each bucket), by their
+  // place in the saver's buffer; the engine regathers them by parameter.
+  static void state_decode(const void* buf, size_t bytes, loom_optimizer_elements& out) {
+    const Saved s = parse(buf, bytes);
+    LOOM_REQUIRE(s.numel == out.numel, "parallel/distributed: the optimizer state describes a buffer of "
+                                           << s.numel << " elements; its rank's checkpoint has " << out.numel);
+    out.num_arrays = s.arrays;
+    if (out.arrays == nullptr) return;
+    const float* src = reinterpret_cast<const float*>(static_cast<const char*>(buf) + s.header_bytes);
+    size_t local = 0;
+    for (const Span& sh : s.shards) {
+      LOOM_REQUIRE(sh.end <= s.numel && local + sh.size() <= s.shard_numel,
+                   "parallel/distributed: the checkpointed optimizer state is malformed (a shard past its buffer)");
+      for (uint32_t k = 0; k < s.arrays; ++k)
+        std::memcpy(out.arrays[k] + sh.start, src + k * s.shard_numel + local, sh.size() * sizeof(float));
+      if (out.held != nullptr) std::fill(out.held + sh.start, out.held + sh.end, uint8_t{1});
+      local += sh.size();
+    }
+  }
+
+  // ABI 1.14: state for every element of the buffer; this rank keeps its shards.
+  void state_import(const loom_optimizer_elements& in) override {
+    LOOM_REQUIRE(in.numel == numel_ && in.num_arrays == num_arrays(),
+                 "parallel/distributed: state of " << in.num_arrays << " arrays over " << in.numel
+                     << " elements for a buffer of " << numel_ << " that keeps " << num_arrays()
+                     << " (m, v, and master weights when parameters are not fp32)");
+    std::vector<float> host(static_cast<size_t>(num_arrays()) * shard_numel_, 0.f);
+    size_t local = 0;
+    for (const Span& sh : shards_) {
+      for (uint32_t k = 0; k < num_arrays(); ++k)
+        std::memcpy(host.data() + k * shard_numel_ + local, in.arrays[k] + sh.start, sh.size() * sizeof(float));
+      local += sh.size();
+    }
+    transfer(reinterpret_cast<char*>(host.data()), LOOM_COPY_HOST_TO_DEVICE);
+  }
+
   // Resharding: the old ranks' blobs describe their own layout (buckets, shards and
   // each parameter's old offset); every element of every piece this rank now owns
   // is found by (parameter index, element within the parameter) in whichever old

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 13
+#define LOOM_ABI_MINOR 14
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -1291,6 +1291,21 @@ typedef struct loom_optimizer_reshard_args {
   size_t old_num_buckets;              /* buckets of the old layout */
 } loom_optimizer_reshard_args;
 
+/* Optimizer state by element (since 1.14), what resuming at another tensor, pipeline,
+ * context or expert layout moves: `num_arrays` fp32 arrays over the elements of one
+ * rank's flat parameter buffer (AdamW: m and v, and the master weights when the
+ * parameters are not fp32), element e of each array belonging to buffer element e.
+ * The engine regathers every parameter's state from the old ranks by name and global
+ * index (as it does the parameters) and cuts it for the new ones. */
+typedef struct loom_optimizer_elements {
+  uint32_t struct_size;
+  uint32_t num_arrays;      /* state_decode: the count it found; state_import: given */
+  size_t numel;             /* elements of the flat buffer, padding included */
+  float* const* arrays;     /* num_arrays arrays of numel elements (NULL: state_decode only counts) */
+  uint8_t* held;            /* state_decode: numel flags it sets to 1 for each element the state holds
+                               (a dp shard holds part of the buffer); state_import: NULL */
+} loom_optimizer_elements;
+
 /* An optimizer strategy's table. Each rank creates one instance and calls it from
  * its thread; step (and what it reduces) is collective over the groups it was
  * given, so every rank calls it for every training step. */
@@ -1329,6 +1344,19 @@ typedef struct loom_optimizer_api {
   /* LOOM_OPTIMIZER_* capability bits (a table built before 1.4, which lacks the
    * member, has none). */
   uint64_t features;
+  /* --- since 1.14 --- */
+  /* Reads a blob this plugin's state_save wrote (`bytes` bytes, borrowed; the saver's
+   * flat buffer had out->numel elements), without an instance: sets out->num_arrays,
+   * and when out->arrays is not NULL writes the elements the blob holds into them and
+   * sets their out->held flags (others are left as they are). Refuses a blob that is
+   * not its own or does not fit numel. NULL: the state cannot be regathered (a resume
+   * at another tp, pp, cp or ep is refused). */
+  loom_status (*state_decode)(const void* state, size_t bytes, loom_optimizer_elements* out);
+  /* Loads state given for every element of this rank's flat buffer (in->numel =
+   * loom_optimizer_create_args' buffer numel; padding zero); the strategy keeps what it
+   * owns (its dp shard). Refuses another num_arrays than its own. NULL: as for
+   * state_decode. */
+  loom_status (*state_import)(loom_optimizer* opt, const loom_optimizer_elements* in);
 } loom_optimizer_api;
 
 /* loom_optimizer_api.features: the strategy reduces expert parameters over edp

@@ -329,6 +329,15 @@ class OptimizerStrategy {
                     std::to_string(args.old_dp) + "): it does not implement state_load_resharded",
                 LOOM_CODE_UNSUPPORTED);
   }
+  // ABI 1.14: state for every element of this rank's flat buffer (a resume at another
+  // tp, pp, cp or ep; loom_optimizer_elements). A strategy that implements it also
+  // gives `static void state_decode(const void* state, size_t bytes,
+  // loom_optimizer_elements& out)`, which fills both slots; without it both stay NULL.
+  virtual void state_import(const loom_optimizer_elements& in) {
+    throw Error("this optimizer strategy cannot load state by element (" + std::to_string(in.num_arrays) +
+                    " arrays): it does not implement state_import",
+                LOOM_CODE_UNSUPPORTED);
+  }
 };
 
 // The group expert parameters are split over: etp (since 1.5), or tp when the engine
@@ -498,6 +507,23 @@ const loom_optimizer_api* optimizer_api() {
       });
     };
     if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
+    if constexpr (requires(const void* s, size_t n, loom_optimizer_elements& e) { T::state_decode(s, n, e); }) {
+      a.state_decode = [](const void* state, size_t bytes, loom_optimizer_elements* out) -> loom_status {
+        return guard([&] {
+          LOOM_REQUIRE(out != nullptr && out->struct_size >= sizeof(loom_optimizer_elements),
+                       "state_decode: got a loom_optimizer_elements of " << (out ? out->struct_size : 0)
+                                                                         << " bytes, fewer than this plugin reads");
+          T::state_decode(state, bytes, *out);
+        });
+      };
+      a.state_import = [](loom_optimizer* p, const loom_optimizer_elements* in) -> loom_status {
+        return guard([&] {
+          LOOM_REQUIRE(in != nullptr && in->struct_size >= sizeof(loom_optimizer_elements) && in->arrays != nullptr,
+                       "state_import: got no arrays, or a loom_optimizer_elements shorter than this plugin reads");
+          reinterpret_cast<OptimizerStrategy*>(p)->state_import(*in);
+        });
+      };
+    }
     return a;
   }();
   return &api;
