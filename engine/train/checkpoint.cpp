@@ -511,6 +511,33 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
   dev.synchronize();
 }
 
+namespace {
+
+// The checkpoint's layers went to the same pipeline chunks (virtual stages, uneven
+// first and last chunks) as this run's: the keys of its saved manifest that split them.
+bool same_stage_split(const std::string& step_dir, const RunPlan& plan) {
+  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
+  boost::system::error_code ec;
+  if (!fs::exists(path, ec)) return true;  // written before checkpoints kept their manifest
+  toml::table saved;
+  try {
+    saved = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
+  }
+  const auto value = [](const toml::table& t, const char* key, int64_t fallback) {
+    return t.at_path(key).value_or(fallback);
+  };
+  const toml::table& now = plan.manifest.table();
+  for (const char* key : {"parallel.vpp", "pipeline.first_chunk_layers", "pipeline.last_chunk_layers"}) {
+    const int64_t fallback = std::string(key) == "parallel.vpp" ? 1 : 0;
+    if (value(saved, key, fallback) != value(now, key, fallback)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log) {
   const int64_t steps = plan.config.run.steps;
   ResumePoint out;
@@ -550,14 +577,19 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
   const bool experts_apart = meta.ep > 1 || meta.expert_tp() != meta.tp;
   const bool same_places = meta.tp == plan.sizes.tp && meta.pp == plan.sizes.pp && meta.cp == plan.sizes.cp &&
                            meta.ep == plan.sizes.ep && meta.expert_tp() == plan.sizes.expert_tp() &&
-                           meta.order == plan.sizes.order;
+                           meta.order == plan.sizes.order && same_stage_split(resume_dir, plan);
   if (!same_places || (experts_apart && meta.dp != plan.dp)) {
     const loom_optimizer_api* run_api = plan.optimizer->optimizer();
     const plugins::LoadedPlugin* saver = plan.registry->find("parallel", meta.strategy);
     const loom_optimizer_api* saver_api = saver != nullptr ? saver->optimizer() : nullptr;
-    const std::string moved = layouts + " cp=" + std::to_string(meta.cp) + " ep=" + std::to_string(meta.ep) + " etp=" +
-                              std::to_string(meta.expert_tp()) + " (this run: cp=" + std::to_string(plan.sizes.cp) +
-                              " ep=" + std::to_string(plan.sizes.ep) + " etp=" + std::to_string(plan.sizes.expert_tp()) + ")";
+    const auto sizes = [](int tp, int pp, int cp, int ep, int etp, int dp) {
+      return "tp=" + std::to_string(tp) + " pp=" + std::to_string(pp) + " cp=" + std::to_string(cp) + " ep=" +
+             std::to_string(ep) + " etp=" + std::to_string(etp) + " dp=" + std::to_string(dp);
+    };
+    const std::string moved =
+        resume_dir + " was written at " + sizes(meta.tp, meta.pp, meta.cp, meta.ep, meta.expert_tp(), meta.dp) +
+        (same_stage_split(resume_dir, plan) ? "" : " with other pipeline chunks") + "; this run has " +
+        sizes(plan.sizes.tp, plan.sizes.pp, plan.sizes.cp, plan.sizes.ep, plan.sizes.expert_tp(), plan.dp);
     if (saver_api == nullptr || !LOOM_HAS_SLOT(saver_api, loom_optimizer_api, state_decode) ||
         saver_api->state_decode == nullptr)
       throw CheckpointError(moved + ": regathering needs optimizer plugin parallel/" + meta.strategy +

@@ -95,3 +95,13 @@ TEST(Regather, Ep2ToEp1) {
 }
 
 }  // namespace
+
+namespace {
+
+// The same pp with other chunks (virtual stages): each rank holds other layers.
+TEST(Regather, AnotherNumberOfVirtualStages) {
+  check_regather(kFourLayers, {"parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "pipeline.schedule=\"interleaved\""},
+                 {"parallel.pp=2", "parallel.dp=2"});
+}
+
+}  // namespace

@@ -387,7 +387,7 @@ TEST(Reshard, Refusals) {
       v113.abi_minor = 13;
       plan.optimizer = &v113;
     });
-    EXPECT_NE(e.find("was written with tp=1 pp=1 dp=4"), std::string::npos) << e;
+    EXPECT_NE(e.find("was written at tp=1 pp=1 cp=1 ep=1 etp=1 dp=4"), std::string::npos) << e;
     EXPECT_NE(e.find("optimizer plugin parallel/distributed (ABI 1.13) cannot load state by element (state_import, "
                      "ABI 1.14)"),
               std::string::npos)
