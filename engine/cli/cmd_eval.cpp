@@ -10,6 +10,7 @@
 #include "engine/train/evaluator.hpp"
 #include "engine/train/text_codec.hpp"
 
+#include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -55,11 +56,27 @@ int64_t count_words(const std::string& text) {
   return words;
 }
 
-// The run's own layout and micro-batch; nothing saved, sampled or evaluated on the way.
+// The run's own layout and micro-batch (or --set's); nothing saved, sampled or
+// evaluated on the way. Evaluation has no optimizer step: the global batch is one
+// microbatch per dp rank and stage, whatever the micro-batch.
 train::RunPlan evaluation_plan(const std::string& toml, const std::string& name, std::vector<std::string> overrides,
                                plugins::Registry& registry) {
-  for (const char* o : {"checkpoint.dir=\"\"", "checkpoint.init_weights=\"\"", "run.eval_every=0", "run.sample_every=0"})
-    overrides.emplace_back(o);
+  // The sizes as --set leaves them (the last setting of a key wins), else the manifest's.
+  const manifest::Manifest saved = manifest::Manifest::parse(toml, name);
+  const auto size = [&](const std::string& key) {
+    int64_t v = saved.get_int(key);
+    for (const std::string& o : overrides)
+      if (o.rfind(key + "=", 0) == 0) try {
+          v = std::stoll(o.substr(key.size() + 1));
+        } catch (const std::exception&) {  // not a number: the plan below says so
+        }
+    return v;
+  };
+  const int64_t batch = size("batch.micro_batch_size") * size("parallel.dp") * size("parallel.pp");
+  for (const std::string& o : {std::string("checkpoint.dir=\"\""), std::string("checkpoint.init_weights=\"\""),
+                              std::string("run.eval_every=0"), std::string("run.sample_every=0"),
+                              "batch.global_batch_size=" + std::to_string(batch)})
+    overrides.push_back(o);
   return train::make_plan(manifest::Manifest::parse(toml, name, overrides), registry);
 }
 
@@ -75,6 +92,8 @@ int cmd_eval(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("eval takes one CHECKPOINT or MANIFEST");
     const std::string data_path = args.get("--data").value_or("");
     if (data_path.empty()) throw UsageError("--data FILE is required");
+    if (args.all("--data").size() > 1) throw UsageError("--data names one file");
+    if (!boost::filesystem::is_regular_file(data_path)) throw UsageError("--data " + data_path + " is not a file");
     const std::string task = args.get("--task").value_or("perplexity");
     if (task != "perplexity" && task != "lambada") throw UsageError("--task is perplexity or lambada, not " + task);
     if (task == "lambada" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
@@ -105,7 +124,7 @@ int cmd_eval(int argc, char** argv) {
       data = std::move(windows);
       words = count_words(text);
     } else {
-      auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode),
+      auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode), seq,
                                                             src.vocab, data_path);
       samples = examples->size();
       data = std::move(examples);
@@ -130,7 +149,8 @@ int cmd_eval(int argc, char** argv) {
       if (task == "perplexity") {
         j["perplexity"] = ppl;
         j["words"] = words;
-        j["word_perplexity"] = word_ppl;
+        if (words > 1) j["word_perplexity"] = word_ppl;
+        else j["word_perplexity"] = nullptr;  // a text of fewer than two words has none
       } else {
         j["accuracy"] = e.exact_match;
         j["target_perplexity"] = ppl;
@@ -144,7 +164,9 @@ int cmd_eval(int argc, char** argv) {
               << std::fixed << std::setprecision(4);
     if (task == "perplexity")
       std::cout << "perplexity: " << ppl << " over " << e.tokens << " tokens (loss " << e.loss << ") | per word: "
-                << word_ppl << " (" << words << " words) | " << std::setprecision(1) << ms << " ms\n";
+                << (words > 1 ? std::to_string(word_ppl) + " (" + std::to_string(words) + " words)"
+                              : std::string("n/a (fewer than 2 words)"))
+                << " | " << std::setprecision(1) << ms << " ms\n";
     else
       std::cout << "lambada: accuracy " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
                 << " examples | last-word tokens: loss " << std::setprecision(4) << e.loss << ", perplexity " << ppl

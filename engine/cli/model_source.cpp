@@ -30,8 +30,8 @@ ModelSource from_checkpoint(const std::string& step,
                             plugins::Registry& registry) {
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
   train::RunPlan plan = plan_of(ck.manifest_toml);
-  train::require_same_architecture(ck.manifest_toml, plan, step);
-  return {std::move(plan), {step, std::move(ck.tensors), ck.vocab}, ck.vocab};
+  train::require_same_architecture(ck.manifest_toml, plan, step, "the checkpoint");
+  return {std::move(plan), {step, std::move(ck.tensors), ck.vocab, "the checkpoint"}, ck.vocab};
 }
 
 }  // namespace

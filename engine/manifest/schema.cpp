@@ -572,7 +572,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     else if (!m.get_string("data.path").empty())
       report({"data.blend", "data.path"}, "data.blend and data.path both name the data; keep one");
   }
-  if (!blended && usable({"data.kind", "data.path"})) {
+  if (!blended && !bad.count("data.blend") && usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");
     if ((kind == "text" || kind == "tokens" || kind == "indexed") && m.get_string("data.path").empty())
       report({"data.kind", "data.path"},

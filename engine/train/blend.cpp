@@ -1,6 +1,7 @@
 #include "engine/train/blend.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <sstream>
 
@@ -12,6 +13,7 @@ BlendedSource::BlendedSource(std::vector<std::unique_ptr<DataSource>> parts, std
     throw DataError("a blend needs one weight per dataset (" + std::to_string(weights_.size()) + " weights, " +
                     std::to_string(parts_.size()) + " datasets)");
   const double sum = std::accumulate(weights_.begin(), weights_.end(), 0.0);
+  if (!std::isfinite(sum)) throw DataError("a blend's weights sum to " + std::to_string(sum) + "; give weights whose sum is finite (they are normalised)");
   for (double& w : weights_) {
     if (!(w > 0)) throw DataError("a blend's weights must be positive");
     w /= sum;

@@ -26,6 +26,9 @@ class BlendedSource : public DataSource {
   std::string describe() const override;
   void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override;
   std::string render(const int32_t* tokens, int64_t n) const override { return parts_[0]->render(tokens, n); }
+  void check_split(Split split, int64_t seq) const override {
+    for (const auto& p : parts_) p->check_split(split, seq);
+  }
   // Sample `index` of `split`: (dataset, its sample index).
   std::pair<size_t, uint64_t> source_of(Split split, uint64_t index) const;
 

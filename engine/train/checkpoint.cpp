@@ -577,7 +577,8 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
   const bool experts_apart = meta.ep > 1 || meta.expert_tp() != meta.tp;
   const bool same_places = meta.tp == plan.sizes.tp && meta.pp == plan.sizes.pp && meta.cp == plan.sizes.cp &&
                            meta.ep == plan.sizes.ep && meta.expert_tp() == plan.sizes.expert_tp() &&
-                           meta.order == plan.sizes.order && same_stage_split(resume_dir, plan);
+                           meta.order == plan.sizes.order && same_stage_split(resume_dir, plan) &&
+                           meta.strategy == plan.config.optimizer.strategy;
   if (!same_places || (experts_apart && meta.dp != plan.dp)) {
     const loom_optimizer_api* run_api = plan.optimizer->optimizer();
     const plugins::LoadedPlugin* saver = plan.registry->find("parallel", meta.strategy);
@@ -588,8 +589,10 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
     };
     const std::string moved =
         resume_dir + " was written at " + sizes(meta.tp, meta.pp, meta.cp, meta.ep, meta.expert_tp(), meta.dp) +
-        (same_stage_split(resume_dir, plan) ? "" : " with other pipeline chunks") + "; this run has " +
-        sizes(plan.sizes.tp, plan.sizes.pp, plan.sizes.cp, plan.sizes.ep, plan.sizes.expert_tp(), plan.dp);
+        (same_stage_split(resume_dir, plan) ? "" : " with other pipeline chunks") +
+        (meta.strategy == plan.config.optimizer.strategy ? "" : " by optimizer.strategy = \"" + meta.strategy + "\"") +
+        "; this run has " + sizes(plan.sizes.tp, plan.sizes.pp, plan.sizes.cp, plan.sizes.ep, plan.sizes.expert_tp(), plan.dp) +
+        (meta.strategy == plan.config.optimizer.strategy ? "" : " with \"" + plan.config.optimizer.strategy + "\"");
     if (saver_api == nullptr || !LOOM_HAS_SLOT(saver_api, loom_optimizer_api, state_decode) ||
         saver_api->state_decode == nullptr)
       throw CheckpointError(moved + ": regathering needs optimizer plugin parallel/" + meta.strategy +

@@ -124,7 +124,7 @@ class StreamSource : public DataSource {
   void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override {
     const int64_t begin = split == Split::Train ? 0 : split_at_;
     const int64_t end = split == Split::Train ? split_at_ : static_cast<int64_t>(tokens_.size());
-    const int64_t span = end - begin - seq - 1;
+    const int64_t span = end - begin - seq;  // starts whose seq + 1 tokens fit the split
     if (span <= 0)
       throw DataError(what_ + ": the " + std::string(split == Split::Train ? "training" : "validation") +
                       " split has " + std::to_string(end - begin) + " tokens, fewer than seq_length + 1 = " +
@@ -146,11 +146,13 @@ class StreamSource : public DataSource {
 };
 
 std::vector<char> read_file(const std::string& path, const std::string& key) {
+  // The manifest key that named the file, for messages.
+  const std::string named = key == "blend" ? "data.blend's \"" + path + "\"" : "data." + key + " = \"" + path + "\"";
   // Only a regular file: a FIFO would block the read where no signal is looked at,
   // a directory or a device reads as nonsense.
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    throw DataError("data." + key + " = \"" + path + "\" is not a regular file (" +
+    throw DataError(named + " is not a regular file (" +
                     (S_ISDIR(st.st_mode)    ? "a directory"
                      : S_ISFIFO(st.st_mode) ? "a FIFO"
                      : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
@@ -159,7 +161,7 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
   // POSIX reads, so a read error (EIO: /proc/self/mem, a failing disk) is reported with
   // the path rather than thrown from inside std::filebuf.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw DataError("data." + key + " = \"" + path + "\": cannot open the file (" + std::strerror(errno) + ")");
+  if (fd < 0) throw DataError(named + ": cannot open the file (" + std::strerror(errno) + ")");
   std::vector<char> bytes;
   std::string failure;
   try {
@@ -179,14 +181,14 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
     failure = "not enough memory to hold the file (" + std::to_string(st.st_size >> 20) + " MiB)";
   }
   ::close(fd);
-  if (!failure.empty()) throw DataError("data." + key + " = \"" + path + "\": " + failure);
+  if (!failure.empty()) throw DataError(named + ": " + failure);
   return bytes;
 }
 
 // llm.c's token files: a header of 256 int32 (magic 20240520, version 1, token
 // count), then uint16 tokens.
-std::vector<int32_t> read_llmc_tokens(const std::string& path) {
-  std::vector<char> bytes = read_file(path, "path");
+std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string& key = "path") {
+  std::vector<char> bytes = read_file(path, key);
   constexpr size_t kHeader = 256 * sizeof(int32_t);
   if (bytes.size() < kHeader)
     throw DataError(path + ": truncated token file (" + std::to_string(bytes.size()) +
@@ -219,11 +221,11 @@ int64_t checked_vocab(const std::string& path, int32_t max_token, int64_t vocab)
 }
 
 // kind "tokens": an llm.c file as one stream; "indexed": Megatron's documents.
-std::unique_ptr<DataSource> token_source(const std::string& kind, const std::string& path, int64_t vocab,
-                                         double val_fraction, uint64_t seed) {
+std::unique_ptr<DataSource> token_source(const std::string& kind, const std::string& path, const std::string& key,
+                                         int64_t vocab, double val_fraction, uint64_t seed) {
   int32_t max_token = 0;
   if (kind == "tokens") {
-    std::vector<int32_t> tokens = read_llmc_tokens(path);
+    std::vector<int32_t> tokens = read_llmc_tokens(path, key);
     for (int32_t t : tokens) max_token = std::max(max_token, t);
     vocab = checked_vocab(path, max_token, vocab);
     return std::make_unique<StreamSource>(std::move(tokens), vocab, val_fraction, seed, path, false);
@@ -250,6 +252,11 @@ std::string DataSource::render(const int32_t* tokens, int64_t n) const {
   std::string s;
   for (int64_t i = 0; i < n; ++i) s += (i ? " " : "") + std::to_string(tokens[i]);
   return s;
+}
+
+void DataSource::check_split(Split split, int64_t seq) const {
+  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(static_cast<size_t>(seq));
+  sample(split, 0, seq, tokens.data(), targets.data());
 }
 
 std::vector<int32_t> DataSource::encode(const std::string&) const {
@@ -283,12 +290,13 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
     std::vector<std::unique_ptr<DataSource>> parts;
     std::vector<double> weights;
     for (const auto& [weight, part] : config.data.blend) {
-      parts.push_back(token_source(kind, part, config.model.vocab_size, val_fraction, seed));
+      parts.push_back(token_source(kind, part, "blend", config.model.vocab_size, val_fraction, seed));
       weights.push_back(weight);
     }
     return std::make_unique<BlendedSource>(std::move(parts), std::move(weights));
   }
-  if (kind == "tokens" || kind == "indexed") return token_source(kind, path, config.model.vocab_size, val_fraction, seed);
+  if (kind == "tokens" || kind == "indexed")
+    return token_source(kind, path, "path", config.model.vocab_size, val_fraction, seed);
   throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
 }
 

@@ -27,6 +27,9 @@ class DataSource {
   virtual std::string describe() const = 0;
   // One sequence: tokens[seq] and targets[seq] (target -1 = no loss at that position).
   virtual void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const = 0;
+  // Throws DataError when the split cannot give a sequence of seq tokens (a file too
+  // short for it): reads one, as the trainer would; a blend checks each dataset.
+  virtual void check_split(Split split, int64_t seq) const;
   // True when exact-match accuracy (every target position predicted) is meaningful.
   virtual bool has_exact_match() const { return false; }
   // Token id -> printable text for samples shown to the user.

@@ -47,9 +47,14 @@ void SlidingWindows::sample(Split split, uint64_t index, int64_t seq, int32_t* t
   }
 }
 
-LastWordTask::LastWordTask(std::vector<LastWordExample> examples, int64_t vocab, std::string what)
+LastWordTask::LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what)
     : examples_(std::move(examples)), vocab_(vocab), what_(std::move(what)) {
   if (examples_.empty()) throw DataError(what_ + " holds no examples");
+  for (size_t i = 0; i < examples_.size(); ++i)
+    if (static_cast<int64_t>(examples_[i].target.size()) >= seq_len)
+      throw DataError(what_ + ":" + std::to_string(examples_[i].line > 0 ? examples_[i].line : static_cast<int64_t>(i) + 1) +
+                      ": the last word is " + std::to_string(examples_[i].target.size()) +
+                      " tokens, leaving no context in a sequence of seq_length = " + std::to_string(seq_len));
 }
 
 void LastWordTask::sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const {
@@ -61,7 +66,7 @@ void LastWordTask::sample(Split split, uint64_t index, int64_t seq, int32_t* tok
   // context + target, the context cut from the left to fit seq + 1 tokens.
   const int64_t tgt = static_cast<int64_t>(e.target.size());
   const int64_t ctx = std::min<int64_t>(static_cast<int64_t>(e.context.size()), seq + 1 - tgt);
-  if (ctx < 1) throw DataError(what_ + ": example " + std::to_string(index) + "'s last word alone is longer than seq_length");
+  if (ctx < 1) throw DataError(what_ + ": example " + std::to_string(index) + "'s last word leaves no context");
   std::vector<int32_t> all(e.context.end() - ctx, e.context.end());
   all.insert(all.end(), e.target.begin(), e.target.end());
   for (int64_t t = 0; t + 1 < static_cast<int64_t>(all.size()); ++t) tokens[t] = all[static_cast<size_t>(t)];
@@ -94,7 +99,7 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
     const std::string word = text.substr(begin + 1, end - begin);
     const size_t context_end = text.find_last_not_of(" \t\r\n", begin);
     if (context_end == std::string::npos) throw DataError(where + ": the text needs a context and a last word");
-    LastWordExample e{encode(text.substr(0, context_end + 1)), encode(" " + word)};
+    LastWordExample e{encode(text.substr(0, context_end + 1)), encode(" " + word), n};
     if (e.context.empty() || e.target.empty()) throw DataError(where + ": the context or the last word encodes to no tokens");
     out.push_back(std::move(e));
   }

@@ -39,12 +39,15 @@ class SlidingWindows : public DataSource {
 // tokens carry a loss; a sample is right when the argmax predicts all of them.
 struct LastWordExample {
   std::vector<int32_t> context, target;
+  int64_t line = 0;  // of the JSONL file it came from (0: not from a file)
 };
 
 class LastWordTask : public DataSource {
  public:
-  // Examples longer than seq_len + 1 tokens lose the start of their context.
-  LastWordTask(std::vector<LastWordExample> examples, int64_t vocab, std::string what);
+  // Examples longer than seq_len + 1 tokens lose the start of their context; one whose
+  // last word alone takes seq_len tokens or more (no context left) is a DataError
+  // naming its line.
+  LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what);
   int64_t size() const { return static_cast<int64_t>(examples_.size()); }
   int64_t vocab_size() const override { return vocab_; }
   std::string describe() const override { return what_ + ": " + std::to_string(examples_.size()) + " examples"; }

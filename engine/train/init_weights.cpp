@@ -51,7 +51,7 @@ bool fits(const std::vector<int64_t>& have, const std::vector<int64_t>& want, in
 
 void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab) {
   if (w.vocab > 0 && w.vocab != vocab)
-    throw loom::Error("checkpoint.init_weights: " + w.source + " has a vocabulary of " + std::to_string(w.vocab) +
+    throw loom::Error(w.role + ": " + w.source + " has a vocabulary of " + std::to_string(w.vocab) +
                       ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
   std::vector<bool> used(w.tensors.size(), false);
   for (const RankMemory& r : plan.ranks)
@@ -61,10 +61,10 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
       if (k == w.tensors.size() && !p.tie_key.empty())
         for (k = 0; k < w.tensors.size() && w.tensors[k].tie_key != p.tie_key;) ++k;
       if (k == w.tensors.size())
-        throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + p.name +
+        throw loom::Error(w.role + ": " + w.source + " has no parameter " + p.name +
                           " (the model declares it; is it the same architecture?)");
       if (!fits(w.tensors[k].shape, p.full_shape, vocab, padded_vocab))
-        throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + w.tensors[k].name + " is " +
+        throw loom::Error(w.role + ": " + w.source + "'s " + w.tensors[k].name + " is " +
                           shape_text(w.tensors[k].shape) + ", the model's " + p.name + " " + shape_text(p.full_shape));
       used[k] = true;
       // A tied parameter uses the copies of its key (another stage's) too.
@@ -73,17 +73,18 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
     }
   for (size_t k = 0; k < w.tensors.size(); ++k)
     if (!used[k])
-      throw loom::Error("checkpoint.init_weights: " + w.source + " has " + w.tensors[k].name +
+      throw loom::Error(w.role + ": " + w.source + " has " + w.tensors[k].name +
                         ", which the model does not declare (a layer more, or another architecture)");
 }
 
-void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source) {
+void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
+                               const std::string& role) {
   toml::table a, b;
   try {
     a = toml::parse(source_manifest_toml);
     b = toml::parse(run.manifest.to_toml());
   } catch (const toml::parse_error& e) {
-    throw loom::Error("checkpoint.init_weights: " + source + "'s manifest.toml: " + std::string(e.description()));
+    throw loom::Error(role + ": " + source + "'s manifest.toml: " + std::string(e.description()));
   }
   auto text = [](const toml::table& t, const std::string& key, const std::string& fallback) {
     std::ostringstream os;
@@ -93,7 +94,7 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
   auto differ = [&](const std::string& key, const std::string& fallback) {
     const std::string x = text(a, key, fallback), y = text(b, key, fallback);
     if (x != y)
-      throw loom::Error("checkpoint.init_weights: " + source + " holds a model with " + key + " = " + x +
+      throw loom::Error(role + ": " + source + " holds a model with " + key + " = " + x +
                         ", this run has " + y + ": the same tensors would be another model; set " + key +
                         " as it has it");
   };
@@ -122,11 +123,11 @@ std::vector<float> whole_of(const InitialWeights& w, int64_t vocab, const model:
                             const model::ParamEntry& e, const std::function<float(const WholeTensor&, int64_t)>& value) {
   const WholeTensor* t = source_of(w, e);
   if (t == nullptr)
-    throw loom::Error("checkpoint.init_weights: " + w.source + " has no parameter " + e.name +
+    throw loom::Error(w.role + ": " + w.source + " has no parameter " + e.name +
                       " (the model declares it; is it the same architecture?)");
   const std::vector<int64_t>& want = e.full_shape;
   if (!fits(t->shape, want, vocab, model.dims().padded_vocab))
-    throw loom::Error("checkpoint.init_weights: " + w.source + "'s " + t->name + " is " + shape_text(t->shape) +
+    throw loom::Error(w.role + ": " + w.source + "'s " + t->name + " is " + shape_text(t->shape) +
                       ", the model's " + e.name + " " + shape_text(want));
   int64_t n = 1;
   for (int64_t d : want) n *= d;

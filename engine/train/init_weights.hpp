@@ -18,6 +18,7 @@ struct InitialWeights {
   std::string source;               // where they came from, for messages
   std::vector<WholeTensor> tensors;  // engine names and whole shapes; fp32 or bf16
   int64_t vocab = 0;                // the source model's vocabulary (0: not known)
+  std::string role = "checkpoint.init_weights";  // what named them, first in messages ("--resume")
 };
 
 // Before launch: the weights fit the run's model — its vocabulary, every parameter some
@@ -30,7 +31,8 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
 // layer option but the training-only ones (dropouts, loss coefficients, capacity), as set
 // or as the plugin's default, must be equal, or the same tensors would mean another
 // model (e.g. other heads, another norm).
-void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source);
+void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
+                               const std::string& role = "checkpoint.init_weights");
 
 // Each of the model's parameters from the tensor of its name (a tied copy: of its tie
 // key). A vocabulary table (dim 0 of at least `vocab` rows on both sides) may be padded

@@ -14,12 +14,6 @@
 namespace loom::train {
 namespace {
 
-// One sequence of a split, read as the trainer would: a file too short for it fails here.
-void read_one(const DataSource& data, Split split, int64_t seq) {
-  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(static_cast<size_t>(seq));
-  data.sample(split, 0, seq, tokens.data(), targets.data());
-}
-
 // Expert parallelism splits expert parameters: a model without any would only get ep
 // times the ranks to do the same work.
 void check_experts(const RunPlan& plan, const MemoryPlan& memory) {
@@ -118,8 +112,9 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
     throw DataError("model.vocab_size = " + std::to_string(out.vocab) + " is smaller than the vocabulary of the data (" +
                     data->describe() + ")");
   const int64_t seq = config.model.seq_length;
-  read_one(*data, Split::Train, seq);
-  if (config.run.eval_every > 0 || config.run.sample_every > 0) read_one(*data, Split::Validation, seq);
+  // A file too short for a sequence fails here, before launch.
+  data->check_split(Split::Train, seq);
+  if (config.run.eval_every > 0 || config.run.sample_every > 0) data->check_split(Split::Validation, seq);
 
   validate_layers(plan, out.vocab);
   if (config.run.sample_every > 0) require_kv_cache_layers(plan);  // samples are generated

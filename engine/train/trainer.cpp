@@ -362,7 +362,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     // registry only looks them up again.
     WholeCheckpoint ck =
         gather_checkpoint(resume->dir, const_cast<plugins::Registry&>(*plan.registry), /*with_state=*/true);
-    auto w = std::make_shared<InitialWeights>(InitialWeights{resume->dir, std::move(ck.tensors), ck.vocab});
+    auto w = std::make_shared<InitialWeights>(InitialWeights{resume->dir, std::move(ck.tensors), ck.vocab, "--resume"});
     check_initial_weights(*w, checked.memory, checked.vocab,
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
     run.regathered = std::move(w);

@@ -162,7 +162,7 @@ TEST(Eval, LastWordAccuracyIsWhatGreedyGenerationWrites) {
     right += loom::train::generate(gen, m.weights, m.vocab, r).tokens == e.target ? 1 : 0;
   }
   ASSERT_GE(right, 8);
-  const loom::train::LastWordTask task(examples, m.vocab, "examples");
+  const loom::train::LastWordTask task(examples, 16, m.vocab, "examples");
   for (const std::vector<std::string>& layout :
        std::vector<std::vector<std::string>>{{}, {"parallel.dp=1"}, {"parallel.dp=1", "parallel.tp=2", "parallel.pp=2"}}) {
     const loom::train::Evaluation e = evaluate(m, task, task.size(), layout);
@@ -199,6 +199,17 @@ TEST(EvalData, LastWordExamplesFromJsonl) {
     out << R"({"txt": "a b"})" << "\n";
   }
   EXPECT_THROW(loom::train::read_last_word_examples(file.string(), bytes), loom::train::DataError);
+  // A last word with no room for context is refused naming its line.
+  {
+    std::ofstream out(file.string());
+    out << R"({"text": "a bb"})" << "\n" << R"({"text": "a abcdefgh"})" << "\n";
+  }
+  try {
+    loom::train::LastWordTask(loom::train::read_last_word_examples(file.string(), bytes), 8, 256, "f");
+    ADD_FAILURE() << "a last word longer than the sequence was accepted";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("f:2: the last word is 9 tokens"), std::string::npos) << e.what();
+  }
   fs::remove(file);
 }
 
