@@ -3,6 +3,7 @@
 #include "engine/model/param_plan.hpp"
 
 #include "engine/model/param_init.hpp"
+#include "engine/train/init_weights.hpp"
 
 #include <boost/filesystem.hpp>
 #include <glog/logging.h>
@@ -360,6 +361,26 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
                             " = " + shown(b.str()) + ": resuming would continue another model; set " + key +
                             " as the checkpoint has it");
   }
+  // Each layer's options (both manifests are resolved: plugin defaults written out),
+  // which can change the function with every shape kept (rope's base, MoE's top_k);
+  // training-only ones (dropout, capacity) may change.
+  for (const toml::table* t : {saved.at_path("model.layer").as_table(), now.at_path("model.layer").as_table()}) {
+    if (t == nullptr) continue;
+    for (auto&& [layer, section] : *t) {
+      if (!section.is_table()) continue;
+      for (auto&& [option, value] : *section.as_table()) {
+        if (training_only_option(std::string(option.str()))) continue;
+        const std::string key = "model.layer." + std::string(layer.str()) + "." + std::string(option.str());
+        std::ostringstream a, b;
+        if (auto n = saved.at_path(key)) a << n;
+        if (auto n = now.at_path(key)) b << n;
+        if (a.str() != b.str())
+          throw CheckpointError(step_dir + " holds a model with " + key + " = " + (a.str().empty() ? "(unset)" : a.str()) +
+                                ", this run has " + (b.str().empty() ? "(unset)" : b.str()) +
+                                ": resuming would continue another model; set " + key + " as the checkpoint has it");
+      }
+    }
+  }
 }
 
 void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype) {
@@ -553,6 +574,7 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
       *log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
   CheckpointMeta meta = read_meta(resume_dir);
   require_same_param_dtype(resume_dir, meta, plan.config.device.param_dtype);
+
   if (meta.step > steps)
     throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +
                           std::to_string(steps) + "; raise run.steps to continue training it");

@@ -77,6 +77,12 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
                         ", which the model does not declare (a layer more, or another architecture)");
 }
 
+bool training_only_option(const std::string& name) {
+  static const std::set<std::string> names = {"dropout", "activation_dropout", "aux_loss_coeff",
+                                              "z_loss_coeff", "capacity_factor", "drop_policy"};
+  return names.count(name) > 0;
+}
+
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
                                const std::string& role) {
   toml::table a, b;
@@ -102,14 +108,12 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
                           "model.tie_embeddings", "model.pre", "model.block", "model.post"})
     differ(key, "(unset)");
   // Each layer's options, as set or as its plugin declares them by default.
-  static const std::set<std::string> training_only = {"dropout", "activation_dropout", "aux_loss_coeff",
-                                                      "z_loss_coeff", "capacity_factor", "drop_policy"};
   std::set<std::string> seen;
   for (const model::LayerSpec& spec : run.layers) {
     if (!seen.insert(spec.config).second) continue;
     const plugins::LoadedPlugin& p = run.registry->get("layer", spec.plugin);
     for (const manifest::OptionDecl& d : p.options)
-      if (!training_only.count(d.name))
+      if (!training_only_option(d.name))
         differ("model.layer." + spec.config + "." + d.name, d.default_value.value_or("(unset)"));
   }
 }

@@ -31,6 +31,10 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
 // layer option but the training-only ones (dropouts, loss coefficients, capacity), as set
 // or as the plugin's default, must be equal, or the same tensors would mean another
 // model (e.g. other heads, another norm).
+// A layer option that changes training, not the model (dropout, auxiliary loss
+// coefficients, MoE capacity): a run from given weights or a resume may change it.
+bool training_only_option(const std::string& name);
+
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
                                const std::string& role = "checkpoint.init_weights");
 

@@ -105,3 +105,38 @@ TEST(Regather, AnotherNumberOfVirtualStages) {
 }
 
 }  // namespace
+
+namespace {
+
+// A resume continues the same model: a layer option that keeps every shape but changes
+// the function (rope's base) is refused before anything runs, naming it; a
+// training-only option (dropout) may change.
+TEST(Resume, AnotherLayerOptionIsRefusedButTrainingOnlyOnesMayChange) {
+  const std::string dir = loom::testing::scratch_dir("resume-options");
+  const std::vector<std::string> rope = {"model.layer.embedding.position_embedding=rope",
+                                         "model.layer.attention.position_embedding=rope",
+                                         "checkpoint.dir=\"" + dir + "\""};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), rope.begin(), rope.end());
+    return o;
+  };
+  loom::testing::run_all_ranks(loom::testing::tiny_manifest(), with({"run.steps=2"}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  try {
+    loom::testing::run_all_ranks(loom::testing::tiny_manifest(),
+                                 with({"run.steps=3", "model.layer.attention.rotary_base=500000"}), resume);
+    ADD_FAILURE() << "a resume with another rotary_base was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a model with model.layer.attention.rotary_base = 10000.0, this run has "
+                                         "500000.0"),
+              std::string::npos)
+        << e.what();
+  }
+  const loom::testing::RankTrace t = loom::testing::run_all_ranks(
+      loom::testing::tiny_manifest(), with({"run.steps=3", "model.layer.attention.dropout=0.1"}), resume);
+  EXPECT_EQ(t.loss.size(), 1u);
+  fs::remove_all(dir);
+}
+
+}  // namespace
