@@ -6,6 +6,7 @@
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
 #include "engine/runtime/launcher.hpp"
+#include "engine/text/token_files.hpp"
 #include "engine/train/eval_data.hpp"
 #include "engine/train/evaluator.hpp"
 #include "engine/train/text_codec.hpp"
@@ -18,13 +19,14 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [options]\n"
+    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [--format text|tokens|indexed] [options]\n"
     "  CHECKPOINT|MANIFEST  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
     "  --task perplexity    FILE is text: perplexity with overlapping windows of the model's seq_length,\n"
     "                       each token predicted once, after up to seq_length - stride tokens of context\n"
@@ -32,6 +34,8 @@ const char* kUsage =
     "  --task lambada       FILE is JSONL with a \"text\" field per line: accuracy of predicting each\n"
     "                       text's last word (all its tokens, greedy) from the words before it\n"
     "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
+    "  --format F           perplexity: FILE is text (default, encoded as below), tokens (an llm.c .bin)\n"
+    "                       or indexed (the PREFIX of a Megatron .bin/.idx: its documents in order)\n"
     "  --tokenizer PATH     GPT-2 BPE directory or SentencePiece .model; without it, a synthetic task's\n"
     "                       symbols or, for data.kind = \"text\", bytes\n"
     "  --set key=value      override the layout, micro-batch or device (parallel.tp=2, batch.micro_batch_size=8)\n"
@@ -84,7 +88,8 @@ train::RunPlan evaluation_plan(const std::string& toml, const std::string& name,
 
 int cmd_eval(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--json"}, {"--data", "--task", "--stride", "--tokenizer", "--set", "--plugin-path"});
+    Args args(argc, argv, {"--json"},
+              {"--data", "--task", "--stride", "--format", "--tokenizer", "--set", "--plugin-path"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -93,23 +98,30 @@ int cmd_eval(int argc, char** argv) {
     const std::string data_path = args.get("--data").value_or("");
     if (data_path.empty()) throw UsageError("--data FILE is required");
     if (args.all("--data").size() > 1) throw UsageError("--data names one file");
-    if (!boost::filesystem::is_regular_file(data_path)) throw UsageError("--data " + data_path + " is not a file");
     const std::string task = args.get("--task").value_or("perplexity");
     if (task != "perplexity" && task != "lambada") throw UsageError("--task is perplexity or lambada, not " + task);
     if (task == "lambada" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
-    const std::string text = read_file(data_path);
+    const std::string format = args.get("--format").value_or("text");
+    if (format != "text" && format != "tokens" && format != "indexed")
+      throw UsageError("--format is text, tokens or indexed, not " + format);
+    if (format != "text" && task != "perplexity") throw UsageError("--format " + format + " is for --task perplexity");
+    const std::string file = format == "indexed" ? data_path + ".idx" : data_path;
+    if (!boost::filesystem::is_regular_file(file)) throw UsageError("--data " + file + " is not a file");
+    const std::string text = format == "text" ? read_file(data_path) : std::string();
 
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, evaluation_plan);
-    const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
+    // Text needs the model's codec; token files are ids already.
+    std::optional<train::TextCodec> codec;
+    if (format == "text") codec.emplace(args.get("--tokenizer").value_or(""), src.plan.config);
     const int64_t seq = src.plan.config.model.seq_length;
     const auto encode = [&codec, &src](const std::string& s) {
-      std::vector<int32_t> ids = codec.encode(s);
+      std::vector<int32_t> ids = codec->encode(s);
       for (int32_t t : ids)
         if (t < 0 || t >= src.vocab)
           throw loom::Error("the text encodes to token " + std::to_string(t) + ", outside the model's vocabulary of " +
-                            std::to_string(src.vocab) + " (" + codec.describe() + ")");
+                            std::to_string(src.vocab) + " (" + codec->describe() + ")");
       return ids;
     };
 
@@ -119,10 +131,27 @@ int cmd_eval(int argc, char** argv) {
       const int64_t stride = args.get_int("--stride", std::max<int64_t>(1, seq / 2));
       if (stride < 1 || stride > seq)
         throw UsageError("--stride " + std::to_string(stride) + " must be in [1, seq_length = " + std::to_string(seq) + "]");
-      auto windows = std::make_unique<train::SlidingWindows>(encode(text), seq, stride, src.vocab, data_path);
+      std::vector<int32_t> tokens;
+      if (format == "text") {
+        tokens = encode(text);
+        words = count_words(text);
+      } else if (format == "tokens") {
+        tokens = train::read_llmc_tokens(data_path, "--data");
+      } else {
+        try {
+          for (const std::vector<int32_t>& doc : text::IndexedDataset::read(data_path).documents)
+            tokens.insert(tokens.end(), doc.begin(), doc.end());
+        } catch (const text::TokenFileError& e) {
+          throw loom::Error(std::string("--data: ") + e.what());
+        }
+      }
+      for (int32_t t : tokens)
+        if (t < 0 || t >= src.vocab)
+          throw loom::Error("--data " + data_path + " holds token " + std::to_string(t) +
+                            ", outside the model's vocabulary of " + std::to_string(src.vocab));
+      auto windows = std::make_unique<train::SlidingWindows>(std::move(tokens), seq, stride, src.vocab, data_path);
       samples = windows->windows();
       data = std::move(windows);
-      words = count_words(text);
     } else {
       auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode), seq,
                                                             src.vocab, data_path);

@@ -147,7 +147,9 @@ class StreamSource : public DataSource {
 
 std::vector<char> read_file(const std::string& path, const std::string& key) {
   // The manifest key that named the file, for messages.
-  const std::string named = key == "blend" ? "data.blend's \"" + path + "\"" : "data." + key + " = \"" + path + "\"";
+  const std::string named = key == "blend"             ? "data.blend's \"" + path + "\""
+                            : key.rfind("--", 0) == 0 ? key + " " + path  // a command-line option
+                                                      : "data." + key + " = \"" + path + "\"";
   // Only a regular file: a FIFO would block the read where no signal is looked at,
   // a directory or a device reads as nonsense.
   struct stat st {};
@@ -185,32 +187,6 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
   return bytes;
 }
 
-// llm.c's token files: a header of 256 int32 (magic 20240520, version 1, token
-// count), then uint16 tokens.
-std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string& key = "path") {
-  std::vector<char> bytes = read_file(path, key);
-  constexpr size_t kHeader = 256 * sizeof(int32_t);
-  if (bytes.size() < kHeader)
-    throw DataError(path + ": truncated token file (" + std::to_string(bytes.size()) +
-                    " bytes, smaller than the 1024-byte llm.c header)");
-  int32_t header[256];
-  std::memcpy(header, bytes.data(), kHeader);
-  if (header[0] != 20240520)
-    throw DataError(path + ": not an llm.c token file (magic " + std::to_string(header[0]) + ", expected 20240520)");
-  if (header[1] != 1)
-    throw DataError(path + ": llm.c token file version " + std::to_string(header[1]) + " is not supported (expected 1)");
-  const int64_t n = header[2];
-  if (n <= 0)
-    throw DataError(path + ": the llm.c token file holds no tokens (its header says " + std::to_string(n) + ")");
-  const size_t want = kHeader + static_cast<size_t>(n) * sizeof(uint16_t);
-  if (bytes.size() != want)
-    throw DataError(path + ": truncated or padded token file: header says " + std::to_string(n) + " tokens (" +
-                    std::to_string(want) + " bytes) but the file has " + std::to_string(bytes.size()) + " bytes");
-  std::vector<int32_t> tokens(n);
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data() + kHeader);
-  for (int64_t i = 0; i < n; ++i) tokens[i] = p[2 * i] | (p[2 * i + 1] << 8);
-  return tokens;
-}
 
 // The largest token must fit the vocabulary (model.vocab_size, or the data's own).
 int64_t checked_vocab(const std::string& path, int32_t max_token, int64_t vocab) {
@@ -247,6 +223,31 @@ std::unique_ptr<DataSource> token_source(const std::string& kind, const std::str
 }
 
 }  // namespace
+
+std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string& key) {
+  std::vector<char> bytes = read_file(path, key);
+  constexpr size_t kHeader = 256 * sizeof(int32_t);
+  if (bytes.size() < kHeader)
+    throw DataError(path + ": truncated token file (" + std::to_string(bytes.size()) +
+                    " bytes, smaller than the 1024-byte llm.c header)");
+  int32_t header[256];
+  std::memcpy(header, bytes.data(), kHeader);
+  if (header[0] != 20240520)
+    throw DataError(path + ": not an llm.c token file (magic " + std::to_string(header[0]) + ", expected 20240520)");
+  if (header[1] != 1)
+    throw DataError(path + ": llm.c token file version " + std::to_string(header[1]) + " is not supported (expected 1)");
+  const int64_t n = header[2];
+  if (n <= 0)
+    throw DataError(path + ": the llm.c token file holds no tokens (its header says " + std::to_string(n) + ")");
+  const size_t want = kHeader + static_cast<size_t>(n) * sizeof(uint16_t);
+  if (bytes.size() != want)
+    throw DataError(path + ": truncated or padded token file: header says " + std::to_string(n) + " tokens (" +
+                    std::to_string(want) + " bytes) but the file has " + std::to_string(bytes.size()) + " bytes");
+  std::vector<int32_t> tokens(n);
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data() + kHeader);
+  for (int64_t i = 0; i < n; ++i) tokens[i] = p[2 * i] | (p[2 * i + 1] << 8);
+  return tokens;
+}
 
 std::string DataSource::render(const int32_t* tokens, int64_t n) const {
   std::string s;

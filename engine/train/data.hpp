@@ -46,6 +46,11 @@ class DataSource {
 // across document boundaries). Throws DataError naming the file and the problem.
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config);
 
+// llm.c's token file: a header of 256 int32 (magic 20240520, version 1, token count),
+// then uint16 tokens. Throws DataError naming `key` (what named the file: "path" for
+// data.path, or an option such as "--data") and what is wrong.
+std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string& key = "path");
+
 // A microbatch laid out [seq, micro_batch] (sequence-major, as the model wants).
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets);

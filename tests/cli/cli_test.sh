@@ -204,6 +204,16 @@ one=$("$loom" eval "$work/bytes" --data "$work/eval.txt" --json)
 other=$("$loom" eval "$work/bytes" --data "$work/eval.txt" --set parallel.tp=2 --set parallel.pp=2 --set parallel.dp=1 --json)
 awk -v a="$(echo "$one" | field loss)" -v b="$(echo "$other" | field loss)" 'BEGIN { d = a - b; exit !(d < 1e-5 && d > -1e-5) }' \
   || fail "eval: loss at tp 2 x pp 2 ($other) differs from its own layout's ($one)"
+# The same bytes as an llm.c token file (--format tokens): the same loss, exactly.
+n=$(wc -c < "$work/eval.txt")
+{ printf '\x88\xd8\x34\x01\x01\x00\x00\x00'
+  printf "\\x$(printf %02x $((n & 255)))\\x$(printf %02x $(((n >> 8) & 255)))\\x00\\x00"
+  head -c 1012 /dev/zero
+  od -An -v -tx1 "$work/eval.txt" | tr -s ' ' '\n' | grep . | while read -r b; do printf "\\x$b\\x00"; done
+} > "$work/eval.bin"
+tokens=$("$loom" eval "$work/bytes" --data "$work/eval.bin" --format tokens --json)
+[ "$(echo "$tokens" | field loss)" = "$(echo "$one" | field loss)" ] \
+  || fail "eval --format tokens: $tokens differs from the text's $one"
 printf '{"text": "the quick brown fox jumps"}\n{"text": "over the lazy dog"}\n' > "$work/lambada.jsonl"
 "$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json | grep -q '"samples":2,.*"accuracy":' \
   || fail "eval --task lambada: $("$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json 2>&1)"
