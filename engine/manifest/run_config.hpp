@@ -15,6 +15,10 @@
 
 namespace loom::manifest {
 
+// Gradient bucket size (elements) of optimizer.overlap_grad_reduce without an
+// optimizer.bucket_size: Megatron-LM's DistributedDataParallel default, 40M.
+constexpr int64_t kOverlapBucketSize = 40000000;
+
 struct RunConfig {
   struct Run {
     std::string name;
@@ -59,7 +63,8 @@ struct RunConfig {
     double lr = 0, min_lr = 0;
     int64_t warmup_steps = 0, decay_steps = 0;
     double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
-    int64_t bucket_size = 0;
+    int64_t bucket_size = 0;      // resolved: kOverlapBucketSize when overlapping without one
+    bool overlap_grad_reduce = false;
     toml::table options;
   } optimizer;
   struct Exec {

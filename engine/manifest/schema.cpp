@@ -195,7 +195,13 @@ std::vector<KeySpec> build() {
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
   v.push_back(f("optimizer.weight_decay", "0.1", 0, false, "decoupled weight decay"));
   v.push_back(f("optimizer.clip_grad", "1.0", 0, false, "global gradient-norm clip (0 = off)"));
-  v.push_back(i("optimizer.bucket_size", 0, 0, "gradient bucket size in elements (0 = one bucket)"));
+  v.push_back(i("optimizer.bucket_size", 0, 0,
+                "gradient bucket size in elements (0 = one bucket per model chunk; with overlap_grad_reduce, "
+                "Megatron-LM's 40,000,000)"));
+  v.push_back(b("optimizer.overlap_grad_reduce", false,
+                "reduce each gradient bucket over dp while the backward is still running (Megatron-LM's "
+                "overlap_grad_reduce): the strategy starts a bucket's collective once its gradients are final and "
+                "waits for it in the optimizer step; results are the same as without"));
   v.push_back(open_table("optimizer.options", "options of the optimizer strategy plugin"));
   // exec
   v.push_back(s("exec.mode", "eager",

@@ -26,6 +26,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       buffers_(rank, layers_, dims.num_layers, static_cast<size_t>(config.optimizer.bucket_size),
                model_dtype(config.device.param_dtype), model_dtype(config.device.grad_dtype), seed),
       sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
+      finalizer_(rank, buffers_, layers_.size(), sequence_parallel_),
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
       capture_(rank, layers_, tp_size(rank)),
       hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)),
@@ -51,8 +52,6 @@ Model::~Model() {
   hidden_.clear();
   layers_.destroy();
 }
-
-void Model::finalize_grads() { model::finalize_grads(rank_, buffers_, sequence_parallel_); }
 
 void* Model::chunk_input(int c, int mb) {
   LOOM_REQUIRE(!is_first_global(c), "chunk " << chunk_global_index(c) << " is the first: it takes tokens, not a hidden state");
@@ -121,7 +120,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   capture_.run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
-const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale) {
+const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch) {
   const LocalChunk& chunk = layers_.chunk(c);
   LOOM_REQUIRE(hidden_.count(c, mb) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
@@ -142,6 +141,7 @@ const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_los
     if (grad_out) gout = hidden_.view(grad_out->get());
     if (has_grad_input) gin = hidden_.view(grad_in->get());
     run_backward(i, mb, grad_out ? &gout : nullptr, has_grad_input ? &gin : nullptr, loss_scale, aux_loss_scale);
+    if (last_microbatch) finalizer_.layer_done(i);
     grad_out = grad_in;
     grad_in = grad_in == &grad_a_ ? &grad_b_ : &grad_a_;
     if (recompute_.begins_group(i)) recompute_.drop_group_states(c, mb, i);

@@ -4,13 +4,14 @@
 // chunk. Activations are kept per (chunk, microbatch) until that backward, so a
 // pipeline schedule can hold several in flight. The Model composes the parts that
 // do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds,
-// CapturePolicy and finalize_grads.
+// CapturePolicy and GradFinalizer.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
 #include "engine/model/buffer_layout.hpp"
 #include "engine/model/capture_policy.hpp"
 #include "engine/model/dropout_seeds.hpp"
+#include "engine/model/grad_finalize.hpp"
 #include "engine/model/hidden_states.hpp"
 #include "engine/model/layers.hpp"
 #include "engine/model/param_buffers.hpp"
@@ -59,8 +60,10 @@ class Model {
   // Backward of the chunk; frees what its forward saved. Returns the gradient of
   // the chunk's input (valid until the next backward_chunk), or nullptr for the
   // first global chunk. aux_loss_scale: d(objective)/d(auxiliary loss) of the
-  // microbatch, 1 / microbatches per step (ABI 1.4, every layer).
-  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale);
+  // microbatch, 1 / microbatches per step (ABI 1.4, every layer). last_microbatch:
+  // the step's last backward of this chunk, after which each layer's gradients are
+  // final (GradFinalizer: the tp sums, then the grads-ready listener).
+  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch = false);
   // Drops what the forward of (c, mb) saved, without a backward (evaluation).
   void release_chunk(int c, int mb);
   // The step's dropout seed of every microbatch (index = mb), copied to device
@@ -88,7 +91,14 @@ class Model {
                float* loss_sum, int64_t* loss_count, int32_t* predictions = nullptr, float* aux_loss = nullptr);
   void backward(int mb, float loss_scale, float aux_loss_scale);
   void release(int mb);
-  void zero_grads() { buffers_.zero_grads(); }
+  // A training step begins: gradients zero, every parameter's pending again.
+  void zero_grads() {
+    buffers_.zero_grads();
+    finalizer_.begin_step();
+  }
+  // Told, during a step's backward, of the parameters (entry indices, as the
+  // optimizer's infos) whose gradients are final (GradFinalizer).
+  void set_grads_ready_listener(GradFinalizer::Listener listener) { finalizer_.set_listener(std::move(listener)); }
   // Every parameter from its whole tensor (ParamBuffers::assign): starting from given weights.
   void assign_params(const ParamBuffers::FullTensorOf& full_of) { buffers_.assign(full_of); }
   // This rank's slice of a parameter's whole tensor (ParamBuffers::local_part).
@@ -96,9 +106,9 @@ class Model {
     return buffers_.local_part(e, std::move(full));
   }
   // After the last microbatch's backward, before the optimizer: the reductions
-  // that make each gradient whole (tp sum of duplicated parameters under
+  // that make each gradient whole not yet done (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).
-  void finalize_grads();
+  void finalize_grads() { finalizer_.finish(); }
   // Bytes of the hidden state between two layers of one microbatch.
   size_t hidden_bytes() const { return hidden_.bytes(); }
   // Elements of that hidden state (the p2p message count, in act_dtype()).
@@ -154,6 +164,7 @@ class Model {
   Layers layers_;
   ParamBuffers buffers_;
   bool sequence_parallel_ = false;  // hidden states are sharded over tp
+  GradFinalizer finalizer_;
   int64_t context_rows_ = 0;        // sequence rows this rank holds: seq_len, or its cp slice
   CapturePolicy capture_;
   HiddenStates hidden_;

@@ -27,6 +27,12 @@ ParamBuffers::ParamBuffers(runtime::RankRuntime& rank, const Layers& layers, int
     : rank_(rank), param_dtype_(param_dtype), grad_dtype_(grad_dtype) {
   for (const LocalChunk& c : layers.chunks()) chunk_global_index_.push_back(c.global_index);
   CollectedParams collected = collect(layers);
+  layer_entries_.resize(layers.size());
+  for (size_t k = 0; k < collected.decls.size(); ++k) {
+    std::vector<size_t>& of_layer = layer_entries_[static_cast<size_t>(collected.decls[k].layer)];
+    if (std::find(of_layer.begin(), of_layer.end(), collected.entry_of[k]) == of_layer.end())
+      of_layer.push_back(collected.entry_of[k]);
+  }
   entries_ = std::move(collected.entries);
   lay_out(layers.chunk_count(), bucket_size);
   allocate();

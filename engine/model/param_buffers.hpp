@@ -37,6 +37,8 @@ class ParamBuffers {
   int32_t grad_dtype() const { return grad_dtype_; }
   const BufferLayout& layout() const { return layout_; }
   const std::vector<ParamEntry>& entries() const { return entries_; }
+  // The entries layer i declares (a tied entry under each of its layers), by index.
+  const std::vector<size_t>& layer_entries(size_t layer) const { return layer_entries_[layer]; }
   void zero_grads();
   // Every parameter from its whole tensor, full_of(entry) (fp32, entry.full_shape,
   // row-major): this rank's slice of it — its experts' block of dim 0 for an expert
@@ -73,6 +75,7 @@ class ParamBuffers {
   int32_t param_dtype_, grad_dtype_;
   std::vector<int> chunk_global_index_;  // by local chunk
   std::vector<ParamEntry> entries_;
+  std::vector<std::vector<size_t>> layer_entries_;  // by layer
   BufferLayout layout_;
   size_t numel_ = 0;
   loom::Buffer params_, grads_;

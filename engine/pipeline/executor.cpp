@@ -7,10 +7,11 @@ namespace loom::pipeline {
 using Clock = std::chrono::steady_clock;
 
 void TraceRecorder::add(int rank, const std::string& name, const std::string& category, Clock::time_point start,
-                        std::vector<std::pair<std::string, long long>> args) {
+                        std::vector<std::pair<std::string, long long>> args, TraceLane lane) {
   const Clock::time_point end = Clock::now();
   TraceEvent e;
   e.rank = rank;
+  e.lane = lane;
   e.name = name;
   e.category = category;
   e.start_us = std::chrono::duration<double, std::micro>(start - origin_).count();
@@ -104,8 +105,10 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
       const Clock::time_point tb = Clock::now();
       // Auxiliary losses are averaged over microbatches; under cp each rank's part
       // of them is a partial sum too, scaled by cp as the loss is.
+      const bool last_microbatch = mb + 1 == microbatches_;  // the chunk's gradients become final
       const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)],
-                                                  static_cast<float>(cp_.size()) / static_cast<float>(microbatches_));
+                                                  static_cast<float>(cp_.size()) / static_cast<float>(microbatches_),
+                                                  last_microbatch);
       --in_flight;
       if (trace_)
         trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,

@@ -36,7 +36,7 @@ class TraceRecorder {
   explicit TraceRecorder(std::chrono::steady_clock::time_point origin) : origin_(origin) {}
   // Records [start, now) as an event of this rank.
   void add(int rank, const std::string& name, const std::string& category, std::chrono::steady_clock::time_point start,
-           std::vector<std::pair<std::string, long long>> args = {});
+           std::vector<std::pair<std::string, long long>> args = {}, TraceLane lane = TraceLane::Rank);
   std::vector<TraceEvent>& events() { return events_; }
 
  private:

@@ -358,25 +358,27 @@ std::vector<TraceEvent> trace_events(const Timeline& t, double us_per_slot) {
 }
 
 void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events) {
-  std::vector<int> ranks;
-  for (const TraceEvent& e : events) ranks.push_back(e.rank);
-  std::sort(ranks.begin(), ranks.end());
-  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  auto tid = [](const TraceEvent& e) { return e.lane == TraceLane::Comm ? kCommLaneTid + e.rank : e.rank; };
+  std::vector<int> tids;
+  for (const TraceEvent& e : events) tids.push_back(tid(e));
+  std::sort(tids.begin(), tids.end());
+  tids.erase(std::unique(tids.begin(), tids.end()), tids.end());
 
   // One event per line, so the file also reads and greps line by line.
   std::vector<nlohmann::ordered_json> lines;
-  for (int r : ranks)
+  for (int t : tids)
     lines.push_back({{"name", "thread_name"},
                      {"ph", "M"},
                      {"pid", 0},
-                     {"tid", r},
-                     {"args", {{"name", "rank " + std::to_string(r)}}}});
+                     {"tid", t},
+                     {"args", {{"name", t >= kCommLaneTid ? "rank " + std::to_string(t - kCommLaneTid) + " comm"
+                                                          : "rank " + std::to_string(t)}}}});
   for (const TraceEvent& e : events) {
     nlohmann::ordered_json j = {{"name", e.name},
                                 {"cat", e.category},
                                 {"ph", "X"},
                                 {"pid", 0},
-                                {"tid", e.rank},
+                                {"tid", tid(e)},
                                 {"ts", trace_us(e.start_us)},
                                 {"dur", trace_us(e.dur_us)}};
     if (!e.args.empty()) {

@@ -125,13 +125,19 @@ struct Timeline {
 Timeline simulate(const PipelineOrders& orders, SimCosts costs = {});
 
 // Chrome trace ("Trace Event Format", viewable in Perfetto / chrome://tracing).
+// Where an event is drawn: the rank's own track, or beside it the collectives it
+// started without waiting (ABI 1.15), which run while the rank computes.
+enum class TraceLane { Rank, Comm };
+constexpr int kCommLaneTid = 1000000;
+
 struct TraceEvent {
-  int rank = 0;              // becomes tid (pid is 0)
+  int rank = 0;              // becomes tid (pid is 0); the comm lane's tid is kCommLaneTid + rank
   std::string name;          // "F mb3 c1"
   std::string category;      // "forward", "backward", ...
   double start_us = 0;
   double dur_us = 0;
   std::vector<std::pair<std::string, long long>> args;  // optional, shown on selection
+  TraceLane lane = TraceLane::Rank;
 };
 
 // The timeline as events, one slot = us_per_slot microseconds.

@@ -6,6 +6,7 @@
 #include <loom/cpp/core.hpp>
 
 #include <cstdio>
+#include <memory>
 #include <sstream>
 
 namespace loom::runtime {
@@ -51,7 +52,7 @@ loom_status counted(Shim* s, const char* op, uint64_t elements, int32_t dtype, d
   if (!observer) return call();
   const auto start = std::chrono::steady_clock::now();
   loom_status status = call();
-  observer(s->kind, op, c.bytes, start);
+  observer(s->kind, op, c.bytes, start, false);
   return status;
 }
 double ring(const Shim* s) { return s->size > 1 ? static_cast<double>(s->size - 1) / s->size : 0.0; }
@@ -119,6 +120,73 @@ loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtyp
   LOOM_SHIM_SLOT(s, recv);
   return counted(s, "recv", n, dtype, 1.0, [&] { return s->api->recv(s->comm, stream, buf, n, dtype, peer, tag); });
 }
+
+// A started collective (ABI 1.15) as the shim hands it out: the real plugin's
+// request, or none when the plugin has no start and the shim ran it in line.
+struct ShimRequest {
+  loom_comm_request* real = nullptr;
+  const char* op = "";
+  uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point start;
+};
+
+// Counted as the blocking call of its kind (same op name), so the accounting does
+// not depend on whether a strategy overlaps; the observer sees it at its wait,
+// spanning start to completion.
+loom_status s_start(loom_comm* c, void* stream, const loom_collective* col, loom_comm_request** req) {
+  Shim* s = shim(c);
+  if (col == nullptr || req == nullptr || !LOOM_HAS_SLOT(col, loom_collective, op))
+    return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT,
+                                              "start: needs a loom_collective (of ABI 1.15 or later) and a request");
+  const bool reduces = col->kind != LOOM_COLLECTIVE_ALL_GATHER;
+  const char* op = col->kind == LOOM_COLLECTIVE_ALL_REDUCE       ? "all_reduce"
+                   : col->kind == LOOM_COLLECTIVE_ALL_GATHER     ? "all_gather"
+                   : col->kind == LOOM_COLLECTIVE_REDUCE_SCATTER ? "reduce_scatter"
+                                                                 : nullptr;
+  if (op == nullptr)
+    return plugins::host_api()->status_create(
+        LOOM_CODE_INVALID_ARGUMENT, ("start: unknown collective kind " + std::to_string(col->kind)).c_str());
+  const uint64_t elements =
+      col->kind == LOOM_COLLECTIVE_ALL_REDUCE ? col->count : col->count * static_cast<uint64_t>(s->size);
+  const double factor = col->kind == LOOM_COLLECTIVE_ALL_REDUCE ? 2.0 * ring(s) : ring(s);
+  auto r = std::make_unique<ShimRequest>();
+  r->op = op;
+  r->bytes = elements * loom::dtype_size(col->dtype);
+  r->start = std::chrono::steady_clock::now();
+  CommCounter counter;
+  counter.calls = 1;
+  counter.elements = elements;
+  counter.bytes = r->bytes;
+  counter.bus_bytes = static_cast<double>(r->bytes) * factor;
+  s->recorder->add(s->kind, op, counter);
+  const bool has_start = LOOM_HAS_SLOT(s->api, loom_comm_api, wait) && s->api->start != nullptr && s->api->wait != nullptr;
+  loom_status status = nullptr;
+  if (has_start) {
+    status = s->api->start(s->comm, stream, col, &r->real);
+  } else if (col->kind == LOOM_COLLECTIVE_ALL_REDUCE) {
+    if (s->api->all_reduce == nullptr) return missing("all_reduce");
+    status = s->api->all_reduce(s->comm, stream, col->send, col->recv, col->count, col->dtype, col->op);
+  } else if (reduces) {
+    if (s->api->reduce_scatter == nullptr) return missing("reduce_scatter");
+    status = s->api->reduce_scatter(s->comm, stream, col->send, col->recv, col->count, col->dtype, col->op);
+  } else {
+    if (s->api->all_gather == nullptr) return missing("all_gather");
+    status = s->api->all_gather(s->comm, stream, col->send, col->recv, col->count, col->dtype);
+  }
+  if (status != nullptr) return status;
+  *req = reinterpret_cast<loom_comm_request*>(r.release());
+  return nullptr;
+}
+
+loom_status s_wait(loom_comm* c, loom_comm_request* req, void* stream) {
+  Shim* s = shim(c);
+  std::unique_ptr<ShimRequest> r(reinterpret_cast<ShimRequest*>(req));
+  if (!r) return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT, "wait: no request");
+  loom_status status = r->real != nullptr ? s->api->wait(s->comm, r->real, stream) : nullptr;
+  const CommObserver& observer = s->recorder->observer();
+  if (observer) observer(s->kind, r->op, r->bytes, r->start, true);
+  return status;
+}
 #undef LOOM_SHIM_SLOT
 
 // World-level slots stay NULL: the engine calls those on the real comm plugin.
@@ -136,6 +204,8 @@ const loom_comm_api* shim_api() {
     a.barrier = s_barrier;
     a.send = s_send;
     a.recv = s_recv;
+    a.start = s_start;
+    a.wait = s_wait;
     return a;
   }();
   return &api;

@@ -52,9 +52,11 @@ struct CommCounter {
 using CommStats = std::map<std::string, std::map<std::string, CommCounter>>;
 
 // Told of every call once it returned (for `loom run --trace`): the group kind,
-// the op, the logical bytes and when the call started.
+// the op, the logical bytes, when the call started, and whether it was started
+// without waiting (ABI 1.15; then told at its wait, so the span runs from start to
+// completion while the rank's thread went on).
 using CommObserver = std::function<void(const std::string& kind, const char* op, uint64_t bytes,
-                                        std::chrono::steady_clock::time_point start)>;
+                                        std::chrono::steady_clock::time_point start, bool started)>;
 
 // One rank's counters; calls may come from any thread.
 class CommStatsRecorder {

@@ -60,6 +60,11 @@ OptimizerBinding::~OptimizerBinding() {
   if (handle_ != nullptr) api_->destroy(handle_);
 }
 
+void OptimizerBinding::grads_ready(const std::vector<size_t>& params) {
+  if (!LOOM_HAS_SLOT(api_, loom_optimizer_api, grads_ready) || api_->grads_ready == nullptr) return;
+  loom::check(api_->grads_ready(handle_, &rank_, params.data(), params.size()));
+}
+
 loom_optimizer_step_result OptimizerBinding::step(int64_t step) {
   const manifest::RunConfig::Optimizer& o = config_.optimizer;
   loom_optimizer_step_args args = loom::make<loom_optimizer_step_args>();

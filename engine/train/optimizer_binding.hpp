@@ -26,6 +26,9 @@ class OptimizerBinding {
   OptimizerBinding(const OptimizerBinding&) = delete;
   OptimizerBinding& operator=(const OptimizerBinding&) = delete;
 
+  // Tells the strategy these parameters' gradients are final (ABI 1.15; indices into
+  // the model's param_infos); a strategy without grads_ready reduces them in step.
+  void grads_ready(const std::vector<size_t>& params);
   // Updates the parameters from the finalised gradients for (1-based) `step`.
   loom_optimizer_step_result step(int64_t step);
   // The strategy's state (moments, master weights), as its plugin serialises it.

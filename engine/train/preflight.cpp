@@ -48,6 +48,13 @@ void check_optimizer(const RunPlan& plan, const MemoryPlan& memory) {
                       " cannot reduce expert parameters over the expert data-parallel group (it does not "
                       "advertise LOOM_OPTIMIZER_EXPERT_PARALLEL, ABI 1.4); use optimizer.strategy = \"ddp\" or "
                       "\"distributed\", or parallel.ep = 1");
+  // Overlap (ABI 1.15): the strategy must take the announcements that drive it.
+  if (plan.config.optimizer.overlap_grad_reduce &&
+      (!LOOM_HAS_SLOT(api, loom_optimizer_api, grads_ready) || api->grads_ready == nullptr))
+    throw loom::Error("optimizer plugin parallel/" + p.name +
+                      " cannot overlap gradient reduction with the backward (it has no grads_ready, ABI 1.15); "
+                      "set optimizer.overlap_grad_reduce = false or use optimizer.strategy = \"ddp\" or "
+                      "\"distributed\"");
   // MoE folding (etp != tp, ABI 1.5): only a strategy that reads etp gets such a run.
   const bool folding = expert_parallel && (features & LOOM_OPTIMIZER_EXPERT_FOLDING) != 0;
   if (experts && plan.sizes.experts_fold_tp() && !folding)

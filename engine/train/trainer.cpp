@@ -82,6 +82,10 @@ class RankTraining {
         batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches) {
     if (run_.resume)
       restore_checkpoint(run_.plan, *run_.resume, rt_, *model_, optimizer_, run_.manifest_toml, run_.regathered.get());
+    // overlap_grad_reduce: gradients final during the backward go to the strategy
+    // at once, so it can start their reduction while the backward goes on.
+    if (config_.optimizer.overlap_grad_reduce)
+      model_->set_grads_ready_listener([this](const std::vector<size_t>& params) { optimizer_.grads_ready(params); });
     if (!run_.options.trace_file.empty()) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
                       static_cast<int>(run_.plan.microbatches), trace_.get());
@@ -131,10 +135,12 @@ std::unique_ptr<model::Model> RankTraining::create_model(const Run& run, runtime
 void RankTraining::start_trace() {
   trace_ = std::make_unique<pipeline::TraceRecorder>(run_.trace_origin);
   rt_.set_comm_observer([this](const std::string& kind, const char* op, uint64_t bytes,
-                               std::chrono::steady_clock::time_point start) {
+                               std::chrono::steady_clock::time_point start, bool started) {
     const std::string name = op;
     if (name == "send" || name == "recv") return;  // the executor records p2p
-    trace_->add(rank_, kind + " " + name, "collective", start, {{"bytes", static_cast<long long>(bytes)}});
+    // A started collective runs beside the rank's work: on the rank's comm track.
+    trace_->add(rank_, kind + " " + name, "collective", start, {{"bytes", static_cast<long long>(bytes)}},
+                started ? pipeline::TraceLane::Comm : pipeline::TraceLane::Rank);
   });
 }
 

@@ -61,6 +61,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_13(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_13(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_14(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_14(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_14(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_15(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_15(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -358,6 +361,23 @@ TEST(AbiLayout, Released114MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_optimizer_api, state_decode), loom_abi_sizeof_v1_13("loom_optimizer_api"));
   EXPECT_EQ(offsetof(loom_optimizer_elements, numel), 8u);
   EXPECT_EQ(offsetof(loom_optimizer_elements, held) + sizeof(void*), sizeof(loom_optimizer_elements));
+}
+
+// 1.15's too (overlap): the slots past 1.14's sizeof of loom_comm_api and
+// loom_optimizer_api, and loom_collective without padding.
+TEST(AbiLayout, Released115MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_114 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_15(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_15(&n_current);
+  loom_abi_layout_current_v1_14(&n_114);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_114 + 2 * 10);  // 3 slots, 7 members of loom_collective
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_14("loom_comm_api"), 0u);
+  EXPECT_GE(offsetof(loom_comm_api, start), loom_abi_sizeof_v1_14("loom_comm_api"));
+  EXPECT_GE(offsetof(loom_optimizer_api, grads_ready), loom_abi_sizeof_v1_14("loom_optimizer_api"));
+  EXPECT_EQ(offsetof(loom_collective, send), 8u);
+  EXPECT_EQ(offsetof(loom_collective, op) + sizeof(int32_t), sizeof(loom_collective));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -27,4 +28,11 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_14(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the tables 1.15 appended to, as released in 1.14. */
+size_t loom_abi_sizeof_v1_14(const char* name) {
+  if (strcmp(name, "loom_comm_api") == 0) return sizeof(loom_comm_api);
+  if (strcmp(name, "loom_optimizer_api") == 0) return sizeof(loom_optimizer_api);
+  return 0;
 }

@@ -2,7 +2,8 @@
 # `loom run` under mpirun with comm/mpi against the threads backend (comm/local):
 #   1. -np 2 (dp 2) and -np 4 (dp 2 x tp 2, distributed optimizer): the per-step
 #      metrics (loss, lr, grad norm, memory, validation) are identical, timing
-#      fields aside; only rank 0 prints the step log; 1b. MoE blocks at ep 2 too;
+#      fields aside; only rank 0 prints the step log; 1a. with the gradient
+#      reduction overlapped with the backward too; 1b. MoE blocks at ep 2 too;
 #      1c. and folded (etp 1 under tp 2 + SP, ep 2, dp 2) at -np 4;
 #   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
 #      under mpirun to the same steps as the uninterrupted threads run;
@@ -48,6 +49,14 @@ four=(--set parallel.tp=2 --set optimizer.strategy=distributed)
 threads "${four[@]}" --metrics "$work/t4.jsonl" >/dev/null
 mpi 4 "${four[@]}" --metrics "$work/m4.jsonl" >/dev/null
 same "$work/t4.jsonl" "$work/m4.jsonl" "mpirun -np 4 vs threads (dp 2 x tp 2, distributed optimizer)"
+
+# 1a. Overlapped gradient reduction: comm/mpi runs the started reduce-scatters on
+# each member's worker thread during the backward; the steps equal the threads
+# backend's in-line ones.
+ov=(--set parallel.tp=2 --set optimizer.strategy=distributed --set optimizer.bucket_size=2000)
+threads "${ov[@]}" --metrics "$work/tov.jsonl" >/dev/null
+mpi 4 "${ov[@]}" --set optimizer.overlap_grad_reduce=true --metrics "$work/mov.jsonl" >/dev/null
+same "$work/tov.jsonl" "$work/mov.jsonl" "mpirun -np 4 overlapped vs threads in line (dp 2 x tp 2, distributed optimizer)"
 
 # 1b. Expert parallelism: MoE blocks with their experts split over ep = 2, the
 # tokens dispatched between the processes by comm/mpi's all_to_all(v).

@@ -929,4 +929,105 @@ TEST(CommLocalLinks, AMalformedLinkIsRefusedWithWhatWouldBeValid) {
   }
 }
 
+
+
+// ---------------------------------------------------------------------------
+// Started collectives (ABI 1.15: start / wait)
+// ---------------------------------------------------------------------------
+
+loom_collective collective(int32_t kind, const void* send, void* recv, size_t count, int32_t op) {
+  loom_collective c{};
+  c.struct_size = sizeof c;
+  c.kind = kind;
+  c.send = send;
+  c.recv = recv;
+  c.count = count;
+  c.dtype = LOOM_DTYPE_F32;
+  c.op = op;
+  return c;
+}
+
+// A member's started collectives run in the order it started them and before its
+// later blocking ones: rank 1 starts its two in the other order than it waits for
+// them, and each result is that of the call at the same place in every member's
+// sequence; the results equal the blocking calls'.
+TEST(CommLocalStart, StartedCollectivesKeepTheMembersCallOrder) {
+  World w(3);
+  std::vector<std::vector<float>> a(3), b(3), gathered(3), blocking(3);
+  run_ranks(3, [&](int r) {
+    Comm dp(w, "dp", {0, 1, 2}, r);
+    a[r].assign(1000, static_cast<float>(r + 1));
+    b[r].assign(600, static_cast<float>(10 * (r + 1)));
+    gathered[r].assign(3 * 5, -1.f);
+    blocking[r].assign(8, static_cast<float>(r));
+    std::vector<float> mine(5, static_cast<float>(100 + r));
+    loom_comm_request *ra = nullptr, *rb = nullptr, *rg = nullptr;
+    const loom_collective ca = collective(LOOM_COLLECTIVE_ALL_REDUCE, a[r].data(), a[r].data(), 1000, LOOM_REDUCE_SUM);
+    const loom_collective cb =
+        collective(LOOM_COLLECTIVE_REDUCE_SCATTER, b[r].data(), b[r].data() + 200 * r, 200, LOOM_REDUCE_AVG);
+    const loom_collective cg = collective(LOOM_COLLECTIVE_ALL_GATHER, mine.data(), gathered[r].data(), 5, 0);
+    EXPECT_OK(api()->start(dp.get(), nullptr, &ca, &ra));
+    EXPECT_OK(api()->start(dp.get(), nullptr, &cb, &rb));
+    EXPECT_OK(api()->start(dp.get(), nullptr, &cg, &rg));
+    // A blocking call after them runs after them (same member, same order everywhere).
+    EXPECT_OK(api()->all_reduce(dp.get(), nullptr, blocking[r].data(), blocking[r].data(), 8, LOOM_DTYPE_F32,
+                                LOOM_REDUCE_MAX));
+    if (r == 1) {
+      EXPECT_OK(api()->wait(dp.get(), rg, nullptr));
+      EXPECT_OK(api()->wait(dp.get(), rb, nullptr));
+      EXPECT_OK(api()->wait(dp.get(), ra, nullptr));
+    } else {
+      EXPECT_OK(api()->wait(dp.get(), ra, nullptr));
+      EXPECT_OK(api()->wait(dp.get(), rb, nullptr));
+      EXPECT_OK(api()->wait(dp.get(), rg, nullptr));
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(a[r], std::vector<float>(1000, 6.f)) << "rank " << r;
+    for (int i = 0; i < 200; ++i) EXPECT_EQ(b[r][200 * r + i], 20.f) << "rank " << r;  // (10 + 20 + 30) / 3
+    for (int j = 0; j < 3; ++j)
+      for (int i = 0; i < 5; ++i) EXPECT_EQ(gathered[r][5 * j + i], static_cast<float>(100 + j)) << "rank " << r;
+    EXPECT_EQ(blocking[r], std::vector<float>(8, 2.f)) << "rank " << r;
+  }
+}
+
+// The caller's thread goes on while a started collective waits out its modelled
+// link time, and the failure of a started collective (a member that never joins)
+// comes back at its wait, naming the group and the missing rank.
+TEST(CommLocalStart, StartReturnsAtOnceAndFailuresComeBackAtWait) {
+  {
+    World w(2, 20000, "dp=1GB/s,20ms");  // 2 (a + n / (p b)) >= 40 ms
+    std::vector<double> start_took(2), wait_took(2);
+    run_ranks(2, [&](int r) {
+      Comm dp(w, "dp", {0, 1}, r);
+      std::vector<float> x(1000, 1.f);
+      const loom_collective c = collective(LOOM_COLLECTIVE_ALL_REDUCE, x.data(), x.data(), x.size(), LOOM_REDUCE_SUM);
+      loom_comm_request* req = nullptr;
+      const Clock::time_point t0 = Clock::now();
+      EXPECT_OK(api()->start(dp.get(), nullptr, &c, &req));
+      start_took[r] = seconds_since(t0);
+      EXPECT_OK(api()->wait(dp.get(), req, nullptr));
+      wait_took[r] = seconds_since(t0);
+      EXPECT_EQ(x[0], 2.f);
+    });
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_GE(wait_took[r], 0.04) << "rank " << r;
+      EXPECT_LT(start_took[r], wait_took[r] / 2) << "rank " << r << ": start waited for the collective";
+    }
+  }
+  World w(2, 300);
+  run_ranks(2, [&](int r) {
+    Comm dp(w, "dp", {0, 1}, r);
+    if (r == 1) return;  // never calls
+    std::vector<float> x(10, 1.f);
+    const loom_collective c = collective(LOOM_COLLECTIVE_ALL_REDUCE, x.data(), x.data(), x.size(), LOOM_REDUCE_SUM);
+    loom_comm_request* req = nullptr;
+    EXPECT_OK(api()->start(dp.get(), nullptr, &c, &req));
+    const Result res = take(api()->wait(dp.get(), req, nullptr));
+    EXPECT_EQ(res.code, LOOM_CODE_TIMEOUT) << res.message;
+    EXPECT_NE(res.message.find("'dp'"), std::string::npos) << res.message;
+    EXPECT_NE(res.message.find("rank 1"), std::string::npos) << res.message;
+  });
+}
+
 }  // namespace

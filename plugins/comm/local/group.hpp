@@ -14,7 +14,9 @@
 // poisoned and every later call on it fails at once with the same story.
 //
 // Thread model: each member's calls come from one thread at a time (its rank
-// thread); different members call concurrently. send/recv are safe from any thread.
+// thread, or the member's worker for collectives started without waiting, ABI 1.15,
+// which the plugin drains before a blocking collective); different members call
+// concurrently. send/recv are safe from any thread.
 //
 // With a modelled link (comm.options.links, link_model.hpp) a collective returns no
 // earlier than the link's time for it after the call began, and a message can be

@@ -1,28 +1,44 @@
 // comm/local: every rank is a thread of this process; collectives and p2p go
 // through shared memory. The embedded default backend and the test vehicle.
 // See group.hpp (collective protocol, mailboxes) and world.hpp (rendezvous).
+#include "../common/async_worker.hpp"
 #include "group.hpp"
 #include "world.hpp"
 
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
+#include <future>
 #include <memory>
 #include <vector>
 
 namespace loom::comm_local {
 namespace {
 
-// What group_create hands each member: the shared group and the member's place in it.
+// What group_create hands each member: the shared group, the member's place in
+// it, and the thread its started collectives run on (made on first start).
 struct Handle {
   std::shared_ptr<Group> group;
   int index = 0;
+  std::unique_ptr<comm_common::AsyncWorker> worker;
 };
 
-Handle& handle(loom_comm* comm) {
+Handle& member(loom_comm* comm) {
   LOOM_REQUIRE(comm != nullptr, "comm/local: null communicator (was group_create successful?)");
   return *reinterpret_cast<Handle*>(comm);
 }
+
+// A member's handle for a blocking collective: the collectives it started run
+// first. (Point to point keeps no order with collectives and does not wait.)
+Handle& handle(loom_comm* comm) {
+  Handle& h = member(comm);
+  if (h.worker) h.worker->drain();
+  return h;
+}
+
+struct Request {
+  std::future<void> done;
+};
 
 loom_status world_create(const loom_options* options, const loom_comm_world_args* args,
                          loom_comm_world** out) {
@@ -143,7 +159,7 @@ loom_status barrier(loom_comm* comm) {
 loom_status send(loom_comm* comm, void* /*stream*/, const void* buf, size_t count, int32_t dtype, int32_t peer,
                  int32_t tag) {
   return guard([&] {
-    Handle& h = handle(comm);
+    Handle& h = member(comm);
     h.group->send(h.index, buf, count, dtype, peer, tag);
   });
 }
@@ -151,8 +167,43 @@ loom_status send(loom_comm* comm, void* /*stream*/, const void* buf, size_t coun
 loom_status recv(loom_comm* comm, void* /*stream*/, void* buf, size_t count, int32_t dtype, int32_t peer,
                  int32_t tag) {
   return guard([&] {
-    Handle& h = handle(comm);
+    Handle& h = member(comm);
     h.group->recv(h.index, buf, count, dtype, peer, tag);
+  });
+}
+
+// Started collectives run on the member's worker in call order; the caller's
+// thread goes on (the modelled link's time passes on the worker too).
+loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, loom_comm_request** req) {
+  return guard([&] {
+    LOOM_REQUIRE(comm != nullptr && c != nullptr && req != nullptr && LOOM_HAS_SLOT(c, loom_collective, op),
+                 "comm/local: start needs a communicator, a loom_collective and a request");
+    Handle& h = member(comm);
+    const loom_collective col = *c;
+    LOOM_REQUIRE(col.kind == LOOM_COLLECTIVE_ALL_REDUCE || col.kind == LOOM_COLLECTIVE_ALL_GATHER ||
+                     col.kind == LOOM_COLLECTIVE_REDUCE_SCATTER,
+                 "comm/local: start of an unknown collective kind " << col.kind);
+    if (!h.worker) h.worker = std::make_unique<comm_common::AsyncWorker>();
+    std::shared_ptr<Group> group = h.group;
+    const int me = h.index;
+    auto r = std::make_unique<Request>();
+    r->done = h.worker->submit([group, me, col] {
+      if (col.kind == LOOM_COLLECTIVE_ALL_REDUCE)
+        group->all_reduce(me, col.send, col.recv, col.count, col.dtype, col.op);
+      else if (col.kind == LOOM_COLLECTIVE_ALL_GATHER)
+        group->all_gather(me, col.send, col.recv, col.count, col.dtype);
+      else
+        group->reduce_scatter(me, col.send, col.recv, col.count, col.dtype, col.op);
+    });
+    *req = reinterpret_cast<loom_comm_request*>(r.release());
+  });
+}
+
+loom_status wait(loom_comm* /*comm*/, loom_comm_request* req, void* /*stream*/) {
+  return guard([&] {
+    LOOM_REQUIRE(req != nullptr, "comm/local: wait without a request");
+    std::unique_ptr<Request> r(reinterpret_cast<Request*>(req));
+    r->done.get();  // rethrows the collective's failure
   });
 }
 
@@ -174,6 +225,8 @@ const loom_comm_api* comm_api() {
     a.barrier = barrier;
     a.send = send;
     a.recv = recv;
+    a.start = start;
+    a.wait = wait;
     return a;
   }();
   return &api;
@@ -183,7 +236,7 @@ const loom_comm_api* comm_api() {
 }  // namespace loom::comm_local
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "comm", "local", "1.1.0", "ranks as threads of one process; deterministic shared-memory collectives",
+    "comm", "local", "1.2.0", "ranks as threads of one process; deterministic shared-memory collectives",
     LOOM_API_COMM, loom::comm_local::comm_api(),
     {loom::opt_string("links", "",
                       "a modelled network per group kind, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\": "

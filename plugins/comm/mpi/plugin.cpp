@@ -4,11 +4,13 @@
 // the op, the group and the ranks that did not arrive; world_abort reaches every
 // process. See ../common/mpi_world.hpp (MPI set-up, polling, abort) and group.hpp (protocol).
 #include "group.hpp"
+#include "../common/async_worker.hpp"
 #include "../common/mpi_world.hpp"
 
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
+#include <future>
 #include <memory>
 #include <vector>
 
@@ -19,10 +21,31 @@ struct WorldHandle {
   std::shared_ptr<World> world;
 };
 
-Group& group_of(loom_comm* comm) {
+// A member: its group, and the thread its started collectives run on (ABI 1.15,
+// made on first start; every MPI call is serialised by mpi_mutex()). Destroyed
+// worker first, so queued collectives finish before the group goes.
+struct Member {
+  std::unique_ptr<Group> group;
+  std::unique_ptr<comm_common::AsyncWorker> worker;
+  ~Member() { worker.reset(); }
+};
+
+Member& member_of(loom_comm* comm) {
   LOOM_REQUIRE(comm != nullptr, "comm/mpi: null communicator (was group_create successful?)");
-  return *reinterpret_cast<Group*>(comm);
+  return *reinterpret_cast<Member*>(comm);
 }
+
+// The group for a blocking call: the member's started collectives run first (point
+// to point too: its messages travel on the group's tag, as the collectives' do).
+Group& group_of(loom_comm* comm) {
+  Member& m = member_of(comm);
+  if (m.worker) m.worker->drain();
+  return *m.group;
+}
+
+struct Request {
+  std::future<void> done;
+};
 
 loom_status world_create(const loom_options* options, const loom_comm_world_args* args, loom_comm_world** out) {
   return guard([&] {
@@ -85,13 +108,14 @@ loom_status group_create(loom_comm_world* world, const loom_group_desc* desc, lo
                  "comm/mpi: group_create of group '" << kind << "': the caller, rank " << desc->my_rank
                                                      << ", is not a member");
     const int index = static_cast<int>(self - ranks.begin());
-    auto g = std::make_unique<Group>(w, kind, std::move(ranks), index);
-    g->join();
-    *out = reinterpret_cast<loom_comm*>(g.release());
+    auto m = std::make_unique<Member>();
+    m->group = std::make_unique<Group>(w, kind, std::move(ranks), index);
+    m->group->join();
+    *out = reinterpret_cast<loom_comm*>(m.release());
   });
 }
 
-void group_destroy(loom_comm* comm) { delete reinterpret_cast<Group*>(comm); }
+void group_destroy(loom_comm* comm) { delete reinterpret_cast<Member*>(comm); }
 
 loom_status all_reduce(loom_comm* comm, void* /*stream*/, const void* send, void* recv, size_t count, int32_t dtype,
                        int32_t op) {
@@ -131,6 +155,38 @@ loom_status recv(loom_comm* comm, void* /*stream*/, void* buf, size_t count, int
   return guard([&] { group_of(comm).recv(buf, count, dtype, peer, tag); });
 }
 
+loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, loom_comm_request** req) {
+  return guard([&] {
+    LOOM_REQUIRE(c != nullptr && req != nullptr && LOOM_HAS_SLOT(c, loom_collective, op),
+                 "comm/mpi: start needs a loom_collective and a request");
+    Member& m = member_of(comm);
+    const loom_collective col = *c;
+    LOOM_REQUIRE(col.kind == LOOM_COLLECTIVE_ALL_REDUCE || col.kind == LOOM_COLLECTIVE_ALL_GATHER ||
+                     col.kind == LOOM_COLLECTIVE_REDUCE_SCATTER,
+                 "comm/mpi: start of an unknown collective kind " << col.kind);
+    if (!m.worker) m.worker = std::make_unique<comm_common::AsyncWorker>();
+    Group* g = m.group.get();
+    auto r = std::make_unique<Request>();
+    r->done = m.worker->submit([g, col] {
+      if (col.kind == LOOM_COLLECTIVE_ALL_REDUCE)
+        g->all_reduce(col.send, col.recv, col.count, col.dtype, col.op);
+      else if (col.kind == LOOM_COLLECTIVE_ALL_GATHER)
+        g->all_gather(col.send, col.recv, col.count, col.dtype);
+      else
+        g->reduce_scatter(col.send, col.recv, col.count, col.dtype, col.op);
+    });
+    *req = reinterpret_cast<loom_comm_request*>(r.release());
+  });
+}
+
+loom_status wait(loom_comm* /*comm*/, loom_comm_request* req, void* /*stream*/) {
+  return guard([&] {
+    LOOM_REQUIRE(req != nullptr, "comm/mpi: wait without a request");
+    std::unique_ptr<Request> r(reinterpret_cast<Request*>(req));
+    r->done.get();  // rethrows the collective's failure
+  });
+}
+
 const loom_comm_api* comm_api() {
   static const loom_comm_api api = [] {
     loom_comm_api a = make<loom_comm_api>();
@@ -149,6 +205,8 @@ const loom_comm_api* comm_api() {
     a.barrier = barrier;
     a.send = send;
     a.recv = recv;
+    a.start = start;
+    a.wait = wait;
     return a;
   }();
   return &api;
@@ -158,7 +216,7 @@ const loom_comm_api* comm_api() {
 }  // namespace loom::comm_mpi
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "comm", "mpi", "1.0.0",
+    "comm", "mpi", "1.1.0",
     "one rank per process over MPI (start with mpirun/srun); CPU buffers; results bit-identical to comm/local",
     LOOM_API_COMM, loom::comm_mpi::comm_api(),
     {loom::opt_int("spin_us", 50, "microseconds a wait polls MPI without sleeping before it backs off")

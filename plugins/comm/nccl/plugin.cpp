@@ -565,8 +565,10 @@ void track(Comm& c, const char* op, const std::string& what, cudaStream_t on) {
 
 // Runs `enqueue(send, recv)` on the comm stream, ordered after `stream` and
 // before later work on it; stages host buffers (see the top of the file).
+// started (ABI 1.15, start): recorded on the comm stream after the operation instead
+// of making `stream` wait for it; wait() orders the caller's stream after it.
 template <typename Fn>
-void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
+void run(Comm& c, void* stream, const Call& call, Fn&& enqueue, cudaEvent_t started = nullptr) {
   std::lock_guard<std::mutex> lock(c.call_mu);
   check_alive(c, call.op);
   GpuScope gpu(c, call.op);
@@ -626,7 +628,11 @@ void run(Comm& c, void* stream, const Call& call, Fn&& enqueue) {
 
   if (!capturing) track(c, call.op, call.what, c.stream);
   LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(c.done, c.stream));
-  if (caller != nullptr) LOOM_NCCL_CUDA(&c, call.op, cudaStreamWaitEvent(caller, c.done, 0));
+  if (started != nullptr && !sync) {
+    LOOM_NCCL_CUDA(&c, call.op, cudaEventRecord(started, c.stream));
+  } else if (caller != nullptr) {
+    LOOM_NCCL_CUDA(&c, call.op, cudaStreamWaitEvent(caller, c.done, 0));
+  }
   if (sync) host_wait(c, call.op, c.done);  // the watchdog's timeout applies
   // Only now, with the operation complete: a copy into pageable memory returns when
   // it is done, so issued earlier it would wait for the collective without a timeout.
@@ -1046,46 +1052,114 @@ void group_destroy(loom_comm* comm) {
 
 size_t bytes_of(size_t count, int32_t dtype) { return count * loom::dtype_size(dtype); }
 
+void do_all_reduce(Comm& c, void* stream, const void* send, void* recv, size_t count, int32_t dtype, int32_t op,
+                   cudaEvent_t started = nullptr) {
+  const ncclDataType_t t = nccl_type(dtype, "all_reduce");
+  const ncclRedOp_t o = nccl_op(op, "all_reduce");
+  if (count == 0) return;
+  Call call{"all_reduce", describe("all_reduce", count, dtype), send, bytes_of(count, dtype), recv,
+            bytes_of(count, dtype)};
+  run(c, stream, call, [&](const void* s, void* r) {
+    LOOM_NCCL(c, "all_reduce", ncclAllReduce(s, r, count, t, o, c.nccl, c.stream));
+  }, started);
+}
+
+void do_all_gather(Comm& c, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                   cudaEvent_t started = nullptr) {
+  const ncclDataType_t t = nccl_type(dtype, "all_gather");
+  if (count == 0) return;
+  Call call{"all_gather", describe("all_gather", count, dtype), send, bytes_of(count, dtype), recv,
+            bytes_of(count * c.ranks.size(), dtype), false};
+  run(c, stream, call, [&](const void* s, void* r) {
+    LOOM_NCCL(c, "all_gather", ncclAllGather(s, r, count, t, c.nccl, c.stream));
+  }, started);
+}
+
+void do_reduce_scatter(Comm& c, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                       int32_t op, cudaEvent_t started = nullptr) {
+  const ncclDataType_t t = nccl_type(dtype, "reduce_scatter");
+  const ncclRedOp_t o = nccl_op(op, "reduce_scatter");
+  if (count == 0) return;
+  Call call{"reduce_scatter", describe("reduce_scatter", count, dtype), send,
+            bytes_of(count * c.ranks.size(), dtype), recv, bytes_of(count, dtype), false};
+  run(c, stream, call, [&](const void* s, void* r) {
+    LOOM_NCCL(c, "reduce_scatter", ncclReduceScatter(s, r, count, t, o, c.nccl, c.stream));
+  }, started);
+}
+
 loom_status all_reduce(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
                        int32_t op) {
-  return guard([&] {
-    Comm& c = comm_of(comm);
-    const ncclDataType_t t = nccl_type(dtype, "all_reduce");
-    const ncclRedOp_t o = nccl_op(op, "all_reduce");
-    if (count == 0) return;
-    Call call{"all_reduce", describe("all_reduce", count, dtype), send, bytes_of(count, dtype), recv,
-              bytes_of(count, dtype)};
-    run(c, stream, call, [&](const void* s, void* r) {
-      LOOM_NCCL(c, "all_reduce", ncclAllReduce(s, r, count, t, o, c.nccl, c.stream));
-    });
-  });
+  return guard([&] { do_all_reduce(comm_of(comm), stream, send, recv, count, dtype, op); });
 }
 
 loom_status all_gather(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype) {
-  return guard([&] {
-    Comm& c = comm_of(comm);
-    const ncclDataType_t t = nccl_type(dtype, "all_gather");
-    if (count == 0) return;
-    Call call{"all_gather", describe("all_gather", count, dtype), send, bytes_of(count, dtype), recv,
-              bytes_of(count * c.ranks.size(), dtype), false};
-    run(c, stream, call, [&](const void* s, void* r) {
-      LOOM_NCCL(c, "all_gather", ncclAllGather(s, r, count, t, c.nccl, c.stream));
-    });
-  });
+  return guard([&] { do_all_gather(comm_of(comm), stream, send, recv, count, dtype); });
 }
 
 loom_status reduce_scatter(loom_comm* comm, void* stream, const void* send, void* recv, size_t count, int32_t dtype,
                            int32_t op) {
+  return guard([&] { do_reduce_scatter(comm_of(comm), stream, send, recv, count, dtype, op); });
+}
+
+// ABI 1.15: the collective is enqueued on the comm stream (after the caller's
+// stream, as any call) and the caller's stream goes on; its event is the request.
+// NCCL already runs every operation on the comm stream, so the blocking calls differ
+// only in making the caller's stream wait at once. Host buffers complete in start.
+struct Started {
+  cudaEvent_t done = nullptr;
+};
+
+loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loom_comm_request** req) {
   return guard([&] {
+    LOOM_REQUIRE(col != nullptr && req != nullptr && LOOM_HAS_SLOT(col, loom_collective, op),
+                 "comm/nccl: start needs a loom_collective and a request");
     Comm& c = comm_of(comm);
-    const ncclDataType_t t = nccl_type(dtype, "reduce_scatter");
-    const ncclRedOp_t o = nccl_op(op, "reduce_scatter");
-    if (count == 0) return;
-    Call call{"reduce_scatter", describe("reduce_scatter", count, dtype), send,
-              bytes_of(count * c.ranks.size(), dtype), recv, bytes_of(count, dtype), false};
-    run(c, stream, call, [&](const void* s, void* r) {
-      LOOM_NCCL(c, "reduce_scatter", ncclReduceScatter(s, r, count, t, o, c.nccl, c.stream));
-    });
+    auto r = std::make_unique<Started>();
+    {
+      GpuScope gpu(c, "start");
+      LOOM_NCCL_CUDA(&c, "start", cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming));
+      // Recorded once here so that a wait on a collective that finished in start
+      // (host buffers, count 0) has a completed event to wait for.
+      LOOM_NCCL_CUDA(&c, "start", cudaEventRecord(r->done, c.stream));
+    }
+    struct Destroy {
+      Started* s;
+      ~Destroy() {
+        if (s && s->done) cudaEventDestroy(s->done);
+      }
+    } on_failure{r.get()};
+    switch (col->kind) {
+      case LOOM_COLLECTIVE_ALL_REDUCE:
+        do_all_reduce(c, stream, col->send, col->recv, col->count, col->dtype, col->op, r->done);
+        break;
+      case LOOM_COLLECTIVE_ALL_GATHER:
+        do_all_gather(c, stream, col->send, col->recv, col->count, col->dtype, r->done);
+        break;
+      case LOOM_COLLECTIVE_REDUCE_SCATTER:
+        do_reduce_scatter(c, stream, col->send, col->recv, col->count, col->dtype, col->op, r->done);
+        break;
+      default:
+        LOOM_REQUIRE(false, "comm/nccl: start of an unknown collective kind " << col->kind);
+    }
+    on_failure.s = nullptr;
+    *req = reinterpret_cast<loom_comm_request*>(r.release());
+  });
+}
+
+loom_status wait(loom_comm* comm, loom_comm_request* req, void* stream) {
+  return guard([&] {
+    LOOM_REQUIRE(req != nullptr, "comm/nccl: wait without a request");
+    std::unique_ptr<Started> r(reinterpret_cast<Started*>(req));
+    struct Destroy {
+      cudaEvent_t e;
+      ~Destroy() { cudaEventDestroy(e); }
+    } destroy{r->done};
+    Comm& c = comm_of(comm);
+    GpuScope gpu(c, "wait");
+    if (stream != nullptr)
+      LOOM_NCCL_CUDA(&c, "wait", cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r->done, 0));
+    else
+      host_wait(c, "wait", r->done);  // the watchdog's timeout applies
   });
 }
 
@@ -1347,6 +1421,8 @@ const loom_comm_api* comm_api() {
     a.barrier = barrier;
     a.send = send;
     a.recv = recv;
+    a.start = start;
+    a.wait = wait;
     a.world_abort = world_abort;
     a.features = LOOM_COMM_THREADS | LOOM_COMM_PROCESSES | LOOM_COMM_DEVICE_BUFFERS;
     return a;
@@ -1359,7 +1435,7 @@ const loom_comm_api* comm_api() {
 // ...", which a run asking for comm.backend = "nccl" shows as its note).
 PluginDefPtr plugin_def() {
   require_runtime_nccl();
-  return raw_plugin("comm", "nccl", "1.1.0",
+  return raw_plugin("comm", "nccl", "1.2.0",
                     "NCCL collectives on GPUs, one GPU per rank (ranks as threads of one process, or "
                     "one process per rank under mpirun/srun with the NCCL ids over MPI); "
                     "stream-ordered, with a watchdog that aborts a hung collective",

@@ -1,7 +1,12 @@
 // parallel/ddp: data-parallel gradient averaging plus AdamW on every rank.
 //
-// After the last microbatch's backward: all-reduce the flat gradient buffer over
-// the dp group (averaged), take the global gradient norm (summed over this
+// Gradients are all-reduced over the dp group (averaged) bucket by bucket, as the
+// engine laid the buffers out: in step, or, when the engine announces final
+// gradients during the backward (ABI 1.15 grads_ready, optimizer.overlap_grad_reduce),
+// each bucket as soon as it is complete, on the comm plugin's own thread or stream,
+// waited for in step (Megatron-LM's overlap_grad_reduce). Either way each bucket is
+// the same collective, so results do not depend on the overlap. Then take the
+// global gradient norm (summed over this
 // rank's parameters, counting tp-duplicated ones on tp rank 0 only and tied
 // pipeline copies on their owning stage only, then reduced over tp and pp), clip, and step AdamW on fp32 master weights.
 // Expert parallelism (ABI 1.4): the expert parameters, the buffers' tail, differ
@@ -39,6 +44,12 @@ class Ddp : public loom::OptimizerStrategy {
       infos_.push_back(
           {p.offset, p.numel, p.no_weight_decay != 0, loom::counted_elsewhere(a, i), p.offset >= expert_start_});
     }
+    buckets_ = loom::bucket_ranges(a);
+    for (const auto& [start, end] : buckets_)
+      LOOM_REQUIRE(end <= expert_start_ || start >= expert_start_,
+                   "parallel/ddp: bucket [" << start << ", " << end << ") holds dense and expert parameters");
+    ready_ = loom::BucketReadiness(a, buckets_);
+    requests_.resize(buckets_.size());
     loom::Device dev = rank.device();
     multi_ = multi_tensor_step(dev);
     m_ = loom::Buffer(rank_, numel_ * sizeof(float));
@@ -54,23 +65,30 @@ class Ddp : public loom::OptimizerStrategy {
     }
   }
 
+  // The buckets these parameters complete start their all-reduce now.
+  void grads_ready(loom::Rank& rank, const size_t* params, size_t n) override {
+    for (size_t b : ready_.announce(params, n)) requests_[b] = start_bucket(rank.device().native_stream(), b);
+  }
+
   float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
     loom::Device dev = rank.device();
     void* stream = dev.native_stream();
     loom::Group dp(dp_);
-    // 1. average gradients over data-parallel replicas; the expert tail summed
-    // over edp, then scaled as the average over dp.
-    if (dp.size() > 1 && expert_start_ > 0)
-      dp.all_reduce(stream, grads_, grads_, expert_start_, grad_dtype_, LOOM_REDUCE_AVG);
-    if (expert_start_ < numel_) {
-      char* tail = static_cast<char*>(grads_) + expert_start_ * elem(grad_dtype_);
-      const size_t n = numel_ - expert_start_;
-      loom::Group(edp_).all_reduce(stream, tail, tail, n, grad_dtype_, LOOM_REDUCE_SUM);
-      if (dp.size() > 1)
-        dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(n), .x = tail, .out = tail,
+    // 1. average gradients over data-parallel replicas, bucket by bucket (those
+    // started during the backward are waited for); an expert bucket is summed over
+    // edp, then scaled as the average over dp.
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      if (requests_[b].pending()) requests_[b].wait();
+      else start_bucket(stream, b).wait();
+      if (is_expert_bucket(b) && dp.size() > 1) {
+        const size_t n = buckets_[b].second - buckets_[b].first;
+        char* g = static_cast<char*>(grads_) + buckets_[b].first * elem(grad_dtype_);
+        dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(n), .x = g, .out = g,
                          .alpha = 1.f / static_cast<float>(dp.size()), .dtype = grad_dtype_,
                          .out_dtype = grad_dtype_});
+      }
     }
+    ready_.reset();
 
     // 2. global norm: this rank's share (one fp32 partial per parameter, copied to
     // the host at once and summed in double), then the model-parallel sum on a
@@ -202,6 +220,15 @@ class Ddp : public loom::OptimizerStrategy {
   };
 
   static size_t elem(int32_t dtype) { return loom::dtype_size(dtype); }
+  bool is_expert_bucket(size_t b) const { return buckets_[b].first >= expert_start_; }
+
+  // Bucket b's all-reduce: a dense one averaged over dp, an expert one summed over edp.
+  loom::CommRequest start_bucket(void* stream, size_t b) const {
+    char* g = static_cast<char*>(grads_) + buckets_[b].first * elem(grad_dtype_);
+    const size_t n = buckets_[b].second - buckets_[b].first;
+    if (is_expert_bucket(b)) return loom::Group(edp_).start_all_reduce(stream, g, g, n, grad_dtype_, LOOM_REDUCE_SUM);
+    return loom::Group(dp_).start_all_reduce(stream, g, g, n, grad_dtype_, LOOM_REDUCE_AVG);
+  }
 
   // The step's tables: the norm's segments (the parameters counted here, in the order
   // of the per-tensor loop) and every parameter's AdamW segment (all buffers share
@@ -245,6 +272,9 @@ class Ddp : public loom::OptimizerStrategy {
   loom_group etp_ = loom::make<loom_group>();  // size 0 unless the run folds MoE parallelism (etp != tp)
   size_t expert_start_ = numel_;  // the expert tail [expert_start_, numel_), when expert-parallel
   std::vector<Info> infos_;
+  std::vector<std::pair<size_t, size_t>> buckets_;  // [start, end), as the engine laid them out
+  loom::BucketReadiness ready_;
+  std::vector<loom::CommRequest> requests_;  // by bucket: started during the backward, until step
   loom::Buffer m_, v_, main_, norm_parts_, norm_total_;
   loom::MultiTensorStep multi_;
 };
@@ -252,4 +282,4 @@ class Ddp : public loom::OptimizerStrategy {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::optimizer_plugin<Ddp>(
-    "ddp", "1.0.0", "data-parallel gradient all-reduce (averaged), global-norm clipping, AdamW"))
+    "ddp", "1.1.0", "data-parallel gradient all-reduce (averaged), global-norm clipping, AdamW"))

@@ -5,7 +5,10 @@
 // owns shard r of every bucket and keeps fp32 master weights and Adam moments for
 // that shard only, so optimizer memory falls as 1/dp. One step:
 //   1. reduce-scatter each bucket's gradients over dp (averaged, as DDP's
-//      all-reduce): the rank's shard of the buffer now holds the reduced gradient;
+//      all-reduce) — started during the backward as soon as the bucket is complete
+//      when the engine announces final gradients (ABI 1.15 grads_ready,
+//      optimizer.overlap_grad_reduce; Megatron-LM's overlap_grad_reduce), and
+//      waited for here: the rank's shard of the buffer now holds the reduced gradient;
 //      that slice is the fp32 main gradient (no copy: adamw reads it in place, and
 //      upcasts when the gradients are bf16);
 //   2. global gradient norm: sum of squares over the owned pieces (tp-duplicated
@@ -207,6 +210,10 @@ class DistOpt : public loom::OptimizerStrategy {
       shards_.push_back({k.start + r * size, k.start + (r + 1) * size});
     }
 
+    std::vector<std::pair<size_t, size_t>> ranges;
+    for (const Span& k : buckets_) ranges.emplace_back(k.start, k.end);
+    ready_ = loom::BucketReadiness(a, ranges);
+    requests_.resize(buckets_.size());
     for (size_t i = 0; i < a.num_params; ++i) {
       const loom_param_info& p = a.infos[i];
       LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distributed: parameter '" << (p.name ? p.name : "?")
@@ -251,6 +258,11 @@ class DistOpt : public loom::OptimizerStrategy {
     dev.synchronize();
   }
 
+  // The buckets these parameters complete start their reduce-scatter now.
+  void grads_ready(loom::Rank& rank, const size_t* params, size_t n) override {
+    for (size_t b : ready_.announce(params, n)) requests_[b] = start_bucket(rank.device().native_stream(), b);
+  }
+
   float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
     loom::Device dev = rank.device();
     void* stream = dev.native_stream();
@@ -258,20 +270,19 @@ class DistOpt : public loom::OptimizerStrategy {
     const size_t ge = elem(grad_dtype_), pe = elem(param_dtype_);
 
     // 1. Reduce-scatter: this rank's shard of each bucket gets the dp-averaged
-    // gradient (an expert bucket: the sum over edp, scaled by 1 / dp).
+    // gradient (an expert bucket: the sum over edp, scaled by 1 / dp); buckets
+    // started during the backward are waited for.
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      char* bucket = static_cast<char*>(grads_) + buckets_[b].start * ge;
-      char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
-      if (!is_expert_bucket(b)) {
-        dp.reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_AVG);
-        continue;
-      }
-      loom::Group(edp_).reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, LOOM_REDUCE_SUM);
-      if (dp.size() > 1)
+      if (requests_[b].pending()) requests_[b].wait();
+      else start_bucket(stream, b).wait();
+      if (is_expert_bucket(b) && dp.size() > 1) {
+        char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
         dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(shards_[b].size()), .x = shard, .out = shard,
                          .alpha = 1.f / static_cast<float>(dp.size()), .dtype = grad_dtype_,
                          .out_dtype = grad_dtype_});
+      }
     }
+    ready_.reset();
 
     // 2. Global norm over all shards of all model-parallel ranks: dense shards
     // summed over dp, expert shards over edp and ep.
@@ -551,6 +562,16 @@ class DistOpt : public loom::OptimizerStrategy {
   // Expert buckets (the tail) are sharded over edp, the others over dp.
   bool is_expert_bucket(size_t b) const { return buckets_[b].start >= expert_start_; }
   const loom_group& group_of(size_t b) const { return is_expert_bucket(b) ? edp_ : dp_; }
+
+  // Bucket b's reduce-scatter into this rank's shard: a dense one averaged over
+  // dp, an expert one summed over edp.
+  loom::CommRequest start_bucket(void* stream, size_t b) const {
+    const size_t ge = elem(grad_dtype_);
+    char* bucket = static_cast<char*>(grads_) + buckets_[b].start * ge;
+    char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
+    return loom::Group(group_of(b)).start_reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_,
+                                                         is_expert_bucket(b) ? LOOM_REDUCE_SUM : LOOM_REDUCE_AVG);
+  }
   int dp_size() const { return std::max(1, dp_.size); }
   int dp_rank() const { return std::max(0, dp_.rank); }
   size_t header_bytes() const { return kFixedHeader + buckets_.size() * 4 * 8 + params_info_.size() * 2 * 8; }
@@ -577,6 +598,8 @@ class DistOpt : public loom::OptimizerStrategy {
   loom_group etp_ = loom::make<loom_group>();  // size 0 unless the run folds MoE parallelism (etp != tp)
   size_t expert_start_ = 0;  // the expert tail [expert_start_, numel_) when expert-parallel; else numel_
   std::vector<Span> buckets_, shards_;  // shards_[b]: this rank's part of bucket b
+  loom::BucketReadiness ready_;
+  std::vector<loom::CommRequest> requests_;  // by bucket: started during the backward, until step
   std::vector<ParamRef> params_info_;
   std::vector<Piece> pieces_;
   size_t shard_numel_ = 0;
@@ -588,5 +611,5 @@ class DistOpt : public loom::OptimizerStrategy {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::optimizer_plugin<DistOpt>(
-    "distributed", "1.0.0",
+    "distributed", "1.1.0",
     "distributed optimizer (ZeRO-1): reduce-scatter, fp32 AdamW on this rank's 1/dp shard, all-gather"))

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 14
+#define LOOM_ABI_MINOR 15
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -195,6 +195,7 @@ typedef struct loom_event_s loom_event;      /* a device's event, owned by the d
 typedef struct loom_graph_s loom_graph;      /* a captured graph, owned by the device plugin */
 typedef struct loom_comm_world_s loom_comm_world; /* the comm plugin's per-process state */
 typedef struct loom_comm_s loom_comm;        /* one member of a rank group, owned by the comm plugin */
+typedef struct loom_comm_request_s loom_comm_request; /* a started collective (since 1.15), the comm plugin's */
 typedef struct loom_layer_s loom_layer;      /* a layer instance, owned by its plugin */
 typedef struct loom_optimizer_s loom_optimizer; /* a rank's optimizer strategy, owned by its plugin */
 typedef struct loom_exec_s loom_exec;        /* a rank's execution mode, owned by its plugin */
@@ -815,6 +816,24 @@ typedef struct loom_group_desc {
   int32_t my_rank;               /* the caller's global rank */
 } loom_group_desc;
 
+/* loom_collective.kind (since 1.15). */
+#define LOOM_COLLECTIVE_ALL_REDUCE 0
+#define LOOM_COLLECTIVE_ALL_GATHER 1
+#define LOOM_COLLECTIVE_REDUCE_SCATTER 2
+
+/* A collective to start without waiting (loom_comm_api.start, since 1.15): the
+ * arguments of the blocking call of that kind (borrowed for the start call; the
+ * buffers are the collective's until its wait). */
+typedef struct loom_collective {
+  uint32_t struct_size;
+  int32_t kind;                  /* LOOM_COLLECTIVE_* */
+  const void* send;
+  void* recv;
+  size_t count;                  /* as the blocking call's count */
+  int32_t dtype;
+  int32_t op;                    /* LOOM_REDUCE_* (all-reduce, reduce-scatter) */
+} loom_collective;
+
 /* A comm plugin's table. A collective is called by every member of the group, each
  * from its own rank's thread (or process), with matching arguments and in the same
  * order as the group's other collectives; it returns a status on this member only.
@@ -893,6 +912,23 @@ typedef struct loom_comm_api {
    * collectives take. The engine checks a run against them before launch; a table
    * built before 1.9 ends before this member and is not checked. */
   uint64_t features;
+  /* --- since 1.15 --- */
+  /* Starts collective *c and returns without waiting for it; *req is the plugin's
+   * until wait. It runs on the plugin's own thread (or stream) concurrently with
+   * the caller, after every collective this member called or started on comm
+   * before it and before every one after it (a blocking call on comm while requests
+   * are pending waits behind them), so members still call in one order. Stream
+   * backends order it after the work already on `stream`. The buffers are the
+   * collective's until its wait returns. Other members may call start or the
+   * blocking collective for the same operation. NULL: the engine runs it at start,
+   * in line (no overlap). */
+  loom_status (*start)(loom_comm* comm, void* stream, const loom_collective* c, loom_comm_request** req);
+  /* Waits for a started collective and releases req, whatever its outcome, which is
+   * returned: thread backends return once it finished; stream backends order
+   * `stream` after it (the host may return earlier). Every request is waited for
+   * exactly once, from the thread that calls this member's collectives, before
+   * group_destroy. Required when start is given. */
+  loom_status (*wait)(loom_comm* comm, loom_comm_request* req, void* stream);
 } loom_comm_api;
 
 /* loom_comm_api.features (since 1.9). LOOM_COMM_THREADS: every rank of a world may be
@@ -1357,6 +1393,18 @@ typedef struct loom_optimizer_api {
    * owns (its dp shard). Refuses another num_arrays than its own. NULL: as for
    * state_decode. */
   loom_status (*state_import)(loom_optimizer* opt, const loom_optimizer_elements* in);
+  /* --- since 1.15 --- */
+  /* Called during a training step's backward whenever the gradients of some
+   * parameters are final: the last microbatch's backward of every layer holding
+   * them has run, and the engine's own sums of them are done (over tp under
+   * sequence parallelism, of tied copies over the embedding group). params holds
+   * num_params indices into loom_optimizer_create_args.infos (borrowed for the
+   * call). Every parameter of the rank is announced once per training step, before
+   * step, in an order the members of each of its data-parallel groups share. A
+   * strategy may start a bucket's reduction (loom_comm_api.start) once all of its
+   * parameters are announced, as Megatron-LM's overlap_grad_reduce, and wait for
+   * it in step. NULL: gradients are reduced in step. */
+  loom_status (*grads_ready)(loom_optimizer* opt, loom_rank* rank, const size_t* params, size_t num_params);
 } loom_optimizer_api;
 
 /* loom_optimizer_api.features: the strategy reduces expert parameters over edp

@@ -180,6 +180,49 @@ T make() {
   return v;
 }
 
+// A collective started without waiting (Group::start, ABI 1.15). wait() once; a
+// request destroyed before its wait waits there (its buffers stay the collective's
+// until then) and drops the outcome, so an exception never leaves one running.
+class CommRequest {
+ public:
+  CommRequest() = default;
+  CommRequest(const loom_group& g, loom_comm_request* req, void* stream) : g_(g), req_(req), stream_(stream) {}
+  CommRequest(CommRequest&& o) noexcept : g_(o.g_), req_(o.req_), stream_(o.stream_) { o.req_ = nullptr; }
+  CommRequest& operator=(CommRequest&& o) noexcept {
+    if (this != &o) {
+      release();
+      g_ = o.g_;
+      req_ = o.req_;
+      stream_ = o.stream_;
+      o.req_ = nullptr;
+    }
+    return *this;
+  }
+  CommRequest(const CommRequest&) = delete;
+  CommRequest& operator=(const CommRequest&) = delete;
+  ~CommRequest() { release(); }
+
+  bool pending() const { return req_ != nullptr; }
+  // Returns once the collective is done (stream backends: orders the stream after it).
+  void wait() {
+    if (req_ == nullptr) return;
+    loom_comm_request* r = req_;
+    req_ = nullptr;
+    check(g_.api->wait(g_.comm, r, stream_));
+  }
+
+ private:
+  void release() noexcept {
+    if (req_ == nullptr) return;
+    loom_status s = g_.api->wait(g_.comm, req_, stream_);
+    req_ = nullptr;
+    if (s != nullptr) host().status_destroy(s);
+  }
+  loom_group g_{};
+  loom_comm_request* req_ = nullptr;
+  void* stream_ = nullptr;
+};
+
 // A rank group (tp, dp, ...) with typed collectives; identities when size == 1.
 class Group {
  public:
@@ -230,7 +273,48 @@ class Group {
     check(g_.api->recv(g_.comm, stream, buf, count, dtype, peer, tag));
   }
 
+  // Starts a collective that runs while the caller goes on (ABI 1.15,
+  // loom_comm_api.start); the buffers are the collective's until the request's
+  // wait. A communicator without start runs it here, in line.
+  CommRequest start(void* stream, const loom_collective& c) const {
+    if (g_.size <= 1 && c.send == c.recv) return {};  // in-place on one rank: identity
+    if (LOOM_HAS_SLOT(g_.api, loom_comm_api, wait) && g_.api->start != nullptr) {
+      loom_comm_request* req = nullptr;
+      check(g_.api->start(g_.comm, stream, &c, &req));
+      return CommRequest(g_, req, stream);
+    }
+    switch (c.kind) {
+      case LOOM_COLLECTIVE_ALL_REDUCE: all_reduce(stream, c.send, c.recv, c.count, c.dtype, c.op); break;
+      case LOOM_COLLECTIVE_ALL_GATHER: all_gather(stream, c.send, c.recv, c.count, c.dtype); break;
+      case LOOM_COLLECTIVE_REDUCE_SCATTER: reduce_scatter(stream, c.send, c.recv, c.count, c.dtype, c.op); break;
+      default: throw Error("Group::start: unknown collective kind " + std::to_string(c.kind), LOOM_CODE_INVALID_ARGUMENT);
+    }
+    return {};
+  }
+  CommRequest start_all_reduce(void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                               int32_t op = LOOM_REDUCE_SUM) const {
+    return start(stream, collective(LOOM_COLLECTIVE_ALL_REDUCE, send, recv, count, dtype, op));
+  }
+  CommRequest start_reduce_scatter(void* stream, const void* send, void* recv, size_t count, int32_t dtype,
+                                   int32_t op = LOOM_REDUCE_SUM) const {
+    return start(stream, collective(LOOM_COLLECTIVE_REDUCE_SCATTER, send, recv, count, dtype, op));
+  }
+  CommRequest start_all_gather(void* stream, const void* send, void* recv, size_t count, int32_t dtype) const {
+    return start(stream, collective(LOOM_COLLECTIVE_ALL_GATHER, send, recv, count, dtype, LOOM_REDUCE_SUM));
+  }
+
  private:
+  static loom_collective collective(int32_t kind, const void* send, void* recv, size_t count, int32_t dtype,
+                                    int32_t op) {
+    loom_collective c = make<loom_collective>();
+    c.kind = kind;
+    c.send = send;
+    c.recv = recv;
+    c.count = count;
+    c.dtype = dtype;
+    c.op = op;
+    return c;
+  }
   loom_group g_;
 };
 

@@ -18,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(_WIN32)
@@ -338,6 +339,10 @@ class OptimizerStrategy {
                     " arrays): it does not implement state_import",
                 LOOM_CODE_UNSUPPORTED);
   }
+  // ABI 1.15: the gradients of these parameters (indices into the create args'
+  // infos) are final; a strategy may start reducing the buckets they complete. The
+  // default starts nothing: step reduces everything.
+  virtual void grads_ready(Rank& /*rank*/, const size_t* /*params*/, size_t /*num_params*/) {}
 };
 
 // The group expert parameters are split over: etp (since 1.5), or tp when the engine
@@ -394,6 +399,66 @@ inline size_t expert_tail_start(const loom_optimizer_create_args& a) {
                    << start << ", a dense parameter ends at " << dense_end << ")");
   return start;
 }
+
+// The buckets the engine laid the buffers out in, as [start, end) element ranges
+// (one over everything when it gave none).
+inline std::vector<std::pair<size_t, size_t>> bucket_ranges(const loom_optimizer_create_args& a) {
+  std::vector<std::pair<size_t, size_t>> out;
+  const bool has_slot = a.struct_size >= offsetof(loom_optimizer_create_args, num_buckets) + sizeof(a.num_buckets);
+  if (has_slot && a.bucket_offsets != nullptr && a.num_buckets > 0)
+    for (size_t b = 0; b < a.num_buckets; ++b) out.emplace_back(a.bucket_offsets[b], a.bucket_offsets[b + 1]);
+  else
+    out.emplace_back(0, a.numel);
+  return out;
+}
+
+// Which buckets are complete as grads_ready (ABI 1.15) announces parameters: the
+// engine never splits a parameter between buckets, so each belongs to the one
+// holding its first element, and a bucket is complete once all of its parameters
+// were announced. A bucket holding none is never complete (reduce it in step).
+class BucketReadiness {
+ public:
+  BucketReadiness() = default;
+  BucketReadiness(const loom_optimizer_create_args& a, const std::vector<std::pair<size_t, size_t>>& buckets)
+      : params_in_(buckets.size(), 0) {
+    for (size_t i = 0; i < a.num_params; ++i) {
+      const size_t offset = a.infos[i].offset;
+      size_t b = 0;
+      while (b < buckets.size() && !(offset >= buckets[b].first && offset < buckets[b].second)) ++b;
+      LOOM_REQUIRE(b < buckets.size() && a.infos[i].offset + a.infos[i].numel <= buckets[b].second,
+                   "parameter " << i << " [" << offset << ", " << offset + a.infos[i].numel
+                                << ") does not lie inside one bucket");
+      bucket_of_.push_back(b);
+      ++params_in_[b];
+    }
+    reset();
+  }
+  // Marks the parameters announced; returns the buckets they completed, in
+  // ascending order (the same on every member that announced the same).
+  std::vector<size_t> announce(const size_t* params, size_t n) {
+    std::vector<size_t> complete;
+    for (size_t k = 0; k < n; ++k) {
+      LOOM_REQUIRE(params[k] < bucket_of_.size() && !announced_[params[k]],
+                   "grads_ready: parameter " << params[k] << " is unknown or was announced twice this step");
+      announced_[params[k]] = 1;
+      const size_t b = bucket_of_[params[k]];
+      if (--remaining_[b] == 0) complete.push_back(b);
+    }
+    std::sort(complete.begin(), complete.end());
+    return complete;
+  }
+  // A new step: nothing announced.
+  void reset() {
+    remaining_ = params_in_;
+    announced_.assign(bucket_of_.size(), 0);
+  }
+
+ private:
+  std::vector<size_t> bucket_of_;   // by parameter
+  std::vector<size_t> params_in_;   // by bucket
+  std::vector<size_t> remaining_;   // by bucket, this step
+  std::vector<char> announced_;     // by parameter, this step
+};
 
 // A global-norm partial v summed over each group in turn, through `scratch` (one
 // double of device memory, so a GPU communicator gets device memory on the stream).
@@ -507,6 +572,13 @@ const loom_optimizer_api* optimizer_api() {
       });
     };
     if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
+    a.grads_ready = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
+      return guard([&] {
+        LOOM_REQUIRE(params != nullptr || n == 0, "grads_ready: " << n << " parameters and no array of them");
+        Rank rank(r);
+        reinterpret_cast<OptimizerStrategy*>(p)->grads_ready(rank, params, n);
+      });
+    };
     if constexpr (requires(const void* s, size_t n, loom_optimizer_elements& e) { T::state_decode(s, n, e); }) {
       a.state_decode = [](const void* state, size_t bytes, loom_optimizer_elements* out) -> loom_status {
         return guard([&] {
