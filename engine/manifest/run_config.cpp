@@ -107,6 +107,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.optimizer.weight_decay = m.get_float("optimizer.weight_decay");
   c.optimizer.clip_grad = m.get_float("optimizer.clip_grad");
   c.optimizer.overlap_grad_reduce = m.get_bool("optimizer.overlap_grad_reduce");
+  c.optimizer.overlap_param_gather = m.get_bool("optimizer.overlap_param_gather");
   c.optimizer.bucket_size = m.get_int("optimizer.bucket_size");
   // Overlap needs several buckets: Megatron-LM's default size when none is set.
   if (c.optimizer.overlap_grad_reduce && c.optimizer.bucket_size == 0) c.optimizer.bucket_size = kOverlapBucketSize;

@@ -65,6 +65,7 @@ struct RunConfig {
     double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
     int64_t bucket_size = 0;      // resolved: kOverlapBucketSize when overlapping without one
     bool overlap_grad_reduce = false;
+    bool overlap_param_gather = false;
     toml::table options;
   } optimizer;
   struct Exec {

@@ -202,6 +202,11 @@ std::vector<KeySpec> build() {
                 "reduce each gradient bucket over dp while the backward is still running (Megatron-LM's "
                 "overlap_grad_reduce): the strategy starts a bucket's collective once its gradients are final and "
                 "waits for it in the optimizer step; results are the same as without"));
+  v.push_back(b("optimizer.overlap_param_gather", false,
+                "leave the distributed optimizer's all-gather of updated parameters running after the step and "
+                "wait for each bucket only when the next forward reaches its first layer (Megatron-LM's "
+                "overlap_param_gather; a strategy with LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER, as "
+                "\"distributed\"); results are the same as without"));
   v.push_back(open_table("optimizer.options", "options of the optimizer strategy plugin"));
   // exec
   v.push_back(s("exec.mode", "eager",

@@ -80,6 +80,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
       held = hidden_.push(c, mb);
       output = hidden_.view(held);
     }
+    if (params_needed_ && mb == 0) params_needed_(buffers_.layer_entries(i));
     run_forward(i, mb, has_input ? &input : nullptr, has_output ? &output : nullptr, in, loss_sum, loss_count,
                 predictions, aux_loss, training);
     if (training && layers_[i].recompute) {  // keep only the group's input; backward runs the group's forward again

@@ -54,6 +54,8 @@ OptimizerBinding::OptimizerBinding(const RunPlan& plan, runtime::RankRuntime& ra
   }
   plugins::OptionValues options(&plan.config.optimizer.options, plan.optimizer->options);
   loom::check(api_->create(options.raw(), &rank, &args, &handle_));
+  all_params_.resize(infos.size());
+  for (size_t i = 0; i < all_params_.size(); ++i) all_params_[i] = i;
 }
 
 OptimizerBinding::~OptimizerBinding() {
@@ -63,6 +65,16 @@ OptimizerBinding::~OptimizerBinding() {
 void OptimizerBinding::grads_ready(const std::vector<size_t>& params) {
   if (!LOOM_HAS_SLOT(api_, loom_optimizer_api, grads_ready) || api_->grads_ready == nullptr) return;
   loom::check(api_->grads_ready(handle_, &rank_, params.data(), params.size()));
+}
+
+void OptimizerBinding::params_needed(const std::vector<size_t>& params) {
+  if (!gather_running_) return;
+  loom::check(api_->params_needed(handle_, &rank_, params.data(), params.size()));
+}
+
+void OptimizerBinding::params_needed_all() {
+  params_needed(all_params_);
+  gather_running_ = false;
 }
 
 loom_optimizer_step_result OptimizerBinding::step(int64_t step) {
@@ -75,8 +87,11 @@ loom_optimizer_step_result OptimizerBinding::step(int64_t step) {
   args.eps = static_cast<float>(o.eps);
   args.weight_decay = static_cast<float>(o.weight_decay);
   args.clip_grad = static_cast<float>(o.clip_grad);
+  // Checked before launch: only a strategy with LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER.
+  args.overlap_param_gather = o.overlap_param_gather ? 1 : 0;
   loom_optimizer_step_result result = loom::make<loom_optimizer_step_result>();
   loom::check(api_->step(handle_, &rank_, &args, &result));
+  gather_running_ = o.overlap_param_gather;
   return result;
 }
 

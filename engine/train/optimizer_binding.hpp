@@ -29,6 +29,10 @@ class OptimizerBinding {
   // Tells the strategy these parameters' gradients are final (ABI 1.15; indices into
   // the model's param_infos); a strategy without grads_ready reduces them in step.
   void grads_ready(const std::vector<size_t>& params);
+  // Completes what the last step left running for these parameters (ABI 1.16,
+  // overlap_param_gather), or for all of them; no-ops when nothing is running.
+  void params_needed(const std::vector<size_t>& params);
+  void params_needed_all();
   // Updates the parameters from the finalised gradients for (1-based) `step`.
   loom_optimizer_step_result step(int64_t step);
   // The strategy's state (moments, master weights), as its plugin serialises it.
@@ -43,6 +47,8 @@ class OptimizerBinding {
   runtime::RankRuntime& rank_;
   const loom_optimizer_api* api_ = nullptr;
   loom_optimizer* handle_ = nullptr;
+  bool gather_running_ = false;  // the last step left its parameter all-gather running
+  std::vector<size_t> all_params_;
 };
 
 }  // namespace loom::train

@@ -55,6 +55,14 @@ void check_optimizer(const RunPlan& plan, const MemoryPlan& memory) {
                       " cannot overlap gradient reduction with the backward (it has no grads_ready, ABI 1.15); "
                       "set optimizer.overlap_grad_reduce = false or use optimizer.strategy = \"ddp\" or "
                       "\"distributed\"");
+  const bool gathers_later = (features & LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER) != 0 &&
+                            LOOM_HAS_SLOT(api, loom_optimizer_api, params_needed) && api->params_needed != nullptr;
+  if (plan.config.optimizer.overlap_param_gather && !gathers_later)
+    throw loom::Error("optimizer plugin parallel/" + p.name +
+                      " cannot leave its parameter all-gather running after the step (it does not advertise "
+                      "LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER, ABI 1.16; ddp updates every parameter in place and "
+                      "gathers nothing); set optimizer.overlap_param_gather = false or use optimizer.strategy = "
+                      "\"distributed\"");
   // MoE folding (etp != tp, ABI 1.5): only a strategy that reads etp gets such a run.
   const bool folding = expert_parallel && (features & LOOM_OPTIMIZER_EXPERT_FOLDING) != 0;
   if (experts && plan.sizes.experts_fold_tp() && !folding)

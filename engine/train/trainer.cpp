@@ -86,6 +86,10 @@ class RankTraining {
     // at once, so it can start their reduction while the backward goes on.
     if (config_.optimizer.overlap_grad_reduce)
       model_->set_grads_ready_listener([this](const std::vector<size_t>& params) { optimizer_.grads_ready(params); });
+    // overlap_param_gather: each layer's first forward of a step waits for its
+    // parameters' all-gather only (anything else reading them waits for all first).
+    if (config_.optimizer.overlap_param_gather)
+      model_->set_params_needed_listener([this](const std::vector<size_t>& params) { optimizer_.params_needed(params); });
     if (!run_.options.trace_file.empty()) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
                       static_cast<int>(run_.plan.microbatches), trace_.get());
@@ -166,6 +170,16 @@ StepRecord RankTraining::train_step(int64_t step) {
   const pipeline::StepStats stats = executor_->train_step(inputs);
   peak_in_flight_ = std::max(peak_in_flight_, stats.peak_in_flight);
   peak_activation_bytes_ = std::max(peak_activation_bytes_, stats.peak_activation_bytes);
+  // The loss: mean over microbatches (from the last stage) and the auxiliary losses
+  // (summed over the stages' layers), averaged over dp. Before the optimizer step:
+  // a dp collective after it would wait behind the parameter all-gathers that
+  // overlap_param_gather leaves running into the next forward. Bookkeeping, so not
+  // counted as the step's communication.
+  runtime::CommStats step_comm = rt_.comm_stats();
+  double reduced[2] = {stats.loss, stats.aux_loss};
+  pp_.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64);
+  dp_.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
+  rt_.reset_comm_stats();
   const auto t_opt = std::chrono::steady_clock::now();
   model_->finalize_grads();
   const loom_optimizer_step_result sr = optimizer_.step(step + 1);
@@ -175,13 +189,9 @@ StepRecord RankTraining::train_step(int64_t step) {
   StepRecord rec;
   rec.step = step + 1;
   // The step's communication: the pipeline's p2p, the model's and the optimizer's
-  // collectives (not the bookkeeping below, nor evaluation).
-  rec.comm = rt_.comm_stats();
-  // The loss: mean over microbatches (from the last stage) and the auxiliary losses
-  // (summed over the stages' layers), averaged over dp.
-  double reduced[2] = {stats.loss, stats.aux_loss};
-  pp_.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64);
-  dp_.all_reduce(nullptr, reduced, reduced, 2, LOOM_DTYPE_F64, LOOM_REDUCE_AVG);
+  // collectives (not the bookkeeping, nor evaluation).
+  rec.comm = std::move(step_comm);
+  rec.comm += rt_.comm_stats();
   rec.loss = reduced[0];
   rec.aux_loss = reduced[1];
   rec.lr = static_cast<float>(learning_rate(config_, step + 1));
@@ -197,6 +207,7 @@ StepRecord RankTraining::train_step(int64_t step) {
 
 void RankTraining::checkpoint(int64_t step) {
   if (config_.checkpoint.dir.empty()) return;
+  optimizer_.params_needed_all();
   const std::string path = save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.manifest_toml);
   if (!leader_) return;
   std::lock_guard<std::mutex> lock(run_.mu);
@@ -247,7 +258,11 @@ void RankTraining::run() {
     bool stop = stop_requested();
     run_.metrics.complete(rec);
     const int64_t eval_every = config_.run.eval_every;
-    if (!stop && eval_every > 0 && (step % eval_every == 0 || step == steps)) {
+    const bool evaluates = !stop && eval_every > 0 && (step % eval_every == 0 || step == steps);
+    // What reads the parameters outside a training forward (evaluation, on_step, and
+    // checkpoint() and sample() below) finds them in place.
+    if (evaluates || run_.options.on_step) optimizer_.params_needed_all();
+    if (evaluates) {
       const std::optional<Evaluation> e = evaluator_->run([this] { return stop_requested(); });
       if (e) {
         rec.evaluated = true;
@@ -283,12 +298,14 @@ void RankTraining::run() {
     }
   }
   if (step > run_.start_step) checkpoint(step);
+  optimizer_.params_needed_all();
 }
 
 // run.sample_every: the start of validation sequence 0 (a quarter of seq_length) and
 // what the model writes after it, greedy, through the key/value cache; every rank
 // generates alike (expert and pipeline collectives need them all), rank 0 prints.
 void RankTraining::sample(int64_t step) {
+  optimizer_.params_needed_all();
   const int64_t seq = config_.model.seq_length;
   std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
   run_.data.sample(Split::Validation, 0, seq, tokens.data(), targets.data());

@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -28,4 +29,11 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_15(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the tables 1.16 appended to, as released in 1.15. */
+size_t loom_abi_sizeof_v1_15(const char* name) {
+  if (strcmp(name, "loom_optimizer_api") == 0) return sizeof(loom_optimizer_api);
+  if (strcmp(name, "loom_optimizer_step_args") == 0) return sizeof(loom_optimizer_step_args);
+  return 0;
 }

@@ -34,6 +34,10 @@ std::vector<std::string> with(std::vector<std::string> v, const std::vector<std:
 }
 
 const char* kOverlap = "optimizer.overlap_grad_reduce=true";
+// Each dp collective takes 2 ms or more, so a reduction that started before its
+// gradients were written, or a forward that did not wait for its parameters'
+// all-gather, would see other values.
+const char* kSlowDp = "comm.options.links=\"dp=1GB/s,1ms\"";
 
 // Several buckets per chunk, so buckets complete (and start) during the backward.
 const std::vector<std::string> kBase = {"model.hidden_size=24", "run.steps=4", "batch.global_batch_size=8",
@@ -95,9 +99,53 @@ TEST(Overlap, GradReductionOverlappedIsBitIdenticalToInLine) {
       const auto base = with(with(kBase, l.overrides), {std::string("optimizer.strategy=\"") + strategy + "\""});
       const std::string manifest = l.moe ? moe_manifest() : tiny_manifest();
       const RankTrace inline_run = run_all_ranks(manifest, base);
-      const RankTrace overlapped = run_all_ranks(manifest, with(base, {kOverlap}));
+      const RankTrace overlapped = run_all_ranks(manifest, with(base, {kOverlap, kSlowDp}));
       expect_identical(inline_run, overlapped);
     }
+  }
+}
+
+// overlap_param_gather: the distributed optimizer's all-gather stays in flight after
+// the step and each layer's first forward waits for its own bucket. No on_step
+// callback (which reads every parameter, so waits for all) in the overlapped runs:
+// the losses and gradient norms of every step, which the next forwards compute from
+// the gathered parameters, are bit-identical to the in-line run's.
+TEST(Overlap, ParamGatherOverlappedIsBitIdenticalToInLine) {
+  const std::vector<Layout> layouts = {
+      {"dp 2", {"parallel.dp=2"}},
+      {"tp 2 + SP x dp 2", {"parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true"}},
+      {"pp 2 x vpp 2 x dp 2", {"parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "model.num_layers=4"}},
+      {"ep 2 x dp 2 (MoE)", {"parallel.ep=2", "parallel.dp=2", "model.block=[\"attention\", \"moe\"]"}, true},
+  };
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(l.name);
+    const auto base = with(with(kBase, l.overrides), {"optimizer.strategy=\"distributed\"", "run.steps=6"});
+    const std::string manifest = l.moe ? moe_manifest() : tiny_manifest();
+    const auto plain = loom::train::train(loom::testing::plan_from(manifest, base), {});
+    for (const std::vector<std::string>& flags :
+         {std::vector<std::string>{"optimizer.overlap_param_gather=true", kSlowDp},
+          std::vector<std::string>{"optimizer.overlap_param_gather=true", kOverlap, kSlowDp}}) {
+      const auto overlapped = loom::train::train(loom::testing::plan_from(manifest, with(base, flags)), {});
+      ASSERT_EQ(overlapped.steps.size(), 6u);
+      ASSERT_EQ(plain.steps.size(), overlapped.steps.size());
+      for (size_t s = 0; s < plain.steps.size(); ++s) {
+        EXPECT_EQ(overlapped.steps[s].loss, plain.steps[s].loss) << flags.size() << " flags, step " << s + 1;
+        EXPECT_EQ(overlapped.steps[s].grad_norm, plain.steps[s].grad_norm) << flags.size() << " flags, step " << s + 1;
+      }
+    }
+    EXPECT_NE(plain.steps.front().loss, plain.steps.back().loss);
+  }
+}
+
+TEST(Overlap, ParamGatherWithAStrategyThatGathersNothingIsRefused) {
+  try {
+    loom::train::train(loom::testing::plan_from(tiny_manifest(),
+                                                with(kBase, {"parallel.dp=2", "optimizer.overlap_param_gather=true"})),
+                       {});
+    FAIL() << "ddp with overlap_param_gather ran";
+  } catch (const loom::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("optimizer.overlap_param_gather = false"), std::string::npos) << e.what();
   }
 }
 

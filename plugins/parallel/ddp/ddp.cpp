@@ -67,7 +67,7 @@ class Ddp : public loom::OptimizerStrategy {
 
   // The buckets these parameters complete start their all-reduce now.
   void grads_ready(loom::Rank& rank, const size_t* params, size_t n) override {
-    for (size_t b : ready_.announce(params, n)) requests_[b] = start_bucket(rank.device().native_stream(), b);
+    for (size_t b : ready_.announce(params, n)) requests_[b] = reduce_bucket(rank.device().native_stream(), b, true);
   }
 
   float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
@@ -79,7 +79,7 @@ class Ddp : public loom::OptimizerStrategy {
     // edp, then scaled as the average over dp.
     for (size_t b = 0; b < buckets_.size(); ++b) {
       if (requests_[b].pending()) requests_[b].wait();
-      else start_bucket(stream, b).wait();
+      else reduce_bucket(stream, b, false);
       if (is_expert_bucket(b) && dp.size() > 1) {
         const size_t n = buckets_[b].second - buckets_[b].first;
         char* g = static_cast<char*>(grads_) + buckets_[b].first * elem(grad_dtype_);
@@ -222,12 +222,16 @@ class Ddp : public loom::OptimizerStrategy {
   static size_t elem(int32_t dtype) { return loom::dtype_size(dtype); }
   bool is_expert_bucket(size_t b) const { return buckets_[b].first >= expert_start_; }
 
-  // Bucket b's all-reduce: a dense one averaged over dp, an expert one summed over edp.
-  loom::CommRequest start_bucket(void* stream, size_t b) const {
+  // Bucket b's all-reduce: a dense one averaged over dp, an expert one summed over
+  // edp; started (the request returned) or in line.
+  loom::CommRequest reduce_bucket(void* stream, size_t b, bool start) const {
     char* g = static_cast<char*>(grads_) + buckets_[b].first * elem(grad_dtype_);
     const size_t n = buckets_[b].second - buckets_[b].first;
-    if (is_expert_bucket(b)) return loom::Group(edp_).start_all_reduce(stream, g, g, n, grad_dtype_, LOOM_REDUCE_SUM);
-    return loom::Group(dp_).start_all_reduce(stream, g, g, n, grad_dtype_, LOOM_REDUCE_AVG);
+    const int32_t op = is_expert_bucket(b) ? LOOM_REDUCE_SUM : LOOM_REDUCE_AVG;
+    const loom::Group group(is_expert_bucket(b) ? edp_ : dp_);
+    if (start) return group.start_all_reduce(stream, g, g, n, grad_dtype_, op);
+    group.all_reduce(stream, g, g, n, grad_dtype_, op);
+    return {};
   }
 
   // The step's tables: the norm's segments (the parameters counted here, in the order

@@ -15,7 +15,10 @@
 //      parameters on tp rank 0 only, tied pipeline copies on their owning stage), summed over dp, tp and pp; clip;
 //   3. AdamW on each owned piece of each parameter (weight decay off where the
 //      layer says so), writing the updated slice back into the parameter buffer;
-//   4. all-gather each bucket's parameters so every rank has all of them.
+//   4. all-gather each bucket's parameters so every rank has all of them — with
+//      optimizer.overlap_param_gather (ABI 1.16) left running after the step and
+//      waited for bucket by bucket as the next forward reaches each layer
+//      (params_needed), Megatron-LM's overlap_param_gather.
 // Padding never takes part in a step: its gradients are zero and the pieces skip it.
 // Expert parallelism (ABI 1.4): the expert parameters, the buffers' tail, differ
 // across the ep group and already hold the contributions of its dp ranks (their
@@ -161,8 +164,8 @@ Saved parse(const void* buf, size_t bytes) {
 
 class DistOpt : public loom::OptimizerStrategy {
  public:
-  static constexpr uint64_t kFeatures =
-      LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING | LOOM_OPTIMIZER_SHARDED_STATE;
+  static constexpr uint64_t kFeatures = LOOM_OPTIMIZER_EXPERT_PARALLEL | LOOM_OPTIMIZER_EXPERT_FOLDING |
+                                        LOOM_OPTIMIZER_SHARDED_STATE | LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER;
 
   DistOpt(const loom::Options&, loom::Rank& rank, const loom_optimizer_create_args& a)
       : rank_(rank.raw()), params_(a.params), grads_(a.grads), numel_(a.numel), param_dtype_(a.param_dtype),
@@ -214,6 +217,7 @@ class DistOpt : public loom::OptimizerStrategy {
     for (const Span& k : buckets_) ranges.emplace_back(k.start, k.end);
     ready_ = loom::BucketReadiness(a, ranges);
     requests_.resize(buckets_.size());
+    gathers_.resize(buckets_.size());
     for (size_t i = 0; i < a.num_params; ++i) {
       const loom_param_info& p = a.infos[i];
       LOOM_REQUIRE(p.offset + p.numel <= numel_, "parallel/distributed: parameter '" << (p.name ? p.name : "?")
@@ -260,10 +264,11 @@ class DistOpt : public loom::OptimizerStrategy {
 
   // The buckets these parameters complete start their reduce-scatter now.
   void grads_ready(loom::Rank& rank, const size_t* params, size_t n) override {
-    for (size_t b : ready_.announce(params, n)) requests_[b] = start_bucket(rank.device().native_stream(), b);
+    for (size_t b : ready_.announce(params, n)) requests_[b] = reduce_bucket(rank.device().native_stream(), b, true);
   }
 
   float step(loom::Rank& rank, const loom_optimizer_step_args& a) override {
+    for (loom::CommRequest& g : gathers_) g.wait();  // the last step's, if the engine read none
     loom::Device dev = rank.device();
     void* stream = dev.native_stream();
     const loom::Group dp(dp_);
@@ -274,7 +279,7 @@ class DistOpt : public loom::OptimizerStrategy {
     // started during the backward are waited for.
     for (size_t b = 0; b < buckets_.size(); ++b) {
       if (requests_[b].pending()) requests_[b].wait();
-      else start_bucket(stream, b).wait();
+      else reduce_bucket(stream, b, false);
       if (is_expert_bucket(b) && dp.size() > 1) {
         char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
         dev.elementwise({.op = LOOM_EW_SCALE, .n = static_cast<int64_t>(shards_[b].size()), .x = shard, .out = shard,
@@ -342,13 +347,25 @@ class DistOpt : public loom::OptimizerStrategy {
       }
     }
 
-    // 4. All-gather: every rank gets every shard's updated parameters.
-    for (size_t b = 0; b < buckets_.size(); ++b) {
+    // 4. All-gather: every rank gets every shard's updated parameters. Started in
+    // the order the next forward reads them (the buffer holds the model in reverse,
+    // so the last bucket first); with overlap_param_gather left running until the
+    // engine asks for them (params_needed), else waited for here.
+    const bool overlap = a.struct_size >= offsetof(loom_optimizer_step_args, overlap_param_gather) + sizeof(int32_t) &&
+                         a.overlap_param_gather != 0;
+    for (size_t b = buckets_.size(); b-- > 0;) {
       char* bucket = static_cast<char*>(params_) + buckets_[b].start * pe;
       char* shard = static_cast<char*>(params_) + shards_[b].start * pe;
-      loom::Group(group_of(b)).all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
+      const loom::Group g(group_of(b));
+      if (overlap) gathers_[b] = g.start_all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
+      else g.all_gather(stream, shard, bucket, shards_[b].size(), param_dtype_);
     }
     return norm;
+  }
+
+  // The parameters' buckets' all-gathers, if still running.
+  void params_needed(loom::Rank&, const size_t* params, size_t n) override {
+    for (size_t k = 0; k < n; ++k) gathers_[ready_.bucket_of(params[k])].wait();
   }
 
   uint32_t num_arrays() const { return separate_master_ ? 3u : 2u; }  // m, v (, master)
@@ -564,13 +581,16 @@ class DistOpt : public loom::OptimizerStrategy {
   const loom_group& group_of(size_t b) const { return is_expert_bucket(b) ? edp_ : dp_; }
 
   // Bucket b's reduce-scatter into this rank's shard: a dense one averaged over
-  // dp, an expert one summed over edp.
-  loom::CommRequest start_bucket(void* stream, size_t b) const {
+  // dp, an expert one summed over edp; started (the request returned) or in line.
+  loom::CommRequest reduce_bucket(void* stream, size_t b, bool start) const {
     const size_t ge = elem(grad_dtype_);
     char* bucket = static_cast<char*>(grads_) + buckets_[b].start * ge;
     char* shard = static_cast<char*>(grads_) + shards_[b].start * ge;
-    return loom::Group(group_of(b)).start_reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_,
-                                                         is_expert_bucket(b) ? LOOM_REDUCE_SUM : LOOM_REDUCE_AVG);
+    const int32_t op = is_expert_bucket(b) ? LOOM_REDUCE_SUM : LOOM_REDUCE_AVG;
+    const loom::Group g(group_of(b));
+    if (start) return g.start_reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, op);
+    g.reduce_scatter(stream, bucket, shard, shards_[b].size(), grad_dtype_, op);
+    return {};
   }
   int dp_size() const { return std::max(1, dp_.size); }
   int dp_rank() const { return std::max(0, dp_.rank); }
@@ -600,6 +620,7 @@ class DistOpt : public loom::OptimizerStrategy {
   std::vector<Span> buckets_, shards_;  // shards_[b]: this rank's part of bucket b
   loom::BucketReadiness ready_;
   std::vector<loom::CommRequest> requests_;  // by bucket: started during the backward, until step
+  std::vector<loom::CommRequest> gathers_;   // by bucket: the parameter all-gather left running after step
   std::vector<ParamRef> params_info_;
   std::vector<Piece> pieces_;
   size_t shard_numel_ = 0;

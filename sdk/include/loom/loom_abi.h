@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 15
+#define LOOM_ABI_MINOR 16
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -1301,6 +1301,13 @@ typedef struct loom_optimizer_step_args {
   float lr;                  /* this step's learning rate (the schedule applied) */
   float beta1, beta2, eps, weight_decay;   /* AdamW's */
   float clip_grad;           /* 0 = no clipping */
+  /* --- since 1.16 --- */
+  /* 1 (optimizer.overlap_param_gather, only for a strategy with
+   * LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER): step may return with the all-gather of
+   * the updated parameters still running; the engine calls params_needed before it
+   * reads them, as Megatron-LM's overlap_param_gather. */
+  int32_t overlap_param_gather;
+  int32_t reserved_1_16;     /* 0 */
 } loom_optimizer_step_args;
 
 /* Filled by loom_optimizer_api.step (the caller sets struct_size). */
@@ -1405,6 +1412,14 @@ typedef struct loom_optimizer_api {
    * parameters are announced, as Megatron-LM's overlap_grad_reduce, and wait for
    * it in step. NULL: gradients are reduced in step. */
   loom_status (*grads_ready)(loom_optimizer* opt, loom_rank* rank, const size_t* params, size_t num_params);
+  /* --- since 1.16 --- */
+  /* Returns once the values the last step gave these parameters (indices into
+   * loom_optimizer_create_args.infos, borrowed) are in the parameter buffer. The
+   * engine calls it before a training step's first forward of each layer (that
+   * layer's parameters) and, with every parameter, before anything else reads them
+   * (evaluation, checkpoints, generation, the end of the run), whenever the last
+   * step ran with overlap_param_gather. NULL: step leaves them in place. */
+  loom_status (*params_needed)(loom_optimizer* opt, loom_rank* rank, const size_t* params, size_t num_params);
 } loom_optimizer_api;
 
 /* loom_optimizer_api.features: the strategy reduces expert parameters over edp
@@ -1418,6 +1433,10 @@ typedef struct loom_optimizer_api {
  * each dp (x cp) group's buckets only, as Megatron-LM's distributed optimizer does; the
  * engine's memory plan divides that state by the group size (since 1.9). */
 #define LOOM_OPTIMIZER_SHARDED_STATE (1ull << 2)
+/* The strategy can leave its parameter all-gather running after step
+ * (loom_optimizer_step_args.overlap_param_gather) and completes it in params_needed;
+ * the engine refuses optimizer.overlap_param_gather without it (since 1.16). */
+#define LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER (1ull << 3)
 
 /* ------------------------------------------------------------------------- */
 /* Pipeline schedule plugins (parallel/pipeline.*)                            */

@@ -343,6 +343,10 @@ class OptimizerStrategy {
   // infos) are final; a strategy may start reducing the buckets they complete. The
   // default starts nothing: step reduces everything.
   virtual void grads_ready(Rank& /*rank*/, const size_t* /*params*/, size_t /*num_params*/) {}
+  // ABI 1.16: the engine is about to read these parameters; a strategy that left its
+  // all-gather running after step (LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER) waits for
+  // theirs. The default has nothing running.
+  virtual void params_needed(Rank& /*rank*/, const size_t* /*params*/, size_t /*num_params*/) {}
 };
 
 // The group expert parameters are split over: etp (since 1.5), or tp when the engine
@@ -447,6 +451,8 @@ class BucketReadiness {
     std::sort(complete.begin(), complete.end());
     return complete;
   }
+  // The bucket holding parameter i.
+  size_t bucket_of(size_t i) const { return bucket_of_.at(i); }
   // A new step: nothing announced.
   void reset() {
     remaining_ = params_in_;
@@ -577,6 +583,13 @@ const loom_optimizer_api* optimizer_api() {
         LOOM_REQUIRE(params != nullptr || n == 0, "grads_ready: " << n << " parameters and no array of them");
         Rank rank(r);
         reinterpret_cast<OptimizerStrategy*>(p)->grads_ready(rank, params, n);
+      });
+    };
+    a.params_needed = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
+      return guard([&] {
+        LOOM_REQUIRE(params != nullptr || n == 0, "params_needed: " << n << " parameters and no array of them");
+        Rank rank(r);
+        reinterpret_cast<OptimizerStrategy*>(p)->params_needed(rank, params, n);
       });
     };
     if constexpr (requires(const void* s, size_t n, loom_optimizer_elements& e) { T::state_decode(s, n, e); }) {
