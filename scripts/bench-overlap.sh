@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Step time with and without overlapping the data-parallel gradient reduction with
-# the backward (optimizer.overlap_grad_reduce), on one machine: ranks are threads
+# the backward (optimizer.overlap_grad_reduce; with the distributed optimizer also its
+# parameter all-gather with the next forward, optimizer.overlap_param_gather), on one
+# machine: ranks are threads
 # (comm/local) and comm.options.links makes every collective take the time a given
 # network would (alpha-beta ring model), so the table shows what the overlap hides on
 # a cluster. One row per layout: ddp and the distributed optimizer at dp 2 and 4, and
@@ -46,8 +48,9 @@ row() {  # row NAME ARGS...
   local name=$1
   shift
   "$loom" run configs/quickstart.toml "${common[@]}" "$@" --metrics "$work/a.jsonl" >/dev/null
-  "$loom" run configs/quickstart.toml "${common[@]}" "$@" --set optimizer.overlap_grad_reduce=true \
-    --metrics "$work/b.jsonl" >/dev/null
+  local overlap=(--set optimizer.overlap_grad_reduce=true)
+  case "$*" in *distributed*) overlap+=(--set optimizer.overlap_param_gather=true) ;; esac
+  "$loom" run configs/quickstart.toml "${common[@]}" "$@" "${overlap[@]}" --metrics "$work/b.jsonl" >/dev/null
   local a b same
   a=$(median_ms "$work/a.jsonl")
   b=$(median_ms "$work/b.jsonl")

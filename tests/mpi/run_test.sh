@@ -50,12 +50,14 @@ threads "${four[@]}" --metrics "$work/t4.jsonl" >/dev/null
 mpi 4 "${four[@]}" --metrics "$work/m4.jsonl" >/dev/null
 same "$work/t4.jsonl" "$work/m4.jsonl" "mpirun -np 4 vs threads (dp 2 x tp 2, distributed optimizer)"
 
-# 1a. Overlapped gradient reduction: comm/mpi runs the started reduce-scatters on
-# each member's worker thread during the backward; the steps equal the threads
-# backend's in-line ones.
+# 1a. Overlapped gradient reduction and parameter all-gather: comm/mpi runs the
+# started reduce-scatters (during the backward) and all-gathers (into the next
+# forward) on each member's worker thread; the steps equal the threads backend's
+# in-line ones.
 ov=(--set parallel.tp=2 --set optimizer.strategy=distributed --set optimizer.bucket_size=2000)
 threads "${ov[@]}" --metrics "$work/tov.jsonl" >/dev/null
-mpi 4 "${ov[@]}" --set optimizer.overlap_grad_reduce=true --metrics "$work/mov.jsonl" >/dev/null
+mpi 4 "${ov[@]}" --set optimizer.overlap_grad_reduce=true --set optimizer.overlap_param_gather=true \
+  --metrics "$work/mov.jsonl" >/dev/null
 same "$work/tov.jsonl" "$work/mov.jsonl" "mpirun -np 4 overlapped vs threads in line (dp 2 x tp 2, distributed optimizer)"
 
 # 1b. Expert parallelism: MoE blocks with their experts split over ep = 2, the
