@@ -130,6 +130,17 @@ int cmd_validate(int argc, char** argv) {
               << ")\n"
               << "  microbatches      " << plan.microbatches << " per dp rank per step (" << config.batch.micro_batch_size
               << " sequences each; global batch " << config.batch.global_batch_size << ")\n"
+              << "  gradient buckets  "
+              << (config.optimizer.bucket_size > 0 ? std::to_string(config.optimizer.bucket_size) + " elements"
+                                                   : std::string("one per model chunk"))
+              << (config.optimizer.overlap_grad_reduce
+                      ? std::string(", reduced during the backward (overlap_grad_reduce") +
+                            (config.optimizer.overlap_param_gather ? "; parameters gathered into the next forward" : "") +
+                            ")"
+                      : std::string(config.optimizer.overlap_param_gather
+                                        ? ", parameters gathered into the next forward (overlap_param_gather)"
+                                        : ""))
+              << "\n"
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
               << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()
               << (plan.expert ? ", " + plan.expert->key() : std::string()) << "\n  model             ";

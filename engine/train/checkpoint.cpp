@@ -601,7 +601,10 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
                            meta.ep == plan.sizes.ep && meta.expert_tp() == plan.sizes.expert_tp() &&
                            meta.order == plan.sizes.order && same_stage_split(resume_dir, plan) &&
                            meta.strategy == plan.config.optimizer.strategy;
-  if (!same_places || (experts_apart && meta.dp != plan.dp)) {
+  // Another bucket size (optimizer.overlap_grad_reduce sets Megatron's when none is
+  // given) pads and shards the buffers differently: regathered too.
+  const bool same_buckets = meta.bucket_size < 0 || meta.bucket_size == plan.config.optimizer.bucket_size;
+  if (!same_places || !same_buckets || (experts_apart && meta.dp != plan.dp)) {
     const loom_optimizer_api* run_api = plan.optimizer->optimizer();
     const plugins::LoadedPlugin* saver = plan.registry->find("parallel", meta.strategy);
     const loom_optimizer_api* saver_api = saver != nullptr ? saver->optimizer() : nullptr;
@@ -613,8 +616,13 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
         resume_dir + " was written at " + sizes(meta.tp, meta.pp, meta.cp, meta.ep, meta.expert_tp(), meta.dp) +
         (same_stage_split(resume_dir, plan) ? "" : " with other pipeline chunks") +
         (meta.strategy == plan.config.optimizer.strategy ? "" : " by optimizer.strategy = \"" + meta.strategy + "\"") +
+        (same_buckets ? "" : " with gradient buckets of " + std::to_string(meta.bucket_size) + " elements") +
         "; this run has " + sizes(plan.sizes.tp, plan.sizes.pp, plan.sizes.cp, plan.sizes.ep, plan.sizes.expert_tp(), plan.dp) +
-        (meta.strategy == plan.config.optimizer.strategy ? "" : " with \"" + plan.config.optimizer.strategy + "\"");
+        (meta.strategy == plan.config.optimizer.strategy ? "" : " with \"" + plan.config.optimizer.strategy + "\"") +
+        (same_buckets ? "" : " with buckets of " + std::to_string(plan.config.optimizer.bucket_size) +
+                                 " (optimizer.bucket_size" +
+                                 (plan.config.optimizer.overlap_grad_reduce ? ", as overlap_grad_reduce sets it" : "") +
+                                 ")");
     if (saver_api == nullptr || !LOOM_HAS_SLOT(saver_api, loom_optimizer_api, state_decode) ||
         saver_api->state_decode == nullptr)
       throw CheckpointError(moved + ": regathering needs optimizer plugin parallel/" + meta.strategy +

@@ -15,6 +15,8 @@
 #include "engine/runtime/comm_stats.hpp"
 #include "engine/runtime/launcher.hpp"
 
+#include <loom/cpp/plugin.hpp>
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -263,6 +265,29 @@ TEST(Overlap, BucketsDefaultToMegatronsSizeWhenOverlapping) {
   EXPECT_EQ(defaulted.config.optimizer.bucket_size, 40000000) << "Megatron-LM's bucket size when none is set";
   const loom::train::RunPlan plain = loom::testing::plan_from(tiny_manifest(), {"parallel.dp=2"});
   EXPECT_EQ(plain.config.optimizer.bucket_size, 0) << "one bucket per chunk without overlap";
+}
+
+// The C++ SDK fills grads_ready and params_needed only for a strategy that
+// overrides them, so the engine's refusal of the overlap options reaches strategies
+// written with it too (rather than their silently overlapping nothing).
+struct InLineOnly : loom::OptimizerStrategy {
+  InLineOnly(const loom::Options&, loom::Rank&, const loom_optimizer_create_args&) {}
+  float step(loom::Rank&, const loom_optimizer_step_args&) override { return 0; }
+  size_t state_size() override { return 0; }
+  void state_save(void*, size_t) override {}
+  void state_load(const void*, size_t) override {}
+};
+struct Overlapping : InLineOnly {
+  using InLineOnly::InLineOnly;
+  void grads_ready(loom::Rank&, const size_t*, size_t) override {}
+  void params_needed(loom::Rank&, const size_t*, size_t) override {}
+};
+
+TEST(Overlap, TheSdkFillsTheOverlapSlotsOnlyForStrategiesThatOverrideThem) {
+  EXPECT_EQ(loom::optimizer_api<InLineOnly>()->grads_ready, nullptr);
+  EXPECT_EQ(loom::optimizer_api<InLineOnly>()->params_needed, nullptr);
+  EXPECT_NE(loom::optimizer_api<Overlapping>()->grads_ready, nullptr);
+  EXPECT_NE(loom::optimizer_api<Overlapping>()->params_needed, nullptr);
 }
 
 // A comm plugin built before 1.15 has no start: the engine's counting shim runs a

@@ -70,6 +70,17 @@ void check_regather(const std::vector<std::string>& model, const std::vector<std
 
 const std::vector<std::string> kFourLayers = {"model.num_layers=4"};
 
+// Another gradient bucket size (as turning optimizer.overlap_grad_reduce on sets
+// Megatron-LM's 40M when none is given) pads and shards the buffers otherwise: the
+// state is regathered, for ddp and for the distributed optimizer's shards.
+TEST(Regather, AnotherBucketSizeAsOverlapSetsIt) {
+  for (const char* strategy : {"optimizer.strategy=\"ddp\"", "optimizer.strategy=\"distributed\""}) {
+    SCOPED_TRACE(strategy);
+    check_regather({"model.hidden_size=24"}, {"parallel.dp=2", strategy},
+                   {"parallel.dp=2", strategy, "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=1500"});
+  }
+}
+
 TEST(Regather, Tp2Pp2ToTp1Pp4) {
   check_regather(kFourLayers, {"parallel.tp=2", "parallel.pp=2", "parallel.dp=2"}, {"parallel.pp=4", "parallel.dp=1"});
 }

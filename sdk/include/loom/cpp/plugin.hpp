@@ -18,6 +18,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -340,12 +341,13 @@ class OptimizerStrategy {
                 LOOM_CODE_UNSUPPORTED);
   }
   // ABI 1.15: the gradients of these parameters (indices into the create args'
-  // infos) are final; a strategy may start reducing the buckets they complete. The
-  // default starts nothing: step reduces everything.
+  // infos) are final; a strategy may start reducing the buckets they complete. A
+  // strategy that does not override it leaves the slot NULL (the engine then refuses
+  // optimizer.overlap_grad_reduce).
   virtual void grads_ready(Rank& /*rank*/, const size_t* /*params*/, size_t /*num_params*/) {}
   // ABI 1.16: the engine is about to read these parameters; a strategy that left its
   // all-gather running after step (LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER) waits for
-  // theirs. The default has nothing running.
+  // theirs. Without an override the slot stays NULL.
   virtual void params_needed(Rank& /*rank*/, const size_t* /*params*/, size_t /*num_params*/) {}
 };
 
@@ -578,20 +580,24 @@ const loom_optimizer_api* optimizer_api() {
       });
     };
     if constexpr (requires { T::kFeatures; }) a.features = T::kFeatures;
-    a.grads_ready = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
-      return guard([&] {
-        LOOM_REQUIRE(params != nullptr || n == 0, "grads_ready: " << n << " parameters and no array of them");
-        Rank rank(r);
-        reinterpret_cast<OptimizerStrategy*>(p)->grads_ready(rank, params, n);
-      });
-    };
-    a.params_needed = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
-      return guard([&] {
-        LOOM_REQUIRE(params != nullptr || n == 0, "params_needed: " << n << " parameters and no array of them");
-        Rank rank(r);
-        reinterpret_cast<OptimizerStrategy*>(p)->params_needed(rank, params, n);
-      });
-    };
+    // Filled only when T overrides them, so the engine can refuse the overlap options
+    // for a strategy that would silently overlap nothing.
+    if constexpr (!std::is_same_v<decltype(&T::grads_ready), decltype(&OptimizerStrategy::grads_ready)>)
+      a.grads_ready = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
+        return guard([&] {
+          LOOM_REQUIRE(params != nullptr || n == 0, "grads_ready: " << n << " parameters and no array of them");
+          Rank rank(r);
+          reinterpret_cast<OptimizerStrategy*>(p)->grads_ready(rank, params, n);
+        });
+      };
+    if constexpr (!std::is_same_v<decltype(&T::params_needed), decltype(&OptimizerStrategy::params_needed)>)
+      a.params_needed = [](loom_optimizer* p, loom_rank* r, const size_t* params, size_t n) -> loom_status {
+        return guard([&] {
+          LOOM_REQUIRE(params != nullptr || n == 0, "params_needed: " << n << " parameters and no array of them");
+          Rank rank(r);
+          reinterpret_cast<OptimizerStrategy*>(p)->params_needed(rank, params, n);
+        });
+      };
     if constexpr (requires(const void* s, size_t n, loom_optimizer_elements& e) { T::state_decode(s, n, e); }) {
       a.state_decode = [](const void* state, size_t bytes, loom_optimizer_elements* out) -> loom_status {
         return guard([&] {
