@@ -73,6 +73,19 @@ int cmd_run(int argc, char** argv) {
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("run takes one MANIFEST");
+    // From here on a stop signal is honoured (planning and loading plugins take a
+    // while): the run then stops after its first step, with a checkpoint.
+    // SIGUSR1 too: mpirun forwards it to every rank (SIGINT becomes SIGTERM there,
+    // followed by SIGKILL a second later), and Slurm sends it ahead of a time limit
+    // (sbatch --signal=USR1@120).
+    struct StopSignals {
+      StopSignals() {
+        for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_signal);
+      }
+      ~StopSignals() {
+        for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, SIG_DFL);
+      }
+    } stop_signals;
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     if (report_plugin_loading()) return 1;
@@ -106,12 +119,7 @@ int cmd_run(int argc, char** argv) {
       opts.log = nullptr;
     }
     opts.stop_signal = &g_stop;
-    // SIGUSR1 too: mpirun forwards it to every rank (SIGINT becomes SIGTERM there,
-    // followed by SIGKILL a second later), and Slurm sends it ahead of a time limit
-    // (sbatch --signal=USR1@120).
-    for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_signal);
     train::TrainResult r = train::train(plan, opts);
-    for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, SIG_DFL);
 
     if (!r.steps.empty()) {
       const train::StepRecord& first = r.steps.front();
