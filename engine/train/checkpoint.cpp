@@ -559,6 +559,12 @@ bool same_stage_split(const std::string& step_dir, const RunPlan& plan) {
 
 }  // namespace
 
+namespace {
+std::string bucket_text(int64_t size) {
+  return size > 0 ? std::to_string(size) + " elements" : std::string("one per model chunk (optimizer.bucket_size 0)");
+}
+}  // namespace
+
 ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log) {
   const int64_t steps = plan.config.run.steps;
   ResumePoint out;
@@ -601,10 +607,7 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
                            meta.ep == plan.sizes.ep && meta.expert_tp() == plan.sizes.expert_tp() &&
                            meta.order == plan.sizes.order && same_stage_split(resume_dir, plan) &&
                            meta.strategy == plan.config.optimizer.strategy;
-  // Another bucket size (optimizer.overlap_grad_reduce sets Megatron's when none is
-  // given) pads and shards the buffers differently: regathered too.
-  const bool same_buckets = meta.bucket_size < 0 || meta.bucket_size == plan.config.optimizer.bucket_size;
-  if (!same_places || !same_buckets || (experts_apart && meta.dp != plan.dp)) {
+  if (!same_places || (experts_apart && meta.dp != plan.dp)) {
     const loom_optimizer_api* run_api = plan.optimizer->optimizer();
     const plugins::LoadedPlugin* saver = plan.registry->find("parallel", meta.strategy);
     const loom_optimizer_api* saver_api = saver != nullptr ? saver->optimizer() : nullptr;
@@ -616,13 +619,8 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
         resume_dir + " was written at " + sizes(meta.tp, meta.pp, meta.cp, meta.ep, meta.expert_tp(), meta.dp) +
         (same_stage_split(resume_dir, plan) ? "" : " with other pipeline chunks") +
         (meta.strategy == plan.config.optimizer.strategy ? "" : " by optimizer.strategy = \"" + meta.strategy + "\"") +
-        (same_buckets ? "" : " with gradient buckets of " + std::to_string(meta.bucket_size) + " elements") +
         "; this run has " + sizes(plan.sizes.tp, plan.sizes.pp, plan.sizes.cp, plan.sizes.ep, plan.sizes.expert_tp(), plan.dp) +
-        (meta.strategy == plan.config.optimizer.strategy ? "" : " with \"" + plan.config.optimizer.strategy + "\"") +
-        (same_buckets ? "" : " with buckets of " + std::to_string(plan.config.optimizer.bucket_size) +
-                                 " (optimizer.bucket_size" +
-                                 (plan.config.optimizer.overlap_grad_reduce ? ", as overlap_grad_reduce sets it" : "") +
-                                 ")");
+        (meta.strategy == plan.config.optimizer.strategy ? "" : " with \"" + plan.config.optimizer.strategy + "\"");
     if (saver_api == nullptr || !LOOM_HAS_SLOT(saver_api, loom_optimizer_api, state_decode) ||
         saver_api->state_decode == nullptr)
       throw CheckpointError(moved + ": regathering needs optimizer plugin parallel/" + meta.strategy +
@@ -639,13 +637,25 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
     out.step = meta.step;
     return out;
   }
-  if (meta.dp != plan.dp) {
+  // Another dp pads the buffers otherwise, and so may another bucket size
+  // (optimizer.overlap_grad_reduce sets Megatron's 40M when none is given): each rank
+  // maps its dp peers' files by parameter (when the bucket size changed but the
+  // buffers come out the same, the rank reads its own file as is).
+  const bool other_buckets = meta.bucket_size >= 0 && meta.bucket_size != plan.config.optimizer.bucket_size;
+  if (meta.dp != plan.dp || other_buckets) {
     const loom_optimizer_api* api = plan.optimizer->optimizer();
     if (!LOOM_HAS_SLOT(api, loom_optimizer_api, state_load_resharded) || api->state_load_resharded == nullptr)
-      throw CheckpointError(layouts + ", and optimizer plugin parallel/" + plan.optimizer->name + " (ABI 1." +
-                            std::to_string(plan.optimizer->abi_minor) +
-                            ") cannot reshard its state (no state_load_resharded, ABI 1.1); resume with parallel.dp=" +
-                            std::to_string(meta.dp) + " or rebuild the plugin with resharding");
+      throw CheckpointError(
+          (meta.dp != plan.dp ? layouts : resume_dir + " was written with gradient buckets of " +
+                                              bucket_text(meta.bucket_size) + ", this run has " +
+                                              bucket_text(plan.config.optimizer.bucket_size)) +
+          ", and optimizer plugin parallel/" + plan.optimizer->name + " (ABI 1." +
+          std::to_string(plan.optimizer->abi_minor) + ") cannot reshard its state (no state_load_resharded, ABI 1.1); " +
+          (meta.dp != plan.dp ? "resume with parallel.dp=" + std::to_string(meta.dp) + " or rebuild the plugin with resharding"
+                              : "resume with optimizer.bucket_size=" + std::to_string(meta.bucket_size) +
+                                    (plan.config.optimizer.overlap_grad_reduce
+                                         ? " (optimizer.overlap_grad_reduce sets 40000000 when it is 0)"
+                                         : "")));
     out.old_dp = meta.dp;
     out.old_world = meta.world;
     out.old_bucket_size = meta.bucket_size;  // the old layout's buckets (-1: not recorded)

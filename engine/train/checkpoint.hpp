@@ -138,7 +138,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
 struct ResumePoint {
   std::string dir;                 // the checkpoint's directory
   int64_t step = 0;                // the step it holds
-  int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp changes (reshard); else 0
+  int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp or the bucket size changes (reshard); else 0
   int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)
   // Another tp, pp, cp, ep or etp (or order): the parameters and optimizer state are
   // regathered by name and element (gather_checkpoint with the state).

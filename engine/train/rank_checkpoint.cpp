@@ -34,6 +34,19 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
   return committed;
 }
 
+namespace {
+// A resume at the checkpoint's dp whose bucket size differs but lays this rank's
+// buffers out the same (every chunk smaller than both sizes): the file reads as is.
+bool same_buffers(const ResumePoint& from, const RunPlan& plan, const model::Model& model) {
+  if (from.old_dp != plan.dp || from.old_bucket_size < 0) return false;
+  const model::BufferLayout old = model::layout_entries(model.param_entries(), model.chunk_count(),
+                                                        from.old_dp * plan.sizes.cp,
+                                                        static_cast<size_t>(from.old_bucket_size));
+  const model::BufferLayout& now = model.layout();
+  return old.numel == now.numel && old.params == now.params && old.buckets == now.buckets;
+}
+}  // namespace
+
 void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::RankRuntime& rank,
                         model::Model& model, OptimizerBinding& optimizer, const std::string& manifest_toml,
                         const InitialWeights* regathered) {
@@ -50,7 +63,7 @@ void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::R
     e.numel = model.numel();
     e.arrays = ptrs.data();
     loom::check(optimizer.api()->state_import(optimizer.handle(), &e));
-  } else if (from.old_dp == 0) {  // the same layout
+  } else if (from.old_dp == 0 || same_buffers(from, plan, model)) {  // the same layout
     check_param_layout(from.dir, r, param_layout_of(model));
     require_same_model(from.dir, manifest_toml);  // what the shapes cannot tell
     RankState s = read_rank_file(from.dir, r, static_cast<int64_t>(model.numel()),

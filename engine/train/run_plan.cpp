@@ -163,7 +163,7 @@ runtime::LaunchConfig launch_config(const RunPlan& plan) {
   return lc;
 }
 
-RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
+RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use) {
   RunPlan plan{std::move(m)};
   plan.registry = &registry;
   manifest::Manifest& man = plan.manifest;
@@ -285,7 +285,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry) {
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
-  check_comm_fits(man, plan, diags);
+  if (use == PlanUse::Launch) check_comm_fits(man, plan, diags);
   // A recomputed forward runs inside the backward, outside the captured forward and
   // backward steps an exec plugin that replays would replay.
   if (plan.exec != nullptr && config.model.recompute_granularity != "none") {

@@ -48,9 +48,14 @@ struct RunPlan {
 // layout, the comm timeout, threads per rank and the services the layers call.
 runtime::LaunchConfig launch_config(const RunPlan& plan);
 
+// What a plan is for: a run this process launches, or the layout of a checkpoint
+// another launch wrote (gathering or exporting it), which must not be checked against
+// how this process was started (threads vs mpirun, its comm backend).
+enum class PlanUse { Launch, CheckpointLayout };
+
 // Loads plugins (plugins.search_paths, LOOM_PLUGIN_PATH, the install dir) into
 // `registry`, resolves every plugin the manifest names and validates their option
 // sections. Throws manifest::ManifestError with every problem found.
-RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry);
+RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use = PlanUse::Launch);
 
 }  // namespace loom::train

@@ -70,14 +70,21 @@ void check_regather(const std::vector<std::string>& model, const std::vector<std
 
 const std::vector<std::string> kFourLayers = {"model.num_layers=4"};
 
-// Another gradient bucket size (as turning optimizer.overlap_grad_reduce on sets
-// Megatron-LM's 40M when none is given) pads and shards the buffers otherwise: the
-// state is regathered, for ddp and for the distributed optimizer's shards.
+// Another gradient bucket size (turning optimizer.overlap_grad_reduce on sets
+// Megatron-LM's 40M when none is given) may pad and shard the buffers otherwise: each
+// rank maps its dp peers' files by parameter (state_load_resharded), for ddp and the
+// distributed optimizer's shards, at dp 2 and with pp 2 x tp 2; when the buffers come
+// out the same (40M and one bucket per chunk, on a small model) the files read as is.
 TEST(Regather, AnotherBucketSizeAsOverlapSetsIt) {
   for (const char* strategy : {"optimizer.strategy=\"ddp\"", "optimizer.strategy=\"distributed\""}) {
     SCOPED_TRACE(strategy);
     check_regather({"model.hidden_size=24"}, {"parallel.dp=2", strategy},
                    {"parallel.dp=2", strategy, "optimizer.overlap_grad_reduce=true", "optimizer.bucket_size=1500"});
+    check_regather({"model.hidden_size=24", "model.num_layers=4"},
+                   {"parallel.dp=2", "parallel.pp=2", "parallel.tp=2", strategy, "optimizer.bucket_size=1500"},
+                   {"parallel.dp=2", "parallel.pp=2", "parallel.tp=2", strategy});
+    check_regather({"model.hidden_size=24"}, {"parallel.dp=2", strategy},
+                   {"parallel.dp=2", strategy, "optimizer.overlap_grad_reduce=true"});
   }
 }
 
