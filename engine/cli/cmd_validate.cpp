@@ -140,6 +140,10 @@ int cmd_validate(int argc, char** argv) {
                       : std::string(config.optimizer.overlap_param_gather
                                         ? ", parameters gathered into the next forward (overlap_param_gather)"
                                         : ""))
+              << ((config.optimizer.overlap_grad_reduce || config.optimizer.overlap_param_gather) &&
+                          plan.dp * plan.sizes.cp == 1
+                      ? "; one data-parallel rank: nothing to overlap"
+                      : "")
               << "\n"
               << "  plugins           " << plan.device->key() << ", " << plan.comm->key() << ", " << plan.exec->key()
               << ", " << plan.optimizer->key() << ", " << plan.schedule->key() << ", " << plan.tensor->key()

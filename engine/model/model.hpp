@@ -102,7 +102,9 @@ class Model {
   // Told, before the first forward (microbatch 0) of each layer, of the parameters it
   // reads (entry indices), so that an all-gather still running from the last
   // optimizer step can complete first (overlap_param_gather).
-  void set_params_needed_listener(GradFinalizer::Listener listener) { params_needed_ = std::move(listener); }
+  void set_params_needed_listener(std::function<void(const std::vector<size_t>&)> listener) {
+    params_needed_ = std::move(listener);
+  }
   // Every parameter from its whole tensor (ParamBuffers::assign): starting from given weights.
   void assign_params(const ParamBuffers::FullTensorOf& full_of) { buffers_.assign(full_of); }
   // This rank's slice of a parameter's whole tensor (ParamBuffers::local_part).
@@ -169,7 +171,7 @@ class Model {
   ParamBuffers buffers_;
   bool sequence_parallel_ = false;  // hidden states are sharded over tp
   GradFinalizer finalizer_;
-  GradFinalizer::Listener params_needed_;
+  std::function<void(const std::vector<size_t>&)> params_needed_;  // entries a layer's first forward reads
   int64_t context_rows_ = 0;        // sequence rows this rank holds: seq_len, or its cp slice
   CapturePolicy capture_;
   HiddenStates hidden_;
