@@ -40,19 +40,25 @@ Shim* shim(loom_comm* c) { return reinterpret_cast<Shim*>(c); }
 
 // factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
 // Counts the call, runs it, and tells the observer (if any) how long it took.
-template <typename Call>
-loom_status counted(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor, Call&& call) {
+// Counts one call; returns its logical bytes.
+uint64_t count_call(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor) {
   CommCounter c;
   c.calls = 1;
   c.elements = elements;
   c.bytes = elements * loom::dtype_size(dtype);  // 0 for a bad dtype: the comm plugin reports it
   c.bus_bytes = static_cast<double>(c.bytes) * factor;
   s->recorder->add(s->kind, op, c);
+  return c.bytes;
+}
+
+template <typename Call>
+loom_status counted(Shim* s, const char* op, uint64_t elements, int32_t dtype, double factor, Call&& call) {
+  const uint64_t bytes = count_call(s, op, elements, dtype, factor);
   const CommObserver& observer = s->recorder->observer();
   if (!observer) return call();
   const auto start = std::chrono::steady_clock::now();
   loom_status status = call();
-  observer(s->kind, op, c.bytes, start, false);
+  observer(s->kind, op, bytes, start, false);
   return status;
 }
 double ring(const Shim* s) { return s->size > 1 ? static_cast<double>(s->size - 1) / s->size : 0.0; }
@@ -151,14 +157,8 @@ loom_status s_start(loom_comm* c, void* stream, const loom_collective* col, loom
   const double factor = col->kind == LOOM_COLLECTIVE_ALL_REDUCE ? 2.0 * ring(s) : ring(s);
   auto r = std::make_unique<ShimRequest>();
   r->op = op;
-  r->bytes = elements * loom::dtype_size(col->dtype);
+  r->bytes = count_call(s, op, elements, col->dtype, factor);
   r->start = std::chrono::steady_clock::now();
-  CommCounter counter;
-  counter.calls = 1;
-  counter.elements = elements;
-  counter.bytes = r->bytes;
-  counter.bus_bytes = static_cast<double>(r->bytes) * factor;
-  s->recorder->add(s->kind, op, counter);
   const bool has_start = LOOM_HAS_SLOT(s->api, loom_comm_api, wait) && s->api->start != nullptr && s->api->wait != nullptr;
   loom_status status = nullptr;
   if (has_start) {
