@@ -8,11 +8,13 @@
 #include "engine/model/param_plan.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/train/memory_plan.hpp"
+#include "engine/train/perf_model.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <cstdio>
 #include <algorithm>
+#include <iomanip>
 #include <iostream>
 #include <set>
 #include <string>
@@ -26,10 +28,19 @@ namespace {
 
 const char* kUsage =
     "usage: loom plan MANIFEST [--set key.path=value]... [--json]\n"
+    "                          [--perf [--links SPEC] [--check STEPS]]\n"
     "Plans each rank's memory from the layer plugins' parameter declarations, without\n"
     "running the model: parameters and gradients (device.param_dtype / grad_dtype, flat\n"
     "buffers with Megatron's padding), optimizer state (optimizer.strategy: ddp keeps it\n"
-    "whole, distributed shards it over dp) and an activation estimate per microbatch.\n";
+    "whole, distributed shards it over dp) and an activation estimate per microbatch.\n"
+    "  --perf     estimate the step time instead: the model's compute is measured on this\n"
+    "             machine's device (a few steps at the layout's tp and cp, dp = pp = 1),\n"
+    "             communication is modelled on the links (comm.options.links, or --links),\n"
+    "             the pipeline schedule played out, gradient reduction and parameter\n"
+    "             gathers overlapped as optimizer.overlap_* say\n"
+    "  --links    the network to model, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\"\n"
+    "  --check    then run the manifest for STEPS steps (nothing written) and print the\n"
+    "             measured step time beside the estimate\n";
 
 std::string mib(uint64_t bytes) {
   char buf[32];
@@ -41,18 +52,94 @@ std::string cell(const std::string& s, size_t width) {
   return s.size() >= width ? s + " " : std::string(width - s.size(), ' ') + s + " ";
 }
 
+std::string ms(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", s * 1e3);
+  return buf;
+}
+
+// loom plan --perf: the estimate, and with --check the measured step beside it.
+int print_perf(const Args& args, const train::RunPlan& plan, const train::MemoryPlan& mp, bool json) {
+  const int64_t check_steps = args.get_int("--check", 0);
+  if (args.has("--check") && check_steps < 3) throw UsageError("--check needs at least 3 steps (the first 2 warm up)");
+  const LinkModel links = train::plan_links(plan, args.get("--links").value_or(""));
+  const int cores = runtime::usable_cores();
+  const int threads = train::threads_per_rank(plan, cores);
+  if (!json)
+    std::cout << "measuring the model's compute on " << plan.config.device.kind << " at tp " << plan.sizes.tp
+              << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : "") << ", " << threads
+              << " thread(s) per rank ..." << std::endl;
+  const train::ComputeProfile profile = train::measure_compute(plan, threads);
+  const train::PerfEstimate est = train::estimate_step(plan, mp, profile, links, cores);
+  const double measured = check_steps > 0 ? train::measure_step_s(plan, check_steps) : 0;
+
+  if (json) {
+    using nlohmann::ordered_json;
+    ordered_json stages = ordered_json::array();
+    for (const train::StageEstimate& e : est.stages)
+      stages.push_back({{"stage", e.stage}, {"forward_ms", e.forward_s * 1e3}, {"backward_ms", e.backward_s * 1e3},
+                        {"layer_comm_ms", e.layer_comm_s * 1e3}, {"pipeline_wait_ms", e.pipeline_wait_s * 1e3},
+                        {"embedding_ms", e.embedding_s * 1e3}, {"grad_reduce_ms", e.grad_reduce_s * 1e3},
+                        {"grad_reduce_exposed_ms", e.grad_reduce_exposed_s * 1e3},
+                        {"optimizer_ms", e.optimizer_s * 1e3}, {"param_gather_ms", e.param_gather_s * 1e3},
+                        {"param_gather_exposed_ms", e.param_gather_exposed_s * 1e3},
+                        {"bookkeeping_ms", e.bookkeeping_s * 1e3}, {"step_ms", e.step_s * 1e3}});
+    ordered_json out = {{"step_ms", est.step_s * 1e3}, {"tokens_per_s", est.tokens_per_s},
+                        {"flops_per_step", est.flops_per_step}, {"mfu", est.mfu},
+                        {"cores", est.cores}, {"threads_per_rank", est.threads}, {"contention", est.contention},
+                        {"measured_at", {{"tp", profile.tp}, {"cp", profile.cp}, {"dp", profile.dp},
+                                         {"runs", profile.runs}, {"seconds", profile.wall_s}}},
+                        {"stages", stages}, {"notes", est.notes}};
+    if (check_steps > 0) out["measured_step_ms"] = measured * 1e3;
+    std::cout << runtime::dump_json(out) << "\n";
+    return 0;
+  }
+  std::cout << "step-time estimate: " << args.positionals()[0] << "\n"
+            << "  world " << plan.sizes.world << " = tp " << plan.sizes.tp
+            << (plan.sizes.cp > 1 ? " x cp " + std::to_string(plan.sizes.cp) : "") << " x dp " << plan.dp << " x pp "
+            << plan.sizes.pp << (plan.orders.vpp > 1 ? " (vpp " + std::to_string(plan.orders.vpp) + ")" : "") << ", "
+            << plan.microbatches << " microbatches per step, optimizer " << plan.config.optimizer.strategy
+            << (plan.config.optimizer.overlap_grad_reduce ? ", overlap_grad_reduce" : "")
+            << (plan.config.optimizer.overlap_param_gather ? ", overlap_param_gather" : "") << "\n"
+            << "  compute measured in " << profile.runs << " run(s) of " << std::fixed << std::setprecision(1)
+            << profile.wall_s << " s; " << est.cores << " core(s), " << est.threads
+            << " thread(s) per rank, contention x" << std::setprecision(2) << est.contention << "\n";
+  for (const std::string& n : est.notes) std::cout << "  note: " << n << "\n";
+  std::cout << "  step " << ms(est.step_s) << " ms, " << std::setprecision(0) << est.tokens_per_s << " tokens/s";
+  if (est.mfu > 0) std::cout << ", MFU " << std::setprecision(1) << 100 * est.mfu << "%";
+  std::cout << "\n";
+  if (check_steps > 0)
+    std::cout << "  measured " << ms(measured) << " ms/step (" << check_steps - 2
+              << " steps after 2 warm-up): estimate / measured = " << std::setprecision(2) << est.step_s / measured
+              << "\n";
+  std::cout << "\n"
+            << cell("stage", 6) << cell("fwd ms", 9) << cell("bwd ms", 9) << cell("(layer comm)", 13)
+            << cell("pipe wait", 10) << cell("embed", 7) << cell("grad red.", 10) << cell("(exposed)", 10)
+            << cell("optim", 7) << cell("gather", 8) << cell("(exposed)", 10) << cell("other", 7)
+            << cell("step ms", 9) << "\n";
+  for (const train::StageEstimate& e : est.stages)
+    std::cout << cell(std::to_string(e.stage), 6) << cell(ms(e.forward_s), 9) << cell(ms(e.backward_s), 9)
+              << cell(ms(e.layer_comm_s), 13) << cell(ms(e.pipeline_wait_s), 10) << cell(ms(e.embedding_s), 7)
+              << cell(ms(e.grad_reduce_s), 10) << cell(ms(e.grad_reduce_exposed_s), 10) << cell(ms(e.optimizer_s), 7)
+              << cell(ms(e.param_gather_s), 8) << cell(ms(e.param_gather_exposed_s), 10)
+              << cell(ms(e.bookkeeping_s), 7) << cell(ms(e.step_s), 9) << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int cmd_plan(int argc, char** argv) {
   bool json = false;
   try {
-    Args args(argc, argv, {"--json"}, {"--set"});
+    Args args(argc, argv, {"--json", "--perf"}, {"--set", "--links", "--check"});
     json = args.flag("--json");
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("plan takes one MANIFEST");
+    const bool perf = args.flag("--perf");
+    if (!perf && (args.has("--links") || args.has("--check"))) throw UsageError("--links and --check go with --perf");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
@@ -60,6 +147,7 @@ int cmd_plan(int argc, char** argv) {
     const std::string& memory = checked.memory_problem;
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
+    if (perf) return print_perf(args, plan, mp, json);
 
     if (json) {
       using nlohmann::ordered_json;

@@ -196,10 +196,21 @@ double Timeline::bubble_fraction() const {
 
 Timeline simulate(const PipelineOrders& o, SimCosts costs) {
   const std::vector<std::vector<StepRef>> decoded = validate(o);
-  if (costs.forward < 1 || costs.backward < 1)
-    throw ScheduleError(ScheduleError::Kind::invalid, "simulation costs must be at least one slot");
   const int pp = o.pp, m = o.microbatches;
   const int g_count = pp * o.vpp;
+  auto at_least_one = [](const std::vector<int64_t>& v) {
+    return std::all_of(v.begin(), v.end(), [](int64_t c) { return c >= 1; });
+  };
+  if (costs.forward < 1 || costs.backward < 1 || !at_least_one(costs.forward_of) ||
+      !at_least_one(costs.backward_of) || costs.transfer < 0)
+    throw ScheduleError(ScheduleError::Kind::invalid, "simulation costs must be at least one slot");
+  auto sized = [&](const std::vector<int64_t>& v) { return v.empty() || v.size() == static_cast<size_t>(g_count); };
+  if (!sized(costs.forward_of) || !sized(costs.backward_of))
+    throw ScheduleError(ScheduleError::Kind::invalid, "per-chunk simulation costs need one entry per global chunk");
+  auto duration = [&](bool forward, int g) {
+    const std::vector<int64_t>& of = forward ? costs.forward_of : costs.backward_of;
+    return of.empty() ? (forward ? costs.forward : costs.backward) : of[static_cast<size_t>(g)];
+  };
 
   // Where each (direction, global chunk, microbatch) runs: its step on its rank,
   // and when it finished (-1: not yet).
@@ -266,7 +277,7 @@ Timeline simulate(const PipelineOrders& o, SimCosts costs) {
             available = false;
             break;
           }
-          ready = std::max(ready, at);
+          ready = std::max(ready, at + (n.g % pp != r ? costs.transfer : 0));
         }
         if (!available) break;
         TimedStep ts;
@@ -276,7 +287,7 @@ Timeline simulate(const PipelineOrders& o, SimCosts costs) {
         ts.entry = o.order[static_cast<size_t>(r)][i];
         ts.global_chunk = global_chunk(pp, r, s.chunk);
         ts.start = ready;
-        ts.duration = s.forward ? costs.forward : costs.backward;
+        ts.duration = duration(s.forward, ts.global_chunk);
         clock[static_cast<size_t>(r)] = ts.start + ts.duration;
         done[slot(s.forward, ts.global_chunk, s.microbatch)] = ts.start + ts.duration;
         t.busy += ts.duration;

@@ -91,6 +91,11 @@ std::vector<std::vector<StepRef>> validate(const PipelineOrders& orders);
 struct SimCosts {
   int64_t forward = 1;
   int64_t backward = 1;
+  // When not empty (pp * vpp entries): the time of each global chunk's forward and
+  // backward, in place of `forward` and `backward` (`loom plan --perf`, in ns).
+  std::vector<int64_t> forward_of, backward_of;
+  // Added to an input that comes from another rank (a p2p transfer); 0 = none.
+  int64_t transfer = 0;
 };
 
 struct TimedStep : StepRef {
@@ -118,7 +123,8 @@ struct Timeline {
 // backward of g receives the backward output of g + 1 (the last global chunk starts
 // from its own forward), and needs its own forward of g. Sends never block (buffered,
 // as comm/local's), receives do. Each rank runs its next step as soon as its inputs
-// exist, starting when its previous step and its inputs are done (no transfer time).
+// exist, starting when its previous step and its inputs are done (plus costs.transfer
+// for an input from another rank).
 // If no rank can advance while some are unfinished, throws ScheduleError
 // (Kind::deadlock) naming the first stuck rank, its step, what it waits for, the
 // rank that would produce it and the cycle of waits. Validates first.

@@ -36,15 +36,14 @@ int env_int(const char* name) {
   return res.ec == std::errc() && res.ptr == end && n >= 0 ? n : -1;
 }
 
-// CPUs this process may run on (its affinity mask), at least 1.
+}  // namespace
+
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
   return std::max(1u, std::thread::hardware_concurrency());
 }
-
-}  // namespace
 
 ProcessLaunch detect_process_launch() {
   struct Source {

@@ -55,6 +55,9 @@ struct ProcessLaunch {
 };
 ProcessLaunch detect_process_launch();
 
+// CPUs this process may run on (its affinity mask), at least 1.
+int usable_cores();
+
 // Runs fn on every rank of this process (all ranks as threads, or only this
 // process's rank when detect_process_launch() says one process per rank), returns
 // when they are done. If a rank throws, the comm world is aborted so the others

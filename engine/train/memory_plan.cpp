@@ -147,6 +147,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
   const int64_t rows = dims.seq_len / plan.sizes.cp;
   const uint64_t hidden_state_bytes = static_cast<uint64_t>(
       (sp && plan.sizes.tp > 1 ? rows / plan.sizes.tp : rows) * dims.micro_batch * dims.hidden * psize);
+  out.hidden_state_bytes = hidden_state_bytes;
   // Parameters are replicated over dp x cp ranks: the optimizer's group.
   const int grad_group = plan.dp * plan.sizes.cp;
 
@@ -246,6 +247,15 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         const PlannedLayers::Layer& l = layers.layers[li];
         loom::check(l.api->bind(l.handle, pv.data(), gv.data(), pv.size()));
       }
+      rm.chunk_layers.assign(chunks.size(), 0);
+      rm.chunk_forward_flops.assign(chunks.size(), 0.0);
+      for (size_t li = 0; li < layers.layers.size(); ++li) {
+        const PlannedLayers::Layer& l = layers.layers[li];
+        const size_t c = static_cast<size_t>(chunk_of_layer[li]);
+        ++rm.chunk_layers[c];
+        if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
+          rm.chunk_forward_flops[c] += l.api->forward_flops(l.handle);
+      }
       chunk_activations.assign(chunks.size(), 0);
       // Per chunk, the largest recompute group's re-created bytes: its layers' saved
       // activations and its inner hidden states (the group's input and output are held).
@@ -277,6 +287,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       }
 
       for (const ParamEntry& e : cp.entries) {
+        if (e.shared_across_stages) rm.tied_numel += e.numel;
         rm.params += e.numel;
         rm.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
                               .partition_dim = e.decl.partition_dim,

@@ -44,6 +44,11 @@ struct RankMemory {
   // states alive at once, over what is held then), less activation_bytes; 0 without.
   uint64_t recompute_bytes = 0;
   double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
+  // Per local pipeline chunk: its layers and their forward FLOPs over one microbatch
+  // (loom_layer_api.forward_flops), for `loom plan --perf`.
+  std::vector<int> chunk_layers;
+  std::vector<double> chunk_forward_flops;
+  size_t tied_numel = 0;  // elements of parameters shared with another stage (summed over the embedding group)
 };
 
 struct MemoryPlan {
@@ -52,6 +57,7 @@ struct MemoryPlan {
   int64_t vocab = 0;
   size_t bucket_size = 0;
   int64_t microbatches_in_flight = 1;  // the most any rank holds
+  uint64_t hidden_state_bytes = 0;     // one microbatch's hidden state on a rank: what a pipeline stage sends
   std::vector<RankMemory> ranks;  // every rank of the world, by global rank
 };
 

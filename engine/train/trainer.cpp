@@ -90,7 +90,7 @@ class RankTraining {
     // parameters' all-gather only (anything else reading them waits for all first).
     if (config_.optimizer.overlap_param_gather)
       model_->set_params_needed_listener([this](const std::vector<size_t>& params) { optimizer_.params_needed(params); });
-    if (!run_.options.trace_file.empty()) start_trace();
+    if (!run_.options.trace_file.empty() || run_.options.keep_trace) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
                       static_cast<int>(run_.plan.microbatches), trace_.get());
     const bool last_stage = model_->is_last_global(static_cast<int>(model_->chunk_count()) - 1);
@@ -393,6 +393,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
   if (!options.trace_file.empty()) pipeline::write_chrome_trace(options.trace_file, run.trace_events);
+  if (options.keep_trace) run.result.trace = std::move(run.trace_events);
   return std::move(run.result);
 }
 

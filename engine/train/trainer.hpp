@@ -26,6 +26,7 @@ struct TrainOptions {
   std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
   const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers
   std::string trace_file;                    // Chrome trace of every rank's real timeline
+  bool keep_trace = false;                   // the same events in TrainResult::trace (loom plan --perf)
   // Called on every rank after each step (tests compare parameters step by step).
   std::function<void(int64_t step, int rank, const model::Model&)> on_step;
   // checkpoint.init_weights: reads the weights a run that does not resume starts from,
@@ -47,6 +48,8 @@ struct TrainResult {
   // Per global rank: what the execution mode did (graphs captured, steps replayed,
   // steps run directly), when its plugin reports it (ABI 1.3 loom_exec_api.stats).
   std::map<int, loom_exec_stats> exec_stats;
+  // With TrainOptions::keep_trace: every rank's timeline, as --trace writes it.
+  std::vector<pipeline::TraceEvent> trace;
 };
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options);

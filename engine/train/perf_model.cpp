@@ -1,0 +1,415 @@
+#include "engine/train/perf_model.hpp"
+
+#include "engine/model/param_plan.hpp"
+#include "engine/pipeline/schedule.hpp"
+#include "engine/train/trainer.hpp"
+
+#include <loom/cpp/core.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <set>
+
+namespace loom::train {
+
+namespace {
+
+constexpr int64_t kMeasuredMicrobatches = 4;  // per measured step
+constexpr int kWarmupSteps = 2;               // caches, allocators and thread pools settle
+constexpr int kMeasuredSteps = 6;             // after the warm-up; each phase's median is kept
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The engine's and the optimizer's own collectives, which estimate_step models from
+// the plan; every other kind belongs to the layers.
+bool engine_kind(const std::string& kind) {
+  static const std::set<std::string> kinds = {"dp", "dp-cp", "edp", "pp", "embedding", "position_embedding", "world"};
+  return kinds.count(kind) > 0;
+}
+
+struct PhaseTimes {
+  double forward_s = 0, backward_s = 0, optimizer_s = 0, other_s = 0;  // per step, means
+  runtime::CommStats layer_comm;                                       // per step, the last measured
+  size_t buffer_elements = 0;
+};
+
+// `plan` again with `sets` applied and `steps` steps that write nothing: no
+// evaluation, samples, metrics file or checkpoints, the random initialisation.
+RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> sets) {
+  for (const char* s : {"run.eval_every=0", "run.sample_every=0", "run.metrics_file=\"\"", "checkpoint.dir=\"\"",
+                        "checkpoint.every=0", "checkpoint.init_weights=\"\""})
+    sets.push_back(s);
+  sets.push_back("run.steps=" + std::to_string(steps));
+  return make_plan(manifest::Manifest::parse(plan.manifest.to_toml(), "a copy of the manifest", sets),
+                   const_cast<plugins::Registry&>(*plan.registry));
+}
+
+// Trains a copy of `plan` at its tp and cp with `dp` data-parallel ranks and no
+// pipeline for kWarmupSteps + kMeasuredSteps steps and reads rank 0's timeline: the
+// median of each phase over the steps after the warm-up.
+PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int dp) {
+  std::vector<std::string> sets = {
+      "parallel.pp=1", "parallel.vpp=1", "parallel.dp=" + std::to_string(dp), "pipeline.first_chunk_layers=0",
+      "pipeline.last_chunk_layers=0", "batch.micro_batch_size=" + std::to_string(micro_batch),
+      "batch.global_batch_size=" + std::to_string(micro_batch * dp * kMeasuredMicrobatches),
+      "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false",
+      "device.threads=" + std::to_string(threads)};
+  if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
+  const RunPlan measured = quiet_copy(plan, kWarmupSteps + kMeasuredSteps, sets);
+  TrainOptions opts;
+  opts.keep_trace = true;
+  const TrainResult result = train(measured, opts);
+
+  std::vector<pipeline::TraceEvent> events;
+  for (const pipeline::TraceEvent& e : result.trace)
+    if (e.rank == 0 && e.lane == pipeline::TraceLane::Rank) events.push_back(e);
+  std::sort(events.begin(), events.end(),
+            [](const pipeline::TraceEvent& a, const pipeline::TraceEvent& b) { return a.start_us < b.start_us; });
+  std::vector<double> forward, backward, optimizer, other;
+  double fwd = 0, bwd = 0;
+  size_t step = 0;
+  for (const pipeline::TraceEvent& e : events) {
+    if (e.category == "forward") fwd += e.dur_us * 1e-6;
+    if (e.category == "backward") bwd += e.dur_us * 1e-6;
+    if (e.category != "optimizer") continue;
+    if (step >= kWarmupSteps && step < result.steps.size()) {
+      forward.push_back(fwd);
+      backward.push_back(bwd);
+      optimizer.push_back(e.dur_us * 1e-6);
+      other.push_back(std::max(0.0, result.steps[step].ms * 1e-3 - (fwd + bwd + e.dur_us * 1e-6)));
+    }
+    fwd = bwd = 0;
+    ++step;
+  }
+  if (forward.empty()) throw loom::Error("loom plan --perf: the measuring run recorded no complete step");
+  PhaseTimes t;
+  t.forward_s = median(forward);
+  t.backward_s = median(backward);
+  t.optimizer_s = median(optimizer);
+  t.other_s = median(other);
+  for (const auto& [kind, ops] : result.steps.back().comm)
+    if (!engine_kind(kind)) t.layer_comm[kind] = ops;
+  const MemoryPlan mp = plan_memory(measured);
+  t.buffer_elements = mp.ranks.front().buffer_numel;
+  return t;
+}
+
+// Fixed and proportional parts of a phase timed at microbatch b (full) and b/2 (half):
+// time(b) = fixed + proportional.
+std::pair<double, double> split_fixed(double full, double half) {
+  const double proportional = std::clamp(2 * (full - half), 0.0, full);
+  return {full - proportional, proportional};
+}
+
+int64_t to_ns(double s) { return std::max<int64_t>(1, static_cast<int64_t>(std::llround(s * 1e9))); }
+
+double ns_to_s(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
+
+// Whether the optimizer strategy shards its state over dp (Megatron's distributed optimizer).
+bool sharded_state(const RunPlan& plan) {
+  const loom_optimizer_api* opt = plan.optimizer != nullptr ? plan.optimizer->optimizer() : nullptr;
+  return opt != nullptr && LOOM_HAS_SLOT(opt, loom_optimizer_api, features) &&
+         (opt->features & LOOM_OPTIMIZER_SHARDED_STATE) != 0;
+}
+
+// Kind and size of the group a rank's data-parallel gradients reduce over (dense part).
+std::pair<std::string, int> grad_group(const RunPlan& plan) {
+  return plan.sizes.cp > 1 ? std::pair<std::string, int>{"dp-cp", plan.dp * plan.sizes.cp}
+                           : std::pair<std::string, int>{"dp", plan.dp};
+}
+
+}  // namespace
+
+double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup) {
+  if (steps <= warmup) throw loom::Error("measuring a step needs more steps than the " + std::to_string(warmup) + " warm-up steps");
+  const TrainResult result = train(quiet_copy(plan, steps, {}), TrainOptions{});
+  double sum = 0;
+  int n = 0;
+  for (const StepRecord& r : result.steps)
+    if (r.step > warmup) sum += r.ms * 1e-3, ++n;
+  if (n == 0) throw loom::Error("the measured run completed no step after its warm-up");
+  return sum / n;
+}
+
+int threads_per_rank(const RunPlan& plan, int cores) {
+  return plan.config.device.threads > 0 ? plan.config.device.threads : std::max(1, cores / plan.sizes.world);
+}
+
+LinkModel plan_links(const RunPlan& plan, const std::string& spec) {
+  std::string text = spec;
+  if (text.empty())
+    if (const auto* v = plan.config.comm.options.get("links"); v != nullptr && v->is_string())
+      text = v->value<std::string>().value_or("");
+  try {
+    return LinkModel::parse(text);
+  } catch (const std::invalid_argument& e) {
+    throw loom::Error(std::string("links: ") + e.what());
+  }
+}
+
+ComputeProfile measure_compute(const RunPlan& plan, int threads) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ComputeProfile p;
+  p.tp = plan.sizes.tp;
+  p.cp = plan.sizes.cp;
+  // Ranks that share this machine's cores and memory (a host-memory device) slow each
+  // other down: measure with as many running as the layout has, its pipeline stages
+  // folded into dp. Ranks on devices of their own: one per (tp, cp) position, or the
+  // dp that expert parallelism needs.
+  const loom_device_api* dev = plan.device != nullptr ? plan.device->device() : nullptr;
+  const bool host = dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
+                    (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0;
+  p.dp = host ? plan.sizes.world / (plan.sizes.tp * plan.sizes.cp) : std::max(1, plan.sizes.ep);
+  p.threads = threads;
+  p.micro_batch = plan.config.batch.micro_batch_size;
+  p.microbatches = kMeasuredMicrobatches;
+  const PhaseTimes full = run_phases(plan, p.micro_batch, threads, p.dp);
+  p.runs = 1;
+  double f_fixed = 0, f_prop = full.forward_s, b_fixed = 0, b_prop = full.backward_s;
+  if (p.micro_batch >= 2 && p.micro_batch % 2 == 0) {
+    const PhaseTimes half = run_phases(plan, p.micro_batch / 2, threads, p.dp);
+    std::tie(f_fixed, f_prop) = split_fixed(full.forward_s, half.forward_s);
+    std::tie(b_fixed, b_prop) = split_fixed(full.backward_s, half.backward_s);
+    p.runs = 2;
+  }
+  const double m = static_cast<double>(kMeasuredMicrobatches);
+  p.forward_fixed_s = f_fixed / m;
+  p.forward_flops_s = f_prop / m;
+  p.backward_fixed_s = b_fixed / m;
+  p.backward_flops_s = b_prop / m;
+  p.optimizer_s = full.optimizer_s;
+  p.buffer_elements = sharded_state(plan) ? full.buffer_elements / static_cast<size_t>(p.dp * p.cp) : full.buffer_elements;
+  p.other_s = full.other_s;
+  p.layer_comm = full.layer_comm;
+  // The layers' FLOPs and count on one rank of the measured layout: every stage's.
+  const MemoryPlan mp = plan_memory(plan);
+  for (const RankMemory& r : mp.ranks) {
+    if (r.tp_rank != 0 || r.cp_rank != 0 || r.dp_rank != 0) continue;
+    for (size_t c = 0; c < r.chunk_layers.size(); ++c) {
+      p.layers += r.chunk_layers[c];
+      p.layer_flops += r.chunk_forward_flops[c];
+    }
+  }
+  p.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
+double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& links,
+                             const topology::RankGroups& groups) {
+  double s = 0;
+  for (const auto& [kind, ops] : stats) {
+    int p = 0;
+    try {
+      const std::vector<std::vector<int>>& all = groups.groups(kind);
+      p = all.empty() ? 0 : static_cast<int>(all.front().size());
+    } catch (const std::exception&) {
+      continue;  // not a group kind of this layout
+    }
+    const Link link = links.link(kind);
+    if (p <= 1 || link.ideal()) continue;
+    for (const auto& [op, c] : ops) {
+      if (c.calls == 0) continue;
+      const double calls = static_cast<double>(c.calls), per_call = static_cast<double>(c.bytes) / calls;
+      // Counter bytes are the logical tensor (comm_stats.hpp); the model takes the
+      // buffer (all-reduce, broadcast) or one member's piece.
+      if (op == "all_reduce") s += calls * collective_seconds(link, CollectiveKind::AllReduce, p, per_call);
+      else if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all" || op == "all_to_all_v")
+        s += calls * collective_seconds(link, CollectiveKind::AllGather, p, per_call / p);
+      else if (op == "broadcast") s += calls * collective_seconds(link, CollectiveKind::Broadcast, p, per_call);
+      else if (op == "barrier") s += calls * collective_seconds(link, CollectiveKind::Barrier, p, 0);
+      else if (op == "send") s += calls * link.transfer_s(per_call);
+    }
+  }
+  return s;
+}
+
+PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const ComputeProfile& profile,
+                           const LinkModel& links, int cores) {
+  PerfEstimate out;
+  const manifest::RunConfig& config = plan.config;
+  const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
+  const int pp = plan.sizes.pp, vpp = plan.orders.vpp > 0 ? plan.orders.vpp : 1;
+  const int64_t m = plan.microbatches;
+  out.cores = std::max(1, cores);
+  out.threads = threads_per_rank(plan, out.cores);
+  if (profile.tp != plan.sizes.tp || profile.cp != plan.sizes.cp)
+    throw loom::Error("loom plan --perf: the compute profile was measured at tp " + std::to_string(profile.tp) +
+                      ", cp " + std::to_string(profile.cp) + ", not this layout's");
+
+  // Each stage's rank with tp, cp and dp rank 0 (the others are alike).
+  std::vector<const RankMemory*> stage(static_cast<size_t>(pp), nullptr);
+  for (const RankMemory& r : mp.ranks)
+    if (r.tp_rank == 0 && r.cp_rank == 0 && r.dp_rank == 0 && stage[static_cast<size_t>(r.pp_rank)] == nullptr)
+      stage[static_cast<size_t>(r.pp_rank)] = &r;
+
+  // The layers' collectives of one microbatch on their links, shared out by layer.
+  const double layer_comm_mb = modelled_comm_seconds(profile.layer_comm, links, groups) /
+                               static_cast<double>(std::max<int64_t>(1, profile.microbatches));
+  const double layers = std::max(1, profile.layers), flops = profile.layer_flops;
+  auto chunk_time = [&](const RankMemory& r, size_t c, bool forward, double contention) {
+    const double fixed = forward ? profile.forward_fixed_s : profile.backward_fixed_s;
+    const double prop = forward ? profile.forward_flops_s : profile.backward_flops_s;
+    const double share = flops > 0 ? r.chunk_forward_flops[c] / flops : r.chunk_layers[c] / layers;
+    const double compute = contention * (fixed * r.chunk_layers[c] / layers + prop * share);
+    return std::pair<double, double>{compute + 0.5 * layer_comm_mb * r.chunk_layers[c] / layers,
+                                     0.5 * layer_comm_mb * r.chunk_layers[c] / layers};
+  };
+
+  // Ranks share the cores: busy threads over cores, relative to the measuring run.
+  const double measured_load = static_cast<double>(profile.tp * profile.cp * profile.dp * profile.threads);
+  auto contention_at = [&](double busy_ranks) {
+    const double load = busy_ranks * out.threads;
+    return std::max(1.0, load / out.cores) / std::max(1.0, measured_load / out.cores);
+  };
+
+  // The pipeline: every stage's order with these chunk times (one stage: in sequence).
+  struct StageRun {
+    double end = 0, busy = 0, forward = 0, backward = 0, comm = 0;
+    double last_backward_start = 0, last_backward_end = 0, first_forward = 0;
+  };
+  auto play = [&](double contention) {
+    std::vector<StageRun> runs(static_cast<size_t>(pp));
+    if (pp == 1) {
+      StageRun& s = runs[0];
+      for (size_t c = 0; c < stage[0]->chunk_layers.size(); ++c) {
+        const auto [f, fc] = chunk_time(*stage[0], c, true, contention);
+        const auto [b, bc] = chunk_time(*stage[0], c, false, contention);
+        s.forward += f * m;
+        s.backward += b * m;
+        s.comm += (fc + bc) * m;
+        s.first_forward += f;
+        s.last_backward_start = s.forward + s.backward - b;
+      }
+      s.busy = s.end = s.forward + s.backward;
+      s.last_backward_end = s.end;
+      return runs;
+    }
+    pipeline::SimCosts costs;
+    const int g_count = pp * vpp;
+    costs.forward_of.resize(static_cast<size_t>(g_count));
+    costs.backward_of.resize(static_cast<size_t>(g_count));
+    std::vector<double> comm_of(static_cast<size_t>(g_count), 0);
+    for (int g = 0; g < g_count; ++g) {
+      const RankMemory& r = *stage[static_cast<size_t>(g % pp)];
+      const size_t c = static_cast<size_t>(g / pp);
+      const auto [f, fc] = chunk_time(r, c, true, contention);
+      const auto [b, bc] = chunk_time(r, c, false, contention);
+      costs.forward_of[static_cast<size_t>(g)] = to_ns(f);
+      costs.backward_of[static_cast<size_t>(g)] = to_ns(b);
+      comm_of[static_cast<size_t>(g)] = fc + bc;
+    }
+    costs.transfer = static_cast<int64_t>(std::llround(links.link("pp").transfer_s(double(mp.hidden_state_bytes)) * 1e9));
+    const pipeline::Timeline t = pipeline::simulate(plan.orders, costs);
+    for (int r = 0; r < pp; ++r) {
+      StageRun& s = runs[static_cast<size_t>(r)];
+      bool first = true;
+      for (const pipeline::TimedStep& st : t.ranks[static_cast<size_t>(r)]) {
+        const double d = ns_to_s(st.duration);
+        (st.forward ? s.forward : s.backward) += d;
+        if (st.forward && first) s.first_forward = d, first = false;
+        if (!st.forward) s.comm += comm_of[static_cast<size_t>(st.global_chunk)];
+        if (!st.forward) s.last_backward_start = ns_to_s(st.start), s.last_backward_end = ns_to_s(st.start + st.duration);
+        s.end = std::max(s.end, ns_to_s(st.start + st.duration));
+      }
+      s.busy = s.forward + s.backward;
+    }
+    return runs;
+  };
+  const double world = plan.sizes.world;
+  out.contention = contention_at(world);
+  std::vector<StageRun> runs = play(out.contention);
+  if (pp > 1) {  // fewer ranks compute at once while the pipeline fills and drains
+    double busy = 0, span = 0;
+    for (const StageRun& s : runs) busy += s.busy, span = std::max(span, s.end);
+    const double utilisation = span > 0 ? busy / (pp * span) : 1;
+    out.contention = contention_at(world * utilisation);
+    runs = play(out.contention);
+  }
+
+  const size_t gsize = loom::dtype_size(model::model_dtype(config.device.grad_dtype));
+  const size_t psize = loom::dtype_size(model::model_dtype(config.device.param_dtype));
+  const bool distributed = sharded_state(plan);
+  const auto [dense_kind, dense_members] = grad_group(plan);
+  const int edp = groups.edp();
+  const double per_element = profile.buffer_elements > 0 ? profile.optimizer_s / double(profile.buffer_elements) : 0;
+  auto small_reduce = [&](const std::string& kind, int members) {
+    return collective_seconds(links.link(kind), CollectiveKind::AllReduce, members, 16);
+  };
+  // Per step: the stop flag (world), the loss (pp, dp) and the gradient norm (tp, pp).
+  const double bookkeeping = small_reduce("world", plan.sizes.world) + 2 * small_reduce("pp", pp) +
+                             small_reduce("dp", plan.dp) + small_reduce("tp", plan.sizes.tp) + profile.other_s;
+
+  for (int s = 0; s < pp; ++s) {
+    const RankMemory& r = *stage[static_cast<size_t>(s)];
+    const StageRun& run = runs[static_cast<size_t>(s)];
+    StageEstimate e;
+    e.stage = s;
+    e.forward_s = run.forward;
+    e.backward_s = run.backward;
+    e.layer_comm_s = run.comm;
+    e.pipeline_wait_s = std::max(0.0, run.end - run.busy);
+    double t = run.end;
+    if (pp > 1 && r.tied_numel > 0) {
+      e.embedding_s = collective_seconds(links.link("embedding"), CollectiveKind::AllReduce, 2, double(r.tied_numel * gsize));
+      t += e.embedding_s;
+    }
+    // Gradient buckets: reduced in line after the backward, or each as soon as the
+    // last microbatch's backward has produced it (the buffer holds the model in reverse).
+    const double total = std::max<size_t>(1, r.buffer_numel);
+    double comm_free = config.optimizer.overlap_grad_reduce ? 0 : t;
+    double gather = 0;
+    for (const model::Range& b : r.layout.buckets) {
+      const bool expert = b.start >= r.expert_start;
+      const std::string kind = expert ? "edp" : dense_kind;
+      const int members = expert ? edp : dense_members;
+      if (members <= 1) continue;
+      const double bytes = double(b.size()) * double(gsize);
+      const double cost = distributed
+                              ? collective_seconds(links.link(kind), CollectiveKind::ReduceScatter, members, bytes / members)
+                              : collective_seconds(links.link(kind), CollectiveKind::AllReduce, members, bytes);
+      const double ready = config.optimizer.overlap_grad_reduce
+                               ? run.last_backward_start +
+                                     double(b.end) / total * (run.last_backward_end - run.last_backward_start)
+                               : t;
+      comm_free = std::max(comm_free, ready) + cost;
+      e.grad_reduce_s += cost;
+      if (distributed)
+        gather += collective_seconds(links.link(kind), CollectiveKind::AllGather, members,
+                                     double(b.size()) * double(psize) / members);
+    }
+    e.grad_reduce_exposed_s = std::max(0.0, comm_free - t);
+    t = std::max(t, comm_free);
+    const size_t stepped = distributed ? r.expert_start / static_cast<size_t>(dense_members) +
+                                             (r.buffer_numel - r.expert_start) / static_cast<size_t>(std::max(1, edp))
+                                       : r.buffer_numel;
+    e.optimizer_s = per_element * double(stepped) * out.contention;
+    e.param_gather_s = gather;
+    // With overlap_param_gather the next step's first forward of the stage covers the
+    // gathers but the first bucket's.
+    const size_t nb = std::max<size_t>(1, r.layout.buckets.size());
+    e.param_gather_exposed_s =
+        config.optimizer.overlap_param_gather ? std::max(gather / nb, gather - run.first_forward) : gather;
+    e.bookkeeping_s = bookkeeping;
+    e.step_s = t + e.optimizer_s + e.param_gather_exposed_s + e.bookkeeping_s;
+    out.step_s = std::max(out.step_s, e.step_s);
+    out.stages.push_back(e);
+  }
+
+  const double tokens = double(config.batch.global_batch_size) * double(config.model.seq_length);
+  out.tokens_per_s = out.step_s > 0 ? tokens / out.step_s : 0;
+  double step_flops = 0;
+  for (const RankMemory& r : mp.ranks)
+    for (double f : r.chunk_forward_flops) step_flops += 3.0 * f * double(m);
+  out.flops_per_step = step_flops;
+  if (config.device.peak_tflops > 0 && out.step_s > 0)
+    out.mfu = step_flops / out.step_s / (config.device.peak_tflops * 1e12 * world);
+  if (links.empty()) out.notes.push_back("no links given: collectives cost nothing (set comm.options.links or --links)");
+  return out;
+}
+
+}  // namespace loom::train

@@ -1,0 +1,101 @@
+// A step-time estimate for a manifest before it runs (`loom plan --perf`).
+//
+// Compute is measured, communication is modelled. `measure_compute` runs the
+// manifest's model for a few steps on this machine's device at the layout's tensor
+// and context parallelism, without pipeline stages (what a rank computes per
+// microbatch; on a CPU with as many ranks sharing the cores as the layout has) and keeps how long forwards, backwards and the optimizer step took,
+// split into a part fixed per layer and a part in proportion to each layer's FLOPs
+// (two microbatch sizes), and the layers' own collectives (tp, cp, ep) per microbatch
+// as the engine's counters saw them. `estimate_step` then composes a step of the full
+// layout: each pipeline stage's chunks from its layers' FLOPs, the schedule's order
+// played out with p2p transfers on the pp link (pipeline::simulate), the tied-embedding
+// sum, the data-parallel gradient reduction per bucket (hidden behind the backward with
+// optimizer.overlap_grad_reduce), the optimizer step on the rank's share, the
+// distributed optimizer's parameter all-gather (hidden behind the next forward with
+// optimizer.overlap_param_gather), each collective costed by the alpha-beta link model
+// (loom/cpp/link_model.hpp: the links comm/local's `links` option gives), and ranks
+// sharing this machine's cores.
+#pragma once
+
+#include "engine/runtime/comm_stats.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/run_plan.hpp"
+
+#include <loom/cpp/link_model.hpp>
+
+#include <string>
+#include <vector>
+
+namespace loom::train {
+
+struct ComputeProfile {
+  int tp = 1, cp = 1, dp = 1;  // the layout it ran at (pp 1)
+  int threads = 1;             // device threads per rank
+  int64_t micro_batch = 1;
+  int64_t microbatches = 1;    // per step
+  // One microbatch through every layer of one rank (all pipeline stages' layers):
+  // seconds fixed per layer (summed over layers) and in proportion to FLOPs.
+  double forward_fixed_s = 0, forward_flops_s = 0;
+  double backward_fixed_s = 0, backward_flops_s = 0;
+  double layer_flops = 0;  // forward FLOPs of one microbatch over those layers
+  int layers = 0;
+  double optimizer_s = 0;       // one optimizer step of a rank that steps `buffer_elements`
+  size_t buffer_elements = 0;
+  double other_s = 0;           // per step, outside forwards, backwards and the optimizer
+  // The layers' own collectives over one step of `microbatches` (every kind but the
+  // engine's and the optimizer's: dp, dp-cp, edp, pp, embedding, world).
+  runtime::CommStats layer_comm;
+  int runs = 0;            // training runs measured (2 when the microbatch could be halved)
+  double wall_s = 0;       // what measuring took
+};
+
+// Measures `plan`'s model on its device at its tp and cp without pipeline stages and
+// links, `threads` device threads per rank. On a host-memory device (the ranks share
+// this machine) with as many ranks as `plan` (dp = dp x pp), else with dp = 1 (ep when
+// experts are split).
+ComputeProfile measure_compute(const RunPlan& plan, int threads);
+
+// One pipeline stage (its tp, cp and dp ranks are alike) over one step.
+struct StageEstimate {
+  int stage = 0;
+  double forward_s = 0, backward_s = 0;  // compute of all its microbatches
+  double layer_comm_s = 0;               // the layers' collectives on their links (within the above)
+  double pipeline_wait_s = 0;            // idle in the schedule: the bubble and p2p transfers
+  double embedding_s = 0;                // tied copies summed over the embedding group
+  double grad_reduce_s = 0, grad_reduce_exposed_s = 0;   // dp gradient reduction, and what the step waits for
+  double optimizer_s = 0;
+  double param_gather_s = 0, param_gather_exposed_s = 0;
+  double bookkeeping_s = 0;  // loss, gradient norm and stop-flag reductions, other per-step work
+  double step_s = 0;
+};
+
+struct PerfEstimate {
+  std::vector<StageEstimate> stages;
+  double step_s = 0;
+  double tokens_per_s = 0;
+  double flops_per_step = 0;  // forward and backward over the world (3 x forward)
+  double mfu = 0;             // 0 when device.peak_tflops is unknown
+  int threads = 1, cores = 1;
+  double contention = 1;      // compute slowdown from more busy threads than cores
+  std::vector<std::string> notes;
+};
+
+// The links of `plan`: `spec` when not empty, else comm.options.links (comm/local's).
+LinkModel plan_links(const RunPlan& plan, const std::string& spec = "");
+
+// Device threads a rank of `plan` gets on `cores` cores (as the launcher gives them).
+int threads_per_rank(const RunPlan& plan, int cores);
+
+PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const ComputeProfile& profile,
+                           const LinkModel& links, int cores);
+
+// The mean step time of `plan` as it is (its links, threads and layout) over `steps`
+// steps after the first `warmup`, writing nothing (no checkpoints, metrics, evaluation).
+double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup = 2);
+
+// Seconds of every collective counted in `stats` (calls and bytes per op) on the link
+// of its kind with that kind's group size in `sizes` (0 = not a group of this layout).
+double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& links,
+                             const topology::RankGroups& groups);
+
+}  // namespace loom::train

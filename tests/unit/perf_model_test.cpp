@@ -1,0 +1,210 @@
+// The step-time estimate of `loom plan --perf` (engine/train/perf_model.hpp):
+//   - the pipeline simulation with per-chunk times and p2p transfers, against a
+//     1F1B timeline worked out by hand;
+//   - the layers' collectives costed by the alpha-beta formulas, written out here;
+//   - a step composed from a given compute profile: compute per microbatch, the dp
+//     buckets' reductions in line or hidden behind the last backward, the optimizer
+//     step on the distributed optimizer's shard, the pipeline's stages;
+//   - the estimate beside the measured step time of the same layouts on this
+//     machine (generous bounds: the CI machine's two cores are shared).
+#include "support/train_fixture.hpp"
+
+#include "engine/pipeline/schedule.hpp"
+#include "engine/plugins/registry.hpp"
+#include "engine/topology/rank_groups.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/perf_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <iostream>
+#include <numeric>
+
+namespace {
+
+using loom::testing::plan_from;
+using loom::testing::tiny_manifest;
+
+std::vector<std::string> with(std::vector<std::string> v, const std::vector<std::string>& extra) {
+  v.insert(v.end(), extra.begin(), extra.end());
+  return v;
+}
+
+// pp 2, 4 microbatches, forward 10, backward 20, transfer 3. Stage 0 runs F1 F2 B1 F3
+// B2 F4 B3 B4, stage 1 F1 B1 F2 B2 F3 B3 F4 B4 (one warm-up forward on stage 0):
+//   s0 F1 [0,10]  F2 [10,20]            s1 F1 [13,23] B1 [23,43]
+//   s0 B1 [46,66] (s1's B1 + 3)         s1 F2 [43,53] B2 [53,73]
+//   s0 F3 [66,76] B2 [76,96]            s1 F3 [79,89] B3 [89,109]
+//   s0 F4 [96,106] B3 [112,132]         s1 F4 [109,119] B4 [119,139]
+//   s0 B4 [142,162]
+// Without the transfer: (m + pp - 1)(f + b) = 150.
+TEST(PerfModel, PipelineSimulationTakesChunkTimesAndTransfers) {
+  const loom::pipeline::PipelineOrders o = plan_from(tiny_manifest(), {"parallel.pp=2"}).orders;  // 1F1B
+  ASSERT_EQ(o.microbatches, 4);
+  loom::pipeline::SimCosts costs;
+  costs.forward_of = {10, 10};
+  costs.backward_of = {20, 20};
+  EXPECT_EQ(loom::pipeline::simulate(o, costs).makespan, 150);
+  costs.transfer = 3;
+  const loom::pipeline::Timeline t = loom::pipeline::simulate(o, costs);
+  EXPECT_EQ(t.makespan, 162);
+  ASSERT_EQ(t.ranks[0].size(), 8u);
+  EXPECT_EQ(t.ranks[0][2].start, 46) << "stage 0's first backward waits for stage 1's plus the transfer";
+  EXPECT_EQ(t.ranks[1][0].start, 13);
+  EXPECT_EQ(t.ranks[1][6].start, 109);
+  // Per-chunk times: a slower last stage stretches the steady state.
+  costs.transfer = 0;
+  costs.forward_of = {10, 15};
+  costs.backward_of = {20, 30};
+  EXPECT_GT(loom::pipeline::simulate(o, costs).makespan, 150);
+  costs.forward_of = {10};
+  EXPECT_THROW(loom::pipeline::simulate(o, costs), loom::pipeline::ScheduleError) << "one entry per global chunk";
+}
+
+TEST(PerfModel, LayerCollectivesCostWhatTheRingFormulasSay) {
+  loom::topology::ParallelSizes sizes;
+  sizes.world = 8;
+  sizes.tp = 2;
+  sizes.cp = 4;
+  const loom::topology::RankGroups groups = loom::topology::RankGroups::build(sizes);
+  loom::runtime::CommStats stats;
+  stats["tp"]["all_reduce"] = {4, 1000, 4000, 0};     // 4 calls of 1000 bytes
+  stats["cp"]["all_gather"] = {2, 800, 3200, 0};      // 2 calls gathering 1600 bytes: 400 per member
+  stats["cp"]["reduce_scatter"] = {2, 800, 3200, 0};
+  const loom::LinkModel links = loom::LinkModel::parse("tp=1GB/s,1us; cp=2GB/s,5us");
+  const double alpha_tp = 1e-6, beta_tp = 1e9, alpha_cp = 5e-6, beta_cp = 2e9;
+  const double tp = 4 * 2 * (2 - 1) * (alpha_tp + 1000.0 / (2 * beta_tp));  // 2(p-1)(α + n/(pβ))
+  const double cp = 2 * 2 * (4 - 1) * (alpha_cp + 400.0 / beta_cp);         // (p-1)(α + c/β), both ops
+  EXPECT_NEAR(loom::train::modelled_comm_seconds(stats, links, groups), tp + cp, 1e-12);
+  EXPECT_EQ(loom::train::modelled_comm_seconds(stats, loom::LinkModel(), groups), 0) << "ideal links cost nothing";
+}
+
+// A profile given, not measured: the estimate is then exact arithmetic.
+loom::train::ComputeProfile given_profile(const loom::train::RunPlan& plan, const loom::train::MemoryPlan& mp) {
+  loom::train::ComputeProfile p;
+  p.tp = plan.sizes.tp;
+  p.cp = plan.sizes.cp;
+  p.dp = plan.sizes.world / (plan.sizes.tp * plan.sizes.cp);
+  p.threads = 1;
+  p.forward_flops_s = 4e-3;
+  p.backward_flops_s = 8e-3;
+  p.optimizer_s = 1e-3;
+  for (const loom::train::RankMemory& r : mp.ranks) {
+    if (r.tp_rank != 0 || r.cp_rank != 0 || r.dp_rank != 0) continue;
+    p.layers += std::accumulate(r.chunk_layers.begin(), r.chunk_layers.end(), 0);
+    p.layer_flops += std::accumulate(r.chunk_forward_flops.begin(), r.chunk_forward_flops.end(), 0.0);
+    p.buffer_elements += r.buffer_numel;
+  }
+  return p;
+}
+
+const std::vector<std::string> kDp2 = {"parallel.dp=2", "optimizer.bucket_size=2000",
+                                       "comm.options.links=\"dp=0.1GB/s,10us\""};
+
+TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
+  const loom::train::RunPlan plan = plan_from(tiny_manifest(), kDp2);
+  const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
+  const loom::train::ComputeProfile profile = given_profile(plan, mp);
+  const loom::LinkModel links = loom::train::plan_links(plan);
+  const loom::train::PerfEstimate e = loom::train::estimate_step(plan, mp, profile, links, 2);
+  ASSERT_EQ(e.stages.size(), 1u);
+  const loom::train::StageEstimate& s = e.stages[0];
+  const double m = static_cast<double>(plan.microbatches);  // 8 / (2 x 2)
+  EXPECT_DOUBLE_EQ(s.forward_s, m * 4e-3);
+  EXPECT_DOUBLE_EQ(s.backward_s, m * 8e-3);
+  // Each bucket all-reduced over 2 ranks: 2 (p - 1)(α + n / (p β)) = 2 (10 us + n / 2 / 0.1 GB/s).
+  const loom::train::RankMemory& r = mp.ranks[0];
+  ASSERT_GE(r.layout.buckets.size(), 3u);
+  double buckets = 0;
+  for (const auto& b : r.layout.buckets) buckets += 2 * (10e-6 + double(b.size()) * 4 / 2 / 0.1e9);
+  EXPECT_NEAR(s.grad_reduce_s, buckets, 1e-12);
+  EXPECT_NEAR(s.grad_reduce_exposed_s, buckets, 1e-12) << "in line: the step waits for every bucket";
+  EXPECT_NEAR(s.optimizer_s, 1e-3, 1e-12) << "ddp steps the whole buffer, as measured";
+  EXPECT_NEAR(s.step_s, s.forward_s + s.backward_s + s.grad_reduce_exposed_s + s.optimizer_s + s.bookkeeping_s, 1e-12);
+  EXPECT_NEAR(e.tokens_per_s, 8.0 * 16 / s.step_s, 1e-6);
+
+  // Overlapped: the buckets start during the last backward; the last one cannot.
+  const loom::train::RunPlan op = plan_from(tiny_manifest(), with(kDp2, {"optimizer.overlap_grad_reduce=true"}));
+  const loom::train::PerfEstimate eo = loom::train::estimate_step(op, mp, profile, links, 2);
+  const loom::train::StageEstimate& so = eo.stages[0];
+  EXPECT_NEAR(so.grad_reduce_s, buckets, 1e-12);
+  EXPECT_LT(so.grad_reduce_exposed_s, buckets);
+  const auto& last = r.layout.buckets.back();
+  EXPECT_GE(so.grad_reduce_exposed_s, 2 * (10e-6 + double(last.size()) * 4 / 2 / 0.1e9) - 1e-12);
+  EXPECT_NEAR(s.step_s - so.step_s, buckets - so.grad_reduce_exposed_s, 1e-12);
+
+  // The distributed optimizer: reduce-scatter, a half-size step, the all-gather.
+  const loom::train::RunPlan dist = plan_from(tiny_manifest(), with(kDp2, {"optimizer.strategy=\"distributed\""}));
+  const loom::train::MemoryPlan dmp = loom::train::plan_memory(dist);
+  const loom::train::PerfEstimate ed = loom::train::estimate_step(dist, dmp, profile, links, 2);
+  const loom::train::StageEstimate& sd = ed.stages[0];
+  double scatter = 0;
+  for (const auto& b : dmp.ranks[0].layout.buckets) scatter += 10e-6 + double(b.size()) * 4 / 2 / 0.1e9;
+  EXPECT_NEAR(sd.grad_reduce_s, scatter, 1e-12);
+  EXPECT_NEAR(sd.param_gather_s, scatter, 1e-12) << "fp32 parameters gathered as the gradients were scattered";
+  EXPECT_NEAR(sd.param_gather_exposed_s, sd.param_gather_s, 1e-12);
+  EXPECT_NEAR(sd.optimizer_s, 1e-3 * double(dmp.ranks[0].buffer_numel / 2) / double(profile.buffer_elements), 1e-12);
+}
+
+TEST(PerfModel, PipelineStagesSplitTheModelAndWaitInTheBubble) {
+  const loom::train::RunPlan plan =
+      plan_from(tiny_manifest(), {"parallel.pp=2", "model.num_layers=4",
+                                  "comm.options.links=\"pp=1GB/s,20us; embedding=2GB/s,30us\""});
+  const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
+  const loom::train::ComputeProfile profile = given_profile(plan, mp);
+  const loom::train::PerfEstimate e = loom::train::estimate_step(plan, mp, profile, loom::train::plan_links(plan), 2);
+  ASSERT_EQ(e.stages.size(), 2u);
+  const double m = static_cast<double>(plan.microbatches);
+  // The stages' compute adds up to the whole model's (shares of its FLOPs), to rounding to ns.
+  EXPECT_NEAR(e.stages[0].forward_s + e.stages[1].forward_s, m * 4e-3, 1e-6);
+  EXPECT_NEAR(e.stages[0].backward_s + e.stages[1].backward_s, m * 8e-3, 1e-6);
+  // 1F1B: stage 0 waits at least for the other stage's first forward and backward
+  // of microbatch 1 and the transfers between (20 us + the hidden state per hop).
+  const double hop = 20e-6 + double(mp.hidden_state_bytes) / 1e9;
+  const double f1 = e.stages[1].forward_s / m, b1 = e.stages[1].backward_s / m;
+  EXPECT_GE(e.stages[0].pipeline_wait_s, f1 + b1 + 2 * hop - 1e-6);
+  // The tied embedding summed over the first and last stage: 2 (α + n / (2 β)).
+  const double tied = double(mp.ranks[0].tied_numel) * 4;
+  ASSERT_GT(tied, 0);
+  EXPECT_NEAR(e.stages[0].embedding_s, 2 * (30e-6 + tied / 2 / 2e9), 1e-12);
+  EXPECT_NEAR(e.stages[1].embedding_s, e.stages[0].embedding_s, 1e-12);
+  EXPECT_GE(e.step_s, std::max(e.stages[0].step_s, e.stages[1].step_s));
+}
+
+// The estimate beside the measured step of the same layouts, the links making the
+// communication a large part of the step. The bounds are generous (a factor 1.6 each
+// way): the CI machine's two cores are shared with other tests; scripts/bench-perf.sh
+// prints the table on a quiet machine.
+TEST(PerfModel, EstimateTracksTheMeasuredStepTime) {
+  const std::vector<std::string> base = {
+      "model.hidden_size=64",  "model.num_layers=4",        "model.seq_length=32", "batch.micro_batch_size=2",
+      "batch.global_batch_size=16", "optimizer.bucket_size=20000",
+      "comm.options.links=\"dp=0.05GB/s,50us; pp=0.2GB/s,50us; tp=1GB/s,20us\""};
+  const int cores = loom::runtime::usable_cores();
+  struct Case {
+    const char* name;
+    std::vector<std::string> sets;
+  };
+  const std::vector<Case> cases = {{"dp 2", {"parallel.dp=2"}},
+                                   {"dp 2 overlapped", {"parallel.dp=2", "optimizer.overlap_grad_reduce=true"}},
+                                   {"pp 2", {"parallel.pp=2"}},
+                                   {"tp 2", {"parallel.tp=2"}}};
+  for (const Case& c : cases) {
+    const loom::train::RunPlan plan = plan_from(tiny_manifest(), with(base, c.sets));
+    const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
+    const int threads = loom::train::threads_per_rank(plan, cores);
+    bool close = false;
+    for (int attempt = 0; attempt < 3 && !close; ++attempt) {
+      const loom::train::ComputeProfile profile = loom::train::measure_compute(plan, threads);
+      const double estimate = loom::train::estimate_step(plan, mp, profile, loom::train::plan_links(plan), cores).step_s;
+      const double measured = loom::train::measure_step_s(plan, 8);
+      std::cout << "[ perf ] " << c.name << ": estimate " << estimate * 1e3 << " ms/step, measured " << measured * 1e3
+                << " (ratio " << estimate / measured << ")\n";
+      close = estimate > measured / 1.6 && estimate < measured * 1.6;
+    }
+    EXPECT_TRUE(close) << c.name << ": the estimate was never within a factor 1.6 of the measured step";
+  }
+}
+
+}  // namespace
