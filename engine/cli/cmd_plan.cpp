@@ -8,6 +8,7 @@
 #include "engine/model/param_plan.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/train/memory_plan.hpp"
+#include "engine/train/layout_search.hpp"
 #include "engine/train/perf_model.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
@@ -28,7 +29,7 @@ namespace {
 
 const char* kUsage =
     "usage: loom plan MANIFEST [--set key.path=value]... [--json]\n"
-    "                          [--perf [--links SPEC] [--check STEPS]]\n"
+    "                          [--perf [--links SPEC] [--check STEPS | --search [--world N]]]\n"
     "Plans each rank's memory from the layer plugins' parameter declarations, without\n"
     "running the model: parameters and gradients (device.param_dtype / grad_dtype, flat\n"
     "buffers with Megatron's padding), optimizer state (optimizer.strategy: ddp keeps it\n"
@@ -40,7 +41,11 @@ const char* kUsage =
     "             gathers overlapped as optimizer.overlap_* say\n"
     "  --links    the network to model, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\"\n"
     "  --check    then run the manifest for STEPS steps (nothing written) and print the\n"
-    "             measured step time beside the estimate\n";
+    "             measured step time beside the estimate\n"
+    "  --search   rank every layout (tp x cp x pp x dp) of the world size that the model\n"
+    "             can run and that fits the device's memory by estimated step time\n"
+    "             (pipelines 1F1B without virtual stages; the rest as the manifest says)\n"
+    "  --world    the world size to search (default: the manifest's)\n";
 
 std::string mib(uint64_t bytes) {
   char buf[32];
@@ -56,6 +61,62 @@ std::string ms(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f", s * 1e3);
   return buf;
+}
+
+// loom plan --perf --search: the layouts ranked.
+int print_search(const Args& args, const train::RunPlan& plan, bool json) {
+  const int world = static_cast<int>(args.get_int("--world", plan.sizes.world));
+  if (world < 1) throw UsageError("--world must be at least 1");
+  const LinkModel links = train::plan_links(plan, args.get("--links").value_or(""));
+  auto progress = [json](const std::string& what) {
+    if (!json) std::cout << what << " ..." << std::endl;
+  };
+  const train::LayoutSearch found = train::search_layouts(plan, world, links, runtime::usable_cores(), progress);
+  if (json) {
+    using nlohmann::ordered_json;
+    auto row = [](const train::LayoutChoice& c) {
+      ordered_json r = {{"tp", c.tp}, {"cp", c.cp}, {"pp", c.pp}, {"dp", c.dp}, {"overrides", c.overrides}};
+      if (!c.refused.empty()) r["refused"] = c.refused;
+      else
+        r.update({{"step_ms", c.estimate.step_s * 1e3}, {"tokens_per_s", c.estimate.tokens_per_s},
+                  {"mfu", c.estimate.mfu}, {"most_bytes", c.most_bytes}});
+      return r;
+    };
+    ordered_json ranked = ordered_json::array(), refused = ordered_json::array();
+    for (const train::LayoutChoice& c : found.ranked) ranked.push_back(row(c));
+    for (const train::LayoutChoice& c : found.refused) refused.push_back(row(c));
+    std::cout << runtime::dump_json({{"world", world}, {"ranked", ranked}, {"refused", refused}}) << "\n";
+    return found.ranked.empty() ? 1 : 0;
+  }
+  std::cout << "\nlayouts of " << world << " rank(s) for " << args.positionals()[0] << ", fastest first ("
+            << found.profiles << " compute measurement(s)):\n"
+            << cell("#", 3) << cell("layout", 26) << cell("step ms", 10) << cell("tokens/s", 11)
+            << cell("compute ms", 11) << cell("exposed comm ms", 16) << cell("pipe wait ms", 13) << cell("MiB/rank", 10)
+            << "\n";
+  int n = 0;
+  for (const train::LayoutChoice& c : found.ranked) {
+    // The slowest stage sets the step: show its parts.
+    const train::StageEstimate* s = &c.estimate.stages.front();
+    for (const train::StageEstimate& e : c.estimate.stages)
+      if (e.step_s > s->step_s) s = &e;
+    char tok[32];
+    std::snprintf(tok, sizeof(tok), "%.0f", c.estimate.tokens_per_s);
+    std::cout << cell(std::to_string(++n), 3) << cell(c.name(), 26) << cell(ms(c.estimate.step_s), 10) << cell(tok, 11)
+              << cell(ms(s->forward_s + s->backward_s), 11)
+              << cell(ms(s->embedding_s + s->grad_reduce_exposed_s + s->param_gather_exposed_s), 16)
+              << cell(ms(s->pipeline_wait_s), 13) << cell(mib(c.most_bytes), 10) << "\n";
+  }
+  if (!found.refused.empty()) std::cout << "\nnot possible:\n";
+  for (const train::LayoutChoice& c : found.refused) std::cout << "  " << c.name() << ": " << c.refused << "\n";
+  if (!found.ranked.empty())
+    std::cout << "\nfastest: loom run " << args.positionals()[0] << " --set "
+              << [&] {
+                   std::string s;
+                   for (size_t i = 0; i < 4; ++i) s += (i ? " --set " : "") + found.ranked.front().overrides[i];
+                   return s;
+                 }()
+              << (found.ranked.front().pp > 1 ? " --set pipeline.schedule=\"1f1b\"" : "") << "\n";
+  return found.ranked.empty() ? 1 : 0;
 }
 
 // loom plan --perf: the estimate, and with --check the measured step beside it.
@@ -131,7 +192,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
 int cmd_plan(int argc, char** argv) {
   bool json = false;
   try {
-    Args args(argc, argv, {"--json", "--perf"}, {"--set", "--links", "--check"});
+    Args args(argc, argv, {"--json", "--perf", "--search"}, {"--set", "--links", "--check", "--world"});
     json = args.flag("--json");
     if (args.flag("--help")) {
       std::cout << kUsage;
@@ -139,7 +200,11 @@ int cmd_plan(int argc, char** argv) {
     }
     if (args.positionals().size() != 1) throw UsageError("plan takes one MANIFEST");
     const bool perf = args.flag("--perf");
-    if (!perf && (args.has("--links") || args.has("--check"))) throw UsageError("--links and --check go with --perf");
+    const bool search = args.flag("--search");
+    if (!perf && (args.has("--links") || args.has("--check") || search || args.has("--world")))
+      throw UsageError("--links, --check, --search and --world go with --perf");
+    if (args.has("--world") && !search) throw UsageError("--world goes with --search");
+    if (search && args.has("--check")) throw UsageError("--check measures one layout; --search ranks many");
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
@@ -147,6 +212,7 @@ int cmd_plan(int argc, char** argv) {
     const std::string& memory = checked.memory_problem;
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
+    if (search) return print_search(args, plan, json);
     if (perf) return print_perf(args, plan, mp, json);
 
     if (json) {

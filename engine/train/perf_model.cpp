@@ -45,8 +45,7 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
                         "checkpoint.every=0", "checkpoint.init_weights=\"\""})
     sets.push_back(s);
   sets.push_back("run.steps=" + std::to_string(steps));
-  return make_plan(manifest::Manifest::parse(plan.manifest.to_toml(), "a copy of the manifest", sets),
-                   const_cast<plugins::Registry&>(*plan.registry));
+  return replan(plan, sets);
 }
 
 // Trains a copy of `plan` at its tp and cp with `dp` data-parallel ranks and no

@@ -337,4 +337,23 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   return plan;
 }
 
+RunPlan replan(const RunPlan& plan, const std::vector<std::string>& overrides) {
+  // Paths the manifest wrote relative to its own file, as they were resolved (the
+  // copy has no file to resolve them against).
+  std::vector<std::string> all;
+  auto quoted = [](const std::string& s) { return manifest::to_toml_text(toml::value<std::string>(s)); };
+  if (!plan.config.data.path.empty()) all.push_back("data.path=" + quoted(plan.config.data.path));
+  if (!plan.config.data.blend.empty()) {
+    std::string blend = "[";
+    for (const auto& [weight, path] : plan.config.data.blend)
+      blend += (blend.size() > 1 ? ", " : "") + manifest::to_toml_text(toml::value<double>(weight)) + ", " + quoted(path);
+    all.push_back("data.blend=" + blend + "]");
+  }
+  if (!plan.config.checkpoint.init_weights.empty())
+    all.push_back("checkpoint.init_weights=" + quoted(plan.config.checkpoint.init_weights));
+  all.insert(all.end(), overrides.begin(), overrides.end());
+  return make_plan(manifest::Manifest::parse(plan.manifest.to_toml(), "a copy of the manifest", all),
+                   const_cast<plugins::Registry&>(*plan.registry));
+}
+
 }  // namespace loom::train

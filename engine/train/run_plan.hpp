@@ -58,4 +58,8 @@ enum class PlanUse { Launch, CheckpointLayout };
 // sections. Throws manifest::ManifestError with every problem found.
 RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use = PlanUse::Launch);
 
+// `plan`'s resolved manifest with `overrides` ("key.path=value") applied, planned again
+// with the same registry (another layout or batch of the same run). Throws as make_plan.
+RunPlan replan(const RunPlan& plan, const std::vector<std::string>& overrides);
+
 }  // namespace loom::train

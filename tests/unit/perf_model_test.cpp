@@ -7,6 +7,7 @@
 //     step on the distributed optimizer's shard, the pipeline's stages;
 //   - the estimate beside the measured step time of the same layouts on this
 //     machine (generous bounds: the CI machine's two cores are shared).
+#include "support/json_line.hpp"
 #include "support/train_fixture.hpp"
 
 #include "engine/pipeline/schedule.hpp"
@@ -15,11 +16,17 @@
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/perf_model.hpp"
 
+#include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <iostream>
 #include <numeric>
+
+namespace loom::cli {
+int cmd_plan(int argc, char** argv);
+}
 
 namespace {
 
@@ -205,6 +212,63 @@ TEST(PerfModel, EstimateTracksTheMeasuredStepTime) {
     }
     EXPECT_TRUE(close) << c.name << ": the estimate was never within a factor 1.6 of the measured step";
   }
+}
+
+// The CLI: `loom plan --perf --json` and `--search`, and what it refuses.
+std::string& last_stderr() {
+  static std::string s;
+  return s;
+}
+
+int plan_cli(std::vector<std::string> words, std::string* out) {
+  words.insert(words.begin(), "plan");
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int rc = loom::cli::cmd_plan(static_cast<int>(argv.size()) - 1, argv.data() + 1);
+  *out = ::testing::internal::GetCapturedStdout();
+  last_stderr() = ::testing::internal::GetCapturedStderr();
+  return rc;
+}
+
+TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
+  const std::string dir = loom::testing::scratch_dir("perf_cli");
+  const std::string path = dir + "/tiny.toml";
+  std::ofstream(path) << tiny_manifest();
+  std::string out;
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "parallel.dp=2", "--links", "dp=1GB/s,10us"}, &out), 0) << out;
+  nlohmann::ordered_json tree = loom::testing::json_line(out);
+  EXPECT_GT(tree.at("step_ms").get<double>(), 0);
+  ASSERT_EQ(tree.at("stages").size(), 1u);
+  EXPECT_GT(tree.at("stages")[0].at("grad_reduce_ms").get<double>(), 0) << "--links costs the dp reduction";
+  EXPECT_EQ(tree.at("measured_at").at("dp"), 2) << "measured with both ranks sharing the cores";
+
+  ASSERT_EQ(plan_cli({path, "--perf", "--search", "--world", "4", "--json"}, &out), 0) << out;
+  tree = loom::testing::json_line(out);
+  EXPECT_EQ(tree.at("world"), 4);
+  const auto& ranked = tree.at("ranked");
+  ASSERT_GE(ranked.size(), 3u) << out;
+  double previous = 0;
+  for (const auto& r : ranked) {
+    EXPECT_EQ(r.at("tp").get<int>() * r.at("cp").get<int>() * r.at("pp").get<int>() * r.at("dp").get<int>(), 4);
+    EXPECT_GE(r.at("step_ms").get<double>(), previous) << "fastest first";
+    previous = r.at("step_ms").get<double>();
+  }
+  // Two transformer layers cannot make four pipeline stages.
+  bool pp4_refused = false;
+  for (const auto& r : tree.at("refused")) {
+    EXPECT_FALSE(r.at("refused").get<std::string>().empty());
+    pp4_refused = pp4_refused || r.at("pp") == 4;
+  }
+  EXPECT_TRUE(pp4_refused) << out;
+
+  EXPECT_EQ(plan_cli({path, "--search"}, &out), 2) << "--search without --perf";
+  EXPECT_EQ(plan_cli({path, "--perf", "--check", "2"}, &out), 2) << "fewer steps than the warm-up";
+  EXPECT_EQ(plan_cli({path, "--perf", "--search", "--check", "5"}, &out), 2);
+  EXPECT_EQ(plan_cli({path, "--perf", "--links", "dp=fast"}, &out), 1) << out;
+  EXPECT_NE(last_stderr().find("dp=fast"), std::string::npos) << last_stderr();
+  boost::filesystem::remove_all(dir);
 }
 
 }  // namespace

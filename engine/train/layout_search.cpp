@@ -1,0 +1,82 @@
+#include "engine/train/layout_search.hpp"
+
+#include "engine/runtime/launcher.hpp"
+#include "engine/train/memory_plan.hpp"
+#include "engine/train/preflight.hpp"
+
+#include <algorithm>
+#include <map>
+
+namespace loom::train {
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> d;
+  for (int i = 1; i <= n; ++i)
+    if (n % i == 0) d.push_back(i);
+  return d;
+}
+
+std::vector<std::string> layout_overrides(int tp, int cp, int pp, int dp) {
+  std::vector<std::string> sets = {"parallel.tp=" + std::to_string(tp), "parallel.cp=" + std::to_string(cp),
+                                   "parallel.pp=" + std::to_string(pp), "parallel.dp=" + std::to_string(dp),
+                                   "parallel.vpp=1", "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"};
+  if (pp > 1) sets.push_back("pipeline.schedule=\"1f1b\"");
+  return sets;
+}
+
+// The first line of a refusal (make_plan reports every problem; one says enough here).
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+}  // namespace
+
+std::string LayoutChoice::name() const {
+  std::string n = "tp " + std::to_string(tp);
+  if (cp > 1) n += " x cp " + std::to_string(cp);
+  return n + " x pp " + std::to_string(pp) + " x dp " + std::to_string(dp);
+}
+
+LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
+                            const std::function<void(const std::string&)>& progress) {
+  LayoutSearch out;
+  out.world = world;
+  std::map<std::pair<int, int>, ComputeProfile> profiles;  // by (tp, cp)
+  for (const int tp : divisors(world))
+    for (const int cp : divisors(world / tp))
+      for (const int pp : divisors(world / (tp * cp))) {
+        LayoutChoice c;
+        c.tp = tp;
+        c.cp = cp;
+        c.pp = pp;
+        c.dp = world / (tp * cp * pp);
+        c.overrides = layout_overrides(tp, cp, pp, c.dp);
+        try {
+          const RunPlan p = replan(plan, c.overrides);
+          const Preflight checked = preflight(p, world);
+          for (const RankMemory& r : checked.memory.ranks) c.most_bytes = std::max(c.most_bytes, rank_total_bytes(r));
+          if (!checked.memory_problem.empty()) throw loom::Error(checked.memory_problem);
+          auto it = profiles.find({tp, cp});
+          if (it == profiles.end()) {
+            if (progress) progress("measuring compute at tp " + std::to_string(tp) + ", cp " + std::to_string(cp));
+            it = profiles.emplace(std::pair{tp, cp}, measure_compute(p, threads_per_rank(p, cores))).first;
+            ++out.profiles;
+          }
+          c.estimate = estimate_step(p, checked.memory, it->second, links, cores);
+          out.ranked.push_back(std::move(c));
+        } catch (const manifest::ManifestError& e) {
+          const std::vector<manifest::Diagnostic>& d = e.diagnostics();
+          c.refused = d.empty() ? first_line(e.what()) : d.front().key + ": " + first_line(d.front().message);
+          out.refused.push_back(std::move(c));
+        } catch (const std::exception& e) {
+          c.refused = first_line(runtime::error_message(e));
+          out.refused.push_back(std::move(c));
+        }
+      }
+  std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
+    return a.estimate.step_s < b.estimate.step_s;
+  });
+  return out;
+}
+
+}  // namespace loom::train
