@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <set>
 
 namespace loom::train {
@@ -35,6 +37,7 @@ bool engine_kind(const std::string& kind) {
 struct PhaseTimes {
   double forward_s = 0, backward_s = 0, optimizer_s = 0, other_s = 0;  // per step, means
   runtime::CommStats layer_comm;                                       // per step, the last measured
+  CommSeconds layer_comm_s;                                             // per step, means
   size_t buffer_elements = 0;
 };
 
@@ -64,19 +67,24 @@ PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int
   opts.keep_trace = true;
   const TrainResult result = train(measured, opts);
 
-  std::vector<pipeline::TraceEvent> events;
+  // Every rank's timeline in order; the steps after the warm-up, by optimizer step.
+  std::map<int, std::vector<pipeline::TraceEvent>> by_rank;
   for (const pipeline::TraceEvent& e : result.trace)
-    if (e.rank == 0 && e.lane == pipeline::TraceLane::Rank) events.push_back(e);
-  std::sort(events.begin(), events.end(),
-            [](const pipeline::TraceEvent& a, const pipeline::TraceEvent& b) { return a.start_us < b.start_us; });
+    if (e.lane == pipeline::TraceLane::Rank) by_rank[e.rank].push_back(e);
+  for (auto& [rank, events] : by_rank)
+    std::sort(events.begin(), events.end(),
+              [](const pipeline::TraceEvent& a, const pipeline::TraceEvent& b) { return a.start_us < b.start_us; });
+  auto measured_step = [&](size_t step) { return step >= kWarmupSteps && step < result.steps.size(); };
+
+  // Rank 0's phases per step.
   std::vector<double> forward, backward, optimizer, other;
   double fwd = 0, bwd = 0;
   size_t step = 0;
-  for (const pipeline::TraceEvent& e : events) {
+  for (const pipeline::TraceEvent& e : by_rank[0]) {
     if (e.category == "forward") fwd += e.dur_us * 1e-6;
     if (e.category == "backward") bwd += e.dur_us * 1e-6;
     if (e.category != "optimizer") continue;
-    if (step >= kWarmupSteps && step < result.steps.size()) {
+    if (measured_step(step)) {
       forward.push_back(fwd);
       backward.push_back(bwd);
       optimizer.push_back(e.dur_us * 1e-6);
@@ -84,6 +92,32 @@ PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int
     }
     fwd = bwd = 0;
     ++step;
+  }
+  // The layers' collectives: each call's time on the rank that waited least for the
+  // others (the last to arrive), which is the call's own work: a modelled link
+  // replaces it, while the waiting belongs to the compute around it.
+  std::map<std::pair<std::string, std::string>, std::map<int, std::vector<double>>> calls;  // (kind, op) -> rank -> times
+  for (const auto& [rank, events] : by_rank) {
+    size_t rank_step = 0;
+    for (const pipeline::TraceEvent& e : events) {
+      if (e.category == "optimizer") ++rank_step;
+      if (e.category != "collective" || !measured_step(rank_step)) continue;
+      const size_t space = e.name.find(' ');  // named "KIND OP"
+      if (space == std::string::npos || engine_kind(e.name.substr(0, space))) continue;
+      calls[{e.name.substr(0, space), e.name.substr(space + 1)}][rank].push_back(e.dur_us * 1e-6);
+    }
+  }
+  CommSeconds comm_s;
+  for (const auto& [key, ranks] : calls) {
+    size_t n = SIZE_MAX;
+    for (const auto& [rank, times] : ranks) n = std::min(n, times.size());
+    double sum = 0;
+    for (size_t j = 0; j < n; ++j) {
+      double least = ranks.begin()->second[j];
+      for (const auto& [rank, times] : ranks) least = std::min(least, times[j]);
+      sum += least;
+    }
+    comm_s[key.first][key.second] = sum / kMeasuredSteps;
   }
   if (forward.empty()) throw loom::Error("loom plan --perf: the measuring run recorded no complete step");
   PhaseTimes t;
@@ -93,6 +127,7 @@ PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int
   t.other_s = median(other);
   for (const auto& [kind, ops] : result.steps.back().comm)
     if (!engine_kind(kind)) t.layer_comm[kind] = ops;
+  t.layer_comm_s = std::move(comm_s);
   const MemoryPlan mp = plan_memory(measured);
   t.buffer_elements = mp.ranks.front().buffer_numel;
   return t;
@@ -185,6 +220,7 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   p.buffer_elements = sharded_state(plan) ? full.buffer_elements / static_cast<size_t>(p.dp * p.cp) : full.buffer_elements;
   p.other_s = full.other_s;
   p.layer_comm = full.layer_comm;
+  p.layer_comm_s = full.layer_comm_s;
   // The layers' FLOPs and count on one rank of the measured layout: every stage's.
   const MemoryPlan mp = plan_memory(plan);
   for (const RankMemory& r : mp.ranks) {
@@ -198,30 +234,46 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   return p;
 }
 
+namespace {
+
+// Seconds of `calls` calls of `op` moving `bytes` in all (the engine's counters'
+// logical bytes, comm_stats.hpp) among `p` ranks on `link`.
+double op_seconds(const Link& link, const std::string& op, int p, double calls, double bytes) {
+  if (calls <= 0 || p <= 1 || link.ideal()) return 0;
+  const double per_call = bytes / calls;
+  // The model takes the buffer (all-reduce, broadcast) or one member's piece.
+  if (op == "all_reduce") return calls * collective_seconds(link, CollectiveKind::AllReduce, p, per_call);
+  if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all" || op == "all_to_all_v")
+    return calls * collective_seconds(link, CollectiveKind::AllGather, p, per_call / p);
+  if (op == "broadcast") return calls * collective_seconds(link, CollectiveKind::Broadcast, p, per_call);
+  if (op == "barrier") return calls * collective_seconds(link, CollectiveKind::Barrier, p, 0);
+  if (op == "send") return calls * link.transfer_s(per_call);
+  return 0;
+}
+
+// Members of a group of `kind` in this layout; 0 when the layout has no such group.
+int group_members(const topology::RankGroups& groups, const std::string& kind) {
+  try {
+    const std::vector<std::vector<int>>& all = groups.groups(kind);
+    return all.empty() ? 0 : static_cast<int>(all.front().size());
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+}  // namespace
+
 double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& links,
-                             const topology::RankGroups& groups) {
+                             const topology::RankGroups& groups, const CommSeconds& measured) {
   double s = 0;
   for (const auto& [kind, ops] : stats) {
-    int p = 0;
-    try {
-      const std::vector<std::vector<int>>& all = groups.groups(kind);
-      p = all.empty() ? 0 : static_cast<int>(all.front().size());
-    } catch (const std::exception&) {
-      continue;  // not a group kind of this layout
-    }
-    const Link link = links.link(kind);
-    if (p <= 1 || link.ideal()) continue;
+    const int p = group_members(groups, kind);
     for (const auto& [op, c] : ops) {
-      if (c.calls == 0) continue;
-      const double calls = static_cast<double>(c.calls), per_call = static_cast<double>(c.bytes) / calls;
-      // Counter bytes are the logical tensor (comm_stats.hpp); the model takes the
-      // buffer (all-reduce, broadcast) or one member's piece.
-      if (op == "all_reduce") s += calls * collective_seconds(link, CollectiveKind::AllReduce, p, per_call);
-      else if (op == "all_gather" || op == "reduce_scatter" || op == "all_to_all" || op == "all_to_all_v")
-        s += calls * collective_seconds(link, CollectiveKind::AllGather, p, per_call / p);
-      else if (op == "broadcast") s += calls * collective_seconds(link, CollectiveKind::Broadcast, p, per_call);
-      else if (op == "barrier") s += calls * collective_seconds(link, CollectiveKind::Barrier, p, 0);
-      else if (op == "send") s += calls * link.transfer_s(per_call);
+      const double modelled = op_seconds(links.link(kind), op, p, double(c.calls), double(c.bytes));
+      double already = 0;
+      if (auto k = measured.find(kind); k != measured.end())
+        if (auto o = k->second.find(op); o != k->second.end()) already = o->second;
+      s += std::max(0.0, modelled - already);
     }
   }
   return s;
@@ -247,7 +299,9 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
       stage[static_cast<size_t>(r.pp_rank)] = &r;
 
   // The layers' collectives of one microbatch on their links, shared out by layer.
-  const double layer_comm_mb = modelled_comm_seconds(profile.layer_comm, links, groups) /
+  // comm/local makes a collective last at least its modelled time: what the links add
+  // to the layers' collectives is the model's time beyond the measured one.
+  const double layer_comm_mb = modelled_comm_seconds(profile.layer_comm, links, groups, profile.layer_comm_s) /
                                static_cast<double>(std::max<int64_t>(1, profile.microbatches));
   const double layers = std::max(1, profile.layers), flops = profile.layer_flops;
   auto chunk_time = [&](const RankMemory& r, size_t c, bool forward, double contention) {

@@ -23,10 +23,14 @@
 
 #include <loom/cpp/link_model.hpp>
 
+#include <map>
 #include <string>
 #include <vector>
 
 namespace loom::train {
+
+// Seconds per group kind, per op ("tp" -> "all_reduce" -> 0.004).
+using CommSeconds = std::map<std::string, std::map<std::string, double>>;
 
 struct ComputeProfile {
   int tp = 1, cp = 1, dp = 1;  // the layout it ran at (pp 1)
@@ -45,6 +49,7 @@ struct ComputeProfile {
   // The layers' own collectives over one step of `microbatches` (every kind but the
   // engine's and the optimizer's: dp, dp-cp, edp, pp, embedding, world).
   runtime::CommStats layer_comm;
+  CommSeconds layer_comm_s;  // how long those took (no links), per step
   int runs = 0;            // training runs measured (2 when the microbatch could be halved)
   double wall_s = 0;       // what measuring took
 };
@@ -59,7 +64,7 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads);
 struct StageEstimate {
   int stage = 0;
   double forward_s = 0, backward_s = 0;  // compute of all its microbatches
-  double layer_comm_s = 0;               // the layers' collectives on their links (within the above)
+  double layer_comm_s = 0;               // what the links add to the layers' collectives (within the above)
   double pipeline_wait_s = 0;            // idle in the schedule: the bubble and p2p transfers
   double embedding_s = 0;                // tied copies summed over the embedding group
   double grad_reduce_s = 0, grad_reduce_exposed_s = 0;   // dp gradient reduction, and what the step waits for
@@ -94,8 +99,9 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
 double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup = 2);
 
 // Seconds of every collective counted in `stats` (calls and bytes per op) on the link
-// of its kind with that kind's group size in `sizes` (0 = not a group of this layout).
+// of its kind among that kind's group in `groups` (none: no time), less what `measured`
+// says those calls already took (per kind and op, never below 0).
 double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& links,
-                             const topology::RankGroups& groups);
+                             const topology::RankGroups& groups, const CommSeconds& measured = {});
 
 }  // namespace loom::train

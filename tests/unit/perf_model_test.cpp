@@ -85,6 +85,10 @@ TEST(PerfModel, LayerCollectivesCostWhatTheRingFormulasSay) {
   const double cp = 2 * 2 * (4 - 1) * (alpha_cp + 400.0 / beta_cp);         // (p-1)(α + c/β), both ops
   EXPECT_NEAR(loom::train::modelled_comm_seconds(stats, links, groups), tp + cp, 1e-12);
   EXPECT_EQ(loom::train::modelled_comm_seconds(stats, loom::LinkModel(), groups), 0) << "ideal links cost nothing";
+  // A collective lasts at least its modelled time (comm/local): what the link adds
+  // is the model beyond what the calls took without it, never less than nothing.
+  const loom::train::CommSeconds measured = {{"tp", {{"all_reduce", tp / 4}}}, {"cp", {{"all_gather", 1.0}}}};
+  EXPECT_NEAR(loom::train::modelled_comm_seconds(stats, links, groups, measured), tp * 3 / 4 + cp / 2, 1e-12);
 }
 
 // A profile given, not measured: the estimate is then exact arithmetic.
