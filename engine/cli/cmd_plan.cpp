@@ -15,7 +15,10 @@
 
 #include <cstdio>
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <iomanip>
+#include <optional>
 #include <iostream>
 #include <set>
 #include <string>
@@ -29,7 +32,8 @@ namespace {
 
 const char* kUsage =
     "usage: loom plan MANIFEST [--set key.path=value]... [--json]\n"
-    "                          [--perf [--links SPEC] [--check STEPS | --search [--world N]]]\n"
+    "                          [--perf [--links SPEC] [--profile FILE | --save-profile FILE]\n"
+    "                                  [--check STEPS | --search [--world N]]]\n"
     "Plans each rank's memory from the layer plugins' parameter declarations, without\n"
     "running the model: parameters and gradients (device.param_dtype / grad_dtype, flat\n"
     "buffers with Megatron's padding), optimizer state (optimizer.strategy: ddp keeps it\n"
@@ -45,7 +49,11 @@ const char* kUsage =
     "  --search   rank every layout (tp x cp x pp x dp) of the world size that the model\n"
     "             can run and that fits the device's memory by estimated step time\n"
     "             (pipelines 1F1B without virtual stages; the rest as the manifest says)\n"
-    "  --world    the world size to search (default: the manifest's)\n";
+    "  --world    the world size to search (default: the manifest's)\n"
+    "  --save-profile  write the measured compute to FILE (JSON)\n"
+    "  --profile  estimate from FILE instead of measuring: compute measured elsewhere (a GPU\n"
+    "             node) for the same model, device, tp and cp, with other links, dp, pp or\n"
+    "             overlap settings; --search then ranks the layouts of that tp and cp\n";
 
 std::string mib(uint64_t bytes) {
   char buf[32];
@@ -63,6 +71,37 @@ std::string ms(double s) {
   return buf;
 }
 
+// --profile FILE: a profile written by --save-profile.
+std::optional<train::ComputeProfile> read_profile(const Args& args) {
+  const std::optional<std::string> path = args.get("--profile");
+  if (!path) return std::nullopt;
+  std::ifstream in(*path);
+  if (!in) throw loom::Error("--profile " + *path + ": cannot open the file");
+  try {
+    return train::profile_from_json(nlohmann::ordered_json::parse(in));
+  } catch (const nlohmann::json::exception& e) {
+    throw loom::Error("--profile " + *path + ": not JSON (" + e.what() + ")");
+  } catch (const loom::Error& e) {
+    throw loom::Error("--profile " + *path + ": " + e.what());
+  }
+}
+
+// --save-profile FILE: written whole or not at all (a temporary file renamed).
+void save_profile(const Args& args, const train::ComputeProfile& p) {
+  const std::optional<std::string> path = args.get("--save-profile");
+  if (!path) return;
+  const std::string tmp = *path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << runtime::dump_json(train::profile_to_json(p)) << "\n";
+    if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path->c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw loom::Error("--save-profile " + *path + ": cannot rename " + tmp + " to it");
+  }
+}
+
 // loom plan --perf --search: the layouts ranked.
 int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   const int world = static_cast<int>(args.get_int("--world", plan.sizes.world));
@@ -71,7 +110,9 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   auto progress = [json](const std::string& what) {
     if (!json) std::cout << what << " ..." << std::endl;
   };
-  const train::LayoutSearch found = train::search_layouts(plan, world, links, runtime::usable_cores(), progress);
+  const std::optional<train::ComputeProfile> given = read_profile(args);
+  const train::LayoutSearch found =
+      train::search_layouts(plan, world, links, runtime::usable_cores(), progress, given ? &*given : nullptr);
   if (json) {
     using nlohmann::ordered_json;
     auto row = [](const train::LayoutChoice& c) {
@@ -126,11 +167,13 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
   const LinkModel links = train::plan_links(plan, args.get("--links").value_or(""));
   const int cores = runtime::usable_cores();
   const int threads = train::threads_per_rank(plan, cores);
-  if (!json)
+  const std::optional<train::ComputeProfile> given = read_profile(args);
+  if (!json && !given)
     std::cout << "measuring the model's compute on " << plan.config.device.kind << " at tp " << plan.sizes.tp
               << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : "") << ", " << threads
               << " thread(s) per rank ..." << std::endl;
-  const train::ComputeProfile profile = train::measure_compute(plan, threads);
+  const train::ComputeProfile profile = given ? *given : train::measure_compute(plan, threads);
+  save_profile(args, profile);
   const train::PerfEstimate est = train::estimate_step(plan, mp, profile, links, cores);
   const double measured = check_steps > 0 ? train::measure_step_s(plan, check_steps) : 0;
 
@@ -162,8 +205,9 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
             << plan.microbatches << " microbatches per step, optimizer " << plan.config.optimizer.strategy
             << (plan.config.optimizer.overlap_grad_reduce ? ", overlap_grad_reduce" : "")
             << (plan.config.optimizer.overlap_param_gather ? ", overlap_param_gather" : "") << "\n"
-            << "  compute measured in " << profile.runs << " run(s) of " << std::fixed << std::setprecision(1)
-            << profile.wall_s << " s; " << est.cores << " core(s), " << est.threads
+            << "  compute " << (given ? "from --profile " + *args.get("--profile") + ": " : "") << "measured in "
+            << profile.runs << " run(s) of " << std::fixed << std::setprecision(1) << profile.wall_s << " s on "
+            << profile.device << " at dp " << profile.dp << "; " << est.cores << " core(s), " << est.threads
             << " thread(s) per rank, contention x" << std::setprecision(2) << est.contention << "\n";
   for (const std::string& n : est.notes) std::cout << "  note: " << n << "\n";
   std::cout << "  step " << ms(est.step_s) << " ms, " << std::setprecision(0) << est.tokens_per_s << " tokens/s";
@@ -192,7 +236,8 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
 int cmd_plan(int argc, char** argv) {
   bool json = false;
   try {
-    Args args(argc, argv, {"--json", "--perf", "--search"}, {"--set", "--links", "--check", "--world"});
+    Args args(argc, argv, {"--json", "--perf", "--search"},
+              {"--set", "--links", "--check", "--world", "--profile", "--save-profile"});
     json = args.flag("--json");
     if (args.flag("--help")) {
       std::cout << kUsage;
@@ -201,8 +246,12 @@ int cmd_plan(int argc, char** argv) {
     if (args.positionals().size() != 1) throw UsageError("plan takes one MANIFEST");
     const bool perf = args.flag("--perf");
     const bool search = args.flag("--search");
-    if (!perf && (args.has("--links") || args.has("--check") || search || args.has("--world")))
-      throw UsageError("--links, --check, --search and --world go with --perf");
+    if (!perf && (args.has("--links") || args.has("--check") || search || args.has("--world") ||
+                  args.has("--profile") || args.has("--save-profile")))
+      throw UsageError("--links, --check, --search, --world, --profile and --save-profile go with --perf");
+    if (args.has("--profile") && args.has("--save-profile"))
+      throw UsageError("--save-profile writes what --perf measures; with --profile nothing is measured");
+    if (search && args.has("--save-profile")) throw UsageError("--save-profile saves one layout's measurement, not --search's");
     if (args.has("--world") && !search) throw UsageError("--world goes with --search");
     if (search && args.has("--check")) throw UsageError("--check measures one layout; --search ranks many");
     train::RunPlan plan =

@@ -38,7 +38,7 @@ std::string LayoutChoice::name() const {
 }
 
 LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
-                            const std::function<void(const std::string&)>& progress) {
+                            const std::function<void(const std::string&)>& progress, const ComputeProfile* given) {
   LayoutSearch out;
   out.world = world;
   std::map<std::pair<int, int>, ComputeProfile> profiles;  // by (tp, cp)
@@ -52,11 +52,15 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
         c.dp = world / (tp * cp * pp);
         c.overrides = layout_overrides(tp, cp, pp, c.dp);
         try {
+          if (given != nullptr && (given->tp != tp || given->cp != cp))
+            throw loom::Error("--profile was measured at tp " + std::to_string(given->tp) + ", cp " +
+                              std::to_string(given->cp));
           const RunPlan p = replan(plan, c.overrides);
           const Preflight checked = preflight(p, world);
           for (const RankMemory& r : checked.memory.ranks) c.most_bytes = std::max(c.most_bytes, rank_total_bytes(r));
           if (!checked.memory_problem.empty()) throw loom::Error(checked.memory_problem);
           auto it = profiles.find({tp, cp});
+          if (it == profiles.end() && given != nullptr) it = profiles.emplace(std::pair{tp, cp}, *given).first;
           if (it == profiles.end()) {
             if (progress) progress("measuring compute at tp " + std::to_string(tp) + ", cp " + std::to_string(cp));
             it = profiles.emplace(std::pair{tp, cp}, measure_compute(p, threads_per_rank(p, cores))).first;

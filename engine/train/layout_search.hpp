@@ -35,8 +35,11 @@ struct LayoutSearch {
   int profiles = 0;                   // compute measurements taken
 };
 
-// `progress` (may be empty) is told of each measurement before it runs.
+// `progress` (may be empty) is told of each measurement before it runs. With `given`
+// (a profile measured elsewhere) nothing is measured and only layouts of its tp and
+// cp are considered (the others are listed as refused).
 LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
-                            const std::function<void(const std::string&)>& progress = {});
+                            const std::function<void(const std::string&)>& progress = {},
+                            const ComputeProfile* given = nullptr);
 
 }  // namespace loom::train

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cmath>
 #include <cstdint>
 #include <set>
@@ -140,6 +141,12 @@ std::pair<double, double> split_fixed(double full, double half) {
   return {full - proportional, proportional};
 }
 
+std::string short_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4g", v);
+  return buf;
+}
+
 int64_t to_ns(double s) { return std::max<int64_t>(1, static_cast<int64_t>(std::llround(s * 1e9))); }
 
 double ns_to_s(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
@@ -189,6 +196,7 @@ LinkModel plan_links(const RunPlan& plan, const std::string& spec) {
 ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
   ComputeProfile p;
+  p.device = plan.config.device.kind;
   p.tp = plan.sizes.tp;
   p.cp = plan.sizes.cp;
   // Ranks that share this machine's cores and memory (a host-memory device) slow each
@@ -279,6 +287,85 @@ double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& l
   return s;
 }
 
+nlohmann::ordered_json profile_to_json(const ComputeProfile& p) {
+  nlohmann::ordered_json comm = nlohmann::ordered_json::object(), comm_s = nlohmann::ordered_json::object();
+  for (const auto& [kind, ops] : p.layer_comm)
+    for (const auto& [op, c] : ops) comm[kind][op] = {{"calls", c.calls}, {"elements", c.elements}, {"bytes", c.bytes}};
+  for (const auto& [kind, ops] : p.layer_comm_s)
+    for (const auto& [op, sec] : ops) comm_s[kind][op] = sec;
+  return {{"loom_compute_profile", 1}, {"device", p.device}, {"tp", p.tp}, {"cp", p.cp}, {"dp", p.dp},
+          {"threads", p.threads}, {"micro_batch", p.micro_batch}, {"microbatches", p.microbatches},
+          {"forward_fixed_s", p.forward_fixed_s}, {"forward_flops_s", p.forward_flops_s},
+          {"backward_fixed_s", p.backward_fixed_s}, {"backward_flops_s", p.backward_flops_s},
+          {"layer_flops", p.layer_flops}, {"layers", p.layers}, {"optimizer_s", p.optimizer_s},
+          {"buffer_elements", p.buffer_elements}, {"other_s", p.other_s}, {"layer_comm", comm},
+          {"layer_comm_s", comm_s}, {"runs", p.runs}, {"wall_s", p.wall_s}};
+}
+
+ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
+  if (!j.is_object() || j.value("loom_compute_profile", 0) != 1)
+    throw loom::Error("not a loom compute profile (written by loom plan --perf --save-profile)");
+  auto field = [&](const char* name) -> const nlohmann::ordered_json& {
+    if (!j.contains(name)) throw loom::Error(std::string("compute profile: no \"") + name + "\"");
+    return j.at(name);
+  };
+  auto number = [&](const char* name, double lo) {
+    const nlohmann::ordered_json& v = field(name);
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < lo)
+      throw loom::Error(std::string("compute profile: \"") + name + "\" must be a number >= " + std::to_string(lo));
+    return v.get<double>();
+  };
+  auto count = [&](const char* name, double lo) {
+    const double v = number(name, lo);
+    if (v != std::floor(v) || v > 1e15) throw loom::Error(std::string("compute profile: \"") + name + "\" must be a whole number");
+    return static_cast<int64_t>(v);
+  };
+  ComputeProfile p;
+  if (!field("device").is_string()) throw loom::Error("compute profile: \"device\" must be a string");
+  p.device = j.at("device").get<std::string>();
+  p.tp = static_cast<int>(count("tp", 1));
+  p.cp = static_cast<int>(count("cp", 1));
+  p.dp = static_cast<int>(count("dp", 1));
+  p.threads = static_cast<int>(count("threads", 1));
+  p.micro_batch = count("micro_batch", 1);
+  p.microbatches = count("microbatches", 1);
+  p.forward_fixed_s = number("forward_fixed_s", 0);
+  p.forward_flops_s = number("forward_flops_s", 0);
+  p.backward_fixed_s = number("backward_fixed_s", 0);
+  p.backward_flops_s = number("backward_flops_s", 0);
+  p.layer_flops = number("layer_flops", 0);
+  p.layers = static_cast<int>(count("layers", 1));
+  p.optimizer_s = number("optimizer_s", 0);
+  p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0));
+  p.other_s = number("other_s", 0);
+  p.runs = static_cast<int>(count("runs", 0));
+  p.wall_s = number("wall_s", 0);
+  const nlohmann::ordered_json& comm = field("layer_comm");
+  const nlohmann::ordered_json& comm_s = field("layer_comm_s");
+  if (!comm.is_object() || !comm_s.is_object()) throw loom::Error("compute profile: layer_comm must be objects");
+  for (const auto& [kind, ops] : comm.items()) {
+    if (!ops.is_object()) throw loom::Error("compute profile: layer_comm." + kind + " must be an object");
+    for (const auto& [op, c] : ops.items()) {
+      runtime::CommCounter& k = p.layer_comm[kind][op];
+      for (const char* f : {"calls", "elements", "bytes"})
+        if (!c.is_object() || !c.contains(f) || !c.at(f).is_number_unsigned())
+          throw loom::Error("compute profile: layer_comm." + kind + "." + op + "." + f + " must be a count");
+      k.calls = c.at("calls").get<uint64_t>();
+      k.elements = c.at("elements").get<uint64_t>();
+      k.bytes = c.at("bytes").get<uint64_t>();
+    }
+  }
+  for (const auto& [kind, ops] : comm_s.items()) {
+    if (!ops.is_object()) throw loom::Error("compute profile: layer_comm_s." + kind + " must be an object");
+    for (const auto& [op, sec] : ops.items()) {
+      if (!sec.is_number() || !std::isfinite(sec.get<double>()) || sec.get<double>() < 0)
+        throw loom::Error("compute profile: layer_comm_s." + kind + "." + op + " must be seconds >= 0");
+      p.layer_comm_s[kind][op] = sec.get<double>();
+    }
+  }
+  return p;
+}
+
 PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const ComputeProfile& profile,
                            const LinkModel& links, int cores) {
   PerfEstimate out;
@@ -289,14 +376,30 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   out.cores = std::max(1, cores);
   out.threads = threads_per_rank(plan, out.cores);
   if (profile.tp != plan.sizes.tp || profile.cp != plan.sizes.cp)
-    throw loom::Error("loom plan --perf: the compute profile was measured at tp " + std::to_string(profile.tp) +
-                      ", cp " + std::to_string(profile.cp) + ", not this layout's");
+    throw loom::Error("the compute profile was measured at tp " + std::to_string(profile.tp) + ", cp " +
+                      std::to_string(profile.cp) + "; this layout has tp " + std::to_string(plan.sizes.tp) + ", cp " +
+                      std::to_string(plan.sizes.cp));
+  if (profile.device != plan.config.device.kind)
+    throw loom::Error("the compute profile was measured on device " + profile.device + "; this manifest runs on " +
+                      plan.config.device.kind);
 
   // Each stage's rank with tp, cp and dp rank 0 (the others are alike).
   std::vector<const RankMemory*> stage(static_cast<size_t>(pp), nullptr);
   for (const RankMemory& r : mp.ranks)
     if (r.tp_rank == 0 && r.cp_rank == 0 && r.dp_rank == 0 && stage[static_cast<size_t>(r.pp_rank)] == nullptr)
       stage[static_cast<size_t>(r.pp_rank)] = &r;
+
+  // The same model: every stage's layers and FLOPs (per rank at this tp and cp).
+  double plan_flops = 0;
+  int plan_layers = 0;
+  for (const RankMemory* r : stage) {
+    if (r == nullptr) throw loom::Error("the memory plan has no rank for a pipeline stage");
+    for (size_t c = 0; c < r->chunk_layers.size(); ++c) plan_layers += r->chunk_layers[c], plan_flops += r->chunk_forward_flops[c];
+  }
+  if (plan_layers != profile.layers || std::abs(plan_flops - profile.layer_flops) > 1e-9 * std::max(1.0, plan_flops))
+    throw loom::Error("the compute profile is of another model or micro-batch: " + std::to_string(profile.layers) +
+                      " layers of " + short_number(profile.layer_flops) + " forward FLOPs per microbatch; this one has " +
+                      std::to_string(plan_layers) + " of " + short_number(plan_flops));
 
   // The layers' collectives of one microbatch on their links, shared out by layer.
   // comm/local makes a collective last at least its modelled time: what the links add

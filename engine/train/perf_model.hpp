@@ -23,6 +23,8 @@
 
 #include <loom/cpp/link_model.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <map>
 #include <string>
 #include <vector>
@@ -33,6 +35,7 @@ namespace loom::train {
 using CommSeconds = std::map<std::string, std::map<std::string, double>>;
 
 struct ComputeProfile {
+  std::string device;          // device.kind it was measured on
   int tp = 1, cp = 1, dp = 1;  // the layout it ran at (pp 1)
   int threads = 1;             // device threads per rank
   int64_t micro_batch = 1;
@@ -59,6 +62,13 @@ struct ComputeProfile {
 // this machine) with as many ranks as `plan` (dp = dp x pp), else with dp = 1 (ep when
 // experts are split).
 ComputeProfile measure_compute(const RunPlan& plan, int threads);
+
+// A profile as JSON (`loom plan --perf --save-profile`), and back: measured on one
+// machine (a GPU node), it estimates other links, dp, pp and overlap settings of the
+// same model, tp and cp anywhere (`--profile`). Reading throws loom::Error naming the
+// missing or malformed field.
+nlohmann::ordered_json profile_to_json(const ComputeProfile& p);
+ComputeProfile profile_from_json(const nlohmann::ordered_json& j);
 
 // One pipeline stage (its tp, cp and dp ranks are alike) over one step.
 struct StageEstimate {

@@ -94,6 +94,7 @@ TEST(PerfModel, LayerCollectivesCostWhatTheRingFormulasSay) {
 // A profile given, not measured: the estimate is then exact arithmetic.
 loom::train::ComputeProfile given_profile(const loom::train::RunPlan& plan, const loom::train::MemoryPlan& mp) {
   loom::train::ComputeProfile p;
+  p.device = plan.config.device.kind;
   p.tp = plan.sizes.tp;
   p.cp = plan.sizes.cp;
   p.dp = plan.sizes.world / (plan.sizes.tp * plan.sizes.cp);
@@ -266,6 +267,26 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
     pp4_refused = pp4_refused || r.at("pp") == 4;
   }
   EXPECT_TRUE(pp4_refused) << out;
+
+  // A profile saved, then estimating other links and overlap settings from it; a
+  // profile of another model is refused.
+  const std::string prof = dir + "/profile.json";
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "parallel.dp=2", "--save-profile", prof}, &out), 0) << out;
+  const double measured_step = loom::testing::json_line(out).at("step_ms").get<double>();
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "parallel.dp=2", "--profile", prof}, &out), 0) << out;
+  EXPECT_DOUBLE_EQ(loom::testing::json_line(out).at("step_ms").get<double>(), measured_step) << "the same profile";
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "parallel.dp=2", "--profile", prof, "--links", "dp=0.1GB/s"},
+                     &out), 0) << out;
+  EXPECT_GT(loom::testing::json_line(out).at("step_ms").get<double>(), measured_step) << "a slow dp link costs time";
+  EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--set", "parallel.dp=2", "--set", "model.hidden_size=64"},
+                     &out), 1);
+  EXPECT_NE(last_stderr().find("another model"), std::string::npos) << last_stderr();
+  EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--set", "parallel.tp=2"}, &out), 1);
+  EXPECT_NE(last_stderr().find("measured at tp 1"), std::string::npos) << last_stderr();
+  std::ofstream(dir + "/bad.json") << "{\"loom_compute_profile\": 1, \"device\": \"cpu\", \"tp\": -1}";
+  EXPECT_EQ(plan_cli({path, "--perf", "--profile", dir + "/bad.json"}, &out), 1);
+  EXPECT_NE(last_stderr().find("\"tp\" must be"), std::string::npos) << last_stderr();
+  EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--save-profile", prof}, &out), 2);
 
   EXPECT_EQ(plan_cli({path, "--search"}, &out), 2) << "--search without --perf";
   EXPECT_EQ(plan_cli({path, "--perf", "--check", "2"}, &out), 2) << "fewer steps than the warm-up";
