@@ -29,7 +29,7 @@
 # pack's configs are used.
 #
 # Environment:
-#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples generate bench"
+#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples generate bench perf"
 #                       (default all); bf16, graphs and recompute make the eager runs they
 #                       compare against when equivalence is not among them
 #   LOOM_GPU_TIMEOUT    seconds each phase may take (default 1800, timeout(1)); a phase out
@@ -68,7 +68,7 @@ say() { printf '%s\n' "$*"; }
 fail() { say "FAIL: $*"; failures=$((failures + 1)); }
 pass() { say "ok:   $*"; }
 
-all_phases="tests equivalence bf16 graphs recompute samples generate bench"
+all_phases="tests equivalence bf16 graphs recompute samples generate bench perf"
 phases=${LOOM_GPU_PHASES:-$all_phases}
 for p in $phases; do
   case " $all_phases " in
@@ -569,6 +569,28 @@ else
   fail "benchmark: no figures from $out/bench_mbs$best.jsonl"
 fi
 fi  # bench
+
+# ---- 6. the step-time estimate against the measured step ------------------------------------
+if want perf; then
+phase perf "loom plan --perf: estimated against measured step time, single-GPU models (within 20%)"
+head -c 2000000 /dev/urandom | base64 >"$out/perf.txt"
+perf_row() {  # perf_row NAME MANIFEST ARGS...: estimate, measurement, ratio; the profile kept in $out
+  local name=$1 manifest=$2; shift 2
+  if limited "$loom" plan "$manifest" --perf --check 12 --json --save-profile "$out/$name.profile.json" \
+       --set data.path="\"$out/perf.txt\"" --set data.kind='"text"' "$@" >"$out/$name.json" 2>"$out/$name.err" &&
+     python3 - "$out/$name.json" "$name" <<'EOF'
+import json, sys
+t = json.load(open(sys.argv[1]))
+e, m = t["step_ms"], t["measured_step_ms"]
+print(f"  {sys.argv[2]}: estimate {e:.1f} ms/step, measured {m:.1f}, ratio {e / m:.2f}")
+sys.exit(0 if 0.8 <= e / m <= 1.25 else 3)
+EOF
+  then pass "loom plan --perf, $name: within 20% of the measured step"
+  else fail "loom plan --perf, $name: not within 20% (or failed; see $out/$name.json, $out/$name.err)"; fi
+}
+perf_row perf_gpt2_124m configs/gpt2_124m.toml --set batch.micro_batch_size=8 --set batch.global_batch_size=16
+perf_row perf_gpt_1p3b configs/gpt_1p3b.toml --set batch.global_batch_size=8
+fi  # perf
 
 for p in $all_phases; do want "$p" || say "not selected (LOOM_GPU_PHASES): $p"; done
 say "== gpu-check: $failures failure(s); logs in $out"
