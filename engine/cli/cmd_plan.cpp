@@ -46,9 +46,10 @@ const char* kUsage =
     "  --links    the network to model, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\"\n"
     "  --check    then run the manifest for STEPS steps (nothing written) and print the\n"
     "             measured step time beside the estimate\n"
-    "  --search   rank every layout (tp x cp x pp x dp) of the world size that the model\n"
-    "             can run and that fits the device's memory by estimated step time\n"
-    "             (pipelines 1F1B without virtual stages; the rest as the manifest says)\n"
+    "  --search   rank every layout (tp x cp x pp x dp; with and without sequence\n"
+    "             parallelism; pipelines 1F1B or interleaved over 2 virtual stages) of the\n"
+    "             world size that the model can run and that fits the device's memory by\n"
+    "             estimated step time (the rest as the manifest says)\n"
     "  --world    the world size to search (default: the manifest's)\n"
     "  --save-profile  write the measured compute to FILE (JSON)\n"
     "  --profile  estimate from FILE instead of measuring: compute measured elsewhere (a GPU\n"
@@ -116,7 +117,8 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   if (json) {
     using nlohmann::ordered_json;
     auto row = [](const train::LayoutChoice& c) {
-      ordered_json r = {{"tp", c.tp}, {"cp", c.cp}, {"pp", c.pp}, {"dp", c.dp}, {"overrides", c.overrides}};
+      ordered_json r = {{"tp", c.tp}, {"sequence_parallel", c.sp}, {"cp", c.cp}, {"pp", c.pp}, {"vpp", c.vpp},
+                        {"dp", c.dp}, {"overrides", c.overrides}};
       if (!c.refused.empty()) r["refused"] = c.refused;
       else
         r.update({{"step_ms", c.estimate.step_s * 1e3}, {"tokens_per_s", c.estimate.tokens_per_s},
@@ -131,7 +133,7 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   }
   std::cout << "\nlayouts of " << world << " rank(s) for " << args.positionals()[0] << ", fastest first ("
             << found.profiles << " compute measurement(s)):\n"
-            << cell("#", 3) << cell("layout", 26) << cell("step ms", 10) << cell("tokens/s", 11)
+            << cell("#", 3) << cell("layout", 34) << cell("step ms", 10) << cell("tokens/s", 11)
             << cell("compute ms", 11) << cell("exposed comm ms", 16) << cell("pipe wait ms", 13) << cell("MiB/rank", 10)
             << "\n";
   int n = 0;
@@ -142,21 +144,18 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
       if (e.step_s > s->step_s) s = &e;
     char tok[32];
     std::snprintf(tok, sizeof(tok), "%.0f", c.estimate.tokens_per_s);
-    std::cout << cell(std::to_string(++n), 3) << cell(c.name(), 26) << cell(ms(c.estimate.step_s), 10) << cell(tok, 11)
+    std::cout << cell(std::to_string(++n), 3) << cell(c.name(), 34) << cell(ms(c.estimate.step_s), 10) << cell(tok, 11)
               << cell(ms(s->forward_s + s->backward_s), 11)
               << cell(ms(s->embedding_s + s->grad_reduce_exposed_s + s->param_gather_exposed_s), 16)
               << cell(ms(s->pipeline_wait_s), 13) << cell(mib(c.most_bytes), 10) << "\n";
   }
   if (!found.refused.empty()) std::cout << "\nnot possible:\n";
   for (const train::LayoutChoice& c : found.refused) std::cout << "  " << c.name() << ": " << c.refused << "\n";
-  if (!found.ranked.empty())
-    std::cout << "\nfastest: loom run " << args.positionals()[0] << " --set "
-              << [&] {
-                   std::string s;
-                   for (size_t i = 0; i < 4; ++i) s += (i ? " --set " : "") + found.ranked.front().overrides[i];
-                   return s;
-                 }()
-              << (found.ranked.front().pp > 1 ? " --set pipeline.schedule=\"1f1b\"" : "") << "\n";
+  if (!found.ranked.empty()) {
+    std::cout << "\nfastest: loom run " << args.positionals()[0];
+    for (const std::string& o : found.ranked.front().overrides) std::cout << " --set '" << o << "'";
+    std::cout << "\n";
+  }
   return found.ranked.empty() ? 1 : 0;
 }
 

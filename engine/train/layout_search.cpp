@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 namespace loom::train {
 
@@ -18,11 +19,13 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
-std::vector<std::string> layout_overrides(int tp, int cp, int pp, int dp) {
-  std::vector<std::string> sets = {"parallel.tp=" + std::to_string(tp), "parallel.cp=" + std::to_string(cp),
-                                   "parallel.pp=" + std::to_string(pp), "parallel.dp=" + std::to_string(dp),
-                                   "parallel.vpp=1", "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"};
-  if (pp > 1) sets.push_back("pipeline.schedule=\"1f1b\"");
+std::vector<std::string> layout_overrides(const LayoutChoice& c) {
+  std::vector<std::string> sets = {"parallel.tp=" + std::to_string(c.tp), "parallel.cp=" + std::to_string(c.cp),
+                                   "parallel.pp=" + std::to_string(c.pp), "parallel.dp=" + std::to_string(c.dp),
+                                   "parallel.vpp=" + std::to_string(c.vpp),
+                                   std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false"),
+                                   "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"};
+  if (c.pp > 1) sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
   return sets;
 }
 
@@ -32,51 +35,63 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 }  // namespace
 
 std::string LayoutChoice::name() const {
-  std::string n = "tp " + std::to_string(tp);
+  std::string n = "tp " + std::to_string(tp) + (sp ? " + SP" : "");
   if (cp > 1) n += " x cp " + std::to_string(cp);
-  return n + " x pp " + std::to_string(pp) + " x dp " + std::to_string(dp);
+  n += " x pp " + std::to_string(pp);
+  if (vpp > 1) n += " (vpp " + std::to_string(vpp) + ")";
+  return n + " x dp " + std::to_string(dp);
 }
 
 LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
                             const std::function<void(const std::string&)>& progress, const ComputeProfile* given) {
   LayoutSearch out;
   out.world = world;
-  std::map<std::pair<int, int>, ComputeProfile> profiles;  // by (tp, cp)
+  std::map<std::tuple<int, int, bool>, ComputeProfile> profiles;  // by (tp, cp, sp)
+  auto consider = [&](LayoutChoice c) {
+    c.overrides = layout_overrides(c);
+    try {
+      if (given != nullptr && (given->tp != c.tp || given->cp != c.cp))
+        throw loom::Error("--profile was measured at tp " + std::to_string(given->tp) + ", cp " +
+                          std::to_string(given->cp));
+      const RunPlan p = replan(plan, c.overrides);
+      const Preflight checked = preflight(p, world);
+      for (const RankMemory& r : checked.memory.ranks) c.most_bytes = std::max(c.most_bytes, rank_total_bytes(r));
+      if (!checked.memory_problem.empty()) throw loom::Error(checked.memory_problem);
+      const std::tuple<int, int, bool> key{c.tp, c.cp, c.sp};
+      auto it = profiles.find(key);
+      if (it == profiles.end() && given != nullptr) it = profiles.emplace(key, *given).first;
+      if (it == profiles.end()) {
+        if (progress)
+          progress("measuring compute at tp " + std::to_string(c.tp) + (c.sp ? " + SP" : "") + ", cp " +
+                   std::to_string(c.cp));
+        it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores))).first;
+        ++out.profiles;
+      }
+      c.estimate = estimate_step(p, checked.memory, it->second, links, cores);
+      out.ranked.push_back(std::move(c));
+    } catch (const manifest::ManifestError& e) {
+      const std::vector<manifest::Diagnostic>& d = e.diagnostics();
+      c.refused = d.empty() ? first_line(e.what()) : d.front().key + ": " + first_line(d.front().message);
+      out.refused.push_back(std::move(c));
+    } catch (const std::exception& e) {
+      c.refused = first_line(runtime::error_message(e));
+      out.refused.push_back(std::move(c));
+    }
+  };
   for (const int tp : divisors(world))
     for (const int cp : divisors(world / tp))
-      for (const int pp : divisors(world / (tp * cp))) {
-        LayoutChoice c;
-        c.tp = tp;
-        c.cp = cp;
-        c.pp = pp;
-        c.dp = world / (tp * cp * pp);
-        c.overrides = layout_overrides(tp, cp, pp, c.dp);
-        try {
-          if (given != nullptr && (given->tp != tp || given->cp != cp))
-            throw loom::Error("--profile was measured at tp " + std::to_string(given->tp) + ", cp " +
-                              std::to_string(given->cp));
-          const RunPlan p = replan(plan, c.overrides);
-          const Preflight checked = preflight(p, world);
-          for (const RankMemory& r : checked.memory.ranks) c.most_bytes = std::max(c.most_bytes, rank_total_bytes(r));
-          if (!checked.memory_problem.empty()) throw loom::Error(checked.memory_problem);
-          auto it = profiles.find({tp, cp});
-          if (it == profiles.end() && given != nullptr) it = profiles.emplace(std::pair{tp, cp}, *given).first;
-          if (it == profiles.end()) {
-            if (progress) progress("measuring compute at tp " + std::to_string(tp) + ", cp " + std::to_string(cp));
-            it = profiles.emplace(std::pair{tp, cp}, measure_compute(p, threads_per_rank(p, cores))).first;
-            ++out.profiles;
+      for (const int pp : divisors(world / (tp * cp)))
+        for (const bool sp : tp > 1 ? std::vector<bool>{false, true} : std::vector<bool>{false})
+          for (const int vpp : pp > 1 ? std::vector<int>{1, 2} : std::vector<int>{1}) {
+            LayoutChoice c;
+            c.tp = tp;
+            c.cp = cp;
+            c.pp = pp;
+            c.dp = world / (tp * cp * pp);
+            c.vpp = vpp;
+            c.sp = sp;
+            consider(std::move(c));
           }
-          c.estimate = estimate_step(p, checked.memory, it->second, links, cores);
-          out.ranked.push_back(std::move(c));
-        } catch (const manifest::ManifestError& e) {
-          const std::vector<manifest::Diagnostic>& d = e.diagnostics();
-          c.refused = d.empty() ? first_line(e.what()) : d.front().key + ": " + first_line(d.front().message);
-          out.refused.push_back(std::move(c));
-        } catch (const std::exception& e) {
-          c.refused = first_line(runtime::error_message(e));
-          out.refused.push_back(std::move(c));
-        }
-      }
   std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
     return a.estimate.step_s < b.estimate.step_s;
   });

@@ -260,6 +260,10 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
     EXPECT_GE(r.at("step_ms").get<double>(), previous) << "fastest first";
     previous = r.at("step_ms").get<double>();
   }
+  // Sequence parallelism and interleaving are among the candidates.
+  bool sp = false, vpp2 = false;
+  for (const auto& r : ranked) sp = sp || r.at("sequence_parallel") == true, vpp2 = vpp2 || r.at("vpp") == 2;
+  EXPECT_TRUE(sp && vpp2) << out;
   // Two transformer layers cannot make four pipeline stages.
   bool pp4_refused = false;
   for (const auto& r : tree.at("refused")) {
