@@ -249,7 +249,8 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_GT(tree.at("stages")[0].at("grad_reduce_ms").get<double>(), 0) << "--links costs the dp reduction";
   EXPECT_EQ(tree.at("measured_at").at("dp"), 2) << "measured with both ranks sharing the cores";
 
-  ASSERT_EQ(plan_cli({path, "--perf", "--search", "--world", "4", "--json"}, &out), 0) << out;
+  ASSERT_EQ(plan_cli({path, "--perf", "--search", "--world", "4", "--json", "--set", "model.num_layers=4"}, &out), 0)
+      << out;
   tree = loom::testing::json_line(out);
   EXPECT_EQ(tree.at("world"), 4);
   const auto& ranked = tree.at("ranked");
@@ -264,13 +265,13 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   bool sp = false, vpp2 = false;
   for (const auto& r : ranked) sp = sp || r.at("sequence_parallel") == true, vpp2 = vpp2 || r.at("vpp") == 2;
   EXPECT_TRUE(sp && vpp2) << out;
-  // Two transformer layers cannot make four pipeline stages.
-  bool pp4_refused = false;
+  // Four transformer layers cannot make four pipeline stages of two virtual chunks.
+  bool pp4_vpp2_refused = false;
   for (const auto& r : tree.at("refused")) {
     EXPECT_FALSE(r.at("refused").get<std::string>().empty());
-    pp4_refused = pp4_refused || r.at("pp") == 4;
+    pp4_vpp2_refused = pp4_vpp2_refused || (r.at("pp") == 4 && r.at("vpp") == 2);
   }
-  EXPECT_TRUE(pp4_refused) << out;
+  EXPECT_TRUE(pp4_vpp2_refused) << out;
 
   // A profile saved, then estimating other links and overlap settings from it; a
   // profile of another model is refused.
