@@ -72,6 +72,17 @@ std::string ms(double s) {
   return buf;
 }
 
+// The compute measured on this machine, or an error that says how to estimate without it.
+train::ComputeProfile measure_here(const train::RunPlan& plan, int threads) {
+  try {
+    return train::measure_compute(plan, threads);
+  } catch (const std::exception& e) {
+    throw loom::Error("measuring the model's compute on " + plan.config.device.kind + " here failed: " +
+                      runtime::error_message(e) + " (measure where the device is, with --save-profile FILE, and "
+                      "estimate from it here with --profile FILE)");
+  }
+}
+
 // --profile FILE: a profile written by --save-profile.
 std::optional<train::ComputeProfile> read_profile(const Args& args) {
   const std::optional<std::string> path = args.get("--profile");
@@ -171,7 +182,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
     std::cout << "measuring the model's compute on " << plan.config.device.kind << " at tp " << plan.sizes.tp
               << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : "") << ", " << threads
               << " thread(s) per rank ..." << std::endl;
-  const train::ComputeProfile profile = given ? *given : train::measure_compute(plan, threads);
+  const train::ComputeProfile profile = given ? *given : measure_here(plan, threads);
   save_profile(args, profile);
   const train::PerfEstimate est = train::estimate_step(plan, mp, profile, links, cores);
   const double measured = check_steps > 0 ? train::measure_step_s(plan, check_steps) : 0;
