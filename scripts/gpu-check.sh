@@ -29,7 +29,7 @@
 # pack's configs are used.
 #
 # Environment:
-#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence bf16 graphs recompute samples generate bench perf"
+#   LOOM_GPU_PHASES     the phases to run, of "tests equivalence layouts bf16 graphs recompute samples generate bench perf"
 #                       (default all); bf16, graphs and recompute make the eager runs they
 #                       compare against when equivalence is not among them
 #   LOOM_GPU_TIMEOUT    seconds each phase may take (default 1800, timeout(1)); a phase out
@@ -68,7 +68,7 @@ say() { printf '%s\n' "$*"; }
 fail() { say "FAIL: $*"; failures=$((failures + 1)); }
 pass() { say "ok:   $*"; }
 
-all_phases="tests equivalence bf16 graphs recompute samples generate bench perf"
+all_phases="tests equivalence layouts bf16 graphs recompute samples generate bench perf"
 phases=${LOOM_GPU_PHASES:-$all_phases}
 for p in $phases; do
   case " $all_phases " in
@@ -377,6 +377,35 @@ else
   say "SKIPPED: dp=2 and MoE ep=2 over comm/nccl (threads and mpirun) need 2 GPUs"
 fi
 fi  # equivalence
+
+# ---- every parallel layout on one GPU -----------------------------------------------------
+# Ranks as threads sharing the GPU, comm/local: the engine stages each collective's
+# device buffers through host memory (runtime::DeviceStaging). Each layout against the
+# CPU run of the same layout.
+if want layouts; then
+phase layouts "every layout on one GPU (comm/local, staged through host memory) against the CPU, loss within 1e-4"
+lay=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1)
+layout_row() {  # layout_row NAME MANIFEST-ARGS...
+  local name=$1; shift
+  if run "cpu_$name" "$@" --set device.kind=cpu && run "local_$name" "$@" --set device.kind=cuda; then
+    if compare "$out/local_$name.jsonl" "$out/cpu_$name.jsonl" 1e-4 "cuda+local vs cpu, $name"; then
+      pass "one GPU, comm/local, $name = cpu"
+    else fail "one GPU, comm/local, $name: losses differ from the CPU's"; fi
+  else
+    fail "one GPU, comm/local, $name: a run failed (see $out/cpu_$name.log, $out/local_$name.log)"
+    tail -n 5 "$out/local_$name.log" 2>/dev/null
+  fi
+}
+layout_row dp2 "${lay[@]}" --set parallel.dp=2
+layout_row dp2_distributed "${lay[@]}" --set parallel.dp=2 --set optimizer.strategy='"distributed"' \
+  --set optimizer.overlap_grad_reduce=true --set optimizer.overlap_param_gather=true --set optimizer.bucket_size=20000
+layout_row tp2_sp "${lay[@]}" --set parallel.dp=1 --set parallel.tp=2 --set parallel.sequence_parallel=true
+layout_row cp2 "${lay[@]}" --set parallel.dp=1 --set parallel.cp=2
+layout_row pp2_vpp2 "${lay[@]}" --set parallel.dp=1 --set parallel.pp=2 --set parallel.vpp=2 \
+  --set pipeline.schedule='"interleaved"'
+layout_row moe_ep2 configs/quickstart_moe.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 \
+  --set parallel.dp=2 --set parallel.ep=2
+fi  # layouts
 
 # ---- 4. bf16, partial graphs, recomputation ---------------------------------------------
 if want bf16; then

@@ -5,9 +5,12 @@
 
 #include <loom/cpp/core.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <sstream>
+#include <vector>
 
 namespace loom::runtime {
 
@@ -35,8 +38,79 @@ struct Shim {
   int32_t size;
   std::string kind;
   CommStatsRecorder* recorder;
+  const DeviceStaging* staging;  // null: buffers go to the plugin as they are
 };
 Shim* shim(loom_comm* c) { return reinterpret_cast<Shim*>(c); }
+
+std::atomic<uint64_t> g_staged_bytes{0};
+
+// One call's buffers as the comm plugin sees them: device memory replaced by host
+// copies (send copied in; recv copied out by finish), host memory as it is. An
+// in-place call (send and recv overlapping) gets one host copy of both.
+class Staged {
+ public:
+  Staged(const DeviceStaging* st, const void* send, size_t send_bytes, void* recv, size_t recv_bytes)
+      : st_(st), send_(send), recv_(recv), recv_bytes_(recv_bytes) {
+    if (st_ == nullptr) return;
+    const bool send_dev = send_bytes > 0 && send != nullptr && st_->on_device(send, send_bytes);
+    const bool recv_dev = recv_bytes > 0 && recv != nullptr && st_->on_device(recv, recv_bytes);
+    const auto* s = static_cast<const char*>(send);
+    auto* r = static_cast<char*>(recv);
+    if (send_dev && recv_dev && s < r + recv_bytes && r < s + send_bytes) {  // in place: one copy of both
+      const char* base = std::min<const char*>(s, r);
+      const size_t bytes = static_cast<size_t>(std::max<const char*>(s + send_bytes, r + recv_bytes) - base);
+      in_.resize(bytes);
+      copy(in_.data(), base, bytes, LOOM_COPY_DEVICE_TO_HOST);
+      send_ = in_.data() + (s - base);
+      recv_host_ = in_.data() + (r - base);
+    } else {
+      if (send_dev) {
+        in_.resize(send_bytes);
+        copy(in_.data(), send, send_bytes, LOOM_COPY_DEVICE_TO_HOST);
+        send_ = in_.data();
+      }
+      if (recv_dev) {
+        out_.resize(recv_bytes);
+        recv_host_ = out_.data();
+      }
+    }
+    if (recv_host_ == nullptr) recv_host_ = recv;
+  }
+  const void* send() const { return send_; }
+  void* recv() const { return recv_host_ != nullptr ? recv_host_ : recv_; }
+  // After a successful call: what it wrote goes back to the device.
+  void finish() {
+    if (recv_host_ != nullptr && recv_host_ != recv_) copy(recv_, recv_host_, recv_bytes_, LOOM_COPY_HOST_TO_DEVICE);
+  }
+
+ private:
+  void copy(void* dst, const void* src, size_t bytes, int32_t kind) {
+    st_->copy(dst, src, bytes, kind);
+    g_staged_bytes += bytes;
+  }
+  const DeviceStaging* st_;
+  const void* send_;
+  void* recv_;
+  size_t recv_bytes_;
+  void* recv_host_ = nullptr;
+  std::vector<char> in_, out_;
+};
+
+// Runs call(send, recv) on the staged buffers and copies the result back.
+template <typename Call>
+loom_status staged(const Shim* s, const void* send, size_t send_bytes, void* recv, size_t recv_bytes, Call&& call) {
+  try {
+    Staged st(s->staging, send, send_bytes, recv, recv_bytes);
+    loom_status status = call(st.send(), st.recv());
+    if (status == nullptr) st.finish();
+    return status;
+  } catch (const std::exception& e) {
+    return plugins::host_api()->status_create(LOOM_CODE_INTERNAL,
+                                              (s->kind + ": staging device buffers through host memory: " + e.what()).c_str());
+  }
+}
+
+size_t bytes_of(size_t count, int32_t dtype, size_t times = 1) { return count * loom::dtype_size(dtype) * times; }
 
 // factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
 // Counts the call, runs it, and tells the observer (if any) how long it took.
@@ -79,23 +153,39 @@ loom_status s_all_reduce(loom_comm* c, void* stream, const void* send, void* rec
                          int32_t op) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_reduce);
-  return counted(s, "all_reduce", n, dtype, 2.0 * ring(s), [&] { return s->api->all_reduce(s->comm, stream, send, recv, n, dtype, op); });
+  return counted(s, "all_reduce", n, dtype, 2.0 * ring(s), [&] {
+    return staged(s, send, bytes_of(n, dtype), recv, bytes_of(n, dtype), [&](const void* sb, void* rb) {
+      return s->api->all_reduce(s->comm, stream, sb, rb, n, dtype, op);
+    });
+  });
 }
 loom_status s_all_gather(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_gather);
-  return counted(s, "all_gather", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->all_gather(s->comm, stream, send, recv, n, dtype); });
+  return counted(s, "all_gather", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] {
+    return staged(s, send, bytes_of(n, dtype), recv, bytes_of(n, dtype, s->size), [&](const void* sb, void* rb) {
+      return s->api->all_gather(s->comm, stream, sb, rb, n, dtype);
+    });
+  });
 }
 loom_status s_reduce_scatter(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype,
                              int32_t op) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, reduce_scatter);
-  return counted(s, "reduce_scatter", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->reduce_scatter(s->comm, stream, send, recv, n, dtype, op); });
+  return counted(s, "reduce_scatter", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] {
+    return staged(s, send, bytes_of(n, dtype, s->size), recv, bytes_of(n, dtype), [&](const void* sb, void* rb) {
+      return s->api->reduce_scatter(s->comm, stream, sb, rb, n, dtype, op);
+    });
+  });
 }
 loom_status s_all_to_all(loom_comm* c, void* stream, const void* send, void* recv, size_t n, int32_t dtype) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, all_to_all);
-  return counted(s, "all_to_all", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] { return s->api->all_to_all(s->comm, stream, send, recv, n, dtype); });
+  return counted(s, "all_to_all", n * static_cast<uint64_t>(s->size), dtype, ring(s), [&] {
+    return staged(s, send, bytes_of(n, dtype, s->size), recv, bytes_of(n, dtype, s->size), [&](const void* sb, void* rb) {
+      return s->api->all_to_all(s->comm, stream, sb, rb, n, dtype);
+    });
+  });
 }
 loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const size_t* send_counts,
                            const size_t* send_displs, void* recv, const size_t* recv_counts,
@@ -104,12 +194,28 @@ loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const s
   LOOM_SHIM_SLOT(s, all_to_all_v);
   uint64_t sent = 0;
   for (int32_t i = 0; send_counts != nullptr && i < s->size; ++i) sent += send_counts[i];
-  return counted(s, "all_to_all_v", sent, dtype, ring(s), [&] { return s->api->all_to_all_v(s->comm, stream, send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype); });
+  // The extent of each side: its furthest count + displacement (arguments the plugin checks).
+  auto extent = [&](const size_t* counts, const size_t* displs) {
+    size_t e = 0;
+    for (int32_t i = 0; counts != nullptr && displs != nullptr && i < s->size; ++i) e = std::max(e, counts[i] + displs[i]);
+    return e;
+  };
+  return counted(s, "all_to_all_v", sent, dtype, ring(s), [&] {
+    return staged(s, send, bytes_of(extent(send_counts, send_displs), dtype), recv,
+                  bytes_of(extent(recv_counts, recv_displs), dtype), [&](const void* sb, void* rb) {
+                    return s->api->all_to_all_v(s->comm, stream, sb, send_counts, send_displs, rb, recv_counts,
+                                                recv_displs, dtype);
+                  });
+  });
 }
 loom_status s_broadcast(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t root) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, broadcast);
-  return counted(s, "broadcast", n, dtype, s->size > 1 ? 1.0 : 0.0, [&] { return s->api->broadcast(s->comm, stream, buf, n, dtype, root); });
+  return counted(s, "broadcast", n, dtype, s->size > 1 ? 1.0 : 0.0, [&] {
+    return staged(s, buf, bytes_of(n, dtype), buf, bytes_of(n, dtype), [&](const void*, void* rb) {
+      return s->api->broadcast(s->comm, stream, rb, n, dtype, root);
+    });
+  });
 }
 loom_status s_barrier(loom_comm* c) {
   Shim* s = shim(c);
@@ -119,12 +225,20 @@ loom_status s_barrier(loom_comm* c) {
 loom_status s_send(loom_comm* c, void* stream, const void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, send);
-  return counted(s, "send", n, dtype, 1.0, [&] { return s->api->send(s->comm, stream, buf, n, dtype, peer, tag); });
+  return counted(s, "send", n, dtype, 1.0, [&] {
+    return staged(s, buf, bytes_of(n, dtype), nullptr, 0, [&](const void* sb, void*) {
+      return s->api->send(s->comm, stream, sb, n, dtype, peer, tag);
+    });
+  });
 }
 loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, recv);
-  return counted(s, "recv", n, dtype, 1.0, [&] { return s->api->recv(s->comm, stream, buf, n, dtype, peer, tag); });
+  return counted(s, "recv", n, dtype, 1.0, [&] {
+    return staged(s, nullptr, 0, buf, bytes_of(n, dtype), [&](const void*, void* rb) {
+      return s->api->recv(s->comm, stream, rb, n, dtype, peer, tag);
+    });
+  });
 }
 
 // A started collective (ABI 1.15) as the shim hands it out: the real plugin's
@@ -159,19 +273,29 @@ loom_status s_start(loom_comm* c, void* stream, const loom_collective* col, loom
   r->op = op;
   r->bytes = count_call(s, op, elements, col->dtype, factor);
   r->start = std::chrono::steady_clock::now();
-  const bool has_start = LOOM_HAS_SLOT(s->api, loom_comm_api, wait) && s->api->start != nullptr && s->api->wait != nullptr;
+  // Staged buffers are copied on the rank's own thread, so a staged group runs the
+  // collective in line, as for a plugin without start.
+  const bool has_start = s->staging == nullptr && LOOM_HAS_SLOT(s->api, loom_comm_api, wait) &&
+                         s->api->start != nullptr && s->api->wait != nullptr;
+  const size_t one = bytes_of(col->count, col->dtype), all = bytes_of(col->count, col->dtype, s->size);
   loom_status status = nullptr;
   if (has_start) {
     status = s->api->start(s->comm, stream, col, &r->real);
   } else if (col->kind == LOOM_COLLECTIVE_ALL_REDUCE) {
     if (s->api->all_reduce == nullptr) return missing("all_reduce");
-    status = s->api->all_reduce(s->comm, stream, col->send, col->recv, col->count, col->dtype, col->op);
+    status = staged(s, col->send, one, col->recv, one, [&](const void* sb, void* rb) {
+      return s->api->all_reduce(s->comm, stream, sb, rb, col->count, col->dtype, col->op);
+    });
   } else if (reduces) {
     if (s->api->reduce_scatter == nullptr) return missing("reduce_scatter");
-    status = s->api->reduce_scatter(s->comm, stream, col->send, col->recv, col->count, col->dtype, col->op);
+    status = staged(s, col->send, all, col->recv, one, [&](const void* sb, void* rb) {
+      return s->api->reduce_scatter(s->comm, stream, sb, rb, col->count, col->dtype, col->op);
+    });
   } else {
     if (s->api->all_gather == nullptr) return missing("all_gather");
-    status = s->api->all_gather(s->comm, stream, col->send, col->recv, col->count, col->dtype);
+    status = staged(s, col->send, one, col->recv, all, [&](const void* sb, void* rb) {
+      return s->api->all_gather(s->comm, stream, sb, rb, col->count, col->dtype);
+    });
   }
   if (status != nullptr) return status;
   *req = reinterpret_cast<loom_comm_request*>(r.release());
@@ -225,13 +349,16 @@ std::string human_bytes(double b) {
 
 }  // namespace
 
-loom_group counting_group(const loom_group& real, const std::string& kind, CommStatsRecorder* recorder) {
+loom_group counting_group(const loom_group& real, const std::string& kind, CommStatsRecorder* recorder,
+                          const DeviceStaging* staging) {
   if (real.api == nullptr || real.comm == nullptr || recorder == nullptr) return real;
   loom_group g = real;
   g.api = shim_api();
-  g.comm = reinterpret_cast<loom_comm*>(new Shim{real.api, real.comm, real.size, kind, recorder});
+  g.comm = reinterpret_cast<loom_comm*>(new Shim{real.api, real.comm, real.size, kind, recorder, staging});
   return g;
 }
+
+uint64_t DeviceStaging::staged_bytes() { return g_staged_bytes.load(); }
 
 CommStats& operator+=(CommStats& a, const CommStats& b) {
   for (const auto& [kind, ops] : b)

@@ -25,6 +25,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -74,11 +75,28 @@ class CommStatsRecorder {
   CommObserver observer_;
 };
 
-// A group like `real` whose collectives are counted into `recorder` under `kind`.
+// A rank's device memory handed to a comm plugin that takes host buffers only (no
+// LOOM_COMM_DEVICE_BUFFERS; comm/local, comm/mpi) when the device keeps it apart from
+// the host's (device/cuda): the shim copies each call's device buffers to host memory,
+// runs the call there and copies what it wrote back, in the rank's stream order. Slow,
+// and what lets every layout of several ranks run (and be checked) on one GPU.
+struct DeviceStaging {
+  // Whether [p, p + bytes) lies in memory the rank's device allocated.
+  std::function<bool(const void* p, size_t bytes)> on_device;
+  // Copies bytes (LOOM_COPY_DEVICE_TO_HOST or HOST_TO_DEVICE) after the work the
+  // rank's stream has so far, and returns when the copy has run.
+  std::function<void(void* dst, const void* src, size_t bytes, int32_t kind)> copy;
+  // Bytes staged each way, over every rank (tests read it).
+  static uint64_t staged_bytes();
+};
+
+// A group like `real` whose collectives are counted into `recorder` under `kind`,
+// with device buffers staged through host memory when `staging` is set.
 // The result owns a small shim communicator: destroy it with
 // result.api->group_destroy(result.comm), which also destroys the real one.
 // Groups without a communicator (api or comm null) are returned unchanged.
-loom_group counting_group(const loom_group& real, const std::string& kind, CommStatsRecorder* recorder);
+loom_group counting_group(const loom_group& real, const std::string& kind, CommStatsRecorder* recorder,
+                          const DeviceStaging* staging = nullptr);
 
 // Sums (e.g. the ranks of a run, or the steps of an interval).
 CommStats& operator+=(CommStats& a, const CommStats& b);

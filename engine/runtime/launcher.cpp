@@ -38,6 +38,14 @@ int env_int(const char* name) {
 
 }  // namespace
 
+bool needs_staging(const loom_device_api* device, const loom_comm_api* comm) {
+  const bool host_memory = device == nullptr || !LOOM_HAS_SLOT(device, loom_device_api, features) ||
+                           (device->features & LOOM_DEVICE_HOST_MEMORY) != 0;
+  const bool device_buffers = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) &&
+                              (comm->features & LOOM_COMM_DEVICE_BUFFERS) != 0;
+  return !host_memory && !device_buffers;
+}
+
 int usable_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -126,6 +134,9 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       comm_api->world_abort(comm_world, ("rank " + std::to_string(rank) + " failed: " + why).c_str());
   };
 
+  // Device memory to a comm plugin that takes host buffers only goes through host
+  // copies (DeviceStaging, comm_stats.hpp).
+  const bool stage_device_buffers = world > 1 && needs_staging(dev_api, comm_api);
   auto rank_main = [&](int rank) {
     try {
       loom_device_create_args dargs = loom::make<loom_device_create_args>();
@@ -137,6 +148,7 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       loom::check(dev_api->create(dev_opts.raw(), &dargs, &dev));
       RankRuntime rt(rank, dev_api, dev);
       for (const auto& [api_type, table] : config.services) rt.set_service(api_type, table);
+      if (stage_device_buffers) rt.stage_device_buffers();
       for (const std::string& kind : config.group_kinds) {
         std::vector<int32_t> members;
         if (kind == "world") {

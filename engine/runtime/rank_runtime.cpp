@@ -17,7 +17,28 @@ RankRuntime::~RankRuntime() {
 }
 
 void RankRuntime::add_group(const std::string& kind, const loom_group& group) {
-  groups_[kind] = counting_group(group, kind, &comm_stats_);
+  groups_[kind] = counting_group(group, kind, &comm_stats_, staging_.get());
+}
+
+void RankRuntime::stage_device_buffers() {
+  LOOM_REQUIRE(groups_.empty(), "rank " << rank_ << ": device buffers must be staged before its groups are added");
+  staging_ = std::make_unique<DeviceStaging>();
+  staging_->on_device = [this](const void* p, size_t bytes) { return on_device(p, bytes); };
+  staging_->copy = [this](void* dst, const void* src, size_t bytes, int32_t kind) {
+    // On the default stream, which carries the rank's compute: after what it has
+    // launched; synchronised so the host side is complete (or may be freed) after.
+    loom::check(device_api_->copy(device_, nullptr, dst, src, bytes, kind));
+    loom::check(device_api_->stream_synchronize(device_, nullptr));
+  };
+}
+
+bool RankRuntime::on_device(const void* p, size_t bytes) const {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(allocations_mu_);
+  auto it = allocations_.upper_bound(a);
+  if (it == allocations_.begin()) return false;
+  --it;
+  return a >= it->first && a - it->first + bytes <= it->second;
 }
 
 const void* RankRuntime::service(int32_t api_type, const char* name) {
@@ -43,8 +64,21 @@ loom_memory_stats RankRuntime::memory() const {
   return s;
 }
 
-loom_status RankRuntime::alloc(size_t bytes, void** out) { return device_api_->alloc(device_, bytes, out); }
-void RankRuntime::free(void* ptr) { device_api_->free(device_, ptr); }
+loom_status RankRuntime::alloc(size_t bytes, void** out) {
+  loom_status st = device_api_->alloc(device_, bytes, out);
+  if (st == nullptr && staging_ && *out != nullptr) {
+    std::lock_guard<std::mutex> lock(allocations_mu_);
+    allocations_[reinterpret_cast<uintptr_t>(*out)] = bytes;
+  }
+  return st;
+}
+void RankRuntime::free(void* ptr) {
+  if (staging_ && ptr != nullptr) {
+    std::lock_guard<std::mutex> lock(allocations_mu_);
+    allocations_.erase(reinterpret_cast<uintptr_t>(ptr));
+  }
+  device_api_->free(device_, ptr);
+}
 
 loom_status RankRuntime::device(const loom_device_api** api, loom_device** dev, loom_stream** stream) {
   *api = device_api_;

@@ -7,7 +7,10 @@
 
 #include <loom/cpp/core.hpp>
 
+#include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 
 namespace loom::runtime {
@@ -22,6 +25,10 @@ class RankRuntime : public loom_rank_s {
   // The runtime takes ownership of the communicator (destroyed with the rank).
   // Plugins and the engine get the group behind a counting shim (comm_stats.hpp).
   void add_group(const std::string& kind, const loom_group& group);
+  // Before the groups are added: their collectives get this rank's device memory as
+  // host copies (DeviceStaging), for a comm plugin that takes host buffers only on a
+  // device whose memory is its own. From then on the rank's allocations are tracked.
+  void stage_device_buffers();
   // Collectives called through this rank's groups since the last reset.
   CommStats comm_stats() const { return comm_stats_.snapshot(); }
   void reset_comm_stats() { comm_stats_.reset(); }
@@ -58,6 +65,12 @@ class RankRuntime : public loom_rank_s {
   loom_exec* exec_ = nullptr;
   CommStatsRecorder comm_stats_;
   std::map<int32_t, const void*> services_;
+  // With stage_device_buffers: the rank's live allocations (start -> bytes), which
+  // the staging asks whether a buffer is device memory.
+  std::unique_ptr<DeviceStaging> staging_;
+  mutable std::mutex allocations_mu_;
+  std::map<uintptr_t, size_t> allocations_;
+  bool on_device(const void* p, size_t bytes) const;
 };
 
 }  // namespace loom::runtime

@@ -56,23 +56,19 @@ void require_experts_fold_into_dp(const manifest::Manifest& man, const topology:
               "; expert parallelism needs ep between tp and pp with dp (e.g. the default \"tp-cp-ep-dp-pp\")"}});
   }
 }
-// The comm plugin's declared reach (ABI 1.9 LOOM_COMM_*): host buffers only cannot
-// carry a device's memory between ranks, and a plugin whose ranks are threads of one
-// process cannot serve one process per rank (mpirun, srun), nor the reverse.
-void check_comm_fits(const manifest::Manifest& man, const RunPlan& plan, std::vector<manifest::Diagnostic>& diags) {
+// The comm plugin's declared reach (ABI 1.9 LOOM_COMM_*): a plugin whose ranks are
+// threads of one process cannot serve one process per rank (mpirun, srun), nor the
+// reverse. A device's memory to a plugin of host buffers only is staged by the engine
+// (runtime::DeviceStaging): said, not refused.
+void check_comm_fits(const manifest::Manifest& man, RunPlan& plan, std::vector<manifest::Diagnostic>& diags) {
   if (plan.comm == nullptr || plan.device == nullptr || plan.comm->abi_minor < 9) return;  // older: undeclared
   const loom_comm_api* comm = plan.comm->comm();
   const uint64_t features = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) ? comm->features : 0;
-  const loom_device_api* dev = plan.device->device();
-  const bool host_memory = plan.device->abi_minor < 9 ||  // undeclared: assume host memory
-                           (dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
-                            (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0);
   const int world = plan.sizes.world;
-  if (world > 1 && !host_memory && (features & LOOM_COMM_DEVICE_BUFFERS) == 0)
-    diags.push_back({"comm.backend", man.origin("comm.backend"),
-                     plan.comm->key() + " exchanges host memory, but " + plan.device->key() +
-                         " keeps tensors in device memory; with more than one rank use a comm plugin that takes "
-                         "device buffers (comm.backend = \"nccl\" for CUDA)"});
+  if (world > 1 && runtime::needs_staging(plan.device->device(), comm))
+    plan.warnings.push_back(plan.comm->key() + " exchanges host memory and " + plan.device->key() +
+                            " keeps tensors in its own: every collective copies its buffers through host memory "
+                            "(slow; comm.backend = \"nccl\" moves them on the GPU)");
   const runtime::ProcessLaunch launch = runtime::detect_process_launch();
   // A world of one rank in one process is both.
   const uint64_t needed = launch.multi_process ? LOOM_COMM_PROCESSES : world > 1 ? LOOM_COMM_THREADS : 0;

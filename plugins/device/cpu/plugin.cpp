@@ -17,6 +17,18 @@
 
 #include "cpu_device.hpp"
 
+// The test device cpu_staged (tests/staged_device) is this file built with
+// LOOM_CPU_PLUGIN_NAME "cpu_staged" and LOOM_CPU_OWN_MEMORY: the same host memory,
+// declared as the device's own, so the engine treats it as a GPU's.
+#ifndef LOOM_CPU_PLUGIN_NAME
+#define LOOM_CPU_PLUGIN_NAME "cpu"
+#endif
+#ifdef LOOM_CPU_OWN_MEMORY
+#define LOOM_CPU_MEMORY_FEATURE 0ull
+#else
+#define LOOM_CPU_MEMORY_FEATURE LOOM_DEVICE_HOST_MEMORY
+#endif
+
 namespace loom::cpu {
 namespace {
 
@@ -582,7 +594,7 @@ const loom_device_api* device_api() {
     a.ops = &ops;
     a.copy_2d = copy_2d;
     a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
-                 LOOM_DEVICE_MULTI_TENSOR | LOOM_DEVICE_HOST_MEMORY | LOOM_DEVICE_GEMM_EPILOGUE;
+                 LOOM_DEVICE_MULTI_TENSOR | LOOM_CPU_MEMORY_FEATURE | LOOM_DEVICE_GEMM_EPILOGUE;
     return a;
   }();
   return &api;
@@ -592,7 +604,7 @@ const loom_device_api* device_api() {
 }  // namespace loom::cpu
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "device", "cpu", "1.0.0",
+    "device", LOOM_CPU_PLUGIN_NAME, "1.0.0",
     "CPU backend (fp32 math, f32 or bf16 storage): OpenBLAS GEMM, vectorised kernels, recorded graphs", LOOM_API_DEVICE,
     loom::cpu::device_api(),
     {loom::opt_string(
