@@ -39,12 +39,14 @@ const char* kUsage =
     "buffers with Megatron's padding), optimizer state (optimizer.strategy: ddp keeps it\n"
     "whole, distributed shards it over dp) and an activation estimate per microbatch.\n"
     "  --perf     estimate the step time instead: the model's compute is measured on this\n"
-    "             machine's device (a few steps at the layout's tp and cp, dp = pp = 1),\n"
+    "             machine's device (2 x 8 steps at the layout's tp and cp, the pipeline's\n"
+    "             stages folded into dp; on a CPU with as many ranks as the layout has),\n"
     "             communication is modelled on the links (comm.options.links, or --links),\n"
     "             the pipeline schedule played out, gradient reduction and parameter\n"
     "             gathers overlapped as optimizer.overlap_* say\n"
     "  --links    the network to model, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\"\n"
-    "  --check    then run the manifest for STEPS steps (nothing written) and print the\n"
+    "  --check    then run the manifest for STEPS (5 or more) steps, on --links when given\n"
+    "             and the comm plugin models links, writing nothing, and print the\n"
     "             measured step time beside the estimate\n"
     "  --search   rank every layout (tp x cp x pp x dp; with and without sequence\n"
     "             parallelism; pipelines 1F1B or interleaved over 2 virtual stages) of the\n"
@@ -70,6 +72,32 @@ std::string ms(double s) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f", s * 1e3);
   return buf;
+}
+
+// The network to model: --links (a usage error when it does not parse) or the
+// manifest's comm.options.links.
+LinkModel links_of(const Args& args, const train::RunPlan& plan) {
+  const std::optional<std::string> spec = args.get("--links");
+  if (!spec) return train::plan_links(plan);
+  if (spec->find_first_not_of(" \t;") == std::string::npos)
+    throw UsageError("--links needs a spec such as \"dp=25GB/s,10us; *=100GB/s,2us\"");
+  try {
+    return LinkModel::parse(*spec);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--links: ") + e.what());
+  }
+}
+
+// The notes every estimate prints: links left out, how the layers' comm is shown.
+std::vector<std::string> perf_notes(const train::RunPlan& plan, const train::ComputeProfile& profile,
+                                    const LinkModel& links, std::vector<std::string> notes) {
+  const std::vector<std::string> free = train::unmodelled_kinds(plan, profile, links);
+  if (!free.empty()) {
+    std::string kinds;
+    for (const std::string& k : free) kinds += (kinds.empty() ? "" : ", ") + k;
+    notes.push_back("no link for " + kinds + " (and no \"*\"): their collectives cost nothing in the estimate");
+  }
+  return notes;
 }
 
 // The compute measured on this machine, or an error that says how to estimate without it.
@@ -116,9 +144,12 @@ void save_profile(const Args& args, const train::ComputeProfile& p) {
 
 // loom plan --perf --search: the layouts ranked.
 int print_search(const Args& args, const train::RunPlan& plan, bool json) {
-  const int world = static_cast<int>(args.get_int("--world", plan.sizes.world));
-  if (world < 1) throw UsageError("--world must be at least 1");
-  const LinkModel links = train::plan_links(plan, args.get("--links").value_or(""));
+  constexpr long long kMaxWorld = 1048576;  // the manifest's bound on each parallel size
+  const long long asked = args.get_int("--world", plan.sizes.world);
+  if (asked < 1 || asked > kMaxWorld)
+    throw UsageError("--world must be between 1 and " + std::to_string(kMaxWorld) + ", got " + std::to_string(asked));
+  const int world = static_cast<int>(asked);
+  const LinkModel links = links_of(args, plan);
   auto progress = [json](const std::string& what) {
     if (!json) std::cout << what << " ..." << std::endl;
   };
@@ -140,6 +171,7 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
     for (const train::LayoutChoice& c : found.ranked) ranked.push_back(row(c));
     for (const train::LayoutChoice& c : found.refused) refused.push_back(row(c));
     std::cout << runtime::dump_json({{"world", world}, {"ranked", ranked}, {"refused", refused}}) << "\n";
+    if (found.ranked.empty()) std::cerr << "loom plan: no layout of " << world << " rank(s) can run this model\n";
     return found.ranked.empty() ? 1 : 0;
   }
   std::cout << "\nlayouts of " << world << " rank(s) for " << args.positionals()[0] << ", fastest first ("
@@ -162,19 +194,23 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   }
   if (!found.refused.empty()) std::cout << "\nnot possible:\n";
   for (const train::LayoutChoice& c : found.refused) std::cout << "  " << c.name() << ": " << c.refused << "\n";
-  if (!found.ranked.empty()) {
-    std::cout << "\nfastest: loom run " << args.positionals()[0];
-    for (const std::string& o : found.ranked.front().overrides) std::cout << " --set '" << o << "'";
-    std::cout << "\n";
+  if (found.ranked.empty()) {
+    std::cerr << "loom plan: no layout of " << world << " rank(s) can run this model (the reasons above)\n";
+    return 1;
   }
-  return found.ranked.empty() ? 1 : 0;
+  std::cout << "\nfastest: loom run " << args.positionals()[0];
+  for (const std::string& o : args.all("--set")) std::cout << " --set '" << o << "'";
+  for (const std::string& o : found.ranked.front().overrides) std::cout << " --set '" << o << "'";
+  std::cout << "\n";
+  return 0;
 }
 
 // loom plan --perf: the estimate, and with --check the measured step beside it.
 int print_perf(const Args& args, const train::RunPlan& plan, const train::MemoryPlan& mp, bool json) {
   const int64_t check_steps = args.get_int("--check", 0);
-  if (args.has("--check") && check_steps < 3) throw UsageError("--check needs at least 3 steps (the first 2 warm up)");
-  const LinkModel links = train::plan_links(plan, args.get("--links").value_or(""));
+  if (args.has("--check") && (check_steps < 5 || check_steps > 100000))
+    throw UsageError("--check takes 5 to 100000 steps (the first 2 warm up), got " + std::to_string(check_steps));
+  const LinkModel links = links_of(args, plan);
   const int cores = runtime::usable_cores();
   const int threads = train::threads_per_rank(plan, cores);
   const std::optional<train::ComputeProfile> given = read_profile(args);
@@ -185,7 +221,12 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
   const train::ComputeProfile profile = given ? *given : measure_here(plan, threads);
   save_profile(args, profile);
   const train::PerfEstimate est = train::estimate_step(plan, mp, profile, links, cores);
-  const double measured = check_steps > 0 ? train::measure_step_s(plan, check_steps) : 0;
+  const double measured =
+      check_steps > 0 ? train::measure_step_s(plan, check_steps, 2, args.get("--links").value_or("")) : 0;
+  std::vector<std::string> notes = perf_notes(plan, profile, links, est.notes);
+  if (check_steps > 0 && args.has("--links") && !plan.config.comm.options.contains("links"))
+    notes.push_back(plan.config.comm.backend + " models no links: the --check run ran on this machine's own "
+                    "communication, the estimate on --links");
 
   if (json) {
     using nlohmann::ordered_json;
@@ -203,7 +244,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
                         {"cores", est.cores}, {"threads_per_rank", est.threads}, {"contention", est.contention},
                         {"measured_at", {{"tp", profile.tp}, {"cp", profile.cp}, {"dp", profile.dp},
                                          {"runs", profile.runs}, {"seconds", profile.wall_s}}},
-                        {"stages", stages}, {"notes", est.notes}};
+                        {"stages", stages}, {"notes", notes}};
     if (check_steps > 0) out["measured_step_ms"] = measured * 1e3;
     std::cout << runtime::dump_json(out) << "\n";
     return 0;
@@ -215,16 +256,17 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
             << plan.microbatches << " microbatches per step, optimizer " << plan.config.optimizer.strategy
             << (plan.config.optimizer.overlap_grad_reduce ? ", overlap_grad_reduce" : "")
             << (plan.config.optimizer.overlap_param_gather ? ", overlap_param_gather" : "") << "\n"
-            << "  compute " << (given ? "from --profile " + *args.get("--profile") + ": " : "") << "measured in "
-            << profile.runs << " run(s) of " << std::fixed << std::setprecision(1) << profile.wall_s << " s on "
-            << profile.device << " at dp " << profile.dp << "; " << est.cores << " core(s), " << est.threads
+            << "  compute " << (given ? "from --profile " + *args.get("--profile") + ": " : "") << "measured on "
+            << profile.device << " at tp " << profile.tp << ", cp " << profile.cp << ", dp " << profile.dp << " ("
+            << profile.runs << (profile.runs == 1 ? " run, " : " runs, ") << std::fixed << std::setprecision(2)
+            << profile.wall_s << " s in all); " << est.cores << " core(s), " << est.threads
             << " thread(s) per rank, contention x" << std::setprecision(2) << est.contention << "\n";
-  for (const std::string& n : est.notes) std::cout << "  note: " << n << "\n";
+  for (const std::string& n : notes) std::cout << "  note: " << n << "\n";
   std::cout << "  step " << ms(est.step_s) << " ms, " << std::setprecision(0) << est.tokens_per_s << " tokens/s";
   if (est.mfu > 0) std::cout << ", MFU " << std::setprecision(1) << 100 * est.mfu << "%";
   std::cout << "\n";
   if (check_steps > 0)
-    std::cout << "  measured " << ms(measured) << " ms/step (" << check_steps - 2
+    std::cout << "  measured " << ms(measured) << " ms/step (mean of " << check_steps - 2
               << " steps after 2 warm-up): estimate / measured = " << std::setprecision(2) << est.step_s / measured
               << "\n";
   std::cout << "\n"
@@ -238,6 +280,8 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
               << cell(ms(e.grad_reduce_s), 10) << cell(ms(e.grad_reduce_exposed_s), 10) << cell(ms(e.optimizer_s), 7)
               << cell(ms(e.param_gather_s), 8) << cell(ms(e.param_gather_exposed_s), 10)
               << cell(ms(e.bookkeeping_s), 7) << cell(ms(e.step_s), 9) << "\n";
+  std::cout << "(layer comm): what the links add to the layers' own collectives (tp, cp, ep) beyond the time they "
+               "took when measured; (exposed): what the step waits for\n";
   return 0;
 }
 

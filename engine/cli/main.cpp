@@ -21,7 +21,7 @@ const Command kCommands[] = {
     {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]"},
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
     {"plugins", loom::cli::cmd_plugins, "list, describe, check or test plugins: loom plugins list|info NAME|check DIR|test LIB"},
-    {"plan", loom::cli::cmd_plan, "memory per rank without running: params, grads, optimizer state, activations"},
+    {"plan", loom::cli::cmd_plan, "memory per rank without running (params, grads, optimizer state, activations); --perf: step time, --search: layouts ranked"},
     {"optimizer-layout", loom::cli::cmd_optimizer_layout,
      "the distributed optimizer's buffer layout and dp shards: --param-numels 3,5,4,4 --dp 2"},
     {"groups", loom::cli::cmd_groups, "print the rank groups of a parallel layout"},

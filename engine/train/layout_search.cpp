@@ -25,7 +25,7 @@ std::vector<std::string> layout_overrides(const LayoutChoice& c) {
                                    "parallel.vpp=" + std::to_string(c.vpp),
                                    std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false"),
                                    "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"};
-  if (c.pp > 1) sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
+  sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
   return sets;
 }
 
@@ -71,7 +71,9 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
       out.ranked.push_back(std::move(c));
     } catch (const manifest::ManifestError& e) {
       const std::vector<manifest::Diagnostic>& d = e.diagnostics();
-      c.refused = d.empty() ? first_line(e.what()) : d.front().key + ": " + first_line(d.front().message);
+      // The message names its key, as a rule: the key only when it does not.
+      const std::string message = d.empty() ? first_line(e.what()) : first_line(d.front().message);
+      c.refused = d.empty() || message.rfind(d.front().key, 0) == 0 ? message : d.front().key + ": " + message;
       out.refused.push_back(std::move(c));
     } catch (const std::exception& e) {
       c.refused = first_line(runtime::error_message(e));

@@ -57,7 +57,8 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
 // median of each phase over the steps after the warm-up.
 PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int dp) {
   std::vector<std::string> sets = {
-      "parallel.pp=1", "parallel.vpp=1", "parallel.dp=" + std::to_string(dp), "pipeline.first_chunk_layers=0",
+      "parallel.pp=1", "parallel.vpp=1", "pipeline.schedule=\"1f1b\"", "parallel.dp=" + std::to_string(dp),
+      "pipeline.first_chunk_layers=0",
       "pipeline.last_chunk_layers=0", "batch.micro_batch_size=" + std::to_string(micro_batch),
       "batch.global_batch_size=" + std::to_string(micro_batch * dp * kMeasuredMicrobatches),
       "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false",
@@ -166,9 +167,12 @@ std::pair<std::string, int> grad_group(const RunPlan& plan) {
 
 }  // namespace
 
-double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup) {
+double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup, const std::string& links) {
   if (steps <= warmup) throw loom::Error("measuring a step needs more steps than the " + std::to_string(warmup) + " warm-up steps");
-  const TrainResult result = train(quiet_copy(plan, steps, {}), TrainOptions{});
+  std::vector<std::string> sets;
+  if (!links.empty() && plan.config.comm.options.contains("links"))
+    sets.push_back("comm.options.links=" + manifest::to_toml_text(toml::value<std::string>(links)));
+  const TrainResult result = train(quiet_copy(plan, steps, sets), TrainOptions{});
   double sum = 0;
   int n = 0;
   for (const StepRecord& r : result.steps)
@@ -181,17 +185,17 @@ int threads_per_rank(const RunPlan& plan, int cores) {
   return plan.config.device.threads > 0 ? plan.config.device.threads : std::max(1, cores / plan.sizes.world);
 }
 
-LinkModel plan_links(const RunPlan& plan, const std::string& spec) {
-  std::string text = spec;
-  if (text.empty())
-    if (const auto* v = plan.config.comm.options.get("links"); v != nullptr && v->is_string())
-      text = v->value<std::string>().value_or("");
+LinkModel plan_links(const RunPlan& plan) {
+  std::string text;
+  if (const auto* v = plan.config.comm.options.get("links"); v != nullptr && v->is_string())
+    text = v->value<std::string>().value_or("");
   try {
     return LinkModel::parse(text);
   } catch (const std::invalid_argument& e) {
-    throw loom::Error(std::string("links: ") + e.what());
+    throw loom::Error(std::string("comm.options.links: ") + e.what());
   }
 }
+
 
 ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -270,6 +274,20 @@ int group_members(const topology::RankGroups& groups, const std::string& kind) {
 }
 
 }  // namespace
+
+std::vector<std::string> unmodelled_kinds(const RunPlan& plan, const ComputeProfile& profile, const LinkModel& links) {
+  if (links.empty()) return {};
+  const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
+  std::set<std::string> used;
+  for (const auto& [kind, ops] : profile.layer_comm) used.insert(kind);
+  used.insert(grad_group(plan).first);
+  if (plan.sizes.pp > 1) used.insert({"pp", "embedding"});
+  if (plan.sizes.ep > 1) used.insert("edp");
+  std::vector<std::string> out;
+  for (const std::string& kind : used)
+    if (group_members(groups, kind) > 1 && links.link(kind).ideal()) out.push_back(kind);
+  return out;
+}
 
 double modelled_comm_seconds(const runtime::CommStats& stats, const LinkModel& links,
                              const topology::RankGroups& groups, const CommSeconds& measured) {

@@ -95,8 +95,15 @@ struct PerfEstimate {
   std::vector<std::string> notes;
 };
 
-// The links of `plan`: `spec` when not empty, else comm.options.links (comm/local's).
-LinkModel plan_links(const RunPlan& plan, const std::string& spec = "");
+// The links of `plan`: comm.options.links (comm/local's); loom::Error naming the key
+// when it does not parse.
+LinkModel plan_links(const RunPlan& plan);
+
+// Group kinds whose collectives the estimate of `plan` costs (the layers' own as
+// `profile` counted them, the engine's and the optimizer's) that have no link of
+// their own in `links` and no "*" link: they cost nothing. Empty when every link is
+// ideal (nothing modelled at all).
+std::vector<std::string> unmodelled_kinds(const RunPlan& plan, const ComputeProfile& profile, const LinkModel& links);
 
 // Device threads a rank of `plan` gets on `cores` cores (as the launcher gives them).
 int threads_per_rank(const RunPlan& plan, int cores);
@@ -106,7 +113,9 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
 
 // The mean step time of `plan` as it is (its links, threads and layout) over `steps`
 // steps after the first `warmup`, writing nothing (no checkpoints, metrics, evaluation).
-double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup = 2);
+// `links` (a spec, "" = as the manifest says) replaces comm.options.links when the
+// comm plugin has that option.
+double measure_step_s(const RunPlan& plan, int64_t steps, int64_t warmup = 2, const std::string& links = "");
 
 // Seconds of every collective counted in `stats` (calls and bytes per op) on the link
 // of its kind among that kind's group in `groups` (none: no time), less what `measured`

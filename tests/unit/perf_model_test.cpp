@@ -294,10 +294,25 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--save-profile", prof}, &out), 2);
 
   EXPECT_EQ(plan_cli({path, "--search"}, &out), 2) << "--search without --perf";
-  EXPECT_EQ(plan_cli({path, "--perf", "--check", "2"}, &out), 2) << "fewer steps than the warm-up";
+  EXPECT_EQ(plan_cli({path, "--perf", "--check", "4"}, &out), 2) << "too few steps after the warm-up";
   EXPECT_EQ(plan_cli({path, "--perf", "--search", "--check", "5"}, &out), 2);
-  EXPECT_EQ(plan_cli({path, "--perf", "--links", "dp=fast"}, &out), 1) << out;
+  EXPECT_EQ(plan_cli({path, "--perf", "--links", "dp=fast"}, &out), 2) << out;
   EXPECT_NE(last_stderr().find("dp=fast"), std::string::npos) << last_stderr();
+  EXPECT_EQ(plan_cli({path, "--perf", "--links", ""}, &out), 2) << "an empty --links";
+  EXPECT_EQ(plan_cli({path, "--perf", "--search", "--world", "2147483647"}, &out), 2) << "beyond any parallel size";
+  EXPECT_EQ(plan_cli({path, "--perf", "--search", "--world", "4294967298"}, &out), 2) << "not cut to 32 bits";
+  EXPECT_EQ(plan_cli({path, "--perf", "--check", "100001"}, &out), 2);
+  // Collectives of a kind with no link (and no "*") are said to cost nothing.
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "parallel.cp=2", "--links", "tp=1GB/s"}, &out), 0) << out;
+  EXPECT_NE(out.find("no link for cp"), std::string::npos) << out;
+  // An interleaved pipeline is measured without its stages (a schedule pp 1 takes).
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "model.num_layers=4", "--set", "parallel.pp=2", "--set",
+                      "parallel.vpp=2", "--set", "pipeline.schedule=\"interleaved\""},
+                     &out), 0)
+      << out << last_stderr();
+  // A world no layout can serve fails with a reason on stderr.
+  EXPECT_EQ(plan_cli({path, "--perf", "--search", "--world", "3"}, &out), 1);
+  EXPECT_NE(last_stderr().find("no layout of 3 rank(s)"), std::string::npos) << last_stderr();
   boost::filesystem::remove_all(dir);
 }
 
