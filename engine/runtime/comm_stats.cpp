@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -49,11 +50,14 @@ std::atomic<uint64_t> g_staged_bytes{0};
 // in-place call (send and recv overlapping) gets one host copy of both.
 class Staged {
  public:
-  Staged(const DeviceStaging* st, const void* send, size_t send_bytes, void* recv, size_t recv_bytes)
+  // keep_recv: the call writes only parts of recv (all_to_all_v's segments), so the
+  // host copy starts as the device's, and what the call leaves goes back unchanged.
+  Staged(const DeviceStaging* st, const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
+         bool keep_recv = false)
       : st_(st), send_(send), recv_(recv), recv_bytes_(recv_bytes) {
     if (st_ == nullptr) return;
-    const bool send_dev = send_bytes > 0 && send != nullptr && st_->on_device(send, send_bytes);
-    const bool recv_dev = recv_bytes > 0 && recv != nullptr && st_->on_device(recv, recv_bytes);
+    const bool send_dev = send_bytes > 0 && send != nullptr && on_device(send, send_bytes, "send");
+    const bool recv_dev = recv_bytes > 0 && recv != nullptr && on_device(recv, recv_bytes, "receive");
     const auto* s = static_cast<const char*>(send);
     auto* r = static_cast<char*>(recv);
     if (send_dev && recv_dev && s < r + recv_bytes && r < s + send_bytes) {  // in place: one copy of both
@@ -71,6 +75,7 @@ class Staged {
       }
       if (recv_dev) {
         out_.resize(recv_bytes);
+        if (keep_recv) copy(out_.data(), recv, recv_bytes, LOOM_COPY_DEVICE_TO_HOST);
         recv_host_ = out_.data();
       }
     }
@@ -84,6 +89,14 @@ class Staged {
   }
 
  private:
+  bool on_device(const void* p, size_t bytes, const char* which) const {
+    const DeviceStaging::Where w = st_->where(p, bytes);
+    if (w == DeviceStaging::Where::Partly)
+      throw loom::Error(std::string("the ") + which + " buffer (" + std::to_string(bytes) +
+                            " bytes) runs past the end of the device allocation it starts in, or into one",
+                        LOOM_CODE_INVALID_ARGUMENT);
+    return w == DeviceStaging::Where::Device;
+  }
   void copy(void* dst, const void* src, size_t bytes, int32_t kind) {
     st_->copy(dst, src, bytes, kind);
     g_staged_bytes += bytes;
@@ -98,19 +111,33 @@ class Staged {
 
 // Runs call(send, recv) on the staged buffers and copies the result back.
 template <typename Call>
-loom_status staged(const Shim* s, const void* send, size_t send_bytes, void* recv, size_t recv_bytes, Call&& call) {
+loom_status staged(const Shim* s, const void* send, size_t send_bytes, void* recv, size_t recv_bytes, Call&& call,
+                   bool keep_recv = false) {
+  auto failed = [&](int32_t code, const std::string& why) {
+    return plugins::host_api()->status_create(
+        code, (s->kind + ": staging device buffers through host memory: " + why).c_str());
+  };
   try {
-    Staged st(s->staging, send, send_bytes, recv, recv_bytes);
+    Staged st(s->staging, send, send_bytes, recv, recv_bytes, keep_recv);
     loom_status status = call(st.send(), st.recv());
     if (status == nullptr) st.finish();
     return status;
+  } catch (const loom::Error& e) {
+    return failed(e.code(), e.what());
   } catch (const std::exception& e) {
-    return plugins::host_api()->status_create(LOOM_CODE_INTERNAL,
-                                              (s->kind + ": staging device buffers through host memory: " + e.what()).c_str());
+    return failed(LOOM_CODE_INTERNAL, e.what());
+  } catch (...) {
+    return failed(LOOM_CODE_INTERNAL, "an unknown exception");
   }
 }
 
-size_t bytes_of(size_t count, int32_t dtype, size_t times = 1) { return count * loom::dtype_size(dtype) * times; }
+// Bytes of `times` x `count` elements; saturates (the staging then refuses a buffer
+// that large) where the product overflows.
+size_t bytes_of(size_t count, int32_t dtype, size_t times = 1) {
+  const size_t es = loom::dtype_size(dtype);
+  if (es != 0 && times != 0 && count > SIZE_MAX / es / times) return SIZE_MAX;
+  return count * es * times;
+}
 
 // factor: bus bytes per byte of the logical tensor (see comm_stats.hpp).
 // Counts the call, runs it, and tells the observer (if any) how long it took.
@@ -194,18 +221,22 @@ loom_status s_all_to_all_v(loom_comm* c, void* stream, const void* send, const s
   LOOM_SHIM_SLOT(s, all_to_all_v);
   uint64_t sent = 0;
   for (int32_t i = 0; send_counts != nullptr && i < s->size; ++i) sent += send_counts[i];
-  // The extent of each side: its furthest count + displacement (arguments the plugin checks).
+  // The extent of each side: its furthest segment end (empty segments do not count,
+  // as the plugins check them); the plugin reports arguments that overflow.
   auto extent = [&](const size_t* counts, const size_t* displs) {
     size_t e = 0;
-    for (int32_t i = 0; counts != nullptr && displs != nullptr && i < s->size; ++i) e = std::max(e, counts[i] + displs[i]);
+    for (int32_t i = 0; counts != nullptr && displs != nullptr && i < s->size; ++i)
+      if (counts[i] > 0 && displs[i] <= SIZE_MAX - counts[i]) e = std::max(e, counts[i] + displs[i]);
     return e;
   };
   return counted(s, "all_to_all_v", sent, dtype, ring(s), [&] {
-    return staged(s, send, bytes_of(extent(send_counts, send_displs), dtype), recv,
-                  bytes_of(extent(recv_counts, recv_displs), dtype), [&](const void* sb, void* rb) {
-                    return s->api->all_to_all_v(s->comm, stream, sb, send_counts, send_displs, rb, recv_counts,
-                                                recv_displs, dtype);
-                  });
+    return staged(
+        s, send, bytes_of(extent(send_counts, send_displs), dtype), recv, bytes_of(extent(recv_counts, recv_displs), dtype),
+        [&](const void* sb, void* rb) {
+          return s->api->all_to_all_v(s->comm, stream, sb, send_counts, send_displs, rb, recv_counts, recv_displs,
+                                      dtype);
+        },
+        /*keep_recv=*/true);
   });
 }
 loom_status s_broadcast(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t root) {

@@ -81,8 +81,10 @@ class CommStatsRecorder {
 // runs the call there and copies what it wrote back, in the rank's stream order. Slow,
 // and what lets every layout of several ranks run (and be checked) on one GPU.
 struct DeviceStaging {
-  // Whether [p, p + bytes) lies in memory the rank's device allocated.
-  std::function<bool(const void* p, size_t bytes)> on_device;
+  // Where [p, p + bytes) lies: in host memory, inside one allocation of the rank's
+  // device, or partly in one (a call with such a buffer is refused).
+  enum class Where { Host, Device, Partly };
+  std::function<Where(const void* p, size_t bytes)> where;
   // Copies bytes (LOOM_COPY_DEVICE_TO_HOST or HOST_TO_DEVICE) after the work the
   // rank's stream has so far, and returns when the copy has run.
   std::function<void(void* dst, const void* src, size_t bytes, int32_t kind)> copy;

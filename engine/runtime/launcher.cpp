@@ -38,11 +38,12 @@ int env_int(const char* name) {
 
 }  // namespace
 
-bool needs_staging(const loom_device_api* device, const loom_comm_api* comm) {
-  const bool host_memory = device == nullptr || !LOOM_HAS_SLOT(device, loom_device_api, features) ||
-                           (device->features & LOOM_DEVICE_HOST_MEMORY) != 0;
-  const bool device_buffers = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) &&
-                              (comm->features & LOOM_COMM_DEVICE_BUFFERS) != 0;
+bool needs_staging(const plugins::LoadedPlugin* device, const plugins::LoadedPlugin* comm) {
+  if (device == nullptr || comm == nullptr || device->abi_minor < 9 || comm->abi_minor < 9) return false;
+  const loom_device_api* d = device->device();
+  const loom_comm_api* c = comm->comm();
+  const bool host_memory = d == nullptr || (d->features & LOOM_DEVICE_HOST_MEMORY) != 0;
+  const bool device_buffers = c != nullptr && (c->features & LOOM_COMM_DEVICE_BUFFERS) != 0;
   return !host_memory && !device_buffers;
 }
 
@@ -136,7 +137,7 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
 
   // Device memory to a comm plugin that takes host buffers only goes through host
   // copies (DeviceStaging, comm_stats.hpp).
-  const bool stage_device_buffers = world > 1 && needs_staging(dev_api, comm_api);
+  const bool stage_device_buffers = world > 1 && needs_staging(config.device_plugin, config.comm_plugin);
   auto rank_main = [&](int rank) {
     try {
       loom_device_create_args dargs = loom::make<loom_device_create_args>();

@@ -58,10 +58,11 @@ ProcessLaunch detect_process_launch();
 // CPUs this process may run on (its affinity mask), at least 1.
 int usable_cores();
 
-// Whether `device` keeps its memory apart from the host's (no LOOM_DEVICE_HOST_MEMORY;
-// a device plugin older than 1.9 counts as host memory) while `comm` takes host
-// buffers only (no LOOM_COMM_DEVICE_BUFFERS): the engine then stages the buffers.
-bool needs_staging(const loom_device_api* device, const loom_comm_api* comm);
+// Whether `device` keeps its memory apart from the host's (no LOOM_DEVICE_HOST_MEMORY)
+// while `comm` takes host buffers only (no LOOM_COMM_DEVICE_BUFFERS): the engine then
+// stages the buffers. A plugin built before 1.9, which declares neither, is taken at
+// its word as before: host memory, and buffers passed as they are.
+bool needs_staging(const plugins::LoadedPlugin* device, const plugins::LoadedPlugin* comm);
 
 // Runs fn on every rank of this process (all ranks as threads, or only this
 // process's rank when detect_process_launch() says one process per rank), returns

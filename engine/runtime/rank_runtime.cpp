@@ -2,6 +2,10 @@
 
 #include "engine/plugins/registry.hpp"
 
+#include <climits>
+#include <cstdint>
+#include <iterator>
+
 namespace loom::runtime {
 
 RankRuntime::RankRuntime(int global_rank, const loom_device_api* device_api, loom_device* device)
@@ -21,9 +25,11 @@ void RankRuntime::add_group(const std::string& kind, const loom_group& group) {
 }
 
 void RankRuntime::stage_device_buffers() {
+  // Before anything is allocated through the rank (the launcher calls it right after
+  // creating the device): an earlier allocation would be taken for host memory.
   LOOM_REQUIRE(groups_.empty(), "rank " << rank_ << ": device buffers must be staged before its groups are added");
   staging_ = std::make_unique<DeviceStaging>();
-  staging_->on_device = [this](const void* p, size_t bytes) { return on_device(p, bytes); };
+  staging_->where = [this](const void* p, size_t bytes) { return where(p, bytes); };
   staging_->copy = [this](void* dst, const void* src, size_t bytes, int32_t kind) {
     // On the default stream, which carries the rank's compute: after what it has
     // launched; synchronised so the host side is complete (or may be freed) after.
@@ -32,13 +38,19 @@ void RankRuntime::stage_device_buffers() {
   };
 }
 
-bool RankRuntime::on_device(const void* p, size_t bytes) const {
+DeviceStaging::Where RankRuntime::where(const void* p, size_t bytes) const {
+  using Where = DeviceStaging::Where;
   const auto a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t last = bytes > UINTPTR_MAX - a ? UINTPTR_MAX : a + bytes;  // one past the end
   std::lock_guard<std::mutex> lock(allocations_mu_);
-  auto it = allocations_.upper_bound(a);
-  if (it == allocations_.begin()) return false;
-  --it;
-  return a >= it->first && a - it->first + bytes <= it->second;
+  auto next = allocations_.upper_bound(a);  // the first allocation starting after p
+  if (next != allocations_.begin()) {
+    auto it = std::prev(next);
+    const uintptr_t off = a - it->first;
+    if (off < it->second) return bytes <= it->second - off ? Where::Device : Where::Partly;
+  }
+  // Starts outside every allocation: host memory unless it runs into the next one.
+  return next != allocations_.end() && next->first < last ? Where::Partly : Where::Host;
 }
 
 const void* RankRuntime::service(int32_t api_type, const char* name) {
@@ -67,8 +79,15 @@ loom_memory_stats RankRuntime::memory() const {
 loom_status RankRuntime::alloc(size_t bytes, void** out) {
   loom_status st = device_api_->alloc(device_, bytes, out);
   if (st == nullptr && staging_ && *out != nullptr) {
-    std::lock_guard<std::mutex> lock(allocations_mu_);
-    allocations_[reinterpret_cast<uintptr_t>(*out)] = bytes;
+    try {  // called through the C host API: nothing may escape
+      std::lock_guard<std::mutex> lock(allocations_mu_);
+      allocations_[reinterpret_cast<uintptr_t>(*out)] = bytes;
+    } catch (const std::exception& e) {
+      device_api_->free(device_, *out);
+      *out = nullptr;
+      return loom::make_status(LOOM_CODE_OUT_OF_MEMORY,
+                               std::string("rank ") + std::to_string(rank_) + ": recording an allocation: " + e.what());
+    }
   }
   return st;
 }

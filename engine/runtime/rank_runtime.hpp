@@ -29,6 +29,8 @@ class RankRuntime : public loom_rank_s {
   // host copies (DeviceStaging), for a comm plugin that takes host buffers only on a
   // device whose memory is its own. From then on the rank's allocations are tracked.
   void stage_device_buffers();
+  // Where a buffer lies among this rank's allocations (with staging on; tests).
+  DeviceStaging::Where where_for_tests(const void* p, size_t bytes) const { return where(p, bytes); }
   // Collectives called through this rank's groups since the last reset.
   CommStats comm_stats() const { return comm_stats_.snapshot(); }
   void reset_comm_stats() { comm_stats_.reset(); }
@@ -70,7 +72,7 @@ class RankRuntime : public loom_rank_s {
   std::unique_ptr<DeviceStaging> staging_;
   mutable std::mutex allocations_mu_;
   std::map<uintptr_t, size_t> allocations_;
-  bool on_device(const void* p, size_t bytes) const;
+  DeviceStaging::Where where(const void* p, size_t bytes) const;
 };
 
 }  // namespace loom::runtime

@@ -65,10 +65,10 @@ void check_comm_fits(const manifest::Manifest& man, RunPlan& plan, std::vector<m
   const loom_comm_api* comm = plan.comm->comm();
   const uint64_t features = comm != nullptr && LOOM_HAS_SLOT(comm, loom_comm_api, features) ? comm->features : 0;
   const int world = plan.sizes.world;
-  if (world > 1 && runtime::needs_staging(plan.device->device(), comm))
+  if (world > 1 && runtime::needs_staging(plan.device, plan.comm))
     plan.warnings.push_back(plan.comm->key() + " exchanges host memory and " + plan.device->key() +
-                            " keeps tensors in its own: every collective copies its buffers through host memory "
-                            "(slow; comm.backend = \"nccl\" moves them on the GPU)");
+                            " keeps tensors in memory of its own: each collective copies its device buffers through "
+                            "host memory (slow; comm.backend = \"nccl\" moves them between GPUs, one GPU per rank)");
   const runtime::ProcessLaunch launch = runtime::detect_process_launch();
   // A world of one rank in one process is both.
   const uint64_t needed = launch.multi_process ? LOOM_COMM_PROCESSES : world > 1 ? LOOM_COMM_THREADS : 0;

@@ -56,7 +56,7 @@ TEST(RunPlan, TheCommPluginMustReachTheRanksAndTheirMemory) {
     EXPECT_EQ(refusal({"device.kind=\"cuda\"", "parallel.dp=2"}).message, "") << "staged, not refused";
     auto staging_warning = [](const std::vector<std::string>& overrides) {
       for (const std::string& w : loom::testing::plan_from(loom::testing::tiny_manifest(), overrides).warnings)
-        if (w.find("comm/local exchanges host memory and device/cuda keeps tensors in its own") != std::string::npos)
+        if (w.find("comm/local exchanges host memory and device/cuda keeps tensors in memory of its own") != std::string::npos)
           return true;
       return false;
     };

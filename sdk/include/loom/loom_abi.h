@@ -934,8 +934,9 @@ typedef struct loom_comm_api {
 /* loom_comm_api.features (since 1.9). LOOM_COMM_THREADS: every rank of a world may be
  * a thread of one process. LOOM_COMM_PROCESSES: one process per rank (mpirun, srun).
  * LOOM_COMM_DEVICE_BUFFERS: send and receive buffers may be device memory (a device
- * without LOOM_DEVICE_HOST_MEMORY); without it, buffers are host memory, so a run of
- * more than one rank on such a device is refused. */
+ * without LOOM_DEVICE_HOST_MEMORY); without it, buffers are host memory: on such a
+ * device the engine copies a collective's device buffers through host memory around
+ * the call (a plugin built before 1.9 gets them as they are). */
 #define LOOM_COMM_THREADS (1ull << 0)
 #define LOOM_COMM_PROCESSES (1ull << 1)
 #define LOOM_COMM_DEVICE_BUFFERS (1ull << 2)
