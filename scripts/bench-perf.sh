@@ -35,8 +35,12 @@ row() {  # row MODEL NAME ARGS...
 import json, sys
 t = json.loads(sys.stdin.read())
 e, m = t["step_ms"], t["measured_step_ms"]
-print(f"| {sys.argv[1]:<10} | {sys.argv[2]:<36} | {e:11.2f} | {m:11.2f} | {e / m:6.2f} |")' "$model" "$name"
+print(f"| {sys.argv[1]:<10} | {sys.argv[2]:<36} | {e:11.2f} | {m:11.2f} | {e / m:6.2f} |")
+with open(sys.argv[3], "a") as f:
+    f.write(f"{e / m}\n")' "$model" "$name" "$ratios"
 }
+ratios=$(mktemp)
+trap 'rm -f "$ratios"' EXIT
 for model in quickstart gpt-small; do
   row "$model" "dp 1" --set parallel.dp=1
   row "$model" "dp 2, ddp" --set parallel.dp=2
@@ -52,3 +56,9 @@ for model in quickstart gpt-small; do
   row "$model" "pp 2 x dp 2" --set parallel.dp=2 --set parallel.pp=2
   row "$model" "tp 2 x pp 2" --set parallel.dp=1 --set parallel.tp=2 --set parallel.pp=2
 done
+python3 - "$ratios" <<'PY'
+import sys
+r = [float(l) for l in open(sys.argv[1]) if l.strip()]
+within = sum(1 for x in r if abs(x - 1) <= 0.2)
+print(f"estimate / measured: {min(r):.2f} to {max(r):.2f}; {within} of {len(r)} layouts within 20%")
+PY

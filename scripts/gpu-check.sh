@@ -612,7 +612,7 @@ import json, sys
 t = json.load(open(sys.argv[1]))
 e, m = t["step_ms"], t["measured_step_ms"]
 print(f"  {sys.argv[2]}: estimate {e:.1f} ms/step, measured {m:.1f}, ratio {e / m:.2f}")
-sys.exit(0 if 0.8 <= e / m <= 1.25 else 3)
+sys.exit(0 if abs(e / m - 1) <= 0.2 else 3)
 EOF
   then pass "loom plan --perf, $name: within 20% of the measured step"
   else fail "loom plan --perf, $name: not within 20% (or failed; see $out/$name.json, $out/$name.err)"; fi

@@ -91,7 +91,7 @@ struct PerfEstimate {
   double flops_per_step = 0;  // forward and backward over the world (3 x forward)
   double mfu = 0;             // 0 when device.peak_tflops is unknown
   int threads = 1, cores = 1;
-  double contention = 1;      // compute slowdown from more busy threads than cores
+  double contention = 1;      // slowdown of the FLOP-proportional compute from more busy threads than cores
   std::vector<std::string> notes;
 };
 
