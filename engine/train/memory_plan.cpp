@@ -62,6 +62,12 @@ struct PlannedLayers {
 
 }  // namespace
 
+bool shards_optimizer_state(const RunPlan& plan) {
+  const loom_optimizer_api* opt = plan.optimizer != nullptr ? plan.optimizer->optimizer() : nullptr;
+  return opt != nullptr && LOOM_HAS_SLOT(opt, loom_optimizer_api, features) &&
+         (opt->features & LOOM_OPTIMIZER_SHARDED_STATE) != 0;
+}
+
 uint64_t rank_total_bytes(const RankMemory& r) {
   return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes;
 }
@@ -127,9 +133,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
                gsize = loom::dtype_size(model_dtype(out.grad_dtype));
   const size_t opt_per_elem = optimizer_bytes_per_element(out.param_dtype);
   // A strategy that shards its state keeps 1/dp of it (Megatron's distributed optimizer).
-  const loom_optimizer_api* opt = plan.optimizer != nullptr ? plan.optimizer->optimizer() : nullptr;
-  const bool distributed = opt != nullptr && LOOM_HAS_SLOT(opt, loom_optimizer_api, features) &&
-                           (opt->features & LOOM_OPTIMIZER_SHARDED_STATE) != 0;
+  const bool distributed = shards_optimizer_state(plan);
 
   const topology::RankGroups groups = topology::RankGroups::build(plan.sizes);
   out.edp = groups.edp();

@@ -17,6 +17,10 @@ namespace loom::train {
 // allocate them: Adam m and v, and fp32 master params when params are not fp32.
 size_t optimizer_bytes_per_element(const std::string& param_dtype);
 
+// Whether the plan's optimizer strategy keeps only its dp shard of the state
+// (LOOM_OPTIMIZER_SHARDED_STATE: Megatron's distributed optimizer).
+bool shards_optimizer_state(const RunPlan& plan);
+
 // A parameter as a rank holds it: what gathering its shards from a checkpoint needs.
 struct PlannedParam {
   std::string name;

@@ -152,13 +152,6 @@ int64_t to_ns(double s) { return std::max<int64_t>(1, static_cast<int64_t>(std::
 
 double ns_to_s(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
 
-// Whether the optimizer strategy shards its state over dp (Megatron's distributed optimizer).
-bool sharded_state(const RunPlan& plan) {
-  const loom_optimizer_api* opt = plan.optimizer != nullptr ? plan.optimizer->optimizer() : nullptr;
-  return opt != nullptr && LOOM_HAS_SLOT(opt, loom_optimizer_api, features) &&
-         (opt->features & LOOM_OPTIMIZER_SHARDED_STATE) != 0;
-}
-
 // Kind and size of the group a rank's data-parallel gradients reduce over (dense part).
 std::pair<std::string, int> grad_group(const RunPlan& plan) {
   return plan.sizes.cp > 1 ? std::pair<std::string, int>{"dp-cp", plan.dp * plan.sizes.cp}
@@ -229,7 +222,7 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   p.backward_fixed_s = b_fixed / m;
   p.backward_flops_s = b_prop / m;
   p.optimizer_s = full.optimizer_s;
-  p.buffer_elements = sharded_state(plan) ? full.buffer_elements / static_cast<size_t>(p.dp * p.cp) : full.buffer_elements;
+  p.buffer_elements = shards_optimizer_state(plan) ? full.buffer_elements / static_cast<size_t>(p.dp * p.cp) : full.buffer_elements;
   p.other_s = full.other_s;
   p.layer_comm = full.layer_comm;
   p.layer_comm_s = full.layer_comm_s;
@@ -518,7 +511,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
 
   const size_t gsize = loom::dtype_size(model::model_dtype(config.device.grad_dtype));
   const size_t psize = loom::dtype_size(model::model_dtype(config.device.param_dtype));
-  const bool distributed = sharded_state(plan);
+  const bool distributed = shards_optimizer_state(plan);
   const auto [dense_kind, dense_members] = grad_group(plan);
   const int edp = groups.edp();
   const double per_element = profile.buffer_elements > 0 ? profile.optimizer_s / double(profile.buffer_elements) : 0;

@@ -50,6 +50,23 @@ digits = 2
 )";
 }
 
+// `base` followed by `extra` (overrides of a test case on top of its common ones).
+inline std::vector<std::string> with_overrides(std::vector<std::string> base, const std::vector<std::string>& extra) {
+  base.insert(base.end(), extra.begin(), extra.end());
+  return base;
+}
+
+// tiny_manifest() with a small layer/moe configured (4 experts, top 2); a test puts
+// it in the model with model.block = ["attention", "moe"].
+inline std::string tiny_moe_manifest() {
+  return tiny_manifest() + R"(
+[model.layer.moe]
+num_experts = 4
+top_k = 2
+ffn_hidden_size = 32
+)";
+}
+
 inline train::RunPlan plan_from(const std::string& text, const std::vector<std::string>& overrides) {
   return train::make_plan(manifest::Manifest::parse(text, "test.toml", overrides), plugins::registry());
 }

@@ -31,30 +31,18 @@ namespace {
 using loom::testing::RankTrace;
 using loom::testing::run_all_ranks;
 using loom::testing::tiny_manifest;
+using loom::testing::tiny_moe_manifest;
+using loom::testing::with_overrides;
 
 const std::string kStaged = std::string("plugins.search_paths=[\"") + LOOM_TEST_BUILD_DIR +
                             "/tests/staged_device/plugins\"]";
 
-std::vector<std::string> with(std::vector<std::string> v, const std::vector<std::string>& extra) {
-  v.insert(v.end(), extra.begin(), extra.end());
-  return v;
-}
-
-std::string moe_manifest() {
-  return tiny_manifest() + R"(
-[model.layer.moe]
-num_experts = 4
-top_k = 2
-ffn_hidden_size = 32
-)";
-}
-
 void expect_same_training(const std::string& manifest, const std::vector<std::string>& layout) {
-  const std::vector<std::string> base = with({"run.steps=3", kStaged}, layout);
+  const std::vector<std::string> base = with_overrides({"run.steps=3", kStaged}, layout);
   const uint64_t before = loom::runtime::DeviceStaging::staged_bytes();
   const RankTrace host = run_all_ranks(manifest, base);
   EXPECT_EQ(loom::runtime::DeviceStaging::staged_bytes(), before) << "device/cpu's memory is the host's: no staging";
-  const RankTrace staged = run_all_ranks(manifest, with(base, {"device.kind=\"cpu_staged\""}));
+  const RankTrace staged = run_all_ranks(manifest, with_overrides(base, {"device.kind=\"cpu_staged\""}));
   EXPECT_GT(loom::runtime::DeviceStaging::staged_bytes(), before) << "no collective was staged";
   ASSERT_EQ(staged.loss.size(), host.loss.size());
   for (size_t s = 0; s < host.loss.size(); ++s) {
@@ -90,7 +78,7 @@ TEST(DeviceStaging, APipelineWithATiedEmbeddingTrainsAsOnTheHost) {
 }
 
 TEST(DeviceStaging, ExpertParallelAllToAllTrainsAsOnTheHost) {
-  expect_same_training(moe_manifest(), {"model.block=[\"attention\", \"moe\"]", "parallel.dp=2", "parallel.ep=2"});
+  expect_same_training(tiny_moe_manifest(), {"model.block=[\"attention\", \"moe\"]", "parallel.dp=2", "parallel.ep=2"});
 }
 
 TEST(DeviceStaging, ThePlanSaysTheRunStages) {

@@ -29,11 +29,8 @@ namespace {
 using loom::testing::RankTrace;
 using loom::testing::run_all_ranks;
 using loom::testing::tiny_manifest;
-
-std::vector<std::string> with(std::vector<std::string> v, const std::vector<std::string>& extra) {
-  v.insert(v.end(), extra.begin(), extra.end());
-  return v;
-}
+using loom::testing::tiny_moe_manifest;
+using loom::testing::with_overrides;
 
 const char* kOverlap = "optimizer.overlap_grad_reduce=true";
 // Each dp collective takes 2 ms or more, so a reduction that started before its
@@ -44,15 +41,6 @@ const char* kSlowDp = "comm.options.links=\"dp=1GB/s,1ms\"";
 // Several buckets per chunk, so buckets complete (and start) during the backward.
 const std::vector<std::string> kBase = {"model.hidden_size=24", "run.steps=4", "batch.global_batch_size=8",
                                         "batch.micro_batch_size=1", "optimizer.bucket_size=1500"};
-
-std::string moe_manifest() {
-  return tiny_manifest() + R"(
-[model.layer.moe]
-num_experts = 4
-top_k = 2
-ffn_hidden_size = 32
-)";
-}
 
 void expect_identical(const RankTrace& inline_run, const RankTrace& overlapped) {
   ASSERT_EQ(inline_run.loss.size(), 4u);
@@ -98,10 +86,10 @@ TEST(Overlap, GradReductionOverlappedIsBitIdenticalToInLine) {
   for (const char* strategy : {"ddp", "distributed"}) {
     for (const Layout& l : layouts) {
       SCOPED_TRACE(std::string(strategy) + ", " + l.name);
-      const auto base = with(with(kBase, l.overrides), {std::string("optimizer.strategy=\"") + strategy + "\""});
-      const std::string manifest = l.moe ? moe_manifest() : tiny_manifest();
+      const auto base = with_overrides(with_overrides(kBase, l.overrides), {std::string("optimizer.strategy=\"") + strategy + "\""});
+      const std::string manifest = l.moe ? tiny_moe_manifest() : tiny_manifest();
       const RankTrace inline_run = run_all_ranks(manifest, base);
-      const RankTrace overlapped = run_all_ranks(manifest, with(base, {kOverlap, kSlowDp}));
+      const RankTrace overlapped = run_all_ranks(manifest, with_overrides(base, {kOverlap, kSlowDp}));
       expect_identical(inline_run, overlapped);
     }
   }
@@ -121,13 +109,13 @@ TEST(Overlap, ParamGatherOverlappedIsBitIdenticalToInLine) {
   };
   for (const Layout& l : layouts) {
     SCOPED_TRACE(l.name);
-    const auto base = with(with(kBase, l.overrides), {"optimizer.strategy=\"distributed\"", "run.steps=6"});
-    const std::string manifest = l.moe ? moe_manifest() : tiny_manifest();
+    const auto base = with_overrides(with_overrides(kBase, l.overrides), {"optimizer.strategy=\"distributed\"", "run.steps=6"});
+    const std::string manifest = l.moe ? tiny_moe_manifest() : tiny_manifest();
     const auto plain = loom::train::train(loom::testing::plan_from(manifest, base), {});
     for (const std::vector<std::string>& flags :
          {std::vector<std::string>{"optimizer.overlap_param_gather=true", kSlowDp},
           std::vector<std::string>{"optimizer.overlap_param_gather=true", kOverlap, kSlowDp}}) {
-      const auto overlapped = loom::train::train(loom::testing::plan_from(manifest, with(base, flags)), {});
+      const auto overlapped = loom::train::train(loom::testing::plan_from(manifest, with_overrides(base, flags)), {});
       ASSERT_EQ(overlapped.steps.size(), 6u);
       ASSERT_EQ(plain.steps.size(), overlapped.steps.size());
       for (size_t s = 0; s < plain.steps.size(); ++s) {
@@ -142,7 +130,7 @@ TEST(Overlap, ParamGatherOverlappedIsBitIdenticalToInLine) {
 TEST(Overlap, ParamGatherWithAStrategyThatGathersNothingIsRefused) {
   try {
     loom::train::train(loom::testing::plan_from(tiny_manifest(),
-                                                with(kBase, {"parallel.dp=2", "optimizer.overlap_param_gather=true"})),
+                                                with_overrides(kBase, {"parallel.dp=2", "optimizer.overlap_param_gather=true"})),
                        {});
     FAIL() << "ddp with overlap_param_gather ran";
   } catch (const loom::Error& e) {
@@ -228,10 +216,10 @@ TEST(Overlap, LinkModelShowsTheReductionsHiddenBehindTheBackward) {
 
   bool faster = false;
   for (int attempt = 0; attempt < 3 && !faster; ++attempt) {
-    const RankTrace slow = run_all_ranks(tiny_manifest(), with(base, {link}));
+    const RankTrace slow = run_all_ranks(tiny_manifest(), with_overrides(base, {link}));
     loom::train::TrainOptions opts;
     opts.trace_file = dir + "/overlap.json";
-    const RankTrace fast = run_all_ranks(tiny_manifest(), with(base, {link, kOverlap}), opts);
+    const RankTrace fast = run_all_ranks(tiny_manifest(), with_overrides(base, {link, kOverlap}), opts);
     const double inline_s = median_step_s(slow.result), overlap_s = median_step_s(fast.result);
     std::cout << "[ overlap ] dp 2, " << buckets << " buckets: step " << compute_s * 1e3 << " ms (backward "
               << backward_s * 1e3 << "), modelled dp " << t * 1e3 << " ms; in line " << inline_s * 1e3
@@ -258,7 +246,7 @@ TEST(Overlap, LinkModelShowsTheReductionsHiddenBehindTheBackward) {
 }
 
 TEST(Overlap, BucketsDefaultToMegatronsSizeWhenOverlapping) {
-  const loom::train::RunPlan plan = loom::testing::plan_from(tiny_manifest(), with(kBase, {kOverlap, "parallel.dp=2"}));
+  const loom::train::RunPlan plan = loom::testing::plan_from(tiny_manifest(), with_overrides(kBase, {kOverlap, "parallel.dp=2"}));
   EXPECT_TRUE(plan.config.optimizer.overlap_grad_reduce);
   EXPECT_EQ(plan.config.optimizer.bucket_size, 1500);
   const loom::train::RunPlan defaulted = loom::testing::plan_from(tiny_manifest(), {kOverlap, "parallel.dp=2"});

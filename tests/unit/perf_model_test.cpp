@@ -32,11 +32,8 @@ namespace {
 
 using loom::testing::plan_from;
 using loom::testing::tiny_manifest;
-
-std::vector<std::string> with(std::vector<std::string> v, const std::vector<std::string>& extra) {
-  v.insert(v.end(), extra.begin(), extra.end());
-  return v;
-}
+using loom::testing::tiny_moe_manifest;
+using loom::testing::with_overrides;
 
 // pp 2, 4 microbatches, forward 10, backward 20, transfer 3. Stage 0 runs F1 F2 B1 F3
 // B2 F4 B3 B4, stage 1 F1 B1 F2 B2 F3 B3 F4 B4 (one warm-up forward on stage 0):
@@ -137,7 +134,7 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   EXPECT_NEAR(e.tokens_per_s, 8.0 * 16 / s.step_s, 1e-6);
 
   // Overlapped: the buckets start during the last backward; the last one cannot.
-  const loom::train::RunPlan op = plan_from(tiny_manifest(), with(kDp2, {"optimizer.overlap_grad_reduce=true"}));
+  const loom::train::RunPlan op = plan_from(tiny_manifest(), with_overrides(kDp2, {"optimizer.overlap_grad_reduce=true"}));
   const loom::train::PerfEstimate eo = loom::train::estimate_step(op, mp, profile, links, 2);
   const loom::train::StageEstimate& so = eo.stages[0];
   EXPECT_NEAR(so.grad_reduce_s, buckets, 1e-12);
@@ -147,7 +144,7 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   EXPECT_NEAR(s.step_s - so.step_s, buckets - so.grad_reduce_exposed_s, 1e-12);
 
   // The distributed optimizer: reduce-scatter, a half-size step, the all-gather.
-  const loom::train::RunPlan dist = plan_from(tiny_manifest(), with(kDp2, {"optimizer.strategy=\"distributed\""}));
+  const loom::train::RunPlan dist = plan_from(tiny_manifest(), with_overrides(kDp2, {"optimizer.strategy=\"distributed\""}));
   const loom::train::MemoryPlan dmp = loom::train::plan_memory(dist);
   const loom::train::PerfEstimate ed = loom::train::estimate_step(dist, dmp, profile, links, 2);
   const loom::train::StageEstimate& sd = ed.stages[0];
@@ -203,7 +200,7 @@ TEST(PerfModel, EstimateTracksTheMeasuredStepTime) {
                                    {"pp 2", {"parallel.pp=2"}},
                                    {"tp 2", {"parallel.tp=2"}}};
   for (const Case& c : cases) {
-    const loom::train::RunPlan plan = plan_from(tiny_manifest(), with(base, c.sets));
+    const loom::train::RunPlan plan = plan_from(tiny_manifest(), with_overrides(base, c.sets));
     const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
     const int threads = loom::train::threads_per_rank(plan, cores);
     bool close = false;
