@@ -273,13 +273,58 @@ loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtyp
 }
 
 // A started collective (ABI 1.15) as the shim hands it out: the real plugin's
-// request, or none when the plugin has no start and the shim ran it in line.
+// request, or none when the plugin has no start and the shim ran it in line. A
+// started receive on a plugin that cannot start one (ABI 1.17,
+// LOOM_COMM_START_P2P) is kept here and received at its wait.
 struct ShimRequest {
   loom_comm_request* real = nullptr;
   const char* op = "";
   uint64_t bytes = 0;
   std::chrono::steady_clock::time_point start;
+  bool deferred_recv = false;
+  loom_collective recv{};  // the receive to run at wait (deferred_recv)
 };
+
+bool starts_p2p(const Shim* s) {
+  return s->staging == nullptr && LOOM_HAS_SLOT(s->api, loom_comm_api, wait) && s->api->start != nullptr &&
+         s->api->wait != nullptr && (s->api->features & LOOM_COMM_START_P2P) != 0;
+}
+
+// A started send or receive (ABI 1.17): the plugin's own when it can start one;
+// else the send runs now (sends never wait for the receiver) and the receive at
+// the wait, so posting early is always safe and overlaps where the plugin can.
+loom_status start_p2p(Shim* s, void* stream, const loom_collective* col, loom_comm_request** req) {
+  if (!LOOM_HAS_SLOT(col, loom_collective, tag))
+    return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT,
+                                              "start: a send or receive needs a loom_collective of ABI 1.17 or later");
+  const bool send = col->kind == LOOM_COLLECTIVE_SEND;
+  auto r = std::make_unique<ShimRequest>();
+  r->op = send ? "send" : "recv";
+  r->bytes = count_call(s, r->op, col->count, col->dtype, 1.0);
+  r->start = std::chrono::steady_clock::now();
+  loom_status status = nullptr;
+  if (starts_p2p(s)) {
+    status = s->api->start(s->comm, stream, col, &r->real);
+  } else if (send) {
+    if (s->api->send == nullptr) return missing("send");
+    status = staged(s, col->send, bytes_of(col->count, col->dtype), nullptr, 0, [&](const void* sb, void*) {
+      return s->api->send(s->comm, stream, sb, col->count, col->dtype, col->peer, col->tag);
+    });
+  } else {
+    if (s->api->recv == nullptr) return missing("recv");
+    r->deferred_recv = true;
+    r->recv = *col;
+  }
+  if (status != nullptr) return status;
+  *req = reinterpret_cast<loom_comm_request*>(r.release());
+  return nullptr;
+}
+
+loom_status deferred_recv(Shim* s, const loom_collective& col, void* stream) {
+  return staged(s, nullptr, 0, col.recv, bytes_of(col.count, col.dtype), [&](const void*, void* rb) {
+    return s->api->recv(s->comm, stream, rb, col.count, col.dtype, col.peer, col.tag);
+  });
+}
 
 // Counted as the blocking call of its kind (same op name), so the accounting does
 // not depend on whether a strategy overlaps; the observer sees it at its wait,
@@ -289,6 +334,7 @@ loom_status s_start(loom_comm* c, void* stream, const loom_collective* col, loom
   if (col == nullptr || req == nullptr || !LOOM_HAS_SLOT(col, loom_collective, op))
     return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT,
                                               "start: needs a loom_collective (of ABI 1.15 or later) and a request");
+  if (col->kind == LOOM_COLLECTIVE_SEND || col->kind == LOOM_COLLECTIVE_RECV) return start_p2p(s, stream, col, req);
   const bool reduces = col->kind != LOOM_COLLECTIVE_ALL_GATHER;
   const char* op = col->kind == LOOM_COLLECTIVE_ALL_REDUCE       ? "all_reduce"
                    : col->kind == LOOM_COLLECTIVE_ALL_GATHER     ? "all_gather"
@@ -337,7 +383,9 @@ loom_status s_wait(loom_comm* c, loom_comm_request* req, void* stream) {
   Shim* s = shim(c);
   std::unique_ptr<ShimRequest> r(reinterpret_cast<ShimRequest*>(req));
   if (!r) return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT, "wait: no request");
-  loom_status status = r->real != nullptr ? s->api->wait(s->comm, r->real, stream) : nullptr;
+  loom_status status = r->real != nullptr  ? s->api->wait(s->comm, r->real, stream)
+                       : r->deferred_recv ? deferred_recv(s, r->recv, stream)
+                                          : nullptr;
   const CommObserver& observer = s->recorder->observer();
   if (observer) observer(s->kind, r->op, r->bytes, r->start, true);
   return status;

@@ -67,6 +67,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_15(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_15(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_16(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_16(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_16(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_17(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_17(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -380,7 +383,8 @@ TEST(AbiLayout, Released115MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_comm_api, start), loom_abi_sizeof_v1_14("loom_comm_api"));
   EXPECT_GE(offsetof(loom_optimizer_api, grads_ready), loom_abi_sizeof_v1_14("loom_optimizer_api"));
   EXPECT_EQ(offsetof(loom_collective, send), 8u);
-  EXPECT_EQ(offsetof(loom_collective, op) + sizeof(int32_t), sizeof(loom_collective));
+  // As released (1.16 left it as it was; 1.17 appended to it).
+  EXPECT_EQ(offsetof(loom_collective, op) + sizeof(int32_t), loom_abi_sizeof_v1_16("loom_collective"));
 }
 
 // 1.16's too (overlap_param_gather): the members past 1.15's sizeof of
@@ -397,6 +401,21 @@ TEST(AbiLayout, Released116MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_optimizer_step_args, overlap_param_gather), loom_abi_sizeof_v1_15("loom_optimizer_step_args"));
   EXPECT_GE(offsetof(loom_optimizer_api, params_needed), loom_abi_sizeof_v1_15("loom_optimizer_api"));
   EXPECT_EQ(offsetof(loom_optimizer_step_args, reserved_1_16) + sizeof(int32_t), sizeof(loom_optimizer_step_args));
+}
+
+// 1.17's too (point to point started without waiting): peer and tag past 1.16's
+// sizeof of loom_collective, which ends with them.
+TEST(AbiLayout, Released117MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_116 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_17(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_17(&n_current);
+  loom_abi_layout_current_v1_16(&n_116);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_116 + 2 * 2);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_16("loom_collective"), 0u);
+  EXPECT_GE(offsetof(loom_collective, peer), loom_abi_sizeof_v1_16("loom_collective"));
+  EXPECT_EQ(offsetof(loom_collective, tag) + sizeof(int32_t), sizeof(loom_collective));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -1031,4 +1031,85 @@ TEST(CommLocalStart, StartReturnsAtOnceAndFailuresComeBackAtWait) {
   });
 }
 
+// --- Point to point started without waiting (ABI 1.17: LOOM_COLLECTIVE_SEND / _RECV)
+
+loom_collective p2p(int32_t kind, void* buf, size_t count, int32_t peer, int32_t tag) {
+  loom_collective c = collective(kind, kind == LOOM_COLLECTIVE_SEND ? buf : nullptr,
+                                 kind == LOOM_COLLECTIVE_RECV ? buf : nullptr, count, LOOM_REDUCE_SUM);
+  c.dtype = LOOM_DTYPE_I32;
+  c.peer = peer;
+  c.tag = tag;
+  return c;
+}
+
+// Receives of one (peer, tag) take the messages in the order they were posted,
+// however started and blocking receives and their waits interleave; a pending
+// started receive does not hold back a collective on the same communicator (the
+// barrier would never end if it did: the message is sent after it).
+TEST(CommLocalStart, ReceivesTakeMessagesInTheOrderTheyWerePosted) {
+  World w(2, 5000);
+  std::vector<int32_t> got(4, -1);
+  run_ranks(2, [&](int r) {
+    Comm pp(w, "pp", {0, 1}, r);
+    if (r == 0) {
+      int32_t one = 1, two = 2, three = 3;
+      loom_comm_request* req = nullptr;
+      const loom_collective c = p2p(LOOM_COLLECTIVE_SEND, &one, 1, 1, 7);
+      EXPECT_OK(api()->start(pp.get(), nullptr, &c, &req));
+      one = -1;  // a started send copied its data too
+      EXPECT_OK(api()->wait(pp.get(), req, nullptr));
+      EXPECT_OK(api()->send(pp.get(), nullptr, &two, 1, LOOM_DTYPE_I32, 1, 7));
+      EXPECT_OK(api()->barrier(pp.get()));
+      EXPECT_OK(api()->send(pp.get(), nullptr, &three, 1, LOOM_DTYPE_I32, 1, 7));
+      int32_t late = 4;
+      EXPECT_OK(api()->send(pp.get(), nullptr, &late, 1, LOOM_DTYPE_I32, 1, 9));
+    } else {
+      loom_comm_request *first = nullptr, *third = nullptr, *fourth = nullptr;
+      const loom_collective c1 = p2p(LOOM_COLLECTIVE_RECV, &got[0], 1, 0, 7);
+      const loom_collective c4 = p2p(LOOM_COLLECTIVE_RECV, &got[3], 1, 0, 9);
+      EXPECT_OK(api()->start(pp.get(), nullptr, &c1, &first));
+      EXPECT_OK(api()->start(pp.get(), nullptr, &c4, &fourth));
+      EXPECT_OK(api()->recv(pp.get(), nullptr, &got[1], 1, LOOM_DTYPE_I32, 0, 7));  // posted second
+      const loom_collective c3 = p2p(LOOM_COLLECTIVE_RECV, &got[2], 1, 0, 7);
+      EXPECT_OK(api()->start(pp.get(), nullptr, &c3, &third));
+      EXPECT_OK(api()->barrier(pp.get()));
+      EXPECT_OK(api()->wait(pp.get(), third, nullptr));
+      EXPECT_OK(api()->wait(pp.get(), fourth, nullptr));
+      EXPECT_OK(api()->wait(pp.get(), first, nullptr));
+    }
+  });
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 2, 3, 4}));
+}
+
+// With a modelled link a transfer starts once the message is sent and its receive
+// posted: a receive posted before the receiver's other work finds the data there
+// when it waits, one called after that work waits the whole transfer out.
+TEST(CommLocalLinks, AReceivePostedEarlyHidesTheTransfer) {
+  World w(2, 20000, "pp=1GB/s,25ms");  // a 4 KB message: 25 ms
+  double early_wait = 0, blocking_wait = 0;
+  run_ranks(2, [&](int r) {
+    Comm pp(w, "pp", {0, 1}, r);
+    std::vector<int32_t> x(1024, r == 0 ? 5 : 0);
+    for (const bool early : {true, false}) {
+      loom_comm_request* req = nullptr;
+      const loom_collective c = p2p(LOOM_COLLECTIVE_RECV, x.data(), x.size(), 0, early ? 1 : 2);
+      if (r == 1 && early) EXPECT_OK(api()->start(pp.get(), nullptr, &c, &req));
+      EXPECT_OK(api()->barrier(pp.get()));
+      if (r == 0) {
+        EXPECT_OK(api()->send(pp.get(), nullptr, x.data(), x.size(), LOOM_DTYPE_I32, 1, early ? 1 : 2));
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));  // the receiver's other work
+      const Clock::time_point t0 = Clock::now();
+      if (early) EXPECT_OK(api()->wait(pp.get(), req, nullptr));
+      else EXPECT_OK(api()->recv(pp.get(), nullptr, x.data(), x.size(), LOOM_DTYPE_I32, 0, 2));
+      (early ? early_wait : blocking_wait) = seconds_since(t0);
+      EXPECT_EQ(x[0], 5);
+      x.assign(x.size(), 0);
+    }
+  });
+  EXPECT_GE(blocking_wait, 0.025);
+  EXPECT_LT(early_wait, blocking_wait / 2);
+}
+
 }  // namespace

@@ -498,20 +498,25 @@ void Group::send(int me, const void* buf, size_t count, int32_t dtype, int32_t p
                                                 << size() << "; peers are ranks within the group)");
   LOOM_REQUIRE(product(count, es, &bytes), "comm/local: send on " << label_ << ": count " << count << " overflows");
   LOOM_REQUIRE(bytes == 0 || buf != nullptr, "comm/local: send on " << label_ << ": null buffer with count " << count);
-  Message msg{dtype, count, std::vector<Bytes>(static_cast<const Bytes*>(buf), static_cast<const Bytes*>(buf) + bytes),
-              {}};
-  if (!link_.ideal())
-    msg.ready_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                      std::chrono::duration<double>(link_.transfer_s(static_cast<double>(bytes))));
+  Message msg{dtype, count, {}, Clock::now(), bytes};
   Inbox& ib = *inboxes_[static_cast<size_t>(peer)];
   {
     std::lock_guard<std::mutex> lk(ib.mu);
-    ib.queues[{me, tag}].push_back(std::move(msg));
+    Channel& ch = ib.channels[{me, tag}];
+    const uint64_t number = ch.sent++;
+    const auto posted = ch.waiting.find(number);
+    if (posted != ch.waiting.end() && posted->second.dtype == dtype && posted->second.count == count) {
+      if (bytes) std::memcpy(posted->second.buf, buf, bytes);  // delivered; a mismatch is reported at the wait
+    } else {
+      msg.data.assign(static_cast<const Bytes*>(buf), static_cast<const Bytes*>(buf) + bytes);
+    }
+    if (posted != ch.waiting.end()) ch.waiting.erase(posted);
+    ch.arrived.emplace(number, std::move(msg));
   }
   ib.cv.notify_all();
 }
 
-void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+Group::PostedRecv Group::post_recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   if (poisoned_.load()) fail_fast("recv");
   const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
@@ -521,36 +526,43 @@ void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, i
                                                 << size() << "; peers are ranks within the group)");
   LOOM_REQUIRE(product(count, es, &bytes), "comm/local: recv on " << label_ << ": count " << count << " overflows");
   LOOM_REQUIRE(bytes == 0 || buf != nullptr, "comm/local: recv on " << label_ << ": null buffer with count " << count);
-
+  PostedRecv r{buf, count, dtype, peer, tag, 0, Clock::now()};
   Inbox& ib = *inboxes_[static_cast<size_t>(me)];
-  const std::pair<int, int32_t> key{peer, tag};
+  std::lock_guard<std::mutex> lk(ib.mu);
+  Channel& ch = ib.channels[{peer, tag}];
+  r.number = ch.posted++;
+  if (ch.arrived.count(r.number) == 0) ch.waiting.emplace(r.number, r);
+  return r;
+}
+
+void Group::complete_recv(int me, const PostedRecv& r) {
+  Inbox& ib = *inboxes_[static_cast<size_t>(me)];
+  const std::pair<int, int32_t> key{r.peer, r.tag};
   Message msg;
   bool got = false;
   bool woke = true;
   {
     std::unique_lock<std::mutex> lk(ib.mu);
-    auto ready = [&] {
-      auto it = ib.queues.find(key);
-      return (it != ib.queues.end() && !it->second.empty()) || poisoned_.load();
-    };
+    Channel& ch = ib.channels[key];  // the map's nodes stay put while others are added
+    auto ready = [&] { return ch.arrived.count(r.number) != 0 || poisoned_.load(); };
     if (timeout_ms_ <= 0) {
       ib.cv.wait(lk, ready);
     } else {
       woke = ib.cv.wait_until(lk, Clock::now() + std::chrono::milliseconds(timeout_ms_), ready);
     }
-    auto it = ib.queues.find(key);
-    if (it != ib.queues.end() && !it->second.empty()) {
-      msg = std::move(it->second.front());
-      it->second.pop_front();
-      if (it->second.empty()) ib.queues.erase(it);
+    auto it = ch.arrived.find(r.number);
+    if (it != ch.arrived.end()) {
+      msg = std::move(it->second);
+      ch.arrived.erase(it);
       got = true;
     }
+    if (!got) ch.waiting.erase(r.number);  // failing: no send may write into buf any more
   }
   if (!got && woke) fail_fast("recv");  // poisoned while waiting
   if (!got) {
     std::ostringstream os;
     os << "comm/local: recv on " << label_ << " timed out " << after_text(timeout_ms_) << "; " << member(me)
-       << " waited for tag " << tag << " from peer " << peer << " (rank " << ranks_[static_cast<size_t>(peer)]
+       << " waited for tag " << r.tag << " from peer " << r.peer << " (rank " << ranks_[static_cast<size_t>(r.peer)]
        << "), which never sent it";
     const std::string message = os.str();
     {
@@ -561,15 +573,21 @@ void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, i
     wake_inboxes();
     throw Error(message, LOOM_CODE_TIMEOUT);
   }
-  if (msg.dtype != dtype || msg.count != count) {
+  if (msg.dtype != r.dtype || msg.count != r.count) {
     std::ostringstream os;
-    os << "comm/local: recv on " << label_ << ": " << member(me) << " expects " << count << " "
-       << dtype_name(dtype) << " elements with tag " << tag << " from peer " << peer << " (rank "
-       << ranks_[static_cast<size_t>(peer)] << ") but it sent " << msg.count << " " << dtype_name(msg.dtype);
+    os << "comm/local: recv on " << label_ << ": " << member(me) << " expects " << r.count << " "
+       << dtype_name(r.dtype) << " elements with tag " << r.tag << " from peer " << r.peer << " (rank "
+       << ranks_[static_cast<size_t>(r.peer)] << ") but it sent " << msg.count << " " << dtype_name(msg.dtype);
     throw Error(os.str(), LOOM_CODE_INVALID_ARGUMENT);
   }
-  if (bytes) std::memcpy(buf, msg.data.data(), bytes);
-  if (!link_.ideal()) std::this_thread::sleep_until(msg.ready_at);
+  if (!msg.data.empty()) std::memcpy(r.buf, msg.data.data(), msg.data.size());
+  // The transfer starts once both sides are there and takes the link's time.
+  if (!link_.ideal())
+    comm_common::wait_until(std::max(msg.sent_at, r.posted_at), link_.transfer_s(static_cast<double>(msg.bytes)));
+}
+
+void Group::recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+  complete_recv(me, post_recv(me, buf, count, dtype, peer, tag));
 }
 
 void Group::model_time(Clock::time_point start, comm_common::CollectiveKind kind, double bytes) const {

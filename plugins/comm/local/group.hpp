@@ -6,9 +6,13 @@
 // buffers directly (in group-rank order, so results are bit-reproducible), and
 // all meet at a second barrier before anyone returns and may reuse its buffers.
 //
-// Point to point: every member owns an inbox of FIFO queues keyed by (source
-// member, tag). send copies the data into the receiver's inbox and returns at
-// once; recv waits for the head of its (peer, tag) queue.
+// Point to point: every member owns an inbox of channels keyed by (source
+// member, tag). send numbers its message in sending order, copies the data into
+// the buffer of the receive posted for that number if there is one, else into the
+// channel, and returns at once; a receive is posted (numbered in posting order: a
+// blocking recv, or one started without waiting, ABI 1.17) and takes the message
+// of its own number, so receives match sends in order however their waits
+// interleave.
 //
 // Waits end after the world's timeout with LOOM_CODE_TIMEOUT; the group is then
 // poisoned and every later call on it fails at once with the same story.
@@ -19,8 +23,9 @@
 // concurrently. send/recv are safe from any thread.
 //
 // With a modelled link (comm.options.links, link_model.hpp) a collective returns no
-// earlier than the link's time for it after the call began, and a message can be
-// received no earlier than its transfer time after it was sent.
+// earlier than the link's time for it after the call began, and a message's transfer
+// starts once it is sent and its receive is posted (the rendezvous of NCCL's and
+// MPI's large messages) and takes the link's time: a receive posted early hides it.
 #pragma once
 
 #include "../common/link_model.hpp"
@@ -89,6 +94,18 @@ class Group {
   // Point to point; `peer` is a rank in the group.
   void send(int me, const void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
   void recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+  // A receive posted now and completed later (a started recv): post_recv checks the
+  // arguments and takes the next number of (peer, tag); complete_recv waits for that
+  // message and copies it into buf.
+  struct PostedRecv {
+    void* buf = nullptr;
+    size_t count = 0;
+    int32_t dtype = 0, peer = 0, tag = 0;
+    uint64_t number = 0;
+    std::chrono::steady_clock::time_point posted_at{};
+  };
+  PostedRecv post_recv(int me, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+  void complete_recv(int me, const PostedRecv& r);
 
   // Fails every pending and future call of the group with `message` (world_abort).
   void abort(const std::string& message);
@@ -97,13 +114,23 @@ class Group {
   struct Message {
     int32_t dtype = LOOM_DTYPE_F32;
     size_t count = 0;
-    std::vector<unsigned char> data;
-    std::chrono::steady_clock::time_point ready_at{};  // when the modelled link delivers it
+    std::vector<unsigned char> data;  // empty once delivered into a posted receive's buffer
+    std::chrono::steady_clock::time_point sent_at{};
+    size_t bytes = 0;
+  };
+  // The messages of one (source member, tag) not yet received, by sending number,
+  // and the receives posted for messages not sent yet: a send whose receive is
+  // posted writes straight into its buffer, as a network would (so a receiver
+  // touching a posted buffer before its wait sees it change).
+  struct Channel {
+    std::map<uint64_t, Message> arrived;
+    std::map<uint64_t, PostedRecv> waiting;
+    uint64_t sent = 0, posted = 0;  // numbers handed to sends and to receives so far
   };
   struct Inbox {
     std::mutex mu;
     std::condition_variable cv;
-    std::map<std::pair<int, int32_t>, std::deque<Message>> queues;  // (source member, tag)
+    std::map<std::pair<int, int32_t>, Channel> channels;  // (source member, tag)
   };
 
   // Publishes `call` for member `me`, meets the others, checks agreement, runs

@@ -8,8 +8,10 @@
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <future>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace loom::comm_local {
@@ -36,8 +38,11 @@ Handle& handle(loom_comm* comm) {
   return h;
 }
 
+// A started collective (done on the worker), or a posted receive (completed at
+// its wait), or a send (done at start: sends never wait for the receiver).
 struct Request {
   std::future<void> done;
+  std::optional<Group::PostedRecv> recv;
 };
 
 loom_status world_create(const loom_options* options, const loom_comm_world_args* args,
@@ -173,20 +178,36 @@ loom_status recv(loom_comm* comm, void* /*stream*/, void* buf, size_t count, int
 }
 
 // Started collectives run on the member's worker in call order; the caller's
-// thread goes on (the modelled link's time passes on the worker too).
+// thread goes on (the modelled link's time passes on the worker too). A started
+// send is sent at once; a started receive is posted now (its transfer may start)
+// and completed at the wait.
 loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, loom_comm_request** req) {
   return guard([&] {
     LOOM_REQUIRE(comm != nullptr && c != nullptr && req != nullptr && LOOM_HAS_SLOT(c, loom_collective, op),
                  "comm/local: start needs a communicator, a loom_collective and a request");
     Handle& h = member(comm);
-    const loom_collective col = *c;
+    const bool p2p = c->kind == LOOM_COLLECTIVE_SEND || c->kind == LOOM_COLLECTIVE_RECV;
+    LOOM_REQUIRE(!p2p || LOOM_HAS_SLOT(c, loom_collective, tag),
+                 "comm/local: a started send or receive needs a loom_collective of ABI 1.17 or later");
+    loom_collective col = make<loom_collective>();
+    std::memcpy(&col, c, std::min<size_t>(c->struct_size, sizeof col));
+    auto r = std::make_unique<Request>();
+    if (col.kind == LOOM_COLLECTIVE_SEND) {
+      h.group->send(h.index, col.send, col.count, col.dtype, col.peer, col.tag);
+      *req = reinterpret_cast<loom_comm_request*>(r.release());
+      return;
+    }
+    if (col.kind == LOOM_COLLECTIVE_RECV) {
+      r->recv = h.group->post_recv(h.index, col.recv, col.count, col.dtype, col.peer, col.tag);
+      *req = reinterpret_cast<loom_comm_request*>(r.release());
+      return;
+    }
     LOOM_REQUIRE(col.kind == LOOM_COLLECTIVE_ALL_REDUCE || col.kind == LOOM_COLLECTIVE_ALL_GATHER ||
                      col.kind == LOOM_COLLECTIVE_REDUCE_SCATTER,
                  "comm/local: start of an unknown collective kind " << col.kind);
     if (!h.worker) h.worker = std::make_unique<comm_common::AsyncWorker>();
     std::shared_ptr<Group> group = h.group;
     const int me = h.index;
-    auto r = std::make_unique<Request>();
     r->done = h.worker->submit([group, me, col] {
       if (col.kind == LOOM_COLLECTIVE_ALL_REDUCE)
         group->all_reduce(me, col.send, col.recv, col.count, col.dtype, col.op);
@@ -199,11 +220,16 @@ loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, l
   });
 }
 
-loom_status wait(loom_comm* /*comm*/, loom_comm_request* req, void* /*stream*/) {
+loom_status wait(loom_comm* comm, loom_comm_request* req, void* /*stream*/) {
   return guard([&] {
     LOOM_REQUIRE(req != nullptr, "comm/local: wait without a request");
     std::unique_ptr<Request> r(reinterpret_cast<Request*>(req));
-    r->done.get();  // rethrows the collective's failure
+    if (r->recv) {
+      Handle& h = member(comm);
+      h.group->complete_recv(h.index, *r->recv);
+    } else if (r->done.valid()) {
+      r->done.get();  // rethrows the collective's failure
+    }
   });
 }
 
@@ -213,7 +239,7 @@ const loom_comm_api* comm_api() {
     a.world_create = world_create;
     a.world_destroy = world_destroy;
     a.world_abort = world_abort;
-    a.features = LOOM_COMM_THREADS;  // host buffers, ranks as threads of one process
+    a.features = LOOM_COMM_THREADS | LOOM_COMM_START_P2P;  // host buffers, ranks as threads of one process
     a.group_create = group_create;
     a.group_destroy = group_destroy;
     a.all_reduce = all_reduce;
@@ -236,7 +262,7 @@ const loom_comm_api* comm_api() {
 }  // namespace loom::comm_local
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "comm", "local", "1.2.0", "ranks as threads of one process; deterministic shared-memory collectives",
+    "comm", "local", "1.3.0", "ranks as threads of one process; deterministic shared-memory collectives",
     LOOM_API_COMM, loom::comm_local::comm_api(),
     {loom::opt_string("links", "",
                       "a modelled network per group kind, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\": "

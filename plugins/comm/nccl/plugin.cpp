@@ -1105,9 +1105,42 @@ loom_status reduce_scatter(loom_comm* comm, void* stream, const void* send, void
 // stream, as any call) and the caller's stream goes on; its event is the request.
 // NCCL already runs every operation on the comm stream, so the blocking calls differ
 // only in making the caller's stream wait at once. Host buffers complete in start.
+// Point to point (defined below).
+Channel* channel(Comm& c, bool to, int32_t peer, int32_t tag);
+void refuse_capture(Comm& c, const char* op, cudaStream_t caller);
+void post_channel_recv(Comm& c, Channel& ch, cudaStream_t caller, void* target, size_t count, ncclDataType_t t,
+                       const std::string& what, cudaEvent_t done);
+loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, int32_t dtype, int32_t peer,
+                 int32_t tag);
+loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+
+// ABI 1.17: a started send is sent at start (sends never wait for the receiver);
+// a started receive of device memory from a channel peer is enqueued on the channel
+// at start, so NCCL moves the data while the caller's stream computes, and the
+// wait orders the caller's stream after it. Other receives (host memory, peers
+// without a channel) run at the wait, as a blocking recv.
 struct Started {
   cudaEvent_t done = nullptr;
+  bool recv_at_wait = false;
+  loom_collective recv{};
 };
+
+// Returns true when the receive was posted on a channel (done recorded after it).
+bool start_channel_recv(Comm& c, void* stream, const loom_collective& col, cudaEvent_t done) {
+  LOOM_REQUIRE(col.peer >= 0 && col.peer < static_cast<int32_t>(c.ranks.size()) && col.peer != c.index,
+               "comm/nccl recv: peer " << col.peer << " is not another rank of the group of " << c.ranks.size());
+  const ncclDataType_t t = nccl_type(col.dtype, "recv");
+  Channel* ch = channel(c, false, col.peer, col.tag);
+  if (ch == nullptr || col.count == 0 || is_host_memory(col.recv) || stream == nullptr) return false;
+  std::lock_guard<std::mutex> lock(c.call_mu);
+  check_alive(c, "recv");
+  GpuScope gpu(c, "recv");
+  const cudaStream_t caller = static_cast<cudaStream_t>(stream);
+  refuse_capture(c, "recv", caller);
+  post_channel_recv(c, *ch, caller, col.recv, col.count, t,
+                    describe("recv", col.count, col.dtype) + " from " + std::to_string(col.peer), done);
+  return true;
+}
 
 loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loom_comm_request** req) {
   return guard([&] {
@@ -1138,6 +1171,18 @@ loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loo
       case LOOM_COLLECTIVE_REDUCE_SCATTER:
         do_reduce_scatter(c, stream, col->send, col->recv, col->count, col->dtype, col->op, r->done);
         break;
+      case LOOM_COLLECTIVE_SEND:
+      case LOOM_COLLECTIVE_RECV: {
+        LOOM_REQUIRE(LOOM_HAS_SLOT(col, loom_collective, tag),
+                     "comm/nccl: a started send or receive needs a loom_collective of ABI 1.17 or later");
+        if (col->kind == LOOM_COLLECTIVE_SEND) {
+          loom::check(send(comm, stream, col->send, col->count, col->dtype, col->peer, col->tag));
+        } else if (!start_channel_recv(c, stream, *col, r->done)) {
+          r->recv_at_wait = true;
+          r->recv = *col;
+        }
+        break;
+      }
       default:
         LOOM_REQUIRE(false, "comm/nccl: start of an unknown collective kind " << col->kind);
     }
@@ -1155,6 +1200,11 @@ loom_status wait(loom_comm* comm, loom_comm_request* req, void* stream) {
       ~Destroy() { cudaEventDestroy(e); }
     } destroy{r->done};
     Comm& c = comm_of(comm);
+    if (r->recv_at_wait) {
+      const loom_collective& v = r->recv;
+      loom::check(recv(comm, stream, v.recv, v.count, v.dtype, v.peer, v.tag));
+      return;
+    }
     GpuScope gpu(c, "wait");
     if (stream != nullptr)
       LOOM_NCCL_CUDA(&c, "wait", cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r->done, 0));
@@ -1321,6 +1371,19 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
   });
 }
 
+// Enqueues a receive on the channel's stream after the work already on `caller`
+// (if any) and records `done` after it; the caller holds call_mu.
+void post_channel_recv(Comm& c, Channel& ch, cudaStream_t caller, void* target, size_t count, ncclDataType_t t,
+                       const std::string& what, cudaEvent_t done) {
+  if (caller != nullptr) {
+    LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch.ready, caller));
+    LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(ch.stream, ch.ready, 0));
+  }
+  LOOM_NCCL_ON(c, ch.nccl, "recv", ncclRecv(target, count, t, 0, ch.nccl, ch.stream));
+  track(c, "recv", what, ch.stream);
+  LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(done, ch.stream));
+}
+
 loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer,
                  int32_t tag) {
   return guard([&] {
@@ -1358,15 +1421,8 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
       }
       target = c.staging;
     }
-    if (caller != nullptr) {
-      LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch->ready, caller));
-      LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(ch->stream, ch->ready, 0));
-    } else if (!host) {
-      LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
-    }
-    LOOM_NCCL_ON(c, ch->nccl, "recv", ncclRecv(target, count, t, 0, ch->nccl, ch->stream));
-    track(c, "recv", what, ch->stream);
-    LOOM_NCCL_CUDA(&c, "recv", cudaEventRecord(ch->done, ch->stream));
+    if (caller == nullptr && !host) LOOM_NCCL_CUDA(&c, "recv", cudaDeviceSynchronize());
+    post_channel_recv(c, *ch, caller, target, count, t, what, ch->done);
     if (caller != nullptr) LOOM_NCCL_CUDA(&c, "recv", cudaStreamWaitEvent(caller, ch->done, 0));
     if (caller == nullptr || host) host_wait(c, "recv", ch->done);  // with the timeout
     // Into pageable memory only once received (such a copy returns when done).
@@ -1424,7 +1480,7 @@ const loom_comm_api* comm_api() {
     a.start = start;
     a.wait = wait;
     a.world_abort = world_abort;
-    a.features = LOOM_COMM_THREADS | LOOM_COMM_PROCESSES | LOOM_COMM_DEVICE_BUFFERS;
+    a.features = LOOM_COMM_THREADS | LOOM_COMM_PROCESSES | LOOM_COMM_DEVICE_BUFFERS | LOOM_COMM_START_P2P;
     return a;
   }();
   return &api;

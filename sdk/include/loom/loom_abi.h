@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 16
+#define LOOM_ABI_MINOR 17
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -820,6 +820,17 @@ typedef struct loom_group_desc {
 #define LOOM_COLLECTIVE_ALL_REDUCE 0
 #define LOOM_COLLECTIVE_ALL_GATHER 1
 #define LOOM_COLLECTIVE_REDUCE_SCATTER 2
+/* Point to point (since 1.17; start takes them on a comm with LOOM_COMM_START_P2P):
+ * SEND sends count elements of `send` to `peer` under `tag`, as loom_comm_api.send;
+ * RECV receives into `recv` the message of (peer, tag) that a blocking recv posted at
+ * the same moment would get. A started send or receive keeps no order with the comm's
+ * collectives (it neither waits behind started ones nor holds later calls back); the
+ * receives of one (peer, tag), started or blocking, take that peer's messages in the
+ * order they were posted. A started receive lets the transfer happen before its wait
+ * (Megatron-LM's overlap_p2p_comm): a pipeline posts the next step's receive before
+ * computing the current one. */
+#define LOOM_COLLECTIVE_SEND 3
+#define LOOM_COLLECTIVE_RECV 4
 
 /* A collective to start without waiting (loom_comm_api.start, since 1.15): the
  * arguments of the blocking call of that kind (borrowed for the start call; the
@@ -832,6 +843,9 @@ typedef struct loom_collective {
   size_t count;                  /* as the blocking call's count */
   int32_t dtype;
   int32_t op;                    /* LOOM_REDUCE_* (all-reduce, reduce-scatter) */
+  /* --- since 1.17 --- */
+  int32_t peer;                  /* SEND, RECV: the other rank, within the group */
+  int32_t tag;                   /* SEND, RECV: as send's and recv's tag */
 } loom_collective;
 
 /* A comm plugin's table. A collective is called by every member of the group, each
@@ -921,7 +935,10 @@ typedef struct loom_comm_api {
    * backends order it after the work already on `stream`. The buffers are the
    * collective's until its wait returns. Other members may call start or the
    * blocking collective for the same operation. NULL: the engine runs it at start,
-   * in line (no overlap). */
+   * in line (no overlap). Kinds SEND and RECV (since 1.17) only on a comm with
+   * LOOM_COMM_START_P2P, with their own order (see LOOM_COLLECTIVE_SEND); without
+   * the bit the engine runs a started send at start and a started receive at its
+   * wait, in line. */
   loom_status (*start)(loom_comm* comm, void* stream, const loom_collective* c, loom_comm_request** req);
   /* Waits for a started collective and releases req, whatever its outcome, which is
    * returned: thread backends return once it finished; stream backends order
@@ -940,6 +957,8 @@ typedef struct loom_comm_api {
 #define LOOM_COMM_THREADS (1ull << 0)
 #define LOOM_COMM_PROCESSES (1ull << 1)
 #define LOOM_COMM_DEVICE_BUFFERS (1ull << 2)
+/* start takes LOOM_COLLECTIVE_SEND and LOOM_COLLECTIVE_RECV (since 1.17). */
+#define LOOM_COMM_START_P2P (1ull << 3)
 
 /* A rank group as the host hands it to plugins (a copy; the host owns the
  * communicator, which stays valid until the rank ends). */

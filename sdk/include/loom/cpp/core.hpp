@@ -287,6 +287,9 @@ class Group {
       case LOOM_COLLECTIVE_ALL_REDUCE: all_reduce(stream, c.send, c.recv, c.count, c.dtype, c.op); break;
       case LOOM_COLLECTIVE_ALL_GATHER: all_gather(stream, c.send, c.recv, c.count, c.dtype); break;
       case LOOM_COLLECTIVE_REDUCE_SCATTER: reduce_scatter(stream, c.send, c.recv, c.count, c.dtype, c.op); break;
+      case LOOM_COLLECTIVE_SEND: send(stream, c.send, c.count, c.dtype, c.peer, c.tag); break;
+      case LOOM_COLLECTIVE_RECV:  // in line it would wait now, where the caller meant to go on
+        throw Error("Group::start_recv: the comm table has no start (the engine's has)", LOOM_CODE_UNSUPPORTED);
       default: throw Error("Group::start: unknown collective kind " + std::to_string(c.kind), LOOM_CODE_INVALID_ARGUMENT);
     }
     return {};
@@ -301,6 +304,21 @@ class Group {
   }
   CommRequest start_all_gather(void* stream, const void* send, void* recv, size_t count, int32_t dtype) const {
     return start(stream, collective(LOOM_COLLECTIVE_ALL_GATHER, send, recv, count, dtype, LOOM_REDUCE_SUM));
+  }
+  // Point to point started without waiting (ABI 1.17): a receive posted before
+  // its data is needed lets the transfer run meanwhile. Any comm may be asked (the
+  // engine receives at the wait where the plugin cannot start one).
+  CommRequest start_send(void* stream, const void* buf, size_t count, int32_t dtype, int peer, int tag) const {
+    loom_collective c = collective(LOOM_COLLECTIVE_SEND, buf, nullptr, count, dtype, LOOM_REDUCE_SUM);
+    c.peer = peer;
+    c.tag = tag;
+    return start(stream, c);
+  }
+  CommRequest start_recv(void* stream, void* buf, size_t count, int32_t dtype, int peer, int tag) const {
+    loom_collective c = collective(LOOM_COLLECTIVE_RECV, nullptr, buf, count, dtype, LOOM_REDUCE_SUM);
+    c.peer = peer;
+    c.tag = tag;
+    return start(stream, c);
   }
 
  private:
