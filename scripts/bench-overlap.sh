@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Step time with and without overlapping the data-parallel gradient reduction with
-# the backward (optimizer.overlap_grad_reduce; with the distributed optimizer also its
-# parameter all-gather with the next forward, optimizer.overlap_param_gather), on one
-# machine: ranks are threads
-# (comm/local) and comm.options.links makes every collective take the time a given
-# network would (alpha-beta ring model), so the table shows what the overlap hides on
-# a cluster. One row per layout: ddp and the distributed optimizer at dp 2 and 4, and
-# a pipeline (pp 2 x dp 2, pp 4 x dp 1 for reference: no dp reduction to hide).
+# Step time with and without overlapping communication with computation: the
+# data-parallel gradient reduction with the backward (optimizer.overlap_grad_reduce;
+# with the distributed optimizer also its parameter all-gather with the next forward,
+# optimizer.overlap_param_gather) and pipeline transfers with the step before
+# (pipeline.overlap_p2p_comm: receives posted early), on one machine: ranks are threads
+# (comm/local) and comm.options.links makes every collective and transfer take the
+# time a given network would (alpha-beta ring model), so the table shows what the
+# overlap hides on a cluster. One row per layout: ddp and the distributed optimizer at
+# dp 2 and 4, and pipelines (pp 2 x dp 2; pp 2 and pp 4 alone: transfers only).
 # Medians of the steps after the first; losses must be identical with and without.
 #
 # usage: scripts/bench-overlap.sh [LOOM] [--set k=v]...
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 loom=build/bin/loom
 if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then loom=$1; shift; fi
 [ -x "$loom" ] || { echo "bench-overlap: $loom not found (build first: cmake --build build)" >&2; exit 2; }
-links=${LINKS:-"dp=0.5GB/s,20us; pp=25GB/s,5us; *=100GB/s,2us"}
+links=${LINKS:-"dp=0.5GB/s,20us; pp=0.5GB/s,20us; *=100GB/s,2us"}
 steps=${STEPS:-8}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -47,8 +48,9 @@ printf '|%s|%s|%s|%s|%s|\n' "------------------------------------------" "------
 row() {  # row NAME ARGS...
   local name=$1
   shift
-  "$loom" run configs/quickstart.toml "${common[@]}" "$@" --metrics "$work/a.jsonl" >/dev/null
-  local overlap=(--set optimizer.overlap_grad_reduce=true)
+  "$loom" run configs/quickstart.toml "${common[@]}" "$@" --set pipeline.overlap_p2p_comm=false \
+    --metrics "$work/a.jsonl" >/dev/null
+  local overlap=(--set optimizer.overlap_grad_reduce=true --set pipeline.overlap_p2p_comm=true)
   case "$*" in *distributed*) overlap+=(--set optimizer.overlap_param_gather=true) ;; esac
   "$loom" run configs/quickstart.toml "${common[@]}" "$@" "${overlap[@]}" --metrics "$work/b.jsonl" >/dev/null
   local a b same
@@ -62,4 +64,5 @@ row "dp 2, distributed optimizer" --set parallel.dp=2 --set batch.global_batch_s
 row "dp 4, ddp" --set parallel.dp=4 --set batch.global_batch_size=16
 row "dp 4, distributed optimizer" --set parallel.dp=4 --set batch.global_batch_size=16 --set optimizer.strategy=\"distributed\"
 row "pp 2 x dp 2, ddp (1F1B, 4 microbatches)" --set parallel.pp=2 --set parallel.dp=2 --set batch.global_batch_size=32
-row "pp 4, ddp (no dp reduction)" --set parallel.pp=4 --set parallel.dp=1 --set batch.global_batch_size=16
+row "pp 2, ddp (transfers only)" --set parallel.pp=2 --set parallel.dp=1 --set batch.global_batch_size=16
+row "pp 4, ddp (transfers only)" --set parallel.pp=4 --set parallel.dp=1 --set batch.global_batch_size=16

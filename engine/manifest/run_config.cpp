@@ -89,6 +89,7 @@ RunConfig RunConfig::from(const Manifest& m) {
 
   c.pipeline.schedule = m.get_string("pipeline.schedule");  // its default follows parallel.vpp (Manifest)
   c.pipeline.microbatch_group_size = as_int(m.get_int("pipeline.microbatch_group_size"));
+  c.pipeline.overlap_p2p_comm = m.get_bool("pipeline.overlap_p2p_comm");
   c.pipeline.first_chunk_layers = as_int(m.get_int("pipeline.first_chunk_layers"));
   c.pipeline.last_chunk_layers = as_int(m.get_int("pipeline.last_chunk_layers"));
   c.pipeline.options = table_or_empty(m, "pipeline.options");

@@ -35,7 +35,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       recompute_(layers_, hidden_),
       grad_a_(&rank, hidden_.bytes()),
       grad_b_(&rank, hidden_.bytes()),
-      grad_recv_(&rank, hidden_.bytes()) {
+      grad_recv_{loom::Buffer(&rank, hidden_.bytes()), loom::Buffer()} {
   // A recomputed forward runs inside the backward, between a layer's captured
   // forward and backward, on hidden states it re-creates (the schema refuses
   // exec.mode = "partial_graph"; this covers any exec plugin that replays).
@@ -51,6 +51,13 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
 Model::~Model() {
   hidden_.clear();
   layers_.destroy();
+}
+
+void* Model::chunk_grad_output(int slot) {
+  LOOM_REQUIRE(slot == 0 || slot == 1, "chunk_grad_output: slot " << slot << " (0 or 1)");
+  loom::Buffer& b = grad_recv_[slot];
+  if (!b) b = loom::Buffer(&rank_, hidden_.bytes());
+  return b.get();
 }
 
 void* Model::chunk_input(int c, int mb) {
@@ -121,12 +128,14 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   capture_.run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
 }
 
-const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch) {
+const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch,
+                                  int grad_slot) {
   const LocalChunk& chunk = layers_.chunk(c);
   LOOM_REQUIRE(hidden_.count(c, mb) != 0,
                "backward of chunk " << chunk.global_index << ", microbatch " << mb << " without its forward");
   const bool first = chunk.is_first_global();
-  loom::Buffer* grad_out = chunk.is_last_global() ? nullptr : &grad_recv_;
+  if (!chunk.is_last_global()) chunk_grad_output(grad_slot);  // checks the slot, allocates it once
+  loom::Buffer* grad_out = chunk.is_last_global() ? nullptr : &grad_recv_[grad_slot];
   loom::Buffer* grad_in = &grad_a_;
   // A recomputed layer's loss and aux outputs were counted by its first forward.
   const Recomputation::LayerForward forward_again = [&](size_t j, const DLTensor* input, DLTensor* output,

@@ -55,15 +55,20 @@ class Model {
                             uint64_t dropout_seed, float* loss_sum, int64_t* loss_count,
                             int32_t* predictions = nullptr, float* aux_loss = nullptr);
   // The buffer the gradient of a chunk's output is received into before its
-  // backward (not for the last global chunk).
-  void* chunk_grad_output() { return grad_recv_.get(); }
+  // backward (not for the last global chunk). Two slots, so that the next
+  // backward's gradient can arrive while this one reads its own (a receive posted
+  // early); a pipeline gives each (chunk, microbatch) the same slot every step, as
+  // captured graphs hold its address.
+  void* chunk_grad_output(int slot = 0);
   // Backward of the chunk; frees what its forward saved. Returns the gradient of
   // the chunk's input (valid until the next backward_chunk), or nullptr for the
   // first global chunk. aux_loss_scale: d(objective)/d(auxiliary loss) of the
   // microbatch, 1 / microbatches per step (ABI 1.4, every layer). last_microbatch:
   // the step's last backward of this chunk, after which each layer's gradients are
   // final (GradFinalizer: the tp sums, then the grads-ready listener).
-  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch = false);
+  // grad_slot: the chunk_grad_output slot its output gradient was received into.
+  const void* backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch = false,
+                             int grad_slot = 0);
   // Drops what the forward of (c, mb) saved, without a backward (evaluation).
   void release_chunk(int c, int mb);
   // The step's dropout seed of every microbatch (index = mb), copied to device
@@ -178,8 +183,9 @@ class Model {
   DropoutSeeds seeds_;
   Recomputation recompute_;
   // Gradients of hidden states in backward: each layer's input gradient, in
-  // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received.
-  loom::Buffer grad_a_, grad_b_, grad_recv_;
+  // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received
+  // (slot 1 allocated on first use).
+  loom::Buffer grad_a_, grad_b_, grad_recv_[2];
   // Generation's hidden states, each layer's output in one of the two by turns.
   loom::Buffer generated_[2];
 };

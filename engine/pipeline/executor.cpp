@@ -21,12 +21,50 @@ void TraceRecorder::add(int rank, const std::string& name, const std::string& ca
 }
 
 Executor::Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
-                   TraceRecorder* trace)
-    : model_(model), rank_(rank), order_(std::move(order)), microbatches_(microbatches), trace_(trace),
-      pp_(rank.group_or_self("pp")), cp_(rank.group_or_self("cp")) {
+                   TraceRecorder* trace, bool post_receives_early)
+    : model_(model), rank_(rank), order_(std::move(order)), microbatches_(microbatches),
+      post_early_(post_receives_early), trace_(trace), pp_(rank.group_or_self("pp")), cp_(rank.group_or_self("cp")) {
   LOOM_REQUIRE(order_.size() == 2 * model.chunk_count() * static_cast<size_t>(microbatches),
                "pipeline order of " << order_.size() << " entries for " << model.chunk_count() << " chunk(s) and "
                                     << microbatches << " microbatch(es)");
+  std::vector<int> next_forward(model.chunk_count(), 0), next_backward(model.chunk_count(), 0);
+  int receiving_backwards = 0;
+  for (const int32_t entry : order_) {
+    Step s;
+    s.forward = entry > 0;
+    s.chunk = std::abs(entry) - 1;
+    s.mb = (s.forward ? next_forward : next_backward)[static_cast<size_t>(s.chunk)]++;
+    s.receives = s.forward ? !model.is_first_global(s.chunk) : !model.is_last_global(s.chunk);
+    if (!s.forward && s.receives) s.grad_slot = post_early_ ? receiving_backwards++ % 2 : 0;
+    steps_.push_back(s);
+  }
+  if (post_early_ && receiving_backwards > 1) model.chunk_grad_output(1);  // allocated before any step's measure
+}
+
+loom::CommRequest Executor::post_receive(const Step& s) {
+  const int g = model_.chunk_global_index(s.chunk);
+  void* stream = rank_.dev().native_stream();
+  if (s.forward)
+    return pp_.start_recv(stream, model_.chunk_input(s.chunk, s.mb), model_.hidden_numel(), model_.act_dtype(),
+                          peer_of_chunk(g - 1), 2 * g);
+  return pp_.start_recv(stream, model_.chunk_grad_output(s.grad_slot), model_.hidden_numel(), model_.act_dtype(),
+                        peer_of_chunk(g + 1), 2 * g + 1);
+}
+
+void Executor::finish_receive(const Step& s, loom::CommRequest& posted) {
+  const int g = model_.chunk_global_index(s.chunk);
+  const Clock::time_point t0 = Clock::now();
+  if (posted.pending()) {
+    posted.wait();
+  } else if (s.forward) {
+    pp_.recv(rank_.dev().native_stream(), model_.chunk_input(s.chunk, s.mb), model_.hidden_numel(),
+             model_.act_dtype(), peer_of_chunk(g - 1), 2 * g);
+  } else {
+    pp_.recv(rank_.dev().native_stream(), model_.chunk_grad_output(s.grad_slot), model_.hidden_numel(),
+             model_.act_dtype(), peer_of_chunk(g + 1), 2 * g + 1);
+  }
+  if (trace_)
+    trace_->add(rank_.global_rank(), (s.forward ? "recv act c" : "recv grad c") + std::to_string(g), "p2p", t0);
 }
 
 int Executor::peer_of_chunk(int global_chunk) const { return global_chunk % pp_.size(); }
@@ -51,8 +89,6 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
   LOOM_REQUIRE(inputs.size() == static_cast<size_t>(microbatches_),
                "train_step with " << inputs.size() << " microbatch inputs, the order has " << microbatches_);
   StepStats stats;
-  const size_t chunks = model_.chunk_count();
-  std::vector<int> next_forward(chunks, 0), next_backward(chunks, 0);
   // The loss scale of each microbatch, known once the last chunk's forward counted its tokens.
   std::vector<float> loss_scale(static_cast<size_t>(microbatches_), 1.f);
   std::vector<uint64_t> seeds;
@@ -62,14 +98,23 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
   int in_flight = 0;
   void* stream = rank_.dev().native_stream();
 
-  for (const int32_t entry : order_) {
-    const int c = std::abs(entry) - 1;
+  // With early posting, `ahead` holds the next step's receive, started before this
+  // step waits for its own and computes.
+  loom::CommRequest ahead;
+  if (post_early_ && !steps_.empty() && steps_[0].receives) ahead = post_receive(steps_[0]);
+  for (size_t i = 0; i < steps_.size(); ++i) {
+    const Step& step = steps_[i];
+    const int c = step.chunk, mb = step.mb;
     const int g = model_.chunk_global_index(c);
-    const Clock::time_point t0 = Clock::now();
-    if (entry > 0) {
-      const int mb = next_forward[static_cast<size_t>(c)]++;
+    loom::CommRequest mine = std::move(ahead);
+    if (post_early_ && i + 1 < steps_.size() && steps_[i + 1].receives) {
+      ahead = post_receive(steps_[i + 1]);
+      // The next input's buffer is held from here: the peak of a backward step too.
+      stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
+    }
+    if (step.receives) finish_receive(step, mine);
+    if (step.forward) {
       const MicrobatchInput& in = inputs[static_cast<size_t>(mb)];
-      if (!model_.is_first_global(c)) receive_input(c, mb);
       const Clock::time_point tf = Clock::now();
       float loss_sum = 0, aux_loss = 0;
       int64_t count = 0;
@@ -96,19 +141,13 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
         send_output(c, out);
       }
     } else {
-      const int mb = next_backward[static_cast<size_t>(c)]++;
-      if (!model_.is_last_global(c)) {
-        pp_.recv(stream, model_.chunk_grad_output(), model_.hidden_numel(), model_.act_dtype(),
-                 peer_of_chunk(g + 1), 2 * g + 1);
-        if (trace_) trace_->add(rank_.global_rank(), "recv grad c" + std::to_string(g), "p2p", t0);
-      }
       const Clock::time_point tb = Clock::now();
       // Auxiliary losses are averaged over microbatches; under cp each rank's part
       // of them is a partial sum too, scaled by cp as the loss is.
       const bool last_microbatch = mb + 1 == microbatches_;  // the chunk's gradients become final
       const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)],
                                                   static_cast<float>(cp_.size()) / static_cast<float>(microbatches_),
-                                                  last_microbatch);
+                                                  last_microbatch, step.grad_slot);
       --in_flight;
       if (trace_)
         trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,

@@ -8,7 +8,10 @@
 //
 // Point-to-point messages go over the pp group with tag 2g (forward into chunk g)
 // or 2g + 1 (backward into chunk g); sends do not wait for the receiver, so any
-// order that passes the simulation runs without deadlock.
+// order that passes the simulation runs without deadlock. With receives posted
+// early (pipeline.overlap_p2p_comm, Megatron-LM's overlap_p2p_comm) each step's
+// receive is started before the step ahead of it computes, so the transfer runs
+// meanwhile; the receives keep their order, so results are bit-identical.
 #pragma once
 
 #include "engine/model/model.hpp"
@@ -57,8 +60,9 @@ struct StepStats {
 class Executor {
  public:
   // order: this rank's signed order (2 * chunks * microbatches entries).
+  // post_receives_early: start each step's receive before the previous step runs.
   Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
-           TraceRecorder* trace = nullptr);
+           TraceRecorder* trace = nullptr, bool post_receives_early = false);
 
   // One training step's forwards and backwards; gradients accumulate in the
   // model's buffers (loss of each microbatch scaled by 1 / (its tokens * microbatches)).
@@ -69,14 +73,27 @@ class Executor {
   void forward_only(int mb, const MicrobatchInput& input, double* loss_sum, int64_t* tokens);
 
  private:
+  // One entry of the order, with what it receives.
+  struct Step {
+    bool forward = true;
+    int chunk = 0, mb = 0;
+    bool receives = false;  // an input from another chunk's rank (forward: activations; backward: gradient)
+    int grad_slot = 0;      // backward: the chunk_grad_output slot, alternating over receiving backwards
+  };
   int peer_of_chunk(int global_chunk) const;
   void receive_input(int c, int mb);
   void send_output(int c, const void* out);
+  // Starts step s's receive (its buffer: the chunk's input, or its gradient slot).
+  loom::CommRequest post_receive(const Step& s);
+  // Step s's input is in place: waits for its posted receive, or receives now.
+  void finish_receive(const Step& s, loom::CommRequest& posted);
 
   model::Model& model_;
   runtime::RankRuntime& rank_;
   std::vector<int32_t> order_;
+  std::vector<Step> steps_;  // order_ decoded
   int microbatches_;
+  bool post_early_;
   TraceRecorder* trace_;
   loom::Group pp_;
   loom::Group cp_;  // context parallelism: the loss of a microbatch is summed over it

@@ -258,6 +258,9 @@ Timeline simulate(const PipelineOrders& o, SimCosts costs) {
   t.ranks.resize(static_cast<size_t>(pp));
   std::vector<size_t> next(static_cast<size_t>(pp), 0);
   std::vector<int64_t> clock(static_cast<size_t>(pp), 0);
+  // When each rank's next step's receive is posted: early, as it begins the step
+  // before (the clock before that step), else once it reaches the step.
+  std::vector<int64_t> posted(static_cast<size_t>(pp), 0);
   size_t remaining = 0;
   for (const auto& d : decoded) remaining += d.size();
 
@@ -270,6 +273,7 @@ Timeline simulate(const PipelineOrders& o, SimCosts costs) {
       while (i < steps.size()) {
         const StepRef& s = steps[i];
         int64_t ready = clock[static_cast<size_t>(r)];
+        const int64_t post = costs.receives_posted_early ? posted[static_cast<size_t>(r)] : ready;
         bool available = true;
         for (const Need& n : needs(r, s)) {
           const int64_t at = done[slot(n.forward, n.g, s.microbatch)];
@@ -277,9 +281,10 @@ Timeline simulate(const PipelineOrders& o, SimCosts costs) {
             available = false;
             break;
           }
-          ready = std::max(ready, at + (n.g % pp != r ? costs.transfer : 0));
+          ready = std::max(ready, n.g % pp != r ? std::max(at, post) + costs.transfer : at);
         }
         if (!available) break;
+        posted[static_cast<size_t>(r)] = clock[static_cast<size_t>(r)];  // the next step's, posted as this one begins
         TimedStep ts;
         static_cast<StepRef&>(ts) = s;
         ts.rank = r;

@@ -95,7 +95,11 @@ struct SimCosts {
   // backward, in place of `forward` and `backward` (`loom plan --perf`, in ns).
   std::vector<int64_t> forward_of, backward_of;
   // Added to an input that comes from another rank (a p2p transfer); 0 = none.
+  // A transfer starts once the input is sent and its receive is posted: when the
+  // rank reaches the step, or with receives posted early (pipeline.overlap_p2p_comm)
+  // when the rank begins the step before it.
   int64_t transfer = 0;
+  bool receives_posted_early = false;
 };
 
 struct TimedStep : StepRef {
@@ -123,8 +127,8 @@ struct Timeline {
 // backward of g receives the backward output of g + 1 (the last global chunk starts
 // from its own forward), and needs its own forward of g. Sends never block (buffered,
 // as comm/local's), receives do. Each rank runs its next step as soon as its inputs
-// exist, starting when its previous step and its inputs are done (plus costs.transfer
-// for an input from another rank).
+// exist, starting when its previous step and its inputs are done (an input from
+// another rank: costs.transfer after both it was sent and its receive was posted).
 // If no rank can advance while some are unfinished, throws ScheduleError
 // (Kind::deadlock) naming the first stuck rank, its step, what it waits for, the
 // rank that would produce it and the cycle of waits. Validates first.

@@ -321,13 +321,21 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       const std::vector<int32_t> order =
           orders.order.empty() ? std::vector<int32_t>{1, -1} : orders.order[static_cast<size_t>(pp_rank)];
       uint64_t recompute_peak = 0;
-      for (const int32_t entry : order) {
+      // A receive posted a step early (pipeline.overlap_p2p_comm) holds the next
+      // forward's input during this step.
+      const bool post_early = config.pipeline.overlap_p2p_comm && pp > 1;
+      for (size_t k = 0; k < order.size(); ++k) {
+        const int32_t entry = order[k];
         const size_t c = static_cast<size_t>(std::abs(entry) - 1);
         const uint64_t bytes = chunk_activations[c];
-        if (entry < 0) recompute_peak = std::max(recompute_peak, held + chunk_recompute[c]);
+        const bool next_receives = post_early && k + 1 < order.size() && order[k + 1] > 0 &&
+                                   chunks[static_cast<size_t>(order[k + 1] - 1)].global_index > 0;
+        const uint64_t early = next_receives ? hidden_state_bytes : 0;
+        if (entry < 0) recompute_peak = std::max(recompute_peak, held + early + chunk_recompute[c]);
+        const uint64_t before = held;
         held = entry > 0 ? held + bytes : held - bytes;
         in_flight += entry > 0 ? 1 : -1;
-        rm.activation_bytes = std::max(rm.activation_bytes, held);
+        rm.activation_bytes = std::max(rm.activation_bytes, std::max(before, held) + early);
         rm.in_flight = std::max(rm.in_flight, in_flight);
       }
       rm.recompute_bytes = recompute_peak > rm.activation_bytes ? recompute_peak - rm.activation_bytes : 0;

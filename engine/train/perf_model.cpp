@@ -476,6 +476,8 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
       comm_of[static_cast<size_t>(g)] = fc + bc;
     }
     costs.transfer = static_cast<int64_t>(std::llround(links.link("pp").transfer_s(double(mp.hidden_state_bytes)) * 1e9));
+    // As comm/local and comm/nccl run them (comm/mpi receives when needed).
+    costs.receives_posted_early = plan.config.pipeline.overlap_p2p_comm;
     const pipeline::Timeline t = pipeline::simulate(plan.orders, costs);
     for (int r = 0; r < pp; ++r) {
       StageRun& s = runs[static_cast<size_t>(r)];

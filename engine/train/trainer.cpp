@@ -92,7 +92,7 @@ class RankTraining {
       model_->set_params_needed_listener([this](const std::vector<size_t>& params) { optimizer_.params_needed(params); });
     if (!run_.options.trace_file.empty() || run_.options.keep_trace) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
-                      static_cast<int>(run_.plan.microbatches), trace_.get());
+                      static_cast<int>(run_.plan.microbatches), trace_.get(), config_.pipeline.overlap_p2p_comm);
     const bool last_stage = model_->is_last_global(static_cast<int>(model_->chunk_count()) - 1);
     evaluator_.emplace(rt_, *executor_, batches_, run_.data, config_.run.eval_batches, config_.batch.micro_batch_size,
                        last_stage);

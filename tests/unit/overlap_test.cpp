@@ -9,6 +9,10 @@
 //     rank's comm track while its backward runs;
 //   - comm/local's started collectives keep their member's call order, report
 //     their failures at wait (comm_local_test.cpp).
+// And pipeline receives posted early (pipeline.overlap_p2p_comm, ABI 1.17 started
+// send/recv): bit-identical to receiving when needed at every pipelined layout, a
+// step faster by what pipeline::simulate predicts on a slow pp link, and receives
+// at the wait on a comm plugin that cannot start one.
 #include "support/rank_trace.hpp"
 #include "support/train_fixture.hpp"
 
@@ -318,6 +322,158 @@ TEST(Overlap, ACommPluginWithoutStartRunsStartedCollectivesInLine) {
   EXPECT_EQ(stats.at("dp").at("all_reduce").calls, 1u);
   EXPECT_EQ(stats.at("dp").at("all_reduce").bytes, 16u * 4u);
   counted.api->group_destroy(counted.comm);  // the shim, then the fake's (a no-op)
+}
+
+// A comm plugin that cannot start point to point (no LOOM_COMM_START_P2P, as
+// comm/mpi and every plugin built before 1.17): the shim sends a started send at
+// once and receives a started receive at its wait, so a pipeline that posts
+// early behaves as one that receives when needed.
+int g_sends = 0, g_recvs = 0;
+TEST(Overlap, ACommPluginThatCannotStartAReceiveReceivesAtTheWait) {
+  loom_comm_api api = loom::make<loom_comm_api>();  // start present, but for collectives only
+  api.group_destroy = [](loom_comm*) {};
+  api.send = [](loom_comm*, void*, const void*, size_t, int32_t, int32_t peer, int32_t tag) -> loom_status {
+    ++g_sends;
+    EXPECT_EQ(peer, 1);
+    EXPECT_EQ(tag, 5);
+    return nullptr;
+  };
+  api.recv = [](loom_comm*, void*, void* buf, size_t count, int32_t, int32_t peer, int32_t tag) -> loom_status {
+    ++g_recvs;
+    EXPECT_EQ(peer, 1);
+    EXPECT_EQ(tag, 6);
+    std::fill_n(static_cast<float*>(buf), count, 3.f);
+    return nullptr;
+  };
+  api.start = [](loom_comm*, void*, const loom_collective*, loom_comm_request**) -> loom_status {
+    ADD_FAILURE() << "a send or receive reached start without LOOM_COMM_START_P2P";
+    return nullptr;
+  };
+  api.wait = [](loom_comm*, loom_comm_request*, void*) -> loom_status { return nullptr; };
+  loom_group real{};
+  real.struct_size = sizeof real;
+  real.api = &api;
+  real.comm = reinterpret_cast<loom_comm*>(&api);
+  real.size = 2;
+  loom::runtime::CommStatsRecorder recorder;
+  const loom_group counted = loom::runtime::counting_group(real, "pp", &recorder);
+  std::vector<float> x(8, 1.f);
+  g_sends = g_recvs = 0;
+  {
+    loom::CommRequest sent = loom::Group(counted).start_send(nullptr, x.data(), x.size(), LOOM_DTYPE_F32, 1, 5);
+    EXPECT_EQ(g_sends, 1) << "sent at start";
+    loom::CommRequest received = loom::Group(counted).start_recv(nullptr, x.data(), x.size(), LOOM_DTYPE_F32, 1, 6);
+    EXPECT_EQ(g_recvs, 0) << "received at start: a pipeline posting early would wait there";
+    EXPECT_EQ(x[0], 1.f);
+    received.wait();
+    EXPECT_EQ(g_recvs, 1);
+    EXPECT_EQ(x[0], 3.f);
+    sent.wait();
+  }
+  const auto stats = recorder.snapshot();
+  ASSERT_TRUE(stats.count("pp") && stats.at("pp").count("send") && stats.at("pp").count("recv"));
+  EXPECT_EQ(stats.at("pp").at("send").calls, 1u);
+  EXPECT_EQ(stats.at("pp").at("recv").bytes, 8u * 4u);
+  counted.api->group_destroy(counted.comm);
+}
+
+// pipeline.overlap_p2p_comm: each step's receive is posted before the step ahead of
+// it computes. The pp link is slowed so that a receive that took the wrong message,
+// or a gradient slot overwritten while read, would change the numbers.
+const char* kSlowPp = "comm.options.links=\"pp=1GB/s,1ms\"";
+const char* kReceiveWhenNeeded = "pipeline.overlap_p2p_comm=false";
+
+TEST(Overlap, EarlyReceivesAreBitIdenticalToReceivingWhenNeeded) {
+  const std::vector<Layout> layouts = {
+      {"pp 2 (1F1B)", {"parallel.pp=2"}},
+      {"pp 4", {"parallel.pp=4", "model.num_layers=4"}},
+      {"pp 2 x vpp 2", {"parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"}},
+      {"pp 2 x tp 2 + SP", {"parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}},
+      {"pp 2 x cp 2", {"parallel.pp=2", "parallel.cp=2"}},
+      {"pp 2 x dp 2, distributed, both overlaps",
+       {"parallel.pp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\"", kOverlap,
+        "optimizer.overlap_param_gather=true"}},
+      {"pp 2 x ep 2 x dp 2 (MoE)",
+       {"parallel.pp=2", "parallel.ep=2", "parallel.dp=2", "model.block=[\"attention\", \"moe\"]"},
+       true},
+      {"pp 2, partial graphs", {"parallel.pp=2", "exec.mode=\"partial_graph\""}},
+  };
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(l.name);
+    const auto base = with_overrides(with_overrides(kBase, l.overrides), {kSlowPp});
+    const std::string manifest = l.moe ? tiny_moe_manifest() : tiny_manifest();
+    const RankTrace when_needed = run_all_ranks(manifest, with_overrides(base, {kReceiveWhenNeeded}));
+    const RankTrace early = run_all_ranks(manifest, base);
+    expect_identical(when_needed, early);
+  }
+}
+
+// Rank r's median forward and backward times (steps after the first) from a trace.
+std::pair<double, double> pass_times(const std::vector<Event>& events, int rank) {
+  std::vector<double> f, b;
+  double first_step_end = -1;
+  for (const Event& e : events)
+    if (e.tid == rank && e.name.rfind("optimizer step", 0) == 0 && first_step_end < 0) first_step_end = e.end;
+  for (const Event& e : events) {
+    if (e.tid != rank || e.start < first_step_end) continue;
+    if (e.name.rfind("F ", 0) == 0) f.push_back(e.end - e.start);
+    if (e.name.rfind("B ", 0) == 0) b.push_back(e.end - e.start);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2] * 1e-6;
+  };
+  return {median(f), median(b)};
+}
+
+// With a pp link whose transfer takes about one forward, a receive posted when the
+// step is reached waits the transfer out; one posted a step early finds it done.
+// The model: pipeline::simulate of the schedule with the measured forward and
+// backward of each stage and that transfer, receives posted when needed or
+// early; the assertion asks for a third of the predicted saving, in one of three
+// tries (timings share two cores with other tests).
+TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
+  const std::vector<std::string> base = {"model.hidden_size=128", "model.num_layers=4", "model.seq_length=64",
+                                         "run.steps=6", "batch.global_batch_size=8", "batch.micro_batch_size=2",
+                                         "parallel.pp=2"};
+  const std::string dir = loom::testing::scratch_dir("overlap_p2p_trace");
+  loom::train::TrainOptions traced;
+  traced.trace_file = dir + "/plain.json";
+  const RankTrace plain = run_all_ranks(tiny_manifest(), with_overrides(base, {kReceiveWhenNeeded}), traced);
+  const std::vector<Event> events = read_trace(traced.trace_file);
+  const auto [f0, b0] = pass_times(events, 0);
+  const auto [f1, b1] = pass_times(events, 1);
+  ASSERT_GT(f0, 0);
+  ASSERT_GT(f1, 0);
+  const double transfer_s = std::max(f0, f1);
+  const double hidden_bytes = 64.0 * 2 * 128 * 4;
+  const std::string link = "comm.options.links=\"pp=" + std::to_string(hidden_bytes / transfer_s / 1e9) + "GB/s\"";
+
+  const loom::train::RunPlan plan = loom::testing::plan_from(tiny_manifest(), base);
+  loom::pipeline::SimCosts costs;
+  costs.forward_of = {std::llround(f0 * 1e9), std::llround(f1 * 1e9)};
+  costs.backward_of = {std::llround(b0 * 1e9), std::llround(b1 * 1e9)};
+  costs.transfer = std::llround(transfer_s * 1e9);
+  const double when_needed_model = loom::pipeline::simulate(plan.orders, costs).makespan * 1e-9;
+  costs.receives_posted_early = true;
+  const double early_model = loom::pipeline::simulate(plan.orders, costs).makespan * 1e-9;
+  const double predicted_saving = when_needed_model - early_model;
+  ASSERT_GT(predicted_saving, 0) << "the schedule leaves no transfer to hide";
+
+  bool faster = false;
+  for (int attempt = 0; attempt < 3 && !faster; ++attempt) {
+    const RankTrace slow = run_all_ranks(tiny_manifest(), with_overrides(base, {link, kReceiveWhenNeeded}));
+    const RankTrace fast = run_all_ranks(tiny_manifest(), with_overrides(base, {link}));
+    const double when_needed_s = median_step_s(slow.result), early_s = median_step_s(fast.result);
+    std::cout << "[ overlap ] pp 2: forward " << f0 * 1e3 << "/" << f1 * 1e3 << " ms, backward " << b0 * 1e3 << "/"
+              << b1 * 1e3 << " ms, transfer " << transfer_s * 1e3 << " ms; receives when needed "
+              << when_needed_s * 1e3 << " ms/step (model " << when_needed_model * 1e3 << "), posted early "
+              << early_s * 1e3 << " ms/step (model " << early_model * 1e3 << "), saved "
+              << (when_needed_s - early_s) * 1e3 << " ms (predicted " << predicted_saving * 1e3 << ")\n";
+    for (size_t s = 0; s < slow.loss.size(); ++s) EXPECT_EQ(fast.loss[s], slow.loss[s]) << "step " << s + 1;
+    faster = early_s < when_needed_s - predicted_saving / 3;
+  }
+  EXPECT_TRUE(faster) << "posting receives early never saved a third of the predicted time";
 }
 
 }  // namespace

@@ -36,12 +36,17 @@ using loom::testing::tiny_moe_manifest;
 using loom::testing::with_overrides;
 
 // pp 2, 4 microbatches, forward 10, backward 20, transfer 3. Stage 0 runs F1 F2 B1 F3
-// B2 F4 B3 B4, stage 1 F1 B1 F2 B2 F3 B3 F4 B4 (one warm-up forward on stage 0):
+// B2 F4 B3 B4, stage 1 F1 B1 F2 B2 F3 B3 F4 B4 (one warm-up forward on stage 0). A
+// transfer starts once sent and posted; receives posted early (as each stage begins
+// the step before) are always posted before the data is sent here:
 //   s0 F1 [0,10]  F2 [10,20]            s1 F1 [13,23] B1 [23,43]
 //   s0 B1 [46,66] (s1's B1 + 3)         s1 F2 [43,53] B2 [53,73]
 //   s0 F3 [66,76] B2 [76,96]            s1 F3 [79,89] B3 [89,109]
 //   s0 F4 [96,106] B3 [112,132]         s1 F4 [109,119] B4 [119,139]
 //   s0 B4 [142,162]
+// Posted when the step is reached, s1's F2 (sent at 20, reached at 43) pays the whole
+// transfer [43,46]: s1 F2 [46,56] B2 [56,76]; s0 B2 [79,99] F4 [99,109]; s1 F3 [79,89]
+// B3 [89,109] F4 [112,122] B4 [122,142]; s0 B3 [112,132] B4 [145,165].
 // Without the transfer: (m + pp - 1)(f + b) = 150.
 TEST(PerfModel, PipelineSimulationTakesChunkTimesAndTransfers) {
   const loom::pipeline::PipelineOrders o = plan_from(tiny_manifest(), {"parallel.pp=2"}).orders;  // 1F1B
@@ -51,6 +56,11 @@ TEST(PerfModel, PipelineSimulationTakesChunkTimesAndTransfers) {
   costs.backward_of = {20, 20};
   EXPECT_EQ(loom::pipeline::simulate(o, costs).makespan, 150);
   costs.transfer = 3;
+  const loom::pipeline::Timeline when_reached = loom::pipeline::simulate(o, costs);
+  EXPECT_EQ(when_reached.makespan, 165);
+  EXPECT_EQ(when_reached.ranks[1][2].start, 46) << "stage 1's second forward waits the whole transfer out";
+  EXPECT_EQ(when_reached.ranks[0][7].start, 145);
+  costs.receives_posted_early = true;
   const loom::pipeline::Timeline t = loom::pipeline::simulate(o, costs);
   EXPECT_EQ(t.makespan, 162);
   ASSERT_EQ(t.ranks[0].size(), 8u);
@@ -59,6 +69,7 @@ TEST(PerfModel, PipelineSimulationTakesChunkTimesAndTransfers) {
   EXPECT_EQ(t.ranks[1][6].start, 109);
   // Per-chunk times: a slower last stage stretches the steady state.
   costs.transfer = 0;
+  costs.receives_posted_early = false;
   costs.forward_of = {10, 15};
   costs.backward_of = {20, 30};
   EXPECT_GT(loom::pipeline::simulate(o, costs).makespan, 150);
