@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 loom=build/bin/loom
 if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then loom=$1; shift; fi
 [ -x "$loom" ] || { echo "bench-overlap: $loom not found (build first: cmake --build build)" >&2; exit 2; }
-links=${LINKS:-"dp=0.5GB/s,20us; pp=0.5GB/s,20us; *=100GB/s,2us"}
+links=${LINKS:-"dp=0.5GB/s,20us; pp=0.05GB/s,20us; *=100GB/s,2us"}
 steps=${STEPS:-8}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -41,41 +41,32 @@ Executor::Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<
   if (post_early_ && receiving_backwards > 1) model.chunk_grad_output(1);  // allocated before any step's measure
 }
 
-loom::CommRequest Executor::post_receive(const Step& s) {
+Executor::Receive Executor::receive_of(const Step& s) {
   const int g = model_.chunk_global_index(s.chunk);
-  void* stream = rank_.dev().native_stream();
-  if (s.forward)
-    return pp_.start_recv(stream, model_.chunk_input(s.chunk, s.mb), model_.hidden_numel(), model_.act_dtype(),
-                          peer_of_chunk(g - 1), 2 * g);
-  return pp_.start_recv(stream, model_.chunk_grad_output(s.grad_slot), model_.hidden_numel(), model_.act_dtype(),
-                        peer_of_chunk(g + 1), 2 * g + 1);
+  if (s.forward) return {model_.chunk_input(s.chunk, s.mb), peer_of_chunk(g - 1), 2 * g};
+  return {model_.chunk_grad_output(s.grad_slot), peer_of_chunk(g + 1), 2 * g + 1};
+}
+
+loom::CommRequest Executor::post_receive(const Step& s) {
+  const Receive r = receive_of(s);
+  return pp_.start_recv(rank_.dev().native_stream(), r.buf, model_.hidden_numel(), model_.act_dtype(), r.peer, r.tag);
 }
 
 void Executor::finish_receive(const Step& s, loom::CommRequest& posted) {
-  const int g = model_.chunk_global_index(s.chunk);
   const Clock::time_point t0 = Clock::now();
   if (posted.pending()) {
     posted.wait();
-  } else if (s.forward) {
-    pp_.recv(rank_.dev().native_stream(), model_.chunk_input(s.chunk, s.mb), model_.hidden_numel(),
-             model_.act_dtype(), peer_of_chunk(g - 1), 2 * g);
   } else {
-    pp_.recv(rank_.dev().native_stream(), model_.chunk_grad_output(s.grad_slot), model_.hidden_numel(),
-             model_.act_dtype(), peer_of_chunk(g + 1), 2 * g + 1);
+    const Receive r = receive_of(s);
+    pp_.recv(rank_.dev().native_stream(), r.buf, model_.hidden_numel(), model_.act_dtype(), r.peer, r.tag);
   }
   if (trace_)
-    trace_->add(rank_.global_rank(), (s.forward ? "recv act c" : "recv grad c") + std::to_string(g), "p2p", t0);
+    trace_->add(rank_.global_rank(),
+                (s.forward ? "recv act c" : "recv grad c") + std::to_string(model_.chunk_global_index(s.chunk)), "p2p",
+                t0);
 }
 
 int Executor::peer_of_chunk(int global_chunk) const { return global_chunk % pp_.size(); }
-
-void Executor::receive_input(int c, int mb) {
-  const int g = model_.chunk_global_index(c);
-  const Clock::time_point t0 = Clock::now();
-  pp_.recv(rank_.dev().native_stream(), model_.chunk_input(c, mb), model_.hidden_numel(),
-           model_.act_dtype(), peer_of_chunk(g - 1), 2 * g);
-  if (trace_) trace_->add(rank_.global_rank(), "recv act c" + std::to_string(g), "p2p", t0);
-}
 
 void Executor::send_output(int c, const void* out) {
   const int g = model_.chunk_global_index(c);
@@ -169,7 +160,10 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
 
 void Executor::forward_only(int mb, const MicrobatchInput& in, double* loss_sum, int64_t* tokens) {
   for (int c = 0; c < static_cast<int>(model_.chunk_count()); ++c) {
-    if (!model_.is_first_global(c)) receive_input(c, mb);
+    if (!model_.is_first_global(c)) {
+      loom::CommRequest none;
+      finish_receive({.forward = true, .chunk = c, .mb = mb, .receives = true}, none);
+    }
     float sum = 0;
     int64_t count = 0;
     const void* out =

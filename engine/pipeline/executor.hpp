@@ -80,10 +80,16 @@ class Executor {
     bool receives = false;  // an input from another chunk's rank (forward: activations; backward: gradient)
     int grad_slot = 0;      // backward: the chunk_grad_output slot, alternating over receiving backwards
   };
+  // Where step s's input comes from and lands: the chunk's input buffer, or its
+  // gradient slot.
+  struct Receive {
+    void* buf;
+    int peer, tag;
+  };
   int peer_of_chunk(int global_chunk) const;
-  void receive_input(int c, int mb);
+  Receive receive_of(const Step& s);
   void send_output(int c, const void* out);
-  // Starts step s's receive (its buffer: the chunk's input, or its gradient slot).
+  // Starts step s's receive.
   loom::CommRequest post_receive(const Step& s);
   // Step s's input is in place: waits for its posted receive, or receives now.
   void finish_receive(const Step& s, loom::CommRequest& posted);
