@@ -87,75 +87,87 @@ StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
   model_.stage_dropout_seeds(seeds);  // one copy; before base_bytes (allocated once)
   const uint64_t base_bytes = rank_.memory().current_bytes;
   int in_flight = 0;
-  void* stream = rank_.dev().native_stream();
 
   // With early posting, `ahead` holds the next step's receive, started before this
-  // step waits for its own and computes.
+  // step waits for its own and computes. Its data may need this rank's current step
+  // (GPipe's first backward needs the last forward): a failure here stops the world
+  // before `ahead` is waited for on the way out, so that wait fails at once.
   loom::CommRequest ahead;
-  if (post_early_ && !steps_.empty() && steps_[0].receives) ahead = post_receive(steps_[0]);
-  for (size_t i = 0; i < steps_.size(); ++i) {
-    const Step& step = steps_[i];
-    const int c = step.chunk, mb = step.mb;
-    const int g = model_.chunk_global_index(c);
-    loom::CommRequest mine = std::move(ahead);
-    if (post_early_ && i + 1 < steps_.size() && steps_[i + 1].receives) {
-      ahead = post_receive(steps_[i + 1]);
-      // The next input's buffer is held from here: the peak of a backward step too.
-      stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
+  try {
+    if (post_early_ && !steps_.empty() && steps_[0].receives) ahead = post_receive(steps_[0]);
+    for (size_t i = 0; i < steps_.size(); ++i) {
+      run_step(i, inputs, ahead, loss_scale, base_bytes, in_flight, stats);
     }
-    if (step.receives) finish_receive(step, mine);
-    if (step.forward) {
-      const MicrobatchInput& in = inputs[static_cast<size_t>(mb)];
-      const Clock::time_point tf = Clock::now();
-      float loss_sum = 0, aux_loss = 0;
-      int64_t count = 0;
-      const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count,
-                                             nullptr, &aux_loss);
-      stats.aux_loss += aux_loss / microbatches_;
-      ++in_flight;
-      stats.peak_in_flight = std::max(stats.peak_in_flight, in_flight);
-      stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
-      if (trace_)
-        trace_->add(rank_.global_rank(), "F mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "forward", tf,
-                    {{"microbatch", mb + 1}, {"chunk", g}});
-      if (model_.is_last_global(c)) {
-        // Under context parallelism each cp rank holds other tokens of the
-        // microbatch: its loss and token count are summed over cp. Every cp rank's
-        // gradient is then a partial sum that the optimizer averages over dp-cp,
-        // so the scale carries a factor cp (Megatron's loss * cp_size).
-        double sums[2] = {loss_sum, static_cast<double>(count)};
-        if (cp_.size() > 1) cp_.all_reduce(nullptr, sums, sums, 2, LOOM_DTYPE_F64);
-        const double denom = std::max(sums[1], 1.0) * microbatches_;
-        loss_scale[static_cast<size_t>(mb)] = static_cast<float>(cp_.size() / denom);
-        stats.loss += sums[0] / denom;
-      } else {
-        send_output(c, out);
-      }
-    } else {
-      const Clock::time_point tb = Clock::now();
-      // Auxiliary losses are averaged over microbatches; under cp each rank's part
-      // of them is a partial sum too, scaled by cp as the loss is.
-      const bool last_microbatch = mb + 1 == microbatches_;  // the chunk's gradients become final
-      const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)],
-                                                  static_cast<float>(cp_.size()) / static_cast<float>(microbatches_),
-                                                  last_microbatch, step.grad_slot);
-      --in_flight;
-      if (trace_)
-        trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,
-                    {{"microbatch", mb + 1}, {"chunk", g}});
-      if (!model_.is_first_global(c)) {
-        const Clock::time_point ts = Clock::now();
-        pp_.send(stream, grad_in, model_.hidden_numel(), model_.act_dtype(), peer_of_chunk(g - 1),
-                 2 * (g - 1) + 1);
-        if (trace_) trace_->add(rank_.global_rank(), "send grad c" + std::to_string(g - 1), "p2p", ts);
-      }
-    }
+  } catch (const std::exception& e) {
+    if (ahead.pending()) rank_.abort_world(e.what());
+    throw;
   }
   if (model_.replays_steps()) {
     measured_activation_bytes_ = std::max(measured_activation_bytes_, stats.peak_activation_bytes);
     stats.peak_activation_bytes = measured_activation_bytes_;
   }
   return stats;
+}
+
+void Executor::run_step(size_t i, const std::vector<MicrobatchInput>& inputs, loom::CommRequest& ahead,
+                        std::vector<float>& loss_scale, uint64_t base_bytes, int& in_flight, StepStats& stats) {
+  void* stream = rank_.dev().native_stream();
+  const Step& step = steps_[i];
+  const int c = step.chunk, mb = step.mb;
+  const int g = model_.chunk_global_index(c);
+  loom::CommRequest mine = std::move(ahead);
+  if (post_early_ && i + 1 < steps_.size() && steps_[i + 1].receives) {
+    ahead = post_receive(steps_[i + 1]);
+    // The next input's buffer is held from here: the peak of a backward step too.
+    stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
+  }
+  if (step.receives) finish_receive(step, mine);
+  if (step.forward) {
+    const MicrobatchInput& in = inputs[static_cast<size_t>(mb)];
+    const Clock::time_point tf = Clock::now();
+    float loss_sum = 0, aux_loss = 0;
+    int64_t count = 0;
+    const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count,
+                                           nullptr, &aux_loss);
+    stats.aux_loss += aux_loss / microbatches_;
+    ++in_flight;
+    stats.peak_in_flight = std::max(stats.peak_in_flight, in_flight);
+    stats.peak_activation_bytes = std::max(stats.peak_activation_bytes, rank_.memory().current_bytes - base_bytes);
+    if (trace_)
+      trace_->add(rank_.global_rank(), "F mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "forward", tf,
+                  {{"microbatch", mb + 1}, {"chunk", g}});
+    if (model_.is_last_global(c)) {
+      // Under context parallelism each cp rank holds other tokens of the
+      // microbatch: its loss and token count are summed over cp. Every cp rank's
+      // gradient is then a partial sum that the optimizer averages over dp-cp,
+      // so the scale carries a factor cp (Megatron's loss * cp_size).
+      double sums[2] = {loss_sum, static_cast<double>(count)};
+      if (cp_.size() > 1) cp_.all_reduce(nullptr, sums, sums, 2, LOOM_DTYPE_F64);
+      const double denom = std::max(sums[1], 1.0) * microbatches_;
+      loss_scale[static_cast<size_t>(mb)] = static_cast<float>(cp_.size() / denom);
+      stats.loss += sums[0] / denom;
+    } else {
+      send_output(c, out);
+    }
+  } else {
+    const Clock::time_point tb = Clock::now();
+    // Auxiliary losses are averaged over microbatches; under cp each rank's part
+    // of them is a partial sum too, scaled by cp as the loss is.
+    const bool last_microbatch = mb + 1 == microbatches_;  // the chunk's gradients become final
+    const void* grad_in = model_.backward_chunk(c, mb, loss_scale[static_cast<size_t>(mb)],
+                                                static_cast<float>(cp_.size()) / static_cast<float>(microbatches_),
+                                                last_microbatch, step.grad_slot);
+    --in_flight;
+    if (trace_)
+      trace_->add(rank_.global_rank(), "B mb" + std::to_string(mb + 1) + " c" + std::to_string(g), "backward", tb,
+                  {{"microbatch", mb + 1}, {"chunk", g}});
+    if (!model_.is_first_global(c)) {
+      const Clock::time_point ts = Clock::now();
+      pp_.send(stream, grad_in, model_.hidden_numel(), model_.act_dtype(), peer_of_chunk(g - 1),
+               2 * (g - 1) + 1);
+      if (trace_) trace_->add(rank_.global_rank(), "send grad c" + std::to_string(g - 1), "p2p", ts);
+    }
+  }
 }
 
 void Executor::forward_only(int mb, const MicrobatchInput& in, double* loss_sum, int64_t* tokens) {

@@ -93,6 +93,10 @@ class Executor {
   loom::CommRequest post_receive(const Step& s);
   // Step s's input is in place: waits for its posted receive, or receives now.
   void finish_receive(const Step& s, loom::CommRequest& posted);
+  // Step i of train_step: posts step i + 1's receive into `ahead` (early posting),
+  // takes its own input, computes, sends its output.
+  void run_step(size_t i, const std::vector<MicrobatchInput>& inputs, loom::CommRequest& ahead,
+                std::vector<float>& loss_scale, uint64_t base_bytes, int& in_flight, StepStats& stats);
 
   model::Model& model_;
   runtime::RankRuntime& rank_;

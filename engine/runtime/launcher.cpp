@@ -150,6 +150,7 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
       RankRuntime rt(rank, dev_api, dev);
       for (const auto& [api_type, table] : config.services) rt.set_service(api_type, table);
       if (stage_device_buffers) rt.stage_device_buffers();
+      rt.set_abort_world([&abort_world, rank](const std::string& why) { abort_world(rank, why); });
       for (const std::string& kind : config.group_kinds) {
         std::vector<int32_t> members;
         if (kind == "world") {

@@ -8,6 +8,7 @@
 #include <loom/cpp/core.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +40,14 @@ class RankRuntime : public loom_rank_s {
   // (the launcher sets the run plan's; without one, plugins::find_service's default).
   void set_service(int32_t api_type, const void* table) { services_[api_type] = table; }
   void set_exec(const loom_exec_api* api, loom_exec* exec);  // owned
+  // Stops every rank's communication at once because this one failed (the comm
+  // plugin's world_abort, through the launcher). For code that holds started
+  // requests whose completion may need this rank's own later work: called before
+  // unwinding, their waits then fail instead of waiting out the timeout.
+  void set_abort_world(std::function<void(const std::string& why)> abort) { abort_world_ = std::move(abort); }
+  void abort_world(const std::string& why) const {
+    if (abort_world_) abort_world_(why);
+  }
 
   loom::Device dev() const { return loom::Device(device_api_, device_, nullptr); }
   // DLPack device type of this rank's memory (kDLCPU, kDLCUDA), for tensor views.
@@ -67,6 +76,7 @@ class RankRuntime : public loom_rank_s {
   loom_exec* exec_ = nullptr;
   CommStatsRecorder comm_stats_;
   std::map<int32_t, const void*> services_;
+  std::function<void(const std::string&)> abort_world_;
   // With stage_device_buffers: the rank's live allocations (start -> bytes), which
   // the staging asks whether a buffer is device memory.
   std::unique_ptr<DeviceStaging> staging_;

@@ -10,6 +10,8 @@
 //                 does that for sequence parallelism; without it every rank's is whole)
 //   kv_cache      LOOM_LAYER_KV_CACHE declared (as always here), but a kv_cache forward
 //                 (generation) leaves its output unwritten
+// and, with the option `fail_forward` = N > 0, its N-th training forward fails (a
+// rank that stops in the middle of a step, for the engine's failure tests).
 #include <loom/cpp/plugin.hpp>
 
 #include <map>
@@ -20,7 +22,8 @@ namespace {
 class FaultyScale : public loom::Layer {
  public:
   FaultyScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")) {}
+      : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")),
+        fail_forward_(options.declared_int("fail_forward")) {}
 
   std::vector<loom::ParamSpec> params() override {
     loom::ParamSpec gain;
@@ -40,6 +43,8 @@ class FaultyScale : public loom::Layer {
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     if (a.kv_cache && fault_ == "kv_cache") return;
+    if (a.training && ++training_forwards_ == fail_forward_)
+      throw loom::Error("faulty_scale: training forward " + std::to_string(fail_forward_) + " fails as told");
     const int64_t n = numel(*a.input);
     loom::Device dev = rank.device();
     const int32_t key = fault_ == "shared_state" ? 0 : a.microbatch;
@@ -94,6 +99,8 @@ class FaultyScale : public loom::Layer {
   loom::Group tp_;
   int64_t hidden_;
   std::string fault_;
+  int64_t fail_forward_ = 0;
+  int64_t training_forwards_ = 0;
   float* gain_ = nullptr;
   float* gain_grad_ = nullptr;
   std::map<int32_t, loom::Buffer> saved_;
@@ -104,4 +111,5 @@ class FaultyScale : public loom::Layer {
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
     "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
     {loom::opt_string("fault", "none", "which mistake to make")
-         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache")}))
+         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache"),
+     loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none")}))

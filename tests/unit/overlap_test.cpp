@@ -21,10 +21,12 @@
 
 #include <loom/cpp/plugin.hpp>
 
+#include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <numeric>
 
@@ -474,6 +476,30 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
     faster = early_s < when_needed_s - predicted_saving / 3;
   }
   EXPECT_TRUE(faster) << "posting receives early never saved a third of the predicted time";
+}
+
+// A rank that fails while its next step's receive is posted stops the others at
+// once. Under GPipe stage 0's first backward needs the gradient of its last
+// forward: when that forward fails, the posted receive can never complete, so the
+// executor aborts the world before waiting for it on the way out (else both
+// stages would wait out comm.timeout_s).
+TEST(Overlap, ARankThatFailsWithAReceivePostedStopsTheRunAtOnce) {
+  const std::string harness_dir = boost::filesystem::path(LOOM_TEST_HARNESS_PLUGIN).parent_path().string();
+  const loom::train::RunPlan plan = loom::testing::plan_from(
+      tiny_manifest(), {"parallel.pp=2", "pipeline.schedule=\"gpipe\"", "batch.micro_batch_size=1",
+                        "batch.global_batch_size=4", "run.steps=2", "comm.timeout_s=60",
+                        "plugins.search_paths=[\"" + harness_dir + "\"]",
+                        "model.block=[\"attention\", \"mlp\", \"faulty_scale\"]",
+                        "model.layer.faulty_scale.fail_forward=4"});
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    loom::train::train(plan, {});
+    ADD_FAILURE() << "the run did not fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("training forward 4 fails as told"), std::string::npos) << e.what();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 30.0) << "the ranks waited for the comm timeout instead of stopping";
 }
 
 }  // namespace
