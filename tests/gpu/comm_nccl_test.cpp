@@ -227,6 +227,61 @@ TEST(CommNccl, PipelineSendsDoNotWaitForTheReceiver) {
   });
 }
 
+// ABI 1.17: started receives on a pipeline channel are enqueued at start and take
+// the messages of their (peer, tag) in the order they were posted, started and
+// blocking alike, whatever order their waits come in; a started send is a send.
+TEST(CommNccl, StartedReceivesTakeMessagesInPostingOrder) {
+  if (gpu_count() < 2) GTEST_SKIP() << "needs 2 GPUs, " << gpu_count() << " visible";
+  const int size = 2;
+  World world(size, 60000);
+  ASSERT_TRUE(world.api->features & LOOM_COMM_START_P2P);
+  on_ranks(size, [&](int r) {
+    Rank rank(world, r, size, "pp");
+    const size_t n = 1 << 20;
+    void* s = rank.stream();
+    auto p2p = [&](int32_t kind, float* buf) {
+      loom_collective c = loom::make<loom_collective>();
+      c.kind = kind;
+      if (kind == LOOM_COLLECTIVE_SEND) c.send = buf;
+      else c.recv = buf;
+      c.count = n;
+      c.dtype = LOOM_DTYPE_F32;
+      c.peer = 1 - r;
+      c.tag = 4;
+      return c;
+    };
+    if (r == 0) {
+      std::vector<float*> out;
+      for (float v : {1.0f, 2.0f, 3.0f}) out.push_back(rank.upload(std::vector<float>(n, v)));
+      loom_comm_request* req = nullptr;
+      const loom_collective first = p2p(LOOM_COLLECTIVE_SEND, out[0]);
+      loom::check(world.api->start(rank.comm, s, &first, &req));
+      loom::check(world.api->wait(rank.comm, req, s));
+      loom::check(world.api->send(rank.comm, s, out[1], n, LOOM_DTYPE_F32, 1, 4));
+      loom::check(world.api->send(rank.comm, s, out[2], n, LOOM_DTYPE_F32, 1, 4));
+      loom::check(rank.dev_api->stream_synchronize(rank.dev, nullptr));
+      for (float* p : out) rank.free(p);
+    } else {
+      std::vector<float*> in;
+      for (int i = 0; i < 3; ++i) in.push_back(rank.upload(std::vector<float>(n, -1.0f)));
+      loom_comm_request *a = nullptr, *c = nullptr;
+      const loom_collective ca = p2p(LOOM_COLLECTIVE_RECV, in[0]);
+      loom::check(world.api->start(rank.comm, s, &ca, &a));
+      loom::check(world.api->recv(rank.comm, s, in[1], n, LOOM_DTYPE_F32, 0, 4));  // posted second
+      const loom_collective cc = p2p(LOOM_COLLECTIVE_RECV, in[2]);
+      loom::check(world.api->start(rank.comm, s, &cc, &c));
+      loom::check(world.api->wait(rank.comm, c, s));
+      loom::check(world.api->wait(rank.comm, a, s));
+      for (int i = 0; i < 3; ++i) {
+        const std::vector<float> got = rank.download(in[static_cast<size_t>(i)], n);
+        EXPECT_EQ(got[0], static_cast<float>(i + 1)) << "receive " << i;
+        EXPECT_EQ(got[n - 1], static_cast<float>(i + 1)) << "receive " << i;
+      }
+      for (float* p : in) rank.free(p);
+    }
+  });
+}
+
 // Messages of one (peer, tag) stay in order, but tags of different parity may be
 // received in another order than sent (an interleaved pipeline receives chunk
 // 3's activation after chunk 1's gradient that was sent later): the executor's

@@ -1101,10 +1101,6 @@ loom_status reduce_scatter(loom_comm* comm, void* stream, const void* send, void
   return guard([&] { do_reduce_scatter(comm_of(comm), stream, send, recv, count, dtype, op); });
 }
 
-// ABI 1.15: the collective is enqueued on the comm stream (after the caller's
-// stream, as any call) and the caller's stream goes on; its event is the request.
-// NCCL already runs every operation on the comm stream, so the blocking calls differ
-// only in making the caller's stream wait at once. Host buffers complete in start.
 // Point to point (defined below).
 Channel* channel(Comm& c, bool to, int32_t peer, int32_t tag);
 void refuse_capture(Comm& c, const char* op, cudaStream_t caller);
@@ -1114,6 +1110,10 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
                  int32_t tag);
 loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
 
+// ABI 1.15: the collective is enqueued on the comm stream (after the caller's
+// stream, as any call) and the caller's stream goes on; its event is the request.
+// NCCL already runs every operation on the comm stream, so the blocking calls differ
+// only in making the caller's stream wait at once. Host buffers complete in start.
 // ABI 1.17: a started send is sent at start (sends never wait for the receiver);
 // a started receive of device memory from a channel peer is enqueued on the channel
 // at start, so NCCL moves the data while the caller's stream computes, and the
