@@ -141,8 +141,9 @@ void RankTraining::start_trace() {
   rt_.set_comm_observer([this](const std::string& kind, const char* op, uint64_t bytes,
                                std::chrono::steady_clock::time_point start, bool started) {
     const std::string name = op;
-    if (name == "send" || name == "recv") return;  // the executor records p2p
-    // A started collective runs beside the rank's work: on the rank's comm track.
+    if ((name == "send" || name == "recv") && !started) return;  // the executor records the waits
+    // A started collective, or a receive posted early, runs beside the rank's work:
+    // on the rank's comm track, from its start to its wait.
     trace_->add(rank_, kind + " " + name, "collective", start, {{"bytes", static_cast<long long>(bytes)}},
                 started ? pipeline::TraceLane::Comm : pipeline::TraceLane::Rank);
   });

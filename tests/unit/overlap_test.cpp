@@ -465,7 +465,9 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
   bool faster = false;
   for (int attempt = 0; attempt < 3 && !faster; ++attempt) {
     const RankTrace slow = run_all_ranks(tiny_manifest(), with_overrides(base, {link, kReceiveWhenNeeded}));
-    const RankTrace fast = run_all_ranks(tiny_manifest(), with_overrides(base, {link}));
+    loom::train::TrainOptions opts;
+    opts.trace_file = dir + "/early.json";
+    const RankTrace fast = run_all_ranks(tiny_manifest(), with_overrides(base, {link}), opts);
     const double when_needed_s = median_step_s(slow.result), early_s = median_step_s(fast.result);
     std::cout << "[ overlap ] pp 2: forward " << f0 * 1e3 << "/" << f1 * 1e3 << " ms, backward " << b0 * 1e3 << "/"
               << b1 * 1e3 << " ms, transfer " << transfer_s * 1e3 << " ms; receives when needed "
@@ -474,6 +476,20 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
               << (when_needed_s - early_s) * 1e3 << " ms (predicted " << predicted_saving * 1e3 << ")\n";
     for (size_t s = 0; s < slow.loss.size(); ++s) EXPECT_EQ(fast.loss[s], slow.loss[s]) << "step " << s + 1;
     faster = early_s < when_needed_s - predicted_saving / 3;
+
+    // The trace: stage 1's posted receives on its comm track, one at least while
+    // one of its steps computes.
+    bool overlapped = false, any = false;
+    const std::vector<Event> early_events = read_trace(opts.trace_file);
+    for (const Event& c : early_events) {
+      if (c.tid != loom::pipeline::kCommLaneTid + 1 || c.name != "pp recv") continue;
+      any = true;
+      for (const Event& s : early_events)
+        overlapped = overlapped || (s.tid == 1 && (s.name.rfind("F ", 0) == 0 || s.name.rfind("B ", 0) == 0) &&
+                                    c.start < s.end && s.start < c.end);
+    }
+    EXPECT_TRUE(any) << "no pp recv on rank 1's comm track";
+    EXPECT_TRUE(overlapped) << "no posted receive was in flight while rank 1 computed";
   }
   EXPECT_TRUE(faster) << "posting receives early never saved a third of the predicted time";
 }
