@@ -105,7 +105,9 @@ std::vector<KeySpec> build() {
   v.push_back(i("run.seed", 1234, 0, "seed for parameter init, data order and dropout"));
   v.push_back(i("run.log_every", 10, 1, "log metrics every N steps"));
   v.push_back(i("run.eval_every", 0, 0, "evaluate on the validation split every N steps (0 = never)"));
-  v.push_back(i("run.eval_batches", 4, 1, "validation batches per evaluation"));
+  v.push_back(i("run.eval_batches", 4, 1,
+                "validation microbatches per evaluation, shared among the data-parallel ranks (the same samples at "
+                "any layout)"));
   v.push_back(i("run.sample_every", 0, 0,
                 "print a greedy sample every N steps (0 = never): the start of a validation sequence and what the "
                 "model writes after it, with the key/value cache of `loom generate`"));

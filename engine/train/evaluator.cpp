@@ -10,12 +10,12 @@
 namespace loom::train {
 
 Evaluator::Evaluator(runtime::RankRuntime& rank, pipeline::Executor& executor, Microbatches& batches,
-                     const DataSource& data, int64_t batches_per_rank, int64_t micro_batch, bool last_stage)
+                     const DataSource& data, int64_t total_batches, int64_t micro_batch, bool last_stage)
     : rank_(rank),
       executor_(executor),
       batches_(batches),
       data_(data),
-      batches_per_rank_(batches_per_rank),
+      total_batches_(total_batches),
       micro_batch_(micro_batch),
       last_stage_(last_stage),
       predictions_(static_cast<size_t>(batches.rows() * micro_batch)) {}
@@ -29,15 +29,21 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
   // (a sample matches exactly when none of its cp slices has one), then each
   // sample's target tokens.
   std::vector<double> batch(static_cast<size_t>(3 + 2 * mbs));
-  for (int64_t b = 0; b < batches_per_rank_; ++b) {
+  // Batch g of the split goes to dp rank g mod dp, so the same batches are evaluated
+  // at any dp. Every rank runs as many forwards (expert-parallel all-to-alls span dp
+  // ranks): a rank's last one may lie past the total and is not counted.
+  const int64_t per_rank = (total_batches_ + dp.size() - 1) / dp.size();
+  for (int64_t b = 0; b < per_rank; ++b) {
     if (stop_requested()) return std::nullopt;  // a signal is honoured between batches
-    const uint64_t first = static_cast<uint64_t>((b * dp.size() + dp.rank()) * mbs);
+    const int64_t g = b * dp.size() + dp.rank();
+    const uint64_t first = static_cast<uint64_t>(g * mbs);
     pipeline::MicrobatchInput in = batches_.load(Split::Validation, first, 0);
     in.predictions = exact ? predictions_.data() : nullptr;
     double loss_sum = 0;
     int64_t count = 0;
     executor_.forward_only(static_cast<int>(b), in, &loss_sum, &count);
-    if (!last_stage_) continue;  // the loss and predictions live on the last stage (on all its cp ranks)
+    // The loss and predictions live on the last stage (on all its cp ranks).
+    if (!last_stage_ || g >= total_batches_) continue;
     std::fill(batch.begin(), batch.end(), 0.0);
     batch[0] = loss_sum;
     batch[1] = static_cast<double>(count);
@@ -84,7 +90,7 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
   check_initial_weights(weights, plan_memory(plan, vocab), vocab,
                         model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
   const int64_t mbs = plan.config.batch.micro_batch_size;
-  const int64_t batches_per_rank = std::max<int64_t>(1, (samples + mbs * plan.dp - 1) / (mbs * plan.dp));
+  const int64_t total_batches = std::max<int64_t>(1, (samples + mbs - 1) / mbs);
   Evaluation result;
   std::mutex mu;
   const runtime::LaunchConfig lc = launch_config(plan);
@@ -95,7 +101,7 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
                                 static_cast<int>(plan.microbatches));
     Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1);
     const bool last_stage = model->is_last_global(static_cast<int>(model->chunk_count()) - 1);
-    Evaluator evaluator(rt, executor, batches, data, batches_per_rank, mbs, last_stage);
+    Evaluator evaluator(rt, executor, batches, data, total_batches, mbs, last_stage);
     const std::optional<Evaluation> e = evaluator.run([] { return false; });
     if (rt.global_rank() == 0 && e) {
       std::lock_guard<std::mutex> lock(mu);

@@ -1,6 +1,7 @@
-// Validation: the loss over run.eval_batches microbatches of the validation split
-// per dp rank and, for data with one right answer per sample (the synthetic
-// tasks), exact-match and token accuracy. Forward only, through the pipeline.
+// Validation: the loss over the first run.eval_batches microbatches of the
+// validation split, shared among the dp ranks (the same samples at any layout)
+// and, for data with one right answer per sample (the synthetic tasks),
+// exact-match and token accuracy. Forward only, through the pipeline.
 #pragma once
 
 #include "engine/pipeline/executor.hpp"
@@ -30,7 +31,7 @@ class Evaluator {
  public:
   // `last_stage`: this rank holds the model's last layer (the loss and predictions).
   Evaluator(runtime::RankRuntime& rank, pipeline::Executor& executor, Microbatches& batches, const DataSource& data,
-            int64_t batches_per_rank, int64_t micro_batch, bool last_stage);
+            int64_t total_batches, int64_t micro_batch, bool last_stage);
 
   // Every rank of the world calls it; nullopt when `stop_requested` (asked between
   // batches, the same answer on every rank) ended it early.
@@ -41,7 +42,7 @@ class Evaluator {
   pipeline::Executor& executor_;
   Microbatches& batches_;
   const DataSource& data_;
-  int64_t batches_per_rank_, micro_batch_;
+  int64_t total_batches_, micro_batch_;
   bool last_stage_;
   std::vector<int32_t> predictions_;
 };

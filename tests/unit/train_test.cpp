@@ -184,6 +184,35 @@ TEST(Training, LearnsTheSyntheticTask) {
   EXPECT_GT(last.exact_match, 0.5);  // most held-out problems fully right
 }
 
+// run.eval_batches counts microbatches of the whole evaluation, shared among the dp
+// ranks as Megatron-LM's eval_iters are: the same samples at any layout, so the
+// validation loss after one step is the serial one (to the reduction order of the
+// step), with 3 batches over 2 or 4 ranks (a rank's extra forward is not counted)
+// and under expert parallelism (whose all-to-alls need every rank's forwards).
+TEST(Training, ValidationIsTheSameSamplesAtAnyDataParallelSize) {
+  const std::vector<std::string> base = {"run.steps=1", "run.eval_every=1", "run.eval_batches=3",
+                                         "batch.micro_batch_size=2", "batch.global_batch_size=8"};
+  auto val = [&](const std::string& manifest, const std::vector<std::string>& layout) {
+    const auto t = run_and_trace(manifest, loom::testing::with_overrides(base, layout));
+    EXPECT_TRUE(t.result.steps.at(0).evaluated);
+    return t.result.steps.at(0);
+  };
+  const auto serial = val(tiny_manifest(), {"parallel.dp=1"});
+  const auto moe_serial = val(loom::testing::tiny_moe_manifest(), {"parallel.dp=1", "model.block=[\"attention\", \"moe\"]"});
+  EXPECT_GT(serial.token_accuracy, 0.0);
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.dp=2"}, {"parallel.dp=4"}, {"parallel.dp=2", "parallel.pp=2"}}) {
+    SCOPED_TRACE(layout.back());
+    const auto par = val(tiny_manifest(), layout);
+    EXPECT_NEAR(par.val_loss, serial.val_loss, 1e-5 * serial.val_loss);
+    EXPECT_EQ(par.token_accuracy, serial.token_accuracy);
+    EXPECT_EQ(par.exact_match, serial.exact_match);
+  }
+  const auto moe = val(loom::testing::tiny_moe_manifest(),
+                       {"parallel.dp=2", "parallel.ep=2", "model.block=[\"attention\", \"moe\"]"});
+  EXPECT_NEAR(moe.val_loss, moe_serial.val_loss, 1e-5 * moe_serial.val_loss);
+}
+
 TEST(Checkpoint, ResumeIsBitExact) {
   const std::string dir = loom::testing::scratch_dir("resume");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
