@@ -9,8 +9,11 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
+#include <map>
 #include <memory>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 namespace loom::runtime {
@@ -33,6 +36,7 @@ void CommStatsRecorder::reset() {
 namespace {
 
 // The shim communicator behind a counted group's loom_comm*.
+struct ShimRequest;
 struct Shim {
   const loom_comm_api* api;
   loom_comm* comm;
@@ -40,6 +44,10 @@ struct Shim {
   std::string kind;
   CommStatsRecorder* recorder;
   const DeviceStaging* staging;  // null: buffers go to the plugin as they are
+  // Started receives the plugin did not start (ABI 1.17), per (peer, tag) in posting
+  // order: each is received at its wait, or earlier when a later receive of its
+  // pair needs the messages before it.
+  std::map<std::pair<int32_t, int32_t>, std::deque<ShimRequest*>> deferred{};
 };
 Shim* shim(loom_comm* c) { return reinterpret_cast<Shim*>(c); }
 
@@ -262,9 +270,11 @@ loom_status s_send(loom_comm* c, void* stream, const void* buf, size_t n, int32_
     });
   });
 }
+void receive_deferred(Shim* s, std::pair<int32_t, int32_t> key, const ShimRequest* last, void* stream);
 loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, recv);
+  receive_deferred(s, {peer, tag}, nullptr, stream);  // posted before this one: their messages come first
   return counted(s, "recv", n, dtype, 1.0, [&] {
     return staged(s, nullptr, 0, buf, bytes_of(n, dtype), [&](const void*, void* rb) {
       return s->api->recv(s->comm, stream, rb, n, dtype, peer, tag);
@@ -273,16 +283,17 @@ loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtyp
 }
 
 // A started collective (ABI 1.15) as the shim hands it out: the real plugin's
-// request, or none when the plugin has no start and the shim ran it in line. A
-// started receive on a plugin that cannot start one (ABI 1.17,
-// LOOM_COMM_START_P2P) is kept here and received at its wait.
+// request, or none when the plugin has no start and the shim ran it in line, or a
+// started receive the plugin did not start (deferred).
 struct ShimRequest {
   loom_comm_request* real = nullptr;
   const char* op = "";
   uint64_t bytes = 0;
   std::chrono::steady_clock::time_point start;
-  bool deferred_recv = false;
-  loom_collective recv{};  // the receive to run at wait (deferred_recv)
+  bool deferred = false;
+  loom_collective recv{};        // the deferred receive
+  bool received = false;         // ... done, before its wait
+  loom_status outcome = nullptr;  // ... and what it returned
 };
 
 bool starts_p2p(const Shim* s) {
@@ -290,40 +301,67 @@ bool starts_p2p(const Shim* s) {
          s->api->wait != nullptr && (s->api->features & LOOM_COMM_START_P2P) != 0;
 }
 
+// Receives the deferred receives of (peer, tag) in posting order, through `last`
+// (null: all of them).
+void receive_deferred(Shim* s, std::pair<int32_t, int32_t> key, const ShimRequest* last, void* stream) {
+  auto it = s->deferred.find(key);
+  while (it != s->deferred.end() && !it->second.empty()) {
+    ShimRequest* r = it->second.front();
+    it->second.pop_front();
+    const loom_collective& c = r->recv;
+    r->outcome = staged(s, nullptr, 0, c.recv, bytes_of(c.count, c.dtype), [&](const void*, void* rb) {
+      return s->api->recv(s->comm, stream, rb, c.count, c.dtype, c.peer, c.tag);
+    });
+    r->received = true;
+    if (r == last) break;
+  }
+  if (it != s->deferred.end() && it->second.empty()) s->deferred.erase(it);
+}
+
 // A started send or receive (ABI 1.17): the plugin's own when it can start one;
-// else the send runs now (sends never wait for the receiver) and the receive at
-// the wait, so posting early is always safe and overlaps where the plugin can.
-loom_status start_p2p(Shim* s, void* stream, const loom_collective* col, loom_comm_request** req) {
-  if (!LOOM_HAS_SLOT(col, loom_collective, tag))
+// else the send runs now (sends never wait for the receiver) and the receive is
+// deferred, so posting early is always safe and overlaps where the plugin can. A
+// receive also waits its turn behind deferred ones of its pair, and the plugin may
+// refuse one it cannot post early (LOOM_CODE_UNSUPPORTED): deferred too.
+loom_status start_p2p(Shim* s, void* stream, const loom_collective* theirs, loom_comm_request** req) {
+  if (!LOOM_HAS_SLOT(theirs, loom_collective, tag))
     return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT,
                                               "start: a send or receive needs a loom_collective of ABI 1.17 or later");
-  const bool send = col->kind == LOOM_COLLECTIVE_SEND;
+  const loom_collective col = loom::copy_of(*theirs);
+  const bool send = col.kind == LOOM_COLLECTIVE_SEND;
+  if (send ? s->api->send == nullptr : s->api->recv == nullptr) return missing(send ? "send" : "recv");
   auto r = std::make_unique<ShimRequest>();
   r->op = send ? "send" : "recv";
-  r->bytes = count_call(s, r->op, col->count, col->dtype, 1.0);
+  r->bytes = count_call(s, r->op, col.count, col.dtype, 1.0);
   r->start = std::chrono::steady_clock::now();
+  const std::pair<int32_t, int32_t> key{col.peer, col.tag};
   loom_status status = nullptr;
-  if (starts_p2p(s)) {
-    status = s->api->start(s->comm, stream, col, &r->real);
-  } else if (send) {
-    if (s->api->send == nullptr) return missing("send");
-    status = staged(s, col->send, bytes_of(col->count, col->dtype), nullptr, 0, [&](const void* sb, void*) {
-      return s->api->send(s->comm, stream, sb, col->count, col->dtype, col->peer, col->tag);
-    });
+  if (send) {
+    status = starts_p2p(s) ? s->api->start(s->comm, stream, &col, &r->real)
+                           : staged(s, col.send, bytes_of(col.count, col.dtype), nullptr, 0,
+                                    [&](const void* sb, void*) {
+                                      return s->api->send(s->comm, stream, sb, col.count, col.dtype, col.peer,
+                                                          col.tag);
+                                    });
   } else {
-    if (s->api->recv == nullptr) return missing("recv");
-    r->deferred_recv = true;
-    r->recv = *col;
+    const bool behind = s->deferred.count(key) != 0;
+    if (starts_p2p(s) && !behind) {
+      status = s->api->start(s->comm, stream, &col, &r->real);
+      if (status != nullptr && plugins::host_api()->status_code(status) == LOOM_CODE_UNSUPPORTED) {
+        plugins::host_api()->status_destroy(status);
+        status = nullptr;
+        r->real = nullptr;
+      }
+    }
+    if (status == nullptr && r->real == nullptr) {
+      r->deferred = true;
+      r->recv = col;
+      s->deferred[key].push_back(r.get());
+    }
   }
   if (status != nullptr) return status;
   *req = reinterpret_cast<loom_comm_request*>(r.release());
   return nullptr;
-}
-
-loom_status deferred_recv(Shim* s, const loom_collective& col, void* stream) {
-  return staged(s, nullptr, 0, col.recv, bytes_of(col.count, col.dtype), [&](const void*, void* rb) {
-    return s->api->recv(s->comm, stream, rb, col.count, col.dtype, col.peer, col.tag);
-  });
 }
 
 // Counted as the blocking call of its kind (same op name), so the accounting does
@@ -383,11 +421,11 @@ loom_status s_wait(loom_comm* c, loom_comm_request* req, void* stream) {
   Shim* s = shim(c);
   std::unique_ptr<ShimRequest> r(reinterpret_cast<ShimRequest*>(req));
   if (!r) return plugins::host_api()->status_create(LOOM_CODE_INVALID_ARGUMENT, "wait: no request");
-  loom_status status = r->real != nullptr  ? s->api->wait(s->comm, r->real, stream)
-                       : r->deferred_recv ? deferred_recv(s, r->recv, stream)
-                                          : nullptr;
+  if (r->deferred && !r->received) receive_deferred(s, {r->recv.peer, r->recv.tag}, r.get(), stream);
+  loom_status status = r->real != nullptr ? s->api->wait(s->comm, r->real, stream) : r->outcome;
   const CommObserver& observer = s->recorder->observer();
-  if (observer) observer(s->kind, r->op, r->bytes, r->start, true);
+  // A deferred receive did not run beside the caller: not drawn as started.
+  if (observer) observer(s->kind, r->op, r->bytes, r->start, !r->deferred);
   return status;
 }
 #undef LOOM_SHIM_SLOT
@@ -409,6 +447,7 @@ const loom_comm_api* shim_api() {
     a.recv = s_recv;
     a.start = s_start;
     a.wait = s_wait;
+    a.features = LOOM_COMM_START_P2P;  // any plugin: what it cannot start is received at the wait
     return a;
   }();
   return &api;

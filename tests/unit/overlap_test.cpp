@@ -16,6 +16,7 @@
 #include "support/rank_trace.hpp"
 #include "support/train_fixture.hpp"
 
+#include "engine/plugins/registry.hpp"
 #include "engine/runtime/comm_stats.hpp"
 #include "engine/runtime/launcher.hpp"
 
@@ -28,6 +29,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <numeric>
 
 namespace {
@@ -379,6 +381,50 @@ TEST(Overlap, ACommPluginThatCannotStartAReceiveReceivesAtTheWait) {
   counted.api->group_destroy(counted.comm);
 }
 
+// Deferred receives keep the posting order of their (peer, tag): a blocking receive
+// or a later started one of the pair takes the messages after theirs, whatever
+// order the waits come in. Both for a plugin without LOOM_COMM_START_P2P and for
+// one that has it but refuses a receive it cannot post early.
+std::map<int32_t, int32_t> g_next_message;  // per tag: the value the next receive gets
+TEST(Overlap, DeferredReceivesKeepTheirPostingOrder) {
+  for (const bool refuses : {false, true}) {
+    SCOPED_TRACE(refuses ? "a plugin that refuses the receive" : "a plugin without the bit");
+    loom_comm_api api = loom::make<loom_comm_api>();
+    api.group_destroy = [](loom_comm*) {};
+    api.recv = [](loom_comm*, void*, void* buf, size_t, int32_t, int32_t, int32_t tag) -> loom_status {
+      *static_cast<int32_t*>(buf) = ++g_next_message[tag];
+      return nullptr;
+    };
+    api.start = [](loom_comm*, void*, const loom_collective*, loom_comm_request**) -> loom_status {
+      return loom::plugins::host_api()->status_create(LOOM_CODE_UNSUPPORTED, "cannot post this one early");
+    };
+    api.wait = [](loom_comm*, loom_comm_request*, void*) -> loom_status { return nullptr; };
+    api.features = refuses ? LOOM_COMM_START_P2P : 0;
+    loom_group real{};
+    real.struct_size = sizeof real;
+    real.api = &api;
+    real.comm = reinterpret_cast<loom_comm*>(&api);
+    real.size = 2;
+    loom::runtime::CommStatsRecorder recorder;
+    const loom_group counted = loom::runtime::counting_group(real, "pp", &recorder);
+    const loom::Group g(counted);
+    g_next_message.clear();
+    int32_t a = 0, b = 0, c = 0, d = 0;
+    loom::CommRequest ra = g.start_recv(nullptr, &a, 1, LOOM_DTYPE_I32, 1, 6);
+    g.recv(nullptr, &b, 1, LOOM_DTYPE_I32, 1, 6);  // posted second: after a's message
+    loom::CommRequest rc = g.start_recv(nullptr, &c, 1, LOOM_DTYPE_I32, 1, 6);
+    loom::CommRequest rd = g.start_recv(nullptr, &d, 1, LOOM_DTYPE_I32, 1, 7);
+    rc.wait();
+    ra.wait();
+    rd.wait();
+    EXPECT_EQ(a, 1);
+    EXPECT_EQ(b, 2);
+    EXPECT_EQ(c, 3);
+    EXPECT_EQ(d, 1);
+    counted.api->group_destroy(counted.comm);
+  }
+}
+
 // pipeline.overlap_p2p_comm: each step's receive is posted before the step ahead of
 // it computes. The pp link is slowed so that a receive that took the wrong message,
 // or a gradient slot overwritten while read, would change the numbers.
@@ -407,6 +453,28 @@ TEST(Overlap, EarlyReceivesAreBitIdenticalToReceivingWhenNeeded) {
     const RankTrace when_needed = run_all_ranks(manifest, with_overrides(base, {kReceiveWhenNeeded}));
     const RankTrace early = run_all_ranks(manifest, base);
     expect_identical(when_needed, early);
+  }
+}
+
+// The option decides: with it each pp rank's trace holds its posted receives on its
+// comm track; without it, none (a run that never posted would pass the bit-identity
+// test above too).
+TEST(Overlap, ThePipelinePostsReceivesEarlyOnlyWhenAsked) {
+  const std::string dir = loom::testing::scratch_dir("overlap_p2p_posting");
+  for (const bool early : {true, false}) {
+    loom::train::TrainOptions opts;
+    opts.trace_file = dir + (early ? "/early.json" : "/when_needed.json");
+    std::vector<std::string> o = with_overrides(kBase, {"parallel.pp=2", "run.steps=2"});
+    if (!early) o.push_back(kReceiveWhenNeeded);
+    run_all_ranks(tiny_manifest(), o, opts);
+    int posted[2] = {0, 0};
+    for (const Event& e : read_trace(opts.trace_file))
+      for (int r = 0; r < 2; ++r)
+        if (e.tid == loom::pipeline::kCommLaneTid + r && e.name == "pp recv") ++posted[r];
+    // 8 microbatches: stage 1 receives 8 activations, stage 0 8 gradients per step;
+    // the first of each step is posted before the step's first compute too.
+    EXPECT_EQ(posted[0], early ? 16 : 0);
+    EXPECT_EQ(posted[1], early ? 16 : 0);
   }
 }
 

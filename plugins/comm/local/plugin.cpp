@@ -8,7 +8,6 @@
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
-#include <cstring>
 #include <future>
 #include <memory>
 #include <optional>
@@ -189,8 +188,7 @@ loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, l
     const bool p2p = c->kind == LOOM_COLLECTIVE_SEND || c->kind == LOOM_COLLECTIVE_RECV;
     LOOM_REQUIRE(!p2p || LOOM_HAS_SLOT(c, loom_collective, tag),
                  "comm/local: a started send or receive needs a loom_collective of ABI 1.17 or later");
-    loom_collective col = make<loom_collective>();
-    std::memcpy(&col, c, std::min<size_t>(c->struct_size, sizeof col));
+    const loom_collective col = copy_of(*c);  // a 1.15 caller's is shorter
     auto r = std::make_unique<Request>();
     if (col.kind == LOOM_COLLECTIVE_SEND) {
       h.group->send(h.index, col.send, col.count, col.dtype, col.peer, col.tag);

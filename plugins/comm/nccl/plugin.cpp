@@ -1108,30 +1108,34 @@ void post_channel_recv(Comm& c, Channel& ch, cudaStream_t caller, void* target, 
                        const std::string& what, cudaEvent_t done);
 loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, int32_t dtype, int32_t peer,
                  int32_t tag);
-loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
 
 // ABI 1.15: the collective is enqueued on the comm stream (after the caller's
 // stream, as any call) and the caller's stream goes on; its event is the request.
 // NCCL already runs every operation on the comm stream, so the blocking calls differ
 // only in making the caller's stream wait at once. Host buffers complete in start.
 // ABI 1.17: a started send is sent at start (sends never wait for the receiver);
-// a started receive of device memory from a channel peer is enqueued on the channel
-// at start, so NCCL moves the data while the caller's stream computes, and the
-// wait orders the caller's stream after it. Other receives (host memory, peers
-// without a channel) run at the wait, as a blocking recv.
+// a started receive of device memory from a channel peer, on a stream, is enqueued
+// on the channel at start, so NCCL moves the data while the caller's stream
+// computes, and the wait orders the caller's stream after it. Other receives (host
+// memory, peers without a channel, no stream) are refused with
+// LOOM_CODE_UNSUPPORTED: the engine receives them at their wait, in posting order.
 struct Started {
   cudaEvent_t done = nullptr;
-  bool recv_at_wait = false;
-  loom_collective recv{};
 };
 
-// Returns true when the receive was posted on a channel (done recorded after it).
-bool start_channel_recv(Comm& c, void* stream, const loom_collective& col, cudaEvent_t done) {
+void start_channel_recv(Comm& c, void* stream, const loom_collective& col, cudaEvent_t done) {
   LOOM_REQUIRE(col.peer >= 0 && col.peer < static_cast<int32_t>(c.ranks.size()) && col.peer != c.index,
                "comm/nccl recv: peer " << col.peer << " is not another rank of the group of " << c.ranks.size());
   const ncclDataType_t t = nccl_type(col.dtype, "recv");
   Channel* ch = channel(c, false, col.peer, col.tag);
-  if (ch == nullptr || col.count == 0 || is_host_memory(col.recv) || stream == nullptr) return false;
+  if (ch == nullptr || col.count == 0 || is_host_memory(col.recv) || stream == nullptr)
+    throw Error("comm/nccl: a receive " +
+                    std::string(ch == nullptr ? "from a peer without a channel"
+                                : col.count == 0 ? "of nothing"
+                                : stream == nullptr ? "without a stream"
+                                                    : "into host memory") +
+                    " is not posted early (received at its wait)",
+                LOOM_CODE_UNSUPPORTED);
   std::lock_guard<std::mutex> lock(c.call_mu);
   check_alive(c, "recv");
   GpuScope gpu(c, "recv");
@@ -1139,7 +1143,6 @@ bool start_channel_recv(Comm& c, void* stream, const loom_collective& col, cudaE
   refuse_capture(c, "recv", caller);
   post_channel_recv(c, *ch, caller, col.recv, col.count, t,
                     describe("recv", col.count, col.dtype) + " from " + std::to_string(col.peer), done);
-  return true;
 }
 
 loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loom_comm_request** req) {
@@ -1175,11 +1178,16 @@ loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loo
       case LOOM_COLLECTIVE_RECV: {
         LOOM_REQUIRE(LOOM_HAS_SLOT(col, loom_collective, tag),
                      "comm/nccl: a started send or receive needs a loom_collective of ABI 1.17 or later");
-        if (col->kind == LOOM_COLLECTIVE_SEND) {
-          loom::check(send(comm, stream, col->send, col->count, col->dtype, col->peer, col->tag));
-        } else if (!start_channel_recv(c, stream, *col, r->done)) {
-          r->recv_at_wait = true;
-          r->recv = *col;
+        const loom_collective p2p = copy_of(*col);
+        if (p2p.kind == LOOM_COLLECTIVE_RECV) {
+          start_channel_recv(c, stream, p2p, r->done);
+          break;
+        }
+        loom::check(send(comm, stream, p2p.send, p2p.count, p2p.dtype, p2p.peer, p2p.tag));
+        // The wait orders the caller's stream after what the send enqueued on it.
+        if (stream != nullptr) {
+          GpuScope gpu(c, "send");
+          LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(r->done, static_cast<cudaStream_t>(stream)));
         }
         break;
       }
@@ -1200,11 +1208,6 @@ loom_status wait(loom_comm* comm, loom_comm_request* req, void* stream) {
       ~Destroy() { cudaEventDestroy(e); }
     } destroy{r->done};
     Comm& c = comm_of(comm);
-    if (r->recv_at_wait) {
-      const loom_collective& v = r->recv;
-      loom::check(recv(comm, stream, v.recv, v.count, v.dtype, v.peer, v.tag));
-      return;
-    }
     GpuScope gpu(c, "wait");
     if (stream != nullptr)
       LOOM_NCCL_CUDA(&c, "wait", cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), r->done, 0));

@@ -5,6 +5,7 @@
 
 #include <loom/loom_abi.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -180,6 +181,16 @@ T make() {
   return v;
 }
 
+// A copy of an argument struct another side built, which may be older (shorter) or
+// newer than this one: the members its struct_size covers, the rest zero.
+template <typename T>
+T copy_of(const T& theirs) {
+  T v = make<T>();
+  std::memcpy(&v, &theirs, std::min<size_t>(theirs.struct_size, sizeof(T)));
+  v.struct_size = static_cast<uint32_t>(sizeof(T));
+  return v;
+}
+
 // A collective started without waiting (Group::start, ABI 1.15). wait() once; a
 // request destroyed before its wait waits there (its buffers stay the collective's
 // until then) and drops the outcome, so an exception never leaves one running.
@@ -278,7 +289,10 @@ class Group {
   // wait. A communicator without start runs it here, in line.
   CommRequest start(void* stream, const loom_collective& c) const {
     if (g_.size <= 1 && c.send == c.recv) return {};  // in-place on one rank: identity
-    if (LOOM_HAS_SLOT(g_.api, loom_comm_api, wait) && g_.api->start != nullptr) {
+    const bool p2p = c.kind == LOOM_COLLECTIVE_SEND || c.kind == LOOM_COLLECTIVE_RECV;
+    const bool can_start = LOOM_HAS_SLOT(g_.api, loom_comm_api, wait) && g_.api->start != nullptr &&
+                           (!p2p || (g_.api->features & LOOM_COMM_START_P2P) != 0);
+    if (can_start) {
       loom_comm_request* req = nullptr;
       check(g_.api->start(g_.comm, stream, &c, &req));
       return CommRequest(g_, req, stream);
@@ -289,7 +303,8 @@ class Group {
       case LOOM_COLLECTIVE_REDUCE_SCATTER: reduce_scatter(stream, c.send, c.recv, c.count, c.dtype, c.op); break;
       case LOOM_COLLECTIVE_SEND: send(stream, c.send, c.count, c.dtype, c.peer, c.tag); break;
       case LOOM_COLLECTIVE_RECV:  // in line it would wait now, where the caller meant to go on
-        throw Error("Group::start_recv: the comm table has no start (the engine's has)", LOOM_CODE_UNSUPPORTED);
+        throw Error("Group::start_recv: the comm table cannot start a receive (the engine's can)",
+                    LOOM_CODE_UNSUPPORTED);
       default: throw Error("Group::start: unknown collective kind " + std::to_string(c.kind), LOOM_CODE_INVALID_ARGUMENT);
     }
     return {};
@@ -306,8 +321,9 @@ class Group {
     return start(stream, collective(LOOM_COLLECTIVE_ALL_GATHER, send, recv, count, dtype, LOOM_REDUCE_SUM));
   }
   // Point to point started without waiting (ABI 1.17): a receive posted before
-  // its data is needed lets the transfer run meanwhile. Any comm may be asked (the
-  // engine receives at the wait where the plugin cannot start one).
+  // its data is needed lets the transfer run meanwhile. The groups the engine hands
+  // out take both on any comm plugin (it receives at the wait, in posting order,
+  // where the plugin cannot start one).
   CommRequest start_send(void* stream, const void* buf, size_t count, int32_t dtype, int peer, int tag) const {
     loom_collective c = collective(LOOM_COLLECTIVE_SEND, buf, nullptr, count, dtype, LOOM_REDUCE_SUM);
     c.peer = peer;

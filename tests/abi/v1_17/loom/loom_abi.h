@@ -936,9 +936,11 @@ typedef struct loom_comm_api {
    * collective's until its wait returns. Other members may call start or the
    * blocking collective for the same operation. NULL: the engine runs it at start,
    * in line (no overlap). Kinds SEND and RECV (since 1.17) only on a comm with
-   * LOOM_COMM_START_P2P, with their own order (see LOOM_COLLECTIVE_SEND); without
-   * the bit the engine runs a started send at start and a started receive at its
-   * wait, in line. */
+   * LOOM_COMM_START_P2P, with their own order (see LOOM_COLLECTIVE_SEND); such a
+   * plugin may refuse a receive it cannot post early with LOOM_CODE_UNSUPPORTED.
+   * Without the bit, or for a refused receive, the engine runs a started send at
+   * start and a started receive at its wait (or at a later receive of its pair),
+   * keeping the posting order. */
   loom_status (*start)(loom_comm* comm, void* stream, const loom_collective* c, loom_comm_request** req);
   /* Waits for a started collective and releases req, whatever its outcome, which is
    * returned: thread backends return once it finished; stream backends order
