@@ -86,17 +86,29 @@ class Executor {
     void* buf;
     int peer, tag;
   };
+  // What the steps of one train_step share.
+  struct StepState {
+    std::vector<float> loss_scale;  // per microbatch, once the last chunk's forward counted its tokens
+    uint64_t base_bytes = 0;        // device memory in use when the step began
+    int in_flight = 0;              // forwards awaiting their backward
+    loom::CommRequest ahead;        // the next step's receive, posted early
+    StepStats stats;
+  };
   int peer_of_chunk(int global_chunk) const;
+  static int tag_into(int global_chunk, bool forward);
   Receive receive_of(const Step& s);
-  void send_output(int c, const void* out);
   // Starts step s's receive.
   loom::CommRequest post_receive(const Step& s);
   // Step s's input is in place: waits for its posted receive, or receives now.
   void finish_receive(const Step& s, loom::CommRequest& posted);
-  // Step i of train_step: posts step i + 1's receive into `ahead` (early posting),
-  // takes its own input, computes, sends its output.
-  void run_step(size_t i, const std::vector<MicrobatchInput>& inputs, loom::CommRequest& ahead,
-                std::vector<float>& loss_scale, uint64_t base_bytes, int& in_flight, StepStats& stats);
+  // Sends a chunk's output (forward) or its input's gradient to global chunk `to_chunk`.
+  void send(const void* data, int to_chunk, bool forward);
+  // Step i of train_step: posts step i + 1's receive (early posting), takes its own
+  // input, computes, sends its output.
+  void run_step(size_t i, const std::vector<MicrobatchInput>& inputs, StepState& st);
+  void run_forward(const Step& step, const MicrobatchInput& in, StepState& st);
+  void run_backward(const Step& step, StepState& st);
+  void note_memory(StepState& st) const;  // the step's peak so far
 
   model::Model& model_;
   runtime::RankRuntime& rank_;

@@ -476,8 +476,12 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
       comm_of[static_cast<size_t>(g)] = fc + bc;
     }
     costs.transfer = static_cast<int64_t>(std::llround(links.link("pp").transfer_s(double(mp.hidden_state_bytes)) * 1e9));
-    // As comm/local and comm/nccl run them (comm/mpi receives when needed).
-    costs.receives_posted_early = plan.config.pipeline.overlap_p2p_comm;
+    // Where the comm plugin can start a receive (comm/local, comm/nccl; comm/mpi
+    // receives when needed).
+    const loom_comm_api* comm = plan.comm != nullptr ? plan.comm->comm() : nullptr;
+    costs.receives_posted_early = plan.config.pipeline.overlap_p2p_comm && comm != nullptr &&
+                                  LOOM_HAS_SLOT(comm, loom_comm_api, features) &&
+                                  (comm->features & LOOM_COMM_START_P2P) != 0;
     const pipeline::Timeline t = pipeline::simulate(plan.orders, costs);
     for (int r = 0; r < pp; ++r) {
       StageRun& s = runs[static_cast<size_t>(r)];

@@ -163,7 +163,11 @@ TEST(Pipeline, TraceRecordsEveryForwardAndBackward) {
   EXPECT_GT(count("cat", "p2p"), 0u);
   // The tied embedding's gradient sum, once per step on each of the two stages.
   EXPECT_EQ(count("name", "embedding all_reduce"), 4u);
-  EXPECT_EQ(count("name", "thread_name"), 2u);
+  // Each rank's track, and its comm track with the receives it posted early: of its
+  // 4 (chunk, direction) pairs all but the first chunk's forward or the last's
+  // backward receive, 4 microbatches each.
+  EXPECT_EQ(count("name", "thread_name"), 4u);
+  EXPECT_EQ(count("name", "pp recv"), 2u * 2u * 3u * 4u);
 }
 
 TEST(Pipeline, RunRefusesADeadlockingScheduleBeforeAnyRankStarts) {
