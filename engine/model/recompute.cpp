@@ -23,11 +23,11 @@ std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::
   return groups;
 }
 
-size_t kept_hidden_states(const std::vector<int>& groups) {
+size_t kept_hidden_states(const std::vector<int>& groups, bool last_global_chunk) {
   size_t kept = groups.size();
   for (size_t k = 0; k + 1 < groups.size(); ++k)
     if (groups[k] >= 0 && groups[k + 1] == groups[k]) --kept;
-  return kept;
+  return last_global_chunk && kept > 0 ? kept - 1 : kept;
 }
 
 Recomputation::Recomputation(const Layers& layers, HiddenStates& hidden) : layers_(layers), hidden_(hidden) {}
@@ -83,7 +83,7 @@ size_t Recomputation::kept_hidden_states() const {
   for (const LocalChunk& chunk : layers_.chunks()) {
     std::vector<int> groups;
     for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) groups.push_back(group_of(i));
-    kept += model::kept_hidden_states(groups);
+    kept += model::kept_hidden_states(groups, chunk.is_last_global());
   }
   return kept;
 }

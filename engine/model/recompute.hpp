@@ -26,8 +26,9 @@ namespace loom::model {
 std::vector<int> recompute_groups(const manifest::RunConfig& config, const std::vector<LayerSpec>& chunk);
 
 // Hidden states a chunk with these groups keeps per microbatch: one after each
-// layer, less the outputs its groups drop (those their own next layer consumes).
-size_t kept_hidden_states(const std::vector<int>& groups);
+// layer, less the outputs its groups drop (those their own next layer consumes),
+// and less the last layer's on the model's last chunk (it computes the loss).
+size_t kept_hidden_states(const std::vector<int>& groups, bool last_global_chunk);
 
 // What a recomputed forward of (chunk, microbatch) needs again in backward.
 struct ForwardInputs {

@@ -205,7 +205,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       std::vector<size_t> kept_states;  // per chunk: hidden states kept per microbatch
       for (size_t c = 0; c < chunks.size(); ++c) {
         const std::vector<int> groups = recompute_groups(config, chunks[c].layers);
-        kept_states.push_back(kept_hidden_states(groups));
+        kept_states.push_back(kept_hidden_states(groups, chunks[c].global_index + 1 == chunks[c].num_global));
         for (size_t k = 0; k < chunks[c].layers.size(); ++k) {
           const LayerSpec& spec = chunks[c].layers[k];
           group_of_layer.push_back(groups[k]);

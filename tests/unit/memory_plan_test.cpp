@@ -32,6 +32,24 @@ struct Measured {
   uint64_t activation_bytes = 0;
 };
 
+// With a pipeline, the activations planned at the schedule's peak are what each
+// rank's executor measured at its highest, with the next forward's input held a
+// step early (pipeline.overlap_p2p_comm) and without.
+TEST(MemoryPlan, PipelinePeakEqualsTheExecutorsWithAndWithoutEarlyReceives) {
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.pp=2"}, {"parallel.pp=2", "pipeline.schedule=\"gpipe\""},
+        {"parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"}, {"parallel.pp=4", "model.num_layers=4"}}) {
+    for (const char* early : {"pipeline.overlap_p2p_comm=true", "pipeline.overlap_p2p_comm=false"}) {
+      std::vector<std::string> o = loom::testing::with_overrides({"run.steps=1", early}, layout);
+      SCOPED_TRACE(layout.back() + ", " + early);
+      const loom::testing::Trace run = loom::testing::run_and_trace(tiny_manifest(), o);
+      const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), o));
+      for (const auto& r : plan.ranks)
+        EXPECT_EQ(r.activation_bytes, run.result.peak_activation_bytes.at(r.rank)) << "rank " << r.rank;
+    }
+  }
+}
+
 TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
   size_t serial_params = 0;
   for (const std::string layout : {"parallel.dp=1", "parallel.dp=2", "parallel.tp=2", "parallel.pp=2"}) {
