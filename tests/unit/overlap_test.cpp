@@ -286,6 +286,16 @@ TEST(Overlap, TheSdkFillsTheOverlapSlotsOnlyForStrategiesThatOverrideThem) {
   EXPECT_NE(loom::optimizer_api<Overlapping>()->params_needed, nullptr);
 }
 
+// A group of two members over a fake comm table (which is also its handle).
+loom_group two_member_group(const loom_comm_api& api) {
+  loom_group g{};
+  g.struct_size = sizeof g;
+  g.api = &api;
+  g.comm = reinterpret_cast<loom_comm*>(const_cast<loom_comm_api*>(&api));  // any non-null handle
+  g.size = 2;
+  return g;
+}
+
 // A comm plugin built before 1.15 has no start: the engine's counting shim runs a
 // started collective in line and hands back a request whose wait returns at once,
 // counted as the blocking call.
@@ -303,11 +313,7 @@ TEST(Overlap, ACommPluginWithoutStartRunsStartedCollectivesInLine) {
   old_api.struct_size = static_cast<uint32_t>(offsetof(loom_comm_api, start));  // a 1.14 table
   old_api.all_reduce = fake_all_reduce;
   old_api.group_destroy = [](loom_comm*) {};
-  loom_group real{};
-  real.struct_size = sizeof real;
-  real.api = &old_api;
-  real.comm = reinterpret_cast<loom_comm*>(&old_api);  // any non-null handle
-  real.size = 2;
+  const loom_group real = two_member_group(old_api);
   loom::runtime::CommStatsRecorder recorder;
   const loom_group counted = loom::runtime::counting_group(real, "dp", &recorder);
   std::vector<float> x(16, 1.f);
@@ -354,11 +360,7 @@ TEST(Overlap, ACommPluginThatCannotStartAReceiveReceivesAtTheWait) {
     return nullptr;
   };
   api.wait = [](loom_comm*, loom_comm_request*, void*) -> loom_status { return nullptr; };
-  loom_group real{};
-  real.struct_size = sizeof real;
-  real.api = &api;
-  real.comm = reinterpret_cast<loom_comm*>(&api);
-  real.size = 2;
+  const loom_group real = two_member_group(api);
   loom::runtime::CommStatsRecorder recorder;
   const loom_group counted = loom::runtime::counting_group(real, "pp", &recorder);
   std::vector<float> x(8, 1.f);
@@ -400,11 +402,7 @@ TEST(Overlap, DeferredReceivesKeepTheirPostingOrder) {
     };
     api.wait = [](loom_comm*, loom_comm_request*, void*) -> loom_status { return nullptr; };
     api.features = refuses ? LOOM_COMM_START_P2P : 0;
-    loom_group real{};
-    real.struct_size = sizeof real;
-    real.api = &api;
-    real.comm = reinterpret_cast<loom_comm*>(&api);
-    real.size = 2;
+    const loom_group real = two_member_group(api);
     loom::runtime::CommStatsRecorder recorder;
     const loom_group counted = loom::runtime::counting_group(real, "pp", &recorder);
     const loom::Group g(counted);
