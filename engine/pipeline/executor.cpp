@@ -20,16 +20,16 @@ void TraceRecorder::add(int rank, const std::string& name, const std::string& ca
   events_.push_back(std::move(e));
 }
 
-Executor::Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
-                   TraceRecorder* trace, bool post_receives_early)
-    : model_(model), rank_(rank), order_(std::move(order)), microbatches_(microbatches),
+Executor::Executor(model::Model& model, runtime::RankRuntime& rank, const std::vector<int32_t>& order,
+                   int microbatches, TraceRecorder* trace, bool post_receives_early)
+    : model_(model), rank_(rank), microbatches_(microbatches),
       post_early_(post_receives_early), trace_(trace), pp_(rank.group_or_self("pp")), cp_(rank.group_or_self("cp")) {
-  LOOM_REQUIRE(order_.size() == 2 * model.chunk_count() * static_cast<size_t>(microbatches),
-               "pipeline order of " << order_.size() << " entries for " << model.chunk_count() << " chunk(s) and "
+  LOOM_REQUIRE(order.size() == 2 * model.chunk_count() * static_cast<size_t>(microbatches),
+               "pipeline order of " << order.size() << " entries for " << model.chunk_count() << " chunk(s) and "
                                     << microbatches << " microbatch(es)");
   std::vector<int> next_forward(model.chunk_count(), 0), next_backward(model.chunk_count(), 0);
   int receiving_backwards = 0;
-  for (const int32_t entry : order_) {
+  for (const int32_t entry : order) {
     Step s;
     s.forward = entry > 0;
     s.chunk = std::abs(entry) - 1;

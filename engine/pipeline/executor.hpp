@@ -61,7 +61,7 @@ class Executor {
  public:
   // order: this rank's signed order (2 * chunks * microbatches entries).
   // post_receives_early: start each step's receive before the previous step runs.
-  Executor(model::Model& model, runtime::RankRuntime& rank, std::vector<int32_t> order, int microbatches,
+  Executor(model::Model& model, runtime::RankRuntime& rank, const std::vector<int32_t>& order, int microbatches,
            TraceRecorder* trace = nullptr, bool post_receives_early = false);
 
   // One training step's forwards and backwards; gradients accumulate in the
@@ -112,8 +112,7 @@ class Executor {
 
   model::Model& model_;
   runtime::RankRuntime& rank_;
-  std::vector<int32_t> order_;
-  std::vector<Step> steps_;  // order_ decoded
+  std::vector<Step> steps_;  // the rank's order, decoded
   int microbatches_;
   bool post_early_;
   TraceRecorder* trace_;
