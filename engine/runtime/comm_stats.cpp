@@ -261,25 +261,29 @@ loom_status s_barrier(loom_comm* c) {
   LOOM_SHIM_SLOT(s, barrier);
   return counted(s, "barrier", 0, LOOM_DTYPE_U8, 0.0, [&] { return s->api->barrier(s->comm); });
 }
+// The plugin's send and recv, staged, not counted (blocking calls and the
+// started ones the plugin cannot start).
+loom_status send_now(Shim* s, void* stream, const void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
+  return staged(s, buf, bytes_of(n, dtype), nullptr, 0, [&](const void* sb, void*) {
+    return s->api->send(s->comm, stream, sb, n, dtype, peer, tag);
+  });
+}
+loom_status recv_now(Shim* s, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
+  return staged(s, nullptr, 0, buf, bytes_of(n, dtype), [&](const void*, void* rb) {
+    return s->api->recv(s->comm, stream, rb, n, dtype, peer, tag);
+  });
+}
 loom_status s_send(loom_comm* c, void* stream, const void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, send);
-  return counted(s, "send", n, dtype, 1.0, [&] {
-    return staged(s, buf, bytes_of(n, dtype), nullptr, 0, [&](const void* sb, void*) {
-      return s->api->send(s->comm, stream, sb, n, dtype, peer, tag);
-    });
-  });
+  return counted(s, "send", n, dtype, 1.0, [&] { return send_now(s, stream, buf, n, dtype, peer, tag); });
 }
 void receive_deferred(Shim* s, std::pair<int32_t, int32_t> key, const ShimRequest* last, void* stream);
 loom_status s_recv(loom_comm* c, void* stream, void* buf, size_t n, int32_t dtype, int32_t peer, int32_t tag) {
   Shim* s = shim(c);
   LOOM_SHIM_SLOT(s, recv);
   receive_deferred(s, {peer, tag}, nullptr, stream);  // posted before this one: their messages come first
-  return counted(s, "recv", n, dtype, 1.0, [&] {
-    return staged(s, nullptr, 0, buf, bytes_of(n, dtype), [&](const void*, void* rb) {
-      return s->api->recv(s->comm, stream, rb, n, dtype, peer, tag);
-    });
-  });
+  return counted(s, "recv", n, dtype, 1.0, [&] { return recv_now(s, stream, buf, n, dtype, peer, tag); });
 }
 
 // A started collective (ABI 1.15) as the shim hands it out: the real plugin's
@@ -309,9 +313,7 @@ void receive_deferred(Shim* s, std::pair<int32_t, int32_t> key, const ShimReques
     ShimRequest* r = it->second.front();
     it->second.pop_front();
     const loom_collective& c = r->recv;
-    r->outcome = staged(s, nullptr, 0, c.recv, bytes_of(c.count, c.dtype), [&](const void*, void* rb) {
-      return s->api->recv(s->comm, stream, rb, c.count, c.dtype, c.peer, c.tag);
-    });
+    r->outcome = recv_now(s, stream, c.recv, c.count, c.dtype, c.peer, c.tag);
     r->received = true;
     if (r == last) break;
   }
@@ -338,11 +340,7 @@ loom_status start_p2p(Shim* s, void* stream, const loom_collective* theirs, loom
   loom_status status = nullptr;
   if (send) {
     status = starts_p2p(s) ? s->api->start(s->comm, stream, &col, &r->real)
-                           : staged(s, col.send, bytes_of(col.count, col.dtype), nullptr, 0,
-                                    [&](const void* sb, void*) {
-                                      return s->api->send(s->comm, stream, sb, col.count, col.dtype, col.peer,
-                                                          col.tag);
-                                    });
+                           : send_now(s, stream, col.send, col.count, col.dtype, col.peer, col.tag);
   } else {
     const bool behind = s->deferred.count(key) != 0;
     if (starts_p2p(s) && !behind) {
