@@ -183,7 +183,7 @@ std::vector<KeySpec> build() {
   v.push_back(b("pipeline.overlap_p2p_comm", true,
                 "post each step's receive before the step ahead of it computes, so the transfer runs meanwhile "
                 "(Megatron-LM's overlap_p2p_comm; bit-identical; overlaps where the comm plugin can start a receive: "
-                "comm/local, comm/nccl)"));
+                "comm/local, comm/mpi, comm/nccl)"));
   v.push_back(open_table("pipeline.options", "options of the schedule plugin"));
   // batch
   v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch", kMaxBatch));

@@ -5,6 +5,8 @@
 #      fields aside; only rank 0 prints the step log; 1a. with the gradient
 #      reduction overlapped with the backward too; 1b. MoE blocks at ep 2 too;
 #      1c. and folded (etp 1 under tp 2 + SP, ep 2, dp 2) at -np 4;
+#      1d. pipelines (pp 2, and interleaved vpp 2) with each stage's next receive
+#      posted early on comm/mpi's receiver thread, and with receives at the wait;
 #   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
 #      under mpirun to the same steps as the uninterrupted threads run;
 #   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
@@ -81,6 +83,24 @@ fold=("${moe[@]}" --set parallel.tp=2 --set parallel.sequence_parallel=true --se
 threads "${fold[@]}" --metrics "$work/tf.jsonl" >/dev/null
 mpi 4 "${fold[@]}" --metrics "$work/mf.jsonl" >/dev/null
 same "$work/tf.jsonl" "$work/mf.jsonl" "mpirun -np 4 vs threads (MoE folded: tp 2 + SP, etp 1, ep 2, dp 2)"
+
+# 1d. Pipelines: with pipeline.overlap_p2p_comm (the default) each stage posts its
+# next receive before computing, and comm/mpi's receiver thread takes the message
+# while the stage computes; the steps equal the threads run's, and the run with
+# receives at the wait.
+pp=(--set parallel.dp=1 --set parallel.pp=2 --set model.num_layers=4)
+threads "${pp[@]}" --metrics "$work/tp.jsonl" >/dev/null
+mpi 2 "${pp[@]}" --metrics "$work/mp.jsonl" >/dev/null
+same "$work/tp.jsonl" "$work/mp.jsonl" "mpirun -np 2 vs threads (pp 2, receives posted early)"
+threads "${pp[@]}" --set pipeline.overlap_p2p_comm=false --metrics "$work/tpl.jsonl" >/dev/null
+mpi 2 "${pp[@]}" --set pipeline.overlap_p2p_comm=false --metrics "$work/mpl.jsonl" >/dev/null
+same "$work/tpl.jsonl" "$work/mpl.jsonl" "mpirun -np 2 vs threads (pp 2, receives at the wait)"
+diff <(training "$work/mp.jsonl") <(training "$work/mpl.jsonl") >/dev/null ||
+  fail "mpirun -np 2 (pp 2): receives posted early train differently from receives at the wait"
+vpp=("${pp[@]}" --set parallel.vpp=2 --set pipeline.schedule=interleaved)
+threads "${vpp[@]}" --metrics "$work/tv.jsonl" >/dev/null
+mpi 2 "${vpp[@]}" --metrics "$work/mv.jsonl" >/dev/null
+same "$work/tv.jsonl" "$work/mv.jsonl" "mpirun -np 2 vs threads (pp 2 x vpp 2, receives posted early)"
 
 # 2. Checkpoints under mpirun, and resuming from them.
 ck=(--set "checkpoint.dir=\"$work/ck\"" --set checkpoint.every=3)

@@ -89,15 +89,21 @@ std::string Group::member(int m) const { return "rank " + std::to_string(ranks_[
 std::string Group::where(Op op) const { return std::string("comm/mpi: ") + op_name(op) + " on " + label_; }
 
 void Group::fail_fast(const char* op) const {
+  std::string story;
+  {
+    std::lock_guard<std::mutex> lk(poison_mu_);
+    story = poison_message_;
+  }
   throw Error(std::string("comm/mpi: ") + op + " on " + label_ +
-                  " refused: the group is unusable after an earlier failure: " + poison_message_,
+                  " refused: the group is unusable after an earlier failure: " + story,
               LOOM_CODE_TIMEOUT);
 }
 
 void Group::poison(const std::string& message) {
+  std::lock_guard<std::mutex> lk(poison_mu_);
   if (poisoned_) return;
-  poisoned_ = true;
   poison_message_ = message;
+  poisoned_ = true;
 }
 
 std::string Group::describe(const Header& h) const {
@@ -577,7 +583,7 @@ void Group::send(const void* buf, size_t count, int32_t dtype, int32_t peer, int
   world_->keep_send(r, std::move(msg));
 }
 
-void Group::recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+void Group::check_recv(const void* buf, size_t count, int32_t dtype, int32_t peer) const {
   if (poisoned_) fail_fast("recv");
   const size_t es = loom::dtype_size(dtype);
   size_t bytes = 0;
@@ -587,47 +593,32 @@ void Group::recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t t
                                                << "; peers are ranks within the group)");
   LOOM_REQUIRE(product(count, es, &bytes), "comm/mpi: recv on " << label_ << ": count " << count << " overflows");
   LOOM_REQUIRE(bytes == 0 || buf != nullptr, "comm/mpi: recv on " << label_ << ": null buffer with count " << count);
+}
 
-  const std::pair<int, int32_t> key{peer, tag};
-  auto take = [&]() -> bool {
-    auto it = inbox_.find(key);
-    return it != inbox_.end() && !it->second.empty();
-  };
+bool Group::take_locked(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
   const std::string what = "comm/mpi: recv on " + label_;
-  bool got = take();
-  if (!got) {
-    got = world_->poll(world_->deadline(), what, [&] {
-      for (;;) {  // drain what has arrived from the peer; file other tags in the inbox
-        int flag = 0;
-        MPI_Message handle;
-        MPI_Status st;
-        MPI_Improbe(ranks_[static_cast<size_t>(peer)], tag_, world_->p2p(), &flag, &handle, &st);
-        if (!flag) return false;
-        int len = 0;
-        MPI_Get_count(&st, MPI_BYTE, &len);
-        std::vector<Bytes> data(static_cast<size_t>(std::max(len, 0)));
-        const int rc = MPI_Mrecv(data.data(), len, MPI_BYTE, &handle, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) throw Error(what + ": " + mpi_error_text(rc));
-        int64_t head[4] = {0, 0, 0, 0};
-        if (data.size() < sizeof head) throw Error(what + ": a malformed message arrived from peer " + std::to_string(peer));
-        std::memcpy(head, data.data(), sizeof head);
-        if (head[0] != kP2PMagic) throw Error(what + ": a malformed message arrived from peer " + std::to_string(peer));
-        Message m{static_cast<int32_t>(head[2]), static_cast<size_t>(head[3]),
-                  std::vector<Bytes>(data.begin() + sizeof head, data.end())};
-        inbox_[{peer, static_cast<int32_t>(head[1])}].push_back(std::move(m));
-        if (head[1] == tag) return true;
-      }
-    });
-  }
-  if (!got) {
-    std::ostringstream os;
-    os << what << " timed out " << after_text(world_->settings().timeout_ms) << "; " << member(me_)
-       << " waited for tag " << tag << " from peer " << peer << " (rank " << ranks_[static_cast<size_t>(peer)]
-       << "), which never sent it";
-    poison(os.str());
-    throw Error(os.str(), LOOM_CODE_TIMEOUT);
-  }
+  const std::pair<int, int32_t> key{peer, tag};
   auto it = inbox_.find(key);
+  while (it == inbox_.end()) {  // file what has arrived from the peer until one of (peer, tag) is there
+    int flag = 0;
+    MPI_Message handle;
+    MPI_Status st;
+    MPI_Improbe(ranks_[static_cast<size_t>(peer)], tag_, world_->p2p(), &flag, &handle, &st);
+    if (!flag) return false;
+    int len = 0;
+    MPI_Get_count(&st, MPI_BYTE, &len);
+    std::vector<Bytes> data(static_cast<size_t>(std::max(len, 0)));
+    const int rc = MPI_Mrecv(data.data(), len, MPI_BYTE, &handle, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) throw Error(what + ": " + mpi_error_text(rc));
+    int64_t head[4] = {0, 0, 0, 0};
+    if (data.size() < sizeof head) throw Error(what + ": a malformed message arrived from peer " + std::to_string(peer));
+    std::memcpy(head, data.data(), sizeof head);
+    if (head[0] != kP2PMagic) throw Error(what + ": a malformed message arrived from peer " + std::to_string(peer));
+    Message m{static_cast<int32_t>(head[2]), static_cast<size_t>(head[3]),
+              std::vector<Bytes>(data.begin() + sizeof head, data.end())};
+    inbox_[{peer, static_cast<int32_t>(head[1])}].push_back(std::move(m));
+    it = inbox_.find(key);
+  }
   Message msg = std::move(it->second.front());
   it->second.pop_front();
   if (it->second.empty()) inbox_.erase(it);
@@ -638,7 +629,26 @@ void Group::recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t t
        << msg.count << " " << dtype_name(msg.dtype);
     throw Error(os.str(), LOOM_CODE_INVALID_ARGUMENT);
   }
-  if (bytes) std::memcpy(buf, msg.data.data(), bytes);
+  if (msg.data.size() != count * loom::dtype_size(dtype))
+    throw Error(what + ": a malformed message arrived from peer " + std::to_string(peer));
+  if (!msg.data.empty()) std::memcpy(buf, msg.data.data(), msg.data.size());
+  return true;
+}
+
+Error Group::recv_timeout(int32_t peer, int32_t tag) {
+  std::ostringstream os;
+  os << "comm/mpi: recv on " << label_ << " timed out " << after_text(world_->settings().timeout_ms) << "; "
+     << member(me_) << " waited for tag " << tag << " from peer " << peer << " (rank "
+     << ranks_[static_cast<size_t>(peer)] << "), which never sent it";
+  poison(os.str());
+  return Error(os.str(), LOOM_CODE_TIMEOUT);
+}
+
+void Group::recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+  check_recv(buf, count, dtype, peer);
+  const bool got = world_->poll(world_->deadline(), "comm/mpi: recv on " + label_,
+                                [&] { return take_locked(buf, count, dtype, peer, tag); });
+  if (!got) throw recv_timeout(peer, tag);
 }
 
 }  // namespace loom::comm_mpi

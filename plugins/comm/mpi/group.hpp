@@ -20,15 +20,21 @@
 // Point to point: send copies the data (with a small header: tag, dtype, count)
 // and returns at once; recv probes the group's messages from the peer and files
 // those with other tags in a per-peer inbox, so tags may be received in any order
-// and messages with the same tag arrive in order.
+// and messages with the same tag arrive in order. The inbox is touched only with
+// mpi_mutex() held, so started receives (receiver.hpp) may take messages from
+// another thread.
 //
 // A timeout poisons the group: later calls on it fail at once with the same story.
 #pragma once
 
 #include "../common/mpi_world.hpp"
 
+#include <loom/cpp/core.hpp>
+
+#include <atomic>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <utility>
@@ -57,6 +63,7 @@ class Group {
 
   int size() const { return static_cast<int>(ranks_.size()); }
   const std::string& label() const { return label_; }
+  World& world() const { return *world_; }
 
   // Meets every member (part of group_create); throws on timeout naming who is missing.
   void join();
@@ -72,6 +79,16 @@ class Group {
 
   void send(const void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
   void recv(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+
+  // The steps of recv, for the receiver thread. check_recv throws when the group is
+  // poisoned or the arguments are invalid. take_locked (mpi_mutex() held) files what
+  // has arrived from `peer` and moves the oldest message of (peer, tag) into buf ->
+  // true, or finds none -> false; it throws when that message's count or dtype
+  // differs from the receive's. recv_timeout poisons the group with the story of a
+  // receive that waited past the deadline and returns the error to throw.
+  void check_recv(const void* buf, size_t count, int32_t dtype, int32_t peer) const;
+  bool take_locked(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+  Error recv_timeout(int32_t peer, int32_t tag);
 
  private:
   // What one member says about its call.
@@ -111,9 +128,10 @@ class Group {
   const std::string label_;
   int tag_ = 0;
   int64_t seq_ = 0;
-  bool poisoned_ = false;
-  std::string poison_message_;
-  std::map<std::pair<int, int32_t>, std::deque<Message>> inbox_;  // (peer, tag) -> messages
+  std::atomic<bool> poisoned_{false};  // the receiver thread may poison too
+  mutable std::mutex poison_mu_;
+  std::string poison_message_;  // under poison_mu_, set before poisoned_
+  std::map<std::pair<int, int32_t>, std::deque<Message>> inbox_;  // (peer, tag) -> messages; mpi_mutex()
 };
 
 }  // namespace loom::comm_mpi

@@ -4,6 +4,7 @@
 // the op, the group and the ranks that did not arrive; world_abort reaches every
 // process. See ../common/mpi_world.hpp (MPI set-up, polling, abort) and group.hpp (protocol).
 #include "group.hpp"
+#include "receiver.hpp"
 #include "../common/async_worker.hpp"
 #include "../common/mpi_world.hpp"
 
@@ -21,13 +22,18 @@ struct WorldHandle {
   std::shared_ptr<World> world;
 };
 
-// A member: its group, and the thread its started collectives run on (ABI 1.15,
-// made on first start; every MPI call is serialised by mpi_mutex()). Destroyed
-// worker first, so queued collectives finish before the group goes.
+// A member: its group, the thread its started collectives run on (ABI 1.15) and
+// the one its started receives are polled on (1.17), each made on first use; every
+// MPI call is serialised by mpi_mutex(). Destroyed threads first, so queued
+// collectives finish before the group goes.
 struct Member {
   std::unique_ptr<Group> group;
   std::unique_ptr<comm_common::AsyncWorker> worker;
-  ~Member() { worker.reset(); }
+  std::unique_ptr<Receiver> receiver;
+  ~Member() {
+    worker.reset();
+    receiver.reset();
+  }
 };
 
 Member& member_of(loom_comm* comm) {
@@ -150,9 +156,17 @@ loom_status send(loom_comm* comm, void* /*stream*/, const void* buf, size_t coun
                  int32_t tag) {
   return guard([&] { group_of(comm).send(buf, count, dtype, peer, tag); });
 }
+// Once the member has started a receive, a blocking one queues behind the started
+// receives of its (peer, tag) in the receiver.
 loom_status recv(loom_comm* comm, void* /*stream*/, void* buf, size_t count, int32_t dtype, int32_t peer,
                  int32_t tag) {
-  return guard([&] { group_of(comm).recv(buf, count, dtype, peer, tag); });
+  return guard([&] {
+    Group& g = group_of(comm);
+    Member& m = member_of(comm);
+    if (!m.receiver) return g.recv(buf, count, dtype, peer, tag);
+    g.check_recv(buf, count, dtype, peer);
+    m.receiver->post(buf, count, dtype, peer, tag).get();
+  });
 }
 
 loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, loom_comm_request** req) {
@@ -160,13 +174,31 @@ loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, l
     LOOM_REQUIRE(c != nullptr && req != nullptr && LOOM_HAS_SLOT(c, loom_collective, op),
                  "comm/mpi: start needs a loom_collective and a request");
     Member& m = member_of(comm);
-    const loom_collective col = *c;
+    const bool p2p = c->kind == LOOM_COLLECTIVE_SEND || c->kind == LOOM_COLLECTIVE_RECV;
+    LOOM_REQUIRE(!p2p || LOOM_HAS_SLOT(c, loom_collective, tag),
+                 "comm/mpi: a started send or receive needs a loom_collective of ABI 1.17 or later");
+    const loom_collective col = copy_of(*c);  // a 1.15 caller's is shorter
+    auto r = std::make_unique<Request>();
+    if (col.kind == LOOM_COLLECTIVE_SEND) {  // sends never block: it is on its way when this returns
+      m.group->send(col.send, col.count, col.dtype, col.peer, col.tag);
+      std::promise<void> sent;
+      sent.set_value();
+      r->done = sent.get_future();
+      *req = reinterpret_cast<loom_comm_request*>(r.release());
+      return;
+    }
+    if (col.kind == LOOM_COLLECTIVE_RECV) {
+      m.group->check_recv(col.recv, col.count, col.dtype, col.peer);
+      if (!m.receiver) m.receiver = std::make_unique<Receiver>(*m.group);
+      r->done = m.receiver->post(col.recv, col.count, col.dtype, col.peer, col.tag);
+      *req = reinterpret_cast<loom_comm_request*>(r.release());
+      return;
+    }
     LOOM_REQUIRE(col.kind == LOOM_COLLECTIVE_ALL_REDUCE || col.kind == LOOM_COLLECTIVE_ALL_GATHER ||
                      col.kind == LOOM_COLLECTIVE_REDUCE_SCATTER,
                  "comm/mpi: start of an unknown collective kind " << col.kind);
     if (!m.worker) m.worker = std::make_unique<comm_common::AsyncWorker>();
     Group* g = m.group.get();
-    auto r = std::make_unique<Request>();
     r->done = m.worker->submit([g, col] {
       if (col.kind == LOOM_COLLECTIVE_ALL_REDUCE)
         g->all_reduce(col.send, col.recv, col.count, col.dtype, col.op);
@@ -193,7 +225,7 @@ const loom_comm_api* comm_api() {
     a.world_create = world_create;
     a.world_destroy = world_destroy;
     a.world_abort = world_abort;
-    a.features = LOOM_COMM_PROCESSES;  // host buffers, one process per rank
+    a.features = LOOM_COMM_PROCESSES | LOOM_COMM_START_P2P;  // host buffers, one process per rank
     a.group_create = group_create;
     a.group_destroy = group_destroy;
     a.all_reduce = all_reduce;
@@ -216,7 +248,7 @@ const loom_comm_api* comm_api() {
 }  // namespace loom::comm_mpi
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "comm", "mpi", "1.1.0",
+    "comm", "mpi", "1.2.0",
     "one rank per process over MPI (start with mpirun/srun); CPU buffers; results bit-identical to comm/local",
     LOOM_API_COMM, loom::comm_mpi::comm_api(),
     {loom::opt_int("spin_us", 50, "microseconds a wait polls MPI without sleeping before it backs off")

@@ -1,0 +1,90 @@
+#include "receiver.hpp"
+
+#include <set>
+#include <utility>
+
+namespace loom::comm_mpi {
+
+Receiver::~Receiver() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::future<void> Receiver::post(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+  Posted p{buf, count, dtype, peer, tag, world_.deadline(), {}};
+  std::future<void> done = p.done.get_future();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    pending_.push_back(std::move(p));
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+  cv_.notify_all();
+  return done;
+}
+
+void Receiver::fail_all(const std::exception_ptr& e) {
+  for (Posted& p : pending_) p.done.set_exception(e);
+  pending_.clear();
+}
+
+bool Receiver::serve_locked() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (stopping_ || pending_.empty()) return true;
+  std::set<std::pair<int32_t, int32_t>> waiting;  // pairs whose older receive is still pending
+  bool served = false;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    const std::pair<int32_t, int32_t> key{it->peer, it->tag};
+    bool got = false;
+    if (!waiting.count(key)) {
+      try {
+        got = group_.take_locked(it->buf, it->count, it->dtype, it->peer, it->tag);
+        if (got) it->done.set_value();
+      } catch (...) {  // a count or dtype that differs from the send's: this receive fails
+        it->done.set_exception(std::current_exception());
+        got = true;
+      }
+    }
+    if (got) {
+      it = pending_.erase(it);
+      served = true;
+    } else {
+      waiting.insert(key);
+      ++it;
+    }
+  }
+  return served;
+}
+
+void Receiver::run() {
+  std::unique_lock<std::mutex> lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stopping_ || !pending_.empty(); });
+    if (stopping_) {
+      fail_all(std::make_exception_ptr(
+          Error("comm/mpi: recv on " + group_.label() + ": the group was destroyed before the receive's wait")));
+      return;
+    }
+    const Posted& oldest = pending_.front();
+    const Clock::time_point deadline = oldest.deadline;
+    const int32_t peer = oldest.peer, tag = oldest.tag;
+    lk.unlock();
+    bool progressed = false;
+    std::exception_ptr failure;
+    try {
+      progressed = world_.poll(deadline, "comm/mpi: recv on " + group_.label(), [&] { return serve_locked(); });
+    } catch (...) {  // the world was aborted
+      failure = std::current_exception();
+    }
+    lk.lock();
+    // The oldest receive waited past its deadline: the group is poisoned, and the
+    // receives behind it fail with the same story.
+    if (!failure && !progressed) failure = std::make_exception_ptr(group_.recv_timeout(peer, tag));
+    if (failure) fail_all(failure);
+  }
+}
+
+}  // namespace loom::comm_mpi
