@@ -35,7 +35,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       recompute_(layers_, hidden_),
       grad_a_(&rank, hidden_.bytes()),
       grad_b_(&rank, hidden_.bytes()),
-      grad_recv_{loom::Buffer(&rank, hidden_.bytes()), loom::Buffer()} {
+      grad_recv_{loom::Buffer(), loom::Buffer()} {
   // A recomputed forward runs inside the backward, between a layer's captured
   // forward and backward, on hidden states it re-creates (the schema refuses
   // exec.mode = "partial_graph"; this covers any exec plugin that replays).
@@ -58,6 +58,10 @@ void* Model::chunk_grad_output(int slot) {
   loom::Buffer& b = grad_recv_[slot];
   if (!b) b = loom::Buffer(&rank_, hidden_.bytes());
   return b.get();
+}
+
+uint64_t Model::gradient_buffer_bytes() const {
+  return grad_a_.bytes() + grad_b_.bytes() + grad_recv_[0].bytes() + grad_recv_[1].bytes();
 }
 
 void* Model::chunk_input(int c, int mb) {

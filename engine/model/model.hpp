@@ -154,6 +154,9 @@ class Model {
   bool is_last_global(int c) const { return layers_.chunk(c).is_last_global(); }
   double forward_flops() const { return layers_.forward_flops(); }  // one microbatch through this rank's layers
   uint64_t activation_bytes() const;  // saved per microbatch by this rank's layers (all chunks)
+  // The backward's hidden-state gradient buffers allocated so far (the memory
+  // plan's work_bytes).
+  uint64_t gradient_buffer_bytes() const;
   int64_t tokens_per_microbatch() const { return dims_.seq_len * dims_.micro_batch; }
   // Whether layer steps may be replayed from graphs (the exec mode replays and some
   // layer is capturable): then hidden states stay allocated across steps.
@@ -184,7 +187,8 @@ class Model {
   Recomputation recompute_;
   // Gradients of hidden states in backward: each layer's input gradient, in
   // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received
-  // (slot 1 allocated on first use).
+  // (each slot allocated on first use: a pipeline's executor asks for the ones it
+  // uses before its first step; a last stage uses none).
   loom::Buffer grad_a_, grad_b_, grad_recv_[2];
   // Generation's hidden states, each layer's output in one of the two by turns.
   loom::Buffer generated_[2];

@@ -38,7 +38,11 @@ Executor::Executor(model::Model& model, runtime::RankRuntime& rank, const std::v
     if (!s.forward && s.receives) s.grad_slot = post_early_ ? receiving_backwards++ % 2 : 0;
     steps_.push_back(s);
   }
-  if (post_early_ && receiving_backwards > 1) model.chunk_grad_output(1);  // allocated before any step's measure
+  // The output-gradient slots the order uses, allocated before any step's measure.
+  const bool receives_gradients =
+      std::any_of(steps_.begin(), steps_.end(), [](const Step& s) { return !s.forward && s.receives; });
+  if (receives_gradients) model.chunk_grad_output(0);
+  if (post_early_ && receiving_backwards > 1) model.chunk_grad_output(1);
 }
 
 int Executor::peer_of_chunk(int global_chunk) const { return global_chunk % pp_.size(); }

@@ -69,7 +69,7 @@ bool shards_optimizer_state(const RunPlan& plan) {
 }
 
 uint64_t rank_total_bytes(const RankMemory& r) {
-  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes;
+  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes + r.work_bytes;
 }
 
 uint64_t device_capacity(const RunPlan& plan, int ranks_in_process) {
@@ -339,6 +339,14 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         rm.in_flight = std::max(rm.in_flight, in_flight);
       }
       rm.recompute_bytes = recompute_peak > rm.activation_bytes ? recompute_peak - rm.activation_bytes : 0;
+      // The executor's output-gradient slots: one when a backward receives its
+      // gradient, a second when receives are posted early and several do.
+      int receiving_backwards = 0;
+      for (const int32_t entry : order)
+        if (entry < 0 && chunks[static_cast<size_t>(-entry - 1)].global_index + 1 < chunks[0].num_global)
+          ++receiving_backwards;
+      const int slots = (receiving_backwards > 0 ? 1 : 0) + (post_early && receiving_backwards > 1 ? 1 : 0);
+      rm.work_bytes = static_cast<uint64_t>(2 + slots) * hidden_state_bytes;
       out.microbatches_in_flight = std::max<int64_t>(out.microbatches_in_flight, rm.in_flight);
       rm.bytes_per_param =
           rm.params ? double(rm.param_bytes + rm.grad_bytes + rm.optimizer_bytes) / double(rm.params) : 0.0;

@@ -47,6 +47,10 @@ struct RankMemory {
   // forward runs again in backward (its layers' saved bytes and inner hidden
   // states alive at once, over what is held then), less activation_bytes; 0 without.
   uint64_t recompute_bytes = 0;
+  // The backward's hidden-state gradient buffers, held for the whole run: two for
+  // the layers' input gradients by turns, and one for a received output gradient,
+  // two when receives are posted early (Model::gradient_buffer_bytes).
+  uint64_t work_bytes = 0;
   double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
   // Per local pipeline chunk: its layers and their forward FLOPs over one microbatch
   // (loom_layer_api.forward_flops), for `loom plan --perf`.
@@ -71,7 +75,7 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab = 0);
 
 // Bytes the plan says rank `r` holds (parameters, gradients, optimizer state,
-// activations at the schedule's peak, recomputation).
+// activations at the schedule's peak, recomputation, gradient work buffers).
 uint64_t rank_total_bytes(const RankMemory& r);
 // The memory one rank may plan to hold, as the manifest's device reports it
 // (loom_memory_stats.capacity_bytes, ABI 1.9) for a process that runs

@@ -29,12 +29,14 @@ using loom::testing::tiny_manifest;
 
 struct Measured {
   size_t numel = 0, params = 0;
-  uint64_t activation_bytes = 0;
+  uint64_t activation_bytes = 0, gradient_buffer_bytes = 0;
 };
 
 // With a pipeline, the activations planned at the schedule's peak are what each
 // rank's executor measured at its highest, with the next forward's input held a
-// step early (pipeline.overlap_p2p_comm) and without.
+// step early (pipeline.overlap_p2p_comm) and without; the gradient work buffers
+// are what each rank's model allocated (a second output-gradient slot only with
+// receives posted early, none on a last stage without interleaving).
 TEST(MemoryPlan, PipelinePeakEqualsTheExecutorsWithAndWithoutEarlyReceives) {
   for (const std::vector<std::string>& layout :
        {std::vector<std::string>{"parallel.pp=2"}, {"parallel.pp=2", "pipeline.schedule=\"gpipe\""},
@@ -42,10 +44,20 @@ TEST(MemoryPlan, PipelinePeakEqualsTheExecutorsWithAndWithoutEarlyReceives) {
     for (const char* early : {"pipeline.overlap_p2p_comm=true", "pipeline.overlap_p2p_comm=false"}) {
       std::vector<std::string> o = loom::testing::with_overrides({"run.steps=1", early}, layout);
       SCOPED_TRACE(layout.back() + ", " + early);
-      const loom::testing::Trace run = loom::testing::run_and_trace(tiny_manifest(), o);
+      std::map<int, uint64_t> buffers;
+      std::mutex mu;
+      loom::train::TrainOptions opts;
+      opts.on_step = [&](int64_t, int rank, const loom::model::Model& m) {
+        std::lock_guard<std::mutex> lock(mu);
+        buffers[rank] = m.gradient_buffer_bytes();
+      };
+      const loom::testing::Trace run = loom::testing::run_and_trace(tiny_manifest(), o, opts);
       const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), o));
-      for (const auto& r : plan.ranks)
+      for (const auto& r : plan.ranks) {
         EXPECT_EQ(r.activation_bytes, run.result.peak_activation_bytes.at(r.rank)) << "rank " << r.rank;
+        EXPECT_EQ(r.work_bytes, buffers.at(r.rank)) << "rank " << r.rank;
+        EXPECT_GE(r.work_bytes, 2 * plan.hidden_state_bytes) << "rank " << r.rank;
+      }
     }
   }
 }
@@ -62,6 +74,7 @@ TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
       x.numel = m.numel();
       for (const auto& e : m.param_entries()) x.params += e.numel;
       x.activation_bytes = m.activation_bytes();
+      x.gradient_buffer_bytes = m.gradient_buffer_bytes();
       std::lock_guard<std::mutex> lock(mu);
       measured[rank] = x;
     };
@@ -79,6 +92,7 @@ TEST(MemoryPlan, PlannedEqualsMeasuredOnCpu) {
       EXPECT_EQ(r.in_flight, run.result.peak_in_flight.at(r.rank));
       if (layout != "parallel.pp=2") EXPECT_EQ(r.activation_bytes, measured[r.rank].activation_bytes);
       else EXPECT_GT(r.activation_bytes, measured[r.rank].activation_bytes);  // more than one microbatch held
+      EXPECT_EQ(r.work_bytes, measured[r.rank].gradient_buffer_bytes);
       EXPECT_EQ(r.param_bytes, 4 * r.buffer_numel);
       EXPECT_EQ(r.grad_bytes, 4 * r.buffer_numel);
       EXPECT_LT(r.params, r.buffer_numel + 1);
