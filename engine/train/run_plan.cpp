@@ -88,6 +88,28 @@ std::string list_of(const manifest::RunConfig& config, const std::vector<model::
   return i < config.model.pre.size() ? "model.pre" : "model.post";
 }
 
+// Parameters, checkpoints and exports name a layer's tensors after its instance
+// (blocks.3.mlp.fc1.weight): a name listed twice in one block, or in both model.pre
+// and model.post, would give two layers the same names, and everything that finds a
+// tensor by name (resuming at another layout, init_weights, export) would take the
+// first's for both.
+void check_unique_instances(const manifest::Manifest& man, const manifest::RunConfig& config,
+                            const std::vector<model::LayerSpec>& layers, std::vector<manifest::Diagnostic>& diags) {
+  std::set<std::string> seen;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (seen.insert(layers[i].instance).second) continue;
+    const std::string key = list_of(config, layers, i), name = layers[i].config;
+    const auto& pre = config.model.pre;
+    const bool in_pre_and_post = key == "model.post" && std::find(pre.begin(), pre.end(), name) != pre.end();
+    diags.push_back({key, man.origin(key),
+                     "layer '" + name + "' is listed twice" + (in_pre_and_post ? " in model.pre and model.post" : " in " + key) +
+                         ", so both would have the parameters named " + layers[i].instance +
+                         ".*; give the second its own name with the same plugin, e.g. [model.layer." + name +
+                         "2] plugin = \"" + layers[i].plugin + "\""});
+    return;  // one is enough
+  }
+}
+
 // A layer that reads the tokens comes first and one that writes the loss comes last
 // (ABI 1.9 LOOM_LAYER_READS_TOKENS / LOOM_LAYER_WRITES_LOSS): an embedding in a block
 // or an output head in model.pre would train nonsense or fail inside the first step.
@@ -242,6 +264,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
         service("parallel.expert", config.parallel.expert, LOOM_API_EXPERT_PARALLEL, "an expert-parallel dispatcher");
 
   plan.layers = model::model_layers(config);
+  check_unique_instances(man, config, plan.layers, diags);
   std::set<std::string> configured;
   for (const model::LayerSpec& l : plan.layers) {
     if (!configured.insert(l.config).second) continue;

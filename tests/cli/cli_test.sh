@@ -63,6 +63,11 @@ grep -q "bad.toml:3:1: parallel.tpp: unknown key 'parallel.tpp' (did you mean 'p
   || fail "unknown-key message: $(cat "$work/bad.out")"
 grep -q "model.num_heads (6)" "$work/bad.out" || fail "num_heads message: $(cat "$work/bad.out")"
 [ "$(grep -c ': ' "$work/bad.out")" -ge 2 ] || fail "both problems must be reported at once"
+# A layer named twice in a block would give two layers one set of parameter names.
+"$loom" validate "$here/tiny.toml" --set 'model.block=["attention", "mlp", "att2", "mlp"]' \
+  --set 'model.layer.att2.plugin="attention"' > "$work/dup.out" 2>&1
+[ $? -eq 1 ] && grep -q "model.block: layer 'mlp' is listed twice in model.block" "$work/dup.out" \
+  || fail "a layer listed twice in model.block: $(cat "$work/dup.out")"
 
 # 4b. The plan of an expert-parallel MoE manifest names its dispatcher and edp.
 "$loom" validate "$here/tiny.toml" --set 'model.block=["attention", "moe"]' --set model.layer.moe.num_experts=4 \
