@@ -3,6 +3,7 @@
 #include "engine/text/tokenizer.hpp"
 
 #include "engine/train/checkpoint.hpp"
+#include "engine/train/init_weights.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <boost/filesystem.hpp>
@@ -137,6 +138,27 @@ Shape shape_of(const train::RunPlan& plan) {
                              "Hugging Face counterpart here; this one's layers are: " + layers);
   const toml::table &emb = c.model.layer_section(L[0].config), &att = c.model.layer_section(L[1].config),
                     &mlp = c.model.layer_section(L[2].config), &head = c.model.layer_section(L.back().config);
+  // A Hugging Face model repeats one layer; a block of several attention + MLP pairs
+  // exports as that many layers, when the pairs compute alike (each option as set or
+  // by its default; training-only ones such as dropout may differ).
+  auto computed_options = [&](const model::LayerSpec& spec) {
+    std::string out;
+    const toml::table& section = c.model.layer_section(spec.config);
+    for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options) {
+      if (train::training_only_option(d.name)) continue;
+      std::ostringstream v;
+      if (auto n = section[d.name]) v << n;
+      out += d.name + "=" + (v.str().empty() ? d.default_value.value_or("(unset)") : v.str()) + "; ";
+    }
+    return out;
+  };
+  for (size_t i = 3; i + 1 < L.size(); ++i) {
+    const model::LayerSpec& first = L[i % 2 == 1 ? 1 : 2];
+    if (L[i].config != first.config && computed_options(L[i]) != computed_options(first))
+      throw std::runtime_error("layer " + L[i].instance + " is configured unlike " + first.instance +
+                               " ([model.layer." + L[i].config + "] vs [model.layer." + first.config +
+                               "]): a Hugging Face model repeats one layer");
+  }
   Shape s;
   s.embedding = L.front().instance + ".";
   s.head = L.back().instance + ".";
@@ -155,6 +177,13 @@ Shape shape_of(const train::RunPlan& plan) {
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
   s.eps = att["norm_epsilon"].value_or(1e-5);
+  for (const auto& [name, section] : {std::pair<std::string, const toml::table*>{L[2].config, &mlp},
+                                      {L.back().config, &head}})
+    if ((*section)["norm_epsilon"].value_or(1e-5) != s.eps)
+      throw std::runtime_error("[model.layer." + name + "] norm_epsilon = " +
+                               std::to_string((*section)["norm_epsilon"].value_or(1e-5)) + " but [model.layer." +
+                               L[1].config + "] has " + std::to_string(s.eps) +
+                               ": a Hugging Face model has one normalization epsilon");
   const bool llama_blocks = rope && emb_rope && rms && mlp_rms && head_rms && swiglu && !att_bias && !mlp_bias;
   if (!moe && !rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
       (s.groups == 0 || s.groups == c.model.num_heads))
@@ -207,7 +236,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
   const manifest::RunConfig& c = plan.config;
   const Shape s = shape_of(plan);
   const int64_t C = c.model.hidden_size, H = c.model.num_heads, F = c.model.ffn_hidden_size, V = ck.vocab;
-  const int64_t Lyr = c.model.num_layers, D = C / H, T = c.model.seq_length;
+  const int64_t Lyr = static_cast<int64_t>(s.attention.size()), D = C / H, T = c.model.seq_length;
   const bool tied = c.model.tie_embeddings;
   Builder b(ck);
   HfModel hf;
@@ -412,27 +441,31 @@ class HfTensors {
  public:
   HfTensors(const std::string& dir) : dir_(dir) {
     for (NamedTensor& t : read_safetensors((boost::filesystem::path(dir) / "model.safetensors").string()).tensors) {
-      if (t.dtype != "F32" && t.dtype != "BF16")
-        throw std::runtime_error(dir + "/model.safetensors: tensor " + t.name + " is " + t.dtype +
-                                 "; F32 and BF16 are read");
-      if (!dtype_.empty() && t.dtype != dtype_)
-        throw std::runtime_error(dir + "/model.safetensors mixes " + dtype_ + " and " + t.dtype +
-                                 " tensors; one dtype is read");
-      dtype_ = t.dtype;
       std::string name = t.name;
       by_name_[name] = std::move(t);
     }
+    // The model's dtype is its embedding's; tensors it does not use (buffers such as
+    // rotary inverse frequencies) may have another.
+    for (const char* emb : {"transformer.wte.weight", "model.embed_tokens.weight"})
+      if (const NamedTensor* t = find(emb); t != nullptr && dtype_.empty()) dtype_ = t->dtype;
   }
   int32_t dtype() const { return dtype_ == "BF16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32; }
   const NamedTensor& get(const std::string& name, const std::vector<int64_t>& shape) const {
     const NamedTensor* t = find(name);
     if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
+    if (t->dtype != "F32" && t->dtype != "BF16")
+      throw std::runtime_error(dir_ + "/model.safetensors: tensor " + name + " is " + t->dtype +
+                               "; F32 and BF16 are read");
+    if (t->dtype != dtype_)
+      throw std::runtime_error(dir_ + "/model.safetensors mixes " + dtype_ + " and " + t->dtype + " tensors (" +
+                               name + "); one dtype is read");
     if (t->shape != shape) {
       std::string want, got;
       for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
       for (int64_t d : t->shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
       throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is [" + got + "], the model needs [" + want + "]");
     }
+    require_finite(*t, name);
     return *t;
   }
 
@@ -441,6 +474,25 @@ class HfTensors {
     auto it = by_name_.find(name);
     if (it == by_name_.end() && name.rfind("transformer.", 0) == 0) it = by_name_.find(name.substr(12));
     return it == by_name_.end() ? nullptr : &it->second;
+  }
+  // A NaN or infinity would train (or evaluate) as nonsense without a word.
+  void require_finite(const NamedTensor& t, const std::string& name) const {
+    const size_t elem = t.dtype == "BF16" ? 2 : 4, n = t.data.size() / elem;
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits = 0;
+      if (elem == 2) {
+        uint16_t h = 0;
+        std::memcpy(&h, t.data.data() + 2 * i, 2);
+        bits = static_cast<uint32_t>(h) << 16;
+      } else {
+        std::memcpy(&bits, t.data.data() + 4 * i, 4);
+      }
+      float x = 0;
+      std::memcpy(&x, &bits, 4);
+      if (!std::isfinite(x))
+        throw std::runtime_error(dir_ + "/model.safetensors: " + name + " holds " + std::to_string(x) +
+                                 " at element " + std::to_string(i) + "; the weights must be finite");
+    }
   }
   std::string dir_, dtype_;
   std::map<std::string, NamedTensor> by_name_;
@@ -510,6 +562,7 @@ void require_equal(int64_t hf, int64_t loom, const std::string& hf_key, const st
 }  // namespace
 
 train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan, int64_t vocab) {
+  const Shape s = shape_of(plan);  // what the model cannot be first: it needs no files
   const std::string where = (boost::filesystem::path(dir) / "config.json").string();
   nlohmann::json c;
   {
@@ -522,7 +575,6 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     }
   }
   const manifest::RunConfig& m = plan.config;
-  const Shape s = shape_of(plan);
   if (!c.is_object() || !c.contains("architectures") || !c["architectures"].is_array() ||
       c["architectures"].size() != 1 || !c["architectures"][0].is_string())
     throw std::runtime_error(where + ": \"architectures\" must be a list of one class name");
@@ -530,10 +582,25 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   const std::string want_arch = s.architecture();
   if (arch != want_arch)
     throw std::runtime_error(where + ": architecture " + arch + ", but the manifest's blocks are " + want_arch + "'s");
-  const int64_t C = m.model.hidden_size, H = m.model.num_heads, F = m.model.ffn_hidden_size, L = m.model.num_layers;
+  const int64_t C = m.model.hidden_size, H = m.model.num_heads, F = m.model.ffn_hidden_size;
+  const int64_t L = static_cast<int64_t>(s.attention.size()), pairs = L / std::max<int64_t>(1, m.model.num_layers);
   const int64_t T = m.model.seq_length, D = C / H;
   const bool tied = m.model.tie_embeddings;
-  const bool hf_tied = c.value("tie_word_embeddings", true);
+  // transformers' default: GPT2Config ties the head to the embedding, LlamaConfig and
+  // MixtralConfig do not.
+  if (c.contains("tie_word_embeddings") && !c["tie_word_embeddings"].is_boolean())
+    throw std::runtime_error(where + ": tie_word_embeddings = " + c["tie_word_embeddings"].dump() +
+                             " is not true or false");
+  const bool hf_tied = c.value("tie_word_embeddings", s.gpt2);
+  // The layer count: model.num_layers blocks of `pairs` attention + MLP pairs.
+  auto require_layers = [&](const char* key) {
+    const int64_t n = config_int(c, key, where);
+    if (pairs == 1) return require_equal(n, L, key, "model.num_layers", where);
+    if (n != L)
+      throw std::runtime_error(where + ": " + key + " = " + std::to_string(n) + " but the model has " +
+                               std::to_string(L) + " attention + MLP pairs (model.num_layers = " +
+                               std::to_string(m.model.num_layers) + " blocks of " + std::to_string(pairs) + ")");
+  };
   HfTensors hf(dir);
   Collector out(hf.dtype());
   require_equal(config_int(c, "vocab_size", where), vocab, "vocab_size", "model.vocab_size", where);
@@ -541,33 +608,50 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     throw std::runtime_error(where + ": the model has its own lm_head.weight (tie_word_embeddings false); set "
                              "model.tie_embeddings = false");
   const std::string tie = tied ? "word_embedding" : "";
-  // Keys that would make transformers compute another model than loom's: refused.
-  auto require_value = [&](const char* k, const nlohmann::json& want, bool required) {
-    if (!c.contains(k) || c[k].is_null()) {
-      if (required) throw std::runtime_error(where + " has no " + k + " (loom's is " + want.dump() + ")");
-      return;
-    }
-    const nlohmann::json& v = c[k];
+  // Keys that would make transformers compute another model than loom's: refused. An
+  // absent key is transformers' default for the architecture (null: required).
+  auto require_value = [&](const char* k, const nlohmann::json& want, const nlohmann::json& hf_default) {
+    const bool given = c.contains(k) && !c[k].is_null();
+    if (!given && hf_default.is_null()) throw std::runtime_error(where + " has no " + k + " (loom's is " + want.dump() + ")");
+    const nlohmann::json& v = given ? c[k] : hf_default;
     const bool same = v.is_number() && want.is_number() ? std::fabs(v.get<double>() - want.get<double>()) <=
                                                                1e-12 * std::fabs(want.get<double>())
                                                         : v == want;
     if (!same)
-      throw std::runtime_error(where + ": " + k + " = " + v.dump() + ", which loom's model does not compute (it has " +
-                               want.dump() + ")");
+      throw std::runtime_error(where + ": " + k + " = " + v.dump() + (given ? "" : " (transformers' default)") +
+                               ", which loom's model does not compute (it has " + want.dump() + ")");
   };
-  require_value("model_type", s.gpt2 ? "gpt2" : s.llama ? "llama" : "mixtral", true);
+  require_value("model_type", s.gpt2 ? "gpt2" : s.llama ? "llama" : "mixtral", nullptr);
   if (s.gpt2) {
-    require_value("activation_function", "gelu_new", false);
-    require_value("layer_norm_epsilon", s.eps, false);
+    require_value("activation_function", "gelu_new", "gelu_new");
+    require_value("layer_norm_epsilon", s.eps, 1e-5);
+    require_value("scale_attn_weights", true, true);
+    require_value("scale_attn_by_inverse_layer_idx", false, false);
+    if (c.contains("n_inner") && !c["n_inner"].is_null() && !c["n_inner"].is_number_integer())
+      throw std::runtime_error(where + ": n_inner = " + c["n_inner"].dump() + " is not an integer");
   } else {
-    require_value("hidden_act", "silu", false);
-    require_value("rms_norm_eps", s.eps, false);
-    require_value("head_dim", C / H, false);
+    require_value("hidden_act", "silu", "silu");
+    require_value("rms_norm_eps", s.eps, s.llama ? 1e-6 : 1e-5);
+    require_value("head_dim", C / H, C / H);
     require_value("attention_bias", false, false);
     require_value("mlp_bias", false, false);
     if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
       throw std::runtime_error(where + ": rope_scaling = " + c["rope_scaling"].dump() +
                                " (scaled rotary frequencies) has no loom counterpart");
+    const nlohmann::json theta = c.contains("rope_theta") && !c["rope_theta"].is_null()
+                                     ? c["rope_theta"]
+                                     : nlohmann::json(s.llama ? 10000.0 : 1000000.0);
+    if (!theta.is_number() || theta.get<double>() != s.theta)
+      throw std::runtime_error(where + ": rope_theta = " + theta.dump() +
+                               (c.contains("rope_theta") ? "" : " (transformers' default)") +
+                               " but the model's rotary_base is " + std::to_string(s.theta) +
+                               "; set model.layer.attention.rotary_base to it");
+    // Mixtral's sliding window: attention over at most that many earlier tokens.
+    if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
+        (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < T))
+      throw std::runtime_error(where + ": sliding_window = " + c["sliding_window"].dump() +
+                               " limits attention to fewer tokens than model.seq_length = " + std::to_string(T) +
+                               "; loom's attention sees every earlier token");
   }
   for (const char* k : {"n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "intermediate_size", "vocab_size", "n_positions"})
@@ -575,7 +659,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + ": " + k + " = " + c[k].dump() + " is not a positive integer");
   if (s.gpt2) {
     require_equal(config_int(c, "n_embd", where), C, "n_embd", "model.hidden_size", where);
-    require_equal(config_int(c, "n_layer", where), L, "n_layer", "model.num_layers", where);
+    require_layers("n_layer");
     require_equal(config_int(c, "n_head", where), H, "n_head", "model.num_heads", where);
     const int64_t inner = c.contains("n_inner") && c["n_inner"].is_number_integer() ? c["n_inner"].get<int64_t>() : 4 * C;
     require_equal(inner, F, "n_inner", "model.ffn_hidden_size", where);
@@ -608,7 +692,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   } else {
     const int64_t G = s.groups > 0 ? s.groups : H, hg = H / G;
     require_equal(config_int(c, "hidden_size", where), C, "hidden_size", "model.hidden_size", where);
-    require_equal(config_int(c, "num_hidden_layers", where), L, "num_hidden_layers", "model.num_layers", where);
+    require_layers("num_hidden_layers");
     require_equal(config_int(c, "num_attention_heads", where), H, "num_attention_heads", "model.num_heads", where);
     if (s.llama) {
       require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
@@ -622,10 +706,6 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     }
     require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : H, G,
                   "num_key_value_heads", "model.layer.attention.num_query_groups", where);
-    if (c.contains("rope_theta") && c["rope_theta"].is_number() && c["rope_theta"].get<double>() != s.theta)
-      throw std::runtime_error(where + ": rope_theta = " + std::to_string(c["rope_theta"].get<double>()) +
-                               " but the model's rotary_base is " + std::to_string(s.theta) +
-                               "; set model.layer.attention.rotary_base to it");
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
     const int64_t Fe = s.expert_ffn;
     for (int64_t i = 0; i < L; ++i) {

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <set>
@@ -360,6 +361,42 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
   fs::remove_all(dir);
 }
 
+// A block of two attention + MLP pairs (4 blocks) is an 8-layer Hugging Face model, and
+// reads back bit for bit.
+const std::vector<std::string>& two_pairs() {
+  static const std::vector<std::string> o = {"model.block=[\"attention\", \"mlp\", \"att2\", \"mlp2\"]",
+                                             "model.layer.att2.plugin=\"attention\"",
+                                             "model.layer.mlp2.plugin=\"mlp\""};
+  return o;
+}
+TEST(HfExport, ABlockOfTwoPairsExportsAsTwiceTheLayers) { check_export(two_pairs(), "GPT2LMHeadModel"); }
+
+// What one Hugging Face config cannot say is refused, on export and import alike:
+// pairs of a block configured differently, and normalization epsilons that differ.
+TEST(HfExport, PairsConfiguredUnlikeAndEpsilonsThatDifferAreRefused) {
+  auto refusal = [](std::vector<std::string> o) {
+    o.push_back("model.num_layers=4");
+    const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+    try {
+      loom::interop::read_hf("/nonexistent", plan, 13);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::vector<std::string> unlike = two_pairs();
+  unlike.push_back("model.layer.mlp2.activation=\"swiglu\"");
+  EXPECT_NE(refusal(unlike).find("layer blocks.0.mlp2 is configured unlike blocks.0.mlp"), std::string::npos)
+      << refusal(unlike);
+  EXPECT_NE(refusal({"model.layer.lm_head.norm_epsilon=0.5"}).find("a Hugging Face model has one normalization epsilon"),
+            std::string::npos);
+  EXPECT_NE(refusal({"model.layer.mlp.norm_epsilon=0.01"}).find("[model.layer.mlp] norm_epsilon"), std::string::npos);
+  EXPECT_NE(refusal({}).find("cannot read /nonexistent"), std::string::npos);  // a consistent model gets as far as the files
+  std::vector<std::string> dropout_only = two_pairs();  // training-only options may differ
+  dropout_only.push_back("model.layer.mlp2.dropout=0.2");
+  EXPECT_NE(refusal(dropout_only).find("cannot read /nonexistent"), std::string::npos) << refusal(dropout_only);
+}
+
 // ---- checkpoint.init_weights ---------------------------------------------------------
 
 const std::vector<std::string>& llama() {
@@ -412,6 +449,7 @@ void check_round_trip(const std::vector<std::string>& model) {
 }
 
 TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
+TEST(HfImport, TwoPairsABlockRoundTripIsBitExact) { check_round_trip(two_pairs()); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
 TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
 
@@ -504,6 +542,67 @@ TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {
   EXPECT_NE(from_checkpoint({"model.layer.attention.norm=\"rmsnorm\""}).find("model.layer.attention.norm"),
             std::string::npos);
   EXPECT_EQ(from_checkpoint({"model.layer.attention.dropout=0.1"}), "");  // training-only options may differ
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
+
+// An absent config.json key means transformers' default for the architecture (Llama:
+// untied head, rope_theta 10000, rms_norm_eps 1e-6), and weights must be finite.
+TEST(HfImport, AbsentKeysAreTransformersDefaultsAndWeightsMustBeFinite) {
+  const std::string dir = scratch("dflt"), out = scratch("dflt-out");
+  const std::string step = parallel_checkpoint(llama(), dir);
+  loom::interop::export_hf(step, out, loom::plugins::registry());
+  const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), serial(llama()));
+  nlohmann::json exported;
+  std::ifstream(out + "/config.json") >> exported;
+  auto with_config = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json c = exported;
+    edit(c);
+    std::ofstream(out + "/config.json") << c.dump();
+    try {
+      return std::make_pair(loom::interop::read_hf(out, plan, ck.vocab), std::string());
+    } catch (const std::exception& e) {
+      return std::make_pair(loom::train::InitialWeights{}, std::string(e.what()));
+    }
+  };
+  // No tie_word_embeddings: LlamaConfig's false, so the file's own lm_head.weight is read.
+  const auto untied = with_config([](nlohmann::json& c) { c.erase("tie_word_embeddings"); });
+  ASSERT_EQ(untied.second, "");
+  const loom::train::WholeTensor* head = ck.find("lm_head.word.weight");
+  ASSERT_NE(head, nullptr);
+  bool found = false;
+  for (const loom::train::WholeTensor& t : untied.first.tensors)
+    if (t.name == "lm_head.word.weight") {
+      found = true;
+      EXPECT_EQ(0, std::memcmp(t.data.data(), head->data.data(), t.data.size())) << "the head is not lm_head.weight";
+    }
+  EXPECT_TRUE(found);
+  // No rope_theta (10000) and no rms_norm_eps (1e-6): not the model's 500000 and 1e-5.
+  EXPECT_NE(with_config([](nlohmann::json& c) { c.erase("rope_theta"); })
+                .second.find("rope_theta = 10000.0 (transformers' default) but the model's rotary_base is 500000"),
+            std::string::npos);
+  EXPECT_NE(with_config([](nlohmann::json& c) { c.erase("rms_norm_eps"); })
+                .second.find("rms_norm_eps = 1e-06 (transformers' default)"),
+            std::string::npos);
+  EXPECT_NE(with_config([](nlohmann::json& c) { c["rope_theta"] = "500000"; }).second.find("rope_theta = \"500000\""),
+            std::string::npos);
+  EXPECT_NE(with_config([](nlohmann::json& c) { c["tie_word_embeddings"] = "false"; })
+                .second.find("tie_word_embeddings = \"false\" is not true or false"),
+            std::string::npos);
+  EXPECT_NE(with_config([](nlohmann::json& c) { c["sliding_window"] = 4; }).second.find("sliding_window = 4"),
+            std::string::npos);
+  // A NaN in the final norm's weight.
+  with_config([](nlohmann::json&) {});
+  auto file = loom::interop::read_safetensors(out + "/model.safetensors");
+  for (auto& t : file.tensors)
+    if (t.name == "model.norm.weight") {
+      const float nan = std::nanf("");
+      std::memcpy(t.data.data() + 4, &nan, 4);
+    }
+  loom::interop::write_safetensors(out + "/model.safetensors", file.tensors, file.metadata);
+  EXPECT_NE(with_config([](nlohmann::json&) {}).second.find("model.norm.weight holds nan at element 1"),
+            std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(out);
 }
