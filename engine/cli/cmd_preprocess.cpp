@@ -242,6 +242,9 @@ int preprocess(const Args& args) {
     text::write_llmc_tokens(prefix + ".bin", all);
     tokens = static_cast<int64_t>(all.size());
     std::cerr << "wrote " << prefix << ".bin: ";
+    // A Megatron index beside it described the .bin just replaced.
+    if (boost::filesystem::exists(prefix + ".idx") && std::remove((prefix + ".idx").c_str()) == 0)
+      std::cerr << "(removed " << prefix << ".idx, the index of the .bin it replaced) ";
   }
   std::cerr << docs.size() << " documents, " << tokens << " tokens (vocab " << tok.vocab_size() << ") in "
             << progress.seconds() << " s\n";

@@ -173,6 +173,22 @@ IndexedDataset IndexedDataset::read(const std::string& prefix) {
                            " at byte " + std::to_string(offsets[s]) + ", expected a length >= 0 at byte " +
                            std::to_string(want) + " (the sequences lie back to back)");
   }
+  // The whole index describes the whole .bin, as Megatron's writer leaves them: the
+  // document index runs from sequence 0 to the last, nothing follows it, and the
+  // sequences end where the .bin ends (a .bin of another dataset, or an llm.c file
+  // written under the same prefix, is refused rather than read as these tokens).
+  if (at != idx.size())
+    throw TokenFileError(idx_path + ": " + std::to_string(idx.size() - at) +
+                         " bytes follow the document index (is it another dataset's index?)");
+  if (docs.front() != 0 || static_cast<uint64_t>(docs.back()) != sequences)
+    throw TokenFileError(idx_path + ": the document index runs from sequence " + std::to_string(docs.front()) +
+                         " to " + std::to_string(docs.back()) + ", not from 0 to the " + std::to_string(sequences) +
+                         " sequences");
+  const uint64_t described =
+      lengths.empty() ? 0 : static_cast<uint64_t>(offsets.back()) + static_cast<uint64_t>(lengths.back()) * es;
+  if (described != bin.size())
+    throw TokenFileError(bin_path + " holds " + std::to_string(bin.size()) + " bytes but " + idx_path + " describes " +
+                         std::to_string(described) + " (are they the files of one dataset?)");
   for (size_t d = 0; d + 1 < docs.size(); ++d) {
     if (docs[d] < 0 || docs[d] > docs[d + 1] || static_cast<uint64_t>(docs[d + 1]) > sequences)
       throw TokenFileError(idx_path + ": document " + std::to_string(d) + " has sequences " + std::to_string(docs[d]) +

@@ -62,6 +62,11 @@ cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's l
 "$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/llmc" --append-eod \
   --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
 cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
+# An llm.c file written over a Megatron dataset's .bin takes its stale .idx away.
+cp "$work/ds.idx" "$work/stale.idx"
+"$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/stale" --append-eod \
+  --format llmc 2>/dev/null || fail "preprocess --format llmc over a stale index exited $?"
+[ -e "$work/stale.idx" ] && fail "the stale stale.idx was left beside the new llm.c stale.bin"
 
 # 2b. SentencePiece: a model trained here encodes each line as spm_encode (the
 #     sentencepiece package's own tool) does, and decodes back.

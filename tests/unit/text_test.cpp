@@ -12,6 +12,8 @@
 #include <boost/filesystem.hpp>
 
 #include <fstream>
+#include <iterator>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -122,6 +124,42 @@ TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
               std::string::npos)
         << e.what();
   }
+  // An index that does not describe the whole .bin: bytes after it, a document index
+  // that starts past sequence 0, a .bin longer than the sequences.
+  auto refusal = [&]() -> std::string {
+    try {
+      loom::text::IndexedDataset::read(dir + "/a");
+    } catch (const loom::text::TokenFileError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  {
+    loom::text::IndexedDatasetWriter w(dir + "/a", loom::text::TokenType::U16);
+    for (const auto& d : docs) w.add_document(d);
+    w.finish();
+  }
+  ASSERT_EQ(refusal(), "");
+  const std::string good_idx = [&] {
+    std::ifstream in(idx, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  std::ofstream(idx, std::ios::app | std::ios::binary) << "xy";
+  EXPECT_NE(refusal().find("2 bytes follow the document index"), std::string::npos) << refusal();
+  {
+    std::string first_doc_at_1 = good_idx;
+    const int64_t one = 1;
+    std::memcpy(first_doc_at_1.data() + first_doc_at_1.size() - 4 * 8, &one, 8);  // docs [0, 1, 2, 3] -> [1, ...]
+    std::ofstream(idx, std::ios::trunc | std::ios::binary) << first_doc_at_1;
+  }
+  EXPECT_NE(refusal().find("the document index runs from sequence 1 to 3, not from 0"), std::string::npos) << refusal();
+  std::ofstream(idx, std::ios::trunc | std::ios::binary) << good_idx;
+  std::ofstream(dir + "/a.bin", std::ios::app | std::ios::binary) << "zz";
+  EXPECT_NE(refusal().find("a.bin holds 12 bytes but"), std::string::npos) << refusal();
+  std::ofstream(idx, std::ios::trunc | std::ios::binary) << good_idx;
+  fs::resize_file(dir + "/a.bin", 10);
+  ASSERT_EQ(refusal(), "");
+
   // A truncated index, and one that is not an index, are refused by name.
   const auto size = fs::file_size(idx);
   fs::resize_file(idx, size - 5);
