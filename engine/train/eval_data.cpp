@@ -96,10 +96,17 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
     const size_t begin = end == std::string::npos ? end : text.find_last_of(" \t\r\n", end);
     if (end == std::string::npos || begin == std::string::npos)
       throw DataError(where + ": the text needs a context and a last word");
-    const std::string word = text.substr(begin + 1, end - begin);
     const size_t context_end = text.find_last_not_of(" \t\r\n", begin);
     if (context_end == std::string::npos) throw DataError(where + ": the text needs a context and a last word");
-    LastWordExample e{encode(text.substr(0, context_end + 1)), encode(" " + word), n};
+    // The word's tokens are those that follow the context's in the encoding of the whole
+    // text (as lm-evaluation-harness splits a continuation): encoding " word" alone
+    // would add a tokenizer's text-start prefix (SentencePiece's dummy "▁") that running
+    // text never has there.
+    std::vector<int32_t> context = encode(text.substr(0, context_end + 1)), whole = encode(text.substr(0, end + 1));
+    if (whole.size() <= context.size())
+      throw DataError(where + ": the last word adds no tokens to the encoding of its context");
+    LastWordExample e{std::move(context), {}, n};
+    e.target.assign(whole.begin() + static_cast<std::ptrdiff_t>(e.context.size()), whole.end());
     if (e.context.empty() || e.target.empty()) throw DataError(where + ": the context or the last word encodes to no tokens");
     out.push_back(std::move(e));
   }

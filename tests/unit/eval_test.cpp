@@ -184,6 +184,23 @@ TEST(EvalData, LastWordExamplesFromJsonl) {
   EXPECT_EQ(ex[0].target, bytes(" mat"));
   EXPECT_EQ(ex[1].context, bytes("  a"));
   EXPECT_EQ(ex[1].target, bytes(" b"));
+  // A tokenizer that marks the start of a text (SentencePiece's dummy prefix, here 999):
+  // the word's tokens are what follows the context's in the whole text's encoding, not
+  // the encoding of " mat" alone (which would start with the marker). The separator is
+  // the text's own.
+  const auto marked = [&](const std::string& s) {
+    std::vector<int32_t> ids = {999};
+    for (int32_t b : bytes(s)) ids.push_back(b);
+    return ids;
+  };
+  {
+    std::ofstream out(file.string());
+    out << R"({"text": "the cat sat on the\tmat"})" << "\n";
+  }
+  const auto sp = loom::train::read_last_word_examples(file.string(), marked);
+  ASSERT_EQ(sp.size(), 1u);
+  EXPECT_EQ(sp[0].context, marked("the cat sat on the"));
+  EXPECT_EQ(sp[0].target, bytes("\tmat"));
   {
     std::ofstream out(file.string());
     out << R"({"text": "one"})" << "\n";
