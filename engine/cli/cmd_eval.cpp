@@ -162,6 +162,10 @@ int cmd_eval(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     const train::Evaluation e = train::evaluate(src.plan, src.weights, src.vocab, *data, samples);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (!std::isfinite(e.loss))
+      throw loom::Error("the loss over " + data_path + " is " + std::to_string(e.loss) + ": the weights of " +
+                        src.weights.source +
+                        " hold non-finite values or its logits overflow, so no perplexity or accuracy can be given");
     // Perplexity per token, and per whitespace-separated word of the text (the token
     // loss scaled by tokens / words, as Megatron-LM's adjusted perplexity).
     const double ppl = std::exp(e.loss);

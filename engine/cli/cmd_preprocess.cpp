@@ -193,9 +193,9 @@ int preprocess(const Args& args) {
   if (workers < 1 || workers > 1024) throw UsageError("--workers must be between 1 and 1024");
   const std::string prefix = *args.get("--output-prefix");
   if (prefix.empty() || prefix.back() == '/') throw UsageError("--output-prefix must name files (PREFIX.bin, PREFIX.idx)");
-  // An output must not overwrite an input.
+  // An output must not overwrite an input (the files are written under .tmp names first).
   for (const std::string& input : args.all("--input"))
-    for (const char* ext : {".bin", ".idx"}) {
+    for (const char* ext : {".bin", ".idx", ".bin.tmp", ".idx.tmp"}) {
       boost::system::error_code ec;
       if (boost::filesystem::equivalent(input, prefix + ext, ec) && !ec)
         throw UsageError("--output-prefix " + prefix + " would write " + prefix + ext + ", which is the input " + input);

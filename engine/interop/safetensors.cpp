@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <limits>
 
 namespace loom::interop {
@@ -80,12 +81,26 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
   if (n > kMaxHeader || n > bytes.size() - 8)
     throw SafetensorsError(fail_in(what, "header length " + std::to_string(n) + " exceeds the file (" +
                                              std::to_string(bytes.size()) + " bytes) or 100 MB"));
+  const auto header_begin = bytes.begin() + 8, header_end = header_begin + static_cast<std::ptrdiff_t>(n);
+  if (std::find(header_begin, header_end, '\0') != header_end)
+    throw SafetensorsError(fail_in(what, "the header holds NUL bytes (the format pads it with spaces only)"));
+  // A name given twice would silently keep one of the two tensors.
+  std::set<std::string> names;
+  std::string duplicate;
+  const nlohmann::json::parser_callback_t note_names = [&](int depth, nlohmann::json::parse_event_t event,
+                                                           nlohmann::json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && !names.insert(parsed.get<std::string>()).second &&
+        duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+    header = nlohmann::json::parse(header_begin, header_end, note_names);
   } catch (const nlohmann::json::exception& e) {
     throw SafetensorsError(fail_in(what, std::string("the header is not JSON: ") + e.what()));
   }
+  if (!duplicate.empty()) throw SafetensorsError(fail_in(what, "the header names " + duplicate + " twice"));
   if (!header.is_object()) throw SafetensorsError(fail_in(what, "the header is not a JSON object"));
   const uint64_t data_size = bytes.size() - 8 - n;
   const char* data = bytes.data() + 8 + n;
@@ -158,6 +173,13 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
 }
 
 SafetensorsFile read_safetensors(const std::string& path) {
+  if (!boost::filesystem::is_regular_file(path)) {
+    const std::string index = path + ".index.json";  // save_pretrained's shards: model-00001-of-0000N.safetensors
+    if (boost::filesystem::exists(index))
+      throw SafetensorsError(path + " is split into shards (" + index +
+                             "); loom reads one file: save the model with a max_shard_size above its size");
+    throw SafetensorsError("cannot read " + path + (boost::filesystem::exists(path) ? ": not a regular file" : ""));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw SafetensorsError("cannot read " + path);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

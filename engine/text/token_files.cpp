@@ -1,6 +1,7 @@
 #include "engine/text/token_files.hpp"
 
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -210,6 +211,9 @@ IndexedDataset IndexedDataset::read(const std::string& prefix) {
 }
 
 void write_llmc_tokens(const std::string& path, const std::vector<int32_t>& tokens) {
+  if (tokens.size() > static_cast<size_t>(INT32_MAX))
+    throw TokenFileError(path + ": " + std::to_string(tokens.size()) +
+                         " tokens do not fit llm.c's header (an int32 count); write Megatron's format or split the input");
   std::string bytes;
   int32_t header[256] = {};
   header[0] = 20240520;

@@ -70,8 +70,15 @@ void train_sentencepiece(const SentencePieceTraining& how) {
   std::string inputs;
   for (const std::string& f : how.inputs) {
     if (!boost::filesystem::is_regular_file(f)) throw TokenizerError(f + ": cannot read the training text");
+    if (f.find(',') != std::string::npos)
+      throw TokenizerError(f + ": SentencePiece's trainer takes its inputs as one comma-separated list, so a path "
+                               "with a comma cannot be given; rename or link the file");
     inputs += (inputs.empty() ? "" : ",") + f;
   }
+  const boost::filesystem::path prefix_dir = boost::filesystem::path(how.model_prefix).parent_path();
+  if (!prefix_dir.empty() && !boost::filesystem::is_directory(prefix_dir))
+    throw TokenizerError(how.model_prefix + ": the directory " + prefix_dir.string() +
+                         " does not exist (the model is written as PREFIX.model and PREFIX.vocab)");
   const std::unordered_map<std::string, std::string> args = {
       {"input", inputs},
       {"model_prefix", how.model_prefix},

@@ -310,6 +310,12 @@ CheckpointMeta read_meta(const std::string& step_dir) {
       if (!v) throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has no integer '" + key + "'");
       return *v;
     };
+    // meta.toml's own format (1 since it has one; absent before): a later engine's
+    // checkpoint may mean other things by the same keys.
+    const int64_t format = t["format"].value_or(int64_t{1});
+    if (format != 1)
+      throw CheckpointError("checkpoint " + step_dir + ": meta.toml format " + std::to_string(format) +
+                            ", this engine reads format 1 (was it written by a newer loom?)");
     m.step = need("step");
     m.world = static_cast<int>(need("world"));
     m.tp = static_cast<int>(need("tp"));

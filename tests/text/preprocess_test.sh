@@ -93,6 +93,16 @@ PY
 else
   echo "note: spm_encode not installed (Debian package sentencepiece); SentencePiece checks skipped"
 fi
+# tokenizer-train refuses what SentencePiece's trainer would misread: a comma in an
+# input path (its inputs are one comma-separated list), a model prefix in a missing
+# directory.
+cp "$work/shakespeare.txt" "$work/a,b.txt"
+"$loom" tokenizer-train --input "$work/a,b.txt" --model-prefix "$work/c" --vocab-size 300 > "$work/comma.out" 2>&1 &&
+  fail "tokenizer-train took an input path with a comma"
+grep -q "a path with a comma cannot be given" "$work/comma.out" || fail "comma refusal: $(cat "$work/comma.out")"
+"$loom" tokenizer-train --input "$work/shakespeare.txt" --model-prefix "$work/nodir/m" --vocab-size 300 \
+  > "$work/nodir.out" 2>&1 && fail "tokenizer-train wrote into a missing directory"
+grep -q "nodir does not exist" "$work/nodir.out" || fail "missing-directory refusal: $(cat "$work/nodir.out")"
 
 # 3. What preprocess writes trains: a few steps of the quickstart model on the
 #    Shakespeare dataset start near ln(50257) = 10.8 and fall.

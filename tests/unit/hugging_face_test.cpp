@@ -708,6 +708,12 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingTheProblem) {
       {file_with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "belong to no tensor"},
       {file_with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8), "belong to no tensor"},
       {file_with_header(R"({"a":{"dtype":"F32","shape":[1]}})", 4), "needs dtype, shape and data_offsets"},
+      {file_with_header(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                        R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                        8),
+       "the header names a twice"},
+      {file_with_header(std::string(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})") + '\0', 4),
+       "NUL bytes"},
   };
   for (const auto& [bytes, why] : cases) {
     try {
@@ -721,6 +727,24 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingTheProblem) {
   std::vector<char> huge = file_with_header("{}", 0);
   huge[3] = 1;
   EXPECT_THROW(loom::interop::parse_safetensors(huge, "huge"), loom::interop::SafetensorsError);
+  // A directory, and a model saved in shards, are named as such.
+  const std::string dir = scratch("st-files");
+  fs::create_directories(dir + "/model.safetensors");
+  try {
+    loom::interop::read_safetensors(dir + "/model.safetensors");
+    ADD_FAILURE() << "a directory was read";
+  } catch (const loom::interop::SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir + "/model.safetensors");
+  std::ofstream(dir + "/model.safetensors.index.json") << "{}";
+  try {
+    loom::interop::read_safetensors(dir + "/model.safetensors");
+    ADD_FAILURE() << "a sharded model was read";
+  } catch (const loom::interop::SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("is split into shards"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -14,6 +14,10 @@
 
 #include <gtest/gtest.h>
 
+#include <iterator>
+
+#include <fstream>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -277,6 +281,27 @@ TEST(MixedPrecision, Bf16ResumeIsBitExactAndDtypeMismatchIsRefused) {
   const std::string step6 = loom::train::checkpoint_path(dir, 6);
   ASSERT_TRUE(fs::exists(step6));
   EXPECT_EQ(loom::train::read_meta(step6).param_dtype, "bf16");
+  {  // a meta.toml of another format (a newer engine's) is refused, not half understood
+    const std::string other = loom::testing::scratch_dir("meta-format");
+    fs::copy_file(step6 + "/meta.toml", other + "/meta.toml");
+    std::string text;
+    {
+      std::ifstream in(other + "/meta.toml");
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    const size_t at = text.find("format = 1");
+    ASSERT_NE(at, std::string::npos) << text;
+    text.replace(at, 10, "format = 2");
+    std::ofstream(other + "/meta.toml", std::ios::trunc) << text;
+    try {
+      loom::train::read_meta(other);
+      ADD_FAILURE() << "meta.toml format 2 was read";
+    } catch (const loom::train::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("meta.toml format 2, this engine reads format 1"), std::string::npos)
+          << e.what();
+    }
+    fs::remove_all(other);
+  }
   // The rank file holds 2 bytes per parameter element.
   const size_t numel = first.params.back().size();
   const loom::train::RankState rs = loom::train::read_rank_file(step6, 0, static_cast<int64_t>(numel), 2);
