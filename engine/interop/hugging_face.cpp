@@ -194,9 +194,13 @@ Shape shape_of(const train::RunPlan& plan) {
     s.mixtral = true;
   else
     throw std::runtime_error(
-        "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions) nor Llama's or Mixtral's "
-        "(rmsnorm, swiglu, bias = false, rope in the embedding and attention): no Hugging Face architecture matches "
-        "them");
+        "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions, one key/value head per query "
+        "head) nor Llama's or Mixtral's (rmsnorm, swiglu, bias = false, rope in the embedding and attention): no "
+        "Hugging Face architecture matches them" +
+        std::string(s.groups != 0 && s.groups != c.model.num_heads && !rope
+                        ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
+                              " of " + std::to_string(c.model.num_heads) + " heads)"
+                        : ""));
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
     throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
                              " counterpart");
