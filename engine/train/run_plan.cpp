@@ -6,10 +6,13 @@
 #include "engine/runtime/launcher.hpp"
 #include "engine/topology/rank_groups.hpp"
 
+#include <loom/cpp/link_model.hpp>
+
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
 #include <set>
+#include <stdexcept>
 
 namespace loom::train {
 
@@ -107,6 +110,23 @@ void check_unique_instances(const manifest::Manifest& man, const manifest::RunCo
                          ".*; give the second its own name with the same plugin, e.g. [model.layer." + name +
                          "2] plugin = \"" + layers[i].plugin + "\""});
     return;  // one is enough
+  }
+}
+
+// A comm plugin's `links` option is the SDK's network model (loom/cpp/link_model.hpp,
+// which `loom plan --perf` reads too): checked here, so that loom validate reports a
+// malformed spec with its origin instead of the run failing when its world is made.
+void check_links(const manifest::Manifest& man, const plugins::LoadedPlugin* comm, const manifest::RunConfig& config,
+                 std::vector<manifest::Diagnostic>& diags) {
+  if (comm == nullptr) return;
+  const bool declares = std::any_of(comm->options.begin(), comm->options.end(),
+                                    [](const manifest::OptionDecl& d) { return d.name == "links"; });
+  const toml::node* v = config.comm.options.get("links");
+  if (!declares || v == nullptr || !v->is_string()) return;
+  try {
+    (void)LinkModel::parse(v->as_string()->get());
+  } catch (const std::invalid_argument& e) {
+    diags.push_back({"comm.options.links", man.origin("comm.options.links"), e.what()});
   }
 }
 
@@ -234,6 +254,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   };
   plan.device = need("device.kind", "device", config.device.kind, "device.options");
   plan.comm = need("comm.backend", "comm", config.comm.backend, "comm.options");
+  check_links(man, plan.comm, config, diags);
   plan.exec = need("exec.mode", "exec", config.exec.mode, "exec.options");
   plan.optimizer = need("optimizer.strategy", "parallel", config.optimizer.strategy, "optimizer.options");
   if (plan.optimizer != nullptr && plan.optimizer->api_type != LOOM_API_OPTIMIZER) {

@@ -63,6 +63,10 @@ grep -q "bad.toml:3:1: parallel.tpp: unknown key 'parallel.tpp' (did you mean 'p
   || fail "unknown-key message: $(cat "$work/bad.out")"
 grep -q "model.num_heads (6)" "$work/bad.out" || fail "num_heads message: $(cat "$work/bad.out")"
 [ "$(grep -c ': ' "$work/bad.out")" -ge 2 ] || fail "both problems must be reported at once"
+# comm/local's link model is checked before launch, with where it was set.
+"$loom" validate "$here/tiny.toml" --set 'comm.options.links="dp=25GB,10us"' > "$work/links.out" 2>&1
+[ $? -eq 1 ] && grep -q "comm.options.links: link 'dp=25GB,10us': bandwidth '25GB' must be" "$work/links.out" \
+  || fail "a malformed comm.options.links: $(cat "$work/links.out")"
 # A layer named twice in a block would give two layers one set of parameter names.
 "$loom" validate "$here/tiny.toml" --set 'model.block=["attention", "mlp", "att2", "mlp"]' \
   --set 'model.layer.att2.plugin="attention"' > "$work/dup.out" 2>&1
