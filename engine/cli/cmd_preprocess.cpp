@@ -45,8 +45,8 @@ const char* kPreprocessUsage =
     "                scripts/fetch-gpt2-tokenizer.sh fetches them) or a SentencePiece .model\n"
     "  --format      megatron (default): PREFIX.bin + PREFIX.idx, Megatron-LM's indexed dataset,\n"
     "                one sequence per document; llmc: PREFIX.bin, llm.c's uint16 token file\n"
-    "  --append-eod  end every document with the end-of-document token (<|endoftext|>, </s>),\n"
-    "                as Megatron's --append-eod\n"
+    "  --append-eod  end every non-empty document with the end-of-document token (<|endoftext|>,\n"
+    "                </s>), as Megatron's --append-eod\n"
     "  --workers     encoding threads (default: the machine's cores)\n"
     "Progress (documents, MB/s) goes to stderr; the files appear only when complete.\n";
 
@@ -145,7 +145,7 @@ void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>&
       std::vector<int32_t> ids;
       try {
         ids = tok.encode(docs[d]);
-        if (append_eod) ids.push_back(tok.eod());
+        if (append_eod && !ids.empty()) ids.push_back(tok.eod());  // as Megatron: an empty document stays empty
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(mu);
         if (failure.empty()) failure = "document " + std::to_string(d) + ": " + e.what();

@@ -98,7 +98,8 @@ void IndexedDatasetWriter::add_document(const std::vector<int32_t>& tokens) {
   append_tokens(bytes, tokens, type_, prefix_ + ".bin");
   if (std::fwrite(bytes.data(), 1, bytes.size(), bin_) != bytes.size())
     throw TokenFileError(prefix_ + ".bin: writing failed (" + errno_text() + ")");
-  lengths_.push_back(static_cast<int32_t>(tokens.size()));
+  if (!tokens.empty()) lengths_.push_back(static_cast<int32_t>(tokens.size()));
+  doc_ends_.push_back(lengths_.size());
   tokens_ += static_cast<int64_t>(tokens.size());
 }
 
@@ -108,20 +109,21 @@ void IndexedDatasetWriter::finish() {
   bin_ = nullptr;
   if (!flushed) throw TokenFileError(prefix_ + ".bin: writing failed (" + errno_text() + ")");
   // The index: header, then per sequence its length and byte offset, then the
-  // document boundaries (one sequence per document: 0, 1, ..., n).
+  // document boundaries (0, then the sequence count after each document).
   std::string idx(kIndexMagic, sizeof(kIndexMagic));
   put<uint64_t>(idx, kIndexVersion);
   put<uint8_t>(idx, type_ == TokenType::U16 ? kCodeU16 : kCodeI32);
   const auto n = static_cast<uint64_t>(lengths_.size());
   put<uint64_t>(idx, n);
-  put<uint64_t>(idx, n + 1);
+  put<uint64_t>(idx, static_cast<uint64_t>(doc_ends_.size()) + 1);
   for (int32_t len : lengths_) put<int32_t>(idx, len);
   int64_t offset = 0;
   for (int32_t len : lengths_) {
     put<int64_t>(idx, offset);
     offset += static_cast<int64_t>(len) * static_cast<int64_t>(item_size(type_));
   }
-  for (uint64_t d = 0; d <= n; ++d) put<int64_t>(idx, static_cast<int64_t>(d));
+  put<int64_t>(idx, 0);
+  for (uint64_t end : doc_ends_) put<int64_t>(idx, static_cast<int64_t>(end));
   // Both files complete under their temporary names, then renamed: a failure leaves
   // neither under its final name (a renamed .bin whose .idx cannot follow is removed).
   const std::string bin = prefix_ + ".bin", idx_path = prefix_ + ".idx";

@@ -33,17 +33,20 @@ class IndexedDatasetWriter {
   IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
   IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
 
-  // Throws TokenFileError when a token does not fit the type or a write fails.
+  // Throws TokenFileError when a token does not fit the type or a write fails. A
+  // document is one sequence; an empty one has none (as Megatron's builder writes it:
+  // its document index entry repeats the sequence count).
   void add_document(const std::vector<int32_t>& tokens);
   void finish();
-  int64_t documents() const { return static_cast<int64_t>(lengths_.size()); }
+  int64_t documents() const { return static_cast<int64_t>(doc_ends_.size()); }
   int64_t tokens() const { return tokens_; }
 
  private:
   std::string prefix_;
   TokenType type_;
   std::FILE* bin_ = nullptr;
-  std::vector<int32_t> lengths_;
+  std::vector<int32_t> lengths_;     // per sequence
+  std::vector<uint64_t> doc_ends_;   // per document: the sequences written after it
   int64_t tokens_ = 0;
   bool finished_ = false;
 };

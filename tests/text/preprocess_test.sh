@@ -43,13 +43,20 @@ for t in "Hello world" "" "naïve café, 2026 🚀"; do
 done > "$work/doc_ids"
 python3 - "$work/doc_ids" "$work/want" <<'PY'
 import struct, sys
-docs = [[int(x) for x in line.split()] + [50256] for line in open(sys.argv[1])]
-lens = [len(d) for d in docs]
-ptrs = [2 * sum(lens[:i]) for i in range(len(docs))]
+# Megatron's preprocess_data.py: --append-eod ends a non-empty document; the builder
+# writes each non-empty document as one sequence and an empty one as none (its entry
+# of the document index repeats the sequence count).
+docs = [[int(x) for x in line.split()] for line in open(sys.argv[1])]
+docs = [d + [50256] if d else [] for d in docs]
+lens = [len(d) for d in docs if d]
+ptrs = [2 * sum(lens[:i]) for i in range(len(lens))]
+doc_index = [0]
+for d in docs:
+    doc_index.append(doc_index[-1] + (1 if d else 0))
 idx = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
-idx += struct.pack("<Q", len(docs)) + struct.pack("<Q", len(docs) + 1)
-idx += struct.pack(f"<{len(docs)}i", *lens) + struct.pack(f"<{len(docs)}q", *ptrs)
-idx += struct.pack(f"<{len(docs) + 1}q", *range(len(docs) + 1))
+idx += struct.pack("<Q", len(lens)) + struct.pack("<Q", len(docs) + 1)
+idx += struct.pack(f"<{len(lens)}i", *lens) + struct.pack(f"<{len(lens)}q", *ptrs)
+idx += struct.pack(f"<{len(docs) + 1}q", *doc_index)
 open(sys.argv[2] + ".idx", "wb").write(idx)
 open(sys.argv[2] + ".bin", "wb").write(b"".join(struct.pack(f"<{len(d)}H", *d) for d in docs))
 # llm.c: header of 256 int32 (magic, version, count), then uint16 tokens.
@@ -84,11 +91,11 @@ if command -v spm_encode >/dev/null; then
   [ "$back" = "naïve café 🚀 ½" ] || fail "SentencePiece decode(encode(text)) is '$back'"
   "$loom" preprocess --tokenizer "$work/spm.model" --input "$work/docs.jsonl" --output-prefix "$work/spm_ds" \
     --append-eod 2>/dev/null || fail "preprocess with SentencePiece exited $?"
-  python3 - "$work/spm_ds.idx" <<'PY' || fail "the SentencePiece dataset's index is not 3 documents ending in </s>"
+  python3 - "$work/spm_ds.idx" <<'PY' || fail "the SentencePiece dataset's index is not 3 documents (2 sequences ending in </s>)"
 import struct, sys
 idx = open(sys.argv[1], "rb").read()
 assert idx[:9] == b"MMIDIDX\x00\x00" and idx[17] == 8, idx[:18]
-assert struct.unpack_from("<QQ", idx, 18) == (3, 4)
+assert struct.unpack_from("<QQ", idx, 18) == (2, 4)  # the empty document is no sequence
 PY
 else
   echo "note: spm_encode not installed (Debian package sentencepiece); SentencePiece checks skipped"

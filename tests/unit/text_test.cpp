@@ -103,12 +103,25 @@ TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
   EXPECT_EQ(loom::text::token_type_for(50257), loom::text::TokenType::U16);
   EXPECT_EQ(loom::text::token_type_for(128256), loom::text::TokenType::I32);
 
-  // An index whose sequences do not lie back to back (a damaged pointer) is refused.
+  // The empty document is no sequence (Megatron's builder): two sequences, the
+  // document index [0, 1, 1, 2].
   const std::string idx = dir + "/a.idx";
   {
+    std::ifstream in(idx, std::ios::binary);
+    const std::string bytes(std::istreambuf_iterator<char>(in), {});
+    uint64_t counts[2];
+    std::memcpy(counts, bytes.data() + 18, 16);
+    EXPECT_EQ(counts[0], 2u);
+    EXPECT_EQ(counts[1], 4u);
+    int64_t doc_index[4];
+    std::memcpy(doc_index, bytes.data() + bytes.size() - 32, 32);
+    EXPECT_EQ(std::vector<int64_t>(doc_index, doc_index + 4), (std::vector<int64_t>{0, 1, 1, 2}));
+  }
+  // An index whose sequences do not lie back to back (a damaged pointer) is refused.
+  {
     std::fstream f(idx, std::ios::in | std::ios::out | std::ios::binary);
-    // Header 9 + 8 + 1 + 8 + 8 bytes, three int32 lengths, then the pointers: the third += 2.
-    const std::streamoff third_pointer = 34 + 3 * 4 + 2 * 8;
+    // Header 9 + 8 + 1 + 8 + 8 bytes, two int32 lengths, then the pointers: the second += 2.
+    const std::streamoff third_pointer = 34 + 2 * 4 + 1 * 8;
     int64_t p = 0;
     f.seekg(third_pointer);
     f.read(reinterpret_cast<char*>(&p), 8);
@@ -120,7 +133,7 @@ TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
     loom::text::IndexedDataset::read(dir + "/a");
     ADD_FAILURE() << "a damaged pointer was read";
   } catch (const loom::text::TokenFileError& e) {
-    EXPECT_NE(std::string(e.what()).find("sequence 2 has length 2 at byte 8, expected a length >= 0 at byte 6"),
+    EXPECT_NE(std::string(e.what()).find("sequence 1 has length 2 at byte 8, expected a length >= 0 at byte 6"),
               std::string::npos)
         << e.what();
   }
@@ -149,10 +162,10 @@ TEST(Text, IndexedDatasetRoundTripsAndRefusesWhatDoesNotFit) {
   {
     std::string first_doc_at_1 = good_idx;
     const int64_t one = 1;
-    std::memcpy(first_doc_at_1.data() + first_doc_at_1.size() - 4 * 8, &one, 8);  // docs [0, 1, 2, 3] -> [1, ...]
+    std::memcpy(first_doc_at_1.data() + first_doc_at_1.size() - 4 * 8, &one, 8);  // docs [0, 1, 1, 2] -> [1, ...]
     std::ofstream(idx, std::ios::trunc | std::ios::binary) << first_doc_at_1;
   }
-  EXPECT_NE(refusal().find("the document index runs from sequence 1 to 3, not from 0"), std::string::npos) << refusal();
+  EXPECT_NE(refusal().find("the document index runs from sequence 1 to 2, not from 0"), std::string::npos) << refusal();
   std::ofstream(idx, std::ios::trunc | std::ios::binary) << good_idx;
   std::ofstream(dir + "/a.bin", std::ios::app | std::ios::binary) << "zz";
   EXPECT_NE(refusal().find("a.bin holds 12 bytes but"), std::string::npos) << refusal();
