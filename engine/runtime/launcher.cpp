@@ -83,6 +83,22 @@ ProcessLaunch detect_process_launch() {
   return p;
 }
 
+// Every rank is a thread of this process, or (under mpirun/srun) this process hosts
+// its own rank only and the comm plugin connects the processes.
+std::vector<int32_t> process_ranks(int world) {
+  const ProcessLaunch proc = detect_process_launch();
+  if (!proc.multi_process) {
+    std::vector<int32_t> all(static_cast<size_t>(world));
+    for (int r = 0; r < world; ++r) all[static_cast<size_t>(r)] = r;
+    return all;
+  }
+  if (proc.world_size != world)
+    throw RunError("the run has " + std::to_string(world) + " ranks but " + proc.launcher + " started " +
+                   std::to_string(proc.world_size) + " processes; start one process per rank (mpirun -np " +
+                   std::to_string(world) + ")");
+  return {proc.rank};
+}
+
 void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>& fn) {
   plugins::host_api();
   const topology::RankGroups groups = topology::RankGroups::build(config.sizes);
@@ -92,19 +108,10 @@ void launch(const LaunchConfig& config, const std::function<void(RankRuntime&)>&
   plugins::OptionValues dev_opts(config.device_options, config.device_plugin->options);
   plugins::OptionValues comm_opts(config.comm_options, config.comm_plugin->options);
 
-  // Every rank is a thread of this process, or (under mpirun/srun) this process
-  // hosts its own rank only and the comm plugin connects the processes.
   const ProcessLaunch proc = detect_process_launch();
-  std::vector<int32_t> all_ranks(world);
-  for (int r = 0; r < world; ++r) all_ranks[r] = r;
-  std::vector<int32_t> local_ranks = all_ranks;
-  if (proc.multi_process) {
-    if (proc.world_size != world)
-      throw RunError("the run has " + std::to_string(world) + " ranks but " + proc.launcher + " started " +
-                     std::to_string(proc.world_size) + " processes; start one process per rank (mpirun -np " +
-                     std::to_string(world) + ")");
-    local_ranks = {proc.rank};
-  }
+  std::vector<int32_t> local_ranks = process_ranks(world);
+  std::vector<int32_t> all_ranks(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) all_ranks[static_cast<size_t>(r)] = r;
   loom_comm_world_args wargs = loom::make<loom_comm_world_args>();
   wargs.world_size = world;
   wargs.num_local_ranks = static_cast<int32_t>(local_ranks.size());

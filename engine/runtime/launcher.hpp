@@ -54,6 +54,10 @@ struct ProcessLaunch {
   std::string launcher;    // "mpirun (OMPI_COMM_WORLD_SIZE=4)", for messages
 };
 ProcessLaunch detect_process_launch();
+// The ranks of a world of `world` ranks this process runs: all of them as threads, or
+// under mpirun/srun its own. Throws RunError when the launcher started another number
+// of processes.
+std::vector<int32_t> process_ranks(int world);
 
 // CPUs this process may run on (its affinity mask), at least 1.
 int usable_cores();

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <set>
 #include <sstream>
 
 namespace loom::train {
@@ -115,7 +117,20 @@ RankElements decode_state(const loom_optimizer_api* api, const std::string& stra
 
 }  // namespace
 
-WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state) {
+TensorFilter tensors_held_by(const MemoryPlan& plan, const std::vector<int32_t>& ranks) {
+  auto names = std::make_shared<std::set<std::string>>(), ties = std::make_shared<std::set<std::string>>();
+  for (int32_t r : ranks)
+    for (const PlannedParam& p : plan.ranks.at(static_cast<size_t>(r)).planned) {
+      names->insert(p.name);
+      if (!p.tie_key.empty()) ties->insert(p.tie_key);
+    }
+  return [names, ties](const PlannedParam& p) {
+    return names->count(p.name) > 0 || (!p.tie_key.empty() && ties->count(p.tie_key) > 0);
+  };
+}
+
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state,
+                                  const TensorFilter& wanted) {
   WholeCheckpoint out;
   out.meta = read_meta(step_dir);
   const std::string manifest_path = (fs::path(step_dir) / "manifest.toml").string();
@@ -146,12 +161,18 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   std::vector<int64_t> missing;            // per tensor, how many it still lacks
   std::vector<std::vector<bool>> state_filled;  // per tensor, which elements' state a rank has given
   std::vector<int64_t> state_missing;
+  std::set<std::string> declared;
+  for (const RankMemory& r : mp.ranks)
+    for (const PlannedParam& p : r.planned) declared.insert(p.name);
+  out.declared = declared.size();
   for (const RankMemory& r : mp.ranks) {
     // dp and cp replicas of a position hold the same values: read one of each (all of
     // them for the state, which the distributed optimizer shards over them).
-    const bool needed = with_state || std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
+    const auto want = [&](const PlannedParam& p) { return !wanted || wanted(p); };
+    const bool needed = std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
+      if (!want(p)) return false;
       auto it = index.find(p.name);
-      return it == index.end() || missing[it->second] > 0;
+      return with_state || it == index.end() || missing[it->second] > 0;
     });
     if (!needed) continue;
     const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout.numel), elem);
@@ -164,6 +185,7 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
     check_param_layout(step_dir, r.rank, layout);  // the plan's parameters are the file's
     for (size_t i = 0; i < r.planned.size(); ++i) {
       const PlannedParam& p = r.planned[i];
+      if (!want(p)) continue;
       auto [it, added] = index.emplace(p.name, out.tensors.size());
       if (added) {
         WholeTensor t;

@@ -36,6 +36,7 @@ struct WholeCheckpoint {
   std::string manifest_toml;        // the resolved manifest the run saved
   int64_t vocab = 0;                // the model's vocabulary, unpadded
   std::vector<WholeTensor> tensors;  // model order, each name once
+  size_t declared = 0;               // the parameters the checkpoint holds (tensors: the wanted ones)
   const WholeTensor* find(const std::string& name) const;
 };
 
@@ -56,6 +57,14 @@ void for_each_shard_run(const PlannedParam& p, const ShardCoords& at,
 // with_state: also each tensor's optimizer state, decoded from every rank's blob by the
 // checkpoint's optimizer strategy (ABI 1.14 state_decode; data-parallel ranks hold
 // shards of it) — what a resume at another layout loads.
-WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state = false);
+// wanted: which of the checkpoint's parameters to gather (its own plan's declaration);
+// empty = all. A process that hosts some ranks of a run gathers what they hold only
+// (tensors_held_by), so under mpirun no process reads the whole model and its state.
+using TensorFilter = std::function<bool(const PlannedParam&)>;
+WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry& registry, bool with_state = false,
+                                  const TensorFilter& wanted = {});
+// The parameters ranks `ranks` of `plan` hold, by name and by tie key (a tied copy is
+// stored under its first holder's name).
+TensorFilter tensors_held_by(const MemoryPlan& plan, const std::vector<int32_t>& ranks);
 
 }  // namespace loom::train

@@ -49,12 +49,14 @@ bool fits(const std::vector<int64_t>& have, const std::vector<int64_t>& want, in
 
 }  // namespace
 
-void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab) {
+void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab,
+                           const std::vector<int32_t>& ranks) {
   if (w.vocab > 0 && w.vocab != vocab)
     throw loom::Error(w.role + ": " + w.source + " has a vocabulary of " + std::to_string(w.vocab) +
                       ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
   std::vector<bool> used(w.tensors.size(), false);
-  for (const RankMemory& r : plan.ranks)
+  for (const RankMemory& r : plan.ranks) {
+    if (!ranks.empty() && std::find(ranks.begin(), ranks.end(), r.rank) == ranks.end()) continue;
     for (const PlannedParam& p : r.planned) {
       size_t k = 0;
       while (k < w.tensors.size() && w.tensors[k].name != p.name) ++k;
@@ -71,6 +73,7 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
       for (size_t j = 0; j < w.tensors.size(); ++j)
         if (!p.tie_key.empty() && w.tensors[j].tie_key == p.tie_key) used[j] = true;
     }
+  }
   for (size_t k = 0; k < w.tensors.size(); ++k)
     if (!used[k])
       throw loom::Error(w.role + ": " + w.source + " has " + w.tensors[k].name +

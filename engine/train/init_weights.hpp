@@ -25,7 +25,10 @@ struct InitialWeights {
 // rank declares found with its whole shape (vocabulary tables may be padded otherwise),
 // and every tensor of the weights used (a layer fewer, or another architecture with the
 // same names, would otherwise load silently). Throws loom::Error naming the first misfit.
-void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab);
+// ranks: the ranks whose parameters to check (this process's, when the weights were
+// gathered for them only); empty = every rank.
+void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int64_t vocab, int64_t padded_vocab,
+                           const std::vector<int32_t>& ranks = {});
 
 // A loom checkpoint's model against the run's, by its manifest: the model keys and every
 // layer option but the training-only ones (dropouts, loss coefficients, capacity), as set

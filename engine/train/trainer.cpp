@@ -381,14 +381,19 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
   }
 
-  if (resume && resume->regather) {  // read once, cut by every rank
+  if (resume && resume->regather) {  // read once, cut by every rank of this process
     // The checkpoint's manifest names this run's plugins (require_same_model): the
-    // registry only looks them up again.
-    WholeCheckpoint ck =
-        gather_checkpoint(resume->dir, const_cast<plugins::Registry&>(*plan.registry), /*with_state=*/true);
+    // registry only looks them up again. Only what this process's ranks hold is
+    // gathered (under mpirun: its rank's pipeline stage and experts).
+    const std::vector<int32_t> mine = runtime::process_ranks(plan.sizes.world);
+    WholeCheckpoint ck = gather_checkpoint(resume->dir, const_cast<plugins::Registry&>(*plan.registry),
+                                           /*with_state=*/true, tensors_held_by(checked.memory, mine));
+    if (options.log && ck.tensors.size() < ck.declared)
+      *options.log << "resume: gathered " << ck.tensors.size() << " of the checkpoint's " << ck.declared
+                   << " parameters (those of this process's ranks) with their optimizer state" << std::endl;
     auto w = std::make_shared<InitialWeights>(InitialWeights{resume->dir, std::move(ck.tensors), ck.vocab, "--resume"});
     check_initial_weights(*w, checked.memory, checked.vocab,
-                          model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
+                          model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab, mine);
     run.regathered = std::move(w);
   }
   const runtime::LaunchConfig lc = launch_config(plan);

@@ -117,6 +117,19 @@ mpi 2 "${ck[@]}" --resume --metrics "$work/r.jsonl" >/dev/null
 tail -n 3 "$work/t2.jsonl" >"$work/t2_tail.jsonl"
 same "$work/t2_tail.jsonl" "$work/r.jsonl" "mpirun -np 2 resumed at step 3 vs threads steps 4-6"
 
+# 2b. Resuming that dp 2 checkpoint at pp 2 regathers it by name; each process gathers
+# only its own stage's parameters and state, and the steps equal the threads run's.
+rm -rf "$work/ck_pp"
+cp -r "$work/ck" "$work/ck_pp"
+rm -rf "$(printf '%s/ck_pp/step_%08d' "$work" 6)"
+re=(--set "checkpoint.dir=\"$work/ck_pp\"" --set checkpoint.every=0 --set parallel.dp=1 --set parallel.pp=2 --resume)
+threads "${re[@]}" --metrics "$work/rt.jsonl" >/dev/null 2>&1
+rm -rf "$work/ck_pp" && cp -r "$work/ck" "$work/ck_pp" && rm -rf "$(printf '%s/ck_pp/step_%08d' "$work" 6)"
+mpi 2 "${re[@]}" --metrics "$work/rm.jsonl" >"$work/rm.out" 2>&1
+same "$work/rt.jsonl" "$work/rm.jsonl" "mpirun -np 2 resumed at pp 2 from a dp 2 checkpoint vs threads"
+grep -q "resume: gathered [0-9]* of the checkpoint's [0-9]* parameters (those of this process's ranks)" "$work/rm.out" ||
+  fail "the pp 2 processes should gather only their stage's parameters: $(grep resume "$work/rm.out")"
+
 # 3. A failing rank ends the job promptly (comm.timeout_s is 10 minutes).
 bad=$(printf '%s/ck/step_%08d/rank_%05d.bin' "$work" 6 1)
 truncate -s 100 "$bad"
