@@ -599,7 +599,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   // The layer count: model.num_layers blocks of `pairs` attention + MLP pairs.
   auto require_layers = [&](const char* key) {
     const int64_t n = config_int(c, key, where);
-    if (pairs == 1) return require_equal(n, L, key, "model.num_layers", where);
+    if (pairs == 1 && L == m.model.num_layers) return require_equal(n, L, key, "model.num_layers", where);
     if (n != L)
       throw std::runtime_error(where + ": " + key + " = " + std::to_string(n) + " but the model has " +
                                std::to_string(L) + " attention + MLP pairs (model.num_layers = " +
@@ -639,15 +639,24 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     require_value("head_dim", C / H, C / H);
     require_value("attention_bias", false, false);
     require_value("mlp_bias", false, false);
-    if (c.contains("rope_scaling") && !c["rope_scaling"].is_null())
-      throw std::runtime_error(where + ": rope_scaling = " + c["rope_scaling"].dump() +
-                               " (scaled rotary frequencies) has no loom counterpart");
-    const nlohmann::json theta = c.contains("rope_theta") && !c["rope_theta"].is_null()
-                                     ? c["rope_theta"]
-                                     : nlohmann::json(s.llama ? 10000.0 : 1000000.0);
+    // The rotary settings: rope_theta at the top (transformers 4), or inside
+    // rope_parameters (transformers 5) or rope_scaling (some 4.x saves); any rope type
+    // but "default" scales the frequencies, which loom's rotary embedding does not.
+    nlohmann::json theta = c.contains("rope_theta") && !c["rope_theta"].is_null() ? c["rope_theta"] : nlohmann::json();
+    for (const char* k : {"rope_parameters", "rope_scaling"}) {
+      if (!c.contains(k) || c[k].is_null()) continue;
+      const nlohmann::json& r = c[k];
+      const nlohmann::json type = r.is_object() ? r.value("rope_type", r.value("type", nlohmann::json("default")))
+                                                : nlohmann::json();
+      if (!r.is_object() || type != "default")
+        throw std::runtime_error(where + ": " + k + " = " + r.dump() +
+                                 " (scaled rotary frequencies) has no loom counterpart");
+      if (theta.is_null() && r.contains("rope_theta")) theta = r["rope_theta"];
+    }
+    const bool given = !theta.is_null();
+    if (!given) theta = s.llama ? 10000.0 : 1000000.0;
     if (!theta.is_number() || theta.get<double>() != s.theta)
-      throw std::runtime_error(where + ": rope_theta = " + theta.dump() +
-                               (c.contains("rope_theta") ? "" : " (transformers' default)") +
+      throw std::runtime_error(where + ": rope_theta = " + theta.dump() + (given ? "" : " (transformers' default)") +
                                " but the model's rotary_base is " + std::to_string(s.theta) +
                                "; set model.layer.attention.rotary_base to it");
     // Mixtral's sliding window: attention over at most that many earlier tokens.
@@ -708,7 +717,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       require_equal(config_int(c, "num_experts_per_tok", where), s.top_k, "num_experts_per_tok",
                     "model.layer.moe.top_k", where);
     }
-    require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : H, G,
+    // Absent: LlamaConfig's default is num_attention_heads, MixtralConfig's 8.
+    const int64_t kv_default = s.llama ? H : 8;
+    require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : kv_default, G,
                   "num_key_value_heads", "model.layer.attention.num_query_groups", where);
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
     const int64_t Fe = s.expert_ffn;

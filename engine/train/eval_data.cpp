@@ -105,6 +105,10 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
     std::vector<int32_t> context = encode(text.substr(0, context_end + 1)), whole = encode(text.substr(0, end + 1));
     if (whole.size() <= context.size())
       throw DataError(where + ": the last word adds no tokens to the encoding of its context");
+    // A tokenizer that merges across the boundary changes the context's last tokens:
+    // the model then reads the whole text's own tokens up to the split.
+    if (!std::equal(context.begin(), context.end(), whole.begin()))
+      context.assign(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(context.size()));
     LastWordExample e{std::move(context), {}, n};
     e.target.assign(whole.begin() + static_cast<std::ptrdiff_t>(e.context.size()), whole.end());
     if (e.context.empty() || e.target.empty()) throw DataError(where + ": the context or the last word encodes to no tokens");

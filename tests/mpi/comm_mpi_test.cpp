@@ -639,6 +639,29 @@ TEST(CommMpi, AStartedReceiveTimesOutNamingThePeerAndItsPairFollows) {
   sync_all();
 }
 
+// As comm/local's and a blocking receive's, a started receive's timeout counts from
+// its wait: posted early, waited for after longer than the timeout, it still succeeds.
+TEST(CommMpi, AStartedReceivesTimeoutCountsFromItsWait) {
+  if (g_size < 2) GTEST_SKIP() << "needs 2 processes";
+  if (g_rank < 2) {
+    Comm comm(*g_short, "pp", iota_ranks(2), g_rank);  // 1 s
+    ASSERT_TRUE(comm.created().ok()) << comm.created().message;
+    if (g_rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+      float x = 5;
+      EXPECT_OK(mpi()->send(comm.get(), nullptr, &x, 1, LOOM_DTYPE_F32, 0, 21));
+    } else {
+      float x = 0;
+      loom_comm_request* r = nullptr;
+      ASSERT_TRUE(start_p2p(comm.get(), LOOM_COLLECTIVE_RECV, &x, 1, 1, 21, &r).ok());
+      std::this_thread::sleep_for(std::chrono::milliseconds(1200));  // computing, past the timeout
+      EXPECT_OK(mpi()->wait(comm.get(), r, nullptr));
+      EXPECT_EQ(x, 5.0f);
+    }
+  }
+  sync_all();
+}
+
 TEST(CommMpi, AMemberDestroyedWithAReceivePendingEndsCleanly) {
   if (g_size < 2) GTEST_SKIP() << "needs 2 processes";
   if (g_rank < 2) {

@@ -592,6 +592,22 @@ TEST(HfImport, AbsentKeysAreTransformersDefaultsAndWeightsMustBeFinite) {
             std::string::npos);
   EXPECT_NE(with_config([](nlohmann::json& c) { c["sliding_window"] = 4; }).second.find("sliding_window = 4"),
             std::string::npos);
+  // transformers 5 keeps rope_theta in rope_parameters, some 4.x saves in rope_scaling
+  // with the type "default"; any other type scales the frequencies.
+  EXPECT_EQ(with_config([](nlohmann::json& c) {
+              c.erase("rope_theta");
+              c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+            }).second,
+            "");
+  EXPECT_EQ(with_config([](nlohmann::json& c) {
+              c["rope_scaling"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+            }).second,
+            "");
+  EXPECT_NE(with_config([](nlohmann::json& c) {
+              c.erase("rope_theta");
+              c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 8.0}};
+            }).second.find("rope_parameters = {"),
+            std::string::npos);
   // A NaN in the final norm's weight.
   with_config([](nlohmann::json&) {});
   auto file = loom::interop::read_safetensors(out + "/model.safetensors");

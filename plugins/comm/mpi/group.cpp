@@ -88,16 +88,19 @@ std::string Group::member(int m) const { return "rank " + std::to_string(ranks_[
 
 std::string Group::where(Op op) const { return std::string("comm/mpi: ") + op_name(op) + " on " + label_; }
 
-void Group::fail_fast(const char* op) const {
+std::exception_ptr Group::poisoned(const char* op) const {
+  if (!poisoned_) return nullptr;
   std::string story;
   {
     std::lock_guard<std::mutex> lk(poison_mu_);
     story = poison_message_;
   }
-  throw Error(std::string("comm/mpi: ") + op + " on " + label_ +
-                  " refused: the group is unusable after an earlier failure: " + story,
-              LOOM_CODE_TIMEOUT);
+  return std::make_exception_ptr(Error(std::string("comm/mpi: ") + op + " on " + label_ +
+                                           " refused: the group is unusable after an earlier failure: " + story,
+                                       LOOM_CODE_TIMEOUT));
 }
+
+void Group::fail_fast(const char* op) const { std::rethrow_exception(poisoned(op)); }
 
 void Group::poison(const std::string& message) {
   std::lock_guard<std::mutex> lk(poison_mu_);

@@ -89,6 +89,8 @@ class Group {
   void check_recv(const void* buf, size_t count, int32_t dtype, int32_t peer) const;
   bool take_locked(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
   Error recv_timeout(int32_t peer, int32_t tag);
+  // After a failure poisoned the group: the error its calls now fail with; else null.
+  std::exception_ptr poisoned(const char* op) const;
 
  private:
   // What one member says about its call.

@@ -11,6 +11,7 @@
 #include <loom/cpp/plugin.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <future>
 #include <memory>
 #include <vector>
@@ -51,6 +52,8 @@ Group& group_of(loom_comm* comm) {
 
 struct Request {
   std::future<void> done;
+  Receiver* receiver = nullptr;  // a started receive's: told when its wait begins
+  uint64_t id = 0;
 };
 
 loom_status world_create(const loom_options* options, const loom_comm_world_args* args, loom_comm_world** out) {
@@ -165,7 +168,9 @@ loom_status recv(loom_comm* comm, void* /*stream*/, void* buf, size_t count, int
     Member& m = member_of(comm);
     if (!m.receiver) return g.recv(buf, count, dtype, peer, tag);
     g.check_recv(buf, count, dtype, peer);
-    m.receiver->post(buf, count, dtype, peer, tag).get();
+    Receiver::Ticket t = m.receiver->post(buf, count, dtype, peer, tag);
+    m.receiver->waiting(t.id);
+    t.done.get();
   });
 }
 
@@ -190,7 +195,10 @@ loom_status start(loom_comm* comm, void* /*stream*/, const loom_collective* c, l
     if (col.kind == LOOM_COLLECTIVE_RECV) {
       m.group->check_recv(col.recv, col.count, col.dtype, col.peer);
       if (!m.receiver) m.receiver = std::make_unique<Receiver>(*m.group);
-      r->done = m.receiver->post(col.recv, col.count, col.dtype, col.peer, col.tag);
+      Receiver::Ticket t = m.receiver->post(col.recv, col.count, col.dtype, col.peer, col.tag);
+      r->done = std::move(t.done);
+      r->receiver = m.receiver.get();
+      r->id = t.id;
       *req = reinterpret_cast<loom_comm_request*>(r.release());
       return;
     }
@@ -215,6 +223,9 @@ loom_status wait(loom_comm* /*comm*/, loom_comm_request* req, void* /*stream*/) 
   return guard([&] {
     LOOM_REQUIRE(req != nullptr, "comm/mpi: wait without a request");
     std::unique_ptr<Request> r(reinterpret_cast<Request*>(req));
+    // A started receive's timeout counts from its wait (as a blocking receive's).
+    if (r->receiver && r->done.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+      r->receiver->waiting(r->id);
     r->done.get();  // rethrows the collective's failure
   });
 }

@@ -1,5 +1,6 @@
 #include "receiver.hpp"
 
+#include <algorithm>
 #include <set>
 #include <utility>
 
@@ -14,16 +15,26 @@ Receiver::~Receiver() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::future<void> Receiver::post(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
-  Posted p{buf, count, dtype, peer, tag, world_.deadline(), {}};
-  std::future<void> done = p.done.get_future();
+Receiver::Ticket Receiver::post(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag) {
+  Ticket t;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    pending_.push_back(std::move(p));
+    // The thread first: a receive queued without one would take a message later for
+    // a caller that saw its post fail.
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    Posted p{next_id_++, buf, count, dtype, peer, tag, Clock::time_point::max(), {}};  // no clock until its wait
+    t.done = p.done.get_future();
+    t.id = p.id;
+    pending_.push_back(std::move(p));
   }
   cv_.notify_all();
-  return done;
+  return t;
+}
+
+void Receiver::waiting(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (Posted& p : pending_)
+    if (p.id == id) p.deadline = world_.deadline();
 }
 
 void Receiver::fail_all(const std::exception_ptr& e) {
@@ -34,6 +45,10 @@ void Receiver::fail_all(const std::exception_ptr& e) {
 bool Receiver::serve_locked() {
   std::lock_guard<std::mutex> lk(mu_);
   if (stopping_ || pending_.empty()) return true;
+  if (std::exception_ptr e = group_.poisoned("recv")) {  // another call failed: nothing more will arrive in order
+    fail_all(e);
+    return true;
+  }
   std::set<std::pair<int32_t, int32_t>> waiting;  // pairs whose older receive is still pending
   bool served = false;
   for (auto it = pending_.begin(); it != pending_.end();) {
@@ -68,9 +83,8 @@ void Receiver::run() {
           Error("comm/mpi: recv on " + group_.label() + ": the group was destroyed before the receive's wait")));
       return;
     }
-    const Posted& oldest = pending_.front();
-    const Clock::time_point deadline = oldest.deadline;
-    const int32_t peer = oldest.peer, tag = oldest.tag;
+    Clock::time_point deadline = Clock::time_point::max();
+    for (const Posted& p : pending_) deadline = std::min(deadline, p.deadline);
     lk.unlock();
     bool progressed = false;
     std::exception_ptr failure;
@@ -80,9 +94,13 @@ void Receiver::run() {
       failure = std::current_exception();
     }
     lk.lock();
-    // The oldest receive waited past its deadline: the group is poisoned, and the
-    // receives behind it fail with the same story.
-    if (!failure && !progressed) failure = std::make_exception_ptr(group_.recv_timeout(peer, tag));
+    if (!failure && !progressed) {
+      // A receive waited past its deadline (unless its wait moved it meanwhile): the
+      // group is poisoned, and the receives behind it fail with the same story.
+      const auto late = std::find_if(pending_.begin(), pending_.end(),
+                                     [&](const Posted& p) { return p.deadline <= Clock::now(); });
+      if (late != pending_.end()) failure = std::make_exception_ptr(group_.recv_timeout(late->peer, late->tag));
+    }
     if (failure) fail_all(failure);
   }
 }

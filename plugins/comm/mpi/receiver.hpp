@@ -9,9 +9,10 @@
 // waited for at once), so they keep their place in that order.
 //
 // Every posted receive ends: with its message, with the group's receive timeout
-// (the world's timeout from its posting; the group is then poisoned, like a
-// blocking receive's), with the world's abort, or, if the member is destroyed with
-// it pending, with an error.
+// (the world's timeout from its wait, as comm/local's, and a blocking receive's from
+// its call; the group is then poisoned), with the failure of another call that
+// poisoned the group, with the world's abort, or, if the member is destroyed with it
+// pending, with an error.
 #pragma once
 
 #include "group.hpp"
@@ -34,10 +35,17 @@ class Receiver {
 
   // Posts a receive (the thread starts on first use); the future holds its outcome.
   // The arguments are checked before (Group::check_recv).
-  std::future<void> post(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+  struct Ticket {
+    std::future<void> done;
+    uint64_t id = 0;
+  };
+  Ticket post(void* buf, size_t count, int32_t dtype, int32_t peer, int32_t tag);
+  // The caller now waits for receive `id`: its timeout counts from here.
+  void waiting(uint64_t id);
 
  private:
   struct Posted {
+    uint64_t id;
     void* buf;
     size_t count;
     int32_t dtype;
@@ -58,6 +66,7 @@ class Receiver {
   std::mutex mu_;  // taken inside mpi_mutex(), never around it
   std::condition_variable cv_;
   std::deque<Posted> pending_;  // posting order
+  uint64_t next_id_ = 0;
   bool stopping_ = false;
   std::thread thread_;
 };
