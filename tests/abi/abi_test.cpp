@@ -70,6 +70,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_16(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_16(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_17(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_17(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_17(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_18(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_18(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -416,6 +419,25 @@ TEST(AbiLayout, Released117MembersKeepOffsetsAndSizes) {
   ASSERT_GT(loom_abi_sizeof_v1_16("loom_collective"), 0u);
   EXPECT_GE(offsetof(loom_collective, peer), loom_abi_sizeof_v1_16("loom_collective"));
   EXPECT_EQ(offsetof(loom_collective, tag) + sizeof(int32_t), sizeof(loom_collective));
+}
+
+// 1.18's too (the in-place cross-entropy backward): pad0 fills 1.17's tail padding of
+// loom_tp_xent_args, so logits_scratch starts past 1.17's sizeof and an older caller's
+// struct_size never covers it (its padding bytes are not read as the flag); reserved
+// closes the struct without tail padding.
+TEST(AbiLayout, Released118MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_117 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_18(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_18(&n_current);
+  loom_abi_layout_current_v1_17(&n_117);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_117 + 2 * 3);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_17("loom_tp_xent_args"), 0u);
+  EXPECT_LT(offsetof(loom_tp_xent_args, pad0), loom_abi_sizeof_v1_17("loom_tp_xent_args"));
+  EXPECT_GE(offsetof(loom_tp_xent_args, logits_scratch), loom_abi_sizeof_v1_17("loom_tp_xent_args"));
+  EXPECT_EQ(offsetof(loom_tp_xent_args, reserved) + sizeof(int32_t), sizeof(loom_tp_xent_args));  // no tail padding
+  EXPECT_EQ(LOOM_DEVICE_XENT_IN_PLACE, 1ull << 7);
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -710,9 +710,10 @@ const loom_device_api* device_api() {
     a.copy_2d = copy_2d;
     // layernorm_bwd / embedding_bwd honour grad_fp32; the allocator has a graph pool.
     // dropout reads seed_device in the kernel. GEMM epilogues on cuBLASLt (or, with
-    // gemm_epilogues = false, by the unfused kernels).
+    // gemm_epilogues = false, by the unfused kernels). The xent backward kernels read and
+    // write each element from one thread, so dlogits may be the logits.
     a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
-                 LOOM_DEVICE_MULTI_TENSOR | LOOM_DEVICE_GEMM_EPILOGUE;
+                 LOOM_DEVICE_MULTI_TENSOR | LOOM_DEVICE_GEMM_EPILOGUE | LOOM_DEVICE_XENT_IN_PLACE;
     return a;
   }();
   return &api;

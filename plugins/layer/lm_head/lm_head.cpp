@@ -184,7 +184,8 @@ class LmHead : public loom::Layer {
     tp_.vocab_parallel_cross_entropy_backward(
         {.rows = T, .hidden = H, .vocab = vocab_, .padded_vocab = padded_vocab_, .x = ln_in, .weight = w(word_),
          .logits = s.mem.at(s.logits), .stats = s.mem.at(s.stats), .targets = s.mem.at<int32_t>(s.targets),
-         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[word_], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
+         .scale = a.loss_scale, .dx = tmp.at(dln), .dweight = gs[word_], .dtype = dt_.act, .grad_fp32 = gs.grad_fp32(),
+         .logits_scratch = 1});  // the saved logits are dropped below
     norm_.backward(dev, tmp.at(dln), s.mem.at(s.x), w(ln_w_), s.mem.at(s.mean), s.mem.at(s.rstd), dx, gs[ln_w_],
                    ln_b_ == kNone ? nullptr : gs[ln_b_], Tl, H, /*accumulate_dx=*/false, dt_.act, gs.grad_fp32());
     gs.commit();

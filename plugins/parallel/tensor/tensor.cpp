@@ -365,20 +365,25 @@ class Tp {
     const int64_t Vl = v.rows;
     const void* x = a.x;  // the full input
     const void* w = a.weight;
+    // The gradient of the logits over the logits themselves when the caller drops them
+    // after this call and the device can (Megatron's in-place backward): no [T, V/tp]
+    // buffer, the largest of a step with a real vocabulary.
+    const bool in_place = a.logits_scratch != 0 && (dev_.features() & LOOM_DEVICE_XENT_IN_PLACE) != 0;
     Arena tmp;
-    const size_t dlogits = tmp.elems(T * Vl, dt), dfull = tmp.elems(T * H, dt);
+    const size_t dlogits = tmp.elems(in_place ? 0 : T * Vl, dt), dfull = tmp.elems(T * H, dt);
     const size_t dred = tmp.elems(a.dx && a.accumulate_dx ? local_rows(T) * H : 0, dt);
     tmp.allocate(rank_);
+    void* g = in_place ? a.logits : tmp.at<void>(dlogits);
     // dlogits = scale * (softmax - onehot) on the local slice.
     loom_xent_args xa = xent_args(a, v);
     xa.step = LOOM_XENT_BACKWARD;
-    xa.dlogits = tmp.at(dlogits);
+    xa.dlogits = g;
     xa.scale = a.scale;
     dev_.xent(xa);
-    gemm(dev_, true, false, Vl, H, T, tmp.at<void>(dlogits), x, a.dweight, 1.0f, dt, gt);
+    gemm(dev_, true, false, Vl, H, T, g, x, a.dweight, 1.0f, dt, gt);
     if (!a.dx) return;
     void* dx = a.dx;
-    gemm(dev_, false, false, T, H, Vl, tmp.at<void>(dlogits), w, tmp.at<void>(dfull), 0.0f, dt, dt);
+    gemm(dev_, false, false, T, H, Vl, g, w, tmp.at<void>(dfull), 0.0f, dt, dt);
     if (a.accumulate_dx) {
       enter_bwd(T, H, tmp.at<void>(dfull), tmp.at<void>(dred), dt);
       add(dev_, dx, tmp.at<void>(dred), dx, local_rows(T) * H, dt);

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 17
+#define LOOM_ABI_MINOR 18
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -365,7 +365,8 @@ typedef struct loom_attention_args {
  *   XENT_LOSS:       loss[r] = log(row_sumexp[r]) + row_max[r] - target_logit[r]
  *   XENT_BACKWARD:   dlogits[r,c] = scale * (exp(logits - row_max)/row_sumexp - [c == t - vocab_start])
  * Rows whose target is negative are ignored (loss 0, gradient 0). Columns at or
- * past valid_cols (vocab padding) are treated as -inf in every step. */
+ * past valid_cols (vocab padding) are treated as -inf in every step. On a device with
+ * LOOM_DEVICE_XENT_IN_PLACE, dlogits may be logits itself (since 1.18). */
 #define LOOM_XENT_ROW_MAX 0
 #define LOOM_XENT_SUMEXP 1
 #define LOOM_XENT_LOSS 2
@@ -791,6 +792,9 @@ typedef struct loom_device_api {
 #define LOOM_DEVICE_HOST_MEMORY (1ull << 5)
 /* gemm honours epilogue, bias, aux and ldaux (since 1.11). */
 #define LOOM_DEVICE_GEMM_EPILOGUE (1ull << 6)
+/* XENT_BACKWARD may write dlogits over logits (dlogits == logits, the same ld): the
+ * gradient of the logits then takes no memory of its own (since 1.18). */
+#define LOOM_DEVICE_XENT_IN_PLACE (1ull << 7)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */

@@ -160,6 +160,14 @@ typedef struct loom_tp_xent_args {
   int32_t dtype;                 /* of x, weight, logits, dx (and dweight unless grad_fp32) */
   /* --- since 1.2 --- */
   int32_t grad_fp32;             /* dweight is fp32 (see LOOM_TP_GRAD_FP32) */
+  /* --- since 1.18 --- */
+  int32_t pad0;                  /* padding: 1.17's struct ended after grad_fp32; 0 */
+  int32_t logits_scratch;        /* backward: 1 = the caller drops logits after this call, so
+                                    the service may form their gradient over them (on a device
+                                    with LOOM_DEVICE_XENT_IN_PLACE: no [rows, vocab / tp]
+                                    buffer of its own, Megatron's in-place vocab-parallel
+                                    cross-entropy backward); 0 (an older caller's) = keep them */
+  int32_t reserved;              /* 0 (see "Reserved and padding members" in loom_abi.h) */
 } loom_tp_xent_args;
 
 /* Dropout under the model-parallel RNG (Megatron's tracker): region
