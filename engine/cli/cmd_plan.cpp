@@ -105,9 +105,12 @@ train::ComputeProfile measure_here(const train::RunPlan& plan, int threads) {
   try {
     return train::measure_compute(plan, threads);
   } catch (const std::exception& e) {
-    throw loom::Error("measuring the model's compute on " + plan.config.device.kind + " here failed: " +
-                      runtime::error_message(e) + " (measure where the device is, with --save-profile FILE, and "
-                      "estimate from it here with --profile FILE)");
+    const std::string why = runtime::error_message(e);
+    throw loom::Error("measuring the model's compute on " + plan.config.device.kind + " here failed: " + why +
+                      (why.find("--profile") != std::string::npos
+                           ? ""
+                           : " (measure where the device is, with --save-profile FILE, and estimate from it here "
+                             "with --profile FILE)"));
   }
 }
 

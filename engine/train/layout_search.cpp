@@ -47,6 +47,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
   LayoutSearch out;
   out.world = world;
   std::map<std::tuple<int, int, bool>, ComputeProfile> profiles;  // by (tp, cp, sp)
+  std::map<std::tuple<int, int, bool>, std::string> unmeasurable;  // by (tp, cp, sp): why measuring failed
   auto consider = [&](LayoutChoice c) {
     c.overrides = layout_overrides(c);
     try {
@@ -60,11 +61,17 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
       const std::tuple<int, int, bool> key{c.tp, c.cp, c.sp};
       auto it = profiles.find(key);
       if (it == profiles.end() && given != nullptr) it = profiles.emplace(key, *given).first;
+      if (auto f = unmeasurable.find(key); it == profiles.end() && f != unmeasurable.end()) throw loom::Error(f->second);
       if (it == profiles.end()) {
         if (progress)
           progress("measuring compute at tp " + std::to_string(c.tp) + (c.sp ? " + SP" : "") + ", cp " +
                    std::to_string(c.cp));
-        it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores))).first;
+        try {
+          it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores))).first;
+        } catch (const loom::Error& e) {  // the same for every layout of this (tp, cp, sp): measured once
+          unmeasurable.emplace(key, e.what());
+          throw;
+        }
         ++out.profiles;
       }
       c.estimate = estimate_step(p, checked.memory, it->second, links, cores);

@@ -2,6 +2,7 @@
 
 #include "engine/model/param_plan.hpp"
 #include "engine/pipeline/schedule.hpp"
+#include "engine/train/preflight.hpp"
 #include "engine/train/trainer.hpp"
 
 #include <loom/cpp/core.hpp>
@@ -65,6 +66,13 @@ PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int
       "device.threads=" + std::to_string(threads)};
   if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
   const RunPlan measured = quiet_copy(plan, kWarmupSteps + kMeasuredSteps, sets);
+  // Every measuring rank runs every layer: a model that fits only split into pipeline
+  // stages cannot be measured here, which says more than the run's own refusal would.
+  const std::string too_big = preflight(measured, measured.sizes.world).memory_problem;
+  if (!too_big.empty())
+    throw loom::Error("measuring the compute runs every layer on each rank (the pipeline stages folded into data "
+                      "parallelism), and " + too_big + "; measure where a device holds the whole model, with "
+                      "--save-profile FILE, and estimate here with --profile FILE");
   TrainOptions opts;
   opts.keep_trace = true;
   const TrainResult result = train(measured, opts);
