@@ -51,6 +51,9 @@ constexpr const char* kUsage =
     "Exit status: 0 ok, 1 refused or broken schedule, 2 bad usage.\n";
 
 constexpr long long kMaxEntries = 20'000'000;  // 2 * pp * vpp * M order entries
+// The simulation's passes over the stages grow with pp as well as the entries: pp x
+// entries bounds its work (pp 20000 with one microbatch: about 2 s).
+constexpr long long kMaxWork = 1'000'000'000;
 constexpr size_t kLineWidth = 120;            // the diagram wraps into blocks of this width
 constexpr long long kMaxDiagramCells = 200'000;
 
@@ -184,9 +187,10 @@ int cmd_schedule(int argc, char** argv) {
   }
 
   const long long entries = 2LL * pp * vpp * microbatches;
-  if (entries > kMaxEntries) {
+  if (entries > kMaxEntries || entries * pp > kMaxWork) {
     std::cerr << "loom schedule: pp " << pp << ", vpp " << vpp << ", microbatches " << microbatches << " give "
-              << entries << " order entries, more than the " << kMaxEntries << " this command simulates\n";
+              << entries << " order entries over " << pp << " stages, more than this command simulates (at most "
+              << kMaxEntries << " entries and " << kMaxWork << " entries x stages)\n";
     return 1;
   }
 

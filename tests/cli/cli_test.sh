@@ -87,6 +87,10 @@ grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2
   || fail "interleaved order of rank 0: $(head -c 300 "$work/sched.json")"
 "$loom" schedule --pp 4 --vpp 2 --microbatches 6 > /dev/null 2> "$work/sched.err"
 [ $? -eq 1 ] && grep -q "microbatches mod N must be 0 or at least pp" "$work/sched.err" || fail "refusal: $(cat "$work/sched.err")"
+# A pipeline too deep to simulate is refused at once (the simulation's work grows with pp
+# times the order's entries).
+timeout 20 "$loom" schedule --pp 1000000 --microbatches 1 > /dev/null 2> "$work/deep.err"
+[ $? -eq 1 ] && grep -q "more than this command simulates" "$work/deep.err" || fail "pp 1000000: $(cat "$work/deep.err")"
 
 # 6. Usage errors exit 2; --help exits 0.
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"
