@@ -23,7 +23,8 @@ class Args {
 
   bool flag(const std::string& name) const { return flags_.count(name) > 0; }
   bool has(const std::string& name) const { return values_.count(name) > 0; }
-  // The last value given for an option.
+  // The value given for an option; UsageError when it was given more than once (read
+  // an option that repeats with all()).
   std::optional<std::string> get(const std::string& name) const;
   std::vector<std::string> all(const std::string& name) const;
   // Integer option; UsageError names the option when the value is not an integer.

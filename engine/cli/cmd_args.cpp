@@ -42,6 +42,14 @@ Args::Args(int argc, char** argv, std::set<std::string> flags, std::set<std::str
 std::optional<std::string> Args::get(const std::string& name) const {
   auto it = values_.find(name);
   if (it == values_.end() || it->second.empty()) return std::nullopt;
+  // An option read as one value was given once: a second --pp would otherwise win
+  // silently over the first (options that repeat, --set, --input, are read with all()).
+  if (it->second.size() > 1) {
+    std::string given;
+    for (const std::string& v : it->second) given += (given.empty() ? "" : ", ") + v;
+    throw UsageError(name + " is given " + std::to_string(it->second.size()) + " times (" + given +
+                     "); it takes one value");
+  }
   return it->second.back();
 }
 

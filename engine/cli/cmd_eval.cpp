@@ -95,9 +95,9 @@ int cmd_eval(int argc, char** argv) {
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("eval takes one CHECKPOINT or MANIFEST");
+    if (args.all("--data").size() > 1) throw UsageError("--data names one file");
     const std::string data_path = args.get("--data").value_or("");
     if (data_path.empty()) throw UsageError("--data FILE is required");
-    if (args.all("--data").size() > 1) throw UsageError("--data names one file");
     const std::string task = args.get("--task").value_or("perplexity");
     if (task != "perplexity" && task != "lambada") throw UsageError("--task is perplexity or lambada, not " + task);
     if (task == "lambada" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");

@@ -91,6 +91,10 @@ grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2
 # times the order's entries).
 timeout 20 "$loom" schedule --pp 1000000 --microbatches 1 > /dev/null 2> "$work/deep.err"
 [ $? -eq 1 ] && grep -q "more than this command simulates" "$work/deep.err" || fail "pp 1000000: $(cat "$work/deep.err")"
+# An option that takes one value, given twice, is refused rather than the last one used.
+"$loom" schedule --pp 2 --pp 3 --microbatches 4 > /dev/null 2> "$work/twice.err"
+[ $? -eq 2 ] && grep -q -- "--pp is given 2 times (2, 3); it takes one value" "$work/twice.err" \
+  || fail "an option given twice: $(cat "$work/twice.err")"
 
 # 6. Usage errors exit 2; --help exits 0.
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"
