@@ -356,7 +356,9 @@ int cmd_plan(int argc, char** argv) {
                                        {"grad_dtype", mp.grad_dtype},
                                        {"optimizer_strategy", mp.strategy},
                                        {"vocab", mp.vocab},
-                                       {"microbatches_in_flight", mp.microbatches_in_flight}})
+                                       {"microbatches_in_flight", mp.microbatches_in_flight},
+                                       {"fits", memory.empty()},  // what loom run's check before launch says
+                                       {"memory_problem", memory}})
                 << "\n";
       return 0;
     }

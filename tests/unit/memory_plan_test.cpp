@@ -237,6 +237,8 @@ TEST(MemoryPlan, CliJson) {
   const auto& ranks = tree.at("ranks");
   ASSERT_EQ(ranks.size(), 8u) << out;  // world = tp 2 x cp 2 x dp 2
   EXPECT_EQ(tree.at("cp"), 2);
+  EXPECT_EQ(tree.at("fits"), true);  // the check before launch's verdict
+  EXPECT_EQ(tree.at("memory_problem"), "");
   int expect_rank = 0;
   for (const auto& r : ranks) {
     // The default order tp-cp-ep-dp-pp: tp fastest, then cp, then dp.
@@ -244,7 +246,11 @@ TEST(MemoryPlan, CliJson) {
     EXPECT_EQ(r.at("cp_rank"), expect_rank / 2 % 2);
     EXPECT_EQ(r.at("dp_rank"), expect_rank / 4);
     EXPECT_EQ(r.at("rank"), expect_rank++);
-    for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"})
+    EXPECT_EQ(r.at("total_bytes").get<uint64_t>(), r.at("param_bytes").get<uint64_t>() + r.at("grad_bytes").get<uint64_t>() +
+                                                       r.at("optimizer_bytes").get<uint64_t>() +
+                                                       r.at("activation_bytes").get<uint64_t>() +
+                                                       r.at("recompute_bytes").get<uint64_t>() + r.at("work_bytes").get<uint64_t>());
+    for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "work_bytes"})
       EXPECT_GT(r.at(k).get<double>(), 0) << k;
     EXPECT_NEAR(r.at("bytes_per_param").get<double>(), 16, 0.5);
     EXPECT_EQ(r.at("param_bytes").get<double>(), 4 * r.at("buffer_numel").get<double>());
