@@ -235,7 +235,9 @@ Matrix expert_matrix(const WholeTensor& t, int64_t j) {
 
 HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
   const train::RunPlan plan =
-      train::make_plan(manifest::Manifest::parse(ck.manifest_toml, "the checkpoint's manifest.toml"), registry,
+      train::make_plan(manifest::Manifest::parse(ck.manifest_toml, "the checkpoint's manifest.toml", {},
+                                                 manifest::Manifest::Launch::Other),
+                       registry,
                        train::PlanUse::CheckpointLayout);
   const manifest::RunConfig& c = plan.config;
   const Shape s = shape_of(plan);

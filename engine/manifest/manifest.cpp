@@ -482,6 +482,7 @@ ValueBounds ValueBounds::parse(const char* range, const char* choices) {
 
 class ManifestLoader {
  public:
+  explicit ManifestLoader(bool this_launch = true) { m_.this_launch_ = this_launch; }
   Manifest run(const std::string& path, const std::string* text,
                const std::vector<std::string>& overrides) {
     std::error_code ec;
@@ -940,8 +941,8 @@ Manifest Manifest::load(const std::string& path, const std::vector<std::string>&
 }
 
 Manifest Manifest::parse(const std::string& text, const std::string& name,
-                         const std::vector<std::string>& overrides) {
-  return ManifestLoader().run(name, &text, overrides);
+                         const std::vector<std::string>& overrides, Launch launch) {
+  return ManifestLoader(launch == Launch::This).run(name, &text, overrides);
 }
 
 // ---- access --------------------------------------------------------------

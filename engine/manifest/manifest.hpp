@@ -79,9 +79,14 @@ class Manifest {
   // taken as a string), fills defaults from the engine schema and validates the
   // core schema and the cross-key rules. Throws ManifestError with all problems.
   static Manifest load(const std::string& path, const std::vector<std::string>& overrides = {});
-  // The same from TOML text (tests); `name` stands in for the file name.
+  // The same from TOML text (tests); `name` stands in for the file name. A manifest
+  // of another run (a checkpoint's, read for its layout) is not this process's launch:
+  // Launch::Other skips the check of its world size against mpirun's/srun's.
+  enum class Launch { This, Other };
   static Manifest parse(const std::string& text, const std::string& name,
-                        const std::vector<std::string>& overrides = {});
+                        const std::vector<std::string>& overrides = {}, Launch launch = Launch::This);
+  // Whether the world size is checked against the launcher's (Launch::This).
+  bool describes_this_launch() const { return this_launch_; }
 
   // The resolved table: defaults filled in, overrides applied.
   const toml::table& table() const { return table_; }
@@ -116,6 +121,7 @@ class Manifest {
   toml::table table_;
   std::map<std::string, Origin> origins_;
   std::map<std::string, Origin> key_origins_;  // where each key itself is written
+  bool this_launch_ = true;
   friend class ManifestLoader;
 };
 

@@ -533,7 +533,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
 
   if (world_ok && usable({"parallel.tp", "parallel.cp", "parallel.pp", "parallel.dp"})) {
     std::string var;
-    if (auto launched = launcher_world_size(&var)) {
+    if (auto launched = m.describes_this_launch() ? launcher_world_size(&var) : std::nullopt) {
       int64_t tp = I("parallel.tp"), cp = I("parallel.cp"), pp = I("parallel.pp"),
               dp = I("parallel.dp");
       int64_t world = tp * cp * pp * dp;

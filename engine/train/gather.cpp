@@ -136,7 +136,8 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   const std::string manifest_path = (fs::path(step_dir) / "manifest.toml").string();
   out.manifest_toml = read_text(manifest_path);
   RunPlan plan =
-      make_plan(manifest::Manifest::parse(out.manifest_toml, manifest_path), registry, PlanUse::CheckpointLayout);
+      make_plan(manifest::Manifest::parse(out.manifest_toml, manifest_path, {}, manifest::Manifest::Launch::Other),
+                registry, PlanUse::CheckpointLayout);
   const CheckpointMeta& m = out.meta;
   if (plan.sizes.world != m.world || plan.sizes.tp != m.tp || plan.sizes.pp != m.pp || plan.sizes.ep != m.ep ||
       plan.sizes.cp != m.cp)

@@ -621,6 +621,8 @@ TEST(CommMpi, AStartedReceiveTimesOutNamingThePeerAndItsPairFollows) {
       loom_comm_request *r1 = nullptr, *r2 = nullptr;
       ASSERT_TRUE(start_p2p(comm.get(), LOOM_COLLECTIVE_RECV, &x, 1, 1, 77, &r1).ok());
       ASSERT_TRUE(start_p2p(comm.get(), LOOM_COLLECTIVE_RECV, &y, 1, 1, 77, &r2).ok());
+      // The receiver is polling (with no deadline: nobody waits yet) when the wait comes.
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
       const auto t0 = Clock::now();
       Result r = take(mpi()->wait(comm.get(), r1, nullptr));
       const double s = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -8,7 +8,8 @@
 #      1d. pipelines (pp 2, and interleaved vpp 2) with each stage's next receive
 #      posted early on comm/mpi's receiver thread, and with receives at the wait;
 #   2. checkpoints written under mpirun (every rank its file, rank 0 commits) resume
-#      under mpirun to the same steps as the uninterrupted threads run;
+#      under mpirun to the same steps as the uninterrupted threads run; 2b. at another
+#      layout and process count, each process gathering only what its rank holds;
 #   3. a rank that fails (its checkpoint file is damaged) ends the whole job promptly
 #      with a message naming it and a non-zero exit, long before comm.timeout_s;
 #   3b. SIGUSR1 to mpirun stops every rank after one step with a checkpoint (exit 130);
@@ -129,6 +130,14 @@ mpi 2 "${re[@]}" --metrics "$work/rm.jsonl" >"$work/rm.out" 2>&1
 same "$work/rt.jsonl" "$work/rm.jsonl" "mpirun -np 2 resumed at pp 2 from a dp 2 checkpoint vs threads"
 grep -q "resume: gathered [0-9]* of the checkpoint's [0-9]* parameters (those of this process's ranks)" "$work/rm.out" ||
   fail "the pp 2 processes should gather only their stage's parameters: $(grep resume "$work/rm.out")"
+# And with another number of processes: the checkpoint's manifest describes the run
+# that wrote it (2 processes), not this launch (4).
+re4=(--set "checkpoint.dir=\"$work/ck_pp\"" --set checkpoint.every=0 --set parallel.dp=2 --set parallel.pp=2 --resume)
+rm -rf "$work/ck_pp" && cp -r "$work/ck" "$work/ck_pp" && rm -rf "$(printf '%s/ck_pp/step_%08d' "$work" 6)"
+threads "${re4[@]}" --metrics "$work/rt4.jsonl" >/dev/null 2>&1
+rm -rf "$work/ck_pp" && cp -r "$work/ck" "$work/ck_pp" && rm -rf "$(printf '%s/ck_pp/step_%08d' "$work" 6)"
+mpi 4 "${re4[@]}" --metrics "$work/rm4.jsonl" >"$work/rm4.out" 2>&1 || fail "resuming a 2-process checkpoint with 4: $(tail -3 "$work/rm4.out")"
+same "$work/rt4.jsonl" "$work/rm4.jsonl" "mpirun -np 4 resumed at pp 2 x dp 2 from a dp 2 checkpoint written by 2 vs threads"
 
 # 3. A failing rank ends the job promptly (comm.timeout_s is 10 minutes).
 bad=$(printf '%s/ck/step_%08d/rank_%05d.bin' "$work" 6 1)

@@ -71,7 +71,9 @@ bool Receiver::serve_locked() {
       ++it;
     }
   }
-  return served;
+  const bool sooner = std::any_of(pending_.begin(), pending_.end(),
+                                  [&](const Posted& p) { return p.deadline < polling_until_; });
+  return served || sooner;
 }
 
 void Receiver::run() {
@@ -85,6 +87,7 @@ void Receiver::run() {
     }
     Clock::time_point deadline = Clock::time_point::max();
     for (const Posted& p : pending_) deadline = std::min(deadline, p.deadline);
+    polling_until_ = deadline;
     lk.unlock();
     bool progressed = false;
     std::exception_ptr failure;

@@ -57,7 +57,8 @@ class Receiver {
 
   void run();
   // With mpi_mutex() held: completes what it can, keeping each pair's order. true
-  // when it completed one (the oldest deadline may have changed) or must stop.
+  // when it completed one, when a wait gave a receive an earlier deadline than the
+  // running poll's (the poll must take it up), or when it must stop.
   bool serve_locked();
   void fail_all(const std::exception_ptr& e);  // mu_ held
 
@@ -66,6 +67,7 @@ class Receiver {
   std::mutex mu_;  // taken inside mpi_mutex(), never around it
   std::condition_variable cv_;
   std::deque<Posted> pending_;  // posting order
+  Clock::time_point polling_until_ = Clock::time_point::max();  // the deadline the running poll has
   uint64_t next_id_ = 0;
   bool stopping_ = false;
   std::thread thread_;
