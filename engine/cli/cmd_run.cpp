@@ -21,15 +21,23 @@ namespace loom::cli {
 namespace {
 
 std::atomic<int> g_stop{0};
+std::atomic<bool> g_under_launcher{false};  // set before the handlers are installed
 // The first signal asks every rank to stop after its current step (a step can take
 // minutes, so it says so at once); a second one ends the process without waiting,
 // for a step that cannot finish. Only async-signal-safe calls here.
-extern "C" void on_signal(int) {
+extern "C" void on_signal(int sig) {
   if (g_stop.exchange(1) == 0) {
     static const char kFirst[] =
         "\nloom run: signal received: stopping after the current step (and writing a checkpoint when "
         "checkpoint.dir is set); signal again to stop at once without one\n";
-    [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kFirst, sizeof kFirst - 1);
+    // mpirun turns a Ctrl-C into SIGTERM and kills the ranks soon after: only its
+    // forwarded SIGUSR1 leaves them the time to finish the step and save.
+    static const char kUnderLauncher[] =
+        "\nloom run: SIGINT/SIGTERM received under mpirun/srun: stopping after the current step, but the "
+        "launcher may kill this rank first (no checkpoint then); send SIGUSR1 to mpirun to stop with one\n";
+    const bool warn = g_under_launcher.load() && sig != SIGUSR1;
+    [[maybe_unused]] ssize_t n = warn ? ::write(STDERR_FILENO, kUnderLauncher, sizeof kUnderLauncher - 1)
+                                      : ::write(STDERR_FILENO, kFirst, sizeof kFirst - 1);
     return;
   }
   static const char kSecond[] = "loom run: second signal: stopping now, without a checkpoint\n";
@@ -78,6 +86,7 @@ int cmd_run(int argc, char** argv) {
     // SIGUSR1 too: mpirun forwards it to every rank (SIGINT becomes SIGTERM there,
     // followed by SIGKILL a second later), and Slurm sends it ahead of a time limit
     // (sbatch --signal=USR1@120).
+    g_under_launcher = runtime::detect_process_launch().multi_process;
     struct StopSignals {
       StopSignals() {
         for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_signal);
