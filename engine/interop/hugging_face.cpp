@@ -144,12 +144,8 @@ Shape shape_of(const train::RunPlan& plan) {
   auto computed_options = [&](const model::LayerSpec& spec) {
     std::string out;
     const toml::table& section = c.model.layer_section(spec.config);
-    for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options) {
-      if (train::training_only_option(d.name)) continue;
-      std::ostringstream v;
-      if (auto n = section[d.name]) v << n;
-      out += d.name + "=" + (v.str().empty() ? d.default_value.value_or("(unset)") : v.str()) + "; ";
-    }
+    for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options)
+      if (!train::training_only_option(d.name)) out += d.name + "=" + train::layer_option_text(section, d) + "; ";
     return out;
   };
   for (size_t i = 3; i + 1 < L.size(); ++i) {

@@ -111,14 +111,30 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
                           "model.tie_embeddings", "model.pre", "model.block", "model.post"})
     differ(key, "(unset)");
   // Each layer's options, as set or as its plugin declares them by default.
+  const toml::table none;
+  auto section = [&](const toml::table& t, const std::string& config) -> const toml::table& {
+    const toml::table* s = t.at_path("model.layer." + config).as_table();
+    return s != nullptr ? *s : none;
+  };
   std::set<std::string> seen;
   for (const model::LayerSpec& spec : run.layers) {
     if (!seen.insert(spec.config).second) continue;
     const plugins::LoadedPlugin& p = run.registry->get("layer", spec.plugin);
-    for (const manifest::OptionDecl& d : p.options)
-      if (!training_only_option(d.name))
-        differ("model.layer." + spec.config + "." + d.name, d.default_value.value_or("(unset)"));
+    for (const manifest::OptionDecl& d : p.options) {
+      if (training_only_option(d.name)) continue;
+      const std::string key = "model.layer." + spec.config + "." + d.name;
+      const std::string x = layer_option_text(section(a, spec.config), d), y = layer_option_text(section(b, spec.config), d);
+      if (x != y)
+        throw loom::Error(role + ": " + source + " holds a model with " + key + " = " + x + ", this run has " + y +
+                          ": the same tensors would be another model; set " + key + " as it has it");
+    }
   }
+}
+
+std::string layer_option_text(const toml::table& section, const manifest::OptionDecl& decl) {
+  std::ostringstream os;
+  if (auto n = section[decl.name]) os << n;
+  return os.str().empty() ? decl.default_value.value_or("(unset)") : os.str();
 }
 
 namespace {

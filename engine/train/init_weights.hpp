@@ -37,6 +37,9 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
 // A layer option that changes training, not the model (dropout, auxiliary loss
 // coefficients, MoE capacity): a run from given weights or a resume may change it.
 bool training_only_option(const std::string& name);
+// A layer option as the layer computes with it: its value in `section` ([model.layer.X])
+// as TOML text, else the plugin's declared default ("(unset)" when it has none).
+std::string layer_option_text(const toml::table& section, const manifest::OptionDecl& decl);
 
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
                                const std::string& role = "checkpoint.init_weights");
