@@ -71,6 +71,14 @@ bool report_plugin_loading() {
   return !r.duplicate_errors().empty();
 }
 
+// Under mpirun/srun a process may be the only one to fail (a file missing on its node,
+// another command line), so every process says why it stopped, naming its rank.
+std::string process_prefix() {
+  const runtime::ProcessLaunch proc = runtime::detect_process_launch();
+  if (!proc.multi_process) return "";
+  return "[process " + std::to_string(proc.rank) + " of " + std::to_string(proc.world_size) + "] ";
+}
+
 }  // namespace
 
 int cmd_run(int argc, char** argv) {
@@ -178,15 +186,12 @@ int cmd_run(int argc, char** argv) {
     std::cerr << "loom run: " << e.what() << "\n" << kUsage;
     return 2;
   } catch (const manifest::ManifestError& e) {
-    // Under mpirun every process finds the same problems: rank 0 says them once.
-    if (const runtime::ProcessLaunch proc = runtime::detect_process_launch(); proc.multi_process && proc.rank != 0)
-      return 1;
     report_plugin_loading();  // often why a plugin the manifest names is missing
-    std::cerr << e.what() << "\n";
+    std::cerr << process_prefix() << e.what() << "\n";
     return 1;
   } catch (const std::exception& e) {
     report_plugin_loading();
-    std::cerr << "loom run: " << runtime::error_message(e) << "\n";
+    std::cerr << process_prefix() << "loom run: " << runtime::error_message(e) << "\n";
     return 1;
   }
 }

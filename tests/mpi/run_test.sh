@@ -14,7 +14,8 @@
 #      with a message naming it and a non-zero exit, long before comm.timeout_s;
 #   3b. SIGUSR1 to mpirun stops every rank after one step with a checkpoint (exit 130);
 #   4. comm.backend = "local" under mpirun, and comm/mpi without mpirun, are refused
-#      with a message saying what to do.
+#      with a message saying what to do; a setup error in one process alone is printed
+#      by it.
 # usage: run_test.sh LOOM MPIEXEC MANIFEST [MPIEXEC FLAGS...]
 set -euo pipefail
 loom=$1 mpiexec=$2 manifest=$3
@@ -207,3 +208,14 @@ set -e
 [ "$rc" -eq 1 ] || fail "comm/mpi without mpirun should exit 1 (got $rc)"
 grep -q "mpirun -np 2" "$work/n.out" || { cat "$work/n.out" >&2; fail "no hint to start with mpirun -np 2"; }
 echo "ok: comm/mpi without mpirun refused"
+
+# A setup error in one process only (here its command line; on a cluster, a file its
+# node lacks) is printed by that process, naming it, and ends the job.
+set +e
+timeout 120 "$mpiexec" "${flags[@]}" -np 1 "$loom" run "$manifest" --set comm.backend=mpi : \
+  -np 1 "$loom" run "$manifest" --set comm.backend=mpi --set run.steps=0 >"$work/one.out" 2>&1
+rc=$?
+set -e
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "a setup error in process 1 should end the job (exit $rc)"
+grep -q "^\[process 1 of 2\] manifest has 1 error" "$work/one.out" && grep -q "run.steps must be" "$work/one.out" || { cat "$work/one.out" >&2; fail "process 1's error was not printed"; }
+echo "ok: a setup error in process 1 alone is printed, naming the process"
