@@ -56,6 +56,16 @@ int cmd_export(int argc, char** argv) {
               << " tensors, " << bytes / (1024 * 1024) << " MiB";
     for (const std::string& f : hf.files) std::cout << (f == hf.files.front() ? "; tokenizer: " : ", ") << f;
     std::cout << ")\n";
+    const auto names = [](const std::vector<std::string>& files) {
+      std::string s;
+      for (const std::string& f : files) s += (s.empty() ? "" : ", ") + f;
+      return s;
+    };
+    if (!hf.removed.empty())
+      std::cout << "export: removed the earlier tokenizer files " << names(hf.removed) << " from " << pos[1] << "\n";
+    if (!hf.kept.empty())
+      std::cerr << "loom export: warning: " << pos[1] << " has tokenizer files this export did not write ("
+                << names(hf.kept) << "); they may not match the model: give --tokenizer, or remove them\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom export: " << e.what() << "\n" << kUsage;

@@ -6,6 +6,7 @@
 #include "engine/train/init_weights.hpp"
 #include "engine/train/run_plan.hpp"
 
+#include <algorithm>
 #include <boost/filesystem.hpp>
 
 #include <map>
@@ -385,6 +386,32 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   return files;
 }
 
+// Files transformers' AutoTokenizer reads from a model directory; tokenizer.json (a fast
+// tokenizer) and added_tokens.json take precedence over the ones an export writes.
+constexpr const char* kTokenizerFileNames[] = {"vocab.json",     "merges.txt",  "tokenizer.model",
+                                               "tokenizer.json", "added_tokens.json",
+                                               "tokenizer_config.json", "special_tokens_map.json"};
+
+// Tokenizer files in out_dir that this export did not write: removed when it wrote a
+// tokenizer (they belong to an earlier one and would mislead AutoTokenizer), else named.
+void settle_tokenizer_files(const std::string& out_dir, bool wrote_tokenizer, HfModel& hf) {
+  namespace fs = boost::filesystem;
+  for (const char* name : kTokenizerFileNames) {
+    if (std::find(hf.files.begin(), hf.files.end(), name) != hf.files.end()) continue;
+    const fs::path path = fs::path(out_dir) / name;
+    boost::system::error_code ec;
+    if (!fs::is_regular_file(path, ec)) continue;
+    if (!wrote_tokenizer) {
+      hf.kept.push_back(name);
+    } else if (fs::remove(path, ec); ec) {
+      throw std::runtime_error("export to " + out_dir + ": cannot remove " + path.string() +
+                               " (a tokenizer file the exported tokenizer does not have): " + ec.message());
+    } else {
+      hf.removed.push_back(name);
+    }
+  }
+}
+
 }  // namespace
 
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
@@ -431,6 +458,7 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     for (const auto& [final_path, tmp] : written) fs::remove(tmp, ec);
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
   }
+  settle_tokenizer_files(out_dir, !tokenizer.empty(), hf);
   return hf;
 }
 

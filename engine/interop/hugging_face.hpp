@@ -45,6 +45,8 @@ struct HfModel {
   nlohmann::ordered_json config;     // config.json
   std::vector<NamedTensor> tensors;  // model.safetensors, in model order
   std::vector<std::string> files;    // the other files written beside config.json (tokenizer)
+  std::vector<std::string> removed;  // tokenizer files of an earlier export removed (with a tokenizer)
+  std::vector<std::string> kept;     // tokenizer files left there (without one): they may not match
 };
 
 // The checkpoint's model in transformers' names and layouts; throws std::runtime_error
@@ -57,7 +59,10 @@ HfModel to_hf(const train::WholeCheckpoint& ckpt, plugins::Registry& registry);
 // vocab.json + merges.txt (GPT2Tokenizer), SentencePiece as tokenizer.model
 // (LlamaTokenizer), each with tokenizer_config.json and special_tokens_map.json, and the
 // special token ids in config.json. Every file is complete before any replaces what is
-// there. Returns what it wrote (hf.files: the tokenizer files' names).
+// there. With a tokenizer the export owns out_dir's tokenizer files: those it did not
+// write (an earlier export's other kind, a tokenizer.json AutoTokenizer would prefer)
+// are removed (hf.removed); without one they are left and named (hf.kept). Returns what
+// it wrote (hf.files: the tokenizer files' names).
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
                   const std::string& tokenizer = "");
 

@@ -646,7 +646,8 @@ TEST(HfExport, OutputThatCannotBeWrittenLeavesNothingHalfWritten) {
 
 // --tokenizer: a SentencePiece model the data could have been encoded with goes beside
 // the weights as LlamaTokenizer reads it (the file byte for byte, its special tokens by
-// piece and id); one larger than the model's vocabulary is refused and nothing written.
+// piece and id), replacing an earlier export's tokenizer files; one larger than the
+// model's vocabulary is refused and nothing written.
 TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   const std::string dir = scratch("tok");
   {
@@ -659,8 +660,16 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   how.vocab_size = 300;
   loom::text::train_sentencepiece(how);
   const std::string step = parallel_checkpoint({"model.block=[\"attention\", \"mlp\"]", "model.vocab_size=320"}, dir + "/ck");
+  // An earlier export's GPT-2 files and a fast tokenizer AutoTokenizer would prefer.
+  fs::create_directories(dir + "/out");
+  for (const char* f : {"vocab.json", "merges.txt", "tokenizer.json", "generation_config.json"})
+    std::ofstream(dir + "/out/" + f) << "{}";
   const loom::interop::HfModel hf = loom::interop::export_hf(step, dir + "/out", loom::plugins::registry(), dir + "/spm.model");
   EXPECT_EQ(hf.files, (std::vector<std::string>{"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"}));
+  EXPECT_EQ(hf.removed, (std::vector<std::string>{"vocab.json", "merges.txt", "tokenizer.json"}));
+  for (const char* f : {"vocab.json", "merges.txt", "tokenizer.json"})
+    EXPECT_FALSE(fs::exists(dir + "/out/" + f)) << f << ", another tokenizer's, was left beside the exported one";
+  EXPECT_TRUE(fs::exists(dir + "/out/generation_config.json")) << "not a tokenizer file: not the export's to remove";
   std::ifstream a(dir + "/spm.model", std::ios::binary), b(dir + "/out/tokenizer.model", std::ios::binary);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(a), {}), std::string(std::istreambuf_iterator<char>(b), {}));
   const auto tok = loom::text::load_tokenizer(dir + "/spm.model");
@@ -672,6 +681,9 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   EXPECT_EQ(model["eos_token_id"], tok->eod());
   EXPECT_EQ(model["bos_token_id"], tok->bos());
   EXPECT_TRUE(fs::exists(dir + "/out/special_tokens_map.json"));
+  // Exported again without a tokenizer: the files are kept, and named.
+  EXPECT_EQ(loom::interop::export_hf(step, dir + "/out", loom::plugins::registry()).kept,
+            (std::vector<std::string>{"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"}));
 
   const std::string small = parallel_checkpoint({}, dir + "/ck13");  // vocabulary 13
   try {
