@@ -245,6 +245,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
     ordered_json out = {{"step_ms", est.step_s * 1e3}, {"tokens_per_s", est.tokens_per_s},
                         {"flops_per_step", est.flops_per_step}, {"mfu", est.mfu},
                         {"cores", est.cores}, {"threads_per_rank", est.threads}, {"contention", est.contention},
+                        {"thread_scale", est.thread_scale},
                         {"measured_at", {{"tp", profile.tp}, {"cp", profile.cp}, {"dp", profile.dp},
                                          {"runs", profile.runs}, {"seconds", profile.wall_s}}},
                         {"stages", stages}, {"notes", notes}};
@@ -263,7 +264,10 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
             << profile.device << " at tp " << profile.tp << ", cp " << profile.cp << ", dp " << profile.dp << " ("
             << profile.runs << (profile.runs == 1 ? " run, " : " runs, ") << std::fixed << std::setprecision(2)
             << profile.wall_s << " s in all); " << est.cores << " core(s), " << est.threads
-            << " thread(s) per rank, contention x" << std::setprecision(2) << est.contention << "\n";
+            << " thread(s) per rank";
+  if (est.thread_scale != 1)
+    std::cout << " (measured with " << profile.threads << ": arithmetic x" << std::setprecision(2) << est.thread_scale << ")";
+  std::cout << ", contention x" << std::setprecision(2) << est.contention << "\n";
   for (const std::string& n : notes) std::cout << "  note: " << n << "\n";
   std::cout << "  step " << ms(est.step_s) << " ms, " << std::setprecision(0) << est.tokens_per_s << " tokens/s";
   if (est.mfu > 0) std::cout << ", MFU " << std::setprecision(1) << 100 * est.mfu << "%";

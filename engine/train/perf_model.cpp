@@ -198,6 +198,16 @@ LinkModel plan_links(const RunPlan& plan) {
 }
 
 
+namespace {
+
+// The ranks compute on this machine's cores: a host-memory device (device/cpu).
+bool on_host_cores(const RunPlan& plan) {
+  const loom_device_api* dev = plan.device != nullptr ? plan.device->device() : nullptr;
+  return dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) && (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0;
+}
+
+}  // namespace
+
 ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   const auto t0 = std::chrono::steady_clock::now();
   ComputeProfile p;
@@ -208,10 +218,7 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   // other down: measure with as many running as the layout has, its pipeline stages
   // folded into dp. Ranks on devices of their own: one per (tp, cp) position, or the
   // dp that expert parallelism needs.
-  const loom_device_api* dev = plan.device != nullptr ? plan.device->device() : nullptr;
-  const bool host = dev != nullptr && LOOM_HAS_SLOT(dev, loom_device_api, features) &&
-                    (dev->features & LOOM_DEVICE_HOST_MEMORY) != 0;
-  p.dp = host ? plan.sizes.world / (plan.sizes.tp * plan.sizes.cp) : std::max(1, plan.sizes.ep);
+  p.dp = on_host_cores(plan) ? plan.sizes.world / (plan.sizes.tp * plan.sizes.cp) : std::max(1, plan.sizes.ep);
   p.threads = threads;
   p.micro_batch = plan.config.batch.micro_batch_size;
   p.microbatches = kMeasuredMicrobatches;
@@ -435,11 +442,15 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     const double fixed = forward ? profile.forward_fixed_s : profile.backward_fixed_s;
     const double prop = forward ? profile.forward_flops_s : profile.backward_flops_s;
     const double share = flops > 0 ? r.chunk_forward_flops[c] / flops : r.chunk_layers[c] / layers;
-    const double compute = contention.all * fixed * r.chunk_layers[c] / layers + contention.busy * prop * share;
+    const double compute =
+        contention.all * fixed * r.chunk_layers[c] / layers + contention.busy * out.thread_scale * prop * share;
     return std::pair<double, double>{compute + 0.5 * layer_comm_mb * r.chunk_layers[c] / layers,
                                      0.5 * layer_comm_mb * r.chunk_layers[c] / layers};
   };
 
+  // A rank's arithmetic spreads over its threads: a profile measured with other threads
+  // per rank (another world size on these cores) scales the FLOP-proportional part.
+  if (on_host_cores(plan)) out.thread_scale = static_cast<double>(std::max(1, profile.threads)) / out.threads;
   // Ranks share the cores: busy threads over cores, relative to the measuring run.
   const double measured_load = static_cast<double>(profile.tp * profile.cp * profile.dp * profile.threads);
   auto contention_at = [&](double busy_ranks) {

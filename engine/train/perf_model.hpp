@@ -92,6 +92,7 @@ struct PerfEstimate {
   double mfu = 0;             // 0 when device.peak_tflops is unknown
   int threads = 1, cores = 1;
   double contention = 1;      // slowdown of the FLOP-proportional compute from more busy threads than cores
+  double thread_scale = 1;    // the profile's threads per rank over this layout's (host-memory devices)
   std::vector<std::string> notes;
 };
 

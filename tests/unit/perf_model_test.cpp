@@ -167,6 +167,31 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   EXPECT_NEAR(sd.optimizer_s, 1e-3 * double(dmp.ranks[0].buffer_numel / 2) / double(profile.buffer_elements), 1e-12);
 }
 
+// A profile measured at another world size on these cores had other threads per rank:
+// the part in proportion to FLOPs scales with them, the part fixed per layer does not.
+TEST(PerfModel, AProfileOfOtherThreadsPerRankScalesTheArithmetic) {
+  const loom::train::RunPlan plan = plan_from(tiny_manifest(), kDp2);  // 2 ranks on 2 cores: 1 thread each
+  const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
+  loom::train::ComputeProfile alone = given_profile(plan, mp);
+  alone.dp = 1;  // measured as one rank with both cores
+  alone.threads = 2;
+  alone.forward_fixed_s = 1e-3;
+  const loom::LinkModel links = loom::train::plan_links(plan);
+  const loom::train::PerfEstimate e = loom::train::estimate_step(plan, mp, alone, links, 2);
+  const double m = static_cast<double>(plan.microbatches);
+  EXPECT_EQ(e.threads, 1);
+  EXPECT_DOUBLE_EQ(e.thread_scale, 2);
+  EXPECT_DOUBLE_EQ(e.contention, 1) << "one busy thread per core, as when measured";
+  EXPECT_DOUBLE_EQ(e.stages[0].forward_s, m * (1e-3 + 2 * 4e-3));
+  EXPECT_DOUBLE_EQ(e.stages[0].backward_s, m * 2 * 8e-3);
+  loom::train::ComputeProfile shared = alone;  // measured as this layout runs
+  shared.dp = 2;
+  shared.threads = 1;
+  const loom::train::PerfEstimate same = loom::train::estimate_step(plan, mp, shared, links, 2);
+  EXPECT_DOUBLE_EQ(same.thread_scale, 1);
+  EXPECT_DOUBLE_EQ(same.stages[0].forward_s, m * (1e-3 + 4e-3));
+}
+
 TEST(PerfModel, PipelineStagesSplitTheModelAndWaitInTheBubble) {
   const loom::train::RunPlan plan =
       plan_from(tiny_manifest(), {"parallel.pp=2", "model.num_layers=4",
