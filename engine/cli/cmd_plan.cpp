@@ -33,6 +33,7 @@ namespace {
 const char* kUsage =
     "usage: loom plan MANIFEST [--set key.path=value]... [--json]\n"
     "                          [--perf [--links SPEC] [--profile FILE | --save-profile FILE]\n"
+    "                                  [--measure-blocks N]\n"
     "                                  [--check STEPS | --search [--world N]]]\n"
     "Plans each rank's memory from the layer plugins' parameter declarations, without\n"
     "running the model: parameters and gradients (device.param_dtype / grad_dtype, flat\n"
@@ -43,7 +44,12 @@ const char* kUsage =
     "             stages folded into dp; on a CPU with as many ranks as the layout has),\n"
     "             communication is modelled on the links (comm.options.links, or --links),\n"
     "             the pipeline schedule played out, gradient reduction and parameter\n"
-    "             gathers overlapped as optimizer.overlap_* say\n"
+    "             gathers overlapped as optimizer.overlap_* say. A model that fits only\n"
+    "             split into pipeline stages is measured with the most of its transformer\n"
+    "             blocks that fit, each layer then costed by its FLOPs\n"
+    "  --measure-blocks  measure a model of N of the manifest's transformer blocks (its\n"
+    "             shapes, fewer layers) and cost the rest by their FLOPs: a deep model\n"
+    "             measured sooner\n"
     "  --links    the network to model, e.g. \"tp=450GB/s,2us; dp=25GB/s,10us; *=12.5GB/s,10us\"\n"
     "  --check    then run the manifest for STEPS (5 or more) steps, on --links when given\n"
     "             and the comm plugin models links, writing nothing, and print the\n"
@@ -101,9 +107,9 @@ std::vector<std::string> perf_notes(const train::RunPlan& plan, const train::Com
 }
 
 // The compute measured on this machine, or an error that says how to estimate without it.
-train::ComputeProfile measure_here(const train::RunPlan& plan, int threads) {
+train::ComputeProfile measure_here(const train::RunPlan& plan, int threads, int64_t blocks) {
   try {
-    return train::measure_compute(plan, threads);
+    return train::measure_compute(plan, threads, blocks);
   } catch (const std::exception& e) {
     const std::string why = runtime::error_message(e);
     throw loom::Error("measuring the model's compute on " + plan.config.device.kind + " here failed: " + why +
@@ -158,7 +164,8 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   };
   const std::optional<train::ComputeProfile> given = read_profile(args);
   const train::LayoutSearch found =
-      train::search_layouts(plan, world, links, runtime::usable_cores(), progress, given ? &*given : nullptr);
+      train::search_layouts(plan, world, links, runtime::usable_cores(), progress, given ? &*given : nullptr,
+                            args.get_int("--measure-blocks", 0));
   if (json) {
     using nlohmann::ordered_json;
     auto row = [](const train::LayoutChoice& c) {
@@ -221,7 +228,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
     std::cout << "measuring the model's compute on " << plan.config.device.kind << " at tp " << plan.sizes.tp
               << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : "") << ", " << threads
               << " thread(s) per rank ..." << std::endl;
-  const train::ComputeProfile profile = given ? *given : measure_here(plan, threads);
+  const train::ComputeProfile profile = given ? *given : measure_here(plan, threads, args.get_int("--measure-blocks", 0));
   save_profile(args, profile);
   const train::PerfEstimate est = train::estimate_step(plan, mp, profile, links, cores);
   const double measured =
@@ -247,6 +254,7 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
                         {"cores", est.cores}, {"threads_per_rank", est.threads}, {"contention", est.contention},
                         {"thread_scale", est.thread_scale},
                         {"measured_at", {{"tp", profile.tp}, {"cp", profile.cp}, {"dp", profile.dp},
+                                         {"blocks", profile.blocks}, {"model_blocks", profile.model_blocks},
                                          {"runs", profile.runs}, {"seconds", profile.wall_s}}},
                         {"stages", stages}, {"notes", notes}};
     if (check_steps > 0) out["measured_step_ms"] = measured * 1e3;
@@ -261,7 +269,12 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
             << (plan.config.optimizer.overlap_grad_reduce ? ", overlap_grad_reduce" : "")
             << (plan.config.optimizer.overlap_param_gather ? ", overlap_param_gather" : "") << "\n"
             << "  compute " << (given ? "from --profile " + *args.get("--profile") + ": " : "") << "measured on "
-            << profile.device << " at tp " << profile.tp << ", cp " << profile.cp << ", dp " << profile.dp << " ("
+            << profile.device << " at tp " << profile.tp << ", cp " << profile.cp << ", dp " << profile.dp
+            << (profile.blocks > 0 && profile.blocks < profile.model_blocks
+                    ? " with " + std::to_string(profile.blocks) + " of the model's " + std::to_string(profile.model_blocks) +
+                          " transformer blocks (each layer costed by its FLOPs)"
+                    : "")
+            << " ("
             << profile.runs << (profile.runs == 1 ? " run, " : " runs, ") << std::fixed << std::setprecision(2)
             << profile.wall_s << " s in all); " << est.cores << " core(s), " << est.threads
             << " thread(s) per rank";
@@ -298,7 +311,7 @@ int cmd_plan(int argc, char** argv) {
   bool json = false;
   try {
     Args args(argc, argv, {"--json", "--perf", "--search"},
-              {"--set", "--links", "--check", "--world", "--profile", "--save-profile"});
+              {"--set", "--links", "--check", "--world", "--profile", "--save-profile", "--measure-blocks"});
     json = args.flag("--json");
     if (args.flag("--help")) {
       std::cout << kUsage;
@@ -308,10 +321,14 @@ int cmd_plan(int argc, char** argv) {
     const bool perf = args.flag("--perf");
     const bool search = args.flag("--search");
     if (!perf && (args.has("--links") || args.has("--check") || search || args.has("--world") ||
-                  args.has("--profile") || args.has("--save-profile")))
-      throw UsageError("--links, --check, --search, --world, --profile and --save-profile go with --perf");
+                  args.has("--profile") || args.has("--save-profile") || args.has("--measure-blocks")))
+      throw UsageError("--links, --check, --search, --world, --profile, --save-profile and --measure-blocks go with --perf");
     if (args.has("--profile") && args.has("--save-profile"))
       throw UsageError("--save-profile writes what --perf measures; with --profile nothing is measured");
+    if (args.has("--profile") && args.has("--measure-blocks"))
+      throw UsageError("--measure-blocks says what to measure; with --profile nothing is measured");
+    if (args.has("--measure-blocks") && args.get_int("--measure-blocks", 0) < 1)
+      throw UsageError("--measure-blocks takes a number of transformer blocks, 1 or more");
     if (search && args.has("--save-profile")) throw UsageError("--save-profile saves one layout's measurement, not --search's");
     if (args.has("--world") && !search) throw UsageError("--world goes with --search");
     if (search && args.has("--check")) throw UsageError("--check measures one layout; --search ranks many");

@@ -43,7 +43,8 @@ std::string LayoutChoice::name() const {
 }
 
 LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
-                            const std::function<void(const std::string&)>& progress, const ComputeProfile* given) {
+                            const std::function<void(const std::string&)>& progress, const ComputeProfile* given,
+                            int64_t measure_blocks) {
   LayoutSearch out;
   out.world = world;
   std::map<std::tuple<int, int, bool>, ComputeProfile> profiles;  // by (tp, cp, sp)
@@ -67,7 +68,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
           progress("measuring compute at tp " + std::to_string(c.tp) + (c.sp ? " + SP" : "") + ", cp " +
                    std::to_string(c.cp));
         try {
-          it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores))).first;
+          it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores), measure_blocks)).first;
         } catch (const loom::Error& e) {  // the same for every layout of this (tp, cp, sp): measured once
           unmeasurable.emplace(key, e.what());
           throw;

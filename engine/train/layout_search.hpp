@@ -39,9 +39,10 @@ struct LayoutSearch {
 
 // `progress` (may be empty) is told of each measurement before it runs. With `given`
 // (a profile measured elsewhere) nothing is measured and only layouts of its tp and
-// cp are considered (the others are listed as refused).
+// cp are considered (the others are listed as refused). `measure_blocks`: as
+// measure_compute's `blocks`.
 LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& links, int cores,
                             const std::function<void(const std::string&)>& progress = {},
-                            const ComputeProfile* given = nullptr);
+                            const ComputeProfile* given = nullptr, int64_t measure_blocks = 0);
 
 }  // namespace loom::train

@@ -257,8 +257,11 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         const PlannedLayers::Layer& l = layers.layers[li];
         const size_t c = static_cast<size_t>(chunk_of_layer[li]);
         ++rm.chunk_layers[c];
-        if (LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops)
-          rm.chunk_forward_flops[c] += l.api->forward_flops(l.handle);
+        const double flops = LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops
+                                 ? l.api->forward_flops(l.handle)
+                                 : 0.0;
+        rm.chunk_forward_flops[c] += flops;
+        rm.layer_forward_flops.push_back(flops);
       }
       chunk_activations.assign(chunks.size(), 0);
       // Per chunk, the largest recompute group's re-created bytes: its layers' saved

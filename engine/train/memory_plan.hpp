@@ -56,6 +56,7 @@ struct RankMemory {
   // (loom_layer_api.forward_flops), for `loom plan --perf`.
   std::vector<int> chunk_layers;
   std::vector<double> chunk_forward_flops;
+  std::vector<double> layer_forward_flops;  // each of its layers', in model order
   size_t tied_numel = 0;  // elements of parameters shared with another stage (summed over the embedding group)
 };
 

@@ -53,26 +53,57 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
   return replan(plan, sets);
 }
 
-// Trains a copy of `plan` at its tp and cp with `dp` data-parallel ranks and no
-// pipeline for kWarmupSteps + kMeasuredSteps steps and reads rank 0's timeline: the
-// median of each phase over the steps after the warm-up.
-PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int dp) {
+// What makes a copy of `plan` the measuring run: its tp and cp, `dp` data-parallel
+// ranks, no pipeline, `blocks` transformer blocks, no links.
+std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
   std::vector<std::string> sets = {
       "parallel.pp=1", "parallel.vpp=1", "pipeline.schedule=\"1f1b\"", "parallel.dp=" + std::to_string(dp),
       "pipeline.first_chunk_layers=0",
       "pipeline.last_chunk_layers=0", "batch.micro_batch_size=" + std::to_string(micro_batch),
       "batch.global_batch_size=" + std::to_string(micro_batch * dp * kMeasuredMicrobatches),
       "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false",
-      "device.threads=" + std::to_string(threads)};
+      "device.threads=" + std::to_string(threads), "model.num_layers=" + std::to_string(blocks)};
+  if (plan.config.model.recompute_num_layers > blocks)
+    sets.push_back("model.recompute_num_layers=" + std::to_string(blocks));
   if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
-  const RunPlan measured = quiet_copy(plan, kWarmupSteps + kMeasuredSteps, sets);
-  // Every measuring rank runs every layer: a model that fits only split into pipeline
-  // stages cannot be measured here, which says more than the run's own refusal would.
-  const std::string too_big = preflight(measured, measured.sizes.world).memory_problem;
-  if (!too_big.empty())
+  return sets;
+}
+
+// The blocks the measuring run holds: `asked`, else the model's, else (every rank
+// holding every layer, a model that fits only split into pipeline stages) the most
+// that fit its device; each probe is a plan, nothing runs.
+int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t asked) {
+  const int64_t all = plan.config.model.num_layers;
+  if (asked > 0) {
+    if (asked > all)
+      throw loom::Error("measuring " + std::to_string(asked) + " transformer blocks: the model has " +
+                        std::to_string(all));
+    return asked;
+  }
+  auto problem = [&](int64_t blocks) {
+    const RunPlan p = quiet_copy(plan, 1, measuring_sets(plan, micro_batch, threads, dp, blocks));
+    return preflight(p, p.sizes.world).memory_problem;
+  };
+  if (problem(all).empty()) return all;
+  const std::string one = problem(1);
+  if (!one.empty())
     throw loom::Error("measuring the compute runs every layer on each rank (the pipeline stages folded into data "
-                      "parallelism), and " + too_big + "; measure where a device holds the whole model, with "
-                      "--save-profile FILE, and estimate here with --profile FILE");
+                      "parallelism), and even with one transformer block " + one + "; measure where a device holds "
+                      "more, with --save-profile FILE, and estimate here with --profile FILE");
+  int64_t fits = 1, not_fit = all;  // the largest count that fits lies in [fits, not_fit)
+  while (not_fit - fits > 1) {
+    const int64_t mid = fits + (not_fit - fits) / 2;
+    (problem(mid).empty() ? fits : not_fit) = mid;
+  }
+  return fits;
+}
+
+// Trains a copy of `plan` made by measuring_sets for kWarmupSteps + kMeasuredSteps
+// steps and reads rank 0's timeline: the median of each phase over the steps after
+// the warm-up.
+PhaseTimes run_phases(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
+  const RunPlan measured =
+      quiet_copy(plan, kWarmupSteps + kMeasuredSteps, measuring_sets(plan, micro_batch, threads, dp, blocks));
   TrainOptions opts;
   opts.keep_trace = true;
   const TrainResult result = train(measured, opts);
@@ -160,6 +191,23 @@ int64_t to_ns(double s) { return std::max<int64_t>(1, static_cast<int64_t>(std::
 
 double ns_to_s(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
 
+// The forward FLOPs of the ranks' layers, each value once (to a relative 1e-9), ascending.
+std::vector<double> distinct_flops(const std::vector<const RankMemory*>& ranks) {
+  std::vector<double> all;
+  for (const RankMemory* r : ranks) all.insert(all.end(), r->layer_forward_flops.begin(), r->layer_forward_flops.end());
+  std::sort(all.begin(), all.end());
+  std::vector<double> out;
+  for (double f : all)
+    if (out.empty() || f - out.back() > 1e-9 * std::max(1.0, f)) out.push_back(f);
+  return out;
+}
+
+std::string flops_list(const std::vector<double>& flops) {
+  std::string s;
+  for (double f : flops) s += (s.empty() ? "" : ", ") + short_number(f);
+  return "{" + s + "}";
+}
+
 // Kind and size of the group a rank's data-parallel gradients reduce over (dense part).
 std::pair<std::string, int> grad_group(const RunPlan& plan) {
   return plan.sizes.cp > 1 ? std::pair<std::string, int>{"dp-cp", plan.dp * plan.sizes.cp}
@@ -208,7 +256,7 @@ bool on_host_cores(const RunPlan& plan) {
 
 }  // namespace
 
-ComputeProfile measure_compute(const RunPlan& plan, int threads) {
+ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks) {
   const auto t0 = std::chrono::steady_clock::now();
   ComputeProfile p;
   p.device = plan.config.device.kind;
@@ -222,11 +270,13 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   p.threads = threads;
   p.micro_batch = plan.config.batch.micro_batch_size;
   p.microbatches = kMeasuredMicrobatches;
-  const PhaseTimes full = run_phases(plan, p.micro_batch, threads, p.dp);
+  p.model_blocks = plan.config.model.num_layers;
+  p.blocks = measured_blocks(plan, p.micro_batch, threads, p.dp, blocks);
+  const PhaseTimes full = run_phases(plan, p.micro_batch, threads, p.dp, p.blocks);
   p.runs = 1;
   double f_fixed = 0, f_prop = full.forward_s, b_fixed = 0, b_prop = full.backward_s;
   if (p.micro_batch >= 2 && p.micro_batch % 2 == 0) {
-    const PhaseTimes half = run_phases(plan, p.micro_batch / 2, threads, p.dp);
+    const PhaseTimes half = run_phases(plan, p.micro_batch / 2, threads, p.dp, p.blocks);
     std::tie(f_fixed, f_prop) = split_fixed(full.forward_s, half.forward_s);
     std::tie(b_fixed, b_prop) = split_fixed(full.backward_s, half.backward_s);
     p.runs = 2;
@@ -241,15 +291,14 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads) {
   p.other_s = full.other_s;
   p.layer_comm = full.layer_comm;
   p.layer_comm_s = full.layer_comm_s;
-  // The layers' FLOPs and count on one rank of the measured layout: every stage's.
-  const MemoryPlan mp = plan_memory(plan);
-  for (const RankMemory& r : mp.ranks) {
-    if (r.tp_rank != 0 || r.cp_rank != 0 || r.dp_rank != 0) continue;
-    for (size_t c = 0; c < r.chunk_layers.size(); ++c) {
-      p.layers += r.chunk_layers[c];
-      p.layer_flops += r.chunk_forward_flops[c];
-    }
+  // The layers' FLOPs and count on one rank of the measured model (every layer).
+  const MemoryPlan mp = plan_memory(quiet_copy(plan, 1, measuring_sets(plan, p.micro_batch, threads, p.dp, p.blocks)));
+  const RankMemory& r = mp.ranks.front();
+  for (size_t c = 0; c < r.chunk_layers.size(); ++c) {
+    p.layers += r.chunk_layers[c];
+    p.layer_flops += r.chunk_forward_flops[c];
   }
+  p.distinct_layer_flops = distinct_flops({&r});
   p.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }
@@ -323,7 +372,8 @@ nlohmann::ordered_json profile_to_json(const ComputeProfile& p) {
           {"threads", p.threads}, {"micro_batch", p.micro_batch}, {"microbatches", p.microbatches},
           {"forward_fixed_s", p.forward_fixed_s}, {"forward_flops_s", p.forward_flops_s},
           {"backward_fixed_s", p.backward_fixed_s}, {"backward_flops_s", p.backward_flops_s},
-          {"layer_flops", p.layer_flops}, {"layers", p.layers}, {"optimizer_s", p.optimizer_s},
+          {"layer_flops", p.layer_flops}, {"layers", p.layers}, {"blocks", p.blocks},
+          {"model_blocks", p.model_blocks}, {"distinct_layer_flops", p.distinct_layer_flops}, {"optimizer_s", p.optimizer_s},
           {"buffer_elements", p.buffer_elements}, {"other_s", p.other_s}, {"layer_comm", comm},
           {"layer_comm_s", comm_s}, {"runs", p.runs}, {"wall_s", p.wall_s}};
 }
@@ -361,6 +411,17 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
   p.backward_flops_s = number("backward_flops_s", 0);
   p.layer_flops = number("layer_flops", 0);
   p.layers = static_cast<int>(count("layers", 1));
+  if (j.contains("distinct_layer_flops")) {  // absent from profiles written before
+    p.blocks = count("blocks", 1);
+    p.model_blocks = count("model_blocks", 1);
+    const nlohmann::ordered_json& d = j.at("distinct_layer_flops");
+    if (!d.is_array() || d.empty()) throw loom::Error("compute profile: \"distinct_layer_flops\" must be a list of numbers");
+    for (const auto& f : d) {
+      if (!f.is_number() || !std::isfinite(f.get<double>()) || f.get<double>() < 0)
+        throw loom::Error("compute profile: \"distinct_layer_flops\" must be a list of numbers >= 0");
+      p.distinct_layer_flops.push_back(f.get<double>());
+    }
+  }
   p.optimizer_s = number("optimizer_s", 0);
   p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0));
   p.other_s = number("other_s", 0);
@@ -422,10 +483,23 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     if (r == nullptr) throw loom::Error("the memory plan has no rank for a pipeline stage");
     for (size_t c = 0; c < r->chunk_layers.size(); ++c) plan_layers += r->chunk_layers[c], plan_flops += r->chunk_forward_flops[c];
   }
-  if (plan_layers != profile.layers || std::abs(plan_flops - profile.layer_flops) > 1e-9 * std::max(1.0, plan_flops))
+  // Layers of the FLOPs measured (a profile of fewer blocks costs each layer by its
+  // FLOPs); a profile without its layers' FLOPs must be of the whole model.
+  if (!profile.distinct_layer_flops.empty()) {
+    const std::vector<double> planned = distinct_flops(stage);
+    bool same = planned.size() == profile.distinct_layer_flops.size();
+    for (size_t i = 0; same && i < planned.size(); ++i)
+      same = std::abs(planned[i] - profile.distinct_layer_flops[i]) <= 1e-9 * std::max(1.0, planned[i]);
+    if (!same)
+      throw loom::Error("the compute profile is of another model or micro-batch: its layers' forward FLOPs per "
+                        "microbatch are " + flops_list(profile.distinct_layer_flops) + "; this one's " +
+                        flops_list(planned));
+  } else if (plan_layers != profile.layers ||
+             std::abs(plan_flops - profile.layer_flops) > 1e-9 * std::max(1.0, plan_flops)) {
     throw loom::Error("the compute profile is of another model or micro-batch: " + std::to_string(profile.layers) +
                       " layers of " + short_number(profile.layer_flops) + " forward FLOPs per microbatch; this one has " +
                       std::to_string(plan_layers) + " of " + short_number(plan_flops));
+  }
 
   // The layers' collectives of one microbatch on their links, shared out by layer.
   // comm/local makes a collective last at least its modelled time: what the links add

@@ -46,6 +46,13 @@ struct ComputeProfile {
   double backward_fixed_s = 0, backward_flops_s = 0;
   double layer_flops = 0;  // forward FLOPs of one microbatch over those layers
   int layers = 0;
+  // The transformer blocks of the measured model, and of the manifest's: fewer when
+  // every layer on one rank would not fit the device (or as asked); each layer's time
+  // is then that of its FLOPs. The distinct forward FLOPs of its layers (one per kind
+  // of layer) tell the estimate that a plan's layers are the ones measured; empty in a
+  // profile written before they were kept.
+  int64_t blocks = 0, model_blocks = 0;
+  std::vector<double> distinct_layer_flops;
   double optimizer_s = 0;       // one optimizer step of a rank that steps `buffer_elements`
   size_t buffer_elements = 0;
   double other_s = 0;           // per step, outside forwards, backwards and the optimizer
@@ -60,8 +67,11 @@ struct ComputeProfile {
 // Measures `plan`'s model on its device at its tp and cp without pipeline stages and
 // links, `threads` device threads per rank. On a host-memory device (the ranks share
 // this machine) with as many ranks as `plan` (dp = dp x pp), else with dp = 1 (ep when
-// experts are split).
-ComputeProfile measure_compute(const RunPlan& plan, int threads);
+// experts are split). Every rank holds every layer, so a model that fits only split
+// into stages is measured with the most of its transformer blocks that fit; `blocks`
+// > 0 asks for that many (a deep model measured sooner). Throws loom::Error when not
+// even one block fits.
+ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks = 0);
 
 // A profile as JSON (`loom plan --perf --save-profile`), and back: measured on one
 // machine (a GPU node), it estimates other links, dp, pp and overlap settings of the

@@ -332,6 +332,35 @@ TEST(DeviceCpu, MemoryStatsTrackCurrentPeakAndCount) {
   EXPECT_EQ(d.stats().current_bytes, 0u);
 }
 
+// memory_mb: a rank's own memory, as a GPU's. It is the capacity plans are checked
+// against (not shared by the process's ranks), and allocations beyond it fail as a
+// GPU's would, naming the option; what is freed can be allocated again.
+TEST(DeviceCpu, MemoryMbIsARanksCapacityAndAllocationsStopThere) {
+  const loom::plugins::LoadedPlugin& plugin = cpu_plugin();
+  toml::table section{{"memory_mb", 1}};
+  loom::plugins::OptionValues opts(&section, plugin.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.num_threads = 1;
+  args.ranks_in_process = 4;
+  const loom_device_api* api = plugin.device();
+  loom_device* dev = nullptr;
+  loom::check(api->create(opts.raw(), &args, &dev));
+  loom_memory_stats m = loom::make<loom_memory_stats>();
+  loom::check(api->memory_stats(dev, &m));
+  EXPECT_EQ(m.capacity_bytes, 1u << 20);
+  void* a = nullptr;
+  void* b = nullptr;
+  loom::check(api->alloc(dev, 600 << 10, &a));
+  const StatusInfo refused = take(api->alloc(dev, 600 << 10, &b));
+  EXPECT_EQ(refused.code, LOOM_CODE_OUT_OF_MEMORY);
+  EXPECT_NE(refused.message.find("device.options.memory_mb"), std::string::npos) << refused.message;
+  EXPECT_EQ(b, nullptr);
+  api->free(dev, a);
+  loom::check(api->alloc(dev, 600 << 10, &b));
+  api->free(dev, b);
+  api->destroy(dev);
+}
+
 TEST(DeviceCpu, MemoryAccountingIsThreadSafe) {
   Dev d;
   std::vector<std::thread> threads;

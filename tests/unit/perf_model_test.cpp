@@ -19,6 +19,7 @@
 #include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iostream>
@@ -192,6 +193,51 @@ TEST(PerfModel, AProfileOfOtherThreadsPerRankScalesTheArithmetic) {
   EXPECT_DOUBLE_EQ(same.stages[0].forward_s, m * (1e-3 + 4e-3));
 }
 
+// A model measured with fewer of its blocks (one that fits only split into stages, or
+// --measure-blocks): each layer costs the fixed time per layer and its FLOPs' share.
+// The layers' distinct FLOPs must be the measured ones: another hidden size is refused.
+TEST(PerfModel, AProfileOfFewerBlocksCostsEachLayerByItsFlops) {
+  const std::vector<std::string> four = {"model.num_layers=4"};
+  const loom::train::RunPlan plan = plan_from(tiny_manifest(), four);
+  const loom::train::MemoryPlan mp = loom::train::plan_memory(plan);
+  const loom::train::RunPlan two = plan_from(tiny_manifest(), {"model.num_layers=2"});
+  const loom::train::MemoryPlan mp2 = loom::train::plan_memory(two);
+  loom::train::ComputeProfile p = given_profile(two, mp2);
+  p.forward_fixed_s = 1e-3;
+  p.threads = loom::train::threads_per_rank(plan, 2);  // as this layout runs
+  p.blocks = 2;
+  p.model_blocks = 4;
+  const std::vector<double>& each = mp2.ranks[0].layer_forward_flops;
+  ASSERT_EQ(each.size(), 6u) << "embedding, 2 x (attention, mlp), lm_head";
+  p.distinct_layer_flops = {each.begin(), each.end()};
+  std::sort(p.distinct_layer_flops.begin(), p.distinct_layer_flops.end());
+  p.distinct_layer_flops.erase(std::unique(p.distinct_layer_flops.begin(), p.distinct_layer_flops.end()),
+                               p.distinct_layer_flops.end());
+  const loom::train::PerfEstimate e = loom::train::estimate_step(plan, mp, p, loom::train::plan_links(plan), 2);
+  const double m = static_cast<double>(plan.microbatches);
+  const double flops4 = std::accumulate(mp.ranks[0].layer_forward_flops.begin(), mp.ranks[0].layer_forward_flops.end(), 0.0);
+  ASSERT_EQ(mp.ranks[0].layer_forward_flops.size(), 10u);
+  EXPECT_NEAR(e.stages[0].forward_s, m * (1e-3 * 10 / 6 + 4e-3 * flops4 / p.layer_flops), 1e-12);
+  EXPECT_NEAR(e.stages[0].backward_s, m * 8e-3 * flops4 / p.layer_flops, 1e-12);
+  EXPECT_GT(flops4 / p.layer_flops, 1.5) << "the two blocks more cost their FLOPs";
+  // Without the layers' FLOPs (a profile written before them) the model must be the same.
+  loom::train::ComputeProfile old = p;
+  old.distinct_layer_flops.clear();
+  EXPECT_THROW(loom::train::estimate_step(plan, mp, old, loom::train::plan_links(plan), 2), loom::Error);
+  const loom::train::RunPlan wider = plan_from(tiny_manifest(), with_overrides(four, {"model.hidden_size=64"}));
+  try {
+    loom::train::estimate_step(wider, loom::train::plan_memory(wider), p, loom::train::plan_links(wider), 2);
+    ADD_FAILURE() << "a profile of another hidden size was taken";
+  } catch (const loom::Error& err) {
+    EXPECT_NE(std::string(err.what()).find("another model"), std::string::npos) << err.what();
+  }
+  // Kept in the saved profile.
+  const loom::train::ComputeProfile back = loom::train::profile_from_json(loom::train::profile_to_json(p));
+  EXPECT_EQ(back.distinct_layer_flops, p.distinct_layer_flops);
+  EXPECT_EQ(back.blocks, 2);
+  EXPECT_EQ(back.model_blocks, 4);
+}
+
 TEST(PerfModel, PipelineStagesSplitTheModelAndWaitInTheBubble) {
   const loom::train::RunPlan plan =
       plan_from(tiny_manifest(), {"parallel.pp=2", "model.num_layers=4",
@@ -343,6 +389,35 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
                       "parallel.vpp=2", "--set", "pipeline.schedule=\"interleaved\""},
                      &out), 0)
       << out << last_stderr();
+  // --measure-blocks: a model of 2 of the 4 blocks measured, the rest costed by FLOPs.
+  const std::string prof2 = dir + "/profile_two_blocks.json";
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "model.num_layers=4", "--measure-blocks", "2",
+                      "--save-profile", prof2},
+                     &out), 0)
+      << out << last_stderr();
+  tree = loom::testing::json_line(out);
+  EXPECT_EQ(tree.at("measured_at").at("blocks"), 2);
+  EXPECT_EQ(tree.at("measured_at").at("model_blocks"), 4);
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "model.num_layers=8", "--profile", prof2}, &out), 0)
+      << "a profile of fewer blocks estimates a deeper model of the same blocks: " << last_stderr();
+  // A model that fits a 16 MiB device only split into 2 stages (14 MiB a rank; 26 MiB
+  // whole) is measured with the most of its blocks that fit one rank.
+  ASSERT_EQ(plan_cli({path, "--perf", "--json", "--set", "model.hidden_size=128", "--set", "model.num_layers=8",
+                      "--set", "parallel.pp=2", "--set", "device.options.memory_mb=16"},
+                     &out), 0)
+      << out << last_stderr();
+  tree = loom::testing::json_line(out);
+  EXPECT_GE(tree.at("measured_at").at("blocks").get<int>(), 1);
+  EXPECT_LT(tree.at("measured_at").at("blocks").get<int>(), 8);
+  EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.hidden_size=128", "--set", "parallel.pp=2", "--set",
+                      "device.options.memory_mb=3"},
+                     &out), 1);
+  EXPECT_NE(last_stderr().find("even with one transformer block"), std::string::npos) << last_stderr();
+  EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.num_layers=4", "--measure-blocks", "5"}, &out), 1);
+  EXPECT_NE(last_stderr().find("the model has 4"), std::string::npos) << last_stderr();
+  EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "0"}, &out), 2);
+  EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "1", "--profile", prof2}, &out), 2);
+  EXPECT_EQ(plan_cli({path, "--measure-blocks", "1"}, &out), 2) << "without --perf";
   // A world no layout can serve fails with a reason on stderr.
   EXPECT_EQ(plan_cli({path, "--perf", "--search", "--world", "3"}, &out), 1);
   EXPECT_NE(last_stderr().find("no layout of 3 rank(s)"), std::string::npos) << last_stderr();

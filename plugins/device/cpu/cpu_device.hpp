@@ -166,7 +166,8 @@ struct Device {
   std::mutex mem_mu;
   std::unordered_map<void*, std::pair<size_t, size_t>> allocations;  // ptr -> (bytes, reserved)
   uint64_t current_bytes = 0, peak_bytes = 0, reserved_bytes = 0, num_allocs = 0;
-  uint64_t capacity_bytes = 0;  // this rank's share of the host's RAM; 0 = unknown
+  uint64_t capacity_bytes = 0;  // this rank's share of the host's RAM, or memory_limit; 0 = unknown
+  uint64_t memory_limit = 0;    // device.options.memory_mb: allocations beyond it fail; 0 = none
 
   // The graph pool, with device/cuda's rules: memory allocated during a capture is
   // written again by every replay, so freeing it returns it here instead of to the

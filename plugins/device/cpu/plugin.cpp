@@ -125,6 +125,9 @@ loom_status create(const loom_options* options, const loom_device_create_args* a
         bytes = std::min<uint64_t>(bytes, static_cast<uint64_t>(as.rlim_cur));
       dev->capacity_bytes = bytes / sharing;
     }
+    // A rank's own memory, as a GPU's: what plans are checked against and allocations stop at.
+    if (const int64_t mb = opts.get_int("memory_mb", 0); mb > 0)
+      dev->capacity_bytes = dev->memory_limit = static_cast<uint64_t>(mb) << 20;
     if (blas == "openblas") {
       const OpenBlas& ob = openblas();
       if (ob.loaded) {
@@ -188,6 +191,16 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     constexpr size_t kAlign = 256;
     LOOM_REQUIRE(bytes <= SIZE_MAX - kAlign, "device/cpu alloc: " << bytes << " bytes is too large");
     const size_t reserved = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (dev.memory_limit > 0) {
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      if (dev.current_bytes + bytes > dev.memory_limit) {
+        std::ostringstream os;
+        os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
+           << dev.current_bytes << " bytes in use of the " << (dev.memory_limit >> 20)
+           << " MiB device.options.memory_mb gives a rank)";
+        throw Error(os.str(), LOOM_CODE_OUT_OF_MEMORY);
+      }
+    }
     const bool capturing = dev.capturing != nullptr;
     if (capturing) {  // reuse a pooled graph block of at most twice the size
       std::lock_guard<std::mutex> lock(dev.mem_mu);
@@ -605,7 +618,7 @@ const loom_device_api* device_api() {
 }  // namespace loom::cpu
 
 LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
-    "device", LOOM_CPU_PLUGIN_NAME, "1.0.0",
+    "device", LOOM_CPU_PLUGIN_NAME, "1.1.0",
     "CPU backend (fp32 math, f32 or bf16 storage): OpenBLAS GEMM, vectorised kernels, recorded graphs", LOOM_API_DEVICE,
     loom::cpu::device_api(),
     {loom::opt_string(
@@ -618,4 +631,9 @@ LOOM_PLUGIN_LIBRARY(loom::raw_plugin(
          .one_of("auto|avx512|avx2|base"),
      loom::opt_int("threads", 0, "threads per rank for math; 0 = what the engine grants the rank (num_threads)")
          .in("[0, 4096]"),
-     loom::opt_bool("verbose", false, "log the thread count and GEMM backend of each device at creation")}))
+     loom::opt_bool("verbose", false, "log the thread count and GEMM backend of each device at creation"),
+     loom::opt_int("memory_mb", 0,
+                   "MiB of memory each rank may allocate, as on a GPU of that size: plans are checked against it and "
+                   "allocations beyond it fail (0 = no limit; the host's RAM, or ulimit -v, shared by the "
+                   "process's ranks is what plans are checked against)")
+         .in("[0, 1073741824]")}))
