@@ -5,6 +5,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/cli/report.hpp"
+#include "engine/files/temporaries.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/train/memory_plan.hpp"
@@ -139,16 +140,13 @@ std::optional<train::ComputeProfile> read_profile(const Args& args) {
 void save_profile(const Args& args, const train::ComputeProfile& p) {
   const std::optional<std::string> path = args.get("--save-profile");
   if (!path) return;
-  const std::string tmp = *path + ".tmp";
+  files::Temporary tmp(*path + ".tmp");
   {
-    std::ofstream out(tmp);
+    std::ofstream out(tmp.path());
     out << runtime::dump_json(train::profile_to_json(p)) << "\n";
-    if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + tmp);
+    if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + tmp.path());
   }
-  if (std::rename(tmp.c_str(), path->c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw loom::Error("--save-profile " + *path + ": cannot rename " + tmp + " to it");
-  }
+  if (!tmp.commit(*path)) throw loom::Error("--save-profile " + *path + ": cannot rename " + tmp.path() + " to it");
 }
 
 // loom plan --perf --search: the layouts ranked.

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <csignal>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -67,20 +66,6 @@ bool is_jsonl(const std::string& path) {
   for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return ext == ".jsonl" || ext == ".json";
 }
-
-// The first signal stops the encoding between documents (the partial files are
-// removed, nothing appears under the final names); a second stops at once.
-std::atomic<int> g_stop{0};
-extern "C" void on_preprocess_signal(int) {
-  if (g_stop.exchange(1) != 0) _exit(130);
-  static const char kFirst[] = "\nloom preprocess: signal received: stopping, no files written; signal again to stop at once\n";
-  const ssize_t ignored = write(2, kFirst, sizeof(kFirst) - 1);
-  (void)ignored;
-}
-
-struct Interrupted : std::runtime_error {
-  Interrupted() : std::runtime_error("stopped by a signal; no files written") {}
-};
 
 // The documents of one input: its JSON lines' `key` fields, or the whole file.
 std::vector<std::string> documents_of(const std::string& path, const std::string& key) {
@@ -141,7 +126,7 @@ void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>&
   std::condition_variable cv;
   std::string failure;
   auto work = [&] {
-    for (size_t d; g_stop.load() == 0 && (d = next.fetch_add(1)) < docs.size();) {
+    for (size_t d; (d = next.fetch_add(1)) < docs.size();) {
       std::vector<int32_t> ids;
       try {
         ids = tok.encode(docs[d]);
@@ -164,9 +149,7 @@ void encode_in_order(const text::Tokenizer& tok, const std::vector<std::string>&
       std::vector<int32_t> ids;
       {
         std::unique_lock<std::mutex> lock(mu);
-        while (!cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return ready[d] != 0; }))
-          if (g_stop.load() != 0) throw Interrupted();
-        if (g_stop.load() != 0) throw Interrupted();
+        cv.wait(lock, [&] { return ready[d] != 0; });
         if (!failure.empty()) throw std::runtime_error(failure);
         ids = std::move(encoded[d]);
       }
@@ -217,20 +200,10 @@ int preprocess(const Args& args) {
   for (const std::string& d : docs) total_bytes += static_cast<double>(d.size());
   Progress progress(docs.size(), total_bytes);
   int64_t tokens = 0;
-  g_stop = 0;
-  struct Handlers {  // SIGINT/SIGTERM while encoding and writing
-    Handlers() {
-      for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_preprocess_signal);
-    }
-    ~Handlers() {
-      for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
-    }
-  } handlers;
   if (format == "megatron") {
     text::IndexedDatasetWriter out(prefix, text::token_type_for(tok.vocab_size()));
     encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
                     [&](const std::vector<int32_t>& ids) { out.add_document(ids); });
-    if (g_stop.load() != 0) throw Interrupted();
     out.finish();
     tokens = out.tokens();
     std::cerr << "wrote " << prefix << ".bin and " << prefix << ".idx: ";
@@ -238,7 +211,6 @@ int preprocess(const Args& args) {
     std::vector<int32_t> all;
     encode_in_order(tok, docs, args.flag("--append-eod"), static_cast<int>(workers), progress, total_bytes,
                     [&](const std::vector<int32_t>& ids) { all.insert(all.end(), ids.begin(), ids.end()); });
-    if (g_stop.load() != 0) throw Interrupted();
     text::write_llmc_tokens(prefix + ".bin", all);
     tokens = static_cast<int64_t>(all.size());
     std::cerr << "wrote " << prefix << ".bin: ";
@@ -341,9 +313,6 @@ int run_command(const char* name, const char* usage, int argc, char** argv, std:
   } catch (const UsageError& e) {
     std::cerr << "loom " << name << ": " << e.what() << "\n" << usage;
     return 2;
-  } catch (const Interrupted& e) {
-    std::cerr << "loom " << name << ": " << e.what() << "\n";
-    return 130;
   } catch (const std::exception& e) {
     std::cerr << "loom " << name << ": " << runtime::error_message(e) << "\n";
     return 1;

@@ -1,10 +1,14 @@
 // loom: run, validate and explain training runs.
 #include "engine/cli/commands.hpp"
+#include "engine/cli/interrupt.hpp"
 #include "engine/plugins/registry.hpp"
 
 #include <glog/logging.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <optional>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -15,10 +19,13 @@ struct Command {
   const char* name;
   int (*fn)(int, char**);
   const char* summary;
+  // run and generate stop in good order on SIGINT/SIGTERM (after a step, a token);
+  // the others end at once, saying so, without half-written files (ExitOnSignal).
+  bool own_signals = false;
 };
 
 const Command kCommands[] = {
-    {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]"},
+    {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]", true},
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
     {"plugins", loom::cli::cmd_plugins, "list, describe, check or test plugins: loom plugins list|info NAME|check DIR|test LIB"},
     {"plan", loom::cli::cmd_plan, "memory per rank without running (params, grads, optimizer state, activations); --perf: step time, --search: layouts ranked"},
@@ -32,7 +39,7 @@ const Command kCommands[] = {
     {"export", loom::cli::cmd_export,
      "a checkpoint (any parallel layout) as a Hugging Face model: CHECKPOINT --format hf OUTDIR"},
     {"generate", loom::cli::cmd_generate,
-     "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]"},
+     "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]", true},
     {"eval", loom::cli::cmd_eval,
      "perplexity (sliding windows) or LAMBADA last-word accuracy: CHECKPOINT --data FILE [--task lambada]"},
     {"tokenizer-train", loom::cli::cmd_tokenizer_train,
@@ -43,6 +50,18 @@ void usage(std::ostream& os) {
   os << "usage: loom <command> [options]   (loom <command> --help for details)\n\ncommands:\n";
   for (const Command& c : kCommands)
     os << "  " << c.name << std::string(std::max<size_t>(2, 18 - std::strlen(c.name)), ' ') << c.summary << "\n";
+}
+
+// A command's printed result that could not be written (a full disk, a closed pipe)
+// is a failure, not a success with nothing to show.
+int finish_output(int status, const std::string& label) {
+  errno = 0;
+  std::cout.flush();
+  if (std::cout.good() && std::fflush(stdout) == 0) return status;
+  const int err = errno;
+  std::cerr << label << ": could not write the output to stdout" << (err != 0 ? std::string(": ") + std::strerror(err) : "")
+            << "\n";
+  return status == 0 ? 1 : status;
 }
 
 }  // namespace
@@ -62,8 +81,13 @@ int main(int argc, char** argv) {
     std::cout << "loom " << LOOM_VERSION << " (plugin ABI " << LOOM_ABI_MAJOR << "." << LOOM_ABI_MINOR << ")\n";
     return 0;
   }
-  for (const Command& c : kCommands)
-    if (std::strcmp(argv[1], c.name) == 0) return c.fn(argc - 2, argv + 2);
+  for (const Command& c : kCommands) {
+    if (std::strcmp(argv[1], c.name) != 0) continue;
+    static const std::string label = std::string("loom ") + c.name;  // outlives the handler
+    std::optional<loom::cli::ExitOnSignal> stop;
+    if (!c.own_signals) stop.emplace(label.c_str());
+    return finish_output(c.fn(argc - 2, argv + 2), label);
+  }
   std::cerr << "loom: unknown command '" << argv[1] << "'\n";
   usage(std::cerr);
   return 2;

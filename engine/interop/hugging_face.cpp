@@ -1,5 +1,7 @@
 #include "engine/interop/hugging_face.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include "engine/text/tokenizer.hpp"
 
 #include "engine/train/checkpoint.hpp"
@@ -437,8 +439,15 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
   std::vector<std::pair<fs::path, std::string>> written;  // final path, temporary
   const auto temporary = [&](const std::string& name) {
     written.emplace_back(fs::path(out_dir) / name, (fs::path(out_dir) / name).string() + ".tmp");
+    files::add_temporary(written.back().second);  // a signal ending the command removes it
     return written.back().second;
   };
+  struct Forget {  // the temporaries are renamed or removed when export_hf returns
+    const std::vector<std::pair<fs::path, std::string>>& written;
+    ~Forget() {
+      for (const auto& [final_path, tmp] : written) files::forget_temporary(tmp);
+    }
+  } forget{written};
   try {
     write_safetensors(temporary("model.safetensors"), hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
     extra.emplace(extra.begin(), "config.json", hf.config.dump(2) + "\n");

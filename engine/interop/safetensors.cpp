@@ -1,10 +1,13 @@
 #include "engine/interop/safetensors.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -58,7 +61,8 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     header[t->name] = {{"dtype", t->dtype}, {"shape", t->shape}, {"data_offsets", {at[t->name].first, at[t->name].second}}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  const std::string tmp = path + ".tmp";
+  files::Temporary temporary(path + ".tmp");  // removed on a failure, or by a signal ending the command
+  const std::string& tmp = temporary.path();
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw SafetensorsError("cannot write " + tmp);
@@ -71,7 +75,8 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     out.flush();
     if (!out) throw SafetensorsError("cannot write " + tmp + " (disk full?)");
   }
-  boost::filesystem::rename(tmp, path);
+  if (!temporary.commit(path))
+    throw SafetensorsError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
 }
 
 SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::string& what) {

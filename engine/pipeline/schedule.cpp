@@ -1,11 +1,17 @@
 #include "engine/pipeline/schedule.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/json.hpp"
 
 #include <loom/cpp/core.hpp>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <sys/stat.h>
 #include <climits>
 #include <cmath>
 #include <fstream>
@@ -409,11 +415,22 @@ void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events)
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& events) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw std::runtime_error("cannot open trace file '" + path + "' for writing; check the directory exists");
-  write_chrome_trace(f, events);
-  f.flush();
-  if (!f) throw std::runtime_error("writing trace file '" + path + "' failed (disk full?)");
+  // A file is written whole beside its name, then renamed onto it (an earlier trace
+  // stays until then); a device or pipe (/dev/stdout) is written directly.
+  struct stat st {};
+  const bool special = ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
+  std::optional<files::Temporary> temporary;
+  if (!special) temporary.emplace(path + ".tmp");
+  const std::string& target = special ? path : temporary->path();
+  {
+    std::ofstream f(target, std::ios::binary | std::ios::trunc);
+    if (!f) throw std::runtime_error("cannot open trace file '" + target + "' for writing; check the directory exists");
+    write_chrome_trace(f, events);
+    f.flush();
+    if (!f) throw std::runtime_error("writing trace file '" + target + "' failed (disk full?)");
+  }
+  if (temporary && !temporary->commit(path))
+    throw std::runtime_error("cannot rename trace file '" + target + "' to '" + path + "': " + std::strerror(errno));
 }
 
 }  // namespace loom::pipeline

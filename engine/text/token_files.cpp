@@ -1,5 +1,7 @@
 #include "engine/text/token_files.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -50,13 +52,10 @@ void write_synced(const std::string& tmp, const std::string& bytes) {
 
 // Writes `bytes` to PATH.tmp, flushes it to disk and renames it to PATH.
 void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  write_synced(tmp, bytes);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = errno_text();
-    std::remove(tmp.c_str());
-    throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
-  }
+  files::Temporary tmp(path + ".tmp");  // a signal ending the command removes it
+  write_synced(tmp.path(), bytes);
+  if (!tmp.commit(path))
+    throw TokenFileError(path + ": cannot rename the finished file into place (" + errno_text() + ")");
 }
 
 std::string read_file(const std::string& path) {
@@ -84,6 +83,7 @@ TokenType token_type_for(int64_t vocab_size) { return vocab_size < 65500 ? Token
 
 IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, TokenType type) : prefix_(prefix), type_(type) {
   const std::string tmp = prefix_ + ".bin.tmp";
+  for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::add_temporary(prefix_ + ext);  // removed by a stopping signal
   bin_ = std::fopen(tmp.c_str(), "wb");
   if (bin_ == nullptr) throw TokenFileError(tmp + ": cannot open for writing (" + errno_text() + ")");
 }
@@ -91,6 +91,7 @@ IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, TokenType 
 IndexedDatasetWriter::~IndexedDatasetWriter() {
   if (bin_ != nullptr) std::fclose(bin_);
   if (!finished_) std::remove((prefix_ + ".bin.tmp").c_str());
+  for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::forget_temporary(prefix_ + ext);
 }
 
 void IndexedDatasetWriter::add_document(const std::vector<int32_t>& tokens) {

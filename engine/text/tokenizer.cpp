@@ -1,7 +1,13 @@
 #include "engine/text/tokenizer.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include "engine/text/gpt2_tokenizer.hpp"
 
+#include <cstdio>
+#include <cerrno>
+#include <cstring>
+#include <regex>
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
@@ -79,9 +85,17 @@ void train_sentencepiece(const SentencePieceTraining& how) {
   if (!prefix_dir.empty() && !boost::filesystem::is_directory(prefix_dir))
     throw TokenizerError(how.model_prefix + ": the directory " + prefix_dir.string() +
                          " does not exist (the model is written as PREFIX.model and PREFIX.vocab)");
+  for (const char* ext : {".model", ".vocab"})
+    if (boost::filesystem::is_directory(how.model_prefix + ext))
+      throw TokenizerError(how.model_prefix + ext + " is a directory; the model is written as PREFIX.model and "
+                           "PREFIX.vocab: remove it or choose another --model-prefix");
+  // Both files are trained under a temporary prefix, then renamed: a failure leaves
+  // neither (nor an earlier pair half replaced), a signal ending the command no temporary.
+  const std::string staging = how.model_prefix + ".training";
+  files::Temporary model(staging + ".model"), vocab(staging + ".vocab");
   const std::unordered_map<std::string, std::string> args = {
       {"input", inputs},
-      {"model_prefix", how.model_prefix},
+      {"model_prefix", staging},
       {"vocab_size", std::to_string(how.vocab_size)},
       {"model_type", how.model_type},
       {"character_coverage", std::to_string(how.character_coverage)},
@@ -96,7 +110,23 @@ void train_sentencepiece(const SentencePieceTraining& how) {
   const auto status = sentencepiece::SentencePieceTrainer::Train(args);
   if (!status.ok() && status.ToString().find("!sentences_.empty()") != std::string::npos)
     throw TokenizerError("no training text in " + inputs + " (SentencePiece skips blank lines and lines over 4192 bytes)");
-  if (!status.ok()) throw TokenizerError("training the SentencePiece model failed: " + status.ToString());
+  if (!status.ok()) {
+    // "Vocabulary size is smaller than required_chars. 300 vs 316."
+    const std::string text = status.ToString();
+    if (std::smatch found; std::regex_search(text, found, std::regex("smaller than required_chars\\. ([0-9]+) vs ([0-9]+)")))
+      throw TokenizerError("a vocabulary of " + found[1].str() + " tokens is smaller than the " + found[2].str() +
+                           " distinct characters the text needs (each has a token of its own): give a vocabulary "
+                           "size of at least " + found[2].str() + ", or a lower character coverage");
+    throw TokenizerError("training the SentencePiece model failed: " + text);
+  }
+  const std::string final_model = how.model_prefix + ".model", final_vocab = how.model_prefix + ".vocab";
+  if (!model.commit(final_model))
+    throw TokenizerError("cannot rename " + model.path() + " to " + final_model + ": " + std::strerror(errno));
+  if (!vocab.commit(final_vocab)) {
+    const std::string why = std::strerror(errno);
+    std::remove(final_model.c_str());  // not one file of the pair without the other
+    throw TokenizerError("cannot rename " + vocab.path() + " to " + final_vocab + ": " + why);
+  }
 }
 
 }  // namespace loom::text

@@ -4,7 +4,7 @@
 # before. Fails naming every file that includes upward.
 set -euo pipefail
 root=${1:?usage: check_layering.sh SOURCE_DIR}
-ORDER=(cli interop testing train pipeline model runtime plugins manifest topology text)
+ORDER=(cli interop testing train pipeline model runtime plugins manifest topology text files)
 status=0
 for i in "${!ORDER[@]}"; do
   folder=${ORDER[$i]}

@@ -110,6 +110,19 @@ grep -q "a path with a comma cannot be given" "$work/comma.out" || fail "comma r
 "$loom" tokenizer-train --input "$work/shakespeare.txt" --model-prefix "$work/nodir/m" --vocab-size 300 \
   > "$work/nodir.out" 2>&1 && fail "tokenizer-train wrote into a missing directory"
 grep -q "nodir does not exist" "$work/nodir.out" || fail "missing-directory refusal: $(cat "$work/nodir.out")"
+# Both files or neither: PREFIX.vocab a directory is refused before training, and no
+# PREFIX.model appears; a vocabulary smaller than the text's characters says how large.
+mkdir -p "$work/half.vocab"
+"$loom" tokenizer-train --input "$work/shakespeare.txt" --model-prefix "$work/half" --vocab-size 300 \
+  > "$work/half.out" 2>&1 && fail "tokenizer-train wrote over a directory"
+grep -q "half.vocab is a directory" "$work/half.out" || fail "directory refusal: $(cat "$work/half.out")"
+[ ! -e "$work/half.model" ] || fail "a failed tokenizer-train left half.model"
+python3 -c "print('\n'.join(''.join(chr(0x4e00 + (7 * i + j) % 400) for j in range(30)) for i in range(2000)))" \
+  > "$work/han.txt"
+"$loom" tokenizer-train --input "$work/han.txt" --model-prefix "$work/han" --vocab-size 300 > "$work/han.out" 2>&1 &&
+  fail "tokenizer-train took a vocabulary smaller than the text's characters"
+grep -q "smaller than the [0-9]* distinct characters" "$work/han.out" || fail "small vocabulary: $(cat "$work/han.out")"
+ls "$work"/han.* | grep -qv "han.txt\|han.out" && fail "a failed tokenizer-train left files: $(ls "$work"/han.*)"
 
 # 3. What preprocess writes trains: a few steps of the quickstart model on the
 #    Shakespeare dataset start near ln(50257) = 10.8 and fall.
@@ -141,6 +154,26 @@ out=$("$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-
 [ $? -eq 2 ] || fail "an unknown --format is not a usage error"
 "$loom" tokenize --tokenizer "$tok" --decode --text "15496 nine" >/dev/null 2>&1
 [ $? -eq 2 ] || fail "decoding a non-number is not a usage error"
+# A signal ends preprocess at once (a document cannot stop half encoded), saying so,
+# with no file under the final names or the temporary ones.
+for i in $(seq 48); do cat "$work/shakespeare.txt"; done > "$work/long.txt"  # about 4 s of encoding
+set -m
+"$loom" preprocess --tokenizer "$tok" --input "$work/long.txt" --output-prefix "$work/long" > /dev/null \
+  2> "$work/long.err" &
+pid=$!
+set +m
+sleep 1
+kill -TERM "$pid"
+start=$(date +%s)
+wait "$pid"
+rc=$?
+[ $rc -eq 130 ] || fail "preprocess stopped by SIGTERM exited $rc"
+[ $(( $(date +%s) - start )) -le 5 ] || fail "preprocess took more than 5 s to stop after SIGTERM"
+grep -q "interrupted by a signal" "$work/long.err" || fail "preprocess did not say it was interrupted: $(cat "$work/long.err")"
+ls "$work"/long.* | grep -v "long.txt\|long.err" && fail "an interrupted preprocess left files"
+# A printed result that cannot be written is a failure, not exit 0.
+"$loom" tokenize --tokenizer "$tok" --text "Hello world" > /dev/full 2> "$work/full.err"
+[ $? -eq 1 ] && grep -q "could not write the output" "$work/full.err" || fail "output to /dev/full: $(cat "$work/full.err")"
 # An output that would overwrite an input is refused, and the input is untouched.
 cp "$work/docs.jsonl" "$work/in.bin"
 "$loom" preprocess --tokenizer "$tok" --input "$work/in.bin" --output-prefix "$work/in" >/dev/null 2>&1

@@ -1,0 +1,63 @@
+#include "engine/files/temporaries.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <unistd.h>
+
+namespace loom::files {
+namespace {
+
+// Fixed storage a signal handler can read: a slot is published (state 2) only after
+// its path is written, and taken back (state 0) before it is reused.
+struct Slot {
+  std::atomic<int> state{0};  // 0 free, 1 being written, 2 listed
+  char path[kMaxPath + 1] = {};
+};
+Slot g_slots[kMaxTemporaries];
+std::mutex g_mutex;  // writers only; the handler takes no lock
+
+}  // namespace
+
+void add_temporary(const std::string& path) {
+  if (path.empty() || path.size() > static_cast<size_t>(kMaxPath)) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (Slot& s : g_slots) {
+    if (s.state.load() != 0) continue;
+    s.state.store(1);
+    std::memcpy(s.path, path.c_str(), path.size() + 1);
+    s.state.store(2);
+    return;
+  }
+}
+
+void forget_temporary(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (Slot& s : g_slots)
+    if (s.state.load() == 2 && path == s.path) {
+      s.state.store(0);
+      return;
+    }
+}
+
+void remove_temporaries() noexcept {
+  for (Slot& s : g_slots)
+    if (s.state.load() == 2) (void)::unlink(s.path);
+}
+
+Temporary::Temporary(std::string path) : path_(std::move(path)) { add_temporary(path_); }
+
+Temporary::~Temporary() {
+  forget_temporary(path_);
+  if (!committed_) std::remove(path_.c_str());
+}
+
+bool Temporary::commit(const std::string& final_path) {
+  if (std::rename(path_.c_str(), final_path.c_str()) != 0) return false;
+  committed_ = true;
+  forget_temporary(path_);
+  return true;
+}
+
+}  // namespace loom::files
