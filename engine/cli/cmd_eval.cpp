@@ -78,9 +78,10 @@ train::RunPlan evaluation_plan(const std::string& toml, const std::string& name,
   };
   const int64_t batch = size("batch.micro_batch_size") * size("parallel.dp") * size("parallel.pp");
   for (const std::string& o : {std::string("checkpoint.dir=\"\""), std::string("checkpoint.init_weights=\"\""),
-                              std::string("run.eval_every=0"), std::string("run.sample_every=0"),
-                              "batch.global_batch_size=" + std::to_string(batch)})
+                              std::string("run.eval_every=0"), std::string("run.sample_every=0")})
     overrides.push_back(o);
+  // Sizes out of range are the plan's to name; a global batch made of them is not the user's.
+  if (batch >= 1) overrides.push_back("batch.global_batch_size=" + std::to_string(batch));
   return train::make_plan(manifest::Manifest::parse(toml, name, overrides), registry);
 }
 

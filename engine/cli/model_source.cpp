@@ -34,11 +34,26 @@ ModelSource from_checkpoint(const std::string& step,
   return {std::move(plan), {step, std::move(ck.tensors), ck.vocab, "the checkpoint"}, ck.vocab};
 }
 
+// --set may change how the model runs (layout, micro-batch, device, communication,
+// execution), never what it is or how its text is encoded: those come with the weights.
+void check_overrides(const std::vector<std::string>& overrides) {
+  static const char* const kRunKeys[] = {"parallel.", "pipeline.", "device.", "comm.", "exec.", "batch.micro_batch_size="};
+  for (const std::string& o : overrides) {
+    bool allowed = false;
+    for (const char* k : kRunKeys) allowed = allowed || o.rfind(k, 0) == 0;
+    if (!allowed)
+      throw UsageError("--set " + o + ": the model, its data settings (the vocabulary its text is encoded with) "
+                       "and the rest come with the weights; --set may change parallel.*, pipeline.*, device.*, "
+                       "comm.*, exec.* and batch.micro_batch_size");
+  }
+}
+
 }  // namespace
 
 ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
                               plugins::Registry& registry, const PlanFor& plan_for) {
   namespace fs = boost::filesystem;
+  check_overrides(overrides);
   if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
   std::string step = checkpoint_step(path);
   if (step.empty() && fs::is_directory(path))

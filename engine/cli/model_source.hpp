@@ -27,7 +27,9 @@ using PlanFor = std::function<train::RunPlan(const std::string& toml, const std:
 
 // Throws UsageError for a path that is neither a checkpoint nor a manifest, or a
 // manifest that names no weights; the plan's and the weights' errors as they come.
-// --set may change the layout and the device, not the model (refused by name).
+// --set may change the layout, micro-batch, device, communication and execution
+// (parallel.*, pipeline.*, device.*, comm.*, exec.*, batch.micro_batch_size); any other
+// key is a UsageError, and a model the weights do not fit is refused by name.
 ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
                               plugins::Registry& registry, const PlanFor& plan_for);
 

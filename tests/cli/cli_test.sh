@@ -204,6 +204,9 @@ cached=$(ids)
 [ "$(ids --set parallel.tp=2 --set parallel.pp=2)" = "$cached" ] || fail "generate at tp 2 x pp 2 differs from $cached"
 "$loom" generate "$work/gen" --prompt "12+ab" > "$work/gen_bad.out" 2>&1
 [ $? -eq 1 ] && grep -q "no token for 'a'" "$work/gen_bad.out" || fail "generate: bad prompt: $(cat "$work/gen_bad.out")"
+"$loom" generate "$work/gen" --prompt "12+" --set data.kind=text > "$work/gen_data.out" 2>&1
+[ $? -eq 2 ] && grep -q "come with the weights" "$work/gen_data.out" ||
+  fail "generate: --set data.kind (another vocabulary than the weights'): $(cat "$work/gen_data.out")"
 "$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
 [ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
 
