@@ -100,6 +100,11 @@ int cmd_plugins_test(int argc, char** argv) {
                          tp_check + "+sp)");
     if (so.tp < 1 || so.tp > 8 || so.dims.seq_len % so.tp != 0 || so.dims.ffn_hidden % so.tp != 0)
       throw UsageError("--tp must be 1, 2, 4 or 8");
+    // A head per tp rank at least (head size 4), so the model splits at this tp.
+    if (so.dims.heads < so.tp) {
+      so.dims.heads = so.tp;
+      so.dims.hidden = 4 * so.tp;
+    }
 
     // The libraries under test first, so that their plugins are the ones tested; then
     // the search path for device/cpu, comm/local and parallel/tensor.

@@ -47,4 +47,6 @@ grep -q "registers no layer plugin" "$out" || fail "a library without layers: no
 
 "$loom" plugins test "$builtin_dir" --json > "$out" 2>&1 || fail "the built-in layers: exit $?"
 grep -q '"failures":0' "$out" || fail "the built-in layers: failures reported"
+# Every advertised --tp splits the harness's model (a head per rank at least).
+"$loom" plugins test "$builtin_dir/loom_layer_attention.so" --tp 8 > "$out" 2>&1 || fail "attention at --tp 8: $(tail -3 "$out")"
 echo "ok"
