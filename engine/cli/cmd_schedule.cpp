@@ -54,6 +54,9 @@ constexpr long long kMaxEntries = 20'000'000;  // 2 * pp * vpp * M order entries
 // The simulation's passes over the stages grow with pp as well as the entries: pp x
 // entries bounds its work (pp 20000 with one microbatch: about 2 s).
 constexpr long long kMaxWork = 1'000'000'000;
+// A Chrome trace holds an event per entry (about 300 bytes each in memory, 10 s per
+// 2 million to write): at most this many with --trace.
+constexpr long long kMaxTraceEntries = 2'000'000;
 constexpr size_t kLineWidth = 120;            // the diagram wraps into blocks of this width
 constexpr long long kMaxDiagramCells = 200'000;
 
@@ -191,6 +194,12 @@ int cmd_schedule(int argc, char** argv) {
     std::cerr << "loom schedule: pp " << pp << ", vpp " << vpp << ", microbatches " << microbatches << " give "
               << entries << " order entries over " << pp << " stages, more than this command simulates (at most "
               << kMaxEntries << " entries and " << kMaxWork << " entries x stages)\n";
+    return 1;
+  }
+  if (!trace.empty() && entries > kMaxTraceEntries) {
+    std::cerr << "loom schedule: --trace writes an event per order entry, and pp " << pp << ", vpp " << vpp
+              << ", microbatches " << microbatches << " give " << entries << " (at most " << kMaxTraceEntries
+              << " with --trace); simulate it without --trace, or trace fewer microbatches\n";
     return 1;
   }
 

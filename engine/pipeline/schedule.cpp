@@ -386,15 +386,20 @@ void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events)
   std::sort(tids.begin(), tids.end());
   tids.erase(std::unique(tids.begin(), tids.end()), tids.end());
 
-  // One event per line, so the file also reads and greps line by line.
-  std::vector<nlohmann::ordered_json> lines;
+  // One event per line, so the file also reads and greps line by line; each line is
+  // written as it is made (a long simulation has tens of millions).
+  bool first = true;
+  const auto line = [&](const nlohmann::ordered_json& j) {
+    os << (first ? "[\n" : ",\n") << runtime::dump_json(j);
+    first = false;
+  };
   for (int t : tids)
-    lines.push_back({{"name", "thread_name"},
-                     {"ph", "M"},
-                     {"pid", 0},
-                     {"tid", t},
-                     {"args", {{"name", t >= kCommLaneTid ? "rank " + std::to_string(t - kCommLaneTid) + " comm"
-                                                          : "rank " + std::to_string(t)}}}});
+    line({{"name", "thread_name"},
+          {"ph", "M"},
+          {"pid", 0},
+          {"tid", t},
+          {"args", {{"name", t >= kCommLaneTid ? "rank " + std::to_string(t - kCommLaneTid) + " comm"
+                                               : "rank " + std::to_string(t)}}}});
   for (const TraceEvent& e : events) {
     nlohmann::ordered_json j = {{"name", e.name},
                                 {"cat", e.category},
@@ -407,11 +412,9 @@ void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events)
       nlohmann::ordered_json& args = j["args"];
       for (const auto& [key, value] : e.args) args[key] = value;
     }
-    lines.push_back(std::move(j));
+    line(j);
   }
-  os << "[\n";
-  for (size_t i = 0; i < lines.size(); ++i) os << (i ? ",\n" : "") << runtime::dump_json(lines[i]);
-  os << "\n]\n";
+  os << (first ? "[\n" : "") << "\n]\n";
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& events) {

@@ -91,6 +91,11 @@ grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2
 # times the order's entries).
 timeout 20 "$loom" schedule --pp 1000000 --microbatches 1 > /dev/null 2> "$work/deep.err"
 [ $? -eq 1 ] && grep -q "more than this command simulates" "$work/deep.err" || fail "pp 1000000: $(cat "$work/deep.err")"
+# A trace of millions of events is refused before simulating, and an earlier trace stays.
+echo '[]' > "$work/keep.json"
+timeout 20 "$loom" schedule --pp 50 --microbatches 100000 --trace "$work/keep.json" > /dev/null 2> "$work/big.err"
+[ $? -eq 1 ] && grep -q "at most 2000000 with --trace" "$work/big.err" && [ "$(cat "$work/keep.json")" = "[]" ] ||
+  fail "a trace of 10^7 events: $(cat "$work/big.err")"
 # An option that takes one value, given twice, is refused rather than the last one used.
 "$loom" schedule --pp 2 --pp 3 --microbatches 4 > /dev/null 2> "$work/twice.err"
 [ $? -eq 2 ] && grep -q -- "--pp is given 2 times (2, 3); it takes one value" "$work/twice.err" \
