@@ -135,7 +135,7 @@ void print_table(const RankGroups& rg) {
 int positive(const Args& a, const std::string& name, long long fallback) {
   const long long v = a.get_int(name, fallback);
   if (v < 1 || v > 1'000'000'000)
-    throw UsageError(name + " must be a positive integer, got " + std::to_string(v));
+    throw UsageError(name + " must be between 1 and 1000000000, got " + std::to_string(v));
   return static_cast<int>(v);
 }
 

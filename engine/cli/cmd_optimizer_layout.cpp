@@ -53,7 +53,7 @@ long long parse_count(const std::string& text, const std::string& what, long lon
   char* end = nullptr;
   const long long v = std::strtoll(text.c_str(), &end, 10);
   if (text.empty() || *end != '\0' || errno == ERANGE || v < min || v > kMaxCount)
-    throw UsageError(what + " must be an integer >= " + std::to_string(min) + ", got '" + text + "'");
+    throw UsageError(what + " must be an integer from " + std::to_string(min) + " to " + std::to_string(kMaxCount) + " (2^48), got '" + text + "'");
   return v;
 }
 

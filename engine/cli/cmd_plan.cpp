@@ -14,6 +14,8 @@
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
 
+#include <boost/filesystem.hpp>
+
 #include <cstdio>
 #include <algorithm>
 #include <cstdio>
@@ -125,6 +127,8 @@ train::ComputeProfile measure_here(const train::RunPlan& plan, int threads, int6
 std::optional<train::ComputeProfile> read_profile(const Args& args) {
   const std::optional<std::string> path = args.get("--profile");
   if (!path) return std::nullopt;
+  if (boost::filesystem::is_directory(*path))
+    throw loom::Error("--profile " + *path + " is a directory; give the file --save-profile wrote");
   std::ifstream in(*path);
   if (!in) throw loom::Error("--profile " + *path + ": cannot open the file");
   try {

@@ -23,7 +23,11 @@ class SentencePieceTokenizer : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& path) : path_(path) {
     const auto status = sp_.Load(path);
-    if (!status.ok()) throw TokenizerError(path + ": not a SentencePiece model (" + status.ToString() + ")");
+    if (status.ok()) return;
+    if (status.ToString().find("ParseFromArray") != std::string::npos)  // the bytes are not a model
+      throw TokenizerError(path + ": not a SentencePiece model (a .model file, as loom tokenizer-train or "
+                           "spm_train write) nor a GPT-2 BPE directory (encoder.json and vocab.bpe)");
+    throw TokenizerError(path + ": not a SentencePiece model (" + status.ToString() + ")");
   }
   std::vector<int32_t> encode(std::string_view text) const override {
     std::vector<int> ids;

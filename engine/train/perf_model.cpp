@@ -677,6 +677,9 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     out.stages.push_back(e);
   }
 
+  // Only a profile's times out of any range (a file edited by hand) overflow.
+  if (!std::isfinite(out.step_s))
+    throw loom::Error("the step-time estimate overflows: the compute profile's times are out of range");
   const double tokens = double(config.batch.global_batch_size) * double(config.model.seq_length);
   out.tokens_per_s = out.step_s > 0 ? tokens / out.step_s : 0;
   double step_flops = 0;

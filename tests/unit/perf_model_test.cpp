@@ -231,6 +231,10 @@ TEST(PerfModel, AProfileOfFewerBlocksCostsEachLayerByItsFlops) {
   } catch (const loom::Error& err) {
     EXPECT_NE(std::string(err.what()).find("another model"), std::string::npos) << err.what();
   }
+  // A profile's time edited out of range (1e308 s) is refused, not an estimate of inf.
+  loom::train::ComputeProfile huge = p;
+  huge.forward_flops_s = 1e308;
+  EXPECT_THROW(loom::train::estimate_step(plan, mp, huge, loom::train::plan_links(plan), 2), loom::Error);
   // Kept in the saved profile.
   const loom::train::ComputeProfile back = loom::train::profile_from_json(loom::train::profile_to_json(p));
   EXPECT_EQ(back.distinct_layer_flops, p.distinct_layer_flops);
