@@ -69,7 +69,8 @@ bool shards_optimizer_state(const RunPlan& plan) {
 }
 
 uint64_t rank_total_bytes(const RankMemory& r) {
-  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes + r.work_bytes;
+  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes + r.work_bytes +
+         r.workspace_bytes;
 }
 
 uint64_t device_capacity(const RunPlan& plan, int ranks_in_process) {
@@ -262,6 +263,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
                                  : 0.0;
         rm.chunk_forward_flops[c] += flops;
         rm.layer_forward_flops.push_back(flops);
+        if (LOOM_HAS_SLOT(l.api, loom_layer_api, workspace_bytes) && l.api->workspace_bytes)
+          rm.workspace_bytes = std::max(rm.workspace_bytes, l.api->workspace_bytes(l.handle));
       }
       chunk_activations.assign(chunks.size(), 0);
       // Per chunk, the largest recompute group's re-created bytes: its layers' saved

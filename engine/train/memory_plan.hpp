@@ -51,6 +51,9 @@ struct RankMemory {
   // the layers' input gradients by turns, and one for a received output gradient,
   // two when receives are posted early (Model::gradient_buffer_bytes).
   uint64_t work_bytes = 0;
+  // The largest of its layers' temporaries within one forward or backward
+  // (loom_layer_api.workspace_bytes, ABI 1.19; layers built before declare none).
+  uint64_t workspace_bytes = 0;
   double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
   // Per local pipeline chunk: its layers and their forward FLOPs over one microbatch
   // (loom_layer_api.forward_flops), for `loom plan --perf`.

@@ -73,6 +73,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_17(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_17(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_18(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_18(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_18(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_19(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_19(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -438,6 +441,21 @@ TEST(AbiLayout, Released118MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_tp_xent_args, logits_scratch), loom_abi_sizeof_v1_17("loom_tp_xent_args"));
   EXPECT_EQ(offsetof(loom_tp_xent_args, reserved) + sizeof(int32_t), sizeof(loom_tp_xent_args));  // no tail padding
   EXPECT_EQ(LOOM_DEVICE_XENT_IN_PLACE, 1ull << 7);
+}
+
+// 1.19's too (a layer's workspace for the memory plan): workspace_bytes past 1.18's
+// sizeof of loom_layer_api, which ends with it.
+TEST(AbiLayout, Released119MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_118 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_19(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_19(&n_current);
+  loom_abi_layout_current_v1_18(&n_118);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_118 + 2 * 1);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_18("loom_layer_api"), 0u);
+  EXPECT_GE(offsetof(loom_layer_api, workspace_bytes), loom_abi_sizeof_v1_18("loom_layer_api"));
+  EXPECT_EQ(offsetof(loom_layer_api, workspace_bytes) + sizeof(void*), sizeof(loom_layer_api));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -152,9 +152,9 @@ class Attention : public loom::Layer {
     Saved s = saved_layout(S, B, a.training, drop);
     s.mem.allocate(rank_);
 
-    Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 proj = tmp.elems(Tl * H, dt_.act), grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
+    ForwardTemps ft = forward_temps(S, B);
+    Arena& tmp = ft.mem;
+    const size_t ln = ft.ln, ln_full = ft.ln_full, proj = ft.proj, grouped = ft.grouped;
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -269,11 +269,10 @@ class Attention : public loom::Layer {
     GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(), tp_.features(), fusion_);
     auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
 
-    Arena tmp;
-    const size_t dproj = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
-                 ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 dctx = tmp.elems(T * Hl, dt_.act), dqkv = tmp.elems(T * 3 * Hl, dt_.act), dln = tmp.elems(Tl * H, dt_.act),
-                 dgrouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), dbias = tmp.floats(qkv_local_);
+    BackwardTemps bt = backward_temps(S, B, s.dropped);
+    Arena& tmp = bt.mem;
+    const size_t dproj = bt.dproj, ln = bt.ln, ln_full = bt.ln_full, dctx = bt.dctx, dqkv = bt.dqkv, dln = bt.dln,
+                 dgrouped = bt.dgrouped, dbias = bt.dbias;
     tmp.allocate(rank_);
 
     // Through dropout; the projection and its bias (g's backward: identity, or
@@ -365,6 +364,27 @@ class Attention : public loom::Layer {
     return saved_layout(cp_.local_length(), micro_batch_, true, dropout_ > 0.0f).mem.bytes();
   }
 
+  // The larger of a training forward's and a backward's temporaries, each with the
+  // whole sequence's K and V under context parallelism (KvFull), the backward with its
+  // gradient shadows when the gradients are kept in another dtype.
+  uint64_t workspace_bytes() override {
+    const int64_t S = cp_.local_length(), B = micro_batch_;
+    const auto kv_full = [&](bool backward) {
+      const int64_t cp = cp_.cp(), T = S * B, W = 2 * hidden_local_;
+      if (cp <= 1) return uint64_t{0};
+      Arena a;
+      a.elems(cp * T * W, dt_.act);
+      a.elems(T * W, dt_.act);
+      a.elems(cp * T * W, dt_.act);
+      a.elems(backward ? cp * T * W : 0, dt_.act);
+      return uint64_t{a.bytes()};
+    };
+    const loom::Device dev = loom::Rank(rank_).device();
+    const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false),
+                              backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows);
+  }
+
   // QKV 2*T*H*(its local columns) + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H
   // (causal counted as full), over this rank's T tokens (1/cp of them) against all S
   // keys.
@@ -377,6 +397,45 @@ class Attention : public loom::Layer {
  private:
   static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
   void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
+
+  // A training forward's temporaries over S x B rows (S this rank's part of the
+  // sequence, whole under SP): the norm's output (and its gather), the projection's
+  // output, Q|K|V grouped for grouped-query attention.
+  struct ForwardTemps {
+    Arena mem;
+    size_t ln = 0, ln_full = 0, proj = 0, grouped = 0;
+  };
+  ForwardTemps forward_temps(int64_t S, int64_t B) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    ForwardTemps t;
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.proj = t.mem.elems(Tl * H, dt_.act);
+    t.grouped = t.mem.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
+    return t;
+  }
+
+  // A backward's: the gradients of the context, Q|K|V, the norm's output, and the
+  // recomputed norm output.
+  struct BackwardTemps {
+    Arena mem;
+    size_t dproj = 0, ln = 0, ln_full = 0, dctx = 0, dqkv = 0, dln = 0, dgrouped = 0, dbias = 0;
+  };
+  BackwardTemps backward_temps(int64_t S, int64_t B, bool dropped) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, Hl = hidden_local_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    BackwardTemps t;
+    t.dproj = t.mem.elems(dropped ? Tl * H : 0, dt_.act);
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.dctx = t.mem.elems(T * Hl, dt_.act);
+    t.dqkv = t.mem.elems(T * 3 * Hl, dt_.act);
+    t.dln = t.mem.elems(Tl * H, dt_.act);
+    t.dgrouped = t.mem.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
+    t.dbias = t.mem.floats(qkv_local_);
+    return t;
+  }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -646,5 +705,5 @@ std::vector<loom::OptionSpec> attention_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.5.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
+    "attention", "1.6.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
     attention_options()))

@@ -161,6 +161,16 @@ class Embedding : public loom::Layer {
     return saved_layout(seq_ / cp_.size(), micro_batch_, true, dropout_ > 0.0f).mem.bytes();
   }
 
+  // A backward's: the gradient through the dropout, and the gradient shadows when the
+  // gradients are kept in another dtype (a forward writes its output only).
+  uint64_t workspace_bytes() override {
+    const int64_t Tl = shard_positions(seq_ / cp_.size()) * micro_batch_;
+    Arena dout;
+    dout.elems(dropout_ > 0.0f ? Tl * hidden_ : 0, dt_.act);
+    const loom::Device dev = loom::Rank(rank_).device();
+    return dout.bytes() + GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+  }
+
   // A lookup: no multiply-adds.
   double forward_flops() override { return 0.0; }
 
@@ -225,6 +235,6 @@ class Embedding : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Embedding>(
-    "embedding", "1.4.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
+    "embedding", "1.5.0", "word (vocab-parallel) + learned position embeddings (context-parallel)",
     {loom::layers::dropout_option_spec("the embedding output"),
      loom::layers::position_embedding_option_spec("no position table here: the attention layers rotate q and k")}))

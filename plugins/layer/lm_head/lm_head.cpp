@@ -82,9 +82,9 @@ class LmHead : public loom::Layer {
     Saved s = saved_layout(S, B, a.training);
     s.mem.allocate(rank_);
 
-    Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 loss = tmp.floats(T), total = tmp.floats(1);
+    ForwardTemps ft = forward_temps(S, B);
+    Arena& tmp = ft.mem;
+    const size_t ln = ft.ln, ln_full = ft.ln_full, loss = ft.loss, total = ft.total;
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -171,9 +171,9 @@ class LmHead : public loom::Layer {
     GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(),
                   tp_.features(), fusion_);
 
-    Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 dln = tmp.elems(Tl * H, dt_.act);
+    BackwardTemps bt = backward_temps(S, B);
+    Arena& tmp = bt.mem;
+    const size_t ln = bt.ln, ln_full = bt.ln_full, dln = bt.dln;
     tmp.allocate(rank_);
 
     // The LN output, recomputed (and gathered again under SP).
@@ -197,6 +197,15 @@ class LmHead : public loom::Layer {
   // Includes the local logits [T, V_local], kept for backward.
   uint64_t activation_bytes() override { return saved_layout(seq_, micro_batch_, true).mem.bytes(); }
 
+  // The larger of a training forward's and a backward's temporaries (the logits are
+  // saved, their gradient formed over them: ABI 1.18 logits_scratch).
+  uint64_t workspace_bytes() override {
+    const loom::Device dev = loom::Rank(rank_).device();
+    const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    return std::max<uint64_t>(forward_temps(seq_, micro_batch_).mem.bytes(),
+                              backward_temps(seq_, micro_batch_).mem.bytes() + shadows);
+  }
+
   // logits 2*T*H*V_local.
   double forward_flops() override {
     return 2.0 * static_cast<double>(seq_ * micro_batch_) * static_cast<double>(hidden_) *
@@ -206,6 +215,38 @@ class LmHead : public loom::Layer {
  private:
   static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
   void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
+
+  // A forward's temporaries over S x B rows (S the whole sequence): the norm's output
+  // (and its gather), the per-token losses and their sum.
+  struct ForwardTemps {
+    Arena mem;
+    size_t ln = 0, ln_full = 0, loss = 0, total = 0;
+  };
+  ForwardTemps forward_temps(int64_t S, int64_t B) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    ForwardTemps t;
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.loss = t.mem.floats(T);
+    t.total = t.mem.floats(1);
+    return t;
+  }
+
+  // A backward's: the recomputed norm output (and its gather) and its gradient.
+  struct BackwardTemps {
+    Arena mem;
+    size_t ln = 0, ln_full = 0, dln = 0;
+  };
+  BackwardTemps backward_temps(int64_t S, int64_t B) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    BackwardTemps t;
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.dln = t.mem.elems(Tl * H, dt_.act);
+    return t;
+  }
 
   struct Saved {
     int64_t S = 0, B = 0;
@@ -247,6 +288,6 @@ class LmHead : public loom::Layer {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<LmHead>(
-    "lm_head", "1.3.0",
+    "lm_head", "1.4.0",
     "final norm (LayerNorm or RMSNorm) + output logits fused with vocab-parallel cross-entropy (last layer)",
     loom::layers::norm_option_specs()))

@@ -98,9 +98,9 @@ class Mlp : public loom::Layer {
     Saved s = saved_layout(S, B, a.training, drop, act_drop);
     s.mem.allocate(rank_);
 
-    Arena tmp;
-    const size_t ln = tmp.elems(Tl * H, dt_.act), ln_full = tmp.elems(sp ? T * H : 0, dt_.act),
-                 act = tmp.elems(T * Fl, dt_.act), out = tmp.elems(Tl * H, dt_.act);
+    ForwardTemps ft = forward_temps(S, B);
+    Arena& tmp = ft.mem;
+    const size_t ln = ft.ln, ln_full = ft.ln_full, act = ft.act, out = ft.out;
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
@@ -153,12 +153,9 @@ class Mlp : public loom::Layer {
     GradShadow gs(rank_, dev, dt_, g_, params_.local_numels(), tp_.features(), fusion_);
     auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
 
-    Arena tmp;
-    // act holds the recomputed activation, then (once fc2's backward has read it) dh,
-    // the gradient of fc1's output: T x F1; or dh is dact, when fc2's backward makes it.
-    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, dt_.act), act = tmp.elems(T * F1, dt_.act),
-                 dact = tmp.elems(T * Fl, dt_.act), ln = tmp.elems(Tl * H, dt_.act),
-                 ln_full = tmp.elems(sp ? T * H : 0, dt_.act), dln = tmp.elems(Tl * H, dt_.act);
+    BackwardTemps bt = backward_temps(S, B, s.dropped);
+    Arena& tmp = bt.mem;
+    const size_t dout = bt.dout, act = bt.act, dact = bt.dact, ln = bt.ln, ln_full = bt.ln_full, dln = bt.dln;
     const size_t dh = act;
     tmp.allocate(rank_);
 
@@ -216,6 +213,15 @@ class Mlp : public loom::Layer {
     return saved_layout(seq_, micro_batch_, true, dropout_ > 0.0f, activation_dropout_ > 0.0f).mem.bytes();
   }
 
+  // The larger of a forward's and a backward's temporaries (with the backward's
+  // gradient shadows when the gradients are kept in another dtype).
+  uint64_t workspace_bytes() override {
+    const loom::Device dev = loom::Rank(rank_).device();
+    const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    return std::max<uint64_t>(forward_temps(seq_, micro_batch_).mem.bytes(),
+                              backward_temps(seq_, micro_batch_, dropout_ > 0.0f).mem.bytes() + shadows);
+  }
+
   // fc1 2*T*H*F1 + fc2 2*T*Fl*H (F1 = Fl, or 2 Fl under SwiGLU).
   double forward_flops() override {
     const double T = static_cast<double>(seq_ * micro_batch_), H = static_cast<double>(hidden_);
@@ -232,6 +238,43 @@ class Mlp : public loom::Layer {
       dev.swiglu_fwd({.rows = T, .cols = ffn_local_, .x = h, .out = act, .dtype = dt_.act});
     else
       dev.gelu_fwd({.n = T * ffn_local_, .x = h, .out = act, .dtype = dt_.act});
+  }
+
+  // A forward's temporaries over S x B rows (S the whole sequence; this rank's shard
+  // under SP): the norm's output (and its gather), the activation, fc2's output.
+  struct ForwardTemps {
+    Arena mem;
+    size_t ln = 0, ln_full = 0, act = 0, out = 0;
+  };
+  ForwardTemps forward_temps(int64_t S, int64_t B) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    ForwardTemps t;
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.act = t.mem.elems(T * ffn_local_, dt_.act);
+    t.out = t.mem.elems(Tl * H, dt_.act);
+    return t;
+  }
+
+  // A backward's: act holds the recomputed activation, then (once fc2's backward has
+  // read it) dh, the gradient of fc1's output: T x F1; or dh is dact, when fc2's
+  // backward makes it.
+  struct BackwardTemps {
+    Arena mem;
+    size_t dout = 0, act = 0, dact = 0, ln = 0, ln_full = 0, dln = 0;
+  };
+  BackwardTemps backward_temps(int64_t S, int64_t B, bool dropped) const {
+    const bool sp = tp_.sequence_parallel();
+    const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
+    BackwardTemps t;
+    t.dout = t.mem.elems(dropped ? Tl * H : 0, dt_.act);
+    t.act = t.mem.elems(T * fc1_local_, dt_.act);
+    t.dact = t.mem.elems(T * ffn_local_, dt_.act);
+    t.ln = t.mem.elems(Tl * H, dt_.act);
+    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.dln = t.mem.elems(Tl * H, dt_.act);
+    return t;
   }
 
   struct Saved {
@@ -297,5 +340,5 @@ std::vector<loom::OptionSpec> mlp_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Mlp>(
-    "mlp", "1.3.0", "pre-norm feed-forward block with residual: GeLU or SwiGLU, LayerNorm or RMSNorm (tensor-parallel)",
+    "mlp", "1.4.0", "pre-norm feed-forward block with residual: GeLU or SwiGLU, LayerNorm or RMSNorm (tensor-parallel)",
     mlp_options()))

@@ -329,7 +329,7 @@ class Moe : public loom::Layer {
     RouterMemory& m = router_memory_.at(a.microbatch);
     const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
     const int64_t H = hidden_, E = experts_, S = s.S, B = s.B, T = S * B;
-    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
+    const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B;
     require_act(a.grad_output, "grad_output", name_, dt_.act, {Sl, B, H});
     require_act(a.grad_input, "grad_input", name_, dt_.act, {Sl, B, H});
     const void* dy = data_of<void>(*a.grad_output);
@@ -341,15 +341,7 @@ class Moe : public loom::Layer {
     // The router's memory for the backward: its recomputed LN output, and the
     // gradients the eager part below hands to the router's backward (the LN
     // output's, the logits').
-    if (!m.bwd.laid_out()) {
-      Arena& b = m.bwd.layout();
-      m.b_ln = b.elems(Tl * H, act);
-      m.b_ln_full = b.elems(full_in ? T * H : 0, act);
-      m.dln_full = b.elems(Tr * H, act);
-      m.dln = b.elems(sp && !fold ? Tl * H : 0, act);
-      m.dlogits = b.floats(Tl * E);
-      m.dlogits_act = b.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
-    }
+    if (!m.bwd.laid_out()) lay_out_router_backward(m.bwd.layout(), m, Tl, T);
     // moe_router backward, part 1: LayerNorm again (and into the TP region), and
     // the gradient buffers at addresses a replay keeps.
     rank.run_substep("moe_router", a.step_key, 1, capture_router, [&] {
@@ -448,6 +440,21 @@ class Moe : public loom::Layer {
     return a.bytes();
   }
 
+  // A backward's temporaries with balanced routing (as activation_bytes): the
+  // router's backward memory and the eager part's, which are alive together, with the
+  // gradient shadows when the gradients are kept in another dtype. A skewed router
+  // under ep can need up to ep x the experts' rows.
+  uint64_t workspace_bytes() override {
+    const int64_t T = cp_.local_length() * micro_batch_;  // this cp rank's tokens
+    const int64_t Tl = tp_.sequence_parallel() ? T / tp_.size() : T, N = (fold_ ? Tl : T) * top_k_;
+    Arena router;
+    RouterMemory layout;
+    lay_out_router_backward(router, layout, Tl, T);
+    const loom::Device dev = loom::Rank(rank_).device();
+    return router.bytes() + expert_backward_temps(Tl, T, N, N, 0, dropout_ > 0.0f).mem.bytes() +
+           GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+  }
+
   // Router 2*T*H*E, and per routed token fc1 + fc2 (2*H*F1 + 2*H*Fl, F1 = Fl or,
   // under SwiGLU, 2 Fl; the shared expert's alike per token); under ep the rows
   // processed here are the group's tokens routed to this rank's experts, as many
@@ -479,6 +486,57 @@ class Moe : public loom::Layer {
     if (ln_b_ != kNone) p.push_back(ln_b_);
     p.push_back(router_w_);
     return p;
+  }
+
+  // The eager backward's temporaries for Tl / T tokens (this rank's, the TP
+  // region's), N dispatched slots and R rows this rank's experts take: the gradient
+  // through dropout (and its gather), the expert rows and their gradients, gates.
+  struct ExpertBackwardTemps {
+    Arena mem;
+    size_t dout = 0, dfull = 0, xg = 0, dyg = 0, xs = 0, dys = 0, gates = 0, dgate_rows = 0, a_out = 0, gexp = 0,
+           ones = 0, dgate = 0, da = 0, prod = 0, shared_dfull = 0, shared_dshard = 0;
+  };
+  ExpertBackwardTemps expert_backward_temps(int64_t Tl, int64_t T, int64_t N, int64_t R, int64_t zero_row,
+                                            bool dropped) const {
+    const bool sp = tp_.sequence_parallel(), full_in = sp && (!fold_ || shared_ffn_ > 0);
+    const bool shared_apart = fold_ && shared_ffn_ > 0, moved = dispatcher_.moves_rows();
+    const int64_t H = hidden_, Fl = ffn_local_;
+    const int32_t act = dt_.act;
+    ExpertBackwardTemps t;
+    Arena& a = t.mem;
+    t.dout = a.elems(dropped ? Tl * H : 0, act);
+    t.dfull = a.elems(full_in ? T * H : 0, act);
+    t.xg = a.elems(N * H, act);
+    t.dyg = a.elems((N + zero_row) * H, act);
+    t.xs = a.elems(moved ? R * H : 0, act);
+    t.dys = a.elems(moved ? R * H : 0, act);
+    t.gates = a.elems(moved ? R : 0, act);
+    t.dgate_rows = a.floats(moved ? N : 0);
+    t.a_out = a.elems(R * Fl, act);
+    t.gexp = a.elems((R + zero_row) * H, act);
+    t.ones = a.elems(std::max(H, Fl), act);
+    t.dgate = a.floats(R);
+    t.da = a.elems(R * Fl, act);
+    t.prod = a.elems(R * activation_.parts() * Fl, act);
+    t.shared_dfull = a.elems(shared_apart ? T * H : 0, act);
+    t.shared_dshard = a.elems(shared_apart ? Tl * H : 0, act);
+    return t;
+  }
+
+  // The router's memory for the backward (m's bwd indices): its recomputed LN output,
+  // and the gradients the eager part hands to the router's backward (the LN
+  // output's, the logits').
+  template <typename Memory>
+  void lay_out_router_backward(Arena& b, Memory& m, int64_t Tl, int64_t T) const {
+    const bool sp = tp_.sequence_parallel(), full_in = sp && (!fold_ || shared_ffn_ > 0);
+    const int64_t H = hidden_, E = experts_, Tr = fold_ ? Tl : T;
+    const int32_t act = dt_.act;
+    m.b_ln = b.elems(Tl * H, act);
+    m.b_ln_full = b.elems(full_in ? T * H : 0, act);
+    m.dln_full = b.elems(Tr * H, act);
+    m.dln = b.elems(sp && !fold_ ? Tl * H : 0, act);
+    m.dlogits = b.floats(Tl * E);
+    m.dlogits_act = b.elems(act == LOOM_DTYPE_F32 ? 0 : Tl * E, act);
   }
 
   struct Saved {
@@ -585,23 +643,18 @@ class Moe : public loom::Layer {
     const Dispatch& r = s.dispatch;
     const bool sp = tp_.sequence_parallel(), fold = fold_, full_in = sp && (!fold || shared_ffn_ > 0);
     const bool shared_apart = fold && shared_ffn_ > 0;
-    const int64_t H = hidden_, Fl = ffn_local_, S = s.S, B = s.B, T = S * B, N = r.rows();
+    const int64_t H = hidden_, S = s.S, B = s.B, T = S * B, N = r.rows();
     const int64_t Sl = sp ? S / tp_.size() : S, Tl = Sl * B, Tr = fold ? Tl : T;
     loom::Device dev = rank.device();
     const int32_t act = dt_.act, gdt = gs.grad_dtype();
     const ExpertRows& xr = s.experts;
     const int64_t R = xr.rows, zero_row = r.dropped_any() ? 1 : 0;
     const bool moved = dispatcher_.moves_rows();
-    Arena tmp;
-    const size_t dout = tmp.elems(s.dropped ? Tl * H : 0, act), dfull = tmp.elems(full_in ? T * H : 0, act),
-                 xg = tmp.elems(N * H, act),
-                 dyg = tmp.elems((N + zero_row) * H, act), xs = tmp.elems(moved ? R * H : 0, act),
-                 dys = tmp.elems(moved ? R * H : 0, act), gates = tmp.elems(moved ? R : 0, act),
-                 dgate_rows = tmp.floats(moved ? N : 0), a_out = tmp.elems(R * Fl, act), gexp = tmp.elems((R + zero_row) * H, act),
-                 ones = tmp.elems(std::max(H, Fl), act), dgate = tmp.floats(R), da = tmp.elems(R * Fl, act),
-                 prod = tmp.elems(R * activation_.parts() * Fl, act),
-                 shared_dfull = tmp.elems(shared_apart ? T * H : 0, act),
-                 shared_dshard = tmp.elems(shared_apart ? Tl * H : 0, act);
+    ExpertBackwardTemps bt = expert_backward_temps(Tl, T, N, R, zero_row, s.dropped);
+    Arena& tmp = bt.mem;
+    const size_t dout = bt.dout, dfull = bt.dfull, xg = bt.xg, dyg = bt.dyg, xs = bt.xs, dys = bt.dys, gates = bt.gates,
+                 dgate_rows = bt.dgate_rows, a_out = bt.a_out, gexp = bt.gexp, ones = bt.ones, dgate = bt.dgate,
+                 da = bt.da, prod = bt.prod, shared_dfull = bt.shared_dfull, shared_dshard = bt.shared_dshard;
     tmp.allocate(rank_);
 
     const void* d = dy;
@@ -902,7 +955,7 @@ std::vector<loom::OptionSpec> moe_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.6.0",
+    "moe", "1.7.0",
     "pre-norm mixture of GeLU or SwiGLU experts (LayerNorm or RMSNorm, biases optional), top-k router (dropless "
     "or with capacity), shared expert, load-balancing loss (tensor-, expert- and context-parallel)",
     moe_options()))

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 18
+#define LOOM_ABI_MINOR 19
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -1237,6 +1237,16 @@ typedef struct loom_layer_api {
    * no allocation that outlives the call. Optional: NULL (and a table built before
    * 1.12) = create's checks only. */
   loom_status (*validate)(const loom_options* options, const loom_layer_validate_args* args);
+  /* --- since 1.19 --- */
+  /* Bytes of device memory one forward or one backward of a microbatch holds at its
+   * peak beyond what forwards save (activation_bytes) and the hidden states and
+   * gradients the engine passes in and out: the temporaries it allocates and frees
+   * before returning (norm outputs, recomputed activations, gradients of its inner
+   * tensors, buffers for its collectives), at the shapes of create. For planning: the
+   * engine adds the largest over a rank's layers to the rank's plan (`loom plan`, the
+   * check before a run). Called after bind. Optional: NULL (and a table built before
+   * 1.19) = 0. */
+  uint64_t (*workspace_bytes)(loom_layer* layer);
 } loom_layer_api;
 
 /* loom_layer_api.features: the layer takes a context-parallel slice of the

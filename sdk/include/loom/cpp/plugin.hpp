@@ -143,6 +143,9 @@ class Layer {
   virtual void backward(Rank& rank, const loom_layer_bwd_args& args) = 0;
   virtual void release(int32_t /*microbatch*/) {}
   virtual uint64_t activation_bytes() { return 0; }
+  // ABI 1.19: the most a forward or backward allocates for itself and frees before
+  // returning (loom_layer_api.workspace_bytes), for the memory plan.
+  virtual uint64_t workspace_bytes() { return 0; }
   virtual double forward_flops() { return 0; }
   // ABI 1.3: true when the training forward and backward obey the graph rules
   // (loom_layer_api.capturable): device work only, no host sync, nothing that
@@ -273,6 +276,11 @@ const loom_layer_api* layer_api() {
     a.activation_bytes = [](loom_layer* l) -> uint64_t {
       uint64_t v = 0;
       (void)guard([&] { v = detail::box(l)->layer->activation_bytes(); });
+      return v;
+    };
+    a.workspace_bytes = [](loom_layer* l) -> uint64_t {
+      uint64_t v = 0;
+      (void)guard([&] { v = detail::box(l)->layer->workspace_bytes(); });
       return v;
     };
     a.capturable = [](loom_layer* l) -> int32_t {

@@ -388,22 +388,24 @@ class GradShadow {
   GradShadow(loom_rank* rank, const loom::Device& dev, Dtypes dt, std::vector<void*> grads,
              std::vector<int64_t> numels, uint64_t tp_features, bool fusion)
       : dev_(dev), dt_(dt), grads_(std::move(grads)), numels_(std::move(numels)), ptrs_(grads_) {
-    fused_ = fusion && dt_.act == LOOM_DTYPE_BF16 && dt_.grad == LOOM_DTYPE_F32 &&
-             (dev_.features() & LOOM_DEVICE_GRAD_FP32) != 0 && (tp_features & LOOM_TP_GRAD_FP32) != 0;
+    fused_ = fuses(dev_, dt_, tp_features, fusion);
     if (dt_.act == dt_.grad || fused_) return;
-    std::vector<size_t> pieces;
-    int64_t largest = 0;
-    for (int64_t n : numels_) {
-      pieces.push_back(mem_.elems(n, dt_.act));
-      largest = std::max(largest, n);
-    }
-    cast_ = mem_.elems(largest, dt_.grad);
+    const std::vector<size_t> pieces = lay_out(mem_, dt_, numels_, &cast_);
     mem_.allocate(rank);
     for (size_t i = 0; i < grads_.size(); ++i) {
       ptrs_[i] = mem_.at<void>(pieces[i]);
       dev_.elementwise({.op = LOOM_EW_FILL, .n = numels_[i], .out = ptrs_[i], .alpha = 0.f, .dtype = dt_.act,
                         .out_dtype = dt_.act});
     }
+  }
+  // The bytes a GradShadow of these arguments allocates (for a layer's workspace_bytes).
+  static uint64_t bytes(const loom::Device& dev, Dtypes dt, const std::vector<int64_t>& numels, uint64_t tp_features,
+                        bool fusion) {
+    if (dt.act == dt.grad || fuses(dev, dt, tp_features, fusion)) return 0;
+    Arena a;
+    size_t cast = 0;
+    lay_out(a, dt, numels, &cast);
+    return a.bytes();
   }
   // Where the backward accumulates gradient i, of grad_dtype().
   void* operator[](size_t i) const { return ptrs_[i]; }
@@ -423,6 +425,22 @@ class GradShadow {
   }
 
  private:
+  static bool fuses(const loom::Device& dev, Dtypes dt, uint64_t tp_features, bool fusion) {
+    return fusion && dt.act == LOOM_DTYPE_BF16 && dt.grad == LOOM_DTYPE_F32 &&
+           (dev.features() & LOOM_DEVICE_GRAD_FP32) != 0 && (tp_features & LOOM_TP_GRAD_FP32) != 0;
+  }
+  // A shadow per gradient in the activations' dtype, and one cast buffer of the largest.
+  static std::vector<size_t> lay_out(Arena& a, Dtypes dt, const std::vector<int64_t>& numels, size_t* cast) {
+    std::vector<size_t> pieces;
+    int64_t largest = 0;
+    for (int64_t n : numels) {
+      pieces.push_back(a.elems(n, dt.act));
+      largest = std::max(largest, n);
+    }
+    *cast = a.elems(largest, dt.grad);
+    return pieces;
+  }
+
   loom::Device dev_;
   Dtypes dt_;
   std::vector<void*> grads_;
