@@ -144,13 +144,13 @@ std::optional<train::ComputeProfile> read_profile(const Args& args) {
 void save_profile(const Args& args, const train::ComputeProfile& p) {
   const std::optional<std::string> path = args.get("--save-profile");
   if (!path) return;
-  files::Temporary tmp(*path + ".tmp");
+  files::WholeFile file(*path);
   {
-    std::ofstream out(tmp.path());
+    std::ofstream out(file.path());
     out << runtime::dump_json(train::profile_to_json(p)) << "\n";
-    if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + tmp.path());
+    if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + file.path());
   }
-  if (!tmp.commit(*path)) throw loom::Error("--save-profile " + *path + ": cannot rename " + tmp.path() + " to it");
+  if (!file.commit()) throw loom::Error("--save-profile " + *path + ": cannot rename " + file.path() + " to it");
 }
 
 // loom plan --perf --search: the layouts ranked.
@@ -331,6 +331,11 @@ int cmd_plan(int argc, char** argv) {
       throw UsageError("--measure-blocks says what to measure; with --profile nothing is measured");
     if (args.has("--measure-blocks") && args.get_int("--measure-blocks", 0) < 1)
       throw UsageError("--measure-blocks takes a number of transformer blocks, 1 or more");
+    if (const auto out = args.get("--save-profile")) {
+      boost::system::error_code ec;
+      if (boost::filesystem::equivalent(*out, args.positionals()[0], ec) && !ec)
+        throw UsageError("--save-profile " + *out + " is the manifest; write the profile elsewhere");
+    }
     if (search && args.has("--save-profile")) throw UsageError("--save-profile saves one layout's measurement, not --search's");
     if (args.has("--world") && !search) throw UsageError("--world goes with --search");
     if (search && args.has("--check")) throw UsageError("--check measures one layout; --search ranks many");
@@ -341,6 +346,9 @@ int cmd_plan(int argc, char** argv) {
     const std::string& memory = checked.memory_problem;
     if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
+    if (args.get_int("--measure-blocks", 0) > plan.config.model.num_layers)
+      throw UsageError("--measure-blocks " + std::to_string(args.get_int("--measure-blocks", 0)) +
+                       ": the model has " + std::to_string(plan.config.model.num_layers) + " transformer blocks");
     if (search) return print_search(args, plan, json);
     if (perf) return print_perf(args, plan, mp, json);
 

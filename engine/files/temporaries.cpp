@@ -4,6 +4,9 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <climits>
+#include <cstdlib>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace loom::files {
@@ -59,5 +62,16 @@ bool Temporary::commit(const std::string& final_path) {
   forget_temporary(path_);
   return true;
 }
+
+WholeFile::WholeFile(const std::string& path) : target_(path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return;  // a pipe, a device: directly
+  char resolved[PATH_MAX];
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && ::realpath(path.c_str(), resolved) != nullptr)
+    target_ = resolved;  // the file a link names is replaced, not the link
+  temporary_ = std::make_unique<Temporary>(target_ + ".tmp");
+}
+
+bool WholeFile::commit() { return !temporary_ || temporary_->commit(target_); }
 
 }  // namespace loom::files

@@ -4,6 +4,7 @@
 // removes it rather than leaving half a file behind.
 #pragma once
 
+#include <memory>
 #include <string>
 
 namespace loom::files {
@@ -35,6 +36,22 @@ class Temporary {
  private:
   std::string path_;
   bool committed_ = false;
+};
+
+// A file written whole or not at all at `path`: write to path(), then commit(). A
+// regular file (or none) is written beside its name and renamed onto it, so an earlier
+// file stays until the new one is whole; through a symbolic link, beside the file it
+// names (the link stays); a pipe or device (/dev/stdout) is written directly.
+class WholeFile {
+ public:
+  explicit WholeFile(const std::string& path);
+  const std::string& path() const { return temporary_ ? temporary_->path() : target_; }
+  // False (errno set) when the rename failed; the temporary is then removed.
+  bool commit();
+
+ private:
+  std::string target_;
+  std::unique_ptr<Temporary> temporary_;
 };
 
 }  // namespace loom::files

@@ -10,8 +10,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <optional>
-#include <sys/stat.h>
 #include <climits>
 #include <cmath>
 #include <fstream>
@@ -418,13 +416,10 @@ void write_chrome_trace(std::ostream& os, const std::vector<TraceEvent>& events)
 }
 
 void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& events) {
-  // A file is written whole beside its name, then renamed onto it (an earlier trace
-  // stays until then); a device or pipe (/dev/stdout) is written directly.
-  struct stat st {};
-  const bool special = ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
-  std::optional<files::Temporary> temporary;
-  if (!special) temporary.emplace(path + ".tmp");
-  const std::string& target = special ? path : temporary->path();
+  // Written whole beside its name, then renamed onto it (an earlier trace stays until
+  // then); a device or pipe (/dev/stdout) directly.
+  files::WholeFile out(path);
+  const std::string& target = out.path();
   {
     std::ofstream f(target, std::ios::binary | std::ios::trunc);
     if (!f) throw std::runtime_error("cannot open trace file '" + target + "' for writing; check the directory exists");
@@ -432,7 +427,7 @@ void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& 
     f.flush();
     if (!f) throw std::runtime_error("writing trace file '" + target + "' failed (disk full?)");
   }
-  if (temporary && !temporary->commit(path))
+  if (!out.commit())
     throw std::runtime_error("cannot rename trace file '" + target + "' to '" + path + "': " + std::strerror(errno));
 }
 

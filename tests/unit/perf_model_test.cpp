@@ -417,7 +417,7 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
                       "device.options.memory_mb=3"},
                      &out), 1);
   EXPECT_NE(last_stderr().find("even with one transformer block"), std::string::npos) << last_stderr();
-  EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.num_layers=4", "--measure-blocks", "5"}, &out), 1);
+  EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.num_layers=4", "--measure-blocks", "5"}, &out), 2);
   EXPECT_NE(last_stderr().find("the model has 4"), std::string::npos) << last_stderr();
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "0"}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "1", "--profile", prof2}, &out), 2);
