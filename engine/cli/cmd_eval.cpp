@@ -65,17 +65,8 @@ int64_t count_words(const std::string& text) {
 // microbatch per dp rank and stage, whatever the micro-batch.
 train::RunPlan evaluation_plan(const std::string& toml, const std::string& name, std::vector<std::string> overrides,
                                plugins::Registry& registry) {
-  // The sizes as --set leaves them (the last setting of a key wins), else the manifest's.
-  const manifest::Manifest saved = manifest::Manifest::parse(toml, name);
-  const auto size = [&](const std::string& key) {
-    int64_t v = saved.get_int(key);
-    for (const std::string& o : overrides)
-      if (o.rfind(key + "=", 0) == 0) try {
-          v = std::stoll(o.substr(key.size() + 1));
-        } catch (const std::exception&) {  // not a number: the plan below says so
-        }
-    return v;
-  };
+  // The sizes as --set leaves them, else the manifest's.
+  const auto size = [&](const std::string& key) { return manifest::int_as_overridden(toml, name, overrides, key); };
   const int64_t batch = size("batch.micro_batch_size") * size("parallel.dp") * size("parallel.pp");
   for (const std::string& o : {std::string("checkpoint.dir=\"\""), std::string("checkpoint.init_weights=\"\""),
                               std::string("run.eval_every=0"), std::string("run.sample_every=0")})

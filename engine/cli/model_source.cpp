@@ -23,6 +23,25 @@ std::string checkpoint_step(const std::string& path) {
   return step ? train::checkpoint_path(path, *step) : "";
 }
 
+// The settings that decide how text maps to the model's tokens without a --tokenizer
+// (train::TextCodec): a manifest that names a checkpoint must keep the checkpoint's, or
+// its ids would be decoded as another vocabulary's.
+void require_same_text_encoding(const std::string& saved_toml, const train::RunPlan& plan, const std::string& step) {
+  const manifest::Manifest saved = manifest::Manifest::parse(saved_toml, step + "/manifest.toml", {},
+                                                             manifest::Manifest::Launch::Other);
+  const std::string kind = saved.get_string("data.kind");
+  std::vector<std::pair<std::string, std::string>> keys = {{"data.kind", kind}};
+  if (kind == "synthetic")
+    keys.insert(keys.end(), {{"data.task", saved.get_string("data.task")},
+                             {"data.digits", std::to_string(saved.get_int("data.digits"))}});
+  for (const auto& [key, was] : keys) {
+    const std::string now = key == "data.digits" ? std::to_string(plan.manifest.get_int(key)) : plan.manifest.get_string(key);
+    if (now != was)
+      throw UsageError("the checkpoint " + step + " was trained with " + key + " = " + was + ", this manifest has " +
+                       now + ": its tokens would be read as another vocabulary's; set " + key + " as the checkpoint has it");
+  }
+}
+
 // The weights of checkpoint `step` and the plan `plan_of` makes from the manifest it
 // saved, which must hold the same model.
 ModelSource from_checkpoint(const std::string& step,
@@ -76,7 +95,13 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
     return {std::move(plan), std::move(w), vocab};
   }
   if (!dir.empty() && !(step = checkpoint_step(dir)).empty())
-    return from_checkpoint(step, [&](const std::string&) { return std::move(plan); }, registry);
+    return from_checkpoint(
+        step,
+        [&](const std::string& saved) {
+          require_same_text_encoding(saved, plan, step);
+          return std::move(plan);
+        },
+        registry);
   throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
                           "with a checkpoint, or give the checkpoint itself");
 }

@@ -1179,4 +1179,15 @@ void Manifest::apply_plugin_options(const std::string& section_path, const std::
   }
 }
 
+int64_t int_as_overridden(const std::string& text, const std::string& name, const std::vector<std::string>& overrides,
+                          const std::string& key) {
+  int64_t v = Manifest::parse(text, name, {}, Manifest::Launch::Other).get_int(key);
+  for (const std::string& o : overrides)
+    if (o.rfind(key + "=", 0) == 0) try {
+        v = std::stoll(o.substr(key.size() + 1));
+      } catch (const std::exception&) {  // not a number: the whole manifest's check says so
+      }
+  return v;
+}
+
 }  // namespace loom::manifest

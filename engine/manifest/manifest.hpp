@@ -131,4 +131,11 @@ std::string to_toml_text(const toml::node& value);
 // Closest candidate by edit distance, or "" when none is close enough.
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates);
 
+// An integer of a manifest's text as `overrides` set it (the last setting of the key
+// wins), else as the text has it: for a command that replaces some of the run's sizes
+// and needs one before the whole manifest, with its replacements, can be checked.
+// An override that is not a number is left to that check: the text's value is returned.
+int64_t int_as_overridden(const std::string& text, const std::string& name, const std::vector<std::string>& overrides,
+                          const std::string& key);
+
 }  // namespace loom::manifest

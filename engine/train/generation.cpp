@@ -170,7 +170,7 @@ RunPlan generation_plan(const std::string& manifest_toml, const std::string& nam
   // with nothing recomputed; a checkpoint's own paths are not this run's. A training
   // schedule is never run, but the plan checks one: GPipe takes any vpp (a saved
   // manifest names 1F1B, which does not) with as many microbatches as stages.
-  const int64_t pp = manifest::Manifest::parse(manifest_toml, name, overrides).get_int("parallel.pp");
+  const int64_t pp = manifest::int_as_overridden(manifest_toml, name, overrides, "parallel.pp");
   for (const std::string& o :
        {std::string("parallel.dp=1"), std::string("parallel.cp=1"), std::string("parallel.ep=1"),
         std::string("parallel.sequence_parallel=false"), std::string("batch.micro_batch_size=1"),

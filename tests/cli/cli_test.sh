@@ -212,6 +212,12 @@ cached=$(ids)
 "$loom" generate "$work/gen" --prompt "12+" --set data.kind=text > "$work/gen_data.out" 2>&1
 [ $? -eq 2 ] && grep -q "come with the weights" "$work/gen_data.out" ||
   fail "generate: --set data.kind (another vocabulary than the weights'): $(cat "$work/gen_data.out")"
+# A manifest naming the checkpoint, with other data settings, would read its ids as
+# another vocabulary's: refused naming the key.
+printf 'extends = "%s"\n[data]\ndigits = 3\n[checkpoint]\ndir = "%s"\n' "$here/tiny.toml" "$work/gen" > "$work/gen3.toml"
+"$loom" generate "$work/gen3.toml" --prompt "12+" > "$work/gen3.out" 2>&1
+[ $? -eq 2 ] && grep -q "trained with data.digits = 2, this manifest has 3" "$work/gen3.out" ||
+  fail "generate: a manifest with other data settings than its checkpoint's: $(cat "$work/gen3.out")"
 "$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
 [ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
 
