@@ -272,8 +272,9 @@ int print_perf(const Args& args, const train::RunPlan& plan, const train::Memory
             << (plan.config.optimizer.overlap_param_gather ? ", overlap_param_gather" : "") << "\n"
             << "  compute " << (given ? "from --profile " + *args.get("--profile") + ": " : "") << "measured on "
             << profile.device << " at tp " << profile.tp << ", cp " << profile.cp << ", dp " << profile.dp
-            << (profile.blocks > 0 && profile.blocks < profile.model_blocks
-                    ? " with " + std::to_string(profile.blocks) + " of the model's " + std::to_string(profile.model_blocks) +
+            << (profile.blocks > 0 && profile.blocks < plan.config.model.num_layers
+                    ? " with " + std::to_string(profile.blocks) + " of this model's " +
+                          std::to_string(plan.config.model.num_layers) +
                           " transformer blocks (each layer costed by its FLOPs)"
                     : "")
             << " ("

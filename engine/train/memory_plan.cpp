@@ -103,11 +103,15 @@ std::string memory_problem(const MemoryPlan& mp, uint64_t capacity, const std::s
     if (rank_total_bytes(r) > rank_total_bytes(*worst)) worst = &r;
   const uint64_t need = rank_total_bytes(*worst);
   if (need <= capacity) return "";
-  constexpr double GiB = 1024.0 * 1024.0 * 1024.0;
+  // GiB, or MiB below one (a small model against a small device would read "0.0 GiB").
+  const bool gib = capacity >= (uint64_t{1} << 30);
+  const double unit = gib ? 1024.0 * 1024.0 * 1024.0 : 1024.0 * 1024.0;
+  const char* name = gib ? " GiB" : " MiB";
   std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << "the plan needs " << static_cast<double>(need) / GiB
-     << " GiB on rank " << worst->rank << " (parameters, gradients, optimizer state, activations), more than the "
-     << static_cast<double>(capacity) / GiB << " GiB of memory " << device << " offers a rank here";
+  os << std::fixed << std::setprecision(1) << "the plan needs " << static_cast<double>(need) / unit << name
+     << " on rank " << worst->rank
+     << " (parameters, gradients, optimizer state, activations, work buffers), more than the "
+     << static_cast<double>(capacity) / unit << name << " of memory " << device << " offers a rank here";
   if (ranks_in_process > 1) os << " (its memory shared by the " << ranks_in_process << " ranks of this process)";
   return os.str();
 }

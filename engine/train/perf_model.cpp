@@ -391,6 +391,13 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
       throw loom::Error(std::string("compute profile: \"") + name + "\" must be a number >= " + std::to_string(lo));
     return v.get<double>();
   };
+  // Times of one microbatch or step: beyond a day is a file edited by hand, not a measurement.
+  auto seconds = [&](const char* name) {
+    const double v = number(name, 0);
+    if (v > 86400) throw loom::Error(std::string("compute profile: \"") + name + "\" is " + short_number(v) +
+                                     " s, beyond any measured step");
+    return v;
+  };
   auto count = [&](const char* name, double lo) {
     const double v = number(name, lo);
     if (v != std::floor(v) || v > 1e15) throw loom::Error(std::string("compute profile: \"") + name + "\" must be a whole number");
@@ -405,10 +412,10 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
   p.threads = static_cast<int>(count("threads", 1));
   p.micro_batch = count("micro_batch", 1);
   p.microbatches = count("microbatches", 1);
-  p.forward_fixed_s = number("forward_fixed_s", 0);
-  p.forward_flops_s = number("forward_flops_s", 0);
-  p.backward_fixed_s = number("backward_fixed_s", 0);
-  p.backward_flops_s = number("backward_flops_s", 0);
+  p.forward_fixed_s = seconds("forward_fixed_s");
+  p.forward_flops_s = seconds("forward_flops_s");
+  p.backward_fixed_s = seconds("backward_fixed_s");
+  p.backward_flops_s = seconds("backward_flops_s");
   p.layer_flops = number("layer_flops", 0);
   p.layers = static_cast<int>(count("layers", 1));
   if (j.contains("distinct_layer_flops")) {  // absent from profiles written before
@@ -421,10 +428,18 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
         throw loom::Error("compute profile: \"distinct_layer_flops\" must be a list of numbers >= 0");
       p.distinct_layer_flops.push_back(f.get<double>());
     }
+    // What the measured model's layers add up to lies between all of them the smallest
+    // kind and all the largest; its blocks are at most its model's.
+    std::sort(p.distinct_layer_flops.begin(), p.distinct_layer_flops.end());
+    const double lo = p.distinct_layer_flops.front() * p.layers, hi = p.distinct_layer_flops.back() * p.layers;
+    if (p.layer_flops < lo * (1 - 1e-9) || p.layer_flops > hi * (1 + 1e-9))
+      throw loom::Error("compute profile: \"layer_flops\" (" + short_number(p.layer_flops) + ") is not what " +
+                        std::to_string(p.layers) + " layers of the FLOPs in \"distinct_layer_flops\" add up to");
+    if (p.blocks > p.model_blocks) throw loom::Error("compute profile: \"blocks\" is more than \"model_blocks\"");
   }
-  p.optimizer_s = number("optimizer_s", 0);
+  p.optimizer_s = seconds("optimizer_s");
   p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0));
-  p.other_s = number("other_s", 0);
+  p.other_s = seconds("other_s");
   p.runs = static_cast<int>(count("runs", 0));
   p.wall_s = number("wall_s", 0);
   const nlohmann::ordered_json& comm = field("layer_comm");

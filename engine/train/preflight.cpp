@@ -137,8 +137,10 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   out.memory = plan_memory(plan, out.vocab);
   check_experts(plan, out.memory);
   check_optimizer(plan, out.memory);
-  out.memory_problem = memory_problem(out.memory, device_capacity(plan, ranks_in_process),
-                                             plan.device->key(), ranks_in_process);
+  // The ranks share the device's memory when it offers each less as more share it.
+  const uint64_t capacity = device_capacity(plan, ranks_in_process);
+  const bool shared = ranks_in_process > 1 && capacity != device_capacity(plan, 1);
+  out.memory_problem = memory_problem(out.memory, capacity, plan.device->key(), shared ? ranks_in_process : 1);
   return out;
 }
 

@@ -344,8 +344,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const runtime::ProcessLaunch launch = runtime::detect_process_launch();
   Preflight checked = preflight(plan, launch.multi_process ? 1 : plan.sizes.world);
   if (!checked.memory_problem.empty())
-    throw loom::Error(checked.memory_problem + "; make the model, the micro-batch or the ranks per process smaller "
-                                               "(loom plan shows each rank's share)");
+    throw loom::Error(checked.memory_problem + "; make the model or the micro-batch smaller, split it over more ranks" +
+                      (checked.memory_problem.find("shared by") != std::string::npos
+                           ? std::string(", or run fewer ranks per process")
+                           : std::string()) +
+                      " (loom plan shows each rank's share)");
 
   const std::string& ckpt_dir = config.checkpoint.dir;
   std::optional<CheckpointDirLock> ckpt_lock;

@@ -235,6 +235,16 @@ TEST(PerfModel, AProfileOfFewerBlocksCostsEachLayerByItsFlops) {
   loom::train::ComputeProfile huge = p;
   huge.forward_flops_s = 1e308;
   EXPECT_THROW(loom::train::estimate_step(plan, mp, huge, loom::train::plan_links(plan), 2), loom::Error);
+  // A saved profile edited out of range or out of step with itself is refused.
+  nlohmann::ordered_json edited = loom::train::profile_to_json(p);
+  edited["forward_flops_s"] = 1e300;
+  EXPECT_THROW(loom::train::profile_from_json(edited), loom::Error);
+  edited = loom::train::profile_to_json(p);
+  edited["layer_flops"] = 1;
+  EXPECT_THROW(loom::train::profile_from_json(edited), loom::Error);
+  edited = loom::train::profile_to_json(p);
+  edited["blocks"] = 100;
+  EXPECT_THROW(loom::train::profile_from_json(edited), loom::Error);
   // Kept in the saved profile.
   const loom::train::ComputeProfile back = loom::train::profile_from_json(loom::train::profile_to_json(p));
   EXPECT_EQ(back.distinct_layer_flops, p.distinct_layer_flops);
