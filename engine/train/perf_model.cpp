@@ -428,11 +428,14 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
         throw loom::Error("compute profile: \"distinct_layer_flops\" must be a list of numbers >= 0");
       p.distinct_layer_flops.push_back(f.get<double>());
     }
-    // What the measured model's layers add up to lies between all of them the smallest
-    // kind and all the largest; its blocks are at most its model's.
+    // Every kind of layer is among the measured model's at least once, the rest at most
+    // the largest kind; its blocks are at most its model's.
     std::sort(p.distinct_layer_flops.begin(), p.distinct_layer_flops.end());
-    const double lo = p.distinct_layer_flops.front() * p.layers, hi = p.distinct_layer_flops.back() * p.layers;
-    if (p.layer_flops < lo * (1 - 1e-9) || p.layer_flops > hi * (1 + 1e-9))
+    const int kinds = static_cast<int>(p.distinct_layer_flops.size());
+    double lo = 0;
+    for (double f : p.distinct_layer_flops) lo += f;
+    const double hi = lo + std::max(0, p.layers - kinds) * p.distinct_layer_flops.back();
+    if (p.layers < kinds || p.layer_flops < lo * (1 - 1e-9) || p.layer_flops > hi * (1 + 1e-9))
       throw loom::Error("compute profile: \"layer_flops\" (" + short_number(p.layer_flops) + ") is not what " +
                         std::to_string(p.layers) + " layers of the FLOPs in \"distinct_layer_flops\" add up to");
     if (p.blocks > p.model_blocks) throw loom::Error("compute profile: \"blocks\" is more than \"model_blocks\"");
