@@ -2,6 +2,7 @@
 
 #include "engine/model/param_plan.hpp"
 #include "engine/pipeline/schedule.hpp"
+#include "engine/train/init_weights.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/trainer.hpp"
 
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <set>
 
 namespace loom::train {
@@ -74,6 +76,17 @@ std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch
 // that fit its device; each probe is a plan, nothing runs.
 int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t asked) {
   const int64_t all = plan.config.model.num_layers;
+  // "block" recomputation of some blocks: a model of fewer blocks cannot hold that share.
+  const manifest::RunConfig::Model& m = plan.config.model;
+  const bool some_recomputed = m.recompute_granularity == "full" && m.recompute_method == "block" &&
+                               m.recompute_num_layers > 0 && m.recompute_num_layers < all;
+  const auto whole_only = [&](const std::string& why) {
+    return loom::Error(why + ", and model.recompute_method = \"block\" recomputes " +
+                       std::to_string(m.recompute_num_layers) + " of the " + std::to_string(all) +
+                       " blocks: a model of fewer blocks cannot measure that share; measure the whole model where a "
+                       "device holds it, with --save-profile FILE, and estimate here with --profile FILE");
+  };
+  if (asked > 0 && asked < all && some_recomputed) throw whole_only("--measure-blocks " + std::to_string(asked));
   if (asked > 0) {
     if (asked > all)
       throw loom::Error("measuring " + std::to_string(asked) + " transformer blocks: the model has " +
@@ -84,7 +97,9 @@ int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, i
     const RunPlan p = quiet_copy(plan, 1, measuring_sets(plan, micro_batch, threads, dp, blocks));
     return preflight(p, p.sizes.world).memory_problem;
   };
-  if (problem(all).empty()) return all;
+  const std::string whole = problem(all);
+  if (whole.empty()) return all;
+  if (some_recomputed) throw whole_only("measuring runs every layer on each rank and " + whole);
   const std::string one = problem(1);
   if (!one.empty())
     throw loom::Error("measuring the compute runs every layer on each rank (the pipeline stages folded into data "
@@ -256,6 +271,29 @@ bool on_host_cores(const RunPlan& plan) {
 
 }  // namespace
 
+std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
+  static const std::set<std::string> kKeys = {
+      "model.hidden_size",     "model.num_heads",          "model.ffn_hidden_size", "model.seq_length",
+      "model.tie_embeddings",  "model.pre",                "model.block",           "model.post",
+      "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers", "device.param_dtype",
+      "device.grad_dtype",
+      "device.grad_accumulation_fusion", "exec.mode",     "batch.micro_batch_size"};
+  std::map<std::string, std::string> out;
+  for (const manifest::Manifest::Entry& e : plan.manifest.entries())
+    if (kKeys.count(e.key) > 0) out[e.key] = e.value;
+  // Each layer's options, as set or as its plugin declares them by default.
+  const toml::table none;
+  for (const model::LayerSpec& spec : plan.layers) {
+    const std::string prefix = "model.layer." + spec.config + ".";
+    if (out.count(prefix + "plugin") > 0) continue;
+    out[prefix + "plugin"] = spec.plugin;
+    const toml::table* set = plan.manifest.table().at_path("model.layer." + spec.config).as_table();
+    for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options)
+      out[prefix + d.name] = layer_option_text(set != nullptr ? *set : none, d);
+  }
+  return out;
+}
+
 ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks) {
   const auto t0 = std::chrono::steady_clock::now();
   ComputeProfile p;
@@ -271,6 +309,7 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks)
   p.micro_batch = plan.config.batch.micro_batch_size;
   p.microbatches = kMeasuredMicrobatches;
   p.model_blocks = plan.config.model.num_layers;
+  p.model = compute_settings(plan);
   p.blocks = measured_blocks(plan, p.micro_batch, threads, p.dp, blocks);
   const PhaseTimes full = run_phases(plan, p.micro_batch, threads, p.dp, p.blocks);
   p.runs = 1;
@@ -373,7 +412,8 @@ nlohmann::ordered_json profile_to_json(const ComputeProfile& p) {
           {"forward_fixed_s", p.forward_fixed_s}, {"forward_flops_s", p.forward_flops_s},
           {"backward_fixed_s", p.backward_fixed_s}, {"backward_flops_s", p.backward_flops_s},
           {"layer_flops", p.layer_flops}, {"layers", p.layers}, {"blocks", p.blocks},
-          {"model_blocks", p.model_blocks}, {"distinct_layer_flops", p.distinct_layer_flops}, {"optimizer_s", p.optimizer_s},
+          {"model_blocks", p.model_blocks}, {"distinct_layer_flops", p.distinct_layer_flops}, {"model", p.model},
+          {"optimizer_s", p.optimizer_s},
           {"buffer_elements", p.buffer_elements}, {"other_s", p.other_s}, {"layer_comm", comm},
           {"layer_comm_s", comm_s}, {"runs", p.runs}, {"wall_s", p.wall_s}};
 }
@@ -440,6 +480,14 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
                         std::to_string(p.layers) + " layers of the FLOPs in \"distinct_layer_flops\" add up to");
     if (p.blocks > p.model_blocks) throw loom::Error("compute profile: \"blocks\" is more than \"model_blocks\"");
   }
+  if (j.contains("model")) {  // absent from profiles written before
+    const nlohmann::ordered_json& m = j.at("model");
+    if (!m.is_object()) throw loom::Error("compute profile: \"model\" must be an object of settings");
+    for (const auto& [key, value] : m.items()) {
+      if (!value.is_string()) throw loom::Error("compute profile: \"model\"." + key + " must be a string");
+      p.model[key] = value.get<std::string>();
+    }
+  }
   p.optimizer_s = seconds("optimizer_s");
   p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0));
   p.other_s = seconds("other_s");
@@ -500,6 +548,21 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   for (const RankMemory* r : stage) {
     if (r == nullptr) throw loom::Error("the memory plan has no rank for a pipeline stage");
     for (size_t c = 0; c < r->chunk_layers.size(); ++c) plan_layers += r->chunk_layers[c], plan_flops += r->chunk_forward_flops[c];
+  }
+  // The settings that decide a layer's time besides its FLOPs, as measured.
+  if (!profile.model.empty()) {
+    const std::map<std::string, std::string> now = compute_settings(plan);
+    for (const auto& [key, measured] : profile.model) {
+      const auto it = now.find(key);
+      const std::string here = it != now.end() ? it->second : "(none)";
+      if (here != measured)
+        throw loom::Error("the compute profile is of another model: it was measured with " + key + " = " + measured +
+                          ", this run has " + here + " (its time per layer differs): measure this model");
+    }
+    for (const auto& [key, value] : now)
+      if (profile.model.count(key) == 0)
+        throw loom::Error("the compute profile is of another model: it was measured without " + key +
+                          ", this run has " + key + " = " + value + ": measure this model");
   }
   // Layers of the FLOPs measured (a profile of fewer blocks costs each layer by its
   // FLOPs); a profile without its layers' FLOPs must be of the whole model.

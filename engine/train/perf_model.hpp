@@ -53,6 +53,11 @@ struct ComputeProfile {
   // profile written before they were kept.
   int64_t blocks = 0, model_blocks = 0;
   std::vector<double> distinct_layer_flops;
+  // What else decides a layer's time, as the measured manifest set it: the shapes,
+  // dtypes, recomputation, execution mode, micro-batch and every layer option (as set,
+  // else its default), by key. An estimate refuses a run that differs in any; empty in
+  // a profile written before it was kept.
+  std::map<std::string, std::string> model;
   double optimizer_s = 0;       // one optimizer step of a rank that steps `buffer_elements`
   size_t buffer_elements = 0;
   double other_s = 0;           // per step, outside forwards, backwards and the optimizer
@@ -78,6 +83,8 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks 
 // same model, tp and cp anywhere (`--profile`). Reading throws loom::Error naming the
 // missing or malformed field.
 nlohmann::ordered_json profile_to_json(const ComputeProfile& p);
+// The settings ComputeProfile::model keeps, of `plan`.
+std::map<std::string, std::string> compute_settings(const RunPlan& plan);
 ComputeProfile profile_from_json(const nlohmann::ordered_json& j);
 
 // One pipeline stage (its tp, cp and dp ranks are alike) over one step.

@@ -379,6 +379,12 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--set", "parallel.dp=2", "--set", "model.hidden_size=64"},
                      &out), 1);
   EXPECT_NE(last_stderr().find("another model"), std::string::npos) << last_stderr();
+  // Settings that change a layer's time but not its FLOPs are the profile's too.
+  for (const char* other : {"model.num_heads=2", "device.param_dtype=\"bf16\"", "model.recompute_granularity=\"full\"",
+                            "model.layer.attention.norm=\"rmsnorm\""}) {
+    EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--set", "parallel.dp=2", "--set", other}, &out), 1) << other;
+    EXPECT_NE(last_stderr().find("another model: it was measured with"), std::string::npos) << last_stderr();
+  }
   EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--set", "parallel.tp=2"}, &out), 1);
   EXPECT_NE(last_stderr().find("measured at tp 1"), std::string::npos) << last_stderr();
   std::ofstream(dir + "/bad.json") << "{\"loom_compute_profile\": 1, \"device\": \"cpu\", \"tp\": -1}";
@@ -429,6 +435,12 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_NE(last_stderr().find("even with one transformer block"), std::string::npos) << last_stderr();
   EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.num_layers=4", "--measure-blocks", "5"}, &out), 2);
   EXPECT_NE(last_stderr().find("the model has 4"), std::string::npos) << last_stderr();
+  // Recomputing some blocks ("block" method) is a share fewer blocks cannot hold.
+  EXPECT_EQ(plan_cli({path, "--perf", "--set", "model.num_layers=4", "--set", "model.recompute_granularity=\"full\"",
+                      "--set", "model.recompute_method=\"block\"", "--set", "model.recompute_num_layers=1",
+                      "--measure-blocks", "2"},
+                     &out), 1);
+  EXPECT_NE(last_stderr().find("cannot measure that share"), std::string::npos) << last_stderr();
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "0"}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "1", "--profile", prof2}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--measure-blocks", "1"}, &out), 2) << "without --perf";
