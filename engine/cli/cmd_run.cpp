@@ -1,5 +1,6 @@
 // loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE] [--json]
 #include "engine/cli/args.hpp"
+#include "engine/files/temporaries.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/train/checkpoint.hpp"
@@ -42,6 +43,7 @@ extern "C" void on_signal(int sig) {
   }
   static const char kSecond[] = "loom run: second signal: stopping now, without a checkpoint\n";
   [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kSecond, sizeof kSecond - 1);
+  files::remove_temporaries();  // a trace or metrics file being written: not left half done
   ::_exit(130);
 }
 

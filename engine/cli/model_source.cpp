@@ -58,8 +58,15 @@ ModelSource from_checkpoint(const std::string& step,
 void check_overrides(const std::vector<std::string>& overrides) {
   static const char* const kRunKeys[] = {"parallel.", "pipeline.", "device.", "comm.", "exec.", "batch.micro_batch_size="};
   for (const std::string& o : overrides) {
+    // The key as the manifest reads it: up to '=', without the spaces around it.
+    std::string key = o.substr(0, o.find('='));
+    key.erase(0, key.find_first_not_of(" \t"));
+    key.erase(key.find_last_not_of(" \t") + 1);
     bool allowed = false;
-    for (const char* k : kRunKeys) allowed = allowed || o.rfind(k, 0) == 0;
+    for (const char* k : kRunKeys) {
+      const std::string prefix = k;
+      allowed = allowed || (prefix.back() == '=' ? key == prefix.substr(0, prefix.size() - 1) : key.rfind(prefix, 0) == 0);
+    }
     if (!allowed)
       throw UsageError("--set " + o + ": the model, its data settings (the vocabulary its text is encoded with) "
                        "and the rest come with the weights; --set may change parallel.*, pipeline.*, device.*, "

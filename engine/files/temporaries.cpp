@@ -5,6 +5,7 @@
 #include <cstring>
 #include <mutex>
 #include <climits>
+#include <pthread.h>
 #include <cstdlib>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -52,8 +53,8 @@ void remove_temporaries() noexcept {
 Temporary::Temporary(std::string path) : path_(std::move(path)) { add_temporary(path_); }
 
 Temporary::~Temporary() {
+  if (!committed_) std::remove(path_.c_str());  // removed before it is forgotten: a signal between finds it gone
   forget_temporary(path_);
-  if (!committed_) std::remove(path_.c_str());
 }
 
 bool Temporary::commit(const std::string& final_path) {
@@ -63,9 +64,27 @@ bool Temporary::commit(const std::string& final_path) {
   return true;
 }
 
+RenamesTogether::RenamesTogether() {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, &before_);
+}
+
+RenamesTogether::~RenamesTogether() { pthread_sigmask(SIG_SETMASK, &before_, nullptr); }
+
 WholeFile::WholeFile(const std::string& path) : target_(path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return;  // a pipe, a device: directly
+  // The process's own output (/dev/stdout, /proc/self/fd/1) redirected to a file is
+  // written where it points, never replaced: that file is the user's.
+  if (path.rfind("/dev/", 0) == 0 || path.rfind("/proc/", 0) == 0) return;
+  for (int fd : {1, 2}) {
+    struct stat out {};
+    if (::stat(path.c_str(), &st) == 0 && ::fstat(fd, &out) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino)
+      return;
+  }
   char resolved[PATH_MAX];
   if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && ::realpath(path.c_str(), resolved) != nullptr)
     target_ = resolved;  // the file a link names is replaced, not the link

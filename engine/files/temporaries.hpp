@@ -4,6 +4,7 @@
 // removes it rather than leaving half a file behind.
 #pragma once
 
+#include <csignal>
 #include <memory>
 #include <string>
 
@@ -38,10 +39,25 @@ class Temporary {
   bool committed_ = false;
 };
 
+// While it lives, SIGINT and SIGTERM wait (blocked for the calling thread, the one
+// that runs a command's writing) so that a group of renames is done whole: a stop
+// signal never leaves one file of a set new and the other old.
+class RenamesTogether {
+ public:
+  RenamesTogether();
+  ~RenamesTogether();
+  RenamesTogether(const RenamesTogether&) = delete;
+  RenamesTogether& operator=(const RenamesTogether&) = delete;
+
+ private:
+  sigset_t before_;
+};
+
 // A file written whole or not at all at `path`: write to path(), then commit(). A
 // regular file (or none) is written beside its name and renamed onto it, so an earlier
 // file stays until the new one is whole; through a symbolic link, beside the file it
-// names (the link stays); a pipe or device (/dev/stdout) is written directly.
+// names (the link stays); a pipe or device, and the process's own stdout or stderr
+// (/dev/stdout, also when redirected to a file), are written directly.
 class WholeFile {
  public:
   explicit WholeFile(const std::string& path);

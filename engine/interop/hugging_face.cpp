@@ -462,6 +462,7 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     for (const auto& [final_path, tmp] : written)
       if (fs::is_directory(final_path, ec))
         throw std::runtime_error(final_path.string() + " is a directory; remove it or write elsewhere");
+    const files::RenamesTogether together;  // a stop signal waits until the whole set is in place
     for (const auto& [final_path, tmp] : written) fs::rename(tmp, final_path);
   } catch (const std::exception& e) {
     for (const auto& [final_path, tmp] : written) fs::remove(tmp, ec);

@@ -85,7 +85,11 @@ IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, TokenType 
   const std::string tmp = prefix_ + ".bin.tmp";
   for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::add_temporary(prefix_ + ext);  // removed by a stopping signal
   bin_ = std::fopen(tmp.c_str(), "wb");
-  if (bin_ == nullptr) throw TokenFileError(tmp + ": cannot open for writing (" + errno_text() + ")");
+  if (bin_ == nullptr) {
+    const std::string why = errno_text();
+    for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::forget_temporary(prefix_ + ext);
+    throw TokenFileError(tmp + ": cannot open for writing (" + why + ")");
+  }
 }
 
 IndexedDatasetWriter::~IndexedDatasetWriter() {
@@ -134,6 +138,7 @@ void IndexedDatasetWriter::finish() {
     std::remove((idx_path + ".tmp").c_str());
     throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
   };
+  const files::RenamesTogether together;  // a stop signal waits until both names are the new files
   if (std::rename((bin + ".tmp").c_str(), bin.c_str()) != 0) fail(bin);
   if (std::rename((idx_path + ".tmp").c_str(), idx_path.c_str()) != 0) {
     std::remove(bin.c_str());

@@ -124,6 +124,7 @@ void train_sentencepiece(const SentencePieceTraining& how) {
     throw TokenizerError("training the SentencePiece model failed: " + text);
   }
   const std::string final_model = how.model_prefix + ".model", final_vocab = how.model_prefix + ".vocab";
+  const files::RenamesTogether together;  // a stop signal waits until both are in place
   if (!model.commit(final_model))
     throw TokenizerError("cannot rename " + model.path() + " to " + final_model + ": " + std::strerror(errno));
   if (!vocab.commit(final_vocab)) {

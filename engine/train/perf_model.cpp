@@ -277,7 +277,7 @@ std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
       "model.tie_embeddings",  "model.pre",                "model.block",           "model.post",
       "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers", "device.param_dtype",
       "device.grad_dtype",
-      "device.grad_accumulation_fusion", "exec.mode",     "batch.micro_batch_size"};
+      "device.grad_accumulation_fusion", "exec.mode",     "batch.micro_batch_size", "parallel.sequence_parallel"};
   std::map<std::string, std::string> out;
   for (const manifest::Manifest::Entry& e : plan.manifest.entries())
     if (kKeys.count(e.key) > 0) out[e.key] = e.value;

@@ -381,8 +381,10 @@ class Attention : public loom::Layer {
     };
     const loom::Device dev = loom::Rank(rank_).device();
     const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    const uint64_t service = sequence_parallel_service_bytes(tp_, S * B, hidden_, dt_.act);
     return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false),
-                              backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows);
+                              backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows) +
+           service;
   }
 
   // QKV 2*T*H*(its local columns) + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H

@@ -162,13 +162,15 @@ class Embedding : public loom::Layer {
   }
 
   // A backward's: the gradient through the dropout, and the gradient shadows when the
-  // gradients are kept in another dtype (a forward writes its output only).
+  // gradients are kept in another dtype; under sequence parallelism the service's
+  // whole-sequence buffer, forward and backward.
   uint64_t workspace_bytes() override {
     const int64_t Tl = shard_positions(seq_ / cp_.size()) * micro_batch_;
     Arena dout;
     dout.elems(dropout_ > 0.0f ? Tl * hidden_ : 0, dt_.act);
     const loom::Device dev = loom::Rank(rank_).device();
-    return dout.bytes() + GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    return dout.bytes() + GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_) +
+           sequence_parallel_service_bytes(tp_, (seq_ / cp_.size()) * micro_batch_, hidden_, dt_.act);
   }
 
   // A lookup: no multiply-adds.

@@ -202,8 +202,14 @@ class LmHead : public loom::Layer {
   uint64_t workspace_bytes() override {
     const loom::Device dev = loom::Rank(rank_).device();
     const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
+    // The service's cross-entropy backward holds the input's gradient over the whole
+    // sequence [T, H] (and, on a device that cannot form it in place, the logits').
+    Arena xent;
+    xent.elems(seq_ * micro_batch_ * hidden_, dt_.act);
+    if ((dev.features() & LOOM_DEVICE_XENT_IN_PLACE) == 0)
+      xent.elems(seq_ * micro_batch_ * (padded_vocab_ / tp_.size()), dt_.act);
     return std::max<uint64_t>(forward_temps(seq_, micro_batch_).mem.bytes(),
-                              backward_temps(seq_, micro_batch_).mem.bytes() + shadows);
+                              backward_temps(seq_, micro_batch_).mem.bytes() + shadows + xent.bytes());
   }
 
   // logits 2*T*H*V_local.

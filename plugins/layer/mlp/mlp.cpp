@@ -219,7 +219,8 @@ class Mlp : public loom::Layer {
     const loom::Device dev = loom::Rank(rank_).device();
     const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
     return std::max<uint64_t>(forward_temps(seq_, micro_batch_).mem.bytes(),
-                              backward_temps(seq_, micro_batch_, dropout_ > 0.0f).mem.bytes() + shadows);
+                              backward_temps(seq_, micro_batch_, dropout_ > 0.0f).mem.bytes() + shadows) +
+           sequence_parallel_service_bytes(tp_, seq_ * micro_batch_, hidden_, dt_.act);
   }
 
   // fc1 2*T*H*F1 + fc2 2*T*Fl*H (F1 = Fl, or 2 Fl under SwiGLU).

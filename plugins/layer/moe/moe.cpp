@@ -450,8 +450,24 @@ class Moe : public loom::Layer {
     Arena router;
     RouterMemory layout;
     lay_out_router_backward(router, layout, Tl, T);
+    // The shared expert's backward over the TP region's T rows (shared_expert.cpp):
+    // the gate's expansion and product, its activation and gradient (twice as wide
+    // under SwiGLU).
+    Arena shared;
+    if (shared_ffn_ > 0) {
+      if (shared_gate_) {
+        shared.elems(T, dt_.act);
+        shared.elems(hidden_, dt_.act);
+        shared.elems(T * hidden_, dt_.act);
+        shared.elems(T * hidden_, dt_.act);
+        for (int i = 0; i < 3; ++i) shared.floats(T);
+      }
+      shared.elems(T * shared_local_, dt_.act);
+      shared.elems(T * shared_local_, dt_.act);
+      shared.elems(activation_.parts() > 1 ? T * activation_.parts() * shared_local_ : 0, dt_.act);
+    }
     const loom::Device dev = loom::Rank(rank_).device();
-    return router.bytes() + expert_backward_temps(Tl, T, N, N, 0, dropout_ > 0.0f).mem.bytes() +
+    return router.bytes() + expert_backward_temps(Tl, T, N, N, 0, dropout_ > 0.0f).mem.bytes() + shared.bytes() +
            GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
   }
 

@@ -181,6 +181,16 @@ class Arena {
   loom::Buffer buf_;
 };
 
+// For a layer's workspace_bytes: under sequence parallelism parallel/tensor's linear
+// calls hold one whole-sequence [T, H] buffer while they run (a partial sum before its
+// reduce-scatter, a gathered gradient), one call at a time; nothing without it.
+inline uint64_t sequence_parallel_service_bytes(const loom::TensorParallel& tp, int64_t T, int64_t H, int32_t dtype) {
+  if (!tp.sequence_parallel()) return 0;
+  Arena a;
+  a.elems(T * H, dtype);
+  return a.bytes();
+}
+
 // Memory a layer's sub-step allocates (loom::Rank::run_substep, ABI 1.7): an Arena
 // that remembers where it was allocated. When the sub-step's host code runs
 // (directly, or while it is captured) it allocates and owns the memory; when the
