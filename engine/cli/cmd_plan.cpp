@@ -146,7 +146,7 @@ void save_profile(const Args& args, const train::ComputeProfile& p) {
   if (!path) return;
   files::WholeFile file(*path);
   {
-    std::ofstream out(file.path());
+    std::ofstream out(file.path(), file.mode());
     out << runtime::dump_json(train::profile_to_json(p)) << "\n";
     if (!out.flush()) throw loom::Error("--save-profile " + *path + ": cannot write " + file.path());
   }

@@ -1,12 +1,13 @@
 #include "engine/files/temporaries.hpp"
 
 #include <atomic>
-#include <cstdio>
-#include <cstring>
-#include <mutex>
 #include <climits>
-#include <pthread.h>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -79,18 +80,28 @@ WholeFile::WholeFile(const std::string& path) : target_(path) {
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return;  // a pipe, a device: directly
   // The process's own output (/dev/stdout, /proc/self/fd/1) redirected to a file is
   // written where it points, never replaced: that file is the user's.
-  if (path.rfind("/dev/", 0) == 0 || path.rfind("/proc/", 0) == 0) return;
   for (int fd : {1, 2}) {
     struct stat out {};
-    if (::stat(path.c_str(), &st) == 0 && ::fstat(fd, &out) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino)
+    if (::stat(path.c_str(), &st) == 0 && ::fstat(fd, &out) == 0 && st.st_dev == out.st_dev && st.st_ino == out.st_ino) {
+      // What the command printed goes first; commit() moves the descriptor past what
+      // this file appends, so what it prints next follows instead of overwriting it.
+      std::cout.flush();
+      std::cerr.flush();
+      std::fflush(nullptr);
+      own_fd_ = fd;
       return;
+    }
   }
+  if (path.rfind("/dev/", 0) == 0 || path.rfind("/proc/", 0) == 0) return;
   char resolved[PATH_MAX];
   if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && ::realpath(path.c_str(), resolved) != nullptr)
     target_ = resolved;  // the file a link names is replaced, not the link
   temporary_ = std::make_unique<Temporary>(target_ + ".tmp");
 }
 
-bool WholeFile::commit() { return !temporary_ || temporary_->commit(target_); }
+bool WholeFile::commit() {
+  if (own_fd_ >= 0) (void)::lseek(own_fd_, 0, SEEK_END);  // a pipe or terminal has no offset: nothing to do
+  return !temporary_ || temporary_->commit(target_);
+}
 
 }  // namespace loom::files

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <csignal>
+#include <ios>
 #include <memory>
 #include <string>
 
@@ -62,12 +63,16 @@ class WholeFile {
  public:
   explicit WholeFile(const std::string& path);
   const std::string& path() const { return temporary_ ? temporary_->path() : target_; }
+  // How to open path(): appending when written directly (opening stdout redirected to a
+  // file anew must not truncate what the command printed before), else from empty.
+  std::ios::openmode mode() const { return std::ios::binary | (temporary_ ? std::ios::trunc : std::ios::app); }
   // False (errno set) when the rename failed; the temporary is then removed.
   bool commit();
 
  private:
   std::string target_;
   std::unique_ptr<Temporary> temporary_;
+  int own_fd_ = -1;  // 1 or 2 when path is the process's own stdout or stderr
 };
 
 }  // namespace loom::files

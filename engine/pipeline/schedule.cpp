@@ -421,7 +421,7 @@ void write_chrome_trace(const std::string& path, const std::vector<TraceEvent>& 
   files::WholeFile out(path);
   const std::string& target = out.path();
   {
-    std::ofstream f(target, std::ios::binary | std::ios::trunc);
+    std::ofstream f(target, out.mode());
     if (!f) throw std::runtime_error("cannot open trace file '" + target + "' for writing; check the directory exists");
     write_chrome_trace(f, events);
     f.flush();
