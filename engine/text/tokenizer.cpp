@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cerrno>
 #include <cstring>
-#include <regex>
+#include <sstream>
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 
@@ -116,11 +116,17 @@ void train_sentencepiece(const SentencePieceTraining& how) {
     throw TokenizerError("no training text in " + inputs + " (SentencePiece skips blank lines and lines over 4192 bytes)");
   if (!status.ok()) {
     // "Vocabulary size is smaller than required_chars. 300 vs 316."
-    const std::string text = status.ToString();
-    if (std::smatch found; std::regex_search(text, found, std::regex("smaller than required_chars\\. ([0-9]+) vs ([0-9]+)")))
-      throw TokenizerError("a vocabulary of " + found[1].str() + " tokens is smaller than the " + found[2].str() +
-                           " distinct characters the text needs (each has a token of its own): give a vocabulary "
-                           "size of at least " + found[2].str() + ", or a lower character coverage");
+    const std::string text = status.ToString(), marker = "smaller than required_chars. ";
+    if (const size_t at = text.find(marker); at != std::string::npos) {
+      std::istringstream numbers(text.substr(at + marker.size()));
+      int64_t asked = 0, needed = 0;
+      std::string vs;
+      if (numbers >> asked >> vs >> needed && vs == "vs")
+        throw TokenizerError("a vocabulary of " + std::to_string(asked) + " tokens is smaller than the " +
+                             std::to_string(needed) + " distinct characters the text needs (each has a token of its "
+                             "own): give a vocabulary size of at least " + std::to_string(needed) +
+                             ", or a lower character coverage");
+    }
     throw TokenizerError("training the SentencePiece model failed: " + text);
   }
   const std::string final_model = how.model_prefix + ".model", final_vocab = how.model_prefix + ".vocab";
