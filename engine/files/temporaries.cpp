@@ -14,10 +14,14 @@
 namespace loom::files {
 namespace {
 
-// Fixed storage a signal handler can read: a slot is published (state 2) only after
-// its path is written, and taken back (state 0) before it is reused.
+// Fixed storage a signal handler can read without a lock. A slot's `version` is odd
+// while its path is being written (a seqlock): the handler copies the path, then
+// unlinks the copy only if the version is even and unchanged, so a path rewritten by
+// another thread meanwhile (forgotten, the slot reused) is never unlinked half old and
+// half new — that would name some other file.
 struct Slot {
-  std::atomic<int> state{0};  // 0 free, 1 being written, 2 listed
+  std::atomic<unsigned> version{0};
+  std::atomic<bool> listed{false};
   char path[kMaxPath + 1] = {};
 };
 Slot g_slots[kMaxTemporaries];
@@ -29,10 +33,12 @@ void add_temporary(const std::string& path) {
   if (path.empty() || path.size() > static_cast<size_t>(kMaxPath)) return;
   std::lock_guard<std::mutex> lock(g_mutex);
   for (Slot& s : g_slots) {
-    if (s.state.load() != 0) continue;
-    s.state.store(1);
+    if (s.listed.load()) continue;
+    s.version.fetch_add(1);  // odd: being written
+    std::atomic_thread_fence(std::memory_order_release);
     std::memcpy(s.path, path.c_str(), path.size() + 1);
-    s.state.store(2);
+    s.listed.store(true);
+    s.version.fetch_add(1, std::memory_order_release);
     return;
   }
 }
@@ -40,15 +46,23 @@ void add_temporary(const std::string& path) {
 void forget_temporary(const std::string& path) {
   std::lock_guard<std::mutex> lock(g_mutex);
   for (Slot& s : g_slots)
-    if (s.state.load() == 2 && path == s.path) {
-      s.state.store(0);
+    if (s.listed.load() && path == s.path) {
+      s.listed.store(false);
       return;
     }
 }
 
 void remove_temporaries() noexcept {
-  for (Slot& s : g_slots)
-    if (s.state.load() == 2) (void)::unlink(s.path);
+  char copy[kMaxPath + 1];
+  for (Slot& s : g_slots) {
+    const unsigned before = s.version.load(std::memory_order_acquire);
+    if ((before & 1u) != 0 || !s.listed.load()) continue;
+    std::memcpy(copy, s.path, sizeof copy);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (s.version.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile
+    copy[kMaxPath] = '\0';
+    (void)::unlink(copy);
+  }
 }
 
 Temporary::Temporary(std::string path) : path_(std::move(path)) { add_temporary(path_); }

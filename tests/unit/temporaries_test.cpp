@@ -7,8 +7,12 @@
 #include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <fstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -56,6 +60,39 @@ TEST(Temporaries, RemoveTemporariesTakesThoseListedAndNoOther) {
   std::ofstream(listed) << "again";
   loom::files::remove_temporaries();
   EXPECT_TRUE(fs::exists(listed)) << "a forgotten path was removed";
+  fs::remove_all(dir);
+}
+
+// A slot's path rewritten by another thread while a signal handler reads it must not
+// be unlinked half old and half new: that names some other file. The writer here lists
+// and forgets two names in turn while remove_temporaries() runs over and over; every
+// file named by a mix of the two (a torn read) must survive.
+TEST(Temporaries, AHandlerNeverRemovesAPathBeingRewritten) {
+  const std::string dir = loom::testing::scratch_dir("temporaries_torn");
+  constexpr int kLength = 200;
+  const std::string a(kLength, 'a'), b(kLength, 'b');
+  std::vector<std::string> torn;
+  for (int k = 1; k < kLength; ++k) {
+    torn.push_back(dir + "/" + b.substr(0, k) + a.substr(k));
+    torn.push_back(dir + "/" + a.substr(0, k) + b.substr(k));
+  }
+  for (const std::string& path : torn) std::ofstream(path) << "a user's file";
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    while (!stop.load()) {
+      loom::files::add_temporary(dir + "/" + a);
+      loom::files::forget_temporary(dir + "/" + a);
+      loom::files::add_temporary(dir + "/" + b);
+      loom::files::forget_temporary(dir + "/" + b);
+    }
+  });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (std::chrono::steady_clock::now() < until) loom::files::remove_temporaries();
+  stop.store(true);
+  writer.join();
+  int removed = 0;
+  for (const std::string& path : torn) removed += fs::exists(path) ? 0 : 1;
+  EXPECT_EQ(removed, 0) << "files named by a half-rewritten path were removed";
   fs::remove_all(dir);
 }
 
