@@ -99,6 +99,15 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
   if (!init.empty()) {
     const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
     train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, registry);
+    // A loom checkpoint's ids mean what its own data settings say (a Hugging Face
+    // model's vocabulary comes with a --tokenizer, checked by its size).
+    const fs::path saved = fs::path(w.source) / "manifest.toml";
+    if (fs::exists(fs::path(w.source) / "meta.toml") && fs::exists(saved)) {
+      std::ifstream saved_in(saved.string());
+      std::stringstream saved_text;
+      saved_text << saved_in.rdbuf();
+      require_same_text_encoding(saved_text.str(), plan, w.source);
+    }
     return {std::move(plan), std::move(w), vocab};
   }
   if (!dir.empty() && !(step = checkpoint_step(dir)).empty())

@@ -218,6 +218,11 @@ printf 'extends = "%s"\n[data]\ndigits = 3\n[checkpoint]\ndir = "%s"\n' "$here/t
 "$loom" generate "$work/gen3.toml" --prompt "12+" > "$work/gen3.out" 2>&1
 [ $? -eq 2 ] && grep -q "trained with data.digits = 2, this manifest has 3" "$work/gen3.out" ||
   fail "generate: a manifest with other data settings than its checkpoint's: $(cat "$work/gen3.out")"
+# The same through checkpoint.init_weights naming the checkpoint.
+printf 'extends = "%s"\n[data]\ndigits = 3\n[checkpoint]\ninit_weights = "%s"\n' "$here/tiny.toml" "$work/gen" > "$work/gen4.toml"
+"$loom" generate "$work/gen4.toml" --prompt "12+" > "$work/gen4.out" 2>&1
+[ $? -eq 2 ] && grep -q "trained with data.digits = 2, this manifest has 3" "$work/gen4.out" ||
+  fail "generate: init_weights naming a checkpoint of other data settings: $(cat "$work/gen4.out")"
 "$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
 [ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
 
