@@ -22,6 +22,7 @@ namespace {
 struct Slot {
   std::atomic<unsigned> version{0};
   std::atomic<bool> listed{false};
+  bool directory = false;  // written with the path, under an odd version
   char path[kMaxPath + 1] = {};
 };
 Slot g_slots[kMaxTemporaries];
@@ -29,7 +30,9 @@ std::mutex g_mutex;  // writers only; the handler takes no lock
 
 }  // namespace
 
-void add_temporary(const std::string& path) {
+namespace {
+
+void list(const std::string& path, bool directory) {
   if (path.empty() || path.size() > static_cast<size_t>(kMaxPath)) return;
   std::lock_guard<std::mutex> lock(g_mutex);
   for (Slot& s : g_slots) {
@@ -37,11 +40,17 @@ void add_temporary(const std::string& path) {
     s.version.fetch_add(1);  // odd: being written
     std::atomic_thread_fence(std::memory_order_release);
     std::memcpy(s.path, path.c_str(), path.size() + 1);
+    s.directory = directory;
     s.listed.store(true);
     s.version.fetch_add(1, std::memory_order_release);
     return;
   }
 }
+
+}  // namespace
+
+void add_temporary(const std::string& path) { list(path, false); }
+void add_temporary_directory(const std::string& path) { list(path, true); }
 
 void forget_temporary(const std::string& path) {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -54,15 +63,18 @@ void forget_temporary(const std::string& path) {
 
 void remove_temporaries() noexcept {
   char copy[kMaxPath + 1];
-  for (Slot& s : g_slots) {
-    const unsigned before = s.version.load(std::memory_order_acquire);
-    if ((before & 1u) != 0 || !s.listed.load()) continue;
-    std::memcpy(copy, s.path, sizeof copy);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (s.version.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile
-    copy[kMaxPath] = '\0';
-    (void)::unlink(copy);
-  }
+  for (const bool directories : {false, true})  // files first: a directory goes only when empty
+    for (Slot& s : g_slots) {
+      const unsigned before = s.version.load(std::memory_order_acquire);
+      if ((before & 1u) != 0 || !s.listed.load()) continue;
+      std::memcpy(copy, s.path, sizeof copy);
+      const bool directory = s.directory;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (s.version.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile
+      if (directory != directories) continue;
+      copy[kMaxPath] = '\0';
+      (void)(directory ? ::rmdir(copy) : ::unlink(copy));
+    }
 }
 
 Temporary::Temporary(std::string path) : path_(std::move(path)) { add_temporary(path_); }

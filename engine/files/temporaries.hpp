@@ -17,9 +17,12 @@ namespace loom::files {
 constexpr int kMaxTemporaries = 64;
 constexpr int kMaxPath = 4096;
 void add_temporary(const std::string& path);
+// A directory made to hold temporaries: removed after them, and only if then empty.
+void add_temporary_directory(const std::string& path);
 void forget_temporary(const std::string& path);
 
-// Removes every listed temporary. Async-signal-safe (unlink only): for signal handlers.
+// Removes every listed temporary, then every listed directory left empty.
+// Async-signal-safe (unlink and rmdir only): for signal handlers.
 void remove_temporaries() noexcept;
 
 // Lists `path` for its lifetime: the writer renames it into place (then commit()) or

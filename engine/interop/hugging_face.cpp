@@ -12,7 +12,9 @@
 #include <boost/filesystem.hpp>
 
 #include <map>
+#include <memory>
 
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -433,21 +435,30 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
                                                           : hf.config["max_position_embeddings"].get<int64_t>();
     extra = tokenizer_files(tokenizer, ck.vocab, seq, hf.config);
   }
+  // A directory this export makes goes again if the export does not finish (failed, or
+  // ended by a signal) and it is left empty.
+  const bool made = !fs::exists(out_dir, ec);
   fs::create_directories(out_dir, ec);
   if (ec) throw std::runtime_error("cannot create " + out_dir + ": " + ec.message());
-  // Every file complete (as NAME.tmp) before any replaces what is there.
-  std::vector<std::pair<fs::path, std::string>> written;  // final path, temporary
-  const auto temporary = [&](const std::string& name) {
-    written.emplace_back(fs::path(out_dir) / name, (fs::path(out_dir) / name).string() + ".tmp");
-    files::add_temporary(written.back().second);  // a signal ending the command removes it
-    return written.back().second;
-  };
-  struct Forget {  // the temporaries are renamed or removed when export_hf returns
-    const std::vector<std::pair<fs::path, std::string>>& written;
-    ~Forget() {
-      for (const auto& [final_path, tmp] : written) files::forget_temporary(tmp);
+  if (made) files::add_temporary_directory(out_dir);
+  struct Made {
+    const std::string& dir;
+    bool made, done = false;
+    ~Made() {
+      if (!made) return;
+      files::forget_temporary(dir);
+      boost::system::error_code ignored;
+      if (!done && fs::is_empty(dir, ignored)) fs::remove(dir, ignored);
     }
-  } forget{written};
+  } made_dir{out_dir, made};
+  // Every file complete (as NAME.tmp) before any replaces what is there.
+  std::vector<std::unique_ptr<files::Temporary>> written;
+  const auto temporary = [&](const std::string& name) {
+    const std::string final_path = (fs::path(out_dir) / name).string();
+    written.push_back(std::make_unique<files::Temporary>(final_path + ".tmp"));
+    return written.back()->path();
+  };
+  const auto final_path = [](const files::Temporary& t) { return t.path().substr(0, t.path().size() - 4); };
   try {
     write_safetensors(temporary("model.safetensors"), hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
     extra.emplace(extra.begin(), "config.json", hf.config.dump(2) + "\n");
@@ -459,15 +470,17 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
       if (!out) throw std::runtime_error("cannot write " + tmp);
       if (name != "config.json") hf.files.push_back(name);
     }
-    for (const auto& [final_path, tmp] : written)
-      if (fs::is_directory(final_path, ec))
-        throw std::runtime_error(final_path.string() + " is a directory; remove it or write elsewhere");
+    for (const auto& t : written)
+      if (fs::is_directory(final_path(*t), ec))
+        throw std::runtime_error(final_path(*t) + " is a directory; remove it or write elsewhere");
     const files::RenamesTogether together;  // a stop signal waits until the whole set is in place
-    for (const auto& [final_path, tmp] : written) fs::rename(tmp, final_path);
+    for (const auto& t : written)
+      if (!t->commit(final_path(*t)))
+        throw std::runtime_error("cannot rename " + t->path() + " onto " + final_path(*t) + ": " + std::strerror(errno));
   } catch (const std::exception& e) {
-    for (const auto& [final_path, tmp] : written) fs::remove(tmp, ec);
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
-  }
+  }  // the temporaries not renamed are removed with `written`
+  made_dir.done = true;
   settle_tokenizer_files(out_dir, !tokenizer.empty(), hf);
   return hf;
 }

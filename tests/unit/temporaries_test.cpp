@@ -63,6 +63,28 @@ TEST(Temporaries, RemoveTemporariesTakesThoseListedAndNoOther) {
   fs::remove_all(dir);
 }
 
+TEST(Temporaries, ADirectoryMadeForTemporariesGoesOnlyWhenLeftEmpty) {
+  const std::string dir = loom::testing::scratch_dir("temporaries_dir");
+  const std::string made = dir + "/made", used = dir + "/used";
+  fs::create_directories(made);
+  fs::create_directories(used);
+  loom::files::add_temporary_directory(made);  // listed before its file, removed after it
+  loom::files::add_temporary_directory(used);
+  loom::files::add_temporary(made + "/model.tmp");
+  std::ofstream(made + "/model.tmp") << "half";
+  std::ofstream(used + "/kept") << "a user's file";
+  loom::files::remove_temporaries();
+  EXPECT_FALSE(fs::exists(made)) << "the directory made for a temporary stayed";
+  EXPECT_TRUE(fs::exists(used + "/kept")) << "a directory with other files was removed";
+  loom::files::forget_temporary(made + "/model.tmp");
+  loom::files::forget_temporary(made);
+  loom::files::forget_temporary(used);
+  fs::create_directories(made);
+  loom::files::remove_temporaries();
+  EXPECT_TRUE(fs::exists(made)) << "a forgotten directory was removed";
+  fs::remove_all(dir);
+}
+
 // A slot's path rewritten by another thread while a signal handler reads it must not
 // be unlinked half old and half new: that names some other file. The writer here lists
 // and forgets two names in turn while remove_temporaries() runs over and over; every
