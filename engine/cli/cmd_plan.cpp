@@ -336,6 +336,8 @@ int cmd_plan(int argc, char** argv) {
       boost::system::error_code ec;
       if (boost::filesystem::equivalent(*out, args.positionals()[0], ec) && !ec)
         throw UsageError("--save-profile " + *out + " is the manifest; write the profile elsewhere");
+      if (const std::string why = files::cannot_write(*out); !why.empty())  // before measuring, not after
+        throw loom::Error("--save-profile " + *out + ": " + why);
     }
     if (search && args.has("--save-profile")) throw UsageError("--save-profile saves one layout's measurement, not --search's");
     if (args.has("--world") && !search) throw UsageError("--world goes with --search");

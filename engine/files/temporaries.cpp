@@ -4,7 +4,9 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
+#include <fcntl.h>
 #include <iostream>
 #include <mutex>
 #include <pthread.h>
@@ -128,6 +130,24 @@ WholeFile::WholeFile(const std::string& path) : target_(path) {
 bool WholeFile::commit() {
   if (own_fd_ >= 0) (void)::lseek(own_fd_, 0, SEEK_END);  // a pipe or terminal has no offset: nothing to do
   return !temporary_ || temporary_->commit(target_);
+}
+
+std::string cannot_write(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) return "it is a directory";
+    if (!S_ISREG(st.st_mode)) return "";  // a pipe or device: written directly when the time comes
+  }
+  const WholeFile file(path);
+  const bool beside = file.path() != path;  // a temporary beside it, renamed onto it
+  // A temporary left by an earlier writer is opened, not made (and stays).
+  const bool made = beside && ::access(file.path().c_str(), F_OK) != 0;
+  const int fd = made ? ::open(file.path().c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644)
+                      : ::open(file.path().c_str(), O_WRONLY | O_APPEND);
+  if (fd < 0) return std::string(beside ? "cannot create " + file.path() : "cannot open it") + ": " + std::strerror(errno);
+  ::close(fd);
+  if (made) (void)::unlink(file.path().c_str());
+  return "";
 }
 
 }  // namespace loom::files

@@ -78,4 +78,10 @@ class WholeFile {
   int own_fd_ = -1;  // 1 or 2 when path is the process's own stdout or stderr
 };
 
+// Why a WholeFile at `path` could not be written, or "" when it can: checked before long
+// work whose result it will hold, so that the work is not lost at the end. Creates
+// nothing that stays (its temporary is made and removed); a pipe or device is not
+// opened (a pipe would wait for its reader).
+std::string cannot_write(const std::string& path);
+
 }  // namespace loom::files

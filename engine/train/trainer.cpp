@@ -1,5 +1,6 @@
 #include "engine/train/trainer.hpp"
 
+#include "engine/files/temporaries.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/pipeline/executor.hpp"
 #include "engine/pipeline/partition.hpp"
@@ -369,8 +370,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
   MetricsSink metrics(options.metrics_file, resume.has_value(), options.log, config.run.steps, config.run.log_every);
   // The trace is written after training: a path it cannot be written to fails now.
-  if (!options.trace_file.empty() && !std::ofstream(options.trace_file, std::ios::app))
-    throw std::runtime_error("--trace " + options.trace_file + ": cannot open the file for writing");
+  if (!options.trace_file.empty())
+    if (const std::string why = files::cannot_write(options.trace_file); !why.empty())
+      throw std::runtime_error("--trace " + options.trace_file + ": " + why);
 
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume, plan.manifest.to_toml(),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
