@@ -2079,6 +2079,53 @@ TEST(DeviceCpu, GraphRecordsLaunchesAndReplaysThemOnTheSameAddresses) {
   api->graph_destroy(d.raw(), graph);
 }
 
+// memory_mb counts what the rank holds, as a GPU's memory does: blocks a graph keeps
+// for its replays too, and two threads cannot both pass the limit.
+TEST(DeviceCpu, MemoryMbCountsGraphPoolBlocksAndHoldsAcrossThreads) {
+  const loom::plugins::LoadedPlugin& plugin = cpu_plugin();
+  toml::table section{{"memory_mb", 1}};
+  loom::plugins::OptionValues opts(&section, plugin.options);
+  loom_device_create_args args = loom::make<loom_device_create_args>();
+  args.num_threads = 1;
+  const loom_device_api* api = plugin.device();
+  loom_device* dev = nullptr;
+  loom::check(api->create(opts.raw(), &args, &dev));
+  // A block freed during a capture stays with the graph: 600 KiB more does not fit.
+  loom::check(api->capture_begin(dev, nullptr));
+  void* pooled = nullptr;
+  loom::check(api->alloc(dev, 600 << 10, &pooled));
+  auto fill = ew(LOOM_EW_FILL, (600 << 10) / 4, nullptr, nullptr, pooled);  // the replay writes it
+  loom::check(api->ops->elementwise(dev, nullptr, &fill));
+  api->free(dev, pooled);
+  loom_graph* graph = nullptr;
+  loom::check(api->capture_end(dev, nullptr, &graph));
+  void* more = nullptr;
+  const StatusInfo refused = take(api->alloc(dev, 600 << 10, &more));
+  EXPECT_EQ(refused.code, LOOM_CODE_OUT_OF_MEMORY) << "a graph's pooled block was not counted";
+  EXPECT_NE(refused.message.find("device.options.memory_mb"), std::string::npos) << refused.message;
+  api->free(dev, more);
+  api->graph_destroy(dev, graph);  // the pool goes with the last graph
+  // Threads asking at once: exactly one 600 KiB block fits in 1 MiB.
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ready{0};
+    std::vector<void*> got(8, nullptr);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 8; ++t)
+      threads.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (ready.load() < 8) {
+        }
+        (void)take(api->alloc(dev, 600 << 10, &got[t]));
+      });
+    for (std::thread& t : threads) t.join();
+    int granted = 0;
+    for (void* p : got) granted += p != nullptr ? 1 : 0;
+    ASSERT_EQ(granted, 1) << "round " << round << ": allocations past memory_mb";
+    for (void* p : got) api->free(dev, p);
+  }
+  api->destroy(dev);
+}
+
 // The graph pool (device/cuda's rules): memory allocated and freed during a
 // capture stays the graph's, since every replay writes it again. It is not handed
 // to eager allocations while a graph is alive, later captures reuse it, and it is
