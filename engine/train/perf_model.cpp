@@ -55,6 +55,18 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
   return replan(plan, sets);
 }
 
+// Recomputation by method "block" (recompute_num_layers blocks of each pipeline chunk):
+// the blocks the run recomputes over all its chunks, what the measuring run, one chunk,
+// recomputes in their place. -1 when blocks are not recomputed that way.
+int64_t recomputed_blocks(const RunPlan& plan) {
+  const manifest::RunConfig::Model& m = plan.config.model;
+  if (m.recompute_granularity != "full" || m.recompute_method != "block") return -1;
+  int64_t n = 0;
+  for (const int chunk : plan.blocks_per_chunk)
+    n += m.recompute_num_layers > 0 ? std::min<int64_t>(m.recompute_num_layers, chunk) : chunk;
+  return n;
+}
+
 // What makes a copy of `plan` the measuring run: its tp and cp, `dp` data-parallel
 // ranks, no pipeline, `blocks` transformer blocks, no links.
 std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
@@ -65,7 +77,9 @@ std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch
       "batch.global_batch_size=" + std::to_string(micro_batch * dp * kMeasuredMicrobatches),
       "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false",
       "device.threads=" + std::to_string(threads), "model.num_layers=" + std::to_string(blocks)};
-  if (plan.config.model.recompute_num_layers > blocks)
+  if (const int64_t recomputed = recomputed_blocks(plan); recomputed >= 0)
+    sets.push_back("model.recompute_num_layers=" + std::to_string(recomputed >= blocks ? 0 : recomputed));
+  else if (plan.config.model.recompute_num_layers > blocks)
     sets.push_back("model.recompute_num_layers=" + std::to_string(blocks));
   if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
   return sets;
@@ -78,13 +92,13 @@ int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, i
   const int64_t all = plan.config.model.num_layers;
   // "block" recomputation of some blocks: a model of fewer blocks cannot hold that share.
   const manifest::RunConfig::Model& m = plan.config.model;
-  const bool some_recomputed = m.recompute_granularity == "full" && m.recompute_method == "block" &&
-                               m.recompute_num_layers > 0 && m.recompute_num_layers < all;
+  const int64_t recomputed = recomputed_blocks(plan);
+  const bool some_recomputed = recomputed > 0 && recomputed < all;
   const auto whole_only = [&](const std::string& why) {
-    return loom::Error(why + ", and model.recompute_method = \"block\" recomputes " +
-                       std::to_string(m.recompute_num_layers) + " of the " + std::to_string(all) +
-                       " blocks: a model of fewer blocks cannot measure that share; measure the whole model where a "
-                       "device holds it, with --save-profile FILE, and estimate here with --profile FILE");
+    return loom::Error(why + ", and model.recompute_method = \"block\" recomputes " + std::to_string(recomputed) +
+                       " of the " + std::to_string(all) + " blocks (" + std::to_string(m.recompute_num_layers) +
+                       " of each pipeline chunk): a model of fewer blocks cannot measure that share; measure the whole "
+                       "model where a device holds it, with --save-profile FILE, and estimate here with --profile FILE");
   };
   if (asked > 0 && asked < all && some_recomputed) throw whole_only("--measure-blocks " + std::to_string(asked));
   if (asked > 0) {
@@ -281,6 +295,10 @@ std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   std::map<std::string, std::string> out;
   for (const manifest::Manifest::Entry& e : plan.manifest.entries())
     if (kKeys.count(e.key) > 0) out[e.key] = e.value;
+  // Of some blocks, by pipeline chunk: the share recomputed depends on the layout too.
+  const int64_t recomputed = recomputed_blocks(plan);
+  if (recomputed >= 0 && recomputed < plan.config.model.num_layers)
+    out["blocks recomputed (model.recompute_method = block)"] = std::to_string(recomputed);
   // Each layer's options, as set or as its plugin declares them by default.
   const toml::table none;
   for (const model::LayerSpec& spec : plan.layers) {

@@ -441,6 +441,26 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
                       "--measure-blocks", "2"},
                      &out), 1);
   EXPECT_NE(last_stderr().find("cannot measure that share"), std::string::npos) << last_stderr();
+  // The first block of each of 2 stages recomputed: the measuring run, one chunk of the
+  // 4 blocks, recomputes 2 of them; a profile of that is refused for 1 stage (1 block).
+  const std::string recompute_prof = dir + "/profile_recompute.json";
+  const std::vector<std::string> block_recompute = {"--set", "model.num_layers=4", "--set",
+                                                    "model.recompute_granularity=\"full\"", "--set",
+                                                    "model.recompute_method=\"block\"", "--set",
+                                                    "model.recompute_num_layers=1"};
+  std::vector<std::string> save = {path, "--perf", "--set", "parallel.pp=2", "--set", "parallel.dp=1",
+                                   "--save-profile", recompute_prof};
+  save.insert(save.end(), block_recompute.begin(), block_recompute.end());
+  ASSERT_EQ(plan_cli(save, &out), 0) << out << last_stderr();
+  std::ifstream saved(recompute_prof);
+  const nlohmann::json profile = nlohmann::json::parse(saved);
+  EXPECT_EQ(profile.at("model").at("blocks recomputed (model.recompute_method = block)"), "2") << profile.dump();
+  std::vector<std::string> one_stage = {path, "--perf", "--set", "parallel.dp=2", "--profile", recompute_prof};
+  one_stage.insert(one_stage.end(), block_recompute.begin(), block_recompute.end());
+  EXPECT_EQ(plan_cli(one_stage, &out), 1);
+  EXPECT_NE(last_stderr().find("blocks recomputed (model.recompute_method = block) = 2, this run has 1"),
+            std::string::npos)
+      << last_stderr();
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "0"}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "1", "--profile", prof2}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--measure-blocks", "1"}, &out), 2) << "without --perf";
