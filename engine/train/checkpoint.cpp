@@ -571,7 +571,7 @@ std::string bucket_text(int64_t size) {
 }
 }  // namespace
 
-ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log) {
+ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_t vocab, std::ostream* log) {
   const int64_t steps = plan.config.run.steps;
   ResumePoint out;
   if (ckpt_dir.empty())
@@ -586,6 +586,10 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::o
       *log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
   CheckpointMeta meta = read_meta(resume_dir);
   require_same_param_dtype(resume_dir, meta, plan.config.device.param_dtype);
+  // Another vocabulary can pad to the same shapes: ids would mean other tokens.
+  if (meta.vocab > 0 && meta.vocab != vocab)
+    throw CheckpointError("--resume: " + resume_dir + " has a vocabulary of " + std::to_string(meta.vocab) +
+                          ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
 
   if (meta.step > steps)
     throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +

@@ -132,7 +132,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
                     const loom_optimizer_api* api, loom_optimizer* opt, const std::string& plugin);
 
 // Where --resume continues from: the newest complete checkpoint in ckpt_dir, checked
-// against this run (step within run.steps, parameter dtype, cp, tp, pp, order, ep and
+// against this run (step within run.steps, vocabulary `vocab`, parameter dtype, cp, tp, pp, order, ep and
 // etp kept; a dp change only with an optimizer that reshards). Says on `log` which
 // incomplete step directories it skipped. Throws CheckpointError with what to set.
 struct ResumePoint {
@@ -144,6 +144,6 @@ struct ResumePoint {
   // regathered by name and element (gather_checkpoint with the state).
   bool regather = false;
 };
-ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, std::ostream* log);
+ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_t vocab, std::ostream* log);
 
 }  // namespace loom::train

@@ -441,7 +441,7 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
         << dp << ": " << heads;
   }
   const std::string vocab = refusal({"parallel.dp=2", "model.vocab_size=20"});
-  EXPECT_NE(vocab.find("model.vocab_size = 0 (the data's vocabulary), this run has model.vocab_size = 20"), std::string::npos) << vocab;
+  EXPECT_NE(vocab.find("has a vocabulary of 13, the run 20 (model.vocab_size, or the data's)"), std::string::npos) << vocab;
   // run.steps below the checkpoint's step is an error, not a silent exit.
   try {
     run_and_trace(tiny_manifest(), {"run.steps=1", "parallel.dp=2", ck}, resume);
@@ -474,6 +474,13 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
               std::string::npos)
         << e.what();
   }
+  // Another vocabulary that pads to the same shapes (data of another tokenizer with
+  // model.vocab_size = 0): its ids would mean other tokens, refused at any layout.
+  const size_t v = text.find("vocab = 13");
+  ASSERT_NE(v, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, v) << "vocab = 14" << text.substr(v + 10);
+  const std::string other_vocab = refusal({"parallel.dp=2"});
+  EXPECT_NE(other_vocab.find("has a vocabulary of 14, the run 13"), std::string::npos) << other_vocab;
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
