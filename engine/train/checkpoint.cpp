@@ -161,20 +161,33 @@ void prepare_checkpoint_dir(const std::string& dir) {
   // on a full disk they are what the probe below would fail for.
   // They are .tmp-step_N-PID with a dead PID. A job id in place of the PID
   // (mpirun, srun) cannot be checked and is left alone.
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind(".tmp-step_", 0) != 0) continue;
+  // Likewise step_N.old-PID, a step being saved again moved aside: put back when the
+  // save stopped before its replacement took the name, else removed.
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::directory_iterator(dir, ec)) entries.push_back(e.path());
+  for (const fs::path& path : entries) {
+    const std::string name = path.filename().string();
+    const bool unfinished = name.rfind(".tmp-step_", 0) == 0;
+    const size_t old = name.rfind(".old-");
+    if (!unfinished && (name.rfind("step_", 0) != 0 || old == std::string::npos)) continue;
     const size_t dash = name.rfind('-');
     char* end = nullptr;
     const long pid = std::strtol(name.c_str() + dash + 1, &end, 10);
     if (dash == std::string::npos || end == name.c_str() + dash + 1 || *end != '\0' || pid <= 0 || pid == ::getpid())
       continue;
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      boost::system::error_code rm;
-      fs::remove_all(e.path(), rm);
-      LOG(INFO) << "checkpoint.dir: removed " << e.path().string() << ", an unfinished save of process " << pid
-                << ", which no longer runs";
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running, or not ours to tell
+    boost::system::error_code rm;
+    const fs::path replaced = path.parent_path() / name.substr(0, unfinished ? 0 : old);
+    if (!unfinished && !fs::exists(replaced, rm)) {
+      fs::rename(path, replaced, rm);
+      LOG(INFO) << "checkpoint.dir: restored " << replaced.string() << " from " << name << ", moved aside by process "
+                << pid << " to be saved again, which stopped before the new save took its place";
+      continue;
     }
+    fs::remove_all(path, rm);
+    LOG(INFO) << "checkpoint.dir: removed " << path.string()
+              << (unfinished ? ", an unfinished save" : ", a step saved again since") << " of process " << pid
+              << ", which no longer runs";
   }
   const std::string probe = (fs::path(dir) / (".probe-" + std::to_string(::getpid()))).string();
   {

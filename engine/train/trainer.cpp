@@ -357,6 +357,13 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     prepare_checkpoint_dir(ckpt_dir);
     if (!launch.multi_process || launch.rank == 0) ckpt_lock.emplace(ckpt_dir);
   }
+  // A new run into another run's checkpoints would overwrite the steps they share and
+  // leave the rest, which a later --resume (the highest step) would take for its own.
+  if (!options.resume && !ckpt_dir.empty())
+    if (const std::optional<int64_t> step = latest_checkpoint(ckpt_dir))
+      throw CheckpointError("checkpoint.dir " + ckpt_dir + " holds the checkpoints of an earlier run (the newest " +
+                            checkpoint_path(ckpt_dir, *step) + "): --resume to continue it, or give this run a "
+                            "checkpoint.dir of its own (or remove that one)");
   std::optional<ResumePoint> resume;
   // --resume of a fine-tuning run (checkpoint.init_weights) that has saved nothing yet
   // starts from the given weights: one command line serves every launch of a run that

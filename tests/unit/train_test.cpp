@@ -287,12 +287,19 @@ TEST(Checkpoint, DirectoryProblemsShowBeforeTrainingAndIncompleteStepsAreSkipped
   fs::create_directories(fs::path(dir) / "step_99999999999999999999");             // past int64
   const fs::path stale = fs::path(dir) / ".tmp-step_00000005-4194305";            // above any pid_max
   fs::create_directories(stale);
-  EXPECT_EQ(loom::train::latest_checkpoint(dir), 4);
+  // A save of step 4 again that stopped after moving the old one aside (gone from its
+  // name): put back; an aside copy of step 2, which was saved again, removed.
+  const std::string step4 = loom::train::checkpoint_path(dir, 4), step2 = loom::train::checkpoint_path(dir, 2);
+  fs::rename(step4, step4 + ".old-4194305");
+  fs::create_directories(step2 + ".old-4194305");
+  EXPECT_EQ(loom::train::latest_checkpoint(dir), 2);
   loom::train::TrainOptions resume;
   resume.resume = true;
   auto resumed = run_and_trace(tiny_manifest(), {"run.steps=6", ck}, resume);
-  EXPECT_EQ(resumed.result.start_step, 4);
+  EXPECT_EQ(resumed.result.start_step, 4) << "the step moved aside was not put back";
   EXPECT_FALSE(fs::exists(stale)) << "the unfinished save of a process that is gone was left";
+  EXPECT_FALSE(fs::exists(step2 + ".old-4194305")) << "a step saved again left its old copy";
+  EXPECT_FALSE(fs::exists(step4 + ".old-4194305"));
   fs::remove_all(dir);
 }
 
@@ -319,7 +326,16 @@ TEST(Checkpoint, ASecondRunOnTheSameDirectoryIsRefused) {
                         std::to_string(::getpid()) + ")"),
             std::string::npos)
       << second;
-  run_and_trace(tiny_manifest(), {"run.steps=2", "checkpoint.dir=\"" + dir + "\""});  // free again
+  // Free again: a new run is refused for the checkpoints the first left, not the lock.
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=2", "checkpoint.dir=\"" + dir + "\""});
+    ADD_FAILURE() << "a new run into another run's checkpoints must be refused";
+  } catch (const loom::train::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("holds the checkpoints of an earlier run"), std::string::npos) << e.what();
+  }
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  run_and_trace(tiny_manifest(), {"run.steps=2", "checkpoint.dir=\"" + dir + "\""}, resume);
   fs::remove_all(dir);
 }
 
