@@ -4,11 +4,14 @@
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/interop/hugging_face.hpp"
+#include "engine/manifest/manifest.hpp"
 #include "engine/train/checkpoint.hpp"
 
 #include <boost/filesystem.hpp>
 
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 namespace loom::cli {
 namespace {
@@ -21,7 +24,8 @@ const char* kUsage =
     "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
     "checkpoint.dir (its newest complete step). --tokenizer (the GPT-2 BPE directory or SentencePiece\n"
     "model the data was encoded with) adds the tokenizer files AutoTokenizer reads: vocab.json and\n"
-    "merges.txt, or tokenizer.model, with tokenizer_config.json and special_tokens_map.json.\n";
+    "merges.txt, or tokenizer.model, with tokenizer_config.json and special_tokens_map.json;\n"
+    "without it, the run's data.tokenizer when it names one.\n";
 
 // The step directory CHECKPOINT names.
 std::string step_dir_of(const std::string& path) {
@@ -31,6 +35,22 @@ std::string step_dir_of(const std::string& path) {
   const auto step = train::latest_checkpoint(path);
   if (!step) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
   return train::checkpoint_path(path, *step);
+}
+
+// The tokenizer a checkpoint's run named (data.tokenizer), when it loads from here;
+// "" otherwise (said on stderr when named but not found).
+std::string trained_tokenizer(const std::string& step) {
+  const std::string saved = step + "/manifest.toml";
+  std::ifstream in(saved);
+  if (!in) return "";
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string path = manifest::Manifest::parse(text.str(), saved, {}, manifest::Manifest::Launch::Other)
+                               .get_string("data.tokenizer");
+  if (path.empty() || boost::filesystem::exists(path)) return path;
+  std::cerr << "loom export: warning: the model was trained with data.tokenizer = " << path
+            << ", not found from here; exporting without tokenizer files (give --tokenizer)\n";
+  return "";
 }
 
 }  // namespace
@@ -49,7 +69,8 @@ int cmd_export(int argc, char** argv) {
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const std::string step = step_dir_of(pos[0]);
-    const interop::HfModel hf = interop::export_hf(step, pos[1], r, args.get("--tokenizer").value_or(""));
+    const std::string tokenizer = args.get("--tokenizer").value_or(trained_tokenizer(step));
+    const interop::HfModel hf = interop::export_hf(step, pos[1], r, tokenizer);
     size_t bytes = 0;
     for (const auto& t : hf.tensors) bytes += t.data.size();
     std::cout << "export: " << step << " -> " << pos[1] << " (" << hf.architecture << ", " << hf.tensors.size()

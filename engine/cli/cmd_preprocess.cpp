@@ -220,6 +220,11 @@ int preprocess(const Args& args) {
   }
   std::cerr << docs.size() << " documents, " << tokens << " tokens (vocab " << tok.vocab_size() << ") in "
             << progress.seconds() << " s\n";
+  // The largest id in these files may be below the tokenizer's last: name it to train with.
+  std::cerr << "to train on them: data.kind = \"" << (format == "megatron" ? "indexed" : "tokens")
+            << "\", data.path = \"" << prefix << (format == "megatron" ? "" : ".bin") << "\", data.tokenizer = \""
+            << *args.get("--tokenizer") << "\" (the model's vocabulary is then the tokenizer's " << tok.vocab_size()
+            << ")\n";
   return 0;
 }
 

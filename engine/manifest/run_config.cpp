@@ -137,6 +137,7 @@ RunConfig RunConfig::from(const Manifest& m) {
       const double weight = w.is_integer() ? static_cast<double>(w.as_integer()->get()) : w.value_or(0.0);
       c.data.blend.emplace_back(weight, resolved_path(m, "data.blend", blend->get(i + 1)->value_or(std::string())));
     }
+  c.data.tokenizer = resolved_path(m, "data.tokenizer");
   c.data.val_fraction = m.get_float("data.val_fraction");
   c.data.task = m.get_string("data.task");
   c.data.digits = m.get_int("data.digits");

@@ -89,6 +89,7 @@ struct RunConfig {
     std::string kind;
     std::string path;  // resolved: relative to the manifest file that names it, when the file (prefix) exists there
     std::vector<std::pair<double, std::string>> blend;  // (weight, path resolved as path is); empty: data.path
+    std::string tokenizer;  // resolved as path is; "" = none named
     double val_fraction = 0;
     std::string task;
     int64_t digits = 0;

@@ -266,6 +266,11 @@ std::vector<KeySpec> build() {
     };
     v.push_back(std::move(k));
   }
+  v.push_back(s("data.tokenizer", "",
+                "kind indexed or tokens: the tokenizer the token files were made with (a GPT-2 BPE directory or a "
+                "SentencePiece .model, as loom preprocess took it): the model's vocabulary is its size when "
+                "model.vocab_size is 0 (not the largest id the data holds), and loom generate, eval and export "
+                "use it when not given --tokenizer"));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
   v.push_back(s("data.task", "add", "synthetic task name"));
   v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
@@ -594,6 +599,15 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     if ((kind == "text" || kind == "tokens" || kind == "indexed") && m.get_string("data.path").empty())
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
+  }
+  // A tokenizer names what token files' ids mean; text is bytes, a synthetic task its symbols.
+  if (usable({"data.kind", "data.tokenizer"}) && !m.get_string("data.tokenizer").empty()) {
+    const std::string kind = m.get_string("data.kind");
+    if (kind != "tokens" && kind != "indexed")
+      report({"data.tokenizer", "data.kind"},
+             "data.tokenizer names the tokenizer of token files (data.kind = \"indexed\" or \"tokens\"); data.kind = \"" +
+                 kind + "\" has its own symbols (" + (kind == "text" ? "bytes" : "the task's") +
+                 "): make token files with loom preprocess --tokenizer, or leave data.tokenizer empty");
   }
   // The first layer takes the tokens (the embedding) and the last computes the loss
   // (lm_head): without either the run fails at its first step.

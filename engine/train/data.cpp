@@ -2,6 +2,7 @@
 
 #include "engine/model/param_init.hpp"
 #include "engine/text/token_files.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "engine/train/blend.hpp"
 #include "engine/train/documents.hpp"
 
@@ -192,8 +193,28 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
 int64_t checked_vocab(const std::string& path, int32_t max_token, int64_t vocab) {
   if (vocab == 0) vocab = max_token + 1;
   if (max_token >= vocab)
-    throw DataError(path + ": token " + std::to_string(max_token) + " is outside model.vocab_size = " + std::to_string(vocab));
+    throw DataError(path + ": token " + std::to_string(max_token) + " is outside the vocabulary of " +
+                    std::to_string(vocab) + " (model.vocab_size, or data.tokenizer's)");
   return vocab;
+}
+
+// Token files' vocabulary: model.vocab_size, else data.tokenizer's, else 0 (the data's
+// largest id + 1). A vocabulary smaller than the tokenizer's is refused: the tokenizer
+// would make ids the model has no rows for.
+int64_t token_vocab(const manifest::RunConfig& config) {
+  const int64_t vocab = config.model.vocab_size;
+  const std::string& path = config.data.tokenizer;
+  if (path.empty()) return vocab;
+  int64_t tokenizer_vocab = 0;
+  try {
+    tokenizer_vocab = text::load_tokenizer(path)->vocab_size();
+  } catch (const text::TokenizerError& e) {
+    throw DataError(std::string("data.tokenizer: ") + e.what());
+  }
+  if (vocab > 0 && vocab < tokenizer_vocab)
+    throw DataError("model.vocab_size = " + std::to_string(vocab) + " is smaller than data.tokenizer's " +
+                    std::to_string(tokenizer_vocab) + " tokens (" + path + "); leave it 0 to take the tokenizer's");
+  return vocab > 0 ? vocab : tokenizer_vocab;
 }
 
 // kind "tokens": an llm.c file as one stream; "indexed": Megatron's documents.
@@ -287,17 +308,18 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
     for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
     return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
   }
+  const int64_t vocab = token_vocab(config);
   if ((kind == "tokens" || kind == "indexed") && !config.data.blend.empty()) {
     std::vector<std::unique_ptr<DataSource>> parts;
     std::vector<double> weights;
     for (const auto& [weight, part] : config.data.blend) {
-      parts.push_back(token_source(kind, part, "blend", config.model.vocab_size, val_fraction, seed));
+      parts.push_back(token_source(kind, part, "blend", vocab, val_fraction, seed));
       weights.push_back(weight);
     }
     return std::make_unique<BlendedSource>(std::move(parts), std::move(weights));
   }
   if (kind == "tokens" || kind == "indexed")
-    return token_source(kind, path, "path", config.model.vocab_size, val_fraction, seed);
+    return token_source(kind, path, "path", vocab, val_fraction, seed);
   throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
 }
 

@@ -5,6 +5,13 @@ namespace loom::train {
 TextCodec::TextCodec(const std::string& tokenizer, const manifest::RunConfig& config) {
   if (!tokenizer.empty()) {
     tokenizer_ = text::load_tokenizer(tokenizer);
+  } else if (!config.data.tokenizer.empty()) {  // the one the model was trained with
+    try {
+      tokenizer_ = text::load_tokenizer(config.data.tokenizer);
+    } catch (const text::TokenizerError& e) {
+      throw text::TokenizerError("the model was trained with data.tokenizer = " + config.data.tokenizer +
+                                 ", which does not load here (" + e.what() + "); give it with --tokenizer");
+    }
   } else if (config.data.kind == "synthetic") {
     symbols_ = make_data_source(config);
   } else if (config.data.kind != "text") {

@@ -17,8 +17,8 @@ namespace loom::train {
 
 class TextCodec {
  public:
-  // `tokenizer`: a path, or "" for the data's own symbols. Throws DataError when the
-  // data has none (token files: their tokenizer must be given) and
+  // `tokenizer`: a path, or "" for data.tokenizer, else the data's own symbols. Throws
+  // DataError when the data has none (token files: their tokenizer must be given) and
   // text::TokenizerError for a tokenizer that does not load.
   TextCodec(const std::string& tokenizer, const manifest::RunConfig& config);
   // Throws DataError (or TokenizerError) for text it cannot encode.

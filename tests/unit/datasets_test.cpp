@@ -7,6 +7,8 @@
 #include "support/train_fixture.hpp"
 
 #include "engine/text/token_files.hpp"
+#include "engine/text/tokenizer.hpp"
+#include "engine/train/text_codec.hpp"
 #include "engine/train/blend.hpp"
 #include "engine/train/documents.hpp"
 
@@ -15,7 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <random>
 #include <set>
 
 namespace {
@@ -180,6 +184,72 @@ TEST(Blend, ManifestBlendsIndexedDatasets) {
             std::string::npos);
   EXPECT_NE(refusal({"data.kind=\"indexed\"", "data.blend=[1, \"a\", 2]"}).find("be pairs of a weight and a path"),
             std::string::npos);
+  fs::remove_all(dir);
+}
+
+// data.tokenizer: the vocabulary of token files is their tokenizer's, not the largest
+// id a sample of data happens to hold (a model of that size could not be used with the
+// tokenizer it was trained with); generate and eval take it without --tokenizer.
+TEST(Data, TheTokenizersVocabularyIsTheModels) {
+  const std::string dir = loom::testing::scratch_dir("data_tokenizer");
+  {
+    std::mt19937 rng(3);
+    std::ofstream text(dir + "/corpus.txt");
+    for (int line = 0; line < 3000; ++line) {
+      for (int word = 0; word < 8; ++word) {
+        const int letters = 2 + static_cast<int>(rng() % 6);
+        for (int c = 0; c < letters; ++c) text << static_cast<char>('a' + rng() % 20);
+        text << ' ';
+      }
+      text << "\n";
+    }
+  }
+  loom::text::SentencePieceTraining how;
+  how.inputs = {dir + "/corpus.txt"};
+  how.model_prefix = dir + "/spm";
+  how.vocab_size = 300;
+  loom::text::train_sentencepiece(how);
+  const std::string model = dir + "/spm.model";
+  std::vector<std::vector<int32_t>> docs = numbered_documents(2);  // ids below 200
+  write_indexed(dir + "/ds", docs);
+  const std::vector<std::string> data = {"data.kind=\"indexed\"", "data.path=\"" + dir + "/ds\""};
+  const auto vocab = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), data.begin(), data.end());
+    return loom::train::make_data_source(loom::testing::plan_from(loom::testing::tiny_manifest(), extra).config)
+        ->vocab_size();
+  };
+  EXPECT_EQ(vocab({}), 129) << "without a tokenizer: the data's largest id + 1";
+  EXPECT_EQ(vocab({"data.tokenizer=\"" + model + "\""}), 300);
+  EXPECT_EQ(vocab({"data.tokenizer=\"" + model + "\"", "model.vocab_size=320"}), 320) << "a larger one is the model's";
+  try {
+    vocab({"data.tokenizer=\"" + model + "\"", "model.vocab_size=200"});
+    ADD_FAILURE() << "a vocabulary smaller than the tokenizer's must be refused";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.vocab_size = 200 is smaller than data.tokenizer's 300"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    vocab({"data.tokenizer=\"" + dir + "/none.model\""});
+    ADD_FAILURE() << "a tokenizer that does not load must be refused";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.tokenizer: "), std::string::npos) << e.what();
+  }
+  try {
+    loom::testing::plan_from(loom::testing::tiny_manifest(),
+                             {"data.kind=\"text\"", "data.path=\"" + dir + "/corpus.txt\"",
+                              "data.tokenizer=\"" + model + "\""});
+    ADD_FAILURE() << "a tokenizer for text (bytes) must be refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("data.tokenizer names the tokenizer of token files"), std::string::npos)
+        << e.what();
+  }
+  // What generate and eval read text with, given no --tokenizer.
+  std::vector<std::string> with = data;
+  with.push_back("data.tokenizer=\"" + model + "\"");
+  const loom::train::TextCodec codec("", loom::testing::plan_from(loom::testing::tiny_manifest(), with).config);
+  EXPECT_EQ(codec.vocab(), 300);
+  EXPECT_EQ(codec.decode(codec.encode("abc de")), "abc de");
   fs::remove_all(dir);
 }
 
