@@ -342,6 +342,14 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
     m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
     m.vocab = t["vocab"].value_or(int64_t{0});
+    const std::pair<const char*, int64_t> counts[] = {{"world", m.world}, {"tp", m.tp}, {"pp", m.pp}, {"dp", m.dp},
+                                                       {"ep", m.ep},       {"cp", m.cp}};
+    for (const auto& [key, value] : counts)
+      if (value < 1)
+        throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has " + key + " = " +
+                              std::to_string(value) + " (a number of ranks, 1 or more)");
+    if (m.step < 0 || m.etp < 0 || m.vocab < 0)
+      throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has a negative step, etp or vocab");
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }

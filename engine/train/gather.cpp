@@ -142,9 +142,11 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   if (plan.sizes.world != m.world || plan.sizes.tp != m.tp || plan.sizes.pp != m.pp || plan.sizes.ep != m.ep ||
       plan.sizes.cp != m.cp)
     throw CheckpointError("checkpoint " + step_dir + ": its manifest.toml plans world " +
-                          std::to_string(plan.sizes.world) + " (tp " + std::to_string(plan.sizes.tp) + ", pp " +
-                          std::to_string(plan.sizes.pp) + ") but meta.toml says world " + std::to_string(m.world) +
-                          " (tp " + std::to_string(m.tp) + ", pp " + std::to_string(m.pp) + ")");
+                          std::to_string(plan.sizes.world) + " (tp " + std::to_string(plan.sizes.tp) + ", cp " +
+                          std::to_string(plan.sizes.cp) + ", pp " + std::to_string(plan.sizes.pp) + ", ep " +
+                          std::to_string(plan.sizes.ep) + ") but meta.toml says world " + std::to_string(m.world) +
+                          " (tp " + std::to_string(m.tp) + ", cp " + std::to_string(m.cp) + ", pp " +
+                          std::to_string(m.pp) + ", ep " + std::to_string(m.ep) + "); the checkpoint is corrupt");
   // The vocabulary the run had (recorded since checkpoints carry it; else the data's).
   const MemoryPlan mp = plan_memory(plan, m.vocab);
   out.vocab = mp.vocab;

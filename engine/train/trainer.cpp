@@ -373,7 +373,10 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   if (first_launch && options.log)
     *options.log << "resume: no checkpoint in " << ckpt_dir << " yet; starting from checkpoint.init_weights = "
                  << config.checkpoint.init_weights << std::endl;
-  if (options.resume && !first_launch) resume = plan_resume(plan, ckpt_dir, checked.vocab, options.log);
+  if (options.resume && !first_launch) {
+    resume = plan_resume(plan, ckpt_dir, checked.vocab, options.log);
+    if (options.log) *options.log << "resume: from " << resume->dir << " (step " << resume->step << ")" << std::endl;
+  }
 
   MetricsSink metrics(options.metrics_file, resume.has_value(), options.log, config.run.steps, config.run.log_every);
   // The trace is written after training: a path it cannot be written to fails now.

@@ -497,6 +497,12 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   std::ofstream(meta) << text.substr(0, v) << "vocab = 14" << text.substr(v + 10);
   const std::string other_vocab = refusal({"parallel.dp=2"});
   EXPECT_NE(other_vocab.find("has a vocabulary of 14, the run 13"), std::string::npos) << other_vocab;
+  // A count of ranks that is none: corrupt, said so (not a failure deep in the layout).
+  const size_t d = text.find("\ndp = 2");
+  ASSERT_NE(d, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, d) << "\ndp = -2" << text.substr(d + 7);
+  const std::string negative = refusal({"parallel.dp=2"});
+  EXPECT_NE(negative.find("is corrupt: meta.toml has dp = -2"), std::string::npos) << negative;
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
