@@ -1,10 +1,14 @@
 #include "engine/train/metrics.hpp"
 
+#include "engine/files/temporaries.hpp"
 #include "engine/runtime/json.hpp"
+
+#include <sys/stat.h>
 
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <ostream>
 #include <sstream>
@@ -57,10 +61,45 @@ std::string step_json(const StepRecord& r) {
   return runtime::dump_json(j);  // inf and nan, which JSON cannot spell, as null
 }
 
-MetricsSink::MetricsSink(const std::string& metrics_file, bool append, std::ostream* log, int64_t steps,
+namespace {
+
+// A resumed run appends: the lines of steps after its checkpoint (written before the
+// earlier run stopped without saving them) are dropped first, as the steps are trained
+// again. Lines that are not a step's are kept.
+void drop_steps_after(const std::string& path, int64_t step, std::ostream* log) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  std::ifstream in(path);
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() > step) {
+      ++dropped;
+      continue;
+    }
+    kept += line + "\n";
+  }
+  if (dropped == 0) return;
+  files::WholeFile file(path);
+  std::ofstream out(file.path(), file.mode());
+  out << kept;
+  out.close();
+  if (!out || !file.commit())
+    throw std::runtime_error("metrics file " + path + ": cannot rewrite it without the steps after " +
+                             std::to_string(step) + " (" + std::strerror(errno) + ")");
+  if (log) *log << "metrics: dropped " << dropped << " line(s) of steps after " << step << " from " << path
+                << ", trained again from the checkpoint" << std::endl;
+}
+
+}  // namespace
+
+MetricsSink::MetricsSink(const std::string& metrics_file, int64_t resumed_step, std::ostream* log, int64_t steps,
                          int64_t log_every)
     : file_(metrics_file), log_(log), steps_(steps), log_every_(log_every) {
   if (file_.empty()) return;
+  const bool append = resumed_step >= 0;
+  if (append) drop_steps_after(file_, resumed_step, log);
   out_.open(file_, append ? std::ios::app : std::ios::trunc);
   if (!out_) throw std::runtime_error("metrics file " + file_ + ": cannot open the file for writing");
 }

@@ -42,9 +42,11 @@ class MetricsSink {
     double peak_tflops = 0;                          // per rank; 0 = unknown (no MFU)
     int world = 1;
   };
-  // `metrics_file` "" = none; appended to when resuming. `log` null = quiet. Throws
-  // std::runtime_error when the file cannot be opened for writing.
-  MetricsSink(const std::string& metrics_file, bool append, std::ostream* log, int64_t steps, int64_t log_every);
+  // `metrics_file` "" = none; appended to when resuming from step `resumed_step` (-1: a
+  // new run, the file started anew), after dropping the lines of later steps. `log`
+  // null = quiet. Throws std::runtime_error when the file cannot be written.
+  MetricsSink(const std::string& metrics_file, int64_t resumed_step, std::ostream* log, int64_t steps,
+              int64_t log_every);
   // What a step computes, known once the model is built.
   void set_rates(const Rates& rates) { rates_ = rates; }
 

@@ -378,7 +378,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (options.log) *options.log << "resume: from " << resume->dir << " (step " << resume->step << ")" << std::endl;
   }
 
-  MetricsSink metrics(options.metrics_file, resume.has_value(), options.log, config.run.steps, config.run.log_every);
+  MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, config.run.steps,
+                      config.run.log_every);
   // The trace is written after training: a path it cannot be written to fails now.
   if (!options.trace_file.empty())
     if (const std::string why = files::cannot_write(options.trace_file); !why.empty())

@@ -511,6 +511,32 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   fs::remove_all(dir);
 }
 
+// A run killed after its last checkpoint had written the metrics of later steps; the
+// resumed run trains those steps again and its metrics file holds each step once.
+TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
+  const std::string dir = loom::testing::scratch_dir("metrics-resume");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  loom::train::TrainOptions options;
+  options.metrics_file = dir + ".jsonl";
+  run_and_trace(tiny_manifest(), {"run.steps=5", "checkpoint.every=3", ck}, options);
+  fs::remove_all(loom::train::checkpoint_path(dir, 5));  // as if killed before saving step 5
+  std::ofstream(options.metrics_file, std::ios::app) << "not a step's line\n";
+  options.resume = true;
+  run_and_trace(tiny_manifest(), {"run.steps=6", "checkpoint.every=3", ck}, options);
+  std::ifstream in(options.metrics_file);
+  std::vector<int64_t> steps;
+  int others = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step")) steps.push_back(j["step"].get<int64_t>());
+    else ++others;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(others, 1) << "a line that is not a step's was dropped";
+  fs::remove_all(dir);
+  fs::remove(options.metrics_file);
+}
+
 TEST(Checkpoint, ResumeWithoutCheckpointSaysWhere) {
   const std::string dir = loom::testing::scratch_dir("empty");
   loom::train::TrainOptions resume;
