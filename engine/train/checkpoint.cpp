@@ -294,6 +294,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("etp", meta.expert_tp());
   t.insert("cp", meta.cp);
   if (meta.vocab > 0) t.insert("vocab", meta.vocab);
+  if (meta.consumed_samples >= 0) t.insert("consumed_samples", meta.consumed_samples);
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -342,14 +343,16 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
     m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
     m.vocab = t["vocab"].value_or(int64_t{0});
+    m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
     const std::pair<const char*, int64_t> counts[] = {{"world", m.world}, {"tp", m.tp}, {"pp", m.pp}, {"dp", m.dp},
                                                        {"ep", m.ep},       {"cp", m.cp}};
     for (const auto& [key, value] : counts)
       if (value < 1)
         throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has " + key + " = " +
                               std::to_string(value) + " (a number of ranks, 1 or more)");
-    if (m.step < 0 || m.etp < 0 || m.vocab < 0)
-      throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has a negative step, etp or vocab");
+    if (m.step < 0 || m.etp < 0 || m.vocab < 0 || m.consumed_samples < -1)
+      throw CheckpointError("checkpoint " + step_dir +
+                            " is corrupt: meta.toml has a negative step, etp, vocab or consumed_samples");
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
@@ -607,6 +610,13 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
       *log << "resume: skipped " << d << "; resuming from " << resume_dir << std::endl;
   CheckpointMeta meta = read_meta(resume_dir);
   require_same_param_dtype(resume_dir, meta, plan.config.device.param_dtype);
+  // The data continues after the samples read so far, whatever this run's global batch
+  // (a checkpoint that did not record them read step x this one).
+  const uint64_t by_batch = static_cast<uint64_t>(meta.step) * static_cast<uint64_t>(plan.config.batch.global_batch_size);
+  out.consumed_samples = meta.consumed_samples >= 0 ? static_cast<uint64_t>(meta.consumed_samples) : by_batch;
+  if (log && out.consumed_samples != by_batch)
+    *log << "resume: " << resume_dir << " read " << out.consumed_samples << " training samples in " << meta.step
+         << " steps; this run's continue from there, " << plan.config.batch.global_batch_size << " a step" << std::endl;
   // Another vocabulary can pad to the same shapes: ids would mean other tokens.
   if (meta.vocab > 0 && meta.vocab != vocab)
     throw CheckpointError("--resume: " + resume_dir + " has a vocabulary of " + std::to_string(meta.vocab) +

@@ -43,6 +43,7 @@ struct CheckpointMeta {
   int expert_tp() const { return etp > 0 ? etp : tp; }
   int cp = 1;                        // parallel.cp that wrote it (not recorded before: 1)
   int64_t vocab = 0;                 // the model's vocabulary, unpadded (0: not recorded)
+  int64_t consumed_samples = -1;     // training samples read by `step` (-1: not recorded, i.e. step x the global batch)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and
@@ -138,6 +139,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
 struct ResumePoint {
   std::string dir;                 // the checkpoint's directory
   int64_t step = 0;                // the step it holds
+  uint64_t consumed_samples = 0;   // the training samples read by then (where the data continues)
   int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp or the bucket size changes (reshard); else 0
   int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)
   // Another tp, pp, cp, ep or etp (or order): the parameters and optimizer state are

@@ -55,12 +55,19 @@ std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets);
 
-// The first sample index of microbatch `mb` of data-parallel rank `dp_rank` at `step`:
-// step·global_batch + (dp_rank·microbatches + mb)·micro_batch. With dp = 1 the same
-// samples are read in the same order as dp ranks read them together.
-inline uint64_t sample_index(int64_t step, int64_t global_batch, int dp_rank, int64_t microbatches, int mb,
-                             int64_t micro_batch) {
-  return static_cast<uint64_t>(step) * global_batch + (static_cast<uint64_t>(dp_rank) * microbatches + mb) * micro_batch;
+// The samples a run has consumed before `step`: those of the checkpoint it resumed from
+// (`start_samples` at `start_step`; Megatron-LM's consumed_train_samples) and a global
+// batch for each step since, so a resume with another global batch neither repeats nor
+// skips data.
+inline uint64_t samples_before(int64_t step, int64_t start_step, uint64_t start_samples, int64_t global_batch) {
+  return start_samples + static_cast<uint64_t>(step - start_step) * static_cast<uint64_t>(global_batch);
+}
+
+// The first sample index of microbatch `mb` of data-parallel rank `dp_rank` in a step
+// whose first sample is `step_first`: step_first + (dp_rank·microbatches + mb)·micro_batch.
+// With dp = 1 the same samples are read in the same order as dp ranks read them together.
+inline uint64_t sample_index(uint64_t step_first, int dp_rank, int64_t microbatches, int mb, int64_t micro_batch) {
+  return step_first + (static_cast<uint64_t>(dp_rank) * microbatches + mb) * micro_batch;
 }
 
 }  // namespace loom::train

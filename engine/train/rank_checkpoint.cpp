@@ -3,7 +3,8 @@
 namespace loom::train {
 
 std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
-                            const OptimizerBinding& optimizer, int64_t step, const std::string& manifest_toml) {
+                            const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
+                            const std::string& manifest_toml) {
   const manifest::RunConfig& config = plan.config;
   const std::string& dir = config.checkpoint.dir;
   const loom::Group world = rank.group_or_self("world");
@@ -27,6 +28,7 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
                         plan.sizes.expert_tp()};
     meta.cp = plan.sizes.cp;
     meta.vocab = model.dims().vocab;
+    meta.consumed_samples = static_cast<int64_t>(consumed_samples);
     commit_checkpoint(dir, tmp, meta, manifest_toml);
     committed = checkpoint_path(dir, step);
   }

@@ -17,9 +17,11 @@
 namespace loom::train {
 
 // Every rank of the world calls it (barriers inside) when checkpoint.dir is set.
-// Returns the committed directory on rank 0, "" on the others.
+// `consumed_samples`: the training samples the run has read by `step`. Returns the
+// committed directory on rank 0, "" on the others.
 std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
-                            const OptimizerBinding& optimizer, int64_t step, const std::string& manifest_toml);
+                            const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
+                            const std::string& manifest_toml);
 
 // Loads `from` into this rank's parameters and optimizer state, after checking the
 // parameter layout and the model the checkpoint kept.

@@ -40,6 +40,7 @@ struct Run {
   const DataSource& data;
   int64_t vocab = 0;
   int64_t start_step = 0;
+  uint64_t start_samples = 0;  // the training samples consumed before start_step
   std::optional<ResumePoint> resume;
   std::string manifest_toml;
   MetricsSink& metrics;  // rank 0's
@@ -49,6 +50,10 @@ struct Run {
   std::vector<pipeline::TraceEvent> trace_events;
   std::shared_ptr<const InitialWeights> init_weights;  // checkpoint.init_weights, read once for every rank
   std::shared_ptr<const InitialWeights> regathered;    // a resume at another layout: tensors and their state
+
+  uint64_t samples_before(int64_t step) const {
+    return train::samples_before(step, start_step, start_samples, plan.config.batch.global_batch_size);
+  }
 };
 
 // The "a non-finite loss stops the run" error, as Megatron-LM's check for NaN in
@@ -165,7 +170,7 @@ StepRecord RankTraining::train_step(int64_t step) {
   model_->zero_grads();
   std::vector<pipeline::MicrobatchInput> inputs;
   for (int64_t mb = 0; mb < M; ++mb) {
-    const uint64_t first = sample_index(step, config_.batch.global_batch_size, dp_.rank(), M, static_cast<int>(mb), mbs);
+    const uint64_t first = sample_index(run_.samples_before(step), dp_.rank(), M, static_cast<int>(mb), mbs);
     inputs.push_back(batches_.load(Split::Train, first, mb));
     inputs.back().dropout_seed = dropout_seed(static_cast<uint64_t>(config_.run.seed), step, first);
   }
@@ -210,7 +215,8 @@ StepRecord RankTraining::train_step(int64_t step) {
 void RankTraining::checkpoint(int64_t step) {
   if (config_.checkpoint.dir.empty()) return;
   optimizer_.params_needed_all();
-  const std::string path = save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.manifest_toml);
+  const std::string path =
+      save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.samples_before(step), run_.manifest_toml);
   if (!leader_) return;
   std::lock_guard<std::mutex> lock(run_.mu);
   run_.result.checkpoint = path;
@@ -385,7 +391,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (const std::string why = files::cannot_write(options.trace_file); !why.empty())
       throw std::runtime_error("--trace " + options.trace_file + ": " + why);
 
-  Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume, plan.manifest.to_toml(),
+  Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
+          resume, plan.manifest.to_toml(),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.result.start_step = run.start_step;
   if (!resume && !config.checkpoint.init_weights.empty()) {

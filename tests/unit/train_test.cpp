@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <sstream>
 #include <unistd.h>
 
 namespace {
@@ -231,6 +232,26 @@ TEST(Checkpoint, ResumeIsBitExact) {
     EXPECT_EQ(second.loss[i], full.loss[6 + i]) << "step " << 7 + i;
   }
   EXPECT_EQ(second.params.back(), full.params.back());  // bit-identical parameters
+  fs::remove_all(dir);
+}
+
+// The data continues after the samples read so far (Megatron-LM's
+// consumed_train_samples): a resume with twice the global batch reads on from sample
+// 4 x 8, neither repeating nor skipping, and its checkpoint records 4 x 8 + 2 x 16.
+TEST(Checkpoint, AResumeWithAnotherGlobalBatchContinuesAfterTheSamplesRead) {
+  const std::string dir = loom::testing::scratch_dir("consumed");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=4", "parallel.dp=2", "batch.global_batch_size=8", ck});
+  EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 4)).consumed_samples, 32);
+  std::ostringstream log;
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  resume.log = &log;
+  run_and_trace(tiny_manifest(), {"run.steps=6", "parallel.dp=2", "batch.global_batch_size=16", ck}, resume);
+  EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 6)).consumed_samples, 64);
+  EXPECT_NE(log.str().find("read 32 training samples in 4 steps"), std::string::npos) << log.str();
+  EXPECT_EQ(loom::train::samples_before(6, 4, 32, 16), 64u);
+  EXPECT_EQ(loom::train::sample_index(loom::train::samples_before(5, 4, 32, 16), 1, 4, 2, 2), 32u + 16u + (4 + 2) * 2);
   fs::remove_all(dir);
 }
 
