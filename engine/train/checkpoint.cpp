@@ -267,7 +267,7 @@ void check_param_layout(const std::string& step_dir, int file_rank, const ParamL
                           " parameters on this rank, this model " + std::to_string(params.size()) + why);
 }
 
-void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state) {
+uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state) {
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.version = kVersion;
@@ -280,6 +280,7 @@ void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankS
   write_all(rank_file(tmp, rank), {{&h, sizeof(h)},
                                    {state.params.data(), state.params.size()},
                                    {state.optimizer.data(), state.optimizer.size()}});
+  return h.checksum;
 }
 
 void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
@@ -295,6 +296,13 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("cp", meta.cp);
   if (meta.vocab > 0) t.insert("vocab", meta.vocab);
   if (meta.consumed_samples >= 0) t.insert("consumed_samples", meta.consumed_samples);
+  toml::array sums;  // ties the rank files to this save: one copied in from another run is refused
+  for (const uint64_t c : meta.rank_checksums) {
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(c));
+    sums.push_back(std::string(hex));
+  }
+  if (!sums.empty()) t.insert("rank_checksums", std::move(sums));
   os << t << "\n";
   const std::string meta_text = os.str();
   write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
@@ -344,6 +352,17 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
     m.vocab = t["vocab"].value_or(int64_t{0});
     m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
+    if (const toml::array* sums = t["rank_checksums"].as_array()) {
+      for (const toml::node& n : *sums) {
+        const std::string hex = n.value_or(std::string());
+        char* end = nullptr;
+        const unsigned long long c = std::strtoull(hex.c_str(), &end, 16);
+        if (hex.size() != 16 || *end != '\0')
+          throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's rank_checksums has \"" + hex +
+                                "\" (16 hexadecimal digits each)");
+        m.rank_checksums.push_back(c);
+      }
+    }
     const std::pair<const char*, int64_t> counts[] = {{"world", m.world}, {"tp", m.tp}, {"pp", m.pp}, {"dp", m.dp},
                                                        {"ep", m.ep},       {"cp", m.cp}};
     for (const auto& [key, value] : counts)
@@ -445,12 +464,20 @@ RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_n
     throw CheckpointError(path + ": the header's sizes (" + std::to_string(h.numel) + " parameters, " +
                           std::to_string(h.optimizer_bytes) + " optimizer bytes) do not match the file's " +
                           std::to_string(file_bytes) + " bytes; the checkpoint is truncated or corrupt");
-  const int64_t meta_step = read_meta(step_dir).step;
+  const CheckpointMeta meta = read_meta(step_dir);
+  const int64_t meta_step = meta.step;
   if (h.step != meta_step || h.rank != static_cast<uint32_t>(rank))
     throw CheckpointError(path + ": written by rank " + std::to_string(h.rank) + " at step " + std::to_string(h.step) +
                           ", but it is rank " + std::to_string(rank) + "'s file of " + step_dir +
                           ", whose meta.toml says step " + std::to_string(meta_step) +
                           "; the checkpoint is inconsistent (a file copied in, or meta.toml edited)");
+  if (!meta.rank_checksums.empty() && meta.rank_checksums.size() != static_cast<size_t>(meta.world))
+    throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's rank_checksums has " +
+                          std::to_string(meta.rank_checksums.size()) + " entries for world " + std::to_string(meta.world));
+  if (static_cast<size_t>(rank) < meta.rank_checksums.size() && meta.rank_checksums[static_cast<size_t>(rank)] != h.checksum)
+    throw CheckpointError(path + ": not the file this checkpoint saved for rank " + std::to_string(rank) +
+                          " (its checksum is not the one meta.toml records); the checkpoint is inconsistent (a file "
+                          "copied in from another run?)");
   RankState s;
   s.elem_size = elem_size;
   s.params.resize(h.numel * elem_size);

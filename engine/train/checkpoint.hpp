@@ -44,6 +44,7 @@ struct CheckpointMeta {
   int cp = 1;                        // parallel.cp that wrote it (not recorded before: 1)
   int64_t vocab = 0;                 // the model's vocabulary, unpadded (0: not recorded)
   int64_t consumed_samples = -1;     // training samples read by `step` (-1: not recorded, i.e. step x the global batch)
+  std::vector<uint64_t> rank_checksums;  // each rank file's, by rank (empty: not recorded)
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and
@@ -98,7 +99,8 @@ void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList&
 void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params);
 
 // Per-rank file, written into the temporary directory `tmp` (fsynced).
-void write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state);
+// Returns the file's checksum, which meta.toml records for every rank.
+uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state);
 // Rank 0, after every rank wrote its file: meta + manifest, fsync, atomic rename.
 void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
                        const std::string& manifest_toml);

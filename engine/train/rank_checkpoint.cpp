@@ -17,9 +17,10 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
   s.params.resize(model.numel() * s.elem_size);
   rank.dev().copy(s.params.data(), model.params(), s.params.size(), LOOM_COPY_DEVICE_TO_HOST);
   s.optimizer = optimizer.save_state();
-  write_rank_file(tmp, rank.global_rank(), step, s);
+  const int64_t checksum = static_cast<int64_t>(write_rank_file(tmp, rank.global_rank(), step, s));
   write_param_layout(tmp, rank.global_rank(), param_layout_of(model));
-  world.barrier();
+  std::vector<int64_t> checksums(static_cast<size_t>(world.size()));  // every file written when it returns
+  world.all_gather(nullptr, &checksum, checksums.data(), 1, LOOM_DTYPE_I64);
   std::string committed;
   if (leader) {
     CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
@@ -29,6 +30,7 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
     meta.cp = plan.sizes.cp;
     meta.vocab = model.dims().vocab;
     meta.consumed_samples = static_cast<int64_t>(consumed_samples);
+    for (const int64_t c : checksums) meta.rank_checksums.push_back(static_cast<uint64_t>(c));
     commit_checkpoint(dir, tmp, meta, manifest_toml);
     committed = checkpoint_path(dir, step);
   }

@@ -518,6 +518,18 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   std::ofstream(meta) << text.substr(0, v) << "vocab = 14" << text.substr(v + 10);
   const std::string other_vocab = refusal({"parallel.dp=2"});
   EXPECT_NE(other_vocab.find("has a vocabulary of 14, the run 13"), std::string::npos) << other_vocab;
+  // A rank file of another run at the same step (its header agrees): refused by the
+  // checksum meta.toml records, not trained on with its dp replicas diverging.
+  std::ofstream(meta) << text;
+  const std::string other = loom::testing::scratch_dir("another-run");
+  run_and_trace(tiny_manifest(), {"run.steps=2", "parallel.dp=2", "run.seed=99", "checkpoint.dir=\"" + other + "\""});
+  const std::string mine = loom::train::checkpoint_path(dir, 2) + "/rank_00001.bin";
+  fs::copy_file(mine, other + "/mine.bin");
+  fs::copy_file(loom::train::checkpoint_path(other, 2) + "/rank_00001.bin", mine, fs::copy_options::overwrite_existing);
+  const std::string copied = refusal({"parallel.dp=2"});
+  EXPECT_NE(copied.find("not the file this checkpoint saved for rank 1"), std::string::npos) << copied;
+  fs::copy_file(other + "/mine.bin", mine, fs::copy_options::overwrite_existing);
+  fs::remove_all(other);
   // A count of ranks that is none: corrupt, said so (not a failure deep in the layout).
   const size_t d = text.find("\ndp = 2");
   ASSERT_NE(d, std::string::npos) << text;
