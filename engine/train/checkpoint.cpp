@@ -231,10 +231,24 @@ void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList&
   write_all(layout_file(tmp, rank), {{text.data(), text.size()}});
 }
 
+namespace {
+// A file older checkpoints lack is missing from `step_dir`: fine for a checkpoint of
+// that age, corrupt for one that records its rank files' checksums (every checkpoint
+// since writes the manifest and the parameter lists too).
+void require_older_format(const std::string& step_dir, const std::string& missing) {
+  if (!read_meta(step_dir).rank_checksums.empty())
+    throw CheckpointError("checkpoint " + step_dir + " is incomplete: " + missing +
+                          " is missing (this checkpoint's format writes it); the checks it serves cannot be made");
+}
+}  // namespace
+
 void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params) {
   const std::string path = layout_file(step_dir, file_rank);
   boost::system::error_code ec;
-  if (!fs::exists(path, ec)) return;  // written before checkpoints recorded it
+  if (!fs::exists(path, ec)) {
+    require_older_format(step_dir, path);  // written before checkpoints recorded it
+    return;
+  }
   std::ifstream in(path);
   if (!in) throw CheckpointError("cannot read " + path + ": " + std::strerror(errno));
   ParamLayoutList saved;
@@ -381,7 +395,10 @@ CheckpointMeta read_meta(const std::string& step_dir) {
 void require_same_model(const std::string& step_dir, const std::string& manifest_toml) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;
-  if (!fs::exists(path, ec)) return;  // written before checkpoints kept their manifest
+  if (!fs::exists(path, ec)) {
+    require_older_format(step_dir, path);  // written before checkpoints kept their manifest
+    return;
+  }
   toml::table saved, now;
   try {
     saved = toml::parse_file(path);

@@ -539,6 +539,14 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
+  // Without the parameter lists the names cannot be checked: refused for a checkpoint
+  // of this format, which writes them; one written before they existed (and before
+  // meta.toml recorded rank checksums) resumes.
+  const std::string incomplete = refusal({"parallel.dp=2"});
+  EXPECT_NE(incomplete.find(".params is missing (this checkpoint's format writes it)"), std::string::npos) << incomplete;
+  const size_t sums = text.find("rank_checksums");
+  ASSERT_NE(sums, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, sums) << text.substr(text.find('\n', sums) + 1);
   auto old = run_and_trace(tiny_manifest(), {"run.steps=4", "parallel.dp=2", ck}, resume);
   EXPECT_EQ(old.result.start_step, 2);
   fs::remove_all(dir);
