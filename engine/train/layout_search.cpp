@@ -47,8 +47,10 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
                             int64_t measure_blocks) {
   LayoutSearch out;
   out.world = world;
-  std::map<std::tuple<int, int, bool>, ComputeProfile> profiles;  // by (tp, cp, sp)
-  std::map<std::tuple<int, int, bool>, std::string> unmeasurable;  // by (tp, cp, sp): why measuring failed
+  // By (tp, cp, sp, blocks recomputed): one measurement serves every pipeline split with
+  // the same share of its blocks recomputed.
+  std::map<std::tuple<int, int, bool, int64_t>, ComputeProfile> profiles;
+  std::map<std::tuple<int, int, bool, int64_t>, std::string> unmeasurable;  // why measuring failed
   auto consider = [&](LayoutChoice c) {
     c.overrides = layout_overrides(c);
     try {
@@ -59,7 +61,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
       const Preflight checked = preflight(p, world);
       for (const RankMemory& r : checked.memory.ranks) c.most_bytes = std::max(c.most_bytes, rank_total_bytes(r));
       if (!checked.memory_problem.empty()) throw loom::Error(checked.memory_problem);
-      const std::tuple<int, int, bool> key{c.tp, c.cp, c.sp};
+      const std::tuple<int, int, bool, int64_t> key{c.tp, c.cp, c.sp, recomputed_blocks(p)};
       auto it = profiles.find(key);
       if (it == profiles.end() && given != nullptr) it = profiles.emplace(key, *given).first;
       if (auto f = unmeasurable.find(key); it == profiles.end() && f != unmeasurable.end()) throw loom::Error(f->second);
@@ -69,7 +71,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
                    std::to_string(c.cp));
         try {
           it = profiles.emplace(key, measure_compute(p, threads_per_rank(p, cores), measure_blocks)).first;
-        } catch (const loom::Error& e) {  // the same for every layout of this (tp, cp, sp): measured once
+        } catch (const loom::Error& e) {  // the same for every layout of this key: measured once
           unmeasurable.emplace(key, e.what());
           throw;
         }

@@ -55,18 +55,6 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
   return replan(plan, sets);
 }
 
-// Recomputation by method "block" (recompute_num_layers blocks of each pipeline chunk):
-// the blocks the run recomputes over all its chunks, what the measuring run, one chunk,
-// recomputes in their place. -1 when blocks are not recomputed that way.
-int64_t recomputed_blocks(const RunPlan& plan) {
-  const manifest::RunConfig::Model& m = plan.config.model;
-  if (m.recompute_granularity != "full" || m.recompute_method != "block") return -1;
-  int64_t n = 0;
-  for (const int chunk : plan.blocks_per_chunk)
-    n += m.recompute_num_layers > 0 ? std::min<int64_t>(m.recompute_num_layers, chunk) : chunk;
-  return n;
-}
-
 // What makes a copy of `plan` the measuring run: its tp and cp, `dp` data-parallel
 // ranks, no pipeline, `blocks` transformer blocks, no links.
 std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
@@ -284,6 +272,15 @@ bool on_host_cores(const RunPlan& plan) {
 }
 
 }  // namespace
+
+int64_t recomputed_blocks(const RunPlan& plan) {
+  const manifest::RunConfig::Model& m = plan.config.model;
+  if (m.recompute_granularity != "full" || m.recompute_method != "block") return -1;
+  int64_t n = 0;
+  for (const int chunk : plan.blocks_per_chunk)
+    n += m.recompute_num_layers > 0 ? std::min<int64_t>(m.recompute_num_layers, chunk) : chunk;
+  return n;
+}
 
 std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   static const std::set<std::string> kKeys = {
@@ -572,7 +569,11 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     const std::map<std::string, std::string> now = compute_settings(plan);
     for (const auto& [key, measured] : profile.model) {
       const auto it = now.find(key);
-      const std::string here = it != now.end() ? it->second : "(none)";
+      // Absent, the recomputed-blocks count means every block (or none recomputed at all).
+      const std::string here = it != now.end() ? it->second
+                               : key.rfind("blocks recomputed", 0) == 0 && recomputed_blocks(plan) >= 0
+                                   ? "all " + std::to_string(plan.config.model.num_layers)
+                                   : "(none)";
       if (here != measured)
         throw loom::Error("the compute profile is of another model: it was measured with " + key + " = " + measured +
                           ", this run has " + here + " (its time per layer differs): measure this model");

@@ -78,6 +78,12 @@ struct ComputeProfile {
 // even one block fits.
 ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks = 0);
 
+// Recomputation by method "block" (recompute_num_layers blocks of each pipeline chunk):
+// the blocks the run recomputes over all its chunks, what the measuring run, one chunk,
+// recomputes in their place (a profile holds that count). -1 when blocks are not
+// recomputed that way.
+int64_t recomputed_blocks(const RunPlan& plan);
+
 // A profile as JSON (`loom plan --perf --save-profile`), and back: measured on one
 // machine (a GPU node), it estimates other links, dp, pp and overlap settings of the
 // same model, tp and cp anywhere (`--profile`). Reading throws loom::Error naming the

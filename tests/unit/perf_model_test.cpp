@@ -461,6 +461,17 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_NE(last_stderr().find("blocks recomputed (model.recompute_method = block) = 2, this run has 1"),
             std::string::npos)
       << last_stderr();
+  // --search measures each share of recomputed blocks once: the manifest's own split
+  // (2 stages of 2 blocks, 1 recomputed in each) is ranked, not refused for a profile
+  // of another split.
+  std::vector<std::string> search = {path, "--perf", "--json", "--search", "--world", "2"};
+  search.insert(search.end(), block_recompute.begin(), block_recompute.end());
+  ASSERT_EQ(plan_cli(search, &out), 0) << out << last_stderr();
+  bool pp2_ranked = false;
+  tree = loom::testing::json_line(out);
+  for (const auto& r : tree.at("ranked"))
+    pp2_ranked = pp2_ranked || (r.at("pp") == 2 && r.at("vpp") == 1);
+  EXPECT_TRUE(pp2_ranked) << out;
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "0"}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--perf", "--measure-blocks", "1", "--profile", prof2}, &out), 2);
   EXPECT_EQ(plan_cli({path, "--measure-blocks", "1"}, &out), 2) << "without --perf";
