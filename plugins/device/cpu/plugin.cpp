@@ -191,6 +191,22 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     constexpr size_t kAlign = 256;
     LOOM_REQUIRE(bytes <= SIZE_MAX - kAlign, "device/cpu alloc: " << bytes << " bytes is too large");
     const size_t reserved = (bytes + kAlign - 1) / kAlign * kAlign;
+    {
+      // Counted in use from here on, checked against the limit under the same lock so
+      // that two threads cannot both pass it. The limit is on memory in use, what the
+      // memory plan counts (not graph-pool blocks a graph keeps for its replays).
+      std::lock_guard<std::mutex> lock(dev.mem_mu);
+      if (dev.memory_limit > 0 && dev.current_bytes + bytes > dev.memory_limit) {
+        std::ostringstream os;
+        os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
+           << dev.current_bytes << " bytes in use of the " << (dev.memory_limit >> 20)
+           << " MiB device.options.memory_mb gives a rank)";
+        throw Error(os.str(), LOOM_CODE_OUT_OF_MEMORY);
+      }
+      dev.current_bytes += bytes;
+      dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
+      dev.num_allocs += 1;
+    }
     const bool capturing = dev.capturing != nullptr;
     if (capturing) {  // reuse a pooled graph block of at most twice the size
       std::lock_guard<std::mutex> lock(dev.mem_mu);
@@ -199,31 +215,15 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
         void* p = it->second;
         dev.allocations.emplace(p, std::make_pair(bytes, it->first));
         dev.graph_free.erase(it);
-        dev.current_bytes += bytes;
-        dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
-        dev.num_allocs += 1;
         *out = p;
         return;
       }
     }
-    {
-      // Held from here on, as a GPU's memory is: the limit counts what the device holds
-      // (graph-pool blocks kept for replays included), checked and taken under one lock
-      // so that two threads cannot both pass it.
-      std::lock_guard<std::mutex> lock(dev.mem_mu);
-      if (dev.memory_limit > 0 && dev.reserved_bytes + reserved > dev.memory_limit) {
-        std::ostringstream os;
-        os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
-           << dev.reserved_bytes << " bytes held, " << dev.current_bytes << " of them in use, of the "
-           << (dev.memory_limit >> 20) << " MiB device.options.memory_mb gives a rank)";
-        throw Error(os.str(), LOOM_CODE_OUT_OF_MEMORY);
-      }
-      dev.reserved_bytes += reserved;
-    }
     void* p = nullptr;
     if (posix_memalign(&p, kAlign, reserved) != 0 || p == nullptr) {
       std::lock_guard<std::mutex> lock(dev.mem_mu);
-      dev.reserved_bytes -= reserved;
+      dev.current_bytes -= bytes;
+      dev.num_allocs -= 1;
       std::ostringstream os;
       os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
          << dev.current_bytes << " bytes in use)";
@@ -232,9 +232,7 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     std::lock_guard<std::mutex> lock(dev.mem_mu);
     dev.allocations.emplace(p, std::make_pair(bytes, reserved));
     if (capturing) dev.graph_blocks.insert(p);
-    dev.current_bytes += bytes;
-    dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
-    dev.num_allocs += 1;
+    dev.reserved_bytes += reserved;
     *out = p;
   });
 }
