@@ -65,7 +65,11 @@ void forget_temporary(const std::string& path) {
 
 void remove_temporaries() noexcept {
   char copy[kMaxPath + 1];
-  for (const bool directories : {false, true})  // files first: a directory goes only when empty
+  // Files first: a directory goes only when empty; directories again while any went
+  // (a parent is empty once its listed child is gone).
+  bool removed = true;
+  for (int pass = 0; removed && pass <= kMaxTemporaries; ++pass) {
+    removed = false;
     for (Slot& s : g_slots) {
       const unsigned before = s.version.load(std::memory_order_acquire);
       if ((before & 1u) != 0 || !s.listed.load()) continue;
@@ -73,10 +77,12 @@ void remove_temporaries() noexcept {
       const bool directory = s.directory;
       std::atomic_thread_fence(std::memory_order_acquire);
       if (s.version.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile
-      if (directory != directories) continue;
+      if (directory != (pass > 0)) continue;
       copy[kMaxPath] = '\0';
-      (void)(directory ? ::rmdir(copy) : ::unlink(copy));
+      if (directory ? ::rmdir(copy) == 0 : (::unlink(copy), false)) removed = true;
     }
+    if (pass == 0) removed = true;  // the files' pass: go on to the directories
+  }
 }
 
 Temporary::Temporary(std::string path) : path_(std::move(path)) { add_temporary(path_); }
@@ -91,6 +97,11 @@ bool Temporary::commit(const std::string& final_path) {
   committed_ = true;
   forget_temporary(path_);
   return true;
+}
+
+void Temporary::disown() {
+  committed_ = true;
+  forget_temporary(path_);
 }
 
 RenamesTogether::RenamesTogether() {
@@ -121,9 +132,21 @@ WholeFile::WholeFile(const std::string& path) : target_(path) {
     }
   }
   if (path.rfind("/dev/", 0) == 0 || path.rfind("/proc/", 0) == 0) return;
+  // The file a link names is replaced, not the link; a link to no file yet names the
+  // file to create.
   char resolved[PATH_MAX];
-  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode) && ::realpath(path.c_str(), resolved) != nullptr)
-    target_ = resolved;  // the file a link names is replaced, not the link
+  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+    if (::realpath(path.c_str(), resolved) != nullptr) {
+      target_ = resolved;
+    } else {
+      const ssize_t n = ::readlink(path.c_str(), resolved, sizeof resolved - 1);
+      if (n > 0) {
+        const std::string link(resolved, static_cast<size_t>(n));
+        const size_t slash = path.rfind('/');
+        target_ = link[0] == '/' || slash == std::string::npos ? link : path.substr(0, slash + 1) + link;
+      }
+    }
+  }
   temporary_ = std::make_unique<Temporary>(target_ + ".tmp");
 }
 
@@ -138,16 +161,18 @@ std::string cannot_write(const std::string& path) {
     if (S_ISDIR(st.st_mode)) return "it is a directory";
     if (!S_ISREG(st.st_mode)) return "";  // a pipe or device: written directly when the time comes
   }
-  const WholeFile file(path);
+  WholeFile file(path);
   const bool beside = file.path() != path;  // a temporary beside it, renamed onto it
   // A temporary left by an earlier writer is opened, not made (and stays).
   const bool made = beside && ::access(file.path().c_str(), F_OK) != 0;
   const int fd = made ? ::open(file.path().c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644)
                       : ::open(file.path().c_str(), O_WRONLY | O_APPEND);
-  if (fd < 0) return std::string(beside ? "cannot create " + file.path() : "cannot open it") + ": " + std::strerror(errno);
-  ::close(fd);
-  if (made) (void)::unlink(file.path().c_str());
-  return "";
+  const std::string why =
+      fd < 0 ? std::string(beside ? "cannot create " + file.path() : "cannot open it") + ": " + std::strerror(errno) : "";
+  if (fd >= 0) ::close(fd);
+  if (made && fd >= 0) (void)::unlink(file.path().c_str());
+  file.disown();  // a temporary an earlier writer left stays
+  return why;
 }
 
 }  // namespace loom::files

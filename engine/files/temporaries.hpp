@@ -37,6 +37,8 @@ class Temporary {
   // Renames the temporary onto `final_path`; false (errno set) when the rename failed,
   // and the temporary is then removed on destruction.
   bool commit(const std::string& final_path);
+  // Forgets the path without removing it: what is there is not this writer's.
+  void disown();
 
  private:
   std::string path_;
@@ -71,6 +73,10 @@ class WholeFile {
   std::ios::openmode mode() const { return std::ios::binary | (temporary_ ? std::ios::trunc : std::ios::app); }
   // False (errno set) when the rename failed; the temporary is then removed.
   bool commit();
+  // Gives up without removing what is at path() (a check that wrote nothing there).
+  void disown() {
+    if (temporary_) temporary_->disown();
+  }
 
  private:
   std::string target_;

@@ -435,22 +435,24 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
                                                           : hf.config["max_position_embeddings"].get<int64_t>();
     extra = tokenizer_files(tokenizer, ck.vocab, seq, hf.config);
   }
-  // A directory this export makes goes again if the export does not finish (failed, or
-  // ended by a signal) and it is left empty.
-  const bool made = !fs::exists(out_dir, ec);
+  // The directories this export makes (OUTDIR and any missing parents) go again if the
+  // export does not finish (failed, or ended by a signal) and they are left empty.
+  struct Made {
+    std::vector<std::string> dirs;  // deepest first
+    bool done = false;
+    ~Made() {
+      boost::system::error_code ignored;
+      for (const std::string& d : dirs) {
+        files::forget_temporary(d);
+        if (!done && fs::is_empty(d, ignored)) fs::remove(d, ignored);
+      }
+    }
+  } made_dir;
+  for (fs::path p = fs::path(out_dir).lexically_normal(); !p.empty() && !fs::exists(p, ec); p = p.parent_path())
+    made_dir.dirs.push_back(p.string());
   fs::create_directories(out_dir, ec);
   if (ec) throw std::runtime_error("cannot create " + out_dir + ": " + ec.message());
-  if (made) files::add_temporary_directory(out_dir);
-  struct Made {
-    const std::string& dir;
-    bool made, done = false;
-    ~Made() {
-      if (!made) return;
-      files::forget_temporary(dir);
-      boost::system::error_code ignored;
-      if (!done && fs::is_empty(dir, ignored)) fs::remove(dir, ignored);
-    }
-  } made_dir{out_dir, made};
+  for (const std::string& d : made_dir.dirs) files::add_temporary_directory(d);
   // Every file complete (as NAME.tmp) before any replaces what is there.
   std::vector<std::unique_ptr<files::Temporary>> written;
   const auto temporary = [&](const std::string& name) {

@@ -79,9 +79,37 @@ TEST(Temporaries, ADirectoryMadeForTemporariesGoesOnlyWhenLeftEmpty) {
   loom::files::forget_temporary(made + "/model.tmp");
   loom::files::forget_temporary(made);
   loom::files::forget_temporary(used);
+  // Parents made for it go too, once their listed child is gone (listed in any order).
+  fs::create_directories(made + "/a/b");
+  for (const std::string& d : {made, made + "/a/b", made + "/a"}) loom::files::add_temporary_directory(d);
+  loom::files::remove_temporaries();
+  EXPECT_FALSE(fs::exists(made)) << "a parent made for the temporaries stayed";
+  for (const std::string& d : {made, made + "/a/b", made + "/a"}) loom::files::forget_temporary(d);
   fs::create_directories(made);
   loom::files::remove_temporaries();
   EXPECT_TRUE(fs::exists(made)) << "a forgotten directory was removed";
+  fs::remove_all(dir);
+}
+
+// The check before long work creates nothing that stays and removes nothing there; a
+// link to a file not there yet is written through (the link stays).
+TEST(Temporaries, TheWriteCheckLeavesWhatIsThereAndLinksStay) {
+  const std::string dir = loom::testing::scratch_dir("temporaries_check");
+  EXPECT_EQ(loom::files::cannot_write(dir + "/new.json"), "");
+  EXPECT_FALSE(fs::exists(dir + "/new.json.tmp")) << "the probe stayed";
+  std::ofstream(dir + "/kept.json.tmp") << "an earlier writer's";
+  EXPECT_EQ(loom::files::cannot_write(dir + "/kept.json"), "");
+  EXPECT_EQ(content(dir + "/kept.json.tmp"), "an earlier writer's");
+  EXPECT_NE(loom::files::cannot_write(dir + "/missing/x.json").find("cannot create"), std::string::npos);
+  EXPECT_EQ(loom::files::cannot_write(dir), "it is a directory");
+  fs::create_symlink("target.json", dir + "/link.json");  // dangling: names a file to create
+  {
+    loom::files::WholeFile file(dir + "/link.json");
+    std::ofstream(file.path(), file.mode()) << "through the link";
+    ASSERT_TRUE(file.commit());
+  }
+  EXPECT_TRUE(fs::is_symlink(dir + "/link.json")) << "the link was replaced by a file";
+  EXPECT_EQ(content(dir + "/target.json"), "through the link");
   fs::remove_all(dir);
 }
 
