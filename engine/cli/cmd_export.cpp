@@ -69,7 +69,8 @@ int cmd_export(int argc, char** argv) {
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const std::string step = step_dir_of(pos[0]);
-    const std::string tokenizer = args.get("--tokenizer").value_or(trained_tokenizer(step));
+    const std::optional<std::string> given = args.get("--tokenizer");
+    const std::string tokenizer = given ? *given : trained_tokenizer(step);
     const interop::HfModel hf = interop::export_hf(step, pos[1], r, tokenizer);
     size_t bytes = 0;
     for (const auto& t : hf.tensors) bytes += t.data.size();

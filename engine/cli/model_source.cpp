@@ -2,6 +2,7 @@
 
 #include "engine/cli/args.hpp"
 #include "engine/interop/hugging_face.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/gather.hpp"
@@ -40,6 +41,23 @@ void require_same_text_encoding(const std::string& saved_toml, const train::RunP
       throw UsageError("the checkpoint " + step + " was trained with " + key + " = " + was + ", this manifest has " +
                        now + ": its tokens would be read as another vocabulary's; set " + key + " as the checkpoint has it");
   }
+  // Two tokenizers (by their vocabularies, wherever their files are), when the
+  // checkpoint's still loads.
+  const std::string was = saved.get_string("data.tokenizer"), now = plan.config.data.tokenizer;
+  if (was.empty() || now.empty()) return;
+  std::unique_ptr<text::Tokenizer> before;
+  try {
+    before = text::load_tokenizer(was);
+  } catch (const text::TokenizerError&) {
+    return;  // moved away: nothing to compare with
+  }
+  const std::unique_ptr<text::Tokenizer> after = text::load_tokenizer(now);
+  bool same = before->vocab_size() == after->vocab_size();
+  for (int32_t id = 0; same && id < before->vocab_size(); ++id) same = before->piece(id) == after->piece(id);
+  if (!same)
+    throw UsageError("the checkpoint " + step + " was trained with data.tokenizer = " + was + ", this manifest has " +
+                     now + ", another vocabulary: its tokens would be read as another tokenizer's; set "
+                     "data.tokenizer as the checkpoint has it");
 }
 
 // The weights of checkpoint `step` and the plan `plan_of` makes from the manifest it
@@ -92,10 +110,21 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
   std::stringstream text;
   text << in.rdbuf();
   train::RunPlan plan = plan_for(text.str(), path, overrides, registry);
-  // The manifest's own checkpoint settings (the command's plan need not keep them).
-  const manifest::Manifest own = manifest::Manifest::parse(text.str(), path, overrides);
-  const std::string init = own.get_string("checkpoint.init_weights"), dir = own.get_string("checkpoint.dir");
+  // The manifest's own checkpoint settings (the command's plan need not keep them),
+  // its paths resolved as a run resolves them. A run that saved checkpoints (a
+  // fine-tuning run of init_weights, say) is sampled at its newest.
+  const manifest::RunConfig own = manifest::RunConfig::from(manifest::Manifest::parse(text.str(), path, overrides));
+  const std::string& init = own.checkpoint.init_weights;
+  const std::string& dir = own.checkpoint.dir;
   const manifest::RunConfig& c = plan.config;
+  if (!dir.empty() && !(step = checkpoint_step(dir)).empty())
+    return from_checkpoint(
+        step,
+        [&](const std::string& saved) {
+          require_same_text_encoding(saved, plan, step);
+          return std::move(plan);
+        },
+        registry);
   if (!init.empty()) {
     const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
     train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, registry);
@@ -110,14 +139,6 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
     }
     return {std::move(plan), std::move(w), vocab};
   }
-  if (!dir.empty() && !(step = checkpoint_step(dir)).empty())
-    return from_checkpoint(
-        step,
-        [&](const std::string& saved) {
-          require_same_text_encoding(saved, plan, step);
-          return std::move(plan);
-        },
-        registry);
   throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
                           "with a checkpoint, or give the checkpoint itself");
 }

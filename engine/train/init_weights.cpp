@@ -53,7 +53,7 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
                            const std::vector<int32_t>& ranks) {
   if (w.vocab > 0 && w.vocab != vocab)
     throw loom::Error(w.role + ": " + w.source + " has a vocabulary of " + std::to_string(w.vocab) +
-                      ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
+                      ", the run " + std::to_string(vocab) + " (model.vocab_size, data.tokenizer's, or the data's)");
   std::vector<bool> used(w.tensors.size(), false);
   for (const RankMemory& r : plan.ranks) {
     if (!ranks.empty() && std::find(ranks.begin(), ranks.end(), r.rank) == ranks.end()) continue;

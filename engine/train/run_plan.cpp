@@ -377,23 +377,42 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   return plan;
 }
 
-RunPlan replan(const RunPlan& plan, const std::vector<std::string>& overrides) {
-  // Paths the manifest wrote relative to its own file, as they were resolved (the
-  // copy has no file to resolve them against).
+namespace {
+
+// Overrides that give a copy of the manifest (which has no file to resolve them
+// against) the paths it wrote relative to its own file, as they were resolved;
+// `absolute`: made absolute too, for a copy read from anywhere later.
+std::vector<std::string> resolved_paths(const RunPlan& plan, bool absolute) {
   std::vector<std::string> all;
-  auto quoted = [](const std::string& s) { return manifest::to_toml_text(toml::value<std::string>(s)); };
-  if (!plan.config.data.path.empty()) all.push_back("data.path=" + quoted(plan.config.data.path));
-  if (!plan.config.data.blend.empty()) {
+  auto quoted = [&](const std::string& s) {
+    const std::string p = absolute ? boost::filesystem::absolute(s).lexically_normal().string() : s;
+    return manifest::to_toml_text(toml::value<std::string>(p));
+  };
+  const manifest::RunConfig& c = plan.config;
+  if (!c.data.path.empty()) all.push_back("data.path=" + quoted(c.data.path));
+  if (!c.data.blend.empty()) {
     std::string blend = "[";
-    for (const auto& [weight, path] : plan.config.data.blend)
+    for (const auto& [weight, path] : c.data.blend)
       blend += (blend.size() > 1 ? ", " : "") + manifest::to_toml_text(toml::value<double>(weight)) + ", " + quoted(path);
     all.push_back("data.blend=" + blend + "]");
   }
-  if (!plan.config.checkpoint.init_weights.empty())
-    all.push_back("checkpoint.init_weights=" + quoted(plan.config.checkpoint.init_weights));
+  if (!c.data.tokenizer.empty()) all.push_back("data.tokenizer=" + quoted(c.data.tokenizer));
+  if (!c.checkpoint.init_weights.empty()) all.push_back("checkpoint.init_weights=" + quoted(c.checkpoint.init_weights));
+  return all;
+}
+
+}  // namespace
+
+RunPlan replan(const RunPlan& plan, const std::vector<std::string>& overrides) {
+  std::vector<std::string> all = resolved_paths(plan, false);
   all.insert(all.end(), overrides.begin(), overrides.end());
   return make_plan(manifest::Manifest::parse(plan.manifest.to_toml(), "a copy of the manifest", all),
                    const_cast<plugins::Registry&>(*plan.registry));
+}
+
+std::string saved_manifest(const RunPlan& plan) {
+  return manifest::Manifest::parse(plan.manifest.to_toml(), "a copy of the manifest", resolved_paths(plan, true))
+      .to_toml();
 }
 
 }  // namespace loom::train

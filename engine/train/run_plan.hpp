@@ -62,4 +62,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
 // with the same registry (another layout or batch of the same run). Throws as make_plan.
 RunPlan replan(const RunPlan& plan, const std::vector<std::string>& overrides);
 
+// The manifest a checkpoint keeps: `plan`'s, its paths as resolved and made absolute
+// (data files and the tokenizer found again by generate, eval and export from anywhere).
+std::string saved_manifest(const RunPlan& plan);
+
 }  // namespace loom::train

@@ -226,6 +226,32 @@ printf 'extends = "%s"\n[data]\ndigits = 3\n[checkpoint]\ninit_weights = "%s"\n'
 "$loom" generate "$here/tiny.toml" --prompt "1" > "$work/gen_none.out" 2>&1
 [ $? -eq 2 ] && grep -q "names no weights" "$work/gen_none.out" || fail "generate: no weights: $(cat "$work/gen_none.out")"
 
+# 14b. data.tokenizer, relative to the manifest: the model's vocabulary is the
+# tokenizer's (400, not the largest id of these few letters + 1: 391); generate finds it
+# from the checkpoint without --tokenizer, from another directory; a manifest naming
+# the checkpoint with another tokenizer is refused.
+mkdir -p "$work/tok/cfg"
+awk 'BEGIN { srand(7); for (l = 0; l < 3000; ++l) { s = ""; for (w = 0; w < 8; ++w) { n = 2 + int(rand() * 6);
+       for (c = 0; c < n; ++c) s = s sprintf("%c", 97 + int(rand() * 20)); s = s " " } print s } }' > "$work/tok/corpus.txt"
+for t in sp sp2; do
+  "$loom" tokenizer-train --input "$work/tok/corpus.txt" --model-prefix "$work/tok/$t" --vocab-size 400 \
+    $( [ $t = sp2 ] && echo --model-type unigram ) > "$work/tok/$t.out" 2>&1 || fail "tokenizer-train $t: $(tail -2 "$work/tok/$t.out")"
+done
+for _ in $(seq 1 20); do echo "ab abc ba cab"; done > "$work/tok/few.txt"  # a few letters: not the last ids
+"$loom" preprocess --tokenizer "$work/tok/sp.model" --input "$work/tok/few.txt" --output-prefix "$work/tok/ds" \
+  > "$work/tok/pre.out" 2>&1 || fail "preprocess: $(tail -2 "$work/tok/pre.out")"
+printf 'extends = "%s"\n[model]\nseq_length = 16\n[data]\nkind = "indexed"\npath = "../ds"\ntokenizer = "../sp.model"\n[checkpoint]\ndir = "%s"\n' \
+  "$here/tiny.toml" "$work/tok/ck" > "$work/tok/cfg/m.toml"
+"$loom" run "$work/tok/cfg/m.toml" --set run.steps=3 --set run.eval_every=0 > "$work/tok/run.out" 2>&1 ||
+  fail "training on token files with data.tokenizer: $(tail -3 "$work/tok/run.out")"
+grep -q "vocab 400" "$work/tok/run.out" || fail "data.tokenizer: the vocabulary is not the tokenizer's 400: $(grep vocab "$work/tok/run.out")"
+(cd / && "$loom" generate "$work/tok/ck" --prompt "abc de" --max-new-tokens 2 > "$work/tok/gen.out" 2>&1) ||
+  fail "generate without --tokenizer from another directory: $(tail -2 "$work/tok/gen.out")"
+sed 's/sp.model/sp2.model/' "$work/tok/cfg/m.toml" > "$work/tok/cfg/other.toml"
+"$loom" generate "$work/tok/cfg/other.toml" --prompt "abc" > "$work/tok/other.out" 2>&1
+[ $? -eq 2 ] && grep -q "another vocabulary" "$work/tok/other.out" ||
+  fail "generate: a manifest naming the checkpoint with another tokenizer: $(cat "$work/tok/other.out")"
+
 # 15. loom eval: a byte-level model's perplexity over a text predicts every byte after
 # the first once (tokens = bytes - 1), the same at tp 2 x pp 2 as at its own layout;
 # LAMBADA-style JSONL gives an accuracy; a JSONL line without "text" is refused by line.

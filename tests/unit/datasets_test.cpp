@@ -244,6 +244,19 @@ TEST(Data, TheTokenizersVocabularyIsTheModels) {
     EXPECT_NE(std::string(e.what()).find("data.tokenizer names the tokenizer of token files"), std::string::npos)
         << e.what();
   }
+  // A path relative to the manifest that names it: a copy of the plan (what plan --perf
+  // measures) finds it, and the manifest a checkpoint keeps names it absolutely (for
+  // generate, eval and export run from anywhere).
+  fs::create_directories(dir + "/cfg");
+  std::ofstream(dir + "/cfg/tiny.toml") << loom::testing::tiny_manifest();
+  std::ofstream(dir + "/cfg/m.toml")
+      << "extends = \"tiny.toml\"\n[data]\nkind = \"indexed\"\npath = \"../ds\"\ntokenizer = \"../spm.model\"\n";
+  const loom::train::RunPlan from_file =
+      loom::train::make_plan(loom::manifest::Manifest::load(dir + "/cfg/m.toml"), loom::plugins::registry());
+  EXPECT_EQ(loom::train::make_data_source(loom::train::replan(from_file, {}).config)->vocab_size(), 300);
+  const std::string saved = loom::train::saved_manifest(from_file);
+  EXPECT_NE(saved.find("tokenizer = \"" + fs::absolute(model).lexically_normal().string() + "\""), std::string::npos)
+      << saved;
   // What generate and eval read text with, given no --tokenizer.
   std::vector<std::string> with = data;
   with.push_back("data.tokenizer=\"" + model + "\"");
