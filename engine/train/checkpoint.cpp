@@ -655,16 +655,30 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   CheckpointMeta meta = read_meta(resume_dir);
   require_same_param_dtype(resume_dir, meta, plan.config.device.param_dtype);
   // The data continues after the samples read so far, whatever this run's global batch
-  // (a checkpoint that did not record them read step x this one).
+  // (a checkpoint that did not record them read step x the global batch its manifest
+  // has, or, without one, this run's).
   const uint64_t by_batch = static_cast<uint64_t>(meta.step) * static_cast<uint64_t>(plan.config.batch.global_batch_size);
   out.consumed_samples = meta.consumed_samples >= 0 ? static_cast<uint64_t>(meta.consumed_samples) : by_batch;
+  if (meta.consumed_samples < 0) {
+    boost::system::error_code ec;
+    const fs::path saved = fs::path(resume_dir) / "manifest.toml";
+    if (fs::exists(saved, ec)) {
+      try {
+        const toml::table t = toml::parse_file(saved.string());
+        if (const std::optional<int64_t> batch = t.at_path("batch.global_batch_size").value<int64_t>(); batch && *batch > 0)
+          out.consumed_samples = static_cast<uint64_t>(meta.step) * static_cast<uint64_t>(*batch);
+      } catch (const toml::parse_error&) {
+        // a corrupt manifest is refused where the model is compared
+      }
+    }
+  }
   if (log && out.consumed_samples != by_batch)
     *log << "resume: " << resume_dir << " read " << out.consumed_samples << " training samples in " << meta.step
          << " steps; this run's continue from there, " << plan.config.batch.global_batch_size << " a step" << std::endl;
   // Another vocabulary can pad to the same shapes: ids would mean other tokens.
   if (meta.vocab > 0 && meta.vocab != vocab)
     throw CheckpointError("--resume: " + resume_dir + " has a vocabulary of " + std::to_string(meta.vocab) +
-                          ", the run " + std::to_string(vocab) + " (model.vocab_size, or the data's)");
+                          ", the run " + std::to_string(vocab) + " (model.vocab_size, data.tokenizer's, or the data's)");
 
   if (meta.step > steps)
     throw CheckpointError(resume_dir + " is at step " + std::to_string(meta.step) + ", past run.steps = " +

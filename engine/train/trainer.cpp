@@ -357,6 +357,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                            : std::string()) +
                       " (loom plan shows each rank's share)");
 
+  // The trace is written after training: a path it cannot be written to fails now,
+  // before anything is written (the metrics file, a checkpoint directory).
+  if (!options.trace_file.empty())
+    if (const std::string why = files::cannot_write(options.trace_file); !why.empty())
+      throw std::runtime_error("--trace " + options.trace_file + ": " + why);
+
   const std::string& ckpt_dir = config.checkpoint.dir;
   std::optional<CheckpointDirLock> ckpt_lock;
   if (!ckpt_dir.empty()) {
@@ -386,13 +392,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
   MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, config.run.steps,
                       config.run.log_every);
-  // The trace is written after training: a path it cannot be written to fails now.
-  if (!options.trace_file.empty())
-    if (const std::string why = files::cannot_write(options.trace_file); !why.empty())
-      throw std::runtime_error("--trace " + options.trace_file + ": " + why);
 
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
-          resume, plan.manifest.to_toml(),
+          resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.result.start_step = run.start_step;
   if (!resume && !config.checkpoint.init_weights.empty()) {

@@ -251,6 +251,20 @@ TEST(Checkpoint, AResumeWithAnotherGlobalBatchContinuesAfterTheSamplesRead) {
   EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 6)).consumed_samples, 64);
   EXPECT_NE(log.str().find("read 32 training samples in 4 steps"), std::string::npos) << log.str();
   EXPECT_EQ(loom::train::samples_before(6, 4, 32, 16), 64u);
+  // A checkpoint from before consumed_samples was recorded read step x the global batch
+  // its manifest has (16), not this run's (8).
+  const std::string meta = loom::train::checkpoint_path(dir, 6) + "/meta.toml";
+  std::ifstream in(meta);
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  in.close();
+  const size_t at = text.find("consumed_samples");
+  ASSERT_NE(at, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, at) << text.substr(text.find('\n', at) + 1);
+  std::ostringstream older;
+  resume.log = &older;
+  run_and_trace(tiny_manifest(), {"run.steps=7", "parallel.dp=2", "batch.global_batch_size=8", ck}, resume);
+  EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 7)).consumed_samples, 6 * 16 + 8)
+      << "the checkpoint at step 6 was written with global batch 16 (its manifest's)";
   EXPECT_EQ(loom::train::sample_index(loom::train::samples_before(5, 4, 32, 16), 1, 4, 2, 2), 32u + 16u + (4 + 2) * 2);
   fs::remove_all(dir);
 }
@@ -478,7 +492,7 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
         << dp << ": " << heads;
   }
   const std::string vocab = refusal({"parallel.dp=2", "model.vocab_size=20"});
-  EXPECT_NE(vocab.find("has a vocabulary of 13, the run 20 (model.vocab_size, or the data's)"), std::string::npos) << vocab;
+  EXPECT_NE(vocab.find("has a vocabulary of 13, the run 20 (model.vocab_size, data.tokenizer's, or the data's)"), std::string::npos) << vocab;
   // run.steps below the checkpoint's step is an error, not a silent exit.
   try {
     run_and_trace(tiny_manifest(), {"run.steps=1", "parallel.dp=2", ck}, resume);
@@ -646,6 +660,7 @@ TEST(Training, UnwritableMetricsAndTraceAreErrors) {
   loom::train::TrainOptions trace;
   trace.trace_file = dir + "/missing/trace.json";
   trace.metrics_file = dir + ".jsonl";
+  std::ofstream(trace.metrics_file) << "an earlier run's line\n";
   try {
     run_and_trace(tiny_manifest(), {"run.steps=5"}, trace);
     FAIL() << "a trace path in a missing directory must fail the run";
@@ -656,6 +671,7 @@ TEST(Training, UnwritableMetricsAndTraceAreErrors) {
   }
   std::ifstream metrics(trace.metrics_file);
   std::string line;
+  EXPECT_TRUE(std::getline(metrics, line) && line == "an earlier run's line") << "the metrics file was started anew";
   EXPECT_FALSE(std::getline(metrics, line)) << "the run trained before failing on its trace path: " << line;
   fs::remove(trace.metrics_file);
 }
