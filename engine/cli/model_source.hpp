@@ -1,6 +1,7 @@
 // What `loom generate` and `loom eval` run: a trained model named by a checkpoint (a
 // step_N directory or a checkpoint.dir; the model of the manifest it saved) or by a
-// manifest (whose checkpoint.init_weights or checkpoint.dir holds the weights), with
+// manifest (whose checkpoint.dir, once it holds a checkpoint, or checkpoint.init_weights
+// holds the weights), with
 // its weights as whole tensors and a run plan for the command's layout.
 #pragma once
 

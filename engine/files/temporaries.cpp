@@ -135,17 +135,16 @@ WholeFile::WholeFile(const std::string& path) : target_(path) {
   // The file a link names is replaced, not the link; a link to no file yet names the
   // file to create.
   char resolved[PATH_MAX];
-  if (::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
-    if (::realpath(path.c_str(), resolved) != nullptr) {
+  for (int hop = 0; hop < 40 && ::lstat(target_.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hop) {
+    if (::realpath(target_.c_str(), resolved) != nullptr) {
       target_ = resolved;
-    } else {
-      const ssize_t n = ::readlink(path.c_str(), resolved, sizeof resolved - 1);
-      if (n > 0) {
-        const std::string link(resolved, static_cast<size_t>(n));
-        const size_t slash = path.rfind('/');
-        target_ = link[0] == '/' || slash == std::string::npos ? link : path.substr(0, slash + 1) + link;
-      }
+      break;
     }
+    const ssize_t n = ::readlink(target_.c_str(), resolved, sizeof resolved - 1);
+    if (n <= 0) break;
+    const std::string link(resolved, static_cast<size_t>(n));
+    const size_t slash = target_.rfind('/');
+    target_ = link[0] == '/' || slash == std::string::npos ? link : target_.substr(0, slash + 1) + link;
   }
   temporary_ = std::make_unique<Temporary>(target_ + ".tmp");
 }

@@ -73,6 +73,9 @@ class WholeFile {
   std::ios::openmode mode() const { return std::ios::binary | (temporary_ ? std::ios::trunc : std::ios::app); }
   // False (errno set) when the rename failed; the temporary is then removed.
   bool commit();
+  // Whether the file is replaced whole (written beside it, then renamed), not written
+  // directly (a pipe, a device, the process's own output).
+  bool replaces() const { return temporary_ != nullptr; }
   // Gives up without removing what is at path() (a check that wrote nothing there).
   void disown() {
     if (temporary_) temporary_->disown();

@@ -358,7 +358,7 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   namespace fs = boost::filesystem;
   const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(path);  // checks the files
   if (tok->vocab_size() > vocab)
-    throw std::runtime_error("--tokenizer " + path + " has " + std::to_string(tok->vocab_size()) +
+    throw std::runtime_error("the tokenizer " + path + " has " + std::to_string(tok->vocab_size()) +
                              " tokens, more than the model's vocabulary of " + std::to_string(vocab));
   const bool gpt2 = fs::is_directory(path);
   nlohmann::ordered_json special, cfg;

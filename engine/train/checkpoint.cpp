@@ -71,10 +71,11 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
   return (fs::path(dir) / name).string();
 }
 
-std::string temp_checkpoint_path(const std::string& dir, int64_t step) {
-  // Unique per run and the same in every process of it: under mpirun/srun each rank
-  // is its own process and writes into the directory rank 0 prepared, so the job's
-  // id stands in for the process id.
+namespace {
+// Unique per run and the same in every process of it: under mpirun/srun each rank is
+// its own process and writes into the directory rank 0 prepared, so the job's id
+// stands in for the process id (and, not a process id, is never taken for a dead one).
+std::string run_id() {
   std::string run_id = std::to_string(::getpid());
   if (const char* ns = std::getenv("PMIX_NAMESPACE"); ns && *ns) {
     run_id = ns;
@@ -84,7 +85,12 @@ std::string temp_checkpoint_path(const std::string& dir, int64_t step) {
   }
   for (char& c : run_id)
     if (c == '/') c = '_';
-  return (fs::path(dir) / (".tmp-" + fs::path(checkpoint_path(dir, step)).filename().string() + "-" + run_id))
+  return run_id;
+}
+}  // namespace
+
+std::string temp_checkpoint_path(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / (".tmp-" + fs::path(checkpoint_path(dir, step)).filename().string() + "-" + run_id()))
       .string();
 }
 
@@ -148,7 +154,12 @@ CheckpointDirLock::~CheckpointDirLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
-void prepare_checkpoint_dir(const std::string& dir) {
+namespace {
+void clear_unfinished_saves(const std::string& dir);
+void probe_writable(const std::string& dir);
+}  // namespace
+
+void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock) {
   boost::system::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
     throw CheckpointError("checkpoint.dir " + dir + " exists and is not a directory; name a directory for the "
@@ -157,6 +168,17 @@ void prepare_checkpoint_dir(const std::string& dir) {
   if (ec || !fs::is_directory(dir))
     throw CheckpointError("checkpoint.dir " + dir + " cannot be created" + (ec ? ": " + ec.message() : std::string()) +
                           "; checkpoints would fail only after training");
+  if (lock != nullptr) {
+    lock->emplace(dir);  // before touching what another run may be writing
+    clear_unfinished_saves(dir);
+  }
+  probe_writable(dir);
+}
+
+namespace {
+
+void clear_unfinished_saves(const std::string& dir) {
+  boost::system::error_code ec;
   // Temporary directories of saves that never finished (a crash, a full disk) go first:
   // on a full disk they are what the probe below would fail for.
   // They are .tmp-step_N-PID with a dead PID. A job id in place of the PID
@@ -180,8 +202,10 @@ void prepare_checkpoint_dir(const std::string& dir) {
     const fs::path replaced = path.parent_path() / name.substr(0, unfinished ? 0 : old);
     if (!unfinished && !fs::exists(replaced, rm)) {
       fs::rename(path, replaced, rm);
-      LOG(INFO) << "checkpoint.dir: restored " << replaced.string() << " from " << name << ", moved aside by process "
-                << pid << " to be saved again, which stopped before the new save took its place";
+      if (!rm)
+        LOG(INFO) << "checkpoint.dir: restored " << replaced.string() << " from " << name
+                  << ", moved aside by process " << pid
+                  << " to be saved again, which stopped before the new save took its place";
       continue;
     }
     fs::remove_all(path, rm);
@@ -189,6 +213,10 @@ void prepare_checkpoint_dir(const std::string& dir) {
               << (unfinished ? ", an unfinished save" : ", a step saved again since") << " of process " << pid
               << ", which no longer runs";
   }
+}
+
+void probe_writable(const std::string& dir) {
+  boost::system::error_code ec;
   const std::string probe = (fs::path(dir) / (".probe-" + std::to_string(::getpid()))).string();
   {
     std::ofstream f(probe);
@@ -200,6 +228,8 @@ void prepare_checkpoint_dir(const std::string& dir) {
   }
   fs::remove(probe, ec);
 }
+
+}  // namespace
 
 namespace {
 std::string layout_file(const std::string& dir, int rank) {
@@ -326,7 +356,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   boost::system::error_code ec;
   std::string old;
   if (fs::exists(final_dir)) {  // re-saving a step: move the old one aside first
-    old = final_dir + ".old-" + std::to_string(::getpid());
+    old = final_dir + ".old-" + run_id();
     fs::rename(final_dir, old, ec);
     if (ec) throw CheckpointError("cannot replace " + final_dir + ": " + ec.message());
   }

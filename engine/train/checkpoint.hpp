@@ -63,10 +63,6 @@ std::string checkpoint_path(const std::string& dir, int64_t step);
 // when there is none; `skipped` gets each step_* directory that is not a complete
 // checkpoint, as "<path> (<why>)": no meta.toml, or a name that is no step number.
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
-// Before training: creates checkpoint.dir, proves it writable (a probe file), and
-// removes the temporary directories of unfinished saves whose process is gone.
-// Throws CheckpointError naming the directory.
-void prepare_checkpoint_dir(const std::string& dir);
 // Held by the process of global rank 0 while it trains (flock on checkpoint.dir/.lock,
 // released when the process ends however it ends): a second run saving into the same
 // directory is refused naming the process that holds it.
@@ -80,6 +76,13 @@ class CheckpointDirLock {
  private:
   int fd_ = -1;
 };
+
+// Before training: creates checkpoint.dir, takes its lock into `lock` (the process of
+// global rank 0; null for the others), then, holding it, removes the temporary
+// directories of unfinished saves whose process is gone and puts back a step moved
+// aside by a save that stopped, and proves the directory writable (a probe file).
+// Throws CheckpointError naming the directory.
+void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock);
 
 // The parameters a rank holds, as a checkpoint records them: name and local
 // shape, in model order (model::Model::param_entries()).

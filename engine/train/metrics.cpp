@@ -69,6 +69,11 @@ namespace {
 void drop_steps_after(const std::string& path, int64_t step, std::ostream* log) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  files::WholeFile file(path);
+  if (!file.replaces()) {  // the process's own stdout redirected to a file: not rewritten
+    file.disown();
+    return;
+  }
   std::ifstream in(path);
   std::string kept, line;
   int64_t dropped = 0;
@@ -81,7 +86,6 @@ void drop_steps_after(const std::string& path, int64_t step, std::ostream* log) 
     kept += line + "\n";
   }
   if (dropped == 0) return;
-  files::WholeFile file(path);
   std::ofstream out(file.path(), file.mode());
   out << kept;
   out.close();

@@ -366,8 +366,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   const std::string& ckpt_dir = config.checkpoint.dir;
   std::optional<CheckpointDirLock> ckpt_lock;
   if (!ckpt_dir.empty()) {
-    prepare_checkpoint_dir(ckpt_dir);
-    if (!launch.multi_process || launch.rank == 0) ckpt_lock.emplace(ckpt_dir);
+    prepare_checkpoint_dir(ckpt_dir, !launch.multi_process || launch.rank == 0 ? &ckpt_lock : nullptr);
   }
   // A new run into another run's checkpoints would overwrite the steps they share and
   // leave the rest, which a later --resume (the highest step) would take for its own.

@@ -196,7 +196,7 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
       // that two threads cannot both pass it. The limit is on memory in use, what the
       // memory plan counts (not graph-pool blocks a graph keeps for its replays).
       std::lock_guard<std::mutex> lock(dev.mem_mu);
-      if (dev.memory_limit > 0 && dev.current_bytes + bytes > dev.memory_limit) {
+      if (dev.memory_limit > 0 && (dev.current_bytes > dev.memory_limit || bytes > dev.memory_limit - dev.current_bytes)) {
         std::ostringstream os;
         os << "device/cpu rank " << dev.global_rank << ": out of memory allocating " << bytes << " bytes ("
            << dev.current_bytes << " bytes in use of the " << (dev.memory_limit >> 20)
@@ -204,7 +204,6 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
         throw Error(os.str(), LOOM_CODE_OUT_OF_MEMORY);
       }
       dev.current_bytes += bytes;
-      dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
       dev.num_allocs += 1;
     }
     const bool capturing = dev.capturing != nullptr;
@@ -215,6 +214,7 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
         void* p = it->second;
         dev.allocations.emplace(p, std::make_pair(bytes, it->first));
         dev.graph_free.erase(it);
+        dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
         *out = p;
         return;
       }
@@ -233,6 +233,7 @@ loom_status alloc(loom_device* d, size_t bytes, void** out) {
     dev.allocations.emplace(p, std::make_pair(bytes, reserved));
     if (capturing) dev.graph_blocks.insert(p);
     dev.reserved_bytes += reserved;
+    dev.peak_bytes = std::max(dev.peak_bytes, dev.current_bytes);
     *out = p;
   });
 }
