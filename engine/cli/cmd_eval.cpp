@@ -5,6 +5,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
+#include "engine/files/read.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/token_files.hpp"
 #include "engine/train/eval_data.hpp"
@@ -15,12 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cerrno>
 #include <cmath>
-#include <fstream>
+#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <optional>
-#include <sstream>
 
 namespace loom::cli {
 namespace {
@@ -42,11 +43,9 @@ const char* kUsage =
     "  --json               one JSON object with the numbers\n";
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError("--data " + path + ": cannot open the file");
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw UsageError("--data " + path + ": cannot read the file (" + std::strerror(errno) + ")");
+  return std::move(*bytes);
 }
 
 int64_t count_words(const std::string& text) {

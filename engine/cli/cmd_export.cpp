@@ -3,15 +3,14 @@
 // taken), from any parallel layout, as a Hugging Face transformers model directory.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/files/read.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/manifest/manifest.hpp"
 #include "engine/train/checkpoint.hpp"
 
 #include <boost/filesystem.hpp>
 
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 namespace loom::cli {
 namespace {
@@ -41,11 +40,9 @@ std::string step_dir_of(const std::string& path) {
 // "" otherwise (said on stderr when named but not found).
 std::string trained_tokenizer(const std::string& step) {
   const std::string saved = step + "/manifest.toml";
-  std::ifstream in(saved);
-  if (!in) return "";
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::string path = manifest::Manifest::parse(text.str(), saved, {}, manifest::Manifest::Launch::Other)
+  const std::optional<std::string> text = files::read_whole_file(saved);
+  if (!text) return "";
+  const std::string path = manifest::Manifest::parse(*text, saved, {}, manifest::Manifest::Launch::Other)
                                .get_string("data.tokenizer");
   if (path.empty() || boost::filesystem::exists(path)) return path;
   std::cerr << "loom export: warning: the model was trained with data.tokenizer = " << path

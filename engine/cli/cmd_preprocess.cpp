@@ -6,6 +6,7 @@
 // encoded on several threads and written in input order.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/files/read.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/tokenizer.hpp"
@@ -17,13 +18,12 @@
 #include <cctype>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <climits>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -56,9 +56,9 @@ const char* kTokenizeUsage =
 
 std::string read_input(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(path + ": cannot open the file");
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw std::runtime_error(path + ": cannot read the file (" + std::strerror(errno) + ")");
+  return std::move(*bytes);
 }
 
 bool is_jsonl(const std::string& path) {

@@ -1,6 +1,7 @@
 #include "engine/cli/model_source.hpp"
 
 #include "engine/cli/args.hpp"
+#include "engine/files/read.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/train/checkpoint.hpp"
@@ -9,8 +10,9 @@
 
 #include <boost/filesystem.hpp>
 
-#include <fstream>
-#include <sstream>
+#include <cerrno>
+#include <cstring>
+#include <iostream>
 
 namespace loom::cli {
 namespace {
@@ -111,14 +113,13 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
     return from_checkpoint(
         step, [&](const std::string& saved) { return plan_for(saved, step + "/manifest.toml", overrides, registry); },
         registry);
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  train::RunPlan plan = plan_for(text.str(), path, overrides, registry);
+  const std::optional<std::string> text = files::read_whole_file(path);
+  if (!text) throw UsageError(path + ": cannot read the manifest (" + std::strerror(errno) + ")");
+  train::RunPlan plan = plan_for(*text, path, overrides, registry);
   // The manifest's own checkpoint settings (the command's plan need not keep them),
   // its paths resolved as a run resolves them. A run that saved checkpoints (a
   // fine-tuning run of init_weights, say) is sampled at its newest.
-  const manifest::RunConfig own = manifest::RunConfig::from(manifest::Manifest::parse(text.str(), path, overrides));
+  const manifest::RunConfig own = manifest::RunConfig::from(manifest::Manifest::parse(*text, path, overrides));
   const std::string& init = own.checkpoint.init_weights;
   const std::string& dir = own.checkpoint.dir;
   const manifest::RunConfig& c = plan.config;
@@ -130,22 +131,25 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
           return std::move(plan);
         },
         registry);
+  // checkpoint.dir is relative to the working directory (where `loom run` wrote it).
+  const std::string no_checkpoint =
+      dir.empty() ? "" : "checkpoint.dir = " + dir + " holds no checkpoint (seen from " + fs::current_path().string() + ")";
   if (!init.empty()) {
+    if (!no_checkpoint.empty()) std::cerr << "note: " << no_checkpoint << "; reading checkpoint.init_weights\n";
     const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();
     train::InitialWeights w = interop::read_initial_weights(init, plan, vocab, registry);
     // A loom checkpoint's ids mean what its own data settings say (a Hugging Face
     // model's vocabulary comes with a --tokenizer, checked by its size).
     const fs::path saved = fs::path(w.source) / "manifest.toml";
-    if (fs::exists(fs::path(w.source) / "meta.toml") && fs::exists(saved)) {
-      std::ifstream saved_in(saved.string());
-      std::stringstream saved_text;
-      saved_text << saved_in.rdbuf();
-      require_same_text_encoding(saved_text.str(), plan, w.source);
+    if (fs::exists(fs::path(w.source) / "meta.toml")) {
+      if (const std::optional<std::string> saved_text = files::read_whole_file(saved.string()))
+        require_same_text_encoding(*saved_text, plan, w.source);
     }
     return {std::move(plan), std::move(w), vocab};
   }
-  throw UsageError(path + " names no weights: set checkpoint.init_weights, or checkpoint.dir to a directory "
-                          "with a checkpoint, or give the checkpoint itself");
+  throw UsageError(path + " names no weights" + (no_checkpoint.empty() ? "" : " (" + no_checkpoint + ")") +
+                   ": set checkpoint.init_weights, or checkpoint.dir to a directory with a checkpoint, or give "
+                   "the checkpoint itself");
 }
 
 }  // namespace loom::cli

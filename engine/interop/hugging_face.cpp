@@ -1,5 +1,6 @@
 #include "engine/interop/hugging_face.hpp"
 
+#include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 
 #include "engine/text/tokenizer.hpp"
@@ -344,11 +345,9 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
 namespace {
 
 std::string read_whole(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw std::runtime_error("cannot read " + path + " (" + std::strerror(errno) + ")");
+  return std::move(*bytes);
 }
 
 // The tokenizer files transformers reads beside a model (name -> content), from a loom
@@ -620,14 +619,10 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   const Shape s = shape_of(plan);  // what the model cannot be first: it needs no files
   const std::string where = (boost::filesystem::path(dir) / "config.json").string();
   nlohmann::json c;
-  {
-    std::ifstream in(where);
-    if (!in) throw std::runtime_error("cannot read " + where);
-    try {
-      in >> c;
-    } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error(where + " is not JSON: " + e.what());
-    }
+  try {
+    c = nlohmann::json::parse(read_whole(where));
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(where + " is not JSON: " + e.what());
   }
   const manifest::RunConfig& m = plan.config;
   if (!c.is_object() || !c.contains("architectures") || !c["architectures"].is_array() ||

@@ -1,5 +1,6 @@
 #include "engine/text/gpt2_tokenizer.hpp"
 
+#include "engine/files/read.hpp"
 #include "engine/text/unicode_classes.hpp"
 
 #include <nlohmann/json.hpp>
@@ -8,8 +9,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <climits>
-#include <fstream>
+#include <cstring>
 #include <sstream>
 
 namespace loom::text {
@@ -33,12 +35,10 @@ std::string utf8(uint32_t cp) {
 
 std::string read_all(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw TokenizerError(path + ": is a directory, not a file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw TokenizerError(path + ": cannot open the file (a GPT-2 tokenizer directory holds encoder.json and "
-                                       "vocab.bpe; scripts/fetch-gpt2-tokenizer.sh fetches them)");
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw TokenizerError(path + ": cannot read the file (" + std::strerror(errno) + "; a GPT-2 tokenizer "
+                                   "directory holds encoder.json and vocab.bpe; scripts/fetch-gpt2-tokenizer.sh fetches them)");
+  return std::move(*bytes);
 }
 
 enum class Kind { Letter, Number, Space, Other };

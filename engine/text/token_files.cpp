@@ -1,12 +1,11 @@
 #include "engine/text/token_files.hpp"
 
+#include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 
 #include <cerrno>
 #include <climits>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <unistd.h>
 
 namespace loom::text {
@@ -59,9 +58,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 }
 
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw TokenFileError(path + ": cannot open the file");
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw TokenFileError(path + ": cannot read the file (" + errno_text() + ")");
+  return std::move(*bytes);
 }
 
 void append_tokens(std::string& out, const std::vector<int32_t>& tokens, TokenType type, const std::string& where) {

@@ -1,16 +1,16 @@
 #include "engine/train/gather.hpp"
 
+#include "engine/files/read.hpp"
 #include "engine/train/run_plan.hpp"
 
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 
 namespace loom::train {
 
@@ -47,11 +47,9 @@ std::vector<DimSplit> splits_of(const PlannedParam& p, const ShardCoords& at) {
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw CheckpointError("cannot read " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::optional<std::string> bytes = files::read_whole_file(path);
+  if (!bytes) throw CheckpointError("cannot read " + path + " (" + std::strerror(errno) + ")");
+  return std::move(*bytes);
 }
 
 }  // namespace
