@@ -282,6 +282,10 @@ int64_t recomputed_blocks(const RunPlan& plan) {
   return n;
 }
 
+namespace {
+const char* const kBlocksRecomputed = "blocks recomputed (model.recompute_method = block)";
+}  // namespace
+
 std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   static const std::set<std::string> kKeys = {
       "model.hidden_size",     "model.num_heads",          "model.ffn_hidden_size", "model.seq_length",
@@ -292,10 +296,15 @@ std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   std::map<std::string, std::string> out;
   for (const manifest::Manifest::Entry& e : plan.manifest.entries())
     if (kKeys.count(e.key) > 0) out[e.key] = e.value;
-  // Of some blocks, by pipeline chunk: the share recomputed depends on the layout too.
+  // Of some blocks, by pipeline chunk: the share recomputed depends on the layout, and
+  // it alone decides (1 block of each of 2 stages costs what 2 blocks of 1 stage do).
   const int64_t recomputed = recomputed_blocks(plan);
-  if (recomputed >= 0 && recomputed < plan.config.model.num_layers)
-    out["blocks recomputed (model.recompute_method = block)"] = std::to_string(recomputed);
+  if (recomputed >= 0) {
+    out.erase("model.recompute_num_layers");
+    out[kBlocksRecomputed] = recomputed < plan.config.model.num_layers
+                                 ? std::to_string(recomputed)
+                                 : "all " + std::to_string(plan.config.model.num_layers);
+  }
   // Each layer's options, as set or as its plugin declares them by default.
   const toml::table none;
   for (const model::LayerSpec& spec : plan.layers) {
@@ -569,11 +578,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     const std::map<std::string, std::string> now = compute_settings(plan);
     for (const auto& [key, measured] : profile.model) {
       const auto it = now.find(key);
-      // Absent, the recomputed-blocks count means every block (or none recomputed at all).
-      const std::string here = it != now.end() ? it->second
-                               : key.rfind("blocks recomputed", 0) == 0 && recomputed_blocks(plan) >= 0
-                                   ? "all " + std::to_string(plan.config.model.num_layers)
-                                   : "(none)";
+      const std::string here = it != now.end() ? it->second : "(none)";
       if (here != measured)
         throw loom::Error("the compute profile is of another model: it was measured with " + key + " = " + measured +
                           ", this run has " + here + " (its time per layer differs): measure this model");

@@ -54,9 +54,10 @@ struct ComputeProfile {
   int64_t blocks = 0, model_blocks = 0;
   std::vector<double> distinct_layer_flops;
   // What else decides a layer's time, as the measured manifest set it: the shapes,
-  // dtypes, recomputation, execution mode, micro-batch and every layer option (as set,
-  // else its default), by key. An estimate refuses a run that differs in any; empty in
-  // a profile written before it was kept.
+  // dtypes, recomputation (by method "block": the blocks recomputed over all pipeline
+  // chunks, not the count per chunk), execution mode, micro-batch and every layer option
+  // (as set, else its default), by key. An estimate refuses a run that differs in any;
+  // empty in a profile written before it was kept.
   std::map<std::string, std::string> model;
   double optimizer_s = 0;       // one optimizer step of a rank that steps `buffer_elements`
   size_t buffer_elements = 0;

@@ -461,6 +461,17 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   EXPECT_NE(last_stderr().find("blocks recomputed (model.recompute_method = block) = 2, this run has 1"),
             std::string::npos)
       << last_stderr();
+  // The count alone decides: 2 blocks of 1 stage cost what 1 block of each of 2 stages does.
+  std::vector<std::string> one_stage_two = one_stage;
+  one_stage_two.back() = "model.recompute_num_layers=2";
+  EXPECT_EQ(plan_cli(one_stage_two, &out), 0) << last_stderr();
+  // Every block (2 of each of 2 stages) is "all", whatever the count per stage.
+  std::vector<std::string> all_blocks = save;
+  all_blocks.back() = "model.recompute_num_layers=2";
+  ASSERT_EQ(plan_cli(all_blocks, &out), 0) << out << last_stderr();
+  std::ifstream saved_all(recompute_prof);
+  EXPECT_EQ(nlohmann::json::parse(saved_all).at("model").at("blocks recomputed (model.recompute_method = block)"),
+            "all 4");
   // --search measures each share of recomputed blocks once: the manifest's own split
   // (2 stages of 2 blocks, 1 recomputed in each) is ranked, not refused for a profile
   // of another split.
