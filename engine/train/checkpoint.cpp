@@ -340,6 +340,7 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   t.insert("cp", meta.cp);
   if (meta.vocab > 0) t.insert("vocab", meta.vocab);
   if (meta.consumed_samples >= 0) t.insert("consumed_samples", meta.consumed_samples);
+  if (meta.evaluation_pending) t.insert("evaluation_pending", true);
   toml::array sums;  // ties the rank files to this save: one copied in from another run is refused
   for (const uint64_t c : meta.rank_checksums) {
     char hex[17];
@@ -396,6 +397,7 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
     m.vocab = t["vocab"].value_or(int64_t{0});
     m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
+    m.evaluation_pending = t["evaluation_pending"].value_or(false);
     if (const toml::array* sums = t["rank_checksums"].as_array()) {
       for (const toml::node& n : *sums) {
         const std::string hex = n.value_or(std::string());
@@ -689,6 +691,7 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   // has, or, without one, this run's).
   const uint64_t by_batch = static_cast<uint64_t>(meta.step) * static_cast<uint64_t>(plan.config.batch.global_batch_size);
   out.consumed_samples = meta.consumed_samples >= 0 ? static_cast<uint64_t>(meta.consumed_samples) : by_batch;
+  out.evaluation_pending = meta.evaluation_pending;
   if (meta.consumed_samples < 0) {
     boost::system::error_code ec;
     const fs::path saved = fs::path(resume_dir) / "manifest.toml";

@@ -45,6 +45,7 @@ struct CheckpointMeta {
   int64_t vocab = 0;                 // the model's vocabulary, unpadded (0: not recorded)
   int64_t consumed_samples = -1;     // training samples read by `step` (-1: not recorded, i.e. step x the global batch)
   std::vector<uint64_t> rank_checksums;  // each rank file's, by rank (empty: not recorded)
+  bool evaluation_pending = false;   // a stop signal came before `step`'s evaluation (run.eval_every) ended
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and
@@ -145,6 +146,7 @@ struct ResumePoint {
   std::string dir;                 // the checkpoint's directory
   int64_t step = 0;                // the step it holds
   uint64_t consumed_samples = 0;   // the training samples read by then (where the data continues)
+  bool evaluation_pending = false; // its step's evaluation, cut short by a stop signal, is run first
   int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp or the bucket size changes (reshard); else 0
   int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)
   // Another tp, pp, cp, ep or etp (or order): the parameters and optimizer state are

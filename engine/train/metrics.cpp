@@ -36,6 +36,18 @@ std::string mib(uint64_t b) {
   return os.str();
 }
 
+void add_evaluation(nlohmann::ordered_json& j, const StepRecord& r) {
+  j["val_loss"] = r.val_loss;
+  if (r.exact_match >= 0) j["val_exact_match"] = r.exact_match;
+  if (r.token_accuracy >= 0) j["val_token_accuracy"] = r.token_accuracy;
+}
+
+// The progress line's evaluation part.
+void print_evaluation(std::ostream& os, const StepRecord& r) {
+  os << " | val loss " << std::fixed << std::setprecision(4) << r.val_loss;
+  if (r.exact_match >= 0) os << " | val exact-match " << std::setprecision(1) << 100 * r.exact_match << "%";
+}
+
 }  // namespace
 
 std::string step_json(const StepRecord& r) {
@@ -53,11 +65,7 @@ std::string step_json(const StepRecord& r) {
                               {"in_flight", r.in_flight},
                               {"activation_bytes", r.activation_bytes},
                               {"comm", runtime::comm_stats_to_json(r.comm)}};
-  if (r.evaluated) {
-    j["val_loss"] = r.val_loss;
-    if (r.exact_match >= 0) j["val_exact_match"] = r.exact_match;
-    if (r.token_accuracy >= 0) j["val_token_accuracy"] = r.token_accuracy;
-  }
+  if (r.evaluated) add_evaluation(j, r);
   return runtime::dump_json(j);  // inf and nan, which JSON cannot spell, as null
 }
 
@@ -129,20 +137,31 @@ void MetricsSink::write(const StepRecord& r, bool stopping) {
        << human(rates_.flops_per_step / (avg_ms / 1000)) << "FLOP/s";
     if (rates_.peak_tflops > 0) os << " (MFU " << std::setprecision(1) << 100 * r.mfu << "%)";
     os << " | mem " << mib(r.mem_current) << " (peak " << mib(r.mem_peak) << ")";
-    if (r.evaluated) {
-      os << " | val loss " << std::setprecision(4) << r.val_loss;
-      if (r.exact_match >= 0) os << " | val exact-match " << std::setprecision(1) << 100 * r.exact_match << "%";
-    }
+    if (r.evaluated) print_evaluation(os, r);
     os << std::endl;
     window_ms_ = 0;
     window_steps_ = 0;
   }
-  if (out_.is_open()) {  // a failed write (a full disk, /dev/full) stops the run
-    out_ << step_json(r) << "\n" << std::flush;
-    if (!out_)
-      throw std::runtime_error("metrics file " + file_ + ": writing step " + std::to_string(r.step) + " failed (" +
-                               std::strerror(errno) + ")");
+  append(step_json(r), r.step);
+}
+
+void MetricsSink::write_evaluation(const StepRecord& r) {
+  if (log_) {
+    *log_ << "step " << std::setw(5) << r.step << "/" << steps_;
+    print_evaluation(*log_, r);
+    *log_ << " (the evaluation a stop signal cut short)" << std::endl;
   }
+  nlohmann::ordered_json j = {{"step", r.step}};
+  add_evaluation(j, r);
+  append(runtime::dump_json(j), r.step);
+}
+
+void MetricsSink::append(const std::string& line, int64_t step) {
+  if (!out_.is_open()) return;
+  out_ << line << "\n" << std::flush;
+  if (!out_)  // a failed write (a full disk, /dev/full) stops the run
+    throw std::runtime_error("metrics file " + file_ + ": writing step " + std::to_string(step) + " failed (" +
+                             std::strerror(errno) + ")");
 }
 
 }  // namespace loom::train

@@ -56,8 +56,13 @@ class MetricsSink {
   // last step, an evaluation, a stop) and the metrics line. A failed write (a full
   // disk) throws std::runtime_error.
   void write(const StepRecord& r, bool stopping);
+  // Rank 0, on resuming: the evaluation of step r.step (its val_* fields) that a stop
+  // signal cut short, the progress line and a metrics line of the step and those fields.
+  void write_evaluation(const StepRecord& r);
 
  private:
+  void append(const std::string& line, int64_t step);
+
   std::string file_;
   std::ofstream out_;
   std::ostream* log_;

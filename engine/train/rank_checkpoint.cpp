@@ -4,7 +4,7 @@ namespace loom::train {
 
 std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
                             const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
-                            const std::string& manifest_toml) {
+                            bool evaluation_pending, const std::string& manifest_toml) {
   const manifest::RunConfig& config = plan.config;
   const std::string& dir = config.checkpoint.dir;
   const loom::Group world = rank.group_or_self("world");
@@ -30,6 +30,7 @@ std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, con
     meta.cp = plan.sizes.cp;
     meta.vocab = model.dims().vocab;
     meta.consumed_samples = static_cast<int64_t>(consumed_samples);
+    meta.evaluation_pending = evaluation_pending;
     for (const int64_t c : checksums) meta.rank_checksums.push_back(static_cast<uint64_t>(c));
     commit_checkpoint(dir, tmp, meta, manifest_toml);
     committed = checkpoint_path(dir, step);

@@ -17,11 +17,12 @@
 namespace loom::train {
 
 // Every rank of the world calls it (barriers inside) when checkpoint.dir is set.
-// `consumed_samples`: the training samples the run has read by `step`. Returns the
-// committed directory on rank 0, "" on the others.
+// `consumed_samples`: the training samples the run has read by `step`;
+// `evaluation_pending`: a stop signal came before step's evaluation ended (a resume
+// runs it first). Returns the committed directory on rank 0, "" on the others.
 std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
                             const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
-                            const std::string& manifest_toml);
+                            bool evaluation_pending, const std::string& manifest_toml);
 
 // Loads `from` into this rank's parameters and optimizer state, after checking the
 // parameter layout and the model the checkpoint kept.

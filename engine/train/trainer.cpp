@@ -114,8 +114,10 @@ class RankTraining {
   void start_trace();
   StepRecord train_step(int64_t step);
   bool stop_requested() const;
+  bool evaluates_at(int64_t step) const;
+  bool evaluate(StepRecord& rec);
   void sample(int64_t step);
-  void checkpoint(int64_t step);
+  void checkpoint(int64_t step, bool evaluation_pending = false);
   void mark_interrupted();
   void publish();
 
@@ -212,11 +214,11 @@ StepRecord RankTraining::train_step(int64_t step) {
   return rec;
 }
 
-void RankTraining::checkpoint(int64_t step) {
+void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
   if (config_.checkpoint.dir.empty()) return;
   optimizer_.params_needed_all();
-  const std::string path =
-      save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.samples_before(step), run_.manifest_toml);
+  const std::string path = save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.samples_before(step),
+                                           evaluation_pending, run_.manifest_toml);
   if (!leader_) return;
   std::lock_guard<std::mutex> lock(run_.mu);
   run_.result.checkpoint = path;
@@ -260,27 +262,28 @@ void RankTraining::run() {
   }
 
   int64_t step = run_.start_step;
+  // The evaluation of the checkpoint's step that a stop signal cut short comes first
+  // (a second stop leaves it pending in the same checkpoint).
+  if (run_.resume && run_.resume->evaluation_pending && evaluates_at(step)) {
+    StepRecord rec;
+    rec.step = step;
+    if (!evaluate(rec)) {
+      mark_interrupted();
+      return;
+    }
+    if (leader_) run_.metrics.write_evaluation(rec);
+  }
   while (step < steps) {
     StepRecord rec = train_step(step);
     ++step;
     bool stop = stop_requested();
     run_.metrics.complete(rec);
-    const int64_t eval_every = config_.run.eval_every;
-    const bool evaluates = !stop && eval_every > 0 && (step % eval_every == 0 || step == steps);
+    // A stop before or during this step's evaluation leaves it to the resumed run.
+    bool evaluation_pending = stop && evaluates_at(step);
     // What reads the parameters outside a training forward (evaluation, on_step, and
     // checkpoint() and sample() below) finds them in place.
-    if (evaluates || run_.options.on_step) optimizer_.params_needed_all();
-    if (evaluates) {
-      const std::optional<Evaluation> e = evaluator_->run([this] { return stop_requested(); });
-      if (e) {
-        rec.evaluated = true;
-        rec.val_loss = e->loss;
-        rec.exact_match = e->exact_match;
-        rec.token_accuracy = e->token_accuracy;
-      } else {
-        stop = true;
-      }
-    }
+    if (run_.options.on_step) optimizer_.params_needed_all();
+    if (!stop && evaluates_at(step) && !evaluate(rec)) stop = evaluation_pending = true;
     if (run_.options.on_step) run_.options.on_step(step, rank_, *model_);
     if (leader_) {
       run_.metrics.write(rec, stop);
@@ -293,7 +296,7 @@ void RankTraining::run() {
     const int64_t sample_every = config_.run.sample_every;
     if (!stop && sample_every > 0 && (step % sample_every == 0 || step == steps)) sample(step);
     if (stop) {
-      checkpoint(step);
+      checkpoint(step, evaluation_pending);
       mark_interrupted();
       return;
     }
@@ -307,6 +310,23 @@ void RankTraining::run() {
   }
   if (step > run_.start_step) checkpoint(step);
   optimizer_.params_needed_all();
+}
+
+bool RankTraining::evaluates_at(int64_t step) const {
+  const int64_t every = config_.run.eval_every;
+  return every > 0 && (step % every == 0 || step == config_.run.steps);
+}
+
+// The validation loss (and accuracies) into `rec`; false when a stop signal ended it.
+bool RankTraining::evaluate(StepRecord& rec) {
+  optimizer_.params_needed_all();
+  const std::optional<Evaluation> e = evaluator_->run([this] { return stop_requested(); });
+  if (!e) return false;
+  rec.evaluated = true;
+  rec.val_loss = e->loss;
+  rec.exact_match = e->exact_match;
+  rec.token_accuracy = e->token_accuracy;
+  return true;
 }
 
 // run.sample_every: the start of validation sequence 0 (a quarter of seq_length) and

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 #include <sstream>
 #include <unistd.h>
@@ -398,6 +399,51 @@ TEST(Checkpoint, InterruptThenResumeEqualsUninterrupted) {
   EXPECT_EQ(rest.params.back(), full.params.back());
   EXPECT_EQ(rest.loss.back(), full.loss.back());
   fs::remove_all(dir);
+}
+
+// A stop at an evaluation step leaves that evaluation to the resumed run, which runs it
+// before training on: the metrics hold the validation loss an uninterrupted run has.
+TEST(Checkpoint, AnEvaluationAStopCutShortIsRunOnResume) {
+  const std::string dir = loom::testing::scratch_dir("pending_eval");
+  const std::string metrics = dir + ".jsonl";
+  fs::remove_all(dir);
+  fs::remove(metrics);
+  const std::vector<std::string> common = {"run.steps=10", "run.eval_every=5", "run.eval_batches=2"};
+  auto full = run_and_trace(tiny_manifest(), common);
+  ASSERT_EQ(full.result.steps.size(), 10u);
+  ASSERT_TRUE(full.result.steps[4].evaluated);
+  std::atomic<int> stop{0};
+  loom::train::TrainOptions opts;
+  opts.stop_signal = &stop;
+  opts.metrics_file = metrics;
+  opts.on_step = [&](int64_t step, int, const loom::model::Model&) {
+    if (step == 4) stop = 1;  // seen after step 5, before its evaluation
+  };
+  const std::vector<std::string> saving = loom::testing::with_overrides(common, {"checkpoint.dir=\"" + dir + "\""});
+  auto cut = run_and_trace(tiny_manifest(), saving, opts);
+  ASSERT_TRUE(cut.result.interrupted);
+  ASSERT_EQ(cut.result.final_step, 5);
+  EXPECT_FALSE(cut.result.steps.back().evaluated);
+  EXPECT_TRUE(loom::train::read_meta(loom::train::checkpoint_path(dir, 5)).evaluation_pending);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  resume.metrics_file = metrics;
+  auto rest = run_and_trace(tiny_manifest(), saving, resume);
+  EXPECT_EQ(rest.result.final_step, 10);
+  std::map<int64_t, double> val_loss;  // by step, from the metrics file
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("val_loss")) {
+      EXPECT_EQ(val_loss.count(j.at("step").get<int64_t>()), 0u) << "an evaluation written twice: " << line;
+      val_loss[j.at("step").get<int64_t>()] = j.at("val_loss").get<double>();
+    }
+  }
+  ASSERT_EQ(val_loss.size(), 2u);
+  EXPECT_EQ(val_loss[5], full.result.steps[4].val_loss);
+  EXPECT_EQ(val_loss[10], full.result.steps[9].val_loss);
+  fs::remove_all(dir);
+  fs::remove(metrics);
 }
 
 std::vector<std::pair<std::string, std::string>> snapshot(const std::string& dir) {
