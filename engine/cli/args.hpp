@@ -26,7 +26,8 @@ class Args {
   // The value given for an option; UsageError when it was given more than once (read
   // an option that repeats with all()).
   std::optional<std::string> get(const std::string& name) const;
-  std::vector<std::string> all(const std::string& name) const;
+  // A reference into the parsed options (one vector: begin() and end() may be taken apart).
+  const std::vector<std::string>& all(const std::string& name) const;
   // Integer option; UsageError names the option when the value is not an integer.
   long long get_int(const std::string& name, long long fallback) const;
   const std::vector<std::string>& positionals() const { return positionals_; }

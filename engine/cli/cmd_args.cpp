@@ -53,9 +53,10 @@ std::optional<std::string> Args::get(const std::string& name) const {
   return it->second.back();
 }
 
-std::vector<std::string> Args::all(const std::string& name) const {
+const std::vector<std::string>& Args::all(const std::string& name) const {
+  static const std::vector<std::string> kNone;
   auto it = values_.find(name);
-  return it == values_.end() ? std::vector<std::string>{} : it->second;
+  return it == values_.end() ? kNone : it->second;
 }
 
 long long Args::get_int(const std::string& name, long long fallback) const {

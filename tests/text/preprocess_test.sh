@@ -69,6 +69,11 @@ cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's l
 "$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/llmc" --append-eod \
   --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
 cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
+# --json-key: the text under another field gives the same dataset.
+sed 's/"text"/"body"/' "$work/docs.jsonl" > "$work/body.jsonl"
+"$loom" preprocess --tokenizer "$tok" --input "$work/body.jsonl" --output-prefix "$work/body" --append-eod \
+  --json-key body 2>"$work/log" || fail "preprocess --json-key body exited $?: $(cat "$work/log")"
+cmp -s "$work/ds.bin" "$work/body.bin" && cmp -s "$work/ds.idx" "$work/body.idx" || fail "--json-key body: another dataset"
 # An llm.c file written over a Megatron dataset's .bin takes its stale .idx away.
 cp "$work/ds.idx" "$work/stale.idx"
 "$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/stale" --append-eod \
