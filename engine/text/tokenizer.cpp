@@ -4,6 +4,8 @@
 
 #include "engine/text/gpt2_tokenizer.hpp"
 
+#include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cerrno>
 #include <cstring>
@@ -64,6 +66,38 @@ class SentencePieceTokenizer : public Tokenizer {
   sentencepiece::SentencePieceProcessor sp_;
 };
 
+// The longest line of the files, in bytes (SentencePiece skips longer lines than its
+// max_sentence_length; loom trains on every line).
+size_t longest_line(const std::vector<std::string>& files) {
+  size_t longest = 0;
+  for (const std::string& f : files) {
+    std::FILE* in = std::fopen(f.c_str(), "rb");
+    if (in == nullptr) throw TokenizerError(f + ": cannot read the training text (" + std::strerror(errno) + ")");
+    char chunk[1 << 16];
+    size_t line = 0, n = 0;
+    while ((n = std::fread(chunk, 1, sizeof chunk, in)) > 0)
+      for (size_t i = 0; i < n; ++i) {
+        if (chunk[i] == '\n') line = 0;
+        else longest = std::max(longest, ++line);
+      }
+    std::fclose(in);
+  }
+  return longest;
+}
+
+// SentencePiece's "Vocabulary size too high (1000). Please set it to a value <= 651."
+// as what to do; "" for another message.
+std::string vocab_too_high(const std::string& message) {
+  const std::string marker = "Please set it to a value <= ";
+  const size_t at = message.find(marker);
+  if (at == std::string::npos) return "";
+  std::istringstream number(message.substr(at + marker.size()));
+  int64_t most = 0;
+  if (!(number >> most)) return "";
+  return "the text has too few distinct pieces for the vocabulary asked: give a vocabulary size of at most " +
+         std::to_string(most) + ", or more text";
+}
+
 }  // namespace
 
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
@@ -80,6 +114,12 @@ void train_sentencepiece(const SentencePieceTraining& how) {
   std::string inputs;
   for (const std::string& f : how.inputs) {
     if (!boost::filesystem::is_regular_file(f)) throw TokenizerError(f + ": cannot read the training text");
+    for (const std::string& out : {how.model_prefix + ".model", how.model_prefix + ".vocab"}) {
+      boost::system::error_code ec;
+      if (boost::filesystem::equivalent(f, out, ec) && !ec)
+        throw TokenizerError("the model would be written over " + out + ", which is the input " + f +
+                             ": choose another --model-prefix");
+    }
     if (f.find(',') != std::string::npos)
       throw TokenizerError(f + ": SentencePiece's trainer takes its inputs as one comma-separated list, so a path "
                                "with a comma cannot be given; rename or link the file");
@@ -104,6 +144,7 @@ void train_sentencepiece(const SentencePieceTraining& how) {
       {"model_type", how.model_type},
       {"character_coverage", std::to_string(how.character_coverage)},
       {"num_threads", std::to_string(how.threads)},
+      {"max_sentence_length", std::to_string(std::max<size_t>(4192, std::min<size_t>(longest_line(how.inputs), INT32_MAX)))},
       // As Llama's tokenizer: any text encodes (unknown characters as their bytes), and
       // text is kept as written (no NFKC folding, white space kept), so decode(encode(s)) == s.
       {"byte_fallback", "true"},
@@ -113,7 +154,7 @@ void train_sentencepiece(const SentencePieceTraining& how) {
   };
   const auto status = sentencepiece::SentencePieceTrainer::Train(args);
   if (!status.ok() && status.ToString().find("!sentences_.empty()") != std::string::npos)
-    throw TokenizerError("no training text in " + inputs + " (SentencePiece skips blank lines and lines over 4192 bytes)");
+    throw TokenizerError("no training text in " + inputs + " (blank lines are skipped)");
   if (!status.ok()) {
     // "Vocabulary size is smaller than required_chars. 300 vs 316."
     const std::string text = status.ToString(), marker = "smaller than required_chars. ";
@@ -127,6 +168,7 @@ void train_sentencepiece(const SentencePieceTraining& how) {
                              "own): give a vocabulary size of at least " + std::to_string(needed) +
                              ", or a lower character coverage");
     }
+    if (const std::string what = vocab_too_high(text); !what.empty()) throw TokenizerError(what);
     throw TokenizerError("training the SentencePiece model failed: " + text);
   }
   const std::string final_model = how.model_prefix + ".model", final_vocab = how.model_prefix + ".vocab";

@@ -128,6 +128,24 @@ python3 -c "print('\n'.join(''.join(chr(0x4e00 + (7 * i + j) % 400) for j in ran
   fail "tokenizer-train took a vocabulary smaller than the text's characters"
 grep -q "smaller than the [0-9]* distinct characters" "$work/han.out" || fail "small vocabulary: $(cat "$work/han.out")"
 ls "$work"/han.* | grep -qv "han.txt\|han.out" && fail "a failed tokenizer-train left files: $(ls "$work"/han.*)"
+# Every line is trained on, however long (SentencePiece skips lines over its
+# max_sentence_length): the corpus as lines of 5000 bytes learns its words.
+python3 -c "import sys; t = open(sys.argv[1]).read().replace('\n', ' ')
+print('\n'.join(t[i:i + 5000] for i in range(0, len(t), 5000)))" "$work/shakespeare.txt" > "$work/long_lines.txt"
+"$loom" tokenizer-train --input "$work/long_lines.txt" --model-prefix "$work/ll" --vocab-size 1000 2>/dev/null ||
+  fail "tokenizer-train on long lines exited $?"
+[ "$("$loom" tokenize --tokenizer "$work/ll.model" --text " the king" | wc -w)" -le 3 ] ||
+  fail "long lines were not trained on: ' the king' is $("$loom" tokenize --tokenizer "$work/ll.model" --text " the king")"
+# The model is not written over an input; a vocabulary the text cannot fill says how large.
+cp "$work/shakespeare.txt" "$work/in.vocab"
+"$loom" tokenizer-train --input "$work/in.vocab" --model-prefix "$work/in" --vocab-size 300 > "$work/over.out" 2>&1 &&
+  fail "tokenizer-train wrote over its input"
+cmp -s "$work/shakespeare.txt" "$work/in.vocab" && grep -q "which is the input" "$work/over.out" ||
+  fail "an output over the input: $(cat "$work/over.out")"
+printf 'ab\ncd\n' > "$work/tiny.txt"
+"$loom" tokenizer-train --input "$work/tiny.txt" --model-prefix "$work/tiny" --vocab-size 2000 > "$work/tiny.out" 2>&1 &&
+  fail "tokenizer-train took a vocabulary the text cannot fill"
+grep -q "give a vocabulary size of at most [0-9]" "$work/tiny.out" || fail "a vocabulary too large: $(cat "$work/tiny.out")"
 
 # 3. What preprocess writes trains: a few steps of the quickstart model on the
 #    Shakespeare dataset start near ln(50257) = 10.8 and fall.
