@@ -57,7 +57,7 @@ class Stream {
  public:
   Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt) : codec_(codec), ids_(prompt) {}
   void add(int32_t token) {
-    if (printed_.empty()) std::cout << (printed_ = codec_.decode(ids_));
+    start();
     ids_.push_back(token);
     std::string text = codec_.decode(ids_);
     static const std::string kReplacement = "\xEF\xBF\xBD";
@@ -67,11 +67,26 @@ class Stream {
     std::cout << std::flush;
     printed_ = std::move(text);
   }
+  // What was held back at the end (a character left incomplete), then a newline.
+  void finish() {
+    start();
+    const std::string text = codec_.decode(ids_);
+    if (text.size() > printed_.size() && text.compare(0, printed_.size(), printed_) == 0)
+      std::cout << text.substr(printed_.size());
+    std::cout << "\n" << std::flush;
+  }
 
  private:
+  void start() {
+    if (started_) return;
+    started_ = true;
+    std::cout << (printed_ = codec_.decode(ids_));
+  }
+
   const train::TextCodec& codec_;
   std::vector<int32_t> ids_;
   std::string printed_;
+  bool started_ = false;
 };
 
 std::vector<int32_t> parse_ids(const std::string& list) {
@@ -137,6 +152,7 @@ int cmd_generate(int argc, char** argv) {
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, train::generation_plan);
     const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
+    codec.require_fits(src.vocab);
     req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
     const long long stop = args.get_int("--stop-token", codec.eod());
     if (stop < -1 || stop >= src.vocab)
@@ -170,8 +186,8 @@ int cmd_generate(int argc, char** argv) {
       // become U+FFFD rather than an exception after the work is done.
       std::cout << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
     } else {
-      std::cout << "\n"
-                << std::fixed << std::setprecision(1) << "generate: " << res.tokens.size() << " tokens from "
+      stream.finish();
+      std::cerr << std::fixed << std::setprecision(1) << "generate: " << res.tokens.size() << " tokens from "
                 << src.weights.source << " (tp " << src.plan.sizes.tp << ", pp " << src.plan.sizes.pp << ", "
                 << (req.use_cache ? "kv cache" : "no cache") << ") | prompt " << req.prompt.size() << " tokens in "
                 << res.prefill_ms << " ms | " << tokens_per_s << " tokens/s after it"

@@ -59,9 +59,7 @@ void require_same_text_encoding(const std::string& saved_toml, const train::RunP
   } catch (const text::TokenizerError&) {
     return;  // said when the text is encoded (--tokenizer may stand in for it)
   }
-  bool same = before->vocab_size() == after->vocab_size();
-  for (int32_t id = 0; same && id < before->vocab_size(); ++id) same = before->piece(id) == after->piece(id);
-  if (!same)
+  if (!text::same_vocabulary(*before, *after))
     throw UsageError("the checkpoint " + step + " was trained with data.tokenizer = " + was + ", this manifest has " +
                      now + ", another vocabulary: its tokens would be read as another tokenizer's; set "
                      "data.tokenizer as the checkpoint has it");

@@ -109,6 +109,13 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
                               "(loom tokenizer-train makes one)");
 }
 
+bool same_vocabulary(const Tokenizer& a, const Tokenizer& b) {
+  if (a.vocab_size() != b.vocab_size()) return false;
+  for (int32_t id = 0; id < a.vocab_size(); ++id)
+    if (a.piece(id) != b.piece(id)) return false;
+  return true;
+}
+
 void train_sentencepiece(const SentencePieceTraining& how) {
   if (how.inputs.empty()) throw TokenizerError("training a SentencePiece model needs at least one input file");
   std::string inputs;

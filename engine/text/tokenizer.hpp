@@ -42,6 +42,9 @@ class Tokenizer {
 // Throws TokenizerError naming the path and what is wrong.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path);
 
+// The same ids for the same pieces (wherever the two were loaded from).
+bool same_vocabulary(const Tokenizer& a, const Tokenizer& b);
+
 // Trains a SentencePiece model on text files (one sentence per line, as
 // SentencePiece reads them) into PREFIX.model and PREFIX.vocab. `model_type`:
 // "bpe" or "unigram". Throws TokenizerError with SentencePiece's message.

@@ -5,6 +5,7 @@ namespace loom::train {
 TextCodec::TextCodec(const std::string& tokenizer, const manifest::RunConfig& config) {
   if (!tokenizer.empty()) {
     tokenizer_ = text::load_tokenizer(tokenizer);
+    require_trained_vocabulary(config.data.tokenizer);
   } else if (!config.data.tokenizer.empty()) {  // the one the model was trained with
     try {
       tokenizer_ = text::load_tokenizer(config.data.tokenizer);
@@ -18,6 +19,28 @@ TextCodec::TextCodec(const std::string& tokenizer, const manifest::RunConfig& co
     throw DataError("the model was trained on data.kind = \"" + config.data.kind +
                     "\" tokens: give their tokenizer (--tokenizer), or token ids");
   }
+}
+
+// A tokenizer given in place of data.tokenizer must spell the same vocabulary (when
+// data.tokenizer still loads: else it stands in for it).
+void TextCodec::require_trained_vocabulary(const std::string& trained) const {
+  if (trained.empty()) return;
+  std::unique_ptr<text::Tokenizer> was;
+  try {
+    was = text::load_tokenizer(trained);
+  } catch (const text::TokenizerError&) {
+    return;
+  }
+  if (!text::same_vocabulary(*was, *tokenizer_))
+    throw DataError("the tokenizer " + tokenizer_->describe() + " is not the one the model was trained with (" +
+                    was->describe() + ", data.tokenizer): its ids would be read as another vocabulary's");
+}
+
+void TextCodec::require_fits(int64_t model_vocab) const {
+  if (vocab() > model_vocab)
+    throw DataError("the tokenizer's " + std::to_string(vocab()) + " tokens (" + describe() +
+                    ") are more than the model's vocabulary of " + std::to_string(model_vocab) +
+                    ": give the tokenizer the model was trained with");
 }
 
 std::vector<int32_t> TextCodec::encode(const std::string& s) const {

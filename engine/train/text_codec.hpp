@@ -20,7 +20,10 @@ class TextCodec {
   // `tokenizer`: a path, or "" for data.tokenizer, else the data's own symbols. Throws
   // DataError when the data has none (token files: their tokenizer must be given) and
   // text::TokenizerError for a tokenizer that does not load.
+  // A `tokenizer` other than a data.tokenizer that loads (another vocabulary) is a DataError.
   TextCodec(const std::string& tokenizer, const manifest::RunConfig& config);
+  // Throws DataError when the codec has more tokens than the model's vocabulary.
+  void require_fits(int64_t model_vocab) const;
   // Throws DataError (or TokenizerError) for text it cannot encode.
   std::vector<int32_t> encode(const std::string& text) const;
   // Ids outside what the codec knows print as the data source renders them.
@@ -30,6 +33,8 @@ class TextCodec {
   std::string describe() const;
 
  private:
+  void require_trained_vocabulary(const std::string& trained) const;
+
   std::unique_ptr<text::Tokenizer> tokenizer_;
   std::unique_ptr<DataSource> symbols_;  // a synthetic task
 };

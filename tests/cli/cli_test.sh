@@ -251,6 +251,18 @@ sed 's/sp.model/sp2.model/' "$work/tok/cfg/m.toml" > "$work/tok/cfg/other.toml"
 "$loom" generate "$work/tok/cfg/other.toml" --prompt "abc" > "$work/tok/other.out" 2>&1
 [ $? -eq 2 ] && grep -q "another vocabulary" "$work/tok/other.out" ||
   fail "generate: a manifest naming the checkpoint with another tokenizer: $(cat "$work/tok/other.out")"
+# --tokenizer of another vocabulary than data.tokenizer's is refused (eval likewise);
+# stdout holds the text alone (the figures go to stderr).
+"$loom" generate "$work/tok/ck" --prompt "abc" --tokenizer "$work/tok/sp2.model" > "$work/tok/other2.out" 2>&1
+[ $? -eq 1 ] && grep -q "is not the one the model was trained with" "$work/tok/other2.out" ||
+  fail "generate: --tokenizer of another vocabulary: $(cat "$work/tok/other2.out")"
+"$loom" eval "$work/tok/ck" --data "$work/tok/few.txt" --tokenizer "$work/tok/sp2.model" > "$work/tok/other3.out" 2>&1
+[ $? -eq 1 ] && grep -q "is not the one the model was trained with" "$work/tok/other3.out" ||
+  fail "eval: --tokenizer of another vocabulary: $(cat "$work/tok/other3.out")"
+"$loom" generate "$work/tok/ck" --prompt "abc" --tokenizer "$work/tok/sp.model" --max-new-tokens 3 \
+  > "$work/tok/text.out" 2> "$work/tok/text.err" || fail "generate: $(cat "$work/tok/text.err")"
+grep -q "^generate: " "$work/tok/text.err" && ! grep -q "generate:" "$work/tok/text.out" ||
+  fail "generate's figures are not on stderr alone: $(cat "$work/tok/text.out")"
 
 # 15. loom eval: a byte-level model's perplexity over a text predicts every byte after
 # the first once (tokens = bytes - 1), the same at tp 2 x pp 2 as at its own layout;
