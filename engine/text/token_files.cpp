@@ -129,8 +129,9 @@ void IndexedDatasetWriter::finish() {
   put<int64_t>(idx, 0);
   for (uint64_t end : doc_ends_) put<int64_t>(idx, static_cast<int64_t>(end));
   // Both files complete under their temporary names, then renamed: a failure leaves
-  // neither under its final name (a renamed .bin whose .idx cannot follow is removed).
-  const std::string bin = prefix_ + ".bin", idx_path = prefix_ + ".idx";
+  // what was there before (a renamed .bin whose .idx cannot follow is put back as it
+  // was, from a link to the earlier .bin, or removed when there was none).
+  const std::string bin = prefix_ + ".bin", idx_path = prefix_ + ".idx", earlier = bin + ".earlier.tmp";
   write_synced(idx_path + ".tmp", idx);
   auto fail = [&](const std::string& path) {
     const std::string why = errno_text();
@@ -138,12 +139,20 @@ void IndexedDatasetWriter::finish() {
     throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
   };
   const files::RenamesTogether together;  // a stop signal waits until both names are the new files
-  if (std::rename((bin + ".tmp").c_str(), bin.c_str()) != 0) fail(bin);
+  std::remove(earlier.c_str());
+  const bool kept = ::link(bin.c_str(), earlier.c_str()) == 0;
+  if (std::rename((bin + ".tmp").c_str(), bin.c_str()) != 0) {
+    if (kept) std::remove(earlier.c_str());
+    fail(bin);
+  }
   if (std::rename((idx_path + ".tmp").c_str(), idx_path.c_str()) != 0) {
-    std::remove(bin.c_str());
+    const int error = errno;
+    if (!kept || std::rename(earlier.c_str(), bin.c_str()) != 0) std::remove(bin.c_str());
     finished_ = true;  // nothing left to remove under .tmp
+    errno = error;
     fail(idx_path);
   }
+  if (kept) std::remove(earlier.c_str());
   finished_ = true;
 }
 

@@ -69,6 +69,13 @@ cmp -s "$work/want.bin" "$work/ds.bin" || fail "ds.bin differs from Megatron's l
 "$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/llmc" --append-eod \
   --format llmc 2>/dev/null || fail "preprocess --format llmc exited $?"
 cmp -s "$work/want.llmc" "$work/llmc.bin" || fail "llmc.bin differs from llm.c's layout"
+# A .idx that cannot be replaced (here a directory) leaves the earlier .bin as it was.
+cp "$work/ds.bin" "$work/keep.bin" && mkdir -p "$work/keep.idx/sub"
+printf 'other words\n' > "$work/other.txt"
+"$loom" preprocess --tokenizer "$tok" --input "$work/other.txt" --output-prefix "$work/keep" > "$work/keep.out" 2>&1 &&
+  fail "preprocess replaced a directory .idx"
+cmp -s "$work/ds.bin" "$work/keep.bin" && ! ls "$work"/keep.bin.* 2>/dev/null ||
+  fail "a failed .idx rename lost the earlier .bin or left files: $(cat "$work/keep.out"; ls "$work"/keep.*)"
 # --json-key: the text under another field gives the same dataset.
 sed 's/"text"/"body"/' "$work/docs.jsonl" > "$work/body.jsonl"
 "$loom" preprocess --tokenizer "$tok" --input "$work/body.jsonl" --output-prefix "$work/body" --append-eod \
