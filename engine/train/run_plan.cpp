@@ -374,6 +374,16 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       topology::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
                                  config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers);
   plan.chunks = pipeline::partition_layers(plan.layers, plan.blocks_per_chunk);
+  // Blocks without layers (model.block = []) leave chunks empty: a stage with nothing
+  // to run has no activations to pass on.
+  for (size_t g = 0; g < plan.chunks.size(); ++g)
+    if (plan.chunks[g].empty())
+      throw manifest::ManifestError({{"model.block", man.origin("model.block"),
+                                      "pipeline chunk " + std::to_string(g) + " of " +
+                                          std::to_string(plan.chunks.size()) +
+                                          " holds no layer (the blocks have none, so every layer is a pre or post "
+                                          "layer of the first or last chunk); give model.block layers, or set "
+                                          "parallel.pp = 1 and parallel.vpp = 1"}});
   return plan;
 }
 

@@ -83,6 +83,11 @@ check refuse "$base" --set parallel.ep=2
 check refuse "$base" --set data.kind=text --set "data.path=\"$work/short.txt\""
 check refuse "$base" --set data.kind=text --set "data.path=\"$here/tiny.toml\"" --set data.val_fraction=0 \
   --set run.eval_every=10
+# Blocks without layers leave a pipeline stage with nothing to run (it crashed in run).
+check any "$base" --set 'model.block=[]'
+for pp in "parallel.pp=2" "parallel.vpp=2"; do
+  check refuse "$base" --set 'model.block=[]' --set parallel.pp=2 --set parallel.dp=1 --set "$pp"
+done
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"
