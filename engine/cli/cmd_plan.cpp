@@ -453,8 +453,7 @@ int cmd_plan(int argc, char** argv) {
   } catch (const manifest::ManifestError& e) {
     return report_manifest_error(e, json);
   } catch (const std::exception& e) {
-    std::cerr << "loom plan: " << runtime::error_message(e) << "\n";
-    return 1;
+    return report_error(e, json, "plan");
   }
 }
 

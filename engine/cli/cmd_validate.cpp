@@ -167,8 +167,7 @@ int cmd_validate(int argc, char** argv) {
   } catch (const manifest::ManifestError& e) {
     return report_manifest_error(e, json);
   } catch (const std::exception& e) {
-    std::cerr << "loom validate: " << runtime::error_message(e) << "\n";
-    return 1;
+    return report_error(e, json, "validate");
   }
 }
 

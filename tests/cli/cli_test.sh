@@ -185,6 +185,14 @@ grep -q "second signal: stopping now" "$work/sig.out" || fail "second signal not
 { head -4 "$here/../../docs/manifest.md"; "$loom" validate --reference; } | diff -q - "$here/../../docs/manifest.md" \
   > /dev/null || fail "docs/manifest.md differs from loom validate --reference; regenerate it"
 
+# 12b. --json reports a plugin's refusal in the same form as the schema's.
+for cmd in validate plan; do
+  out=$("$loom" $cmd "$here/../../configs/llama_quickstart.toml" --json --set parallel.tp=4 --set parallel.dp=1 \
+    --set model.layer.attention.num_query_groups=2 2>/dev/null)
+  [ $? -eq 1 ] && [[ "$out" == '{"valid":false,"errors":[{'*"num_query_groups (2) must be divisible"* ]] ||
+    fail "$cmd --json of a plugin's refusal: '$out'"
+done
+
 # 13. Every shipped config validates (on the CPU device: a build without CUDA has no
 # device/cuda, and the GPU configs' device options are device/cuda's), and the
 # Llama-shaped quickstart trains (a few steps).
