@@ -161,6 +161,26 @@ void check_layer_places(const manifest::Manifest& man, const manifest::RunConfig
 // [model.layer.X] tables with a value written in the manifest or by --set that no
 // layer of model.pre, model.block or model.post uses: their options are not even
 // checked (e.g. MoE options on a dense model).
+// Megatron-LM's --position-embedding-type is one per model: layers that declare the
+// SDK's position_embedding option (loom/layers/positions.hpp) and set it apart leave
+// the model with no position embedding, or two. A warning: "" when they agree.
+std::string position_embedding_disagreement(const manifest::Manifest& man, const std::vector<model::LayerSpec>& layers) {
+  std::map<std::string, std::string> value_of;  // layer table -> its value
+  for (const model::LayerSpec& l : layers) {
+    const std::string key = std::string(manifest::schema::kLayerTable) + "." + l.config + ".position_embedding";
+    if (man.contains(key)) value_of[l.config] = man.get_string(key);
+  }
+  std::set<std::string> values;
+  std::string listed;
+  for (const auto& [table, value] : value_of) {
+    values.insert(value);
+    listed += (listed.empty() ? "" : ", ") + table + " = " + value;
+  }
+  if (values.size() < 2) return "";
+  return "the layers set position_embedding apart (" + listed +
+         "): the model gets no position embedding, or two; set the same on every layer that declares it";
+}
+
 std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, const std::set<std::string>& used) {
   std::vector<std::string> out;
   const toml::table* layers = man.get_table(std::string(manifest::schema::kLayerTable));
@@ -322,6 +342,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   }
   check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
+  if (const std::string w = position_embedding_disagreement(man, plan.layers); !w.empty()) plan.warnings.push_back(w);
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

@@ -28,6 +28,22 @@ using loom::testing::run_and_trace;
 using loom::testing::tiny_manifest;
 namespace fs = boost::filesystem;
 
+// Megatron-LM's position embedding type is one per model: layers set apart (no position
+// embedding at all, or two) are warned of, and not when they agree.
+TEST(RunPlan, LayersSettingPositionEmbeddingApartAreWarnedOf) {
+  auto warned = [](const std::vector<std::string>& overrides) {
+    for (const std::string& w : loom::testing::plan_from(tiny_manifest(), overrides).warnings)
+      if (w.find("the layers set position_embedding apart (attention = learned_absolute, embedding = rope)") !=
+          std::string::npos)
+        return true;
+    return false;
+  };
+  EXPECT_TRUE(warned({"model.layer.embedding.position_embedding=\"rope\""}));
+  EXPECT_FALSE(warned({}));
+  EXPECT_FALSE(warned({"model.layer.embedding.position_embedding=\"rope\"",
+                       "model.layer.attention.position_embedding=\"rope\""}));
+}
+
 // The same global batch over 1, 2 and 4 data-parallel ranks trains the same model.
 //
 // Parameters are compared per tensor, norm-wise (||a - b|| / ||b|| <= 1e-5): Adam's
