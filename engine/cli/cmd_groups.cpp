@@ -131,11 +131,13 @@ void print_table(const RankGroups& rg) {
   }
 }
 
-// A positive integer option; 0 or negatives are usage errors, not topologies.
+// A positive integer option of at most the largest world; 0 or negatives are usage
+// errors, not topologies.
 int positive(const Args& a, const std::string& name, long long fallback) {
   const long long v = a.get_int(name, fallback);
-  if (v < 1 || v > 1'000'000'000)
-    throw UsageError(name + " must be between 1 and 1000000000, got " + std::to_string(v));
+  if (v < 1 || v > topology::kMaxWorld)
+    throw UsageError(name + " must be between 1 and " + std::to_string(topology::kMaxWorld) + ", got " +
+                     std::to_string(v));
   return static_cast<int>(v);
 }
 

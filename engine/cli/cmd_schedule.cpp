@@ -50,10 +50,6 @@ constexpr const char* kUsage =
     "\n"
     "Exit status: 0 ok, 1 refused or broken schedule, 2 bad usage.\n";
 
-constexpr long long kMaxEntries = 20'000'000;  // 2 * pp * vpp * M order entries
-// The simulation's passes over the stages grow with pp as well as the entries: pp x
-// entries bounds its work (pp 20000 with one microbatch: about 2 s).
-constexpr long long kMaxWork = 1'000'000'000;
 // A Chrome trace holds an event per entry (about 300 bytes each in memory, 10 s per
 // 2 million to write): at most this many with --trace.
 constexpr long long kMaxTraceEntries = 2'000'000;
@@ -189,13 +185,11 @@ int cmd_schedule(int argc, char** argv) {
     return 2;
   }
 
-  const long long entries = 2LL * pp * vpp * microbatches;
-  if (entries > kMaxEntries || entries * pp > kMaxWork) {
-    std::cerr << "loom schedule: pp " << pp << ", vpp " << vpp << ", microbatches " << microbatches << " give "
-              << entries << " order entries over " << pp << " stages, more than this command simulates (at most "
-              << kMaxEntries << " entries and " << kMaxWork << " entries x stages)\n";
+  if (const std::string why = pipeline::orders_too_large(pp, vpp, microbatches); !why.empty()) {
+    std::cerr << "loom schedule: " << why << "\n";
     return 1;
   }
+  const long long entries = 2LL * pp * vpp * microbatches;
   if (!trace.empty() && entries > kMaxTraceEntries) {
     std::cerr << "loom schedule: --trace writes an event per order entry, and pp " << pp << ", vpp " << vpp
               << ", microbatches " << microbatches << " give " << entries << " (at most " << kMaxTraceEntries

@@ -2,6 +2,7 @@
 #include "engine/manifest/schema.hpp"
 
 #include "engine/topology/layer_split.hpp"
+#include "engine/topology/rank_groups.hpp"
 
 #include <cmath>
 #include <algorithm>
@@ -21,7 +22,7 @@ namespace {
 constexpr double kMaxGroupSize = 1 << 20;
 constexpr double kMaxBatch = 1 << 30;
 constexpr double kMaxThreads = 4096;  // host threads a rank may ask for
-constexpr int64_t kMaxWorld = int64_t{1} << 20;
+using topology::kMaxWorld;
 // Model dimensions: widths of at most 2^20 (the MLP 2^22), at most 2^16 layers or heads,
 // 2^24 tokens a sequence, int32 token ids; and a microbatch's widest activation
 // (sequence x micro-batch x the widest of hidden, MLP and vocab) of at most 2^48

@@ -64,6 +64,23 @@ std::string schedule_plugin_name(const std::string& schedule) {
 // Orders from a plugin
 // ---------------------------------------------------------------------------
 
+std::string orders_too_large(long long pp, long long vpp, long long microbatches) {
+  // Each factor is at most 2^31 (an int): the products fit in 128 bits, checked in steps.
+  const long double entries = 2.0L * pp * vpp * microbatches;
+  const std::string sizes = "pp " + std::to_string(pp) + ", vpp " + std::to_string(vpp) + ", microbatches " +
+                            std::to_string(microbatches);
+  if (entries > kMaxOrderEntries)
+    return sizes + " give " + std::to_string(static_cast<long long>(entries)) +
+           " pipeline order entries (2 x pp x vpp x microbatches), more than the " + std::to_string(kMaxOrderEntries) +
+           " a schedule is built and checked with: fewer microbatches per step (a larger batch.micro_batch_size, "
+           "or a smaller batch.global_batch_size)";
+  if (entries * pp > kMaxSimulationWork)
+    return sizes + " give " + std::to_string(static_cast<long long>(entries)) + " order entries over " +
+           std::to_string(pp) + " stages, more than the " + std::to_string(kMaxSimulationWork) +
+           " entries x stages a schedule is checked with";
+  return "";
+}
+
 PipelineOrders compute_orders(const plugins::LoadedPlugin& plugin, const loom_options* options, int pp,
                               int vpp, int microbatches, int group_size) {
   PipelineOrders o;
@@ -77,10 +94,9 @@ PipelineOrders compute_orders(const plugins::LoadedPlugin& plugin, const loom_op
                         "schedule " + o.schedule + ": pp, vpp and microbatches must be at least 1 and the "
                         "group size at least 0, got " + sizes_str(o) + ", group size " +
                         std::to_string(group_size));
+  if (const std::string why = orders_too_large(pp, vpp, microbatches); !why.empty())
+    throw ScheduleError(ScheduleError::Kind::refused, "schedule " + o.schedule + ": " + why);
   const int64_t capacity64 = int64_t{2} * vpp * microbatches;
-  if (capacity64 > INT32_MAX || int64_t{pp} * capacity64 > (int64_t{1} << 31))
-    throw ScheduleError(ScheduleError::Kind::refused,
-                        "schedule " + o.schedule + ": " + sizes_str(o) + " gives orders too long to hold");
 
   const loom_schedule_api* api = plugin.schedule();  // throws PluginError when not a schedule
   if (!LOOM_HAS_SLOT(api, loom_schedule_api, order) || api->order == nullptr)

@@ -72,6 +72,15 @@ inline int resolve_group_size(int group_size, int pp) { return group_size == 0 ?
 // "parallel/pipeline.1f1b" all give "pipeline.1f1b" (kind "parallel").
 std::string schedule_plugin_name(const std::string& schedule);
 
+// The orders of pp ranks with vpp chunks and `microbatches` each (2 * pp * vpp * M
+// entries) are built and simulated in host memory: at most kMaxOrderEntries entries,
+// and kMaxSimulationWork entries x stages (the simulation's passes grow with pp too;
+// pp 20000 with one microbatch: about 2 s). Far beyond any real run's (Megatron-LM's
+// largest use thousands of microbatches). "" when within, else what is too large.
+constexpr long long kMaxOrderEntries = 20'000'000;
+constexpr long long kMaxSimulationWork = 1'000'000'000;
+std::string orders_too_large(long long pp, long long vpp, long long microbatches);
+
 // Calls the plugin's order slot for every rank (capacity 2 * vpp * microbatches),
 // then validate()s the result. `options` are the plugin's resolved options; null
 // means its declared defaults. group_size 0 means pp. Throws ScheduleError, or

@@ -3,6 +3,7 @@
 // ("MoE folding"), and every group kind derived from them by mask-and-enumerate.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,9 @@
 #include <vector>
 
 namespace loom::topology {
+
+// The most ranks loom runs, and builds the groups of (every rank's groups are held).
+constexpr int64_t kMaxWorld = int64_t{1} << 20;
 
 struct ParallelSizes {
   int world = 1;

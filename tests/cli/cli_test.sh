@@ -90,7 +90,7 @@ grep -q '{"rank":0,"warmup":10,"order":\[1,1,1,1,2,2,2,2,1,1,1,-2,1,-2,2,-2,2,-2
 # A pipeline too deep to simulate is refused at once (the simulation's work grows with pp
 # times the order's entries).
 timeout 20 "$loom" schedule --pp 1000000 --microbatches 1 > /dev/null 2> "$work/deep.err"
-[ $? -eq 1 ] && grep -q "more than this command simulates" "$work/deep.err" || fail "pp 1000000: $(cat "$work/deep.err")"
+[ $? -eq 1 ] && grep -q "entries x stages a schedule is checked with" "$work/deep.err" || fail "pp 1000000: $(cat "$work/deep.err")"
 # A trace of millions of events is refused before simulating, and an earlier trace stays.
 echo '[]' > "$work/keep.json"
 timeout 20 "$loom" schedule --pp 50 --microbatches 100000 --trace "$work/keep.json" > /dev/null 2> "$work/big.err"

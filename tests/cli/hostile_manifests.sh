@@ -88,6 +88,9 @@ check any "$base" --set 'model.block=[]'
 for pp in "parallel.pp=2" "parallel.vpp=2"; do
   check refuse "$base" --set 'model.block=[]' --set parallel.pp=2 --set parallel.dp=1 --set "$pp"
 done
+# Microbatches past what a schedule is built with are refused at once (they took
+# gigabytes and minutes, or the OOM killer).
+check refuse "$base" --set parallel.dp=1 --set batch.micro_batch_size=1 --set batch.global_batch_size=268435456
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"
