@@ -343,6 +343,11 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
   if (const std::string w = position_embedding_disagreement(man, plan.layers); !w.empty()) plan.warnings.push_back(w);
+  if (config.parallel.pp * config.parallel.vpp == 1)
+    for (const char* key : {"pipeline.first_chunk_layers", "pipeline.last_chunk_layers"})
+      if (man.get_int(key) > 0)
+        plan.warnings.push_back(man.origin(key).str() + ": " + key + " sizes a pipeline chunk; with one chunk " +
+                                "(parallel.pp = 1) it changes nothing");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

@@ -44,6 +44,17 @@ TEST(RunPlan, LayersSettingPositionEmbeddingApartAreWarnedOf) {
                        "model.layer.attention.position_embedding=\"rope\""}));
 }
 
+// A chunk size for a pipeline of one chunk changes nothing: said, not silently ignored.
+TEST(RunPlan, ChunkSizesWithoutAPipelineAreWarnedOf) {
+  auto warned = [](const std::vector<std::string>& overrides) {
+    for (const std::string& w : loom::testing::plan_from(tiny_manifest(), overrides).warnings)
+      if (w.find("pipeline.first_chunk_layers sizes a pipeline chunk; with one chunk") != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(warned({"pipeline.first_chunk_layers=1"}));
+  EXPECT_FALSE(warned({"pipeline.first_chunk_layers=1", "parallel.pp=2", "parallel.dp=1"}));
+}
+
 // The same global batch over 1, 2 and 4 data-parallel ranks trains the same model.
 //
 // Parameters are compared per tensor, norm-wise (||a - b|| / ||b|| <= 1e-5): Adam's
