@@ -12,6 +12,7 @@
 #include "engine/train/evaluator.hpp"
 #include "engine/train/text_codec.hpp"
 
+#include <boost/algorithm/string/predicate.hpp>
 #include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
 
@@ -97,7 +98,11 @@ int cmd_eval(int argc, char** argv) {
       throw UsageError("--format is text, tokens or indexed, not " + format);
     if (format != "text" && task != "perplexity") throw UsageError("--format " + format + " is for --task perplexity");
     const std::string file = format == "indexed" ? data_path + ".idx" : data_path;
-    if (!boost::filesystem::is_regular_file(file)) throw UsageError("--data " + file + " is not a file");
+    if (!boost::filesystem::is_regular_file(file))
+      throw UsageError("--data " + file + " is not a file" +
+                       (format == "indexed" && boost::algorithm::ends_with(data_path, ".bin")
+                            ? " (an indexed dataset is named by its prefix, without .bin)"
+                            : ""));
     const std::string text = format == "text" ? read_file(data_path) : std::string();
 
     plugins::Registry& r = plugins::registry();

@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <cctype>
+#include <cmath>
 #include <csignal>
 #include <fstream>
 #include <iomanip>
@@ -118,8 +119,8 @@ double parse_double(const Args& args, const std::string& name, double fallback) 
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != v->size() || v->empty() || std::isspace(static_cast<unsigned char>(v->front())))
-    throw UsageError(name + " " + *v + " is not a number (or out of range)");
+  if (used != v->size() || v->empty() || std::isspace(static_cast<unsigned char>(v->front())) || !std::isfinite(d))
+    throw UsageError(name + " " + *v + " is not a finite number (or out of range)");
   return d;
 }
 

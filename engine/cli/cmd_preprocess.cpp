@@ -7,6 +7,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/files/read.hpp"
+#include "engine/files/temporaries.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/tokenizer.hpp"
@@ -186,10 +187,19 @@ int preprocess(const Args& args) {
   const bool jsonl_input = std::any_of(args.all("--input").begin(), args.all("--input").end(), is_jsonl);
   if (args.has("--json-key") && !jsonl_input)
     throw UsageError("--json-key names a field of JSONL inputs (.jsonl, .json), and no input is one");
+  // Where the files go, before the work whose result they hold.
+  const boost::filesystem::path out_dir = boost::filesystem::path(prefix).parent_path();
+  if (!out_dir.empty() && !boost::filesystem::is_directory(out_dir))
+    throw std::runtime_error("--output-prefix " + prefix + ": the directory " + out_dir.string() + " does not exist");
+  if (const std::string why = files::cannot_write(prefix + ".bin"); !why.empty())
+    throw std::runtime_error(prefix + ".bin: " + why);
   const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
   const text::Tokenizer& tok = *loaded;
   if (args.flag("--append-eod") && tok.eod() < 0)
     throw std::runtime_error(tok.describe() + " has no end-of-document token for --append-eod");
+  if (format == "llmc" && tok.vocab_size() > 65536)
+    throw UsageError("--format llmc writes uint16 token ids, and " + tok.describe() +
+                     " has more than 65536: use --format megatron (int32 ids for a vocabulary of 65500 or more)");
 
   std::vector<std::string> docs;
   for (const std::string& input : args.all("--input")) {

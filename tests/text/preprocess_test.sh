@@ -178,7 +178,7 @@ rc=$?
 out=$("$loom" preprocess --tokenizer "$work/nowhere" --input "$work/docs.jsonl" --output-prefix "$work/x" 2>&1)
 [ $? -eq 1 ] && [[ "$out" == *"fetch-gpt2-tokenizer.sh"* ]] || fail "a missing tokenizer does not say how to get one: $out"
 out=$("$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/no/such/dir/x" 2>&1)
-[ $? -eq 1 ] && [[ "$out" == *"cannot open for writing"* ]] || fail "an unwritable prefix: $out"
+[ $? -eq 1 ] && [[ "$out" == *"no/such/dir does not exist"* ]] || fail "a prefix in a missing directory: $out"
 "$loom" preprocess --tokenizer "$tok" --input "$work/docs.jsonl" --output-prefix "$work/x" --format parquet \
   >/dev/null 2>&1
 [ $? -eq 2 ] || fail "an unknown --format is not a usage error"
