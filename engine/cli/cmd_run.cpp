@@ -101,8 +101,12 @@ int cmd_run(int argc, char** argv) {
       StopSignals() {
         for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, on_signal);
       }
+      // SIGUSR1 asks for a checkpoint and a stop: once training has ended there is
+      // nothing to do (a late one from mpirun or Slurm must not end the finished
+      // process with status 138 while it exits).
       ~StopSignals() {
-        for (int sig : {SIGINT, SIGTERM, SIGUSR1}) std::signal(sig, SIG_DFL);
+        for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
+        std::signal(SIGUSR1, SIG_IGN);
       }
     } stop_signals;
     train::RunPlan plan =
