@@ -114,6 +114,36 @@ RenamesTogether::RenamesTogether() {
 
 RenamesTogether::~RenamesTogether() { pthread_sigmask(SIG_SETMASK, &before_, nullptr); }
 
+std::string commit_together(const std::vector<std::pair<Temporary*, std::string>>& renames) {
+  const RenamesTogether together;
+  std::vector<std::string> kept(renames.size());  // a link to the earlier file at each name ("": none)
+  for (size_t i = 0; i < renames.size(); ++i) {
+    const std::string link = renames[i].first->path() + ".earlier";
+    std::remove(link.c_str());
+    if (::link(renames[i].second.c_str(), link.c_str()) == 0) kept[i] = link;
+  }
+  std::string why;
+  size_t done = 0;
+  for (; done < renames.size(); ++done)
+    if (!renames[done].first->commit(renames[done].second)) {
+      why = "cannot rename " + renames[done].first->path() + " to " + renames[done].second + " (" +
+            std::strerror(errno) + ")";
+      break;
+    }
+  for (size_t i = 0; i < renames.size(); ++i) {
+    if (!why.empty() && i < done) {  // undo: the earlier file back, or no file
+      if (kept[i].empty()) {
+        std::remove(renames[i].second.c_str());
+      } else if (std::rename(kept[i].c_str(), renames[i].second.c_str()) != 0) {
+        why += "; the earlier " + renames[i].second + " is kept as " + kept[i];
+        continue;
+      }
+    }
+    if (!kept[i].empty()) std::remove(kept[i].c_str());
+  }
+  return why;
+}
+
 WholeFile::WholeFile(const std::string& path) : target_(path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return;  // a pipe, a device: directly

@@ -8,6 +8,8 @@
 #include <ios>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace loom::files {
 
@@ -58,6 +60,15 @@ class RenamesTogether {
  private:
   sigset_t before_;
 };
+
+// Renames each temporary onto its final name as one set: a stop signal waits meanwhile
+// (RenamesTogether), and when a rename fails those done before it are undone (an
+// earlier file at a final name is kept by a hard link until every rename is done, then
+// put back; where there was none, the new file is removed), so the names hold the whole
+// new set or what they held before. Returns "" or why not, naming the file; the
+// temporaries not renamed are left to their owners (removed when destroyed). On a file
+// system without hard links an earlier file cannot be kept, and is then lost too.
+std::string commit_together(const std::vector<std::pair<Temporary*, std::string>>& renames);
 
 // A file written whole or not at all at `path`: write to path(), then commit(). A
 // regular file (or none) is written beside its name and renamed onto it, so an earlier

@@ -474,10 +474,9 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     for (const auto& t : written)
       if (fs::is_directory(final_path(*t), ec))
         throw std::runtime_error(final_path(*t) + " is a directory; remove it or write elsewhere");
-    const files::RenamesTogether together;  // a stop signal waits until the whole set is in place
-    for (const auto& t : written)
-      if (!t->commit(final_path(*t)))
-        throw std::runtime_error("cannot rename " + t->path() + " onto " + final_path(*t) + ": " + std::strerror(errno));
+    std::vector<std::pair<files::Temporary*, std::string>> renames;
+    for (const auto& t : written) renames.emplace_back(t.get(), final_path(*t));
+    if (const std::string why = files::commit_together(renames); !why.empty()) throw std::runtime_error(why);
   } catch (const std::exception& e) {
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
   }  // the temporaries not renamed are removed with `written`

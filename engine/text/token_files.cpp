@@ -81,20 +81,13 @@ void append_tokens(std::string& out, const std::vector<int32_t>& tokens, TokenTy
 TokenType token_type_for(int64_t vocab_size) { return vocab_size < 65500 ? TokenType::U16 : TokenType::I32; }
 
 IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, TokenType type) : prefix_(prefix), type_(type) {
-  const std::string tmp = prefix_ + ".bin.tmp";
-  for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::add_temporary(prefix_ + ext);  // removed by a stopping signal
-  bin_ = std::fopen(tmp.c_str(), "wb");
-  if (bin_ == nullptr) {
-    const std::string why = errno_text();
-    for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::forget_temporary(prefix_ + ext);
-    throw TokenFileError(tmp + ": cannot open for writing (" + why + ")");
-  }
+  bin_tmp_ = std::make_unique<files::Temporary>(prefix_ + ".bin.tmp");  // removed by a stopping signal
+  bin_ = std::fopen(bin_tmp_->path().c_str(), "wb");
+  if (bin_ == nullptr) throw TokenFileError(bin_tmp_->path() + ": cannot open for writing (" + errno_text() + ")");
 }
 
 IndexedDatasetWriter::~IndexedDatasetWriter() {
   if (bin_ != nullptr) std::fclose(bin_);
-  if (!finished_) std::remove((prefix_ + ".bin.tmp").c_str());
-  for (const char* ext : {".bin.tmp", ".idx.tmp"}) files::forget_temporary(prefix_ + ext);
 }
 
 void IndexedDatasetWriter::add_document(const std::vector<int32_t>& tokens) {
@@ -128,32 +121,14 @@ void IndexedDatasetWriter::finish() {
   }
   put<int64_t>(idx, 0);
   for (uint64_t end : doc_ends_) put<int64_t>(idx, static_cast<int64_t>(end));
-  // Both files complete under their temporary names, then renamed: a failure leaves
-  // what was there before (a renamed .bin whose .idx cannot follow is put back as it
-  // was, from a link to the earlier .bin, or removed when there was none).
-  const std::string bin = prefix_ + ".bin", idx_path = prefix_ + ".idx", earlier = bin + ".earlier.tmp";
-  write_synced(idx_path + ".tmp", idx);
-  auto fail = [&](const std::string& path) {
-    const std::string why = errno_text();
-    std::remove((idx_path + ".tmp").c_str());
-    throw TokenFileError(path + ": cannot rename the finished file into place (" + why + ")");
-  };
-  const files::RenamesTogether together;  // a stop signal waits until both names are the new files
-  std::remove(earlier.c_str());
-  const bool kept = ::link(bin.c_str(), earlier.c_str()) == 0;
-  if (std::rename((bin + ".tmp").c_str(), bin.c_str()) != 0) {
-    if (kept) std::remove(earlier.c_str());
-    fail(bin);
-  }
-  if (std::rename((idx_path + ".tmp").c_str(), idx_path.c_str()) != 0) {
-    const int error = errno;
-    if (!kept || std::rename(earlier.c_str(), bin.c_str()) != 0) std::remove(bin.c_str());
-    finished_ = true;  // nothing left to remove under .tmp
-    errno = error;
-    fail(idx_path);
-  }
-  if (kept) std::remove(earlier.c_str());
-  finished_ = true;
+  // Both files complete under their temporary names, then renamed as a pair: a failure
+  // leaves the earlier dataset (or none) as it was.
+  files::Temporary idx_tmp(prefix_ + ".idx.tmp");
+  write_synced(idx_tmp.path(), idx);
+  if (const std::string why =
+          files::commit_together({{bin_tmp_.get(), prefix_ + ".bin"}, {&idx_tmp, prefix_ + ".idx"}});
+      !why.empty())
+    throw TokenFileError(why);
 }
 
 IndexedDataset IndexedDataset::read(const std::string& prefix) {

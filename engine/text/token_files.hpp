@@ -7,9 +7,14 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+namespace loom::files {
+class Temporary;
+}
 
 namespace loom::text {
 
@@ -29,7 +34,7 @@ TokenType token_type_for(int64_t vocab_size);
 class IndexedDatasetWriter {
  public:
   IndexedDatasetWriter(const std::string& prefix, TokenType type);
-  ~IndexedDatasetWriter();  // removes the temporary files unless finish() ran
+  ~IndexedDatasetWriter();  // the temporary files are removed unless finish() renamed them
   IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
   IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
 
@@ -44,11 +49,11 @@ class IndexedDatasetWriter {
  private:
   std::string prefix_;
   TokenType type_;
+  std::unique_ptr<files::Temporary> bin_tmp_;  // PREFIX.bin.tmp, removed unless finish() renamed it
   std::FILE* bin_ = nullptr;
   std::vector<int32_t> lengths_;     // per sequence
   std::vector<uint64_t> doc_ends_;   // per document: the sequences written after it
   int64_t tokens_ = 0;
-  bool finished_ = false;
 };
 
 // A dataset IndexedDatasetWriter wrote (or Megatron-LM's preprocess_data.py did),

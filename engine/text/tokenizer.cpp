@@ -179,14 +179,8 @@ void train_sentencepiece(const SentencePieceTraining& how) {
     throw TokenizerError("training the SentencePiece model failed: " + text);
   }
   const std::string final_model = how.model_prefix + ".model", final_vocab = how.model_prefix + ".vocab";
-  const files::RenamesTogether together;  // a stop signal waits until both are in place
-  if (!model.commit(final_model))
-    throw TokenizerError("cannot rename " + model.path() + " to " + final_model + ": " + std::strerror(errno));
-  if (!vocab.commit(final_vocab)) {
-    const std::string why = std::strerror(errno);
-    std::remove(final_model.c_str());  // not one file of the pair without the other
-    throw TokenizerError("cannot rename " + vocab.path() + " to " + final_vocab + ": " + why);
-  }
+  if (const std::string why = files::commit_together({{&model, final_model}, {&vocab, final_vocab}}); !why.empty())
+    throw TokenizerError(why);  // not one file of the pair without the other
 }
 
 }  // namespace loom::text

@@ -7,6 +7,7 @@
 #include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -40,6 +41,39 @@ TEST(Temporaries, CommitRenamesAndAWriterThatGivesUpLeavesTheOldFile) {
   }
   EXPECT_EQ(content(path), "new");
   EXPECT_FALSE(fs::exists(path + ".tmp"));
+  fs::remove_all(dir);
+}
+
+// A set renamed together: when a rename fails, the names hold what they held before
+// (an earlier file put back, a new one where there was none removed), with no links left.
+TEST(Temporaries, ASetRenamedTogetherIsWholeOrAsBefore) {
+  const std::string dir = loom::testing::scratch_dir("together");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string a = dir + "/a.bin", b = dir + "/b.new", c = dir + "/c.idx";
+  std::ofstream(a) << "old a";
+  fs::create_directories(c + "/sub");  // a non-empty directory: renaming onto it fails
+  {
+    loom::files::Temporary ta(a + ".tmp"), tb(b + ".tmp"), tc(c + ".tmp");
+    for (auto* t : {&ta, &tb, &tc}) std::ofstream(t->path()) << "new";
+    const std::string why = loom::files::commit_together({{&ta, a}, {&tb, b}, {&tc, c}});
+    EXPECT_NE(why.find("cannot rename " + tc.path() + " to " + c), std::string::npos) << why;
+  }
+  EXPECT_EQ(content(a), "old a");
+  EXPECT_FALSE(fs::exists(b));
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"a.bin", "c.idx"}));
+  fs::remove_all(c);
+  {
+    loom::files::Temporary ta(a + ".tmp"), tc(c + ".tmp");
+    for (auto* t : {&ta, &tc}) std::ofstream(t->path()) << "new";
+    EXPECT_EQ(loom::files::commit_together({{&ta, a}, {&tc, c}}), "");
+  }
+  EXPECT_EQ(content(a), "new");
+  EXPECT_EQ(content(c), "new");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 2);
   fs::remove_all(dir);
 }
 
