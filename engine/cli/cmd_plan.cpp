@@ -5,6 +5,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/cli/report.hpp"
+#include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/runtime/json.hpp"
@@ -13,11 +14,14 @@
 #include "engine/train/perf_model.hpp"
 #include "engine/train/preflight.hpp"
 #include "engine/train/run_plan.hpp"
+#include "engine/topology/rank_groups.hpp"
 
 #include <boost/filesystem.hpp>
 
 #include <cstdio>
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -129,10 +133,10 @@ std::optional<train::ComputeProfile> read_profile(const Args& args) {
   if (!path) return std::nullopt;
   if (boost::filesystem::is_directory(*path))
     throw loom::Error("--profile " + *path + " is a directory; give the file --save-profile wrote");
-  std::ifstream in(*path);
-  if (!in) throw loom::Error("--profile " + *path + ": cannot open the file");
+  const std::optional<std::string> text = files::read_whole_file(*path);
+  if (!text) throw loom::Error("--profile " + *path + ": cannot read the file (" + std::strerror(errno) + ")");
   try {
-    return train::profile_from_json(nlohmann::ordered_json::parse(in));
+    return train::profile_from_json(nlohmann::ordered_json::parse(*text));
   } catch (const nlohmann::json::exception& e) {
     throw loom::Error("--profile " + *path + ": not JSON (" + e.what() + ")");
   } catch (const loom::Error& e) {
@@ -155,10 +159,9 @@ void save_profile(const Args& args, const train::ComputeProfile& p) {
 
 // loom plan --perf --search: the layouts ranked.
 int print_search(const Args& args, const train::RunPlan& plan, bool json) {
-  constexpr long long kMaxWorld = 1048576;  // the manifest's bound on each parallel size
   const long long asked = args.get_int("--world", plan.sizes.world);
-  if (asked < 1 || asked > kMaxWorld)
-    throw UsageError("--world must be between 1 and " + std::to_string(kMaxWorld) + ", got " + std::to_string(asked));
+  if (asked < 1 || asked > topology::kMaxWorld)
+    throw UsageError("--world must be between 1 and " + std::to_string(topology::kMaxWorld) + ", got " + std::to_string(asked));
   const int world = static_cast<int>(asked);
   const LinkModel links = links_of(args, plan);
   auto progress = [json](const std::string& what) {

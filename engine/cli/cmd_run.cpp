@@ -51,7 +51,8 @@ const char* kUsage =
     "usage: loom run MANIFEST [--set key.path=value]... [--resume] [--metrics FILE] [--trace FILE]\n"
     "  --set       override a manifest value (TOML value, or a bare word as a string); repeatable\n"
     "  --resume    continue from the latest complete checkpoint in checkpoint.dir\n"
-    "  --metrics   write one JSON object per step to FILE\n"
+    "  --metrics   write one JSON object per step to FILE (and one of step and val_* of an evaluation\n"
+    "              a stop cut short, after --resume)\n"
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
@@ -103,11 +104,12 @@ int cmd_run(int argc, char** argv) {
       }
       // SIGUSR1 asks for a checkpoint and a stop: once training has ended there is
       // nothing to do (a late one from mpirun or Slurm must not end the finished
-      // process with status 138 while it exits).
-      ~StopSignals() {
+      // process with status 138 while it prints its summary and exits).
+      void training_ended() {
         for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
         std::signal(SIGUSR1, SIG_IGN);
       }
+      ~StopSignals() { training_ended(); }
     } stop_signals;
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
@@ -143,6 +145,7 @@ int cmd_run(int argc, char** argv) {
     }
     opts.stop_signal = &g_stop;
     train::TrainResult r = train::train(plan, opts);
+    stop_signals.training_ended();
 
     if (!r.steps.empty()) {
       const train::StepRecord& first = r.steps.front();

@@ -130,8 +130,9 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
         },
         registry);
   // checkpoint.dir is relative to the working directory (where `loom run` wrote it).
+  boost::system::error_code ec;
   const std::string no_checkpoint =
-      dir.empty() ? "" : "checkpoint.dir = " + dir + " holds no checkpoint (seen from " + fs::current_path().string() + ")";
+      dir.empty() ? "" : "checkpoint.dir = " + dir + " holds no checkpoint (seen from " + fs::current_path(ec).string() + ")";
   if (!init.empty()) {
     if (!no_checkpoint.empty()) std::cerr << "note: " << no_checkpoint << "; reading checkpoint.init_weights\n";
     const int64_t vocab = c.model.vocab_size > 0 ? c.model.vocab_size : train::make_data_source(c)->vocab_size();

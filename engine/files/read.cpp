@@ -8,24 +8,25 @@
 namespace loom::files {
 
 std::optional<std::string> read_whole_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  std::string bytes;
-  char chunk[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, chunk, sizeof chunk);
-    if (n == 0) break;
-    if (n < 0) {
-      if (errno == EINTR) continue;
+  struct Fd {  // closed however this returns (appending may throw bad_alloc)
+    int fd;
+    ~Fd() {
+      if (fd < 0) return;
       const int error = errno;
       ::close(fd);
       errno = error;
-      return std::nullopt;
     }
+  } f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
+  if (f.fd < 0) return std::nullopt;
+  std::string bytes;
+  char chunk[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(f.fd, chunk, sizeof chunk);
+    if (n == 0) return bytes;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return std::nullopt;
     bytes.append(chunk, static_cast<size_t>(n));
   }
-  ::close(fd);
-  return bytes;
 }
 
 }  // namespace loom::files

@@ -1,5 +1,5 @@
-// Reading a file whole, for the small text files loom reads at once (manifests, a
-// checkpoint's meta.toml and manifest.toml, tokenizer files, evaluation data).
+// Reading a file whole, for the files loom reads at once (a checkpoint's manifest.toml,
+// tokenizer files, evaluation data, texts to tokenize).
 #pragma once
 
 #include <optional>

@@ -13,6 +13,7 @@
 #include <climits>
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <memory>
 #include <ostream>
 #include <sstream>
@@ -65,20 +66,21 @@ std::string schedule_plugin_name(const std::string& schedule) {
 // ---------------------------------------------------------------------------
 
 std::string orders_too_large(long long pp, long long vpp, long long microbatches) {
-  // Each factor is at most 2^31 (an int): the products fit in 128 bits, checked in steps.
+  // In long double, which holds these products of 64-bit factors without wrapping
+  // (their digits printed as whole numbers).
   const long double entries = 2.0L * pp * vpp * microbatches;
-  const std::string sizes = "pp " + std::to_string(pp) + ", vpp " + std::to_string(vpp) + ", microbatches " +
-                            std::to_string(microbatches);
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << "pp " << pp << ", vpp " << vpp << ", microbatches " << microbatches
+     << " give " << entries << " pipeline order entries (2 x pp x vpp x microbatches)";
   if (entries > kMaxOrderEntries)
-    return sizes + " give " + std::to_string(static_cast<long long>(entries)) +
-           " pipeline order entries (2 x pp x vpp x microbatches), more than the " + std::to_string(kMaxOrderEntries) +
-           " a schedule is built and checked with: fewer microbatches per step (a larger batch.micro_batch_size, "
-           "or a smaller batch.global_batch_size)";
-  if (entries * pp > kMaxSimulationWork)
-    return sizes + " give " + std::to_string(static_cast<long long>(entries)) + " order entries over " +
-           std::to_string(pp) + " stages, more than the " + std::to_string(kMaxSimulationWork) +
-           " entries x stages a schedule is checked with";
-  return "";
+    os << ", more than the " << kMaxOrderEntries << " a schedule is built and checked with: fewer microbatches "
+       << "per step or pipeline chunks";
+  else if (entries * pp > kMaxSimulationWork)
+    os << " over " << pp << " stages, more than the " << kMaxSimulationWork
+       << " entries x stages a schedule is checked with: fewer pipeline stages or microbatches";
+  else
+    return "";
+  return os.str();
 }
 
 PipelineOrders compute_orders(const plugins::LoadedPlugin& plugin, const loom_options* options, int pp,

@@ -1,5 +1,7 @@
 #include "engine/train/checkpoint.hpp"
 
+#include "engine/files/temporaries.hpp"
+
 #include "engine/model/param_plan.hpp"
 
 #include "engine/model/param_init.hpp"
@@ -327,8 +329,9 @@ uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const R
   return h.checksum;
 }
 
-void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
-                       const std::string& manifest_toml) {
+namespace {
+
+std::string meta_text(const CheckpointMeta& meta) {
   toml::table t{{"step", meta.step}, {"world", meta.world}, {"tp", meta.tp},
                 {"pp", meta.pp},     {"dp", meta.dp},       {"strategy", meta.strategy}, {"format", 1}};
   std::ostringstream os;
@@ -349,8 +352,15 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   }
   if (!sums.empty()) t.insert("rank_checksums", std::move(sums));
   os << t << "\n";
-  const std::string meta_text = os.str();
-  write_all((fs::path(tmp) / "meta.toml").string(), {{meta_text.data(), meta_text.size()}});
+  return os.str();
+}
+
+}  // namespace
+
+void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
+                       const std::string& manifest_toml) {
+  const std::string text = meta_text(meta);
+  write_all((fs::path(tmp) / "meta.toml").string(), {{text.data(), text.size()}});
   write_all((fs::path(tmp) / "manifest.toml").string(), {{manifest_toml.data(), manifest_toml.size()}});
   fsync_path(tmp, true);
   const std::string final_dir = checkpoint_path(dir, meta.step);
@@ -365,6 +375,17 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
   if (ec) throw CheckpointError("cannot move " + tmp + " to " + final_dir + ": " + ec.message());
   fsync_path(dir, true);
   if (!old.empty()) fs::remove_all(old, ec);
+}
+
+void clear_evaluation_pending(const std::string& step_dir) {
+  CheckpointMeta meta = read_meta(step_dir);
+  if (!meta.evaluation_pending) return;
+  meta.evaluation_pending = false;
+  const std::string path = (fs::path(step_dir) / "meta.toml").string(), text = meta_text(meta);
+  files::Temporary tmp(path + ".tmp");
+  write_all(tmp.path(), {{text.data(), text.size()}});
+  if (!tmp.commit(path)) throw CheckpointError("cannot rewrite " + path + ": " + std::strerror(errno));
+  fsync_path(step_dir, true);
 }
 
 CheckpointMeta read_meta(const std::string& step_dir) {

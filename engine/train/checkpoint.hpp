@@ -113,6 +113,9 @@ std::string temp_checkpoint_path(const std::string& dir, int64_t step);
 void prepare_temp_dir(const std::string& tmp);
 
 CheckpointMeta read_meta(const std::string& step_dir);
+// Once a resumed run has done the evaluation a stop cut short: meta.toml rewritten
+// whole without evaluation_pending (a later resume does not run it again).
+void clear_evaluation_pending(const std::string& step_dir);
 // Reads and verifies one rank's file (magic, version, sizes, checksum); its
 // parameters are expect_numel elements of elem_size bytes.
 RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel, size_t elem_size = sizeof(float));

@@ -3,6 +3,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 
 namespace loom::train {
@@ -77,7 +79,7 @@ void LastWordTask::sample(Split split, uint64_t index, int64_t seq, int32_t* tok
 std::vector<LastWordExample> read_last_word_examples(const std::string& path,
                                                      const std::function<std::vector<int32_t>(const std::string&)>& encode) {
   std::ifstream in(path);
-  if (!in) throw DataError(path + ": cannot open the file");
+  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
   std::vector<LastWordExample> out;
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {

@@ -576,7 +576,19 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   // The settings that decide a layer's time besides its FLOPs, as measured.
   if (!profile.model.empty()) {
     const std::map<std::string, std::string> now = compute_settings(plan);
+    // Profiles of block recomputation saved before the blocks recomputed were kept
+    // hold the count per chunk only.
+    const auto measured = [&](const std::string& key) {
+      const auto it = profile.model.find(key);
+      return it != profile.model.end() ? it->second : std::string();
+    };
+    if (now.count(kBlocksRecomputed) > 0 && profile.model.count(kBlocksRecomputed) == 0 &&
+        measured("model.recompute_granularity") == "\"full\"" && measured("model.recompute_method") == "\"block\"")
+      throw loom::Error("the compute profile was saved by an earlier loom, which did not keep the blocks "
+                        "recomputed over all pipeline chunks (model.recompute_method = block): measure this model again");
     for (const auto& [key, measured] : profile.model) {
+      // Kept beside the count by profiles of an earlier loom; the count decides.
+      if (key == "model.recompute_num_layers" && now.count(kBlocksRecomputed) > 0) continue;
       const auto it = now.find(key);
       const std::string here = it != now.end() ? it->second : "(none)";
       if (here != measured)

@@ -158,9 +158,6 @@ void check_layer_places(const manifest::Manifest& man, const manifest::RunConfig
   }
 }
 
-// [model.layer.X] tables with a value written in the manifest or by --set that no
-// layer of model.pre, model.block or model.post uses: their options are not even
-// checked (e.g. MoE options on a dense model).
 // Megatron-LM's --position-embedding-type is one per model: layers that declare the
 // SDK's position_embedding option (loom/layers/positions.hpp) and set it apart leave
 // the model with no position embedding, or two. A warning: "" when they agree.
@@ -181,6 +178,9 @@ std::string position_embedding_disagreement(const manifest::Manifest& man, const
          "): the model gets no position embedding, or two; set the same on every layer that declares it";
 }
 
+// [model.layer.X] tables with a value written in the manifest or by --set that no
+// layer of model.pre, model.block or model.post uses: their options are not even
+// checked (e.g. MoE options on a dense model).
 std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, const std::set<std::string>& used) {
   std::vector<std::string> out;
   const toml::table* layers = man.get_table(std::string(manifest::schema::kLayerTable));
@@ -407,8 +407,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       throw manifest::ManifestError({{"model.block", man.origin("model.block"),
                                       "pipeline chunk " + std::to_string(g) + " of " +
                                           std::to_string(plan.chunks.size()) +
-                                          " holds no layer (the blocks have none, so every layer is a pre or post "
-                                          "layer of the first or last chunk); give model.block layers, or set "
+                                          " holds no layer (the blocks have none, and the pre and post layers "
+                                          "all go to the first chunk); give model.block layers, or set "
                                           "parallel.pp = 1 and parallel.vpp = 1"}});
   return plan;
 }

@@ -40,7 +40,8 @@ void TextCodec::require_fits(int64_t model_vocab) const {
   if (vocab() > model_vocab)
     throw DataError("the tokenizer's " + std::to_string(vocab()) + " tokens (" + describe() +
                     ") are more than the model's vocabulary of " + std::to_string(model_vocab) +
-                    ": give the tokenizer the model was trained with");
+                    " (a model trained on token files without data.tokenizer has the largest id in them + 1): it "
+                    "could not take every id the tokenizer gives; train with data.tokenizer set");
 }
 
 std::vector<int32_t> TextCodec::encode(const std::string& s) const {

@@ -22,7 +22,8 @@ class TextCodec {
   // text::TokenizerError for a tokenizer that does not load.
   // A `tokenizer` other than a data.tokenizer that loads (another vocabulary) is a DataError.
   TextCodec(const std::string& tokenizer, const manifest::RunConfig& config);
-  // Throws DataError when the codec has more tokens than the model's vocabulary.
+  // Throws DataError when the codec has more tokens than the model's vocabulary (what
+  // sampling needs: every id the codec gives or stops at is one of the model's).
   void require_fits(int64_t model_vocab) const;
   // Throws DataError (or TokenizerError) for text it cannot encode.
   std::vector<int32_t> encode(const std::string& text) const;

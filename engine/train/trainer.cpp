@@ -271,7 +271,10 @@ void RankTraining::run() {
       mark_interrupted();
       return;
     }
-    if (leader_) run_.metrics.write_evaluation(rec);
+    if (leader_) {
+      run_.metrics.write_evaluation(rec);
+      clear_evaluation_pending(run_.resume->dir);
+    }
   }
   while (step < steps) {
     StepRecord rec = train_step(step);
@@ -416,6 +419,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.result.start_step = run.start_step;
+  run.result.final_step = run.start_step;  // a stop before any step trained
   if (!resume && !config.checkpoint.init_weights.empty()) {
     if (!options.read_init_weights)
       throw loom::Error("checkpoint.init_weights = \"" + config.checkpoint.init_weights +

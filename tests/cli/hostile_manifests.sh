@@ -85,8 +85,10 @@ check refuse "$base" --set data.kind=text --set "data.path=\"$here/tiny.toml\"" 
   --set run.eval_every=10
 # Blocks without layers leave a pipeline stage with nothing to run (it crashed in run).
 check any "$base" --set 'model.block=[]'
-for pp in "parallel.pp=2" "parallel.vpp=2"; do
-  check refuse "$base" --set 'model.block=[]' --set parallel.pp=2 --set parallel.dp=1 --set "$pp"
+for vpp in 1 2; do
+  timeout 20 "$loom" validate "$base" --set 'model.block=[]' --set model.num_layers=4 --set parallel.pp=2 \
+    --set parallel.dp=1 --set parallel.vpp=$vpp > "$work/out" 2>&1
+  [ $? -eq 1 ] && grep -q "holds no layer" "$work/out" || fail "an empty pipeline chunk at vpp $vpp: $(cat "$work/out")"
 done
 # Microbatches past what a schedule is built with are refused at once (they took
 # gigabytes and minutes, or the OOM killer).

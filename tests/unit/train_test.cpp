@@ -457,6 +457,8 @@ TEST(Checkpoint, AnEvaluationAStopCutShortIsRunOnResume) {
   resume.metrics_file = metrics;
   auto rest = run_and_trace(tiny_manifest(), saving, resume);
   EXPECT_EQ(rest.result.final_step, 10);
+  EXPECT_FALSE(loom::train::read_meta(loom::train::checkpoint_path(dir, 5)).evaluation_pending)
+      << "done, and still pending for a later resume";
   std::map<int64_t, double> val_loss;  // by step, from the metrics file
   std::ifstream in(metrics);
   for (std::string line; std::getline(in, line);) {
