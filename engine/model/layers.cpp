@@ -89,6 +89,9 @@ loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Regis
   } catch (const loom::Error& e) {
     throw layer_refusal(config, spec, section, e);
   }
+  if (handle == nullptr)
+    throw loom::Error("layer " + spec.instance + " (" + p.key() + "): create reported success without a layer "
+                      "(a bug in the plugin)");
   return handle;
 }
 

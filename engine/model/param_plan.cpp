@@ -4,12 +4,14 @@
 
 #include <loom/cpp/core.hpp>
 
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <algorithm>
 #include <functional>
 #include <map>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 
 namespace loom::model {
@@ -17,6 +19,27 @@ namespace loom::model {
 namespace {
 int64_t product(const std::vector<int64_t>& s) {
   return std::accumulate(s.begin(), s.end(), int64_t{1}, std::multiplies<int64_t>());
+}
+
+// What a layer declares of a parameter, checked before anything is sized from it: a
+// name, 1-4 dims each at least 1 and at most 2^48 elements in all (byte counts stay far
+// from int64), a partition dim among its dims, a finite non-negative init_std.
+constexpr int64_t kMaxParamElements = int64_t{1} << 48;
+void check_decl(const loom_param_decl& d, const std::string& layer) {
+  LOOM_REQUIRE(d.name != nullptr && d.name[0] != '\0', layer << ": a parameter declaration without a name");
+  const std::string name = layer + "." + d.name;
+  LOOM_REQUIRE(d.ndim >= 1 && d.ndim <= 4, name << ": ndim must be 1..4, got " << d.ndim);
+  int64_t elements = 1;
+  for (int i = 0; i < d.ndim; ++i) {
+    LOOM_REQUIRE(d.shape[i] >= 1, name << ": dim " << i << " of its shape is " << d.shape[i] << " (each must be >= 1)");
+    LOOM_REQUIRE(d.shape[i] <= kMaxParamElements / elements,
+                 name << ": its shape holds more than 2^48 elements (dim " << i << " is " << d.shape[i] << ")");
+    elements *= d.shape[i];
+  }
+  LOOM_REQUIRE(d.partition_dim >= -1 && d.partition_dim < d.ndim,
+               name << ": partition_dim " << d.partition_dim << " is not one of its " << d.ndim << " dims (or -1)");
+  LOOM_REQUIRE(std::isfinite(d.init_std) && d.init_std >= 0,
+               name << ": init_std " << d.init_std << " must be a finite number >= 0");
 }
 }  // namespace
 
@@ -33,6 +56,20 @@ loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std:
   return d;
 }
 
+std::vector<loom_param_decl> checked_param_decls(const loom_param_decl* decls, size_t count, const std::string& layer) {
+  LOOM_REQUIRE(count == 0 || decls != nullptr, layer << ": params() gave " << count << " parameters and no declarations");
+  std::vector<loom_param_decl> out;
+  std::set<std::string> names;
+  for (size_t i = 0; i < count; ++i) {
+    out.push_back(param_decl_at(decls, i, layer));
+    check_decl(out.back(), layer);
+    LOOM_REQUIRE(names.insert(out.back().name).second,
+                 layer << " declares two parameters named " << out.back().name
+                       << ": names are the keys of checkpoints and exports, so each must be unique in its layer");
+  }
+  return out;
+}
+
 CollectedParams collect_param_entries(const std::vector<std::string>& instances,
                                       const std::vector<const loom_param_decl*>& decls,
                                       const std::vector<size_t>& counts, int tp_size, int ep_size,
@@ -41,9 +78,18 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
   LOOM_REQUIRE(instances.size() == decls.size() && decls.size() == counts.size(),
                "collect_param_entries: one instance name, declaration array and count per layer");
   CollectedParams out;
-  for (size_t li = 0; li < decls.size(); ++li)
-    for (size_t i = 0; i < counts[li]; ++i)
-      out.decls.push_back({static_cast<int>(li), static_cast<int>(i), param_decl_at(decls[li], i, instances[li])});
+  std::map<std::string, std::string> owner_of;  // full name -> the layer declaring it: names are keys of checkpoints
+  for (size_t li = 0; li < decls.size(); ++li) {
+    const std::vector<loom_param_decl> layer_decls = checked_param_decls(decls[li], counts[li], instances[li]);
+    for (size_t i = 0; i < layer_decls.size(); ++i) {
+      const std::string name = instances[li] + "." + layer_decls[i].name;
+      const auto [it, fresh] = owner_of.emplace(name, instances[li]);
+      LOOM_REQUIRE(fresh, "layers " << it->second << " and " << instances[li] << " both give a parameter " << name
+                                    << ": names are the keys of checkpoints and exports, so no layer's names may "
+                                       "be another's");
+      out.decls.push_back({static_cast<int>(li), static_cast<int>(i), layer_decls[i]});
+    }
+  }
   // One entry per parameter in model order; a tied parameter is owned by its
   // first declaration and later declarations share it.
   std::map<std::string, size_t> tied;  // tie_key -> entry index
@@ -51,7 +97,6 @@ CollectedParams collect_param_entries(const std::vector<std::string>& instances,
   for (size_t k = 0; k < out.decls.size(); ++k) {
     const DeclRef& d = out.decls[k];
     const std::string name = instances[static_cast<size_t>(d.layer)] + "." + d.decl.name;
-    LOOM_REQUIRE(d.decl.ndim >= 1 && d.decl.ndim <= 4, name << ": ndim must be 1..4");
     std::vector<int64_t> full(d.decl.shape, d.decl.shape + d.decl.ndim);
     const bool expert = d.decl.expert != 0;
     std::vector<int64_t> local = full;

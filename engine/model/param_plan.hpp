@@ -46,6 +46,12 @@ struct CollectedParams {
 // Throws loom::Error naming `layer` for a struct_size no 1.x declaration has.
 loom_param_decl param_decl_at(const loom_param_decl* decls, size_t i, const std::string& layer);
 
+// A layer's `count` declarations (as its params() gave them) read with param_decl_at and
+// checked before anything is sized from them: each named, uniquely in the layer, 1-4
+// dims of at least 1 and at most 2^48 elements in all, a partition dim among its dims
+// (or -1), a finite init_std >= 0. Throws loom::Error naming `layer` and what is wrong.
+std::vector<loom_param_decl> checked_param_decls(const loom_param_decl* decls, size_t count, const std::string& layer);
+
 // The entries of a rank from its layers' declarations (decls[li] / counts[li] as
 // returned by layer li's params()), named "<instance>.<decl name>". A tied
 // declaration (same tie_key) after the first shares the first's entry; shapes are

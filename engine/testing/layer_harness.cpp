@@ -1,6 +1,8 @@
 // The layer plugin test harness (see layer_harness.hpp).
 #include "engine/testing/layer_harness.hpp"
 
+#include "engine/model/param_plan.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <exception>
@@ -156,8 +158,7 @@ HarnessLayer::HarnessLayer(HarnessRank& rank, const std::string& name, const loo
   const loom_param_decl* decls = nullptr;
   size_t count = 0;
   ok(a->params(layer_, &decls, &count));
-  for (size_t i = 0; i < count; ++i) {
-    const loom_param_decl& d = decls[i];
+  for (const loom_param_decl& d : model::checked_param_decls(decls, count, instance_)) {
     Param p;
     p.name = d.name;
     p.shape.assign(d.shape, d.shape + d.ndim);
