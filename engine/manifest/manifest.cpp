@@ -471,6 +471,8 @@ ValueBounds ValueBounds::parse(const char* range, const char* choices) {
     for (size_t start = 0;;) {
       const size_t bar = c.find('|', start);
       b.allowed.push_back(std::string(c.substr(start, bar == std::string_view::npos ? bar : bar - start)));
+      if (b.allowed.back().empty())
+        throw std::invalid_argument("choices \"" + std::string(c) + "\" hold an empty value (values between '|')");
       if (bar == std::string_view::npos) break;
       start = bar + 1;
     }

@@ -14,6 +14,8 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <cctype>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -49,11 +51,24 @@ int32_t expected_api_type(const std::string& kind, int32_t api_type) {
   return -1;
 }
 
+// A kind or name: what a manifest writes and a file name may hold (up to 64 of
+// [a-z0-9_.-], starting with a letter or digit: not "..").
 bool valid_name(const std::string& s) {
-  if (s.empty()) return false;
+  if (s.empty() || s.size() > 64 || !((s[0] >= 'a' && s[0] <= 'z') || (s[0] >= '0' && s[0] <= '9'))) return false;
   return std::all_of(s.begin(), s.end(), [](char c) {
     return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '.' || c == '-';
   });
+}
+
+// A plugin's own text (version, description, a status message) as loom prints it: at
+// most `limit` bytes, control characters (a newline or an escape that would forge or
+// recolour a line of the listing) as '?'.
+std::string printable(const char* text, size_t limit) {
+  std::string s = text != nullptr ? std::string(text, ::strnlen(text, limit + 1)) : "";
+  if (s.size() > limit) s = s.substr(0, limit) + "...";
+  for (char& c : s)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return s;
 }
 
 manifest::OptionDecl::Type option_type(int32_t t, bool& ok) {
@@ -80,6 +95,14 @@ manifest::OptionDecl read_option(const loom_option_decl* options, size_t j, cons
   bool ok = false;
   manifest::OptionDecl od{option_type(d->type, ok), d->name ? d->name : "", std::nullopt, d->doc ? d->doc : "", {}};
   if (!ok || od.name.empty()) throw PluginError(where + " has no name or an unknown type");
+  // A key a manifest can write bare in the layer's table.
+  const bool key_like = od.name.size() <= 64 && std::isalpha(static_cast<unsigned char>(od.name[0])) &&
+                        std::all_of(od.name.begin(), od.name.end(), [](char c) {
+                          return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+                        });
+  if (!key_like)
+    throw PluginError(where + " is named '" + printable(od.name.c_str(), 64) +
+                      "'; an option name is up to 64 letters, digits, '_' or '-', starting with a letter");
   const bool numeric = od.type == manifest::OptionDecl::Type::Int || od.type == manifest::OptionDecl::Type::Float;
   const char* range = LOOM_HAS_SLOT(d, loom_option_decl, range) ? d->range : nullptr;
   const char* choices = LOOM_HAS_SLOT(d, loom_option_decl, choices) ? d->choices : nullptr;
@@ -98,13 +121,17 @@ manifest::OptionDecl read_option(const loom_option_decl* options, size_t j, cons
     literal = std::make_unique<toml::table>(toml::parse("v = " + *od.default_value));
   } catch (const toml::parse_error&) {
   }
-  const toml::node* v = literal ? literal->get("v") : nullptr;
+  // One value and nothing after it ("1.0\nevil = 3" would parse as a table of two).
+  const toml::node* v = literal && literal->size() == 1 ? literal->get("v") : nullptr;
   const bool type_ok = v != nullptr && (od.type == manifest::OptionDecl::Type::Bool     ? v->is_boolean()
                                         : od.type == manifest::OptionDecl::Type::Int    ? v->is_integer()
                                         : od.type == manifest::OptionDecl::Type::String ? v->is_string()
                                                                                         : v->is_number());
   if (!type_ok)
-    throw PluginError(named + " has default '" + *od.default_value + "' that does not match its declared type");
+    throw PluginError(named + " has default '" + printable(od.default_value->c_str(), 256) +
+                      "' that does not match its declared type");
+  if (v->is_floating_point() && !std::isfinite(v->as_floating_point()->get()))
+    throw PluginError(named + " has default " + *od.default_value + ", not a finite number (as every value it takes)");
   if (const std::string problem = od.bounds.problem(*v); !problem.empty())
     throw PluginError(named + " has a default outside what it allows: the value " + problem);
   return od;
@@ -113,7 +140,7 @@ manifest::OptionDecl read_option(const loom_option_decl* options, size_t j, cons
 // Converts a status from a plugin into text and frees it.
 std::string take_message(loom_status s) {
   const loom_host_api* h = host_api();
-  std::string m = h->status_message(s);
+  std::string m = printable(h->status_message(s), 4096);
   h->status_destroy(s);
   return m;
 }
@@ -539,7 +566,17 @@ void Registry::load_file(const std::string& path) {
                       "(const loom_host_api*, const loom_plugin_library**) (LOOM_PLUGIN_LIBRARY does)");
   auto& init = lib.get<loom_status(const loom_host_api*, const loom_plugin_library**)>(entry);
   const loom_plugin_library* desc = nullptr;
-  loom_status st = init(host_api(), &desc);
+  loom_status st = nullptr;
+  // The entry point is C: an exception thrown through it is the plugin's bug, said as
+  // such for this library, not an abort of the command.
+  try {
+    st = init(host_api(), &desc);
+  } catch (const std::exception& e) {
+    throw PluginError(file + ": " + entry + " threw an exception (" + printable(e.what(), 4096) +
+                      "); a plugin reports errors as a loom_status");
+  } catch (...) {
+    throw PluginError(file + ": " + entry + " threw an exception; a plugin reports errors as a loom_status");
+  }
   if (st != nullptr) throw PluginError(file + ": plugin initialisation failed: " + take_message(st));
   if (desc == nullptr || desc->struct_size < offsetof(loom_plugin_library, num_plugins) + sizeof(size_t))
     throw PluginError(file + ": " + entry + " returned no valid library descriptor; rebuild it against this SDK");
@@ -554,6 +591,7 @@ void Registry::load_file(const std::string& path) {
                       version_str(LOOM_ABI_MAJOR, LOOM_ABI_MINOR));
   if (desc->num_plugins > 0 && desc->plugins == nullptr)
     throw PluginError(file + ": library descriptor lists plugins but the array is NULL");
+  if (desc->num_plugins == 0) throw PluginError(file + ": its library descriptor lists no plugins");
 
   std::vector<std::unique_ptr<LoadedPlugin>> found;
   for (size_t i = 0; i < desc->num_plugins; ++i) {
@@ -563,8 +601,8 @@ void Registry::load_file(const std::string& path) {
     auto p = std::make_unique<LoadedPlugin>();
     p->kind = info->kind ? info->kind : "";
     p->name = info->name ? info->name : "";
-    p->version = info->version ? info->version : "";
-    p->description = info->description ? info->description : "";
+    p->version = printable(info->version, 64);
+    p->description = printable(info->description, 4096);
     p->file = file;
     p->api_type = info->api_type;
     p->api = info->api;
@@ -572,7 +610,8 @@ void Registry::load_file(const std::string& path) {
     p->abi_minor = desc->abi_minor;
     if (!valid_name(p->kind) || !valid_name(p->name))
       throw PluginError(file + ": plugin descriptor #" + std::to_string(i) + " has an invalid kind/name '" +
-                        p->kind + "/" + p->name + "' (use lowercase letters, digits, '_', '.', '-')");
+                        printable(p->kind.c_str(), 64) + "/" + printable(p->name.c_str(), 64) +
+                        "' (up to 64 lowercase letters, digits, '_', '.', '-', starting with a letter or digit)");
     if (expected_api_type(p->kind, p->api_type) != p->api_type)
       throw PluginError(file + ": plugin " + p->key() + " declares api_type " + std::to_string(p->api_type) +
                         ", which is not a table of kind '" + p->kind +
@@ -591,8 +630,13 @@ void Registry::load_file(const std::string& path) {
       throw PluginError(file + ": plugin " + p->key() + " " + problem);
     if (info->num_options > 0 && info->options == nullptr)
       throw PluginError(file + ": plugin " + p->key() + " lists options but the array is NULL");
-    for (size_t j = 0; j < info->num_options; ++j)
+    for (size_t j = 0; j < info->num_options; ++j) {
       p->options.push_back(read_option(info->options, j, file + ": plugin " + p->key()));
+      for (size_t k = 0; k + 1 < p->options.size(); ++k)
+        if (p->options[k].name == p->options.back().name)
+          throw PluginError(file + ": plugin " + p->key() + " declares option '" + p->options.back().name +
+                            "' twice (#" + std::to_string(k) + " and #" + std::to_string(j) + ")");
+    }
     for (const auto& q : found)
       if (q->key() == p->key())
         throw PluginError(file + ": describes plugin " + p->key() + " twice");

@@ -685,13 +685,38 @@ TEST(AbiLoader, BadOptionDeclarationsAreRefused) {
            {"bad/loom_test_default_outside_range.so",
             "option 'p' has a default outside what it allows: the value must be >= 0 and < 1, got 1.5"},
            {"bad/loom_test_range_text.so", "option 'n': range \"1..8\" is not an interval"},
-           {"bad/loom_test_mixed_option_sizes.so", "option #1 has struct_size"}}) {
+           {"bad/loom_test_mixed_option_sizes.so", "option #1 has struct_size"},
+           {"bad/loom_test_duplicate_option.so", "declares option 'n' twice (#0 and #1)"},
+           {"bad/loom_test_nan_default.so", "option 'p' has default nan, not a finite number"},
+           {"bad/loom_test_trailing_default.so", "option 'p' has default '1.0?evil = 3' that does not match"},
+           {"bad/loom_test_empty_choice.so", "choices \"a||b\" hold an empty value"},
+           {"bad/loom_test_option_name.so", "is named 'n m.x'; an option name is up to 64 letters"}}) {
     Registry r;
     const std::string e = load_error(r, abi_dir(file));
     EXPECT_NE(e.find(abi_dir(file)), std::string::npos) << e;
     EXPECT_NE(e.find(what), std::string::npos) << e;
     EXPECT_TRUE(r.all().empty());
   }
+}
+
+// A library whose entry point throws, or that describes no plugins, is refused naming
+// the file (a throw aborted every command that loaded it); a plugin's text is printed
+// without the control characters that would forge a line of a listing.
+TEST(AbiLoader, AThrowingOrEmptyLibraryIsRefusedAndTextIsPrintable) {
+  for (const auto& [file, what] : std::vector<std::pair<std::string, std::string>>{
+           {"bad/loom_test_throwing_entry.so",
+            "loom_plugin_init_v1 threw an exception (thrown from the entry point); a plugin reports errors"},
+           {"bad/loom_test_no_plugins.so", "its library descriptor lists no plugins"}}) {
+    Registry r;
+    const std::string e = load_error(r, abi_dir(file));
+    EXPECT_NE(e.find(abi_dir(file)), std::string::npos) << e;
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+  }
+  Registry r;
+  r.load_file(abi_dir("odd/loom_test_control_text.so"));
+  const auto& p = r.get("exec", "bad");
+  EXPECT_EQ(p.description, "line?FAKE  exec/evil?[31m");
+  EXPECT_EQ(p.version, "0.0.1?");
 }
 
 // An options array is read with the stride of the header the library was built
@@ -790,7 +815,7 @@ TEST(AbiCli, PluginsCheckReportsEachLibrary) {
   }
   EXPECT_NE(out.find("FAIL"), std::string::npos) << out;
   EXPECT_NE(out.find("license file"), std::string::npos) << out;
-  EXPECT_NE(out.find("0 of 8 libraries load"), std::string::npos) << out;
+  EXPECT_NE(out.find("0 of 15 libraries load"), std::string::npos) << out;
 }
 
 // --- Hostile files and libraries: refused with a message, never a crash ---------
