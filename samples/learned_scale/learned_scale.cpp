@@ -13,14 +13,14 @@
 class LearnedScale : public loom::Layer {
  public:
   LearnedScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), hidden_(args.dims->hidden), init_(options.declared_float("init")) {}
+      : rank_(rank.raw()), hidden_(args.dims->hidden), ones_(options.declared_string("init") == "ones") {}
 
   // (1) One parameter of shape [hidden], duplicated on every tensor-parallel rank.
   std::vector<loom::ParamSpec> params() override {
     loom::ParamSpec gain;
     gain.name = "gain";
     gain.shape = {hidden_};
-    gain.init = init_ == 1.0 ? LOOM_INIT_ONES : LOOM_INIT_ZEROS;
+    gain.init = ones_ ? LOOM_INIT_ONES : LOOM_INIT_ZEROS;
     gain.no_weight_decay = true;  // like a norm's weight
     return {gain};
   }
@@ -68,7 +68,7 @@ class LearnedScale : public loom::Layer {
 
   loom_rank* rank_;
   int64_t hidden_;
-  double init_;
+  bool ones_;
   float* gain_ = nullptr;
   float* gain_grad_ = nullptr;
   std::map<int32_t, loom::Buffer> saved_;  // x per microbatch in flight
@@ -77,4 +77,4 @@ class LearnedScale : public loom::Layer {
 // The one registration line: kind "layer", name "learned_scale", its options.
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<LearnedScale>(
     "learned_scale", "1.0.0", "per-channel learned gain y = x * g (SDK sample)",
-    {loom::opt_float("init", 1.0, "initial gain: 1.0 (identity) or 0.0").in("[0, 1]")}))
+    {loom::opt_string("init", "ones", "initial gain: ones (the identity) or zeros").one_of("ones|zeros")}))
