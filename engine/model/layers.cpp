@@ -193,9 +193,22 @@ double Layers::forward_flops() const {
 uint64_t Layers::saved_activation_bytes() const {
   uint64_t b = 0;
   for (const Layer& l : layers_)
-    if (!l.recompute && LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes)
-      b += l.api->activation_bytes(l.handle);
+    if (!l.recompute) b += layer_bytes(l.api, l.handle, LayerBytes::Activations, l.spec.instance);
   return b;
+}
+
+uint64_t layer_bytes(const loom_layer_api* api, loom_layer* handle, LayerBytes what, const std::string& instance) {
+  constexpr uint64_t kMost = uint64_t{1} << 50;
+  const bool activations = what == LayerBytes::Activations;
+  uint64_t bytes = 0;
+  if (activations && LOOM_HAS_SLOT(api, loom_layer_api, activation_bytes) && api->activation_bytes)
+    bytes = api->activation_bytes(handle);
+  if (!activations && LOOM_HAS_SLOT(api, loom_layer_api, workspace_bytes) && api->workspace_bytes)
+    bytes = api->workspace_bytes(handle);
+  if (bytes > kMost)
+    throw loom::Error("layer " + instance + ": its " + (activations ? "activation_bytes" : "workspace_bytes") +
+                      " is " + std::to_string(bytes) + ", more than 2^50 bytes (a bug in the plugin)");
+  return bytes;
 }
 
 }  // namespace loom::model

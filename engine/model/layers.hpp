@@ -42,6 +42,12 @@ loom_layer* create_layer(const manifest::RunConfig& config, const plugins::Regis
 void validate_layer(const manifest::RunConfig& config, const plugins::Registry& registry, const LayerSpec& spec,
                     const loom_layer_validate_args& run);
 
+// What a layer says it holds (loom_layer_api.activation_bytes and workspace_bytes; 0
+// without the slot), at most 2^50 bytes: more is a plugin's bug, refused (a loom::Error
+// naming the layer) rather than summed into a count that wraps.
+enum class LayerBytes { Activations, Workspace };
+uint64_t layer_bytes(const loom_layer_api* api, loom_layer* handle, LayerBytes what, const std::string& instance);
+
 // A pipeline chunk held by this rank: global chunk `global_index` of
 // `num_global` (0-based), its layers in model order. A rank without pipeline
 // parallelism holds one chunk, the whole model.

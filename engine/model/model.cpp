@@ -2,6 +2,7 @@
 
 #include "engine/model/grad_finalize.hpp"
 #include "engine/model/tensor_view.hpp"
+#include "engine/plugins/registry.hpp"
 
 #include <algorithm>
 
@@ -15,6 +16,21 @@ int tp_size(const runtime::RankRuntime& rank) { return rank.group_or_self("tp").
 // micro_batch, hidden] under sequence parallelism.
 std::vector<int64_t> hidden_shape(const loom_model_dims& dims, int64_t context_rows, bool sequence_parallel, int tp) {
   return {sequence_parallel ? context_rows / tp : context_rows, dims.micro_batch, dims.hidden};
+}
+
+// A layer's failed step as an error that names the layer (its plugin's message may
+// not), keeping the status code.
+void check_step(loom_status status, const Layer& l, const char* step) {
+  if (status == nullptr) return;
+  const loom_host_api* h = plugins::host_api();
+  std::string message = h->status_message(status);
+  const int32_t code = h->status_code(status);
+  h->status_destroy(status);
+  if (message.empty()) message = "(no message)";
+  const std::string where = "layer/" + l.spec.plugin + ", " + step;
+  throw loom::Error(message.rfind(l.spec.instance, 0) == 0 ? message + " (" + where + ")"
+                                                            : l.spec.instance + " (" + where + "): " + message,
+                    code);
 }
 }  // namespace
 
@@ -129,7 +145,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   const bool capture_ok = training && seed_device != nullptr && !l.recompute;
   a.step_key = capture_.step_key(i, mb, false);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
-  capture_.run_step(i, mb, false, capture_ok, [&] { loom::check(l.api->forward(l.handle, &rank_, &a)); });
+  capture_.run_step(i, mb, false, capture_ok, [&] { check_step(l.api->forward(l.handle, &rank_, &a), l, "forward"); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch,
@@ -179,7 +195,7 @@ void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor
   const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
   a.step_key = capture_.step_key(i, mb, true);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
-  capture_.run_step(i, mb, true, capture_ok, [&] { loom::check(l.api->backward(l.handle, &rank_, &a)); });
+  capture_.run_step(i, mb, true, capture_ok, [&] { check_step(l.api->backward(l.handle, &rank_, &a), l, "backward"); });
 }
 
 size_t Model::hidden_bytes(int64_t rows, int64_t batch) const {
@@ -214,7 +230,7 @@ const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t po
     a.position_offset = position_offset;
     a.logits = has_output ? nullptr : logits;
     const Layer& l = layers_[i];
-    loom::check(l.api->forward(l.handle, &rank_, &a));
+    check_step(l.api->forward(l.handle, &rank_, &a), l, "forward with the key/value cache");
     held = next;
     turn ^= 1;
   }

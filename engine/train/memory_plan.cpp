@@ -267,8 +267,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
                                  : 0.0;
         rm.chunk_forward_flops[c] += flops;
         rm.layer_forward_flops.push_back(flops);
-        if (LOOM_HAS_SLOT(l.api, loom_layer_api, workspace_bytes) && l.api->workspace_bytes)
-          rm.workspace_bytes = std::max(rm.workspace_bytes, l.api->workspace_bytes(l.handle));
+        rm.workspace_bytes = std::max(rm.workspace_bytes, model::layer_bytes(l.api, l.handle, model::LayerBytes::Workspace,
+                                                                             instances[li]));
       }
       chunk_activations.assign(chunks.size(), 0);
       // Per chunk, the largest recompute group's re-created bytes: its layers' saved
@@ -277,9 +277,8 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       std::map<std::pair<size_t, int>, uint64_t> group_bytes;
       for (size_t li = 0; li < layers.layers.size(); ++li) {
         const PlannedLayers::Layer& l = layers.layers[li];
-        const uint64_t bytes = LOOM_HAS_SLOT(l.api, loom_layer_api, activation_bytes) && l.api->activation_bytes
-                                   ? l.api->activation_bytes(l.handle)
-                                   : 0;
+        const uint64_t bytes = model::layer_bytes(l.api, l.handle, model::LayerBytes::Activations,
+                                                  instances[li]);
         const size_t c = static_cast<size_t>(chunk_of_layer[li]);
         const int g = group_of_layer[li];
         if (g < 0) {
