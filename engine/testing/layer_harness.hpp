@@ -166,8 +166,11 @@ struct FdTolerance {
   double rtol = 2e-2, atol = 3e-3;
 };
 
-// Compares `analytic` with central differences of `objective` in `v` at a sample of
-// coordinates: 12 random ones and the 8 of largest |analytic|.
+// Compares `analytic` with central differences of `objective` in `v`: at every
+// coordinate of a tensor of at most kFdEveryCoordinateUpTo values (a layer's input at
+// the default dims: one wrong row or element is found), else at 32 random ones and the
+// 8 of largest |analytic|.
+constexpr size_t kFdEveryCoordinateUpTo = 512;
 void fd_check(std::vector<float>& v, const std::vector<float>& analytic, const std::function<double()>& objective,
               const std::string& what, std::mt19937& rng, Findings& out, FdTolerance tol = {});
 
