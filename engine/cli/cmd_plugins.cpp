@@ -182,6 +182,9 @@ int cmd_plugins(int argc, char** argv) {
           std::cout << "ok    " << f << ":";
           for (const auto& n : names) std::cout << " " << n;
           std::cout << "\n";
+          if (!plugins::Registry::searched_file_name(boost::filesystem::path(f).filename().string()))
+            std::cerr << "warning: " << f << " is not named loom_*.so, so a search path does not load it; name it "
+                      << "loom_<kind>_<name>.so (loom_add_plugin does)\n";
         } else {
           std::cout << "FAIL  " << error << "\n";
         }

@@ -59,19 +59,22 @@ const char* kUsage =
     "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
 // What loading the plugins went wrong, on stderr once: a library that failed to load
-// or a search path that does not exist is a warning (the run may not need it); a
-// kind/name found in two files is an error, as in `loom plugins check` (which one
-// the run would use depends on the search order). True when there was a duplicate.
-bool report_plugin_loading() {
+// or a search path that does not exist is a warning (the run may not need it). A
+// kind/name found in two files is not among them: the plan refuses it.
+void report_plugin_loading() {
   static bool reported = false;
-  const plugins::Registry& r = plugins::registry();
-  if (reported) return !r.duplicate_errors().empty();
+  if (reported) return;
   reported = true;
+  const plugins::Registry& r = plugins::registry();
+  constexpr size_t kShown = 20;  // a directory of broken files says so without a line for each
+  size_t warnings = 0;
   for (const std::string& e : r.load_errors())
-    if (std::find(r.duplicate_errors().begin(), r.duplicate_errors().end(), e) == r.duplicate_errors().end())
+    if (std::find(r.duplicate_errors().begin(), r.duplicate_errors().end(), e) == r.duplicate_errors().end() &&
+        ++warnings <= kShown)
       std::cerr << "loom run: warning: " << e << "\n";
-  for (const std::string& e : r.duplicate_errors()) std::cerr << "loom run: " << e << "\n";
-  return !r.duplicate_errors().empty();
+  if (warnings > kShown)
+    std::cerr << "loom run: warning: " << warnings - kShown << " more libraries failed to load (loom plugins check DIR "
+              << "lists each)\n";
 }
 
 // Under mpirun/srun a process may be the only one to fail (a file missing on its node,
@@ -113,7 +116,7 @@ int cmd_run(int argc, char** argv) {
     } stop_signals;
     train::RunPlan plan =
         train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
-    if (report_plugin_loading()) return 1;
+    report_plugin_loading();
     // Under mpirun/srun this process hosts one rank; only global rank 0 prints the
     // step log and writes --metrics (checkpoints: every rank writes its own file,
     // rank 0 commits).

@@ -524,6 +524,11 @@ const void* find_service(int32_t api_type, const char* name) {
 
 void Registry::load_file(const std::string& path) {
   const std::string file = fs::absolute(path).lexically_normal().string();
+  // A file this registry loaded already (a search path listed again, or searched
+  // again by a later plan) is the same plugins, not a second copy of them.
+  boost::system::error_code same_ec;
+  for (const auto& p : plugins_)
+    if (p->file == file || fs::equivalent(p->file, file, same_ec)) return;
   if (const std::string problem = file_problem(file); !problem.empty())
     throw PluginError(file + ": cannot be loaded: it " + problem);
   boost::dll::shared_library lib;
@@ -644,11 +649,16 @@ void Registry::load_file(const std::string& path) {
   }
   for (const auto& p : found)
     if (const LoadedPlugin* prev = find(p->kind, p->name))
-      throw DuplicatePluginError("plugin " + p->key() + " in " + file + " duplicates the one already loaded from " +
-                                 prev->file + "; remove one of them from the search path or rename it");
+      throw DuplicatePluginError("plugin " + p->key() + " is provided by both " + prev->file + " and " + file +
+                                 " (which one runs would depend on the search order); remove one of them from "
+                                 "the search path or rename it");
 
   for (auto& p : found) plugins_.push_back(std::move(p));
   loaded_libraries().push_back(std::move(lib));
+}
+
+bool Registry::searched_file_name(const std::string& filename) {
+  return filename.rfind("loom_", 0) == 0 && filename.size() > 3 && filename.compare(filename.size() - 3, 3, ".so") == 0;
 }
 
 std::vector<std::string> Registry::load_dirs(const std::vector<std::string>& dirs) {
@@ -675,8 +685,7 @@ std::vector<std::string> Registry::load_dirs(const std::vector<std::string>& dir
     if (!seen_dirs.insert(dir.string()).second) continue;
     std::vector<std::string> files;
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.rfind("loom_", 0) == 0 && entry.path().extension() == ".so") files.push_back(entry.path().string());
+      if (searched_file_name(entry.path().filename().string())) files.push_back(entry.path().string());
     }
     std::sort(files.begin(), files.end());  // deterministic order → deterministic duplicate messages
     for (const std::string& f : files) {

@@ -48,7 +48,8 @@ struct LoadedPlugin {
 
 class Registry {
  public:
-  // Loads one library and registers its plugins. Throws PluginError
+  // Loads one library and registers its plugins (a file it loaded before: nothing
+  // more). Throws PluginError
   // (DuplicatePluginError when a kind/name it describes is already registered).
   void load_file(const std::string& path);
   // Loads every loom_*.so in each directory; returns one error line per library
@@ -66,6 +67,9 @@ class Registry {
   // Throws PluginError "no plugin kind/name is loaded (available kind plugins: ...)".
   const LoadedPlugin& get(const std::string& kind, const std::string& name) const;
   const std::vector<std::unique_ptr<LoadedPlugin>>& all() const { return plugins_; }
+
+  // Whether load_dirs loads a file of this name (loom_*.so).
+  static bool searched_file_name(const std::string& filename);
 
   // Search order: extra (manifest plugins.search_paths), $LOOM_PLUGIN_PATH (':'-separated),
   // then the directory next to the loom binary (build tree or install tree).

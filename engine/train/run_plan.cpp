@@ -238,6 +238,12 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
     extra.push_back(path.lexically_normal().string());
   }
   plan.plugin_load_errors = registry.load_dirs(plugins::Registry::search_paths(extra));
+  std::vector<manifest::Diagnostic> diags;
+  // A kind/name in two files: which one runs would depend on the search order (what
+  // `loom run` refuses, validate and plan refuse alike).
+  for (const std::string& e : registry.duplicate_errors())
+    if (std::find(plan.plugin_load_errors.begin(), plan.plugin_load_errors.end(), e) != plan.plugin_load_errors.end())
+      diags.push_back({"plugins.search_paths", man.origin("plugins.search_paths"), e});
 
   // The layout, from keys the schema has checked (each size and their product bounded).
   plan.sizes.tp = config.parallel.tp;
@@ -250,7 +256,6 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   plan.sizes.world = plan.sizes.tp * plan.sizes.cp * plan.sizes.pp * plan.dp;
   plan.microbatches = config.batch.global_batch_size / (config.batch.micro_batch_size * plan.dp);
 
-  std::vector<manifest::Diagnostic> diags;
   auto need = [&](const std::string& key, const std::string& kind, const std::string& name,
                   const std::string& options_section) -> const plugins::LoadedPlugin* {
     const plugins::LoadedPlugin* p = registry.find(kind, name);

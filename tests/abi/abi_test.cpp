@@ -983,10 +983,15 @@ TEST(AbiCli, RunRefusesAPluginFoundInTwoFiles) {
                                  "/tests/cli/tiny.toml --set run.steps=2",
                              abi_dir("dup_cpu_run.out"));
   EXPECT_EQ(rc, 1) << out;
-  EXPECT_NE(out.find("loom run: plugin device/cpu in "), std::string::npos) << out;
+  EXPECT_NE(out.find("plugin device/cpu is provided by both "), std::string::npos) << out;
   EXPECT_NE(out.find(dir + "/loom_device_cpu.so"), std::string::npos) << out;
-  EXPECT_NE(out.find("duplicates the one already loaded from"), std::string::npos) << out;
   EXPECT_EQ(out.find("summary:"), std::string::npos) << out;  // no training
+  // validate refuses what run refuses.
+  auto [vrc, vout] = run_shell("LOOM_PLUGIN_PATH=" + dir + " " + loom + " validate " + std::string(LOOM_SOURCE_DIR) +
+                                   "/tests/cli/tiny.toml",
+                               abi_dir("dup_cpu_validate.out"));
+  EXPECT_EQ(vrc, 1) << vout;
+  EXPECT_NE(vout.find("plugin device/cpu is provided by both "), std::string::npos) << vout;
 }
 
 // --- A layer's validate (ABI 1.12), as `loom validate` runs it ---------------------
