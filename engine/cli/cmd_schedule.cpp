@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
-#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -201,17 +200,10 @@ int cmd_schedule(int argc, char** argv) {
     plugins::host_api();
     plugins::Registry& reg = plugins::registry();
     const std::string name = pipeline::schedule_plugin_name(schedule);
-    std::vector<std::string> load_errors;
-    if (reg.find("parallel", name) == nullptr) {
-      // Each directory once per process: a second load would only report duplicates.
-      static std::set<std::string> loaded;
-      std::vector<std::string> dirs;
-      for (const std::string& d : plugins::Registry::search_paths(extra_paths))
-        if (loaded.insert(d).second) dirs.push_back(d);
-      load_errors = reg.load_dirs(dirs);
-    }
-    if (reg.find("parallel", name) == nullptr)
-      for (const std::string& e : load_errors) std::cerr << "loom schedule: warning: " << e << "\n";
+    // What did not load (a --plugin-path that does not exist, a broken library) is
+    // said, as loom run says it.
+    for (const std::string& e : reg.load_dirs(plugins::Registry::search_paths(extra_paths)))
+      std::cerr << "loom schedule: warning: " << e << "\n";
     const plugins::LoadedPlugin& plugin = reg.get("parallel", name);
 
     const pipeline::PipelineOrders orders =
