@@ -273,7 +273,12 @@ void RankTraining::run() {
     }
     if (leader_) {
       run_.metrics.write_evaluation(rec);
-      clear_evaluation_pending(run_.resume->dir);
+      try {
+        clear_evaluation_pending(run_.resume->dir);
+      } catch (const CheckpointError& e) {  // the run goes on; only a later resume is affected
+        if (run_.options.log)
+          *run_.options.log << "warning: " << e.what() << " (a later --resume runs this evaluation again)" << std::endl;
+      }
     }
   }
   while (step < steps) {
