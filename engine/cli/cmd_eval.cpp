@@ -12,7 +12,6 @@
 #include "engine/train/evaluator.hpp"
 #include "engine/train/text_codec.hpp"
 
-#include <boost/algorithm/string/predicate.hpp>
 #include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
 
@@ -100,9 +99,7 @@ int cmd_eval(int argc, char** argv) {
     const std::string file = format == "indexed" ? data_path + ".idx" : data_path;
     if (!boost::filesystem::is_regular_file(file))
       throw UsageError("--data " + file + " is not a file" +
-                       (format == "indexed" && boost::algorithm::ends_with(data_path, ".bin")
-                            ? " (an indexed dataset is named by its prefix, without .bin)"
-                            : ""));
+                       (format == "indexed" ? text::indexed_prefix_hint(data_path) : ""));
     const std::string text = format == "text" ? read_file(data_path) : std::string();
 
     plugins::Registry& r = plugins::registry();

@@ -131,13 +131,19 @@ void IndexedDatasetWriter::finish() {
     throw TokenFileError(why);
 }
 
+std::string indexed_prefix_hint(const std::string& prefix) {
+  const std::string suffix = ".bin";
+  if (::access((prefix + ".idx").c_str(), F_OK) == 0 || prefix.size() <= suffix.size() ||
+      prefix.compare(prefix.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return "";
+  return " (an indexed dataset is named by its prefix, without .bin: " +
+         prefix.substr(0, prefix.size() - suffix.size()) + ")";
+}
+
 IndexedDataset IndexedDataset::read(const std::string& prefix) {
   const std::string idx_path = prefix + ".idx", bin_path = prefix + ".bin";
-  const std::string suffix = ".bin";
-  if (::access(idx_path.c_str(), F_OK) != 0 && prefix.size() > suffix.size() &&
-      prefix.compare(prefix.size() - suffix.size(), suffix.size(), suffix) == 0)
-    throw TokenFileError(idx_path + ": no such file; an indexed dataset is named by its prefix, without .bin (" +
-                         prefix.substr(0, prefix.size() - suffix.size()) + ")");
+  if (const std::string hint = indexed_prefix_hint(prefix); !hint.empty())
+    throw TokenFileError(idx_path + ": no such file" + hint);
   const std::string idx = read_file(idx_path), bin = read_file(bin_path);
   if (idx.size() < sizeof(kIndexMagic) || std::memcmp(idx.data(), kIndexMagic, sizeof(kIndexMagic)) != 0)
     throw TokenFileError(idx_path + ": not a Megatron indexed dataset index (no MMIDIDX header)");

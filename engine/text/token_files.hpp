@@ -56,6 +56,11 @@ class IndexedDatasetWriter {
   int64_t tokens_ = 0;
 };
 
+// For an indexed dataset named with its .bin (PREFIX.bin.idx does not exist): what to
+// give instead, " (an indexed dataset is named by its prefix, without .bin: PREFIX)";
+// "" otherwise.
+std::string indexed_prefix_hint(const std::string& prefix);
+
 // A dataset IndexedDatasetWriter wrote (or Megatron-LM's preprocess_data.py did),
 // read whole. Throws TokenFileError naming the file and what is wrong.
 struct IndexedDataset {
