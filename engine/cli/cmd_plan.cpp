@@ -371,7 +371,7 @@ int cmd_plan(int argc, char** argv) {
                          {"optimizer_bytes", r.optimizer_bytes},
                          {"activation_bytes", r.activation_bytes},
                          {"recompute_bytes", r.recompute_bytes},
-                         {"work_bytes", r.work_bytes}, {"workspace_bytes", r.workspace_bytes},
+                         {"work_bytes", r.work_bytes}, {"input_bytes", r.input_bytes}, {"workspace_bytes", r.workspace_bytes},
                          {"total_bytes", train::rank_total_bytes(r)},
                          {"bytes_per_param", r.bytes_per_param},
                          {"buffer_numel", r.buffer_numel},
@@ -411,8 +411,8 @@ int cmd_plan(int argc, char** argv) {
               << "  activations: at the schedule's peak, up to " << mp.microbatches_in_flight
               << " microbatch-chunk(s) in flight on a rank (estimate)"
               << (recomputes ? "; recomp: more while a recompute group runs its forward again in backward" : "")
-              << "\n  work: the backward's hidden-state gradient buffers, held for the whole run, and the "
-                 "largest temporaries of one layer's forward or backward\n\n";
+              << "\n  work: the backward's hidden-state gradient buffers and each microbatch's tokens and targets, "
+                 "held for the whole run, and the largest temporaries of one layer's forward or backward\n\n";
     std::cout << cell("rank", 5) << cell("tp", 3) << cell("cp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
               << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)
@@ -426,7 +426,7 @@ int cmd_plan(int argc, char** argv) {
                 << cell(std::to_string(r.buffer_numel), 12) << cell(mib(r.param_bytes), 10)
                 << cell(mib(r.grad_bytes), 10) << cell(mib(r.optimizer_bytes), 10)
                 << cell(mib(r.activation_bytes), 10) << (recomputes ? cell(mib(r.recompute_bytes), 11) : "")
-                << cell(mib(r.work_bytes + r.workspace_bytes), 10) << cell(mib(train::rank_total_bytes(r)), 10)
+                << cell(mib(r.work_bytes + r.input_bytes + r.workspace_bytes), 10) << cell(mib(train::rank_total_bytes(r)), 10)
                 << cell(bpp, 8) << "\n";
     }
     // The buffer layout of each distinct (tp, pp) position (dp and cp replicas share

@@ -70,7 +70,7 @@ bool shards_optimizer_state(const RunPlan& plan) {
 
 uint64_t rank_total_bytes(const RankMemory& r) {
   return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes + r.work_bytes +
-         r.workspace_bytes;
+         r.input_bytes + r.workspace_bytes;
 }
 
 uint64_t device_capacity(const RunPlan& plan, int ranks_in_process) {
@@ -157,6 +157,10 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
   const uint64_t hidden_state_bytes = static_cast<uint64_t>(
       (sp && plan.sizes.tp > 1 ? rows / plan.sizes.tp : rows) * dims.micro_batch * dims.hidden * psize);
   out.hidden_state_bytes = hidden_state_bytes;
+  // The step's inputs, held for the whole run (train::Microbatches, DropoutSeeds): a
+  // token and a target buffer of the rank's rows per microbatch, and its dropout seed.
+  const uint64_t input_bytes = static_cast<uint64_t>(plan.microbatches) *
+                               (2 * static_cast<uint64_t>(rows * dims.micro_batch) * sizeof(int32_t) + sizeof(uint64_t));
   // Parameters are replicated over dp x cp ranks: the optimizer's group.
   const int grad_group = plan.dp * plan.sizes.cp;
 
@@ -356,6 +360,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
           ++receiving_backwards;
       const int slots = (receiving_backwards > 0 ? 1 : 0) + (post_early && receiving_backwards > 1 ? 1 : 0);
       rm.work_bytes = static_cast<uint64_t>(2 + slots) * hidden_state_bytes;
+      rm.input_bytes = input_bytes;
       out.microbatches_in_flight = std::max<int64_t>(out.microbatches_in_flight, rm.in_flight);
       rm.bytes_per_param =
           rm.params ? double(rm.param_bytes + rm.grad_bytes + rm.optimizer_bytes) / double(rm.params) : 0.0;

@@ -51,6 +51,9 @@ struct RankMemory {
   // the layers' input gradients by turns, and one for a received output gradient,
   // two when receives are posted early (Model::gradient_buffer_bytes).
   uint64_t work_bytes = 0;
+  // The step's inputs, held for the whole run: a token, a target and a dropout-seed
+  // buffer per microbatch (train::Microbatches, model::DropoutSeeds).
+  uint64_t input_bytes = 0;
   // The largest of its layers' temporaries within one forward or backward
   // (loom_layer_api.workspace_bytes, ABI 1.19; layers built before declare none).
   uint64_t workspace_bytes = 0;
@@ -79,7 +82,8 @@ struct MemoryPlan {
 MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab = 0);
 
 // Bytes the plan says rank `r` holds (parameters, gradients, optimizer state,
-// activations at the schedule's peak, recomputation, gradient work buffers).
+// activations at the schedule's peak, recomputation, gradient work buffers, the
+// step's inputs, the largest layer workspace).
 uint64_t rank_total_bytes(const RankMemory& r);
 // The memory one rank may plan to hold, as the manifest's device reports it
 // (loom_memory_stats.capacity_bytes, ABI 1.9) for a process that runs

@@ -151,6 +151,34 @@ TEST(MemoryPlan, ASmallVocabularysPeakIsThePlans) {
   }
 }
 
+// A step keeps every microbatch's tokens, targets and dropout seed on the device
+// (8 bytes per token of the rank's rows, 8 per microbatch): with many microbatches
+// the measured peak grows by what the plan adds, for a pipeline stage and for a
+// context-parallel rank's half of the rows alike.
+TEST(MemoryPlan, EachMicrobatchsInputsArePlanned) {
+  const std::vector<std::string> base = {"run.steps=1", "model.hidden_size=64", "model.seq_length=128",
+                                         "batch.micro_batch_size=1"};
+  for (const std::string layout : {"parallel.pp=2", "parallel.cp=2"}) {
+    SCOPED_TRACE(layout);
+    double measured[2] = {0, 0}, planned[2] = {0, 0};
+    const int batches[2] = {2, 64};
+    for (int i = 0; i < 2; ++i) {
+      std::vector<std::string> o = base;
+      o.push_back(layout);
+      o.push_back("batch.global_batch_size=" + std::to_string(batches[i]));
+      const loom::testing::Trace run = loom::testing::run_and_trace(tiny_manifest(), o);
+      const loom::train::MemoryPlan plan = loom::train::plan_memory(plan_from(tiny_manifest(), o));
+      measured[i] = static_cast<double>(run.result.steps.back().mem_peak);
+      planned[i] = static_cast<double>(loom::train::rank_total_bytes(plan.ranks[0]));
+    }
+    const double rows = layout == "parallel.cp=2" ? 64 : 128;
+    EXPECT_DOUBLE_EQ(planned[1] - planned[0], 62 * (8 * rows + 8));
+    EXPECT_NEAR(measured[1] - measured[0], planned[1] - planned[0], 0.02 * (planned[1] - planned[0]))
+        << "measured peaks " << measured[0] << " and " << measured[1] << " B";
+    EXPECT_LT(measured[1], 1.03 * planned[1]);
+  }
+}
+
 // The device reports what a rank may hold (ABI 1.9 capacity_bytes; device/cpu: the
 // host's RAM shared by the ranks of the process), and the plan is compared with it:
 // the rank that needs most is named, a plan that fits says nothing, unknown skips.
@@ -275,9 +303,10 @@ TEST(MemoryPlan, CliJson) {
                                                        r.at("optimizer_bytes").get<uint64_t>() +
                                                        r.at("activation_bytes").get<uint64_t>() +
                                                        r.at("recompute_bytes").get<uint64_t>() + r.at("work_bytes").get<uint64_t>() +
+                                                       r.at("input_bytes").get<uint64_t>() +
                                                        r.at("workspace_bytes").get<uint64_t>());
     for (const char* k : {"params", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "work_bytes",
-                          "workspace_bytes"})
+                          "input_bytes", "workspace_bytes"})
       EXPECT_GT(r.at(k).get<double>(), 0) << k;
     EXPECT_NEAR(r.at("bytes_per_param").get<double>(), 16, 0.5);
     EXPECT_EQ(r.at("param_bytes").get<double>(), 4 * r.at("buffer_numel").get<double>());
