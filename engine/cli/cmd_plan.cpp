@@ -363,7 +363,7 @@ int cmd_plan(int argc, char** argv) {
       ordered_json ranks = ordered_json::array();
       for (const train::RankMemory& r : mp.ranks) {
         ordered_json buckets = ordered_json::array();
-        for (const model::Range& b : r.layout.buckets) buckets.push_back({{"start", b.start}, {"end", b.end}});
+        for (const model::Range& b : r.layout().buckets) buckets.push_back({{"start", b.start}, {"end", b.end}});
         ranks.push_back({{"rank", r.rank},
                          {"params", r.params},
                          {"param_bytes", r.param_bytes},
@@ -438,10 +438,10 @@ int cmd_plan(int argc, char** argv) {
     for (const train::RankMemory& r : mp.ranks) {
       if (!shown.insert({r.tp_rank, r.pp_rank}).second) continue;
       std::cout << "  tp rank " << r.tp_rank << ", pp rank " << r.pp_rank << ": " << r.param_count << " tensors, " << r.params << " params, buffer "
-                << r.buffer_numel << " (padding " << r.buffer_numel - r.params << "), " << r.layout.buckets.size()
-                << " bucket" << (r.layout.buckets.size() == 1 ? "" : "s") << "\n";
-      for (size_t i = 0; i < r.layout.buckets.size(); ++i) {
-        const model::Range& b = r.layout.buckets[i];
+                << r.buffer_numel << " (padding " << r.buffer_numel - r.params << "), " << r.layout().buckets.size()
+                << " bucket" << (r.layout().buckets.size() == 1 ? "" : "s") << "\n";
+      for (size_t i = 0; i < r.layout().buckets.size(); ++i) {
+        const model::Range& b = r.layout().buckets[i];
         std::cout << "    bucket " << i << ": [" << b.start << ", " << b.end << ") " << b.size() << " elements, shard "
                   << (b.start >= r.expert_start
                           ? std::to_string(b.size() / static_cast<size_t>(mp.edp)) + " per edp rank (experts)\n"

@@ -118,7 +118,7 @@ RankElements decode_state(const loom_optimizer_api* api, const std::string& stra
 TensorFilter tensors_held_by(const MemoryPlan& plan, const std::vector<int32_t>& ranks) {
   auto names = std::make_shared<std::set<std::string>>(), ties = std::make_shared<std::set<std::string>>();
   for (int32_t r : ranks)
-    for (const PlannedParam& p : plan.ranks.at(static_cast<size_t>(r)).planned) {
+    for (const PlannedParam& p : plan.ranks.at(static_cast<size_t>(r)).planned()) {
       names->insert(p.name);
       if (!p.tie_key.empty()) ties->insert(p.tie_key);
     }
@@ -164,28 +164,28 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   std::vector<int64_t> state_missing;
   std::set<std::string> declared;
   for (const RankMemory& r : mp.ranks)
-    for (const PlannedParam& p : r.planned) declared.insert(p.name);
+    for (const PlannedParam& p : r.planned()) declared.insert(p.name);
   out.declared = declared.size();
   for (const RankMemory& r : mp.ranks) {
     // dp and cp replicas of a position hold the same values: read one of each (all of
     // them for the state, which the distributed optimizer shards over them).
     const auto want = [&](const PlannedParam& p) { return !wanted || wanted(p); };
-    const bool needed = std::any_of(r.planned.begin(), r.planned.end(), [&](const PlannedParam& p) {
+    const bool needed = std::any_of(r.planned().begin(), r.planned().end(), [&](const PlannedParam& p) {
       if (!want(p)) return false;
       auto it = index.find(p.name);
       return with_state || it == index.end() || missing[it->second] > 0;
     });
     if (!needed) continue;
-    const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout.numel), elem);
+    const RankState state = read_rank_file(step_dir, r.rank, static_cast<int64_t>(r.layout().numel), elem);
     RankElements elements;
     if (with_state)
-      elements = decode_state(decoder, plan.optimizer->name, state.optimizer, r.layout.numel,
+      elements = decode_state(decoder, plan.optimizer->name, state.optimizer, r.layout().numel,
                               "checkpoint " + step_dir + ", rank " + std::to_string(r.rank));
     ParamLayoutList layout;
-    for (const PlannedParam& p : r.planned) layout.push_back({p.name, p.local_shape});
+    for (const PlannedParam& p : r.planned()) layout.push_back({p.name, p.local_shape});
     check_param_layout(step_dir, r.rank, layout);  // the plan's parameters are the file's
-    for (size_t i = 0; i < r.planned.size(); ++i) {
-      const PlannedParam& p = r.planned[i];
+    for (size_t i = 0; i < r.planned().size(); ++i) {
+      const PlannedParam& p = r.planned()[i];
       if (!want(p)) continue;
       auto [it, added] = index.emplace(p.name, out.tensors.size());
       if (added) {
@@ -204,7 +204,7 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
       WholeTensor& t = out.tensors[it->second];
       if (t.shape != p.full_shape)
         throw CheckpointError("checkpoint " + step_dir + ": parameter " + p.name + " has two shapes across ranks");
-      const char* shard = state.params.data() + r.layout.params[i].start * elem;
+      const char* shard = state.params.data() + r.layout().params[i].start * elem;
       std::vector<bool>& done = filled[it->second];
       int64_t& left = missing[it->second];
       for_each_shard_run(p, {r.tp_rank, r.ep_rank, r.etp_rank}, [&](int64_t local, int64_t whole, int64_t n) {
@@ -217,7 +217,7 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
       });
       if (!with_state) continue;
       if (t.state.empty()) t.state.assign(elements.arrays.size(), std::vector<float>(static_cast<size_t>(t.numel()), 0.0f));
-      const size_t start = r.layout.params[i].start;
+      const size_t start = r.layout().params[i].start;
       std::vector<bool>& state_done = state_filled[it->second];
       int64_t& state_left = state_missing[it->second];
       for_each_shard_run(p, {r.tp_rank, r.ep_rank, r.etp_rank}, [&](int64_t local, int64_t whole, int64_t n) {

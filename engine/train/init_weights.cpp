@@ -57,7 +57,7 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
   std::vector<bool> used(w.tensors.size(), false);
   for (const RankMemory& r : plan.ranks) {
     if (!ranks.empty() && std::find(ranks.begin(), ranks.end(), r.rank) == ranks.end()) continue;
-    for (const PlannedParam& p : r.planned) {
+    for (const PlannedParam& p : r.planned()) {
       size_t k = 0;
       while (k < w.tensors.size() && w.tensors[k].name != p.name) ++k;
       if (k == w.tensors.size() && !p.tie_key.empty())

@@ -260,17 +260,18 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         const PlannedLayers::Layer& l = layers.layers[li];
         loom::check(l.api->bind(l.handle, pv.data(), gv.data(), pv.size()));
       }
-      rm.chunk_layers.assign(chunks.size(), 0);
-      rm.chunk_forward_flops.assign(chunks.size(), 0.0);
+      RankShape shape;
+      shape.chunk_layers.assign(chunks.size(), 0);
+      shape.chunk_forward_flops.assign(chunks.size(), 0.0);
       for (size_t li = 0; li < layers.layers.size(); ++li) {
         const PlannedLayers::Layer& l = layers.layers[li];
         const size_t c = static_cast<size_t>(chunk_of_layer[li]);
-        ++rm.chunk_layers[c];
+        ++shape.chunk_layers[c];
         const double flops = LOOM_HAS_SLOT(l.api, loom_layer_api, forward_flops) && l.api->forward_flops
                                  ? l.api->forward_flops(l.handle)
                                  : 0.0;
-        rm.chunk_forward_flops[c] += flops;
-        rm.layer_forward_flops.push_back(flops);
+        shape.chunk_forward_flops[c] += flops;
+        shape.layer_forward_flops.push_back(flops);
         rm.workspace_bytes = std::max(rm.workspace_bytes, model::layer_bytes(l.api, l.handle, model::LayerBytes::Workspace,
                                                                              instances[li]));
       }
@@ -306,22 +307,23 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       for (const ParamEntry& e : cp.entries) {
         if (e.shared_across_stages) rm.tied_numel += e.numel;
         rm.params += e.numel;
-        rm.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
-                              .partition_dim = e.decl.partition_dim,
-                              .partition_stride = std::max(1, e.decl.partition_stride), .expert = e.expert,
-                              .tie_key = e.tie_key});
+        shape.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
+                                 .partition_dim = e.decl.partition_dim,
+                                 .partition_stride = std::max(1, e.decl.partition_stride), .expert = e.expert,
+                                 .tie_key = e.tie_key});
       }
       rm.param_count = cp.entries.size();
-      rm.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);
-      rm.buffer_numel = rm.layout.numel;
+      shape.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);
+      rm.buffer_numel = shape.layout.numel;
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
       // The distributed optimizer shards dense buckets over dp (x cp) and the expert
       // region (the buffer's tail) over edp (dp / ep, or tp dp / (etp ep) folded).
-      size_t expert_start = rm.layout.numel;
+      size_t expert_start = shape.layout.numel;
       for (size_t i = 0; i < cp.entries.size(); ++i)
-        if (cp.entries[i].expert) expert_start = std::min(expert_start, rm.layout.params[i].start);
+        if (cp.entries[i].expert) expert_start = std::min(expert_start, shape.layout.params[i].start);
       rm.expert_start = expert_start;
+      rm.shape = std::make_shared<const RankShape>(std::move(shape));
       const size_t edp = static_cast<size_t>(groups.edp());
       const size_t state_elems = distributed ? expert_start / static_cast<size_t>(grad_group) +
                                                    (rm.buffer_numel - expert_start) / std::max<size_t>(1, edp)

@@ -8,6 +8,7 @@
 #include "engine/train/run_plan.hpp"
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,14 +31,30 @@ struct PlannedParam {
   std::string tie_key;                               // shared with another layer's parameter
 };
 
+// What every rank at one (tp, pp) position holds alike (its dp, cp and ep replicas
+// share one copy: a world of a million ranks plans a handful of these).
+struct RankShape {
+  std::vector<PlannedParam> planned;  // its parameters in model order, as layout.params
+  model::BufferLayout layout;
+  // Per local pipeline chunk: its layers and their forward FLOPs over one microbatch
+  // (loom_layer_api.forward_flops), for `loom plan --perf`.
+  std::vector<int> chunk_layers;
+  std::vector<double> chunk_forward_flops;
+  std::vector<double> layer_forward_flops;  // each of its layers', in model order
+};
+
 struct RankMemory {
   int rank = 0, tp_rank = 0, cp_rank = 0, dp_rank = 0, pp_rank = 0;
   int ep_rank = 0, etp_rank = 0;
-  std::vector<PlannedParam> planned;  // its parameters in model order, as rm.layout.params
+  std::shared_ptr<const RankShape> shape;
+  const std::vector<PlannedParam>& planned() const { return shape->planned; }
+  const model::BufferLayout& layout() const { return shape->layout; }
+  const std::vector<int>& chunk_layers() const { return shape->chunk_layers; }
+  const std::vector<double>& chunk_forward_flops() const { return shape->chunk_forward_flops; }
+  const std::vector<double>& layer_forward_flops() const { return shape->layer_forward_flops; }
   size_t params = 0;        // the rank's real parameter count (tied once, no padding)
   size_t buffer_numel = 0;  // flat buffer elements, padding included
   size_t param_count = 0;   // number of parameter tensors
-  model::BufferLayout layout;
   size_t expert_start = 0;  // where the expert region (sharded over edp) begins; buffer_numel = none
   bool counted_elsewhere = false;  // holds a tied copy whose gradient norm another stage counts (Model::counted_elsewhere)
   uint64_t param_bytes = 0, grad_bytes = 0, optimizer_bytes = 0;
@@ -58,11 +75,6 @@ struct RankMemory {
   // (loom_layer_api.workspace_bytes, ABI 1.19; layers built before declare none).
   uint64_t workspace_bytes = 0;
   double bytes_per_param = 0;  // (param + grad + optimizer bytes) / params
-  // Per local pipeline chunk: its layers and their forward FLOPs over one microbatch
-  // (loom_layer_api.forward_flops), for `loom plan --perf`.
-  std::vector<int> chunk_layers;
-  std::vector<double> chunk_forward_flops;
-  std::vector<double> layer_forward_flops;  // each of its layers', in model order
   size_t tied_numel = 0;  // elements of parameters shared with another stage (summed over the embedding group)
 };
 

@@ -211,7 +211,7 @@ double ns_to_s(int64_t ns) { return static_cast<double>(ns) * 1e-9; }
 // The forward FLOPs of the ranks' layers, each value once (to a relative 1e-9), ascending.
 std::vector<double> distinct_flops(const std::vector<const RankMemory*>& ranks) {
   std::vector<double> all;
-  for (const RankMemory* r : ranks) all.insert(all.end(), r->layer_forward_flops.begin(), r->layer_forward_flops.end());
+  for (const RankMemory* r : ranks) all.insert(all.end(), r->layer_forward_flops().begin(), r->layer_forward_flops().end());
   std::sort(all.begin(), all.end());
   std::vector<double> out;
   for (double f : all)
@@ -357,9 +357,9 @@ ComputeProfile measure_compute(const RunPlan& plan, int threads, int64_t blocks)
   // The layers' FLOPs and count on one rank of the measured model (every layer).
   const MemoryPlan mp = plan_memory(quiet_copy(plan, 1, measuring_sets(plan, p.micro_batch, threads, p.dp, p.blocks)));
   const RankMemory& r = mp.ranks.front();
-  for (size_t c = 0; c < r.chunk_layers.size(); ++c) {
-    p.layers += r.chunk_layers[c];
-    p.layer_flops += r.chunk_forward_flops[c];
+  for (size_t c = 0; c < r.chunk_layers().size(); ++c) {
+    p.layers += r.chunk_layers()[c];
+    p.layer_flops += r.chunk_forward_flops()[c];
   }
   p.distinct_layer_flops = distinct_flops({&r});
   p.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -571,7 +571,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   int plan_layers = 0;
   for (const RankMemory* r : stage) {
     if (r == nullptr) throw loom::Error("the memory plan has no rank for a pipeline stage");
-    for (size_t c = 0; c < r->chunk_layers.size(); ++c) plan_layers += r->chunk_layers[c], plan_flops += r->chunk_forward_flops[c];
+    for (size_t c = 0; c < r->chunk_layers().size(); ++c) plan_layers += r->chunk_layers()[c], plan_flops += r->chunk_forward_flops()[c];
   }
   // The settings that decide a layer's time besides its FLOPs, as measured.
   if (!profile.model.empty()) {
@@ -632,11 +632,11 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   auto chunk_time = [&](const RankMemory& r, size_t c, bool forward, Contention contention) {
     const double fixed = forward ? profile.forward_fixed_s : profile.backward_fixed_s;
     const double prop = forward ? profile.forward_flops_s : profile.backward_flops_s;
-    const double share = flops > 0 ? r.chunk_forward_flops[c] / flops : r.chunk_layers[c] / layers;
+    const double share = flops > 0 ? r.chunk_forward_flops()[c] / flops : r.chunk_layers()[c] / layers;
     const double compute =
-        contention.all * fixed * r.chunk_layers[c] / layers + contention.busy * out.thread_scale * prop * share;
-    return std::pair<double, double>{compute + 0.5 * layer_comm_mb * r.chunk_layers[c] / layers,
-                                     0.5 * layer_comm_mb * r.chunk_layers[c] / layers};
+        contention.all * fixed * r.chunk_layers()[c] / layers + contention.busy * out.thread_scale * prop * share;
+    return std::pair<double, double>{compute + 0.5 * layer_comm_mb * r.chunk_layers()[c] / layers,
+                                     0.5 * layer_comm_mb * r.chunk_layers()[c] / layers};
   };
 
   // A rank's arithmetic spreads over its threads: a profile measured with other threads
@@ -658,7 +658,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     std::vector<StageRun> runs(static_cast<size_t>(pp));
     if (pp == 1) {
       StageRun& s = runs[0];
-      for (size_t c = 0; c < stage[0]->chunk_layers.size(); ++c) {
+      for (size_t c = 0; c < stage[0]->chunk_layers().size(); ++c) {
         const auto [f, fc] = chunk_time(*stage[0], c, true, contention);
         const auto [b, bc] = chunk_time(*stage[0], c, false, contention);
         s.forward += f * m;
@@ -757,7 +757,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     const double total = std::max<size_t>(1, r.buffer_numel);
     double comm_free = config.optimizer.overlap_grad_reduce ? 0 : t;
     double gather = 0;
-    for (const model::Range& b : r.layout.buckets) {
+    for (const model::Range& b : r.layout().buckets) {
       const bool expert = b.start >= r.expert_start;
       const std::string kind = expert ? "edp" : dense_kind;
       const int members = expert ? edp : dense_members;
@@ -785,7 +785,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
     e.param_gather_s = gather;
     // With overlap_param_gather the next step's first forward of the stage covers the
     // gathers but the first bucket's.
-    const size_t nb = std::max<size_t>(1, r.layout.buckets.size());
+    const size_t nb = std::max<size_t>(1, r.layout().buckets.size());
     e.param_gather_exposed_s =
         config.optimizer.overlap_param_gather ? std::max(gather / nb, gather - run.first_forward) : gather;
     e.bookkeeping_s = bookkeeping;
@@ -801,7 +801,7 @@ PerfEstimate estimate_step(const RunPlan& plan, const MemoryPlan& mp, const Comp
   out.tokens_per_s = out.step_s > 0 ? tokens / out.step_s : 0;
   double step_flops = 0;
   for (const RankMemory& r : mp.ranks)
-    for (double f : r.chunk_forward_flops) step_flops += 3.0 * f * double(m);
+    for (double f : r.chunk_forward_flops()) step_flops += 3.0 * f * double(m);
   out.flops_per_step = step_flops;
   if (config.device.peak_tflops > 0 && out.step_s > 0)
     out.mfu = step_flops / out.step_s / (config.device.peak_tflops * 1e12 * world);

@@ -179,6 +179,25 @@ TEST(MemoryPlan, EachMicrobatchsInputsArePlanned) {
   }
 }
 
+// Ranks at one (tp, pp) position hold the same parameters and layout: the plan keeps
+// one copy for them all (a validate of a million-rank dp layout took 14.6 GB and 37 s
+// with a copy per rank; 1.2 GB and 1.8 s with one per position).
+TEST(MemoryPlan, ReplicasShareOnePlannedShape) {
+  const loom::train::MemoryPlan plan =
+      loom::train::plan_memory(plan_from(tiny_manifest(), {"parallel.dp=4", "parallel.tp=2", "parallel.pp=2",
+                                                           "model.num_layers=2"}));
+  ASSERT_EQ(plan.ranks.size(), 16u);
+  std::map<std::pair<int, int>, const loom::train::RankShape*> seen;
+  for (const loom::train::RankMemory& r : plan.ranks) {
+    ASSERT_NE(r.shape, nullptr);
+    auto [it, first] = seen.emplace(std::make_pair(r.tp_rank, r.pp_rank), r.shape.get());
+    EXPECT_EQ(it->second, r.shape.get()) << "rank " << r.rank;
+    EXPECT_EQ(r.layout().numel, r.buffer_numel);
+  }
+  EXPECT_EQ(seen.size(), 4u);
+  EXPECT_NE(seen.at({0, 0})->planned.front().name, seen.at({0, 1})->planned.front().name);
+}
+
 // The device reports what a rank may hold (ABI 1.9 capacity_bytes; device/cpu: the
 // host's RAM shared by the ranks of the process), and the plan is compared with it:
 // the rank that needs most is named, a plan that fits says nothing, unknown skips.

@@ -113,8 +113,8 @@ loom::train::ComputeProfile given_profile(const loom::train::RunPlan& plan, cons
   p.optimizer_s = 1e-3;
   for (const loom::train::RankMemory& r : mp.ranks) {
     if (r.tp_rank != 0 || r.cp_rank != 0 || r.dp_rank != 0) continue;
-    p.layers += std::accumulate(r.chunk_layers.begin(), r.chunk_layers.end(), 0);
-    p.layer_flops += std::accumulate(r.chunk_forward_flops.begin(), r.chunk_forward_flops.end(), 0.0);
+    p.layers += std::accumulate(r.chunk_layers().begin(), r.chunk_layers().end(), 0);
+    p.layer_flops += std::accumulate(r.chunk_forward_flops().begin(), r.chunk_forward_flops().end(), 0.0);
     p.buffer_elements += r.buffer_numel;
   }
   return p;
@@ -136,9 +136,9 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   EXPECT_DOUBLE_EQ(s.backward_s, m * 8e-3);
   // Each bucket all-reduced over 2 ranks: 2 (p - 1)(α + n / (p β)) = 2 (10 us + n / 2 / 0.1 GB/s).
   const loom::train::RankMemory& r = mp.ranks[0];
-  ASSERT_GE(r.layout.buckets.size(), 3u);
+  ASSERT_GE(r.layout().buckets.size(), 3u);
   double buckets = 0;
-  for (const auto& b : r.layout.buckets) buckets += 2 * (10e-6 + double(b.size()) * 4 / 2 / 0.1e9);
+  for (const auto& b : r.layout().buckets) buckets += 2 * (10e-6 + double(b.size()) * 4 / 2 / 0.1e9);
   EXPECT_NEAR(s.grad_reduce_s, buckets, 1e-12);
   EXPECT_NEAR(s.grad_reduce_exposed_s, buckets, 1e-12) << "in line: the step waits for every bucket";
   EXPECT_NEAR(s.optimizer_s, 1e-3, 1e-12) << "ddp steps the whole buffer, as measured";
@@ -151,7 +151,7 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   const loom::train::StageEstimate& so = eo.stages[0];
   EXPECT_NEAR(so.grad_reduce_s, buckets, 1e-12);
   EXPECT_LT(so.grad_reduce_exposed_s, buckets);
-  const auto& last = r.layout.buckets.back();
+  const auto& last = r.layout().buckets.back();
   EXPECT_GE(so.grad_reduce_exposed_s, 2 * (10e-6 + double(last.size()) * 4 / 2 / 0.1e9) - 1e-12);
   EXPECT_NEAR(s.step_s - so.step_s, buckets - so.grad_reduce_exposed_s, 1e-12);
 
@@ -161,7 +161,7 @@ TEST(PerfModel, AStepIsComputeThenTheBucketsThenTheOptimizer) {
   const loom::train::PerfEstimate ed = loom::train::estimate_step(dist, dmp, profile, links, 2);
   const loom::train::StageEstimate& sd = ed.stages[0];
   double scatter = 0;
-  for (const auto& b : dmp.ranks[0].layout.buckets) scatter += 10e-6 + double(b.size()) * 4 / 2 / 0.1e9;
+  for (const auto& b : dmp.ranks[0].layout().buckets) scatter += 10e-6 + double(b.size()) * 4 / 2 / 0.1e9;
   EXPECT_NEAR(sd.grad_reduce_s, scatter, 1e-12);
   EXPECT_NEAR(sd.param_gather_s, scatter, 1e-12) << "fp32 parameters gathered as the gradients were scattered";
   EXPECT_NEAR(sd.param_gather_exposed_s, sd.param_gather_s, 1e-12);
@@ -207,7 +207,7 @@ TEST(PerfModel, AProfileOfFewerBlocksCostsEachLayerByItsFlops) {
   p.threads = loom::train::threads_per_rank(plan, 2);  // as this layout runs
   p.blocks = 2;
   p.model_blocks = 4;
-  const std::vector<double>& each = mp2.ranks[0].layer_forward_flops;
+  const std::vector<double>& each = mp2.ranks[0].layer_forward_flops();
   ASSERT_EQ(each.size(), 6u) << "embedding, 2 x (attention, mlp), lm_head";
   p.distinct_layer_flops = {each.begin(), each.end()};
   std::sort(p.distinct_layer_flops.begin(), p.distinct_layer_flops.end());
@@ -215,8 +215,8 @@ TEST(PerfModel, AProfileOfFewerBlocksCostsEachLayerByItsFlops) {
                                p.distinct_layer_flops.end());
   const loom::train::PerfEstimate e = loom::train::estimate_step(plan, mp, p, loom::train::plan_links(plan), 2);
   const double m = static_cast<double>(plan.microbatches);
-  const double flops4 = std::accumulate(mp.ranks[0].layer_forward_flops.begin(), mp.ranks[0].layer_forward_flops.end(), 0.0);
-  ASSERT_EQ(mp.ranks[0].layer_forward_flops.size(), 10u);
+  const double flops4 = std::accumulate(mp.ranks[0].layer_forward_flops().begin(), mp.ranks[0].layer_forward_flops().end(), 0.0);
+  ASSERT_EQ(mp.ranks[0].layer_forward_flops().size(), 10u);
   EXPECT_NEAR(e.stages[0].forward_s, m * (1e-3 * 10 / 6 + 4e-3 * flops4 / p.layer_flops), 1e-12);
   EXPECT_NEAR(e.stages[0].backward_s, m * 8e-3 * flops4 / p.layer_flops, 1e-12);
   EXPECT_GT(flops4 / p.layer_flops, 1.5) << "the two blocks more cost their FLOPs";
