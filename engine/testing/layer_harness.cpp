@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <numeric>
 #include <set>
@@ -135,6 +136,37 @@ Batch sequence_shard(const Batch& b, const loom_model_dims& d, int tp, int r) {
   return s;
 }
 
+namespace {
+// A signalling NaN with a payload: no arithmetic result has these bits.
+constexpr uint32_t kCanaryBits = 0x7fa5c0deu;
+float canary() {
+  float f;
+  std::memcpy(&f, &kCanaryBits, sizeof f);
+  return f;
+}
+bool is_canary(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits == kCanaryBits;
+}
+}  // namespace
+
+GuardedFloats::GuardedFloats(size_t n) : all_(n + 2 * kGuard, canary()), n_(n) {}
+
+std::string GuardedFloats::overrun() const {
+  size_t before = 0, after = 0;
+  for (size_t i = 0; i < kGuard; ++i) {
+    before += is_canary(all_[i]) ? 0 : 1;
+    after += is_canary(all_[kGuard + n_ + i]) ? 0 : 1;
+  }
+  if (before + after == 0) return "";
+  std::ostringstream os;
+  if (after > 0) os << after << " of the " << kGuard << " values after the end of";
+  if (before > 0 && after > 0) os << ", and ";
+  if (before > 0) os << before << " of the " << kGuard << " values before";
+  return os.str();
+}
+
 HarnessLayer::HarnessLayer(HarnessRank& rank, const std::string& name, const loom_model_dims& dims,
                            const toml::table* options, const std::string& instance, bool sequence_parallel)
     : rank_(rank),
@@ -176,10 +208,39 @@ HarnessLayer::HarnessLayer(HarnessRank& rank, const std::string& name, const loo
   }
   std::vector<DLTensor> pv, gv;
   for (Param& p : params_) {
-    pv.push_back(view(p.value.data(), p.local_shape, kDLFloat, 32));
-    gv.push_back(view(p.grad.data(), p.local_shape, kDLFloat, 32));
+    bound_values_.emplace_back(p.value.size());
+    bound_grads_.emplace_back(p.grad.size());
+    pv.push_back(view(bound_values_.back().data(), p.local_shape, kDLFloat, 32));
+    gv.push_back(view(bound_grads_.back().data(), p.local_shape, kDLFloat, 32));
   }
   ok(a->bind(layer_, pv.data(), gv.data(), params_.size()));
+}
+
+void HarnessLayer::load_params() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    LOOM_REQUIRE(params_[i].value.size() == bound_values_[i].size() && params_[i].grad.size() == bound_grads_[i].size(),
+                 "the harness's parameter " << params_[i].name << " was resized");
+    std::copy(params_[i].value.begin(), params_[i].value.end(), bound_values_[i].data());
+    std::copy(params_[i].grad.begin(), params_[i].grad.end(), bound_grads_[i].data());
+  }
+}
+
+void HarnessLayer::finish_call(const char* call, bool store_grads) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    const std::string where = name_ + " " + call + ": ";
+    if (const std::string o = bound_values_[i].overrun(); !o.empty())
+      throw std::runtime_error(where + "wrote " + o + " parameter " + p.name);
+    if (const std::string o = bound_grads_[i].overrun(); !o.empty())
+      throw std::runtime_error(where + "wrote " + o + " the gradient of " + p.name);
+    if (!std::equal(p.value.begin(), p.value.end(), bound_values_[i].data()))
+      throw std::runtime_error(where + "changed parameter " + p.name + " (a layer reads its parameters only)");
+    if (!store_grads && !std::equal(p.grad.begin(), p.grad.end(), bound_grads_[i].data()))
+      throw std::runtime_error(where + "changed the gradient of " + p.name + " (only a backward adds to it)");
+  }
+  if (store_grads)
+    for (size_t i = 0; i < params_.size(); ++i)
+      std::copy(bound_grads_[i].data(), bound_grads_[i].data() + bound_grads_[i].size(), params_[i].grad.begin());
 }
 
 HarnessLayer::~HarnessLayer() {
@@ -211,12 +272,15 @@ void HarnessLayer::zero_grads() {
 double HarnessLayer::forward(const Batch& b, int32_t mb, bool training, uint64_t seed, std::vector<float>* out,
                              int64_t* loss_count, const uint64_t* seed_device) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden, rows = local_seq_ * B;
-  std::vector<float> y(has_output() ? static_cast<size_t>(rows * H) : 0, -7.0f);
+  GuardedFloats y(has_output() ? static_cast<size_t>(rows * H) : 0), x(has_input() ? b.x.size() : 0);
+  std::fill(y.data(), y.data() + y.size(), -7.0f);
+  std::copy(b.x.begin(), b.x.begin() + static_cast<std::ptrdiff_t>(x.size()), x.data());
+  const std::vector<int32_t> tokens = b.tokens, targets = b.targets;
   std::vector<int64_t> hshape{local_seq_, B, H}, tshape{dims_.seq_len, B};
-  DLTensor in = view(const_cast<float*>(b.x.data()), hshape, kDLFloat, 32);
+  DLTensor in = view(x.data(), hshape, kDLFloat, 32);
   DLTensor o = view(y.data(), hshape, kDLFloat, 32);
-  DLTensor tok = view(const_cast<int32_t*>(b.tokens.data()), tshape, kDLInt, 32);
-  DLTensor tgt = view(const_cast<int32_t*>(b.targets.data()), tshape, kDLInt, 32);
+  DLTensor tok = view(const_cast<int32_t*>(tokens.data()), tshape, kDLInt, 32);
+  DLTensor tgt = view(const_cast<int32_t*>(targets.data()), tshape, kDLInt, 32);
   float loss_sum = -1.0f;
   int64_t count = -1;
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
@@ -232,14 +296,22 @@ double HarnessLayer::forward(const Batch& b, int32_t mb, bool training, uint64_t
   a.dropout_seed_device = seed_device;
   float aux = 0.0f;
   a.aux_loss = &aux;
+  load_params();
   ok(api()->forward(layer_, &rank_.rt(), &a));
   rank_.rt().dev().synchronize();
+  finish_call("forward", false);
+  if (const std::string o = y.overrun(); !o.empty()) throw std::runtime_error(name_ + " forward: wrote " + o + " its output");
+  if (const std::string o = x.overrun(); !o.empty()) throw std::runtime_error(name_ + " forward: wrote " + o + " its input");
+  if (!std::equal(x.data(), x.data() + x.size(), b.x.begin()))
+    throw std::runtime_error(name_ + " forward: changed its input (a layer reads its input only)");
+  if (tokens != b.tokens || targets != b.targets)
+    throw std::runtime_error(name_ + " forward: changed the tokens or targets (a layer reads them only)");
   last_aux = aux;
   if (loss_count) *loss_count = count;
-  if (out) *out = y;
+  if (out) out->assign(y.data(), y.data() + y.size());
   if (!has_output()) return loss_sum;
   double l = aux_weight * aux;
-  for (size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y[i]) * b.r[i];
+  for (size_t i = 0; i < y.size(); ++i) l += static_cast<double>(y.data()[i]) * b.r[i];
   return l;
 }
 
@@ -250,9 +322,12 @@ bool HarnessLayer::takes_kv_cache() const {
 
 std::vector<float> HarnessLayer::forward_cached(const Batch& b, int64_t first, int64_t rows) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden;
-  std::vector<float> y(has_output() ? static_cast<size_t>(rows * B * H) : static_cast<size_t>(B * dims_.vocab), -7.0f);
+  GuardedFloats y(has_output() ? static_cast<size_t>(rows * B * H) : static_cast<size_t>(B * dims_.vocab));
+  std::fill(y.data(), y.data() + y.size(), -7.0f);
+  GuardedFloats x(has_input() ? static_cast<size_t>(rows * B * H) : 0);
+  std::copy_n(b.x.begin() + first * B * H, x.size(), x.data());
   std::vector<int64_t> hshape{rows, B, H}, tshape{rows, B};
-  DLTensor in = view(const_cast<float*>(b.x.data()) + first * B * H, hshape, kDLFloat, 32);
+  DLTensor in = view(x.data(), hshape, kDLFloat, 32);
   DLTensor o = view(y.data(), hshape, kDLFloat, 32);
   DLTensor tok = view(const_cast<int32_t*>(b.tokens.data()) + first * B, tshape, kDLInt, 32);
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
@@ -263,16 +338,24 @@ std::vector<float> HarnessLayer::forward_cached(const Batch& b, int64_t first, i
   a.kv_cache = 1;
   a.position_offset = first;
   a.logits = has_output() ? nullptr : y.data();
+  load_params();
   ok(api()->forward(layer_, &rank_.rt(), &a));
   rank_.rt().dev().synchronize();
-  return y;
+  finish_call("kv_cache forward", false);
+  if (const std::string o = y.overrun(); !o.empty())
+    throw std::runtime_error(name_ + " kv_cache forward: wrote " + o + (has_output() ? " its output" : " the logits"));
+  if (!std::equal(x.data(), x.data() + x.size(), b.x.begin() + first * B * H))
+    throw std::runtime_error(name_ + " kv_cache forward: changed its input (a layer reads its input only)");
+  return std::vector<float>(y.data(), y.data() + y.size());
 }
 
 std::vector<float> HarnessLayer::backward(const Batch& b, int32_t mb, float loss_scale, float garbage) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden;
-  std::vector<float> dx(has_input() ? static_cast<size_t>(local_seq_ * B * H) : 0, garbage);
+  GuardedFloats dx(has_input() ? static_cast<size_t>(local_seq_ * B * H) : 0), r(has_output() ? b.r.size() : 0);
+  std::fill(dx.data(), dx.data() + dx.size(), garbage);
+  std::copy(b.r.begin(), b.r.begin() + static_cast<std::ptrdiff_t>(r.size()), r.data());
   std::vector<int64_t> hshape{local_seq_, B, H};
-  DLTensor dy = view(const_cast<float*>(b.r.data()), hshape, kDLFloat, 32);
+  DLTensor dy = view(r.data(), hshape, kDLFloat, 32);
   DLTensor di = view(dx.data(), hshape, kDLFloat, 32);
   loom_layer_bwd_args a = loom::make<loom_layer_bwd_args>();
   a.microbatch = mb;
@@ -280,9 +363,17 @@ std::vector<float> HarnessLayer::backward(const Batch& b, int32_t mb, float loss
   a.grad_input = has_input() ? &di : nullptr;
   a.loss_scale = loss_scale;
   a.aux_loss_scale = static_cast<float>(aux_weight);
+  load_params();
   ok(api()->backward(layer_, &rank_.rt(), &a));
   rank_.rt().dev().synchronize();
-  return dx;
+  finish_call("backward", true);
+  if (const std::string o = dx.overrun(); !o.empty())
+    throw std::runtime_error(name_ + " backward: wrote " + o + " grad_input");
+  if (const std::string o = r.overrun(); !o.empty())
+    throw std::runtime_error(name_ + " backward: wrote " + o + " grad_output");
+  if (!std::equal(r.data(), r.data() + r.size(), b.r.begin()))
+    throw std::runtime_error(name_ + " backward: changed grad_output (a layer reads it only)");
+  return std::vector<float>(dx.data(), dx.data() + dx.size());
 }
 
 double HarnessLayer::objective(const Batch& b, uint64_t seed, int32_t mb) {

@@ -84,8 +84,30 @@ std::vector<T> slice(const Param& p, const std::vector<T>& full, int tp, int r) 
   return out;
 }
 
-// A layer created through its plugin's C table on a HarnessRank, with its
-// parameters and gradients bound to host vectors.
+// Host memory of n floats with canaries on both sides (a NaN bit pattern no arithmetic
+// produces): a layer that writes outside a tensor it was given is found by the call
+// that did it, instead of corrupting the next parameter's gradient (the engine's flat
+// buffer) or the heap.
+class GuardedFloats {
+ public:
+  static constexpr size_t kGuard = 64;  // floats on each side
+  explicit GuardedFloats(size_t n = 0);
+  float* data() { return all_.data() + kGuard; }
+  const float* data() const { return all_.data() + kGuard; }
+  size_t size() const { return n_; }
+  // "" when both guards are whole; else which side and how many values were written.
+  std::string overrun() const;
+
+ private:
+  std::vector<float> all_;
+  size_t n_;
+};
+
+// A layer created through its plugin's C table on a HarnessRank. The layer is bound to
+// guarded copies of its parameters and gradients: each call loads them from the
+// Params' host vectors and stores the gradients back after a backward, and fails,
+// naming the tensor, when the layer wrote outside one it was given, changed its
+// parameters or its input, or wrote into grad_output.
 class HarnessLayer {
  public:
   HarnessLayer(HarnessRank& rank, const std::string& name, const loom_model_dims& dims,
@@ -144,6 +166,13 @@ class HarnessLayer {
   plugins::OptionValues options_;
   loom_layer* layer_ = nullptr;
   std::vector<Param> params_;
+  std::vector<GuardedFloats> bound_values_, bound_grads_;  // what the layer is bound to, per parameter
+
+  // Copies the Params' values and gradients into the bound memory.
+  void load_params();
+  // After `call`: throws when a guard was overwritten or a parameter changed; after a
+  // backward, stores the gradients back into the Params.
+  void finish_call(const char* call, bool store_grads);
   bool reads_tokens_ = false, writes_loss_ = false;
   int64_t local_seq_ = 0;
 };

@@ -10,6 +10,10 @@
 //                 does that for sequence parallelism; without it every rank's is whole)
 //   kv_cache      LOOM_LAYER_KV_CACHE declared (as always here), but a kv_cache forward
 //                 (generation) leaves its output unwritten
+//   grad_overrun  one value written past the end of the gain's gradient (in the
+//                 engine's flat buffer: into the next parameter's gradient)
+//   input_overrun grad_input written one value too long
+//   writes_input  a forward that scales its input in place
 // and, with the option `fail_forward` = N > 0, its N-th training forward fails (a
 // rank that stops in the middle of a step, for the engine's failure tests).
 #include <loom/cpp/plugin.hpp>
@@ -52,6 +56,9 @@ class FaultyScale : public loom::Layer {
     dev.copy(saved.get(), a.input->data, n * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
     dev.elementwise({.op = LOOM_EW_MUL_COLS, .n = n, .cols = hidden_, .x = a.input->data, .y = gain_,
                      .out = a.output->data, .dtype = LOOM_DTYPE_F32});
+    if (fault_ == "writes_input")
+      dev.elementwise({.op = LOOM_EW_SCALE, .n = n, .x = a.input->data, .out = a.input->data, .alpha = 0.5f,
+                       .dtype = LOOM_DTYPE_F32});
     if (a.training) saved_[key] = std::move(saved);
   }
 
@@ -70,6 +77,9 @@ class FaultyScale : public loom::Layer {
     const float scale = fault_ == "gradient" ? 2.0f : 1.0f;
     if (fault_ == "overwrite")
       dev.copy(gain_grad_, dg.get(), hidden_ * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
+    else if (fault_ == "grad_overrun")  // adds dg[0..hidden) into gain_grad_[1..hidden]: one past the end
+      dev.elementwise({.op = LOOM_EW_AXPBY, .n = hidden_, .x = dg.get(), .y = gain_grad_ + 1, .alpha = 1.0f,
+                       .beta = 1.0f, .dtype = LOOM_DTYPE_F32});
     else
       dev.elementwise({.op = LOOM_EW_AXPBY, .n = hidden_, .x = dg.get(), .y = gain_grad_, .alpha = scale,
                        .beta = 1.0f, .dtype = LOOM_DTYPE_F32});
@@ -82,6 +92,8 @@ class FaultyScale : public loom::Layer {
                        .beta = 1.0f, .dtype = LOOM_DTYPE_F32});
     else
       dev.copy(a.grad_input->data, dx.get(), n * sizeof(float), LOOM_COPY_DEVICE_TO_DEVICE);
+    if (fault_ == "input_overrun") dev.copy(static_cast<float*>(a.grad_input->data) + n, dx.get(), sizeof(float),
+                                            LOOM_COPY_DEVICE_TO_DEVICE);
     dev.synchronize();  // the temporaries die here
     saved_.erase(key);
   }
@@ -111,5 +123,5 @@ class FaultyScale : public loom::Layer {
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
     "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
     {loom::opt_string("fault", "none", "which mistake to make")
-         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache"),
+         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache|grad_overrun|input_overrun|writes_input"),
      loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none")}))

@@ -55,6 +55,10 @@ TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
       {"shared_state", {"microbatches"}},
       {"reduce", {"tp2", "tp2+sp"}},
       {"kv_cache", {"kv_cache"}},
+      // Writing outside a tensor, or into the input, fails every check that makes the call.
+      {"grad_overrun", {"gradients", "accumulation", "microbatches", "tp2", "tp2+sp"}},
+      {"input_overrun", {"gradients", "accumulation", "microbatches", "tp2", "tp2+sp"}},
+      {"writes_input", {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"}},
   };
   for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
 }
@@ -71,6 +75,31 @@ TEST(LayerHarness, AFailureNamesTheParameterAndTheNumbers) {
   ASSERT_FALSE(f.ok());
   EXPECT_NE(f.text().find("gain["), std::string::npos) << f.text();
   EXPECT_NE(f.text().find("finite differences"), std::string::npos) << f.text();
+}
+
+// A write outside a tensor names the call, the tensor and how far it went.
+TEST(LayerHarness, AWriteOutsideATensorIsNamed) {
+  loom::harness::HarnessRank rank(registry());
+  const std::map<std::string, std::string> expected = {
+      {"grad_overrun", "faulty_scale backward: wrote 1 of the 64 values after the end of the gradient of gain"},
+      {"input_overrun", "faulty_scale backward: wrote 1 of the 64 values after the end of grad_input"},
+      {"writes_input", "faulty_scale forward: changed its input"},
+  };
+  for (const auto& [fault, message] : expected) {
+    toml::table options;
+    options.insert("fault", fault);
+    loom::harness::HarnessLayer layer(rank, "faulty_scale", loom::harness::default_dims(), &options);
+    std::mt19937 rng(3);
+    const loom::harness::Batch b = loom::harness::make_batch(layer.dims(), rng);
+    std::string error;
+    try {
+      layer.forward(b);
+      layer.backward(b);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find(message), std::string::npos) << fault << ": " << error;
+  }
 }
 
 }  // namespace
