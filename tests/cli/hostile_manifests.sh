@@ -93,6 +93,15 @@ done
 # Microbatches past what a schedule is built with are refused at once (they took
 # gigabytes and minutes, or the OOM killer).
 check refuse "$base" --set parallel.dp=1 --set batch.micro_batch_size=1 --set batch.global_batch_size=268435456
+# A microbatch of 2^27 tokens is planned from its shapes: validate and plan stay small
+# and say what it needs (planning built the embedding's position ids, 8 bytes a token:
+# 17 GB here).
+for cmd in validate plan; do
+  ( ulimit -v 3000000 && exec timeout 20 "$loom" $cmd "$base" --set parallel.dp=1 --set batch.micro_batch_size=134217728 \
+      --set batch.global_batch_size=134217728 ) > "$work/out" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] && grep -q "the plan needs" "$work/out" || fail "$cmd of a 2^27-token microbatch: exit $rc: $(tail -2 "$work/out")"
+done
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"

@@ -49,8 +49,6 @@ class Embedding : public loom::Layer {
     dropout_ = dropout_option(options);
     cp_ = rank.group_or_single("cp");
     learned_positions_ = options.declared_string("position_embedding") == "learned_absolute";
-    // Built now so that a steady-state forward does no host-to-device copy.
-    if (micro_batch_ > 0 && learned_positions_) position_ids(rank.device(), seq_ / cp_.size(), micro_batch_);
     params_ = ParamSet(name_, {.tp = tp});
     params_.add({.name = "word.weight", .shape = {padded_vocab_, hidden_}, .partition_dim = 0,
                  .init = LOOM_INIT_NORMAL, .tie_key = tie_ ? "word_embedding" : ""});
@@ -63,6 +61,10 @@ class Embedding : public loom::Layer {
 
   void bind(std::span<const DLTensor> params, std::span<const DLTensor> grads) override {
     dt_ = params_.bind(params, grads, w_, g_);
+    // Built now, so that a steady-state forward does no host-to-device copy; not by an
+    // instance that only plans memory (its views have no data), which never runs.
+    if (learned_positions_ && micro_batch_ > 0 && !params.empty() && params.front().data != nullptr)
+      position_ids(loom::Rank(rank_).device(), seq_ / cp_.size(), micro_batch_);
   }
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
@@ -209,8 +211,8 @@ class Embedding : public loom::Layer {
 
   // Device ids [Sl*B]: row s*B + b of this rank's rows gets the position of local
   // row first + s (first = the SP shard's first row) in this cp rank's slice of a
-  // sequence of S * cp; built at creation for (seq_len, micro_batch) and again only
-  // if a microbatch of another shape comes.
+  // sequence of S * cp; built at bind for (seq_len, micro_batch) and again only if a
+  // microbatch of another shape comes.
   const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
     const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
     return positions_.get(rank_, dev, loom::ContextSlice(S * cp_.size(), cp_.size(), cp_.rank()), first, Sl, B);

@@ -1163,7 +1163,9 @@ typedef struct loom_layer_validate_args {
  * instances only to plan memory (`loom plan`, `validate`, the check before a run):
  * their groups have NULL api and comm, bind gets views whose data is NULL, and only
  * params, bind, activation_bytes and destroy are called; create must not
- * communicate. */
+ * communicate, and memory a run needs beyond the parameters (tables sized by the
+ * tokens of a microbatch) is best allocated in a bind with data: a manifest of any
+ * size is planned, and planning instances never run. */
 typedef struct loom_layer_api {
   uint32_t struct_size;
   /* Creates one layer instance. options and args are borrowed for the call; rank
