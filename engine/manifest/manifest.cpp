@@ -436,10 +436,25 @@ std::string ValueBounds::interval_text() const {
 std::string ValueBounds::problem(const toml::node& v) const {
   if (v.is_integer() || v.is_floating_point()) {
     const double x = v.is_integer() ? static_cast<double>(v.as_integer()->get()) : v.as_floating_point()->get();
-    bool ok = true;
-    if (min) ok = ok && (min_exclusive ? x > *min : x >= *min);
-    if (max) ok = ok && (max_exclusive ? x < *max : x <= *max);
-    return ok ? "" : bounds_text() + ", got " + to_toml_text(v);
+    auto within = [&](double y) {
+      bool ok = true;
+      if (min) ok = ok && (min_exclusive ? y > *min : y >= *min);
+      if (max) ok = ok && (max_exclusive ? y < *max : y <= *max);
+      return ok;
+    };
+    if (!within(x)) return bounds_text() + ", got " + to_toml_text(v);
+    // Floats reach the math as 32-bit floats (learning rates, betas, epsilons): a
+    // value in range that rounds out of it (beta2 = 0.99999999999 is 1.0f, eps =
+    // 1e-300 is 0) or past float's range would train NaNs.
+    if (v.is_floating_point()) {
+      const double rounded = static_cast<double>(static_cast<float>(x));
+      if (!std::isfinite(rounded))
+        return "must be at most 3.4e38 in magnitude (a 32-bit float), got " + to_toml_text(v);
+      if (!within(rounded))
+        return bounds_text() + ", got " + to_toml_text(v) + ", which is " + number_text(rounded) +
+               " as a 32-bit float (what the math uses)";
+    }
+    return "";
   }
   if (v.is_string() && !allowed.empty()) {
     const std::string& s = v.as_string()->get();

@@ -122,7 +122,7 @@ std::vector<KeySpec> build() {
   v.push_back(i("model.seq_length", 64, 1, "tokens per sequence", kMaxSeq));
   v.push_back(i("model.vocab_size", 0, 0, "vocabulary size (0 = taken from the data; token ids are int32)", kMaxVocab));
   v.push_back(i("model.vocab_divisor", 128, 1,
-                "vocabulary padded to a multiple of vocab_divisor * tp"));
+                "vocabulary padded to a multiple of vocab_divisor * tp", kMaxVocab));
   v.push_back(b("model.tie_embeddings", true, "share the embedding and lm_head weights"));
   v.push_back(sl("model.pre", "[\"embedding\"]", "layer instances before the blocks"));
   v.push_back(sl("model.block", "[\"attention\", \"mlp\"]",
@@ -196,7 +196,8 @@ std::vector<KeySpec> build() {
   v.push_back(f("optimizer.lr", "1e-3", 0, true, "peak learning rate"));
   v.push_back(f("optimizer.min_lr", "0.0", 0, false, "learning rate at the end of the decay"));
   v.push_back(i("optimizer.warmup_steps", 0, 0, "linear warmup steps"));
-  v.push_back(i("optimizer.decay_steps", 0, 0, "cosine decay steps (0 = run.steps)"));
+  v.push_back(i("optimizer.decay_steps", 0, 0,
+                "the step the cosine decay ends at, counted from the start (more than warmup_steps; 0 = run.steps)"));
   v.push_back(f("optimizer.beta1", "0.9", 0, false, "Adam beta1", 1, true));
   v.push_back(f("optimizer.beta2", "0.95", 0, false, "Adam beta2", 1, true));
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
@@ -240,7 +241,8 @@ std::vector<KeySpec> build() {
   v.push_back(open_table("device.options", "options of the device plugin"));
   // comm
   v.push_back(s("comm.backend", "local", "communication plugin (comm/NAME)"));
-  v.push_back(f("comm.timeout_s", "300.0", 0, true, "collective timeout in seconds"));
+  v.push_back(f("comm.timeout_s", "300.0", 0, true, "collective timeout in seconds (at least 1 ms is waited)",
+                1e9));
   v.push_back(open_table("comm.options", "options of the comm plugin"));
   // data
   v.push_back(s("data.kind", "synthetic", "data source: synthetic, text (bytes), tokens (llm.c .bin), indexed "
@@ -403,6 +405,11 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   };
   auto I = [&](const char* k) { return m.get_int(k); };
   auto S = [](int64_t v) { return std::to_string(v); };
+  auto G = [](double v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
 
   // A microbatch's widest activation (the logits, or the MLP's inner activation).
   if (usable({"model.seq_length", "batch.micro_batch_size", "model.hidden_size", "model.ffn_hidden_size",
@@ -623,6 +630,18 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     report({"model.recompute_num_layers", "model.num_layers"},
            "model.recompute_num_layers (" + S(I("model.recompute_num_layers")) + ") is more than model.num_layers (" +
                S(I("model.num_layers")) + ")");
+  // The learning-rate schedule (Megatron's OptimizerParamScheduler asserts the same):
+  // a decay that ends above its start, or ends before the warmup does, is no schedule.
+  if (usable({"optimizer.lr", "optimizer.min_lr"}) && m.get_float("optimizer.min_lr") > m.get_float("optimizer.lr"))
+    report({"optimizer.min_lr", "optimizer.lr"},
+           "optimizer.min_lr (" + G(m.get_float("optimizer.min_lr")) + ") is more than optimizer.lr (" +
+               G(m.get_float("optimizer.lr")) + "): the decay would raise the learning rate");
+  if (usable({"optimizer.warmup_steps", "optimizer.decay_steps"}) && I("optimizer.decay_steps") > 0 &&
+      I("optimizer.decay_steps") <= I("optimizer.warmup_steps"))
+    report({"optimizer.decay_steps", "optimizer.warmup_steps"},
+           "optimizer.decay_steps (" + S(I("optimizer.decay_steps")) + ") must be more than optimizer.warmup_steps (" +
+               S(I("optimizer.warmup_steps")) + "): the cosine decay runs from the end of the warmup to step "
+               "decay_steps (Megatron's --lr-decay-iters)");
   // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
   // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).
   if (usable({"data.kind", "data.task"}) && m.get_string("data.kind") == "synthetic" &&

@@ -11,6 +11,7 @@
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 #include <stdexcept>
 
@@ -215,7 +216,8 @@ runtime::LaunchConfig launch_config(const RunPlan& plan) {
   lc.comm_plugin = plan.comm;
   lc.comm_options = &plan.config.comm.options;
   lc.sizes = plan.sizes;
-  lc.timeout_ms = static_cast<int64_t>(plan.config.comm.timeout_s * 1000);
+  // Rounded up: a timeout below a millisecond would become 0, which means none.
+  lc.timeout_ms = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(plan.config.comm.timeout_s * 1000)));
   lc.threads = plan.config.device.threads;
   lc.services = plan.services();
   return lc;
@@ -353,6 +355,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " sizes a pipeline chunk; with one chunk " +
                                 "(parallel.pp = 1) it changes nothing");
+  if (config.model.recompute_granularity == "none")
+    for (const char* key : {"model.recompute_method", "model.recompute_num_layers"})
+      if (man.origin(key).kind != manifest::Origin::Kind::Default)
+        plan.warnings.push_back(man.origin(key).str() + ": " + key + " chooses what full recomputation keeps; with "
+                                "model.recompute_granularity = \"none\" it changes nothing");
+  if (config.optimizer.warmup_steps >= config.run.steps && config.optimizer.decay_steps == 0)
+    plan.warnings.push_back(man.origin("optimizer.warmup_steps").str() + ": the warmup (" +
+                            std::to_string(config.optimizer.warmup_steps) + " steps) outlasts the run (" +
+                            std::to_string(config.run.steps) + "): the learning rate never reaches optimizer.lr");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
