@@ -43,8 +43,9 @@ const char* kUsage =
     "  --json               one JSON object with the numbers\n";
 
 std::string read_file(const std::string& path) {
-  std::optional<std::string> bytes = files::read_whole_file(path);
-  if (!bytes) throw UsageError("--data " + path + ": cannot read the file (" + std::strerror(errno) + ")");
+  std::string why;
+  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  if (!bytes) throw UsageError("--data " + path + ": cannot read the file (" + why + ")");
   return std::move(*bytes);
 }
 

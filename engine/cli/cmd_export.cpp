@@ -29,11 +29,13 @@ const char* kUsage =
 // The step directory CHECKPOINT names.
 std::string step_dir_of(const std::string& path) {
   namespace fs = boost::filesystem;
-  if (fs::exists(fs::path(path) / "meta.toml")) return path;
-  if (!fs::is_directory(path)) throw UsageError(path + " is not a checkpoint (no such directory)");
-  const auto step = train::latest_checkpoint(path);
-  if (!step) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
-  return train::checkpoint_path(path, *step);
+  if (!fs::exists(fs::path(path) / "meta.toml") && !fs::is_directory(path))
+    throw UsageError(path + " is not a checkpoint (no such directory)");
+  std::vector<std::string> skipped;
+  const std::string step = train::named_checkpoint(path, &skipped);
+  if (step.empty()) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+  for (const std::string& s : skipped) std::cerr << "note: skipped " << s << "; exporting " << step << "\n";
+  return step;
 }
 
 // The tokenizer a checkpoint's run named (data.tokenizer), when it loads from here;

@@ -133,8 +133,9 @@ std::optional<train::ComputeProfile> read_profile(const Args& args) {
   if (!path) return std::nullopt;
   if (boost::filesystem::is_directory(*path))
     throw loom::Error("--profile " + *path + " is a directory; give the file --save-profile wrote");
-  const std::optional<std::string> text = files::read_whole_file(*path);
-  if (!text) throw loom::Error("--profile " + *path + ": cannot read the file (" + std::strerror(errno) + ")");
+  std::string why;
+  const std::optional<std::string> text = files::read_whole_file(*path, &why);
+  if (!text) throw loom::Error("--profile " + *path + ": cannot read the file (" + why + ")");
   try {
     return train::profile_from_json(nlohmann::ordered_json::parse(*text));
   } catch (const nlohmann::json::exception& e) {

@@ -17,13 +17,14 @@
 namespace loom::cli {
 namespace {
 
-// The step directory of a checkpoint path, or "" when it is not one.
+// The step directory of a checkpoint path, or "" when it is not one; the step
+// directories passed over are said on stderr.
 std::string checkpoint_step(const std::string& path) {
-  namespace fs = boost::filesystem;
-  if (fs::exists(fs::path(path) / "meta.toml")) return path;
-  if (!fs::is_directory(path)) return "";
-  const auto step = train::latest_checkpoint(path);
-  return step ? train::checkpoint_path(path, *step) : "";
+  std::vector<std::string> skipped;
+  const std::string step = train::named_checkpoint(path, &skipped);
+  if (!step.empty())
+    for (const std::string& s : skipped) std::cerr << "note: skipped " << s << "; reading " << step << "\n";
+  return step;
 }
 
 // The settings that decide how text maps to the model's tokens without a --tokenizer
@@ -111,8 +112,9 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
     return from_checkpoint(
         step, [&](const std::string& saved) { return plan_for(saved, step + "/manifest.toml", overrides, registry); },
         registry);
-  const std::optional<std::string> text = files::read_whole_file(path);
-  if (!text) throw UsageError(path + ": cannot read the manifest (" + std::strerror(errno) + ")");
+  std::string why;
+  const std::optional<std::string> text = files::read_whole_file(path, &why);
+  if (!text) throw UsageError(path + ": cannot read the manifest (" + why + ")");
   train::RunPlan plan = plan_for(*text, path, overrides, registry);
   // The manifest's own checkpoint settings (the command's plan need not keep them),
   // its paths resolved as a run resolves them. A run that saved checkpoints (a

@@ -1,13 +1,19 @@
 #include "engine/files/read.hpp"
 
 #include <cerrno>
+#include <cstring>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace loom::files {
 
-std::optional<std::string> read_whole_file(const std::string& path) {
+std::optional<std::string> read_whole_file(const std::string& path, std::string* why) {
+  auto fail = [&](const char* reason) -> std::optional<std::string> {
+    if (why != nullptr) *why = reason != nullptr ? reason : std::strerror(errno);
+    return std::nullopt;
+  };
   struct Fd {  // closed however this returns (appending may throw bad_alloc)
     int fd;
     ~Fd() {
@@ -16,15 +22,25 @@ std::optional<std::string> read_whole_file(const std::string& path) {
       ::close(fd);
       errno = error;
     }
-  } f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (f.fd < 0) return std::nullopt;
+  } f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};  // opening a FIFO does not wait for a writer
+  if (f.fd < 0) return fail(nullptr);
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) return fail(nullptr);
+  if (!S_ISREG(st.st_mode)) {
+    errno = EINVAL;
+    return fail(S_ISDIR(st.st_mode)                           ? "not a regular file (a directory)"
+                : S_ISFIFO(st.st_mode)                        ? "not a regular file (a FIFO)"
+                : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "not a regular file (a device)"
+                                                              : "not a regular file");
+  }
   std::string bytes;
+  if (st.st_size > 0) bytes.reserve(static_cast<size_t>(st.st_size));
   char chunk[1 << 16];
   for (;;) {
     const ssize_t n = ::read(f.fd, chunk, sizeof chunk);
     if (n == 0) return bytes;
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return std::nullopt;
+    if (n < 0) return fail(nullptr);
     bytes.append(chunk, static_cast<size_t>(n));
   }
 }

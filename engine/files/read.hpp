@@ -1,5 +1,5 @@
 // Reading a file whole, for the files loom reads at once (a checkpoint's manifest.toml,
-// tokenizer files, evaluation data, texts to tokenize).
+// tokenizer files, evaluation data, texts to tokenize, indexed datasets).
 #pragma once
 
 #include <optional>
@@ -7,8 +7,11 @@
 
 namespace loom::files {
 
-// The bytes of the file at `path`; nullopt when it cannot be opened or read (a
-// directory cannot), with errno saying why, for the caller's own error.
-std::optional<std::string> read_whole_file(const std::string& path);
+// The bytes of the regular file at `path`; nullopt when it cannot be opened or read,
+// with errno saying why and, when given, `why` in words for the caller's own error.
+// Anything but a regular file is refused without reading (EINVAL; `why` says "not a
+// regular file (a FIFO)"): a FIFO would block the read where no signal is looked at,
+// a directory or a device reads as nonsense.
+std::optional<std::string> read_whole_file(const std::string& path, std::string* why = nullptr);
 
 }  // namespace loom::files

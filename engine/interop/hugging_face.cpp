@@ -345,8 +345,9 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
 namespace {
 
 std::string read_whole(const std::string& path) {
-  std::optional<std::string> bytes = files::read_whole_file(path);
-  if (!bytes) throw std::runtime_error("cannot read " + path + " (" + std::strerror(errno) + ")");
+  std::string why;
+  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  if (!bytes) throw std::runtime_error("cannot read " + path + " (" + why + ")");
   return std::move(*bytes);
 }
 
@@ -821,21 +822,20 @@ train::InitialWeights read_initial_weights(const std::string& path, const train:
   if (!fs::is_directory(path))
     throw std::runtime_error(key + " is a file; give a Hugging Face model directory or a loom checkpoint directory");
   const bool hf = fs::exists(fs::path(path) / "config.json");
-  const auto latest = train::latest_checkpoint(path);
-  if (hf && (latest || fs::exists(fs::path(path) / "meta.toml")))
+  std::vector<std::string> skipped;
+  const std::string step = train::named_checkpoint(path, &skipped);
+  if (hf && !step.empty())
     throw std::runtime_error(key + " holds both a Hugging Face model (config.json) and a loom checkpoint; keep "
                              "exports apart from checkpoints, or name the one to use");
   if (hf) return read_hf(path, plan, vocab);
-  std::string step = path;
-  if (!fs::exists(fs::path(path) / "meta.toml")) {
-    if (!latest)
-      throw std::runtime_error("checkpoint.init_weights = \"" + path +
-                               "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
-    step = train::checkpoint_path(path, *latest);
-  }
+  if (step.empty())
+    throw std::runtime_error("checkpoint.init_weights = \"" + path +
+                             "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
   train::require_same_architecture(ck.manifest_toml, plan, step);
-  return {step, std::move(ck.tensors), ck.vocab};
+  train::InitialWeights w{step, std::move(ck.tensors), ck.vocab};
+  w.skipped = std::move(skipped);
+  return w;
 }
 
 }  // namespace loom::interop

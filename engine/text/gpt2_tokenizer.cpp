@@ -35,8 +35,9 @@ std::string utf8(uint32_t cp) {
 
 std::string read_all(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw TokenizerError(path + ": is a directory, not a file");
-  std::optional<std::string> bytes = files::read_whole_file(path);
-  if (!bytes) throw TokenizerError(path + ": cannot read the file (" + std::strerror(errno) + "; a GPT-2 tokenizer "
+  std::string why;
+  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  if (!bytes) throw TokenizerError(path + ": cannot read the file (" + why + "; a GPT-2 tokenizer "
                                    "directory holds encoder.json and vocab.bpe; scripts/fetch-gpt2-tokenizer.sh fetches them)");
   return std::move(*bytes);
 }

@@ -58,8 +58,9 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 }
 
 std::string read_file(const std::string& path) {
-  std::optional<std::string> bytes = files::read_whole_file(path);
-  if (!bytes) throw TokenFileError(path + ": cannot read the file (" + errno_text() + ")");
+  std::string why;
+  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  if (!bytes) throw TokenFileError(path + ": cannot read the file (" + why + ")");
   return std::move(*bytes);
 }
 

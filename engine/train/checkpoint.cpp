@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <fstream>
 #include <sstream>
 #include <signal.h>
@@ -44,6 +45,18 @@ std::string rank_file(const std::string& dir, int rank) {
   char name[32];
   std::snprintf(name, sizeof(name), "rank_%05d.bin", rank);
   return (fs::path(dir) / name).string();
+}
+
+// A checkpoint's files are read only when they are regular files: a FIFO would block
+// the read where no signal is looked at, a directory reads as an empty file.
+void require_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;  // a missing file: the caller's message
+  throw CheckpointError(path + " is not a regular file (" +
+                        (S_ISDIR(st.st_mode)    ? "a directory"
+                         : S_ISFIFO(st.st_mode) ? "a FIFO"
+                                                : "a device or socket") +
+                        "): the checkpoint is damaged");
 }
 
 void fsync_path(const std::string& path, bool directory) {
@@ -121,6 +134,14 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
       if (skipped) skipped->push_back(e.path().string() + " (its name is not step_ and a step number of 0 to 2^63-1)");
       continue;
     }
+    // Read back under the name a save gives step N (step_00000200), never another
+    // spelling of the number (step_200 would be looked for as step_00000200).
+    if (fs::path(checkpoint_path(dir, step)).filename() != e.path().filename()) {
+      if (skipped)
+        skipped->push_back(e.path().string() + " (not the name a save gives step " + std::to_string(step) + ": " +
+                           fs::path(checkpoint_path(dir, step)).filename().string() + ")");
+      continue;
+    }
     if (!fs::is_regular_file(e.path() / "meta.toml", ec)) {
       if (skipped) skipped->push_back(e.path().string() + " (no meta.toml: a save that did not finish)");
       continue;
@@ -128,6 +149,13 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
     if (!best || step > *best) best = step;
   }
   return best;
+}
+
+std::string named_checkpoint(const std::string& path, std::vector<std::string>* skipped) {
+  boost::system::error_code ec;
+  if (fs::exists(fs::path(path) / "meta.toml", ec)) return path;
+  const std::optional<int64_t> step = latest_checkpoint(path, skipped);
+  return step ? checkpoint_path(path, *step) : "";
 }
 
 CheckpointDirLock::CheckpointDirLock(const std::string& dir) {
@@ -281,6 +309,7 @@ void check_param_layout(const std::string& step_dir, int file_rank, const ParamL
     require_older_format(step_dir, path);  // written before checkpoints recorded it
     return;
   }
+  require_regular_file(path);
   std::ifstream in(path);
   if (!in) throw CheckpointError("cannot read " + path + ": " + std::strerror(errno));
   ParamLayoutList saved;
@@ -390,6 +419,7 @@ void clear_evaluation_pending(const std::string& step_dir) {
 
 CheckpointMeta read_meta(const std::string& step_dir) {
   const std::string path = (fs::path(step_dir) / "meta.toml").string();
+  require_regular_file(path);
   CheckpointMeta m;
   try {
     toml::table t = toml::parse_file(path);
@@ -512,6 +542,7 @@ void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta&
 
 RankState read_rank_file(const std::string& step_dir, int rank, int64_t expect_numel, size_t elem_size) {
   const std::string path = rank_file(step_dir, rank);
+  require_regular_file(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw CheckpointError("checkpoint " + step_dir + " has no file for rank " + std::to_string(rank) + " (" + path + ")");
   Header h{};

@@ -64,6 +64,11 @@ std::string checkpoint_path(const std::string& dir, int64_t step);
 // when there is none; `skipped` gets each step_* directory that is not a complete
 // checkpoint, as "<path> (<why>)": no meta.toml, or a name that is no step number.
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+// The step directory a user's path names (`loom export`, `generate`, `eval`,
+// checkpoint.init_weights): the path itself when it holds meta.toml, else the newest
+// complete step of it as a checkpoint.dir (the step_* directories passed over go to
+// `skipped`, as latest_checkpoint's); "" when it is neither.
+std::string named_checkpoint(const std::string& path, std::vector<std::string>* skipped = nullptr);
 // Held by the process of global rank 0 while it trains (flock on checkpoint.dir/.lock,
 // released when the process ends however it ends): a second run saving into the same
 // directory is refused naming the process that holds it.

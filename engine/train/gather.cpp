@@ -47,8 +47,9 @@ std::vector<DimSplit> splits_of(const PlannedParam& p, const ShardCoords& at) {
 }
 
 std::string read_text(const std::string& path) {
-  std::optional<std::string> bytes = files::read_whole_file(path);
-  if (!bytes) throw CheckpointError("cannot read " + path + " (" + std::strerror(errno) + ")");
+  std::string why;
+  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  if (!bytes) throw CheckpointError("cannot read " + path + " (" + why + ")");
   return std::move(*bytes);
 }
 

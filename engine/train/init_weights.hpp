@@ -19,6 +19,7 @@ struct InitialWeights {
   std::vector<WholeTensor> tensors;  // engine names and whole shapes; fp32 or bf16
   int64_t vocab = 0;                // the source model's vocabulary (0: not known)
   std::string role = "checkpoint.init_weights";  // what named them, first in messages ("--resume")
+  std::vector<std::string> skipped;  // newer step directories of a checkpoint.dir passed over ("DIR (why)")
 };
 
 // Before launch: the weights fit the run's model — its vocabulary, every parameter some

@@ -85,23 +85,32 @@ void drop_steps_after(const std::string& path, int64_t step, std::ostream* log) 
   std::ifstream in(path);
   std::string kept, line;
   int64_t dropped = 0;
+  bool torn = false;
   while (std::getline(in, line)) {
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() > step) {
       ++dropped;
       continue;
     }
+    // A last line cut short (the disk filled, the process was killed mid-write): the
+    // lines appended after it would not be JSON lines either.
+    if (in.eof() && j.is_discarded()) {
+      torn = true;
+      continue;
+    }
     kept += line + "\n";
   }
-  if (dropped == 0) return;
+  if (dropped == 0 && !torn) return;
   std::ofstream out(file.path(), file.mode());
   out << kept;
   out.close();
   if (!out || !file.commit())
     throw std::runtime_error("metrics file " + path + ": cannot rewrite it without the steps after " +
                              std::to_string(step) + " (" + std::strerror(errno) + ")");
-  if (log) *log << "metrics: dropped " << dropped << " line(s) of steps after " << step << " from " << path
-                << ", trained again from the checkpoint" << std::endl;
+  if (log && dropped > 0)
+    *log << "metrics: dropped " << dropped << " line(s) of steps after " << step << " from " << path
+         << ", trained again from the checkpoint" << std::endl;
+  if (log && torn) *log << "metrics: dropped the unfinished last line of " << path << std::endl;
 }
 
 }  // namespace

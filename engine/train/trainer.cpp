@@ -430,6 +430,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw loom::Error("checkpoint.init_weights = \"" + config.checkpoint.init_weights +
                         "\": this caller of train() reads no weights (TrainOptions::read_init_weights; `loom run` does)");
     run.init_weights = std::make_shared<const InitialWeights>(options.read_init_weights(checked.vocab));
+    if (options.log) {
+      for (const std::string& s : run.init_weights->skipped)
+        *options.log << "init_weights: skipped " << s << "; reading " << run.init_weights->source << std::endl;
+      *options.log << "init_weights: " << run.init_weights->tensors.size() << " tensors from "
+                   << run.init_weights->source << std::endl;
+    }
     check_initial_weights(*run.init_weights, checked.memory, checked.vocab,
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);
   }

@@ -33,10 +33,11 @@ for kv in run.seed=18446744073709551615 parallel.dp=2305843009213693952 parallel
           parallel.tp=-1 parallel.vpp=9223372036854775807 batch.micro_batch_size=4611686018427387904 \
           batch.global_batch_size=0 model.hidden_size=4611686018427387904 model.num_layers=4611686018427387904 \
           model.seq_length=0 model.seq_length=4611686018427387904 model.vocab_size=2147483648 \
-          model.num_heads=0 run.steps=-1; do
+          model.num_heads=0 run.steps=-1 model.vocab_divisor=4611686018427387904; do
   check refuse "$base" --set "$kv"
 done
 check refuse "$base" --set parallel.pp=4611686018427387904 --set parallel.vpp=4
+check refuse "$base" --set model.vocab_divisor=2305843009213693952 --set parallel.tp=4 --set parallel.dp=1
 # Integer keys the engine holds in 32 bits: a value past 2^32 must not wrap to a small one.
 for kv in pipeline.first_chunk_layers=4294967296 pipeline.last_chunk_layers=4294967298 \
           pipeline.microbatch_group_size=4294967298 device.threads=4294967296; do
@@ -44,6 +45,13 @@ for kv in pipeline.first_chunk_layers=4294967296 pipeline.last_chunk_layers=4294
 done
 check refuse "$base" --set parallel.dp=1024 --set parallel.tp=1024 --set parallel.pp=2
 # Non-finite numbers and nonsense settings.
+# Floats the math takes as 32-bit floats, in range as doubles and out of it as floats
+# (NaN at step 2), and learning-rate schedules that are none (Megatron asserts them).
+for kv in optimizer.beta2=0.99999999999 optimizer.beta1=0.99999999999 optimizer.eps=1e-300 optimizer.lr=1e308 \
+          optimizer.min_lr=0.01 'optimizer.decay_steps=3 --set optimizer.warmup_steps=3'; do
+  # shellcheck disable=SC2086
+  check refuse "$base" --set $kv
+done
 for kv in optimizer.eps=inf optimizer.lr=nan optimizer.lr=-inf model.layer.attention.dropout=inf \
           model.seq_length=1 'data.task="mul"' model.recompute_num_layers=99; do
   check refuse "$base" --set "$kv"
@@ -102,6 +110,9 @@ for cmd in validate plan; do
   rc=$?
   [ $rc -eq 0 ] && grep -q "the plan needs" "$work/out" || fail "$cmd of a 2^27-token microbatch: exit $rc: $(tail -2 "$work/out")"
 done
+# An indexed dataset whose files are FIFOs is refused, not waited on forever.
+mkfifo "$work/ff.idx" "$work/ff.bin"
+check refuse "$base" --set 'data.kind="indexed"' --set "data.path=\"$work/ff\""
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"

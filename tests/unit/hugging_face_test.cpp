@@ -14,6 +14,7 @@
 #include "engine/interop/safetensors.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/runtime/launcher.hpp"
+#include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
 #include "engine/train/gather.hpp"
 
@@ -29,6 +30,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <sstream>
 
 namespace {
 
@@ -500,6 +502,39 @@ TEST(HfImport, ResumeBeforeTheFirstCheckpointStartsFromTheGivenWeights) {
   fs::remove_all(dir);
   fs::remove_all(out);
   fs::remove_all(run_dir);
+}
+
+// checkpoint.init_weights = a checkpoint.dir reads its newest complete step under the
+// name a save gives it and says which: a newer step_N spelled otherwise (step_41 for
+// step_00000041, read back as the latter, which is not there) is passed over and said,
+// as --resume says it.
+TEST(HfImport, InitWeightsSaysWhichStepItReadsAndWhatItPassedOver) {
+  const std::string dir = scratch("which");
+  const std::string step = parallel_checkpoint({}, dir);
+  fs::create_directories(fs::path(dir) / "step_41");
+  boost::system::error_code ec;
+  fs::copy_file(fs::path(step) / "meta.toml", fs::path(dir) / "step_41" / "meta.toml", ec);
+  ASSERT_FALSE(ec) << ec.message();
+  std::vector<std::string> skipped;
+  EXPECT_EQ(loom::train::named_checkpoint(dir, &skipped), step);
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_NE(skipped[0].find("step_41 (not the name a save gives step 41: step_00000041)"), std::string::npos)
+      << skipped[0];
+  EXPECT_EQ(loom::train::named_checkpoint(step), step);
+  EXPECT_EQ(loom::train::named_checkpoint(dir + "/nothing"), "");
+
+  const std::vector<std::string> o = {"model.num_layers=4", "run.steps=1", "checkpoint.init_weights=\"" + dir + "\""};
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+  loom::train::TrainOptions opts;
+  std::ostringstream log;
+  opts.log = &log;
+  opts.read_init_weights = [&](int64_t vocab) {
+    return loom::interop::read_initial_weights(dir, plan, vocab, loom::plugins::registry());
+  };
+  loom::train::train(plan, opts);
+  EXPECT_NE(log.str().find("init_weights: skipped " + dir + "/step_41 (not the name"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find(" tensors from " + step + "\n"), std::string::npos) << log.str();
+  fs::remove_all(dir);
 }
 
 TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {

@@ -55,6 +55,30 @@ TEST(RunPlan, ChunkSizesWithoutAPipelineAreWarnedOf) {
   EXPECT_FALSE(warned({"pipeline.first_chunk_layers=1", "parallel.pp=2", "parallel.dp=1"}));
 }
 
+// Settings that change nothing are said: recomputation's options without recomputation,
+// a warmup that outlasts the run (decay_steps = 0: the run's length).
+TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
+  auto warned = [](const std::vector<std::string>& overrides, const std::string& what) {
+    for (const std::string& w : loom::testing::plan_from(tiny_manifest(), overrides).warnings)
+      if (w.find(what) != std::string::npos) return true;
+    return false;
+  };
+  const std::string recompute = "model.recompute_num_layers chooses what full recomputation keeps";
+  EXPECT_TRUE(warned({"model.recompute_num_layers=1"}, recompute));
+  EXPECT_FALSE(warned({"model.recompute_num_layers=1", "model.recompute_granularity=\"full\""}, recompute));
+  const std::string warmup = "the warmup (10 steps) outlasts the run (5)";
+  EXPECT_TRUE(warned({"optimizer.warmup_steps=10", "run.steps=5"}, warmup));
+  EXPECT_FALSE(warned({"optimizer.warmup_steps=10", "run.steps=11"}, "outlasts the run"));
+}
+
+// A collective timeout below a millisecond waits a millisecond: rounded down it was 0,
+// which means no timeout at all.
+TEST(RunPlan, ASubMillisecondTimeoutIsOneMillisecond) {
+  EXPECT_EQ(loom::train::launch_config(loom::testing::plan_from(tiny_manifest(), {"comm.timeout_s=0.0001"})).timeout_ms, 1);
+  EXPECT_EQ(loom::train::launch_config(loom::testing::plan_from(tiny_manifest(), {"comm.timeout_s=2.0005"})).timeout_ms,
+            2001);
+}
+
 // The same global batch over 1, 2 and 4 data-parallel ranks trains the same model.
 //
 // Parameters are compared per tensor, norm-wise (||a - b|| / ||b|| <= 1e-5): Adam's
@@ -641,8 +665,9 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   fs::remove_all(dir);
 }
 
-// A run killed after its last checkpoint had written the metrics of later steps; the
-// resumed run trains those steps again and its metrics file holds each step once.
+// A run killed after its last checkpoint had written the metrics of later steps (the
+// last of them cut short, as by a full disk); the resumed run trains those steps again
+// and its metrics file holds each step once, every line JSON.
 TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
   const std::string dir = loom::testing::scratch_dir("metrics-resume");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
@@ -650,7 +675,7 @@ TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
   options.metrics_file = dir + ".jsonl";
   run_and_trace(tiny_manifest(), {"run.steps=5", "checkpoint.every=3", ck}, options);
   fs::remove_all(loom::train::checkpoint_path(dir, 5));  // as if killed before saving step 5
-  std::ofstream(options.metrics_file, std::ios::app) << "not a step's line\n";
+  std::ofstream(options.metrics_file, std::ios::app) << "not a step's line\n{\"step\":6,\"loss\":1.2";
   options.resume = true;
   run_and_trace(tiny_manifest(), {"run.steps=6", "checkpoint.every=3", ck}, options);
   std::ifstream in(options.metrics_file);
@@ -689,14 +714,14 @@ TEST(Training, ANonFiniteLossStopsTheRunAndMetricsStayJson) {
   loom::train::TrainOptions options;
   options.metrics_file = dir + ".jsonl";
   try {
-    run_and_trace(tiny_manifest(), {"optimizer.lr=1e300", "optimizer.clip_grad=0", "run.steps=20",
+    run_and_trace(tiny_manifest(), {"optimizer.lr=1e30", "optimizer.clip_grad=0", "run.steps=20",
                                     "checkpoint.dir=\"" + dir + "\"", "checkpoint.every=100"},
                   options);
     FAIL() << "a run whose loss is not finite must fail";
   } catch (const std::exception& e) {
     const std::string what = e.what();
     EXPECT_NE(what.find("training stops without saving this step's weights"), std::string::npos) << what;
-    EXPECT_NE(what.find("optimizer.lr = 1e+300"), std::string::npos) << what;
+    EXPECT_NE(what.find("optimizer.lr = 1e+30"), std::string::npos) << what;
   }
   EXPECT_FALSE(loom::train::latest_checkpoint(dir)) << "a checkpoint of non-finite weights was written";
   std::ifstream in(options.metrics_file);
