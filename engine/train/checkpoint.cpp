@@ -5,6 +5,7 @@
 #include "engine/model/param_plan.hpp"
 
 #include "engine/model/param_init.hpp"
+#include "engine/topology/rank_groups.hpp"
 #include "engine/train/init_weights.hpp"
 
 #include <boost/filesystem.hpp>
@@ -434,18 +435,28 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     if (format != 1)
       throw CheckpointError("checkpoint " + step_dir + ": meta.toml format " + std::to_string(format) +
                             ", this engine reads format 1 (was it written by a newer loom?)");
+    // A number of ranks, read whole before it is narrowed (2^32 + 2 read as 2 passed).
+    auto ranks = [&](const char* key, std::optional<int64_t> dflt) -> int {
+      const int64_t v = dflt ? t[key].value_or(*dflt) : need(key);
+      if (v < 1 || v > topology::kMaxWorld)
+        throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has " + key + " = " +
+                              std::to_string(v) + " (a number of ranks, 1 to " + std::to_string(topology::kMaxWorld) +
+                              ")");
+      return static_cast<int>(v);
+    };
     m.step = need("step");
-    m.world = static_cast<int>(need("world"));
-    m.tp = static_cast<int>(need("tp"));
-    m.pp = static_cast<int>(need("pp"));
-    m.dp = static_cast<int>(need("dp"));
+    m.world = ranks("world", std::nullopt);
+    m.tp = ranks("tp", std::nullopt);
+    m.pp = ranks("pp", std::nullopt);
+    m.dp = ranks("dp", std::nullopt);
     m.strategy = t["strategy"].value_or(std::string());
     m.bucket_size = t["bucket_size"].value_or(int64_t{-1});
     m.param_dtype = t["param_dtype"].value_or(std::string("fp32"));
-    m.ep = static_cast<int>(t["ep"].value_or(int64_t{1}));
+    m.ep = ranks("ep", 1);
     m.order = t["order"].value_or(std::string("tp-cp-ep-dp-pp"));
-    m.etp = static_cast<int>(t["etp"].value_or(int64_t{0}));
-    m.cp = static_cast<int>(t["cp"].value_or(int64_t{1}));
+    const int64_t etp = t["etp"].value_or(int64_t{0});  // 0: a checkpoint from before etp (= tp)
+    m.etp = etp == 0 ? 0 : ranks("etp", 1);
+    m.cp = ranks("cp", 1);
     m.vocab = t["vocab"].value_or(int64_t{0});
     m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
     m.evaluation_pending = t["evaluation_pending"].value_or(false);
@@ -460,12 +471,6 @@ CheckpointMeta read_meta(const std::string& step_dir) {
         m.rank_checksums.push_back(c);
       }
     }
-    const std::pair<const char*, int64_t> counts[] = {{"world", m.world}, {"tp", m.tp}, {"pp", m.pp}, {"dp", m.dp},
-                                                       {"ep", m.ep},       {"cp", m.cp}};
-    for (const auto& [key, value] : counts)
-      if (value < 1)
-        throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has " + key + " = " +
-                              std::to_string(value) + " (a number of ranks, 1 or more)");
     if (m.step < 0 || m.etp < 0 || m.vocab < 0 || m.consumed_samples < -1)
       throw CheckpointError("checkpoint " + step_dir +
                             " is corrupt: meta.toml has a negative step, etp, vocab or consumed_samples");

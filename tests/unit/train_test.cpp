@@ -649,6 +649,12 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   std::ofstream(meta) << text.substr(0, d) << "\ndp = -2" << text.substr(d + 7);
   const std::string negative = refusal({"parallel.dp=2"});
   EXPECT_NE(negative.find("is corrupt: meta.toml has dp = -2"), std::string::npos) << negative;
+  // 2^32 + 2 is no 2 (it was narrowed to 2 and resumed).
+  std::ofstream(meta) << text.substr(0, d) << "\ndp = 4294967298" << text.substr(d + 7);
+  const std::string wrapped = refusal({"parallel.dp=2"});
+  EXPECT_NE(wrapped.find("is corrupt: meta.toml has dp = 4294967298 (a number of ranks, 1 to 1048576)"),
+            std::string::npos)
+      << wrapped;
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
