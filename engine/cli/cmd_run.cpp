@@ -23,10 +23,20 @@ namespace {
 
 std::atomic<int> g_stop{0};
 std::atomic<bool> g_under_launcher{false};  // set before the handlers are installed
+std::atomic<bool> g_stepped{false};  // a training step of this process has finished
 // The first signal asks every rank to stop after its current step (a step can take
 // minutes, so it says so at once); a second one ends the process without waiting,
-// for a step that cannot finish. Only async-signal-safe calls here.
+// for a step that cannot finish. Before this process has finished a step there is
+// nothing new to save, and starting up may block where no flag is looked at (a file
+// system that hangs): the first signal stops at once. Only async-signal-safe calls here.
 extern "C" void on_signal(int sig) {
+  if (!g_stepped.load()) {
+    static const char kEarly[] =
+        "\nloom run: signal received before the first step finished: nothing new to save; stopping now\n";
+    [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kEarly, sizeof kEarly - 1);
+    files::remove_temporaries();
+    ::_exit(130);
+  }
   if (g_stop.exchange(1) == 0) {
     static const char kFirst[] =
         "\nloom run: signal received: stopping after the current step (and writing a checkpoint when "
@@ -95,8 +105,9 @@ int cmd_run(int argc, char** argv) {
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("run takes one MANIFEST");
-    // From here on a stop signal is honoured (planning and loading plugins take a
-    // while): the run then stops after its first step, with a checkpoint.
+    // From here on a stop signal is honoured: at once until a step has finished
+    // (planning, loading plugins and a checkpoint take a while), after the current
+    // step from then on.
     // SIGUSR1 too: mpirun forwards it to every rank (SIGINT becomes SIGTERM there,
     // followed by SIGKILL a second later), and Slurm sends it ahead of a time limit
     // (sbatch --signal=USR1@120).
@@ -147,6 +158,7 @@ int cmd_run(int argc, char** argv) {
       opts.log = nullptr;
     }
     opts.stop_signal = &g_stop;
+    opts.stepped = &g_stepped;
     train::TrainResult r = train::train(plan, opts);
     stop_signals.training_ended();
 

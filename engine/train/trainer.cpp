@@ -284,6 +284,7 @@ void RankTraining::run() {
   while (step < steps) {
     StepRecord rec = train_step(step);
     ++step;
+    if (run_.options.stepped) run_.options.stepped->store(true);
     bool stop = stop_requested();
     run_.metrics.complete(rec);
     // A stop before or during this step's evaluation leaves it to the resumed run.

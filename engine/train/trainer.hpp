@@ -25,6 +25,7 @@ struct TrainOptions {
   std::string metrics_file;                  // JSON lines, one per step
   std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
   const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers
+  std::atomic<bool>* stepped = nullptr;            // set once a step has finished here (before: nothing new to save)
   std::string trace_file;                    // Chrome trace of every rank's real timeline
   bool keep_trace = false;                   // the same events in TrainResult::trace (loom plan --perf)
   // Called on every rank after each step (tests compare parameters step by step).

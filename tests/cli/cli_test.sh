@@ -161,14 +161,32 @@ for c in validate plan run; do
     || fail "$c: no warning about the unused model.layer.moe: $(tail -2 "$work/unused.out")"
 done
 
-# 11. A stop signal is acknowledged as it arrives (a step may take minutes), and a second
-# one ends the run at once, without waiting for the step (one step here takes ~30 s).
-long=(--set model.hidden_size=1024 --set model.num_layers=4 --set model.seq_length=1024 --set parallel.dp=1
-      --set batch.micro_batch_size=8 --set batch.global_batch_size=8 --set data.kind=text
-      --set "data.path=\"$here/../../README.md\"" --set run.steps=5)
-"$loom" run "$here/tiny.toml" "${long[@]}" > "$work/sig.out" 2>&1 &
+# 11. A stop signal before the first step has finished stops at once (nothing new to
+# save; starting up may block: here on a metrics FIFO nobody reads). Once a step has
+# finished, the first signal is acknowledged as it arrives (a step may take minutes) and
+# a second one ends the run at once, without waiting for the step (~8 s here).
+mkfifo "$work/nobody.fifo"
+"$loom" run "$here/tiny.toml" --metrics "$work/nobody.fifo" > "$work/early.out" 2>&1 &
 pid=$!
-sleep 6
+sleep 2
+kill -TERM $pid
+start=$(date +%s)
+wait $pid
+rc=$?
+[ $rc -eq 130 ] || fail "a signal while starting up: exit $rc, expected 130: $(tail -2 "$work/early.out")"
+[ $(( $(date +%s) - start )) -le 5 ] || fail "a signal while starting up: the run took more than 5 s to stop"
+grep -q "signal received before the first step finished: nothing new to save; stopping now" "$work/early.out" \
+  || fail "early signal not reported: $(tail -2 "$work/early.out")"
+long=(--set model.hidden_size=1024 --set model.num_layers=4 --set model.seq_length=1024 --set parallel.dp=1
+      --set batch.micro_batch_size=2 --set batch.global_batch_size=2 --set data.kind=text
+      --set "data.path=\"$here/../../README.md\"" --set run.steps=20 --set run.log_every=1)
+"$loom" run "$here/tiny.toml" "${long[@]}" --metrics "$work/sig.jsonl" > "$work/sig.out" 2>&1 &
+pid=$!
+for _ in $(seq 1 1200); do
+  [ -s "$work/sig.jsonl" ] && break
+  kill -0 $pid 2>/dev/null || break
+  sleep 0.1
+done
 kill -TERM $pid
 sleep 1
 grep -q "signal received: stopping after the current step" "$work/sig.out" \
