@@ -50,6 +50,52 @@ std::vector<std::string> split_path(std::string_view path) {
   return out;
 }
 
+// The most parts a dotted key may have. Manifest keys have at most six
+// (model.layer.NAME.options...); toml++ parses a dotted key and loom walks a key path a
+// frame per part, so a key of ~40,000 parts overflowed the stack (SIGSEGV).
+constexpr int kMaxKeyParts = 64;
+
+// The 1-based line of the first key in `text` (a TOML document) with more than
+// kMaxKeyParts dot-joined parts, outside strings and comments; 0 when there is none.
+// A float (1.5) or a time (00:32:00.999) has one dot, values in arrays are apart.
+int line_of_overlong_key(std::string_view text) {
+  int line = 1, dots = 0;
+  size_t i = 0;
+  auto starts = [&](std::string_view s) { return text.substr(i, s.size()) == s; };
+  while (i < text.size()) {
+    const char c = text[i];
+    if (starts("\"\"\"") || starts("'''")) {  // a multi-line string: its own lines, no key
+      const std::string_view close = text.substr(i, 3);
+      i += 3;
+      while (i < text.size() && !starts(close)) {
+        if (close[0] == '"' && text[i] == '\\') ++i;
+        else if (text[i] == '\n') ++line;
+        ++i;
+      }
+      i += 3;
+      continue;
+    }
+    if (c == '"' || c == '\'') {  // a one-line string: a quoted key part or a value
+      for (++i; i < text.size() && text[i] != c && text[i] != '\n'; ++i)
+        if (c == '"' && text[i] == '\\') ++i;
+      ++i;
+      continue;
+    }
+    if (c == '#') {
+      while (i < text.size() && text[i] != '\n') ++i;
+      continue;
+    }
+    if (c == '.') {
+      if (++dots >= kMaxKeyParts) return line;
+    } else if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == ' ' || c == '\t')) {
+      dots = 0;  // '=', '[', ']', ',', '{', a newline...: the chain ends
+    }
+    if (c == '\n') ++line;
+    ++i;
+  }
+  return 0;
+}
+
 std::string trim(std::string_view s) {
   size_t b = 0, e = s.size();
   while (b < e && std::isspace(static_cast<unsigned char>(s[b]))) ++b;
@@ -574,6 +620,13 @@ class ManifestLoader {
     }
 
     Loaded self;
+    if (const int line = line_of_overlong_key(content); line > 0) {
+      Origin at = file_origin(path, toml::source_region{});
+      at.line = line;
+      at.column = 1;
+      diag("", at, "a dotted key of more than " + std::to_string(kMaxKeyParts) + " parts; manifest keys have a few");
+      return false;
+    }
     try {
       self.table = toml::parse(std::string_view(content), std::string_view(path));
     } catch (const toml::parse_error& e) {
@@ -666,6 +719,10 @@ class ManifestLoader {
     const std::string key = trim(std::string_view(arg).substr(0, eq));
     const std::string val = trim(std::string_view(arg).substr(eq + 1));
     const std::vector<std::string> parts = split_path(key);
+    if (parts.size() > static_cast<size_t>(kMaxKeyParts) || line_of_overlong_key(val) > 0) {
+      diag("", o, "a key path of more than " + std::to_string(kMaxKeyParts) + " parts; manifest keys have a few");
+      return;
+    }
     for (const std::string& p : parts) {
       if (p.empty()) {
         diag(key, o, "'" + key + "' is not a key path (expected names joined by '.', e.g. run.steps)");

@@ -119,6 +119,13 @@ for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2
 done
 check any "$base" --set 'parallel={tp=1}'
 check any "$base" --set 'device.options={}'
+# Dotted keys of tens of thousands of parts (the TOML parser recursed a frame a part: SIGSEGV).
+deep=$(printf 'a.%.0s' $(seq 1 50000))
+printf '[%sa]\n' "$deep" > "$work/deep.toml"
+check refuse "$work/deep.toml"
+check refuse "$base" --set "model.layer.x.${deep}a=1"
+printf 'x = {%sa = 1}\n' "$deep" > "$work/deep_inline.toml"
+check refuse "$work/deep_inline.toml"
 # Paths that are not manifests.
 check refuse "$work"
 check refuse /dev/zero
