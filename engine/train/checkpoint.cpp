@@ -474,6 +474,16 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     if (m.step < 0 || m.etp < 0 || m.vocab < 0 || m.consumed_samples < -1)
       throw CheckpointError("checkpoint " + step_dir +
                             " is corrupt: meta.toml has a negative step, etp, vocab or consumed_samples");
+    // Each step reads a global batch of 1 to 2^30 samples (the schema's bounds).
+    constexpr int64_t kMostSamplesAStep = int64_t{1} << 30;
+    if (m.consumed_samples >= 0 &&
+        (m.consumed_samples < m.step || m.consumed_samples / kMostSamplesAStep > m.step))
+      throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has consumed_samples = " +
+                            std::to_string(m.consumed_samples) + " after " + std::to_string(m.step) +
+                            " steps (each step reads 1 to 2^30 samples)");
+    if (m.strategy.empty() && !m.rank_checksums.empty())  // this format writes both
+      throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml has no strategy (the optimizer plugin "
+                            "that wrote the state, e.g. \"ddp\")");
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
@@ -487,6 +497,7 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
     require_older_format(step_dir, path);  // written before checkpoints kept their manifest
     return;
   }
+  require_regular_file(path);
   toml::table saved, now;
   try {
     saved = toml::parse_file(path);

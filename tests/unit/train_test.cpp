@@ -655,6 +655,20 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   EXPECT_NE(wrapped.find("is corrupt: meta.toml has dp = 4294967298 (a number of ranks, 1 to 1048576)"),
             std::string::npos)
       << wrapped;
+  // Samples read: fewer than the steps, or more than 2^30 a step, are none a run read;
+  // no strategy: none wrote the optimizer state.
+  for (const std::string& bad : {std::string("consumed_samples = 0"), std::string("consumed_samples = 9223372036854775807")}) {
+    const size_t c = text.find("consumed_samples = ");
+    ASSERT_NE(c, std::string::npos) << text;
+    std::ofstream(meta) << text.substr(0, c) << bad << text.substr(text.find('\n', c));
+    const std::string samples = refusal({"parallel.dp=2"});
+    EXPECT_NE(samples.find("is corrupt: meta.toml has " + bad + " after 2 steps"), std::string::npos) << samples;
+  }
+  const size_t st = text.find("strategy = ");
+  ASSERT_NE(st, std::string::npos) << text;
+  std::ofstream(meta) << text.substr(0, st) << text.substr(text.find('\n', st) + 1);
+  const std::string no_strategy = refusal({"parallel.dp=2"});
+  EXPECT_NE(no_strategy.find("is corrupt: meta.toml has no strategy"), std::string::npos) << no_strategy;
   std::ofstream(meta) << text;
   for (const auto& e : fs::directory_iterator(loom::train::checkpoint_path(dir, 2)))
     if (e.path().extension() == ".params") fs::remove(e.path());
