@@ -20,6 +20,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <signal.h>
 #include <sys/file.h>
@@ -488,6 +489,32 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
   return m;
+}
+
+std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml) {
+  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
+  boost::system::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return {};
+  toml::table saved, now;
+  try {
+    saved = toml::parse_file(path);
+    now = toml::parse(manifest_toml);
+  } catch (const toml::parse_error&) {
+    return {};  // refused, naming the file, where the model is compared
+  }
+  std::set<std::string> keys = {"run.seed"};
+  for (const toml::table* t : {saved.at_path("data").as_table(), now.at_path("data").as_table()})
+    if (t != nullptr)
+      for (auto&& [k, v] : *t) keys.insert("data." + std::string(k.str()));
+  std::vector<std::string> out;
+  for (const std::string& key : keys) {
+    std::ostringstream a, b;
+    if (auto n = saved.at_path(key)) a << n;
+    if (auto n = now.at_path(key)) b << n;
+    if (a.str() != b.str())
+      out.push_back(key + ": " + (a.str().empty() ? "(unset)" : a.str()) + " -> " + (b.str().empty() ? "(unset)" : b.str()));
+  }
+  return out;
 }
 
 void require_same_model(const std::string& step_dir, const std::string& manifest_toml) {

@@ -57,6 +57,11 @@ void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta&
 // checkpoint kept (manifest.toml) against this run's (`manifest_toml`); throws a
 // CheckpointError naming the first that differs (a checkpoint without a manifest passes).
 void require_same_model(const std::string& step_dir, const std::string& manifest_toml);
+// The settings that choose which samples come after the checkpoint (run.seed and every
+// data.* key) where the checkpoint's manifest and `manifest_toml` differ: "key: was ->
+// now" each (empty for a checkpoint without its manifest). A resume with them changed
+// is allowed (a new data mix, say) but is not the uninterrupted run: it is said.
+std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml);
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);

@@ -712,6 +712,29 @@ TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
   fs::remove(options.metrics_file);
 }
 
+// A resume with another seed or data settings reads other samples than the run it
+// continues would have: allowed (a new data mix), and said; an unchanged one says nothing.
+TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
+  const std::string dir = loom::testing::scratch_dir("data-change");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=2", ck});
+  auto resumed_log = [&](std::vector<std::string> o) {
+    loom::train::TrainOptions opts;
+    opts.resume = true;
+    std::ostringstream log;
+    opts.log = &log;
+    o.insert(o.end(), {"run.steps=3", ck});
+    run_and_trace(tiny_manifest(), o, opts);
+    fs::remove_all(loom::train::checkpoint_path(dir, 3));
+    return log.str();
+  };
+  const std::string changed = resumed_log({"run.seed=99"});
+  EXPECT_NE(changed.find("resume: warning: run.seed: 7 -> 99 since the checkpoint"), std::string::npos) << changed;
+  const std::string same = resumed_log({});
+  EXPECT_EQ(same.find("resume: warning"), std::string::npos) << same;
+  fs::remove_all(dir);
+}
+
 TEST(Checkpoint, ResumeWithoutCheckpointSaysWhere) {
   const std::string dir = loom::testing::scratch_dir("empty");
   loom::train::TrainOptions resume;
