@@ -58,15 +58,17 @@ void print_info(const plugins::LoadedPlugin& p) {
     std::cout << "  options: none\n";
     return;
   }
-  size_t name_width = 0, allowed_width = 0;
+  auto default_text = [](const auto& d) { return d.default_value ? *d.default_value : std::string("(required)"); };
+  size_t name_width = 0, default_width = 0, allowed_width = 0;  // each column as wide as its widest value
   for (const auto& d : p.options) {
     name_width = std::max(name_width, d.name.size());
+    default_width = std::max(default_width, default_text(d).size());
     allowed_width = std::max(allowed_width, allowed_text(d).size());
   }
   std::cout << "  options:\n";
   for (const auto& d : p.options)
     std::cout << "    " << std::left << std::setw(static_cast<int>(name_width + 2)) << d.name << std::setw(8)
-              << type_name(d.type) << std::setw(14) << (d.default_value ? *d.default_value : "(required)")
+              << type_name(d.type) << std::setw(static_cast<int>(default_width + 2)) << default_text(d)
               << std::setw(static_cast<int>(allowed_width + (allowed_width ? 2 : 0))) << allowed_text(d) << d.doc
               << "\n";
 }

@@ -171,9 +171,9 @@ void train_sentencepiece(const SentencePieceTraining& how) {
       std::string vs;
       if (numbers >> asked >> vs >> needed && vs == "vs")
         throw TokenizerError("a vocabulary of " + std::to_string(asked) + " tokens is smaller than the " +
-                             std::to_string(needed) + " distinct characters the text needs (each has a token of its "
-                             "own): give a vocabulary size of at least " + std::to_string(needed) +
-                             ", or a lower character coverage");
+                             std::to_string(needed) + " it needs before any merge: one for each distinct character "
+                             "of the text, the 256 byte-fallback tokens and the special tokens; give a vocabulary "
+                             "size of at least " + std::to_string(needed) + ", or a lower character coverage");
     }
     if (const std::string what = vocab_too_high(text); !what.empty()) throw TokenizerError(what);
     throw TokenizerError("training the SentencePiece model failed: " + text);
