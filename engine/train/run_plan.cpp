@@ -368,6 +368,16 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");
   if (use == PlanUse::Launch) check_comm_fits(man, plan, diags);
+  // A layer step with a tensor-parallel collective inside is never captured (comm
+  // plugins do not promise capture; model::CapturePolicy): all of it runs directly.
+  if (plan.exec != nullptr && config.parallel.tp > 1) {
+    const loom_exec_api* exec = plan.exec->exec();
+    if (exec != nullptr && LOOM_HAS_SLOT(exec, loom_exec_api, features) && (exec->features & LOOM_EXEC_REPLAYS) != 0)
+      plan.warnings.push_back(man.origin("exec.mode").str() + ": exec.mode = \"" + config.exec.mode + "\" captures " +
+                              "no layer step with parallel.tp = " + std::to_string(config.parallel.tp) +
+                              " (a step with a tensor-parallel collective inside is not captured): every step runs "
+                              "directly, as with \"eager\"");
+  }
   // A recomputed forward runs inside the backward, outside the captured forward and
   // backward steps an exec plugin that replays would replay.
   if (plan.exec != nullptr && config.model.recompute_granularity != "none") {

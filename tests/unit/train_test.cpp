@@ -56,7 +56,8 @@ TEST(RunPlan, ChunkSizesWithoutAPipelineAreWarnedOf) {
 }
 
 // Settings that change nothing are said: recomputation's options without recomputation,
-// a warmup that outlasts the run (decay_steps = 0: the run's length).
+// partial graphs where no layer step is captured (tp > 1), a warmup that outlasts the
+// run (decay_steps = 0: the run's length).
 TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   auto warned = [](const std::vector<std::string>& overrides, const std::string& what) {
     for (const std::string& w : loom::testing::plan_from(tiny_manifest(), overrides).warnings)
@@ -66,6 +67,9 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string recompute = "model.recompute_num_layers chooses what full recomputation keeps";
   EXPECT_TRUE(warned({"model.recompute_num_layers=1"}, recompute));
   EXPECT_FALSE(warned({"model.recompute_num_layers=1", "model.recompute_granularity=\"full\""}, recompute));
+  const std::string graphs = "captures no layer step with parallel.tp = 2";
+  EXPECT_TRUE(warned({"exec.mode=\"partial_graph\"", "parallel.tp=2", "parallel.dp=1"}, graphs));
+  EXPECT_FALSE(warned({"exec.mode=\"partial_graph\""}, graphs));
   const std::string warmup = "the warmup (10 steps) outlasts the run (5)";
   EXPECT_TRUE(warned({"optimizer.warmup_steps=10", "run.steps=5"}, warmup));
   EXPECT_FALSE(warned({"optimizer.warmup_steps=10", "run.steps=11"}, "outlasts the run"));
