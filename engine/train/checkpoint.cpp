@@ -204,6 +204,21 @@ void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirL
     lock->emplace(dir);  // before touching what another run may be writing
     clear_unfinished_saves(dir);
   }
+  // A step's name taken by something a save cannot replace whole (a file, a dangling or
+  // looping link) failed that save only after training to it, or replaced a file.
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    char* end = nullptr;
+    const long long step = name.rfind("step_", 0) == 0 ? std::strtoll(name.c_str() + 5, &end, 10) : -1;
+    if (step < 0 || end == name.c_str() + 5 || *end != '\0' ||
+        fs::path(checkpoint_path(dir, step)).filename() != e.path().filename())
+      continue;
+    boost::system::error_code st;
+    if (!fs::is_directory(e.path(), st))
+      throw CheckpointError("checkpoint.dir holds " + e.path().string() + ", which is not a directory (" +
+                            (fs::is_symlink(e.path(), st) ? "a link to none" : "a file") +
+                            "): a save of step " + std::to_string(step) + " would fail or replace it; move it away");
+  }
   probe_writable(dir);
 }
 

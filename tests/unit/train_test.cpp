@@ -716,6 +716,33 @@ TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
   fs::remove(options.metrics_file);
 }
 
+// A step's name taken by a file or a dangling link is refused before training: a save of
+// that step failed after training to it (the link) or replaced the file.
+TEST(Checkpoint, AStepNameTakenByAFileIsRefusedBeforeTraining) {
+  const std::string dir = loom::testing::scratch_dir("taken");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=2", ck});
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  for (const bool link : {false, true}) {
+    const std::string taken = loom::train::checkpoint_path(dir, 4);
+    if (link) fs::create_symlink(dir + "/nowhere", taken);
+    else std::ofstream(taken) << "not a checkpoint";
+    try {
+      run_and_trace(tiny_manifest(), {"run.steps=4", ck}, resume);
+      ADD_FAILURE() << "a step name taken by " << (link ? "a dangling link" : "a file") << " was not refused";
+    } catch (const loom::train::CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("step_00000004, which is not a directory (" +
+                                           std::string(link ? "a link to none" : "a file") + ")"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(fs::is_symlink(taken) || fs::is_regular_file(taken)) << "what held the name was touched";
+    fs::remove(taken);
+  }
+  fs::remove_all(dir);
+}
+
 // A resume with another seed or data settings reads other samples than the run it
 // continues would have: allowed (a new data mix), and said; an unchanged one says nothing.
 TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
