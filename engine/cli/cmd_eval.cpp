@@ -44,7 +44,7 @@ const char* kUsage =
 
 std::string read_file(const std::string& path) {
   std::string why;
-  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  std::optional<std::string> bytes = files::read_whole_file(path, &why, files::Pipes::Allow);
   if (!bytes) throw UsageError("--data " + path + ": cannot read the file (" + why + ")");
   return std::move(*bytes);
 }

@@ -134,7 +134,7 @@ std::optional<train::ComputeProfile> read_profile(const Args& args) {
   if (boost::filesystem::is_directory(*path))
     throw loom::Error("--profile " + *path + " is a directory; give the file --save-profile wrote");
   std::string why;
-  const std::optional<std::string> text = files::read_whole_file(*path, &why);
+  const std::optional<std::string> text = files::read_whole_file(*path, &why, files::Pipes::Allow);
   if (!text) throw loom::Error("--profile " + *path + ": cannot read the file (" + why + ")");
   try {
     return train::profile_from_json(nlohmann::ordered_json::parse(*text));

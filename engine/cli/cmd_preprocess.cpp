@@ -58,7 +58,7 @@ const char* kTokenizeUsage =
 std::string read_input(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");
   std::string why;
-  std::optional<std::string> bytes = files::read_whole_file(path, &why);
+  std::optional<std::string> bytes = files::read_whole_file(path, &why, files::Pipes::Allow);
   if (!bytes) throw std::runtime_error(path + ": cannot read the file (" + why + ")");
   return std::move(*bytes);
 }

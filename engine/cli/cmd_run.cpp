@@ -28,9 +28,11 @@ std::atomic<bool> g_stepped{false};  // a training step of this process has fini
 // minutes, so it says so at once); a second one ends the process without waiting,
 // for a step that cannot finish. Before this process has finished a step there is
 // nothing new to save, and starting up may block where no flag is looked at (a file
-// system that hangs): the first signal stops at once. Only async-signal-safe calls here.
+// system that hangs): the first signal stops at once; not under mpirun/srun, where a
+// process that has finished its first step would wait for one that left (the flag is
+// agreed on after the step). Only async-signal-safe calls here.
 extern "C" void on_signal(int sig) {
-  if (!g_stepped.load()) {
+  if (!g_stepped.load() && !g_under_launcher.load()) {
     static const char kEarly[] =
         "\nloom run: signal received before the first step finished: nothing new to save; stopping now\n";
     [[maybe_unused]] ssize_t n = ::write(STDERR_FILENO, kEarly, sizeof kEarly - 1);
@@ -66,7 +68,7 @@ const char* kUsage =
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
-    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
+    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint, as does the first before a step has finished. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
 // What loading the plugins went wrong, on stderr once: a library that failed to load
 // or a search path that does not exist is a warning (the run may not need it). A

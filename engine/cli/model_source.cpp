@@ -113,7 +113,7 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
         step, [&](const std::string& saved) { return plan_for(saved, step + "/manifest.toml", overrides, registry); },
         registry);
   std::string why;
-  const std::optional<std::string> text = files::read_whole_file(path, &why);
+  const std::optional<std::string> text = files::read_whole_file(path, &why, files::Pipes::Allow);
   if (!text) throw UsageError(path + ": cannot read the manifest (" + why + ")");
   train::RunPlan plan = plan_for(*text, path, overrides, registry);
   // The manifest's own checkpoint settings (the command's plan need not keep them),

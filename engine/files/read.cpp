@@ -9,7 +9,7 @@
 
 namespace loom::files {
 
-std::optional<std::string> read_whole_file(const std::string& path, std::string* why) {
+std::optional<std::string> read_whole_file(const std::string& path, std::string* why, Pipes pipes) {
   auto fail = [&](const char* reason) -> std::optional<std::string> {
     if (why != nullptr) *why = reason != nullptr ? reason : std::strerror(errno);
     return std::nullopt;
@@ -22,11 +22,15 @@ std::optional<std::string> read_whole_file(const std::string& path, std::string*
       ::close(fd);
       errno = error;
     }
-  } f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};  // opening a FIFO does not wait for a writer
+  } f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | (pipes == Pipes::Refuse ? O_NONBLOCK : 0))};  // nor waits for a writer
   if (f.fd < 0) return fail(nullptr);
   struct stat st {};
   if (::fstat(f.fd, &st) != 0) return fail(nullptr);
-  if (!S_ISREG(st.st_mode)) {
+  const bool pipe = S_ISFIFO(st.st_mode) && pipes == Pipes::Allow;
+  // Reads block as usual (a file system may answer EAGAIN to a non-blocking one).
+  if (pipes == Pipes::Refuse && S_ISREG(st.st_mode) && ::fcntl(f.fd, F_SETFL, ::fcntl(f.fd, F_GETFL) & ~O_NONBLOCK) != 0)
+    return fail(nullptr);
+  if (!S_ISREG(st.st_mode) && !pipe) {
     errno = EINVAL;
     return fail(S_ISDIR(st.st_mode)                           ? "not a regular file (a directory)"
                 : S_ISFIFO(st.st_mode)                        ? "not a regular file (a FIFO)"

@@ -68,8 +68,8 @@ int line_of_overlong_key(std::string_view text) {
       const std::string_view close = text.substr(i, 3);
       i += 3;
       while (i < text.size() && !starts(close)) {
-        if (close[0] == '"' && text[i] == '\\') ++i;
-        else if (text[i] == '\n') ++line;
+        if (close[0] == '"' && text[i] == '\\') ++i;  // an escape (a line-ending one joins lines)
+        if (i < text.size() && text[i] == '\n') ++line;
         ++i;
       }
       i += 3;
@@ -77,8 +77,8 @@ int line_of_overlong_key(std::string_view text) {
     }
     if (c == '"' || c == '\'') {  // a one-line string: a quoted key part or a value
       for (++i; i < text.size() && text[i] != c && text[i] != '\n'; ++i)
-        if (c == '"' && text[i] == '\\') ++i;
-      ++i;
+        if (c == '"' && text[i] == '\\' && i + 1 < text.size() && text[i + 1] != '\n') ++i;
+      if (i < text.size() && text[i] == c) ++i;  // an unclosed one ends at its line's end, which is counted
       continue;
     }
     if (c == '#') {
@@ -489,15 +489,17 @@ std::string ValueBounds::problem(const toml::node& v) const {
       return ok;
     };
     if (!within(x)) return bounds_text() + ", got " + to_toml_text(v);
-    // Floats reach the math as 32-bit floats (learning rates, betas, epsilons): a
-    // value in range that rounds out of it (beta2 = 0.99999999999 is 1.0f, eps =
-    // 1e-300 is 0) or past float's range would train NaNs.
-    if (v.is_floating_point()) {
-      const double rounded = static_cast<double>(static_cast<float>(x));
-      if (!std::isfinite(rounded))
-        return "must be at most 3.4e38 in magnitude (a 32-bit float), got " + to_toml_text(v);
-      if (!within(rounded))
-        return bounds_text() + ", got " + to_toml_text(v) + ", which is " + number_text(rounded) +
+    // A value in range that rounds out of it as the 32-bit float the math takes
+    // (beta2 = 0.99999999999 is 1.0f, eps = 1e-300 is 0) or past float's range would
+    // train NaNs. Compared as floats, bounds rounded too: 0.1 stays within [0, 0.1].
+    if (single_precision && v.is_floating_point()) {
+      const float f = static_cast<float>(x);
+      if (!std::isfinite(f)) return "must be at most 3.4e38 in magnitude (a 32-bit float), got " + to_toml_text(v);
+      bool ok = true;
+      if (min) ok = ok && (min_exclusive ? f > static_cast<float>(*min) : f >= static_cast<float>(*min));
+      if (max) ok = ok && (max_exclusive ? f < static_cast<float>(*max) : f <= static_cast<float>(*max));
+      if (!ok)
+        return bounds_text() + ", got " + to_toml_text(v) + ", which is " + number_text(static_cast<double>(f)) +
                " as a 32-bit float (what the math uses)";
     }
     return "";
@@ -514,6 +516,7 @@ std::string ValueBounds::problem(const toml::node& v) const {
 
 ValueBounds ValueBounds::parse(const char* range, const char* choices) {
   ValueBounds b;
+  b.single_precision = true;  // a plugin's float option: layers compute in fp32 or bf16
   if (range != nullptr) {
     const std::string r = trimmed(range);
     const size_t comma = r.find(',');
@@ -719,7 +722,9 @@ class ManifestLoader {
     const std::string key = trim(std::string_view(arg).substr(0, eq));
     const std::string val = trim(std::string_view(arg).substr(eq + 1));
     const std::vector<std::string> parts = split_path(key);
-    if (parts.size() > static_cast<size_t>(kMaxKeyParts) || line_of_overlong_key(val) > 0) {
+    // The value holds keys only inside an inline table (a bare word with dots is a string).
+    if (parts.size() > static_cast<size_t>(kMaxKeyParts) ||
+        (val.find('{') != std::string::npos && line_of_overlong_key(val) > 0)) {
       diag("", o, "a key path of more than " + std::to_string(kMaxKeyParts) + " parts; manifest keys have a few");
       return;
     }

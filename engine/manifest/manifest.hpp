@@ -48,6 +48,9 @@ class ManifestError : public std::runtime_error {
 struct ValueBounds {
   std::optional<double> min, max;  // Int and Float
   bool min_exclusive = false, max_exclusive = false;
+  // A Float the math takes as a 32-bit float (the optimizer's settings, every plugin's
+  // float option): its value rounded to float must also be finite and in bounds.
+  bool single_precision = false;
   std::vector<std::string> allowed;  // String: the allowed values; empty = any
 
   // "must be >= 1", "must be between 0 and 0.5", "" when unbounded.

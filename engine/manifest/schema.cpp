@@ -203,6 +203,9 @@ std::vector<KeySpec> build() {
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
   v.push_back(f("optimizer.weight_decay", "0.1", 0, false, "decoupled weight decay"));
   v.push_back(f("optimizer.clip_grad", "1.0", 0, false, "global gradient-norm clip (0 = off)"));
+  // The optimizer plugins take these as 32-bit floats (loom_optimizer_step_args).
+  for (KeySpec& k : v)
+    if (k.type == KeyType::Float && k.path.rfind("optimizer.", 0) == 0) k.single_precision = true;
   v.push_back(i("optimizer.bucket_size", 0, 0,
                 "gradient bucket size in elements (0 = one bucket per model chunk; with overlap_grad_reduce, "
                 "Megatron-LM's 40,000,000)"));

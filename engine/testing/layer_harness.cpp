@@ -225,6 +225,15 @@ void HarnessLayer::load_params() {
   }
 }
 
+void HarnessLayer::check_inputs(const HeldInputs& h, const Batch& b, const char* call) const {
+  if (const std::string o = h.x.overrun(); !o.empty())
+    throw std::runtime_error(name_ + " " + call + ": wrote " + o + " its input");
+  if (!std::equal(h.x.data(), h.x.data() + h.x.size(), b.x.begin()))
+    throw std::runtime_error(name_ + " " + call + ": changed its input (a layer reads its input only)");
+  if (h.tokens != b.tokens || h.targets != b.targets)
+    throw std::runtime_error(name_ + " " + call + ": changed the tokens or targets (a layer reads them only)");
+}
+
 void HarnessLayer::finish_call(const char* call, bool store_grads) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
@@ -272,15 +281,18 @@ void HarnessLayer::zero_grads() {
 double HarnessLayer::forward(const Batch& b, int32_t mb, bool training, uint64_t seed, std::vector<float>* out,
                              int64_t* loss_count, const uint64_t* seed_device) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden, rows = local_seq_ * B;
-  GuardedFloats y(has_output() ? static_cast<size_t>(rows * H) : 0), x(has_input() ? b.x.size() : 0);
+  GuardedFloats y(has_output() ? static_cast<size_t>(rows * H) : 0);
   std::fill(y.data(), y.data() + y.size(), -7.0f);
-  std::copy(b.x.begin(), b.x.begin() + static_cast<std::ptrdiff_t>(x.size()), x.data());
-  const std::vector<int32_t> tokens = b.tokens, targets = b.targets;
+  auto held = std::make_unique<HeldInputs>();
+  held->x = GuardedFloats(has_input() ? b.x.size() : 0);
+  std::copy(b.x.begin(), b.x.begin() + static_cast<std::ptrdiff_t>(held->x.size()), held->x.data());
+  held->tokens = b.tokens;
+  held->targets = b.targets;
   std::vector<int64_t> hshape{local_seq_, B, H}, tshape{dims_.seq_len, B};
-  DLTensor in = view(x.data(), hshape, kDLFloat, 32);
+  DLTensor in = view(held->x.data(), hshape, kDLFloat, 32);
   DLTensor o = view(y.data(), hshape, kDLFloat, 32);
-  DLTensor tok = view(const_cast<int32_t*>(tokens.data()), tshape, kDLInt, 32);
-  DLTensor tgt = view(const_cast<int32_t*>(targets.data()), tshape, kDLInt, 32);
+  DLTensor tok = view(held->tokens.data(), tshape, kDLInt, 32);
+  DLTensor tgt = view(held->targets.data(), tshape, kDLInt, 32);
   float loss_sum = -1.0f;
   int64_t count = -1;
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
@@ -301,11 +313,8 @@ double HarnessLayer::forward(const Batch& b, int32_t mb, bool training, uint64_t
   rank_.rt().dev().synchronize();
   finish_call("forward", false);
   if (const std::string o = y.overrun(); !o.empty()) throw std::runtime_error(name_ + " forward: wrote " + o + " its output");
-  if (const std::string o = x.overrun(); !o.empty()) throw std::runtime_error(name_ + " forward: wrote " + o + " its input");
-  if (!std::equal(x.data(), x.data() + x.size(), b.x.begin()))
-    throw std::runtime_error(name_ + " forward: changed its input (a layer reads its input only)");
-  if (tokens != b.tokens || targets != b.targets)
-    throw std::runtime_error(name_ + " forward: changed the tokens or targets (a layer reads them only)");
+  check_inputs(*held, b, "forward");
+  if (training) held_[mb] = std::move(held);
   last_aux = aux;
   if (loss_count) *loss_count = count;
   if (out) out->assign(y.data(), y.data() + y.size());
@@ -367,6 +376,11 @@ std::vector<float> HarnessLayer::backward(const Batch& b, int32_t mb, float loss
   ok(api()->backward(layer_, &rank_.rt(), &a));
   rank_.rt().dev().synchronize();
   finish_call("backward", true);
+  if (auto it = held_.find(mb); it != held_.end()) {
+    const std::unique_ptr<HeldInputs> held = std::move(it->second);
+    held_.erase(it);
+    check_inputs(*held, b, "backward");
+  }
   if (const std::string o = dx.overrun(); !o.empty())
     throw std::runtime_error(name_ + " backward: wrote " + o + " grad_input");
   if (const std::string o = r.overrun(); !o.empty())
@@ -379,6 +393,7 @@ std::vector<float> HarnessLayer::backward(const Batch& b, int32_t mb, float loss
 double HarnessLayer::objective(const Batch& b, uint64_t seed, int32_t mb) {
   const double l = forward(b, mb, true, seed);
   if (api()->release) api()->release(layer_, mb);
+  held_.erase(mb);
   return l;
 }
 

@@ -14,6 +14,7 @@
 #include <toml++/toml.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -167,6 +168,15 @@ class HarnessLayer {
   loom_layer* layer_ = nullptr;
   std::vector<Param> params_;
   std::vector<GuardedFloats> bound_values_, bound_grads_;  // what the layer is bound to, per parameter
+  // A training forward's input, tokens and targets, kept until the microbatch's
+  // backward or release (the ABI: the memory holds the data until the backward).
+  struct HeldInputs {
+    GuardedFloats x;
+    std::vector<int32_t> tokens, targets;
+  };
+  std::map<int32_t, std::unique_ptr<HeldInputs>> held_;
+  // Throws when the layer wrote outside or into what `h` holds (`call` names when).
+  void check_inputs(const HeldInputs& h, const Batch& b, const char* call) const;
 
   // Copies the Params' values and gradients into the bound memory.
   void load_params();

@@ -216,7 +216,9 @@ void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirL
     boost::system::error_code st;
     if (!fs::is_directory(e.path(), st))
       throw CheckpointError("checkpoint.dir holds " + e.path().string() + ", which is not a directory (" +
-                            (fs::is_symlink(e.path(), st) ? "a link to none" : "a file") +
+                            (fs::is_symlink(fs::symlink_status(e.path(), st)) ? "a link to none"
+                             : st                                              ? st.message()
+                                                                               : "a file") +
                             "): a save of step " + std::to_string(step) + " would fail or replace it; move it away");
   }
   probe_writable(dir);

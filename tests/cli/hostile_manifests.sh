@@ -113,6 +113,7 @@ done
 # An indexed dataset whose files are FIFOs is refused, not waited on forever.
 mkfifo "$work/ff.idx" "$work/ff.bin"
 check refuse "$base" --set 'data.kind="indexed"' --set "data.path=\"$work/ff\""
+grep -q "(a FIFO)" "$work/out" || fail "an indexed dataset of FIFOs: $(tail -1 "$work/out")"
 # Overrides that are not key paths or values.
 for kv in '=3' 'parallel..tp=2' 'extends="x.toml"' 'parallel=5' 'run.steps=[1, 2' 'a.b.c.d.e=1'; do
   check refuse "$base" --set "$kv"
@@ -124,6 +125,7 @@ deep=$(printf 'a.%.0s' $(seq 1 50000))
 printf '[%sa]\n' "$deep" > "$work/deep.toml"
 check refuse "$work/deep.toml"
 check refuse "$base" --set "model.layer.x.${deep}a=1"
+check any "$base" --set "run.name=wait${deep}"   # a bare word with dots is a string, not a key
 printf 'x = {%sa = 1}\n' "$deep" > "$work/deep_inline.toml"
 check refuse "$work/deep_inline.toml"
 # Paths that are not manifests.

@@ -15,7 +15,10 @@
 //   input_overrun grad_input written one value too long
 //   writes_input  a forward that scales its input in place
 // and, with the option `fail_forward` = N > 0, its N-th training forward fails (a
-// rank that stops in the middle of a step, for the engine's failure tests).
+// rank that stops in the middle of a step, for the engine's failure tests). With
+// `borrow_input` = true (no mistake) the backward reads the forward's input where it
+// was given instead of a copy: the ABI keeps that memory until the backward.
+
 #include <loom/cpp/plugin.hpp>
 
 #include <map>
@@ -27,7 +30,7 @@ class FaultyScale : public loom::Layer {
  public:
   FaultyScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
       : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")),
-        fail_forward_(options.declared_int("fail_forward")) {}
+        fail_forward_(options.declared_int("fail_forward")), borrow_input_(options.declared_bool("borrow_input")) {}
 
   std::vector<loom::ParamSpec> params() override {
     loom::ParamSpec gain;
@@ -60,6 +63,7 @@ class FaultyScale : public loom::Layer {
       dev.elementwise({.op = LOOM_EW_SCALE, .n = n, .x = a.input->data, .out = a.input->data, .alpha = 0.5f,
                        .dtype = LOOM_DTYPE_F32});
     if (a.training) saved_[key] = std::move(saved);
+    if (a.training) borrowed_[key] = static_cast<const float*>(a.input->data);
   }
 
   void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
@@ -67,8 +71,9 @@ class FaultyScale : public loom::Layer {
     loom::Device dev = rank.device();
     const int32_t key = fault_ == "shared_state" ? 0 : a.microbatch;
     loom::Buffer dy_x(rank_, n * sizeof(float));
-    dev.elementwise({.op = LOOM_EW_MUL, .n = n, .x = a.grad_output->data, .y = saved_.at(key).get(),
-                     .out = dy_x.get(), .dtype = LOOM_DTYPE_F32});
+    void* input = borrow_input_ ? const_cast<float*>(borrowed_.at(key)) : saved_.at(key).get();  // y is read only by MUL
+    dev.elementwise({.op = LOOM_EW_MUL, .n = n, .x = a.grad_output->data, .y = input, .out = dy_x.get(),
+                     .dtype = LOOM_DTYPE_F32});
     loom::Buffer dg(rank_, hidden_ * sizeof(float));
     dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = n, .cols = hidden_, .x = dy_x.get(), .out = dg.get(),
                 .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
@@ -96,9 +101,13 @@ class FaultyScale : public loom::Layer {
                                             LOOM_COPY_DEVICE_TO_DEVICE);
     dev.synchronize();  // the temporaries die here
     saved_.erase(key);
+    borrowed_.erase(key);
   }
 
-  void release(int32_t microbatch) override { saved_.erase(fault_ == "shared_state" ? 0 : microbatch); }
+  void release(int32_t microbatch) override {
+    saved_.erase(fault_ == "shared_state" ? 0 : microbatch);
+    borrowed_.erase(fault_ == "shared_state" ? 0 : microbatch);
+  }
 
  private:
   static int64_t numel(const DLTensor& t) {
@@ -113,6 +122,8 @@ class FaultyScale : public loom::Layer {
   std::string fault_;
   int64_t fail_forward_ = 0;
   int64_t training_forwards_ = 0;
+  bool borrow_input_ = false;
+  std::map<int32_t, const float*> borrowed_;  // each microbatch's input as the forward was given it
   float* gain_ = nullptr;
   float* gain_grad_ = nullptr;
   std::map<int32_t, loom::Buffer> saved_;
@@ -124,4 +135,5 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
     "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
     {loom::opt_string("fault", "none", "which mistake to make")
          .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache|grad_overrun|input_overrun|writes_input"),
-     loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none")}))
+     loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none"),
+     loom::opt_bool("borrow_input", false, "the backward reads the forward's input where it was given")}))

@@ -41,6 +41,12 @@ std::set<std::string> failing_checks(const std::string& fault) {
 
 TEST(LayerHarness, ACorrectLayerPassesEveryCheck) {
   EXPECT_EQ(failing_checks("none"), std::set<std::string>{});
+  // One that reads its input back in the backward where the forward was given it (the
+  // ABI keeps that memory until then): the harness must keep it too.
+  toml::table options;
+  options.insert("borrow_input", true);
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options))
+    EXPECT_TRUE(c.error.empty() && c.findings.ok()) << c.check << ": " << c.error << c.findings.text();
 }
 
 TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {

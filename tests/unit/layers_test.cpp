@@ -820,7 +820,7 @@ TEST(Layers, DropoutFollowsTheSeedAndOnlyInTraining) {
     TestLayer plain(rank, name, dims);
     std::mt19937 rng(14);
     layer.randomize(rng);
-    for (size_t i = 0; i < layer.params().size(); ++i)  // into the bound storage
+    for (size_t i = 0; i < layer.params().size(); ++i)  // the same values (each call copies them in)
       std::copy(layer.params()[i].value.begin(), layer.params()[i].value.end(), plain.params()[i].value.begin());
     Batch b = make_batch(rng);
     std::vector<float> y1, y2, y3, y4, eval, ref;

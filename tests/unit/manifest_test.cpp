@@ -774,6 +774,17 @@ TEST_F(ManifestTest, PluginOptionRangesAndChoices) {
   EXPECT_EQ(ValueBounds::parse(nullptr, "a|b|c").allowed, (std::vector<std::string>{"a", "b", "c"}));
   for (const char* bad : {"0, 1", "[0; 1]", "[a, 1]", "[2, 1]", "[1, 1)", "[0, 1, 2]", "[nan, 1]", "[]"})
     EXPECT_THROW(ValueBounds::parse(bad, nullptr), std::invalid_argument) << bad;
+  // A plugin's float option is held to what a 32-bit float makes of it, bounds rounded
+  // alike: 1e-300 is 0, not > 0; 0.1 stays within [0, 0.1] and 0.7 within [0.7, 1].
+  auto value = [](double v) { return toml::value<double>(v); };
+  EXPECT_THAT(ValueBounds::parse("(0, 1)", nullptr).problem(value(1e-300)),
+              HasSubstr("which is 0 as a 32-bit float"));
+  EXPECT_THAT(ValueBounds::parse("(0, inf)", nullptr).problem(value(1e300)), HasSubstr("at most 3.4e38"));
+  EXPECT_EQ(ValueBounds::parse("[0, 0.1]", nullptr).problem(value(0.1)), "");
+  EXPECT_EQ(ValueBounds::parse("[0.7, 1]", nullptr).problem(value(0.7)), "");
+  ValueBounds wide = ValueBounds::parse("(0, inf)", nullptr);
+  wide.single_precision = false;  // an engine key used as a double (comm.timeout_s)
+  EXPECT_EQ(wide.problem(value(1e-50)), "");
 
   Manifest m = Manifest::parse(
       "[model.layer.attention]\ndropout = 1\nkv_heads = -2\nimpl = \"flsh\"\n", "m.toml");

@@ -691,7 +691,8 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
 
 // A run killed after its last checkpoint had written the metrics of later steps (the
 // last of them cut short, as by a full disk); the resumed run trains those steps again
-// and its metrics file holds each step once, every line JSON.
+// and its metrics file holds each step once; the cut line is gone, a whole line that is
+// not a step's is kept.
 TEST(Checkpoint, AResumedRunsMetricsHoldEachStepOnce) {
   const std::string dir = loom::testing::scratch_dir("metrics-resume");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
