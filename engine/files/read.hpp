@@ -7,6 +7,10 @@
 
 namespace loom::files {
 
+// What a path that is not a regular file is, for messages: "a directory", "a FIFO",
+// "a device", "a socket" (`mode` is struct stat's st_mode).
+const char* not_regular_kind(unsigned mode);
+
 // Pipes::Allow: a FIFO is read too (a command's own input: `--input <(zcat x.gz)`).
 enum class Pipes { Refuse, Allow };
 

@@ -1,5 +1,6 @@
 #include "engine/train/checkpoint.hpp"
 
+#include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 
 #include "engine/model/param_plan.hpp"
@@ -54,10 +55,7 @@ std::string rank_file(const std::string& dir, int rank) {
 void require_regular_file(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode)) return;  // a missing file: the caller's message
-  throw CheckpointError(path + " is not a regular file (" +
-                        (S_ISDIR(st.st_mode)    ? "a directory"
-                         : S_ISFIFO(st.st_mode) ? "a FIFO"
-                                                : "a device or socket") +
+  throw CheckpointError(path + " is not a regular file (" + files::not_regular_kind(st.st_mode) +
                         "): the checkpoint is damaged");
 }
 

@@ -1,5 +1,7 @@
 #include "engine/train/data.hpp"
 
+#include "engine/files/read.hpp"
+
 #include "engine/model/param_init.hpp"
 #include "engine/text/token_files.hpp"
 #include "engine/text/tokenizer.hpp"
@@ -155,11 +157,7 @@ std::vector<char> read_file(const std::string& path, const std::string& key) {
   // a directory or a device reads as nonsense.
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    throw DataError(named + " is not a regular file (" +
-                    (S_ISDIR(st.st_mode)    ? "a directory"
-                     : S_ISFIFO(st.st_mode) ? "a FIFO"
-                     : S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode) ? "a device"
-                                                                   : "not a file") +
+    throw DataError(named + " is not a regular file (" + files::not_regular_kind(st.st_mode) +
                     "); give a text or token file");
   // POSIX reads, so a read error (EIO: /proc/self/mem, a failing disk) is reported with
   // the path rather than thrown from inside std::filebuf.
