@@ -102,6 +102,9 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.optimizer.min_lr = m.get_float("optimizer.min_lr");
   c.optimizer.warmup_steps = m.get_int("optimizer.warmup_steps");
   c.optimizer.decay_steps = m.get_int("optimizer.decay_steps");
+  c.optimizer.decay_style = m.get_string("optimizer.decay_style");
+  c.optimizer.wsd_decay_steps = m.get_int("optimizer.wsd_decay_steps");
+  c.optimizer.wsd_decay_style = m.get_string("optimizer.wsd_decay_style");
   c.optimizer.beta1 = m.get_float("optimizer.beta1");
   c.optimizer.beta2 = m.get_float("optimizer.beta2");
   c.optimizer.eps = m.get_float("optimizer.eps");

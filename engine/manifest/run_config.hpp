@@ -63,6 +63,9 @@ struct RunConfig {
     std::string strategy;
     double lr = 0, min_lr = 0;
     int64_t warmup_steps = 0, decay_steps = 0;
+    std::string decay_style;      // cosine, linear, constant, inverse-square-root, wsd
+    int64_t wsd_decay_steps = 0;  // wsd: the final decay's steps
+    std::string wsd_decay_style;  // wsd: exponential, linear, cosine, minus_sqrt
     double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
     int64_t bucket_size = 0;      // resolved: kOverlapBucketSize when overlapping without one
     bool overlap_grad_reduce = false;

@@ -196,8 +196,23 @@ std::vector<KeySpec> build() {
   v.push_back(f("optimizer.lr", "1e-3", 0, true, "peak learning rate"));
   v.push_back(f("optimizer.min_lr", "0.0", 0, false, "learning rate at the end of the decay"));
   v.push_back(i("optimizer.warmup_steps", 0, 0, "linear warmup steps"));
+  v.push_back(s("optimizer.decay_style", "cosine",
+                "the learning rate after the warmup (Megatron's --lr-decay-style): \"cosine\" or \"linear\" from lr "
+                "to min_lr at decay_steps; \"constant\" stays at lr; \"inverse-square-root\" is lr * "
+                "sqrt(warmup_steps / step), at least min_lr; \"wsd\" (warmup-stable-decay) stays at lr until the "
+                "last wsd_decay_steps before decay_steps, then decays to min_lr (wsd_decay_style); every style "
+                "but constant is min_lr after decay_steps",
+                {"cosine", "linear", "constant", "inverse-square-root", "wsd"}));
   v.push_back(i("optimizer.decay_steps", 0, 0,
-                "the step the cosine decay ends at, counted from the start (more than warmup_steps; 0 = run.steps)"));
+                "the step the decay ends at, counted from the start (more than warmup_steps; 0 = run.steps)"));
+  v.push_back(i("optimizer.wsd_decay_steps", 0, 0,
+                "with decay_style = \"wsd\" (Megatron's --lr-wsd-decay-steps): the steps of the final decay, which "
+                "ends at decay_steps (1 to decay_steps - warmup_steps)"));
+  v.push_back(s("optimizer.wsd_decay_style", "exponential",
+                "with decay_style = \"wsd\" (Megatron's --lr-wsd-decay-style): the shape of the final decay from lr "
+                "to min_lr: \"exponential\" (2 * 0.5^r - 1 of the way), \"linear\", \"cosine\" or "
+                "\"minus_sqrt\" (1 - sqrt(r)), r the fraction of the decay done",
+                {"exponential", "linear", "cosine", "minus_sqrt"}));
   v.push_back(f("optimizer.beta1", "0.9", 0, false, "Adam beta1", 1, true));
   v.push_back(f("optimizer.beta2", "0.95", 0, false, "Adam beta2", 1, true));
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
@@ -639,12 +654,27 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     report({"optimizer.min_lr", "optimizer.lr"},
            "optimizer.min_lr (" + G(m.get_float("optimizer.min_lr")) + ") is more than optimizer.lr (" +
                G(m.get_float("optimizer.lr")) + "): the decay would raise the learning rate");
-  if (usable({"optimizer.warmup_steps", "optimizer.decay_steps"}) && I("optimizer.decay_steps") > 0 &&
+  const bool decays = usable({"optimizer.decay_style"}) && m.get_string("optimizer.decay_style") != "constant";
+  if (decays && usable({"optimizer.warmup_steps", "optimizer.decay_steps"}) && I("optimizer.decay_steps") > 0 &&
       I("optimizer.decay_steps") <= I("optimizer.warmup_steps"))
     report({"optimizer.decay_steps", "optimizer.warmup_steps"},
            "optimizer.decay_steps (" + S(I("optimizer.decay_steps")) + ") must be more than optimizer.warmup_steps (" +
-               S(I("optimizer.warmup_steps")) + "): the cosine decay runs from the end of the warmup to step "
+               S(I("optimizer.warmup_steps")) + "): the decay runs from the end of the warmup to step "
                "decay_steps (Megatron's --lr-decay-iters)");
+  if (usable({"optimizer.decay_style", "optimizer.wsd_decay_steps", "optimizer.warmup_steps",
+              "optimizer.decay_steps", "run.steps"}) &&
+      m.get_string("optimizer.decay_style") == "wsd") {
+    const int64_t decay_end = I("optimizer.decay_steps") > 0 ? I("optimizer.decay_steps") : I("run.steps");
+    const int64_t room = decay_end - I("optimizer.warmup_steps");
+    const int64_t wsd = I("optimizer.wsd_decay_steps");
+    if (wsd < 1 || wsd > room)
+      report({"optimizer.wsd_decay_steps", "optimizer.decay_style"},
+             "optimizer.decay_style = \"wsd\" decays over the last optimizer.wsd_decay_steps (" + S(wsd) +
+                 ") steps before step " + S(decay_end) + " (optimizer.decay_steps, or run.steps when 0), after the " +
+                 S(I("optimizer.warmup_steps")) + " warmup steps: it must be between 1 and " + S(room) +
+                 (room < 1 ? " (none: the warmup fills the schedule)" : "") +
+                 " (Megatron's --lr-wsd-decay-steps)");
+  }
   // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
   // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).
   if (usable({"data.kind", "data.task"}) && m.get_string("data.kind") == "synthetic" &&

@@ -5,17 +5,46 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
+#include <string>
 
 namespace loom::train {
+
+namespace {
+
+// How far from min_lr (0) to lr (1) a decay `shape` is when `ratio` of it is done,
+// as Megatron-LM's OptimizerParamScheduler computes it.
+double decay_coefficient(const std::string& shape, double ratio) {
+  if (shape == "linear") return 1.0 - ratio;
+  if (shape == "cosine") return 0.5 * (1.0 + std::cos(M_PI * ratio));
+  if (shape == "exponential") return 2.0 * std::pow(0.5, ratio) - 1.0;
+  if (shape == "minus_sqrt") return 1.0 - std::sqrt(ratio);
+  throw std::logic_error("no learning-rate decay shape '" + shape + "' (the manifest schema lists them)");
+}
+
+}  // namespace
 
 double learning_rate(const manifest::RunConfig& config, int64_t step) {
   const manifest::RunConfig::Optimizer& o = config.optimizer;
   const int64_t warmup = o.warmup_steps;
   const int64_t decay = o.decay_steps > 0 ? o.decay_steps : config.run.steps;
   if (warmup > 0 && step <= warmup) return o.lr * static_cast<double>(step) / warmup;
-  if (step >= decay) return o.min_lr;
-  const double progress = static_cast<double>(step - warmup) / std::max<int64_t>(1, decay - warmup);
-  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(M_PI * progress));
+  if (o.decay_style == "constant") return o.lr;
+  if (step > decay) return o.min_lr;
+  if (o.decay_style == "inverse-square-root")
+    return std::max(o.min_lr, o.lr * std::sqrt(static_cast<double>(std::max<int64_t>(warmup, 1)) /
+                                               static_cast<double>(std::max<int64_t>(step, 1))));
+  double coefficient = 1.0;
+  if (o.decay_style == "wsd") {
+    const int64_t anneal_start = decay - o.wsd_decay_steps;
+    if (step > anneal_start)
+      coefficient = decay_coefficient(o.wsd_decay_style,
+                                      static_cast<double>(step - anneal_start) / static_cast<double>(o.wsd_decay_steps));
+  } else {
+    coefficient = decay_coefficient(
+        o.decay_style, static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, decay - warmup)));
+  }
+  return o.min_lr + coefficient * (o.lr - o.min_lr);
 }
 
 OptimizerBinding::OptimizerBinding(const RunPlan& plan, runtime::RankRuntime& rank, model::Model& model)

@@ -13,8 +13,10 @@
 
 namespace loom::train {
 
-// The learning rate at (1-based) step: linear warmup over optimizer.warmup_steps,
-// then cosine decay to optimizer.min_lr at optimizer.decay_steps (0: run.steps).
+// The learning rate at (1-based) step, as Megatron-LM's OptimizerParamScheduler
+// computes it: linear warmup over optimizer.warmup_steps, then optimizer.decay_style
+// (cosine, linear, constant, inverse-square-root, wsd) towards optimizer.min_lr at
+// optimizer.decay_steps (0: run.steps), and min_lr after it (but for constant).
 double learning_rate(const manifest::RunConfig& config, int64_t step);
 
 class OptimizerBinding {

@@ -200,6 +200,25 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
   return out;
 }
 
+// Schedule keys written in the manifest or by --set that the chosen decay style never
+// reads: wsd's keys under another style; min_lr and decay_steps under "constant".
+std::vector<std::string> schedule_settings_that_change_nothing(const manifest::Manifest& man,
+                                                               const manifest::RunConfig::Optimizer& o) {
+  std::vector<std::string> out;
+  auto unread = [&](const char* key, const std::string& why) {
+    const manifest::Origin origin = man.origin(key);
+    if (origin.kind != manifest::Origin::Kind::Default)
+      out.push_back(origin.str() + ": " + key + " " + why + "; with optimizer.decay_style = \"" + o.decay_style +
+                    "\" it changes nothing");
+  };
+  if (o.decay_style != "wsd")
+    for (const char* key : {"optimizer.wsd_decay_steps", "optimizer.wsd_decay_style"})
+      unread(key, "shapes the final decay of decay_style = \"wsd\"");
+  if (o.decay_style == "constant")
+    for (const char* key : {"optimizer.min_lr", "optimizer.decay_steps"}) unread(key, "is where a decay ends");
+  return out;
+}
+
 }  // namespace
 
 std::map<int32_t, const void*> RunPlan::services() const {
@@ -360,6 +379,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (man.origin(key).kind != manifest::Origin::Kind::Default)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " chooses what full recomputation keeps; with "
                                 "model.recompute_granularity = \"none\" it changes nothing");
+  for (const std::string& w : schedule_settings_that_change_nothing(man, config.optimizer)) plan.warnings.push_back(w);
   if (config.optimizer.warmup_steps >= config.run.steps && config.optimizer.decay_steps == 0)
     plan.warnings.push_back(man.origin("optimizer.warmup_steps").str() + ": the warmup (" +
                             std::to_string(config.optimizer.warmup_steps) + " steps) outlasts the run (" +

@@ -48,7 +48,8 @@ check refuse "$base" --set parallel.dp=1024 --set parallel.tp=1024 --set paralle
 # Floats the math takes as 32-bit floats, in range as doubles and out of it as floats
 # (NaN at step 2), and learning-rate schedules that are none (Megatron asserts them).
 for kv in optimizer.beta2=0.99999999999 optimizer.beta1=0.99999999999 optimizer.eps=1e-300 optimizer.lr=1e308 \
-          optimizer.min_lr=0.01 'optimizer.decay_steps=3 --set optimizer.warmup_steps=3'; do
+          optimizer.min_lr=0.01 'optimizer.decay_steps=3 --set optimizer.warmup_steps=3' optimizer.decay_style=wsd \
+          'optimizer.decay_style=wsd --set optimizer.wsd_decay_steps=1000'; do
   # shellcheck disable=SC2086
   check refuse "$base" --set $kv
 done

@@ -500,6 +500,27 @@ TEST_F(ManifestTest, SyntheticDataNeedsAKnownTaskAndRoomForAProblem) {
   EXPECT_THAT(task.message, HasSubstr("is not a synthetic task; valid: \"add\""));
 }
 
+// Megatron's scheduler asserts what these refuse: a wsd decay needs its length, inside
+// the steps between the warmup and decay_steps (run.steps when 0).
+TEST_F(ManifestTest, AWsdScheduleNeedsItsDecayWithinTheSchedule) {
+  Diagnostic none = one_error("[optimizer]\ndecay_style = \"wsd\"\n");
+  EXPECT_EQ(none.key, "optimizer.wsd_decay_steps");
+  EXPECT_THAT(none.message, HasSubstr("optimizer.wsd_decay_steps (0) steps before step 100"));
+  EXPECT_THAT(none.message, HasSubstr("it must be between 1 and 100"));
+  Diagnostic long_decay =
+      one_error("[run]\nsteps = 50\n[optimizer]\ndecay_style = \"wsd\"\nwarmup_steps = 10\nwsd_decay_steps = 41\n");
+  EXPECT_THAT(long_decay.message, HasSubstr("it must be between 1 and 40"));
+  EXPECT_NO_THROW(Manifest::parse("[run]\nsteps = 50\n[optimizer]\ndecay_style = \"wsd\"\nwarmup_steps = 10\n"
+                                  "wsd_decay_steps = 40\n", "m"));
+  Diagnostic full = one_error("[optimizer]\ndecay_style = \"wsd\"\nwarmup_steps = 100\nwsd_decay_steps = 1\n");
+  EXPECT_THAT(full.message, HasSubstr("between 1 and 0 (none: the warmup fills the schedule)"));
+  Diagnostic spelled = one_error("[optimizer]\ndecay_style = \"WSD\"\n");
+  EXPECT_EQ(spelled.key, "optimizer.decay_style");
+  // A constant rate has no decay to end: decay_steps within the warmup is no error then.
+  EXPECT_NO_THROW(Manifest::parse("[optimizer]\ndecay_style = \"constant\"\nwarmup_steps = 5\ndecay_steps = 3\n", "m"));
+  EXPECT_EQ(one_error("[optimizer]\nwarmup_steps = 5\ndecay_steps = 3\n").key, "optimizer.decay_steps");
+}
+
 TEST_F(ManifestTest, TextDataNeedsAPath) {
   Diagnostic d = one_error("[data]\nkind = \"text\"\n");
   EXPECT_EQ(d.key, "data.kind");

@@ -5,6 +5,7 @@
 
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
+#include "engine/train/optimizer_binding.hpp"
 #include "engine/text/token_files.hpp"
 
 #include <gtest/gtest.h>
@@ -73,6 +74,80 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string warmup = "the warmup (10 steps) outlasts the run (5)";
   EXPECT_TRUE(warned({"optimizer.warmup_steps=10", "run.steps=5"}, warmup));
   EXPECT_FALSE(warned({"optimizer.warmup_steps=10", "run.steps=11"}, "outlasts the run"));
+  const std::string wsd_only = "optimizer.wsd_decay_steps shapes the final decay of decay_style = \"wsd\"";
+  EXPECT_TRUE(warned({"optimizer.wsd_decay_steps=3"}, wsd_only));
+  EXPECT_FALSE(warned({"optimizer.wsd_decay_steps=3", "optimizer.decay_style=\"wsd\""}, wsd_only));
+  const std::string constant = "optimizer.min_lr is where a decay ends; with optimizer.decay_style = \"constant\"";
+  EXPECT_TRUE(warned({"optimizer.min_lr=1e-4", "optimizer.decay_style=\"constant\""}, constant));
+  EXPECT_FALSE(warned({"optimizer.min_lr=1e-4"}, constant));
+}
+
+// The learning rate of each decay style at the points where Megatron-LM's
+// OptimizerParamScheduler has a closed form: lr 1e-3, min_lr 1e-4, 10 warmup steps,
+// the decay ending at step 110, the run 200 steps long.
+TEST(LearningRate, EachDecayStyleIsMegatronsSchedule) {
+  const double lr = 1e-3, min_lr = 1e-4, delta = lr - min_lr;
+  auto at = [&](const std::vector<std::string>& style, int64_t step) {
+    const std::vector<std::string> base = {"run.steps=200", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
+                                           "optimizer.warmup_steps=10", "optimizer.decay_steps=110"};
+    return loom::train::learning_rate(loom::testing::plan_from(tiny_manifest(), loom::testing::with_overrides(base, style)).config,
+                                      step);
+  };
+  const double tol = 1e-15;
+  for (const char* style : {"cosine", "linear", "constant", "inverse-square-root", "wsd"}) {
+    const std::vector<std::string> o = {std::string("optimizer.decay_style=\"") + style + "\"",
+                                        "optimizer.wsd_decay_steps=20"};
+    EXPECT_NEAR(at(o, 5), lr * 5 / 10, tol) << style << ": halfway through the warmup";
+    EXPECT_NEAR(at(o, 10), lr, tol) << style << ": the warmup's end";
+    EXPECT_NEAR(at(o, 111), std::string(style) == "constant" ? lr : min_lr, tol) << style << ": past decay_steps";
+  }
+  auto style = [](const char* s) { return std::vector<std::string>{std::string("optimizer.decay_style=\"") + s + "\""}; };
+  EXPECT_NEAR(at(style("cosine"), 60), min_lr + delta / 2, tol);  // half the decay: cos(pi/2) = 0
+  EXPECT_NEAR(at(style("cosine"), 110), min_lr, tol);
+  EXPECT_NEAR(at(style("linear"), 35), min_lr + 0.75 * delta, tol);  // a quarter of the decay
+  EXPECT_NEAR(at(style("linear"), 110), min_lr, tol);
+  EXPECT_NEAR(at(style("constant"), 60), lr, tol);
+  EXPECT_NEAR(at(style("inverse-square-root"), 40), lr / 2, tol);  // lr * sqrt(10 / 40)
+  EXPECT_NEAR(at(style("inverse-square-root"), 90), lr / 3, tol);  // lr * sqrt(10 / 90)
+  EXPECT_NEAR(at(style("inverse-square-root"), 110), lr * std::sqrt(10.0 / 110), tol);
+  EXPECT_NEAR(at({"optimizer.decay_style=\"inverse-square-root\"", "optimizer.min_lr=9e-4"}, 40), 9e-4, tol);
+  // wsd: lr until step 90 (20 decay steps before 110), then the decay's shape to min_lr.
+  auto wsd = [](const char* shape) {
+    return std::vector<std::string>{"optimizer.decay_style=\"wsd\"", "optimizer.wsd_decay_steps=20",
+                                    std::string("optimizer.wsd_decay_style=\"") + shape + "\""};
+  };
+  for (const char* shape : {"exponential", "linear", "cosine", "minus_sqrt"}) {
+    EXPECT_NEAR(at(wsd(shape), 11), lr, tol) << shape;
+    EXPECT_NEAR(at(wsd(shape), 90), lr, tol) << shape << ": the last stable step";
+    EXPECT_NEAR(at(wsd(shape), 110), min_lr, tol) << shape << ": the decay's end";
+    EXPECT_LT(at(wsd(shape), 91), lr) << shape;
+  }
+  EXPECT_NEAR(at(wsd("exponential"), 100), min_lr + (2 * std::sqrt(0.5) - 1) * delta, tol);  // 2 * 0.5^(1/2) - 1
+  EXPECT_NEAR(at(wsd("linear"), 95), min_lr + 0.75 * delta, tol);
+  EXPECT_NEAR(at(wsd("cosine"), 100), min_lr + delta / 2, tol);
+  EXPECT_NEAR(at(wsd("minus_sqrt"), 95), min_lr + delta / 2, tol);  // 1 - sqrt(1/4)
+  // The default is the cosine schedule, and decay_steps 0 is the run's length.
+  EXPECT_EQ(at({}, 60), at(style("cosine"), 60));
+  EXPECT_NEAR(at({"optimizer.decay_steps=0", "optimizer.decay_style=\"linear\""}, 105), min_lr + 0.5 * delta, tol);
+}
+
+// Warmup-stable-decay's use: train at a constant rate, then resume from a checkpoint of
+// the stable phase and anneal. The resumed run is the uninterrupted wsd run, bit for bit.
+TEST(LearningRate, AWsdDecayResumedFromAConstantRunIsTheWholeWsdRun) {
+  const std::string dir = loom::testing::scratch_dir("wsd");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  const std::vector<std::string> wsd = {"run.steps=12", "optimizer.decay_style=\"wsd\"", "optimizer.wsd_decay_steps=4",
+                                        "optimizer.min_lr=1e-3"};
+  auto whole = run_and_trace(tiny_manifest(), wsd);
+  auto stable = run_and_trace(tiny_manifest(), {"run.steps=8", "optimizer.decay_style=\"constant\"", ck});
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto annealed = run_and_trace(tiny_manifest(), loom::testing::with_overrides(wsd, {ck}), resume);
+  ASSERT_EQ(annealed.loss.size(), 4u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(stable.loss[i], whole.loss[i]) << "step " << i + 1;
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(annealed.loss[i], whole.loss[8 + i]) << "step " << 9 + i;
+  EXPECT_EQ(annealed.params.back(), whole.params.back());
+  fs::remove_all(dir);
 }
 
 // A collective timeout below a millisecond waits a millisecond: rounded down it was 0,
