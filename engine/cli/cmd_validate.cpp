@@ -116,9 +116,16 @@ int cmd_validate(int argc, char** argv) {
       return 0;
     }
     std::cout << "manifest: " << args.positionals()[0] << " is valid\n\nresolved values:\n";
+    // Columns as wide as the widest key and value (up to a limit, so one long
+    // string value does not push every origin off the screen).
+    size_t key_width = 0, value_width = 0;
+    for (const auto& e : m.entries()) {
+      key_width = std::max(key_width, e.key.size());
+      value_width = std::max(value_width, std::min<size_t>(e.value.size(), 40));
+    }
     for (const auto& e : m.entries())
-      std::cout << "  " << std::left << std::setw(34) << e.key << " = " << std::setw(24) << e.value << " # "
-                << e.origin.str() << "\n";
+      std::cout << "  " << std::left << std::setw(static_cast<int>(key_width)) << e.key << " = "
+                << std::setw(static_cast<int>(value_width)) << e.value << " # " << e.origin.str() << "\n";
     std::cout << "\nplan:\n"
               << "  world size        " << world << " = tp " << plan.sizes.tp << " x cp " << plan.sizes.cp << " x pp "
               << plan.sizes.pp << " x dp " << plan.dp << "\n"
