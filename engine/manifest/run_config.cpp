@@ -148,6 +148,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.checkpoint.dir = m.get_string("checkpoint.dir");
   c.checkpoint.init_weights = resolved_path(m, "checkpoint.init_weights");
   c.checkpoint.every = m.get_int("checkpoint.every");
+  c.checkpoint.keep_last = m.get_int("checkpoint.keep_last");
 
   c.plugins.search_paths = m.get_string_list("plugins.search_paths");
   return c;

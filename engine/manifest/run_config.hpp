@@ -100,6 +100,7 @@ struct RunConfig {
   struct Checkpoint {
     std::string dir;
     int64_t every = 0;
+    int64_t keep_last = 0;     // 0 = keep every checkpoint
     std::string init_weights;  // "" = the layers' random initialization
   } checkpoint;
   struct Plugins {

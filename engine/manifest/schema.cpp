@@ -298,6 +298,10 @@ std::vector<KeySpec> build() {
   // checkpoint
   v.push_back(s("checkpoint.dir", "", "checkpoint directory (\"\" = no checkpoints)"));
   v.push_back(i("checkpoint.every", 0, 0, "checkpoint every N steps (0 = only at the end and on signals)"));
+  v.push_back(i("checkpoint.keep_last", 0, 0,
+                "after each save, remove the checkpoints before it but the newest keep_last - 1 (TorchTitan's "
+                "keep_latest_k), so checkpoint.dir holds keep_last steps; steps after the saved one and "
+                "unfinished saves are left alone (0 = keep all)"));
   v.push_back(s("checkpoint.init_weights", "",
                 "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "
                 "(a step_N directory, or a checkpoint directory: its newest step) of any parallel layout, or a "

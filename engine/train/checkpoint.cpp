@@ -116,11 +116,11 @@ void prepare_temp_dir(const std::string& tmp) {
   if (ec) throw CheckpointError("cannot create checkpoint directory " + tmp + ": " + ec.message());
 }
 
-std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped) {
+std::vector<int64_t> complete_checkpoints(const std::string& dir, std::vector<std::string>* skipped) {
   // skipped: "<path> (<why>)" for each step_* directory that is not a checkpoint.
   boost::system::error_code ec;
-  if (!fs::is_directory(dir, ec)) return std::nullopt;
-  std::optional<int64_t> best;
+  std::vector<int64_t> steps;
+  if (!fs::is_directory(dir, ec)) return steps;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step_", 0) != 0 || !fs::is_directory(e.path())) continue;
@@ -146,9 +146,39 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
       if (skipped) skipped->push_back(e.path().string() + " (no meta.toml: a save that did not finish)");
       continue;
     }
-    if (!best || step > *best) best = step;
+    steps.push_back(step);
   }
-  return best;
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped) {
+  const std::vector<int64_t> steps = complete_checkpoints(dir, skipped);
+  if (steps.empty()) return std::nullopt;
+  return steps.back();
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
+                                           std::vector<std::string>* failed) {
+  std::vector<std::string> removed;
+  if (keep_last <= 0) return removed;
+  std::vector<int64_t> older;
+  for (const int64_t step : complete_checkpoints(dir, nullptr))
+    if (step < saved_step) older.push_back(step);
+  const size_t keep_older = static_cast<size_t>(std::min<int64_t>(keep_last - 1, static_cast<int64_t>(older.size())));
+  for (size_t i = 0; i + keep_older < older.size(); ++i) {
+    // Out of its name first, so a stop halfway through removing it never leaves a
+    // step_N that looks whole; clear_unfinished_saves removes what a dead run left.
+    const std::string path = checkpoint_path(dir, older[i]);
+    const std::string aside =
+        (fs::path(dir) / (".removing-" + fs::path(path).filename().string() + "-" + run_id())).string();
+    boost::system::error_code ec;
+    fs::rename(path, aside, ec);
+    if (!ec) fs::remove_all(aside, ec);
+    if (ec && failed) failed->push_back(path + " (" + ec.message() + ")");
+    if (!ec) removed.push_back(path);
+  }
+  return removed;
 }
 
 std::string named_checkpoint(const std::string& path, std::vector<std::string>* skipped) {
@@ -236,7 +266,8 @@ void clear_unfinished_saves(const std::string& dir) {
   for (const auto& e : fs::directory_iterator(dir, ec)) entries.push_back(e.path());
   for (const fs::path& path : entries) {
     const std::string name = path.filename().string();
-    const bool unfinished = name.rfind(".tmp-step_", 0) == 0;
+    const bool removing = name.rfind(".removing-step_", 0) == 0;  // a pruned step (checkpoint.keep_last)
+    const bool unfinished = removing || name.rfind(".tmp-step_", 0) == 0;
     const size_t old = name.rfind(".old-");
     if (!unfinished && (name.rfind("step_", 0) != 0 || old == std::string::npos)) continue;
     const size_t dash = name.rfind('-');
@@ -257,7 +288,8 @@ void clear_unfinished_saves(const std::string& dir) {
     }
     fs::remove_all(path, rm);
     LOG(INFO) << "checkpoint.dir: removed " << path.string()
-              << (unfinished ? ", an unfinished save" : ", a step saved again since") << " of process " << pid
+              << (removing ? ", a pruned checkpoint" : unfinished ? ", an unfinished save" : ", a step saved again since")
+              << " of process " << pid
               << ", which no longer runs";
   }
 }

@@ -65,10 +65,19 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
-// The highest complete step in dir (a step_N directory with its meta.toml), or nullopt
-// when there is none; `skipped` gets each step_* directory that is not a complete
-// checkpoint, as "<path> (<why>)": no meta.toml, or a name that is no step number.
+// The complete steps in dir (step_N directories with their meta.toml), ascending;
+// `skipped` gets each step_* directory that is not a complete checkpoint, as
+// "<path> (<why>)": no meta.toml, or a name that is no step number.
+std::vector<int64_t> complete_checkpoints(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+// The highest of them, or nullopt when there is none.
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
+// checkpoint.keep_last (TorchTitan's keep_latest_k): after step `saved_step` is saved,
+// removes the complete checkpoints before it but the newest keep_last - 1 (none when
+// keep_last is 0); steps after it and step_N directories that are not complete
+// checkpoints are never touched. Returns the paths removed; those that could not be
+// go to `failed` as "<path> (<why>)" (the save itself stands).
+std::vector<std::string> prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
+                                           std::vector<std::string>* failed);
 // The step directory a user's path names (`loom export`, `generate`, `eval`,
 // checkpoint.init_weights): the path itself when it holds meta.toml, else the newest
 // complete step of it as a checkpoint.dir (the step_* directories passed over go to

@@ -384,6 +384,11 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
     plan.warnings.push_back(man.origin("optimizer.warmup_steps").str() + ": the warmup (" +
                             std::to_string(config.optimizer.warmup_steps) + " steps) outlasts the run (" +
                             std::to_string(config.run.steps) + "): the learning rate never reaches optimizer.lr");
+  if (config.checkpoint.dir.empty())
+    for (const char* key : {"checkpoint.every", "checkpoint.keep_last"})
+      if (man.get_int(key) > 0)
+        plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
+                                "checkpoint is saved");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

@@ -220,6 +220,16 @@ void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
   const std::string path = save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.samples_before(step),
                                            evaluation_pending, run_.manifest_toml);
   if (!leader_) return;
+  std::vector<std::string> failed;
+  const std::vector<std::string> removed = prune_checkpoints(config_.checkpoint.dir, config_.checkpoint.keep_last, step,
+                                                             &failed);
+  if (run_.options.log) {
+    for (const std::string& p : removed)
+      *run_.options.log << "checkpoint.keep_last = " << config_.checkpoint.keep_last << ": removed " << p << std::endl;
+    for (const std::string& f : failed)
+      *run_.options.log << "warning: checkpoint.keep_last = " << config_.checkpoint.keep_last << ": could not remove "
+                        << f << std::endl;
+  }
   std::lock_guard<std::mutex> lock(run_.mu);
   run_.result.checkpoint = path;
 }

@@ -80,6 +80,9 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string constant = "optimizer.min_lr is where a decay ends; with optimizer.decay_style = \"constant\"";
   EXPECT_TRUE(warned({"optimizer.min_lr=1e-4", "optimizer.decay_style=\"constant\""}, constant));
   EXPECT_FALSE(warned({"optimizer.min_lr=1e-4"}, constant));
+  const std::string no_dir = "checkpoint.keep_last is set but checkpoint.dir is empty";
+  EXPECT_TRUE(warned({"checkpoint.keep_last=2"}, no_dir));
+  EXPECT_FALSE(warned({"checkpoint.keep_last=2", "checkpoint.dir=\"" + loom::testing::scratch_dir("kl") + "\""}, no_dir));
 }
 
 // The learning rate of each decay style at the points where Megatron-LM's
@@ -466,6 +469,53 @@ TEST(Checkpoint, DirectoryProblemsShowBeforeTrainingAndIncompleteStepsAreSkipped
   EXPECT_FALSE(fs::exists(stale)) << "the unfinished save of a process that is gone was left";
   EXPECT_FALSE(fs::exists(step2 + ".old-4194305")) << "a step saved again left its old copy";
   EXPECT_FALSE(fs::exists(step4 + ".old-4194305"));
+  fs::remove_all(dir);
+}
+
+// checkpoint.keep_last: each save leaves the newest keep_last steps, a resume reads the
+// newest, and what a stop in the middle of a removal left is cleared at the next start.
+TEST(Checkpoint, KeepLastLeavesTheNewestSteps) {
+  const std::string dir = loom::testing::scratch_dir("keeplast");
+  fs::remove_all(dir);
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  run_and_trace(tiny_manifest(), {"run.steps=8", "checkpoint.every=2", "checkpoint.keep_last=2", ck});
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{6, 8}));
+  const fs::path stale = fs::path(dir) / ".removing-step_00000004-4194305";  // above any pid_max
+  fs::create_directories(stale / "sub");
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  std::ostringstream log;
+  resume.log = &log;
+  auto resumed = run_and_trace(tiny_manifest(), {"run.steps=10", "checkpoint.keep_last=1", ck}, resume);
+  EXPECT_EQ(resumed.result.start_step, 8);
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{10}));
+  EXPECT_NE(log.str().find("checkpoint.keep_last = 1: removed " + loom::train::checkpoint_path(dir, 8)),
+            std::string::npos)
+      << log.str();
+  EXPECT_FALSE(fs::exists(stale)) << "the remains of a removal by a process that is gone were left";
+  fs::remove_all(dir);
+}
+
+// Pruning removes only complete checkpoints before the step just saved: newer steps
+// (another run's, say) and step_N directories without meta.toml are not its to judge.
+TEST(Checkpoint, PruningTouchesOnlyCompleteStepsBeforeTheSavedOne) {
+  const std::string dir = loom::testing::scratch_dir("prune");
+  fs::remove_all(dir);
+  for (int64_t step : {1, 2, 3, 4, 5}) {
+    fs::create_directories(loom::train::checkpoint_path(dir, step));
+    if (step != 4) std::ofstream(fs::path(loom::train::checkpoint_path(dir, step)) / "meta.toml") << "step = 0\n";
+  }
+  std::vector<std::string> failed;
+  EXPECT_EQ(loom::train::prune_checkpoints(dir, 0, 3, &failed), std::vector<std::string>{}) << "0 keeps all";
+  const std::vector<std::string> removed = loom::train::prune_checkpoints(dir, 2, 3, &failed);
+  EXPECT_EQ(removed, std::vector<std::string>{loom::train::checkpoint_path(dir, 1)});
+  EXPECT_TRUE(failed.empty());
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 3, 5}));
+  EXPECT_TRUE(fs::is_directory(loom::train::checkpoint_path(dir, 4))) << "an unfinished save was removed";
+  EXPECT_EQ(loom::train::prune_checkpoints(dir, 1, 5, &failed).size(), 2u);
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{5}));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().rfind(".removing-", 0), std::string::npos) << e.path() << " left behind";
   fs::remove_all(dir);
 }
 
