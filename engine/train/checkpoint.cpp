@@ -538,28 +538,45 @@ CheckpointMeta read_meta(const std::string& step_dir) {
   return m;
 }
 
+namespace {
+
+// The checkpoint's manifest.toml (the resolved manifest of the run that saved it) and
+// this run's, parsed; throws toml::parse_error for either.
+struct TwoManifests {
+  toml::table saved, now;
+};
+TwoManifests parse_manifests(const std::string& saved_path, const std::string& manifest_toml) {
+  return {toml::parse_file(saved_path), toml::parse(manifest_toml)};
+}
+
+// A key's value as TOML text, "" where the table has none.
+std::string value_text(const toml::table& t, const std::string& key) {
+  std::ostringstream os;
+  if (auto n = t.at_path(key)) os << n;
+  return os.str();
+}
+
+}  // namespace
+
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;
   if (!fs::is_regular_file(path, ec)) return {};
-  toml::table saved, now;
+  TwoManifests m;
   try {
-    saved = toml::parse_file(path);
-    now = toml::parse(manifest_toml);
+    m = parse_manifests(path, manifest_toml);
   } catch (const toml::parse_error&) {
     return {};  // refused, naming the file, where the model is compared
   }
   std::set<std::string> keys = {"run.seed"};
-  for (const toml::table* t : {saved.at_path("data").as_table(), now.at_path("data").as_table()})
+  for (const toml::table* t : {m.saved.at_path("data").as_table(), m.now.at_path("data").as_table()})
     if (t != nullptr)
       for (auto&& [k, v] : *t) keys.insert("data." + std::string(k.str()));
   std::vector<std::string> out;
   for (const std::string& key : keys) {
-    std::ostringstream a, b;
-    if (auto n = saved.at_path(key)) a << n;
-    if (auto n = now.at_path(key)) b << n;
-    if (a.str() != b.str())
-      out.push_back(key + ": " + (a.str().empty() ? "(unset)" : a.str()) + " -> " + (b.str().empty() ? "(unset)" : b.str()));
+    const std::string was = value_text(m.saved, key), now = value_text(m.now, key);
+    if (was != now)
+      out.push_back(key + ": " + (was.empty() ? "(unset)" : was) + " -> " + (now.empty() ? "(unset)" : now));
   }
   return out;
 }
@@ -572,21 +589,21 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
     return;
   }
   require_regular_file(path);
-  toml::table saved, now;
+  TwoManifests m;
   try {
-    saved = toml::parse_file(path);
-    now = toml::parse(manifest_toml);
+    m = parse_manifests(path, manifest_toml);
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
+  auto refuse = [&](const std::string& key, const std::string& was, const std::string& now) {
+    throw CheckpointError(step_dir + " holds a model with " + key + " = " + was + ", this run has " + key + " = " + now +
+                          ": resuming would continue another model; set " + key + " as the checkpoint has it");
+  };
   // The keys that make another model with the same parameter shapes (the shapes
   // themselves are compared by check_param_layout).
   for (const char* key : {"model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.num_layers",
                           "model.vocab_size", "model.vocab_divisor", "model.tie_embeddings", "model.pre",
                           "model.block", "model.post"}) {
-    std::ostringstream a, b;
-    if (auto n = saved.at_path(key)) a << n;
-    if (auto n = now.at_path(key)) b << n;
     // 0 in the manifest means "derived" (the data's vocabulary, 4 x hidden): say so.
     auto shown = [&](const std::string& v) {
       if (v.empty()) return std::string("(unset)");
@@ -595,28 +612,21 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
              : std::string(key) == "model.ffn_hidden_size" ? std::string("0 (4 x hidden_size)")
                                                              : v;
     };
-    if (a.str() != b.str())
-      throw CheckpointError(step_dir + " holds a model with " + key + " = " + shown(a.str()) + ", this run has " + key +
-                            " = " + shown(b.str()) + ": resuming would continue another model; set " + key +
-                            " as the checkpoint has it");
+    const std::string was = value_text(m.saved, key), now = value_text(m.now, key);
+    if (was != now) refuse(key, shown(was), shown(now));
   }
   // Each layer's options (both manifests are resolved: plugin defaults written out),
   // which can change the function with every shape kept (rope's base, MoE's top_k);
   // training-only ones (dropout, capacity) may change.
-  for (const toml::table* t : {saved.at_path("model.layer").as_table(), now.at_path("model.layer").as_table()}) {
+  for (const toml::table* t : {m.saved.at_path("model.layer").as_table(), m.now.at_path("model.layer").as_table()}) {
     if (t == nullptr) continue;
     for (auto&& [layer, section] : *t) {
       if (!section.is_table()) continue;
       for (auto&& [option, value] : *section.as_table()) {
         if (training_only_option(std::string(option.str()))) continue;
         const std::string key = "model.layer." + std::string(layer.str()) + "." + std::string(option.str());
-        std::ostringstream a, b;
-        if (auto n = saved.at_path(key)) a << n;
-        if (auto n = now.at_path(key)) b << n;
-        if (a.str() != b.str())
-          throw CheckpointError(step_dir + " holds a model with " + key + " = " + (a.str().empty() ? "(unset)" : a.str()) +
-                                ", this run has " + (b.str().empty() ? "(unset)" : b.str()) +
-                                ": resuming would continue another model; set " + key + " as the checkpoint has it");
+        const std::string was = value_text(m.saved, key), now = value_text(m.now, key);
+        if (was != now) refuse(key, was.empty() ? "(unset)" : was, now.empty() ? "(unset)" : now);
       }
     }
   }
