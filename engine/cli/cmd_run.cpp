@@ -68,7 +68,7 @@ const char* kUsage =
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
-    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint, as does the first before a step has finished. Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
+    "SIGINT/SIGTERM/SIGUSR1 stop every rank after the current step, write a checkpoint (when checkpoint.dir is set)\nand exit 130; a second signal stops at once, without a checkpoint, as does the first before a step has finished (not under mpirun/srun, where every rank stops after a step). Under mpirun send SIGUSR1 to mpirun (it forwards it; Ctrl-C gives ranks only a second).\n";
 
 // What loading the plugins went wrong, on stderr once: a library that failed to load
 // or a search path that does not exist is a warning (the run may not need it). A
