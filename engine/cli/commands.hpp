@@ -15,6 +15,7 @@ int cmd_preprocess(int argc, char** argv);
 int cmd_tokenize(int argc, char** argv);
 int cmd_tokenizer_train(int argc, char** argv);
 int cmd_export(int argc, char** argv);
+int cmd_import(int argc, char** argv);
 int cmd_generate(int argc, char** argv);
 int cmd_eval(int argc, char** argv);
 }  // namespace loom::cli

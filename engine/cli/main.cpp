@@ -38,6 +38,8 @@ const Command kCommands[] = {
     {"tokenize", loom::cli::cmd_tokenize, "encode text to token ids, or decode ids: --tokenizer DIR|MODEL --text TEXT"},
     {"export", loom::cli::cmd_export,
      "a checkpoint (any parallel layout) as a Hugging Face model: CHECKPOINT --format hf OUTDIR"},
+    {"import", loom::cli::cmd_import,
+     "a Hugging Face model (or a checkpoint) as a checkpoint of a manifest's layout: SOURCE MANIFEST OUTDIR"},
     {"generate", loom::cli::cmd_generate,
      "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]", true},
     {"eval", loom::cli::cmd_eval,

@@ -22,6 +22,7 @@
 #include <optional>
 #include <ostream>
 #include <sstream>
+#include <stdexcept>
 
 namespace loom::train {
 
@@ -271,6 +272,10 @@ void RankTraining::run() {
                         << " x " << seq << " per rank per step; data: " << run_.data.describe() << std::endl;
   }
 
+  if (run_.options.save_start_only) {
+    checkpoint(run_.start_step);
+    return;
+  }
   int64_t step = run_.start_step;
   // The evaluation of the checkpoint's step that a stop signal cut short comes first
   // (a second stop leaves it pending in the same checkpoint).
@@ -403,6 +408,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       throw std::runtime_error("--trace " + options.trace_file + ": " + why);
 
   const std::string& ckpt_dir = config.checkpoint.dir;
+  if (options.save_start_only && (options.resume || ckpt_dir.empty()))
+    throw std::logic_error("TrainOptions::save_start_only saves a new run's starting point into checkpoint.dir");
   std::optional<CheckpointDirLock> ckpt_lock;
   if (!ckpt_dir.empty()) {
     prepare_checkpoint_dir(ckpt_dir, !launch.multi_process || launch.rank == 0 ? &ckpt_lock : nullptr);

@@ -34,6 +34,9 @@ struct TrainOptions {
   // given the run's vocabulary (the CLI reads loom checkpoints and Hugging Face
   // directories, engine/interop). Called once, before any rank starts.
   std::function<InitialWeights(int64_t vocab)> read_init_weights;
+  // Saves the starting point (the initial or given weights, a fresh optimizer state) as
+  // the checkpoint of step 0 into checkpoint.dir and trains no step (`loom import`).
+  bool save_start_only = false;
 };
 
 struct TrainResult {

@@ -322,4 +322,24 @@ printf '{"txt": "a b"}\n' > "$work/bad.jsonl"
 [ $? -eq 1 ] && grep -q 'bad.jsonl:1: expected an object with a string field "text"' "$work/bad_eval.out" \
   || fail "eval: bad JSONL: $(cat "$work/bad_eval.out")"
 
+# 16. loom import: a Hugging Face export read back as a checkpoint at another layout (tp 2),
+# which a resume trains on from exactly as checkpoint.init_weights does; a directory that
+# holds checkpoints, or a manifest of another model, is refused (exit 1).
+"$loom" export "$work/bytes" --format hf "$work/hf" > /dev/null 2>&1 || fail "export for import"
+bytes=(--set run.steps=2 --set data.kind='"text"' --set data.path="\"$work/corpus.txt\"" --set model.seq_length=32
+       --set parallel.tp=2 --set parallel.dp=1)
+"$loom" import "$work/hf" "$here/tiny.toml" "$work/imported" "${bytes[@]}" > "$work/import.out" 2>&1 \
+  || fail "import: $(tail -3 "$work/import.out")"
+grep -q "import: .* -> .*imported/step_00000000 (world 2: tp 2" "$work/import.out" || fail "import: $(cat "$work/import.out")"
+"$loom" run "$here/tiny.toml" "${bytes[@]}" --set checkpoint.dir="\"$work/imported\"" --resume \
+  --metrics "$work/imported.jsonl" > "$work/import_run.out" 2>&1 || fail "resume of an import: $(tail -3 "$work/import_run.out")"
+"$loom" run "$here/tiny.toml" "${bytes[@]}" --set checkpoint.init_weights="\"$work/hf\"" \
+  --metrics "$work/init.jsonl" > "$work/init_run.out" 2>&1 || fail "init_weights run: $(tail -3 "$work/init_run.out")"
+[ "$(grep -o '"loss": *[^,]*' "$work/imported.jsonl")" = \
+  "$(grep -o '"loss": *[^,]*' "$work/init.jsonl")" ] || fail "import + resume differs from init_weights"
+"$loom" import "$work/hf" "$here/tiny.toml" "$work/imported" "${bytes[@]}" > "$work/again.out" 2>&1
+[ $? -eq 1 ] && grep -q "holds checkpoints already" "$work/again.out" || fail "import into checkpoints: $(cat "$work/again.out")"
+"$loom" import "$work/hf" "$here/tiny.toml" "$work/other" "${bytes[@]}" --set model.num_heads=2 > "$work/other.out" 2>&1
+[ $? -eq 1 ] && grep -q "num_heads\|num_attention_heads\|n_head" "$work/other.out" || fail "import of another model: $(cat "$work/other.out")"
+
 echo "cli tests passed"

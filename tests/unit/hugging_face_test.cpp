@@ -504,6 +504,46 @@ TEST(HfImport, ResumeBeforeTheFirstCheckpointStartsFromTheGivenWeights) {
   fs::remove_all(run_dir);
 }
 
+// loom import: the given weights saved as step 0 of a checkpoint at the manifest's layout
+// (tp 2 with SP here), holding the source's tensors bit for bit; a resume from it trains
+// as a run started with checkpoint.init_weights = the source does, loss for loss.
+TEST(HfImport, AnImportedCheckpointTrainsOnAsInitWeightsDoes) {
+  const std::string dir = scratch("imp"), out = scratch("imp-hf"), imported = scratch("imp-ck");
+  loom::interop::export_hf(parallel_checkpoint(llama(), dir), out, loom::plugins::registry());
+  std::vector<std::string> layout = llama();
+  layout.insert(layout.end(), {"parallel.tp=2", "parallel.sequence_parallel=true"});
+  const std::vector<double> reference = losses_from(layout, out, 3);
+  std::vector<std::string> o = layout;
+  o.insert(o.end(), {"model.num_layers=4", "run.steps=3", "checkpoint.init_weights=\"" + out + "\"",
+                     "checkpoint.dir=\"" + imported + "\""});
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
+  loom::train::TrainOptions import;
+  import.save_start_only = true;
+  import.read_init_weights = [&](int64_t vocab) {
+    return loom::interop::read_initial_weights(out, plan, vocab, loom::plugins::registry());
+  };
+  const loom::train::TrainResult saved = loom::train::train(plan, import);
+  EXPECT_TRUE(saved.steps.empty()) << "an import trains no step";
+  ASSERT_EQ(saved.checkpoint, loom::train::checkpoint_path(imported, 0));
+  const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(saved.checkpoint, loom::plugins::registry());
+  const loom::train::InitialWeights source = loom::interop::read_initial_weights(out, plan, ck.vocab, loom::plugins::registry());
+  for (const loom::train::WholeTensor& t : source.tensors) {
+    const loom::train::WholeTensor* got = ck.find(t.name);
+    ASSERT_NE(got, nullptr) << t.name;
+    ASSERT_GE(got->data.size(), t.data.size()) << t.name;  // the vocabulary tables' padded rows beyond
+    EXPECT_EQ(0, std::memcmp(got->data.data(), t.data.data(), t.data.size())) << t.name;
+  }
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  const loom::train::TrainResult trained = loom::train::train(plan, resume);
+  EXPECT_EQ(trained.start_step, 0);
+  ASSERT_EQ(trained.steps.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) EXPECT_EQ(trained.steps[i].loss, reference[i]) << "step " << i + 1;
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  fs::remove_all(imported);
+}
+
 // checkpoint.init_weights = a checkpoint.dir reads its newest complete step under the
 // name a save gives it and says which: a newer step_N spelled otherwise (step_41 for
 // step_00000041, read back as the latter, which is not there) is passed over and said,

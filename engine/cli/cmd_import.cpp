@@ -1,0 +1,96 @@
+// loom import SOURCE MANIFEST OUTDIR [--set key=value]... [--plugin-path DIR]...
+// A Hugging Face model directory (or a loom checkpoint of any layout) as a loom
+// checkpoint of the manifest's model and parallel layout: OUTDIR/step_00000000, the
+// weights read as checkpoint.init_weights reads them, the optimizer state fresh.
+#include "engine/cli/args.hpp"
+#include "engine/cli/commands.hpp"
+#include "engine/interop/hugging_face.hpp"
+#include "engine/manifest/manifest.hpp"
+#include "engine/plugins/registry.hpp"
+#include "engine/train/checkpoint.hpp"
+#include "engine/train/trainer.hpp"
+
+#include <boost/filesystem.hpp>
+
+#include <iostream>
+
+namespace loom::cli {
+namespace {
+
+const char* kUsage =
+    "usage: loom import SOURCE MANIFEST OUTDIR [--set key=value]... [--plugin-path DIR]...\n"
+    "Writes OUTDIR/step_00000000: a loom checkpoint of MANIFEST's model at its parallel layout\n"
+    "(tp, pp, dp, cp, ep, dtype) holding SOURCE's weights, with a fresh optimizer state. SOURCE is\n"
+    "a Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel,\n"
+    "LlamaForCausalLM or MixtralForCausalLM) or a loom checkpoint of any layout, read as\n"
+    "checkpoint.init_weights reads it; MANIFEST must describe the same model (what differs is named).\n"
+    "Then: loom run MANIFEST --set checkpoint.dir=OUTDIR --resume  trains on from it (the same run\n"
+    "as checkpoint.init_weights = SOURCE), and loom generate, eval and export read OUTDIR.\n"
+    "OUTDIR must hold no checkpoint yet.\n";
+
+// A path as the run's manifest must hold it: --set values are taken as written, so a
+// relative one is made absolute here (the checkpoint's manifest.toml keeps it).
+std::string absolute(const std::string& path) { return boost::filesystem::absolute(path).lexically_normal().string(); }
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+int cmd_import(int argc, char** argv) {
+  try {
+    Args args(argc, argv, {}, {"--set", "--plugin-path"});
+    if (args.flag("--help")) {
+      std::cout << kUsage;
+      return 0;
+    }
+    const auto& pos = args.positionals();
+    if (pos.size() != 3) throw UsageError("import takes SOURCE, MANIFEST and OUTDIR");
+    for (const std::string& p : pos)
+      if (p.empty()) throw UsageError("an empty path");
+    const std::string source = absolute(pos[0]), out = absolute(pos[2]);
+    if (!boost::filesystem::is_directory(source))
+      throw std::runtime_error(pos[0] + " is not a directory (a Hugging Face model directory or a loom checkpoint)");
+    if (const std::optional<int64_t> step = train::latest_checkpoint(out))
+      throw std::runtime_error(pos[2] + " holds checkpoints already (the newest " +
+                               train::checkpoint_path(pos[2], *step) + "); import into a new or empty directory");
+    plugins::Registry& registry = plugins::registry();
+    registry.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
+    std::vector<std::string> overrides = args.all("--set");
+    // Last, so they win over the manifest's and the command line's own.
+    overrides.insert(overrides.end(), {"checkpoint.init_weights=" + quoted(source), "checkpoint.dir=" + quoted(out),
+                                       "checkpoint.keep_last=0"});
+    const train::RunPlan plan = train::make_plan(manifest::Manifest::load(pos[1], overrides), registry);
+    train::TrainOptions opts;
+    opts.save_start_only = true;
+    opts.log = &std::cout;
+    opts.read_init_weights = [&](int64_t vocab) {
+      return interop::read_initial_weights(source, plan, vocab, registry);
+    };
+    const train::TrainResult r = train::train(plan, opts);
+    std::cout << "import: " << pos[0] << " -> " << r.checkpoint << " (world " << plan.sizes.world << ": tp "
+              << plan.sizes.tp << ", pp " << plan.sizes.pp << ", dp " << plan.dp << ", cp " << plan.sizes.cp << ", ep "
+              << plan.sizes.ep << "; " << plan.config.device.param_dtype << ")\n"
+              << "next: loom run " << pos[1];
+    for (const std::string& set : args.all("--set")) std::cout << " --set '" << set << "'";
+    std::cout << " --set 'checkpoint.dir=" << quoted(pos[2]) << "' --resume\n";
+    return 0;
+  } catch (const UsageError& e) {
+    std::cerr << "loom import: " << e.what() << "\n" << kUsage;
+    return 2;
+  } catch (const manifest::ManifestError& e) {
+    std::cerr << "loom import: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "loom import: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace loom::cli
