@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <iomanip>
 #include <map>
 #include <sstream>
@@ -31,6 +32,15 @@ size_t optimizer_bytes_per_element(const std::string& param_dtype) {
 }
 
 namespace {
+
+// Byte sums and products that stop at 2^64 - 1 instead of wrapping: an absurd model's
+// plan must read "too big", never small.
+uint64_t sat_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+uint64_t sat_mul(uint64_t a, uint64_t b) { return b != 0 && a > UINT64_MAX / b ? UINT64_MAX : a * b; }
+
+// The most parameter elements one rank may hold (2^48: 1 PiB of fp32 weights, beyond
+// any device), so every per-rank byte count of them fits in 64 bits.
+constexpr size_t kMaxRankElements = size_t{1} << 48;
 
 // The device the layers are created on to be planned: one whose memory is the host's
 // (LOOM_DEVICE_HOST_MEMORY), so any machine can plan any run; the run's own device when
@@ -69,8 +79,11 @@ bool shards_optimizer_state(const RunPlan& plan) {
 }
 
 uint64_t rank_total_bytes(const RankMemory& r) {
-  return r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.activation_bytes + r.recompute_bytes + r.work_bytes +
-         r.input_bytes + r.workspace_bytes;
+  uint64_t total = 0;
+  for (const uint64_t b : {r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_bytes, r.recompute_bytes,
+                           r.work_bytes, r.input_bytes, r.workspace_bytes})
+    total = sat_add(total, b);
+  return total;
 }
 
 uint64_t device_capacity(const RunPlan& plan, int ranks_in_process) {
@@ -287,24 +300,32 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         const size_t c = static_cast<size_t>(chunk_of_layer[li]);
         const int g = group_of_layer[li];
         if (g < 0) {
-          chunk_activations[c] += bytes;
+          chunk_activations[c] = sat_add(chunk_activations[c], bytes);
           continue;
         }
         uint64_t& gb = group_bytes[{c, g}];
         // Its input is an inner state of the group unless it is the group's first layer.
         const bool inner_input = li > 0 && group_of_layer[li - 1] == g && chunk_of_layer[li - 1] == chunk_of_layer[li];
-        gb += bytes + (inner_input ? hidden_state_bytes : 0);
+        gb = sat_add(gb, sat_add(bytes, inner_input ? hidden_state_bytes : 0));
         chunk_recompute[c] = std::max(chunk_recompute[c], gb);
       }
       for (size_t c = 0; c < chunks.size(); ++c) {
         // The hidden states the engine keeps per microbatch, one per layer boundary
         // but inside recompute groups (as Model::activation_bytes counts them), plus
         // the received input.
-        chunk_activations[c] += static_cast<uint64_t>(kept_states[c]) * hidden_state_bytes;
-        if (chunks[c].global_index > 0) chunk_activations[c] += hidden_state_bytes;
+        chunk_activations[c] =
+            sat_add(chunk_activations[c], sat_mul(static_cast<uint64_t>(kept_states[c]), hidden_state_bytes));
+        if (chunks[c].global_index > 0) chunk_activations[c] = sat_add(chunk_activations[c], hidden_state_bytes);
       }
 
+      auto too_many = [&](const std::string& count) {
+        return loom::Error("rank " + std::to_string(r) + " would hold " + count +
+                           " parameter elements; a rank is planned for at most 2^48 (1 PiB of fp32 weights): "
+                           "split the model over more ranks (parallel.tp, parallel.pp, parallel.ep) or make it smaller");
+      };
       for (const ParamEntry& e : cp.entries) {
+        // Summed with a bound: the count of an absurd model would wrap past 2^64.
+        if (e.numel > kMaxRankElements - std::min(rm.params, kMaxRankElements)) throw too_many("more than 2^48");
         if (e.shared_across_stages) rm.tied_numel += e.numel;
         rm.params += e.numel;
         shape.planned.push_back({.name = e.name, .full_shape = e.full_shape, .local_shape = e.local_shape,
@@ -315,6 +336,7 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       rm.param_count = cp.entries.size();
       shape.layout = layout_entries(cp.entries, chunks.size(), grad_group, out.bucket_size);
       rm.buffer_numel = shape.layout.numel;
+      if (rm.buffer_numel > kMaxRankElements) throw too_many(std::to_string(rm.buffer_numel));
       rm.param_bytes = rm.buffer_numel * psize;
       rm.grad_bytes = rm.buffer_numel * gsize;
       // The distributed optimizer shards dense buckets over dp (x cp) and the expert
@@ -346,11 +368,11 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
         const bool next_receives = post_early && k + 1 < order.size() && order[k + 1] > 0 &&
                                    chunks[static_cast<size_t>(order[k + 1] - 1)].global_index > 0;
         const uint64_t early = next_receives ? hidden_state_bytes : 0;
-        if (entry < 0) recompute_peak = std::max(recompute_peak, held + early + chunk_recompute[c]);
+        if (entry < 0) recompute_peak = std::max(recompute_peak, sat_add(sat_add(held, early), chunk_recompute[c]));
         const uint64_t before = held;
-        held = entry > 0 ? held + bytes : held - bytes;
+        held = entry > 0 ? sat_add(held, bytes) : held - std::min(held, bytes);
         in_flight += entry > 0 ? 1 : -1;
-        rm.activation_bytes = std::max(rm.activation_bytes, std::max(before, held) + early);
+        rm.activation_bytes = std::max(rm.activation_bytes, sat_add(std::max(before, held), early));
         rm.in_flight = std::max(rm.in_flight, in_flight);
       }
       rm.recompute_bytes = recompute_peak > rm.activation_bytes ? recompute_peak - rm.activation_bytes : 0;

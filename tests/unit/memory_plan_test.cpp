@@ -198,6 +198,31 @@ TEST(MemoryPlan, ReplicasShareOnePlannedShape) {
   EXPECT_NE(seen.at({0, 0})->planned.front().name, seen.at({0, 1})->planned.front().name);
 }
 
+// A model too big for any device is refused by its count, which is summed with a bound
+// (2^48 elements a rank): wrapped past 2^64 it read as small, and the plan as fitting.
+// Byte totals saturate instead of wrapping.
+TEST(MemoryPlan, AModelBeyondAnyDeviceIsRefusedNotWrapped) {
+  auto refusal = [](const std::vector<std::string>& o) {
+    try {
+      loom::train::plan_memory(plan_from(tiny_manifest(), o));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  // Two layers of 2^10 experts of 2^16 x 2^21 each: 2^47 elements in a tensor, 2^49 in all.
+  const std::vector<std::string> moe = {"model.block=[\"attention\", \"moe\"]", "model.num_layers=2",
+                                        "model.hidden_size=65536", "model.num_heads=4", "model.layer.moe.num_experts=1024",
+                                        "model.layer.moe.top_k=1", "model.layer.moe.ffn_hidden_size=2097152"};
+  EXPECT_NE(refusal(moe).find("rank 0 would hold more than 2^48 parameter elements; a rank is planned for at most 2^48"),
+            std::string::npos)
+      << refusal(moe);
+  loom::train::RankMemory r;
+  r.param_bytes = UINT64_MAX - 5;
+  r.grad_bytes = 10;
+  EXPECT_EQ(loom::train::rank_total_bytes(r), UINT64_MAX);
+}
+
 // The device reports what a rank may hold (ABI 1.9 capacity_bytes; device/cpu: the
 // host's RAM shared by the ranks of the process), and the plan is compared with it:
 // the rank that needs most is named, a plan that fits says nothing, unknown skips.
