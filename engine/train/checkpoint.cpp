@@ -87,6 +87,23 @@ std::string checkpoint_path(const std::string& dir, int64_t step) {
 }
 
 namespace {
+// The step number of a "step_N" name (0 to 2^63 - 1; any spelling of the number), or
+// nullopt.
+std::optional<int64_t> step_number(const std::string& name) {
+  if (name.rfind("step_", 0) != 0) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long step = std::strtoll(name.c_str() + 5, &end, 10);
+  if (end == name.c_str() + 5 || *end != '\0' || errno == ERANGE || step < 0) return std::nullopt;
+  return step;
+}
+// Whether `name` is the one a save gives `step` (step_00000200, not step_200).
+bool saved_name(const std::string& name, int64_t step) {
+  return fs::path(checkpoint_path(".", step)).filename().string() == name;
+}
+}  // namespace
+
+namespace {
 // Unique per run and the same in every process of it: under mpirun/srun each rank is
 // its own process and writes into the directory rank 0 prepared, so the job's id
 // stands in for the process id (and, not a process id, is never taken for a dead one).
@@ -124,19 +141,17 @@ std::vector<int64_t> complete_checkpoints(const std::string& dir, std::vector<st
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
     if (name.rfind("step_", 0) != 0 || !fs::is_directory(e.path())) continue;
-    char* end = nullptr;
-    errno = 0;
-    const long long step = std::strtoll(name.c_str() + 5, &end, 10);
     // A name that is no step number (or one past int64), or a directory without the
     // meta.toml a save writes last before its rename: not a checkpoint of this engine.
-    const bool number = end != name.c_str() + 5 && *end == '\0' && errno != ERANGE && step >= 0;
+    const std::optional<int64_t> number = step_number(name);
     if (!number) {
       if (skipped) skipped->push_back(e.path().string() + " (its name is not step_ and a step number of 0 to 2^63-1)");
       continue;
     }
+    const int64_t step = *number;
     // Read back under the name a save gives step N (step_00000200), never another
     // spelling of the number (step_200 would be looked for as step_00000200).
-    if (fs::path(checkpoint_path(dir, step)).filename() != e.path().filename()) {
+    if (!saved_name(name, step)) {
       if (skipped)
         skipped->push_back(e.path().string() + " (not the name a save gives step " + std::to_string(step) + ": " +
                            fs::path(checkpoint_path(dir, step)).filename().string() + ")");
@@ -236,11 +251,9 @@ void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirL
   // looping link) failed that save only after training to it, or replaced a file.
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    char* end = nullptr;
-    const long long step = name.rfind("step_", 0) == 0 ? std::strtoll(name.c_str() + 5, &end, 10) : -1;
-    if (step < 0 || end == name.c_str() + 5 || *end != '\0' ||
-        fs::path(checkpoint_path(dir, step)).filename() != e.path().filename())
-      continue;
+    const std::optional<int64_t> number = step_number(name);
+    if (!number || !saved_name(name, *number)) continue;
+    const int64_t step = *number;
     boost::system::error_code st;
     if (!fs::is_directory(e.path(), st))
       throw CheckpointError("checkpoint.dir holds " + e.path().string() + ", which is not a directory (" +
@@ -493,6 +506,16 @@ CheckpointMeta read_meta(const std::string& step_dir) {
       return static_cast<int>(v);
     };
     m.step = need("step");
+    // A step directory holds the step it is named after: a copy of step 4 as
+    // step_00000099 would be resumed from as the newest, and pruning would go by it.
+    std::string name = step_dir;
+    while (name.size() > 1 && name.back() == '/') name.pop_back();
+    name = fs::path(name).filename().string();
+    if (const std::optional<int64_t> named = step_number(name); named && saved_name(name, *named) && *named != m.step)
+      throw CheckpointError("checkpoint " + step_dir + " is named after step " + std::to_string(*named) +
+                            " but its meta.toml says step " + std::to_string(m.step) +
+                            " (a copy under another step's name?); give it the name of its step, " +
+                            fs::path(checkpoint_path(".", m.step)).filename().string() + ", or remove it");
     m.world = ranks("world", std::nullopt);
     m.tp = ranks("tp", std::nullopt);
     m.pp = ranks("pp", std::nullopt);

@@ -728,7 +728,7 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   } catch (const loom::train::CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("is at step 2, past run.steps = 1"), std::string::npos) << e.what();
   }
-  // A rank file of another step (meta.toml edited): refused naming both steps.
+  // meta.toml edited to another step than its directory's name: refused naming both.
   const std::string meta = loom::train::checkpoint_path(dir, 2) + "/meta.toml";
   std::string text;
   {
@@ -739,8 +739,15 @@ TEST(Checkpoint, AnotherModelIsRefusedNamingTheParameter) {
   ASSERT_NE(at, std::string::npos) << text;
   std::ofstream(meta) << text.substr(0, at) << "step = 1" << text.substr(at + 8);
   const std::string edited = refusal({"parallel.dp=2"});
-  EXPECT_NE(edited.find(" at step 2, but it is rank "), std::string::npos) << edited;  // either rank may report
-  EXPECT_NE(edited.find("whose meta.toml says step 1"), std::string::npos) << edited;
+  EXPECT_NE(edited.find("is named after step 2 but its meta.toml says step 1 (a copy under another step's name?)"),
+            std::string::npos)
+      << edited;
+  // The same under step 1's name: the rank files, which say step 2, are refused.
+  fs::rename(loom::train::checkpoint_path(dir, 2), loom::train::checkpoint_path(dir, 1));
+  const std::string files = refusal({"parallel.dp=2"});
+  EXPECT_NE(files.find(" at step 2, but it is rank "), std::string::npos) << files;  // either rank may report
+  EXPECT_NE(files.find("whose meta.toml says step 1"), std::string::npos) << files;
+  fs::rename(loom::train::checkpoint_path(dir, 1), loom::train::checkpoint_path(dir, 2));
   // meta.toml whose world is not its tp*cp*pp*dp: named as inconsistent.
   const size_t w = text.find("world = 2");
   ASSERT_NE(w, std::string::npos) << text;
