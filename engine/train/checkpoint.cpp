@@ -604,6 +604,41 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
   return out;
 }
 
+std::vector<std::string> schedule_changes(const std::string& step_dir, const std::string& manifest_toml) {
+  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
+  boost::system::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return {};
+  TwoManifests m;
+  try {
+    m = parse_manifests(path, manifest_toml);
+  } catch (const toml::parse_error&) {
+    return {};  // refused, naming the file, where the model is compared
+  }
+  // A key a checkpoint from before it was added lacks had its default's meaning.
+  const std::pair<const char*, const char*> keys[] = {
+      {"optimizer.lr", ""},           {"optimizer.min_lr", ""},
+      {"optimizer.warmup_steps", ""}, {"optimizer.decay_style", "'cosine'"},
+      {"optimizer.wsd_decay_steps", "0"}, {"optimizer.wsd_decay_style", "'exponential'"}};
+  std::vector<std::string> out;
+  for (const auto& [key, absent] : keys) {
+    std::string was = value_text(m.saved, key);
+    if (was.empty()) was = absent;
+    const std::string now = value_text(m.now, key);
+    if (was != now) out.push_back(std::string(key) + ": " + (was.empty() ? "(unset)" : was) + " -> " + now);
+  }
+  // Where the decay ends: decay_steps, or run.steps when it is 0 (so a longer run
+  // stretches a schedule that followed the run's length).
+  auto decay_end = [](const toml::table& t) {
+    const int64_t decay = t.at_path("optimizer.decay_steps").value_or(int64_t{0});
+    return decay > 0 ? decay : t.at_path("run.steps").value_or(int64_t{0});
+  };
+  if (const int64_t was = decay_end(m.saved), now = decay_end(m.now); was != now)
+    out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was) +
+                  " -> " + std::to_string(now) + " (set optimizer.decay_steps to keep one schedule over runs of other "
+                  "lengths)");
+  return out;
+}
+
 void require_same_model(const std::string& step_dir, const std::string& manifest_toml) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;

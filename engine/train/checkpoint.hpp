@@ -62,6 +62,11 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
 // now" each (empty for a checkpoint without its manifest). A resume with them changed
 // is allowed (a new data mix, say) but is not the uninterrupted run: it is said.
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml);
+// Likewise the learning-rate schedule (optimizer.lr, min_lr, warmup_steps, the decay
+// style and where the decay ends): "key: was -> now" each. Allowed (annealing a wsd
+// run from a constant one changes it on purpose), and said: raising run.steps with
+// decay_steps = 0 moves the decay's end, as Megatron-LM's scheduler check would refuse.
+std::vector<std::string> schedule_changes(const std::string& step_dir, const std::string& manifest_toml);
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);

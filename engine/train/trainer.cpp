@@ -441,10 +441,14 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
-  if (resume && options.log)
+  if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
       *options.log << "resume: warning: " << change << " since the checkpoint: the samples after it are not "
                    << "those the interrupted run would have read" << std::endl;
+    for (const std::string& change : schedule_changes(resume->dir, run.manifest_toml))
+      *options.log << "resume: warning: the learning-rate schedule changed since the checkpoint, " << change
+                   << ": the steps after it do not follow the interrupted run's schedule" << std::endl;
+  }
   run.result.start_step = run.start_step;
   run.result.final_step = run.start_step;  // a stop before any step trained
   if (!resume && !config.checkpoint.init_weights.empty()) {

@@ -881,12 +881,14 @@ TEST(Checkpoint, AStepNameTakenByAFileIsRefusedBeforeTraining) {
 TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   const std::string dir = loom::testing::scratch_dir("data-change");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  run_and_trace(tiny_manifest(), {"run.steps=2", ck});
-  auto resumed_log = [&](std::vector<std::string> o) {
+  run_and_trace(tiny_manifest(), {"run.steps=2", "optimizer.decay_steps=4", ck});
+  auto resumed_log = [&](const std::vector<std::string>& changes) {
     loom::train::TrainOptions opts;
     opts.resume = true;
     std::ostringstream log;
     opts.log = &log;
+    std::vector<std::string> o = {"optimizer.decay_steps=4"};
+    o.insert(o.end(), changes.begin(), changes.end());
     o.insert(o.end(), {"run.steps=3", ck});
     run_and_trace(tiny_manifest(), o, opts);
     fs::remove_all(loom::train::checkpoint_path(dir, 3));
@@ -896,6 +898,17 @@ TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   EXPECT_NE(changed.find("resume: warning: run.seed: 7 -> 99 since the checkpoint"), std::string::npos) << changed;
   const std::string same = resumed_log({});
   EXPECT_EQ(same.find("resume: warning"), std::string::npos) << same;
+  // The learning-rate schedule likewise: raising run.steps moves a decay that ends at
+  // run.steps (decay_steps = 0); another style changes it outright.
+  const std::string stretched = resumed_log({"optimizer.decay_steps=0"});
+  EXPECT_NE(stretched.find("resume: warning: the learning-rate schedule changed since the checkpoint, the decay's end "
+                           "(optimizer.decay_steps, or run.steps when it is 0): step 4 -> 3"),
+            std::string::npos)
+      << stretched;
+  const std::string style = resumed_log({"optimizer.decay_style=\"linear\""});
+  EXPECT_NE(style.find("optimizer.decay_style: 'cosine' -> 'linear': the steps after it do not follow"),
+            std::string::npos)
+      << style;
   fs::remove_all(dir);
 }
 
