@@ -112,7 +112,18 @@ int cmd_validate(int argc, char** argv) {
                               {"schedule", plan.schedule->key()},
                               {"expert_dispatcher", plan.expert ? plan.expert->key() : ""},
                               {"layers", layer_items}};
-      std::cout << runtime::dump_json({{"valid", true}, {"plan", p}, {"values", entries}}) << "\n";
+      // What the text form says as warnings: settings that change nothing, plugins that
+      // did not load, and a plan past what this machine's device offers a rank (which
+      // loom run refuses here; another machine may hold it).
+      ordered_json warnings = ordered_json::array();
+      for (const std::string& e : plan.plugin_load_errors) warnings.push_back(e);
+      for (const std::string& w : plan.warnings) warnings.push_back(w);
+      std::cout << runtime::dump_json({{"valid", true},
+                                       {"memory_problem", checked.memory_problem},
+                                       {"warnings", warnings},
+                                       {"plan", p},
+                                       {"values", entries}})
+                << "\n";
       return 0;
     }
     std::cout << "manifest: " << args.positionals()[0] << " is valid\n\nresolved values:\n";
@@ -166,7 +177,8 @@ int cmd_validate(int argc, char** argv) {
     for (const std::string& e : plan.plugin_load_errors) std::cout << "warning: " << e << "\n";
     for (const std::string& w : plan.warnings) std::cout << "warning: " << w << "\n";
     if (!checked.memory_problem.empty())
-      std::cout << "warning: " << checked.memory_problem << "; loom run refuses it (see loom plan)\n";
+      std::cout << "warning: " << checked.memory_problem << "; loom run refuses it on this machine (loom plan shows "
+                << "each rank's share)\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom validate: " << e.what() << "\n" << kUsage;

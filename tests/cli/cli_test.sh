@@ -150,7 +150,10 @@ big=(--set model.hidden_size=65536 --set model.num_heads=64 --set model.num_laye
 "$loom" run "$here/tiny.toml" "${big[@]}" > "$work/big.out" 2>&1
 rc=$?
 [ $rc -eq 1 ] && grep -q "GiB of memory" "$work/big.out" || fail "huge plan: exit $rc, $(tail -2 "$work/big.out")"
-"$loom" validate "$here/tiny.toml" "${big[@]}" 2>&1 | grep -q "warning: the plan needs" || fail "validate: no memory warning"
+"$loom" validate "$here/tiny.toml" "${big[@]}" 2>&1 | grep -q "warning: the plan needs .* loom run refuses it on this machine" \
+  || fail "validate: no memory warning"
+"$loom" validate "$here/tiny.toml" "${big[@]}" --json 2>&1 | grep -q '"memory_problem":"the plan needs' \
+  || fail "validate --json: no memory_problem"
 
 # 10. Options of a layer table no layer uses (MoE options on a dense model) change nothing:
 # validate, plan and run say so, naming where the value was set.
