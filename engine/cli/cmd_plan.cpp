@@ -351,7 +351,7 @@ int cmd_plan(int argc, char** argv) {
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
     const train::MemoryPlan& mp = checked.memory;
     const std::string& memory = checked.memory_problem;
-    if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it\n";
+    if (!memory.empty()) std::cerr << "warning: " << memory << "; loom run refuses it on this machine\n";
     for (const std::string& w : plan.warnings) std::cerr << "warning: " << w << "\n";
     if (args.get_int("--measure-blocks", 0) > plan.config.model.num_layers)
       throw UsageError("--measure-blocks " + std::to_string(args.get_int("--measure-blocks", 0)) +
@@ -412,6 +412,10 @@ int cmd_plan(int argc, char** argv) {
               << "  activations: at the schedule's peak, up to " << mp.microbatches_in_flight
               << " microbatch-chunk(s) in flight on a rank (estimate)"
               << (recomputes ? "; recomp: more while a recompute group runs its forward again in backward" : "")
+              << (plan.sizes.ep > 1 ? "\n  expert parallelism: the rows a rank's experts take depend on the routing; "
+                                      "planned as balanced (dropless, a skewed router can need up to ep x its "
+                                      "experts' rows: an expert capacity, model.layer.moe.capacity_factor, bounds them)"
+                                    : "")
               << "\n  work: the backward's hidden-state gradient buffers and each microbatch's tokens and targets, "
                  "held for the whole run, and the largest temporaries of one layer's forward or backward\n\n";
     std::cout << cell("rank", 5) << cell("tp", 3) << cell("cp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
