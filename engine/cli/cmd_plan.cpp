@@ -27,6 +27,7 @@
 #include <iomanip>
 #include <optional>
 #include <iostream>
+#include <map>
 #include <set>
 #include <string>
 
@@ -159,6 +160,23 @@ void save_profile(const Args& args, const train::ComputeProfile& p) {
 }
 
 // loom plan --perf --search: the layouts ranked.
+// --search --world W replaces the manifest's layout with each candidate's: a manifest
+// whose own layout cannot be (ep = 4 over dp = 2) still names the model, planned at
+// tp = cp = pp = 1 and dp = W when as written it is refused.
+train::RunPlan search_base(const Args& args) {
+  std::vector<std::string> sets = args.all("--set");
+  try {
+    return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());
+  } catch (const std::exception&) {
+    const long long world = args.get_int("--world", 1);
+    sets.insert(sets.end(), {"parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.vpp=1",
+                             "parallel.dp=" + std::to_string(world), "parallel.sequence_parallel=false",
+                             "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0",
+                             "pipeline.schedule=\"1f1b\""});
+    return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());
+  }
+}
+
 int print_search(const Args& args, const train::RunPlan& plan, bool json) {
   const long long asked = args.get_int("--world", plan.sizes.world);
   if (asked < 1 || asked > topology::kMaxWorld)
@@ -208,8 +226,23 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
               << cell(ms(s->embedding_s + s->grad_reduce_exposed_s + s->param_gather_exposed_s), 16)
               << cell(ms(s->pipeline_wait_s), 13) << cell(mib(c.most_bytes), 10) << "\n";
   }
-  if (!found.refused.empty()) std::cout << "\nnot possible:\n";
-  for (const train::LayoutChoice& c : found.refused) std::cout << "  " << c.name() << ": " << c.refused << "\n";
+  // Every refusal with --json; here the first few of each reason, and how many more.
+  if (!found.refused.empty()) std::cout << "\nnot possible (" << found.refused.size() << "):\n";
+  constexpr size_t kShownPerReason = 3, kReasonsShown = 20;
+  std::map<std::string, size_t> per_reason;
+  size_t left_out = 0;
+  for (const train::LayoutChoice& c : found.refused) {
+    size_t& shown = per_reason[c.refused];
+    if (shown < kShownPerReason && (shown > 0 || per_reason.size() <= kReasonsShown)) {
+      std::cout << "  " << c.name() << ": " << c.refused << "\n";
+      ++shown;
+    } else {
+      ++left_out;
+    }
+  }
+  if (left_out > 0)
+    std::cout << "  ... and " << left_out << " more (at most " << kShownPerReason << " a reason shown; --json lists "
+              << "every one)\n";
   if (found.ranked.empty()) {
     std::cerr << "loom plan: no layout of " << world << " rank(s) can run this model (the reasons above)\n";
     return 1;
@@ -346,8 +379,10 @@ int cmd_plan(int argc, char** argv) {
     if (search && args.has("--save-profile")) throw UsageError("--save-profile saves one layout's measurement, not --search's");
     if (args.has("--world") && !search) throw UsageError("--world goes with --search");
     if (search && args.has("--check")) throw UsageError("--check measures one layout; --search ranks many");
-    train::RunPlan plan =
-        train::make_plan(manifest::Manifest::load(args.positionals()[0], args.all("--set")), plugins::registry());
+    train::RunPlan plan = search && args.has("--world") ? search_base(args)
+                                                         : train::make_plan(manifest::Manifest::load(
+                                                                                args.positionals()[0], args.all("--set")),
+                                                                            plugins::registry());
     const train::Preflight checked = train::preflight(plan, plan.sizes.world);
     const train::MemoryPlan& mp = checked.memory;
     const std::string& memory = checked.memory_problem;

@@ -19,12 +19,16 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
-std::vector<std::string> layout_overrides(const LayoutChoice& c) {
+// A candidate's settings over the manifest's: its sizes, and an even pipeline split
+// but where it has the manifest's own pipeline (pp and vpp), whose split (uneven first
+// and last chunks) it keeps with the manifest's schedule.
+std::vector<std::string> layout_overrides(const LayoutChoice& c, const RunPlan& plan) {
   std::vector<std::string> sets = {"parallel.tp=" + std::to_string(c.tp), "parallel.cp=" + std::to_string(c.cp),
                                    "parallel.pp=" + std::to_string(c.pp), "parallel.dp=" + std::to_string(c.dp),
                                    "parallel.vpp=" + std::to_string(c.vpp),
-                                   std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false"),
-                                   "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"};
+                                   std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false")};
+  if (c.pp == plan.sizes.pp && c.vpp == plan.config.parallel.vpp) return sets;
+  sets.insert(sets.end(), {"pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"});
   sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
   return sets;
 }
@@ -52,7 +56,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
   std::map<std::tuple<int, int, bool, int64_t>, ComputeProfile> profiles;
   std::map<std::tuple<int, int, bool, int64_t>, std::string> unmeasurable;  // why measuring failed
   auto consider = [&](LayoutChoice c) {
-    c.overrides = layout_overrides(c);
+    c.overrides = layout_overrides(c, plan);
     try {
       if (given != nullptr && (given->tp != c.tp || given->cp != c.cp))
         throw loom::Error("--profile was measured at tp " + std::to_string(given->tp) + ", cp " +
@@ -90,6 +94,7 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
       out.refused.push_back(std::move(c));
     }
   };
+  std::vector<LayoutChoice> candidates;
   for (const int tp : divisors(world))
     for (const int cp : divisors(world / tp))
       for (const int pp : divisors(world / (tp * cp)))
@@ -102,8 +107,18 @@ LayoutSearch search_layouts(const RunPlan& plan, int world, const LinkModel& lin
             c.dp = world / (tp * cp * pp);
             c.vpp = vpp;
             c.sp = sp;
-            consider(std::move(c));
+            candidates.push_back(c);
           }
+  // A world of many divisors has many layouts (720720: about 330,000), each planned:
+  // say how far it is.
+  const size_t step = std::max<size_t>(1000, candidates.size() / 10);
+  if (progress && candidates.size() >= step)
+    progress("planning " + std::to_string(candidates.size()) + " layouts of " + std::to_string(world) + " ranks");
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (progress && i > 0 && i % step == 0)
+      progress("planned " + std::to_string(i) + " of " + std::to_string(candidates.size()) + " layouts");
+    consider(std::move(candidates[i]));
+  }
   std::stable_sort(out.ranked.begin(), out.ranked.end(), [](const LayoutChoice& a, const LayoutChoice& b) {
     return a.estimate.step_s < b.estimate.step_s;
   });

@@ -330,6 +330,39 @@ int plan_cli(std::vector<std::string> words, std::string* out) {
   return rc;
 }
 
+// --search keeps what the manifest says of its own pipeline (an uneven split, valid at
+// its pp), and with --world takes a manifest whose own layout cannot be (ep 4 over one
+// dp rank) for the model it names: the search replaces the layout anyway.
+TEST(PerfModel, SearchKeepsTheManifestsPipelineSplitAndReplacesALayoutThatCannotBe) {
+  const std::string dir = loom::testing::scratch_dir("perf_search");
+  const std::string path = dir + "/tiny.toml";
+  std::ofstream(path) << tiny_manifest();
+  std::string out;
+  ASSERT_EQ(plan_cli({path, "--perf", "--search", "--world", "4", "--json", "--set", "model.num_layers=6", "--set",
+                      "parallel.pp=4", "--set", "parallel.dp=1", "--set", "pipeline.first_chunk_layers=1", "--set",
+                      "pipeline.last_chunk_layers=1"},
+                     &out),
+            0)
+      << out << last_stderr();
+  nlohmann::ordered_json tree = loom::testing::json_line(out);
+  bool own = false;
+  for (const auto& r : tree.at("ranked")) own = own || (r.at("pp") == 4 && r.at("vpp") == 1);
+  EXPECT_TRUE(own) << "the manifest's own layout (chunks 1, 2, 2, 1) was refused: " << out;
+
+  const std::vector<std::string> moe = {"--set", "model.block=[\"attention\", \"moe\"]", "--set",
+                                        "model.layer.moe.num_experts=4", "--set", "parallel.ep=4", "--set",
+                                        "parallel.dp=1", "--set", "model.num_layers=2"};
+  std::vector<std::string> words = {path, "--perf", "--search", "--world", "4", "--json"};
+  words.insert(words.end(), moe.begin(), moe.end());
+  ASSERT_EQ(plan_cli(words, &out), 0) << out << last_stderr();
+  tree = loom::testing::json_line(out);
+  ASSERT_FALSE(tree.at("ranked").empty()) << out;
+  for (const auto& r : tree.at("ranked")) EXPECT_EQ(r.at("dp").get<int>() * r.at("cp").get<int>() % 4, 0) << r.dump();
+  words.erase(words.begin() + 3, words.begin() + 5);  // without --world: the manifest's own layout, refused
+  EXPECT_EQ(plan_cli(words, &out), 1);
+  EXPECT_NE((out + last_stderr()).find("parallel.ep (4) must divide"), std::string::npos) << out << last_stderr();
+}
+
 TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   const std::string dir = loom::testing::scratch_dir("perf_cli");
   const std::string path = dir + "/tiny.toml";
