@@ -48,12 +48,13 @@ constexpr const char* kUsage =
 
 constexpr long long kMaxCount = 1LL << 48;
 
-long long parse_count(const std::string& text, const std::string& what, long long min) {
+long long parse_count(const std::string& text, const std::string& what, long long min, long long max = kMaxCount) {
   errno = 0;
   char* end = nullptr;
   const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE || v < min || v > kMaxCount)
-    throw UsageError(what + " must be an integer from " + std::to_string(min) + " to " + std::to_string(kMaxCount) + " (2^48), got '" + text + "'");
+  if (text.empty() || *end != '\0' || errno == ERANGE || v < min || v > max)
+    throw UsageError(what + " must be an integer from " + std::to_string(min) + " to " + std::to_string(max) +
+                     (max == kMaxCount ? " (2^48)" : "") + ", got '" + text + "'");
   return v;
 }
 
@@ -156,9 +157,7 @@ int cmd_optimizer_layout(int argc, char** argv) {
     if (!a.has("--param-numels")) throw UsageError("--param-numels is required");
     if (!a.has("--dp")) throw UsageError("--dp is required");
     numels = parse_numels(*a.get("--param-numels"));
-    const long long d = parse_count(*a.get("--dp"), "--dp", 1);
-    if (d > 1'000'000) throw UsageError("--dp must be at most 1000000, got " + std::to_string(d));
-    dp = static_cast<int>(d);
+    dp = static_cast<int>(parse_count(*a.get("--dp"), "--dp", 1, 1'000'000));
     if (auto b = a.get("--bucket-size")) bucket_size = static_cast<size_t>(parse_count(*b, "--bucket-size", 0));
     json = a.flag("--json");
   } catch (const UsageError& e) {
