@@ -452,7 +452,7 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
   auto number = [&](const char* name, double lo) {
     const nlohmann::ordered_json& v = field(name);
     if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < lo)
-      throw loom::Error(std::string("compute profile: \"") + name + "\" must be a number >= " + std::to_string(lo));
+      throw loom::Error(std::string("compute profile: \"") + name + "\" must be a number >= " + short_number(lo));
     return v.get<double>();
   };
   // Times of one microbatch or step: beyond a day is a file edited by hand, not a measurement.
@@ -462,29 +462,34 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
                                      " s, beyond any measured step");
     return v;
   };
-  auto count = [&](const char* name, double lo) {
+  // Counts within what a manifest allows (the schema's bounds), so they fit an int.
+  auto count = [&](const char* name, double lo, double hi) {
     const double v = number(name, lo);
-    if (v != std::floor(v) || v > 1e15) throw loom::Error(std::string("compute profile: \"") + name + "\" must be a whole number");
+    if (v != std::floor(v) || v > hi)
+      throw loom::Error(std::string("compute profile: \"") + name + "\" must be a whole number from " +
+                        std::to_string(static_cast<long long>(lo)) + " to " + std::to_string(static_cast<long long>(hi)) +
+                        ", not " + short_number(v));
     return static_cast<int64_t>(v);
   };
+  constexpr double kRanks = 1 << 20, kThreads = 4096, kLayers = 1 << 16, kBatch = 1 << 30;
   ComputeProfile p;
   if (!field("device").is_string()) throw loom::Error("compute profile: \"device\" must be a string");
   p.device = j.at("device").get<std::string>();
-  p.tp = static_cast<int>(count("tp", 1));
-  p.cp = static_cast<int>(count("cp", 1));
-  p.dp = static_cast<int>(count("dp", 1));
-  p.threads = static_cast<int>(count("threads", 1));
-  p.micro_batch = count("micro_batch", 1);
-  p.microbatches = count("microbatches", 1);
+  p.tp = static_cast<int>(count("tp", 1, kRanks));
+  p.cp = static_cast<int>(count("cp", 1, kRanks));
+  p.dp = static_cast<int>(count("dp", 1, kRanks));
+  p.threads = static_cast<int>(count("threads", 1, kThreads));
+  p.micro_batch = count("micro_batch", 1, kBatch);
+  p.microbatches = count("microbatches", 1, kBatch);
   p.forward_fixed_s = seconds("forward_fixed_s");
   p.forward_flops_s = seconds("forward_flops_s");
   p.backward_fixed_s = seconds("backward_fixed_s");
   p.backward_flops_s = seconds("backward_flops_s");
   p.layer_flops = number("layer_flops", 0);
-  p.layers = static_cast<int>(count("layers", 1));
+  p.layers = static_cast<int>(count("layers", 1, 1 << 24));
   if (j.contains("distinct_layer_flops")) {  // absent from profiles written before
-    p.blocks = count("blocks", 1);
-    p.model_blocks = count("model_blocks", 1);
+    p.blocks = count("blocks", 1, kLayers);
+    p.model_blocks = count("model_blocks", 1, kLayers);
     const nlohmann::ordered_json& d = j.at("distinct_layer_flops");
     if (!d.is_array() || d.empty()) throw loom::Error("compute profile: \"distinct_layer_flops\" must be a list of numbers");
     for (const auto& f : d) {
@@ -513,9 +518,9 @@ ComputeProfile profile_from_json(const nlohmann::ordered_json& j) {
     }
   }
   p.optimizer_s = seconds("optimizer_s");
-  p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0));
+  p.buffer_elements = static_cast<size_t>(count("buffer_elements", 0, 281474976710656.0));
   p.other_s = seconds("other_s");
-  p.runs = static_cast<int>(count("runs", 0));
+  p.runs = static_cast<int>(count("runs", 0, kRanks));
   p.wall_s = number("wall_s", 0);
   const nlohmann::ordered_json& comm = field("layer_comm");
   const nlohmann::ordered_json& comm_s = field("layer_comm_s");

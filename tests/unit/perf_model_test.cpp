@@ -423,6 +423,11 @@ TEST(PerfModel, PlanPerfPrintsTheEstimateAndSearchRanksTheLayouts) {
   std::ofstream(dir + "/bad.json") << "{\"loom_compute_profile\": 1, \"device\": \"cpu\", \"tp\": -1}";
   EXPECT_EQ(plan_cli({path, "--perf", "--profile", dir + "/bad.json"}, &out), 1);
   EXPECT_NE(last_stderr().find("\"tp\" must be"), std::string::npos) << last_stderr();
+  // A count past what a manifest allows (it was cast to int): refused with its range.
+  std::ofstream(dir + "/huge.json") << "{\"loom_compute_profile\": 1, \"device\": \"cpu\", \"tp\": 1e12}";
+  EXPECT_EQ(plan_cli({path, "--perf", "--profile", dir + "/huge.json"}, &out), 1);
+  EXPECT_NE(last_stderr().find("\"tp\" must be a whole number from 1 to 1048576, not 1e+12"), std::string::npos)
+      << last_stderr();
   EXPECT_EQ(plan_cli({path, "--perf", "--profile", prof, "--save-profile", prof}, &out), 2);
 
   EXPECT_EQ(plan_cli({path, "--search"}, &out), 2) << "--search without --perf";
