@@ -111,4 +111,10 @@ struct RunConfig {
   static RunConfig from(const Manifest& m);
 };
 
+// The step the learning-rate decay ends at: optimizer.decay_steps, or run.steps when it
+// is 0 (so a schedule of decay_steps = 0 follows the run's length).
+inline int64_t decay_end_step(int64_t decay_steps, int64_t run_steps) {
+  return decay_steps > 0 ? decay_steps : run_steps;
+}
+
 }  // namespace loom::manifest

@@ -1,6 +1,7 @@
 // The engine schema (every core key) and the cross-key rules.
 #include "engine/manifest/schema.hpp"
 
+#include "engine/manifest/run_config.hpp"
 #include "engine/topology/layer_split.hpp"
 #include "engine/topology/rank_groups.hpp"
 
@@ -199,7 +200,7 @@ std::vector<KeySpec> build() {
   v.push_back(s("optimizer.decay_style", "cosine",
                 "the learning rate after the warmup (Megatron's --lr-decay-style): \"cosine\" or \"linear\" from lr "
                 "to min_lr at decay_steps; \"constant\" stays at lr; \"inverse-square-root\" is lr * "
-                "sqrt(warmup_steps / step), at least min_lr; \"wsd\" (warmup-stable-decay) stays at lr until the "
+                "sqrt(max(warmup_steps, 1) / step), at least min_lr; \"wsd\" (warmup-stable-decay) stays at lr until the "
                 "last wsd_decay_steps before decay_steps, then decays to min_lr (wsd_decay_style); every style "
                 "but constant is min_lr after decay_steps",
                 {"cosine", "linear", "constant", "inverse-square-root", "wsd"}));
@@ -654,11 +655,12 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                S(I("model.num_layers")) + ")");
   // The learning-rate schedule (Megatron's OptimizerParamScheduler asserts the same):
   // a decay that ends above its start, or ends before the warmup does, is no schedule.
-  if (usable({"optimizer.lr", "optimizer.min_lr"}) && m.get_float("optimizer.min_lr") > m.get_float("optimizer.lr"))
+  const bool decays = usable({"optimizer.decay_style"}) && m.get_string("optimizer.decay_style") != "constant";
+  if (decays && usable({"optimizer.lr", "optimizer.min_lr"}) &&
+      m.get_float("optimizer.min_lr") > m.get_float("optimizer.lr"))
     report({"optimizer.min_lr", "optimizer.lr"},
            "optimizer.min_lr (" + G(m.get_float("optimizer.min_lr")) + ") is more than optimizer.lr (" +
                G(m.get_float("optimizer.lr")) + "): the decay would raise the learning rate");
-  const bool decays = usable({"optimizer.decay_style"}) && m.get_string("optimizer.decay_style") != "constant";
   if (decays && usable({"optimizer.warmup_steps", "optimizer.decay_steps"}) && I("optimizer.decay_steps") > 0 &&
       I("optimizer.decay_steps") <= I("optimizer.warmup_steps"))
     report({"optimizer.decay_steps", "optimizer.warmup_steps"},
@@ -668,7 +670,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   if (usable({"optimizer.decay_style", "optimizer.wsd_decay_steps", "optimizer.warmup_steps",
               "optimizer.decay_steps", "run.steps"}) &&
       m.get_string("optimizer.decay_style") == "wsd") {
-    const int64_t decay_end = I("optimizer.decay_steps") > 0 ? I("optimizer.decay_steps") : I("run.steps");
+    const int64_t decay_end = decay_end_step(I("optimizer.decay_steps"), I("run.steps"));
     const int64_t room = decay_end - I("optimizer.warmup_steps");
     const int64_t wsd = I("optimizer.wsd_decay_steps");
     if (wsd < 1 || wsd > room)

@@ -14,6 +14,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -173,27 +174,51 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
   return steps.back();
 }
 
-std::vector<std::string> prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
-                                           std::vector<std::string>* failed) {
-  std::vector<std::string> removed;
-  if (keep_last <= 0) return removed;
+CheckpointPruner::CheckpointPruner(std::string dir, int64_t keep_last) : dir_(std::move(dir)), keep_last_(keep_last) {}
+
+CheckpointPruner::~CheckpointPruner() { finish(); }
+
+void CheckpointPruner::finish() {
+  if (removing_.joinable()) removing_.join();
+}
+
+std::vector<std::string> CheckpointPruner::prune(int64_t saved_step, std::vector<std::string>* failed) {
+  std::vector<std::string> pruned;
+  if (keep_last_ <= 0) return pruned;
+  finish();  // the last pruning's files gone first
   std::vector<int64_t> older;
-  for (const int64_t step : complete_checkpoints(dir, nullptr))
+  for (const int64_t step : complete_checkpoints(dir_, nullptr))
     if (step < saved_step) older.push_back(step);
-  const size_t keep_older = static_cast<size_t>(std::min<int64_t>(keep_last - 1, static_cast<int64_t>(older.size())));
+  const size_t keep_older = static_cast<size_t>(std::min<int64_t>(keep_last_ - 1, static_cast<int64_t>(older.size())));
+  std::vector<std::string> aside;
   for (size_t i = 0; i + keep_older < older.size(); ++i) {
-    // Out of its name first, so a stop halfway through removing it never leaves a
-    // step_N that looks whole; clear_unfinished_saves removes what a dead run left.
-    const std::string path = checkpoint_path(dir, older[i]);
-    const std::string aside =
-        (fs::path(dir) / (".removing-" + fs::path(path).filename().string() + "-" + run_id())).string();
+    // Out of its name at once, so a stop while its files go never leaves a step_N that
+    // looks whole; clear_unfinished_saves removes what a stopped run left.
+    const std::string path = checkpoint_path(dir_, older[i]);
+    const std::string moved = (fs::path(dir_) / (".removing-" + fs::path(path).filename().string() + "-" +
+                                                 std::to_string(::getpid())))
+                                  .string();
     boost::system::error_code ec;
-    fs::rename(path, aside, ec);
-    if (!ec) fs::remove_all(aside, ec);
-    if (ec && failed) failed->push_back(path + " (" + ec.message() + ")");
-    if (!ec) removed.push_back(path);
+    fs::rename(path, moved, ec);
+    if (ec) {
+      if (failed) failed->push_back(path + " (" + ec.message() + ")");
+      continue;
+    }
+    aside.push_back(moved);
+    pruned.push_back(path);
   }
-  return removed;
+  // The files go on a thread of their own: deleting a large checkpoint on a slow file
+  // system would hold rank 0 while the other ranks wait in the next step's collectives.
+  if (!aside.empty())
+    removing_ = std::thread([aside = std::move(aside)] {
+      for (const std::string& p : aside) {
+        boost::system::error_code ec;
+        fs::remove_all(p, ec);
+        if (ec) LOG(WARNING) << "checkpoint.keep_last: could not remove " << p << " (" << ec.message()
+                             << "); the next run on this checkpoint.dir removes it";
+      }
+    });
+  return pruned;
 }
 
 std::string named_checkpoint(const std::string& path, std::vector<std::string>* skipped) {
@@ -279,8 +304,15 @@ void clear_unfinished_saves(const std::string& dir) {
   for (const auto& e : fs::directory_iterator(dir, ec)) entries.push_back(e.path());
   for (const fs::path& path : entries) {
     const std::string name = path.filename().string();
-    const bool removing = name.rfind(".removing-step_", 0) == 0;  // a pruned step (checkpoint.keep_last)
-    const bool unfinished = removing || name.rfind(".tmp-step_", 0) == 0;
+    // A pruned step (checkpoint.keep_last) whose removal did not finish: only the
+    // holder of this directory's lock prunes, and that is this process now.
+    if (name.rfind(".removing-step_", 0) == 0) {
+      boost::system::error_code rm;
+      fs::remove_all(path, rm);
+      LOG(INFO) << "checkpoint.dir: removed " << path.string() << ", a pruned checkpoint a stopped run left";
+      continue;
+    }
+    const bool unfinished = name.rfind(".tmp-step_", 0) == 0;
     const size_t old = name.rfind(".old-");
     if (!unfinished && (name.rfind("step_", 0) != 0 || old == std::string::npos)) continue;
     const size_t dash = name.rfind('-');
@@ -301,8 +333,7 @@ void clear_unfinished_saves(const std::string& dir) {
     }
     fs::remove_all(path, rm);
     LOG(INFO) << "checkpoint.dir: removed " << path.string()
-              << (removing ? ", a pruned checkpoint" : unfinished ? ", an unfinished save" : ", a step saved again since")
-              << " of process " << pid
+              << (unfinished ? ", an unfinished save" : ", a step saved again since") << " of process " << pid
               << ", which no longer runs";
   }
 }
@@ -571,6 +602,19 @@ struct TwoManifests {
 TwoManifests parse_manifests(const std::string& saved_path, const std::string& manifest_toml) {
   return {toml::parse_file(saved_path), toml::parse(manifest_toml)};
 }
+// The same for what a resume only remarks on: nullopt when the checkpoint has no
+// manifest.toml (an older format) or one that does not parse (refused, naming the
+// file, where the model is compared).
+std::optional<TwoManifests> manifests_to_compare(const std::string& step_dir, const std::string& manifest_toml) {
+  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
+  boost::system::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return std::nullopt;
+  try {
+    return parse_manifests(path, manifest_toml);
+  } catch (const toml::parse_error&) {
+    return std::nullopt;
+  }
+}
 
 // A key's value as TOML text, "" where the table has none.
 std::string value_text(const toml::table& t, const std::string& key) {
@@ -582,15 +626,9 @@ std::string value_text(const toml::table& t, const std::string& key) {
 }  // namespace
 
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml) {
-  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
-  boost::system::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return {};
-  TwoManifests m;
-  try {
-    m = parse_manifests(path, manifest_toml);
-  } catch (const toml::parse_error&) {
-    return {};  // refused, naming the file, where the model is compared
-  }
+  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, manifest_toml);
+  if (!both) return {};
+  const TwoManifests& m = *both;
   std::set<std::string> keys = {"run.seed"};
   for (const toml::table* t : {m.saved.at_path("data").as_table(), m.now.at_path("data").as_table()})
     if (t != nullptr)
@@ -605,34 +643,36 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
 }
 
 std::vector<std::string> schedule_changes(const std::string& step_dir, const std::string& manifest_toml) {
-  const std::string path = (fs::path(step_dir) / "manifest.toml").string();
-  boost::system::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return {};
-  TwoManifests m;
-  try {
-    m = parse_manifests(path, manifest_toml);
-  } catch (const toml::parse_error&) {
-    return {};  // refused, naming the file, where the model is compared
-  }
-  // A key a checkpoint from before it was added lacks had its default's meaning.
-  const std::pair<const char*, const char*> keys[] = {
-      {"optimizer.lr", ""},           {"optimizer.min_lr", ""},
-      {"optimizer.warmup_steps", ""}, {"optimizer.decay_style", "'cosine'"},
-      {"optimizer.wsd_decay_steps", "0"}, {"optimizer.wsd_decay_style", "'exponential'"}};
+  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, manifest_toml);
+  if (!both) return {};
+  const TwoManifests& m = *both;
+  // What this run's style reads (a constant rate no decay, only wsd its wsd keys); a
+  // key a checkpoint from before it was added lacks had its default's meaning.
+  const std::string style = m.now.at_path("optimizer.decay_style").value_or(std::string("cosine"));
+  const bool decays = style != "constant", wsd = style == "wsd";
+  const struct {
+    const char* key;
+    const char* absent;
+    bool read;
+  } keys[] = {{"optimizer.lr", "", true},
+              {"optimizer.warmup_steps", "", true},
+              {"optimizer.decay_style", "'cosine'", true},
+              {"optimizer.min_lr", "", decays},
+              {"optimizer.wsd_decay_steps", "0", wsd},
+              {"optimizer.wsd_decay_style", "'exponential'", wsd}};
   std::vector<std::string> out;
-  for (const auto& [key, absent] : keys) {
-    std::string was = value_text(m.saved, key);
-    if (was.empty()) was = absent;
-    const std::string now = value_text(m.now, key);
-    if (was != now) out.push_back(std::string(key) + ": " + (was.empty() ? "(unset)" : was) + " -> " + now);
+  for (const auto& k : keys) {
+    if (!k.read) continue;
+    std::string was = value_text(m.saved, k.key);
+    if (was.empty()) was = k.absent;
+    const std::string now = value_text(m.now, k.key);
+    if (was != now) out.push_back(std::string(k.key) + ": " + (was.empty() ? "(unset)" : was) + " -> " + now);
   }
-  // Where the decay ends: decay_steps, or run.steps when it is 0 (so a longer run
-  // stretches a schedule that followed the run's length).
   auto decay_end = [](const toml::table& t) {
-    const int64_t decay = t.at_path("optimizer.decay_steps").value_or(int64_t{0});
-    return decay > 0 ? decay : t.at_path("run.steps").value_or(int64_t{0});
+    return manifest::decay_end_step(t.at_path("optimizer.decay_steps").value_or(int64_t{0}),
+                                    t.at_path("run.steps").value_or(int64_t{0}));
   };
-  if (const int64_t was = decay_end(m.saved), now = decay_end(m.now); was != now)
+  if (const int64_t was = decay_end(m.saved), now = decay_end(m.now); decays && was != now)
     out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was) +
                   " -> " + std::to_string(now) + " (set optimizer.decay_steps to keep one schedule over runs of other "
                   "lengths)");

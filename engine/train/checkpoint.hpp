@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <ostream>
 #include <optional>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -76,13 +77,29 @@ std::string checkpoint_path(const std::string& dir, int64_t step);
 std::vector<int64_t> complete_checkpoints(const std::string& dir, std::vector<std::string>* skipped = nullptr);
 // The highest of them, or nullopt when there is none.
 std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std::string>* skipped = nullptr);
-// checkpoint.keep_last (TorchTitan's keep_latest_k): after step `saved_step` is saved,
-// removes the complete checkpoints before it but the newest keep_last - 1 (none when
-// keep_last is 0); steps after it and step_N directories that are not complete
-// checkpoints are never touched. Returns the paths removed; those that could not be
-// go to `failed` as "<path> (<why>)" (the save itself stands).
-std::vector<std::string> prune_checkpoints(const std::string& dir, int64_t keep_last, int64_t saved_step,
-                                           std::vector<std::string>* failed);
+// checkpoint.keep_last (TorchTitan's keep_latest_k), by the holder of the directory's
+// lock (global rank 0's process): after step `saved_step` is saved, prune() takes the
+// complete checkpoints before it but the newest keep_last - 1 (none when keep_last is 0)
+// out of their step_N names at once and removes their files on a thread of its own,
+// joined before the next pruning and when the pruner goes (the run's end); steps after
+// the saved one and step_N directories that are not complete checkpoints are never
+// touched. Returns the step paths pruned; those that could not be moved go to `failed`
+// as "<path> (<why>)" (the save itself stands). A stop while files are being removed
+// leaves .removing-step_N-PID, which the next run's prepare_checkpoint_dir removes.
+class CheckpointPruner {
+ public:
+  CheckpointPruner(std::string dir, int64_t keep_last);
+  ~CheckpointPruner();
+  CheckpointPruner(const CheckpointPruner&) = delete;
+  CheckpointPruner& operator=(const CheckpointPruner&) = delete;
+  std::vector<std::string> prune(int64_t saved_step, std::vector<std::string>* failed);
+  void finish();  // waits for the files of the last pruning to be gone
+
+ private:
+  std::string dir_;
+  int64_t keep_last_ = 0;
+  std::thread removing_;
+};
 // The step directory a user's path names (`loom export`, `generate`, `eval`,
 // checkpoint.init_weights): the path itself when it holds meta.toml, else the newest
 // complete step of it as a checkpoint.dir (the step_* directories passed over go to

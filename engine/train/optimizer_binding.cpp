@@ -27,7 +27,7 @@ double decay_coefficient(const std::string& shape, double ratio) {
 double learning_rate(const manifest::RunConfig& config, int64_t step) {
   const manifest::RunConfig::Optimizer& o = config.optimizer;
   const int64_t warmup = o.warmup_steps;
-  const int64_t decay = o.decay_steps > 0 ? o.decay_steps : config.run.steps;
+  const int64_t decay = manifest::decay_end_step(o.decay_steps, config.run.steps);
   if (warmup > 0 && step <= warmup) return o.lr * static_cast<double>(step) / warmup;
   if (o.decay_style == "constant") return o.lr;
   if (step > decay) return o.min_lr;

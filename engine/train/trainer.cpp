@@ -51,6 +51,7 @@ struct Run {
   std::vector<pipeline::TraceEvent> trace_events;
   std::shared_ptr<const InitialWeights> init_weights;  // checkpoint.init_weights, read once for every rank
   std::shared_ptr<const InitialWeights> regathered;    // a resume at another layout: tensors and their state
+  std::unique_ptr<CheckpointPruner> pruner;            // checkpoint.keep_last, used by rank 0
 
   uint64_t samples_before(int64_t step) const {
     return train::samples_before(step, start_step, start_samples, plan.config.batch.global_batch_size);
@@ -222,8 +223,7 @@ void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
                                            evaluation_pending, run_.manifest_toml);
   if (!leader_) return;
   std::vector<std::string> failed;
-  const std::vector<std::string> removed = prune_checkpoints(config_.checkpoint.dir, config_.checkpoint.keep_last, step,
-                                                             &failed);
+  const std::vector<std::string> removed = run_.pruner->prune(step, &failed);
   if (run_.options.log) {
     for (const std::string& p : removed)
       *run_.options.log << "checkpoint.keep_last = " << config_.checkpoint.keep_last << ": removed " << p << std::endl;
@@ -449,6 +449,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       *options.log << "resume: warning: the learning-rate schedule changed since the checkpoint, " << change
                    << ": the steps after it do not follow the interrupted run's schedule" << std::endl;
   }
+  run.pruner = std::make_unique<CheckpointPruner>(ckpt_dir, config.checkpoint.keep_last);
   run.result.start_step = run.start_step;
   run.result.final_step = run.start_step;  // a stop before any step trained
   if (!resume && !config.checkpoint.init_weights.empty()) {

@@ -480,7 +480,8 @@ TEST(Checkpoint, KeepLastLeavesTheNewestSteps) {
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
   run_and_trace(tiny_manifest(), {"run.steps=8", "checkpoint.every=2", "checkpoint.keep_last=2", ck});
   EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{6, 8}));
-  const fs::path stale = fs::path(dir) / ".removing-step_00000004-4194305";  // above any pid_max
+  // What a stopped run left mid-removal, named by a process or (mpirun, srun) a job id.
+  const fs::path stale = fs::path(dir) / ".removing-step_00000004-777.0";
   fs::create_directories(stale / "sub");
   loom::train::TrainOptions resume;
   resume.resume = true;
@@ -506,14 +507,19 @@ TEST(Checkpoint, PruningTouchesOnlyCompleteStepsBeforeTheSavedOne) {
     if (step != 4) std::ofstream(fs::path(loom::train::checkpoint_path(dir, step)) / "meta.toml") << "step = 0\n";
   }
   std::vector<std::string> failed;
-  EXPECT_EQ(loom::train::prune_checkpoints(dir, 0, 3, &failed), std::vector<std::string>{}) << "0 keeps all";
-  const std::vector<std::string> removed = loom::train::prune_checkpoints(dir, 2, 3, &failed);
-  EXPECT_EQ(removed, std::vector<std::string>{loom::train::checkpoint_path(dir, 1)});
-  EXPECT_TRUE(failed.empty());
-  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 3, 5}));
+  EXPECT_EQ(loom::train::CheckpointPruner(dir, 0).prune(3, &failed), std::vector<std::string>{}) << "0 keeps all";
+  {
+    loom::train::CheckpointPruner pruner(dir, 2);
+    EXPECT_EQ(pruner.prune(3, &failed), std::vector<std::string>{loom::train::checkpoint_path(dir, 1)});
+    EXPECT_TRUE(failed.empty());
+    EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 3, 5})) << "out of its name at once";
+  }
   EXPECT_TRUE(fs::is_directory(loom::train::checkpoint_path(dir, 4))) << "an unfinished save was removed";
-  EXPECT_EQ(loom::train::prune_checkpoints(dir, 1, 5, &failed).size(), 2u);
-  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{5}));
+  {
+    loom::train::CheckpointPruner pruner(dir, 1);
+    EXPECT_EQ(pruner.prune(5, &failed).size(), 2u);
+    EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{5}));
+  }  // the pruner's end waits for the files
   for (const auto& e : fs::directory_iterator(dir))
     EXPECT_EQ(e.path().filename().string().rfind(".removing-", 0), std::string::npos) << e.path() << " left behind";
   fs::remove_all(dir);
@@ -909,6 +915,15 @@ TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   EXPECT_NE(style.find("optimizer.decay_style: 'cosine' -> 'linear': the steps after it do not follow"),
             std::string::npos)
       << style;
+  fs::remove_all(dir);
+  // A constant rate has no decay to move: a longer constant run changes nothing of it.
+  run_and_trace(tiny_manifest(), {"run.steps=2", "optimizer.decay_style=\"constant\"", ck});
+  loom::train::TrainOptions opts;
+  opts.resume = true;
+  std::ostringstream log;
+  opts.log = &log;
+  run_and_trace(tiny_manifest(), {"run.steps=3", "optimizer.decay_style=\"constant\"", ck}, opts);
+  EXPECT_EQ(log.str().find("resume: warning"), std::string::npos) << log.str();
   fs::remove_all(dir);
 }
 
