@@ -38,4 +38,8 @@ class Args {
   std::vector<std::string> positionals_;
 };
 
+// `word` as one word of a POSIX shell command line (single-quoted, a ' inside as '\''),
+// for the command lines the CLI prints for a user to run next.
+std::string shell_word(const std::string& word);
+
 }  // namespace loom::cli

@@ -71,4 +71,10 @@ long long Args::get_int(const std::string& name, long long fallback) const {
   return x;
 }
 
+std::string shell_word(const std::string& word) {
+  std::string out = "'";
+  for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
 }  // namespace loom::cli

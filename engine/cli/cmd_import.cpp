@@ -32,14 +32,8 @@ const char* kUsage =
 // relative one is made absolute here (the checkpoint's manifest.toml keeps it).
 std::string absolute(const std::string& path) { return boost::filesystem::absolute(path).lexically_normal().string(); }
 
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
+// A string as a TOML value (quotes, backslashes and control characters escaped).
+std::string toml_string(const std::string& s) { return manifest::to_toml_text(toml::value<std::string>(s)); }
 
 }  // namespace
 
@@ -64,8 +58,8 @@ int cmd_import(int argc, char** argv) {
     registry.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     std::vector<std::string> overrides = args.all("--set");
     // Last, so they win over the manifest's and the command line's own.
-    overrides.insert(overrides.end(), {"checkpoint.init_weights=" + quoted(source), "checkpoint.dir=" + quoted(out),
-                                       "checkpoint.keep_last=0"});
+    overrides.insert(overrides.end(), {"checkpoint.init_weights=" + toml_string(source),
+                                       "checkpoint.dir=" + toml_string(out), "checkpoint.keep_last=0"});
     const train::RunPlan plan = train::make_plan(manifest::Manifest::load(pos[1], overrides), registry);
     train::TrainOptions opts;
     opts.save_start_only = true;
@@ -77,9 +71,9 @@ int cmd_import(int argc, char** argv) {
     std::cout << "import: " << pos[0] << " -> " << r.checkpoint << " (world " << plan.sizes.world << ": tp "
               << plan.sizes.tp << ", pp " << plan.sizes.pp << ", dp " << plan.dp << ", cp " << plan.sizes.cp << ", ep "
               << plan.sizes.ep << "; " << plan.config.device.param_dtype << ")\n"
-              << "next: loom run " << pos[1];
-    for (const std::string& set : args.all("--set")) std::cout << " --set '" << set << "'";
-    std::cout << " --set 'checkpoint.dir=" << quoted(pos[2]) << "' --resume\n";
+              << "next: loom run " << shell_word(pos[1]);
+    for (const std::string& set : args.all("--set")) std::cout << " --set " << shell_word(set);
+    std::cout << " --set " << shell_word("checkpoint.dir=" + toml_string(out)) << " --resume\n";
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom import: " << e.what() << "\n" << kUsage;

@@ -163,17 +163,25 @@ void save_profile(const Args& args, const train::ComputeProfile& p) {
 // --search --world W replaces the manifest's layout with each candidate's: a manifest
 // whose own layout cannot be (ep = 4 over dp = 2) still names the model, planned at
 // tp = cp = pp = 1 and dp = W when as written it is refused.
+// Only a refusal of the layout alone (every problem on a parallel.* or pipeline.* key)
+// is set aside; any other, or one the neutral layout meets too, is the manifest's.
 train::RunPlan search_base(const Args& args) {
   std::vector<std::string> sets = args.all("--set");
   try {
     return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());
-  } catch (const std::exception&) {
+  } catch (const manifest::ManifestError& e) {
+    for (const manifest::Diagnostic& d : e.diagnostics())
+      if (d.key.rfind("parallel.", 0) != 0 && d.key.rfind("pipeline.", 0) != 0) throw;
     const long long world = args.get_int("--world", 1);
     sets.insert(sets.end(), {"parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.vpp=1",
                              "parallel.dp=" + std::to_string(world), "parallel.sequence_parallel=false",
                              "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0",
                              "pipeline.schedule=\"1f1b\""});
-    return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());
+    try {
+      return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());
+    } catch (const std::exception&) {
+      throw e;
+    }
   }
 }
 
@@ -241,15 +249,15 @@ int print_search(const Args& args, const train::RunPlan& plan, bool json) {
     }
   }
   if (left_out > 0)
-    std::cout << "  ... and " << left_out << " more (at most " << kShownPerReason << " a reason shown; --json lists "
-              << "every one)\n";
+    std::cout << "  ... and " << left_out << " more (the first " << kReasonsShown << " reasons, at most "
+              << kShownPerReason << " layouts each; --json lists every one)\n";
   if (found.ranked.empty()) {
     std::cerr << "loom plan: no layout of " << world << " rank(s) can run this model (the reasons above)\n";
     return 1;
   }
-  std::cout << "\nfastest: loom run " << args.positionals()[0];
-  for (const std::string& o : args.all("--set")) std::cout << " --set '" << o << "'";
-  for (const std::string& o : found.ranked.front().overrides) std::cout << " --set '" << o << "'";
+  std::cout << "\nfastest: loom run " << shell_word(args.positionals()[0]);
+  for (const std::string& o : args.all("--set")) std::cout << " --set " << shell_word(o);
+  for (const std::string& o : found.ranked.front().overrides) std::cout << " --set " << shell_word(o);
   std::cout << "\n";
   return 0;
 }

@@ -19,17 +19,17 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
-// A candidate's settings over the manifest's: its sizes, and an even pipeline split
-// but where it has the manifest's own pipeline (pp and vpp), whose split (uneven first
-// and last chunks) it keeps with the manifest's schedule.
+// A candidate's settings over the manifest's: its sizes, 1F1B (interleaved with virtual
+// stages) for every candidate alike, and an even pipeline split but where it has the
+// manifest's own pipeline (pp and vpp), whose split (uneven first and last chunks) it keeps.
 std::vector<std::string> layout_overrides(const LayoutChoice& c, const RunPlan& plan) {
   std::vector<std::string> sets = {"parallel.tp=" + std::to_string(c.tp), "parallel.cp=" + std::to_string(c.cp),
                                    "parallel.pp=" + std::to_string(c.pp), "parallel.dp=" + std::to_string(c.dp),
                                    "parallel.vpp=" + std::to_string(c.vpp),
                                    std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false")};
-  if (c.pp == plan.sizes.pp && c.vpp == plan.config.parallel.vpp) return sets;
-  sets.insert(sets.end(), {"pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"});
   sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
+  if (c.pp != plan.sizes.pp || c.vpp != plan.config.parallel.vpp)
+    sets.insert(sets.end(), {"pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"});
   return sets;
 }
 
