@@ -17,6 +17,8 @@ namespace loom::train {
 // computes it: linear warmup over optimizer.warmup_steps, then optimizer.decay_style
 // (cosine, linear, constant, inverse-square-root, wsd) towards optimizer.min_lr at
 // optimizer.decay_steps (0: run.steps), and min_lr after it (but for constant).
+// Update k uses the rate of step k; Megatron-LM steps its scheduler after each update,
+// so its update k uses the rate of step k - 1 (its first, init_lr: 0 with a warmup).
 double learning_rate(const manifest::RunConfig& config, int64_t step);
 
 class OptimizerBinding {
