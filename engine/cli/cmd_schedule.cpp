@@ -209,6 +209,16 @@ int cmd_schedule(int argc, char** argv) {
     const pipeline::PipelineOrders orders =
         pipeline::compute_orders(plugin, nullptr, pp, vpp, microbatches, group_size);
     const pipeline::Timeline timeline = pipeline::simulate(orders);
+    if (group_size > 0 && group_size != pp) {  // one the schedule does not read gives the default's orders
+      bool same = false;
+      try {
+        same = pipeline::compute_orders(plugin, nullptr, pp, vpp, microbatches, 0).order == orders.order;
+      } catch (const std::exception&) {
+      }
+      if (same)
+        std::cerr << "loom schedule: warning: --group-size " << group_size << " gives the same orders as 0 (pp) under "
+                  << orders.schedule << ": it changes nothing\n";
+    }
     if (!trace.empty()) pipeline::write_chrome_trace(trace, pipeline::trace_events(timeline));
     if (json)
       print_json(orders);

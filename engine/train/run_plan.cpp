@@ -200,6 +200,18 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
   return out;
 }
 
+// Whether the schedule's orders are those of the default group size (0: pp), as with
+// a schedule that does not read it (1F1B, GPipe); false when the default is refused.
+bool same_orders_as_default_group(const RunPlan& plan, const loom_options* schedule_options) {
+  try {
+    return pipeline::compute_orders(*plan.schedule, schedule_options, plan.sizes.pp, plan.config.parallel.vpp,
+                                    static_cast<int>(plan.microbatches), 0)
+               .order == plan.orders.order;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Schedule keys written in the manifest or by --set that the chosen decay style never
 // reads: wsd's keys under another style; min_lr and decay_steps under "constant".
 std::vector<std::string> schedule_settings_that_change_nothing(const manifest::Manifest& man,
@@ -447,6 +459,11 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp, config.parallel.vpp,
                                         static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
   pipeline::simulate(plan.orders);
+  if (config.pipeline.microbatch_group_size > 0 && plan.sizes.pp > 1 &&
+      same_orders_as_default_group(plan, schedule_opts.raw()))
+    plan.warnings.push_back(man.origin("pipeline.microbatch_group_size").str() + ": pipeline.microbatch_group_size = " +
+                            std::to_string(config.pipeline.microbatch_group_size) + " gives the same orders as 0 (pp) " +
+                            "under schedule " + plan.schedule->key() + ": it changes nothing");
   plan.blocks_per_chunk =
       topology::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
                                  config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers);

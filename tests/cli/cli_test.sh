@@ -100,6 +100,10 @@ timeout 20 "$loom" schedule --pp 50 --microbatches 100000 --trace "$work/keep.js
 "$loom" schedule --pp 2 --pp 3 --microbatches 4 > /dev/null 2> "$work/twice.err"
 [ $? -eq 2 ] && grep -q -- "--pp is given 2 times (2, 3); it takes one value" "$work/twice.err" \
   || fail "an option given twice: $(cat "$work/twice.err")"
+# A group size 1F1B does not read gives the default's orders: said, not echoed as if used.
+"$loom" schedule --pp 2 --microbatches 4 --group-size 3 > /dev/null 2> "$work/group.err"
+grep -q "warning: --group-size 3 gives the same orders as 0 (pp) under parallel/pipeline.1f1b" "$work/group.err" \
+  || fail "schedule --group-size under 1f1b: $(cat "$work/group.err")"
 
 # 6. Usage errors exit 2; --help exits 0.
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"

@@ -80,6 +80,13 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string constant = "optimizer.min_lr is where a decay ends; with optimizer.decay_style = \"constant\"";
   EXPECT_TRUE(warned({"optimizer.min_lr=1e-4", "optimizer.decay_style=\"constant\""}, constant));
   EXPECT_FALSE(warned({"optimizer.min_lr=1e-4"}, constant));
+  const std::string group = "pipeline.microbatch_group_size = 4 gives the same orders as 0 (pp) under schedule "
+                            "parallel/pipeline.1f1b: it changes nothing";
+  const std::vector<std::string> pp2 = {"parallel.pp=2", "parallel.dp=1", "pipeline.microbatch_group_size=4"};
+  EXPECT_TRUE(warned(pp2, group));
+  EXPECT_FALSE(warned(loom::testing::with_overrides(pp2, {"parallel.vpp=2", "pipeline.schedule=\"interleaved\"",
+                                                          "model.num_layers=4"}),
+                      "gives the same orders"));
   const std::string no_dir = "checkpoint.keep_last is set but checkpoint.dir is empty";
   EXPECT_TRUE(warned({"checkpoint.keep_last=2"}, no_dir));
   EXPECT_FALSE(warned({"checkpoint.keep_last=2", "checkpoint.dir=\"" + loom::testing::scratch_dir("kl") + "\""}, no_dir));
