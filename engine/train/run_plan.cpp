@@ -401,6 +401,16 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
+  auto written = [&](const char* key) { return man.origin(key).kind != manifest::Origin::Kind::Default; };
+  if (config.data.kind == "synthetic" && written("data.val_fraction"))
+    plan.warnings.push_back(man.origin("data.val_fraction").str() + ": data.val_fraction holds out a share of a "
+                            "file's tokens; data.kind = \"synthetic\" generates its validation problems apart, so it "
+                            "changes nothing");
+  if (config.data.kind != "synthetic")
+    for (const char* key : {"data.task", "data.digits"})
+      if (written(key))
+        plan.warnings.push_back(man.origin(key).str() + ": " + key + " shapes the synthetic task; with data.kind = \"" +
+                                config.data.kind + "\" it changes nothing");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

@@ -87,6 +87,9 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   EXPECT_FALSE(warned(loom::testing::with_overrides(pp2, {"parallel.vpp=2", "pipeline.schedule=\"interleaved\"",
                                                           "model.num_layers=4"}),
                       "gives the same orders"));
+  const std::string held_out = "data.val_fraction holds out a share of a file's tokens; data.kind = \"synthetic\"";
+  EXPECT_TRUE(warned({"data.val_fraction=0.2"}, held_out));
+  EXPECT_FALSE(warned({}, held_out));
   const std::string no_dir = "checkpoint.keep_last is set but checkpoint.dir is empty";
   EXPECT_TRUE(warned({"checkpoint.keep_last=2"}, no_dir));
   EXPECT_FALSE(warned({"checkpoint.keep_last=2", "checkpoint.dir=\"" + loom::testing::scratch_dir("kl") + "\""}, no_dir));
