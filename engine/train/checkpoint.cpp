@@ -14,7 +14,6 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
-#include <thread>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +23,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
@@ -102,9 +102,7 @@ std::optional<int64_t> step_number(const std::string& name) {
 bool saved_name(const std::string& name, int64_t step) {
   return fs::path(checkpoint_path(".", step)).filename().string() == name;
 }
-}  // namespace
 
-namespace {
 // Unique per run and the same in every process of it: under mpirun/srun each rank is
 // its own process and writes into the directory rank 0 prepared, so the job's id
 // stands in for the process id (and, not a process id, is never taken for a dead one).
