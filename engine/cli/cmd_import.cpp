@@ -30,7 +30,11 @@ const char* kUsage =
 
 // A path as the run's manifest must hold it: --set values are taken as written, so a
 // relative one is made absolute here (the checkpoint's manifest.toml keeps it).
-std::string absolute(const std::string& path) { return boost::filesystem::absolute(path).lexically_normal().string(); }
+std::string absolute(const std::string& path) {
+  boost::filesystem::path p = boost::filesystem::absolute(path).lexically_normal();
+  while (p.filename() == "." && p.has_parent_path()) p = p.parent_path();  // "dir/" reads as "dir/."
+  return p.string();
+}
 
 // A string as a TOML value (quotes, backslashes and control characters escaped).
 std::string toml_string(const std::string& s) { return manifest::to_toml_text(toml::value<std::string>(s)); }
@@ -51,6 +55,12 @@ int cmd_import(int argc, char** argv) {
     const std::string source = absolute(pos[0]), out = absolute(pos[2]);
     if (!boost::filesystem::is_directory(source))
       throw std::runtime_error(pos[0] + " is not a directory (a Hugging Face model directory or a loom checkpoint)");
+    // The checkpoint goes beside nothing of the source's: written into it, a Hugging
+    // Face directory would hold a loom checkpoint too, which init_weights refuses.
+    const boost::filesystem::path src(source), dst(out);
+    if (dst == src || dst.string().rfind(src.string() + "/", 0) == 0)
+      throw std::runtime_error(pos[2] + " is " + (dst == src ? "" : "inside ") + pos[0] +
+                               ", the source; import into a directory of its own");
     if (const std::optional<int64_t> step = train::latest_checkpoint(out))
       throw std::runtime_error(pos[2] + " holds checkpoints already (the newest " +
                                train::checkpoint_path(pos[2], *step) + "); import into a new or empty directory");

@@ -8,6 +8,7 @@
 #include "engine/model/param_init.hpp"
 #include "engine/topology/rank_groups.hpp"
 #include "engine/train/init_weights.hpp"
+#include "engine/train/optimizer_binding.hpp"
 
 #include <boost/filesystem.hpp>
 #include <glog/logging.h>
@@ -21,12 +22,14 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <fstream>
+#include <iomanip>
 #include <set>
 #include <sstream>
 #include <thread>
 #include <signal.h>
 #include <sys/file.h>
 #include <unistd.h>
+#include <utility>
 
 namespace loom::train {
 namespace {
@@ -176,14 +179,16 @@ CheckpointPruner::CheckpointPruner(std::string dir, int64_t keep_last) : dir_(st
 
 CheckpointPruner::~CheckpointPruner() { finish(); }
 
-void CheckpointPruner::finish() {
+std::vector<std::string> CheckpointPruner::finish() {
   if (removing_.joinable()) removing_.join();
+  return std::exchange(not_removed_, {});
 }
 
 std::vector<std::string> CheckpointPruner::prune(int64_t saved_step, std::vector<std::string>* failed) {
   std::vector<std::string> pruned;
   if (keep_last_ <= 0) return pruned;
-  finish();  // the last pruning's files gone first
+  for (std::string& f : finish())  // the last pruning's files gone first
+    if (failed) failed->push_back(std::move(f));
   std::vector<int64_t> older;
   for (const int64_t step : complete_checkpoints(dir_, nullptr))
     if (step < saved_step) older.push_back(step);
@@ -208,12 +213,11 @@ std::vector<std::string> CheckpointPruner::prune(int64_t saved_step, std::vector
   // The files go on a thread of their own: deleting a large checkpoint on a slow file
   // system would hold rank 0 while the other ranks wait in the next step's collectives.
   if (!aside.empty())
-    removing_ = std::thread([aside = std::move(aside)] {
+    removing_ = std::thread([this, aside = std::move(aside)] {
       for (const std::string& p : aside) {
         boost::system::error_code ec;
         fs::remove_all(p, ec);
-        if (ec) LOG(WARNING) << "checkpoint.keep_last: could not remove " << p << " (" << ec.message()
-                             << "); the next run on this checkpoint.dir removes it";
+        if (ec) not_removed_.push_back(p + " (" + ec.message() + ")");
       }
     });
   return pruned;
@@ -253,11 +257,12 @@ CheckpointDirLock::~CheckpointDirLock() {
 }
 
 namespace {
-void clear_unfinished_saves(const std::string& dir);
+void clear_unfinished_saves(const std::string& dir, std::vector<std::string>& warnings);
 void probe_writable(const std::string& dir);
 }  // namespace
 
-void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock) {
+std::vector<std::string> prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock) {
+  std::vector<std::string> warnings;
   boost::system::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
     throw CheckpointError("checkpoint.dir " + dir + " exists and is not a directory; name a directory for the "
@@ -268,7 +273,7 @@ void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirL
                           "; checkpoints would fail only after training");
   if (lock != nullptr) {
     lock->emplace(dir);  // before touching what another run may be writing
-    clear_unfinished_saves(dir);
+    clear_unfinished_saves(dir, warnings);
   }
   // A step's name taken by something a save cannot replace whole (a file, a dangling or
   // looping link) failed that save only after training to it, or replaced a file.
@@ -286,11 +291,12 @@ void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirL
                             "): a save of step " + std::to_string(step) + " would fail or replace it; move it away");
   }
   probe_writable(dir);
+  return warnings;
 }
 
 namespace {
 
-void clear_unfinished_saves(const std::string& dir) {
+void clear_unfinished_saves(const std::string& dir, std::vector<std::string>& warnings) {
   boost::system::error_code ec;
   // Temporary directories of saves that never finished (a crash, a full disk) go first:
   // on a full disk they are what the probe below would fail for.
@@ -307,7 +313,11 @@ void clear_unfinished_saves(const std::string& dir) {
     if (name.rfind(".removing-step_", 0) == 0) {
       boost::system::error_code rm;
       fs::remove_all(path, rm);
-      LOG(INFO) << "checkpoint.dir: removed " << path.string() << ", a pruned checkpoint a stopped run left";
+      if (rm)
+        warnings.push_back("checkpoint.dir: could not remove " + path.string() + " (" + rm.message() +
+                           "), a checkpoint checkpoint.keep_last pruned; remove it by hand");
+      else
+        LOG(INFO) << "checkpoint.dir: removed " << path.string() << ", a pruned checkpoint a stopped run left";
       continue;
     }
     const bool unfinished = name.rfind(".tmp-step_", 0) == 0;
@@ -614,6 +624,13 @@ std::optional<TwoManifests> manifests_to_compare(const std::string& step_dir, co
   }
 }
 
+// A rate or bound as a person writes it (0.0002, not 0.00020000000000000001).
+std::string short_float(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
 // A key's value as TOML text, "" where the table has none.
 std::string value_text(const toml::table& t, const std::string& key) {
   std::ostringstream os;
@@ -640,40 +657,54 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
   return out;
 }
 
-std::vector<std::string> schedule_changes(const std::string& step_dir, const std::string& manifest_toml) {
-  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, manifest_toml);
+std::vector<std::string> schedule_changes(const std::string& step_dir, const manifest::RunConfig& now,
+                                          int64_t from_step) {
+  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, "");
   if (!both) return {};
-  const TwoManifests& m = *both;
-  // What this run's style reads (a constant rate no decay, only wsd its wsd keys); a
-  // key a checkpoint from before it was added lacks had its default's meaning.
-  const std::string style = m.now.at_path("optimizer.decay_style").value_or(std::string("cosine"));
-  const bool decays = style != "constant", wsd = style == "wsd";
-  const struct {
-    const char* key;
-    const char* absent;
-    bool read;
-  } keys[] = {{"optimizer.lr", "", true},
-              {"optimizer.warmup_steps", "", true},
-              {"optimizer.decay_style", "'cosine'", true},
-              {"optimizer.min_lr", "", decays},
-              {"optimizer.wsd_decay_steps", "0", wsd},
-              {"optimizer.wsd_decay_style", "'exponential'", wsd}};
-  std::vector<std::string> out;
-  for (const auto& k : keys) {
-    if (!k.read) continue;
-    std::string was = value_text(m.saved, k.key);
-    if (was.empty()) was = k.absent;
-    const std::string now = value_text(m.now, k.key);
-    if (was != now) out.push_back(std::string(k.key) + ": " + (was.empty() ? "(unset)" : was) + " -> " + now);
+  const toml::table& saved = both->saved;
+  // The checkpoint's schedule: this run's config with the saved run's schedule keys (a
+  // key a checkpoint from before it was added lacks had its default's meaning).
+  manifest::RunConfig was = now;
+  manifest::RunConfig::Optimizer& o = was.optimizer;
+  o.lr = saved.at_path("optimizer.lr").value_or(o.lr);
+  o.min_lr = saved.at_path("optimizer.min_lr").value_or(o.min_lr);
+  o.warmup_steps = saved.at_path("optimizer.warmup_steps").value_or(o.warmup_steps);
+  o.decay_steps = saved.at_path("optimizer.decay_steps").value_or(o.decay_steps);
+  o.decay_style = saved.at_path("optimizer.decay_style").value_or(std::string("cosine"));
+  o.wsd_decay_steps = saved.at_path("optimizer.wsd_decay_steps").value_or(int64_t{0});
+  o.wsd_decay_style = saved.at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
+  was.run.steps = saved.at_path("run.steps").value_or(was.run.steps);
+  // Said only when a step still to come gets another rate (a warmup changed after it
+  // ended, or a decay already over, changes nothing ahead). The first ten million
+  // steps ahead and the last are compared.
+  const int64_t last = now.run.steps, scanned = std::min<int64_t>(last, from_step + 10'000'000);
+  int64_t differs = -1;
+  for (int64_t step = from_step + 1; step <= last && differs < 0; step = step < scanned ? step + 1 : last + (step == last))
+    if (learning_rate(was, step) != learning_rate(now, step)) differs = step;
+  if (differs < 0) return {};
+  std::ostringstream rates;
+  rates << std::setprecision(6) << "step " << differs << " gets lr " << learning_rate(now, differs)
+        << " where the checkpoint's schedule gives " << learning_rate(was, differs);
+  std::vector<std::string> out = {rates.str()};
+  const std::pair<const char*, std::string> keys[] = {
+      {"optimizer.lr", short_float(was.optimizer.lr) + " -> " + short_float(now.optimizer.lr)},
+      {"optimizer.min_lr", short_float(was.optimizer.min_lr) + " -> " + short_float(now.optimizer.min_lr)},
+      {"optimizer.warmup_steps",
+       std::to_string(was.optimizer.warmup_steps) + " -> " + std::to_string(now.optimizer.warmup_steps)},
+      {"optimizer.decay_style", was.optimizer.decay_style + " -> " + now.optimizer.decay_style},
+      {"optimizer.wsd_decay_steps",
+       std::to_string(was.optimizer.wsd_decay_steps) + " -> " + std::to_string(now.optimizer.wsd_decay_steps)},
+      {"optimizer.wsd_decay_style", was.optimizer.wsd_decay_style + " -> " + now.optimizer.wsd_decay_style}};
+  for (const auto& [key, change] : keys) {
+    const size_t arrow = change.find(" -> ");
+    if (change.substr(0, arrow) != change.substr(arrow + 4)) out.push_back(std::string(key) + ": " + change);
   }
-  auto decay_end = [](const toml::table& t) {
-    return manifest::decay_end_step(t.at_path("optimizer.decay_steps").value_or(int64_t{0}),
-                                    t.at_path("run.steps").value_or(int64_t{0}));
-  };
-  if (const int64_t was = decay_end(m.saved), now = decay_end(m.now); decays && was != now)
-    out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was) +
-                  " -> " + std::to_string(now) + " (set optimizer.decay_steps to keep one schedule over runs of other "
-                  "lengths)");
+  const int64_t was_end = manifest::decay_end_step(was.optimizer.decay_steps, was.run.steps),
+                now_end = manifest::decay_end_step(now.optimizer.decay_steps, now.run.steps);
+  if (was_end != now_end)
+    out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was_end) +
+                  " -> " + std::to_string(now_end) + " (set optimizer.decay_steps to keep one schedule over runs of "
+                  "other lengths)");
   return out;
 }
 

@@ -63,11 +63,14 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
 // now" each (empty for a checkpoint without its manifest). A resume with them changed
 // is allowed (a new data mix, say) but is not the uninterrupted run: it is said.
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml);
-// Likewise the learning-rate schedule (optimizer.lr, min_lr, warmup_steps, the decay
-// style and where the decay ends): "key: was -> now" each. Allowed (annealing a wsd
-// run from a constant one changes it on purpose), and said: raising run.steps with
-// decay_steps = 0 moves the decay's end, as Megatron-LM's scheduler check would refuse.
-std::vector<std::string> schedule_changes(const std::string& step_dir, const std::string& manifest_toml);
+// Likewise the learning-rate schedule, when a step after `from_step` (the checkpoint's)
+// gets another rate under `now` than under the checkpoint's settings: the first such
+// step and its two rates, then each setting that differs ("key: was -> now"; where
+// the decay ends, when it moved). Allowed (annealing a wsd run from a constant one
+// changes it on purpose), and said: raising run.steps with decay_steps = 0 moves the
+// decay's end, which Megatron-LM's scheduler check would refuse.
+std::vector<std::string> schedule_changes(const std::string& step_dir, const manifest::RunConfig& now,
+                                          int64_t from_step);
 
 // Path of step N's directory.
 std::string checkpoint_path(const std::string& dir, int64_t step);
@@ -83,9 +86,10 @@ std::optional<int64_t> latest_checkpoint(const std::string& dir, std::vector<std
 // out of their step_N names at once and removes their files on a thread of its own,
 // joined before the next pruning and when the pruner goes (the run's end); steps after
 // the saved one and step_N directories that are not complete checkpoints are never
-// touched. Returns the step paths pruned; those that could not be moved go to `failed`
-// as "<path> (<why>)" (the save itself stands). A stop while files are being removed
-// leaves .removing-step_N-PID, which the next run's prepare_checkpoint_dir removes.
+// touched. Returns the step paths taken out; those that could not be moved, and the
+// files the last pruning could not remove, go to `failed` as "<path> (<why>)" (the
+// save itself stands). A stop while files are being removed leaves
+// .removing-step_N-PID, which the next run's prepare_checkpoint_dir removes.
 class CheckpointPruner {
  public:
   CheckpointPruner(std::string dir, int64_t keep_last);
@@ -93,12 +97,15 @@ class CheckpointPruner {
   CheckpointPruner(const CheckpointPruner&) = delete;
   CheckpointPruner& operator=(const CheckpointPruner&) = delete;
   std::vector<std::string> prune(int64_t saved_step, std::vector<std::string>* failed);
-  void finish();  // waits for the files of the last pruning to be gone
+  // Waits for the files of the last pruning to be gone; returns what could not be
+  // removed, as "<path> (<why>)".
+  std::vector<std::string> finish();
 
  private:
   std::string dir_;
   int64_t keep_last_ = 0;
   std::thread removing_;
+  std::vector<std::string> not_removed_;  // written by removing_, read after it is joined
 };
 // The step directory a user's path names (`loom export`, `generate`, `eval`,
 // checkpoint.init_weights): the path itself when it holds meta.toml, else the newest
@@ -122,9 +129,10 @@ class CheckpointDirLock {
 // Before training: creates checkpoint.dir, takes its lock into `lock` (the process of
 // global rank 0; null for the others), then, holding it, removes the temporary
 // directories of unfinished saves whose process is gone and puts back a step moved
-// aside by a save that stopped, and proves the directory writable (a probe file).
-// Throws CheckpointError naming the directory.
-void prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock);
+// aside by a save that stopped, and what a stopped pruning left (.removing-step_N-*),
+// and proves the directory writable (a probe file). Throws CheckpointError naming the
+// directory; returns warnings (what could not be removed, and why).
+std::vector<std::string> prepare_checkpoint_dir(const std::string& dir, std::optional<CheckpointDirLock>* lock);
 
 // The parameters a rank holds, as a checkpoint records them: name and local
 // shape, in model order (model::Model::param_entries()).

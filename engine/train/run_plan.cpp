@@ -469,8 +469,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp, config.parallel.vpp,
                                         static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
   pipeline::simulate(plan.orders);
-  if (config.pipeline.microbatch_group_size > 0 && plan.sizes.pp > 1 &&
-      same_orders_as_default_group(plan, schedule_opts.raw()))
+  if (config.pipeline.microbatch_group_size > 0 && same_orders_as_default_group(plan, schedule_opts.raw()))
     plan.warnings.push_back(man.origin("pipeline.microbatch_group_size").str() + ": pipeline.microbatch_group_size = " +
                             std::to_string(config.pipeline.microbatch_group_size) + " gives the same orders as 0 (pp) " +
                             "under schedule " + plan.schedule->key() + ": it changes nothing");

@@ -226,7 +226,7 @@ void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
   const std::vector<std::string> removed = run_.pruner->prune(step, &failed);
   if (run_.options.log) {
     for (const std::string& p : removed)
-      *run_.options.log << "checkpoint.keep_last = " << config_.checkpoint.keep_last << ": removed " << p << std::endl;
+      *run_.options.log << "checkpoint.keep_last = " << config_.checkpoint.keep_last << ": removing " << p << std::endl;
     for (const std::string& f : failed)
       *run_.options.log << "warning: checkpoint.keep_last = " << config_.checkpoint.keep_last << ": could not remove "
                         << f << std::endl;
@@ -412,7 +412,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     throw std::logic_error("TrainOptions::save_start_only saves a new run's starting point into checkpoint.dir");
   std::optional<CheckpointDirLock> ckpt_lock;
   if (!ckpt_dir.empty()) {
-    prepare_checkpoint_dir(ckpt_dir, !launch.multi_process || launch.rank == 0 ? &ckpt_lock : nullptr);
+    for (const std::string& w :
+         prepare_checkpoint_dir(ckpt_dir, !launch.multi_process || launch.rank == 0 ? &ckpt_lock : nullptr))
+      if (options.log) *options.log << "warning: " << w << std::endl;
   }
   // A new run into another run's checkpoints would overwrite the steps they share and
   // leave the rest, which a later --resume (the highest step) would take for its own.
@@ -445,9 +447,11 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
       *options.log << "resume: warning: " << change << " since the checkpoint: the samples after it are not "
                    << "those the interrupted run would have read" << std::endl;
-    for (const std::string& change : schedule_changes(resume->dir, run.manifest_toml))
-      *options.log << "resume: warning: the learning-rate schedule changed since the checkpoint, " << change
-                   << ": the steps after it do not follow the interrupted run's schedule" << std::endl;
+    if (const std::vector<std::string> changes = schedule_changes(resume->dir, config, resume->step); !changes.empty()) {
+      *options.log << "resume: warning: the learning-rate schedule differs from the checkpoint's: " << changes.front()
+                   << std::endl;
+      for (size_t i = 1; i < changes.size(); ++i) *options.log << "resume:   " << changes[i] << std::endl;
+    }
   }
   run.pruner = std::make_unique<CheckpointPruner>(ckpt_dir, config.checkpoint.keep_last);
   run.result.start_step = run.start_step;
@@ -484,6 +488,10 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   }
   const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
+  for (const std::string& f : run.pruner->finish())  // the last pruning's files gone before the run ends
+    if (options.log)
+      *options.log << "warning: checkpoint.keep_last = " << config.checkpoint.keep_last << ": could not remove " << f
+                   << "; the next run on this checkpoint.dir tries again" << std::endl;
   if (!options.trace_file.empty()) pipeline::write_chrome_trace(options.trace_file, run.trace_events);
   if (options.keep_trace) run.result.trace = std::move(run.trace_events);
   return std::move(run.result);

@@ -346,6 +346,9 @@ grep -q "import: .* -> .*imported/step_00000000 (world 2: tp 2" "$work/import.ou
   "$(grep -o '"loss": *[^,]*' "$work/init.jsonl")" ] || fail "import + resume differs from init_weights"
 "$loom" import "$work/hf" "$here/tiny.toml" "$work/imported" "${bytes[@]}" > "$work/again.out" 2>&1
 [ $? -eq 1 ] && grep -q "holds checkpoints already" "$work/again.out" || fail "import into checkpoints: $(cat "$work/again.out")"
+"$loom" import "$work/hf" "$here/tiny.toml" "$work/hf/sub" "${bytes[@]}" > "$work/inside.out" 2>&1
+[ $? -eq 1 ] && grep -q "is inside .*hf, the source" "$work/inside.out" && [ ! -e "$work/hf/sub" ] \
+  || fail "import into its source: $(cat "$work/inside.out")"
 "$loom" import "$work/hf" "$here/tiny.toml" "$work/other" "${bytes[@]}" --set model.num_heads=2 > "$work/other.out" 2>&1
 [ $? -eq 1 ] && grep -q "config.json: n_head = 4 but the model's model.num_heads is 2" "$work/other.out" \
   || fail "import of another model: $(cat "$work/other.out")"

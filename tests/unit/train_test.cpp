@@ -500,7 +500,7 @@ TEST(Checkpoint, KeepLastLeavesTheNewestSteps) {
   auto resumed = run_and_trace(tiny_manifest(), {"run.steps=10", "checkpoint.keep_last=1", ck}, resume);
   EXPECT_EQ(resumed.result.start_step, 8);
   EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{10}));
-  EXPECT_NE(log.str().find("checkpoint.keep_last = 1: removed " + loom::train::checkpoint_path(dir, 8)),
+  EXPECT_NE(log.str().find("checkpoint.keep_last = 1: removing " + loom::train::checkpoint_path(dir, 8)),
             std::string::npos)
       << log.str();
   EXPECT_FALSE(fs::exists(stale)) << "the remains of a removal by a process that is gone were left";
@@ -897,13 +897,13 @@ TEST(Checkpoint, AStepNameTakenByAFileIsRefusedBeforeTraining) {
 TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   const std::string dir = loom::testing::scratch_dir("data-change");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
-  run_and_trace(tiny_manifest(), {"run.steps=2", "optimizer.decay_steps=4", ck});
+  run_and_trace(tiny_manifest(), {"run.steps=2", "optimizer.decay_steps=5", ck});
   auto resumed_log = [&](const std::vector<std::string>& changes) {
     loom::train::TrainOptions opts;
     opts.resume = true;
     std::ostringstream log;
     opts.log = &log;
-    std::vector<std::string> o = {"optimizer.decay_steps=4"};
+    std::vector<std::string> o = {"optimizer.decay_steps=5"};
     o.insert(o.end(), changes.begin(), changes.end());
     o.insert(o.end(), {"run.steps=3", ck});
     run_and_trace(tiny_manifest(), o, opts);
@@ -914,26 +914,35 @@ TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   EXPECT_NE(changed.find("resume: warning: run.seed: 7 -> 99 since the checkpoint"), std::string::npos) << changed;
   const std::string same = resumed_log({});
   EXPECT_EQ(same.find("resume: warning"), std::string::npos) << same;
-  // The learning-rate schedule likewise: raising run.steps moves a decay that ends at
-  // run.steps (decay_steps = 0); another style changes it outright.
+  // The learning-rate schedule likewise, when a step still to come gets another rate:
+  // raising run.steps moves a decay that ends at run.steps (decay_steps = 0); another
+  // style changes it outright; a warmup that ended before the checkpoint does not.
   const std::string stretched = resumed_log({"optimizer.decay_steps=0"});
-  EXPECT_NE(stretched.find("resume: warning: the learning-rate schedule changed since the checkpoint, the decay's end "
-                           "(optimizer.decay_steps, or run.steps when it is 0): step 4 -> 3"),
+  EXPECT_NE(stretched.find("resume: warning: the learning-rate schedule differs from the checkpoint's: step 3 gets lr"),
+            std::string::npos)
+      << stretched;
+  EXPECT_NE(stretched.find("resume:   the decay's end (optimizer.decay_steps, or run.steps when it is 0): step 5 -> 3"),
             std::string::npos)
       << stretched;
   const std::string style = resumed_log({"optimizer.decay_style=\"linear\""});
-  EXPECT_NE(style.find("optimizer.decay_style: 'cosine' -> 'linear': the steps after it do not follow"),
-            std::string::npos)
-      << style;
+  EXPECT_NE(style.find("resume:   optimizer.decay_style: cosine -> linear"), std::string::npos) << style;
+  const std::string warmup = resumed_log({"optimizer.warmup_steps=1"});
+  EXPECT_NE(warmup.find("resume:   optimizer.warmup_steps: 2 -> 1"), std::string::npos) << "it moves the decay: " << warmup;
+  const std::string min_lr = resumed_log({"optimizer.min_lr=2e-4"});
+  EXPECT_NE(min_lr.find("resume:   optimizer.min_lr: 0 -> 0.0002"), std::string::npos) << min_lr;
   fs::remove_all(dir);
-  // A constant rate has no decay to move: a longer constant run changes nothing of it.
-  run_and_trace(tiny_manifest(), {"run.steps=2", "optimizer.decay_style=\"constant\"", ck});
-  loom::train::TrainOptions opts;
-  opts.resume = true;
-  std::ostringstream log;
-  opts.log = &log;
-  run_and_trace(tiny_manifest(), {"run.steps=3", "optimizer.decay_style=\"constant\"", ck}, opts);
-  EXPECT_EQ(log.str().find("resume: warning"), std::string::npos) << log.str();
+  // A constant rate has no decay to move: a longer constant run changes nothing of it,
+  // nor does a warmup changed after it ended.
+  run_and_trace(tiny_manifest(), {"run.steps=3", "optimizer.decay_style=\"constant\"", ck});
+  for (const std::string& other : {std::string("run.steps=4"), std::string("optimizer.warmup_steps=1")}) {
+    loom::train::TrainOptions opts;
+    opts.resume = true;
+    std::ostringstream log;
+    opts.log = &log;
+    run_and_trace(tiny_manifest(), {"run.steps=4", other, "optimizer.decay_style=\"constant\"", ck}, opts);
+    EXPECT_EQ(log.str().find("resume: warning"), std::string::npos) << other << ": " << log.str();
+    fs::remove_all(loom::train::checkpoint_path(dir, 4));
+  }
   fs::remove_all(dir);
 }
 
