@@ -610,15 +610,15 @@ struct TwoManifests {
 TwoManifests parse_manifests(const std::string& saved_path, const std::string& manifest_toml) {
   return {toml::parse_file(saved_path), toml::parse(manifest_toml)};
 }
-// The same for what a resume only remarks on: nullopt when the checkpoint has no
-// manifest.toml (an older format) or one that does not parse (refused, naming the
-// file, where the model is compared).
-std::optional<TwoManifests> manifests_to_compare(const std::string& step_dir, const std::string& manifest_toml) {
+// The checkpoint's manifest.toml for what a resume only remarks on: nullopt when it has
+// none (an older format) or one that does not parse (refused, naming the file, where
+// the model is compared).
+std::optional<toml::table> manifest_to_compare(const std::string& step_dir) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;
   if (!fs::is_regular_file(path, ec)) return std::nullopt;
   try {
-    return parse_manifests(path, manifest_toml);
+    return toml::parse_file(path);
   } catch (const toml::parse_error&) {
     return std::nullopt;
   }
@@ -641,9 +641,14 @@ std::string value_text(const toml::table& t, const std::string& key) {
 }  // namespace
 
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml) {
-  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, manifest_toml);
-  if (!both) return {};
-  const TwoManifests& m = *both;
+  const std::optional<toml::table> saved = manifest_to_compare(step_dir);
+  if (!saved) return {};
+  TwoManifests m{*saved, {}};
+  try {
+    m.now = toml::parse(manifest_toml);
+  } catch (const toml::parse_error&) {
+    return {};
+  }
   std::set<std::string> keys = {"run.seed"};
   for (const toml::table* t : {m.saved.at_path("data").as_table(), m.now.at_path("data").as_table()})
     if (t != nullptr)
@@ -659,48 +664,46 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
 
 std::vector<std::string> schedule_changes(const std::string& step_dir, const manifest::RunConfig& now,
                                           int64_t from_step) {
-  const std::optional<TwoManifests> both = manifests_to_compare(step_dir, "");
-  if (!both) return {};
-  const toml::table& saved = both->saved;
+  const std::optional<toml::table> saved = manifest_to_compare(step_dir);
+  if (!saved) return {};
   // The checkpoint's schedule: this run's config with the saved run's schedule keys (a
   // key a checkpoint from before it was added lacks had its default's meaning).
   manifest::RunConfig was = now;
   manifest::RunConfig::Optimizer& o = was.optimizer;
-  o.lr = saved.at_path("optimizer.lr").value_or(o.lr);
-  o.min_lr = saved.at_path("optimizer.min_lr").value_or(o.min_lr);
-  o.warmup_steps = saved.at_path("optimizer.warmup_steps").value_or(o.warmup_steps);
-  o.decay_steps = saved.at_path("optimizer.decay_steps").value_or(o.decay_steps);
-  o.decay_style = saved.at_path("optimizer.decay_style").value_or(std::string("cosine"));
-  o.wsd_decay_steps = saved.at_path("optimizer.wsd_decay_steps").value_or(int64_t{0});
-  o.wsd_decay_style = saved.at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
-  was.run.steps = saved.at_path("run.steps").value_or(was.run.steps);
+  o.lr = saved->at_path("optimizer.lr").value_or(o.lr);
+  o.min_lr = saved->at_path("optimizer.min_lr").value_or(o.min_lr);
+  o.warmup_steps = saved->at_path("optimizer.warmup_steps").value_or(o.warmup_steps);
+  o.decay_steps = saved->at_path("optimizer.decay_steps").value_or(o.decay_steps);
+  o.decay_style = saved->at_path("optimizer.decay_style").value_or(std::string("cosine"));
+  o.wsd_decay_steps = saved->at_path("optimizer.wsd_decay_steps").value_or(int64_t{0});
+  o.wsd_decay_style = saved->at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
+  was.run.steps = saved->at_path("run.steps").value_or(was.run.steps);
   // Said only when a step still to come gets another rate (a warmup changed after it
-  // ended, or a decay already over, changes nothing ahead). The first ten million
+  // ended, or a decay already over, changes nothing ahead): the first ten million
   // steps ahead and the last are compared.
+  auto differs_at = [&](int64_t step) { return learning_rate(was, step) != learning_rate(now, step); };
   const int64_t last = now.run.steps, scanned = std::min<int64_t>(last, from_step + 10'000'000);
   int64_t differs = -1;
-  for (int64_t step = from_step + 1; step <= last && differs < 0; step = step < scanned ? step + 1 : last + (step == last))
-    if (learning_rate(was, step) != learning_rate(now, step)) differs = step;
+  for (int64_t step = from_step + 1; step <= scanned && differs < 0; ++step)
+    if (differs_at(step)) differs = step;
+  if (differs < 0 && last > scanned && differs_at(last)) differs = last;
   if (differs < 0) return {};
   std::ostringstream rates;
   rates << std::setprecision(6) << "step " << differs << " gets lr " << learning_rate(now, differs)
         << " where the checkpoint's schedule gives " << learning_rate(was, differs);
   std::vector<std::string> out = {rates.str()};
-  const std::pair<const char*, std::string> keys[] = {
-      {"optimizer.lr", short_float(was.optimizer.lr) + " -> " + short_float(now.optimizer.lr)},
-      {"optimizer.min_lr", short_float(was.optimizer.min_lr) + " -> " + short_float(now.optimizer.min_lr)},
-      {"optimizer.warmup_steps",
-       std::to_string(was.optimizer.warmup_steps) + " -> " + std::to_string(now.optimizer.warmup_steps)},
-      {"optimizer.decay_style", was.optimizer.decay_style + " -> " + now.optimizer.decay_style},
-      {"optimizer.wsd_decay_steps",
-       std::to_string(was.optimizer.wsd_decay_steps) + " -> " + std::to_string(now.optimizer.wsd_decay_steps)},
-      {"optimizer.wsd_decay_style", was.optimizer.wsd_decay_style + " -> " + now.optimizer.wsd_decay_style}};
-  for (const auto& [key, change] : keys) {
-    const size_t arrow = change.find(" -> ");
-    if (change.substr(0, arrow) != change.substr(arrow + 4)) out.push_back(std::string(key) + ": " + change);
-  }
-  const int64_t was_end = manifest::decay_end_step(was.optimizer.decay_steps, was.run.steps),
-                now_end = manifest::decay_end_step(now.optimizer.decay_steps, now.run.steps);
+  auto changed = [&](const char* key, const std::string& before, const std::string& after) {
+    if (before != after) out.push_back(std::string(key) + ": " + before + " -> " + after);
+  };
+  const manifest::RunConfig::Optimizer& n = now.optimizer;
+  changed("optimizer.lr", short_float(o.lr), short_float(n.lr));
+  changed("optimizer.min_lr", short_float(o.min_lr), short_float(n.min_lr));
+  changed("optimizer.warmup_steps", std::to_string(o.warmup_steps), std::to_string(n.warmup_steps));
+  changed("optimizer.decay_style", o.decay_style, n.decay_style);
+  changed("optimizer.wsd_decay_steps", std::to_string(o.wsd_decay_steps), std::to_string(n.wsd_decay_steps));
+  changed("optimizer.wsd_decay_style", o.wsd_decay_style, n.wsd_decay_style);
+  const int64_t was_end = manifest::decay_end_step(o.decay_steps, was.run.steps),
+                now_end = manifest::decay_end_step(n.decay_steps, now.run.steps);
   if (was_end != now_end)
     out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was_end) +
                   " -> " + std::to_string(now_end) + " (set optimizer.decay_steps to keep one schedule over runs of "

@@ -200,6 +200,11 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
   return out;
 }
 
+// Whether the manifest or --set gave `key` a value (not its default).
+bool written(const manifest::Manifest& man, const char* key) {
+  return man.origin(key).kind != manifest::Origin::Kind::Default;
+}
+
 // Whether the schedule's orders are those of the default group size (0: pp), as with
 // a schedule that does not read it (1F1B, GPipe); false when the default is refused.
 bool same_orders_as_default_group(const RunPlan& plan, const loom_options* schedule_options) {
@@ -218,10 +223,9 @@ std::vector<std::string> schedule_settings_that_change_nothing(const manifest::M
                                                                const manifest::RunConfig::Optimizer& o) {
   std::vector<std::string> out;
   auto unread = [&](const char* key, const std::string& why) {
-    const manifest::Origin origin = man.origin(key);
-    if (origin.kind != manifest::Origin::Kind::Default)
-      out.push_back(origin.str() + ": " + key + " " + why + "; with optimizer.decay_style = \"" + o.decay_style +
-                    "\" it changes nothing");
+    if (written(man, key))
+      out.push_back(man.origin(key).str() + ": " + key + " " + why + "; with optimizer.decay_style = \"" +
+                    o.decay_style + "\" it changes nothing");
   };
   if (o.decay_style != "wsd")
     for (const char* key : {"optimizer.wsd_decay_steps", "optimizer.wsd_decay_style"})
@@ -388,7 +392,7 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
                                 "(parallel.pp = 1) it changes nothing");
   if (config.model.recompute_granularity == "none")
     for (const char* key : {"model.recompute_method", "model.recompute_num_layers"})
-      if (man.origin(key).kind != manifest::Origin::Kind::Default)
+      if (written(man, key))
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " chooses what full recomputation keeps; with "
                                 "model.recompute_granularity = \"none\" it changes nothing");
   for (const std::string& w : schedule_settings_that_change_nothing(man, config.optimizer)) plan.warnings.push_back(w);
@@ -401,14 +405,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
-  auto written = [&](const char* key) { return man.origin(key).kind != manifest::Origin::Kind::Default; };
-  if (config.data.kind == "synthetic" && written("data.val_fraction"))
+  if (config.data.kind == "synthetic" && written(man, "data.val_fraction"))
     plan.warnings.push_back(man.origin("data.val_fraction").str() + ": data.val_fraction holds out a share of a "
                             "file's tokens; data.kind = \"synthetic\" generates its validation problems apart, so it "
                             "changes nothing");
   if (config.data.kind != "synthetic")
     for (const char* key : {"data.task", "data.digits"})
-      if (written(key))
+      if (written(man, key))
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " shapes the synthetic task; with data.kind = \"" +
                                 config.data.kind + "\" it changes nothing");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
