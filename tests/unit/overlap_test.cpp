@@ -222,8 +222,10 @@ TEST(Overlap, LinkModelShowsTheReductionsHiddenBehindTheBackward) {
   const std::string link = "comm.options.links=\"dp=" + std::to_string(buffer_bytes / t / 1e9) + "GB/s\"";
   const double predicted_saving = std::min(t, backward_s) * (1.0 - 1.0 / buckets);
 
-  bool faster = false;
-  for (int attempt = 0; attempt < 3 && !faster; ++attempt) {
+  // Timings on a shared machine are noisy: an attempt passes when all its timing
+  // checks hold, and the last attempt's are reported. The losses must agree every time.
+  bool slowed = false, faster = false, any = false, overlapped = false;
+  for (int attempt = 0; attempt < 3 && !(slowed && faster && any && overlapped); ++attempt) {
     const RankTrace slow = run_all_ranks(tiny_manifest(), with_overrides(base, {link}));
     loom::train::TrainOptions opts;
     opts.trace_file = dir + "/overlap.json";
@@ -233,13 +235,13 @@ TEST(Overlap, LinkModelShowsTheReductionsHiddenBehindTheBackward) {
               << backward_s * 1e3 << "), modelled dp " << t * 1e3 << " ms; in line " << inline_s * 1e3
               << " ms/step, overlapped " << overlap_s * 1e3 << " ms/step, saved " << (inline_s - overlap_s) * 1e3
               << " ms (predicted " << predicted_saving * 1e3 << ")\n";
-    EXPECT_GT(inline_s, 0.8 * (compute_s + t)) << "the link model did not slow the in-line step";
     for (size_t s = 0; s < slow.loss.size(); ++s) EXPECT_EQ(fast.loss[s], slow.loss[s]) << "step " << s + 1;
+    slowed = inline_s > 0.8 * (compute_s + t);
     faster = overlap_s < inline_s - predicted_saving / 3;
 
     // The trace: rank 0's dp reductions on its comm track, one of them at least
     // while one of its backwards runs.
-    bool overlapped = false, any = false;
+    any = overlapped = false;
     const std::vector<Event> events = read_trace(opts.trace_file);
     for (const Event& c : events) {
       if (c.tid != loom::pipeline::kCommLaneTid || c.name != "dp all_reduce") continue;
@@ -247,10 +249,11 @@ TEST(Overlap, LinkModelShowsTheReductionsHiddenBehindTheBackward) {
       for (const Event& b : events)
         overlapped = overlapped || (b.tid == 0 && b.name.rfind("B ", 0) == 0 && c.start < b.end && b.start < c.end);
     }
-    EXPECT_TRUE(any) << "no dp all_reduce on rank 0's comm track";
-    EXPECT_TRUE(overlapped) << "no reduction ran while a backward did";
   }
+  EXPECT_TRUE(slowed) << "the link model did not slow the in-line step";
   EXPECT_TRUE(faster) << "the overlapped step never saved a third of the predicted time";
+  EXPECT_TRUE(any) << "no dp all_reduce on rank 0's comm track";
+  EXPECT_TRUE(overlapped) << "no reduction ran while a backward did";
 }
 
 TEST(Overlap, BucketsDefaultToMegatronsSizeWhenOverlapping) {
@@ -528,8 +531,9 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
   const double predicted_saving = when_needed_model - early_model;
   ASSERT_GT(predicted_saving, 0) << "the schedule leaves no transfer to hide";
 
-  bool faster = false;
-  for (int attempt = 0; attempt < 3 && !faster; ++attempt) {
+  // As above: an attempt passes when all its timing checks hold.
+  bool faster = false, any = false, overlapped = false;
+  for (int attempt = 0; attempt < 3 && !(faster && any && overlapped); ++attempt) {
     const RankTrace slow = run_all_ranks(tiny_manifest(), with_overrides(base, {link, kReceiveWhenNeeded}));
     loom::train::TrainOptions opts;
     opts.trace_file = dir + "/early.json";
@@ -545,7 +549,7 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
 
     // The trace: stage 1's posted receives on its comm track, one at least while
     // one of its steps computes.
-    bool overlapped = false, any = false;
+    any = overlapped = false;
     const std::vector<Event> early_events = read_trace(opts.trace_file);
     for (const Event& c : early_events) {
       if (c.tid != loom::pipeline::kCommLaneTid + 1 || c.name != "pp recv") continue;
@@ -554,10 +558,10 @@ TEST(Overlap, LinkModelShowsTransfersHiddenByEarlyReceives) {
         overlapped = overlapped || (s.tid == 1 && (s.name.rfind("F ", 0) == 0 || s.name.rfind("B ", 0) == 0) &&
                                     c.start < s.end && s.start < c.end);
     }
-    EXPECT_TRUE(any) << "no pp recv on rank 1's comm track";
-    EXPECT_TRUE(overlapped) << "no posted receive was in flight while rank 1 computed";
   }
   EXPECT_TRUE(faster) << "posting receives early never saved a third of the predicted time";
+  EXPECT_TRUE(any) << "no pp recv on rank 1's comm track";
+  EXPECT_TRUE(overlapped) << "no posted receive was in flight while rank 1 computed";
 }
 
 // A rank that fails while its next step's receive is posted stops the others at
