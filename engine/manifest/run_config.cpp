@@ -149,6 +149,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.checkpoint.init_weights = resolved_path(m, "checkpoint.init_weights");
   c.checkpoint.every = m.get_int("checkpoint.every");
   c.checkpoint.keep_last = m.get_int("checkpoint.keep_last");
+  c.checkpoint.async_save = m.get_bool("checkpoint.async_save");
 
   c.plugins.search_paths = m.get_string_list("plugins.search_paths");
   return c;

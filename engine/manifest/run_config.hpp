@@ -101,6 +101,7 @@ struct RunConfig {
     std::string dir;
     int64_t every = 0;
     int64_t keep_last = 0;     // 0 = keep every checkpoint
+    bool async_save = false;   // write periodic checkpoints beside training
     std::string init_weights;  // "" = the layers' random initialization
   } checkpoint;
   struct Plugins {

@@ -303,6 +303,12 @@ std::vector<KeySpec> build() {
                 "after each save, remove the checkpoints before it but the newest keep_last - 1 (TorchTitan's "
                 "keep_latest_k), so checkpoint.dir holds keep_last steps; steps after the saved one and "
                 "unfinished saves are left alone (0 = keep all)"));
+  v.push_back(b("checkpoint.async_save", false,
+                "write the checkpoints of checkpoint.every beside training (Megatron-LM's --async-save): training "
+                "waits only while each rank's parameters and optimizer state are copied into host memory (as much "
+                "host memory again), a thread of each rank writes its files, and the step directory appears at the "
+                "first step by which every rank has written; the checkpoints at a stop signal and at the end are "
+                "written in line; the files are the same bytes"));
   v.push_back(s("checkpoint.init_weights", "",
                 "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "
                 "(a step_N directory, or a checkpoint directory: its newest step) of any parallel layout, or a "

@@ -71,11 +71,25 @@ void fsync_path(const std::string& path, bool directory) {
   if (rc != 0) throw CheckpointError("fsync of " + path + " failed: " + std::strerror(errno));
 }
 
-void write_all(const std::string& path, const std::vector<std::pair<const void*, size_t>>& parts) {
+// `cancel` (optional): checked between pieces of 64 MiB, so that a large file written
+// beside training stops soon when the run fails (the file is then left unfinished in
+// the temporary directory, which nothing commits).
+void write_all(const std::string& path, const std::vector<std::pair<const void*, size_t>>& parts,
+               const std::atomic<bool>* cancel = nullptr) {
   FILE* f = std::fopen(path.c_str(), "wb");
   if (!f) throw CheckpointError("cannot create " + path + ": " + std::strerror(errno));
-  bool ok = true;
-  for (const auto& [p, n] : parts) ok = ok && (n == 0 || std::fwrite(p, 1, n, f) == n);
+  constexpr size_t kPiece = size_t{64} << 20;
+  bool ok = true, cancelled = false;
+  for (const auto& [p, n] : parts)
+    for (size_t at = 0; ok && !cancelled && at < n; at += kPiece) {
+      const size_t len = std::min(kPiece, n - at);
+      ok = std::fwrite(static_cast<const char*>(p) + at, 1, len, f) == len;
+      cancelled = cancel && cancel->load(std::memory_order_relaxed);
+    }
+  if (cancelled) {
+    std::fclose(f);
+    throw CheckpointError("writing " + path + " stopped: the run ended first");
+  }
   ok = (std::fflush(f) == 0) && ok;
   ok = (::fsync(::fileno(f)) == 0) && ok;
   ok = (std::fclose(f) == 0) && ok;
@@ -443,7 +457,8 @@ void check_param_layout(const std::string& step_dir, int file_rank, const ParamL
                           " parameters on this rank, this model " + std::to_string(params.size()) + why);
 }
 
-uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state) {
+uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state,
+                         const std::atomic<bool>* cancel) {
   Header h{};
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.version = kVersion;
@@ -455,7 +470,8 @@ uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const R
   h.checksum = model::fnv1a(state.optimizer.data(), state.optimizer.size(), c);
   write_all(rank_file(tmp, rank), {{&h, sizeof(h)},
                                    {state.params.data(), state.params.size()},
-                                   {state.optimizer.data(), state.optimizer.size()}});
+                                   {state.optimizer.data(), state.optimizer.size()}},
+            cancel);
   return h.checksum;
 }
 

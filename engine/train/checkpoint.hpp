@@ -11,6 +11,7 @@
 
 #include <loom/cpp/core.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <ostream>
 #include <optional>
@@ -152,8 +153,10 @@ void write_param_layout(const std::string& tmp, int rank, const ParamLayoutList&
 void check_param_layout(const std::string& step_dir, int file_rank, const ParamLayoutList& params);
 
 // Per-rank file, written into the temporary directory `tmp` (fsynced).
-// Returns the file's checksum, which meta.toml records for every rank.
-uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state);
+// Returns the file's checksum, which meta.toml records for every rank. A raised
+// `cancel` stops a long write between pieces (CheckpointError).
+uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state,
+                         const std::atomic<bool>* cancel = nullptr);
 // Rank 0, after every rank wrote its file: meta + manifest, fsync, atomic rename.
 void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
                        const std::string& manifest_toml);

@@ -1,41 +1,137 @@
 #include "engine/train/rank_checkpoint.hpp"
 
+#include <chrono>
+#include <exception>
+#include <thread>
+#include <utility>
+
 namespace loom::train {
 
-std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
-                            const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
-                            bool evaluation_pending, const std::string& manifest_toml) {
-  const manifest::RunConfig& config = plan.config;
-  const std::string& dir = config.checkpoint.dir;
-  const loom::Group world = rank.group_or_self("world");
-  const bool leader = rank.global_rank() == 0;
-  const std::string tmp = temp_checkpoint_path(dir, step);
-  if (leader) prepare_temp_dir(tmp);
-  world.barrier();
-  RankState s;
-  s.elem_size = loom::dtype_size(model.param_dtype());
-  s.params.resize(model.numel() * s.elem_size);
-  rank.dev().copy(s.params.data(), model.params(), s.params.size(), LOOM_COPY_DEVICE_TO_HOST);
-  s.optimizer = optimizer.save_state();
-  const int64_t checksum = static_cast<int64_t>(write_rank_file(tmp, rank.global_rank(), step, s));
-  write_param_layout(tmp, rank.global_rank(), param_layout_of(model));
+namespace {
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+struct CheckpointSaver::Pending {
+  CheckpointMeta meta;  // all but the ranks' checksums, known at the commit
+  std::string tmp;      // the step's temporary directory
+  RankState state;      // this rank's snapshot, freed once written
+  ParamLayoutList layout;
+  bool background = false;
+  double waited_ms = 0;
+  // Set by the writer (before `done`, which publishes them).
+  uint64_t checksum = 0, bytes = 0;
+  double written_ms = 0;
+  std::exception_ptr error;
+  std::atomic<bool> done{false};
+  std::thread thread;
+};
+
+CheckpointSaver::CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml,
+                                 BeforeWrite before_write)
+    : plan_(plan), rank_(rank), manifest_toml_(std::move(manifest_toml)), before_write_(std::move(before_write)) {}
+
+CheckpointSaver::~CheckpointSaver() {
+  cancel_ = true;
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+bool CheckpointSaver::writing() const { return pending_ && !pending_->done.load(std::memory_order_acquire); }
+
+std::unique_ptr<CheckpointSaver::Pending> CheckpointSaver::stage(const model::Model& model,
+                                                                 const OptimizerBinding& optimizer, int64_t step,
+                                                                 uint64_t consumed_samples, bool evaluation_pending) {
+  const manifest::RunConfig& config = plan_.config;
+  auto p = std::make_unique<Pending>();
+  p->tmp = temp_checkpoint_path(config.checkpoint.dir, step);
+  if (rank_.global_rank() == 0) prepare_temp_dir(p->tmp);
+  rank_.group_or_self("world").barrier();
+  p->state.elem_size = loom::dtype_size(model.param_dtype());
+  p->state.params.resize(model.numel() * p->state.elem_size);
+  rank_.dev().copy(p->state.params.data(), model.params(), p->state.params.size(), LOOM_COPY_DEVICE_TO_HOST);
+  p->state.optimizer = optimizer.save_state();
+  p->layout = param_layout_of(model);
+  CheckpointMeta& meta = p->meta;
+  meta = CheckpointMeta{step, plan_.sizes.world, plan_.sizes.tp, plan_.sizes.pp, plan_.dp,
+                        config.optimizer.strategy, config.optimizer.bucket_size,
+                        config.device.param_dtype, plan_.sizes.ep, plan_.sizes.order,
+                        plan_.sizes.expert_tp()};
+  meta.cp = plan_.sizes.cp;
+  meta.vocab = model.dims().vocab;
+  meta.consumed_samples = static_cast<int64_t>(consumed_samples);
+  meta.evaluation_pending = evaluation_pending;
+  return p;
+}
+
+// On the writer thread, or in line: never throws (a failure is kept for the commit).
+void CheckpointSaver::write(Pending& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    if (before_write_) before_write_(p.meta.step, rank_.global_rank());
+    p.bytes = p.state.params.size() + p.state.optimizer.size();
+    p.checksum = write_rank_file(p.tmp, rank_.global_rank(), p.meta.step, p.state, &cancel_);
+    write_param_layout(p.tmp, rank_.global_rank(), p.layout);
+  } catch (...) {
+    p.error = std::current_exception();
+  }
+  p.state = RankState{};  // the host copy goes as soon as it is on disk
+  p.written_ms = ms_since(t0);
+  p.done.store(true, std::memory_order_release);
+}
+
+CheckpointSaver::Committed CheckpointSaver::commit(Pending& p) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (p.thread.joinable()) p.thread.join();
+  if (p.error) {
+    if (!p.background) std::rethrow_exception(p.error);
+    try {
+      std::rethrow_exception(p.error);
+    } catch (const std::exception& e) {
+      throw CheckpointError("the checkpoint of step " + std::to_string(p.meta.step) + ", written beside training, "
+                            "failed: " + e.what());
+    }
+  }
+  const loom::Group world = rank_.group_or_self("world");
+  const int64_t checksum = static_cast<int64_t>(p.checksum);
   std::vector<int64_t> checksums(static_cast<size_t>(world.size()));  // every file written when it returns
   world.all_gather(nullptr, &checksum, checksums.data(), 1, LOOM_DTYPE_I64);
-  std::string committed;
-  if (leader) {
-    CheckpointMeta meta{step, plan.sizes.world, plan.sizes.tp, plan.sizes.pp, plan.dp,
-                        config.optimizer.strategy, config.optimizer.bucket_size,
-                        config.device.param_dtype, plan.sizes.ep, plan.sizes.order,
-                        plan.sizes.expert_tp()};
-    meta.cp = plan.sizes.cp;
-    meta.vocab = model.dims().vocab;
-    meta.consumed_samples = static_cast<int64_t>(consumed_samples);
-    meta.evaluation_pending = evaluation_pending;
-    for (const int64_t c : checksums) meta.rank_checksums.push_back(static_cast<uint64_t>(c));
-    commit_checkpoint(dir, tmp, meta, manifest_toml);
-    committed = checkpoint_path(dir, step);
+  Committed c{p.meta.step, "", p.bytes, p.waited_ms, p.written_ms, p.background};
+  if (rank_.global_rank() == 0) {
+    for (const int64_t s : checksums) p.meta.rank_checksums.push_back(static_cast<uint64_t>(s));
+    commit_checkpoint(plan_.config.checkpoint.dir, p.tmp, p.meta, manifest_toml_);
+    c.dir = checkpoint_path(plan_.config.checkpoint.dir, p.meta.step);
   }
   world.barrier();
+  c.waited_ms += ms_since(t0);
+  return c;
+}
+
+std::optional<CheckpointSaver::Committed> CheckpointSaver::commit_pending() {
+  if (!pending_) return std::nullopt;
+  const std::unique_ptr<Pending> p = std::move(pending_);
+  return commit(*p);
+}
+
+std::vector<CheckpointSaver::Committed> CheckpointSaver::save(const model::Model& model,
+                                                              const OptimizerBinding& optimizer, int64_t step,
+                                                              uint64_t consumed_samples, bool evaluation_pending,
+                                                              bool in_line) {
+  std::vector<Committed> committed;
+  if (std::optional<Committed> c = commit_pending()) committed.push_back(std::move(*c));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_ptr<Pending> p = stage(model, optimizer, step, consumed_samples, evaluation_pending);
+  p->waited_ms = ms_since(t0);
+  if (in_line) {
+    write(*p);
+    p->waited_ms = ms_since(t0);
+    committed.push_back(commit(*p));
+    return committed;
+  }
+  p->background = true;
+  Pending& pending = *p;
+  pending_ = std::move(p);
+  pending.thread = std::thread([this, &pending] { write(pending); });
   return committed;
 }
 

@@ -1,7 +1,7 @@
 // Each rank's part of a checkpoint: its parameters and optimizer state written
-// into the step's temporary directory and committed by rank 0 once every rank
-// has written (checkpoint.hpp has the files and the atomic commit), and read back
-// on resume, in the same layout or resharded to another dp.
+// into the step's temporary directory, in line or beside training, and committed by
+// rank 0 once every rank has written (checkpoint.hpp has the files and the atomic
+// commit), and read back on resume, in the same layout or resharded.
 #pragma once
 
 #include "engine/train/init_weights.hpp"
@@ -11,18 +11,78 @@
 #include "engine/train/optimizer_binding.hpp"
 #include "engine/train/run_plan.hpp"
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace loom::train {
 
-// Every rank of the world calls it (barriers inside) when checkpoint.dir is set.
-// `consumed_samples`: the training samples the run has read by `step`;
-// `evaluation_pending`: a stop signal came before step's evaluation ended (a resume
-// runs it first). Returns the committed directory on rank 0, "" on the others.
-std::string save_checkpoint(const RunPlan& plan, runtime::RankRuntime& rank, const model::Model& model,
-                            const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
-                            bool evaluation_pending, const std::string& manifest_toml);
+// One rank's checkpoint saves. A save has three parts: staging (rank 0 prepares the
+// step's temporary directory; this rank's parameters and optimizer state are copied
+// into host memory), writing this rank's files (fsynced), and the commit (every
+// rank: the files' checksums gathered, then rank 0 writes meta.toml and renames the
+// directory into place). In line, save() does all three while training waits. In the
+// background (checkpoint.async_save, Megatron-LM's --async-save) a thread of this
+// rank's own writes while training goes on, and the commit comes at a step where every
+// rank's write has finished (the training loop asks each step, in the reduction of
+// its stop flag: writing()), or before the next save, or at the run's end. Either way
+// the checkpoint's files are the same bytes: only when they are written differs.
+class CheckpointSaver {
+ public:
+  // What a commit saved, for the log: sizes and times are this rank's.
+  struct Committed {
+    int64_t step = 0;
+    std::string dir;           // the committed step directory on rank 0; "" on the others
+    uint64_t bytes = 0;        // this rank's files
+    double waited_ms = 0;      // training stopped for it: staging and the commit (in line: the write too)
+    double written_ms = 0;     // writing this rank's files
+    bool background = false;   // written beside training
+  };
+  // Called on the writing thread before it writes (tests hold a write back with it).
+  using BeforeWrite = std::function<void(int64_t step, int rank)>;
+
+  CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml,
+                  BeforeWrite before_write = nullptr);
+  // A write still running is stopped (between pieces of its file) and joined: a run
+  // that fails commits nothing, and the next run removes the temporary directory.
+  ~CheckpointSaver();
+  CheckpointSaver(const CheckpointSaver&) = delete;
+  CheckpointSaver& operator=(const CheckpointSaver&) = delete;
+
+  // Every rank calls it at the same point. Commits the save still pending first, then
+  // saves `step`: whole when `in_line`, else staged with its write started. Returns
+  // what was committed (the pending save's, then this one's when in line).
+  // `consumed_samples`: the training samples the run has read by `step`;
+  // `evaluation_pending`: a stop signal came before step's evaluation ended (a resume
+  // runs it first).
+  std::vector<Committed> save(const model::Model& model, const OptimizerBinding& optimizer, int64_t step,
+                              uint64_t consumed_samples, bool evaluation_pending, bool in_line);
+  // Whether a save is staged and not yet committed (the same on every rank).
+  bool pending() const { return pending_ != nullptr; }
+  // Whether this rank's write of it is still running.
+  bool writing() const;
+  // Every rank calls it at the same point: waits for this rank's write, then commits
+  // the pending save (nullopt when there is none). A failed write throws here, on its rank.
+  std::optional<Committed> commit_pending();
+
+ private:
+  struct Pending;
+  std::unique_ptr<Pending> stage(const model::Model& model, const OptimizerBinding& optimizer, int64_t step,
+                                 uint64_t consumed_samples, bool evaluation_pending);
+  void write(Pending& p);
+  Committed commit(Pending& p);
+
+  const RunPlan& plan_;
+  runtime::RankRuntime& rank_;
+  const std::string manifest_toml_;
+  BeforeWrite before_write_;
+  std::unique_ptr<Pending> pending_;
+  std::atomic<bool> cancel_{false};
+};
 
 // Loads `from` into this rank's parameters and optimizer state, after checking the
 // parameter layout and the model the checkpoint kept.

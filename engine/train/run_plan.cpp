@@ -401,10 +401,14 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
                             std::to_string(config.optimizer.warmup_steps) + " steps) outlasts the run (" +
                             std::to_string(config.run.steps) + "): the learning rate never reaches optimizer.lr");
   if (config.checkpoint.dir.empty())
-    for (const char* key : {"checkpoint.every", "checkpoint.keep_last"})
-      if (man.get_int(key) > 0)
+    for (const char* key : {"checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save"})
+      if (key == std::string("checkpoint.async_save") ? config.checkpoint.async_save : man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
+  if (!config.checkpoint.dir.empty() && config.checkpoint.async_save && config.checkpoint.every == 0)
+    plan.warnings.push_back(man.origin("checkpoint.async_save").str() + ": checkpoint.async_save writes the "
+                            "checkpoints of checkpoint.every beside training; with checkpoint.every = 0 there are "
+                            "only those at a stop signal and at the end, written in line, so it changes nothing");
   if (config.data.kind == "synthetic" && written(man, "data.val_fraction"))
     plan.warnings.push_back(man.origin("data.val_fraction").str() + ": data.val_fraction holds out a share of a "
                             "file's tokens; data.kind = \"synthetic\" generates its validation problems apart, so it "

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <iomanip>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -87,7 +88,8 @@ class RankTraining {
         pp_(rt.group_or_self("pp")),
         model_(create_model(run, rt)),
         optimizer_(run.plan, rt, *model_),
-        batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches) {
+        batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches),
+        saver_(run.plan, rt, run.manifest_toml, run.options.before_checkpoint_write) {
     if (run_.resume)
       restore_checkpoint(run_.plan, *run_.resume, rt_, *model_, optimizer_, run_.manifest_toml, run_.regathered.get());
     // overlap_grad_reduce: gradients final during the backward go to the strategy
@@ -109,9 +111,20 @@ class RankTraining {
   RankTraining(const RankTraining&) = delete;
   RankTraining& operator=(const RankTraining&) = delete;
 
-  void run();
+  // The steps, then the commit of a checkpoint still being written beside training.
+  void run() {
+    run_steps();
+    commit_pending_checkpoint();
+  }
 
  private:
+  // What the training loop asks every rank after each step, in one reduction.
+  struct StepPoll {
+    bool stop = false;     // a stop signal reached some rank
+    bool written = false;  // a checkpoint written beside training is on disk on every rank
+  };
+  void run_steps();
+  StepPoll poll() const;
   static std::unique_ptr<model::Model> create_model(const Run& run, runtime::RankRuntime& rt);
   void start_trace();
   StepRecord train_step(int64_t step);
@@ -119,7 +132,10 @@ class RankTraining {
   bool evaluates_at(int64_t step) const;
   bool evaluate(StepRecord& rec);
   void sample(int64_t step);
-  void checkpoint(int64_t step, bool evaluation_pending = false);
+  // Saves `step` (checkpoint.async_save: in the background, unless `in_line`).
+  void checkpoint(int64_t step, bool in_line, bool evaluation_pending = false);
+  void commit_pending_checkpoint();
+  void committed(const CheckpointSaver::Committed& c);
   void mark_interrupted();
   void publish();
 
@@ -132,6 +148,7 @@ class RankTraining {
   std::unique_ptr<model::Model> model_;
   OptimizerBinding optimizer_;
   Microbatches batches_;
+  CheckpointSaver saver_;
   std::unique_ptr<pipeline::TraceRecorder> trace_;
   std::optional<pipeline::Executor> executor_;
   std::optional<Evaluator> evaluator_;
@@ -164,6 +181,13 @@ bool RankTraining::stop_requested() const {
   double flag = (run_.options.stop_signal && run_.options.stop_signal->load()) ? 1 : 0;
   world_.all_reduce(nullptr, &flag, &flag, 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
   return flag > 0;
+}
+
+RankTraining::StepPoll RankTraining::poll() const {
+  double flags[2] = {(run_.options.stop_signal && run_.options.stop_signal->load()) ? 1.0 : 0.0,
+                     saver_.writing() ? 1.0 : 0.0};
+  world_.all_reduce(nullptr, flags, flags, 2, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+  return {flags[0] > 0, saver_.pending() && flags[1] == 0};
 }
 
 // One step from `step` (the steps done) to step + 1, without evaluation.
@@ -216,15 +240,31 @@ StepRecord RankTraining::train_step(int64_t step) {
   return rec;
 }
 
-void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
+void RankTraining::checkpoint(int64_t step, bool in_line, bool evaluation_pending) {
   if (config_.checkpoint.dir.empty()) return;
   optimizer_.params_needed_all();
-  const std::string path = save_checkpoint(run_.plan, rt_, *model_, optimizer_, step, run_.samples_before(step),
-                                           evaluation_pending, run_.manifest_toml);
+  for (const CheckpointSaver::Committed& c :
+       saver_.save(*model_, optimizer_, step, run_.samples_before(step), evaluation_pending,
+                   in_line || !config_.checkpoint.async_save))
+    committed(c);
+}
+
+void RankTraining::commit_pending_checkpoint() {
+  if (const std::optional<CheckpointSaver::Committed> c = saver_.commit_pending()) committed(*c);
+}
+
+// A checkpoint is in place: said, the old ones pruned (checkpoint.keep_last).
+void RankTraining::committed(const CheckpointSaver::Committed& c) {
   if (!leader_) return;
   std::vector<std::string> failed;
-  const std::vector<std::string> removed = run_.pruner->prune(step, &failed);
+  const std::vector<std::string> removed = run_.pruner->prune(c.step, &failed);
   if (run_.options.log) {
+    std::ostringstream os;
+    os << std::fixed << std::setprecision(1) << "checkpoint: step " << c.step << " saved in " << c.dir
+       << " (rank 0: " << static_cast<double>(c.bytes) / (1 << 20) << " MiB";
+    if (c.background) os << ", written beside training in " << c.written_ms << " ms";
+    os << "; training waited " << c.waited_ms << " ms)";
+    *run_.options.log << os.str() << std::endl;
     for (const std::string& p : removed)
       *run_.options.log << "checkpoint.keep_last = " << config_.checkpoint.keep_last << ": removing " << p << std::endl;
     for (const std::string& f : failed)
@@ -232,7 +272,7 @@ void RankTraining::checkpoint(int64_t step, bool evaluation_pending) {
                         << f << std::endl;
   }
   std::lock_guard<std::mutex> lock(run_.mu);
-  run_.result.checkpoint = path;
+  run_.result.checkpoint = c.dir;
 }
 
 void RankTraining::mark_interrupted() {
@@ -256,7 +296,7 @@ void RankTraining::publish() {
   if (trace_) run_.trace_events.insert(run_.trace_events.end(), trace_->events().begin(), trace_->events().end());
 }
 
-void RankTraining::run() {
+void RankTraining::run_steps() {
   const RunPlan& plan = run_.plan;
   const int64_t steps = config_.run.steps, seq = config_.model.seq_length, mbs = config_.batch.micro_batch_size;
   flops_per_step_ = model_->forward_flops() * 3.0 * static_cast<double>(plan.microbatches);
@@ -273,7 +313,7 @@ void RankTraining::run() {
   }
 
   if (run_.options.save_start_only) {
-    checkpoint(run_.start_step);
+    checkpoint(run_.start_step, /*in_line=*/true);
     return;
   }
   int64_t step = run_.start_step;
@@ -300,7 +340,9 @@ void RankTraining::run() {
     StepRecord rec = train_step(step);
     ++step;
     if (run_.options.stepped) run_.options.stepped->store(true);
-    bool stop = stop_requested();
+    const StepPoll polled = poll();
+    bool stop = polled.stop;
+    if (polled.written) commit_pending_checkpoint();
     run_.metrics.complete(rec);
     // A stop before or during this step's evaluation leaves it to the resumed run.
     bool evaluation_pending = stop && evaluates_at(step);
@@ -316,23 +358,26 @@ void RankTraining::run() {
       run_.result.final_step = step;
     }
     // Both are reduced, so every rank stops here alike, before this step's weights are saved.
-    if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) throw_not_finite(run_, rec);
+    if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) {
+      commit_pending_checkpoint();  // an earlier step's weights, finite
+      throw_not_finite(run_, rec);
+    }
     const int64_t sample_every = config_.run.sample_every;
     if (!stop && sample_every > 0 && (step % sample_every == 0 || step == steps)) sample(step);
     if (stop) {
-      checkpoint(step, evaluation_pending);
+      checkpoint(step, /*in_line=*/true, evaluation_pending);
       mark_interrupted();
       return;
     }
     if (config_.checkpoint.every > 0 && step % config_.checkpoint.every == 0 && step < steps) {
-      checkpoint(step);
-      if (stop_requested()) {  // a signal that came while the checkpoint was written: this step is saved
+      checkpoint(step, /*in_line=*/false);
+      if (stop_requested()) {  // a signal that came while the checkpoint was saved: this step is saved
         mark_interrupted();
         return;
       }
     }
   }
-  if (step > run_.start_step) checkpoint(step);
+  if (step > run_.start_step) checkpoint(step, /*in_line=*/true);
   optimizer_.params_needed_all();
 }
 

@@ -37,6 +37,9 @@ struct TrainOptions {
   // Saves the starting point (the initial or given weights, a fresh optimizer state) as
   // the checkpoint of step 0 into checkpoint.dir and trains no step (`loom import`).
   bool save_start_only = false;
+  // Called on each rank's writing thread before it writes a checkpoint's files (tests
+  // hold a write back to see training go on beside it).
+  std::function<void(int64_t step, int rank)> before_checkpoint_write;
 };
 
 struct TrainResult {

@@ -353,4 +353,26 @@ grep -q "import: .* -> .*imported/step_00000000 (world 2: tp 2" "$work/import.ou
 [ $? -eq 1 ] && grep -q "config.json: n_head = 4 but the model's model.num_heads is 2" "$work/other.out" \
   || fail "import of another model: $(cat "$work/other.out")"
 
+# 17. A disk that fills (here a file-size limit) while a checkpoint is written, in line
+# or beside training (checkpoint.async_save): the run fails naming the file (exit 1),
+# the step is not committed, the checkpoint before it stays, and a resume continues
+# from that one, removing what the failed save left.
+for mode in false true; do
+  save=(--set checkpoint.dir="\"$work/full_$mode\"" --set checkpoint.every=2 --set checkpoint.async_save=$mode)
+  "$loom" run "$here/tiny.toml" "${save[@]}" --set run.steps=2 > "$work/full.out" 2>&1 || fail "save: $(cat "$work/full.out")"
+  (trap '' XFSZ; ulimit -f 200; exec "$loom" run "$here/tiny.toml" "${save[@]}" --set run.steps=6 --resume) \
+    > "$work/full.out" 2>&1
+  rc=$?
+  [ $rc -eq 1 ] && grep -q "rank_0000[01].bin failed: File too large (disk full?)" "$work/full.out" \
+    || fail "async_save=$mode, disk full: exit $rc: $(tail -3 "$work/full.out")"
+  [ "$mode" = false ] || grep -q "the checkpoint of step 4, written beside training, failed" "$work/full.out" \
+    || fail "async_save=$mode, disk full: $(tail -3 "$work/full.out")"
+  [ "$(cd "$work/full_$mode" && echo step_*)" = step_00000002 ] || fail "async_save=$mode: $(ls -a "$work/full_$mode")"
+  "$loom" run "$here/tiny.toml" "${save[@]}" --set run.steps=6 --resume > "$work/full.out" 2>&1 \
+    || fail "async_save=$mode, resume after a full disk: $(tail -3 "$work/full.out")"
+  grep -q "resume: from .*step_00000002 (step 2)" "$work/full.out" || fail "resume: $(cat "$work/full.out")"
+  [ "$(cd "$work/full_$mode" && echo step_* .tmp*)" = "step_00000002 step_00000004 step_00000006 .tmp*" ] \
+    || fail "async_save=$mode, after the resume: $(ls -a "$work/full_$mode")"
+done
+
 echo "cli tests passed"

@@ -114,6 +114,17 @@ for s in 3 6; do
   done
 done
 same "$work/t2.jsonl" "$work/c.jsonl" "mpirun -np 2 with checkpoints vs threads"
+# Written beside training (checkpoint.async_save): the processes agree on each commit;
+# the same bytes.
+mpi 2 --set "checkpoint.dir=\"$work/ck_async\"" --set checkpoint.every=3 --set checkpoint.async_save=true \
+  --metrics "$work/ca.jsonl" >"$work/ca.out" 2>&1 || fail "mpirun -np 2 with async_save: $(tail -3 "$work/ca.out")"
+grep -q "checkpoint: step 3 saved in .*, written beside training in" "$work/ca.out" || fail "async_save: $(cat "$work/ca.out")"
+for s in 3 6; do
+  for f in meta.toml rank_00000.bin rank_00001.bin; do
+    step=$(printf 'step_%08d' "$s")
+    cmp -s "$work/ck/$step/$f" "$work/ck_async/$step/$f" || fail "async_save under mpirun: $step/$f differs"
+  done
+done
 rm -rf "$(printf '%s/ck/step_%08d' "$work" 6)"
 mpi 2 "${ck[@]}" --resume --metrics "$work/r.jsonl" >/dev/null
 tail -n 3 "$work/t2.jsonl" >"$work/t2_tail.jsonl"

@@ -13,6 +13,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 #include <cmath>
 #include <fstream>
@@ -93,6 +95,11 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string no_dir = "checkpoint.keep_last is set but checkpoint.dir is empty";
   EXPECT_TRUE(warned({"checkpoint.keep_last=2"}, no_dir));
   EXPECT_FALSE(warned({"checkpoint.keep_last=2", "checkpoint.dir=\"" + loom::testing::scratch_dir("kl") + "\""}, no_dir));
+  EXPECT_TRUE(warned({"checkpoint.async_save=true"}, "checkpoint.async_save is set but checkpoint.dir is empty"));
+  const std::string dir = "checkpoint.dir=\"" + loom::testing::scratch_dir("as") + "\"";
+  const std::string in_line_only = "with checkpoint.every = 0 there are only those at a stop signal and at the end";
+  EXPECT_TRUE(warned({"checkpoint.async_save=true", dir}, in_line_only));
+  EXPECT_FALSE(warned({"checkpoint.async_save=true", "checkpoint.every=5", dir}, in_line_only));
 }
 
 // The learning rate of each decay style at the points where Megatron-LM's
@@ -695,6 +702,141 @@ TEST(Checkpoint, CorruptCheckpointIsAClearErrorAndChangesNothing) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("do not match the file's"), std::string::npos) << e.what();
   }
+  fs::remove_all(dir);
+}
+
+// The files of each step directory under `dir` (paths relative to it), but the
+// manifest, which names the directory.
+std::map<std::string, std::string> step_files(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& [path, content] : snapshot(dir)) {
+    const std::string rel = fs::relative(path, dir).string();
+    if (rel.rfind("step_", 0) == 0 && fs::is_regular_file(path) && fs::path(rel).filename() != "manifest.toml")
+      out[rel] = content;
+  }
+  return out;
+}
+
+// Holds a checkpoint's write back until released (or 60 s pass: a test that went wrong
+// fails, it does not hang).
+struct HeldWrite {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool released = false;
+  void wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(60), [this] { return released; });
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    cv.notify_all();
+  }
+};
+
+// checkpoint.async_save: a checkpoint is written while training goes on (step 2's
+// write is held back until both ranks have trained step 4, and its directory is not
+// there before), and every step directory holds the same bytes as the in-line save's.
+TEST(Checkpoint, AnAsyncSaveWritesTheSameFilesWhileTrainingGoesOn) {
+  const std::string in_line = loom::testing::scratch_dir("inline"), async = loom::testing::scratch_dir("async");
+  const std::vector<std::string> run = {"run.steps=7", "checkpoint.every=2", "parallel.dp=2"};
+  auto with = [&run](std::vector<std::string> more) {
+    more.insert(more.begin(), run.begin(), run.end());
+    return more;
+  };
+  auto reference = run_and_trace(tiny_manifest(), with({"checkpoint.dir=\"" + in_line + "\""}));
+  HeldWrite held;
+  std::atomic<int> at_step_4{0};
+  std::atomic<bool> step_2_seen_early{false};
+  loom::train::TrainOptions opts;
+  std::ostringstream log;
+  opts.log = &log;
+  opts.before_checkpoint_write = [&](int64_t step, int) {
+    if (step == 2) held.wait();
+  };
+  opts.on_step = [&](int64_t step, int, const loom::model::Model&) {
+    if (step != 4) return;
+    if (fs::exists(loom::train::checkpoint_path(async, 2))) step_2_seen_early = true;
+    if (++at_step_4 == 2) held.release();
+  };
+  auto background =
+      run_and_trace(tiny_manifest(), with({"checkpoint.dir=\"" + async + "\"", "checkpoint.async_save=true"}), opts);
+  EXPECT_EQ(at_step_4, 2);
+  EXPECT_FALSE(step_2_seen_early) << "step 2 was committed before its write was let go";
+  EXPECT_EQ(background.loss, reference.loss);
+  EXPECT_EQ(loom::train::complete_checkpoints(async), (std::vector<int64_t>{2, 4, 6, 7}));
+  const std::map<std::string, std::string> a = step_files(async), b = step_files(in_line);
+  EXPECT_EQ(a.size(), b.size());
+  EXPECT_EQ(a.size(), 4u * 5u) << "meta.toml, and a rank file and a .params per rank, a step";
+  for (const auto& [rel, content] : b) EXPECT_TRUE(a.count(rel) && a.at(rel) == content) << rel << " differs";
+  EXPECT_NE(log.str().find("checkpoint: step 2 saved in " + loom::train::checkpoint_path(async, 2)), std::string::npos);
+  EXPECT_NE(log.str().find("written beside training in"), std::string::npos) << log.str();
+  for (const auto& e : fs::directory_iterator(async))
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path() << " left behind";
+  fs::remove_all(in_line);
+  fs::remove_all(async);
+}
+
+// A stop signal while a checkpoint is being written beside training: the run commits
+// it, saves the step it stops at, and the resumed run is the uninterrupted one.
+TEST(Checkpoint, AStopWhileAnAsyncSaveIsWrittenKeepsItAndTheStopsStep) {
+  const std::string dir = loom::testing::scratch_dir("asyncstop");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  auto full = run_and_trace(tiny_manifest(), {"run.steps=8"});
+  HeldWrite held;
+  std::atomic<int> stop{0};
+  loom::train::TrainOptions opts;
+  opts.stop_signal = &stop;
+  opts.before_checkpoint_write = [&](int64_t step, int) {
+    if (step == 2) held.wait();
+  };
+  opts.on_step = [&](int64_t step, int, const loom::model::Model&) {
+    if (step != 3) return;
+    stop = 1;  // as a signal during step 4: the run finishes it, saves and stops
+    held.release();
+  };
+  auto cut = run_and_trace(tiny_manifest(), {"run.steps=8", "checkpoint.every=2", "checkpoint.async_save=true", ck},
+                           opts);
+  EXPECT_TRUE(cut.result.interrupted);
+  EXPECT_EQ(cut.result.final_step, 4);
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 4}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto rest = run_and_trace(tiny_manifest(), {"run.steps=8", ck}, resume);
+  EXPECT_EQ(rest.result.start_step, 4);
+  EXPECT_EQ(rest.params.back(), full.params.back());
+  fs::remove_all(dir);
+}
+
+// A write beside training that fails fails the run, on the rank that wrote, at the
+// step where its commit would be; nothing of that step is committed, the checkpoints
+// before it stay, and the next run removes its temporary directory and resumes.
+TEST(Checkpoint, AFailedAsyncWriteFailsTheRunAndLeavesTheEarlierCheckpoints) {
+  const std::string dir = loom::testing::scratch_dir("asyncfail");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  const std::vector<std::string> run = {"run.steps=8", "checkpoint.every=2", "checkpoint.async_save=true",
+                                        "parallel.dp=2", ck};
+  loom::train::TrainOptions opts;
+  opts.before_checkpoint_write = [](int64_t step, int rank) {
+    if (step == 4 && rank == 1) throw loom::train::CheckpointError("writing rank_00001.bin failed: No space left");
+  };
+  try {
+    run_and_trace(tiny_manifest(), run, opts);
+    FAIL() << "a failed checkpoint write must fail the run";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the checkpoint of step 4, written beside training, failed: writing "
+                                         "rank_00001.bin failed: No space left"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto rest = run_and_trace(tiny_manifest(), run, resume);
+  EXPECT_EQ(rest.result.start_step, 2);
+  EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 4, 6, 8}));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path() << " left behind";
   fs::remove_all(dir);
 }
 
