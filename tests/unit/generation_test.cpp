@@ -124,6 +124,11 @@ TEST(Generation, GreedyTokensAreTheEvaluationForwardsArgmax) {
 }
 TEST(Generation, CacheEqualsRecomputeLlamaBlocksAtTp2) { check_cache_equals_recompute(kLlama, {"parallel.tp=2"}); }
 TEST(Generation, CacheEqualsRecomputeMoe) { check_cache_equals_recompute(kMoe, {}); }
+TEST(Generation, CacheEqualsRecomputeWithQkNormAtTp2) {
+  std::vector<std::string> qwen3 = kLlama;
+  qwen3.push_back("model.layer.attention.qk_norm=true");
+  check_cache_equals_recompute(qwen3, {"parallel.tp=2"});
+}
 
 // A checkpoint trained at tp 2 x dp 2 with SP generates at its own tensor layout and at
 // others (the shards regathered) what one rank generates.

@@ -199,6 +199,25 @@ TEST(TensorParallel, GroupedQueryAttentionMatchesSerialWithAndWithoutSp) {
   expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, gqa);
 }
 
+// QK normalisation (Qwen3's shape: RMSNorm over each head's q and k, grouped-query
+// attention, rope): each tp rank sees its heads only, so the two gammas' gradients are
+// summed over tp, by the layer without SP and by the engine with it.
+TEST(TensorParallel, QkNormMatchesSerialWithAndWithoutSp) {
+  const std::vector<std::string> qk = {"model.layer.attention.qk_norm=true", "model.layer.attention.norm=rmsnorm",
+                                       "model.layer.attention.num_query_groups=2",
+                                       "model.layer.attention.position_embedding=rope",
+                                       "model.layer.embedding.position_embedding=rope"};
+  auto with = [&](std::vector<std::string> v) {
+    v.insert(v.end(), qk.begin(), qk.end());
+    return v;
+  };
+  expect_same_training(with({"parallel.tp=2"}), 2, qk);
+  expect_same_training(with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 2, qk);
+  // LayerNorm's q and k (gammas and betas), multi-head.
+  const std::vector<std::string> ln = {"model.layer.attention.qk_norm=true"};
+  expect_same_training({"parallel.tp=2", "model.layer.attention.qk_norm=true"}, 2, ln);
+}
+
 // Dropout inside the TP region (the MLP's activation dropout, a stream per tp
 // rank) and outside it: the same seed gives bit-identical runs, another seed
 // another run, and the duplicated parameters stay bit-identical across tp ranks

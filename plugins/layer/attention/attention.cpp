@@ -7,7 +7,7 @@
 // duplicated on every tp rank; under sequence parallelism they run on this
 // rank's sequence shard, f and g becoming all-gather and reduce-scatter. The k
 // part of qkv.bias gets an exactly-zero gradient (see backward): it cannot
-// change the output.
+// change the output (unless rotated or normalised).
 //
 // Context parallelism (parallel.cp > 1; Megatron's all-gather form): this rank's
 // rows are two chunks of the sequence (loom::ContextSlice). Its queries attend to
@@ -23,6 +23,14 @@
 // rank's chunks), and the saved qkv holds the rotated values; backward rotates dq
 // and dk back before the QKV GEMM's backward. The first rotary_percent of each head's
 // dimensions rotate, the rest pass through.
+//
+// QK normalisation (qk_norm = true; Megatron-LM's --qk-layernorm, as Qwen3 and OLMo 2
+// use it): each head's q and k rows are normalised over the head's dimensions right
+// after the QKV GEMM, before the rotation, by the layer's `norm` (rmsnorm or layernorm)
+// with one learned [head_dim] gamma (and beta) for all query heads and one for all key
+// heads. The pre-norm q and k are kept for backward. Every tp rank holds both gammas
+// and sees only its heads, so their gradients are summed over tp: by the engine under
+// sequence parallelism (it sums every duplicated parameter's), else here.
 //
 // Grouped-query attention (num_query_groups G < heads; 1 = multi-query; Ainslie et
 // al., 2023): the QKV weight holds Megatron-LM's layout, per group [its heads/G query
@@ -90,6 +98,8 @@ class Attention : public loom::Layer {
     rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
                                                      << " dimensions to rotate");
+    qk_norm_ = options.declared_bool("qk_norm");
+    tp_group_ = loom::Group(args.tp);
     const bool bias = options.declared_bool("bias");
     const int64_t H = hidden_;
     params_ = ParamSet(name_, {.tp = tp});
@@ -108,6 +118,15 @@ class Attention : public loom::Layer {
     proj_w_ = params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
     if (bias)
       proj_b_ = params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    if (qk_norm_) {
+      const int64_t D = head_dim_;
+      q_norm_w_ = params_.add({.name = "q_norm.weight", .shape = {D}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+      k_norm_w_ = params_.add({.name = "k_norm.weight", .shape = {D}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
+      if (!norm_.rms) {
+        q_norm_b_ = params_.add({.name = "q_norm.bias", .shape = {D}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+        k_norm_b_ = params_.add({.name = "k_norm.bias", .shape = {D}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+      }
+    }
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
   }
@@ -166,6 +185,7 @@ class Attention : public loom::Layer {
                                         .bias = w(qkv_b_), .y = grouped_ ? tmp.at(grouped) : s.mem.at(s.qkv),
                                         .dtype = dt_.act});
     if (grouped_) ungroup(dev, tmp.at(grouped), s.mem.at(s.qkv), T);
+    if (qk_norm_) normalize_qk(dev, s.mem.at(s.qkv), T, s.mem.at(s.qk_x), s.mem.at(s.qk_mean), s.mem.at(s.qk_rstd));
     if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false);
     {
       KvFull kv(*this, dev, s, /*backward=*/false);
@@ -215,13 +235,16 @@ class Attention : public loom::Layer {
     const size_t ln = tmp.elems(T * H, dt_.act), qkv = tmp.elems(T * 3 * Hl, dt_.act),
                  grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), ctx = tmp.elems(T * Hl, dt_.act),
                  mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
-                 proj = tmp.elems(T * H, dt_.act);
+                 proj = tmp.elems(T * H, dt_.act), qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
+                 qk_mean = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0),
+                 qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
     tmp.allocate(rank_);
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln), .x_full = nullptr,
                                         .weight = w(qkv_w_), .bias = w(qkv_b_),
                                         .y = grouped_ ? tmp.at(grouped) : tmp.at(qkv), .dtype = dt_.act});
     if (grouped_) ungroup(dev, tmp.at(grouped), tmp.at(qkv), T);
+    if (qk_norm_) normalize_qk(dev, tmp.at(qkv), T, tmp.at(qk_x), tmp.at(qk_mean), tmp.at(qk_rstd));
     if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P);
     void* cache = cache_.get();
     dev.copy_2d(advance(cache, P * B * W, dt_.act), W * eb, advance(tmp.at<const void>(qkv), Hl, dt_.act), 3 * Hl * eb,
@@ -301,6 +324,7 @@ class Attention : public loom::Layer {
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
     if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true);  // dq, dk of the unrotated q, k
+    if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
     // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
     void* dout = tmp.at(dqkv);
     if (grouped_) {
@@ -320,13 +344,14 @@ class Attention : public loom::Layer {
     // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
     // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
     // run-dependent updates. Rotated, the added vector differs from token to token,
-    // and every part has a gradient.
+    // and normalised per head (qk_norm) it is not added to the keys at all: then every
+    // part has a gradient.
     float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
     if (qkv_b_ != kNone) {
       void* qkv_b = gs[qkv_b_];
       const int32_t gdt = gs.grad_dtype();
       column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
-      if (rope_) {
+      if (rope_ || qk_norm_) {
         accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
       } else if (!grouped_) {
         accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
@@ -382,8 +407,9 @@ class Attention : public loom::Layer {
     const loom::Device dev = loom::Rank(rank_).device();
     const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
     const uint64_t service = sequence_parallel_service_bytes(tp_, S * B, hidden_, dt_.act);
-    return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false),
-                              backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows) +
+    return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false) + qk_norm_temp_bytes(S * B, false),
+                              backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows +
+                                  qk_norm_temp_bytes(S * B, true)) +
            service;
   }
 
@@ -443,6 +469,7 @@ class Attention : public loom::Layer {
     int64_t S = 0, B = 0;
     Arena mem;
     size_t x = 0, mean = 0, rstd = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
+    size_t qk_x = 0, qk_mean = 0, qk_rstd = 0;  // qk_norm: q and k before it, their statistics
     bool dropped = false;
   };
 
@@ -461,6 +488,9 @@ class Attention : public loom::Layer {
     s.ctx = s.mem.elems(T * Hl, dt_.act);  // the attention output
     s.lse = s.mem.floats(B * heads_local_ * S);
     s.mask = s.mem.add(drop ? Tl * H : 0);
+    s.qk_x = s.mem.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act);
+    s.qk_mean = s.mem.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0);
+    s.qk_rstd = s.mem.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
     s.dropped = drop;
     return s;
   }
@@ -543,6 +573,71 @@ class Attention : public loom::Layer {
       repeat_ = std::move(buf);
     }
     return repeat_.get();
+  }
+
+  // What normalize_qk (forward) and normalize_qk_backward allocate for T rows.
+  uint64_t qk_norm_temp_bytes(int64_t T, bool backward) const {
+    if (!qk_norm_) return 0;
+    Arena a;
+    a.elems(T * hidden_local_, dt_.act);
+    if (backward) {
+      a.elems(T * hidden_local_, dt_.act);
+      a.floats(4 * head_dim_);
+    }
+    return a.bytes();
+  }
+
+  // qk_norm: q and k of the packed [T, 3 * Hl] normalised in place, head by head (rows
+  // of head_dim). `x` [2, T * Hl] gets them as they were (q, then k), `mean` and `rstd`
+  // [2, T * heads_local] their statistics (mean: layernorm only).
+  void normalize_qk(const loom::Device& dev, void* qkv, int64_t T, void* x, float* mean, float* rstd) {
+    const int64_t Hl = hidden_local_, rows = T * heads_local_;
+    const size_t eb = loom::dtype_size(dt_.act);
+    Arena tmp;
+    const size_t y = tmp.elems(T * Hl, dt_.act);
+    tmp.allocate(rank_);
+    for (int part = 0; part < 2; ++part) {  // q, then k
+      void* in_qkv = advance(qkv, part * Hl, dt_.act);
+      void* xp = advance(x, part * T * Hl, dt_.act);
+      dev.copy_2d(xp, Hl * eb, in_qkv, 3 * Hl * eb, Hl * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+      norm_.forward(dev, xp, w(part == 0 ? q_norm_w_ : k_norm_w_), w(part == 0 ? q_norm_b_ : k_norm_b_), tmp.at(y),
+                    norm_.rms ? nullptr : mean + part * rows, rstd + part * rows, rows, head_dim_, dt_.act);
+      dev.copy_2d(in_qkv, 3 * Hl * eb, tmp.at(y), Hl * eb, Hl * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    }
+  }
+
+  // The transpose: dq and dk of the packed dqkv [T, 3 * Hl] replaced, in place, by the
+  // gradients of the q and k before the norm; the gammas' (and betas') gradients
+  // accumulated, summed over tp here when the engine does not (no sequence
+  // parallelism). Without rope, k_norm.bias is added to every key alike, which the
+  // softmax cannot see: its gradient is exactly zero, as qkv.bias's k part's (see
+  // backward), and is left so rather than summed from rounding noise.
+  void normalize_qk_backward(const loom::Device& dev, void* dqkv, int64_t T, const Saved& s, const GradShadow& gs) {
+    const int64_t Hl = hidden_local_, D = head_dim_, rows = T * heads_local_;
+    const size_t eb = loom::dtype_size(dt_.act);
+    const int32_t gdt = gs.grad_dtype();
+    Arena tmp;
+    const size_t dy = tmp.elems(T * Hl, dt_.act), dx = tmp.elems(T * Hl, dt_.act), partial = tmp.elems(4 * D, gdt);
+    tmp.allocate(rank_);
+    fill_zero(dev, tmp.at(partial), 4 * D, gdt);
+    // [q gamma | q beta | k gamma | k beta] of this rank's heads.
+    auto piece = [&](int i) { return advance(tmp.at<void>(partial), i * D, gdt); };
+    const float* mean = s.mem.at(s.qk_mean);
+    const float* rstd = s.mem.at(s.qk_rstd);
+    for (int part = 0; part < 2; ++part) {
+      void* in_dqkv = advance(dqkv, part * Hl, dt_.act);
+      dev.copy_2d(tmp.at(dy), Hl * eb, in_dqkv, 3 * Hl * eb, Hl * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+      norm_.backward(dev, tmp.at(dy), advance(s.mem.at<const void>(s.qk_x), part * T * Hl, dt_.act),
+                     w(part == 0 ? q_norm_w_ : k_norm_w_), norm_.rms ? nullptr : mean + part * rows,
+                     rstd + part * rows, tmp.at(dx), piece(2 * part), norm_.rms ? nullptr : piece(2 * part + 1), rows,
+                     D, /*accumulate_dx=*/false, dt_.act, gs.grad_fp32());
+      dev.copy_2d(in_dqkv, 3 * Hl * eb, tmp.at(dx), Hl * eb, Hl * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    }
+    if (tp_.size() > 1 && !tp_.sequence_parallel())
+      tp_group_.all_reduce(dev.native_stream(), tmp.at(partial), tmp.at(partial), static_cast<size_t>(4 * D), gdt);
+    const size_t targets[4] = {q_norm_w_, q_norm_b_, k_norm_w_, rope_ ? k_norm_b_ : kNone};
+    for (int i = 0; i < 4; ++i)
+      if (targets[i] != kNone) add(dev, gs[targets[i]], piece(i), gs[targets[i]], D, gdt);
   }
 
   // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
@@ -681,6 +776,9 @@ class Attention : public loom::Layer {
   int64_t rotary_dim_ = 0;
   PositionIds rope_positions_;
   size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
+  bool qk_norm_ = false;
+  loom::Group tp_group_;  // qk_norm: its gammas' gradients summed over tp (no sequence parallelism)
+  size_t q_norm_w_ = kNone, q_norm_b_ = kNone, k_norm_w_ = kNone, k_norm_b_ = kNone;
   std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
 };
@@ -700,12 +798,16 @@ std::vector<loom::OptionSpec> attention_options() {
       loom::opt_float("rotary_base", 10000.0, "rope: the base theta of the rotation frequencies (Llama 2 10000, Llama 3 500000)")
           .in("(1, inf)"),
       loom::opt_float("rotary_percent", 1.0, "rope: the share of each head's dimensions that rotate (Megatron-LM's --rotary-percent)")
-          .in("(0, 1]")};
+          .in("(0, 1]"),
+      loom::opt_bool("qk_norm", false,
+                     "normalise each head's q and k with the layer's norm over head_dim, one learned gamma for the "
+                     "query heads and one for the key heads, before the rotation (Megatron-LM's --qk-layernorm; "
+                     "Qwen3, OLMo 2)")};
   for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
   return o;
 }
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.6.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions (tensor- and context-parallel)",
+    "attention", "1.7.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation (tensor- and context-parallel)",
     attention_options()))
