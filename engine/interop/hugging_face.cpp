@@ -116,16 +116,32 @@ std::string option_string(const toml::table& t, const char* key, const std::stri
 // What the blocks are, from the layer options (defaults as the plugins declare them).
 struct Shape {
   bool gpt2 = false, llama = false, mixtral = false;
+  // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
+  // and Qwen3-MoE's.
+  bool qk_norm = false;
   int64_t groups = 0;
   double theta = 10000.0, eps = 1e-5;
-  int64_t experts = 0, top_k = 0, expert_ffn = 0;  // Mixtral's sparse MoE blocks
+  int64_t experts = 0, top_k = 0, expert_ffn = 0;  // the sparse MoE blocks
   double aux = 0.0;
+  bool pre_softmax = false;  // the gates: softmax over all experts (Qwen3-MoE's norm_topk_prob = false)
   // The layers' instance names with a trailing '.': the embedding, each block's
   // attention and its MLP or MoE, the head.
   std::string embedding, head;
   std::vector<std::string> attention, ffn;
   std::string architecture() const {
-    return gpt2 ? "GPT2LMHeadModel" : llama ? "LlamaForCausalLM" : "MixtralForCausalLM";
+    if (gpt2) return "GPT2LMHeadModel";
+    if (llama) return qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
+    return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
+  }
+  std::string model_type() const {
+    return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
+  }
+  bool qwen() const { return qk_norm; }
+  // transformers' defaults, for a key a config.json leaves out.
+  double default_eps() const { return llama || qk_norm ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
+  int64_t default_kv_heads(int64_t heads) const {
+    if (!qk_norm) return llama ? heads : 8;  // LlamaConfig: multi-head; MixtralConfig: 8
+    return llama ? 8 : 4;                    // Qwen3Config, Qwen3MoeConfig
   }
 };
 
@@ -176,6 +192,7 @@ Shape shape_of(const train::RunPlan& plan) {
   const bool mlp_rms = option_string(mlp, "norm", "layernorm") == "rmsnorm";
   const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
+  s.qk_norm = att["qk_norm"].value_or(false);
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
   s.eps = att["norm_epsilon"].value_or(1e-5);
@@ -188,7 +205,7 @@ Shape shape_of(const train::RunPlan& plan) {
                                ": a Hugging Face model has one normalization epsilon");
   const bool llama_blocks = rope && emb_rope && rms && mlp_rms && head_rms && swiglu && !att_bias && !mlp_bias;
   if (!moe && !rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
-      (s.groups == 0 || s.groups == c.model.num_heads))
+      !s.qk_norm && (s.groups == 0 || s.groups == c.model.num_heads))
     s.gpt2 = true;
   else if (!moe && llama_blocks)
     s.llama = true;
@@ -197,8 +214,8 @@ Shape shape_of(const train::RunPlan& plan) {
   else
     throw std::runtime_error(
         "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions, one key/value head per query "
-        "head) nor Llama's or Mixtral's (rmsnorm, swiglu, bias = false, rope in the embedding and attention): no "
-        "Hugging Face architecture matches them" +
+        "head, no qk_norm) nor Llama's or Mixtral's (rmsnorm, swiglu, bias = false, rope in the embedding and "
+        "attention; with qk_norm Qwen3's and Qwen3-MoE's): no Hugging Face architecture matches them" +
         std::string(s.groups != 0 && s.groups != c.model.num_heads && !rope
                         ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
                               " of " + std::to_string(c.model.num_heads) + " heads)"
@@ -212,13 +229,27 @@ Shape shape_of(const train::RunPlan& plan) {
     s.expert_ffn = mlp["ffn_hidden_size"].value_or(int64_t{0});
     if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
     s.aux = mlp["aux_loss_coeff"].value_or(0.01);
+    s.pre_softmax = mlp["pre_softmax"].value_or(false);
+    // Qwen3-MoE has both gates (norm_topk_prob); Mixtral renormalises the chosen ones.
     if (mlp["shared_expert_ffn_hidden_size"].value_or(int64_t{0}) != 0 || mlp["capacity_factor"].value_or(0.0) != 0.0 ||
-        mlp["pre_softmax"].value_or(false))
-      throw std::runtime_error("MixtralForCausalLM's MoE blocks are dropless top-k over the chosen logits without a "
-                               "shared expert: shared_expert_ffn_hidden_size, capacity_factor and pre_softmax have "
-                               "no counterpart");
+        (s.pre_softmax && !s.qk_norm))
+      throw std::runtime_error(s.architecture() + "'s MoE blocks are dropless top-k" +
+                               (s.qk_norm ? "" : " over the chosen logits") +
+                               " without a shared expert: shared_expert_ffn_hidden_size, capacity_factor" +
+                               (s.qk_norm ? "" : " and pre_softmax") + " have no counterpart");
   }
   return s;
+}
+
+// The tensor names of a sparse MoE block, after "model.layers.<i>.": the router, and
+// after "<experts><j>." expert j's gate and up projections (fc1's two halves) and its
+// down projection.
+struct MoeNames {
+  std::string gate, experts, up_gate, up, down;
+};
+MoeNames moe_names(const Shape& s) {
+  if (s.qwen()) return {"mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+  return {"block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight", "w2.weight"};
 }
 
 // Expert j's [rows, cols] matrix of a whole [E, rows, cols] tensor.
@@ -301,6 +332,10 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
       b.matrix(h + "self_attn.k_proj.weight", transposed(gather_columns(qkv, k)));
       b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
       b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
+      if (s.qk_norm) {
+        b.as_is(h + "self_attn.q_norm.weight", at + "q_norm.weight");
+        b.as_is(h + "self_attn.k_norm.weight", at + "k_norm.weight");
+      }
       b.as_is(h + "post_attention_layernorm.weight", ml + "ln.weight");
       if (s.llama) {
         const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
@@ -309,33 +344,41 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         b.matrix(h + "mlp.down_proj.weight", transposed(matrix_of(b.get(ml + "fc2.weight"))));
         continue;
       }
-      // Mixtral: the router [C, E] is gate [E, C]; expert j's fc1 [C, 2Fe] = [w1 | w3]^T, fc2 [Fe, C] = w2^T.
-      b.matrix(h + "block_sparse_moe.gate.weight", transposed(matrix_of(b.get(ml + "router.weight"))));
+      // The router [C, E] is gate [E, C]; expert j's fc1 [C, 2Fe] = [gate | up]^T (Mixtral's w1 | w3),
+      // fc2 [Fe, C] = down^T (w2).
+      const MoeNames n = moe_names(s);
+      b.matrix(h + n.gate, transposed(matrix_of(b.get(ml + "router.weight"))));
       for (int64_t j = 0; j < s.experts; ++j) {
-        const std::string x = h + "block_sparse_moe.experts." + std::to_string(j) + ".";
+        const std::string x = h + n.experts + std::to_string(j) + ".";
         const Matrix fc1 = expert_matrix(b.get(ml + "experts.fc1.weight"), j);
-        b.matrix(x + "w1.weight", transposed(columns(fc1, 0, Fe)));
-        b.matrix(x + "w3.weight", transposed(columns(fc1, Fe, Fe)));
-        b.matrix(x + "w2.weight", transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
+        b.matrix(x + n.up_gate, transposed(columns(fc1, 0, Fe)));
+        b.matrix(x + n.up, transposed(columns(fc1, Fe, Fe)));
+        b.matrix(x + n.down, transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
       }
     }
     b.as_is("model.norm.weight", s.head + "ln.weight");
     if (!tied) b.vocab_rows("lm_head.weight", s.head + "word.weight", V);
-    hf.config = {{"architectures", {hf.architecture}}, {"model_type", s.llama ? "llama" : "mixtral"},
-                 {"vocab_size", V}, {"hidden_size", C}, {"intermediate_size", s.llama ? F : Fe},
+    hf.config = {{"architectures", {hf.architecture}}, {"model_type", s.model_type()},
+                 {"vocab_size", V}, {"hidden_size", C}, {"intermediate_size", s.llama || s.qwen() ? F : Fe},
                  {"num_hidden_layers", Lyr}, {"num_attention_heads", H}, {"num_key_value_heads", G},
                  {"head_dim", D}, {"hidden_act", "silu"}, {"max_position_embeddings", T},
                  {"rms_norm_eps", s.eps}, {"rope_theta", s.theta}, {"tie_word_embeddings", tied},
                  {"torch_dtype", torch_dtype}};
-    if (s.llama) {
-      hf.config["attention_bias"] = false;
-      hf.config["mlp_bias"] = false;
-    } else {
-      hf.config["num_local_experts"] = s.experts;
+    hf.config["attention_bias"] = false;
+    if (s.llama && !s.qwen()) hf.config["mlp_bias"] = false;
+    if (s.qwen()) hf.config["use_sliding_window"] = false;
+    if (s.mixtral) {
+      hf.config[s.qwen() ? "num_experts" : "num_local_experts"] = s.experts;
       hf.config["num_experts_per_tok"] = s.top_k;
       hf.config["router_aux_loss_coef"] = s.aux;
       hf.config["output_router_logits"] = false;
       hf.config["sliding_window"] = nullptr;
+      if (s.qwen()) {
+        hf.config["moe_intermediate_size"] = Fe;
+        hf.config["norm_topk_prob"] = !s.pre_softmax;
+        hf.config["decoder_sparse_step"] = 1;
+        hf.config["mlp_only_layers"] = nlohmann::ordered_json::array();
+      }
     }
   }
   hf.tensors = b.take();
@@ -671,7 +714,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + ": " + k + " = " + v.dump() + (given ? "" : " (transformers' default)") +
                                ", which loom's model does not compute (it has " + want.dump() + ")");
   };
-  require_value("model_type", s.gpt2 ? "gpt2" : s.llama ? "llama" : "mixtral", nullptr);
+  require_value("model_type", s.model_type(), nullptr);
   if (s.gpt2) {
     require_value("activation_function", "gelu_new", "gelu_new");
     require_value("layer_norm_epsilon", s.eps, 1e-5);
@@ -681,8 +724,8 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + ": n_inner = " + c["n_inner"].dump() + " is not an integer");
   } else {
     require_value("hidden_act", "silu", "silu");
-    require_value("rms_norm_eps", s.eps, s.llama ? 1e-6 : 1e-5);
-    require_value("head_dim", C / H, C / H);
+    require_value("rms_norm_eps", s.eps, s.default_eps());
+    require_value("head_dim", C / H, s.qwen() ? 128 : C / H);
     require_value("attention_bias", false, false);
     require_value("mlp_bias", false, false);
     // The rotary settings: rope_theta at the top (transformers 4), or inside
@@ -700,13 +743,18 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       if (theta.is_null() && r.contains("rope_theta")) theta = r["rope_theta"];
     }
     const bool given = !theta.is_null();
-    if (!given) theta = s.llama ? 10000.0 : 1000000.0;
+    if (!given) theta = s.llama || s.qwen() ? 10000.0 : 1000000.0;
     if (!theta.is_number() || theta.get<double>() != s.theta)
       throw std::runtime_error(where + ": rope_theta = " + theta.dump() + (given ? "" : " (transformers' default)") +
                                " but the model's rotary_base is " + std::to_string(s.theta) +
                                "; set model.layer.attention.rotary_base to it");
-    // Mixtral's sliding window: attention over at most that many earlier tokens.
-    if (c.contains("sliding_window") && !c["sliding_window"].is_null() &&
+    // A sliding window: attention over at most that many earlier tokens (Mixtral's
+    // whenever set; Qwen3's with use_sliding_window).
+    if (s.qwen() && c.contains("use_sliding_window") && !c["use_sliding_window"].is_boolean())
+      throw std::runtime_error(where + ": use_sliding_window = " + c["use_sliding_window"].dump() +
+                               " is not true or false");
+    const bool window_used = !s.qwen() || c.value("use_sliding_window", false);
+    if (window_used && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
         (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < T))
       throw std::runtime_error(where + ": sliding_window = " + c["sliding_window"].dump() +
                                " limits attention to fewer tokens than model.seq_length = " + std::to_string(T) +
@@ -756,15 +804,22 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     if (s.llama) {
       require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
     } else {
-      require_equal(config_int(c, "intermediate_size", where), s.expert_ffn, "intermediate_size",
-                    "the experts' ffn_hidden_size", where);
-      require_equal(config_int(c, "num_local_experts", where), s.experts, "num_local_experts",
-                    "model.layer.moe.num_experts", where);
+      const char* expert_ffn = s.qwen() ? "moe_intermediate_size" : "intermediate_size";
+      const char* experts = s.qwen() ? "num_experts" : "num_local_experts";
+      require_equal(config_int(c, expert_ffn, where), s.expert_ffn, expert_ffn, "the experts' ffn_hidden_size", where);
+      require_equal(config_int(c, experts, where), s.experts, experts, "model.layer.moe.num_experts", where);
       require_equal(config_int(c, "num_experts_per_tok", where), s.top_k, "num_experts_per_tok",
                     "model.layer.moe.top_k", where);
+      if (s.qwen()) {
+        // Qwen3MoeConfig's defaults: the chosen gates not renormalised, every layer sparse.
+        require_value("norm_topk_prob", !s.pre_softmax, false);
+        require_value("decoder_sparse_step", 1, 1);
+        require_value("mlp_only_layers", nlohmann::json::array(), nlohmann::json::array());
+      }
     }
-    // Absent: LlamaConfig's default is num_attention_heads, MixtralConfig's 8.
-    const int64_t kv_default = s.llama ? H : 8;
+    // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's
+    // and Qwen3Config's 8, Qwen3MoeConfig's 4).
+    const int64_t kv_default = s.default_kv_heads(H);
     require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : kv_default, G,
                   "num_key_value_heads", "model.layer.attention.num_query_groups", where);
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
@@ -787,6 +842,10 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       }
       out.add(at + "qkv.weight", concat_columns(parts));
       out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
+      if (s.qk_norm) {
+        out.add(at + "q_norm.weight", hf.get(h + "self_attn.q_norm.weight", {D}));
+        out.add(at + "k_norm.weight", hf.get(h + "self_attn.k_norm.weight", {D}));
+      }
       out.add(ml + "ln.weight", hf.get(h + "post_attention_layernorm.weight", {C}));
       if (s.llama) {
         out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
@@ -794,14 +853,15 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));
         continue;
       }
-      // Mixtral: the router, then each expert's [w1 | w3]^T and w2^T stacked by expert.
-      out.add(ml + "router.weight", transposed(matrix_of(hf.get(h + "block_sparse_moe.gate.weight", {s.experts, C}))));
+      // The router, then each expert's [gate | up]^T and down^T stacked by expert.
+      const MoeNames n = moe_names(s);
+      out.add(ml + "router.weight", transposed(matrix_of(hf.get(h + n.gate, {s.experts, C}))));
       std::vector<char> fc1, fc2;
       for (int64_t j = 0; j < s.experts; ++j) {
-        const std::string x = h + "block_sparse_moe.experts." + std::to_string(j) + ".";
-        const Matrix up = concat_columns({transposed(matrix_of(hf.get(x + "w1.weight", {Fe, C}))),
-                                          transposed(matrix_of(hf.get(x + "w3.weight", {Fe, C})))});
-        const Matrix down = transposed(matrix_of(hf.get(x + "w2.weight", {C, Fe})));
+        const std::string x = h + n.experts + std::to_string(j) + ".";
+        const Matrix up = concat_columns({transposed(matrix_of(hf.get(x + n.up_gate, {Fe, C}))),
+                                          transposed(matrix_of(hf.get(x + n.up, {Fe, C})))});
+        const Matrix down = transposed(matrix_of(hf.get(x + n.down, {C, Fe})));
         fc1.insert(fc1.end(), up.data.begin(), up.data.end());
         fc2.insert(fc2.end(), down.data.begin(), down.data.end());
       }

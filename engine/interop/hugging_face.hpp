@@ -3,7 +3,9 @@
 // (blocks of layer/attention + layer/mlp with LayerNorm, GeLU, biases and learned
 // positions: GPT-2) or LlamaForCausalLM (RMSNorm, SwiGLU, no biases, rotary embeddings,
 // grouped-query attention: Llama) or MixtralForCausalLM (the same with blocks of
-// attention + layer/moe: top-k SwiGLU experts, dropless) loads, from any parallel layout (the shards are
+// attention + layer/moe: top-k SwiGLU experts, dropless) or, with the attention's
+// qk_norm, Qwen3ForCausalLM and Qwen3MoeForCausalLM (q_norm, k_norm; Qwen3-MoE's
+// experts under mlp.experts.j.{gate,up,down}_proj) loads, from any parallel layout (the shards are
 // gathered by engine/train/gather.hpp); checkpoint.init_weights = "DIR" starts a run of
 // the same architecture from such a directory (read_hf, the same mapping backwards).
 //
@@ -25,6 +27,10 @@
 //          the routing (softmax over the chosen logits = the top-k probabilities
 //          renormalised) is the same. loom's rotary embedding rotates halves
 //          (Megatron-LM's and transformers' convention), so q and k need no permutation.
+//   Qwen3  as Llama, with self_attn.{q,k}_norm.weight [head_dim] (loom's q_norm, k_norm:
+//          each head's q and k RMSNorm-ed before the rotation, modeling_qwen3.py);
+//          Qwen3-MoE as Mixtral with them, the experts named mlp.gate and
+//          mlp.experts.j.{gate,up,down}_proj, and norm_topk_prob = !pre_softmax.
 #pragma once
 
 #include "engine/interop/safetensors.hpp"
@@ -41,7 +47,7 @@
 namespace loom::interop {
 
 struct HfModel {
-  std::string architecture;          // "GPT2LMHeadModel", "LlamaForCausalLM" or "MixtralForCausalLM"
+  std::string architecture;          // "GPT2LMHeadModel", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3..."
   nlohmann::ordered_json config;     // config.json
   std::vector<NamedTensor> tensors;  // model.safetensors, in model order
   std::vector<std::string> files;    // the other files written beside config.json (tokenizer)

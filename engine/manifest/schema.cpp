@@ -313,7 +313,7 @@ std::vector<KeySpec> build() {
                 "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "
                 "(a step_N directory, or a checkpoint directory: its newest step) of any parallel layout, or a "
                 "Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel or "
-                "LlamaForCausalLM or MixtralForCausalLM); the optimizer starts fresh at step 0; not read when resuming "
+                "LlamaForCausalLM or MixtralForCausalLM or Qwen3ForCausalLM or Qwen3MoeForCausalLM); the optimizer starts fresh at step 0; not read when resuming "
                 "from a checkpoint (--resume before the first checkpoint starts from it) (\"\" = none)"));
   // plugins
   v.push_back(sl("plugins.search_paths", "[]",

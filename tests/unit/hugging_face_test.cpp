@@ -140,13 +140,18 @@ void rope(Vec& x, int64_t T, int64_t heads, int64_t D, double theta) {
 // Mean cross-entropy of one sequence's next tokens (targets < 0 skipped) under the HF model.
 double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt, int64_t* count) {
   const nlohmann::json& c = w.config;
-  const bool mixtral = c["model_type"] == "mixtral", llama = c["model_type"] == "llama" || mixtral;
+  // Qwen3 (modeling_qwen3.py) is Llama with each head's q and k RMSNorm-ed before the
+  // rotation; Qwen3-MoE (modeling_qwen3_moe.py) Mixtral's with it, other names, and the
+  // chosen gates renormalised only with norm_topk_prob.
+  const bool qwen3_moe = c["model_type"] == "qwen3_moe", qwen = c["model_type"] == "qwen3" || qwen3_moe;
+  const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
+             llama = c["model_type"] == "llama" || c["model_type"] == "qwen3" || mixtral;
   const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
   const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
   const int64_t H = llama ? c["num_attention_heads"].get<int64_t>() : c["n_head"].get<int64_t>();
   const int64_t L = llama ? c["num_hidden_layers"].get<int64_t>() : c["n_layer"].get<int64_t>();
   const int64_t G = llama ? c["num_key_value_heads"].get<int64_t>() : H, D = C / H;
-  const int64_t F = llama ? c["intermediate_size"].get<int64_t>() : c["n_inner"].get<int64_t>();
+  int64_t F = llama ? c["intermediate_size"].get<int64_t>() : c["n_inner"].get<int64_t>();
   const double eps = llama ? c["rms_norm_eps"].get<double>() : c["layer_norm_epsilon"].get<double>();
   const std::string emb = llama ? "model.embed_tokens.weight" : "transformer.wte.weight";
   Vec x(static_cast<size_t>(T * C));
@@ -163,6 +168,10 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true);
       Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true);
       const Vec v = linear(a, T, C, w.at(p + "self_attn.v_proj.weight"), G * D, true);
+      if (qwen) {  // [T, heads, D] rows of D
+        q = layer_norm(q, T * H, D, w.at(p + "self_attn.q_norm.weight"), nullptr, eps, true);
+        k = layer_norm(k, T * G, D, w.at(p + "self_attn.k_norm.weight"), nullptr, eps, true);
+      }
       rope(q, T, H, D, c["rope_theta"].get<double>());
       rope(k, T, G, D, c["rope_theta"].get<double>());
       add(x, linear(attention(q, k, v, T, H, G, D), T, C, w.at(p + "self_attn.o_proj.weight"), C, true));
@@ -178,14 +187,19 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         continue;
       }
       // modeling_mixtral.py: softmax over the experts, the top k, renormalised; the chosen experts' sum.
-      const int64_t E = c["num_local_experts"], K = c["num_experts_per_tok"];
-      const std::string moe = p + "block_sparse_moe.";
+      const int64_t E = c[qwen3_moe ? "num_experts" : "num_local_experts"], K = c["num_experts_per_tok"];
+      const bool renormalise = !qwen3_moe || c["norm_topk_prob"].get<bool>();
+      const std::string moe = p + (qwen3_moe ? "mlp." : "block_sparse_moe.");
       const Vec logits = linear(m, T, C, w.at(moe + "gate.weight"), E, true);
       std::vector<Vec> expert_out;
+      const int64_t dense_F = F;
+      if (qwen3_moe) F = c["moe_intermediate_size"];
       for (int64_t j = 0; j < E; ++j) {
         const std::string e = moe + "experts." + std::to_string(j) + ".";
-        expert_out.push_back(swiglu_mlp(m, e + "w1.weight", e + "w3.weight", e + "w2.weight"));
+        expert_out.push_back(qwen3_moe ? swiglu_mlp(m, e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight")
+                                       : swiglu_mlp(m, e + "w1.weight", e + "w3.weight", e + "w2.weight"));
       }
+      F = dense_F;
       for (int64_t t = 0; t < T; ++t) {
         std::vector<std::pair<double, int64_t>> prob;
         double mx = -1e300, z = 0;
@@ -196,6 +210,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
                           [](const auto& a, const auto& b) { return a.first > b.first; });
         double chosen = 0;
         for (int64_t k = 0; k < K; ++k) chosen += prob[k].first;
+        if (!renormalise) chosen = 1.0;
         for (int64_t k = 0; k < K; ++k)
           for (int64_t e = 0; e < C; ++e) x[t * C + e] += prob[k].first / chosen * expert_out[prob[k].second][t * C + e];
       }
@@ -351,6 +366,33 @@ const std::vector<std::string>& mixtral() {
 
 TEST(HfExport, MixtralFromTp2Pp2Dp2Ep2MatchesLoomsLoss) { check_export(mixtral(), "MixtralForCausalLM"); }
 
+// Qwen3: Llama's blocks with qk_norm (q_norm, k_norm); Qwen3-MoE: Mixtral's with it, with
+// either gate (norm_topk_prob).
+const std::vector<std::string>& qwen3() {
+  static const std::vector<std::string> o = [] {
+    std::vector<std::string> v = {"model.tie_embeddings=false", "model.num_heads=4", "model.ffn_hidden_size=48",
+                                  "model.layer.embedding.position_embedding=\"rope\"",
+                                  "model.layer.attention.position_embedding=\"rope\"",
+                                  "model.layer.attention.num_query_groups=2", "model.layer.attention.norm=\"rmsnorm\"",
+                                  "model.layer.attention.bias=false", "model.layer.attention.qk_norm=true",
+                                  "model.layer.mlp.norm=\"rmsnorm\"", "model.layer.mlp.activation=\"swiglu\"",
+                                  "model.layer.mlp.bias=false", "model.layer.lm_head.norm=\"rmsnorm\""};
+    return v;
+  }();
+  return o;
+}
+std::vector<std::string> qwen3_moe(bool pre_softmax) {
+  std::vector<std::string> v = mixtral();
+  v.push_back("model.layer.attention.qk_norm=true");
+  v.push_back(std::string("model.layer.moe.pre_softmax=") + (pre_softmax ? "true" : "false"));
+  return v;
+}
+TEST(HfExport, Qwen3FromTp2Pp2Dp2MatchesLoomsLoss) { check_export(qwen3(), "Qwen3ForCausalLM"); }
+TEST(HfExport, Qwen3MoeWithEitherGateMatchesLoomsLoss) {
+  check_export(qwen3_moe(false), "Qwen3MoeForCausalLM");
+  check_export(qwen3_moe(true), "Qwen3MoeForCausalLM");
+}
+
 TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
   const std::string dir = scratch("moe");
   const std::string step = parallel_checkpoint({"model.layer.mlp.activation=\"swiglu\""}, dir);
@@ -454,6 +496,8 @@ TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
 TEST(HfImport, TwoPairsABlockRoundTripIsBitExact) { check_round_trip(two_pairs()); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
 TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
+TEST(HfImport, Qwen3RoundTripIsBitExact) { check_round_trip(qwen3()); }
+TEST(HfImport, Qwen3MoeRoundTripIsBitExact) { check_round_trip(qwen3_moe(true)); }
 
 // A run of another layout (serial; tp 2 with SP; pp 2 x dp 2) started from the export of a
 // tp 2 x pp 2 x dp 2 checkpoint, or from the checkpoint itself, has the same first loss,
@@ -696,6 +740,60 @@ TEST(HfImport, AbsentKeysAreTransformersDefaultsAndWeightsMustBeFinite) {
             std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(out);
+}
+
+// Qwen3's and Qwen3-MoE's config keys: an absent head_dim is Qwen3Config's 128 (not
+// this model's 8), a sliding window counts only with use_sliding_window, norm_topk_prob
+// must say the model's gate (absent: Qwen3MoeConfig's false), every layer sparse; a
+// GPT-2 block with qk_norm has no counterpart.
+TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
+  auto config_refusal = [](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
+    const std::string dir = scratch("qwen"), out = scratch("qwen-out");
+    const std::string step = parallel_checkpoint(model, dir);
+    loom::interop::export_hf(step, out, loom::plugins::registry());
+    const int64_t vocab = loom::train::gather_checkpoint(step, loom::plugins::registry()).vocab;
+    nlohmann::json c;
+    std::ifstream(out + "/config.json") >> c;
+    edit(c);
+    std::ofstream(out + "/config.json") << c.dump();
+    std::string why;
+    try {
+      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), vocab);
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    fs::remove_all(dir);
+    fs::remove_all(out);
+    return why;
+  };
+  EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c.erase("head_dim"); })
+                .find("head_dim = 128 (transformers' default)"),
+            std::string::npos);
+  EXPECT_EQ(config_refusal(qwen3(), [](nlohmann::json& c) { c["sliding_window"] = 4; }), "");
+  EXPECT_NE(config_refusal(qwen3(),
+                           [](nlohmann::json& c) {
+                             c["sliding_window"] = 4;
+                             c["use_sliding_window"] = true;
+                           })
+                .find("sliding_window = 4"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c.erase("norm_topk_prob"); })
+                .find("norm_topk_prob = false (transformers' default)"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c["mlp_only_layers"] = {1}; })
+                .find("mlp_only_layers = [1]"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c["model_type"] = "mixtral"; })
+                .find("model_type = \"mixtral\""),
+            std::string::npos);
+  const loom::train::RunPlan gpt2_qk = loom::testing::plan_from(
+      loom::testing::tiny_manifest(), {"model.num_layers=4", "model.layer.attention.qk_norm=true"});
+  try {
+    loom::interop::read_hf("/nonexistent", gpt2_qk, 13);
+    ADD_FAILURE() << "GPT-2 blocks with qk_norm were taken for GPT-2's";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no qk_norm"), std::string::npos) << e.what();
+  }
 }
 
 TEST(HfExport, OutputThatCannotBeWrittenLeavesNothingHalfWritten) {
