@@ -4,7 +4,8 @@
 // pipeline and data parallelism with the distributed optimizer train as the serial
 // run; partial CUDA-graph-style replays and activation recomputation are bit-identical
 // to eager; bf16 tracks fp32. (tp with and without SP: TensorParallel.LlamaBlocks*
-// and TensorParallel.GroupedQueryAttention*; cp: ContextParallel.Rope*.)
+// and TensorParallel.GroupedQueryAttention*, TensorParallel.QkNorm*; cp:
+// ContextParallel.Rope*.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -83,6 +84,21 @@ TEST(LlamaBlocks, Bf16TracksFp32) {
   bool differs = false;
   for (size_t s = 0; s < fp32.loss.size(); ++s) differs |= fp32.loss[s] != bf16.loss[s];
   EXPECT_TRUE(differs) << "bf16 losses equal to fp32's bit for bit: bf16 was not applied";
+}
+
+// Qwen3's blocks (Llama's with each head's q and k RMSNorm-ed, qk_norm): the pipeline
+// and the distributed optimizer train as the serial run, partial graphs and
+// recomputation are bit-identical to eager, bf16 tracks fp32.
+TEST(LlamaBlocks, WithQkNormTheLayoutsModesAndBf16HoldAsWithout) {
+  const std::string qk = "model.layer.attention.qk_norm=true";
+  const RankTrace serial = run({qk});
+  expect_same_training(serial, run({qk, "parallel.pp=2", "parallel.vpp=2"}));
+  expect_same_training(serial, run({qk, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  expect_bit_identical(serial, run({qk, "exec.mode=\"partial_graph\""}));
+  expect_bit_identical(serial, run({qk, "model.recompute_granularity=\"full\""}));
+  loom::testing::expect_tracks(serial, run({qk, "device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""}), 0.01,
+                               0.05, 0.05);
+  EXPECT_NE(serial.loss.back(), run({}).loss.back()) << "qk_norm changed nothing";
 }
 
 // A device plugin without the ops an option needs (one built before ABI 1.10) is
