@@ -10,6 +10,7 @@
 #      and cp = 2 (context parallelism) over comm/nccl
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
+#      and configs/qwen3_quickstart.toml (RMSNorm, SwiGLU, RoPE, grouped queries, qk_norm)
 #   4. bf16: a run with device.param_dtype = bf16 whose loss must track the fp32 one;
 #      graphs: partial graphs (exec.mode = partial_graph; MoE router sub-steps too) whose
 #      losses must equal eager's, and the ms/step of both on the quickstart model (small
@@ -317,6 +318,16 @@ if run cpu_moe_cap "${moe[@]}" "${cap[@]}" --set device.kind=cpu &&
   else fail "cuda fp32 vs cpu losses differ with MoE capacity"; fi
 else
   fail "MoE capacity runs failed (see $out/cpu_moe_cap.log, $out/cuda_moe_cap.log)"; tail -n 5 "$out/cpu_moe_cap.log" "$out/cuda_moe_cap.log" 2>/dev/null
+fi
+# Qwen3's blocks: RMSNorm, SwiGLU, rotary embeddings, grouped queries, q/k RMSNorm-ed per head.
+qwen3=(configs/qwen3_quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
+       --set parallel.dp=1)
+if run cpu_qwen3 "${qwen3[@]}" --set device.kind=cpu && run cuda_qwen3 "${qwen3[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_qwen3.jsonl" "$out/cpu_qwen3.jsonl" 1e-4 "cuda vs cpu, Qwen3 blocks"; then
+    pass "cuda fp32 = cpu with Qwen3 blocks (rmsnorm, swiglu, rope, gqa, qk_norm)"
+  else fail "cuda fp32 vs cpu losses differ with Qwen3 blocks"; fi
+else
+  fail "Qwen3 block runs failed (see $out/cpu_qwen3.log, $out/cuda_qwen3.log)"; tail -n 5 "$out/cpu_qwen3.log" "$out/cuda_qwen3.log" 2>/dev/null
 fi
 if [ "$gpus" -ge 2 ]; then
   dp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2)
