@@ -29,8 +29,12 @@ struct CheckpointSaver::Pending {
 };
 
 CheckpointSaver::CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml,
-                                 BeforeWrite before_write)
-    : plan_(plan), rank_(rank), manifest_toml_(std::move(manifest_toml)), before_write_(std::move(before_write)) {}
+                                 OnCommit on_commit, BeforeWrite before_write)
+    : plan_(plan),
+      rank_(rank),
+      manifest_toml_(std::move(manifest_toml)),
+      on_commit_(std::move(on_commit)),
+      before_write_(std::move(before_write)) {}
 
 CheckpointSaver::~CheckpointSaver() {
   cancel_ = true;
@@ -80,7 +84,7 @@ void CheckpointSaver::write(Pending& p) {
   p.done.store(true, std::memory_order_release);
 }
 
-CheckpointSaver::Committed CheckpointSaver::commit(Pending& p) {
+void CheckpointSaver::commit(Pending& p) {
   const auto t0 = std::chrono::steady_clock::now();
   if (p.thread.joinable()) p.thread.join();
   if (p.error) {
@@ -104,35 +108,31 @@ CheckpointSaver::Committed CheckpointSaver::commit(Pending& p) {
   }
   world.barrier();
   c.waited_ms += ms_since(t0);
-  return c;
+  if (on_commit_) on_commit_(c);
 }
 
-std::optional<CheckpointSaver::Committed> CheckpointSaver::commit_pending() {
-  if (!pending_) return std::nullopt;
+void CheckpointSaver::commit_pending() {
+  if (!pending_) return;
   const std::unique_ptr<Pending> p = std::move(pending_);
-  return commit(*p);
+  commit(*p);
 }
 
-std::vector<CheckpointSaver::Committed> CheckpointSaver::save(const model::Model& model,
-                                                              const OptimizerBinding& optimizer, int64_t step,
-                                                              uint64_t consumed_samples, bool evaluation_pending,
-                                                              bool in_line) {
-  std::vector<Committed> committed;
-  if (std::optional<Committed> c = commit_pending()) committed.push_back(std::move(*c));
+void CheckpointSaver::save(const model::Model& model, const OptimizerBinding& optimizer, int64_t step,
+                           uint64_t consumed_samples, bool evaluation_pending, bool in_line) {
+  commit_pending();
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_ptr<Pending> p = stage(model, optimizer, step, consumed_samples, evaluation_pending);
   p->waited_ms = ms_since(t0);
   if (in_line) {
     write(*p);
     p->waited_ms = ms_since(t0);
-    committed.push_back(commit(*p));
-    return committed;
+    commit(*p);
+    return;
   }
   p->background = true;
   Pending& pending = *p;
   pending_ = std::move(p);
   pending.thread = std::thread([this, &pending] { write(pending); });
-  return committed;
 }
 
 namespace {

@@ -42,10 +42,13 @@ class CheckpointSaver {
     double written_ms = 0;     // writing this rank's files
     bool background = false;   // written beside training
   };
+  // Called on this rank's thread as soon as a save is committed (before anything after
+  // it can fail, so a committed step is always reported).
+  using OnCommit = std::function<void(const Committed&)>;
   // Called on the writing thread before it writes (tests hold a write back with it).
   using BeforeWrite = std::function<void(int64_t step, int rank)>;
 
-  CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml,
+  CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml, OnCommit on_commit,
                   BeforeWrite before_write = nullptr);
   // A write still running is stopped (between pieces of its file) and joined: a run
   // that fails commits nothing, and the next run removes the temporary directory.
@@ -54,31 +57,31 @@ class CheckpointSaver {
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;
 
   // Every rank calls it at the same point. Commits the save still pending first, then
-  // saves `step`: whole when `in_line`, else staged with its write started. Returns
-  // what was committed (the pending save's, then this one's when in line).
+  // saves `step`: whole when `in_line`, else staged with its write started.
   // `consumed_samples`: the training samples the run has read by `step`;
   // `evaluation_pending`: a stop signal came before step's evaluation ended (a resume
   // runs it first).
-  std::vector<Committed> save(const model::Model& model, const OptimizerBinding& optimizer, int64_t step,
-                              uint64_t consumed_samples, bool evaluation_pending, bool in_line);
+  void save(const model::Model& model, const OptimizerBinding& optimizer, int64_t step, uint64_t consumed_samples,
+            bool evaluation_pending, bool in_line);
   // Whether a save is staged and not yet committed (the same on every rank).
   bool pending() const { return pending_ != nullptr; }
   // Whether this rank's write of it is still running.
   bool writing() const;
   // Every rank calls it at the same point: waits for this rank's write, then commits
-  // the pending save (nullopt when there is none). A failed write throws here, on its rank.
-  std::optional<Committed> commit_pending();
+  // the pending save (nothing when there is none). A failed write throws here, on its rank.
+  void commit_pending();
 
  private:
   struct Pending;
   std::unique_ptr<Pending> stage(const model::Model& model, const OptimizerBinding& optimizer, int64_t step,
                                  uint64_t consumed_samples, bool evaluation_pending);
   void write(Pending& p);
-  Committed commit(Pending& p);
+  void commit(Pending& p);
 
   const RunPlan& plan_;
   runtime::RankRuntime& rank_;
   const std::string manifest_toml_;
+  OnCommit on_commit_;
   BeforeWrite before_write_;
   std::unique_ptr<Pending> pending_;
   std::atomic<bool> cancel_{false};

@@ -89,7 +89,8 @@ class RankTraining {
         model_(create_model(run, rt)),
         optimizer_(run.plan, rt, *model_),
         batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches),
-        saver_(run.plan, rt, run.manifest_toml, run.options.before_checkpoint_write) {
+        saver_(run.plan, rt, run.manifest_toml, [this](const CheckpointSaver::Committed& c) { committed(c); },
+               run.options.before_checkpoint_write) {
     if (run_.resume)
       restore_checkpoint(run_.plan, *run_.resume, rt_, *model_, optimizer_, run_.manifest_toml, run_.regathered.get());
     // overlap_grad_reduce: gradients final during the backward go to the strategy
@@ -114,7 +115,7 @@ class RankTraining {
   // The steps, then the commit of a checkpoint still being written beside training.
   void run() {
     run_steps();
-    commit_pending_checkpoint();
+    saver_.commit_pending();
   }
 
  private:
@@ -134,7 +135,7 @@ class RankTraining {
   void sample(int64_t step);
   // Saves `step` (checkpoint.async_save: in the background, unless `in_line`).
   void checkpoint(int64_t step, bool in_line, bool evaluation_pending = false);
-  void commit_pending_checkpoint();
+  // A checkpoint is in place (CheckpointSaver's OnCommit).
   void committed(const CheckpointSaver::Committed& c);
   void mark_interrupted();
   void publish();
@@ -243,14 +244,8 @@ StepRecord RankTraining::train_step(int64_t step) {
 void RankTraining::checkpoint(int64_t step, bool in_line, bool evaluation_pending) {
   if (config_.checkpoint.dir.empty()) return;
   optimizer_.params_needed_all();
-  for (const CheckpointSaver::Committed& c :
-       saver_.save(*model_, optimizer_, step, run_.samples_before(step), evaluation_pending,
-                   in_line || !config_.checkpoint.async_save))
-    committed(c);
-}
-
-void RankTraining::commit_pending_checkpoint() {
-  if (const std::optional<CheckpointSaver::Committed> c = saver_.commit_pending()) committed(*c);
+  saver_.save(*model_, optimizer_, step, run_.samples_before(step), evaluation_pending,
+              in_line || !config_.checkpoint.async_save);
 }
 
 // A checkpoint is in place: said, the old ones pruned (checkpoint.keep_last).
@@ -342,7 +337,7 @@ void RankTraining::run_steps() {
     if (run_.options.stepped) run_.options.stepped->store(true);
     const StepPoll polled = poll();
     bool stop = polled.stop;
-    if (polled.written) commit_pending_checkpoint();
+    if (polled.written) saver_.commit_pending();
     run_.metrics.complete(rec);
     // A stop before or during this step's evaluation leaves it to the resumed run.
     bool evaluation_pending = stop && evaluates_at(step);
@@ -359,7 +354,7 @@ void RankTraining::run_steps() {
     }
     // Both are reduced, so every rank stops here alike, before this step's weights are saved.
     if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) {
-      commit_pending_checkpoint();  // an earlier step's weights, finite
+      saver_.commit_pending();  // an earlier step's weights, finite
       throw_not_finite(run_, rec);
     }
     const int64_t sample_every = config_.run.sample_every;

@@ -837,6 +837,27 @@ TEST(Checkpoint, AFailedAsyncWriteFailsTheRunAndLeavesTheEarlierCheckpoints) {
   EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2, 4, 6, 8}));
   for (const auto& e : fs::directory_iterator(dir))
     EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path() << " left behind";
+
+  // The save at the end commits the one still written beside training (step 10's write is
+  // held until step 11 has trained) before its own fails: that commit is said, since a
+  // --resume starts from it.
+  HeldWrite held;
+  std::ostringstream log;
+  opts.log = &log;
+  opts.resume = true;
+  opts.before_checkpoint_write = [&held](int64_t step, int rank) {
+    if (step == 10) held.wait();
+    if (step == 11 && rank == 0) throw loom::train::CheckpointError("writing rank_00000.bin failed: No space left");
+  };
+  opts.on_step = [&held](int64_t step, int, const loom::model::Model&) {
+    if (step == 11) held.release();
+  };
+  std::vector<std::string> longer = run;
+  longer.push_back("run.steps=11");
+  EXPECT_THROW(run_and_trace(tiny_manifest(), longer, opts), std::exception);
+  EXPECT_EQ(loom::train::latest_checkpoint(dir), std::optional<int64_t>(10));
+  EXPECT_NE(log.str().find("checkpoint: step 10 saved in " + loom::train::checkpoint_path(dir, 10)), std::string::npos)
+      << log.str();
   fs::remove_all(dir);
 }
 
