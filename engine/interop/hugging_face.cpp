@@ -141,8 +141,10 @@ struct Shape {
   double default_eps() const { return llama || qk_norm ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
     if (!qk_norm) return llama ? heads : 8;  // LlamaConfig: multi-head; MixtralConfig: 8
-    return llama ? 8 : 4;                    // Qwen3Config, Qwen3MoeConfig
+    return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
+  // Qwen3Config's head_dim is 128; the others have none (hidden / heads).
+  int64_t default_head_dim(int64_t hidden, int64_t heads) const { return qk_norm && llama ? 128 : hidden / heads; }
 };
 
 Shape shape_of(const train::RunPlan& plan) {
@@ -725,7 +727,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   } else {
     require_value("hidden_act", "silu", "silu");
     require_value("rms_norm_eps", s.eps, s.default_eps());
-    require_value("head_dim", C / H, s.qwen() ? 128 : C / H);
+    require_value("head_dim", C / H, s.default_head_dim(C, H));
     require_value("attention_bias", false, false);
     require_value("mlp_bias", false, false);
     // The rotary settings: rope_theta at the top (transformers 4), or inside
@@ -749,11 +751,23 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
                                " but the model's rotary_base is " + std::to_string(s.theta) +
                                "; set model.layer.attention.rotary_base to it");
     // A sliding window: attention over at most that many earlier tokens (Mixtral's
-    // whenever set; Qwen3's with use_sliding_window).
+    // whenever set; Qwen3-MoE's with use_sliding_window; Qwen3's with it, in the layers
+    // layer_types says, by default those from max_window_layers on).
     if (s.qwen() && c.contains("use_sliding_window") && !c["use_sliding_window"].is_boolean())
       throw std::runtime_error(where + ": use_sliding_window = " + c["use_sliding_window"].dump() +
                                " is not true or false");
-    const bool window_used = !s.qwen() || c.value("use_sliding_window", false);
+    bool window_used = !s.qwen() || c.value("use_sliding_window", false);
+    if (window_used && s.qwen() && s.llama) {
+      if (c.contains("layer_types") && c["layer_types"].is_array()) {
+        window_used = false;
+        for (const nlohmann::json& t : c["layer_types"]) window_used = window_used || t != "full_attention";
+      } else {
+        const nlohmann::json first = c.value("max_window_layers", nlohmann::json(28));
+        if (!first.is_number_integer())
+          throw std::runtime_error(where + ": max_window_layers = " + first.dump() + " is not an integer");
+        window_used = first.get<int64_t>() < L;
+      }
+    }
     if (window_used && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
         (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < T))
       throw std::runtime_error(where + ": sliding_window = " + c["sliding_window"].dump() +
@@ -805,7 +819,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
     } else {
       const char* expert_ffn = s.qwen() ? "moe_intermediate_size" : "intermediate_size";
-      const char* experts = s.qwen() ? "num_experts" : "num_local_experts";
+      // Qwen3-MoE's num_experts is saved as num_local_experts by transformers 5 (its
+      // attribute_map), as num_experts by earlier versions.
+      const char* experts = s.qwen() && !c.contains("num_local_experts") ? "num_experts" : "num_local_experts";
       require_equal(config_int(c, expert_ffn, where), s.expert_ffn, expert_ffn, "the experts' ffn_hidden_size", where);
       require_equal(config_int(c, experts, where), s.experts, experts, "model.layer.moe.num_experts", where);
       require_equal(config_int(c, "num_experts_per_tok", where), s.top_k, "num_experts_per_tok",
@@ -817,11 +833,14 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         require_value("mlp_only_layers", nlohmann::json::array(), nlohmann::json::array());
       }
     }
-    // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's
-    // and Qwen3Config's 8, Qwen3MoeConfig's 4).
-    const int64_t kv_default = s.default_kv_heads(H);
-    require_equal(c.contains("num_key_value_heads") ? config_int(c, "num_key_value_heads", where) : kv_default, G,
-                  "num_key_value_heads", "model.layer.attention.num_query_groups", where);
+    // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's 8,
+    // Qwen3Config's 32, Qwen3MoeConfig's 4); null: num_attention_heads.
+    const bool kv_given = c.contains("num_key_value_heads");
+    const int64_t kv = !kv_given                          ? s.default_kv_heads(H)
+                       : c["num_key_value_heads"].is_null() ? H
+                                                            : config_int(c, "num_key_value_heads", where);
+    require_equal(kv, G, kv_given ? "num_key_value_heads" : "num_key_value_heads (absent: transformers' default)",
+                  "model.layer.attention.num_query_groups", where);
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);
     const int64_t Fe = s.expert_ffn;
     for (int64_t i = 0; i < L; ++i) {

@@ -305,9 +305,10 @@ std::vector<KeySpec> build() {
                 "unfinished saves are left alone (0 = keep all)"));
   v.push_back(b("checkpoint.async_save", false,
                 "write the checkpoints of checkpoint.every beside training (Megatron-LM's --async-save): training "
-                "waits only while each rank's parameters and optimizer state are copied into host memory (as much "
-                "host memory again), a thread of each rank writes its files, and the step directory appears at the "
-                "first step by which every rank has written; the checkpoints at a stop signal and at the end are "
+                "waits while each rank's parameters and optimizer state are copied into host memory (as much "
+                "host memory again) and for the commit, a thread of each rank writes its files, and the step "
+                "directory appears at the first step by which every rank has written (the next save, a stop and "
+                "the end wait for a write still running); the checkpoints at a stop signal and at the end are "
                 "written in line; the files are the same bytes"));
   v.push_back(s("checkpoint.init_weights", "",
                 "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "

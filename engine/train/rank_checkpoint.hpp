@@ -51,7 +51,8 @@ class CheckpointSaver {
   CheckpointSaver(const RunPlan& plan, runtime::RankRuntime& rank, std::string manifest_toml, OnCommit on_commit,
                   BeforeWrite before_write = nullptr);
   // A write still running is stopped (between pieces of its file) and joined: a run
-  // that fails commits nothing, and the next run removes the temporary directory.
+  // that fails commits nothing, and leaves the temporary directory as a crash does
+  // (prepare_checkpoint_dir removes it when its process is gone).
   ~CheckpointSaver();
   CheckpointSaver(const CheckpointSaver&) = delete;
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;

@@ -61,7 +61,7 @@ struct Run {
 
 // The "a non-finite loss stops the run" error, as Megatron-LM's check for NaN in
 // the loss and gradients does.
-[[noreturn]] void throw_not_finite(const Run& run, const StepRecord& rec) {
+[[noreturn]] void throw_not_finite(const Run& run, const StepRecord& rec, const std::string& also = "") {
   const manifest::RunConfig& config = run.plan.config;
   std::ostringstream os;
   os << "step " << rec.step << ": the loss is " << rec.loss << " and the gradient norm " << rec.grad_norm
@@ -69,7 +69,7 @@ struct Run {
      << (!config.checkpoint.dir.empty() ? " (the last checkpoint in " + config.checkpoint.dir + " holds finite ones)"
                                         : std::string())
      << ". Usual causes: a learning rate too high (optimizer.lr = " << config.optimizer.lr
-     << "), no gradient clipping (optimizer.clip_grad), or data the model cannot represent";
+     << "), no gradient clipping (optimizer.clip_grad), or data the model cannot represent" << also;
   throw loom::Error(os.str());
 }
 
@@ -114,7 +114,14 @@ class RankTraining {
 
   // The steps, then the commit of a checkpoint still being written beside training.
   void run() {
-    run_steps();
+    try {
+      run_steps();
+    } catch (const std::exception& e) {
+      // Unwinding joins a write still running (~CheckpointSaver), which a slow file
+      // system can make long: the other ranks stop first rather than wait in a collective.
+      if (saver_.pending()) rt_.abort_world(e.what());
+      throw;
+    }
     saver_.commit_pending();
   }
 
@@ -354,7 +361,11 @@ void RankTraining::run_steps() {
     }
     // Both are reduced, so every rank stops here alike, before this step's weights are saved.
     if (!std::isfinite(rec.loss) || !std::isfinite(rec.grad_norm)) {
-      saver_.commit_pending();  // an earlier step's weights, finite
+      try {
+        saver_.commit_pending();  // an earlier step's weights, finite
+      } catch (const std::exception& e) {
+        throw_not_finite(run_, rec, std::string("; and ") + e.what());
+      }
       throw_not_finite(run_, rec);
     }
     const int64_t sample_every = config_.run.sample_every;

@@ -747,30 +747,84 @@ TEST(HfImport, AbsentKeysAreTransformersDefaultsAndWeightsMustBeFinite) {
 // must say the model's gate (absent: Qwen3MoeConfig's false), every layer sparse; a
 // GPT-2 block with qk_norm has no counterpart.
 TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
-  auto config_refusal = [](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
-    const std::string dir = scratch("qwen"), out = scratch("qwen-out");
-    const std::string step = parallel_checkpoint(model, dir);
-    loom::interop::export_hf(step, out, loom::plugins::registry());
-    const int64_t vocab = loom::train::gather_checkpoint(step, loom::plugins::registry()).vocab;
-    nlohmann::json c;
-    std::ifstream(out + "/config.json") >> c;
+  // Each model trained and exported once; each case edits a copy of its config.json.
+  struct Exported {
+    std::vector<std::string> model;
+    std::string dir, out;
+    nlohmann::json config;
+    int64_t vocab = 0;
+  };
+  auto exported = [](const std::vector<std::string>& model) {
+    Exported e{model, scratch("qwen"), scratch("qwen-out"), {}, 0};
+    const std::string step = parallel_checkpoint(model, e.dir);
+    loom::interop::export_hf(step, e.out, loom::plugins::registry());
+    e.vocab = loom::train::gather_checkpoint(step, loom::plugins::registry()).vocab;
+    std::ifstream(e.out + "/config.json") >> e.config;
+    return e;
+  };
+  const Exported dense = exported(qwen3()), moe = exported(qwen3_moe(false));
+  auto config_refusal = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
+    const Exported& e = model == dense.model ? dense : moe;
+    nlohmann::json c = e.config;
     edit(c);
-    std::ofstream(out + "/config.json") << c.dump();
+    std::ofstream(e.out + "/config.json") << c.dump();
     std::string why;
     try {
-      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), vocab);
-    } catch (const std::exception& e) {
-      why = e.what();
+      loom::interop::read_hf(e.out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), e.vocab);
+    } catch (const std::exception& ex) {
+      why = ex.what();
     }
-    fs::remove_all(dir);
-    fs::remove_all(out);
     return why;
   };
   EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c.erase("head_dim"); })
                 .find("head_dim = 128 (transformers' default)"),
             std::string::npos);
+  EXPECT_EQ(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c.erase("head_dim"); }), "")
+      << "Qwen3MoeConfig has no head_dim: hidden / heads";
+  EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c.erase("num_key_value_heads"); })
+                .find("num_key_value_heads (absent: transformers' default) = 32"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c["num_key_value_heads"] = nullptr; })
+                .find("num_key_value_heads = 4"),
+            std::string::npos)
+      << "null is num_attention_heads";
+  EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c.erase("num_key_value_heads"); })
+                .find("num_key_value_heads (absent: transformers' default) = 4 but the model's "
+                      "model.layer.attention.num_query_groups is 2"),
+            std::string::npos);
+  EXPECT_EQ(config_refusal(qwen3_moe(false),
+                           [](nlohmann::json& c) {
+                             c["num_local_experts"] = c["num_experts"];  // as transformers 5 saves it
+                             c.erase("num_experts");
+                           }),
+            "");
+  // The window: of no layer while use_sliding_window is false, or while the model's 4
+  // layers are below max_window_layers (28 by default) and layer_types names none.
   EXPECT_EQ(config_refusal(qwen3(), [](nlohmann::json& c) { c["sliding_window"] = 4; }), "");
+  EXPECT_EQ(config_refusal(qwen3(),
+                           [](nlohmann::json& c) {
+                             c["sliding_window"] = 4;
+                             c["use_sliding_window"] = true;
+                           }),
+            "");
   EXPECT_NE(config_refusal(qwen3(),
+                           [](nlohmann::json& c) {
+                             c["sliding_window"] = 4;
+                             c["use_sliding_window"] = true;
+                             c["max_window_layers"] = 2;
+                           })
+                .find("sliding_window = 4"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3(),
+                           [](nlohmann::json& c) {
+                             c["sliding_window"] = 4;
+                             c["use_sliding_window"] = true;
+                             c["layer_types"] = {"full_attention", "sliding_attention", "full_attention",
+                                                 "full_attention"};
+                           })
+                .find("sliding_window = 4"),
+            std::string::npos);
+  EXPECT_NE(config_refusal(qwen3_moe(false),
                            [](nlohmann::json& c) {
                              c["sliding_window"] = 4;
                              c["use_sliding_window"] = true;
@@ -793,6 +847,10 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
     ADD_FAILURE() << "GPT-2 blocks with qk_norm were taken for GPT-2's";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("no qk_norm"), std::string::npos) << e.what();
+  }
+  for (const Exported* e : {&dense, &moe}) {
+    fs::remove_all(e->dir);
+    fs::remove_all(e->out);
   }
 }
 

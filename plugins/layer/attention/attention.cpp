@@ -30,7 +30,11 @@
 // with one learned [head_dim] gamma (and beta) for all query heads and one for all key
 // heads. The pre-norm q and k are kept for backward. Every tp rank holds both gammas
 // and sees only its heads, so their gradients are summed over tp: by the engine under
-// sequence parallelism (it sums every duplicated parameter's), else here.
+// sequence parallelism (it sums every duplicated parameter's), else here. Some bias
+// directions the norm or the softmax cannot see (the per-head mean of qkv.bias's q and
+// k parts under LayerNorm; without rope, k_norm.bias, which is left at zero) get
+// gradients of rounding noise only, which Adam scales up: layouts that sum in another
+// order drift apart there first.
 //
 // Grouped-query attention (num_query_groups G < heads; 1 = multi-query; Ainslie et
 // al., 2023): the QKV weight holds Megatron-LM's layout, per group [its heads/G query
@@ -236,7 +240,7 @@ class Attention : public loom::Layer {
                  grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), ctx = tmp.elems(T * Hl, dt_.act),
                  mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
                  proj = tmp.elems(T * H, dt_.act), qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
-                 qk_mean = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0),
+                 qk_mean = tmp.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0),
                  qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
     tmp.allocate(rank_);
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
