@@ -13,6 +13,7 @@
 #include <boost/filesystem.hpp>
 
 #include <map>
+#include <set>
 #include <memory>
 
 #include <cerrno>
@@ -565,7 +566,19 @@ class HfTensors {
       throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is [" + got + "], the model needs [" + want + "]");
     }
     require_finite(*t, name);
+    read_.insert(t->name);
     return *t;
+  }
+  // The file's tensors no get() asked for, but the buffers transformers saves beside
+  // the weights (rotary frequencies, GPT-2's causal masks).
+  std::vector<std::string> unread() const {
+    std::vector<std::string> out;
+    for (const auto& [name, t] : by_name_) {
+      const bool buffer = name.ends_with("rotary_emb.inv_freq") || name.ends_with(".attn.bias") ||
+                          name.ends_with(".attn.masked_bias");
+      if (!buffer && !read_.count(name)) out.push_back(name);
+    }
+    return out;
   }
 
  private:
@@ -595,6 +608,7 @@ class HfTensors {
   }
   std::string dir_, dtype_;
   std::map<std::string, NamedTensor> by_name_;
+  mutable std::set<std::string> read_;  // the names get() returned
 };
 
 Matrix matrix_of(const NamedTensor& t) {
@@ -729,6 +743,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     require_value("rms_norm_eps", s.eps, s.default_eps());
     require_value("head_dim", C / H, s.default_head_dim(C, H));
     require_value("attention_bias", false, false);
+    // A rotary embedding over part of each head (loom's rotary_percent) has no
+    // counterpart in these architectures' attention (export refuses it too).
+    require_value("partial_rotary_factor", 1.0, 1.0);
     require_value("mlp_bias", false, false);
     // The rotary settings: rope_theta at the top (transformers 4), or inside
     // rope_parameters (transformers 5) or rope_scaling (some 4.x saves); any rope type
@@ -742,6 +759,8 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       if (!r.is_object() || type != "default")
         throw std::runtime_error(where + ": " + k + " = " + r.dump() +
                                  " (scaled rotary frequencies) has no loom counterpart");
+      if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"] != 1.0)
+        throw std::runtime_error(where + ": " + k + " = " + r.dump() + " rotates part of each head only");
       if (theta.is_null() && r.contains("rope_theta")) theta = r["rope_theta"];
     }
     const bool given = !theta.is_null();
@@ -830,7 +849,16 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         // Qwen3MoeConfig's defaults: the chosen gates not renormalised, every layer sparse.
         require_value("norm_topk_prob", !s.pre_softmax, false);
         require_value("decoder_sparse_step", 1, 1);
-        require_value("mlp_only_layers", nlohmann::json::array(), nlohmann::json::array());
+        // Layers listed there have a dense MLP; indices past the model's layers list none.
+        if (c.contains("mlp_only_layers") && !c["mlp_only_layers"].is_null()) {
+          const nlohmann::json& dense = c["mlp_only_layers"];
+          bool any = !dense.is_array();
+          for (const nlohmann::json& i : dense.is_array() ? dense : nlohmann::json::array())
+            any = any || !i.is_number_integer() || (i.get<int64_t>() >= 0 && i.get<int64_t>() < L);
+          if (any)
+            throw std::runtime_error(where + ": mlp_only_layers = " + dense.dump() +
+                                     " gives layers a dense MLP; loom's blocks are all sparse");
+        }
       }
     }
     // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's 8,
@@ -890,7 +918,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     out.add(s.head + "ln.weight", hf.get("model.norm.weight", {C}));
     if (!tied) out.add(s.head + "word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
   }
-  return {dir, out.take(), vocab};
+  train::InitialWeights w{dir, out.take(), vocab};
+  w.unread = hf.unread();
+  return w;
 }
 
 train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,

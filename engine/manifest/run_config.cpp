@@ -56,6 +56,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.model.seq_length = m.get_int("model.seq_length");
   c.model.vocab_size = m.get_int("model.vocab_size");
   c.model.vocab_divisor = m.get_int("model.vocab_divisor");
+  c.model.init_method_std = m.get_float("model.init_method_std");
   c.model.tie_embeddings = m.get_bool("model.tie_embeddings");
   c.model.pre = m.get_string_list("model.pre");
   c.model.block = m.get_string_list("model.block");

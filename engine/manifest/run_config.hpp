@@ -32,6 +32,7 @@ struct RunConfig {
     int64_t num_layers = 0, seq_length = 0;
     int64_t vocab_size = 0;  // 0: the data source's vocabulary
     int64_t vocab_divisor = 0;
+    double init_method_std = 0;  // > 0: every normal init's std (0: each layer's declaration)
     bool tie_embeddings = false;
     std::vector<std::string> pre, block, post;  // layer configuration names
     std::string recompute_granularity, recompute_method;

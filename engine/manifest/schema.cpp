@@ -125,6 +125,16 @@ std::vector<KeySpec> build() {
   v.push_back(i("model.vocab_divisor", 128, 1,
                 "vocabulary padded to a multiple of vocab_divisor * tp", kMaxVocab));
   v.push_back(b("model.tie_embeddings", true, "share the embedding and lm_head weights"));
+  {
+    KeySpec std_key = f("model.init_method_std", "0.0", 0, false,
+                        "standard deviation of the weights' normal initialisation (Megatron-LM's --init-method-std): "
+                        "every layer's normally initialised parameter (the output projections scaled by "
+                        "1/sqrt(2 * num_layers), as Megatron-LM does) draws from it instead of the std the layer "
+                        "declares (0.02 for the built-in layers); 0 = the layers' own",
+                        1.0);
+    std_key.single_precision = true;  // the parameter declarations carry it as a float
+    v.push_back(std::move(std_key));
+  }
   v.push_back(sl("model.pre", "[\"embedding\"]", "layer instances before the blocks"));
   v.push_back(sl("model.block", "[\"attention\", \"mlp\"]",
                  "layer instances of one transformer block, repeated num_layers times"));

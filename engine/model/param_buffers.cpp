@@ -23,7 +23,7 @@ int64_t product(const std::vector<int64_t>& s) {
 }  // namespace
 
 ParamBuffers::ParamBuffers(runtime::RankRuntime& rank, const Layers& layers, int num_layers, size_t bucket_size,
-                           int32_t param_dtype, int32_t grad_dtype, uint64_t seed)
+                           int32_t param_dtype, int32_t grad_dtype, uint64_t seed, float init_std)
     : rank_(rank), param_dtype_(param_dtype), grad_dtype_(grad_dtype) {
   for (const LocalChunk& c : layers.chunks()) chunk_global_index_.push_back(c.global_index);
   CollectedParams collected = collect(layers);
@@ -36,7 +36,7 @@ ParamBuffers::ParamBuffers(runtime::RankRuntime& rank, const Layers& layers, int
   entries_ = std::move(collected.entries);
   lay_out(layers.chunk_count(), bucket_size);
   allocate();
-  initialise(num_layers, seed);
+  initialise(num_layers, seed, init_std);
   bind(layers, collected);
 }
 
@@ -82,10 +82,10 @@ void ParamBuffers::allocate() {
 }
 
 // Each entry: the full tensor from (seed, name), independently of the layout.
-void ParamBuffers::initialise(int num_layers, uint64_t seed) {
+void ParamBuffers::initialise(int num_layers, uint64_t seed, float init_std) {
   assign([&](const ParamEntry& e) {
-    return init_full(e.decl.init, e.decl.init_std, num_layers, product(e.full_shape), seed,
-                     e.tie_key.empty() ? e.name : e.tie_key);
+    return init_full(e.decl.init, init_std > 0.0f ? init_std : e.decl.init_std, num_layers, product(e.full_shape),
+                     seed, e.tie_key.empty() ? e.name : e.tie_key);
   });
 }
 

@@ -24,9 +24,10 @@ int32_t model_dtype(const std::string& name);
 class ParamBuffers {
  public:
   // Binds every layer of `layers` to its views; the layers must not use them
-  // after this object goes.
+  // after this object goes. init_std > 0 replaces the std every normally initialised
+  // parameter declares (model.init_method_std).
   ParamBuffers(runtime::RankRuntime& rank, const Layers& layers, int num_layers, size_t bucket_size,
-               int32_t param_dtype, int32_t grad_dtype, uint64_t seed);
+               int32_t param_dtype, int32_t grad_dtype, uint64_t seed, float init_std = 0.0f);
   ParamBuffers(const ParamBuffers&) = delete;
   ParamBuffers& operator=(const ParamBuffers&) = delete;
 
@@ -68,7 +69,7 @@ class ParamBuffers {
   CollectedParams collect(const Layers& layers) const;
   void lay_out(size_t chunks, size_t bucket_size);
   void allocate();
-  void initialise(int num_layers, uint64_t seed);
+  void initialise(int num_layers, uint64_t seed, float init_std);
   void bind(const Layers& layers, const CollectedParams& collected);
 
   runtime::RankRuntime& rank_;

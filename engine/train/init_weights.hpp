@@ -20,6 +20,7 @@ struct InitialWeights {
   int64_t vocab = 0;                // the source model's vocabulary (0: not known)
   std::string role = "checkpoint.init_weights";  // what named them, first in messages ("--resume")
   std::vector<std::string> skipped;  // newer step directories of a checkpoint.dir passed over ("DIR (why)")
+  std::vector<std::string> unread;   // tensors of the source the model has no use for (a Hugging Face file's)
 };
 
 // Before launch: the weights fit the run's model — its vocabulary, every parameter some

@@ -517,6 +517,12 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         *options.log << "init_weights: skipped " << s << "; reading " << run.init_weights->source << std::endl;
       *options.log << "init_weights: " << run.init_weights->tensors.size() << " tensors from "
                    << run.init_weights->source << std::endl;
+      if (const std::vector<std::string>& unread = run.init_weights->unread; !unread.empty()) {
+        *options.log << "init_weights: warning: " << unread.size() << " tensor(s) of " << run.init_weights->source
+                     << " the model does not read:";
+        for (size_t i = 0; i < unread.size() && i < 8; ++i) *options.log << (i ? ", " : " ") << unread[i];
+        *options.log << (unread.size() > 8 ? ", ..." : "") << std::endl;
+      }
     }
     check_initial_weights(*run.init_weights, checked.memory, checked.vocab,
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);

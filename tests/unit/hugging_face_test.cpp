@@ -837,6 +837,11 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
   EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c["mlp_only_layers"] = {1}; })
                 .find("mlp_only_layers = [1]"),
             std::string::npos);
+  EXPECT_EQ(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c["mlp_only_layers"] = {9}; }), "")
+      << "the model has 4 layers: 9 names none";
+  EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c["partial_rotary_factor"] = 0.5; })
+                .find("partial_rotary_factor = 0.5"),
+            std::string::npos);
   EXPECT_NE(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c["model_type"] = "mixtral"; })
                 .find("model_type = \"mixtral\""),
             std::string::npos);
@@ -847,6 +852,18 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
     ADD_FAILURE() << "GPT-2 blocks with qk_norm were taken for GPT-2's";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("no qk_norm"), std::string::npos) << e.what();
+  }
+  // Tensors the model has no use for are named (transformers warns of unexpected keys
+  // too), but for the buffers transformers saves beside the weights.
+  {
+    std::ofstream(dense.out + "/config.json") << dense.config.dump();
+    auto file = loom::interop::read_safetensors(dense.out + "/model.safetensors");
+    for (const char* extra : {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.rotary_emb.inv_freq"})
+      file.tensors.push_back({extra, "F32", {4}, std::vector<char>(16, 0)});
+    loom::interop::write_safetensors(dense.out + "/model.safetensors", file.tensors, file.metadata);
+    const loom::train::InitialWeights w = loom::interop::read_hf(
+        dense.out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(qwen3())), dense.vocab);
+    EXPECT_EQ(w.unread, std::vector<std::string>{"model.layers.0.self_attn.q_proj.bias"});
   }
   for (const Exported* e : {&dense, &moe}) {
     fs::remove_all(e->dir);
