@@ -405,6 +405,9 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (key == std::string("checkpoint.async_save") ? config.checkpoint.async_save : man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
+  if (!config.checkpoint.init_weights.empty() && config.model.init_method_std > 0)
+    plan.warnings.push_back(man.origin("model.init_method_std").str() + ": model.init_method_std sets the random "
+                            "initialisation; the run starts from checkpoint.init_weights, so it changes nothing");
   if (!config.checkpoint.dir.empty() && config.checkpoint.async_save && config.checkpoint.every == 0)
     plan.warnings.push_back(man.origin("checkpoint.async_save").str() + ": checkpoint.async_save writes the "
                             "checkpoints of checkpoint.every beside training; with checkpoint.every = 0 there are "

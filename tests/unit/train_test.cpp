@@ -102,6 +102,55 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   EXPECT_FALSE(warned({"checkpoint.async_save=true", "checkpoint.every=5", dir}, in_line_only));
 }
 
+// model.init_method_std (Megatron-LM's --init-method-std): every normally initialised
+// weight draws from it, the output projections scaled by 1/sqrt(2 L); 0 keeps the
+// layers' own 0.02, bit for bit, as does 0.02 written out.
+TEST(RunPlan, InitMethodStdSetsEveryNormalInit) {
+  // Each parameter's whole initial values on one rank (fp32), by name.
+  auto initial = [](const std::vector<std::string>& overrides) {
+    std::map<std::string, std::vector<float>> out;
+    const loom::train::RunPlan plan = loom::testing::plan_from(tiny_manifest(), overrides);
+    loom::testing::on_one_rank(plan, [&](loom::runtime::RankRuntime& rt, const loom::train::DataSource&,
+                                         const loom_model_dims& dims) {
+      loom::model::Model model(plan.config, *plan.registry, rt, dims, plan.layers,
+                               static_cast<uint64_t>(plan.config.run.seed));
+      const float* p = static_cast<const float*>(model.params());
+      for (const loom::model::ParamEntry& e : model.param_entries())
+        out[e.name].assign(p + e.offset, p + e.offset + e.numel);
+    });
+    return out;
+  };
+  auto stddev = [](const std::vector<float>& v) {
+    double sum = 0, sq = 0;
+    for (float x : v) sum += x, sq += static_cast<double>(x) * x;
+    const double n = static_cast<double>(v.size()), mean = sum / n;
+    return std::sqrt(sq / n - mean * mean);
+  };
+  const std::vector<std::string> base = {"model.num_layers=8", "model.hidden_size=64", "parallel.dp=1"};
+  auto with = [&](const std::string& o) {
+    std::vector<std::string> v = base;
+    v.push_back(o);
+    return v;
+  };
+  const auto layers_own = initial(base), explicit_002 = initial(with("model.init_method_std=0.02")),
+             small = initial(with("model.init_method_std=0.005"));
+  EXPECT_EQ(layers_own, explicit_002);
+  EXPECT_NEAR(stddev(layers_own.at("blocks.0.attention.qkv.weight")), 0.02, 0.02 * 0.05);
+  EXPECT_NEAR(stddev(small.at("blocks.0.attention.qkv.weight")), 0.005, 0.005 * 0.05);
+  EXPECT_NEAR(stddev(small.at("blocks.3.mlp.fc1.weight")), 0.005, 0.005 * 0.05);
+  EXPECT_NEAR(stddev(small.at("embedding.word.weight")), 0.005, 0.005 * 0.1);
+  EXPECT_NEAR(stddev(small.at("blocks.0.attention.proj.weight")), 0.005 / 4.0, 0.005 / 4.0 * 0.05)
+      << "the output projections: std / sqrt(2 * 8 layers)";
+  EXPECT_EQ(small.at("blocks.0.attention.ln.weight"), layers_own.at("blocks.0.attention.ln.weight"))
+      << "ones stay ones";
+  bool warned = false;
+  for (const std::string& w :
+       loom::testing::plan_from(tiny_manifest(), {"model.init_method_std=0.01", "checkpoint.init_weights=\"/x\""})
+           .warnings)
+    warned = warned || w.find("model.init_method_std sets the random initialisation") != std::string::npos;
+  EXPECT_TRUE(warned) << "a run from given weights draws no initialisation";
+}
+
 // The learning rate of each decay style at the points where Megatron-LM's
 // OptimizerParamScheduler has a closed form: lr 1e-3, min_lr 1e-4, 10 warmup steps,
 // the decay ending at step 110, the run 200 steps long.
