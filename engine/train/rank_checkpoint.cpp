@@ -1,5 +1,6 @@
 #include "engine/train/rank_checkpoint.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <thread>
@@ -97,12 +98,18 @@ void CheckpointSaver::commit(Pending& p) {
     }
   }
   const loom::Group world = rank_.group_or_self("world");
-  const int64_t checksum = static_cast<int64_t>(p.checksum);
-  std::vector<int64_t> checksums(static_cast<size_t>(world.size()));  // every file written when it returns
-  world.all_gather(nullptr, &checksum, checksums.data(), 1, LOOM_DTYPE_I64);
-  Committed c{p.meta.step, "", p.bytes, p.waited_ms, p.written_ms, p.background};
+  // Each rank's checksum, bytes and microseconds of writing (every file written when it returns).
+  const int64_t mine[3] = {static_cast<int64_t>(p.checksum), static_cast<int64_t>(p.bytes),
+                           static_cast<int64_t>(p.written_ms * 1e3)};
+  std::vector<int64_t> all(3 * static_cast<size_t>(world.size()));
+  world.all_gather(nullptr, mine, all.data(), 3, LOOM_DTYPE_I64);
+  Committed c{p.meta.step, "", 0, p.waited_ms, 0, p.background};
+  for (size_t r = 0; r < all.size(); r += 3) {
+    c.bytes += static_cast<uint64_t>(all[r + 1]);
+    c.written_ms = std::max(c.written_ms, static_cast<double>(all[r + 2]) / 1e3);
+  }
   if (rank_.global_rank() == 0) {
-    for (const int64_t s : checksums) p.meta.rank_checksums.push_back(static_cast<uint64_t>(s));
+    for (size_t r = 0; r < all.size(); r += 3) p.meta.rank_checksums.push_back(static_cast<uint64_t>(all[r]));
     commit_checkpoint(plan_.config.checkpoint.dir, p.tmp, p.meta, manifest_toml_);
     c.dir = checkpoint_path(plan_.config.checkpoint.dir, p.meta.step);
   }

@@ -33,13 +33,13 @@ namespace loom::train {
 // the checkpoint's files are the same bytes: only when they are written differs.
 class CheckpointSaver {
  public:
-  // What a commit saved, for the log: sizes and times are this rank's.
+  // What a commit saved, for the log.
   struct Committed {
     int64_t step = 0;
     std::string dir;           // the committed step directory on rank 0; "" on the others
-    uint64_t bytes = 0;        // this rank's files
-    double waited_ms = 0;      // training stopped for it: staging and the commit (in line: the write too)
-    double written_ms = 0;     // writing this rank's files
+    uint64_t bytes = 0;        // every rank's files
+    double waited_ms = 0;      // training stopped for it on this rank: staging and the commit (in line: the write too)
+    double written_ms = 0;     // the slowest rank's writing of its files
     bool background = false;   // written beside training
   };
   // Called on this rank's thread as soon as a save is committed (before anything after

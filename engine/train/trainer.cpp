@@ -262,9 +262,9 @@ void RankTraining::committed(const CheckpointSaver::Committed& c) {
   const std::vector<std::string> removed = run_.pruner->prune(c.step, &failed);
   if (run_.options.log) {
     std::ostringstream os;
-    os << std::fixed << std::setprecision(1) << "checkpoint: step " << c.step << " saved in " << c.dir
-       << " (rank 0: " << static_cast<double>(c.bytes) / (1 << 20) << " MiB";
-    if (c.background) os << ", written beside training in " << c.written_ms << " ms";
+    os << std::fixed << std::setprecision(1) << "checkpoint: step " << c.step << " saved in " << c.dir << " ("
+       << static_cast<double>(c.bytes) / (1 << 20) << " MiB";
+    if (c.background) os << ", written beside training in " << c.written_ms << " ms by the slowest rank";
     os << "; training waited " << c.waited_ms << " ms)";
     *run_.options.log << os.str() << std::endl;
     for (const std::string& p : removed)
