@@ -125,6 +125,9 @@ struct Shape {
   int64_t experts = 0, top_k = 0, expert_ffn = 0;  // the sparse MoE blocks
   double aux = 0.0;
   bool pre_softmax = false;  // the gates: softmax over all experts (Qwen3-MoE's norm_topk_prob = false)
+  // The attention's rope_scaling = "llama3" (transformers' rope_type "llama3"), as the
+  // config's rope_scaling object says it; null without.
+  nlohmann::json llama3_rope;
   // The layers' instance names with a trailing '.': the embedding, each block's
   // attention and its MLP or MoE, the head.
   std::string embedding, head;
@@ -198,6 +201,12 @@ Shape shape_of(const train::RunPlan& plan) {
   s.qk_norm = att["qk_norm"].value_or(false);
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
+  if (option_string(att, "rope_scaling", "none") == "llama3")
+    s.llama3_rope = {{"rope_type", "llama3"},
+                     {"factor", att["rope_scaling_factor"].value_or(8.0)},
+                     {"low_freq_factor", att["rope_low_freq_factor"].value_or(1.0)},
+                     {"high_freq_factor", att["rope_high_freq_factor"].value_or(4.0)},
+                     {"original_max_position_embeddings", att["rope_original_max_position"].value_or(int64_t{8192})}};
   s.eps = att["norm_epsilon"].value_or(1e-5);
   for (const auto& [name, section] : {std::pair<std::string, const toml::table*>{L[2].config, &mlp},
                                       {L.back().config, &head}})
@@ -223,6 +232,8 @@ Shape shape_of(const train::RunPlan& plan) {
                         ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
                               " of " + std::to_string(c.model.num_heads) + " heads)"
                         : ""));
+  if (!s.llama3_rope.is_null() && (s.gpt2 || !rope))
+    throw std::runtime_error("rope_scaling = \"llama3\" scales rotary embeddings, which these blocks do not use");
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
     throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
                              " counterpart");
@@ -368,6 +379,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
                  {"rms_norm_eps", s.eps}, {"rope_theta", s.theta}, {"tie_word_embeddings", tied},
                  {"torch_dtype", torch_dtype}};
     hf.config["attention_bias"] = false;
+    if (!s.llama3_rope.is_null()) hf.config["rope_scaling"] = s.llama3_rope;
     if (s.llama && !s.qwen()) hf.config["mlp_bias"] = false;
     if (s.qwen()) hf.config["use_sliding_window"] = false;
     if (s.mixtral) {
@@ -748,21 +760,38 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     require_value("partial_rotary_factor", 1.0, 1.0);
     require_value("mlp_bias", false, false);
     // The rotary settings: rope_theta at the top (transformers 4), or inside
-    // rope_parameters (transformers 5) or rope_scaling (some 4.x saves); any rope type
-    // but "default" scales the frequencies, which loom's rotary embedding does not.
+    // rope_parameters (transformers 5) or rope_scaling (transformers 4); the rope type
+    // "default", or "llama3" with the attention's rope_scaling settings; any other
+    // scales the frequencies in a way loom's rotary embedding does not.
     nlohmann::json theta = c.contains("rope_theta") && !c["rope_theta"].is_null() ? c["rope_theta"] : nlohmann::json();
+    bool llama3_seen = false;
     for (const char* k : {"rope_parameters", "rope_scaling"}) {
       if (!c.contains(k) || c[k].is_null()) continue;
       const nlohmann::json& r = c[k];
       const nlohmann::json type = r.is_object() ? r.value("rope_type", r.value("type", nlohmann::json("default")))
                                                 : nlohmann::json();
-      if (!r.is_object() || type != "default")
+      if (r.is_object() && type == "llama3") {
+        if (s.llama3_rope.is_null())
+          throw std::runtime_error(where + ": " + k + " = " + r.dump() + " slows the low rotary frequencies (Llama "
+                                   "3.1's); set model.layer.attention.rope_scaling = \"llama3\" with its factors");
+        for (const char* f : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+          if (!r.contains(f) || !r[f].is_number() || r[f].get<double>() != s.llama3_rope[f].get<double>())
+            throw std::runtime_error(where + ": " + k + "." + f + " = " + (r.contains(f) ? r[f].dump() : "(none)") +
+                                     " but the model's is " + s.llama3_rope[f].dump() +
+                                     " (model.layer.attention.rope_scaling_factor, rope_low_freq_factor, "
+                                     "rope_high_freq_factor, rope_original_max_position)");
+        llama3_seen = true;
+      } else if (!r.is_object() || type != "default") {
         throw std::runtime_error(where + ": " + k + " = " + r.dump() +
                                  " (scaled rotary frequencies) has no loom counterpart");
+      }
       if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"] != 1.0)
         throw std::runtime_error(where + ": " + k + " = " + r.dump() + " rotates part of each head only");
       if (theta.is_null() && r.contains("rope_theta")) theta = r["rope_theta"];
     }
+    if (!s.llama3_rope.is_null() && !llama3_seen)
+      throw std::runtime_error(where + " has no rope_scaling of type llama3, which the model's rope_scaling = "
+                               "\"llama3\" computes");
     const bool given = !theta.is_null();
     if (!given) theta = s.llama || s.qwen() ? 10000.0 : 1000000.0;
     if (!theta.is_number() || theta.get<double>() != s.theta)

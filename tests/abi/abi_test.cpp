@@ -76,6 +76,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_18(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_18(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_19(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_19(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_19(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_20(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_20(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -456,6 +459,22 @@ TEST(AbiLayout, Released119MembersKeepOffsetsAndSizes) {
   ASSERT_GT(loom_abi_sizeof_v1_18("loom_layer_api"), 0u);
   EXPECT_GE(offsetof(loom_layer_api, workspace_bytes), loom_abi_sizeof_v1_18("loom_layer_api"));
   EXPECT_EQ(offsetof(loom_layer_api, workspace_bytes) + sizeof(void*), sizeof(loom_layer_api));
+}
+
+// 1.20's too (scaled rotary embeddings): inv_freq past 1.19's sizeof of loom_rope_args,
+// which ends with it; the device feature bit that says a device reads it.
+TEST(AbiLayout, Released120MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_119 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_20(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_20(&n_current);
+  loom_abi_layout_current_v1_19(&n_119);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_119 + 2 * 1);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_19("loom_rope_args"), 0u);
+  EXPECT_GE(offsetof(loom_rope_args, inv_freq), loom_abi_sizeof_v1_19("loom_rope_args"));
+  EXPECT_EQ(offsetof(loom_rope_args, inv_freq) + sizeof(void*), sizeof(loom_rope_args));
+  EXPECT_EQ(LOOM_DEVICE_ROPE_FREQUENCIES, 1ull << 8);
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

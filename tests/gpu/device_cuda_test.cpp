@@ -773,14 +773,20 @@ TEST(DeviceCuda, RopeMatchesCpu) {
   std::vector<int32_t> pos(T);
   for (int64_t t = 0; t < T; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>((t * 131) % 8192);
   Raw<int32_t> positions(env, pos);
+  // ABI 1.20: a caller's frequency table (a scaled rotary embedding) in place of theta's.
+  std::vector<float> table(static_cast<size_t>(R / 2));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = 0.9f / static_cast<float>(1 + 7 * i * i);
+  Raw<float> freqs(env, table);
+  for (const bool scaled : {false, true})
   for (int32_t dt : {F32, BF16}) {
-    const std::string tag = dt == BF16 ? " bf16" : " f32";
+    const std::string tag = std::string(dt == BF16 ? " bf16" : " f32") + (scaled ? ", the caller's frequencies" : "");
     Tensor qkv(env, randu(T * st, 160), dt), out(env, T * st, dt), back(env, T * st, dt);
     for (int pass = 0; pass < 3; ++pass)  // forward out of place, backward out of place, forward in place
       both<loom_rope_args>(env, pass == 1 ? &loom::Device::rope_bwd : &loom::Device::rope_fwd, [&](bool gpu) {
         loom_rope_args a = loom::make<loom_rope_args>();
         a.tokens = T, a.heads = 2 * H, a.head_dim = D, a.rotary_dim = R, a.stride_t = st, a.theta = 500000.0f;
         a.dtype = gpu ? dt : F32, a.positions = gpu ? positions.g() : positions.c();
+        if (scaled) a.inv_freq = gpu ? freqs.g() : freqs.c();
         const Tensor& src = pass == 1 ? out : qkv;
         const Tensor& dst = pass == 0 ? out : pass == 1 ? back : qkv;
         a.x = gpu ? src.g() : static_cast<const void*>(src.c());

@@ -3659,14 +3659,17 @@ TEST(DeviceCpu, SwigluMatchesReferenceAndFiniteDifferences) {
   expect_close(dx.get(), want_dx, 1e-6, 2e-6, "swiglu dx");
 }
 
-// RoPE in double, rotate-half pairs (i, i + R/2) of each head; angle p * theta^(-2i/R).
+// RoPE in double, rotate-half pairs (i, i + R/2) of each head; angle p * theta^(-2i/R),
+// or p * freqs[i] when given, that product in fp32 as the op (and Megatron-LM) forms it.
 Vec rope_ref(const Vec& x, const std::vector<int32_t>& pos, int64_t T, int64_t H, int64_t D, int64_t Rd, int64_t st,
-             double theta, double sign) {
+             double theta, double sign, const std::vector<float>* freqs = nullptr) {
   Vec out = x;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < Rd / 2; ++i) {
-        const double inv = std::pow(theta, -2.0 * i / Rd), ang = pos[t] * inv;
+        const double inv = freqs ? (*freqs)[static_cast<size_t>(i)] : std::pow(theta, -2.0 * i / Rd);
+        const double ang = freqs ? static_cast<double>(static_cast<float>(pos[t]) * (*freqs)[static_cast<size_t>(i)])
+                                 : pos[t] * inv;
         const double c = std::cos(ang), s = sign * std::sin(ang);
         const int64_t a = t * st + h * D + i, b = a + Rd / 2;
         out[a] = x[a] * c - x[b] * s;
@@ -3713,6 +3716,38 @@ TEST(DeviceCpu, RopeRotatesPairsAndItsBackwardIsTheTranspose) {
   const std::vector<float> inplace = x.get();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < H * D; ++k) EXPECT_EQ(inplace[t * st + k], out[t * st + k]) << t << "," << k;
+}
+
+// ABI 1.20: the caller's frequencies (a scaled rotary embedding) in place of theta's,
+// forward and backward; the device says it reads them.
+TEST(DeviceCpu, RopeTakesTheCallersFrequencies) {
+  const int64_t T = 13, H = 2, D = 8, Rd = 8, st = H * D;
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[t] = static_cast<int32_t>(t * 101 % 9000);
+  const std::vector<float> freqs = {1.0f, 0.3f, 2.5e-3f, 1.7e-5f};  // any table, not theta's
+  const std::vector<float> xv = randn(T * st, 62);
+  Dev d(1);
+  EXPECT_NE(d.api()->features & LOOM_DEVICE_ROPE_FREQUENCIES, 0u);
+  Buf<float> x(d, xv), out(d, T * st), back(d, T * st), f(d, freqs);
+  Buf<int32_t> p(d, pos);
+  loom_rope_args a = loom::make<loom_rope_args>();
+  a.tokens = T, a.heads = H, a.head_dim = D, a.rotary_dim = Rd, a.stride_t = st;
+  a.x = x.data(), a.out = out.data(), a.positions = p.data(), a.theta = 10000.0f, a.inv_freq = f.data();
+  d.ops().rope_fwd(a);
+  expect_close(out.get(), rope_ref(to_d(xv), pos, T, H, D, Rd, st, 10000.0, 1.0, &freqs), 2e-6, 2e-6, "rope fwd");
+  a.x = out.data(), a.out = back.data();
+  d.ops().rope_bwd(a);
+  expect_close(back.get(), to_d(xv), 2e-6, 2e-6, "rope bwd undoes it");
+  // The theta table passed as frequencies is theta's rotation.
+  std::vector<float> theta_table(Rd / 2);
+  for (int64_t i = 0; i < Rd / 2; ++i)
+    theta_table[static_cast<size_t>(i)] = static_cast<float>(std::pow(10000.0, -2.0 * static_cast<double>(i) / Rd));
+  Buf<float> tf(d, theta_table), with(d, T * st), without(d, T * st);
+  a.x = x.data(), a.out = with.data(), a.inv_freq = tf.data();
+  d.ops().rope_fwd(a);
+  a.out = without.data(), a.inv_freq = nullptr;
+  d.ops().rope_fwd(a);
+  EXPECT_EQ(with.get(), without.get());
 }
 
 TEST(DeviceCpu, SigmoidMatchesReference) {

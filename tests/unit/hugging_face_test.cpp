@@ -123,12 +123,35 @@ Vec attention(const Vec& q, const Vec& k, const Vec& v, int64_t T, int64_t H, in
   return y;
 }
 
+// The inverse frequencies of modeling_rope_utils.py: theta^(-2i/D), or with rope_scaling
+// of rope_type "llama3" those of _compute_llama3_parameters.
+Vec rope_frequencies(const nlohmann::json& c, int64_t D) {
+  const double theta = c["rope_theta"].get<double>();
+  Vec f;
+  for (int64_t i = 0; i < D / 2; ++i) f.push_back(std::pow(theta, -2.0 * i / D));
+  if (!c.contains("rope_scaling") || c["rope_scaling"].is_null()) return f;
+  const nlohmann::json& r = c["rope_scaling"];
+  EXPECT_EQ(r["rope_type"], "llama3");
+  const double factor = r["factor"], low = r["low_freq_factor"], high = r["high_freq_factor"];
+  const double old_len = r["original_max_position_embeddings"];
+  for (double& inv : f) {
+    const double wavelen = 2 * M_PI / inv;
+    if (wavelen > old_len / low) {
+      inv /= factor;
+    } else if (wavelen >= old_len / high) {
+      const double smooth = (old_len / wavelen - low) / (high - low);
+      inv = (1 - smooth) * inv / factor + smooth * inv;
+    }
+  }
+  return f;
+}
+
 // Rotate-half RoPE (modeling_llama.py's rotate_half / apply_rotary_pos_emb) on [T, heads*D].
-void rope(Vec& x, int64_t T, int64_t heads, int64_t D, double theta) {
+void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < D / 2; ++i) {
-        const double a = t * std::pow(theta, -2.0 * i / D);
+        const double a = t * freqs[static_cast<size_t>(i)];
         double& x1 = x[t * heads * D + h * D + i];
         double& x2 = x[t * heads * D + h * D + i + D / 2];
         const double r1 = x1 * std::cos(a) - x2 * std::sin(a), r2 = x2 * std::cos(a) + x1 * std::sin(a);
@@ -172,8 +195,8 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         q = layer_norm(q, T * H, D, w.at(p + "self_attn.q_norm.weight"), nullptr, eps, true);
         k = layer_norm(k, T * G, D, w.at(p + "self_attn.k_norm.weight"), nullptr, eps, true);
       }
-      rope(q, T, H, D, c["rope_theta"].get<double>());
-      rope(k, T, G, D, c["rope_theta"].get<double>());
+      rope(q, T, H, D, rope_frequencies(c, D));
+      rope(k, T, G, D, rope_frequencies(c, D));
       add(x, linear(attention(q, k, v, T, H, G, D), T, C, w.at(p + "self_attn.o_proj.weight"), C, true));
       const Vec m = layer_norm(x, T, C, w.at(p + "post_attention_layernorm.weight"), nullptr, eps, true);
       auto swiglu_mlp = [&](const Vec& in, const std::string& gate, const std::string& up, const std::string& down) {
@@ -388,6 +411,7 @@ std::vector<std::string> qwen3_moe(bool pre_softmax) {
   return v;
 }
 TEST(HfExport, Qwen3FromTp2Pp2Dp2MatchesLoomsLoss) { check_export(qwen3(), "Qwen3ForCausalLM"); }
+
 TEST(HfExport, Qwen3MoeWithEitherGateMatchesLoomsLoss) {
   check_export(qwen3_moe(false), "Qwen3MoeForCausalLM");
   check_export(qwen3_moe(true), "Qwen3MoeForCausalLM");
@@ -496,6 +520,51 @@ TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
 TEST(HfImport, TwoPairsABlockRoundTripIsBitExact) { check_round_trip(two_pairs()); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
 TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
+// Llama 3.1's scaled rotary embedding (rope_scaling of rope_type "llama3"): with theta
+// 100, original_max_position 64, low 1, high 4 the head's 4 pairs are kept, blended twice
+// and slowed.
+std::vector<std::string> llama3_rope() {
+  std::vector<std::string> v;
+  for (const std::string& o : llama())
+    if (o.rfind("model.layer.attention.rotary_base", 0) != 0) v.push_back(o);
+  v.insert(v.end(), {"model.layer.attention.rotary_base=100.0", "model.layer.attention.rope_scaling=\"llama3\"",
+                     "model.layer.attention.rope_scaling_factor=8.0", "model.layer.attention.rope_low_freq_factor=1.0",
+                     "model.layer.attention.rope_high_freq_factor=4.0",
+                     "model.layer.attention.rope_original_max_position=64"});
+  return v;
+}
+TEST(HfExport, LlamaWithLlama3RopeScalingMatchesLoomsLoss) { check_export(llama3_rope(), "LlamaForCausalLM"); }
+TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
+  check_round_trip(llama3_rope());
+  const std::string dir = scratch("l3"), out = scratch("l3-out");
+  loom::interop::export_hf(parallel_checkpoint(llama3_rope(), dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["rope_scaling"]["rope_type"], "llama3");
+  auto refusal = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json e = c;
+    edit(e);
+    std::ofstream(out + "/config.json") << e.dump();
+    try {
+      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), 13);
+    } catch (const std::exception& ex) {
+      return std::string(ex.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(llama3_rope(), [](nlohmann::json& e) { e["rope_scaling"]["factor"] = 32.0; })
+                .find("rope_scaling.factor = 32.0 but the model's is 8.0"),
+            std::string::npos);
+  EXPECT_NE(refusal(llama3_rope(), [](nlohmann::json& e) { e.erase("rope_scaling"); }).find("has no rope_scaling"),
+            std::string::npos);
+  std::vector<std::string> unscaled;
+  for (const std::string& o : llama3_rope())
+    if (o.find("rope_scaling=") == std::string::npos) unscaled.push_back(o);
+  EXPECT_NE(refusal(unscaled, [](nlohmann::json&) {}).find("set model.layer.attention.rope_scaling = \"llama3\""),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
 TEST(HfImport, Qwen3RoundTripIsBitExact) { check_round_trip(qwen3()); }
 TEST(HfImport, Qwen3MoeRoundTripIsBitExact) { check_round_trip(qwen3_moe(true)); }
 

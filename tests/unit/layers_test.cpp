@@ -247,7 +247,7 @@ TEST(Layers, EmbeddingForwardMatchesReference) {
 // group h / (heads / groups); with qk_norm, each head's q and k LayerNorm-ed over its
 // dimensions (q_norm, k_norm) before the rotation.
 void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta, int64_t groups = 0,
-                             bool qk_norm = false) {
+                             bool qk_norm = false, const std::vector<double>* freqs = nullptr) {
   Rank rank;
   auto dims = make_dims();
   TestLayer layer(rank, "attention", dims, opts);
@@ -293,7 +293,9 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
     for (Mat* m : {&q, &k})
       for (int64_t h = 0; h < kHeads; ++h)
         for (int64_t i = 0; i < half; ++i) {
-          const double angle = pos * std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
+          const double angle =
+              pos * (freqs ? (*freqs)[static_cast<size_t>(i)]
+                           : std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim)));
           double& u = (*m)[r * H + h * d + i];
           double& w = (*m)[r * H + h * d + half + i];
           const double u0 = u, w0 = w;
@@ -341,6 +343,56 @@ TEST(Layers, RopeAttentionForwardMatchesReference) {
   {
     const toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 500.0}, {"rotary_percent", 0.5}};
     check_attention_forward(&opts, d / 2, 500.0);
+  }
+}
+
+// transformers' _compute_llama3_parameters (rope_type "llama3"), written again here:
+// each pair's frequency theta^(-j/dim), j even, kept, slowed by `factor`, or blended.
+std::vector<double> llama3_table(double theta, int64_t dim, double factor, double low, double high, double original) {
+  std::vector<double> out;
+  for (int64_t j = 0; j < dim; j += 2) {
+    const double inv = 1.0 / std::pow(theta, static_cast<double>(j) / static_cast<double>(dim));
+    const double wavelen = 2.0 * M_PI / inv, low_wavelen = original / low, high_wavelen = original / high;
+    double v = wavelen > low_wavelen ? inv / factor : inv;
+    const double smooth = (original / wavelen - low) / (high - low);
+    if (!(wavelen < high_wavelen) && !(wavelen > low_wavelen)) v = (1.0 - smooth) * v / factor + smooth * v;
+    out.push_back(v);
+  }
+  return out;
+}
+
+// rope_scaling = "llama3": a head of 4 has two pairs; with original_max_position 64,
+// low 1 and high 8 the wavelengths 6.3 (kept) and 63 (blended) at theta 100, 6.3 and 628
+// (slowed by the factor) at theta 10000. Gradients against finite differences.
+TEST(Layers, Llama3RopeScalingMatchesReferenceAndFiniteDifferences) {
+  const int64_t d = kHidden / kHeads;
+  for (const double theta : {100.0, 10000.0}) {
+    SCOPED_TRACE(theta);
+    const toml::table opts{{"position_embedding", "rope"},        {"rotary_base", theta},
+                           {"rope_scaling", "llama3"},            {"rope_scaling_factor", 8.0},
+                           {"rope_low_freq_factor", 1.0},         {"rope_high_freq_factor", 8.0},
+                           {"rope_original_max_position", 64}};
+    const std::vector<double> freqs = llama3_table(theta, d, 8.0, 1.0, 8.0, 64.0);
+    ASSERT_NE(freqs.back(), std::pow(theta, -2.0 / static_cast<double>(d))) << "the case scales nothing";
+    check_attention_forward(&opts, d, theta, 0, false, &freqs);
+    Rank rank;
+    auto dims = make_dims();
+    TestLayer layer(rank, "attention", dims, &opts);
+    std::mt19937 rng(31);
+    layer.randomize(rng);
+    check_gradients(rank, layer, rng);
+  }
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table bad{{"position_embedding", "rope"}, {"rope_scaling", "llama3"}, {"rope_low_freq_factor", 4.0},
+                        {"rope_high_freq_factor", 2.0}};
+  try {
+    TestLayer layer(rank, "attention", dims, &bad);
+    ADD_FAILURE() << "a high frequency factor below the low one was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_high_freq_factor (2) must be above rope_low_freq_factor (4)"),
+              std::string::npos)
+        << e.what();
   }
 }
 

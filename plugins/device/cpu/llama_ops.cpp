@@ -167,9 +167,10 @@ void validate_rope(const loom_rope_args& a, bool backward) { op_contract::check(
 namespace {
 
 // inv_freq[i] = theta^(-2i / rotary_dim), i < rotary_dim / 2, computed in double and
-// rounded once (the same table on every device).
+// rounded once (the same table on every device); or the caller's (ABI 1.20).
 std::vector<float> rope_frequencies(const loom_rope_args& a) {
   std::vector<float> f(static_cast<size_t>(a.rotary_dim / 2));
+  if (a.inv_freq != nullptr) return std::vector<float>(a.inv_freq, a.inv_freq + f.size());
   for (size_t i = 0; i < f.size(); ++i)
     f[i] = static_cast<float>(std::pow(static_cast<double>(a.theta),
                                        -2.0 * static_cast<double>(i) / static_cast<double>(a.rotary_dim)));

@@ -1156,16 +1156,20 @@ __global__ void swiglu_kernel(int64_t rows, int64_t cols, bool backward, const T
 }
 
 // One thread per (token, head, pair): reads both elements of its pair before writing.
-// inv_freq = theta^(-2k / rotary_dim) in fp64, rounded once: device/cpu's table.
+// inv_freq = theta^(-2k / rotary_dim) in fp64, rounded once: device/cpu's table; or the
+// caller's table (ABI 1.20).
 template <typename T>
 __global__ void rope_kernel(int64_t tokens, int64_t heads, int64_t head_dim, int64_t half, int64_t stride_t,
-                            const T* x, T* out, const int32_t* positions, float theta, float sign) {
+                            const T* x, T* out, const int32_t* positions, float theta, const float* freqs,
+                            float sign) {
   const int64_t total = tokens * heads * half;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t k = i % half, th = i / half, h = th % heads, t = th / heads;
-    const float inv_freq = static_cast<float>(
-        pow(static_cast<double>(theta), -2.0 * static_cast<double>(k) / static_cast<double>(2 * half)));
+    const float inv_freq =
+        freqs != nullptr
+            ? freqs[k]
+            : static_cast<float>(pow(static_cast<double>(theta), -2.0 * static_cast<double>(k) / static_cast<double>(2 * half)));
     const float angle = static_cast<float>(positions[t]) * inv_freq;  // fp32 angle, as Megatron's
     const float c = static_cast<float>(cos(static_cast<double>(angle)));
     const float s = sign * static_cast<float>(sin(static_cast<double>(angle)));
@@ -1514,14 +1518,15 @@ cudaError_t k_swiglu(cudaStream_t s, Dt dt, bool backward, int64_t rows, int64_t
 }
 
 cudaError_t k_rope(cudaStream_t s, Dt dt, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim,
-                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta, float sign) {
+                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta,
+                   const float* inv_freq, float sign) {
   if (tokens == 0 || heads == 0 || head_dim == 0) return cudaSuccess;
   const int64_t half = rotary_dim / 2;
   if (half > 0)
     LOOM_DISPATCH(dt, T,
                   rope_kernel<T><<<grid_for(tokens * heads * half), kThreads, 0, s>>>(
                       tokens, heads, head_dim, half, stride_t, static_cast<const T*>(x), static_cast<T*>(out),
-                      positions, theta, sign));
+                      positions, theta, inv_freq, sign));
   if (rotary_dim < head_dim && out != x)
     LOOM_DISPATCH(dt, T,
                   rope_pass_kernel<T><<<grid_for(tokens * heads * (head_dim - rotary_dim)), kThreads, 0, s>>>(

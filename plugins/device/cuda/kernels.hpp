@@ -49,9 +49,11 @@ cudaError_t k_rmsnorm_bwd_dgamma(cudaStream_t s, Dt dt, Dt grad_dt, int64_t rows
 // SwiGLU over x = [rows, gate | up]; backward writes dx [rows, 2 * cols].
 cudaError_t k_swiglu(cudaStream_t s, Dt dt, bool backward, int64_t rows, int64_t cols, const void* x, const void* dy,
                      void* out);
-// Rotary embedding; sign +1 forward, -1 backward.
+// Rotary embedding; sign +1 forward, -1 backward; inv_freq (device, [rotary_dim / 2]) or
+// NULL for theta's frequencies.
 cudaError_t k_rope(cudaStream_t s, Dt dt, int64_t tokens, int64_t heads, int64_t head_dim, int64_t rotary_dim,
-                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta, float sign);
+                   int64_t stride_t, const void* x, void* out, const int32_t* positions, float theta,
+                   const float* inv_freq, float sign);
 cudaError_t k_sigmoid(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* x, const void* dy, void* out);
 
 // Attention pieces over one batch element: `rows` = heads * q_rows rows of `cols`

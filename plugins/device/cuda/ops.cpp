@@ -359,13 +359,13 @@ void run_swiglu_bwd(Device& d, Stream& s, const loom_swiglu_args& a) {
 void run_rope_fwd(Device& d, Stream& s, const loom_rope_args& a) {
   check_launch(d, "rope_fwd", "rope kernels",
                k_rope(s.s, float_dt("rope_fwd", "dtype", a.dtype), a.tokens, a.heads, a.head_dim, a.rotary_dim,
-                      a.stride_t, a.x, a.out, a.positions, a.theta, 1.0f));
+                      a.stride_t, a.x, a.out, a.positions, a.theta, a.inv_freq, 1.0f));
 }
 
 void run_rope_bwd(Device& d, Stream& s, const loom_rope_args& a) {
   check_launch(d, "rope_bwd", "rope kernels",
                k_rope(s.s, float_dt("rope_bwd", "dtype", a.dtype), a.tokens, a.heads, a.head_dim, a.rotary_dim,
-                      a.stride_t, a.x, a.out, a.positions, a.theta, -1.0f));
+                      a.stride_t, a.x, a.out, a.positions, a.theta, a.inv_freq, -1.0f));
 }
 
 void run_sigmoid_fwd(Device& d, Stream& s, const loom_activation_args& a) {

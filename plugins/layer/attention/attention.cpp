@@ -22,7 +22,10 @@
 // the QKV GEMM, each token by its position in the whole sequence (under cp, this
 // rank's chunks), and the saved qkv holds the rotated values; backward rotates dq
 // and dk back before the QKV GEMM's backward. The first rotary_percent of each head's
-// dimensions rotate, the rest pass through.
+// dimensions rotate, the rest pass through. rope_scaling = "llama3" (Llama 3.1's, as
+// transformers' rope_type "llama3" computes it) stretches the low frequencies: each
+// pair's frequency is worked out at create (llama3_frequencies) and handed to the device
+// op (ABI 1.20 inv_freq).
 //
 // QK normalisation (qk_norm = true; Megatron-LM's --qk-layernorm, as Qwen3 and OLMo 2
 // use it): each head's q and k rows are normalised over the head's dimensions right
@@ -96,12 +99,14 @@ class Attention : public loom::Layer {
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
     norm_ = norm_option(options);
-    require_ops(options, rank.device(), name_);
+    require_ops(options, rank.device(), name_, rank.device().features());
     rope_ = options.declared_string("position_embedding") == "rope";
     rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
     rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
                                                      << " dimensions to rotate");
+    if (rope_ && options.declared_string("rope_scaling") == "llama3")
+      upload_rope_frequencies(rank.device(), llama3_frequencies(options));
     qk_norm_ = options.declared_bool("qk_norm");
     tp_group_ = loom::Group(args.tp);
     const bool bias = options.declared_bool("bias");
@@ -137,14 +142,20 @@ class Attention : public loom::Layer {
 
   // The device ops the options need: of the run's device before launch, of this rank's at create.
   template <class Ops>
-  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name) {
+  static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name,
+                          uint64_t device_features) {
     norm_option(options).require_ops(dev, name);
     if (options.declared_string("position_embedding") == "rope")
       require_device_ops(dev.has_rope_fwd() && dev.has_rope_bwd(), name, "position_embedding = \"rope\"",
                          "rope_fwd and rope_bwd");
+    if (options.declared_string("position_embedding") == "rope" && options.declared_string("rope_scaling") != "none")
+      LOOM_REQUIRE((device_features & LOOM_DEVICE_ROPE_FREQUENCIES) != 0,
+                   name << ": rope_scaling = \"" << options.declared_string("rope_scaling")
+                        << "\" needs a device whose rotary embedding takes its frequencies "
+                           "(LOOM_DEVICE_ROPE_FREQUENCIES, ABI 1.20); rebuild the device plugin against ABI 1.20");
   }
   static void validate(const loom::Options& options, const loom::LayerValidation& v) {
-    require_ops(options, v, v.instance_name());
+    require_ops(options, v, v.instance_name(), v.device_features());
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
@@ -644,6 +655,39 @@ class Attention : public loom::Layer {
       if (targets[i] != kNone) add(dev, gs[targets[i]], piece(i), gs[targets[i]], D, gdt);
   }
 
+  // rope_scaling = "llama3": transformers' _compute_llama3_parameters (Llama 3.1), in
+  // double. Wavelengths shorter than original_max_position / high_freq_factor keep their
+  // frequency, longer than original_max_position / low_freq_factor are slowed by
+  // `factor`, and those between blend the two by where the wavelength lies.
+  std::vector<float> llama3_frequencies(const loom::Options& options) const {
+    const double factor = options.declared_float("rope_scaling_factor");
+    const double low = options.declared_float("rope_low_freq_factor"), high = options.declared_float("rope_high_freq_factor");
+    const double original = static_cast<double>(options.declared_int("rope_original_max_position"));
+    LOOM_REQUIRE(high > low, name_ << ": rope_high_freq_factor (" << high << ") must be above rope_low_freq_factor ("
+                                   << low << ")");
+    const double pi = 3.14159265358979323846;
+    std::vector<float> f(static_cast<size_t>(rotary_dim_ / 2));
+    for (size_t i = 0; i < f.size(); ++i) {
+      const double base = std::pow(static_cast<double>(rope_theta_),
+                                   -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim_));
+      const double wavelength = 2.0 * pi / base;
+      double scaled = base;
+      if (wavelength > original / low) {
+        scaled = base / factor;
+      } else if (wavelength >= original / high) {
+        const double smooth = (original / wavelength - low) / (high - low);
+        scaled = (1.0 - smooth) * base / factor + smooth * base;
+      }
+      f[i] = static_cast<float>(scaled);
+    }
+    return f;
+  }
+  void upload_rope_frequencies(const loom::Device& dev, const std::vector<float>& f) {
+    rope_inv_freq_ = loom::Buffer(rank_, f.size() * sizeof(float));
+    dev.copy(rope_inv_freq_.get(), f.data(), f.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
+    dev.synchronize();  // the host vector dies here
+  }
+
   // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
   // (row s * B + b: local row first + s of this cp rank's slice), or back (backward: the
   // transpose, for their gradients).
@@ -654,7 +698,8 @@ class Attention : public loom::Layer {
       void* x = advance(qkv, part * Hl, dt_.act);
       const loom_rope_args r = {.tokens = S * B, .heads = heads_local_, .head_dim = head_dim_,
                                 .rotary_dim = rotary_dim_, .stride_t = 3 * Hl, .x = x, .out = x,
-                                .positions = positions, .theta = rope_theta_, .dtype = dt_.act};
+                                .positions = positions, .theta = rope_theta_, .dtype = dt_.act,
+                                .inv_freq = rope_inv_freq_.get<const float>()};
       if (backward)
         dev.rope_bwd(r);
       else
@@ -778,6 +823,7 @@ class Attention : public loom::Layer {
   bool rope_ = false;  // position_embedding = rope
   float rope_theta_ = 10000.0f;
   int64_t rotary_dim_ = 0;
+  loom::Buffer rope_inv_freq_;  // rope_scaling: each pair's frequency (device); empty: theta's
   PositionIds rope_positions_;
   size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
   bool qk_norm_ = false;
@@ -803,6 +849,21 @@ std::vector<loom::OptionSpec> attention_options() {
           .in("(1, inf)"),
       loom::opt_float("rotary_percent", 1.0, "rope: the share of each head's dimensions that rotate (Megatron-LM's --rotary-percent)")
           .in("(0, 1]"),
+      loom::opt_string("rope_scaling", "none",
+                       "rope: \"llama3\" slows the low frequencies as Llama 3.1 does (transformers' rope_type "
+                       "llama3: rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor, "
+                       "rope_original_max_position)")
+          .one_of("none|llama3"),
+      loom::opt_float("rope_scaling_factor", 8.0, "rope_scaling = llama3: how much the low frequencies slow").in("(0, inf)"),
+      loom::opt_float("rope_low_freq_factor", 1.0,
+                      "rope_scaling = llama3: wavelengths above rope_original_max_position / this are slowed whole")
+          .in("(0, inf)"),
+      loom::opt_float("rope_high_freq_factor", 4.0,
+                      "rope_scaling = llama3: wavelengths below rope_original_max_position / this keep their frequency")
+          .in("(0, inf)"),
+      loom::opt_int("rope_original_max_position", 8192,
+                    "rope_scaling = llama3: the context length the frequencies were trained for")
+          .in("[1, inf)"),
       loom::opt_bool("qk_norm", false,
                      "normalise each head's q and k with the layer's norm over head_dim, one learned gamma for the "
                      "query heads and one for the key heads, before the rotation (Megatron-LM's --qk-layernorm; "

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 19
+#define LOOM_ABI_MINOR 20
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -571,6 +571,10 @@ typedef struct loom_rope_args {
   const int32_t* positions;      /* [tokens], device memory: each token's position */
   float theta;                   /* the base, e.g. 10000 (Llama 2) or 500000 (Llama 3) */
   int32_t dtype;                 /* of x and out */
+  /* --- since 1.20 (devices with LOOM_DEVICE_ROPE_FREQUENCIES) --- */
+  const float* inv_freq;         /* [rotary_dim / 2] fp32, device memory: pair i's frequency in
+                                    place of theta^(-2i / rotary_dim) (scaled rotary embeddings:
+                                    Llama 3.1's); NULL: theta's */
 } loom_rope_args;
 
 /* An element-wise activation (since 1.10): forward out = f(x), backward out = dy * f'(x). */
@@ -795,6 +799,8 @@ typedef struct loom_device_api {
 /* XENT_BACKWARD may write dlogits over logits (dlogits == logits, the same ld): the
  * gradient of the logits then takes no memory of its own (since 1.18). */
 #define LOOM_DEVICE_XENT_IN_PLACE (1ull << 7)
+/* rope_fwd / rope_bwd honour inv_freq (since 1.20). */
+#define LOOM_DEVICE_ROPE_FREQUENCIES (1ull << 8)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
