@@ -784,10 +784,19 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       } else if (!r.is_object() || type != "default") {
         throw std::runtime_error(where + ": " + k + " = " + r.dump() +
                                  " (scaled rotary frequencies) has no loom counterpart");
+      } else if (!s.llama3_rope.is_null()) {
+        // Both keys are read (transformers 4 the one, 5 the other): each must say llama3.
+        throw std::runtime_error(where + ": " + k + " = " + r.dump() + " leaves the frequencies unscaled, but "
+                                 "the model's rope_scaling is \"llama3\"");
       }
       if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"] != 1.0)
         throw std::runtime_error(where + ": " + k + " = " + r.dump() + " rotates part of each head only");
-      if (theta.is_null() && r.contains("rope_theta")) theta = r["rope_theta"];
+      if (r.contains("rope_theta")) {
+        if (!theta.is_null() && r["rope_theta"] != theta)
+          throw std::runtime_error(where + ": " + k + ".rope_theta = " + r["rope_theta"].dump() +
+                                   " differs from rope_theta = " + theta.dump());
+        theta = r["rope_theta"];
+      }
     }
     if (!s.llama3_rope.is_null() && !llama3_seen)
       throw std::runtime_error(where + " has no rope_scaling of type llama3, which the model's rope_scaling = "

@@ -727,7 +727,7 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   return out;
 }
 
-void require_same_model(const std::string& step_dir, const std::string& manifest_toml) {
+void require_same_model(const std::string& step_dir, const std::string& manifest_toml, const RunPlan& plan) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;
   if (!fs::exists(path, ec)) {
@@ -763,7 +763,24 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
   }
   // Each layer's options (both manifests are resolved: plugin defaults written out),
   // which can change the function with every shape kept (rope's base, MoE's top_k);
-  // training-only ones (dropout, capacity) may change.
+  // training-only ones (dropout, capacity) may change. An option a manifest lacks is
+  // the default of the plugin this run's layer of that name has: a checkpoint written
+  // before the plugin declared it ran as the default does.
+  auto declared_default = [&](const std::string& layer, const std::string& option) -> std::string {
+    for (const model::LayerSpec& spec : plan.layers) {
+      if (spec.config != layer) continue;
+      for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options)
+        if (d.name == option && d.default_value) {
+          // The TOML literal printed as a manifest's value is.
+          try {
+            return value_text(toml::parse("v = " + *d.default_value), "v");
+          } catch (const toml::parse_error&) {
+            return *d.default_value;
+          }
+        }
+    }
+    return "";
+  };
   for (const toml::table* t : {m.saved.at_path("model.layer").as_table(), m.now.at_path("model.layer").as_table()}) {
     if (t == nullptr) continue;
     for (auto&& [layer, section] : *t) {
@@ -771,7 +788,9 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
       for (auto&& [option, value] : *section.as_table()) {
         if (training_only_option(std::string(option.str()))) continue;
         const std::string key = "model.layer." + std::string(layer.str()) + "." + std::string(option.str());
-        const std::string was = value_text(m.saved, key), now = value_text(m.now, key);
+        std::string was = value_text(m.saved, key), now = value_text(m.now, key);
+        if (was.empty()) was = declared_default(std::string(layer.str()), std::string(option.str()));
+        if (now.empty()) now = declared_default(std::string(layer.str()), std::string(option.str()));
         if (was != now) refuse(key, was.empty() ? "(unset)" : was, now.empty() ? "(unset)" : now);
       }
     }

@@ -56,9 +56,11 @@ struct CheckpointMeta {
 void require_same_param_dtype(const std::string& step_dir, const CheckpointMeta& meta, const std::string& param_dtype);
 
 // A resume must continue the same model: the architecture keys of the manifest the
-// checkpoint kept (manifest.toml) against this run's (`manifest_toml`); throws a
+// checkpoint kept (manifest.toml) against this run's (`manifest_toml`, of `plan`); throws a
 // CheckpointError naming the first that differs (a checkpoint without a manifest passes).
-void require_same_model(const std::string& step_dir, const std::string& manifest_toml);
+// A layer option one manifest lacks (a checkpoint written before its plugin declared it)
+// counts as the plugin's default.
+void require_same_model(const std::string& step_dir, const std::string& manifest_toml, const RunPlan& plan);
 // The settings that choose which samples come after the checkpoint (run.seed and every
 // data.* key) where the checkpoint's manifest and `manifest_toml` differ: "key: was ->
 // now" each (empty for a checkpoint without its manifest). A resume with them changed

@@ -173,7 +173,7 @@ void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::R
     loom::check(optimizer.api()->state_import(optimizer.handle(), &e));
   } else if (from.old_dp == 0 || same_buffers(from, plan, model)) {  // the same layout
     check_param_layout(from.dir, r, param_layout_of(model));
-    require_same_model(from.dir, manifest_toml);  // what the shapes cannot tell
+    require_same_model(from.dir, manifest_toml, plan);  // what the shapes cannot tell
     RankState s = read_rank_file(from.dir, r, static_cast<int64_t>(model.numel()),
                                  loom::dtype_size(model.param_dtype()));
     dev.copy(model.params(), s.params.data(), s.params.size(), LOOM_COPY_HOST_TO_DEVICE);
@@ -183,9 +183,9 @@ void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::R
         from.old_bucket_size >= 0 ? from.old_bucket_size : plan.config.optimizer.bucket_size;
     load_resharded(from.dir, from.old_dp, from.old_world, plan.sizes, r, model, dev, static_cast<size_t>(bucket_size),
                    optimizer.api(), optimizer.handle(), "parallel/" + plan.optimizer->name);
-    require_same_model(from.dir, manifest_toml);  // after the shapes, which load_resharded compares
+    require_same_model(from.dir, manifest_toml, plan);  // after the shapes, which load_resharded compares
   }
-  if (from.regather) require_same_model(from.dir, manifest_toml);
+  if (from.regather) require_same_model(from.dir, manifest_toml, plan);
   dev.synchronize();
 }
 

@@ -557,6 +557,25 @@ TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
             std::string::npos);
   EXPECT_NE(refusal(llama3_rope(), [](nlohmann::json& e) { e.erase("rope_scaling"); }).find("has no rope_scaling"),
             std::string::npos);
+  // transformers 5's form: rope_parameters with rope_theta inside; both keys must agree.
+  EXPECT_EQ(refusal(llama3_rope(),
+                    [](nlohmann::json& e) {
+                      e["rope_parameters"] = e["rope_scaling"];
+                      e["rope_parameters"]["rope_theta"] = e["rope_theta"];
+                      e.erase("rope_scaling");
+                      e.erase("rope_theta");
+                    }),
+            "");
+  EXPECT_NE(refusal(llama3_rope(),
+                    [](nlohmann::json& e) {
+                      e["rope_parameters"] = e["rope_scaling"];
+                      e["rope_scaling"] = {{"rope_type", "default"}};
+                    })
+                .find("leaves the frequencies unscaled"),
+            std::string::npos);
+  EXPECT_NE(refusal(llama3_rope(), [](nlohmann::json& e) { e["rope_scaling"]["rope_theta"] = 500000.0; })
+                .find("rope_scaling.rope_theta = 500000.0 differs from rope_theta = 100.0"),
+            std::string::npos);
   std::vector<std::string> unscaled;
   for (const std::string& o : llama3_rope())
     if (o.find("rope_scaling=") == std::string::npos) unscaled.push_back(o);

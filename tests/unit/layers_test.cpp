@@ -394,6 +394,15 @@ TEST(Layers, Llama3RopeScalingMatchesReferenceAndFiniteDifferences) {
               std::string::npos)
         << e.what();
   }
+  const toml::table learned{{"rope_scaling", "llama3"}};
+  try {
+    TestLayer layer(rank, "attention", dims, &learned);
+    ADD_FAILURE() << "rope_scaling without rotary embeddings was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("set position_embedding = \"rope\" or rope_scaling = \"none\""),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Grouped-query attention: two groups of two heads, and multi-query (one key/value

@@ -910,6 +910,50 @@ TEST(Checkpoint, AFailedAsyncWriteFailsTheRunAndLeavesTheEarlierCheckpoints) {
   fs::remove_all(dir);
 }
 
+// A checkpoint written before a layer plugin declared an option has no value for it in
+// its manifest.toml: it ran as the option's default does, so a resume at the default
+// goes on (it was refused as another model), and one at another value is refused.
+// (rope_scaling_factor is compared though the tiny model has no rotary embedding: a
+// resume compares every option of the layer, as set or by default.)
+TEST(Checkpoint, AnOptionTheCheckpointPredatesIsItsDefault) {
+  const std::string dir = loom::testing::scratch_dir("predates");
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  const std::vector<std::string> run = {"optimizer.decay_steps=6", ck};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), run.begin(), run.end());
+    return more;
+  };
+  auto full = run_and_trace(tiny_manifest(), {"run.steps=6", "optimizer.decay_steps=6"});
+  run_and_trace(tiny_manifest(), with({"run.steps=3"}));
+  // Drop the options layer/attention declared this session from the saved manifest.
+  const std::string manifest = loom::train::checkpoint_path(dir, 3) + "/manifest.toml";
+  std::ifstream in(manifest);
+  std::string line, kept;
+  int dropped = 0;
+  while (std::getline(in, line)) {
+    const bool newer = line.rfind("qk_norm", 0) == 0 || line.rfind("rope_", 0) == 0;
+    dropped += newer;
+    if (!newer) kept += line + "\n";
+  }
+  in.close();
+  ASSERT_GE(dropped, 6) << "the saved manifest wrote out the attention's options";
+  std::ofstream(manifest) << kept;
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  try {
+    run_and_trace(tiny_manifest(), with({"run.steps=6", "model.layer.attention.rope_scaling_factor=16.0"}), resume);
+    FAIL() << "a resume at another value took a checkpoint that ran at the default";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layer.attention.rope_scaling_factor = 8.0, this run has "
+                                         "model.layer.attention.rope_scaling_factor = 16.0"),
+              std::string::npos)
+        << e.what();
+  }
+  auto rest = run_and_trace(tiny_manifest(), with({"run.steps=6"}), resume);
+  EXPECT_EQ(rest.loss.back(), full.loss.back());
+  fs::remove_all(dir);
+}
+
 // A checkpoint records each rank's parameters (rank_NNNNN.params: names and local
 // shapes). Resuming another model is refused naming the first parameter that
 // differs: blocks reordered (attention after mlp: the same element count, which

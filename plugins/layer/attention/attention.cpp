@@ -148,7 +148,13 @@ class Attention : public loom::Layer {
     if (options.declared_string("position_embedding") == "rope")
       require_device_ops(dev.has_rope_fwd() && dev.has_rope_bwd(), name, "position_embedding = \"rope\"",
                          "rope_fwd and rope_bwd");
-    if (options.declared_string("position_embedding") == "rope" && options.declared_string("rope_scaling") != "none")
+    const bool rope = options.declared_string("position_embedding") == "rope";
+    LOOM_REQUIRE(rope || options.declared_string("rope_scaling") == "none",
+                 name << ": rope_scaling = \"" << options.declared_string("rope_scaling")
+                      << "\" scales rotary embeddings, and position_embedding is \""
+                      << options.declared_string("position_embedding") << "\"; set position_embedding = \"rope\" "
+                      << "or rope_scaling = \"none\"");
+    if (rope && options.declared_string("rope_scaling") != "none")
       LOOM_REQUIRE((device_features & LOOM_DEVICE_ROPE_FREQUENCIES) != 0,
                    name << ": rope_scaling = \"" << options.declared_string("rope_scaling")
                         << "\" needs a device whose rotary embedding takes its frequencies "
