@@ -440,14 +440,14 @@ TEST(Layers, QkNormAttentionMatchesReferenceAndFiniteDifferences) {
     TestLayer layer(rank, "attention", dims, &opts);
     EXPECT_EQ(layer.param("q_norm.weight").value.size(), static_cast<size_t>(kHidden / kHeads));
     EXPECT_EQ(layer.has_param("k_norm.bias"), std::string(norm) == "layernorm");
-    std::mt19937 rng(29);
-    layer.randomize(rng);
     // Normalising head rows of 4 values is strongly curved: central differences with
-    // the default step (1e-2) are off by up to 7% at some weights; 3e-3 is within 2%.
-    loom::harness::FdTolerance tol;
-    tol.h = 3e-3f;
-    const loom::harness::Findings f = loom::harness::check_gradients(layer, rng, 1234, tol);
-    EXPECT_TRUE(f.ok()) << f.text();
+    // the default step (1e-2) are off by up to 30% at some weights (the harness then
+    // takes a third of the step).
+    for (const int seed : {1, 7, 29}) {
+      std::mt19937 rng(seed);
+      layer.randomize(rng);
+      check_gradients(rank, layer, rng);
+    }
   }
   for (const bool qk_norm : {true, false}) {
     Rank rank;
