@@ -770,14 +770,7 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
     for (const model::LayerSpec& spec : plan.layers) {
       if (spec.config != layer) continue;
       for (const manifest::OptionDecl& d : plan.registry->get("layer", spec.plugin).options)
-        if (d.name == option && d.default_value) {
-          // The TOML literal printed as a manifest's value is.
-          try {
-            return value_text(toml::parse("v = " + *d.default_value), "v");
-          } catch (const toml::parse_error&) {
-            return *d.default_value;
-          }
-        }
+        if (d.name == option) return option_default_text(d);
     }
     return "";
   };

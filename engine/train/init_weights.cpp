@@ -134,7 +134,21 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
 std::string layer_option_text(const toml::table& section, const manifest::OptionDecl& decl) {
   std::ostringstream os;
   if (auto n = section[decl.name]) os << n;
-  return os.str().empty() ? decl.default_value.value_or("(unset)") : os.str();
+  if (!os.str().empty()) return os.str();
+  const std::string dflt = option_default_text(decl);
+  return dflt.empty() ? "(unset)" : dflt;
+}
+
+std::string option_default_text(const manifest::OptionDecl& decl) {
+  if (!decl.default_value) return "";
+  try {
+    const toml::table t = toml::parse("v = " + *decl.default_value);
+    std::ostringstream os;
+    os << t["v"];
+    return os.str();
+  } catch (const toml::parse_error&) {
+    return *decl.default_value;
+  }
 }
 
 namespace {

@@ -42,6 +42,9 @@ bool training_only_option(const std::string& name);
 // A layer option as the layer computes with it: its value in `section` ([model.layer.X])
 // as TOML text, else the plugin's declared default ("(unset)" when it has none).
 std::string layer_option_text(const toml::table& section, const manifest::OptionDecl& decl);
+// The plugin's declared default printed as a manifest's value is ("" when it has none):
+// what an option a manifest lacks (one written before the plugin declared it) meant.
+std::string option_default_text(const manifest::OptionDecl& decl);
 
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
                                const std::string& role = "checkpoint.init_weights");

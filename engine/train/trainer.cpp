@@ -137,6 +137,8 @@ class RankTraining {
   void start_trace();
   StepRecord train_step(int64_t step);
   bool stop_requested() const;
+  // This rank's own signal flag (stop_requested and poll agree on it over the world).
+  bool stop_signalled() const { return run_.options.stop_signal && run_.options.stop_signal->load(); }
   bool evaluates_at(int64_t step) const;
   bool evaluate(StepRecord& rec);
   void sample(int64_t step);
@@ -186,14 +188,13 @@ void RankTraining::start_trace() {
 
 // Whether a stop signal reached any rank (every rank gets the same answer).
 bool RankTraining::stop_requested() const {
-  double flag = (run_.options.stop_signal && run_.options.stop_signal->load()) ? 1 : 0;
+  double flag = stop_signalled() ? 1 : 0;
   world_.all_reduce(nullptr, &flag, &flag, 1, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
   return flag > 0;
 }
 
 RankTraining::StepPoll RankTraining::poll() const {
-  double flags[2] = {(run_.options.stop_signal && run_.options.stop_signal->load()) ? 1.0 : 0.0,
-                     saver_.writing() ? 1.0 : 0.0};
+  double flags[2] = {stop_signalled() ? 1.0 : 0.0, saver_.writing() ? 1.0 : 0.0};
   world_.all_reduce(nullptr, flags, flags, 2, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
   return {flags[0] > 0, saver_.pending() && flags[1] == 0};
 }
