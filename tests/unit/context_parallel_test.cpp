@@ -96,6 +96,20 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
   const RankTrace serial = with({});
   expect_same_training(serial, with({"parallel.cp=2"}));
   expect_same_training(serial, with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  // Llama 3.1's scaled frequencies (rope_scaling = "llama3", a table every rank builds
+  // alike): each chunk still rotates by its positions. The test's settings scale the
+  // head's lower frequencies, so the run differs from unscaled rope.
+  const std::vector<std::string> scaled = {"model.layer.attention.rope_scaling=\"llama3\"",
+                                           "model.layer.attention.rope_original_max_position=16",
+                                           "model.layer.attention.rope_high_freq_factor=8.0"};
+  auto with_scaled = [&](std::vector<std::string> o) {
+    o.insert(o.end(), scaled.begin(), scaled.end());
+    return with(o);
+  };
+  const RankTrace scaled_serial = with_scaled({});
+  EXPECT_NE(scaled_serial.loss.back(), serial.loss.back()) << "the scaling changed nothing";
+  expect_same_training(scaled_serial, with_scaled({"parallel.cp=2"}));
+  expect_same_training(scaled_serial, with_scaled({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
   // Grouped-query attention (the gathered K/V are the repeated heads) too.
   const std::vector<std::string> gqa = {"model.layer.attention.num_query_groups=2"};
   auto grouped = [&](std::vector<std::string> o) {
