@@ -143,6 +143,8 @@ RunConfig RunConfig::from(const Manifest& m) {
     }
   c.data.tokenizer = resolved_path(m, "data.tokenizer");
   c.data.val_fraction = m.get_float("data.val_fraction");
+  c.data.eod_mask_loss = m.get_bool("data.eod_mask_loss");
+  c.data.eod_token = m.get_int("data.eod_token");
   c.data.task = m.get_string("data.task");
   c.data.digits = m.get_int("data.digits");
 

@@ -304,6 +304,11 @@ std::vector<KeySpec> build() {
                 "model.vocab_size is 0 (not the largest id the data holds), and loom generate, eval and export "
                 "use it when not given --tokenizer"));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
+  v.push_back(b("data.eod_mask_loss", false,
+                "no loss where the input token is the end-of-document token (Megatron-LM's --eod-mask-loss): a "
+                "packed sample does not learn to predict a document's first token from the one before it"));
+  v.push_back(i("data.eod_token", -1, -1,
+                "the end-of-document token id data.eod_mask_loss masks; -1 = data.tokenizer's (<|endoftext|>, </s>)"));
   v.push_back(s("data.task", "add", "synthetic task name"));
   v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
   // checkpoint
@@ -656,6 +661,19 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
              "data.tokenizer names the tokenizer of token files (data.kind = \"indexed\" or \"tokens\"); data.kind = \"" +
                  kind + "\" has its own symbols (" + (kind == "text" ? "bytes" : "the task's") +
                  "): make token files with loom preprocess --tokenizer, or leave data.tokenizer empty");
+  }
+  // The loss mask needs to know which id ends a document, and data with documents.
+  if (usable({"data.eod_mask_loss", "data.eod_token", "data.kind", "data.tokenizer"}) &&
+      m.get_bool("data.eod_mask_loss")) {
+    const std::string kind = m.get_string("data.kind");
+    if (kind == "synthetic")
+      report({"data.eod_mask_loss", "data.kind"},
+             "data.eod_mask_loss masks the loss after end-of-document tokens of token files; data.kind = "
+             "\"synthetic\" has no documents (its targets are the answers already)");
+    else if (I("data.eod_token") < 0 && m.get_string("data.tokenizer").empty())
+      report({"data.eod_mask_loss", "data.eod_token", "data.tokenizer"},
+             "data.eod_mask_loss needs the end-of-document token: set data.tokenizer (its <|endoftext|> or </s>) "
+             "or data.eod_token (e.g. 50256 for GPT-2's token files)");
   }
   // The first layer takes the tokens (the embedding) and the last computes the loss
   // (lm_head): without either the run fails at its first step.

@@ -241,6 +241,91 @@ std::unique_ptr<DataSource> token_source(const std::string& kind, const std::str
   return std::make_unique<DocumentSource>(std::move(docs), vocab, val_fraction, seed, path);
 }
 
+std::unique_ptr<DataSource> unmasked_data_source(const manifest::RunConfig& config) {
+  const std::string& kind = config.data.kind;
+  const uint64_t seed = static_cast<uint64_t>(config.run.seed);
+  const double val_fraction = config.data.val_fraction;
+  if (kind == "synthetic") {
+    const std::string& task = config.data.task;
+    if (task != "add") throw DataError("data.task = \"" + task + "\" is not a synthetic task; valid: \"add\"");
+    return std::make_unique<AdditionTask>(static_cast<int>(config.data.digits), seed);
+  }
+  const std::string& path = config.data.path;
+  if (kind == "text") {
+    std::vector<char> bytes = read_file(path, "path");
+    if (bytes.empty()) throw DataError(path + ": the text file is empty");
+    std::vector<int32_t> tokens;
+    try {
+      tokens.resize(bytes.size());
+    } catch (const std::bad_alloc&) {
+      throw DataError(path + ": not enough memory for its " + std::to_string(bytes.size()) + " tokens (" +
+                      std::to_string(bytes.size() * sizeof(int32_t) >> 20) + " MiB)");
+    }
+    for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
+    return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
+  }
+  const int64_t vocab = token_vocab(config);
+  if ((kind == "tokens" || kind == "indexed") && !config.data.blend.empty()) {
+    std::vector<std::unique_ptr<DataSource>> parts;
+    std::vector<double> weights;
+    for (const auto& [weight, part] : config.data.blend) {
+      parts.push_back(token_source(kind, part, "blend", vocab, val_fraction, seed));
+      weights.push_back(weight);
+    }
+    return std::make_unique<BlendedSource>(std::move(parts), std::move(weights));
+  }
+  if (kind == "tokens" || kind == "indexed")
+    return token_source(kind, path, "path", vocab, val_fraction, seed);
+  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
+}
+
+
+// Megatron-LM's --eod-mask-loss: no loss at a position whose input token ends a
+// document, so a sample packing several documents does not learn to guess the next
+// document's first token from the end of the one before.
+class EodLossMask : public DataSource {
+ public:
+  EodLossMask(std::unique_ptr<DataSource> inner, int32_t eod) : inner_(std::move(inner)), eod_(eod) {}
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  std::string describe() const override {
+    return inner_->describe() + "; no loss after end-of-document token " + std::to_string(eod_);
+  }
+  void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override {
+    inner_->sample(split, index, seq, tokens, targets);
+    for (int64_t s = 0; s < seq; ++s)
+      if (tokens[s] == eod_) targets[s] = -1;
+  }
+  void check_split(Split split, int64_t seq) const override { inner_->check_split(split, seq); }
+  bool has_exact_match() const override { return inner_->has_exact_match(); }
+  std::string render(const int32_t* tokens, int64_t n) const override { return inner_->render(tokens, n); }
+  std::vector<int32_t> encode(const std::string& text) const override { return inner_->encode(text); }
+
+ private:
+  std::unique_ptr<DataSource> inner_;
+  int32_t eod_;
+};
+
+// data.eod_token, or data.tokenizer's end-of-document token; it must be in the vocabulary.
+int32_t eod_token(const manifest::RunConfig& config, int64_t vocab) {
+  int64_t eod = config.data.eod_token;
+  if (eod < 0 && !config.data.tokenizer.empty()) {
+    try {
+      eod = text::load_tokenizer(config.data.tokenizer)->eod();
+    } catch (const text::TokenizerError& e) {
+      throw DataError(std::string("data.tokenizer: ") + e.what());
+    }
+    if (eod < 0)
+      throw DataError("data.eod_mask_loss: data.tokenizer (" + config.data.tokenizer +
+                      ") has no end-of-document token; set data.eod_token");
+  }
+  if (eod < 0)
+    throw DataError("data.eod_mask_loss needs the end-of-document token: set data.tokenizer or data.eod_token");
+  if (eod >= vocab)
+    throw DataError("data.eod_token = " + std::to_string(eod) + " is outside the vocabulary of " +
+                    std::to_string(vocab) + " tokens");
+  return static_cast<int32_t>(eod);
+}
+
 }  // namespace
 
 std::vector<int32_t> read_llmc_tokens(const std::string& path, const std::string& key) {
@@ -283,43 +368,17 @@ std::vector<int32_t> DataSource::encode(const std::string&) const {
   throw DataError(describe() + ": its tokens have no text form here; give a tokenizer");
 }
 
+
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) {
-  const std::string& kind = config.data.kind;
-  const uint64_t seed = static_cast<uint64_t>(config.run.seed);
-  const double val_fraction = config.data.val_fraction;
-  if (kind == "synthetic") {
-    const std::string& task = config.data.task;
-    if (task != "add") throw DataError("data.task = \"" + task + "\" is not a synthetic task; valid: \"add\"");
-    return std::make_unique<AdditionTask>(static_cast<int>(config.data.digits), seed);
-  }
-  const std::string& path = config.data.path;
-  if (kind == "text") {
-    std::vector<char> bytes = read_file(path, "path");
-    if (bytes.empty()) throw DataError(path + ": the text file is empty");
-    std::vector<int32_t> tokens;
-    try {
-      tokens.resize(bytes.size());
-    } catch (const std::bad_alloc&) {
-      throw DataError(path + ": not enough memory for its " + std::to_string(bytes.size()) + " tokens (" +
-                      std::to_string(bytes.size() * sizeof(int32_t) >> 20) + " MiB)");
-    }
-    for (size_t i = 0; i < bytes.size(); ++i) tokens[i] = static_cast<unsigned char>(bytes[i]);
-    return std::make_unique<StreamSource>(std::move(tokens), 256, val_fraction, seed, path + " (bytes)", true);
-  }
-  const int64_t vocab = token_vocab(config);
-  if ((kind == "tokens" || kind == "indexed") && !config.data.blend.empty()) {
-    std::vector<std::unique_ptr<DataSource>> parts;
-    std::vector<double> weights;
-    for (const auto& [weight, part] : config.data.blend) {
-      parts.push_back(token_source(kind, part, "blend", vocab, val_fraction, seed));
-      weights.push_back(weight);
-    }
-    return std::make_unique<BlendedSource>(std::move(parts), std::move(weights));
-  }
-  if (kind == "tokens" || kind == "indexed")
-    return token_source(kind, path, "path", vocab, val_fraction, seed);
-  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
+  std::unique_ptr<DataSource> source = unmasked_data_source(config);
+  if (!config.data.eod_mask_loss) return source;
+  if (config.data.kind == "synthetic")
+    throw DataError("data.eod_mask_loss masks the loss after end-of-document tokens; data.kind = \"synthetic\" has "
+                    "no documents");
+  const int32_t eod = eod_token(config, source->vocab_size());
+  return std::make_unique<EodLossMask>(std::move(source), eod);
 }
+
 
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets) {

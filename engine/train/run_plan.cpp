@@ -421,6 +421,10 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (written(man, key))
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " shapes the synthetic task; with data.kind = \"" +
                                 config.data.kind + "\" it changes nothing");
+  if (!config.data.eod_mask_loss && written(man, "data.eod_token"))
+    plan.warnings.push_back(man.origin("data.eod_token").str() + ": data.eod_token names the token "
+                            "data.eod_mask_loss masks the loss after; with data.eod_mask_loss = false it changes "
+                            "nothing");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

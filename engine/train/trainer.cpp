@@ -497,8 +497,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
-      *options.log << "resume: warning: " << change << " since the checkpoint: the samples after it are not "
-                   << "those the interrupted run would have read" << std::endl;
+      *options.log << "resume: warning: " << change << " since the checkpoint: the samples (or the loss mask) after it are "
+                   << "not those the interrupted run would have read" << std::endl;
     if (const std::vector<std::string> changes = schedule_changes(resume->dir, config, resume->step); !changes.empty()) {
       *options.log << "resume: warning: the learning-rate schedule differs from the checkpoint's: " << changes.front()
                    << std::endl;

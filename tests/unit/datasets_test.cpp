@@ -187,6 +187,67 @@ TEST(Blend, ManifestBlendsIndexedDatasets) {
   fs::remove_all(dir);
 }
 
+// data.eod_mask_loss (Megatron-LM's --eod-mask-loss): a position whose input token ends a
+// document has no loss (target -1); every other target is the unmasked one. Training
+// reads the masked targets (its first loss, a forward of the same weights on the same
+// tokens, differs), and what cannot be masked is refused before a run starts.
+TEST(Data, EodMaskLossDropsTheTargetAfterEachDocumentsEnd) {
+  const std::string dir = loom::testing::scratch_dir("eod_mask");
+  constexpr int32_t kEod = 7;
+  std::vector<std::vector<int32_t>> docs(12);
+  for (size_t d = 0; d < docs.size(); ++d) {
+    for (size_t i = 0; i < 5 + d; ++i) docs[d].push_back(static_cast<int32_t>(10 + (d * 3 + i) % 40));
+    docs[d].push_back(kEod);
+  }
+  write_indexed(dir + "/ds", docs);
+  const std::vector<std::string> data = {"data.kind=\"indexed\"", "data.path=\"" + dir + "/ds\"",
+                                         "model.vocab_size=64", "run.steps=1"};
+  std::vector<std::string> masked = data;
+  masked.insert(masked.end(), {"data.eod_mask_loss=true", "data.eod_token=" + std::to_string(kEod)});
+  const auto plain = loom::train::make_data_source(loom::testing::plan_from(loom::testing::tiny_manifest(), data).config);
+  const auto mask = loom::train::make_data_source(loom::testing::plan_from(loom::testing::tiny_manifest(), masked).config);
+  int eods = 0;
+  for (Split split : {Split::Train, Split::Validation})
+    for (uint64_t i = 0; i < 20; ++i) {
+      std::vector<int32_t> t0(16), g0(16), t1(16), g1(16);
+      plain->sample(split, i, 16, t0.data(), g0.data());
+      mask->sample(split, i, 16, t1.data(), g1.data());
+      ASSERT_EQ(t0, t1) << "the mask changes targets only";
+      for (size_t s = 0; s < 16; ++s) {
+        EXPECT_EQ(g1[s], t1[s] == kEod ? -1 : g0[s]) << "sample " << i << " position " << s;
+        eods += t1[s] == kEod ? 1 : 0;
+      }
+    }
+  EXPECT_GT(eods, 20) << "the samples must cross document ends for the test to mean anything";
+  const auto first_loss = [&](const std::vector<std::string>& o) {
+    return loom::train::train(loom::testing::plan_from(loom::testing::tiny_manifest(), o), {}).steps.at(0).loss;
+  };
+  EXPECT_NE(first_loss(data), first_loss(masked));
+
+  const auto refusal = [&](std::vector<std::string> o) {
+    try {
+      o.insert(o.begin(), data.begin(), data.end());
+      loom::train::make_data_source(loom::testing::plan_from(loom::testing::tiny_manifest(), o).config);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal({"data.eod_mask_loss=true"}).find("set data.tokenizer (its <|endoftext|> or </s>) or data.eod_token"),
+            std::string::npos);
+  EXPECT_NE(refusal({"data.eod_mask_loss=true", "data.eod_token=64"})
+                .find("data.eod_token = 64 is outside the vocabulary of 64 tokens"),
+            std::string::npos);
+  EXPECT_NE(refusal({"data.kind=\"synthetic\"", "data.eod_mask_loss=true", "data.eod_token=3"})
+                .find("data.kind = \"synthetic\" has no documents"),
+            std::string::npos);
+  const loom::train::RunPlan unused =
+      loom::testing::plan_from(loom::testing::tiny_manifest(), {"data.eod_token=3"});
+  ASSERT_EQ(unused.warnings.size(), 1u);
+  EXPECT_NE(unused.warnings[0].find("with data.eod_mask_loss = false it changes nothing"), std::string::npos);
+  fs::remove_all(dir);
+}
+
 // data.tokenizer: the vocabulary of token files is their tokenizer's, not the largest
 // id a sample of data happens to hold (a model of that size could not be used with the
 // tokenizer it was trained with); generate and eval take it without --tokenizer.
@@ -221,6 +282,17 @@ TEST(Data, TheTokenizersVocabularyIsTheModels) {
   EXPECT_EQ(vocab({}), 129) << "without a tokenizer: the data's largest id + 1";
   EXPECT_EQ(vocab({"data.tokenizer=\"" + model + "\""}), 300);
   EXPECT_EQ(vocab({"data.tokenizer=\"" + model + "\"", "model.vocab_size=320"}), 320) << "a larger one is the model's";
+  // data.eod_mask_loss takes the tokenizer's end-of-document token when not given one.
+  {
+    std::vector<std::string> o = data;
+    o.insert(o.end(), {"data.tokenizer=\"" + model + "\"", "data.eod_mask_loss=true"});
+    const int32_t eod = loom::text::load_tokenizer(model)->eod();
+    ASSERT_GE(eod, 0);
+    EXPECT_NE(loom::train::make_data_source(loom::testing::plan_from(loom::testing::tiny_manifest(), o).config)
+                  ->describe()
+                  .find("no loss after end-of-document token " + std::to_string(eod)),
+              std::string::npos);
+  }
   try {
     vocab({"data.tokenizer=\"" + model + "\"", "model.vocab_size=200"});
     ADD_FAILURE() << "a vocabulary smaller than the tokenizer's must be refused";
