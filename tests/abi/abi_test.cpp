@@ -79,6 +79,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_19(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_19(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_20(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_20(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_20(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_21(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_21(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -475,6 +478,25 @@ TEST(AbiLayout, Released120MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_rope_args, inv_freq), loom_abi_sizeof_v1_19("loom_rope_args"));
   EXPECT_EQ(offsetof(loom_rope_args, inv_freq) + sizeof(void*), sizeof(loom_rope_args));
   EXPECT_EQ(LOOM_DEVICE_ROPE_FREQUENCIES, 1ull << 8);
+}
+
+// 1.21's too (sliding-window attention): pad0 fills 1.20's tail padding of
+// loom_attention_args, window follows it and ends the struct; the device bit says a
+// device honours it.
+TEST(AbiLayout, Released121MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_120 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_21(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_21(&n_current);
+  loom_abi_layout_current_v1_20(&n_120);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_120 + 2 * 2);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  const size_t old_size = loom_abi_sizeof_v1_20("loom_attention_args");
+  ASSERT_GT(old_size, 0u);
+  EXPECT_EQ(offsetof(loom_attention_args, pad0), offsetof(loom_attention_args, accumulate_dkv) + sizeof(int32_t));
+  EXPECT_GE(offsetof(loom_attention_args, window), old_size);
+  EXPECT_EQ(offsetof(loom_attention_args, window) + sizeof(int64_t), sizeof(loom_attention_args));
+  EXPECT_EQ(LOOM_DEVICE_ATTENTION_SLIDING_WINDOW, 1ull << 9);
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

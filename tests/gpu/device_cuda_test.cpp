@@ -805,7 +805,7 @@ TEST(DeviceCuda, RopeMatchesCpu) {
 // ---------------------------------------------------------------------------
 
 void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S, int64_t H, int64_t D, uint32_t seed,
-                     toml::table gpu_options = {}) {
+                     toml::table gpu_options = {}, int64_t window = 0) {
   Env env(std::move(gpu_options));
   const int64_t W = H * D;
   const int64_t qs_s = packed ? B * 3 * W : W, qs_b = packed ? 3 * W : S * W;
@@ -839,13 +839,14 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
     a.dv = dbase + v_off * e;
     a.scale = 1.0f / std::sqrt(static_cast<float>(D));
     a.causal = causal ? 1 : 0;
+    a.window = window;
     a.dtype = gpu ? dt : F32;
     return a;
   };
   both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
   std::ostringstream tag;
   tag << (dt == BF16 ? "bf16" : "f32") << (packed ? " packed" : " plain") << (causal ? " causal" : "") << " B=" << B
-      << " S=" << S << " H=" << H << " D=" << D;
+      << " S=" << S << " H=" << H << " D=" << D << " sliding window " << window;
   out.expect_match("attention_fwd out " + tag.str());
   lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
   both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
@@ -855,7 +856,7 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
 // ABI 1.6's query window (context parallelism): Sq queries [b, s, h, d] at
 // q_offset of Skv keys packed [s, b, k|v], dk and dv accumulated into what they hold.
 void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int64_t Skv, int64_t q_offset, int64_t H,
-                            int64_t D, uint32_t seed, toml::table gpu_options = {}) {
+                            int64_t D, uint32_t seed, toml::table gpu_options = {}, int64_t window = 0) {
   Env env(std::move(gpu_options));
   const int64_t W = H * D;
   Tensor q(env, randu(B * Sq * W, seed, -2, 2), dt), kv(env, randu(Skv * B * 2 * W, seed + 1, -2, 2), dt);
@@ -889,13 +890,14 @@ void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int6
     a.accumulate_dkv = 1;
     a.scale = 1.0f / std::sqrt(static_cast<float>(D));
     a.causal = causal ? 1 : 0;
+    a.window = window;
     a.dtype = gpu ? dt : F32;
     return a;
   };
   both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
   std::ostringstream tag;
   tag << (dt == BF16 ? "bf16" : "f32") << (causal ? " causal" : "") << " window B=" << B << " Sq=" << Sq
-      << " Skv=" << Skv << " q_offset=" << q_offset << " H=" << H << " D=" << D;
+      << " Skv=" << Skv << " q_offset=" << q_offset << " H=" << H << " D=" << D << " sliding window " << window;
   out.expect_match("attention_fwd out " + tag.str());
   lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
   both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
@@ -945,6 +947,32 @@ TEST(DeviceCuda, AttentionFusedBf16MatchesCpu) {
     check_attention_window(BF16, true, 1, 64, 256, 192, 2, D, 77);
     check_attention_window(BF16, true, 1, 64, 256, 0, 1, D, 78);  // keys past every query: dk, dv += 0
   }
+}
+
+// ABI 1.21 sliding windows: the fused kernels (key tiles before a query tile's first
+// key skipped, dK/dV stopping after the last query tile that sees their keys, the
+// window's edge masked inside a tile: windows of 1, within, at and across the 64-row
+// tiles, and one past every key), the unfused softmax kernels (fp32; bf16 with
+// fused_attention = false), and both under a query window at an offset (context
+// parallelism, dk and dv accumulated; keys no query's window reaches get += 0).
+TEST(DeviceCuda, SlidingWindowAttentionMatchesCpu) {
+  REQUIRE_GPU();
+  for (int64_t D : {64, 128})
+    for (int64_t window : {1, 17, 63, 64, 65, 150, 1000}) {
+      check_attention(BF16, true, true, 2, 200, 3, D, 100, {}, window);
+      check_attention(BF16, false, true, 1, 130, 2, D, 101, {}, window);
+    }
+  for (int64_t D : {64, 128}) {
+    check_attention_window(BF16, true, 2, 100, 300, 150, 2, D, 102, {}, 40);
+    check_attention_window(BF16, true, 1, 64, 256, 192, 2, D, 103, {}, 100);
+    check_attention_window(BF16, true, 1, 64, 256, 0, 1, D, 104, {}, 30);
+  }
+  check_attention(F32, true, true, 2, 70, 3, 16, 105, {}, 9);
+  check_attention(F32, false, true, 1, 130, 2, 32, 106, {}, 64);
+  check_attention_window(F32, true, 2, 35, 140, 70, 3, 16, 107, {}, 20);
+  const toml::table unfused{{"fused_attention", false}};
+  check_attention(BF16, true, true, 2, 70, 3, 64, 108, unfused, 33);
+  check_attention_window(BF16, true, 2, 35, 140, 105, 3, 128, 109, unfused, 50);
 }
 
 // No atomics in the fused backward: the same inputs give the same bits.

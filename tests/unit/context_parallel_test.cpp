@@ -134,6 +134,33 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
   EXPECT_NE(none.loss.back(), serial.loss.back());
 }
 
+// sliding_window: every context-parallel chunk's queries slide the window over the
+// gathered keys at their positions in the whole sequence (a window of 6 crosses the
+// chunk edges at cp 2 and cp 4, where chunks are 8 rows), with rope; with tp 2 + SP,
+// pp 2 and partial graphs too. The window changes training. (With grouped queries as
+// well, an MLP LayerNorm bias at cp 4 and at cp 2 x tp 2 ends 1e-5 to 2e-5 from the
+// serial run's, with or without a window: summation order, which Adam scales up.)
+TEST(ContextParallel, SlidingWindowMatchesSerialAtEveryLayout) {
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.end(), {"model.layer.attention.sliding_window=6", "model.layer.embedding.position_embedding=rope",
+                       "model.layer.attention.position_embedding=rope"});
+    return run(o);
+  };
+  const RankTrace serial = with({});
+  const RankTrace unwindowed = run({"model.layer.embedding.position_embedding=rope",
+                                    "model.layer.attention.position_embedding=rope"});
+  EXPECT_NE(serial.loss.back(), unwindowed.loss.back()) << "the window changed nothing";
+  for (const std::vector<std::string>& layout :
+       std::vector<std::vector<std::string>>{{"parallel.cp=2"},
+                                             {"parallel.cp=4"},
+                                             {"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"},
+                                             {"parallel.pp=2"},
+                                             {"exec.mode=\"partial_graph\""}}) {
+    SCOPED_TRACE(layout.front() + (layout.size() > 1 ? " ..." : ""));
+    expect_same_training(serial, with(layout));
+  }
+}
+
 TEST(ContextParallel, Cp4MatchesSerial) {
   const RankTrace par = run({"parallel.cp=4"});
   expect_same_training(run({}), par);

@@ -1120,22 +1120,24 @@ struct AttnRef {
   int64_t B, S, H, D;
   bool causal;
   double scale;
+  int64_t window = 0;  // causal: query i sees keys (i - window, i]; 0: every earlier one
   size_t idx(int64_t b, int64_t s, int64_t h, int64_t d) const {
     return static_cast<size_t>(((b * S + s) * H + h) * D + d);
   }
   Vec probs(const Vec& q, const Vec& k, int64_t b, int64_t h, int64_t i, double* lse) const {
     const int64_t valid = causal ? i + 1 : S;
+    const int64_t first = causal && window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
     Vec p(static_cast<size_t>(S), 0.0);
     double m = -1e300;
-    for (int64_t j = 0; j < valid; ++j) {
+    for (int64_t j = first; j < valid; ++j) {
       double s = 0;
       for (int64_t d = 0; d < D; ++d) s += q[idx(b, i, h, d)] * k[idx(b, j, h, d)];
       p[j] = s * scale;
       m = std::max(m, p[j]);
     }
     double z = 0;
-    for (int64_t j = 0; j < valid; ++j) z += std::exp(p[j] - m);
-    for (int64_t j = 0; j < valid; ++j) p[j] = std::exp(p[j] - m) / z;
+    for (int64_t j = first; j < valid; ++j) z += std::exp(p[j] - m);
+    for (int64_t j = first; j < valid; ++j) p[j] = std::exp(p[j] - m) / z;
     if (lse) *lse = m + std::log(z);
     return p;
   }
@@ -1264,6 +1266,7 @@ AttnRun run_attention(const Dev& d, const AttnRef& ref, bool packed, const Vec& 
   a.lse = LSE.data();
   a.scale = static_cast<float>(ref.scale);
   a.causal = ref.causal ? 1 : 0;
+  a.window = ref.window;
   d.ops().attention_fwd(a);
   a.dout = dO.data();
   a.dq = dQKV.data();
@@ -2813,6 +2816,7 @@ AttnIo run_attention_dt(const Dev& d, const AttnRef& ref, bool packed, int32_t d
   a.lse = LSE.data();
   a.scale = static_cast<float>(ref.scale);
   a.causal = ref.causal ? 1 : 0;
+  a.window = ref.window;
   a.dtype = dt;
   d.ops().attention_fwd(a);
   AttnIo r;
@@ -2942,6 +2946,7 @@ AttnIo run_attention_windows(const Dev& d, const AttnRef& ref, int32_t dt, const
     a.lse = LSE.data();
     a.scale = static_cast<float>(ref.scale);
     a.causal = ref.causal ? 1 : 0;
+  a.window = ref.window;
     a.dtype = dt;
     d.ops().attention_fwd(a);
     a.dout = off(dO.data(), w.offset * W);
@@ -3027,6 +3032,116 @@ TEST(DeviceCpu, WindowedAttentionRefusesAWindowPastItsKeys) {
   const std::string& msg = st.message;
   EXPECT_NE(msg.find("[3, 7)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("kv_seq = 6"), std::string::npos) << msg;
+}
+
+// ABI 1.21 sliding windows: query i sees keys (i - window, i]. Windows of 1 (itself
+// only), inside one 64-row query block, across its edge, across several, and one
+// reaching past the first key (every earlier key: the op without a window) against the
+// double-precision reference, for both layouts, thread counts and SIMD variants. The
+// reference's gradients are checked by finite differences first.
+TEST(DeviceCpu, SlidingWindowAttentionMatchesTheReference) {
+  {
+    AttnRef ref{2, 7, 2, 3, true, 0.7, 3};
+    const size_t n = static_cast<size_t>(2 * 7 * 2 * 3);
+    Vec q = to_d(randn(n, 80)), k = to_d(randn(n, 81)), v = to_d(randn(n, 82)), w = to_d(randn(n, 83));
+    Vec dq, dk, dv;
+    ref.backward(q, k, v, w, dq, dk, dv);
+    auto loss = [&] {
+      Vec out, lse;
+      ref.forward(q, k, v, out, lse);
+      return dot(out, w);
+    };
+    expect_fd(q, loss, dq, "sliding-window reference dq");
+    expect_fd(k, loss, dk, "sliding-window reference dk");
+    expect_fd(v, loss, dv, "sliding-window reference dv");
+  }
+  Dev plain(1);
+  ASSERT_NE(plain.api()->features & LOOM_DEVICE_ATTENTION_SLIDING_WINDOW, 0u);
+  const int64_t S = 150;  // query blocks of 64, 64 and 22
+  const size_t n = static_cast<size_t>(2 * S * 3 * 8);
+  const Vec q = to_d(randn(n, 84, -2, 2)), k = to_d(randn(n, 85, -2, 2)), v = to_d(randn(n, 86)),
+            dout = to_d(randn(n, 87));
+  AttnRef full{2, S, 3, 8, true, 1.0 / std::sqrt(8.0)};
+  Vec full_out, full_lse, unused;
+  full.forward(q, k, v, full_out, full_lse);
+  for (int64_t window : std::vector<int64_t>{1, 5, 64, 70, 129, S, 1000}) {
+    AttnRef ref = full;
+    ref.window = window;
+    Vec out, lse, dq, dk, dv;
+    ref.forward(q, k, v, out, lse);
+    ref.backward(q, k, v, dout, dq, dk, dv);
+    if (window < S) {
+      double differs = 0;
+      for (size_t i = 0; i < out.size(); ++i) differs = std::max(differs, std::abs(out[i] - full_out[i]));
+      EXPECT_GT(differs, 1e-2) << "window " << window << " must change the output";
+    }
+    for (bool packed : {true, false})
+      for (const std::string& simd : simd_variants())
+        for (int threads : {1, 2}) {
+          const std::string tag = " window " + std::to_string(window) + (packed ? " packed" : " bshd") + " simd " +
+                                  simd + " threads " + std::to_string(threads);
+          Dev d(threads, "openblas", simd);
+          const AttnRun r = run_attention(d, ref, packed, q, k, v, dout);
+          expect_close(r.out, out, 1e-5, 1e-4, "out" + tag);
+          expect_close(r.lse, lse, 1e-5, 1e-5, "lse" + tag);
+          expect_close(r.dq, dq, 2e-5, 1e-4, "dq" + tag);
+          expect_close(r.dk, dk, 2e-5, 1e-4, "dk" + tag);
+          expect_close(r.dv, dv, 2e-5, 1e-4, "dv" + tag);
+        }
+  }
+}
+
+// A sliding window over context-parallel query windows (the queries at their
+// positions in the keys) equals the whole sequence's, in fp32 and bf16 storage; a
+// window without causal is refused, naming both.
+TEST(DeviceCpu, SlidingWindowOverContextChunksEqualsTheWholeSequence) {
+  const int64_t c = 35;
+  const std::vector<AttnWindow> windows = {{0, c, 0}, {3 * c, c, 0}, {c, c, 7}, {2 * c, c, 4 * c}};
+  Dev dev(2);
+  for (int64_t window : {20, 50}) {
+    AttnRef ref{2, 4 * c, 3, 8, true, 1.0 / std::sqrt(8.0), window};
+    const size_t n = static_cast<size_t>(ref.B * ref.S * ref.H * ref.D);
+    const std::vector<float> q = rounded(randn(n, 90, -2, 2)), k = rounded(randn(n, 91, -2, 2)),
+                             v = rounded(randn(n, 92)), dout = rounded(randn(n, 93));
+    const std::string tag = " window " + std::to_string(window);
+    Vec out, lse, dq, dk, dv;
+    ref.forward(to_d(q), to_d(k), to_d(v), out, lse);
+    ref.backward(to_d(q), to_d(k), to_d(v), to_d(dout), dq, dk, dv);
+    const AttnIo f = run_attention_windows(dev, ref, LOOM_DTYPE_F32, q, k, v, dout, windows);
+    expect_close(f.out, out, 1e-5, 1e-4, "out" + tag);
+    expect_close(f.lse, lse, 1e-5, 1e-5, "lse" + tag);
+    expect_close(f.dq, dq, 2e-5, 1e-4, "dq" + tag);
+    expect_close(f.dk, dk, 2e-5, 1e-4, "dk" + tag);
+    expect_close(f.dv, dv, 2e-5, 1e-4, "dv" + tag);
+    const AttnIo hw = run_attention_windows(dev, ref, LOOM_DTYPE_BF16, q, k, v, dout, windows);
+    const AttnIo h = run_attention_dt(dev, ref, false, LOOM_DTYPE_BF16, q, k, v, dout, nullptr);
+    expect_close(hw.out, to_d(h.out), 1e-2, 1e-2, "bf16 out" + tag);
+    expect_close(hw.dq, to_d(h.dq), 1e-2, 1e-2, "bf16 dq" + tag);
+    expect_close(hw.dk, to_d(h.dk), 1e-2, 1e-2, "bf16 dk" + tag);
+    expect_close(hw.dv, to_d(h.dv), 1e-2, 1e-2, "bf16 dv" + tag);
+  }
+  Buf<float> x(dev, 64), lse(dev, 8);
+  loom_attention_args a = loom::make<loom_attention_args>();
+  a.batch = 1;
+  a.seq = 4;
+  a.heads = 1;
+  a.head_dim = 2;
+  a.qkv_stride_b = a.out_stride_b = 8;
+  a.qkv_stride_s = a.out_stride_s = 2;
+  a.q = a.k = a.v = x.data();
+  a.out = x.data() + 32;
+  a.lse = lse.data();
+  a.scale = 1.0f;
+  a.window = 2;
+  const StatusInfo st = take(dev.api()->ops->attention_fwd(dev.raw(), nullptr, &a));
+  EXPECT_EQ(st.code, LOOM_CODE_INVALID_ARGUMENT);
+  EXPECT_NE(st.message.find("window = 2 slides over the earlier keys of causal attention; causal is 0"),
+            std::string::npos)
+      << st.message;
+  a.causal = 1;
+  a.window = -1;
+  const StatusInfo neg = take(dev.api()->ops->attention_fwd(dev.raw(), nullptr, &a));
+  EXPECT_NE(neg.message.find("window must be >= 0"), std::string::npos) << neg.message;
 }
 
 TEST(DeviceCpu, Bf16XentEqualsFp32OnTheBf16Values) {

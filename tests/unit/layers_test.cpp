@@ -247,7 +247,7 @@ TEST(Layers, EmbeddingForwardMatchesReference) {
 // group h / (heads / groups); with qk_norm, each head's q and k LayerNorm-ed over its
 // dimensions (q_norm, k_norm) before the rotation.
 void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta, int64_t groups = 0,
-                             bool qk_norm = false, const std::vector<double>* freqs = nullptr) {
+                             bool qk_norm = false, const std::vector<double>* freqs = nullptr, int64_t window = 0) {
   Rank rank;
   auto dims = make_dims();
   TestLayer layer(rank, "attention", dims, opts);
@@ -309,19 +309,20 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
     for (int64_t h = 0; h < kHeads; ++h)
       for (int64_t s = 0; s < kSeq; ++s) {
         const int64_t rq = s * kBatch + bb;
-        std::vector<double> p(static_cast<size_t>(s + 1));
+        const int64_t first = window > 0 ? std::max<int64_t>(0, s - window + 1) : 0;  // the sliding window's
+        std::vector<double> p(static_cast<size_t>(s + 1 - first));
         double mx = -1e300, sum = 0.0;
-        for (int64_t t = 0; t <= s; ++t) {  // causal
+        for (int64_t t = first; t <= s; ++t) {  // causal
           const int64_t rk = t * kBatch + bb;
           double dot = 0.0;
           for (int64_t e = 0; e < d; ++e) dot += q[rq * H + h * d + e] * k[rk * H + h * d + e];
-          p[t] = dot * scale;
-          mx = std::max(mx, p[t]);
+          p[t - first] = dot * scale;
+          mx = std::max(mx, p[t - first]);
         }
         for (double& x : p) sum += (x = std::exp(x - mx));
-        for (int64_t t = 0; t <= s; ++t) {
+        for (int64_t t = first; t <= s; ++t) {
           const int64_t rv = t * kBatch + bb;
-          for (int64_t e = 0; e < d; ++e) ctx[rq * H + h * d + e] += p[t] / sum * v[rv * H + h * d + e];
+          for (int64_t e = 0; e < d; ++e) ctx[rq * H + h * d + e] += p[t - first] / sum * v[rv * H + h * d + e];
         }
       }
   Mat out = ref_linear(ctx, layer.param("proj.weight").value,
@@ -331,6 +332,39 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
 }
 
 TEST(Layers, AttentionForwardMatchesReference) { check_attention_forward(nullptr, 0, 0.0); }
+
+// sliding_window: each token attends to itself and the window - 1 before it, with
+// learned positions and with rope and grouped queries; finite differences through it;
+// a window as long as the sequence is the layer without one, bit for bit.
+TEST(Layers, SlidingWindowAttentionMatchesReferenceAndFiniteDifferences) {
+  for (const int64_t window : {1, 3, 5}) {
+    SCOPED_TRACE("sliding_window " + std::to_string(window));
+    const toml::table plain{{"sliding_window", window}};
+    check_attention_forward(&plain, 0, 0.0, 0, false, nullptr, window);
+    const toml::table llama{{"sliding_window", window}, {"num_query_groups", 2}, {"position_embedding", "rope"}};
+    check_attention_forward(&llama, kHidden / kHeads, 10000.0, 2, false, nullptr, window);
+    Rank rank;
+    auto dims = make_dims();
+    TestLayer layer(rank, "attention", dims, &llama);
+    std::mt19937 rng(40 + static_cast<int>(window));
+    layer.randomize(rng);
+    check_gradients(rank, layer, rng);
+  }
+  const auto output = [](const toml::table* opts) {
+    Rank rank;
+    auto dims = make_dims();
+    TestLayer layer(rank, "attention", dims, opts);
+    std::mt19937 rng(50);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    std::vector<float> y;
+    layer.forward(b, 0, false, 0, &y);
+    return y;
+  };
+  const toml::table whole{{"sliding_window", kSeq}}, shorter{{"sliding_window", kSeq - 1}};
+  EXPECT_EQ(output(&whole), output(nullptr));
+  EXPECT_NE(output(&shorter), output(nullptr));
+}
 
 // Rotary embeddings on the whole head and on half of it (rotary_percent), with another
 // base: each token's q and k turned by its own position.

@@ -7,6 +7,9 @@
 // rows [i0, i1) only needs keys [0, i1), so causal attention costs about half.
 // With ABI 1.6's query window (context parallelism) the queries sit at positions
 // q_offset.. of a longer key sequence: the block then needs keys [0, q_offset + i1).
+// With ABI 1.21's sliding window, row i sees keys (q_offset + i - window, q_offset + i],
+// so the block starts at the first key its first row sees: the rows' products cover
+// keys [k0, k1), and each row's columns before its own first key are masked.
 //
 // Forward:  S = scale Q K^T, P = softmax(S) (masked), O = P V, lse = max + log(sum).
 // Backward: P = exp(scale Q K^T - lse) recomputed; D = rowsum(dO o O);
@@ -27,16 +30,29 @@ struct Layout {
   int64_t qs_b, qs_s, ks_b, ks_s, os_b, os_s;
   int64_t blocks;  // query row blocks per (batch, head)
   bool causal;
-  // Keys query block [i0, i1) needs, and how many of them row i (0-based in the block) sees.
-  int64_t keys(int64_t i1) const { return causal ? q_off + i1 : kv; }
-  int64_t visible(int64_t i0, int64_t i) const { return causal ? q_off + i0 + i + 1 : kv; }
+  int64_t window;  // 0: every earlier key
+  // Keys [first_key(i0), end_key(i1)) cover query block [i0, i1); row i (0-based in the
+  // block) sees [row_start(i0, i), row_end(i0, i)) of them, counted from first_key(i0).
+  int64_t end_key(int64_t i1) const { return causal ? q_off + i1 : kv; }
+  int64_t first_key(int64_t i0) const { return window > 0 ? std::max<int64_t>(0, q_off + i0 - window + 1) : 0; }
+  int64_t row_end(int64_t i0, int64_t i) const { return (causal ? q_off + i0 + i + 1 : kv) - first_key(i0); }
+  int64_t row_start(int64_t i0, int64_t i) const {
+    return window > 0 ? std::max<int64_t>(0, q_off + i0 + i - window + 1) - first_key(i0) : 0;
+  }
 };
 
 // `a` resolved (op_contract::resolved): kv_seq, q_offset and the kv strides are set.
 Layout layout_of(const loom_attention_args& a) {
   return Layout{a.seq,          a.kv_seq,       a.q_offset,     a.heads,        a.head_dim,
                 a.qkv_stride_b, a.qkv_stride_s, a.kv_stride_b,  a.kv_stride_s,  a.out_stride_b,
-                a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows, a.causal != 0};
+                a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows, a.causal != 0, a.window};
+}
+
+// Row i's probabilities over the columns [start, end) of a block's nk; the columns
+// before start are zero (a sliding window's keys that slid out).
+float softmax_columns(const Device& d, float* row, int64_t start, int64_t end, int64_t nk) {
+  for (int64_t j = 0; j < start; ++j) row[j] = 0.0f;
+  return d.k->softmax_row(row + start, end - start, nk - start);
 }
 
 inline const float* F(const void* p) { return static_cast<const float*>(p); }
@@ -46,10 +62,10 @@ inline float* F(void* p) { return static_cast<float*>(p); }
 void forward_block(const Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, int64_t blk) {
   const int64_t S = L.seq, D = L.hd;
   const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-  const int64_t nk = L.keys(i1);
+  const int64_t k0 = L.first_key(i0), nk = L.end_key(i1) - k0;
   const float* q = F(a.q) + b * L.qs_b + h * D;
-  const float* k = F(a.k) + b * L.ks_b + h * D;
-  const float* v = F(a.v) + b * L.ks_b + h * D;
+  const float* k = F(a.k) + b * L.ks_b + h * D + k0 * L.ks_s;
+  const float* v = F(a.v) + b * L.ks_b + h * D + k0 * L.ks_s;
   float* o = F(a.out) + b * L.os_b + h * D;
   float* lse = a.lse ? a.lse + (b * L.heads + h) * S : nullptr;
 
@@ -58,7 +74,7 @@ void forward_block(const Device& d, const loom_attention_args& a, const Layout& 
   float* P = scratch.data();
   d.gemm1(false, true, nr, nk, D, a.scale, q + i0 * L.qs_s, L.qs_s, k, L.ks_s, 0.0f, P, nk);
   for (int64_t i = 0; i < nr; ++i) {
-    const float l = d.k->softmax_row(P + i * nk, L.visible(i0, i), nk);
+    const float l = softmax_columns(d, P + i * nk, L.row_start(i0, i), L.row_end(i0, i), nk);
     if (lse) lse[i0 + i] = l;
   }
   d.gemm1(false, false, nr, D, nk, 1.0f, P, nk, v, L.ks_s, 0.0f, o + i0 * L.os_s, L.os_s);
@@ -86,26 +102,31 @@ void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int
   scratch.resize(static_cast<size_t>(2 * kBlockRows * L.kv + kBlockRows));
   for (int64_t blk = 0; blk < L.blocks; ++blk) {
     const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-    const int64_t nk = L.keys(i1);
+    const int64_t k0 = L.first_key(i0), nk = L.end_key(i1) - k0;
+    const float* kb = k + k0 * lk;
+    const float* vb = v + k0 * lk;
     float* P = scratch.data();
     float* dP = P + nr * nk;
     float* Dv = dP + nr * nk;
     const float* qb = q + i0 * ld;
     const float* dob = dout + i0 * lo;
-    d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, k, lk, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
+    d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, kb, lk, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
     for (int64_t i = 0; i < nr; ++i) {
-      d.k->exp_shift_row(P + i * nk, L.visible(i0, i), nk, lse[i0 + i]);
+      float* row = P + i * nk;
+      const int64_t start = L.row_start(i0, i);
+      for (int64_t j = 0; j < start; ++j) row[j] = 0.0f;
+      d.k->exp_shift_row(row + start, L.row_end(i0, i) - start, nk - start, lse[i0 + i]);
       Dv[i] = d.k->dot(o + (i0 + i) * lo, dob + i * lo, D);
     }
-    // dV[0:nk] += P^T dO
-    d.gemm(true, false, nk, D, nr, 1.0f, P, nk, 0, dob, lo, 0, 1.0f, dv, lk, 0, 1, parallel_gemm);
+    // dV[k0:k0+nk] += P^T dO
+    d.gemm(true, false, nk, D, nr, 1.0f, P, nk, 0, dob, lo, 0, 1.0f, dv + k0 * lk, lk, 0, 1, parallel_gemm);
     // dP = dO V^T
-    d.gemm(false, true, nr, nk, D, 1.0f, dob, lo, 0, v, lk, 0, 0.0f, dP, nk, 0, 1, parallel_gemm);
+    d.gemm(false, true, nr, nk, D, 1.0f, dob, lo, 0, vb, lk, 0, 0.0f, dP, nk, 0, 1, parallel_gemm);
     // dS = P o (dP - D)
     for (int64_t i = 0; i < nr; ++i) d.k->softmax_grad_row(P + i * nk, dP + i * nk, nk, Dv[i]);
-    // dQ = scale dS K ; dK[0:nk] += scale dS^T Q
-    d.gemm(false, false, nr, D, nk, a.scale, dP, nk, 0, k, lk, 0, 0.0f, dq + i0 * ld, ld, 0, 1, parallel_gemm);
-    d.gemm(true, false, nk, D, nr, a.scale, dP, nk, 0, qb, ld, 0, 1.0f, dk, lk, 0, 1, parallel_gemm);
+    // dQ = scale dS K ; dK[k0:k0+nk] += scale dS^T Q
+    d.gemm(false, false, nr, D, nk, a.scale, dP, nk, 0, kb, lk, 0, 0.0f, dq + i0 * ld, ld, 0, 1, parallel_gemm);
+    d.gemm(true, false, nk, D, nr, a.scale, dP, nk, 0, qb, ld, 0, 1.0f, dk + k0 * lk, lk, 0, 1, parallel_gemm);
   }
 }
 

@@ -612,7 +612,7 @@ const loom_device_api* device_api() {
     a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
                  LOOM_DEVICE_MULTI_TENSOR | LOOM_CPU_MEMORY_FEATURE | LOOM_DEVICE_GEMM_EPILOGUE |
                  LOOM_DEVICE_XENT_IN_PLACE |  // its XENT_BACKWARD reads and writes each element in one pass
-                 LOOM_DEVICE_ROPE_FREQUENCIES;
+                 LOOM_DEVICE_ROPE_FREQUENCIES | LOOM_DEVICE_ATTENTION_SLIDING_WINDOW;
     return a;
   }();
   return &api;

@@ -6,6 +6,11 @@
 // tile while the current one is used. Shared-memory rows are padded by 16 bytes so
 // that the 8 rows one ldmatrix reads fall in distinct banks.
 //
+// With a sliding window (FlashArgs.window > 0) the query at position p sees keys
+// (p - window, p]: the forward and dQ kernels start at the first key tile the tile's
+// first row sees, the dK/dV kernel stops after the last query tile that sees its keys,
+// and the tiles the window's lower edge crosses are masked like the causal diagonal.
+//
 // Fragment layouts are those of mma.m16n8k16 (PTX ISA, "Matrix fragments for
 // mma.m16n8k16"): lane = 4 * g + t; an accumulator tile 16x8 holds (g, 2t..2t+1) in
 // c0,c1 and (g+8, 2t..2t+1) in c2,c3; the A operand 16x16 holds (g, 2t..) (g+8, 2t..)
@@ -163,14 +168,15 @@ __device__ __forceinline__ void mma_pb(float (&acc)[DT][4], const float (&p)[2 *
 template <int D>
 constexpr int kKvTileElems = kTile * (D + 8);
 
-// The forward and dQ kernels' walk over key tiles: makes tile t's K and V ready in
-// buffer t & 1 (complete and visible to every thread after the barrier) while the
-// copies of tile t + 1 go into the other buffer; returns t & 1. The caller's barrier at
-// the end of each step keeps a buffer from being refilled while it is read.
+// The forward and dQ kernels' walk over key tiles t_begin..n_kt - 1 (tile t_begin in
+// buffer 0 first): makes tile t's K and V ready in buffer (t - t_begin) & 1 (complete
+// and visible to every thread after the barrier) while the copies of tile t + 1 go
+// into the other buffer; returns that buffer. The caller's barrier at the end of each
+// step keeps a buffer from being refilled while it is read.
 template <int D>
 __device__ __forceinline__ int kv_tile_ready(bf16_t* sK, bf16_t* sV, const bf16_t* k, const bf16_t* v,
-                                             const FlashArgs& p, int t, int n_kt) {
-  const int buf = t & 1;
+                                             const FlashArgs& p, int t, int t_begin, int n_kt) {
+  const int buf = (t - t_begin) & 1;
   if (t + 1 < n_kt) {
     load_tile<D, kTile>(sK + (buf ^ 1) * kKvTileElems<D>, k, p.kv_ss, (t + 1) * kTile, p.kv_seq);
     load_tile<D, kTile>(sV + (buf ^ 1) * kKvTileElems<D>, v, p.kv_ss, (t + 1) * kTile, p.kv_seq);
@@ -181,6 +187,26 @@ __device__ __forceinline__ int kv_tile_ready(bf16_t* sK, bf16_t* sV, const bf16_
   }
   __syncthreads();
   return buf;
+}
+
+// Whether query row `row` (0-based in the call's seq) sees key `key`.
+__device__ __forceinline__ bool key_visible(const FlashArgs& p, int key, int row) {
+  if (key >= p.kv_seq) return false;
+  if (!p.causal) return true;
+  const int pos = p.q_offset + row;
+  return key <= pos && (p.window == 0 || key > pos - p.window);
+}
+// Whether some key of the tile from k0 is hidden from some of the 16 query rows from
+// r0: a tile past the keys' end, on the causal diagonal, or on the window's lower edge.
+__device__ __forceinline__ bool key_tile_is_edge(const FlashArgs& p, int k0, int r0) {
+  if (k0 + kTile > p.kv_seq) return true;
+  if (!p.causal) return false;
+  const int pos = p.q_offset + r0;  // of the first row; the last is pos + 15
+  return k0 + kTile - 1 > pos || (p.window > 0 && k0 <= pos + 15 - p.window);
+}
+// The first key tile the query tile from q0 sees (its first row's first key).
+__device__ __forceinline__ int first_key_tile(const FlashArgs& p, int q0) {
+  return p.causal && p.window > 0 ? max(0, p.q_offset + q0 - p.window + 1) / kTile : 0;
 }
 
 template <int D>
@@ -207,13 +233,14 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
   const bf16_t* q = p.q + b * p.q_sb + h * D;
   const bf16_t* k = p.k + b * p.kv_sb + h * D;
   const bf16_t* v = p.v + b * p.kv_sb + h * D;
-  // Keys the tile's last row may see.
+  // Keys the tile's last row may see, and the first key tile its first row sees.
   const int kv_end = p.causal ? min(p.kv_seq, p.q_offset + q0 + kTile) : p.kv_seq;
   const int n_kt = (kv_end + kTile - 1) / kTile;
+  const int t_begin = first_key_tile(p, q0);
 
   load_tile<D, kTile>(sQ, q, p.q_ss, q0, p.seq);
-  load_tile<D, kTile>(sK, k, p.kv_ss, 0, p.kv_seq);
-  load_tile<D, kTile>(sV, v, p.kv_ss, 0, p.kv_seq);
+  load_tile<D, kTile>(sK, k, p.kv_ss, t_begin * kTile, p.kv_seq);
+  load_tile<D, kTile>(sV, v, p.kv_ss, t_begin * kTile, p.kv_seq);
   cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -224,8 +251,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m_run[2] = {-kInf, -kInf}, l_run[2] = {0.0f, 0.0f};
 
-  for (int t = 0; t < n_kt; ++t) {
-    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, n_kt);
+  for (int t = t_begin; t < n_kt; ++t) {
+    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, t_begin, n_kt);
     const bf16_t* tk = sK + buf * kKvTileElems<D>;
     const bf16_t* tv = sV + buf * kKvTileElems<D>;
 
@@ -235,16 +262,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
     mma_abt<D / 16, 8>(s, sQ, warp * 16, tk, 0, P);
 
     const int k0 = t * kTile;
-    const bool edge = k0 + kTile > p.kv_seq || (p.causal && k0 + kTile - 1 > p.q_offset + q0 + warp * 16);
+    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float x = s[j][c] * scale2;
-        if (edge) {
-          const int key = k0 + 8 * j + 2 * t4 + (c & 1);
-          if (key >= p.kv_seq || (p.causal && key > p.q_offset + row[c >> 1])) x = -kInf;
-        }
+        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1])) x = -kInf;
         s[j][c] = x;
       }
 #pragma unroll
@@ -347,9 +371,11 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
   const bf16_t* dout = p.dout + b * p.o_sb + h * D;
   const float* lse = p.lse + static_cast<int64_t>(blockIdx.y) * p.seq;
   const float* dvec = p.dvec + static_cast<int64_t>(blockIdx.y) * p.seq;
-  // The first query row that sees key k0 (causal); earlier tiles contribute nothing.
+  // The first query row that sees key k0 (causal) and, with a sliding window, the last
+  // one that sees key k0 + kTile - 1; the query tiles outside contribute nothing.
   const int first_q = p.causal ? max(0, k0 - p.q_offset) : 0;
-  const int qt_begin = first_q / BQ, n_qt = (p.seq + BQ - 1) / BQ;
+  const int last_q = p.causal && p.window > 0 ? min(p.seq - 1, k0 + kTile - 2 + p.window - p.q_offset) : p.seq - 1;
+  const int qt_begin = first_q / BQ, qt_end = last_q < first_q ? qt_begin : last_q / BQ + 1;
 
   auto load_q_tile = [&](int qt, int buf) {
     const int r0 = qt * BQ;
@@ -364,7 +390,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
 
   load_tile<D, kTile>(sK, k, p.kv_ss, k0, p.kv_seq);
   load_tile<D, kTile>(sV, v, p.kv_ss, k0, p.kv_seq);
-  if (qt_begin < n_qt) load_q_tile(qt_begin, 0);
+  if (qt_begin < qt_end) load_q_tile(qt_begin, 0);
   cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -376,9 +402,9 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk[j][c] = dv[j][c] = 0.0f;
 
-  for (int qt = qt_begin; qt < n_qt; ++qt) {
+  for (int qt = qt_begin; qt < qt_end; ++qt) {
     const int buf = (qt - qt_begin) & 1;
-    if (qt + 1 < n_qt) {
+    if (qt + 1 < qt_end) {
       load_q_tile(qt + 1, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
@@ -400,14 +426,17 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
     mma_abt<D / 16, BQ / 8>(dpt, sV, warp * 16, to, 0, P);  // dP^T
 
     const int i0 = qt * BQ;
-    const bool edge = p.causal && k0 + warp * 16 + 15 > p.q_offset + i0;
+    // Some of the warp's 16 keys after the tile's first query (the causal diagonal) or,
+    // with a window, before the last query's first key (its lower edge).
+    const bool edge = p.causal && (k0 + warp * 16 + 15 > p.q_offset + i0 ||
+                                   (p.window > 0 && k0 + warp * 16 <= p.q_offset + i0 + BQ - 1 - p.window));
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int col = 8 * j + 2 * t4 + (c & 1);
         float pt = exp2f(st[j][c] * scale2 - tl[col]);
-        if (edge && key[c >> 1] > p.q_offset + i0 + col) pt = 0.0f;
+        if (edge && !key_visible(p, key[c >> 1], i0 + col)) pt = 0.0f;
         st[j][c] = pt;
         dpt[j][c] = pt * (dpt[j][c] - td[col]);
       }
@@ -468,11 +497,12 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
   const bf16_t* dout = p.dout + b * p.o_sb + h * D;
   const int kv_end = p.causal ? min(p.kv_seq, p.q_offset + q0 + kTile) : p.kv_seq;
   const int n_kt = (kv_end + kTile - 1) / kTile;
+  const int t_begin = first_key_tile(p, q0);
 
   load_tile<D, kTile>(sQ, q, p.q_ss, q0, p.seq);
   load_tile<D, kTile>(sO, dout, p.o_ss, q0, p.seq);
-  load_tile<D, kTile>(sK, k, p.kv_ss, 0, p.kv_seq);
-  load_tile<D, kTile>(sV, v, p.kv_ss, 0, p.kv_seq);
+  load_tile<D, kTile>(sK, k, p.kv_ss, t_begin * kTile, p.kv_seq);
+  load_tile<D, kTile>(sV, v, p.kv_ss, t_begin * kTile, p.kv_seq);
   cp_async_commit();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -490,8 +520,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.0f;
 
-  for (int t = 0; t < n_kt; ++t) {
-    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, n_kt);
+  for (int t = t_begin; t < n_kt; ++t) {
+    const int buf = kv_tile_ready<D>(sK, sV, k, v, p, t, t_begin, n_kt);
     const bf16_t* tk = sK + buf * kKvTileElems<D>;
     const bf16_t* tv = sV + buf * kKvTileElems<D>;
 
@@ -504,16 +534,13 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
     mma_abt<D / 16, 8>(dp, sO, warp * 16, tv, 0, P);
 
     const int k0 = t * kTile;
-    const bool edge = k0 + kTile > p.kv_seq || (p.causal && k0 + kTile - 1 > p.q_offset + q0 + warp * 16);
+    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float pr = exp2f(s[j][c] * scale2 - lse2[c >> 1]);
-        if (edge) {
-          const int key = k0 + 8 * j + 2 * t4 + (c & 1);
-          if (key >= p.kv_seq || (p.causal && key > p.q_offset + row[c >> 1])) pr = 0.0f;
-        }
+        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1])) pr = 0.0f;
         dp[j][c] = pr * (dp[j][c] - dvec[c >> 1]);
       }
     mma_pb<4, D / 8>(dq, dp, tk, P);  // dQ += dS K (scaled at the end)

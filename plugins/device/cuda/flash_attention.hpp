@@ -38,6 +38,7 @@ struct FlashArgs {
   float scale;
   int causal;
   int accumulate_dkv;
+  int window;           // causal: keys (p - window, p] for the query at position p; 0: every earlier key
 };
 
 // Whether the fused kernels take this head size (64 and 128).

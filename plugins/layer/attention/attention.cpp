@@ -39,6 +39,12 @@
 // gradients of rounding noise only, which Adam scales up: layouts that sum in another
 // order drift apart there first.
 //
+// Sliding-window attention (sliding_window = W > 0; Mistral, Gemma's and GPT-OSS's
+// local layers): the token at position p attends to positions (p - W, p] only, a
+// mask the device op applies (ABI 1.21 window, key tiles outside skipped). Positions
+// are the whole sequence's, so context-parallel windows and the generation cache
+// (queries at P.. of the cached keys) slide the same window.
+//
 // Grouped-query attention (num_query_groups G < heads; 1 = multi-query; Ainslie et
 // al., 2023): the QKV weight holds Megatron-LM's layout, per group [its heads/G query
 // heads | one key head | one value head], so a tp rank's contiguous block of columns is
@@ -108,6 +114,7 @@ class Attention : public loom::Layer {
     if (rope_ && options.declared_string("rope_scaling") == "llama3")
       upload_rope_frequencies(rank.device(), llama3_frequencies(options));
     qk_norm_ = options.declared_bool("qk_norm");
+    window_ = options.declared_int("sliding_window");
     tp_group_ = loom::Group(args.tp);
     const bool bias = options.declared_bool("bias");
     const int64_t H = hidden_;
@@ -154,6 +161,11 @@ class Attention : public loom::Layer {
                       << "\" scales rotary embeddings, and position_embedding is \""
                       << options.declared_string("position_embedding") << "\"; set position_embedding = \"rope\" "
                       << "or rope_scaling = \"none\"");
+    if (options.declared_int("sliding_window") > 0)
+      LOOM_REQUIRE((device_features & LOOM_DEVICE_ATTENTION_SLIDING_WINDOW) != 0,
+                   name << ": sliding_window = " << options.declared_int("sliding_window")
+                        << " needs a device whose attention slides a window over the keys "
+                           "(LOOM_DEVICE_ATTENTION_SLIDING_WINDOW, ABI 1.21); rebuild the device plugin against ABI 1.21");
     if (rope && options.declared_string("rope_scaling") != "none")
       LOOM_REQUIRE((device_features & LOOM_DEVICE_ROPE_FREQUENCIES) != 0,
                    name << ": rope_scaling = \"" << options.declared_string("rope_scaling")
@@ -289,6 +301,7 @@ class Attention : public loom::Layer {
     at.dtype = dt_.act;
     at.q_offset = P;
     at.kv_seq = P + S;
+    at.window = window_;
     at.kv_stride_b = W;
     at.kv_stride_s = B * W;
     dev.attention_fwd(at);
@@ -797,6 +810,7 @@ class Attention : public loom::Layer {
     at.lse = s.mem.at(s.lse) + half * s.B * heads_local_ * at.seq;
     at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
     at.causal = 1;
+    at.window = window_;
     at.dtype = dt_.act;
     if (kv.gathered) {
       at.q_offset = cp_.chunk_start(cp_.rank(), half);
@@ -833,6 +847,7 @@ class Attention : public loom::Layer {
   PositionIds rope_positions_;
   size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
   bool qk_norm_ = false;
+  int64_t window_ = 0;    // sliding_window: the keys each query sees, itself included; 0: every earlier one
   loom::Group tp_group_;  // qk_norm: its gammas' gradients summed over tp (no sequence parallelism)
   size_t q_norm_w_ = kNone, q_norm_b_ = kNone, k_norm_w_ = kNone, k_norm_b_ = kNone;
   std::vector<void*> w_, g_;  // by parameter index
@@ -873,12 +888,18 @@ std::vector<loom::OptionSpec> attention_options() {
       loom::opt_bool("qk_norm", false,
                      "normalise each head's q and k with the layer's norm over head_dim, one learned gamma for the "
                      "query heads and one for the key heads, before the rotation (Megatron-LM's --qk-layernorm; "
-                     "Qwen3, OLMo 2)")};
+                     "Qwen3, OLMo 2)"),
+      loom::opt_int("sliding_window", 0,
+                    "sliding-window attention: each token attends to itself and the sliding_window - 1 tokens before "
+                    "it (Mistral's and transformers' sliding_window; Megatron-LM's window_size = (sliding_window - 1, "
+                    "0)); 0 = every earlier token. Alternating local and global layers (Gemma, GPT-OSS) are two "
+                    "attention instances in model.block")
+          .in("[0, inf)")};
   for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
   return o;
 }
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.7.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation (tensor- and context-parallel)",
+    "attention", "1.7.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows (tensor- and context-parallel)",
     attention_options()))

@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 20
+#define LOOM_ABI_MINOR 21
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -354,6 +354,14 @@ typedef struct loom_attention_args {
   int64_t kv_seq, q_offset;
   int64_t kv_stride_b, kv_stride_s;
   int32_t accumulate_dkv;              /* backward: dk, dv += (else overwritten) */
+  /* --- since 1.21 (devices with LOOM_DEVICE_ATTENTION_SLIDING_WINDOW) --- */
+  int32_t pad0;                        /* 0 (1.20's tail padding) */
+  /* Sliding-window attention (Mistral's sliding_window; Megatron-LM's window_size =
+   * (window - 1, 0)): with causal, the query at position p = q_offset + i sees the
+   * keys j with p - window < j <= p, itself and the window - 1 before it. 0 (what a
+   * caller built before 1.21 passes) = every earlier key. Must be >= 0; > 0 only
+   * with causal. */
+  int64_t window;
 } loom_attention_args;
 
 /* Softmax cross-entropy over vocab slices, in three steps so a vocab-split run
@@ -801,6 +809,8 @@ typedef struct loom_device_api {
 #define LOOM_DEVICE_XENT_IN_PLACE (1ull << 7)
 /* rope_fwd / rope_bwd honour inv_freq (since 1.20). */
 #define LOOM_DEVICE_ROPE_FREQUENCIES (1ull << 8)
+/* attention_fwd / attention_bwd honour loom_attention_args.window (since 1.21). */
+#define LOOM_DEVICE_ATTENTION_SLIDING_WINDOW (1ull << 9)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
