@@ -97,7 +97,9 @@ TEST(Generation, CacheEqualsRecomputeGpt2Blocks) { check_cache_equals_recompute(
 // layer): run over the whole generated sequence, the model's argmax at each position
 // is the token greedy decoding chose after it.
 TEST(Generation, GreedyTokensAreTheEvaluationForwardsArgmax) {
-  for (const std::vector<std::string>& model : {std::vector<std::string>{}, kLlama}) {
+  std::vector<std::string> windowed = kLlama;
+  windowed.push_back("model.layer.attention.sliding_window=3");
+  for (const std::vector<std::string>& model : {std::vector<std::string>{}, kLlama, windowed}) {
     const Trained m = train_and_gather(model);
     const GenerationRequest req = greedy(20, true);
     const GenerationResult got = generate(m, {}, req);
@@ -128,6 +130,14 @@ TEST(Generation, CacheEqualsRecomputeWithQkNormAtTp2) {
   std::vector<std::string> qwen3 = kLlama;
   qwen3.push_back("model.layer.attention.qk_norm=true");
   check_cache_equals_recompute(qwen3, {"parallel.tp=2"});
+}
+
+// A sliding window shorter than the prompt: the cached keys it slid past are masked
+// as the whole sequence's forward masks them.
+TEST(Generation, CacheEqualsRecomputeWithASlidingWindowAtTp2) {
+  std::vector<std::string> mistral = kLlama;
+  mistral.push_back("model.layer.attention.sliding_window=4");
+  check_cache_equals_recompute(mistral, {"parallel.tp=2"});
 }
 
 // A checkpoint trained at tp 2 x dp 2 with SP generates at its own tensor layout and at

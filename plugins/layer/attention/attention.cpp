@@ -449,9 +449,10 @@ class Attention : public loom::Layer {
 
   // QKV 2*T*H*(its local columns) + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H
   // (causal counted as full), over this rank's T tokens (1/cp of them) against all S
-  // keys.
+  // keys, or the sliding window's W of them (a window counted as full too).
   double forward_flops() override {
-    const double T = static_cast<double>(cp_.local_length() * micro_batch_), S = static_cast<double>(seq_);
+    const double T = static_cast<double>(cp_.local_length() * micro_batch_);
+    const double S = static_cast<double>(window_ > 0 ? std::min(window_, seq_) : seq_);
     const double H = static_cast<double>(hidden_), Hl = static_cast<double>(hidden_local_);
     return 2.0 * T * H * static_cast<double>(qkv_local_) + 4.0 * T * S * Hl + 2.0 * T * Hl * H;
   }
