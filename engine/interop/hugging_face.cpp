@@ -120,6 +120,11 @@ struct Shape {
   // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
   // and Qwen3-MoE's.
   bool qk_norm = false;
+  // The attention's sliding_window (0: none). Llama's blocks with one are Mistral's;
+  // an imported Mistral's config says which of the two it is (Mistral's window may be
+  // none, or longer than the sequences).
+  int64_t window = 0;
+  bool mistral = false;
   int64_t groups = 0;
   double theta = 10000.0, eps = 1e-5;
   int64_t experts = 0, top_k = 0, expert_ffn = 0;  // the sparse MoE blocks
@@ -134,22 +139,28 @@ struct Shape {
   std::vector<std::string> attention, ffn;
   std::string architecture() const {
     if (gpt2) return "GPT2LMHeadModel";
-    if (llama) return qk_norm ? "Qwen3ForCausalLM" : "LlamaForCausalLM";
+    if (llama) return qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
     return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
   }
   std::string model_type() const {
-    return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
+    return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : mistral ? "mistral" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
   }
   bool qwen() const { return qk_norm; }
   // transformers' defaults, for a key a config.json leaves out.
   double default_eps() const { return llama || qk_norm ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
-    if (!qk_norm) return llama ? heads : 8;  // LlamaConfig: multi-head; MixtralConfig: 8
+    if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
     return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
   // Qwen3Config's head_dim is 128; the others have none (hidden / heads).
   int64_t default_head_dim(int64_t hidden, int64_t heads) const { return qk_norm && llama ? 128 : hidden / heads; }
+  // sliding_window when config.json leaves it out: MistralConfig's, Qwen3Config's and
+  // Qwen3MoeConfig's 4096 (used where the config says so), MixtralConfig's none.
+  nlohmann::json default_window() const { return mixtral && !qk_norm ? nlohmann::json() : nlohmann::json(4096); }
 };
+
+// A window reaching back over a whole sequence of seq_len tokens is no window there.
+int64_t effective_window(int64_t window, int64_t seq_len) { return window > 0 && window < seq_len ? window : 0; }
 
 Shape shape_of(const train::RunPlan& plan) {
   const manifest::RunConfig& c = plan.config;
@@ -199,6 +210,7 @@ Shape shape_of(const train::RunPlan& plan) {
   const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
   s.qk_norm = att["qk_norm"].value_or(false);
+  s.window = att["sliding_window"].value_or(int64_t{0});
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
   if (option_string(att, "rope_scaling", "none") == "llama3")
@@ -232,6 +244,10 @@ Shape shape_of(const train::RunPlan& plan) {
                         ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
                               " of " + std::to_string(c.model.num_heads) + " heads)"
                         : ""));
+  s.mistral = s.llama && !s.qk_norm && s.window > 0;
+  if (s.gpt2 && s.window > 0)
+    throw std::runtime_error("GPT-2's attention has no sliding window (sliding_window = " + std::to_string(s.window) +
+                             "); Llama's blocks with one are Mistral's");
   if (!s.llama3_rope.is_null() && (s.gpt2 || !rope))
     throw std::runtime_error("rope_scaling = \"llama3\" scales rotary embeddings, which these blocks do not use");
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
@@ -380,14 +396,22 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
                  {"torch_dtype", torch_dtype}};
     hf.config["attention_bias"] = false;
     if (!s.llama3_rope.is_null()) hf.config["rope_scaling"] = s.llama3_rope;
-    if (s.llama && !s.qwen()) hf.config["mlp_bias"] = false;
-    if (s.qwen()) hf.config["use_sliding_window"] = false;
+    if (s.llama && !s.qwen() && !s.mistral) hf.config["mlp_bias"] = false;
+    if (s.mistral || s.mixtral)
+      hf.config["sliding_window"] = s.window > 0 ? nlohmann::ordered_json(s.window) : nlohmann::ordered_json();
+    if (s.qwen()) {
+      // Every layer slides the window: from layer max_window_layers = 0 on.
+      hf.config["use_sliding_window"] = s.window > 0;
+      hf.config["sliding_window"] = s.window > 0 ? nlohmann::ordered_json(s.window) : nlohmann::ordered_json();
+      hf.config["max_window_layers"] = s.window > 0 ? 0 : Lyr;
+      hf.config["layer_types"] = nlohmann::ordered_json::array();
+      for (int64_t l = 0; l < Lyr; ++l) hf.config["layer_types"].push_back(s.window > 0 ? "sliding_attention" : "full_attention");
+    }
     if (s.mixtral) {
       hf.config[s.qwen() ? "num_experts" : "num_local_experts"] = s.experts;
       hf.config["num_experts_per_tok"] = s.top_k;
       hf.config["router_aux_loss_coef"] = s.aux;
       hf.config["output_router_logits"] = false;
-      hf.config["sliding_window"] = nullptr;
       if (s.qwen()) {
         hf.config["moe_intermediate_size"] = Fe;
         hf.config["norm_topk_prob"] = !s.pre_softmax;
@@ -401,6 +425,51 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
 }
 
 namespace {
+
+// The config's sliding window against the attention's sliding_window, as they act
+// on sequences of T tokens (a window of T or more is none): Mistral's and Mixtral's
+// whenever set; Qwen3-MoE's with use_sliding_window; Qwen3's with it, in the layers
+// layer_types says (by default those from max_window_layers on), which must be all
+// of them or none where it acts (loom's blocks repeat one attention).
+void require_window(const nlohmann::json& c, const Shape& s, int64_t layers, int64_t T, const std::string& where) {
+  if (s.qwen() && c.contains("use_sliding_window") && !c["use_sliding_window"].is_boolean())
+    throw std::runtime_error(where + ": use_sliding_window = " + c["use_sliding_window"].dump() +
+                             " is not true or false");
+  int64_t windowed = s.llama && !s.mistral && !s.qwen() ? 0 : layers;  // Llama has none
+  if (s.qwen() && !c.value("use_sliding_window", false)) windowed = 0;
+  if (windowed > 0 && s.qwen() && s.llama) {
+    if (c.contains("layer_types") && c["layer_types"].is_array()) {
+      windowed = 0;
+      for (const nlohmann::json& t : c["layer_types"]) windowed += t != "full_attention" ? 1 : 0;
+    } else {
+      const nlohmann::json first = c.value("max_window_layers", nlohmann::json(28));
+      if (!first.is_number_integer())
+        throw std::runtime_error(where + ": max_window_layers = " + first.dump() + " is not an integer");
+      windowed = std::clamp<int64_t>(layers - first.get<int64_t>(), 0, layers);
+    }
+  }
+  int64_t hf = 0;
+  if (windowed > 0) {
+    const nlohmann::json w = c.contains("sliding_window") ? c["sliding_window"] : s.default_window();
+    if (!w.is_null() && (!w.is_number_integer() || w.get<int64_t>() <= 0))
+      throw std::runtime_error(where + ": sliding_window = " + w.dump() + " is not a positive integer or null");
+    if (!w.is_null()) hf = effective_window(w.get<int64_t>(), T);
+    if (hf > 0 && windowed < layers)
+      throw std::runtime_error(where + ": " + std::to_string(windowed) + " of the " + std::to_string(layers) +
+                               " layers slide a window of " + std::to_string(hf) + " tokens and the others see "
+                               "every earlier token; loom's blocks repeat one attention (both kinds need two "
+                               "attention instances in model.block, which no Hugging Face import lays out)");
+  }
+  const int64_t own = effective_window(s.window, T);
+  if (hf != own)
+    throw std::runtime_error(
+        where + ": " +
+        (hf > 0 ? "attention slides a window of " + std::to_string(hf) + " tokens (sliding_window)"
+                : "attention sees every earlier token of model.seq_length = " + std::to_string(T)) +
+        ", and the model's " +
+        (own > 0 ? "a window of " + std::to_string(own) : std::string("every earlier one")) +
+        "; set model.layer.attention.sliding_window = " + std::to_string(hf));
+}
 
 std::string read_whole(const std::string& path) {
   std::string why;
@@ -687,7 +756,7 @@ void require_equal(int64_t hf, int64_t loom, const std::string& hf_key, const st
 }  // namespace
 
 train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan, int64_t vocab) {
-  const Shape s = shape_of(plan);  // what the model cannot be first: it needs no files
+  Shape s = shape_of(plan);  // what the model cannot be first: it needs no files
   const std::string where = (boost::filesystem::path(dir) / "config.json").string();
   nlohmann::json c;
   try {
@@ -700,6 +769,8 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       c["architectures"].size() != 1 || !c["architectures"][0].is_string())
     throw std::runtime_error(where + ": \"architectures\" must be a list of one class name");
   const std::string arch = c["architectures"][0].get<std::string>();
+  // Llama's blocks are Mistral's (its window, if any, is checked below).
+  if (s.llama && !s.qwen()) s.mistral = arch == "MistralForCausalLM";
   const std::string want_arch = s.architecture();
   if (arch != want_arch)
     throw std::runtime_error(where + ": architecture " + arch + ", but the manifest's blocks are " + want_arch + "'s");
@@ -807,29 +878,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + ": rope_theta = " + theta.dump() + (given ? "" : " (transformers' default)") +
                                " but the model's rotary_base is " + std::to_string(s.theta) +
                                "; set model.layer.attention.rotary_base to it");
-    // A sliding window: attention over at most that many earlier tokens (Mixtral's
-    // whenever set; Qwen3-MoE's with use_sliding_window; Qwen3's with it, in the layers
-    // layer_types says, by default those from max_window_layers on).
-    if (s.qwen() && c.contains("use_sliding_window") && !c["use_sliding_window"].is_boolean())
-      throw std::runtime_error(where + ": use_sliding_window = " + c["use_sliding_window"].dump() +
-                               " is not true or false");
-    bool window_used = !s.qwen() || c.value("use_sliding_window", false);
-    if (window_used && s.qwen() && s.llama) {
-      if (c.contains("layer_types") && c["layer_types"].is_array()) {
-        window_used = false;
-        for (const nlohmann::json& t : c["layer_types"]) window_used = window_used || t != "full_attention";
-      } else {
-        const nlohmann::json first = c.value("max_window_layers", nlohmann::json(28));
-        if (!first.is_number_integer())
-          throw std::runtime_error(where + ": max_window_layers = " + first.dump() + " is not an integer");
-        window_used = first.get<int64_t>() < L;
-      }
-    }
-    if (window_used && c.contains("sliding_window") && !c["sliding_window"].is_null() &&
-        (!c["sliding_window"].is_number_integer() || c["sliding_window"].get<int64_t>() < T))
-      throw std::runtime_error(where + ": sliding_window = " + c["sliding_window"].dump() +
-                               " limits attention to fewer tokens than model.seq_length = " + std::to_string(T) +
-                               "; loom's attention sees every earlier token");
+    require_window(c, s, L, T, where);
   }
   for (const char* k : {"n_embd", "n_layer", "n_head", "hidden_size", "num_hidden_layers", "num_attention_heads",
                         "intermediate_size", "vocab_size", "n_positions"})

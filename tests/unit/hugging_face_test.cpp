@@ -101,26 +101,43 @@ Vec layer_norm(const Vec& x, int64_t T, int64_t C, const Vec& g, const Vec* b, d
 }
 
 // Causal attention of q [T, H*D] over k, v [T, G*D]; query head h reads kv head h / (H / G).
-Vec attention(const Vec& q, const Vec& k, const Vec& v, int64_t T, int64_t H, int64_t G, int64_t D) {
+// With a sliding window W > 0 (masking_utils.py's sliding_window_overlay: kv_idx >
+// q_idx - W) query i sees keys i - W + 1 .. i.
+Vec attention(const Vec& q, const Vec& k, const Vec& v, int64_t T, int64_t H, int64_t G, int64_t D,
+              int64_t window = 0) {
   Vec y(static_cast<size_t>(T * H * D), 0.0);
   for (int64_t h = 0; h < H; ++h) {
     const int64_t kh = h / (H / G);
     for (int64_t i = 0; i < T; ++i) {
-      Vec s(static_cast<size_t>(i + 1));
+      const int64_t first = window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
+      Vec s(static_cast<size_t>(i + 1 - first));
       double mx = -1e300;
-      for (int64_t j = 0; j <= i; ++j) {
+      for (int64_t j = first; j <= i; ++j) {
         double d = 0;
         for (int64_t e = 0; e < D; ++e) d += q[i * H * D + h * D + e] * k[j * G * D + kh * D + e];
-        s[j] = d / std::sqrt(static_cast<double>(D));
-        mx = std::max(mx, s[j]);
+        s[j - first] = d / std::sqrt(static_cast<double>(D));
+        mx = std::max(mx, s[j - first]);
       }
       double z = 0;
       for (double& e : s) z += (e = std::exp(e - mx));
-      for (int64_t j = 0; j <= i; ++j)
-        for (int64_t e = 0; e < D; ++e) y[i * H * D + h * D + e] += s[j] / z * v[j * G * D + kh * D + e];
+      for (int64_t j = first; j <= i; ++j)
+        for (int64_t e = 0; e < D; ++e) y[i * H * D + h * D + e] += s[j - first] / z * v[j * G * D + kh * D + e];
     }
   }
   return y;
+}
+
+// The sliding window layer l's attention uses (0: none): Mistral's and Mixtral's
+// sliding_window; Qwen3's and Qwen3-MoE's with use_sliding_window, in the layers
+// layer_types marks sliding_attention.
+int64_t hf_window(const nlohmann::json& c, int64_t l) {
+  const std::string type = c["model_type"];
+  if (type == "mistral" || type == "mixtral")
+    return c.contains("sliding_window") && !c["sliding_window"].is_null() ? c["sliding_window"].get<int64_t>() : 0;
+  if ((type == "qwen3" || type == "qwen3_moe") && c.value("use_sliding_window", false) &&
+      c["layer_types"][static_cast<size_t>(l)] == "sliding_attention")
+    return c["sliding_window"];
+  return 0;
 }
 
 // The inverse frequencies of modeling_rope_utils.py: theta^(-2i/D), or with rope_scaling
@@ -168,7 +185,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
   // chosen gates renormalised only with norm_topk_prob.
   const bool qwen3_moe = c["model_type"] == "qwen3_moe", qwen = c["model_type"] == "qwen3" || qwen3_moe;
   const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
-             llama = c["model_type"] == "llama" || c["model_type"] == "qwen3" || mixtral;
+             llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" || mixtral;
   const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
   const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
   const int64_t H = llama ? c["num_attention_heads"].get<int64_t>() : c["n_head"].get<int64_t>();
@@ -197,7 +214,8 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       }
       rope(q, T, H, D, rope_frequencies(c, D));
       rope(k, T, G, D, rope_frequencies(c, D));
-      add(x, linear(attention(q, k, v, T, H, G, D), T, C, w.at(p + "self_attn.o_proj.weight"), C, true));
+      add(x, linear(attention(q, k, v, T, H, G, D, hf_window(c, l)), T, C, w.at(p + "self_attn.o_proj.weight"), C,
+                    true));
       const Vec m = layer_norm(x, T, C, w.at(p + "post_attention_layernorm.weight"), nullptr, eps, true);
       auto swiglu_mlp = [&](const Vec& in, const std::string& gate, const std::string& up, const std::string& down) {
         const Vec g = linear(in, T, C, w.at(gate), F, true);
@@ -520,6 +538,92 @@ TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
 TEST(HfImport, TwoPairsABlockRoundTripIsBitExact) { check_round_trip(two_pairs()); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
 TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
+
+// sliding_window: Llama's blocks with a window are Mistral's (MistralForCausalLM);
+// Mixtral, Qwen3 and Qwen3-MoE carry theirs (Qwen3's in every layer: max_window_layers
+// 0, layer_types all sliding_attention). A window of 5 over sequences of 16: the
+// transformers-style forward masks as masking_utils.py does.
+std::vector<std::string> windowed(std::vector<std::string> model) {
+  model.push_back("model.layer.attention.sliding_window=5");
+  return model;
+}
+TEST(HfExport, SlidingWindowsMatchLoomsLoss) {
+  check_export(windowed(llama()), "MistralForCausalLM");
+  check_export(windowed(mixtral()), "MixtralForCausalLM");
+  check_export(windowed(qwen3()), "Qwen3ForCausalLM");
+  check_export(windowed(qwen3_moe(false)), "Qwen3MoeForCausalLM");
+}
+
+// Read back bit for bit; a config whose window acts otherwise on model.seq_length
+// tokens is refused naming the setting; a Mistral without a window there (none, the
+// default 4096, or one as long as the sequence) is Llama's blocks.
+TEST(HfImport, SlidingWindowsRoundTripAndMustMatch) {
+  check_round_trip(windowed(llama()));
+  check_round_trip(windowed(qwen3()));
+  const std::string dir = scratch("sw"), out = scratch("sw-out");
+  loom::interop::export_hf(parallel_checkpoint(windowed(llama()), dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["sliding_window"], 5);
+  auto read = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json e = c;
+    edit(e);
+    std::ofstream(out + "/config.json") << e.dump();
+    try {
+      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), 13);
+    } catch (const std::exception& ex) {
+      return std::string(ex.what());
+    }
+    return std::string();
+  };
+  const auto same = [](nlohmann::json&) {};
+  EXPECT_EQ(read(windowed(llama()), same), "");
+  EXPECT_NE(read(llama(), same).find("attention slides a window of 5 tokens (sliding_window), and the model's every "
+                                     "earlier one; set model.layer.attention.sliding_window = 5"),
+            std::string::npos)
+      << read(llama(), same);
+  EXPECT_NE(read(windowed(llama()), [](nlohmann::json& e) { e["sliding_window"] = 7; })
+                .find("set model.layer.attention.sliding_window = 7"),
+            std::string::npos);
+  for (const nlohmann::json& none : {nlohmann::json(), nlohmann::json(16), nlohmann::json(4096)}) {
+    EXPECT_EQ(read(llama(), [&](nlohmann::json& e) { e["sliding_window"] = none; }), "") << none.dump();
+    EXPECT_NE(read(windowed(llama()), [&](nlohmann::json& e) { e["sliding_window"] = none; })
+                  .find("attention sees every earlier token of model.seq_length = 16, and the model's a window of 5"),
+              std::string::npos)
+        << none.dump();
+  }
+  EXPECT_EQ(read(llama(), [](nlohmann::json& e) { e.erase("sliding_window"); }), "") << "MistralConfig's 4096";
+  EXPECT_NE(read(windowed(llama()), [](nlohmann::json& e) { e["sliding_window"] = 0; })
+                .find("sliding_window = 0 is not a positive integer or null"),
+            std::string::npos);
+  // A Llama config has no window: the manifest's is refused.
+  EXPECT_NE(read(windowed(llama()),
+                 [](nlohmann::json& e) {
+                   e["architectures"] = {"LlamaForCausalLM"};
+                   e["model_type"] = "llama";
+                 })
+                .find("set model.layer.attention.sliding_window = 0"),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  // Qwen3 with windows in some layers only (max_window_layers, or layer_types).
+  const std::string qdir = scratch("swq"), qout = scratch("swq-out");
+  loom::interop::export_hf(parallel_checkpoint(windowed(qwen3()), qdir), qout, loom::plugins::registry());
+  std::ifstream(qout + "/config.json") >> c;
+  EXPECT_EQ(c["max_window_layers"], 0);
+  EXPECT_EQ(c["layer_types"].size(), 4u);
+  c.erase("layer_types");
+  c["max_window_layers"] = 2;
+  std::ofstream(qout + "/config.json") << c.dump();
+  try {
+    loom::interop::read_hf(qout, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(windowed(qwen3()))), 13);
+    ADD_FAILURE() << "windows in 2 of 4 layers must be refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("2 of the 4 layers slide a window of 5 tokens"), std::string::npos) << e.what();
+  }
+  fs::remove_all(qdir);
+  fs::remove_all(qout);
+}
 // Llama 3.1's scaled rotary embedding (rope_scaling of rope_type "llama3"): with theta
 // 100, original_max_position 64, low 1, high 4 the head's 4 pairs are kept, blended twice
 // and slowed.
@@ -797,8 +901,8 @@ TEST(HfImport, AbsentKeysAreTransformersDefaultsAndWeightsMustBeFinite) {
   EXPECT_NE(with_config([](nlohmann::json& c) { c["tie_word_embeddings"] = "false"; })
                 .second.find("tie_word_embeddings = \"false\" is not true or false"),
             std::string::npos);
-  EXPECT_NE(with_config([](nlohmann::json& c) { c["sliding_window"] = 4; }).second.find("sliding_window = 4"),
-            std::string::npos);
+  // LlamaForCausalLM reads no sliding_window (transformers' Llama attention has none).
+  EXPECT_EQ(with_config([](nlohmann::json& c) { c["sliding_window"] = 4; }).second, "");
   // transformers 5 keeps rope_theta in rope_parameters, some 4.x saves in rope_scaling
   // with the type "default"; any other type scales the frequencies.
   EXPECT_EQ(with_config([](nlohmann::json& c) {
@@ -900,8 +1004,9 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
                              c["sliding_window"] = 4;
                              c["use_sliding_window"] = true;
                              c["max_window_layers"] = 2;
+                             c.erase("layer_types");  // which would say instead
                            })
-                .find("sliding_window = 4"),
+                .find("2 of the 4 layers slide a window of 4 tokens"),
             std::string::npos);
   EXPECT_NE(config_refusal(qwen3(),
                            [](nlohmann::json& c) {
@@ -910,7 +1015,7 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
                              c["layer_types"] = {"full_attention", "sliding_attention", "full_attention",
                                                  "full_attention"};
                            })
-                .find("sliding_window = 4"),
+                .find("1 of the 4 layers slide a window of 4 tokens"),
             std::string::npos);
   EXPECT_NE(config_refusal(qwen3_moe(false),
                            [](nlohmann::json& c) {
