@@ -1127,6 +1127,7 @@ void start_channel_recv(Comm& c, void* stream, const loom_collective& col, cudaE
   LOOM_REQUIRE(col.peer >= 0 && col.peer < static_cast<int32_t>(c.ranks.size()) && col.peer != c.index,
                "comm/nccl recv: peer " << col.peer << " is not another rank of the group of " << c.ranks.size());
   const ncclDataType_t t = nccl_type(col.dtype, "recv");
+  LOOM_REQUIRE(col.count == 0 || col.recv != nullptr, "comm/nccl recv: buffer is NULL for " << col.count << " elements");
   Channel* ch = channel(c, false, col.peer, col.tag);
   if (ch == nullptr || col.count == 0 || is_host_memory(col.recv) || stream == nullptr)
     throw Error("comm/nccl: a receive " +
@@ -1153,10 +1154,11 @@ loom_status start(loom_comm* comm, void* stream, const loom_collective* col, loo
     auto r = std::make_unique<Started>();
     {
       GpuScope gpu(c, "start");
+      // Recorded only where the request's work is enqueued: an event never recorded
+      // is complete to cudaEventQuery and cudaStreamWaitEvent, so a request that
+      // finished in start (host buffers, count 0, a send without a stream) waits for
+      // nothing, not for the comm stream's unrelated started collectives.
       LOOM_NCCL_CUDA(&c, "start", cudaEventCreateWithFlags(&r->done, cudaEventDisableTiming));
-      // Recorded once here so that a wait on a collective that finished in start
-      // (host buffers, count 0) has a completed event to wait for.
-      LOOM_NCCL_CUDA(&c, "start", cudaEventRecord(r->done, c.stream));
     }
     struct Destroy {
       Started* s;
@@ -1333,6 +1335,7 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
     LOOM_REQUIRE(peer >= 0 && peer < static_cast<int32_t>(c.ranks.size()) && peer != c.index,
                  "comm/nccl send: peer " << peer << " is not another rank of the group of " << c.ranks.size());
     if (count == 0) return;
+    LOOM_REQUIRE(buf != nullptr, "comm/nccl send: buffer is NULL for " << count << " elements");
     const std::string what = describe("send", count, dtype) + " to " + std::to_string(peer);
     Channel* ch = channel(c, true, peer, tag);
     if (ch == nullptr) {
@@ -1359,9 +1362,13 @@ loom_status send(loom_comm* comm, void* stream, const void* buf, size_t count, i
       LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(ch->ready, caller));
       LOOM_NCCL_CUDA(&c, "send", cudaStreamWaitEvent(ch->stream, ch->ready, 0));
     } else {
+      // No stream: the buffer may be reused once this returns, so the copy must have
+      // run (the device is idle after the synchronize, so this waits for the copy only).
       LOOM_NCCL_CUDA(&c, "send", cudaDeviceSynchronize());
       LOOM_NCCL_CUDA(&c, "send", cudaMallocAsync(&copy, bytes, ch->stream));
       LOOM_NCCL_CUDA(&c, "send", cudaMemcpyAsync(copy, buf, bytes, cudaMemcpyDeviceToDevice, ch->stream));
+      LOOM_NCCL_CUDA(&c, "send", cudaEventRecord(ch->done, ch->stream));
+      host_wait(c, "send", ch->done);
     }
     try {
       LOOM_NCCL_ON(c, ch->nccl, "send", ncclSend(copy, count, t, 1, ch->nccl, ch->stream));
@@ -1395,6 +1402,7 @@ loom_status recv(loom_comm* comm, void* stream, void* buf, size_t count, int32_t
     LOOM_REQUIRE(peer >= 0 && peer < static_cast<int32_t>(c.ranks.size()) && peer != c.index,
                  "comm/nccl recv: peer " << peer << " is not another rank of the group of " << c.ranks.size());
     if (count == 0) return;
+    LOOM_REQUIRE(buf != nullptr, "comm/nccl recv: buffer is NULL for " << count << " elements");
     const std::string what = describe("recv", count, dtype) + " from " + std::to_string(peer);
     Channel* ch = channel(c, false, peer, tag);
     if (ch == nullptr) {
