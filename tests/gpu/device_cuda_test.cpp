@@ -804,9 +804,11 @@ TEST(DeviceCuda, RopeMatchesCpu) {
 // plain [B, S, H, D] one; causal and not.
 // ---------------------------------------------------------------------------
 
+// key_start: documents, ABI 1.22 ([B * S] query rows' first keys; empty: none).
 void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S, int64_t H, int64_t D, uint32_t seed,
-                     toml::table gpu_options = {}, int64_t window = 0) {
+                     toml::table gpu_options = {}, int64_t window = 0, const std::vector<int32_t>& key_start = {}) {
   Env env(std::move(gpu_options));
+  Raw<int32_t> starts(env, key_start.empty() ? std::vector<int32_t>(1, 0) : key_start);
   const int64_t W = H * D;
   const int64_t qs_s = packed ? B * 3 * W : W, qs_b = packed ? 3 * W : S * W;
   const int64_t os_s = packed ? B * W : W, os_b = packed ? W : S * W;
@@ -840,13 +842,16 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
     a.scale = 1.0f / std::sqrt(static_cast<float>(D));
     a.causal = causal ? 1 : 0;
     a.window = window;
+    a.key_start = key_start.empty() ? nullptr : gpu ? starts.g() : starts.c();
     a.dtype = gpu ? dt : F32;
     return a;
   };
   both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
   std::ostringstream tag;
   tag << (dt == BF16 ? "bf16" : "f32") << (packed ? " packed" : " plain") << (causal ? " causal" : "") << " B=" << B
-      << " S=" << S << " H=" << H << " D=" << D << " sliding window " << window;
+      << " S=" << S << " H=" << H << " D=" << D;
+  if (window > 0) tag << " sliding window " << window;
+  if (!key_start.empty()) tag << " documents";
   out.expect_match("attention_fwd out " + tag.str());
   lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
   both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
@@ -856,8 +861,10 @@ void check_attention(int32_t dt, bool packed, bool causal, int64_t B, int64_t S,
 // ABI 1.6's query window (context parallelism): Sq queries [b, s, h, d] at
 // q_offset of Skv keys packed [s, b, k|v], dk and dv accumulated into what they hold.
 void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int64_t Skv, int64_t q_offset, int64_t H,
-                            int64_t D, uint32_t seed, toml::table gpu_options = {}, int64_t window = 0) {
+                            int64_t D, uint32_t seed, toml::table gpu_options = {}, int64_t window = 0,
+                            const std::vector<int32_t>& key_start = {}, bool accumulate_dkv = true) {
   Env env(std::move(gpu_options));
+  Raw<int32_t> starts(env, key_start.empty() ? std::vector<int32_t>(1, 0) : key_start);
   const int64_t W = H * D;
   Tensor q(env, randu(B * Sq * W, seed, -2, 2), dt), kv(env, randu(Skv * B * 2 * W, seed + 1, -2, 2), dt);
   Tensor out(env, B * Sq * W, dt), lse(env, B * H * Sq), dout(env, randu(B * Sq * W, seed + 2), dt);
@@ -887,22 +894,26 @@ void check_attention_window(int32_t dt, bool causal, int64_t B, int64_t Sq, int6
     a.dq = gpu ? dq.g() : dq.c();
     a.dk = dkvb;
     a.dv = dkvb + W * e;
-    a.accumulate_dkv = 1;
+    a.accumulate_dkv = accumulate_dkv ? 1 : 0;
     a.scale = 1.0f / std::sqrt(static_cast<float>(D));
     a.causal = causal ? 1 : 0;
     a.window = window;
+    a.key_start = key_start.empty() ? nullptr : gpu ? starts.g() : starts.c();
     a.dtype = gpu ? dt : F32;
     return a;
   };
   both<loom_attention_args>(env, &loom::Device::attention_fwd, build);
   std::ostringstream tag;
   tag << (dt == BF16 ? "bf16" : "f32") << (causal ? " causal" : "") << " window B=" << B << " Sq=" << Sq
-      << " Skv=" << Skv << " q_offset=" << q_offset << " H=" << H << " D=" << D << " sliding window " << window;
+      << " Skv=" << Skv << " q_offset=" << q_offset << " H=" << H << " D=" << D;
+  if (window > 0) tag << " sliding window " << window;
+  if (!key_start.empty()) tag << " documents";
+  if (!accumulate_dkv) tag << " dk|dv overwritten";
   out.expect_match("attention_fwd out " + tag.str());
   lse.expect_match("attention_fwd lse " + tag.str(), tol_of(dt));
   both<loom_attention_args>(env, &loom::Device::attention_bwd, build);
   dq.expect_match("attention_bwd dq " + tag.str());
-  dkv.expect_match("attention_bwd dk|dv (accumulated) " + tag.str());
+  dkv.expect_match("attention_bwd dk|dv " + tag.str());
 }
 
 TEST(DeviceCuda, AttentionWindowMatchesCpu) {
@@ -958,7 +969,7 @@ TEST(DeviceCuda, AttentionFusedBf16MatchesCpu) {
 TEST(DeviceCuda, SlidingWindowAttentionMatchesCpu) {
   REQUIRE_GPU();
   for (int64_t D : {64, 128})
-    for (int64_t window : {1, 17, 63, 64, 65, 150, 1000}) {
+    for (int64_t window : {1, 17, 63, 64, 65, 150, 199, 200, 1000}) {
       check_attention(BF16, true, true, 2, 200, 3, D, 100, {}, window);
       check_attention(BF16, false, true, 1, 130, 2, D, 101, {}, window);
     }
@@ -966,6 +977,8 @@ TEST(DeviceCuda, SlidingWindowAttentionMatchesCpu) {
     check_attention_window(BF16, true, 2, 100, 300, 150, 2, D, 102, {}, 40);
     check_attention_window(BF16, true, 1, 64, 256, 192, 2, D, 103, {}, 100);
     check_attention_window(BF16, true, 1, 64, 256, 0, 1, D, 104, {}, 30);
+    check_attention_window(BF16, true, 1, 100, 300, 150, 2, D, 110, {}, 40, {}, false);  // skipped keys: dk, dv = 0
+    check_attention_window(BF16, true, 2, 100, 300, 150, 2, D, 111, {}, 249);           // the largest kept window
   }
   check_attention(F32, true, true, 2, 70, 3, 16, 105, {}, 9);
   check_attention(F32, false, true, 1, 130, 2, 32, 106, {}, 64);
@@ -973,6 +986,44 @@ TEST(DeviceCuda, SlidingWindowAttentionMatchesCpu) {
   const toml::table unfused{{"fused_attention", false}};
   check_attention(BF16, true, true, 2, 70, 3, 64, 108, unfused, 33);
   check_attention_window(BF16, true, 2, 35, 140, 105, 3, 128, 109, unfused, 50);
+}
+
+// The first key of each query's document, for B sequences of S positions whose
+// documents end at `ends` (per batch element).
+std::vector<int32_t> document_starts(int64_t B, int64_t S, const std::vector<std::vector<int64_t>>& ends,
+                                     int64_t q_offset = 0, int64_t rows = -1) {
+  std::vector<int32_t> out;
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t start = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      if (i >= q_offset && (rows < 0 || i < q_offset + rows)) out.push_back(start);
+      for (int64_t e : ends[static_cast<size_t>(b)]) start = e == i ? static_cast<int32_t>(i + 1) : start;
+    }
+  }
+  return out;
+}
+
+// ABI 1.22 documents (key_start): the fused kernels (documents of one token, ending
+// inside, at and across the 64-row tiles; a sequence of one document; with a sliding
+// window too, the later bound holding), under query windows at an offset (dk and dv
+// accumulated, and overwritten where no query reaches the keys), and the unfused
+// softmax kernels.
+TEST(DeviceCuda, DocumentMaskedAttentionMatchesCpu) {
+  REQUIRE_GPU();
+  const std::vector<std::vector<int64_t>> ends = {{0, 1, 40, 63, 64, 127, 128, 170}, {}};
+  for (int64_t D : {64, 128}) {
+    check_attention(BF16, true, true, 2, 200, 3, D, 120, {}, 0, document_starts(2, 200, ends));
+    check_attention(BF16, false, true, 2, 200, 2, D, 121, {}, 30, document_starts(2, 200, ends));
+    check_attention_window(BF16, true, 2, 100, 300, 150, 2, D, 122, {}, 0,
+                           document_starts(2, 300, {{10, 149, 160, 200}, {260}}, 150, 100));
+    check_attention_window(BF16, true, 1, 100, 300, 150, 2, D, 123, {}, 0, document_starts(1, 300, {{149}}, 150, 100),
+                           false);
+  }
+  check_attention(F32, true, true, 2, 200, 3, 16, 124, {}, 0, document_starts(2, 200, ends));
+  check_attention_window(F32, true, 2, 35, 140, 70, 3, 16, 125, {}, 9,
+                         document_starts(2, 140, {{69, 80}, {100}}, 70, 35));
+  const toml::table unfused{{"fused_attention", false}};
+  check_attention(BF16, true, true, 2, 200, 3, 64, 126, unfused, 0, document_starts(2, 200, ends));
 }
 
 // No atomics in the fused backward: the same inputs give the same bits.

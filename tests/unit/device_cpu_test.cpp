@@ -1121,12 +1121,15 @@ struct AttnRef {
   bool causal;
   double scale;
   int64_t window = 0;  // causal: query i sees keys (i - window, i]; 0: every earlier one
+  std::vector<int32_t> key_start{};  // causal, [B * S] or empty: query (b, i) sees keys from key_start[b * S + i]
+  const int32_t* key_start_or_null() const { return key_start.empty() ? nullptr : key_start.data(); }
   size_t idx(int64_t b, int64_t s, int64_t h, int64_t d) const {
     return static_cast<size_t>(((b * S + s) * H + h) * D + d);
   }
   Vec probs(const Vec& q, const Vec& k, int64_t b, int64_t h, int64_t i, double* lse) const {
     const int64_t valid = causal ? i + 1 : S;
-    const int64_t first = causal && window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
+    int64_t first = causal && window > 0 ? std::max<int64_t>(0, i - window + 1) : 0;
+    if (causal && !key_start.empty()) first = std::max<int64_t>(first, key_start[static_cast<size_t>(b * S + i)]);
     Vec p(static_cast<size_t>(S), 0.0);
     double m = -1e300;
     for (int64_t j = first; j < valid; ++j) {
@@ -1267,6 +1270,7 @@ AttnRun run_attention(const Dev& d, const AttnRef& ref, bool packed, const Vec& 
   a.scale = static_cast<float>(ref.scale);
   a.causal = ref.causal ? 1 : 0;
   a.window = ref.window;
+  a.key_start = ref.key_start_or_null();
   d.ops().attention_fwd(a);
   a.dout = dO.data();
   a.dq = dQKV.data();
@@ -2817,6 +2821,7 @@ AttnIo run_attention_dt(const Dev& d, const AttnRef& ref, bool packed, int32_t d
   a.scale = static_cast<float>(ref.scale);
   a.causal = ref.causal ? 1 : 0;
   a.window = ref.window;
+  a.key_start = ref.key_start_or_null();
   a.dtype = dt;
   d.ops().attention_fwd(a);
   AttnIo r;
@@ -2946,7 +2951,11 @@ AttnIo run_attention_windows(const Dev& d, const AttnRef& ref, int32_t dt, const
     a.lse = LSE.data();
     a.scale = static_cast<float>(ref.scale);
     a.causal = ref.causal ? 1 : 0;
-  a.window = ref.window;
+    a.window = ref.window;
+    std::vector<int32_t> key_start;  // the window's queries' rows of the reference's [B, S]
+    for (int64_t b = 0; b < B && !ref.key_start.empty(); ++b)
+      for (int64_t i = 0; i < w.length; ++i) key_start.push_back(ref.key_start[static_cast<size_t>(b * S + w.offset + i)]);
+    a.key_start = key_start.empty() ? nullptr : key_start.data();
     a.dtype = dt;
     d.ops().attention_fwd(a);
     a.dout = off(dO.data(), w.offset * W);
@@ -3088,6 +3097,100 @@ TEST(DeviceCpu, SlidingWindowAttentionMatchesTheReference) {
           expect_close(r.dk, dk, 2e-5, 1e-4, "dk" + tag);
           expect_close(r.dv, dv, 2e-5, 1e-4, "dv" + tag);
         }
+  }
+}
+
+// ABI 1.22 documents: query i of batch element b sees keys from key_start[b * S + i]
+// (its document's first position) on, alone and with a sliding window (the later
+// bound), against the double-precision reference; documents of 1 token, ones ending
+// inside and across 64-row blocks, a batch element of one document; over
+// context-parallel query windows too; contents that break the contract are refused.
+std::vector<int32_t> document_starts(int64_t B, int64_t S, const std::vector<std::vector<int64_t>>& ends) {
+  std::vector<int32_t> ks;
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t start = 0;
+    for (int64_t i = 0; i < S; ++i) {
+      ks.push_back(start);
+      if (std::find(ends[b].begin(), ends[b].end(), i) != ends[b].end()) start = static_cast<int32_t>(i + 1);
+    }
+  }
+  return ks;
+}
+
+TEST(DeviceCpu, DocumentMaskedAttentionMatchesTheReference) {
+  const int64_t S = 150;
+  // b 0: documents ending at 0 (one token), 1, 40, 63, 64 and 129; b 1: one document.
+  const std::vector<int32_t> ks = document_starts(2, S, {{0, 1, 40, 63, 64, 129}, {}});
+  {
+    AttnRef ref{2, 9, 2, 3, true, 0.7, 0, document_starts(2, 9, {{2, 3}, {5}})};
+    const size_t n = static_cast<size_t>(2 * 9 * 2 * 3);
+    Vec q = to_d(randn(n, 94)), k = to_d(randn(n, 95)), v = to_d(randn(n, 96)), w = to_d(randn(n, 97));
+    Vec dq, dk, dv;
+    ref.backward(q, k, v, w, dq, dk, dv);
+    auto loss = [&] {
+      Vec out, lse;
+      ref.forward(q, k, v, out, lse);
+      return dot(out, w);
+    };
+    expect_fd(q, loss, dq, "document-masked reference dq");
+    expect_fd(k, loss, dk, "document-masked reference dk");
+    expect_fd(v, loss, dv, "document-masked reference dv");
+  }
+  Dev plain(1);
+  ASSERT_NE(plain.api()->features & LOOM_DEVICE_ATTENTION_KEY_START, 0u);
+  const size_t n = static_cast<size_t>(2 * S * 3 * 8);
+  const Vec q = to_d(randn(n, 98, -2, 2)), k = to_d(randn(n, 99, -2, 2)), v = to_d(randn(n, 100)),
+            dout = to_d(randn(n, 101));
+  for (int64_t window : {0, 20}) {
+    AttnRef ref{2, S, 3, 8, true, 1.0 / std::sqrt(8.0), window, ks};
+    Vec out, lse, dq, dk, dv;
+    ref.forward(q, k, v, out, lse);
+    ref.backward(q, k, v, dout, dq, dk, dv);
+    for (bool packed : {true, false})
+      for (int threads : {1, 2}) {
+        const std::string tag = " window " + std::to_string(window) + (packed ? " packed" : " bshd") + " threads " +
+                                std::to_string(threads);
+        Dev d(threads);
+        const AttnRun r = run_attention(d, ref, packed, q, k, v, dout);
+        expect_close(r.out, out, 1e-5, 1e-4, "out" + tag);
+        expect_close(r.lse, lse, 1e-5, 1e-5, "lse" + tag);
+        expect_close(r.dq, dq, 2e-5, 1e-4, "dq" + tag);
+        expect_close(r.dk, dk, 2e-5, 1e-4, "dk" + tag);
+        expect_close(r.dv, dv, 2e-5, 1e-4, "dv" + tag);
+      }
+  }
+  // Over cp windows (4 chunks of 35), fp32 and bf16.
+  const int64_t c = 35;
+  AttnRef cp{2, 4 * c, 3, 8, true, 1.0 / std::sqrt(8.0), 0, document_starts(2, 4 * c, {{10, 34, 35, 90}, {70}})};
+  const size_t m = static_cast<size_t>(cp.B * cp.S * cp.H * cp.D);
+  const std::vector<float> qf = rounded(randn(m, 102, -2, 2)), kf = rounded(randn(m, 103, -2, 2)),
+                           vf = rounded(randn(m, 104)), df = rounded(randn(m, 105));
+  Vec out, lse, dq, dk, dv;
+  cp.forward(to_d(qf), to_d(kf), to_d(vf), out, lse);
+  cp.backward(to_d(qf), to_d(kf), to_d(vf), to_d(df), dq, dk, dv);
+  const std::vector<AttnWindow> windows = {{0, c, 0}, {3 * c, c, 0}, {c, c, 7}, {2 * c, c, 4 * c}};
+  const AttnIo f = run_attention_windows(plain, cp, LOOM_DTYPE_F32, qf, kf, vf, df, windows);
+  expect_close(f.out, out, 1e-5, 1e-4, "cp out");
+  expect_close(f.dq, dq, 2e-5, 1e-4, "cp dq");
+  expect_close(f.dk, dk, 2e-5, 1e-4, "cp dk");
+  expect_close(f.dv, dv, 2e-5, 1e-4, "cp dv");
+  const AttnIo hw = run_attention_windows(plain, cp, LOOM_DTYPE_BF16, qf, kf, vf, df, windows);
+  const AttnIo h = run_attention_dt(plain, cp, false, LOOM_DTYPE_BF16, qf, kf, vf, df, nullptr);
+  expect_close(hw.out, to_d(h.out), 1e-2, 1e-2, "bf16 cp out");
+  expect_close(hw.dk, to_d(h.dk), 1e-2, 1e-2, "bf16 cp dk");
+  // Starts that move back, or past the query itself, are refused naming the row.
+  for (const std::pair<int64_t, int32_t>& bad : {std::pair<int64_t, int32_t>{42, 2}, {5, 6}}) {
+    AttnRef ref{2, S, 3, 8, true, 1.0, 0, ks};
+    ref.key_start[static_cast<size_t>(bad.first)] = bad.second;
+    try {
+      run_attention(plain, ref, true, q, k, v, dout);
+      ADD_FAILURE() << "key_start[" << bad.first << "] = " << bad.second << " must be refused";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("key_start[0 * seq + " + std::to_string(bad.first) + "] = " +
+                                           std::to_string(bad.second)),
+                std::string::npos)
+          << e.what();
+    }
   }
 }
 

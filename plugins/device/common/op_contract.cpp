@@ -181,6 +181,8 @@ void check(const char* device, const loom_attention_args& args, bool backward) {
   LOOM_REQUIRE(a.window >= 0, op << ": window must be >= 0 (got " << a.window << "; 0 = every earlier key)");
   LOOM_REQUIRE(a.window == 0 || a.causal,
                op << ": window = " << a.window << " slides over the earlier keys of causal attention; causal is 0");
+  LOOM_REQUIRE(a.key_start == nullptr || a.causal,
+               op << ": key_start bounds the earlier keys of causal attention (documents); causal is 0");
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
   LOOM_REQUIRE(!a.causal || a.q_offset + a.seq <= a.kv_seq,
                op << ": the query window [q_offset, q_offset + seq) = [" << a.q_offset << ", " << a.q_offset + a.seq

@@ -8,8 +8,10 @@
 // With ABI 1.6's query window (context parallelism) the queries sit at positions
 // q_offset.. of a longer key sequence: the block then needs keys [0, q_offset + i1).
 // With ABI 1.21's sliding window, row i sees keys (q_offset + i - window, q_offset + i],
-// so the block starts at the first key its first row sees: the rows' products cover
-// keys [k0, k1), and each row's columns before its own first key are masked.
+// and with ABI 1.22's key_start (documents) keys from key_start[i] on: the later bound,
+// non-decreasing in i, so the block starts at the first key its first row sees, the
+// rows' products cover keys [k0, k1), and each row's columns before its own first key
+// are masked.
 //
 // Forward:  S = scale Q K^T, P = softmax(S) (masked), O = P V, lse = max + log(sum).
 // Backward: P = exp(scale Q K^T - lse) recomputed; D = rowsum(dO o O);
@@ -30,22 +32,30 @@ struct Layout {
   int64_t qs_b, qs_s, ks_b, ks_s, os_b, os_s;
   int64_t blocks;  // query row blocks per (batch, head)
   bool causal;
-  int64_t window;  // 0: every earlier key
-  // Keys [first_key(i0), end_key(i1)) cover query block [i0, i1); row i (0-based in the
-  // block) sees [row_start(i0, i), row_end(i0, i)) of them, counted from first_key(i0).
-  int64_t end_key(int64_t i1) const { return causal ? q_off + i1 : kv; }
-  int64_t first_key(int64_t i0) const { return window > 0 ? std::max<int64_t>(0, q_off + i0 - window + 1) : 0; }
-  int64_t row_end(int64_t i0, int64_t i) const { return (causal ? q_off + i0 + i + 1 : kv) - first_key(i0); }
-  int64_t row_start(int64_t i0, int64_t i) const {
-    return window > 0 ? std::max<int64_t>(0, q_off + i0 + i - window + 1) - first_key(i0) : 0;
+  int64_t window;             // 0: every earlier key
+  const int32_t* key_start;   // [batch, seq], or NULL: 0
+  // The first key query i of batch element b sees (causal: the later of the window's
+  // and its document's start; non-decreasing in i).
+  int64_t first_seen(int64_t b, int64_t i) const {
+    if (!causal) return 0;
+    const int64_t w = window > 0 ? std::max<int64_t>(0, q_off + i - window + 1) : 0;
+    return key_start ? std::max<int64_t>(w, key_start[b * seq + i]) : w;
   }
+  // Keys [first_key(b, i0), end_key(i1)) cover query block [i0, i1); row i (0-based in
+  // the block) sees [row_start, row_end) of them, counted from first_key(b, i0).
+  int64_t end_key(int64_t i1) const { return causal ? q_off + i1 : kv; }
+  int64_t first_key(int64_t b, int64_t i0) const { return first_seen(b, i0); }
+  int64_t row_end(int64_t b, int64_t i0, int64_t i) const {
+    return (causal ? q_off + i0 + i + 1 : kv) - first_key(b, i0);
+  }
+  int64_t row_start(int64_t b, int64_t i0, int64_t i) const { return first_seen(b, i0 + i) - first_key(b, i0); }
 };
 
 // `a` resolved (op_contract::resolved): kv_seq, q_offset and the kv strides are set.
 Layout layout_of(const loom_attention_args& a) {
   return Layout{a.seq,          a.kv_seq,       a.q_offset,     a.heads,        a.head_dim,
                 a.qkv_stride_b, a.qkv_stride_s, a.kv_stride_b,  a.kv_stride_s,  a.out_stride_b,
-                a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows, a.causal != 0, a.window};
+                a.out_stride_s, (a.seq + kBlockRows - 1) / kBlockRows, a.causal != 0, a.window, a.key_start};
 }
 
 // Row i's probabilities over the columns [start, end) of a block's nk; the columns
@@ -62,7 +72,7 @@ inline float* F(void* p) { return static_cast<float*>(p); }
 void forward_block(const Device& d, const loom_attention_args& a, const Layout& L, int64_t b, int64_t h, int64_t blk) {
   const int64_t S = L.seq, D = L.hd;
   const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-  const int64_t k0 = L.first_key(i0), nk = L.end_key(i1) - k0;
+  const int64_t k0 = L.first_key(b, i0), nk = L.end_key(i1) - k0;
   const float* q = F(a.q) + b * L.qs_b + h * D;
   const float* k = F(a.k) + b * L.ks_b + h * D + k0 * L.ks_s;
   const float* v = F(a.v) + b * L.ks_b + h * D + k0 * L.ks_s;
@@ -74,7 +84,7 @@ void forward_block(const Device& d, const loom_attention_args& a, const Layout& 
   float* P = scratch.data();
   d.gemm1(false, true, nr, nk, D, a.scale, q + i0 * L.qs_s, L.qs_s, k, L.ks_s, 0.0f, P, nk);
   for (int64_t i = 0; i < nr; ++i) {
-    const float l = softmax_columns(d, P + i * nk, L.row_start(i0, i), L.row_end(i0, i), nk);
+    const float l = softmax_columns(d, P + i * nk, L.row_start(b, i0, i), L.row_end(b, i0, i), nk);
     if (lse) lse[i0 + i] = l;
   }
   d.gemm1(false, false, nr, D, nk, 1.0f, P, nk, v, L.ks_s, 0.0f, o + i0 * L.os_s, L.os_s);
@@ -102,7 +112,7 @@ void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int
   scratch.resize(static_cast<size_t>(2 * kBlockRows * L.kv + kBlockRows));
   for (int64_t blk = 0; blk < L.blocks; ++blk) {
     const int64_t i0 = blk * kBlockRows, i1 = std::min(S, i0 + kBlockRows), nr = i1 - i0;
-    const int64_t k0 = L.first_key(i0), nk = L.end_key(i1) - k0;
+    const int64_t k0 = L.first_key(b, i0), nk = L.end_key(i1) - k0;
     const float* kb = k + k0 * lk;
     const float* vb = v + k0 * lk;
     float* P = scratch.data();
@@ -113,9 +123,9 @@ void backward_head(Device& d, const loom_attention_args& a, const Layout& L, int
     d.gemm(false, true, nr, nk, D, a.scale, qb, ld, 0, kb, lk, 0, 0.0f, P, nk, 0, 1, parallel_gemm);
     for (int64_t i = 0; i < nr; ++i) {
       float* row = P + i * nk;
-      const int64_t start = L.row_start(i0, i);
+      const int64_t start = L.row_start(b, i0, i);
       for (int64_t j = 0; j < start; ++j) row[j] = 0.0f;
-      d.k->exp_shift_row(row + start, L.row_end(i0, i) - start, nk - start, lse[i0 + i]);
+      d.k->exp_shift_row(row + start, L.row_end(b, i0, i) - start, nk - start, lse[i0 + i]);
       Dv[i] = d.k->dot(o + (i0 + i) * lo, dob + i * lo, D);
     }
     // dV[k0:k0+nk] += P^T dO
@@ -138,6 +148,17 @@ void validate_attention(const loom_attention_args& a, bool backward) {
   const loom_attention_args r = op_contract::resolved(a);
   LOOM_REQUIRE(r.qkv_stride_s <= INT_MAX && r.kv_stride_s <= INT_MAX && r.out_stride_s <= INT_MAX && r.kv_seq <= INT_MAX,
                (backward ? "attention_bwd" : "attention_fwd") << ": strides must fit in 32 bits (BLAS interface)");
+  // key_start is host memory here: each query's first key must be its own or earlier,
+  // and never move back (what lets a block start at its first row's).
+  for (int64_t b = 0; r.key_start != nullptr && b < r.batch; ++b)
+    for (int64_t i = 0; i < r.seq; ++i) {
+      const int32_t k = r.key_start[b * r.seq + i];
+      LOOM_REQUIRE(k >= 0 && k <= r.q_offset + i && (i == 0 || k >= r.key_start[b * r.seq + i - 1]),
+                   (backward ? "attention_bwd" : "attention_fwd")
+                       << ": key_start[" << b << " * seq + " << i << "] = " << k
+                       << " must lie in [key_start of the query before, q_offset + " << i << " = " << r.q_offset + i
+                       << "] (non-decreasing, each query seeing itself)");
+    }
 }
 
 namespace {
@@ -179,6 +200,7 @@ struct Bf16Attention {
     f.v = v;
     f.out = out;
     f.lse = a.lse ? a.lse + b * a.heads * S : nullptr;
+    f.key_start = a.key_start ? a.key_start + b * S : nullptr;
     return f;
   }
 };

@@ -6,10 +6,13 @@
 // tile while the current one is used. Shared-memory rows are padded by 16 bytes so
 // that the 8 rows one ldmatrix reads fall in distinct banks.
 //
-// With a sliding window (FlashArgs.window > 0) the query at position p sees keys
-// (p - window, p]: the forward and dQ kernels start at the first key tile the tile's
-// first row sees, the dK/dV kernel stops after the last query tile that sees its keys,
-// and the tiles the window's lower edge crosses are masked like the causal diagonal.
+// Causal rows may also start later than key 0: a sliding window (FlashArgs.window > 0:
+// the query at position p sees keys (p - window, p]) and documents (key_start: the
+// first key of each query's document), the later bound holding. That first key is
+// non-decreasing over the rows, so the forward and dQ kernels start at the first key
+// tile the tile's first row sees, the dK/dV kernel stops after the last query tile
+// that sees its keys, and the tiles that lower edge crosses are masked like the
+// causal diagonal.
 //
 // Fragment layouts are those of mma.m16n8k16 (PTX ISA, "Matrix fragments for
 // mma.m16n8k16"): lane = 4 * g + t; an accumulator tile 16x8 holds (g, 2t..2t+1) in
@@ -189,24 +192,28 @@ __device__ __forceinline__ int kv_tile_ready(bf16_t* sK, bf16_t* sV, const bf16_
   return buf;
 }
 
-// Whether query row `row` (0-based in the call's seq) sees key `key`.
-__device__ __forceinline__ bool key_visible(const FlashArgs& p, int key, int row) {
+// The first key query row `row` of batch element b sees (causal: the later of its
+// window's and its document's start; 0 otherwise). Rows past seq (a tile's padding)
+// take the last row's.
+__device__ __forceinline__ int first_seen(const FlashArgs& p, int b, int row) {
+  if (!p.causal) return 0;
+  row = min(row, p.seq - 1);
+  int first = p.window > 0 ? max(0, p.q_offset + row - p.window + 1) : 0;
+  if (p.key_start != nullptr) first = max(first, p.key_start[static_cast<int64_t>(b) * p.seq + row]);
+  return first;
+}
+// Whether query row `row`, whose first key is `first`, sees key `key`.
+__device__ __forceinline__ bool key_visible(const FlashArgs& p, int key, int row, int first) {
   if (key >= p.kv_seq) return false;
-  if (!p.causal) return true;
-  const int pos = p.q_offset + row;
-  return key <= pos && (p.window == 0 || key > pos - p.window);
+  return !p.causal || (key <= p.q_offset + row && key >= first);
 }
 // Whether some key of the tile from k0 is hidden from some of the 16 query rows from
-// r0: a tile past the keys' end, on the causal diagonal, or on the window's lower edge.
-__device__ __forceinline__ bool key_tile_is_edge(const FlashArgs& p, int k0, int r0) {
+// r0 (the last of which sees from `last_first` on): a tile past the keys' end, on the
+// causal diagonal, or on the rows' lower edge.
+__device__ __forceinline__ bool key_tile_is_edge(const FlashArgs& p, int k0, int r0, int last_first) {
   if (k0 + kTile > p.kv_seq) return true;
   if (!p.causal) return false;
-  const int pos = p.q_offset + r0;  // of the first row; the last is pos + 15
-  return k0 + kTile - 1 > pos || (p.window > 0 && k0 <= pos + 15 - p.window);
-}
-// The first key tile the query tile from q0 sees (its first row's first key).
-__device__ __forceinline__ int first_key_tile(const FlashArgs& p, int q0) {
-  return p.causal && p.window > 0 ? max(0, p.q_offset + q0 - p.window + 1) / kTile : 0;
+  return k0 + kTile - 1 > p.q_offset + r0 || k0 < last_first;
 }
 
 template <int D>
@@ -236,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
   // Keys the tile's last row may see, and the first key tile its first row sees.
   const int kv_end = p.causal ? min(p.kv_seq, p.q_offset + q0 + kTile) : p.kv_seq;
   const int n_kt = (kv_end + kTile - 1) / kTile;
-  const int t_begin = first_key_tile(p, q0);
+  const int t_begin = first_seen(p, b, q0) / kTile;
 
   load_tile<D, kTile>(sQ, q, p.q_ss, q0, p.seq);
   load_tile<D, kTile>(sK, k, p.kv_ss, t_begin * kTile, p.kv_seq);
@@ -245,6 +252,8 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const int first[2] = {first_seen(p, b, row[0]), first_seen(p, b, row[1])};
+  const int last_first = first_seen(p, b, q0 + warp * 16 + 15);
   const float scale2 = p.scale * kLog2e;  // scores in log2 units
   float o[D / 8][4];
 #pragma unroll
@@ -262,13 +271,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(FlashArgs p) {
     mma_abt<D / 16, 8>(s, sQ, warp * 16, tk, 0, P);
 
     const int k0 = t * kTile;
-    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16);
+    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16, last_first);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float x = s[j][c] * scale2;
-        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1])) x = -kInf;
+        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1], first[c >> 1])) x = -kInf;
         s[j][c] = x;
       }
 #pragma unroll
@@ -344,8 +353,8 @@ struct DkvShape {
   static constexpr int kPitch = D + 8;
   static constexpr int kKvElems = kTile * kPitch;
   static constexpr int kQElems = kQRows * kPitch;
-  // K, V; Q x 2, dO x 2; then lse x 2 and dvec x 2 (fp32)
-  static constexpr int kBytes = (2 * kKvElems + 4 * kQElems) * 2 + 4 * kQRows * 4;
+  // K, V; Q x 2, dO x 2; then lse x 2, dvec x 2 (fp32) and the rows' first keys x 2 (int)
+  static constexpr int kBytes = (2 * kKvElems + 4 * kQElems) * 2 + 6 * kQRows * 4;
 };
 
 // A CTA owns 64 keys (16 a warp) and walks the query tiles that see them:
@@ -362,6 +371,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
   bf16_t* sO = sQ + 2 * S::kQElems;  // dO, two buffers
   float* sL = reinterpret_cast<float*>(sO + 2 * S::kQElems);  // lse in log2 units, two buffers
   float* sD = sL + 2 * BQ;                                     // dvec, two buffers
+  int* sF = reinterpret_cast<int*>(sD + 2 * BQ);               // first_seen, two buffers
 
   const int k0 = static_cast<int>(blockIdx.x) * kTile;
   const int b = static_cast<int>(blockIdx.y) / p.heads, h = static_cast<int>(blockIdx.y) % p.heads;
@@ -371,10 +381,20 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
   const bf16_t* dout = p.dout + b * p.o_sb + h * D;
   const float* lse = p.lse + static_cast<int64_t>(blockIdx.y) * p.seq;
   const float* dvec = p.dvec + static_cast<int64_t>(blockIdx.y) * p.seq;
-  // The first query row that sees key k0 (causal) and, with a sliding window, the last
-  // one that sees key k0 + kTile - 1; the query tiles outside contribute nothing.
+  // The first query row that sees key k0 (causal) and the last one whose first key is
+  // at most k0 + kTile - 1 (first_seen is non-decreasing: a binary search); the query
+  // tiles outside contribute nothing.
   const int first_q = p.causal ? max(0, k0 - p.q_offset) : 0;
-  const int last_q = p.causal && p.window > 0 ? min(p.seq - 1, k0 + kTile - 2 + p.window - p.q_offset) : p.seq - 1;
+  int last_q = p.seq - 1;
+  if (p.causal && (p.window > 0 || p.key_start != nullptr)) {
+    int lo = first_q - 1, hi = p.seq - 1;  // first_seen(lo) <= k0 + kTile - 1 (lo = first_q - 1: none yet)
+    while (lo < hi) {
+      const int mid = lo + (hi - lo + 1) / 2;
+      if (first_seen(p, b, mid) <= k0 + kTile - 1) lo = mid;
+      else hi = mid - 1;
+    }
+    last_q = lo;
+  }
   const int qt_begin = first_q / BQ, qt_end = last_q < first_q ? qt_begin : last_q / BQ + 1;
 
   auto load_q_tile = [&](int qt, int buf) {
@@ -385,6 +405,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
       const bool valid = r0 + r < p.seq;  // padding rows: P = 0 and dvec = 0
       sL[buf * BQ + r] = valid ? lse[r0 + r] * kLog2e : kInf;
       sD[buf * BQ + r] = valid ? dvec[r0 + r] : 0.0f;
+      sF[buf * BQ + r] = first_seen(p, b, r0 + r);
     }
   };
 
@@ -416,6 +437,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
     const bf16_t* to = sO + buf * S::kQElems;
     const float* tl = sL + buf * BQ;
     const float* td = sD + buf * BQ;
+    const int* tf = sF + buf * BQ;
 
     float st[BQ / 8][4], dpt[BQ / 8][4];
 #pragma unroll
@@ -426,17 +448,16 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dkv_kernel(FlashArgs p) {
     mma_abt<D / 16, BQ / 8>(dpt, sV, warp * 16, to, 0, P);  // dP^T
 
     const int i0 = qt * BQ;
-    // Some of the warp's 16 keys after the tile's first query (the causal diagonal) or,
-    // with a window, before the last query's first key (its lower edge).
-    const bool edge = p.causal && (k0 + warp * 16 + 15 > p.q_offset + i0 ||
-                                   (p.window > 0 && k0 + warp * 16 <= p.q_offset + i0 + BQ - 1 - p.window));
+    // Some of the warp's 16 keys after the tile's first query (the causal diagonal) or
+    // before the last query's first key (the rows' lower edge).
+    const bool edge = p.causal && (k0 + warp * 16 + 15 > p.q_offset + i0 || k0 + warp * 16 < tf[BQ - 1]);
 #pragma unroll
     for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int col = 8 * j + 2 * t4 + (c & 1);
         float pt = exp2f(st[j][c] * scale2 - tl[col]);
-        if (edge && !key_visible(p, key[c >> 1], i0 + col)) pt = 0.0f;
+        if (edge && !key_visible(p, key[c >> 1], i0 + col, tf[col])) pt = 0.0f;
         st[j][c] = pt;
         dpt[j][c] = pt * (dpt[j][c] - td[col]);
       }
@@ -497,7 +518,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
   const bf16_t* dout = p.dout + b * p.o_sb + h * D;
   const int kv_end = p.causal ? min(p.kv_seq, p.q_offset + q0 + kTile) : p.kv_seq;
   const int n_kt = (kv_end + kTile - 1) / kTile;
-  const int t_begin = first_key_tile(p, q0);
+  const int t_begin = first_seen(p, b, q0) / kTile;
 
   load_tile<D, kTile>(sQ, q, p.q_ss, q0, p.seq);
   load_tile<D, kTile>(sO, dout, p.o_ss, q0, p.seq);
@@ -507,6 +528,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int row[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
+  const int first[2] = {first_seen(p, b, row[0]), first_seen(p, b, row[1])};
+  const int last_first = first_seen(p, b, q0 + warp * 16 + 15);
   const float scale2 = p.scale * kLog2e;
   float lse2[2], dvec[2];
 #pragma unroll
@@ -534,13 +557,13 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_dq_kernel(FlashArgs p) {
     mma_abt<D / 16, 8>(dp, sO, warp * 16, tv, 0, P);
 
     const int k0 = t * kTile;
-    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16);
+    const bool edge = key_tile_is_edge(p, k0, q0 + warp * 16, last_first);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float pr = exp2f(s[j][c] * scale2 - lse2[c >> 1]);
-        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1])) pr = 0.0f;
+        if (edge && !key_visible(p, k0 + 8 * j + 2 * t4 + (c & 1), row[c >> 1], first[c >> 1])) pr = 0.0f;
         dp[j][c] = pr * (dp[j][c] - dvec[c >> 1]);
       }
     mma_pb<4, D / 8>(dq, dp, tk, P);  // dQ += dS K (scaled at the end)

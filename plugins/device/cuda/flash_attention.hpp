@@ -39,6 +39,7 @@ struct FlashArgs {
   int causal;
   int accumulate_dkv;
   int window;           // causal: keys (p - window, p] for the query at position p; 0: every earlier key
+  const int32_t* key_start;  // causal, [batch, seq] or NULL: each query's document's first key
 };
 
 // Whether the fused kernels take this head size (64 and 128).

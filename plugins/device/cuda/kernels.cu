@@ -395,18 +395,20 @@ __global__ void gelu_vec_kernel(int64_t n, bool backward, const T* x, const T* d
 // ---- attention pieces -----------------------------------------------------------------
 
 // Row r = h * q_rows + i of the scores [heads * q_rows, cols]: query i sits at key
-// position q_offset + i, so causal attention keeps columns j <= q_offset + i, and a
-// sliding window (window > 0) those after q_offset + i - window as well.
-__device__ __forceinline__ int64_t first_visible(int64_t pos, int64_t window) {
-  return window > 0 ? max(int64_t{0}, pos - window + 1) : 0;
+// position q_offset + i, so causal attention keeps columns j <= q_offset + i, and with
+// a sliding window (window > 0) those after q_offset + i - window, with documents
+// (key_start, [q_rows] of this batch element) those from key_start[i] on.
+__device__ __forceinline__ int64_t first_visible(int64_t pos, int64_t window, const int32_t* key_start, int64_t i) {
+  const int64_t w = window > 0 ? max(int64_t{0}, pos - window + 1) : 0;
+  return key_start ? max(w, static_cast<int64_t>(key_start[i])) : w;
 }
 
 __global__ void softmax_fwd_kernel(int64_t q_rows, int64_t cols, int64_t q_offset, bool causal, int64_t window,
-                                   float* scores, uint16_t* pb, float* lse) {
+                                   const int32_t* key_start, float* scores, uint16_t* pb, float* lse) {
   __shared__ float shf[32];
   const int64_t r = blockIdx.x, i = r % q_rows;
   const int64_t valid = causal ? min(q_offset + i + 1, cols) : cols;
-  const int64_t first = causal ? first_visible(q_offset + i, window) : 0;
+  const int64_t first = causal ? first_visible(q_offset + i, window, key_start, i) : 0;
   float* row = scores + r * cols;
   float m = kNegInf;
   for (int64_t j = first + threadIdx.x; j < valid; j += blockDim.x) m = fmaxf(m, row[j]);
@@ -428,12 +430,13 @@ __global__ void softmax_fwd_kernel(int64_t q_rows, int64_t cols, int64_t q_offse
 }
 
 __global__ void softmax_p_kernel(int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
-                                 int64_t window, float* scores, uint16_t* pb, const float* lse) {
+                                 int64_t window, const int32_t* key_start, float* scores, uint16_t* pb,
+                                 const float* lse) {
   const int64_t total = rows * cols;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / cols, j = idx % cols, i = r % q_rows;
-    const bool inside = !causal || (j <= q_offset + i && j >= first_visible(q_offset + i, window));
+    const bool inside = !causal || (j <= q_offset + i && j >= first_visible(q_offset + i, window, key_start, i));
     const float p = inside ? expf(scores[idx] - lse[r]) : 0.0f;
     scores[idx] = p;
     if (pb) pb[idx] = f32_to_bf16(p);
@@ -1308,18 +1311,18 @@ cudaError_t k_gelu(cudaStream_t s, Dt dt, bool backward, int64_t n, const void* 
 }
 
 cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
-                          int64_t window, float* scores, uint16_t* pb, float* lse) {
+                          int64_t window, const int32_t* key_start, float* scores, uint16_t* pb, float* lse) {
   if (rows == 0) return cudaSuccess;
   softmax_fwd_kernel<<<static_cast<unsigned>(rows), row_threads(cols), 0, s>>>(q_rows, cols, q_offset, causal, window,
-                                                                              scores, pb, lse);
+                                                                              key_start, scores, pb, lse);
   return cudaGetLastError();
 }
 
 cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
-                        int64_t window, float* scores, uint16_t* pb, const float* lse) {
+                        int64_t window, const int32_t* key_start, float* scores, uint16_t* pb, const float* lse) {
   if (rows == 0) return cudaSuccess;
-  softmax_p_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(rows, q_rows, cols, q_offset, causal, window, scores, pb,
-                                                              lse);
+  softmax_p_kernel<<<grid_for(rows * cols), kThreads, 0, s>>>(rows, q_rows, cols, q_offset, causal, window, key_start,
+                                                              scores, pb, lse);
   return cudaGetLastError();
 }
 

@@ -60,15 +60,16 @@ cudaError_t k_sigmoid(cudaStream_t s, Dt dt, bool backward, int64_t n, const voi
 // scores each (row r = h * q_rows + i is query i of head h, at key position
 // q_offset + i: ABI 1.6's query window; q_offset = 0 and cols = q_rows without one).
 //  softmax_fwd: p = softmax(scores) in place (masked j > q_offset + i when causal, and
-//               j <= q_offset + i - window with a sliding window > 0; 0 there),
+//               j <= q_offset + i - window with a sliding window > 0, j < key_start[i]
+//               with documents: key_start [q_rows] or NULL; 0 there),
 //               lse[r] = max + log(sum); pb (optional) gets p in bf16.
 //  softmax_p:   p = exp(scores - lse[r]) in place (masked), pb optional.
 //  rowdot:      dvec[r] = sum_d out[i, h, d] * dout[i, h, d] (strided layout; seq = q_rows).
 //  dsoftmax:    dp = p * (dp - dvec[r]) in place; dsb (optional) gets it in bf16.
 cudaError_t k_softmax_fwd(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
-                          int64_t window, float* scores, uint16_t* pb, float* lse);
+                          int64_t window, const int32_t* key_start, float* scores, uint16_t* pb, float* lse);
 cudaError_t k_softmax_p(cudaStream_t s, int64_t rows, int64_t q_rows, int64_t cols, int64_t q_offset, bool causal,
-                        int64_t window, float* scores, uint16_t* pb, const float* lse);
+                        int64_t window, const int32_t* key_start, float* scores, uint16_t* pb, const float* lse);
 cudaError_t k_rowdot(cudaStream_t s, Dt dt, int64_t heads, int64_t seq, int64_t head_dim, int64_t stride_s,
                      const void* out, const void* dout, float* dvec);
 cudaError_t k_dsoftmax(cudaStream_t s, int64_t rows, int64_t cols, const float* p, float* dp, const float* dvec,

@@ -448,6 +448,7 @@ FlashArgs flash_args(const loom_attention_args& a) {  // `a` resolved
   f.accumulate_dkv = a.accumulate_dkv != 0;
   // A window reaching past the first key changes nothing (every query sits before kv_seq).
   f.window = a.window < a.kv_seq ? static_cast<int>(a.window) : 0;
+  f.key_start = a.causal ? a.key_start : nullptr;
   return f;
 }
 
@@ -482,7 +483,8 @@ void run_attention_fwd(Device& d, Stream& s, const loom_attention_args& args) {
     gemm_impl(d, s, op, false, true, Sq, Skv, D, a.scale, q, qs, D, k, ks, D, 0.0f, scores.get(), Skv, Sq * Skv, H,
               dt, Dt::F32);
     check_launch(d, op, "softmax kernel",
-                 k_softmax_fwd(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, a.window, scores.get<float>(),
+                 k_softmax_fwd(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, a.window,
+                               a.key_start ? a.key_start + b * Sq : nullptr, scores.get<float>(),
                                bf16 ? pb.get<uint16_t>() : nullptr, a.lse ? a.lse + b * H * Sq : nullptr));
     // O_h = P_h V_h
     gemm_impl(d, s, op, false, false, Sq, D, Skv, 1.0f, bf16 ? pb.get() : scores.get(), Skv, Sq * Skv, v, ks, D, 0.0f,
@@ -524,7 +526,8 @@ void run_attention_bwd(Device& d, Stream& s, const loom_attention_args& args) {
     gemm_impl(d, s, op, false, true, Sq, Skv, D, a.scale, q, qs, D, k, ks, D, 0.0f, p.get(), Skv, Sq * Skv, H, dt,
               Dt::F32);
     check_launch(d, op, "softmax recompute kernel",
-                 k_softmax_p(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, a.window, p.get<float>(),
+                 k_softmax_p(s.s, H * Sq, Sq, Skv, a.q_offset, a.causal != 0, a.window,
+                             a.key_start ? a.key_start + b * Sq : nullptr, p.get<float>(),
                              bf16 ? pb.get<uint16_t>() : nullptr, a.lse + b * H * Sq));
     // D_i = rowsum(dO o O)
     check_launch(d, op, "rowdot kernel", k_rowdot(s.s, dt, H, Sq, D, os, o, dout, dvec.get<float>()));

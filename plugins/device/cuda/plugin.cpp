@@ -714,7 +714,7 @@ const loom_device_api* device_api() {
     // write each element from one thread, so dlogits may be the logits.
     a.features = LOOM_DEVICE_GRAD_FP32 | LOOM_DEVICE_GRAPH_POOL | LOOM_DEVICE_SEED_DEVICE | LOOM_DEVICE_ATTENTION_WINDOW |
                  LOOM_DEVICE_MULTI_TENSOR | LOOM_DEVICE_GEMM_EPILOGUE | LOOM_DEVICE_XENT_IN_PLACE |
-                 LOOM_DEVICE_ROPE_FREQUENCIES | LOOM_DEVICE_ATTENTION_SLIDING_WINDOW;
+                 LOOM_DEVICE_ROPE_FREQUENCIES | LOOM_DEVICE_ATTENTION_SLIDING_WINDOW | LOOM_DEVICE_ATTENTION_KEY_START;
     return a;
   }();
   return &api;

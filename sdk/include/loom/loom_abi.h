@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 21
+#define LOOM_ABI_MINOR 22
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -362,6 +362,14 @@ typedef struct loom_attention_args {
    * caller built before 1.21 passes) = every earlier key. Must be >= 0; > 0 only
    * with causal. */
   int64_t window;
+  /* --- since 1.22 (devices with LOOM_DEVICE_ATTENTION_KEY_START) --- */
+  /* Documents packed in a sequence (Megatron-LM's reset_attention_mask): with causal,
+   * key_start[b * seq + i] (int32, device memory) is the first key position query i
+   * of batch element b sees, the keys before it being earlier documents'; with a
+   * window too, the later of both bounds holds. Non-decreasing in i and at most
+   * q_offset + i (each query sees itself). NULL (what a caller built before 1.22
+   * passes): 0. */
+  const int32_t* key_start;
 } loom_attention_args;
 
 /* Softmax cross-entropy over vocab slices, in three steps so a vocab-split run
@@ -811,6 +819,8 @@ typedef struct loom_device_api {
 #define LOOM_DEVICE_ROPE_FREQUENCIES (1ull << 8)
 /* attention_fwd / attention_bwd honour loom_attention_args.window (since 1.21). */
 #define LOOM_DEVICE_ATTENTION_SLIDING_WINDOW (1ull << 9)
+/* attention_fwd / attention_bwd honour loom_attention_args.key_start (since 1.22). */
+#define LOOM_DEVICE_ATTENTION_KEY_START (1ull << 10)
 
 /* ------------------------------------------------------------------------- */
 /* Comm plugins: one communicator per rank group.                             */
@@ -1127,6 +1137,19 @@ typedef struct loom_layer_fwd_args {
    * of every sequence's last row here, [micro_batch, vocab] (the unpadded vocabulary,
    * all of it on every tensor-parallel rank). NULL: not asked. */
   float* logits;
+  /* --- since 1.22 --- */
+  /* Documents packed in a sequence, ended by end-of-document tokens (Megatron-LM's
+   * reset_attention_mask and reset_position_ids; given only to layers with
+   * LOOM_LAYER_DOCUMENTS): [rows, micro_batch] int32 in device memory, laid out as
+   * tokens, holding for each row the position in the whole sequence where its
+   * document begins (the position after the last end-of-document token before it, or
+   * 0). With reset_attention_mask = 1 a position attends to its document's positions
+   * only; with reset_position_ids = 1 its position is counted from its document's
+   * start (rotary and learned position embeddings). NULL, and both 0, in every other
+   * run: each sequence is one document. */
+  const DLTensor* document_start;
+  int32_t reset_attention_mask;
+  int32_t reset_position_ids;
 } loom_layer_fwd_args;
 
 /* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
@@ -1283,6 +1306,10 @@ typedef struct loom_layer_api {
  * also writes `logits`): `loom generate` refuses a model with a layer, built for 1.13
  * or later, that lacks the bit, and every layer built before 1.13. */
 #define LOOM_LAYER_KV_CACHE (1ull << 3)
+/* The layer honours loom_layer_fwd_args.document_start (since 1.22), or mixes no
+ * positions and takes none (an MLP): the engine refuses data.reset_attention_mask and
+ * data.reset_position_ids for a model with a layer that lacks the bit. */
+#define LOOM_LAYER_DOCUMENTS (1ull << 4)
 
 /* ------------------------------------------------------------------------- */
 /* Optimizer strategy plugins (parallel/ddp, parallel/distributed)                */
