@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -36,3 +37,10 @@ const size_t* loom_abi_layout_frozen_v1_21(size_t* count) {
   return k_layout;
 }
 
+
+/* sizeof of the structs 1.22 appended to, as released in 1.21. */
+size_t loom_abi_sizeof_v1_21(const char* name) {
+  if (strcmp(name, "loom_attention_args") == 0) return sizeof(loom_attention_args);
+  if (strcmp(name, "loom_layer_fwd_args") == 0) return sizeof(loom_layer_fwd_args);
+  return 0;
+}
