@@ -145,6 +145,8 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.data.val_fraction = m.get_float("data.val_fraction");
   c.data.eod_mask_loss = m.get_bool("data.eod_mask_loss");
   c.data.eod_token = m.get_int("data.eod_token");
+  c.data.reset_attention_mask = m.get_bool("data.reset_attention_mask");
+  c.data.reset_position_ids = m.get_bool("data.reset_position_ids");
   c.data.task = m.get_string("data.task");
   c.data.digits = m.get_int("data.digits");
 

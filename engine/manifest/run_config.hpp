@@ -97,6 +97,9 @@ struct RunConfig {
     double val_fraction = 0;
     bool eod_mask_loss = false;  // no loss where the input is eod_token (Megatron-LM's --eod-mask-loss)
     int64_t eod_token = -1;      // -1 = the tokenizer's end-of-document token
+    bool reset_attention_mask = false;  // attention within each document only (Megatron-LM's flag)
+    bool reset_position_ids = false;    // positions from each document's start (Megatron-LM's flag)
+    bool documents() const { return reset_attention_mask || reset_position_ids; }
     std::string task;
     int64_t digits = 0;
   } data;

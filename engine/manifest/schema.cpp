@@ -308,7 +308,14 @@ std::vector<KeySpec> build() {
                 "no loss where the input token is the end-of-document token (Megatron-LM's --eod-mask-loss): a "
                 "packed sample does not learn to predict a document's first token from the one before it"));
   v.push_back(i("data.eod_token", -1, -1,
-                "the end-of-document token id data.eod_mask_loss masks; -1 = data.tokenizer's (<|endoftext|>, </s>)"));
+                "the end-of-document token id data.eod_mask_loss and the document resets look for; -1 = "
+                "data.tokenizer's (<|endoftext|>, </s>)"));
+  v.push_back(b("data.reset_attention_mask", false,
+                "a position attends only to its own document's positions, documents ending at end-of-document tokens "
+                "(Megatron-LM's --reset-attention-mask; Llama 3's document masking)"));
+  v.push_back(b("data.reset_position_ids", false,
+                "positions count from each document's start, documents ending at end-of-document tokens "
+                "(Megatron-LM's --reset-position-ids): rotary and learned position embeddings"));
   v.push_back(s("data.task", "add", "synthetic task name"));
   v.push_back(i("data.digits", 3, 1, "synthetic task size (digits)", 9));
   // checkpoint
@@ -662,17 +669,17 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  kind + "\" has its own symbols (" + (kind == "text" ? "bytes" : "the task's") +
                  "): make token files with loom preprocess --tokenizer, or leave data.tokenizer empty");
   }
-  // The loss mask needs to know which id ends a document, and data with documents.
-  if (usable({"data.eod_mask_loss", "data.eod_token", "data.kind", "data.tokenizer"}) &&
-      m.get_bool("data.eod_mask_loss")) {
+  // The loss mask and the document resets need to know which id ends a document, and
+  // data with documents.
+  for (const char* flag : {"data.eod_mask_loss", "data.reset_attention_mask", "data.reset_position_ids"}) {
+    if (!usable({flag, "data.eod_token", "data.kind", "data.tokenizer"}) || !m.get_bool(flag)) continue;
     const std::string kind = m.get_string("data.kind");
     if (kind == "synthetic")
-      report({"data.eod_mask_loss", "data.kind"},
-             "data.eod_mask_loss masks the loss after end-of-document tokens of token files; data.kind = "
-             "\"synthetic\" has no documents (its targets are the answers already)");
+      report({flag, "data.kind"}, std::string(flag) + " looks for end-of-document tokens in token files; data.kind = "
+                                  "\"synthetic\" has no documents (one problem a sequence)");
     else if (I("data.eod_token") < 0 && m.get_string("data.tokenizer").empty())
-      report({"data.eod_mask_loss", "data.eod_token", "data.tokenizer"},
-             "data.eod_mask_loss needs the end-of-document token: set data.tokenizer (its <|endoftext|> or </s>) "
+      report({flag, "data.eod_token", "data.tokenizer"},
+             std::string(flag) + " needs the end-of-document token: set data.tokenizer (its <|endoftext|> or </s>) "
              "or data.eod_token (e.g. 50256 for GPT-2's token files)");
   }
   // The first layer takes the tokens (the embedding) and the last computes the loss

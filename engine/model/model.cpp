@@ -45,6 +45,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
       finalizer_(rank, buffers_, layers_.size(), sequence_parallel_),
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
+
       capture_(rank, layers_, tp_size(rank)),
       hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)),
               buffers_.param_dtype(), capture_.replays_steps()),
@@ -89,14 +90,14 @@ void* Model::chunk_input(int c, int mb) {
 
 const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                                  uint64_t dropout_seed, float* loss_sum, int64_t* loss_count, int32_t* predictions,
-                                 float* aux_loss) {
+                                 float* aux_loss, const int32_t* document_start, const int32_t* position_ids) {
   const LocalChunk& chunk = layers_.chunk(c);
   const bool first = chunk.is_first_global(), last = chunk.is_last_global();
   const size_t held_count = hidden_.count(c, mb);
   LOOM_REQUIRE(first ? held_count == 0 : held_count == 1,
                "forward of chunk " << chunk.global_index << ", microbatch " << mb
                                    << (first ? " ran twice" : ": its input was not received (chunk_input) or it ran twice"));
-  const ForwardInputs in{tokens, targets, dropout_seed};
+  const ForwardInputs in{tokens, targets, dropout_seed, document_start, position_ids};
   bool any_recomputed = false;
   void* held = first ? nullptr : hidden_.at(c, mb, 0);  // the latest hidden state
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
@@ -136,6 +137,19 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.output = output;
   a.tokens = &tok;
   a.targets = &tgt;
+  // Documents packed in the sequences (data.reset_*), laid out as the tokens; every
+  // layer has LOOM_LAYER_DOCUMENTS (run_plan checks).
+  DLTensor doc{}, pos{};
+  if (in.document_start != nullptr) {
+    doc = device_view(rank_, const_cast<int32_t*>(in.document_start), tok_shape);
+    doc.dtype = {kDLInt, 32, 1};
+    a.document_start = &doc;
+  }
+  if (in.position_ids != nullptr) {
+    pos = device_view(rank_, const_cast<int32_t*>(in.position_ids), tok_shape);
+    pos.dtype = {kDLInt, 32, 1};
+    a.position_ids = &pos;
+  }
   a.loss_sum = loss_sum;
   a.loss_count = loss_count;
   a.dropout_seed = in.dropout_seed;

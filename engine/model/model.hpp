@@ -53,7 +53,8 @@ class Model {
   // auxiliary losses (MoE load balancing) of the microbatch.
   const void* forward_chunk(int c, int mb, const int32_t* tokens, const int32_t* targets, bool training,
                             uint64_t dropout_seed, float* loss_sum, int64_t* loss_count,
-                            int32_t* predictions = nullptr, float* aux_loss = nullptr);
+                            int32_t* predictions = nullptr, float* aux_loss = nullptr,
+                            const int32_t* document_start = nullptr, const int32_t* position_ids = nullptr);
   // The buffer the gradient of a chunk's output is received into before its
   // backward (not for the last global chunk). Two slots, so that the next
   // backward's gradient can arrive while this one reads its own (a receive posted

@@ -35,6 +35,8 @@ struct ForwardInputs {
   const int32_t* tokens = nullptr;
   const int32_t* targets = nullptr;
   uint64_t dropout_seed = 0;
+  const int32_t* document_start = nullptr;  // device, or null: one document a sequence
+  const int32_t* position_ids = nullptr;    // device, or null: positions in the whole sequence
 };
 
 // The recompute groups of a rank's layers (Layer::recompute_group) at work on

@@ -133,7 +133,7 @@ void Executor::run_forward(const Step& step, const MicrobatchInput& in, StepStat
   float loss_sum = 0, aux_loss = 0;
   int64_t count = 0;
   const void* out = model_.forward_chunk(c, mb, in.tokens, in.targets, true, in.dropout_seed, &loss_sum, &count,
-                                         nullptr, &aux_loss);
+                                         nullptr, &aux_loss, in.document_start, in.position_ids);
   st.stats.aux_loss += aux_loss / microbatches_;
   st.stats.peak_in_flight = std::max(st.stats.peak_in_flight, ++st.in_flight);
   note_memory(st);
@@ -179,7 +179,8 @@ void Executor::forward_only(int mb, const MicrobatchInput& in, double* loss_sum,
     float sum = 0;
     int64_t count = 0;
     const void* out =
-        model_.forward_chunk(c, mb, in.tokens, in.targets, false, in.dropout_seed, &sum, &count, in.predictions);
+        model_.forward_chunk(c, mb, in.tokens, in.targets, false, in.dropout_seed, &sum, &count, in.predictions,
+                             nullptr, in.document_start, in.position_ids);
     if (model_.is_last_global(c)) {
       *loss_sum += sum;
       *tokens += count;

@@ -29,6 +29,8 @@ namespace loom::pipeline {
 struct MicrobatchInput {
   const int32_t* tokens = nullptr;   // device [seq, micro_batch], alive until the step ends
   const int32_t* targets = nullptr;  // device [seq, micro_batch]
+  const int32_t* document_start = nullptr;  // device [seq, micro_batch] (data.reset_attention_mask), or null
+  const int32_t* position_ids = nullptr;    // device [seq, micro_batch] (data.reset_position_ids), or null
   uint64_t dropout_seed = 0;
   int32_t* predictions = nullptr;    // host [seq, micro_batch] (evaluation), or null
 };

@@ -279,7 +279,6 @@ std::unique_ptr<DataSource> unmasked_data_source(const manifest::RunConfig& conf
   throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
 }
 
-
 // Megatron-LM's --eod-mask-loss: no loss at a position whose input token ends a
 // document, so a sample packing several documents does not learn to guess the next
 // document's first token from the end of the one before.
@@ -304,27 +303,6 @@ class EodLossMask : public DataSource {
   std::unique_ptr<DataSource> inner_;
   int32_t eod_;
 };
-
-// data.eod_token, or data.tokenizer's end-of-document token; it must be in the vocabulary.
-int32_t eod_token(const manifest::RunConfig& config, int64_t vocab) {
-  int64_t eod = config.data.eod_token;
-  if (eod < 0 && !config.data.tokenizer.empty()) {
-    try {
-      eod = text::load_tokenizer(config.data.tokenizer)->eod();
-    } catch (const text::TokenizerError& e) {
-      throw DataError(std::string("data.tokenizer: ") + e.what());
-    }
-    if (eod < 0)
-      throw DataError("data.eod_mask_loss: data.tokenizer (" + config.data.tokenizer +
-                      ") has no end-of-document token; set data.eod_token");
-  }
-  if (eod < 0)
-    throw DataError("data.eod_mask_loss needs the end-of-document token: set data.tokenizer or data.eod_token");
-  if (eod >= vocab)
-    throw DataError("data.eod_token = " + std::to_string(eod) + " is outside the vocabulary of " +
-                    std::to_string(vocab) + " tokens");
-  return static_cast<int32_t>(eod);
-}
 
 }  // namespace
 
@@ -368,17 +346,42 @@ std::vector<int32_t> DataSource::encode(const std::string&) const {
   throw DataError(describe() + ": its tokens have no text form here; give a tokenizer");
 }
 
-
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) {
   std::unique_ptr<DataSource> source = unmasked_data_source(config);
   if (!config.data.eod_mask_loss) return source;
   if (config.data.kind == "synthetic")
     throw DataError("data.eod_mask_loss masks the loss after end-of-document tokens; data.kind = \"synthetic\" has "
                     "no documents");
-  const int32_t eod = eod_token(config, source->vocab_size());
+  const int32_t eod = end_of_document_token(config, source->vocab_size());
   return std::make_unique<EodLossMask>(std::move(source), eod);
 }
 
+int32_t end_of_document_token(const manifest::RunConfig& config, int64_t vocab) {
+  int64_t eod = config.data.eod_token;
+  if (eod < 0 && !config.data.tokenizer.empty()) {
+    try {
+      eod = text::load_tokenizer(config.data.tokenizer)->eod();
+    } catch (const text::TokenizerError& e) {
+      throw DataError(std::string("data.tokenizer: ") + e.what());
+    }
+    if (eod < 0)
+      throw DataError("data.tokenizer (" + config.data.tokenizer +
+                      ") has no end-of-document token; set data.eod_token");
+  }
+  if (eod < 0) throw DataError("the end-of-document token is unknown: set data.tokenizer or data.eod_token");
+  if (eod >= vocab)
+    throw DataError("data.eod_token = " + std::to_string(eod) + " is outside the vocabulary of " +
+                    std::to_string(vocab) + " tokens");
+  return static_cast<int32_t>(eod);
+}
+
+int32_t document_end_for(const manifest::RunConfig& config, int64_t vocab) {
+  if (!config.data.documents()) return -1;
+  if (config.data.kind == "synthetic")
+    throw DataError("data.reset_attention_mask and data.reset_position_ids look for end-of-document tokens; "
+                    "data.kind = \"synthetic\" has no documents");
+  return end_of_document_token(config, vocab);
+}
 
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets) {

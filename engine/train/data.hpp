@@ -46,6 +46,14 @@ class DataSource {
 // across document boundaries). Throws DataError naming the file and the problem.
 std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config);
 
+// The token that ends a document: data.eod_token, else data.tokenizer's; it must be in
+// the vocabulary. Throws DataError when there is none.
+int32_t end_of_document_token(const manifest::RunConfig& config, int64_t vocab);
+
+// What the microbatches' document starts look for: the end-of-document token when
+// data.reset_attention_mask or data.reset_position_ids is set, else -1 (none).
+int32_t document_end_for(const manifest::RunConfig& config, int64_t vocab);
+
 // llm.c's token file: a header of 256 int32 (magic 20240520, version 1, token count),
 // then uint16 tokens. Throws DataError naming `key` (what named the file: "path" for
 // data.path, or an option such as "--data") and what is wrong.

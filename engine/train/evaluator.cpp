@@ -99,7 +99,7 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
     const loom::Group pp = rt.group_or_self("pp");
     pipeline::Executor executor(*model, rt, plan.orders.order[static_cast<size_t>(pp.rank())],
                                 static_cast<int>(plan.microbatches));
-    Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1);
+    Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1, document_inputs(plan.config, vocab));
     const bool last_stage = model->is_last_global(static_cast<int>(model->chunk_count()) - 1);
     Evaluator evaluator(rt, executor, batches, data, total_batches, mbs, last_stage);
     const std::optional<Evaluation> e = evaluator.run([] { return false; });

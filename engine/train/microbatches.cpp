@@ -4,40 +4,75 @@
 
 namespace loom::train {
 
+DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab) {
+  DocumentInputs d;
+  d.end_of_document = document_end_for(config, vocab);
+  d.starts = config.data.reset_attention_mask;
+  d.positions = config.data.reset_position_ids;
+  return d;
+}
+
 Microbatches::Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch,
-                           int64_t slots)
+                           int64_t slots, DocumentInputs docs)
     : rank_(rank),
       data_(data),
       seq_(seq),
       micro_batch_(micro_batch),
-      context_(seq, rank.group_or_self("cp").size(), rank.group_or_self("cp").rank()),
-      tokens_(static_cast<size_t>(seq * micro_batch)),
-      targets_(tokens_.size()),
-      tokens_local_(static_cast<size_t>(context_.local_length() * micro_batch)),
-      targets_local_(tokens_local_.size()) {
-  const size_t bytes = tokens_local_.size() * sizeof(int32_t);
-  for (int64_t s = 0; s < slots; ++s) {
-    tokens_dev_.emplace_back(&rank_, bytes);
-    targets_dev_.emplace_back(&rank_, bytes);
+      docs_(docs),
+      context_(seq, rank.group_or_self("cp").size(), rank.group_or_self("cp").rank()) {
+  const size_t whole = static_cast<size_t>(seq * micro_batch), local = static_cast<size_t>(context_.local_length() * micro_batch);
+  for (Rows* r : {&tokens_, &targets_, &starts_, &positions_}) {
+    const bool used = (r != &starts_ || docs_.starts) && (r != &positions_ || docs_.positions);
+    if (!used) continue;
+    r->whole.resize(whole);
+    r->local.resize(local);
+    for (int64_t s = 0; s < slots; ++s) r->dev.emplace_back(&rank_, local * sizeof(int32_t));
   }
 }
 
-pipeline::MicrobatchInput Microbatches::load(Split split, uint64_t first_sample, int64_t slot) {
-  fill_microbatch(data_, split, first_sample, micro_batch_, seq_, tokens_.data(), targets_.data());
-  for (const loom::ContextSlice::Run& run : context_.runs()) {
-    const size_t n = static_cast<size_t>(run.length * micro_batch_);
-    std::copy_n(tokens_.begin() + run.position * micro_batch_, n, tokens_local_.begin() + run.local * micro_batch_);
-    std::copy_n(targets_.begin() + run.position * micro_batch_, n, targets_local_.begin() + run.local * micro_batch_);
+std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
+                                     int32_t end_of_document) {
+  std::vector<int32_t> starts(tokens.size());
+  for (int64_t b = 0; b < micro_batch; ++b) {
+    int32_t start = 0;
+    for (int64_t s = 0; s < seq; ++s) {
+      const size_t at = static_cast<size_t>(s * micro_batch + b);
+      starts[at] = start;
+      if (tokens[at] == end_of_document) start = static_cast<int32_t>(s + 1);
+    }
   }
-  const size_t bytes = tokens_local_.size() * sizeof(int32_t);
-  loom::Buffer& tokens = tokens_dev_[static_cast<size_t>(slot)];
-  loom::Buffer& targets = targets_dev_[static_cast<size_t>(slot)];
-  const loom::Device dev = rank_.dev();
-  dev.copy(tokens.get(), tokens_local_.data(), bytes, LOOM_COPY_HOST_TO_DEVICE);
-  dev.copy(targets.get(), targets_local_.data(), bytes, LOOM_COPY_HOST_TO_DEVICE);
+  return starts;
+}
+
+void Microbatches::cut_and_copy(Rows& rows, int64_t slot) {
+  for (const loom::ContextSlice::Run& run : context_.runs())
+    std::copy_n(rows.whole.begin() + run.position * micro_batch_, run.length * micro_batch_,
+                rows.local.begin() + run.local * micro_batch_);
+  rank_.dev().copy(rows.dev[static_cast<size_t>(slot)].get(), rows.local.data(), rows.local.size() * sizeof(int32_t),
+                   LOOM_COPY_HOST_TO_DEVICE);
+}
+
+pipeline::MicrobatchInput Microbatches::load(Split split, uint64_t first_sample, int64_t slot) {
+  fill_microbatch(data_, split, first_sample, micro_batch_, seq_, tokens_.whole.data(), targets_.whole.data());
   pipeline::MicrobatchInput in;
-  in.tokens = tokens.get<int32_t>();
-  in.targets = targets.get<int32_t>();
+  cut_and_copy(tokens_, slot);
+  cut_and_copy(targets_, slot);
+  in.tokens = tokens_.dev[static_cast<size_t>(slot)].get<int32_t>();
+  in.targets = targets_.dev[static_cast<size_t>(slot)].get<int32_t>();
+  if (docs_.starts || docs_.positions) {
+    const std::vector<int32_t> starts = document_starts(tokens_.whole, seq_, micro_batch_, docs_.end_of_document);
+    if (docs_.starts) {
+      starts_.whole = starts;
+      cut_and_copy(starts_, slot);
+      in.document_start = starts_.dev[static_cast<size_t>(slot)].get<int32_t>();
+    }
+    if (docs_.positions) {
+      for (size_t i = 0; i < starts.size(); ++i)
+        positions_.whole[i] = static_cast<int32_t>(static_cast<int64_t>(i) / micro_batch_) - starts[i];
+      cut_and_copy(positions_, slot);
+      in.position_ids = positions_.dev[static_cast<size_t>(slot)].get<int32_t>();
+    }
+  }
   return in;
 }
 

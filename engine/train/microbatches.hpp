@@ -15,10 +15,21 @@
 
 namespace loom::train {
 
+// Documents packed in the sequences (data.reset_attention_mask, reset_position_ids):
+// what the microbatches hand the layers besides the tokens.
+struct DocumentInputs {
+  int32_t end_of_document = -1;  // the token that ends one; -1: none handed
+  bool starts = false;           // document_start (reset_attention_mask)
+  bool positions = false;        // position_ids (reset_position_ids)
+};
+DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab);
+
 class Microbatches {
  public:
-  // `slots` device buffer pairs of this rank's rows of seq x micro_batch tokens.
-  Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch, int64_t slots);
+  // `slots` device buffer pairs of this rank's rows of seq x micro_batch tokens, and
+  // of the document inputs `docs` asks for.
+  Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch, int64_t slots,
+               DocumentInputs docs = {});
 
   // Reads samples first_sample .. + micro_batch of `split` into slot `slot`; the
   // input's dropout seed is left 0.
@@ -27,16 +38,30 @@ class Microbatches {
   // This rank's rows of the sequence (seq, or seq / cp), and the host copy of the
   // targets of the last load, [rows, micro_batch] (-1 = no target).
   int64_t rows() const { return context_.local_length(); }
-  const std::vector<int32_t>& targets() const { return targets_local_; }
+  const std::vector<int32_t>& targets() const { return targets_.local; }
 
  private:
+  // [rows, micro_batch] host rows of the whole sequences, this rank's part of them,
+  // and a device buffer per slot.
+  struct Rows {
+    std::vector<int32_t> whole, local;
+    std::vector<loom::Buffer> dev;
+  };
+  void cut_and_copy(Rows& rows, int64_t slot);
+
   runtime::RankRuntime& rank_;
   const DataSource& data_;
   int64_t seq_, micro_batch_;
+  DocumentInputs docs_;
   loom::ContextSlice context_;
-  std::vector<int32_t> tokens_, targets_;              // the whole sequences
-  std::vector<int32_t> tokens_local_, targets_local_;  // this rank's rows
-  std::vector<loom::Buffer> tokens_dev_, targets_dev_;
+  Rows tokens_, targets_, starts_, positions_;
 };
+
+// Where each token's document begins, for sequences laid out [seq, micro_batch]:
+// the position after the last end_of_document token before it (Megatron-LM's
+// get_ltor_masks_and_position_ids: an end-of-document token belongs to the document it
+// ends), or 0. A token's position in its document is its position minus that.
+std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
+                                     int32_t end_of_document);
 
 }  // namespace loom::train

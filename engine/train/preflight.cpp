@@ -126,6 +126,7 @@ Preflight preflight(const RunPlan& plan, int ranks_in_process) {
   if (out.vocab < data->vocab_size())
     throw DataError("model.vocab_size = " + std::to_string(out.vocab) + " is smaller than the vocabulary of the data (" +
                     data->describe() + ")");
+  document_end_for(config, out.vocab);  // the document resets' token exists, before launch
   const int64_t seq = config.model.seq_length;
   // A file too short for a sequence fails here, before launch.
   data->check_split(Split::Train, seq);

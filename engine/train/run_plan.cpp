@@ -381,6 +381,15 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
                        "layer '" + l.config + "' (plugin " + p->key() + ", ABI 1." + std::to_string(p->abi_minor) +
                            ") does not take a context-parallel slice of the sequence (it does not advertise "
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
+    // Documents packed in a sequence (ABI 1.22): every layer must keep them apart, or
+    // mix no positions.
+    const bool documents = LOOM_HAS_SLOT(api, loom_layer_api, features) && (api->features & LOOM_LAYER_DOCUMENTS) != 0;
+    for (const char* key : {"data.reset_attention_mask", "data.reset_position_ids"})
+      if (man.get_bool(key) && !documents)
+        diags.push_back({key, man.origin(key),
+                         "layer '" + l.config + "' (plugin " + p->key() + ", ABI 1." + std::to_string(p->abi_minor) +
+                             ") does not keep the documents of a sequence apart (it does not advertise "
+                             "LOOM_LAYER_DOCUMENTS, ABI 1.22); set " + key + " = false"});
   }
   check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
@@ -421,10 +430,10 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (written(man, key))
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " shapes the synthetic task; with data.kind = \"" +
                                 config.data.kind + "\" it changes nothing");
-  if (!config.data.eod_mask_loss && written(man, "data.eod_token"))
-    plan.warnings.push_back(man.origin("data.eod_token").str() + ": data.eod_token names the token "
-                            "data.eod_mask_loss masks the loss after; with data.eod_mask_loss = false it changes "
-                            "nothing");
+  if (!config.data.eod_mask_loss && !config.data.documents() && written(man, "data.eod_token"))
+    plan.warnings.push_back(man.origin("data.eod_token").str() + ": data.eod_token names the token that ends a "
+                            "document for data.eod_mask_loss, data.reset_attention_mask and data.reset_position_ids; "
+                            "with all three false it changes nothing");
   if (config.data.kind == "synthetic" && !config.data.path.empty())
     plan.warnings.push_back(man.origin("data.path").str() + ": data.path is set but data.kind = \"synthetic\" "
                             "generates its data; set data.kind = \"text\" or \"tokens\" to read the file");

@@ -88,7 +88,8 @@ class RankTraining {
         pp_(rt.group_or_self("pp")),
         model_(create_model(run, rt)),
         optimizer_(run.plan, rt, *model_),
-        batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches),
+        batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches,
+                 document_inputs(config_, run.vocab)),
         saver_(run.plan, rt, run.manifest_toml, [this](const CheckpointSaver::Committed& c) { committed(c); },
                run.options.before_checkpoint_write) {
     if (run_.resume)

@@ -148,18 +148,26 @@ void validate_attention(const loom_attention_args& a, bool backward) {
   const loom_attention_args r = op_contract::resolved(a);
   LOOM_REQUIRE(r.qkv_stride_s <= INT_MAX && r.kv_stride_s <= INT_MAX && r.out_stride_s <= INT_MAX && r.kv_seq <= INT_MAX,
                (backward ? "attention_bwd" : "attention_fwd") << ": strides must fit in 32 bits (BLAS interface)");
-  // key_start is host memory here: each query's first key must be its own or earlier,
-  // and never move back (what lets a block start at its first row's).
-  for (int64_t b = 0; r.key_start != nullptr && b < r.batch; ++b)
-    for (int64_t i = 0; i < r.seq; ++i) {
-      const int32_t k = r.key_start[b * r.seq + i];
-      LOOM_REQUIRE(k >= 0 && k <= r.q_offset + i && (i == 0 || k >= r.key_start[b * r.seq + i - 1]),
+}
+
+namespace {
+
+// key_start is host memory here, read when the op runs (under capture, the ops before
+// it write it): each query's first key must be its own or earlier and never move back
+// (what lets a block start at its first row's).
+void check_key_start(const loom_attention_args& a, bool backward) {
+  for (int64_t b = 0; a.key_start != nullptr && b < a.batch; ++b)
+    for (int64_t i = 0; i < a.seq; ++i) {
+      const int32_t k = a.key_start[b * a.seq + i];
+      LOOM_REQUIRE(k >= 0 && k <= a.q_offset + i && (i == 0 || k >= a.key_start[b * a.seq + i - 1]),
                    (backward ? "attention_bwd" : "attention_fwd")
                        << ": key_start[" << b << " * seq + " << i << "] = " << k
-                       << " must lie in [key_start of the query before, q_offset + " << i << " = " << r.q_offset + i
+                       << " must lie in [key_start of the query before, q_offset + " << i << " = " << a.q_offset + i
                        << "] (non-decreasing, each query seeing itself)");
     }
 }
+
+}  // namespace
 
 namespace {
 
@@ -271,12 +279,16 @@ void attention_bwd(Device& d, const loom_attention_args& a) {
 
 void run_attention_fwd(Device& d, const loom_attention_args& a) {
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  attention_fwd(d, op_contract::resolved(a));
+  const loom_attention_args r = op_contract::resolved(a);
+  check_key_start(r, false);
+  attention_fwd(d, r);
 }
 
 void run_attention_bwd(Device& d, const loom_attention_args& a) {
   if (a.batch == 0 || a.seq == 0 || a.heads == 0 || a.head_dim == 0) return;
-  attention_bwd(d, op_contract::resolved(a));
+  const loom_attention_args r = op_contract::resolved(a);
+  check_key_start(r, true);
+  attention_bwd(d, r);
 }
 
 }  // namespace loom::cpu

@@ -176,7 +176,7 @@ class Attention : public loom::Layer {
     require_ops(options, v, v.instance_name(), v.device_features());
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
+  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -200,9 +200,15 @@ class Attention : public loom::Layer {
     loom::Device dev = rank.device();
     const bool drop = a.training && dropout_ > 0.0f;
     const bool sp = tp_.sequence_parallel();
+    // Documents packed in the sequences (ABI 1.22): each row's document's start, its
+    // position in its document.
+    if (a.document_start) require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
+    if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
 
-    Saved s = saved_layout(S, B, a.training, drop);
+    Saved s = saved_layout(S, B, a.training, drop, a.document_start != nullptr);
     s.mem.allocate(rank_);
+    s.positions = a.position_ids ? data_of<int32_t>(*a.position_ids) : nullptr;
+    if (a.document_start) key_starts(dev, data_of<int32_t>(*a.document_start), s);
 
     ForwardTemps ft = forward_temps(S, B);
     Arena& tmp = ft.mem;
@@ -219,7 +225,7 @@ class Attention : public loom::Layer {
                                         .dtype = dt_.act});
     if (grouped_) ungroup(dev, tmp.at(grouped), s.mem.at(s.qkv), T);
     if (qk_norm_) normalize_qk(dev, s.mem.at(s.qkv), T, s.mem.at(s.qk_x), s.mem.at(s.qk_mean), s.mem.at(s.qk_rstd));
-    if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false);
+    if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false, 0, s.positions);
     {
       KvFull kv(*this, dev, s, /*backward=*/false);
       for (int h = 0; h < halves(); ++h) dev.attention_fwd(attention_args(s, kv, h));
@@ -357,7 +363,7 @@ class Attention : public loom::Layer {
       }
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
-    if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true);  // dq, dk of the unrotated q, k
+    if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true, 0, s.positions);  // dq, dk of the unrotated q, k
     if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
     // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
     void* dout = tmp.at(dqkv);
@@ -505,12 +511,14 @@ class Attention : public loom::Layer {
     Arena mem;
     size_t x = 0, mean = 0, rstd = 0, qkv = 0, ctx = 0, lse = 0, mask = 0;
     size_t qk_x = 0, qk_mean = 0, qk_rstd = 0;  // qk_norm: q and k before it, their statistics
-    bool dropped = false;
+    size_t key_start = 0;                         // documents: each query's first key (see key_starts)
+    bool dropped = false, documents = false;
+    const int32_t* positions = nullptr;  // position_ids (the engine's, alive until backward), or null
   };
 
   // What a forward of S x B rows keeps for its backward (laid out, not allocated):
   // activation_bytes() reports the same layout a training forward allocates.
-  Saved saved_layout(int64_t S, int64_t B, bool training, bool drop) const {
+  Saved saved_layout(int64_t S, int64_t B, bool training, bool drop, bool documents = false) const {
     const int64_t H = hidden_, Hl = hidden_local_;
     const int64_t T = S * B, Tl = (tp_.sequence_parallel() ? S / tp_.size() : S) * B;
     Saved s;
@@ -526,8 +534,23 @@ class Attention : public loom::Layer {
     s.qk_x = s.mem.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act);
     s.qk_mean = s.mem.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0);
     s.qk_rstd = s.mem.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
+    s.key_start = s.mem.add(documents ? T * sizeof(int32_t) : 0);
     s.dropped = drop;
+    s.documents = documents;
     return s;
+  }
+
+  // The attention op's key_start (ABI 1.22) from the engine's document starts [S, B]:
+  // per attention call (the local sequence, or each of its two cp chunks) a block
+  // [B, rows of the call], each batch element's column copied into a row. The starts
+  // are positions in the whole sequence, as the gathered keys are under cp.
+  void key_starts(const loom::Device& dev, const int32_t* document_start, Saved& s) const {
+    const int64_t B = s.B, rows = s.S / halves();
+    int32_t* out = s.mem.at<int32_t>(s.key_start);
+    for (int h = 0; h < halves(); ++h)
+      for (int64_t b = 0; b < B; ++b)
+        dev.copy_2d(out + (h * B + b) * rows, sizeof(int32_t), document_start + h * rows * B + b, B * sizeof(int32_t),
+                    sizeof(int32_t), static_cast<size_t>(rows), LOOM_COPY_DEVICE_TO_DEVICE);
   }
 
   int halves() const { return cp_.cp() > 1 ? 2 : 1; }
@@ -711,9 +734,11 @@ class Attention : public loom::Layer {
   // Rotates q and k of the packed [S * B, 3 * Hl] in place by each row's position
   // (row s * B + b: local row first + s of this cp rank's slice), or back (backward: the
   // transpose, for their gradients).
-  void rotate(const loom::Device& dev, void* qkv, int64_t S, int64_t B, bool backward, int64_t first = 0) {
+  // positions: the engine's position_ids (documents), else each row's in the sequence.
+  void rotate(const loom::Device& dev, void* qkv, int64_t S, int64_t B, bool backward, int64_t first = 0,
+              const int32_t* given = nullptr) {
     const int64_t Hl = hidden_local_;
-    const int32_t* positions = rope_positions_.get(rank_, dev, cp_, first, S, B);
+    const int32_t* positions = given ? given : rope_positions_.get(rank_, dev, cp_, first, S, B);
     for (int part = 0; part < 2; ++part) {  // q, then k
       void* x = advance(qkv, part * Hl, dt_.act);
       const loom_rope_args r = {.tokens = S * B, .heads = heads_local_, .head_dim = head_dim_,
@@ -812,6 +837,7 @@ class Attention : public loom::Layer {
     at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
     at.causal = 1;
     at.window = window_;
+    if (s.documents) at.key_start = s.mem.at<int32_t>(s.key_start) + half * s.B * at.seq;
     at.dtype = dt_.act;
     if (kv.gathered) {
       at.q_offset = cp_.chunk_start(cp_.rank(), half);

@@ -55,7 +55,8 @@ class Embedding : public loom::Layer {
     if (learned_positions_) params_.add({.name = "pos.weight", .shape = {seq_, hidden_}, .init = LOOM_INIT_NORMAL});
   }
 
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS | LOOM_LAYER_KV_CACHE;
+  static constexpr uint64_t kFeatures =
+      LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_READS_TOKENS | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 
@@ -85,13 +86,17 @@ class Embedding : public loom::Layer {
     Saved s = saved_layout(S, B, a.training, drop);
     s.mem.allocate(rank_);
     if (a.training) copy_d2d(dev, s.mem.at<int32_t>(s.tokens), tokens, T * sizeof(int32_t));
+    // Positions counted from each document's start (ABI 1.22 position_ids; the engine
+    // keeps them until the backward), else from the sequence's.
+    if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
+    s.positions = a.position_ids ? data_of<int32_t>(*a.position_ids) : nullptr;
 
     // Vocab-parallel lookup of every token, then g (all-reduce, or reduce-scatter
     // to the shard under SP); then the positions of the rows this rank holds.
     tp_.vocab_parallel_embedding_forward({.rows = T, .dim = H, .padded_vocab = padded_vocab_, .ids = tokens,
                                           .table = w_[kWord], .out = y, .dtype = dt_.act});
     if (learned_positions_)
-      dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = position_ids(dev, S, B),
+      dev.embedding_fwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0, .ids = position_ids(dev, S, B, s.positions),
                          .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = y, .out = y,
@@ -151,7 +156,7 @@ class Embedding : public loom::Layer {
     // pos grad[s] += sum_b dout[s, b] over the positions this rank holds.
     if (learned_positions_)
       dev.embedding_bwd({.n = Tl, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
-                         .ids = position_ids(dev, S, B), .dout = d, .dtable = gs[1],
+                         .ids = position_ids(dev, S, B, s.positions), .dout = d, .dtable = gs[1],
                          .dtype = dt_.act, .grad_fp32 = gs.grad_fp32()});
     gs.commit();
     saved_.erase(it);
@@ -186,6 +191,7 @@ class Embedding : public loom::Layer {
     Arena mem;
     size_t tokens = 0, mask = 0;
     bool dropped = false;
+    const int32_t* positions = nullptr;  // position_ids, or null
   };
 
   // What a forward of S x B tokens keeps for its backward (laid out, not allocated):
@@ -213,8 +219,10 @@ class Embedding : public loom::Layer {
   // row first + s (first = the SP shard's first row) in this cp rank's slice of a
   // sequence of S * cp; built at bind for (seq_len, micro_batch) and again only if a
   // microbatch of another shape comes.
-  const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B) {
+  // Given the engine's position_ids [S, B], the same rows of them.
+  const int32_t* position_ids(const loom::Device& dev, int64_t S, int64_t B, const int32_t* given = nullptr) {
     const int64_t Sl = shard_positions(S), first = tp_.sequence_parallel() ? tp_.rank() * Sl : 0;
+    if (given) return given + first * B;
     return positions_.get(rank_, dev, loom::ContextSlice(S * cp_.size(), cp_.size(), cp_.rank()), first, Sl, B);
   }
 

@@ -57,7 +57,9 @@ class LmHead : public loom::Layer {
   }
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows.
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS | LOOM_LAYER_KV_CACHE;
+  // Documents (ABI 1.22) need nothing here: no positions are mixed or embedded.
+  static constexpr uint64_t kFeatures =
+      LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_WRITES_LOSS | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 

@@ -73,7 +73,9 @@ class Mlp : public loom::Layer {
 
   // Position-independent: a context-parallel slice of the sequence is just fewer rows,
   // and a generation step (kv_cache) an evaluation forward of its rows.
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
+  // Documents (ABI 1.22) need nothing here: no positions are mixed or embedded.
+  static constexpr uint64_t kFeatures =
+      LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 

@@ -218,7 +218,9 @@ class Moe : public loom::Layer {
   // A generation step (kv_cache) is an evaluation forward of its rows: routing is per
   // token, but with a capacity factor the capacity follows the tokens of the call, so
   // a decode step of one token drops none (Megatron-LM's inference runs dropless too).
-  static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE;
+  // Documents (ABI 1.22) need nothing here: no positions are mixed or embedded.
+  static constexpr uint64_t kFeatures =
+      LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
 
   std::vector<loom::ParamSpec> params() override { return params_.specs(); }
 

@@ -1138,18 +1138,19 @@ typedef struct loom_layer_fwd_args {
    * all of it on every tensor-parallel rank). NULL: not asked. */
   float* logits;
   /* --- since 1.22 --- */
-  /* Documents packed in a sequence, ended by end-of-document tokens (Megatron-LM's
-   * reset_attention_mask and reset_position_ids; given only to layers with
-   * LOOM_LAYER_DOCUMENTS): [rows, micro_batch] int32 in device memory, laid out as
-   * tokens, holding for each row the position in the whole sequence where its
-   * document begins (the position after the last end-of-document token before it, or
-   * 0). With reset_attention_mask = 1 a position attends to its document's positions
-   * only; with reset_position_ids = 1 its position is counted from its document's
-   * start (rotary and learned position embeddings). NULL, and both 0, in every other
-   * run: each sequence is one document. */
+  /* Documents packed in a sequence, ended by end-of-document tokens (given only to
+   * layers with LOOM_LAYER_DOCUMENTS). Both [rows, micro_batch] int32 in device
+   * memory, laid out as tokens (the rows of this rank's context-parallel slice),
+   * holding the data until the step's backward like the other views:
+   *   document_start (Megatron-LM's reset_attention_mask): where each row's document
+   *     begins, as a position in the whole sequence (the position after the last
+   *     end-of-document token before the row, or 0); a position attends to its
+   *     document's positions only. NULL: each sequence is one document.
+   *   position_ids (Megatron-LM's reset_position_ids): each row's position counted from
+   *     its document's start, what rotary and learned position embeddings use. NULL:
+   *     the row's position in the whole sequence. */
   const DLTensor* document_start;
-  int32_t reset_attention_mask;
-  int32_t reset_position_ids;
+  const DLTensor* position_ids;
 } loom_layer_fwd_args;
 
 /* loom_layer_api.backward's arguments, borrowed for the call as the forward's. */
@@ -1306,9 +1307,10 @@ typedef struct loom_layer_api {
  * also writes `logits`): `loom generate` refuses a model with a layer, built for 1.13
  * or later, that lacks the bit, and every layer built before 1.13. */
 #define LOOM_LAYER_KV_CACHE (1ull << 3)
-/* The layer honours loom_layer_fwd_args.document_start (since 1.22), or mixes no
- * positions and takes none (an MLP): the engine refuses data.reset_attention_mask and
- * data.reset_position_ids for a model with a layer that lacks the bit. */
+/* The layer honours loom_layer_fwd_args.document_start and position_ids (since 1.22),
+ * or mixes and embeds no positions (an MLP): the engine refuses
+ * data.reset_attention_mask and data.reset_position_ids for a model with a layer that
+ * lacks the bit. */
 #define LOOM_LAYER_DOCUMENTS (1ull << 4)
 
 /* ------------------------------------------------------------------------- */
