@@ -83,6 +83,8 @@ extern "C" size_t loom_abi_sizeof_v1_20(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_21(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_21(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_21(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_22(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_22(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -499,6 +501,25 @@ TEST(AbiLayout, Released121MembersKeepOffsetsAndSizes) {
   EXPECT_GE(offsetof(loom_attention_args, window), old_size);
   EXPECT_EQ(offsetof(loom_attention_args, window) + sizeof(int64_t), loom_abi_sizeof_v1_21("loom_attention_args"));
   EXPECT_EQ(LOOM_DEVICE_ATTENTION_SLIDING_WINDOW, 1ull << 9);
+}
+
+// 1.22's too (documents): key_start past 1.21's loom_attention_args, document_start
+// and position_ids past 1.21's loom_layer_fwd_args, each ending its struct; the device
+// and layer bits.
+TEST(AbiLayout, Released122MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_121 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_22(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_22(&n_current);
+  loom_abi_layout_current_v1_21(&n_121);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_121 + 2 * 3);
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  EXPECT_EQ(offsetof(loom_attention_args, key_start), loom_abi_sizeof_v1_21("loom_attention_args"));
+  EXPECT_EQ(offsetof(loom_attention_args, key_start) + sizeof(void*), sizeof(loom_attention_args));
+  EXPECT_EQ(offsetof(loom_layer_fwd_args, document_start), loom_abi_sizeof_v1_21("loom_layer_fwd_args"));
+  EXPECT_EQ(offsetof(loom_layer_fwd_args, position_ids) + sizeof(void*), sizeof(loom_layer_fwd_args));
+  EXPECT_EQ(LOOM_DEVICE_ATTENTION_KEY_START, 1ull << 10);
+  EXPECT_EQ(LOOM_LAYER_DOCUMENTS, 1ull << 4);
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -202,7 +202,13 @@ class Attention : public loom::Layer {
     const bool sp = tp_.sequence_parallel();
     // Documents packed in the sequences (ABI 1.22): each row's document's start, its
     // position in its document.
-    if (a.document_start) require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
+    if (a.document_start) {
+      require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
+      LOOM_REQUIRE((dev.features() & LOOM_DEVICE_ATTENTION_KEY_START) != 0,
+                   name_ << ": documents packed in a sequence (data.reset_attention_mask) need a device whose attention "
+                            "takes each query's first key (LOOM_DEVICE_ATTENTION_KEY_START, ABI 1.22); rebuild the "
+                            "device plugin against ABI 1.22");
+    }
     if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
 
     Saved s = saved_layout(S, B, a.training, drop, a.document_start != nullptr);
