@@ -245,8 +245,9 @@ Shape shape_of(const train::RunPlan& plan) {
                               " of " + std::to_string(c.model.num_heads) + " heads)"
                         : ""));
   s.mistral = s.llama && !s.qk_norm && s.window > 0;
-  if (s.gpt2 && s.window > 0)
+  if (s.gpt2 && effective_window(s.window, c.model.seq_length) > 0)
     throw std::runtime_error("GPT-2's attention has no sliding window (sliding_window = " + std::to_string(s.window) +
+                             ", shorter than model.seq_length = " + std::to_string(c.model.seq_length) +
                              "); Llama's blocks with one are Mistral's");
   if (!s.llama3_rope.is_null() && (s.gpt2 || !rope))
     throw std::runtime_error("rope_scaling = \"llama3\" scales rotary embeddings, which these blocks do not use");

@@ -445,6 +445,20 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
     EXPECT_NE(std::string(e.what()).find("neither GPT-2's"), std::string::npos) << e.what();
   }
   fs::remove_all(dir);
+  // GPT-2's attention has no sliding window, unless it reaches over every sequence.
+  const std::string windowed = scratch("gpt2-window");
+  try {
+    loom::interop::export_hf(parallel_checkpoint({"model.layer.attention.sliding_window=5"}, windowed), windowed + "/out",
+                             loom::plugins::registry());
+    ADD_FAILURE() << "a GPT-2 model with a sliding window was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("GPT-2's attention has no sliding window (sliding_window = 5, shorter than "
+                                         "model.seq_length = 16)"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(windowed);
+  check_export({"model.layer.attention.sliding_window=16"}, "GPT2LMHeadModel");
 }
 
 // A block of two attention + MLP pairs (4 blocks) is an 8-layer Hugging Face model, and
