@@ -218,7 +218,8 @@ size_t Model::hidden_bytes(int64_t rows, int64_t batch) const {
 }
 
 const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t position_offset, const int32_t* tokens,
-                                  const void* input, float* logits) {
+                                  const void* input, float* logits, const int32_t* document_start,
+                                  const int32_t* position_ids) {
   const LocalChunk& chunk = layers_.chunk(c);
   LOOM_REQUIRE(chunk.is_first_global() == (input == nullptr),
                "generation: chunk " << chunk.global_index << (input ? " takes tokens, not a hidden state" : " needs its input"));
@@ -228,6 +229,10 @@ const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t po
   const std::vector<int64_t> shape = {rows, batch, dims_.hidden}, tok_shape = {rows, batch};
   DLTensor tok = device_view(rank_, const_cast<int32_t*>(tokens), tok_shape);
   tok.dtype = {kDLInt, 32, 1};
+  DLTensor doc = device_view(rank_, const_cast<int32_t*>(document_start), tok_shape);
+  doc.dtype = {kDLInt, 32, 1};
+  DLTensor pos = device_view(rank_, const_cast<int32_t*>(position_ids), tok_shape);
+  pos.dtype = {kDLInt, 32, 1};
   const void* held = input;
   int turn = held == generated_[0].get() ? 1 : 0;  // never write over the input before it is read
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {
@@ -243,6 +248,8 @@ const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t po
     a.tokens = &tok;
     a.kv_cache = 1;
     a.position_offset = position_offset;
+    a.document_start = document_start ? &doc : nullptr;
+    a.position_ids = position_ids ? &pos : nullptr;
     a.logits = has_output ? nullptr : logits;
     const Layer& l = layers_[i];
     check_step(l.api->forward(l.handle, &rank_, &a), l, "forward with the key/value cache");

@@ -85,9 +85,11 @@ class Model {
   // feed the first global chunk, `input` (a device hidden state [rows, batch, hidden])
   // the others. Returns the output hidden state, valid until the next call, or nullptr
   // for the last global chunk, which writes the fp32 logits of every sequence's last
-  // row to `logits` (host, [batch, vocab]).
+  // row to `logits` (host, [batch, vocab]). document_start and position_ids (device,
+  // laid out as the tokens, or null): the rows' documents (ABI 1.22).
   const void* forward_cached(int c, int64_t rows, int64_t batch, int64_t position_offset, const int32_t* tokens,
-                             const void* input, float* logits);
+                             const void* input, float* logits, const int32_t* document_start = nullptr,
+                             const int32_t* position_ids = nullptr);
   // Bytes of a hidden state of `rows` positions of `batch` sequences.
   size_t hidden_bytes(int64_t rows, int64_t batch) const;
 

@@ -383,6 +383,28 @@ int32_t document_end_for(const manifest::RunConfig& config, int64_t vocab) {
   return end_of_document_token(config, vocab);
 }
 
+DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab) {
+  DocumentInputs d;
+  d.end_of_document = document_end_for(config, vocab);
+  d.starts = config.data.reset_attention_mask;
+  d.positions = config.data.reset_position_ids;
+  return d;
+}
+
+std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
+                                     int32_t end_of_document) {
+  std::vector<int32_t> starts(tokens.size());
+  for (int64_t b = 0; b < micro_batch; ++b) {
+    int32_t start = 0;
+    for (int64_t s = 0; s < seq; ++s) {
+      const size_t at = static_cast<size_t>(s * micro_batch + b);
+      starts[at] = start;
+      if (tokens[at] == end_of_document) start = static_cast<int32_t>(s + 1);
+    }
+  }
+  return starts;
+}
+
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets) {
   std::vector<int32_t> t(seq), g(seq);

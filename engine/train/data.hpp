@@ -54,6 +54,22 @@ int32_t end_of_document_token(const manifest::RunConfig& config, int64_t vocab);
 // data.reset_attention_mask or data.reset_position_ids is set, else -1 (none).
 int32_t document_end_for(const manifest::RunConfig& config, int64_t vocab);
 
+// Documents packed in the sequences (data.reset_attention_mask, reset_position_ids):
+// what the microbatches hand the layers besides the tokens.
+struct DocumentInputs {
+  int32_t end_of_document = -1;  // the token that ends one; -1: none handed
+  bool starts = false;           // document_start (reset_attention_mask)
+  bool positions = false;        // position_ids (reset_position_ids)
+};
+DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab);
+
+// Where each token's document begins, for sequences laid out [seq, micro_batch]:
+// the position after the last end_of_document token before it (Megatron-LM's
+// get_ltor_masks_and_position_ids: an end-of-document token belongs to the document it
+// ends), or 0. A token's position in its document is its position minus that.
+std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
+                                     int32_t end_of_document);
+
 // llm.c's token file: a header of 256 int32 (magic 20240520, version 1, token count),
 // then uint16 tokens. Throws DataError naming `key` (what named the file: "path" for
 // data.path, or an option such as "--data") and what is wrong.

@@ -46,9 +46,9 @@ namespace {
 // passed over the pipeline group (tag k), one step per new token.
 class RankGeneration {
  public:
-  RankGeneration(model::Model& model, runtime::RankRuntime& rt, int64_t vocab, bool reports)
+  RankGeneration(model::Model& model, runtime::RankRuntime& rt, int64_t vocab, bool reports, DocumentInputs docs)
       : model_(model), rt_(rt), world_(rt.group_or_self("world")), pp_(rt.group_or_self("pp")), vocab_(vocab),
-        reports_(reports) {}
+        reports_(reports), docs_(docs) {}
 
   GenerationResult run(const GenerationRequest& req) {
     const int64_t seq_len = model_.dims().seq_len;
@@ -58,6 +58,8 @@ class RankGeneration {
     const std::span<const float> drawable(logits.data(), static_cast<size_t>(req.token_limit > 0 ? req.token_limit : vocab_));
     GenerationResult out;
     loom::Buffer tokens(&rt_, static_cast<size_t>(seq_len) * sizeof(int32_t));
+    loom::Buffer starts(&rt_, docs_.starts ? static_cast<size_t>(seq_len) * sizeof(int32_t) : 0);
+    loom::Buffer positions(&rt_, docs_.positions ? static_cast<size_t>(seq_len) * sizeof(int32_t) : 0);
     loom::Buffer decided(&rt_, 2 * sizeof(float));
     for (int64_t step = 0; step < req.max_new_tokens; ++step) {
       if (static_cast<int64_t>(seq.size()) >= seq_len) {
@@ -70,7 +72,20 @@ class RankGeneration {
       const int64_t rows = static_cast<int64_t>(seq.size()) - offset;
       rt_.dev().copy(tokens.get(), seq.data() + offset, static_cast<size_t>(rows) * sizeof(int32_t),
                      LOOM_COPY_HOST_TO_DEVICE);
-      forward_all_chunks(rows, offset, tokens.get<int32_t>(), logits.data());
+      // Documents (data.reset_*): the rows' starts and positions in the sequence so far,
+      // as training saw them (a token after an end token starts another document).
+      if (docs_.starts || docs_.positions) {
+        const int64_t n = static_cast<int64_t>(seq.size());
+        const std::vector<int32_t> s = document_starts(seq, n, 1, docs_.end_of_document);
+        std::vector<int32_t> p(s.size());
+        for (int64_t i = 0; i < n; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i) - s[static_cast<size_t>(i)];
+        const size_t bytes = static_cast<size_t>(rows) * sizeof(int32_t);
+        if (docs_.starts) rt_.dev().copy(starts.get(), s.data() + offset, bytes, LOOM_COPY_HOST_TO_DEVICE);
+        if (docs_.positions) rt_.dev().copy(positions.get(), p.data() + offset, bytes, LOOM_COPY_HOST_TO_DEVICE);
+      }
+      forward_all_chunks(rows, offset, tokens.get<int32_t>(), logits.data(),
+                         docs_.starts ? starts.get<int32_t>() : nullptr,
+                         docs_.positions ? positions.get<int32_t>() : nullptr);
       // The reporting rank picks the token; every rank learns it and whether any saw a
       // stop signal, so all stop after the same token.
       float mine[2] = {0.0f, req.stop_signal && req.stop_signal->load() != 0 ? 1.0f : 0.0f};
@@ -98,7 +113,8 @@ class RankGeneration {
   }
 
  private:
-  void forward_all_chunks(int64_t rows, int64_t offset, const int32_t* tokens, float* logits) {
+  void forward_all_chunks(int64_t rows, int64_t offset, const int32_t* tokens, float* logits,
+                          const int32_t* document_start, const int32_t* position_ids) {
     const int pp = pp_.size(), chunks = pp * static_cast<int>(model_.chunk_count());
     const size_t bytes = model_.hidden_bytes(rows, 1), numel = bytes / dtype_size(model_.act_dtype());
     const void* held = nullptr;
@@ -110,7 +126,7 @@ class RankGeneration {
         pp_.recv(rt_.dev().native_stream(), received_.get(), numel, model_.act_dtype(), (k - 1) % pp, k);
         input = received_.get();
       }
-      held = model_.forward_cached(k / pp, rows, 1, offset, tokens, input, logits);
+      held = model_.forward_cached(k / pp, rows, 1, offset, tokens, input, logits, document_start, position_ids);
       if (k + 1 < chunks && pp > 1)
         pp_.send(rt_.dev().native_stream(), held, numel, model_.act_dtype(), (k + 1) % pp, k + 1);
     }
@@ -121,6 +137,7 @@ class RankGeneration {
   const loom::Group world_, pp_;
   const int64_t vocab_;
   const bool reports_;
+  const DocumentInputs docs_;
   loom::Buffer received_;
 };
 
@@ -210,7 +227,7 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
     std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
     const bool reports = rt.group_or_self("pp").rank() == plan.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;
-    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports);
+    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports, document_inputs(plan.config, vocab));
     if (reports) {
       std::lock_guard<std::mutex> lock(mu);
       result = std::move(r);
@@ -220,8 +237,8 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
 }
 
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
-                                  const GenerationRequest& request, bool reports) {
-  return RankGeneration(model, rt, vocab, reports).run(request);
+                                  const GenerationRequest& request, bool reports, DocumentInputs docs) {
+  return RankGeneration(model, rt, vocab, reports, docs).run(request);
 }
 
 }  // namespace loom::train

@@ -11,6 +11,7 @@
 #include "engine/model/model.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
+#include "engine/train/data.hpp"
 #include "engine/train/init_weights.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -79,8 +80,10 @@ void require_kv_cache_layers(const RunPlan& plan);
 // or sequence parallelism. `reports`: this rank picks the tokens, calls on_token and
 // keeps the logits (one rank of the world: the last pipeline stage's first tp rank of
 // dp rank 0); every rank's result has the tokens and timings.
+// docs: the documents the model was trained with (data.reset_*), found in the sequence
+// as it grows.
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
-                                  const GenerationRequest& request, bool reports);
+                                  const GenerationRequest& request, bool reports, DocumentInputs docs = {});
 
 // Generates on every rank of `plan` (generation_plan's), the model's parameters from
 // `weights` (whole tensors, checked by check_initial_weights first). vocab: the

@@ -4,14 +4,6 @@
 
 namespace loom::train {
 
-DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab) {
-  DocumentInputs d;
-  d.end_of_document = document_end_for(config, vocab);
-  d.starts = config.data.reset_attention_mask;
-  d.positions = config.data.reset_position_ids;
-  return d;
-}
-
 Microbatches::Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch,
                            int64_t slots, DocumentInputs docs)
     : rank_(rank),
@@ -28,20 +20,6 @@ Microbatches::Microbatches(runtime::RankRuntime& rank, const DataSource& data, i
     r->local.resize(local);
     for (int64_t s = 0; s < slots; ++s) r->dev.emplace_back(&rank_, local * sizeof(int32_t));
   }
-}
-
-std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
-                                     int32_t end_of_document) {
-  std::vector<int32_t> starts(tokens.size());
-  for (int64_t b = 0; b < micro_batch; ++b) {
-    int32_t start = 0;
-    for (int64_t s = 0; s < seq; ++s) {
-      const size_t at = static_cast<size_t>(s * micro_batch + b);
-      starts[at] = start;
-      if (tokens[at] == end_of_document) start = static_cast<int32_t>(s + 1);
-    }
-  }
-  return starts;
 }
 
 void Microbatches::cut_and_copy(Rows& rows, int64_t slot) {

@@ -419,7 +419,7 @@ void RankTraining::sample(int64_t step) {
   req.max_new_tokens = config_.run.sample_tokens;
   req.sampling.temperature = 0;
   const bool reports = pp_.rank() == pp_.size() - 1 && rt_.group_or_self("tp").rank() == 0 && dp_.rank() == 0;
-  const GenerationResult r = generate_on_rank(*model_, rt_, run_.vocab, req, reports);
+  const GenerationResult r = generate_on_rank(*model_, rt_, run_.vocab, req, reports, document_inputs(config_, run_.vocab));
   if (leader_ && run_.options.log)
     *run_.options.log << "sample at step " << step << ": " << run_.data.render(req.prompt.data(), static_cast<int64_t>(req.prompt.size()))
                       << " -> " << run_.data.render(r.tokens.data(), static_cast<int64_t>(r.tokens.size())) << std::endl;

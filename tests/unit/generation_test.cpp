@@ -14,6 +14,8 @@
 #include <boost/filesystem.hpp>
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <cmath>
 #include <sstream>
 #include <map>
@@ -138,6 +140,33 @@ TEST(Generation, CacheEqualsRecomputeWithASlidingWindowAtTp2) {
   std::vector<std::string> mistral = kLlama;
   mistral.push_back("model.layer.attention.sliding_window=4");
   check_cache_equals_recompute(mistral, {"parallel.tp=2"});
+}
+
+// A model trained with documents packed in its sequences (data.reset_attention_mask
+// and reset_position_ids; lines of text, the newline ending each) generates after a
+// prompt's last document what it generates from that document alone, with the cache
+// and without, with learned and with rotary positions.
+TEST(Generation, AfterAnEndOfDocumentTheModelSeesItsDocumentOnly) {
+  const std::string dir = loom::testing::scratch_dir("generate-documents");
+  {
+    std::ofstream text(dir + "/lines.txt");
+    for (int line = 0; line < 400; ++line) text << std::string(static_cast<size_t>(2 + line % 9), 'a' + line % 7) << "\n";
+  }
+  for (const std::vector<std::string>& model : {std::vector<std::string>{}, kLlama}) {
+    std::vector<std::string> o = model;
+    o.insert(o.end(), {"data.kind=\"text\"", "data.path=\"" + dir + "/lines.txt\"", "data.eod_token=10",
+                       "data.reset_attention_mask=true", "data.reset_position_ids=true"});
+    const Trained m = train_and_gather(o);
+    GenerationRequest alone = greedy(5, true), packed = greedy(5, true);
+    alone.prompt = {98, 99, 100};
+    packed.prompt = {120, 121, 10, 122, 10, 98, 99, 100};
+    for (const bool cache : {true, false}) {
+      alone.use_cache = packed.use_cache = cache;
+      const GenerationResult a = generate(m, {}, alone), p = generate(m, {}, packed);
+      expect_same(a, p, 1e-5, cache ? "with the cache" : "recomputed");
+    }
+  }
+  fs::remove_all(dir);
 }
 
 // A checkpoint trained at tp 2 x dp 2 with SP generates at its own tensor layout and at

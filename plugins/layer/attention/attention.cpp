@@ -204,10 +204,7 @@ class Attention : public loom::Layer {
     // position in its document.
     if (a.document_start) {
       require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
-      LOOM_REQUIRE((dev.features() & LOOM_DEVICE_ATTENTION_KEY_START) != 0,
-                   name_ << ": documents packed in a sequence (data.reset_attention_mask) need a device whose attention "
-                            "takes each query's first key (LOOM_DEVICE_ATTENTION_KEY_START, ABI 1.22); rebuild the "
-                            "device plugin against ABI 1.22");
+      require_key_start(dev);
     }
     if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
 
@@ -282,7 +279,8 @@ class Attention : public loom::Layer {
                  mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
                  proj = tmp.elems(T * H, dt_.act), qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
                  qk_mean = tmp.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0),
-                 qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
+                 qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0),
+                 key_start = tmp.add(a.document_start ? T * sizeof(int32_t) : 0);
     tmp.allocate(rank_);
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
     tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln), .x_full = nullptr,
@@ -290,7 +288,9 @@ class Attention : public loom::Layer {
                                         .y = grouped_ ? tmp.at(grouped) : tmp.at(qkv), .dtype = dt_.act});
     if (grouped_) ungroup(dev, tmp.at(grouped), tmp.at(qkv), T);
     if (qk_norm_) normalize_qk(dev, tmp.at(qkv), T, tmp.at(qk_x), tmp.at(qk_mean), tmp.at(qk_rstd));
-    if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P);
+    if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
+    if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P,
+                      a.position_ids ? data_of<int32_t>(*a.position_ids) : nullptr);
     void* cache = cache_.get();
     dev.copy_2d(advance(cache, P * B * W, dt_.act), W * eb, advance(tmp.at<const void>(qkv), Hl, dt_.act), 3 * Hl * eb,
                 W * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
@@ -314,6 +314,15 @@ class Attention : public loom::Layer {
     at.q_offset = P;
     at.kv_seq = P + S;
     at.window = window_;
+    if (a.document_start) {  // the queries' documents' starts, [B, S] from the engine's [S, B]
+      require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
+      require_key_start(dev);
+      const int32_t* starts = data_of<int32_t>(*a.document_start);
+      for (int64_t b = 0; b < B; ++b)
+        dev.copy_2d(tmp.at<int32_t>(key_start) + b * S, sizeof(int32_t), starts + b, B * sizeof(int32_t),
+                    sizeof(int32_t), static_cast<size_t>(S), LOOM_COPY_DEVICE_TO_DEVICE);
+      at.key_start = tmp.at<int32_t>(key_start);
+    }
     at.kv_stride_b = W;
     at.kv_stride_s = B * W;
     dev.attention_fwd(at);
@@ -544,6 +553,13 @@ class Attention : public loom::Layer {
     s.dropped = drop;
     s.documents = documents;
     return s;
+  }
+
+  void require_key_start(const loom::Device& dev) const {
+    LOOM_REQUIRE((dev.features() & LOOM_DEVICE_ATTENTION_KEY_START) != 0,
+                 name_ << ": documents packed in a sequence (data.reset_attention_mask) need a device whose attention "
+                          "takes each query's first key (LOOM_DEVICE_ATTENTION_KEY_START, ABI 1.22); rebuild the "
+                          "device plugin against ABI 1.22");
   }
 
   // The attention op's key_start (ABI 1.22) from the engine's document starts [S, B]:

@@ -120,9 +120,11 @@ class Embedding : public loom::Layer {
     tp_.vocab_parallel_embedding_forward({.rows = S * B, .dim = H, .padded_vocab = padded_vocab_,
                                           .ids = data_of<int32_t>(*a.tokens), .table = w_[kWord], .out = y,
                                           .dtype = dt_.act});
+    if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
     if (learned_positions_)
       dev.embedding_fwd({.n = S * B, .dim = H, .vocab_rows = seq_, .vocab_start = 0,
-                         .ids = positions_.get(rank_, dev, loom::ContextSlice(seq_, 1, 0), P, S, B),
+                         .ids = a.position_ids ? data_of<int32_t>(*a.position_ids)
+                                               : positions_.get(rank_, dev, loom::ContextSlice(seq_, 1, 0), P, S, B),
                          .table = w_[kPos], .out = y, .accumulate = 1, .dtype = dt_.act});
   }
 
