@@ -675,12 +675,14 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     if (!usable({flag, "data.eod_token", "data.kind", "data.tokenizer"}) || !m.get_bool(flag)) continue;
     const std::string kind = m.get_string("data.kind");
     if (kind == "synthetic")
-      report({flag, "data.kind"}, std::string(flag) + " looks for end-of-document tokens in token files; data.kind = "
+      report({flag, "data.kind"}, std::string(flag) + " looks for end-of-document tokens in the data; data.kind = "
                                   "\"synthetic\" has no documents (one problem a sequence)");
     else if (I("data.eod_token") < 0 && m.get_string("data.tokenizer").empty())
       report({flag, "data.eod_token", "data.tokenizer"},
-             std::string(flag) + " needs the end-of-document token: set data.tokenizer (its <|endoftext|> or </s>) "
-             "or data.eod_token (e.g. 50256 for GPT-2's token files)");
+             std::string(flag) + " needs the end-of-document token: " +
+                 (kind == "text" ? "set data.eod_token to the byte that ends a document (e.g. 10, a newline)"
+                                 : "set data.tokenizer (its <|endoftext|> or </s>) or data.eod_token (e.g. 50256 "
+                                   "for GPT-2's token files)"));
   }
   // The first layer takes the tokens (the embedding) and the last computes the loss
   // (lm_head): without either the run fails at its first step.

@@ -370,8 +370,9 @@ int32_t end_of_document_token(const manifest::RunConfig& config, int64_t vocab) 
   }
   if (eod < 0) throw DataError("the end-of-document token is unknown: set data.tokenizer or data.eod_token");
   if (eod >= vocab)
-    throw DataError("data.eod_token = " + std::to_string(eod) + " is outside the vocabulary of " +
-                    std::to_string(vocab) + " tokens");
+    throw DataError((config.data.eod_token >= 0 ? "data.eod_token = " + std::to_string(eod)
+                                                : "data.tokenizer's end-of-document token " + std::to_string(eod)) +
+                    " is outside the vocabulary of " + std::to_string(vocab) + " tokens");
   return static_cast<int32_t>(eod);
 }
 
@@ -389,6 +390,15 @@ DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab)
   d.starts = config.data.reset_attention_mask;
   d.positions = config.data.reset_position_ids;
   return d;
+}
+
+std::string documents_text(const DocumentInputs& d) {
+  if (!d.starts && !d.positions) return "";
+  std::string s = "; documents end at token " + std::to_string(d.end_of_document) + ": ";
+  if (d.starts) s += "attention within each";
+  if (d.starts && d.positions) s += ", ";
+  if (d.positions) s += "positions from each start";
+  return s;
 }
 
 std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,

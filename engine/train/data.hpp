@@ -62,6 +62,8 @@ struct DocumentInputs {
   bool positions = false;        // position_ids (reset_position_ids)
 };
 DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab);
+// "; documents end at token N: ..." for a run's log line, or "" without documents.
+std::string documents_text(const DocumentInputs& docs);
 
 // Where each token's document begins, for sequences laid out [seq, micro_batch]:
 // the position after the last end_of_document token before it (Megatron-LM's

@@ -171,9 +171,13 @@ MemoryPlan plan_memory(const RunPlan& plan, int64_t vocab) {
       (sp && plan.sizes.tp > 1 ? rows / plan.sizes.tp : rows) * dims.micro_batch * dims.hidden * psize);
   out.hidden_state_bytes = hidden_state_bytes;
   // The step's inputs, held for the whole run (train::Microbatches, DropoutSeeds): a
-  // token and a target buffer of the rank's rows per microbatch, and its dropout seed.
-  const uint64_t input_bytes = static_cast<uint64_t>(plan.microbatches) *
-                               (2 * static_cast<uint64_t>(rows * dims.micro_batch) * sizeof(int32_t) + sizeof(uint64_t));
+  // token and a target buffer of the rank's rows per microbatch (and the documents'
+  // starts and positions when data.reset_* asks for them), and its dropout seed.
+  const uint64_t row_buffers = 2 + (plan.config.data.reset_attention_mask ? 1 : 0) +
+                               (plan.config.data.reset_position_ids ? 1 : 0);
+  const uint64_t input_bytes =
+      static_cast<uint64_t>(plan.microbatches) *
+      (row_buffers * static_cast<uint64_t>(rows * dims.micro_batch) * sizeof(int32_t) + sizeof(uint64_t));
   // Parameters are replicated over dp x cp ranks: the optimizer's group.
   const int grad_group = plan.dp * plan.sizes.cp;
 

@@ -17,8 +17,8 @@ namespace loom::train {
 
 class Microbatches {
  public:
-  // `slots` device buffer pairs of this rank's rows of seq x micro_batch tokens, and
-  // of the document inputs `docs` asks for.
+  // `slots` device buffers each of this rank's rows of seq x micro_batch tokens and
+  // targets, and of the document inputs `docs` asks for.
   Microbatches(runtime::RankRuntime& rank, const DataSource& data, int64_t seq, int64_t micro_batch, int64_t slots,
                DocumentInputs docs = {});
 

@@ -383,7 +383,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
                            "LOOM_LAYER_CONTEXT_PARALLEL, ABI 1.6); set parallel.cp = 1"});
     // Documents packed in a sequence (ABI 1.22): every layer must keep them apart, or
     // mix no positions.
-    const bool documents = LOOM_HAS_SLOT(api, loom_layer_api, features) && (api->features & LOOM_LAYER_DOCUMENTS) != 0;
+    const bool documents = p->abi_minor >= 22 && LOOM_HAS_SLOT(api, loom_layer_api, features) &&
+                           (api->features & LOOM_LAYER_DOCUMENTS) != 0;
     for (const char* key : {"data.reset_attention_mask", "data.reset_position_ids"})
       if (man.get_bool(key) && !documents)
         diags.push_back({key, man.origin(key),

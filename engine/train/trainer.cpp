@@ -313,7 +313,8 @@ void RankTraining::run_steps() {
                         << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : std::string()) << ", pp "
                         << plan.sizes.pp << ", dp " << plan.dp << "), " << model_->numel()
                         << " parameter elements on rank 0, " << plan.microbatches << " microbatch(es) of " << mbs
-                        << " x " << seq << " per rank per step; data: " << run_.data.describe() << std::endl;
+                        << " x " << seq << " per rank per step; data: " << run_.data.describe()
+                        << documents_text(document_inputs(config_, run_.vocab)) << std::endl;
   }
 
   if (run_.options.save_start_only) {
@@ -498,8 +499,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
-      *options.log << "resume: warning: " << change << " since the checkpoint: the samples (or the loss mask) after it are "
-                   << "not those the interrupted run would have read" << std::endl;
+      *options.log << "resume: warning: " << change << " since the checkpoint: the data after it (samples, loss mask or "
+                   << "documents) is not what the interrupted run would have read" << std::endl;
     if (const std::vector<std::string> changes = schedule_changes(resume->dir, config, resume->step); !changes.empty()) {
       *options.log << "resume: warning: the learning-rate schedule differs from the checkpoint's: " << changes.front()
                    << std::endl;

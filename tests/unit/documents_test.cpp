@@ -103,7 +103,7 @@ void check_packed_equals_alone(const std::vector<std::string>& model_options, in
   });
 }
 
-TEST(Documents, APackedDocumentComputesAsTheDocumentAlone) {
+TEST(PackedDocuments, APackedDocumentComputesAsTheDocumentAlone) {
   for (int64_t first : {1, 5, 9}) {
     SCOPED_TRACE("first document of " + std::to_string(first) + " tokens");
     check_packed_equals_alone({}, first);  // GPT-2's blocks, learned positions
@@ -112,7 +112,7 @@ TEST(Documents, APackedDocumentComputesAsTheDocumentAlone) {
   }
 }
 
-TEST(Documents, StartsAndPositionsAreMegatronsMasksAndPositionIds) {
+TEST(PackedDocuments, StartsAndPositionsAreMegatronsMasksAndPositionIds) {
   // [S = 6, B = 2]: b 0 = a b EOD c EOD d, b 1 = EOD a b c d e.
   const std::vector<int32_t> tokens = {1, kEnd, 2, 1, kEnd, 2, 3, 3, kEnd, 4, 4, 5};
   const std::vector<int32_t> starts = loom::train::document_starts(tokens, 6, 2, kEnd);
@@ -121,7 +121,7 @@ TEST(Documents, StartsAndPositionsAreMegatronsMasksAndPositionIds) {
 
 // Training on lines of text (each line a document, the newline its end) with both
 // settings: every layout equals the serial run; the settings change training.
-class DocumentLayouts : public ::testing::Test {
+class PackedDocumentLayouts : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(loom::testing::scratch_dir("documents"));
@@ -155,9 +155,9 @@ class DocumentLayouts : public ::testing::Test {
   }
   static std::string* dir_;
 };
-std::string* DocumentLayouts::dir_ = nullptr;
+std::string* PackedDocumentLayouts::dir_ = nullptr;
 
-TEST_F(DocumentLayouts, EveryLayoutTrainsAsTheSerialRun) {
+TEST_F(PackedDocumentLayouts, EveryLayoutTrainsAsTheSerialRun) {
   for (const std::vector<std::string>& model :
        {std::vector<std::string>{}, loom::testing::with_overrides(kLlama, {"model.layer.attention.sliding_window=7"})}) {
     SCOPED_TRACE(model.empty() ? "GPT-2 blocks" : "Llama blocks with a sliding window");
@@ -177,7 +177,7 @@ TEST_F(DocumentLayouts, EveryLayoutTrainsAsTheSerialRun) {
   }
 }
 
-TEST(Documents, SettingsAreCheckedBeforeARun) {
+TEST(PackedDocuments, SettingsAreCheckedBeforeARun) {
   auto refusal = [](const std::vector<std::string>& o) {
     try {
       const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), o);
@@ -188,13 +188,14 @@ TEST(Documents, SettingsAreCheckedBeforeARun) {
     return std::string();
   };
   EXPECT_NE(refusal({"data.reset_attention_mask=true"}).find("data.reset_attention_mask looks for end-of-document tokens "
-                                                             "in token files; data.kind = \"synthetic\" has no documents"),
+                                                             "in the data; data.kind = \"synthetic\" has no documents"),
             std::string::npos);
   const std::string dir = loom::testing::scratch_dir("documents-refusals");
   std::ofstream(dir + "/t.txt") << std::string(400, 'x');
   const std::vector<std::string> text = {"data.kind=\"text\"", "data.path=\"" + dir + "/t.txt\""};
   EXPECT_NE(refusal(loom::testing::with_overrides(text, {"data.reset_position_ids=true"}))
-                .find("data.reset_position_ids needs the end-of-document token"),
+                .find("data.reset_position_ids needs the end-of-document token: set data.eod_token to the byte that "
+                      "ends a document (e.g. 10, a newline)"),
             std::string::npos);
   EXPECT_NE(refusal(loom::testing::with_overrides(text, {"data.reset_position_ids=true", "data.eod_token=300"}))
                 .find("data.eod_token = 300 is outside the vocabulary of 256 tokens"),
