@@ -1181,23 +1181,26 @@ struct AttnRef {
   }
 };
 
+// The reference's gradients of sum(out o w) against finite differences, on random
+// inputs drawn from `seed`.
+void expect_reference_gradients(const AttnRef& ref, uint32_t seed, const std::string& what) {
+  const size_t n = static_cast<size_t>(ref.B * ref.S * ref.H * ref.D);
+  Vec q = to_d(randn(n, seed)), k = to_d(randn(n, seed + 1)), v = to_d(randn(n, seed + 2)), w = to_d(randn(n, seed + 3));
+  Vec dq, dk, dv;
+  ref.backward(q, k, v, w, dq, dk, dv);
+  auto loss = [&] {
+    Vec out, lse;
+    ref.forward(q, k, v, out, lse);
+    return dot(out, w);
+  };
+  expect_fd(q, loss, dq, what + " dq");
+  expect_fd(k, loss, dk, what + " dk");
+  expect_fd(v, loss, dv, what + " dv");
+}
+
 TEST(DeviceCpu, AttentionReferenceGradientsMatchFiniteDifferences) {
-  for (bool causal : {true, false}) {
-    AttnRef ref{2, 5, 2, 3, causal, 0.7};
-    const size_t n = static_cast<size_t>(2 * 5 * 2 * 3);
-    Vec q = to_d(randn(n, 20)), k = to_d(randn(n, 21)), v = to_d(randn(n, 22)), w = to_d(randn(n, 23));
-    Vec dq, dk, dv;
-    ref.backward(q, k, v, w, dq, dk, dv);
-    auto loss = [&] {
-      Vec out, lse;
-      ref.forward(q, k, v, out, lse);
-      return dot(out, w);
-    };
-    const std::string tag = causal ? " (causal)" : " (full)";
-    expect_fd(q, loss, dq, "attention dq" + tag);
-    expect_fd(k, loss, dk, "attention dk" + tag);
-    expect_fd(v, loss, dv, "attention dv" + tag);
-  }
+  for (bool causal : {true, false})
+    expect_reference_gradients(AttnRef{2, 5, 2, 3, causal, 0.7}, 20, causal ? "attention (causal)" : "attention (full)");
 }
 
 // Runs the device's attention on logical tensors laid out either as packed QKV
@@ -3049,21 +3052,7 @@ TEST(DeviceCpu, WindowedAttentionRefusesAWindowPastItsKeys) {
 // double-precision reference, for both layouts, thread counts and SIMD variants. The
 // reference's gradients are checked by finite differences first.
 TEST(DeviceCpu, SlidingWindowAttentionMatchesTheReference) {
-  {
-    AttnRef ref{2, 7, 2, 3, true, 0.7, 3};
-    const size_t n = static_cast<size_t>(2 * 7 * 2 * 3);
-    Vec q = to_d(randn(n, 80)), k = to_d(randn(n, 81)), v = to_d(randn(n, 82)), w = to_d(randn(n, 83));
-    Vec dq, dk, dv;
-    ref.backward(q, k, v, w, dq, dk, dv);
-    auto loss = [&] {
-      Vec out, lse;
-      ref.forward(q, k, v, out, lse);
-      return dot(out, w);
-    };
-    expect_fd(q, loss, dq, "sliding-window reference dq");
-    expect_fd(k, loss, dk, "sliding-window reference dk");
-    expect_fd(v, loss, dv, "sliding-window reference dv");
-  }
+  expect_reference_gradients(AttnRef{2, 7, 2, 3, true, 0.7, 3}, 80, "sliding-window reference");
   Dev plain(1);
   ASSERT_NE(plain.api()->features & LOOM_DEVICE_ATTENTION_SLIDING_WINDOW, 0u);
   const int64_t S = 150;  // query blocks of 64, 64 and 22
@@ -3121,21 +3110,8 @@ TEST(DeviceCpu, DocumentMaskedAttentionMatchesTheReference) {
   const int64_t S = 150;
   // b 0: documents ending at 0 (one token), 1, 40, 63, 64 and 129; b 1: one document.
   const std::vector<int32_t> ks = document_starts(2, S, {{0, 1, 40, 63, 64, 129}, {}});
-  {
-    AttnRef ref{2, 9, 2, 3, true, 0.7, 0, document_starts(2, 9, {{2, 3}, {5}})};
-    const size_t n = static_cast<size_t>(2 * 9 * 2 * 3);
-    Vec q = to_d(randn(n, 94)), k = to_d(randn(n, 95)), v = to_d(randn(n, 96)), w = to_d(randn(n, 97));
-    Vec dq, dk, dv;
-    ref.backward(q, k, v, w, dq, dk, dv);
-    auto loss = [&] {
-      Vec out, lse;
-      ref.forward(q, k, v, out, lse);
-      return dot(out, w);
-    };
-    expect_fd(q, loss, dq, "document-masked reference dq");
-    expect_fd(k, loss, dk, "document-masked reference dk");
-    expect_fd(v, loss, dv, "document-masked reference dv");
-  }
+  expect_reference_gradients(AttnRef{2, 9, 2, 3, true, 0.7, 0, document_starts(2, 9, {{2, 3}, {5}})}, 94,
+                             "document-masked reference");
   Dev plain(1);
   ASSERT_NE(plain.api()->features & LOOM_DEVICE_ATTENTION_KEY_START, 0u);
   const size_t n = static_cast<size_t>(2 * S * 3 * 8);

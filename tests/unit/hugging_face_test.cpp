@@ -523,6 +523,21 @@ std::vector<double> losses_from(std::vector<std::string> overrides, const std::s
   return out;
 }
 
+// Reads the export in `out` back for `model` with its config.json `c` edited: why it
+// was refused, or "" (the tiny model's vocabulary of 13).
+std::string read_edited_config(const std::string& out, const nlohmann::json& c, const std::vector<std::string>& model,
+                               const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json e = c;
+  edit(e);
+  std::ofstream(out + "/config.json") << e.dump();
+  try {
+    loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), 13);
+  } catch (const std::exception& ex) {
+    return std::string(ex.what());
+  }
+  return std::string();
+}
+
 // Export, then read back: the same tensors, bit for bit (the vocabulary tables' real rows).
 void check_round_trip(const std::vector<std::string>& model) {
   const std::string dir = scratch("rt"), out = scratch("rt-out");
@@ -580,15 +595,7 @@ TEST(HfImport, SlidingWindowsRoundTripAndMustMatch) {
   std::ifstream(out + "/config.json") >> c;
   EXPECT_EQ(c["sliding_window"], 5);
   auto read = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
-    nlohmann::json e = c;
-    edit(e);
-    std::ofstream(out + "/config.json") << e.dump();
-    try {
-      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), 13);
-    } catch (const std::exception& ex) {
-      return std::string(ex.what());
-    }
-    return std::string();
+    return read_edited_config(out, c, model, edit);
   };
   const auto same = [](nlohmann::json&) {};
   EXPECT_EQ(read(windowed(llama()), same), "");
@@ -660,15 +667,7 @@ TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
   std::ifstream(out + "/config.json") >> c;
   EXPECT_EQ(c["rope_scaling"]["rope_type"], "llama3");
   auto refusal = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
-    nlohmann::json e = c;
-    edit(e);
-    std::ofstream(out + "/config.json") << e.dump();
-    try {
-      loom::interop::read_hf(out, loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model)), 13);
-    } catch (const std::exception& ex) {
-      return std::string(ex.what());
-    }
-    return std::string();
+    return read_edited_config(out, c, model, edit);
   };
   EXPECT_NE(refusal(llama3_rope(), [](nlohmann::json& e) { e["rope_scaling"]["factor"] = 32.0; })
                 .find("rope_scaling.factor = 32.0 but the model's is 8.0"),
