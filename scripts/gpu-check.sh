@@ -10,7 +10,8 @@
 #      and cp = 2 (context parallelism) over comm/nccl
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
-#      and configs/qwen3_quickstart.toml (RMSNorm, SwiGLU, RoPE, grouped queries, qk_norm)
+#      and configs/qwen3_quickstart.toml (RMSNorm, SwiGLU, RoPE, grouped queries, qk_norm),
+#      also on lines of text with packed documents and a sliding window
 #   4. bf16: a run with device.param_dtype = bf16 whose loss must track the fp32 one;
 #      graphs: partial graphs (exec.mode = partial_graph; MoE router sub-steps too) whose
 #      losses must equal eager's, and the ms/step of both on the quickstart model (small
@@ -328,6 +329,25 @@ if run cpu_qwen3 "${qwen3[@]}" --set device.kind=cpu && run cuda_qwen3 "${qwen3[
   else fail "cuda fp32 vs cpu losses differ with Qwen3 blocks"; fi
 else
   fail "Qwen3 block runs failed (see $out/cpu_qwen3.log, $out/cuda_qwen3.log)"; tail -n 5 "$out/cpu_qwen3.log" "$out/cuda_qwen3.log" 2>/dev/null
+fi
+# The same blocks on lines of text (each line a document: data.reset_attention_mask and
+# reset_position_ids) with a sliding window of 5: the attention op's window and key_start.
+python3 -c "
+import random
+random.seed(5)
+with open('$out/lines.txt', 'w') as f:
+    for _ in range(2000):
+        f.write(''.join(random.choice('abcdefghij ') for _ in range(random.randint(3, 40))) + '\n')
+"
+docs=("${qwen3[@]}" --set 'data.kind="text"' --set "data.path=\"$out/lines.txt\"" --set data.eod_token=10
+      --set data.reset_attention_mask=true --set data.reset_position_ids=true --set model.seq_length=32
+      --set model.layer.attention.sliding_window=5)
+if run cpu_docs "${docs[@]}" --set device.kind=cpu && run cuda_docs "${docs[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_docs.jsonl" "$out/cpu_docs.jsonl" 1e-4 "cuda vs cpu, documents and a sliding window"; then
+    pass "cuda fp32 = cpu with packed documents and a sliding window"
+  else fail "cuda fp32 vs cpu losses differ with packed documents and a sliding window"; fi
+else
+  fail "document runs failed (see $out/cpu_docs.log, $out/cuda_docs.log)"; tail -n 5 "$out/cpu_docs.log" "$out/cuda_docs.log" 2>/dev/null
 fi
 if [ "$gpus" -ge 2 ]; then
   dp2=(configs/quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2)
