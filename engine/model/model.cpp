@@ -45,7 +45,6 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
       finalizer_(rank, buffers_, layers_.size(), sequence_parallel_),
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
-
       capture_(rank, layers_, tp_size(rank)),
       hidden_(rank, hidden_shape(dims, context_rows_, sequence_parallel_, tp_size(rank)),
               buffers_.param_dtype(), capture_.replays_steps()),
@@ -124,10 +123,7 @@ const void* Model::forward_chunk(int c, int mb, const int32_t* tokens, const int
 void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* output, const ForwardInputs& in,
                         float* loss_sum, int64_t* loss_count, int32_t* predictions, float* aux_loss, bool training) {
   std::vector<int64_t> tok_shape = {context_rows_, dims_.micro_batch};
-  DLTensor tok = device_view(rank_, const_cast<int32_t*>(in.tokens), tok_shape);
-  tok.dtype = {kDLInt, 32, 1};
-  DLTensor tgt = device_view(rank_, const_cast<int32_t*>(in.targets), tok_shape);
-  tgt.dtype = {kDLInt, 32, 1};
+  DLTensor tok = ids_view(rank_, in.tokens, tok_shape), tgt = ids_view(rank_, in.targets, tok_shape);
   const uint64_t* seed_device = training ? seeds_.slot(mb, in.dropout_seed) : nullptr;
   const Layer& l = layers_[i];
   loom_layer_fwd_args a = loom::make<loom_layer_fwd_args>();
@@ -139,17 +135,9 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.targets = &tgt;
   // Documents packed in the sequences (data.reset_*), laid out as the tokens; every
   // layer has LOOM_LAYER_DOCUMENTS (run_plan checks).
-  DLTensor doc{}, pos{};
-  if (in.document_start != nullptr) {
-    doc = device_view(rank_, const_cast<int32_t*>(in.document_start), tok_shape);
-    doc.dtype = {kDLInt, 32, 1};
-    a.document_start = &doc;
-  }
-  if (in.position_ids != nullptr) {
-    pos = device_view(rank_, const_cast<int32_t*>(in.position_ids), tok_shape);
-    pos.dtype = {kDLInt, 32, 1};
-    a.position_ids = &pos;
-  }
+  DLTensor doc = ids_view(rank_, in.document_start, tok_shape), pos = ids_view(rank_, in.position_ids, tok_shape);
+  a.document_start = in.document_start ? &doc : nullptr;
+  a.position_ids = in.position_ids ? &pos : nullptr;
   a.loss_sum = loss_sum;
   a.loss_count = loss_count;
   a.dropout_seed = in.dropout_seed;
@@ -227,12 +215,8 @@ const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t po
   for (loom::Buffer& b : generated_)
     if (b.bytes() < bytes) b = loom::Buffer(&rank_, bytes);
   const std::vector<int64_t> shape = {rows, batch, dims_.hidden}, tok_shape = {rows, batch};
-  DLTensor tok = device_view(rank_, const_cast<int32_t*>(tokens), tok_shape);
-  tok.dtype = {kDLInt, 32, 1};
-  DLTensor doc = device_view(rank_, const_cast<int32_t*>(document_start), tok_shape);
-  doc.dtype = {kDLInt, 32, 1};
-  DLTensor pos = device_view(rank_, const_cast<int32_t*>(position_ids), tok_shape);
-  pos.dtype = {kDLInt, 32, 1};
+  DLTensor tok = ids_view(rank_, tokens, tok_shape), doc = ids_view(rank_, document_start, tok_shape),
+           pos = ids_view(rank_, position_ids, tok_shape);
   const void* held = input;
   int turn = held == generated_[0].get() ? 1 : 0;  // never write over the input before it is read
   for (size_t i = chunk.first_layer; i < chunk.end_layer; ++i) {

@@ -5,6 +5,7 @@ namespace loom::model {
 namespace {
 DLDataType dl_dtype(int32_t dtype) {
   if (dtype == LOOM_DTYPE_BF16) return {kDLBfloat, 16, 1};
+  if (dtype == LOOM_DTYPE_I32) return {kDLInt, 32, 1};
   return {kDLFloat, 32, 1};
 }
 }  // namespace

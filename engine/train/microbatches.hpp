@@ -48,5 +48,4 @@ class Microbatches {
   Rows tokens_, targets_, starts_, positions_;
 };
 
-
 }  // namespace loom::train
