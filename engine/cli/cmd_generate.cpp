@@ -38,7 +38,8 @@ const char* kUsage =
     "  --top-k K           sample among the K most likely tokens (0 = all; default 0)\n"
     "  --top-p P           then among the fewest whose probabilities reach P (default 1)\n"
     "  --seed S            the sampling seed (default 0)\n"
-    "  --stop-token ID     end when this token is drawn (default: the tokenizer's end of document)\n"
+    "  --stop-token ID     end when this token is drawn (default: the end of document the model was\n"
+    "                      trained with: data.eod_token, else the tokenizer's)\n"
     "  --tokenizer PATH    GPT-2 BPE directory or SentencePiece .model; without it, the run's\n"
     "                      data.tokenizer, a synthetic task's symbols or, for data.kind = \"text\", bytes\n"
     "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
@@ -155,7 +156,8 @@ int cmd_generate(int argc, char** argv) {
     const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     codec.require_fits(src.vocab);
     req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
-    const long long stop = args.get_int("--stop-token", codec.eod());
+    const int64_t trained_eod = src.plan.config.data.eod_token;
+    const long long stop = args.get_int("--stop-token", trained_eod >= 0 ? trained_eod : codec.eod());
     if (stop < -1 || stop >= src.vocab)
       throw UsageError("--stop-token " + std::to_string(stop) + " is not a token of the model's vocabulary [0, " +
                        std::to_string(src.vocab) + ") (or -1: none)");
