@@ -401,6 +401,21 @@ std::string documents_text(const DocumentInputs& d) {
   return s;
 }
 
+std::string end_token_unseen(const DataSource& data, const manifest::RunConfig& config, int64_t vocab) {
+  if (!config.data.eod_mask_loss && !config.data.documents()) return "";
+  const int32_t eod = end_of_document_token(config, vocab);
+  constexpr int kSamples = 64;
+  const int64_t seq = config.model.seq_length;
+  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
+  for (int i = 0; i < kSamples; ++i) {
+    data.sample(Split::Train, static_cast<uint64_t>(i), seq, tokens.data(), targets.data());
+    if (std::find(tokens.begin(), tokens.end(), eod) != tokens.end()) return "";
+  }
+  return "the end-of-document token " + std::to_string(eod) + " occurs in none of the first " +
+         std::to_string(kSamples) + " training sequences, so data.eod_mask_loss and data.reset_* change nothing "
+         "there (token files made without loom preprocess --append-eod have none)";
+}
+
 std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
                                      int32_t end_of_document) {
   std::vector<int32_t> starts(tokens.size());

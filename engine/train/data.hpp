@@ -64,6 +64,10 @@ struct DocumentInputs {
 DocumentInputs document_inputs(const manifest::RunConfig& config, int64_t vocab);
 // "; documents end at token N: ..." for a run's log line, or "" without documents.
 std::string documents_text(const DocumentInputs& docs);
+// Why the end-of-document settings (data.eod_mask_loss, data.reset_*) would change
+// nothing: their token occurs in none of the first training sequences; "" when it
+// does, or when none is set.
+std::string end_token_unseen(const DataSource& data, const manifest::RunConfig& config, int64_t vocab);
 
 // Where each token's document begins, for sequences laid out [seq, micro_batch]:
 // the position after the last end_of_document token before it (Megatron-LM's

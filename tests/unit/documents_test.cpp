@@ -17,6 +17,7 @@
 #include <cmath>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -201,6 +202,22 @@ TEST(PackedDocuments, SettingsAreCheckedBeforeARun) {
                 .find("data.eod_token = 300 is outside the vocabulary of 256 tokens"),
             std::string::npos);
   EXPECT_EQ(refusal(loom::testing::with_overrides(text, {"data.reset_position_ids=true", "data.eod_token=10"})), "");
+  // An end token the data never holds makes the settings change nothing: the run says so.
+  auto log_of = [&](const std::string& eod) {
+    loom::train::TrainOptions opts;
+    std::ostringstream log;
+    opts.log = &log;
+    loom::train::train(loom::testing::plan_from(loom::testing::tiny_manifest(),
+                                                loom::testing::with_overrides(text, {"data.reset_attention_mask=true",
+                                                                                     "data.eod_token=" + eod,
+                                                                                     "run.steps=1"})),
+                       opts);
+    return log.str();
+  };
+  EXPECT_NE(log_of("10").find("data: warning: the end-of-document token 10 occurs in none of the first 64 training "
+                              "sequences"),
+            std::string::npos);
+  EXPECT_EQ(log_of("120").find("data: warning"), std::string::npos) << "'x' is 120, in every sequence";
   fs::remove_all(dir);
 }
 
