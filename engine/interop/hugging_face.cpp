@@ -1029,9 +1029,11 @@ train::InitialWeights read_initial_weights(const std::string& path, const train:
     throw std::runtime_error("checkpoint.init_weights = \"" + path +
                              "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
-  train::require_same_architecture(ck.manifest_toml, plan, step);
+  std::vector<std::string> changed;
+  train::require_same_architecture(ck.manifest_toml, plan, step, "checkpoint.init_weights", &changed);
   train::InitialWeights w{step, std::move(ck.tensors), ck.vocab};
   w.skipped = std::move(skipped);
+  w.changed = std::move(changed);
   return w;
 }
 

@@ -336,8 +336,11 @@ std::vector<KeySpec> build() {
                 "start from these weights instead of the random initialization (fine-tuning): a loom checkpoint "
                 "(a step_N directory, or a checkpoint directory: its newest step) of any parallel layout, or a "
                 "Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel or "
-                "LlamaForCausalLM or MixtralForCausalLM or Qwen3ForCausalLM or Qwen3MoeForCausalLM); the optimizer starts fresh at step 0; not read when resuming "
-                "from a checkpoint (--resume before the first checkpoint starts from it) (\"\" = none)"));
+                "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM); the "
+                "model must be the checkpoint's but for how far attention reaches (sliding_window, rotary_base, "
+                "rope_scaling and its factors: context extension), which the run names; the optimizer starts fresh at "
+                "step 0; not read when resuming from a checkpoint (--resume before the first checkpoint starts from "
+                "it) (\"\" = none)"));
   // plugins
   v.push_back(sl("plugins.search_paths", "[]",
                  "extra plugin directories (relative to the manifest file naming them)"));

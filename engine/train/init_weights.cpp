@@ -86,8 +86,19 @@ bool training_only_option(const std::string& name) {
   return names.count(name) > 0;
 }
 
+namespace {
+// Options of how far attention reaches: the same weights compute the same per token,
+// over another span (what context extension changes).
+bool reach_option(const std::string& name) {
+  static const std::set<std::string> names = {"sliding_window",       "rotary_base",         "rope_scaling",
+                                              "rope_scaling_factor",  "rope_low_freq_factor", "rope_high_freq_factor",
+                                              "rope_original_max_position"};
+  return names.count(name) > 0;
+}
+}  // namespace
+
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
-                               const std::string& role) {
+                               const std::string& role, std::vector<std::string>* changes) {
   toml::table a, b;
   try {
     a = toml::parse(source_manifest_toml);
@@ -124,6 +135,10 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
       if (training_only_option(d.name)) continue;
       const std::string key = "model.layer." + spec.config + "." + d.name;
       const std::string x = layer_option_text(section(a, spec.config), d), y = layer_option_text(section(b, spec.config), d);
+      if (x != y && changes != nullptr && reach_option(d.name)) {
+        changes->push_back(key + ": " + x + " -> " + y);
+        continue;
+      }
       if (x != y)
         throw loom::Error(role + ": " + source + " holds a model with " + key + " = " + x + ", this run has " + y +
                           ": the same tensors would be another model; set " + key + " as it has it");

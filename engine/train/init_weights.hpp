@@ -21,6 +21,7 @@ struct InitialWeights {
   std::string role = "checkpoint.init_weights";  // what named them, first in messages ("--resume")
   std::vector<std::string> skipped;  // newer step directories of a checkpoint.dir passed over ("DIR (why)")
   std::vector<std::string> unread;   // tensors of the source the model has no use for (a Hugging Face file's)
+  std::vector<std::string> changed;  // how far attention reaches, as the run changes it ("key: was -> now")
 };
 
 // Before launch: the weights fit the run's model — its vocabulary, every parameter some
@@ -46,8 +47,14 @@ std::string layer_option_text(const toml::table& section, const manifest::Option
 // what an option a manifest lacks (one written before the plugin declared it) meant.
 std::string option_default_text(const manifest::OptionDecl& decl);
 
+// The run's model is the one of a checkpoint's manifest: its shape and every layer
+// option but those training alone reads. Fine-tuning (`changes` given) may also change
+// how far attention reaches (a sliding window, the rotary base and scaling: context
+// extension); those changes are listed there. Throws loom::Error naming the first
+// other difference.
 void require_same_architecture(const std::string& source_manifest_toml, const RunPlan& run, const std::string& source,
-                               const std::string& role = "checkpoint.init_weights");
+                               const std::string& role = "checkpoint.init_weights",
+                               std::vector<std::string>* changes = nullptr);
 
 // Each of the model's parameters from the tensor of its name (a tied copy: of its tie
 // key). A vocabulary table (dim 0 of at least `vocab` rows on both sides) may be padded

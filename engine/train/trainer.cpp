@@ -529,6 +529,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
         for (size_t i = 0; i < unread.size() && i < 8; ++i) *options.log << (i ? ", " : " ") << unread[i];
         *options.log << (unread.size() > 8 ? ", ..." : "") << std::endl;
       }
+      for (const std::string& c : run.init_weights->changed)
+        *options.log << "init_weights: " << c << " (attention reaches otherwise than the weights were trained to)"
+                     << std::endl;
     }
     check_initial_weights(*run.init_weights, checked.memory, checked.vocab,
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab);

@@ -866,6 +866,25 @@ TEST(HfImport, AModelThatDoesNotMatchIsRefusedNamingTheSetting) {
   EXPECT_NE(from_checkpoint({"model.layer.attention.norm=\"rmsnorm\""}).find("model.layer.attention.norm"),
             std::string::npos);
   EXPECT_EQ(from_checkpoint({"model.layer.attention.dropout=0.1"}), "");  // training-only options may differ
+  // Fine-tuning may change how far attention reaches (context extension), and is told;
+  // another use of the checkpoint (generate, eval) may not.
+  EXPECT_EQ(from_checkpoint({"model.layer.attention.sliding_window=8"}), "");
+  {
+    const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
+    const loom::train::RunPlan windowed = loom::testing::plan_from(
+        loom::testing::tiny_manifest(), {"model.num_layers=4", "model.layer.attention.sliding_window=8"});
+    std::vector<std::string> changed;
+    loom::train::require_same_architecture(ck.manifest_toml, windowed, step, "checkpoint.init_weights", &changed);
+    ASSERT_EQ(changed.size(), 1u);
+    EXPECT_EQ(changed[0], "model.layer.attention.sliding_window: 0 -> 8");
+    try {
+      loom::train::require_same_architecture(ck.manifest_toml, windowed, step, "the checkpoint");
+      ADD_FAILURE() << "a use other than fine-tuning must refuse another window";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("model.layer.attention.sliding_window = 0, this run has 8"), std::string::npos)
+          << e.what();
+    }
+  }
   fs::remove_all(dir);
   fs::remove_all(out);
 }
