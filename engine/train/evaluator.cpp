@@ -93,13 +93,14 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
   const int64_t total_batches = std::max<int64_t>(1, (samples + mbs - 1) / mbs);
   Evaluation result;
   std::mutex mu;
+  const DocumentInputs documents = document_inputs(plan.config, vocab);  // once, not per rank
   const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
     std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
     const loom::Group pp = rt.group_or_self("pp");
     pipeline::Executor executor(*model, rt, plan.orders.order[static_cast<size_t>(pp.rank())],
                                 static_cast<int>(plan.microbatches));
-    Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1, document_inputs(plan.config, vocab));
+    Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1, documents);
     const bool last_stage = model->is_last_global(static_cast<int>(model->chunk_count()) - 1);
     Evaluator evaluator(rt, executor, batches, data, total_batches, mbs, last_stage);
     const std::optional<Evaluation> e = evaluator.run([] { return false; });

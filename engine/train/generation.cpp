@@ -223,11 +223,12 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
 
   GenerationResult result;
   std::mutex mu;
+  const DocumentInputs documents = document_inputs(plan.config, vocab);  // once, not per rank
   const runtime::LaunchConfig lc = launch_config(plan);
   runtime::launch(lc, [&](runtime::RankRuntime& rt) {
     std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
     const bool reports = rt.group_or_self("pp").rank() == plan.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;
-    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports, document_inputs(plan.config, vocab));
+    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports, documents);
     if (reports) {
       std::lock_guard<std::mutex> lock(mu);
       result = std::move(r);

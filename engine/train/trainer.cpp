@@ -53,6 +53,7 @@ struct Run {
   std::shared_ptr<const InitialWeights> init_weights;  // checkpoint.init_weights, read once for every rank
   std::shared_ptr<const InitialWeights> regathered;    // a resume at another layout: tensors and their state
   std::unique_ptr<CheckpointPruner> pruner;            // checkpoint.keep_last, used by rank 0
+  DocumentInputs documents;  // data.reset_*: worked out once (the tokenizer's end token) for every rank
 
   uint64_t samples_before(int64_t step) const {
     return train::samples_before(step, start_step, start_samples, plan.config.batch.global_batch_size);
@@ -89,7 +90,7 @@ class RankTraining {
         model_(create_model(run, rt)),
         optimizer_(run.plan, rt, *model_),
         batches_(rt, run.data, config_.model.seq_length, config_.batch.micro_batch_size, run.plan.microbatches,
-                 document_inputs(config_, run.vocab)),
+                 run.documents),
         saver_(run.plan, rt, run.manifest_toml, [this](const CheckpointSaver::Committed& c) { committed(c); },
                run.options.before_checkpoint_write) {
     if (run_.resume)
@@ -314,7 +315,7 @@ void RankTraining::run_steps() {
                         << plan.sizes.pp << ", dp " << plan.dp << "), " << model_->numel()
                         << " parameter elements on rank 0, " << plan.microbatches << " microbatch(es) of " << mbs
                         << " x " << seq << " per rank per step; data: " << run_.data.describe()
-                        << documents_text(document_inputs(config_, run_.vocab)) << std::endl;
+                        << documents_text(run_.documents) << std::endl;
   }
 
   if (run_.options.save_start_only) {
@@ -420,7 +421,7 @@ void RankTraining::sample(int64_t step) {
   req.max_new_tokens = config_.run.sample_tokens;
   req.sampling.temperature = 0;
   const bool reports = pp_.rank() == pp_.size() - 1 && rt_.group_or_self("tp").rank() == 0 && dp_.rank() == 0;
-  const GenerationResult r = generate_on_rank(*model_, rt_, run_.vocab, req, reports, document_inputs(config_, run_.vocab));
+  const GenerationResult r = generate_on_rank(*model_, rt_, run_.vocab, req, reports, run_.documents);
   if (leader_ && run_.options.log)
     *run_.options.log << "sample at step " << step << ": " << run_.data.render(req.prompt.data(), static_cast<int64_t>(req.prompt.size()))
                       << " -> " << run_.data.render(r.tokens.data(), static_cast<int64_t>(r.tokens.size())) << std::endl;
@@ -500,6 +501,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
+  run.documents = document_inputs(config, checked.vocab);
   if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
       *options.log << "resume: warning: " << change << " since the checkpoint: the data after it (samples, loss mask or "
