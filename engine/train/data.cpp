@@ -430,6 +430,13 @@ std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t
   return starts;
 }
 
+std::vector<int32_t> document_positions(const std::vector<int32_t>& starts, int64_t micro_batch) {
+  std::vector<int32_t> positions(starts.size());
+  for (size_t i = 0; i < starts.size(); ++i)
+    positions[i] = static_cast<int32_t>(static_cast<int64_t>(i) / micro_batch) - starts[i];
+  return positions;
+}
+
 void fill_microbatch(const DataSource& src, Split split, uint64_t first_sample, int64_t micro_batch, int64_t seq,
                      int32_t* tokens, int32_t* targets) {
   std::vector<int32_t> t(seq), g(seq);

@@ -75,6 +75,8 @@ std::string end_token_unseen(const DataSource& data, const manifest::RunConfig& 
 // ends), or 0. A token's position in its document is its position minus that.
 std::vector<int32_t> document_starts(const std::vector<int32_t>& tokens, int64_t seq, int64_t micro_batch,
                                      int32_t end_of_document);
+// Each token's position in its document, from document_starts' result.
+std::vector<int32_t> document_positions(const std::vector<int32_t>& starts, int64_t micro_batch);
 
 // llm.c's token file: a header of 256 int32 (magic 20240520, version 1, token count),
 // then uint16 tokens. Throws DataError naming `key` (what named the file: "path" for

@@ -75,10 +75,8 @@ class RankGeneration {
       // Documents (data.reset_*): the rows' starts and positions in the sequence so far,
       // as training saw them (a token after an end token starts another document).
       if (docs_.starts || docs_.positions) {
-        const int64_t n = static_cast<int64_t>(seq.size());
-        const std::vector<int32_t> s = document_starts(seq, n, 1, docs_.end_of_document);
-        std::vector<int32_t> p(s.size());
-        for (int64_t i = 0; i < n; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i) - s[static_cast<size_t>(i)];
+        const std::vector<int32_t> s = document_starts(seq, static_cast<int64_t>(seq.size()), 1, docs_.end_of_document);
+        const std::vector<int32_t> p = document_positions(s, 1);
         const size_t bytes = static_cast<size_t>(rows) * sizeof(int32_t);
         if (docs_.starts) rt_.dev().copy(starts.get(), s.data() + offset, bytes, LOOM_COPY_HOST_TO_DEVICE);
         if (docs_.positions) rt_.dev().copy(positions.get(), p.data() + offset, bytes, LOOM_COPY_HOST_TO_DEVICE);

@@ -45,8 +45,7 @@ pipeline::MicrobatchInput Microbatches::load(Split split, uint64_t first_sample,
       in.document_start = starts_.dev[static_cast<size_t>(slot)].get<int32_t>();
     }
     if (docs_.positions) {
-      for (size_t i = 0; i < starts.size(); ++i)
-        positions_.whole[i] = static_cast<int32_t>(static_cast<int64_t>(i) / micro_batch_) - starts[i];
+      positions_.whole = document_positions(starts, micro_batch_);
       cut_and_copy(positions_, slot);
       in.position_ids = positions_.dev[static_cast<size_t>(slot)].get<int32_t>();
     }

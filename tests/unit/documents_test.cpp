@@ -83,8 +83,7 @@ void check_packed_equals_alone(const std::vector<std::string>& model_options, in
       }
     }
     const std::vector<int32_t> starts = loom::train::document_starts(packed, S, B, kEnd);
-    std::vector<int32_t> positions(starts.size());
-    for (size_t i = 0; i < starts.size(); ++i) positions[i] = static_cast<int32_t>(static_cast<int64_t>(i) / B) - starts[i];
+    const std::vector<int32_t> positions = loom::train::document_positions(starts, B);
     const Forward want = forward(rt, model, alone, alone_targets, {}, {});
     const Forward got = forward(rt, model, packed, packed_targets, starts, positions);
     ASSERT_GT(want.count, 0);

@@ -211,7 +211,8 @@ class Attention : public loom::Layer {
     Saved s = saved_layout(S, B, a.training, drop, a.document_start != nullptr);
     s.mem.allocate(rank_);
     s.positions = a.position_ids ? data_of<int32_t>(*a.position_ids) : nullptr;
-    if (a.document_start) key_starts(dev, data_of<int32_t>(*a.document_start), s);
+    if (a.document_start)
+      key_starts(dev, data_of<int32_t>(*a.document_start), s.mem.at<int32_t>(s.key_start), S, B, halves());
 
     ForwardTemps ft = forward_temps(S, B);
     Arena& tmp = ft.mem;
@@ -317,10 +318,7 @@ class Attention : public loom::Layer {
     if (a.document_start) {  // the queries' documents' starts, [B, S] from the engine's [S, B]
       require_tensor(a.document_start, "document_start", name_, kDLInt, 32, {S, B});
       require_key_start(dev);
-      const int32_t* starts = data_of<int32_t>(*a.document_start);
-      for (int64_t b = 0; b < B; ++b)
-        dev.copy_2d(tmp.at<int32_t>(key_start) + b * S, sizeof(int32_t), starts + b, B * sizeof(int32_t),
-                    sizeof(int32_t), static_cast<size_t>(S), LOOM_COPY_DEVICE_TO_DEVICE);
+      key_starts(dev, data_of<int32_t>(*a.document_start), tmp.at<int32_t>(key_start), S, B, 1);
       at.key_start = tmp.at<int32_t>(key_start);
     }
     at.kv_stride_b = W;
@@ -563,13 +561,13 @@ class Attention : public loom::Layer {
   }
 
   // The attention op's key_start (ABI 1.22) from the engine's document starts [S, B]:
-  // per attention call (the local sequence, or each of its two cp chunks) a block
-  // [B, rows of the call], each batch element's column copied into a row. The starts
-  // are positions in the whole sequence, as the gathered keys are under cp.
-  void key_starts(const loom::Device& dev, const int32_t* document_start, Saved& s) const {
-    const int64_t B = s.B, rows = s.S / halves();
-    int32_t* out = s.mem.at<int32_t>(s.key_start);
-    for (int h = 0; h < halves(); ++h)
+  // per attention call (the sequence, or each of its `calls` cp chunks) a block [B,
+  // rows of the call], each batch element's column copied into a row. The starts are
+  // positions in the whole sequence, as the gathered keys are under cp.
+  static void key_starts(const loom::Device& dev, const int32_t* document_start, int32_t* out, int64_t S, int64_t B,
+                         int calls) {
+    const int64_t rows = S / calls;
+    for (int h = 0; h < calls; ++h)
       for (int64_t b = 0; b < B; ++b)
         dev.copy_2d(out + (h * B + b) * rows, sizeof(int32_t), document_start + h * rows * B + b, B * sizeof(int32_t),
                     sizeof(int32_t), static_cast<size_t>(rows), LOOM_COPY_DEVICE_TO_DEVICE);
