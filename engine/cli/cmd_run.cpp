@@ -207,6 +207,13 @@ int cmd_run(int argc, char** argv) {
         std::cout << "interrupted: stopped after step " << r.final_step << "; resume with --resume\n";
       return 130;
     }
+    if (!r.exit_reason.empty()) {  // a planned stop (a job's time slot): the job did what it was asked
+      std::cout << "exit: stopped after step " << r.final_step << " of " << plan.config.run.steps << " as "
+                << r.exit_reason << " asks"
+                << (plan.config.checkpoint.dir.empty() ? "; no checkpoint was written (checkpoint.dir is not set)"
+                                                       : "; resume with --resume")
+                << "\n";
+    }
     return 0;
   } catch (const UsageError& e) {
     std::cerr << "loom run: " << e.what() << "\n" << kUsage;

@@ -48,6 +48,8 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.run.sample_every = m.get_int("run.sample_every");
   c.run.sample_tokens = m.get_int("run.sample_tokens");
   c.run.metrics_file = m.get_string("run.metrics_file");
+  c.run.exit_duration_minutes = m.get_float("run.exit_duration_minutes");
+  c.run.exit_interval = m.get_int("run.exit_interval");
 
   c.model.hidden_size = m.get_int("model.hidden_size");
   c.model.num_heads = m.get_int("model.num_heads");

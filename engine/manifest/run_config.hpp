@@ -25,6 +25,8 @@ struct RunConfig {
     int64_t steps = 0, seed = 0, log_every = 0, eval_every = 0, eval_batches = 0;
     int64_t sample_every = 0, sample_tokens = 0;  // greedy samples during training
     std::string metrics_file;
+    double exit_duration_minutes = 0;  // 0 = no limit
+    int64_t exit_interval = 0;         // 0 = never
   } run;
   struct Model {
     int64_t hidden_size = 0, num_heads = 0;

@@ -115,6 +115,13 @@ std::vector<KeySpec> build() {
                 "model writes after it, with the key/value cache of `loom generate`"));
   v.push_back(i("run.sample_tokens", 32, 1, "tokens each sample adds (fewer when the model's seq_length is reached)"));
   v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
+  v.push_back(f("run.exit_duration_minutes", "0.0", 0, false,
+                "stop after the first step that ends more than N minutes after training started (Megatron-LM's "
+                "--exit-duration-in-mins): the step is checkpointed as at a stop signal, its evaluation left to the "
+                "resumed run, and `loom run` exits 0; --resume continues (0 = no limit)"));
+  v.push_back(i("run.exit_interval", 0, 0,
+                "stop after each step that is a multiple of N (Megatron-LM's --exit-interval), after its evaluation "
+                "and checkpoint, and exit 0; --resume runs to the next multiple (0 = never)"));
   // model
   v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream", kMaxWidth));
   v.push_back(i("model.num_heads", 4, 1, "attention heads", kMaxCount));

@@ -415,6 +415,14 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (key == std::string("checkpoint.async_save") ? config.checkpoint.async_save : man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
+  for (const char* key : {"run.exit_duration_minutes", "run.exit_interval"})
+    if (config.checkpoint.dir.empty() && man.get_float(key) > 0)
+      plan.warnings.push_back(man.origin(key).str() + ": " + key + " stops the run early, but checkpoint.dir is "
+                              "empty, so the steps trained are not saved and --resume cannot continue");
+  if (config.run.exit_interval >= config.run.steps)
+    plan.warnings.push_back(man.origin("run.exit_interval").str() + ": run.exit_interval = " +
+                            std::to_string(config.run.exit_interval) + " is not below run.steps = " +
+                            std::to_string(config.run.steps) + ", so it stops no run before its end");
   if (!config.checkpoint.init_weights.empty() && config.model.init_method_std > 0)
     plan.warnings.push_back(man.origin("model.init_method_std").str() + ": model.init_method_std sets the random "
                             "initialisation; the run starts from checkpoint.init_weights, so it changes nothing");

@@ -54,6 +54,12 @@ struct Run {
   std::shared_ptr<const InitialWeights> regathered;    // a resume at another layout: tensors and their state
   std::unique_ptr<CheckpointPruner> pruner;            // checkpoint.keep_last, used by rank 0
   DocumentInputs documents;  // data.reset_*: worked out once (the tokenizer's end token) for every rank
+  // When train() was called: run.exit_duration_minutes counts from it.
+  std::chrono::steady_clock::time_point started;
+
+  double minutes_trained() const {
+    return std::chrono::duration<double, std::ratio<60>>(std::chrono::steady_clock::now() - started).count();
+  }
 
   uint64_t samples_before(int64_t step) const {
     return train::samples_before(step, start_step, start_samples, plan.config.batch.global_batch_size);
@@ -130,8 +136,9 @@ class RankTraining {
  private:
   // What the training loop asks every rank after each step, in one reduction.
   struct StepPoll {
-    bool stop = false;     // a stop signal reached some rank
-    bool written = false;  // a checkpoint written beside training is on disk on every rank
+    bool stop = false;         // a stop signal reached some rank
+    bool written = false;      // a checkpoint written beside training is on disk on every rank
+    bool out_of_time = false;  // some rank is past run.exit_duration_minutes
   };
   void run_steps();
   StepPoll poll() const;
@@ -149,6 +156,7 @@ class RankTraining {
   // A checkpoint is in place (CheckpointSaver's OnCommit).
   void committed(const CheckpointSaver::Committed& c);
   void mark_interrupted();
+  void mark_exited(const std::string& reason);
   void publish();
 
   Run& run_;
@@ -196,9 +204,11 @@ bool RankTraining::stop_requested() const {
 }
 
 RankTraining::StepPoll RankTraining::poll() const {
-  double flags[2] = {stop_signalled() ? 1.0 : 0.0, saver_.writing() ? 1.0 : 0.0};
-  world_.all_reduce(nullptr, flags, flags, 2, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-  return {flags[0] > 0, saver_.pending() && flags[1] == 0};
+  const double limit = config_.run.exit_duration_minutes;
+  const bool late = limit > 0 && run_.minutes_trained() > limit;
+  double flags[3] = {stop_signalled() ? 1.0 : 0.0, saver_.writing() ? 1.0 : 0.0, late ? 1.0 : 0.0};
+  world_.all_reduce(nullptr, flags, flags, 3, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
+  return {flags[0] > 0, saver_.pending() && flags[1] == 0, flags[2] > 0};
 }
 
 // One step from `step` (the steps done) to step + 1, without evaluation.
@@ -286,6 +296,12 @@ void RankTraining::mark_interrupted() {
   run_.result.interrupted = true;
 }
 
+void RankTraining::mark_exited(const std::string& reason) {
+  if (!leader_) return;
+  std::lock_guard<std::mutex> lock(run_.mu);
+  run_.result.exit_reason = reason;
+}
+
 // This rank's pipeline peaks, execution statistics and timeline, however the loop ends.
 void RankTraining::publish() {
   rt_.set_comm_observer(nullptr);
@@ -347,7 +363,9 @@ void RankTraining::run_steps() {
     ++step;
     if (run_.options.stepped) run_.options.stepped->store(true);
     const StepPoll polled = poll();
-    bool stop = polled.stop;
+    // Out of time, the run stops as at a signal: the step saved, its evaluation left
+    // to the resumed run.
+    bool stop = polled.stop || polled.out_of_time;
     if (polled.written) saver_.commit_pending();
     run_.metrics.complete(rec);
     // A stop before or during this step's evaluation leaves it to the resumed run.
@@ -357,8 +375,10 @@ void RankTraining::run_steps() {
     if (run_.options.on_step) optimizer_.params_needed_all();
     if (!stop && evaluates_at(step) && !evaluate(rec)) stop = evaluation_pending = true;
     if (run_.options.on_step) run_.options.on_step(step, rank_, *model_);
+    const int64_t exit_interval = config_.run.exit_interval;
+    const bool exit_here = exit_interval > 0 && step % exit_interval == 0 && step < steps;
     if (leader_) {
-      run_.metrics.write(rec, stop);
+      run_.metrics.write(rec, stop || exit_here);
       std::lock_guard<std::mutex> lock(run_.mu);
       run_.result.steps.push_back(rec);
       run_.result.final_step = step;
@@ -376,7 +396,19 @@ void RankTraining::run_steps() {
     if (!stop && sample_every > 0 && (step % sample_every == 0 || step == steps)) sample(step);
     if (stop) {
       checkpoint(step, /*in_line=*/true, evaluation_pending);
-      mark_interrupted();
+      if (polled.out_of_time && !polled.stop) {
+        std::ostringstream why;
+        why << "run.exit_duration_minutes = " << config_.run.exit_duration_minutes << " (" << std::fixed
+            << std::setprecision(1) << run_.minutes_trained() << " minutes since training started)";
+        mark_exited(why.str());
+      } else {
+        mark_interrupted();  // a signal, before or during the evaluation
+      }
+      return;
+    }
+    if (exit_here) {
+      checkpoint(step, /*in_line=*/true);
+      mark_exited("run.exit_interval = " + std::to_string(exit_interval));
       return;
     }
     if (config_.checkpoint.every > 0 && step % config_.checkpoint.every == 0 && step < steps) {
@@ -445,6 +477,7 @@ std::unique_ptr<model::Model> create_rank_model(const RunPlan& plan, runtime::Ra
 }
 
 TrainResult train(const RunPlan& plan, const TrainOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
   const manifest::RunConfig& config = plan.config;
   // Everything known before launch is refused before launch (loom validate reports the same).
   const runtime::ProcessLaunch launch = runtime::detect_process_launch();
@@ -501,6 +534,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
+  run.started = started;
   run.documents = document_inputs(config, checked.vocab);
   if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))

@@ -47,6 +47,9 @@ struct TrainResult {
   int64_t start_step = 0;          // > 0 when resumed
   int64_t final_step = 0;
   bool interrupted = false;        // stopped by a signal (after checkpointing)
+  // Non-empty: stopped as run.exit_duration_minutes or run.exit_interval asks (after
+  // checkpointing), saying which.
+  std::string exit_reason;
   std::string checkpoint;          // the last checkpoint written, if any
   // Per global rank hosted here: the most (chunk, microbatch) forwards awaiting
   // their backward at once, over all steps, and the activation bytes at that peak.

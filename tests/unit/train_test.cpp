@@ -60,7 +60,7 @@ TEST(RunPlan, ChunkSizesWithoutAPipelineAreWarnedOf) {
 
 // Settings that change nothing are said: recomputation's options without recomputation,
 // partial graphs where no layer step is captured (tp > 1), a warmup that outlasts the
-// run (decay_steps = 0: the run's length).
+// run (decay_steps = 0: the run's length), an early exit that saves nothing or never acts.
 TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   auto warned = [](const std::vector<std::string>& overrides, const std::string& what) {
     for (const std::string& w : loom::testing::plan_from(tiny_manifest(), overrides).warnings)
@@ -100,6 +100,13 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string in_line_only = "with checkpoint.every = 0 there are only those at a stop signal and at the end";
   EXPECT_TRUE(warned({"checkpoint.async_save=true", dir}, in_line_only));
   EXPECT_FALSE(warned({"checkpoint.async_save=true", "checkpoint.every=5", dir}, in_line_only));
+  const std::string lost = "stops the run early, but checkpoint.dir is empty";
+  EXPECT_TRUE(warned({"run.exit_duration_minutes=30"}, "run.exit_duration_minutes " + lost));
+  EXPECT_TRUE(warned({"run.exit_interval=3", "run.steps=10"}, "run.exit_interval " + lost));
+  EXPECT_FALSE(warned({"run.exit_interval=3", "run.steps=10", dir}, lost));
+  const std::string never = "run.exit_interval = 10 is not below run.steps = 10, so it stops no run before its end";
+  EXPECT_TRUE(warned({"run.exit_interval=10", "run.steps=10", dir}, never));
+  EXPECT_FALSE(warned({"run.exit_interval=9", "run.steps=10", dir}, "stops no run"));
 }
 
 // model.init_method_std (Megatron-LM's --init-method-std): every normally initialised
@@ -698,6 +705,75 @@ TEST(Checkpoint, AnEvaluationAStopCutShortIsRunOnResume) {
   EXPECT_EQ(val_loss[10], full.result.steps[9].val_loss);
   fs::remove_all(dir);
   fs::remove(metrics);
+}
+
+// run.exit_interval (Megatron-LM's --exit-interval): each launch stops after the next
+// multiple, its evaluation and checkpoint done; the launches together equal one run.
+TEST(Checkpoint, AnExitIntervalStopsEachLaunchAtAMultipleAndTheLaunchesEqualOneRun) {
+  const std::string dir = loom::testing::scratch_dir("exit_interval");
+  fs::remove_all(dir);
+  const std::vector<std::string> common = {"run.steps=10", "parallel.dp=2", "run.eval_every=4", "run.eval_batches=2"};
+  auto full = run_and_trace(tiny_manifest(), common);
+  const std::vector<std::string> chunked =
+      loom::testing::with_overrides(common, {"run.exit_interval=4", "checkpoint.dir=\"" + dir + "\""});
+  loom::train::TrainOptions opts;
+  std::vector<int64_t> ends;
+  for (int launch = 0; launch < 3; ++launch) {
+    opts.resume = launch > 0;
+    auto part = run_and_trace(tiny_manifest(), chunked, opts);
+    ends.push_back(part.result.final_step);
+    EXPECT_FALSE(part.result.interrupted);
+    ASSERT_FALSE(part.result.steps.empty());
+    if (part.result.final_step < 10) {
+      EXPECT_NE(part.result.exit_reason.find("run.exit_interval = 4"), std::string::npos) << part.result.exit_reason;
+      EXPECT_TRUE(part.result.steps.back().evaluated) << "the exit step's evaluation is run before the stop";
+      EXPECT_EQ(part.result.steps.back().val_loss,
+                full.result.steps[static_cast<size_t>(part.result.final_step - 1)].val_loss);
+      EXPECT_FALSE(loom::train::read_meta(loom::train::checkpoint_path(dir, part.result.final_step)).evaluation_pending);
+    } else {
+      EXPECT_EQ(part.result.exit_reason, "") << "the last launch ends the run";
+      EXPECT_EQ(part.params.back(), full.params.back());
+      EXPECT_EQ(part.loss.back(), full.loss.back());
+    }
+  }
+  EXPECT_EQ(ends, (std::vector<int64_t>{4, 8, 10}));
+  fs::remove_all(dir);
+}
+
+// run.exit_duration_minutes (Megatron-LM's --exit-duration-in-mins): out of time, the
+// run stops after the step, saved as at a stop signal (its evaluation left to the
+// resumed run), and the resumed run without a limit equals one uninterrupted run.
+TEST(Checkpoint, AnExitDurationStopsAfterTheStepThatRanOutOfTime) {
+  const std::string dir = loom::testing::scratch_dir("exit_duration");
+  fs::remove_all(dir);
+  const std::vector<std::string> common = {"run.steps=6", "parallel.dp=2", "run.eval_every=1", "run.eval_batches=2"};
+  auto full = run_and_trace(tiny_manifest(), common);
+  const std::string ck = "checkpoint.dir=\"" + dir + "\"";
+  // A microsecond: spent before the first step ends.
+  auto cut = run_and_trace(tiny_manifest(),
+                           loom::testing::with_overrides(common, {"run.exit_duration_minutes=1e-8", ck}));
+  EXPECT_FALSE(cut.result.interrupted);
+  EXPECT_EQ(cut.result.final_step, 1);
+  EXPECT_NE(cut.result.exit_reason.find("run.exit_duration_minutes = 1e-08"), std::string::npos)
+      << cut.result.exit_reason;
+  ASSERT_EQ(cut.result.steps.size(), 1u);
+  EXPECT_FALSE(cut.result.steps[0].evaluated);
+  EXPECT_TRUE(loom::train::read_meta(loom::train::checkpoint_path(dir, 1)).evaluation_pending);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto rest = run_and_trace(tiny_manifest(), loom::testing::with_overrides(common, {ck}), resume);
+  EXPECT_EQ(rest.result.exit_reason, "");
+  EXPECT_EQ(rest.result.final_step, 6);
+  EXPECT_EQ(rest.params.back(), full.params.back());
+  EXPECT_EQ(rest.result.steps.back().val_loss, full.result.steps.back().val_loss);
+  // A limit not reached changes nothing.
+  fs::remove_all(dir);
+  auto roomy = run_and_trace(tiny_manifest(),
+                             loom::testing::with_overrides(common, {"run.exit_duration_minutes=600", ck}));
+  EXPECT_EQ(roomy.result.final_step, 6);
+  EXPECT_EQ(roomy.result.exit_reason, "");
+  EXPECT_EQ(roomy.params.back(), full.params.back());
+  fs::remove_all(dir);
 }
 
 std::vector<std::pair<std::string, std::string>> snapshot(const std::string& dir) {
