@@ -60,9 +60,11 @@ extern "C" void on_signal(int sig) {
 }
 
 const char* kUsage =
-    "usage: loom run MANIFEST [--set key.path=value]... [--resume] [--metrics FILE] [--trace FILE]\n"
+    "usage: loom run MANIFEST [--set key.path=value]... [--resume | --resume-if-any] [--metrics FILE] [--trace FILE]\n"
     "  --set       override a manifest value (TOML value, or a bare word as a string); repeatable\n"
     "  --resume    continue from the latest complete checkpoint in checkpoint.dir\n"
+    "  --resume-if-any  the same, or start the run when checkpoint.dir holds none yet (one command line for\n"
+    "              every job of a chain, with run.exit_duration_minutes or run.exit_interval)\n"
     "  --metrics   write one JSON object per step to FILE (and one of step and val_* of an evaluation\n"
     "              a stop cut short, after --resume)\n"
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
@@ -101,7 +103,7 @@ std::string process_prefix() {
 
 int cmd_run(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--resume"}, {"--set", "--metrics", "--trace"});
+    Args args(argc, argv, {"--resume", "--resume-if-any"}, {"--set", "--metrics", "--trace"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -138,7 +140,8 @@ int cmd_run(int argc, char** argv) {
       for (const std::string& w : plan.warnings) std::cerr << "loom run: warning: " << w << "\n";
     const bool leader = !proc.multi_process || proc.rank == 0;
     train::TrainOptions opts;
-    opts.resume = args.flag("--resume");
+    opts.start_without_checkpoint = args.flag("--resume-if-any");
+    opts.resume = args.flag("--resume") || opts.start_without_checkpoint;
     // checkpoint.init_weights: a loom checkpoint of any layout, or a Hugging Face directory.
     opts.read_init_weights = [&plan](int64_t vocab) {
       return interop::read_initial_weights(plan.config.checkpoint.init_weights, plan, vocab, plugins::registry());

@@ -516,13 +516,17 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                             "checkpoint.dir of its own (or remove that one)");
   std::optional<ResumePoint> resume;
   // --resume of a fine-tuning run (checkpoint.init_weights) that has saved nothing yet
-  // starts from the given weights: one command line serves every launch of a run that
-  // may be preempted.
-  const bool first_launch = options.resume && !config.checkpoint.init_weights.empty() && !ckpt_dir.empty() &&
-                            !latest_checkpoint(ckpt_dir);
+  // starts from the given weights, and --resume-if-any of any run from its start: one
+  // command line serves every launch of a run that may be preempted or stop early.
+  const bool first_launch = options.resume &&
+                            (!config.checkpoint.init_weights.empty() || options.start_without_checkpoint) &&
+                            !ckpt_dir.empty() && !latest_checkpoint(ckpt_dir);
   if (first_launch && options.log)
-    *options.log << "resume: no checkpoint in " << ckpt_dir << " yet; starting from checkpoint.init_weights = "
-                 << config.checkpoint.init_weights << std::endl;
+    *options.log << "resume: no checkpoint in " << ckpt_dir << " yet; starting "
+                 << (config.checkpoint.init_weights.empty()
+                         ? std::string("the run")
+                         : "from checkpoint.init_weights = " + config.checkpoint.init_weights)
+                 << std::endl;
   if (options.resume && !first_launch) {
     resume = plan_resume(plan, ckpt_dir, checked.vocab, options.log);
     if (options.log) *options.log << "resume: from " << resume->dir << " (step " << resume->step << ")" << std::endl;

@@ -22,6 +22,9 @@ namespace loom::train {
 
 struct TrainOptions {
   bool resume = false;
+  // With resume: a checkpoint.dir that holds no checkpoint yet starts the run (one
+  // command line for every job of a chain; `loom run --resume-if-any`).
+  bool start_without_checkpoint = false;
   std::string metrics_file;                  // JSON lines, one per step
   std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
   const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers

@@ -47,14 +47,18 @@ last_res=$(tail -1 "$work/cut.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')
 [ "$(tail -1 "$work/cut.jsonl" | sed 's/.*"step": *\([0-9]*\),.*/\1/')" = 300 ] || fail "resumed run did not reach step 300"
 [ "$last_ref" = "$last_res" ] || fail "final loss after SIGTERM+resume $last_res != uninterrupted $last_ref"
 
-# 3b. run.exit_interval: the launch stops after step 120 with exit 0 and says so; the
-# resumed launch ends where the uninterrupted run does, bit for bit.
-"$loom" run "$here/tiny.toml" --set checkpoint.dir="\"$work/chunks\"" --set run.exit_interval=120 \
-  --metrics "$work/chunks.jsonl" > "$work/chunk1.out" 2>&1 || fail "exit_interval launch: $(tail -3 "$work/chunk1.out")"
+# 3b. run.exit_interval, one command line for every job (--resume-if-any): each launch
+# stops after the next multiple of 120 with exit 0 and says so; the last ends where the
+# uninterrupted run does, bit for bit.
+for n in 1 2 3; do
+  "$loom" run "$here/tiny.toml" --set checkpoint.dir="\"$work/chunks\"" --set run.exit_interval=120 --resume-if-any \
+    --metrics "$work/chunks.jsonl" > "$work/chunk$n.out" 2>&1 || fail "exit_interval launch $n: $(tail -3 "$work/chunk$n.out")"
+done
+grep -q "no checkpoint in .*chunks yet; starting the run" "$work/chunk1.out" || fail "first launch: $(head -3 "$work/chunk1.out")"
 grep -q "exit: stopped after step 120 of 300 as run.exit_interval = 120 asks; resume with --resume" "$work/chunk1.out" \
   || fail "no exit message: $(tail -3 "$work/chunk1.out")"
-"$loom" run "$here/tiny.toml" --set checkpoint.dir="\"$work/chunks\"" --resume --metrics "$work/chunks.jsonl" \
-  > "$work/chunk2.out" 2>&1 || fail "resumed launch: $(tail -3 "$work/chunk2.out")"
+grep -q "exit: stopped after step 240 of 300" "$work/chunk2.out" || fail "second launch: $(tail -3 "$work/chunk2.out")"
+grep -q "^exit: " "$work/chunk3.out" && fail "the last launch ends the run: $(tail -3 "$work/chunk3.out")"
 [ "$(tail -1 "$work/chunks.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')" = "$last_ref" ] \
   || fail "exit_interval + resume: final loss differs from the uninterrupted run's"
 

@@ -708,7 +708,8 @@ TEST(Checkpoint, AnEvaluationAStopCutShortIsRunOnResume) {
 }
 
 // run.exit_interval (Megatron-LM's --exit-interval): each launch stops after the next
-// multiple, its evaluation and checkpoint done; the launches together equal one run.
+// multiple, its evaluation and checkpoint done; the launches, each the same
+// --resume-if-any (the first finding no checkpoint), together equal one run.
 TEST(Checkpoint, AnExitIntervalStopsEachLaunchAtAMultipleAndTheLaunchesEqualOneRun) {
   const std::string dir = loom::testing::scratch_dir("exit_interval");
   fs::remove_all(dir);
@@ -717,10 +718,14 @@ TEST(Checkpoint, AnExitIntervalStopsEachLaunchAtAMultipleAndTheLaunchesEqualOneR
   const std::vector<std::string> chunked =
       loom::testing::with_overrides(common, {"run.exit_interval=4", "checkpoint.dir=\"" + dir + "\""});
   loom::train::TrainOptions opts;
+  opts.resume = opts.start_without_checkpoint = true;
   std::vector<int64_t> ends;
   for (int launch = 0; launch < 3; ++launch) {
-    opts.resume = launch > 0;
+    std::ostringstream log;
+    opts.log = &log;
     auto part = run_and_trace(tiny_manifest(), chunked, opts);
+    EXPECT_EQ(log.str().find("no checkpoint in " + dir + " yet; starting the run") != std::string::npos, launch == 0)
+        << log.str();
     ends.push_back(part.result.final_step);
     EXPECT_FALSE(part.result.interrupted);
     ASSERT_FALSE(part.result.steps.empty());
