@@ -459,6 +459,20 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
   }
   fs::remove_all(windowed);
   check_export({"model.layer.attention.sliding_window=16"}, "GPT2LMHeadModel");
+  // Mixtral's router is the softmax's top-k over all experts.
+  const std::string sigmoid = scratch("mixtral-sigmoid");
+  std::vector<std::string> deepseek = mixtral();
+  deepseek.push_back("model.layer.moe.score_function=\"sigmoid\"");
+  try {
+    loom::interop::export_hf(parallel_checkpoint(deepseek, sigmoid), sigmoid + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a Mixtral model with sigmoid router scores was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("router is the softmax's top-k over all experts: score_function, "
+                                         "topk_scaling_factor and num_groups have no counterpart"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(sigmoid);
 }
 
 // A block of two attention + MLP pairs (4 blocks) is an 8-layer Hugging Face model, and

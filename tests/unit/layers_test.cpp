@@ -1390,6 +1390,17 @@ namespace {
 // tp = 2 = tp = 1.
 // ---------------------------------------------------------------------------
 
+// The router's score function, gate scaling and group-limited routing (their
+// defaults left unset).
+void set_router_options(toml::table& t, const std::string& score, double scaling, int64_t groups, int64_t group_topk) {
+  if (score != "softmax") t.insert_or_assign("score_function", score);
+  if (scaling > 0) t.insert_or_assign("topk_scaling_factor", scaling);
+  if (groups > 0) {
+    t.insert_or_assign("num_groups", groups);
+    t.insert_or_assign("group_topk", group_topk);
+  }
+}
+
 toml::table moe_options(int64_t experts, int64_t top_k, double aux_coeff = 0.01, bool pre_softmax = false,
                         double dropout = 0.0, double z_coeff = 0.0, double capacity_factor = 0.0,
                         const std::string& drop_policy = "probs", int64_t shared_ffn = 0, bool shared_gate = false) {
@@ -1433,7 +1444,7 @@ void fd_check_piecewise(std::vector<float>& v, const std::vector<float>& analyti
   };
   size_t skipped = 0;
   for (size_t j : coords) {
-    const double coarse = central(j, 1e-2f), fine = central(j, 5e-3f);
+    const double coarse = central(j, 2e-3f), fine = central(j, 1e-3f);
     const double tol = 2e-2 * std::max(std::fabs(fine), std::fabs(static_cast<double>(analytic[j]))) + 3e-3;
     if (std::fabs(coarse - fine) > tol) {
       ++skipped;
@@ -1448,27 +1459,37 @@ void fd_check_piecewise(std::vector<float>& v, const std::vector<float>& analyti
 // per expert, kept by largest gate (ties: lower token) or by position; dropped
 // slots add nothing and the load-balancing term counts the routing before the drop.
 TEST(Layers, MoeForwardMatchesReference) {
-  constexpr int64_t kExperts = 4, kTopK = 2;
   struct Variant {
     bool pre_softmax;
     double capacity_factor;
     std::string policy;
     int64_t shared;  // the shared expert's width (0 = none)
     bool gate = false;  // the shared expert's output times sigmoid(ln . w) per token
+    std::string score = "softmax";
+    double scaling = 0.0;  // topk_scaling_factor
+    int64_t experts = 4, top_k = 2, groups = 0, group_topk = 0;
   };
-  for (const Variant& v : {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0},
-                           Variant{false, 0.5, "probs", 0}, Variant{true, 0.5, "position", 0},
-                           Variant{false, 0.0, "probs", 12}, Variant{false, 0.5, "probs", 12},
-                           Variant{false, 0.0, "probs", 12, true}}) {
-    const bool pre_softmax = v.pre_softmax;
+  for (const Variant& v :
+       {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0}, Variant{false, 0.5, "probs", 0},
+        Variant{true, 0.5, "position", 0}, Variant{false, 0.0, "probs", 12}, Variant{false, 0.5, "probs", 12},
+        Variant{false, 0.0, "probs", 12, true}, Variant{false, 0.0, "probs", 0, false, "sigmoid", 2.5},
+        Variant{false, 0.0, "probs", 0, false, "sigmoid", 0.0, 4, 1},
+        Variant{false, 0.5, "probs", 0, false, "sigmoid", 1.5, 8, 4, 4, 2},
+        Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 2, 4, 1},
+        Variant{true, 0.0, "probs", 0, false, "softmax", 2.0, 6, 4, 3, 2}}) {
+    const bool pre_softmax = v.pre_softmax, sigmoid = v.score == "sigmoid";
+    const int64_t kExperts = v.experts, kTopK = v.top_k;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
                  std::to_string(v.capacity_factor) + " by " + v.policy + ", shared expert " +
-                 std::to_string(v.shared) + (v.gate ? " gated" : ""));
+                 std::to_string(v.shared) + (v.gate ? " gated" : "") + ", " + v.score + " scaled by " +
+                 std::to_string(v.scaling) + ", top " + std::to_string(kTopK) + " of " + std::to_string(kExperts) +
+                 " in " + std::to_string(v.groups) + " groups, " + std::to_string(v.group_topk) + " taken");
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
     toml::table opts =
         moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared, v.gate);
+    set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1491,24 +1512,64 @@ TEST(Layers, MoeForwardMatchesReference) {
       int64_t t, e;
       double gate;
     };
+    // The top n of `among` by `key`, ties to the lower index.
+    auto top = [](std::vector<int64_t> among, int64_t n, const std::vector<double>& key) {
+      std::stable_sort(among.begin(), among.end(), [&](int64_t a, int64_t c) { return key[a] > key[c]; });
+      among.resize(static_cast<size_t>(n));
+      return among;
+    };
+    std::vector<int64_t> every(kExperts);
+    std::iota(every.begin(), every.end(), 0);
     std::vector<std::vector<Slot>> slots_of(kExperts);  // in token order
+    int64_t group_limited = 0;  // tokens whose top-k over all experts the groups changed
     for (int64_t t = 0; t < kT; ++t) {
-      std::vector<double> p(kExperts);
+      std::vector<double> p(kExperts), lb(kExperts);
       double mx = -1e300, sum = 0;
       for (int64_t e = 0; e < kExperts; ++e) mx = std::max(mx, logits[t * kExperts + e]);
       for (int64_t e = 0; e < kExperts; ++e) sum += (p[e] = std::exp(logits[t * kExperts + e] - mx));
       z += std::pow(mx + std::log(sum), 2) / kT;
-      for (int64_t e = 0; e < kExperts; ++e) prob_sum[e] += (p[e] /= sum);
-      std::vector<int64_t> order(kExperts);
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return p[a] > p[c]; });
-      double chosen = 0;
-      for (int64_t k = 0; k < kTopK; ++k) chosen += p[order[k]];
-      for (int64_t k = 0; k < kTopK; ++k) {
-        const int64_t e = order[k];
-        routed[e] += 1;
-        slots_of[e].push_back({t, e, pre_softmax ? p[e] : p[e] / chosen});
+      for (int64_t e = 0; e < kExperts; ++e) p[e] /= sum;
+      std::vector<double> score = p;
+      if (sigmoid)
+        for (int64_t e = 0; e < kExperts; ++e) score[e] = 1.0 / (1.0 + std::exp(-logits[t * kExperts + e]));
+      const double score_sum = std::accumulate(score.begin(), score.end(), 0.0);
+      for (int64_t e = 0; e < kExperts; ++e) prob_sum[e] += (lb[e] = sigmoid ? score[e] / score_sum : p[e]);
+      for (int64_t e : top(every, kTopK, lb)) routed[e] += 1;
+      // What top-k compares (Megatron's topk_routing_with_score_function): the
+      // sigmoids, the probs with pre_softmax, else the logits.
+      std::vector<double> key = score;
+      if (!sigmoid && !pre_softmax) key.assign(logits.begin() + t * kExperts, logits.begin() + (t + 1) * kExperts);
+      std::vector<int64_t> candidates = every;
+      if (v.groups > 0) {  // the group_topk groups whose best top_k / group_topk keys sum highest
+        const int64_t per = kExperts / v.groups;
+        std::vector<double> group_score(v.groups);
+        for (int64_t g = 0; g < v.groups; ++g) {
+          std::vector<double> members(key.begin() + g * per, key.begin() + (g + 1) * per);
+          std::sort(members.rbegin(), members.rend());
+          group_score[g] = std::accumulate(members.begin(), members.begin() + kTopK / v.group_topk, 0.0);
+        }
+        std::vector<int64_t> groups(v.groups);
+        std::iota(groups.begin(), groups.end(), 0);
+        candidates.clear();
+        for (int64_t g : top(groups, v.group_topk, group_score))
+          for (int64_t e = g * per; e < (g + 1) * per; ++e) candidates.push_back(e);
+        std::sort(candidates.begin(), candidates.end());
       }
+      const std::vector<int64_t> chosen_experts = top(candidates, kTopK, key);
+      std::vector<int64_t> a = chosen_experts, c = top(every, kTopK, key);
+      std::sort(a.begin(), a.end());
+      std::sort(c.begin(), c.end());
+      group_limited += a != c;
+      double chosen = 0;
+      for (int64_t e : chosen_experts) chosen += score[e];
+      for (int64_t e : chosen_experts) {
+        const bool renormalise = sigmoid ? kTopK > 1 : !pre_softmax;
+        const double gate = (renormalise ? score[e] / chosen : score[e]) * (v.scaling > 0 ? v.scaling : 1.0);
+        slots_of[e].push_back({t, e, gate});
+      }
+    }
+    if (v.groups > 0) {
+      EXPECT_GT(group_limited, 0) << "the groups change some token's experts in this case";
     }
     const int64_t capacity =
         v.capacity_factor > 0 ? static_cast<int64_t>(std::ceil(double(kT * kTopK) / kExperts * v.capacity_factor)) : 0;
@@ -1610,6 +1671,44 @@ TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(43);
+    layer.randomize(rng);
+    Batch b = make_batch(rng);
+    layer.zero_grads();
+    layer.forward(b, 0, true, 9);
+    const std::vector<float> dx = layer.backward(b, 0);
+    for (Param& p : layer.params()) {
+      const std::vector<float> analytic = p.grad;
+      fd_check_piecewise(p.value, analytic, [&] { return layer.objective(b, 9); }, p.name, rng);
+    }
+    fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
+  }
+}
+
+// DeepSeek-V3's router options: sigmoid scores (the gates the chosen ones over
+// their sum, or as they are for top_k = 1; the load-balancing term through the
+// normalised sigmoids), scaled gates, and group-limited routing, with the
+// load-balancing and z-loss terms in the objective, dropless and with a capacity.
+TEST(Layers, MoeSigmoidScoresAndGroupLimitedRoutingGradientsMatchFiniteDifferences) {
+  struct Variant {
+    std::string score;
+    bool pre_softmax;
+    double scaling, capacity_factor;
+    int64_t experts, top_k, groups, group_topk;
+  };
+  for (const Variant& v : {Variant{"sigmoid", false, 2.5, 0.0, 4, 2, 0, 0}, Variant{"sigmoid", false, 0.0, 0.0, 4, 1, 0, 0},
+                           Variant{"sigmoid", false, 1.5, 0.0, 8, 4, 4, 2}, Variant{"softmax", false, 0.0, 0.0, 8, 2, 4, 1},
+                           Variant{"softmax", true, 2.0, 0.0, 6, 4, 3, 2}}) {
+    SCOPED_TRACE(v.score + (v.pre_softmax ? " pre_softmax" : "") + " scaled by " + std::to_string(v.scaling) +
+                 ", capacity factor " + std::to_string(v.capacity_factor) + ", top " + std::to_string(v.top_k) +
+                 " of " + std::to_string(v.experts) + " in " + std::to_string(v.groups) + " groups");
+    Rank rank;
+    auto dims = make_dims();
+    toml::table opts = moe_options(v.experts, v.top_k, /*aux_coeff=*/2.0, v.pre_softmax, /*dropout=*/0.0,
+                                   /*z_coeff=*/0.5, v.capacity_factor);
+    set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
+    TestLayer layer(rank, "moe", dims, &opts);
+    layer.aux_weight = 0.75;
+    std::mt19937 rng(47);
     layer.randomize(rng);
     Batch b = make_batch(rng);
     layer.zero_grads();
@@ -1786,14 +1885,17 @@ void check_expert_dispatchers(const std::vector<std::vector<int64_t>>& counts) {
 // Expert tensor parallelism (etp = tp = 2): each rank holds half of every
 // expert's ffn; the same output, input gradient and gradient slices as one rank.
 TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
-  toml::table opts = moe_options(4, 2, /*aux_coeff=*/0.5, false, /*dropout=*/0.25);
-  for (const bool sp : {false, true}) {
-    SCOPED_TRACE(sp ? "with sequence parallelism" : "without sequence parallelism");
-    std::mt19937 rng(46);
-    const loom::harness::Findings f = loom::harness::check_tensor_parallel(
-        registry(), "moe", make_dims(), &opts, rng, {.tp = 2, .sequence_parallel = sp, .aux_weight = 0.5});
-    EXPECT_TRUE(f.ok()) << f.text();
-  }
+  for (const bool sp : {false, true})
+    for (const bool deepseek : {false, true}) {
+      SCOPED_TRACE(std::string(sp ? "with sequence parallelism" : "without sequence parallelism") +
+                   (deepseek ? ", sigmoid scores in groups" : ""));
+      toml::table opts = moe_options(deepseek ? 8 : 4, deepseek ? 4 : 2, /*aux_coeff=*/0.5, false, /*dropout=*/0.25);
+      if (deepseek) set_router_options(opts, "sigmoid", 2.5, 4, 2);
+      std::mt19937 rng(46);
+      const loom::harness::Findings f = loom::harness::check_tensor_parallel(
+          registry(), "moe", make_dims(), &opts, rng, {.tp = 2, .sequence_parallel = sp, .aux_weight = 0.5});
+      EXPECT_TRUE(f.ok()) << f.text();
+    }
 }
 
 TEST(Layers, MoeRefusesBadOptions) {
@@ -1818,6 +1920,31 @@ TEST(Layers, MoeRefusesBadOptions) {
       EXPECT_NE(std::string(e.what()).find("shared_expert_ffn_hidden_size > 0"), std::string::npos) << e.what();
     }
   }
+  // The router's options that must agree.
+  struct Router {
+    std::string score;
+    bool pre_softmax;
+    int64_t experts, top_k, groups, group_topk;
+    std::string what;
+  };
+  for (const Router& r : {Router{"sigmoid", true, 4, 2, 0, 0, "option pre_softmax = true chooses between the softmax's"},
+                          Router{"softmax", false, 8, 2, 4, 0, "num_groups = 4 and group_topk = 0 go together"},
+                          Router{"softmax", false, 8, 2, 3, 1, "option num_groups = 3 must divide num_experts = 8"},
+                          Router{"softmax", false, 8, 4, 2, 3, "option group_topk = 3 must be at most num_groups = 2"},
+                          Router{"sigmoid", false, 8, 1, 4, 2, "option group_topk = 2 must be at most top_k = 1"},
+                          Router{"sigmoid", false, 8, 6, 4, 2, "option top_k = 6 is more than the 4 experts of "
+                                                               "group_topk = 2 groups of 2"}}) {
+    toml::table opts = moe_options(r.experts, r.top_k, 0.01, r.pre_softmax);
+    if (r.score != "softmax") opts.insert_or_assign("score_function", r.score);
+    if (r.groups > 0) opts.insert_or_assign("num_groups", r.groups);
+    if (r.group_topk > 0) opts.insert_or_assign("group_topk", r.group_topk);
+    try {
+      TestLayer layer(rank, "moe", dims, &opts);
+      ADD_FAILURE() << r.what << ": accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(r.what), std::string::npos) << e.what();
+    }
+  }
   // Single-option limits are declared (ABI 1.9 range / choices): the manifest check
   // refuses them, with the key and what is allowed, before any layer exists.
   const loom::plugins::LoadedPlugin& moe = registry().get("layer", "moe");
@@ -1826,7 +1953,9 @@ TEST(Layers, MoeRefusesBadOptions) {
            {"drop_policy = \"random\"", "drop_policy must be one of \"probs\", \"position\", got \"random\""},
            {"num_experts = 0", "num_experts must be between 1 and 65536, got 0"},
            {"aux_loss_coeff = -0.5", "aux_loss_coeff must be >= 0, got -0.5"},
-           {"dropout = 1.0", "dropout must be >= 0 and < 1, got 1.0"}}) {
+           {"dropout = 1.0", "dropout must be >= 0 and < 1, got 1.0"},
+           {"score_function = \"relu\"", "score_function must be one of \"softmax\", \"sigmoid\", got \"relu\""},
+           {"topk_scaling_factor = -1.0", "topk_scaling_factor must be >= 0, got -1.0"}}) {
     loom::manifest::Manifest m = loom::manifest::Manifest::parse("[model.layer.moe]\n" + kv + "\n", "m.toml");
     std::vector<loom::manifest::Diagnostic> diags;
     m.apply_plugin_options("model.layer.moe", "layer/moe", moe.options, diags, {"plugin"});

@@ -8,7 +8,12 @@
 //    softmax over all experts; each token goes to its top_k experts (ties: lower
 //    index). Gates are the softmax over the chosen logits (= the chosen probs
 //    renormalised, Megatron's default), or the chosen probs as they are with
-//    pre_softmax = true.
+//    pre_softmax = true. With score_function = "sigmoid" (DeepSeek-V3) the scores
+//    are each expert's sigmoid and the gates the chosen ones over their sum (as
+//    they are for top_k = 1). topk_scaling_factor multiplies the gates. With
+//    num_groups and group_topk (group-limited routing) a token's top_k come from
+//    its group_topk groups of consecutive experts whose top_k / group_topk best
+//    scores sum highest.
 //  - experts (experts.cpp): MLPs fc2(act(fc1 x)), each with its own weights, on
 //    the tokens routed to it; act is GeLU, or SwiGLU, silu(gate) * up, where fc1
 //    makes the gate and the up projection (experts.fc1.weight [E, H, 2F], each
@@ -26,7 +31,10 @@
 //  - load balancing (router.cpp): the Switch Transformer auxiliary loss
 //      aux = coeff * E * sum_e f_e * P_e,
 //    f_e = (tokens routed to e) / (tokens * top_k), P_e = mean over tokens of
-//    probs[:, e]; its gradient flows into the router only (f_e is a count). It
+//    probs[:, e] (the sigmoids over their sum with score_function = "sigmoid"),
+//    the top_k counted by these probabilities over all experts, groups or not (as
+//    Megatron's compute_routing_scores_for_aux_loss); its gradient flows into the
+//    router only (f_e is a count). It
 //    enters the objective with the engine's aux_loss_scale (1 / microbatches,
 //    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
 //  - shared experts (shared_expert.cpp; Megatron's
@@ -147,7 +155,11 @@ class Moe : public loom::Layer {
     top_k_ = router.top_k = options.declared_int("top_k");
     ffn_ = options.declared_int("ffn_hidden_size");
     if (ffn_ == 0) ffn_ = d.ffn_hidden;
+    router.sigmoid = options.declared_string("score_function") == "sigmoid";
     router.pre_softmax = options.declared_bool("pre_softmax");
+    router.scaling = options.declared_float("topk_scaling_factor");
+    router.groups = options.declared_int("num_groups");
+    router.group_topk = options.declared_int("group_topk");
     router.aux_coeff = options.declared_float("aux_loss_coeff");
     router.z_coeff = options.declared_float("z_loss_coeff");
     router.capacity_factor = options.declared_float("capacity_factor");
@@ -155,6 +167,7 @@ class Moe : public loom::Layer {
     shared_gate_ = options.declared_bool("shared_expert_gate");
     const std::string policy = options.declared_string("drop_policy");
     router.drop_by_probs = policy == "probs";
+    check_router(router);
     router_ = Router(router);
     dropout_ = dropout_option(options);
     norm_ = norm_option(options);
@@ -201,6 +214,27 @@ class Moe : public loom::Layer {
     declare_params(tp, ep, etp);
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
+  }
+
+  // What the router's options must agree on (each option's own range is declared).
+  void check_router(const RouterConfig& r) const {
+    LOOM_REQUIRE(!(r.sigmoid && r.pre_softmax),
+                 name_ << ": option pre_softmax = true chooses between the softmax's gates; with score_function = "
+                          "\"sigmoid\" the gates are the chosen sigmoids over their sum (set pre_softmax = false)");
+    LOOM_REQUIRE((r.groups > 0) == (r.group_topk > 0),
+                 name_ << ": options num_groups = " << r.groups << " and group_topk = " << r.group_topk
+                       << " go together: set both (group-limited routing) or neither");
+    if (r.groups == 0) return;
+    LOOM_REQUIRE(r.experts % r.groups == 0, name_ << ": option num_groups = " << r.groups
+                                                  << " must divide num_experts = " << r.experts);
+    LOOM_REQUIRE(r.group_topk <= r.groups, name_ << ": option group_topk = " << r.group_topk
+                                                 << " must be at most num_groups = " << r.groups);
+    LOOM_REQUIRE(r.group_topk <= r.top_k,
+                 name_ << ": option group_topk = " << r.group_topk << " must be at most top_k = " << r.top_k
+                       << " (a group is ranked by the sum of its top_k / group_topk best scores)");
+    LOOM_REQUIRE(r.top_k <= r.group_topk * (r.experts / r.groups),
+                 name_ << ": option top_k = " << r.top_k << " is more than the " << r.group_topk * (r.experts / r.groups)
+                       << " experts of group_topk = " << r.group_topk << " groups of " << r.experts / r.groups);
   }
 
   // The device ops the options need: of the run's device before launch, of this rank's at create.
@@ -783,7 +817,7 @@ class Moe : public loom::Layer {
     for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
-    const Routing whole = router_.route(host_logits, Tw);
+    const Routing whole = router_.route(std::move(host_logits), Tw);
     if (a.training && a.aux_loss != nullptr && router_.has_loss_terms())
       *a.aux_loss += static_cast<float>(router_.loss(whole));
     // The router's backward runs on the rows of this rank's LN (its shard under SP).
@@ -804,7 +838,7 @@ class Moe : public loom::Layer {
     std::vector<float> host_logits(static_cast<size_t>(Tr * experts_));
     dev.copy(host_logits.data(), logits, host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    const Routing own = router_.route(host_logits, Tr);
+    const Routing own = router_.route(std::move(host_logits), Tr);
     if (a.training) s.router = router_rows(own, own_router_rows(Tl));
     // The sums feed the loss terms only: without them (evaluation, both coefficients
     // 0; the same on every rank) the router's rows need nothing of the others.
@@ -940,9 +974,27 @@ std::vector<loom::OptionSpec> moe_options() {
       loom::opt_int("num_experts", 8, "experts in the layer").in("[1, 65536]"),
       loom::opt_int("top_k", 2, "experts each token is routed to (at most num_experts)").in("[1, 65536]"),
       loom::opt_int("ffn_hidden_size", 0, "each expert's inner width (0 = model.ffn_hidden_size)").in("[0, 4194304]"),
+      loom::opt_string("score_function", "softmax",
+                       "the router's scores (Megatron's moe_router_score_function): \"softmax\" over all experts, or "
+                       "each expert's \"sigmoid\" (DeepSeek-V3), whose gates are the chosen ones over their sum "
+                       "(top_k > 1)")
+          .one_of("softmax|sigmoid"),
       loom::opt_bool("pre_softmax", false,
-                     "gates = the softmax over all experts at the chosen ones (true), or the softmax over the "
-                     "chosen logits only (false, Megatron's default)"),
+                     "score_function = \"softmax\": gates = the softmax over all experts at the chosen ones (true), or "
+                     "the softmax over the chosen logits only (false, Megatron's default)"),
+      loom::opt_float("topk_scaling_factor", 0.0,
+                      "the gates times this (Megatron's moe_router_topk_scaling_factor, DeepSeek-V3's "
+                      "routed_scaling_factor; 0 = as they are)")
+          .in("[0, inf)"),
+      loom::opt_int("num_groups", 0,
+                    "group-limited routing (Megatron's moe_router_num_groups, DeepSeek-V3's n_group): the experts in "
+                    "this many groups of consecutive experts, each token's top_k taken within its group_topk best "
+                    "groups, a group ranked by the sum of its top_k / group_topk best scores (0 = no groups)")
+          .in("[0, 65536]"),
+      loom::opt_int("group_topk", 0,
+                    "with num_groups: the groups each token's experts come from (Megatron's moe_router_group_topk, "
+                    "DeepSeek-V3's topk_group)")
+          .in("[0, 65536]"),
       loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
           .in("[0, inf)"),
       loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
@@ -973,7 +1025,7 @@ std::vector<loom::OptionSpec> moe_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.7.0",
+    "moe", "1.8.0",
     "pre-norm mixture of GeLU or SwiGLU experts (LayerNorm or RMSNorm, biases optional), top-k router (dropless "
     "or with capacity), shared expert, load-balancing loss (tensor-, expert- and context-parallel)",
     moe_options()))

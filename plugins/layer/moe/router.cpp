@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 namespace loom::layers::moe {
@@ -21,35 +22,98 @@ double load_balance(const std::vector<int64_t>& routed, const std::vector<double
   return aux * static_cast<double>(experts);
 }
 
-// Softmax over all experts, the z-loss terms, and each token's top_k experts (ties:
-// lower index) with their gates; counts the slots routed to each expert.
-void choose_experts(const std::vector<float>& logits, bool pre_softmax, Routing& r) {
+// Megatron's guard against an all-zero sum of sigmoids.
+constexpr double kSigmoidSumFloor = 1e-20;
+
+// One token's scores (the softmax over all experts, or each expert's sigmoid) and
+// load-balancing probabilities lb (the softmax, or the sigmoids over their sum)
+// from its logits and their logsumexp: the forward and the backward alike.
+void score_row(bool sigmoid, const float* l, double lse, int64_t experts, double* scores, double* lb) {
+  if (!sigmoid) {
+    for (int64_t e = 0; e < experts; ++e) lb[e] = scores[e] = std::exp(static_cast<double>(l[e]) - lse);
+    return;
+  }
+  double sum = 0;
+  for (int64_t e = 0; e < experts; ++e) sum += (scores[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(l[e]))));
+  for (int64_t e = 0; e < experts; ++e) lb[e] = scores[e] / (sum + kSigmoidSumFloor);
+}
+
+double logsumexp(const float* l, int64_t experts) {
+  double mx = l[0];
+  for (int64_t e = 1; e < experts; ++e) mx = std::max<double>(mx, l[e]);
+  double sum = 0;
+  for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - mx);
+  return mx + std::log(sum);
+}
+
+// Sorts `order` (expert indices) to put the top_k by `key` first; ties: lower index.
+void top_first(std::vector<int32_t>& order, int64_t top_k, const double* key) {
+  std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                    [&](int32_t a, int32_t b) { return key[a] > key[b] || (key[a] == key[b] && a < b); });
+}
+
+// The experts a token may take with groups (Megatron's group_limited_topk): the
+// experts of its group_topk groups whose top_k / group_topk best keys sum highest
+// (ties: the lower group), in index order.
+std::vector<int32_t> group_candidates(const RouterConfig& c, const double* key) {
+  const int64_t per_group = c.experts / c.groups, best = c.top_k / c.group_topk;
+  std::vector<double> group_score(static_cast<size_t>(c.groups));
+  std::vector<double> members(static_cast<size_t>(per_group));
+  for (int64_t g = 0; g < c.groups; ++g) {
+    std::copy_n(key + g * per_group, per_group, members.begin());
+    std::partial_sort(members.begin(), members.begin() + best, members.end(), std::greater<double>());
+    group_score[static_cast<size_t>(g)] = std::accumulate(members.begin(), members.begin() + best, 0.0);
+  }
+  std::vector<int32_t> groups(static_cast<size_t>(c.groups));
+  std::iota(groups.begin(), groups.end(), 0);
+  top_first(groups, c.group_topk, group_score.data());
+  std::sort(groups.begin(), groups.begin() + c.group_topk);
+  std::vector<int32_t> candidates;
+  for (int64_t i = 0; i < c.group_topk; ++i)
+    for (int64_t e = 0; e < per_group; ++e) candidates.push_back(static_cast<int32_t>(groups[i] * per_group + e));
+  return candidates;
+}
+
+// Per token: the z-loss term, the load-balancing probabilities and counts, and
+// the routing: its top_k experts by routing key (the logits under the softmax,
+// whose order they share outside groups; the probs with pre_softmax or the
+// sigmoids when groups sum them), within its best groups when grouped, and
+// their gates: the softmax's chosen probs renormalised (or not, pre_softmax), the
+// chosen sigmoids over their sum (top_k > 1), times the scaling factor.
+void choose_experts(const RouterConfig& c, Routing& r) {
   const int64_t tokens = r.tokens, experts = r.experts, top_k = r.top_k;
-  std::vector<int32_t> order(static_cast<size_t>(experts));
+  std::vector<double> scores(static_cast<size_t>(experts)), lb(scores.size()), key(scores.size());
+  std::vector<int32_t> all(static_cast<size_t>(experts)), order;
+  std::iota(all.begin(), all.end(), 0);
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* l = logits.data() + t * experts;
-    float* p = r.probs.data() + t * experts;
-    double mx = l[0];
-    for (int64_t e = 1; e < experts; ++e) mx = std::max<double>(mx, l[e]);
-    double sum = 0;
-    for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - mx);
-    r.lse[static_cast<size_t>(t)] = mx + std::log(sum);
-    r.z += r.lse[static_cast<size_t>(t)] * r.lse[static_cast<size_t>(t)] / static_cast<double>(tokens);
+    const float* l = r.logits.data() + t * experts;
+    const double lse = r.lse[static_cast<size_t>(t)] = logsumexp(l, experts);
+    r.z += lse * lse / static_cast<double>(tokens);
+    score_row(c.sigmoid, l, lse, experts, scores.data(), lb.data());
     for (int64_t e = 0; e < experts; ++e) {
-      p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - mx) / sum);
-      r.prob_sum[static_cast<size_t>(e)] += p[e];
+      r.prob_sum[static_cast<size_t>(e)] += lb[static_cast<size_t>(e)];
+      key[static_cast<size_t>(e)] = c.sigmoid || (c.pre_softmax && c.groups > 0) ? scores[static_cast<size_t>(e)] : l[e];
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
-      return l[a] > l[b] || (l[a] == l[b] && a < b);
-    });
+    order = c.groups > 0 ? group_candidates(c, key.data()) : all;
+    top_first(order, top_k, key.data());
     double chosen_sum = 0;
-    for (int64_t k = 0; k < top_k; ++k) chosen_sum += p[order[static_cast<size_t>(k)]];
+    for (int64_t k = 0; k < top_k; ++k) chosen_sum += scores[static_cast<size_t>(order[static_cast<size_t>(k)])];
+    const bool normalise = c.sigmoid ? top_k > 1 : !c.pre_softmax;
+    const double denominator = c.sigmoid ? chosen_sum + kSigmoidSumFloor : chosen_sum;
     for (int64_t k = 0; k < top_k; ++k) {
       const int32_t e = order[static_cast<size_t>(k)];
+      double gate = normalise ? scores[static_cast<size_t>(e)] / denominator : scores[static_cast<size_t>(e)];
+      if (c.scaling > 0) gate *= c.scaling;
       r.chosen[static_cast<size_t>(t * top_k + k)] = e;
-      r.slot_gate[static_cast<size_t>(t * top_k + k)] = static_cast<float>(pre_softmax ? p[e] : p[e] / chosen_sum);
-      ++r.routed[static_cast<size_t>(e)];
+      r.slot_gate[static_cast<size_t>(t * top_k + k)] = static_cast<float>(gate);
+      ++r.kept_slots[static_cast<size_t>(e)];
+    }
+    if (c.groups == 0) {  // the load-balancing top-k is the routing
+      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];
+    } else {
+      order = all;
+      top_first(order, top_k, lb.data());
+      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];
     }
   }
 }
@@ -58,7 +122,6 @@ void choose_experts(const std::vector<float>& logits, bool pre_softmax, Routing&
 // the largest gates (by_probs; ties to the lower token) or its first tokens.
 void drop_over_capacity(int64_t capacity, bool by_probs, Routing& r) {
   r.kept.assign(static_cast<size_t>(r.slots()), 1);
-  r.kept_slots = r.routed;
   if (capacity <= 0) return;
   std::vector<std::vector<int64_t>> slots_of(static_cast<size_t>(r.experts));  // in token order
   for (int64_t slot = 0; slot < r.slots(); ++slot)
@@ -83,18 +146,19 @@ int64_t Router::capacity(int64_t tokens) const {
                                         c_.capacity_factor));
 }
 
-Routing Router::route(const std::vector<float>& logits, int64_t tokens) const {
+Routing Router::route(std::vector<float> logits, int64_t tokens) const {
   Routing r;
   r.tokens = tokens;
   r.experts = c_.experts;
   r.top_k = c_.top_k;
-  r.probs.resize(static_cast<size_t>(tokens * c_.experts));
+  r.logits = std::move(logits);
   r.chosen.resize(static_cast<size_t>(tokens * c_.top_k));
   r.slot_gate.resize(static_cast<size_t>(tokens * c_.top_k));
+  r.kept_slots.assign(static_cast<size_t>(c_.experts), 0);
   r.routed.assign(static_cast<size_t>(c_.experts), 0);
   r.prob_sum.assign(static_cast<size_t>(c_.experts), 0.0);
   r.lse.resize(static_cast<size_t>(tokens));
-  choose_experts(logits, c_.pre_softmax, r);
+  choose_experts(c_, r);
   drop_over_capacity(capacity(tokens), c_.drop_by_probs, r);
   // The load-balancing term counts the routing before the drop, as Megatron's does.
   r.aux = load_balance(r.routed, r.prob_sum, tokens, c_.top_k);
@@ -110,7 +174,7 @@ RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine) {
   rr.routed = r.routed;
   const int64_t E = r.experts, K = r.top_k;
   for (const int64_t t : mine) {
-    rr.probs.insert(rr.probs.end(), r.probs.begin() + t * E, r.probs.begin() + (t + 1) * E);
+    rr.logits.insert(rr.logits.end(), r.logits.begin() + t * E, r.logits.begin() + (t + 1) * E);
     rr.chosen.insert(rr.chosen.end(), r.chosen.begin() + t * K, r.chosen.begin() + (t + 1) * K);
     rr.lse.push_back(r.lse[static_cast<size_t>(t)]);
   }
@@ -146,39 +210,66 @@ LossTerms Router::reduce_loss_terms(loom_rank* rank, const loom::Device& dev, co
 std::vector<float> Router::logit_gradients(const RouterRows& r, const std::vector<double>& slot_dgate,
                                            double aux_loss_scale) const {
   const double aux_scale = c_.aux_coeff * aux_loss_scale, z_scale = c_.z_coeff * aux_loss_scale;
-  const bool pre_softmax = c_.pre_softmax;
   const int64_t n = static_cast<int64_t>(r.lse.size()), E = r.experts, K = r.top_k;
   const double T = static_cast<double>(r.tokens);
-  // d aux / d probs[t, e] = E * f_e / T (f_e is a count: no gradient).
-  std::vector<double> aux_dp(static_cast<size_t>(E));
+  // d aux / d lb[t, e] = E * f_e / T (f_e is a count: no gradient).
+  std::vector<double> aux_dlb(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e)
-    aux_dp[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
-                                     (static_cast<double>(r.routed[static_cast<size_t>(e)]) /
-                                      static_cast<double>(r.slots)) /
-                                     T;
+    aux_dlb[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
+                                      (static_cast<double>(r.routed[static_cast<size_t>(e)]) /
+                                       static_cast<double>(r.slots)) /
+                                      T;
+  const bool normalise = c_.sigmoid ? K > 1 : !c_.pre_softmax;
+  const double scaling = c_.scaling > 0 ? c_.scaling : 1.0;
   std::vector<float> dlogits(static_cast<size_t>(n * E));
-  std::vector<double> dp(static_cast<size_t>(E));
+  std::vector<double> s(static_cast<size_t>(E)), lb(s.size()), ds(s.size());
   for (int64_t t = 0; t < n; ++t) {
-    const float* p = r.probs.data() + t * E;
-    for (int64_t e = 0; e < E; ++e) dp[static_cast<size_t>(e)] = aux_dp[static_cast<size_t>(e)];
+    const float* l = r.logits.data() + t * E;
+    const double lse = r.lse[static_cast<size_t>(t)];
+    score_row(c_.sigmoid, l, lse, E, s.data(), lb.data());
+    std::fill(ds.begin(), ds.end(), 0.0);
+    // The gates: gate_k = scaling * s[e_k] (/ S, S = the chosen scores' sum).
     const int32_t* chosen = r.chosen.data() + t * K;
     const double* dg = slot_dgate.data() + t * K;
-    if (pre_softmax) {  // gate_k = p[e_k]
-      for (int64_t k = 0; k < K; ++k) dp[static_cast<size_t>(chosen[k])] += dg[k];
-    } else {  // gate_k = p[e_k] / S, S = sum_j p[e_j]
-      double s = 0, dg_dot_p = 0;
+    if (normalise) {
+      double sum = 0, dg_dot_s = 0;
       for (int64_t k = 0; k < K; ++k) {
-        s += p[chosen[k]];
-        dg_dot_p += dg[k] * p[chosen[k]];
+        sum += s[static_cast<size_t>(chosen[k])];
+        dg_dot_s += dg[k] * s[static_cast<size_t>(chosen[k])];
       }
-      for (int64_t k = 0; k < K; ++k) dp[static_cast<size_t>(chosen[k])] += dg[k] / s - dg_dot_p / (s * s);
+      if (c_.sigmoid) sum += kSigmoidSumFloor;
+      for (int64_t k = 0; k < K; ++k)
+        ds[static_cast<size_t>(chosen[k])] += scaling * (dg[k] / sum - dg_dot_s / (sum * sum));
+    } else {
+      for (int64_t k = 0; k < K; ++k) ds[static_cast<size_t>(chosen[k])] += scaling * dg[k];
     }
-    double dot = 0;
-    for (int64_t e = 0; e < E; ++e) dot += p[e] * dp[static_cast<size_t>(e)];
-    // d lse^2 / d logit_e = 2 lse p_e.
-    const double dz = z_scale * 2.0 * r.lse[static_cast<size_t>(t)] / T;
-    for (int64_t e = 0; e < E; ++e)
-      dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot + dz));
+    // The load-balancing probabilities: the softmax's are the scores; the sigmoids
+    // over their sum, lb_e = s_e / (sum + floor).
+    if (!c_.sigmoid) {
+      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += aux_dlb[static_cast<size_t>(e)];
+    } else if (aux_scale != 0.0) {
+      double sum = kSigmoidSumFloor, dot = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        sum += s[static_cast<size_t>(e)];
+        dot += aux_dlb[static_cast<size_t>(e)] * s[static_cast<size_t>(e)];
+      }
+      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += aux_dlb[static_cast<size_t>(e)] / sum - dot / (sum * sum);
+    }
+    // d lse^2 / d logit_e = 2 lse softmax_e.
+    const double dz = z_scale * 2.0 * lse / T;
+    if (!c_.sigmoid) {
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += s[static_cast<size_t>(e)] * ds[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < E; ++e)
+        dlogits[static_cast<size_t>(t * E + e)] =
+            static_cast<float>(s[static_cast<size_t>(e)] * (ds[static_cast<size_t>(e)] - dot + dz));
+    } else {
+      for (int64_t e = 0; e < E; ++e) {
+        const double se = s[static_cast<size_t>(e)];
+        const double softmax = dz != 0.0 ? std::exp(static_cast<double>(l[e]) - lse) : 0.0;
+        dlogits[static_cast<size_t>(t * E + e)] = static_cast<float>(ds[static_cast<size_t>(e)] * se * (1.0 - se) + dz * softmax);
+      }
+    }
   }
   return dlogits;
 }

@@ -1,8 +1,9 @@
 // layer/moe's router (Megatron-Core's router.py, TopKRouter, and the
-// topk_softmax_with_capacity of its moe_utils.py): from a microbatch's router
-// logits on the host, each token's top_k experts and gates, the capacity drop,
-// the load-balancing (Switch Transformer) and z (ST-MoE) loss terms, and the
-// logits' gradient. The router's GEMM itself runs in moe.cpp's moe_router
+// topk_routing_with_score_function and apply_router_token_dropping of its
+// moe_utils.py): from a microbatch's router logits on the host, each token's
+// top_k experts (within its best groups of experts, when grouped) and gates, the
+// capacity drop, the load-balancing (Switch Transformer) and z (ST-MoE) loss
+// terms, and the logits' gradient. The router's GEMM itself runs in moe.cpp's moe_router
 // sub-step, beside LayerNorm; dispatch.hpp turns a Routing into rows per expert.
 #pragma once
 
@@ -13,26 +14,33 @@
 
 namespace loom::layers::moe {
 
-// The router's options (the layer's num_experts, top_k, pre_softmax,
-// aux_loss_coeff, z_loss_coeff, capacity_factor, drop_policy).
+// The router's options (the layer's num_experts, top_k, score_function,
+// pre_softmax, topk_scaling_factor, num_groups, group_topk, aux_loss_coeff,
+// z_loss_coeff, capacity_factor, drop_policy).
 struct RouterConfig {
   int64_t experts = 0, top_k = 0;
-  bool pre_softmax = false;       // gates = the chosen probs as they are (else renormalised over the chosen)
+  bool sigmoid = false;           // scores: each expert's sigmoid (else the softmax over all experts)
+  bool pre_softmax = false;       // softmax: gates = the chosen probs as they are (else renormalised over the chosen)
+  double scaling = 0.0;           // > 0: the gates times this (0 = as they are)
+  int64_t groups = 0;             // > 0: experts in this many groups of consecutive experts, a token's
+  int64_t group_topk = 0;         //   top_k taken within its group_topk best groups
   double aux_coeff = 0.0, z_coeff = 0.0;
   double capacity_factor = 0.0;   // 0 = dropless
   bool drop_by_probs = true;      // an expert over capacity keeps its largest gates (else its first tokens)
 };
 
-// The host side of one microbatch's routing decision.
+// The host side of one microbatch's routing decision. The load-balancing term
+// reads each token's probabilities (the softmax, or the sigmoids over their sum)
+// and its top_k by them over all experts: without groups, the routing itself.
 struct Routing {
   int64_t tokens = 0, experts = 0, top_k = 0;
-  std::vector<float> probs;          // [tokens, experts]: softmax over all experts
+  std::vector<float> logits;         // [tokens, experts]: as routed (the backward works the scores out again)
   std::vector<int32_t> chosen;       // [tokens, top_k]: expert of each slot (t * top_k + k)
   std::vector<float> slot_gate;      // [tokens, top_k]: gate of each slot
   std::vector<char> kept;            // [tokens, top_k]: 0 where the expert's capacity dropped the slot
   std::vector<int64_t> kept_slots;   // [experts]: slots each expert keeps
-  std::vector<int64_t> routed;       // [experts]: slots routed to each before any capacity drop
-  std::vector<double> prob_sum;      // [experts]: sum over tokens of probs[:, e]
+  std::vector<int64_t> routed;       // [experts]: the load-balancing term's slots of each expert
+  std::vector<double> prob_sum;      // [experts]: sum over tokens of the load-balancing probabilities
   double aux = 0;                    // the unweighted load-balancing term E * sum f_e P_e
   std::vector<double> lse;           // [tokens]: logsumexp of each token's logits
   double z = 0;                      // the unweighted z-loss term, mean of lse^2
@@ -40,14 +48,14 @@ struct Routing {
 };
 
 // What the router's backward needs of a routing, for the tokens whose logits this
-// rank computed (mine: their indices in the routing): their probabilities, choices
-// and logsumexp, and the whole routing's counts. Under cp or folding the routing
+// rank computed (mine: their indices in the routing): their logits, choices and
+// logsumexp, and the whole routing's counts. Under cp or folding the routing
 // covers cp * tp times this rank's tokens; only these rows are kept per microbatch.
 struct RouterRows {
   int64_t tokens = 0, slots = 0;  // of the whole routing (the loss terms' means)
   int64_t experts = 0, top_k = 0;
-  std::vector<int64_t> routed;    // [experts]: slots routed to each before any drop
-  std::vector<float> probs;       // [n, experts]
+  std::vector<int64_t> routed;    // [experts]: the load-balancing term's slots of each
+  std::vector<float> logits;      // [n, experts]
   std::vector<int32_t> chosen;    // [n, top_k]
   std::vector<double> lse;        // [n]
 };
@@ -79,9 +87,9 @@ class Router {
   // Whether the objective has a router loss term (the same on every rank).
   bool has_loss_terms() const { return c_.aux_coeff > 0.0 || c_.z_coeff > 0.0; }
 
-  // Routes `tokens` rows of fp32 logits [tokens, experts]: softmax, top-k, gates,
+  // Routes `tokens` rows of fp32 logits [tokens, experts]: scores, top-k, gates,
   // and the capacity drop over these tokens.
-  Routing route(const std::vector<float>& logits, int64_t tokens) const;
+  Routing route(std::vector<float> logits, int64_t tokens) const;
 
   // The weighted loss terms of a routing of the whole microbatch.
   double loss(const Routing& whole) const { return c_.aux_coeff * whole.aux + c_.z_coeff * whole.z; }
