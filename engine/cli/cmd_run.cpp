@@ -140,6 +140,9 @@ int cmd_run(int argc, char** argv) {
       for (const std::string& w : plan.warnings) std::cerr << "loom run: warning: " << w << "\n";
     const bool leader = !proc.multi_process || proc.rank == 0;
     train::TrainOptions opts;
+    if (args.flag("--resume") && args.flag("--resume-if-any"))
+      throw UsageError("--resume and --resume-if-any are alternatives: --resume refuses a checkpoint.dir without a "
+                       "checkpoint, --resume-if-any starts the run there");
     opts.start_without_checkpoint = args.flag("--resume-if-any");
     opts.resume = args.flag("--resume") || opts.start_without_checkpoint;
     // checkpoint.init_weights: a loom checkpoint of any layout, or a Hugging Face directory.

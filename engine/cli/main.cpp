@@ -25,7 +25,7 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume] [--metrics FILE]", true},
+    {"run", loom::cli::cmd_run, "train: loom run MANIFEST [--set key=value]... [--resume | --resume-if-any] [--metrics FILE]", true},
     {"validate", loom::cli::cmd_validate, "check a manifest and print the resolved values and the plan"},
     {"plugins", loom::cli::cmd_plugins, "list, describe, check or test plugins: loom plugins list|info NAME|check DIR|test LIB"},
     {"plan", loom::cli::cmd_plan, "memory per rank without running (params, grads, optimizer state, activations); --perf: step time, --search: layouts ranked"},
