@@ -261,9 +261,10 @@ Shape shape_of(const train::RunPlan& plan) {
     if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
     s.aux = mlp["aux_loss_coeff"].value_or(0.01);
     s.pre_softmax = mlp["pre_softmax"].value_or(false);
-    // Mixtral's and Qwen3-MoE's routers: the softmax's top-k over all experts, the gates as they are.
-    if (mlp["score_function"].value_or(std::string("softmax")) != "softmax" ||
-        mlp["topk_scaling_factor"].value_or(0.0) != 0.0 || mlp["num_groups"].value_or(int64_t{0}) != 0)
+    // Mixtral's and Qwen3-MoE's routers: the softmax's top-k over all experts, unscaled gates.
+    const double scaling = mlp["topk_scaling_factor"].value_or(0.0);
+    if (mlp["score_function"].value_or(std::string("softmax")) != "softmax" || (scaling != 0.0 && scaling != 1.0) ||
+        mlp["num_groups"].value_or(int64_t{0}) != 0)
       throw std::runtime_error(s.architecture() + "'s router is the softmax's top-k over all experts: score_function, "
                                "topk_scaling_factor and num_groups have no counterpart");
     // Qwen3-MoE has both gates (norm_topk_prob); Mixtral renormalises the chosen ones.

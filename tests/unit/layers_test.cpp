@@ -1476,7 +1476,11 @@ TEST(Layers, MoeForwardMatchesReference) {
         Variant{false, 0.0, "probs", 0, false, "sigmoid", 0.0, 4, 1},
         Variant{false, 0.5, "probs", 0, false, "sigmoid", 1.5, 8, 4, 4, 2},
         Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 2, 4, 1},
-        Variant{true, 0.0, "probs", 0, false, "softmax", 2.0, 6, 4, 3, 2}}) {
+        Variant{true, 0.0, "probs", 0, false, "softmax", 2.0, 6, 4, 3, 2},
+        // A group ranked by its best 2 of 4 (DeepSeek-V3's shape: the best 2 of 32), and
+        // by its best 1 of 2 (top_k 3 over 2 groups: 3 / 2 floors).
+        Variant{false, 0.0, "probs", 0, false, "sigmoid", 2.5, 16, 4, 4, 2},
+        Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 3, 4, 2}}) {
     const bool pre_softmax = v.pre_softmax, sigmoid = v.score == "sigmoid";
     const int64_t kExperts = v.experts, kTopK = v.top_k;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
@@ -1686,8 +1690,9 @@ TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
 
 // DeepSeek-V3's router options: sigmoid scores (the gates the chosen ones over
 // their sum, or as they are for top_k = 1; the load-balancing term through the
-// normalised sigmoids), scaled gates, and group-limited routing, with the
-// load-balancing and z-loss terms in the objective, dropless and with a capacity.
+// normalised sigmoids), scaled gates, and group-limited routing (a group ranked by
+// all its experts, or by its best 2 of 4), with the load-balancing and z-loss terms
+// in the objective, dropless and with a capacity.
 TEST(Layers, MoeSigmoidScoresAndGroupLimitedRoutingGradientsMatchFiniteDifferences) {
   struct Variant {
     std::string score;
@@ -1697,7 +1702,8 @@ TEST(Layers, MoeSigmoidScoresAndGroupLimitedRoutingGradientsMatchFiniteDifferenc
   };
   for (const Variant& v : {Variant{"sigmoid", false, 2.5, 0.0, 4, 2, 0, 0}, Variant{"sigmoid", false, 0.0, 0.0, 4, 1, 0, 0},
                            Variant{"sigmoid", false, 1.5, 0.0, 8, 4, 4, 2}, Variant{"softmax", false, 0.0, 0.0, 8, 2, 4, 1},
-                           Variant{"softmax", true, 2.0, 0.0, 6, 4, 3, 2}}) {
+                           Variant{"softmax", true, 2.0, 0.0, 6, 4, 3, 2}, Variant{"sigmoid", false, 2.5, 0.0, 16, 4, 4, 2},
+                           Variant{"sigmoid", false, 1.5, 0.5, 8, 4, 4, 2}}) {
     SCOPED_TRACE(v.score + (v.pre_softmax ? " pre_softmax" : "") + " scaled by " + std::to_string(v.scaling) +
                  ", capacity factor " + std::to_string(v.capacity_factor) + ", top " + std::to_string(v.top_k) +
                  " of " + std::to_string(v.experts) + " in " + std::to_string(v.groups) + " groups");

@@ -48,7 +48,7 @@
 //  - router z-loss (router.cpp; ST-MoE, Megatron's moe_z_loss_coeff), optional:
 //      z = z_loss_coeff * mean over tokens of logsumexp(logits)^2,
 //    keeps the router's logits small; weighted and reported with the aux loss.
-// Routing is decided on the host (the router's [tokens, experts] probabilities are
+// Routing is decided on the host (the router's [tokens, experts] logits are
 // read back once per forward, as Megatron's dropless dispatcher syncs on the
 // tokens-per-expert counts), so the layer step is not capturable as a whole. Its
 // static parts are (Megatron-LM's moe_router CUDA-graph scope, ABI 1.7 sub-steps): the norm and

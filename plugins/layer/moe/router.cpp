@@ -110,7 +110,7 @@ void choose_experts(const RouterConfig& c, Routing& r) {
     }
     if (c.groups == 0) {  // the load-balancing top-k is the routing
       for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];
-    } else {
+    } else if (c.aux_coeff > 0) {  // (only the load-balancing term reads these counts)
       order = all;
       top_first(order, top_k, lb.data());
       for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];

@@ -39,7 +39,8 @@ struct Routing {
   std::vector<float> slot_gate;      // [tokens, top_k]: gate of each slot
   std::vector<char> kept;            // [tokens, top_k]: 0 where the expert's capacity dropped the slot
   std::vector<int64_t> kept_slots;   // [experts]: slots each expert keeps
-  std::vector<int64_t> routed;       // [experts]: the load-balancing term's slots of each expert
+  std::vector<int64_t> routed;       // [experts]: the load-balancing term's slots of each expert (with groups,
+                                     // counted only when aux_loss_coeff > 0)
   std::vector<double> prob_sum;      // [experts]: sum over tokens of the load-balancing probabilities
   double aux = 0;                    // the unweighted load-balancing term E * sum f_e P_e
   std::vector<double> lse;           // [tokens]: logsumexp of each token's logits
