@@ -105,6 +105,11 @@ int cmd_validate(int argc, char** argv) {
                               {"layers_per_stage", per_stage},
                               {"layers_per_chunk", per_chunk},
                               {"microbatches_per_rank", plan.microbatches},
+                              {"rampup_batch_size", config.batch.rampup_start > 0
+                                                        ? ordered_json::array({config.batch.rampup_start,
+                                                                                 config.batch.rampup_increment,
+                                                                                 config.batch.rampup_samples})
+                                                        : ordered_json::array()},
                               {"device", plan.device->key()},
                               {"comm", plan.comm->key()},
                               {"exec", plan.exec->key()},
@@ -147,7 +152,13 @@ int cmd_validate(int argc, char** argv) {
               << layers << " blocks; vpp " << config.parallel.vpp << ", schedule " << plan.schedule->key()
               << ")\n"
               << "  microbatches      " << plan.microbatches << " per dp rank per step (" << config.batch.micro_batch_size
-              << " sequences each; global batch " << config.batch.global_batch_size << ")\n"
+              << " sequences each; global batch " << config.batch.global_batch_size
+              << (config.batch.rampup_start > 0
+                      ? ", ramped from " + std::to_string(config.batch.rampup_start) + " by " +
+                            std::to_string(config.batch.rampup_increment) + " over " +
+                            std::to_string(config.batch.rampup_samples) + " samples"
+                      : std::string())
+              << ")\n"
               << "  gradient buckets  "
               << (config.optimizer.bucket_size > 0 ? std::to_string(config.optimizer.bucket_size) + " elements"
                                                    : std::string("one per model chunk"))

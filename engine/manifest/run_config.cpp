@@ -99,6 +99,11 @@ RunConfig RunConfig::from(const Manifest& m) {
 
   c.batch.micro_batch_size = m.get_int("batch.micro_batch_size");
   c.batch.global_batch_size = m.get_int("batch.global_batch_size");
+  if (const toml::array* ramp = m.table().at_path("batch.rampup_batch_size").as_array(); ramp && ramp->size() == 3) {
+    c.batch.rampup_start = ramp->get(0)->value_or(int64_t{0});
+    c.batch.rampup_increment = ramp->get(1)->value_or(int64_t{0});
+    c.batch.rampup_samples = ramp->get(2)->value_or(int64_t{0});
+  }
 
   c.optimizer.strategy = m.get_string("optimizer.strategy");
   c.optimizer.lr = m.get_float("optimizer.lr");

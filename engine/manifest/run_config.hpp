@@ -61,6 +61,8 @@ struct RunConfig {
   } pipeline;
   struct Batch {
     int64_t micro_batch_size = 1, global_batch_size = 1;
+    // batch.rampup_batch_size: [start, increment, samples]; start 0 = no ramp.
+    int64_t rampup_start = 0, rampup_increment = 0, rampup_samples = 0;
   } batch;
   struct Optimizer {
     std::string strategy;

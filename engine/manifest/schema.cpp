@@ -207,6 +207,25 @@ std::vector<KeySpec> build() {
   // batch
   v.push_back(i("batch.micro_batch_size", 4, 1, "sequences per microbatch", kMaxBatch));
   v.push_back(i("batch.global_batch_size", 32, 1, "sequences per optimizer step, over all dp ranks", kMaxBatch));
+  {
+    // Megatron-LM's --rampup-batch-size <start> <increment> <samples>.
+    KeySpec k = key("batch.rampup_batch_size", KeyType::Array, "[]",
+                    "[start, increment, samples] (Megatron-LM's --rampup-batch-size): the global batch starts at "
+                    "start sequences and grows by increment each samples / ((global_batch_size - start) / "
+                    "increment) training samples until global_batch_size; the learning-rate schedule stays in "
+                    "steps ([] = no ramp)");
+    k.check = [](const toml::node& v) -> std::string {
+      const toml::array& a = *v.as_array();
+      if (a.empty()) return "";
+      if (a.size() != 3) return "be [start, increment, samples], three integers";
+      for (size_t i = 0; i < 3; ++i)
+        if (!a.get(i)->is_integer() || a.get(i)->as_integer()->get() < 1 ||
+            a.get(i)->as_integer()->get() > (i < 2 ? kMaxBatch : (int64_t{1} << 53)))
+          return "be [start, increment, samples], three integers >= 1 (position " + std::to_string(i + 1) + ")";
+      return "";
+    };
+    v.push_back(std::move(k));
+  }
   // optimizer
   v.push_back(s("optimizer.strategy", "ddp",
                 "optimizer strategy plugin (parallel/NAME): \"ddp\" (data-parallel all-reduce), \"distributed\" "
@@ -572,6 +591,24 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                  ") must be divisible by batch.micro_batch_size * parallel.dp (" + S(mbs) + "*" +
                  S(dp) + " = " + S(mbs * dp) +
                  ") so each of the dp ranks runs a whole number of microbatches");
+    const toml::array* ramp = m.table().at_path("batch.rampup_batch_size").as_array();
+    if (usable({"batch.rampup_batch_size"}) && ramp != nullptr && ramp->size() == 3) {
+      const int64_t start = ramp->get(0)->value_or(int64_t{0}), step = ramp->get(1)->value_or(int64_t{0});
+      if (start >= gbs)
+        report({"batch.rampup_batch_size", "batch.global_batch_size"},
+               "batch.rampup_batch_size starts at " + S(start) + " sequences, which is not below "
+               "batch.global_batch_size = " + S(gbs) + ": there is nothing to ramp");
+      else if ((gbs - start) % step != 0)
+        report({"batch.rampup_batch_size", "batch.global_batch_size"},
+               "batch.rampup_batch_size grows by " + S(step) + " from " + S(start) +
+                   ", which does not reach batch.global_batch_size = " + S(gbs) + " (" + S(gbs - start) +
+                   " is not a multiple of " + S(step) + ")");
+      else if (start % (mbs * dp) != 0 || step % (mbs * dp) != 0)
+        report({"batch.rampup_batch_size", "batch.micro_batch_size", "parallel.dp"},
+               "batch.rampup_batch_size = [" + S(start) + ", " + S(step) + ", ...]: the start and the increment " +
+                   "must be multiples of batch.micro_batch_size * parallel.dp (" + S(mbs * dp) +
+                   ") so each of the dp ranks runs a whole number of microbatches at every batch of the ramp");
+    }
   }
 
   // Context parallelism: each cp rank holds chunks r and 2cp-1-r of 2*cp equal ones.

@@ -7,17 +7,21 @@ namespace loom::model {
 DropoutSeeds::DropoutSeeds(runtime::RankRuntime& rank, bool replays_steps)
     : rank_(rank), replays_steps_(replays_steps) {}
 
+void DropoutSeeds::reserve(size_t microbatches) {
+  if (microbatches <= host_.size()) return;
+  // Graphs read the seeds at the addresses of their capture: a step with more
+  // microbatches than the first would need new ones.
+  LOOM_REQUIRE(host_.empty() || !replays_steps_,
+               "a step with " << microbatches << " microbatches after steps with " << host_.size()
+                              << ": the number of microbatches must not grow under exec.mode = partial_graph");
+  device_ = loom::Buffer(&rank_, microbatches * sizeof(uint64_t));
+  host_.assign(microbatches, 0);
+  rank_.dev().copy(device_.get(), host_.data(), microbatches * sizeof(uint64_t), LOOM_COPY_HOST_TO_DEVICE);
+}
+
 void DropoutSeeds::stage(const std::vector<uint64_t>& seeds) {
   if (seeds.empty()) return;
-  if (seeds.size() > host_.size()) {
-    // Graphs read the seeds at the addresses of their capture: a step with more
-    // microbatches than the first would need new ones.
-    LOOM_REQUIRE(host_.empty() || !replays_steps_,
-                 "a step with " << seeds.size() << " microbatches after steps with " << host_.size()
-                                << ": the number of microbatches must not change under exec.mode = partial_graph");
-    device_ = loom::Buffer(&rank_, seeds.size() * sizeof(uint64_t));
-    host_.assign(seeds.size(), 0);
-  }
+  reserve(seeds.size());
   std::copy(seeds.begin(), seeds.end(), host_.begin());
   rank_.dev().copy(device_.get(), host_.data(), seeds.size() * sizeof(uint64_t), LOOM_COPY_HOST_TO_DEVICE);
 }

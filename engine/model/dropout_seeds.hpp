@@ -20,6 +20,10 @@ class DropoutSeeds {
   DropoutSeeds(const DropoutSeeds&) = delete;
   DropoutSeeds& operator=(const DropoutSeeds&) = delete;
 
+  // Makes room for `microbatches` seeds before any step: a run whose steps have
+  // different counts (batch.rampup_batch_size) reserves the most, so the buffer
+  // never moves under captured graphs.
+  void reserve(size_t microbatches);
   // Copies the step's seeds (index = microbatch) to device memory in one go.
   void stage(const std::vector<uint64_t>& seeds);
   // What the device buffer holds now (read back; for tests and diagnostics).

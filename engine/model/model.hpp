@@ -76,6 +76,8 @@ class Model {
   // memory in one go before the step: layers read them there (ABI 1.3
   // dropout_seed_device), so captured dropouts draw new masks every step.
   void stage_dropout_seeds(const std::vector<uint64_t>& seeds) { seeds_.stage(seeds); }
+  // Room for the seeds of a step of `microbatches`, reserved before the first step.
+  void reserve_dropout_seeds(size_t microbatches) { seeds_.reserve(microbatches); }
   // What the device buffer holds now (read back; for tests and diagnostics).
   std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 

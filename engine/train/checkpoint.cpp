@@ -1,4 +1,5 @@
 #include "engine/train/checkpoint.hpp"
+#include "engine/train/batch_ramp.hpp"
 
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
@@ -985,7 +986,8 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   const int64_t steps = plan.config.run.steps;
   ResumePoint out;
   if (ckpt_dir.empty())
-    throw CheckpointError("--resume needs checkpoint.dir in the manifest (where to find the checkpoint)");
+    throw CheckpointError("--resume (or --resume-if-any) needs checkpoint.dir in the manifest (where to find the "
+                          "checkpoint)");
   std::vector<std::string> incomplete;
   auto latest = latest_checkpoint(ckpt_dir, &incomplete);
   if (!latest) throw CheckpointError("--resume: no complete checkpoint in " + ckpt_dir);
@@ -999,7 +1001,8 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   // The data continues after the samples read so far, whatever this run's global batch
   // (a checkpoint that did not record them read step x the global batch its manifest
   // has, or, without one, this run's).
-  const uint64_t by_batch = static_cast<uint64_t>(meta.step) * static_cast<uint64_t>(plan.config.batch.global_batch_size);
+  const BatchRamp ramp(plan.config.batch, plan.dp);
+  const uint64_t by_batch = ramp.samples_before(meta.step, 0, 0);
   out.consumed_samples = meta.consumed_samples >= 0 ? static_cast<uint64_t>(meta.consumed_samples) : by_batch;
   out.evaluation_pending = meta.evaluation_pending;
   if (meta.consumed_samples < 0) {
@@ -1017,7 +1020,8 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   }
   if (log && out.consumed_samples != by_batch)
     *log << "resume: " << resume_dir << " read " << out.consumed_samples << " training samples in " << meta.step
-         << " steps; this run's continue from there, " << plan.config.batch.global_batch_size << " a step" << std::endl;
+         << " steps; this run's continue from there, " << ramp.global_batch_at(out.consumed_samples) << " a step"
+         << (ramp.ramps() ? " (batch.rampup_batch_size's batch there)" : "") << std::endl;
   // Another vocabulary can pad to the same shapes: ids would mean other tokens.
   if (meta.vocab > 0 && meta.vocab != vocab)
     throw CheckpointError("--resume: " + resume_dir + " has a vocabulary of " + std::to_string(meta.vocab) +

@@ -19,6 +19,7 @@ struct StepRecord {
   double lr = 0;
   double grad_norm = 0;
   double ms = 0;
+  int64_t samples = 0;    // the step's global batch (sequences; batch.rampup_batch_size ramps it)
   double tokens_per_s = 0;
   double flops_per_s = 0;
   double mfu = 0;         // 0 when the peak is unknown
@@ -37,10 +38,12 @@ std::string step_json(const StepRecord& r);
 
 class MetricsSink {
  public:
+  // Per training sample (a step's global batch of them: StepRecord::samples).
   struct Rates {
-    double tokens_per_step = 0, flops_per_step = 0;  // over the whole world
+    double tokens_per_sample = 0, flops_per_sample = 0;  // over the whole world
     double peak_tflops = 0;                          // per rank; 0 = unknown (no MFU)
     int world = 1;
+    int64_t global_batch = 0;  // batch.global_batch_size: a smaller step's (a ramp's) is shown
   };
   // `metrics_file` "" = none; appended to when resuming from step `resumed_step` (-1: a
   // new run, the file started anew), after dropping the lines of later steps. `log`
@@ -69,6 +72,7 @@ class MetricsSink {
   int64_t steps_, log_every_;
   Rates rates_;
   double window_ms_ = 0;
+  double window_samples_ = 0;  // the window's training samples (their tokens and FLOPs per second)
   int64_t window_steps_ = 0;
 };
 

@@ -1,5 +1,7 @@
 #include "engine/train/run_plan.hpp"
 
+#include "engine/train/batch_ramp.hpp"
+
 #include "engine/manifest/schema.hpp"
 #include "engine/pipeline/partition.hpp"
 #include "engine/pipeline/schedule.hpp"
@@ -236,6 +238,14 @@ std::vector<std::string> schedule_settings_that_change_nothing(const manifest::M
 }
 
 }  // namespace
+
+const pipeline::PipelineOrders& RunPlan::orders_for(int64_t m) const {
+  if (m == microbatches) return orders;
+  const auto it = ramp_orders.find(m);
+  if (it == ramp_orders.end())
+    throw std::logic_error("no pipeline orders planned for " + std::to_string(m) + " microbatch(es)");
+  return it->second;
+}
 
 std::map<int32_t, const void*> RunPlan::services() const {
   std::map<int32_t, const void*> out;
@@ -501,6 +511,19 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp, config.parallel.vpp,
                                         static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
   pipeline::simulate(plan.orders);
+  for (const int64_t m : BatchRamp(config.batch, plan.dp).microbatch_counts()) {
+    if (m == plan.microbatches) continue;
+    try {
+      plan.ramp_orders[m] = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
+                                                     config.parallel.vpp, static_cast<int>(m),
+                                                     config.pipeline.microbatch_group_size);
+      pipeline::simulate(plan.ramp_orders[m]);
+    } catch (const std::exception& e) {
+      throw manifest::ManifestError({{"batch.rampup_batch_size", man.origin("batch.rampup_batch_size"),
+                                      "the ramp's steps of " + std::to_string(m) + " microbatch(es) per rank: " +
+                                          e.what()}});
+    }
+  }
   if (config.pipeline.microbatch_group_size > 0 && same_orders_as_default_group(plan, schedule_opts.raw()))
     plan.warnings.push_back(man.origin("pipeline.microbatch_group_size").str() + ": pipeline.microbatch_group_size = " +
                             std::to_string(config.pipeline.microbatch_group_size) + " gives the same orders as 0 (pp) " +

@@ -31,8 +31,13 @@ struct RunPlan {
   std::vector<model::LayerSpec> layers;
   topology::ParallelSizes sizes;
   int dp = 1;
-  int64_t microbatches = 1;  // per dp rank per step
+  int64_t microbatches = 1;  // per dp rank per step (of the whole global batch)
   pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
+  // batch.rampup_batch_size: the orders of each smaller count of microbatches the ramp
+  // passes through (by count), checked alike.
+  std::map<int64_t, pipeline::PipelineOrders> ramp_orders;
+  // The orders of a step of `microbatches` per rank.
+  const pipeline::PipelineOrders& orders_for(int64_t microbatches) const;
   std::vector<int> blocks_per_chunk;  // transformer blocks of each global pipeline chunk
   std::vector<std::vector<model::LayerSpec>> chunks;  // the layers of each global pipeline chunk
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load

@@ -1,5 +1,7 @@
 #include "engine/train/trainer.hpp"
 
+#include "engine/train/batch_ramp.hpp"
+
 #include "engine/files/temporaries.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/pipeline/executor.hpp"
@@ -61,9 +63,9 @@ struct Run {
     return std::chrono::duration<double, std::ratio<60>>(std::chrono::steady_clock::now() - started).count();
   }
 
-  uint64_t samples_before(int64_t step) const {
-    return train::samples_before(step, start_step, start_samples, plan.config.batch.global_batch_size);
-  }
+  BatchRamp ramp;  // each step's global batch (batch.rampup_batch_size)
+
+  uint64_t samples_before(int64_t step) const { return ramp.samples_before(step, start_step, start_samples); }
 };
 
 // The "a non-finite loss stops the run" error, as Megatron-LM's check for NaN in
@@ -109,6 +111,8 @@ class RankTraining {
     // parameters' all-gather only (anything else reading them waits for all first).
     if (config_.optimizer.overlap_param_gather)
       model_->set_params_needed_listener([this](const std::vector<size_t>& params) { optimizer_.params_needed(params); });
+    // The steps of a ramp have fewer microbatches than the last: room for the most.
+    model_->reserve_dropout_seeds(static_cast<size_t>(run_.plan.microbatches));
     if (!run_.options.trace_file.empty() || run_.options.keep_trace) start_trace();
     executor_.emplace(*model_, rt_, run_.plan.orders.order[static_cast<size_t>(pp_.rank())],
                       static_cast<int>(run_.plan.microbatches), trace_.get(), config_.pipeline.overlap_p2p_comm);
@@ -139,12 +143,15 @@ class RankTraining {
     bool stop = false;         // a stop signal reached some rank
     bool written = false;      // a checkpoint written beside training is on disk on every rank
     bool out_of_time = false;  // some rank is past run.exit_duration_minutes
+    double minutes = 0;        // the most minutes any rank has trained
   };
   void run_steps();
   StepPoll poll() const;
   static std::unique_ptr<model::Model> create_model(const Run& run, runtime::RankRuntime& rt);
   void start_trace();
   StepRecord train_step(int64_t step);
+  // The executor of steps of `m` microbatches per rank (ramp steps have fewer).
+  pipeline::Executor& executor_for(int64_t m);
   bool stop_requested() const;
   // This rank's own signal flag (stop_requested and poll agree on it over the world).
   bool stop_signalled() const { return run_.options.stop_signal && run_.options.stop_signal->load(); }
@@ -171,8 +178,9 @@ class RankTraining {
   CheckpointSaver saver_;
   std::unique_ptr<pipeline::TraceRecorder> trace_;
   std::optional<pipeline::Executor> executor_;
+  std::map<int64_t, pipeline::Executor> ramp_executors_;  // batch.rampup_batch_size's smaller steps
   std::optional<Evaluator> evaluator_;
-  double flops_per_step_ = 0;  // forward + backward over the whole world
+  double flops_per_sample_ = 0;  // forward + backward over the whole world
   int peak_in_flight_ = 0;
   uint64_t peak_activation_bytes_ = 0;
 };
@@ -205,25 +213,36 @@ bool RankTraining::stop_requested() const {
 
 RankTraining::StepPoll RankTraining::poll() const {
   const double limit = config_.run.exit_duration_minutes;
-  const bool late = limit > 0 && run_.minutes_trained() > limit;
-  double flags[3] = {stop_signalled() ? 1.0 : 0.0, saver_.writing() ? 1.0 : 0.0, late ? 1.0 : 0.0};
+  double flags[3] = {stop_signalled() ? 1.0 : 0.0, saver_.writing() ? 1.0 : 0.0, run_.minutes_trained()};
   world_.all_reduce(nullptr, flags, flags, 3, LOOM_DTYPE_F64, LOOM_REDUCE_MAX);
-  return {flags[0] > 0, saver_.pending() && flags[1] == 0, flags[2] > 0};
+  return {flags[0] > 0, saver_.pending() && flags[1] == 0, limit > 0 && flags[2] > limit, flags[2]};
+}
+
+pipeline::Executor& RankTraining::executor_for(int64_t m) {
+  if (m == run_.plan.microbatches) return *executor_;
+  auto it = ramp_executors_.find(m);
+  if (it == ramp_executors_.end())
+    it = ramp_executors_
+             .try_emplace(m, *model_, rt_, run_.plan.orders_for(m).order[static_cast<size_t>(pp_.rank())],
+                          static_cast<int>(m), trace_.get(), config_.pipeline.overlap_p2p_comm)
+             .first;
+  return it->second;
 }
 
 // One step from `step` (the steps done) to step + 1, without evaluation.
 StepRecord RankTraining::train_step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
-  const int64_t M = run_.plan.microbatches, mbs = config_.batch.micro_batch_size;
+  const uint64_t consumed = run_.samples_before(step);
+  const int64_t M = run_.ramp.microbatches_at(consumed), mbs = config_.batch.micro_batch_size;
   rt_.reset_comm_stats();
   model_->zero_grads();
   std::vector<pipeline::MicrobatchInput> inputs;
   for (int64_t mb = 0; mb < M; ++mb) {
-    const uint64_t first = sample_index(run_.samples_before(step), dp_.rank(), M, static_cast<int>(mb), mbs);
+    const uint64_t first = sample_index(consumed, dp_.rank(), M, static_cast<int>(mb), mbs);
     inputs.push_back(batches_.load(Split::Train, first, mb));
     inputs.back().dropout_seed = dropout_seed(static_cast<uint64_t>(config_.run.seed), step, first);
   }
-  const pipeline::StepStats stats = executor_->train_step(inputs);
+  const pipeline::StepStats stats = executor_for(M).train_step(inputs);
   peak_in_flight_ = std::max(peak_in_flight_, stats.peak_in_flight);
   peak_activation_bytes_ = std::max(peak_activation_bytes_, stats.peak_activation_bytes);
   // The loss: mean over microbatches (from the last stage) and the auxiliary losses
@@ -244,6 +263,7 @@ StepRecord RankTraining::train_step(int64_t step) {
 
   StepRecord rec;
   rec.step = step + 1;
+  rec.samples = run_.ramp.global_batch_at(consumed);
   // The step's communication: the pipeline's p2p, the model's and the optimizer's
   // collectives (not the bookkeeping, nor evaluation).
   rec.comm = std::move(step_comm);
@@ -320,17 +340,23 @@ void RankTraining::publish() {
 void RankTraining::run_steps() {
   const RunPlan& plan = run_.plan;
   const int64_t steps = config_.run.steps, seq = config_.model.seq_length, mbs = config_.batch.micro_batch_size;
-  flops_per_step_ = model_->forward_flops() * 3.0 * static_cast<double>(plan.microbatches);
-  world_.all_reduce(nullptr, &flops_per_step_, &flops_per_step_, 1, LOOM_DTYPE_F64);
+  // One microbatch per dp rank's worth of samples: micro_batch * dp of them.
+  flops_per_sample_ = model_->forward_flops() * 3.0 / static_cast<double>(mbs * plan.dp);
+  world_.all_reduce(nullptr, &flops_per_sample_, &flops_per_sample_, 1, LOOM_DTYPE_F64);
   if (leader_) {
-    run_.metrics.set_rates({static_cast<double>(config_.batch.global_batch_size * seq), flops_per_step_,
-                            config_.device.peak_tflops, plan.sizes.world});
+    run_.metrics.set_rates({static_cast<double>(seq), flops_per_sample_, config_.device.peak_tflops, plan.sizes.world,
+                            config_.batch.global_batch_size});
     if (run_.options.log)
       *run_.options.log << "loom: " << plan.sizes.world << " rank(s) (tp " << plan.sizes.tp
                         << (plan.sizes.cp > 1 ? ", cp " + std::to_string(plan.sizes.cp) : std::string()) << ", pp "
                         << plan.sizes.pp << ", dp " << plan.dp << "), " << model_->numel()
                         << " parameter elements on rank 0, " << plan.microbatches << " microbatch(es) of " << mbs
-                        << " x " << seq << " per rank per step; data: " << run_.data.describe()
+                        << " x " << seq << " per rank per step"
+                        << (run_.ramp.ramps()
+                                ? " (from " + std::to_string(run_.ramp.microbatch_counts().front()) +
+                                      " as batch.rampup_batch_size ramps the global batch)"
+                                : std::string())
+                        << "; data: " << run_.data.describe()
                         << documents_text(run_.documents) << std::endl;
   }
 
@@ -363,9 +389,10 @@ void RankTraining::run_steps() {
     ++step;
     if (run_.options.stepped) run_.options.stepped->store(true);
     const StepPoll polled = poll();
-    // Out of time, the run stops as at a signal: the step saved, its evaluation left
-    // to the resumed run.
-    bool stop = polled.stop || polled.out_of_time;
+    // Out of time before the last step, the run stops as at a signal: the step saved,
+    // its evaluation left to the resumed run.
+    const bool out_of_time = polled.out_of_time && step < steps;
+    bool stop = polled.stop || out_of_time;
     if (polled.written) saver_.commit_pending();
     run_.metrics.complete(rec);
     // A stop before or during this step's evaluation leaves it to the resumed run.
@@ -396,10 +423,10 @@ void RankTraining::run_steps() {
     if (!stop && sample_every > 0 && (step % sample_every == 0 || step == steps)) sample(step);
     if (stop) {
       checkpoint(step, /*in_line=*/true, evaluation_pending);
-      if (polled.out_of_time && !polled.stop) {
+      if (out_of_time && !polled.stop) {
         std::ostringstream why;
-        why << "run.exit_duration_minutes = " << config_.run.exit_duration_minutes << " (" << std::fixed
-            << std::setprecision(1) << run_.minutes_trained() << " minutes since training started)";
+        why << "run.exit_duration_minutes = " << config_.run.exit_duration_minutes << " (" << std::setprecision(3)
+            << polled.minutes << " minutes since training started)";
         mark_exited(why.str());
       } else {
         mark_interrupted();  // a signal, before or during the evaluation
@@ -539,6 +566,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.started = started;
+  run.ramp = BatchRamp(config.batch, plan.dp);
   run.documents = document_inputs(config, checked.vocab);
   if (resume && options.log) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))

@@ -193,7 +193,7 @@ TEST_F(ManifestTest, UnknownKeyWithoutSuggestionListsTheSection) {
   Diagnostic d = one_error("[batch]\nzzzzzzzz = 1\n");
   EXPECT_EQ(d.message,
             "unknown key 'batch.zzzzzzzz' (valid keys in [batch]: micro_batch_size, "
-            "global_batch_size)");
+            "global_batch_size, rampup_batch_size)");
   EXPECT_EQ(pos(d.origin), "m.toml:2:1");
 }
 

@@ -747,7 +747,8 @@ TEST(Checkpoint, AnExitIntervalStopsEachLaunchAtAMultipleAndTheLaunchesEqualOneR
 
 // run.exit_duration_minutes (Megatron-LM's --exit-duration-in-mins): out of time, the
 // run stops after the step, saved as at a stop signal (its evaluation left to the
-// resumed run), and the resumed run without a limit equals one uninterrupted run.
+// resumed run), and the resumed run without a limit equals one uninterrupted run;
+// out of time at its last step, a run just ends.
 TEST(Checkpoint, AnExitDurationStopsAfterTheStepThatRanOutOfTime) {
   const std::string dir = loom::testing::scratch_dir("exit_duration");
   fs::remove_all(dir);
@@ -771,6 +772,13 @@ TEST(Checkpoint, AnExitDurationStopsAfterTheStepThatRanOutOfTime) {
   EXPECT_EQ(rest.result.final_step, 6);
   EXPECT_EQ(rest.params.back(), full.params.back());
   EXPECT_EQ(rest.result.steps.back().val_loss, full.result.steps.back().val_loss);
+  // Out of time at the last step, the run ends as it would have: evaluated, no exit.
+  fs::remove_all(dir);
+  auto last = run_and_trace(tiny_manifest(), loom::testing::with_overrides(
+                                                 common, {"run.steps=1", "run.exit_duration_minutes=1e-8", ck}));
+  EXPECT_EQ(last.result.exit_reason, "");
+  ASSERT_EQ(last.result.steps.size(), 1u);
+  EXPECT_TRUE(last.result.steps[0].evaluated);
   // A limit not reached changes nothing.
   fs::remove_all(dir);
   auto roomy = run_and_trace(tiny_manifest(),
