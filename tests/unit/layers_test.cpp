@@ -1468,6 +1468,7 @@ TEST(Layers, MoeForwardMatchesReference) {
     std::string score = "softmax";
     double scaling = 0.0;  // topk_scaling_factor
     int64_t experts = 4, top_k = 2, groups = 0, group_topk = 0;
+    bool per_sequence = false;  // load_balancing_type = "seq_aux_loss"
   };
   for (const Variant& v :
        {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0}, Variant{false, 0.5, "probs", 0},
@@ -1480,20 +1481,25 @@ TEST(Layers, MoeForwardMatchesReference) {
         // A group ranked by its best 2 of 4 (DeepSeek-V3's shape: the best 2 of 32), and
         // by its best 1 of 2 (top_k 3 over 2 groups: 3 / 2 floors).
         Variant{false, 0.0, "probs", 0, false, "sigmoid", 2.5, 16, 4, 4, 2},
-        Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 3, 4, 2}}) {
+        Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 3, 4, 2},
+        // The load-balancing term of each sequence (kBatch of them), averaged.
+        Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 4, 2, 0, 0, true},
+        Variant{false, 0.5, "probs", 0, false, "sigmoid", 2.5, 8, 4, 4, 2, true}}) {
     const bool pre_softmax = v.pre_softmax, sigmoid = v.score == "sigmoid";
     const int64_t kExperts = v.experts, kTopK = v.top_k;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
                  std::to_string(v.capacity_factor) + " by " + v.policy + ", shared expert " +
                  std::to_string(v.shared) + (v.gate ? " gated" : "") + ", " + v.score + " scaled by " +
                  std::to_string(v.scaling) + ", top " + std::to_string(kTopK) + " of " + std::to_string(kExperts) +
-                 " in " + std::to_string(v.groups) + " groups, " + std::to_string(v.group_topk) + " taken");
+                 " in " + std::to_string(v.groups) + " groups, " + std::to_string(v.group_topk) + " taken" +
+                 (v.per_sequence ? ", balanced per sequence" : ""));
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
     toml::table opts =
         moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared, v.gate);
     set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
+    if (v.per_sequence) opts.insert_or_assign("load_balancing_type", "seq_aux_loss");
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
@@ -1510,7 +1516,10 @@ TEST(Layers, MoeForwardMatchesReference) {
     const auto& w2 = layer.param("experts.fc2.weight").value;
     const auto& b2 = layer.param("experts.fc2.bias").value;
     Mat out(b.x.begin(), b.x.end());  // the residual
-    std::vector<double> routed(kExperts, 0.0), prob_sum(kExperts, 0.0);
+    // Per load-balancing group: each sequence (token t's is t % kBatch), or the microbatch.
+    const int64_t balance_groups = v.per_sequence ? kBatch : 1;
+    std::vector<std::vector<double>> routed(balance_groups, std::vector<double>(kExperts, 0.0)),
+        prob_sum(balance_groups, std::vector<double>(kExperts, 0.0));
     double z = 0;
     struct Slot {
       int64_t t, e;
@@ -1537,8 +1546,9 @@ TEST(Layers, MoeForwardMatchesReference) {
       if (sigmoid)
         for (int64_t e = 0; e < kExperts; ++e) score[e] = 1.0 / (1.0 + std::exp(-logits[t * kExperts + e]));
       const double score_sum = std::accumulate(score.begin(), score.end(), 0.0);
-      for (int64_t e = 0; e < kExperts; ++e) prob_sum[e] += (lb[e] = sigmoid ? score[e] / score_sum : p[e]);
-      for (int64_t e : top(every, kTopK, lb)) routed[e] += 1;
+      const int64_t g = t % balance_groups;
+      for (int64_t e = 0; e < kExperts; ++e) prob_sum[g][e] += (lb[e] = sigmoid ? score[e] / score_sum : p[e]);
+      for (int64_t e : top(every, kTopK, lb)) routed[g][e] += 1;
       // What top-k compares (Megatron's topk_routing_with_score_function): the
       // sigmoids, the probs with pre_softmax, else the logits.
       std::vector<double> key = score;
@@ -1632,8 +1642,10 @@ TEST(Layers, MoeForwardMatchesReference) {
     }
     expect_close(y, out, 1e-5, "moe output");
     double aux = 0;
-    for (int64_t e = 0; e < kExperts; ++e) aux += (routed[e] / (kT * kTopK)) * (prob_sum[e] / kT);
-    aux *= coeff * kExperts;
+    const double n = static_cast<double>(kT / balance_groups);  // tokens of a group
+    for (int64_t g = 0; g < balance_groups; ++g)
+      for (int64_t e = 0; e < kExperts; ++e) aux += (routed[g][e] / (n * kTopK)) * (prob_sum[g][e] / n);
+    aux *= coeff * kExperts / static_cast<double>(balance_groups);
     aux += z_coeff * z;
     EXPECT_NEAR(layer.last_aux, aux, 1e-5 * aux) << "the load-balancing loss and the z-loss";
     EXPECT_GT(z_coeff * z, 1e-3 * aux) << "the z-loss is part of what is compared";
@@ -1699,19 +1711,24 @@ TEST(Layers, MoeSigmoidScoresAndGroupLimitedRoutingGradientsMatchFiniteDifferenc
     bool pre_softmax;
     double scaling, capacity_factor;
     int64_t experts, top_k, groups, group_topk;
+    bool per_sequence = false;
   };
   for (const Variant& v : {Variant{"sigmoid", false, 2.5, 0.0, 4, 2, 0, 0}, Variant{"sigmoid", false, 0.0, 0.0, 4, 1, 0, 0},
                            Variant{"sigmoid", false, 1.5, 0.0, 8, 4, 4, 2}, Variant{"softmax", false, 0.0, 0.0, 8, 2, 4, 1},
                            Variant{"softmax", true, 2.0, 0.0, 6, 4, 3, 2}, Variant{"sigmoid", false, 2.5, 0.0, 16, 4, 4, 2},
-                           Variant{"sigmoid", false, 1.5, 0.5, 8, 4, 4, 2}}) {
+                           Variant{"sigmoid", false, 1.5, 0.5, 8, 4, 4, 2},
+                           Variant{"softmax", false, 0.0, 0.0, 4, 2, 0, 0, true},
+                           Variant{"sigmoid", false, 2.5, 0.0, 8, 4, 4, 2, true}}) {
     SCOPED_TRACE(v.score + (v.pre_softmax ? " pre_softmax" : "") + " scaled by " + std::to_string(v.scaling) +
                  ", capacity factor " + std::to_string(v.capacity_factor) + ", top " + std::to_string(v.top_k) +
-                 " of " + std::to_string(v.experts) + " in " + std::to_string(v.groups) + " groups");
+                 " of " + std::to_string(v.experts) + " in " + std::to_string(v.groups) + " groups" +
+                 (v.per_sequence ? ", balanced per sequence" : ""));
     Rank rank;
     auto dims = make_dims();
     toml::table opts = moe_options(v.experts, v.top_k, /*aux_coeff=*/2.0, v.pre_softmax, /*dropout=*/0.0,
                                    /*z_coeff=*/0.5, v.capacity_factor);
     set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
+    if (v.per_sequence) opts.insert_or_assign("load_balancing_type", "seq_aux_loss");
     TestLayer layer(rank, "moe", dims, &opts);
     layer.aux_weight = 0.75;
     std::mt19937 rng(47);
@@ -1894,9 +1911,12 @@ TEST(Layers, MoeTensorParallelTwoRanksMatchOneRank) {
   for (const bool sp : {false, true})
     for (const bool deepseek : {false, true}) {
       SCOPED_TRACE(std::string(sp ? "with sequence parallelism" : "without sequence parallelism") +
-                   (deepseek ? ", sigmoid scores in groups" : ""));
+                   (deepseek ? ", sigmoid scores in groups, balanced per sequence" : ""));
       toml::table opts = moe_options(deepseek ? 8 : 4, deepseek ? 4 : 2, /*aux_coeff=*/0.5, false, /*dropout=*/0.25);
-      if (deepseek) set_router_options(opts, "sigmoid", 2.5, 4, 2);
+      if (deepseek) {
+        set_router_options(opts, "sigmoid", 2.5, 4, 2);
+        opts.insert_or_assign("load_balancing_type", "seq_aux_loss");
+      }
       std::mt19937 rng(46);
       const loom::harness::Findings f = loom::harness::check_tensor_parallel(
           registry(), "moe", make_dims(), &opts, rng, {.tp = 2, .sequence_parallel = sp, .aux_weight = 0.5});

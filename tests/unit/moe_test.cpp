@@ -1062,15 +1062,17 @@ TEST(MixtralMoe, GatedSwigluSharedExpertMatchesSerial) {
 
 // DeepSeek-V3's router (Liu et al., "DeepSeek-V3 Technical Report", 2024; Megatron-Core's
 // moe_router_score_function, moe_router_topk_scaling_factor, moe_router_num_groups,
-// moe_router_group_topk) on Mixtral's blocks with a shared expert: sigmoid scores,
-// scaled gates, each token's 4 of 8 experts from its 2 best groups of 4. Every
-// layout routes alike and trains as the serial run.
+// moe_router_group_topk, moe_router_load_balancing_type) on Mixtral's blocks with a
+// shared expert: sigmoid scores, scaled gates, each token's 4 of 8 experts from its 2
+// best groups of 4, the load-balancing loss per sequence. Every layout routes alike
+// and trains as the serial run.
 TEST(MixtralMoe, DeepSeekRouterMatchesSerial) {
   const std::vector<std::string> deepseek = {
       "model.layer.moe.num_experts=8",          "model.layer.moe.top_k=4",
       "model.layer.moe.score_function=sigmoid", "model.layer.moe.topk_scaling_factor=2.5",
       "model.layer.moe.num_groups=4",           "model.layer.moe.group_topk=2",
-      "model.layer.moe.z_loss_coeff=0.01",      "model.layer.moe.shared_expert_ffn_hidden_size=32"};
+      "model.layer.moe.z_loss_coeff=0.01",      "model.layer.moe.shared_expert_ffn_hidden_size=32",
+      "model.layer.moe.load_balancing_type=seq_aux_loss"};
   auto with = [&](std::vector<std::string> o) {
     o.insert(o.end(), deepseek.begin(), deepseek.end());
     return run_mixtral(o);

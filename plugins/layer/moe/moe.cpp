@@ -34,7 +34,9 @@
 //    probs[:, e] (the sigmoids over their sum with score_function = "sigmoid"),
 //    the top_k counted by these probabilities over all experts, groups or not (as
 //    Megatron's compute_routing_scores_for_aux_loss); its gradient flows into the
-//    router only (f_e is a count). It
+//    router only (f_e is a count). With load_balancing_type = "seq_aux_loss" the
+//    term is each sequence's (f_e and P_e over its tokens), averaged over the
+//    microbatch's sequences (Megatron's seq_aux_loss, DeepSeek-V2/V3). It
 //    enters the objective with the engine's aux_loss_scale (1 / microbatches,
 //    ABI 1.4) and is reported through loom_layer_fwd_args.aux_loss.
 //  - shared experts (shared_expert.cpp; Megatron's
@@ -160,6 +162,7 @@ class Moe : public loom::Layer {
     router.scaling = options.declared_float("topk_scaling_factor");
     router.groups = options.declared_int("num_groups");
     router.group_topk = options.declared_int("group_topk");
+    router.per_sequence = options.declared_string("load_balancing_type") == "seq_aux_loss";
     router.aux_coeff = options.declared_float("aux_loss_coeff");
     router.z_coeff = options.declared_float("z_loss_coeff");
     router.capacity_factor = options.declared_float("capacity_factor");
@@ -348,7 +351,7 @@ class Moe : public loom::Layer {
     if (gather || (!fold && cp == 1))
       route_whole_microbatch(dev, a, s, cp > 1 ? m.fwd.at(m.cp_logits) : m.fwd.at(m.logits), T, Tl, Tr, B);
     else
-      route_own_tokens(dev, a, s, m.fwd.at(m.logits), Tr, Tl, Tw);
+      route_own_tokens(dev, a, s, m.fwd.at(m.logits), Tr, Tl, Tw, B);
     // Where this rank's experts get their rows (the counts exchanged over ep).
     s.experts = dispatcher_.plan(dev, s.dispatch, a.microbatch);
     forward_after_routing(dev, a, s, xin, xfull, x, y, Tl, T, Tr);
@@ -817,7 +820,7 @@ class Moe : public loom::Layer {
     for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
-    const Routing whole = router_.route(std::move(host_logits), Tw);
+    const Routing whole = router_.route(std::move(host_logits), Tw, B);
     if (a.training && a.aux_loss != nullptr && router_.has_loss_terms())
       *a.aux_loss += static_cast<float>(router_.loss(whole));
     // The router's backward runs on the rows of this rank's LN (its shard under SP).
@@ -834,11 +837,11 @@ class Moe : public loom::Layer {
   // (Tw tokens), their sums all-reduced over the ranks holding its other tokens:
   // cp, and tp when folded (unfolded tp ranks route the same tokens).
   void route_own_tokens(const loom::Device& dev, const loom_layer_fwd_args& a, Saved& s, const float* logits,
-                        int64_t Tr, int64_t Tl, int64_t Tw) const {
+                        int64_t Tr, int64_t Tl, int64_t Tw, int64_t micro_batch) const {
     std::vector<float> host_logits(static_cast<size_t>(Tr * experts_));
     dev.copy(host_logits.data(), logits, host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    const Routing own = router_.route(std::move(host_logits), Tr);
+    const Routing own = router_.route(std::move(host_logits), Tr, micro_batch);
     if (a.training) s.router = router_rows(own, own_router_rows(Tl));
     // The sums feed the loss terms only: without them (evaluation, both coefficients
     // 0; the same on every rank) the router's rows need nothing of the others.
@@ -997,6 +1000,11 @@ std::vector<loom::OptionSpec> moe_options() {
           .in("[0, 65536]"),
       loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
           .in("[0, inf)"),
+      loom::opt_string("load_balancing_type", "aux_loss",
+                       "what the load-balancing loss balances (Megatron's moe_router_load_balancing_type): "
+                       "\"aux_loss\", each microbatch's tokens, or \"seq_aux_loss\", each sequence's, averaged "
+                       "(DeepSeek-V2/V3's sequence-wise auxiliary loss)")
+          .one_of("aux_loss|seq_aux_loss"),
       loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
           .in("[0, inf)"),
       loom::opt_int("shared_expert_ffn_hidden_size", 0,

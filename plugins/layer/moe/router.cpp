@@ -10,16 +10,19 @@ namespace loom::layers::moe {
 
 namespace {
 
-// The unweighted load-balancing term E * sum_e f_e P_e of a routing of `tokens`
-// tokens: f_e = routed[e] / (tokens * top_k), P_e = prob_sum[e] / tokens.
+// The unweighted load-balancing term of a routing of `tokens` tokens in `sequences`
+// groups (1: the microbatch's Switch Transformer term; its sequences: the mean of
+// each sequence's): E * sum_e f_e P_e with f_e = routed[e] / (n * top_k), P_e =
+// prob_sum[e] / n over a group's n = tokens / sequences tokens, routed and prob_sum
+// [sequences, E].
 double load_balance(const std::vector<int64_t>& routed, const std::vector<double>& prob_sum, int64_t tokens,
-                    int64_t top_k) {
-  const size_t experts = routed.size();
+                    int64_t top_k, int64_t sequences) {
+  const size_t experts = routed.size() / static_cast<size_t>(sequences);
+  const double n = static_cast<double>(tokens / sequences);
   double aux = 0;
-  for (size_t e = 0; e < experts; ++e)
-    aux += (static_cast<double>(routed[e]) / static_cast<double>(tokens * top_k)) *
-           (prob_sum[e] / static_cast<double>(tokens));
-  return aux * static_cast<double>(experts);
+  for (size_t i = 0; i < routed.size(); ++i)
+    aux += (static_cast<double>(routed[i]) / (n * static_cast<double>(top_k))) * (prob_sum[i] / n);
+  return aux * static_cast<double>(experts) / static_cast<double>(sequences);
 }
 
 // Megatron's guard against an all-zero sum of sigmoids.
@@ -87,11 +90,12 @@ void choose_experts(const RouterConfig& c, Routing& r) {
   std::iota(all.begin(), all.end(), 0);
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = r.logits.data() + t * experts;
+    const int64_t balance = (t % r.sequences) * experts;  // the token's load-balancing group (its sequence)
     const double lse = r.lse[static_cast<size_t>(t)] = logsumexp(l, experts);
     r.z += lse * lse / static_cast<double>(tokens);
     score_row(c.sigmoid, l, lse, experts, scores.data(), lb.data());
     for (int64_t e = 0; e < experts; ++e) {
-      r.prob_sum[static_cast<size_t>(e)] += lb[static_cast<size_t>(e)];
+      r.prob_sum[static_cast<size_t>(balance + e)] += lb[static_cast<size_t>(e)];
       key[static_cast<size_t>(e)] = c.sigmoid || (c.pre_softmax && c.groups > 0) ? scores[static_cast<size_t>(e)] : l[e];
     }
     order = c.groups > 0 ? group_candidates(c, key.data()) : all;
@@ -109,11 +113,11 @@ void choose_experts(const RouterConfig& c, Routing& r) {
       ++r.kept_slots[static_cast<size_t>(e)];
     }
     if (c.groups == 0) {  // the load-balancing top-k is the routing
-      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];
+      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(balance + order[static_cast<size_t>(k)])];
     } else if (c.aux_coeff > 0) {  // (only the load-balancing term reads these counts)
       order = all;
       top_first(order, top_k, lb.data());
-      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(order[static_cast<size_t>(k)])];
+      for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(balance + order[static_cast<size_t>(k)])];
     }
   }
 }
@@ -146,22 +150,23 @@ int64_t Router::capacity(int64_t tokens) const {
                                         c_.capacity_factor));
 }
 
-Routing Router::route(std::vector<float> logits, int64_t tokens) const {
+Routing Router::route(std::vector<float> logits, int64_t tokens, int64_t micro_batch) const {
   Routing r;
   r.tokens = tokens;
+  r.sequences = c_.per_sequence ? micro_batch : 1;
   r.experts = c_.experts;
   r.top_k = c_.top_k;
   r.logits = std::move(logits);
   r.chosen.resize(static_cast<size_t>(tokens * c_.top_k));
   r.slot_gate.resize(static_cast<size_t>(tokens * c_.top_k));
   r.kept_slots.assign(static_cast<size_t>(c_.experts), 0);
-  r.routed.assign(static_cast<size_t>(c_.experts), 0);
-  r.prob_sum.assign(static_cast<size_t>(c_.experts), 0.0);
+  r.routed.assign(static_cast<size_t>(r.sequences * c_.experts), 0);
+  r.prob_sum.assign(static_cast<size_t>(r.sequences * c_.experts), 0.0);
   r.lse.resize(static_cast<size_t>(tokens));
   choose_experts(c_, r);
   drop_over_capacity(capacity(tokens), c_.drop_by_probs, r);
   // The load-balancing term counts the routing before the drop, as Megatron's does.
-  r.aux = load_balance(r.routed, r.prob_sum, tokens, c_.top_k);
+  r.aux = load_balance(r.routed, r.prob_sum, tokens, c_.top_k, r.sequences);
   return r;
 }
 
@@ -172,24 +177,26 @@ RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine) {
   rr.experts = r.experts;
   rr.top_k = r.top_k;
   rr.routed = r.routed;
+  rr.sequences = r.sequences;
   const int64_t E = r.experts, K = r.top_k;
   for (const int64_t t : mine) {
     rr.logits.insert(rr.logits.end(), r.logits.begin() + t * E, r.logits.begin() + (t + 1) * E);
     rr.chosen.insert(rr.chosen.end(), r.chosen.begin() + t * K, r.chosen.begin() + (t + 1) * K);
     rr.lse.push_back(r.lse[static_cast<size_t>(t)]);
+    rr.sequence.push_back(t % r.sequences);
   }
   return rr;
 }
 
 LossTerms Router::reduce_loss_terms(loom_rank* rank, const loom::Device& dev, const Routing& own,
                                     int64_t whole_tokens, const std::vector<loom::Group>& groups) const {
-  const int64_t E = c_.experts, K = c_.top_k;
-  std::vector<double> sums(static_cast<size_t>(2 * E + 1), 0.0);
-  for (int64_t e = 0; e < E; ++e) {
-    sums[static_cast<size_t>(e)] = static_cast<double>(own.routed[static_cast<size_t>(e)]);
-    sums[static_cast<size_t>(E + e)] = own.prob_sum[static_cast<size_t>(e)];
+  const size_t N = own.routed.size();  // sequences x experts
+  std::vector<double> sums(2 * N + 1, 0.0);
+  for (size_t i = 0; i < N; ++i) {
+    sums[i] = static_cast<double>(own.routed[i]);
+    sums[N + i] = own.prob_sum[i];
   }
-  for (const double l : own.lse) sums[static_cast<size_t>(2 * E)] += l * l / static_cast<double>(whole_tokens);
+  for (const double l : own.lse) sums[2 * N] += l * l / static_cast<double>(whole_tokens);
   Arena buf;
   const size_t at = buf.add(sums.size() * sizeof(double));
   buf.allocate(rank);
@@ -199,11 +206,12 @@ LossTerms Router::reduce_loss_terms(loom_rank* rank, const loom::Device& dev, co
   dev.copy(sums.data(), d, sums.size() * sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
   dev.synchronize();
   LossTerms terms;
-  terms.routed.resize(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) terms.routed[static_cast<size_t>(e)] = std::llround(sums[static_cast<size_t>(e)]);
-  const std::vector<double> prob_sum(sums.begin() + E, sums.begin() + 2 * E);
-  terms.loss = c_.aux_coeff * load_balance(terms.routed, prob_sum, whole_tokens, K) +
-               c_.z_coeff * sums[static_cast<size_t>(2 * E)];
+  terms.routed.resize(N);
+  for (size_t i = 0; i < N; ++i) terms.routed[i] = std::llround(sums[i]);
+  const std::vector<double> prob_sum(sums.begin() + static_cast<std::ptrdiff_t>(N),
+                                     sums.begin() + static_cast<std::ptrdiff_t>(2 * N));
+  terms.loss = c_.aux_coeff * load_balance(terms.routed, prob_sum, whole_tokens, c_.top_k, own.sequences) +
+               c_.z_coeff * sums[2 * N];
   return terms;
 }
 
@@ -212,13 +220,14 @@ std::vector<float> Router::logit_gradients(const RouterRows& r, const std::vecto
   const double aux_scale = c_.aux_coeff * aux_loss_scale, z_scale = c_.z_coeff * aux_loss_scale;
   const int64_t n = static_cast<int64_t>(r.lse.size()), E = r.experts, K = r.top_k;
   const double T = static_cast<double>(r.tokens);
-  // d aux / d lb[t, e] = E * f_e / T (f_e is a count: no gradient).
-  std::vector<double> aux_dlb(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e)
-    aux_dlb[static_cast<size_t>(e)] = aux_scale * static_cast<double>(E) *
-                                      (static_cast<double>(r.routed[static_cast<size_t>(e)]) /
-                                       static_cast<double>(r.slots)) /
-                                      T;
+  // d aux / d lb[t, e] = E * f_e / (n S), f_e = routed[e] / (n k) over the n tokens of
+  // t's load-balancing group (its sequence, of S; or the microbatch, S = 1); f_e is
+  // a count: no gradient.
+  const double S = static_cast<double>(r.sequences), group_tokens = T / S;
+  std::vector<double> aux_dlb(r.routed.size());
+  for (size_t i = 0; i < r.routed.size(); ++i)
+    aux_dlb[i] = aux_scale * static_cast<double>(E) *
+                 (static_cast<double>(r.routed[i]) / (group_tokens * static_cast<double>(K))) / (group_tokens * S);
   const bool normalise = c_.sigmoid ? K > 1 : !c_.pre_softmax;
   const double scaling = c_.scaling > 0 ? c_.scaling : 1.0;
   std::vector<float> dlogits(static_cast<size_t>(n * E));
@@ -226,6 +235,7 @@ std::vector<float> Router::logit_gradients(const RouterRows& r, const std::vecto
   for (int64_t t = 0; t < n; ++t) {
     const float* l = r.logits.data() + t * E;
     const double lse = r.lse[static_cast<size_t>(t)];
+    const double* dlb = aux_dlb.data() + r.sequence[static_cast<size_t>(t)] * E;
     score_row(c_.sigmoid, l, lse, E, s.data(), lb.data());
     std::fill(ds.begin(), ds.end(), 0.0);
     // The gates: gate_k = scaling * s[e_k] (/ S, S = the chosen scores' sum).
@@ -246,14 +256,14 @@ std::vector<float> Router::logit_gradients(const RouterRows& r, const std::vecto
     // The load-balancing probabilities: the softmax's are the scores; the sigmoids
     // over their sum, lb_e = s_e / (sum + floor).
     if (!c_.sigmoid) {
-      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += aux_dlb[static_cast<size_t>(e)];
+      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += dlb[e];
     } else if (aux_scale != 0.0) {
       double sum = kSigmoidSumFloor, dot = 0;
       for (int64_t e = 0; e < E; ++e) {
         sum += s[static_cast<size_t>(e)];
-        dot += aux_dlb[static_cast<size_t>(e)] * s[static_cast<size_t>(e)];
+        dot += dlb[e] * s[static_cast<size_t>(e)];
       }
-      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += aux_dlb[static_cast<size_t>(e)] / sum - dot / (sum * sum);
+      for (int64_t e = 0; e < E; ++e) ds[static_cast<size_t>(e)] += dlb[e] / sum - dot / (sum * sum);
     }
     // d lse^2 / d logit_e = 2 lse softmax_e.
     const double dz = z_scale * 2.0 * lse / T;

@@ -24,6 +24,7 @@ struct RouterConfig {
   double scaling = 0.0;           // > 0: the gates times this (0 = as they are)
   int64_t groups = 0;             // > 0: experts in this many groups of consecutive experts, a token's
   int64_t group_topk = 0;         //   top_k taken within its group_topk best groups
+  bool per_sequence = false;      // the load-balancing term: each sequence's, averaged (seq_aux_loss)
   double aux_coeff = 0.0, z_coeff = 0.0;
   double capacity_factor = 0.0;   // 0 = dropless
   bool drop_by_probs = true;      // an expert over capacity keeps its largest gates (else its first tokens)
@@ -34,14 +35,15 @@ struct RouterConfig {
 // and its top_k by them over all experts: without groups, the routing itself.
 struct Routing {
   int64_t tokens = 0, experts = 0, top_k = 0;
+  int64_t sequences = 1;             // load-balancing groups: the microbatch's sequences (token t's: t % sequences), or 1
   std::vector<float> logits;         // [tokens, experts]: as routed (the backward works the scores out again)
   std::vector<int32_t> chosen;       // [tokens, top_k]: expert of each slot (t * top_k + k)
   std::vector<float> slot_gate;      // [tokens, top_k]: gate of each slot
   std::vector<char> kept;            // [tokens, top_k]: 0 where the expert's capacity dropped the slot
   std::vector<int64_t> kept_slots;   // [experts]: slots each expert keeps
-  std::vector<int64_t> routed;       // [experts]: the load-balancing term's slots of each expert (with groups,
-                                     // counted only when aux_loss_coeff > 0)
-  std::vector<double> prob_sum;      // [experts]: sum over tokens of the load-balancing probabilities
+  std::vector<int64_t> routed;       // [sequences, experts]: the load-balancing term's slots of each expert
+                                     // (with groups, counted only when aux_loss_coeff > 0)
+  std::vector<double> prob_sum;      // [sequences, experts]: sums over tokens of the load-balancing probabilities
   double aux = 0;                    // the unweighted load-balancing term E * sum f_e P_e
   std::vector<double> lse;           // [tokens]: logsumexp of each token's logits
   double z = 0;                      // the unweighted z-loss term, mean of lse^2
@@ -55,8 +57,10 @@ struct Routing {
 struct RouterRows {
   int64_t tokens = 0, slots = 0;  // of the whole routing (the loss terms' means)
   int64_t experts = 0, top_k = 0;
-  std::vector<int64_t> routed;    // [experts]: the load-balancing term's slots of each
+  int64_t sequences = 1;          // load-balancing groups (Routing's)
+  std::vector<int64_t> routed;    // [sequences, experts]: the load-balancing term's slots of each
   std::vector<float> logits;      // [n, experts]
+  std::vector<int64_t> sequence;  // [n]: each row's load-balancing group
   std::vector<int32_t> chosen;    // [n, top_k]
   std::vector<double> lse;        // [n]
 };
@@ -66,7 +70,7 @@ RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine);
 // The whole microbatch's loss-term counts of a routing spread over ranks.
 struct LossTerms {
   double loss = 0;              // coeff * aux + z_coeff * z, before the engine's aux_loss_scale
-  std::vector<int64_t> routed;  // [experts]: slots routed to each over all the ranks
+  std::vector<int64_t> routed;  // [sequences, experts]: the load-balancing slots over all the ranks
 };
 
 class Router {
@@ -88,17 +92,19 @@ class Router {
   // Whether the objective has a router loss term (the same on every rank).
   bool has_loss_terms() const { return c_.aux_coeff > 0.0 || c_.z_coeff > 0.0; }
 
-  // Routes `tokens` rows of fp32 logits [tokens, experts]: scores, top-k, gates,
-  // and the capacity drop over these tokens.
-  Routing route(std::vector<float> logits, int64_t tokens) const;
+  // Routes `tokens` rows of fp32 logits [tokens, experts] (laid out [seq,
+  // micro_batch]: token t is in sequence t % micro_batch): scores, top-k, gates, and
+  // the capacity drop over these tokens.
+  Routing route(std::vector<float> logits, int64_t tokens, int64_t micro_batch) const;
 
   // The weighted loss terms of a routing of the whole microbatch.
   double loss(const Routing& whole) const { return c_.aux_coeff * whole.aux + c_.z_coeff * whole.z; }
 
   // Dropless routing spread over ranks, each routing its own tokens (`own`): the
-  // whole microbatch's (whole_tokens) loss terms from 2E + 1 sums (slots routed to
-  // each expert, their probabilities, the z-loss terms) all-reduced over `groups`,
-  // the ranks holding its other tokens.
+  // whole microbatch's (whole_tokens) loss terms from 2 sequences E + 1 sums (the
+  // load-balancing slots of each expert and their probabilities, per load-balancing
+  // group; the z-loss terms) all-reduced over `groups`, the ranks holding its other
+  // tokens.
   LossTerms reduce_loss_terms(loom_rank* rank, const loom::Device& dev, const Routing& own, int64_t whole_tokens,
                               const std::vector<loom::Group>& groups) const;
 
