@@ -1,7 +1,8 @@
-// loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [--stride N]
+// loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada|choice] [--stride N]
 //   [--tokenizer DIR|MODEL] [--set key=value]... [--json] [--plugin-path DIR]...
 // Evaluation the standard ways: sliding-window perplexity over a text, last-word
-// accuracy on LAMBADA-style JSONL (engine/train/eval_data.hpp), at any layout.
+// accuracy on LAMBADA-style JSONL, multiple choice on HellaSwag-style JSONL
+// (engine/train/eval_data.hpp), at any layout.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
@@ -27,13 +28,17 @@ namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada] [--format text|tokens|indexed] [options]\n"
+    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada|choice] [--format text|tokens|indexed] [options]\n"
     "  CHECKPOINT|MANIFEST  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
     "  --task perplexity    FILE is text: perplexity with overlapping windows of the model's seq_length,\n"
     "                       each token predicted once, after up to seq_length - stride tokens of context\n"
     "                       (the Megatron-LM paper's WikiText-103 evaluation); the default\n"
     "  --task lambada       FILE is JSONL with a \"text\" field per line: accuracy of predicting each\n"
     "                       text's last word (all its tokens, greedy) from the words before it\n"
+    "  --task choice        FILE is JSONL with HellaSwag's fields (\"ctx\", \"endings\", \"label\"): the\n"
+    "                       model picks the ending of least loss after the context, summed (accuracy)\n"
+    "                       or per token (accuracy_norm, llm.c's HellaSwag number); one candidate\n"
+    "                       per microbatch\n"
     "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
     "  --format F           perplexity: FILE is text (default, encoded as below), tokens (an llm.c .bin)\n"
     "                       or indexed (the PREFIX of a Megatron .bin/.idx: its documents in order)\n"
@@ -91,8 +96,9 @@ int cmd_eval(int argc, char** argv) {
     const std::string data_path = args.get("--data").value_or("");
     if (data_path.empty()) throw UsageError("--data FILE is required");
     const std::string task = args.get("--task").value_or("perplexity");
-    if (task != "perplexity" && task != "lambada") throw UsageError("--task is perplexity or lambada, not " + task);
-    if (task == "lambada" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
+    if (task != "perplexity" && task != "lambada" && task != "choice")
+      throw UsageError("--task is perplexity, lambada or choice, not " + task);
+    if (task != "perplexity" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
     const std::string format = args.get("--format").value_or("text");
     if (format != "text" && format != "tokens" && format != "indexed")
       throw UsageError("--format is text, tokens or indexed, not " + format);
@@ -105,7 +111,10 @@ int cmd_eval(int argc, char** argv) {
 
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
-    const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, evaluation_plan);
+    // Multiple choice compares each candidate's own loss: one per microbatch.
+    std::vector<std::string> sets = args.all("--set");
+    if (task == "choice") sets.push_back("batch.micro_batch_size=1");
+    const ModelSource src = load_model_source(args.positionals()[0], sets, r, evaluation_plan);
     // Text needs the model's codec; token files are ids already.
     std::optional<train::TextCodec> codec;
     if (format == "text") codec.emplace(args.get("--tokenizer").value_or(""), src.plan.config);
@@ -121,6 +130,7 @@ int cmd_eval(int argc, char** argv) {
 
     std::unique_ptr<train::DataSource> data;
     int64_t samples = 0, words = 0;
+    std::vector<train::ChoiceExample> choices;
     if (task == "perplexity") {
       const int64_t stride = args.get_int("--stride", std::max<int64_t>(1, seq / 2));
       if (stride < 1 || stride > seq)
@@ -146,6 +156,13 @@ int cmd_eval(int argc, char** argv) {
       auto windows = std::make_unique<train::SlidingWindows>(std::move(tokens), seq, stride, src.vocab, data_path);
       samples = windows->windows();
       data = std::move(windows);
+    } else if (task == "choice") {
+      choices = train::read_choice_examples(data_path, encode);
+      std::vector<train::LastWordExample> candidates;
+      for (const train::ChoiceExample& c : choices) candidates.insert(candidates.end(), c.endings.begin(), c.endings.end());
+      auto examples = std::make_unique<train::LastWordTask>(std::move(candidates), seq, src.vocab, data_path);
+      samples = examples->size();
+      data = std::move(examples);
     } else {
       auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode), seq,
                                                             src.vocab, data_path);
@@ -154,7 +171,9 @@ int cmd_eval(int argc, char** argv) {
     }
 
     const auto t0 = std::chrono::steady_clock::now();
-    const train::Evaluation e = train::evaluate(src.plan, src.weights, src.vocab, *data, samples);
+    const train::Evaluation e = train::evaluate(src.plan, src.weights, src.vocab, *data, samples, task == "choice");
+    const train::ChoiceScores scores =
+        task == "choice" ? train::score_choices(choices, e.sample_loss_sums, e.sample_tokens) : train::ChoiceScores{};
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (!std::isfinite(e.loss))
       throw loom::Error("the loss over " + data_path + " is " + std::to_string(e.loss) + ": the weights of " +
@@ -178,6 +197,10 @@ int cmd_eval(int argc, char** argv) {
         j["words"] = words;
         if (words > 1) j["word_perplexity"] = word_ppl;
         else j["word_perplexity"] = nullptr;  // a text of fewer than two words has none
+      } else if (task == "choice") {
+        j["examples"] = scores.examples;
+        j["accuracy"] = scores.accuracy;
+        j["accuracy_norm"] = scores.accuracy_norm;
       } else {
         j["accuracy"] = e.exact_match;
         j["target_perplexity"] = ppl;
@@ -186,7 +209,10 @@ int cmd_eval(int argc, char** argv) {
       std::cout << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
       return 0;
     }
-    std::cout << "eval: " << data->describe() << " | model " << src.weights.source << " (tp " << src.plan.sizes.tp
+    const std::string described = task == "choice" ? data_path + ": " + std::to_string(choices.size()) +
+                                                         " examples, " + std::to_string(samples) + " candidates"
+                                                   : data->describe();
+    std::cout << "eval: " << described << " | model " << src.weights.source << " (tp " << src.plan.sizes.tp
               << ", pp " << src.plan.sizes.pp << ", dp " << src.plan.dp << ")\n"
               << std::fixed << std::setprecision(4);
     if (task == "perplexity")
@@ -194,6 +220,9 @@ int cmd_eval(int argc, char** argv) {
                 << (words > 1 ? std::to_string(word_ppl) + " (" + std::to_string(words) + " words)"
                               : std::string("n/a (fewer than 2 words)"))
                 << " | " << std::setprecision(1) << ms << " ms\n";
+    else if (task == "choice")
+      std::cout << "choice: accuracy " << std::setprecision(2) << 100 * scores.accuracy << "% (summed loss), "
+                << 100 * scores.accuracy_norm << "% (loss per token) | " << std::setprecision(1) << ms << " ms\n";
     else
       std::cout << "lambada: accuracy " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
                 << " examples | last-word tokens: loss " << std::setprecision(4) << e.loss << ", perplexity " << ppl

@@ -76,6 +76,96 @@ void LastWordTask::sample(Split split, uint64_t index, int64_t seq, int32_t* tok
   for (int64_t k = 0; k < tgt; ++k) targets[ctx - 1 + k] = e.target[static_cast<size_t>(k)];
 }
 
+namespace {
+
+// A continuation's tokens, as lm-evaluation-harness splits one: those the encoding of
+// the whole text adds to its context's (encoding the continuation alone would add a
+// tokenizer's text-start prefix, SentencePiece's dummy "▁", that running text never has
+// there). A tokenizer that merges across the boundary changes the context's last
+// tokens: the model then reads the whole text's own tokens up to the split.
+LastWordExample split_continuation(const std::string& context, const std::string& whole_text, int64_t line,
+                                   const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                                   const std::string& where, const std::string& what) {
+  std::vector<int32_t> ctx = encode(context), whole = encode(whole_text);
+  if (whole.size() <= ctx.size()) throw DataError(where + ": " + what + " adds no tokens to the encoding of its context");
+  if (!std::equal(ctx.begin(), ctx.end(), whole.begin()))
+    ctx.assign(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(ctx.size()));
+  LastWordExample e{std::move(ctx), {}, line};
+  e.target.assign(whole.begin() + static_cast<std::ptrdiff_t>(e.context.size()), whole.end());
+  if (e.context.empty()) throw DataError(where + ": the context encodes to no tokens");
+  return e;
+}
+
+nlohmann::json parse_jsonl_line(const std::string& line, const std::string& where) {
+  try {
+    return nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    throw DataError(where + ": not JSON (" + std::string(e.what()) + ")");
+  }
+}
+
+}  // namespace
+
+std::vector<ChoiceExample> read_choice_examples(const std::string& path,
+                                                const std::function<std::vector<int32_t>(const std::string&)>& encode) {
+  std::ifstream in(path);
+  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
+  std::vector<ChoiceExample> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n);
+    const nlohmann::json j = parse_jsonl_line(line, where);
+    if (!j.is_object() || !j.contains("ctx") || !j["ctx"].is_string() || !j.contains("endings") ||
+        !j["endings"].is_array() || !j.contains("label") || !j["label"].is_number_integer())
+      throw DataError(where + ": expected an object with HellaSwag's fields: \"ctx\" (a string), \"endings\" (an "
+                      "array of strings) and \"label\" (an integer)");
+    const nlohmann::json& endings = j["endings"];
+    const int64_t label = j["label"].get<int64_t>();
+    if (endings.size() < 2) throw DataError(where + ": \"endings\" holds " + std::to_string(endings.size()) +
+                                            " ending(s); multiple choice needs two or more");
+    if (label < 0 || label >= static_cast<int64_t>(endings.size()))
+      throw DataError(where + ": \"label\" = " + std::to_string(label) + " is not the index of one of its " +
+                      std::to_string(endings.size()) + " endings");
+    const std::string ctx = j["ctx"].get<std::string>();
+    ChoiceExample ex;
+    ex.label = label;
+    ex.line = n;
+    for (size_t k = 0; k < endings.size(); ++k) {
+      if (!endings[k].is_string()) throw DataError(where + ": ending " + std::to_string(k) + " is not a string");
+      ex.endings.push_back(split_continuation(ctx, ctx + " " + endings[k].get<std::string>(), n, encode, where,
+                                              "ending " + std::to_string(k)));
+    }
+    out.push_back(std::move(ex));
+  }
+  return out;
+}
+
+ChoiceScores score_choices(const std::vector<ChoiceExample>& examples, const std::vector<double>& loss_sums,
+                           const std::vector<int64_t>& tokens) {
+  ChoiceScores s;
+  size_t at = 0;
+  int64_t right = 0, right_norm = 0;
+  for (const ChoiceExample& ex : examples) {
+    size_t best = 0, best_norm = 0;
+    for (size_t k = 0; k < ex.endings.size(); ++k) {
+      const double sum = loss_sums.at(at + k), mean = sum / static_cast<double>(std::max<int64_t>(1, tokens.at(at + k)));
+      if (sum < loss_sums.at(at + best)) best = k;
+      if (mean < loss_sums.at(at + best_norm) / static_cast<double>(std::max<int64_t>(1, tokens.at(at + best_norm))))
+        best_norm = k;
+    }
+    right += static_cast<int64_t>(best) == ex.label;
+    right_norm += static_cast<int64_t>(best_norm) == ex.label;
+    at += ex.endings.size();
+  }
+  s.examples = static_cast<int64_t>(examples.size());
+  if (s.examples > 0) {
+    s.accuracy = static_cast<double>(right) / static_cast<double>(s.examples);
+    s.accuracy_norm = static_cast<double>(right_norm) / static_cast<double>(s.examples);
+  }
+  return s;
+}
+
 std::vector<LastWordExample> read_last_word_examples(const std::string& path,
                                                      const std::function<std::vector<int32_t>(const std::string&)>& encode) {
   std::ifstream in(path);
@@ -85,12 +175,7 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
   for (int64_t n = 1; std::getline(in, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(n);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw DataError(where + ": not JSON (" + std::string(e.what()) + ")");
-    }
+    const nlohmann::json j = parse_jsonl_line(line, where);
     if (!j.is_object() || !j.contains("text") || !j["text"].is_string())
       throw DataError(where + ": expected an object with a string field \"text\"");
     const std::string text = j["text"].get<std::string>();
@@ -100,21 +185,8 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
       throw DataError(where + ": the text needs a context and a last word");
     const size_t context_end = text.find_last_not_of(" \t\r\n", begin);
     if (context_end == std::string::npos) throw DataError(where + ": the text needs a context and a last word");
-    // The word's tokens are those that follow the context's in the encoding of the whole
-    // text (as lm-evaluation-harness splits a continuation): encoding " word" alone
-    // would add a tokenizer's text-start prefix (SentencePiece's dummy "▁") that running
-    // text never has there.
-    std::vector<int32_t> context = encode(text.substr(0, context_end + 1)), whole = encode(text.substr(0, end + 1));
-    if (whole.size() <= context.size())
-      throw DataError(where + ": the last word adds no tokens to the encoding of its context");
-    // A tokenizer that merges across the boundary changes the context's last tokens:
-    // the model then reads the whole text's own tokens up to the split.
-    if (!std::equal(context.begin(), context.end(), whole.begin()))
-      context.assign(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(context.size()));
-    LastWordExample e{std::move(context), {}, n};
-    e.target.assign(whole.begin() + static_cast<std::ptrdiff_t>(e.context.size()), whole.end());
-    if (e.context.empty() || e.target.empty()) throw DataError(where + ": the context or the last word encodes to no tokens");
-    out.push_back(std::move(e));
+    out.push_back(split_continuation(text.substr(0, context_end + 1), text.substr(0, end + 1), n, encode, where,
+                                     "the last word"));
   }
   return out;
 }

@@ -60,6 +60,33 @@ class LastWordTask : public DataSource {
   std::string what_;
 };
 
+// Multiple choice (HellaSwag, Zellers et al., 2019, as llm.c and lm-evaluation-harness
+// score it): a context and its candidate endings, each ending a LastWordExample (the
+// context's tokens, then the ending's as the targets), `label` the right one.
+struct ChoiceExample {
+  std::vector<LastWordExample> endings;
+  int64_t label = 0;
+  int64_t line = 0;
+};
+
+// One example per line of a JSONL file with HellaSwag's fields: "ctx" (the context),
+// "endings" (an array of strings) and "label" (the right ending's index). An ending's
+// tokens are those the encoding of ctx + " " + ending adds to the context's. Throws
+// DataError naming the file and line of a line that is not such an object.
+std::vector<ChoiceExample> read_choice_examples(const std::string& path,
+                                                const std::function<std::vector<int32_t>(const std::string&)>& encode);
+
+// The scores of multiple choice from each candidate's summed loss and target tokens
+// (in the order of the examples' endings): the fraction of examples whose right ending
+// has the least summed loss (accuracy) and the least loss per token (accuracy_norm,
+// llm.c's HellaSwag number); ties go to the earlier ending.
+struct ChoiceScores {
+  double accuracy = 0, accuracy_norm = 0;
+  int64_t examples = 0;
+};
+ChoiceScores score_choices(const std::vector<ChoiceExample>& examples, const std::vector<double>& loss_sums,
+                           const std::vector<int64_t>& tokens);
+
 // One example per line of a JSONL file with a "text" field, split and encoded as
 // LastWordTask takes them. Throws DataError naming the file and line of a line that is
 // not such an object or has fewer than two words.

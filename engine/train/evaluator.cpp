@@ -20,10 +20,14 @@ Evaluator::Evaluator(runtime::RankRuntime& rank, pipeline::Executor& executor, M
       last_stage_(last_stage),
       predictions_(static_cast<size_t>(batches.rows() * micro_batch)) {}
 
-std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_requested) {
+std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_requested, bool per_sample) {
   const loom::Group dp = rank_.group_or_self("dp"), pp = rank_.group_or_self("pp"), cp = rank_.group_or_self("cp");
   const bool exact = data_.has_exact_match();
   const int64_t mbs = micro_batch_, rows = batches_.rows();
+  LOOM_REQUIRE(!per_sample || mbs == 1, "per-sample losses need one sample per microbatch, not " << mbs);
+  // Per sample (= batch) when asked: its loss sum and target tokens, each written by the
+  // last stage's rank that ran it and summed over the others' zeros below.
+  std::vector<double> each(per_sample ? static_cast<size_t>(2 * total_batches_) : 0, 0.0);
   double sums[5] = {0, 0, 0, 0, 0};  // loss sum, token count, exact-match samples, right tokens, samples with targets
   // Per batch: loss sum, token count, right tokens, then each sample's wrong tokens
   // (a sample matches exactly when none of its cp slices has one), then each
@@ -58,6 +62,10 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
         else batch[2] += 1;
       }
     if (cp.size() > 1) cp.all_reduce(nullptr, batch.data(), batch.data(), batch.size(), LOOM_DTYPE_F64);
+    if (per_sample) {
+      each[static_cast<size_t>(2 * g)] = batch[0];
+      each[static_cast<size_t>(2 * g + 1)] = batch[1];
+    }
     sums[0] += batch[0];
     sums[1] += batch[1];
     sums[3] += batch[2];
@@ -70,6 +78,14 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
   pp.all_reduce(nullptr, sums, sums, 5, LOOM_DTYPE_F64);
   dp.all_reduce(nullptr, sums, sums, 5, LOOM_DTYPE_F64);
   Evaluation out;
+  if (per_sample) {
+    pp.all_reduce(nullptr, each.data(), each.data(), each.size(), LOOM_DTYPE_F64);
+    dp.all_reduce(nullptr, each.data(), each.data(), each.size(), LOOM_DTYPE_F64);
+    for (int64_t i = 0; i < total_batches_; ++i) {
+      out.sample_loss_sums.push_back(each[static_cast<size_t>(2 * i)]);
+      out.sample_tokens.push_back(static_cast<int64_t>(each[static_cast<size_t>(2 * i + 1)]));
+    }
+  }
   out.loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
   out.loss_sum = sums[0];
   out.tokens = static_cast<int64_t>(sums[1]);
@@ -86,7 +102,7 @@ std::optional<Evaluation> Evaluator::run(const std::function<bool()>& stop_reque
 namespace loom::train {
 
 Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab, const DataSource& data,
-                    int64_t samples) {
+                    int64_t samples, bool per_sample) {
   check_initial_weights(weights, plan_memory(plan, vocab), vocab,
                         model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
   const int64_t mbs = plan.config.batch.micro_batch_size;
@@ -103,7 +119,7 @@ Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t 
     Microbatches batches(rt, data, plan.config.model.seq_length, mbs, 1, documents);
     const bool last_stage = model->is_last_global(static_cast<int>(model->chunk_count()) - 1);
     Evaluator evaluator(rt, executor, batches, data, total_batches, mbs, last_stage);
-    const std::optional<Evaluation> e = evaluator.run([] { return false; });
+    const std::optional<Evaluation> e = evaluator.run([] { return false; }, per_sample);
     if (rt.global_rank() == 0 && e) {
       std::lock_guard<std::mutex> lock(mu);
       result = *e;

@@ -25,6 +25,10 @@ struct Evaluation {
   double loss_sum = 0;         // the summed loss of every target token
   int64_t tokens = 0;          // target tokens (loss = loss_sum / tokens)
   int64_t samples = 0;         // samples with at least one target (what exact_match divides by)
+  // With one sample per microbatch, when asked: each sample's summed loss and target
+  // tokens, by sample index (multiple choice compares candidates by them).
+  std::vector<double> sample_loss_sums;
+  std::vector<int64_t> sample_tokens;
 };
 
 class Evaluator {
@@ -34,8 +38,9 @@ class Evaluator {
             int64_t total_batches, int64_t micro_batch, bool last_stage);
 
   // Every rank of the world calls it; nullopt when `stop_requested` (asked between
-  // batches, the same answer on every rank) ended it early.
-  std::optional<Evaluation> run(const std::function<bool()>& stop_requested);
+  // batches, the same answer on every rank) ended it early. `per_sample` (one sample
+  // per microbatch) fills Evaluation::sample_loss_sums and sample_tokens.
+  std::optional<Evaluation> run(const std::function<bool()>& stop_requested, bool per_sample = false);
 
  private:
   runtime::RankRuntime& rank_;
@@ -52,6 +57,6 @@ class Evaluator {
 // on every rank of `plan` (any layout; run.eval_batches is not read): the loss summed
 // over target tokens and, when the data has single answers, exact matches.
 Evaluation evaluate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab, const DataSource& data,
-                    int64_t samples);
+                    int64_t samples, bool per_sample = false);
 
 }  // namespace loom::train

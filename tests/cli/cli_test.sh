@@ -339,6 +339,14 @@ tokens=$("$loom" eval "$work/bytes" --data "$work/eval.bin" --format tokens --js
 printf '{"text": "the quick brown fox jumps"}\n{"text": "over the lazy dog"}\n' > "$work/lambada.jsonl"
 "$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json | grep -q '"samples":2,.*"accuracy":' \
   || fail "eval --task lambada: $("$loom" eval "$work/bytes" --data "$work/lambada.jsonl" --task lambada --json 2>&1)"
+# Multiple choice (HellaSwag's fields): accuracy by summed loss and per token, the same
+# at tp 2 x pp 2 as at the checkpoint's layout.
+printf '{"ctx": "the quick brown", "endings": ["fox", "dog jumps", "cat"], "label": 0}\n{"ctx": "over the", "endings": ["lazy dog", "moon"], "label": 1}\n' > "$work/choice.jsonl"
+choice=$("$loom" eval "$work/bytes" --data "$work/choice.jsonl" --task choice --json)
+echo "$choice" | grep -q '"examples":2,"accuracy":[0-9.]*,"accuracy_norm":[0-9.]*' || fail "eval --task choice: $choice"
+choice_tp=$("$loom" eval "$work/bytes" --data "$work/choice.jsonl" --task choice --set parallel.tp=2 --set parallel.pp=2 --set parallel.dp=1 --json)
+[ "$(echo "$choice" | field accuracy_norm)" = "$(echo "$choice_tp" | field accuracy_norm)" ] \
+  || fail "eval --task choice at tp 2 x pp 2: $choice_tp, at its own layout: $choice"
 printf '{"txt": "a b"}\n' > "$work/bad.jsonl"
 "$loom" eval "$work/bytes" --data "$work/bad.jsonl" --task lambada > "$work/bad_eval.out" 2>&1
 [ $? -eq 1 ] && grep -q 'bad.jsonl:1: expected an object with a string field "text"' "$work/bad_eval.out" \

@@ -230,4 +230,97 @@ TEST(EvalData, LastWordExamplesFromJsonl) {
   fs::remove(file);
 }
 
+// HellaSwag's JSONL: each ending after the context, as the whole text's encoding
+// continues the context's; malformed lines are refused naming the line.
+TEST(EvalData, ChoiceExamplesFromJsonl) {
+  const fs::path file = fs::temp_directory_path() / fs::unique_path("loom-choice-%%%%%%.jsonl");
+  const auto bytes = [](const std::string& s) { return std::vector<int32_t>(s.begin(), s.end()); };
+  const auto write = [&](const std::string& text) { std::ofstream(file.string()) << text; };
+  write(R"({"ctx": "the cat", "endings": ["sat", "ran away", "slept"], "label": 1, "ind": 4})" "\n\n");
+  const std::vector<loom::train::ChoiceExample> ex = loom::train::read_choice_examples(file.string(), bytes);
+  ASSERT_EQ(ex.size(), 1u);
+  EXPECT_EQ(ex[0].label, 1);
+  EXPECT_EQ(ex[0].line, 1);
+  ASSERT_EQ(ex[0].endings.size(), 3u);
+  for (const auto& e : ex[0].endings) EXPECT_EQ(e.context, bytes("the cat"));
+  EXPECT_EQ(ex[0].endings[0].target, bytes(" sat"));
+  EXPECT_EQ(ex[0].endings[1].target, bytes(" ran away"));
+  const auto refusal = [&](const std::string& text) {
+    write(text);
+    try {
+      loom::train::read_choice_examples(file.string(), bytes);
+    } catch (const loom::train::DataError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", "c"], "label": 2})").find(
+                ":1: \"label\" = 2 is not the index of one of its 2 endings"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b"], "label": 0})").find("holds 1 ending(s); multiple choice needs two"),
+            std::string::npos);
+  EXPECT_NE(refusal("{}\n" R"({"ctx": "a"})").find(":1: expected an object with HellaSwag's fields"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", 3], "label": 0})").find("ending 1 is not a string"),
+            std::string::npos);
+  EXPECT_NE(refusal("not json").find(":1: not JSON"), std::string::npos);
+  fs::remove(file);
+}
+
+// An example is right when its labelled ending has the least summed loss (accuracy),
+// or the least loss per token (accuracy_norm); ties go to the earlier ending.
+TEST(EvalData, ChoiceScoresPickTheEndingOfLeastLoss) {
+  std::vector<loom::train::ChoiceExample> ex(3);
+  for (auto& e : ex) e.endings.resize(2);
+  ex[0].label = 0;  // sums 2 < 3; per token 2 > 0.5: right by the sum only
+  ex[1].label = 1;  // the same losses: right per token only
+  ex[2].label = 0;  // a tie (1, 1 and 1 per token): the earlier ending
+  const std::vector<double> sums = {2.0, 3.0, 2.0, 3.0, 1.0, 1.0};
+  const std::vector<int64_t> tokens = {1, 6, 1, 6, 1, 1};
+  const loom::train::ChoiceScores s = loom::train::score_choices(ex, sums, tokens);
+  EXPECT_EQ(s.examples, 3);
+  EXPECT_DOUBLE_EQ(s.accuracy, 2.0 / 3.0);
+  EXPECT_DOUBLE_EQ(s.accuracy_norm, 2.0 / 3.0);
+  ex[2].label = 1;
+  const loom::train::ChoiceScores t = loom::train::score_choices(ex, sums, tokens);
+  EXPECT_DOUBLE_EQ(t.accuracy, 1.0 / 3.0);
+  EXPECT_DOUBLE_EQ(t.accuracy_norm, 1.0 / 3.0);
+}
+
+// Each candidate's summed loss and tokens, evaluated one per microbatch, are those of
+// evaluating it alone, at any layout (the losses gathered from the last stage and
+// every dp rank).
+TEST(Eval, ChoiceCandidatesLossesAreEachOnesOwnAtEveryLayout) {
+  const Trained m = train_and_gather({});
+  std::vector<loom::train::LastWordExample> candidates;
+  for (int k = 0; k < 10; ++k) {
+    loom::train::LastWordExample e;
+    for (int i = 0; i < 3 + k % 5; ++i) e.context.push_back((k * 3 + i * 5) % 13);
+    for (int i = 0; i < 1 + k % 4; ++i) e.target.push_back((k + i * 7) % 13);
+    candidates.push_back(std::move(e));
+  }
+  std::vector<double> alone;
+  for (const auto& c : candidates) {
+    const loom::train::LastWordTask one({c}, 16, m.vocab, "one");
+    alone.push_back(evaluate(m, one, 1, {"batch.micro_batch_size=1"}).loss_sum);
+  }
+  const loom::train::LastWordTask all(candidates, 16, m.vocab, "candidates");
+  for (const std::vector<std::string>& layout :
+       std::vector<std::vector<std::string>>{{"parallel.dp=1"},
+                                             {"parallel.dp=2"},
+                                             {"parallel.dp=1", "parallel.tp=2", "parallel.pp=2"}}) {
+    std::vector<std::string> one_each = layout;
+    one_each.insert(one_each.end(), {"batch.micro_batch_size=1", "batch.global_batch_size=4"});
+    const loom::train::RunPlan plan =
+        loom::testing::plan_from(m.manifest_toml, loom::testing::with_overrides(one_each, {"checkpoint.dir=\"\"",
+                                                                                           "run.eval_every=0"}));
+    const loom::train::Evaluation e = loom::train::evaluate(plan, m.weights, m.vocab, all, all.size(), true);
+    ASSERT_EQ(e.sample_loss_sums.size(), candidates.size()) << layout.back();
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      EXPECT_NEAR(e.sample_loss_sums[i], alone[i], 1e-5 * alone[i]) << layout.back() << " candidate " << i;
+      EXPECT_EQ(e.sample_tokens[i], static_cast<int64_t>(candidates[i].target.size())) << layout.back();
+    }
+  }
+}
+
 }  // namespace
