@@ -36,7 +36,7 @@ const char* kUsage =
     "  --task lambada       FILE is JSONL with a \"text\" field per line: accuracy of predicting each\n"
     "                       text's last word (all its tokens, greedy) from the words before it\n"
     "  --task choice        FILE is JSONL with HellaSwag's fields (\"ctx\", \"endings\", \"label\"): the\n"
-    "                       model picks the ending of least loss after the context, summed (accuracy)\n"
+    "                       model picks the ending (after the context and a space) of least loss, summed (accuracy)\n"
     "                       or per token (accuracy_norm, llm.c's HellaSwag number); one candidate\n"
     "                       per microbatch\n"
     "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
@@ -74,7 +74,8 @@ train::RunPlan evaluation_plan(const std::string& toml, const std::string& name,
   const auto size = [&](const std::string& key) { return manifest::int_as_overridden(toml, name, overrides, key); };
   const int64_t batch = size("batch.micro_batch_size") * size("parallel.dp") * size("parallel.pp");
   for (const std::string& o : {std::string("checkpoint.dir=\"\""), std::string("checkpoint.init_weights=\"\""),
-                              std::string("run.eval_every=0"), std::string("run.sample_every=0")})
+                              std::string("run.eval_every=0"), std::string("run.sample_every=0"),
+                              std::string("batch.rampup_batch_size=[]")})
     overrides.push_back(o);
   // Sizes out of range are the plan's to name; a global batch made of them is not the user's.
   if (batch >= 1) overrides.push_back("batch.global_batch_size=" + std::to_string(batch));
@@ -113,7 +114,12 @@ int cmd_eval(int argc, char** argv) {
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     // Multiple choice compares each candidate's own loss: one per microbatch.
     std::vector<std::string> sets = args.all("--set");
-    if (task == "choice") sets.push_back("batch.micro_batch_size=1");
+    if (task == "choice") {
+      for (const std::string& set : sets)
+        if (set.rfind("batch.micro_batch_size", 0) == 0)
+          throw UsageError("--task choice runs one candidate per microbatch: --set " + set + " does not apply");
+      sets.push_back("batch.micro_batch_size=1");
+    }
     const ModelSource src = load_model_source(args.positionals()[0], sets, r, evaluation_plan);
     // Text needs the model's codec; token files are ids already.
     std::optional<train::TextCodec> codec;
@@ -160,7 +166,7 @@ int cmd_eval(int argc, char** argv) {
       choices = train::read_choice_examples(data_path, encode);
       std::vector<train::LastWordExample> candidates;
       for (const train::ChoiceExample& c : choices) candidates.insert(candidates.end(), c.endings.begin(), c.endings.end());
-      auto examples = std::make_unique<train::LastWordTask>(std::move(candidates), seq, src.vocab, data_path);
+      auto examples = std::make_unique<train::LastWordTask>(std::move(candidates), seq, src.vocab, data_path, "an ending");
       samples = examples->size();
       data = std::move(examples);
     } else {

@@ -218,10 +218,13 @@ std::vector<KeySpec> build() {
       const toml::array& a = *v.as_array();
       if (a.empty()) return "";
       if (a.size() != 3) return "be [start, increment, samples], three integers";
-      for (size_t i = 0; i < 3; ++i)
-        if (!a.get(i)->is_integer() || a.get(i)->as_integer()->get() < 1 ||
-            a.get(i)->as_integer()->get() > (i < 2 ? kMaxBatch : (int64_t{1} << 53)))
-          return "be [start, increment, samples], three integers >= 1 (position " + std::to_string(i + 1) + ")";
+      for (size_t i = 0; i < 3; ++i) {
+        const int64_t most = i < 2 ? static_cast<int64_t>(kMaxBatch) : int64_t{1} << 53;
+        if (!a.get(i)->is_integer() || a.get(i)->as_integer()->get() < 1 || a.get(i)->as_integer()->get() > most)
+          return "be [start, increment, samples], three integers: start and increment in [1, " +
+                 std::to_string(static_cast<int64_t>(kMaxBatch)) + "], samples in [1, 2^53] (position " +
+                 std::to_string(i + 1) + ")";
+      }
       return "";
     };
     v.push_back(std::move(k));

@@ -145,7 +145,7 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   a.predictions = predictions;
   a.aux_loss = training ? aux_loss : nullptr;
   // A recomputing layer's forward is not captured: its backward pair runs it again.
-  const bool capture_ok = training && seed_device != nullptr && !l.recompute;
+  const bool capture_ok = training && seed_device != nullptr && !l.recompute && steps_capturable_;
   a.step_key = capture_.step_key(i, mb, false);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
   capture_.run_step(i, mb, false, capture_ok, [&] { check_step(l.api->forward(l.handle, &rank_, &a), l, "forward"); });
@@ -195,7 +195,7 @@ void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor
   a.aux_loss_scale = aux_loss_scale;
   // Captured exactly when its forward could be (a replayed backward needs the
   // activations of a replayed forward): the microbatch's seed slot exists.
-  const bool capture_ok = seeds_.has_slot(mb) && !l.recompute;
+  const bool capture_ok = seeds_.has_slot(mb) && !l.recompute && steps_capturable_;
   a.step_key = capture_.step_key(i, mb, true);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
   capture_.run_step(i, mb, true, capture_ok, [&] { check_step(l.api->backward(l.handle, &rank_, &a), l, "backward"); });

@@ -78,6 +78,10 @@ class Model {
   void stage_dropout_seeds(const std::vector<uint64_t>& seeds) { seeds_.stage(seeds); }
   // Room for the seeds of a step of `microbatches`, reserved before the first step.
   void reserve_dropout_seeds(size_t microbatches) { seeds_.reserve(microbatches); }
+  // Whether the next training steps' layer steps may be captured and replayed (the
+  // exec plugin's LOOM_EXEC_REPLAYS): a batch ramp's smaller steps run them directly,
+  // since their pipeline orders would replay captures out of their capture order.
+  void set_steps_capturable(bool on) { steps_capturable_ = on; }
   // What the device buffer holds now (read back; for tests and diagnostics).
   std::vector<uint64_t> staged_dropout_seeds() const { return seeds_.staged(); }
 
@@ -189,6 +193,7 @@ class Model {
   CapturePolicy capture_;
   HiddenStates hidden_;
   DropoutSeeds seeds_;
+  bool steps_capturable_ = true;  // set_steps_capturable
   Recomputation recompute_;
   // Gradients of hidden states in backward: each layer's input gradient, in
   // grad_a_ and grad_b_ by turns, and the chunk's output gradient as received

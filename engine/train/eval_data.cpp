@@ -49,13 +49,14 @@ void SlidingWindows::sample(Split split, uint64_t index, int64_t seq, int32_t* t
   }
 }
 
-LastWordTask::LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what)
+LastWordTask::LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what,
+                           const std::string& target_name)
     : examples_(std::move(examples)), vocab_(vocab), what_(std::move(what)) {
   if (examples_.empty()) throw DataError(what_ + " holds no examples");
   for (size_t i = 0; i < examples_.size(); ++i)
     if (static_cast<int64_t>(examples_[i].target.size()) >= seq_len)
       throw DataError(what_ + ":" + std::to_string(examples_[i].line > 0 ? examples_[i].line : static_cast<int64_t>(i) + 1) +
-                      ": the last word is " + std::to_string(examples_[i].target.size()) +
+                      ": " + target_name + " is " + std::to_string(examples_[i].target.size()) +
                       " tokens, leaving no context in a sequence of seq_length = " + std::to_string(seq_len));
 }
 

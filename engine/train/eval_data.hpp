@@ -47,7 +47,8 @@ class LastWordTask : public DataSource {
   // Examples longer than seq_len + 1 tokens lose the start of their context; one whose
   // last word alone takes seq_len tokens or more (no context left) is a DataError
   // naming its line.
-  LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what);
+  LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what,
+               const std::string& target_name = "the last word");  // what the refusal calls a target
   int64_t size() const { return static_cast<int64_t>(examples_.size()); }
   int64_t vocab_size() const override { return vocab_; }
   std::string describe() const override { return what_ + ": " + std::to_string(examples_.size()) + " examples"; }

@@ -189,7 +189,8 @@ RunPlan generation_plan(const std::string& manifest_toml, const std::string& nam
   for (const std::string& o :
        {std::string("parallel.dp=1"), std::string("parallel.cp=1"), std::string("parallel.ep=1"),
         std::string("parallel.sequence_parallel=false"), std::string("batch.micro_batch_size=1"),
-        "batch.global_batch_size=" + std::to_string(pp), std::string("pipeline.schedule=\"gpipe\""),
+        "batch.global_batch_size=" + std::to_string(pp), std::string("batch.rampup_batch_size=[]"),
+        std::string("pipeline.schedule=\"gpipe\""),
         std::string("exec.mode=\"eager\""),
         std::string("model.recompute_granularity=\"none\""), std::string("checkpoint.dir=\"\""),
         std::string("checkpoint.init_weights=\"\""), std::string("run.eval_every=0")})

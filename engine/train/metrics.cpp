@@ -56,7 +56,7 @@ std::string step_json(const StepRecord& r) {
                               {"aux_loss", r.aux_loss},
                               {"lr", r.lr},
                               {"grad_norm", r.grad_norm},
-                              {"global_batch", r.samples},
+                              {"global_batch", r.global_batch},
                               {"tokens_per_s", r.tokens_per_s},
                               {"ms", r.ms},
                               {"flops_per_s", r.flops_per_s},
@@ -127,14 +127,14 @@ MetricsSink::MetricsSink(const std::string& metrics_file, int64_t resumed_step, 
 }
 
 void MetricsSink::complete(StepRecord& r) const {
-  r.tokens_per_s = rates_.tokens_per_sample * static_cast<double>(r.samples) / (r.ms / 1000.0);
-  r.flops_per_s = rates_.flops_per_sample * static_cast<double>(r.samples) / (r.ms / 1000.0);
+  r.tokens_per_s = rates_.tokens_per_sample * static_cast<double>(r.global_batch) / (r.ms / 1000.0);
+  r.flops_per_s = rates_.flops_per_sample * static_cast<double>(r.global_batch) / (r.ms / 1000.0);
   r.mfu = rates_.peak_tflops > 0 ? r.flops_per_s / (rates_.peak_tflops * 1e12 * rates_.world) : 0;
 }
 
 void MetricsSink::write(const StepRecord& r, bool stopping) {
   window_ms_ += r.ms;
-  window_samples_ += static_cast<double>(r.samples);
+  window_samples_ += static_cast<double>(r.global_batch);
   ++window_steps_;
   if (log_ && (r.step % log_every_ == 0 || r.step == steps_ || r.evaluated || stopping)) {
     const double avg_ms = window_ms_ / window_steps_, seconds = window_ms_ / 1000;
@@ -142,7 +142,7 @@ void MetricsSink::write(const StepRecord& r, bool stopping) {
     os << "step " << std::setw(5) << r.step << "/" << steps_ << " | loss " << std::fixed << std::setprecision(4)
        << r.loss;
     if (r.aux_loss != 0) os << " | aux loss " << std::setprecision(4) << r.aux_loss;
-    if (r.samples != rates_.global_batch) os << " | batch " << r.samples;
+    if (r.global_batch != rates_.global_batch) os << " | batch " << r.global_batch;
     os << " | lr " << std::scientific << std::setprecision(2) << r.lr << std::fixed << " | grad norm "
        << std::setprecision(3) << r.grad_norm << " | " << human(rates_.tokens_per_sample * window_samples_ / seconds)
        << " tok/s | " << std::setprecision(1) << avg_ms << " ms/step | "

@@ -19,7 +19,7 @@ struct StepRecord {
   double lr = 0;
   double grad_norm = 0;
   double ms = 0;
-  int64_t samples = 0;    // the step's global batch (sequences; batch.rampup_batch_size ramps it)
+  int64_t global_batch = 0;  // the step's global batch (sequences; batch.rampup_batch_size ramps it)
   double tokens_per_s = 0;
   double flops_per_s = 0;
   double mfu = 0;         // 0 when the peak is unknown

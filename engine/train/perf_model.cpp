@@ -47,9 +47,11 @@ struct PhaseTimes {
 
 // `plan` again with `sets` applied and `steps` steps that write nothing: no
 // evaluation, samples, metrics file or checkpoints, the random initialisation.
+// The measured steps are those of the whole global batch: a batch ramp's smaller ones
+// are not what the estimate is of.
 RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> sets) {
   for (const char* s : {"run.eval_every=0", "run.sample_every=0", "run.metrics_file=\"\"", "checkpoint.dir=\"\"",
-                        "checkpoint.every=0", "checkpoint.init_weights=\"\""})
+                        "checkpoint.every=0", "checkpoint.init_weights=\"\"", "batch.rampup_batch_size=[]"})
     sets.push_back(s);
   sets.push_back("run.steps=" + std::to_string(steps));
   return replan(plan, sets);

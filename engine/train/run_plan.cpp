@@ -239,12 +239,11 @@ std::vector<std::string> schedule_settings_that_change_nothing(const manifest::M
 
 }  // namespace
 
-const pipeline::PipelineOrders& RunPlan::orders_for(int64_t m) const {
-  if (m == microbatches) return orders;
-  const auto it = ramp_orders.find(m);
-  if (it == ramp_orders.end())
-    throw std::logic_error("no pipeline orders planned for " + std::to_string(m) + " microbatch(es)");
-  return it->second;
+pipeline::PipelineOrders RunPlan::orders_for(int64_t m) const {
+  if (m == microbatches && !orders.order.empty()) return orders;
+  plugins::OptionValues schedule_opts(&config.pipeline.options, schedule->options);
+  return pipeline::compute_orders(*schedule, schedule_opts.raw(), sizes.pp, config.parallel.vpp, static_cast<int>(m),
+                                  config.pipeline.microbatch_group_size);
 }
 
 std::map<int32_t, const void*> RunPlan::services() const {
@@ -426,7 +425,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
   for (const char* key : {"run.exit_duration_minutes", "run.exit_interval"})
-    if (config.checkpoint.dir.empty() && man.get_float(key) > 0)
+    if (config.checkpoint.dir.empty() && man.get_float(key) > 0 &&
+        (key != std::string("run.exit_interval") || config.run.exit_interval < config.run.steps))
       plan.warnings.push_back(man.origin(key).str() + ": " + key + " stops the run early, but checkpoint.dir is "
                               "empty, so the steps trained are not saved and --resume cannot continue");
   if (config.run.exit_interval >= config.run.steps)
@@ -508,16 +508,21 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   // The schedule plugin's orders, proven free of deadlock, now rather than when the run
   // starts: a group size or layout it refuses is then a validate error too.
   plugins::OptionValues schedule_opts(&config.pipeline.options, plan.schedule->options);
-  plan.orders = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp, config.parallel.vpp,
-                                        static_cast<int>(plan.microbatches), config.pipeline.microbatch_group_size);
+  plan.orders = plan.orders_for(plan.microbatches);
   pipeline::simulate(plan.orders);
-  for (const int64_t m : BatchRamp(config.batch, plan.dp).microbatch_counts()) {
+  // A batch ramp's smaller steps: each count's orders checked alike (and made again
+  // when the run reaches it: kept, a long ramp's would hold memory quadratic in it).
+  const std::vector<int64_t> counts = BatchRamp(config.batch, plan.dp).microbatch_counts();
+  if (counts.size() > kMaxRampBatches)
+    throw manifest::ManifestError({{"batch.rampup_batch_size", man.origin("batch.rampup_batch_size"),
+                                    "the ramp passes through " + std::to_string(counts.size()) +
+                                        " batch sizes, more than " + std::to_string(kMaxRampBatches) +
+                                        " (each one's pipeline orders are checked before launch); take a larger "
+                                        "increment"}});
+  for (const int64_t m : counts) {
     if (m == plan.microbatches) continue;
     try {
-      plan.ramp_orders[m] = pipeline::compute_orders(*plan.schedule, schedule_opts.raw(), plan.sizes.pp,
-                                                     config.parallel.vpp, static_cast<int>(m),
-                                                     config.pipeline.microbatch_group_size);
-      pipeline::simulate(plan.ramp_orders[m]);
+      pipeline::simulate(plan.orders_for(m));
     } catch (const std::exception& e) {
       throw manifest::ManifestError({{"batch.rampup_batch_size", man.origin("batch.rampup_batch_size"),
                                       "the ramp's steps of " + std::to_string(m) + " microbatch(es) per rank: " +

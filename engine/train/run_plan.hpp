@@ -17,6 +17,10 @@
 
 namespace loom::train {
 
+// The most batch sizes a batch.rampup_batch_size may pass through: each one's pipeline
+// orders are made and checked before launch.
+constexpr size_t kMaxRampBatches = 4096;
+
 struct RunPlan {
   manifest::Manifest manifest;  // provenance of every value, plugin option sections, the TOML text
   manifest::RunConfig config;   // the manifest's values, typed, with the plugins' option defaults filled in
@@ -33,11 +37,9 @@ struct RunPlan {
   int dp = 1;
   int64_t microbatches = 1;  // per dp rank per step (of the whole global batch)
   pipeline::PipelineOrders orders;  // every rank's schedule order, checked free of deadlock
-  // batch.rampup_batch_size: the orders of each smaller count of microbatches the ramp
-  // passes through (by count), checked alike.
-  std::map<int64_t, pipeline::PipelineOrders> ramp_orders;
-  // The orders of a step of `microbatches` per rank.
-  const pipeline::PipelineOrders& orders_for(int64_t microbatches) const;
+  // The schedule's orders of a step of `microbatches` per rank (`orders`, or those of a
+  // batch ramp's smaller step, made again; make_plan has checked each count's).
+  pipeline::PipelineOrders orders_for(int64_t microbatches) const;
   std::vector<int> blocks_per_chunk;  // transformer blocks of each global pipeline chunk
   std::vector<std::vector<model::LayerSpec>> chunks;  // the layers of each global pipeline chunk
   std::vector<std::string> plugin_load_errors;  // libraries on the path that failed to load

@@ -178,7 +178,8 @@ class RankTraining {
   CheckpointSaver saver_;
   std::unique_ptr<pipeline::TraceRecorder> trace_;
   std::optional<pipeline::Executor> executor_;
-  std::map<int64_t, pipeline::Executor> ramp_executors_;  // batch.rampup_batch_size's smaller steps
+  std::optional<pipeline::Executor> ramp_executor_;  // batch.rampup_batch_size's current smaller steps
+  int64_t ramp_executor_count_ = 0;                  // their microbatches
   std::optional<Evaluator> evaluator_;
   double flops_per_sample_ = 0;  // forward + backward over the whole world
   int peak_in_flight_ = 0;
@@ -220,13 +221,13 @@ RankTraining::StepPoll RankTraining::poll() const {
 
 pipeline::Executor& RankTraining::executor_for(int64_t m) {
   if (m == run_.plan.microbatches) return *executor_;
-  auto it = ramp_executors_.find(m);
-  if (it == ramp_executors_.end())
-    it = ramp_executors_
-             .try_emplace(m, *model_, rt_, run_.plan.orders_for(m).order[static_cast<size_t>(pp_.rank())],
-                          static_cast<int>(m), trace_.get(), config_.pipeline.overlap_p2p_comm)
-             .first;
-  return it->second;
+  if (ramp_executor_count_ != m) {  // the ramp's batch grew: this count's orders (one at a time)
+    ramp_executor_.reset();
+    ramp_executor_.emplace(*model_, rt_, run_.plan.orders_for(m).order[static_cast<size_t>(pp_.rank())],
+                           static_cast<int>(m), trace_.get(), config_.pipeline.overlap_p2p_comm);
+    ramp_executor_count_ = m;
+  }
+  return *ramp_executor_;
 }
 
 // One step from `step` (the steps done) to step + 1, without evaluation.
@@ -242,6 +243,8 @@ StepRecord RankTraining::train_step(int64_t step) {
     inputs.push_back(batches_.load(Split::Train, first, mb));
     inputs.back().dropout_seed = dropout_seed(static_cast<uint64_t>(config_.run.seed), step, first);
   }
+  // Graphs are of the whole global batch's steps, which replay in one fixed order.
+  model_->set_steps_capturable(M == run_.plan.microbatches);
   const pipeline::StepStats stats = executor_for(M).train_step(inputs);
   peak_in_flight_ = std::max(peak_in_flight_, stats.peak_in_flight);
   peak_activation_bytes_ = std::max(peak_activation_bytes_, stats.peak_activation_bytes);
@@ -263,7 +266,7 @@ StepRecord RankTraining::train_step(int64_t step) {
 
   StepRecord rec;
   rec.step = step + 1;
-  rec.samples = run_.ramp.global_batch_at(consumed);
+  rec.global_batch = run_.ramp.global_batch_at(consumed);
   // The step's communication: the pipeline's p2p, the model's and the optimizer's
   // collectives (not the bookkeeping, nor evaluation).
   rec.comm = std::move(step_comm);
@@ -352,8 +355,8 @@ void RankTraining::run_steps() {
                         << plan.sizes.pp << ", dp " << plan.dp << "), " << model_->numel()
                         << " parameter elements on rank 0, " << plan.microbatches << " microbatch(es) of " << mbs
                         << " x " << seq << " per rank per step"
-                        << (run_.ramp.ramps()
-                                ? " (from " + std::to_string(run_.ramp.microbatch_counts().front()) +
+                        << (run_.ramp.microbatches_at(run_.start_samples) < plan.microbatches
+                                ? " (from " + std::to_string(run_.ramp.microbatches_at(run_.start_samples)) +
                                       " as batch.rampup_batch_size ramps the global batch)"
                                 : std::string())
                         << "; data: " << run_.data.describe()

@@ -62,6 +62,20 @@ grep -q "^exit: " "$work/chunk3.out" && fail "the last launch ends the run: $(ta
 [ "$(tail -1 "$work/chunks.jsonl" | sed 's/.*"loss": *\([^,]*\),.*/\1/')" = "$last_ref" ] \
   || fail "exit_interval + resume: final loss differs from the uninterrupted run's"
 
+# 3c. A checkpoint of a run with a batch ramp generates, evaluates and plans (their own
+# batches replace the ramp), and its run's log names the ramp's batches.
+"$loom" run "$here/tiny.toml" --set checkpoint.dir="\"$work/ramp\"" --set run.steps=20 --set run.log_every=1 \
+  --set 'batch.rampup_batch_size=[4, 4, 32]' --set batch.global_batch_size=16 > "$work/ramp.out" 2>&1 \
+  || fail "ramped run: $(tail -3 "$work/ramp.out")"
+grep -q "^step     1/20 | loss [0-9.]* | batch 4 |" "$work/ramp.out" || fail "ramp log: $(head -3 "$work/ramp.out")"
+"$loom" generate "$work/ramp" --prompt-ids 1,2 --max-new-tokens 3 > "$work/ramp_gen.out" 2>&1 \
+  || fail "generate from a ramped run's checkpoint: $(tail -3 "$work/ramp_gen.out")"
+printf '12+34=|64|' > "$work/ramp_eval.txt"
+"$loom" eval "$work/ramp" --data "$work/ramp_eval.txt" > "$work/ramp_eval.out" 2>&1 \
+  || fail "eval of a ramped run's checkpoint: $(tail -3 "$work/ramp_eval.out")"
+"$loom" plan "$here/tiny.toml" --set 'batch.rampup_batch_size=[12, 4, 32]' --set batch.global_batch_size=16 --perf \
+  > "$work/ramp_plan.out" 2>&1 || fail "plan --perf of a ramped manifest: $(tail -3 "$work/ramp_plan.out")"
+
 # 4. A bad manifest: every problem, each with file:line:column; exit 1.
 cat > "$work/bad.toml" <<'TOML'
 extends = "TINY"

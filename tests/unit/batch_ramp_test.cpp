@@ -94,7 +94,7 @@ TEST(BatchRamp, TheRampsStepsAreThoseOfItsBatches) {
   auto small = run_and_trace(tiny_manifest(), {"run.steps=12", "batch.global_batch_size=4"});
   ASSERT_EQ(ramped.result.steps.size(), 12u);
   std::vector<int64_t> batches;
-  for (const auto& s : ramped.result.steps) batches.push_back(s.samples);
+  for (const auto& s : ramped.result.steps) batches.push_back(s.global_batch);
   // 40 / 3 samples per increment: 4 before 14 are consumed (16 after 4 steps), 8 before
   // 27 (32 after 6), 12 until 40 (44 after 7), then 16.
   EXPECT_EQ(batches, (std::vector<int64_t>{4, 4, 4, 4, 8, 8, 12, 16, 16, 16, 16, 16}));
@@ -129,19 +129,27 @@ TEST(BatchRamp, DataAndPipelineParallelRampsMatchSerial) {
   }
 }
 
-// Partial graphs capture the larger steps' microbatches as the ramp reaches them, and
-// captured dropouts read each microbatch's seed where the first step put the buffer:
-// bit-identical to eager.
+// Partial graphs capture and replay the steps of the whole global batch only (a
+// ramp's smaller steps run their layer steps directly: a pipeline's order of a
+// larger count would replay its captures out of their capture order), and captured
+// dropouts read each microbatch's seed where the first step put the buffer:
+// bit-identical to eager, with and without a pipeline.
 TEST(BatchRamp, PartialGraphsWithDropoutAreBitIdenticalToEager) {
-  const std::vector<std::string> dropout =
-      with_overrides(kRamp, {"model.layer.mlp.dropout=0.1", "model.layer.attention.dropout=0.1"});
-  auto eager = run_and_trace(tiny_manifest(), dropout);
-  auto graphs = run_and_trace(tiny_manifest(), with_overrides(dropout, {"exec.mode=\"partial_graph\""}));
-  ASSERT_EQ(graphs.loss.size(), eager.loss.size());
-  for (size_t s = 0; s < eager.loss.size(); ++s) EXPECT_EQ(graphs.loss[s], eager.loss[s]) << "step " << s + 1;
-  EXPECT_EQ(graphs.params.back(), eager.params.back());
-  ASSERT_TRUE(graphs.result.exec_stats.count(0));
-  EXPECT_GT(graphs.result.exec_stats.at(0).replays, 0u);
+  for (const std::string pp : {"parallel.pp=1", "parallel.pp=2"}) {
+    SCOPED_TRACE(pp);
+    const std::vector<std::string> dropout =
+        with_overrides(kRamp, {"model.layer.mlp.dropout=0.1", "model.layer.attention.dropout=0.1", pp,
+                               "run.steps=16", "batch.micro_batch_size=4"});  // 1, 2, 3, then 4 microbatches
+    const loom::testing::RankTrace eager = loom::testing::run_all_ranks(tiny_manifest(), dropout);
+    const loom::testing::RankTrace graphs =
+        loom::testing::run_all_ranks(tiny_manifest(), with_overrides(dropout, {"exec.mode=\"partial_graph\""}));
+    ASSERT_EQ(graphs.loss.size(), eager.loss.size());
+    for (size_t s = 0; s < eager.loss.size(); ++s) EXPECT_EQ(graphs.loss[s], eager.loss[s]) << "step " << s + 1;
+    EXPECT_EQ(loom::testing::full_params(graphs, eager.loss.size() - 1),
+              loom::testing::full_params(eager, eager.loss.size() - 1));
+    ASSERT_TRUE(graphs.result.exec_stats.count(0));
+    EXPECT_GT(graphs.result.exec_stats.at(0).replays, 0u);
+  }
 }
 
 // A resume inside the ramp continues it from the samples consumed (the checkpoint's
@@ -159,7 +167,7 @@ TEST(BatchRamp, AResumeInsideTheRampIsBitExact) {
   ASSERT_EQ(rest.result.start_step, 6);
   EXPECT_EQ(rest.params.back(), full.params.back());
   EXPECT_EQ(rest.loss.back(), full.loss.back());
-  EXPECT_EQ(rest.result.steps.front().samples, 12);
+  EXPECT_EQ(rest.result.steps.front().global_batch, 12);
   fs::remove_all(dir);
 }
 
@@ -175,7 +183,13 @@ TEST(BatchRamp, ARampThatCannotWorkIsRefused) {
   };
   EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 4]"}).find("be [start, increment, samples], three integers"),
             std::string::npos);
-  EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 0, 10]"}).find("three integers >= 1 (position 2)"),
+  EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 0, 10]"}).find("start and increment in [1, 1073741824], samples in "
+                                                                 "[1, 2^53] (position 2)"),
+            std::string::npos);
+  EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 4, 9007199254740993]"}).find("(position 3)"), std::string::npos);
+  // Each batch size's orders are checked before launch: at most 4096 of them.
+  EXPECT_NE(refusal({"batch.micro_batch_size=1", "batch.global_batch_size=8192", "batch.rampup_batch_size=[1, 1, 10]"})
+                .find("the ramp passes through 8192 batch sizes, more than 4096"),
             std::string::npos);
   EXPECT_NE(refusal({"batch.rampup_batch_size=[8, 4, 10]"}).find("starts at 8 sequences, which is not below "
                                                                  "batch.global_batch_size = 8"),
