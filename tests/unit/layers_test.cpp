@@ -1455,6 +1455,26 @@ void fd_check_piecewise(std::vector<float>& v, const std::vector<float>& analyti
   EXPECT_LE(skipped * 4, coords.size()) << what << ": routing changed within h at too many coordinates";
 }
 
+// A MoE layer of `opts` with its auxiliary losses in the objective (weight 0.75):
+// every parameter's and the input's gradient against piecewise finite differences.
+void check_moe_gradients(toml::table opts, unsigned seed) {
+  Rank rank;
+  auto dims = make_dims();
+  TestLayer layer(rank, "moe", dims, &opts);
+  layer.aux_weight = 0.75;
+  std::mt19937 rng(seed);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  layer.zero_grads();
+  layer.forward(b, 0, true, 9);
+  const std::vector<float> dx = layer.backward(b, 0);
+  for (Param& p : layer.params()) {
+    const std::vector<float> analytic = p.grad;
+    fd_check_piecewise(p.value, analytic, [&] { return layer.objective(b, 9); }, p.name, rng);
+  }
+  fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
+}
+
 // The reference also applies Megatron's expert capacity: ceil(T k / E * c) slots
 // per expert, kept by largest gate (ties: lower token) or by position; dropped
 // slots add nothing and the load-balancing term counts the routing before the drop.
@@ -1680,23 +1700,9 @@ TEST(Layers, MoeTopKGradientsWithLoadBalancingMatchFiniteDifferences) {
     // A negative width: that shared expert, gated.
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
                  std::to_string(capacity_factor) + " by " + policy + ", shared expert " + std::to_string(shared));
-    Rank rank;
-    auto dims = make_dims();
     toml::table opts = moe_options(4, 2, /*aux_coeff=*/2.0, pre_softmax, /*dropout=*/0.2, /*z_coeff=*/0.5,
                                    capacity_factor, policy, std::abs(shared), shared < 0);
-    TestLayer layer(rank, "moe", dims, &opts);
-    layer.aux_weight = 0.75;
-    std::mt19937 rng(43);
-    layer.randomize(rng);
-    Batch b = make_batch(rng);
-    layer.zero_grads();
-    layer.forward(b, 0, true, 9);
-    const std::vector<float> dx = layer.backward(b, 0);
-    for (Param& p : layer.params()) {
-      const std::vector<float> analytic = p.grad;
-      fd_check_piecewise(p.value, analytic, [&] { return layer.objective(b, 9); }, p.name, rng);
-    }
-    fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
+    check_moe_gradients(opts, 43);
   }
 }
 
@@ -1723,25 +1729,11 @@ TEST(Layers, MoeSigmoidScoresAndGroupLimitedRoutingGradientsMatchFiniteDifferenc
                  ", capacity factor " + std::to_string(v.capacity_factor) + ", top " + std::to_string(v.top_k) +
                  " of " + std::to_string(v.experts) + " in " + std::to_string(v.groups) + " groups" +
                  (v.per_sequence ? ", balanced per sequence" : ""));
-    Rank rank;
-    auto dims = make_dims();
     toml::table opts = moe_options(v.experts, v.top_k, /*aux_coeff=*/2.0, v.pre_softmax, /*dropout=*/0.0,
                                    /*z_coeff=*/0.5, v.capacity_factor);
     set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
     if (v.per_sequence) opts.insert_or_assign("load_balancing_type", "seq_aux_loss");
-    TestLayer layer(rank, "moe", dims, &opts);
-    layer.aux_weight = 0.75;
-    std::mt19937 rng(47);
-    layer.randomize(rng);
-    Batch b = make_batch(rng);
-    layer.zero_grads();
-    layer.forward(b, 0, true, 9);
-    const std::vector<float> dx = layer.backward(b, 0);
-    for (Param& p : layer.params()) {
-      const std::vector<float> analytic = p.grad;
-      fd_check_piecewise(p.value, analytic, [&] { return layer.objective(b, 9); }, p.name, rng);
-    }
-    fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
+    check_moe_gradients(opts, 47);
   }
 }
 
