@@ -116,7 +116,7 @@ int cmd_eval(int argc, char** argv) {
     std::vector<std::string> sets = args.all("--set");
     if (task == "choice") {
       for (const std::string& set : sets)
-        if (set.rfind("batch.micro_batch_size", 0) == 0)
+        if (set.find("batch.micro_batch_size") != std::string::npos)
           throw UsageError("--task choice runs one candidate per microbatch: --set " + set + " does not apply");
       sets.push_back("batch.micro_batch_size=1");
     }
@@ -163,7 +163,7 @@ int cmd_eval(int argc, char** argv) {
       samples = windows->windows();
       data = std::move(windows);
     } else if (task == "choice") {
-      choices = train::read_choice_examples(data_path, encode);
+      choices = train::read_choice_examples(data_path, encode, seq);
       std::vector<train::LastWordExample> candidates;
       for (const train::ChoiceExample& c : choices) candidates.insert(candidates.end(), c.endings.begin(), c.endings.end());
       auto examples = std::make_unique<train::LastWordTask>(std::move(candidates), seq, src.vocab, data_path, "an ending");

@@ -54,7 +54,7 @@ LastWordTask::LastWordTask(std::vector<LastWordExample> examples, int64_t seq_le
     : examples_(std::move(examples)), vocab_(vocab), what_(std::move(what)) {
   if (examples_.empty()) throw DataError(what_ + " holds no examples");
   for (size_t i = 0; i < examples_.size(); ++i)
-    if (static_cast<int64_t>(examples_[i].target.size()) >= seq_len)
+    if (static_cast<int64_t>(examples_[i].target.size()) > seq_len)
       throw DataError(what_ + ":" + std::to_string(examples_[i].line > 0 ? examples_[i].line : static_cast<int64_t>(i) + 1) +
                       ": " + target_name + " is " + std::to_string(examples_[i].target.size()) +
                       " tokens, leaving no context in a sequence of seq_length = " + std::to_string(seq_len));
@@ -87,7 +87,13 @@ namespace {
 LastWordExample split_continuation(const std::string& context, const std::string& whole_text, int64_t line,
                                    const std::function<std::vector<int32_t>(const std::string&)>& encode,
                                    const std::string& where, const std::string& what) {
-  std::vector<int32_t> ctx = encode(context), whole = encode(whole_text);
+  std::vector<int32_t> ctx, whole;
+  try {
+    ctx = encode(context);
+    whole = encode(whole_text);
+  } catch (const std::exception& e) {  // the model's codec cannot encode it
+    throw DataError(where + ": the context and " + what + ": " + e.what());
+  }
   if (whole.size() <= ctx.size()) throw DataError(where + ": " + what + " adds no tokens to the encoding of its context");
   if (!std::equal(ctx.begin(), ctx.end(), whole.begin()))
     ctx.assign(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(ctx.size()));
@@ -108,7 +114,8 @@ nlohmann::json parse_jsonl_line(const std::string& line, const std::string& wher
 }  // namespace
 
 std::vector<ChoiceExample> read_choice_examples(const std::string& path,
-                                                const std::function<std::vector<int32_t>(const std::string&)>& encode) {
+                                                const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                                                int64_t keep_context) {
   std::ifstream in(path);
   if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
   std::vector<ChoiceExample> out;
@@ -122,20 +129,24 @@ std::vector<ChoiceExample> read_choice_examples(const std::string& path,
       throw DataError(where + ": expected an object with HellaSwag's fields: \"ctx\" (a string), \"endings\" (an "
                       "array of strings) and \"label\" (an integer)");
     const nlohmann::json& endings = j["endings"];
-    const int64_t label = j["label"].get<int64_t>();
     if (endings.size() < 2) throw DataError(where + ": \"endings\" holds " + std::to_string(endings.size()) +
                                             " ending(s); multiple choice needs two or more");
-    if (label < 0 || label >= static_cast<int64_t>(endings.size()))
-      throw DataError(where + ": \"label\" = " + std::to_string(label) + " is not the index of one of its " +
+    const nlohmann::json& label = j["label"];
+    if (!label.is_number_unsigned() || label.get<uint64_t>() >= endings.size())
+      throw DataError(where + ": \"label\" = " + label.dump() + " is not the index of one of its " +
                       std::to_string(endings.size()) + " endings");
     const std::string ctx = j["ctx"].get<std::string>();
     ChoiceExample ex;
-    ex.label = label;
+    ex.label = static_cast<int64_t>(label.get<uint64_t>());
     ex.line = n;
     for (size_t k = 0; k < endings.size(); ++k) {
       if (!endings[k].is_string()) throw DataError(where + ": ending " + std::to_string(k) + " is not a string");
       ex.endings.push_back(split_continuation(ctx, ctx + " " + endings[k].get<std::string>(), n, encode, where,
-                                              "ending " + std::to_string(k)));
+                                              "ending " + std::to_string(k) + " (after the context and a space)"));
+      // Only the context's last keep_context tokens can be read (a sequence holds them).
+      std::vector<int32_t>& context = ex.endings.back().context;
+      if (keep_context > 0 && static_cast<int64_t>(context.size()) > keep_context)
+        context.erase(context.begin(), context.end() - keep_context);
     }
     out.push_back(std::move(ex));
   }

@@ -45,7 +45,7 @@ struct LastWordExample {
 class LastWordTask : public DataSource {
  public:
   // Examples longer than seq_len + 1 tokens lose the start of their context; one whose
-  // last word alone takes seq_len tokens or more (no context left) is a DataError
+  // last word alone takes more than seq_len tokens (no context left) is a DataError
   // naming its line.
   LastWordTask(std::vector<LastWordExample> examples, int64_t seq_len, int64_t vocab, std::string what,
                const std::string& target_name = "the last word");  // what the refusal calls a target
@@ -72,10 +72,13 @@ struct ChoiceExample {
 
 // One example per line of a JSONL file with HellaSwag's fields: "ctx" (the context),
 // "endings" (an array of strings) and "label" (the right ending's index). An ending's
-// tokens are those the encoding of ctx + " " + ending adds to the context's. Throws
-// DataError naming the file and line of a line that is not such an object.
+// tokens are those the encoding of ctx + " " + ending adds to the context's; only the
+// context's last `keep_context` tokens are kept (0: all; a sequence of seq_length
+// reads no more). Throws DataError naming the file and line of a line that is not
+// such an object, or that the codec cannot encode.
 std::vector<ChoiceExample> read_choice_examples(const std::string& path,
-                                                const std::function<std::vector<int32_t>(const std::string&)>& encode);
+                                                const std::function<std::vector<int32_t>(const std::string&)>& encode,
+                                                int64_t keep_context = 0);
 
 // The scores of multiple choice from each candidate's summed loss and target tokens
 // (in the order of the examples' endings): the fraction of examples whose right ending

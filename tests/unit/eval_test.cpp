@@ -264,7 +264,40 @@ TEST(EvalData, ChoiceExamplesFromJsonl) {
   EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", 3], "label": 0})").find("ending 1 is not a string"),
             std::string::npos);
   EXPECT_NE(refusal("not json").find(":1: not JSON"), std::string::npos);
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", "c"], "label": 18446744073709551615})")
+                .find("\"label\" = 18446744073709551615 is not the index"),
+            std::string::npos);
+  // Only the context's last keep_context tokens are kept (a sequence reads no more).
+  write(R"({"ctx": "the cat", "endings": ["sat", "ran"], "label": 0})");
+  const std::vector<loom::train::ChoiceExample> kept = loom::train::read_choice_examples(file.string(), bytes, 3);
+  for (const auto& e : kept[0].endings) EXPECT_EQ(e.context, bytes("cat"));
+  // A codec that cannot encode a text is refused naming the line and the ending.
+  const auto no_space = [&](const std::string& s) {
+    if (s.find(' ') != std::string::npos) throw std::runtime_error("no token for ' '");
+    return bytes(s);
+  };
+  try {
+    loom::train::read_choice_examples(file.string(), no_space);
+    ADD_FAILURE() << "a text the codec cannot encode was accepted";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find(":1: the context and ending 0 (after the context and a space): no token"),
+              std::string::npos)
+        << e.what();
+  }
   fs::remove(file);
+}
+
+// A target as long as the sequence fits: one context token and the target's first
+// seq - 1 tokens are the inputs, every target token predicted; one token more is refused.
+TEST(EvalData, ATargetAsLongAsTheSequenceFits) {
+  loom::train::LastWordExample e{{5, 6}, {1, 2, 3, 4}, 1};
+  const loom::train::LastWordTask task({e}, 4, 13, "f");
+  std::vector<int32_t> tokens(4), targets(4);
+  task.sample(loom::train::Split::Validation, 0, 4, tokens.data(), targets.data());
+  EXPECT_EQ(tokens, (std::vector<int32_t>{6, 1, 2, 3}));
+  EXPECT_EQ(targets, (std::vector<int32_t>{1, 2, 3, 4}));
+  e.target.push_back(7);
+  EXPECT_THROW(loom::train::LastWordTask({e}, 4, 13, "f"), loom::train::DataError);
 }
 
 // An example is right when its labelled ending has the least summed loss (accuracy),
