@@ -37,10 +37,23 @@ const toml::table& RunConfig::Model::layer_section(const std::string& name) cons
   return it == layer.end() ? empty : it->second;
 }
 
+RunConfig::Batch RunConfig::batch_from(const Manifest& m) {
+  Batch b;
+  b.micro_batch_size = m.get_int("batch.micro_batch_size");
+  b.global_batch_size = m.get_int("batch.global_batch_size");
+  if (const toml::array* ramp = m.table().at_path("batch.rampup_batch_size").as_array(); ramp && ramp->size() == 3) {
+    b.rampup_start = ramp->get(0)->value_or(int64_t{0});
+    b.rampup_increment = ramp->get(1)->value_or(int64_t{0});
+    b.rampup_samples = ramp->get(2)->value_or(int64_t{0});
+  }
+  return b;
+}
+
 RunConfig RunConfig::from(const Manifest& m) {
   RunConfig c;
   c.run.name = m.get_string("run.name");
-  c.run.steps = m.get_int("run.steps");
+  c.run.train_samples = m.get_int("run.train_samples");
+  c.run.steps = schema::resolved_steps(m);
   c.run.seed = m.get_int("run.seed");
   c.run.log_every = m.get_int("run.log_every");
   c.run.eval_every = m.get_int("run.eval_every");
@@ -97,13 +110,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.pipeline.last_chunk_layers = as_int(m.get_int("pipeline.last_chunk_layers"));
   c.pipeline.options = table_or_empty(m, "pipeline.options");
 
-  c.batch.micro_batch_size = m.get_int("batch.micro_batch_size");
-  c.batch.global_batch_size = m.get_int("batch.global_batch_size");
-  if (const toml::array* ramp = m.table().at_path("batch.rampup_batch_size").as_array(); ramp && ramp->size() == 3) {
-    c.batch.rampup_start = ramp->get(0)->value_or(int64_t{0});
-    c.batch.rampup_increment = ramp->get(1)->value_or(int64_t{0});
-    c.batch.rampup_samples = ramp->get(2)->value_or(int64_t{0});
-  }
+  c.batch = batch_from(m);
 
   c.optimizer.strategy = m.get_string("optimizer.strategy");
   c.optimizer.lr = m.get_float("optimizer.lr");

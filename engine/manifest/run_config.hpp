@@ -25,6 +25,7 @@ struct RunConfig {
     int64_t steps = 0, seed = 0, log_every = 0, eval_every = 0, eval_batches = 0;
     int64_t sample_every = 0, sample_tokens = 0;  // greedy samples during training
     std::string metrics_file;
+    int64_t train_samples = 0;         // > 0: run.steps is resolved from it (steps_for_samples)
     double exit_duration_minutes = 0;  // 0 = no limit
     int64_t exit_interval = 0;         // 0 = never
   } run;
@@ -120,6 +121,8 @@ struct RunConfig {
 
   // Reads every engine key of `m`, which has passed the schema (Manifest::load or parse).
   static RunConfig from(const Manifest& m);
+  // The batch keys alone (what the schema's checks need of them).
+  static Batch batch_from(const Manifest& m);
 };
 
 // The step the learning-rate decay ends at: optimizer.decay_steps, or run.steps when it

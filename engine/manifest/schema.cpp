@@ -1,6 +1,8 @@
 // The engine schema (every core key) and the cross-key rules.
 #include "engine/manifest/schema.hpp"
 
+#include "engine/manifest/batches.hpp"
+
 #include "engine/manifest/run_config.hpp"
 #include "engine/topology/layer_split.hpp"
 #include "engine/topology/rank_groups.hpp"
@@ -104,6 +106,11 @@ std::vector<KeySpec> build() {
   // run
   v.push_back(s("run.name", "loom", "name of the run, used in logs and checkpoints"));
   v.push_back(i("run.steps", 100, 1, "number of optimizer steps to train"));
+  v.push_back(i("run.train_samples", 0, 0,
+                "train until this many samples are consumed instead (Megatron-LM's --train-samples): run.steps "
+                "becomes the steps that take them at the global batch and its ramp, a last partial batch dropped "
+                "(0 = run.steps)",
+                static_cast<double>(int64_t{1} << 53)));
   v.push_back(i("run.seed", 1234, 0, "seed for parameter init, data order and dropout"));
   v.push_back(i("run.log_every", 10, 1, "log metrics every N steps"));
   v.push_back(i("run.eval_every", 0, 0, "evaluate on the validation split every N steps (0 = never)"));
@@ -436,6 +443,11 @@ std::optional<int64_t> launcher_world_size(std::string* var) {
   return std::nullopt;
 }
 
+int64_t resolved_steps(const Manifest& m) {
+  const int64_t samples = m.get_int("run.train_samples");
+  return samples > 0 ? steps_for_samples(RunConfig::batch_from(m), samples) : m.get_int("run.steps");
+}
+
 int64_t resolved_ffn_hidden_size(const Manifest& m) {
   int64_t ffn = m.get_int("model.ffn_hidden_size");
   return ffn == 0 ? 4 * m.get_int("model.hidden_size") : ffn;
@@ -761,10 +773,23 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
            "optimizer.decay_steps (" + S(I("optimizer.decay_steps")) + ") must be more than optimizer.warmup_steps (" +
                S(I("optimizer.warmup_steps")) + "): the decay runs from the end of the warmup to step "
                "decay_steps (Megatron's --lr-decay-iters)");
-  if (usable({"optimizer.decay_style", "optimizer.wsd_decay_steps", "optimizer.warmup_steps",
-              "optimizer.decay_steps", "run.steps"}) &&
+  // run.train_samples replaces run.steps (a run.steps written too is warned of): at
+  // least one step.
+  const bool steps_known = usable({"run.steps", "run.train_samples", "batch.global_batch_size",
+                                   "batch.micro_batch_size", "batch.rampup_batch_size"});
+  bool steps_ok = steps_known;
+  if (steps_known && I("run.train_samples") > 0) {
+    if (resolved_steps(m) < 1) {
+      report({"run.train_samples", "batch.global_batch_size"},
+             "run.train_samples = " + S(I("run.train_samples")) + " is less than one global batch (" +
+                 S(I("batch.global_batch_size")) + "): no step would be trained");
+      steps_ok = false;
+    }
+  }
+  if (steps_ok && usable({"optimizer.decay_style", "optimizer.wsd_decay_steps", "optimizer.warmup_steps",
+                          "optimizer.decay_steps"}) &&
       m.get_string("optimizer.decay_style") == "wsd") {
-    const int64_t decay_end = decay_end_step(I("optimizer.decay_steps"), I("run.steps"));
+    const int64_t decay_end = decay_end_step(I("optimizer.decay_steps"), resolved_steps(m));
     const int64_t room = decay_end - I("optimizer.warmup_steps");
     const int64_t wsd = I("optimizer.wsd_decay_steps");
     if (wsd < 1 || wsd > room)

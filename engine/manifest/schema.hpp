@@ -64,6 +64,9 @@ std::optional<int64_t> launcher_world_size(std::string* var = nullptr);
 // Values whose 0 means "derived": model.ffn_hidden_size (0 = 4*hidden_size) and
 // parallel.etp (0 = tp). Assume a validated manifest.
 int64_t resolved_ffn_hidden_size(const Manifest& m);
+// run.steps, or the steps of run.train_samples when it is set (Megatron-LM's
+// --train-samples; engine/manifest/batches.hpp).
+int64_t resolved_steps(const Manifest& m);
 int64_t resolved_etp(const Manifest& m);
 
 }  // namespace loom::manifest::schema

@@ -1,5 +1,6 @@
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/batch_ramp.hpp"
+#include "engine/manifest/batches.hpp"
 
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
@@ -695,6 +696,8 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   o.wsd_decay_steps = saved->at_path("optimizer.wsd_decay_steps").value_or(int64_t{0});
   o.wsd_decay_style = saved->at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
   was.run.steps = saved->at_path("run.steps").value_or(was.run.steps);
+  if (const int64_t samples = saved->at_path("run.train_samples").value_or(int64_t{0}); samples > 0)
+    was.run.steps = manifest::steps_for_samples(was.batch, samples);  // this run's batches
   // Said only when a step still to come gets another rate (a warmup changed after it
   // ended, or a decay already over, changes nothing ahead): the first ten million
   // steps ahead and the last are compared.

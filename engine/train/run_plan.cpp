@@ -424,6 +424,10 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (key == std::string("checkpoint.async_save") ? config.checkpoint.async_save : man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but checkpoint.dir is empty, so no "
                                 "checkpoint is saved");
+  if (config.run.train_samples > 0 && written(man, "run.steps"))
+    plan.warnings.push_back(man.origin("run.steps").str() + ": run.steps is replaced by run.train_samples = " +
+                            std::to_string(config.run.train_samples) + ", which takes " +
+                            std::to_string(config.run.steps) + " steps");
   for (const char* key : {"run.exit_duration_minutes", "run.exit_interval"})
     if (config.checkpoint.dir.empty() && man.get_float(key) > 0 &&
         (key != std::string("run.exit_interval") || config.run.exit_interval < config.run.steps))

@@ -66,6 +66,33 @@ TEST(BatchRamp, EachStepsBatchIsMegatronsCalculators) {
   EXPECT_EQ(flat.microbatch_counts(), (std::vector<int64_t>{8}));
 }
 
+// run.train_samples' steps are Megatron-LM's update_train_iters, worked by hand: the
+// ramp [8, 8, 100] to 32 starts steps at 0, 8, 16, 24, 32 (8 each), 40, 56 (16), 72, 96
+// (24): nine steps start at or before 100, then whole batches of 32 of what is left.
+TEST(BatchRamp, TrainSamplesGiveMegatronsIterations) {
+  EXPECT_EQ(loom::manifest::steps_for_samples(batch(32, 2, 0, 0, 0), 100), 3);  // the last partial batch dropped
+  EXPECT_EQ(loom::manifest::steps_for_samples(batch(32, 2, 0, 0, 0), 31), 0);
+  const auto ramp = batch(32, 2, 8, 8, 100);
+  EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 1000), 9 + (1000 - 120) / 32);
+  EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 120), 9);
+  EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 50), 6);  // steps start at 0 .. 40, the sixth ends at 56
+  EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 1), 1);
+  // A run of train_samples = 40 at the tiny manifest's global batch of 8: 5 steps, its
+  // written run.steps replaced (and warned of).
+  auto run = run_and_trace(tiny_manifest(), {"run.train_samples=40"});
+  EXPECT_EQ(run.result.final_step, 5);
+  bool warned = false;
+  for (const std::string& w : loom::testing::plan_from(tiny_manifest(), {"run.train_samples=40"}).warnings)
+    warned |= w.find("run.steps is replaced by run.train_samples = 40, which takes 5 steps") != std::string::npos;
+  EXPECT_TRUE(warned);
+  try {
+    loom::testing::plan_from(tiny_manifest(), {"run.train_samples=7"});
+    ADD_FAILURE() << "fewer samples than a global batch were accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("is less than one global batch (8): no step"), std::string::npos) << e.what();
+  }
+}
+
 // The segment search equals walking step by step, for ramps of every shape.
 TEST(BatchRamp, TheSegmentSearchEqualsAStepByStepWalk) {
   std::mt19937 rng(5);

@@ -1,0 +1,57 @@
+// The batch keys step by step (see batches.hpp).
+#include "engine/manifest/batches.hpp"
+
+#include <algorithm>
+
+namespace loom::manifest {
+
+bool ramps(const RunConfig::Batch& batch) {
+  return batch.rampup_start > 0 && batch.rampup_start < batch.global_batch_size && batch.rampup_increment > 0;
+}
+
+int64_t global_batch_at(const RunConfig::Batch& batch, uint64_t consumed) {
+  const int64_t global = batch.global_batch_size;
+  if (!ramps(batch) || consumed > static_cast<uint64_t>(batch.rampup_samples)) return global;
+  const double per_increment = static_cast<double>(batch.rampup_samples) /
+                               static_cast<double>((global - batch.rampup_start) / batch.rampup_increment);
+  const auto increments = static_cast<int64_t>(static_cast<double>(consumed) / per_increment);
+  return std::min(global, batch.rampup_start + increments * batch.rampup_increment);
+}
+
+uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t start_step, uint64_t start_samples) {
+  uint64_t consumed = start_samples;
+  int64_t at = start_step;
+  while (at < step) {
+    const int64_t size = global_batch_at(batch, consumed);
+    const auto usize = static_cast<uint64_t>(size);
+    if (size == batch.global_batch_size) return consumed + static_cast<uint64_t>(step - at) * usize;
+    int64_t lo = 1, hi = step - at;  // the segment holds at least the step at `at`
+    while (lo < hi) {                // the most steps whose first samples still see `size`
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (global_batch_at(batch, consumed + static_cast<uint64_t>(mid - 1) * usize) == size) lo = mid;
+      else hi = mid - 1;
+    }
+    consumed += static_cast<uint64_t>(lo) * usize;
+    at += lo;
+  }
+  return consumed;
+}
+
+int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples) {
+  const auto total = static_cast<uint64_t>(train_samples);
+  const auto global = static_cast<uint64_t>(batch.global_batch_size);
+  if (!ramps(batch)) return static_cast<int64_t>(total / global);
+  // The ramp's steps: those starting at or before both limits, the first step n whose
+  // start is past them found by a binary search (samples_before grows with n).
+  const uint64_t limit = std::min(total, static_cast<uint64_t>(batch.rampup_samples));
+  int64_t lo = 1, hi = static_cast<int64_t>(limit / static_cast<uint64_t>(batch.rampup_start)) + 2;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (samples_before(batch, mid, 0, 0) > limit) hi = mid;
+    else lo = mid + 1;
+  }
+  const uint64_t consumed = samples_before(batch, lo, 0, 0);
+  return lo + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
+}
+
+}  // namespace loom::manifest

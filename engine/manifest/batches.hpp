@@ -1,0 +1,31 @@
+// What the batch keys mean step by step: the global batch of each step (a
+// batch.rampup_batch_size ramp, as Megatron-LM's --rampup-batch-size and its
+// RampupBatchsizeNumMicroBatchesCalculator), the samples consumed before a step, and
+// the steps run.train_samples makes (Megatron-LM's --train-samples). In the manifest
+// layer because run.steps is resolved from them when the manifest is read.
+#pragma once
+
+#include "engine/manifest/run_config.hpp"
+
+#include <cstdint>
+
+namespace loom::manifest {
+
+// Whether the batch ramps (a start below the global batch).
+bool ramps(const RunConfig::Batch& batch);
+
+// The global batch (sequences) of a step that starts after `consumed` training
+// samples: start + int(consumed / (samples / increments)) * increment (in double, as
+// Megatron's float division), the global batch once consumed > samples.
+int64_t global_batch_at(const RunConfig::Batch& batch, uint64_t consumed);
+
+// The samples consumed before `step`, from `start_samples` at `start_step`, each step
+// consuming its batch (segment by segment of one batch size: a binary search each).
+uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t start_step, uint64_t start_samples);
+
+// The steps of run.train_samples (Megatron-LM's update_train_iters): on the ramp, each
+// step that starts at or before both the ramp's and the run's samples; then whole
+// global batches of what is left (a last partial batch dropped).
+int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples);
+
+}  // namespace loom::manifest
