@@ -228,7 +228,8 @@ int cmd_eval(int argc, char** argv) {
                 << " | " << std::setprecision(1) << ms << " ms\n";
     else if (task == "choice")
       std::cout << "choice: accuracy " << std::setprecision(2) << 100 * scores.accuracy << "% (summed loss), "
-                << 100 * scores.accuracy_norm << "% (loss per token) | " << std::setprecision(1) << ms << " ms\n";
+                << 100 * scores.accuracy_norm << "% (loss per token) | endings' tokens: " << e.tokens << ", loss "
+                << std::setprecision(4) << e.loss << " | " << std::setprecision(1) << ms << " ms\n";
     else
       std::cout << "lambada: accuracy " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
                 << " examples | last-word tokens: loss " << std::setprecision(4) << e.loss << ", perplexity " << ppl

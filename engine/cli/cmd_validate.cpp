@@ -3,6 +3,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/manifest/batches.hpp"
 #include "engine/cli/report.hpp"
 #include "engine/manifest/schema.hpp"
 #include "engine/runtime/json.hpp"
@@ -105,7 +106,7 @@ int cmd_validate(int argc, char** argv) {
                               {"layers_per_stage", per_stage},
                               {"layers_per_chunk", per_chunk},
                               {"microbatches_per_rank", plan.microbatches},
-                              {"rampup_batch_size", config.batch.rampup_start > 0
+                              {"rampup_batch_size", manifest::ramps(config.batch)
                                                         ? ordered_json::array({config.batch.rampup_start,
                                                                                  config.batch.rampup_increment,
                                                                                  config.batch.rampup_samples})
@@ -153,7 +154,7 @@ int cmd_validate(int argc, char** argv) {
               << ")\n"
               << "  microbatches      " << plan.microbatches << " per dp rank per step (" << config.batch.micro_batch_size
               << " sequences each; global batch " << config.batch.global_batch_size
-              << (config.batch.rampup_start > 0
+              << (manifest::ramps(config.batch)
                       ? ", ramped from " + std::to_string(config.batch.rampup_start) + " by " +
                             std::to_string(config.batch.rampup_increment) + " over " +
                             std::to_string(config.batch.rampup_samples) + " samples"

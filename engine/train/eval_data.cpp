@@ -84,16 +84,21 @@ namespace {
 // tokenizer's text-start prefix, SentencePiece's dummy "▁", that running text never has
 // there). A tokenizer that merges across the boundary changes the context's last
 // tokens: the model then reads the whole text's own tokens up to the split.
-LastWordExample split_continuation(const std::string& context, const std::string& whole_text, int64_t line,
-                                   const std::function<std::vector<int32_t>(const std::string&)>& encode,
-                                   const std::string& where, const std::string& what) {
-  std::vector<int32_t> ctx, whole;
+using Encode = std::function<std::vector<int32_t>(const std::string&)>;
+
+// `text` encoded, a codec that cannot encode it refused at `where`.
+std::vector<int32_t> encode_at(const Encode& encode, const std::string& text, const std::string& where,
+                               const std::string& what) {
   try {
-    ctx = encode(context);
-    whole = encode(whole_text);
-  } catch (const std::exception& e) {  // the model's codec cannot encode it
-    throw DataError(where + ": the context and " + what + ": " + e.what());
+    return encode(text);
+  } catch (const std::exception& e) {
+    throw DataError(where + ": " + what + ": " + e.what());
   }
+}
+
+LastWordExample split_continuation(std::vector<int32_t> ctx, const std::string& whole_text, int64_t line,
+                                   const Encode& encode, const std::string& where, const std::string& what) {
+  const std::vector<int32_t> whole = encode_at(encode, whole_text, where, "the context and " + what);
   if (whole.size() <= ctx.size()) throw DataError(where + ": " + what + " adds no tokens to the encoding of its context");
   if (!std::equal(ctx.begin(), ctx.end(), whole.begin()))
     ctx.assign(whole.begin(), whole.begin() + static_cast<std::ptrdiff_t>(ctx.size()));
@@ -124,25 +129,34 @@ std::vector<ChoiceExample> read_choice_examples(const std::string& path,
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = path + ":" + std::to_string(n);
     const nlohmann::json j = parse_jsonl_line(line, where);
+    // The label: an integer, or its digits as a string (Hugging Face's hellaswag dataset).
+    const bool has_label = j.is_object() && j.contains("label") &&
+                           (j["label"].is_number_integer() ||
+                            (j["label"].is_string() && !j["label"].get<std::string>().empty() &&
+                             j["label"].get<std::string>().size() <= 18 &&
+                             j["label"].get<std::string>().find_first_not_of("0123456789") == std::string::npos));
     if (!j.is_object() || !j.contains("ctx") || !j["ctx"].is_string() || !j.contains("endings") ||
-        !j["endings"].is_array() || !j.contains("label") || !j["label"].is_number_integer())
+        !j["endings"].is_array() || !has_label)
       throw DataError(where + ": expected an object with HellaSwag's fields: \"ctx\" (a string), \"endings\" (an "
-                      "array of strings) and \"label\" (an integer)");
+                      "array of strings) and \"label\" (an integer, or its digits as a string)");
     const nlohmann::json& endings = j["endings"];
     if (endings.size() < 2) throw DataError(where + ": \"endings\" holds " + std::to_string(endings.size()) +
                                             " ending(s); multiple choice needs two or more");
     const nlohmann::json& label = j["label"];
-    if (!label.is_number_unsigned() || label.get<uint64_t>() >= endings.size())
+    const bool index = label.is_string() || label.is_number_unsigned();
+    const uint64_t value = label.is_string() ? std::stoull(label.get<std::string>()) : index ? label.get<uint64_t>() : 0;
+    if (!index || value >= endings.size())
       throw DataError(where + ": \"label\" = " + label.dump() + " is not the index of one of its " +
                       std::to_string(endings.size()) + " endings");
     const std::string ctx = j["ctx"].get<std::string>();
+    const std::vector<int32_t> context_tokens = encode_at(encode, ctx, where, "the context");  // once for every ending
     ChoiceExample ex;
-    ex.label = static_cast<int64_t>(label.get<uint64_t>());
+    ex.label = static_cast<int64_t>(value);
     ex.line = n;
     for (size_t k = 0; k < endings.size(); ++k) {
       if (!endings[k].is_string()) throw DataError(where + ": ending " + std::to_string(k) + " is not a string");
-      ex.endings.push_back(split_continuation(ctx, ctx + " " + endings[k].get<std::string>(), n, encode, where,
-                                              "ending " + std::to_string(k) + " (after the context and a space)"));
+      ex.endings.push_back(split_continuation(context_tokens, ctx + " " + endings[k].get<std::string>(), n, encode,
+                                              where, "ending " + std::to_string(k) + " (after the context and a space)"));
       // Only the context's last keep_context tokens can be read (a sequence holds them).
       std::vector<int32_t>& context = ex.endings.back().context;
       if (keep_context > 0 && static_cast<int64_t>(context.size()) > keep_context)
@@ -197,8 +211,8 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
       throw DataError(where + ": the text needs a context and a last word");
     const size_t context_end = text.find_last_not_of(" \t\r\n", begin);
     if (context_end == std::string::npos) throw DataError(where + ": the text needs a context and a last word");
-    out.push_back(split_continuation(text.substr(0, context_end + 1), text.substr(0, end + 1), n, encode, where,
-                                     "the last word"));
+    out.push_back(split_continuation(encode_at(encode, text.substr(0, context_end + 1), where, "the context"),
+                                     text.substr(0, end + 1), n, encode, where, "the last word"));
   }
   return out;
 }

@@ -1,13 +1,12 @@
 #include "engine/train/trainer.hpp"
 
-#include "engine/train/batch_ramp.hpp"
-
 #include "engine/files/temporaries.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/pipeline/executor.hpp"
 #include "engine/pipeline/partition.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/runtime/launcher.hpp"
+#include "engine/train/batch_ramp.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/evaluator.hpp"
 #include "engine/train/generation.hpp"
@@ -181,7 +180,7 @@ class RankTraining {
   std::optional<pipeline::Executor> ramp_executor_;  // batch.rampup_batch_size's current smaller steps
   int64_t ramp_executor_count_ = 0;                  // their microbatches
   std::optional<Evaluator> evaluator_;
-  double flops_per_sample_ = 0;  // forward + backward over the whole world
+  double flops_per_sample_ = 0;  // forward + backward of one training sample, over the whole world
   int peak_in_flight_ = 0;
   uint64_t peak_activation_bytes_ = 0;
 };

@@ -264,6 +264,12 @@ TEST(EvalData, ChoiceExamplesFromJsonl) {
   EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", 3], "label": 0})").find("ending 1 is not a string"),
             std::string::npos);
   EXPECT_NE(refusal("not json").find(":1: not JSON"), std::string::npos);
+  write(R"({"ctx": "a", "endings": ["b", "c"], "label": "1"})");  // Hugging Face's hellaswag: a string
+  EXPECT_EQ(loom::train::read_choice_examples(file.string(), bytes)[0].label, 1);
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", "c"], "label": "2"})").find("\"label\" = \"2\" is not the index"),
+            std::string::npos);
+  EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", "c"], "label": "x"})").find("expected an object"),
+            std::string::npos);
   EXPECT_NE(refusal(R"({"ctx": "a", "endings": ["b", "c"], "label": 18446744073709551615})")
                 .find("\"label\" = 18446744073709551615 is not the index"),
             std::string::npos);
@@ -276,6 +282,7 @@ TEST(EvalData, ChoiceExamplesFromJsonl) {
     if (s.find(' ') != std::string::npos) throw std::runtime_error("no token for ' '");
     return bytes(s);
   };
+  write(R"({"ctx": "cat", "endings": ["sat", "ran"], "label": 0})");
   try {
     loom::train::read_choice_examples(file.string(), no_space);
     ADD_FAILURE() << "a text the codec cannot encode was accepted";
