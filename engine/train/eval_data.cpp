@@ -108,11 +108,23 @@ LastWordExample split_continuation(std::vector<int32_t> ctx, const std::string& 
   return e;
 }
 
-nlohmann::json parse_jsonl_line(const std::string& line, const std::string& where) {
-  try {
-    return nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {
-    throw DataError(where + ": not JSON (" + std::string(e.what()) + ")");
+// Calls fn(object, line number, "path:line") for each non-blank line of a JSONL file;
+// a file that cannot be read, or a line that is not JSON, is a DataError naming it.
+void for_each_jsonl_object(const std::string& path,
+                           const std::function<void(const nlohmann::json&, int64_t, const std::string&)>& fn) {
+  std::ifstream in(path);
+  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(n);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      throw DataError(where + ": not JSON (" + std::string(e.what()) + ")");
+    }
+    fn(j, n, where);
   }
 }
 
@@ -121,14 +133,8 @@ nlohmann::json parse_jsonl_line(const std::string& line, const std::string& wher
 std::vector<ChoiceExample> read_choice_examples(const std::string& path,
                                                 const std::function<std::vector<int32_t>(const std::string&)>& encode,
                                                 int64_t keep_context) {
-  std::ifstream in(path);
-  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
   std::vector<ChoiceExample> out;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n);
-    const nlohmann::json j = parse_jsonl_line(line, where);
+  for_each_jsonl_object(path, [&](const nlohmann::json& j, int64_t n, const std::string& where) {
     // The label: an integer, or its digits as a string (Hugging Face's hellaswag dataset).
     const bool has_label = j.is_object() && j.contains("label") &&
                            (j["label"].is_number_integer() ||
@@ -163,7 +169,7 @@ std::vector<ChoiceExample> read_choice_examples(const std::string& path,
         context.erase(context.begin(), context.end() - keep_context);
     }
     out.push_back(std::move(ex));
-  }
+  });
   return out;
 }
 
@@ -194,14 +200,8 @@ ChoiceScores score_choices(const std::vector<ChoiceExample>& examples, const std
 
 std::vector<LastWordExample> read_last_word_examples(const std::string& path,
                                                      const std::function<std::vector<int32_t>(const std::string&)>& encode) {
-  std::ifstream in(path);
-  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
   std::vector<LastWordExample> out;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n);
-    const nlohmann::json j = parse_jsonl_line(line, where);
+  for_each_jsonl_object(path, [&](const nlohmann::json& j, int64_t n, const std::string& where) {
     if (!j.is_object() || !j.contains("text") || !j["text"].is_string())
       throw DataError(where + ": expected an object with a string field \"text\"");
     const std::string text = j["text"].get<std::string>();
@@ -213,7 +213,7 @@ std::vector<LastWordExample> read_last_word_examples(const std::string& path,
     if (context_end == std::string::npos) throw DataError(where + ": the text needs a context and a last word");
     out.push_back(split_continuation(encode_at(encode, text.substr(0, context_end + 1), where, "the context"),
                                      text.substr(0, end + 1), n, encode, where, "the last word"));
-  }
+  });
   return out;
 }
 
