@@ -54,4 +54,27 @@ int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples) 
   return lo + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
 }
 
+bool schedule_in_samples(const RunConfig::Optimizer& o, int64_t train_samples) {
+  return train_samples > 0 || o.warmup_samples > 0 || o.decay_samples > 0 || o.wsd_decay_samples > 0;
+}
+
+ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Batch& batch, int64_t run_steps,
+                             int64_t train_samples) {
+  ScheduleMarks m;
+  m.in_samples = schedule_in_samples(o, train_samples);
+  if (!m.in_samples) {
+    m.warmup = o.warmup_steps;
+    m.decay_end = o.decay_steps > 0 ? o.decay_steps : run_steps;
+    m.wsd_decay = o.wsd_decay_steps;
+    return m;
+  }
+  // Megatron-LM decays to --train-samples (a last partial batch, not trained, counts).
+  const int64_t run_samples =
+      train_samples > 0 ? train_samples : static_cast<int64_t>(samples_before(batch, run_steps, 0, 0));
+  m.warmup = o.warmup_samples;
+  m.decay_end = o.decay_samples > 0 ? o.decay_samples : run_samples;
+  m.wsd_decay = o.wsd_decay_samples;
+  return m;
+}
+
 }  // namespace loom::manifest

@@ -1,8 +1,10 @@
 // What the batch keys mean step by step: the global batch of each step (a
 // batch.rampup_batch_size ramp, as Megatron-LM's --rampup-batch-size and its
 // RampupBatchsizeNumMicroBatchesCalculator), the samples consumed before a step, and
-// the steps run.train_samples makes (Megatron-LM's --train-samples). In the manifest
-// layer because run.steps is resolved from them when the manifest is read.
+// the steps run.train_samples makes (Megatron-LM's --train-samples), and the marks of
+// the learning-rate schedule in steps or samples. In the manifest layer because
+// run.steps is resolved from them when the manifest is read, and the schema checks the
+// schedule's marks.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
@@ -27,5 +29,26 @@ uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t sta
 // step that starts at or before both the ramp's and the run's samples; then whole
 // global batches of what is left (a last partial batch dropped).
 int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples);
+
+// The learning-rate schedule's marks in its unit. It counts training samples (as
+// Megatron-LM's OptimizerParamScheduler does with --lr-*-samples) when any
+// optimizer.*_samples key is set or the run's length is run.train_samples, and steps
+// otherwise. A step's place in it is the step's number or the samples consumed through
+// the step (its own batch included), so with a constant batch B a schedule of
+// warmup_samples = W * B is the schedule of warmup_steps = W.
+struct ScheduleMarks {
+  bool in_samples = false;
+  int64_t warmup = 0;
+  int64_t decay_end = 0;  // optimizer.decay_*, or the run's length (steps or samples) when 0
+  int64_t wsd_decay = 0;
+  const char* unit() const { return in_samples ? "samples" : "steps"; }
+};
+bool schedule_in_samples(const RunConfig::Optimizer& o, int64_t train_samples);
+// run_steps: run.steps as resolved; train_samples: run.train_samples (0 = none).
+ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Batch& batch, int64_t run_steps,
+                             int64_t train_samples);
+inline ScheduleMarks schedule_marks(const RunConfig& c) {
+  return schedule_marks(c.optimizer, c.batch, c.run.steps, c.run.train_samples);
+}
 
 }  // namespace loom::manifest

@@ -49,6 +49,21 @@ RunConfig::Batch RunConfig::batch_from(const Manifest& m) {
   return b;
 }
 
+RunConfig::Optimizer RunConfig::schedule_from(const Manifest& m) {
+  Optimizer o;
+  o.lr = m.get_float("optimizer.lr");
+  o.min_lr = m.get_float("optimizer.min_lr");
+  o.warmup_steps = m.get_int("optimizer.warmup_steps");
+  o.decay_steps = m.get_int("optimizer.decay_steps");
+  o.decay_style = m.get_string("optimizer.decay_style");
+  o.wsd_decay_steps = m.get_int("optimizer.wsd_decay_steps");
+  o.wsd_decay_style = m.get_string("optimizer.wsd_decay_style");
+  o.warmup_samples = m.get_int("optimizer.warmup_samples");
+  o.decay_samples = m.get_int("optimizer.decay_samples");
+  o.wsd_decay_samples = m.get_int("optimizer.wsd_decay_samples");
+  return o;
+}
+
 RunConfig RunConfig::from(const Manifest& m) {
   RunConfig c;
   c.run.name = m.get_string("run.name");
@@ -112,14 +127,8 @@ RunConfig RunConfig::from(const Manifest& m) {
 
   c.batch = batch_from(m);
 
+  c.optimizer = schedule_from(m);
   c.optimizer.strategy = m.get_string("optimizer.strategy");
-  c.optimizer.lr = m.get_float("optimizer.lr");
-  c.optimizer.min_lr = m.get_float("optimizer.min_lr");
-  c.optimizer.warmup_steps = m.get_int("optimizer.warmup_steps");
-  c.optimizer.decay_steps = m.get_int("optimizer.decay_steps");
-  c.optimizer.decay_style = m.get_string("optimizer.decay_style");
-  c.optimizer.wsd_decay_steps = m.get_int("optimizer.wsd_decay_steps");
-  c.optimizer.wsd_decay_style = m.get_string("optimizer.wsd_decay_style");
   c.optimizer.beta1 = m.get_float("optimizer.beta1");
   c.optimizer.beta2 = m.get_float("optimizer.beta2");
   c.optimizer.eps = m.get_float("optimizer.eps");

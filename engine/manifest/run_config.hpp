@@ -71,6 +71,8 @@ struct RunConfig {
     int64_t warmup_steps = 0, decay_steps = 0;
     std::string decay_style;      // cosine, linear, constant, inverse-square-root, wsd
     int64_t wsd_decay_steps = 0;  // wsd: the final decay's steps
+    // The same marks in training samples (Megatron-LM's --lr-*-samples); see ScheduleMarks.
+    int64_t warmup_samples = 0, decay_samples = 0, wsd_decay_samples = 0;
     std::string wsd_decay_style;  // wsd: exponential, linear, cosine, minus_sqrt
     double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
     int64_t bucket_size = 0;      // resolved: kOverlapBucketSize when overlapping without one
@@ -123,12 +125,8 @@ struct RunConfig {
   static RunConfig from(const Manifest& m);
   // The batch keys alone (what the schema's checks need of them).
   static Batch batch_from(const Manifest& m);
+  // The learning-rate schedule's keys alone (lr, min_lr, the styles and the marks).
+  static Optimizer schedule_from(const Manifest& m);
 };
-
-// The step the learning-rate decay ends at: optimizer.decay_steps, or run.steps when it
-// is 0 (so a schedule of decay_steps = 0 follows the run's length).
-inline int64_t decay_end_step(int64_t decay_steps, int64_t run_steps) {
-  return decay_steps > 0 ? decay_steps : run_steps;
-}
 
 }  // namespace loom::manifest

@@ -242,7 +242,8 @@ std::vector<KeySpec> build() {
                 "(Megatron-LM's distributed optimizer, ZeRO-1), or a third party's"));
   v.push_back(f("optimizer.lr", "1e-3", 0, true, "peak learning rate"));
   v.push_back(f("optimizer.min_lr", "0.0", 0, false, "learning rate at the end of the decay"));
-  v.push_back(i("optimizer.warmup_steps", 0, 0, "linear warmup steps"));
+  v.push_back(i("optimizer.warmup_steps", 0, 0,
+                "linear warmup steps (a schedule in samples has optimizer.warmup_samples instead)"));
   v.push_back(s("optimizer.decay_style", "cosine",
                 "the learning rate after the warmup (Megatron's --lr-decay-style): \"cosine\" or \"linear\" from lr "
                 "to min_lr at decay_steps; \"constant\" stays at lr; \"inverse-square-root\" is lr * "
@@ -260,6 +261,16 @@ std::vector<KeySpec> build() {
                 "to min_lr: \"exponential\" (2 * 0.5^r - 1 of the way), \"linear\", \"cosine\" or "
                 "\"minus_sqrt\" (1 - sqrt(r)), r the fraction of the decay done",
                 {"exponential", "linear", "cosine", "minus_sqrt"}));
+  v.push_back(i("optimizer.warmup_samples", 0, 0,
+                "the warmup in training samples (Megatron's --lr-warmup-samples). Any optimizer.*_samples key, or "
+                "run.train_samples, counts the whole schedule in samples: a step stands at the samples consumed "
+                "through it, so a batch ramp (batch.rampup_batch_size) decays by the data seen, not by the steps"));
+  v.push_back(i("optimizer.decay_samples", 0, 0,
+                "the training samples the decay ends at (Megatron's --lr-decay-samples; more than warmup_samples; 0 = "
+                "run.train_samples, or the samples of run.steps)"));
+  v.push_back(i("optimizer.wsd_decay_samples", 0, 0,
+                "with decay_style = \"wsd\" and the schedule in samples (Megatron's --lr-wsd-decay-samples): the "
+                "samples of the final decay, which ends at decay_samples"));
   v.push_back(f("optimizer.beta1", "0.9", 0, false, "Adam beta1", 1, true));
   v.push_back(f("optimizer.beta2", "0.95", 0, false, "Adam beta2", 1, true));
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
@@ -767,12 +778,6 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     report({"optimizer.min_lr", "optimizer.lr"},
            "optimizer.min_lr (" + G(m.get_float("optimizer.min_lr")) + ") is more than optimizer.lr (" +
                G(m.get_float("optimizer.lr")) + "): the decay would raise the learning rate");
-  if (decays && usable({"optimizer.warmup_steps", "optimizer.decay_steps"}) && I("optimizer.decay_steps") > 0 &&
-      I("optimizer.decay_steps") <= I("optimizer.warmup_steps"))
-    report({"optimizer.decay_steps", "optimizer.warmup_steps"},
-           "optimizer.decay_steps (" + S(I("optimizer.decay_steps")) + ") must be more than optimizer.warmup_steps (" +
-               S(I("optimizer.warmup_steps")) + "): the decay runs from the end of the warmup to step "
-               "decay_steps (Megatron's --lr-decay-iters)");
   // run.train_samples replaces run.steps (a run.steps written too is warned of): at
   // least one step.
   const bool steps_known = usable({"run.steps", "run.train_samples", "batch.global_batch_size",
@@ -786,19 +791,50 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
       steps_ok = false;
     }
   }
-  if (steps_ok && usable({"optimizer.decay_style", "optimizer.wsd_decay_steps", "optimizer.warmup_steps",
-                          "optimizer.decay_steps"}) &&
-      m.get_string("optimizer.decay_style") == "wsd") {
-    const int64_t decay_end = decay_end_step(I("optimizer.decay_steps"), resolved_steps(m));
-    const int64_t room = decay_end - I("optimizer.warmup_steps");
-    const int64_t wsd = I("optimizer.wsd_decay_steps");
-    if (wsd < 1 || wsd > room)
-      report({"optimizer.wsd_decay_steps", "optimizer.decay_style"},
-             "optimizer.decay_style = \"wsd\" decays over the last optimizer.wsd_decay_steps (" + S(wsd) +
-                 ") steps before step " + S(decay_end) + " (optimizer.decay_steps, or run.steps when 0), after the " +
-                 S(I("optimizer.warmup_steps")) + " warmup steps: it must be between 1 and " + S(room) +
-                 (room < 1 ? " (none: the warmup fills the schedule)" : "") +
-                 " (Megatron's --lr-wsd-decay-steps)");
+  // The schedule's marks count steps or samples (ScheduleMarks), never both, and
+  // decay after the warmup.
+  if (steps_ok && usable({"optimizer.decay_style", "optimizer.warmup_steps", "optimizer.decay_steps",
+                          "optimizer.wsd_decay_steps", "optimizer.warmup_samples", "optimizer.decay_samples",
+                          "optimizer.wsd_decay_samples", "optimizer.lr", "optimizer.min_lr",
+                          "optimizer.wsd_decay_style"})) {
+    const RunConfig::Optimizer o = RunConfig::schedule_from(m);
+    const int64_t train_samples = I("run.train_samples");
+    std::vector<const char*> in_steps, in_samples;
+    for (const char* key : {"optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.wsd_decay_steps"})
+      if (I(key) > 0) in_steps.push_back(key);
+    for (const char* key : {"optimizer.warmup_samples", "optimizer.decay_samples", "optimizer.wsd_decay_samples"})
+      if (I(key) > 0) in_samples.push_back(key);
+    if (!in_steps.empty() && !in_samples.empty()) {
+      report({in_steps.front(), in_samples.front()},
+             std::string(in_steps.front()) + " and " + in_samples.front() + " are both set: the learning-rate schedule counts "
+             "steps or training samples, not both (Megatron-LM's --lr-*-iters or --lr-*-samples)");
+    } else if (!in_steps.empty() && train_samples > 0) {
+      const std::string key = in_steps.front(), twin = key.substr(0, key.size() - 5) + "samples";
+      report({in_steps.front(), "run.train_samples"},
+             key + " counts steps, but run.train_samples counts the run in samples, and so the "
+             "learning-rate schedule too (as Megatron-LM's --train-samples): write " + twin + " instead");
+    } else {
+      const ScheduleMarks marks = schedule_marks(o, RunConfig::batch_from(m), resolved_steps(m), train_samples);
+      const std::string unit = marks.unit();
+      const std::string warmup_key = "optimizer.warmup_" + unit, decay_key = "optimizer.decay_" + unit,
+                        wsd_key = "optimizer.wsd_decay_" + unit;
+      const std::string megatron = marks.in_samples ? "samples" : "iters";
+      if (decays && I(decay_key.c_str()) > 0 && marks.decay_end <= marks.warmup)
+        report({decay_key.c_str(), warmup_key.c_str()},
+               decay_key + " (" + S(marks.decay_end) + ") must be more than " + warmup_key + " (" + S(marks.warmup) +
+                   "): the decay runs from the end of the warmup to " + decay_key + " (Megatron's --lr-decay-" +
+                   megatron + ")");
+      if (o.decay_style == "wsd") {
+        const int64_t room = marks.decay_end - marks.warmup;
+        if (marks.wsd_decay < 1 || marks.wsd_decay > room)
+          report({wsd_key.c_str(), "optimizer.decay_style"},
+                 "optimizer.decay_style = \"wsd\" decays over the last " + wsd_key + " (" + S(marks.wsd_decay) +
+                     ") " + unit + " before " + (marks.in_samples ? "sample " : "step ") + S(marks.decay_end) + " (" + decay_key + ", or the run's " + unit +
+                     " when 0), after the " + S(marks.warmup) + " warmup " + unit + ": it must be between 1 and " +
+                     S(room) + (room < 1 ? " (none: the warmup fills the schedule)" : "") + " (Megatron's --lr-wsd-decay-" +
+                     megatron + ")");
+      }
+    }
   }
   // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
   // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).

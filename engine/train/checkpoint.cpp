@@ -681,36 +681,52 @@ std::vector<std::string> data_order_changes(const std::string& step_dir, const s
 }
 
 std::vector<std::string> schedule_changes(const std::string& step_dir, const manifest::RunConfig& now,
-                                          int64_t from_step) {
+                                          int64_t from_step, uint64_t from_samples) {
   const std::optional<toml::table> saved = manifest_to_compare(step_dir);
   if (!saved) return {};
   // The checkpoint's schedule: this run's config with the saved run's schedule keys (a
   // key a checkpoint from before it was added lacks had its default's meaning).
   manifest::RunConfig was = now;
   manifest::RunConfig::Optimizer& o = was.optimizer;
+  auto saved_int = [&](const char* key) { return saved->at_path(key).value_or(int64_t{0}); };
   o.lr = saved->at_path("optimizer.lr").value_or(o.lr);
   o.min_lr = saved->at_path("optimizer.min_lr").value_or(o.min_lr);
   o.warmup_steps = saved->at_path("optimizer.warmup_steps").value_or(o.warmup_steps);
   o.decay_steps = saved->at_path("optimizer.decay_steps").value_or(o.decay_steps);
   o.decay_style = saved->at_path("optimizer.decay_style").value_or(std::string("cosine"));
-  o.wsd_decay_steps = saved->at_path("optimizer.wsd_decay_steps").value_or(int64_t{0});
+  o.wsd_decay_steps = saved_int("optimizer.wsd_decay_steps");
   o.wsd_decay_style = saved->at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
+  o.warmup_samples = saved_int("optimizer.warmup_samples");
+  o.decay_samples = saved_int("optimizer.decay_samples");
+  o.wsd_decay_samples = saved_int("optimizer.wsd_decay_samples");
   was.run.steps = saved->at_path("run.steps").value_or(was.run.steps);
-  if (const int64_t samples = saved->at_path("run.train_samples").value_or(int64_t{0}); samples > 0)
-    was.run.steps = manifest::steps_for_samples(was.batch, samples);  // this run's batches
+  was.run.train_samples = saved_int("run.train_samples");
+  if (was.run.train_samples > 0)
+    was.run.steps = manifest::steps_for_samples(was.batch, was.run.train_samples);  // this run's batches
+  const manifest::ScheduleMarks was_marks = manifest::schedule_marks(was), now_marks = manifest::schedule_marks(now);
+  auto rate = [&](const manifest::RunConfig& c, const manifest::ScheduleMarks& marks, SchedulePoint at) {
+    return learning_rate(c.optimizer, marks, at);
+  };
   // Said only when a step still to come gets another rate (a warmup changed after it
   // ended, or a decay already over, changes nothing ahead): the first ten million
-  // steps ahead and the last are compared.
-  auto differs_at = [&](int64_t step) { return learning_rate(was, step) != learning_rate(now, step); };
+  // steps ahead and the last are compared, each at the samples this run's batches
+  // consume through it.
+  auto differs_at = [&](SchedulePoint at) { return rate(was, was_marks, at) != rate(now, now_marks, at); };
   const int64_t last = now.run.steps, scanned = std::min<int64_t>(last, from_step + 10'000'000);
-  int64_t differs = -1;
-  for (int64_t step = from_step + 1; step <= scanned && differs < 0; ++step)
-    if (differs_at(step)) differs = step;
-  if (differs < 0 && last > scanned && differs_at(last)) differs = last;
-  if (differs < 0) return {};
+  std::optional<SchedulePoint> differs;
+  uint64_t samples = from_samples;
+  for (int64_t step = from_step + 1; step <= scanned && !differs; ++step) {
+    samples += static_cast<uint64_t>(manifest::global_batch_at(now.batch, samples));
+    if (differs_at({step, samples})) differs = SchedulePoint{step, samples};
+  }
+  if (!differs && last > scanned) {
+    const SchedulePoint end{last, manifest::samples_before(now.batch, last, from_step, from_samples)};
+    if (differs_at(end)) differs = end;
+  }
+  if (!differs) return {};
   std::ostringstream rates;
-  rates << std::setprecision(6) << "step " << differs << " gets lr " << learning_rate(now, differs)
-        << " where the checkpoint's schedule gives " << learning_rate(was, differs);
+  rates << std::setprecision(6) << "step " << differs->step << " gets lr " << rate(now, now_marks, *differs)
+        << " where the checkpoint's schedule gives " << rate(was, was_marks, *differs);
   std::vector<std::string> out = {rates.str()};
   auto changed = [&](const char* key, const std::string& before, const std::string& after) {
     if (before != after) out.push_back(std::string(key) + ": " + before + " -> " + after);
@@ -719,15 +735,19 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   changed("optimizer.lr", short_float(o.lr), short_float(n.lr));
   changed("optimizer.min_lr", short_float(o.min_lr), short_float(n.min_lr));
   changed("optimizer.warmup_steps", std::to_string(o.warmup_steps), std::to_string(n.warmup_steps));
+  changed("optimizer.warmup_samples", std::to_string(o.warmup_samples), std::to_string(n.warmup_samples));
   changed("optimizer.decay_style", o.decay_style, n.decay_style);
   changed("optimizer.wsd_decay_steps", std::to_string(o.wsd_decay_steps), std::to_string(n.wsd_decay_steps));
+  changed("optimizer.wsd_decay_samples", std::to_string(o.wsd_decay_samples), std::to_string(n.wsd_decay_samples));
   changed("optimizer.wsd_decay_style", o.wsd_decay_style, n.wsd_decay_style);
-  const int64_t was_end = manifest::decay_end_step(o.decay_steps, was.run.steps),
-                now_end = manifest::decay_end_step(n.decay_steps, now.run.steps);
-  if (was_end != now_end)
-    out.push_back("the decay's end (optimizer.decay_steps, or run.steps when it is 0): step " + std::to_string(was_end) +
-                  " -> " + std::to_string(now_end) + " (set optimizer.decay_steps to keep one schedule over runs of "
-                  "other lengths)");
+  if (was_marks.in_samples != now_marks.in_samples)
+    out.push_back(std::string("the schedule's unit: ") + was_marks.unit() + " -> " + now_marks.unit() +
+                  " (optimizer.*_samples or run.train_samples count it in samples)");
+  else if (was_marks.decay_end != now_marks.decay_end)
+    out.push_back(std::string("the decay's end (optimizer.decay_") + now_marks.unit() + ", or the run's length when " +
+                  "it is 0): " + std::to_string(was_marks.decay_end) + " -> " + std::to_string(now_marks.decay_end) +
+                  " " + now_marks.unit() + " (set optimizer.decay_" + now_marks.unit() +
+                  " to keep one schedule over runs of other lengths)");
   return out;
 }
 

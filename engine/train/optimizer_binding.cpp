@@ -24,25 +24,28 @@ double decay_coefficient(const std::string& shape, double ratio) {
 
 }  // namespace
 
-double learning_rate(const manifest::RunConfig& config, int64_t step) {
-  const manifest::RunConfig::Optimizer& o = config.optimizer;
-  const int64_t warmup = o.warmup_steps;
-  const int64_t decay = manifest::decay_end_step(o.decay_steps, config.run.steps);
-  if (warmup > 0 && step <= warmup) return o.lr * static_cast<double>(step) / warmup;
+double learning_rate(const manifest::RunConfig& config, SchedulePoint at) {
+  return learning_rate(config.optimizer, manifest::schedule_marks(config), at);
+}
+
+double learning_rate(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at) {
+  const int64_t now = marks.in_samples ? static_cast<int64_t>(at.samples) : at.step;
+  const int64_t warmup = marks.warmup, decay = marks.decay_end;
+  if (warmup > 0 && now <= warmup) return o.lr * static_cast<double>(now) / static_cast<double>(warmup);
   if (o.decay_style == "constant") return o.lr;
-  if (step > decay) return o.min_lr;
+  if (now > decay) return o.min_lr;
   if (o.decay_style == "inverse-square-root")
     return std::max(o.min_lr, o.lr * std::sqrt(static_cast<double>(std::max<int64_t>(warmup, 1)) /
-                                               static_cast<double>(std::max<int64_t>(step, 1))));
+                                               static_cast<double>(std::max<int64_t>(now, 1))));
   double coefficient = 1.0;
   if (o.decay_style == "wsd") {
-    const int64_t anneal_start = decay - o.wsd_decay_steps;
-    if (step > anneal_start)
+    const int64_t anneal_start = decay - marks.wsd_decay;
+    if (now > anneal_start)
       coefficient = decay_coefficient(o.wsd_decay_style,
-                                      static_cast<double>(step - anneal_start) / static_cast<double>(o.wsd_decay_steps));
+                                      static_cast<double>(now - anneal_start) / static_cast<double>(marks.wsd_decay));
   } else {
     coefficient = decay_coefficient(
-        o.decay_style, static_cast<double>(step - warmup) / static_cast<double>(std::max<int64_t>(1, decay - warmup)));
+        o.decay_style, static_cast<double>(now - warmup) / static_cast<double>(std::max<int64_t>(1, decay - warmup)));
   }
   return o.min_lr + coefficient * (o.lr - o.min_lr);
 }
@@ -106,11 +109,11 @@ void OptimizerBinding::params_needed_all() {
   gather_running_ = false;
 }
 
-loom_optimizer_step_result OptimizerBinding::step(int64_t step) {
+loom_optimizer_step_result OptimizerBinding::step(int64_t step, double lr) {
   const manifest::RunConfig::Optimizer& o = config_.optimizer;
   loom_optimizer_step_args args = loom::make<loom_optimizer_step_args>();
   args.step = step;
-  args.lr = static_cast<float>(learning_rate(config_, step));
+  args.lr = static_cast<float>(lr);
   args.beta1 = static_cast<float>(o.beta1);
   args.beta2 = static_cast<float>(o.beta2);
   args.eps = static_cast<float>(o.eps);

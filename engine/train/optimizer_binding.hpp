@@ -3,6 +3,7 @@
 // hyperparameters and learning-rate schedule, and its state for checkpoints.
 #pragma once
 
+#include "engine/manifest/batches.hpp"
 #include "engine/model/model.hpp"
 #include "engine/train/run_plan.hpp"
 
@@ -13,13 +14,24 @@
 
 namespace loom::train {
 
-// The learning rate at (1-based) step, as Megatron-LM's OptimizerParamScheduler
-// computes it: linear warmup over optimizer.warmup_steps, then optimizer.decay_style
-// (cosine, linear, constant, inverse-square-root, wsd) towards optimizer.min_lr at
-// optimizer.decay_steps (0: run.steps), and min_lr after it (but for constant).
-// Update k uses the rate of step k; Megatron-LM steps its scheduler after each update,
-// so its update k uses the rate of step k - 1 (its first, init_lr: 0 with a warmup).
-double learning_rate(const manifest::RunConfig& config, int64_t step);
+// Where a step stands in the learning-rate schedule: its (1-based) number and the
+// training samples consumed through it, its own batch included.
+struct SchedulePoint {
+  int64_t step = 0;
+  uint64_t samples = 0;
+};
+
+// The learning rate at a step, as Megatron-LM's OptimizerParamScheduler computes it:
+// linear warmup over optimizer.warmup_steps, then optimizer.decay_style (cosine,
+// linear, constant, inverse-square-root, wsd) towards optimizer.min_lr at
+// optimizer.decay_steps (0: run.steps), and min_lr after it (but for constant). A
+// schedule in samples (manifest::ScheduleMarks) reads the *_samples marks and the
+// point's samples instead. Update k uses the rate of step k; Megatron-LM steps its
+// scheduler after each update, so its update k uses the rate of step k - 1 (its first,
+// init_lr: 0 with a warmup).
+double learning_rate(const manifest::RunConfig& config, SchedulePoint at);
+// The same with the marks worked out once (schedule_marks walks a batch ramp).
+double learning_rate(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at);
 
 class OptimizerBinding {
  public:
@@ -38,7 +50,7 @@ class OptimizerBinding {
   void params_needed(const std::vector<size_t>& params);
   void params_needed_all();
   // Updates the parameters from the finalised gradients for (1-based) `step`.
-  loom_optimizer_step_result step(int64_t step);
+  loom_optimizer_step_result step(int64_t step, double lr);
   // The strategy's state (moments, master weights), as its plugin serialises it.
   std::vector<char> save_state() const;
   void load_state(const std::vector<char>& state);

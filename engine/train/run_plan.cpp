@@ -2,6 +2,7 @@
 
 #include "engine/train/batch_ramp.hpp"
 
+#include "engine/manifest/batches.hpp"
 #include "engine/manifest/schema.hpp"
 #include "engine/pipeline/partition.hpp"
 #include "engine/pipeline/schedule.hpp"
@@ -230,10 +231,11 @@ std::vector<std::string> schedule_settings_that_change_nothing(const manifest::M
                     o.decay_style + "\" it changes nothing");
   };
   if (o.decay_style != "wsd")
-    for (const char* key : {"optimizer.wsd_decay_steps", "optimizer.wsd_decay_style"})
+    for (const char* key : {"optimizer.wsd_decay_steps", "optimizer.wsd_decay_samples", "optimizer.wsd_decay_style"})
       unread(key, "shapes the final decay of decay_style = \"wsd\"");
   if (o.decay_style == "constant")
-    for (const char* key : {"optimizer.min_lr", "optimizer.decay_steps"}) unread(key, "is where a decay ends");
+    for (const char* key : {"optimizer.min_lr", "optimizer.decay_steps", "optimizer.decay_samples"})
+      unread(key, "is where a decay ends");
   return out;
 }
 
@@ -415,10 +417,12 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " chooses what full recomputation keeps; with "
                                 "model.recompute_granularity = \"none\" it changes nothing");
   for (const std::string& w : schedule_settings_that_change_nothing(man, config.optimizer)) plan.warnings.push_back(w);
-  if (config.optimizer.warmup_steps >= config.run.steps && config.optimizer.decay_steps == 0)
-    plan.warnings.push_back(man.origin("optimizer.warmup_steps").str() + ": the warmup (" +
-                            std::to_string(config.optimizer.warmup_steps) + " steps) outlasts the run (" +
-                            std::to_string(config.run.steps) + "): the learning rate never reaches optimizer.lr");
+  const manifest::ScheduleMarks marks = manifest::schedule_marks(config);
+  const std::string unit = marks.unit();
+  if (marks.warmup > 0 && marks.warmup >= marks.decay_end && man.get_int("optimizer.decay_" + unit) == 0)
+    plan.warnings.push_back(man.origin("optimizer.warmup_" + unit).str() + ": the warmup (" +
+                            std::to_string(marks.warmup) + " " + unit + ") outlasts the run (" +
+                            std::to_string(marks.decay_end) + " " + unit + "): the learning rate never reaches optimizer.lr");
   if (config.checkpoint.dir.empty())
     for (const char* key : {"checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save"})
       if (key == std::string("checkpoint.async_save") ? config.checkpoint.async_save : man.get_int(key) > 0)

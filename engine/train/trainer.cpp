@@ -1,6 +1,7 @@
 #include "engine/train/trainer.hpp"
 
 #include "engine/files/temporaries.hpp"
+#include "engine/manifest/batches.hpp"
 #include "engine/model/param_init.hpp"
 #include "engine/pipeline/executor.hpp"
 #include "engine/pipeline/partition.hpp"
@@ -88,6 +89,7 @@ class RankTraining {
   RankTraining(Run& run, runtime::RankRuntime& rt)
       : run_(run),
         config_(run.plan.config),
+        schedule_(manifest::schedule_marks(run.plan.config)),
         rt_(rt),
         rank_(rt.global_rank()),
         leader_(rank_ == 0),
@@ -167,6 +169,7 @@ class RankTraining {
 
   Run& run_;
   const manifest::RunConfig& config_;
+  const manifest::ScheduleMarks schedule_;  // the learning-rate schedule's marks
   runtime::RankRuntime& rt_;
   const int rank_;
   const bool leader_;
@@ -234,6 +237,7 @@ StepRecord RankTraining::train_step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
   const uint64_t consumed = run_.samples_before(step);
   const int64_t M = run_.ramp.microbatches_at(consumed), mbs = config_.batch.micro_batch_size;
+  const int64_t global_batch = run_.ramp.global_batch_at(consumed);
   rt_.reset_comm_stats();
   model_->zero_grads();
   std::vector<pipeline::MicrobatchInput> inputs;
@@ -259,20 +263,22 @@ StepRecord RankTraining::train_step(int64_t step) {
   rt_.reset_comm_stats();
   const auto t_opt = std::chrono::steady_clock::now();
   model_->finalize_grads();
-  const loom_optimizer_step_result sr = optimizer_.step(step + 1);
+  const double lr =
+      learning_rate(config_.optimizer, schedule_, {step + 1, consumed + static_cast<uint64_t>(global_batch)});
+  const loom_optimizer_step_result sr = optimizer_.step(step + 1, lr);
   rt_.dev().synchronize();
   if (trace_) trace_->add(rank_, "optimizer step " + std::to_string(step + 1), "optimizer", t_opt);
 
   StepRecord rec;
   rec.step = step + 1;
-  rec.global_batch = run_.ramp.global_batch_at(consumed);
+  rec.global_batch = global_batch;
   // The step's communication: the pipeline's p2p, the model's and the optimizer's
   // collectives (not the bookkeeping, nor evaluation).
   rec.comm = std::move(step_comm);
   rec.comm += rt_.comm_stats();
   rec.loss = reduced[0];
   rec.aux_loss = reduced[1];
-  rec.lr = static_cast<float>(learning_rate(config_, step + 1));
+  rec.lr = static_cast<float>(lr);
   rec.grad_norm = sr.grad_norm;
   rec.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const loom_memory_stats mem = rt_.memory();
@@ -574,7 +580,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
       *options.log << "resume: warning: " << change << " since the checkpoint: the data after it (samples, loss mask or "
                    << "documents) is not what the interrupted run would have read" << std::endl;
-    if (const std::vector<std::string> changes = schedule_changes(resume->dir, config, resume->step); !changes.empty()) {
+    if (const std::vector<std::string> changes =
+            schedule_changes(resume->dir, config, resume->step, resume->consumed_samples);
+        !changes.empty()) {
       *options.log << "resume: warning: the learning-rate schedule differs from the checkpoint's: " << changes.front()
                    << std::endl;
       for (size_t i = 1; i < changes.size(); ++i) *options.log << "resume:   " << changes[i] << std::endl;

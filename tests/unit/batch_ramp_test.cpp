@@ -14,6 +14,7 @@
 #include <boost/filesystem.hpp>
 
 #include <random>
+#include <sstream>
 
 namespace {
 
@@ -79,10 +80,11 @@ TEST(BatchRamp, TrainSamplesGiveMegatronsIterations) {
   EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 1), 1);
   // A run of train_samples = 40 at the tiny manifest's global batch of 8: 5 steps, its
   // written run.steps replaced (and warned of).
-  auto run = run_and_trace(tiny_manifest(), {"run.train_samples=40"});
+  const std::vector<std::string> samples = {"run.train_samples=40", "optimizer.warmup_steps=0"};
+  auto run = run_and_trace(tiny_manifest(), samples);
   EXPECT_EQ(run.result.final_step, 5);
   bool warned = false;
-  for (const std::string& w : loom::testing::plan_from(tiny_manifest(), {"run.train_samples=40"}).warnings)
+  for (const std::string& w : loom::testing::plan_from(tiny_manifest(), samples).warnings)
     warned |= w.find("run.steps is replaced by run.train_samples = 40, which takes 5 steps") != std::string::npos;
   EXPECT_TRUE(warned);
   try {
@@ -180,21 +182,47 @@ TEST(BatchRamp, PartialGraphsWithDropoutAreBitIdenticalToEager) {
 }
 
 // A resume inside the ramp continues it from the samples consumed (the checkpoint's
-// consumed_samples), bit for bit.
+// consumed_samples), bit for bit, with the learning-rate schedule in steps or in
+// samples (each step's rate read from the samples consumed through it).
 TEST(BatchRamp, AResumeInsideTheRampIsBitExact) {
-  const std::string dir = loom::testing::scratch_dir("ramp_resume");
+  const std::vector<std::string> in_samples = with_overrides(
+      kRamp, {"optimizer.warmup_steps=0", "optimizer.warmup_samples=20", "optimizer.decay_style=\"linear\""});
+  for (const std::vector<std::string>& ramp : {kRamp, in_samples}) {
+    const std::string dir = loom::testing::scratch_dir("ramp_resume");
+    fs::remove_all(dir);
+    auto full = run_and_trace(tiny_manifest(), ramp);
+    const std::vector<std::string> saving = with_overrides(ramp, {"checkpoint.dir=\"" + dir + "\""});
+    run_and_trace(tiny_manifest(), with_overrides(saving, {"run.exit_interval=6"}));
+    EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 6)).consumed_samples, 4 * 4 + 2 * 8);
+    loom::train::TrainOptions resume;
+    resume.resume = true;
+    std::ostringstream log;
+    resume.log = &log;
+    auto rest = run_and_trace(tiny_manifest(), saving, resume);
+    ASSERT_EQ(rest.result.start_step, 6);
+    EXPECT_EQ(rest.params.back(), full.params.back());
+    EXPECT_EQ(rest.loss.back(), full.loss.back());
+    for (size_t i = 0; i < rest.result.steps.size(); ++i)
+      EXPECT_EQ(rest.result.steps[i].lr, full.result.steps[6 + i].lr) << "step " << 7 + i;
+    EXPECT_EQ(rest.result.steps.front().global_batch, 12);
+    EXPECT_EQ(log.str().find("resume: warning"), std::string::npos) << log.str();
+    fs::remove_all(dir);
+  }
+  // A resume that moves the decay's end in samples says so in samples: 12 steps of the
+  // ramp are 4 x 4 + 2 x 8 + 12 + 5 x 16 = 124 samples.
+  const std::string dir = loom::testing::scratch_dir("ramp_resume_schedule");
   fs::remove_all(dir);
-  auto full = run_and_trace(tiny_manifest(), kRamp);
-  const std::vector<std::string> saving = with_overrides(kRamp, {"checkpoint.dir=\"" + dir + "\""});
+  const std::vector<std::string> saving = with_overrides(in_samples, {"checkpoint.dir=\"" + dir + "\""});
   run_and_trace(tiny_manifest(), with_overrides(saving, {"run.exit_interval=6"}));
-  EXPECT_EQ(loom::train::read_meta(loom::train::checkpoint_path(dir, 6)).consumed_samples, 4 * 4 + 2 * 8);
   loom::train::TrainOptions resume;
   resume.resume = true;
-  auto rest = run_and_trace(tiny_manifest(), saving, resume);
-  ASSERT_EQ(rest.result.start_step, 6);
-  EXPECT_EQ(rest.params.back(), full.params.back());
-  EXPECT_EQ(rest.loss.back(), full.loss.back());
-  EXPECT_EQ(rest.result.steps.front().global_batch, 12);
+  std::ostringstream log;
+  resume.log = &log;
+  run_and_trace(tiny_manifest(), with_overrides(saving, {"optimizer.decay_samples=100"}), resume);
+  EXPECT_NE(log.str().find("resume:   the decay's end (optimizer.decay_samples, or the run's length when it is 0): "
+                           "124 -> 100 samples"),
+            std::string::npos)
+      << log.str();
   fs::remove_all(dir);
 }
 

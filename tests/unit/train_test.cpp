@@ -27,6 +27,7 @@
 namespace {
 
 using loom::testing::max_rel_diff;
+using loom::testing::with_overrides;
 using loom::testing::run_and_trace;
 using loom::testing::tiny_manifest;
 namespace fs = boost::filesystem;
@@ -73,7 +74,7 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string graphs = "captures no layer step with parallel.tp = 2";
   EXPECT_TRUE(warned({"exec.mode=\"partial_graph\"", "parallel.tp=2", "parallel.dp=1"}, graphs));
   EXPECT_FALSE(warned({"exec.mode=\"partial_graph\""}, graphs));
-  const std::string warmup = "the warmup (10 steps) outlasts the run (5)";
+  const std::string warmup = "the warmup (10 steps) outlasts the run (5 steps)";
   EXPECT_TRUE(warned({"optimizer.warmup_steps=10", "run.steps=5"}, warmup));
   EXPECT_FALSE(warned({"optimizer.warmup_steps=10", "run.steps=11"}, "outlasts the run"));
   const std::string wsd_only = "optimizer.wsd_decay_steps shapes the final decay of decay_style = \"wsd\"";
@@ -167,7 +168,7 @@ TEST(LearningRate, EachDecayStyleIsMegatronsSchedule) {
     const std::vector<std::string> base = {"run.steps=200", "optimizer.lr=1e-3", "optimizer.min_lr=1e-4",
                                            "optimizer.warmup_steps=10", "optimizer.decay_steps=110"};
     return loom::train::learning_rate(loom::testing::plan_from(tiny_manifest(), loom::testing::with_overrides(base, style)).config,
-                                      step);
+                                      {step, 0});
   };
   const double tol = 1e-15;
   for (const char* style : {"cosine", "linear", "constant", "inverse-square-root", "wsd"}) {
@@ -224,6 +225,109 @@ TEST(LearningRate, AWsdDecayResumedFromAConstantRunIsTheWholeWsdRun) {
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(annealed.loss[i], whole.loss[8 + i]) << "step " << 9 + i;
   EXPECT_EQ(annealed.params.back(), whole.params.back());
   fs::remove_all(dir);
+}
+
+// A schedule in samples (Megatron-LM's --lr-*-samples) places a step at the samples
+// consumed through it: with a constant batch of 8, marks of 8 x the steps' give the
+// step schedule's rates exactly, for every style.
+TEST(LearningRate, ASampleScheduleOfAConstantBatchIsTheStepSchedule) {
+  for (const char* style : {"cosine", "linear", "constant", "inverse-square-root", "wsd"}) {
+    const std::vector<std::string> common = {"run.steps=200", "optimizer.min_lr=1e-4",
+                                             std::string("optimizer.decay_style=\"") + style + "\""};
+    const loom::manifest::RunConfig steps =
+        loom::testing::plan_from(tiny_manifest(), with_overrides(common, {"optimizer.warmup_steps=10",
+                                                                          "optimizer.decay_steps=110",
+                                                                          "optimizer.wsd_decay_steps=20"}))
+            .config;
+    const loom::manifest::RunConfig samples =
+        loom::testing::plan_from(tiny_manifest(),
+                                 with_overrides(common, {"optimizer.warmup_steps=0", "optimizer.warmup_samples=80",
+                                                         "optimizer.decay_samples=880", "optimizer.wsd_decay_samples=160"}))
+            .config;
+    EXPECT_FALSE(loom::manifest::schedule_marks(steps).in_samples);
+    EXPECT_TRUE(loom::manifest::schedule_marks(samples).in_samples);
+    for (int64_t step = 1; step <= 200; ++step)
+      ASSERT_EQ(loom::train::learning_rate(steps, {step, 0}),
+                loom::train::learning_rate(samples, {step, static_cast<uint64_t>(8 * step)}))
+          << style << ", step " << step;
+  }
+}
+
+// With a batch ramp the schedule in samples follows the data seen. The ramp [4, 2, 24]
+// to 8 (one increment per 12 samples) over run.train_samples = 64: steps of 4, 4, 4,
+// 6, 6, 8, then 8s, through 4, 8, 12, 18, 24, 32, 40, 48, 56, 64 samples (10 steps).
+// Warmup 12 samples, a linear decay to 64 (decay_samples = 0: run.train_samples):
+// each step's rate, as the run's metrics and its optimizer got it, worked by hand.
+TEST(LearningRate, AScheduleInSamplesFollowsTheRampsBatches) {
+  const double lr = 1e-2, min_lr = 1e-3;
+  auto run = run_and_trace(tiny_manifest(),
+                           {"run.train_samples=64", "batch.micro_batch_size=2", "batch.rampup_batch_size=[4, 2, 24]",
+                            "optimizer.warmup_steps=0", "optimizer.warmup_samples=12", "optimizer.min_lr=1e-3",
+                            "optimizer.decay_style=\"linear\""});
+  const std::vector<double> through = {4, 8, 12, 18, 24, 32, 40, 48, 56, 64};
+  ASSERT_EQ(run.result.steps.size(), through.size());
+  for (size_t i = 0; i < through.size(); ++i) {
+    const double s = through[i];
+    const double expected = s <= 12 ? lr * s / 12 : min_lr + (1 - (s - 12) / (64 - 12)) * (lr - min_lr);
+    EXPECT_EQ(run.result.steps[i].lr, static_cast<float>(expected)) << "step " << i + 1 << " (" << s << " samples)";
+  }
+  // The same run with the schedule in steps warms up over 3 steps and decays by steps.
+  auto by_steps = run_and_trace(tiny_manifest(), {"run.steps=10", "batch.micro_batch_size=2",
+                                                  "batch.rampup_batch_size=[4, 2, 24]", "optimizer.warmup_steps=3",
+                                                  "optimizer.min_lr=1e-3", "optimizer.decay_style=\"linear\""});
+  EXPECT_EQ(by_steps.result.steps[3].lr, static_cast<float>(min_lr + (1 - 1.0 / 7) * (lr - min_lr)));
+  EXPECT_NE(by_steps.result.steps[3].lr, run.result.steps[3].lr);
+}
+
+// The schedule counts steps or samples, never both; run.train_samples counts samples.
+// The marks' checks read the schedule's unit; keys a style never reads are warned of.
+TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
+  auto refusal = [](const std::vector<std::string>& o) {
+    try {
+      loom::testing::plan_from(tiny_manifest(), o);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(refusal({"optimizer.decay_samples=100"})
+                .find("optimizer.warmup_steps and optimizer.decay_samples are both set: the learning-rate schedule "
+                      "counts steps or training samples, not both"),
+            std::string::npos);
+  EXPECT_NE(refusal({"run.train_samples=80"})
+                .find("optimizer.warmup_steps counts steps, but run.train_samples counts the run in samples, and so "
+                      "the learning-rate schedule too (as Megatron-LM's --train-samples): write "
+                      "optimizer.warmup_samples instead"),
+            std::string::npos);
+  EXPECT_EQ(refusal({"run.train_samples=80", "optimizer.warmup_steps=0", "optimizer.warmup_samples=16"}), "");
+  EXPECT_NE(refusal({"optimizer.warmup_steps=0", "optimizer.warmup_samples=16", "optimizer.decay_samples=16"})
+                .find("optimizer.decay_samples (16) must be more than optimizer.warmup_samples (16): the decay runs "
+                      "from the end of the warmup to optimizer.decay_samples (Megatron's --lr-decay-samples)"),
+            std::string::npos);
+  // wsd in samples: the run's 10 steps of 8 are 80 samples, 16 of them warmup.
+  const std::vector<std::string> wsd = {"optimizer.warmup_steps=0", "optimizer.warmup_samples=16",
+                                        "optimizer.decay_style=\"wsd\""};
+  EXPECT_NE(refusal(with_overrides(wsd, {"optimizer.wsd_decay_samples=65"}))
+                .find("decays over the last optimizer.wsd_decay_samples (65) samples before sample 80 "
+                      "(optimizer.decay_samples, or the run's samples when 0), after the 16 warmup samples: it must "
+                      "be between 1 and 64"),
+            std::string::npos);
+  EXPECT_EQ(refusal(with_overrides(wsd, {"optimizer.wsd_decay_samples=64"})), "");
+  EXPECT_NE(refusal({"optimizer.decay_style=\"wsd\"", "optimizer.wsd_decay_steps=9"})
+                .find("it must be between 1 and 8"),
+            std::string::npos)
+      << "steps, as before";
+  auto warned = [](const std::vector<std::string>& o, const std::string& text) {
+    for (const std::string& w : loom::testing::plan_from(tiny_manifest(), o).warnings)
+      if (w.find(text) != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(warned({"optimizer.warmup_steps=0", "optimizer.warmup_samples=80"},
+                     "the warmup (80 samples) outlasts the run (80 samples)"));
+  EXPECT_TRUE(warned({"optimizer.decay_style=\"constant\"", "optimizer.warmup_steps=0", "optimizer.decay_samples=50"},
+                     "optimizer.decay_samples is where a decay ends"));
+  EXPECT_TRUE(warned({"optimizer.warmup_steps=0", "optimizer.wsd_decay_samples=50"},
+                     "optimizer.wsd_decay_samples shapes the final decay"));
 }
 
 // A collective timeout below a millisecond waits a millisecond: rounded down it was 0,
@@ -1266,7 +1370,8 @@ TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   EXPECT_NE(stretched.find("resume: warning: the learning-rate schedule differs from the checkpoint's: step 3 gets lr"),
             std::string::npos)
       << stretched;
-  EXPECT_NE(stretched.find("resume:   the decay's end (optimizer.decay_steps, or run.steps when it is 0): step 5 -> 3"),
+  EXPECT_NE(stretched.find("resume:   the decay's end (optimizer.decay_steps, or the run's length when it is 0): 5 -> 3 "
+                           "steps"),
             std::string::npos)
       << stretched;
   const std::string style = resumed_log({"optimizer.decay_style=\"linear\""});
