@@ -2,6 +2,7 @@
 #include "engine/manifest/batches.hpp"
 
 #include <algorithm>
+#include <string>
 
 namespace loom::manifest {
 
@@ -54,8 +55,16 @@ int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples) 
   return lo + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
 }
 
+bool style_reads(const RunConfig::Optimizer& o, const std::string& key) {
+  if (key.find(".wsd_decay_") != std::string::npos) return o.decay_style == "wsd";
+  if (key.find(".decay_") != std::string::npos) return o.decay_style != "constant";
+  return true;
+}
+
 bool schedule_in_samples(const RunConfig::Optimizer& o, int64_t train_samples) {
-  return train_samples > 0 || o.warmup_samples > 0 || o.decay_samples > 0 || o.wsd_decay_samples > 0;
+  return train_samples > 0 || o.warmup_samples > 0 ||
+         (o.decay_samples > 0 && style_reads(o, "optimizer.decay_samples")) ||
+         (o.wsd_decay_samples > 0 && style_reads(o, "optimizer.wsd_decay_samples"));
 }
 
 ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Batch& batch, int64_t run_steps,
@@ -66,6 +75,7 @@ ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Bat
     m.warmup = o.warmup_steps;
     m.decay_end = o.decay_steps > 0 ? o.decay_steps : run_steps;
     m.wsd_decay = o.wsd_decay_steps;
+    m.run_length = run_steps;
     return m;
   }
   // Megatron-LM decays to --train-samples (a last partial batch, not trained, counts).
@@ -74,6 +84,7 @@ ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Bat
   m.warmup = o.warmup_samples;
   m.decay_end = o.decay_samples > 0 ? o.decay_samples : run_samples;
   m.wsd_decay = o.wsd_decay_samples;
+  m.run_length = run_samples;
   return m;
 }
 

@@ -10,6 +10,7 @@
 #include "engine/manifest/run_config.hpp"
 
 #include <cstdint>
+#include <string>
 
 namespace loom::manifest {
 
@@ -30,20 +31,26 @@ uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t sta
 // global batches of what is left (a last partial batch dropped).
 int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples);
 
-// The learning-rate schedule's marks in its unit. It counts training samples (as
-// Megatron-LM's OptimizerParamScheduler does with --lr-*-samples) when any
-// optimizer.*_samples key is set or the run's length is run.train_samples, and steps
-// otherwise. A step's place in it is the step's number or the samples consumed through
-// the step (its own batch included), so with a constant batch B a schedule of
-// warmup_samples = W * B is the schedule of warmup_steps = W.
+// The learning-rate and weight-decay schedule's marks in its unit. It counts training
+// samples (as Megatron-LM's OptimizerParamScheduler does with --lr-*-samples) when an
+// optimizer.*_samples mark the decay style reads is set or the run's length is
+// run.train_samples, and steps otherwise. A step's place in it is the step's number or
+// the samples consumed through the step (its own batch included), so with a constant
+// batch B a schedule of warmup_samples = W * B is the schedule of warmup_steps = W
+// (inverse-square-root's max(warmup, 1) counts in the unit: with no warmup it differs).
 struct ScheduleMarks {
   bool in_samples = false;
   int64_t warmup = 0;
   int64_t decay_end = 0;  // optimizer.decay_*, or the run's length (steps or samples) when 0
   int64_t wsd_decay = 0;
+  int64_t run_length = 0;  // run.steps, or run.train_samples (the samples of run.steps) in samples
   const char* unit() const { return in_samples ? "samples" : "steps"; }
 };
 bool schedule_in_samples(const RunConfig::Optimizer& o, int64_t train_samples);
+// Whether optimizer.decay_style reads the mark `key` (optimizer.warmup_*, decay_* or
+// wsd_decay_*): the warmup always, the decay's end but under "constant", the final
+// decay under "wsd" only.
+bool style_reads(const RunConfig::Optimizer& o, const std::string& key);
 // run_steps: run.steps as resolved; train_samples: run.train_samples (0 = none).
 ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Batch& batch, int64_t run_steps,
                              int64_t train_samples);

@@ -41,12 +41,17 @@ RunConfig::Batch RunConfig::batch_from(const Manifest& m) {
   Batch b;
   b.micro_batch_size = m.get_int("batch.micro_batch_size");
   b.global_batch_size = m.get_int("batch.global_batch_size");
-  if (const toml::array* ramp = m.table().at_path("batch.rampup_batch_size").as_array(); ramp && ramp->size() == 3) {
+  read_rampup(m.table(), b);
+  return b;
+}
+
+void RunConfig::read_rampup(const toml::table& t, Batch& b) {
+  b.rampup_start = b.rampup_increment = b.rampup_samples = 0;
+  if (const toml::array* ramp = t.at_path("batch.rampup_batch_size").as_array(); ramp && ramp->size() == 3) {
     b.rampup_start = ramp->get(0)->value_or(int64_t{0});
     b.rampup_increment = ramp->get(1)->value_or(int64_t{0});
     b.rampup_samples = ramp->get(2)->value_or(int64_t{0});
   }
-  return b;
 }
 
 RunConfig::Optimizer RunConfig::schedule_from(const Manifest& m) {
@@ -61,6 +66,10 @@ RunConfig::Optimizer RunConfig::schedule_from(const Manifest& m) {
   o.warmup_samples = m.get_int("optimizer.warmup_samples");
   o.decay_samples = m.get_int("optimizer.decay_samples");
   o.wsd_decay_samples = m.get_int("optimizer.wsd_decay_samples");
+  o.weight_decay = m.get_float("optimizer.weight_decay");
+  o.weight_decay_incr_style = m.get_string("optimizer.weight_decay_incr_style");
+  o.start_weight_decay = m.get_float("optimizer.start_weight_decay");
+  o.end_weight_decay = m.get_float("optimizer.end_weight_decay");
   return o;
 }
 
@@ -132,7 +141,6 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.optimizer.beta1 = m.get_float("optimizer.beta1");
   c.optimizer.beta2 = m.get_float("optimizer.beta2");
   c.optimizer.eps = m.get_float("optimizer.eps");
-  c.optimizer.weight_decay = m.get_float("optimizer.weight_decay");
   c.optimizer.clip_grad = m.get_float("optimizer.clip_grad");
   c.optimizer.overlap_grad_reduce = m.get_bool("optimizer.overlap_grad_reduce");
   c.optimizer.overlap_param_gather = m.get_bool("optimizer.overlap_param_gather");

@@ -73,6 +73,8 @@ struct RunConfig {
     int64_t wsd_decay_steps = 0;  // wsd: the final decay's steps
     // The same marks in training samples (Megatron-LM's --lr-*-samples); see ScheduleMarks.
     int64_t warmup_samples = 0, decay_samples = 0, wsd_decay_samples = 0;
+    std::string weight_decay_incr_style;  // constant (weight_decay), linear, cosine
+    double start_weight_decay = 0, end_weight_decay = 0;
     std::string wsd_decay_style;  // wsd: exponential, linear, cosine, minus_sqrt
     double beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, clip_grad = 0;
     int64_t bucket_size = 0;      // resolved: kOverlapBucketSize when overlapping without one
@@ -125,7 +127,9 @@ struct RunConfig {
   static RunConfig from(const Manifest& m);
   // The batch keys alone (what the schema's checks need of them).
   static Batch batch_from(const Manifest& m);
-  // The learning-rate schedule's keys alone (lr, min_lr, the styles and the marks).
+  // batch.rampup_batch_size of a manifest's table (none: no ramp), as batch_from reads it.
+  static void read_rampup(const toml::table& t, Batch& b);
+  // The schedule's keys alone (lr, min_lr, the styles and the marks, the weight decay).
   static Optimizer schedule_from(const Manifest& m);
 };
 

@@ -219,8 +219,8 @@ std::vector<KeySpec> build() {
     KeySpec k = key("batch.rampup_batch_size", KeyType::Array, "[]",
                     "[start, increment, samples] (Megatron-LM's --rampup-batch-size): the global batch starts at "
                     "start sequences and grows by increment each samples / ((global_batch_size - start) / "
-                    "increment) training samples until global_batch_size; the learning-rate schedule stays in "
-                    "steps ([] = no ramp)");
+                    "increment) training samples until global_batch_size; the learning-rate schedule follows the "
+                    "samples with optimizer.*_samples ([] = no ramp)");
     k.check = [](const toml::node& v) -> std::string {
       const toml::array& a = *v.as_array();
       if (a.empty()) return "";
@@ -274,7 +274,19 @@ std::vector<KeySpec> build() {
   v.push_back(f("optimizer.beta1", "0.9", 0, false, "Adam beta1", 1, true));
   v.push_back(f("optimizer.beta2", "0.95", 0, false, "Adam beta2", 1, true));
   v.push_back(f("optimizer.eps", "1e-8", 0, true, "Adam epsilon"));
-  v.push_back(f("optimizer.weight_decay", "0.1", 0, false, "decoupled weight decay"));
+  v.push_back(f("optimizer.weight_decay", "0.1", 0, false,
+                "decoupled weight decay (with weight_decay_incr_style = \"constant\")"));
+  v.push_back(s("optimizer.weight_decay_incr_style", "constant",
+                "the weight decay over the run (Megatron's --weight-decay-incr-style): \"constant\" is weight_decay; "
+                "\"linear\" or \"cosine\" (a half cosine) go from start_weight_decay at the start to "
+                "end_weight_decay at the run's end (its steps, or samples when the schedule counts samples)",
+                {"constant", "linear", "cosine"}));
+  v.push_back(f("optimizer.start_weight_decay", "0.0", 0, false,
+                "with weight_decay_incr_style linear or cosine: the weight decay at the start (Megatron's "
+                "--start-weight-decay)"));
+  v.push_back(f("optimizer.end_weight_decay", "0.0", 0, false,
+                "with weight_decay_incr_style linear or cosine: the weight decay at the run's end (Megatron's "
+                "--end-weight-decay)"));
   v.push_back(f("optimizer.clip_grad", "1.0", 0, false, "global gradient-norm clip (0 = off)"));
   // The optimizer plugins take these as 32-bit floats (loom_optimizer_step_args).
   for (KeySpec& k : v)
@@ -783,6 +795,15 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   const bool steps_known = usable({"run.steps", "run.train_samples", "batch.global_batch_size",
                                    "batch.micro_batch_size", "batch.rampup_batch_size"});
   bool steps_ok = steps_known;
+  // The samples are counted in 64 bits and by the ramp's calculator in double: a run
+  // of more than 2^53 of them has no exact position.
+  if (steps_known && I("run.train_samples") == 0 &&
+      I("run.steps") > (int64_t{1} << 53) / std::max<int64_t>(1, I("batch.global_batch_size"))) {
+    report({"run.steps", "batch.global_batch_size"},
+           "run.steps = " + S(I("run.steps")) + " of batch.global_batch_size = " + S(I("batch.global_batch_size")) +
+               " are more than 2^53 training samples");
+    steps_ok = false;
+  }
   if (steps_known && I("run.train_samples") > 0) {
     if (resolved_steps(m) < 1) {
       report({"run.train_samples", "batch.global_batch_size"},
@@ -796,14 +817,15 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   if (steps_ok && usable({"optimizer.decay_style", "optimizer.warmup_steps", "optimizer.decay_steps",
                           "optimizer.wsd_decay_steps", "optimizer.warmup_samples", "optimizer.decay_samples",
                           "optimizer.wsd_decay_samples", "optimizer.lr", "optimizer.min_lr",
-                          "optimizer.wsd_decay_style"})) {
+                          "optimizer.wsd_decay_style", "optimizer.weight_decay", "optimizer.weight_decay_incr_style",
+                          "optimizer.start_weight_decay", "optimizer.end_weight_decay"})) {
     const RunConfig::Optimizer o = RunConfig::schedule_from(m);
     const int64_t train_samples = I("run.train_samples");
-    std::vector<const char*> in_steps, in_samples;
+    std::vector<const char*> in_steps, in_samples;  // the marks set that the decay style reads
     for (const char* key : {"optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.wsd_decay_steps"})
-      if (I(key) > 0) in_steps.push_back(key);
+      if (I(key) > 0 && style_reads(o, key)) in_steps.push_back(key);
     for (const char* key : {"optimizer.warmup_samples", "optimizer.decay_samples", "optimizer.wsd_decay_samples"})
-      if (I(key) > 0) in_samples.push_back(key);
+      if (I(key) > 0 && style_reads(o, key)) in_samples.push_back(key);
     if (!in_steps.empty() && !in_samples.empty()) {
       report({in_steps.front(), in_samples.front()},
              std::string(in_steps.front()) + " and " + in_samples.front() + " are both set: the learning-rate schedule counts "

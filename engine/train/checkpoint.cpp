@@ -699,19 +699,32 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   o.warmup_samples = saved_int("optimizer.warmup_samples");
   o.decay_samples = saved_int("optimizer.decay_samples");
   o.wsd_decay_samples = saved_int("optimizer.wsd_decay_samples");
+  o.weight_decay = saved->at_path("optimizer.weight_decay").value_or(o.weight_decay);
+  o.weight_decay_incr_style = saved->at_path("optimizer.weight_decay_incr_style").value_or(std::string("constant"));
+  o.start_weight_decay = saved->at_path("optimizer.start_weight_decay").value_or(0.0);
+  o.end_weight_decay = saved->at_path("optimizer.end_weight_decay").value_or(0.0);
+  // The checkpoint's batches: a schedule in samples ends at the samples of its run.
+  if (const int64_t global = saved_int("batch.global_batch_size"); global > 0) {
+    was.batch.global_batch_size = global;
+    manifest::RunConfig::read_rampup(*saved, was.batch);
+  }
   was.run.steps = saved->at_path("run.steps").value_or(was.run.steps);
   was.run.train_samples = saved_int("run.train_samples");
-  if (was.run.train_samples > 0)
-    was.run.steps = manifest::steps_for_samples(was.batch, was.run.train_samples);  // this run's batches
+  if (was.run.train_samples > 0) was.run.steps = manifest::steps_for_samples(was.batch, was.run.train_samples);
   const manifest::ScheduleMarks was_marks = manifest::schedule_marks(was), now_marks = manifest::schedule_marks(now);
   auto rate = [&](const manifest::RunConfig& c, const manifest::ScheduleMarks& marks, SchedulePoint at) {
     return learning_rate(c.optimizer, marks, at);
   };
-  // Said only when a step still to come gets another rate (a warmup changed after it
-  // ended, or a decay already over, changes nothing ahead): the first ten million
-  // steps ahead and the last are compared, each at the samples this run's batches
-  // consume through it.
-  auto differs_at = [&](SchedulePoint at) { return rate(was, was_marks, at) != rate(now, now_marks, at); };
+  auto decay = [&](const manifest::RunConfig& c, const manifest::ScheduleMarks& marks, SchedulePoint at) {
+    return weight_decay(c.optimizer, marks, at);
+  };
+  // Said only when a step still to come gets another rate or weight decay (a warmup
+  // changed after it ended, or a decay already over, changes nothing ahead): the first
+  // ten million steps ahead and the last are compared, each at the samples this run's
+  // batches consume through it.
+  auto differs_at = [&](SchedulePoint at) {
+    return rate(was, was_marks, at) != rate(now, now_marks, at) || decay(was, was_marks, at) != decay(now, now_marks, at);
+  };
   const int64_t last = now.run.steps, scanned = std::min<int64_t>(last, from_step + 10'000'000);
   std::optional<SchedulePoint> differs;
   uint64_t samples = from_samples;
@@ -726,7 +739,8 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   if (!differs) return {};
   std::ostringstream rates;
   rates << std::setprecision(6) << "step " << differs->step << " gets lr " << rate(now, now_marks, *differs)
-        << " where the checkpoint's schedule gives " << rate(was, was_marks, *differs);
+        << " and weight decay " << decay(now, now_marks, *differs) << " where the checkpoint's schedule gives "
+        << rate(was, was_marks, *differs) << " and " << decay(was, was_marks, *differs);
   std::vector<std::string> out = {rates.str()};
   auto changed = [&](const char* key, const std::string& before, const std::string& after) {
     if (before != after) out.push_back(std::string(key) + ": " + before + " -> " + after);
@@ -740,6 +754,10 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   changed("optimizer.wsd_decay_steps", std::to_string(o.wsd_decay_steps), std::to_string(n.wsd_decay_steps));
   changed("optimizer.wsd_decay_samples", std::to_string(o.wsd_decay_samples), std::to_string(n.wsd_decay_samples));
   changed("optimizer.wsd_decay_style", o.wsd_decay_style, n.wsd_decay_style);
+  changed("optimizer.weight_decay", short_float(o.weight_decay), short_float(n.weight_decay));
+  changed("optimizer.weight_decay_incr_style", o.weight_decay_incr_style, n.weight_decay_incr_style);
+  changed("optimizer.start_weight_decay", short_float(o.start_weight_decay), short_float(n.start_weight_decay));
+  changed("optimizer.end_weight_decay", short_float(o.end_weight_decay), short_float(n.end_weight_decay));
   if (was_marks.in_samples != now_marks.in_samples)
     out.push_back(std::string("the schedule's unit: ") + was_marks.unit() + " -> " + now_marks.unit() +
                   " (optimizer.*_samples or run.train_samples count it in samples)");

@@ -55,6 +55,7 @@ std::string step_json(const StepRecord& r) {
                               {"loss", r.loss},
                               {"aux_loss", r.aux_loss},
                               {"lr", r.lr},
+                              {"weight_decay", r.weight_decay},
                               {"grad_norm", r.grad_norm},
                               {"global_batch", r.global_batch},
                               {"tokens_per_s", r.tokens_per_s},

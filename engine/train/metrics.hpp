@@ -16,7 +16,11 @@ struct StepRecord {
   int64_t step = 0;       // 1-based: the step just completed
   double loss = 0;        // mean over the global batch
   double aux_loss = 0;    // the layers' weighted auxiliary losses (MoE load balancing), same mean; 0 = none
-  double lr = 0;
+  // The step's rates as the optimizer plugin took them (single precision; float-typed so
+  // the value cannot hold more than was applied). weight_decay follows
+  // optimizer.weight_decay_incr_style.
+  float lr = 0;
+  float weight_decay = 0;
   double grad_norm = 0;
   double ms = 0;
   int64_t global_batch = 0;  // the step's global batch (sequences; batch.rampup_batch_size ramps it)

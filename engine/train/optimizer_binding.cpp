@@ -50,6 +50,16 @@ double learning_rate(const manifest::RunConfig::Optimizer& o, const manifest::Sc
   return o.min_lr + coefficient * (o.lr - o.min_lr);
 }
 
+double weight_decay(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at) {
+  if (o.weight_decay_incr_style == "constant") return o.weight_decay;
+  const int64_t now = marks.in_samples ? static_cast<int64_t>(at.samples) : at.step;
+  if (now > marks.run_length) return o.end_weight_decay;
+  const double ratio = static_cast<double>(now) / static_cast<double>(std::max<int64_t>(1, marks.run_length));
+  const double coefficient =
+      o.weight_decay_incr_style == "linear" ? ratio : 0.5 * (std::cos(M_PI * (1.0 - ratio)) + 1.0);
+  return o.start_weight_decay + coefficient * (o.end_weight_decay - o.start_weight_decay);
+}
+
 OptimizerBinding::OptimizerBinding(const RunPlan& plan, runtime::RankRuntime& rank, model::Model& model)
     : config_(plan.config), rank_(rank), api_(plan.optimizer->optimizer()) {
   const std::vector<loom_param_info> infos = model.param_infos();
@@ -109,7 +119,7 @@ void OptimizerBinding::params_needed_all() {
   gather_running_ = false;
 }
 
-loom_optimizer_step_result OptimizerBinding::step(int64_t step, double lr) {
+loom_optimizer_step_result OptimizerBinding::step(int64_t step, double lr, double weight_decay) {
   const manifest::RunConfig::Optimizer& o = config_.optimizer;
   loom_optimizer_step_args args = loom::make<loom_optimizer_step_args>();
   args.step = step;
@@ -117,7 +127,7 @@ loom_optimizer_step_result OptimizerBinding::step(int64_t step, double lr) {
   args.beta1 = static_cast<float>(o.beta1);
   args.beta2 = static_cast<float>(o.beta2);
   args.eps = static_cast<float>(o.eps);
-  args.weight_decay = static_cast<float>(o.weight_decay);
+  args.weight_decay = static_cast<float>(weight_decay);
   args.clip_grad = static_cast<float>(o.clip_grad);
   // Checked before launch: only a strategy with LOOM_OPTIMIZER_OVERLAP_PARAM_GATHER.
   args.overlap_param_gather = o.overlap_param_gather ? 1 : 0;

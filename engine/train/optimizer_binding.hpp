@@ -32,6 +32,11 @@ struct SchedulePoint {
 double learning_rate(const manifest::RunConfig& config, SchedulePoint at);
 // The same with the marks worked out once (schedule_marks walks a batch ramp).
 double learning_rate(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at);
+// The weight decay at a step, as Megatron-LM's OptimizerParamScheduler.get_wd:
+// optimizer.weight_decay under weight_decay_incr_style = "constant"; otherwise from
+// start_weight_decay to end_weight_decay over the run's length (marks.run_length,
+// counted as the schedule counts), linearly or on a half cosine, end_weight_decay after.
+double weight_decay(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at);
 
 class OptimizerBinding {
  public:
@@ -50,7 +55,7 @@ class OptimizerBinding {
   void params_needed(const std::vector<size_t>& params);
   void params_needed_all();
   // Updates the parameters from the finalised gradients for (1-based) `step`.
-  loom_optimizer_step_result step(int64_t step, double lr);
+  loom_optimizer_step_result step(int64_t step, double lr, double weight_decay);
   // The strategy's state (moments, master weights), as its plugin serialises it.
   std::vector<char> save_state() const;
   void load_state(const std::vector<char>& state);

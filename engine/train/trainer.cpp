@@ -263,9 +263,10 @@ StepRecord RankTraining::train_step(int64_t step) {
   rt_.reset_comm_stats();
   const auto t_opt = std::chrono::steady_clock::now();
   model_->finalize_grads();
-  const double lr =
-      learning_rate(config_.optimizer, schedule_, {step + 1, consumed + static_cast<uint64_t>(global_batch)});
-  const loom_optimizer_step_result sr = optimizer_.step(step + 1, lr);
+  const SchedulePoint at{step + 1, consumed + static_cast<uint64_t>(global_batch)};
+  const double lr = learning_rate(config_.optimizer, schedule_, at);
+  const double decay = weight_decay(config_.optimizer, schedule_, at);
+  const loom_optimizer_step_result sr = optimizer_.step(step + 1, lr, decay);
   rt_.dev().synchronize();
   if (trace_) trace_->add(rank_, "optimizer step " + std::to_string(step + 1), "optimizer", t_opt);
 
@@ -279,6 +280,7 @@ StepRecord RankTraining::train_step(int64_t step) {
   rec.loss = reduced[0];
   rec.aux_loss = reduced[1];
   rec.lr = static_cast<float>(lr);
+  rec.weight_decay = static_cast<float>(decay);
   rec.grad_norm = sr.grad_norm;
   rec.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   const loom_memory_stats mem = rt_.memory();
@@ -583,7 +585,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (const std::vector<std::string> changes =
             schedule_changes(resume->dir, config, resume->step, resume->consumed_samples);
         !changes.empty()) {
-      *options.log << "resume: warning: the learning-rate schedule differs from the checkpoint's: " << changes.front()
+      *options.log << "resume: warning: the learning-rate or weight-decay schedule differs from the checkpoint's: " << changes.front()
                    << std::endl;
       for (size_t i = 1; i < changes.size(); ++i) *options.log << "resume:   " << changes[i] << std::endl;
     }

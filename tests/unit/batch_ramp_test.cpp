@@ -223,6 +223,15 @@ TEST(BatchRamp, AResumeInsideTheRampIsBitExact) {
                            "124 -> 100 samples"),
             std::string::npos)
       << log.str();
+  // So does one at another global batch, whose run.steps take other samples.
+  fs::remove_all(loom::train::checkpoint_path(dir, 12));
+  std::ostringstream other_batch;
+  resume.log = &other_batch;
+  run_and_trace(tiny_manifest(), with_overrides(saving, {"batch.global_batch_size=32"}), resume);
+  EXPECT_NE(other_batch.str().find("resume:   the decay's end (optimizer.decay_samples, or the run's length when it "
+                                   "is 0): 124 -> "),
+            std::string::npos)
+      << other_batch.str();
   fs::remove_all(dir);
 }
 

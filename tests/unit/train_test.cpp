@@ -259,11 +259,15 @@ TEST(LearningRate, ASampleScheduleOfAConstantBatchIsTheStepSchedule) {
 // Warmup 12 samples, a linear decay to 64 (decay_samples = 0: run.train_samples):
 // each step's rate, as the run's metrics and its optimizer got it, worked by hand.
 TEST(LearningRate, AScheduleInSamplesFollowsTheRampsBatches) {
-  const double lr = 1e-2, min_lr = 1e-3;
-  auto run = run_and_trace(tiny_manifest(),
-                           {"run.train_samples=64", "batch.micro_batch_size=2", "batch.rampup_batch_size=[4, 2, 24]",
-                            "optimizer.warmup_steps=0", "optimizer.warmup_samples=12", "optimizer.min_lr=1e-3",
-                            "optimizer.decay_style=\"linear\""});
+  const std::vector<std::string> ramp = {"run.train_samples=64",      "batch.micro_batch_size=2",
+                                         "batch.rampup_batch_size=[4, 2, 24]", "optimizer.warmup_steps=0",
+                                         "optimizer.warmup_samples=12", "optimizer.min_lr=1e-3",
+                                         "optimizer.decay_style=\"linear\""};
+  // The optimizer's settings as the manifest holds them (single precision, as the
+  // optimizer plugins take them).
+  const loom::manifest::RunConfig config = loom::testing::plan_from(tiny_manifest(), ramp).config;
+  const double lr = config.optimizer.lr, min_lr = config.optimizer.min_lr;
+  auto run = run_and_trace(tiny_manifest(), ramp);
   const std::vector<double> through = {4, 8, 12, 18, 24, 32, 40, 48, 56, 64};
   ASSERT_EQ(run.result.steps.size(), through.size());
   for (size_t i = 0; i < through.size(); ++i) {
@@ -322,12 +326,77 @@ TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
       if (w.find(text) != std::string::npos) return true;
     return false;
   };
-  EXPECT_TRUE(warned({"optimizer.warmup_steps=0", "optimizer.warmup_samples=80"},
-                     "the warmup (80 samples) outlasts the run (80 samples)"));
+  EXPECT_TRUE(warned({"optimizer.warmup_steps=0", "optimizer.warmup_samples=88"},
+                     "the warmup (88 samples) outlasts the run (80 samples)"));
+  EXPECT_FALSE(warned({"optimizer.warmup_steps=0", "optimizer.warmup_samples=80"}, "outlasts the run"))
+      << "the last step reaches optimizer.lr";
+  // A samples mark the decay style does not read changes nothing, not even the unit:
+  // the tiny manifest's warmup_steps = 2 stands beside it.
+  EXPECT_EQ(refusal({"optimizer.wsd_decay_samples=50"}), "");
+  EXPECT_FALSE(loom::manifest::schedule_marks(
+                   loom::testing::plan_from(tiny_manifest(), {"optimizer.wsd_decay_samples=50"}).config)
+                   .in_samples);
+  EXPECT_NE(refusal({"run.steps=1125899906842625"}).find("run.steps = 1125899906842625 of batch.global_batch_size = 8 "
+                                                         "are more than 2^53 training samples"),
+            std::string::npos);
   EXPECT_TRUE(warned({"optimizer.decay_style=\"constant\"", "optimizer.warmup_steps=0", "optimizer.decay_samples=50"},
                      "optimizer.decay_samples is where a decay ends"));
   EXPECT_TRUE(warned({"optimizer.warmup_steps=0", "optimizer.wsd_decay_samples=50"},
                      "optimizer.wsd_decay_samples shapes the final decay"));
+}
+
+// The weight decay's schedule (Megatron-LM's --weight-decay-incr-style) at the points
+// with a closed form, over the run's 100 steps (or its 800 samples), and as the
+// optimizer gets it: a run whose schedule starts and ends at 0.05 trains as a constant
+// 0.05 does, bit for bit; one from 0 to 0.2 does not, and records each step's value.
+TEST(WeightDecay, EachIncrementStyleIsMegatronsSchedule) {
+  auto config = [](const std::vector<std::string>& o) {
+    return loom::testing::plan_from(tiny_manifest(), with_overrides({"run.steps=100", "optimizer.start_weight_decay=0.02",
+                                                                      "optimizer.end_weight_decay=0.1"},
+                                                                     o))
+        .config;
+  };
+  auto at = [](const loom::manifest::RunConfig& c, int64_t step, uint64_t samples = 0) {
+    return loom::train::weight_decay(c.optimizer, loom::manifest::schedule_marks(c), {step, samples});
+  };
+  const double tol = 1e-15;
+  const auto linear = config({"optimizer.weight_decay_incr_style=\"linear\""});
+  EXPECT_NEAR(at(linear, 25), 0.02 + 0.25 * 0.08, tol);
+  EXPECT_NEAR(at(linear, 100), 0.1, tol);
+  EXPECT_NEAR(at(linear, 101), 0.1, tol) << "past the run: the end";
+  const auto cosine = config({"optimizer.weight_decay_incr_style=\"cosine\""});
+  EXPECT_NEAR(at(cosine, 50), 0.06, tol);  // half: cos(pi / 2) = 0
+  EXPECT_NEAR(at(cosine, 100), 0.1, tol);
+  EXPECT_NEAR(at(cosine, 25), 0.02 + 0.5 * (std::cos(M_PI * 0.75) + 1) * 0.08, tol);
+  EXPECT_NEAR(at(config({}), 25), 0.1, tol) << "constant: optimizer.weight_decay";
+  // In samples: the run is 800 (100 steps of 8), a quarter of it 200.
+  const auto in_samples =
+      config({"optimizer.weight_decay_incr_style=\"linear\"", "optimizer.warmup_steps=0", "optimizer.warmup_samples=8"});
+  EXPECT_NEAR(at(in_samples, 3, 200), 0.02 + 0.25 * 0.08, tol);
+
+  auto flat = run_and_trace(tiny_manifest(), {"run.steps=4", "optimizer.weight_decay=0.05"});
+  auto same = run_and_trace(tiny_manifest(), {"run.steps=4", "optimizer.weight_decay_incr_style=\"linear\"",
+                                              "optimizer.start_weight_decay=0.05", "optimizer.end_weight_decay=0.05"});
+  auto rising = run_and_trace(tiny_manifest(), {"run.steps=4", "optimizer.weight_decay_incr_style=\"linear\"",
+                                                "optimizer.end_weight_decay=0.2"});
+  EXPECT_EQ(same.params.back(), flat.params.back());
+  EXPECT_NE(rising.params.back(), flat.params.back());
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(rising.result.steps[i].weight_decay, static_cast<float>(0.2 * static_cast<double>(i + 1) / 4)) << i;
+    EXPECT_EQ(flat.result.steps[i].weight_decay, 0.05f);
+  }
+  // Keys a style never reads are warned of.
+  auto warned = [](const std::vector<std::string>& o, const std::string& text) {
+    for (const std::string& w : loom::testing::plan_from(tiny_manifest(), o).warnings)
+      if (w.find(text) != std::string::npos) return true;
+    return false;
+  };
+  EXPECT_TRUE(warned({"optimizer.end_weight_decay=0.2"}, "optimizer.end_weight_decay is an end of a weight-decay schedule"));
+  EXPECT_TRUE(warned({"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.weight_decay=0.2"},
+                     "optimizer.weight_decay is the constant weight decay"));
+  EXPECT_FALSE(warned({"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.end_weight_decay=0.2"},
+                      "is an end of a weight-decay schedule"));
+  EXPECT_FALSE(warned({"optimizer.weight_decay=0.2"}, "is the constant weight decay"));
 }
 
 // A collective timeout below a millisecond waits a millisecond: rounded down it was 0,
@@ -1367,7 +1436,8 @@ TEST(Checkpoint, AResumeWithOtherDataSettingsSaysSo) {
   // raising run.steps moves a decay that ends at run.steps (decay_steps = 0); another
   // style changes it outright; a warmup that ended before the checkpoint does not.
   const std::string stretched = resumed_log({"optimizer.decay_steps=0"});
-  EXPECT_NE(stretched.find("resume: warning: the learning-rate schedule differs from the checkpoint's: step 3 gets lr"),
+  EXPECT_NE(stretched.find("resume: warning: the learning-rate or weight-decay schedule differs from the "
+                           "checkpoint's: step 3 gets lr"),
             std::string::npos)
       << stretched;
   EXPECT_NE(stretched.find("resume:   the decay's end (optimizer.decay_steps, or the run's length when it is 0): 5 -> 3 "
