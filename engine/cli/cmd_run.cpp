@@ -60,13 +60,16 @@ extern "C" void on_signal(int sig) {
 }
 
 const char* kUsage =
-    "usage: loom run MANIFEST [--set key.path=value]... [--resume | --resume-if-any] [--metrics FILE] [--trace FILE]\n"
+    "usage: loom run MANIFEST [--set key.path=value]... [--resume | --resume-if-any] [--metrics FILE]\n"
+    "                [--tensorboard DIR] [--trace FILE]\n"
     "  --set       override a manifest value (TOML value, or a bare word as a string); repeatable\n"
     "  --resume    continue from the latest complete checkpoint in checkpoint.dir\n"
     "  --resume-if-any  the same, or start the run when checkpoint.dir holds none yet (one command line for\n"
     "              every job of a chain, with run.exit_duration_minutes or run.exit_interval)\n"
     "  --metrics   write one JSON object per step to FILE (and one of step and val_* of an evaluation\n"
     "              a stop cut short, after --resume)\n"
+    "  --tensorboard  write every step's scalars to a new TensorBoard event file in DIR (run.tensorboard_dir;\n"
+    "              Megatron-LM's tags: \"lm loss\", \"learning-rate\", \"grad-norm\", \"lm loss validation\", ...)\n"
     "  --trace     write every rank's real timeline (forward/backward per microbatch and chunk, p2p, collectives,\n"
     "              optimizer) to FILE as a Chrome trace, viewable in Perfetto (under mpirun/srun each\n"
     "              process writes FILE.rankN)\n"
@@ -103,7 +106,7 @@ std::string process_prefix() {
 
 int cmd_run(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--resume", "--resume-if-any"}, {"--set", "--metrics", "--trace"});
+    Args args(argc, argv, {"--resume", "--resume-if-any"}, {"--set", "--metrics", "--trace", "--tensorboard"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -151,6 +154,9 @@ int cmd_run(int argc, char** argv) {
     };
     opts.metrics_file = args.get("--metrics").value_or(plan.config.run.metrics_file);
     if (args.has("--metrics") && opts.metrics_file.empty()) throw UsageError("--metrics needs a file name");
+    opts.tensorboard_dir = args.get("--tensorboard").value_or(plan.config.run.tensorboard_dir);
+    if (args.has("--tensorboard") && opts.tensorboard_dir.empty())
+      throw UsageError("--tensorboard needs a directory");
     opts.log = &std::cout;
     opts.trace_file = args.get("--trace").value_or("");
     if (args.has("--trace") && opts.trace_file.empty()) throw UsageError("--trace needs a file name");
@@ -163,6 +169,7 @@ int cmd_run(int argc, char** argv) {
     if (proc.multi_process && !opts.trace_file.empty()) opts.trace_file += ".rank" + std::to_string(proc.rank);
     if (!leader) {
       opts.metrics_file.clear();
+      opts.tensorboard_dir.clear();
       opts.log = nullptr;
     }
     opts.stop_signal = &g_stop;

@@ -85,6 +85,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.run.sample_every = m.get_int("run.sample_every");
   c.run.sample_tokens = m.get_int("run.sample_tokens");
   c.run.metrics_file = m.get_string("run.metrics_file");
+  c.run.tensorboard_dir = m.get_string("run.tensorboard_dir");
   c.run.exit_duration_minutes = m.get_float("run.exit_duration_minutes");
   c.run.exit_interval = m.get_int("run.exit_interval");
 

@@ -25,6 +25,7 @@ struct RunConfig {
     int64_t steps = 0, seed = 0, log_every = 0, eval_every = 0, eval_batches = 0;
     int64_t sample_every = 0, sample_tokens = 0;  // greedy samples during training
     std::string metrics_file;
+    std::string tensorboard_dir;
     int64_t train_samples = 0;         // > 0: run.steps is resolved from it (steps_for_samples)
     double exit_duration_minutes = 0;  // 0 = no limit
     int64_t exit_interval = 0;         // 0 = never

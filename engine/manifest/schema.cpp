@@ -122,6 +122,10 @@ std::vector<KeySpec> build() {
                 "model writes after it, with the key/value cache of `loom generate`"));
   v.push_back(i("run.sample_tokens", 32, 1, "tokens each sample adds (fewer when the model's seq_length is reached)"));
   v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
+  v.push_back(s("run.tensorboard_dir", "",
+                "directory of TensorBoard event files (Megatron-LM's --tensorboard-dir): each launch adds one with "
+                "every step's scalars, Megatron's tags where it has them (\"lm loss\", \"learning-rate\", "
+                "\"grad-norm\", \"lm loss validation\", ...; \"\" = none)"));
   v.push_back(f("run.exit_duration_minutes", "0.0", 0, false,
                 "stop after the first step that ends more than N minutes after training started (Megatron-LM's "
                 "--exit-duration-in-mins): the step is checkpointed as at a stop signal, its evaluation left to the "
@@ -645,7 +649,9 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
         report({"batch.rampup_batch_size", "batch.micro_batch_size", "parallel.dp"},
                "batch.rampup_batch_size = [" + S(start) + ", " + S(step) + ", ...]: the start and the increment " +
                    "must be multiples of batch.micro_batch_size * parallel.dp (" + S(mbs * dp) +
-                   ") so each of the dp ranks runs a whole number of microbatches at every batch of the ramp");
+                   ") so each of the dp ranks runs a whole number of microbatches at every batch of the ramp (a "
+                   "run resumed past the ramp's end, at batch.global_batch_size for good, can leave "
+                   "batch.rampup_batch_size out)");
     }
   }
 

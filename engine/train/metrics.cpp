@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -58,6 +59,7 @@ std::string step_json(const StepRecord& r) {
                               {"weight_decay", r.weight_decay},
                               {"grad_norm", r.grad_norm},
                               {"global_batch", r.global_batch},
+                              {"consumed_samples", r.consumed_samples},
                               {"tokens_per_s", r.tokens_per_s},
                               {"ms", r.ms},
                               {"flops_per_s", r.flops_per_s},
@@ -127,6 +129,19 @@ MetricsSink::MetricsSink(const std::string& metrics_file, int64_t resumed_step, 
   if (!out_) throw std::runtime_error("metrics file " + file_ + ": cannot open the file for writing");
 }
 
+void MetricsSink::write_tensorboard(const std::string& dir, int64_t first_step) {
+  tensorboard_.emplace(dir, first_step);
+  if (log_) *log_ << "tensorboard: writing " << tensorboard_->path() << std::endl;
+}
+
+// Megatron-LM's validation tags (the perplexity's exponent capped at 20, as its).
+void MetricsSink::tensorboard_evaluation(const StepRecord& r, Scalars& values) const {
+  values.emplace_back("lm loss validation", static_cast<float>(r.val_loss));
+  values.emplace_back("lm loss validation ppl", static_cast<float>(std::exp(std::min(20.0, r.val_loss))));
+  if (r.exact_match >= 0) values.emplace_back("exact-match validation", static_cast<float>(r.exact_match));
+  if (r.token_accuracy >= 0) values.emplace_back("token-accuracy validation", static_cast<float>(r.token_accuracy));
+}
+
 void MetricsSink::complete(StepRecord& r) const {
   r.tokens_per_s = rates_.tokens_per_sample * static_cast<double>(r.global_batch) / (r.ms / 1000.0);
   r.flops_per_s = rates_.flops_per_sample * static_cast<double>(r.global_batch) / (r.ms / 1000.0);
@@ -157,6 +172,22 @@ void MetricsSink::write(const StepRecord& r, bool stopping) {
     window_steps_ = 0;
   }
   append(step_json(r), r.step);
+  if (!tensorboard_) return;
+  // Megatron-LM's training tags (its throughput: TFLOP/s per rank), and loom's own.
+  Scalars values = {{"lm loss", static_cast<float>(r.loss)},
+                    {"learning-rate", r.lr},
+                    {"weight-decay", r.weight_decay},
+                    {"batch-size", static_cast<float>(r.global_batch)},
+                    {"grad-norm", static_cast<float>(r.grad_norm)},
+                    {"iteration-time", static_cast<float>(r.ms / 1000)},
+                    {"throughput", static_cast<float>(r.flops_per_s / 1e12 / std::max(1, rates_.world))},
+                    {"tokens-per-second", static_cast<float>(r.tokens_per_s)},
+                    {"mem-allocated-bytes", static_cast<float>(r.mem_current)},
+                    {"mem-max-allocated-bytes", static_cast<float>(r.mem_peak)}};
+  if (r.aux_loss != 0) values.emplace_back("load_balancing_loss", static_cast<float>(r.aux_loss));
+  if (rates_.peak_tflops > 0) values.emplace_back("mfu", static_cast<float>(r.mfu));
+  if (r.evaluated) tensorboard_evaluation(r, values);
+  tensorboard_->write(r.step, values);
 }
 
 void MetricsSink::write_evaluation(const StepRecord& r) {
@@ -168,6 +199,10 @@ void MetricsSink::write_evaluation(const StepRecord& r) {
   nlohmann::ordered_json j = {{"step", r.step}};
   add_evaluation(j, r);
   append(runtime::dump_json(j), r.step);
+  if (!tensorboard_) return;
+  Scalars values;
+  tensorboard_evaluation(r, values);
+  tensorboard_->write(r.step, values);
 }
 
 void MetricsSink::append(const std::string& line, int64_t step) {

@@ -4,10 +4,12 @@
 #pragma once
 
 #include "engine/runtime/comm_stats.hpp"
+#include "engine/train/tensorboard.hpp"
 
 #include <cstdint>
 #include <fstream>
 #include <iosfwd>
+#include <optional>
 #include <string>
 
 namespace loom::train {
@@ -24,6 +26,7 @@ struct StepRecord {
   double grad_norm = 0;
   double ms = 0;
   int64_t global_batch = 0;  // the step's global batch (sequences; batch.rampup_batch_size ramps it)
+  uint64_t consumed_samples = 0;  // training samples consumed through the step (Megatron-LM's consumed_train_samples)
   double tokens_per_s = 0;
   double flops_per_s = 0;
   double mfu = 0;         // 0 when the peak is unknown
@@ -56,6 +59,11 @@ class MetricsSink {
               int64_t log_every);
   // What a step computes, known once the model is built.
   void set_rates(const Rates& rates) { rates_ = rates; }
+  // Also writes each step's scalars to a new TensorBoard event file in `dir` (Megatron-LM's
+  // --tensorboard-dir tags where it has them), whose first step is `first_step` (a
+  // resumed run's steps after its checkpoint replace what an earlier launch wrote of
+  // them). Throws std::runtime_error when the directory or file cannot be made.
+  void write_tensorboard(const std::string& dir, int64_t first_step);
 
   // Fills the record's rates from its ms.
   void complete(StepRecord& r) const;
@@ -69,6 +77,7 @@ class MetricsSink {
 
  private:
   void append(const std::string& line, int64_t step);
+  void tensorboard_evaluation(const StepRecord& r, Scalars& values) const;
 
   std::string file_;
   std::ofstream out_;
@@ -78,6 +87,7 @@ class MetricsSink {
   double window_ms_ = 0;
   double window_samples_ = 0;  // the window's training samples (their tokens and FLOPs per second)
   int64_t window_steps_ = 0;
+  std::optional<TensorBoardWriter> tensorboard_;
 };
 
 }  // namespace loom::train

@@ -273,6 +273,7 @@ StepRecord RankTraining::train_step(int64_t step) {
   StepRecord rec;
   rec.step = step + 1;
   rec.global_batch = global_batch;
+  rec.consumed_samples = at.samples;
   // The step's communication: the pipeline's p2p, the model's and the optimizer's
   // collectives (not the bookkeeping, nor evaluation).
   rec.comm = std::move(step_comm);
@@ -380,6 +381,7 @@ void RankTraining::run_steps() {
   if (run_.resume && run_.resume->evaluation_pending && evaluates_at(step)) {
     StepRecord rec;
     rec.step = step;
+    rec.consumed_samples = run_.samples_before(step);
     if (!evaluate(rec)) {
       mark_interrupted();
       return;
@@ -571,6 +573,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
   MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, config.run.steps,
                       config.run.log_every);
+  if (!options.tensorboard_dir.empty()) metrics.write_tensorboard(options.tensorboard_dir, (resume ? resume->step : 0) + 1);
 
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),

@@ -26,6 +26,7 @@ struct TrainOptions {
   // command line for every job of a chain; `loom run --resume-if-any`).
   bool start_without_checkpoint = false;
   std::string metrics_file;                  // JSON lines, one per step
+  std::string tensorboard_dir;               // TensorBoard event files ("" = none)
   std::ostream* log = nullptr;               // progress lines (rank 0); null = quiet
   const std::atomic<int>* stop_signal = nullptr;  // set by SIGINT/SIGTERM handlers
   std::atomic<bool>* stepped = nullptr;            // set once a step has finished here (before: nothing new to save)

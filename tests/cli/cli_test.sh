@@ -412,4 +412,18 @@ for mode in false true; do
     || fail "async_save=$mode, after the resume: $(ls -a "$work/full_$mode")"
 done
 
+# TensorBoard: --tensorboard DIR writes an event file (its first record: 8 bytes of
+# length, the masked CRC, then an Event whose file_version is brain.Event:2); without
+# a directory it is a usage error; a directory that cannot be made fails the run.
+"$loom" run "$here/tiny.toml" --set run.steps=3 --tensorboard "$work/tb" > "$work/tb.out" 2>&1 \
+  || fail "--tensorboard: $(tail -3 "$work/tb.out")"
+tb_file=$(ls "$work"/tb/events.out.tfevents.* 2>/dev/null | head -1)
+[ -s "$tb_file" ] && grep -q "tensorboard: writing $tb_file" "$work/tb.out" || fail "--tensorboard: $(cat "$work/tb.out")"
+grep -aq "brain.Event:2" "$tb_file" || fail "--tensorboard: no file version in $tb_file"
+"$loom" run "$here/tiny.toml" --tensorboard > "$work/tb2.out" 2>&1
+[ $? -eq 2 ] || fail "--tensorboard without a directory: $(cat "$work/tb2.out")"
+"$loom" run "$here/tiny.toml" --set run.steps=3 --set run.tensorboard_dir="\"$tb_file/sub\"" > "$work/tb3.out" 2>&1
+[ $? -eq 1 ] && grep -q "tensorboard directory $tb_file/sub: cannot create it" "$work/tb3.out" \
+  || fail "an impossible tensorboard directory: $(cat "$work/tb3.out")"
+
 echo "cli tests passed"
