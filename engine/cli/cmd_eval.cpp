@@ -4,6 +4,7 @@
 // accuracy on LAMBADA-style JSONL, multiple choice on HellaSwag-style JSONL
 // (engine/train/eval_data.hpp), at any layout.
 #include "engine/cli/args.hpp"
+#include "engine/manifest/batches.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
 #include "engine/files/read.hpp"
@@ -74,9 +75,9 @@ train::RunPlan evaluation_plan(const std::string& toml, const std::string& name,
   const auto size = [&](const std::string& key) { return manifest::int_as_overridden(toml, name, overrides, key); };
   const int64_t batch = size("batch.micro_batch_size") * size("parallel.dp") * size("parallel.pp");
   for (const std::string& o : {std::string("checkpoint.dir=\"\""), std::string("checkpoint.init_weights=\"\""),
-                              std::string("run.eval_every=0"), std::string("run.sample_every=0"),
-                              std::string("batch.rampup_batch_size=[]")})
+                              std::string("run.eval_every=0"), std::string("run.sample_every=0")})
     overrides.push_back(o);
+  for (const std::string& o : manifest::untrained_schedule_overrides()) overrides.push_back(o);
   // Sizes out of range are the plan's to name; a global batch made of them is not the user's.
   if (batch >= 1) overrides.push_back("batch.global_batch_size=" + std::to_string(batch));
   return train::make_plan(manifest::Manifest::parse(toml, name, overrides), registry);

@@ -55,16 +55,27 @@ int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples) 
   return lo + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
 }
 
-bool style_reads(const RunConfig::Optimizer& o, const std::string& key) {
-  if (key.find(".wsd_decay_") != std::string::npos) return o.decay_style == "wsd";
-  if (key.find(".decay_") != std::string::npos) return o.decay_style != "constant";
-  return true;
+std::vector<std::string> untrained_schedule_overrides() {
+  return {"batch.rampup_batch_size=[]", "run.train_samples=0", "optimizer.decay_style=\"constant\"",
+          "optimizer.weight_decay_incr_style=\"constant\""};
+}
+
+bool style_reads(const RunConfig::Optimizer& o, Mark mark) {
+  switch (mark) {
+    case Mark::Warmup: return true;
+    case Mark::Decay: return o.decay_style != "constant";
+    case Mark::WsdDecay: return o.decay_style == "wsd";
+  }
+  return false;
 }
 
 bool schedule_in_samples(const RunConfig::Optimizer& o, int64_t train_samples) {
-  return train_samples > 0 || o.warmup_samples > 0 ||
-         (o.decay_samples > 0 && style_reads(o, "optimizer.decay_samples")) ||
-         (o.wsd_decay_samples > 0 && style_reads(o, "optimizer.wsd_decay_samples"));
+  auto read = [&](int64_t value, Mark mark) { return value > 0 && style_reads(o, mark); };
+  const bool samples = read(o.warmup_samples, Mark::Warmup) || read(o.decay_samples, Mark::Decay) ||
+                       read(o.wsd_decay_samples, Mark::WsdDecay);
+  const bool steps = read(o.warmup_steps, Mark::Warmup) || read(o.decay_steps, Mark::Decay) ||
+                     read(o.wsd_decay_steps, Mark::WsdDecay);
+  return samples || (train_samples > 0 && !steps);
 }
 
 ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Batch& batch, int64_t run_steps,
@@ -76,6 +87,7 @@ ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Bat
     m.decay_end = o.decay_steps > 0 ? o.decay_steps : run_steps;
     m.wsd_decay = o.wsd_decay_steps;
     m.run_length = run_steps;
+    if (o.warmup_fraction > 0) m.warmup = o.warmup_fraction * static_cast<double>(m.decay_end);
     return m;
   }
   // Megatron-LM decays to --train-samples (a last partial batch, not trained, counts).
@@ -85,6 +97,7 @@ ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Bat
   m.decay_end = o.decay_samples > 0 ? o.decay_samples : run_samples;
   m.wsd_decay = o.wsd_decay_samples;
   m.run_length = run_samples;
+  if (o.warmup_fraction > 0) m.warmup = o.warmup_fraction * static_cast<double>(m.decay_end);
   return m;
 }
 

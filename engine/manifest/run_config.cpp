@@ -66,6 +66,7 @@ RunConfig::Optimizer RunConfig::schedule_from(const Manifest& m) {
   o.warmup_samples = m.get_int("optimizer.warmup_samples");
   o.decay_samples = m.get_int("optimizer.decay_samples");
   o.wsd_decay_samples = m.get_int("optimizer.wsd_decay_samples");
+  o.warmup_fraction = m.get_float("optimizer.warmup_fraction");
   o.weight_decay = m.get_float("optimizer.weight_decay");
   o.weight_decay_incr_style = m.get_string("optimizer.weight_decay_incr_style");
   o.start_weight_decay = m.get_float("optimizer.start_weight_decay");

@@ -74,6 +74,7 @@ struct RunConfig {
     int64_t wsd_decay_steps = 0;  // wsd: the final decay's steps
     // The same marks in training samples (Megatron-LM's --lr-*-samples); see ScheduleMarks.
     int64_t warmup_samples = 0, decay_samples = 0, wsd_decay_samples = 0;
+    double warmup_fraction = 0;  // > 0: the warmup is this share of the decay (Megatron's --lr-warmup-fraction)
     std::string weight_decay_incr_style;  // constant (weight_decay), linear, cosine
     double start_weight_decay = 0, end_weight_decay = 0;
     std::string wsd_decay_style;  // wsd: exponential, linear, cosine, minus_sqrt

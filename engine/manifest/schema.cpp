@@ -253,7 +253,8 @@ std::vector<KeySpec> build() {
                 "to min_lr at decay_steps; \"constant\" stays at lr; \"inverse-square-root\" is lr * "
                 "sqrt(max(warmup_steps, 1) / step), at least min_lr; \"wsd\" (warmup-stable-decay) stays at lr until the "
                 "last wsd_decay_steps before decay_steps, then decays to min_lr (wsd_decay_style); every style "
-                "but constant is min_lr after decay_steps",
+                "but constant is min_lr after decay_steps. A schedule in samples reads the *_samples marks and the "
+                "samples consumed through each step instead",
                 {"cosine", "linear", "constant", "inverse-square-root", "wsd"}));
   v.push_back(i("optimizer.decay_steps", 0, 0,
                 "the step the decay ends at, counted from the start (more than warmup_steps; 0 = run.steps)"));
@@ -266,9 +267,15 @@ std::vector<KeySpec> build() {
                 "\"minus_sqrt\" (1 - sqrt(r)), r the fraction of the decay done",
                 {"exponential", "linear", "cosine", "minus_sqrt"}));
   v.push_back(i("optimizer.warmup_samples", 0, 0,
-                "the warmup in training samples (Megatron's --lr-warmup-samples). Any optimizer.*_samples key, or "
-                "run.train_samples, counts the whole schedule in samples: a step stands at the samples consumed "
+                "the warmup in training samples (Megatron's --lr-warmup-samples). An optimizer.*_samples key the "
+                "decay style reads, or run.train_samples, counts the whole schedule in samples: a step stands at "
+                "the samples consumed "
                 "through it, so a batch ramp (batch.rampup_batch_size) decays by the data seen, not by the steps"));
+  v.push_back(f("optimizer.warmup_fraction", "0.0", 0, false,
+                "the warmup as a share of the schedule up to the decay's end (Megatron's --lr-warmup-fraction): "
+                "warmup_fraction x decay_steps (or decay_samples, or the run's length when 0), instead of "
+                "warmup_steps or warmup_samples (0 = those)",
+                1, true));
   v.push_back(i("optimizer.decay_samples", 0, 0,
                 "the training samples the decay ends at (Megatron's --lr-decay-samples; more than warmup_samples; 0 = "
                 "run.train_samples, or the samples of run.steps)"));
@@ -649,9 +656,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
         report({"batch.rampup_batch_size", "batch.micro_batch_size", "parallel.dp"},
                "batch.rampup_batch_size = [" + S(start) + ", " + S(step) + ", ...]: the start and the increment " +
                    "must be multiples of batch.micro_batch_size * parallel.dp (" + S(mbs * dp) +
-                   ") so each of the dp ranks runs a whole number of microbatches at every batch of the ramp (a "
-                   "run resumed past the ramp's end, at batch.global_batch_size for good, can leave "
-                   "batch.rampup_batch_size out)");
+                   ") so each of the dp ranks runs a whole number of microbatches at every batch of the ramp");
     }
   }
 
@@ -824,46 +829,63 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
                           "optimizer.wsd_decay_steps", "optimizer.warmup_samples", "optimizer.decay_samples",
                           "optimizer.wsd_decay_samples", "optimizer.lr", "optimizer.min_lr",
                           "optimizer.wsd_decay_style", "optimizer.weight_decay", "optimizer.weight_decay_incr_style",
-                          "optimizer.start_weight_decay", "optimizer.end_weight_decay"})) {
+                          "optimizer.start_weight_decay", "optimizer.end_weight_decay", "optimizer.warmup_fraction"})) {
     const RunConfig::Optimizer o = RunConfig::schedule_from(m);
     const int64_t train_samples = I("run.train_samples");
+    const std::pair<const char*, Mark> step_marks[] = {{"optimizer.warmup_steps", Mark::Warmup},
+                                                        {"optimizer.decay_steps", Mark::Decay},
+                                                        {"optimizer.wsd_decay_steps", Mark::WsdDecay}};
+    const std::pair<const char*, Mark> sample_marks[] = {{"optimizer.warmup_samples", Mark::Warmup},
+                                                          {"optimizer.decay_samples", Mark::Decay},
+                                                          {"optimizer.wsd_decay_samples", Mark::WsdDecay}};
     std::vector<const char*> in_steps, in_samples;  // the marks set that the decay style reads
-    for (const char* key : {"optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.wsd_decay_steps"})
-      if (I(key) > 0 && style_reads(o, key)) in_steps.push_back(key);
-    for (const char* key : {"optimizer.warmup_samples", "optimizer.decay_samples", "optimizer.wsd_decay_samples"})
-      if (I(key) > 0 && style_reads(o, key)) in_samples.push_back(key);
+    for (const auto& [key, mark] : step_marks)
+      if (I(key) > 0 && style_reads(o, mark)) in_steps.push_back(key);
+    for (const auto& [key, mark] : sample_marks)
+      if (I(key) > 0 && style_reads(o, mark)) in_samples.push_back(key);
     if (!in_steps.empty() && !in_samples.empty()) {
       report({in_steps.front(), in_samples.front()},
-             std::string(in_steps.front()) + " and " + in_samples.front() + " are both set: the learning-rate schedule counts "
-             "steps or training samples, not both (Megatron-LM's --lr-*-iters or --lr-*-samples)");
-    } else if (!in_steps.empty() && train_samples > 0) {
-      const std::string key = in_steps.front(), twin = key.substr(0, key.size() - 5) + "samples";
-      report({in_steps.front(), "run.train_samples"},
-             key + " counts steps, but run.train_samples counts the run in samples, and so the "
-             "learning-rate schedule too (as Megatron-LM's --train-samples): write " + twin + " instead");
+             std::string(in_steps.front()) + " and " + in_samples.front() + " are both set: the learning-rate "
+             "schedule counts steps or training samples, not both (Megatron-LM's --lr-*-iters or --lr-*-samples)");
+    } else if (o.warmup_fraction > 0 && (o.warmup_steps > 0 || o.warmup_samples > 0)) {
+      const char* key = o.warmup_steps > 0 ? "optimizer.warmup_steps" : "optimizer.warmup_samples";
+      report({"optimizer.warmup_fraction", key},
+             "optimizer.warmup_fraction and " + std::string(key) + " both size the warmup; keep one (Megatron's "
+             "--lr-warmup-fraction or --lr-warmup-iters / --lr-warmup-samples)");
     } else {
       const ScheduleMarks marks = schedule_marks(o, RunConfig::batch_from(m), resolved_steps(m), train_samples);
       const std::string unit = marks.unit();
-      const std::string warmup_key = "optimizer.warmup_" + unit, decay_key = "optimizer.decay_" + unit,
-                        wsd_key = "optimizer.wsd_decay_" + unit;
+      const std::string warmup_key = o.warmup_fraction > 0 ? "optimizer.warmup_fraction" : "optimizer.warmup_" + unit,
+                        decay_key = "optimizer.decay_" + unit, wsd_key = "optimizer.wsd_decay_" + unit;
       const std::string megatron = marks.in_samples ? "samples" : "iters";
-      if (decays && I(decay_key.c_str()) > 0 && marks.decay_end <= marks.warmup)
+      if (decays && I(decay_key.c_str()) > 0 && static_cast<double>(marks.decay_end) <= marks.warmup)
         report({decay_key.c_str(), warmup_key.c_str()},
-               decay_key + " (" + S(marks.decay_end) + ") must be more than " + warmup_key + " (" + S(marks.warmup) +
-                   "): the decay runs from the end of the warmup to " + decay_key + " (Megatron's --lr-decay-" +
-                   megatron + ")");
+               decay_key + " (" + S(marks.decay_end) + ") must be more than the warmup (" + G(marks.warmup) + " " +
+                   unit + ", " + warmup_key + "): the decay runs from the end of the warmup to " + decay_key +
+                   " (Megatron's --lr-decay-" + megatron + ")");
       if (o.decay_style == "wsd") {
-        const int64_t room = marks.decay_end - marks.warmup;
+        const auto room = static_cast<int64_t>(std::floor(static_cast<double>(marks.decay_end) - marks.warmup));
         if (marks.wsd_decay < 1 || marks.wsd_decay > room)
           report({wsd_key.c_str(), "optimizer.decay_style"},
                  "optimizer.decay_style = \"wsd\" decays over the last " + wsd_key + " (" + S(marks.wsd_decay) +
-                     ") " + unit + " before " + (marks.in_samples ? "sample " : "step ") + S(marks.decay_end) + " (" + decay_key + ", or the run's " + unit +
-                     " when 0), after the " + S(marks.warmup) + " warmup " + unit + ": it must be between 1 and " +
-                     S(room) + (room < 1 ? " (none: the warmup fills the schedule)" : "") + " (Megatron's --lr-wsd-decay-" +
+                     ") " + unit + " before " + (marks.in_samples ? "sample " : "step ") + S(marks.decay_end) +
+                     " (" + decay_key + ", or the run's " + unit + " when 0), after the " + G(marks.warmup) +
+                     " warmup " + unit + ": it must be between 1 and " + S(room) +
+                     (room < 1 ? " (none: the warmup fills the schedule)" : "") + " (Megatron's --lr-wsd-decay-" +
                      megatron + ")");
       }
     }
   }
+  // A weight decay that changes over the run goes between two values the manifest names
+  // (Megatron asserts both are given): their defaults would train with none.
+  if (usable({"optimizer.weight_decay_incr_style", "optimizer.start_weight_decay", "optimizer.end_weight_decay"}) &&
+      m.get_string("optimizer.weight_decay_incr_style") != "constant")
+    for (const char* end : {"optimizer.start_weight_decay", "optimizer.end_weight_decay"})
+      if (m.origin(end).kind == Origin::Kind::Default)
+        report({end, "optimizer.weight_decay_incr_style"},
+               "optimizer.weight_decay_incr_style = \"" + m.get_string("optimizer.weight_decay_incr_style") +
+                   "\" goes from optimizer.start_weight_decay to optimizer.end_weight_decay: set both (Megatron's "
+                   "--start-weight-decay and --end-weight-decay)");
   // The synthetic tasks: "add" is the one there is; a sequence holds whole problems
   // (a + b = c, c of digits + 1, and an end marker: 3 * digits + 4 tokens).
   if (usable({"data.kind", "data.task"}) && m.get_string("data.kind") == "synthetic" &&

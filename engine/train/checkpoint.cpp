@@ -1,6 +1,7 @@
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/batch_ramp.hpp"
 #include "engine/manifest/batches.hpp"
+#include "engine/manifest/schema.hpp"
 
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
@@ -642,6 +643,17 @@ std::optional<toml::table> manifest_to_compare(const std::string& step_dir) {
   }
 }
 
+// A key of a saved manifest, or the schema's default when the checkpoint predates the
+// key (it had the default's meaning then); a value of another type counts as missing.
+template <typename T>
+T saved_value(const toml::table& saved, const char* key) {
+  if (std::optional<T> v = saved.at_path(key).value<T>()) return *v;
+  const manifest::schema::KeySpec* spec = manifest::schema::find(key);
+  if (spec == nullptr || !spec->default_value) throw std::logic_error(std::string("no schema default for ") + key);
+  const toml::table d = toml::parse("v = " + *spec->default_value);
+  return d["v"].value<T>().value();  // the schema's defaults are of their keys' types
+}
+
 // A rate or bound as a person writes it (0.0002, not 0.00020000000000000001).
 std::string short_float(double v) {
   char buf[32];
@@ -688,28 +700,31 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   // key a checkpoint from before it was added lacks had its default's meaning).
   manifest::RunConfig was = now;
   manifest::RunConfig::Optimizer& o = was.optimizer;
-  auto saved_int = [&](const char* key) { return saved->at_path(key).value_or(int64_t{0}); };
-  o.lr = saved->at_path("optimizer.lr").value_or(o.lr);
-  o.min_lr = saved->at_path("optimizer.min_lr").value_or(o.min_lr);
-  o.warmup_steps = saved->at_path("optimizer.warmup_steps").value_or(o.warmup_steps);
-  o.decay_steps = saved->at_path("optimizer.decay_steps").value_or(o.decay_steps);
-  o.decay_style = saved->at_path("optimizer.decay_style").value_or(std::string("cosine"));
-  o.wsd_decay_steps = saved_int("optimizer.wsd_decay_steps");
-  o.wsd_decay_style = saved->at_path("optimizer.wsd_decay_style").value_or(std::string("exponential"));
-  o.warmup_samples = saved_int("optimizer.warmup_samples");
-  o.decay_samples = saved_int("optimizer.decay_samples");
-  o.wsd_decay_samples = saved_int("optimizer.wsd_decay_samples");
-  o.weight_decay = saved->at_path("optimizer.weight_decay").value_or(o.weight_decay);
-  o.weight_decay_incr_style = saved->at_path("optimizer.weight_decay_incr_style").value_or(std::string("constant"));
-  o.start_weight_decay = saved->at_path("optimizer.start_weight_decay").value_or(0.0);
-  o.end_weight_decay = saved->at_path("optimizer.end_weight_decay").value_or(0.0);
+  const auto i = [&](const char* key) { return saved_value<int64_t>(*saved, key); };
+  const auto f = [&](const char* key) { return saved_value<double>(*saved, key); };
+  const auto s = [&](const char* key) { return saved_value<std::string>(*saved, key); };
+  o.lr = f("optimizer.lr");
+  o.min_lr = f("optimizer.min_lr");
+  o.warmup_steps = i("optimizer.warmup_steps");
+  o.decay_steps = i("optimizer.decay_steps");
+  o.decay_style = s("optimizer.decay_style");
+  o.wsd_decay_steps = i("optimizer.wsd_decay_steps");
+  o.wsd_decay_style = s("optimizer.wsd_decay_style");
+  o.warmup_samples = i("optimizer.warmup_samples");
+  o.decay_samples = i("optimizer.decay_samples");
+  o.wsd_decay_samples = i("optimizer.wsd_decay_samples");
+  o.warmup_fraction = f("optimizer.warmup_fraction");
+  o.weight_decay = f("optimizer.weight_decay");
+  o.weight_decay_incr_style = s("optimizer.weight_decay_incr_style");
+  o.start_weight_decay = f("optimizer.start_weight_decay");
+  o.end_weight_decay = f("optimizer.end_weight_decay");
   // The checkpoint's batches: a schedule in samples ends at the samples of its run.
-  if (const int64_t global = saved_int("batch.global_batch_size"); global > 0) {
+  if (const int64_t global = i("batch.global_batch_size"); global > 0) {
     was.batch.global_batch_size = global;
     manifest::RunConfig::read_rampup(*saved, was.batch);
   }
-  was.run.steps = saved->at_path("run.steps").value_or(was.run.steps);
-  was.run.train_samples = saved_int("run.train_samples");
+  was.run.steps = i("run.steps");
+  was.run.train_samples = i("run.train_samples");
   if (was.run.train_samples > 0) was.run.steps = manifest::steps_for_samples(was.batch, was.run.train_samples);
   const manifest::ScheduleMarks was_marks = manifest::schedule_marks(was), now_marks = manifest::schedule_marks(now);
   auto rate = [&](const manifest::RunConfig& c, const manifest::ScheduleMarks& marks, SchedulePoint at) {
@@ -750,6 +765,7 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
   changed("optimizer.min_lr", short_float(o.min_lr), short_float(n.min_lr));
   changed("optimizer.warmup_steps", std::to_string(o.warmup_steps), std::to_string(n.warmup_steps));
   changed("optimizer.warmup_samples", std::to_string(o.warmup_samples), std::to_string(n.warmup_samples));
+  changed("optimizer.warmup_fraction", short_float(o.warmup_fraction), short_float(n.warmup_fraction));
   changed("optimizer.decay_style", o.decay_style, n.decay_style);
   changed("optimizer.wsd_decay_steps", std::to_string(o.wsd_decay_steps), std::to_string(n.wsd_decay_steps));
   changed("optimizer.wsd_decay_samples", std::to_string(o.wsd_decay_samples), std::to_string(n.wsd_decay_samples));
@@ -766,6 +782,10 @@ std::vector<std::string> schedule_changes(const std::string& step_dir, const man
                   "it is 0): " + std::to_string(was_marks.decay_end) + " -> " + std::to_string(now_marks.decay_end) +
                   " " + now_marks.unit() + " (set optimizer.decay_" + now_marks.unit() +
                   " to keep one schedule over runs of other lengths)");
+  const bool wd_schedule = o.weight_decay_incr_style != "constant" || n.weight_decay_incr_style != "constant";
+  if (wd_schedule && was_marks.in_samples == now_marks.in_samples && was_marks.run_length != now_marks.run_length)
+    out.push_back(std::string("the weight decay's end (the run's length): ") + std::to_string(was_marks.run_length) +
+                  " -> " + std::to_string(now_marks.run_length) + " " + now_marks.unit());
   return out;
 }
 

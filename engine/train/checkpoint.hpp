@@ -66,14 +66,15 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
 // now" each (empty for a checkpoint without its manifest). A resume with them changed
 // is allowed (a new data mix, say) but is not the uninterrupted run: it is said.
 std::vector<std::string> data_order_changes(const std::string& step_dir, const std::string& manifest_toml);
-// Likewise the learning-rate schedule, when a step after `from_step` (the checkpoint's,
-// after `from_samples` training samples; a schedule in samples places each later step
-// by this run's batches) gets another rate under `now` than under the checkpoint's
-// settings: the first such
-// step and its two rates, then each setting that differs ("key: was -> now"; where
-// the decay ends, when it moved). Allowed (annealing a wsd run from a constant one
-// changes it on purpose), and said: raising run.steps with decay_steps = 0 moves the
-// decay's end, which Megatron-LM's scheduler check would refuse.
+// Likewise the learning-rate and weight-decay schedules, when a step after
+// `from_step` (the checkpoint's, after `from_samples` training samples; a schedule in
+// samples places each later step by this run's batches) gets another rate or weight
+// decay under `now` than under the checkpoint's settings (its manifest's, batches
+// included): the first such step and its values, then each setting that differs
+// ("key: was -> now"; where the decay ends, or the weight decay's schedule, when it
+// moved). Allowed (annealing a wsd run from a constant one changes it on purpose), and
+// said: raising run.steps with decay_steps = 0 moves the decay's end, which
+// Megatron-LM's scheduler check would refuse.
 std::vector<std::string> schedule_changes(const std::string& step_dir, const manifest::RunConfig& now,
                                           int64_t from_step, uint64_t from_samples);
 

@@ -1,5 +1,6 @@
 #include "engine/train/generation.hpp"
 
+#include "engine/manifest/batches.hpp"
 #include "engine/model/model.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/memory_plan.hpp"
@@ -189,12 +190,12 @@ RunPlan generation_plan(const std::string& manifest_toml, const std::string& nam
   for (const std::string& o :
        {std::string("parallel.dp=1"), std::string("parallel.cp=1"), std::string("parallel.ep=1"),
         std::string("parallel.sequence_parallel=false"), std::string("batch.micro_batch_size=1"),
-        "batch.global_batch_size=" + std::to_string(pp), std::string("batch.rampup_batch_size=[]"),
-        std::string("pipeline.schedule=\"gpipe\""),
+        "batch.global_batch_size=" + std::to_string(pp), std::string("pipeline.schedule=\"gpipe\""),
         std::string("exec.mode=\"eager\""),
         std::string("model.recompute_granularity=\"none\""), std::string("checkpoint.dir=\"\""),
         std::string("checkpoint.init_weights=\"\""), std::string("run.eval_every=0")})
     overrides.push_back(o);
+  for (const std::string& o : manifest::untrained_schedule_overrides()) overrides.push_back(o);
   RunPlan plan = make_plan(manifest::Manifest::parse(manifest_toml, name, overrides), registry);
   require_kv_cache_layers(plan);
   return plan;

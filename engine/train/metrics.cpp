@@ -131,7 +131,12 @@ MetricsSink::MetricsSink(const std::string& metrics_file, int64_t resumed_step, 
 
 void MetricsSink::write_tensorboard(const std::string& dir, int64_t first_step) {
   tensorboard_.emplace(dir, first_step);
-  if (log_) *log_ << "tensorboard: writing " << tensorboard_->path() << std::endl;
+}
+
+void MetricsSink::tensorboard_write(int64_t step, const Scalars& values) {
+  const bool first = tensorboard_->path().empty();
+  tensorboard_->write(step, values);
+  if (first && log_) *log_ << "tensorboard: writing " << tensorboard_->path() << std::endl;
 }
 
 // Megatron-LM's validation tags (the perplexity's exponent capped at 20, as its).
@@ -187,7 +192,7 @@ void MetricsSink::write(const StepRecord& r, bool stopping) {
   if (r.aux_loss != 0) values.emplace_back("load_balancing_loss", static_cast<float>(r.aux_loss));
   if (rates_.peak_tflops > 0) values.emplace_back("mfu", static_cast<float>(r.mfu));
   if (r.evaluated) tensorboard_evaluation(r, values);
-  tensorboard_->write(r.step, values);
+  tensorboard_write(r.step, values);
 }
 
 void MetricsSink::write_evaluation(const StepRecord& r) {
@@ -202,7 +207,7 @@ void MetricsSink::write_evaluation(const StepRecord& r) {
   if (!tensorboard_) return;
   Scalars values;
   tensorboard_evaluation(r, values);
-  tensorboard_->write(r.step, values);
+  tensorboard_write(r.step, values);
 }
 
 void MetricsSink::append(const std::string& line, int64_t step) {

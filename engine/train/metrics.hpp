@@ -62,7 +62,7 @@ class MetricsSink {
   // Also writes each step's scalars to a new TensorBoard event file in `dir` (Megatron-LM's
   // --tensorboard-dir tags where it has them), whose first step is `first_step` (a
   // resumed run's steps after its checkpoint replace what an earlier launch wrote of
-  // them). Throws std::runtime_error when the directory or file cannot be made.
+  // them). Throws std::runtime_error when the directory cannot be made.
   void write_tensorboard(const std::string& dir, int64_t first_step);
 
   // Fills the record's rates from its ms.
@@ -78,6 +78,7 @@ class MetricsSink {
  private:
   void append(const std::string& line, int64_t step);
   void tensorboard_evaluation(const StepRecord& r, Scalars& values) const;
+  void tensorboard_write(int64_t step, const Scalars& values);
 
   std::string file_;
   std::ofstream out_;

@@ -29,30 +29,29 @@ double learning_rate(const manifest::RunConfig& config, SchedulePoint at) {
 }
 
 double learning_rate(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at) {
-  const int64_t now = marks.in_samples ? static_cast<int64_t>(at.samples) : at.step;
-  const int64_t warmup = marks.warmup, decay = marks.decay_end;
-  if (warmup > 0 && now <= warmup) return o.lr * static_cast<double>(now) / static_cast<double>(warmup);
+  const int64_t now = marks.position(at.step, at.samples);
+  const double warmup = marks.warmup, position = static_cast<double>(now);
+  const int64_t decay = marks.decay_end;
+  if (warmup > 0 && position <= warmup) return o.lr * position / warmup;
   if (o.decay_style == "constant") return o.lr;
   if (now > decay) return o.min_lr;
   if (o.decay_style == "inverse-square-root")
-    return std::max(o.min_lr, o.lr * std::sqrt(static_cast<double>(std::max<int64_t>(warmup, 1)) /
-                                               static_cast<double>(std::max<int64_t>(now, 1))));
+    return std::max(o.min_lr, o.lr * std::sqrt(std::max(warmup, 1.0) / std::max(position, 1.0)));
   double coefficient = 1.0;
   if (o.decay_style == "wsd") {
     const int64_t anneal_start = decay - marks.wsd_decay;
     if (now > anneal_start)
       coefficient = decay_coefficient(o.wsd_decay_style,
                                       static_cast<double>(now - anneal_start) / static_cast<double>(marks.wsd_decay));
-  } else {
-    coefficient = decay_coefficient(
-        o.decay_style, static_cast<double>(now - warmup) / static_cast<double>(std::max<int64_t>(1, decay - warmup)));
+  } else {  // warmup < now <= decay here, so the decay is longer than the warmup
+    coefficient = decay_coefficient(o.decay_style, (position - warmup) / (static_cast<double>(decay) - warmup));
   }
   return o.min_lr + coefficient * (o.lr - o.min_lr);
 }
 
 double weight_decay(const manifest::RunConfig::Optimizer& o, const manifest::ScheduleMarks& marks, SchedulePoint at) {
   if (o.weight_decay_incr_style == "constant") return o.weight_decay;
-  const int64_t now = marks.in_samples ? static_cast<int64_t>(at.samples) : at.step;
+  const int64_t now = marks.position(at.step, at.samples);
   if (now > marks.run_length) return o.end_weight_decay;
   const double ratio = static_cast<double>(now) / static_cast<double>(std::max<int64_t>(1, marks.run_length));
   const double coefficient =

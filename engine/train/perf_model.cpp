@@ -1,5 +1,6 @@
 #include "engine/train/perf_model.hpp"
 
+#include "engine/manifest/batches.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/train/init_weights.hpp"
@@ -48,11 +49,12 @@ struct PhaseTimes {
 // `plan` again with `sets` applied and `steps` steps that write nothing: no
 // evaluation, samples, metrics file or checkpoints, the random initialisation.
 // The measured steps are those of the whole global batch: a batch ramp's smaller ones
-// are not what the estimate is of.
+// are not what the estimate is of, nor is the learning rate.
 RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> sets) {
   for (const char* s : {"run.eval_every=0", "run.sample_every=0", "run.metrics_file=\"\"", "checkpoint.dir=\"\"",
-                        "checkpoint.every=0", "checkpoint.init_weights=\"\"", "batch.rampup_batch_size=[]"})
+                        "checkpoint.every=0", "checkpoint.init_weights=\"\""})
     sets.push_back(s);
+  for (const std::string& s : manifest::untrained_schedule_overrides()) sets.push_back(s);
   sets.push_back("run.steps=" + std::to_string(steps));
   return replan(plan, sets);
 }

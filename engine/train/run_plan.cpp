@@ -222,8 +222,8 @@ bool same_orders_as_default_group(const RunPlan& plan, const loom_options* sched
 
 // Schedule keys written in the manifest or by --set that the chosen styles never read:
 // wsd's keys under another decay style; min_lr and decay_* under "constant"; a
-// weight-decay schedule's ends under a constant weight decay, and the constant under
-// a schedule.
+// weight-decay schedule's ends under a constant weight decay (not the constant under a
+// schedule: configs that others extend write it).
 std::vector<std::string> schedule_settings_that_change_nothing(const manifest::Manifest& man,
                                                                const manifest::RunConfig::Optimizer& o) {
   std::vector<std::string> out;
@@ -239,16 +239,11 @@ std::vector<std::string> schedule_settings_that_change_nothing(const manifest::M
     for (const char* key : {"optimizer.min_lr", "optimizer.decay_steps", "optimizer.decay_samples"})
       unread(key, "is where a decay ends");
   const std::string wd_style = "; with optimizer.weight_decay_incr_style = \"" + o.weight_decay_incr_style + "\"";
-  if (o.weight_decay_incr_style == "constant") {
+  if (o.weight_decay_incr_style == "constant")
     for (const char* key : {"optimizer.start_weight_decay", "optimizer.end_weight_decay"})
       if (written(man, key))
         out.push_back(man.origin(key).str() + ": " + key + " is an end of a weight-decay schedule" + wd_style +
                       " the weight decay is optimizer.weight_decay and this changes nothing");
-  } else if (written(man, "optimizer.weight_decay")) {
-    out.push_back(man.origin("optimizer.weight_decay").str() +
-                  ": optimizer.weight_decay is the constant weight decay" + wd_style +
-                  " it goes from optimizer.start_weight_decay to end_weight_decay, and this changes nothing");
-  }
   return out;
 }
 
@@ -432,9 +427,9 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   for (const std::string& w : schedule_settings_that_change_nothing(man, config.optimizer)) plan.warnings.push_back(w);
   const manifest::ScheduleMarks marks = manifest::schedule_marks(config);
   const std::string unit = marks.unit();
-  if (marks.warmup > marks.decay_end && man.get_int("optimizer.decay_" + unit) == 0)
+  if (marks.warmup > static_cast<double>(marks.decay_end) && man.get_int("optimizer.decay_" + unit) == 0)
     plan.warnings.push_back(man.origin("optimizer.warmup_" + unit).str() + ": the warmup (" +
-                            std::to_string(marks.warmup) + " " + unit + ") outlasts the run (" +
+                            std::to_string(static_cast<int64_t>(marks.warmup)) + " " + unit + ") outlasts the run (" +
                             std::to_string(marks.decay_end) + " " + unit + "): the learning rate never reaches optimizer.lr");
   if (config.checkpoint.dir.empty())
     for (const char* key : {"checkpoint.every", "checkpoint.keep_last", "checkpoint.async_save"})

@@ -4,11 +4,14 @@
 
 #include <boost/filesystem.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <fcntl.h>
 #include <unistd.h>
 
 namespace loom::train {
@@ -120,36 +123,67 @@ std::string tf_record(const std::string& data) {
   return r;
 }
 
-TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step) {
+TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step)
+    : dir_(dir), first_step_(first_step) {
   boost::system::error_code ec;
   boost::filesystem::create_directories(dir, ec);
   if (ec || !boost::filesystem::is_directory(dir))
     throw std::runtime_error("tensorboard directory " + dir + ": cannot create it (" +
                              (ec ? ec.message() : std::string("not a directory")) + ")");
+}
+
+TensorBoardWriter::~TensorBoardWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void TensorBoardWriter::open() {
   char host[256] = "localhost";
   (void)::gethostname(host, sizeof(host) - 1);
-  // TensorBoard reads a directory's files in name order: the seconds keep launches in
-  // theirs, and a count tells apart the files of one process in one second.
-  const std::string stem = (boost::filesystem::path(dir) / ("events.out.tfevents." +
-                                                            std::to_string(static_cast<long long>(now_seconds())) +
-                                                            "." + host + "." + std::to_string(::getpid())))
+  std::string name = host;
+  std::replace(name.begin(), name.end(), '/', '_');
+  // The time to the microsecond, zero-padded, keeps the files of launches in name order.
+  const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(
+                          std::chrono::system_clock::now().time_since_epoch())
+                          .count();
+  char stamp[64];
+  std::snprintf(stamp, sizeof(stamp), "%lld.%06lld", static_cast<long long>(micros / 1000000),
+                static_cast<long long>(micros % 1000000));
+  const std::string stem = (boost::filesystem::path(dir_) / ("events.out.tfevents." + std::string(stamp) + "." + name +
+                                                             "." + std::to_string(::getpid())))
                                .string();
-  for (int n = 0; path_.empty() || boost::filesystem::exists(path_, ec); ++n) path_ = stem + "." + std::to_string(n);
-  out_.open(path_, std::ios::binary | std::ios::app);
-  if (!out_) throw std::runtime_error("tensorboard file " + path_ + ": cannot open it (" + std::strerror(errno) + ")");
+  for (int n = 0; fd_ < 0; ++n) {
+    char count[16];
+    std::snprintf(count, sizeof(count), ".%03d", n);
+    path_ = stem + count;
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd_ < 0 && (errno != EEXIST || n >= 999))
+      throw std::runtime_error("tensorboard file " + path_ + ": cannot create it (" + std::strerror(errno) + ")");
+  }
   append(file_version_event(now_seconds()), 0);
-  append(session_start_event(now_seconds(), first_step), first_step);
+  append(session_start_event(now_seconds(), first_step_), first_step_);
 }
 
 void TensorBoardWriter::write(int64_t step, const Scalars& values) {
+  if (fd_ < 0) open();
   append(scalars_event(now_seconds(), step, values), step);
 }
 
 void TensorBoardWriter::append(const std::string& event, int64_t step) {
-  out_ << tf_record(event) << std::flush;
-  if (!out_)
-    throw std::runtime_error("tensorboard file " + path_ + ": writing step " + std::to_string(step) + " failed (" +
-                             std::strerror(errno) + ")");
+  const std::string record = tf_record(event);
+  size_t done = 0;
+  while (done < record.size()) {
+    const ssize_t n = ::write(fd_, record.data() + done, record.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : ENOSPC;
+      (void)::ftruncate(fd_, written_);  // no torn record for a reader to stop at
+      (void)::lseek(fd_, written_, SEEK_SET);
+      throw std::runtime_error("tensorboard file " + path_ + ": writing step " + std::to_string(step) + " failed (" +
+                               std::strerror(error) + ")");
+    }
+    done += static_cast<size_t>(n);
+  }
+  written_ += static_cast<off_t>(record.size());
 }
 
 }  // namespace loom::train

@@ -7,7 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
+#include <sys/types.h>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,20 +33,30 @@ std::string tf_record(const std::string& data);
 
 class TensorBoardWriter {
  public:
-  // Creates `dir` (and its parents) and a new file
-  // events.out.tfevents.<seconds>.<host>.<pid>.<n> in it, starting with the file
-  // version and a session start at `first_step`. Throws std::runtime_error, naming the
-  // path, when it cannot.
+  // Creates `dir` (and its parents); throws std::runtime_error, naming it, when it
+  // cannot. The file is made at the first write (a launch that fails before its first
+  // step leaves none): events.out.tfevents.<seconds>.<microseconds>.<host>.<pid>.<n>,
+  // names in launch order as TensorBoard reads a directory's files, starting with the
+  // file version and a session start at `first_step`.
   TensorBoardWriter(const std::string& dir, int64_t first_step);
-  // One event of scalars at `step`, flushed; a failed write throws std::runtime_error.
+  ~TensorBoardWriter();
+  TensorBoardWriter(const TensorBoardWriter&) = delete;
+  TensorBoardWriter& operator=(const TensorBoardWriter&) = delete;
+  // One event of scalars at `step`, written through to the file. A failed write (a full
+  // disk) cuts the file back to its last whole record and throws std::runtime_error.
   void write(int64_t step, const Scalars& values);
+  // The file's path ("" before the first write).
   const std::string& path() const { return path_; }
 
  private:
+  void open();
   void append(const std::string& event, int64_t step);
 
+  std::string dir_;
+  int64_t first_step_ = 1;
   std::string path_;
-  std::ofstream out_;
+  int fd_ = -1;
+  off_t written_ = 0;  // the bytes of whole records in the file
 };
 
 }  // namespace loom::train

@@ -381,7 +381,6 @@ void RankTraining::run_steps() {
   if (run_.resume && run_.resume->evaluation_pending && evaluates_at(step)) {
     StepRecord rec;
     rec.step = step;
-    rec.consumed_samples = run_.samples_before(step);
     if (!evaluate(rec)) {
       mark_interrupted();
       return;

@@ -13,10 +13,13 @@
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <sstream>
+
+#include <sys/resource.h>
 
 namespace {
 
@@ -228,14 +231,48 @@ TEST(TensorBoard, ARunsEventFileHoldsEveryStepsScalars) {
   run_and_trace(tiny_manifest(), {"run.steps=8", "run.eval_every=3", "optimizer.decay_steps=6", ck}, opts);
   files = event_files(tb);
   ASSERT_EQ(files.size(), 2u);
-  std::vector<ReadEvent> resumed;
-  for (const std::string& f : files)
-    if (read_events(f).size() == 2u + 2) resumed = read_events(f);
+  // In name order (TensorBoard's), the resumed launch's file comes second.
+  EXPECT_EQ(read_events(files[0]).size(), 2u + 6);
+  const std::vector<ReadEvent> resumed = read_events(files[1]);
   ASSERT_EQ(resumed.size(), 4u);
   EXPECT_TRUE(resumed[1].session_start);
   EXPECT_EQ(resumed[1].step, 7);
   EXPECT_EQ(resumed[2].step, 7);
   EXPECT_EQ(resumed[3].step, 8);
+  fs::remove_all(dir);
+}
+
+// A write the file system refuses (here the file-size limit, its signal ignored: EFBIG)
+// throws naming the step, and leaves the file at its last whole record, which a
+// reader reads to the end.
+TEST(TensorBoard, AFailedWriteLeavesNoTornRecord) {
+  const std::string dir = loom::testing::scratch_dir("tensorboard_full");
+  fs::remove_all(dir);
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  std::string failure;
+  std::string path;
+  {
+    loom::train::TensorBoardWriter writer(dir, 1);
+    writer.write(1, {{"lm loss", 1.0f}});
+    path = writer.path();
+    rlimit limited = old;
+    limited.rlim_cur = 1000;  // bytes: a few dozen records of two scalars
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+    try {
+      for (int64_t step = 2; step < 1000; ++step) writer.write(step, {{"lm loss", 1.0f}, {"learning-rate", 0.5f}});
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    ::setrlimit(RLIMIT_FSIZE, &old);
+  }
+  std::signal(SIGXFSZ, previous);
+  EXPECT_NE(failure.find("tensorboard file " + path + ": writing step "), std::string::npos) << failure;
+  const std::vector<ReadEvent> events = read_events(path);  // fails on a torn record
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_LE(fs::file_size(path), 1000u);
+  EXPECT_EQ(events.back().scalars.count("learning-rate"), 1u);
   fs::remove_all(dir);
 }
 

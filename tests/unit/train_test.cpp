@@ -283,6 +283,50 @@ TEST(LearningRate, AScheduleInSamplesFollowsTheRampsBatches) {
   EXPECT_NE(by_steps.result.steps[3].lr, run.result.steps[3].lr);
 }
 
+// optimizer.warmup_fraction (Megatron-LM's --lr-warmup-fraction) is that share of the
+// schedule up to the decay's end: 0.1 of 110 steps is the schedule of 11 warmup steps,
+// rate for rate; a share that is not whole steps keeps its fraction (0.25 of 10 steps:
+// 2.5), in steps and in samples alike; with a warmup of its own it is refused.
+TEST(LearningRate, AWarmupFractionIsAShareOfTheSchedule) {
+  auto config = [](const std::vector<std::string>& o) {
+    return loom::testing::plan_from(tiny_manifest(), with_overrides({"run.steps=200", "optimizer.min_lr=1e-4"}, o))
+        .config;
+  };
+  for (const char* style : {"cosine", "linear", "inverse-square-root", "wsd"}) {
+    const std::vector<std::string> common = {std::string("optimizer.decay_style=\"") + style + "\"",
+                                             "optimizer.decay_steps=110", "optimizer.wsd_decay_steps=20"};
+    const auto steps = config(with_overrides(common, {"optimizer.warmup_steps=11"}));
+    const auto share = config(with_overrides(common, {"optimizer.warmup_steps=0", "optimizer.warmup_fraction=0.1"}));
+    for (int64_t step = 1; step <= 200; ++step)
+      ASSERT_EQ(loom::train::learning_rate(steps, {step, 0}), loom::train::learning_rate(share, {step, 0}))
+          << style << ", step " << step;
+  }
+  const auto quarter =
+      config({"optimizer.warmup_steps=0", "optimizer.warmup_fraction=0.25", "optimizer.decay_steps=10",
+              "optimizer.decay_style=\"linear\"", "optimizer.min_lr=0.0"});
+  const double lr = quarter.optimizer.lr;
+  EXPECT_EQ(loom::manifest::schedule_marks(quarter).warmup, 2.5);
+  EXPECT_NEAR(loom::train::learning_rate(quarter, {2, 0}), lr * 2 / 2.5, 1e-15);
+  EXPECT_NEAR(loom::train::learning_rate(quarter, {3, 0}), lr * (1 - 0.5 / 7.5), 1e-15);
+  // In samples: a quarter of the run's 80 samples (10 steps of 8) is 20.
+  const auto samples = loom::testing::plan_from(tiny_manifest(), {"run.train_samples=80", "optimizer.warmup_steps=0",
+                                                                  "optimizer.warmup_fraction=0.25"})
+                           .config;
+  EXPECT_EQ(loom::manifest::schedule_marks(samples).warmup, 20.0);
+  EXPECT_NEAR(loom::train::learning_rate(samples, {1, 8}), samples.optimizer.lr * 8 / 20, 1e-15);
+  try {
+    loom::testing::plan_from(tiny_manifest(), {"optimizer.warmup_fraction=0.1"});
+    ADD_FAILURE() << "warmup_fraction beside warmup_steps was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.warmup_fraction and optimizer.warmup_steps both size the warmup"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(loom::testing::plan_from(tiny_manifest(), {"optimizer.warmup_steps=0", "optimizer.warmup_fraction=1.0"}),
+               std::exception)
+      << "a warmup as long as the decay";
+}
+
 // The schedule counts steps or samples, never both; run.train_samples counts samples.
 // The marks' checks read the schedule's unit; keys a style never reads are warned of.
 TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
@@ -298,15 +342,19 @@ TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
                 .find("optimizer.warmup_steps and optimizer.decay_samples are both set: the learning-rate schedule "
                       "counts steps or training samples, not both"),
             std::string::npos);
-  EXPECT_NE(refusal({"run.train_samples=80"})
-                .find("optimizer.warmup_steps counts steps, but run.train_samples counts the run in samples, and so "
-                      "the learning-rate schedule too (as Megatron-LM's --train-samples): write "
-                      "optimizer.warmup_samples instead"),
-            std::string::npos);
-  EXPECT_EQ(refusal({"run.train_samples=80", "optimizer.warmup_steps=0", "optimizer.warmup_samples=16"}), "");
+  // run.train_samples counts the schedule in samples unless a *_steps mark it reads is
+  // written (the tiny manifest's warmup_steps = 2 is).
+  auto in_samples = [](const std::vector<std::string>& o) {
+    return loom::manifest::schedule_marks(loom::testing::plan_from(tiny_manifest(), o).config).in_samples;
+  };
+  EXPECT_FALSE(in_samples({"run.train_samples=80"}));
+  EXPECT_TRUE(in_samples({"run.train_samples=80", "optimizer.warmup_steps=0"}));
+  EXPECT_TRUE(in_samples({"run.train_samples=80", "optimizer.warmup_steps=0", "optimizer.warmup_samples=16"}));
+  EXPECT_FALSE(in_samples({"run.train_samples=80", "optimizer.decay_style=\"wsd\"", "optimizer.wsd_decay_steps=3"}));
   EXPECT_NE(refusal({"optimizer.warmup_steps=0", "optimizer.warmup_samples=16", "optimizer.decay_samples=16"})
-                .find("optimizer.decay_samples (16) must be more than optimizer.warmup_samples (16): the decay runs "
-                      "from the end of the warmup to optimizer.decay_samples (Megatron's --lr-decay-samples)"),
+                .find("optimizer.decay_samples (16) must be more than the warmup (16 samples, optimizer.warmup_samples): "
+                      "the decay runs from the end of the warmup to optimizer.decay_samples (Megatron's "
+                      "--lr-decay-samples)"),
             std::string::npos);
   // wsd in samples: the run's 10 steps of 8 are 80 samples, 16 of them warmup.
   const std::vector<std::string> wsd = {"optimizer.warmup_steps=0", "optimizer.warmup_samples=16",
@@ -333,9 +381,7 @@ TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
   // A samples mark the decay style does not read changes nothing, not even the unit:
   // the tiny manifest's warmup_steps = 2 stands beside it.
   EXPECT_EQ(refusal({"optimizer.wsd_decay_samples=50"}), "");
-  EXPECT_FALSE(loom::manifest::schedule_marks(
-                   loom::testing::plan_from(tiny_manifest(), {"optimizer.wsd_decay_samples=50"}).config)
-                   .in_samples);
+  EXPECT_FALSE(in_samples({"optimizer.wsd_decay_samples=50"}));
   EXPECT_NE(refusal({"run.steps=1125899906842625"}).find("run.steps = 1125899906842625 of batch.global_batch_size = 8 "
                                                          "are more than 2^53 training samples"),
             std::string::npos);
@@ -368,7 +414,7 @@ TEST(WeightDecay, EachIncrementStyleIsMegatronsSchedule) {
   EXPECT_NEAR(at(cosine, 50), 0.06, tol);  // half: cos(pi / 2) = 0
   EXPECT_NEAR(at(cosine, 100), 0.1, tol);
   EXPECT_NEAR(at(cosine, 25), 0.02 + 0.5 * (std::cos(M_PI * 0.75) + 1) * 0.08, tol);
-  EXPECT_NEAR(at(config({}), 25), 0.1, tol) << "constant: optimizer.weight_decay";
+  EXPECT_NEAR(at(config({"optimizer.weight_decay=0.3"}), 25), 0.3, tol) << "constant: optimizer.weight_decay";
   // In samples: the run is 800 (100 steps of 8), a quarter of it 200.
   const auto in_samples =
       config({"optimizer.weight_decay_incr_style=\"linear\"", "optimizer.warmup_steps=0", "optimizer.warmup_samples=8"});
@@ -378,7 +424,7 @@ TEST(WeightDecay, EachIncrementStyleIsMegatronsSchedule) {
   auto same = run_and_trace(tiny_manifest(), {"run.steps=4", "optimizer.weight_decay_incr_style=\"linear\"",
                                               "optimizer.start_weight_decay=0.05", "optimizer.end_weight_decay=0.05"});
   auto rising = run_and_trace(tiny_manifest(), {"run.steps=4", "optimizer.weight_decay_incr_style=\"linear\"",
-                                                "optimizer.end_weight_decay=0.2"});
+                                                "optimizer.start_weight_decay=0.0", "optimizer.end_weight_decay=0.2"});
   EXPECT_EQ(same.params.back(), flat.params.back());
   EXPECT_NE(rising.params.back(), flat.params.back());
   for (size_t i = 0; i < 4; ++i) {
@@ -392,11 +438,20 @@ TEST(WeightDecay, EachIncrementStyleIsMegatronsSchedule) {
     return false;
   };
   EXPECT_TRUE(warned({"optimizer.end_weight_decay=0.2"}, "optimizer.end_weight_decay is an end of a weight-decay schedule"));
-  EXPECT_TRUE(warned({"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.weight_decay=0.2"},
-                     "optimizer.weight_decay is the constant weight decay"));
-  EXPECT_FALSE(warned({"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.end_weight_decay=0.2"},
+  EXPECT_FALSE(warned({"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.start_weight_decay=0.0",
+                       "optimizer.end_weight_decay=0.2"},
                       "is an end of a weight-decay schedule"));
-  EXPECT_FALSE(warned({"optimizer.weight_decay=0.2"}, "is the constant weight decay"));
+  // A schedule names both its ends (Megatron asserts it): the defaults would train with none.
+  try {
+    loom::testing::plan_from(tiny_manifest(),
+                             {"optimizer.weight_decay_incr_style=\"cosine\"", "optimizer.end_weight_decay=0.2"});
+    ADD_FAILURE() << "a schedule without its start was accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.weight_decay_incr_style = \"cosine\" goes from "
+                                         "optimizer.start_weight_decay to optimizer.end_weight_decay: set both"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // A collective timeout below a millisecond waits a millisecond: rounded down it was 0,
