@@ -221,7 +221,7 @@ int cmd_run(int argc, char** argv) {
       return 130;
     }
     if (!r.exit_reason.empty()) {  // a planned stop (a job's time slot): the job did what it was asked
-      std::cout << "exit: stopped after step " << r.final_step << " of " << plan.config.run.steps << " as "
+      std::cout << "exit: stopped after step " << r.final_step << " of " << r.end_step << " as "
                 << r.exit_reason << " asks"
                 << (plan.config.checkpoint.dir.empty() ? "; no checkpoint was written (checkpoint.dir is not set)"
                                                        : "; resume with --resume")

@@ -38,21 +38,26 @@ uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t sta
   return consumed;
 }
 
-int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples) {
+int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples, uint64_t consumed) {
   const auto total = static_cast<uint64_t>(train_samples);
   const auto global = static_cast<uint64_t>(batch.global_batch_size);
-  if (!ramps(batch)) return static_cast<int64_t>(total / global);
-  // The ramp's steps: those starting at or before both limits, the first step n whose
-  // start is past them found by a binary search (samples_before grows with n).
-  const uint64_t limit = std::min(total, static_cast<uint64_t>(batch.rampup_samples));
-  int64_t lo = 1, hi = static_cast<int64_t>(limit / static_cast<uint64_t>(batch.rampup_start)) + 2;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (samples_before(batch, mid, 0, 0) > limit) hi = mid;
-    else lo = mid + 1;
+  int64_t ramp_steps = 0;
+  if (ramps(batch)) {
+    // The ramp's steps: those starting at or before both limits, the first step n whose
+    // start is past them found by a binary search (samples_before grows with n).
+    const uint64_t limit = std::min(total, static_cast<uint64_t>(batch.rampup_samples));
+    if (consumed <= limit) {
+      int64_t lo = 1, hi = static_cast<int64_t>((limit - consumed) / static_cast<uint64_t>(batch.rampup_start)) + 2;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (samples_before(batch, mid, 0, consumed) > limit) hi = mid;
+        else lo = mid + 1;
+      }
+      ramp_steps = lo;
+      consumed = samples_before(batch, lo, 0, consumed);
+    }
   }
-  const uint64_t consumed = samples_before(batch, lo, 0, 0);
-  return lo + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
+  return ramp_steps + static_cast<int64_t>(total > consumed ? (total - consumed) / global : 0);
 }
 
 std::vector<std::string> untrained_schedule_overrides() {

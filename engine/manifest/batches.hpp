@@ -27,10 +27,11 @@ int64_t global_batch_at(const RunConfig::Batch& batch, uint64_t consumed);
 // consuming its batch (segment by segment of one batch size: a binary search each).
 uint64_t samples_before(const RunConfig::Batch& batch, int64_t step, int64_t start_step, uint64_t start_samples);
 
-// The steps of run.train_samples (Megatron-LM's update_train_iters): on the ramp, each
-// step that starts at or before both the ramp's and the run's samples; then whole
-// global batches of what is left (a last partial batch dropped).
-int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples);
+// The steps of run.train_samples (Megatron-LM's update_train_iters) after `consumed`
+// samples (a resume's; 0 = the whole run): on the ramp, each step that starts at or
+// before both the ramp's and the run's samples; then whole global batches of what is
+// left (a last partial batch dropped).
+int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples, uint64_t consumed = 0);
 
 // The learning-rate and weight-decay schedule's marks in its unit. It counts training
 // samples (as Megatron-LM's OptimizerParamScheduler does with --lr-*-samples) when an

@@ -1044,7 +1044,6 @@ std::string bucket_text(int64_t size) {
 }  // namespace
 
 ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_t vocab, std::ostream* log) {
-  const int64_t steps = plan.config.run.steps;
   ResumePoint out;
   if (ckpt_dir.empty())
     throw CheckpointError("--resume (or --resume-if-any) needs checkpoint.dir in the manifest (where to find the "
@@ -1083,6 +1082,16 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
     *log << "resume: " << resume_dir << " read " << out.consumed_samples << " training samples in " << meta.step
          << " steps; this run's continue from there, " << ramp.global_batch_at(out.consumed_samples) << " a step"
          << (ramp.ramps() ? " (batch.rampup_batch_size's batch there)" : "") << std::endl;
+  // run.train_samples: the steps that take the samples left at this run's batches (with
+  // the batches of the checkpoint's run, the manifest's run.steps).
+  const int64_t train_samples = plan.config.run.train_samples;
+  out.steps = train_samples > 0 ? meta.step + manifest::steps_for_samples(plan.config.batch, train_samples,
+                                                                           out.consumed_samples)
+                                : plan.config.run.steps;
+  const int64_t steps = out.steps;
+  if (log && out.steps != plan.config.run.steps)
+    *log << "resume: run.train_samples = " << train_samples << " ends at step " << out.steps << " ("
+         << out.steps - meta.step << " more steps from the " << out.consumed_samples << " samples read)" << std::endl;
   // Another vocabulary can pad to the same shapes: ids would mean other tokens.
   if (meta.vocab > 0 && meta.vocab != vocab)
     throw CheckpointError("--resume: " + resume_dir + " has a vocabulary of " + std::to_string(meta.vocab) +

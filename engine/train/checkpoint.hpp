@@ -206,6 +206,7 @@ struct ResumePoint {
   std::string dir;                 // the checkpoint's directory
   int64_t step = 0;                // the step it holds
   uint64_t consumed_samples = 0;   // the training samples read by then (where the data continues)
+  int64_t steps = 0;               // the step this run ends at (run.train_samples: counted on from the samples read)
   bool evaluation_pending = false; // its step's evaluation, cut short by a stop signal, is run first
   int old_dp = 0, old_world = 0;   // the checkpoint's dp and world when dp or the bucket size changes (reshard); else 0
   int64_t old_bucket_size = -1;    // its optimizer.bucket_size when resharding (-1: not recorded)

@@ -64,6 +64,7 @@ struct Run {
   }
 
   BatchRamp ramp;  // each step's global batch (batch.rampup_batch_size)
+  int64_t steps = 0;  // the step the run ends at: run.steps, or a resume's (ResumePoint::steps)
 
   uint64_t samples_before(int64_t step) const { return ramp.samples_before(step, start_step, start_samples); }
 };
@@ -350,7 +351,7 @@ void RankTraining::publish() {
 
 void RankTraining::run_steps() {
   const RunPlan& plan = run_.plan;
-  const int64_t steps = config_.run.steps, seq = config_.model.seq_length, mbs = config_.batch.micro_batch_size;
+  const int64_t steps = run_.steps, seq = config_.model.seq_length, mbs = config_.batch.micro_batch_size;
   // One microbatch per dp rank's worth of samples: micro_batch * dp of them.
   flops_per_sample_ = model_->forward_flops() * 3.0 / static_cast<double>(mbs * plan.dp);
   world_.all_reduce(nullptr, &flops_per_sample_, &flops_per_sample_, 1, LOOM_DTYPE_F64);
@@ -463,7 +464,7 @@ void RankTraining::run_steps() {
 
 bool RankTraining::evaluates_at(int64_t step) const {
   const int64_t every = config_.run.eval_every;
-  return every > 0 && (step % every == 0 || step == config_.run.steps);
+  return every > 0 && (step % every == 0 || step == run_.steps);
 }
 
 // The validation loss (and accuracies) into `rec`; false when a stop signal ended it.
@@ -570,14 +571,15 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (options.log) *options.log << "resume: from " << resume->dir << " (step " << resume->step << ")" << std::endl;
   }
 
-  MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, config.run.steps,
-                      config.run.log_every);
+  const int64_t steps = resume ? resume->steps : config.run.steps;
+  MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, steps, config.run.log_every);
   if (!options.tensorboard_dir.empty()) metrics.write_tensorboard(options.tensorboard_dir, (resume ? resume->step : 0) + 1);
 
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),
           metrics, std::chrono::steady_clock::now(), {}, {}, {}};
   run.started = started;
+  run.steps = steps;
   run.ramp = BatchRamp(config.batch, plan.dp);
   run.documents = document_inputs(config, checked.vocab);
   if (resume && options.log) {
@@ -594,6 +596,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   }
   run.pruner = std::make_unique<CheckpointPruner>(ckpt_dir, config.checkpoint.keep_last);
   run.result.start_step = run.start_step;
+  run.result.end_step = steps;
   run.result.final_step = run.start_step;  // a stop before any step trained
   if (!resume && !config.checkpoint.init_weights.empty()) {
     if (!options.read_init_weights)

@@ -50,6 +50,7 @@ struct TrainResult {
   std::vector<StepRecord> steps;   // this invocation's steps
   int64_t start_step = 0;          // > 0 when resumed
   int64_t final_step = 0;
+  int64_t end_step = 0;            // the step the run ends at (run.steps; a resumed run.train_samples run's own)
   bool interrupted = false;        // stopped by a signal (after checkpointing)
   // Non-empty: stopped as run.exit_duration_minutes or run.exit_interval asks (after
   // checkpointing), saying which.

@@ -14,6 +14,7 @@
 #include <boost/filesystem.hpp>
 
 #include <random>
+#include <tuple>
 #include <sstream>
 
 namespace {
@@ -78,6 +79,13 @@ TEST(BatchRamp, TrainSamplesGiveMegatronsIterations) {
   EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 120), 9);
   EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 50), 6);  // steps start at 0 .. 40, the sixth ends at 56
   EXPECT_EQ(loom::manifest::steps_for_samples(ramp, 1), 1);
+  // From a resume point: the steps left after k steps of the same batches are the
+  // rest of the run's, at every k.
+  for (int64_t total : {1, 50, 100, 120, 1000})
+    for (int64_t k = 0; k <= loom::manifest::steps_for_samples(ramp, total); ++k)
+      EXPECT_EQ(k + loom::manifest::steps_for_samples(ramp, total, loom::manifest::samples_before(ramp, k, 0, 0)),
+                loom::manifest::steps_for_samples(ramp, total))
+          << total << " samples, " << k << " steps done";
   // A run of train_samples = 40 at the tiny manifest's global batch of 8: 5 steps, its
   // written run.steps replaced (and warned of).
   const std::vector<std::string> samples = {"run.train_samples=40", "optimizer.warmup_steps=0"};
@@ -92,6 +100,36 @@ TEST(BatchRamp, TrainSamplesGiveMegatronsIterations) {
     ADD_FAILURE() << "fewer samples than a global batch were accepted";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("is less than one global batch (8): no step"), std::string::npos) << e.what();
+  }
+}
+
+// A resume of a run.train_samples run at another global batch trains the samples left
+// at the new batch (a last partial batch dropped): 80 samples at 8 a step stopped after
+// 5 steps (40) end 2 steps of 16 later (72); 80 at 16 stopped after 2 (32) end 6 steps
+// of 8 later (80).
+TEST(BatchRamp, AResumeAtAnotherBatchTrainsTheSamplesLeft) {
+  for (const auto& [before, after, stop, end] :
+       {std::tuple<int, int, int, int64_t>{8, 16, 5, 7}, std::tuple<int, int, int, int64_t>{16, 8, 2, 8}}) {
+    const std::string dir = loom::testing::scratch_dir("samples_resume");
+    fs::remove_all(dir);
+    const std::vector<std::string> run = {"run.train_samples=80", "optimizer.warmup_steps=0",
+                                          "checkpoint.dir=\"" + dir + "\""};
+    run_and_trace(tiny_manifest(), with_overrides(run, {"batch.global_batch_size=" + std::to_string(before),
+                                                        "run.exit_interval=" + std::to_string(stop)}));
+    loom::train::TrainOptions resume;
+    resume.resume = true;
+    std::ostringstream log;
+    resume.log = &log;
+    auto rest = run_and_trace(tiny_manifest(), with_overrides(run, {"batch.global_batch_size=" + std::to_string(after)}),
+                              resume);
+    EXPECT_EQ(rest.result.final_step, end) << before << " -> " << after << ": " << log.str();
+    EXPECT_EQ(rest.result.end_step, end);
+    ASSERT_FALSE(rest.result.steps.empty());
+    EXPECT_LE(rest.result.steps.back().consumed_samples, 80u);
+    EXPECT_GT(rest.result.steps.back().consumed_samples + static_cast<uint64_t>(after), 80u) << "a whole batch left";
+    EXPECT_NE(log.str().find("resume: run.train_samples = 80 ends at step " + std::to_string(end)), std::string::npos)
+        << log.str();
+    fs::remove_all(dir);
   }
 }
 
