@@ -87,22 +87,16 @@ ScheduleMarks schedule_marks(const RunConfig::Optimizer& o, const RunConfig::Bat
                              int64_t train_samples) {
   ScheduleMarks m;
   m.in_samples = schedule_in_samples(o, train_samples);
-  if (!m.in_samples) {
-    m.warmup = o.warmup_steps;
-    m.decay_end = o.decay_steps > 0 ? o.decay_steps : run_steps;
-    m.wsd_decay = o.wsd_decay_steps;
-    m.run_length = run_steps;
-    if (o.warmup_fraction > 0) m.warmup = o.warmup_fraction * static_cast<double>(m.decay_end);
-    return m;
-  }
-  // Megatron-LM decays to --train-samples (a last partial batch, not trained, counts).
-  const int64_t run_samples =
-      train_samples > 0 ? train_samples : static_cast<int64_t>(samples_before(batch, run_steps, 0, 0));
-  m.warmup = o.warmup_samples;
-  m.decay_end = o.decay_samples > 0 ? o.decay_samples : run_samples;
-  m.wsd_decay = o.wsd_decay_samples;
-  m.run_length = run_samples;
-  if (o.warmup_fraction > 0) m.warmup = o.warmup_fraction * static_cast<double>(m.decay_end);
+  const bool s = m.in_samples;
+  // In samples Megatron-LM decays to --train-samples (a last partial batch, not trained, counts).
+  m.run_length = !s                ? run_steps
+                 : train_samples > 0 ? train_samples
+                                     : static_cast<int64_t>(samples_before(batch, run_steps, 0, 0));
+  const int64_t decay = s ? o.decay_samples : o.decay_steps;
+  m.decay_end = decay > 0 ? decay : m.run_length;
+  m.wsd_decay = s ? o.wsd_decay_samples : o.wsd_decay_steps;
+  m.warmup = o.warmup_fraction > 0 ? o.warmup_fraction * static_cast<double>(m.decay_end)
+                                   : static_cast<double>(s ? o.warmup_samples : o.warmup_steps);
   return m;
 }
 

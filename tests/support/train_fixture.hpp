@@ -71,6 +71,16 @@ inline train::RunPlan plan_from(const std::string& text, const std::vector<std::
   return train::make_plan(manifest::Manifest::parse(text, "test.toml", overrides), plugins::registry());
 }
 
+// What planning the tiny manifest with `overrides` refuses ("" when it plans).
+inline std::string tiny_plan_refusal(const std::vector<std::string>& overrides) {
+  try {
+    plan_from(tiny_manifest(), overrides);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Runs fn(rank, data, dims) on the one rank of `plan` (its device and comm plugins),
 // with the plan's data source and the model dimensions at tp = 1: what tests that build
 // a model::Model by hand need.

@@ -275,14 +275,7 @@ TEST(BatchRamp, AResumeInsideTheRampIsBitExact) {
 
 // A ramp that cannot work is refused naming batch.rampup_batch_size.
 TEST(BatchRamp, ARampThatCannotWorkIsRefused) {
-  auto refusal = [](const std::vector<std::string>& o) {
-    try {
-      loom::testing::plan_from(tiny_manifest(), o);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
+  const auto refusal = loom::testing::tiny_plan_refusal;
   EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 4]"}).find("be [start, increment, samples], three integers"),
             std::string::npos);
   EXPECT_NE(refusal({"batch.rampup_batch_size=[4, 0, 10]"}).find("start and increment in [1, 1073741824], samples in "

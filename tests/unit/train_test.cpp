@@ -330,14 +330,7 @@ TEST(LearningRate, AWarmupFractionIsAShareOfTheSchedule) {
 // The schedule counts steps or samples, never both; run.train_samples counts samples.
 // The marks' checks read the schedule's unit; keys a style never reads are warned of.
 TEST(LearningRate, AScheduleCountsStepsOrSamplesNotBoth) {
-  auto refusal = [](const std::vector<std::string>& o) {
-    try {
-      loom::testing::plan_from(tiny_manifest(), o);
-    } catch (const std::exception& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
+  const auto refusal = loom::testing::tiny_plan_refusal;
   EXPECT_NE(refusal({"optimizer.decay_samples=100"})
                 .find("optimizer.warmup_steps and optimizer.decay_samples are both set: the learning-rate schedule "
                       "counts steps or training samples, not both"),
