@@ -7,9 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <iostream>
 #include <string>
 
@@ -74,6 +75,10 @@ int main(int argc, char** argv) {
   if (const char* v = std::getenv("LOOM_LOG_LEVEL")) FLAGS_minloglevel = std::atoi(v);
   else FLAGS_minloglevel = google::GLOG_WARNING;  // the CLI prints its own progress lines
   loom::plugins::host_api();
+  // A file-size limit (ulimit -f) makes a write fail with EFBIG, which every writer
+  // reports as a failed write (a checkpoint, the metrics), instead of killing the
+  // process without a word.
+  std::signal(SIGXFSZ, SIG_IGN);
 
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     usage(argc < 2 ? std::cerr : std::cout);
