@@ -118,8 +118,11 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
   train::RunPlan plan = plan_for(*text, path, overrides, registry);
   // The manifest's own checkpoint settings (the command's plan need not keep them),
   // its paths resolved as a run resolves them. A run that saved checkpoints (a
-  // fine-tuning run of init_weights, say) is sampled at its newest.
-  const manifest::RunConfig own = manifest::RunConfig::from(manifest::Manifest::parse(*text, path, overrides));
+  // fine-tuning run of init_weights, say) is sampled at its newest. Read as written:
+  // the overrides a command takes (layout, micro-batch) change none of them, and would
+  // make a training manifest's batches (a ramp, say) fail checks the command's plan drops.
+  const manifest::RunConfig own = manifest::RunConfig::from(
+      manifest::Manifest::parse(*text, path, {}, manifest::Manifest::Launch::Other));
   const std::string& init = own.checkpoint.init_weights;
   const std::string& dir = own.checkpoint.dir;
   const manifest::RunConfig& c = plan.config;

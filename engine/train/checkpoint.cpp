@@ -1080,7 +1080,7 @@ ResumePoint plan_resume(const RunPlan& plan, const std::string& ckpt_dir, int64_
   }
   if (log && out.consumed_samples != by_batch)
     *log << "resume: " << resume_dir << " read " << out.consumed_samples << " training samples in " << meta.step
-         << " steps; this run's continue from there, " << ramp.global_batch_at(out.consumed_samples) << " a step"
+         << " steps; this run continues from there, " << ramp.global_batch_at(out.consumed_samples) << " a step"
          << (ramp.ramps() ? " (batch.rampup_batch_size's batch there)" : "") << std::endl;
   // run.train_samples: the steps that take the samples left at this run's batches (with
   // the batches of the checkpoint's run, the manifest's run.steps).

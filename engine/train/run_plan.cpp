@@ -439,7 +439,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   if (config.run.train_samples > 0 && written(man, "run.steps"))
     plan.warnings.push_back(man.origin("run.steps").str() + ": run.steps is replaced by run.train_samples = " +
                             std::to_string(config.run.train_samples) + ", which takes " +
-                            std::to_string(config.run.steps) + " steps");
+                            std::to_string(config.run.steps) + (config.run.steps == 1 ? " step" : " steps") +
+                            " from the start (a resume counts on from the samples it read)");
   for (const char* key : {"run.exit_duration_minutes", "run.exit_interval"})
     if (config.checkpoint.dir.empty() && man.get_float(key) > 0 &&
         (key != std::string("run.exit_interval") || config.run.exit_interval < config.run.steps))

@@ -126,6 +126,8 @@ std::string tf_record(const std::string& data) {
 TensorBoardWriter::TensorBoardWriter(const std::string& dir, int64_t first_step)
     : dir_(dir), first_step_(first_step) {
   boost::system::error_code ec;
+  if (boost::filesystem::exists(dir, ec) && !boost::filesystem::is_directory(dir, ec))
+    throw std::runtime_error("tensorboard directory " + dir + ": it is a file, not a directory");
   boost::filesystem::create_directories(dir, ec);
   if (ec || !boost::filesystem::is_directory(dir))
     throw std::runtime_error("tensorboard directory " + dir + ": cannot create it (" +

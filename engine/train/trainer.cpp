@@ -90,7 +90,8 @@ class RankTraining {
   RankTraining(Run& run, runtime::RankRuntime& rt)
       : run_(run),
         config_(run.plan.config),
-        schedule_(manifest::schedule_marks(run.plan.config)),
+        schedule_(manifest::schedule_marks(run.plan.config.optimizer, run.plan.config.batch, run.steps,
+                                           run.plan.config.run.train_samples)),
         rt_(rt),
         rank_(rt.global_rank()),
         leader_(rank_ == 0),
@@ -170,7 +171,7 @@ class RankTraining {
 
   Run& run_;
   const manifest::RunConfig& config_;
-  const manifest::ScheduleMarks schedule_;  // the learning-rate schedule's marks
+  const manifest::ScheduleMarks schedule_;  // the schedule's marks, at the run's end step (Run::steps)
   runtime::RankRuntime& rt_;
   const int rank_;
   const bool leader_;
@@ -586,8 +587,10 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     for (const std::string& change : data_order_changes(resume->dir, run.manifest_toml))
       *options.log << "resume: warning: " << change << " since the checkpoint: the data after it (samples, loss mask or "
                    << "documents) is not what the interrupted run would have read" << std::endl;
+    manifest::RunConfig ending = config;  // a resumed run.train_samples run's own end step
+    ending.run.steps = steps;
     if (const std::vector<std::string> changes =
-            schedule_changes(resume->dir, config, resume->step, resume->consumed_samples);
+            schedule_changes(resume->dir, ending, resume->step, resume->consumed_samples);
         !changes.empty()) {
       *options.log << "resume: warning: the learning-rate or weight-decay schedule differs from the checkpoint's: " << changes.front()
                    << std::endl;

@@ -75,6 +75,16 @@ printf '12+34=|64|' > "$work/ramp_eval.txt"
   || fail "eval of a ramped run's checkpoint: $(tail -3 "$work/ramp_eval.out")"
 "$loom" plan "$here/tiny.toml" --set 'batch.rampup_batch_size=[12, 4, 32]' --set batch.global_batch_size=16 --perf \
   > "$work/ramp_plan.out" 2>&1 || fail "plan --perf of a ramped manifest: $(tail -3 "$work/ramp_plan.out")"
+# The run's manifest (its checkpoint.dir holds the checkpoint) at a micro-batch its ramp
+# could not take: the command's own batches, not the ramp's checks.
+sed "s|^\[run\]|[run]\ntrain_samples = 200|" "$here/tiny.toml" > "$work/ramp.toml"
+cat >> "$work/ramp.toml" <<TOML
+[checkpoint]
+dir = "$work/ramp"
+TOML
+sed -i "s|^global_batch_size = .*|global_batch_size = 16\nrampup_batch_size = [4, 4, 32]|" "$work/ramp.toml"
+"$loom" eval "$work/ramp.toml" --data "$work/ramp_eval.txt" --set batch.micro_batch_size=3 > "$work/ramp_eval2.out" 2>&1 \
+  || fail "eval of a ramped run's manifest: $(tail -3 "$work/ramp_eval2.out")"
 
 # 4. A bad manifest: every problem, each with file:line:column; exit 1.
 cat > "$work/bad.toml" <<'TOML'

@@ -131,6 +131,20 @@ TEST(BatchRamp, AResumeAtAnotherBatchTrainsTheSamplesLeft) {
         << log.str();
     fs::remove_all(dir);
   }
+  // With the schedule in steps (a *_steps mark beside run.train_samples), its decay ends
+  // at the resumed run's own last step: 5 steps of 8, then 2 of 16 (a cosine to 0).
+  const std::string dir = loom::testing::scratch_dir("samples_resume_steps");
+  fs::remove_all(dir);
+  const std::vector<std::string> run = {"run.train_samples=80", "optimizer.warmup_steps=1",
+                                        "checkpoint.dir=\"" + dir + "\""};
+  run_and_trace(tiny_manifest(), with_overrides(run, {"run.exit_interval=5"}));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  auto rest = run_and_trace(tiny_manifest(), with_overrides(run, {"batch.global_batch_size=16"}), resume);
+  ASSERT_EQ(rest.result.steps.size(), 2u);
+  EXPECT_GT(rest.result.steps[0].lr, 0.0f);
+  EXPECT_EQ(rest.result.steps[1].lr, 0.0f) << "min_lr at the run's last step";
+  fs::remove_all(dir);
 }
 
 // The segment search equals walking step by step, for ramps of every shape.
