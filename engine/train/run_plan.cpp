@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 
 namespace loom::train {
@@ -204,8 +205,21 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
 }
 
 // Whether the manifest or --set gave `key` a value (not its default).
+// Whether `key` is written (in a file or by --set) with another value than its
+// default: the keys the "changes nothing" warnings name. A key written at its default
+// changes nothing either way, and manifest copies (a checkpoint's) write every key.
 bool written(const manifest::Manifest& man, const char* key) {
-  return man.origin(key).kind != manifest::Origin::Kind::Default;
+  if (man.origin(key).kind == manifest::Origin::Kind::Default) return false;
+  const manifest::schema::KeySpec* spec = manifest::schema::find(key);
+  if (spec == nullptr || !spec->default_value) return true;
+  const toml::table d = toml::parse("v = " + *spec->default_value);
+  const toml::node_view<const toml::node> value = man.table().at_path(key), fallback = d["v"];
+  if (value.is_number() && fallback.is_number())  // 0 and 0.0 alike
+    return value.value<double>() != fallback.value<double>();
+  std::ostringstream a, b;
+  a << value;
+  b << fallback;
+  return a.str() != b.str();
 }
 
 // Whether the schedule's orders are those of the default group size (0: pp), as with

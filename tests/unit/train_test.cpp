@@ -80,9 +80,13 @@ TEST(RunPlan, SettingsThatChangeNothingAreWarnedOf) {
   const std::string wsd_only = "optimizer.wsd_decay_steps shapes the final decay of decay_style = \"wsd\"";
   EXPECT_TRUE(warned({"optimizer.wsd_decay_steps=3"}, wsd_only));
   EXPECT_FALSE(warned({"optimizer.wsd_decay_steps=3", "optimizer.decay_style=\"wsd\""}, wsd_only));
+  // A key written at its default changes nothing and says nothing (a checkpoint's
+  // manifest writes every key): 0 and 0.0 alike.
+  EXPECT_FALSE(warned({"optimizer.wsd_decay_steps=0"}, "optimizer.wsd_decay_steps"));
   const std::string constant = "optimizer.min_lr is where a decay ends; with optimizer.decay_style = \"constant\"";
   EXPECT_TRUE(warned({"optimizer.min_lr=1e-4", "optimizer.decay_style=\"constant\""}, constant));
   EXPECT_FALSE(warned({"optimizer.min_lr=1e-4"}, constant));
+  EXPECT_FALSE(warned({"optimizer.min_lr=0", "optimizer.decay_style=\"constant\""}, constant));
   const std::string group = "pipeline.microbatch_group_size = 4 gives the same orders as 0 (pp) under schedule "
                             "parallel/pipeline.1f1b: it changes nothing";
   const std::vector<std::string> pp2 = {"parallel.pp=2", "parallel.dp=1", "pipeline.microbatch_group_size=4"};
