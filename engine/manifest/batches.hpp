@@ -37,10 +37,10 @@ int64_t steps_for_samples(const RunConfig::Batch& batch, int64_t train_samples, 
 // samples (as Megatron-LM's OptimizerParamScheduler does with --lr-*-samples) when an
 // optimizer.*_samples mark the decay style reads is set, or when the run's length is
 // run.train_samples and no *_steps mark is (Megatron's --train-samples), and steps
-// otherwise. A step's place in it is the step's number or
-// the samples consumed through the step (its own batch included), so with a constant
-// batch B a schedule of warmup_samples = W * B is the schedule of warmup_steps = W
-// (inverse-square-root's max(warmup, 1) counts in the unit: with no warmup it differs).
+// otherwise. A step's place in it is the step's number or the samples consumed through
+// the step (its own batch included), so with a constant batch B a schedule of
+// warmup_samples = W * B is the schedule of warmup_steps = W (inverse-square-root's
+// max(warmup, 1) counts in the unit: with no warmup it differs).
 struct ScheduleMarks {
   bool in_samples = false;
   double warmup = 0;  // optimizer.warmup_*, or warmup_fraction x decay_end (not always whole)

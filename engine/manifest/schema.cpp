@@ -268,9 +268,9 @@ std::vector<KeySpec> build() {
                 {"exponential", "linear", "cosine", "minus_sqrt"}));
   v.push_back(i("optimizer.warmup_samples", 0, 0,
                 "the warmup in training samples (Megatron's --lr-warmup-samples). An optimizer.*_samples key the "
-                "decay style reads, or run.train_samples, counts the whole schedule in samples: a step stands at "
-                "the samples consumed "
-                "through it, so a batch ramp (batch.rampup_batch_size) decays by the data seen, not by the steps"));
+                "decay style reads, or run.train_samples without a *_steps mark, counts the whole schedule in "
+                "samples: a step stands at the samples consumed through it, so a batch ramp "
+                "(batch.rampup_batch_size) decays by the data seen, not by the steps"));
   v.push_back(f("optimizer.warmup_fraction", "0.0", 0, false,
                 "the warmup as a share of the schedule up to the decay's end (Megatron's --lr-warmup-fraction): "
                 "warmup_fraction x decay_steps (or decay_samples, or the run's length when 0), instead of "

@@ -574,7 +574,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
 
   const int64_t steps = resume ? resume->steps : config.run.steps;
   MetricsSink metrics(options.metrics_file, resume ? resume->step : -1, options.log, steps, config.run.log_every);
-  if (!options.tensorboard_dir.empty()) metrics.write_tensorboard(options.tensorboard_dir, (resume ? resume->step : 0) + 1);
+  if (!options.tensorboard_dir.empty())
+    metrics.write_tensorboard(options.tensorboard_dir, (resume ? resume->step : 0) + 1);
 
   Run run{plan, options, *checked.data, checked.vocab, resume ? resume->step : 0, resume ? resume->consumed_samples : 0,
           resume, saved_manifest(plan),
@@ -592,8 +593,8 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     if (const std::vector<std::string> changes =
             schedule_changes(resume->dir, ending, resume->step, resume->consumed_samples);
         !changes.empty()) {
-      *options.log << "resume: warning: the learning-rate or weight-decay schedule differs from the checkpoint's: " << changes.front()
-                   << std::endl;
+      *options.log << "resume: warning: the learning-rate or weight-decay schedule differs from the checkpoint's: "
+                   << changes.front() << std::endl;
       for (size_t i = 1; i < changes.size(); ++i) *options.log << "resume:   " << changes[i] << std::endl;
     }
   }
