@@ -4,6 +4,7 @@
 #include "engine/runtime/json.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -127,6 +128,8 @@ MetricsSink::MetricsSink(const std::string& metrics_file, int64_t resumed_step, 
   if (append) drop_steps_after(file_, resumed_step, log);
   out_.open(file_, append ? std::ios::app : std::ios::trunc);
   if (!out_) throw std::runtime_error("metrics file " + file_ + ": cannot open the file for writing");
+  struct stat st {};
+  if (::stat(file_.c_str(), &st) == 0 && S_ISREG(st.st_mode)) whole_bytes_ = st.st_size;
 }
 
 void MetricsSink::write_tensorboard(const std::string& dir, int64_t first_step) {
@@ -213,9 +216,15 @@ void MetricsSink::write_evaluation(const StepRecord& r) {
 void MetricsSink::append(const std::string& line, int64_t step) {
   if (!out_.is_open()) return;
   out_ << line << "\n" << std::flush;
-  if (!out_)  // a failed write (a full disk, /dev/full) stops the run
+  if (!out_) {  // a failed write (a full disk, /dev/full) stops the run
+    const int error = errno;
+    out_.close();  // what the stream still held goes now, or never
+    // A regular file is cut back to its whole lines: no torn last one.
+    if (whole_bytes_ >= 0) (void)::truncate(file_.c_str(), whole_bytes_);
     throw std::runtime_error("metrics file " + file_ + ": writing step " + std::to_string(step) + " failed (" +
-                             std::strerror(errno) + ")");
+                             std::strerror(error) + ")");
+  }
+  if (whole_bytes_ >= 0) whole_bytes_ += static_cast<off_t>(line.size() + 1);
 }
 
 }  // namespace loom::train

@@ -6,6 +6,8 @@
 #include "engine/runtime/comm_stats.hpp"
 #include "engine/train/tensorboard.hpp"
 
+#include <sys/types.h>
+
 #include <cstdint>
 #include <fstream>
 #include <iosfwd>
@@ -69,7 +71,7 @@ class MetricsSink {
   void complete(StepRecord& r) const;
   // Rank 0, after each step: the progress line when due (every log_every steps, the
   // last step, an evaluation, a stop) and the metrics line. A failed write (a full
-  // disk) throws std::runtime_error.
+  // disk) cuts the file back to its whole lines and throws std::runtime_error.
   void write(const StepRecord& r, bool stopping);
   // Rank 0, on resuming: the evaluation of step r.step (its val_* fields) that a stop
   // signal cut short, the progress line and a metrics line of the step and those fields.
@@ -82,6 +84,7 @@ class MetricsSink {
 
   std::string file_;
   std::ofstream out_;
+  off_t whole_bytes_ = -1;  // the file's bytes of whole lines (-1: not a regular file)
   std::ostream* log_;
   int64_t steps_, log_every_;
   Rates rates_;

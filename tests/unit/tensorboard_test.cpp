@@ -2,7 +2,8 @@
 // worked out by hand from the protocol buffer encoding, and a run's file read back
 // with a reader of its own (the TFRecord framing and its checksums, the Event and
 // Summary fields): every step's scalars are the run's, and a resumed run starts a
-// session at its first step.
+// session at its first step. A write the file system refuses leaves whole records (and
+// the metrics file whole lines).
 #include "support/train_fixture.hpp"
 
 #include "engine/train/tensorboard.hpp"
@@ -273,6 +274,37 @@ TEST(TensorBoard, AFailedWriteLeavesNoTornRecord) {
   ASSERT_GE(events.size(), 3u);
   EXPECT_LE(fs::file_size(path), 1000u);
   EXPECT_EQ(events.back().scalars.count("learning-rate"), 1u);
+  fs::remove_all(dir);
+}
+
+// The metrics file likewise: a run whose metrics line the file-size limit refuses stops
+// naming the step, and the file keeps whole lines only.
+TEST(Metrics, AFailedWriteLeavesWholeLines) {
+  const std::string dir = loom::testing::scratch_dir("metrics_full");
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  loom::train::TrainOptions opts;
+  opts.metrics_file = dir + "/m.jsonl";
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit limited = old;
+  limited.rlim_cur = 1500;  // a few lines of a step's JSON
+  std::string failure;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limited), 0);
+  try {
+    run_and_trace(tiny_manifest(), {"run.steps=50"}, opts);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_NE(failure.find("metrics file " + opts.metrics_file + ": writing step "), std::string::npos) << failure;
+  std::ifstream in(opts.metrics_file, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n') << "a torn last line";
+  EXPECT_LE(text.size(), 1500u);
   fs::remove_all(dir);
 }
 
