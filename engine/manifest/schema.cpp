@@ -446,6 +446,12 @@ const KeySpec* find(std::string_view path) {
   return nullptr;
 }
 
+toml::table default_of(std::string_view path) {
+  const KeySpec* spec = find(path);
+  if (spec == nullptr || !spec->default_value) return {};
+  return toml::parse("v = " + *spec->default_value);  // the schema's defaults are TOML literals
+}
+
 const std::vector<std::string>& sections() {
   static const std::vector<std::string> all = [] {
     std::vector<std::string> out;

@@ -43,6 +43,9 @@ struct KeySpec : ValueBounds {
 const std::vector<KeySpec>& keys();
 // Null when `path` is not a core key.
 const KeySpec* find(std::string_view path);
+// A core key's default as a table {v = default} (read it as `d["v"]`); an empty table
+// for a key without a default or not in the schema.
+toml::table default_of(std::string_view path);
 // The top-level sections in order: run, model, parallel, ...
 const std::vector<std::string>& sections();
 // The key names of one section ("tp", "pp", ...), in schema order.

@@ -648,10 +648,9 @@ std::optional<toml::table> manifest_to_compare(const std::string& step_dir) {
 template <typename T>
 T saved_value(const toml::table& saved, const char* key) {
   if (std::optional<T> v = saved.at_path(key).value<T>()) return *v;
-  const manifest::schema::KeySpec* spec = manifest::schema::find(key);
-  if (spec == nullptr || !spec->default_value) throw std::logic_error(std::string("no schema default for ") + key);
-  const toml::table d = toml::parse("v = " + *spec->default_value);
-  return d["v"].value<T>().value();  // the schema's defaults are of their keys' types
+  const toml::table d = manifest::schema::default_of(key);
+  if (std::optional<T> v = d["v"].value<T>()) return *v;
+  throw std::logic_error(std::string("no schema default for ") + key);
 }
 
 // A rate or bound as a person writes it (0.0002, not 0.00020000000000000001).

@@ -210,9 +210,8 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
 // changes nothing either way, and manifest copies (a checkpoint's) write every key.
 bool written(const manifest::Manifest& man, const char* key) {
   if (man.origin(key).kind == manifest::Origin::Kind::Default) return false;
-  const manifest::schema::KeySpec* spec = manifest::schema::find(key);
-  if (spec == nullptr || !spec->default_value) return true;
-  const toml::table d = toml::parse("v = " + *spec->default_value);
+  const toml::table d = manifest::schema::default_of(key);
+  if (d.empty()) return true;
   const toml::node_view<const toml::node> value = man.table().at_path(key), fallback = d["v"];
   if (value.is_number() && fallback.is_number())  // 0 and 0.0 alike
     return value.value<double>() != fallback.value<double>();
