@@ -74,7 +74,9 @@ ModelSource from_checkpoint(const std::string& step,
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
   train::RunPlan plan = plan_of(ck.manifest_toml);
   train::require_same_architecture(ck.manifest_toml, plan, step, "the checkpoint");
-  return {std::move(plan), {step, std::move(ck.tensors), ck.vocab, "the checkpoint"}, ck.vocab};
+  train::InitialWeights w{step, std::move(ck.tensors), ck.vocab, "the checkpoint"};
+  w.states = std::move(ck.states);
+  return {std::move(plan), std::move(w), ck.vocab};
 }
 
 // --set may change how the model runs (layout, micro-batch, device, communication,

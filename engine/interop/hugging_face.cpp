@@ -1038,6 +1038,7 @@ train::InitialWeights read_initial_weights(const std::string& path, const train:
   std::vector<std::string> changed;
   train::require_same_architecture(ck.manifest_toml, plan, step, "checkpoint.init_weights", &changed);
   train::InitialWeights w{step, std::move(ck.tensors), ck.vocab};
+  w.states = std::move(ck.states);
   w.skipped = std::move(skipped);
   w.changed = std::move(changed);
   return w;

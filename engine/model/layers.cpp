@@ -211,4 +211,17 @@ uint64_t layer_bytes(const loom_layer_api* api, loom_layer* handle, LayerBytes w
   return bytes;
 }
 
+void check_layer_call(loom_status status, const Layer& l, const char* step) {
+  if (status == nullptr) return;
+  const loom_host_api* h = plugins::host_api();
+  std::string message = h->status_message(status);
+  const int32_t code = h->status_code(status);
+  h->status_destroy(status);
+  if (message.empty()) message = "(no message)";
+  const std::string where = "layer/" + l.spec.plugin + ", " + step;
+  throw loom::Error(message.rfind(l.spec.instance, 0) == 0 ? message + " (" + where + ")"
+                                                            : l.spec.instance + " (" + where + "): " + message,
+                    code);
+}
+
 }  // namespace loom::model

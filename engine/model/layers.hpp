@@ -48,6 +48,11 @@ void validate_layer(const manifest::RunConfig& config, const plugins::Registry& 
 enum class LayerBytes { Activations, Workspace };
 uint64_t layer_bytes(const loom_layer_api* api, loom_layer* handle, LayerBytes what, const std::string& instance);
 
+struct Layer;
+// A layer's failed call (a step, end_step, state) as an error that names the layer
+// (its plugin's message may not), keeping the status code; nothing for NULL.
+void check_layer_call(loom_status status, const Layer& l, const char* step);
+
 // A pipeline chunk held by this rank: global chunk `global_index` of
 // `num_global` (0-based), its layers in model order. A rank without pipeline
 // parallelism holds one chunk, the whole model.

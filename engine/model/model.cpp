@@ -18,20 +18,6 @@ std::vector<int64_t> hidden_shape(const loom_model_dims& dims, int64_t context_r
   return {sequence_parallel ? context_rows / tp : context_rows, dims.micro_batch, dims.hidden};
 }
 
-// A layer's failed step as an error that names the layer (its plugin's message may
-// not), keeping the status code.
-void check_step(loom_status status, const Layer& l, const char* step) {
-  if (status == nullptr) return;
-  const loom_host_api* h = plugins::host_api();
-  std::string message = h->status_message(status);
-  const int32_t code = h->status_code(status);
-  h->status_destroy(status);
-  if (message.empty()) message = "(no message)";
-  const std::string where = "layer/" + l.spec.plugin + ", " + step;
-  throw loom::Error(message.rfind(l.spec.instance, 0) == 0 ? message + " (" + where + ")"
-                                                            : l.spec.instance + " (" + where + "): " + message,
-                    code);
-}
 }  // namespace
 
 Model::Model(const manifest::RunConfig& config, const plugins::Registry& registry, runtime::RankRuntime& rank,
@@ -42,6 +28,7 @@ Model::Model(const manifest::RunConfig& config, const plugins::Registry& registr
       buffers_(rank, layers_, dims.num_layers, static_cast<size_t>(config.optimizer.bucket_size),
                model_dtype(config.device.param_dtype), model_dtype(config.device.grad_dtype), seed,
                static_cast<float>(config.model.init_method_std)),
+      states_(layers_),
       sequence_parallel_(config.parallel.sequence_parallel && tp_size(rank) > 1),
       finalizer_(rank, buffers_, layers_.size(), sequence_parallel_),
       context_rows_(dims.seq_len / rank.group_or_self("cp").size()),
@@ -148,7 +135,8 @@ void Model::run_forward(size_t i, int mb, const DLTensor* input, DLTensor* outpu
   const bool capture_ok = training && seed_device != nullptr && !l.recompute && steps_capturable_;
   a.step_key = capture_.step_key(i, mb, false);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
-  capture_.run_step(i, mb, false, capture_ok, [&] { check_step(l.api->forward(l.handle, &rank_, &a), l, "forward"); });
+  capture_.run_step(i, mb, false, capture_ok,
+                    [&] { check_layer_call(l.api->forward(l.handle, &rank_, &a), l, "forward"); });
 }
 
 const void* Model::backward_chunk(int c, int mb, float loss_scale, float aux_loss_scale, bool last_microbatch,
@@ -198,7 +186,8 @@ void Model::run_backward(size_t i, int mb, const DLTensor* grad_output, DLTensor
   const bool capture_ok = seeds_.has_slot(mb) && !l.recompute && steps_capturable_;
   a.step_key = capture_.step_key(i, mb, true);
   a.substeps_capturable = capture_.may_capture_parts(i, capture_ok) ? 1 : 0;
-  capture_.run_step(i, mb, true, capture_ok, [&] { check_step(l.api->backward(l.handle, &rank_, &a), l, "backward"); });
+  capture_.run_step(i, mb, true, capture_ok,
+                    [&] { check_layer_call(l.api->backward(l.handle, &rank_, &a), l, "backward"); });
 }
 
 size_t Model::hidden_bytes(int64_t rows, int64_t batch) const {
@@ -236,7 +225,7 @@ const void* Model::forward_cached(int c, int64_t rows, int64_t batch, int64_t po
     a.position_ids = position_ids ? &pos : nullptr;
     a.logits = has_output ? nullptr : logits;
     const Layer& l = layers_[i];
-    check_step(l.api->forward(l.handle, &rank_, &a), l, "forward with the key/value cache");
+    check_layer_call(l.api->forward(l.handle, &rank_, &a), l, "forward with the key/value cache");
     held = next;
     turn ^= 1;
   }

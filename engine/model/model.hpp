@@ -4,7 +4,7 @@
 // chunk. Activations are kept per (chunk, microbatch) until that backward, so a
 // pipeline schedule can hold several in flight. The Model composes the parts that
 // do each job: Layers, ParamBuffers, HiddenStates, Recomputation, DropoutSeeds,
-// CapturePolicy and GradFinalizer.
+// CapturePolicy, GradFinalizer and LayerStates.
 #pragma once
 
 #include "engine/manifest/run_config.hpp"
@@ -13,6 +13,7 @@
 #include "engine/model/dropout_seeds.hpp"
 #include "engine/model/grad_finalize.hpp"
 #include "engine/model/hidden_states.hpp"
+#include "engine/model/layer_states.hpp"
 #include "engine/model/layers.hpp"
 #include "engine/model/param_buffers.hpp"
 #include "engine/model/recompute.hpp"
@@ -129,6 +130,11 @@ class Model {
   // that make each gradient whole not yet done (tp sum of duplicated parameters under
   // sequence parallelism; sum of tied copies over the embedding group).
   void finalize_grads() { finalizer_.finish(); }
+  // After finalize_grads, before the optimizer: the layers update their state from
+  // the step's `microbatches` (ABI 1.23 end_step; `step` 1-based).
+  void end_step(int64_t step, int32_t microbatches) { states_.end_step(rank_, step, microbatches); }
+  // The layers' state outside the parameters (checkpointed beside them).
+  const LayerStates& layer_states() const { return states_; }
   // Bytes of the hidden state between two layers of one microbatch.
   size_t hidden_bytes() const { return hidden_.bytes(); }
   // Elements of that hidden state (the p2p message count, in act_dtype()).
@@ -186,6 +192,7 @@ class Model {
   loom_model_dims dims_;
   Layers layers_;
   ParamBuffers buffers_;
+  LayerStates states_;  // asked after the parameters are bound
   bool sequence_parallel_ = false;  // hidden states are sharded over tp
   GradFinalizer finalizer_;
   std::function<void(const std::vector<size_t>&)> params_needed_;  // entries a layer's first forward reads

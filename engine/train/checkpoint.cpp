@@ -480,6 +480,129 @@ uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const R
 
 namespace {
 
+constexpr char kStateMagic[8] = {'L', 'O', 'O', 'M', 'S', 'T', 'A', 'T'};
+constexpr uint32_t kStateVersion = 1;
+
+struct StateHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t rank;
+  int64_t step;
+  uint64_t bytes;     // of the body after the header
+  uint64_t checksum;  // FNV-1a over the body
+};
+
+std::string state_file(const std::string& dir, int rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "rank_%05d.state", rank);
+  return (fs::path(dir) / name).string();
+}
+
+// The body: the number of arrays, then each as (name bytes u32, name, elements u64,
+// fp32 values), in name order.
+std::vector<char> encode_states(const model::StateValues& states) {
+  std::vector<char> body;
+  auto put = [&](const void* p, size_t n) {
+    body.insert(body.end(), static_cast<const char*>(p), static_cast<const char*>(p) + n);
+  };
+  const uint64_t arrays = states.size();
+  put(&arrays, sizeof arrays);
+  for (const auto& [name, values] : states) {
+    const uint32_t len = static_cast<uint32_t>(name.size());
+    const uint64_t count = values.size();
+    put(&len, sizeof len);
+    put(name.data(), len);
+    put(&count, sizeof count);
+    put(values.data(), values.size() * sizeof(float));
+  }
+  return body;
+}
+
+// Reads a body back into `out`, refusing sizes past its end, names already there and
+// bytes left over.
+void decode_states(const std::vector<char>& body, const std::string& path, model::StateValues& out) {
+  size_t at = 0;
+  auto take = [&](void* p, uint64_t n) {
+    if (n > body.size() - at) throw CheckpointError(path + ": truncated or corrupt layer-state file");
+    std::memcpy(p, body.data() + at, static_cast<size_t>(n));
+    at += static_cast<size_t>(n);
+  };
+  uint64_t arrays = 0;
+  take(&arrays, sizeof arrays);
+  for (uint64_t i = 0; i < arrays; ++i) {
+    uint32_t len = 0;
+    take(&len, sizeof len);
+    std::string name(std::min<size_t>(len, body.size() - at), '\0');
+    take(name.data(), len);
+    uint64_t count = 0;
+    take(&count, sizeof count);
+    if (count > (body.size() - at) / sizeof(float))
+      throw CheckpointError(path + ": truncated or corrupt layer-state file");
+    std::vector<float> values(static_cast<size_t>(count));
+    take(values.data(), count * sizeof(float));
+    if (!out.emplace(name, std::move(values)).second)
+      throw CheckpointError(path + ": layer state " + name + " is saved twice in the checkpoint; it is inconsistent");
+  }
+  if (at != body.size()) throw CheckpointError(path + ": bytes after the layer states; the file is corrupt");
+}
+
+std::string hex16(uint64_t c) {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(c));
+  return hex;
+}
+
+}  // namespace
+
+uint64_t write_state_file(const std::string& tmp, int rank, int64_t step, const model::StateValues& states) {
+  const std::vector<char> body = encode_states(states);
+  StateHeader h{};
+  std::memcpy(h.magic, kStateMagic, sizeof(kStateMagic));
+  h.version = kStateVersion;
+  h.rank = static_cast<uint32_t>(rank);
+  h.step = step;
+  h.bytes = body.size();
+  h.checksum = model::fnv1a(body.data(), body.size());
+  write_all(state_file(tmp, rank), {{&h, sizeof(h)}, {body.data(), body.size()}});
+  return h.checksum;
+}
+
+model::StateValues read_layer_states(const std::string& step_dir) {
+  const CheckpointMeta meta = read_meta(step_dir);
+  model::StateValues out;
+  for (size_t i = 0; i < meta.state_ranks.size(); ++i) {
+    const std::string path = state_file(step_dir, meta.state_ranks[i]);
+    require_regular_file(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in)
+      throw CheckpointError("checkpoint " + step_dir + " has no layer-state file " + path +
+                            ", which its meta.toml lists");
+    StateHeader h{};
+    in.read(reinterpret_cast<char*>(&h), sizeof(h));
+    if (!in || std::memcmp(h.magic, kStateMagic, sizeof(kStateMagic)) != 0)
+      throw CheckpointError(path + ": not a loom layer-state file (bad header)");
+    if (h.version != kStateVersion)
+      throw CheckpointError(path + ": layer-state format " + std::to_string(h.version) +
+                            " is not supported (expected " + std::to_string(kStateVersion) + ")");
+    boost::system::error_code ec;
+    const uint64_t file_bytes = fs::file_size(path, ec);
+    if (ec || file_bytes != sizeof(h) + h.bytes)
+      throw CheckpointError(path + ": the header's size does not match the file's; it is truncated or corrupt");
+    if (h.step != meta.step || h.rank != static_cast<uint32_t>(meta.state_ranks[i]) ||
+        h.checksum != meta.state_checksums[i])
+      throw CheckpointError(path + ": not the layer-state file this checkpoint saved (its step, rank or checksum is not "
+                            "the one meta.toml records); the checkpoint is inconsistent");
+    std::vector<char> body(static_cast<size_t>(h.bytes));
+    in.read(body.data(), static_cast<std::streamsize>(body.size()));
+    if (!in || model::fnv1a(body.data(), body.size()) != h.checksum)
+      throw CheckpointError(path + ": checksum mismatch; the layer-state file is corrupt");
+    decode_states(body, path, out);
+  }
+  return out;
+}
+
+namespace {
+
 std::string meta_text(const CheckpointMeta& meta) {
   toml::table t{{"step", meta.step}, {"world", meta.world}, {"tp", meta.tp},
                 {"pp", meta.pp},     {"dp", meta.dp},       {"strategy", meta.strategy}, {"format", 1}};
@@ -494,12 +617,15 @@ std::string meta_text(const CheckpointMeta& meta) {
   if (meta.consumed_samples >= 0) t.insert("consumed_samples", meta.consumed_samples);
   if (meta.evaluation_pending) t.insert("evaluation_pending", true);
   toml::array sums;  // ties the rank files to this save: one copied in from another run is refused
-  for (const uint64_t c : meta.rank_checksums) {
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(c));
-    sums.push_back(std::string(hex));
-  }
+  for (const uint64_t c : meta.rank_checksums) sums.push_back(hex16(c));
   if (!sums.empty()) t.insert("rank_checksums", std::move(sums));
+  if (!meta.state_ranks.empty()) {
+    toml::array ranks, state_sums;
+    for (const int r : meta.state_ranks) ranks.push_back(r);
+    for (const uint64_t c : meta.state_checksums) state_sums.push_back(hex16(c));
+    t.insert("state_ranks", std::move(ranks));
+    t.insert("state_checksums", std::move(state_sums));
+  }
   os << t << "\n";
   return os.str();
 }
@@ -589,17 +715,35 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.vocab = t["vocab"].value_or(int64_t{0});
     m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
     m.evaluation_pending = t["evaluation_pending"].value_or(false);
-    if (const toml::array* sums = t["rank_checksums"].as_array()) {
-      for (const toml::node& n : *sums) {
-        const std::string hex = n.value_or(std::string());
-        char* end = nullptr;
-        const unsigned long long c = std::strtoull(hex.c_str(), &end, 16);
-        if (hex.size() != 16 || *end != '\0')
-          throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's rank_checksums has \"" + hex +
-                                "\" (16 hexadecimal digits each)");
-        m.rank_checksums.push_back(c);
+    auto checksums = [&](const char* key) {
+      std::vector<uint64_t> out;
+      if (const toml::array* sums = t[key].as_array()) {
+        for (const toml::node& n : *sums) {
+          const std::string hex = n.value_or(std::string());
+          char* end = nullptr;
+          const unsigned long long c = std::strtoull(hex.c_str(), &end, 16);
+          if (hex.size() != 16 || *end != '\0')
+            throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's " + key + " has \"" + hex +
+                                  "\" (16 hexadecimal digits each)");
+          out.push_back(c);
+        }
+      }
+      return out;
+    };
+    m.rank_checksums = checksums("rank_checksums");
+    m.state_checksums = checksums("state_checksums");
+    if (const toml::array* ranks = t["state_ranks"].as_array()) {
+      for (const toml::node& n : *ranks) {
+        const int64_t r = n.value_or(int64_t{-1});
+        if (r < 0 || r >= m.world)
+          throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's state_ranks has " +
+                                std::to_string(r) + " (a rank of its world of " + std::to_string(m.world) + ")");
+        m.state_ranks.push_back(static_cast<int>(r));
       }
     }
+    if (m.state_ranks.size() != m.state_checksums.size())
+      throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's state_ranks and state_checksums " +
+                            "differ in length");
     if (m.step < 0 || m.etp < 0 || m.vocab < 0 || m.consumed_samples < -1)
       throw CheckpointError("checkpoint " + step_dir +
                             " is corrupt: meta.toml has a negative step, etp, vocab or consumed_samples");

@@ -48,6 +48,10 @@ struct CheckpointMeta {
   int64_t consumed_samples = -1;     // training samples read by `step` (-1: not recorded, i.e. step x the global batch)
   std::vector<uint64_t> rank_checksums;  // each rank file's, by rank (empty: not recorded)
   bool evaluation_pending = false;   // a stop signal came before `step`'s evaluation (run.eval_every) ended
+  // The ranks that wrote a layer-state file (rank_NNNNN.state: one rank of each group
+  // holding the same layers, when they keep state) and each file's checksum.
+  std::vector<int> state_ranks;
+  std::vector<uint64_t> state_checksums;
 };
 
 // A resume must keep device.param_dtype: the parameter files hold that dtype and
@@ -162,6 +166,14 @@ void check_param_layout(const std::string& step_dir, int file_rank, const ParamL
 // `cancel` stops a long write between pieces (CheckpointError).
 uint64_t write_rank_file(const std::string& tmp, int rank, int64_t step, const RankState& state,
                          const std::atomic<bool>* cancel = nullptr);
+// rank_NNNNN.state in `tmp` (fsynced): the layers' state a rank holds (ABI 1.23,
+// model::LayerStates), written by one rank of the group holding each pipeline stage's
+// layers (their copies are the same). Returns its checksum, which meta.toml records.
+uint64_t write_state_file(const std::string& tmp, int rank, int64_t step, const model::StateValues& states);
+// Every layer-state file meta.toml lists, checked against it (step, rank, checksum),
+// merged by name; empty for a checkpoint without any. Throws CheckpointError.
+model::StateValues read_layer_states(const std::string& step_dir);
+
 // Rank 0, after every rank wrote its file: meta + manifest, fsync, atomic rename.
 void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
                        const std::string& manifest_toml);

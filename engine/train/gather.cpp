@@ -149,6 +149,7 @@ WholeCheckpoint gather_checkpoint(const std::string& step_dir, plugins::Registry
   // The vocabulary the run had (recorded since checkpoints carry it; else the data's).
   const MemoryPlan mp = plan_memory(plan, m.vocab);
   out.vocab = mp.vocab;
+  out.states = read_layer_states(step_dir);
   const int32_t dtype = m.param_dtype == "bf16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32;
   const size_t elem = m.param_dtype == "bf16" ? 2 : 4;
 

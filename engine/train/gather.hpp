@@ -37,6 +37,7 @@ struct WholeCheckpoint {
   int64_t vocab = 0;                // the model's vocabulary, unpadded
   std::vector<WholeTensor> tensors;  // model order, each name once
   size_t declared = 0;               // the parameters the checkpoint holds (tensors: the wanted ones)
+  model::StateValues states;         // the layers' state (ABI 1.23), by name, all of it
   const WholeTensor* find(const std::string& name) const;
 };
 

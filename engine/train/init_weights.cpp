@@ -82,7 +82,8 @@ void check_initial_weights(const InitialWeights& w, const MemoryPlan& plan, int6
 
 bool training_only_option(const std::string& name) {
   static const std::set<std::string> names = {"dropout", "activation_dropout", "aux_loss_coeff",
-                                              "z_loss_coeff", "capacity_factor", "drop_policy"};
+                                              "z_loss_coeff", "capacity_factor", "drop_policy",
+                                              "expert_bias_update_rate"};
   return names.count(name) > 0;
 }
 
@@ -193,6 +194,7 @@ std::vector<float> whole_of(const InitialWeights& w, int64_t vocab, const model:
 
 void load_initial_weights(const InitialWeights& w, int64_t vocab, model::Model& model) {
   model.assign_params([&](const model::ParamEntry& e) { return whole_of(w, vocab, model, e, element); });
+  model.layer_states().assign(w.states, w.role + " " + w.source);
 }
 
 std::vector<std::vector<float>> optimizer_state_for(const InitialWeights& w, int64_t vocab, const model::Model& model) {

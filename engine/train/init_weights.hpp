@@ -22,6 +22,7 @@ struct InitialWeights {
   std::vector<std::string> skipped;  // newer step directories of a checkpoint.dir passed over ("DIR (why)")
   std::vector<std::string> unread;   // tensors of the source the model has no use for (a Hugging Face file's)
   std::vector<std::string> changed;  // how far attention reaches, as the run changes it ("key: was -> now")
+  model::StateValues states;         // the layers' state outside the parameters (a loom checkpoint's; ABI 1.23)
 };
 
 // Before launch: the weights fit the run's model — its vocabulary, every parameter some
@@ -56,7 +57,8 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
                                const std::string& role = "checkpoint.init_weights",
                                std::vector<std::string>* changes = nullptr);
 
-// Each of the model's parameters from the tensor of its name (a tied copy: of its tie
+// Each of the model's parameters from the tensor of its name, and each layer state
+// the model keeps from w.states (refused, naming it, when the weights lack it) (a tied copy: of its tie
 // key). A vocabulary table (dim 0 of at least `vocab` rows on both sides) may be padded
 // differently: its rows up to `vocab` are taken, the padding is zero. Throws loom::Error
 // naming a parameter that is missing or whose shape differs.

@@ -18,6 +18,9 @@ struct CheckpointSaver::Pending {
   CheckpointMeta meta;  // all but the ranks' checksums, known at the commit
   std::string tmp;      // the step's temporary directory
   RankState state;      // this rank's snapshot, freed once written
+  // The layers' state, when this rank writes it for the ranks holding its layers.
+  std::optional<model::StateValues> layer_states;
+  uint64_t state_checksum = 0;
   ParamLayoutList layout;
   bool background = false;
   double waited_ms = 0;
@@ -56,6 +59,9 @@ std::unique_ptr<CheckpointSaver::Pending> CheckpointSaver::stage(const model::Mo
   p->state.params.resize(model.numel() * p->state.elem_size);
   rank_.dev().copy(p->state.params.data(), model.params(), p->state.params.size(), LOOM_COPY_DEVICE_TO_HOST);
   p->state.optimizer = optimizer.save_state();
+  // Every rank holding a layer holds the same state: the first of them writes it.
+  if (!model.layer_states().empty() && rank_.group_or_self("tp-dp-cp").rank() == 0)
+    p->layer_states = model.layer_states().snapshot();
   p->layout = param_layout_of(model);
   CheckpointMeta& meta = p->meta;
   meta = CheckpointMeta{step, plan_.sizes.world, plan_.sizes.tp, plan_.sizes.pp, plan_.dp,
@@ -77,6 +83,7 @@ void CheckpointSaver::write(Pending& p) {
     p.bytes = p.state.params.size() + p.state.optimizer.size();
     p.checksum = write_rank_file(p.tmp, rank_.global_rank(), p.meta.step, p.state, &cancel_);
     write_param_layout(p.tmp, rank_.global_rank(), p.layout);
+    if (p.layer_states) p.state_checksum = write_state_file(p.tmp, rank_.global_rank(), p.meta.step, *p.layer_states);
   } catch (...) {
     p.error = std::current_exception();
   }
@@ -98,18 +105,26 @@ void CheckpointSaver::commit(Pending& p) {
     }
   }
   const loom::Group world = rank_.group_or_self("world");
-  // Each rank's checksum, bytes and microseconds of writing (every file written when it returns).
-  const int64_t mine[3] = {static_cast<int64_t>(p.checksum), static_cast<int64_t>(p.bytes),
-                           static_cast<int64_t>(p.written_ms * 1e3)};
-  std::vector<int64_t> all(3 * static_cast<size_t>(world.size()));
-  world.all_gather(nullptr, mine, all.data(), 3, LOOM_DTYPE_I64);
+  // Each rank's checksum, bytes and microseconds of writing (every file written when
+  // it returns), and whether it wrote a layer-state file, with that file's checksum.
+  constexpr size_t kFields = 5;
+  const int64_t mine[kFields] = {static_cast<int64_t>(p.checksum), static_cast<int64_t>(p.bytes),
+                                 static_cast<int64_t>(p.written_ms * 1e3), p.layer_states ? 1 : 0,
+                                 static_cast<int64_t>(p.state_checksum)};
+  std::vector<int64_t> all(kFields * static_cast<size_t>(world.size()));
+  world.all_gather(nullptr, mine, all.data(), kFields, LOOM_DTYPE_I64);
   Committed c{p.meta.step, "", 0, p.waited_ms, 0, p.background};
-  for (size_t r = 0; r < all.size(); r += 3) {
+  for (size_t r = 0; r < all.size(); r += kFields) {
     c.bytes += static_cast<uint64_t>(all[r + 1]);
     c.written_ms = std::max(c.written_ms, static_cast<double>(all[r + 2]) / 1e3);
   }
   if (rank_.global_rank() == 0) {
-    for (size_t r = 0; r < all.size(); r += 3) p.meta.rank_checksums.push_back(static_cast<uint64_t>(all[r]));
+    for (size_t r = 0; r < all.size(); r += kFields) {
+      p.meta.rank_checksums.push_back(static_cast<uint64_t>(all[r]));
+      if (all[r + 3] == 0) continue;
+      p.meta.state_ranks.push_back(static_cast<int>(r / kFields));
+      p.meta.state_checksums.push_back(static_cast<uint64_t>(all[r + 4]));
+    }
     commit_checkpoint(plan_.config.checkpoint.dir, p.tmp, p.meta, manifest_toml_);
     c.dir = checkpoint_path(plan_.config.checkpoint.dir, p.meta.step);
   }
@@ -186,6 +201,9 @@ void restore_checkpoint(const RunPlan& plan, const ResumePoint& from, runtime::R
     require_same_model(from.dir, manifest_toml, plan);  // after the shapes, which load_resharded compares
   }
   if (from.regather) require_same_model(from.dir, manifest_toml, plan);
+  // The layers' state is the same at every layout (regathered: with the weights).
+  if (!from.regather && !model.layer_states().empty())
+    model.layer_states().assign(read_layer_states(from.dir), "checkpoint " + from.dir);
   dev.synchronize();
 }
 

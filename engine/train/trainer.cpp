@@ -265,6 +265,7 @@ StepRecord RankTraining::train_step(int64_t step) {
   rt_.reset_comm_stats();
   const auto t_opt = std::chrono::steady_clock::now();
   model_->finalize_grads();
+  model_->end_step(step + 1, static_cast<int32_t>(M));
   const SchedulePoint at{step + 1, consumed + static_cast<uint64_t>(global_batch)};
   const double lr = learning_rate(config_.optimizer, schedule_, at);
   const double decay = weight_decay(config_.optimizer, schedule_, at);
@@ -637,6 +638,7 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
       *options.log << "resume: gathered " << ck.tensors.size() << " of the checkpoint's " << ck.declared
                    << " parameters (those of this process's ranks) with their optimizer state" << std::endl;
     auto w = std::make_shared<InitialWeights>(InitialWeights{resume->dir, std::move(ck.tensors), ck.vocab, "--resume"});
+    w->states = std::move(ck.states);
     check_initial_weights(*w, checked.memory, checked.vocab,
                           model::model_dims(config, checked.vocab, plan.sizes.tp).padded_vocab, mine);
     run.regathered = std::move(w);

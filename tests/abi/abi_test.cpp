@@ -85,6 +85,9 @@ extern "C" const size_t* loom_abi_layout_current_v1_21(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_21(const char* name);
 extern "C" const size_t* loom_abi_layout_frozen_v1_22(size_t* count);
 extern "C" const size_t* loom_abi_layout_current_v1_22(size_t* count);
+extern "C" size_t loom_abi_sizeof_v1_22(const char* name);
+extern "C" const size_t* loom_abi_layout_frozen_v1_23(size_t* count);
+extern "C" const size_t* loom_abi_layout_current_v1_23(size_t* count);
 extern "C" size_t loom_abi_sizeof_v1_6(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_5(const char* name);
 extern "C" size_t loom_abi_sizeof_v1_4(const char* name);
@@ -465,7 +468,8 @@ TEST(AbiLayout, Released119MembersKeepOffsetsAndSizes) {
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_18("loom_layer_api"), 0u);
   EXPECT_GE(offsetof(loom_layer_api, workspace_bytes), loom_abi_sizeof_v1_18("loom_layer_api"));
-  EXPECT_EQ(offsetof(loom_layer_api, workspace_bytes) + sizeof(void*), sizeof(loom_layer_api));
+  // It ended the table until 1.23 appended after it.
+  EXPECT_EQ(offsetof(loom_layer_api, workspace_bytes) + sizeof(void*), loom_abi_sizeof_v1_22("loom_layer_api"));
 }
 
 // 1.20's too (scaled rotary embeddings): inv_freq past 1.19's sizeof of loom_rope_args,
@@ -520,6 +524,23 @@ TEST(AbiLayout, Released122MembersKeepOffsetsAndSizes) {
   EXPECT_EQ(offsetof(loom_layer_fwd_args, position_ids) + sizeof(void*), sizeof(loom_layer_fwd_args));
   EXPECT_EQ(LOOM_DEVICE_ATTENTION_KEY_START, 1ull << 10);
   EXPECT_EQ(LOOM_LAYER_DOCUMENTS, 1ull << 4);
+}
+
+// 1.23's too (a layer's state): state and end_step past 1.22's sizeof of
+// loom_layer_api, ending it; the two new structs without hidden padding.
+TEST(AbiLayout, Released123MembersKeepOffsetsAndSizes) {
+  size_t n_frozen = 0, n_current = 0, n_122 = 0;
+  const size_t* frozen = loom_abi_layout_frozen_v1_23(&n_frozen);
+  const size_t* current = loom_abi_layout_current_v1_23(&n_current);
+  loom_abi_layout_current_v1_22(&n_122);
+  ASSERT_EQ(n_frozen, n_current);
+  ASSERT_EQ(n_frozen, n_122 + 2 * 9);  // 2 slots, 4 members of loom_layer_state_decl, 3 of loom_layer_step_end_args
+  for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
+  ASSERT_GT(loom_abi_sizeof_v1_22("loom_layer_api"), 0u);
+  EXPECT_EQ(offsetof(loom_layer_api, state), loom_abi_sizeof_v1_22("loom_layer_api"));
+  EXPECT_EQ(offsetof(loom_layer_api, end_step) + sizeof(void*), sizeof(loom_layer_api));
+  EXPECT_EQ(offsetof(loom_layer_state_decl, data) + sizeof(float*), sizeof(loom_layer_state_decl));
+  EXPECT_EQ(offsetof(loom_layer_step_end_args, step) + sizeof(int64_t), sizeof(loom_layer_step_end_args));
 }
 
 // A layer's declarations are read with the stride of their own struct_size: a

@@ -1,7 +1,7 @@
 /* Member offsets and sizes under the CURRENT header set (the SDK include path:
  * loom_abi.h and the service headers it includes). Compared by the ABI test with
- * layout_frozen.c (1.0) and layout_frozen_v1_1.c to layout_frozen_v1_22.c (1.1 to
- * 1.22): every released member must keep its offset and size. The members files
+ * layout_frozen.c (1.0) and layout_frozen_v1_1.c to layout_frozen_v1_23.c (1.1 to
+ * 1.23): every released member must keep its offset and size. The members files
  * name each member as the released headers do; the current header's padding and
  * reserved members answer to those names as well (AbiLayout.SecondNamesAreTheSameBytes). */
 #include <loom/loom_abi.h>
@@ -331,6 +331,32 @@ static const size_t k_layout_v1_22[] = {
 #include "layout_members_v1_21.inc"
 #include "layout_members_v1_22.inc"
 };
+static const size_t k_layout_v1_23[] = {
+#include "layout_members.inc"
+#include "layout_members_v1_1.inc"
+#include "layout_members_v1_2.inc"
+#include "layout_members_v1_3.inc"
+#include "layout_members_v1_4.inc"
+#include "layout_members_v1_5.inc"
+#include "layout_members_v1_6.inc"
+#include "layout_members_v1_7.inc"
+#include "layout_members_v1_8.inc"
+#include "layout_members_v1_9.inc"
+#include "layout_members_v1_10.inc"
+#include "layout_members_v1_11.inc"
+#include "layout_members_v1_12.inc"
+#include "layout_members_v1_13.inc"
+#include "layout_members_v1_14.inc"
+#include "layout_members_v1_15.inc"
+#include "layout_members_v1_16.inc"
+#include "layout_members_v1_17.inc"
+#include "layout_members_v1_18.inc"
+#include "layout_members_v1_19.inc"
+#include "layout_members_v1_20.inc"
+#include "layout_members_v1_21.inc"
+#include "layout_members_v1_22.inc"
+#include "layout_members_v1_23.inc"
+};
 #undef M
 const size_t* loom_abi_layout_current(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
@@ -423,4 +449,8 @@ const size_t* loom_abi_layout_current_v1_21(size_t* count) {
 const size_t* loom_abi_layout_current_v1_22(size_t* count) {
   *count = sizeof(k_layout_v1_22) / sizeof(k_layout_v1_22[0]);
   return k_layout_v1_22;
+}
+const size_t* loom_abi_layout_current_v1_23(size_t* count) {
+  *count = sizeof(k_layout_v1_23) / sizeof(k_layout_v1_23[0]);
+  return k_layout_v1_23;
 }

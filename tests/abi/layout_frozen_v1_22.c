@@ -4,6 +4,7 @@
 #include <loom/loom_abi.h>
 
 #include <stddef.h>
+#include <string.h>
 
 #define M(s, m) offsetof(s, m), sizeof(((s*)0)->m),
 static const size_t k_layout[] = {
@@ -35,4 +36,10 @@ static const size_t k_layout[] = {
 const size_t* loom_abi_layout_frozen_v1_22(size_t* count) {
   *count = sizeof(k_layout) / sizeof(k_layout[0]);
   return k_layout;
+}
+
+/* sizeof of the structs 1.23 appended to, as released in 1.22. */
+size_t loom_abi_sizeof_v1_22(const char* name) {
+  if (strcmp(name, "loom_layer_api") == 0) return sizeof(loom_layer_api);
+  return 0;
 }

@@ -22,6 +22,7 @@ struct RankTrace {
   train::TrainResult result;
   std::map<int, std::vector<std::vector<float>>> params;  // rank -> step -> flat buffer
   std::map<int, std::vector<model::ParamEntry>> entries;
+  std::map<int, std::vector<model::StateValues>> states;  // rank -> step -> the layers' state (ABI 1.23)
   int tp = 1, cp = 1, dp = 1, pp = 1, ep = 1, etp = 1;
 };
 
@@ -33,6 +34,7 @@ inline RankTrace run_all_ranks(const std::string& manifest, const std::vector<st
     std::vector<float> p = params_as_float(m);  // CPU device: host memory; bf16 widened
     std::lock_guard<std::mutex> lock(mu);
     t.params[rank].push_back(std::move(p));
+    t.states[rank].push_back(m.layer_states().snapshot());
     if (!t.entries.count(rank)) t.entries[rank] = m.param_entries();
   };
   train::RunPlan plan = plan_from(manifest, overrides);

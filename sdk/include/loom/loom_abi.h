@@ -84,7 +84,7 @@ extern "C" {
 /* The ABI version this header describes; a library records the one it was built
  * against in loom_plugin_library and the engine's is in loom_host_api. */
 #define LOOM_ABI_MAJOR 1
-#define LOOM_ABI_MINOR 22
+#define LOOM_ABI_MINOR 23
 
 /* Precedes the anonymous unions that give a member a second name (C11; GCC and
  * Clang also accept them in C99 with this keyword, -pedantic included). */
@@ -1198,6 +1198,25 @@ typedef struct loom_layer_validate_args {
                                          LOOM_HAS_SLOT and non-NULL); never call it */
 } loom_layer_validate_args;
 
+/* One array of a layer's state (loom_layer_api.state, since 1.23): values outside
+ * the parameters that the layer updates itself, not the optimizer (DeepSeek-V3's
+ * per-expert routing bias, moved by the experts' load), and that the engine
+ * checkpoints with the parameters. The engine reads the stride of the first
+ * element's struct_size, as for loom_param_decl. */
+typedef struct loom_layer_state_decl {
+  uint32_t struct_size;      /* sizeof(loom_layer_state_decl) of the layer's header */
+  const char* name;          /* unique among the layer's states, e.g. "router.expert_bias" */
+  int64_t count;             /* fp32 elements, >= 1 */
+  float* data;               /* host memory, the layer's, valid until destroy */
+} loom_layer_state_decl;
+
+/* loom_layer_api.end_step's arguments (since 1.23), borrowed for the call. */
+typedef struct loom_layer_step_end_args {
+  uint32_t struct_size;
+  int32_t microbatches;      /* training microbatches this rank ran in the step */
+  int64_t step;              /* the step ending, 1-based (the optimizer's) */
+} loom_layer_step_end_args;
+
 /* A layer plugin's table. Each rank creates its own instances (one per layer of
  * the model it holds) and calls them from its thread. The engine also creates
  * instances only to plan memory (`loom plan`, `validate`, the check before a run):
@@ -1289,6 +1308,24 @@ typedef struct loom_layer_api {
    * check before a run). Called after bind. Optional: NULL (and a table built before
    * 1.19) = 0. */
   uint64_t (*workspace_bytes)(loom_layer* layer);
+  /* --- since 1.23 --- */
+  /* The layer's state (loom_layer_state_decl): *count arrays, owned by the layer,
+   * valid while it lives. Called after bind, on instances that run (never on planning
+   * ones). Every rank holding the layer holds the same values (tp, cp, dp and ep
+   * replicas alike: end_step keeps them so); the engine saves one copy with each
+   * checkpoint and writes it into every rank's arrays when a run resumes or starts
+   * from the checkpoint (checkpoint.init_weights, `loom generate`, `loom eval`), at
+   * any parallel layout. It touches `data` only between steps. Optional: NULL (and a
+   * table built before 1.23) = no state. */
+  loom_status (*state)(loom_layer* layer, const loom_layer_state_decl** out, size_t* count);
+  /* Ends a training step (Megatron-Core's finalize_model_grads): called once per
+   * step on every rank, for each of its layers in model order, after the step's last
+   * backward and before the optimizer step; a layer updates its state from what the
+   * step's training microbatches saw (counted once each, in backward: a recomputed
+   * forward runs twice). It may run collectives over its rank's groups (every rank
+   * holding the layer calls it at the same point), e.g. a sum over "tp-dp-cp", the
+   * ranks that hold the layer. Optional: NULL (and a table built before 1.23) = nothing. */
+  loom_status (*end_step)(loom_layer* layer, loom_rank* rank, const loom_layer_step_end_args* args);
 } loom_layer_api;
 
 /* loom_layer_api.features: the layer takes a context-parallel slice of the

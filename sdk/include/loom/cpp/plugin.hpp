@@ -133,6 +133,15 @@ struct ParamSpec {
   bool expert = false;
 };
 
+// ABI 1.23: an array of a layer's state (loom_layer_state_decl): host fp32 values the
+// layer updates itself (in end_step) and keeps identical on every rank holding it; the
+// engine checkpoints and restores them. `data` is the layer's, valid while it lives.
+struct StateSpec {
+  std::string name;
+  float* data = nullptr;
+  int64_t count = 0;
+};
+
 class Layer {
  public:
   virtual ~Layer() = default;
@@ -154,6 +163,11 @@ class Layer {
   // ABI 1.7: true when the layer's steps are not capturable as a whole but run
   // graph-safe parts of themselves through Rank::run_substep (capturable() == 2).
   virtual bool captures_parts() { return false; }
+  // ABI 1.23: the layer's state (loom_layer_api.state), asked after bind.
+  virtual std::vector<StateSpec> state() { return {}; }
+  // ABI 1.23: once per training step after its last backward, before the optimizer
+  // (loom_layer_api.end_step): update the state from what the step saw.
+  virtual void end_step(Rank& /*rank*/, const loom_layer_step_end_args& /*args*/) {}
 };
 
 // What a layer's validate sees of the run (loom_layer_validate_args, ABI 1.12): the
@@ -195,6 +209,8 @@ struct LayerBox {
   std::unique_ptr<Layer> layer;
   std::vector<ParamSpec> specs;
   std::vector<loom_param_decl> decls;
+  std::vector<StateSpec> state_specs;
+  std::vector<loom_layer_state_decl> state_decls;
 };
 inline LayerBox* box(loom_layer* l) { return reinterpret_cast<LayerBox*>(l); }
 // A copy of the caller's argument struct in this build's layout: at most the
@@ -290,6 +306,28 @@ const loom_layer_api* layer_api() {
         v = layer.capturable() ? 1 : layer.captures_parts() ? 2 : 0;
       });
       return v;
+    };
+    a.state = [](loom_layer* l, const loom_layer_state_decl** out, size_t* count) -> loom_status {
+      return guard([&] {
+        detail::LayerBox* b = detail::box(l);
+        b->state_specs = b->layer->state();
+        b->state_decls.clear();
+        for (const StateSpec& s : b->state_specs) {
+          loom_layer_state_decl d = make<loom_layer_state_decl>();
+          d.name = s.name.c_str();
+          d.count = s.count;
+          d.data = s.data;
+          b->state_decls.push_back(d);
+        }
+        *out = b->state_decls.empty() ? nullptr : b->state_decls.data();
+        *count = b->state_decls.size();
+      });
+    };
+    a.end_step = [](loom_layer* l, loom_rank* r, const loom_layer_step_end_args* args) -> loom_status {
+      return guard([&] {
+        Rank rank(r);
+        detail::box(l)->layer->end_step(rank, detail::widened(args, "layer end_step"));
+      });
     };
     a.forward_flops = [](loom_layer* l) -> double {
       double v = 0;

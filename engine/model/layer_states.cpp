@@ -1,0 +1,76 @@
+#include "engine/model/layer_states.hpp"
+
+#include <cstring>
+#include <set>
+
+namespace loom::model {
+
+namespace {
+
+// Element i of a declaration array read with the stride of its first element's
+// struct_size, which must be 1.23's (the struct's first release).
+loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, const Layer& l) {
+  const size_t stride = decls[0].struct_size;
+  LOOM_REQUIRE(stride >= sizeof(loom_layer_state_decl) && stride % alignof(loom_layer_state_decl) == 0,
+               l.spec.instance << " (layer/" << l.spec.plugin << "): its state declarations have struct_size " << stride
+                               << ", which no loom_layer_state_decl of ABI 1.x has (" << sizeof(loom_layer_state_decl)
+                               << " since 1.23); was the layer built against another header?");
+  loom_layer_state_decl d{};
+  std::memcpy(&d, reinterpret_cast<const char*>(decls) + i * stride, sizeof(d));
+  return d;
+}
+
+}  // namespace
+
+LayerStates::LayerStates(const Layers& layers) : layers_(layers) {
+  for (const Layer& l : layers) {
+    if (!LOOM_HAS_SLOT(l.api, loom_layer_api, state) || l.api->state == nullptr) continue;
+    const loom_layer_state_decl* decls = nullptr;
+    size_t count = 0;
+    check_layer_call(l.api->state(l.handle, &decls, &count), l, "state");
+    LOOM_REQUIRE(count == 0 || decls != nullptr,
+                 l.spec.instance << ": state() gave " << count << " arrays and no declarations");
+    std::set<std::string> names;
+    for (size_t i = 0; i < count; ++i) {
+      const loom_layer_state_decl d = decl_at(decls, i, l);
+      const std::string name = d.name != nullptr ? d.name : "";
+      LOOM_REQUIRE(!name.empty(), l.spec.instance << ": its state array " << i << " has no name");
+      LOOM_REQUIRE(names.insert(name).second, l.spec.instance << " declares two state arrays named " << name
+                                                              << ": names are checkpoint keys, each must be unique");
+      LOOM_REQUIRE(d.count >= 1 && d.count <= (int64_t{1} << 40),
+                   l.spec.instance << "." << name << ": a state array of " << d.count << " elements (1 to 2^40)");
+      LOOM_REQUIRE(d.data != nullptr, l.spec.instance << "." << name << ": a state array without memory (data NULL)");
+      states_.push_back({l.spec.instance + "." + name, d.data, d.count});
+    }
+  }
+}
+
+StateValues LayerStates::snapshot() const {
+  StateValues out;
+  for (const LayerState& s : states_) out[s.name].assign(s.data, s.data + s.count);
+  return out;
+}
+
+void LayerStates::assign(const StateValues& values, const std::string& source) const {
+  for (const LayerState& s : states_) {
+    const auto it = values.find(s.name);
+    LOOM_REQUIRE(it != values.end(), source << " holds no layer state " << s.name
+                                            << ", which this model keeps (a model whose layer kept none, or another "
+                                               "model)");
+    LOOM_REQUIRE(static_cast<int64_t>(it->second.size()) == s.count,
+                 source << ": layer state " << s.name << " has " << it->second.size() << " elements, this model's "
+                        << s.count);
+    std::memcpy(s.data, it->second.data(), it->second.size() * sizeof(float));
+  }
+}
+
+void LayerStates::end_step(runtime::RankRuntime& rank, int64_t step, int32_t microbatches) const {
+  loom_layer_step_end_args a = loom::make<loom_layer_step_end_args>();
+  a.step = step;
+  a.microbatches = microbatches;
+  for (const Layer& l : layers_)
+    if (LOOM_HAS_SLOT(l.api, loom_layer_api, end_step) && l.api->end_step != nullptr)
+      check_layer_call(l.api->end_step(l.handle, &rank, &a), l, "end_step");
+}
+
+}  // namespace loom::model
