@@ -1475,6 +1475,47 @@ void check_moe_gradients(toml::table opts, unsigned seed) {
   fd_check_piecewise(b.x, dx, [&] { return layer.objective(b, 9); }, "input", rng);
 }
 
+// The expert bias after end_step (ABI 1.23): a forward without its backward (an
+// evaluation, recomputation's first forward) counts nothing; a trained microbatch
+// moves each bias by the rate (0.05) towards the mean of the experts' kept slots
+// (`kept`, the reference's: up under it, down over it, Megatron's
+// get_updated_expert_bias).
+template <class Slots>
+void expect_expert_bias_update(TestLayer& layer, Rank& rank, const Batch& b, const std::vector<Slots>& kept,
+                               bool capped) {
+  const loom_layer_state_decl* decls = nullptr;
+  size_t count = 0;
+  ASSERT_EQ(layer.api()->state(layer.raw(), &decls, &count), nullptr);
+  ASSERT_EQ(count, 1u);
+  float* bias = decls[0].data;
+  const std::vector<float> before(bias, bias + decls[0].count);
+  loom_layer_step_end_args a = loom::make<loom_layer_step_end_args>();
+  a.step = 1;
+  a.microbatches = 1;
+  auto end_step = [&] { ASSERT_EQ(layer.api()->end_step(layer.raw(), &rank.rt(), &a), nullptr); };
+  layer.forward(b, 0, true, 0);
+  layer.api()->release(layer.raw(), 0);
+  end_step();
+  EXPECT_EQ(std::vector<float>(bias, bias + decls[0].count), before) << "a forward without its backward counted";
+  layer.forward(b, 0, true, 0);
+  layer.backward(b, 0);
+  end_step();
+  double mean = 0;
+  for (const Slots& sl : kept) mean += static_cast<double>(sl.size()) / static_cast<double>(kept.size());
+  int moved_up = 0, moved_down = 0;
+  for (size_t e = 0; e < kept.size(); ++e) {
+    const double n = static_cast<double>(kept[e].size());
+    const float step = mean > n ? 0.05f : mean < n ? -0.05f : 0.0f;
+    EXPECT_EQ(bias[e], before[e] + step) << "expert " << e << " kept " << n << " slots, the mean is " << mean;
+    moved_up += step > 0;
+    moved_down += step < 0;
+  }
+  if (!capped) {  // (with a capacity every expert may keep as many)
+    EXPECT_GT(moved_up, 0) << "some expert is under the mean in this case";
+    EXPECT_GT(moved_down, 0) << "some expert is over the mean in this case";
+  }
+}
+
 // The reference also applies Megatron's expert capacity: ceil(T k / E * c) slots
 // per expert, kept by largest gate (ties: lower token) or by position; dropped
 // slots add nothing and the load-balancing term counts the routing before the drop.
@@ -1489,6 +1530,7 @@ TEST(Layers, MoeForwardMatchesReference) {
     double scaling = 0.0;  // topk_scaling_factor
     int64_t experts = 4, top_k = 2, groups = 0, group_topk = 0;
     bool per_sequence = false;  // load_balancing_type = "seq_aux_loss"
+    double bias = 0.0;  // expert_bias: expert e's routing bias is bias * ((e % 3) - 1) (0 = off)
   };
   for (const Variant& v :
        {Variant{false, 0.0, "probs", 0}, Variant{true, 0.0, "probs", 0}, Variant{false, 0.5, "probs", 0},
@@ -1504,7 +1546,11 @@ TEST(Layers, MoeForwardMatchesReference) {
         Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 8, 3, 4, 2},
         // The load-balancing term of each sequence (kBatch of them), averaged.
         Variant{false, 0.0, "probs", 0, false, "softmax", 0.0, 4, 2, 0, 0, true},
-        Variant{false, 0.5, "probs", 0, false, "sigmoid", 2.5, 8, 4, 4, 2, true}}) {
+        Variant{false, 0.5, "probs", 0, false, "sigmoid", 2.5, 8, 4, 4, 2, true},
+        // DeepSeek-V3's expert bias: in the choice (groups included), not in the gates
+        // nor in the load-balancing term's top-k.
+        Variant{false, 0.0, "probs", 0, false, "sigmoid", 0.0, 6, 2, 0, 0, false, 0.2},
+        Variant{false, 0.5, "probs", 0, false, "sigmoid", 2.5, 8, 4, 4, 2, false, 0.2}}) {
     const bool pre_softmax = v.pre_softmax, sigmoid = v.score == "sigmoid";
     const int64_t kExperts = v.experts, kTopK = v.top_k;
     SCOPED_TRACE(std::string(pre_softmax ? "pre_softmax" : "softmax over the chosen") + ", capacity factor " +
@@ -1512,7 +1558,8 @@ TEST(Layers, MoeForwardMatchesReference) {
                  std::to_string(v.shared) + (v.gate ? " gated" : "") + ", " + v.score + " scaled by " +
                  std::to_string(v.scaling) + ", top " + std::to_string(kTopK) + " of " + std::to_string(kExperts) +
                  " in " + std::to_string(v.groups) + " groups, " + std::to_string(v.group_topk) + " taken" +
-                 (v.per_sequence ? ", balanced per sequence" : ""));
+                 (v.per_sequence ? ", balanced per sequence" : "") +
+                 (v.bias > 0 ? ", expert bias " + std::to_string(v.bias) : ""));
     Rank rank;
     auto dims = make_dims();
     const double coeff = 0.3, z_coeff = 0.05;
@@ -1520,9 +1567,24 @@ TEST(Layers, MoeForwardMatchesReference) {
         moe_options(kExperts, kTopK, coeff, pre_softmax, 0.0, z_coeff, v.capacity_factor, v.policy, v.shared, v.gate);
     set_router_options(opts, v.score, v.scaling, v.groups, v.group_topk);
     if (v.per_sequence) opts.insert_or_assign("load_balancing_type", "seq_aux_loss");
+    if (v.bias > 0) {
+      opts.insert_or_assign("expert_bias", true);
+      opts.insert_or_assign("expert_bias_update_rate", 0.05);
+    }
     TestLayer layer(rank, "moe", dims, &opts);
     std::mt19937 rng(41);
     layer.randomize(rng);
+    std::vector<double> expert_bias(static_cast<size_t>(kExperts), 0.0);
+    if (v.bias > 0) {  // set through the layer's state (ABI 1.23), as a checkpoint restores it
+      const loom_layer_state_decl* decls = nullptr;
+      size_t count = 0;
+      ASSERT_EQ(layer.api()->state(layer.raw(), &decls, &count), nullptr);
+      ASSERT_EQ(count, 1u);
+      ASSERT_STREQ(decls[0].name, "router.expert_bias");
+      ASSERT_EQ(decls[0].count, kExperts);
+      for (int64_t e = 0; e < kExperts; ++e)
+        expert_bias[e] = decls[0].data[e] = static_cast<float>(v.bias * static_cast<double>((e % 3) - 1));
+    }
     Batch b = make_batch(rng);
     std::vector<float> y;
     layer.forward(b, 0, true, 0, &y);
@@ -1555,6 +1617,7 @@ TEST(Layers, MoeForwardMatchesReference) {
     std::iota(every.begin(), every.end(), 0);
     std::vector<std::vector<Slot>> slots_of(kExperts);  // in token order
     int64_t group_limited = 0;  // tokens whose top-k over all experts the groups changed
+    int64_t biased = 0;         // tokens whose experts are not the top-k of their scores
     for (int64_t t = 0; t < kT; ++t) {
       std::vector<double> p(kExperts), lb(kExperts);
       double mx = -1e300, sum = 0;
@@ -1573,6 +1636,7 @@ TEST(Layers, MoeForwardMatchesReference) {
       // sigmoids, the probs with pre_softmax, else the logits.
       std::vector<double> key = score;
       if (!sigmoid && !pre_softmax) key.assign(logits.begin() + t * kExperts, logits.begin() + (t + 1) * kExperts);
+      for (int64_t e = 0; e < kExperts; ++e) key[e] += expert_bias[e];
       std::vector<int64_t> candidates = every;
       if (v.groups > 0) {  // the group_topk groups whose best top_k / group_topk keys sum highest
         const int64_t per = kExperts / v.groups;
@@ -1590,10 +1654,12 @@ TEST(Layers, MoeForwardMatchesReference) {
         std::sort(candidates.begin(), candidates.end());
       }
       const std::vector<int64_t> chosen_experts = top(candidates, kTopK, key);
-      std::vector<int64_t> a = chosen_experts, c = top(every, kTopK, key);
+      std::vector<int64_t> a = chosen_experts, c = top(every, kTopK, key), unbiased = top(every, kTopK, score);
       std::sort(a.begin(), a.end());
       std::sort(c.begin(), c.end());
+      std::sort(unbiased.begin(), unbiased.end());
       group_limited += a != c;
+      biased += a != unbiased;
       double chosen = 0;
       for (int64_t e : chosen_experts) chosen += score[e];
       for (int64_t e : chosen_experts) {
@@ -1604,6 +1670,9 @@ TEST(Layers, MoeForwardMatchesReference) {
     }
     if (v.groups > 0) {
       EXPECT_GT(group_limited, 0) << "the groups change some token's experts in this case";
+    }
+    if (v.bias > 0) {
+      EXPECT_GT(biased, 0) << "the bias changes some token's experts in this case";
     }
     const int64_t capacity =
         v.capacity_factor > 0 ? static_cast<int64_t>(std::ceil(double(kT * kTopK) / kExperts * v.capacity_factor)) : 0;
@@ -1672,6 +1741,7 @@ TEST(Layers, MoeForwardMatchesReference) {
     // A forward that is not training reports nothing.
     layer.forward(b, 0, false, 0);
     EXPECT_EQ(layer.last_aux, 0.0f);
+    if (v.bias > 0) expect_expert_bias_update(layer, rank, b, slots_of, v.capacity_factor > 0);
   }
 }
 
@@ -1963,6 +2033,19 @@ TEST(Layers, MoeRefusesBadOptions) {
       EXPECT_NE(std::string(e.what()).find(r.what), std::string::npos) << e.what();
     }
   }
+  {  // the expert bias biases sigmoid scores (Megatron-LM refuses it with the softmax too)
+    toml::table opts = moe_options(4, 2);
+    opts.insert_or_assign("expert_bias", true);
+    try {
+      TestLayer layer(rank, "moe", dims, &opts);
+      ADD_FAILURE() << "expert_bias with the softmax: accepted";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("option expert_bias = true (auxiliary-loss-free balancing) biases the "
+                                           "sigmoid scores; set score_function = \"sigmoid\""),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // Single-option limits are declared (ABI 1.9 range / choices): the manifest check
   // refuses them, with the key and what is allowed, before any layer exists.
   const loom::plugins::LoadedPlugin& moe = registry().get("layer", "moe");
@@ -1973,6 +2056,7 @@ TEST(Layers, MoeRefusesBadOptions) {
            {"aux_loss_coeff = -0.5", "aux_loss_coeff must be >= 0, got -0.5"},
            {"dropout = 1.0", "dropout must be >= 0 and < 1, got 1.0"},
            {"score_function = \"relu\"", "score_function must be one of \"softmax\", \"sigmoid\", got \"relu\""},
+           {"expert_bias_update_rate = -0.001", "expert_bias_update_rate must be >= 0, got -0.001"},
            {"topk_scaling_factor = -1.0", "topk_scaling_factor must be >= 0, got -1.0"}}) {
     loom::manifest::Manifest m = loom::manifest::Manifest::parse("[model.layer.moe]\n" + kv + "\n", "m.toml");
     std::vector<loom::manifest::Diagnostic> diags;

@@ -10,6 +10,7 @@
 // Llama-style attention) train the serial model in the same layouts.
 #include "support/rank_trace.hpp"
 
+#include "engine/interop/hugging_face.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/checkpoint.hpp"
@@ -22,8 +23,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 
 namespace {
 
@@ -1243,6 +1247,226 @@ TEST(MixtralMoe, BadOptionsAreRefused) {
         << msg;
   }
   EXPECT_EQ(refusal(mixtral()), "") << "with every op back, Mixtral's blocks plan";
+}
+
+}  // namespace
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// DeepSeek-V3's auxiliary-loss-free balancing (expert_bias, sigmoid scores): the
+// bias is the layer's state (ABI 1.23). Each step's update reads the global batch's
+// load, summed over every rank holding the layer, so every layout moves it as the
+// serial run does, step for step, and keeps it equal on all of them; a checkpoint
+// carries it to a resume (at another layout too) and to a run from given weights.
+// ---------------------------------------------------------------------------
+
+std::vector<std::string> biased(std::vector<std::string> o) {
+  o.insert(o.end(), {"model.num_layers=4", "model.block=[\"attention\", \"moe\"]", "optimizer.eps=1e-6",
+                     "model.layer.moe.score_function=\"sigmoid\"", "model.layer.moe.expert_bias=true",
+                     "model.layer.moe.expert_bias_update_rate=0.01"});
+  return o;
+}
+
+RankTrace run_biased(std::vector<std::string> o, loom::train::TrainOptions opts = {}) {
+  return loom::testing::run_all_ranks(manifest(), biased(std::move(o)), std::move(opts));
+}
+
+const RankTrace& biased_serial() {
+  static const RankTrace t = run_biased({});
+  return t;
+}
+
+// Every rank's biases at every step are the serial run's, bit for bit (the loads are
+// whole numbers); every MoE layer's is held by some rank.
+void expect_same_biases(const RankTrace& serial, const RankTrace& par) {
+  const std::vector<loom::model::StateValues>& want = serial.states.at(0);
+  ASSERT_EQ(want.size(), serial.loss.size());
+  ASSERT_EQ(want[0].size(), 4u) << "one bias per MoE block";
+  std::set<std::string> held;
+  for (const auto& [rank, steps] : par.states) {
+    ASSERT_EQ(steps.size(), want.size()) << "rank " << rank;
+    for (size_t s = 0; s < steps.size(); ++s)
+      for (const auto& [name, values] : steps[s]) {
+        held.insert(name);
+        ASSERT_TRUE(want[s].count(name)) << name << " is not the serial run's";
+        EXPECT_EQ(values, want[s].at(name)) << name << " on rank " << rank << " after step " << s + 1;
+      }
+  }
+  EXPECT_EQ(held.size(), want[0].size()) << "some MoE layer's bias is on no rank";
+}
+
+void expect_biased_layout_matches_serial(const std::vector<std::string>& layout) {
+  std::string text;
+  for (const std::string& o : layout) text += o + " ";
+  SCOPED_TRACE(text);
+  const RankTrace par = run_biased(layout);
+  expect_same_training(biased_serial(), par);
+  expect_same_biases(biased_serial(), par);
+}
+
+// The bias moves by the rate each step (Megatron's sign update) and changes which
+// experts tokens take: without it the model trains otherwise.
+TEST(MoeExpertBias, MovesByTheRateEachStepAndChangesTraining) {
+  const RankTrace& t = biased_serial();
+  const auto& steps = t.states.at(0);
+  ASSERT_EQ(steps.size(), 10u);
+  int moved = 0;
+  for (size_t s = 0; s < steps.size(); ++s)
+    for (const auto& [name, bias] : steps[s]) {
+      ASSERT_EQ(bias.size(), 4u) << name;
+      for (size_t e = 0; e < bias.size(); ++e) {
+        const float before = s == 0 ? 0.0f : steps[s - 1].at(name)[e];
+        const float step = bias[e] - before;
+        EXPECT_TRUE(step == 0.0f || std::fabs(std::fabs(step) - 0.01f) < 1e-6f)
+            << name << "[" << e << "] moved by " << step << " at step " << s + 1;
+        moved += step != 0.0f;
+      }
+    }
+  EXPECT_GT(moved, 40) << "the biases hardly moved";
+  const RankTrace unbiased = run({"model.layer.moe.score_function=\"sigmoid\""});
+  EXPECT_NE(unbiased.loss, t.loss) << "the bias changed no routing in 10 steps";
+}
+
+TEST(MoeExpertBias, TensorAndSequenceParallelMatchSerial) {
+  expect_biased_layout_matches_serial({"parallel.tp=2"});
+  expect_biased_layout_matches_serial({"parallel.tp=2", "parallel.sequence_parallel=true"});
+  expect_biased_layout_matches_serial(folded({"parallel.ep=2"}));
+}
+
+TEST(MoeExpertBias, DataAndExpertParallelMatchSerial) {
+  expect_biased_layout_matches_serial({"parallel.dp=2"});
+  expect_biased_layout_matches_serial({"parallel.dp=2", "optimizer.strategy=\"distributed\""});
+  expect_biased_layout_matches_serial({"parallel.dp=2", "parallel.ep=2"});
+  expect_biased_layout_matches_serial({"parallel.dp=4", "parallel.ep=2", "optimizer.strategy=\"distributed\""});
+}
+
+TEST(MoeExpertBias, PipelineAndContextParallelMatchSerial) {
+  expect_biased_layout_matches_serial({"parallel.pp=2"});
+  expect_biased_layout_matches_serial({"parallel.pp=2", "parallel.vpp=2"});
+  expect_biased_layout_matches_serial(cp2({}));                                            // each rank its tokens
+  expect_biased_layout_matches_serial(cp2({"parallel.tp=2", "parallel.ep=2"}));            // tp ranks share them
+  expect_biased_layout_matches_serial({"parallel.tp=2", "parallel.pp=2", "parallel.dp=2",  // all at once
+                                       "parallel.sequence_parallel=true"});
+}
+
+// With a capacity the kept slots count (Megatron's routing map after the drop), the
+// whole microbatch routed on every cp rank; recomputed forwards count once, and
+// partial graphs route as eager.
+TEST(MoeExpertBias, CapacityRecomputeAndPartialGraphsMatchSerial) {
+  const std::vector<std::string> capacity = {"model.layer.moe.capacity_factor=1.0"};
+  const RankTrace serial = run_biased(capacity);
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.cp=2"}, std::vector<std::string>{"parallel.dp=2", "parallel.ep=2"}}) {
+    std::vector<std::string> o = capacity;
+    o.insert(o.end(), layout.begin(), layout.end());
+    const RankTrace par = run_biased(o);
+    expect_same_training(serial, par);
+    expect_same_biases(serial, par);
+  }
+  for (const std::vector<std::string>& mode :
+       {std::vector<std::string>{"model.recompute_granularity=\"full\""},
+        std::vector<std::string>{"model.recompute_granularity=\"full\"", "model.recompute_method=\"uniform\"",
+                                 "model.recompute_num_layers=2", "parallel.pp=2"},
+        std::vector<std::string>{"exec.mode=\"partial_graph\""}}) {
+    SCOPED_TRACE(mode.back());
+    const RankTrace par = run_biased(mode);
+    expect_same_training(biased_serial(), par);
+    expect_same_biases(biased_serial(), par);
+  }
+}
+
+// A checkpoint of step 5 holds the biases: the resumed run continues bit for bit, at
+// its own layout and (regathered) at another; a run from the checkpoint's weights
+// starts from its biases.
+TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
+  const std::string dir = loom::testing::scratch_dir("moe-bias-resume");
+  const std::vector<std::string> layout = {"parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""};
+  auto with = [](std::vector<std::string> o, const std::vector<std::string>& more) {
+    o.insert(o.end(), more.begin(), more.end());
+    o.push_back("optimizer.decay_steps=10");
+    return o;
+  };
+  const RankTrace full = run_biased(with(layout, {"run.steps=10"}));
+  run_biased(with(layout, {"run.steps=5", "checkpoint.dir=\"" + dir + "\""}));
+  const std::string step5 = loom::train::checkpoint_path(dir, 5);
+  EXPECT_EQ(loom::train::read_layer_states(step5), full.states.at(0)[4]);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  for (const std::vector<std::string>& other :
+       {layout, std::vector<std::string>{"parallel.tp=2", "parallel.sequence_parallel=true"}}) {
+    const std::string moved = loom::testing::scratch_dir("moe-bias-regather");
+    boost::filesystem::copy(step5, loom::train::checkpoint_path(moved, 5), boost::filesystem::copy_options::recursive);
+    const RankTrace rest = run_biased(with(other, {"run.steps=10", "checkpoint.dir=\"" + moved + "\""}), resume);
+    ASSERT_EQ(rest.loss.size(), 5u);
+    for (size_t i = 0; i < 5; ++i)
+      EXPECT_NEAR(rest.loss[i], full.loss[5 + i], 1e-5 * full.loss[5 + i]) << "step " << 6 + i;
+    for (const auto& [rank, steps] : rest.states)
+      for (size_t i = 0; i < steps.size(); ++i)
+        EXPECT_EQ(steps[i], full.states.at(0)[5 + i]) << "rank " << rank << ", step " << 6 + i;
+    boost::filesystem::remove_all(moved);
+  }
+  // From the checkpoint's weights: the first step moves its biases by one rate each.
+  const std::vector<std::string> tuning = biased({"run.steps=1", "checkpoint.init_weights=\"" + step5 + "\""});
+  loom::train::TrainOptions from_weights;
+  from_weights.read_init_weights = [&](int64_t vocab) {
+    return loom::interop::read_initial_weights(step5, loom::testing::plan_from(manifest(), tuning), vocab,
+                                               loom::plugins::registry());
+  };
+  const RankTrace tuned = loom::testing::run_all_ranks(manifest(), tuning, from_weights);
+  const loom::model::StateValues& start = full.states.at(0)[4];
+  float largest = 0;
+  for (const auto& [name, bias] : tuned.states.at(0)[0])
+    for (size_t e = 0; e < bias.size(); ++e) {
+      const float d = std::fabs(bias[e] - start.at(name)[e]);
+      EXPECT_TRUE(d == 0.0f || std::fabs(d - 0.01f) < 1e-6f) << name << "[" << e << "] is " << bias[e];
+      largest = std::max(largest, std::fabs(start.at(name)[e]));
+    }
+  EXPECT_GT(largest, 0.015f) << "the checkpoint's biases are not told from fresh ones";
+  boost::filesystem::remove_all(dir);
+}
+
+// A checkpoint whose layer-state file is missing or altered, or whose meta.toml lists
+// none, is refused, naming the file or the state.
+TEST(MoeExpertBias, ACheckpointWithoutItsStateIsRefused) {
+  const std::string dir = loom::testing::scratch_dir("moe-bias-damaged");
+  run_biased({"run.steps=2", "checkpoint.dir=\"" + dir + "\""});
+  const std::string step = loom::train::checkpoint_path(dir, 2);
+  ASSERT_TRUE(boost::filesystem::exists(step + "/rank_00000.state"));
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  using Damage = std::function<void(const std::string& step_dir)>;
+  const std::vector<std::pair<Damage, std::string>> cases = {
+      {[](const std::string& d) { boost::filesystem::remove(d + "/rank_00000.state"); },
+       "has no layer-state file"},
+      {[](const std::string& d) {
+         std::fstream f(d + "/rank_00000.state", std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(-2, std::ios::end);
+         f.put('\x7f');
+       },
+       "checksum mismatch; the layer-state file is corrupt"},
+      {[](const std::string& d) {
+         std::ifstream in(d + "/meta.toml");
+         std::string text, line;
+         while (std::getline(in, line))
+           if (line.rfind("state_", 0) != 0) text += line + "\n";
+         in.close();
+         std::ofstream(d + "/meta.toml") << text;
+       },
+       "holds no layer state blocks.0.moe.router.expert_bias, which this model keeps"}};
+  for (const auto& [damage, what] : cases) {
+    const std::string copy = loom::testing::scratch_dir("moe-bias-damaged-copy");
+    boost::filesystem::copy(step, loom::train::checkpoint_path(copy, 2), boost::filesystem::copy_options::recursive);
+    damage(loom::train::checkpoint_path(copy, 2));
+    try {
+      run_biased({"run.steps=3", "checkpoint.dir=\"" + copy + "\""}, resume);
+      ADD_FAILURE() << what << ": resumed";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+    boost::filesystem::remove_all(copy);
+  }
+  boost::filesystem::remove_all(dir);
 }
 
 }  // namespace

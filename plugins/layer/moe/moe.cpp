@@ -13,7 +13,10 @@
 //    they are for top_k = 1). topk_scaling_factor multiplies the gates. With
 //    num_groups and group_topk (group-limited routing) a token's top_k come from
 //    its group_topk groups of consecutive experts whose top_k / group_topk best
-//    scores sum highest.
+//    scores sum highest. With expert_bias (DeepSeek-V3's auxiliary-loss-free
+//    balancing, sigmoid scores) a per-expert bias is added to the scores for the
+//    choice only; end_step moves it by the global batch's load (ABI 1.23 layer
+//    state, checkpointed by the engine).
 //  - experts (experts.cpp): MLPs fc2(act(fc1 x)), each with its own weights, on
 //    the tokens routed to it; act is GeLU, or SwiGLU, silu(gate) * up, where fc1
 //    makes the gate and the up projection (experts.fc1.weight [E, H, 2F], each
@@ -170,6 +173,8 @@ class Moe : public loom::Layer {
     shared_gate_ = options.declared_bool("shared_expert_gate");
     const std::string policy = options.declared_string("drop_policy");
     router.drop_by_probs = policy == "probs";
+    router.expert_bias = options.declared_bool("expert_bias");
+    bias_rate_ = static_cast<float>(options.declared_float("expert_bias_update_rate"));
     check_router(router);
     router_ = Router(router);
     dropout_ = dropout_option(options);
@@ -215,12 +220,19 @@ class Moe : public loom::Layer {
     shared_expert_ = SharedExpert(rank_, hidden_, shared_local_, activation_, shared_gate_, tp_.rank(), tp_.size(),
                                   tp_group_);
     declare_params(tp, ep, etp);
+    if (router.expert_bias) {
+      expert_bias_.assign(static_cast<size_t>(experts_), 0.0f);
+      step_load_.assign(static_cast<size_t>(experts_), 0.0);
+    }
     w_.assign(params_.size(), nullptr);
     g_.assign(params_.size(), nullptr);
   }
 
   // What the router's options must agree on (each option's own range is declared).
   void check_router(const RouterConfig& r) const {
+    LOOM_REQUIRE(!r.expert_bias || r.sigmoid,
+                 name_ << ": option expert_bias = true (auxiliary-loss-free balancing) biases the sigmoid scores; set "
+                          "score_function = \"sigmoid\" (as Megatron-LM requires) or expert_bias = false");
     LOOM_REQUIRE(!(r.sigmoid && r.pre_softmax),
                  name_ << ": option pre_softmax = true chooses between the softmax's gates; with score_function = "
                           "\"sigmoid\" the gates are the chosen sigmoids over their sum (set pre_softmax = false)");
@@ -437,6 +449,7 @@ class Moe : public loom::Layer {
       m.kept.free();
       m.bwd.free();
     });
+    for (size_t e = 0; e < s.load.size(); ++e) step_load_[e] += static_cast<double>(s.load[e]);
     saved_.erase(it);
     dispatcher_.release(a.microbatch);
   }
@@ -450,6 +463,33 @@ class Moe : public loom::Layer {
       m->second.fwd.free();
       m->second.bwd.free();
     }
+  }
+
+  // The expert bias (ABI 1.23 layer state): the engine checkpoints it.
+  std::vector<loom::StateSpec> state() override {
+    if (expert_bias_.empty()) return {};
+    return {{.name = "router.expert_bias", .data = expert_bias_.data(), .count = experts_}};
+  }
+
+  // The step's load over every rank holding the layer (tp x dp x cp, Megatron's
+  // tensor-and-data-parallel group with cp), then the bias update, as Megatron-Core's
+  // finalize_model_grads does; the same sums on every rank keep their biases equal.
+  void end_step(loom::Rank& rank, const loom_layer_step_end_args&) override {
+    if (expert_bias_.empty()) return;
+    const loom::Device dev = rank.device();
+    const loom::Group holders = rank.group_or_single("tp-dp-cp");
+    if (holders.size() > 1) {
+      Arena buf;
+      const size_t at = buf.add(step_load_.size() * sizeof(double));
+      buf.allocate(rank_);
+      double* d = buf.at<double>(at);
+      dev.copy(d, step_load_.data(), step_load_.size() * sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      holders.all_reduce(dev.native_stream(), d, d, step_load_.size(), LOOM_DTYPE_F64);
+      dev.copy(step_load_.data(), d, step_load_.size() * sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+      dev.synchronize();
+    }
+    update_expert_bias(expert_bias_, step_load_, bias_rate_);
+    std::fill(step_load_.begin(), step_load_.end(), 0.0);
   }
 
   // Routing is decided on the host from device data: the step as a whole is not
@@ -603,6 +643,9 @@ class Moe : public loom::Layer {
     Dispatch dispatch;   // the rows this rank dispatches (its tokens' part of the whole microbatch's routing)
     RouterRows router;   // what the router's backward needs of the whole routing, for this rank's LN rows
     ExpertRows experts;
+    // With the expert bias: the slots each expert kept of the tokens this rank counts
+    // (counted in backward: a recomputed forward routes again).
+    std::vector<int64_t> load;
   };
 
   // What the moe_router sub-steps of one training microbatch allocate (the layout
@@ -820,7 +863,9 @@ class Moe : public loom::Layer {
     for (int j = 0; cp > 1 && j < cp; ++j)  // cp rank j's block, token by token, to its place
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(gathered.begin() + (j * T + t) * E, E, host_logits.begin() + whole_token(j, t, B) * E);
-    const Routing whole = router_.route(std::move(host_logits), Tw, B);
+    const Routing whole = router_.route(std::move(host_logits), Tw, B, expert_bias_.data());
+    // Every tp and cp rank routed the whole microbatch alike: the first counts it.
+    if (a.training) note_load(s, whole, tp_.rank() == 0 && cp_group_.rank() == 0);
     if (a.training && a.aux_loss != nullptr && router_.has_loss_terms())
       *a.aux_loss += static_cast<float>(router_.loss(whole));
     // The router's backward runs on the rows of this rank's LN (its shard under SP).
@@ -841,8 +886,10 @@ class Moe : public loom::Layer {
     std::vector<float> host_logits(static_cast<size_t>(Tr * experts_));
     dev.copy(host_logits.data(), logits, host_logits.size() * sizeof(float), LOOM_COPY_DEVICE_TO_HOST);
     dev.synchronize();
-    const Routing own = router_.route(std::move(host_logits), Tr, micro_batch);
+    const Routing own = router_.route(std::move(host_logits), Tr, micro_batch, expert_bias_.data());
     if (a.training) s.router = router_rows(own, own_router_rows(Tl));
+    // Folded tp ranks route their own shards; unfolded ones the same tokens.
+    if (a.training) note_load(s, own, fold_ || tp_.rank() == 0);
     // The sums feed the loss terms only: without them (evaluation, both coefficients
     // 0; the same on every rank) the router's rows need nothing of the others.
     if (a.training && router_.has_loss_terms()) {
@@ -856,6 +903,14 @@ class Moe : public loom::Layer {
       s.router.routed = std::move(terms.routed);
     }
     s.dispatch = dispatch_rows(own);
+  }
+
+  // With the expert bias: the slots each expert kept of a routing's tokens, when this
+  // rank is the one that counts them (so that the sum over the ranks holding the
+  // layer counts each token once), else none.
+  void note_load(Saved& s, const Routing& r, bool counts) const {
+    if (expert_bias_.empty()) return;
+    s.load = counts ? r.kept_slots : std::vector<int64_t>(static_cast<size_t>(experts_), 0);
   }
 
   // The router's rows among the tokens this rank routes itself: its Tl LN rows (its
@@ -967,6 +1022,9 @@ class Moe : public loom::Layer {
   std::vector<void*> w_, g_;  // by parameter index
   std::map<int32_t, Saved> saved_;
   std::map<int32_t, RouterMemory> router_memory_;  // per training microbatch, across steps
+  std::vector<float> expert_bias_;   // [experts] with option expert_bias (the layer's state), else empty
+  std::vector<double> step_load_;    // [experts]: this step's counted slots, until end_step
+  float bias_rate_ = 0.0f;           // expert_bias_update_rate
 };
 
 }  // namespace
@@ -1006,6 +1064,15 @@ std::vector<loom::OptionSpec> moe_options() {
                        "(DeepSeek-V2/V3's sequence-wise auxiliary loss)")
           .one_of("aux_loss|seq_aux_loss"),
       loom::opt_float("z_loss_coeff", 0.0, "weight of the router z-loss, mean of logsumexp(logits)^2 (0 = off)")
+          .in("[0, inf)"),
+      loom::opt_bool("expert_bias", false,
+                     "DeepSeek-V3's auxiliary-loss-free load balancing (Megatron's moe_router_enable_expert_bias; "
+                     "score_function = \"sigmoid\"): a per-expert bias added to the scores when the experts are "
+                     "chosen, not to the gates, moved after every training step by expert_bias_update_rate, up for "
+                     "the experts that kept fewer than the mean of the global batch's slots, down for those that "
+                     "kept more; checkpointed with the model"),
+      loom::opt_float("expert_bias_update_rate", 1e-3,
+                      "with expert_bias: how far each step moves a bias (Megatron's moe_router_bias_update_rate)")
           .in("[0, inf)"),
       loom::opt_int("shared_expert_ffn_hidden_size", 0,
                     "width of a shared expert every token goes through beside the routed ones (0 = none)")

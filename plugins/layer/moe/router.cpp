@@ -83,7 +83,7 @@ std::vector<int32_t> group_candidates(const RouterConfig& c, const double* key) 
 // sigmoids when groups sum them), within its best groups when grouped, and
 // their gates: the softmax's chosen probs renormalised (or not, pre_softmax), the
 // chosen sigmoids over their sum (top_k > 1), times the scaling factor.
-void choose_experts(const RouterConfig& c, Routing& r) {
+void choose_experts(const RouterConfig& c, const float* bias, Routing& r) {
   const int64_t tokens = r.tokens, experts = r.experts, top_k = r.top_k;
   std::vector<double> scores(static_cast<size_t>(experts)), lb(scores.size()), key(scores.size());
   std::vector<int32_t> all(static_cast<size_t>(experts)), order;
@@ -97,6 +97,8 @@ void choose_experts(const RouterConfig& c, Routing& r) {
     for (int64_t e = 0; e < experts; ++e) {
       r.prob_sum[static_cast<size_t>(balance + e)] += lb[static_cast<size_t>(e)];
       key[static_cast<size_t>(e)] = c.sigmoid || (c.pre_softmax && c.groups > 0) ? scores[static_cast<size_t>(e)] : l[e];
+      // Megatron adds the bias to the fp32 scores: the choice compares those sums.
+      if (c.expert_bias) key[static_cast<size_t>(e)] = static_cast<float>(scores[static_cast<size_t>(e)]) + bias[e];
     }
     order = c.groups > 0 ? group_candidates(c, key.data()) : all;
     top_first(order, top_k, key.data());
@@ -112,7 +114,7 @@ void choose_experts(const RouterConfig& c, Routing& r) {
       r.slot_gate[static_cast<size_t>(t * top_k + k)] = static_cast<float>(gate);
       ++r.kept_slots[static_cast<size_t>(e)];
     }
-    if (c.groups == 0) {  // the load-balancing top-k is the routing
+    if (c.groups == 0 && !c.expert_bias) {  // the load-balancing top-k is the routing
       for (int64_t k = 0; k < top_k; ++k) ++r.routed[static_cast<size_t>(balance + order[static_cast<size_t>(k)])];
     } else if (c.aux_coeff > 0) {  // (only the load-balancing term reads these counts)
       order = all;
@@ -150,7 +152,7 @@ int64_t Router::capacity(int64_t tokens) const {
                                         c_.capacity_factor));
 }
 
-Routing Router::route(std::vector<float> logits, int64_t tokens, int64_t micro_batch) const {
+Routing Router::route(std::vector<float> logits, int64_t tokens, int64_t micro_batch, const float* bias) const {
   Routing r;
   r.tokens = tokens;
   r.sequences = c_.per_sequence ? micro_batch : 1;
@@ -163,11 +165,20 @@ Routing Router::route(std::vector<float> logits, int64_t tokens, int64_t micro_b
   r.routed.assign(static_cast<size_t>(r.sequences * c_.experts), 0);
   r.prob_sum.assign(static_cast<size_t>(r.sequences * c_.experts), 0.0);
   r.lse.resize(static_cast<size_t>(tokens));
-  choose_experts(c_, r);
+  LOOM_REQUIRE(!c_.expert_bias || bias != nullptr, "route: the expert bias is on but none was given");
+  choose_experts(c_, bias, r);
   drop_over_capacity(capacity(tokens), c_.drop_by_probs, r);
   // The load-balancing term counts the routing before the drop, as Megatron's does.
   r.aux = load_balance(r.routed, r.prob_sum, tokens, c_.top_k, r.sequences);
   return r;
+}
+
+void update_expert_bias(std::vector<float>& bias, const std::vector<double>& load, float rate) {
+  const double mean = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(load.size());
+  for (size_t e = 0; e < bias.size(); ++e) {
+    const float sign = mean > load[e] ? 1.0f : mean < load[e] ? -1.0f : 0.0f;
+    bias[e] += sign * rate;
+  }
 }
 
 RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine) {

@@ -28,6 +28,10 @@ struct RouterConfig {
   double aux_coeff = 0.0, z_coeff = 0.0;
   double capacity_factor = 0.0;   // 0 = dropless
   bool drop_by_probs = true;      // an expert over capacity keeps its largest gates (else its first tokens)
+  // DeepSeek-V3's auxiliary-loss-free balancing (Megatron's moe_router_enable_expert_bias,
+  // sigmoid scores only): a per-expert bias added to the scores for the choice of
+  // experts (groups included), never to the gates nor to the load-balancing term.
+  bool expert_bias = false;
 };
 
 // The host side of one microbatch's routing decision. The load-balancing term
@@ -67,6 +71,12 @@ struct RouterRows {
 
 RouterRows router_rows(const Routing& r, const std::vector<int64_t>& mine);
 
+// DeepSeek-V3's bias update (Megatron's get_updated_expert_bias): each expert's bias
+// moves by `rate` towards the balanced load, up where the expert's routed slots over
+// the global batch (`load`, [experts]) are under their mean, down where over, not at
+// all where equal.
+void update_expert_bias(std::vector<float>& bias, const std::vector<double>& load, float rate);
+
 // The whole microbatch's loss-term counts of a routing spread over ranks.
 struct LossTerms {
   double loss = 0;              // coeff * aux + z_coeff * z, before the engine's aux_loss_scale
@@ -94,8 +104,9 @@ class Router {
 
   // Routes `tokens` rows of fp32 logits [tokens, experts] (laid out [seq,
   // micro_batch]: token t is in sequence t % micro_batch): scores, top-k, gates, and
-  // the capacity drop over these tokens.
-  Routing route(std::vector<float> logits, int64_t tokens, int64_t micro_batch) const;
+  // the capacity drop over these tokens. bias: the experts' [experts] routing bias
+  // (with expert_bias; else unread).
+  Routing route(std::vector<float> logits, int64_t tokens, int64_t micro_batch, const float* bias = nullptr) const;
 
   // The weighted loss terms of a routing of the whole microbatch.
   double loss(const Routing& whole) const { return c_.aux_coeff * whole.aux + c_.z_coeff * whole.z; }
