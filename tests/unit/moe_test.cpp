@@ -15,6 +15,8 @@
 #include "engine/runtime/launcher.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
+#include "engine/train/evaluator.hpp"
+#include "engine/train/gather.hpp"
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/preflight.hpp"
 
@@ -1423,6 +1425,30 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
       largest = std::max(largest, std::fabs(start.at(name)[e]));
     }
   EXPECT_GT(largest, 0.015f) << "the checkpoint's biases are not told from fresh ones";
+  boost::filesystem::remove_all(dir);
+}
+
+// Evaluating a checkpoint (as `loom eval` and `loom generate` load it) routes with its
+// biases: the loss over the run's validation samples is the one the run measured at
+// that step; with the biases zeroed it is not.
+TEST(MoeExpertBias, EvaluatingACheckpointUsesItsBiases) {
+  const std::string dir = loom::testing::scratch_dir("moe-bias-eval");
+  const RankTrace t = run_biased({"run.steps=6", "run.eval_every=6", "run.eval_batches=4", "checkpoint.dir=\"" + dir + "\""});
+  ASSERT_TRUE(t.result.steps.back().evaluated);
+  loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(t.result.checkpoint, loom::plugins::registry());
+  ASSERT_EQ(ck.states.size(), 4u);
+  const loom::train::RunPlan plan =
+      loom::testing::plan_from(ck.manifest_toml, {"checkpoint.dir=\"\"", "run.eval_every=0"});
+  const std::unique_ptr<loom::train::DataSource> data = loom::train::make_data_source(plan.config);
+  loom::train::InitialWeights w{t.result.checkpoint, ck.tensors, ck.vocab};
+  w.states = ck.states;
+  const int64_t samples = 4 * plan.config.batch.micro_batch_size;
+  const double saved = loom::train::evaluate(plan, w, ck.vocab, *data, samples).loss;
+  EXPECT_NEAR(saved, t.result.steps.back().val_loss, 1e-12 * saved);
+  for (auto& [name, bias] : w.states) std::fill(bias.begin(), bias.end(), 0.0f);
+  EXPECT_NE(loom::train::evaluate(plan, w, ck.vocab, *data, samples).loss, saved) << "the biases route no token";
+  w.states.clear();
+  EXPECT_THROW(loom::train::evaluate(plan, w, ck.vocab, *data, samples), std::exception);
   boost::filesystem::remove_all(dir);
 }
 
