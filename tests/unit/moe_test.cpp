@@ -1433,7 +1433,8 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
 // that step; with the biases zeroed it is not.
 TEST(MoeExpertBias, EvaluatingACheckpointUsesItsBiases) {
   const std::string dir = loom::testing::scratch_dir("moe-bias-eval");
-  const RankTrace t = run_biased({"run.steps=6", "run.eval_every=6", "run.eval_batches=4", "checkpoint.dir=\"" + dir + "\""});
+  const RankTrace t =
+      run_biased({"run.steps=6", "run.eval_every=6", "run.eval_batches=4", "checkpoint.dir=\"" + dir + "\""});
   ASSERT_TRUE(t.result.steps.back().evaluated);
   loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(t.result.checkpoint, loom::plugins::registry());
   ASSERT_EQ(ck.states.size(), 4u);
