@@ -145,6 +145,25 @@ std::string temp_checkpoint_path(const std::string& dir, int64_t step) {
       .string();
 }
 
+std::vector<std::string> remove_unfinished_saves_of_this_run(const std::string& dir) {
+  const std::string suffix = "-" + run_id();
+  std::vector<std::string> failed;
+  boost::system::error_code ec;
+  std::vector<fs::path> mine;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".tmp-step_", 0) == 0 && name.size() > suffix.size() &&
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      mine.push_back(e.path());
+  }
+  for (const fs::path& p : mine) {
+    boost::system::error_code rm;
+    fs::remove_all(p, rm);
+    if (rm) failed.push_back(p.string() + " (" + rm.message() + ")");
+  }
+  return failed;
+}
+
 void prepare_temp_dir(const std::string& tmp) {
   boost::system::error_code ec;
   fs::remove_all(tmp, ec);

@@ -177,6 +177,12 @@ model::StateValues read_layer_states(const std::string& step_dir);
 // Rank 0, after every rank wrote its file: meta + manifest, fsync, atomic rename.
 void commit_checkpoint(const std::string& dir, const std::string& tmp, const CheckpointMeta& meta,
                        const std::string& manifest_toml);
+// After a run that failed, by the holder of checkpoint.dir's lock: removes this run's
+// unfinished saves (.tmp-step_N-<this run's id>), which nothing will commit, so that a
+// save that failed on a full disk gives its space back now (under mpirun the next run
+// cannot tell a job's leftovers from a live job's). Returns what could not be removed,
+// as "<path> (<why>)".
+std::vector<std::string> remove_unfinished_saves_of_this_run(const std::string& dir);
 // The temporary directory for step N (created by rank 0 before the others write).
 std::string temp_checkpoint_path(const std::string& dir, int64_t step);
 void prepare_temp_dir(const std::string& tmp);

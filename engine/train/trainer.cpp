@@ -644,7 +644,15 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
     run.regathered = std::move(w);
   }
   const runtime::LaunchConfig lc = launch_config(plan);
-  runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
+  try {
+    runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
+  } catch (...) {
+    // A save the failure cut short is never committed: its space goes back now.
+    if (ckpt_lock)
+      for (const std::string& f : remove_unfinished_saves_of_this_run(ckpt_dir))
+        if (options.log) *options.log << "warning: could not remove the unfinished save " << f << std::endl;
+    throw;
+  }
   for (const std::string& f : run.pruner->finish())  // the last pruning's files gone before the run ends
     if (options.log)
       *options.log << "warning: checkpoint.keep_last = " << config.checkpoint.keep_last << ": could not remove " << f

@@ -1173,7 +1173,8 @@ TEST(Checkpoint, AStopWhileAnAsyncSaveIsWrittenKeepsItAndTheStopsStep) {
 
 // A write beside training that fails fails the run, on the rank that wrote, at the
 // step where its commit would be; nothing of that step is committed, the checkpoints
-// before it stay, and the next run removes its temporary directory and resumes.
+// before it stay, its temporary directory goes as the run fails (its space back at
+// once), and the next run resumes.
 TEST(Checkpoint, AFailedAsyncWriteFailsTheRunAndLeavesTheEarlierCheckpoints) {
   const std::string dir = loom::testing::scratch_dir("asyncfail");
   const std::string ck = "checkpoint.dir=\"" + dir + "\"";
@@ -1193,6 +1194,8 @@ TEST(Checkpoint, AFailedAsyncWriteFailsTheRunAndLeavesTheEarlierCheckpoints) {
         << e.what();
   }
   EXPECT_EQ(loom::train::complete_checkpoints(dir), (std::vector<int64_t>{2}));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path() << " left by the failed run";
   loom::train::TrainOptions resume;
   resume.resume = true;
   auto rest = run_and_trace(tiny_manifest(), run, resume);
