@@ -189,16 +189,20 @@ TEST(BatchRamp, TheRampsStepsAreThoseOfItsBatches) {
 
 // dp 2 (each rank half of every ramp batch), pp 2 (the schedule's orders for 2, 4, 6
 // and 8 microbatches) and the distributed optimizer with both overlaps (a bucket's
-// gradients final at each step's last microbatch) train as the serial ramp does.
-TEST(BatchRamp, DataAndPipelineParallelRampsMatchSerial) {
-  const loom::testing::RankTrace serial = loom::testing::run_all_ranks(tiny_manifest(), kRamp);
+// gradients final at each step's last microbatch) train as the serial ramp does, with
+// the learning rate in steps and in samples (the ramp's small steps warm up less).
+// `rates`: the serial run's learning rates.
+void expect_ramp_layouts_match_serial(const std::vector<std::string>& ramp, std::vector<float>* rates) {
+  SCOPED_TRACE(ramp.back());
+  const loom::testing::RankTrace serial = loom::testing::run_all_ranks(tiny_manifest(), ramp);
+  for (const auto& step : serial.result.steps) rates->push_back(step.lr);
   for (const std::vector<std::string>& layout :
        {std::vector<std::string>{"parallel.dp=2"}, std::vector<std::string>{"parallel.pp=2"},
         std::vector<std::string>{"parallel.pp=2", "parallel.dp=2", "pipeline.schedule=\"gpipe\""},
         std::vector<std::string>{"parallel.dp=2", "optimizer.strategy=\"distributed\"",
                                  "optimizer.overlap_grad_reduce=true", "optimizer.overlap_param_gather=true"}}) {
     SCOPED_TRACE(layout.back());
-    const loom::testing::RankTrace par = loom::testing::run_all_ranks(tiny_manifest(), with_overrides(kRamp, layout));
+    const loom::testing::RankTrace par = loom::testing::run_all_ranks(tiny_manifest(), with_overrides(ramp, layout));
     ASSERT_EQ(par.loss.size(), serial.loss.size());
     for (size_t s = 0; s < serial.loss.size(); ++s) {
       EXPECT_NEAR(par.loss[s], serial.loss[s], 1e-5 * std::fabs(serial.loss[s])) << "step " << s + 1;
@@ -208,6 +212,15 @@ TEST(BatchRamp, DataAndPipelineParallelRampsMatchSerial) {
         EXPECT_LE(loom::testing::tensor_rel_diff(got.at(name), w), 1e-5) << name << " at step " << s + 1;
     }
   }
+}
+
+TEST(BatchRamp, DataAndPipelineParallelRampsMatchSerial) {
+  std::vector<float> in_steps, in_samples;
+  expect_ramp_layouts_match_serial(kRamp, &in_steps);
+  expect_ramp_layouts_match_serial(
+      with_overrides(kRamp, {"optimizer.warmup_steps=0", "optimizer.warmup_samples=24", "optimizer.decay_samples=150"}),
+      &in_samples);
+  EXPECT_NE(in_samples, in_steps) << "the schedule in samples gave the steps' rates";
 }
 
 // Partial graphs capture and replay the steps of the whole global batch only (a
