@@ -1,5 +1,8 @@
 #include "engine/model/layer_states.hpp"
 
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <set>
 
@@ -8,15 +11,18 @@ namespace loom::model {
 namespace {
 
 // Element i of a declaration array read with the stride of its first element's
-// struct_size, which must be 1.23's (the struct's first release).
+// struct_size: one of a 1.x loom_layer_state_decl's sizes (1.23's first, up to this
+// header's), the members past it zero.
 loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, const Layer& l) {
   const size_t stride = decls[0].struct_size;
-  LOOM_REQUIRE(stride >= sizeof(loom_layer_state_decl) && stride % alignof(loom_layer_state_decl) == 0,
+  constexpr size_t kSize123 = offsetof(loom_layer_state_decl, data) + sizeof(float*);
+  LOOM_REQUIRE(stride >= kSize123 && stride <= sizeof(loom_layer_state_decl) &&
+                   stride % alignof(loom_layer_state_decl) == 0,
                l.spec.instance << " (layer/" << l.spec.plugin << "): its state declarations have struct_size " << stride
-                               << ", which no loom_layer_state_decl of ABI 1.x has (" << sizeof(loom_layer_state_decl)
+                               << ", which no loom_layer_state_decl of ABI 1.x has (" << kSize123
                                << " since 1.23); was the layer built against another header?");
   loom_layer_state_decl d{};
-  std::memcpy(&d, reinterpret_cast<const char*>(decls) + i * stride, sizeof(d));
+  std::memcpy(&d, reinterpret_cast<const char*>(decls) + i * stride, stride);
   return d;
 }
 
@@ -40,7 +46,11 @@ LayerStates::LayerStates(const Layers& layers) : layers_(layers) {
       LOOM_REQUIRE(d.count >= 1 && d.count <= (int64_t{1} << 40),
                    l.spec.instance << "." << name << ": a state array of " << d.count << " elements (1 to 2^40)");
       LOOM_REQUIRE(d.data != nullptr, l.spec.instance << "." << name << ": a state array without memory (data NULL)");
-      states_.push_back({l.spec.instance + "." + name, d.data, d.count});
+      const std::string global = l.spec.instance + "." + name;
+      LOOM_REQUIRE(std::none_of(states_.begin(), states_.end(), [&](const LayerState& s) { return s.name == global; }),
+                   l.spec.instance << ": its state " << name << " is named " << global
+                                   << " in checkpoints, as another layer's is");
+      states_.push_back({global, d.data, d.count});
     }
   }
 }
@@ -60,6 +70,9 @@ void LayerStates::assign(const StateValues& values, const std::string& source) c
     LOOM_REQUIRE(static_cast<int64_t>(it->second.size()) == s.count,
                  source << ": layer state " << s.name << " has " << it->second.size() << " elements, this model's "
                         << s.count);
+    for (size_t i = 0; i < it->second.size(); ++i)
+      LOOM_REQUIRE(std::isfinite(it->second[i]), source << ": layer state " << s.name << " holds " << it->second[i]
+                                                        << " at element " << i << "; the values must be finite");
     std::memcpy(s.data, it->second.data(), it->second.size() * sizeof(float));
   }
 }

@@ -18,6 +18,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -553,6 +554,7 @@ void decode_states(const std::vector<char>& body, const std::string& path, model
     take(&len, sizeof len);
     std::string name(std::min<size_t>(len, body.size() - at), '\0');
     take(name.data(), len);
+    if (name.empty()) throw CheckpointError(path + ": a layer state without a name; the file is corrupt");
     uint64_t count = 0;
     take(&count, sizeof count);
     if (count > (body.size() - at) / sizeof(float))
@@ -563,6 +565,13 @@ void decode_states(const std::vector<char>& body, const std::string& path, model
       throw CheckpointError(path + ": layer state " + name + " is saved twice in the checkpoint; it is inconsistent");
   }
   if (at != body.size()) throw CheckpointError(path + ": bytes after the layer states; the file is corrupt");
+}
+
+// A TOML value as the file writes it, for messages.
+std::string toml_text(const toml::node& n) {
+  std::ostringstream os;
+  n.visit([&](const auto& v) { os << v; });
+  return os.str();
 }
 
 std::string hex16(uint64_t c) {
@@ -734,32 +743,35 @@ CheckpointMeta read_meta(const std::string& step_dir) {
     m.vocab = t["vocab"].value_or(int64_t{0});
     m.consumed_samples = t["consumed_samples"].value_or(int64_t{-1});
     m.evaluation_pending = t["evaluation_pending"].value_or(false);
+    // An array's entries, each checked by `read` (absent: none; anything but an array: corrupt).
+    auto entries = [&](const char* key, const auto& read) {
+      const toml::node_view<toml::node> v = t[key];
+      if (!v) return;
+      const toml::array* a = v.as_array();
+      if (a == nullptr) throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's " + key + " is not an array");
+      for (const toml::node& n : *a) read(n);
+    };
     auto checksums = [&](const char* key) {
       std::vector<uint64_t> out;
-      if (const toml::array* sums = t[key].as_array()) {
-        for (const toml::node& n : *sums) {
-          const std::string hex = n.value_or(std::string());
-          char* end = nullptr;
-          const unsigned long long c = std::strtoull(hex.c_str(), &end, 16);
-          if (hex.size() != 16 || *end != '\0')
-            throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's " + key + " has \"" + hex +
-                                  "\" (16 hexadecimal digits each)");
-          out.push_back(c);
-        }
-      }
+      entries(key, [&](const toml::node& n) {
+        const std::optional<std::string> hex = n.value_exact<std::string>();
+        if (!hex || hex->size() != 16 ||
+            !std::all_of(hex->begin(), hex->end(), [](unsigned char c) { return std::isxdigit(c) != 0; }))
+          throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's " + key + " has " +
+                                toml_text(n) + " (16 hexadecimal digits each)");
+        out.push_back(std::strtoull(hex->c_str(), nullptr, 16));
+      });
       return out;
     };
     m.rank_checksums = checksums("rank_checksums");
     m.state_checksums = checksums("state_checksums");
-    if (const toml::array* ranks = t["state_ranks"].as_array()) {
-      for (const toml::node& n : *ranks) {
-        const int64_t r = n.value_or(int64_t{-1});
-        if (r < 0 || r >= m.world)
-          throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's state_ranks has " +
-                                std::to_string(r) + " (a rank of its world of " + std::to_string(m.world) + ")");
-        m.state_ranks.push_back(static_cast<int>(r));
-      }
-    }
+    entries("state_ranks", [&](const toml::node& n) {
+      const std::optional<int64_t> r = n.value_exact<int64_t>();
+      if (!r || *r < 0 || *r >= m.world)
+        throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's state_ranks has " + toml_text(n) +
+                              " (a rank of its world of " + std::to_string(m.world) + ")");
+      m.state_ranks.push_back(static_cast<int>(*r));
+    });
     if (m.state_ranks.size() != m.state_checksums.size())
       throw CheckpointError("checkpoint " + step_dir + " is corrupt: meta.toml's state_ranks and state_checksums " +
                             "differ in length");

@@ -1,5 +1,7 @@
 #include "engine/train/rank_checkpoint.hpp"
 
+#include "engine/model/param_init.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -11,6 +13,25 @@ namespace loom::train {
 namespace {
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One copy of the layers' state is saved for the ranks holding them: refused, on every
+// one of them, when their copies differ (a layer that lets them drift apart).
+void require_equal_copies(const model::StateValues& values, const loom::Group& holders, int64_t step) {
+  uint64_t hash = model::fnv1a(nullptr, 0);
+  for (const auto& [name, v] : values) {
+    hash = model::fnv1a(name.data(), name.size(), hash);
+    hash = model::fnv1a(v.data(), v.size() * sizeof(float), hash);
+  }
+  std::vector<int64_t> all(static_cast<size_t>(std::max(1, holders.size())));
+  const int64_t mine = static_cast<int64_t>(hash);
+  holders.all_gather(nullptr, &mine, all.data(), 1, LOOM_DTYPE_I64);
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0])
+      throw CheckpointError("the checkpoint of step " + std::to_string(step) + " is not saved: the layers' state "
+                            "differs between the ranks that hold them (rank " + std::to_string(r) +
+                            " of their tp-dp-cp group and rank 0); a layer must keep its state (loom_layer_api.state) "
+                            "equal on every rank that holds it");
 }
 }  // namespace
 
@@ -60,8 +81,12 @@ std::unique_ptr<CheckpointSaver::Pending> CheckpointSaver::stage(const model::Mo
   rank_.dev().copy(p->state.params.data(), model.params(), p->state.params.size(), LOOM_COPY_DEVICE_TO_HOST);
   p->state.optimizer = optimizer.save_state();
   // Every rank holding a layer holds the same state: the first of them writes it.
-  if (!model.layer_states().empty() && rank_.group_or_self("tp-dp-cp").rank() == 0)
-    p->layer_states = model.layer_states().snapshot();
+  if (!model.layer_states().empty()) {
+    const loom::Group holders = rank_.group_or_self("tp-dp-cp");
+    model::StateValues values = model.layer_states().snapshot();
+    require_equal_copies(values, holders, step);
+    if (holders.rank() == 0) p->layer_states = std::move(values);
+  }
   p->layout = param_layout_of(model);
   CheckpointMeta& meta = p->meta;
   meta = CheckpointMeta{step, plan_.sizes.world, plan_.sizes.tp, plan_.sizes.pp, plan_.dp,

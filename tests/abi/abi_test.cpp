@@ -527,7 +527,7 @@ TEST(AbiLayout, Released122MembersKeepOffsetsAndSizes) {
 }
 
 // 1.23's too (a layer's state): state and end_step past 1.22's sizeof of
-// loom_layer_api, ending it; the two new structs without hidden padding.
+// loom_layer_api, ending it; the two new structs without tail padding.
 TEST(AbiLayout, Released123MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_122 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_23(&n_frozen);

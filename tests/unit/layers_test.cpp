@@ -2056,7 +2056,8 @@ TEST(Layers, MoeRefusesBadOptions) {
            {"aux_loss_coeff = -0.5", "aux_loss_coeff must be >= 0, got -0.5"},
            {"dropout = 1.0", "dropout must be >= 0 and < 1, got 1.0"},
            {"score_function = \"relu\"", "score_function must be one of \"softmax\", \"sigmoid\", got \"relu\""},
-           {"expert_bias_update_rate = -0.001", "expert_bias_update_rate must be >= 0, got -0.001"},
+           {"expert_bias_update_rate = -0.001", "expert_bias_update_rate must be between 0 and 1, got -0.001"},
+           {"expert_bias_update_rate = 3e38", "expert_bias_update_rate must be between 0 and 1, got 3e+38"},
            {"topk_scaling_factor = -1.0", "topk_scaling_factor must be >= 0, got -1.0"}}) {
     loom::manifest::Manifest m = loom::manifest::Manifest::parse("[model.layer.moe]\n" + kv + "\n", "m.toml");
     std::vector<loom::manifest::Diagnostic> diags;

@@ -1383,7 +1383,9 @@ TEST(MoeExpertBias, CapacityRecomputeAndPartialGraphsMatchSerial) {
 // starts from its biases.
 TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
   const std::string dir = loom::testing::scratch_dir("moe-bias-resume");
-  const std::vector<std::string> layout = {"parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""};
+  // Two stages: two state files, merged by name wherever the run resumes.
+  const std::vector<std::string> layout = {"parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
+                                           "optimizer.strategy=\"distributed\""};
   auto with = [](std::vector<std::string> o, const std::vector<std::string>& more) {
     o.insert(o.end(), more.begin(), more.end());
     o.push_back("optimizer.decay_steps=10");
@@ -1392,7 +1394,11 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
   const RankTrace full = run_biased(with(layout, {"run.steps=10"}));
   run_biased(with(layout, {"run.steps=5", "checkpoint.dir=\"" + dir + "\""}));
   const std::string step5 = loom::train::checkpoint_path(dir, 5);
-  EXPECT_EQ(loom::train::read_layer_states(step5), full.states.at(0)[4]);
+  EXPECT_EQ(loom::train::read_meta(step5).state_ranks.size(), 2u) << "one state file per pipeline stage";
+  loom::model::StateValues at5;  // every stage's, from the rank-0 copy of each
+  for (const auto& [rank, steps] : full.states) at5.insert(steps[4].begin(), steps[4].end());
+  ASSERT_EQ(at5.size(), 4u);
+  EXPECT_EQ(loom::train::read_layer_states(step5), at5);
   loom::train::TrainOptions resume;
   resume.resume = true;
   for (const std::vector<std::string>& other :
@@ -1405,7 +1411,12 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
       EXPECT_NEAR(rest.loss[i], full.loss[5 + i], 1e-5 * full.loss[5 + i]) << "step " << 6 + i;
     for (const auto& [rank, steps] : rest.states)
       for (size_t i = 0; i < steps.size(); ++i)
-        EXPECT_EQ(steps[i], full.states.at(0)[5 + i]) << "rank " << rank << ", step " << 6 + i;
+        for (const auto& [name, bias] : steps[i])
+          for (const auto& [full_rank, full_steps] : full.states) {
+            if (full_steps[5 + i].count(name)) {
+              EXPECT_EQ(bias, full_steps[5 + i].at(name)) << name << " on rank " << rank << ", step " << 6 + i;
+            }
+          }
     boost::filesystem::remove_all(moved);
   }
   // From the checkpoint's weights: the first step moves its biases by one rate each.
@@ -1416,15 +1427,14 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
                                                loom::plugins::registry());
   };
   const RankTrace tuned = loom::testing::run_all_ranks(manifest(), tuning, from_weights);
-  const loom::model::StateValues& start = full.states.at(0)[4];
   float largest = 0;
   for (const auto& [name, bias] : tuned.states.at(0)[0])
     for (size_t e = 0; e < bias.size(); ++e) {
-      const float d = std::fabs(bias[e] - start.at(name)[e]);
+      const float d = std::fabs(bias[e] - at5.at(name)[e]);
       EXPECT_TRUE(d == 0.0f || std::fabs(d - 0.01f) < 1e-6f) << name << "[" << e << "] is " << bias[e];
-      largest = std::max(largest, std::fabs(start.at(name)[e]));
+      largest = std::max(largest, std::fabs(bias[e]));
     }
-  EXPECT_GT(largest, 0.015f) << "the checkpoint's biases are not told from fresh ones";
+  EXPECT_GT(largest, 0.015f) << "one step from fresh biases moves them by 0.01 at most";
   boost::filesystem::remove_all(dir);
 }
 
@@ -1451,6 +1461,38 @@ TEST(MoeExpertBias, EvaluatingACheckpointUsesItsBiases) {
   w.states.clear();
   EXPECT_THROW(loom::train::evaluate(plan, w, ck.vocab, *data, samples), std::exception);
   boost::filesystem::remove_all(dir);
+}
+
+// One copy is saved for the ranks that hold a layer: copies that differ (a layer that
+// lets them drift) are refused rather than one of them kept.
+TEST(MoeExpertBias, CopiesThatDifferAreNotSaved) {
+  const std::string dir = loom::testing::scratch_dir("moe-bias-drift");
+  loom::train::TrainOptions opts;
+  opts.on_step = [](int64_t step, int rank, const loom::model::Model& m) {
+    if (step == 2 && rank == 1) m.layer_states().states()[0].data[0] += 1.0f;
+  };
+  try {
+    loom::testing::run_and_trace(
+        manifest(), biased({"run.steps=4", "parallel.dp=2", "checkpoint.every=2", "checkpoint.dir=\"" + dir + "\""}),
+        opts);
+    ADD_FAILURE() << "saved";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the checkpoint of step 2 is not saved: the layers' state differs between "
+                                         "the ranks that hold them (rank 1 of their tp-dp-cp group and rank 0)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(loom::train::complete_checkpoints(dir).empty());
+  boost::filesystem::remove_all(dir);
+}
+
+// Replaces meta.toml's line starting with `key` by `line`.
+void edit_meta(const std::string& step_dir, const std::string& key, const std::string& line) {
+  std::ifstream in(step_dir + "/meta.toml");
+  std::string text, l;
+  while (std::getline(in, l)) text += (l.rfind(key + " ", 0) == 0 ? line : l) + "\n";
+  in.close();
+  std::ofstream(step_dir + "/meta.toml") << text;
 }
 
 // A checkpoint whose layer-state file is missing or altered, or whose meta.toml lists
@@ -1480,7 +1522,22 @@ TEST(MoeExpertBias, ACheckpointWithoutItsStateIsRefused) {
          in.close();
          std::ofstream(d + "/meta.toml") << text;
        },
-       "holds no layer state blocks.0.moe.router.expert_bias, which this model keeps"}};
+       "holds no layer state blocks.0.moe.router.expert_bias, which this model keeps"},
+      {[](const std::string& d) { edit_meta(d, "state_ranks", "state_ranks = [ false ]"); },
+       "meta.toml's state_ranks has false (a rank of its world of 1)"},
+      {[](const std::string& d) { edit_meta(d, "state_ranks", "state_ranks = 0"); },
+       "meta.toml's state_ranks is not an array"},
+      {[](const std::string& d) { edit_meta(d, "state_checksums", "state_checksums = [ '+24ae13e927a7dad' ]"); },
+       "meta.toml's state_checksums has '+24ae13e927a7dad' (16 hexadecimal digits each)"},
+      {[](const std::string& d) {  // a consistent file of a NaN
+         loom::model::StateValues v = loom::train::read_layer_states(d);
+         v.begin()->second[1] = std::nanf("");
+         const uint64_t sum = loom::train::write_state_file(d, 0, 2, v);
+         char hex[17];
+         std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(sum));
+         edit_meta(d, "state_checksums", std::string("state_checksums = [ '") + hex + "' ]");
+       },
+       "holds nan at element 1; the values must be finite"}};
   for (const auto& [damage, what] : cases) {
     const std::string copy = loom::testing::scratch_dir("moe-bias-damaged-copy");
     boost::filesystem::copy(step, loom::train::checkpoint_path(copy, 2), boost::filesystem::copy_options::recursive);

@@ -1072,8 +1072,9 @@ std::vector<loom::OptionSpec> moe_options() {
                      "the experts that kept fewer than the mean of the global batch's slots, down for those that "
                      "kept more; checkpointed with the model"),
       loom::opt_float("expert_bias_update_rate", 1e-3,
-                      "with expert_bias: how far each step moves a bias (Megatron's moe_router_bias_update_rate)")
-          .in("[0, inf)"),
+                      "with expert_bias: how far each step moves a bias (Megatron's moe_router_bias_update_rate; "
+                      "the sigmoid scores it competes with are in (0, 1))")
+          .in("[0, 1]"),
       loom::opt_int("shared_expert_ffn_hidden_size", 0,
                     "width of a shared expert every token goes through beside the routed ones (0 = none)")
           .in("[0, 4194304]"),

@@ -1311,8 +1311,9 @@ typedef struct loom_layer_api {
   /* --- since 1.23 --- */
   /* The layer's state (loom_layer_state_decl): *count arrays, owned by the layer,
    * valid while it lives. Called after bind, on instances that run (never on planning
-   * ones). Every rank holding the layer holds the same values (tp, cp, dp and ep
-   * replicas alike: end_step keeps them so); the engine saves one copy with each
+   * ones). The layer keeps the values equal on every rank holding it (tp, cp, dp and ep
+   * replicas alike; e.g. from sums over "tp-dp-cp" in end_step), and a save refuses
+   * copies that differ; the engine saves one copy per pipeline stage with each
    * checkpoint and writes it into every rank's arrays when a run resumes or starts
    * from the checkpoint (checkpoint.init_weights, `loom generate`, `loom eval`), at
    * any parallel layout. It touches `data` only between steps. Optional: NULL (and a
@@ -1322,9 +1323,11 @@ typedef struct loom_layer_api {
    * step on every rank, for each of its layers in model order, after the step's last
    * backward and before the optimizer step; a layer updates its state from what the
    * step's training microbatches saw (counted once each, in backward: a recomputed
-   * forward runs twice). It may run collectives over its rank's groups (every rank
-   * holding the layer calls it at the same point), e.g. a sum over "tp-dp-cp", the
-   * ranks that hold the layer. Optional: NULL (and a table built before 1.23) = nothing. */
+   * forward runs twice). It may run collectives over the groups inside its pipeline
+   * stage (tp, cp, dp, ep, etp, edp and their products such as "tp-dp-cp", the ranks
+   * that hold the layer), whose ranks all call it at the same point; never over pp,
+   * embedding or world, whose other stages call it for other layers. Optional: NULL
+   * (and a table built before 1.23) = nothing. */
   loom_status (*end_step)(loom_layer* layer, loom_rank* rank, const loom_layer_step_end_args* args);
 } loom_layer_api;
 
