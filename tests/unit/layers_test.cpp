@@ -1486,8 +1486,10 @@ void expect_expert_bias_update(TestLayer& layer, Rank& rank, const Batch& b, con
   const loom_layer_state_decl* decls = nullptr;
   size_t count = 0;
   ASSERT_EQ(layer.api()->state(layer.raw(), &decls, &count), nullptr);
-  ASSERT_EQ(count, 1u);
+  ASSERT_EQ(count, 2u);
+  ASSERT_STREQ(decls[1].name, "router.expert_load");
   float* bias = decls[0].data;
+  const float* load = decls[1].data;
   const std::vector<float> before(bias, bias + decls[0].count);
   loom_layer_step_end_args a = loom::make<loom_layer_step_end_args>();
   a.step = 1;
@@ -1497,6 +1499,7 @@ void expect_expert_bias_update(TestLayer& layer, Rank& rank, const Batch& b, con
   layer.api()->release(layer.raw(), 0);
   end_step();
   EXPECT_EQ(std::vector<float>(bias, bias + decls[0].count), before) << "a forward without its backward counted";
+  EXPECT_EQ(std::vector<float>(load, load + decls[1].count), std::vector<float>(kept.size(), 0.0f));
   layer.forward(b, 0, true, 0);
   layer.backward(b, 0);
   end_step();
@@ -1507,6 +1510,7 @@ void expect_expert_bias_update(TestLayer& layer, Rank& rank, const Batch& b, con
     const double n = static_cast<double>(kept[e].size());
     const float step = mean > n ? 0.05f : mean < n ? -0.05f : 0.0f;
     EXPECT_EQ(bias[e], before[e] + step) << "expert " << e << " kept " << n << " slots, the mean is " << mean;
+    EXPECT_EQ(load[e], static_cast<float>(n)) << "expert " << e << "'s load";
     moved_up += step > 0;
     moved_down += step < 0;
   }
@@ -1579,7 +1583,7 @@ TEST(Layers, MoeForwardMatchesReference) {
       const loom_layer_state_decl* decls = nullptr;
       size_t count = 0;
       ASSERT_EQ(layer.api()->state(layer.raw(), &decls, &count), nullptr);
-      ASSERT_EQ(count, 1u);
+      ASSERT_EQ(count, 2u);
       ASSERT_STREQ(decls[0].name, "router.expert_bias");
       ASSERT_EQ(decls[0].count, kExperts);
       for (int64_t e = 0; e < kExperts; ++e)

@@ -29,6 +29,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <set>
 
 namespace {
@@ -1284,7 +1285,7 @@ const RankTrace& biased_serial() {
 void expect_same_biases(const RankTrace& serial, const RankTrace& par) {
   const std::vector<loom::model::StateValues>& want = serial.states.at(0);
   ASSERT_EQ(want.size(), serial.loss.size());
-  ASSERT_EQ(want[0].size(), 4u) << "one bias per MoE block";
+  ASSERT_EQ(want[0].size(), 8u) << "a bias and a load per MoE block";
   std::set<std::string> held;
   for (const auto& [rank, steps] : par.states) {
     ASSERT_EQ(steps.size(), want.size()) << "rank " << rank;
@@ -1307,16 +1308,25 @@ void expect_biased_layout_matches_serial(const std::vector<std::string>& layout)
   expect_same_biases(biased_serial(), par);
 }
 
+bool is_bias(const std::string& state) { return state.size() > 12 && state.ends_with(".expert_bias"); }
+
 // The bias moves by the rate each step (Megatron's sign update) and changes which
-// experts tokens take: without it the model trains otherwise.
+// experts tokens take: without it the model trains otherwise. The load that moved it
+// counts each of the step's tokens top_k times (every layout's equals it: counted once).
 TEST(MoeExpertBias, MovesByTheRateEachStepAndChangesTraining) {
   const RankTrace& t = biased_serial();
   const auto& steps = t.states.at(0);
   ASSERT_EQ(steps.size(), 10u);
+  const loom::manifest::RunConfig& c = loom::testing::plan_from(manifest(), biased({})).config;
+  const double slots = static_cast<double>(c.batch.global_batch_size * c.model.seq_length * 2);  // top_k 2
   int moved = 0;
   for (size_t s = 0; s < steps.size(); ++s)
     for (const auto& [name, bias] : steps[s]) {
       ASSERT_EQ(bias.size(), 4u) << name;
+      if (!is_bias(name)) {
+        EXPECT_EQ(std::accumulate(bias.begin(), bias.end(), 0.0), slots) << name << " at step " << s + 1;
+        continue;
+      }
       for (size_t e = 0; e < bias.size(); ++e) {
         const float before = s == 0 ? 0.0f : steps[s - 1].at(name)[e];
         const float step = bias[e] - before;
@@ -1397,7 +1407,7 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
   EXPECT_EQ(loom::train::read_meta(step5).state_ranks.size(), 2u) << "one state file per pipeline stage";
   loom::model::StateValues at5;  // every stage's, from the rank-0 copy of each
   for (const auto& [rank, steps] : full.states) at5.insert(steps[4].begin(), steps[4].end());
-  ASSERT_EQ(at5.size(), 4u);
+  ASSERT_EQ(at5.size(), 8u);
   EXPECT_EQ(loom::train::read_layer_states(step5), at5);
   loom::train::TrainOptions resume;
   resume.resume = true;
@@ -1429,7 +1439,7 @@ TEST(MoeExpertBias, ACheckpointCarriesTheBiases) {
   const RankTrace tuned = loom::testing::run_all_ranks(manifest(), tuning, from_weights);
   float largest = 0;
   for (const auto& [name, bias] : tuned.states.at(0)[0])
-    for (size_t e = 0; e < bias.size(); ++e) {
+    for (size_t e = 0; e < bias.size() && is_bias(name); ++e) {
       const float d = std::fabs(bias[e] - at5.at(name)[e]);
       EXPECT_TRUE(d == 0.0f || std::fabs(d - 0.01f) < 1e-6f) << name << "[" << e << "] is " << bias[e];
       largest = std::max(largest, std::fabs(bias[e]));
@@ -1447,7 +1457,7 @@ TEST(MoeExpertBias, EvaluatingACheckpointUsesItsBiases) {
       run_biased({"run.steps=6", "run.eval_every=6", "run.eval_batches=4", "checkpoint.dir=\"" + dir + "\""});
   ASSERT_TRUE(t.result.steps.back().evaluated);
   loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(t.result.checkpoint, loom::plugins::registry());
-  ASSERT_EQ(ck.states.size(), 4u);
+  ASSERT_EQ(ck.states.size(), 8u);
   const loom::train::RunPlan plan =
       loom::testing::plan_from(ck.manifest_toml, {"checkpoint.dir=\"\"", "run.eval_every=0"});
   const std::unique_ptr<loom::train::DataSource> data = loom::train::make_data_source(plan.config);

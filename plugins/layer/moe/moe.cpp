@@ -222,6 +222,7 @@ class Moe : public loom::Layer {
     declare_params(tp, ep, etp);
     if (router.expert_bias) {
       expert_bias_.assign(static_cast<size_t>(experts_), 0.0f);
+      last_load_.assign(static_cast<size_t>(experts_), 0.0f);
       step_load_.assign(static_cast<size_t>(experts_), 0.0);
     }
     w_.assign(params_.size(), nullptr);
@@ -465,10 +466,12 @@ class Moe : public loom::Layer {
     }
   }
 
-  // The expert bias (ABI 1.23 layer state): the engine checkpoints it.
+  // The expert bias and the load that last moved it (ABI 1.23 layer state): the engine
+  // checkpoints them, and the load shows how balanced the last step was.
   std::vector<loom::StateSpec> state() override {
     if (expert_bias_.empty()) return {};
-    return {{.name = "router.expert_bias", .data = expert_bias_.data(), .count = experts_}};
+    return {{.name = "router.expert_bias", .data = expert_bias_.data(), .count = experts_},
+            {.name = "router.expert_load", .data = last_load_.data(), .count = experts_}};
   }
 
   // The step's load over every rank holding the layer (tp x dp x cp, Megatron's
@@ -489,6 +492,7 @@ class Moe : public loom::Layer {
       dev.synchronize();
     }
     update_expert_bias(expert_bias_, step_load_, bias_rate_);
+    std::copy(step_load_.begin(), step_load_.end(), last_load_.begin());  // whole numbers, exact below 2^24
     std::fill(step_load_.begin(), step_load_.end(), 0.0);
   }
 
@@ -1023,6 +1027,7 @@ class Moe : public loom::Layer {
   std::map<int32_t, Saved> saved_;
   std::map<int32_t, RouterMemory> router_memory_;  // per training microbatch, across steps
   std::vector<float> expert_bias_;   // [experts] with option expert_bias (the layer's state), else empty
+  std::vector<float> last_load_;     // [experts]: the slots each expert kept in the last step's global batch (state)
   std::vector<double> step_load_;    // [experts]: this step's counted slots, until end_step
   float bias_rate_ = 0.0f;           // expert_bias_update_rate
 };
