@@ -22,9 +22,10 @@ const char* kUsage =
     "Checks each layer plugin of LIB (a .so, or every .so in DIR) on device/cpu: gradients against\n"
     "finite differences, gradient accumulation, microbatches in flight, generation's kv_cache forwards\n"
     "(a layer with LOOM_LAYER_KV_CACHE) against a whole-sequence forward, and tp N (default 2; 1 = none)\n"
-    "with and without sequence parallelism against one rank. --set gives the layer's options\n"
-    "(TOML values, or a bare word as a string). --skip leaves a check out (gradients, accumulation,\n"
-    "microbatches, kv_cache, tpN, tpN+sp). Exit status 1 when a check fails.\n";
+    "with and without sequence parallelism against one rank; a layer with state (ABI 1.23): end_step\n"
+    "after a forward without its backward leaves it as end_step alone, and it stays finite. --set gives\n"
+    "the layer's options (TOML values, or a bare word as a string). --skip leaves a check out (gradients,\n"
+    "accumulation, microbatches, kv_cache, state, tpN, tpN+sp). Exit status 1 when a check fails.\n";
 
 // The .so files of LIB: the file itself, or those of the directory.
 std::vector<std::string> libraries(const std::string& lib) {

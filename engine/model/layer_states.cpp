@@ -13,14 +13,14 @@ namespace {
 // Element i of a declaration array read with the stride of its first element's
 // struct_size: one of a 1.x loom_layer_state_decl's sizes (1.23's first, up to this
 // header's), the members past it zero.
-loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, const Layer& l) {
+loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, const std::string& layer) {
   const size_t stride = decls[0].struct_size;
   constexpr size_t kSize123 = offsetof(loom_layer_state_decl, data) + sizeof(float*);
   LOOM_REQUIRE(stride >= kSize123 && stride <= sizeof(loom_layer_state_decl) &&
                    stride % alignof(loom_layer_state_decl) == 0,
-               l.spec.instance << " (layer/" << l.spec.plugin << "): its state declarations have struct_size " << stride
-                               << ", which no loom_layer_state_decl of ABI 1.x has (" << kSize123
-                               << " since 1.23); was the layer built against another header?");
+               layer << ": its state declarations have struct_size " << stride
+                     << ", which no loom_layer_state_decl of ABI 1.x has (" << kSize123
+                     << " since 1.23); was the layer built against another header?");
   loom_layer_state_decl d{};
   std::memcpy(&d, reinterpret_cast<const char*>(decls) + i * stride, stride);
   return d;
@@ -28,31 +28,37 @@ loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, cons
 
 }  // namespace
 
-LayerStates::LayerStates(const Layers& layers) : layers_(layers) {
-  for (const Layer& l : layers) {
-    if (!LOOM_HAS_SLOT(l.api, loom_layer_api, state) || l.api->state == nullptr) continue;
-    const loom_layer_state_decl* decls = nullptr;
-    size_t count = 0;
-    check_layer_call(l.api->state(l.handle, &decls, &count), l, "state");
-    LOOM_REQUIRE(count == 0 || decls != nullptr,
-                 l.spec.instance << ": state() gave " << count << " arrays and no declarations");
-    std::set<std::string> names;
-    for (size_t i = 0; i < count; ++i) {
-      const loom_layer_state_decl d = decl_at(decls, i, l);
-      const std::string name = d.name != nullptr ? d.name : "";
-      LOOM_REQUIRE(!name.empty(), l.spec.instance << ": its state array " << i << " has no name");
-      LOOM_REQUIRE(names.insert(name).second, l.spec.instance << " declares two state arrays named " << name
-                                                              << ": names are checkpoint keys, each must be unique");
-      LOOM_REQUIRE(d.count >= 1 && d.count <= (int64_t{1} << 40),
-                   l.spec.instance << "." << name << ": a state array of " << d.count << " elements (1 to 2^40)");
-      LOOM_REQUIRE(d.data != nullptr, l.spec.instance << "." << name << ": a state array without memory (data NULL)");
-      const std::string global = l.spec.instance + "." + name;
-      LOOM_REQUIRE(std::none_of(states_.begin(), states_.end(), [&](const LayerState& s) { return s.name == global; }),
-                   l.spec.instance << ": its state " << name << " is named " << global
-                                   << " in checkpoints, as another layer's is");
-      states_.push_back({global, d.data, d.count});
-    }
+std::vector<LayerState> declared_states(const loom_layer_api* api, loom_layer* handle, const std::string& instance,
+                                        const std::function<void(loom_status)>& check) {
+  std::vector<LayerState> out;
+  if (!LOOM_HAS_SLOT(api, loom_layer_api, state) || api->state == nullptr) return out;
+  const loom_layer_state_decl* decls = nullptr;
+  size_t count = 0;
+  check(api->state(handle, &decls, &count));
+  LOOM_REQUIRE(count == 0 || decls != nullptr, instance << ": state() gave " << count << " arrays and no declarations");
+  std::set<std::string> names;
+  for (size_t i = 0; i < count; ++i) {
+    const loom_layer_state_decl d = decl_at(decls, i, instance);
+    const std::string name = d.name != nullptr ? d.name : "";
+    LOOM_REQUIRE(!name.empty(), instance << ": its state array " << i << " has no name");
+    LOOM_REQUIRE(names.insert(name).second, instance << " declares two state arrays named " << name
+                                                     << ": names are checkpoint keys, each must be unique");
+    LOOM_REQUIRE(d.count >= 1 && d.count <= (int64_t{1} << 40),
+                 instance << "." << name << ": a state array of " << d.count << " elements (1 to 2^40)");
+    LOOM_REQUIRE(d.data != nullptr, instance << "." << name << ": a state array without memory (data NULL)");
+    out.push_back({instance + "." + name, d.data, d.count});
   }
+  return out;
+}
+
+LayerStates::LayerStates(const Layers& layers) : layers_(layers) {
+  for (const Layer& l : layers)
+    for (LayerState& s :
+         declared_states(l.api, l.handle, l.spec.instance, [&](loom_status st) { check_layer_call(st, l, "state"); })) {
+      LOOM_REQUIRE(std::none_of(states_.begin(), states_.end(), [&](const LayerState& o) { return o.name == s.name; }),
+                   l.spec.instance << ": its state is named " << s.name << " in checkpoints, as another layer's is");
+      states_.push_back(std::move(s));
+    }
 }
 
 StateValues LayerStates::snapshot() const {

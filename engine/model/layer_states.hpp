@@ -8,6 +8,7 @@
 #include "engine/runtime/rank_runtime.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -24,6 +25,13 @@ struct LayerState {
 
 // A checkpoint's states by global name (what a restore writes into a model's).
 using StateValues = std::map<std::string, std::vector<float>>;
+
+// One layer's state arrays (ABI 1.23 loom_layer_api.state; none without the slot),
+// named "<instance>.<state>", checked: a 1.x struct_size, unique non-empty names, 1 to
+// 2^40 elements, memory. `check` turns the call's status into an error. Throws
+// loom::Error naming the instance.
+std::vector<LayerState> declared_states(const loom_layer_api* api, loom_layer* handle, const std::string& instance,
+                                        const std::function<void(loom_status)>& check);
 
 class LayerStates {
  public:

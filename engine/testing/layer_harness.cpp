@@ -329,6 +329,19 @@ bool HarnessLayer::takes_kv_cache() const {
   return plugin_.abi_minor >= 13 && LOOM_HAS_SLOT(a, loom_layer_api, features) && (a->features & LOOM_LAYER_KV_CACHE) != 0;
 }
 
+std::vector<model::LayerState> HarnessLayer::state() const {
+  return model::declared_states(api(), layer_, instance_, [](loom_status st) { ok(st); });
+}
+
+void HarnessLayer::end_step(int64_t step, int32_t microbatches) {
+  const loom_layer_api* a = api();
+  if (!LOOM_HAS_SLOT(a, loom_layer_api, end_step) || a->end_step == nullptr) return;
+  loom_layer_step_end_args args = loom::make<loom_layer_step_end_args>();
+  args.step = step;
+  args.microbatches = microbatches;
+  ok(a->end_step(layer_, &rank_.rt(), &args));
+}
+
 std::vector<float> HarnessLayer::forward_cached(const Batch& b, int64_t first, int64_t rows) {
   const int64_t B = dims_.micro_batch, H = dims_.hidden;
   GuardedFloats y(has_output() ? static_cast<size_t>(rows * B * H) : static_cast<size_t>(B * dims_.vocab));
@@ -704,6 +717,45 @@ Findings check_tensor_parallel(const plugins::Registry& registry, const std::str
   return f;
 }
 
+Findings check_state(const plugins::Registry& registry, const std::string& name, const loom_model_dims& dims,
+                     const toml::table* options, std::mt19937& rng) {
+  Findings f;
+  const uint32_t seed = static_cast<uint32_t>(rng());
+  HarnessRank rank_a(registry), rank_b(registry);
+  HarnessLayer alone(rank_a, name, dims, options), released(rank_b, name, dims, options);
+  std::mt19937 ra(seed), rb(seed);
+  alone.randomize(ra);
+  released.randomize(rb);
+  const Batch b = make_batch(dims, rng);
+  auto values = [](const HarnessLayer& l) {
+    std::vector<std::vector<float>> v;
+    for (const model::LayerState& s : l.state()) v.emplace_back(s.data, s.data + s.count);
+    return v;
+  };
+  released.forward(b, 0);
+  released.api()->release(released.raw(), 0);
+  alone.end_step(1, 1);
+  released.end_step(1, 1);
+  const std::vector<std::vector<float>> want = values(alone), got = values(released);
+  for (const auto& v : want) f.compared += static_cast<int64_t>(v.size());
+  if (got != want)
+    f.fail("end_step after a training forward released without its backward left other state than end_step alone: "
+           "a step's state must count what its backwards saw (recomputation runs a forward twice, and evaluation "
+           "forwards train nothing)");
+  released.forward(b, 0);
+  released.backward(b, 0);
+  released.end_step(2, 1);
+  const std::vector<model::LayerState> states = released.state();
+  for (const model::LayerState& s : states)
+    for (int64_t i = 0; i < s.count; ++i)
+      if (!std::isfinite(s.data[i])) {
+        f.fail(s.name + "[" + std::to_string(i) + "] is " + std::to_string(s.data[i]) +
+               " after a trained microbatch and end_step");
+        break;
+      }
+  return f;
+}
+
 loom_model_dims default_dims() {
   loom_model_dims d = loom::make<loom_model_dims>();
   d.hidden = 16;
@@ -758,6 +810,12 @@ std::vector<CheckRun> check_layer_plugin(const plugins::Registry& registry, cons
     kv = HarnessLayer(rank, name, so.dims, options).takes_kv_cache();
   }
   if (kv) run("kv_cache", on_one_rank([&](HarnessLayer& l) { return check_kv_cache(l, rng); }));
+  bool has_state = false;
+  {
+    HarnessRank rank(registry);
+    has_state = !HarnessLayer(rank, name, so.dims, options).state().empty();
+  }
+  if (has_state) run("state", [&] { return check_state(registry, name, so.dims, options, rng); });
   if (so.tp > 1) {
     const std::string tp = "tp" + std::to_string(so.tp);
     run(tp, [&] { return check_tensor_parallel(registry, name, so.dims, options, rng, {.tp = so.tp}); });

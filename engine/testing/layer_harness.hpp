@@ -8,6 +8,7 @@
 // classes and checks.
 #pragma once
 
+#include "engine/model/layer_states.hpp"
 #include "engine/plugins/registry.hpp"
 #include "engine/runtime/rank_runtime.hpp"
 
@@ -154,6 +155,10 @@ class HarnessLayer {
   double objective(const Batch& b, uint64_t seed = 1234, int32_t mb = 0);
   // ABI 1.13: the layer declares LOOM_LAYER_KV_CACHE.
   bool takes_kv_cache() const;
+  // ABI 1.23: the layer's state arrays, checked as the engine checks them (none
+  // without the slot), and the end of a training step (nothing without the slot).
+  std::vector<model::LayerState> state() const;
+  void end_step(int64_t step, int32_t microbatches);
   // A kv_cache forward of rows [first, first + rows) of b (whole sequences, no SP):
   // the output rows (with an output), or the fp32 logits of each sequence's last row
   // [micro_batch, vocab] (a layer that writes the loss).
@@ -228,6 +233,13 @@ Findings check_kv_cache(HarnessLayer& layer, std::mt19937& rng);
 // pipeline schedule does), give the losses, input gradients and (up to rounding) the
 // parameter gradients of running them one after the other.
 Findings check_microbatches_in_flight(HarnessLayer& layer, std::mt19937& rng);
+
+// A layer with state (ABI 1.23): end_step after a training forward released without
+// its backward (what recomputation's first forward and an evaluation are) leaves the
+// state as end_step alone does, on two layers built alike: a step's state counts what
+// its backwards saw; after trained microbatches and end_step every value is finite.
+Findings check_state(const plugins::Registry& registry, const std::string& name, const loom_model_dims& dims,
+                     const toml::table* options, std::mt19937& rng);
 
 // What a tensor-parallel check compares (see check_tensor_parallel).
 struct TensorParallelCase {

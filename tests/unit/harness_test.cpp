@@ -25,10 +25,11 @@ loom::plugins::Registry& registry() {
   return r;
 }
 
-// The checks that fail for layer/faulty_scale with `fault`.
-std::set<std::string> failing_checks(const std::string& fault) {
+// The checks that fail for layer/faulty_scale with `fault` (and `state`).
+std::set<std::string> failing_checks(const std::string& fault, const std::string& state = "none") {
   toml::table options;
   options.insert("fault", fault);
+  options.insert("state", state);
   std::set<std::string> failing;
   for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options)) {
     if (c.error.empty()) {
@@ -67,6 +68,26 @@ TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
       {"writes_input", {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"}},
   };
   for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
+}
+
+// Layer state (ABI 1.23) counted in backward passes; counted in forward (twice under
+// recomputation, and for forwards never trained), or not finite, fails the state check.
+TEST(LayerHarness, LayerStateMustCountTrainedMicrobatchesAndStayFinite) {
+  std::set<std::string> checks_run;
+  toml::table options;
+  options.insert("state", "backward");
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options)) {
+    checks_run.insert(c.check);
+    EXPECT_TRUE(c.error.empty() && c.findings.ok()) << c.check << ": " << c.error << c.findings.text();
+  }
+  EXPECT_TRUE(checks_run.count("state")) << "a layer with state is checked for it";
+  EXPECT_EQ(failing_checks("none", "backward"), std::set<std::string>{});
+  EXPECT_EQ(failing_checks("none", "forward"), std::set<std::string>{"state"});
+  EXPECT_EQ(failing_checks("none", "nan"), std::set<std::string>{"state"});
+  // Without state there is no state check.
+  options.insert_or_assign("state", "none");
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options))
+    EXPECT_NE(c.check, "state");
 }
 
 // What a failing check reports: the value, what it was compared with, the bound.
