@@ -95,10 +95,10 @@ int cmd_plugins_test(int argc, char** argv) {
     so.skip = args.all("--skip");
     const std::string tp_check = "tp" + std::to_string(so.tp);
     for (const std::string& c : so.skip)
-      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != "kv_cache" && c != tp_check &&
-          c != tp_check + "+sp")
-        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, kv_cache, " + tp_check + ", " +
-                         tp_check + "+sp)");
+      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != "kv_cache" && c != "state" &&
+          c != tp_check && c != tp_check + "+sp")
+        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, kv_cache, state, " +
+                         tp_check + ", " + tp_check + "+sp)");
     if (so.tp < 1 || so.tp > 8 || so.dims.seq_len % so.tp != 0 || so.dims.ffn_hidden % so.tp != 0)
       throw UsageError("--tp must be 1, 2, 4 or 8");
     // A head per tp rank at least (head size 4), so the model splits at this tp.

@@ -15,7 +15,7 @@ namespace {
 // header's), the members past it zero.
 loom_layer_state_decl decl_at(const loom_layer_state_decl* decls, size_t i, const std::string& layer) {
   const size_t stride = decls[0].struct_size;
-  constexpr size_t kSize123 = offsetof(loom_layer_state_decl, data) + sizeof(float*);
+  constexpr size_t kSize123 = offsetof(loom_layer_state_decl, reserved_1_23) + sizeof(uint32_t);
   LOOM_REQUIRE(stride >= kSize123 && stride <= sizeof(loom_layer_state_decl) &&
                    stride % alignof(loom_layer_state_decl) == 0,
                layer << ": its state declarations have struct_size " << stride
@@ -46,7 +46,10 @@ std::vector<LayerState> declared_states(const loom_layer_api* api, loom_layer* h
     LOOM_REQUIRE(d.count >= 1 && d.count <= (int64_t{1} << 40),
                  instance << "." << name << ": a state array of " << d.count << " elements (1 to 2^40)");
     LOOM_REQUIRE(d.data != nullptr, instance << "." << name << ": a state array without memory (data NULL)");
-    out.push_back({instance + "." + name, d.data, d.count});
+    LOOM_REQUIRE((d.flags & ~LOOM_LAYER_STATE_OPTIONAL) == 0,
+                 instance << "." << name << ": flags " << d.flags << " has bits no ABI 1." << LOOM_ABI_MINOR
+                          << " layer state has");
+    out.push_back({instance + "." + name, d.data, d.count, (d.flags & LOOM_LAYER_STATE_OPTIONAL) != 0});
   }
   return out;
 }
@@ -70,6 +73,7 @@ StateValues LayerStates::snapshot() const {
 void LayerStates::assign(const StateValues& values, const std::string& source) const {
   for (const LayerState& s : states_) {
     const auto it = values.find(s.name);
+    if (it == values.end() && s.optional) continue;
     LOOM_REQUIRE(it != values.end(), source << " holds no layer state " << s.name
                                             << ", which this model keeps (a model whose layer kept none, or another "
                                                "model)");

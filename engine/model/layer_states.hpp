@@ -21,6 +21,7 @@ struct LayerState {
   std::string name;
   float* data = nullptr;  // the layer's host memory
   int64_t count = 0;
+  bool optional = false;  // LOOM_LAYER_STATE_OPTIONAL: a checkpoint may lack it
 };
 
 // A checkpoint's states by global name (what a restore writes into a model's).
@@ -45,8 +46,8 @@ class LayerStates {
   // A copy of every array (a checkpoint's snapshot).
   StateValues snapshot() const;
   // Writes each array from `values` by name. Throws loom::Error naming the first
-  // array `values` lacks, or holds with another size; `source` names where the
-  // values came from.
+  // array `values` lacks (but an optional one, which keeps its values), or holds with
+  // another size or a value that is not finite; `source` names where they came from.
   void assign(const StateValues& values, const std::string& source) const;
   // Ends a training step of `microbatches` on this rank: each layer with the slot,
   // in model order (ABI 1.23 loom_layer_api.end_step).

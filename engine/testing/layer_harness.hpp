@@ -153,6 +153,9 @@ class HarnessLayer {
   // A training forward whose saved activations are dropped right away (for finite
   // differences; the microbatch is part of the dropout seed, so use the same one).
   double objective(const Batch& b, uint64_t seed = 1234, int32_t mb = 0);
+  // Drops what a training forward of `mb` saved, without its backward (the layer's
+  // release, when it has one).
+  void release(int32_t mb);
   // ABI 1.13: the layer declares LOOM_LAYER_KV_CACHE.
   bool takes_kv_cache() const;
   // ABI 1.23: the layer's state arrays, checked as the engine checks them (none

@@ -179,9 +179,10 @@ void commit_checkpoint(const std::string& dir, const std::string& tmp, const Che
                        const std::string& manifest_toml);
 // After a run that failed, by the holder of checkpoint.dir's lock: removes this run's
 // unfinished saves (.tmp-step_N-<this run's id>), which nothing will commit, so that a
-// save that failed on a full disk gives its space back now (under mpirun the next run
-// cannot tell a job's leftovers from a live job's). Returns what could not be removed,
-// as "<path> (<why>)".
+// save that failed on a full disk gives its space back now (under mpirun, where the
+// next run cannot tell a job's leftovers from a live job's, as far as the job lets it:
+// another process may still write there). Returns what could not be removed, as
+// "<path> (<why>)"; throws boost's filesystem_error when the directory cannot be read.
 std::vector<std::string> remove_unfinished_saves_of_this_run(const std::string& dir);
 // The temporary directory for step N (created by rank 0 before the others write).
 std::string temp_checkpoint_path(const std::string& dir, int64_t step);

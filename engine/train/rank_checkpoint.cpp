@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <exception>
 #include <thread>
 #include <utility>
@@ -32,6 +33,17 @@ void require_equal_copies(const model::StateValues& values, const loom::Group& h
                             "differs between the ranks that hold them (rank " + std::to_string(r) +
                             " of their tp-dp-cp group and rank 0); a layer must keep its state (loom_layer_api.state) "
                             "equal on every rank that holds it");
+}
+
+// A checkpoint a resume would refuse is not written (the copies are equal by now, so
+// every rank holding them refuses alike).
+void require_finite(const model::StateValues& values, int64_t step) {
+  for (const auto& [name, v] : values)
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!std::isfinite(v[i]))
+        throw CheckpointError("the checkpoint of step " + std::to_string(step) + " is not saved: layer state " + name +
+                              " holds " + std::to_string(v[i]) + " at element " + std::to_string(i) +
+                              " (a resume would refuse it)");
 }
 }  // namespace
 
@@ -73,6 +85,15 @@ std::unique_ptr<CheckpointSaver::Pending> CheckpointSaver::stage(const model::Mo
                                                                  uint64_t consumed_samples, bool evaluation_pending) {
   const manifest::RunConfig& config = plan_.config;
   auto p = std::make_unique<Pending>();
+  // The layers' state first, so that a save it refuses leaves nothing on disk. Every
+  // rank holding a layer holds the same state: the first of them writes it.
+  if (!model.layer_states().empty()) {
+    const loom::Group holders = rank_.group_or_self("tp-dp-cp");
+    model::StateValues values = model.layer_states().snapshot();
+    require_equal_copies(values, holders, step);
+    require_finite(values, step);
+    if (holders.rank() == 0) p->layer_states = std::move(values);
+  }
   p->tmp = temp_checkpoint_path(config.checkpoint.dir, step);
   if (rank_.global_rank() == 0) prepare_temp_dir(p->tmp);
   rank_.group_or_self("world").barrier();
@@ -80,13 +101,6 @@ std::unique_ptr<CheckpointSaver::Pending> CheckpointSaver::stage(const model::Mo
   p->state.params.resize(model.numel() * p->state.elem_size);
   rank_.dev().copy(p->state.params.data(), model.params(), p->state.params.size(), LOOM_COPY_DEVICE_TO_HOST);
   p->state.optimizer = optimizer.save_state();
-  // Every rank holding a layer holds the same state: the first of them writes it.
-  if (!model.layer_states().empty()) {
-    const loom::Group holders = rank_.group_or_self("tp-dp-cp");
-    model::StateValues values = model.layer_states().snapshot();
-    require_equal_copies(values, holders, step);
-    if (holders.rank() == 0) p->layer_states = std::move(values);
-  }
   p->layout = param_layout_of(model);
   CheckpointMeta& meta = p->meta;
   meta = CheckpointMeta{step, plan_.sizes.world, plan_.sizes.tp, plan_.sizes.pp, plan_.dp,

@@ -647,10 +647,16 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
   try {
     runtime::launch(lc, [&run](runtime::RankRuntime& rt) { RankTraining(run, rt).run(); });
   } catch (...) {
-    // A save the failure cut short is never committed: its space goes back now.
-    if (ckpt_lock)
-      for (const std::string& f : remove_unfinished_saves_of_this_run(ckpt_dir))
-        if (options.log) *options.log << "warning: could not remove the unfinished save " << f << std::endl;
+    // A save the failure cut short is never committed: its space goes back now, as far
+    // as this process can (under mpirun another process may still write into it, or the
+    // job end this one first).
+    if (ckpt_lock) {
+      try {
+        for (const std::string& f : remove_unfinished_saves_of_this_run(ckpt_dir))
+          if (options.log) *options.log << "warning: could not remove the unfinished save " << f << std::endl;
+      } catch (const std::exception&) {  // the run's own error is the one to report
+      }
+    }
     throw;
   }
   for (const std::string& f : run.pruner->finish())  // the last pruning's files gone before the run ends

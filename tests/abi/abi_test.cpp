@@ -527,19 +527,21 @@ TEST(AbiLayout, Released122MembersKeepOffsetsAndSizes) {
 }
 
 // 1.23's too (a layer's state): state and end_step past 1.22's sizeof of
-// loom_layer_api, ending it; the two new structs without tail padding.
+// loom_layer_api, ending it; the two new structs without padding.
 TEST(AbiLayout, Released123MembersKeepOffsetsAndSizes) {
   size_t n_frozen = 0, n_current = 0, n_122 = 0;
   const size_t* frozen = loom_abi_layout_frozen_v1_23(&n_frozen);
   const size_t* current = loom_abi_layout_current_v1_23(&n_current);
   loom_abi_layout_current_v1_22(&n_122);
   ASSERT_EQ(n_frozen, n_current);
-  ASSERT_EQ(n_frozen, n_122 + 2 * 9);  // 2 slots, 4 members of loom_layer_state_decl, 3 of loom_layer_step_end_args
+  ASSERT_EQ(n_frozen, n_122 + 2 * 12);  // 2 slots, 7 members of loom_layer_state_decl, 3 of loom_layer_step_end_args
   for (size_t i = 0; i < n_frozen; ++i) EXPECT_EQ(frozen[i], current[i]) << "layout entry " << i;
   ASSERT_GT(loom_abi_sizeof_v1_22("loom_layer_api"), 0u);
   EXPECT_EQ(offsetof(loom_layer_api, state), loom_abi_sizeof_v1_22("loom_layer_api"));
   EXPECT_EQ(offsetof(loom_layer_api, end_step) + sizeof(void*), sizeof(loom_layer_api));
-  EXPECT_EQ(offsetof(loom_layer_state_decl, data) + sizeof(float*), sizeof(loom_layer_state_decl));
+  EXPECT_EQ(offsetof(loom_layer_state_decl, name), 8u);  // after pad0
+  EXPECT_EQ(offsetof(loom_layer_state_decl, reserved_1_23) + sizeof(uint32_t), sizeof(loom_layer_state_decl));
+  EXPECT_EQ(LOOM_LAYER_STATE_OPTIONAL, 1u);
   EXPECT_EQ(offsetof(loom_layer_step_end_args, step) + sizeof(int64_t), sizeof(loom_layer_step_end_args));
 }
 

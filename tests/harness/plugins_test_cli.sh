@@ -19,6 +19,8 @@ grep -q "gain gradient" "$out" || fail "the failure does not name the parameter"
 
 "$loom" plugins test "$faulty" --set fault=reduce --skip tp2 --skip tp2+sp > "$out" 2>&1 || fail "--skip: exit $?"
 grep -q "4 of 4 checks pass" "$out" || fail "--skip did not leave the checks out"
+"$loom" plugins test "$faulty" --set state=forward --skip state > "$out" 2>&1 || fail "--skip state: exit $?"
+grep -q "6 of 6 checks pass" "$out" || fail "--skip state did not leave the state check out"
 
 "$loom" plugins test "$faulty" --skip gradient > "$out" 2>&1
 rc=$?

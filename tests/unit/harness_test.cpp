@@ -84,6 +84,18 @@ TEST(LayerHarness, LayerStateMustCountTrainedMicrobatchesAndStayFinite) {
   EXPECT_EQ(failing_checks("none", "backward"), std::set<std::string>{});
   EXPECT_EQ(failing_checks("none", "forward"), std::set<std::string>{"state"});
   EXPECT_EQ(failing_checks("none", "nan"), std::set<std::string>{"state"});
+  // Each for its own reason: counted forwards, and (only that) a NaN.
+  auto state_findings = [](const std::string& state) {
+    toml::table o;
+    o.insert("state", state);
+    for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &o))
+      if (c.check == "state") return c.findings.text();
+    return std::string("(no state check)");
+  };
+  const std::string forward = state_findings("forward"), nan = state_findings("nan");
+  EXPECT_NE(forward.find("left other state than end_step alone"), std::string::npos) << forward;
+  EXPECT_EQ(nan.find("left other state than end_step alone"), std::string::npos) << nan;
+  EXPECT_NE(nan.find("rows_seen[0] is nan after a trained microbatch and end_step"), std::string::npos) << nan;
   // Without state there is no state check.
   options.insert_or_assign("state", "none");
   for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "faulty_scale", &options))

@@ -1494,7 +1494,32 @@ TEST(MoeExpertBias, CopiesThatDifferAreNotSaved) {
   }
   EXPECT_TRUE(loom::train::complete_checkpoints(dir).empty());
   boost::filesystem::remove_all(dir);
+  // Equal copies of a value a resume would refuse are not saved either, and nothing of
+  // the step is left on disk.
+  opts.on_step = [](int64_t step, int, const loom::model::Model& m) {
+    if (step == 2) m.layer_states().states()[0].data[1] = std::nanf("");
+  };
+  try {
+    loom::testing::run_and_trace(
+        manifest(), biased({"run.steps=4", "parallel.dp=2", "checkpoint.every=2", "checkpoint.dir=\"" + dir + "\""}),
+        opts);
+    ADD_FAILURE() << "saved a NaN";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the checkpoint of step 2 is not saved: layer state "
+                                         "blocks.0.moe.router.expert_bias holds nan at element 1"),
+              std::string::npos)
+        << e.what();
+  }
+  for (const auto& e : boost::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    EXPECT_TRUE(name.rfind("step_", 0) != 0 && name.rfind(".tmp-", 0) != 0) << e.path() << " left";
+  }
+  boost::filesystem::remove_all(dir);
 }
+
+// Rewrites rank 0's state file of `step_dir` (step `step`) with `values`, and meta.toml's
+// checksum to match: a consistent checkpoint of other state.
+void rewrite_states(const std::string& step_dir, int64_t step, const loom::model::StateValues& values);
 
 // Replaces meta.toml's line starting with `key` by `line`.
 void edit_meta(const std::string& step_dir, const std::string& key, const std::string& line) {
@@ -1503,6 +1528,35 @@ void edit_meta(const std::string& step_dir, const std::string& key, const std::s
   while (std::getline(in, l)) text += (l.rfind(key + " ", 0) == 0 ? line : l) + "\n";
   in.close();
   std::ofstream(step_dir + "/meta.toml") << text;
+}
+
+void rewrite_states(const std::string& step_dir, int64_t step, const loom::model::StateValues& values) {
+  const uint64_t sum = loom::train::write_state_file(step_dir, 0, step, values);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(sum));
+  edit_meta(step_dir, "state_checksums", std::string("state_checksums = [ '") + hex + "' ]");
+}
+
+// The load is optional state (LOOM_LAYER_STATE_OPTIONAL: the next step recomputes it):
+// a checkpoint without it (as one written before the layer kept it) resumes, and
+// trains on as the uninterrupted run.
+TEST(MoeExpertBias, ACheckpointWithoutTheOptionalLoadResumes) {
+  const std::string dir = loom::testing::scratch_dir("moe-bias-optional");
+  const RankTrace full = run_biased({"run.steps=4", "optimizer.decay_steps=4"});
+  run_biased({"run.steps=2", "optimizer.decay_steps=4", "checkpoint.dir=\"" + dir + "\""});
+  const std::string step = loom::train::checkpoint_path(dir, 2);
+  loom::model::StateValues v = loom::train::read_layer_states(step);
+  for (auto it = v.begin(); it != v.end();) it = is_bias(it->first) ? std::next(it) : v.erase(it);
+  ASSERT_EQ(v.size(), 4u);
+  rewrite_states(step, 2, v);
+  loom::train::TrainOptions resume;
+  resume.resume = true;
+  const RankTrace rest = run_biased({"run.steps=4", "optimizer.decay_steps=4", "checkpoint.dir=\"" + dir + "\""}, resume);
+  ASSERT_EQ(rest.loss.size(), 2u);
+  EXPECT_EQ(rest.loss[0], full.loss[2]);
+  EXPECT_EQ(rest.loss[1], full.loss[3]);
+  EXPECT_EQ(rest.states.at(0).back(), full.states.at(0).back());
+  boost::filesystem::remove_all(dir);
 }
 
 // A checkpoint whose layer-state file is missing or altered, or whose meta.toml lists
@@ -1542,10 +1596,7 @@ TEST(MoeExpertBias, ACheckpointWithoutItsStateIsRefused) {
       {[](const std::string& d) {  // a consistent file of a NaN
          loom::model::StateValues v = loom::train::read_layer_states(d);
          v.begin()->second[1] = std::nanf("");
-         const uint64_t sum = loom::train::write_state_file(d, 0, 2, v);
-         char hex[17];
-         std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(sum));
-         edit_meta(d, "state_checksums", std::string("state_checksums = [ '") + hex + "' ]");
+         rewrite_states(d, 2, v);
        },
        "holds nan at element 1; the values must be finite"}};
   for (const auto& [damage, what] : cases) {

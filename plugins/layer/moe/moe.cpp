@@ -471,7 +471,7 @@ class Moe : public loom::Layer {
   std::vector<loom::StateSpec> state() override {
     if (expert_bias_.empty()) return {};
     return {{.name = "router.expert_bias", .data = expert_bias_.data(), .count = experts_},
-            {.name = "router.expert_load", .data = last_load_.data(), .count = experts_}};
+            {.name = "router.expert_load", .data = last_load_.data(), .count = experts_, .optional = true}};
   }
 
   // The step's load over every rank holding the layer (tp x dp x cp, Megatron's

@@ -140,6 +140,9 @@ struct StateSpec {
   std::string name;
   float* data = nullptr;
   int64_t count = 0;
+  // LOOM_LAYER_STATE_OPTIONAL: a checkpoint without it loads (values the next step
+  // recomputes, not what the model computes with).
+  bool optional = false;
 };
 
 class Layer {
@@ -317,6 +320,7 @@ const loom_layer_api* layer_api() {
           d.name = s.name.c_str();
           d.count = s.count;
           d.data = s.data;
+          d.flags = s.optional ? LOOM_LAYER_STATE_OPTIONAL : 0u;
           b->state_decls.push_back(d);
         }
         *out = b->state_decls.empty() ? nullptr : b->state_decls.data();

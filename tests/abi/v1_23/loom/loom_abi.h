@@ -1205,10 +1205,19 @@ typedef struct loom_layer_validate_args {
  * element's struct_size, as for loom_param_decl. */
 typedef struct loom_layer_state_decl {
   uint32_t struct_size;      /* sizeof(loom_layer_state_decl) of the layer's header */
+  uint32_t pad0;             /* 0 (the padding before name, named) */
   const char* name;          /* unique among the layer's states, e.g. "router.expert_bias" */
   int64_t count;             /* fp32 elements, >= 1 */
   float* data;               /* host memory, the layer's, valid until destroy */
+  uint32_t flags;            /* LOOM_LAYER_STATE_* */
+  uint32_t reserved_1_23;    /* 0 */
 } loom_layer_state_decl;
+
+/* loom_layer_state_decl.flags: a checkpoint without this array (one written before
+ * the layer kept it) still loads, the array keeping the layer's own values; for
+ * values the next step recomputes, never for what the model computes with. Without
+ * the bit, a checkpoint that lacks the array is refused. */
+#define LOOM_LAYER_STATE_OPTIONAL (1u << 0)
 
 /* loom_layer_api.end_step's arguments (since 1.23), borrowed for the call. */
 typedef struct loom_layer_step_end_args {
