@@ -320,6 +320,19 @@ if run cpu_moe_cap "${moe[@]}" "${cap[@]}" --set device.kind=cpu &&
 else
   fail "MoE capacity runs failed (see $out/cpu_moe_cap.log, $out/cuda_moe_cap.log)"; tail -n 5 "$out/cpu_moe_cap.log" "$out/cuda_moe_cap.log" 2>/dev/null
 fi
+# ... with DeepSeek-V3's router: sigmoid scores, groups, and the auxiliary-loss-free
+# expert bias (layer state updated at each step's end).
+ds=(--set 'model.layer.moe.score_function="sigmoid"' --set model.layer.moe.num_groups=2
+    --set model.layer.moe.group_topk=1 --set model.layer.moe.expert_bias=true
+    --set model.layer.moe.expert_bias_update_rate=0.01)
+if run cpu_moe_bias "${moe[@]}" "${ds[@]}" --set device.kind=cpu &&
+   run cuda_moe_bias "${moe[@]}" "${ds[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_moe_bias.jsonl" "$out/cpu_moe_bias.jsonl" 1e-4 "cuda vs cpu, MoE with the expert bias"; then
+    pass "cuda fp32 = cpu with DeepSeek-V3's router (sigmoid, groups, expert bias)"
+  else fail "cuda fp32 vs cpu losses differ with the expert bias"; fi
+else
+  fail "MoE expert-bias runs failed (see $out/cpu_moe_bias.log, $out/cuda_moe_bias.log)"; tail -n 5 "$out/cpu_moe_bias.log" "$out/cuda_moe_bias.log" 2>/dev/null
+fi
 # Qwen3's blocks: RMSNorm, SwiGLU, rotary embeddings, grouped queries, q/k RMSNorm-ed per head.
 qwen3=(configs/qwen3_quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
        --set parallel.dp=1)
