@@ -88,7 +88,7 @@ bool is_norm_gain(const std::string& n) { return ends_with(n, "ln.weight") || en
 // ---------------------------------------------------------------------------
 
 HarnessRank::HarnessRank(const plugins::Registry& registry, int global_rank, const loom_group* tp,
-                         const loom_device_api* device_api)
+                         const loom_device_api* device_api, const loom_group* holders)
     : registry_(registry) {
   const plugins::LoadedPlugin& p = registry.get("device", "cpu");
   plugins::OptionValues opts(nullptr, p.options);
@@ -104,10 +104,9 @@ HarnessRank::HarnessRank(const plugins::Registry& registry, int global_rank, con
   rt_->add_group("tp", tp ? *tp : alone);
   rt_->add_group("ep", alone);  // layer/moe asks for it (expert parallelism: 1)
   // The other groups inside a stage a layer may reduce over (one rank each here), and
-  // the ranks holding the layer: tp's ranks, so only when tp is one rank (its
-  // communicator is the runtime's once).
+  // the ranks holding the layer: tp's ranks, with a communicator of their own.
   for (const char* kind : {"dp", "cp", "dp-cp", "edp"}) rt_->add_group(kind, alone);
-  if (tp == nullptr) rt_->add_group("tp-dp-cp", alone);
+  if (holders != nullptr || tp == nullptr) rt_->add_group("tp-dp-cp", holders ? *holders : alone);
   // ... and for etp, to check that its experts split over tp: tp's size, no
   // communicator (the runtime owns and destroys each group's, tp's already).
   loom_group etp = tp ? *tp : alone;
@@ -612,7 +611,11 @@ std::vector<std::string> run_tp_ranks(const plugins::Registry& registry, int tp,
         g.size = tp;
         g.rank = r;
         ok(comm->comm()->group_create(world, &desc, &g.comm));
-        HarnessRank rank(registry, r, &g);  // owns the communicator from here on
+        // The ranks holding the layer (dp = cp = 1): the same ranks, a group of their own.
+        desc.kind = "tp-dp-cp";
+        loom_group holders = g;
+        ok(comm->comm()->group_create(world, &desc, &holders.comm));
+        HarnessRank rank(registry, r, &g, nullptr, &holders);  // owns the communicators from here on
         fn(r, rank);
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -633,7 +636,14 @@ struct RankResult {
   int64_t count = 0;
   std::vector<float> out, dx;
   std::vector<std::vector<float>> grads;
+  std::vector<std::vector<float>> state;  // after end_step (ABI 1.23)
 };
+
+std::vector<std::vector<float>> state_values(const HarnessLayer& l) {
+  std::vector<std::vector<float>> v;
+  for (const model::LayerState& s : l.state()) v.emplace_back(s.data, s.data + s.count);
+  return v;
+}
 
 }  // namespace
 
@@ -659,6 +669,8 @@ Findings check_tensor_parallel(const plugins::Registry& registry, const std::str
                           tc.aux_weight * full.last_aux;
   const float want_aux = full.last_aux;
   const std::vector<float> want_dx = full.backward(b, 0);
+  full.end_step(1, 1);
+  const std::vector<std::vector<float>> want_state = state_values(full);
 
   std::vector<RankResult> res(static_cast<size_t>(tp));
   const std::vector<std::string> errors = run_tp_ranks(registry, tp, [&](int r, HarnessRank& rank) {
@@ -681,6 +693,8 @@ Findings check_tensor_parallel(const plugins::Registry& registry, const std::str
     out.aux = layer.last_aux;
     out.dx = layer.backward(mb, 0);
     for (Param& p : layer.params()) out.grads.push_back(p.grad);
+    layer.end_step(1, 1);
+    out.state = state_values(layer);
   });
   for (int r = 0; r < tp; ++r)  // one line per distinct error (ranks refusing a layout say the same)
     if (!errors[static_cast<size_t>(r)].empty() &&
@@ -710,6 +724,14 @@ Findings check_tensor_parallel(const plugins::Registry& registry, const std::str
       const Param& p = full.params()[i];
       if (p.partition_dim < 0 && sp) continue;  // summed over the ranks below
       expect_close(got.grads[i], slice(p, p.grad, tp, r), tc.tol, who + p.name + " gradient", f);
+    }
+    // The layer's state after the step: the serial one's, on every rank (ABI 1.23).
+    if (got.state.size() != want_state.size()) {
+      f.fail(who + std::to_string(got.state.size()) + " state arrays, serial " + std::to_string(want_state.size()));
+    } else {
+      for (size_t i = 0; i < want_state.size(); ++i)
+        expect_close(got.state[i], want_state[i], tc.tol, who + "state array " + std::to_string(i) + " after end_step",
+                     f);
     }
   }
   if (sp && !writes_loss) expect_close(obj_sum, want_obj, tc.tol, "the objective summed over the tp ranks", f);

@@ -29,8 +29,11 @@ namespace loom::harness {
 // older ABI size); it must outlive the rank.
 class HarnessRank {
  public:
+  // tp: the tensor-parallel group (NULL: alone); holders: the group of the ranks holding
+  // a layer, "tp-dp-cp" (NULL: alone, or none beside a tp group). The runtime owns their
+  // communicators.
   explicit HarnessRank(const plugins::Registry& registry, int global_rank = 0, const loom_group* tp = nullptr,
-                       const loom_device_api* device_api = nullptr);
+                       const loom_device_api* device_api = nullptr, const loom_group* holders = nullptr);
   runtime::RankRuntime& rt() { return *rt_; }
   const plugins::Registry& registry() const { return registry_; }
   uint64_t device_bytes() const { return rt_->memory().current_bytes; }
@@ -256,7 +259,8 @@ struct TensorParallelCase {
 // rank with the full parameters: each rank's output (its shard under SP), loss,
 // auxiliary loss, input gradient and parameter gradient slices equal the serial ones; duplicated
 // parameters' gradients equal the serial ones on every rank, or, under sequence
-// parallelism, summed over the ranks (the engine all-reduces them over tp).
+// parallelism, summed over the ranks (the engine all-reduces them over tp); a layer's
+// state after end_step (ABI 1.23) equals the serial one's on every rank.
 Findings check_tensor_parallel(const plugins::Registry& registry, const std::string& name,
                                const loom_model_dims& dims, const toml::table* options, std::mt19937& rng,
                                const TensorParallelCase& tc = {});

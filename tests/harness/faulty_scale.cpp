@@ -15,9 +15,12 @@
 //   input_overrun grad_input written one value too long
 //   writes_input  a forward that scales its input in place
 // With `state` (ABI 1.23) it keeps the rows its training microbatches saw as layer
-// state: "backward" counts them in backward (correct), "forward" in forward (counted
-// twice when recomputed, and for forwards never trained), "nan" ends each step on a
-// NaN; "none" declares no state.
+// state: "backward" counts them in backward, each row on one rank (its sequence shard
+// under sequence parallelism, else tp rank 0), summed over the ranks holding the layer
+// at the step's end (correct); "forward" counts in forward (twice when recomputed, and
+// for forwards never trained); "unreduced" counts every row a rank sees and never sums
+// over the ranks (under sequence parallelism their copies drift apart); "nan" ends each
+// step on a NaN; "none" declares no state.
 // And, with the option `fail_forward` = N > 0, its N-th training forward fails (a
 // rank that stops in the middle of a step, for the engine's failure tests). With
 // `borrow_input` = true (no mistake) the backward reads the forward's input where it
@@ -36,15 +39,25 @@ class FaultyScale : public loom::Layer {
   FaultyScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
       : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")),
         fail_forward_(options.declared_int("fail_forward")), borrow_input_(options.declared_bool("borrow_input")),
-        state_(options.declared_string("state")) {}
+        state_(options.declared_string("state")), sequence_parallel_(args.sequence_parallel != 0) {}
 
   std::vector<loom::StateSpec> state() override {
     if (state_ == "none") return {};
     return {{.name = "rows_seen", .data = &rows_seen_, .count = 1}};
   }
 
-  void end_step(loom::Rank&, const loom_layer_step_end_args&) override {
-    rows_seen_ = state_ == "nan" ? std::nanf("") : rows_seen_ + static_cast<float>(step_rows_);
+  void end_step(loom::Rank& rank, const loom_layer_step_end_args&) override {
+    double rows = static_cast<double>(step_rows_);
+    const loom::Group holders = rank.group_or_single("tp-dp-cp");
+    if (state_ != "unreduced" && holders.size() > 1) {
+      loom::Device dev = rank.device();
+      loom::Buffer d(rank_, sizeof(double));
+      dev.copy(d.get(), &rows, sizeof(double), LOOM_COPY_HOST_TO_DEVICE);
+      holders.all_reduce(dev.native_stream(), d.get(), d.get(), 1, LOOM_DTYPE_F64);
+      dev.copy(&rows, d.get(), sizeof(double), LOOM_COPY_DEVICE_TO_HOST);
+      dev.synchronize();
+    }
+    rows_seen_ = state_ == "nan" ? std::nanf("") : rows_seen_ + static_cast<float>(rows);
     step_rows_ = 0;
   }
 
@@ -79,7 +92,7 @@ class FaultyScale : public loom::Layer {
       dev.elementwise({.op = LOOM_EW_SCALE, .n = n, .x = a.input->data, .out = a.input->data, .alpha = 0.5f,
                        .dtype = LOOM_DTYPE_F32});
     if (a.training) saved_[key] = std::move(saved);
-    if (a.training && state_ == "forward") step_rows_ += n / hidden_;
+    if (a.training && state_ == "forward" && (sequence_parallel_ || tp_.rank() == 0)) step_rows_ += n / hidden_;
     if (a.training) borrowed_[key] = static_cast<const float*>(a.input->data);
   }
 
@@ -117,7 +130,9 @@ class FaultyScale : public loom::Layer {
     if (fault_ == "input_overrun") dev.copy(static_cast<float*>(a.grad_input->data) + n, dx.get(), sizeof(float),
                                             LOOM_COPY_DEVICE_TO_DEVICE);
     dev.synchronize();  // the temporaries die here
-    if (state_ == "backward" || state_ == "nan") step_rows_ += n / hidden_;
+    // Each row counted on one rank: its shard's under SP, else tp rank 0's (the others hold the same rows).
+    const bool counts = sequence_parallel_ || tp_.rank() == 0 || state_ == "unreduced";
+    if (counts && (state_ == "backward" || state_ == "unreduced" || state_ == "nan")) step_rows_ += n / hidden_;
     saved_.erase(key);
     borrowed_.erase(key);
   }
@@ -142,6 +157,7 @@ class FaultyScale : public loom::Layer {
   int64_t training_forwards_ = 0;
   bool borrow_input_ = false;
   std::string state_;
+  bool sequence_parallel_ = false;
   float rows_seen_ = 0;   // the state: rows of the trained microbatches so far
   int64_t step_rows_ = 0;  // this step's, until end_step
   std::map<int32_t, const float*> borrowed_;  // each microbatch's input as the forward was given it
@@ -158,5 +174,5 @@ LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
          .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache|grad_overrun|input_overrun|writes_input"),
      loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none"),
      loom::opt_bool("borrow_input", false, "the backward reads the forward's input where it was given"),
-     loom::opt_string("state", "none", "layer state: the rows seen, counted in backward, in forward, or NaN")
-         .one_of("none|backward|forward|nan")}))
+     loom::opt_string("state", "none", "layer state: the rows seen, counted in backward, in forward, not summed over ranks, or NaN")
+         .one_of("none|backward|forward|unreduced|nan")}))

@@ -70,8 +70,9 @@ TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
   for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
 }
 
-// Layer state (ABI 1.23) counted in backward passes; counted in forward (twice under
-// recomputation, and for forwards never trained), or not finite, fails the state check.
+// Layer state (ABI 1.23) counted in backward and summed over the ranks holding the
+// layer passes; counted in forward (twice under recomputation, and for forwards never
+// trained) or not finite fails the state check, and not summed the tp checks.
 TEST(LayerHarness, LayerStateMustCountTrainedMicrobatchesAndStayFinite) {
   std::set<std::string> checks_run;
   toml::table options;
@@ -84,6 +85,9 @@ TEST(LayerHarness, LayerStateMustCountTrainedMicrobatchesAndStayFinite) {
   EXPECT_EQ(failing_checks("none", "backward"), std::set<std::string>{});
   EXPECT_EQ(failing_checks("none", "forward"), std::set<std::string>{"state"});
   EXPECT_EQ(failing_checks("none", "nan"), std::set<std::string>{"state"});
+  // Copies not summed over the ranks holding the layer differ from the serial run's
+  // where the ranks see other rows (sequence shards; without SP each sees them all).
+  EXPECT_EQ(failing_checks("none", "unreduced"), std::set<std::string>{"tp2+sp"});
   // Each for its own reason: counted forwards, and (only that) a NaN.
   auto state_findings = [](const std::string& state) {
     toml::table o;
