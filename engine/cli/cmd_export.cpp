@@ -3,6 +3,7 @@
 // taken), from any parallel layout, as a Hugging Face transformers model directory.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/cli/model_source.hpp"
 #include "engine/files/read.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/manifest/manifest.hpp"
@@ -26,18 +27,6 @@ const char* kUsage =
     "model the data was encoded with) adds the tokenizer files AutoTokenizer reads: vocab.json and\n"
     "merges.txt, or tokenizer.model, with tokenizer_config.json and special_tokens_map.json;\n"
     "without it, the run's data.tokenizer when it names one.\n";
-
-// The step directory CHECKPOINT names.
-std::string step_dir_of(const std::string& path) {
-  namespace fs = boost::filesystem;
-  if (!fs::exists(fs::path(path) / "meta.toml") && !fs::is_directory(path))
-    throw UsageError(path + " is not a checkpoint (no such directory)");
-  std::vector<std::string> skipped;
-  const std::string step = train::named_checkpoint(path, &skipped);
-  if (step.empty()) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
-  for (const std::string& s : skipped) std::cerr << "note: skipped " << s << "; exporting " << step << "\n";
-  return step;
-}
 
 // The tokenizer a checkpoint's run named (data.tokenizer), when it loads from here;
 // "" otherwise (said on stderr when named but not found).
@@ -68,7 +57,7 @@ int cmd_export(int argc, char** argv) {
     if (pos[1].empty()) throw UsageError("OUTDIR is empty");
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
-    const std::string step = step_dir_of(pos[0]);
+    const std::string step = checkpoint_step_dir(pos[0], "exporting");
     const std::optional<std::string> given = args.get("--tokenizer");
     const std::string tokenizer = given ? *given : trained_tokenizer(step);
     const interop::HfModel hf = interop::export_hf(step, pos[1], r, tokenizer);

@@ -45,6 +45,8 @@ const Command kCommands[] = {
      "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]", true},
     {"eval", loom::cli::cmd_eval,
      "perplexity (sliding windows) or LAMBADA last-word accuracy: CHECKPOINT --data FILE [--task lambada]"},
+    {"inspect", loom::cli::cmd_inspect,
+     "what a checkpoint holds: step, samples read, the layout that saved it, its layers' state: CHECKPOINT [--json]"},
     {"tokenizer-train", loom::cli::cmd_tokenizer_train,
      "train a SentencePiece model: --input F --model-prefix P --vocab-size N"},
 };

@@ -158,4 +158,15 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
                    "the checkpoint itself");
 }
 
+std::string checkpoint_step_dir(const std::string& path, const std::string& doing) {
+  namespace fs = boost::filesystem;
+  if (!fs::exists(fs::path(path) / "meta.toml") && !fs::is_directory(path))
+    throw UsageError(path + " is not a checkpoint (no such directory)");
+  std::vector<std::string> skipped;
+  const std::string step = train::named_checkpoint(path, &skipped);
+  if (step.empty()) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+  for (const std::string& s : skipped) std::cerr << "note: skipped " << s << "; " << doing << " " << step << "\n";
+  return step;
+}
+
 }  // namespace loom::cli

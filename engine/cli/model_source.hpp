@@ -34,4 +34,9 @@ using PlanFor = std::function<train::RunPlan(const std::string& toml, const std:
 ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
                               plugins::Registry& registry, const PlanFor& plan_for);
 
+// The step directory a CHECKPOINT argument names: a step_N directory, or a
+// checkpoint.dir's newest complete step (the ones passed over noted on stderr, with
+// `doing`, e.g. "exporting"). Throws UsageError for a path that is neither.
+std::string checkpoint_step_dir(const std::string& path, const std::string& doing);
+
 }  // namespace loom::cli

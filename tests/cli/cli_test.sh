@@ -436,4 +436,28 @@ grep -aq "brain.Event:2" "$tb_file" || fail "--tensorboard: no file version in $
 [ $? -eq 1 ] && grep -q "tensorboard directory $tb_file/sub: cannot create it" "$work/tb3.out" \
   || fail "an impossible tensorboard directory: $(cat "$work/tb3.out")"
 
+# loom inspect: a MoE checkpoint with DeepSeek-V3's expert bias shows its step and its
+# layers' state (each MoE block's bias and load; the loads sum to the step's tokens x
+# top_k); --json has every value; a damaged state file exits 1 naming it.
+"$loom" run "$here/tiny.toml" --set run.steps=2 --set 'model.block=["attention", "moe"]' \
+  --set 'model.layer.moe.score_function="sigmoid"' --set model.layer.moe.expert_bias=true \
+  --set checkpoint.dir="\"$work/bias\"" > "$work/bias.out" 2>&1 || fail "expert-bias run: $(tail -3 "$work/bias.out")"
+"$loom" inspect "$work/bias" > "$work/inspect.out" 2>&1 || fail "inspect: $(cat "$work/inspect.out")"
+grep -q "step_00000002: step 2, 16 training samples read" "$work/inspect.out" \
+  && grep -q "blocks.0.moe.router.expert_bias  \[8\]" "$work/inspect.out" \
+  && grep -q "blocks.1.moe.router.expert_load  \[8\]" "$work/inspect.out" || fail "inspect: $(cat "$work/inspect.out")"
+"$loom" inspect "$work/bias" --json > "$work/inspect.json" 2>&1 || fail "inspect --json: $(cat "$work/inspect.json")"
+python3 - "$work/inspect.json" "$(grep -o 'seq_length = [0-9]*' "$here/tiny.toml" | grep -o '[0-9]*$')" <<'PY' || fail "inspect --json: $(cat "$work/inspect.json")"
+import json, sys
+j = json.load(open(sys.argv[1]))
+state = j["layer_state"]
+loads = [v for k, v in state.items() if k.endswith(".expert_load")]
+assert j["step"] == 2 and len(state) == 2 * len(loads) and loads, state
+assert all(sum(v) == 8 * int(sys.argv[2]) * 2 for v in loads), (loads, sys.argv[2])  # global batch 8, top_k 2
+PY
+printf 'x' >> "$work/bias/step_00000002/rank_00000.state"
+"$loom" inspect "$work/bias" > "$work/inspect2.out" 2>&1
+[ $? -eq 1 ] && grep -q "rank_00000.state: the header's size does not match the file's" "$work/inspect2.out" \
+  || fail "inspect of a damaged state file: $(cat "$work/inspect2.out")"
+
 echo "cli tests passed"
