@@ -161,7 +161,8 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
 std::string checkpoint_step_dir(const std::string& path, const std::string& doing) {
   namespace fs = boost::filesystem;
   if (!fs::exists(fs::path(path) / "meta.toml") && !fs::is_directory(path))
-    throw UsageError(path + " is not a checkpoint (no such directory)");
+    throw UsageError(path + " is not a checkpoint (" + (fs::exists(path) ? "a file, not a directory" : "no such directory") +
+                     ")");
   std::vector<std::string> skipped;
   const std::string step = train::named_checkpoint(path, &skipped);
   if (step.empty()) throw UsageError(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
