@@ -758,11 +758,6 @@ Findings check_state(const plugins::Registry& registry, const std::string& name,
   alone.randomize(ra);
   released.randomize(rb);
   const Batch b = make_batch(dims, rng);
-  auto values = [](const HarnessLayer& l) {
-    std::vector<std::vector<float>> v;
-    for (const model::LayerState& s : l.state()) v.emplace_back(s.data, s.data + s.count);
-    return v;
-  };
   // An evaluation forward, and a training forward released without its backward (a
   // recomputed layer's first): a layer without release is never recomputed.
   released.forward(b, 0, /*training=*/false);
@@ -772,7 +767,7 @@ Findings check_state(const plugins::Registry& registry, const std::string& name,
   }
   alone.end_step(1, 1);
   released.end_step(1, 1);
-  const std::vector<std::vector<float>> want = values(alone), got = values(released);
+  const std::vector<std::vector<float>> want = state_values(alone), got = state_values(released);
   bool same = want.size() == got.size();
   for (size_t i = 0; same && i < want.size(); ++i)  // bit for bit: a NaN is the same NaN
     same = want[i].size() == got[i].size() &&
