@@ -524,6 +524,185 @@ TEST(Layers, GroupedQueryAttentionGradientsMatchFiniteDifferences) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// Multi-latent attention (DeepSeek-V2/V3)
+// ---------------------------------------------------------------------------
+
+// Two shapes over the 4 heads: a query latent with value heads narrower than q and k
+// (the packed heads padded in v), and q projected directly with value heads wider
+// than q and k (padded in q and k).
+toml::table mla_options(int64_t q_rank, int64_t v_dim, const char* norm = "rmsnorm") {
+  return toml::table{{"multi_latent_attention", true}, {"position_embedding", "rope"}, {"bias", false},
+                     {"norm", norm},          {"q_lora_rank", q_rank},            {"kv_lora_rank", 5},
+                     {"qk_head_dim", 4},      {"qk_pos_emb_head_dim", 2},          {"v_head_dim", v_dim},
+                     {"rotary_base", 100.0}};
+}
+
+Mat ref_rmsnorm(const Mat& x, const std::vector<float>& g, int64_t rows, int64_t cols) {
+  Mat y(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t c = 0; c < cols; ++c) ss += x[r * cols + c] * x[r * cols + c];
+    const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(cols) + 1e-5);
+    for (int64_t c = 0; c < cols; ++c) y[r * cols + c] = x[r * cols + c] * rstd * g[c];
+  }
+  return y;
+}
+
+// The layer against DeepSeek-V2's equations in double precision: latents down,
+// normalised, up; per head q = [q_nope | q_pe], k = [k_nope | k_pe] with one k_pe for
+// every head, q_pe and k_pe rotated (pairs (i, i + rope/2), the token at row s * B + b
+// at position s), scores over sqrt(nope + rope), values of their own width.
+void check_mla_forward(int64_t q_rank, int64_t vd) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table opts = mla_options(q_rank, vd);
+  TestLayer layer(rank, "attention", dims, &opts);
+  std::mt19937 rng(41);
+  layer.randomize(rng);
+  Batch b = make_batch(rng);
+  std::vector<float> y;
+  layer.forward(b, 0, false, 0, &y);
+
+  const int64_t H = kHidden, nope = 4, rope = 2, qk = nope + rope, kv = 5, kvh = nope + vd;
+  auto p = [&](const char* name) -> const std::vector<float>& { return layer.param(name).value; };
+  auto zeros = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); };
+  const Mat x(b.x.begin(), b.x.end());
+  const Mat ln = ref_rmsnorm(x, p("ln.weight"), kT, H);
+  Mat q;
+  if (q_rank > 0) {
+    const Mat cq = ref_linear(ln, p("q_down.weight"), zeros(q_rank), kT, H, q_rank);
+    q = ref_linear(ref_rmsnorm(cq, p("q_latent_norm.weight"), kT, q_rank), p("q_up.weight"), zeros(kHeads * qk), kT,
+                   q_rank, kHeads * qk);
+  } else {
+    q = ref_linear(ln, p("q.weight"), zeros(kHeads * qk), kT, H, kHeads * qk);
+  }
+  const Mat down = ref_linear(ln, p("kv_down.weight"), zeros(kv + rope), kT, H, kv + rope);
+  Mat ckv(static_cast<size_t>(kT * kv)), kpe(static_cast<size_t>(kT * rope));
+  for (int64_t r = 0; r < kT; ++r) {
+    for (int64_t c = 0; c < kv; ++c) ckv[r * kv + c] = down[r * (kv + rope) + c];
+    for (int64_t c = 0; c < rope; ++c) kpe[r * rope + c] = down[r * (kv + rope) + kv + c];
+  }
+  const Mat kvu = ref_linear(ref_rmsnorm(ckv, p("kv_latent_norm.weight"), kT, kv), p("kv_up.weight"),
+                             zeros(kHeads * kvh), kT, kv, kHeads * kvh);
+  auto rotate = [&](double* e, int64_t row) {
+    const double pos = static_cast<double>(row / kBatch);
+    for (int64_t i = 0; i < rope / 2; ++i) {
+      const double angle = pos * std::pow(100.0, -2.0 * static_cast<double>(i) / static_cast<double>(rope));
+      const double u = e[i], w = e[rope / 2 + i];
+      e[i] = u * std::cos(angle) - w * std::sin(angle);
+      e[rope / 2 + i] = w * std::cos(angle) + u * std::sin(angle);
+    }
+  };
+  for (int64_t r = 0; r < kT; ++r) {
+    rotate(&kpe[r * rope], r);
+    for (int64_t h = 0; h < kHeads; ++h) rotate(&q[r * kHeads * qk + h * qk + nope], r);
+  }
+  Mat ctx(static_cast<size_t>(kT * kHeads * vd), 0.0);
+  for (int64_t bb = 0; bb < kBatch; ++bb)
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t s = 0; s < kSeq; ++s) {
+        const int64_t rq = s * kBatch + bb;
+        std::vector<double> w(static_cast<size_t>(s + 1));
+        double mx = -1e300, sum = 0;
+        for (int64_t t = 0; t <= s; ++t) {
+          const int64_t rk = t * kBatch + bb;
+          double dot = 0;
+          for (int64_t e = 0; e < nope; ++e) dot += q[rq * kHeads * qk + h * qk + e] * kvu[rk * kHeads * kvh + h * kvh + e];
+          for (int64_t e = 0; e < rope; ++e) dot += q[rq * kHeads * qk + h * qk + nope + e] * kpe[rk * rope + e];
+          w[t] = dot / std::sqrt(static_cast<double>(qk));
+          mx = std::max(mx, w[t]);
+        }
+        for (double& e : w) sum += (e = std::exp(e - mx));
+        for (int64_t t = 0; t <= s; ++t)
+          for (int64_t e = 0; e < vd; ++e)
+            ctx[rq * kHeads * vd + h * vd + e] += w[t] / sum * kvu[(t * kBatch + bb) * kHeads * kvh + h * kvh + nope + e];
+      }
+  Mat out = ref_linear(ctx, p("proj.weight"), zeros(H), kT, kHeads * vd, H);
+  for (size_t i = 0; i < out.size(); ++i) out[i] += x[i];
+  expect_close(y, out, 1e-5, "multi-latent attention output");
+}
+
+TEST(Layers, MultiLatentAttentionForwardMatchesReference) {
+  check_mla_forward(/*q_rank=*/6, /*v=*/3);
+  check_mla_forward(/*q_rank=*/0, /*v=*/8);
+}
+
+// Every check `loom plugins test` runs (finite differences, accumulation, microbatches
+// in flight, the generation cache against a whole forward, tp 2 with and without
+// sequence parallelism against one rank), for both shapes and both norms, with dropout
+// for the tp checks' random streams.
+TEST(Layers, MultiLatentAttentionPassesTheHarness) {
+  for (const auto& [q_rank, vd] : {std::pair<int64_t, int64_t>{6, 3}, {0, 8}})
+    for (const char* norm : {"rmsnorm", "layernorm"}) {
+      SCOPED_TRACE("q_lora_rank " + std::to_string(q_rank) + ", v_head_dim " + std::to_string(vd) + ", " + norm);
+      toml::table opts = mla_options(q_rank, vd, norm);
+      opts.insert_or_assign("dropout", 0.25);
+      std::set<std::string> ran;
+      for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &opts)) {
+        EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
+        EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
+        ran.insert(c.check);
+      }
+      for (const char* check : {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"})
+        EXPECT_TRUE(ran.count(check)) << check << " did not run";
+    }
+}
+
+// The parameters Megatron-Core's MLA declares, by shape; a layernorm's latents have
+// betas too.
+TEST(Layers, MultiLatentAttentionDeclaresItsProjections) {
+  Rank rank;
+  auto dims = make_dims();
+  const toml::table with_latent = mla_options(6, 3, "layernorm"), direct = mla_options(0, 8);
+  TestLayer a(rank, "attention", dims, &with_latent);
+  std::map<std::string, size_t> sizes;
+  for (Param& p : a.params()) sizes[p.name] = p.value.size();
+  const std::map<std::string, size_t> want = {
+      {"ln.weight", 16}, {"ln.bias", 16}, {"q_down.weight", 16 * 6}, {"q_latent_norm.weight", 6},
+      {"q_latent_norm.bias", 6}, {"q_up.weight", 6 * 4 * 6}, {"kv_down.weight", 16 * 7},
+      {"kv_latent_norm.weight", 5}, {"kv_latent_norm.bias", 5}, {"kv_up.weight", 5 * 4 * 7},
+      {"proj.weight", 4 * 3 * 16}};
+  EXPECT_EQ(sizes, want);
+  TestLayer b(rank, "attention", dims, &direct);
+  sizes.clear();
+  for (Param& p : b.params()) sizes[p.name] = p.value.size();
+  const std::map<std::string, size_t> want_direct = {{"ln.weight", 16},          {"q.weight", 16 * 4 * 6},
+                                                     {"kv_down.weight", 16 * 7}, {"kv_latent_norm.weight", 5},
+                                                     {"kv_up.weight", 5 * 4 * 12}, {"proj.weight", 4 * 8 * 16}};
+  EXPECT_EQ(sizes, want_direct);
+}
+
+// Options multi-latent attention replaces or needs, refused by name at create.
+TEST(Layers, MultiLatentAttentionRefusesOptionsItCannotHonour) {
+  auto refusal = [](const toml::table& opts) {
+    try {
+      Rank rank;
+      auto dims = make_dims();
+      TestLayer layer(rank, "attention", dims, &opts);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto with = [](const char* key, auto value) {
+    toml::table t = mla_options(6, 3);
+    t.insert_or_assign(key, value);
+    return t;
+  };
+  EXPECT_NE(refusal(with("position_embedding", "learned_absolute")).find("set position_embedding = \"rope\""),
+            std::string::npos);
+  EXPECT_NE(refusal(with("bias", true)).find("has no biases"), std::string::npos);
+  EXPECT_NE(refusal(with("num_query_groups", 2)).find("leave num_query_groups out"), std::string::npos);
+  EXPECT_NE(refusal(with("qk_norm", true)).find("leave qk_norm out"), std::string::npos);
+  EXPECT_NE(refusal(with("rotary_percent", 0.5)).find("leave rotary_percent out"), std::string::npos);
+  EXPECT_NE(refusal(with("kv_lora_rank", 0)).find("needs kv_lora_rank"), std::string::npos);
+  EXPECT_NE(refusal(with("qk_pos_emb_head_dim", 3)).find("must be even"), std::string::npos);
+  const toml::table plain{{"kv_lora_rank", 8}};
+  EXPECT_NE(refusal(plain).find("kv_lora_rank = 8 sizes multi-latent attention"), std::string::npos);
+  EXPECT_EQ(refusal(mla_options(6, 3)), "");
+}
+
 TEST(Layers, RopeAttentionGradientsMatchFiniteDifferences) {
   Rank rank;
   auto dims = make_dims();

@@ -53,9 +53,18 @@
 // GEMM with [I ... I]); backward sums the repeated heads' gradients back the same way.
 // Activations and the attention kernel are then those of multi-head attention: GQA
 // saves the K/V projection's parameters and FLOPs here, not attention memory.
+//
+// Multi-latent attention (multi_latent_attention = true; DeepSeek-V2 and V3): q, k and v
+// come from normalised low-rank latents instead of the fused QKV GEMM, with a rotary
+// part of q and one rotary key shared by every head (latent_projection.hpp). The
+// layer packs them as multi-head attention heads of max(qk, v) elements, zero-padded,
+// so rotation, context parallelism, documents, windows and the generation cache run
+// as above; the output projection reads the value heads without their padding.
 #include <loom/layers/layer_math.hpp>
 #include <loom/layers/param_set.hpp>
 #include <loom/layers/positions.hpp>
+
+#include "latent_projection.hpp"
 
 #include <cmath>
 #include <map>
@@ -78,7 +87,8 @@ class Attention : public loom::Layer {
     seq_ = d.seq_len;
     micro_batch_ = d.micro_batch;
     const int64_t tp = tp_.size() > 0 ? tp_.size() : 1;
-    LOOM_REQUIRE(hidden_ > 0 && heads_ > 0 && hidden_ % heads_ == 0,
+    latent_ = options.declared_bool("multi_latent_attention");
+    LOOM_REQUIRE(hidden_ > 0 && heads_ > 0 && (latent_ || hidden_ % heads_ == 0),
                  name_ << ": hidden (" << hidden_ << ") must be a positive multiple of heads ("
                        << heads_ << ")");
     LOOM_REQUIRE(heads_ % tp == 0, name_ << ": heads (" << heads_
@@ -86,6 +96,18 @@ class Attention : public loom::Layer {
                                          << tp << ")");
     head_dim_ = hidden_ / heads_;
     heads_local_ = heads_ / tp;
+    norm_ = norm_option(options);
+    if (latent_) {
+      const LatentProjection::Dims ld = latent_dims(options, hidden_, heads_, name_);
+      mla_ = LatentProjection({.hidden = hidden_, .heads = heads_, .heads_local = heads_local_, .q_rank = ld.q_rank,
+                               .kv_rank = ld.kv_rank, .nope = ld.nope, .rope = ld.rope, .v = ld.v},
+                              rank_, &tp_, norm_);
+      head_dim_ = ld.width();  // the packed heads (latent_projection.hpp)
+      qk_dim_ = ld.qk();
+      value_dim_ = ld.v;
+    } else {
+      qk_dim_ = value_dim_ = head_dim_;
+    }
     hidden_local_ = heads_local_ * head_dim_;
     const int64_t G = options.declared_int("num_query_groups");
     groups_ = G > 0 ? G : heads_;
@@ -97,6 +119,7 @@ class Attention : public loom::Layer {
     group_heads_ = heads_ / groups_;
     // Local QKV columns: [q | k | v] of this rank's heads, or its G/tp groups.
     qkv_local_ = grouped_ ? groups_ / tp * (group_heads_ + 2) * head_dim_ : 3 * hidden_local_;
+    proj_in_local_ = heads_local_ * value_dim_;
     dropout_ = dropout_option(options);
     cp_group_ = rank.group_or_single("cp");
     cp_ = loom::ContextSlice(seq_, cp_group_.size(), cp_group_.rank());
@@ -104,11 +127,11 @@ class Attention : public loom::Layer {
                  name_ << ": context parallelism (cp = " << cp_.cp()
                        << ") needs windowed attention, which this device plugin does not advertise "
                           "(LOOM_DEVICE_ATTENTION_WINDOW, ABI 1.6); rebuild it against ABI 1.6 or set parallel.cp = 1");
-    norm_ = norm_option(options);
     require_ops(options, rank.device(), name_, rank.device().features());
     rope_ = options.declared_string("position_embedding") == "rope";
     rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
-    rotary_dim_ = static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
+    rotary_dim_ = latent_ ? mla_.dims().rope
+                          : static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
                                                      << " dimensions to rotate");
     if (rope_ && options.declared_string("rope_scaling") == "llama3")
@@ -122,16 +145,21 @@ class Attention : public loom::Layer {
     ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
     if (!norm_.rms)
       ln_b_ = params_.add({.name = "ln.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3);
-    // grouped, [q heads | k | v] per group, each tp rank a contiguous block of groups.
-    const int64_t qkv_cols = grouped_ ? groups_ * (group_heads_ + 2) * head_dim_ : 3 * H;
-    const int32_t qkv_stride = grouped_ ? 1 : 3;
-    qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, qkv_cols}, .partition_dim = 1,
-                          .partition_stride = qkv_stride, .init = LOOM_INIT_NORMAL});
-    if (bias)
-      qkv_b_ = params_.add({.name = "qkv.bias", .shape = {qkv_cols}, .partition_dim = 0,
-                            .partition_stride = qkv_stride, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
-    proj_w_ = params_.add({.name = "proj.weight", .shape = {H, H}, .partition_dim = 0, .init = LOOM_INIT_NORMAL_SCALED});
+    if (latent_) {
+      mla_.declare(params_);
+    } else {
+      // Fused [q | k | v] columns: each tp rank holds its heads of all three (stride 3);
+      // grouped, [q heads | k | v] per group, each tp rank a contiguous block of groups.
+      const int64_t qkv_cols = grouped_ ? groups_ * (group_heads_ + 2) * head_dim_ : 3 * H;
+      const int32_t qkv_stride = grouped_ ? 1 : 3;
+      qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, qkv_cols}, .partition_dim = 1,
+                            .partition_stride = qkv_stride, .init = LOOM_INIT_NORMAL});
+      if (bias)
+        qkv_b_ = params_.add({.name = "qkv.bias", .shape = {qkv_cols}, .partition_dim = 0,
+                              .partition_stride = qkv_stride, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
+    }
+    proj_w_ = params_.add({.name = "proj.weight", .shape = {heads_ * value_dim_, H}, .partition_dim = 0,
+                           .init = LOOM_INIT_NORMAL_SCALED});
     if (bias)
       proj_b_ = params_.add({.name = "proj.bias", .shape = {H}, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     if (qk_norm_) {
@@ -151,6 +179,7 @@ class Attention : public loom::Layer {
   template <class Ops>
   static void require_ops(const loom::Options& options, const Ops& dev, const std::string& name,
                           uint64_t device_features) {
+    require_latent_options(options, name);
     norm_option(options).require_ops(dev, name);
     if (options.declared_string("position_embedding") == "rope")
       require_device_ops(dev.has_rope_fwd() && dev.has_rope_bwd(), name, "position_embedding = \"rope\"",
@@ -172,6 +201,56 @@ class Attention : public loom::Layer {
                         << "\" needs a device whose rotary embedding takes its frequencies "
                            "(LOOM_DEVICE_ROPE_FREQUENCIES, ABI 1.20); rebuild the device plugin against ABI 1.20");
   }
+  // multi_latent_attention's options: what it replaces (the fused QKV and its bias,
+  // grouped queries, q/k normalisation) cannot be asked for with it, and its rotary
+  // part is its only position signal.
+  static void require_latent_options(const loom::Options& options, const std::string& name) {
+    if (!options.declared_bool("multi_latent_attention")) {
+      for (const char* key : {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"})
+        LOOM_REQUIRE(options.declared_int(key) == 0,
+                     name << ": " << key << " = " << options.declared_int(key)
+                          << " sizes multi-latent attention; set multi_latent_attention = true or leave it out");
+      return;
+    }
+    const auto refuse = [&](bool bad, const std::string& what) {
+      LOOM_REQUIRE(!bad, name << ": multi_latent_attention " << what);
+    };
+    refuse(options.declared_string("position_embedding") != "rope",
+           "rotates the decoupled part of q and k (qk_pos_emb_head_dim): set position_embedding = \"rope\" (here "
+           "and on layer/embedding)");
+    refuse(options.declared_bool("bias"), "has no biases (DeepSeek-V2/V3): set bias = false");
+    refuse(options.declared_int("num_query_groups") != 0,
+           "shares keys and values through its latent, not by query groups: leave num_query_groups out");
+    refuse(options.declared_bool("qk_norm"), "normalises its latents, not q and k: leave qk_norm out");
+    refuse(options.declared_float("rotary_percent") != 1.0,
+           "rotates qk_pos_emb_head_dim elements of each head: leave rotary_percent out");
+    refuse(options.declared_int("kv_lora_rank") < 1, "needs kv_lora_rank, the key/value latent's width (>= 1)");
+  }
+
+  // The latent projection's widths; a head size left 0 is hidden / heads (the rotary
+  // part half of it).
+  static LatentProjection::Dims latent_dims(const loom::Options& options, int64_t hidden, int64_t heads,
+                                            const std::string& name) {
+    const int64_t head = hidden / heads;
+    const auto or_default = [&](const char* key, int64_t fallback) {
+      const int64_t v = options.declared_int(key);
+      if (v > 0) return v;
+      LOOM_REQUIRE(hidden % heads == 0 && fallback > 0,
+                   name << ": " << key << " defaults to hidden / heads, and hidden (" << hidden
+                        << ") is not a multiple of heads (" << heads << "); set " << key);
+      return fallback;
+    };
+    LatentProjection::Dims d;
+    d.q_rank = options.declared_int("q_lora_rank");
+    d.kv_rank = options.declared_int("kv_lora_rank");
+    d.nope = or_default("qk_head_dim", head);
+    d.rope = or_default("qk_pos_emb_head_dim", head / 2 / 2 * 2);
+    d.v = or_default("v_head_dim", head);
+    LOOM_REQUIRE(d.rope % 2 == 0, name << ": qk_pos_emb_head_dim (" << d.rope
+                                       << ") must be even: the rotation turns pairs of elements");
+    return d;
+  }
+
   static void validate(const loom::Options& options, const loom::LayerValidation& v) {
     require_ops(options, v, v.instance_name(), v.device_features());
   }
@@ -186,7 +265,7 @@ class Attention : public loom::Layer {
 
   void forward(loom::Rank& rank, const loom_layer_fwd_args& a) override {
     if (a.kv_cache) return forward_cached(rank, a);
-    const int64_t H = hidden_, Hl = hidden_local_;
+    const int64_t H = hidden_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
     // The input is this rank's sequence shard under sequence parallelism.
     const int64_t Sl = a.input->shape[0], B = a.input->shape[1], Tl = Sl * B;
@@ -216,18 +295,22 @@ class Attention : public loom::Layer {
 
     ForwardTemps ft = forward_temps(S, B);
     Arena& tmp = ft.mem;
-    const size_t ln = ft.ln, ln_full = ft.ln_full, proj = ft.proj, grouped = ft.grouped;
+    const size_t ln = ft.ln, ln_full = ft.ln_full, proj = ft.proj, grouped = ft.grouped, ctx_c = ft.ctx_c;
     tmp.allocate(rank_);
 
     if (a.training) copy_d2d(dev, s.mem.at(s.x), x, Tl * H * dt_.act_bytes());
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H, dt_.act);
-    // Column-parallel QKV (f: identity, or the all-gather under SP): local
-    // columns [q | k | v], each heads_local * head_dim.
-    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln),
-                                        .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(qkv_w_),
-                                        .bias = w(qkv_b_), .y = grouped_ ? tmp.at(grouped) : s.mem.at(s.qkv),
-                                        .dtype = dt_.act});
-    if (grouped_) ungroup(dev, tmp.at(grouped), s.mem.at(s.qkv), T);
+    if (latent_) {
+      mla_.forward(dev, tmp.at(ln), tmp.at(ln_full), Tl, s.mem.at(s.qkv), s.latents.at(s.mem), w_, dt_.act);
+    } else {
+      // Column-parallel QKV (f: identity, or the all-gather under SP): local
+      // columns [q | k | v], each heads_local * head_dim.
+      tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln),
+                                          .x_full = sp ? tmp.at(ln_full) : nullptr, .weight = w(qkv_w_),
+                                          .bias = w(qkv_b_), .y = grouped_ ? tmp.at(grouped) : s.mem.at(s.qkv),
+                                          .dtype = dt_.act});
+      if (grouped_) ungroup(dev, tmp.at(grouped), s.mem.at(s.qkv), T);
+    }
     if (qk_norm_) normalize_qk(dev, s.mem.at(s.qkv), T, s.mem.at(s.qk_x), s.mem.at(s.qk_mean), s.mem.at(s.qk_rstd));
     if (rope_) rotate(dev, s.mem.at(s.qkv), S, B, /*backward=*/false, 0, s.positions);
     {
@@ -236,7 +319,8 @@ class Attention : public loom::Layer {
     }
     // Row-parallel projection (g: all-reduce, or reduce-scatter under SP), bias after it.
     void* p = tmp.at<void>(proj);
-    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w(proj_w_),
+    tp_.row_parallel_linear_forward({.rows = T, .in = proj_in_local_, .out = H,
+                                     .x = value_heads(dev, s.mem.at(s.ctx), tmp.at(ctx_c), T), .weight = w(proj_w_),
                                      .bias = w(proj_b_), .y = p, .dtype = dt_.act});
     if (drop)
       tp_.dropout_forward({.region = LOOM_TP_RNG_DUPLICATED, .n = Tl * H, .x = p, .out = p,
@@ -279,15 +363,21 @@ class Attention : public loom::Layer {
                  grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), ctx = tmp.elems(T * Hl, dt_.act),
                  mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
                  proj = tmp.elems(T * H, dt_.act), qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
+                 ctx_c = tmp.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act),
                  qk_mean = tmp.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0),
                  qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0),
                  key_start = tmp.add(a.document_start ? T * sizeof(int32_t) : 0);
+    const LatentProjection::LatentPieces latents = latent_ ? mla_.lay_out(tmp, T, dt_.act) : LatentProjection::LatentPieces{};
     tmp.allocate(rank_);
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
-    tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln), .x_full = nullptr,
-                                        .weight = w(qkv_w_), .bias = w(qkv_b_),
-                                        .y = grouped_ ? tmp.at(grouped) : tmp.at(qkv), .dtype = dt_.act});
-    if (grouped_) ungroup(dev, tmp.at(grouped), tmp.at(qkv), T);
+    if (latent_) {
+      mla_.forward(dev, tmp.at(ln), nullptr, T, tmp.at(qkv), latents.at(tmp), w_, dt_.act);
+    } else {
+      tp_.column_parallel_linear_forward({.rows = T, .in = H, .out = qkv_local_, .x = tmp.at(ln), .x_full = nullptr,
+                                          .weight = w(qkv_w_), .bias = w(qkv_b_),
+                                          .y = grouped_ ? tmp.at(grouped) : tmp.at(qkv), .dtype = dt_.act});
+      if (grouped_) ungroup(dev, tmp.at(grouped), tmp.at(qkv), T);
+    }
     if (qk_norm_) normalize_qk(dev, tmp.at(qkv), T, tmp.at(qk_x), tmp.at(qk_mean), tmp.at(qk_rstd));
     if (a.position_ids) require_tensor(a.position_ids, "position_ids", name_, kDLInt, 32, {S, B});
     if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P,
@@ -309,7 +399,7 @@ class Attention : public loom::Layer {
     at.v = advance(cache, Hl, dt_.act);
     at.out = tmp.at(ctx);
     at.lse = tmp.at(lse);
-    at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+    at.scale = softmax_scale();
     at.causal = 1;
     at.dtype = dt_.act;
     at.q_offset = P;
@@ -324,7 +414,8 @@ class Attention : public loom::Layer {
     at.kv_stride_b = W;
     at.kv_stride_s = B * W;
     dev.attention_fwd(at);
-    tp_.row_parallel_linear_forward({.rows = T, .in = Hl, .out = H, .x = tmp.at(ctx), .weight = w(proj_w_),
+    tp_.row_parallel_linear_forward({.rows = T, .in = proj_in_local_, .out = H,
+                                     .x = value_heads(dev, tmp.at(ctx), tmp.at(ctx_c), T), .weight = w(proj_w_),
                                      .bias = w(proj_b_), .y = tmp.at(proj), .dtype = dt_.act});
     add(dev, x, tmp.at(proj), y, T * H, dt_.act);  // the residual
   }
@@ -348,7 +439,7 @@ class Attention : public loom::Layer {
     BackwardTemps bt = backward_temps(S, B, s.dropped);
     Arena& tmp = bt.mem;
     const size_t dproj = bt.dproj, ln = bt.ln, ln_full = bt.ln_full, dctx = bt.dctx, dqkv = bt.dqkv, dln = bt.dln,
-                 dgrouped = bt.dgrouped, dbias = bt.dbias;
+                 dgrouped = bt.dgrouped, dbias = bt.dbias, ctx_c = bt.ctx_c, dctx_c = bt.dctx_c;
     tmp.allocate(rank_);
 
     // Through dropout; the projection and its bias (g's backward: identity, or
@@ -358,9 +449,16 @@ class Attention : public loom::Layer {
       dropout_bwd(dev, dy, tmp.at(dproj), s.mem.at<uint8_t>(s.mask), Tl * H, dropout_, dt_.act);
       d = tmp.at(dproj);
     }
-    tp_.row_parallel_linear_backward({.rows = T, .in = Hl, .out = H, .x = s.mem.at(s.ctx), .weight = w(proj_w_),
-                                      .dy = d, .dx = tmp.at(dctx), .dweight = grad(proj_w_), .dbias = grad(proj_b_), .dtype = dt_.act,
+    tp_.row_parallel_linear_backward({.rows = T, .in = proj_in_local_, .out = H,
+                                      .x = value_heads(dev, s.mem.at(s.ctx), tmp.at(ctx_c), T), .weight = w(proj_w_),
+                                      .dy = d, .dx = packed_values() ? tmp.at(dctx_c) : tmp.at(dctx),
+                                      .dweight = grad(proj_w_), .dbias = grad(proj_b_), .dtype = dt_.act,
                                       .grad_fp32 = gs.grad_fp32()});
+    if (packed_values()) {  // into the packed heads, zero beyond each head's values
+      fill_zero(dev, tmp.at(dctx), T * Hl, dt_.act);
+      copy_heads(dev, tmp.at(dctx), Hl, head_dim_, tmp.at(dctx_c), proj_in_local_, value_dim_, value_dim_, T,
+                 heads_local_, dt_.act);
+    }
 
     {
       KvFull kv(*this, dev, s, /*backward=*/true);
@@ -377,46 +475,60 @@ class Attention : public loom::Layer {
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
     if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true, 0, s.positions);  // dq, dk of the unrotated q, k
-    if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
-    // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
-    void* dout = tmp.at(dqkv);
-    if (grouped_) {
-      regroup(dev, tmp.at(dqkv), tmp.at(dgrouped), T);
-      dout = tmp.at(dgrouped);
-    }
+    if (latent_) {
+      // The norm's output recomputed, here this rank's rows (and gathered for a
+      // column-parallel q under SP).
+      const void* ln_in = tmp.at(ln);
+      if (mla_.needs_gathered_input())
+        ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean), s.mem.at(s.rstd),
+                                   tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
+      else
+        norm_.forward(dev, s.mem.at(s.x), w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
+                      dt_.act);
+      mla_.backward(dev, tmp.at(dqkv), tmp.at(ln), ln_in, s.latents.at(s.mem), tmp.at(dln), Tl, w_, gs, dt_.act);
+    } else {
+      if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
+      // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
+      void* dout = tmp.at(dqkv);
+      if (grouped_) {
+        regroup(dev, tmp.at(dqkv), tmp.at(dgrouped), T);
+        dout = tmp.at(dgrouped);
+      }
 
-    // The LN output, recomputed (and gathered again under SP).
-    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
-                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
-    // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
-    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = qkv_local_, .x = ln_in, .weight = w(qkv_w_),
-                                         .dy = dout, .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
-                                         .grad_fp32 = gs.grad_fp32()});
-    // qkv.bias: without rotary embeddings only its q and v parts get a gradient. The
-    // k part's is exactly zero (softmax is invariant to adding one vector to every
-    // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
-    // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
-    // run-dependent updates. Rotated, the added vector differs from token to token,
-    // and normalised per head (qk_norm) it is not added to the keys at all: then every
-    // part has a gradient.
-    float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
-    if (qkv_b_ != kNone) {
-      void* qkv_b = gs[qkv_b_];
-      const int32_t gdt = gs.grad_dtype();
-      column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
-      if (rope_ || qk_norm_) {
-        accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
-      } else if (!grouped_) {
-        accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
-        accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gdt), Hl, gdt);  // v
-      } else {
-        const int64_t D = head_dim_, Wg = (group_heads_ + 2) * D;
-        for (int64_t g = 0; g < qkv_local_ / Wg; ++g) {
-          accumulate_f32(rank_, dev, colsum + g * Wg, advance(qkv_b, g * Wg, gdt), group_heads_ * D, gdt);  // q
-          accumulate_f32(rank_, dev, colsum + g * Wg + (group_heads_ + 1) * D,
-                         advance(qkv_b, g * Wg + (group_heads_ + 1) * D, gdt), D, gdt);  // v
+      // The LN output, recomputed (and gathered again under SP).
+      const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
+                                             s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
+      // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
+      tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = qkv_local_, .x = ln_in, .weight = w(qkv_w_),
+                                           .dy = dout, .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
+                                           .grad_fp32 = gs.grad_fp32()});
+      // qkv.bias: without rotary embeddings only its q and v parts get a gradient. The
+      // k part's is exactly zero (softmax is invariant to adding one vector to every
+      // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
+      // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
+      // run-dependent updates. Rotated, the added vector differs from token to token,
+      // and normalised per head (qk_norm) it is not added to the keys at all: then every
+      // part has a gradient.
+      float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
+      if (qkv_b_ != kNone) {
+        void* qkv_b = gs[qkv_b_];
+        const int32_t gdt = gs.grad_dtype();
+        column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
+        if (rope_ || qk_norm_) {
+          accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
+        } else if (!grouped_) {
+          accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
+          accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gdt), Hl, gdt);  // v
+        } else {
+          const int64_t D = head_dim_, Wg = (group_heads_ + 2) * D;
+          for (int64_t g = 0; g < qkv_local_ / Wg; ++g) {
+            accumulate_f32(rank_, dev, colsum + g * Wg, advance(qkv_b, g * Wg, gdt), group_heads_ * D, gdt);  // q
+            accumulate_f32(rank_, dev, colsum + g * Wg + (group_heads_ + 1) * D,
+                           advance(qkv_b, g * Wg + (group_heads_ + 1) * D, gdt), D, gdt);  // v
+          }
         }
       }
+
     }
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
@@ -460,32 +572,57 @@ class Attention : public loom::Layer {
     const loom::Device dev = loom::Rank(rank_).device();
     const uint64_t shadows = GradShadow::bytes(dev, dt_, params_.local_numels(), tp_.features(), fusion_);
     const uint64_t service = sequence_parallel_service_bytes(tp_, S * B, hidden_, dt_.act);
-    return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false) + qk_norm_temp_bytes(S * B, false),
+    const auto latent = [&](bool backward) {
+      return latent_ ? mla_.temp_bytes(tp_.local_rows(S * B), backward, dt_.act) : uint64_t{0};
+    };
+    return std::max<uint64_t>(forward_temps(S, B).mem.bytes() + kv_full(false) + qk_norm_temp_bytes(S * B, false) +
+                                  latent(false),
                               backward_temps(S, B, dropout_ > 0.0f).mem.bytes() + kv_full(true) + shadows +
-                                  qk_norm_temp_bytes(S * B, true)) +
+                                  qk_norm_temp_bytes(S * B, true) + latent(true)) +
            service;
   }
 
   // QKV 2*T*H*(its local columns) + QK^T 2*T*S*Hl + PV 2*T*S*Hl + proj 2*T*Hl*H
   // (causal counted as full), over this rank's T tokens (1/cp of them) against all S
-  // keys, or the sliding window's W of them (a window counted as full too).
+  // keys, or the sliding window's W of them (a window counted as full too). Multi-latent
+  // attention: its projections instead of QKV, and the heads' own q/k and value sizes
+  // (not the packed heads' zeros).
   double forward_flops() override {
     const double T = static_cast<double>(cp_.local_length() * micro_batch_);
     const double S = static_cast<double>(window_ > 0 ? std::min(window_, seq_) : seq_);
-    const double H = static_cast<double>(hidden_), Hl = static_cast<double>(hidden_local_);
-    return 2.0 * T * H * static_cast<double>(qkv_local_) + 4.0 * T * S * Hl + 2.0 * T * Hl * H;
+    const double H = static_cast<double>(hidden_), hl = static_cast<double>(heads_local_);
+    const double qk = hl * static_cast<double>(qk_dim_), v = hl * static_cast<double>(value_dim_);
+    const double projections = latent_ ? mla_.forward_flops(tp_.local_rows(cp_.local_length() * micro_batch_))
+                                       : 2.0 * T * H * static_cast<double>(qkv_local_);
+    return projections + 2.0 * T * S * (qk + v) + 2.0 * T * v * H;
   }
 
  private:
   static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
   void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
 
+  float softmax_scale() const { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk_dim_))); }
+
+  // Whether a packed head holds more than its values (multi-latent attention with
+  // value heads narrower than q and k): then the output projection reads the value
+  // heads copied out of the packed context.
+  bool packed_values() const { return value_dim_ != head_dim_; }
+
+  // The context [T, Hl] as the output projection reads it: itself, or its value heads
+  // compacted into `compact` [T, heads_local * value_dim].
+  const void* value_heads(const loom::Device& dev, const void* ctx, void* compact, int64_t T) const {
+    if (!packed_values()) return ctx;
+    copy_heads(dev, compact, proj_in_local_, value_dim_, ctx, hidden_local_, head_dim_, value_dim_, T, heads_local_,
+               dt_.act);
+    return compact;
+  }
+
   // A training forward's temporaries over S x B rows (S this rank's part of the
   // sequence, whole under SP): the norm's output (and its gather), the projection's
   // output, Q|K|V grouped for grouped-query attention.
   struct ForwardTemps {
     Arena mem;
-    size_t ln = 0, ln_full = 0, proj = 0, grouped = 0;
+    size_t ln = 0, ln_full = 0, proj = 0, grouped = 0, ctx_c = 0;
   };
   ForwardTemps forward_temps(int64_t S, int64_t B) const {
     const bool sp = tp_.sequence_parallel();
@@ -495,6 +632,7 @@ class Attention : public loom::Layer {
     t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
     t.proj = t.mem.elems(Tl * H, dt_.act);
     t.grouped = t.mem.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
+    t.ctx_c = t.mem.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act);
     return t;
   }
 
@@ -503,6 +641,7 @@ class Attention : public loom::Layer {
   struct BackwardTemps {
     Arena mem;
     size_t dproj = 0, ln = 0, ln_full = 0, dctx = 0, dqkv = 0, dln = 0, dgrouped = 0, dbias = 0;
+    size_t ctx_c = 0, dctx_c = 0;  // the value heads without their padding (multi-latent attention)
   };
   BackwardTemps backward_temps(int64_t S, int64_t B, bool dropped) const {
     const bool sp = tp_.sequence_parallel();
@@ -516,6 +655,8 @@ class Attention : public loom::Layer {
     t.dln = t.mem.elems(Tl * H, dt_.act);
     t.dgrouped = t.mem.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
     t.dbias = t.mem.floats(qkv_local_);
+    t.ctx_c = t.mem.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act);
+    t.dctx_c = t.mem.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act);
     return t;
   }
 
@@ -527,6 +668,7 @@ class Attention : public loom::Layer {
     size_t key_start = 0;                         // documents: each query's first key (see key_starts)
     bool dropped = false, documents = false;
     const int32_t* positions = nullptr;  // position_ids (the engine's, alive until backward), or null
+    LatentProjection::LatentPieces latents;  // multi-latent attention: its latents before their norms
   };
 
   // What a forward of S x B rows keeps for its backward (laid out, not allocated):
@@ -548,6 +690,7 @@ class Attention : public loom::Layer {
     s.qk_mean = s.mem.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0);
     s.qk_rstd = s.mem.floats(qk_norm_ ? 2 * T * heads_local_ : 0);
     s.key_start = s.mem.add(documents ? T * sizeof(int32_t) : 0);
+    if (latent_) s.latents = mla_.lay_out(s.mem, Tl, dt_.act);
     s.dropped = drop;
     s.documents = documents;
     return s;
@@ -854,7 +997,7 @@ class Attention : public loom::Layer {
     at.v = advance(qkv, 2 * Hl, dt_.act);
     at.out = advance(s.mem.at<void>(s.ctx), half * kv.chunk_rows * Hl, dt_.act);
     at.lse = s.mem.at(s.lse) + half * s.B * heads_local_ * at.seq;
-    at.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+    at.scale = softmax_scale();
     at.causal = 1;
     at.window = window_;
     if (s.documents) at.key_start = s.mem.at<int32_t>(s.key_start) + half * s.B * at.seq;
@@ -879,6 +1022,10 @@ class Attention : public loom::Layer {
   int64_t head_dim_ = 0, heads_local_ = 0, hidden_local_ = 0;
   int64_t groups_ = 0, group_heads_ = 1, qkv_local_ = 0;  // query groups, heads per group, local QKV columns
   bool grouped_ = false;                                 // groups_ < heads_
+  bool latent_ = false;                                  // multi_latent_attention
+  LatentProjection mla_;                                 // its projections
+  int64_t qk_dim_ = 0, value_dim_ = 0;  // q/k and v elements of a head (head_dim_: the packed heads' width)
+  int64_t proj_in_local_ = 0;           // the output projection's local input: heads_local * value_dim
   loom::Buffer repeat_;                                  // repeat_matrix()
   loom::Buffer cache_;                                   // generation: k | v of seq_ positions x cache_batch_
   int64_t cache_batch_ = 0;
@@ -941,6 +1088,26 @@ std::vector<loom::OptionSpec> attention_options() {
                     "it (Mistral's and transformers' sliding_window; Megatron-LM's window_size = (sliding_window - 1, "
                     "0)); 0 = every earlier token. Alternating local and global layers (Gemma, GPT-OSS) are two "
                     "attention instances in model.block")
+          .in("[0, inf)"),
+      loom::opt_bool("multi_latent_attention", false,
+                     "DeepSeek-V2/V3's multi-latent attention (Megatron-LM's --multi-latent-attention): q, k and v "
+                     "projected up from normalised low-rank latents, with a decoupled rotary part whose key is shared "
+                     "by every head; needs position_embedding = \"rope\", bias = false and kv_lora_rank"),
+      loom::opt_int("q_lora_rank", 0,
+                    "multi_latent_attention: the query latent's width (DeepSeek-V3 1536); 0 = q projected from the "
+                    "input directly (DeepSeek-V2-Lite)")
+          .in("[0, inf)"),
+      loom::opt_int("kv_lora_rank", 0, "multi_latent_attention: the key/value latent's width (DeepSeek-V3 512)")
+          .in("[0, inf)"),
+      loom::opt_int("qk_head_dim", 0,
+                    "multi_latent_attention: each head's q and k elements without rotation (DeepSeek-V3 128; 0 = "
+                    "hidden / heads)")
+          .in("[0, inf)"),
+      loom::opt_int("qk_pos_emb_head_dim", 0,
+                    "multi_latent_attention: each head's rotated q and the shared rotated k elements, even "
+                    "(DeepSeek-V3 64; 0 = half of hidden / heads)")
+          .in("[0, inf)"),
+      loom::opt_int("v_head_dim", 0, "multi_latent_attention: each head's value elements (DeepSeek-V3 128; 0 = hidden / heads)")
           .in("[0, inf)")};
   for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
   return o;
@@ -948,5 +1115,5 @@ std::vector<loom::OptionSpec> attention_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.7.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows (tensor- and context-parallel)",
+    "attention", "1.8.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows, multi-latent attention (tensor- and context-parallel)",
     attention_options()))
