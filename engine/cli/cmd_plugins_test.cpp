@@ -21,11 +21,13 @@ const char* kUsage =
     "                         [--seed S] [--json] [--plugin-path DIR]...\n"
     "Checks each layer plugin of LIB (a .so, or every .so in DIR) on device/cpu: gradients against\n"
     "finite differences, gradient accumulation, microbatches in flight, generation's kv_cache forwards\n"
-    "(a layer with LOOM_LAYER_KV_CACHE) against a whole-sequence forward, and tp N (default 2; 1 = none)\n"
-    "with and without sequence parallelism against one rank; a layer with state (ABI 1.23): end_step\n"
-    "after a forward without its backward leaves it as end_step alone, and it stays finite. --set gives\n"
-    "the layer's options (TOML values, or a bare word as a string). --skip leaves a check out (gradients,\n"
-    "accumulation, microbatches, kv_cache, state, tpN, tpN+sp). Exit status 1 when a check fails.\n";
+    "(a layer with LOOM_LAYER_KV_CACHE) against a whole-sequence forward, the memory it keeps and\n"
+    "allocates against what it declares to `loom plan` (activation_bytes, workspace_bytes), and tp N\n"
+    "(default 2; 1 = none) with and without sequence parallelism against one rank; a layer with state\n"
+    "(ABI 1.23): end_step after a forward without its backward leaves it as end_step alone, and it stays\n"
+    "finite. --set gives the layer's options (TOML values, or a bare word as a string). --skip leaves a\n"
+    "check out (gradients, accumulation, microbatches, kv_cache, memory, state, tpN, tpN+sp). Exit status\n"
+    "1 when a check fails.\n";
 
 // The .so files of LIB: the file itself, or those of the directory.
 std::vector<std::string> libraries(const std::string& lib) {
@@ -95,10 +97,10 @@ int cmd_plugins_test(int argc, char** argv) {
     so.skip = args.all("--skip");
     const std::string tp_check = "tp" + std::to_string(so.tp);
     for (const std::string& c : so.skip)
-      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != "kv_cache" && c != "state" &&
-          c != tp_check && c != tp_check + "+sp")
-        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, kv_cache, state, " +
-                         tp_check + ", " + tp_check + "+sp)");
+      if (c != "gradients" && c != "accumulation" && c != "microbatches" && c != "kv_cache" && c != "memory" &&
+          c != "state" && c != tp_check && c != tp_check + "+sp")
+        throw UsageError("--skip " + c + ": no such check (gradients, accumulation, microbatches, kv_cache, memory, " +
+                         "state, " + tp_check + ", " + tp_check + "+sp)");
     if (so.tp < 1 || so.tp > 8 || so.dims.seq_len % so.tp != 0 || so.dims.ffn_hidden % so.tp != 0)
       throw UsageError("--tp must be 1, 2, 4 or 8");
     // A head per tp rank at least (head size 4), so the model splits at this tp.

@@ -520,6 +520,53 @@ Findings check_accumulation(HarnessLayer& layer, std::mt19937& rng) {
   return f;
 }
 
+MemoryUse measure_memory(HarnessLayer& layer, std::mt19937& rng) {
+  const loom_layer_api* api = layer.api();
+  MemoryUse m;
+  m.declared_activation = api->activation_bytes ? api->activation_bytes(layer.raw()) : 0;
+  m.declares_workspace = LOOM_HAS_SLOT(api, loom_layer_api, workspace_bytes) && api->workspace_bytes != nullptr;
+  if (m.declares_workspace) m.declared_workspace = api->workspace_bytes(layer.raw());
+  const Batch b = make_batch(layer.dims(), rng);
+  HarnessRank& rank = layer.rank();
+  layer.forward(b, 0);  // constants made on first use stay; the high-water mark is set here
+  layer.backward(b, 0);
+  const uint64_t base = rank.device_bytes(), peak_before = rank.device_peak_bytes();
+  layer.forward(b, 1);
+  m.kept = rank.device_bytes() - base;
+  layer.backward(b, 1);
+  m.left_after_backward = rank.device_bytes() - base;
+  // The calls repeat the first ones, so the high-water mark is theirs (minus the
+  // constants made meanwhile, which only makes this smaller).
+  const uint64_t peak = std::max(peak_before, rank.device_peak_bytes()) - base;
+  m.temporaries = peak > m.kept ? peak - m.kept : 0;
+  layer.forward(b, 2);
+  layer.release(2);
+  m.left_after_release = rank.device_bytes() - base;
+  layer.forward(b, 3, /*training=*/false);
+  m.left_after_evaluation = rank.device_bytes() - base;
+  return m;
+}
+
+Findings check_memory(HarnessLayer& layer, std::mt19937& rng) {
+  constexpr uint64_t kRounding = 4096;
+  const MemoryUse m = measure_memory(layer, rng);
+  Findings f;
+  auto bytes = [](uint64_t n) { return std::to_string(n) + " B"; };
+  if (m.kept > m.declared_activation + kRounding)
+    f.fail("a training forward keeps " + bytes(m.kept) + " for its backward, more than activation_bytes (" +
+           bytes(m.declared_activation) + ")");
+  if (m.declares_workspace && m.temporaries > m.declared_workspace + kRounding)
+    f.fail("forward and backward allocate up to " + bytes(m.temporaries) +
+           " of temporaries beside what the forward keeps, more than workspace_bytes (" +
+           bytes(m.declared_workspace) + "): loom plan would promise memory the run does not have");
+  if (m.left_after_backward > 0) f.fail("backward leaves " + bytes(m.left_after_backward) + " of the forward's allocated");
+  if (m.left_after_release > 0) f.fail("release leaves " + bytes(m.left_after_release) + " of the forward's allocated");
+  if (m.left_after_evaluation > 0)
+    f.fail("an evaluation forward (training = 0) leaves " + bytes(m.left_after_evaluation) + " allocated");
+  f.compared += 5;
+  return f;
+}
+
 Findings check_kv_cache(HarnessLayer& layer, std::mt19937& rng) {
   Findings out;
   const loom_model_dims& d = layer.dims();
@@ -845,6 +892,7 @@ std::vector<CheckRun> check_layer_plugin(const plugins::Registry& registry, cons
     kv = HarnessLayer(rank, name, so.dims, options).takes_kv_cache();
   }
   if (kv) run("kv_cache", on_one_rank([&](HarnessLayer& l) { return check_kv_cache(l, rng); }));
+  run("memory", on_one_rank([&](HarnessLayer& l) { return check_memory(l, rng); }));
   bool has_state = false;
   try {  // declarations the engine would refuse fail this check, not the others
     HarnessRank rank(registry);

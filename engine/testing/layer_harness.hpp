@@ -37,6 +37,7 @@ class HarnessRank {
   runtime::RankRuntime& rt() { return *rt_; }
   const plugins::Registry& registry() const { return registry_; }
   uint64_t device_bytes() const { return rt_->memory().current_bytes; }
+  uint64_t device_peak_bytes() const { return rt_->memory().peak_bytes; }
 
  private:
   const plugins::Registry& registry_;
@@ -126,6 +127,7 @@ class HarnessLayer {
   loom_layer* raw() const { return layer_; }
   const std::string& name() const { return name_; }
   const loom_model_dims& dims() const { return dims_; }
+  HarnessRank& rank() const { return rank_; }
   std::vector<Param>& params() { return params_; }
   Param& param(const std::string& n);
   bool has_param(const std::string& n) const;
@@ -240,6 +242,23 @@ Findings check_kv_cache(HarnessLayer& layer, std::mt19937& rng);
 // parameter gradients of running them one after the other.
 Findings check_microbatches_in_flight(HarnessLayer& layer, std::mt19937& rng);
 
+// What one microbatch's training forward and backward hold on the device (on a rank
+// whose high-water mark is the layer's own: a fresh one), beside what the layer
+// declares. kept: what the forward leaves allocated for its backward; temporaries:
+// the most either call holds beyond that. Constants a layer builds on first use are
+// made by a forward and backward before the measured ones.
+struct MemoryUse {
+  uint64_t declared_activation = 0, declared_workspace = 0;  // activation_bytes, workspace_bytes (0: no slot)
+  bool declares_workspace = false;                           // the layer has the ABI 1.19 slot
+  uint64_t kept = 0, temporaries = 0;
+  uint64_t left_after_backward = 0, left_after_release = 0, left_after_evaluation = 0;  // beyond the start
+};
+MemoryUse measure_memory(HarnessLayer& layer, std::mt19937& rng);
+// What `loom plan` relies on: a training forward keeps at most activation_bytes, each
+// call's temporaries fit in workspace_bytes (ABI 1.19), and backward, release and an
+// evaluation forward leave nothing behind. (Allowance: 4 KiB for the allocator's rounding.)
+Findings check_memory(HarnessLayer& layer, std::mt19937& rng);
+
 // A layer with state (ABI 1.23): end_step after a training forward released without
 // its backward (what recomputation's first forward and an evaluation are) leaves the
 // state as end_step alone does, on two layers built alike: a step's state counts what
@@ -278,7 +297,8 @@ loom_model_dims default_dims();
 // layer cannot be created with these options at all, one "create" run with the error.
 struct CheckRun {
   std::string check;  // "create" (when the layer refuses its options), "gradients", "accumulation",
-                      // "microbatches", "kv_cache" (layers with LOOM_LAYER_KV_CACHE), "tp2", "tp2+sp"
+                      // "microbatches", "kv_cache" (layers with LOOM_LAYER_KV_CACHE), "memory", "state"
+                      // (layers with state), "tp2", "tp2+sp"
   Findings findings;
   std::string error;  // an exception the check threw ("" = none)
 };

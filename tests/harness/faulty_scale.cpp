@@ -14,6 +14,8 @@
 //                 engine's flat buffer: into the next parameter's gradient)
 //   input_overrun grad_input written one value too long
 //   writes_input  a forward that scales its input in place
+//   workspace     a backward temporary of 64 KiB that workspace_bytes leaves out
+//   leak          a backward that leaves a copy of the saved input allocated
 // With `state` (ABI 1.23) it keeps the rows its training microbatches saw as layer
 // state: "backward" counts them in backward, each row on one rank (its sequence shard
 // under sequence parallelism, else tp rank 0), summed over the ranks holding the layer
@@ -37,9 +39,16 @@ namespace {
 class FaultyScale : public loom::Layer {
  public:
   FaultyScale(const loom::Options& options, loom::Rank& rank, const loom_layer_create_args& args)
-      : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden), fault_(options.declared_string("fault")),
+      : rank_(rank.raw()), tp_(args.tp), hidden_(args.dims->hidden),
+        rows_(args.dims->seq_len / (args.sequence_parallel != 0 && args.tp.size > 1 ? args.tp.size : 1) *
+              args.dims->micro_batch),
+        fault_(options.declared_string("fault")),
         fail_forward_(options.declared_int("fail_forward")), borrow_input_(options.declared_bool("borrow_input")),
         state_(options.declared_string("state")), sequence_parallel_(args.sequence_parallel != 0) {}
+
+  // The saved input; the backward's three temporaries (dy * x, the gain's gradient, dx).
+  uint64_t activation_bytes() override { return static_cast<uint64_t>(rows_ * hidden_) * sizeof(float); }
+  uint64_t workspace_bytes() override { return static_cast<uint64_t>(2 * rows_ * hidden_ + hidden_) * sizeof(float); }
 
   std::vector<loom::StateSpec> state() override {
     if (state_ == "none") return {};
@@ -105,6 +114,8 @@ class FaultyScale : public loom::Layer {
     dev.elementwise({.op = LOOM_EW_MUL, .n = n, .x = a.grad_output->data, .y = input, .out = dy_x.get(),
                      .dtype = LOOM_DTYPE_F32});
     loom::Buffer dg(rank_, hidden_ * sizeof(float));
+    loom::Buffer undeclared(rank_, fault_ == "workspace" ? 64 * 1024 : 0);
+    if (fault_ == "leak") leaked_.push_back(std::move(saved_.at(key)));
     dev.reduce({.op = LOOM_RED_COLUMN_SUM, .n = n, .cols = hidden_, .x = dy_x.get(), .out = dg.get(),
                 .dtype = LOOM_DTYPE_F32, .out_dtype = LOOM_DTYPE_F32});
     if (fault_ == "reduce")
@@ -152,6 +163,7 @@ class FaultyScale : public loom::Layer {
   loom_rank* rank_;
   loom::Group tp_;
   int64_t hidden_;
+  int64_t rows_;  // of this rank's hidden states
   std::string fault_;
   int64_t fail_forward_ = 0;
   int64_t training_forwards_ = 0;
@@ -164,6 +176,7 @@ class FaultyScale : public loom::Layer {
   float* gain_ = nullptr;
   float* gain_grad_ = nullptr;
   std::map<int32_t, loom::Buffer> saved_;
+  std::vector<loom::Buffer> leaked_;  // fault "leak"
 };
 
 }  // namespace
@@ -171,7 +184,8 @@ class FaultyScale : public loom::Layer {
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<FaultyScale>(
     "faulty_scale", "1.0.0", "y = x * g with a chosen mistake (the layer harness's own tests)",
     {loom::opt_string("fault", "none", "which mistake to make")
-         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache|grad_overrun|input_overrun|writes_input"),
+         .one_of("none|gradient|overwrite|input|shared_state|reduce|kv_cache|grad_overrun|input_overrun|writes_input|"
+                 "workspace|leak"),
      loom::opt_int("fail_forward", 0, "the training forward (1, 2, ...) that fails; 0 = none"),
      loom::opt_bool("borrow_input", false, "the backward reads the forward's input where it was given"),
      loom::opt_string("state", "none", "layer state: the rows seen, counted in backward, in forward, not summed over ranks, or NaN")

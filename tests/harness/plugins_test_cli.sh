@@ -9,7 +9,7 @@ trap 'rm -f "$out"' EXIT
 fail() { echo "FAIL: $*"; cat "$out"; exit 1; }
 
 "$loom" plugins test "$faulty" > "$out" 2>&1 || fail "a correct layer: exit $?"
-grep -q "6 of 6 checks pass" "$out" || fail "a correct layer: no summary"
+grep -q "7 of 7 checks pass" "$out" || fail "a correct layer: no summary"
 
 "$loom" plugins test "$faulty" --set fault=reduce > "$out" 2>&1
 rc=$?
@@ -18,16 +18,16 @@ grep -q "FAIL  tp2 " "$out" || fail "the tp2 check did not fail"
 grep -q "gain gradient" "$out" || fail "the failure does not name the parameter"
 
 "$loom" plugins test "$faulty" --set fault=reduce --skip tp2 --skip tp2+sp > "$out" 2>&1 || fail "--skip: exit $?"
-grep -q "4 of 4 checks pass" "$out" || fail "--skip did not leave the checks out"
+grep -q "5 of 5 checks pass" "$out" || fail "--skip did not leave the checks out"
 "$loom" plugins test "$faulty" --set state=forward --skip state > "$out" 2>&1 || fail "--skip state: exit $?"
-grep -q "6 of 6 checks pass" "$out" || fail "--skip state did not leave the state check out"
+grep -q "7 of 7 checks pass" "$out" || fail "--skip state did not leave the state check out"
 
 "$loom" plugins test "$faulty" --skip gradient > "$out" 2>&1
 rc=$?
 [ $rc -eq 2 ] || fail "--skip of no such check: exit $rc (expected 2)"
 grep -q "no such check" "$out" || fail "--skip of no such check: no message"
 
-"$loom" plugins test "$faulty" --skip gradients --skip accumulation --skip microbatches --skip kv_cache --skip tp2 --skip tp2+sp \
+"$loom" plugins test "$faulty" --skip gradients --skip accumulation --skip microbatches --skip kv_cache --skip memory --skip tp2 --skip tp2+sp \
   > "$out" 2>&1
 rc=$?
 [ $rc -eq 2 ] || fail "every check skipped: exit $rc (expected 2)"

@@ -22,7 +22,7 @@ if(NOT last_output MATCHES "snake.layer_harness .* Passed")
   message(FATAL_ERROR "the sample's layer harness test did not run:\n${last_output}")
 endif()
 run(${loom} plugins test ${WORK_DIR}/build/loom_layer_snake.so --tp 4)
-if(NOT last_output MATCHES "5 of 5 checks pass")
+if(NOT last_output MATCHES "6 of 6 checks pass")
   message(FATAL_ERROR "loom plugins test --tp 4 on the sample:\n${last_output}")
 endif()
 

@@ -62,10 +62,13 @@ TEST(LayerHarness, EachMistakeFailsTheChecksThatLookForIt) {
       {"shared_state", {"microbatches"}},
       {"reduce", {"tp2", "tp2+sp"}},
       {"kv_cache", {"kv_cache"}},
+      // Memory the plan is not told of, or never given back.
+      {"workspace", {"memory"}},
+      {"leak", {"memory"}},
       // Writing outside a tensor, or into the input, fails every check that makes the call.
-      {"grad_overrun", {"gradients", "accumulation", "microbatches", "tp2", "tp2+sp"}},
-      {"input_overrun", {"gradients", "accumulation", "microbatches", "tp2", "tp2+sp"}},
-      {"writes_input", {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"}},
+      {"grad_overrun", {"gradients", "accumulation", "microbatches", "memory", "tp2", "tp2+sp"}},
+      {"input_overrun", {"gradients", "accumulation", "microbatches", "memory", "tp2", "tp2+sp"}},
+      {"writes_input", {"gradients", "accumulation", "microbatches", "kv_cache", "memory", "tp2", "tp2+sp"}},
   };
   for (const auto& [fault, checks] : expected) EXPECT_EQ(failing_checks(fault), checks) << "fault = " << fault;
 }

@@ -24,6 +24,7 @@
 #include <tuple>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1044,6 +1045,39 @@ TEST(Layers, ActivationBytesAndForwardFlops) {
   const double expect = 4 * (T * H + 2 * T + 3 * T * H + T * H + kBatch * kHeads * S);
   EXPECT_GE(static_cast<double>(att.api()->activation_bytes(att.raw())), expect);
   EXPECT_LE(static_cast<double>(att.api()->activation_bytes(att.raw())), expect + 7 * 256);
+}
+
+// The harness's memory check (what `loom plan` relies on: kept <= activation_bytes,
+// temporaries <= workspace_bytes, nothing left behind) for each built-in layer and the
+// attention variants with temporaries of their own; and beyond it, the built-in layers
+// declare no more than they use (within 10%): a temporary left out of the
+// declaration, or one declared and never allocated, shows.
+TEST(Layers, DeclaredMemoryIsWhatForwardAndBackwardUse) {
+  std::vector<std::pair<std::string, toml::table>> cases = {
+      {"embedding", {}}, {"attention", {}}, {"mlp", {}}, {"lm_head", {}},
+      {"attention", toml::table{{"num_query_groups", 2}, {"position_embedding", "rope"}, {"qk_norm", true}}},
+      {"attention", mla_options(6, 3)}, {"attention", mla_options(0, 8)}};
+  for (const auto& [name, opts] : cases) {
+    std::ostringstream what;
+    what << name << " " << opts;
+    SCOPED_TRACE(what.str());
+    {
+      Rank rank;
+      TestLayer layer(rank, name, make_dims(), &opts);
+      std::mt19937 rng(12);
+      layer.randomize(rng);
+      const loom::harness::Findings f = loom::harness::check_memory(layer, rng);
+      EXPECT_TRUE(f.ok()) << f.text();
+    }
+    Rank rank;  // fresh: its high-water mark is this layer's
+    TestLayer layer(rank, name, make_dims(), &opts);
+    std::mt19937 rng(12);
+    layer.randomize(rng);
+    const loom::harness::MemoryUse m = loom::harness::measure_memory(layer, rng);
+    EXPECT_GE(m.kept + 4096, m.declared_activation * 9 / 10);
+    EXPECT_GE(m.temporaries + 4096, m.declared_workspace * 9 / 10)
+        << "declared " << m.declared_workspace << " B, used " << m.temporaries << " B";
+  }
 }
 
 TEST(Layers, BackwardWithoutTrainingForwardIsAnError) {
