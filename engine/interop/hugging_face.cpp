@@ -209,6 +209,10 @@ Shape shape_of(const train::RunPlan& plan) {
   const bool mlp_rms = option_string(mlp, "norm", "layernorm") == "rmsnorm";
   const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
+  if (att["multi_latent_attention"].value_or(false))
+    throw std::runtime_error(
+        "multi_latent_attention (DeepSeek-V2/V3's attention) has no Hugging Face export here: loom writes GPT-2's, "
+        "Llama's, Mistral's, Qwen3's, Mixtral's and Qwen3-MoE's blocks");
   s.qk_norm = att["qk_norm"].value_or(false);
   s.window = att["sliding_window"].value_or(int64_t{0});
   s.groups = att["num_query_groups"].value_or(int64_t{0});

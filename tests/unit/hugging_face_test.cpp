@@ -473,6 +473,22 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
         << e.what();
   }
   fs::remove_all(sigmoid);
+  // Multi-latent attention in Mixtral's blocks is no Mixtral (nor DeepSeek-V3 here).
+  const std::string latent = scratch("mixtral-mla");
+  std::vector<std::string> mla = mixtral();
+  for (const char* o : {"model.layer.attention.multi_latent_attention=true", "model.layer.attention.kv_lora_rank=8",
+                        "model.layer.attention.num_query_groups=0"})
+    mla.push_back(o);
+  try {
+    loom::interop::export_hf(parallel_checkpoint(mla, latent), latent + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a model with multi-latent attention was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("multi_latent_attention (DeepSeek-V2/V3's attention) has no Hugging Face "
+                                         "export here"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(latent);
 }
 
 // A block of two attention + MLP pairs (4 blocks) is an 8-layer Hugging Face model, and
