@@ -10,6 +10,7 @@
 #      and cp = 2 (context parallelism) over comm/nccl
 #      against dp = 2 on the CPU; the same for configs/quickstart_moe.toml (MoE blocks,
 #      also with expert capacity; with >= 2 GPUs ep = 2 over NCCL with both dispatchers)
+#      configs/deepseek_quickstart.toml (multi-latent attention before DeepSeek-V3's MoE)
 #      and configs/qwen3_quickstart.toml (RMSNorm, SwiGLU, RoPE, grouped queries, qk_norm),
 #      also on lines of text with packed documents and a sliding window
 #   4. bf16: a run with device.param_dtype = bf16 whose loss must track the fp32 one;
@@ -332,6 +333,17 @@ if run cpu_moe_bias "${moe[@]}" "${ds[@]}" --set device.kind=cpu &&
   else fail "cuda fp32 vs cpu losses differ with the expert bias"; fi
 else
   fail "MoE expert-bias runs failed (see $out/cpu_moe_bias.log, $out/cuda_moe_bias.log)"; tail -n 5 "$out/cpu_moe_bias.log" "$out/cuda_moe_bias.log" 2>/dev/null
+fi
+# DeepSeek-V3's blocks: multi-latent attention (packed heads padded, latents gathered)
+# before sigmoid-routed experts with the expert bias and a shared expert.
+deepseek=(configs/deepseek_quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1
+          --set parallel.dp=1)
+if run cpu_deepseek "${deepseek[@]}" --set device.kind=cpu && run cuda_deepseek "${deepseek[@]}" --set device.kind=cuda; then
+  if compare "$out/cuda_deepseek.jsonl" "$out/cpu_deepseek.jsonl" 1e-4 "cuda vs cpu, DeepSeek-V3 blocks"; then
+    pass "cuda fp32 = cpu with DeepSeek-V3 blocks (multi-latent attention, sigmoid-routed experts)"
+  else fail "cuda fp32 vs cpu losses differ with DeepSeek-V3 blocks"; fi
+else
+  fail "DeepSeek block runs failed (see $out/cpu_deepseek.log, $out/cuda_deepseek.log)"; tail -n 5 "$out/cpu_deepseek.log" "$out/cuda_deepseek.log" 2>/dev/null
 fi
 # Qwen3's blocks: RMSNorm, SwiGLU, rotary embeddings, grouped queries, q/k RMSNorm-ed per head.
 qwen3=(configs/qwen3_quickstart.toml --set run.steps=10 --set run.eval_every=0 --set run.log_every=1

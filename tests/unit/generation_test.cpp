@@ -134,6 +134,22 @@ TEST(Generation, CacheEqualsRecomputeWithQkNormAtTp2) {
   check_cache_equals_recompute(qwen3, {"parallel.tp=2"});
 }
 
+// Multi-latent attention (DeepSeek-V2/V3): the cache holds each head's packed k and v
+// (the shared rotary key rotated at its position), at tp 2, and tp 2 x pp 2 generates
+// what one rank does.
+TEST(Generation, MultiLatentAttentionCacheEqualsRecomputeAndLayoutsAgree) {
+  std::vector<std::string> deepseek = kLlama;
+  for (const char* o : {"model.layer.attention.multi_latent_attention=true", "model.layer.attention.num_query_groups=0",
+                        "model.layer.attention.q_lora_rank=12", "model.layer.attention.kv_lora_rank=10",
+                        "model.layer.attention.qk_head_dim=6", "model.layer.attention.qk_pos_emb_head_dim=4",
+                        "model.layer.attention.v_head_dim=5"})
+    deepseek.push_back(o);
+  check_cache_equals_recompute(deepseek, {"parallel.tp=2"});
+  const Trained m = train_and_gather(deepseek);
+  const GenerationResult one = generate(m, {}, greedy(8, true));
+  expect_same(one, generate(m, {"parallel.tp=2", "parallel.pp=2"}, greedy(8, true)), 1e-5, "tp 2 x pp 2");
+}
+
 // A sliding window shorter than the prompt: the cached keys it slid past are masked
 // as the whole sequence's forward masks them.
 TEST(Generation, CacheEqualsRecomputeWithASlidingWindowAtTp2) {
