@@ -112,6 +112,18 @@ TEST(Regather, Ep2ToEp1) {
                  {"parallel.ep=2", "parallel.dp=2"}, {"parallel.tp=2", "parallel.dp=1"});
 }
 
+// Multi-latent attention's column-parallel up projections (heads split over tp) and
+// duplicated down projections regather by name: tp 2 x pp 2 (SP) to tp 1 x pp 4.
+TEST(Regather, MultiLatentAttentionTp2Pp2ToTp1Pp4) {
+  check_regather({"model.num_layers=4", "model.layer.embedding.position_embedding=rope",
+                  "model.layer.attention.position_embedding=rope", "model.layer.attention.multi_latent_attention=true",
+                  "model.layer.attention.bias=false", "model.layer.attention.q_lora_rank=12",
+                  "model.layer.attention.kv_lora_rank=10", "model.layer.attention.qk_pos_emb_head_dim=4",
+                  "model.layer.attention.v_head_dim=6", "optimizer.strategy=\"distributed\""},
+                 {"parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.sequence_parallel=true"},
+                 {"parallel.pp=4", "parallel.dp=1"});
+}
+
 }  // namespace
 
 namespace {
