@@ -232,20 +232,21 @@ class Attention : public loom::Layer {
   static LatentProjection::Dims latent_dims(const loom::Options& options, int64_t hidden, int64_t heads,
                                             const std::string& name) {
     const int64_t head = hidden / heads;
-    const auto or_default = [&](const char* key, int64_t fallback) {
+    const auto or_default = [&](const char* key, int64_t fallback, const char* what) {
       const int64_t v = options.declared_int(key);
       if (v > 0) return v;
-      LOOM_REQUIRE(hidden % heads == 0 && fallback > 0,
-                   name << ": " << key << " defaults to hidden / heads, and hidden (" << hidden
-                        << ") is not a multiple of heads (" << heads << "); set " << key);
+      LOOM_REQUIRE(hidden % heads == 0, name << ": " << key << " defaults to " << what << ", and hidden (" << hidden
+                                             << ") is not a multiple of heads (" << heads << "); set " << key);
+      LOOM_REQUIRE(fallback > 0, name << ": " << key << " defaults to " << what << ", 0 here (hidden " << hidden
+                                      << ", heads " << heads << "); set " << key);
       return fallback;
     };
     LatentProjection::Dims d;
     d.q_rank = options.declared_int("q_lora_rank");
     d.kv_rank = options.declared_int("kv_lora_rank");
-    d.nope = or_default("qk_head_dim", head);
-    d.rope = or_default("qk_pos_emb_head_dim", head / 2 / 2 * 2);
-    d.v = or_default("v_head_dim", head);
+    d.nope = or_default("qk_head_dim", head, "hidden / heads");
+    d.rope = or_default("qk_pos_emb_head_dim", head / 2 / 2 * 2, "half of hidden / heads, rounded down to even");
+    d.v = or_default("v_head_dim", head, "hidden / heads");
     LOOM_REQUIRE(d.rope % 2 == 0, name << ": qk_pos_emb_head_dim (" << d.rope
                                        << ") must be even: the rotation turns pairs of elements");
     return d;
@@ -253,6 +254,8 @@ class Attention : public loom::Layer {
 
   static void validate(const loom::Options& options, const loom::LayerValidation& v) {
     require_ops(options, v, v.instance_name(), v.device_features());
+    if (options.declared_bool("multi_latent_attention"))
+      (void)latent_dims(options, v.dims().hidden, v.dims().heads, v.instance_name());
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
@@ -601,6 +604,10 @@ class Attention : public loom::Layer {
   static constexpr size_t kNone = static_cast<size_t>(-1);  // a parameter the options leave out
   void* w(size_t i) const { return i == kNone ? nullptr : w_[i]; }
 
+  // Whether a column-parallel GEMM reads the norm's output gathered over tp under
+  // sequence parallelism (multi-latent attention with a query latent gathers its latents instead).
+  bool gathers_norm_output() const { return !latent_ || mla_.needs_gathered_input(); }
+
   float softmax_scale() const { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk_dim_))); }
 
   // Whether a packed head holds more than its values (multi-latent attention with
@@ -629,7 +636,7 @@ class Attention : public loom::Layer {
     const int64_t H = hidden_, T = S * B, Tl = (sp ? S / tp_.size() : S) * B;
     ForwardTemps t;
     t.ln = t.mem.elems(Tl * H, dt_.act);
-    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.ln_full = t.mem.elems(sp && gathers_norm_output() ? T * H : 0, dt_.act);
     t.proj = t.mem.elems(Tl * H, dt_.act);
     t.grouped = t.mem.elems(grouped_ ? T * qkv_local_ : 0, dt_.act);
     t.ctx_c = t.mem.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act);
@@ -649,7 +656,7 @@ class Attention : public loom::Layer {
     BackwardTemps t;
     t.dproj = t.mem.elems(dropped ? Tl * H : 0, dt_.act);
     t.ln = t.mem.elems(Tl * H, dt_.act);
-    t.ln_full = t.mem.elems(sp ? T * H : 0, dt_.act);
+    t.ln_full = t.mem.elems(sp && gathers_norm_output() ? T * H : 0, dt_.act);
     t.dctx = t.mem.elems(T * Hl, dt_.act);
     t.dqkv = t.mem.elems(T * 3 * Hl, dt_.act);
     t.dln = t.mem.elems(Tl * H, dt_.act);
