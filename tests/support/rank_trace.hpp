@@ -167,6 +167,14 @@ inline double tensor_rel_diff(const std::vector<float>& a, const std::vector<flo
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
 }
 
+// Two runs of one model that must compute the same thing (partial graphs or
+// recomputation against eager): every loss, and every rank's final buffer, bit for bit.
+inline void expect_bit_identical(const RankTrace& a, const RankTrace& b) {
+  ASSERT_EQ(a.loss.size(), b.loss.size());
+  for (size_t s = 0; s < a.loss.size(); ++s) EXPECT_EQ(a.loss[s], b.loss[s]) << "loss at step " << s + 1;
+  for (const auto& [rank, steps] : a.params) EXPECT_EQ(b.params.at(rank).back(), steps.back()) << "rank " << rank;
+}
+
 // A lower-precision (bf16) parallel run tracks its serial reference: the first
 // loss within first_loss_tol and the first gradient norm within grad_norm_tol
 // (relative: before the runs' last bits compound), every loss within loss_tol.

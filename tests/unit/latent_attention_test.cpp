@@ -19,6 +19,7 @@
 
 namespace {
 
+using loom::testing::expect_bit_identical;
 using loom::testing::RankTrace;
 
 // Heads of 6 + 4 rotated q/k elements and 5 value elements (packed heads padded in v),
@@ -65,12 +66,6 @@ void expect_same_training(const RankTrace& serial, const RankTrace& par, double 
       EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), bound) << key << " at step " << s + 1;
     }
   }
-}
-
-void expect_bit_identical(const RankTrace& a, const RankTrace& b) {
-  ASSERT_EQ(a.loss.size(), b.loss.size());
-  for (size_t s = 0; s < a.loss.size(); ++s) EXPECT_EQ(a.loss[s], b.loss[s]) << "loss at step " << s + 1;
-  for (const auto& [rank, steps] : a.params) EXPECT_EQ(b.params.at(rank).back(), steps.back()) << "rank " << rank;
 }
 
 TEST(LatentAttention, TensorParallelMatchesSerialWithAndWithoutSp) {

@@ -28,31 +28,6 @@
 
 namespace loom::layers {
 
-// C[m, n] = op(A) op(B) + beta C, each operand with its own leading dimension: column
-// blocks of wider rows.
-inline void gemm_ld(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a,
-                    int64_t lda, const void* b, int64_t ldb, void* c, int64_t ldc, float beta, int32_t dtype,
-                    int32_t c_dtype) {
-  loom_gemm_args g = loom::make<loom_gemm_args>();
-  g.trans_a = ta ? 1 : 0;
-  g.trans_b = tb ? 1 : 0;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.a = a;
-  g.lda = lda;
-  g.b = b;
-  g.ldb = ldb;
-  g.c = c;
-  g.ldc = ldc;
-  g.batch = 1;
-  g.alpha = 1.0f;
-  g.beta = beta;
-  g.dtype = dtype;
-  g.c_dtype = c_dtype;
-  dev.gemm(g);
-}
-
 // rows x heads blocks of `width` elements: block (r, h) at r * ld + h * head_stride on
 // each side (a source head_stride of 0 copies one block into every head). One copy when
 // both sides' blocks are adjacent.

@@ -241,9 +241,11 @@ struct Epilogue {
 
 inline bool fused_gemm_epilogues(const loom::Device& dev) { return (dev.features() & LOOM_DEVICE_GEMM_EPILOGUE) != 0; }
 
-inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
-                 const void* a, const void* b, void* c, float beta, int32_t dtype, int32_t c_dtype,
-                 float alpha = 1.0f, Epilogue e = {}) {
+// C[m, n] = op(A) op(B) + beta C, each operand with its own leading dimension (elements
+// between its rows as stored): e.g. column blocks of wider rows.
+inline void gemm_ld(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a,
+                    int64_t lda, const void* b, int64_t ldb, void* c, int64_t ldc, float beta, int32_t dtype,
+                    int32_t c_dtype, float alpha = 1.0f, Epilogue e = {}) {
   loom_gemm_args g = loom::make<loom_gemm_args>();
   g.epilogue = e.kind;
   g.bias = e.bias;
@@ -255,17 +257,24 @@ inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n
   g.n = n;
   g.k = k;
   g.a = a;
-  g.lda = ta ? m : k;
+  g.lda = lda;
   g.b = b;
-  g.ldb = tb ? k : n;
+  g.ldb = ldb;
   g.c = c;
-  g.ldc = n;
+  g.ldc = ldc;
   g.batch = 1;
   g.alpha = alpha;
   g.beta = beta;
   g.dtype = dtype;
   g.c_dtype = c_dtype;
   dev.gemm(g);
+}
+
+// The same on compact operands.
+inline void gemm(const loom::Device& dev, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                 const void* a, const void* b, void* c, float beta, int32_t dtype, int32_t c_dtype,
+                 float alpha = 1.0f, Epilogue e = {}) {
+  gemm_ld(dev, ta, tb, m, n, k, a, ta ? m : k, b, tb ? k : n, c, n, beta, dtype, c_dtype, alpha, e);
 }
 
 // out[r, c] = x[r, c] + bias[c]  (out may be x).
