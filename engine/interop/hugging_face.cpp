@@ -97,6 +97,23 @@ class Builder {
   void matrix(const std::string& to, const Matrix& m) {
     out_.push_back({to, dtype(), {m.rows, m.cols}, m.data});
   }
+  // A vector of fp32 values (a layer's state), in the parameters' dtype (bf16 rounded
+  // to nearest even).
+  void values(const std::string& to, const std::vector<float>& v) {
+    const bool bf16 = dtype() == "BF16";
+    std::vector<char> data(v.size() * (bf16 ? 2 : 4));
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &v[i], 4);
+      if (!bf16) {
+        std::memcpy(data.data() + 4 * i, &bits, 4);
+        continue;
+      }
+      const uint16_t half = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+      std::memcpy(data.data() + 2 * i, &half, 2);
+    }
+    out_.push_back({to, dtype(), {static_cast<int64_t>(v.size())}, std::move(data)});
+  }
   // An embedding table without the padded vocabulary's rows.
   void vocab_rows(const std::string& to, const std::string& from, int64_t vocab) {
     const WholeTensor& t = get(from);
@@ -117,6 +134,17 @@ std::string option_string(const toml::table& t, const char* key, const std::stri
 // What the blocks are, from the layer options (defaults as the plugins declare them).
 struct Shape {
   bool gpt2 = false, llama = false, mixtral = false;
+  // Multi-latent attention in Llama's blocks, before dense MLPs or DeepSeek-V3's MoE:
+  // DeepSeek-V3's (DeepseekV3ForCausalLM; `moe` says which of the two).
+  bool deepseek = false, moe = false;
+  struct Latent {
+    int64_t q_rank = 0, kv_rank = 0, nope = 0, rope = 0, v = 0;
+  } latent;
+  // DeepSeek-V3's router: groups of experts (0: none), the groups each token picks, the
+  // gates' scale, the shared expert's width, whether the router keeps a bias (state).
+  int64_t groups_of_experts = 0, group_topk = 0, shared_ffn = 0;
+  double routed_scaling = 1.0;
+  bool expert_bias = false;
   // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
   // and Qwen3-MoE's.
   bool qk_norm = false;
@@ -139,13 +167,17 @@ struct Shape {
   std::vector<std::string> attention, ffn;
   std::string architecture() const {
     if (gpt2) return "GPT2LMHeadModel";
+    if (deepseek) return "DeepseekV3ForCausalLM";
     if (llama) return qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
     return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
   }
   std::string model_type() const {
+    if (deepseek) return "deepseek_v3";
     return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : mistral ? "mistral" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
   }
   bool qwen() const { return qk_norm; }
+  // Per-expert tensors named as Qwen3-MoE's (mlp.gate, mlp.experts.<j>.gate_proj, ...).
+  bool qwen_style_experts() const { return qk_norm || deepseek; }
   // transformers' defaults, for a key a config.json leaves out.
   double default_eps() const { return llama || qk_norm ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
@@ -161,6 +193,50 @@ struct Shape {
 
 // A window reaching back over a whole sequence of seq_len tokens is no window there.
 int64_t effective_window(int64_t window, int64_t seq_len) { return window > 0 && window < seq_len ? window : 0; }
+
+// DeepSeek-V3's settings from the attention's and the MoE's options (their defaults as
+// the plugins declare them), refusing what transformers' DeepseekV3 computes otherwise.
+void deepseek_shape(const toml::table& att, const toml::table& ffn, const manifest::RunConfig& c, Shape& s) {
+  const int64_t head = c.model.hidden_size / c.model.num_heads;
+  const auto size = [&](const char* key, int64_t fallback) {
+    const int64_t v = att[key].value_or(int64_t{0});
+    return v > 0 ? v : fallback;
+  };
+  s.latent = {.q_rank = att["q_lora_rank"].value_or(int64_t{0}), .kv_rank = att["kv_lora_rank"].value_or(int64_t{0}),
+              .nope = size("qk_head_dim", head), .rope = size("qk_pos_emb_head_dim", head / 2 / 2 * 2),
+              .v = size("v_head_dim", head)};
+  if (effective_window(s.window, c.model.seq_length) > 0)
+    throw std::runtime_error("DeepSeek-V3's attention has no sliding window (sliding_window = " +
+                             std::to_string(s.window) + ")");
+  if (!s.llama3_rope.is_null())
+    throw std::runtime_error("rope_scaling = \"llama3\" has no DeepSeek-V3 counterpart (its long-context scaling is YaRN's)");
+  if (!s.moe) return;
+  s.experts = ffn["num_experts"].value_or(int64_t{8});
+  s.top_k = ffn["top_k"].value_or(int64_t{2});
+  s.expert_ffn = ffn["ffn_hidden_size"].value_or(int64_t{0});
+  if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
+  s.aux = ffn["aux_loss_coeff"].value_or(0.01);
+  s.groups_of_experts = ffn["num_groups"].value_or(int64_t{0});
+  s.group_topk = ffn["group_topk"].value_or(int64_t{0});
+  const double scaling = ffn["topk_scaling_factor"].value_or(0.0);
+  s.routed_scaling = scaling > 0 ? scaling : 1.0;
+  s.shared_ffn = ffn["shared_expert_ffn_hidden_size"].value_or(int64_t{0});
+  s.expert_bias = ffn["expert_bias"].value_or(false);
+  if (ffn["score_function"].value_or(std::string("softmax")) != "sigmoid")
+    throw std::runtime_error("DeepSeek-V3's router scores each expert by its sigmoid: set score_function = \"sigmoid\"");
+  // transformers ranks a group by the sum of its 2 best scores, loom by its top_k / group_topk best.
+  if (s.groups_of_experts > 1 && s.group_topk < s.groups_of_experts && s.top_k != 2 * s.group_topk)
+    throw std::runtime_error("DeepSeek-V3 ranks a group of experts by the sum of its 2 best scores, loom by the sum of "
+                             "its top_k / group_topk = " + std::to_string(s.top_k / s.group_topk) +
+                             " best: set top_k = 2 * group_topk, or group_topk = num_groups");
+  if (s.shared_ffn % s.expert_ffn != 0)
+    throw std::runtime_error("DeepSeek-V3's shared experts are n_shared_experts experts wide: "
+                             "shared_expert_ffn_hidden_size = " + std::to_string(s.shared_ffn) +
+                             " must be a multiple of the experts' ffn_hidden_size = " + std::to_string(s.expert_ffn));
+  if (ffn["shared_expert_gate"].value_or(false) || ffn["capacity_factor"].value_or(0.0) != 0.0)
+    throw std::runtime_error("DeepSeek-V3's MoE blocks are dropless with an ungated shared expert: shared_expert_gate "
+                             "and capacity_factor have no counterpart");
+}
 
 Shape shape_of(const train::RunPlan& plan) {
   const manifest::RunConfig& c = plan.config;
@@ -209,10 +285,7 @@ Shape shape_of(const train::RunPlan& plan) {
   const bool mlp_rms = option_string(mlp, "norm", "layernorm") == "rmsnorm";
   const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
-  if (att["multi_latent_attention"].value_or(false))
-    throw std::runtime_error(
-        "multi_latent_attention (DeepSeek-V2/V3's attention) has no Hugging Face export here: loom writes GPT-2's, "
-        "Llama's, Mistral's, Qwen3's, Mixtral's and Qwen3-MoE's blocks");
+  const bool latent = att["multi_latent_attention"].value_or(false);
   s.qk_norm = att["qk_norm"].value_or(false);
   s.window = att["sliding_window"].value_or(int64_t{0});
   s.groups = att["num_query_groups"].value_or(int64_t{0});
@@ -235,6 +308,8 @@ Shape shape_of(const train::RunPlan& plan) {
   if (!moe && !rope && !rms && att_bias && mlp_bias && !swiglu && !mlp_rms && !head_rms && !emb_rope &&
       !s.qk_norm && (s.groups == 0 || s.groups == c.model.num_heads))
     s.gpt2 = true;
+  else if (latent && llama_blocks)
+    s.deepseek = true, s.moe = moe;
   else if (!moe && llama_blocks)
     s.llama = true;
   else if (moe && llama_blocks)
@@ -243,7 +318,8 @@ Shape shape_of(const train::RunPlan& plan) {
     throw std::runtime_error(
         "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions, one key/value head per query "
         "head, no qk_norm) nor Llama's or Mixtral's (rmsnorm, swiglu, bias = false, rope in the embedding and "
-        "attention; with qk_norm Qwen3's and Qwen3-MoE's): no Hugging Face architecture matches them" +
+        "attention; with qk_norm Qwen3's and Qwen3-MoE's; with multi_latent_attention DeepSeek-V3's): no Hugging "
+        "Face architecture matches them" +
         std::string(s.groups != 0 && s.groups != c.model.num_heads && !rope
                         ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
                               " of " + std::to_string(c.model.num_heads) + " heads)"
@@ -258,6 +334,7 @@ Shape shape_of(const train::RunPlan& plan) {
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
     throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
                              " counterpart");
+  if (s.deepseek) deepseek_shape(att, mlp, c, s);
   if (s.mixtral) {
     s.experts = mlp["num_experts"].value_or(int64_t{8});
     s.top_k = mlp["top_k"].value_or(int64_t{2});
@@ -289,7 +366,7 @@ struct MoeNames {
   std::string gate, experts, up_gate, up, down;
 };
 MoeNames moe_names(const Shape& s) {
-  if (s.qwen()) return {"mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+  if (s.qwen_style_experts()) return {"mlp.gate.weight", "mlp.experts.", "gate_proj.weight", "up_proj.weight", "down_proj.weight"};
   return {"block_sparse_moe.gate.weight", "block_sparse_moe.experts.", "w1.weight", "w3.weight", "w2.weight"};
 }
 
@@ -306,6 +383,51 @@ Matrix expert_matrix(const WholeTensor& t, int64_t j) {
 }
 
 }  // namespace
+
+// Multi-latent attention's weights under transformers' DeepseekV3Attention names (at:
+// the attention's instance prefix, to: "model.layers.<i>.self_attn."). Every loom
+// weight is [in, out], transformers' [out, in]; the column orders are the same
+// ([nope | rope] per query head, [kv | rope] down, [k_nope | v] per head up).
+void latent_attention_to_hf(Builder& b, const std::string& at, const std::string& to, bool query_latent) {
+  auto linear = [&](const std::string& hf, const std::string& loom) {
+    b.matrix(to + hf, transposed(matrix_of(b.get(at + loom))));
+  };
+  if (query_latent) {
+    linear("q_a_proj.weight", "q_down.weight");
+    b.as_is(to + "q_a_layernorm.weight", at + "q_latent_norm.weight");
+    linear("q_b_proj.weight", "q_up.weight");
+  } else {
+    linear("q_proj.weight", "q.weight");
+  }
+  linear("kv_a_proj_with_mqa.weight", "kv_down.weight");
+  b.as_is(to + "kv_a_layernorm.weight", at + "kv_latent_norm.weight");
+  linear("kv_b_proj.weight", "kv_up.weight");
+  linear("o_proj.weight", "proj.weight");
+}
+
+// DeepseekV3Config's keys beyond Llama's: the latent attention's sizes, its rotation of
+// the halves (rope_interleave false: rotate_half, as loom pairs elements i and i +
+// rope/2), and the MoE layers (from first_k_dense_replace on: all of them, or none).
+void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann::ordered_json& c) {
+  c["q_lora_rank"] = s.latent.q_rank > 0 ? nlohmann::ordered_json(s.latent.q_rank) : nlohmann::ordered_json();
+  c["kv_lora_rank"] = s.latent.kv_rank;
+  c["qk_nope_head_dim"] = s.latent.nope;
+  c["qk_rope_head_dim"] = s.latent.rope;
+  c["v_head_dim"] = s.latent.v;
+  c.erase("head_dim");  // DeepseekV3Config's is its qk_rope_head_dim
+  c["rope_interleave"] = false;
+  c["intermediate_size"] = dense_ffn;
+  c["first_k_dense_replace"] = s.moe ? 0 : layers;
+  if (!s.moe) return;
+  c["n_routed_experts"] = s.experts;
+  c["num_experts_per_tok"] = s.top_k;
+  c["moe_intermediate_size"] = s.expert_ffn;
+  c["n_shared_experts"] = s.shared_ffn / s.expert_ffn;
+  c["n_group"] = s.groups_of_experts > 0 ? s.groups_of_experts : 1;
+  c["topk_group"] = s.groups_of_experts > 0 ? s.group_topk : 1;
+  c["norm_topk_prob"] = s.top_k > 1;  // loom renormalises the chosen sigmoids when there are several
+  c["routed_scaling_factor"] = s.routed_scaling;
+}
 
 HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
   const train::RunPlan plan =
@@ -355,30 +477,34 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
     for (int64_t i = 0; i < Lyr; ++i) {
       const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       b.as_is(h + "input_layernorm.weight", at + "ln.weight");
-      const Matrix qkv = matrix_of(b.get(at + "qkv.weight"));  // [C, cols]
-      std::vector<std::pair<int64_t, int64_t>> q, k, v;
-      if (G < H) {  // per group: its hg query heads, its key head, its value head
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t g0 = g * (hg + 2) * D;
-          q.push_back({g0, hg * D});
-          k.push_back({g0 + hg * D, D});
-          v.push_back({g0 + (hg + 1) * D, D});
+      if (s.deepseek) {
+        latent_attention_to_hf(b, at, h + "self_attn.", s.latent.q_rank > 0);
+      } else {
+        const Matrix qkv = matrix_of(b.get(at + "qkv.weight"));  // [C, cols]
+        std::vector<std::pair<int64_t, int64_t>> q, k, v;
+        if (G < H) {  // per group: its hg query heads, its key head, its value head
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t g0 = g * (hg + 2) * D;
+            q.push_back({g0, hg * D});
+            k.push_back({g0 + hg * D, D});
+            v.push_back({g0 + (hg + 1) * D, D});
+          }
+        } else {  // [q | k | v]
+          q.push_back({0, C});
+          k.push_back({C, C});
+          v.push_back({2 * C, C});
         }
-      } else {  // [q | k | v]
-        q.push_back({0, C});
-        k.push_back({C, C});
-        v.push_back({2 * C, C});
-      }
-      b.matrix(h + "self_attn.q_proj.weight", transposed(gather_columns(qkv, q)));
-      b.matrix(h + "self_attn.k_proj.weight", transposed(gather_columns(qkv, k)));
-      b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
-      b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
-      if (s.qk_norm) {
-        b.as_is(h + "self_attn.q_norm.weight", at + "q_norm.weight");
-        b.as_is(h + "self_attn.k_norm.weight", at + "k_norm.weight");
+        b.matrix(h + "self_attn.q_proj.weight", transposed(gather_columns(qkv, q)));
+        b.matrix(h + "self_attn.k_proj.weight", transposed(gather_columns(qkv, k)));
+        b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
+        b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
+        if (s.qk_norm) {
+          b.as_is(h + "self_attn.q_norm.weight", at + "q_norm.weight");
+          b.as_is(h + "self_attn.k_norm.weight", at + "k_norm.weight");
+        }
       }
       b.as_is(h + "post_attention_layernorm.weight", ml + "ln.weight");
-      if (s.llama) {
+      if (s.llama || (s.deepseek && !s.moe)) {
         const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
         b.matrix(h + "mlp.gate_proj.weight", transposed(columns(fc1, 0, F)));
         b.matrix(h + "mlp.up_proj.weight", transposed(columns(fc1, F, F)));
@@ -396,6 +522,24 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         b.matrix(x + n.up, transposed(columns(fc1, Fe, Fe)));
         b.matrix(x + n.down, transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
       }
+      if (!s.deepseek) continue;
+      // DeepSeek-V3's router bias (the layer's state; zeros without expert_bias) and its
+      // shared experts, [gate | up]^T and down^T of loom's shared expert.
+      std::vector<float> bias(static_cast<size_t>(s.experts), 0.0f);
+      if (s.expert_bias) {
+        const auto it = ck.states.find(ml + "router.expert_bias");
+        if (it == ck.states.end() || it->second.size() != bias.size())
+          throw std::runtime_error("the checkpoint has no layer state " + ml + "router.expert_bias");
+        bias = it->second;
+      }
+      b.values(h + "mlp.gate.e_score_correction_bias", bias);
+      const int64_t Fs = s.shared_ffn;
+      if (Fs > 0) {
+        const Matrix fc1 = matrix_of(b.get(ml + "shared.fc1.weight"));  // [C, 2Fs]: [gate | up]
+        b.matrix(h + "mlp.shared_experts.gate_proj.weight", transposed(columns(fc1, 0, Fs)));
+        b.matrix(h + "mlp.shared_experts.up_proj.weight", transposed(columns(fc1, Fs, Fs)));
+        b.matrix(h + "mlp.shared_experts.down_proj.weight", transposed(matrix_of(b.get(ml + "shared.fc2.weight"))));
+      }
     }
     b.as_is("model.norm.weight", s.head + "ln.weight");
     if (!tied) b.vocab_rows("lm_head.weight", s.head + "word.weight", V);
@@ -406,6 +550,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
                  {"rms_norm_eps", s.eps}, {"rope_theta", s.theta}, {"tie_word_embeddings", tied},
                  {"torch_dtype", torch_dtype}};
     hf.config["attention_bias"] = false;
+    if (s.deepseek) deepseek_config(s, F, Lyr, hf.config);
     if (!s.llama3_rope.is_null()) hf.config["rope_scaling"] = s.llama3_rope;
     if (s.llama && !s.qwen() && !s.mistral) hf.config["mlp_bias"] = false;
     if (s.mistral || s.mixtral)

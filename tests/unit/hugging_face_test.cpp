@@ -177,6 +177,91 @@ void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs) {
       }
 }
 
+// modeling_deepseek_v3.py's DeepseekV3Attention (rope_interleave false: rotate_half) on
+// the normalised input a [T, C] of layer prefix p ("model.layers.<i>.self_attn."): q
+// through its latent (or q_proj), the key/value latent and one rotary key shared by the
+// heads, per head [nope | rope] scores over sqrt(nope + rope), values of v_head_dim.
+Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::string& p, const Vec& a, int64_t T,
+                       double eps) {
+  EXPECT_FALSE(c.value("rope_interleave", true)) << "interleaved rotary pairs";
+  const int64_t C = c["hidden_size"], H = c["num_attention_heads"], nope = c["qk_nope_head_dim"],
+                rd = c["qk_rope_head_dim"], vd = c["v_head_dim"], kv = c["kv_lora_rank"], qk = nope + rd;
+  Vec q;
+  if (c["q_lora_rank"].is_null()) {
+    q = linear(a, T, C, w.at(p + "q_proj.weight"), H * qk, true);
+  } else {
+    const int64_t qr = c["q_lora_rank"];
+    const Vec latent = layer_norm(linear(a, T, C, w.at(p + "q_a_proj.weight"), qr, true), T, qr,
+                                  w.at(p + "q_a_layernorm.weight"), nullptr, eps, true);
+    q = linear(latent, T, qr, w.at(p + "q_b_proj.weight"), H * qk, true);
+  }
+  const Vec compressed = linear(a, T, C, w.at(p + "kv_a_proj_with_mqa.weight"), kv + rd, true);
+  Vec latent(static_cast<size_t>(T * kv)), k_rot(static_cast<size_t>(T * rd)), q_rot(static_cast<size_t>(T * H * rd));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < kv; ++e) latent[t * kv + e] = compressed[t * (kv + rd) + e];
+    for (int64_t e = 0; e < rd; ++e) k_rot[t * rd + e] = compressed[t * (kv + rd) + kv + e];
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t e = 0; e < rd; ++e) q_rot[(t * H + h) * rd + e] = q[t * H * qk + h * qk + nope + e];
+  }
+  const Vec kvb = linear(layer_norm(latent, T, kv, w.at(p + "kv_a_layernorm.weight"), nullptr, eps, true), T, kv,
+                         w.at(p + "kv_b_proj.weight"), H * (nope + vd), true);
+  rope(q_rot, T, H, rd, rope_frequencies(c, rd));
+  rope(k_rot, T, 1, rd, rope_frequencies(c, rd));
+  Vec y(static_cast<size_t>(T * H * vd), 0.0);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < T; ++i) {
+      Vec sc(static_cast<size_t>(i + 1));
+      double mx = -1e300, z = 0;
+      for (int64_t j = 0; j <= i; ++j) {
+        double d = 0;
+        for (int64_t e = 0; e < nope; ++e) d += q[i * H * qk + h * qk + e] * kvb[j * H * (nope + vd) + h * (nope + vd) + e];
+        for (int64_t e = 0; e < rd; ++e) d += q_rot[(i * H + h) * rd + e] * k_rot[j * rd + e];
+        sc[j] = d / std::sqrt(static_cast<double>(qk));
+        mx = std::max(mx, sc[j]);
+      }
+      for (double& e : sc) z += (e = std::exp(e - mx));
+      for (int64_t j = 0; j <= i; ++j)
+        for (int64_t e = 0; e < vd; ++e)
+          y[i * H * vd + h * vd + e] += sc[j] / z * kvb[j * H * (nope + vd) + h * (nope + vd) + nope + e];
+    }
+  return linear(y, T, H * vd, w.at(p + "o_proj.weight"), C, true);
+}
+
+// modeling_deepseek_v3.py's DeepseekV3MoE.route_tokens_to_experts for one token: the
+// sigmoid scores plus e_score_correction_bias choose (groups ranked by their 2 best,
+// the others masked to 0), the chosen sigmoids are the gates (renormalised with
+// norm_topk_prob), times routed_scaling_factor. Returns (expert, gate) pairs.
+std::vector<std::pair<int64_t, double>> deepseek_route(const nlohmann::json& c, const double* logits, const Vec& bias) {
+  const int64_t E = c["n_routed_experts"], K = c["num_experts_per_tok"], G = c["n_group"], TG = c["topk_group"];
+  Vec score(static_cast<size_t>(E)), choice(score.size());
+  for (int64_t e = 0; e < E; ++e) {
+    score[e] = 1.0 / (1.0 + std::exp(-logits[e]));
+    choice[e] = score[e] + bias[e];
+  }
+  std::vector<std::pair<double, int64_t>> groups;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec members(choice.begin() + g * (E / G), choice.begin() + (g + 1) * (E / G));
+    std::sort(members.begin(), members.end(), std::greater<double>());
+    groups.push_back({members[0] + members[1], g});
+  }
+  std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<bool> kept(static_cast<size_t>(E), false);
+  for (int64_t i = 0; i < TG; ++i)
+    for (int64_t e = 0; e < E / G; ++e) kept[groups[i].second * (E / G) + e] = true;
+  std::vector<std::pair<double, int64_t>> ranked;
+  for (int64_t e = 0; e < E; ++e) ranked.push_back({kept[e] ? choice[e] : 0.0, e});
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  double sum = 0;
+  for (int64_t k = 0; k < K; ++k) sum += score[ranked[k].second];
+  std::vector<std::pair<int64_t, double>> out;
+  for (int64_t k = 0; k < K; ++k) {
+    double gate = score[ranked[k].second];
+    if (c["norm_topk_prob"].get<bool>()) gate /= sum + 1e-20;
+    out.push_back({ranked[k].second, gate * c["routed_scaling_factor"].get<double>()});
+  }
+  return out;
+}
+
 // Mean cross-entropy of one sequence's next tokens (targets < 0 skipped) under the HF model.
 double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt, int64_t* count) {
   const nlohmann::json& c = w.config;
@@ -184,8 +269,10 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
   // rotation; Qwen3-MoE (modeling_qwen3_moe.py) Mixtral's with it, other names, and the
   // chosen gates renormalised only with norm_topk_prob.
   const bool qwen3_moe = c["model_type"] == "qwen3_moe", qwen = c["model_type"] == "qwen3" || qwen3_moe;
+  const bool deepseek = c["model_type"] == "deepseek_v3";
   const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
-             llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" || mixtral;
+             llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" ||
+                     mixtral || deepseek;
   const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
   const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
   const int64_t H = llama ? c["num_attention_heads"].get<int64_t>() : c["n_head"].get<int64_t>();
@@ -205,6 +292,9 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
     if (llama) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
       const Vec a = layer_norm(x, T, C, w.at(p + "input_layernorm.weight"), nullptr, eps, true);
+      if (deepseek) {
+        add(x, deepseek_attention(w, c, p + "self_attn.", a, T, eps));
+      } else {
       Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true);
       Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true);
       const Vec v = linear(a, T, C, w.at(p + "self_attn.v_proj.weight"), G * D, true);
@@ -216,6 +306,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       rope(k, T, G, D, rope_frequencies(c, D));
       add(x, linear(attention(q, k, v, T, H, G, D, hf_window(c, l)), T, C, w.at(p + "self_attn.o_proj.weight"), C,
                     true));
+      }
       const Vec m = layer_norm(x, T, C, w.at(p + "post_attention_layernorm.weight"), nullptr, eps, true);
       auto swiglu_mlp = [&](const Vec& in, const std::string& gate, const std::string& up, const std::string& down) {
         const Vec g = linear(in, T, C, w.at(gate), F, true);
@@ -223,6 +314,27 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         for (size_t i = 0; i < u.size(); ++i) u[i] *= g[i] / (1.0 + std::exp(-g[i]));  // silu(gate) * up
         return linear(u, T, F, w.at(down), C, true);
       };
+      if (deepseek && l >= c["first_k_dense_replace"].get<int64_t>()) {  // DeepseekV3MoE
+        const int64_t E = c["n_routed_experts"], Fe = c["moe_intermediate_size"], shared = c["n_shared_experts"];
+        const Vec logits = linear(m, T, C, w.at(p + "mlp.gate.weight"), E, true);
+        const Vec& bias = w.at(p + "mlp.gate.e_score_correction_bias");
+        const int64_t dense_F = F;
+        F = Fe;
+        std::vector<Vec> expert_out;
+        for (int64_t j = 0; j < E; ++j) {
+          const std::string e = p + "mlp.experts." + std::to_string(j) + ".";
+          expert_out.push_back(swiglu_mlp(m, e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"));
+        }
+        for (int64_t t = 0; t < T; ++t)
+          for (const auto& [e, gate] : deepseek_route(c, &logits[t * E], bias))
+            for (int64_t d = 0; d < C; ++d) x[t * C + d] += gate * expert_out[e][t * C + d];
+        F = Fe * shared;
+        if (shared > 0)
+          add(x, swiglu_mlp(m, p + "mlp.shared_experts.gate_proj.weight", p + "mlp.shared_experts.up_proj.weight",
+                            p + "mlp.shared_experts.down_proj.weight"));
+        F = dense_F;
+        continue;
+      }
       if (!mixtral) {
         add(x, swiglu_mlp(m, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"));
         continue;
@@ -342,6 +454,7 @@ double loom_loss(const std::vector<std::string>& model, const loom::train::Whole
       std::fill(params + e.offset, params + e.offset + e.numel, 0.0f);
       std::memcpy(params + e.offset, t->data.data(), n * sizeof(float));
     }
+    model.layer_states().assign(ck.states, "the checkpoint");  // e.g. the routers' expert biases
     float sum = 0;
     int64_t count = 0;
     model.forward(0, tokens.data(), targets.data(), false, 0, &sum, &count);
@@ -435,6 +548,41 @@ TEST(HfExport, Qwen3MoeWithEitherGateMatchesLoomsLoss) {
   check_export(qwen3_moe(true), "Qwen3MoeForCausalLM");
 }
 
+// DeepSeek-V3's blocks: multi-latent attention (q through a latent, or directly) before
+// dense SwiGLU MLPs, or before DeepSeek-V3's MoE: sigmoid scores in groups, the expert
+// bias trained (40 steps at 0.005 move it by up to 0.2: it changes some choices), gates
+// scaled by 2.5, a shared expert two experts wide.
+std::vector<std::string> deepseek_v3(bool moe, bool query_latent = true) {
+  std::vector<std::string> v = {"model.layer.embedding.position_embedding=\"rope\"",
+                                "model.layer.attention.position_embedding=\"rope\"",
+                                "model.layer.attention.norm=\"rmsnorm\"",
+                                "model.layer.attention.bias=false",
+                                "model.layer.attention.multi_latent_attention=true",
+                                std::string("model.layer.attention.q_lora_rank=") + (query_latent ? "12" : "0"),
+                                "model.layer.attention.kv_lora_rank=10",
+                                "model.layer.attention.qk_head_dim=6",
+                                "model.layer.attention.qk_pos_emb_head_dim=4",
+                                "model.layer.attention.v_head_dim=5",
+                                "model.layer.lm_head.norm=\"rmsnorm\""};
+  const std::string ffn = moe ? "moe" : "mlp";
+  for (const std::string& o : {ffn + ".norm=\"rmsnorm\"", ffn + ".activation=\"swiglu\"", ffn + ".bias=false"})
+    v.push_back("model.layer." + o);
+  if (moe)
+    for (const char* o : {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=8",
+                          "model.layer.moe.top_k=4", "model.layer.moe.ffn_hidden_size=16",
+                          "model.layer.moe.score_function=\"sigmoid\"", "model.layer.moe.num_groups=4",
+                          "model.layer.moe.group_topk=2", "model.layer.moe.topk_scaling_factor=2.5",
+                          "model.layer.moe.expert_bias=true", "model.layer.moe.expert_bias_update_rate=0.005",
+                          "model.layer.moe.shared_expert_ffn_hidden_size=32"})
+      v.push_back(o);
+  return v;
+}
+TEST(HfExport, DeepSeekV3FromTp2Pp2Dp2MatchesLoomsLoss) {
+  check_export(deepseek_v3(/*moe=*/false), "DeepseekV3ForCausalLM");
+  check_export(deepseek_v3(/*moe=*/false, /*query_latent=*/false), "DeepseekV3ForCausalLM");
+  check_export(deepseek_v3(/*moe=*/true), "DeepseekV3ForCausalLM");
+}
+
 TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
   const std::string dir = scratch("moe");
   const std::string step = parallel_checkpoint({"model.layer.mlp.activation=\"swiglu\""}, dir);
@@ -473,18 +621,16 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
         << e.what();
   }
   fs::remove_all(sigmoid);
-  // Multi-latent attention in Mixtral's blocks is no Mixtral (nor DeepSeek-V3 here).
-  const std::string latent = scratch("mixtral-mla");
-  std::vector<std::string> mla = mixtral();
-  for (const char* o : {"model.layer.attention.multi_latent_attention=true", "model.layer.attention.kv_lora_rank=8",
-                        "model.layer.attention.num_query_groups=0"})
-    mla.push_back(o);
+  // DeepSeek-V3's router ranks a group by its 2 best scores: loom's top_k / group_topk must be 2.
+  const std::string latent = scratch("deepseek-groups");
+  std::vector<std::string> ranked = deepseek_v3(true);
+  ranked.push_back("model.layer.moe.top_k=2");
   try {
-    loom::interop::export_hf(parallel_checkpoint(mla, latent), latent + "/out", loom::plugins::registry());
-    ADD_FAILURE() << "a model with multi-latent attention was exported";
+    loom::interop::export_hf(parallel_checkpoint(ranked, latent), latent + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a DeepSeek-V3 model ranking groups by their best score was exported";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("multi_latent_attention (DeepSeek-V2/V3's attention) has no Hugging Face "
-                                         "export here"),
+    EXPECT_NE(std::string(e.what()).find("DeepSeek-V3 ranks a group of experts by the sum of its 2 best scores, loom "
+                                         "by the sum of its top_k / group_topk = 1 best"),
               std::string::npos)
         << e.what();
   }
