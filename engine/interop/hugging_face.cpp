@@ -179,8 +179,9 @@ struct Shape {
   // Per-expert tensors named as Qwen3-MoE's (mlp.gate, mlp.experts.<j>.gate_proj, ...).
   bool qwen_style_experts() const { return qk_norm || deepseek; }
   // transformers' defaults, for a key a config.json leaves out.
-  double default_eps() const { return llama || qk_norm ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
+  double default_eps() const { return llama || qk_norm || deepseek ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
+    if (deepseek) return 128;  // DeepseekV3Config's (num_attention_heads' default)
     if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
     return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
@@ -591,7 +592,7 @@ void require_window(const nlohmann::json& c, const Shape& s, int64_t layers, int
   if (s.qwen() && c.contains("use_sliding_window") && !c["use_sliding_window"].is_boolean())
     throw std::runtime_error(where + ": use_sliding_window = " + c["use_sliding_window"].dump() +
                              " is not true or false");
-  int64_t windowed = s.llama && !s.mistral && !s.qwen() ? 0 : layers;  // Llama has none
+  int64_t windowed = (s.llama && !s.mistral && !s.qwen()) || s.deepseek ? 0 : layers;  // Llama and DeepSeek-V3 have none
   if (s.qwen() && !c.value("use_sliding_window", false)) windowed = 0;
   if (windowed > 0 && s.qwen() && s.llama) {
     if (c.contains("layer_types") && c["layer_types"].is_array()) {
@@ -806,6 +807,27 @@ class HfTensors {
     read_.insert(t->name);
     return *t;
   }
+  // A vector of n values in F32 or BF16 whatever the model's dtype (DeepSeek-V3's
+  // checkpoints keep the routers' e_score_correction_bias in F32 beside BF16 weights).
+  std::vector<float> floats(const std::string& name, int64_t n) const {
+    const NamedTensor* t = find(name);
+    if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
+    if ((t->dtype != "F32" && t->dtype != "BF16") || t->shape != std::vector<int64_t>{n})
+      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " must be F32 or BF16 [" + std::to_string(n) +
+                               "]");
+    require_finite(*t, name);
+    read_.insert(t->name);
+    std::vector<float> out(static_cast<size_t>(n));
+    for (size_t i = 0; i < out.size(); ++i) {
+      uint32_t bits = 0;
+      if (t->dtype == "BF16")
+        std::memcpy(reinterpret_cast<char*>(&bits) + 2, t->data.data() + 2 * i, 2);
+      else
+        std::memcpy(&bits, t->data.data() + 4 * i, 4);
+      std::memcpy(&out[i], &bits, 4);
+    }
+    return out;
+  }
   // The file's tensors no get() asked for, but the buffers transformers saves beside
   // the weights (rotary frequencies, GPT-2's causal masks).
   std::vector<std::string> unread() const {
@@ -909,6 +931,97 @@ void require_equal(int64_t hf, int64_t loom, const std::string& hf_key, const st
                              " is " + std::to_string(loom) + "; set " + loom_key + " = " + std::to_string(hf));
 }
 
+// A key that would make transformers compute another model than loom's is refused. An
+// absent key is transformers' default for the architecture (null: required).
+void require_config_value(const nlohmann::json& c, const std::string& where, const char* k, const nlohmann::json& want,
+                          const nlohmann::json& hf_default) {
+  const bool given = c.contains(k) && !c[k].is_null();
+  if (!given && hf_default.is_null()) throw std::runtime_error(where + " has no " + k + " (loom's is " + want.dump() + ")");
+  const nlohmann::json& v = given ? c[k] : hf_default;
+  const bool same = v.is_number() && want.is_number() ? std::fabs(v.get<double>() - want.get<double>()) <=
+                                                             1e-12 * std::fabs(want.get<double>())
+                                                      : v == want;
+  if (!same)
+    throw std::runtime_error(where + ": " + k + " = " + v.dump() + (given ? "" : " (transformers' default)") +
+                             ", which loom's model does not compute (it has " + want.dump() + ")");
+}
+
+// DeepseekV3Config against the manifest's DeepSeek-V3 blocks (DeepseekV3Config's
+// defaults for absent keys): the latent attention's sizes, dense or MoE layers
+// throughout (loom's blocks repeat one), and the router as loom's computes it.
+void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t dense_ffn, int64_t layers,
+                             const std::string& where) {
+  auto value = [&](const char* k, const nlohmann::json& want, const nlohmann::json& hf_default) {
+    require_config_value(c, where, k, want, hf_default);
+  };
+  const Shape::Latent& l = s.latent;
+  if (l.q_rank > 0)
+    value("q_lora_rank", l.q_rank, 1536);
+  else if (!(c.contains("q_lora_rank") && c["q_lora_rank"].is_null()))
+    throw std::runtime_error(where + ": q_lora_rank = " + c.value("q_lora_rank", nlohmann::json(1536)).dump() +
+                             (c.contains("q_lora_rank") ? "" : " (transformers' default)") +
+                             " projects q through a latent; the model's q_lora_rank is 0 (null there)");
+  value("kv_lora_rank", l.kv_rank, 512);
+  value("qk_nope_head_dim", l.nope, 128);
+  value("qk_rope_head_dim", l.rope, 64);
+  value("v_head_dim", l.v, 128);
+  if (c.contains("rope_interleave") && !c["rope_interleave"].is_boolean())
+    throw std::runtime_error(where + ": rope_interleave = " + c["rope_interleave"].dump() + " is not true or false");
+  // Layers from first_k_dense_replace on are MoE layers: all of them, or none.
+  const int64_t first_moe = c.contains("first_k_dense_replace") ? config_int(c, "first_k_dense_replace", where) : 3;
+  if (s.moe ? first_moe > 0 : first_moe < layers)
+    throw std::runtime_error(where + ": first_k_dense_replace = " + std::to_string(first_moe) + " of " +
+                             std::to_string(layers) + " layers makes " +
+                             (s.moe ? "its first layers dense" : "layers MoE") + "; loom's blocks are all " +
+                             (s.moe ? "MoE (model.block of moe)" : "dense (model.block of mlp)"));
+  if (!s.moe) return value("intermediate_size", dense_ffn, 18432);
+  if (c.contains("scoring_func")) value("scoring_func", "sigmoid", "sigmoid");  // the DeepSeek-V3 repository's keys
+  if (c.contains("topk_method")) value("topk_method", "noaux_tc", "noaux_tc");
+  value("n_routed_experts", s.experts, 256);
+  value("num_experts_per_tok", s.top_k, 8);
+  value("moe_intermediate_size", s.expert_ffn, 2048);
+  value("n_shared_experts", s.shared_ffn / s.expert_ffn, 1);
+  value("n_group", s.groups_of_experts > 0 ? s.groups_of_experts : 1, 8);
+  value("topk_group", s.groups_of_experts > 0 ? s.group_topk : 1, 4);
+  value("norm_topk_prob", s.top_k > 1, true);
+  value("routed_scaling_factor", s.routed_scaling, 2.5);
+}
+
+// transformers' DeepseekV3Attention weights into multi-latent attention's (see
+// latent_attention_to_hf). With rope_interleave (DeepSeek's own checkpoints) the rotary
+// rows of q and of the shared key are pairs (2i, 2i + 1); loom rotates halves (i, i +
+// rope/2), so those rows are reordered evens first, as transformers does to the vectors.
+void latent_attention_from_hf(const HfTensors& hf, Collector& out, const Shape& s, int64_t C, int64_t H,
+                              const std::string& at, const std::string& from, bool interleaved) {
+  const Shape::Latent& l = s.latent;
+  const int64_t qk = l.nope + l.rope;
+  auto halves = [&](Matrix m, int64_t every, int64_t first) {  // HF [out, in]: the rows of each rotary block
+    if (!interleaved) return m;
+    const Matrix was = m;
+    const size_t row = static_cast<size_t>(m.cols) * m.elem;
+    for (int64_t r0 = first; r0 < m.rows; r0 += every)
+      for (int64_t i = 0; i < l.rope; ++i) {
+        const int64_t src = r0 + (i < l.rope / 2 ? 2 * i : 2 * (i - l.rope / 2) + 1);
+        std::memcpy(m.data.data() + (r0 + i) * row, was.data.data() + src * row, row);
+      }
+    return m;
+  };
+  if (l.q_rank > 0) {
+    out.add(at + "q_down.weight", transposed(matrix_of(hf.get(from + "q_a_proj.weight", {l.q_rank, C}))));
+    out.add(at + "q_latent_norm.weight", hf.get(from + "q_a_layernorm.weight", {l.q_rank}));
+    out.add(at + "q_up.weight", transposed(halves(matrix_of(hf.get(from + "q_b_proj.weight", {H * qk, l.q_rank})), qk, l.nope)));
+  } else {
+    out.add(at + "q.weight", transposed(halves(matrix_of(hf.get(from + "q_proj.weight", {H * qk, C})), qk, l.nope)));
+  }
+  const int64_t down = l.kv_rank + l.rope;
+  out.add(at + "kv_down.weight",
+          transposed(halves(matrix_of(hf.get(from + "kv_a_proj_with_mqa.weight", {down, C})), down, l.kv_rank)));
+  out.add(at + "kv_latent_norm.weight", hf.get(from + "kv_a_layernorm.weight", {l.kv_rank}));
+  out.add(at + "kv_up.weight",
+          transposed(matrix_of(hf.get(from + "kv_b_proj.weight", {H * (l.nope + l.v), l.kv_rank}))));
+  out.add(at + "proj.weight", transposed(matrix_of(hf.get(from + "o_proj.weight", {C, H * l.v}))));
+}
+
 }  // namespace
 
 train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan, int64_t vocab) {
@@ -951,23 +1064,14 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   };
   HfTensors hf(dir);
   Collector out(hf.dtype());
+  model::StateValues states;  // DeepSeek-V3's router biases
   require_equal(config_int(c, "vocab_size", where), vocab, "vocab_size", "model.vocab_size", where);
   if (!hf_tied && tied)
     throw std::runtime_error(where + ": the model has its own lm_head.weight (tie_word_embeddings false); set "
                              "model.tie_embeddings = false");
   const std::string tie = tied ? "word_embedding" : "";
-  // Keys that would make transformers compute another model than loom's: refused. An
-  // absent key is transformers' default for the architecture (null: required).
   auto require_value = [&](const char* k, const nlohmann::json& want, const nlohmann::json& hf_default) {
-    const bool given = c.contains(k) && !c[k].is_null();
-    if (!given && hf_default.is_null()) throw std::runtime_error(where + " has no " + k + " (loom's is " + want.dump() + ")");
-    const nlohmann::json& v = given ? c[k] : hf_default;
-    const bool same = v.is_number() && want.is_number() ? std::fabs(v.get<double>() - want.get<double>()) <=
-                                                               1e-12 * std::fabs(want.get<double>())
-                                                        : v == want;
-    if (!same)
-      throw std::runtime_error(where + ": " + k + " = " + v.dump() + (given ? "" : " (transformers' default)") +
-                               ", which loom's model does not compute (it has " + want.dump() + ")");
+    require_config_value(c, where, k, want, hf_default);
   };
   require_value("model_type", s.model_type(), nullptr);
   if (s.gpt2) {
@@ -980,7 +1084,11 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   } else {
     require_value("hidden_act", "silu", "silu");
     require_value("rms_norm_eps", s.eps, s.default_eps());
-    require_value("head_dim", C / H, s.default_head_dim(C, H));
+    // DeepseekV3Config saves its head_dim as the rotary part's size.
+    if (s.deepseek)
+      require_value("head_dim", s.latent.rope, s.latent.rope);
+    else
+      require_value("head_dim", C / H, s.default_head_dim(C, H));
     require_value("attention_bias", false, false);
     // A rotary embedding over part of each head (loom's rotary_percent) has no
     // counterpart in these architectures' attention (export refuses it too).
@@ -1029,7 +1137,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + " has no rope_scaling of type llama3, which the model's rope_scaling = "
                                "\"llama3\" computes");
     const bool given = !theta.is_null();
-    if (!given) theta = s.llama || s.qwen() ? 10000.0 : 1000000.0;
+    if (!given) theta = s.llama || s.qwen() || s.deepseek ? 10000.0 : 1000000.0;
     if (!theta.is_number() || theta.get<double>() != s.theta)
       throw std::runtime_error(where + ": rope_theta = " + theta.dump() + (given ? "" : " (transformers' default)") +
                                " but the model's rotary_base is " + std::to_string(s.theta) +
@@ -1077,7 +1185,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     require_equal(config_int(c, "hidden_size", where), C, "hidden_size", "model.hidden_size", where);
     require_layers("num_hidden_layers");
     require_equal(config_int(c, "num_attention_heads", where), H, "num_attention_heads", "model.num_heads", where);
-    if (s.llama) {
+    if (s.deepseek) {
+      require_deepseek_config(c, s, F, L, where);
+    } else if (s.llama) {
       require_equal(config_int(c, "intermediate_size", where), F, "intermediate_size", "model.ffn_hidden_size", where);
     } else {
       const char* expert_ffn = s.qwen() ? "moe_intermediate_size" : "intermediate_size";
@@ -1117,27 +1227,31 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     for (int64_t i = 0; i < L; ++i) {
       const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       out.add(at + "ln.weight", hf.get(h + "input_layernorm.weight", {C}));
-      const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
-      const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
-      const Matrix v = transposed(matrix_of(hf.get(h + "self_attn.v_proj.weight", {G * D, C})));
-      std::vector<Matrix> parts;
-      if (G < H) {  // per group: its hg query heads, its key head, its value head
-        for (int64_t g = 0; g < G; ++g) {
-          parts.push_back(columns(q, g * hg * D, hg * D));
-          parts.push_back(columns(k, g * D, D));
-          parts.push_back(columns(v, g * D, D));
-        }
+      if (s.deepseek) {
+        latent_attention_from_hf(hf, out, s, C, H, at, h + "self_attn.", c.value("rope_interleave", true));
       } else {
-        parts = {q, k, v};
-      }
-      out.add(at + "qkv.weight", concat_columns(parts));
-      out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
-      if (s.qk_norm) {
-        out.add(at + "q_norm.weight", hf.get(h + "self_attn.q_norm.weight", {D}));
-        out.add(at + "k_norm.weight", hf.get(h + "self_attn.k_norm.weight", {D}));
+        const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
+        const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
+        const Matrix v = transposed(matrix_of(hf.get(h + "self_attn.v_proj.weight", {G * D, C})));
+        std::vector<Matrix> parts;
+        if (G < H) {  // per group: its hg query heads, its key head, its value head
+          for (int64_t g = 0; g < G; ++g) {
+            parts.push_back(columns(q, g * hg * D, hg * D));
+            parts.push_back(columns(k, g * D, D));
+            parts.push_back(columns(v, g * D, D));
+          }
+        } else {
+          parts = {q, k, v};
+        }
+        out.add(at + "qkv.weight", concat_columns(parts));
+        out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
+        if (s.qk_norm) {
+          out.add(at + "q_norm.weight", hf.get(h + "self_attn.q_norm.weight", {D}));
+          out.add(at + "k_norm.weight", hf.get(h + "self_attn.k_norm.weight", {D}));
+        }
       }
       out.add(ml + "ln.weight", hf.get(h + "post_attention_layernorm.weight", {C}));
-      if (s.llama) {
+      if (s.llama || (s.deepseek && !s.moe)) {
         out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
                                                     transposed(matrix_of(hf.get(h + "mlp.up_proj.weight", {F, C})))}));
         out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));
@@ -1157,12 +1271,27 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       }
       out.add(ml + "experts.fc1.weight", {s.experts, C, 2 * Fe}, std::move(fc1));
       out.add(ml + "experts.fc2.weight", {s.experts, Fe, C}, std::move(fc2));
+      if (!s.deepseek) continue;
+      // The router's bias: the layer's state with expert_bias; without, it must be zero.
+      std::vector<float> bias = hf.floats(h + "mlp.gate.e_score_correction_bias", s.experts);
+      if (s.expert_bias)
+        states[ml + "router.expert_bias"] = std::move(bias);
+      else if (std::any_of(bias.begin(), bias.end(), [](float b) { return b != 0.0f; }))
+        throw std::runtime_error(where + ": the routers choose with a bias (mlp.gate.e_score_correction_bias); set "
+                                 "model.layer.moe.expert_bias = true");
+      if (const int64_t Fs = s.shared_ffn; Fs > 0) {
+        out.add(ml + "shared.fc1.weight",
+                concat_columns({transposed(matrix_of(hf.get(h + "mlp.shared_experts.gate_proj.weight", {Fs, C}))),
+                                transposed(matrix_of(hf.get(h + "mlp.shared_experts.up_proj.weight", {Fs, C})))}));
+        out.add(ml + "shared.fc2.weight", transposed(matrix_of(hf.get(h + "mlp.shared_experts.down_proj.weight", {C, Fs}))));
+      }
     }
     out.add(s.head + "ln.weight", hf.get("model.norm.weight", {C}));
     if (!tied) out.add(s.head + "word.weight", hf.get(hf_tied ? "model.embed_tokens.weight" : "lm_head.weight", {vocab, C}));
   }
   train::InitialWeights w{dir, out.take(), vocab};
   w.unread = hf.unread();
+  w.states = std::move(states);
   return w;
 }
 

@@ -177,13 +177,14 @@ void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs) {
       }
 }
 
-// modeling_deepseek_v3.py's DeepseekV3Attention (rope_interleave false: rotate_half) on
-// the normalised input a [T, C] of layer prefix p ("model.layers.<i>.self_attn."): q
+// modeling_deepseek_v3.py's DeepseekV3Attention on the normalised input a [T, C] of
+// layer prefix p ("model.layers.<i>.self_attn."); with rope_interleave (its default)
+// each rotary vector is reordered evens first before rotate_half, as
+// apply_rotary_pos_emb_interleave does: q
 // through its latent (or q_proj), the key/value latent and one rotary key shared by the
 // heads, per head [nope | rope] scores over sqrt(nope + rope), values of v_head_dim.
 Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::string& p, const Vec& a, int64_t T,
                        double eps) {
-  EXPECT_FALSE(c.value("rope_interleave", true)) << "interleaved rotary pairs";
   const int64_t C = c["hidden_size"], H = c["num_attention_heads"], nope = c["qk_nope_head_dim"],
                 rd = c["qk_rope_head_dim"], vd = c["v_head_dim"], kv = c["kv_lora_rank"], qk = nope + rd;
   Vec q;
@@ -205,6 +206,12 @@ Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::s
   }
   const Vec kvb = linear(layer_norm(latent, T, kv, w.at(p + "kv_a_layernorm.weight"), nullptr, eps, true), T, kv,
                          w.at(p + "kv_b_proj.weight"), H * (nope + vd), true);
+  if (c.value("rope_interleave", true))
+    for (Vec* v : {&q_rot, &k_rot})
+      for (size_t r0 = 0; r0 < v->size(); r0 += static_cast<size_t>(rd)) {
+        const Vec was(v->begin() + r0, v->begin() + r0 + rd);
+        for (int64_t i = 0; i < rd; ++i) (*v)[r0 + i] = was[i < rd / 2 ? 2 * i : 2 * (i - rd / 2) + 1];
+      }
   rope(q_rot, T, H, rd, rope_frequencies(c, rd));
   rope(k_rot, T, 1, rd, rope_frequencies(c, rd));
   Vec y(static_cast<size_t>(T * H * vd), 0.0);
@@ -731,6 +738,11 @@ void check_round_trip(const std::vector<std::string>& model) {
     EXPECT_EQ(t.shape[0] == want->shape[0], t.data.size() == want->data.size()) << t.name;
     ++compared;
   }
+  for (const auto& [name, values] : ck.states)  // DeepSeek-V3's router biases (not the optional last load)
+    if (name.ends_with("expert_bias")) {
+      ASSERT_TRUE(back.states.count(name)) << name << " was not read back";
+      EXPECT_EQ(back.states.at(name), values) << name;
+    }
   std::set<std::string> ties;  // a tied copy another stage holds is one tensor of the export
   size_t distinct = 0;
   for (const loom::train::WholeTensor& t : ck.tensors) distinct += t.tie_key.empty() || ties.insert(t.tie_key).second;
@@ -740,6 +752,68 @@ void check_round_trip(const std::vector<std::string>& model) {
 }
 
 TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
+TEST(HfImport, DeepSeekV3RoundTripIsBitExact) {
+  check_round_trip(deepseek_v3(/*moe=*/false, /*query_latent=*/false));
+  check_round_trip(deepseek_v3(/*moe=*/true));
+}
+
+// DeepSeek's own checkpoints pair the rotary elements (2i, 2i + 1) (rope_interleave, the
+// config's default): the export with its q_b_proj and kv_a_proj_with_mqa rotary rows
+// interleaved so computes the same loss under transformers' interleaved rotation, and
+// reads back as the original weights.
+TEST(HfImport, DeepSeekV3InterleavedRotaryRowsReadAsLoomsHalves) {
+  const std::vector<std::string> model = deepseek_v3(/*moe=*/true);
+  const std::string dir = scratch("ds-il"), out = scratch("ds-il-out");
+  const std::string step = parallel_checkpoint(model, dir);
+  loom::interop::export_hf(step, out, loom::plugins::registry());
+  const std::string st = out + "/model.safetensors";
+  loom::interop::SafetensorsFile f = loom::interop::read_safetensors(st);
+  const int64_t qk = 10, rope = 4, kv = 10;
+  size_t changed = 0;
+  for (loom::interop::NamedTensor& t : f.tensors) {
+    const bool q = t.name.ends_with("q_b_proj.weight"), down = t.name.ends_with("kv_a_proj_with_mqa.weight");
+    if (!q && !down) continue;
+    const size_t row = static_cast<size_t>(t.shape[1]) * 4;
+    const std::vector<char> was = t.data;
+    for (int64_t r0 = q ? qk - rope : kv; r0 < t.shape[0]; r0 += q ? qk : kv + rope)
+      for (int64_t i = 0; i < rope / 2; ++i) {  // halves (i, i + rope/2) to pairs (2i, 2i + 1)
+        std::memcpy(t.data.data() + (r0 + 2 * i) * row, was.data() + (r0 + i) * row, row);
+        std::memcpy(t.data.data() + (r0 + 2 * i + 1) * row, was.data() + (r0 + rope / 2 + i) * row, row);
+      }
+    changed += t.data != was;
+  }
+  EXPECT_EQ(changed, 8u);  // 4 layers' q_b_proj and kv_a_proj_with_mqa
+  loom::interop::write_safetensors(st, f.tensors, f.metadata);
+  nlohmann::json config = nlohmann::json::parse(std::ifstream(out + "/config.json"));
+  config["rope_interleave"] = true;
+  std::ofstream(out + "/config.json") << config.dump(2);
+
+  const loom::train::WholeCheckpoint ck = loom::train::gather_checkpoint(step, loom::plugins::registry());
+  std::vector<int32_t> tokens, targets;
+  int64_t seq = 0, mbs = 0;
+  const double want = loom_loss(model, ck, tokens, targets, seq, mbs);
+  const HfWeights w = read_hf(out);
+  double sum = 0;
+  int64_t count = 0;
+  for (int64_t b = 0; b < mbs; ++b) {
+    std::vector<int32_t> tok, tgt;
+    for (int64_t s = 0; s < seq; ++s) {
+      tok.push_back(tokens[s * mbs + b]);
+      tgt.push_back(targets[s * mbs + b]);
+    }
+    sum += hf_loss(w, tok, tgt, &count);
+  }
+  EXPECT_NEAR(sum / static_cast<double>(count), want, 1e-5 * want) << "interleaved rows under the interleaved rotation";
+  const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model));
+  const loom::train::InitialWeights back = loom::interop::read_hf(out, plan, ck.vocab);
+  for (const loom::train::WholeTensor& t : back.tensors) {
+    const loom::train::WholeTensor* orig = ck.find(t.name);
+    ASSERT_NE(orig, nullptr) << t.name;
+    EXPECT_EQ(0, std::memcmp(t.data.data(), orig->data.data(), t.data.size())) << t.name;
+  }
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
 TEST(HfImport, TwoPairsABlockRoundTripIsBitExact) { check_round_trip(two_pairs()); }
 TEST(HfImport, LlamaRoundTripIsBitExact) { check_round_trip(llama()); }
 TEST(HfImport, MixtralRoundTripIsBitExact) { check_round_trip(mixtral()); }
