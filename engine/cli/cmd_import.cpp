@@ -40,9 +40,25 @@ std::string absolute(const std::string& path) {
 // A string as a TOML value (quotes, backslashes and control characters escaped).
 std::string toml_string(const std::string& s) { return manifest::to_toml_text(toml::value<std::string>(s)); }
 
+// A failed import leaves no OUTDIR of its own making: the run it starts makes the
+// directory and its lock before the source is read.
+struct MadeOutdir {
+  std::string dir;
+  bool existed = true, done = false;
+  ~MadeOutdir() {
+    namespace fs = boost::filesystem;
+    boost::system::error_code ec;
+    if (done || existed || dir.empty() || !fs::is_directory(dir, ec)) return;
+    for (const auto& e : fs::directory_iterator(dir, ec))
+      if (e.path().filename() != ".lock") return;  // something else was written: leave it
+    fs::remove_all(dir, ec);
+  }
+};
+
 }  // namespace
 
 int cmd_import(int argc, char** argv) {
+  MadeOutdir made;
   try {
     Args args(argc, argv, {}, {"--set", "--plugin-path"});
     if (args.flag("--help")) {
@@ -65,6 +81,8 @@ int cmd_import(int argc, char** argv) {
     if (const std::optional<int64_t> step = train::latest_checkpoint(out))
       throw std::runtime_error(pos[2] + " holds checkpoints already (the newest " +
                                train::checkpoint_path(pos[2], *step) + "); import into a new or empty directory");
+    made.dir = out;
+    made.existed = boost::filesystem::exists(out);
     plugins::Registry& registry = plugins::registry();
     registry.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
     std::vector<std::string> overrides = args.all("--set");
@@ -79,6 +97,7 @@ int cmd_import(int argc, char** argv) {
       return interop::read_initial_weights(source, plan, vocab, registry);
     };
     const train::TrainResult r = train::train(plan, opts);
+    made.done = true;
     std::cout << "import: " << pos[0] << " -> " << r.checkpoint << " (world " << plan.sizes.world << ": tp "
               << plan.sizes.tp << ", pp " << plan.sizes.pp << ", dp " << plan.dp << ", cp " << plan.sizes.cp << ", ep "
               << plan.sizes.ep << "; " << plan.config.device.param_dtype << ")\n"

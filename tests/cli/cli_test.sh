@@ -147,6 +147,14 @@ grep -q "warning: --group-size 3 gives the same orders as 0 (pp) under parallel/
 # 6. Usage errors exit 2; --help exits 0.
 "$loom" run > /dev/null 2>&1; [ $? -eq 2 ] || fail "loom run without a manifest should exit 2"
 "$loom" frobnicate > /dev/null 2>&1; [ $? -eq 2 ] || fail "an unknown command should exit 2"
+# Multi-latent attention's sizes are bounded before any product of them is formed, and
+# its latents' sizes are checked by validate.
+"$loom" validate "$here/../../configs/deepseek_quickstart.toml" --set model.layer.attention.qk_head_dim=4611686018427387904 \
+  > "$work/mla.out" 2>&1 && fail "validate of a qk_head_dim of 2^62 succeeded"
+grep -q "qk_head_dim must be between 0 and 1048576" "$work/mla.out" || fail "no bound on qk_head_dim: $(tail -2 "$work/mla.out")"
+"$loom" validate "$here/../../configs/deepseek_quickstart.toml" --set model.layer.attention.qk_pos_emb_head_dim=7 \
+  > "$work/mla.out" 2>&1 && fail "validate of an odd qk_pos_emb_head_dim succeeded"
+grep -q "qk_pos_emb_head_dim (7) must be even" "$work/mla.out" || fail "odd rotary part: $(tail -2 "$work/mla.out")"
 for c in run validate plugins groups schedule; do "$loom" $c --help > /dev/null || fail "loom $c --help"; done
 
 # 7. Resharding on resume: 6 steps at dp = 4 (distributed optimizer), resumed at dp = 2 to
@@ -399,6 +407,7 @@ grep -q "import: .* -> .*imported/step_00000000 (world 2: tp 2" "$work/import.ou
 "$loom" import "$work/hf" "$here/tiny.toml" "$work/other" "${bytes[@]}" --set model.num_heads=2 > "$work/other.out" 2>&1
 [ $? -eq 1 ] && grep -q "config.json: n_head = 4 but the model's model.num_heads is 2" "$work/other.out" \
   || fail "import of another model: $(cat "$work/other.out")"
+[ ! -e "$work/other" ] || fail "a failed import left its OUTDIR: $(ls -A "$work/other" 2>&1)"
 
 # 17. A disk that fills (here a file-size limit) while a checkpoint is written, in line
 # or beside training (checkpoint.async_save): the run fails naming the file (exit 1),

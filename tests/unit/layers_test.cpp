@@ -699,6 +699,14 @@ TEST(Layers, MultiLatentAttentionRefusesOptionsItCannotHonour) {
   EXPECT_NE(refusal(with("rotary_percent", 0.5)).find("leave rotary_percent out"), std::string::npos);
   EXPECT_NE(refusal(with("kv_lora_rank", 0)).find("needs kv_lora_rank"), std::string::npos);
   EXPECT_NE(refusal(with("qk_pos_emb_head_dim", 3)).find("must be even"), std::string::npos);
+  {
+    toml::table one = with("kv_lora_rank", 1);
+    one.insert_or_assign("norm", "layernorm");
+    EXPECT_NE(refusal(one).find("a LayerNorm over kv_lora_rank = 1 element is its bias alone"), std::string::npos)
+        << refusal(one);
+    one.insert_or_assign("norm", "rmsnorm");
+    EXPECT_EQ(refusal(one), "");
+  }
   const toml::table plain{{"kv_lora_rank", 8}};
   EXPECT_NE(refusal(plain).find("kv_lora_rank = 8 sizes multi-latent attention"), std::string::npos);
   EXPECT_EQ(refusal(mla_options(6, 3)), "");

@@ -225,6 +225,13 @@ class Attention : public loom::Layer {
     refuse(options.declared_float("rotary_percent") != 1.0,
            "rotates qk_pos_emb_head_dim elements of each head: leave rotary_percent out");
     refuse(options.declared_int("kv_lora_rank") < 1, "needs kv_lora_rank, the key/value latent's width (>= 1)");
+    // A LayerNorm over one element outputs its bias whatever the element: every token
+    // would get the same latent.
+    if (options.declared_string("norm") == "layernorm")
+      for (const char* key : {"q_lora_rank", "kv_lora_rank"})
+        refuse(options.declared_int(key) == 1, std::string("normalises its latents, and a LayerNorm over ") + key +
+                                                   " = 1 element is its bias alone: make it 2 or more, or set norm = "
+                                                   "\"rmsnorm\"");
   }
 
   // The latent projection's widths; a head size left 0 is hidden / heads (the rotary
@@ -1103,19 +1110,19 @@ std::vector<loom::OptionSpec> attention_options() {
       loom::opt_int("q_lora_rank", 0,
                     "multi_latent_attention: the query latent's width (DeepSeek-V3 1536); 0 = q projected from the "
                     "input directly (DeepSeek-V2-Lite)")
-          .in("[0, inf)"),
+          .in("[0, 1048576]"),
       loom::opt_int("kv_lora_rank", 0, "multi_latent_attention: the key/value latent's width (DeepSeek-V3 512)")
-          .in("[0, inf)"),
+          .in("[0, 1048576]"),
       loom::opt_int("qk_head_dim", 0,
                     "multi_latent_attention: each head's q and k elements without rotation (DeepSeek-V3 128; 0 = "
                     "hidden / heads)")
-          .in("[0, inf)"),
+          .in("[0, 1048576]"),
       loom::opt_int("qk_pos_emb_head_dim", 0,
                     "multi_latent_attention: each head's rotated q and the shared rotated k elements, even "
                     "(DeepSeek-V3 64; 0 = half of hidden / heads)")
-          .in("[0, inf)"),
+          .in("[0, 1048576]"),
       loom::opt_int("v_head_dim", 0, "multi_latent_attention: each head's value elements (DeepSeek-V3 128; 0 = hidden / heads)")
-          .in("[0, inf)")};
+          .in("[0, 1048576]")};
   for (loom::OptionSpec& n : loom::layers::norm_option_specs()) o.push_back(std::move(n));
   return o;
 }
