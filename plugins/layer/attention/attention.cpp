@@ -448,8 +448,8 @@ class Attention : public loom::Layer {
 
     BackwardTemps bt = backward_temps(S, B, s.dropped);
     Arena& tmp = bt.mem;
-    const size_t dproj = bt.dproj, ln = bt.ln, ln_full = bt.ln_full, dctx = bt.dctx, dqkv = bt.dqkv, dln = bt.dln,
-                 dgrouped = bt.dgrouped, dbias = bt.dbias, ctx_c = bt.ctx_c, dctx_c = bt.dctx_c;
+    const size_t dproj = bt.dproj, dctx = bt.dctx, dqkv = bt.dqkv, dln = bt.dln, ctx_c = bt.ctx_c,
+                 dctx_c = bt.dctx_c;
     tmp.allocate(rank_);
 
     // Through dropout; the projection and its bias (g's backward: identity, or
@@ -485,61 +485,11 @@ class Attention : public loom::Layer {
       if (dkv) kv.scatter_grad(tmp.at<void>(dqkv));
     }
     if (rope_) rotate(dev, tmp.at(dqkv), S, B, /*backward=*/true, 0, s.positions);  // dq, dk of the unrotated q, k
-    if (latent_) {
-      // The norm's output recomputed, here this rank's rows (and gathered for a
-      // column-parallel q under SP).
-      const void* ln_in = tmp.at(ln);
-      if (mla_.needs_gathered_input())
-        ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean), s.mem.at(s.rstd),
-                                   tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
-      else
-        norm_.forward(dev, s.mem.at(s.x), w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
-                      dt_.act);
-      mla_.backward(dev, tmp.at(dqkv), tmp.at(ln), ln_in, s.latents.at(s.mem), tmp.at(dln), Tl, w_, gs, dt_.act);
-    } else {
-      if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
-      // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
-      void* dout = tmp.at(dqkv);
-      if (grouped_) {
-        regroup(dev, tmp.at(dqkv), tmp.at(dgrouped), T);
-        dout = tmp.at(dgrouped);
-      }
-
-      // The LN output, recomputed (and gathered again under SP).
-      const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
-                                             s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
-      // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
-      tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = qkv_local_, .x = ln_in, .weight = w(qkv_w_),
-                                           .dy = dout, .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
-                                           .grad_fp32 = gs.grad_fp32()});
-      // qkv.bias: without rotary embeddings only its q and v parts get a gradient. The
-      // k part's is exactly zero (softmax is invariant to adding one vector to every
-      // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
-      // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
-      // run-dependent updates. Rotated, the added vector differs from token to token,
-      // and normalised per head (qk_norm) it is not added to the keys at all: then every
-      // part has a gradient.
-      float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
-      if (qkv_b_ != kNone) {
-        void* qkv_b = gs[qkv_b_];
-        const int32_t gdt = gs.grad_dtype();
-        column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
-        if (rope_ || qk_norm_) {
-          accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
-        } else if (!grouped_) {
-          accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
-          accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gdt), Hl, gdt);  // v
-        } else {
-          const int64_t D = head_dim_, Wg = (group_heads_ + 2) * D;
-          for (int64_t g = 0; g < qkv_local_ / Wg; ++g) {
-            accumulate_f32(rank_, dev, colsum + g * Wg, advance(qkv_b, g * Wg, gdt), group_heads_ * D, gdt);  // q
-            accumulate_f32(rank_, dev, colsum + g * Wg + (group_heads_ + 1) * D,
-                           advance(qkv_b, g * Wg + (group_heads_ + 1) * D, gdt), D, gdt);  // v
-          }
-        }
-      }
-
-    }
+    // The gradient of the normalised input, into tmp.at(bt.dln); the projections' weight gradients.
+    if (latent_)
+      latent_projection_backward(dev, s, bt, gs, Tl);
+    else
+      qkv_projection_backward(dev, s, bt, gs, Tl);
 
     // dx = dy (the residual) + LN backward; every read of dy is done above.
     copy_d2d(dev, dx, dy, Tl * H * dt_.act_bytes());
@@ -708,6 +658,77 @@ class Attention : public loom::Layer {
     s.dropped = drop;
     s.documents = documents;
     return s;
+  }
+
+  // Multi-latent attention's projections backward (latent_projection.hpp), from the
+  // packed dq, dk, dv in bt.dqkv.
+  void latent_projection_backward(const loom::Device& dev, Saved& s, BackwardTemps& bt, const GradShadow& gs,
+                                  int64_t Tl) {
+    const int64_t H = hidden_;
+    Arena& tmp = bt.mem;
+    const size_t ln = bt.ln, ln_full = bt.ln_full, dqkv = bt.dqkv, dln = bt.dln;
+    // The norm's output recomputed, here this rank's rows (and gathered for a
+    // column-parallel q under SP).
+    const void* ln_in = tmp.at(ln);
+    if (mla_.needs_gathered_input())
+      ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean), s.mem.at(s.rstd),
+                                 tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
+    else
+      norm_.forward(dev, s.mem.at(s.x), w(ln_w_), w(ln_b_), tmp.at(ln), s.mem.at(s.mean), s.mem.at(s.rstd), Tl, H,
+                    dt_.act);
+    mla_.backward(dev, tmp.at(dqkv), tmp.at(ln), ln_in, s.latents.at(s.mem), tmp.at(dln), Tl, w_, gs, dt_.act);
+  }
+
+  // The fused QKV GEMM's backward (column-parallel, through the query groups and the
+  // q/k norms), from the packed dq, dk, dv in bt.dqkv.
+  void qkv_projection_backward(const loom::Device& dev, Saved& s, BackwardTemps& bt, GradShadow& gs, int64_t Tl) {
+    const int64_t H = hidden_, Hl = hidden_local_, T = s.S * s.B;
+    Arena& tmp = bt.mem;
+    const size_t ln = bt.ln, ln_full = bt.ln_full, dqkv = bt.dqkv, dln = bt.dln, dgrouped = bt.dgrouped,
+                 dbias = bt.dbias;
+    auto grad = [&gs](size_t i) { return i == kNone ? nullptr : gs[i]; };
+    if (qk_norm_) normalize_qk_backward(dev, tmp.at(dqkv), T, s, gs);  // dq, dk of the GEMM's q, k
+    // The gradient of the GEMM's output: [q | k | v] as is, or summed back into groups.
+    void* dout = tmp.at(dqkv);
+    if (grouped_) {
+      regroup(dev, tmp.at(dqkv), tmp.at(dgrouped), T);
+      dout = tmp.at(dgrouped);
+    }
+
+    // The LN output, recomputed (and gathered again under SP).
+    const void* ln_in = recompute_ln_input(dev, tp_, s.mem.at(s.x), w(ln_w_), w(ln_b_), s.mem.at(s.mean),
+                                           s.mem.at(s.rstd), tmp.at(ln), tmp.at(ln_full), Tl, H, dt_.act, norm_);
+    // f's backward (all-reduce, or reduce-scatter to the shard) closes the column-parallel GEMM.
+    tp_.column_parallel_linear_backward({.rows = T, .in = H, .out = qkv_local_, .x = ln_in, .weight = w(qkv_w_),
+                                         .dy = dout, .dx = tmp.at(dln), .dweight = grad(qkv_w_), .dtype = dt_.act,
+                                         .grad_fp32 = gs.grad_fp32()});
+    // qkv.bias: without rotary embeddings only its q and v parts get a gradient. The
+    // k part's is exactly zero (softmax is invariant to adding one vector to every
+    // key: each row of dS sums to 0, so sum_t dK[t] = 0); summing dK would only
+    // accumulate rounding noise, which Adam (g / sqrt(v)) turns into real,
+    // run-dependent updates. Rotated, the added vector differs from token to token,
+    // and normalised per head (qk_norm) it is not added to the keys at all: then every
+    // part has a gradient.
+    float* colsum = tmp.at(dbias);  // fp32 (reductions write fp32)
+    if (qkv_b_ != kNone) {
+      void* qkv_b = gs[qkv_b_];
+      const int32_t gdt = gs.grad_dtype();
+      column_sum(dev, dout, colsum, T, qkv_local_, dt_.act);
+      if (rope_ || qk_norm_) {
+        accumulate_f32(rank_, dev, colsum, qkv_b, qkv_local_, gdt);
+      } else if (!grouped_) {
+        accumulate_f32(rank_, dev, colsum, qkv_b, Hl, gdt);                                        // q
+        accumulate_f32(rank_, dev, colsum + 2 * Hl, advance(qkv_b, 2 * Hl, gdt), Hl, gdt);  // v
+      } else {
+        const int64_t D = head_dim_, Wg = (group_heads_ + 2) * D;
+        for (int64_t g = 0; g < qkv_local_ / Wg; ++g) {
+          accumulate_f32(rank_, dev, colsum + g * Wg, advance(qkv_b, g * Wg, gdt), group_heads_ * D, gdt);  // q
+          accumulate_f32(rank_, dev, colsum + g * Wg + (group_heads_ + 1) * D,
+                         advance(qkv_b, g * Wg + (group_heads_ + 1) * D, gdt), D, gdt);  // v
+        }
+      }
+    }
+
   }
 
   void require_key_start(const loom::Device& dev) const {
