@@ -107,11 +107,7 @@ TEST(LatentAttention, PartialGraphsAndRecomputationAreBitIdenticalToEager) {
 }
 
 TEST(LatentAttention, Bf16TracksFp32) {
-  const RankTrace fp32 = run({}), bf16 = run({"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""});
-  loom::testing::expect_tracks(fp32, bf16, 0.01, 0.05, 0.05);
-  bool differs = false;
-  for (size_t s = 0; s < fp32.loss.size(); ++s) differs |= fp32.loss[s] != bf16.loss[s];
-  EXPECT_TRUE(differs) << "bf16 losses equal to fp32's bit for bit: bf16 was not applied";
+  loom::testing::expect_bf16_tracks_fp32(run({}), run({"device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""}));
 }
 
 // DeepSeek-V3's block: multi-latent attention before a mixture of experts with a
