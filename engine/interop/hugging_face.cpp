@@ -97,22 +97,12 @@ class Builder {
   void matrix(const std::string& to, const Matrix& m) {
     out_.push_back({to, dtype(), {m.rows, m.cols}, m.data});
   }
-  // A vector of fp32 values (a layer's state), in the parameters' dtype (bf16 rounded
-  // to nearest even).
+  // A vector of fp32 values (a layer's state) as F32 whatever the parameters' dtype, as
+  // transformers keeps DeepSeek-V3's e_score_correction_bias.
   void values(const std::string& to, const std::vector<float>& v) {
-    const bool bf16 = dtype() == "BF16";
-    std::vector<char> data(v.size() * (bf16 ? 2 : 4));
-    for (size_t i = 0; i < v.size(); ++i) {
-      uint32_t bits = 0;
-      std::memcpy(&bits, &v[i], 4);
-      if (!bf16) {
-        std::memcpy(data.data() + 4 * i, &bits, 4);
-        continue;
-      }
-      const uint16_t half = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-      std::memcpy(data.data() + 2 * i, &half, 2);
-    }
-    out_.push_back({to, dtype(), {static_cast<int64_t>(v.size())}, std::move(data)});
+    std::vector<char> data(v.size() * sizeof(float));
+    std::memcpy(data.data(), v.data(), data.size());
+    out_.push_back({to, "F32", {static_cast<int64_t>(v.size())}, std::move(data)});
   }
   // An embedding table without the padded vocabulary's rows.
   void vocab_rows(const std::string& to, const std::string& from, int64_t vocab) {
@@ -145,6 +135,8 @@ struct Shape {
   int64_t groups_of_experts = 0, group_topk = 0, shared_ffn = 0;
   double routed_scaling = 1.0;
   bool expert_bias = false;
+  // Whether the groups limit a token's experts (not when every group is picked).
+  bool limits_groups() const { return groups_of_experts > 1 && group_topk < groups_of_experts; }
   // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
   // and Qwen3-MoE's.
   bool qk_norm = false;
@@ -195,6 +187,9 @@ struct Shape {
 // A window reaching back over a whole sequence of seq_len tokens is no window there.
 int64_t effective_window(int64_t window, int64_t seq_len) { return window > 0 && window < seq_len ? window : 0; }
 
+// The epsilon of transformers' DeepseekV3 latent norms (DeepseekV3RMSNorm's default).
+constexpr double kDeepSeekLatentEps = 1e-6;
+
 // DeepSeek-V3's settings from the attention's and the MoE's options (their defaults as
 // the plugins declare them), refusing what transformers' DeepseekV3 computes otherwise.
 void deepseek_shape(const toml::table& att, const toml::table& ffn, const manifest::RunConfig& c, Shape& s) {
@@ -211,6 +206,12 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
                              std::to_string(s.window) + ")");
   if (!s.llama3_rope.is_null())
     throw std::runtime_error("rope_scaling = \"llama3\" has no DeepSeek-V3 counterpart (its long-context scaling is YaRN's)");
+  // transformers' q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon
+  // whatever rms_norm_eps says; loom's latents use the layer's norm_epsilon.
+  if (s.eps != kDeepSeekLatentEps)
+    throw std::runtime_error("DeepSeek-V3 normalises its latents with epsilon 1e-6 whatever rms_norm_eps says, and "
+                             "these layers use norm_epsilon = " + std::to_string(s.eps) +
+                             ": set norm_epsilon = 1e-6 on every layer");
   if (!s.moe) return;
   s.experts = ffn["num_experts"].value_or(int64_t{8});
   s.top_k = ffn["top_k"].value_or(int64_t{2});
@@ -226,10 +227,13 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   if (ffn["score_function"].value_or(std::string("softmax")) != "sigmoid")
     throw std::runtime_error("DeepSeek-V3's router scores each expert by its sigmoid: set score_function = \"sigmoid\"");
   // transformers ranks a group by the sum of its 2 best scores, loom by its top_k / group_topk best.
-  if (s.groups_of_experts > 1 && s.group_topk < s.groups_of_experts && s.top_k != 2 * s.group_topk)
+  if (s.limits_groups() && s.top_k != 2 * s.group_topk)
     throw std::runtime_error("DeepSeek-V3 ranks a group of experts by the sum of its 2 best scores, loom by the sum of "
                              "its top_k / group_topk = " + std::to_string(s.top_k / s.group_topk) +
                              " best: set top_k = 2 * group_topk, or group_topk = num_groups");
+  if (s.limits_groups() && s.experts / s.groups_of_experts < 2)
+    throw std::runtime_error("DeepSeek-V3 ranks a group of experts by its 2 best scores: groups of " +
+                             std::to_string(s.experts / s.groups_of_experts) + " expert have none to rank by");
   if (s.shared_ffn % s.expert_ffn != 0)
     throw std::runtime_error("DeepSeek-V3's shared experts are n_shared_experts experts wide: "
                              "shared_expert_ffn_hidden_size = " + std::to_string(s.shared_ffn) +
@@ -424,8 +428,8 @@ void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann
   c["num_experts_per_tok"] = s.top_k;
   c["moe_intermediate_size"] = s.expert_ffn;
   c["n_shared_experts"] = s.shared_ffn / s.expert_ffn;
-  c["n_group"] = s.groups_of_experts > 0 ? s.groups_of_experts : 1;
-  c["topk_group"] = s.groups_of_experts > 0 ? s.group_topk : 1;
+  c["n_group"] = s.limits_groups() ? s.groups_of_experts : 1;  // every group picked: no groups
+  c["topk_group"] = s.limits_groups() ? s.group_topk : 1;
   c["norm_topk_prob"] = s.top_k > 1;  // loom renormalises the chosen sigmoids when there are several
   c["routed_scaling_factor"] = s.routed_scaling;
 }
@@ -812,9 +816,12 @@ class HfTensors {
   std::vector<float> floats(const std::string& name, int64_t n) const {
     const NamedTensor* t = find(name);
     if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
-    if ((t->dtype != "F32" && t->dtype != "BF16") || t->shape != std::vector<int64_t>{n})
-      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " must be F32 or BF16 [" + std::to_string(n) +
-                               "]");
+    if ((t->dtype != "F32" && t->dtype != "BF16") || t->shape != std::vector<int64_t>{n}) {
+      std::string shape;
+      for (int64_t d : t->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is " + t->dtype + " [" + shape +
+                               "]; F32 or BF16 [" + std::to_string(n) + "] is read");
+    }
     require_finite(*t, name);
     read_.insert(t->name);
     std::vector<float> out(static_cast<size_t>(n));
@@ -981,8 +988,8 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
   value("num_experts_per_tok", s.top_k, 8);
   value("moe_intermediate_size", s.expert_ffn, 2048);
   value("n_shared_experts", s.shared_ffn / s.expert_ffn, 1);
-  value("n_group", s.groups_of_experts > 0 ? s.groups_of_experts : 1, 8);
-  value("topk_group", s.groups_of_experts > 0 ? s.group_topk : 1, 4);
+  value("n_group", s.limits_groups() ? s.groups_of_experts : 1, 8);
+  value("topk_group", s.limits_groups() ? s.group_topk : 1, 4);
   value("norm_topk_prob", s.top_k > 1, true);
   value("routed_scaling_factor", s.routed_scaling, 2.5);
 }
@@ -1220,6 +1227,11 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     const int64_t kv = !kv_given                          ? s.default_kv_heads(H)
                        : c["num_key_value_heads"].is_null() ? H
                                                             : config_int(c, "num_key_value_heads", where);
+    if (s.deepseek && kv != H)  // its attention is multi-head: a key and a value per query head
+      throw std::runtime_error(where + ": num_key_value_heads = " + std::to_string(kv) +
+                               (kv_given ? "" : " (transformers' default)") +
+                               ", but DeepSeek-V3's attention has one per query head (num_attention_heads = " +
+                               std::to_string(H) + ")");
     require_equal(kv, G, kv_given ? "num_key_value_heads" : "num_key_value_heads (absent: transformers' default)",
                   "model.layer.attention.num_query_groups", where);
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);

@@ -183,8 +183,8 @@ void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs) {
 // apply_rotary_pos_emb_interleave does: q
 // through its latent (or q_proj), the key/value latent and one rotary key shared by the
 // heads, per head [nope | rope] scores over sqrt(nope + rope), values of v_head_dim.
-Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::string& p, const Vec& a, int64_t T,
-                       double eps) {
+Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::string& p, const Vec& a, int64_t T) {
+  const double kLatentEps = 1e-6;  // q_a_layernorm's and kv_a_layernorm's: DeepseekV3RMSNorm's default
   const int64_t C = c["hidden_size"], H = c["num_attention_heads"], nope = c["qk_nope_head_dim"],
                 rd = c["qk_rope_head_dim"], vd = c["v_head_dim"], kv = c["kv_lora_rank"], qk = nope + rd;
   Vec q;
@@ -193,7 +193,7 @@ Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::s
   } else {
     const int64_t qr = c["q_lora_rank"];
     const Vec latent = layer_norm(linear(a, T, C, w.at(p + "q_a_proj.weight"), qr, true), T, qr,
-                                  w.at(p + "q_a_layernorm.weight"), nullptr, eps, true);
+                                  w.at(p + "q_a_layernorm.weight"), nullptr, kLatentEps, true);
     q = linear(latent, T, qr, w.at(p + "q_b_proj.weight"), H * qk, true);
   }
   const Vec compressed = linear(a, T, C, w.at(p + "kv_a_proj_with_mqa.weight"), kv + rd, true);
@@ -204,7 +204,7 @@ Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::s
     for (int64_t h = 0; h < H; ++h)
       for (int64_t e = 0; e < rd; ++e) q_rot[(t * H + h) * rd + e] = q[t * H * qk + h * qk + nope + e];
   }
-  const Vec kvb = linear(layer_norm(latent, T, kv, w.at(p + "kv_a_layernorm.weight"), nullptr, eps, true), T, kv,
+  const Vec kvb = linear(layer_norm(latent, T, kv, w.at(p + "kv_a_layernorm.weight"), nullptr, kLatentEps, true), T, kv,
                          w.at(p + "kv_b_proj.weight"), H * (nope + vd), true);
   if (c.value("rope_interleave", true))
     for (Vec* v : {&q_rot, &k_rot})
@@ -300,7 +300,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       const std::string p = "model.layers." + std::to_string(l) + ".";
       const Vec a = layer_norm(x, T, C, w.at(p + "input_layernorm.weight"), nullptr, eps, true);
       if (deepseek) {
-        add(x, deepseek_attention(w, c, p + "self_attn.", a, T, eps));
+        add(x, deepseek_attention(w, c, p + "self_attn.", a, T));
       } else {
       Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true);
       Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true);
@@ -570,9 +570,12 @@ std::vector<std::string> deepseek_v3(bool moe, bool query_latent = true) {
                                 "model.layer.attention.qk_head_dim=6",
                                 "model.layer.attention.qk_pos_emb_head_dim=4",
                                 "model.layer.attention.v_head_dim=5",
-                                "model.layer.lm_head.norm=\"rmsnorm\""};
+                                "model.layer.lm_head.norm=\"rmsnorm\"",
+                                "model.layer.attention.norm_epsilon=1e-6",
+                                "model.layer.lm_head.norm_epsilon=1e-6"};
   const std::string ffn = moe ? "moe" : "mlp";
-  for (const std::string& o : {ffn + ".norm=\"rmsnorm\"", ffn + ".activation=\"swiglu\"", ffn + ".bias=false"})
+  for (const std::string& o : {ffn + ".norm=\"rmsnorm\"", ffn + ".activation=\"swiglu\"", ffn + ".bias=false",
+                               ffn + ".norm_epsilon=1e-6"})
     v.push_back("model.layer." + o);
   if (moe)
     for (const char* o : {"model.block=[\"attention\", \"moe\"]", "model.layer.moe.num_experts=8",
@@ -642,6 +645,19 @@ TEST(HfExport, ABlockWithoutACounterpartIsRefusedNamingWhy) {
         << e.what();
   }
   fs::remove_all(latent);
+  // transformers normalises DeepSeek-V3's latents with epsilon 1e-6 whatever rms_norm_eps says.
+  const std::string eps = scratch("deepseek-eps");
+  std::vector<std::string> other_eps = deepseek_v3(false);
+  for (const char* layer : {"attention", "mlp", "lm_head"})
+    other_eps.push_back(std::string("model.layer.") + layer + ".norm_epsilon=1e-5");
+  try {
+    loom::interop::export_hf(parallel_checkpoint(other_eps, eps), eps + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a DeepSeek-V3 model with latent norms of epsilon 1e-5 was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("DeepSeek-V3 normalises its latents with epsilon 1e-6"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(eps);
 }
 
 // A block of two attention + MLP pairs (4 blocks) is an 8-layer Hugging Face model, and
@@ -755,6 +771,10 @@ TEST(HfImport, Gpt2RoundTripIsBitExact) { check_round_trip({}); }
 TEST(HfImport, DeepSeekV3RoundTripIsBitExact) {
   check_round_trip(deepseek_v3(/*moe=*/false, /*query_latent=*/false));
   check_round_trip(deepseek_v3(/*moe=*/true));
+  // bf16 weights, the router biases in F32 beside them (as transformers keeps them).
+  std::vector<std::string> bf16 = deepseek_v3(/*moe=*/true);
+  bf16.push_back("device.param_dtype=\"bf16\"");
+  check_round_trip(bf16);
 }
 
 // DeepSeek's own checkpoints pair the rotary elements (2i, 2i + 1) (rope_interleave, the
