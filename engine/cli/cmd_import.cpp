@@ -95,7 +95,7 @@ int cmd_import(int argc, char** argv) {
     opts.save_start_only = true;
     opts.log = &std::cout;
     opts.read_init_weights = [&](int64_t vocab) {
-      return interop::read_initial_weights(source, plan, vocab, registry);
+      return interop::read_initial_weights(source, plan, vocab, registry, "SOURCE " + pos[0]);
     };
     const train::TrainResult r = train::train(plan, opts);
     made.done = true;

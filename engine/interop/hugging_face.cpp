@@ -1308,9 +1308,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
 }
 
 train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,
-                                           plugins::Registry& registry) {
+                                           plugins::Registry& registry, const std::string& named_by) {
   namespace fs = boost::filesystem;
-  const std::string key = "checkpoint.init_weights = \"" + path + "\"";
+  const std::string key = named_by.empty() ? "checkpoint.init_weights = \"" + path + "\"" : named_by;
   if (!fs::exists(path)) throw std::runtime_error(key + ": no such directory");
   if (!fs::is_directory(path))
     throw std::runtime_error(key + " is a file; give a Hugging Face model directory or a loom checkpoint directory");
@@ -1322,8 +1322,7 @@ train::InitialWeights read_initial_weights(const std::string& path, const train:
                              "exports apart from checkpoints, or name the one to use");
   if (hf) return read_hf(path, plan, vocab);
   if (step.empty())
-    throw std::runtime_error("checkpoint.init_weights = \"" + path +
-                             "\" is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
+    throw std::runtime_error(key + " is neither a Hugging Face model directory (config.json) nor a loom checkpoint");
   train::WholeCheckpoint ck = train::gather_checkpoint(step, registry);
   std::vector<std::string> changed;
   train::require_same_architecture(ck.manifest_toml, plan, step, "checkpoint.init_weights", &changed);

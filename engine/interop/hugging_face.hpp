@@ -80,7 +80,8 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
 
 // checkpoint.init_weights: a Hugging Face directory (it has config.json), else a loom
 // checkpoint (a step_N directory, or a checkpoint.dir: its newest step) gathered.
+// named_by: what gave the path, first in messages (default: the manifest key).
 train::InitialWeights read_initial_weights(const std::string& path, const train::RunPlan& plan, int64_t vocab,
-                                           plugins::Registry& registry);
+                                           plugins::Registry& registry, const std::string& named_by = "");
 
 }  // namespace loom::interop

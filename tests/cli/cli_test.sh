@@ -408,6 +408,10 @@ grep -q "import: .* -> .*imported/step_00000000 (world 2: tp 2" "$work/import.ou
 [ $? -eq 1 ] && grep -q "config.json: n_head = 4 but the model's model.num_heads is 2" "$work/other.out" \
   || fail "import of another model: $(cat "$work/other.out")"
 [ ! -e "$work/other" ] || fail "a failed import left its OUTDIR: $(ls -A "$work/other" 2>&1)"
+mkdir -p "$work/not_a_model"
+"$loom" import "$work/not_a_model" "$here/tiny.toml" "$work/other" "${bytes[@]}" > "$work/other.out" 2>&1
+[ $? -eq 1 ] && grep -q "SOURCE .*not_a_model is neither a Hugging Face model directory" "$work/other.out" \
+  || fail "import of a directory holding no model: $(cat "$work/other.out")"
 
 # 17. A disk that fills (here a file-size limit) while a checkpoint is written, in line
 # or beside training (checkpoint.async_save): the run fails naming the file (exit 1),
