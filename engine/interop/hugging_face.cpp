@@ -217,7 +217,6 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   s.top_k = ffn["top_k"].value_or(int64_t{2});
   s.expert_ffn = ffn["ffn_hidden_size"].value_or(int64_t{0});
   if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
-  s.aux = ffn["aux_loss_coeff"].value_or(0.01);
   s.groups_of_experts = ffn["num_groups"].value_or(int64_t{0});
   s.group_topk = ffn["group_topk"].value_or(int64_t{0});
   const double scaling = ffn["topk_scaling_factor"].value_or(0.0);
