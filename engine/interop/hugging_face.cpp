@@ -126,7 +126,16 @@ struct Shape {
   bool gpt2 = false, llama = false, mixtral = false;
   // Multi-latent attention in Llama's blocks, before dense MLPs or DeepSeek-V3's MoE:
   // DeepSeek-V3's (DeepseekV3ForCausalLM; `moe` says which of the two).
-  bool deepseek = false, moe = false;
+  bool deepseek = false, moe = false;  // moe: some layers are MoE (sparse)
+  std::vector<bool> sparse;  // by layer: an MoE (else a dense MLP)
+  // The layers a dense MLP: the first_k_dense_replace of DeepSeek-V3, mlp_only_layers of Qwen3-MoE.
+  int64_t first_sparse() const { return std::find(sparse.begin(), sparse.end(), true) - sparse.begin(); }
+  std::vector<int64_t> dense_layers() const {
+    std::vector<int64_t> out;
+    for (size_t i = 0; i < sparse.size(); ++i)
+      if (!sparse[i]) out.push_back(static_cast<int64_t>(i));
+    return out;
+  }
   struct Latent {
     int64_t q_rank = 0, kv_rank = 0, nope = 0, rope = 0, v = 0;
   } latent;
@@ -242,21 +251,50 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
                              "and capacity_factor have no counterpart");
 }
 
+// Dense MLPs among MoE layers: Qwen3-MoE lists them (mlp_only_layers), DeepSeek-V3
+// has its first first_k_dense_replace layers dense; Mixtral has none.
+void require_dense_layers_placeable(const Shape& s, const std::vector<model::LayerSpec>& L) {
+  if (s.mixtral && !s.qk_norm)
+    throw std::runtime_error("Mixtral's layers are all sparse MoE, and this model has dense MLPs among them "
+                             "(model.block_pattern): with qk_norm on the attention they are Qwen3-MoE's "
+                             "(mlp_only_layers), with multi_latent_attention DeepSeek-V3's (its first layers dense)");
+  if (!s.deepseek) return;
+  const auto first_moe = std::find(s.sparse.begin(), s.sparse.end(), true);
+  const auto dense_after = std::find(first_moe, s.sparse.end(), false);
+  if (dense_after != s.sparse.end())
+    throw std::runtime_error("DeepSeek-V3's dense MLPs are its first first_k_dense_replace layers, but " +
+                             L[2 + 2 * static_cast<size_t>(dense_after - s.sparse.begin())].instance +
+                             " is dense after the MoE " +
+                             L[2 + 2 * static_cast<size_t>(first_moe - s.sparse.begin())].instance +
+                             " (model.block_pattern: the dense blocks first)");
+}
+
 Shape shape_of(const train::RunPlan& plan) {
   const manifest::RunConfig& c = plan.config;
   const std::vector<model::LayerSpec>& L = plan.layers;
   std::string layers;
   for (const auto& s : L) layers += (layers.empty() ? "" : ", ") + s.plugin;
-  const std::string second = L.size() >= 4 ? L[2].plugin : "";
+  // Attention + MLP (or + MoE) pairs between the embedding and the head; dense and MoE
+  // pairs may mix (model.block_pattern).
   bool blocks_ok = L.size() >= 4 && L.front().plugin == "embedding" && L.back().plugin == "lm_head" &&
-                   (L.size() - 2) % 2 == 0 && (second == "mlp" || second == "moe");
+                   (L.size() - 2) % 2 == 0;
   for (size_t i = 1; blocks_ok && i + 1 < L.size(); ++i)
-    blocks_ok = L[i].plugin == ((i % 2 == 1) ? std::string("attention") : second);
+    blocks_ok = i % 2 == 1 ? L[i].plugin == "attention" : L[i].plugin == "mlp" || L[i].plugin == "moe";
   if (!blocks_ok)
     throw std::runtime_error("only models of embedding, blocks of attention + mlp (or + moe), and lm_head have a "
                              "Hugging Face counterpart here; this one's layers are: " + layers);
+  // The first attention, the first dense MLP and the first MoE: the ones every other
+  // of its plugin must compute alike.
+  const model::LayerSpec* first_of_plugin[2] = {nullptr, nullptr};  // mlp, moe
+  for (size_t i = 2; i + 1 < L.size(); i += 2) {
+    const model::LayerSpec*& first = first_of_plugin[L[i].plugin == "moe" ? 1 : 0];
+    if (first == nullptr) first = &L[i];
+  }
+  const bool moe = first_of_plugin[1] != nullptr, dense = first_of_plugin[0] != nullptr;
+  const model::LayerSpec& ffn_spec = dense ? *first_of_plugin[0] : *first_of_plugin[1];
   const toml::table &emb = c.model.layer_section(L[0].config), &att = c.model.layer_section(L[1].config),
-                    &mlp = c.model.layer_section(L[2].config), &head = c.model.layer_section(L.back().config);
+                    &mlp = c.model.layer_section(ffn_spec.config), &head = c.model.layer_section(L.back().config);
+  const toml::table& experts = moe ? c.model.layer_section(first_of_plugin[1]->config) : mlp;
   // A Hugging Face model repeats one layer; a block of several attention + MLP pairs
   // exports as that many layers, when the pairs compute alike (each option as set or
   // by its default; training-only ones such as dropout may differ).
@@ -268,7 +306,7 @@ Shape shape_of(const train::RunPlan& plan) {
     return out;
   };
   for (size_t i = 3; i + 1 < L.size(); ++i) {
-    const model::LayerSpec& first = L[i % 2 == 1 ? 1 : 2];
+    const model::LayerSpec& first = i % 2 == 1 ? L[1] : *first_of_plugin[L[i].plugin == "moe" ? 1 : 0];
     if (L[i].config != first.config && computed_options(L[i]) != computed_options(first))
       throw std::runtime_error("layer " + L[i].instance + " is configured unlike " + first.instance +
                                " ([model.layer." + L[i].config + "] vs [model.layer." + first.config +
@@ -280,13 +318,18 @@ Shape shape_of(const train::RunPlan& plan) {
   for (size_t i = 1; i + 1 < L.size(); i += 2) {
     s.attention.push_back(L[i].instance + ".");
     s.ffn.push_back(L[i + 1].instance + ".");
+    s.sparse.push_back(L[i + 1].plugin == "moe");
   }
-  const bool moe = second == "moe";
   const bool rope = option_string(att, "position_embedding", "learned_absolute") == "rope";
   const bool rms = option_string(att, "norm", "layernorm") == "rmsnorm";
-  const bool att_bias = att["bias"].value_or(true), mlp_bias = mlp["bias"].value_or(true);
-  const bool swiglu = option_string(mlp, "activation", "gelu") == "swiglu";
-  const bool mlp_rms = option_string(mlp, "norm", "layernorm") == "rmsnorm";
+  const bool att_bias = att["bias"].value_or(true);
+  // The dense MLPs' and the experts' activation, norm and bias: Llama's in both.
+  bool mlp_bias = false, swiglu = true, mlp_rms = true;
+  for (const toml::table* ffn : {&mlp, &experts}) {
+    mlp_bias = mlp_bias || (*ffn)["bias"].value_or(true);
+    swiglu = swiglu && option_string(*ffn, "activation", "gelu") == "swiglu";
+    mlp_rms = mlp_rms && option_string(*ffn, "norm", "layernorm") == "rmsnorm";
+  }
   const bool head_rms = option_string(head, "norm", "layernorm") == "rmsnorm";
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
   const bool latent = att["multi_latent_attention"].value_or(false);
@@ -301,7 +344,8 @@ Shape shape_of(const train::RunPlan& plan) {
                      {"high_freq_factor", att["rope_high_freq_factor"].value_or(4.0)},
                      {"original_max_position_embeddings", att["rope_original_max_position"].value_or(int64_t{8192})}};
   s.eps = att["norm_epsilon"].value_or(1e-5);
-  for (const auto& [name, section] : {std::pair<std::string, const toml::table*>{L[2].config, &mlp},
+  for (const auto& [name, section] : {std::pair<std::string, const toml::table*>{ffn_spec.config, &mlp},
+                                      {moe ? first_of_plugin[1]->config : ffn_spec.config, &experts},
                                       {L.back().config, &head}})
     if ((*section)["norm_epsilon"].value_or(1e-5) != s.eps)
       throw std::runtime_error("[model.layer." + name + "] norm_epsilon = " +
@@ -313,7 +357,7 @@ Shape shape_of(const train::RunPlan& plan) {
       !s.qk_norm && (s.groups == 0 || s.groups == c.model.num_heads))
     s.gpt2 = true;
   else if (latent && llama_blocks)
-    s.deepseek = true, s.moe = moe;
+    s.deepseek = true;
   else if (!moe && llama_blocks)
     s.llama = true;
   else if (moe && llama_blocks)
@@ -338,22 +382,25 @@ Shape shape_of(const train::RunPlan& plan) {
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
     throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
                              " counterpart");
-  if (s.deepseek) deepseek_shape(att, mlp, c, s);
+  s.moe = moe;
+  if (moe && dense) require_dense_layers_placeable(s, L);
+  if (s.deepseek) deepseek_shape(att, experts, c, s);
   if (s.mixtral) {
-    s.experts = mlp["num_experts"].value_or(int64_t{8});
-    s.top_k = mlp["top_k"].value_or(int64_t{2});
-    s.expert_ffn = mlp["ffn_hidden_size"].value_or(int64_t{0});
+    const toml::table& e = experts;
+    s.experts = e["num_experts"].value_or(int64_t{8});
+    s.top_k = e["top_k"].value_or(int64_t{2});
+    s.expert_ffn = e["ffn_hidden_size"].value_or(int64_t{0});
     if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
-    s.aux = mlp["aux_loss_coeff"].value_or(0.01);
-    s.pre_softmax = mlp["pre_softmax"].value_or(false);
+    s.aux = e["aux_loss_coeff"].value_or(0.01);
+    s.pre_softmax = e["pre_softmax"].value_or(false);
     // Mixtral's and Qwen3-MoE's routers: the softmax's top-k over all experts, unscaled gates.
-    const double scaling = mlp["topk_scaling_factor"].value_or(0.0);
-    if (mlp["score_function"].value_or(std::string("softmax")) != "softmax" || (scaling != 0.0 && scaling != 1.0) ||
-        mlp["num_groups"].value_or(int64_t{0}) != 0)
+    const double scaling = e["topk_scaling_factor"].value_or(0.0);
+    if (e["score_function"].value_or(std::string("softmax")) != "softmax" || (scaling != 0.0 && scaling != 1.0) ||
+        e["num_groups"].value_or(int64_t{0}) != 0)
       throw std::runtime_error(s.architecture() + "'s router is the softmax's top-k over all experts: score_function, "
                                "topk_scaling_factor and num_groups have no counterpart");
     // Qwen3-MoE has both gates (norm_topk_prob); Mixtral renormalises the chosen ones.
-    if (mlp["shared_expert_ffn_hidden_size"].value_or(int64_t{0}) != 0 || mlp["capacity_factor"].value_or(0.0) != 0.0 ||
+    if (e["shared_expert_ffn_hidden_size"].value_or(int64_t{0}) != 0 || e["capacity_factor"].value_or(0.0) != 0.0 ||
         (s.pre_softmax && !s.qk_norm))
       throw std::runtime_error(s.architecture() + "'s MoE blocks are dropless top-k" +
                                (s.qk_norm ? "" : " over the chosen logits") +
@@ -411,7 +458,7 @@ void latent_attention_to_hf(Builder& b, const std::string& at, const std::string
 
 // DeepseekV3Config's keys beyond Llama's: the latent attention's sizes, its rotation of
 // the halves (rope_interleave false: rotate_half, as loom pairs elements i and i +
-// rope/2), and the MoE layers (from first_k_dense_replace on: all of them, or none).
+// rope/2), and the MoE layers (from first_k_dense_replace on, the dense ones first).
 void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann::ordered_json& c) {
   c["q_lora_rank"] = s.latent.q_rank > 0 ? nlohmann::ordered_json(s.latent.q_rank) : nlohmann::ordered_json();
   c["kv_lora_rank"] = s.latent.kv_rank;
@@ -421,7 +468,7 @@ void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann
   c.erase("head_dim");  // DeepseekV3Config's is its qk_rope_head_dim
   c["rope_interleave"] = false;
   c["intermediate_size"] = dense_ffn;
-  c["first_k_dense_replace"] = s.moe ? 0 : layers;
+  c["first_k_dense_replace"] = std::min(s.first_sparse(), layers);
   if (!s.moe) return;
   c["n_routed_experts"] = s.experts;
   c["num_experts_per_tok"] = s.top_k;
@@ -508,7 +555,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         }
       }
       b.as_is(h + "post_attention_layernorm.weight", ml + "ln.weight");
-      if (s.llama || (s.deepseek && !s.moe)) {
+      if (!s.sparse[static_cast<size_t>(i)]) {
         const Matrix fc1 = matrix_of(b.get(ml + "fc1.weight"));  // [C, 2F]: [gate | up]
         b.matrix(h + "mlp.gate_proj.weight", transposed(columns(fc1, 0, F)));
         b.matrix(h + "mlp.up_proj.weight", transposed(columns(fc1, F, F)));
@@ -576,7 +623,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         hf.config["moe_intermediate_size"] = Fe;
         hf.config["norm_topk_prob"] = !s.pre_softmax;
         hf.config["decoder_sparse_step"] = 1;
-        hf.config["mlp_only_layers"] = nlohmann::ordered_json::array();
+        hf.config["mlp_only_layers"] = s.dense_layers();
       }
     }
   }
@@ -973,14 +1020,22 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
   value("v_head_dim", l.v, 128);
   if (c.contains("rope_interleave") && !c["rope_interleave"].is_boolean())
     throw std::runtime_error(where + ": rope_interleave = " + c["rope_interleave"].dump() + " is not true or false");
-  // Layers from first_k_dense_replace on are MoE layers: all of them, or none.
+  // Layers from first_k_dense_replace on are MoE layers (DeepSeek's moe_layer_freq of 1).
   const int64_t first_moe = c.contains("first_k_dense_replace") ? config_int(c, "first_k_dense_replace", where) : 3;
-  if (s.moe ? first_moe > 0 : first_moe < layers)
-    throw std::runtime_error(where + ": first_k_dense_replace = " + std::to_string(first_moe) + " of " +
-                             std::to_string(layers) + " layers makes " +
-                             (s.moe ? "its first layers dense" : "layers MoE") + "; loom's blocks are all " +
-                             (s.moe ? "MoE (model.block of moe)" : "dense (model.block of mlp)"));
-  if (!s.moe) return value("intermediate_size", dense_ffn, 18432);
+  const int64_t want = s.first_sparse();
+  if (s.moe ? first_moe != want : first_moe < layers)
+    throw std::runtime_error(where + ": first_k_dense_replace = " + std::to_string(first_moe) +
+                             (c.contains("first_k_dense_replace") ? "" : " (transformers' default)") + " of " +
+                             std::to_string(layers) + " layers, but the model's " +
+                             (s.moe ? "first " + std::to_string(want) + " blocks are dense, then MoE"
+                                    : "blocks are all dense") +
+                             " (model.block, model.blocks and model.block_pattern)");
+  if (c.contains("moe_layer_freq") && !(c["moe_layer_freq"].is_number_integer() && c["moe_layer_freq"] == 1))
+    throw std::runtime_error(where + ": moe_layer_freq = " + c["moe_layer_freq"].dump() +
+                             " leaves MoE layers dense, which transformers' DeepseekV3 does not (every layer from "
+                             "first_k_dense_replace on is MoE)");
+  if (want > 0) value("intermediate_size", dense_ffn, 18432);
+  if (!s.moe) return;
   if (c.contains("scoring_func")) value("scoring_func", "sigmoid", "sigmoid");  // the DeepSeek-V3 repository's keys
   if (c.contains("topk_method")) value("topk_method", "noaux_tc", "noaux_tc");
   value("n_routed_experts", s.experts, 256);
@@ -991,6 +1046,39 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
   value("topk_group", s.limits_groups() ? s.group_topk : 1, 4);
   value("norm_topk_prob", s.top_k > 1, true);
   value("routed_scaling_factor", s.routed_scaling, 2.5);
+}
+
+// Qwen3-MoE's dense layers against the model's: transformers' Qwen3MoeDecoderLayer has
+// an MoE at layer i when i is not in mlp_only_layers and (i + 1) is a multiple of
+// decoder_sparse_step, else a dense MLP of intermediate_size.
+void require_qwen_sparse_layers(const nlohmann::json& c, const Shape& s, int64_t dense_ffn, const std::string& where) {
+  const int64_t step = c.contains("decoder_sparse_step") ? config_int(c, "decoder_sparse_step", where) : 1;
+  if (step < 1) throw std::runtime_error(where + ": decoder_sparse_step = " + std::to_string(step) + " is not positive");
+  std::set<int64_t> listed;
+  if (c.contains("mlp_only_layers") && !c["mlp_only_layers"].is_null()) {
+    const nlohmann::json& dense = c["mlp_only_layers"];
+    if (!dense.is_array())
+      throw std::runtime_error(where + ": mlp_only_layers = " + dense.dump() + " is not a list of layer indices");
+    for (const nlohmann::json& i : dense) {
+      if (!i.is_number_integer())
+        throw std::runtime_error(where + ": mlp_only_layers = " + dense.dump() + " is not a list of layer indices");
+      listed.insert(i.get<int64_t>());
+    }
+  }
+  for (size_t i = 0; i < s.sparse.size(); ++i) {
+    const int64_t layer = static_cast<int64_t>(i);
+    const bool hf_sparse = listed.count(layer) == 0 && (layer + 1) % step == 0;
+    if (hf_sparse != s.sparse[i])
+      throw std::runtime_error(where + ": layer " + std::to_string(layer) + " has " +
+                               (hf_sparse ? "an MoE" : "a dense MLP") + " (mlp_only_layers = " +
+                               c.value("mlp_only_layers", nlohmann::json::array()).dump() + ", decoder_sparse_step = " +
+                               std::to_string(step) + "), but the model's " + s.ffn[i].substr(0, s.ffn[i].size() - 1) +
+                               " is " + (s.sparse[i] ? "an MoE" : "a dense MLP") +
+                               " (model.block, model.blocks and model.block_pattern)");
+  }
+  if (!s.dense_layers().empty())
+    require_equal(config_int(c, "intermediate_size", where), dense_ffn, "intermediate_size", "model.ffn_hidden_size",
+                  where);
 }
 
 // transformers' DeepseekV3Attention weights into multi-latent attention's (see
@@ -1207,17 +1295,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       if (s.qwen()) {
         // Qwen3MoeConfig's defaults: the chosen gates not renormalised, every layer sparse.
         require_value("norm_topk_prob", !s.pre_softmax, false);
-        require_value("decoder_sparse_step", 1, 1);
-        // Layers listed there have a dense MLP; indices past the model's layers list none.
-        if (c.contains("mlp_only_layers") && !c["mlp_only_layers"].is_null()) {
-          const nlohmann::json& dense = c["mlp_only_layers"];
-          bool any = !dense.is_array();
-          for (const nlohmann::json& i : dense.is_array() ? dense : nlohmann::json::array())
-            any = any || !i.is_number_integer() || (i.get<int64_t>() >= 0 && i.get<int64_t>() < L);
-          if (any)
-            throw std::runtime_error(where + ": mlp_only_layers = " + dense.dump() +
-                                     " gives layers a dense MLP; loom's blocks are all sparse");
-        }
+        require_qwen_sparse_layers(c, s, F, where);
       }
     }
     // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's 8,
@@ -1262,7 +1340,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         }
       }
       out.add(ml + "ln.weight", hf.get(h + "post_attention_layernorm.weight", {C}));
-      if (s.llama || (s.deepseek && !s.moe)) {
+      if (!s.sparse[static_cast<size_t>(i)]) {
         out.add(ml + "fc1.weight", concat_columns({transposed(matrix_of(hf.get(h + "mlp.gate_proj.weight", {F, C}))),
                                                     transposed(matrix_of(hf.get(h + "mlp.up_proj.weight", {F, C})))}));
         out.add(ml + "fc2.weight", transposed(matrix_of(hf.get(h + "mlp.down_proj.weight", {C, F}))));

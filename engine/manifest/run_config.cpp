@@ -37,6 +37,16 @@ const toml::table& RunConfig::Model::layer_section(const std::string& name) cons
   return it == layer.end() ? empty : it->second;
 }
 
+const std::vector<std::string>& RunConfig::Model::block_layers(int64_t b) const {
+  if (block_pattern.empty() || block_pattern[static_cast<size_t>(b)] == schema::kDefaultBlock) return block;
+  return blocks.at(block_pattern[static_cast<size_t>(b)]);
+}
+
+std::string RunConfig::Model::block_key(int64_t b) const {
+  if (block_pattern.empty() || block_pattern[static_cast<size_t>(b)] == schema::kDefaultBlock) return "model.block";
+  return std::string(schema::kBlockTable) + "." + block_pattern[static_cast<size_t>(b)];
+}
+
 RunConfig::Batch RunConfig::batch_from(const Manifest& m) {
   Batch b;
   b.micro_batch_size = m.get_int("batch.micro_batch_size");
@@ -102,6 +112,14 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.model.pre = m.get_string_list("model.pre");
   c.model.block = m.get_string_list("model.block");
   c.model.post = m.get_string_list("model.post");
+  if (const toml::table* kinds = m.get_table(std::string(schema::kBlockTable)))
+    for (const auto& [name, node] : *kinds) {
+      std::vector<std::string>& layers = c.model.blocks[std::string(name.str())];
+      for (const toml::node& e : *node.as_array()) layers.push_back(e.as_string()->get());
+    }
+  c.model.block_pattern =
+      schema::expand_block_pattern(m.get_string_list("model.block_pattern"), c.model.num_layers).value_or(
+          std::vector<std::string>{});
   c.model.recompute_granularity = m.get_string("model.recompute_granularity");
   c.model.recompute_method = m.get_string("model.recompute_method");
   c.model.recompute_num_layers = m.get_int("model.recompute_num_layers");

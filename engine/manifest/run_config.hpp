@@ -39,6 +39,10 @@ struct RunConfig {
     double init_method_std = 0;  // > 0: every normal init's std (0: each layer's declaration)
     bool tie_embeddings = false;
     std::vector<std::string> pre, block, post;  // layer configuration names
+    // model.blocks: the further block kinds by name; model.block_pattern expanded to
+    // one kind per block ("block" = model.block), empty when every block is model.block.
+    std::map<std::string, std::vector<std::string>> blocks;
+    std::vector<std::string> block_pattern;
     std::string recompute_granularity, recompute_method;
     int64_t recompute_num_layers = 0;
     std::map<std::string, toml::table> layer;  // [model.layer.NAME] sections
@@ -46,6 +50,10 @@ struct RunConfig {
     std::map<std::string, Origin> layer_origin;
     // The [model.layer.NAME] section, or an empty table when there is none.
     const toml::table& layer_section(const std::string& name) const;
+    // The layer names of transformer block b, and the key they come from
+    // ("model.block" or "model.blocks.NAME").
+    const std::vector<std::string>& block_layers(int64_t b) const;
+    std::string block_key(int64_t b) const;
   } model;
   struct Parallel {
     int tp = 1, pp = 1, vpp = 1, cp = 1, ep = 1;

@@ -78,6 +78,28 @@ KeySpec open_table(std::string path, std::string doc) {
   return k;
 }
 
+// model.blocks: every entry a list of layer names, none named after model.block.
+std::string check_block_kinds(const toml::node& n) {
+  for (auto&& [k, v] : *n.as_table()) {
+    const std::string name(k.str());
+    if (name == kDefaultBlock) return "not define '" + name + "' (that name is model.block's)";
+    const toml::array* a = v.as_array();
+    if (a == nullptr || !(a->empty() || a->is_homogeneous(toml::node_type::string)))
+      return "give each block kind an array of layer names (" + name + " is not one)";
+  }
+  return "";
+}
+
+// model.block_pattern: entries "NAME" or "NAME*N", N from 1 to 65536.
+std::string check_block_pattern(const toml::node& n) {
+  for (auto&& e : *n.as_array()) {
+    const std::string entry = e.as_string()->get();
+    if (!parse_block_run(entry))
+      return "be a list of \"NAME\" or \"NAME*N\" entries (N from 1 to 65536), not \"" + entry + "\"";
+  }
+  return "";
+}
+
 const char* const kDims[] = {"tp", "cp", "ep", "dp", "pp"};
 
 std::string check_order(const toml::node& n) {
@@ -156,6 +178,24 @@ std::vector<KeySpec> build() {
   v.push_back(sl("model.pre", "[\"embedding\"]", "layer instances before the blocks"));
   v.push_back(sl("model.block", "[\"attention\", \"mlp\"]",
                  "layer instances of one transformer block, repeated num_layers times"));
+  {
+    KeySpec k = open_table(std::string(kBlockTable),
+                           "[model.blocks] NAME = [layer instances]: further kinds of transformer block, which "
+                           "model.block_pattern places (e.g. dense = [\"attention\", \"mlp\"] beside "
+                           "model.block = [\"attention\", \"moe\"]); a layer instance named in several kinds is "
+                           "one [model.layer.NAME] configuration");
+    k.check = check_block_kinds;
+    v.push_back(std::move(k));
+  }
+  {
+    KeySpec k = sl("model.block_pattern", "[]",
+                   "which block each of the num_layers transformer blocks is, in order: \"block\" (model.block) "
+                   "or a name of model.blocks, \"NAME*N\" for N in a row (Megatron-LM's --moe-layer-freq "
+                   "pattern, DeepSeek-V3's first_k_dense_replace = 3 of 61: [\"dense*3\", \"block*58\"]); "
+                   "the entries add up to num_layers ([] = model.block every time)");
+    k.check = check_block_pattern;
+    v.push_back(std::move(k));
+  }
   v.push_back(sl("model.post", "[\"lm_head\"]", "layer instances after the blocks"));
   v.push_back(s("model.recompute_granularity", "none",
                 "activation recomputation (Megatron's --recompute-granularity): \"full\" keeps only each block's "
@@ -419,6 +459,70 @@ std::vector<KeySpec> build() {
 
 }  // namespace
 
+std::optional<BlockRun> parse_block_run(const std::string& entry) {
+  BlockRun run;
+  const size_t star = entry.find('*');
+  run.name = entry.substr(0, star);
+  if (run.name.empty()) return std::nullopt;
+  if (star == std::string::npos) return run;
+  const std::string digits = entry.substr(star + 1);
+  if (digits.empty() || digits.size() > 5 || digits.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  run.count = std::stoll(digits);
+  if (run.count < 1 || run.count > static_cast<int64_t>(kMaxCount)) return std::nullopt;
+  return run;
+}
+
+std::optional<std::vector<std::string>> expand_block_pattern(const std::vector<std::string>& pattern, int64_t limit) {
+  std::vector<std::string> out;
+  for (const std::string& entry : pattern) {
+    const std::optional<BlockRun> run = parse_block_run(entry);
+    if (!run) return std::nullopt;
+    if (run->count > limit - static_cast<int64_t>(out.size())) return std::nullopt;
+    out.insert(out.end(), static_cast<size_t>(run->count), run->name);
+  }
+  return out;
+}
+
+std::string block_composition(const toml::table& resolved) {
+  // A list of layer names as [a, b]; anything else as TOML.
+  auto text = [](const toml::node* n, const char* fallback) {
+    if (n == nullptr) return std::string(fallback);
+    std::ostringstream os;
+    if (const toml::array* a = n->as_array(); a != nullptr && a->is_homogeneous(toml::node_type::string)) {
+      os << "[";
+      for (size_t i = 0; i < a->size(); ++i) os << (i > 0 ? ", " : "") << a->get(i)->value_or(std::string());
+      os << "]";
+    } else {
+      os << toml::node_view<const toml::node>(n);
+    }
+    return os.str();
+  };
+  const std::string block = text(resolved.at_path("model.block").node(), "[attention, mlp]");
+  const int64_t layers = resolved.at_path("model.num_layers").value_or(int64_t{4});
+  std::vector<std::string> pattern;
+  if (const toml::array* a = resolved.at_path("model.block_pattern").as_array())
+    for (const toml::node& e : *a) pattern.push_back(e.value_or(std::string()));
+  std::vector<std::pair<std::string, int64_t>> runs;
+  auto add = [&](const std::string& layers_text, int64_t count) {
+    if (!runs.empty() && runs.back().first == layers_text) runs.back().second += count;
+    else runs.emplace_back(layers_text, count);
+  };
+  const std::optional<std::vector<std::string>> kinds = expand_block_pattern(pattern, layers);
+  if (pattern.empty() || !kinds) {  // every block model.block (or a pattern loom would refuse: as written)
+    if (!pattern.empty()) return "model.block_pattern = " + text(resolved.at_path("model.block_pattern").node(), "");
+    add(block, layers);
+  } else {
+    const toml::table* defined = resolved.at_path(kBlockTable).as_table();
+    for (const std::string& kind : *kinds)
+      add(kind == kDefaultBlock ? block : text(defined != nullptr ? defined->get(kind) : nullptr, "(undefined)"), 1);
+  }
+  std::string out;
+  for (const auto& [layers_text, count] : runs)
+    out += (out.empty() ? "" : ", ") + layers_text + " x " + std::to_string(count);
+  return out;
+}
+
 std::string_view describe(KeyType type) {
   switch (type) {
     case KeyType::Bool: return "a boolean";
@@ -607,6 +711,33 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
            "model.hidden_size (" + S(I("model.hidden_size")) + ") must be divisible by model.num_heads (" +
                S(I("model.num_heads")) + "); num_heads could be " +
                divisors_text(I("model.hidden_size")));
+
+  // model.block_pattern: names that exist, num_layers blocks in all.
+  if (usable({"model.block_pattern", "model.num_layers"}) && !bad.count(std::string(kBlockTable))) {
+    const std::vector<std::string> pattern = m.get_string_list("model.block_pattern");
+    const toml::table* kinds = m.get_table(std::string(kBlockTable));
+    int64_t total = 0;
+    std::string unknown;
+    for (const std::string& entry : pattern) {
+      const std::optional<BlockRun> run = parse_block_run(entry);
+      if (!run) continue;  // the key's own check reported it
+      total += run->count;
+      if (run->name != kDefaultBlock && (kinds == nullptr || !kinds->contains(run->name)) && unknown.empty())
+        unknown = run->name;
+    }
+    if (!unknown.empty()) {
+      std::string defined = "block";
+      if (kinds != nullptr)
+        for (auto&& [k, v] : *kinds) defined += ", " + std::string(k.str());
+      report({"model.block_pattern"}, "model.block_pattern names block '" + unknown +
+                                          "', which is neither model.block (\"block\") nor an entry of "
+                                          "model.blocks (defined: " + defined + ")");
+    }
+    if (!pattern.empty() && total != I("model.num_layers"))
+      report({"model.block_pattern", "model.num_layers"},
+             "model.block_pattern describes " + S(total) + " block(s), but model.num_layers is " +
+                 S(I("model.num_layers")) + ": give one block for each (\"NAME*N\" for N in a row)");
+  }
 
   if (usable({"model.num_layers", "parallel.pp", "parallel.vpp", "pipeline.first_chunk_layers",
               "pipeline.last_chunk_layers"})) {

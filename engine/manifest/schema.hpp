@@ -53,6 +53,25 @@ std::vector<std::string> section_keys(std::string_view section);
 
 // The path of the table whose sub-tables configure layer instances.
 inline constexpr std::string_view kLayerTable = "model.layer";
+// The table of further block kinds, and the name model.block_pattern gives model.block.
+inline constexpr std::string_view kBlockTable = "model.blocks";
+inline constexpr std::string_view kDefaultBlock = "block";
+
+// One entry of model.block_pattern: "NAME" (one block) or "NAME*N" (N of them, 1 to
+// 65536); nullopt when malformed.
+struct BlockRun {
+  std::string name;
+  int64_t count = 1;
+};
+std::optional<BlockRun> parse_block_run(const std::string& entry);
+// The blocks a valid model.block_pattern describes, one name per block in order;
+// nullopt when it would be more than `limit` long (none is expanded past it).
+std::optional<std::vector<std::string>> expand_block_pattern(const std::vector<std::string>& pattern, int64_t limit);
+// What the transformer blocks of a resolved manifest (a checkpoint's manifest.toml, or
+// one without model.block_pattern from before it existed) are, in order, as runs:
+// `[attention, mlp] x 3, [attention, moe] x 58`; two manifests whose texts are
+// equal compose the same blocks however they write it.
+std::string block_composition(const toml::table& resolved);
 
 // Cross-key rules (divisibility, factorisation, launcher world size, ...) over a
 // manifest whose keys have been type- and range-checked and defaulted. Rules that

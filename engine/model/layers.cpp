@@ -18,7 +18,7 @@ std::vector<LayerSpec> model_layers(const manifest::RunConfig& config) {
   for (const auto& c : config.model.pre) out.push_back(resolve(c, -1, c));
   const int blocks = static_cast<int>(config.model.num_layers);
   for (int b = 0; b < blocks; ++b)
-    for (const auto& c : config.model.block)
+    for (const auto& c : config.model.block_layers(b))
       out.push_back(resolve(c, b, "blocks." + std::to_string(b) + "." + c));
   for (const auto& c : config.model.post) out.push_back(resolve(c, -1, c));
   return out;

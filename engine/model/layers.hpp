@@ -22,7 +22,7 @@ struct LayerSpec {
   int block_index = -1;    // -1 outside the repeated blocks
 };
 
-// pre + block × num_layers + post, in model order.
+// pre + the num_layers blocks (model.block, or model.block_pattern's kinds) + post, in model order.
 std::vector<LayerSpec> model_layers(const manifest::RunConfig& config);
 
 // The model dimensions given the vocabulary and the tensor-parallel size.

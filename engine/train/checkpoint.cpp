@@ -985,7 +985,7 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
   // themselves are compared by check_param_layout).
   for (const char* key : {"model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.num_layers",
                           "model.vocab_size", "model.vocab_divisor", "model.tie_embeddings", "model.pre",
-                          "model.block", "model.post"}) {
+                          "model.post"}) {
     // 0 in the manifest means "derived" (the data's vocabulary, 4 x hidden): say so.
     auto shown = [&](const std::string& v) {
       if (v.empty()) return std::string("(unset)");
@@ -997,6 +997,13 @@ void require_same_model(const std::string& step_dir, const std::string& manifest
     const std::string was = value_text(m.saved, key), now = value_text(m.now, key);
     if (was != now) refuse(key, shown(was), shown(now));
   }
+  // The blocks, however model.block, model.blocks and model.block_pattern write them.
+  if (const std::string was = manifest::schema::block_composition(m.saved),
+      now = manifest::schema::block_composition(m.now);
+      was != now)
+    throw CheckpointError(step_dir + " holds a model whose blocks are " + was + ", this run's are " + now +
+                          ": resuming would continue another model; set model.block, model.blocks and "
+                          "model.block_pattern as the checkpoint has them");
   // Each layer's options (both manifests are resolved: plugin defaults written out),
   // which can change the function with every shape kept (rope's base, MoE's top_k);
   // training-only ones (dropout, capacity) may change. An option a manifest lacks is

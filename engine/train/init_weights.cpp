@@ -1,5 +1,7 @@
 #include "engine/train/init_weights.hpp"
 
+#include "engine/manifest/schema.hpp"
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
@@ -120,8 +122,12 @@ void require_same_architecture(const std::string& source_manifest_toml, const Ru
                         " as it has it");
   };
   for (const char* key : {"model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.num_layers",
-                          "model.tie_embeddings", "model.pre", "model.block", "model.post"})
+                          "model.tie_embeddings", "model.pre", "model.post"})
     differ(key, "(unset)");
+  if (const std::string x = manifest::schema::block_composition(a), y = manifest::schema::block_composition(b); x != y)
+    throw loom::Error(role + ": " + source + " holds a model whose blocks are " + x + ", this run's are " + y +
+                      ": the same tensors would be another model; set model.block, model.blocks and "
+                      "model.block_pattern as it has them");
   // Each layer's options, as set or as its plugin declares them by default.
   const toml::table none;
   auto section = [&](const toml::table& t, const std::string& config) -> const toml::table& {

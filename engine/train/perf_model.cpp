@@ -59,6 +59,31 @@ RunPlan quiet_copy(const RunPlan& plan, int64_t steps, std::vector<std::string> 
   return replan(plan, sets);
 }
 
+// The kinds of block a model.block_pattern places, in the order they first appear.
+std::vector<std::string> block_kinds(const std::vector<std::string>& pattern) {
+  std::vector<std::string> kinds;
+  for (const std::string& k : pattern)
+    if (std::find(kinds.begin(), kinds.end(), k) == kinds.end()) kinds.push_back(k);
+  return kinds;
+}
+
+// The blocks of a measuring run of `blocks` blocks (at least one of each kind): every
+// kind once, then the rest of the pattern in its order. Each layer is costed by its
+// FLOPs, so the measured model needs every kind, not the pattern's proportions.
+std::string measured_pattern(const std::vector<std::string>& pattern, int64_t blocks) {
+  std::vector<std::string> kinds = block_kinds(pattern), rest;
+  std::vector<std::string> out = kinds;
+  for (const std::string& k : pattern) {
+    const auto first = std::find(kinds.begin(), kinds.end(), k);
+    if (first != kinds.end()) kinds.erase(first);  // its first place is taken above
+    else out.push_back(k);
+  }
+  out.resize(static_cast<size_t>(blocks));
+  std::string text = "model.block_pattern=[";
+  for (size_t i = 0; i < out.size(); ++i) text += (i > 0 ? ", \"" : "\"") + out[i] + "\"";
+  return text + "]";
+}
+
 // What makes a copy of `plan` the measuring run: its tp and cp, `dp` data-parallel
 // ranks, no pipeline, `blocks` transformer blocks, no links.
 std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
@@ -73,6 +98,7 @@ std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch
     sets.push_back("model.recompute_num_layers=" + std::to_string(recomputed >= blocks ? 0 : recomputed));
   else if (plan.config.model.recompute_num_layers > blocks)
     sets.push_back("model.recompute_num_layers=" + std::to_string(blocks));
+  if (!plan.config.model.block_pattern.empty()) sets.push_back(measured_pattern(plan.config.model.block_pattern, blocks));
   if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
   return sets;
 }
@@ -93,10 +119,16 @@ int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, i
                        "model where a device holds it, with --save-profile FILE, and estimate here with --profile FILE");
   };
   if (asked > 0 && asked < all && some_recomputed) throw whole_only("--measure-blocks " + std::to_string(asked));
+  // A model of several kinds of block is measured with one of each at least.
+  const int64_t fewest = std::max<int64_t>(1, static_cast<int64_t>(block_kinds(m.block_pattern).size()));
   if (asked > 0) {
     if (asked > all)
       throw loom::Error("measuring " + std::to_string(asked) + " transformer blocks: the model has " +
                         std::to_string(all));
+    if (asked < fewest)
+      throw loom::Error("measuring " + std::to_string(asked) + " transformer block(s): model.block_pattern places " +
+                        std::to_string(fewest) + " kinds of block, and each is measured; measure at least " +
+                        std::to_string(fewest));
     return asked;
   }
   auto problem = [&](int64_t blocks) {
@@ -106,12 +138,15 @@ int64_t measured_blocks(const RunPlan& plan, int64_t micro_batch, int threads, i
   const std::string whole = problem(all);
   if (whole.empty()) return all;
   if (some_recomputed) throw whole_only("measuring runs every layer on each rank and " + whole);
-  const std::string one = problem(1);
+  const std::string one = problem(fewest);
   if (!one.empty())
     throw loom::Error("measuring the compute runs every layer on each rank (the pipeline stages folded into data "
-                      "parallelism), and even with one transformer block " + one + "; measure where a device holds "
-                      "more, with --save-profile FILE, and estimate here with --profile FILE");
-  int64_t fits = 1, not_fit = all;  // the largest count that fits lies in [fits, not_fit)
+                      "parallelism), and even with " +
+                      (fewest == 1 ? std::string("one transformer block ")
+                                   : std::to_string(fewest) + " transformer blocks (one of each kind) ") +
+                      one + "; measure where a device holds more, with --save-profile FILE, and estimate here with "
+                      "--profile FILE");
+  int64_t fits = fewest, not_fit = all;  // the largest count that fits lies in [fits, not_fit)
   while (not_fit - fits > 1) {
     const int64_t mid = fits + (not_fit - fits) / 2;
     (problem(mid).empty() ? fits : not_fit) = mid;
@@ -293,7 +328,7 @@ const char* const kBlocksRecomputed = "blocks recomputed (model.recompute_method
 std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   static const std::set<std::string> kKeys = {
       "model.hidden_size",     "model.num_heads",          "model.ffn_hidden_size", "model.seq_length",
-      "model.tie_embeddings",  "model.pre",                "model.block",           "model.post",
+      "model.tie_embeddings",  "model.pre",                "model.block",           "model.post", "model.blocks",
       "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers", "device.param_dtype",
       "device.grad_dtype",
       "device.grad_accumulation_fusion", "exec.mode",     "batch.micro_batch_size", "parallel.sequence_parallel"};

@@ -90,9 +90,10 @@ void check_comm_fits(const manifest::Manifest& man, RunPlan& plan, std::vector<m
                                std::to_string(world) + " (or srun), or use comm.backend = \"local\""});
 }
 
-// The list of model.pre, model.block or model.post that layer i of the model came from.
+// The list of model.pre, model.block (model.blocks.NAME) or model.post that layer i of
+// the model came from.
 std::string list_of(const manifest::RunConfig& config, const std::vector<model::LayerSpec>& layers, size_t i) {
-  if (layers[i].block_index >= 0) return "model.block";
+  if (layers[i].block_index >= 0) return config.model.block_key(layers[i].block_index);
   return i < config.model.pre.size() ? "model.pre" : "model.post";
 }
 
@@ -157,7 +158,8 @@ void check_layer_places(const manifest::Manifest& man, const manifest::RunConfig
     const std::string key = list_of(config, layers, i);
     diags.push_back({key, man.origin(key),
                      "layer " + layers[i].instance + " (" + p->key() + ") " + problem +
-                         "; the model is model.pre, then model.block num_layers times, then model.post (e.g. "
+                         "; the model is model.pre, then num_layers blocks (model.block, or the kinds of "
+                         "model.block_pattern), then model.post (e.g. "
                          "pre = [\"embedding\"], block = [\"attention\", \"mlp\"], post = [\"lm_head\"])"});
     return;  // one is enough: the others follow from the same list
   }
@@ -388,10 +390,11 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
     if (p == nullptr) {
       std::string key = man.contains(section + ".plugin") ? section + ".plugin" : "model.block";
       if (!man.contains(section + ".plugin")) {
-        const std::pair<const char*, const std::vector<std::string>*> lists[] = {
-            {"model.pre", &config.model.pre}, {"model.block", &config.model.block}, {"model.post", &config.model.post}};
-        for (const auto& [list, names] : lists)
-          if (std::find(names->begin(), names->end(), l.config) != names->end()) key = list;
+        for (size_t i = 0; i < plan.layers.size(); ++i)
+          if (plan.layers[i].config == l.config) {
+            key = list_of(config, plan.layers, i);
+            break;
+          }
       }
       std::string available;
       for (const auto& q : registry.all())
@@ -426,6 +429,13 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   }
   check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
+  for (const auto& [kind, layers] : config.model.blocks)
+    if (std::find(config.model.block_pattern.begin(), config.model.block_pattern.end(), kind) ==
+        config.model.block_pattern.end()) {
+      const std::string key = std::string(manifest::schema::kBlockTable) + "." + kind;
+      plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but model.block_pattern places no '" +
+                              kind + "' block, so it has no effect");
+    }
   if (const std::string w = position_embedding_disagreement(man, plan.layers); !w.empty()) plan.warnings.push_back(w);
   if (config.parallel.pp * config.parallel.vpp == 1)
     for (const char* key : {"pipeline.first_chunk_layers", "pipeline.last_chunk_layers"})

@@ -342,7 +342,14 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         F = dense_F;
         continue;
       }
-      if (!mixtral) {
+      // modeling_qwen3_moe.py: a dense MLP of intermediate_size at the layers of
+      // mlp_only_layers and those decoder_sparse_step passes over.
+      auto qwen_dense = [&] {
+        const nlohmann::json listed = c.value("mlp_only_layers", nlohmann::json::array());
+        return std::find(listed.begin(), listed.end(), nlohmann::json(l)) != listed.end() ||
+               (l + 1) % c.value("decoder_sparse_step", int64_t{1}) != 0;
+      };
+      if (!mixtral || (qwen3_moe && qwen_dense())) {
         add(x, swiglu_mlp(m, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"));
         continue;
       }
@@ -973,6 +980,124 @@ TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
 }
 TEST(HfImport, Qwen3RoundTripIsBitExact) { check_round_trip(qwen3()); }
 TEST(HfImport, Qwen3MoeRoundTripIsBitExact) { check_round_trip(qwen3_moe(true)); }
+
+// Dense MLPs among MoE layers (model.block_pattern): DeepSeek-V3's first
+// first_k_dense_replace layers, Qwen3-MoE's mlp_only_layers.
+std::vector<std::string> with_dense_blocks(std::vector<std::string> v, const std::string& pattern, const char* eps) {
+  for (const std::string& o : std::vector<std::string>{"model.layer.mlp.norm=\"rmsnorm\"", "model.layer.mlp.activation=\"swiglu\"",
+                              "model.layer.mlp.bias=false", "model.ffn_hidden_size=40",
+                              "model.blocks.dense=[\"attention\", \"mlp\"]", "model.block_pattern=" + pattern})
+    v.push_back(o);
+  if (eps != nullptr) v.push_back(std::string("model.layer.mlp.norm_epsilon=") + eps);
+  return v;
+}
+std::vector<std::string> deepseek_v3_dense_first() {
+  return with_dense_blocks(deepseek_v3(/*moe=*/true), "[\"dense\", \"block*3\"]", "1e-6");
+}
+std::vector<std::string> qwen3_moe_with_dense(const std::string& pattern = "[\"block\", \"dense\", \"block*2\"]") {
+  return with_dense_blocks(qwen3_moe(false), pattern, nullptr);
+}
+
+TEST(HfExport, DenseLayersAmongMoeLayersMatchLoomsLoss) {
+  check_export(deepseek_v3_dense_first(), "DeepseekV3ForCausalLM");
+  check_export(qwen3_moe_with_dense(), "Qwen3MoeForCausalLM");
+}
+
+TEST(HfExport, DenseLayersWithoutACounterpartAreRefused) {
+  auto refusal = [](std::vector<std::string> o) {
+    o.push_back("model.num_layers=4");
+    try {
+      loom::interop::read_hf("/nonexistent", loom::testing::plan_from(loom::testing::tiny_manifest(), serial(o)), 13);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const std::string mixtral_dense = refusal(with_dense_blocks(mixtral(), "[\"dense\", \"block*3\"]", nullptr));
+  EXPECT_NE(mixtral_dense.find("Mixtral's layers are all sparse MoE, and this model has dense MLPs among them"),
+            std::string::npos)
+      << mixtral_dense;
+  const std::string late = refusal(with_dense_blocks(deepseek_v3(true), "[\"block\", \"dense\", \"block*2\"]", "1e-6"));
+  EXPECT_NE(late.find("DeepSeek-V3's dense MLPs are its first first_k_dense_replace layers, but blocks.1.mlp is dense "
+                      "after the MoE blocks.0.moe"),
+            std::string::npos)
+      << late;
+  // The dense MLPs are Llama's too, with the model's one epsilon.
+  EXPECT_NE(refusal(with_dense_blocks(deepseek_v3(true), "[\"dense\", \"block*3\"]", "1e-5"))
+                .find("[model.layer.mlp] norm_epsilon"),
+            std::string::npos);
+  std::vector<std::string> gelu = deepseek_v3_dense_first();
+  gelu.push_back("model.layer.mlp.activation=\"gelu\"");
+  EXPECT_NE(refusal(gelu).find("no Hugging Face architecture matches them"), std::string::npos) << refusal(gelu);
+  EXPECT_NE(refusal(deepseek_v3_dense_first()).find("cannot read /nonexistent"), std::string::npos);
+}
+
+TEST(HfImport, DenseLayersAmongMoeLayersRoundTripAndMustMatch) {
+  check_round_trip(deepseek_v3_dense_first());
+  check_round_trip(qwen3_moe_with_dense());
+  // The config says which layers are dense as transformers reads it.
+  const std::vector<std::string> qwen = qwen3_moe_with_dense();
+  const std::string dir = scratch("dense-moe"), out = scratch("dense-moe-out");
+  loom::interop::export_hf(parallel_checkpoint(qwen, dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["mlp_only_layers"], nlohmann::json::array({1}));
+  EXPECT_EQ(c["decoder_sparse_step"], 1);
+  EXPECT_EQ(c["intermediate_size"], 40);
+  EXPECT_EQ(read_edited_config(out, c, qwen, [](nlohmann::json&) {}), "");
+  const std::string none = read_edited_config(out, c, qwen, [](nlohmann::json& e) { e["mlp_only_layers"] = nlohmann::json::array(); });
+  EXPECT_NE(none.find("layer 1 has an MoE (mlp_only_layers = [], decoder_sparse_step = 1), but the model's "
+                      "blocks.1.mlp is a dense MLP"),
+            std::string::npos)
+      << none;
+  EXPECT_NE(read_edited_config(out, c, qwen, [](nlohmann::json& e) { e["decoder_sparse_step"] = 0; })
+                .find("decoder_sparse_step = 0 is not positive"),
+            std::string::npos);
+  EXPECT_NE(read_edited_config(out, c, qwen, [](nlohmann::json& e) { e["mlp_only_layers"] = "1"; })
+                .find("is not a list of layer indices"),
+            std::string::npos);
+  EXPECT_NE(read_edited_config(out, c, qwen, [](nlohmann::json& e) { e["intermediate_size"] = 39; })
+                .find("intermediate_size"),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  // decoder_sparse_step 2: layers 0 and 2 dense, as mlp_only_layers [0, 2] says.
+  const std::vector<std::string> alternate = qwen3_moe_with_dense("[\"dense\", \"block\", \"dense\", \"block\"]");
+  loom::interop::export_hf(parallel_checkpoint(alternate, dir), out, loom::plugins::registry());
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["mlp_only_layers"], nlohmann::json::array({0, 2}));
+  EXPECT_EQ(read_edited_config(out, c, alternate,
+                               [](nlohmann::json& e) {
+                                 e["mlp_only_layers"] = nlohmann::json::array();
+                                 e["decoder_sparse_step"] = 2;
+                               }),
+            "");
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  // DeepSeek-V3: first_k_dense_replace is the dense layers' count (3 when absent), every
+  // layer after it MoE.
+  const std::vector<std::string> deepseek = deepseek_v3_dense_first();
+  loom::interop::export_hf(parallel_checkpoint(deepseek, dir), out, loom::plugins::registry());
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["first_k_dense_replace"], 1);
+  EXPECT_EQ(c["intermediate_size"], 40);
+  EXPECT_EQ(c["moe_intermediate_size"], 16);
+  const std::string two = read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["first_k_dense_replace"] = 2; });
+  EXPECT_NE(two.find("first_k_dense_replace = 2 of 4 layers, but the model's first 1 blocks are dense, then MoE"),
+            std::string::npos)
+      << two;
+  EXPECT_NE(read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e.erase("first_k_dense_replace"); })
+                .find("first_k_dense_replace = 3 (transformers' default)"),
+            std::string::npos);
+  EXPECT_NE(read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["moe_intermediate_size"] = 40; })
+                .find("moe_intermediate_size"),
+            std::string::npos);
+  const std::string freq = read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["moe_layer_freq"] = 2; });
+  EXPECT_NE(freq.find("moe_layer_freq = 2 leaves MoE layers dense"), std::string::npos) << freq;
+  EXPECT_EQ(read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["moe_layer_freq"] = 1; }), "");
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
 
 // A run of another layout (serial; tp 2 with SP; pp 2 x dp 2) started from the export of a
 // tp 2 x pp 2 x dp 2 checkpoint, or from the checkpoint itself, has the same first loss,
