@@ -175,7 +175,7 @@ train::RunPlan search_base(const Args& args) {
     const long long world = args.get_int("--world", 1);
     sets.insert(sets.end(), {"parallel.tp=1", "parallel.cp=1", "parallel.pp=1", "parallel.vpp=1",
                              "parallel.dp=" + std::to_string(world), "parallel.sequence_parallel=false",
-                             "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0",
+                             "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0", "pipeline.chunk_layers=[]",
                              "pipeline.schedule=\"1f1b\""});
     try {
       return train::make_plan(manifest::Manifest::load(args.positionals()[0], sets), plugins::registry());

@@ -1027,8 +1027,9 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
     throw std::runtime_error(where + ": first_k_dense_replace = " + std::to_string(first_moe) +
                              (c.contains("first_k_dense_replace") ? "" : " (transformers' default)") + " of " +
                              std::to_string(layers) + " layers, but the model's " +
-                             (s.moe ? "first " + std::to_string(want) + " blocks are dense, then MoE"
-                                    : "blocks are all dense") +
+                             (!s.moe     ? std::string("blocks are all dense")
+                              : want == 0 ? std::string("blocks are all MoE")
+                                          : "first " + std::to_string(want) + " block(s) are dense, then MoE") +
                              " (model.block, model.blocks and model.block_pattern)");
   if (c.contains("moe_layer_freq") && !(c["moe_layer_freq"].is_number_integer() && c["moe_layer_freq"] == 1))
     throw std::runtime_error(where + ": moe_layer_freq = " + c["moe_layer_freq"].dump() +

@@ -152,6 +152,8 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.pipeline.overlap_p2p_comm = m.get_bool("pipeline.overlap_p2p_comm");
   c.pipeline.first_chunk_layers = as_int(m.get_int("pipeline.first_chunk_layers"));
   c.pipeline.last_chunk_layers = as_int(m.get_int("pipeline.last_chunk_layers"));
+  if (const toml::array* each = m.table().at_path("pipeline.chunk_layers").as_array())
+    for (const toml::node& n : *each) c.pipeline.chunk_layers.push_back(as_int(n.value_or(int64_t{0})));
   c.pipeline.options = table_or_empty(m, "pipeline.options");
 
   c.batch = batch_from(m);

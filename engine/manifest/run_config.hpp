@@ -66,6 +66,7 @@ struct RunConfig {
   struct Pipeline {
     std::string schedule;  // resolved: "interleaved" for the default schedule when vpp > 1
     int microbatch_group_size = 0, first_chunk_layers = 0, last_chunk_layers = 0;
+    std::vector<int> chunk_layers;  // blocks per global chunk; empty: first/last_chunk_layers, else even
     bool overlap_p2p_comm = true;  // receives posted a step early
     toml::table options;
   } pipeline;

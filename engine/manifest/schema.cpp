@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cstdlib>
 #include <initializer_list>
@@ -78,13 +79,19 @@ KeySpec open_table(std::string path, std::string doc) {
   return k;
 }
 
-// model.blocks: every entry a list of layer names, none named after model.block.
+// model.blocks: every entry a list of layer names under a name model.block_pattern can
+// place (a TOML bare key: letters, digits, '_', '-'), none named after model.block.
 std::string check_block_kinds(const toml::node& n) {
   for (auto&& [k, v] : *n.as_table()) {
     const std::string name(k.str());
+    const bool bare = !name.empty() && std::all_of(name.begin(), name.end(), [](unsigned char c) {
+      return std::isalnum(c) != 0 || c == '_' || c == '-';
+    });
+    if (!bare) return "name its block kinds with letters, digits, '_' and '-' (as a bare TOML key), not '" + name + "'";
     if (name == kDefaultBlock) return "not define '" + name + "' (that name is model.block's)";
     const toml::array* a = v.as_array();
-    if (a == nullptr || !(a->empty() || a->is_homogeneous(toml::node_type::string)))
+    if (a != nullptr && a->empty()) return "give each block kind at least one layer (" + name + " has none)";
+    if (a == nullptr || !a->is_homogeneous(toml::node_type::string))
       return "give each block kind an array of layer names (" + name + " is not one)";
   }
   return "";
@@ -97,6 +104,14 @@ std::string check_block_pattern(const toml::node& n) {
     if (!parse_block_run(entry))
       return "be a list of \"NAME\" or \"NAME*N\" entries (N from 1 to 65536), not \"" + entry + "\"";
   }
+  return "";
+}
+
+// pipeline.chunk_layers: integers from 0 to 65536.
+std::string check_chunk_layers(const toml::node& n) {
+  for (auto&& e : *n.as_array())
+    if (!e.is_integer() || e.as_integer()->get() < 0 || e.as_integer()->get() > static_cast<int64_t>(kMaxCount))
+      return "be a list of block counts from 0 to 65536";
   return "";
 }
 
@@ -250,6 +265,16 @@ std::vector<KeySpec> build() {
   v.push_back(i("pipeline.last_chunk_layers", 0, 0,
                 "transformer layers in the last pipeline chunk, which also holds the output layer (0 = even split)",
                 kMaxCount));
+  {
+    KeySpec k = key("pipeline.chunk_layers", KeyType::Array, "[]",
+                    "transformer layers in each pipeline chunk, pp * vpp counts in model order (stage s's virtual "
+                    "chunk v is chunk v * pp + s), e.g. [2, 4, 4, 3] to give the stages holding the embedding and "
+                    "the output layer fewer blocks, or to balance dense and MoE blocks (Megatron-Core's "
+                    "--pipeline-model-parallel-layout); the first and last may be 0 ([] = first_chunk_layers / "
+                    "last_chunk_layers, else even)");
+    k.check = check_chunk_layers;
+    v.push_back(std::move(k));
+  }
   v.push_back(b("pipeline.overlap_p2p_comm", true,
                 "post each step's receive before the step ahead of it computes, so the transfer runs meanwhile "
                 "(Megatron-LM's overlap_p2p_comm; bit-identical; overlaps where the comm plugin can start a receive: "
@@ -740,16 +765,32 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   }
 
   if (usable({"model.num_layers", "parallel.pp", "parallel.vpp", "pipeline.first_chunk_layers",
-              "pipeline.last_chunk_layers"})) {
+              "pipeline.last_chunk_layers", "pipeline.chunk_layers"})) {
     const int64_t layers = I("model.num_layers"), pp = I("parallel.pp"), vpp = I("parallel.vpp");
     const int64_t first = I("pipeline.first_chunk_layers"), last = I("pipeline.last_chunk_layers");
-    if (first == 0 && last == 0) {
+    std::vector<int> each;
+    for (auto&& e : *m.table().at_path("pipeline.chunk_layers").as_array())
+      each.push_back(static_cast<int>(e.value_or(int64_t{0})));
+    if (!each.empty()) {
+      if (first > 0 || last > 0)
+        report({"pipeline.chunk_layers", first > 0 ? "pipeline.first_chunk_layers" : "pipeline.last_chunk_layers"},
+               "pipeline.chunk_layers gives every chunk its blocks; pipeline.first_chunk_layers and "
+               "last_chunk_layers size chunks too: set one or the other");
+      else if (pp * vpp <= kMaxCount)
+        try {
+          topology::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp), 0, 0,
+                                     each);
+        } catch (const std::invalid_argument& e) {
+          report({"pipeline.chunk_layers", "model.num_layers", "parallel.pp", "parallel.vpp"}, e.what());
+        }
+    } else if (first == 0 && last == 0) {
       if (layers % (pp * vpp) != 0)
         report({"model.num_layers", "parallel.pp", "parallel.vpp"},
                "model.num_layers (" + S(layers) + ") must be divisible by parallel.pp * parallel.vpp (" + S(pp) + "*" +
                    S(vpp) + " = " + S(pp * vpp) +
                    ") so every pipeline stage and virtual chunk gets the same number of layers, or set "
-                   "pipeline.first_chunk_layers / pipeline.last_chunk_layers for an uneven split");
+                   "pipeline.first_chunk_layers / pipeline.last_chunk_layers, or pipeline.chunk_layers, for an "
+                   "uneven split");
     } else {
       try {
         topology::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp),

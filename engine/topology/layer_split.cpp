@@ -5,8 +5,32 @@
 
 namespace loom::topology {
 
-std::vector<int> blocks_per_chunk(int num_blocks, int pp, int vpp, int first, int last) {
+namespace {
+std::vector<int> given_per_chunk(int num_blocks, int chunks, const std::vector<int>& each) {
+  const auto fail = [&](const std::string& why) {
+    throw std::invalid_argument("pipeline.chunk_layers gives " + std::to_string(each.size()) +
+                                " pipeline chunk(s) their blocks: " + why);
+  };
+  if (static_cast<int>(each.size()) != chunks)
+    fail("there are pp * vpp = " + std::to_string(chunks) + " chunks (in model order: stage s's virtual chunk v is "
+         "chunk v * pp + s)");
+  long long sum = 0;
+  for (size_t g = 0; g < each.size(); ++g) {
+    sum += each[g];
+    if (each[g] == 0 && g > 0 && g + 1 < each.size())
+      fail("chunk " + std::to_string(g) + " would hold nothing (only the first and the last, which hold the "
+           "embedding and the output layer, may have no blocks)");
+  }
+  if (sum != num_blocks)
+    fail("they add up to " + std::to_string(sum) + ", but the model has " + std::to_string(num_blocks) +
+         " transformer layers (model.num_layers)");
+  return each;
+}
+}  // namespace
+
+std::vector<int> blocks_per_chunk(int num_blocks, int pp, int vpp, int first, int last, const std::vector<int>& each) {
   const int chunks = pp * vpp;
+  if (!each.empty()) return given_per_chunk(num_blocks, chunks, each);
   std::vector<int> out(static_cast<size_t>(chunks), 0);
   if (chunks == 1) {
     out[0] = num_blocks;

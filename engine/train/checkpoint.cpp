@@ -1213,7 +1213,14 @@ bool same_stage_split(const std::string& step_dir, const RunPlan& plan) {
     const int64_t fallback = std::string(key) == "parallel.vpp" ? 1 : 0;
     if (value(saved, key, fallback) != value(now, key, fallback)) return false;
   }
-  return true;
+  // The chunks' block counts (absent: none given, as [] says).
+  const auto counts = [](const toml::table& t) {
+    std::vector<int64_t> out;
+    if (const toml::array* a = t.at_path("pipeline.chunk_layers").as_array())
+      for (const toml::node& n : *a) out.push_back(n.value_or(int64_t{-1}));
+    return out;
+  };
+  return counts(saved) == counts(now);
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ std::vector<std::string> layout_overrides(const LayoutChoice& c, const RunPlan& 
                                    std::string("parallel.sequence_parallel=") + (c.sp ? "true" : "false")};
   sets.push_back(c.vpp > 1 ? "pipeline.schedule=\"interleaved\"" : "pipeline.schedule=\"1f1b\"");
   if (c.pp != plan.sizes.pp || c.vpp != plan.config.parallel.vpp)
-    sets.insert(sets.end(), {"pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0"});
+    sets.insert(sets.end(), {"pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0", "pipeline.chunk_layers=[]"});
   return sets;
 }
 

@@ -89,7 +89,7 @@ std::string measured_pattern(const std::vector<std::string>& pattern, int64_t bl
 std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch, int threads, int dp, int64_t blocks) {
   std::vector<std::string> sets = {
       "parallel.pp=1", "parallel.vpp=1", "pipeline.schedule=\"1f1b\"", "parallel.dp=" + std::to_string(dp),
-      "pipeline.first_chunk_layers=0",
+      "pipeline.first_chunk_layers=0", "pipeline.chunk_layers=[]",
       "pipeline.last_chunk_layers=0", "batch.micro_batch_size=" + std::to_string(micro_batch),
       "batch.global_batch_size=" + std::to_string(micro_batch * dp * kMeasuredMicrobatches),
       "optimizer.overlap_grad_reduce=false", "optimizer.overlap_param_gather=false",

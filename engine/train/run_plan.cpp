@@ -198,8 +198,9 @@ std::vector<std::string> unused_layer_tables(const manifest::Manifest& man, cons
     for (auto&& [key, value] : *v.as_table()) {
       const manifest::Origin o = man.origin(section + "." + std::string(key.str()));
       if (o.kind == manifest::Origin::Kind::Default) continue;
-      out.push_back(o.str() + ": " + section + " is set but no layer of model.pre, model.block or model.post is '" +
-                    name + "', so it has no effect and its options are not checked");
+      out.push_back(o.str() + ": " + section + " is set but no layer of the model (model.pre, the blocks "
+                    "model.block or model.block_pattern places, model.post) is '" + name +
+                    "', so it has no effect and its options are not checked");
       break;
     }
   }
@@ -429,19 +430,32 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   }
   check_layer_places(man, config, registry, plan.layers, diags);
   plan.warnings = unused_layer_tables(man, configured);
+  // Block kinds the pattern never places (model.block too, when written).
+  const auto placed = [&](const std::string& kind) {
+    const std::vector<std::string>& p = config.model.block_pattern;
+    return p.empty() ? kind == manifest::schema::kDefaultBlock : std::find(p.begin(), p.end(), kind) != p.end();
+  };
   for (const auto& [kind, layers] : config.model.blocks)
-    if (std::find(config.model.block_pattern.begin(), config.model.block_pattern.end(), kind) ==
-        config.model.block_pattern.end()) {
+    if (!placed(kind)) {
       const std::string key = std::string(manifest::schema::kBlockTable) + "." + kind;
       plan.warnings.push_back(man.origin(key).str() + ": " + key + " is set but model.block_pattern places no '" +
                               kind + "' block, so it has no effect");
     }
+  if (!placed(std::string(manifest::schema::kDefaultBlock)) && written(man, "model.block"))
+    plan.warnings.push_back(man.origin("model.block").str() +
+                            ": model.block is set but model.block_pattern places no \"block\", so it has no effect "
+                            "and its layers are not checked");
   if (const std::string w = position_embedding_disagreement(man, plan.layers); !w.empty()) plan.warnings.push_back(w);
-  if (config.parallel.pp * config.parallel.vpp == 1)
+  if (config.parallel.pp * config.parallel.vpp == 1) {
     for (const char* key : {"pipeline.first_chunk_layers", "pipeline.last_chunk_layers"})
       if (man.get_int(key) > 0)
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " sizes a pipeline chunk; with one chunk " +
                                 "(parallel.pp = 1) it changes nothing");
+    if (!config.pipeline.chunk_layers.empty())
+      plan.warnings.push_back(man.origin("pipeline.chunk_layers").str() +
+                              ": pipeline.chunk_layers sizes the pipeline chunks; with one chunk (parallel.pp = 1) "
+                              "it changes nothing");
+  }
   if (config.model.recompute_granularity == "none")
     for (const char* key : {"model.recompute_method", "model.recompute_num_layers"})
       if (written(man, key))
@@ -575,18 +589,21 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
                             "under schedule " + plan.schedule->key() + ": it changes nothing");
   plan.blocks_per_chunk =
       topology::blocks_per_chunk(static_cast<int>(config.model.num_layers), plan.sizes.pp, config.parallel.vpp,
-                                 config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers);
+                                 config.pipeline.first_chunk_layers, config.pipeline.last_chunk_layers,
+                                 config.pipeline.chunk_layers);
   plan.chunks = pipeline::partition_layers(plan.layers, plan.blocks_per_chunk);
   // Blocks without layers (model.block = []) leave chunks empty: a stage with nothing
   // to run has no activations to pass on.
-  for (size_t g = 0; g < plan.chunks.size(); ++g)
-    if (plan.chunks[g].empty())
-      throw manifest::ManifestError({{"model.block", man.origin("model.block"),
+  int first_block = 0;
+  for (size_t g = 0; g < plan.chunks.size(); first_block += plan.blocks_per_chunk[g], ++g)
+    if (plan.chunks[g].empty()) {
+      const std::string key = config.model.block_key(first_block);
+      throw manifest::ManifestError({{key, man.origin(key),
                                       "pipeline chunk " + std::to_string(g) + " of " +
-                                          std::to_string(plan.chunks.size()) +
-                                          " holds no layer (the blocks have none, and the pre and post layers "
-                                          "all go to the first chunk); give model.block layers, or set "
-                                          "parallel.pp = 1 and parallel.vpp = 1"}});
+                                          std::to_string(plan.chunks.size()) + " holds no layer (its blocks have "
+                                          "none); give " + key + " layers, or set parallel.pp = 1 and "
+                                          "parallel.vpp = 1"}});
+    }
   return plan;
 }
 

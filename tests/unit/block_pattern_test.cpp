@@ -121,6 +121,10 @@ TEST(BlockPattern, MalformedPatternsAreRefusedNamingTheKey) {
                        std::string(bad) + "\"");
   expect_refused({"model.blocks.block=[\"mlp\"]"}, "model.blocks must not define 'block' (that name is model.block's)");
   expect_refused({"model.blocks.dense=\"mlp\""}, "give each block kind an array of layer names (dense is not one)");
+  expect_refused({"model.blocks.empty=[]"}, "give each block kind at least one layer (empty has none)");
+  for (const char* name : {"d*2", "a b", "\"\""})
+    expect_refused({"model.blocks." + std::string(name) + "=[\"mlp\"]"},
+                   "name its block kinds with letters, digits, '_' and '-'");
   EXPECT_EQ(refusal({}), "");
 }
 
@@ -135,6 +139,10 @@ TEST(BlockPattern, EveryLayoutTrainsAsTheSerialRun) {
         {"parallel.cp=2"},
         {"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"},
         {"parallel.tp=2", "parallel.pp=2", "parallel.dp=2"},
+        // Uneven chunks (pipeline.chunk_layers): the first stage holds the embedding and
+        // 1 block, the last 3; a first chunk of the embedding alone.
+        {"parallel.pp=2", "pipeline.chunk_layers=[1, 3]"},
+        {"parallel.pp=2", "parallel.vpp=2", "pipeline.chunk_layers=[0, 2, 1, 1]"},
         {"parallel.dp=2", "parallel.ep=2"},
         {"parallel.dp=2", "optimizer.strategy=\"distributed\"", "optimizer.overlap_grad_reduce=true"}}) {
     SCOPED_TRACE(layout.back());
@@ -150,7 +158,8 @@ TEST(BlockPattern, PartialGraphsAndRecomputationAreBitIdenticalToEager) {
 }
 
 // A checkpoint holds what the blocks are: the same composition written otherwise
-// resumes, another one is refused naming both.
+// resumes, another one is refused naming the first parameter that differs (as any
+// other model is: Checkpoint.AnotherModelIsRefusedNamingTheParameter).
 TEST(BlockPattern, CheckpointsCompareTheBlocksNotHowTheyAreWritten) {
   const fs::path dir = fs::temp_directory_path() / fs::unique_path("loom-blocks-%%%%%%");
   const std::string ck = "checkpoint.dir=\"" + dir.string() + "\"";

@@ -1083,7 +1083,7 @@ TEST(HfImport, DenseLayersAmongMoeLayersRoundTripAndMustMatch) {
   EXPECT_EQ(c["intermediate_size"], 40);
   EXPECT_EQ(c["moe_intermediate_size"], 16);
   const std::string two = read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["first_k_dense_replace"] = 2; });
-  EXPECT_NE(two.find("first_k_dense_replace = 2 of 4 layers, but the model's first 1 blocks are dense, then MoE"),
+  EXPECT_NE(two.find("first_k_dense_replace = 2 of 4 layers, but the model's first 1 block(s) are dense, then MoE"),
             std::string::npos)
       << two;
   EXPECT_NE(read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e.erase("first_k_dense_replace"); })

@@ -435,6 +435,33 @@ TEST_F(ManifestTest, UnevenPipelineSplitMustAddUp) {
   d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 4\n");
   EXPECT_EQ(d.key, "model.num_layers");
   EXPECT_THAT(d.message, HasSubstr("pipeline.first_chunk_layers / pipeline.last_chunk_layers"));
+  // pipeline.chunk_layers: pp * vpp counts that add up, not beside first/last_chunk_layers.
+  EXPECT_NO_THROW(Manifest::parse("[model]\nnum_layers = 6\n[parallel]\npp = 4\n[pipeline]\nchunk_layers = [1, 2, 2, 1]\n", "m"));
+  d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 4\n[pipeline]\nchunk_layers = [1, 2, 2]\n");
+  EXPECT_EQ(d.key, "pipeline.chunk_layers");
+  EXPECT_THAT(d.message, HasSubstr("there are pp * vpp = 4 chunks"));
+  EXPECT_EQ(pos(d.origin), "m.toml:6:16");
+  d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 2\n[pipeline]\nchunk_layers = [3, 3]\nlast_chunk_layers = 3\n");
+  EXPECT_EQ(d.key, "pipeline.chunk_layers");
+  EXPECT_THAT(d.message, HasSubstr("set one or the other"));
+  d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 2\n[pipeline]\nchunk_layers = [7, -1]\n");
+  EXPECT_THAT(d.message, HasSubstr("pipeline.chunk_layers must be a list of block counts from 0 to 65536"));
+  d = one_error("[model]\nnum_layers = 6\n[parallel]\npp = 2\n[pipeline]\nchunk_layers = [3, \"3\"]\n");
+  EXPECT_THAT(d.message, HasSubstr("pipeline.chunk_layers must be a list of block counts from 0 to 65536"));
+}
+
+TEST_F(ManifestTest, BlockPatternMustPlaceNumLayersBlocksOfKnownKinds) {
+  const std::string kinds = "[model]\nnum_layers = 4\nblock_pattern = [\"dense*2\", \"block*3\"]\n[model.blocks]\n"
+                            "dense = [\"attention\", \"mlp\"]\n";
+  Diagnostic d = one_error(kinds);
+  EXPECT_EQ(d.key, "model.block_pattern");
+  EXPECT_THAT(d.message, HasSubstr("describes 5 block(s), but model.num_layers is 4"));
+  EXPECT_EQ(pos(d.origin), "m.toml:3:17");
+  EXPECT_NO_THROW(Manifest::parse("[model]\nnum_layers = 4\nblock_pattern = [\"dense*2\", \"block*2\"]\n"
+                                  "[model.blocks]\ndense = [\"attention\", \"mlp\"]\n", "m"));
+  d = one_error("[model]\nnum_layers = 2\nblock_pattern = [\"sparse*2\"]\n");
+  EXPECT_THAT(d.message, HasSubstr("names block 'sparse', which is neither model.block (\"block\") nor an entry of "
+                                   "model.blocks (defined: block)"));
 }
 
 TEST_F(ManifestTest, WorldSizeMustMatchTheLauncher) {

@@ -196,6 +196,21 @@ TEST(Pipeline, LayerSplitRule) {
   EXPECT_EQ(blocks_per_chunk(6, 4, 1, 1, 1), (std::vector<int>{1, 2, 2, 1}));
   EXPECT_THROW(blocks_per_chunk(7, 4, 1, 2, 0), std::invalid_argument);  // 5 over 3 chunks
   EXPECT_THROW(blocks_per_chunk(3, 2, 1, 4, 0), std::invalid_argument);  // more than the model has
+  // pipeline.chunk_layers: each chunk's count as given; the first and last may hold none.
+  EXPECT_EQ(blocks_per_chunk(8, 2, 2, 0, 0, {0, 3, 3, 2}), (std::vector<int>{0, 3, 3, 2}));
+  EXPECT_EQ(blocks_per_chunk(5, 2, 1, 0, 0, {5, 0}), (std::vector<int>{5, 0}));
+  auto why = [&](int blocks, int pp, int vpp, const std::vector<int>& each) {
+    try {
+      blocks_per_chunk(blocks, pp, vpp, 0, 0, each);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(why(8, 2, 2, {4, 4}).find("there are pp * vpp = 4 chunks"), std::string::npos);
+  EXPECT_NE(why(8, 2, 2, {2, 2, 2, 1}).find("they add up to 7, but the model has 8 transformer layers"),
+            std::string::npos);
+  EXPECT_NE(why(8, 2, 2, {4, 0, 2, 2}).find("chunk 1 would hold nothing"), std::string::npos);
   try {
     loom::testing::plan_from(manifest(), with_layers({"parallel.pp=4", "pipeline.first_chunk_layers=2"}));
     FAIL() << "an uneven split that does not add up was accepted";
