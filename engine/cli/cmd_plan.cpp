@@ -72,6 +72,30 @@ const char* kUsage =
     "             node) for the same model, device, tp and cp, with other links, dp, pp or\n"
     "             overlap settings; --search then ranks the layouts of that tp and cp\n";
 
+// The blocks each pipeline chunk holds, for balancing stages of unlike blocks
+// (pipeline.chunk_layers): "chunk 0 (stage 0): blocks 0-1, dense x 1, block x 1".
+std::string chunk_blocks_text(const train::RunPlan& plan) {
+  const int pp = plan.sizes.pp;
+  std::string out;
+  int first = 0;
+  for (size_t g = 0; g < plan.blocks_per_chunk.size(); ++g) {
+    const int n = plan.blocks_per_chunk[g];
+    out += "\n    chunk " + std::to_string(g) + " (stage " + std::to_string(static_cast<int>(g) % pp) + "): ";
+    if (n == 0) out += "no blocks";
+    else out += n == 1 ? "block " + std::to_string(first) : "blocks " + std::to_string(first) + "-" + std::to_string(first + n - 1);
+    std::vector<std::pair<std::string, int>> runs;  // the kinds in order, "block" = model.block
+    for (int b = first; b < first + n; ++b) {
+      const auto& pattern = plan.config.model.block_pattern;
+      const std::string kind = pattern.empty() ? std::string("block") : pattern[static_cast<size_t>(b)];
+      if (!runs.empty() && runs.back().first == kind) ++runs.back().second;
+      else runs.emplace_back(kind, 1);
+    }
+    for (const auto& [kind, count] : runs) out += ", " + kind + " x " + std::to_string(count);
+    first += n;
+  }
+  return out;
+}
+
 std::string mib(uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%.2f", double(bytes) / (1024.0 * 1024.0));
@@ -460,7 +484,11 @@ int cmd_plan(int argc, char** argv) {
                                       "experts' rows: an expert capacity, model.layer.moe.capacity_factor, bounds them)"
                                     : "")
               << "\n  work: the backward's hidden-state gradient buffers and each microbatch's tokens and targets, "
-                 "held for the whole run, and the largest temporaries of one layer's forward or backward\n\n";
+                 "held for the whole run, and the largest temporaries of one layer's forward or backward"
+              << (plan.blocks_per_chunk.size() > 1 ? "\n  pipeline chunks (the embedding in the first, the output "
+                                                      "layer in the last):" + chunk_blocks_text(plan)
+                                                    : "")
+              << "\n\n";
     std::cout << cell("rank", 5) << cell("tp", 3) << cell("cp", 3) << cell("dp", 3) << cell("pp", 3) << cell("params", 12)
               << cell("buffer", 12)
               << cell("param MiB", 10) << cell("grad MiB", 10) << cell("optim MiB", 10) << cell("act MiB", 10)

@@ -4,6 +4,8 @@
 
 #include <boost/filesystem.hpp>
 
+#include <stdexcept>
+
 namespace loom::manifest {
 
 namespace {
@@ -117,9 +119,14 @@ RunConfig RunConfig::from(const Manifest& m) {
       std::vector<std::string>& layers = c.model.blocks[std::string(name.str())];
       for (const toml::node& e : *node.as_array()) layers.push_back(e.as_string()->get());
     }
-  c.model.block_pattern =
-      schema::expand_block_pattern(m.get_string_list("model.block_pattern"), c.model.num_layers).value_or(
-          std::vector<std::string>{});
+  // A validated manifest's pattern places num_layers blocks of kinds it defines.
+  const std::vector<std::string> pattern = m.get_string_list("model.block_pattern");
+  c.model.block_pattern = schema::expand_block_pattern(pattern, c.model.num_layers).value_or(std::vector<std::string>{});
+  if (!pattern.empty() && static_cast<int64_t>(c.model.block_pattern.size()) != c.model.num_layers)
+    throw std::logic_error("model.block_pattern of an unvalidated manifest");
+  for (const std::string& kind : c.model.block_pattern)
+    if (kind != schema::kDefaultBlock && c.model.blocks.count(kind) == 0)
+      throw std::logic_error("model.block_pattern names an undefined block kind in an unvalidated manifest");
   c.model.recompute_granularity = m.get_string("model.recompute_granularity");
   c.model.recompute_method = m.get_string("model.recompute_method");
   c.model.recompute_num_layers = m.get_int("model.recompute_num_layers");

@@ -192,7 +192,8 @@ std::vector<KeySpec> build() {
   }
   v.push_back(sl("model.pre", "[\"embedding\"]", "layer instances before the blocks"));
   v.push_back(sl("model.block", "[\"attention\", \"mlp\"]",
-                 "layer instances of one transformer block, repeated num_layers times"));
+                 "layer instances of one transformer block, repeated num_layers times (or where "
+                 "model.block_pattern places \"block\")"));
   {
     KeySpec k = open_table(std::string(kBlockTable),
                            "[model.blocks] NAME = [layer instances]: further kinds of transformer block, which "
@@ -776,7 +777,7 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
         report({"pipeline.chunk_layers", first > 0 ? "pipeline.first_chunk_layers" : "pipeline.last_chunk_layers"},
                "pipeline.chunk_layers gives every chunk its blocks; pipeline.first_chunk_layers and "
                "last_chunk_layers size chunks too: set one or the other");
-      else if (pp * vpp <= kMaxCount)
+      else if (pp * vpp > 1 && pp * vpp <= kMaxCount)  // one chunk: run_plan warns that they change nothing
         try {
           topology::blocks_per_chunk(static_cast<int>(layers), static_cast<int>(pp), static_cast<int>(vpp), 0, 0,
                                      each);

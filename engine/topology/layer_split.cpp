@@ -30,12 +30,12 @@ std::vector<int> given_per_chunk(int num_blocks, int chunks, const std::vector<i
 
 std::vector<int> blocks_per_chunk(int num_blocks, int pp, int vpp, int first, int last, const std::vector<int>& each) {
   const int chunks = pp * vpp;
-  if (!each.empty()) return given_per_chunk(num_blocks, chunks, each);
   std::vector<int> out(static_cast<size_t>(chunks), 0);
-  if (chunks == 1) {
+  if (chunks == 1) {  // one chunk holds every block, whatever the counts say (run_plan warns)
     out[0] = num_blocks;
     return out;
   }
+  if (!each.empty()) return given_per_chunk(num_blocks, chunks, each);
   int rest = num_blocks, rest_chunks = chunks;
   if (first > 0) rest -= first, --rest_chunks;
   if (last > 0) rest -= last, --rest_chunks;

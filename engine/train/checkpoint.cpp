@@ -9,6 +9,7 @@
 #include "engine/model/param_plan.hpp"
 
 #include "engine/model/param_init.hpp"
+#include "engine/topology/layer_split.hpp"
 #include "engine/topology/rank_groups.hpp"
 #include "engine/train/init_weights.hpp"
 #include "engine/train/optimizer_binding.hpp"
@@ -1194,7 +1195,7 @@ void load_resharded(const std::string& step_dir, int old_dp, int old_world, cons
 namespace {
 
 // The checkpoint's layers went to the same pipeline chunks (virtual stages, uneven
-// first and last chunks) as this run's: the keys of its saved manifest that split them.
+// chunks) as this run's, as the keys of its saved manifest split them.
 bool same_stage_split(const std::string& step_dir, const RunPlan& plan) {
   const std::string path = (fs::path(step_dir) / "manifest.toml").string();
   boost::system::error_code ec;
@@ -1205,22 +1206,23 @@ bool same_stage_split(const std::string& step_dir, const RunPlan& plan) {
   } catch (const toml::parse_error& e) {
     throw CheckpointError("checkpoint " + step_dir + " is corrupt: " + path + ": " + std::string(e.description()));
   }
-  const auto value = [](const toml::table& t, const char* key, int64_t fallback) {
-    return t.at_path(key).value_or(fallback);
-  };
-  const toml::table& now = plan.manifest.table();
-  for (const char* key : {"parallel.vpp", "pipeline.first_chunk_layers", "pipeline.last_chunk_layers"}) {
-    const int64_t fallback = std::string(key) == "parallel.vpp" ? 1 : 0;
-    if (value(saved, key, fallback) != value(now, key, fallback)) return false;
+  // The blocks of each chunk as the checkpoint's keys split them (absent keys: their
+  // defaults), however they were written (an even split, first_chunk_layers or
+  // chunk_layers).
+  const auto value = [&](const char* key, int64_t fallback) { return saved.at_path(key).value_or(fallback); };
+  if (value("parallel.pp", 1) != plan.sizes.pp || value("parallel.vpp", 1) != plan.config.parallel.vpp) return false;
+  std::vector<int> each;
+  if (const toml::array* a = saved.at_path("pipeline.chunk_layers").as_array())
+    for (const toml::node& n : *a) each.push_back(static_cast<int>(n.value_or(int64_t{-1})));
+  try {
+    return topology::blocks_per_chunk(static_cast<int>(value("model.num_layers", 0)),
+                                      static_cast<int>(value("parallel.pp", 1)), static_cast<int>(value("parallel.vpp", 1)),
+                                      static_cast<int>(value("pipeline.first_chunk_layers", 0)),
+                                      static_cast<int>(value("pipeline.last_chunk_layers", 0)), each) ==
+           plan.blocks_per_chunk;
+  } catch (const std::invalid_argument&) {
+    return false;  // a split loom would refuse: not this run's
   }
-  // The chunks' block counts (absent: none given, as [] says).
-  const auto counts = [](const toml::table& t) {
-    std::vector<int64_t> out;
-    if (const toml::array* a = t.at_path("pipeline.chunk_layers").as_array())
-      for (const toml::node& n : *a) out.push_back(n.value_or(int64_t{-1}));
-    return out;
-  };
-  return counts(saved) == counts(now);
 }
 
 }  // namespace

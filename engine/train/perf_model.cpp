@@ -1,6 +1,7 @@
 #include "engine/train/perf_model.hpp"
 
 #include "engine/manifest/batches.hpp"
+#include "engine/manifest/schema.hpp"
 #include "engine/model/param_plan.hpp"
 #include "engine/pipeline/schedule.hpp"
 #include "engine/train/init_weights.hpp"
@@ -67,11 +68,13 @@ std::vector<std::string> block_kinds(const std::vector<std::string>& pattern) {
   return kinds;
 }
 
-// The blocks of a measuring run of `blocks` blocks (at least one of each kind): every
-// kind once, then the rest of the pattern in its order. Each layer is costed by its
-// FLOPs, so the measured model needs every kind, not the pattern's proportions.
+// The blocks of a measuring run of `blocks` blocks, fewer than the model's and at
+// least one of each kind: every kind once, then the rest of the pattern in its order.
+// Each layer is costed by its FLOPs, so the measured model needs every kind, not the
+// pattern's proportions. (A measuring run of every block keeps the pattern: block
+// recomputation takes each chunk's first blocks.)
 std::string measured_pattern(const std::vector<std::string>& pattern, int64_t blocks) {
-  std::vector<std::string> kinds = block_kinds(pattern), rest;
+  std::vector<std::string> kinds = block_kinds(pattern);
   std::vector<std::string> out = kinds;
   for (const std::string& k : pattern) {
     const auto first = std::find(kinds.begin(), kinds.end(), k);
@@ -98,7 +101,8 @@ std::vector<std::string> measuring_sets(const RunPlan& plan, int64_t micro_batch
     sets.push_back("model.recompute_num_layers=" + std::to_string(recomputed >= blocks ? 0 : recomputed));
   else if (plan.config.model.recompute_num_layers > blocks)
     sets.push_back("model.recompute_num_layers=" + std::to_string(blocks));
-  if (!plan.config.model.block_pattern.empty()) sets.push_back(measured_pattern(plan.config.model.block_pattern, blocks));
+  if (!plan.config.model.block_pattern.empty() && blocks < plan.config.model.num_layers)
+    sets.push_back(measured_pattern(plan.config.model.block_pattern, blocks));
   if (plan.config.comm.options.contains("links")) sets.push_back("comm.options.links=\"\"");
   return sets;
 }
@@ -328,13 +332,14 @@ const char* const kBlocksRecomputed = "blocks recomputed (model.recompute_method
 std::map<std::string, std::string> compute_settings(const RunPlan& plan) {
   static const std::set<std::string> kKeys = {
       "model.hidden_size",     "model.num_heads",          "model.ffn_hidden_size", "model.seq_length",
-      "model.tie_embeddings",  "model.pre",                "model.block",           "model.post", "model.blocks",
+      "model.tie_embeddings",  "model.pre",                "model.block",           "model.post",
       "model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers", "device.param_dtype",
       "device.grad_dtype",
       "device.grad_accumulation_fusion", "exec.mode",     "batch.micro_batch_size", "parallel.sequence_parallel"};
   std::map<std::string, std::string> out;
   for (const manifest::Manifest::Entry& e : plan.manifest.entries())
-    if (kKeys.count(e.key) > 0) out[e.key] = e.value;
+    if (kKeys.count(e.key) > 0 || e.key.rfind(std::string(manifest::schema::kBlockTable) + ".", 0) == 0)
+      out[e.key] = e.value;
   // Of some blocks, by pipeline chunk: the share recomputed depends on the layout, and
   // it alone decides (1 block of each of 2 stages costs what 2 blocks of 1 stage do).
   const int64_t recomputed = recomputed_blocks(plan);

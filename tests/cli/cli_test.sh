@@ -215,6 +215,14 @@ for c in validate plan run; do
     || fail "$c: no warning about the unused model.layer.moe: $(tail -2 "$work/unused.out")"
 done
 
+# 10b. Blocks that differ over uneven pipeline chunks: loom plan lists what each chunk
+# holds, the pattern's kinds in order, so stages of unlike blocks can be balanced.
+"$loom" plan "$here/tiny.toml" --set 'model.blocks.wide=["attention", "mlp_wide"]' \
+  --set 'model.layer.mlp_wide.plugin="mlp"' --set 'model.block_pattern=["wide", "block*3"]' --set model.num_layers=4 \
+  --set parallel.pp=2 --set parallel.dp=1 --set 'pipeline.chunk_layers=[1, 3]' > "$work/chunks.out" 2>&1 || fail "plan: $(cat "$work/chunks.out")"
+grep -q "chunk 0 (stage 0): block 0, wide x 1" "$work/chunks.out" && grep -q "chunk 1 (stage 1): blocks 1-3, block x 3" \
+  "$work/chunks.out" || fail "plan lists no chunk's blocks: $(cat "$work/chunks.out")"
+
 # 11. A stop signal before the first step has finished stops at once (nothing new to
 # save; starting up may block: here on a metrics FIFO nobody reads). Once a step has
 # finished, the first signal is acknowledged as it arrives (a step may take minutes) and

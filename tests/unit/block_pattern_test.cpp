@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/interop/hugging_face.hpp"
 #include "engine/manifest/schema.hpp"
 #include "engine/train/memory_plan.hpp"
 #include "engine/train/perf_model.hpp"
@@ -150,6 +151,20 @@ TEST(BlockPattern, EveryLayoutTrainsAsTheSerialRun) {
   }
 }
 
+// A pipeline stage of dense blocks only beside one of MoE blocks, under expert
+// parallelism: the dense stage's ranks hold no experts to reduce over their expert
+// data-parallel group.
+TEST(BlockPattern, AStageWithoutExpertsTrainsAsTheSerialRunUnderExpertParallelism) {
+  const std::vector<std::string> dense_first = {"model.block_pattern=[\"dense*2\", \"block*2\"]"};
+  const RankTrace serial = run(dense_first);
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"parallel.pp=2", "parallel.dp=2", "parallel.ep=2"},
+        {"parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""}}) {
+    SCOPED_TRACE(layout.back());
+    expect_same_training(serial, run(loom::testing::with_overrides(dense_first, layout)));
+  }
+}
+
 TEST(BlockPattern, PartialGraphsAndRecomputationAreBitIdenticalToEager) {
   const RankTrace eager = run({});
   expect_bit_identical(eager, run({"exec.mode=\"partial_graph\""}));
@@ -188,6 +203,26 @@ TEST(BlockPattern, CheckpointsCompareTheBlocksNotHowTheyAreWritten) {
               std::string::npos)
         << e.what();
   }
+  // checkpoint.init_weights compares the blocks by what they are: the same kinds in
+  // another order are another model, named as such.
+  try {
+    const std::string weights = (dir / "step_00000010").string();
+    const loom::train::RunPlan other = loom::testing::plan_from(
+        loom::testing::tiny_moe_manifest(),
+        loom::testing::with_overrides(mixed(), {"model.block_pattern=[\"block*2\", \"dense*2\"]", "run.steps=1",
+                                                "checkpoint.init_weights=\"" + weights + "\""}));
+    loom::train::TrainOptions opts;
+    opts.read_init_weights = [&](int64_t vocab) {
+      return loom::interop::read_initial_weights(weights, other, vocab, loom::plugins::registry());
+    };
+    loom::train::train(other, opts);
+    ADD_FAILURE() << "weights of other blocks were taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a model whose blocks are [attention, mlp] x 2, [attention, moe] x 2, "
+                                         "this run's are [attention, moe] x 2, [attention, mlp] x 2"),
+              std::string::npos)
+        << e.what();
+  }
   fs::remove_all(dir);
   // A checkpoint from before model.block_pattern (none in its manifest) reads as
   // model.block throughout, which the same model without a pattern is.
@@ -200,6 +235,19 @@ TEST(BlockPattern, CheckpointsCompareTheBlocksNotHowTheyAreWritten) {
 // A pipeline stage plans the memory of its own blocks: dense blocks then MoE ones over
 // 2 stages plan, stage by stage, what a dense model's first stage and an MoE model's
 // last stage do.
+// One pipeline chunk holds every block whatever pipeline.chunk_layers says (a
+// checkpoint trained at pp 2 sampled at pp 1): a warning, not a refusal.
+TEST(BlockPattern, ChunkLayersOfOneChunkChangeNothing) {
+  const loom::train::RunPlan plan = loom::testing::plan_from(
+      loom::testing::tiny_moe_manifest(), loom::testing::with_overrides(mixed(), {"pipeline.chunk_layers=[1, 3]"}));
+  EXPECT_EQ(plan.blocks_per_chunk, std::vector<int>{4});
+  ASSERT_FALSE(plan.warnings.empty());
+  EXPECT_NE(plan.warnings.back().find("pipeline.chunk_layers sizes the pipeline chunks; with one chunk (parallel.pp = 1) "
+                                      "it changes nothing"),
+            std::string::npos)
+      << plan.warnings.back();
+}
+
 TEST(BlockPattern, EachStagePlansTheMemoryOfItsOwnBlocks) {
   auto stages = [](const std::string& pattern) {
     const std::vector<std::string> o = {"model.block_pattern=" + pattern, "parallel.pp=2", "run.steps=1"};
