@@ -650,6 +650,31 @@ TEST(Layers, MultiLatentAttentionPassesTheHarness) {
     }
 }
 
+// Generation caches multi-latent attention's latent per position ([k_pe | kv]: 2 + 5
+// elements here, DeepSeek-V3's 64 + 512), not every head's k and v (4 heads of 2 x 6
+// here, 128 heads of 2 x 192 there: 85 times more); the cached forward still equals
+// the whole sequence's (the harness's kv_cache check, above).
+TEST(Layers, MultiLatentAttentionCachesOneLatentPerPosition) {
+  Rank rank;
+  const loom_model_dims dims = make_dims();
+  const toml::table opts = mla_options(6, 3);
+  TestLayer layer(rank, "attention", dims, &opts);
+  std::mt19937 rng(3);
+  layer.randomize(rng);
+  const Batch b = make_batch(rng);
+  const uint64_t before = rank.device_bytes();
+  layer.forward_cached(b, 0, dims.seq_len);
+  const uint64_t kept = rank.device_bytes() - before;
+  const uint64_t rows = static_cast<uint64_t>(dims.seq_len * dims.micro_batch);
+  EXPECT_EQ(kept, rows * (2 + 5) * sizeof(float) + rows * sizeof(int32_t)) << "the latents and the rotary positions";
+  // Multi-head attention keeps each head's k and v.
+  TestLayer heads(rank, "attention", dims);
+  heads.randomize(rng);
+  const uint64_t at = rank.device_bytes();
+  heads.forward_cached(b, 0, dims.seq_len);
+  EXPECT_EQ(rank.device_bytes() - at, rows * 2 * static_cast<uint64_t>(dims.hidden) * sizeof(float));
+}
+
 // The parameters Megatron-Core's MLA declares, by shape; a layernorm's latents have
 // betas too.
 TEST(Layers, MultiLatentAttentionDeclaresItsProjections) {

@@ -345,6 +345,7 @@ class Attention : public loom::Layer {
   // Generation (ABI 1.13 kv_cache): rows at positions [P, P + S) of B sequences. Their
   // keys and values go into the cache at those positions; the queries attend to the
   // cache's first P + S positions as a window (the same op context parallelism uses).
+  // Multi-latent attention caches each position's latent instead (latent_projection.hpp).
   void forward_cached(loom::Rank& rank, const loom_layer_fwd_args& a) {
     const int64_t H = hidden_, Hl = hidden_local_;
     require_act(a.input, "input", name_, dt_.act, {-1, -1, H});
@@ -360,7 +361,7 @@ class Attention : public loom::Layer {
     LOOM_REQUIRE((dev.features() & LOOM_DEVICE_ATTENTION_WINDOW) != 0,
                  name_ << ": generation with a key/value cache needs windowed attention (LOOM_DEVICE_ATTENTION_WINDOW)");
     const size_t eb = loom::dtype_size(dt_.act);
-    const int64_t W = 2 * Hl;  // a cached row: this rank's k | v
+    const int64_t W = cache_width();
     if (P == 0 && (cache_.get() == nullptr || cache_batch_ != B)) {
       cache_ = loom::Buffer(rank_, static_cast<size_t>(seq_ * B * W) * eb);
       cache_batch_ = B;
@@ -368,15 +369,21 @@ class Attention : public loom::Layer {
     const void* x = data_of<void>(*a.input);
     void* y = data_of<void>(*a.output);
 
+    const int64_t Lc = latent_ ? mla_.cache_width() : 0;
     Arena tmp;
     const size_t ln = tmp.elems(T * H, dt_.act), qkv = tmp.elems(T * 3 * Hl, dt_.act),
-                 grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act), ctx = tmp.elems(T * Hl, dt_.act),
-                 mean = tmp.floats(T), rstd = tmp.floats(T), lse = tmp.floats(B * heads_local_ * S),
-                 proj = tmp.elems(T * H, dt_.act), qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
-                 ctx_c = tmp.elems(packed_values() ? T * proj_in_local_ : 0, dt_.act),
+                 grouped = tmp.elems(grouped_ ? T * qkv_local_ : 0, dt_.act),
+                 ctx = tmp.elems(latent_ ? 0 : T * Hl, dt_.act), mean = tmp.floats(T), rstd = tmp.floats(T),
+                 lse = tmp.floats(B * heads_local_ * S), proj = tmp.elems(T * H, dt_.act),
+                 qk_x = tmp.elems(qk_norm_ ? 2 * T * Hl : 0, dt_.act),
+                 ctx_c = tmp.elems(packed_values() || latent_ ? T * proj_in_local_ : 0, dt_.act),
                  qk_mean = tmp.floats(qk_norm_ && !norm_.rms ? 2 * T * heads_local_ : 0),
                  qk_rstd = tmp.floats(qk_norm_ ? 2 * T * heads_local_ : 0),
-                 key_start = tmp.add(a.document_start ? T * sizeof(int32_t) : 0);
+                 key_start = tmp.add(a.document_start ? T * sizeof(int32_t) : 0),
+                 // the latent cache's absorbed queries, keys of every cached position, context
+                 q_abs = tmp.elems(T * heads_local_ * Lc, dt_.act),
+                 k_abs = tmp.elems((P + S) * B * heads_local_ * Lc, dt_.act),
+                 ctx_abs = tmp.elems(T * heads_local_ * Lc, dt_.act);
     const LatentProjection::LatentPieces latents = latent_ ? mla_.lay_out(tmp, T, dt_.act) : LatentProjection::LatentPieces{};
     tmp.allocate(rank_);
     norm_.forward(dev, x, w(ln_w_), w(ln_b_), tmp.at(ln), tmp.at(mean), tmp.at(rstd), T, H, dt_.act);
@@ -393,21 +400,15 @@ class Attention : public loom::Layer {
     if (rope_) rotate(dev, tmp.at(qkv), S, B, /*backward=*/false, P,
                       a.position_ids ? data_of<int32_t>(*a.position_ids) : nullptr);
     void* cache = cache_.get();
-    dev.copy_2d(advance(cache, P * B * W, dt_.act), W * eb, advance(tmp.at<const void>(qkv), Hl, dt_.act), 3 * Hl * eb,
-                W * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    if (latent_)
+      mla_.cache_latents(dev, latents.at(tmp), w_, tmp.at(qkv), advance(cache, P * B * W, dt_.act), W, T, dt_.act);
+    else
+      dev.copy_2d(advance(cache, P * B * W, dt_.act), W * eb, advance(tmp.at<const void>(qkv), Hl, dt_.act),
+                  3 * Hl * eb, W * eb, static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
     loom_attention_args at = loom::make<loom_attention_args>();
     at.batch = B;
     at.seq = S;
     at.heads = heads_local_;
-    at.head_dim = head_dim_;
-    at.qkv_stride_b = 3 * Hl;
-    at.qkv_stride_s = B * 3 * Hl;
-    at.out_stride_b = Hl;
-    at.out_stride_s = B * Hl;
-    at.q = tmp.at(qkv);
-    at.k = cache;
-    at.v = advance(cache, Hl, dt_.act);
-    at.out = tmp.at(ctx);
     at.lse = tmp.at(lse);
     at.scale = softmax_scale();
     at.causal = 1;
@@ -421,14 +422,49 @@ class Attention : public loom::Layer {
       key_starts(dev, data_of<int32_t>(*a.document_start), tmp.at<int32_t>(key_start), S, B, 1);
       at.key_start = tmp.at<int32_t>(key_start);
     }
-    at.kv_stride_b = W;
-    at.kv_stride_s = B * W;
-    dev.attention_fwd(at);
-    tp_.row_parallel_linear_forward({.rows = T, .in = proj_in_local_, .out = H,
-                                     .x = value_heads(dev, tmp.at(ctx), tmp.at(ctx_c), T), .weight = w(proj_w_),
+    const void* values = nullptr;  // what the output projection reads: [T, proj_in_local_]
+    if (latent_) {
+      // Every head attends over the latent rows [k_pe | kv] (as keys and as values);
+      // the op takes one key row per head, so the rows are repeated per head here.
+      mla_.absorb_queries(dev, tmp.at(qkv), tmp.at(q_abs), T, w_, dt_.act);
+      copy_heads(dev, tmp.at(k_abs), heads_local_ * Lc, Lc, cache, W, 0, Lc, (P + S) * B, heads_local_, dt_.act);
+      at.head_dim = Lc;
+      at.qkv_stride_b = heads_local_ * Lc;
+      at.qkv_stride_s = B * heads_local_ * Lc;
+      at.out_stride_b = heads_local_ * Lc;
+      at.out_stride_s = B * heads_local_ * Lc;
+      at.q = tmp.at(q_abs);
+      at.k = tmp.at(k_abs);
+      at.v = tmp.at(k_abs);
+      at.out = tmp.at(ctx_abs);
+      at.kv_stride_b = heads_local_ * Lc;
+      at.kv_stride_s = B * heads_local_ * Lc;
+      dev.attention_fwd(at);
+      mla_.expand_values(dev, tmp.at(ctx_abs), tmp.at(ctx_c), T, w_, dt_.act);
+      values = tmp.at(ctx_c);
+    } else {
+      at.head_dim = head_dim_;
+      at.qkv_stride_b = 3 * Hl;
+      at.qkv_stride_s = B * 3 * Hl;
+      at.out_stride_b = Hl;
+      at.out_stride_s = B * Hl;
+      at.q = tmp.at(qkv);
+      at.k = cache;
+      at.v = advance(cache, Hl, dt_.act);
+      at.out = tmp.at(ctx);
+      at.kv_stride_b = W;
+      at.kv_stride_s = B * W;
+      dev.attention_fwd(at);
+      values = value_heads(dev, tmp.at(ctx), tmp.at(ctx_c), T);
+    }
+    tp_.row_parallel_linear_forward({.rows = T, .in = proj_in_local_, .out = H, .x = values, .weight = w(proj_w_),
                                      .bias = w(proj_b_), .y = tmp.at(proj), .dtype = dt_.act});
     add(dev, x, tmp.at(proj), y, T * H, dt_.act);  // the residual
   }
+
+  // The elements a generation cache keeps per position and sequence: this rank's k | v
+  // heads, or multi-latent attention's latent [k_pe | kv] (the same on every tp rank).
+  int64_t cache_width() const { return latent_ ? mla_.cache_width() : 2 * hidden_local_; }
 
   void backward(loom::Rank& rank, const loom_layer_bwd_args& a) override {
     auto it = saved_.find(a.microbatch);

@@ -211,6 +211,57 @@ class LatentProjection {
             act, act);
   }
 
+  // ---- Generation with the latent cache (DeepSeek-V2's weight absorption) ----
+  // A cached position is its key/value latent and its rotated key [kv | k_pe]
+  // (cache_width() elements, the same on every tp rank), not every head's k and v.
+  // Since k_h = [k_pe | kv Wk_h] and v_h = kv Wv_h (Wk_h, Wv_h: head h's columns of
+  // kv_up), q_h . k_h = [q_pe_h | q_nope_h Wk_h^T] . [k_pe | kv] and softmax(.) v_h =
+  // (softmax(.) kv) Wv_h: attention runs over the latent rows with the absorbed
+  // queries [q_pe_h | q_nope_h Wk_h^T] and, as values, the latent rows themselves
+  // (the context's first kv_rank elements of each head are softmax(.) kv).
+  int64_t cache_width() const { return d_.rope + d_.kv_rank; }
+
+  // Rows [k_pe | kv] of T positions into `rows` (row stride ld): the normalised kv
+  // latent a forward kept, and the rotated shared key of the packed heads (packed k
+  // head 0's first rope elements, as rotated).
+  void cache_latents(const loom::Device& dev, const Latents& kept, const std::vector<void*>& w, const void* packed,
+                     void* rows, int64_t ld, int64_t T, int32_t act) const {
+    const size_t eb = loom::dtype_size(act);
+    const int64_t P = 3 * d_.heads_local * d_.width();
+    Arena mem;
+    const size_t normed = mem.elems(T * d_.kv_rank, act), rstd = mem.floats(T), mean = mem.floats(norm_.rms ? 0 : T);
+    mem.allocate(rank_);
+    norm_.forward(dev, kept.kv, w[kv_norm_w_], at(w, kv_norm_b_), mem.at(normed), mem.at(mean), mem.at(rstd), T,
+                  d_.kv_rank, act);
+    dev.copy_2d(rows, ld * eb, advance(packed, d_.heads_local * d_.width(), act), P * eb, d_.rope * eb,
+                static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+    dev.copy_2d(advance(rows, d_.rope, act), ld * eb, mem.at(normed), d_.kv_rank * eb, d_.kv_rank * eb,
+                static_cast<size_t>(T), LOOM_COPY_DEVICE_TO_DEVICE);
+  }
+
+  // The absorbed queries [T, heads_local, cache_width()]: head h = [q_pe_h | q_nope_h
+  // Wk_h^T] from the packed (rotated) q heads.
+  void absorb_queries(const loom::Device& dev, const void* packed, void* q_abs, int64_t T,
+                      const std::vector<void*>& w, int32_t act) const {
+    const int64_t hl = d_.heads_local, Dw = d_.width(), P = 3 * hl * Dw, Lc = cache_width(), kvh = d_.nope + d_.v;
+    copy_heads(dev, q_abs, hl * Lc, Lc, packed, P, Dw, d_.rope, T, hl, act);
+    for (int64_t h = 0; h < hl; ++h)  // q_nope_h [T, nope] x (Wk_h [kv_rank, nope])^T
+      gemm_ld(dev, false, true, T, d_.kv_rank, d_.nope, advance(packed, h * Dw + d_.rope, act), P,
+              advance(w[kv_up_], h * kvh, act), hl * kvh, advance(q_abs, h * Lc + d_.rope, act), hl * Lc, 0.0f, act,
+              act);
+  }
+
+  // The values [T, heads_local * v] from the latent context [T, heads_local,
+  // cache_width()] (head h's elements after the first rope: softmax(.) kv): x Wv_h.
+  void expand_values(const loom::Device& dev, const void* ctx, void* values, int64_t T,
+                     const std::vector<void*>& w, int32_t act) const {
+    const int64_t hl = d_.heads_local, Lc = cache_width(), kvh = d_.nope + d_.v;
+    for (int64_t h = 0; h < hl; ++h)
+      gemm_ld(dev, false, false, T, d_.v, d_.kv_rank, advance(ctx, h * Lc + d_.rope, act), hl * Lc,
+              advance(w[kv_up_], h * kvh + d_.nope, act), hl * kvh, advance(values, h * d_.v, act), hl * d_.v, 0.0f,
+              act, act);
+  }
+
   // Whether the layer's backward needs the normalised input gathered over tp (the
   // column-parallel q of q_rank 0 under sequence parallelism).
   bool needs_gathered_input() const { return d_.q_rank == 0 && tp_->sequence_parallel(); }
