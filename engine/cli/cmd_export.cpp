@@ -22,7 +22,7 @@ const char* kUsage =
     "GPT2LMHeadModel (GPT-2 blocks), LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases) or\n"
     "MixtralForCausalLM (the same with top-k SwiGLU expert blocks), and with the attention's\n"
     "qk_norm Qwen3ForCausalLM or Qwen3MoeForCausalLM, with multi_latent_attention\n"
-    "DeepseekV3ForCausalLM,\n"
+    "DeepseekV3ForCausalLM (sigmoid router) or DeepseekV2ForCausalLM (softmax router),\n"
     "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
     "checkpoint.dir (its newest complete step). --tokenizer (the GPT-2 BPE directory or SentencePiece\n"
     "model the data was encoded with) adds the tokenizer files AutoTokenizer reads: vocab.json and\n"

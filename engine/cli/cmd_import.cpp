@@ -23,7 +23,7 @@ const char* kUsage =
     "(tp, pp, dp, cp, ep, dtype) holding SOURCE's weights, with a fresh optimizer state. SOURCE is\n"
     "a Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel,\n"
     "LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or\n"
-    "DeepseekV3ForCausalLM) or a loom\n"
+    "DeepseekV2ForCausalLM or DeepseekV3ForCausalLM) or a loom\n"
     "checkpoint of any layout, read as\n"
     "checkpoint.init_weights reads it; MANIFEST must describe the same model (what differs is named).\n"
     "Then: loom run MANIFEST --set checkpoint.dir=OUTDIR --resume  trains on from it (the same run\n"

@@ -127,6 +127,10 @@ struct Shape {
   // Multi-latent attention in Llama's blocks, before dense MLPs or DeepSeek-V3's MoE:
   // DeepSeek-V3's (DeepseekV3ForCausalLM; `moe` says which of the two).
   bool deepseek = false, moe = false;  // moe: some layers are MoE (sparse)
+  // DeepSeek-V2's router (DeepseekV2ForCausalLM): the softmax's top-k over all experts
+  // (in groups with group_limited_greedy), gates its values times
+  // routed_scaling_factor, no bias; else DeepSeek-V3's (sigmoid, expert bias).
+  bool deepseek_v2 = false;
   std::vector<bool> sparse;  // by layer: an MoE (else a dense MLP)
   // The layers a dense MLP: the first_k_dense_replace of DeepSeek-V3, mlp_only_layers of Qwen3-MoE.
   int64_t first_sparse() const { return std::find(sparse.begin(), sparse.end(), true) - sparse.begin(); }
@@ -168,12 +172,12 @@ struct Shape {
   std::vector<std::string> attention, ffn;
   std::string architecture() const {
     if (gpt2) return "GPT2LMHeadModel";
-    if (deepseek) return "DeepseekV3ForCausalLM";
+    if (deepseek) return deepseek_v2 ? "DeepseekV2ForCausalLM" : "DeepseekV3ForCausalLM";
     if (llama) return qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
     return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
   }
   std::string model_type() const {
-    if (deepseek) return "deepseek_v3";
+    if (deepseek) return deepseek_v2 ? "deepseek_v2" : "deepseek_v3";
     return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : mistral ? "mistral" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
   }
   bool qwen() const { return qk_norm; }
@@ -182,7 +186,7 @@ struct Shape {
   // transformers' defaults, for a key a config.json leaves out.
   double default_eps() const { return llama || qk_norm || deepseek ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
-    if (deepseek) return 128;  // DeepseekV3Config's (num_attention_heads' default)
+    if (deepseek) return deepseek_v2 ? heads : 128;  // DeepseekV2Config: num_attention_heads; V3's default
     if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
     return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
@@ -199,8 +203,35 @@ int64_t effective_window(int64_t window, int64_t seq_len) { return window > 0 &&
 // The epsilon of transformers' DeepseekV3 latent norms (DeepseekV3RMSNorm's default).
 constexpr double kDeepSeekLatentEps = 1e-6;
 
-// DeepSeek-V3's settings from the attention's and the MoE's options (their defaults as
-// the plugins declare them), refusing what transformers' DeepseekV3 computes otherwise.
+// DeepSeek-V2's router (transformers' DeepseekV2Moe): the softmax over every expert,
+// the top_k of its values (greedy; group_limited_greedy: from the topk_group groups of
+// the best single value), which are the gates, times routed_scaling_factor, and
+// n_shared_experts experts beside. loom's softmax router with pre_softmax computes
+// that; a group ranked by its top_k / group_topk best is DeepSeek-V2's only at 1.
+void deepseek_v2_router(const toml::table& ffn, Shape& s) {
+  s.deepseek_v2 = true;
+  if (!ffn["pre_softmax"].value_or(false))
+    throw std::runtime_error("DeepSeek-V2's gates are the softmax over every expert (not renormalised over the chosen "
+                             "ones): set pre_softmax = true (or score_function = \"sigmoid\" for DeepSeek-V3's router)");
+  if (s.expert_bias)
+    throw std::runtime_error("DeepSeek-V2's router has no expert bias (DeepSeek-V3's sigmoid router has): set "
+                             "expert_bias = false");
+  if (s.limits_groups() && s.top_k != s.group_topk)
+    throw std::runtime_error("DeepSeek-V2 ranks a group of experts by its best score, loom by the sum of its top_k / "
+                             "group_topk = " + std::to_string(s.top_k / s.group_topk) +
+                             " best: set group_topk = top_k, or group_topk = num_groups");
+  if (s.shared_ffn <= 0 || s.shared_ffn % s.expert_ffn != 0)
+    throw std::runtime_error("DeepSeek-V2's MoE layers have n_shared_experts shared experts of the routed ones' width: "
+                             "shared_expert_ffn_hidden_size = " + std::to_string(s.shared_ffn) +
+                             " must be a positive multiple of the experts' ffn_hidden_size = " +
+                             std::to_string(s.expert_ffn));
+  if (ffn["shared_expert_gate"].value_or(false) || ffn["capacity_factor"].value_or(0.0) != 0.0)
+    throw std::runtime_error("DeepSeek-V2's MoE blocks are dropless with an ungated shared expert: shared_expert_gate "
+                             "and capacity_factor have no counterpart");
+}
+
+// DeepSeek-V2/V3's settings from the attention's and the MoE's options (their defaults as
+// the plugins declare them), refusing what transformers' DeepseekV2/V3 compute otherwise.
 void deepseek_shape(const toml::table& att, const toml::table& ffn, const manifest::RunConfig& c, Shape& s) {
   const int64_t head = c.model.hidden_size / c.model.num_heads;
   const auto size = [&](const char* key, int64_t fallback) {
@@ -232,6 +263,7 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   s.routed_scaling = scaling > 0 ? scaling : 1.0;
   s.shared_ffn = ffn["shared_expert_ffn_hidden_size"].value_or(int64_t{0});
   s.expert_bias = ffn["expert_bias"].value_or(false);
+  if (ffn["score_function"].value_or(std::string("softmax")) == "softmax") return deepseek_v2_router(ffn, s);
   if (ffn["score_function"].value_or(std::string("softmax")) != "sigmoid")
     throw std::runtime_error("DeepSeek-V3's router scores each expert by its sigmoid: set score_function = \"sigmoid\"");
   // transformers ranks a group by the sum of its 2 best scores, loom by its top_k / group_topk best.
@@ -439,18 +471,35 @@ Matrix expert_matrix(const WholeTensor& t, int64_t j) {
 // the attention's instance prefix, to: "model.layers.<i>.self_attn."). Every loom
 // weight is [in, out], transformers' [out, in]; the column orders are the same
 // ([nope | rope] per query head, [kv | rope] down, [k_nope | v] per head up).
-void latent_attention_to_hf(Builder& b, const std::string& at, const std::string& to, bool query_latent) {
+void latent_attention_to_hf(Builder& b, const std::string& at, const std::string& to, const Shape::Latent& l,
+                            bool interleave) {
   auto linear = [&](const std::string& hf, const std::string& loom) {
     b.matrix(to + hf, transposed(matrix_of(b.get(at + loom))));
   };
-  if (query_latent) {
+  // DeepSeek-V2 rotates pairs (2i, 2i + 1) (complex rotary embeddings), loom halves
+  // (i, i + rope/2): each rotary block of `every` rows from `first` on is interleaved.
+  auto rotary_rows = [&](const std::string& hf, const std::string& loom, int64_t every, int64_t first) {
+    Matrix m = transposed(matrix_of(b.get(at + loom)));  // [out, in]
+    if (interleave) {
+      const Matrix was = m;
+      const size_t row = static_cast<size_t>(m.cols) * m.elem;
+      for (int64_t r0 = first; r0 < m.rows; r0 += every)
+        for (int64_t i = 0; i < l.rope; ++i) {
+          const int64_t dst = r0 + (i < l.rope / 2 ? 2 * i : 2 * (i - l.rope / 2) + 1);
+          std::memcpy(m.data.data() + dst * row, was.data.data() + (r0 + i) * row, row);
+        }
+    }
+    b.matrix(to + hf, std::move(m));
+  };
+  const int64_t qk = l.nope + l.rope;
+  if (l.q_rank > 0) {
     linear("q_a_proj.weight", "q_down.weight");
     b.as_is(to + "q_a_layernorm.weight", at + "q_latent_norm.weight");
-    linear("q_b_proj.weight", "q_up.weight");
+    rotary_rows("q_b_proj.weight", "q_up.weight", qk, l.nope);
   } else {
-    linear("q_proj.weight", "q.weight");
+    rotary_rows("q_proj.weight", "q.weight", qk, l.nope);
   }
-  linear("kv_a_proj_with_mqa.weight", "kv_down.weight");
+  rotary_rows("kv_a_proj_with_mqa.weight", "kv_down.weight", l.kv_rank + l.rope, l.kv_rank);
   b.as_is(to + "kv_a_layernorm.weight", at + "kv_latent_norm.weight");
   linear("kv_b_proj.weight", "kv_up.weight");
   linear("o_proj.weight", "proj.weight");
@@ -465,8 +514,8 @@ void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann
   c["qk_nope_head_dim"] = s.latent.nope;
   c["qk_rope_head_dim"] = s.latent.rope;
   c["v_head_dim"] = s.latent.v;
-  c.erase("head_dim");  // DeepseekV3Config's is its qk_rope_head_dim
-  c["rope_interleave"] = false;
+  c.erase("head_dim");  // DeepseekV2Config's and DeepseekV3Config's is their qk_rope_head_dim
+  if (!s.deepseek_v2) c["rope_interleave"] = false;  // DeepSeek-V2's pairs are interleaved: its rows are
   c["intermediate_size"] = dense_ffn;
   c["first_k_dense_replace"] = std::min(s.first_sparse(), layers);
   if (!s.moe) return;
@@ -476,8 +525,9 @@ void deepseek_config(const Shape& s, int64_t dense_ffn, int64_t layers, nlohmann
   c["n_shared_experts"] = s.shared_ffn / s.expert_ffn;
   c["n_group"] = s.limits_groups() ? s.groups_of_experts : 1;  // every group picked: no groups
   c["topk_group"] = s.limits_groups() ? s.group_topk : 1;
-  c["norm_topk_prob"] = s.top_k > 1;  // loom renormalises the chosen sigmoids when there are several
+  c["norm_topk_prob"] = !s.deepseek_v2 && s.top_k > 1;  // loom renormalises the chosen sigmoids when there are several
   c["routed_scaling_factor"] = s.routed_scaling;
+  if (s.deepseek_v2) c["topk_method"] = s.limits_groups() ? "group_limited_greedy" : "greedy";
 }
 
 HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
@@ -529,7 +579,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
       const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       b.as_is(h + "input_layernorm.weight", at + "ln.weight");
       if (s.deepseek) {
-        latent_attention_to_hf(b, at, h + "self_attn.", s.latent.q_rank > 0);
+        latent_attention_to_hf(b, at, h + "self_attn.", s.latent, /*interleave=*/s.deepseek_v2);
       } else {
         const Matrix qkv = matrix_of(b.get(at + "qkv.weight"));  // [C, cols]
         std::vector<std::pair<int64_t, int64_t>> q, k, v;
@@ -574,16 +624,18 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         b.matrix(x + n.down, transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
       }
       if (!s.deepseek) continue;
-      // DeepSeek-V3's router bias (the layer's state; zeros without expert_bias) and its
-      // shared experts, [gate | up]^T and down^T of loom's shared expert.
-      std::vector<float> bias(static_cast<size_t>(s.experts), 0.0f);
-      if (s.expert_bias) {
-        const auto it = ck.states.find(ml + "router.expert_bias");
-        if (it == ck.states.end() || it->second.size() != bias.size())
-          throw std::runtime_error("the checkpoint has no layer state " + ml + "router.expert_bias");
-        bias = it->second;
+      // DeepSeek-V3's router bias (the layer's state; zeros without expert_bias) and
+      // DeepSeek-V2/V3's shared experts, [gate | up]^T and down^T of loom's shared expert.
+      if (!s.deepseek_v2) {
+        std::vector<float> bias(static_cast<size_t>(s.experts), 0.0f);
+        if (s.expert_bias) {
+          const auto it = ck.states.find(ml + "router.expert_bias");
+          if (it == ck.states.end() || it->second.size() != bias.size())
+            throw std::runtime_error("the checkpoint has no layer state " + ml + "router.expert_bias");
+          bias = it->second;
+        }
+        b.values(h + "mlp.gate.e_score_correction_bias", bias);
       }
-      b.values(h + "mlp.gate.e_score_correction_bias", bias);
       const int64_t Fs = s.shared_ffn;
       if (Fs > 0) {
         const Matrix fc1 = matrix_of(b.get(ml + "shared.fc1.weight"));  // [C, 2Fs]: [gate | up]
@@ -999,9 +1051,9 @@ void require_config_value(const nlohmann::json& c, const std::string& where, con
                              ", which loom's model does not compute (it has " + want.dump() + ")");
 }
 
-// DeepseekV3Config against the manifest's DeepSeek-V3 blocks (DeepseekV3Config's
-// defaults for absent keys): the latent attention's sizes, dense or MoE layers
-// throughout (loom's blocks repeat one), and the router as loom's computes it.
+// DeepseekV2Config or DeepseekV3Config against the manifest's blocks (their defaults
+// for absent keys): the latent attention's sizes, the dense layers first, and the
+// router as loom's computes it.
 void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t dense_ffn, int64_t layers,
                              const std::string& where) {
   auto value = [&](const char* k, const nlohmann::json& want, const nlohmann::json& hf_default) {
@@ -1020,8 +1072,10 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
   value("v_head_dim", l.v, 128);
   if (c.contains("rope_interleave") && !c["rope_interleave"].is_boolean())
     throw std::runtime_error(where + ": rope_interleave = " + c["rope_interleave"].dump() + " is not true or false");
+  const bool v2 = s.deepseek_v2;
   // Layers from first_k_dense_replace on are MoE layers (DeepSeek's moe_layer_freq of 1).
-  const int64_t first_moe = c.contains("first_k_dense_replace") ? config_int(c, "first_k_dense_replace", where) : 3;
+  const int64_t first_moe =
+      c.contains("first_k_dense_replace") ? config_int(c, "first_k_dense_replace", where) : v2 ? 0 : 3;
   const int64_t want = s.first_sparse();
   if (s.moe ? first_moe != want : first_moe < layers)
     throw std::runtime_error(where + ": first_k_dense_replace = " + std::to_string(first_moe) +
@@ -1033,10 +1087,24 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
                              " (model.block, model.blocks and model.block_pattern)");
   if (c.contains("moe_layer_freq") && !(c["moe_layer_freq"].is_number_integer() && c["moe_layer_freq"] == 1))
     throw std::runtime_error(where + ": moe_layer_freq = " + c["moe_layer_freq"].dump() +
-                             " leaves MoE layers dense, which transformers' DeepseekV3 does not (every layer from "
-                             "first_k_dense_replace on is MoE)");
-  if (want > 0) value("intermediate_size", dense_ffn, 18432);
+                             " leaves MoE layers dense, which transformers' DeepseekV2 and V3 do not (every layer "
+                             "from first_k_dense_replace on is MoE)");
+  if (want > 0) value("intermediate_size", dense_ffn, v2 ? 11008 : 18432);
   if (!s.moe) return;
+  if (v2) {  // DeepseekV2Config's defaults; its router reads neither norm_topk_prob nor a bias
+    value("n_routed_experts", s.experts, 64);
+    value("num_experts_per_tok", s.top_k, nullptr);
+    value("moe_intermediate_size", s.expert_ffn, 1407);
+    value("n_shared_experts", s.shared_ffn / s.expert_ffn, 2);
+    value("routed_scaling_factor", s.routed_scaling, 1.0);
+    value("topk_method", s.limits_groups() ? "group_limited_greedy" : "greedy", "greedy");
+    if (s.limits_groups()) {
+      value("n_group", s.groups_of_experts, nullptr);
+      value("topk_group", s.group_topk, nullptr);
+    }
+    value("norm_topk_prob", false, false);  // DeepSeek's own code renormalises with it
+    return;
+  }
   if (c.contains("scoring_func")) value("scoring_func", "sigmoid", "sigmoid");  // the DeepSeek-V3 repository's keys
   if (c.contains("topk_method")) value("topk_method", "noaux_tc", "noaux_tc");
   value("n_routed_experts", s.experts, 256);
@@ -1318,7 +1386,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       const std::string &at = s.attention[i], &ml = s.ffn[i], h = "model.layers." + std::to_string(i) + ".";
       out.add(at + "ln.weight", hf.get(h + "input_layernorm.weight", {C}));
       if (s.deepseek) {
-        latent_attention_from_hf(hf, out, s, C, H, at, h + "self_attn.", c.value("rope_interleave", true));
+        // DeepSeek-V2's rotary pairs are always interleaved (no rope_interleave key).
+        latent_attention_from_hf(hf, out, s, C, H, at, h + "self_attn.",
+                                 s.deepseek_v2 || c.value("rope_interleave", true));
       } else {
         const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
         const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
@@ -1362,13 +1432,15 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       out.add(ml + "experts.fc1.weight", {s.experts, C, 2 * Fe}, std::move(fc1));
       out.add(ml + "experts.fc2.weight", {s.experts, Fe, C}, std::move(fc2));
       if (!s.deepseek) continue;
-      // The router's bias: the layer's state with expert_bias; without, it must be zero.
-      std::vector<float> bias = hf.floats(h + "mlp.gate.e_score_correction_bias", s.experts);
-      if (s.expert_bias)
-        states[ml + "router.expert_bias"] = std::move(bias);
-      else if (std::any_of(bias.begin(), bias.end(), [](float b) { return b != 0.0f; }))
-        throw std::runtime_error(where + ": the routers choose with a bias (mlp.gate.e_score_correction_bias); set "
-                                 "model.layer.moe.expert_bias = true");
+      // DeepSeek-V3's router bias: the layer's state with expert_bias; without, it must be zero.
+      if (!s.deepseek_v2) {
+        std::vector<float> bias = hf.floats(h + "mlp.gate.e_score_correction_bias", s.experts);
+        if (s.expert_bias)
+          states[ml + "router.expert_bias"] = std::move(bias);
+        else if (std::any_of(bias.begin(), bias.end(), [](float b) { return b != 0.0f; }))
+          throw std::runtime_error(where + ": the routers choose with a bias (mlp.gate.e_score_correction_bias); set "
+                                   "model.layer.moe.expert_bias = true");
+      }
       if (const int64_t Fs = s.shared_ffn; Fs > 0) {
         out.add(ml + "shared.fc1.weight",
                 concat_columns({transposed(matrix_of(hf.get(h + "mlp.shared_experts.gate_proj.weight", {Fs, C}))),

@@ -269,6 +269,37 @@ std::vector<std::pair<int64_t, double>> deepseek_route(const nlohmann::json& c, 
   return out;
 }
 
+// modeling_deepseek_v2.py's DeepseekV2Moe.route_tokens_to_experts for one token: the
+// softmax over every expert; greedy: its top_k values; group_limited_greedy: from the
+// topk_group groups of the best single value (the others masked to 0); the chosen
+// values are the gates, times routed_scaling_factor. Returns (expert, gate) pairs.
+std::vector<std::pair<int64_t, double>> deepseek_v2_route(const nlohmann::json& c, const double* logits) {
+  const int64_t E = c["n_routed_experts"], K = c["num_experts_per_tok"];
+  Vec prob(static_cast<size_t>(E));
+  double mx = -1e300, z = 0;
+  for (int64_t e = 0; e < E; ++e) mx = std::max(mx, logits[e]);
+  for (int64_t e = 0; e < E; ++e) z += (prob[e] = std::exp(logits[e] - mx));
+  for (double& p : prob) p /= z;
+  std::vector<bool> kept(static_cast<size_t>(E), true);
+  if (c.value("topk_method", std::string("greedy")) == "group_limited_greedy") {
+    const int64_t G = c["n_group"], TG = c["topk_group"];
+    std::vector<std::pair<double, int64_t>> groups;
+    for (int64_t g = 0; g < G; ++g)
+      groups.push_back({*std::max_element(prob.begin() + g * (E / G), prob.begin() + (g + 1) * (E / G)), g});
+    std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::fill(kept.begin(), kept.end(), false);
+    for (int64_t i = 0; i < TG; ++i)
+      for (int64_t e = 0; e < E / G; ++e) kept[groups[i].second * (E / G) + e] = true;
+  }
+  std::vector<std::pair<double, int64_t>> ranked;
+  for (int64_t e = 0; e < E; ++e) ranked.push_back({kept[e] ? prob[e] : 0.0, e});
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::pair<int64_t, double>> out;
+  for (int64_t k = 0; k < K; ++k)
+    out.push_back({ranked[k].second, ranked[k].first * c["routed_scaling_factor"].get<double>()});
+  return out;
+}
+
 // Mean cross-entropy of one sequence's next tokens (targets < 0 skipped) under the HF model.
 double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::vector<int32_t>& tgt, int64_t* count) {
   const nlohmann::json& c = w.config;
@@ -276,7 +307,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
   // rotation; Qwen3-MoE (modeling_qwen3_moe.py) Mixtral's with it, other names, and the
   // chosen gates renormalised only with norm_topk_prob.
   const bool qwen3_moe = c["model_type"] == "qwen3_moe", qwen = c["model_type"] == "qwen3" || qwen3_moe;
-  const bool deepseek = c["model_type"] == "deepseek_v3";
+  const bool deepseek_v2 = c["model_type"] == "deepseek_v2", deepseek = c["model_type"] == "deepseek_v3" || deepseek_v2;
   const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
              llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" ||
                      mixtral || deepseek;
@@ -324,7 +355,8 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       if (deepseek && l >= c["first_k_dense_replace"].get<int64_t>()) {  // DeepseekV3MoE
         const int64_t E = c["n_routed_experts"], Fe = c["moe_intermediate_size"], shared = c["n_shared_experts"];
         const Vec logits = linear(m, T, C, w.at(p + "mlp.gate.weight"), E, true);
-        const Vec& bias = w.at(p + "mlp.gate.e_score_correction_bias");
+        const Vec none;
+        const Vec& bias = deepseek_v2 ? none : w.at(p + "mlp.gate.e_score_correction_bias");
         const int64_t dense_F = F;
         F = Fe;
         std::vector<Vec> expert_out;
@@ -333,7 +365,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
           expert_out.push_back(swiglu_mlp(m, e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"));
         }
         for (int64_t t = 0; t < T; ++t)
-          for (const auto& [e, gate] : deepseek_route(c, &logits[t * E], bias))
+          for (const auto& [e, gate] : deepseek_v2 ? deepseek_v2_route(c, &logits[t * E]) : deepseek_route(c, &logits[t * E], bias))
             for (int64_t d = 0; d < C; ++d) x[t * C + d] += gate * expert_out[e][t * C + d];
         F = Fe * shared;
         if (shared > 0)
@@ -996,6 +1028,83 @@ std::vector<std::string> deepseek_v3_dense_first() {
 }
 std::vector<std::string> qwen3_moe_with_dense(const std::string& pattern = "[\"block\", \"dense\", \"block*2\"]") {
   return with_dense_blocks(qwen3_moe(false), pattern, nullptr);
+}
+
+// DeepSeek-V2's MoE (softmax router, the softmax's values as gates, scaled, shared
+// experts, no bias) after a dense first block, as DeepSeek-V2-Lite; greedy or with
+// groups of experts (each picked group giving one: group_topk = top_k).
+std::vector<std::string> deepseek_v2(bool groups) {
+  std::vector<std::string> v = with_dense_blocks(deepseek_v3(/*moe=*/true), "[\"dense\", \"block*3\"]", "1e-6");
+  std::erase_if(v, [](const std::string& o) {
+    return o.rfind("model.layer.moe.score_function", 0) == 0 || o.rfind("model.layer.moe.expert_bias", 0) == 0 ||
+           o.rfind("model.layer.moe.num_groups", 0) == 0 || o.rfind("model.layer.moe.group_topk", 0) == 0 ||
+           o.rfind("model.layer.moe.top_k", 0) == 0 || o.rfind("model.layer.moe.topk_scaling_factor", 0) == 0;
+  });
+  for (const char* o : {"model.layer.moe.pre_softmax=true", "model.layer.moe.topk_scaling_factor=1.5"})
+    v.push_back(o);
+  if (groups)
+    for (const char* o : {"model.layer.moe.top_k=2", "model.layer.moe.num_groups=4", "model.layer.moe.group_topk=2"})
+      v.push_back(o);
+  else
+    v.push_back("model.layer.moe.top_k=3");
+  return v;
+}
+
+TEST(HfExport, DeepSeekV2MatchesLoomsLoss) {
+  check_export(deepseek_v2(/*groups=*/false), "DeepseekV2ForCausalLM");
+  check_export(deepseek_v2(/*groups=*/true), "DeepseekV2ForCausalLM");
+}
+
+TEST(HfImport, DeepSeekV2RoundTripsAndMustMatch) {
+  check_round_trip(deepseek_v2(/*groups=*/false));
+  check_round_trip(deepseek_v2(/*groups=*/true));
+  const std::vector<std::string> model = deepseek_v2(/*groups=*/false);
+  const std::string dir = scratch("deepseek-v2"), out = scratch("deepseek-v2-out");
+  loom::interop::export_hf(parallel_checkpoint(model, dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["architectures"][0], "DeepseekV2ForCausalLM");
+  EXPECT_EQ(c["topk_method"], "greedy");
+  EXPECT_EQ(c["first_k_dense_replace"], 1);
+  EXPECT_EQ(c["norm_topk_prob"], false);
+  EXPECT_FALSE(c.contains("rope_interleave"));
+  EXPECT_EQ(read_edited_config(out, c, model, [](nlohmann::json&) {}), "");
+  EXPECT_NE(read_edited_config(out, c, model, [](nlohmann::json& e) { e["norm_topk_prob"] = true; })
+                .find("norm_topk_prob = true"),
+            std::string::npos);
+  EXPECT_NE(read_edited_config(out, c, model, [](nlohmann::json& e) { e["routed_scaling_factor"] = 1.0; })
+                .find("routed_scaling_factor = 1.0"),
+            std::string::npos);
+  EXPECT_NE(read_edited_config(out, c, model, [](nlohmann::json& e) { e.erase("num_experts_per_tok"); })
+                .find("has no num_experts_per_tok"),
+            std::string::npos);
+  // DeepseekV2Config's first_k_dense_replace is 0 when absent: every layer MoE.
+  EXPECT_NE(read_edited_config(out, c, model, [](nlohmann::json& e) { e.erase("first_k_dense_replace"); })
+                .find("first_k_dense_replace = 0 (transformers' default)"),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  // What DeepSeek-V2's router does not compute is refused before any file is read.
+  auto refusal = [](std::vector<std::string> o) {
+    o.push_back("model.num_layers=4");
+    try {
+      loom::interop::read_hf("/nonexistent", loom::testing::plan_from(loom::testing::tiny_manifest(), serial(o)), 13);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::vector<std::string> renormalised = deepseek_v2(false);
+  renormalised.push_back("model.layer.moe.pre_softmax=false");
+  EXPECT_NE(refusal(renormalised).find("set pre_softmax = true"), std::string::npos) << refusal(renormalised);
+  std::vector<std::string> two_best = deepseek_v2(true);
+  two_best.push_back("model.layer.moe.top_k=4");
+  EXPECT_NE(refusal(two_best).find("DeepSeek-V2 ranks a group of experts by its best score"), std::string::npos)
+      << refusal(two_best);
+  std::vector<std::string> unshared = deepseek_v2(false);
+  unshared.push_back("model.layer.moe.shared_expert_ffn_hidden_size=0");
+  EXPECT_NE(refusal(unshared).find("have n_shared_experts shared experts"), std::string::npos) << refusal(unshared);
+  EXPECT_NE(refusal(deepseek_v2(false)).find("cannot read /nonexistent"), std::string::npos);
 }
 
 TEST(HfExport, DenseLayersAmongMoeLayersMatchLoomsLoss) {
