@@ -22,7 +22,7 @@ const char* kUsage =
     "Writes OUTDIR/step_00000000: a loom checkpoint of MANIFEST's model at its parallel layout\n"
     "(tp, pp, dp, cp, ep, dtype) holding SOURCE's weights, with a fresh optimizer state. SOURCE is\n"
     "a Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel,\n"
-    "LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or\n"
+    "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,\n"
     "DeepseekV2ForCausalLM or DeepseekV3ForCausalLM) or a loom\n"
     "checkpoint of any layout, read as\n"
     "checkpoint.init_weights reads it; MANIFEST must describe the same model (what differs is named).\n"

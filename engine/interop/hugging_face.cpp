@@ -97,6 +97,7 @@ class Builder {
   void matrix(const std::string& to, const Matrix& m) {
     out_.push_back({to, dtype(), {m.rows, m.cols}, m.data});
   }
+  void vector(const std::string& to, const Matrix& row) { out_.push_back({to, dtype(), {row.cols}, row.data}); }
   // A vector of fp32 values (a layer's state) as F32 whatever the parameters' dtype, as
   // transformers keeps DeepSeek-V3's e_score_correction_bias.
   void values(const std::string& to, const std::vector<float>& v) {
@@ -151,8 +152,8 @@ struct Shape {
   // Whether the groups limit a token's experts (not when every group is picked).
   bool limits_groups() const { return groups_of_experts > 1 && group_topk < groups_of_experts; }
   // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
-  // and Qwen3-MoE's.
-  bool qk_norm = false;
+  // and Qwen3-MoE's; Llama's with biases on q, k and v (add_qkv_bias): Qwen2's.
+  bool qk_norm = false, qkv_bias = false;
   // The attention's sliding_window (0: none). Llama's blocks with one are Mistral's;
   // an imported Mistral's config says which of the two it is (Mistral's window may be
   // none, or longer than the sequences).
@@ -173,20 +174,25 @@ struct Shape {
   std::string architecture() const {
     if (gpt2) return "GPT2LMHeadModel";
     if (deepseek) return deepseek_v2 ? "DeepseekV2ForCausalLM" : "DeepseekV3ForCausalLM";
-    if (llama) return qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
+    if (llama)
+      return qkv_bias ? "Qwen2ForCausalLM" : qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
     return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
   }
   std::string model_type() const {
     if (deepseek) return deepseek_v2 ? "deepseek_v2" : "deepseek_v3";
-    return gpt2 ? "gpt2" : llama ? (qk_norm ? "qwen3" : mistral ? "mistral" : "llama") : (qk_norm ? "qwen3_moe" : "mixtral");
+    return gpt2    ? "gpt2"
+           : llama ? (qkv_bias ? "qwen2" : qk_norm ? "qwen3" : mistral ? "mistral" : "llama")
+                   : (qk_norm ? "qwen3_moe" : "mixtral");
   }
-  bool qwen() const { return qk_norm; }
+  // Qwen2's and Qwen3's keys (use_sliding_window, max_window_layers, layer_types).
+  bool qwen() const { return qk_norm || qkv_bias; }
   // Per-expert tensors named as Qwen3-MoE's (mlp.gate, mlp.experts.<j>.gate_proj, ...).
   bool qwen_style_experts() const { return qk_norm || deepseek; }
   // transformers' defaults, for a key a config.json leaves out.
   double default_eps() const { return llama || qk_norm || deepseek ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
     if (deepseek) return deepseek_v2 ? heads : 128;  // DeepseekV2Config: num_attention_heads; V3's default
+    if (qkv_bias) return 32;  // Qwen2Config
     if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
     return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
@@ -366,6 +372,7 @@ Shape shape_of(const train::RunPlan& plan) {
   const bool emb_rope = option_string(emb, "position_embedding", "learned_absolute") == "rope";
   const bool latent = att["multi_latent_attention"].value_or(false);
   s.qk_norm = att["qk_norm"].value_or(false);
+  const bool qkv_bias = !att_bias && att["add_qkv_bias"].value_or(false);
   s.window = att["sliding_window"].value_or(int64_t{0});
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
@@ -391,7 +398,7 @@ Shape shape_of(const train::RunPlan& plan) {
   else if (latent && llama_blocks)
     s.deepseek = true;
   else if (!moe && llama_blocks)
-    s.llama = true;
+    s.llama = true, s.qkv_bias = qkv_bias;
   else if (moe && llama_blocks)
     s.mixtral = true;
   else
@@ -404,7 +411,11 @@ Shape shape_of(const train::RunPlan& plan) {
                         ? " (GPT-2 has no grouped-query attention: num_query_groups = " + std::to_string(s.groups) +
                               " of " + std::to_string(c.model.num_heads) + " heads)"
                         : ""));
-  s.mistral = s.llama && !s.qk_norm && s.window > 0;
+  s.mistral = s.llama && !s.qk_norm && !s.qkv_bias && s.window > 0;
+  if (qkv_bias && (!s.llama || s.qk_norm))
+    throw std::runtime_error("add_qkv_bias (biases on q, k and v alone) is Qwen2's attention, before dense SwiGLU MLPs "
+                             "without qk_norm: no Hugging Face architecture here has it " +
+                             std::string(s.qk_norm ? "with qk_norm" : moe ? "before MoE layers" : "in these blocks"));
   if (s.gpt2 && effective_window(s.window, c.model.seq_length) > 0)
     throw std::runtime_error("GPT-2's attention has no sliding window (sliding_window = " + std::to_string(s.window) +
                              ", shorter than model.seq_length = " + std::to_string(c.model.seq_length) +
@@ -599,6 +610,12 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         b.matrix(h + "self_attn.k_proj.weight", transposed(gather_columns(qkv, k)));
         b.matrix(h + "self_attn.v_proj.weight", transposed(gather_columns(qkv, v)));
         b.matrix(h + "self_attn.o_proj.weight", transposed(matrix_of(b.get(at + "proj.weight"))));
+        if (s.qkv_bias) {  // Qwen2's, cut as the weight's columns
+          const Matrix bias = matrix_of(b.get(at + "qkv.bias"));
+          b.vector(h + "self_attn.q_proj.bias", gather_columns(bias, q));
+          b.vector(h + "self_attn.k_proj.bias", gather_columns(bias, k));
+          b.vector(h + "self_attn.v_proj.bias", gather_columns(bias, v));
+        }
         if (s.qk_norm) {
           b.as_is(h + "self_attn.q_norm.weight", at + "q_norm.weight");
           b.as_is(h + "self_attn.k_norm.weight", at + "k_norm.weight");
@@ -652,7 +669,7 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
                  {"head_dim", D}, {"hidden_act", "silu"}, {"max_position_embeddings", T},
                  {"rms_norm_eps", s.eps}, {"rope_theta", s.theta}, {"tie_word_embeddings", tied},
                  {"torch_dtype", torch_dtype}};
-    hf.config["attention_bias"] = false;
+    if (!s.qkv_bias) hf.config["attention_bias"] = false;
     if (s.deepseek) deepseek_config(s, F, Lyr, hf.config);
     if (!s.llama3_rope.is_null()) hf.config["rope_scaling"] = s.llama3_rope;
     if (s.llama && !s.qwen() && !s.mistral) hf.config["mlp_bias"] = false;
@@ -1252,7 +1269,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       require_value("head_dim", s.latent.rope, s.latent.rope);
     else
       require_value("head_dim", C / H, s.default_head_dim(C, H));
-    require_value("attention_bias", false, false);
+    if (!s.qkv_bias) require_value("attention_bias", false, false);  // Qwen2Config has none: q, k, v biased
     // A rotary embedding over part of each head (loom's rotary_percent) has no
     // counterpart in these architectures' attention (export refuses it too).
     require_value("partial_rotary_factor", 1.0, 1.0);
@@ -1390,20 +1407,26 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         latent_attention_from_hf(hf, out, s, C, H, at, h + "self_attn.",
                                  s.deepseek_v2 || c.value("rope_interleave", true));
       } else {
-        const Matrix q = transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C})));  // [C, H D]
-        const Matrix k = transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C})));
-        const Matrix v = transposed(matrix_of(hf.get(h + "self_attn.v_proj.weight", {G * D, C})));
-        std::vector<Matrix> parts;
-        if (G < H) {  // per group: its hg query heads, its key head, its value head
+        // Per group: its hg query heads, its key head, its value head; or [q | k | v].
+        auto fused = [&](const Matrix& q, const Matrix& k, const Matrix& v) {
+          if (G == H) return concat_columns({q, k, v});
+          std::vector<Matrix> parts;
           for (int64_t g = 0; g < G; ++g) {
             parts.push_back(columns(q, g * hg * D, hg * D));
             parts.push_back(columns(k, g * D, D));
             parts.push_back(columns(v, g * D, D));
           }
-        } else {
-          parts = {q, k, v};
+          return concat_columns(parts);
+        };
+        out.add(at + "qkv.weight", fused(transposed(matrix_of(hf.get(h + "self_attn.q_proj.weight", {H * D, C}))),
+                                         transposed(matrix_of(hf.get(h + "self_attn.k_proj.weight", {G * D, C}))),
+                                         transposed(matrix_of(hf.get(h + "self_attn.v_proj.weight", {G * D, C})))));
+        if (s.qkv_bias) {  // Qwen2's, as one row of the fused columns
+          const Matrix bias = fused(matrix_of(hf.get(h + "self_attn.q_proj.bias", {H * D})),
+                                    matrix_of(hf.get(h + "self_attn.k_proj.bias", {G * D})),
+                                    matrix_of(hf.get(h + "self_attn.v_proj.bias", {G * D})));
+          out.add(at + "qkv.bias", {bias.cols}, bias.data);
         }
-        out.add(at + "qkv.weight", concat_columns(parts));
         out.add(at + "proj.weight", transposed(matrix_of(hf.get(h + "self_attn.o_proj.weight", {C, C}))));
         if (s.qk_norm) {
           out.add(at + "q_norm.weight", hf.get(h + "self_attn.q_norm.weight", {D}));

@@ -134,7 +134,7 @@ int64_t hf_window(const nlohmann::json& c, int64_t l) {
   const std::string type = c["model_type"];
   if (type == "mistral" || type == "mixtral")
     return c.contains("sliding_window") && !c["sliding_window"].is_null() ? c["sliding_window"].get<int64_t>() : 0;
-  if ((type == "qwen3" || type == "qwen3_moe") && c.value("use_sliding_window", false) &&
+  if ((type == "qwen2" || type == "qwen3" || type == "qwen3_moe") && c.value("use_sliding_window", false) &&
       c["layer_types"][static_cast<size_t>(l)] == "sliding_attention")
     return c["sliding_window"];
   return 0;
@@ -310,6 +310,7 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
   const bool deepseek_v2 = c["model_type"] == "deepseek_v2", deepseek = c["model_type"] == "deepseek_v3" || deepseek_v2;
   const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
              llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" ||
+                     c["model_type"] == "qwen2" ||
                      mixtral || deepseek;
   const int64_t T = static_cast<int64_t>(tok.size()), V = c["vocab_size"];
   const int64_t C = llama ? c["hidden_size"].get<int64_t>() : c["n_embd"].get<int64_t>();
@@ -333,9 +334,11 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
       if (deepseek) {
         add(x, deepseek_attention(w, c, p + "self_attn.", a, T));
       } else {
-      Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true);
-      Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true);
-      const Vec v = linear(a, T, C, w.at(p + "self_attn.v_proj.weight"), G * D, true);
+      // modeling_qwen2.py: q, k and v with biases (and o_proj without).
+      auto bias = [&](const char* n) { return w.has(p + n) ? &w.at(p + n) : nullptr; };
+      Vec q = linear(a, T, C, w.at(p + "self_attn.q_proj.weight"), H * D, true, bias("self_attn.q_proj.bias"));
+      Vec k = linear(a, T, C, w.at(p + "self_attn.k_proj.weight"), G * D, true, bias("self_attn.k_proj.bias"));
+      const Vec v = linear(a, T, C, w.at(p + "self_attn.v_proj.weight"), G * D, true, bias("self_attn.v_proj.bias"));
       if (qwen) {  // [T, heads, D] rows of D
         q = layer_norm(q, T * H, D, w.at(p + "self_attn.q_norm.weight"), nullptr, eps, true);
         k = layer_norm(k, T * G, D, w.at(p + "self_attn.k_norm.weight"), nullptr, eps, true);
@@ -588,6 +591,16 @@ std::vector<std::string> qwen3_moe(bool pre_softmax) {
   return v;
 }
 TEST(HfExport, Qwen3FromTp2Pp2Dp2MatchesLoomsLoss) { check_export(qwen3(), "Qwen3ForCausalLM"); }
+
+// Qwen2: Llama's blocks with biases on q, k and v (add_qkv_bias), a base of 1e6.
+std::vector<std::string> qwen2() {
+  std::vector<std::string> v = qwen3();
+  std::erase(v, std::string("model.layer.attention.qk_norm=true"));
+  v.push_back("model.layer.attention.add_qkv_bias=true");
+  v.push_back("model.layer.attention.rotary_base=1000000.0");
+  return v;
+}
+TEST(HfExport, Qwen2FromTp2Pp2Dp2MatchesLoomsLoss) { check_export(qwen2(), "Qwen2ForCausalLM"); }
 
 TEST(HfExport, Qwen3MoeWithEitherGateMatchesLoomsLoss) {
   check_export(qwen3_moe(false), "Qwen3MoeForCausalLM");
@@ -890,6 +903,7 @@ TEST(HfExport, SlidingWindowsMatchLoomsLoss) {
   check_export(windowed(mixtral()), "MixtralForCausalLM");
   check_export(windowed(qwen3()), "Qwen3ForCausalLM");
   check_export(windowed(qwen3_moe(false)), "Qwen3MoeForCausalLM");
+  check_export(windowed(qwen2()), "Qwen2ForCausalLM");
 }
 
 // Read back bit for bit; a config whose window acts otherwise on model.seq_length
@@ -1011,6 +1025,47 @@ TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
   fs::remove_all(out);
 }
 TEST(HfImport, Qwen3RoundTripIsBitExact) { check_round_trip(qwen3()); }
+
+// Qwen2: its q, k and v biases read back into the fused bias bit for bit (grouped
+// queries: each group's columns), with a window too; what it cannot be is refused.
+TEST(HfImport, Qwen2RoundTripsAndMustMatch) {
+  check_round_trip(qwen2());
+  check_round_trip(windowed(qwen2()));
+  std::vector<std::string> bf16 = qwen2();
+  bf16.push_back("device.param_dtype=\"bf16\"");
+  check_round_trip(bf16);
+  const std::string dir = scratch("qwen2"), out = scratch("qwen2-out");
+  loom::interop::export_hf(parallel_checkpoint(qwen2(), dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["model_type"], "qwen2");
+  EXPECT_FALSE(c.contains("attention_bias")) << "Qwen2Config has none: its q, k and v are biased";
+  EXPECT_EQ(c["use_sliding_window"], false);
+  EXPECT_EQ(read_edited_config(out, c, qwen2(), [](nlohmann::json&) {}), "");
+  // Absent: Qwen2Config's 32 key/value heads, not the model's 2 groups.
+  EXPECT_NE(read_edited_config(out, c, qwen2(), [](nlohmann::json& e) { e.erase("num_key_value_heads"); })
+                .find("num_key_value_heads (absent: transformers' default)"),
+            std::string::npos);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  auto refusal = [](std::vector<std::string> o) {
+    o.push_back("model.num_layers=4");
+    try {
+      loom::interop::read_hf("/nonexistent", loom::testing::plan_from(loom::testing::tiny_manifest(), serial(o)), 13);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::vector<std::string> with_qk_norm = qwen2();
+  with_qk_norm.push_back("model.layer.attention.qk_norm=true");
+  EXPECT_NE(refusal(with_qk_norm).find("add_qkv_bias (biases on q, k and v alone) is Qwen2's attention"),
+            std::string::npos)
+      << refusal(with_qk_norm);
+  std::vector<std::string> moe = mixtral();
+  moe.push_back("model.layer.attention.add_qkv_bias=true");
+  EXPECT_NE(refusal(moe).find("before MoE layers"), std::string::npos) << refusal(moe);
+}
 TEST(HfImport, Qwen3MoeRoundTripIsBitExact) { check_round_trip(qwen3_moe(true)); }
 
 // Dense MLPs among MoE layers (model.block_pattern): DeepSeek-V3's first

@@ -675,6 +675,30 @@ TEST(Layers, MultiLatentAttentionCachesOneLatentPerPosition) {
   EXPECT_EQ(rank.device_bytes() - at, rows * 2 * static_cast<uint64_t>(dims.hidden) * sizeof(float));
 }
 
+// Qwen2's attention (add_qkv_bias with bias = false, grouped queries, rope) passes every
+// harness check: finite differences of the q, k and v biases, tp 2 with and without SP.
+TEST(Layers, QkvBiasAttentionPassesTheHarness) {
+  toml::table opts;
+  for (const auto& [k, v] : std::vector<std::pair<const char*, bool>>{{"bias", false}, {"add_qkv_bias", true}})
+    opts.insert(k, v);
+  opts.insert("position_embedding", "rope");
+  opts.insert("num_query_groups", 2);
+  opts.insert("norm", "rmsnorm");
+  std::set<std::string> ran;
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &opts)) {
+    EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
+    EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
+    ran.insert(c.check);
+  }
+  for (const char* check : {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"})
+    EXPECT_TRUE(ran.count(check)) << check << " did not run";
+  Rank rank;
+  const loom_model_dims dims = make_dims();
+  TestLayer layer(rank, "attention", dims, &opts);
+  EXPECT_TRUE(layer.has_param("qkv.bias"));
+  EXPECT_FALSE(layer.has_param("proj.bias"));
+}
+
 // The parameters Megatron-Core's MLA declares, by shape; a layernorm's latents have
 // betas too.
 TEST(Layers, MultiLatentAttentionDeclaresItsProjections) {

@@ -92,6 +92,33 @@ TEST(LlamaBlocks, WithQkNormTheLayoutsModesAndBf16HoldAsWithout) {
   EXPECT_NE(serial.loss.back(), run({}).loss.back()) << "qk_norm changed nothing";
 }
 
+// Qwen2's blocks (Llama's with biases on q, k and v alone: add_qkv_bias, Megatron-LM's
+// --add-qkv-bias): tp 2 with and without SP (the bias split with the grouped
+// columns), the pipeline and the distributed optimizer train as the serial run;
+// partial graphs and recomputation are bit-identical to eager.
+TEST(LlamaBlocks, WithQkvBiasTheLayoutsAndModesHoldAsWithout) {
+  const std::string bias = "model.layer.attention.add_qkv_bias=true";
+  const RankTrace serial = run({bias});
+  expect_same_training(serial, run({bias, "parallel.tp=2"}));
+  expect_same_training(serial, run({bias, "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  expect_same_training(serial, run({bias, "parallel.pp=2", "parallel.vpp=2"}));
+  expect_same_training(serial, run({bias, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  expect_bit_identical(serial, run({bias, "exec.mode=\"partial_graph\""}));
+  expect_bit_identical(serial, run({bias, "model.recompute_granularity=\"full\""}));
+  EXPECT_NE(serial.loss.back(), run({}).loss.back()) << "add_qkv_bias changed nothing";
+  // The biases are q, k and v's: the projection has none.
+  const loom::train::RunPlan plan =
+      loom::testing::plan_from(loom::testing::tiny_manifest(), loom::testing::with_overrides(llama(), {bias}));
+  bool qkv = false, proj = false;
+  for (const auto& [name, values] : loom::testing::full_params(serial, 0)) {
+    qkv = qkv || name.find("attention.qkv.bias") != std::string::npos;
+    proj = proj || name.find("attention.proj.bias") != std::string::npos;
+  }
+  EXPECT_TRUE(qkv);
+  EXPECT_FALSE(proj);
+  (void)plan;
+}
+
 // A device plugin without the ops an option needs (one built before ABI 1.10) is
 // refused when the layers are created, naming the option and the ops: `loom validate`
 // says it, not the first step.

@@ -140,6 +140,7 @@ class Attention : public loom::Layer {
     window_ = options.declared_int("sliding_window");
     tp_group_ = loom::Group(args.tp);
     const bool bias = options.declared_bool("bias");
+    const bool qkv_bias = bias || options.declared_bool("add_qkv_bias");  // Qwen2's: q, k and v only
     const int64_t H = hidden_;
     params_ = ParamSet(name_, {.tp = tp});
     ln_w_ = params_.add({.name = "ln.weight", .shape = {H}, .init = LOOM_INIT_ONES, .no_weight_decay = true});
@@ -154,7 +155,7 @@ class Attention : public loom::Layer {
       const int32_t qkv_stride = grouped_ ? 1 : 3;
       qkv_w_ = params_.add({.name = "qkv.weight", .shape = {H, qkv_cols}, .partition_dim = 1,
                             .partition_stride = qkv_stride, .init = LOOM_INIT_NORMAL});
-      if (bias)
+      if (qkv_bias)
         qkv_b_ = params_.add({.name = "qkv.bias", .shape = {qkv_cols}, .partition_dim = 0,
                               .partition_stride = qkv_stride, .init = LOOM_INIT_ZEROS, .no_weight_decay = true});
     }
@@ -218,7 +219,8 @@ class Attention : public loom::Layer {
     refuse(options.declared_string("position_embedding") != "rope",
            "rotates the decoupled part of q and k (qk_pos_emb_head_dim): set position_embedding = \"rope\" (here "
            "and on layer/embedding)");
-    refuse(options.declared_bool("bias"), "has no biases (DeepSeek-V2/V3): set bias = false");
+    refuse(options.declared_bool("bias") || options.declared_bool("add_qkv_bias"),
+           "has no biases (DeepSeek-V2/V3): set bias = false and leave add_qkv_bias out");
     refuse(options.declared_int("num_query_groups") != 0,
            "shares keys and values through its latent, not by query groups: leave num_query_groups out");
     refuse(options.declared_bool("qk_norm"), "normalises its latents, not q and k: leave qk_norm out");
@@ -1126,6 +1128,9 @@ std::vector<loom::OptionSpec> attention_options() {
   std::vector<loom::OptionSpec> o = {
       loom::layers::dropout_option_spec("the attention output"),
       loom::opt_bool("bias", true, "qkv and proj have biases (GPT-2); false as Llama"),
+      loom::opt_bool("add_qkv_bias", false,
+                     "with bias = false, q, k and v have biases all the same and proj none (Megatron-LM's "
+                     "--add-qkv-bias; Qwen2's attention)"),
       loom::layers::position_embedding_option_spec("rotary embeddings on q and k here"),
       loom::opt_int("num_query_groups", 0,
                     "grouped-query attention: key/value heads, each shared by heads / num_query_groups query heads "
@@ -1186,5 +1191,5 @@ std::vector<loom::OptionSpec> attention_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.8.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows, multi-latent attention (tensor- and context-parallel)",
+    "attention", "1.9.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows, multi-latent attention (tensor- and context-parallel)",
     attention_options()))
