@@ -11,6 +11,8 @@
 #include <boost/filesystem.hpp>
 
 #include <cerrno>
+#include <cstdlib>
+#include <map>
 #include <cstring>
 #include <iostream>
 
@@ -81,13 +83,18 @@ ModelSource from_checkpoint(const std::string& step,
 
 // --set may change how the model runs (layout, micro-batch, device, communication,
 // execution), never what it is or how its text is encoded: those come with the weights.
+// The key an override sets ("parallel.pp" of " parallel.pp = 2").
+std::string override_key(const std::string& o) {
+  std::string key = o.substr(0, o.find('='));
+  key.erase(0, key.find_first_not_of(" \t"));
+  key.erase(key.find_last_not_of(" \t") + 1);
+  return key;
+}
+
 void check_overrides(const std::vector<std::string>& overrides) {
   static const char* const kRunKeys[] = {"parallel.", "pipeline.", "device.", "comm.", "exec.", "batch.micro_batch_size="};
   for (const std::string& o : overrides) {
-    // The key as the manifest reads it: up to '=', without the spaces around it.
-    std::string key = o.substr(0, o.find('='));
-    key.erase(0, key.find_first_not_of(" \t"));
-    key.erase(key.find_last_not_of(" \t") + 1);
+    const std::string key = override_key(o);  // as the manifest reads it
     bool allowed = false;
     for (const char* k : kRunKeys) {
       const std::string prefix = k;
@@ -100,12 +107,31 @@ void check_overrides(const std::vector<std::string>& overrides) {
   }
 }
 
+// Another pipeline (parallel.pp or vpp set) is not the saved one's split: its chunk
+// sizes, virtual stages and schedule start from their defaults (the same blocks at
+// any split), each still settable after them. Without, a checkpoint trained at pp 2 x
+// vpp 2 with uneven chunks could not be sampled at pp 1.
+std::vector<std::string> with_pipeline_defaults(const std::vector<std::string>& overrides) {
+  std::map<std::string, std::string> set;  // key -> value text
+  for (const std::string& o : overrides)
+    set[override_key(o)] = o.find('=') == std::string::npos ? "" : o.substr(o.find('=') + 1);
+  if (!set.count("parallel.pp") && !set.count("parallel.vpp")) return overrides;
+  // A vpp the manifest would read as more than 1 keeps the interleaved schedule.
+  const bool interleaved = set.count("parallel.vpp") && std::strtoll(set["parallel.vpp"].c_str(), nullptr, 10) > 1;
+  std::vector<std::string> out = {"parallel.vpp=1", "pipeline.first_chunk_layers=0", "pipeline.last_chunk_layers=0",
+                                  "pipeline.chunk_layers=[]",
+                                  std::string("pipeline.schedule=\"") + (interleaved ? "interleaved" : "1f1b") + "\""};
+  out.insert(out.end(), overrides.begin(), overrides.end());
+  return out;
+}
+
 }  // namespace
 
-ModelSource load_model_source(const std::string& path, const std::vector<std::string>& overrides,
+ModelSource load_model_source(const std::string& path, const std::vector<std::string>& given,
                               plugins::Registry& registry, const PlanFor& plan_for) {
   namespace fs = boost::filesystem;
-  check_overrides(overrides);
+  check_overrides(given);
+  const std::vector<std::string> overrides = with_pipeline_defaults(given);
   if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
   std::string step = checkpoint_step(path);
   if (step.empty() && fs::is_directory(path))

@@ -248,14 +248,14 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
               .nope = size("qk_head_dim", head), .rope = size("qk_pos_emb_head_dim", head / 2 / 2 * 2),
               .v = size("v_head_dim", head)};
   if (effective_window(s.window, c.model.seq_length) > 0)
-    throw std::runtime_error("DeepSeek-V3's attention has no sliding window (sliding_window = " +
+    throw std::runtime_error("DeepSeek-V2/V3's attention has no sliding window (sliding_window = " +
                              std::to_string(s.window) + ")");
   if (!s.llama3_rope.is_null())
     throw std::runtime_error("rope_scaling = \"llama3\" has no DeepSeek-V3 counterpart (its long-context scaling is YaRN's)");
   // transformers' q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon
   // whatever rms_norm_eps says; loom's latents use the layer's norm_epsilon.
   if (s.eps != kDeepSeekLatentEps)
-    throw std::runtime_error("DeepSeek-V3 normalises its latents with epsilon 1e-6 whatever rms_norm_eps says, and "
+    throw std::runtime_error("DeepSeek-V2/V3 normalise their latents with epsilon 1e-6 whatever rms_norm_eps says, and "
                              "these layers use norm_epsilon = " + std::to_string(s.eps) +
                              ": set norm_epsilon = 1e-6 on every layer");
   if (!s.moe) return;
@@ -1077,6 +1077,9 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
     require_config_value(c, where, k, want, hf_default);
   };
   const Shape::Latent& l = s.latent;
+  if (l.q_rank > 0 && c.contains("q_lora_rank") && c["q_lora_rank"].is_null())
+    throw std::runtime_error(where + ": q_lora_rank = null projects q directly; the model projects it through a "
+                             "latent of q_lora_rank = " + std::to_string(l.q_rank));
   if (l.q_rank > 0)
     value("q_lora_rank", l.q_rank, 1536);
   else if (!(c.contains("q_lora_rank") && c["q_lora_rank"].is_null()))
@@ -1108,6 +1111,11 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
                              "from first_k_dense_replace on is MoE)");
   if (want > 0) value("intermediate_size", dense_ffn, v2 ? 11008 : 18432);
   if (!s.moe) return;
+  // null builds no shared experts (DeepseekV2Moe), unlike an absent key (the default).
+  if (c.contains("n_shared_experts") && c["n_shared_experts"].is_null())
+    throw std::runtime_error(where + ": n_shared_experts = null has no shared experts; the model's MoE layers have " +
+                             std::to_string(s.shared_ffn / s.expert_ffn));
+  if (c.contains("scoring_func")) value("scoring_func", v2 ? "softmax" : "sigmoid", v2 ? "softmax" : "sigmoid");
   if (v2) {  // DeepseekV2Config's defaults; its router reads neither norm_topk_prob nor a bias
     value("n_routed_experts", s.experts, 64);
     value("num_experts_per_tok", s.top_k, nullptr);
@@ -1122,7 +1130,7 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
     value("norm_topk_prob", false, false);  // DeepSeek's own code renormalises with it
     return;
   }
-  if (c.contains("scoring_func")) value("scoring_func", "sigmoid", "sigmoid");  // the DeepSeek-V3 repository's keys
+  // (scoring_func above, and topk_method: the DeepSeek-V3 repository's keys)
   if (c.contains("topk_method")) value("topk_method", "noaux_tc", "noaux_tc");
   value("n_routed_experts", s.experts, 256);
   value("num_experts_per_tok", s.top_k, 8);

@@ -167,6 +167,31 @@ inline double tensor_rel_diff(const std::vector<float>& a, const std::vector<flo
   return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
 }
 
+// A parallel run trains as its serial reference (design-notes: what "equal" means):
+// every loss within tol, relative, the gradient norm (below), and every whole parameter tensor
+// (gathered over the ranks) within tol, norm-wise; at the first step a
+// zero-initialised tensor (a bias: all Adam update then, the most amplified case)
+// within 10 tol.
+inline void expect_trains_as_serial(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
+  ASSERT_GE(serial.loss.size(), 10u);
+  ASSERT_EQ(par.loss.size(), serial.loss.size());
+  const std::set<std::string> zero_init = zero_initialised(serial);
+  for (size_t s = 0; s < serial.loss.size(); ++s) {
+    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
+    // The norm the clipping uses counts every parameter once (tp-duplicated ones too):
+    // at the first step within tol; later, its drift compounds like the parameters'.
+    const double gn = serial.result.steps[s].grad_norm;
+    EXPECT_NEAR(par.result.steps[s].grad_norm, gn, (s == 0 ? 1 : 10) * tol * gn) << "gradient norm at step " << s + 1;
+    const auto want = full_params(serial, s), got = full_params(par, s);
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [key, w] : want) {
+      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
+      const double bound = s == 0 && zero_init.count(key) ? 10 * tol : tol;
+      EXPECT_LE(tensor_rel_diff(got.at(key), w), bound) << key << " at step " << s + 1;
+    }
+  }
+}
+
 // Two runs of one model that must compute the same thing (partial graphs or
 // recomputation against eager): every loss, and every rank's final buffer, bit for bit.
 inline void expect_bit_identical(const RankTrace& a, const RankTrace& b) {

@@ -25,6 +25,7 @@ namespace {
 
 namespace fs = boost::filesystem;
 using loom::testing::expect_bit_identical;
+using loom::testing::expect_trains_as_serial;
 using loom::testing::RankTrace;
 
 // Three kinds of block over 4 blocks: a dense MLP after global attention, the default
@@ -49,21 +50,6 @@ RankTrace run(const std::vector<std::string>& extra) {
                                       loom::testing::with_overrides(mixed(), extra));
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
-  ASSERT_GE(serial.loss.size(), 10u);
-  ASSERT_EQ(par.loss.size(), serial.loss.size());
-  const std::set<std::string> zero_init = loom::testing::zero_initialised(serial);
-  for (size_t s = 0; s < serial.loss.size(); ++s) {
-    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * serial.loss[s]) << "loss at step " << s + 1;
-    const auto want = loom::testing::full_params(serial, s), got = loom::testing::full_params(par, s);
-    ASSERT_EQ(got.size(), want.size());
-    for (const auto& [key, w] : want) {
-      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
-      const double bound = s == 0 && zero_init.count(key) ? 10 * tol : tol;
-      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), bound) << key << " at step " << s + 1;
-    }
-  }
-}
 
 TEST(BlockPattern, PlacesEachKindWhereThePatternSays) {
   const loom::train::RunPlan plan = loom::testing::plan_from(loom::testing::tiny_moe_manifest(), mixed());
@@ -147,7 +133,7 @@ TEST(BlockPattern, EveryLayoutTrainsAsTheSerialRun) {
         {"parallel.dp=2", "parallel.ep=2"},
         {"parallel.dp=2", "optimizer.strategy=\"distributed\"", "optimizer.overlap_grad_reduce=true"}}) {
     SCOPED_TRACE(layout.back());
-    expect_same_training(serial, run(layout));
+    expect_trains_as_serial(serial, run(layout));
   }
 }
 
@@ -161,7 +147,7 @@ TEST(BlockPattern, AStageWithoutExpertsTrainsAsTheSerialRunUnderExpertParallelis
        {std::vector<std::string>{"parallel.pp=2", "parallel.dp=2", "parallel.ep=2"},
         {"parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "optimizer.strategy=\"distributed\""}}) {
     SCOPED_TRACE(layout.back());
-    expect_same_training(serial, run(loom::testing::with_overrides(dense_first, layout)));
+    expect_trains_as_serial(serial, run(loom::testing::with_overrides(dense_first, layout)));
   }
 }
 

@@ -33,28 +33,6 @@ RankTrace run(std::vector<std::string> o, loom::train::TrainOptions opts = {}) {
   return loom::testing::run_all_ranks(manifest(), o, std::move(opts));
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
-  const std::set<std::string> zero_init = loom::testing::zero_initialised(serial);
-  ASSERT_EQ(par.loss.size(), serial.loss.size());
-  ASSERT_GE(serial.loss.size(), 10u);
-  for (size_t s = 0; s < serial.loss.size(); ++s) {
-    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
-    EXPECT_NEAR(par.result.steps[s].grad_norm, serial.result.steps[s].grad_norm,
-                tol * serial.result.steps[s].grad_norm)
-        << "gradient norm at step " << s + 1;
-    const auto want = loom::testing::full_params(serial, s);
-    const auto got = loom::testing::full_params(par, s);
-    ASSERT_EQ(got.size(), want.size());
-    for (const auto& [key, w] : want) {
-      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
-      // A tensor that started at zero is all Adam update after step 1, the most
-      // amplified case (measured at cp 2 x pp 2: 1.04e-5 for an fc1 bias at step 1,
-      // 5e-6 at step 2, every other tensor <= 2e-6).
-      const double bound = s == 0 && zero_init.count(key) ? 10 * tol : tol;
-      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), bound) << key << " at step " << s + 1;
-    }
-  }
-}
 
 // Every rank's buffer equals that of its cp rank 0 peer (same tp, dp, pp): the
 // replicas stay replicas.
@@ -73,7 +51,7 @@ void expect_cp_replicas_identical(const RankTrace& t) {
 
 TEST(ContextParallel, Cp2MatchesSerial) {
   const RankTrace serial = run({}), cp2 = run({"parallel.cp=2"});
-  expect_same_training(serial, cp2);
+  loom::testing::expect_trains_as_serial(serial, cp2);
   expect_cp_replicas_identical(cp2);
   // The two ranks really split the work: K/V gathered and their gradients scattered over cp.
   const auto& comm = cp2.result.steps.back().comm;  // group kind -> op -> counter
@@ -94,8 +72,8 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
     return run(o);
   };
   const RankTrace serial = with({});
-  expect_same_training(serial, with({"parallel.cp=2"}));
-  expect_same_training(serial, with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  loom::testing::expect_trains_as_serial(serial, with({"parallel.cp=2"}));
+  loom::testing::expect_trains_as_serial(serial, with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
   // Llama 3.1's scaled frequencies (rope_scaling = "llama3", a table every rank builds
   // alike): each chunk still rotates by its positions. The test's settings scale the
   // head's lower frequencies, so the run differs from unscaled rope.
@@ -108,15 +86,15 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
   };
   const RankTrace scaled_serial = with_scaled({});
   EXPECT_NE(scaled_serial.loss.back(), serial.loss.back()) << "the scaling changed nothing";
-  expect_same_training(scaled_serial, with_scaled({"parallel.cp=2"}));
-  expect_same_training(scaled_serial, with_scaled({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  loom::testing::expect_trains_as_serial(scaled_serial, with_scaled({"parallel.cp=2"}));
+  loom::testing::expect_trains_as_serial(scaled_serial, with_scaled({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
   // Grouped-query attention (the gathered K/V are the repeated heads) too.
   const std::vector<std::string> gqa = {"model.layer.attention.num_query_groups=2"};
   auto grouped = [&](std::vector<std::string> o) {
     o.insert(o.end(), gqa.begin(), gqa.end());
     return with(o);
   };
-  expect_same_training(grouped({}), grouped({"parallel.cp=2"}));
+  loom::testing::expect_trains_as_serial(grouped({}), grouped({"parallel.cp=2"}));
   // And with each head's q and k normalised (qk_norm) before the rotation, in Qwen3's
   // shape (RMSNorm, no biases). (The biases that reach the keys before the norm,
   // LayerNorm's k_norm.bias and qkv.bias's k part, get gradients that nearly cancel
@@ -127,7 +105,7 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
                        "model.layer.attention.bias=false"});
     return grouped(o);
   };
-  expect_same_training(normalised({}), normalised({"parallel.cp=2"}));
+  loom::testing::expect_trains_as_serial(normalised({}), normalised({"parallel.cp=2"}));
   // Without rope and without the table the model could not tell positions apart: rope
   // must change the training.
   const RankTrace none = run({"model.layer.embedding.position_embedding=rope"});
@@ -157,13 +135,13 @@ TEST(ContextParallel, SlidingWindowMatchesSerialAtEveryLayout) {
                                              {"parallel.pp=2"},
                                              {"exec.mode=\"partial_graph\""}}) {
     SCOPED_TRACE(layout.front() + (layout.size() > 1 ? " ..." : ""));
-    expect_same_training(serial, with(layout));
+    loom::testing::expect_trains_as_serial(serial, with(layout));
   }
 }
 
 TEST(ContextParallel, Cp4MatchesSerial) {
   const RankTrace par = run({"parallel.cp=4"});
-  expect_same_training(run({}), par);
+  loom::testing::expect_trains_as_serial(run({}), par);
   expect_cp_replicas_identical(par);
 }
 
@@ -173,9 +151,9 @@ TEST(ContextParallel, Cp4MatchesSerial) {
 TEST(ContextParallel, Cp2WithTp4SequenceParallelAndTp2WithoutMatchSerial) {
   const RankTrace sp = run({"parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true",
                             "model.layer.embedding.dropout=0.1"});
-  expect_same_training(run({"model.layer.embedding.dropout=0.1"}), sp);
+  loom::testing::expect_trains_as_serial(run({"model.layer.embedding.dropout=0.1"}), sp);
   expect_cp_replicas_identical(sp);
-  expect_same_training(run({}), run({"parallel.cp=2", "parallel.tp=2"}));
+  loom::testing::expect_trains_as_serial(run({}), run({"parallel.cp=2", "parallel.tp=2"}));
 }
 
 // Evaluation sums loss and counts over cp, and a sample is an exact match only
@@ -210,20 +188,20 @@ TEST(ContextParallel, EvaluationMatchesSerial) {
 
 TEST(ContextParallel, Cp2WithTp2SequenceParallelMatchesSerial) {
   const RankTrace par = run({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"});
-  expect_same_training(run({}), par);
+  loom::testing::expect_trains_as_serial(run({}), par);
   expect_cp_replicas_identical(par);
 }
 
 TEST(ContextParallel, Cp2Dp2WithTheDistributedOptimizerMatchesSerial) {
   const RankTrace par = run({"parallel.cp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""});
-  expect_same_training(run({}), par);
+  loom::testing::expect_trains_as_serial(run({}), par);
   expect_cp_replicas_identical(par);
 }
 
 TEST(ContextParallel, Cp2Pp2MatchesSerial) {
   const RankTrace serial = run({"model.num_layers=4"});
-  expect_same_training(serial, run({"model.num_layers=4", "parallel.cp=2", "parallel.pp=2"}));
-  expect_same_training(serial, run({"model.num_layers=4", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({"model.num_layers=4", "parallel.cp=2", "parallel.pp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({"model.num_layers=4", "parallel.cp=2", "parallel.pp=2", "parallel.vpp=2"}));
 }
 
 // Partial graphs under cp: the MLP (token-wise) is captured and replayed, the
@@ -263,14 +241,14 @@ TEST(ContextParallel, DropoutMasksFollowPositionsInTheWholeSequence) {
   };
   const RankTrace serial = run(with({})), no_drop = run({});
   ASSERT_GT(std::fabs(serial.loss[0] - no_drop.loss[0]), 1e-4) << "dropout changed nothing";
-  expect_same_training(serial, run(with({"parallel.cp=2"})));
-  expect_same_training(serial, run(with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"})));
+  loom::testing::expect_trains_as_serial(serial, run(with({"parallel.cp=2"})));
+  loom::testing::expect_trains_as_serial(serial, run(with({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"})));
   const std::string act = "model.layer.mlp.activation_dropout=0.1";
-  expect_same_training(run(with({act})), run(with({act, "parallel.cp=2"})));
+  loom::testing::expect_trains_as_serial(run(with({act})), run(with({act, "parallel.cp=2"})));
   const std::vector<std::string> tp2 = {act, "parallel.tp=2", "parallel.sequence_parallel=true"};
   std::vector<std::string> cp_tp2 = tp2;
   cp_tp2.push_back("parallel.cp=2");
-  expect_same_training(run(with(tp2)), run(with(cp_tp2)));
+  loom::testing::expect_trains_as_serial(run(with(tp2)), run(with(cp_tp2)));
 }
 
 // Checkpoints record cp: a resume at the same layout is bit-exact, one at another

@@ -20,6 +20,7 @@
 namespace {
 
 using loom::testing::expect_bit_identical;
+using loom::testing::expect_trains_as_serial;
 using loom::testing::RankTrace;
 
 // Heads of 6 + 4 rotated q/k elements and 5 value elements (packed heads padded in v),
@@ -52,27 +53,12 @@ RankTrace run(std::vector<std::string> o, const std::string& manifest = loom::te
   return loom::testing::run_all_ranks(manifest, o);
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
-  ASSERT_GE(serial.loss.size(), 10u);
-  ASSERT_EQ(par.loss.size(), serial.loss.size());
-  const std::set<std::string> zero_init = loom::testing::zero_initialised(serial);
-  for (size_t s = 0; s < serial.loss.size(); ++s) {
-    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * serial.loss[s]) << "loss at step " << s + 1;
-    const auto want = loom::testing::full_params(serial, s), got = loom::testing::full_params(par, s);
-    ASSERT_EQ(got.size(), want.size());
-    for (const auto& [key, w] : want) {
-      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
-      const double bound = s == 0 && zero_init.count(key) ? 10 * tol : tol;
-      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), bound) << key << " at step " << s + 1;
-    }
-  }
-}
 
 TEST(LatentAttention, TensorParallelMatchesSerialWithAndWithoutSp) {
   const RankTrace serial = run({});
-  expect_same_training(serial, run({"parallel.tp=2"}));
-  expect_same_training(serial, run({"parallel.tp=2", "parallel.sequence_parallel=true"}));
-  expect_same_training(serial, run({"parallel.tp=4", "parallel.sequence_parallel=true"}));
+  expect_trains_as_serial(serial, run({"parallel.tp=2"}));
+  expect_trains_as_serial(serial, run({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  expect_trains_as_serial(serial, run({"parallel.tp=4", "parallel.sequence_parallel=true"}));
   // q projected directly (no query latent: DeepSeek-V2-Lite); value heads wider than q
   // and k (the packed heads padded in q and k).
   for (const std::vector<std::string>& variant : {std::vector<std::string>{"model.layer.attention.q_lora_rank=0"},
@@ -80,8 +66,8 @@ TEST(LatentAttention, TensorParallelMatchesSerialWithAndWithoutSp) {
     SCOPED_TRACE(variant.front());
     const RankTrace variant_serial = run(variant);
     EXPECT_NE(variant_serial.loss.back(), serial.loss.back());
-    expect_same_training(variant_serial, run(loom::testing::with_overrides(variant, {"parallel.tp=2"})));
-    expect_same_training(variant_serial, run(loom::testing::with_overrides(
+    expect_trains_as_serial(variant_serial, run(loom::testing::with_overrides(variant, {"parallel.tp=2"})));
+    expect_trains_as_serial(variant_serial, run(loom::testing::with_overrides(
                                              variant, {"parallel.tp=2", "parallel.sequence_parallel=true"})));
   }
 }
@@ -90,14 +76,14 @@ TEST(LatentAttention, TensorParallelMatchesSerialWithAndWithoutSp) {
 // gathered keys are the padded packed heads.
 TEST(LatentAttention, ContextParallelMatchesSerial) {
   const RankTrace serial = run({});
-  expect_same_training(serial, run({"parallel.cp=2"}));
-  expect_same_training(serial, run({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  expect_trains_as_serial(serial, run({"parallel.cp=2"}));
+  expect_trains_as_serial(serial, run({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
 }
 
 TEST(LatentAttention, PipelineAndDistributedOptimizerMatchSerial) {
   const RankTrace serial = run({});
-  expect_same_training(serial, run({"parallel.pp=2", "parallel.vpp=2"}));
-  expect_same_training(serial, run({"parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  expect_trains_as_serial(serial, run({"parallel.pp=2", "parallel.vpp=2"}));
+  expect_trains_as_serial(serial, run({"parallel.dp=2", "optimizer.strategy=\"distributed\""}));
 }
 
 TEST(LatentAttention, PartialGraphsAndRecomputationAreBitIdenticalToEager) {
@@ -126,8 +112,8 @@ TEST(LatentAttention, WithDeepSeekMixtureOfExpertsMatchesSerial) {
     return run(loom::testing::with_overrides(moe, o), loom::testing::tiny_moe_manifest());
   };
   const RankTrace serial = with({});
-  expect_same_training(serial, with({"parallel.dp=2", "parallel.ep=2"}));
-  expect_same_training(serial, with({"parallel.tp=2", "parallel.sequence_parallel=true"}));
+  expect_trains_as_serial(serial, with({"parallel.dp=2", "parallel.ep=2"}));
+  expect_trains_as_serial(serial, with({"parallel.tp=2", "parallel.sequence_parallel=true"}));
 }
 
 }  // namespace

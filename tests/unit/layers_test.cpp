@@ -697,6 +697,14 @@ TEST(Layers, QkvBiasAttentionPassesTheHarness) {
   TestLayer layer(rank, "attention", dims, &opts);
   EXPECT_TRUE(layer.has_param("qkv.bias"));
   EXPECT_FALSE(layer.has_param("proj.bias"));
+  // With bias = true every projection has one: add_qkv_bias beside it is refused.
+  opts.insert_or_assign("bias", true);
+  try {
+    TestLayer both(rank, "attention", dims, &opts);
+    ADD_FAILURE() << "add_qkv_bias with bias = true was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("set bias = false or leave add_qkv_bias out"), std::string::npos) << e.what();
+  }
 }
 
 // The parameters Megatron-Core's MLA declares, by shape; a layernorm's latents have

@@ -38,25 +38,12 @@ RankTrace run(std::vector<std::string> o) {
   return loom::testing::run_all_ranks(loom::testing::tiny_manifest(), o);
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
-  ASSERT_GE(serial.loss.size(), 10u);
-  ASSERT_EQ(par.loss.size(), serial.loss.size());
-  for (size_t s = 0; s < serial.loss.size(); ++s) {
-    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * serial.loss[s]) << "loss at step " << s + 1;
-    const auto want = loom::testing::full_params(serial, s), got = loom::testing::full_params(par, s);
-    ASSERT_EQ(got.size(), want.size());
-    for (const auto& [key, w] : want) {
-      ASSERT_TRUE(got.count(key)) << key << " is on no rank";
-      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), tol) << key << " at step " << s + 1;
-    }
-  }
-}
 
 TEST(LlamaBlocks, PipelineAndDistributedOptimizerMatchSerial) {
   const RankTrace serial = run({});
-  expect_same_training(serial, run({"parallel.pp=2"}));
-  expect_same_training(serial, run({"parallel.pp=2", "parallel.vpp=2"}));
-  expect_same_training(serial, run({"parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  loom::testing::expect_trains_as_serial(serial, run({"parallel.pp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({"parallel.pp=2", "parallel.vpp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({"parallel.dp=2", "optimizer.strategy=\"distributed\""}));
 }
 
 TEST(LlamaBlocks, PartialGraphsAndRecomputationAreBitIdenticalToEager) {
@@ -83,8 +70,8 @@ TEST(LlamaBlocks, Bf16TracksFp32) {
 TEST(LlamaBlocks, WithQkNormTheLayoutsModesAndBf16HoldAsWithout) {
   const std::string qk = "model.layer.attention.qk_norm=true";
   const RankTrace serial = run({qk});
-  expect_same_training(serial, run({qk, "parallel.pp=2", "parallel.vpp=2"}));
-  expect_same_training(serial, run({qk, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  loom::testing::expect_trains_as_serial(serial, run({qk, "parallel.pp=2", "parallel.vpp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({qk, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
   expect_bit_identical(serial, run({qk, "exec.mode=\"partial_graph\""}));
   expect_bit_identical(serial, run({qk, "model.recompute_granularity=\"full\""}));
   loom::testing::expect_tracks(serial, run({qk, "device.param_dtype=\"bf16\"", "device.grad_dtype=\"fp32\""}), 0.01,
@@ -99,10 +86,10 @@ TEST(LlamaBlocks, WithQkNormTheLayoutsModesAndBf16HoldAsWithout) {
 TEST(LlamaBlocks, WithQkvBiasTheLayoutsAndModesHoldAsWithout) {
   const std::string bias = "model.layer.attention.add_qkv_bias=true";
   const RankTrace serial = run({bias});
-  expect_same_training(serial, run({bias, "parallel.tp=2"}));
-  expect_same_training(serial, run({bias, "parallel.tp=2", "parallel.sequence_parallel=true"}));
-  expect_same_training(serial, run({bias, "parallel.pp=2", "parallel.vpp=2"}));
-  expect_same_training(serial, run({bias, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  loom::testing::expect_trains_as_serial(serial, run({bias, "parallel.tp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({bias, "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  loom::testing::expect_trains_as_serial(serial, run({bias, "parallel.pp=2", "parallel.vpp=2"}));
+  loom::testing::expect_trains_as_serial(serial, run({bias, "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
   expect_bit_identical(serial, run({bias, "exec.mode=\"partial_graph\""}));
   expect_bit_identical(serial, run({bias, "model.recompute_granularity=\"full\""}));
   EXPECT_NE(serial.loss.back(), run({}).loss.back()) << "add_qkv_bias changed nothing";

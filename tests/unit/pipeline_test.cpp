@@ -26,59 +26,45 @@ std::vector<std::string> with_layers(std::vector<std::string> o) {
   return o;
 }
 
-void expect_same_training(const RankTrace& serial, const RankTrace& par, double tol = 1e-5) {
-  ASSERT_EQ(par.loss.size(), serial.loss.size());
-  ASSERT_GE(serial.loss.size(), 10u);
-  for (size_t s = 0; s < serial.loss.size(); ++s) {
-    EXPECT_NEAR(par.loss[s], serial.loss[s], tol * std::fabs(serial.loss[s])) << "loss at step " << s + 1;
-    const auto want = loom::testing::full_params(serial, s);
-    const auto got = loom::testing::full_params(par, s);
-    ASSERT_EQ(got.size(), want.size()) << "the stages together hold every parameter once";
-    for (const auto& [key, w] : want) {
-      ASSERT_TRUE(got.count(key)) << key << " is on no stage";
-      EXPECT_LE(loom::testing::tensor_rel_diff(got.at(key), w), tol) << key << " at step " << s + 1;
-    }
-  }
-}
 
 RankTrace run(std::vector<std::string> overrides) {
   return loom::testing::run_all_ranks(manifest(), with_layers(std::move(overrides)));
 }
 
-TEST(Pipeline, Pp2MatchesSerial) { expect_same_training(run({}), run({"parallel.pp=2"})); }
+TEST(Pipeline, Pp2MatchesSerial) { loom::testing::expect_trains_as_serial(run({}), run({"parallel.pp=2"})); }
 
-TEST(Pipeline, Pp4MatchesSerial) { expect_same_training(run({}), run({"parallel.pp=4"})); }
+TEST(Pipeline, Pp4MatchesSerial) { loom::testing::expect_trains_as_serial(run({}), run({"parallel.pp=4"})); }
 
 TEST(Pipeline, InterleavedPp2Vpp2MatchesSerial) {
-  expect_same_training(run({}), run({"parallel.pp=2", "parallel.vpp=2"}));
+  loom::testing::expect_trains_as_serial(run({}), run({"parallel.pp=2", "parallel.vpp=2"}));
 }
 
 TEST(Pipeline, UnevenSplitMatchesSerial) {
   // Chunks of 1 and 3 layers: the first stage also carries the embedding.
-  expect_same_training(run({}), run({"parallel.pp=2", "pipeline.first_chunk_layers=1"}));
+  loom::testing::expect_trains_as_serial(run({}), run({"parallel.pp=2", "pipeline.first_chunk_layers=1"}));
 }
 
 TEST(Pipeline, UntiedPp2IsBitIdenticalToSerial) {
   // Nothing is summed in another order without tying, so nothing may differ.
   const RankTrace serial = run({"model.tie_embeddings=false"});
   const RankTrace par = run({"model.tie_embeddings=false", "parallel.pp=2"});
-  expect_same_training(serial, par, 0.0);
+  loom::testing::expect_trains_as_serial(serial, par, 0.0);
 }
 
 TEST(Pipeline, Pp2Tp2Dp2MatchesSerial) {
   // eps = 1e-6 for the tp split, as in the tensor-parallel tests (docs/design-notes.md).
-  expect_same_training(run({"optimizer.eps=1e-6"}),
+  loom::testing::expect_trains_as_serial(run({"optimizer.eps=1e-6"}),
                        run({"optimizer.eps=1e-6", "parallel.pp=2", "parallel.tp=2", "parallel.dp=2"}));
 }
 
 TEST(Pipeline, Pp2WithDistributedOptimizerMatchesSerial) {
-  expect_same_training(run({}), run({"parallel.pp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
+  loom::testing::expect_trains_as_serial(run({}), run({"parallel.pp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""}));
 }
 
 TEST(Pipeline, GpipeAndOneFOneBGiveTheSameTraining) {
   // Both run each chunk's backwards in microbatch order, so the gradient sums are
   // the same sums: bit-identical.
-  expect_same_training(run({"parallel.pp=2"}), run({"parallel.pp=2", "pipeline.schedule=\"gpipe\""}), 0.0);
+  loom::testing::expect_trains_as_serial(run({"parallel.pp=2"}), run({"parallel.pp=2", "pipeline.schedule=\"gpipe\""}), 0.0);
 }
 
 TEST(Pipeline, TiedEmbeddingCopiesStayIdentical) {

@@ -140,6 +140,9 @@ class Attention : public loom::Layer {
     window_ = options.declared_int("sliding_window");
     tp_group_ = loom::Group(args.tp);
     const bool bias = options.declared_bool("bias");
+    LOOM_REQUIRE(!(bias && options.declared_bool("add_qkv_bias")),
+                 name_ << ": add_qkv_bias gives q, k and v biases in a layer without them (bias = false); with bias = "
+                          "true every projection has one already: set bias = false or leave add_qkv_bias out");
     const bool qkv_bias = bias || options.declared_bool("add_qkv_bias");  // Qwen2's: q, k and v only
     const int64_t H = hidden_;
     params_ = ParamSet(name_, {.tp = tp});
