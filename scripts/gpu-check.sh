@@ -573,16 +573,16 @@ fi  # samples
 # ---- generation and evaluation ---------------------------------------------------------
 if want generate; then
 phase generate "loom generate (key/value cache) and loom eval on device/cuda against device/cpu"
+ids() {  # ids NAME ARGS...: the greedy ids loom generate writes from $gen_ckpt, into $out/NAME.json
+  local name=$1; shift
+  limited "$loom" generate "$gen_ckpt" --prompt "123+456=" --temperature 0 --max-new-tokens 6 --json "$@" \
+    >"$out/$name.json" 2>"$out/$name.err"
+  sed -n 's/.*"ids":\(\[[0-9,]*\]\).*/\1/p' "$out/$name.json"
+}
 gen_ckpt=$out/gen_ckpt
 rm -rf "$gen_ckpt"
 if run gen_train configs/quickstart.toml --set run.steps=100 --set run.eval_every=0 --set parallel.dp=1 \
      --set device.kind=cpu --set "checkpoint.dir=\"$gen_ckpt\""; then
-  ids() {  # ids NAME ARGS...: the greedy ids loom generate writes, into $out/NAME.json
-    local name=$1; shift
-    limited "$loom" generate "$gen_ckpt" --prompt "123+456=" --temperature 0 --max-new-tokens 6 --json "$@" \
-      >"$out/$name.json" 2>"$out/$name.err"
-    sed -n 's/.*"ids":\(\[[0-9,]*\]\).*/\1/p' "$out/$name.json"
-  }
   cpu_ids=$(ids gen_cpu --set device.kind=cpu)
   cuda_ids=$(ids gen_cuda --set device.kind=cuda --set 'device.options={}')
   cuda_recompute=$(ids gen_cuda_nocache --set device.kind=cuda --set 'device.options={}' --no-cache)
@@ -604,6 +604,26 @@ if run gen_train configs/quickstart.toml --set run.steps=100 --set run.eval_ever
   else fail "loom eval: cpu loss '$cpu_loss', cuda '$cuda_loss' (see $out/eval_*.err)"; fi
 else
   fail "training the generation checkpoint failed (see $out/gen_train.log)"; tail -5 "$out/gen_train.log"
+fi
+# Multi-latent attention's latent cache (the up projections absorbed), after a dense
+# first block (model.block_pattern), as DeepSeek-V2/V3.
+gen_ckpt=$out/gen_mla_ckpt
+rm -rf "$gen_ckpt"
+mla=(--set 'model.blocks.dense=["attention", "mlp"]' --set 'model.block_pattern=["dense", "block*3"]'
+     --set model.layer.mlp.norm=rmsnorm --set model.layer.mlp.activation=swiglu --set model.layer.mlp.bias=false
+     --set model.layer.mlp.norm_epsilon=1e-6)
+if run gen_mla_train configs/deepseek_quickstart.toml --set run.steps=100 --set run.eval_every=0 --set parallel.dp=1 \
+     --set device.kind=cpu --set "checkpoint.dir=\"$gen_ckpt\"" "${mla[@]}"; then
+  cpu_ids=$(ids gen_mla_cpu --set device.kind=cpu)
+  cuda_ids=$(ids gen_mla_cuda --set device.kind=cuda --set 'device.options={}')
+  cuda_recompute=$(ids gen_mla_cuda_nocache --set device.kind=cuda --set 'device.options={}' --no-cache)
+  if [ -n "$cpu_ids" ] && [ "$cuda_ids" = "$cpu_ids" ] && [ "$cuda_recompute" = "$cpu_ids" ]; then
+    pass "loom generate with multi-latent attention's latent cache on the GPU writes the CPU's tokens $cpu_ids"
+  else
+    fail "loom generate (multi-latent attention): cpu $cpu_ids, cuda $cuda_ids, cuda --no-cache $cuda_recompute (see $out/gen_mla_*.err)"
+  fi
+else
+  fail "training the multi-latent attention checkpoint failed (see $out/gen_mla_train.log)"; tail -5 "$out/gen_mla_train.log"
 fi
 fi  # generate
 

@@ -152,6 +152,13 @@ int cmd_generate(int argc, char** argv) {
 
     plugins::Registry& r = plugins::registry();
     r.load_dirs(plugins::Registry::search_paths(args.all("--plugin-path")));
+    // One sequence decodes at dp = cp = ep = 1 without sequence parallelism (the plan
+    // sets them): a --set of those changes nothing, said rather than taken silently.
+    for (const std::string& o : args.all("--set"))
+      for (const char* key : {"parallel.dp", "parallel.cp", "parallel.ep", "parallel.sequence_parallel"})
+        if (o.rfind(std::string(key) + "=", 0) == 0 || o.rfind(std::string(key) + " ", 0) == 0)
+          std::cerr << "loom generate: warning: --set " << o << " changes nothing: one sequence decodes at dp = cp = "
+                       "ep = 1 without sequence parallelism (tp and pp split the model)\n";
     const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, train::generation_plan);
     const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     codec.require_fits(src.vocab);

@@ -306,6 +306,9 @@ for c in generate eval; do
   "$loom" $c "$work/gen_vpp" "${a[@]}" --set parallel.pp=1 > "$work/gen_vpp_$c.out" 2>&1 \
     || fail "$c at pp 1 of a pp 2 x vpp 2 checkpoint: $(tail -3 "$work/gen_vpp_$c.out")"
 done
+"$loom" generate "$work/gen" --prompt "12+" --max-new-tokens 1 --set parallel.cp=2 > "$work/gen_cp.out" 2>&1 \
+  && grep -q "set parallel.cp=2 changes nothing: one sequence decodes at dp = cp = ep = 1" "$work/gen_cp.out" \
+  || fail "generate: --set parallel.cp=2 taken silently: $(cat "$work/gen_cp.out")"
 "$loom" generate "$work/gen" --prompt "12+ab" > "$work/gen_bad.out" 2>&1
 [ $? -eq 1 ] && grep -q "no token for 'a'" "$work/gen_bad.out" || fail "generate: bad prompt: $(cat "$work/gen_bad.out")"
 "$loom" generate "$work/gen" --prompt "12+" --set data.kind=text > "$work/gen_data.out" 2>&1
