@@ -152,7 +152,8 @@ struct Shape {
   // Whether the groups limit a token's experts (not when every group is picked).
   bool limits_groups() const { return groups_of_experts > 1 && group_topk < groups_of_experts; }
   // Llama's or Mixtral's blocks with each head's q and k RMSNorm-ed (qk_norm): Qwen3's
-  // and Qwen3-MoE's; Llama's with biases on q, k and v (add_qkv_bias): Qwen2's.
+  // and Qwen3-MoE's; with biases on q, k and v (add_qkv_bias): Qwen2's and Qwen2-MoE's
+  // (whose MoE blocks have a shared expert, gated).
   bool qk_norm = false, qkv_bias = false;
   // The attention's sliding_window (0: none). Llama's blocks with one are Mistral's;
   // an imported Mistral's config says which of the two it is (Mistral's window may be
@@ -176,23 +177,23 @@ struct Shape {
     if (deepseek) return deepseek_v2 ? "DeepseekV2ForCausalLM" : "DeepseekV3ForCausalLM";
     if (llama)
       return qkv_bias ? "Qwen2ForCausalLM" : qk_norm ? "Qwen3ForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
-    return qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
+    return qkv_bias ? "Qwen2MoeForCausalLM" : qk_norm ? "Qwen3MoeForCausalLM" : "MixtralForCausalLM";
   }
   std::string model_type() const {
     if (deepseek) return deepseek_v2 ? "deepseek_v2" : "deepseek_v3";
     return gpt2    ? "gpt2"
            : llama ? (qkv_bias ? "qwen2" : qk_norm ? "qwen3" : mistral ? "mistral" : "llama")
-                   : (qk_norm ? "qwen3_moe" : "mixtral");
+                   : (qkv_bias ? "qwen2_moe" : qk_norm ? "qwen3_moe" : "mixtral");
   }
   // Qwen2's and Qwen3's keys (use_sliding_window, max_window_layers, layer_types).
   bool qwen() const { return qk_norm || qkv_bias; }
   // Per-expert tensors named as Qwen3-MoE's (mlp.gate, mlp.experts.<j>.gate_proj, ...).
-  bool qwen_style_experts() const { return qk_norm || deepseek; }
+  bool qwen_style_experts() const { return qk_norm || qkv_bias || deepseek; }
   // transformers' defaults, for a key a config.json leaves out.
   double default_eps() const { return llama || qk_norm || deepseek ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
   int64_t default_kv_heads(int64_t heads) const {
     if (deepseek) return deepseek_v2 ? heads : 128;  // DeepseekV2Config: num_attention_heads; V3's default
-    if (qkv_bias) return 32;  // Qwen2Config
+    if (qkv_bias) return llama ? 32 : 16;  // Qwen2Config, Qwen2MoeConfig
     if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
     return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
   }
@@ -208,6 +209,21 @@ int64_t effective_window(int64_t window, int64_t seq_len) { return window > 0 &&
 
 // The epsilon of transformers' DeepseekV3 latent norms (DeepseekV3RMSNorm's default).
 constexpr double kDeepSeekLatentEps = 1e-6;
+
+// Qwen2-MoE's blocks (transformers' Qwen2MoeSparseMoeBlock): the softmax's top-k with
+// either gate (norm_topk_prob), beside a shared expert gated by the sigmoid of one
+// weight row (shared_expert_gate), which every MoE layer has; no sliding window (its
+// layer_types alternate).
+void qwen2_moe_shape(const toml::table& e, const manifest::RunConfig& c, Shape& s) {
+  s.shared_ffn = e["shared_expert_ffn_hidden_size"].value_or(int64_t{0});
+  if (s.shared_ffn <= 0 || !e["shared_expert_gate"].value_or(false) || e["capacity_factor"].value_or(0.0) != 0.0)
+    throw std::runtime_error("Qwen2-MoE's MoE blocks are dropless top-k beside a shared expert gated by a sigmoid: set "
+                             "shared_expert_ffn_hidden_size > 0 and shared_expert_gate = true, and leave "
+                             "capacity_factor out");
+  if (effective_window(s.window, c.model.seq_length) > 0)
+    throw std::runtime_error("Qwen2-MoE's sliding windows alternate by layer (its layer_types), which these blocks "
+                             "(sliding_window = " + std::to_string(s.window) + " on every layer) are not");
+}
 
 // DeepSeek-V2's router (transformers' DeepseekV2Moe): the softmax over every expert,
 // the top_k of its values (greedy; group_limited_greedy: from the topk_group groups of
@@ -289,10 +305,10 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
                              "and capacity_factor have no counterpart");
 }
 
-// Dense MLPs among MoE layers: Qwen3-MoE lists them (mlp_only_layers), DeepSeek-V3
-// has its first first_k_dense_replace layers dense; Mixtral has none.
+// Dense MLPs among MoE layers: Qwen2-MoE and Qwen3-MoE list them (mlp_only_layers),
+// DeepSeek-V2/V3 have their first first_k_dense_replace layers dense; Mixtral has none.
 void require_dense_layers_placeable(const Shape& s, const std::vector<model::LayerSpec>& L) {
-  if (s.mixtral && !s.qk_norm)
+  if (s.mixtral && !s.qwen())
     throw std::runtime_error("Mixtral's layers are all sparse MoE, and this model has dense MLPs among them "
                              "(model.block_pattern): with qk_norm on the attention they are Qwen3-MoE's "
                              "(mlp_only_layers), with multi_latent_attention DeepSeek-V3's (its first layers dense)");
@@ -400,7 +416,7 @@ Shape shape_of(const train::RunPlan& plan) {
   else if (!moe && llama_blocks)
     s.llama = true, s.qkv_bias = qkv_bias;
   else if (moe && llama_blocks)
-    s.mixtral = true;
+    s.mixtral = true, s.qkv_bias = qkv_bias;
   else
     throw std::runtime_error(
         "the blocks are neither GPT-2's (layernorm, gelu, biases, learned positions, one key/value head per query "
@@ -412,10 +428,10 @@ Shape shape_of(const train::RunPlan& plan) {
                               " of " + std::to_string(c.model.num_heads) + " heads)"
                         : ""));
   s.mistral = s.llama && !s.qk_norm && !s.qkv_bias && s.window > 0;
-  if (qkv_bias && (!s.llama || s.qk_norm))
-    throw std::runtime_error("add_qkv_bias (biases on q, k and v alone) is Qwen2's attention, before dense SwiGLU MLPs "
-                             "without qk_norm: no Hugging Face architecture here has it " +
-                             std::string(s.qk_norm ? "with qk_norm" : moe ? "before MoE layers" : "in these blocks"));
+  if (qkv_bias && (!(s.llama || s.mixtral) || s.qk_norm))
+    throw std::runtime_error("add_qkv_bias (biases on q, k and v alone) is Qwen2's and Qwen2-MoE's attention, without "
+                             "qk_norm: no Hugging Face architecture here has it " +
+                             std::string(s.qk_norm ? "with qk_norm" : "in these blocks"));
   if (s.gpt2 && effective_window(s.window, c.model.seq_length) > 0)
     throw std::runtime_error("GPT-2's attention has no sliding window (sliding_window = " + std::to_string(s.window) +
                              ", shorter than model.seq_length = " + std::to_string(c.model.seq_length) +
@@ -442,6 +458,10 @@ Shape shape_of(const train::RunPlan& plan) {
         e["num_groups"].value_or(int64_t{0}) != 0)
       throw std::runtime_error(s.architecture() + "'s router is the softmax's top-k over all experts: score_function, "
                                "topk_scaling_factor and num_groups have no counterpart");
+    if (s.qkv_bias) {
+      qwen2_moe_shape(e, c, s);
+      return s;
+    }
     // Qwen3-MoE has both gates (norm_topk_prob); Mixtral renormalises the chosen ones.
     if (e["shared_expert_ffn_hidden_size"].value_or(int64_t{0}) != 0 || e["capacity_factor"].value_or(0.0) != 0.0 ||
         (s.pre_softmax && !s.qk_norm))
@@ -640,6 +660,14 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         b.matrix(x + n.up, transposed(columns(fc1, Fe, Fe)));
         b.matrix(x + n.down, transposed(expert_matrix(b.get(ml + "experts.fc2.weight"), j)));
       }
+      if (s.qkv_bias) {  // Qwen2-MoE's gated shared expert: the gate's [H] row is shared_expert_gate [1, C]
+        const int64_t Fs = s.shared_ffn;
+        const Matrix fc1 = matrix_of(b.get(ml + "shared.fc1.weight"));  // [C, 2Fs]: [gate | up]
+        b.matrix(h + "mlp.shared_expert.gate_proj.weight", transposed(columns(fc1, 0, Fs)));
+        b.matrix(h + "mlp.shared_expert.up_proj.weight", transposed(columns(fc1, Fs, Fs)));
+        b.matrix(h + "mlp.shared_expert.down_proj.weight", transposed(matrix_of(b.get(ml + "shared.fc2.weight"))));
+        b.matrix(h + "mlp.shared_expert_gate.weight", matrix_of(b.get(ml + "shared.gate.weight")));
+      }
       if (!s.deepseek) continue;
       // DeepSeek-V3's router bias (the layer's state; zeros without expert_bias) and
       // DeepSeek-V2/V3's shared experts, [gate | up]^T and down^T of loom's shared expert.
@@ -693,6 +721,10 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
         hf.config["norm_topk_prob"] = !s.pre_softmax;
         hf.config["decoder_sparse_step"] = 1;
         hf.config["mlp_only_layers"] = s.dense_layers();
+      }
+      if (s.qkv_bias) {
+        hf.config["shared_expert_intermediate_size"] = s.shared_ffn;
+        hf.config["qkv_bias"] = true;
       }
     }
   }
@@ -1387,9 +1419,14 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       require_equal(config_int(c, "num_experts_per_tok", where), s.top_k, "num_experts_per_tok",
                     "model.layer.moe.top_k", where);
       if (s.qwen()) {
-        // Qwen3MoeConfig's defaults: the chosen gates not renormalised, every layer sparse.
+        // Qwen3MoeConfig's and Qwen2MoeConfig's defaults: the chosen gates not
+        // renormalised, every layer sparse.
         require_value("norm_topk_prob", !s.pre_softmax, false);
         require_qwen_sparse_layers(c, s, F, where);
+      }
+      if (s.qkv_bias) {  // Qwen2MoeConfig's
+        require_value("shared_expert_intermediate_size", s.shared_ffn, 5632);
+        require_value("qkv_bias", true, true);
       }
     }
     // Absent: transformers' default (LlamaConfig's num_attention_heads; MixtralConfig's 8,
@@ -1462,6 +1499,15 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       }
       out.add(ml + "experts.fc1.weight", {s.experts, C, 2 * Fe}, std::move(fc1));
       out.add(ml + "experts.fc2.weight", {s.experts, Fe, C}, std::move(fc2));
+      if (s.qkv_bias) {  // Qwen2-MoE's gated shared expert
+        const int64_t Fs = s.shared_ffn;
+        out.add(ml + "shared.fc1.weight",
+                concat_columns({transposed(matrix_of(hf.get(h + "mlp.shared_expert.gate_proj.weight", {Fs, C}))),
+                                transposed(matrix_of(hf.get(h + "mlp.shared_expert.up_proj.weight", {Fs, C})))}));
+        out.add(ml + "shared.fc2.weight", transposed(matrix_of(hf.get(h + "mlp.shared_expert.down_proj.weight", {C, Fs}))));
+        const NamedTensor& gate = hf.get(h + "mlp.shared_expert_gate.weight", {1, C});
+        out.add(ml + "shared.gate.weight", {C}, gate.data);
+      }
       if (!s.deepseek) continue;
       // DeepSeek-V3's router bias: the layer's state with expert_bias; without, it must be zero.
       if (!s.deepseek_v2) {

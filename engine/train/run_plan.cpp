@@ -597,7 +597,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
   int first_block = 0;
   for (size_t g = 0; g < plan.chunks.size(); first_block += plan.blocks_per_chunk[g], ++g)
     if (plan.chunks[g].empty()) {
-      const std::string key = config.model.block_key(first_block);
+      const std::string key =
+          first_block < config.model.num_layers ? config.model.block_key(first_block) : std::string("model.block");
       throw manifest::ManifestError({{key, man.origin(key),
                                       "pipeline chunk " + std::to_string(g) + " of " +
                                           std::to_string(plan.chunks.size()) + " holds no layer (its blocks have "

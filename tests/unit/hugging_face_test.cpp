@@ -307,8 +307,11 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
   // rotation; Qwen3-MoE (modeling_qwen3_moe.py) Mixtral's with it, other names, and the
   // chosen gates renormalised only with norm_topk_prob.
   const bool qwen3_moe = c["model_type"] == "qwen3_moe", qwen = c["model_type"] == "qwen3" || qwen3_moe;
+  // modeling_qwen2_moe.py: Qwen3-MoE's experts and router, q, k and v biased, and a
+  // shared expert gated by sigmoid(shared_expert_gate(x)).
+  const bool qwen2_moe = c["model_type"] == "qwen2_moe", qwen_moe = qwen3_moe || qwen2_moe;
   const bool deepseek_v2 = c["model_type"] == "deepseek_v2", deepseek = c["model_type"] == "deepseek_v3" || deepseek_v2;
-  const bool mixtral = c["model_type"] == "mixtral" || qwen3_moe,
+  const bool mixtral = c["model_type"] == "mixtral" || qwen_moe,
              llama = c["model_type"] == "llama" || c["model_type"] == "mistral" || c["model_type"] == "qwen3" ||
                      c["model_type"] == "qwen2" ||
                      mixtral || deepseek;
@@ -384,21 +387,21 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         return std::find(listed.begin(), listed.end(), nlohmann::json(l)) != listed.end() ||
                (l + 1) % c.value("decoder_sparse_step", int64_t{1}) != 0;
       };
-      if (!mixtral || (qwen3_moe && qwen_dense())) {
+      if (!mixtral || (qwen_moe && qwen_dense())) {
         add(x, swiglu_mlp(m, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"));
         continue;
       }
       // modeling_mixtral.py: softmax over the experts, the top k, renormalised; the chosen experts' sum.
-      const int64_t E = c[qwen3_moe ? "num_experts" : "num_local_experts"], K = c["num_experts_per_tok"];
-      const bool renormalise = !qwen3_moe || c["norm_topk_prob"].get<bool>();
-      const std::string moe = p + (qwen3_moe ? "mlp." : "block_sparse_moe.");
+      const int64_t E = c[qwen_moe ? "num_experts" : "num_local_experts"], K = c["num_experts_per_tok"];
+      const bool renormalise = !qwen_moe || c["norm_topk_prob"].get<bool>();
+      const std::string moe = p + (qwen_moe ? "mlp." : "block_sparse_moe.");
       const Vec logits = linear(m, T, C, w.at(moe + "gate.weight"), E, true);
       std::vector<Vec> expert_out;
       const int64_t dense_F = F;
-      if (qwen3_moe) F = c["moe_intermediate_size"];
+      if (qwen_moe) F = c["moe_intermediate_size"];
       for (int64_t j = 0; j < E; ++j) {
         const std::string e = moe + "experts." + std::to_string(j) + ".";
-        expert_out.push_back(qwen3_moe ? swiglu_mlp(m, e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight")
+        expert_out.push_back(qwen_moe ? swiglu_mlp(m, e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight")
                                        : swiglu_mlp(m, e + "w1.weight", e + "w3.weight", e + "w2.weight"));
       }
       F = dense_F;
@@ -415,6 +418,15 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         if (!renormalise) chosen = 1.0;
         for (int64_t k = 0; k < K; ++k)
           for (int64_t e = 0; e < C; ++e) x[t * C + e] += prob[k].first / chosen * expert_out[prob[k].second][t * C + e];
+      }
+      if (qwen2_moe) {
+        F = c["shared_expert_intermediate_size"];
+        const Vec shared = swiglu_mlp(m, moe + "shared_expert.gate_proj.weight", moe + "shared_expert.up_proj.weight",
+                                      moe + "shared_expert.down_proj.weight");
+        const Vec gate = linear(m, T, C, w.at(moe + "shared_expert_gate.weight"), 1, true);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t e = 0; e < C; ++e) x[t * C + e] += shared[t * C + e] / (1.0 + std::exp(-gate[t]));
+        F = dense_F;
       }
     } else {
       const std::string p = "transformer.h." + std::to_string(l) + ".";
@@ -613,6 +625,7 @@ std::vector<std::string> qwen2() {
   return v;
 }
 TEST(HfExport, Qwen2FromTp2Pp2Dp2MatchesLoomsLoss) { check_export(qwen2(), "Qwen2ForCausalLM"); }
+
 
 TEST(HfExport, Qwen3MoeWithEitherGateMatchesLoomsLoss) {
   check_export(qwen3_moe(false), "Qwen3MoeForCausalLM");
@@ -1053,12 +1066,15 @@ TEST(HfImport, Qwen2RoundTripsAndMustMatch) {
   fs::remove_all(out);
   std::vector<std::string> with_qk_norm = qwen2();
   with_qk_norm.push_back("model.layer.attention.qk_norm=true");
-  EXPECT_NE(shape_refusal(with_qk_norm).find("add_qkv_bias (biases on q, k and v alone) is Qwen2's attention"),
+  EXPECT_NE(shape_refusal(with_qk_norm).find("add_qkv_bias (biases on q, k and v alone) is Qwen2's and Qwen2-MoE's attention"),
             std::string::npos)
       << shape_refusal(with_qk_norm);
+  // Before MoE layers q, k and v biases are Qwen2-MoE's, whose shared expert is gated.
   std::vector<std::string> moe = mixtral();
   moe.push_back("model.layer.attention.add_qkv_bias=true");
-  EXPECT_NE(shape_refusal(moe).find("before MoE layers"), std::string::npos) << shape_refusal(moe);
+  EXPECT_NE(shape_refusal(moe).find("Qwen2-MoE's MoE blocks are dropless top-k beside a shared expert"),
+            std::string::npos)
+      << shape_refusal(moe);
 }
 TEST(HfImport, Qwen3MoeRoundTripIsBitExact) { check_round_trip(qwen3_moe(true)); }
 
@@ -1246,6 +1262,54 @@ TEST(HfImport, DenseLayersAmongMoeLayersRoundTripAndMustMatch) {
   EXPECT_EQ(read_edited_config(out, c, deepseek, [](nlohmann::json& e) { e["moe_layer_freq"] = 1; }), "");
   fs::remove_all(dir);
   fs::remove_all(out);
+}
+
+// Qwen2-MoE: Mixtral's blocks with q, k and v biased, either gate, and a shared expert
+// gated by a sigmoid; with dense layers among them (mlp_only_layers).
+std::vector<std::string> qwen2_moe(bool pre_softmax) {
+  std::vector<std::string> v = mixtral();
+  for (const std::string& o : std::vector<std::string>{"model.layer.attention.add_qkv_bias=true", "model.layer.moe.shared_expert_ffn_hidden_size=40",
+                              "model.layer.moe.shared_expert_gate=true",
+                              std::string("model.layer.moe.pre_softmax=") + (pre_softmax ? "true" : "false")})
+    v.push_back(o);
+  return v;
+}
+TEST(HfExport, Qwen2MoeWithEitherGateAndDenseLayersMatchesLoomsLoss) {
+  check_export(qwen2_moe(true), "Qwen2MoeForCausalLM");
+  check_export(qwen2_moe(false), "Qwen2MoeForCausalLM");
+  check_export(with_dense_blocks(qwen2_moe(true), "[\"block\", \"dense\", \"block*2\"]", nullptr),
+               "Qwen2MoeForCausalLM");
+}
+
+TEST(HfImport, Qwen2MoeRoundTripsAndMustMatch) {
+  check_round_trip(qwen2_moe(true));
+  check_round_trip(with_dense_blocks(qwen2_moe(false), "[\"block\", \"dense\", \"block*2\"]", nullptr));
+  const std::vector<std::string> model = qwen2_moe(true);
+  const std::string dir = scratch("qwen2-moe"), out = scratch("qwen2-moe-out");
+  loom::interop::export_hf(parallel_checkpoint(model, dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["model_type"], "qwen2_moe");
+  EXPECT_EQ(c["shared_expert_intermediate_size"], 40);
+  EXPECT_EQ(c["norm_topk_prob"], false);
+  EXPECT_EQ(read_edited_config(out, c, model, [](nlohmann::json&) {}), "");
+  EXPECT_NE(read_edited_config(out, c, model, [](nlohmann::json& e) { e.erase("shared_expert_intermediate_size"); })
+                .find("shared_expert_intermediate_size = 5632 (transformers' default)"),
+            std::string::npos);
+  const std::string slides = read_edited_config(out, c, model, [](nlohmann::json& e) {
+    e["use_sliding_window"] = true;
+    e["sliding_window"] = 5;
+  });
+  EXPECT_NE(slides.find("attention slides a window of 5 tokens"), std::string::npos) << slides;
+  fs::remove_all(dir);
+  fs::remove_all(out);
+  std::vector<std::string> ungated = qwen2_moe(true);
+  ungated.push_back("model.layer.moe.shared_expert_gate=false");
+  EXPECT_NE(shape_refusal(ungated).find("shared expert gated by a sigmoid"), std::string::npos) << shape_refusal(ungated);
+  std::vector<std::string> windowed_moe = qwen2_moe(true);
+  windowed_moe.push_back("model.layer.attention.sliding_window=5");
+  EXPECT_NE(shape_refusal(windowed_moe).find("Qwen2-MoE's sliding windows alternate by layer"), std::string::npos)
+      << shape_refusal(windowed_moe);
 }
 
 // A run of another layout (serial; tp 2 with SP; pp 2 x dp 2) started from the export of a
