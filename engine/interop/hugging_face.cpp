@@ -147,6 +147,7 @@ struct Shape {
   // DeepSeek-V3's router: groups of experts (0: none), the groups each token picks, the
   // gates' scale, the shared expert's width, whether the router keeps a bias (state).
   int64_t groups_of_experts = 0, group_topk = 0, shared_ffn = 0;
+  bool groups_by_best = false;  // a group ranked by its best score (group_score = "best"; DeepSeek-V2's)
   double routed_scaling = 1.0;
   bool expert_bias = false;
   // Whether the groups limit a token's experts (not when every group is picked).
@@ -238,10 +239,10 @@ void deepseek_v2_router(const toml::table& ffn, Shape& s) {
   if (s.expert_bias)
     throw std::runtime_error("DeepSeek-V2's router has no expert bias (DeepSeek-V3's sigmoid router has): set "
                              "expert_bias = false");
-  if (s.limits_groups() && s.top_k != s.group_topk)
+  if (s.limits_groups() && !s.groups_by_best && s.top_k != s.group_topk)
     throw std::runtime_error("DeepSeek-V2 ranks a group of experts by its best score, loom by the sum of its top_k / "
                              "group_topk = " + std::to_string(s.top_k / s.group_topk) +
-                             " best: set group_topk = top_k, or group_topk = num_groups");
+                             " best: set group_score = \"best\"");
   if (s.shared_ffn <= 0 || s.shared_ffn % s.expert_ffn != 0)
     throw std::runtime_error("DeepSeek-V2's MoE layers have n_shared_experts shared experts of the routed ones' width: "
                              "shared_expert_ffn_hidden_size = " + std::to_string(s.shared_ffn) +
@@ -281,6 +282,7 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   if (s.expert_ffn == 0) s.expert_ffn = c.model.ffn_hidden_size;
   s.groups_of_experts = ffn["num_groups"].value_or(int64_t{0});
   s.group_topk = ffn["group_topk"].value_or(int64_t{0});
+  s.groups_by_best = ffn["group_score"].value_or(std::string("top_sum")) == "best";
   const double scaling = ffn["topk_scaling_factor"].value_or(0.0);
   s.routed_scaling = scaling > 0 ? scaling : 1.0;
   s.shared_ffn = ffn["shared_expert_ffn_hidden_size"].value_or(int64_t{0});
@@ -289,10 +291,12 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   if (ffn["score_function"].value_or(std::string("softmax")) != "sigmoid")
     throw std::runtime_error("DeepSeek-V3's router scores each expert by its sigmoid: set score_function = \"sigmoid\"");
   // transformers ranks a group by the sum of its 2 best scores, loom by its top_k / group_topk best.
-  if (s.limits_groups() && s.top_k != 2 * s.group_topk)
-    throw std::runtime_error("DeepSeek-V3 ranks a group of experts by the sum of its 2 best scores, loom by the sum of "
-                             "its top_k / group_topk = " + std::to_string(s.top_k / s.group_topk) +
-                             " best: set top_k = 2 * group_topk, or group_topk = num_groups");
+  if (s.limits_groups() && (s.groups_by_best || s.top_k != 2 * s.group_topk))
+    throw std::runtime_error("DeepSeek-V3 ranks a group of experts by the sum of its 2 best scores, loom by " +
+                             (s.groups_by_best ? std::string("its best (group_score = \"best\")")
+                                               : "the sum of its top_k / group_topk = " +
+                                                     std::to_string(s.top_k / s.group_topk) + " best") +
+                             ": set top_k = 2 * group_topk (group_score \"top_sum\"), or group_topk = num_groups");
   if (s.limits_groups() && s.experts / s.groups_of_experts < 2)
     throw std::runtime_error("DeepSeek-V3 ranks a group of experts by its 2 best scores: groups of " +
                              std::to_string(s.experts / s.groups_of_experts) + " expert have none to rank by");

@@ -1097,7 +1097,7 @@ std::vector<std::string> qwen3_moe_with_dense(const std::string& pattern = "[\"b
 
 // DeepSeek-V2's MoE (softmax router, the softmax's values as gates, scaled, shared
 // experts, no bias) after a dense first block, as DeepSeek-V2-Lite; greedy or with
-// groups of experts (each picked group giving one: group_topk = top_k).
+// groups of experts ranked by their best score (group_score = "best"), as DeepSeek-V2.
 std::vector<std::string> deepseek_v2(bool groups) {
   std::vector<std::string> v = with_dense_blocks(deepseek_v3(/*moe=*/true), "[\"dense\", \"block*3\"]", "1e-6");
   std::erase_if(v, [](const std::string& o) {
@@ -1107,8 +1107,9 @@ std::vector<std::string> deepseek_v2(bool groups) {
   });
   for (const char* o : {"model.layer.moe.pre_softmax=true", "model.layer.moe.topk_scaling_factor=1.5"})
     v.push_back(o);
-  if (groups)
-    for (const char* o : {"model.layer.moe.top_k=2", "model.layer.moe.num_groups=4", "model.layer.moe.group_topk=2"})
+  if (groups)  // 4 groups of 2, each token's 4 experts from its 2 groups of the best single score (not the best sum)
+    for (const char* o : {"model.layer.moe.top_k=4", "model.layer.moe.num_groups=4", "model.layer.moe.group_topk=2",
+                          "model.layer.moe.group_score=\"best\""})
       v.push_back(o);
   else
     v.push_back("model.layer.moe.top_k=3");
@@ -1163,6 +1164,7 @@ TEST(HfImport, DeepSeekV2RoundTripsAndMustMatch) {
   renormalised.push_back("model.layer.moe.pre_softmax=false");
   EXPECT_NE(shape_refusal(renormalised).find("set pre_softmax = true"), std::string::npos) << shape_refusal(renormalised);
   std::vector<std::string> two_best = deepseek_v2(true);
+  two_best.push_back("model.layer.moe.group_score=\"top_sum\"");
   two_best.push_back("model.layer.moe.top_k=4");
   EXPECT_NE(shape_refusal(two_best).find("DeepSeek-V2 ranks a group of experts by its best score"), std::string::npos)
       << shape_refusal(two_best);

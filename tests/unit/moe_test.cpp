@@ -1096,6 +1096,37 @@ TEST(MixtralMoe, DeepSeekRouterMatchesSerial) {
                        params);
 }
 
+// DeepSeek-V2's router (group_limited_greedy): the softmax's values as gates, scaled,
+// each token's 4 of 8 experts from its 2 groups of the best single score
+// (group_score = "best", not the sum of 2: the routing differs). Every layout routes
+// alike and trains as the serial run; group_score without groups is refused.
+TEST(MixtralMoe, DeepSeekV2RouterMatchesSerial) {
+  const std::vector<std::string> deepseek_v2 = {
+      "model.layer.moe.num_experts=8",     "model.layer.moe.top_k=4",
+      "model.layer.moe.pre_softmax=true",  "model.layer.moe.topk_scaling_factor=1.5",
+      "model.layer.moe.num_groups=4",      "model.layer.moe.group_topk=2",
+      "model.layer.moe.group_score=\"best\"", "model.layer.moe.shared_expert_ffn_hidden_size=32"};
+  auto with = [&](const std::vector<std::string>& o) {  // o after the router's options: it may replace them
+    std::vector<std::string> all = deepseek_v2;
+    all.insert(all.end(), o.begin(), o.end());
+    return run_mixtral(all);
+  };
+  const RankTrace base = with({});
+  EXPECT_NE(base.loss, with({"model.layer.moe.group_score=\"top_sum\""}).loss) << "group_score changed nothing";
+  const int params = kMixtralParams + 2;  // shared.fc1.weight, shared.fc2.weight
+  expect_same_training(base, with({"parallel.tp=2", "parallel.sequence_parallel=true"}), 1e-5, params);
+  expect_same_training(base, with({"parallel.dp=2", "parallel.ep=2"}), 1e-5, params);
+  expect_same_training(base, with({"parallel.pp=2", "parallel.dp=2", "optimizer.strategy=\"distributed\""}), 1e-5,
+                       params);
+  try {
+    run_mixtral({"model.layer.moe.group_score=\"best\""});
+    ADD_FAILURE() << "group_score without groups was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("group_score = \"best\" ranks groups of experts"), std::string::npos)
+        << e.what();
+  }
+}
+
 // bf16 parameters and activations with fp32 gradients, fused into them and through
 // bf16 shadows (GradShadow: the moe_router sub-step's own for RMSNorm and the
 // router), track the fp32 run over 20 steps (the bounds of LlamaBlocks.Bf16TracksFp32).

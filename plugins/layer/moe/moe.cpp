@@ -13,7 +13,7 @@
 //    they are for top_k = 1). topk_scaling_factor multiplies the gates. With
 //    num_groups and group_topk (group-limited routing) a token's top_k come from
 //    its group_topk groups of consecutive experts whose top_k / group_topk best
-//    scores sum highest. With expert_bias (DeepSeek-V3's auxiliary-loss-free
+//    scores sum highest (group_score = "best": whose best score is highest). With expert_bias (DeepSeek-V3's auxiliary-loss-free
 //    balancing, sigmoid scores) a per-expert bias is added to the scores for the
 //    choice only; end_step moves it by the global batch's load (ABI 1.23 layer
 //    state, checkpointed by the engine).
@@ -165,6 +165,7 @@ class Moe : public loom::Layer {
     router.scaling = options.declared_float("topk_scaling_factor");
     router.groups = options.declared_int("num_groups");
     router.group_topk = options.declared_int("group_topk");
+    router.group_by_best = options.declared_string("group_score") == "best";
     router.per_sequence = options.declared_string("load_balancing_type") == "seq_aux_loss";
     router.aux_coeff = options.declared_float("aux_loss_coeff");
     router.z_coeff = options.declared_float("z_loss_coeff");
@@ -240,14 +241,18 @@ class Moe : public loom::Layer {
     LOOM_REQUIRE((r.groups > 0) == (r.group_topk > 0),
                  name_ << ": options num_groups = " << r.groups << " and group_topk = " << r.group_topk
                        << " go together: set both (group-limited routing) or neither");
+    LOOM_REQUIRE(r.groups > 0 || !r.group_by_best,
+                 name_ << ": option group_score = \"best\" ranks groups of experts: set num_groups and group_topk, "
+                          "or leave group_score out");
     if (r.groups == 0) return;
     LOOM_REQUIRE(r.experts % r.groups == 0, name_ << ": option num_groups = " << r.groups
                                                   << " must divide num_experts = " << r.experts);
     LOOM_REQUIRE(r.group_topk <= r.groups, name_ << ": option group_topk = " << r.group_topk
                                                  << " must be at most num_groups = " << r.groups);
-    LOOM_REQUIRE(r.group_topk <= r.top_k,
+    LOOM_REQUIRE(r.group_by_best || r.group_topk <= r.top_k,
                  name_ << ": option group_topk = " << r.group_topk << " must be at most top_k = " << r.top_k
-                       << " (a group is ranked by the sum of its top_k / group_topk best scores)");
+                       << " (a group is ranked by the sum of its top_k / group_topk best scores; group_score = "
+                          "\"best\" ranks it by its best)");
     LOOM_REQUIRE(r.top_k <= r.group_topk * (r.experts / r.groups),
                  name_ << ": option top_k = " << r.top_k << " is more than the " << r.group_topk * (r.experts / r.groups)
                        << " experts of group_topk = " << r.group_topk << " groups of " << r.experts / r.groups);
@@ -1061,6 +1066,11 @@ std::vector<loom::OptionSpec> moe_options() {
                     "with num_groups: the groups each token's experts come from (Megatron's moe_router_group_topk, "
                     "DeepSeek-V3's topk_group)")
           .in("[0, 65536]"),
+      loom::opt_string("group_score", "top_sum",
+                       "with num_groups: what ranks a group, \"top_sum\" the sum of its top_k / group_topk best "
+                       "scores (DeepSeek-V3's, Megatron's), or \"best\" its best score (DeepSeek-V2's "
+                       "group_limited_greedy)")
+          .one_of("top_sum|best"),
       loom::opt_float("aux_loss_coeff", 0.01, "weight of the Switch Transformer load-balancing loss (0 = off)")
           .in("[0, inf)"),
       loom::opt_string("load_balancing_type", "aux_loss",
@@ -1106,7 +1116,7 @@ std::vector<loom::OptionSpec> moe_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Moe>(
-    "moe", "1.8.0",
+    "moe", "1.9.0",
     "pre-norm mixture of GeLU or SwiGLU experts (LayerNorm or RMSNorm, biases optional), top-k router (dropless "
     "or with capacity), shared expert, load-balancing loss (tensor-, expert- and context-parallel)",
     moe_options()))

@@ -57,9 +57,10 @@ void top_first(std::vector<int32_t>& order, int64_t top_k, const double* key) {
 
 // The experts a token may take with groups (Megatron's group_limited_topk): the
 // experts of its group_topk groups whose top_k / group_topk best keys sum highest
-// (ties: the lower group), in index order.
+// (DeepSeek-V3), or whose best key is highest (group_by_best: DeepSeek-V2's
+// group_limited_greedy) (ties: the lower group), in index order.
 std::vector<int32_t> group_candidates(const RouterConfig& c, const double* key) {
-  const int64_t per_group = c.experts / c.groups, best = c.top_k / c.group_topk;
+  const int64_t per_group = c.experts / c.groups, best = c.group_by_best ? 1 : c.top_k / c.group_topk;
   std::vector<double> group_score(static_cast<size_t>(c.groups));
   std::vector<double> members(static_cast<size_t>(per_group));
   for (int64_t g = 0; g < c.groups; ++g) {

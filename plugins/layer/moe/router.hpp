@@ -23,7 +23,8 @@ struct RouterConfig {
   bool pre_softmax = false;       // softmax: gates = the chosen probs as they are (else renormalised over the chosen)
   double scaling = 0.0;           // > 0: the gates times this (0 = as they are)
   int64_t groups = 0;             // > 0: experts in this many groups of consecutive experts, a token's
-  int64_t group_topk = 0;         //   top_k taken within its group_topk best groups
+  int64_t group_topk = 0;         //   top_k taken within its group_topk best groups, a group
+  bool group_by_best = false;     //   ranked by its best score (else the sum of its top_k / group_topk best)
   bool per_sequence = false;      // the load-balancing term: each sequence's, averaged (seq_aux_loss)
   double aux_coeff = 0.0, z_coeff = 0.0;
   double capacity_factor = 0.0;   // 0 = dropless
