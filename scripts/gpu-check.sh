@@ -579,18 +579,22 @@ ids() {  # ids NAME ARGS...: the greedy ids loom generate writes from $gen_ckpt,
     >"$out/$name.json" 2>"$out/$name.err"
   sed -n 's/.*"ids":\(\[[0-9,]*\]\).*/\1/p' "$out/$name.json"
 }
+same_tokens() {  # same_tokens PREFIX WHAT: the GPU's greedy ids, cached and not, are the CPU's
+  local cpu cuda recompute
+  cpu=$(ids "$1_cpu" --set device.kind=cpu)
+  cuda=$(ids "$1_cuda" --set device.kind=cuda --set 'device.options={}')
+  recompute=$(ids "$1_cuda_nocache" --set device.kind=cuda --set 'device.options={}' --no-cache)
+  if [ -n "$cpu" ] && [ "$cuda" = "$cpu" ] && [ "$recompute" = "$cpu" ]; then
+    pass "$2 writes the CPU's tokens $cpu"
+  else
+    fail "$2: cpu $cpu, cuda $cuda, cuda --no-cache $recompute (see $out/$1_*.err)"
+  fi
+}
 gen_ckpt=$out/gen_ckpt
 rm -rf "$gen_ckpt"
 if run gen_train configs/quickstart.toml --set run.steps=100 --set run.eval_every=0 --set parallel.dp=1 \
      --set device.kind=cpu --set "checkpoint.dir=\"$gen_ckpt\""; then
-  cpu_ids=$(ids gen_cpu --set device.kind=cpu)
-  cuda_ids=$(ids gen_cuda --set device.kind=cuda --set 'device.options={}')
-  cuda_recompute=$(ids gen_cuda_nocache --set device.kind=cuda --set 'device.options={}' --no-cache)
-  if [ -n "$cpu_ids" ] && [ "$cuda_ids" = "$cpu_ids" ] && [ "$cuda_recompute" = "$cpu_ids" ]; then
-    pass "loom generate on the GPU (cache and no cache) writes the CPU's tokens $cpu_ids"
-  else
-    fail "loom generate: cpu $cpu_ids, cuda $cuda_ids, cuda --no-cache $cuda_recompute (see $out/gen_*.err)"
-  fi
+  same_tokens gen "loom generate on the GPU (cache and no cache)"
   printf '%s' "123+456=9750|321+654=5790|111+222=3330|" > "$out/eval.txt"
   loss() {  # loss NAME ARGS...: loom eval's loss over eval.txt
     local name=$1; shift
@@ -614,14 +618,7 @@ mla=(--set 'model.blocks.dense=["attention", "mlp"]' --set 'model.block_pattern=
      --set model.layer.mlp.norm_epsilon=1e-6)
 if run gen_mla_train configs/deepseek_quickstart.toml --set run.steps=100 --set run.eval_every=0 --set parallel.dp=1 \
      --set device.kind=cpu --set "checkpoint.dir=\"$gen_ckpt\"" "${mla[@]}"; then
-  cpu_ids=$(ids gen_mla_cpu --set device.kind=cpu)
-  cuda_ids=$(ids gen_mla_cuda --set device.kind=cuda --set 'device.options={}')
-  cuda_recompute=$(ids gen_mla_cuda_nocache --set device.kind=cuda --set 'device.options={}' --no-cache)
-  if [ -n "$cpu_ids" ] && [ "$cuda_ids" = "$cpu_ids" ] && [ "$cuda_recompute" = "$cpu_ids" ]; then
-    pass "loom generate with multi-latent attention's latent cache on the GPU writes the CPU's tokens $cpu_ids"
-  else
-    fail "loom generate (multi-latent attention): cpu $cpu_ids, cuda $cuda_ids, cuda --no-cache $cuda_recompute (see $out/gen_mla_*.err)"
-  fi
+  same_tokens gen_mla "loom generate with multi-latent attention's latent cache on the GPU (cache and no cache)"
 else
   fail "training the multi-latent attention checkpoint failed (see $out/gen_mla_train.log)"; tail -5 "$out/gen_mla_train.log"
 fi

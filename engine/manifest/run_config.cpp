@@ -39,14 +39,22 @@ const toml::table& RunConfig::Model::layer_section(const std::string& name) cons
   return it == layer.end() ? empty : it->second;
 }
 
+namespace {
+// Block b's kind: "block" (model.block) or a name of model.blocks.
+const std::string& block_kind(const RunConfig::Model& m, int64_t b) {
+  static const std::string default_block(schema::kDefaultBlock);
+  return m.block_pattern.empty() ? default_block : m.block_pattern[static_cast<size_t>(b)];
+}
+}  // namespace
+
 const std::vector<std::string>& RunConfig::Model::block_layers(int64_t b) const {
-  if (block_pattern.empty() || block_pattern[static_cast<size_t>(b)] == schema::kDefaultBlock) return block;
-  return blocks.at(block_pattern[static_cast<size_t>(b)]);
+  const std::string& kind = block_kind(*this, b);
+  return kind == schema::kDefaultBlock ? block : blocks.at(kind);
 }
 
 std::string RunConfig::Model::block_key(int64_t b) const {
-  if (block_pattern.empty() || block_pattern[static_cast<size_t>(b)] == schema::kDefaultBlock) return "model.block";
-  return std::string(schema::kBlockTable) + "." + block_pattern[static_cast<size_t>(b)];
+  const std::string& kind = block_kind(*this, b);
+  return kind == schema::kDefaultBlock ? "model.block" : std::string(schema::kBlockTable) + "." + kind;
 }
 
 RunConfig::Batch RunConfig::batch_from(const Manifest& m) {
