@@ -246,9 +246,11 @@ TEST(Layers, EmbeddingForwardMatchesReference) {
 // the token at row s * B + b at position s); with groups > 0 (grouped-query attention)
 // the QKV columns are Megatron's per group [its query heads | k | v] and head h reads
 // group h / (heads / groups); with qk_norm, each head's q and k LayerNorm-ed over its
-// dimensions (q_norm, k_norm) before the rotation.
+// dimensions (q_norm, k_norm) before the rotation; cos and sin times cos_sin_factor
+// (YaRN's attention factor, as transformers applies it).
 void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double theta, int64_t groups = 0,
-                             bool qk_norm = false, const std::vector<double>* freqs = nullptr, int64_t window = 0) {
+                             bool qk_norm = false, const std::vector<double>* freqs = nullptr, int64_t window = 0,
+                             double cos_sin_factor = 1.0) {
   Rank rank;
   auto dims = make_dims();
   TestLayer layer(rank, "attention", dims, opts);
@@ -300,8 +302,9 @@ void check_attention_forward(const toml::table* opts, int64_t rotary_dim, double
           double& u = (*m)[r * H + h * d + i];
           double& w = (*m)[r * H + h * d + half + i];
           const double u0 = u, w0 = w;
-          u = u0 * std::cos(angle) - w0 * std::sin(angle);
-          w = w0 * std::cos(angle) + u0 * std::sin(angle);
+          const double c = cos_sin_factor * std::cos(angle), sn = cos_sin_factor * std::sin(angle);
+          u = u0 * c - w0 * sn;
+          w = w0 * c + u0 * sn;
         }
   }
   Mat ctx(static_cast<size_t>(kT * H), 0.0);
@@ -440,6 +443,83 @@ TEST(Layers, Llama3RopeScalingMatchesReferenceAndFiniteDifferences) {
   }
 }
 
+// YaRN's frequencies (rope_scaling = "yarn"), written again here from the paper and
+// transformers' _compute_yarn_parameters: pair i keeps theta^(-2i/dim) below the
+// correction dimension of beta_fast rotations over the original context, takes it /
+// factor above that of beta_slow, and blends linearly between (floor and ceil of each).
+std::vector<double> yarn_table(double theta, int64_t dim, double factor, double fast, double slow, double original) {
+  const auto dim_of = [&](double turns) {
+    return static_cast<double>(dim) * std::log(original / (turns * 2.0 * M_PI)) / (2.0 * std::log(theta));
+  };
+  const double lo = std::max(0.0, std::floor(dim_of(fast)));
+  double hi = std::min(static_cast<double>(dim - 1), std::ceil(dim_of(slow)));
+  if (hi == lo) hi += 0.001;
+  std::vector<double> out;
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    const double extrapolated = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(dim));
+    const double keep = 1.0 - std::min(1.0, std::max(0.0, (static_cast<double>(i) - lo) / (hi - lo)));
+    out.push_back(extrapolated / factor * (1.0 - keep) + extrapolated * keep);
+  }
+  return out;
+}
+
+// rope_scaling = "yarn": a head of 4 has two pairs; theta 100 and an original context
+// of 64 put the correction dimensions at 0 and 2, so pair 0 keeps its frequency and
+// pair 1 is blended half way. cos and sin carry the attention factor 0.1 ln 4 + 1 (or
+// rope_attention_factor's), which the layer folds into the softmax scale. Gradients
+// against finite differences, and every harness check (the generation cache reads the
+// same scale, tp 2).
+TEST(Layers, YarnRopeScalingMatchesReferenceAndFiniteDifferences) {
+  const int64_t d = kHidden / kHeads;
+  const std::vector<double> freqs = yarn_table(100.0, d, 4.0, 32.0, 1.0, 64.0);
+  ASSERT_EQ(freqs[0], 1.0);
+  ASSERT_NE(freqs[1], std::pow(100.0, -0.5)) << "the case scales nothing";
+  ASSERT_NE(freqs[1], std::pow(100.0, -0.5) / 4.0) << "the case blends nothing";
+  toml::table opts{{"position_embedding", "rope"}, {"rotary_base", 100.0}, {"rope_scaling", "yarn"},
+                   {"rope_scaling_factor", 4.0},    {"rope_original_max_position", 64}};
+  check_attention_forward(&opts, d, 100.0, 0, false, &freqs, 0, 0.1 * std::log(4.0) + 1.0);
+  opts.insert_or_assign("rope_attention_factor", 0.5);
+  check_attention_forward(&opts, d, 100.0, 0, false, &freqs, 0, 0.5);
+  // mscale / mscale_all_dim: 1.2 ln 4 / 0.7 ln 4 on the same table.
+  toml::table ratio = opts;
+  ratio.erase("rope_attention_factor");
+  ratio.insert_or_assign("rope_mscale", 2.0);
+  ratio.insert_or_assign("rope_mscale_all_dim", 3.0);
+  check_attention_forward(&ratio, d, 100.0, 0, false, &freqs, 0,
+                          (0.2 * std::log(4.0) + 1.0) / (0.3 * std::log(4.0) + 1.0));
+  std::set<std::string> ran;
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &ratio)) {
+    EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
+    EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
+    ran.insert(c.check);
+  }
+  for (const char* check : {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"})
+    EXPECT_TRUE(ran.count(check)) << check << " did not run";
+  // Half of each head rotating: a factor other than 1 cannot go into the softmax scale.
+  Rank rank;
+  auto dims = make_dims();
+  toml::table half = opts;
+  half.insert_or_assign("rotary_percent", 0.5);
+  try {
+    TestLayer layer(rank, "attention", dims, &half);
+    ADD_FAILURE() << "an attention factor on part of each head was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("only 2 of each head's 4 q/k elements"), std::string::npos) << e.what();
+  }
+  half.insert_or_assign("rope_attention_factor", 1.0);
+  const std::vector<double> half_freqs = yarn_table(100.0, d / 2, 4.0, 32.0, 1.0, 64.0);
+  check_attention_forward(&half, d / 2, 100.0, 0, false, &half_freqs);
+  toml::table betas = opts;
+  betas.insert_or_assign("rope_beta_fast", 1.0);
+  try {
+    TestLayer layer(rank, "attention", dims, &betas);
+    ADD_FAILURE() << "beta_fast at beta_slow was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_beta_fast (1) must be above rope_beta_slow (1)"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Grouped-query attention: two groups of two heads, and multi-query (one key/value
 // head for all four) with rope.
 TEST(Layers, GroupedQueryAttentionForwardMatchesReference) {
@@ -554,18 +634,23 @@ Mat ref_rmsnorm(const Mat& x, const std::vector<float>& g, int64_t rows, int64_t
 // normalised, up; per head q = [q_nope | q_pe], k = [k_nope | k_pe] with one k_pe for
 // every head, q_pe and k_pe rotated (pairs (i, i + rope/2), the token at row s * B + b
 // at position s), scores over sqrt(nope + rope), values of their own width.
-void check_mla_forward(int64_t q_rank, int64_t vd) {
+void check_mla_forward(int64_t q_rank, int64_t vd, const toml::table* scaling = nullptr, int64_t rope = 2,
+                       const std::vector<double>* freqs = nullptr, double softmax_factor = 1.0,
+                       float weight_std = 0.3f) {
   Rank rank;
   auto dims = make_dims();
-  const toml::table opts = mla_options(q_rank, vd);
+  toml::table opts = mla_options(q_rank, vd);
+  opts.insert_or_assign("qk_pos_emb_head_dim", rope);
+  if (scaling)
+    for (const auto& [k, v] : *scaling) opts.insert_or_assign(k, v);
   TestLayer layer(rank, "attention", dims, &opts);
   std::mt19937 rng(41);
-  layer.randomize(rng);
+  layer.randomize(rng, weight_std);
   Batch b = make_batch(rng);
   std::vector<float> y;
   layer.forward(b, 0, false, 0, &y);
 
-  const int64_t H = kHidden, nope = 4, rope = 2, qk = nope + rope, kv = 5, kvh = nope + vd;
+  const int64_t H = kHidden, nope = 4, qk = nope + rope, kv = 5, kvh = nope + vd;
   auto p = [&](const char* name) -> const std::vector<float>& { return layer.param(name).value; };
   auto zeros = [](int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); };
   const Mat x(b.x.begin(), b.x.end());
@@ -589,7 +674,8 @@ void check_mla_forward(int64_t q_rank, int64_t vd) {
   auto rotate = [&](double* e, int64_t row) {
     const double pos = static_cast<double>(row / kBatch);
     for (int64_t i = 0; i < rope / 2; ++i) {
-      const double angle = pos * std::pow(100.0, -2.0 * static_cast<double>(i) / static_cast<double>(rope));
+      const double angle = pos * (freqs ? (*freqs)[static_cast<size_t>(i)]
+                                        : std::pow(100.0, -2.0 * static_cast<double>(i) / static_cast<double>(rope)));
       const double u = e[i], w = e[rope / 2 + i];
       e[i] = u * std::cos(angle) - w * std::sin(angle);
       e[rope / 2 + i] = w * std::cos(angle) + u * std::sin(angle);
@@ -611,7 +697,7 @@ void check_mla_forward(int64_t q_rank, int64_t vd) {
           double dot = 0;
           for (int64_t e = 0; e < nope; ++e) dot += q[rq * kHeads * qk + h * qk + e] * kvu[rk * kHeads * kvh + h * kvh + e];
           for (int64_t e = 0; e < rope; ++e) dot += q[rq * kHeads * qk + h * qk + nope + e] * kpe[rk * rope + e];
-          w[t] = dot / std::sqrt(static_cast<double>(qk));
+          w[t] = dot * softmax_factor / std::sqrt(static_cast<double>(qk));
           mx = std::max(mx, w[t]);
         }
         for (double& e : w) sum += (e = std::exp(e - mx));
@@ -627,6 +713,34 @@ void check_mla_forward(int64_t q_rank, int64_t vd) {
 TEST(Layers, MultiLatentAttentionForwardMatchesReference) {
   check_mla_forward(/*q_rank=*/6, /*v=*/3);
   check_mla_forward(/*q_rank=*/0, /*v=*/8);
+}
+
+// DeepSeek-V2-Lite's YaRN (factor 40, mscale = mscale_all_dim = 0.707, beta 32 / 1; an
+// original context of 64 here): the rotary part's two pairs, one kept and one blended,
+// cos and sin unscaled (the ratio is 1), the softmax scale times mscale(0.707)^2, as
+// transformers' DeepseekV2/V3Attention and Megatron-Core's MLA scale it. An attention
+// factor other than 1 is refused (only the decoupled part rotates).
+TEST(Layers, MultiLatentAttentionWithYarnMatchesReference) {
+  const toml::table yarn{{"rope_scaling", "yarn"},   {"rope_scaling_factor", 40.0}, {"rope_original_max_position", 64},
+                         {"rope_mscale", 0.707},     {"rope_mscale_all_dim", 0.707}};
+  const std::vector<double> freqs = yarn_table(100.0, 4, 40.0, 32.0, 1.0, 64.0);
+  ASSERT_NE(freqs[1], std::pow(100.0, -0.5)) << "the case scales nothing";
+  const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;
+  // Weights of std 1: scores large enough for their scale to show.
+  check_mla_forward(6, 3, &yarn, 4, &freqs, m * m, 1.0f);
+  check_mla_forward(0, 8, &yarn, 4, &freqs, m * m, 1.0f);
+  Rank rank;
+  auto dims = make_dims();
+  toml::table unequal = mla_options(6, 3);
+  for (const auto& [k, v] : yarn) unequal.insert_or_assign(k, v);
+  unequal.insert_or_assign("rope_mscale", 1.0);
+  try {
+    TestLayer layer(rank, "attention", dims, &unequal);
+    ADD_FAILURE() << "an attention factor on the decoupled rotary part was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("multi-latent attention rotates only qk_pos_emb_head_dim"), std::string::npos)
+        << e.what();
+  }
 }
 
 // Every check `loom plugins test` runs (finite differences, accumulation, microbatches

@@ -22,10 +22,10 @@
 // the QKV GEMM, each token by its position in the whole sequence (under cp, this
 // rank's chunks), and the saved qkv holds the rotated values; backward rotates dq
 // and dk back before the QKV GEMM's backward. The first rotary_percent of each head's
-// dimensions rotate, the rest pass through. rope_scaling = "llama3" (Llama 3.1's, as
-// transformers' rope_type "llama3" computes it) stretches the low frequencies: each
-// pair's frequency is worked out at create (llama3_frequencies) and handed to the device
-// op (ABI 1.20 inv_freq).
+// dimensions rotate, the rest pass through. rope_scaling = "llama3" (Llama 3.1's) or
+// "yarn" (DeepSeek-V2/V3's, Qwen's long context) stretches the low frequencies: each
+// pair's frequency is worked out at create (rope_scaling.hpp) and handed to the device
+// op (ABI 1.20 inv_freq); YaRN's attention factor goes into the softmax scale.
 //
 // QK normalisation (qk_norm = true; Megatron-LM's --qk-layernorm, as Qwen3 and OLMo 2
 // use it): each head's q and k rows are normalised over the head's dimensions right
@@ -65,6 +65,7 @@
 #include <loom/layers/positions.hpp>
 
 #include "latent_projection.hpp"
+#include "rope_scaling.hpp"
 
 #include <cmath>
 #include <map>
@@ -130,12 +131,15 @@ class Attention : public loom::Layer {
     require_ops(options, rank.device(), name_, rank.device().features());
     rope_ = options.declared_string("position_embedding") == "rope";
     rope_theta_ = static_cast<float>(options.declared_float("rotary_base"));
-    rotary_dim_ = latent_ ? mla_.dims().rope
-                          : static_cast<int64_t>(static_cast<double>(head_dim_) * options.declared_float("rotary_percent")) / 2 * 2;
+    rotary_dim_ = latent_ ? mla_.dims().rope : rotary_dim_of(options, head_dim_);
     LOOM_REQUIRE(!rope_ || rotary_dim_ >= 2, name_ << ": rotary_percent leaves no pair of the head's " << head_dim_
                                                      << " dimensions to rotate");
-    if (rope_ && options.declared_string("rope_scaling") == "llama3")
-      upload_rope_frequencies(rank.device(), llama3_frequencies(options));
+    if (rope_) {
+      const rope_scaling::Scaling scaling =
+          rope_scaling::scaling_of(options, rope_theta_, rotary_dim_, qk_dim_, latent_, name_);
+      if (!scaling.inv_freq.empty()) upload_rope_frequencies(rank.device(), scaling.inv_freq);
+      softmax_factor_ = scaling.softmax_factor;
+    }
     qk_norm_ = options.declared_bool("qk_norm");
     window_ = options.declared_int("sliding_window");
     tp_group_ = loom::Group(args.tp);
@@ -266,8 +270,21 @@ class Attention : public loom::Layer {
 
   static void validate(const loom::Options& options, const loom::LayerValidation& v) {
     require_ops(options, v, v.instance_name(), v.device_features());
-    if (options.declared_bool("multi_latent_attention"))
-      (void)latent_dims(options, v.dims().hidden, v.dims().heads, v.instance_name());
+    const int64_t hidden = v.dims().hidden, heads = v.dims().heads;
+    if (options.declared_bool("multi_latent_attention")) {
+      const LatentProjection::Dims d = latent_dims(options, hidden, heads, v.instance_name());
+      (void)rope_scaling::scaling_of(options, options.declared_float("rotary_base"), d.rope, d.qk(), true,
+                                     v.instance_name());
+    } else if (options.declared_string("position_embedding") == "rope" && heads > 0 && hidden % heads == 0) {
+      const int64_t head = hidden / heads;
+      if (rotary_dim_of(options, head) >= 2)
+        (void)rope_scaling::scaling_of(options, options.declared_float("rotary_base"), rotary_dim_of(options, head),
+                                       head, false, v.instance_name());
+    }
+  }
+  // The rotated elements of each head: its first rotary_percent, an even count.
+  static int64_t rotary_dim_of(const loom::Options& options, int64_t head_dim) {
+    return static_cast<int64_t>(static_cast<double>(head_dim) * options.declared_float("rotary_percent")) / 2 * 2;
   }
 
   static constexpr uint64_t kFeatures = LOOM_LAYER_CONTEXT_PARALLEL | LOOM_LAYER_KV_CACHE | LOOM_LAYER_DOCUMENTS;
@@ -606,7 +623,10 @@ class Attention : public loom::Layer {
   // sequence parallelism (multi-latent attention with a query latent gathers its latents instead).
   bool gathers_norm_output() const { return !latent_ || mla_.needs_gathered_input(); }
 
-  float softmax_scale() const { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(qk_dim_))); }
+  // 1 / sqrt(q/k head size), times what a YaRN rope_scaling does to the scores (rope_scaling.hpp).
+  float softmax_scale() const {
+    return static_cast<float>(softmax_factor_ / std::sqrt(static_cast<double>(qk_dim_)));
+  }
 
   // Whether a packed head holds more than its values (multi-latent attention with
   // value heads narrower than q and k): then the output projection reads the value
@@ -937,33 +957,6 @@ class Attention : public loom::Layer {
       if (targets[i] != kNone) add(dev, gs[targets[i]], piece(i), gs[targets[i]], D, gdt);
   }
 
-  // rope_scaling = "llama3": transformers' _compute_llama3_parameters (Llama 3.1), in
-  // double. Wavelengths shorter than original_max_position / high_freq_factor keep their
-  // frequency, longer than original_max_position / low_freq_factor are slowed by
-  // `factor`, and those between blend the two by where the wavelength lies.
-  std::vector<float> llama3_frequencies(const loom::Options& options) const {
-    const double factor = options.declared_float("rope_scaling_factor");
-    const double low = options.declared_float("rope_low_freq_factor"), high = options.declared_float("rope_high_freq_factor");
-    const double original = static_cast<double>(options.declared_int("rope_original_max_position"));
-    LOOM_REQUIRE(high > low, name_ << ": rope_high_freq_factor (" << high << ") must be above rope_low_freq_factor ("
-                                   << low << ")");
-    const double pi = 3.14159265358979323846;
-    std::vector<float> f(static_cast<size_t>(rotary_dim_ / 2));
-    for (size_t i = 0; i < f.size(); ++i) {
-      const double base = std::pow(static_cast<double>(rope_theta_),
-                                   -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim_));
-      const double wavelength = 2.0 * pi / base;
-      double scaled = base;
-      if (wavelength > original / low) {
-        scaled = base / factor;
-      } else if (wavelength >= original / high) {
-        const double smooth = (original / wavelength - low) / (high - low);
-        scaled = (1.0 - smooth) * base / factor + smooth * base;
-      }
-      f[i] = static_cast<float>(scaled);
-    }
-    return f;
-  }
   void upload_rope_frequencies(const loom::Device& dev, const std::vector<float>& f) {
     rope_inv_freq_ = loom::Buffer(rank_, f.size() * sizeof(float));
     dev.copy(rope_inv_freq_.get(), f.data(), f.size() * sizeof(float), LOOM_COPY_HOST_TO_DEVICE);
@@ -1114,6 +1107,7 @@ class Attention : public loom::Layer {
   float rope_theta_ = 10000.0f;
   int64_t rotary_dim_ = 0;
   loom::Buffer rope_inv_freq_;  // rope_scaling: each pair's frequency (device); empty: theta's
+  double softmax_factor_ = 1.0;  // rope_scaling = "yarn"'s on the softmax scale
   PositionIds rope_positions_;
   size_t ln_w_ = kNone, ln_b_ = kNone, qkv_w_ = kNone, qkv_b_ = kNone, proj_w_ = kNone, proj_b_ = kNone;
   bool qk_norm_ = false;
@@ -1146,9 +1140,15 @@ std::vector<loom::OptionSpec> attention_options() {
       loom::opt_string("rope_scaling", "none",
                        "rope: \"llama3\" slows the low frequencies as Llama 3.1 does (transformers' rope_type "
                        "llama3: rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor, "
-                       "rope_original_max_position)")
-          .one_of("none|llama3"),
-      loom::opt_float("rope_scaling_factor", 8.0, "rope_scaling = llama3: how much the low frequencies slow").in("(0, inf)"),
+                       "rope_original_max_position); \"yarn\" as YaRN does (DeepSeek-V2/V3, Qwen's long context; "
+                       "transformers' rope_type yarn, Megatron-Core's YarnRotaryEmbedding: rope_scaling_factor, "
+                       "rope_original_max_position, rope_beta_fast, rope_beta_slow, rope_mscale, "
+                       "rope_mscale_all_dim, rope_attention_factor)")
+          .one_of("none|llama3|yarn"),
+      loom::opt_float("rope_scaling_factor", 8.0,
+                      "rope_scaling: how much the low frequencies slow (llama3: 8 for Llama 3.1; yarn: the context's "
+                      "growth, 40 for DeepSeek-V3)")
+          .in("(0, inf)"),
       loom::opt_float("rope_low_freq_factor", 1.0,
                       "rope_scaling = llama3: wavelengths above rope_original_max_position / this are slowed whole")
           .in("(0, inf)"),
@@ -1156,8 +1156,29 @@ std::vector<loom::OptionSpec> attention_options() {
                       "rope_scaling = llama3: wavelengths below rope_original_max_position / this keep their frequency")
           .in("(0, inf)"),
       loom::opt_int("rope_original_max_position", 8192,
-                    "rope_scaling = llama3: the context length the frequencies were trained for")
+                    "rope_scaling: the context length the frequencies were trained for (transformers' "
+                    "original_max_position_embeddings; Llama 3.1 8192, DeepSeek-V3 4096)")
           .in("[1, inf)"),
+      loom::opt_float("rope_beta_fast", 32.0,
+                      "rope_scaling = yarn: pairs turning more often than this over rope_original_max_position keep "
+                      "their frequency")
+          .in("(0, inf)"),
+      loom::opt_float("rope_beta_slow", 1.0,
+                      "rope_scaling = yarn: pairs turning less often than this are slowed by rope_scaling_factor "
+                      "whole; those between blend")
+          .in("(0, inf)"),
+      loom::opt_float("rope_mscale", 1.0,
+                      "rope_scaling = yarn: cos and sin are multiplied by mscale(rope_mscale) / "
+                      "mscale(rope_mscale_all_dim), mscale(m) = 0.1 m ln(rope_scaling_factor) + 1")
+          .in("[0, inf)"),
+      loom::opt_float("rope_mscale_all_dim", 0.0,
+                      "rope_scaling = yarn: see rope_mscale; multi-latent attention's softmax scale is also multiplied "
+                      "by mscale(rope_mscale_all_dim)^2 (DeepSeek-V2/V3)")
+          .in("[0, inf)"),
+      loom::opt_float("rope_attention_factor", 0.0,
+                      "rope_scaling = yarn: the factor on cos and sin, in place of rope_mscale's ratio (transformers' "
+                      "attention_factor; 0 = the ratio)")
+          .in("[0, inf)"),
       loom::opt_bool("qk_norm", false,
                      "normalise each head's q and k with the layer's norm over head_dim, one learned gamma for the "
                      "query heads and one for the key heads, before the rotation (Megatron-LM's --qk-layernorm; "
@@ -1194,5 +1215,5 @@ std::vector<loom::OptionSpec> attention_options() {
 }  // namespace
 
 LOOM_PLUGIN_LIBRARY(loom::layer_plugin<Attention>(
-    "attention", "1.9.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows, multi-latent attention (tensor- and context-parallel)",
+    "attention", "1.10.0", "pre-norm causal multi-head self-attention with residual, learned or rotary positions, grouped queries, q/k normalisation, sliding windows, multi-latent attention (tensor- and context-parallel)",
     attention_options()))
