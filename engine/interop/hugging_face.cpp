@@ -22,6 +22,7 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 namespace loom::interop {
 
@@ -122,6 +123,40 @@ std::string option_string(const toml::table& t, const char* key, const std::stri
   return t[key].value_or(fallback);
 }
 
+// YaRN's mscale (transformers' get_mscale, Megatron-Core's yarn_get_mscale).
+double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+// A number of a rope_scaling object, `fallback` when absent, null or 0 (transformers
+// reads beta_fast and beta_slow with `or`, mscale and mscale_all_dim by truth).
+double rope_number(const nlohmann::json& r, const char* key, double fallback) {
+  return r.contains(key) && r[key].is_number() && r[key].get<double>() != 0.0 ? r[key].get<double>() : fallback;
+}
+
+// The factor transformers' _compute_yarn_parameters multiplies cos and sin by.
+double hf_yarn_attention_factor(const nlohmann::json& r) {
+  if (r.contains("attention_factor") && r["attention_factor"].is_number()) return r["attention_factor"].get<double>();
+  const double f = r["factor"].get<double>(), m = rope_number(r, "mscale", 0.0), all = rope_number(r, "mscale_all_dim", 0.0);
+  return m != 0.0 && all != 0.0 ? yarn_mscale(f, m) / yarn_mscale(f, all) : yarn_mscale(f, 1.0);
+}
+
+// rope_scaling = "yarn" as a rope_scaling object: its keys always written, and
+// attention_factor when loom's (rope_attention_factor, or Megatron-Core's mscale ratio,
+// which keeps rope_mscale without rope_mscale_all_dim) is not what transformers derives.
+nlohmann::json yarn_rope(const toml::table& att) {
+  const double f = att["rope_scaling_factor"].value_or(8.0), m = att["rope_mscale"].value_or(1.0),
+               all = att["rope_mscale_all_dim"].value_or(0.0), given = att["rope_attention_factor"].value_or(0.0);
+  nlohmann::json r = {{"rope_type", "yarn"},
+                      {"factor", f},
+                      {"original_max_position_embeddings", att["rope_original_max_position"].value_or(int64_t{8192})},
+                      {"beta_fast", att["rope_beta_fast"].value_or(32.0)},
+                      {"beta_slow", att["rope_beta_slow"].value_or(1.0)},
+                      {"mscale", m},
+                      {"mscale_all_dim", all}};
+  const double loom = given > 0.0 ? given : yarn_mscale(f, m) / yarn_mscale(f, all);
+  if (std::fabs(loom - hf_yarn_attention_factor(r)) > 1e-12 * loom) r["attention_factor"] = loom;
+  return r;
+}
+
 // What the blocks are, from the layer options (defaults as the plugins declare them).
 struct Shape {
   bool gpt2 = false, llama = false, mixtral = false;
@@ -166,9 +201,10 @@ struct Shape {
   int64_t experts = 0, top_k = 0, expert_ffn = 0;  // the sparse MoE blocks
   double aux = 0.0;
   bool pre_softmax = false;  // the gates: softmax over all experts (Qwen3-MoE's norm_topk_prob = false)
-  // The attention's rope_scaling = "llama3" (transformers' rope_type "llama3"), as the
-  // config's rope_scaling object says it; null without.
-  nlohmann::json llama3_rope;
+  // The attention's rope_scaling ("llama3" or "yarn": transformers' rope_type of the
+  // same name), as the config's rope_scaling object says it; null without.
+  nlohmann::json scaled_rope;
+  std::string rope_type() const { return scaled_rope.is_null() ? "default" : scaled_rope["rope_type"].get<std::string>(); }
   // The layers' instance names with a trailing '.': the embedding, each block's
   // attention and its MLP or MoE, the head.
   std::string embedding, head;
@@ -267,8 +303,9 @@ void deepseek_shape(const toml::table& att, const toml::table& ffn, const manife
   if (effective_window(s.window, c.model.seq_length) > 0)
     throw std::runtime_error("DeepSeek-V2/V3's attention has no sliding window (sliding_window = " +
                              std::to_string(s.window) + ")");
-  if (!s.llama3_rope.is_null())
-    throw std::runtime_error("rope_scaling = \"llama3\" has no DeepSeek-V3 counterpart (its long-context scaling is YaRN's)");
+  if (s.rope_type() == "llama3")
+    throw std::runtime_error("rope_scaling = \"llama3\" has no DeepSeek-V2/V3 counterpart (their long-context scaling "
+                             "is YaRN's: rope_scaling = \"yarn\")");
   // transformers' q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon
   // whatever rms_norm_eps says; loom's latents use the layer's norm_epsilon.
   if (s.eps != kDeepSeekLatentEps)
@@ -396,8 +433,9 @@ Shape shape_of(const train::RunPlan& plan) {
   s.window = att["sliding_window"].value_or(int64_t{0});
   s.groups = att["num_query_groups"].value_or(int64_t{0});
   s.theta = att["rotary_base"].value_or(10000.0);
+  if (option_string(att, "rope_scaling", "none") == "yarn") s.scaled_rope = yarn_rope(att);
   if (option_string(att, "rope_scaling", "none") == "llama3")
-    s.llama3_rope = {{"rope_type", "llama3"},
+    s.scaled_rope = {{"rope_type", "llama3"},
                      {"factor", att["rope_scaling_factor"].value_or(8.0)},
                      {"low_freq_factor", att["rope_low_freq_factor"].value_or(1.0)},
                      {"high_freq_factor", att["rope_high_freq_factor"].value_or(4.0)},
@@ -440,8 +478,8 @@ Shape shape_of(const train::RunPlan& plan) {
     throw std::runtime_error("GPT-2's attention has no sliding window (sliding_window = " + std::to_string(s.window) +
                              ", shorter than model.seq_length = " + std::to_string(c.model.seq_length) +
                              "); Llama's blocks with one are Mistral's");
-  if (!s.llama3_rope.is_null() && (s.gpt2 || !rope))
-    throw std::runtime_error("rope_scaling = \"llama3\" scales rotary embeddings, which these blocks do not use");
+  if (!s.scaled_rope.is_null() && (s.gpt2 || !rope))
+    throw std::runtime_error("rope_scaling = \"" + s.rope_type() + "\" scales rotary embeddings, which these blocks do not use");
   if (!s.gpt2 && att["rotary_percent"].value_or(1.0) != 1.0)
     throw std::runtime_error("rotary_percent < 1 (partial rotary embeddings) has no " + s.architecture() +
                              " counterpart");
@@ -703,7 +741,15 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
                  {"torch_dtype", torch_dtype}};
     if (!s.qkv_bias) hf.config["attention_bias"] = false;
     if (s.deepseek) deepseek_config(s, F, Lyr, hf.config);
-    if (!s.llama3_rope.is_null()) hf.config["rope_scaling"] = s.llama3_rope;
+    if (!s.scaled_rope.is_null()) hf.config["rope_scaling"] = s.scaled_rope;
+    // transformers 4 derives YaRN's factor from max_position_embeddings /
+    // original_max_position_embeddings: written so, both versions read the same factor.
+    if (s.rope_type() == "yarn") {
+      const double longest = s.scaled_rope["factor"].get<double>() *
+                             s.scaled_rope["original_max_position_embeddings"].get<double>();
+      if (longest == std::floor(longest) && longest >= static_cast<double>(T) && longest < 1e15)
+        hf.config["max_position_embeddings"] = static_cast<int64_t>(longest);
+    }
     if (s.llama && !s.qwen() && !s.mistral) hf.config["mlp_bias"] = false;
     if (s.mistral || s.mixtral)
       hf.config["sliding_window"] = s.window > 0 ? nlohmann::ordered_json(s.window) : nlohmann::ordered_json();
@@ -737,6 +783,58 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
 }
 
 namespace {
+
+// A config's rope_scaling of rope_type "llama3" against the model's (`what` names it).
+void require_llama3_rope(const nlohmann::json& r, const nlohmann::json& model, const std::string& what) {
+  for (const char* f : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+    if (!r.contains(f) || !r[f].is_number() || r[f].get<double>() != model[f].get<double>())
+      throw std::runtime_error(what + "." + f + " = " + (r.contains(f) ? r[f].dump() : "(none)") +
+                               " but the model's is " + model[f].dump() +
+                               " (model.layer.attention.rope_scaling_factor, rope_low_freq_factor, "
+                               "rope_high_freq_factor, rope_original_max_position)");
+}
+
+// A config's rope_scaling of rope_type "yarn" against the model's, as transformers 5
+// reads it: `factor` as written (transformers 4 derives it from max_position_embeddings
+// / original_max_position_embeddings instead; DeepSeek's configs make the two agree),
+// original_max_position_embeddings (transformers 4: max_position_embeddings when
+// absent), beta_fast and beta_slow (32 and 1 when absent), the factor on cos and sin
+// however the config gives it, and for DeepSeek's attention mscale_all_dim's softmax
+// scale (transformers' DeepseekV3Attention, DeepSeek's own modeling code; transformers'
+// DeepseekV2Attention leaves it out).
+void require_yarn_rope(const nlohmann::json& r, const nlohmann::json& c, const Shape& s, const std::string& what) {
+  const nlohmann::json& m = s.scaled_rope;
+  const auto differs = [&](const std::string& key, const std::string& got, const std::string& want,
+                           const char* option) {
+    throw std::runtime_error(what + "." + key + " = " + got + " but the model's is " + want +
+                             " (model.layer.attention." + option + ")");
+  };
+  if (!r.contains("factor") || !r["factor"].is_number())
+    throw std::runtime_error(what + " = " + r.dump() + " has no factor");
+  if (r["factor"].get<double>() != m["factor"].get<double>())
+    differs("factor", r["factor"].dump(), m["factor"].dump(), "rope_scaling_factor");
+  const nlohmann::json original = r.contains("original_max_position_embeddings") ? r["original_max_position_embeddings"]
+                                                                                  : c.value("max_position_embeddings",
+                                                                                            nlohmann::json());
+  if (!original.is_number() || original.get<double>() != m["original_max_position_embeddings"].get<double>())
+    differs("original_max_position_embeddings", original.dump(), m["original_max_position_embeddings"].dump(),
+            "rope_original_max_position");
+  for (const auto& [key, fallback, option] : {std::tuple<const char*, double, const char*>{"beta_fast", 32.0, "rope_beta_fast"},
+                                              {"beta_slow", 1.0, "rope_beta_slow"}})
+    if (rope_number(r, key, fallback) != m[key].get<double>())
+      differs(key, std::to_string(rope_number(r, key, fallback)), m[key].dump(), option);
+  if (r.contains("truncate") && r["truncate"] == false)
+    throw std::runtime_error(what + ".truncate = false (correction dimensions not rounded) has no loom counterpart");
+  const double got = hf_yarn_attention_factor(r), want = hf_yarn_attention_factor(m);
+  if (std::fabs(got - want) > 1e-12 * want)
+    differs("attention_factor", std::to_string(got) + " (on cos and sin: attention_factor, or mscale's ratio)",
+            std::to_string(want), "rope_mscale, rope_mscale_all_dim, rope_attention_factor");
+  const double f = m["factor"].get<double>();
+  if (s.deepseek && yarn_mscale(f, rope_number(r, "mscale_all_dim", 0.0)) !=
+                        yarn_mscale(f, m["mscale_all_dim"].get<double>()))
+    differs("mscale_all_dim", std::to_string(rope_number(r, "mscale_all_dim", 0.0)) + " (the softmax scale's)",
+            m["mscale_all_dim"].dump(), "rope_mscale_all_dim");
+}
 
 // The config's sliding window against the attention's sliding_window, as they act
 // on sequences of T tokens (a window of T or more is none): Mistral's and Mixtral's
@@ -1320,33 +1418,36 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
     require_value("mlp_bias", false, false);
     // The rotary settings: rope_theta at the top (transformers 4), or inside
     // rope_parameters (transformers 5) or rope_scaling (transformers 4); the rope type
-    // "default", or "llama3" with the attention's rope_scaling settings; any other
-    // scales the frequencies in a way loom's rotary embedding does not.
+    // "default", or "llama3" or "yarn" with the attention's rope_scaling settings; any
+    // other scales the frequencies in a way loom's rotary embedding does not.
     nlohmann::json theta = c.contains("rope_theta") && !c["rope_theta"].is_null() ? c["rope_theta"] : nlohmann::json();
-    bool llama3_seen = false;
+    bool scaled_seen = false;
     for (const char* k : {"rope_parameters", "rope_scaling"}) {
       if (!c.contains(k) || c[k].is_null()) continue;
       const nlohmann::json& r = c[k];
       const nlohmann::json type = r.is_object() ? r.value("rope_type", r.value("type", nlohmann::json("default")))
                                                 : nlohmann::json();
-      if (r.is_object() && type == "llama3") {
-        if (s.llama3_rope.is_null())
-          throw std::runtime_error(where + ": " + k + " = " + r.dump() + " slows the low rotary frequencies (Llama "
-                                   "3.1's); set model.layer.attention.rope_scaling = \"llama3\" with its factors");
-        for (const char* f : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-          if (!r.contains(f) || !r[f].is_number() || r[f].get<double>() != s.llama3_rope[f].get<double>())
-            throw std::runtime_error(where + ": " + k + "." + f + " = " + (r.contains(f) ? r[f].dump() : "(none)") +
-                                     " but the model's is " + s.llama3_rope[f].dump() +
-                                     " (model.layer.attention.rope_scaling_factor, rope_low_freq_factor, "
-                                     "rope_high_freq_factor, rope_original_max_position)");
-        llama3_seen = true;
+      if (r.is_object() && (type == "llama3" || type == "yarn")) {
+        const std::string t = type.get<std::string>();
+        if (s.rope_type() != t)
+          throw std::runtime_error(
+              where + ": " + k + " = " + r.dump() +
+              (t == "llama3" ? " slows the low rotary frequencies (Llama 3.1's)" : " scales the rotary frequencies as "
+                                                                                    "YaRN does") +
+              "; set model.layer.attention.rope_scaling = \"" + t + "\" with its factors" +
+              (s.scaled_rope.is_null() ? "" : " (it is \"" + s.rope_type() + "\")"));
+        if (t == "llama3")
+          require_llama3_rope(r, s.scaled_rope, where + ": " + k);
+        else
+          require_yarn_rope(r, c, s, where + ": " + k);
+        scaled_seen = true;
       } else if (!r.is_object() || type != "default") {
         throw std::runtime_error(where + ": " + k + " = " + r.dump() +
                                  " (scaled rotary frequencies) has no loom counterpart");
-      } else if (!s.llama3_rope.is_null()) {
-        // Both keys are read (transformers 4 the one, 5 the other): each must say llama3.
+      } else if (!s.scaled_rope.is_null()) {
+        // Both keys are read (transformers 4 the one, 5 the other): each must say it.
         throw std::runtime_error(where + ": " + k + " = " + r.dump() + " leaves the frequencies unscaled, but "
-                                 "the model's rope_scaling is \"llama3\"");
+                                 "the model's rope_scaling is \"" + s.rope_type() + "\"");
       }
       if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"] != 1.0)
         throw std::runtime_error(where + ": " + k + " = " + r.dump() + " rotates part of each head only");
@@ -1357,9 +1458,9 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         theta = r["rope_theta"];
       }
     }
-    if (!s.llama3_rope.is_null() && !llama3_seen)
-      throw std::runtime_error(where + " has no rope_scaling of type llama3, which the model's rope_scaling = "
-                               "\"llama3\" computes");
+    if (!s.scaled_rope.is_null() && !scaled_seen)
+      throw std::runtime_error(where + " has no rope_scaling of type " + s.rope_type() +
+                               ", which the model's rope_scaling = \"" + s.rope_type() + "\" computes");
     const bool given = !theta.is_null();
     if (!given) theta = s.llama || s.qwen() || s.deepseek ? 10000.0 : 1000000.0;
     if (!theta.is_number() || theta.get<double>() != s.theta)

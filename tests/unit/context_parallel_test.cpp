@@ -88,6 +88,19 @@ TEST(ContextParallel, RopeCp2AndCp2Tp2SequenceParallelMatchSerial) {
   EXPECT_NE(scaled_serial.loss.back(), serial.loss.back()) << "the scaling changed nothing";
   loom::testing::expect_trains_as_serial(scaled_serial, with_scaled({"parallel.cp=2"}));
   loom::testing::expect_trains_as_serial(scaled_serial, with_scaled({"parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"}));
+  // YaRN's (rope_scaling = "yarn"): its table, and its attention factor (0.1 ln 4 + 1)
+  // in the softmax scale, on every rank alike.
+  const std::vector<std::string> yarn = {"model.layer.attention.rope_scaling=\"yarn\"",
+                                         "model.layer.attention.rope_scaling_factor=4.0",
+                                         "model.layer.attention.rope_original_max_position=16"};
+  auto with_yarn = [&](std::vector<std::string> o) {
+    o.insert(o.end(), yarn.begin(), yarn.end());
+    return with(o);
+  };
+  const RankTrace yarn_serial = with_yarn({});
+  EXPECT_NE(yarn_serial.loss.back(), serial.loss.back()) << "the scaling changed nothing";
+  loom::testing::expect_trains_as_serial(yarn_serial, with_yarn({"parallel.cp=2", "parallel.tp=2",
+                                                                 "parallel.sequence_parallel=true"}));
   // Grouped-query attention (the gathered K/V are the repeated heads) too.
   const std::vector<std::string> gqa = {"model.layer.attention.num_query_groups=2"};
   auto grouped = [&](std::vector<std::string> o) {

@@ -140,14 +140,49 @@ int64_t hf_window(const nlohmann::json& c, int64_t l) {
   return 0;
 }
 
+// YaRN's get_mscale (modeling_rope_utils.py).
+double get_mscale(double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+// The number a rope_scaling object gives, or `fallback` (absent, null or 0).
+double rope_value(const nlohmann::json& r, const char* key, double fallback) {
+  return r.contains(key) && r[key].is_number() && r[key].get<double>() != 0 ? r[key].get<double>() : fallback;
+}
+
+// What transformers multiplies cos and sin by: _compute_yarn_parameters' attention_factor
+// for rope_type "yarn", else 1.
+double rope_attention_scaling(const nlohmann::json& c) {
+  if (!c.contains("rope_scaling") || c["rope_scaling"].is_null() || c["rope_scaling"]["rope_type"] != "yarn") return 1.0;
+  const nlohmann::json& r = c["rope_scaling"];
+  if (r.contains("attention_factor")) return r["attention_factor"];
+  const double f = r["factor"], m = rope_value(r, "mscale", 0), all = rope_value(r, "mscale_all_dim", 0);
+  return m != 0 && all != 0 ? get_mscale(f, m) / get_mscale(f, all) : get_mscale(f, 1);
+}
+
 // The inverse frequencies of modeling_rope_utils.py: theta^(-2i/D), or with rope_scaling
-// of rope_type "llama3" those of _compute_llama3_parameters.
+// of rope_type "llama3" those of _compute_llama3_parameters, of "yarn" those of
+// _compute_yarn_parameters (transformers 5: the factor as written).
 Vec rope_frequencies(const nlohmann::json& c, int64_t D) {
   const double theta = c["rope_theta"].get<double>();
   Vec f;
   for (int64_t i = 0; i < D / 2; ++i) f.push_back(std::pow(theta, -2.0 * i / D));
   if (!c.contains("rope_scaling") || c["rope_scaling"].is_null()) return f;
   const nlohmann::json& r = c["rope_scaling"];
+  if (r["rope_type"] == "yarn") {
+    const double factor = r["factor"], original = r["original_max_position_embeddings"];
+    const double fast = rope_value(r, "beta_fast", 32), slow = rope_value(r, "beta_slow", 1);
+    auto correction_dim = [&](double rotations) {
+      return (D * std::log(original / (rotations * 2 * M_PI))) / (2 * std::log(theta));
+    };
+    const double low = std::max(std::floor(correction_dim(fast)), 0.0);
+    double high = std::min(std::ceil(correction_dim(slow)), static_cast<double>(D - 1));
+    if (low == high) high += 0.001;
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const double extrapolation = std::clamp((i - low) / (high - low), 0.0, 1.0);
+      const double extrapolation_factor = 1 - extrapolation;
+      f[i] = f[i] / factor * (1 - extrapolation_factor) + f[i] * extrapolation_factor;
+    }
+    return f;
+  }
   EXPECT_EQ(r["rope_type"], "llama3");
   const double factor = r["factor"], low = r["low_freq_factor"], high = r["high_freq_factor"];
   const double old_len = r["original_max_position_embeddings"];
@@ -163,15 +198,16 @@ Vec rope_frequencies(const nlohmann::json& c, int64_t D) {
   return f;
 }
 
-// Rotate-half RoPE (modeling_llama.py's rotate_half / apply_rotary_pos_emb) on [T, heads*D].
-void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs) {
+// Rotate-half RoPE (modeling_llama.py's rotate_half / apply_rotary_pos_emb) on [T, heads*D],
+// cos and sin times `scaling` (the rotary embedding's attention_scaling).
+void rope(Vec& x, int64_t T, int64_t heads, int64_t D, const Vec& freqs, double scaling = 1.0) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < D / 2; ++i) {
-        const double a = t * freqs[static_cast<size_t>(i)];
+        const double a = t * freqs[static_cast<size_t>(i)], cos = scaling * std::cos(a), sin = scaling * std::sin(a);
         double& x1 = x[t * heads * D + h * D + i];
         double& x2 = x[t * heads * D + h * D + i + D / 2];
-        const double r1 = x1 * std::cos(a) - x2 * std::sin(a), r2 = x2 * std::cos(a) + x1 * std::sin(a);
+        const double r1 = x1 * cos - x2 * sin, r2 = x2 * cos + x1 * sin;
         x1 = r1;
         x2 = r2;
       }
@@ -212,8 +248,14 @@ Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::s
         const Vec was(v->begin() + r0, v->begin() + r0 + rd);
         for (int64_t i = 0; i < rd; ++i) (*v)[r0 + i] = was[i < rd / 2 ? 2 * i : 2 * (i - rd / 2) + 1];
       }
-  rope(q_rot, T, H, rd, rope_frequencies(c, rd));
-  rope(k_rot, T, 1, rd, rope_frequencies(c, rd));
+  rope(q_rot, T, H, rd, rope_frequencies(c, rd), rope_attention_scaling(c));
+  rope(k_rot, T, 1, rd, rope_frequencies(c, rd), rope_attention_scaling(c));
+  // DeepseekV3Attention's scaling with YaRN: times get_mscale(factor, mscale_all_dim)^2.
+  double softmax_scale = 1.0 / std::sqrt(static_cast<double>(qk));
+  if (c.contains("rope_scaling") && c["rope_scaling"].is_object() && rope_value(c["rope_scaling"], "mscale_all_dim", 0)) {
+    const double m = get_mscale(c["rope_scaling"]["factor"], rope_value(c["rope_scaling"], "mscale_all_dim", 0));
+    softmax_scale *= m * m;
+  }
   Vec y(static_cast<size_t>(T * H * vd), 0.0);
   for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < T; ++i) {
@@ -223,7 +265,7 @@ Vec deepseek_attention(const HfWeights& w, const nlohmann::json& c, const std::s
         double d = 0;
         for (int64_t e = 0; e < nope; ++e) d += q[i * H * qk + h * qk + e] * kvb[j * H * (nope + vd) + h * (nope + vd) + e];
         for (int64_t e = 0; e < rd; ++e) d += q_rot[(i * H + h) * rd + e] * k_rot[j * rd + e];
-        sc[j] = d / std::sqrt(static_cast<double>(qk));
+        sc[j] = d * softmax_scale;
         mx = std::max(mx, sc[j]);
       }
       for (double& e : sc) z += (e = std::exp(e - mx));
@@ -346,8 +388,8 @@ double hf_loss(const HfWeights& w, const std::vector<int32_t>& tok, const std::v
         q = layer_norm(q, T * H, D, w.at(p + "self_attn.q_norm.weight"), nullptr, eps, true);
         k = layer_norm(k, T * G, D, w.at(p + "self_attn.k_norm.weight"), nullptr, eps, true);
       }
-      rope(q, T, H, D, rope_frequencies(c, D));
-      rope(k, T, G, D, rope_frequencies(c, D));
+      rope(q, T, H, D, rope_frequencies(c, D), rope_attention_scaling(c));
+      rope(k, T, G, D, rope_frequencies(c, D), rope_attention_scaling(c));
       add(x, linear(attention(q, k, v, T, H, G, D, hf_window(c, l)), T, C, w.at(p + "self_attn.o_proj.weight"), C,
                     true));
       }
@@ -1039,6 +1081,88 @@ TEST(HfImport, Llama3RopeScalingRoundTripsAndMustMatch) {
             std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(out);
+}
+// YaRN (rope_type "yarn"): Qwen2 with a factor of 4 over an original context of 64 at
+// theta 100 (its head's 4 pairs kept, blended twice, slowed; cos and sin times 0.1 ln 4
+// + 1), and DeepSeek-V3 with DeepSeek's mscale = mscale_all_dim (cos and sin unscaled,
+// the softmax scale times get_mscale(40, 0.8)^2).
+std::vector<std::string> with_yarn(std::vector<std::string> v, const std::vector<std::string>& extra) {
+  std::erase_if(v, [](const std::string& o) { return o.rfind("model.layer.attention.rotary_base", 0) == 0; });
+  v.push_back("model.layer.attention.rope_scaling=\"yarn\"");
+  v.push_back("model.layer.attention.rope_original_max_position=64");
+  for (const std::string& o : extra) v.push_back("model.layer.attention." + o);
+  return v;
+}
+std::vector<std::string> qwen2_yarn() { return with_yarn(qwen2(), {"rotary_base=100.0", "rope_scaling_factor=4.0"}); }
+std::vector<std::string> deepseek_v3_yarn() {
+  return with_yarn(deepseek_v3(/*moe=*/true),
+                   {"rope_scaling_factor=40.0", "rope_mscale=0.8", "rope_mscale_all_dim=0.8"});
+}
+TEST(HfExport, YarnRopeScalingMatchesLoomsLoss) {
+  check_export(qwen2_yarn(), "Qwen2ForCausalLM");
+  check_export(deepseek_v3_yarn(), "DeepseekV3ForCausalLM");
+}
+TEST(HfImport, YarnRopeScalingRoundTripsAndMustMatch) {
+  check_round_trip(qwen2_yarn());
+  check_round_trip(deepseek_v3_yarn());
+  const std::string dir = scratch("yarn"), out = scratch("yarn-out");
+  loom::interop::export_hf(parallel_checkpoint(qwen2_yarn(), dir), out, loom::plugins::registry());
+  nlohmann::json c;
+  std::ifstream(out + "/config.json") >> c;
+  EXPECT_EQ(c["rope_scaling"]["rope_type"], "yarn");
+  EXPECT_FALSE(c["rope_scaling"].contains("attention_factor")) << "transformers derives loom's from mscale";
+  EXPECT_EQ(c["max_position_embeddings"], 256) << "factor x original: transformers 4 derives the factor from it";
+  auto refusal = [&](const std::vector<std::string>& model, const std::function<void(nlohmann::json&)>& edit) {
+    return read_edited_config(out, c, model, edit);
+  };
+  // Qwen's own form ({"type": "yarn", factor, original_max_position_embeddings}) is the same scaling.
+  EXPECT_EQ(refusal(qwen2_yarn(),
+                    [](nlohmann::json& e) {
+                      e["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 64}};
+                    }),
+            "");
+  EXPECT_NE(refusal(qwen2_yarn(), [](nlohmann::json& e) { e["rope_scaling"]["factor"] = 8.0; })
+                .find("rope_scaling.factor = 8.0 but the model's is 4.0"),
+            std::string::npos);
+  EXPECT_NE(refusal(qwen2_yarn(), [](nlohmann::json& e) { e["rope_scaling"]["beta_fast"] = 16; })
+                .find("beta_fast = 16.000000 but the model's is 32.0 (model.layer.attention.rope_beta_fast)"),
+            std::string::npos);
+  EXPECT_NE(refusal(qwen2_yarn(), [](nlohmann::json& e) { e["rope_scaling"]["attention_factor"] = 1.0; })
+                .find("rope_scaling.attention_factor = 1.000000 (on cos and sin"),
+            std::string::npos);
+  EXPECT_NE(refusal(qwen2_yarn(), [](nlohmann::json& e) { e["rope_scaling"]["truncate"] = false; })
+                .find("truncate = false"),
+            std::string::npos);
+  EXPECT_NE(refusal(qwen2_yarn(), [](nlohmann::json& e) { e["rope_scaling"]["rope_type"] = "llama3"; })
+                .find("set model.layer.attention.rope_scaling = \"llama3\" with its factors (it is \"yarn\")"),
+            std::string::npos);
+  std::vector<std::string> unscaled = qwen2_yarn();
+  std::erase(unscaled, std::string("model.layer.attention.rope_scaling=\"yarn\""));
+  EXPECT_NE(refusal(unscaled, [](nlohmann::json&) {}).find("set model.layer.attention.rope_scaling = \"yarn\""),
+            std::string::npos);
+  // A rope_attention_factor transformers would not derive is written out.
+  std::vector<std::string> given = qwen2_yarn();
+  given.push_back("model.layer.attention.rope_attention_factor=1.25");
+  const std::string dir2 = scratch("yarn-given"), out2 = scratch("yarn-given-out");
+  loom::interop::export_hf(parallel_checkpoint(given, dir2), out2, loom::plugins::registry());
+  nlohmann::json c2;
+  std::ifstream(out2 + "/config.json") >> c2;
+  EXPECT_EQ(c2["rope_scaling"]["attention_factor"], 1.25);
+  EXPECT_NE(read_edited_config(out2, c2, qwen2_yarn(), [](nlohmann::json&) {}).find("attention_factor"),
+            std::string::npos);
+  // DeepSeek's softmax scale: mscale_all_dim must be the model's.
+  const std::string dir3 = scratch("yarn-ds"), out3 = scratch("yarn-ds-out");
+  loom::interop::export_hf(parallel_checkpoint(deepseek_v3_yarn(), dir3), out3, loom::plugins::registry());
+  nlohmann::json c3;
+  std::ifstream(out3 + "/config.json") >> c3;
+  EXPECT_NE(read_edited_config(out3, c3, deepseek_v3_yarn(),
+                               [](nlohmann::json& e) {
+                                 e["rope_scaling"]["mscale"] = 1.0;
+                                 e["rope_scaling"]["mscale_all_dim"] = 1.0;
+                               })
+                .find("mscale_all_dim = 1.000000 (the softmax scale's) but the model's is 0.8"),
+            std::string::npos);
+  for (const std::string& d : {dir, out, dir2, out2, dir3, out3}) fs::remove_all(d);
 }
 TEST(HfImport, Qwen3RoundTripIsBitExact) { check_round_trip(qwen3()); }
 
