@@ -8,30 +8,13 @@
 #include <boost/filesystem.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <sstream>
 
 namespace loom::text {
 
 namespace {
-
-std::string utf8(uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xc0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3f));
-  } else {
-    s += static_cast<char>(0xe0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-    s += static_cast<char>(0x80 | (cp & 0x3f));
-  }
-  return s;
-}
 
 std::string read_all(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw TokenizerError(path + ": is a directory, not a file");
@@ -103,19 +86,8 @@ std::vector<std::string_view> gpt2_pretokenize(std::string_view text) {
 }
 
 Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
-  static std::atomic<uint64_t> loaded{0};
   Gpt2Tokenizer t;
-  t.vocabulary_id_ = ++loaded;
   t.dir_ = dir;
-  // GPT-2's byte -> character map: printable Latin-1 bytes stand for themselves,
-  // the others for 256, 257, ... in byte order.
-  int next = 0;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
-    t.byte_char_[b] = utf8(printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + next++));
-    t.char_byte_[t.byte_char_[b]] = static_cast<unsigned char>(b);
-  }
-
   const std::string encoder_path = dir + "/encoder.json";
   nlohmann::json encoder;
   try {
@@ -125,27 +97,22 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
   }
   if (!encoder.is_object() || encoder.empty())
     throw TokenizerError(encoder_path + ": expected an object of token -> id");
-  t.tokens_.resize(encoder.size());
   for (const auto& [token, id] : encoder.items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= static_cast<int64_t>(encoder.size()))
       throw TokenizerError(encoder_path + ": token " + nlohmann::json(token).dump() + " has id " + id.dump() +
                            ", not one of 0.." + std::to_string(encoder.size() - 1));
-    const auto i = static_cast<size_t>(id.get<int64_t>());
-    if (!t.tokens_[i].empty()) throw TokenizerError(encoder_path + ": id " + std::to_string(i) + " is given twice");
-    t.tokens_[i] = token;
-    t.ids_.emplace(token, static_cast<int32_t>(i));
+    if (!t.bpe_.add_token(token, static_cast<int32_t>(id.get<int64_t>())))
+      throw TokenizerError(encoder_path + ": id " + id.dump() + " is given twice");
   }
-  const auto eod = t.ids_.find("<|endoftext|>");
-  if (eod == t.ids_.end()) throw TokenizerError(encoder_path + ": has no <|endoftext|> token");
-  t.eod_ = eod->second;
-  for (int b = 0; b < 256; ++b)
-    if (!t.ids_.count(t.byte_char_[b]))
-      throw TokenizerError(encoder_path + ": has no token for byte " + std::to_string(b) + " (not a byte-level BPE)");
+  t.eod_ = t.bpe_.id_of("<|endoftext|>");
+  if (t.eod_ < 0) throw TokenizerError(encoder_path + ": has no <|endoftext|> token");
+  if (const int b = t.bpe_.first_byte_without_token(); b >= 0)
+    throw TokenizerError(encoder_path + ": has no token for byte " + std::to_string(b) + " (not a byte-level BPE)");
 
   const std::string merges_path = dir + "/vocab.bpe";
   std::istringstream merges(read_all(merges_path));
   std::string line;
-  int32_t rank = 0, line_no = 0;
+  int32_t line_no = 0;
   while (std::getline(merges, line)) {
     ++line_no;
     if (!line.empty() && line.back() == '\r') line.pop_back();  // a file with CRLF line ends
@@ -154,62 +121,15 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
     if (space == std::string::npos || space == 0 || space + 1 == line.size() ||
         line.find(' ', space + 1) != std::string::npos)
       throw TokenizerError(merges_path + ":" + std::to_string(line_no) + ": expected two symbols separated by a space");
-    t.ranks_.emplace(line, rank++);
+    t.bpe_.add_merge(line.substr(0, space), line.substr(space + 1));
   }
-  if (t.ranks_.empty()) throw TokenizerError(merges_path + ": holds no merges (a GPT-2 vocab.bpe has 50000)");
+  if (t.bpe_.merges() == 0) throw TokenizerError(merges_path + ": holds no merges (a GPT-2 vocab.bpe has 50000)");
   return t;
-}
-
-void Gpt2Tokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
-  // Words repeat (Zipf): each thread keeps the ids of the pieces it has merged, per
-  // tokenizer, up to a bound.
-  // Keyed by the loaded vocabulary, not the object's address, which a later one may reuse.
-  thread_local std::unordered_map<uint64_t, std::unordered_map<std::string, std::vector<int32_t>>> caches;
-  std::unordered_map<std::string, std::vector<int32_t>>& cache = caches[vocabulary_id_];
-  if (const auto hit = cache.find(std::string(piece)); hit != cache.end()) {
-    out.insert(out.end(), hit->second.begin(), hit->second.end());
-    return;
-  }
-  if (cache.size() > 200000) cache.clear();
-  const size_t first = out.size();
-  merge_piece(piece, out);
-  cache.emplace(std::string(piece), std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()));
-}
-
-void Gpt2Tokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& out) const {
-  std::vector<std::string> word;
-  for (unsigned char b : piece) word.push_back(byte_char_[b]);
-  while (word.size() > 1) {
-    // The adjacent pair of lowest rank; then every occurrence of it, left to right.
-    int32_t best = INT32_MAX;
-    size_t at = 0;
-    for (size_t i = 0; i + 1 < word.size(); ++i) {
-      const auto it = ranks_.find(word[i] + ' ' + word[i + 1]);
-      if (it != ranks_.end() && it->second < best) best = it->second, at = i;
-    }
-    if (best == INT32_MAX) break;
-    const std::string left = word[at], right = word[at + 1];
-    std::vector<std::string> merged;
-    for (size_t i = 0; i < word.size(); ++i) {
-      if (i + 1 < word.size() && word[i] == left && word[i + 1] == right) {
-        merged.push_back(left + right);
-        ++i;
-      } else {
-        merged.push_back(word[i]);
-      }
-    }
-    word = std::move(merged);
-  }
-  for (const std::string& symbol : word) {
-    const auto it = ids_.find(symbol);
-    if (it == ids_.end()) throw TokenizerError("GPT-2 tokenizer: merge result '" + symbol + "' has no id in encoder.json");
-    out.push_back(it->second);
-  }
 }
 
 std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
   std::vector<int32_t> out;
-  for (std::string_view piece : gpt2_pretokenize(text)) encode_piece(piece, out);
+  for (std::string_view piece : gpt2_pretokenize(text)) bpe_.encode_piece(piece, out, dir_);
   return out;
 }
 
@@ -217,7 +137,7 @@ std::string Gpt2Tokenizer::piece(int32_t id) const {
   if (id < 0 || id >= vocab_size())
     throw TokenizerError(dir_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
                          std::to_string(vocab_size()));
-  return tokens_[static_cast<size_t>(id)];
+  return bpe_.token(id);
 }
 
 std::string Gpt2Tokenizer::describe() const {
@@ -230,14 +150,7 @@ std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
     if (id < 0 || id >= vocab_size())
       throw TokenizerError("GPT-2 tokenizer: id " + std::to_string(id) + " is outside the vocabulary of " +
                            std::to_string(vocab_size()));
-    const std::string& token = tokens_[static_cast<size_t>(id)];
-    for (size_t i = 0; i < token.size();) {
-      const CodePoint c = decode_utf8(token, i);
-      const auto it = char_byte_.find(token.substr(i, c.bytes));
-      if (it != char_byte_.end()) out += static_cast<char>(it->second);
-      else out += token.substr(i, c.bytes);  // <|endoftext|> and other literal tokens
-      i += c.bytes;
-    }
+    bpe_.append_bytes(bpe_.token(id), out);
   }
   return out;
 }

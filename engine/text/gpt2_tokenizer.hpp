@@ -6,6 +6,7 @@
 // characters and merged pair by pair, lowest rank first.
 #pragma once
 
+#include "engine/text/byte_level_bpe.hpp"
 #include "engine/text/tokenizer.hpp"
 
 #include <cstdint>
@@ -29,7 +30,7 @@ class Gpt2Tokenizer : public Tokenizer {
   // Encodes any bytes (valid UTF-8 or not); decode(encode(s)) == s.
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(const std::vector<int32_t>& ids) const override;
-  int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
+  int32_t vocab_size() const override { return bpe_.size(); }
   int32_t eod() const override { return eod_; }  // <|endoftext|>
   int32_t bos() const override { return eod_; }
   int32_t unk() const override { return eod_; }
@@ -37,17 +38,8 @@ class Gpt2Tokenizer : public Tokenizer {
   std::string describe() const override;
 
  private:
-  // The ids of one pre-tokenized piece (cached), and the merges that make them.
-  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
-  void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
-
-  std::unordered_map<std::string, int32_t> ids_;    // token (mapped characters, UTF-8) -> id
-  std::vector<std::string> tokens_;                 // id -> token
-  std::unordered_map<std::string, int32_t> ranks_;  // "left right" -> merge rank
-  std::string byte_char_[256];                      // byte -> its printable character, UTF-8
-  std::unordered_map<std::string, unsigned char> char_byte_;
+  ByteLevelBpe bpe_;
   int32_t eod_ = -1;
-  uint64_t vocabulary_id_ = 0;  // one per load(): the key of the threads' merge caches
   std::string dir_;
 };
 
