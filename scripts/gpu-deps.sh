@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches, on this (Debian 12) machine, the Debian packages loom builds against that a
-# GPU machine's CUDA image may lack (Boost, TOML++, nlohmann JSON, SentencePiece, glog, GoogleTest,
+# GPU machine's CUDA image may lack (Boost, TOML++, nlohmann JSON, SentencePiece, ICU, glog, GoogleTest,
 # OpenBLAS, DLPack), into DIR (default .gpu-deps/, git-ignored). scripts/gpu-check.sh unpacks
 # them into a private prefix (never into /) when it finds DIR, so a machine that
 # cannot download anything can still build and run the checks:
@@ -24,6 +24,7 @@ packages=(
   libopenblas0-pthread
   libdlpack-dev
   libsentencepiece-dev libsentencepiece0
+  libicu-dev libicu72
 )
 mkdir -p "$dir"
 # apt-get download writes into the current directory; as root it warns that the

@@ -4,7 +4,7 @@ set -euo pipefail
 # OpenMPI: comm/mpi and its tests (CI runs them with mpirun --oversubscribe --allow-run-as-root).
 required=(cmake ninja-build g++ pkg-config libboost-dev libboost-filesystem-dev libtomlplusplus-dev
           libgoogle-glog-dev libgtest-dev libgmock-dev libopenblas-dev libdlpack-dev nlohmann-json3-dev
-          binutils libopenmpi-dev openmpi-bin libsentencepiece-dev
+          binutils libopenmpi-dev openmpi-bin libsentencepiece-dev libicu-dev
           sentencepiece)  # spm_encode: the reference the tokenizer test compares with
 missing=()
 for p in "${required[@]}"; do

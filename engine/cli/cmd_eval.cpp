@@ -43,7 +43,7 @@ const char* kUsage =
     "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
     "  --format F           perplexity: FILE is text (default, encoded as below), tokens (an llm.c .bin)\n"
     "                       or indexed (the PREFIX of a Megatron .bin/.idx: its documents in order)\n"
-    "  --tokenizer PATH     GPT-2 BPE directory or SentencePiece .model; without it, the run's\n"
+    "  --tokenizer PATH     any loom preprocess reads (GPT-2 BPE, tokenizer.json, SentencePiece); the run's\n"
     "                       data.tokenizer, a synthetic task's symbols or, for data.kind = \"text\", bytes\n"
     "  --set key=value      override the layout, micro-batch or device (parallel.tp=2, batch.micro_batch_size=8)\n"
     "  --json               one JSON object with the numbers\n";

@@ -26,9 +26,10 @@ const char* kUsage =
     "with multi_latent_attention\n"
     "DeepseekV3ForCausalLM (sigmoid router) or DeepseekV2ForCausalLM (softmax router),\n"
     "from a checkpoint of any parallel layout. CHECKPOINT is a step_N directory or a\n"
-    "checkpoint.dir (its newest complete step). --tokenizer (the GPT-2 BPE directory or SentencePiece\n"
-    "model the data was encoded with) adds the tokenizer files AutoTokenizer reads: vocab.json and\n"
-    "merges.txt, or tokenizer.model, with tokenizer_config.json and special_tokens_map.json;\n"
+    "checkpoint.dir (its newest complete step). --tokenizer (the GPT-2 BPE directory, tokenizer.json or\n"
+    "SentencePiece model the data was encoded with) adds the tokenizer files AutoTokenizer reads:\n"
+    "vocab.json and merges.txt, tokenizer.json, or tokenizer.model, with tokenizer_config.json and\n"
+    "special_tokens_map.json;\n"
     "without it, the run's data.tokenizer when it names one.\n";
 
 // The tokenizer a checkpoint's run named (data.tokenizer), when it loads from here;

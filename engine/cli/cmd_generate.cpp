@@ -40,7 +40,7 @@ const char* kUsage =
     "  --seed S            the sampling seed (default 0)\n"
     "  --stop-token ID     end when this token is drawn (default: the end of document the model was\n"
     "                      trained with: data.eod_token, else the tokenizer's)\n"
-    "  --tokenizer PATH    GPT-2 BPE directory or SentencePiece .model; without it, the run's\n"
+    "  --tokenizer PATH    any loom preprocess reads (GPT-2 BPE, tokenizer.json, SentencePiece); the run's\n"
     "                      data.tokenizer, a synthetic task's symbols or, for data.kind = \"text\", bytes\n"
     "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
     "  --set key=value     override the manifest's layout or device (parallel.tp=2, parallel.pp=2;\n"

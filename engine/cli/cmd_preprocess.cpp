@@ -42,7 +42,9 @@ const char* kPreprocessUsage =
     "Tokenizes text into the files a run trains on. An input ending in .jsonl (or .json) has one\n"
     "document per line, its text in the --json-key field; any other input is one document.\n"
     "  --tokenizer   a directory with GPT-2's encoder.json and vocab.bpe (byte-level BPE;\n"
-    "                scripts/fetch-gpt2-tokenizer.sh fetches them) or a SentencePiece .model\n"
+    "                scripts/fetch-gpt2-tokenizer.sh fetches them), a Hugging Face model directory\n"
+    "                or its tokenizer.json (byte-level BPE: GPT-2's, Llama 3's, Qwen's), or a\n"
+    "                SentencePiece .model (or a directory with tokenizer.model: Llama 2's)\n"
     "  --format      megatron (default): PREFIX.bin + PREFIX.idx, Megatron-LM's indexed dataset,\n"
     "                one sequence per document; llmc: PREFIX.bin, llm.c's uint16 token file\n"
     "  --append-eod  end every non-empty document with the end-of-document token (<|endoftext|>,\n"
@@ -53,7 +55,7 @@ const char* kPreprocessUsage =
 const char* kTokenizeUsage =
     "usage: loom tokenize --tokenizer DIR|MODEL (--text TEXT | --file FILE) [--decode] [--json]\n"
     "Prints the token ids of the text (space-separated), or with --decode the text of the\n"
-    "ids given as TEXT or in FILE.\n";
+    "ids given as TEXT or in FILE. The tokenizer is any loom preprocess reads.\n";
 
 std::string read_input(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");

@@ -897,9 +897,11 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   if (tok->vocab_size() > vocab)
     throw std::runtime_error("the tokenizer " + path + " has " + std::to_string(tok->vocab_size()) +
                              " tokens, more than the model's vocabulary of " + std::to_string(vocab));
-  const bool gpt2 = fs::is_directory(path);
+  const text::TokenizerSource source = text::tokenizer_source(path);
+  const bool gpt2 = source.format == text::TokenizerFormat::Gpt2Bpe;
+  const bool fast = source.format == text::TokenizerFormat::HuggingFaceJson;
   nlohmann::ordered_json special, cfg;
-  cfg["tokenizer_class"] = gpt2 ? "GPT2Tokenizer" : "LlamaTokenizer";
+  cfg["tokenizer_class"] = gpt2 ? "GPT2Tokenizer" : fast ? "PreTrainedTokenizerFast" : "LlamaTokenizer";
   cfg["model_max_length"] = seq_len;
   for (const auto& [name, id] : {std::pair<const char*, int32_t>{"bos", tok->bos()}, {"eos", tok->eod()}, {"unk", tok->unk()}}) {
     if (id < 0) continue;
@@ -910,7 +912,7 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   for (const auto& [k, v] : special.items()) cfg[k] = v;
   if (gpt2) {
     cfg["add_prefix_space"] = false;
-  } else {
+  } else if (!fast) {
     cfg["add_bos_token"] = false;  // loom preprocess adds none: the model saw text as it was encoded
     cfg["add_eos_token"] = false;
     cfg["legacy"] = false;
@@ -919,8 +921,10 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   if (gpt2) {
     files.emplace_back("vocab.json", read_whole((fs::path(path) / "encoder.json").string()));
     files.emplace_back("merges.txt", read_whole((fs::path(path) / "vocab.bpe").string()));
+  } else if (fast) {  // as it is: transformers reads its pre-tokenizer and added tokens itself
+    files.emplace_back("tokenizer.json", read_whole(source.file));
   } else {
-    files.emplace_back("tokenizer.model", read_whole(path));
+    files.emplace_back("tokenizer.model", read_whole(source.file));
   }
   files.emplace_back("tokenizer_config.json", cfg.dump(2) + "\n");
   files.emplace_back("special_tokens_map.json", special.dump(2) + "\n");

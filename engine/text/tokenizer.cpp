@@ -3,6 +3,7 @@
 #include "engine/files/temporaries.hpp"
 
 #include "engine/text/gpt2_tokenizer.hpp"
+#include "engine/text/hf_tokenizer.hpp"
 
 #include <algorithm>
 #include <climits>
@@ -100,13 +101,33 @@ std::string vocab_too_high(const std::string& message) {
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
+TokenizerSource tokenizer_source(const std::string& path) {
   namespace fs = boost::filesystem;
-  if (fs::is_directory(path)) return std::make_unique<Gpt2Tokenizer>(Gpt2Tokenizer::load(path));
-  if (fs::is_regular_file(path)) return std::make_unique<SentencePieceTokenizer>(path);
+  if (fs::is_directory(path)) {
+    const fs::path dir(path);
+    // A directory with neither file below is read as GPT-2's: its error names encoder.json.
+    if (!fs::exists(dir / "encoder.json") && fs::is_regular_file(dir / "tokenizer.json"))
+      return {TokenizerFormat::HuggingFaceJson, (dir / "tokenizer.json").string()};
+    if (!fs::exists(dir / "encoder.json") && fs::is_regular_file(dir / "tokenizer.model"))
+      return {TokenizerFormat::SentencePiece, (dir / "tokenizer.model").string()};
+    return {TokenizerFormat::Gpt2Bpe, path};
+  }
+  if (fs::is_regular_file(path))
+    return {fs::path(path).extension() == ".json" ? TokenizerFormat::HuggingFaceJson : TokenizerFormat::SentencePiece,
+            path};
   throw TokenizerError(path + ": no such tokenizer: give a directory with GPT-2's encoder.json and vocab.bpe "
-                              "(scripts/fetch-gpt2-tokenizer.sh fetches them) or a SentencePiece .model file "
-                              "(loom tokenizer-train makes one)");
+                              "(scripts/fetch-gpt2-tokenizer.sh fetches them), a Hugging Face model directory or "
+                              "tokenizer.json, or a SentencePiece .model file (loom tokenizer-train makes one)");
+}
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
+  const TokenizerSource s = tokenizer_source(path);
+  switch (s.format) {
+    case TokenizerFormat::Gpt2Bpe: return std::make_unique<Gpt2Tokenizer>(Gpt2Tokenizer::load(s.file));
+    case TokenizerFormat::HuggingFaceJson: return std::make_unique<HfTokenizer>(HfTokenizer::load(s.file));
+    case TokenizerFormat::SentencePiece: break;
+  }
+  return std::make_unique<SentencePieceTokenizer>(s.file);
 }
 
 bool same_vocabulary(const Tokenizer& a, const Tokenizer& b) {

@@ -1,7 +1,8 @@
-// A tokenizer: text to token ids and back. Two kinds, chosen by what the path
-// names: a directory with encoder.json and vocab.bpe is GPT-2's byte-level BPE
-// (gpt2_tokenizer.hpp); a SentencePiece .model file (Kudo and Richardson, 2018) is
-// read by Debian's libsentencepiece, as Llama-family models ship theirs.
+// A tokenizer: text to token ids and back. Three kinds, chosen by what the path
+// names (tokenizer_source): GPT-2's byte-level BPE from encoder.json and vocab.bpe
+// (gpt2_tokenizer.hpp); Hugging Face's tokenizer.json with a byte-level BPE model, as
+// Llama 3 and Qwen ship theirs (hf_tokenizer.hpp); a SentencePiece .model file (Kudo and
+// Richardson, 2018), read by Debian's libsentencepiece, as Llama 2 ships its own.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +39,19 @@ class Tokenizer {
   // "GPT-2 BPE (50257 tokens) from DIR".
   virtual std::string describe() const = 0;
 };
+
+// What a tokenizer path names, by what it holds: a directory with encoder.json (GPT-2's
+// BPE files), else with tokenizer.json (Hugging Face's), else with tokenizer.model
+// (SentencePiece's, as Hugging Face's Llama 2 and Mistral directories ship it); a file
+// named *.json is a tokenizer.json, any other file a SentencePiece model. `file`: the
+// file to read (the directory itself for GPT-2's pair).
+enum class TokenizerFormat { Gpt2Bpe, HuggingFaceJson, SentencePiece };
+struct TokenizerSource {
+  TokenizerFormat format;
+  std::string file;
+};
+// Throws TokenizerError naming what would be.
+TokenizerSource tokenizer_source(const std::string& path);
 
 // Throws TokenizerError naming the path and what is wrong.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path);

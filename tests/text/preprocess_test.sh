@@ -31,6 +31,82 @@ for f in unicode.txt shakespeare.txt; do
   cmp -s "$work/$f" "$work/$f.back" || fail "$f: decode(encode(text)) is not the text"
 done
 
+# 1b. Hugging Face tokenizer.json: GPT-2's vocabulary and merges written as the files
+#     GPT-2's, Llama 3's and Qwen2's repositories ship (their pre-tokenizers, merges as
+#     strings or pairs, ignore_merges, added tokens, Qwen2's NFC normaliser), each checked
+#     against the JavaScript encoder of tests/text/hf_reference.js; the GPT-2 form also
+#     against loom's GPT-2 tokenizer, and read from a model directory.
+python3 - "$tok" "$work" <<'PY'
+import json, os, sys
+tok, work = sys.argv[1], sys.argv[2]
+vocab = json.load(open(f"{tok}/encoder.json", encoding="utf-8"))
+merges = [l for l in open(f"{tok}/vocab.bpe", encoding="utf-8").read().split("\n")[1:] if l]
+llama3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+qwen2 = llama3.replace("\\p{N}{1,3}", "\\p{N}")
+def added(i, content):
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
+def split(pattern):
+    return {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+def write(name, model, pre, extra_added=(), normalizer=None, config=None):
+    os.makedirs(f"{work}/{name}", exist_ok=True)
+    j = {"version": "1.0", "truncation": None, "padding": None,
+         "added_tokens": [added(50256, "<|endoftext|>")] + list(extra_added),
+         "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": None,
+         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+         "model": dict({"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                        "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False}, **model)}
+    json.dump(j, open(f"{work}/{name}/tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
+    if config:
+        json.dump(config, open(f"{work}/{name}/tokenizer_config.json", "w"))
+write("hf_gpt2", {"vocab": vocab, "merges": merges},
+      {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True})
+v3 = dict(vocab, **{"<|begin_of_text|>": 50257, "<|end_of_text|>": 50258})
+write("hf_llama3", {"vocab": v3, "merges": [m.split(" ") for m in merges], "ignore_merges": True}, split(llama3),
+      [added(50257, "<|begin_of_text|>"), added(50258, "<|end_of_text|>")],
+      config={"bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"}})
+write("hf_qwen2", {"vocab": dict(vocab, **{"<|im_start|>": 50257}), "merges": merges}, split(qwen2),
+      [added(50257, "<|im_start|>")], {"type": "NFC"}, config={"eos_token": "<|endoftext|>"})
+PY
+printf "It's 2026! THEY'LL 1234567 Über naïve   café\n\tend \n٣٤ ½ Ⅻ 日本語のテキスト 🚀🚀 x\u00a0y  \n\n  z's '' \r\n" \
+  > "$work/hf.txt"
+printf "a\u0085're \ufeff's (x) ((y\n\n\n 12 <|end_of_text|>tail<|begin_of_text|> <|im_start|>e\u0301 cafe\u0301<|endoftext|>\n" \
+  >> "$work/hf.txt"
+for flavour in hf_gpt2 hf_llama3 hf_qwen2; do
+  for f in hf.txt shakespeare.txt; do
+    node "$src/tests/text/hf_reference.js" "$work/$flavour/tokenizer.json" "$work/$f" > "$work/$flavour.$f.want"
+    "$loom" tokenize --tokenizer "$work/$flavour/tokenizer.json" --file "$work/$f" > "$work/$flavour.$f.got" ||
+      fail "tokenize $flavour $f exited $?"
+    cmp -s "$work/$flavour.$f.want" "$work/$flavour.$f.got" || fail "$flavour $f: ids differ from the reference encoder"
+  done
+done
+# (unicode.txt has no "<|endoftext|>", which tokenizer.json reads as its added token.)
+"$loom" tokenize --tokenizer "$work/hf_gpt2" --file "$work/unicode.txt" > "$work/hf_gpt2.dir.got" || fail "a model directory"
+"$loom" tokenize --tokenizer "$tok" --file "$work/unicode.txt" > "$work/gpt2.hf.got"
+cmp -s "$work/hf_gpt2.dir.got" "$work/gpt2.hf.got" || fail "GPT-2's tokenizer.json encodes unlike its encoder.json + vocab.bpe"
+"$loom" tokenize --tokenizer "$work/hf_llama3" --decode --file "$work/hf_llama3.hf.txt.got" > "$work/hf_llama3.back"
+cmp -s "$work/hf.txt" "$work/hf_llama3.back" || fail "Llama 3 form: decode(encode(text)) is not the text"
+python3 -c "import sys, unicodedata
+t = open(sys.argv[1], encoding='utf-8', newline='').read()
+sys.stdout.buffer.write(unicodedata.normalize('NFC', t).encode())" "$work/hf.txt" > "$work/hf.nfc"
+"$loom" tokenize --tokenizer "$work/hf_qwen2" --decode --file "$work/hf_qwen2.hf.txt.got" > "$work/hf_qwen2.back"
+cmp -s "$work/hf.nfc" "$work/hf_qwen2.back" || fail "Qwen2 form: decode(encode(text)) is not the text's NFC"
+# The Llama 3 form's special tokens (tokenizer_config.json): a preprocess ends each
+# document with its eos, <|end_of_text|> (50258).
+printf '%s\n' '{"text": "Hello world"}' '{"text": "naïve café"}' > "$work/l3docs.jsonl"
+"$loom" preprocess --tokenizer "$work/hf_llama3" --input "$work/l3docs.jsonl" --output-prefix "$work/l3" --append-eod \
+  2>/dev/null || fail "preprocess with a tokenizer.json exited $?"
+python3 - "$work/l3" <<'PY' || fail "the tokenizer.json dataset's documents do not end with <|end_of_text|>"
+import struct, sys
+code = open(sys.argv[1] + ".idx", "rb").read()[17]
+b = open(sys.argv[1] + ".bin", "rb").read()
+ids = struct.unpack(f"<{len(b) // 2}H", b) if code == 8 else struct.unpack(f"<{len(b) // 4}i", b)
+assert ids.count(50258) == 2 and ids[-1] == 50258, ids
+PY
+
 # 2. Megatron's indexed dataset: three JSONL documents (one empty) with --append-eod,
 #    on 3 workers, against bytes packed independently.
 printf '%s\n' '{"text": "Hello world"}' '{"id": 2, "text": ""}' '{"text": "naïve café, 2026 🚀"}' > "$work/docs.jsonl"

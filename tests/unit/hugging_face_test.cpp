@@ -8,6 +8,7 @@
 // transposes and QKV cuts mean what transformers means by them. checkpoint.init_weights
 // reads such a directory back bit for bit, and runs of any layout start from it with the
 // same loss. And the safetensors reader refuses malformed headers.
+#include "support/byte_level_vocab.hpp"
 #include "support/train_fixture.hpp"
 
 #include "engine/interop/hugging_face.hpp"
@@ -1891,6 +1892,23 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   // Exported again without a tokenizer: the files are kept, and named.
   EXPECT_EQ(loom::interop::export_hf(step, dir + "/out", loom::plugins::registry()).kept,
             (std::vector<std::string>{"tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"}));
+  // A Hugging Face tokenizer.json goes as it is (PreTrainedTokenizerFast), the
+  // SentencePiece files of the export before removed; its eos from tokenizer_config.json.
+  fs::create_directories(dir + "/fast");
+  const nlohmann::json fast_json = {
+      {"model", {{"type", "BPE"}, {"vocab", loom::testing::byte_level_vocab()}, {"merges", nlohmann::json::array()}}},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"use_regex", true}}},
+      {"added_tokens", {{{"id", 256}, {"content", "<|end|>"}, {"special", true}}}}};
+  std::ofstream(dir + "/fast/tokenizer.json") << fast_json.dump();
+  std::ofstream(dir + "/fast/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
+  const loom::interop::HfModel fast = loom::interop::export_hf(step, dir + "/out", loom::plugins::registry(), dir + "/fast");
+  EXPECT_EQ(fast.files, (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}));
+  EXPECT_EQ(fast.removed, (std::vector<std::string>{"tokenizer.model"}));
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/out/tokenizer.json")), fast_json);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/out/tokenizer_config.json"))["tokenizer_class"],
+            "PreTrainedTokenizerFast");
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/out/config.json"))["eos_token_id"], 256);
+  EXPECT_EQ(loom::text::load_tokenizer(dir + "/out")->encode("hi<|end|>"), (std::vector<int32_t>{'h', 'i', 256}));
 
   const std::string small = parallel_checkpoint({}, dir + "/ck13");  // vocabulary 13
   try {

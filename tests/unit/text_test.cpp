@@ -3,15 +3,19 @@
 // token files' writer and reader (round trip, refusals, no half-written files).
 // tests/text/preprocess_test.sh checks the tokenizer against a reference encoder.
 #include "engine/text/gpt2_tokenizer.hpp"
+#include "engine/text/hf_tokenizer.hpp"
 #include "engine/text/token_files.hpp"
 #include "engine/text/tokenizer.hpp"
+#include "support/byte_level_vocab.hpp"
 #include "support/train_fixture.hpp"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <boost/filesystem.hpp>
 
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <cstring>
 #include <random>
@@ -78,6 +82,135 @@ TEST(Text, ATokenizerPathThatIsNoneSaysWhatWouldBe) {
   boost::filesystem::create_directory(dir + "/d");
   boost::filesystem::create_directory(dir + "/d/encoder.json");
   EXPECT_NE(message(dir + "/d").find("encoder.json: is a directory"), std::string::npos) << message(dir + "/d");
+  fs::remove_all(dir);
+}
+
+// Llama 3's and Qwen2's pre-tokenizer patterns (hf_tokenizer.hpp), on cases whose
+// splits Python's regex module gives for the patterns as written.
+TEST(Text, SplitPretokenizerSplitsAsLlama3AndQwen2Patterns) {
+  using V = std::vector<std::string>;
+  const auto split = [](const std::string& text, int digits) {
+    V out;
+    for (std::string_view p : loom::text::split_pretokenize(text, digits)) out.emplace_back(p);
+    return out;
+  };
+  EXPECT_EQ(split("Hello world", 3), (V{"Hello", " world"}));
+  EXPECT_EQ(split("I'M HE'LL", 3), (V{"I", "'M", " HE", "'LL"}));  // contractions of either case
+  EXPECT_EQ(split("1234567", 3), (V{"123", "456", "7"}));
+  EXPECT_EQ(split("1234567", 1), (V{"1", "2", "3", "4", "5", "6", "7"}));
+  EXPECT_EQ(split("x\nBefore", 3), (V{"x", "\n", "Before"}));  // no newline before a word
+  EXPECT_EQ(split("(hello) ((y", 3), (V{"(hello", ")", " ((", "y"}));
+  EXPECT_EQ(split("a  \n\n  b", 3), (V{"a", "  \n\n", " ", " b"}));  // white space up to its last newline
+  EXPECT_EQ(split("end!!\n\nnext", 3), (V{"end", "!!\n\n", "next"}));  // symbols take the newlines after them
+  EXPECT_EQ(split("\tend", 3), (V{"\tend"}));
+  EXPECT_EQ(split("a \n b", 3), (V{"a", " \n", " b"}));
+  EXPECT_EQ(split("x  ", 3), (V{"x", "  "}));
+  EXPECT_EQ(split("٣٤5 ½", 3), (V{"٣٤5", " ", "½"}));
+  EXPECT_EQ(split("٣٤5 ½", 1), (V{"٣", "٤", "5", " ", "½"}));
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::string s(static_cast<size_t>(rng() % 64), '\0');
+    for (char& c : s) c = static_cast<char>(rng() % 256);  // invalid UTF-8 included
+    std::string joined;
+    for (std::string_view p : loom::text::split_pretokenize(s, 1 + static_cast<int>(trial % 3))) {
+      EXPECT_FALSE(p.empty());
+      joined += p;
+    }
+    EXPECT_EQ(joined, s);
+  }
+}
+
+// A tokenizer.json of the 256 byte tokens and a few merges, as a test writes it.
+struct TinyHfTokenizer {
+  nlohmann::json j;
+  nlohmann::json config;
+  TinyHfTokenizer() {
+    nlohmann::json vocab = loom::testing::byte_level_vocab();
+    vocab["ab"] = 256;    // a + b
+    vocab["abc"] = 257;   // ab + c
+    vocab["xyz"] = 258;   // a whole piece, made by no merge (ignore_merges takes it)
+    j = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b", {"ab", "c"}}}}},
+         {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+         {"decoder", {{"type", "ByteLevel"}}},
+         {"added_tokens", {{{"id", 259}, {"content", "<s\xc3\xa9>"}, {"special", true}}}}};
+  }
+  std::string write(const std::string& dir) const {
+    boost::filesystem::create_directories(dir);
+    std::ofstream(dir + "/tokenizer.json") << j.dump();
+    if (!config.is_null()) std::ofstream(dir + "/tokenizer_config.json") << config.dump();
+    return dir;
+  }
+};
+
+TEST(Text, HuggingFaceTokenizerJsonEncodesItsVocabulary) {
+  const std::string dir = loom::testing::scratch_dir("text_hf");
+  TinyHfTokenizer t;
+  t.config = {{"bos_token", {{"content", "<s\xc3\xa9>"}}}, {"eos_token", "abc"}};
+  const std::unique_ptr<loom::text::Tokenizer> tok = loom::text::load_tokenizer(t.write(dir + "/a"));
+  EXPECT_EQ(tok->vocab_size(), 260);
+  using I = std::vector<int32_t>;
+  // Merges by rank, the added token matched in the text (not its bytes), decoded as written.
+  EXPECT_EQ(tok->encode("abc ab"), (I{257, ' ', 256}));
+  EXPECT_EQ(tok->encode("x<s\xc3\xa9>abc"), (I{'x', 259, 257}));
+  EXPECT_EQ(tok->decode(tok->encode("x<s\xc3\xa9>abc xyz")), "x<s\xc3\xa9>abc xyz");
+  EXPECT_EQ(tok->encode("xyz"), (I{'x', 'y', 'z'}));
+  EXPECT_EQ(tok->bos(), 259);
+  EXPECT_EQ(tok->eod(), 257);
+  EXPECT_EQ(tok->unk(), -1);
+  EXPECT_NE(tok->describe().find("Hugging Face byte-level BPE (260 tokens)"), std::string::npos) << tok->describe();
+  // ignore_merges (Llama 3's): a piece in the vocabulary is its token, whatever the merges.
+  TinyHfTokenizer ignoring;
+  ignoring.j["model"]["ignore_merges"] = true;
+  EXPECT_EQ(loom::text::load_tokenizer(ignoring.write(dir + "/b"))->encode("xyz abc"), (I{258, ' ', 257}));
+  // add_prefix_space: every stretch between added tokens starts with a space.
+  TinyHfTokenizer prefixed;
+  prefixed.j["pre_tokenizer"]["add_prefix_space"] = true;
+  EXPECT_EQ(loom::text::load_tokenizer(prefixed.write(dir + "/c"))->encode("ab<s\xc3\xa9>ab"), (I{' ', 256, 259, ' ', 256}));
+  // The file itself, or a directory with a SentencePiece model only, by what they are.
+  EXPECT_EQ(loom::text::tokenizer_source(dir + "/a/tokenizer.json").format, loom::text::TokenizerFormat::HuggingFaceJson);
+  boost::filesystem::create_directories(dir + "/sp");
+  std::ofstream(dir + "/sp/tokenizer.model") << "x";
+  EXPECT_EQ(loom::text::tokenizer_source(dir + "/sp").format, loom::text::TokenizerFormat::SentencePiece);
+  EXPECT_EQ(loom::text::tokenizer_source(dir + "/sp").file, dir + "/sp/tokenizer.model");
+  fs::remove_all(dir);
+}
+
+TEST(Text, HuggingFaceTokenizerJsonRefusesWhatLoomDoesNotRead) {
+  const std::string dir = loom::testing::scratch_dir("text_hf_bad");
+  int n = 0;
+  const auto refusal = [&](const std::function<void(TinyHfTokenizer&)>& edit) {
+    TinyHfTokenizer t;
+    edit(t);
+    try {
+      loom::text::load_tokenizer(t.write(dir + "/" + std::to_string(n++)));
+    } catch (const loom::text::TokenizerError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(loaded)");
+  };
+  const auto expect = [](const std::string& got, const char* want) {
+    EXPECT_NE(got.find(want), std::string::npos) << got;
+  };
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["type"] = "WordPiece"; }), "a WordPiece model; loom reads");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["byte_fallback"] = true; }), "give the tokenizer.model beside it");
+  expect(refusal([](TinyHfTokenizer& t) {
+           t.j["pre_tokenizer"] = {{"type", "Sequence"},
+                                   {"pretokenizers",
+                                    {{{"type", "Split"}, {"pattern", {{"Regex", "\\p{N}{1,3}"}}}, {"behavior", "Isolated"}},
+                                     {{"type", "ByteLevel"}, {"use_regex", false}}}}};
+         }),
+         "Split pattern {\"Regex\":\"\\\\p{N}{1,3}\"}: loom knows Llama 3's and Qwen2's");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["pre_tokenizer"] = {{"type", "Metaspace"}}; }),
+         "loom reads ByteLevel, or a Split");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["normalizer"] = {{"type", "NFKC"}}; }), "loom applies none or NFC only");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["lstrip"] = true; }), "has lstrip = true");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 300; }), "no token has id 259 (ids must run 0..300)");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 256; }),
+         "has id 256, which the vocabulary gives another token");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"].erase("a"); }), "no token has id 97");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["merges"].push_back(42); }), "model.merges: 42 is not a pair");
+  expect(refusal([](TinyHfTokenizer& t) { t.config = {{"eos_token", "</s>"}}; }),
+         "eos_token \"</s>\" is not a token of");
   fs::remove_all(dir);
 }
 
