@@ -4,6 +4,8 @@
 // weights read as checkpoint.init_weights reads them, the optimizer state fresh.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/files/temporaries.hpp"
+#include "engine/interop/hf_config.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/manifest/manifest.hpp"
 #include "engine/plugins/registry.hpp"
@@ -12,6 +14,9 @@
 
 #include <boost/filesystem.hpp>
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <iostream>
 
 namespace loom::cli {
@@ -19,6 +24,7 @@ namespace {
 
 const char* kUsage =
     "usage: loom import SOURCE MANIFEST OUTDIR [--set key=value]... [--plugin-path DIR]...\n"
+    "       loom import SOURCE --write-manifest FILE [--seq-length N]\n"
     "Writes OUTDIR/step_00000000: a loom checkpoint of MANIFEST's model at its parallel layout\n"
     "(tp, pp, dp, cp, ep, dtype) holding SOURCE's weights, with a fresh optimizer state. SOURCE is\n"
     "a Hugging Face model directory (config.json + model.safetensors of GPT2LMHeadModel,\n"
@@ -29,7 +35,41 @@ const char* kUsage =
     "checkpoint.init_weights reads it; MANIFEST must describe the same model (what differs is named).\n"
     "Then: loom run MANIFEST --set checkpoint.dir=OUTDIR --resume  trains on from it (the same run\n"
     "as checkpoint.init_weights = SOURCE), and loom generate, eval and export read OUTDIR.\n"
-    "OUTDIR must hold no checkpoint yet.\n";
+    "OUTDIR must hold no checkpoint yet.\n"
+    "--write-manifest writes FILE (- for standard output; an existing file is not replaced): a manifest\n"
+    "of SOURCE's model as its config.json describes it (the layers, their options, the blocks'\n"
+    "pattern, the rotary scaling; the tokenizer beside it as data.tokenizer), with a fine-tuning run\n"
+    "of one CPU rank around it to edit (layout, batch, optimizer, data). --seq-length: the training\n"
+    "sequence length (default: the model's context, at most 4096).\n";
+
+// loom import SOURCE --write-manifest FILE: the manifest of SOURCE's model.
+int write_manifest(const Args& args) {
+  const auto& pos = args.positionals();
+  if (pos.size() != 1) throw UsageError("import --write-manifest takes SOURCE only");
+  const std::string file = *args.get("--write-manifest");
+  if (file.empty()) throw UsageError("--write-manifest needs a file name");
+  const int64_t seq = args.get_int("--seq-length", 0);
+  if (args.has("--seq-length") && seq < 1) throw UsageError("--seq-length must be at least 1");
+  const std::string text = interop::manifest_for_hf(pos[0], seq);
+  if (file == "-") {
+    std::cout << text;
+    return 0;
+  }
+  if (boost::filesystem::exists(file))
+    throw std::runtime_error(file + " exists; the manifest is not written over it (give a new name, or - for "
+                             "standard output)");
+  files::WholeFile out(file);
+  {
+    std::ofstream f(out.path(), out.mode());
+    f << text;
+    f.close();
+    if (!f) throw std::runtime_error("cannot write " + file);
+  }
+  if (!out.commit()) throw std::runtime_error("cannot write " + file + ": " + std::strerror(errno));
+  std::cout << "wrote " << file << ": " << pos[0] << "'s model; edit its run (layout, batch, optimizer, data.path), "
+            << "then: loom import " << shell_word(pos[0]) << " " << shell_word(file) << " OUTDIR\n";
+  return 0;
+}
 
 // A path as the run's manifest must hold it: --set values are taken as written, so a
 // relative one is made absolute here (the checkpoint's manifest.toml keeps it).
@@ -62,13 +102,15 @@ struct MadeOutdir {
 int cmd_import(int argc, char** argv) {
   MadeOutdir made;
   try {
-    Args args(argc, argv, {}, {"--set", "--plugin-path"});
+    Args args(argc, argv, {}, {"--set", "--plugin-path", "--write-manifest", "--seq-length"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
     }
+    if (args.has("--write-manifest")) return write_manifest(args);
     const auto& pos = args.positionals();
     if (pos.size() != 3) throw UsageError("import takes SOURCE, MANIFEST and OUTDIR");
+    if (args.has("--seq-length")) throw UsageError("--seq-length goes with --write-manifest");
     for (const std::string& p : pos)
       if (p.empty()) throw UsageError("an empty path");
     const std::string source = absolute(pos[0]), out = absolute(pos[2]);

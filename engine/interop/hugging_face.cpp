@@ -1,5 +1,7 @@
 #include "engine/interop/hugging_face.hpp"
 
+#include "engine/interop/hf_config.hpp"
+
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 
@@ -226,19 +228,18 @@ struct Shape {
   bool qwen() const { return qk_norm || qkv_bias; }
   // Per-expert tensors named as Qwen3-MoE's (mlp.gate, mlp.experts.<j>.gate_proj, ...).
   bool qwen_style_experts() const { return qk_norm || qkv_bias || deepseek; }
-  // transformers' defaults, for a key a config.json leaves out.
-  double default_eps() const { return llama || qk_norm || deepseek ? 1e-6 : 1e-5; }  // Mixtral's 1e-5
+  // transformers' defaults, for a key a config.json leaves out (hf_config.hpp).
+  double default_eps() const { return hf_config_defaults(model_type()).rms_norm_eps; }
   int64_t default_kv_heads(int64_t heads) const {
-    if (deepseek) return deepseek_v2 ? heads : 128;  // DeepseekV2Config: num_attention_heads; V3's default
-    if (qkv_bias) return llama ? 32 : 16;  // Qwen2Config, Qwen2MoeConfig
-    if (!qk_norm) return llama && !mistral ? heads : 8;  // LlamaConfig: multi-head; MistralConfig, MixtralConfig: 8
-    return llama ? 32 : 4;                   // Qwen3Config, Qwen3MoeConfig
+    const int64_t kv = hf_config_defaults(model_type()).kv_heads;
+    return kv > 0 ? kv : heads;
   }
-  // Qwen3Config's head_dim is 128; the others have none (hidden / heads).
-  int64_t default_head_dim(int64_t hidden, int64_t heads) const { return qk_norm && llama ? 128 : hidden / heads; }
-  // sliding_window when config.json leaves it out: MistralConfig's, Qwen3Config's and
-  // Qwen3MoeConfig's 4096 (used where the config says so), MixtralConfig's none.
-  nlohmann::json default_window() const { return mixtral && !qk_norm ? nlohmann::json() : nlohmann::json(4096); }
+  int64_t default_head_dim(int64_t hidden, int64_t heads) const {
+    const int64_t d = hf_config_defaults(model_type()).head_dim;
+    return d > 0 ? d : hidden / heads;
+  }
+  double default_theta() const { return hf_config_defaults(model_type()).rope_theta; }
+  nlohmann::json default_window() const { return hf_config_defaults(model_type()).sliding_window; }
 };
 
 // A window reaching back over a whole sequence of seq_len tokens is no window there.
@@ -1378,7 +1379,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
   if (c.contains("tie_word_embeddings") && !c["tie_word_embeddings"].is_boolean())
     throw std::runtime_error(where + ": tie_word_embeddings = " + c["tie_word_embeddings"].dump() +
                              " is not true or false");
-  const bool hf_tied = c.value("tie_word_embeddings", s.gpt2);
+  const bool hf_tied = c.value("tie_word_embeddings", hf_config_defaults(s.model_type()).tie_word_embeddings);
   // The layer count: model.num_layers blocks of `pairs` attention + MLP pairs.
   auto require_layers = [&](const char* key) {
     const int64_t n = config_int(c, key, where);
@@ -1466,7 +1467,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
       throw std::runtime_error(where + " has no rope_scaling of type " + s.rope_type() +
                                ", which the model's rope_scaling = \"" + s.rope_type() + "\" computes");
     const bool given = !theta.is_null();
-    if (!given) theta = s.llama || s.qwen() || s.deepseek ? 10000.0 : 1000000.0;
+    if (!given) theta = s.default_theta();
     if (!theta.is_number() || theta.get<double>() != s.theta)
       throw std::runtime_error(where + ": rope_theta = " + theta.dump() + (given ? "" : " (transformers' default)") +
                                " but the model's rotary_base is " + std::to_string(s.theta) +

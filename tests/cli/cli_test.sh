@@ -435,6 +435,23 @@ mkdir -p "$work/not_a_model"
 [ $? -eq 1 ] && grep -q "SOURCE .*not_a_model is neither a Hugging Face model directory" "$work/other.out" \
   || fail "import of a directory holding no model: $(cat "$work/other.out")"
 
+# 16b. import --write-manifest: the manifest of the export's model (GPT-2's blocks) from
+# its config.json, which an import into tp 2 then takes; an existing file is not
+# written over; a directory without config.json says what it needs.
+"$loom" import "$work/hf" --write-manifest "$work/written.toml" > "$work/written.out" 2>&1 \
+  || fail "import --write-manifest: $(cat "$work/written.out")"
+grep -q "then: loom import" "$work/written.out" && grep -q '^num_layers = ' "$work/written.toml" \
+  || fail "import --write-manifest wrote: $(cat "$work/written.out" "$work/written.toml")"
+"$loom" import "$work/hf" "$work/written.toml" "$work/imported2" "${bytes[@]}" > "$work/import2.out" 2>&1 \
+  || fail "import with the written manifest: $(tail -3 "$work/import2.out")"
+[ "$("$loom" import "$work/hf" --write-manifest -)" = "$(cat "$work/written.toml")" ] || fail "--write-manifest - differs"
+"$loom" import "$work/hf" --write-manifest "$work/written.toml" > "$work/again.out" 2>&1
+[ $? -eq 1 ] && grep -q "written.toml exists; the manifest is not written over it" "$work/again.out" \
+  || fail "--write-manifest over a file: $(cat "$work/again.out")"
+"$loom" import "$work/not_a_model" --write-manifest "$work/none.toml" > "$work/none.out" 2>&1
+[ $? -eq 1 ] && grep -q "config.json: cannot read the file" "$work/none.out" && [ ! -e "$work/none.toml" ] \
+  || fail "--write-manifest of no model: $(cat "$work/none.out")"
+
 # 17. A disk that fills (here a file-size limit) while a checkpoint is written, in line
 # or beside training (checkpoint.async_save): the run fails naming the file (exit 1),
 # the step is not committed, the checkpoint before it stays, and a resume continues

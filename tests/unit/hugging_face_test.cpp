@@ -11,6 +11,7 @@
 #include "support/byte_level_vocab.hpp"
 #include "support/train_fixture.hpp"
 
+#include "engine/interop/hf_config.hpp"
 #include "engine/interop/hugging_face.hpp"
 #include "engine/interop/safetensors.hpp"
 #include "engine/text/tokenizer.hpp"
@@ -1919,6 +1920,59 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   }
   EXPECT_FALSE(fs::exists(dir + "/out13/model.safetensors"));
   fs::remove_all(dir);
+}
+
+// ---- the manifest of a Hugging Face model (loom import --write-manifest) ----------
+
+// The [model] sections manifest_for_hf writes for the model in `hf_dir`, as overrides
+// of the tiny manifest (its run, batch, data and optimizer kept).
+std::vector<std::string> written_model(const std::string& hf_dir) {
+  const std::string text = loom::interop::manifest_for_hf(hf_dir, 16);
+  const toml::table t = toml::parse(text);
+  std::vector<std::string> out;
+  std::function<void(const toml::table&, const std::string&)> walk = [&](const toml::table& tab,
+                                                                        const std::string& prefix) {
+    for (const auto& [k, v] : tab) {
+      const std::string key = prefix + std::string(k.str());
+      if (v.is_table()) walk(*v.as_table(), key + ".");
+      else out.push_back(key + "=" + loom::manifest::to_toml_text(v));
+    }
+  };
+  walk(*t["model"].as_table(), "model.");
+  EXPECT_NE(text.find("[data]\n"), std::string::npos);
+  return out;
+}
+
+// An export of `model` (trained at tp 2 x pp 2 x dp 2), read back through the manifest
+// written from its config.json alone: the first step's loss is the original model's,
+// bit for bit (the same serial computation).
+void check_written_manifest(const std::vector<std::string>& model, const std::string& architecture) {
+  SCOPED_TRACE(architecture);
+  const std::string dir = scratch("wm"), out = scratch("wm-out");
+  loom::interop::export_hf(parallel_checkpoint(model, dir), out, loom::plugins::registry());
+  const std::vector<std::string> written = written_model(out);
+  const double want = losses_from(serial(model), out, 1).at(0), got = losses_from(written, out, 1).at(0);
+  EXPECT_EQ(got, want) << "the written manifest computes another model";
+  std::string listed;
+  for (const std::string& w : written) listed += w + "\n";
+  SCOPED_TRACE(listed);
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
+
+TEST(HfImport, AWrittenManifestComputesTheModelItsConfigDescribes) {
+  check_written_manifest({}, "GPT2LMHeadModel");
+  check_written_manifest(llama3_rope(), "LlamaForCausalLM");
+  check_written_manifest(windowed(llama()), "MistralForCausalLM");
+  check_written_manifest(mixtral(), "MixtralForCausalLM");
+  check_written_manifest(qwen2_yarn(), "Qwen2ForCausalLM");
+  check_written_manifest(qwen2_moe(false), "Qwen2MoeForCausalLM");
+  check_written_manifest(qwen3(), "Qwen3ForCausalLM");
+  check_written_manifest(qwen3_moe_with_dense(), "Qwen3MoeForCausalLM");
+  check_written_manifest(deepseek_v3_dense_first(), "DeepseekV3ForCausalLM");
+  check_written_manifest(deepseek_v3_yarn(), "DeepseekV3ForCausalLM");
+  check_written_manifest(deepseek_v3(/*moe=*/false, /*query_latent=*/false), "DeepseekV3ForCausalLM");
+  check_written_manifest(deepseek_v2(/*groups=*/true), "DeepseekV2ForCausalLM");
 }
 
 // ---- safetensors ------------------------------------------------------------------

@@ -1,0 +1,35 @@
+// Hugging Face config.json as loom reads it: transformers' defaults for the keys a
+// config leaves out (by model_type), and a loom manifest of a model directory's model.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace loom::interop {
+
+// What transformers' config classes give a key config.json leaves out.
+struct HfConfigDefaults {
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  int64_t kv_heads = 0;              // num_key_value_heads; 0: one per query head
+  int64_t head_dim = 0;              // 0: hidden_size / num_attention_heads
+  nlohmann::json sliding_window;     // null: none
+  bool tie_word_embeddings = false;
+};
+// Throws std::runtime_error for a model_type loom does not map.
+HfConfigDefaults hf_config_defaults(const std::string& model_type);
+
+// The model types loom maps, with their architectures (LlamaForCausalLM, ...).
+const char* hf_architecture_of(const std::string& model_type);  // nullptr: not mapped
+
+// A manifest (TOML text) of DIR/config.json's model: [model] and its layers as loom
+// computes that architecture (what `loom import DIR MANIFEST OUT` checks against the
+// config again), and defaults for the rest of a fine-tuning run (one CPU rank, token
+// files of the model's tokenizer) to edit. `seq_length`: the training sequence length
+// (0: the model's context, at most 4096). Throws std::runtime_error naming what
+// config.json holds that loom has no counterpart for.
+std::string manifest_for_hf(const std::string& dir, int64_t seq_length = 0);
+
+}  // namespace loom::interop
