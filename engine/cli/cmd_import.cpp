@@ -63,7 +63,7 @@ int write_manifest(const Args& args) {
     std::ofstream f(out.path(), out.mode());
     f << text;
     f.close();
-    if (!f) throw std::runtime_error("cannot write " + file);
+    if (!f) throw std::runtime_error("cannot write " + file + ": " + std::strerror(errno));
   }
   if (!out.commit()) throw std::runtime_error("cannot write " + file + ": " + std::strerror(errno));
   std::cout << "wrote " << file << ": " << pos[0] << "'s model; edit its run (layout, batch, optimizer, data.path), "

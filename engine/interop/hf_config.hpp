@@ -15,11 +15,22 @@ struct HfConfigDefaults {
   double rope_theta = 10000.0;
   int64_t kv_heads = 0;              // num_key_value_heads; 0: one per query head
   int64_t head_dim = 0;              // 0: hidden_size / num_attention_heads
-  nlohmann::json sliding_window;     // null: none
+  nlohmann::json sliding_window;     // where the config turns one on without a size; null: none
   bool tie_word_embeddings = false;
 };
 // Throws std::runtime_error for a model_type loom does not map.
 HfConfigDefaults hf_config_defaults(const std::string& model_type);
+
+// YaRN's mscale(s, m) = 0.1 m ln s + 1 (1 for s <= 1): transformers' get_mscale,
+// Megatron-Core's yarn_get_mscale.
+double yarn_mscale(double scale, double m);
+// A number of a rope_scaling object, `fallback` when absent, null or 0 (transformers
+// reads beta_fast and beta_slow with `or`, mscale and mscale_all_dim by truth).
+double rope_number(const nlohmann::json& rope_scaling, const char* key, double fallback);
+// The factor transformers' _compute_yarn_parameters multiplies cos and sin by: the
+// object's attention_factor, else mscale's ratio when mscale and mscale_all_dim are both
+// given, else mscale(factor, 1).
+double hf_yarn_attention_factor(const nlohmann::json& rope_scaling);
 
 // The model types loom maps, with their architectures (LlamaForCausalLM, ...).
 const char* hf_architecture_of(const std::string& model_type);  // nullptr: not mapped

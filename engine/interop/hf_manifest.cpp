@@ -61,6 +61,11 @@ class Config {
     return c_[k].get<int64_t>();
   }
   int64_t integer_or(const char* k, int64_t fallback) const { return has(k) ? integer(k) : fallback; }
+  int64_t count_or(const char* k, int64_t fallback) const {  // >= 0
+    if (!has(k)) return fallback;
+    if (!c_[k].is_number_integer() || c_[k].get<int64_t>() < 0) fail(std::string(k) + " = " + c_[k].dump() + " is not a count");
+    return c_[k].get<int64_t>();
+  }
   double number_or(const char* k, double fallback) const {
     if (!has(k)) return fallback;
     if (!c_[k].is_number()) fail(std::string(k) + " = " + c_[k].dump() + " is not a number");
@@ -72,7 +77,9 @@ class Config {
     return c_[k].get<bool>();
   }
   std::string text_or(const char* k, const std::string& fallback) const {
-    return has(k) && c_[k].is_string() ? c_[k].get<std::string>() : fallback;
+    if (!has(k)) return fallback;
+    if (!c_[k].is_string()) fail(std::string(k) + " = " + c_[k].dump() + " is not a string");
+    return c_[k].get<std::string>();
   }
   [[noreturn]] void fail(const std::string& what) const { throw std::runtime_error(where_ + ": " + what); }
 
@@ -81,11 +88,6 @@ class Config {
   std::string where_;
 };
 
-// YaRN's mscale, as transformers' get_mscale.
-double mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
-double truthy_number(const nlohmann::json& r, const char* k, double fallback) {
-  return r.contains(k) && r[k].is_number() && r[k].get<double>() != 0.0 ? r[k].get<double>() : fallback;
-}
 
 // The rotary settings: rope_theta (at the top or in rope_parameters / rope_scaling) and
 // a llama3 or yarn scaling, as attention options.
@@ -96,46 +98,58 @@ void rope_options(const Config& c, const HfConfigDefaults& d, Section& att) {
     if (!c.has(k)) continue;
     const nlohmann::json& r = c.at(k);
     if (!r.is_object()) c.fail(std::string(k) + " = " + r.dump() + " is not an object");
-    if (r.contains("rope_theta") && r["rope_theta"].is_number()) theta = r["rope_theta"].get<double>();
-    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
+    if (r.contains("rope_theta") && !r["rope_theta"].is_null()) {
+      if (!r["rope_theta"].is_number()) c.fail(std::string(k) + ".rope_theta = " + r["rope_theta"].dump() + " is not a number");
+      if (theta > 0.0 && r["rope_theta"].get<double>() != theta)
+        c.fail(std::string(k) + ".rope_theta = " + r["rope_theta"].dump() + " differs from rope_theta = " + std::to_string(theta));
+      theta = r["rope_theta"].get<double>();
+    }
+    const nlohmann::json named = r.contains("rope_type") ? r["rope_type"] : r.contains("type") ? r["type"] : nlohmann::json("default");
+    if (!named.is_string()) c.fail(std::string(k) + ": rope_type " + named.dump() + " is not a string");
+    const std::string type = named.get<std::string>();
     if (type == "llama3" || type == "yarn") scaling = r;
     else if (type != "default") c.fail(std::string(k) + " = " + r.dump() + " (scaled rotary frequencies) has no loom counterpart");
     if (r.contains("partial_rotary_factor") && r["partial_rotary_factor"] != 1.0)
       c.fail(std::string(k) + " = " + r.dump() + " rotates part of each head only, which loom's import does not map");
   }
+  if (c.has("rope_theta") && theta <= 0.0) c.fail("rope_theta = " + c.at("rope_theta").dump() + " is not positive");
   att.real("rotary_base", theta > 0.0 ? theta : d.rope_theta);
   if (scaling.is_null()) return;
-  const std::string type = scaling.value("rope_type", scaling.value("type", std::string()));
+  const std::string type = (scaling.contains("rope_type") ? scaling["rope_type"] : scaling["type"]).get<std::string>();
   const auto number = [&](const char* k) {
-    if (!scaling.contains(k) || !scaling[k].is_number()) c.fail("rope_scaling " + scaling.dump() + " has no number " + k);
+    if (!scaling.contains(k) || !scaling[k].is_number() || !(scaling[k].get<double>() > 0.0))
+      c.fail("rope_scaling " + scaling.dump() + " has no positive number " + k);
     return scaling[k].get<double>();
+  };
+  const auto position = [&](const char* k) {
+    if (!scaling.contains(k) || !scaling[k].is_number_integer() || scaling[k].get<int64_t>() < 1)
+      c.fail("rope_scaling " + scaling.dump() + " has no positive integer " + k);
+    return scaling[k].get<int64_t>();
   };
   att.text("rope_scaling", type);
   att.real("rope_scaling_factor", number("factor"));
   if (type == "llama3") {
     att.real("rope_low_freq_factor", number("low_freq_factor"));
     att.real("rope_high_freq_factor", number("high_freq_factor"));
-    att.integer("rope_original_max_position", static_cast<int64_t>(number("original_max_position_embeddings")));
+    att.integer("rope_original_max_position", position("original_max_position_embeddings"));
     return;
   }
   const double f = number("factor");
-  att.integer("rope_original_max_position",
-              scaling.contains("original_max_position_embeddings")
-                  ? static_cast<int64_t>(number("original_max_position_embeddings"))
-                  : c.integer("max_position_embeddings"));
-  att.real("rope_beta_fast", truthy_number(scaling, "beta_fast", 32.0));
-  att.real("rope_beta_slow", truthy_number(scaling, "beta_slow", 1.0));
+  att.integer("rope_original_max_position", scaling.contains("original_max_position_embeddings")
+                                                ? position("original_max_position_embeddings")
+                                                : c.integer("max_position_embeddings"));
+  att.real("rope_beta_fast", rope_number(scaling, "beta_fast", 32.0));
+  att.real("rope_beta_slow", rope_number(scaling, "beta_slow", 1.0));
   if (scaling.contains("truncate") && scaling["truncate"] == false)
     c.fail("rope_scaling.truncate = false (correction dimensions not rounded) has no loom counterpart");
-  // transformers' factor on cos and sin, and loom's from the same mscale keys.
-  const double m = truthy_number(scaling, "mscale", 0.0), all = truthy_number(scaling, "mscale_all_dim", 0.0);
-  const double hf = scaling.contains("attention_factor") && scaling["attention_factor"].is_number()
-                        ? scaling["attention_factor"].get<double>()
-                        : (m != 0.0 && all != 0.0 ? mscale(f, m) / mscale(f, all) : mscale(f, 1.0));
+  // transformers' factor on cos and sin, and loom's (Megatron-Core's ratio) from the
+  // same mscale keys; the factor itself where they differ.
+  const double m = rope_number(scaling, "mscale", 0.0), all = rope_number(scaling, "mscale_all_dim", 0.0);
+  const double hf = hf_yarn_attention_factor(scaling);
   const double loom_m = m != 0.0 && all != 0.0 ? m : 1.0;
   att.real("rope_mscale", loom_m);
   att.real("rope_mscale_all_dim", all);
-  if (std::fabs(mscale(f, loom_m) / mscale(f, all) - hf) > 1e-12 * hf) att.real("rope_attention_factor", hf);
+  if (std::fabs(yarn_mscale(f, loom_m) / yarn_mscale(f, all) - hf) > 1e-12 * hf) att.real("rope_attention_factor", hf);
 }
 
 // Each layer's kind (true: MoE) as transformers builds the model.
@@ -154,8 +168,7 @@ std::vector<bool> sparse_layers(const Config& c, const std::string& type, int64_
     if (c.has("moe_layer_freq") && c.at("moe_layer_freq") != 1)
       c.fail("moe_layer_freq = " + c.at("moe_layer_freq").dump() + " leaves MoE layers dense, which transformers' "
              "DeepseekV2 and V3 do not");
-    const int64_t first = c.has("first_k_dense_replace") ? c.at("first_k_dense_replace").get<int64_t>()
-                                                          : (type == "deepseek_v2" ? 0 : 3);
+    const int64_t first = c.count_or("first_k_dense_replace", type == "deepseek_v2" ? 0 : 3);
     for (int64_t l = 0; l < layers; ++l) sparse[static_cast<size_t>(l)] = l >= first;
   }
   return sparse;
@@ -228,9 +241,17 @@ void moe_options(const Config& c, const nlohmann::json& json, const std::string&
   moe.integer("shared_expert_ffn_hidden_size", c.integer_or("n_shared_experts", v2 ? 2 : 1) * expert_ffn);
   moe.real("topk_scaling_factor", c.number_or("routed_scaling_factor", v2 ? 1.0 : 2.5));
   moe.real("aux_loss_coeff", 0.0);  // DeepSeek's balance is the expert bias (V3) or its own losses
+  const std::string method = c.text_or("topk_method", v2 ? "greedy" : "noaux_tc");
+  const std::string scoring = c.text_or("scoring_func", v2 ? "softmax" : "sigmoid");
+  if (scoring != (v2 ? "softmax" : "sigmoid"))
+    c.fail("scoring_func = \"" + scoring + "\"; transformers' " + (v2 ? "DeepseekV2 routes by softmax" : "DeepseekV3 by sigmoid"));
+  if (v2 ? method != "greedy" && method != "group_limited_greedy" : method != "noaux_tc")
+    c.fail("topk_method = \"" + method + "\" is not " + (v2 ? "greedy or group_limited_greedy" : "noaux_tc"));
+  if (!v2 && !c.flag_or("norm_topk_prob", true))
+    c.fail("norm_topk_prob = false: loom's sigmoid router renormalises the chosen experts' gates");
   if (v2) {
     moe.flag("pre_softmax", true);
-    if (c.text_or("topk_method", "greedy") == "group_limited_greedy") {
+    if (method == "group_limited_greedy") {
       moe.integer("num_groups", c.integer("n_group"));
       moe.integer("group_topk", c.integer("topk_group"));
       moe.text("group_score", "best");
@@ -243,6 +264,13 @@ void moe_options(const Config& c, const nlohmann::json& json, const std::string&
   moe.flag("expert_bias", true);
 }
 
+// Text for a comment line: control characters (a newline in a path) as '?'.
+std::string comment_text(std::string s) {
+  for (char& ch : s)
+    if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+  return s;
+}
+
 void write_section(std::string& out, const Section& s) {
   out += "\n";
   if (!s.comment.empty()) out += s.comment;
@@ -252,11 +280,23 @@ void write_section(std::string& out, const Section& s) {
 
 }  // namespace
 
+double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+double rope_number(const nlohmann::json& r, const char* key, double fallback) {
+  return r.contains(key) && r[key].is_number() && r[key].get<double>() != 0.0 ? r[key].get<double>() : fallback;
+}
+
+double hf_yarn_attention_factor(const nlohmann::json& r) {
+  if (r.contains("attention_factor") && r["attention_factor"].is_number()) return r["attention_factor"].get<double>();
+  const double f = r["factor"].get<double>(), m = rope_number(r, "mscale", 0.0), all = rope_number(r, "mscale_all_dim", 0.0);
+  return m != 0.0 && all != 0.0 ? yarn_mscale(f, m) / yarn_mscale(f, all) : yarn_mscale(f, 1.0);
+}
+
 HfConfigDefaults hf_config_defaults(const std::string& type) {
   if (!hf_architecture_of(type)) throw std::runtime_error("model_type \"" + type + "\" is not one loom maps");
   HfConfigDefaults d;
   d.tie_word_embeddings = type == "gpt2";
-  d.rms_norm_eps = type == "mixtral" || type == "qwen2_moe" ? 1e-5 : 1e-6;
+  d.rms_norm_eps = type == "mixtral" ? 1e-5 : 1e-6;
   d.rope_theta = type == "mixtral" ? 1e6 : 1e4;
   if (type == "deepseek_v3") d.kv_heads = 128;
   if (type == "qwen2") d.kv_heads = 32;
@@ -264,7 +304,8 @@ HfConfigDefaults hf_config_defaults(const std::string& type) {
   if (type == "mistral" || type == "mixtral") d.kv_heads = 8;
   if (type == "qwen3") d.kv_heads = 32, d.head_dim = 128;
   if (type == "qwen3_moe") d.kv_heads = 4;
-  if (type != "mixtral" && type != "qwen2_moe") d.sliding_window = 4096;
+  if (type == "mistral" || type == "qwen2" || type == "qwen2_moe" || type == "qwen3" || type == "qwen3_moe")
+    d.sliding_window = 4096;
   return d;
 }
 
@@ -289,12 +330,13 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   }
   if (!json.is_object()) throw std::runtime_error(where + " is not a JSON object");
   const Config c(json, where);
-  const std::string type = c.text_or("model_type", "");
+  const std::string type = c.has("model_type") && c.at("model_type").is_string() ? c.text_or("model_type", "") : "";
   const char* arch = hf_architecture_of(type);
   if (!arch) {
     std::string known;
     for (const ModelType& m : kModelTypes) known += std::string(known.empty() ? "" : ", ") + m.type;
-    c.fail("model_type \"" + type + "\" is not one loom maps (" + known + ")");
+    c.fail("model_type = " + (c.has("model_type") ? c.at("model_type").dump() : std::string("(none)")) +
+           " is not one loom maps (" + known + ")");
   }
   if (c.has("architectures") && (!c.at("architectures").is_array() || c.at("architectures").size() != 1 ||
                                  c.at("architectures")[0] != arch))
@@ -400,16 +442,17 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   }
 
   // The tokenizer beside the weights, when loom reads it.
-  std::string tokenizer;
+  std::string tokenizer, no_tokenizer;
   try {
     text::load_tokenizer(dir);
     tokenizer = fs::absolute(dir).lexically_normal().string();
-  } catch (const text::TokenizerError&) {
+  } catch (const std::exception& e) {
+    no_tokenizer = e.what();
   }
   const std::string name = fs::absolute(dir).lexically_normal().filename().string();
-  std::string out = "# " + name + " (" + arch + ") as a loom model, from " + where + "\n"
+  std::string out = "# " + comment_text(name) + " (" + arch + ") as a loom model, from " + comment_text(where) + "\n"
                     "# (loom import --write-manifest). [model] and [model.*] compute the model the\n"
-                    "# config describes; `loom import " + dir + " THIS_FILE OUTDIR` checks them against it\n"
+                    "# config describes; `loom import " + comment_text(dir) + " THIS_FILE OUTDIR` checks them against it\n"
                     "# again and writes the checkpoint. The rest is a fine-tuning run to edit: layout,\n"
                     "# device, batch, optimizer and the data, token files of the model's tokenizer.\n";
   Section run{"run", "", {}};
@@ -441,9 +484,13 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   write_section(out, device);
   Section data{"data",
                "# Token files of your text in the model's tokenizer, e.g.\n"
-               "#   loom preprocess --tokenizer " + (tokenizer.empty() ? std::string("TOKENIZER") : tokenizer) +
+               "#   loom preprocess --tokenizer " + (tokenizer.empty() ? std::string("TOKENIZER") : comment_text(tokenizer)) +
                    " --input corpus.jsonl --output-prefix corpus --append-eod\n",
                {}};
+  if (!no_tokenizer.empty()) {
+    std::string first_line = no_tokenizer.substr(0, no_tokenizer.find('\n'));
+    data.comment += "# (no data.tokenizer: " + comment_text(first_line) + ")\n";
+  }
   data.text("kind", "indexed");
   data.text("path", "corpus");
   if (!tokenizer.empty()) data.text("tokenizer", tokenizer);

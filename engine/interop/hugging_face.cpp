@@ -125,22 +125,6 @@ std::string option_string(const toml::table& t, const char* key, const std::stri
   return t[key].value_or(fallback);
 }
 
-// YaRN's mscale (transformers' get_mscale, Megatron-Core's yarn_get_mscale).
-double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
-
-// A number of a rope_scaling object, `fallback` when absent, null or 0 (transformers
-// reads beta_fast and beta_slow with `or`, mscale and mscale_all_dim by truth).
-double rope_number(const nlohmann::json& r, const char* key, double fallback) {
-  return r.contains(key) && r[key].is_number() && r[key].get<double>() != 0.0 ? r[key].get<double>() : fallback;
-}
-
-// The factor transformers' _compute_yarn_parameters multiplies cos and sin by.
-double hf_yarn_attention_factor(const nlohmann::json& r) {
-  if (r.contains("attention_factor") && r["attention_factor"].is_number()) return r["attention_factor"].get<double>();
-  const double f = r["factor"].get<double>(), m = rope_number(r, "mscale", 0.0), all = rope_number(r, "mscale_all_dim", 0.0);
-  return m != 0.0 && all != 0.0 ? yarn_mscale(f, m) / yarn_mscale(f, all) : yarn_mscale(f, 1.0);
-}
-
 // rope_scaling = "yarn" as a rope_scaling object: its keys always written, and
 // attention_factor when loom's (rope_attention_factor, or Megatron-Core's mscale ratio,
 // which keeps rope_mscale without rope_mscale_all_dim) is not what transformers derives.
@@ -922,8 +906,13 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   if (gpt2) {
     files.emplace_back("vocab.json", read_whole((fs::path(path) / "encoder.json").string()));
     files.emplace_back("merges.txt", read_whole((fs::path(path) / "vocab.bpe").string()));
-  } else if (fast) {  // as it is: transformers reads its pre-tokenizer and added tokens itself
-    files.emplace_back("tokenizer.json", read_whole(source.file));
+  } else if (fast) {
+    // As it is (transformers reads its pre-tokenizer and added tokens itself), less its
+    // post-processor (Llama 3's prepends <|begin_of_text|>): loom preprocess adds no
+    // token of its own, so AutoTokenizer should not either.
+    nlohmann::ordered_json tj = nlohmann::ordered_json::parse(read_whole(source.file));
+    if (tj.contains("post_processor")) tj["post_processor"] = nullptr;
+    files.emplace_back("tokenizer.json", tj.dump(2) + "\n");
   } else {
     files.emplace_back("tokenizer.model", read_whole(source.file));
   }
@@ -969,6 +958,11 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(out_dir + " is a file; give a directory to write the model into");
   if (fs::exists(fs::path(out_dir) / "meta.toml") || train::latest_checkpoint(out_dir))
     throw std::runtime_error(out_dir + " holds a loom checkpoint; write the export into a directory of its own");
+  // Beside another model's shards, transformers and loom would read model.safetensors
+  // and leave them: a directory of two models.
+  if (fs::exists(fs::path(out_dir) / "model.safetensors.index.json"))
+    throw std::runtime_error(out_dir + " holds a model split into shards (model.safetensors.index.json); write the "
+                             "export into a directory of its own");
   const train::WholeCheckpoint ck = train::gather_checkpoint(step_dir, registry);
   HfModel hf = to_hf(ck, registry);
   std::vector<std::pair<std::string, std::string>> extra;
@@ -1035,8 +1029,8 @@ namespace {
 // Hub carry GPT2Model's names).
 class HfTensors {
  public:
-  HfTensors(const std::string& dir) : dir_(dir) {
-    for (NamedTensor& t : read_safetensors((boost::filesystem::path(dir) / "model.safetensors").string()).tensors) {
+  explicit HfTensors(const std::string& dir) {
+    for (NamedTensor& t : read_safetensors_model(dir, &source_)) {
       std::string name = t.name;
       by_name_[name] = std::move(t);
     }
@@ -1048,18 +1042,18 @@ class HfTensors {
   int32_t dtype() const { return dtype_ == "BF16" ? LOOM_DTYPE_BF16 : LOOM_DTYPE_F32; }
   const NamedTensor& get(const std::string& name, const std::vector<int64_t>& shape) const {
     const NamedTensor* t = find(name);
-    if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
+    if (t == nullptr) throw std::runtime_error(source_ + " has no " + name);
     if (t->dtype != "F32" && t->dtype != "BF16")
-      throw std::runtime_error(dir_ + "/model.safetensors: tensor " + name + " is " + t->dtype +
+      throw std::runtime_error(source_ + ": tensor " + name + " is " + t->dtype +
                                "; F32 and BF16 are read");
     if (t->dtype != dtype_)
-      throw std::runtime_error(dir_ + "/model.safetensors mixes " + dtype_ + " and " + t->dtype + " tensors (" +
+      throw std::runtime_error(source_ + " mixes " + dtype_ + " and " + t->dtype + " tensors (" +
                                name + "); one dtype is read");
     if (t->shape != shape) {
       std::string want, got;
       for (int64_t d : shape) want += (want.empty() ? "" : ", ") + std::to_string(d);
       for (int64_t d : t->shape) got += (got.empty() ? "" : ", ") + std::to_string(d);
-      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is [" + got + "], the model needs [" + want + "]");
+      throw std::runtime_error(source_ + ": " + name + " is [" + got + "], the model needs [" + want + "]");
     }
     require_finite(*t, name);
     read_.insert(t->name);
@@ -1069,11 +1063,11 @@ class HfTensors {
   // checkpoints keep the routers' e_score_correction_bias in F32 beside BF16 weights).
   std::vector<float> floats(const std::string& name, int64_t n) const {
     const NamedTensor* t = find(name);
-    if (t == nullptr) throw std::runtime_error(dir_ + "/model.safetensors has no " + name);
+    if (t == nullptr) throw std::runtime_error(source_ + " has no " + name);
     if ((t->dtype != "F32" && t->dtype != "BF16") || t->shape != std::vector<int64_t>{n}) {
       std::string shape;
       for (int64_t d : t->shape) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
-      throw std::runtime_error(dir_ + "/model.safetensors: " + name + " is " + t->dtype + " [" + shape +
+      throw std::runtime_error(source_ + ": " + name + " is " + t->dtype + " [" + shape +
                                "]; F32 or BF16 [" + std::to_string(n) + "] is read");
     }
     require_finite(*t, name);
@@ -1122,11 +1116,12 @@ class HfTensors {
       float x = 0;
       std::memcpy(&x, &bits, 4);
       if (!std::isfinite(x))
-        throw std::runtime_error(dir_ + "/model.safetensors: " + name + " holds " + std::to_string(x) +
+        throw std::runtime_error(source_ + ": " + name + " holds " + std::to_string(x) +
                                  " at element " + std::to_string(i) + "; the weights must be finite");
     }
   }
-  std::string dir_, dtype_;
+  std::string dtype_;
+  std::string source_;  // model.safetensors, or the index of its shards
   std::map<std::string, NamedTensor> by_name_;
   mutable std::set<std::string> read_;  // the names get() returned
 };
@@ -1550,6 +1545,10 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
                                (kv_given ? "" : " (transformers' default)") +
                                ", but DeepSeek-V3's attention has one per query head (num_attention_heads = " +
                                std::to_string(H) + ")");
+    if (!kv_given && (kv > H || H % kv != 0))  // transformers could not build it either
+      throw std::runtime_error(where + " has no num_key_value_heads, and " + s.architecture() + "'s default of " +
+                               std::to_string(kv) + " key/value heads does not divide num_attention_heads = " +
+                               std::to_string(H) + ": give num_key_value_heads in config.json");
     require_equal(kv, G, kv_given ? "num_key_value_heads" : "num_key_value_heads (absent: transformers' default)",
                   "model.layer.attention.num_query_groups", where);
     out.add(s.embedding + "word.weight", hf.get("model.embed_tokens.weight", {vocab, C}), tie);

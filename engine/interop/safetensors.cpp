@@ -1,4 +1,5 @@
 #include "engine/interop/safetensors.hpp"
+#include <map>
 
 #include "engine/files/temporaries.hpp"
 
@@ -181,14 +182,63 @@ SafetensorsFile read_safetensors(const std::string& path) {
   if (!boost::filesystem::is_regular_file(path)) {
     const std::string index = path + ".index.json";  // save_pretrained's shards: model-00001-of-0000N.safetensors
     if (boost::filesystem::exists(index))
-      throw SafetensorsError(path + " is split into shards (" + index +
-                             "); loom reads one file: save the model with a max_shard_size above its size");
+      throw SafetensorsError(path + " is split into shards (" + index + "): read the model's directory");
     throw SafetensorsError("cannot read " + path + (boost::filesystem::exists(path) ? ": not a regular file" : ""));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw SafetensorsError("cannot read " + path);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   return parse_safetensors(bytes, path);
+}
+
+std::vector<NamedTensor> read_safetensors_model(const std::string& dir, std::string* source) {
+  namespace fs = boost::filesystem;
+  const std::string whole = (fs::path(dir) / "model.safetensors").string();
+  const std::string index_path = whole + ".index.json";
+  if (fs::exists(whole) || !fs::exists(index_path)) {
+    if (source) *source = whole;
+    return read_safetensors(whole).tensors;
+  }
+  if (source) *source = index_path;
+  nlohmann::json index;
+  try {
+    std::ifstream in(index_path, std::ios::binary);
+    if (!in) throw SafetensorsError("cannot read " + index_path);
+    index = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw SafetensorsError(index_path + " is not JSON: " + e.what());
+  }
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object() ||
+      index["weight_map"].empty())
+    throw SafetensorsError(index_path + " has no weight_map (tensor name -> shard file)");
+  std::vector<std::string> shards;  // in the order the index first names them
+  std::map<std::string, std::string> shard_of;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    if (!file.is_string() || file.get<std::string>().empty() ||
+        fs::path(file.get<std::string>()).filename().string() != file.get<std::string>() || file == "." || file == "..")
+      throw SafetensorsError(index_path + ": tensor " + name + "'s shard " + file.dump() +
+                             " is not a file name in the model's directory");
+    if (std::find(shards.begin(), shards.end(), file.get<std::string>()) == shards.end()) shards.push_back(file);
+    shard_of[name] = file;
+  }
+  std::vector<NamedTensor> out;
+  std::map<std::string, std::string> found;  // tensor -> the shard that holds it
+  for (const std::string& shard : shards) {
+    for (NamedTensor& t : read_safetensors((fs::path(dir) / shard).string()).tensors) {
+      const auto listed = shard_of.find(t.name);
+      if (listed == shard_of.end())
+        throw SafetensorsError(shard + " holds " + t.name + ", which " + index_path + "'s weight_map does not list");
+      if (listed->second != shard)
+        throw SafetensorsError(shard + " holds " + t.name + ", which " + index_path + " puts in " + listed->second);
+      if (!found.emplace(t.name, shard).second)
+        throw SafetensorsError(shard + " holds " + t.name + " twice");
+      out.push_back(std::move(t));
+    }
+  }
+  for (const auto& [name, shard] : shard_of)
+    if (!found.count(name))
+      throw SafetensorsError(index_path + " puts " + name + " in " + shard + ", which does not hold it");
+  return out;
 }
 
 }  // namespace loom::interop

@@ -40,6 +40,14 @@ struct SafetensorsFile {
   std::map<std::string, std::string> metadata;
 };
 SafetensorsFile read_safetensors(const std::string& path);
+
+// A model's tensors in a Hugging Face directory: DIR/model.safetensors, or the shards
+// save_pretrained writes above its max_shard_size (DIR/model.safetensors.index.json,
+// whose weight_map names each tensor's file, model-0000i-of-0000N.safetensors). Every
+// shard is read and checked against the index: each tensor in the file the index names,
+// listed once, none missing, shard names plain file names in DIR. `source` is set to
+// what the tensors came from, for messages.
+std::vector<NamedTensor> read_safetensors_model(const std::string& dir, std::string* source = nullptr);
 // The same from the bytes of a file (`what` names it in errors).
 SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::string& what);
 

@@ -3,6 +3,8 @@
 #include "engine/text/unicode_classes.hpp"
 
 #include <atomic>
+#include <functional>
+#include <queue>
 #include <climits>
 
 namespace loom::text {
@@ -95,27 +97,40 @@ void ByteLevelBpe::merge_piece(std::string_view piece, std::vector<int32_t>& out
       return;
     }
   }
-  while (word.size() > 1) {
-    // The adjacent pair of lowest rank; then every occurrence of it, left to right.
-    int32_t best = INT32_MAX;
-    size_t at = 0;
-    for (size_t i = 0; i + 1 < word.size(); ++i) {
-      const auto it = ranks_.find(word[i] + ' ' + word[i + 1]);
-      if (it != ranks_.end() && it->second < best) best = it->second, at = i;
-    }
-    if (best == INT32_MAX) break;
-    const std::string left = word[at], right = word[at + 1];
-    std::vector<std::string> merged;
-    for (size_t i = 0; i < word.size(); ++i) {
-      if (i + 1 < word.size() && word[i] == left && word[i + 1] == right) {
-        merged.push_back(left + right);
-        ++i;
-      } else {
-        merged.push_back(word[i]);
-      }
-    }
-    word = std::move(merged);
+  // The pair of lowest rank first, leftmost among equals (a heap of candidate pairs,
+  // each checked when taken: its symbols may have merged since). Merging every
+  // occurrence of the best pair left to right, GPT-2's loop, gives the same symbols
+  // (a merge cannot make another occurrence of its own pair), in n log n, not n^2.
+  const size_t n = word.size();
+  std::vector<size_t> next(n), prev(n);
+  std::vector<bool> alive(n, true);
+  for (size_t i = 0; i < n; ++i) next[i] = i + 1, prev[i] = i - 1;  // prev[0] wraps: never read
+  using Candidate = std::pair<int32_t, size_t>;  // (rank, left symbol)
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
+  const auto rank_of = [&](size_t left) {
+    const auto it = ranks_.find(word[left] + ' ' + word[next[left]]);
+    return it == ranks_.end() ? INT32_MAX : it->second;
+  };
+  const auto consider = [&](size_t left) {
+    if (left < n && alive[left] && next[left] < n)
+      if (const int32_t r = rank_of(left); r != INT32_MAX) heap.emplace(r, left);
+  };
+  for (size_t i = 0; i + 1 < n; ++i) consider(i);
+  while (!heap.empty()) {
+    const auto [r, left] = heap.top();
+    heap.pop();
+    if (!alive[left] || next[left] >= n || rank_of(left) != r) continue;  // stale
+    const size_t right = next[left];
+    word[left] += word[right];
+    alive[right] = false;
+    next[left] = next[right];
+    if (next[left] < n) prev[next[left]] = left;
+    if (left > 0) consider(prev[left]);
+    consider(left);
   }
+  std::vector<std::string> merged;
+  for (size_t i = 0; i < n; i = next[i]) merged.push_back(std::move(word[i]));
+  word = std::move(merged);
   for (const std::string& symbol : word) {
     const int32_t id = id_of(symbol);
     if (id < 0) throw TokenizerError(source + ": merge result '" + symbol + "' has no id in the vocabulary");

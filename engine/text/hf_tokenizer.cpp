@@ -104,26 +104,26 @@ std::string string_member(const nlohmann::json& j, const char* key, const std::s
   return j[key].get<std::string>();
 }
 
-// tokenizer_config.json's bos_token / eos_token / unk_token: a string, or an object
-// with the string as its content; "" when absent.
-std::string special_token(const nlohmann::json& cfg, const char* key) {
-  if (!cfg.contains(key)) return "";
-  const nlohmann::json& v = cfg[key];
-  if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content") && v["content"].is_string()) return v["content"].get<std::string>();
-  return "";
+// A true/false member, `fallback` when absent or null; anything else is refused.
+bool bool_member(const nlohmann::json& j, const char* key, bool fallback, const std::string& where) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  if (!j[key].is_boolean()) throw TokenizerError(where + ": " + key + " = " + j[key].dump() + " is not true or false");
+  return j[key].get<bool>();
 }
 
-// NFC of text that is valid UTF-8 (other bytes are left as they are).
-std::string nfc(std::string_view text) {
-  bool ascii = true, valid = true;
-  for (size_t i = 0; i < text.size();) {
-    const CodePoint c = decode_utf8(text, i);
-    ascii = ascii && c.cp < 0x80;
-    valid = valid && c.cp < 0x110000;
-    i += c.bytes;
-  }
-  if (ascii || !valid) return std::string(text);
+// tokenizer_config.json's bos_token / eos_token / unk_token: a string, or an object
+// with the string as its content; "" when absent or null.
+std::string special_token(const nlohmann::json& cfg, const char* key, const std::string& where) {
+  if (!cfg.contains(key) || cfg[key].is_null()) return "";
+  const nlohmann::json& v = cfg[key];
+  if (v.is_string() && !v.get<std::string>().empty()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string() && !v["content"].get<std::string>().empty())
+    return v["content"].get<std::string>();
+  throw TokenizerError(where + ": " + key + " = " + v.dump() + " is not a token (a string, or {\"content\": ...})");
+}
+
+// NFC of one stretch of valid UTF-8.
+std::string nfc_valid(std::string_view text) {
   UErrorCode err = U_ZERO_ERROR;
   const icu::Normalizer2* n = icu::Normalizer2::getNFCInstance(err);
   if (U_FAILURE(err)) throw TokenizerError(std::string("ICU has no NFC normaliser: ") + u_errorName(err));
@@ -132,6 +132,32 @@ std::string nfc(std::string_view text) {
   if (U_FAILURE(err)) throw TokenizerError(std::string("NFC normalisation failed: ") + u_errorName(err));
   std::string out;
   normal.toUTF8String(out);
+  return out;
+}
+
+// NFC of text: each stretch of valid UTF-8 normalised, bytes that are not UTF-8 kept as
+// they are (they stay bytes of their own, as the byte-level model encodes them).
+std::string nfc(std::string_view text) {
+  std::string out;
+  size_t start = 0;  // of the current valid stretch
+  bool ascii = true;
+  const auto flush = [&](size_t end) {
+    const std::string_view stretch = text.substr(start, end - start);
+    out += ascii ? std::string(stretch) : nfc_valid(stretch);
+  };
+  for (size_t i = 0; i < text.size();) {
+    const CodePoint c = decode_utf8(text, i);
+    if (c.cp >= 0x110000) {  // not UTF-8: the stretch ends before it
+      flush(i);
+      out += text[i];
+      start = i + 1;
+      ascii = true;
+    } else {
+      ascii = ascii && c.cp < 0x80;
+    }
+    i += c.bytes;
+  }
+  flush(text.size());
   return out;
 }
 
@@ -162,19 +188,29 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
     refuse("a " + (type.empty() ? std::string("model without a type") : type + " model") +
            "; loom reads byte-level BPE tokenizer.json files (GPT-2's, Llama 3's, Qwen's), GPT-2's encoder.json + "
            "vocab.bpe and SentencePiece .model files");
-  if (m.value("byte_fallback", false))
+  if (bool_member(m, "byte_fallback", false, file))
     refuse("a byte-fallback BPE (SentencePiece's, as Llama 2 and Mistral ship it): give the tokenizer.model beside it");
-  if (m.contains("dropout") && !m["dropout"].is_null() && m["dropout"] != 0.0) refuse("BPE dropout is for training");
+  if (m.contains("dropout") && !m["dropout"].is_null() && !(m["dropout"].is_number() && m["dropout"] == 0.0))
+    refuse("model.dropout = " + m["dropout"].dump() + ": loom encodes without BPE dropout (null or 0)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (!string_member(m, key, file).empty()) refuse(std::string(key) + " has no byte-level counterpart");
-  t.bpe_.set_ignore_merges(m.value("ignore_merges", false));
+  t.bpe_.set_ignore_merges(bool_member(m, "ignore_merges", false, file));
 
   // The vocabulary and the merges ("a b", or ["a", "b"] in newer files).
   if (!m.contains("vocab") || !m["vocab"].is_object() || m["vocab"].empty()) refuse("model.vocab is not a token -> id object");
+  // Ids run 0..entries-1 (the vocabulary and the added tokens): any other is refused
+  // before anything is sized by it.
+  const int64_t entries = static_cast<int64_t>(m["vocab"].size()) +
+                          (j.contains("added_tokens") && j["added_tokens"].is_array()
+                               ? static_cast<int64_t>(j["added_tokens"].size()) : 0);
+  const auto valid_id = [&](const nlohmann::json& id) {
+    return id.is_number_integer() && !id.is_number_float() && id.get<int64_t>() >= 0 && id.get<int64_t>() < entries &&
+           (id.is_number_unsigned() ? id.get<uint64_t>() < static_cast<uint64_t>(entries) : true);
+  };
   for (const auto& [token, id] : m["vocab"].items())
-    if (!id.is_number_integer() || !t.bpe_.add_token(token, static_cast<int32_t>(id.get<int64_t>())))
+    if (!valid_id(id) || !t.bpe_.add_token(token, static_cast<int32_t>(id.get<int64_t>())))
       refuse("model.vocab: token " + nlohmann::json(token).dump() + " has id " + id.dump() +
-             " (not a new id >= 0)");
+             (valid_id(id) ? ", which another token has" : ", not one of 0.." + std::to_string(entries - 1)));
   if (!m.contains("merges") || !m["merges"].is_array()) refuse("model.merges is not a list");
   for (const nlohmann::json& merge : m["merges"]) {
     std::string left, right;
@@ -189,6 +225,10 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
     } else {
       refuse("model.merges: " + merge.dump() + " is not a pair of symbols");
     }
+    // Both symbols and what they make are tokens (transformers refuses such a file too).
+    for (const std::string& symbol : {left, right, left + right})
+      if (t.bpe_.id_of(symbol) < 0) refuse("model.merges: " + merge.dump() + " needs " + nlohmann::json(symbol).dump() +
+                                           ", which is not in model.vocab");
     t.bpe_.add_merge(left, right);
   }
 
@@ -196,17 +236,20 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
   if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
     if (!j["added_tokens"].is_array()) refuse("added_tokens is not a list");
     for (const nlohmann::json& a : j["added_tokens"]) {
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") ||
+      if (!a.is_object() || !a.contains("id") || !valid_id(a["id"]) || !a.contains("content") ||
           !a["content"].is_string() || a["content"].get<std::string>().empty())
-        refuse("added_tokens: " + a.dump() + " has no id and content");
+        refuse("added_tokens: " + a.dump() + " has no id of 0.." + std::to_string(entries - 1) + " and content");
       const std::string content = a["content"];
       const auto id = static_cast<int32_t>(a["id"].get<int64_t>());
       for (const char* key : {"single_word", "lstrip", "rstrip"})
-        if (a.value(key, false))
+        if (bool_member(a, key, false, file))
           refuse("added token " + nlohmann::json(content).dump() + " has " + key + " = true, which loom does not apply");
-      if (t.bpe_.id_of(content) != id && !t.bpe_.add_token(content, id))
+      if (const int32_t had = t.bpe_.id_of(content); had >= 0 && had != id)
         refuse("added token " + nlohmann::json(content).dump() + " has id " + std::to_string(id) +
-               ", which the vocabulary gives another token");
+               ", and the vocabulary gives it id " + std::to_string(had));
+      if (t.bpe_.id_of(content) != id && !t.bpe_.add_token(content, id))
+        refuse("added token " + nlohmann::json(content).dump() + " has id " + std::to_string(id) + ", which is " +
+               nlohmann::json(t.bpe_.token(id)).dump() + "'s");
       if (t.added_.size() <= static_cast<size_t>(id)) t.added_.resize(static_cast<size_t>(id) + 1, false);
       t.added_[static_cast<size_t>(id)] = true;
       t.added_by_first_[static_cast<unsigned char>(content[0])].emplace_back(content, id);
@@ -231,9 +274,11 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
     if (!p.is_object() || string_member(p, "type", file) != "ByteLevel")
       refuse("pre_tokenizer " + pre.dump() + ": loom reads ByteLevel, or a Split by Llama 3's or Qwen2's pattern "
              "before ByteLevel");
-    t.prefix_space_ = p.value("add_prefix_space", false);
-    const bool regex = p.value("use_regex", true);
+    t.prefix_space_ = bool_member(p, "add_prefix_space", false, file);
+    const bool regex = bool_member(p, "use_regex", true, file);
     if (split_before && regex) refuse("pre_tokenizer: a Split before ByteLevel with use_regex splits twice");
+    // (ByteLevel would prefix every piece of the Split; no shipped tokenizer does.)
+    if (split_before && t.prefix_space_) refuse("pre_tokenizer: ByteLevel's add_prefix_space after a Split");
     if (!split_before) t.split_ = regex ? Split::Gpt2 : Split::None;
   };
   if (pre.is_object() && string_member(pre, "type", file) == "Sequence") {
@@ -247,7 +292,7 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
     else if (pattern == kQwen2Pattern) t.split_ = Split::Qwen2;
     else refuse("pre_tokenizer Split pattern " + s.value("pattern", nlohmann::json()).dump() +
                 ": loom knows Llama 3's and Qwen2's (hf_tokenizer.hpp)");
-    if (string_member(s, "behavior", file) != "Isolated" || s.value("invert", false))
+    if (string_member(s, "behavior", file) != "Isolated" || bool_member(s, "invert", false, file))
       refuse("pre_tokenizer Split " + s.dump() + ": loom reads behavior Isolated, invert false");
     byte_level(list[1], true);
   } else {
@@ -260,9 +305,10 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
   const fs::path cfg_path = fs::path(file).parent_path() / "tokenizer_config.json";
   if (fs::is_regular_file(cfg_path)) {
     const nlohmann::json cfg = parse(cfg_path.string());
+    if (!cfg.is_object()) throw TokenizerError(cfg_path.string() + ": not a JSON object");
     for (const auto& [key, id] : {std::pair<const char*, int32_t*>{"bos_token", &t.bos_}, {"eos_token", &t.eos_},
                                   {"unk_token", &t.unk_}}) {
-      const std::string token = special_token(cfg, key);
+      const std::string token = special_token(cfg, key, cfg_path.string());
       if (token.empty()) continue;
       *id = t.bpe_.id_of(token);
       if (*id < 0) throw TokenizerError(cfg_path.string() + ": " + key + " " + nlohmann::json(token).dump() +

@@ -106,10 +106,12 @@ TokenizerSource tokenizer_source(const std::string& path) {
   if (fs::is_directory(path)) {
     const fs::path dir(path);
     // A directory with neither file below is read as GPT-2's: its error names encoder.json.
-    if (!fs::exists(dir / "encoder.json") && fs::is_regular_file(dir / "tokenizer.json"))
-      return {TokenizerFormat::HuggingFaceJson, (dir / "tokenizer.json").string()};
+    // tokenizer.model first: Llama 2's, Mistral's and Gemma's directories ship a
+    // tokenizer.json of the same SentencePiece model beside it (byte-fallback BPE).
     if (!fs::exists(dir / "encoder.json") && fs::is_regular_file(dir / "tokenizer.model"))
       return {TokenizerFormat::SentencePiece, (dir / "tokenizer.model").string()};
+    if (!fs::exists(dir / "encoder.json") && fs::is_regular_file(dir / "tokenizer.json"))
+      return {TokenizerFormat::HuggingFaceJson, (dir / "tokenizer.json").string()};
     return {TokenizerFormat::Gpt2Bpe, path};
   }
   if (fs::is_regular_file(path))

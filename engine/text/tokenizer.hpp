@@ -41,8 +41,9 @@ class Tokenizer {
 };
 
 // What a tokenizer path names, by what it holds: a directory with encoder.json (GPT-2's
-// BPE files), else with tokenizer.json (Hugging Face's), else with tokenizer.model
-// (SentencePiece's, as Hugging Face's Llama 2 and Mistral directories ship it); a file
+// BPE files), else with tokenizer.model (SentencePiece's, as Hugging Face's Llama 2 and
+// Mistral directories ship it, beside a tokenizer.json of it), else with tokenizer.json
+// (Hugging Face's: Llama 3's, Qwen's); a file
 // named *.json is a tokenizer.json, any other file a SentencePiece model. `file`: the
 // file to read (the directory itself for GPT-2's pair).
 enum class TokenizerFormat { Gpt2Bpe, HuggingFaceJson, SentencePiece };

@@ -1184,9 +1184,10 @@ TEST(HfImport, Qwen2RoundTripsAndMustMatch) {
   EXPECT_FALSE(c.contains("attention_bias")) << "Qwen2Config has none: its q, k and v are biased";
   EXPECT_EQ(c["use_sliding_window"], false);
   EXPECT_EQ(read_edited_config(out, c, qwen2(), [](nlohmann::json&) {}), "");
-  // Absent: Qwen2Config's 32 key/value heads, not the model's 2 groups.
+  // Absent: Qwen2Config's 32 key/value heads, more than the 4 query heads (no model).
   EXPECT_NE(read_edited_config(out, c, qwen2(), [](nlohmann::json& e) { e.erase("num_key_value_heads"); })
-                .find("num_key_value_heads (absent: transformers' default)"),
+                .find("has no num_key_value_heads, and Qwen2ForCausalLM's default of 32 key/value heads does not "
+                      "divide num_attention_heads = 4: give num_key_value_heads in config.json"),
             std::string::npos);
   fs::remove_all(dir);
   fs::remove_all(out);
@@ -1742,7 +1743,7 @@ TEST(HfImport, Qwen3KeysAreReadAsTransformersReadsThem) {
   EXPECT_EQ(config_refusal(qwen3_moe(false), [](nlohmann::json& c) { c.erase("head_dim"); }), "")
       << "Qwen3MoeConfig has no head_dim: hidden / heads";
   EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c.erase("num_key_value_heads"); })
-                .find("num_key_value_heads (absent: transformers' default) = 32"),
+                .find("has no num_key_value_heads, and Qwen3ForCausalLM's default of 32"),
             std::string::npos);
   EXPECT_NE(config_refusal(qwen3(), [](nlohmann::json& c) { c["num_key_value_heads"] = nullptr; })
                 .find("num_key_value_heads = 4"),
@@ -1896,15 +1897,18 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   // A Hugging Face tokenizer.json goes as it is (PreTrainedTokenizerFast), the
   // SentencePiece files of the export before removed; its eos from tokenizer_config.json.
   fs::create_directories(dir + "/fast");
-  const nlohmann::json fast_json = {
+  // Its post-processor (here one that would prepend <|end|>) is dropped: loom adds no token.
+  nlohmann::json fast_json = {
       {"model", {{"type", "BPE"}, {"vocab", loom::testing::byte_level_vocab()}, {"merges", nlohmann::json::array()}}},
       {"pre_tokenizer", {{"type", "ByteLevel"}, {"use_regex", true}}},
+      {"post_processor", {{"type", "TemplateProcessing"}, {"single", {{{"SpecialToken", {{"id", "<|end|>"}}}}}}}},
       {"added_tokens", {{{"id", 256}, {"content", "<|end|>"}, {"special", true}}}}};
   std::ofstream(dir + "/fast/tokenizer.json") << fast_json.dump();
   std::ofstream(dir + "/fast/tokenizer_config.json") << R"({"eos_token": "<|end|>"})";
   const loom::interop::HfModel fast = loom::interop::export_hf(step, dir + "/out", loom::plugins::registry(), dir + "/fast");
   EXPECT_EQ(fast.files, (std::vector<std::string>{"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}));
   EXPECT_EQ(fast.removed, (std::vector<std::string>{"tokenizer.model"}));
+  fast_json["post_processor"] = nullptr;
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/out/tokenizer.json")), fast_json);
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/out/tokenizer_config.json"))["tokenizer_class"],
             "PreTrainedTokenizerFast");
@@ -1920,6 +1924,77 @@ TEST(HfExport, TokenizerFilesGoBesideTheModel) {
   }
   EXPECT_FALSE(fs::exists(dir + "/out13/model.safetensors"));
   fs::remove_all(dir);
+}
+
+// A model saved in shards (save_pretrained above max_shard_size: the index's
+// weight_map, model-0000i-of-0000N.safetensors) reads back as the one file did, bit for
+// bit; an index that does not describe its shards is refused naming the tensor.
+TEST(HfImport, AModelInShardsReadsAsOneFile) {
+  const std::vector<std::string> model = qwen3_moe(false);
+  const std::string dir = scratch("shards"), out = scratch("shards-out");
+  const std::string step = parallel_checkpoint(model, dir);
+  loom::interop::export_hf(step, out, loom::plugins::registry());
+  const auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model));
+  const loom::train::InitialWeights whole = loom::interop::read_hf(out, plan, 13);
+  // Three shards of the file's tensors, in turn, and the index naming each one's.
+  std::vector<loom::interop::NamedTensor> tensors = loom::interop::read_safetensors(out + "/model.safetensors").tensors;
+  std::vector<std::vector<loom::interop::NamedTensor>> shards(3);
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string file = "model-0000" + std::to_string(i % 3 + 1) + "-of-00003.safetensors";
+    index["weight_map"][tensors[i].name] = file;
+    shards[i % 3].push_back(tensors[i]);
+  }
+  for (size_t k = 0; k < 3; ++k)
+    loom::interop::write_safetensors(out + "/model-0000" + std::to_string(k + 1) + "-of-00003.safetensors", shards[k]);
+  fs::remove(out + "/model.safetensors");
+  std::ofstream(out + "/model.safetensors.index.json") << index.dump();
+  const loom::train::InitialWeights sharded = loom::interop::read_hf(out, plan, 13);
+  ASSERT_EQ(sharded.tensors.size(), whole.tensors.size());
+  for (size_t i = 0; i < whole.tensors.size(); ++i) {
+    EXPECT_EQ(sharded.tensors[i].name, whole.tensors[i].name);
+    EXPECT_EQ(sharded.tensors[i].data, whole.tensors[i].data) << whole.tensors[i].name;
+  }
+  EXPECT_EQ(losses_from(serial(model), out, 1), losses_from(serial(model), step, 1));
+  const auto refusal = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json e = index;
+    edit(e);
+    std::ofstream(out + "/model.safetensors.index.json") << e.dump();
+    try {
+      loom::interop::read_hf(out, plan, 13);
+    } catch (const std::exception& ex) {
+      return std::string(ex.what());
+    }
+    return std::string("(read)");
+  };
+  const std::string first = tensors[0].name;
+  EXPECT_NE(refusal([&](nlohmann::json& e) { e["weight_map"][first] = "model-00002-of-00003.safetensors"; })
+                .find("model-00001-of-00003.safetensors holds " + first + ", which " + out +
+                      "/model.safetensors.index.json puts in model-00002-of-00003.safetensors"),
+            std::string::npos);
+  EXPECT_NE(refusal([&](nlohmann::json& e) { e["weight_map"]["extra.weight"] = "model-00001-of-00003.safetensors"; })
+                .find("puts extra.weight in model-00001-of-00003.safetensors, which does not hold it"),
+            std::string::npos);
+  EXPECT_NE(refusal([&](nlohmann::json& e) { e["weight_map"].erase(first); })
+                .find("holds " + first + ", which " + out + "/model.safetensors.index.json's weight_map does not list"),
+            std::string::npos);
+  EXPECT_NE(refusal([&](nlohmann::json& e) { e["weight_map"][first] = "../model-00001-of-00003.safetensors"; })
+                .find("is not a file name in the model's directory"),
+            std::string::npos);
+  EXPECT_NE(refusal([&](nlohmann::json& e) { e["weight_map"][first] = "model-00009-of-00009.safetensors"; })
+                .find("cannot read " + out + "/model-00009-of-00009.safetensors"),
+            std::string::npos);
+  EXPECT_NE(refusal([](nlohmann::json& e) { e.erase("weight_map"); }).find("has no weight_map"), std::string::npos);
+  // An export into the directory of a sharded model is refused (two models in one).
+  std::ofstream(out + "/model.safetensors.index.json") << index.dump();
+  try {
+    loom::interop::export_hf(step, out, loom::plugins::registry());
+    ADD_FAILURE() << "an export beside a sharded model";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("holds a model split into shards"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+  fs::remove_all(out);
 }
 
 // ---- the manifest of a Hugging Face model (loom import --write-manifest) ----------
@@ -1973,6 +2048,65 @@ TEST(HfImport, AWrittenManifestComputesTheModelItsConfigDescribes) {
   check_written_manifest(deepseek_v3_yarn(), "DeepseekV3ForCausalLM");
   check_written_manifest(deepseek_v3(/*moe=*/false, /*query_latent=*/false), "DeepseekV3ForCausalLM");
   check_written_manifest(deepseek_v2(/*groups=*/true), "DeepseekV2ForCausalLM");
+}
+
+// What the written manifest cannot say is refused naming the key; a directory name with
+// a newline stays inside the manifest's comments.
+TEST(HfImport, AWrittenManifestRefusesWhatLoomDoesNotMap) {
+  const std::string dir = scratch("wm-bad");
+  const nlohmann::json llama = {{"architectures", {"LlamaForCausalLM"}}, {"model_type", "llama"}, {"hidden_size", 32},
+                                {"num_attention_heads", 4}, {"num_hidden_layers", 2}, {"intermediate_size", 48},
+                                {"vocab_size", 13}, {"max_position_embeddings", 64}};
+  const auto refusal = [&](const nlohmann::json& config, const std::string& sub = "c") {
+    fs::create_directories(dir + "/" + sub);
+    std::ofstream(dir + "/" + sub + "/config.json") << config.dump();
+    try {
+      return loom::interop::manifest_for_hf(dir + "/" + sub);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+  };
+  const auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json c = llama;
+    edit(c);
+    return refusal(c);
+  };
+  EXPECT_NE(refusal(llama).find("[model.layer.attention]"), std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["model_type"] = "gemma"; }).find("model_type = \"gemma\" is not one loom maps"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["model_type"] = 5; }).find("model_type = 5 is not one loom maps"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["architectures"] = {"MistralForCausalLM"}; })
+                .find("but model_type \"llama\" is LlamaForCausalLM's"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["head_dim"] = 16; }).find("head_dim = 16, not hidden_size / num_attention_heads = 8"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["rope_theta"] = 0; }).find("rope_theta = 0 is not positive"), std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["rope_scaling"] = {{"rope_type", "longrope"}}; })
+                .find("(scaled rotary frequencies) has no loom counterpart"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) { c["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", -2}}; })
+                .find("has no positive number factor"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) {
+              c["model_type"] = "qwen2", c["architectures"] = {"Qwen2ForCausalLM"}, c["num_key_value_heads"] = 4;
+              c["use_sliding_window"] = true, c["sliding_window"] = 8, c["max_window_layers"] = 1;
+            }).find("1 of the 2 layers slide a window"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) {
+              c["model_type"] = "deepseek_v2", c["architectures"] = {"DeepseekV2ForCausalLM"};
+              c["num_experts_per_tok"] = 2, c["topk_method"] = "noaux_tc";
+            }).find("topk_method = \"noaux_tc\" is not greedy or group_limited_greedy"),
+            std::string::npos);
+  EXPECT_NE(edited([](nlohmann::json& c) {
+              c["model_type"] = "deepseek_v3", c["architectures"] = {"DeepseekV3ForCausalLM"};
+              c["first_k_dense_replace"] = "1";
+            }).find("first_k_dense_replace = \"1\" is not a count"),
+            std::string::npos);
+  const std::string odd = "nl\n[run]\nsteps = 7";
+  const toml::table parsed = toml::parse(refusal(llama, odd));
+  EXPECT_EQ(parsed["run"]["steps"].value_or(int64_t{0}), 1000) << "the directory's name made a section";
+  fs::remove_all(dir);
 }
 
 // ---- safetensors ------------------------------------------------------------------
@@ -2047,7 +2181,7 @@ TEST(Safetensors, MalformedHeadersAreRefusedNamingTheProblem) {
   std::ofstream(dir + "/model.safetensors.index.json") << "{}";
   try {
     loom::interop::read_safetensors(dir + "/model.safetensors");
-    ADD_FAILURE() << "a sharded model was read";
+    ADD_FAILURE() << "a sharded model was read as one file";
   } catch (const loom::interop::SafetensorsError& e) {
     EXPECT_NE(std::string(e.what()).find("is split into shards"), std::string::npos) << e.what();
   }

@@ -509,6 +509,15 @@ TEST(Layers, YarnRopeScalingMatchesReferenceAndFiniteDifferences) {
   half.insert_or_assign("rope_attention_factor", 1.0);
   const std::vector<double> half_freqs = yarn_table(100.0, d / 2, 4.0, 32.0, 1.0, 64.0);
   check_attention_forward(&half, d / 2, 100.0, 0, false, &half_freqs);
+  // A factor whose square overflows the scores is refused, not trained into NaN.
+  toml::table huge = opts;
+  huge.insert_or_assign("rope_attention_factor", 1e20);
+  try {
+    TestLayer layer(rank, "attention", dims, &huge);
+    ADD_FAILURE() << "an attention factor of 1e20 was taken";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("scales the attention scores by 1e+40"), std::string::npos) << e.what();
+  }
   toml::table betas = opts;
   betas.insert_or_assign("rope_beta_fast", 1.0);
   try {

@@ -166,10 +166,19 @@ TEST(Text, HuggingFaceTokenizerJsonEncodesItsVocabulary) {
   TinyHfTokenizer prefixed;
   prefixed.j["pre_tokenizer"]["add_prefix_space"] = true;
   EXPECT_EQ(loom::text::load_tokenizer(prefixed.write(dir + "/c"))->encode("ab<s\xc3\xa9>ab"), (I{' ', 256, 259, ' ', 256}));
+  // NFC (Qwen2's normaliser): e + combining acute is é's token, also beside a byte that
+  // is not UTF-8 (kept as its own byte).
+  TinyHfTokenizer nfc;
+  nfc.j["normalizer"] = {{"type", "NFC"}};
+  const std::unique_ptr<loom::text::Tokenizer> n = loom::text::load_tokenizer(nfc.write(dir + "/n"));
+  EXPECT_EQ(n->encode("e\xcc\x81"), (I{0xc3, 0xa9}));  // é's two bytes
+  EXPECT_EQ(tok->encode("e\xcc\x81"), (I{'e', 0xcc, 0x81})) << "without the normaliser";
+  EXPECT_EQ(n->encode("e\xcc\x81 \xff"), (I{0xc3, 0xa9, ' ', 0xff}));
   // The file itself, or a directory with a SentencePiece model only, by what they are.
   EXPECT_EQ(loom::text::tokenizer_source(dir + "/a/tokenizer.json").format, loom::text::TokenizerFormat::HuggingFaceJson);
   boost::filesystem::create_directories(dir + "/sp");
   std::ofstream(dir + "/sp/tokenizer.model") << "x";
+  std::ofstream(dir + "/sp/tokenizer.json") << "{}";  // Llama 2's: the same model, as byte-fallback BPE
   EXPECT_EQ(loom::text::tokenizer_source(dir + "/sp").format, loom::text::TokenizerFormat::SentencePiece);
   EXPECT_EQ(loom::text::tokenizer_source(dir + "/sp").file, dir + "/sp/tokenizer.model");
   fs::remove_all(dir);
@@ -204,10 +213,33 @@ TEST(Text, HuggingFaceTokenizerJsonRefusesWhatLoomDoesNotRead) {
          "loom reads ByteLevel, or a Split");
   expect(refusal([](TinyHfTokenizer& t) { t.j["normalizer"] = {{"type", "NFKC"}}; }), "loom applies none or NFC only");
   expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["lstrip"] = true; }), "has lstrip = true");
-  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 300; }), "no token has id 259 (ids must run 0..300)");
-  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 256; }),
-         "has id 256, which the vocabulary gives another token");
-  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"].erase("a"); }), "no token has id 97");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 300; }), "has no id of 0..259 and content");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["id"] = 256; }), "has id 256, which is \"ab\"'s");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["added_tokens"][0]["content"] = "ab"; }),
+         "added token \"ab\" has id 259, and the vocabulary gives it id 256");
+  // Ids past the entries (2^32 + 256 would wrap to 256) are refused before anything is sized by them.
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"]["ab"] = 4294967552ull; }),
+         "token \"ab\" has id 4294967552, not one of 0..259");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"]["ab"] = -1; }), "has id -1, not one of 0..259");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"]["xyz"] = 256; }), "has id 256, which another token has");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["vocab"].erase("b"); }),
+         "model.merges: \"a b\" needs \"b\", which is not in model.vocab");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["merges"].push_back("x y"); }),
+         "model.merges: \"x y\" needs \"xy\", which is not in model.vocab");
+  expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["ignore_merges"] = "yes"; }),
+         "ignore_merges = \"yes\" is not true or false");
+  expect(refusal([](TinyHfTokenizer& t) {
+           t.j["pre_tokenizer"] = {{"type", "Sequence"},
+                                   {"pretokenizers",
+                                    {{{"type", "Split"},
+                                      {"pattern", {{"Regex", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+                                                            "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+                                                            "\\s+(?!\\S)|\\s+"}}},
+                                      {"behavior", "Isolated"}},
+                                     {{"type", "ByteLevel"}, {"use_regex", false}, {"add_prefix_space", true}}}}};
+         }),
+         "ByteLevel's add_prefix_space after a Split");
+  expect(refusal([](TinyHfTokenizer& t) { t.config = {{"bos_token", 5}}; }), "bos_token = 5 is not a token");
   expect(refusal([](TinyHfTokenizer& t) { t.j["model"]["merges"].push_back(42); }), "model.merges: 42 is not a pair");
   expect(refusal([](TinyHfTokenizer& t) { t.config = {{"eos_token", "</s>"}}; }),
          "eos_token \"</s>\" is not a token of");

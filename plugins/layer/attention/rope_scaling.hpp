@@ -117,13 +117,22 @@ inline Scaling scaling_of(const loom::Options& o, double theta, int64_t rotary_d
                       << ", which loom folds into the softmax scale, and "
                       << (latent ? std::string("multi-latent attention rotates only qk_pos_emb_head_dim of each head's ")
                                  : "only " + std::to_string(rotary_dim) + " of each head's ")
-                      << qk_dim << " q/k elements; make rope_mscale equal rope_mscale_all_dim (DeepSeek's) or set "
-                      << "rope_attention_factor = 1.0");
+                      << qk_dim << " q/k elements, which no softmax scale can weigh apart (DeepSeek's configs "
+                      << "give rope_mscale = rope_mscale_all_dim, a factor of 1)");
   s.softmax_factor = a * a;
   if (latent) {
     const double m = yarn_mscale(o.declared_float("rope_scaling_factor"), o.declared_float("rope_mscale_all_dim"));
     s.softmax_factor *= m * m;
   }
+  // Scores scaled past this overflow fp32 softmax inputs (and no real model comes near).
+  LOOM_REQUIRE(std::isfinite(s.softmax_factor) && s.softmax_factor > 0.0 && s.softmax_factor <= 1e4,
+               name << ": rope_scaling = \"yarn\" scales the attention scores by " << s.softmax_factor
+                    << " (the attention factor" << (latent ? " and mscale(rope_mscale_all_dim)" : "")
+                    << " squared), outside (0, 1e4]: check rope_scaling_factor, rope_mscale, rope_mscale_all_dim and "
+                    << "rope_attention_factor");
+  for (const float f : s.inv_freq)
+    LOOM_REQUIRE(std::isfinite(f) && f > 0.0f, name << ": rope_scaling = \"yarn\" gives a rotation frequency of " << f
+                                                   << ": check rope_scaling_factor");
   return s;
 }
 
