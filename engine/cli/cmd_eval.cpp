@@ -29,8 +29,8 @@ namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada|choice] [--format text|tokens|indexed] [options]\n"
-    "  CHECKPOINT|MANIFEST  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
+    "usage: loom eval CHECKPOINT|MANIFEST|HF_DIR --data FILE [--task perplexity|lambada|choice] [--format text|tokens|indexed] [options]\n"
+    "  CHECKPOINT|MANIFEST|HF_DIR  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
     "  --task perplexity    FILE is text: perplexity with overlapping windows of the model's seq_length,\n"
     "                       each token predicted once, after up to seq_length - stride tokens of context\n"
     "                       (the Megatron-LM paper's WikiText-103 evaluation); the default\n"

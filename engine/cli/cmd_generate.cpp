@@ -27,12 +27,14 @@ namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom generate CHECKPOINT|MANIFEST (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
+    "usage: loom generate CHECKPOINT|MANIFEST|HF_DIR (--prompt TEXT | --prompt-ids 1,2,3) [options]\n"
     "  CHECKPOINT          a step_N directory, or a checkpoint.dir (its newest complete step): the model\n"
     "                      of the manifest it saved, at its tensor and pipeline sizes\n"
     "  MANIFEST            a .toml whose checkpoint.dir (its newest step, once the run saved one) or\n"
     "                      checkpoint.init_weights (a loom checkpoint or a Hugging Face directory) holds\n"
     "                      the weights\n"
+    "  HF_DIR              a Hugging Face model directory (config.json, model.safetensors): the model\n"
+    "                      its config describes (loom import --write-manifest's), its tokenizer if any\n"
     "  --max-new-tokens N  tokens to add (default 64; fewer when the model's seq_length is reached)\n"
     "  --temperature T     0 = greedy; default 1\n"
     "  --top-k K           sample among the K most likely tokens (0 = all; default 0)\n"
@@ -185,7 +187,7 @@ int cmd_generate(int argc, char** argv) {
       j["source"] = src.weights.source;
       j["prompt_ids"] = req.prompt;
       j["ids"] = res.tokens;
-      j["text"] = codec.decode(res.tokens);
+      j["text"] = codec.has_text() ? nlohmann::ordered_json(codec.decode(res.tokens)) : nlohmann::ordered_json();
       j["prefill_ms"] = res.prefill_ms;
       j["decode_ms"] = res.decode_ms;
       j["decode_tokens_per_s"] = tokens_per_s;

@@ -2,7 +2,9 @@
 
 #include "engine/cli/args.hpp"
 #include "engine/files/read.hpp"
+#include "engine/interop/hf_config.hpp"
 #include "engine/interop/hugging_face.hpp"
+#include "engine/manifest/manifest.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/train/checkpoint.hpp"
 #include "engine/train/data.hpp"
@@ -125,6 +127,11 @@ std::vector<std::string> with_pipeline_defaults(const std::vector<std::string>& 
   return out;
 }
 
+// A manifest's model (`text`, named `path` in messages): its checkpoint.dir's newest
+// checkpoint, else its checkpoint.init_weights.
+ModelSource from_manifest(const std::string& text, const std::string& path, const std::vector<std::string>& overrides,
+                          plugins::Registry& registry, const PlanFor& plan_for);
+
 }  // namespace
 
 ModelSource load_model_source(const std::string& path, const std::vector<std::string>& given,
@@ -132,10 +139,19 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
   namespace fs = boost::filesystem;
   check_overrides(given);
   const std::vector<std::string> overrides = with_pipeline_defaults(given);
-  if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint or manifest");
+  if (!fs::exists(path)) throw UsageError(path + ": no such checkpoint, manifest or Hugging Face model");
   std::string step = checkpoint_step(path);
+  if (step.empty() && fs::is_directory(path) && fs::exists(fs::path(path) / "config.json")) {
+    // A Hugging Face model directory: the manifest its config.json describes (what
+    // `loom import --write-manifest` writes), the directory's weights its init_weights.
+    const std::string text = interop::manifest_for_hf(path) + "\n[checkpoint]\ninit_weights = " +
+                             manifest::to_toml_text(toml::value<std::string>(fs::absolute(path).lexically_normal().string())) +
+                             "\n";
+    return from_manifest(text, (fs::path(path) / "config.json").string(), overrides, registry, plan_for);
+  }
   if (step.empty() && fs::is_directory(path))
-    throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml)");
+    throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml) nor a Hugging Face "
+                             "model (config.json)");
   if (!step.empty())
     return from_checkpoint(
         step, [&](const std::string& saved) { return plan_for(saved, step + "/manifest.toml", overrides, registry); },
@@ -143,14 +159,23 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
   std::string why;
   const std::optional<std::string> text = files::read_whole_file(path, &why, files::Pipes::Allow);
   if (!text) throw UsageError(path + ": cannot read the manifest (" + why + ")");
-  train::RunPlan plan = plan_for(*text, path, overrides, registry);
+  return from_manifest(*text, path, overrides, registry, plan_for);
+}
+
+namespace {
+
+ModelSource from_manifest(const std::string& text, const std::string& path, const std::vector<std::string>& overrides,
+                          plugins::Registry& registry, const PlanFor& plan_for) {
+  namespace fs = boost::filesystem;
+  std::string step;
+  train::RunPlan plan = plan_for(text, path, overrides, registry);
   // The manifest's own checkpoint settings (the command's plan need not keep them),
   // its paths resolved as a run resolves them. A run that saved checkpoints (a
   // fine-tuning run of init_weights, say) is sampled at its newest. Read as written:
   // the overrides a command takes (layout, micro-batch) change none of them, and would
   // make a training manifest's batches (a ramp, say) fail checks the command's plan drops.
   const manifest::RunConfig own = manifest::RunConfig::from(
-      manifest::Manifest::parse(*text, path, {}, manifest::Manifest::Launch::Other));
+      manifest::Manifest::parse(text, path, {}, manifest::Manifest::Launch::Other));
   const std::string& init = own.checkpoint.init_weights;
   const std::string& dir = own.checkpoint.dir;
   const manifest::RunConfig& c = plan.config;
@@ -183,6 +208,8 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
                    ": set checkpoint.init_weights, or checkpoint.dir to a directory with a checkpoint, or give "
                    "the checkpoint itself");
 }
+
+}  // namespace
 
 std::string checkpoint_step_dir(const std::string& path, const std::string& doing) {
   namespace fs = boost::filesystem;

@@ -15,9 +15,9 @@ TextCodec::TextCodec(const std::string& tokenizer, const manifest::RunConfig& co
     }
   } else if (config.data.kind == "synthetic") {
     symbols_ = make_data_source(config);
-  } else if (config.data.kind != "text") {
-    throw DataError("the model was trained on data.kind = \"" + config.data.kind +
-                    "\" tokens: give their tokenizer (--tokenizer), or token ids");
+  } else if (config.data.kind != "text") {  // ids only: text is refused when it comes
+    no_text_ = "the model was trained on data.kind = \"" + config.data.kind +
+               "\" tokens: give their tokenizer (--tokenizer), or token ids";
   }
 }
 
@@ -45,6 +45,7 @@ void TextCodec::require_fits(int64_t model_vocab) const {
 }
 
 std::vector<int32_t> TextCodec::encode(const std::string& s) const {
+  if (!no_text_.empty()) throw DataError(no_text_);
   if (tokenizer_) return tokenizer_->encode(s);
   if (symbols_) return symbols_->encode(s);
   std::vector<int32_t> bytes;  // data.kind = "text": the bytes are the tokens
@@ -53,6 +54,11 @@ std::vector<int32_t> TextCodec::encode(const std::string& s) const {
 }
 
 std::string TextCodec::decode(const std::vector<int32_t>& ids) const {
+  if (!no_text_.empty()) {  // the ids themselves
+    std::string s;
+    for (size_t i = 0; i < ids.size(); ++i) s += (i ? " " : "") + std::to_string(ids[i]);
+    return s;
+  }
   if (tokenizer_) return tokenizer_->decode(ids);
   if (symbols_) return symbols_->render(ids.data(), static_cast<int64_t>(ids.size()));
   std::string s;

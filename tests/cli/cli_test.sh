@@ -448,6 +448,12 @@ grep -q "then: loom import" "$work/written.out" && grep -q '^num_layers = ' "$wo
 "$loom" import "$work/hf" --write-manifest "$work/written.toml" > "$work/again.out" 2>&1
 [ $? -eq 1 ] && grep -q "written.toml exists; the manifest is not written over it" "$work/again.out" \
   || fail "--write-manifest over a file: $(cat "$work/again.out")"
+# generate and eval read a Hugging Face directory as that manifest: the same tokens as
+# the checkpoint it was exported from (its ids: the directory has no tokenizer).
+hf_ids=$("$loom" generate "$work/hf" --prompt-ids 104,101,108 --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
+ck_ids=$("$loom" generate "$work/bytes" --prompt-ids 104,101,108 --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
+[ -n "$hf_ids" ] && [ "$(echo "$hf_ids" | grep -o '"ids":\[[0-9,]*\]')" = "$(echo "$ck_ids" | grep -o '"ids":\[[0-9,]*\]')" ] \
+  && echo "$hf_ids" | grep -q '"text":null' || fail "generate from a Hugging Face directory: $hf_ids vs $ck_ids"
 "$loom" import "$work/not_a_model" --write-manifest "$work/none.toml" > "$work/none.out" 2>&1
 [ $? -eq 1 ] && grep -q "config.json: cannot read the file" "$work/none.out" && [ ! -e "$work/none.toml" ] \
   || fail "--write-manifest of no model: $(cat "$work/none.out")"
