@@ -34,9 +34,11 @@ size_t run_end(std::string_view text, size_t i, In in, size_t most = SIZE_MAX) {
   return i;
 }
 
-// (?i:'s|'t|'re|'ve|'m|'ll|'d) at text[i]: its length, or 0.
+// (?i:'s|'t|'re|'ve|'m|'ll|'d) at text[i]: its length, or 0. Case-insensitive as
+// Unicode folds case: 's' is also U+017F (long s).
 size_t contraction(std::string_view text, size_t i) {
   if (text[i] != '\'') return 0;
+  if (text.substr(i + 1, 2) == "\xc5\xbf") return 3;
   for (std::string_view c : {"s", "t", "re", "ve", "m", "ll", "d"}) {
     if (i + 1 + c.size() > text.size()) continue;
     bool same = true;

@@ -39,9 +39,10 @@ function bpe(piece) {
   return word.map(s => vocab.get(s));
 }
 
-// \s as White_Space; (?i:'s|...) spelled out (JavaScript of this age has no inline flags).
+// \s as White_Space; (?i:'s|...) spelled out (JavaScript of this age has no inline flags),
+// with U+017F (long s), which Unicode case folding makes an s.
 const S = '\\p{White_Space}', NS = '\\P{White_Space}';
-const contractions = "'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]";
+const contractions = "'[sS\u017F]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD]";
 const patterns = {
   gpt2: `'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^${S}\\p{L}\\p{N}]+|${S}+(?!${NS})|${S}+`,
   llama3: `${contractions}|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^${S}\\p{L}\\p{N}]+[\\r\\n]*|${S}*[\\r\\n]+|` +

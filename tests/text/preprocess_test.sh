@@ -73,7 +73,7 @@ write("hf_qwen2", {"vocab": dict(vocab, **{"<|im_start|>": 50257}), "merges": me
 PY
 printf "It's 2026! THEY'LL 1234567 Über naïve   café\n\tend \n٣٤ ½ Ⅻ 日本語のテキスト 🚀🚀 x\u00a0y  \n\n  z's '' \r\n" \
   > "$work/hf.txt"
-printf "a\u0085're \ufeff's (x) ((y\n\n\n 12 <|end_of_text|>tail<|begin_of_text|> <|im_start|>e\u0301 cafe\u0301<|endoftext|>\n" \
+printf "a\u0085're \ufeff's x'\u017fa (x) ((y\n\n\n 12 <|end_of_text|>tail<|begin_of_text|> <|im_start|>e\u0301 cafe\u0301<|endoftext|>\n" \
   >> "$work/hf.txt"
 for flavour in hf_gpt2 hf_llama3 hf_qwen2; do
   for f in hf.txt shakespeare.txt; do

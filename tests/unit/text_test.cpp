@@ -96,6 +96,7 @@ TEST(Text, SplitPretokenizerSplitsAsLlama3AndQwen2Patterns) {
   };
   EXPECT_EQ(split("Hello world", 3), (V{"Hello", " world"}));
   EXPECT_EQ(split("I'M HE'LL", 3), (V{"I", "'M", " HE", "'LL"}));  // contractions of either case
+  EXPECT_EQ(split("x'\xc5\xbf" "a", 3), (V{"x", "'\xc5\xbf", "a"}));  // U+017F folds to s
   EXPECT_EQ(split("1234567", 3), (V{"123", "456", "7"}));
   EXPECT_EQ(split("1234567", 1), (V{"1", "2", "3", "4", "5", "6", "7"}));
   EXPECT_EQ(split("x\nBefore", 3), (V{"x", "\n", "Before"}));  // no newline before a word
