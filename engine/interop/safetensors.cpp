@@ -80,14 +80,17 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     throw SafetensorsError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
 }
 
-SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::string& what) {
-  if (bytes.size() < 8) throw SafetensorsError(fail_in(what, "shorter than the 8-byte header length"));
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  if (n > kMaxHeader || n > bytes.size() - 8)
-    throw SafetensorsError(fail_in(what, "header length " + std::to_string(n) + " exceeds the file (" +
-                                             std::to_string(bytes.size()) + " bytes) or 100 MB"));
-  const auto header_begin = bytes.begin() + 8, header_end = header_begin + static_cast<std::ptrdiff_t>(n);
+namespace {
+
+// The header's tensors (without their bytes) in the order of their data, which they tile
+// exactly, with each one's [begin, end) in the data; refuses what does not describe a
+// file of `data_size` bytes of data.
+struct Header {
+  SafetensorsFile file;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+};
+Header parse_header(const char* header_begin, uint64_t n, uint64_t data_size, const std::string& what) {
+  const char* header_end = header_begin + n;
   if (std::find(header_begin, header_end, '\0') != header_end)
     throw SafetensorsError(fail_in(what, "the header holds NUL bytes (the format pads it with spaces only)"));
   // A name given twice would silently keep one of the two tensors.
@@ -108,8 +111,6 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
   }
   if (!duplicate.empty()) throw SafetensorsError(fail_in(what, "the header names " + duplicate + " twice"));
   if (!header.is_object()) throw SafetensorsError(fail_in(what, "the header is not a JSON object"));
-  const uint64_t data_size = bytes.size() - 8 - n;
-  const char* data = bytes.data() + 8 + n;
   SafetensorsFile out;
   struct Span {
     uint64_t begin, end;
@@ -155,7 +156,6 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
     if (e - b != count * es)
       throw bad("data_offsets span " + std::to_string(e - b) + " bytes, but shape x dtype is " +
                 std::to_string(count * es));
-    t.data.assign(data + b, data + e);
     spans.push_back({b, e, out.tensors.size()});
     out.tensors.push_back(std::move(t));
   }
@@ -172,11 +172,38 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
   }
   if (at != data_size)
     throw SafetensorsError(fail_in(what, "the last " + std::to_string(data_size - at) + " bytes belong to no tensor"));
-  std::vector<NamedTensor> ordered;
-  for (const Span& s : spans) ordered.push_back(std::move(out.tensors[s.index]));
-  out.tensors = std::move(ordered);
-  return out;
+  Header h;
+  h.file.metadata = std::move(out.metadata);
+  for (const Span& s : spans) {
+    h.file.tensors.push_back(std::move(out.tensors[s.index]));
+    h.spans.emplace_back(s.begin, s.end);
+  }
+  return h;
 }
+
+// The header length at the start of a file of `size` bytes, checked.
+uint64_t header_length(const unsigned char* first8, uint64_t size, const std::string& what) {
+  if (size < 8) throw SafetensorsError(fail_in(what, "shorter than the 8-byte header length"));
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(first8[i]) << (8 * i);
+  if (n > kMaxHeader || n > size - 8)
+    throw SafetensorsError(fail_in(what, "header length " + std::to_string(n) + " exceeds the file (" +
+                                             std::to_string(size) + " bytes) or 100 MB"));
+  return n;
+}
+
+}  // namespace
+
+SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::string& what) {
+  const uint64_t n = header_length(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), what);
+  Header h = parse_header(bytes.data() + 8, n, bytes.size() - 8 - n, what);
+  const char* data = bytes.data() + 8 + n;
+  for (size_t i = 0; i < h.spans.size(); ++i)
+    h.file.tensors[i].data.assign(data + h.spans[i].first, data + h.spans[i].second);
+  return std::move(h.file);
+}
+
+
 
 SafetensorsFile read_safetensors(const std::string& path) {
   if (!boost::filesystem::is_regular_file(path)) {
@@ -185,10 +212,27 @@ SafetensorsFile read_safetensors(const std::string& path) {
       throw SafetensorsError(path + " is split into shards (" + index + "): read the model's directory");
     throw SafetensorsError("cannot read " + path + (boost::filesystem::exists(path) ? ": not a regular file" : ""));
   }
+  // The header, then each tensor's bytes read into it in turn (they tile the data in
+  // order): the file is never held whole beside the tensors.
   std::ifstream in(path, std::ios::binary);
   if (!in) throw SafetensorsError("cannot read " + path);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return parse_safetensors(bytes, path);
+  boost::system::error_code ec;
+  const uint64_t size = boost::filesystem::file_size(path, ec);
+  if (ec) throw SafetensorsError("cannot read " + path + ": " + ec.message());
+  unsigned char first8[8] = {};
+  in.read(reinterpret_cast<char*>(first8), size < 8 ? static_cast<std::streamsize>(size) : 8);
+  const uint64_t n = header_length(first8, size, path);
+  std::string header(n, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(n));
+  if (!in) throw SafetensorsError("cannot read " + path + "'s header");
+  Header h = parse_header(header.data(), n, size - 8 - n, path);
+  for (size_t i = 0; i < h.spans.size(); ++i) {
+    std::vector<char>& data = h.file.tensors[i].data;
+    data.resize(h.spans[i].second - h.spans[i].first);
+    in.read(data.data(), static_cast<std::streamsize>(data.size()));
+    if (!in) throw SafetensorsError("cannot read " + path + " (tensor " + h.file.tensors[i].name + ")");
+  }
+  return std::move(h.file);
 }
 
 std::vector<NamedTensor> read_safetensors_model(const std::string& dir, std::string* source) {

@@ -2131,6 +2131,19 @@ TEST(Safetensors, WriteThenReadIsExact) {
   EXPECT_EQ(f.tensors[0].data, in[0].data);
   EXPECT_EQ(f.tensors[1].shape, in[1].shape);
   EXPECT_EQ(f.metadata.at("format"), "pt");
+  // Read from the file (tensor by tensor) as from its bytes; a file cut short is refused
+  // by its header's offsets, not read past its end.
+  std::ifstream whole(dir + "/x.safetensors", std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(whole)), std::istreambuf_iterator<char>());
+  const auto parsed = loom::interop::parse_safetensors(bytes, "x");
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(parsed.tensors[i].data, f.tensors[i].data);
+  fs::resize_file(dir + "/x.safetensors", bytes.size() - 1);
+  try {
+    loom::interop::read_safetensors(dir + "/x.safetensors");
+    ADD_FAILURE() << "a file cut short was read";
+  } catch (const loom::interop::SafetensorsError& e) {
+    EXPECT_NE(std::string(e.what()).find("lie outside the 33 bytes of data"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 
