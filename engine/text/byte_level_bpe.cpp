@@ -46,11 +46,16 @@ bool ByteLevelBpe::add_token(const std::string& token, int32_t id) {
   if (given_[i] || !ids_.emplace(token, id).second) return false;
   tokens_[i] = token;
   given_[i] = true;
+  if (const auto b = char_byte_.find(token); b != char_byte_.end()) byte_id_[b->second] = id;
   return true;
 }
 
-void ByteLevelBpe::add_merge(const std::string& left, const std::string& right) {
-  ranks_.emplace(left + ' ' + right, static_cast<int32_t>(ranks_.size()));
+bool ByteLevelBpe::add_merge(const std::string& left, const std::string& right) {
+  const int32_t l = id_of(left), r = id_of(right), made = id_of(left + right);
+  if (l < 0 || r < 0 || made < 0) return false;
+  const uint64_t key = static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32 | static_cast<uint32_t>(r);
+  merges_.emplace(key, Merge{static_cast<int32_t>(merges_.size()), made});  // a repeated pair keeps its first rank
+  return true;
 }
 
 int32_t ByteLevelBpe::first_missing_id() const {
@@ -87,11 +92,9 @@ void ByteLevelBpe::encode_piece(std::string_view piece, std::vector<int32_t>& ou
 }
 
 void ByteLevelBpe::merge_piece(std::string_view piece, std::vector<int32_t>& out, const std::string& source) const {
-  std::vector<std::string> word;
-  for (unsigned char b : piece) word.push_back(byte_char_[b]);
-  if (ignore_merges_ && word.size() > 1) {
+  if (ignore_merges_ && piece.size() > 1) {
     std::string whole;
-    for (const std::string& s : word) whole += s;
+    for (unsigned char b : piece) whole += byte_char_[b];
     if (const int32_t id = id_of(whole); id >= 0) {
       out.push_back(id);
       return;
@@ -101,41 +104,44 @@ void ByteLevelBpe::merge_piece(std::string_view piece, std::vector<int32_t>& out
   // each checked when taken: its symbols may have merged since). Merging every
   // occurrence of the best pair left to right, GPT-2's loop, gives the same symbols
   // (a merge cannot make another occurrence of its own pair), in n log n, not n^2.
-  const size_t n = word.size();
+  const size_t n = piece.size();
+  std::vector<int32_t> word(n);
+  for (size_t i = 0; i < n; ++i) {
+    word[i] = byte_id_[static_cast<unsigned char>(piece[i])];
+    if (word[i] < 0)  // loaders refuse such a vocabulary first
+      throw TokenizerError(source + ": no token for byte " + std::to_string(static_cast<unsigned char>(piece[i])));
+  }
   std::vector<size_t> next(n), prev(n);
   std::vector<bool> alive(n, true);
   for (size_t i = 0; i < n; ++i) next[i] = i + 1, prev[i] = i - 1;  // prev[0] wraps: never read
+  const auto merge_of = [&](size_t left) -> const Merge* {
+    const uint64_t key = static_cast<uint64_t>(static_cast<uint32_t>(word[left])) << 32 |
+                         static_cast<uint32_t>(word[next[left]]);
+    const auto it = merges_.find(key);
+    return it == merges_.end() ? nullptr : &it->second;
+  };
   using Candidate = std::pair<int32_t, size_t>;  // (rank, left symbol)
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> heap;
-  const auto rank_of = [&](size_t left) {
-    const auto it = ranks_.find(word[left] + ' ' + word[next[left]]);
-    return it == ranks_.end() ? INT32_MAX : it->second;
-  };
   const auto consider = [&](size_t left) {
     if (left < n && alive[left] && next[left] < n)
-      if (const int32_t r = rank_of(left); r != INT32_MAX) heap.emplace(r, left);
+      if (const Merge* m = merge_of(left)) heap.emplace(m->rank, left);
   };
   for (size_t i = 0; i + 1 < n; ++i) consider(i);
   while (!heap.empty()) {
-    const auto [r, left] = heap.top();
+    const auto [rank, left] = heap.top();
     heap.pop();
-    if (!alive[left] || next[left] >= n || rank_of(left) != r) continue;  // stale
+    if (!alive[left] || next[left] >= n) continue;
+    const Merge* m = merge_of(left);
+    if (m == nullptr || m->rank != rank) continue;  // stale: a symbol merged since
     const size_t right = next[left];
-    word[left] += word[right];
+    word[left] = m->id;
     alive[right] = false;
     next[left] = next[right];
     if (next[left] < n) prev[next[left]] = left;
     if (left > 0) consider(prev[left]);
     consider(left);
   }
-  std::vector<std::string> merged;
-  for (size_t i = 0; i < n; i = next[i]) merged.push_back(std::move(word[i]));
-  word = std::move(merged);
-  for (const std::string& symbol : word) {
-    const int32_t id = id_of(symbol);
-    if (id < 0) throw TokenizerError(source + ": merge result '" + symbol + "' has no id in the vocabulary");
-    out.push_back(id);
-  }
+  for (size_t i = 0; i < n; i = next[i]) out.push_back(word[i]);
 }
 
 void ByteLevelBpe::append_bytes(const std::string& token, std::string& out) const {

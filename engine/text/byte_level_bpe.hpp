@@ -23,7 +23,8 @@ class ByteLevelBpe {
   // is given twice.
   bool add_token(const std::string& token, int32_t id);
   // The next merge rank: `left` + `right` (mapped characters) merge into one symbol.
-  void add_merge(const std::string& left, const std::string& right);
+  // False when one of the three is not a token (add the tokens first).
+  bool add_merge(const std::string& left, const std::string& right);
   // With ignore_merges (Hugging Face's BPE option, Llama 3's tokenizer) a piece that
   // is a token whole is that token, whatever the merges would make of it.
   void set_ignore_merges(bool ignore) { ignore_merges_ = ignore; }
@@ -31,7 +32,7 @@ class ByteLevelBpe {
   // Tokens with ids 0..size()-1, all present; else the first missing id.
   int32_t size() const { return static_cast<int32_t>(tokens_.size()); }
   int32_t first_missing_id() const;
-  size_t merges() const { return ranks_.size(); }
+  size_t merges() const { return merges_.size(); }
   // The first byte with no single-byte token, or -1.
   int first_byte_without_token() const;
   // The id of a token as the vocabulary spells it, or -1.
@@ -50,8 +51,12 @@ class ByteLevelBpe {
   std::unordered_map<std::string, int32_t> ids_;    // token -> id
   std::vector<std::string> tokens_;                 // id -> token ("" until given)
   std::vector<bool> given_;
-  std::unordered_map<std::string, int32_t> ranks_;  // "left right" -> merge rank
+  struct Merge {
+    int32_t rank, id;  // its rank, and the token it makes
+  };
+  std::unordered_map<uint64_t, Merge> merges_;     // (left id << 32 | right id) -> the merge
   std::string byte_char_[256];                      // byte -> its printable character, UTF-8
+  std::vector<int32_t> byte_id_ = std::vector<int32_t>(256, -1);  // byte -> its token (-1: none yet)
   std::unordered_map<std::string, unsigned char> char_byte_;
   bool ignore_merges_ = false;
   uint64_t vocabulary_id_ = 0;  // one per object: the key of the threads' merge caches

@@ -121,7 +121,9 @@ Gpt2Tokenizer Gpt2Tokenizer::load(const std::string& dir) {
     if (space == std::string::npos || space == 0 || space + 1 == line.size() ||
         line.find(' ', space + 1) != std::string::npos)
       throw TokenizerError(merges_path + ":" + std::to_string(line_no) + ": expected two symbols separated by a space");
-    t.bpe_.add_merge(line.substr(0, space), line.substr(space + 1));
+    if (!t.bpe_.add_merge(line.substr(0, space), line.substr(space + 1)))
+      throw TokenizerError(merges_path + ":" + std::to_string(line_no) + ": the merge '" + line +
+                           "' needs a token encoder.json lacks (both symbols and what they make)");
   }
   if (t.bpe_.merges() == 0) throw TokenizerError(merges_path + ": holds no merges (a GPT-2 vocab.bpe has 50000)");
   return t;

@@ -231,7 +231,7 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
     for (const std::string& symbol : {left, right, left + right})
       if (t.bpe_.id_of(symbol) < 0) refuse("model.merges: " + merge.dump() + " needs " + nlohmann::json(symbol).dump() +
                                            ", which is not in model.vocab");
-    t.bpe_.add_merge(left, right);
+    t.bpe_.add_merge(left, right);  // (the three are tokens: checked above)
   }
 
   // Added tokens: matched in the text before anything else, decoded as written.
