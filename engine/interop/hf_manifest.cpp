@@ -429,9 +429,14 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
         moe_options(c, json, type, moe);
         model.texts("block", {"attention", "moe"});
         if (any_dense) model.texts("block_pattern", block_pattern(sparse)), patterned = true;
+        else layer_sections.pop_back();  // no dense MLP: its section would configure nothing
         layer_sections.push_back(std::move(moe));
       }
     }
+    if (const int64_t mtp = c.count_or("num_nextn_predict_layers", 0); mtp > 0)
+      model.comment = "# DeepSeek-V3's multi-token prediction (num_nextn_predict_layers = " + std::to_string(mtp) +
+                      ") is not mapped: its layers'\n# weights (model.layers." + std::to_string(layers) +
+                      ".*) are left unread by the import.\n";
     layer_sections.push_back(std::move(head));
     if (patterned) {
       // The dense blocks' kind, before the pattern naming it.
