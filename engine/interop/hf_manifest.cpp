@@ -486,6 +486,8 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   write_section(out, opt);
   Section device{"device", "", {}};
   device.text("kind", "cpu");
+  // A bf16 checkpoint imports as it is (fp32 master weights in the optimizer).
+  if (c.text_or("torch_dtype", c.text_or("dtype", "")) == "bfloat16") device.text("param_dtype", "bf16");
   write_section(out, device);
   Section data{"data",
                "# Token files of your text in the model's tokenizer, e.g.\n"
