@@ -54,7 +54,8 @@ bool ByteLevelBpe::add_merge(const std::string& left, const std::string& right) 
   const int32_t l = id_of(left), r = id_of(right), made = id_of(left + right);
   if (l < 0 || r < 0 || made < 0) return false;
   const uint64_t key = static_cast<uint64_t>(static_cast<uint32_t>(l)) << 32 | static_cast<uint32_t>(r);
-  merges_.emplace(key, Merge{static_cast<int32_t>(merges_.size()), made});  // a repeated pair keeps its first rank
+  merges_.insert_or_assign(key, Merge{next_rank_++, made});  // a pair listed twice takes its last rank, as
+                                                             // GPT-2's encoder.py and transformers read it
   return true;
 }
 
@@ -68,6 +69,12 @@ int ByteLevelBpe::first_byte_without_token() const {
   for (int b = 0; b < 256; ++b)
     if (!ids_.count(byte_char_[b])) return b;
   return -1;
+}
+
+const std::string& ByteLevelBpe::token(int32_t id, const std::string& source) const {
+  if (id < 0 || id >= size())
+    throw TokenizerError(source + ": id " + std::to_string(id) + " is outside the vocabulary of " + std::to_string(size()));
+  return tokens_[static_cast<size_t>(id)];
 }
 
 int32_t ByteLevelBpe::id_of(const std::string& token) const {

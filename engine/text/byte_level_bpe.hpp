@@ -37,7 +37,8 @@ class ByteLevelBpe {
   int first_byte_without_token() const;
   // The id of a token as the vocabulary spells it, or -1.
   int32_t id_of(const std::string& token) const;
-  const std::string& token(int32_t id) const { return tokens_[static_cast<size_t>(id)]; }
+  // The token of an id; TokenizerError (naming `source`) outside the vocabulary.
+  const std::string& token(int32_t id, const std::string& source) const;
 
   // Appends the ids of one piece's bytes; `source` names the vocabulary in errors.
   // Safe to call from several threads at once.
@@ -55,6 +56,7 @@ class ByteLevelBpe {
     int32_t rank, id;  // its rank, and the token it makes
   };
   std::unordered_map<uint64_t, Merge> merges_;     // (left id << 32 | right id) -> the merge
+  int32_t next_rank_ = 0;
   std::string byte_char_[256];                      // byte -> its printable character, UTF-8
   std::vector<int32_t> byte_id_ = std::vector<int32_t>(256, -1);  // byte -> its token (-1: none yet)
   std::unordered_map<std::string, unsigned char> char_byte_;

@@ -135,12 +135,7 @@ std::vector<int32_t> Gpt2Tokenizer::encode(std::string_view text) const {
   return out;
 }
 
-std::string Gpt2Tokenizer::piece(int32_t id) const {
-  if (id < 0 || id >= vocab_size())
-    throw TokenizerError(dir_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
-                         std::to_string(vocab_size()));
-  return bpe_.token(id);
-}
+std::string Gpt2Tokenizer::piece(int32_t id) const { return bpe_.token(id, dir_); }
 
 std::string Gpt2Tokenizer::describe() const {
   return "GPT-2 byte-level BPE (" + std::to_string(vocab_size()) + " tokens) from " + dir_;
@@ -148,12 +143,7 @@ std::string Gpt2Tokenizer::describe() const {
 
 std::string Gpt2Tokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string out;
-  for (int32_t id : ids) {
-    if (id < 0 || id >= vocab_size())
-      throw TokenizerError("GPT-2 tokenizer: id " + std::to_string(id) + " is outside the vocabulary of " +
-                           std::to_string(vocab_size()));
-    bpe_.append_bytes(bpe_.token(id), out);
-  }
+  for (int32_t id : ids) bpe_.append_bytes(bpe_.token(id, dir_), out);
   return out;
 }
 

@@ -251,7 +251,7 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
                ", and the vocabulary gives it id " + std::to_string(had));
       if (t.bpe_.id_of(content) != id && !t.bpe_.add_token(content, id))
         refuse("added token " + nlohmann::json(content).dump() + " has id " + std::to_string(id) + ", which is " +
-               nlohmann::json(t.bpe_.token(id)).dump() + "'s");
+               nlohmann::json(t.bpe_.token(id, file)).dump() + "'s");
       if (t.added_.size() <= static_cast<size_t>(id)) t.added_.resize(static_cast<size_t>(id) + 1, false);
       t.added_[static_cast<size_t>(id)] = true;
       t.added_by_first_[static_cast<unsigned char>(content[0])].emplace_back(content, id);
@@ -371,21 +371,14 @@ std::vector<int32_t> HfTokenizer::encode(std::string_view text) const {
 std::string HfTokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string out;
   for (int32_t id : ids) {
-    if (id < 0 || id >= vocab_size())
-      throw TokenizerError(path_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
-                           std::to_string(vocab_size()));
-    if (static_cast<size_t>(id) < added_.size() && added_[static_cast<size_t>(id)]) out += bpe_.token(id);
-    else bpe_.append_bytes(bpe_.token(id), out);
+    const std::string& token = bpe_.token(id, path_);
+    if (static_cast<size_t>(id) < added_.size() && added_[static_cast<size_t>(id)]) out += token;
+    else bpe_.append_bytes(token, out);
   }
   return out;
 }
 
-std::string HfTokenizer::piece(int32_t id) const {
-  if (id < 0 || id >= vocab_size())
-    throw TokenizerError(path_ + ": id " + std::to_string(id) + " is outside the vocabulary of " +
-                         std::to_string(vocab_size()));
-  return bpe_.token(id);
-}
+std::string HfTokenizer::piece(int32_t id) const { return bpe_.token(id, path_); }
 
 std::string HfTokenizer::describe() const {
   const char* split = split_ == Split::Llama3 ? "Llama 3's split, " : split_ == Split::Qwen2 ? "Qwen2's split, " : "";

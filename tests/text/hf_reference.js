@@ -11,33 +11,7 @@ const ranks = new Map();
 tok.model.merges.forEach((m, i) => ranks.set(Array.isArray(m) ? m.join(' ') : m, i));
 const added = (tok.added_tokens || []).map(a => [a.content, a.id]).sort((a, b) => b[0].length - a[0].length);
 
-const byteChar = [];
-let extra = 0;
-for (let b = 0; b < 256; b++) {
-  const printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
-  byteChar.push(String.fromCodePoint(printable ? b : 256 + extra++));
-}
-
-function bpe(piece) {
-  let word = Array.from(Buffer.from(piece, 'utf8'), b => byteChar[b]);
-  if (tok.model.ignore_merges && vocab.has(word.join(''))) return [vocab.get(word.join(''))];
-  for (;;) {
-    let best = Infinity, at = -1;
-    for (let i = 0; i + 1 < word.length; i++) {
-      const r = ranks.get(word[i] + ' ' + word[i + 1]);
-      if (r !== undefined && r < best) { best = r; at = i; }
-    }
-    if (at < 0) break;
-    const [a, b] = [word[at], word[at + 1]];
-    const merged = [];
-    for (let i = 0; i < word.length; i++) {
-      if (i + 1 < word.length && word[i] === a && word[i + 1] === b) { merged.push(a + b); i++; }
-      else merged.push(word[i]);
-    }
-    word = merged;
-  }
-  return word.map(s => vocab.get(s));
-}
+const { bpe } = require('./byte_level_reference.js');
 
 // \s as White_Space; (?i:'s|...) spelled out (JavaScript of this age has no inline flags),
 // with U+017F (long s), which Unicode case folding makes an s.
@@ -66,7 +40,7 @@ function encodeText(text, ids) {
   if (text.length === 0) return;
   if (nfc) text = text.normalize('NFC');
   if (prefix && !text.startsWith(' ')) text = ' ' + text;
-  for (const m of text.matchAll(regex)) ids.push(...bpe(m[0]));
+  for (const m of text.matchAll(regex)) ids.push(...bpe(m[0], vocab, ranks, tok.model.ignore_merges));
 }
 
 const text = fs.readFileSync(textFile, 'utf8');

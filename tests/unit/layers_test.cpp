@@ -443,6 +443,18 @@ TEST(Layers, Llama3RopeScalingMatchesReferenceAndFiniteDifferences) {
   }
 }
 
+// Every check `loom plugins test` runs on layer/attention with `opts` passes, and the
+// named ones ran.
+void expect_attention_harness_passes(const toml::table& opts, const std::vector<std::string>& must_run) {
+  std::set<std::string> ran;
+  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &opts)) {
+    EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
+    EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
+    ran.insert(c.check);
+  }
+  for (const std::string& check : must_run) EXPECT_TRUE(ran.count(check)) << check << " did not run";
+}
+
 // YaRN's frequencies (rope_scaling = "yarn"), written again here from the paper and
 // transformers' _compute_yarn_parameters: pair i keeps theta^(-2i/dim) below the
 // correction dimension of beta_fast rotations over the original context, takes it /
@@ -487,14 +499,7 @@ TEST(Layers, YarnRopeScalingMatchesReferenceAndFiniteDifferences) {
   ratio.insert_or_assign("rope_mscale_all_dim", 3.0);
   check_attention_forward(&ratio, d, 100.0, 0, false, &freqs, 0,
                           (0.2 * std::log(4.0) + 1.0) / (0.3 * std::log(4.0) + 1.0));
-  std::set<std::string> ran;
-  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &ratio)) {
-    EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
-    EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
-    ran.insert(c.check);
-  }
-  for (const char* check : {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"})
-    EXPECT_TRUE(ran.count(check)) << check << " did not run";
+  expect_attention_harness_passes(ratio, {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"});
   // Half of each head rotating: a factor other than 1 cannot go into the softmax scale.
   Rank rank;
   auto dims = make_dims();
@@ -762,14 +767,7 @@ TEST(Layers, MultiLatentAttentionPassesTheHarness) {
       SCOPED_TRACE("q_lora_rank " + std::to_string(q_rank) + ", v_head_dim " + std::to_string(vd) + ", " + norm);
       toml::table opts = mla_options(q_rank, vd, norm);
       opts.insert_or_assign("dropout", 0.25);
-      std::set<std::string> ran;
-      for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &opts)) {
-        EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
-        EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
-        ran.insert(c.check);
-      }
-      for (const char* check : {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"})
-        EXPECT_TRUE(ran.count(check)) << check << " did not run";
+      expect_attention_harness_passes(opts, {"gradients", "accumulation", "microbatches", "kv_cache", "tp2", "tp2+sp"});
     }
 }
 
@@ -807,14 +805,7 @@ TEST(Layers, QkvBiasAttentionPassesTheHarness) {
   opts.insert("position_embedding", "rope");
   opts.insert("num_query_groups", 2);
   opts.insert("norm", "rmsnorm");
-  std::set<std::string> ran;
-  for (const loom::harness::CheckRun& c : loom::harness::check_layer_plugin(registry(), "attention", &opts)) {
-    EXPECT_TRUE(c.error.empty()) << c.check << ": " << c.error;
-    EXPECT_TRUE(c.findings.ok()) << c.check << ": " << c.findings.text();
-    ran.insert(c.check);
-  }
-  for (const char* check : {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"})
-    EXPECT_TRUE(ran.count(check)) << check << " did not run";
+  expect_attention_harness_passes(opts, {"gradients", "accumulation", "kv_cache", "tp2", "tp2+sp"});
   Rank rank;
   const loom_model_dims dims = make_dims();
   TestLayer layer(rank, "attention", dims, &opts);
