@@ -732,8 +732,12 @@ HfModel to_hf(const train::WholeCheckpoint& ck, plugins::Registry& registry) {
     if (s.rope_type() == "yarn") {
       const double longest = s.scaled_rope["factor"].get<double>() *
                              s.scaled_rope["original_max_position_embeddings"].get<double>();
-      if (longest == std::floor(longest) && longest >= static_cast<double>(T) && longest < 1e15)
-        hf.config["max_position_embeddings"] = static_cast<int64_t>(longest);
+      if (longest != std::floor(longest) || longest >= 1e15)
+        throw std::runtime_error("rope_scaling = \"yarn\": rope_scaling_factor x rope_original_max_position = " +
+                                 std::to_string(longest) + " is not a whole number of positions, and transformers 4 "
+                                 "derives the factor from max_position_embeddings / original_max_position_embeddings: "
+                                 "no config.json gives both transformers versions loom's frequencies");
+      hf.config["max_position_embeddings"] = static_cast<int64_t>(longest);
     }
     if (s.llama && !s.qwen() && !s.mistral) hf.config["mlp_bias"] = false;
     if (s.mistral || s.mixtral)

@@ -1152,6 +1152,18 @@ TEST(HfImport, YarnRopeScalingRoundTripsAndMustMatch) {
   EXPECT_EQ(c2["rope_scaling"]["attention_factor"], 1.25);
   EXPECT_NE(read_edited_config(out2, c2, qwen2_yarn(), [](nlohmann::json&) {}).find("attention_factor"),
             std::string::npos);
+  // A factor whose context is no whole number of positions cannot be written for
+  // transformers 4 (which derives the factor from max_position_embeddings).
+  std::vector<std::string> fractional = qwen2_yarn();
+  fractional.push_back("model.layer.attention.rope_scaling_factor=4.01");
+  const std::string dir4 = scratch("yarn-frac");
+  try {
+    loom::interop::export_hf(parallel_checkpoint(fractional, dir4), dir4 + "/out", loom::plugins::registry());
+    ADD_FAILURE() << "a factor of 4.01 over 64 positions was exported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a whole number of positions"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir4);
   // DeepSeek's softmax scale: mscale_all_dim must be the model's.
   const std::string dir3 = scratch("yarn-ds"), out3 = scratch("yarn-ds-out");
   loom::interop::export_hf(parallel_checkpoint(deepseek_v3_yarn(), dir3), out3, loom::plugins::registry());
