@@ -246,6 +246,24 @@ loss = [json.loads(l)["loss"] for l in open(sys.argv[1])]
 assert 10.0 < loss[0] < 11.5 and loss[-1] < loss[0] - 0.5, loss
 PY
 
+# 3b. A Hugging Face tokenizer end to end: Llama-shaped blocks trained on the text as the
+#     Llama 3 form of the tokenizer encodes it, exported with that tokenizer.json, then
+#     sampled from the Hugging Face directory as it stands: the same tokens and text as
+#     from the checkpoint.
+"$loom" preprocess --tokenizer "$work/hf_llama3" --input "$work/shakespeare.txt" --output-prefix "$work/l3shk" \
+  --append-eod 2>/dev/null || fail "preprocess with the Llama 3 form exited $?"
+"$loom" run "$src/configs/llama_quickstart.toml" --set data.kind=indexed --set "data.path=\"$work/l3shk\"" \
+  --set "data.tokenizer=\"$work/hf_llama3\"" --set run.steps=4 --set run.eval_every=0 --set model.seq_length=32 \
+  --set parallel.dp=1 --set batch.global_batch_size=8 --set "checkpoint.dir=\"$work/l3ck\"" --set checkpoint.every=4 \
+  >/dev/null 2>"$work/l3run.log" || fail "training Llama blocks on tokenizer.json data exited $?: $(tail -3 "$work/l3run.log")"
+"$loom" export "$work/l3ck" --format hf "$work/l3hf" > /dev/null 2>&1 || fail "export with the run's tokenizer.json"
+[ -f "$work/l3hf/tokenizer.json" ] || fail "the export has no tokenizer.json: $(ls "$work/l3hf")"
+from_ck=$("$loom" generate "$work/l3ck" --prompt "ROMEO:" --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
+from_hf=$("$loom" generate "$work/l3hf" --prompt "ROMEO:" --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
+strip() { sed 's/"source":"[^"]*",//; s/"prefill_ms".*//'; }
+[ -n "$from_hf" ] && [ "$(echo "$from_ck" | strip)" = "$(echo "$from_hf" | strip)" ] ||
+  fail "generate from the Hugging Face directory differs from the checkpoint: $from_hf vs $from_ck"
+
 # 4. Bad input: a clear message, exit 1 (2 for usage), and no files under the final names.
 printf '%s\n' '{"text": "ok"}' '{"body": "no text"}' > "$work/bad.jsonl"
 out=$("$loom" preprocess --tokenizer "$tok" --input "$work/bad.jsonl" --output-prefix "$work/bad" 2>&1)
