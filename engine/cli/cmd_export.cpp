@@ -11,13 +11,15 @@
 
 #include <boost/filesystem.hpp>
 
+#include <cstdint>
 #include <iostream>
 
 namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom export CHECKPOINT --format hf OUTDIR [--tokenizer DIR|MODEL] [--plugin-path DIR]...\n"
+    "usage: loom export CHECKPOINT --format hf OUTDIR [--tokenizer DIR|MODEL] [--max-shard-size SIZE]\n"
+    "                   [--plugin-path DIR]...\n"
     "Writes OUTDIR/model.safetensors and OUTDIR/config.json, loadable by transformers'\n"
     "GPT2LMHeadModel (GPT-2 blocks), LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, no biases) or\n"
     "MixtralForCausalLM (the same with top-k SwiGLU expert blocks), and with the attention's\n"
@@ -30,7 +32,8 @@ const char* kUsage =
     "SentencePiece model the data was encoded with) adds the tokenizer files AutoTokenizer reads:\n"
     "vocab.json and merges.txt, tokenizer.json, or tokenizer.model, with tokenizer_config.json and\n"
     "special_tokens_map.json;\n"
-    "without it, the run's data.tokenizer when it names one.\n";
+    "without it, the run's data.tokenizer when it names one. Weights above --max-shard-size (default\n"
+    "5GB, as save_pretrained) go in shards with model.safetensors.index.json.\n";
 
 // The tokenizer a checkpoint's run named (data.tokenizer), when it loads from here;
 // "" otherwise (said on stderr when named but not found).
@@ -46,11 +49,28 @@ std::string trained_tokenizer(const std::string& step) {
   return "";
 }
 
+// "5GB", "500MB", "64KB" (powers of 1000, as save_pretrained's max_shard_size) or bytes.
+uint64_t parse_size(const std::string& text) {
+  size_t used = 0;
+  unsigned long long n = 0;
+  try {
+    n = std::stoull(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  const uint64_t scale = unit.empty() || unit == "B" ? 1 : unit == "KB" ? 1000 : unit == "MB" ? 1000000
+                         : unit == "GB" ? 1000000000 : 0;
+  if (used == 0 || scale == 0 || n == 0 || text[0] == '-' || n > UINT64_MAX / scale)
+    throw UsageError("--max-shard-size " + text + ": give a size such as 5GB, 500MB, 64KB or a number of bytes");
+  return n * scale;
+}
+
 }  // namespace
 
 int cmd_export(int argc, char** argv) {
   try {
-    Args args(argc, argv, {}, {"--format", "--plugin-path", "--tokenizer"});
+    Args args(argc, argv, {}, {"--format", "--plugin-path", "--tokenizer", "--max-shard-size"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
@@ -64,7 +84,9 @@ int cmd_export(int argc, char** argv) {
     const std::string step = checkpoint_step_dir(pos[0], "exporting");
     const std::optional<std::string> given = args.get("--tokenizer");
     const std::string tokenizer = given ? *given : trained_tokenizer(step);
-    const interop::HfModel hf = interop::export_hf(step, pos[1], r, tokenizer);
+    const uint64_t shard = args.has("--max-shard-size") ? parse_size(*args.get("--max-shard-size"))
+                                                        : interop::kHfMaxShardBytes;
+    const interop::HfModel hf = interop::export_hf(step, pos[1], r, tokenizer, shard);
     size_t bytes = 0;
     for (const auto& t : hf.tensors) bytes += t.data.size();
     std::cout << "export: " << step << " -> " << pos[1] << " (" << hf.architecture << ", " << hf.tensors.size()
@@ -77,7 +99,7 @@ int cmd_export(int argc, char** argv) {
       return s;
     };
     if (!hf.removed.empty())
-      std::cout << "export: removed the earlier tokenizer files " << names(hf.removed) << " from " << pos[1] << "\n";
+      std::cout << "export: removed the earlier export's " << names(hf.removed) << " from " << pos[1] << "\n";
     if (!hf.kept.empty())
       std::cerr << "loom export: warning: " << pos[1] << " has tokenizer files this export did not write ("
                 << names(hf.kept) << "); they may not match the model: give --tokenizer, or remove them\n";

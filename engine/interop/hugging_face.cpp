@@ -19,6 +19,7 @@
 #include <memory>
 
 #include <cerrno>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -951,10 +952,32 @@ void settle_tokenizer_files(const std::string& out_dir, bool wrote_tokenizer, Hf
   }
 }
 
+// save_pretrained's split: tensors in order, a new shard when the next would take this
+// one past `max_bytes` (a tensor larger than that alone in its own).
+// Each shard's tensors by index.
+std::vector<std::vector<size_t>> shard_tensors(const std::vector<NamedTensor>& tensors, uint64_t max_bytes) {
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t size = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!shards.back().empty() && size + tensors[i].data.size() > max_bytes) shards.emplace_back(), size = 0;
+    shards.back().push_back(i);
+    size += tensors[i].data.size();
+  }
+  return shards;
+}
+
+// "model-00002-of-00004.safetensors"
+std::string shard_name(size_t i, size_t n) {
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+  return name;
+}
+
 }  // namespace
 
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
-                  const std::string& tokenizer) {
+                  const std::string& tokenizer, uint64_t max_shard_bytes) {
+  if (max_shard_bytes == 0) throw std::runtime_error("the largest shard must be at least 1 byte");
   namespace fs = boost::filesystem;
   if (out_dir.empty()) throw std::runtime_error("the output directory is empty");
   boost::system::error_code ec;
@@ -1002,7 +1025,23 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
   };
   const auto final_path = [](const files::Temporary& t) { return t.path().substr(0, t.path().size() - 4); };
   try {
-    write_safetensors(temporary("model.safetensors"), hf.tensors, {{"format", "pt"}, {"loom_checkpoint", step_dir}});
+    const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"loom_checkpoint", step_dir}};
+    const std::vector<std::vector<size_t>> shards = shard_tensors(hf.tensors, max_shard_bytes);
+    if (shards.size() == 1) {
+      write_safetensors(temporary("model.safetensors"), hf.tensors, metadata);
+    } else {
+      nlohmann::ordered_json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::ordered_json::object()}};
+      uint64_t total = 0;
+      for (size_t i = 0; i < shards.size(); ++i) {
+        const std::string name = shard_name(i, shards.size());
+        std::vector<NamedTensor> shard;  // one shard's copy at a time
+        for (size_t k : shards[i]) shard.push_back(hf.tensors[k]);
+        write_safetensors(temporary(name), shard, metadata);
+        for (const NamedTensor& t : shard) index["weight_map"][t.name] = name, total += t.data.size();
+      }
+      index["metadata"]["total_size"] = total;
+      extra.emplace(extra.begin(), "model.safetensors.index.json", index.dump(2) + "\n");
+    }
     extra.emplace(extra.begin(), "config.json", hf.config.dump(2) + "\n");
     for (const auto& [name, content] : extra) {
       const std::string tmp = temporary(name);
@@ -1010,7 +1049,7 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
       out << content;
       out.close();
       if (!out) throw std::runtime_error("cannot write " + tmp);
-      if (name != "config.json") hf.files.push_back(name);
+      if (name != "config.json" && name != "model.safetensors.index.json") hf.files.push_back(name);
     }
     for (const auto& t : written)
       if (fs::is_directory(final_path(*t), ec))
@@ -1022,6 +1061,14 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
   }  // the temporaries not renamed are removed with `written`
   made_dir.done = true;
+  // Beside the shards, an earlier export's single file would be read in their place.
+  if (fs::exists(fs::path(out_dir) / "model.safetensors.index.json") &&
+      fs::is_regular_file(fs::path(out_dir) / "model.safetensors", ec)) {
+    if (fs::remove(fs::path(out_dir) / "model.safetensors", ec); ec)
+      throw std::runtime_error("export to " + out_dir + ": cannot remove the earlier model.safetensors beside the "
+                               "shards: " + ec.message());
+    hf.removed.push_back("model.safetensors");
+  }
   settle_tokenizer_files(out_dir, !tokenizer.empty(), hf);
   return hf;
 }

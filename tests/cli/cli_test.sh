@@ -454,6 +454,15 @@ hf_ids=$("$loom" generate "$work/hf" --prompt-ids 104,101,108 --max-new-tokens 6
 ck_ids=$("$loom" generate "$work/bytes" --prompt-ids 104,101,108 --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
 [ -n "$hf_ids" ] && [ "$(echo "$hf_ids" | grep -o '"ids":\[[0-9,]*\]')" = "$(echo "$ck_ids" | grep -o '"ids":\[[0-9,]*\]')" ] \
   && echo "$hf_ids" | grep -q '"text":null' || fail "generate from a Hugging Face directory: $hf_ids vs $ck_ids"
+# --max-shard-size: the same model in shards (and its index), read as the one file.
+"$loom" export "$work/bytes" --format hf "$work/hfs" --max-shard-size 20KB > "$work/hfs.out" 2>&1 \
+  && [ -f "$work/hfs/model.safetensors.index.json" ] && [ ! -f "$work/hfs/model.safetensors" ] \
+  || fail "export in shards: $(cat "$work/hfs.out"; ls "$work/hfs")"
+hfs_ids=$("$loom" generate "$work/hfs" --prompt-ids 104,101,108 --max-new-tokens 6 --temperature 0 --json 2>/dev/null)
+[ "$(echo "$hfs_ids" | grep -o '"ids":\[[0-9,]*\]')" = "$(echo "$hf_ids" | grep -o '"ids":\[[0-9,]*\]')" ] \
+  || fail "generate from shards: $hfs_ids vs $hf_ids"
+"$loom" export "$work/bytes" --format hf "$work/hfx" --max-shard-size 5XB > /dev/null 2>&1
+[ $? -eq 2 ] || fail "--max-shard-size 5XB is not a usage error"
 "$loom" import "$work/not_a_model" --write-manifest "$work/none.toml" > "$work/none.out" 2>&1
 [ $? -eq 1 ] && grep -q "config.json: cannot read the file" "$work/none.out" && [ ! -e "$work/none.toml" ] \
   || fail "--write-manifest of no model: $(cat "$work/none.out")"

@@ -2009,6 +2009,43 @@ TEST(HfImport, AModelInShardsReadsAsOneFile) {
   fs::remove_all(out);
 }
 
+// An export above the largest shard writes shards and their index as save_pretrained
+// does (greedy in tensor order, none above the size unless one tensor is), which read
+// back as the one-file export does; the earlier export's model.safetensors goes.
+TEST(HfExport, AModelAboveTheShardSizeIsWrittenInShards) {
+  const std::vector<std::string> model = qwen3_moe(false);
+  const std::string dir = scratch("exp-shards"), out = scratch("exp-shards-out");
+  const std::string step = parallel_checkpoint(model, dir);
+  const auto plan = loom::testing::plan_from(loom::testing::tiny_manifest(), serial(model));
+  loom::interop::export_hf(step, out, loom::plugins::registry());
+  const loom::train::InitialWeights whole = loom::interop::read_hf(out, plan, 13);
+  const loom::interop::HfModel hf = loom::interop::export_hf(step, out, loom::plugins::registry(), "", 8192);
+  EXPECT_EQ(hf.removed, (std::vector<std::string>{"model.safetensors"}));
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  const nlohmann::json index = nlohmann::json::parse(std::ifstream(out + "/model.safetensors.index.json"));
+  std::set<std::string> files;
+  uint64_t total = 0;
+  for (const auto& [name, file] : index["weight_map"].items()) files.insert(file.get<std::string>());
+  for (const loom::interop::NamedTensor& t : hf.tensors) total += t.data.size();
+  EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), total);
+  EXPECT_EQ(index["weight_map"].size(), hf.tensors.size());
+  ASSERT_GT(files.size(), 2u);
+  const std::string n = std::to_string(files.size());
+  EXPECT_TRUE(files.count("model-00001-of-" + std::string(5 - n.size(), '0') + n + ".safetensors"));
+  for (const std::string& f : files) {
+    uint64_t bytes = 0;
+    const auto shard = loom::interop::read_safetensors(out + "/" + f).tensors;
+    for (const auto& t : shard) bytes += t.data.size();
+    EXPECT_TRUE(bytes <= 8192 || shard.size() == 1) << f << " holds " << bytes << " bytes";
+  }
+  const loom::train::InitialWeights sharded = loom::interop::read_hf(out, plan, 13);
+  ASSERT_EQ(sharded.tensors.size(), whole.tensors.size());
+  for (size_t i = 0; i < whole.tensors.size(); ++i)
+    EXPECT_EQ(sharded.tensors[i].data, whole.tensors[i].data) << whole.tensors[i].name;
+  fs::remove_all(dir);
+  fs::remove_all(out);
+}
+
 // ---- the manifest of a Hugging Face model (loom import --write-manifest) ----------
 
 // The [model] sections manifest_for_hf writes for the model in `hf_dir`, as overrides
