@@ -966,6 +966,30 @@ std::vector<std::vector<size_t>> shard_tensors(const std::vector<NamedTensor>& t
   return shards;
 }
 
+// The weight files an earlier export left in `dir`: model.safetensors, the index and
+// the shards it lists (plain .safetensors names in the directory; an index that is not
+// one lists none).
+std::vector<std::string> earlier_weight_files(const std::string& dir) {
+  namespace fs = boost::filesystem;
+  std::vector<std::string> out;
+  if (fs::is_regular_file(fs::path(dir) / "model.safetensors")) out.push_back("model.safetensors");
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (!fs::is_regular_file(index)) return out;
+  out.push_back("model.safetensors.index.json");
+  try {
+    const nlohmann::json j = nlohmann::json::parse(read_whole(index.string()));
+    if (!j.contains("weight_map") || !j["weight_map"].is_object()) return out;
+    for (const auto& [name, file] : j["weight_map"].items())
+      if (file.is_string() && fs::path(file.get<std::string>()).filename().string() == file.get<std::string>() &&
+          file.get<std::string>().ends_with(".safetensors") &&
+          std::find(out.begin(), out.end(), file.get<std::string>()) == out.end() &&
+          fs::is_regular_file(fs::path(dir) / file.get<std::string>()))
+        out.push_back(file.get<std::string>());
+  } catch (const std::exception&) {
+  }
+  return out;
+}
+
 // "model-00002-of-00004.safetensors"
 std::string shard_name(size_t i, size_t n) {
   char name[64];
@@ -985,11 +1009,9 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(out_dir + " is a file; give a directory to write the model into");
   if (fs::exists(fs::path(out_dir) / "meta.toml") || train::latest_checkpoint(out_dir))
     throw std::runtime_error(out_dir + " holds a loom checkpoint; write the export into a directory of its own");
-  // Beside another model's shards, transformers and loom would read model.safetensors
-  // and leave them: a directory of two models.
-  if (fs::exists(fs::path(out_dir) / "model.safetensors.index.json"))
-    throw std::runtime_error(out_dir + " holds a model split into shards (model.safetensors.index.json); write the "
-                             "export into a directory of its own");
+  // An earlier export's weights (one file, or shards and their index) are this one's to
+  // replace: what it does not write again goes once it has written its own.
+  const std::vector<std::string> earlier_shards = earlier_weight_files(out_dir);
   const train::WholeCheckpoint ck = train::gather_checkpoint(step_dir, registry);
   HfModel hf = to_hf(ck, registry);
   std::vector<std::pair<std::string, std::string>> extra;
@@ -1061,13 +1083,16 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(std::string("export to ") + out_dir + ": " + e.what());
   }  // the temporaries not renamed are removed with `written`
   made_dir.done = true;
-  // Beside the shards, an earlier export's single file would be read in their place.
-  if (fs::exists(fs::path(out_dir) / "model.safetensors.index.json") &&
-      fs::is_regular_file(fs::path(out_dir) / "model.safetensors", ec)) {
-    if (fs::remove(fs::path(out_dir) / "model.safetensors", ec); ec)
-      throw std::runtime_error("export to " + out_dir + ": cannot remove the earlier model.safetensors beside the "
-                               "shards: " + ec.message());
-    hf.removed.push_back("model.safetensors");
+  // The earlier weight files this export did not write again (a single file beside new
+  // shards would be read in their place; shards beyond the new count, an index beside a
+  // new single file, would mislead).
+  for (const std::string& name : earlier_shards) {
+    bool rewritten = false;
+    for (const auto& t : written) rewritten = rewritten || fs::path(final_path(*t)).filename() == name;
+    if (rewritten) continue;
+    if (fs::remove(fs::path(out_dir) / name, ec); ec)
+      throw std::runtime_error("export to " + out_dir + ": cannot remove the earlier " + name + ": " + ec.message());
+    hf.removed.push_back(name);
   }
   settle_tokenizer_files(out_dir, !tokenizer.empty(), hf);
   return hf;

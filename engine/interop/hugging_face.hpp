@@ -51,8 +51,8 @@ struct HfModel {
   nlohmann::ordered_json config;     // config.json
   std::vector<NamedTensor> tensors;  // model.safetensors, in model order
   std::vector<std::string> files;    // the other files written beside config.json (tokenizer)
-  std::vector<std::string> removed;  // an earlier export's files removed: tokenizer files (with a tokenizer),
-                                     // model.safetensors (beside shards)
+  std::vector<std::string> removed;  // an earlier model's files removed: tokenizer files (with a tokenizer),
+                                     // weight files not written again
   std::vector<std::string> kept;     // tokenizer files left there (without one): they may not match
 };
 
@@ -71,8 +71,9 @@ HfModel to_hf(const train::WholeCheckpoint& ckpt, plugins::Registry& registry);
 // are removed (hf.removed); without one they are left and named (hf.kept). Returns what
 // it wrote (hf.files: the tokenizer files' names). Weights above `max_shard_bytes` go in
 // shards as save_pretrained writes them (model-0000i-of-0000N.safetensors, each at most
-// that size unless one tensor is larger, and model.safetensors.index.json); an earlier
-// export's model.safetensors then goes (hf.removed).
+// that size unless one tensor is larger, and model.safetensors.index.json). The weight
+// files of a model already in out_dir (model.safetensors, or an index and its shards)
+// that this export does not write again go once it has written its own (hf.removed).
 constexpr uint64_t kHfMaxShardBytes = 5'000'000'000;  // save_pretrained's default "5GB"
 HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugins::Registry& registry,
                   const std::string& tokenizer = "", uint64_t max_shard_bytes = kHfMaxShardBytes);

@@ -1997,14 +1997,14 @@ TEST(HfImport, AModelInShardsReadsAsOneFile) {
                 .find("cannot read " + out + "/model-00009-of-00009.safetensors"),
             std::string::npos);
   EXPECT_NE(refusal([](nlohmann::json& e) { e.erase("weight_map"); }).find("has no weight_map"), std::string::npos);
-  // An export into the directory of a sharded model is refused (two models in one).
+  // An export into the directory replaces the shards and their index with its one file.
   std::ofstream(out + "/model.safetensors.index.json") << index.dump();
-  try {
-    loom::interop::export_hf(step, out, loom::plugins::registry());
-    ADD_FAILURE() << "an export beside a sharded model";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("holds a model split into shards"), std::string::npos) << e.what();
-  }
+  const loom::interop::HfModel again = loom::interop::export_hf(step, out, loom::plugins::registry());
+  EXPECT_EQ(again.removed, (std::vector<std::string>{"model.safetensors.index.json", "model-00001-of-00003.safetensors",
+                                                     "model-00002-of-00003.safetensors",
+                                                     "model-00003-of-00003.safetensors"}));
+  EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(out + "/model-00001-of-00003.safetensors"));
   fs::remove_all(dir);
   fs::remove_all(out);
 }
@@ -2042,6 +2042,13 @@ TEST(HfExport, AModelAboveTheShardSizeIsWrittenInShards) {
   ASSERT_EQ(sharded.tensors.size(), whole.tensors.size());
   for (size_t i = 0; i < whole.tensors.size(); ++i)
     EXPECT_EQ(sharded.tensors[i].data, whole.tensors[i].data) << whole.tensors[i].name;
+  // Fewer, larger shards the next time: the ones beyond the new count go.
+  const loom::interop::HfModel fewer = loom::interop::export_hf(step, out, loom::plugins::registry(), "", 1 << 20);
+  EXPECT_EQ(fewer.removed.size(), files.size() + 1) << "the earlier index and shards";
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(out)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"config.json", "model.safetensors"}));
   fs::remove_all(dir);
   fs::remove_all(out);
 }
