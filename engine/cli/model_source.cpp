@@ -147,7 +147,8 @@ ModelSource load_model_source(const std::string& path, const std::vector<std::st
     const std::string text = interop::manifest_for_hf(path) + "\n[checkpoint]\ninit_weights = " +
                              manifest::to_toml_text(toml::value<std::string>(fs::absolute(path).lexically_normal().string())) +
                              "\n";
-    return from_manifest(text, (fs::path(path) / "config.json").string(), overrides, registry, plan_for);
+    return from_manifest(text, (fs::path(path) / "config.json").string() + " (as a manifest)", overrides, registry,
+                         plan_for);
   }
   if (step.empty() && fs::is_directory(path))
     throw loom::Error(path + " holds no complete checkpoint (a step_N directory with meta.toml) nor a Hugging Face "

@@ -349,6 +349,10 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   const int64_t hidden = c.integer(gpt2 ? "n_embd" : "hidden_size"), heads = c.integer(gpt2 ? "n_head" : "num_attention_heads");
   const int64_t layers = c.integer(gpt2 ? "n_layer" : "num_hidden_layers");
   const int64_t context = gpt2 ? c.integer("n_positions") : c.integer_or("max_position_embeddings", 4096);
+  if (seq_length > (int64_t{1} << 24)) c.fail("--seq-length " + std::to_string(seq_length) + " is above 16777216");
+  if (gpt2 && seq_length > context)
+    c.fail("--seq-length " + std::to_string(seq_length) + " is longer than n_positions = " + std::to_string(context) +
+           ", GPT-2's position table");
   const int64_t seq = seq_length > 0 ? seq_length : std::min<int64_t>(context, 4096);
   model.integer("hidden_size", hidden);
   model.integer("num_heads", heads);
@@ -448,7 +452,10 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
 
   // The tokenizer beside the weights, when loom reads it.
   std::string tokenizer, no_tokenizer;
+  const bool has_files = fs::exists(fs::path(dir) / "encoder.json") || fs::exists(fs::path(dir) / "tokenizer.json") ||
+                         fs::exists(fs::path(dir) / "tokenizer.model");
   try {
+    if (!has_files) throw std::runtime_error("no tokenizer files beside the model (tokenizer.json, tokenizer.model)");
     text::load_tokenizer(dir);
     tokenizer = fs::absolute(dir).lexically_normal().string();
   } catch (const std::exception& e) {

@@ -967,8 +967,8 @@ std::vector<std::vector<size_t>> shard_tensors(const std::vector<NamedTensor>& t
 }
 
 // The weight files an earlier export left in `dir`: model.safetensors, the index and
-// the shards it lists (plain .safetensors names in the directory; an index that is not
-// one lists none).
+// the shards it lists (plain .safetensors names in the directory that are safetensors
+// files, not links; an index that is not one lists none).
 std::vector<std::string> earlier_weight_files(const std::string& dir) {
   namespace fs = boost::filesystem;
   std::vector<std::string> out;
@@ -983,7 +983,8 @@ std::vector<std::string> earlier_weight_files(const std::string& dir) {
       if (file.is_string() && fs::path(file.get<std::string>()).filename().string() == file.get<std::string>() &&
           file.get<std::string>().ends_with(".safetensors") &&
           std::find(out.begin(), out.end(), file.get<std::string>()) == out.end() &&
-          fs::is_regular_file(fs::path(dir) / file.get<std::string>()))
+          !fs::is_symlink(fs::path(dir) / file.get<std::string>()) &&
+          looks_like_safetensors((fs::path(dir) / file.get<std::string>()).string()))
         out.push_back(file.get<std::string>());
   } catch (const std::exception&) {
   }
@@ -1009,6 +1010,12 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     throw std::runtime_error(out_dir + " is a file; give a directory to write the model into");
   if (fs::exists(fs::path(out_dir) / "meta.toml") || train::latest_checkpoint(out_dir))
     throw std::runtime_error(out_dir + " holds a loom checkpoint; write the export into a directory of its own");
+  // Inside a checkpoint's step, a run's checkpoint.keep_last would delete it with the step.
+  for (fs::path p = fs::absolute(out_dir).lexically_normal().parent_path(); !p.empty() && p != p.root_path();
+       p = p.parent_path())
+    if (fs::exists(p / "meta.toml"))
+      throw std::runtime_error(out_dir + " is inside the checkpoint " + p.string() +
+                               ", which a run may delete (checkpoint.keep_last); write the export elsewhere");
   // An earlier export's weights (one file, or shards and their index) are this one's to
   // replace: what it does not write again goes once it has written its own.
   const std::vector<std::string> earlier_shards = earlier_weight_files(out_dir);
@@ -1050,7 +1057,7 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
     const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"loom_checkpoint", step_dir}};
     const std::vector<std::vector<size_t>> shards = shard_tensors(hf.tensors, max_shard_bytes);
     if (shards.size() == 1) {
-      write_safetensors(temporary("model.safetensors"), hf.tensors, metadata);
+      write_safetensors(temporary("model.safetensors"), hf.tensors, metadata, /*direct=*/true);
     } else {
       nlohmann::ordered_json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::ordered_json::object()}};
       uint64_t total = 0;
@@ -1058,7 +1065,7 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
         const std::string name = shard_name(i, shards.size());
         std::vector<NamedTensor> shard;  // one shard's copy at a time
         for (size_t k : shards[i]) shard.push_back(hf.tensors[k]);
-        write_safetensors(temporary(name), shard, metadata);
+        write_safetensors(temporary(name), shard, metadata, /*direct=*/true);
         for (const NamedTensor& t : shard) index["weight_map"][t.name] = name, total += t.data.size();
       }
       index["metadata"]["total_size"] = total;

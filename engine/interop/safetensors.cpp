@@ -1,4 +1,5 @@
 #include "engine/interop/safetensors.hpp"
+#include <memory>
 #include <map>
 
 #include "engine/files/temporaries.hpp"
@@ -40,7 +41,7 @@ size_t safetensors_dtype_size(const std::string& d) {
 }
 
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+                       const std::map<std::string, std::string>& metadata, bool direct) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<const NamedTensor*> by_name;
@@ -62,11 +63,12 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     header[t->name] = {{"dtype", t->dtype}, {"shape", t->shape}, {"data_offsets", {at[t->name].first, at[t->name].second}}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  files::Temporary temporary(path + ".tmp");  // removed on a failure, or by a signal ending the command
-  const std::string& tmp = temporary.path();
+  std::unique_ptr<files::Temporary> temporary;  // removed on a failure, or by a signal ending the command
+  if (!direct) temporary = std::make_unique<files::Temporary>(path + ".tmp");
+  const std::string& tmp = direct ? path : temporary->path();
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw SafetensorsError("cannot write " + tmp);
+    if (!out) throw SafetensorsError("cannot write " + tmp + ": " + std::strerror(errno));
     const uint64_t n = text.size();
     unsigned char len[8];
     for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
@@ -74,9 +76,9 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     for (const NamedTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
     out.flush();
-    if (!out) throw SafetensorsError("cannot write " + tmp + " (disk full?)");
+    if (!out) throw SafetensorsError("cannot write " + tmp + ": " + std::strerror(errno));
   }
-  if (!temporary.commit(path))
+  if (temporary && !temporary->commit(path))
     throw SafetensorsError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
 }
 
@@ -205,6 +207,21 @@ SafetensorsFile parse_safetensors(const std::vector<char>& bytes, const std::str
 
 
 
+bool looks_like_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  boost::system::error_code ec;
+  const uint64_t size = boost::filesystem::file_size(path, ec);
+  unsigned char first8[8] = {};
+  if (!in || ec || size < 8 || !in.read(reinterpret_cast<char*>(first8), 8)) return false;
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(first8[i]) << (8 * i);
+  if (n == 0 || n > kMaxHeader || n > size - 8) return false;
+  std::string header(n, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) return false;
+  const nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  return j.is_object();
+}
+
 SafetensorsFile read_safetensors(const std::string& path) {
   if (!boost::filesystem::is_regular_file(path)) {
     const std::string index = path + ".index.json";  // save_pretrained's shards: model-00001-of-0000N.safetensors
@@ -239,8 +256,11 @@ std::vector<NamedTensor> read_safetensors_model(const std::string& dir, std::str
   namespace fs = boost::filesystem;
   const std::string whole = (fs::path(dir) / "model.safetensors").string();
   const std::string index_path = whole + ".index.json";
-  if (fs::exists(whole) || !fs::exists(index_path)) {
+  if (fs::is_regular_file(whole) || !fs::exists(index_path)) {
     if (source) *source = whole;
+    if (!fs::exists(whole))
+      throw SafetensorsError(dir + " has neither model.safetensors nor model.safetensors.index.json (a Hugging Face "
+                             "model's weights)");
     return read_safetensors(whole).tensors;
   }
   if (source) *source = index_path;

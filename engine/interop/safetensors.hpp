@@ -31,9 +31,14 @@ struct NamedTensor {
 size_t safetensors_dtype_size(const std::string& dtype);
 
 // Writes `tensors` in order (the header sorted by name, as the format's writers do),
-// with `metadata`, into path (through a temporary file renamed into place).
+// with `metadata`, into path: through a temporary file renamed into place, or straight
+// into `path` with `direct` (a caller whose path is a temporary of its own).
 void write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+                       const std::map<std::string, std::string>& metadata = {}, bool direct = false);
+
+// Whether `path` starts as a safetensors file does: a header length within the file and
+// a header that is a JSON object (what an export may replace; other files are left).
+bool looks_like_safetensors(const std::string& path);
 
 struct SafetensorsFile {
   std::vector<NamedTensor> tensors;  // in the order of their data

@@ -229,7 +229,8 @@ std::unique_ptr<DataSource> token_source(const std::string& kind, const std::str
   try {
     docs = text::IndexedDataset::read(path).documents;
   } catch (const text::TokenFileError& e) {
-    throw DataError(e.what());
+    throw DataError(key + " = " + path + " (an indexed dataset, PREFIX.bin + PREFIX.idx: loom preprocess writes "
+                    "one): " + e.what());
   }
   int64_t n = 0;
   for (const auto& d : docs) {

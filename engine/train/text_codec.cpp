@@ -16,8 +16,8 @@ TextCodec::TextCodec(const std::string& tokenizer, const manifest::RunConfig& co
   } else if (config.data.kind == "synthetic") {
     symbols_ = make_data_source(config);
   } else if (config.data.kind != "text") {  // ids only: text is refused when it comes
-    no_text_ = "the model was trained on data.kind = \"" + config.data.kind +
-               "\" tokens: give their tokenizer (--tokenizer), or token ids";
+    no_text_ = "the model reads token ids of no tokenizer loom knows (data.kind = \"" + config.data.kind +
+               "\" without data.tokenizer): give the tokenizer (--tokenizer), or ids in place of text";
   }
 }
 

@@ -1997,7 +1997,10 @@ TEST(HfImport, AModelInShardsReadsAsOneFile) {
                 .find("cannot read " + out + "/model-00009-of-00009.safetensors"),
             std::string::npos);
   EXPECT_NE(refusal([](nlohmann::json& e) { e.erase("weight_map"); }).find("has no weight_map"), std::string::npos);
-  // An export into the directory replaces the shards and their index with its one file.
+  // An export into the directory replaces the shards and their index with its one file;
+  // a file the index lists that is no safetensors file stays.
+  std::ofstream(out + "/notes.safetensors") << "keep";
+  index["weight_map"]["notes"] = "notes.safetensors";
   std::ofstream(out + "/model.safetensors.index.json") << index.dump();
   const loom::interop::HfModel again = loom::interop::export_hf(step, out, loom::plugins::registry());
   EXPECT_EQ(again.removed, (std::vector<std::string>{"model.safetensors.index.json", "model-00001-of-00003.safetensors",
@@ -2005,6 +2008,24 @@ TEST(HfImport, AModelInShardsReadsAsOneFile) {
                                                      "model-00003-of-00003.safetensors"}));
   EXPECT_TRUE(fs::exists(out + "/model.safetensors"));
   EXPECT_FALSE(fs::exists(out + "/model-00001-of-00003.safetensors"));
+  EXPECT_TRUE(fs::exists(out + "/notes.safetensors"));
+  // Without weights: what a model directory needs.
+  fs::remove(out + "/model.safetensors");
+  try {
+    loom::interop::read_hf(out, plan, 13);
+    ADD_FAILURE() << "a directory without weights was read";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("has neither model.safetensors nor model.safetensors.index.json"),
+              std::string::npos) << e.what();
+  }
+  // Inside a checkpoint's step (which checkpoint.keep_last may delete) an export is refused.
+  try {
+    loom::interop::export_hf(step, step + "/hf", loom::plugins::registry());
+    ADD_FAILURE() << "an export inside a checkpoint step";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("is inside the checkpoint"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(step + "/hf"));
   fs::remove_all(dir);
   fs::remove_all(out);
 }
