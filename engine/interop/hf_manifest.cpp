@@ -195,10 +195,11 @@ int64_t sliding_window(const Config& c, const std::string& type, const HfConfigD
   if (w.is_null()) return 0;
   if (!w.is_number_integer() || w.get<int64_t>() <= 0) c.fail("sliding_window = " + w.dump() + " is not a positive integer");
   if (qwen) {
-    int64_t windowed = layers - std::clamp<int64_t>(c.integer_or("max_window_layers", 28), 0, layers);
+    int64_t windowed = 0;
     if (c.has("layer_types") && c.at("layer_types").is_array()) {
-      windowed = 0;
       for (const nlohmann::json& t : c.at("layer_types")) windowed += t != "full_attention" ? 1 : 0;
+    } else {  // layers from max_window_layers on slide (0: every one)
+      windowed = layers - std::clamp<int64_t>(c.count_or("max_window_layers", 28), 0, layers);
     }
     if (windowed == 0) return 0;
     if (windowed < layers)

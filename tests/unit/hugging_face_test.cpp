@@ -2118,6 +2118,7 @@ TEST(HfImport, AWrittenManifestComputesTheModelItsConfigDescribes) {
   check_written_manifest(windowed(llama()), "MistralForCausalLM");
   check_written_manifest(mixtral(), "MixtralForCausalLM");
   check_written_manifest(qwen2_yarn(), "Qwen2ForCausalLM");
+  check_written_manifest(windowed(qwen2()), "Qwen2ForCausalLM");  // every layer slides: max_window_layers = 0
   check_written_manifest(qwen2_moe(false), "Qwen2MoeForCausalLM");
   check_written_manifest(qwen3(), "Qwen3ForCausalLM");
   check_written_manifest(qwen3_moe_with_dense(), "Qwen3MoeForCausalLM");
