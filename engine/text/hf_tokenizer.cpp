@@ -205,9 +205,8 @@ HfTokenizer HfTokenizer::load(const std::string& path) {
   const int64_t entries = static_cast<int64_t>(m["vocab"].size()) +
                           (j.contains("added_tokens") && j["added_tokens"].is_array()
                                ? static_cast<int64_t>(j["added_tokens"].size()) : 0);
-  const auto valid_id = [&](const nlohmann::json& id) {
-    return id.is_number_integer() && !id.is_number_float() && id.get<int64_t>() >= 0 && id.get<int64_t>() < entries &&
-           (id.is_number_unsigned() ? id.get<uint64_t>() < static_cast<uint64_t>(entries) : true);
+  const auto valid_id = [&](const nlohmann::json& id) {  // (2^63 and above read as negative)
+    return id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < entries;
   };
   for (const auto& [token, id] : m["vocab"].items())
     if (!valid_id(id) || !t.bpe_.add_token(token, static_cast<int32_t>(id.get<int64_t>())))
