@@ -1,12 +1,15 @@
 // loom generate CHECKPOINT|MANIFEST --prompt TEXT [--max-new-tokens N] [--temperature T]
 //   [--top-k K] [--top-p P] [--seed S] [--tokenizer DIR|MODEL] [--prompt-ids 1,2,3]
-//   [--no-cache] [--set key=value]... [--json] [--plugin-path DIR]...
+//   [--chat [--system TEXT] [--chat-template NAME]] [--no-cache] [--set key=value]... [--json]
+//   [--plugin-path DIR]...
 // Text from a trained model, with a key/value cache (engine/train/generation.hpp).
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/tokenizer.hpp"
+#include "engine/text/chat_template.hpp"
+#include "engine/train/chat_data.hpp"
 #include "engine/train/generation.hpp"
 #include "engine/train/text_codec.hpp"
 
@@ -42,6 +45,12 @@ const char* kUsage =
     "  --seed S            the sampling seed (default 0)\n"
     "  --stop-token ID     end when this token is drawn (default: the end of document the model was\n"
     "                      trained with: data.eod_token, else the tokenizer's)\n"
+    "  --chat              the prompt is a user's message: written with the chat template (a run's\n"
+    "                      data.chat_template, else the one the tokenizer's directory declares) and the\n"
+    "                      assistant's header after it; the reply alone is printed, ending at the end\n"
+    "                      of the turn (<|im_end|>, <|eot_id|>)\n"
+    "  --system TEXT       with --chat: a system message before the user's\n"
+    "  --chat-template T   with --chat: chatml or llama3 instead\n"
     "  --tokenizer PATH    any loom preprocess reads (GPT-2 BPE, tokenizer.json, SentencePiece); the run's\n"
     "                      data.tokenizer, a synthetic task's symbols or, for data.kind = \"text\", bytes\n"
     "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
@@ -59,7 +68,9 @@ extern "C" void on_generate_signal(int) { g_stop.store(1); }
 // character is whole.
 class Stream {
  public:
-  Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt) : codec_(codec), ids_(prompt) {}
+  // `echo`: the prompt is printed before the first token (else only what follows it).
+  Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt, bool echo)
+      : codec_(codec), ids_(prompt), echo_(echo) {}
   void add(int32_t token) {
     start();
     ids_.push_back(token);
@@ -84,14 +95,37 @@ class Stream {
   void start() {
     if (started_) return;
     started_ = true;
-    std::cout << (printed_ = codec_.decode(ids_));
+    printed_ = codec_.decode(ids_);
+    if (echo_) std::cout << printed_;
   }
 
   const train::TextCodec& codec_;
   std::vector<int32_t> ids_;
   std::string printed_;
+  bool echo_;
   bool started_ = false;
 };
+
+// --chat: the prompt as a conversation's next assistant turn, and where that turn ends.
+struct ChatPrompt {
+  std::vector<int32_t> ids;
+  int32_t end_of_turn = -1;
+};
+ChatPrompt chat_prompt(const Args& args, const train::TextCodec& codec, const manifest::RunConfig& config) {
+  const text::Tokenizer* tokenizer = codec.tokenizer();
+  if (tokenizer == nullptr)
+    throw UsageError("--chat writes the prompt with a chat template, which needs the model's tokenizer (" +
+                     codec.describe() + "); give --tokenizer");
+  manifest::RunConfig named = config;  // the template of the run, or of --tokenizer's directory
+  if (const auto path = args.get("--tokenizer")) named.data.tokenizer = *path;
+  if (const auto name = args.get("--chat-template")) named.data.chat_template = *name;
+  const text::ChatTemplate chat = train::chat_template_of(named);
+  chat.require_special_tokens(*tokenizer);
+  text::Conversation conversation;
+  if (args.has("--system")) conversation.push_back({"system", *args.get("--system")});
+  conversation.push_back({"user", *args.get("--prompt")});
+  return {chat.encode(*tokenizer, conversation, true).ids, chat.end_of_turn(*tokenizer)};
+}
 
 std::vector<int32_t> parse_ids(const std::string& list) {
   std::vector<int32_t> ids;
@@ -131,15 +165,19 @@ double parse_double(const Args& args, const std::string& name, double fallback) 
 
 int cmd_generate(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--no-cache", "--json"},
+    Args args(argc, argv, {"--no-cache", "--json", "--chat"},
               {"--prompt", "--prompt-ids", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
-               "--stop-token", "--tokenizer", "--set", "--plugin-path"});
+               "--stop-token", "--tokenizer", "--set", "--plugin-path", "--system", "--chat-template"});
     if (args.flag("--help")) {
       std::cout << kUsage;
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("generate takes one CHECKPOINT or MANIFEST");
     if (args.has("--prompt") == args.has("--prompt-ids")) throw UsageError("give --prompt TEXT or --prompt-ids, one of them");
+    const bool chat = args.flag("--chat");
+    if (chat && !args.has("--prompt")) throw UsageError("--chat takes the user's message as --prompt TEXT");
+    for (const char* option : {"--system", "--chat-template"})
+      if (!chat && args.has(option)) throw UsageError(std::string(option) + " goes with --chat");
     train::GenerationRequest req;
     req.max_new_tokens = args.get_int("--max-new-tokens", 64);
     if (req.max_new_tokens < 1) throw UsageError("--max-new-tokens must be >= 1");
@@ -164,17 +202,25 @@ int cmd_generate(int argc, char** argv) {
     const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, train::generation_plan);
     const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     codec.require_fits(src.vocab);
-    req.prompt = args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids")) : codec.encode(*args.get("--prompt"));
+    const ChatPrompt conversation = chat ? chat_prompt(args, codec, src.plan.config) : ChatPrompt{};
+    req.prompt = chat                     ? conversation.ids
+                 : args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids"))
+                                            : codec.encode(*args.get("--prompt"));
     const int64_t trained_eod = src.plan.config.data.eod_token;
-    const long long stop = args.get_int("--stop-token", trained_eod >= 0 ? trained_eod : codec.eod());
+    const long long stop = args.get_int("--stop-token", chat                ? conversation.end_of_turn
+                                                        : trained_eod >= 0 ? trained_eod
+                                                                           : codec.eod());
     if (stop < -1 || stop >= src.vocab)
       throw UsageError("--stop-token " + std::to_string(stop) + " is not a token of the model's vocabulary [0, " +
                        std::to_string(src.vocab) + ") (or -1: none)");
     req.stop_token = static_cast<int32_t>(stop);
     req.token_limit = codec.vocab();
     const bool json = args.flag("--json");
-    Stream stream(codec, req.prompt);
-    if (!json) req.on_token = [&stream](int32_t t) { stream.add(t); };
+    Stream stream(codec, req.prompt, !chat);
+    // A reply's end-of-turn token is where it stops, not part of it.
+    if (!json) req.on_token = [&](int32_t t) {
+      if (!chat || t != req.stop_token) stream.add(t);
+    };
     req.stop_signal = &g_stop;
     for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_generate_signal);
     const train::GenerationResult res = train::generate(src.plan, src.weights, src.vocab, req);
@@ -188,6 +234,11 @@ int cmd_generate(int argc, char** argv) {
       j["prompt_ids"] = req.prompt;
       j["ids"] = res.tokens;
       j["text"] = codec.has_text() ? nlohmann::ordered_json(codec.decode(res.tokens)) : nlohmann::ordered_json();
+      if (chat) {
+        std::vector<int32_t> reply = res.tokens;
+        if (!reply.empty() && reply.back() == req.stop_token) reply.pop_back();
+        j["reply"] = codec.decode(reply);
+      }
       j["prefill_ms"] = res.prefill_ms;
       j["decode_ms"] = res.decode_ms;
       j["decode_tokens_per_s"] = tokens_per_s;

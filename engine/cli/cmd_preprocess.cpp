@@ -10,10 +10,12 @@
 #include "engine/files/temporaries.hpp"
 #include "engine/runtime/json.hpp"
 #include "engine/runtime/launcher.hpp"
+#include "engine/text/chat_template.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/text/token_files.hpp"
 
 #include <boost/filesystem.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -54,8 +56,14 @@ const char* kPreprocessUsage =
 
 const char* kTokenizeUsage =
     "usage: loom tokenize --tokenizer DIR|MODEL (--text TEXT | --file FILE) [--decode] [--json]\n"
+    "       loom tokenize --tokenizer DIR --chat [--chat-template chatml|llama3] [--generation-prompt]\n"
+    "                     (--text JSON | --file FILE.jsonl) [--json]\n"
     "Prints the token ids of the text (space-separated), or with --decode the text of the\n"
-    "ids given as TEXT or in FILE. The tokenizer is any loom preprocess reads.\n";
+    "ids given as TEXT or in FILE. The tokenizer is any loom preprocess reads.\n"
+    "With --chat, each line is a conversation as data.kind = \"chat\" reads it ({\"messages\":\n"
+    "[{\"role\", \"content\"}, ...]}): printed as the chat template writes it (the tokenizer's\n"
+    "own unless named), or with --json as {\"text\", \"tokens\", \"targets\"} (targets: 1 where\n"
+    "training counts the token: the assistant's turns after their header).\n";
 
 std::string read_input(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");
@@ -241,12 +249,50 @@ int preprocess(const Args& args) {
   return 0;
 }
 
+// --chat: each line of the input a conversation, as the template writes it.
+int tokenize_chat(const Args& args, const text::Tokenizer& tok, const std::string& input) {
+  std::string name = args.get("--chat-template").value_or("");
+  if (name.empty()) name = text::declared_chat_template(*args.get("--tokenizer"));
+  if (name.empty())
+    throw UsageError("--chat: the tokenizer declares no chat template (tokenizer_config.json's chat_template); "
+                     "give --chat-template chatml|llama3");
+  const text::ChatTemplate chat = text::ChatTemplate::named(name);
+  chat.require_special_tokens(tok);
+  const bool prompt = args.flag("--generation-prompt");
+  std::istringstream lines(input);
+  size_t number = 0;
+  for (std::string line; std::getline(lines, line);) {
+    ++number;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    text::Conversation conversation;
+    try {
+      conversation = text::conversation_from_json(nlohmann::json::parse(line));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("line " + std::to_string(number) + ": " + e.what());
+    }
+    if (!args.flag("--json")) {
+      std::cout << chat.render(conversation, prompt) << "\n";
+      continue;
+    }
+    const text::ChatTokens t = chat.encode(tok, conversation, prompt);
+    std::cout << runtime::dump_json({{"text", chat.render(conversation, prompt)}, {"tokens", t.ids},
+                                     {"targets", t.target}})
+              << "\n";
+  }
+  return 0;
+}
+
 int tokenize(const Args& args) {
   if (!args.has("--tokenizer") || args.has("--text") == args.has("--file"))
     throw UsageError("tokenize needs --tokenizer and one of --text or --file");
+  const bool chat = args.flag("--chat");
+  if (chat && args.flag("--decode")) throw UsageError("--chat encodes conversations; --decode decodes ids: one of them");
+  if (!chat && (args.has("--chat-template") || args.flag("--generation-prompt")))
+    throw UsageError("--chat-template and --generation-prompt go with --chat");
   const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
   const text::Tokenizer& tok = *loaded;
   const std::string input = args.has("--text") ? *args.get("--text") : read_input(*args.get("--file"));
+  if (chat) return tokenize_chat(args, tok, input);
   if (args.flag("--decode")) {
     std::vector<int32_t> ids;
     std::istringstream in(input);
@@ -351,8 +397,8 @@ int cmd_tokenizer_train(int argc, char** argv) {
 }
 
 int cmd_tokenize(int argc, char** argv) {
-  return run_command("tokenize", kTokenizeUsage, argc, argv, {"--decode", "--json"}, {"--tokenizer", "--text", "--file"},
-                     tokenize);
+  return run_command("tokenize", kTokenizeUsage, argc, argv, {"--decode", "--json", "--chat", "--generation-prompt"},
+                     {"--tokenizer", "--text", "--file", "--chat-template"}, tokenize);
 }
 
 }  // namespace loom::cli

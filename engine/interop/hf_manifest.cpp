@@ -500,7 +500,9 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   Section data{"data",
                "# Token files of your text in the model's tokenizer, e.g.\n"
                "#   loom preprocess --tokenizer " + (tokenizer.empty() ? std::string("TOKENIZER") : comment_text(tokenizer)) +
-                   " --input corpus.jsonl --output-prefix corpus --append-eod\n",
+                   " --input corpus.jsonl --output-prefix corpus --append-eod\n"
+                   "# or conversations to fine-tune on (one {\"messages\": [...]} a line): kind = \"chat\",\n"
+                   "# path = \"chats.jsonl\", and checkpoint.init_weights = the model's directory\n",
                {}};
   if (!no_tokenizer.empty()) {
     std::string first_line = no_tokenizer.substr(0, no_tokenizer.find('\n'));

@@ -411,8 +411,14 @@ std::vector<KeySpec> build() {
   v.push_back(open_table("comm.options", "options of the comm plugin"));
   // data
   v.push_back(s("data.kind", "synthetic", "data source: synthetic, text (bytes), tokens (llm.c .bin), indexed "
-                "(Megatron .bin/.idx, e.g. from loom preprocess)", {"synthetic", "text", "tokens", "indexed"}));
-  v.push_back(s("data.path", "", "file to read for kind text or tokens; the PREFIX of PREFIX.bin/.idx for indexed"));
+                "(Megatron .bin/.idx, e.g. from loom preprocess), chat (conversations for supervised fine-tuning: "
+                "a JSONL file of Megatron-LM's SFT format, {\"messages\": [{\"role\", \"content\"}, ...]} a line, "
+                "written with data.chat_template and tokenized by data.tokenizer when the run starts; the loss "
+                "counts the assistant's turns only; a line is one sample, cut after seq_length + 1 tokens or "
+                "padded; a system message after the first starts another conversation of the line, which "
+                "ends with the end-of-document token, so data.reset_attention_mask keeps them apart)",
+                {"synthetic", "text", "tokens", "indexed", "chat"}));
+  v.push_back(s("data.path", "", "file to read for kind text, tokens or chat; the PREFIX of PREFIX.bin/.idx for indexed"));
   {
     // Megatron-LM's --data-path with weights: [0.3, "a", 0.7, "b"].
     KeySpec k = key("data.blend", KeyType::Array, "[]",
@@ -438,7 +444,12 @@ std::vector<KeySpec> build() {
                 "kind indexed or tokens: the tokenizer the token files were made with (a GPT-2 BPE directory or a "
                 "SentencePiece .model, as loom preprocess took it): the model's vocabulary is its size when "
                 "model.vocab_size is 0 (not the largest id the data holds), and loom generate, eval and export "
-                "use it when not given --tokenizer"));
+                "use it when not given --tokenizer; kind chat: the tokenizer the conversations are encoded with"));
+  v.push_back(s("data.chat_template", "",
+                "kind chat: how a conversation is written, \"chatml\" (<|im_start|>ROLE ... <|im_end|>: Qwen) or "
+                "\"llama3\" (<|start_header_id|>ROLE<|end_header_id|> ... <|eot_id|>); \"\" = the one data.tokenizer's "
+                "tokenizer_config.json declares (loom generate --chat writes prompts with it too)",
+                {"", "chatml", "llama3"}));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
   v.push_back(b("data.eod_mask_loss", false,
                 "no loss where the input token is the end-of-document token (Megatron-LM's --eod-mask-loss): a "
@@ -934,18 +945,28 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
   }
   if (!blended && !bad.count("data.blend") && usable({"data.kind", "data.path"})) {
     std::string kind = m.get_string("data.kind");
-    if ((kind == "text" || kind == "tokens" || kind == "indexed") && m.get_string("data.path").empty())
+    if ((kind == "text" || kind == "tokens" || kind == "indexed" || kind == "chat") && m.get_string("data.path").empty())
       report({"data.kind", "data.path"},
              "data.kind = \"" + kind + "\" requires data.path (the file to read), which is empty");
   }
   // A tokenizer names what token files' ids mean; text is bytes, a synthetic task its symbols.
   if (usable({"data.kind", "data.tokenizer"}) && !m.get_string("data.tokenizer").empty()) {
     const std::string kind = m.get_string("data.kind");
-    if (kind != "tokens" && kind != "indexed")
+    if (kind != "tokens" && kind != "indexed" && kind != "chat")
       report({"data.tokenizer", "data.kind"},
              "data.tokenizer names the tokenizer of token files (data.kind = \"indexed\" or \"tokens\"); data.kind = \"" +
                  kind + "\" has its own symbols (" + (kind == "text" ? "bytes" : "the task's") +
                  "): make token files with loom preprocess --tokenizer, or leave data.tokenizer empty");
+  }
+  // Conversations are text: the tokenizer makes their tokens, the template their turns.
+  if (usable({"data.kind", "data.tokenizer", "data.chat_template"})) {
+    const bool chat = m.get_string("data.kind") == "chat";
+    if (chat && m.get_string("data.tokenizer").empty())
+      report({"data.kind", "data.tokenizer"}, "data.kind = \"chat\" encodes the conversations with data.tokenizer, "
+                                              "which is empty (a tokenizer.json directory, e.g. the model's own)");
+    if (!chat && !m.get_string("data.chat_template").empty())
+      report({"data.chat_template", "data.kind"}, "data.chat_template writes conversations, which only data.kind = "
+                                                  "\"chat\" reads; data.kind = \"" + m.get_string("data.kind") + "\"");
   }
   // The loss mask and the document resets need to know which id ends a document, and
   // data with documents.

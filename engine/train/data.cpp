@@ -6,6 +6,7 @@
 #include "engine/text/token_files.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/train/blend.hpp"
+#include "engine/train/chat_data.hpp"
 #include "engine/train/documents.hpp"
 
 #include <boost/filesystem.hpp>
@@ -277,7 +278,9 @@ std::unique_ptr<DataSource> unmasked_data_source(const manifest::RunConfig& conf
   }
   if (kind == "tokens" || kind == "indexed")
     return token_source(kind, path, "path", vocab, val_fraction, seed);
-  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\"");
+  if (kind == "chat") return chat_source(config, vocab);
+  throw DataError("data.kind = \"" + kind + "\" is unknown; valid: \"synthetic\", \"text\", \"tokens\", \"indexed\", "
+                  "\"chat\"");
 }
 
 // Megatron-LM's --eod-mask-loss: no loss at a position whose input token ends a
@@ -296,6 +299,7 @@ class EodLossMask : public DataSource {
       if (tokens[s] == eod_) targets[s] = -1;
   }
   void check_split(Split split, int64_t seq) const override { inner_->check_split(split, seq); }
+  std::string warning(int64_t seq) const override { return inner_->warning(seq); }
   bool has_exact_match() const override { return inner_->has_exact_match(); }
   std::string render(const int32_t* tokens, int64_t n) const override { return inner_->render(tokens, n); }
   std::vector<int32_t> encode(const std::string& text) const override { return inner_->encode(text); }
@@ -337,6 +341,8 @@ std::string DataSource::render(const int32_t* tokens, int64_t n) const {
   for (int64_t i = 0; i < n; ++i) s += (i ? " " : "") + std::to_string(tokens[i]);
   return s;
 }
+
+std::string DataSource::warning(int64_t) const { return ""; }
 
 void DataSource::check_split(Split split, int64_t seq) const {
   std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(static_cast<size_t>(seq));

@@ -30,6 +30,9 @@ class DataSource {
   // Throws DataError when the split cannot give a sequence of seq tokens (a file too
   // short for it): reads one, as the trainer would; a blend checks each dataset.
   virtual void check_split(Split split, int64_t seq) const;
+  // What a run at sequence length `seq` should be told about the data ("" = nothing):
+  // conversations cut short, for example.
+  virtual std::string warning(int64_t seq) const;
   // True when exact-match accuracy (every target position predicted) is meaningful.
   virtual bool has_exact_match() const { return false; }
   // Token id -> printable text for samples shown to the user.

@@ -1,32 +1,11 @@
 #include "engine/train/documents.hpp"
 
+#include "engine/train/shuffle.hpp"
+
 #include <algorithm>
 #include <numeric>
-#include <random>
 
 namespace loom::train {
-
-namespace {
-
-uint64_t stream_seed(uint64_t seed, Split split, uint64_t epoch, uint64_t what) {
-  uint64_t z = seed ^ (split == Split::Train ? 0x747261696eull : 0x76616c6964ull);
-  for (uint64_t x : {epoch, what}) {
-    z += 0x9E3779B97F4A7C15ull + x;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-  }
-  return z;
-}
-
-// Fisher-Yates with a 64-bit Mersenne twister (the same on every platform).
-template <class T>
-void shuffle(std::vector<T>& v, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng() % i)]);
-}
-
-}  // namespace
 
 DocumentSource::DocumentSource(std::vector<std::vector<int32_t>> documents, int64_t vocab, double val_fraction,
                                uint64_t seed, std::string what)
@@ -58,7 +37,7 @@ int64_t DocumentSource::tokens_in(Split split) const {
 
 std::vector<uint32_t> DocumentSource::document_order(Split split, uint64_t epoch) const {
   std::vector<uint32_t> order = documents_of(split);
-  shuffle(order, stream_seed(seed_, split, epoch, 1));
+  seeded_shuffle(order, stream_seed(seed_, split, epoch, 1));
   return order;
 }
 
@@ -77,7 +56,7 @@ std::shared_ptr<const DocumentSource::Epoch> DocumentSource::epoch(Split split, 
   ep->starts.push_back(at);
   ep->visit.resize(static_cast<size_t>((at - 1) / seq));
   std::iota(ep->visit.begin(), ep->visit.end(), 0u);
-  shuffle(ep->visit, stream_seed(seed_, split, e, 2));
+  seeded_shuffle(ep->visit, stream_seed(seed_, split, e, 2));
   if (epochs_.size() >= 4) epochs_.erase(epochs_.begin());  // ranks read nearby epochs: a few suffice
   epochs_[key] = ep;
   return ep;

@@ -33,6 +33,7 @@ class TextCodec {
   bool has_text() const { return no_text_.empty(); }
   int32_t eod() const { return tokenizer_ ? tokenizer_->eod() : -1; }  // -1: none
   int64_t vocab() const { return tokenizer_ ? tokenizer_->vocab_size() : 0; }  // 0: the model's
+  const text::Tokenizer* tokenizer() const { return tokenizer_.get(); }        // null: the data's own symbols
   std::string describe() const;
 
  private:

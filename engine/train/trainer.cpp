@@ -530,8 +530,9 @@ TrainResult train(const RunPlan& plan, const TrainOptions& options) {
                            : std::string()) +
                       " (loom plan shows each rank's share)");
   if (options.log && (!launch.multi_process || launch.rank == 0))
-    if (const std::string w = end_token_unseen(*checked.data, config, checked.vocab); !w.empty())
-      *options.log << "data: warning: " << w << std::endl;
+    for (const std::string& w : {end_token_unseen(*checked.data, config, checked.vocab),
+                                 checked.data->warning(config.model.seq_length)})
+      if (!w.empty()) *options.log << "data: warning: " << w << std::endl;
 
   // The trace is written after training: a path it cannot be written to fails now,
   // before anything is written (the metrics file, a checkpoint directory).

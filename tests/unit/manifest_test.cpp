@@ -261,7 +261,7 @@ TEST_F(ManifestTest, OutOfRange) {
 TEST_F(ManifestTest, NotAllowedValue) {
   Diagnostic d = one_error("[data]\nkind = \"csv\"\n");
   EXPECT_EQ(d.key, "data.kind");
-  EXPECT_EQ(d.message, "data.kind must be one of \"synthetic\", \"text\", \"tokens\", \"indexed\", got \"csv\"");
+  EXPECT_EQ(d.message, "data.kind must be one of \"synthetic\", \"text\", \"tokens\", \"indexed\", \"chat\", got \"csv\"");
   EXPECT_EQ(pos(d.origin), "m.toml:2:8");
 
 

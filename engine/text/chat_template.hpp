@@ -1,0 +1,88 @@
+// Conversations as text and tokens, for supervised fine-tuning (data.kind = "chat") and
+// chat generation (`loom generate --chat`). A chat template writes each message as a
+// turn: a header naming the role, the content, and a marker that ends the turn; the
+// model learns to write the assistant's turns, so those (after their header) are the
+// targets and everything else is context, as Megatron-LM's SFT dataset
+// (tokenize_conversation) and Hugging Face TRL's assistant-only loss count them.
+//
+// Two templates, written as the models' own Jinja chat templates write these messages
+// (tokenizer_config.json's chat_template, rendered by transformers'
+// apply_chat_template; tests/text/chat_test.sh renders them with Hugging Face's Jinja):
+//   chatml   "<|im_start|>ROLE\nCONTENT<|im_end|>\n" per turn (Qwen 1.5 to 3, and others)
+//   llama3   "<|begin_of_text|>" then "<|start_header_id|>ROLE<|end_header_id|>\n\n"
+//            CONTENT (whitespace trimmed) "<|eot_id|>" per turn (Llama 3, 3.1, 3.2, 3.3)
+// What those templates add on their own is not written: a default system message
+// (Qwen2's "You are a helpful assistant.", Llama 3.1's knowledge cutoff), tools, and
+// Qwen3's thinking sections; give a system message in the conversation instead.
+#pragma once
+
+#include "engine/text/tokenizer.hpp"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace loom::text {
+
+struct ChatMessage {
+  std::string role;  // "system", "user" or "assistant"
+  std::string content;
+};
+using Conversation = std::vector<ChatMessage>;
+
+// A conversation's tokens and, for each, whether the model learns to write it.
+struct ChatTokens {
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> target;  // 1: a token of an assistant turn after its header
+};
+
+class ChatTemplate {
+ public:
+  // "chatml" or "llama3"; throws TokenizerError naming the known ones otherwise.
+  static ChatTemplate named(std::string_view name);
+  static const std::vector<std::string>& names();
+
+  const std::string& name() const { return name_; }
+  // The text of a conversation, and with `generation_prompt` the header of the
+  // assistant's turn that follows (apply_chat_template's add_generation_prompt).
+  std::string render(const Conversation& conversation, bool generation_prompt) const;
+  // The tokens of render(conversation, generation_prompt), encoded turn by turn (as
+  // Megatron-LM's tokenize_conversation does: each turn ends in a special token, so the
+  // turns' tokens are those of the whole text) with the assistant turns' targets.
+  ChatTokens encode(const Tokenizer& tokenizer, const Conversation& conversation, bool generation_prompt) const;
+  // Throws TokenizerError naming the first special token of the template that is not
+  // one token of `tokenizer` (a tokenizer made for another family of models).
+  void require_special_tokens(const Tokenizer& tokenizer) const;
+  // The token that ends a turn (<|im_end|>, <|eot_id|>): where a reply stops.
+  int32_t end_of_turn(const Tokenizer& tokenizer) const;
+
+ private:
+  std::string header(const std::string& role) const;
+  std::string content(const std::string& text) const;
+  std::string turn(const ChatMessage& message, bool first) const;
+
+  std::string name_;
+  std::string begin_;        // before the first turn
+  std::string role_before_;  // header: role_before_ + ROLE + role_after_
+  std::string role_after_;
+  std::string turn_end_;     // the special token that ends a turn
+  std::string after_turn_;   // what follows it
+  bool trim_content_ = false;
+};
+
+// The template a tokenizer's directory declares: tokenizer_config.json's chat_template
+// (a string, or the entry named "default" of a list), recognised by the turn markers
+// of a named template; "" when there is no tokenizer_config.json or it declares none.
+// Throws TokenizerError for a declared template loom does not write.
+std::string declared_chat_template(const std::string& tokenizer_path);
+
+// Megatron-LM's SFT format: {"messages": [{"role": "system"|"user"|"assistant",
+// "content": "..."}, ...]} (or the list alone). Throws TokenizerError naming what is
+// wrong: another role (tool calls are not written), content that is not a string,
+// no messages.
+Conversation conversation_from_json(const nlohmann::json& json);
+
+}  // namespace loom::text

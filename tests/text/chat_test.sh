@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# Conversations: loom's chat templates against the models' own Jinja chat templates
+# rendered by Hugging Face's Jinja implementation (tests/text/chat_reference.js), the
+# tokens and targets of a conversation worked out from its text, supervised fine-tuning
+# (data.kind = "chat") that learns to answer from the assistant's turns alone, and
+# `loom generate --chat` giving the answers; bad input gets a clear error.
+#   chat_test.sh LOOM SOURCE_DIR
+set -uo pipefail
+loom=$1
+src=$2
+tok="$src/.cache/tokenizers/gpt2"
+"$src/scripts/fetch-gpt2-tokenizer.sh" "$tok" >/dev/null || { echo "SKIP: the GPT-2 tokenizer files could not be fetched"; exit 77; }
+command -v node >/dev/null || { echo "SKIP: node is needed for the reference"; exit 77; }
+# @huggingface/jinja from npm, its tarball checked.
+jinja="$src/.cache/npm/huggingface-jinja-0.5.11"
+if [ ! -f "$jinja/dist/index.cjs" ]; then
+  dl=$(mktemp -d)
+  (cd "$dl" && npm pack --silent @huggingface/jinja@0.5.11 >/dev/null 2>&1) ||
+    { rm -rf "$dl"; echo "SKIP: npm could not fetch @huggingface/jinja"; exit 77; }
+  [ "$(sha256sum "$dl/huggingface-jinja-0.5.11.tgz" | cut -d' ' -f1)" = \
+    c92401a23cdef23be5a2773eafc22db6723e113380aa02fedd0ca40ceb123f29 ] ||
+    { rm -rf "$dl"; echo "FAIL: @huggingface/jinja 0.5.11's tarball has another sha256"; exit 1; }
+  mkdir -p "$jinja" && tar xzf "$dl/huggingface-jinja-0.5.11.tgz" -C "$jinja" --strip-components=1
+  rm -rf "$dl"
+fi
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+fails=0
+fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
+
+# Tokenizer directories: GPT-2's vocabulary and merges as Qwen2's and Llama 3's
+# tokenizer.json (their pre-tokenizers and special tokens), each with a chat template
+# as the models' tokenizer_config.json ships it: a plain ChatML one, Qwen2-Instruct's
+# (a default system message unless the first is one) and Llama-3-Instruct's.
+python3 - "$tok" "$work" <<'PY'
+import json, os, sys
+tok, work = sys.argv[1], sys.argv[2]
+vocab = json.load(open(f"{tok}/encoder.json", encoding="utf-8"))
+merges = [l for l in open(f"{tok}/vocab.bpe", encoding="utf-8").read().split("\n")[1:] if l]
+llama3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+qwen2 = llama3.replace("\\p{N}{1,3}", "\\p{N}")
+chatml = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+qwen2_instruct = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                  "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+                  "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+llama3_instruct = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+                   "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+                   "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+                   "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+                   "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+def added(i, content):
+    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "special": True}
+def write(name, pattern, specials, config):
+    os.makedirs(f"{work}/{name}", exist_ok=True)
+    ids = {s: 50257 + k for k, s in enumerate(specials)}
+    j = {"version": "1.0", "truncation": None, "padding": None,
+         "added_tokens": [added(50256, "<|endoftext|>")] + [added(i, s) for s, i in ids.items()],
+         "normalizer": None,
+         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+         "post_processor": None,
+         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                   "vocab": dict(vocab, **ids), "merges": merges}}
+    json.dump(j, open(f"{work}/{name}/tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
+    json.dump(config, open(f"{work}/{name}/tokenizer_config.json", "w"))
+write("chatml", qwen2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|endoftext|>", "chat_template": chatml})
+write("qwen2", qwen2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>", "chat_template": qwen2_instruct})
+write("llama3", llama3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>"],
+      {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": llama3_instruct})
+# Conversations: one turn and many, text around the content that Llama 3's trim
+# removes (Python's and JavaScript's white space agree on these), content that starts
+# with the newline a header ends with, contractions, numbers, other scripts.
+conversations = [
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}],
+    [{"role": "user", "content": "  Über café naïve \n\n"}, {"role": "assistant", "content": " \tIt's 2026!  "}],
+    [{"role": "system", "content": "Count."}, {"role": "user", "content": "1234567 and 89?"},
+     {"role": "assistant", "content": "Two numbers:\n\n1234567\n89"}, {"role": "user", "content": "日本語のテキスト 🚀"},
+     {"role": "assistant", "content": "\nA rocket, they'll've said."}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "y\n"}],
+]
+with open(f"{work}/conv.jsonl", "w", encoding="utf-8") as f:
+    for c in conversations:
+        f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
+with open(f"{work}/conv_system.jsonl", "w", encoding="utf-8") as f:  # Qwen2's default stays out
+    for c in conversations:
+        if c[0]["role"] == "system":
+            f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
+PY
+
+# 1. Rendering: loom's text = the Jinja template's, with and without the generation
+#    prompt; the template recognised in each directory's tokenizer_config.json.
+for case in chatml:conv qwen2:conv_system llama3:conv; do
+  dir=${case%%:*}
+  conv="$work/${case#*:}.jsonl"
+  for prompt in "" generation-prompt; do
+    node "$src/tests/text/chat_reference.js" "$jinja" "$work/$dir/tokenizer_config.json" "$conv" $prompt \
+      > "$work/$dir.$prompt.want" || fail "the Jinja reference failed for $dir"
+    "$loom" tokenize --tokenizer "$work/$dir" --chat --file "$conv" --json ${prompt:+--generation-prompt} \
+      > "$work/$dir.$prompt.got" || fail "loom tokenize --chat exited $? for $dir"
+    python3 - "$work/$dir.$prompt.want" "$work/$dir.$prompt.got" <<'PY' || fail "$dir ${prompt:-}: loom's text is not the Jinja template's"
+import json, sys
+want = [json.loads(l) for l in open(sys.argv[1], encoding="utf-8")]
+got = [json.loads(l)["text"] for l in open(sys.argv[2], encoding="utf-8")]
+assert len(want) == len(got) and want, (len(want), len(got))
+for w, g in zip(want, got):
+    assert w == g, f"\nwant {w!r}\ngot  {g!r}"
+PY
+  done
+done
+
+# 2. Tokens and targets: the turn-by-turn tokens are those of the whole text
+#    (loom tokenize on it, the tokenizer itself checked in preprocess_test.sh), and the
+#    targets are each assistant turn after its header: its content (trimmed for Llama 3)
+#    and the token ending the turn (ChatML's newline after it too), worked out here from
+#    the messages.
+for dir in chatml llama3; do
+  python3 - "$loom" "$work/$dir" "$work/$dir..got" "$work/conv.jsonl" "$dir" <<'PY' || fail "$dir: tokens or targets are wrong"
+import json, subprocess, sys
+loom, tokdir, got, conv, kind = sys.argv[1:]
+def ids(text):
+    out = subprocess.run([loom, "tokenize", "--tokenizer", tokdir, "--text", text, "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)["tokens"]
+def decode(tokens):
+    return subprocess.run([loom, "tokenize", "--tokenizer", tokdir, "--decode", "--text",
+                           " ".join(map(str, tokens))], check=True, capture_output=True, text=True).stdout
+lines = [json.loads(l) for l in open(got, encoding="utf-8")]
+convs = [json.loads(l)["messages"] for l in open(conv, encoding="utf-8")]
+for line, messages in zip(lines, convs):
+    assert line["tokens"] == ids(line["text"]), f"turn-by-turn tokens differ from the whole text's: {line['text']!r}"
+    runs, run = [], []
+    for t, m in zip(line["tokens"], line["targets"]):
+        if m: run.append(t)
+        elif run: runs.append(run); run = []
+    if run: runs.append(run)
+    answers = [m["content"] for m in messages if m["role"] == "assistant"]
+    assert len(runs) == len(answers), (len(runs), answers)
+    for r, a in zip(runs, answers):
+        want = a + "<|im_end|>\n" if kind == "chatml" else a.strip(" \t\n") + "<|eot_id|>"
+        text = decode(r)
+        # A header's last newline merged with content that starts with one is a target.
+        assert text == want or (text.endswith(want) and text[:-len(want)] == "\n" and a.startswith("\n")), (text, want)
+PY
+done
+
+# 3. Supervised fine-tuning: each user message is random letters and a name; the
+#    assistant answers with the name's colour. Only the answers are targets, so the
+#    loss can fall near zero although the questions cannot be predicted; greedy
+#    replies to new questions name the right colour, with and without the cache,
+#    written with the template the tokenizer declares.
+python3 - "$work/sft.jsonl" <<'PY'
+import json, random, sys
+rng = random.Random(7)
+colours = {"alice": "red", "bob": "green", "carol": "blue", "dave": "black"}
+with open(sys.argv[1], "w") as f:
+    for i in range(512):
+        name = rng.choice(sorted(colours))
+        noise = "".join(rng.choice("qwxzjkvb") for _ in range(rng.randint(3, 9)))
+        messages = [{"role": "user", "content": f"{noise} {name}"},
+                    {"role": "assistant", "content": colours[name]}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Answer with a colour."})
+        f.write(json.dumps({"messages": messages}) + "\n")
+PY
+sft=(--set data.kind='"chat"' --set "data.path=\"$work/sft.jsonl\"" --set "data.tokenizer=\"$work/chatml\""
+     --set model.seq_length=40 --set parallel.dp=1 --set batch.micro_batch_size=16 --set batch.global_batch_size=16
+     --set run.steps=120 --set run.log_every=20 --set run.eval_every=60 --set optimizer.warmup_steps=10
+     --set optimizer.lr=0.01 --set "checkpoint.dir=\"$work/sftck\"")
+"$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --metrics "$work/sft.m" >"$work/sft.log" 2>&1 ||
+  fail "fine-tuning on conversations exited $?: $(tail -3 "$work/sft.log")"
+grep -q "chat template chatml" "$work/sft.log" || fail "the run does not say which chat template wrote the data: $(head -5 "$work/sft.log")"
+python3 - "$work/sft.m" <<'PY' || fail "the loss on the answers did not fall near zero"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+loss = [r["loss"] for r in rows if "loss" in r]
+assert loss[0] > 3 and loss[-1] < 0.05, loss
+PY
+for q in "zzq alice:red" "kkvvxq dave:black" "b carol:blue" "qqqqqqqqq bob:green"; do
+  prompt=${q%%:*}
+  want=${q#*:}
+  for cache in "" --no-cache; do
+    got=$("$loom" generate "$work/sftck" --chat --prompt "$prompt" --temperature 0 --max-new-tokens 4 $cache 2>/dev/null)
+    [ "$got" = "$want" ] || fail "generate --chat $cache answered '$got' to '$prompt', not '$want'"
+  done
+done
+j=$("$loom" generate "$work/sftck" --chat --system "Answer with a colour." --prompt "jj bob" --temperature 0 \
+    --max-new-tokens 4 --json 2>/dev/null)
+python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["reply"]=="green" and j["ids"][-1]==50258, j' "$j" ||
+  fail "generate --chat --json: no reply 'green' ending at <|im_end|>: $j"
+
+# The same run at dp 2 and tp 2 reads the same samples: the same losses (within the
+# reduction order).
+"$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set run.steps=6 --set "checkpoint.dir=\"\"" \
+  --set run.eval_every=0 --set run.log_every=1 --metrics "$work/s1.m" >/dev/null 2>&1 || fail "a serial chat run exited $?"
+"$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set run.steps=6 --set "checkpoint.dir=\"\"" \
+  --set run.eval_every=0 --set run.log_every=1 --set parallel.dp=2 --set parallel.tp=2 --set batch.micro_batch_size=4 \
+  --metrics "$work/s4.m" >/dev/null 2>&1 || fail "a dp 2 x tp 2 chat run exited $?"
+python3 - "$work/s1.m" "$work/s4.m" <<'PY' || fail "dp 2 x tp 2 on conversations does not train as the serial run"
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p) if '"loss"' in l] for p in sys.argv[1:])
+assert len(a) == len(b) == 6 and all(abs(x - y) < 1e-4 * max(1, abs(x)) for x, y in zip(a, b)), (a, b)
+PY
+
+# 4. Bad input: the file and line, the template's missing token, no template; a
+#    sequence too short for the conversations is said.
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set model.seq_length=8 --set run.steps=1 \
+  --set run.eval_every=0 --set "checkpoint.dir=\"\"" 2>&1)
+[[ "$out" == *"512 of 512 lines of conversations are longer than seq_length + 1 = 9 tokens"*"keep no assistant token"* ]] ||
+  fail "conversations cut at the sequence length are not said: $out"
+printf '%s\n' '{"messages": [{"role": "user", "content": "ok"}]}' '{"messages": [{"role": "tool", "content": "x"}]}' \
+  > "$work/bad.jsonl"
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set "data.path=\"$work/bad.jsonl\"" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"bad.jsonl"*"line 2"*"role \"tool\""* ]] || fail "a tool message: $out"
+printf '%s\n' '{"messages": [{"role": "user", "content": "ok"}' > "$work/cut.jsonl"
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set "data.path=\"$work/cut.jsonl\"" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"line 1: not JSON"* ]] || fail "a line cut short: $out"
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set data.chat_template='"llama3"' 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"<|begin_of_text|>"*"not one token"* ]] || fail "llama3 on a ChatML tokenizer: $out"
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set "data.tokenizer=\"$tok\"" 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"declares none"*"data.chat_template"* ]] || fail "a tokenizer without a template: $out"
+out=$("$loom" validate "$src/configs/llama_quickstart.toml" --set data.kind='"chat"' --set "data.path=\"$work/sft.jsonl\"" 2>&1)
+[ $? -ne 0 ] && [[ "$out" == *"data.tokenizer"* ]] || fail "kind chat without a tokenizer validates: $out"
+out=$("$loom" validate "$src/configs/llama_quickstart.toml" --set data.chat_template='"chatml"' 2>&1)
+[ $? -ne 0 ] && [[ "$out" == *"only data.kind = \"chat\""* ]] || fail "a chat template on other data validates: $out"
+out=$("$loom" generate "$work/sftck" --chat --prompt-ids 1,2 2>&1)
+[ $? -eq 2 ] || fail "--chat with --prompt-ids is not a usage error: $out"
+
+[ $fails -eq 0 ] && echo "chat: all checks passed"
+exit $((fails > 0))
