@@ -38,6 +38,10 @@ class Args {
   std::vector<std::string> positionals_;
 };
 
+// --chat-template NAME (generate, tokenize): "" when not given; UsageError naming the
+// templates loom writes for another name.
+std::string chat_template_option(const Args& args);
+
 // `word` as one word of a POSIX shell command line (single-quoted, a ' inside as '\''),
 // for the command lines the CLI prints for a user to run next.
 std::string shell_word(const std::string& word);

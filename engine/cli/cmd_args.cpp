@@ -1,5 +1,8 @@
 #include "engine/cli/args.hpp"
 
+#include "engine/text/chat_template.hpp"
+
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
@@ -75,6 +78,17 @@ std::string shell_word(const std::string& word) {
   std::string out = "'";
   for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return out + "'";
+}
+
+std::string chat_template_option(const Args& args) {
+  const std::string name = args.get("--chat-template").value_or("");
+  const std::vector<std::string>& known = text::ChatTemplate::names();
+  if (!name.empty() && std::find(known.begin(), known.end(), name) == known.end()) {
+    std::string list;
+    for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+    throw UsageError("--chat-template " + name + " is not a template loom writes (" + list + ")");
+  }
+  return name;
 }
 
 }  // namespace loom::cli

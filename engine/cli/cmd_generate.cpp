@@ -7,9 +7,8 @@
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
 #include "engine/runtime/launcher.hpp"
-#include "engine/text/tokenizer.hpp"
 #include "engine/text/chat_template.hpp"
-#include "engine/train/chat_data.hpp"
+#include "engine/text/tokenizer.hpp"
 #include "engine/train/generation.hpp"
 #include "engine/train/text_codec.hpp"
 
@@ -116,10 +115,12 @@ ChatPrompt chat_prompt(const Args& args, const train::TextCodec& codec, const ma
   if (tokenizer == nullptr)
     throw UsageError("--chat writes the prompt with a chat template, which needs the model's tokenizer (" +
                      codec.describe() + "); give --tokenizer");
-  manifest::RunConfig named = config;  // the template of the run, or of --tokenizer's directory
-  if (const auto path = args.get("--tokenizer")) named.data.tokenizer = *path;
-  if (const auto name = args.get("--chat-template")) named.data.chat_template = *name;
-  const text::ChatTemplate chat = train::chat_template_of(named);
+  // The template the run was trained with (data.chat_template, else its tokenizer's), or
+  // the one named here, or the one --tokenizer's directory declares.
+  const std::string named = chat_template_option(args);
+  const text::ChatTemplate chat =
+      text::resolve_chat_template(named.empty() ? config.data.chat_template : named,
+                                  args.get("--tokenizer").value_or(config.data.tokenizer), "give --chat-template");
   chat.require_special_tokens(*tokenizer);
   text::Conversation conversation;
   if (args.has("--system")) conversation.push_back({"system", *args.get("--system")});
@@ -178,6 +179,7 @@ int cmd_generate(int argc, char** argv) {
     if (chat && !args.has("--prompt")) throw UsageError("--chat takes the user's message as --prompt TEXT");
     for (const char* option : {"--system", "--chat-template"})
       if (!chat && args.has(option)) throw UsageError(std::string(option) + " goes with --chat");
+    chat_template_option(args);  // a usage error before anything loads
     train::GenerationRequest req;
     req.max_new_tokens = args.get_int("--max-new-tokens", 64);
     if (req.max_new_tokens < 1) throw UsageError("--max-new-tokens must be >= 1");

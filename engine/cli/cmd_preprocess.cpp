@@ -6,6 +6,7 @@
 // encoded on several threads and written in input order.
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
+#include "engine/files/json_lines.hpp"
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 #include "engine/runtime/json.hpp"
@@ -13,6 +14,7 @@
 #include "engine/text/chat_template.hpp"
 #include "engine/text/tokenizer.hpp"
 #include "engine/text/token_files.hpp"
+#include "engine/train/chat_data.hpp"
 
 #include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
@@ -62,8 +64,11 @@ const char* kTokenizeUsage =
     "ids given as TEXT or in FILE. The tokenizer is any loom preprocess reads.\n"
     "With --chat, each line is a conversation as data.kind = \"chat\" reads it ({\"messages\":\n"
     "[{\"role\", \"content\"}, ...]}): printed as the chat template writes it (the tokenizer's\n"
-    "own unless named), or with --json as {\"text\", \"tokens\", \"targets\"} (targets: 1 where\n"
-    "training counts the token: the assistant's turns after their header).\n";
+    "own unless named), each followed by a blank line, or with --json as {\"text\", \"tokens\",\n"
+    "\"targets\"}: the tokens training takes (a system message after the first starts another\n"
+    "conversation; each ends with the end-of-document token) and 1 where it counts the token\n"
+    "(the assistant's turns after their header, and each end of a conversation); with\n"
+    "--generation-prompt the tokens a reply follows.\n";
 
 std::string read_input(const std::string& path) {
   if (boost::filesystem::is_directory(path)) throw std::runtime_error(path + ": is a directory, not a file");
@@ -84,18 +89,10 @@ std::vector<std::string> documents_of(const std::string& path, const std::string
   std::string content = read_input(path);
   if (!is_jsonl(path)) return {std::move(content)};
   std::vector<std::string> docs;
-  std::istringstream lines(content);
-  std::string line;
-  for (int line_no = 1; std::getline(lines, line); ++line_no) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw std::runtime_error(path + ":" + std::to_string(line_no) + ": not valid JSON (" + e.what() + ")");
-    }
+  for (const files::JsonLine& line : files::json_lines(content)) {
+    const nlohmann::json j = files::parse_json_line(line, path);
     if (!j.is_object() || !j.contains(key) || !j[key].is_string())
-      throw std::runtime_error(path + ":" + std::to_string(line_no) + ": no string field \"" + key +
+      throw std::runtime_error(path + ":" + std::to_string(line.number) + ": no string field \"" + key +
                                "\" (--json-key names the field that holds the text)");
     docs.push_back(j[key].get<std::string>());
   }
@@ -251,33 +248,29 @@ int preprocess(const Args& args) {
 
 // --chat: each line of the input a conversation, as the template writes it.
 int tokenize_chat(const Args& args, const text::Tokenizer& tok, const std::string& input) {
-  std::string name = args.get("--chat-template").value_or("");
-  if (name.empty()) name = text::declared_chat_template(*args.get("--tokenizer"));
-  if (name.empty())
-    throw UsageError("--chat: the tokenizer declares no chat template (tokenizer_config.json's chat_template); "
-                     "give --chat-template chatml|llama3");
-  const text::ChatTemplate chat = text::ChatTemplate::named(name);
+  const text::ChatTemplate chat = text::resolve_chat_template(chat_template_option(args),
+                                                              *args.get("--tokenizer"), "give --chat-template");
   chat.require_special_tokens(tok);
   const bool prompt = args.flag("--generation-prompt");
-  std::istringstream lines(input);
-  size_t number = 0;
-  for (std::string line; std::getline(lines, line);) {
-    ++number;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+  const std::string name = args.has("--file") ? *args.get("--file") : "--text";
+  for (const files::JsonLine& line : files::json_lines(input)) {
     text::Conversation conversation;
     try {
-      conversation = text::conversation_from_json(nlohmann::json::parse(line));
-    } catch (const std::exception& e) {
-      throw std::runtime_error("line " + std::to_string(number) + ": " + e.what());
+      conversation = text::conversation_from_json(files::parse_json_line(line, name));
+    } catch (const text::TokenizerError& e) {
+      throw std::runtime_error(name + ":" + std::to_string(line.number) + ": " + e.what());
     }
-    if (!args.flag("--json")) {
-      std::cout << chat.render(conversation, prompt) << "\n";
+    const std::string rendered = chat.render(conversation, prompt);
+    if (!args.flag("--json")) {  // each conversation, then a blank line
+      std::cout << rendered << (rendered.empty() || rendered.back() != '\n' ? "\n\n" : "\n");
       continue;
     }
-    const text::ChatTokens t = chat.encode(tok, conversation, prompt);
-    std::cout << runtime::dump_json({{"text", chat.render(conversation, prompt)}, {"tokens", t.ids},
-                                     {"targets", t.target}})
-              << "\n";
+    // The tokens training takes from the line (each conversation ended), or with the
+    // generation prompt those a reply would follow.
+    const int32_t eod = chat.end_of_conversation(tok);
+    const text::ChatTokens t = prompt || eod < 0 ? chat.encode(tok, conversation, prompt)
+                                                 : train::line_tokens(chat, tok, conversation, eod);
+    std::cout << runtime::dump_json({{"text", rendered}, {"tokens", t.ids}, {"targets", t.target}}) << "\n";
   }
   return 0;
 }
@@ -289,6 +282,7 @@ int tokenize(const Args& args) {
   if (chat && args.flag("--decode")) throw UsageError("--chat encodes conversations; --decode decodes ids: one of them");
   if (!chat && (args.has("--chat-template") || args.flag("--generation-prompt")))
     throw UsageError("--chat-template and --generation-prompt go with --chat");
+  chat_template_option(args);  // a usage error before anything loads
   const std::unique_ptr<text::Tokenizer> loaded = text::load_tokenizer(*args.get("--tokenizer"));
   const text::Tokenizer& tok = *loaded;
   const std::string input = args.has("--text") ? *args.get("--text") : read_input(*args.get("--file"));

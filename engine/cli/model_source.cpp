@@ -42,6 +42,7 @@ void require_same_text_encoding(const std::string& saved_toml, const train::RunP
   if (kind == "synthetic")
     keys.insert(keys.end(), {{"data.task", saved.get_string("data.task")},
                              {"data.digits", std::to_string(saved.get_int("data.digits"))}});
+  if (kind == "chat") keys.emplace_back("data.chat_template", saved.get_string("data.chat_template"));
   for (const auto& [key, was] : keys) {
     const std::string now = key == "data.digits" ? std::to_string(plan.manifest.get_int(key)) : plan.manifest.get_string(key);
     if (now != was)

@@ -5,6 +5,7 @@
 #include "engine/files/read.hpp"
 #include "engine/files/temporaries.hpp"
 
+#include "engine/text/chat_template.hpp"
 #include "engine/text/tokenizer.hpp"
 
 #include "engine/train/checkpoint.hpp"
@@ -879,9 +880,12 @@ std::string read_whole(const std::string& path) {
 }
 
 // The tokenizer files transformers reads beside a model (name -> content), from a loom
-// tokenizer path; the special token ids go into the model's config.
+// tokenizer path; the special token ids go into the model's config. The chat template:
+// the one the run named (`chat_template`, data.chat_template) as Jinja, else the one the
+// tokenizer's directory declares, as it is.
 std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::string& path, int64_t vocab,
-                                                                 int64_t seq_len, nlohmann::ordered_json& config) {
+                                                                 int64_t seq_len, const std::string& chat_template,
+                                                                 nlohmann::ordered_json& config) {
   namespace fs = boost::filesystem;
   const std::unique_ptr<text::Tokenizer> tok = text::load_tokenizer(path);  // checks the files
   if (tok->vocab_size() > vocab)
@@ -900,6 +904,9 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
   }
   config.erase("unk_token_id");  // not a model config key
   for (const auto& [k, v] : special.items()) cfg[k] = v;
+  const std::string chat =
+      chat_template.empty() ? text::declared_chat_template_text(path) : text::ChatTemplate::named(chat_template).jinja();
+  if (!chat.empty()) cfg["chat_template"] = chat;
   if (gpt2) {
     cfg["add_prefix_space"] = false;
   } else if (!fast) {
@@ -1025,7 +1032,10 @@ HfModel export_hf(const std::string& step_dir, const std::string& out_dir, plugi
   if (!tokenizer.empty()) {
     const int64_t seq = hf.config.contains("n_positions") ? hf.config["n_positions"].get<int64_t>()
                                                           : hf.config["max_position_embeddings"].get<int64_t>();
-    extra = tokenizer_files(tokenizer, ck.vocab, seq, hf.config);
+    const std::string chat_template =
+        manifest::Manifest::parse(ck.manifest_toml, "the checkpoint's manifest.toml", {}, manifest::Manifest::Launch::Other)
+            .get_string("data.chat_template");
+    extra = tokenizer_files(tokenizer, ck.vocab, seq, chat_template, hf.config);
   }
   // The directories this export makes (OUTDIR and any missing parents) go again if the
   // export does not finish (failed, or ended by a signal) and they are left empty.

@@ -211,6 +211,7 @@ RunConfig RunConfig::from(const Manifest& m) {
     }
   c.data.tokenizer = resolved_path(m, "data.tokenizer");
   c.data.chat_template = m.get_string("data.chat_template");
+  c.data.chat_packing = m.get_bool("data.chat_packing");
   c.data.val_fraction = m.get_float("data.val_fraction");
   c.data.eod_mask_loss = m.get_bool("data.eod_mask_loss");
   c.data.eod_token = m.get_int("data.eod_token");

@@ -115,6 +115,7 @@ struct RunConfig {
     std::vector<std::pair<double, std::string>> blend;  // (weight, path resolved as path is); empty: data.path
     std::string tokenizer;  // resolved as path is; "" = none named
     std::string chat_template;  // kind chat: "chatml", "llama3", "" = data.tokenizer's own
+    bool chat_packing = false;  // kind chat: several whole lines a sample
     double val_fraction = 0;
     bool eod_mask_loss = false;  // no loss where the input is eod_token (Megatron-LM's --eod-mask-loss)
     int64_t eod_token = -1;      // -1 = the tokenizer's end-of-document token

@@ -450,6 +450,11 @@ std::vector<KeySpec> build() {
                 "\"llama3\" (<|start_header_id|>ROLE<|end_header_id|> ... <|eot_id|>); \"\" = the one data.tokenizer's "
                 "tokenizer_config.json declares (loom generate --chat writes prompts with it too)",
                 {"", "chatml", "llama3"}));
+  v.push_back(b("data.chat_packing", false,
+                "kind chat: a sample holds as many whole lines as fit in seq_length + 1 tokens, in the epoch's order "
+                "(a longer line alone, cut), as packed SFT in NeMo and TRL: less padding; with "
+                "data.reset_attention_mask = true and reset_position_ids = true each conversation computes as it "
+                "would alone"));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));
   v.push_back(b("data.eod_mask_loss", false,
                 "no loss where the input token is the end-of-document token (Megatron-LM's --eod-mask-loss): a "
@@ -964,6 +969,9 @@ void check_rules(const Manifest& m, const std::set<std::string>& bad,
     if (chat && m.get_string("data.tokenizer").empty())
       report({"data.kind", "data.tokenizer"}, "data.kind = \"chat\" encodes the conversations with data.tokenizer, "
                                               "which is empty (a tokenizer.json directory, e.g. the model's own)");
+    if (!chat && usable({"data.chat_packing"}) && m.get_bool("data.chat_packing"))
+      report({"data.chat_packing", "data.kind"}, "data.chat_packing packs conversations, which only data.kind = "
+                                                 "\"chat\" reads; data.kind = \"" + m.get_string("data.kind") + "\"");
     if (!chat && !m.get_string("data.chat_template").empty())
       report({"data.chat_template", "data.kind"}, "data.chat_template writes conversations, which only data.kind = "
                                                   "\"chat\" reads; data.kind = \"" + m.get_string("data.kind") + "\"");

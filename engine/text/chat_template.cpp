@@ -1,10 +1,12 @@
 #include "engine/text/chat_template.hpp"
 
+#include "engine/files/read.hpp"
+
 #include <boost/filesystem.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <fstream>
+#include <optional>
 
 namespace loom::text {
 namespace {
@@ -28,6 +30,17 @@ size_t whitespace_at(std::string_view s, size_t i) {
   return 0;
 }
 
+// The byte length of the UTF-8 character at s[i]: its lead byte's count when the
+// continuation bytes follow, else 1 (a byte that is not UTF-8 stands alone).
+size_t character_at(std::string_view s, size_t i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  const size_t n = c < 0xc0 ? 1 : c < 0xe0 ? 2 : c < 0xf0 ? 3 : c < 0xf8 ? 4 : 1;
+  if (i + n > s.size()) return 1;
+  for (size_t k = 1; k < n; ++k)
+    if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return 1;
+  return n;
+}
+
 std::string trim(std::string_view s) {
   size_t begin = 0;
   while (begin < s.size()) {
@@ -35,18 +48,16 @@ std::string trim(std::string_view s) {
     if (n == 0) break;
     begin += n;
   }
-  // The end: the last non-space character's end, scanning forward (UTF-8 is not
-  // read backwards safely).
+  // The end: after the last character that is not white space, scanning forward
+  // (UTF-8 is not read backwards safely).
   size_t end = begin;
   for (size_t i = begin; i < s.size();) {
-    const size_t n = whitespace_at(s, i);
-    if (n > 0) {
+    if (const size_t n = whitespace_at(s, i); n > 0) {
       i += n;
       continue;
     }
-    const auto c = static_cast<unsigned char>(s[i]);
-    i += c < 0x80 ? 1 : c >= 0xf0 ? 4 : c >= 0xe0 ? 3 : c >= 0xc0 ? 2 : 1;
-    end = std::min(i, s.size());
+    i += character_at(s, i);
+    end = i;
   }
   return std::string(s.substr(begin, end - begin));
 }
@@ -57,28 +68,45 @@ int32_t single_token(const Tokenizer& tokenizer, const std::string& text) {
   return ids.size() == 1 && tokenizer.piece(ids[0]) == text ? ids[0] : -1;
 }
 
+std::string read_text(const fs::path& path) {
+  std::string why;
+  std::optional<std::string> text = files::read_whole_file(path.string(), &why);
+  if (!text) throw TokenizerError(path.string() + ": cannot read the file (" + why + ")");
+  return std::move(*text);
+}
+
 nlohmann::json read_json(const fs::path& path) {
-  std::ifstream in(path.string(), std::ios::binary);
-  if (!in) throw TokenizerError(path.string() + ": cannot open the file");
   try {
-    return nlohmann::json::parse(in);
+    return nlohmann::json::parse(read_text(path));
   } catch (const nlohmann::json::exception& e) {
     throw TokenizerError(path.string() + ": not JSON (" + e.what() + ")");
   }
 }
 
-// tokenizer_config.json's chat_template: a string, or [{"name", "template"}, ...] whose
-// "default" entry is the one apply_chat_template takes.
-std::string chat_template_text(const nlohmann::json& cfg, const std::string& where) {
+// A config's "chat_template": a string, or [{"name", "template"}, ...] whose "default"
+// entry is the one apply_chat_template takes; "" when absent.
+std::string chat_template_member(const nlohmann::json& cfg, const std::string& where) {
   if (!cfg.is_object() || !cfg.contains("chat_template") || cfg["chat_template"].is_null()) return "";
   const nlohmann::json& t = cfg["chat_template"];
   if (t.is_string()) return t.get<std::string>();
   if (t.is_array())
     for (const nlohmann::json& entry : t)
-      if (entry.is_object() && entry.value("name", "") == "default" && entry.contains("template") &&
+      if (entry.is_object() && entry.contains("name") && entry["name"] == "default" && entry.contains("template") &&
           entry["template"].is_string())
         return entry["template"].get<std::string>();
   throw TokenizerError(where + ": chat_template is neither a string nor a list with a \"default\" template");
+}
+
+// The distinct "<|...|>" markers a Jinja template's text holds, in order of appearance.
+std::vector<std::string> special_markers(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t at = text.find("<|"); at != std::string::npos; at = text.find("<|", at + 2)) {
+    const size_t end = text.find("|>", at + 2);
+    if (end == std::string::npos || end - at > 64) continue;
+    std::string m = text.substr(at, end + 2 - at);
+    if (std::find(out.begin(), out.end(), m) == out.end()) out.push_back(std::move(m));
+  }
+  return out;
 }
 
 }  // namespace
@@ -96,15 +124,20 @@ ChatTemplate ChatTemplate::named(std::string_view name) {
     t.role_after_ = "\n";
     t.turn_end_ = "<|im_end|>";
     t.after_turn_ = "\n";
+    t.end_of_text_ = "<|endoftext|>";
   } else if (name == "llama3") {
     t.begin_ = "<|begin_of_text|>";
     t.role_before_ = "<|start_header_id|>";
     t.role_after_ = "<|end_header_id|>\n\n";
     t.turn_end_ = "<|eot_id|>";
+    t.end_of_text_ = "<|end_of_text|>";
     t.trim_content_ = true;
   } else {
-    throw TokenizerError("chat template \"" + std::string(name) + "\" is unknown; loom writes \"chatml\" (Qwen) and "
-                         "\"llama3\" (Llama 3)");
+  {
+    std::string known;
+    for (const std::string& n : names()) known += (known.empty() ? "\"" : ", \"") + n + "\"";
+    throw TokenizerError("chat template \"" + std::string(name) + "\" is unknown; loom writes " + known);
+  }
   }
   return t;
 }
@@ -171,22 +204,83 @@ int32_t ChatTemplate::end_of_turn(const Tokenizer& tokenizer) const {
   return id;
 }
 
-std::string declared_chat_template(const std::string& tokenizer_path) {
+int32_t ChatTemplate::end_of_conversation(const Tokenizer& tokenizer) const {
+  if (const int32_t id = single_token(tokenizer, end_of_text_); id >= 0) return id;
+  const int32_t eod = tokenizer.eod();
+  if (eod < 0) return -1;
+  const std::string piece = tokenizer.piece(eod);
+  for (const std::string& special : {begin_, role_before_, role_after_, turn_end_})
+    if (!special.empty() && special.find(piece) != std::string::npos) return -1;
+  return eod;
+}
+
+std::string ChatTemplate::jinja() const {
+  if (name_ == "llama3")  // Meta-Llama-3-8B-Instruct's tokenizer_config.json, with its bos written out
+    return "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+           "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = '<|begin_of_text|>' + content %}{% endif %}"
+           "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
+  return "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+         "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+         "{% endif %}";
+}
+
+std::string declared_chat_template_text(const std::string& tokenizer_path) {
   const TokenizerSource source = tokenizer_source(tokenizer_path);
-  const fs::path dir = source.format == TokenizerFormat::Gpt2Bpe ? fs::path(source.file) : fs::path(source.file).parent_path();
-  const fs::path cfg_path = dir / "tokenizer_config.json";
-  if (!fs::is_regular_file(cfg_path)) return "";
-  const std::string text = chat_template_text(read_json(cfg_path), cfg_path.string());
+  const fs::path dir =
+      source.format == TokenizerFormat::Gpt2Bpe ? fs::path(source.file) : fs::path(source.file).parent_path();
+  if (fs::is_regular_file(dir / "chat_template.jinja")) return read_text(dir / "chat_template.jinja");
+  for (const char* file : {"chat_template.json", "tokenizer_config.json"}) {
+    const fs::path path = dir / file;
+    if (!fs::is_regular_file(path)) continue;
+    const std::string text = chat_template_member(read_json(path), path.string());
+    if (!text.empty() || std::string(file) == "chat_template.json") return text;
+  }
+  return "";
+}
+
+std::string declared_chat_template(const std::string& tokenizer_path) {
+  const std::string text = declared_chat_template_text(tokenizer_path);
   if (text.empty()) return "";
-  if (text.find("<|im_start|>") != std::string::npos) return "chatml";
-  if (text.find("<|start_header_id|>") != std::string::npos) return "llama3";
-  throw TokenizerError(cfg_path.string() + ": its chat_template is not one loom writes (it knows ChatML's "
-                       "<|im_start|> turns and Llama 3's <|start_header_id|> turns); name one with data.chat_template "
-                       "or --chat-template if the model was trained with it");
+  // A family is recognised by its turn markers, and only when the template writes no
+  // marker the family does not have (Phi-4's ChatML-like turns add <|im_sep|>).
+  const std::vector<std::string> markers = special_markers(text);
+  const auto only = [&](std::initializer_list<std::string_view> known) {
+    return std::all_of(markers.begin(), markers.end(), [&](const std::string& m) {
+      return std::find(known.begin(), known.end(), m) != known.end();
+    });
+  };
+  const auto has = [&](std::string_view m) { return std::find(markers.begin(), markers.end(), m) != markers.end(); };
+  if (has("<|im_start|>") && has("<|im_end|>") && only({"<|im_start|>", "<|im_end|>", "<|endoftext|>"}))
+    return "chatml";
+  if (has("<|start_header_id|>") && has("<|eot_id|>") &&
+      only({"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+            "<|python_tag|>", "<|end_of_text|>"}))
+    return "llama3";
+  std::string seen;
+  for (const std::string& m : markers) seen += (seen.empty() ? "" : " ") + m;
+  throw TokenizerError(tokenizer_path + " declares a chat template loom does not write (it writes ChatML's "
+                       "<|im_start|> ... <|im_end|> turns and Llama 3's <|start_header_id|> ... <|eot_id|> turns; "
+                       "this one's markers: " + (seen.empty() ? std::string("none") : seen) +
+                       "); name one if the model was trained with it");
+}
+
+ChatTemplate resolve_chat_template(const std::string& name, const std::string& tokenizer_path,
+                                   const std::string& how_to_name) {
+  if (!name.empty()) return ChatTemplate::named(name);
+  const std::string declared = tokenizer_path.empty() ? "" : declared_chat_template(tokenizer_path);
+  if (declared.empty())
+    throw TokenizerError("no chat template: the tokenizer (" + (tokenizer_path.empty() ? "none" : tokenizer_path) +
+                         ") declares none (chat_template.jinja, or tokenizer_config.json's chat_template); " +
+                         how_to_name);
+  return ChatTemplate::named(declared);
 }
 
 Conversation conversation_from_json(const nlohmann::json& json) {
   const nlohmann::json* messages = &json;
+  if (!json.is_object() && !json.is_array())
+    throw TokenizerError("a conversation is {\"messages\": [...]}; this line is " + json.dump().substr(0, 60));
   if (json.is_object()) {
     if (!json.contains("messages"))
       throw TokenizerError("a conversation is {\"messages\": [...]}; this object has no \"messages\"");

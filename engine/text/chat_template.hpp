@@ -46,6 +46,9 @@ class ChatTemplate {
   static const std::vector<std::string>& names();
 
   const std::string& name() const { return name_; }
+  // The Jinja chat template that renders as this one does, for a tokenizer_config.json
+  // (Llama-3-Instruct's own for llama3, the plain ChatML one for chatml).
+  std::string jinja() const;
   // The text of a conversation, and with `generation_prompt` the header of the
   // assistant's turn that follows (apply_chat_template's add_generation_prompt).
   std::string render(const Conversation& conversation, bool generation_prompt) const;
@@ -58,6 +61,12 @@ class ChatTemplate {
   void require_special_tokens(const Tokenizer& tokenizer) const;
   // The token that ends a turn (<|im_end|>, <|eot_id|>): where a reply stops.
   int32_t end_of_turn(const Tokenizer& tokenizer) const;
+  // The token that ends a conversation in training data, which must not be one the
+  // template writes inside it (an Instruct tokenizer's eos is its end of turn): the
+  // family's end of text (<|endoftext|> for ChatML as Qwen has it, <|end_of_text|> for
+  // Llama 3) when it is one token, else the tokenizer's eod when the template does not
+  // write it; -1 when neither.
+  int32_t end_of_conversation(const Tokenizer& tokenizer) const;
 
  private:
   std::string header(const std::string& role) const;
@@ -70,14 +79,26 @@ class ChatTemplate {
   std::string role_after_;
   std::string turn_end_;     // the special token that ends a turn
   std::string after_turn_;   // what follows it
+  std::string end_of_text_;  // the family's token that ends a document
   bool trim_content_ = false;
 };
 
-// The template a tokenizer's directory declares: tokenizer_config.json's chat_template
-// (a string, or the entry named "default" of a list), recognised by the turn markers
-// of a named template; "" when there is no tokenizer_config.json or it declares none.
-// Throws TokenizerError for a declared template loom does not write.
+// The Jinja chat template a tokenizer's directory declares, as transformers looks for
+// it: chat_template.jinja, else chat_template.json's "chat_template", else
+// tokenizer_config.json's "chat_template" (a string, or the entry named "default" of a
+// list); "" when none does. Throws TokenizerError for a file it cannot read.
+std::string declared_chat_template_text(const std::string& tokenizer_path);
+
+// The named template loom writes as a declared one does, recognised by its turn
+// markers; "" when the directory declares none. Throws TokenizerError for a declared
+// template loom does not write.
 std::string declared_chat_template(const std::string& tokenizer_path);
+
+// `name`, else the template the tokenizer at `tokenizer_path` declares. Throws
+// TokenizerError for an unknown name, a declared template loom does not write, or none
+// at all (the message ends with `how_to_name`, e.g. "set data.chat_template").
+ChatTemplate resolve_chat_template(const std::string& name, const std::string& tokenizer_path,
+                                   const std::string& how_to_name);
 
 // Megatron-LM's SFT format: {"messages": [{"role": "system"|"user"|"assistant",
 // "content": "..."}, ...]} (or the list alone). Throws TokenizerError naming what is

@@ -1,5 +1,6 @@
 #include "engine/train/chat_data.hpp"
 
+#include "engine/files/json_lines.hpp"
 #include "engine/files/read.hpp"
 #include "engine/train/shuffle.hpp"
 
@@ -8,6 +9,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <mutex>
+#include <optional>
+#include <string_view>
 #include <thread>
 
 namespace loom::train {
@@ -23,51 +27,48 @@ std::vector<text::Conversation> conversations_of(const text::Conversation& messa
   return out;
 }
 
-// The non-blank lines of a JSONL file, with their line numbers.
-struct JsonLine {
-  size_t number;
-  std::string_view text;
-};
-std::vector<JsonLine> json_lines(const std::string& content) {
-  std::vector<JsonLine> lines;
-  size_t number = 0;
-  for (size_t at = 0; at < content.size();) {
-    size_t end = content.find('\n', at);
-    if (end == std::string::npos) end = content.size();
-    ++number;
-    const std::string_view line(content.data() + at, end - at);
-    if (line.find_first_not_of(" \t\r") != std::string_view::npos) lines.push_back({number, line});
-    at = end + 1;
-  }
-  return lines;
-}
-
 // Every line's tokens, on a few threads; the first failing line (in file order) is
-// the error.
-std::vector<text::ChatTokens> tokenize_lines(const std::vector<JsonLine>& lines, const text::ChatTemplate& chat,
-                                             const text::Tokenizer& tokenizer, int32_t eod, const std::string& what) {
+// the error, and lines after a failure are not tokenized.
+std::vector<text::ChatTokens> tokenize_lines(const std::vector<files::JsonLine>& lines, const text::ChatTemplate& chat,
+                                             const text::Tokenizer& tokenizer, int32_t eod, const std::string& path,
+                                             size_t& unanswered) {
   std::vector<text::ChatTokens> out(lines.size());
-  std::vector<std::string> errors(lines.size());
-  std::atomic<size_t> next{0};
+  std::atomic<size_t> without_assistant{0};
+  std::mutex mu;
+  std::atomic<size_t> next{0}, failed_at{lines.size()};
+  std::string failure;  // the error of line failed_at
+  auto fail = [&](size_t i, std::string why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (i >= failed_at.load()) return;
+    failed_at.store(i);
+    failure = std::move(why);
+  };
   auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < lines.size();) {
+    for (size_t i; (i = next.fetch_add(1)) < lines.size() && i < failed_at.load();) {
+      const std::string where = path + ":" + std::to_string(lines[i].number) + ": ";
       try {
-        const nlohmann::json j = nlohmann::json::parse(lines[i].text);
-        out[i] = line_tokens(chat, tokenizer, text::conversation_from_json(j), eod);
-      } catch (const nlohmann::json::exception& e) {
-        errors[i] = std::string("not JSON (") + e.what() + ")";
+        const text::Conversation messages = text::conversation_from_json(files::parse_json_line(lines[i], path));
+        if (std::none_of(messages.begin(), messages.end(),
+                         [](const text::ChatMessage& m) { return m.role == "assistant"; }))
+          without_assistant.fetch_add(1);
+        out[i] = line_tokens(chat, tokenizer, messages, eod);
+      } catch (const files::JsonLineError& e) {
+        fail(i, e.what());
       } catch (const std::exception& e) {
-        errors[i] = e.what();
+        fail(i, where + e.what());
+      } catch (...) {
+        fail(i, where + "an unknown error");
       }
     }
   };
-  const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min(threads, lines.size()); ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
-  for (size_t i = 0; i < lines.size(); ++i)
-    if (!errors[i].empty()) throw DataError(what + ", line " + std::to_string(lines[i].number) + ": " + errors[i]);
+  {
+    std::vector<std::jthread> pool;  // joined when the scope ends, also when starting one throws
+    const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+    for (size_t t = 1; t < std::min(threads, lines.size()); ++t) pool.emplace_back(work);
+    work();
+  }
+  if (failed_at.load() < lines.size()) throw DataError("data.path: " + failure);
+  unanswered = without_assistant.load();
   return out;
 }
 
@@ -89,12 +90,13 @@ text::ChatTokens line_tokens(const text::ChatTemplate& chat, const text::Tokeniz
 }
 
 ChatSource::ChatSource(std::vector<text::ChatTokens> lines, int64_t vocab, double val_fraction, uint64_t seed,
-                       int32_t pad, std::string what)
-    : lines_(std::move(lines)), vocab_(vocab), seed_(seed), pad_(pad), what_(std::move(what)) {
+                       int32_t pad, std::string what, ChatLayout layout)
+    : lines_(std::move(lines)), vocab_(vocab), seed_(seed), pad_(pad), what_(std::move(what)), layout_(std::move(layout)) {
   if (lines_.empty()) throw DataError(what_ + ": holds no conversations");
   const size_t n = lines_.size();
   const size_t val = val_fraction > 0 ? std::max<size_t>(1, static_cast<size_t>(std::lround(val_fraction * static_cast<double>(n)))) : 0;
-  for (uint32_t i = 0; i < n; ++i) (i < n - std::min(val, n - 1) ? train_ : validation_).push_back(i);
+  for (size_t i = 0; i < n; ++i)
+    (i < n - std::min(val, n - 1) ? train_ : validation_).push_back(static_cast<uint32_t>(i));
 }
 
 std::string ChatSource::describe() const {
@@ -106,11 +108,19 @@ std::string ChatSource::describe() const {
   }
   return what_ + ": " + std::to_string(lines_.size()) + " lines of conversations (" + std::to_string(train_.size()) +
          " train, " + std::to_string(validation_.size()) + " validation), " + std::to_string(tokens) + " tokens, " +
-         std::to_string(targets) + " of them targets, the longest line " + std::to_string(longest) + " tokens, vocab " +
-         std::to_string(vocab_);
+         std::to_string(targets) + " of them targets, the longest line " + std::to_string(longest) + " tokens, " +
+         (layout_.pack ? "packed, " : "") + "vocab " + std::to_string(vocab_);
 }
 
 std::string ChatSource::warning(int64_t seq) const {
+  std::string said;
+  const auto say = [&said](const std::string& s) { said += (said.empty() ? "" : "; ") + s; };
+  if (layout_.pack && !layout_.isolated)
+    say("data.chat_packing puts several conversations in a sample, where each attends to those before it; "
+        "data.reset_attention_mask = true (and reset_position_ids) keeps them apart");
+  if (layout_.unanswered > 0)
+    say(std::to_string(layout_.unanswered) + " of " + std::to_string(lines_.size()) + " lines have no assistant "
+        "turn: they train only where a conversation ends");
   size_t cut = 0, lost = 0;
   for (const text::ChatTokens& l : lines_) {
     if (static_cast<int64_t>(l.ids.size()) <= seq + 1) continue;
@@ -118,9 +128,10 @@ std::string ChatSource::warning(int64_t seq) const {
     const auto kept_end = l.target.begin() + seq + 1;
     if (std::find(l.target.begin() + 1, kept_end, 1) == kept_end) ++lost;
   }
-  if (cut == 0) return "";
-  return std::to_string(cut) + " of " + std::to_string(lines_.size()) + " lines of conversations are longer than "
-         "seq_length + 1 = " + std::to_string(seq + 1) + " tokens and are cut there (what follows does not train)" +
+  if (cut == 0) return said;
+  return said + (said.empty() ? "" : "; ") + std::to_string(cut) + " of " + std::to_string(lines_.size()) +
+         " lines of conversations are longer than seq_length + 1 = " + std::to_string(seq + 1) +
+         " tokens and are cut there (what follows does not train)" +
          (lost > 0 ? "; " + std::to_string(lost) + " of them keep no assistant token to learn" : std::string()) +
          "; a longer model.seq_length keeps them whole";
 }
@@ -131,14 +142,61 @@ std::vector<uint32_t> ChatSource::line_order(Split split, uint64_t epoch) const 
   return order;
 }
 
-std::shared_ptr<const std::vector<uint32_t>> ChatSource::order(Split split, uint64_t epoch) const {
-  const auto key = std::make_pair(split == Split::Train ? 0 : 1, epoch);
+std::shared_ptr<const ChatSource::Epoch> ChatSource::epoch_locked(Split split, uint64_t e, int64_t seq) const {
+  const EpochKey key{split == Split::Train ? 0 : 1, e, layout_.pack ? seq : 0};
+  if (auto it = epochs_.find(key); it != epochs_.end()) return it->second;
+  auto ep = std::make_shared<Epoch>();
+  ep->order = line_order(split, e);
+  ep->first.push_back(0);
+  int64_t used = 0;  // tokens of the sample being filled
+  for (uint32_t j = 0; j < ep->order.size(); ++j) {
+    const int64_t length = static_cast<int64_t>(lines_[ep->order[j]].ids.size());
+    if (j > ep->first.back() && (!layout_.pack || used + length > seq + 1)) {
+      ep->first.push_back(j);
+      used = 0;
+    }
+    used += length;
+  }
+  ep->first.push_back(static_cast<uint32_t>(ep->order.size()));
+  if (epochs_.size() >= 4) epochs_.erase(epochs_.begin());  // ranks read nearby epochs
+  epochs_[key] = ep;
+  return ep;
+}
+
+std::pair<std::shared_ptr<const ChatSource::Epoch>, size_t> ChatSource::locate(Split split, uint64_t index,
+                                                                                 int64_t seq) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = orders_.find(key); it != orders_.end()) return it->second;
-  auto o = std::make_shared<const std::vector<uint32_t>>(line_order(split, epoch));
-  if (orders_.size() >= 4) orders_.erase(orders_.begin());  // ranks read nearby epochs
-  orders_[key] = o;
-  return o;
+  if (!layout_.pack) {  // a line a sample: every epoch has as many
+    const uint64_t n = lines_of(split).size();
+    return {epoch_locked(split, index / n, seq), static_cast<size_t>(index % n)};
+  }
+  // Packed epochs hold different numbers of samples: count them up to this one.
+  std::vector<uint64_t>& ends = epoch_ends_[{split == Split::Train ? 0 : 1, seq}];
+  while (ends.empty() || ends.back() <= index) {
+    const uint64_t samples = epoch_locked(split, ends.size(), seq)->first.size() - 1;
+    ends.push_back((ends.empty() ? 0 : ends.back()) + samples);
+  }
+  const size_t e = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), index) - ends.begin());
+  return {epoch_locked(split, e, seq), static_cast<size_t>(index - (e > 0 ? ends[e - 1] : 0))};
+}
+
+std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, int64_t seq) const {
+  check_split(split, seq);
+  const auto [ep, k] = locate(split, index, seq);
+  return {ep->order.begin() + ep->first[k], ep->order.begin() + ep->first[k + 1]};
+}
+
+std::string ChatSource::render(const int32_t* tokens, int64_t n) const {
+  if (!layout_.tokenizer) return DataSource::render(tokens, n);
+  std::vector<int32_t> ids;
+  for (int64_t i = 0; i < n; ++i)
+    if (tokens[i] >= 0 && tokens[i] < layout_.tokenizer->vocab_size()) ids.push_back(tokens[i]);
+  return layout_.tokenizer->decode(ids);
+}
+
+std::vector<int32_t> ChatSource::encode(const std::string& text) const {
+  if (!layout_.tokenizer) return DataSource::encode(text);
+  return layout_.tokenizer->encode(text);
 }
 
 void ChatSource::check_split(Split split, int64_t) const {
@@ -149,26 +207,26 @@ void ChatSource::check_split(Split split, int64_t) const {
 }
 
 void ChatSource::sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const {
-  check_split(split, seq);
-  const uint64_t n = lines_of(split).size();
-  const text::ChatTokens& line = lines_[(*order(split, index / n))[index % n]];
-  const int64_t length = static_cast<int64_t>(line.ids.size());
+  // The sample's lines back to back, cut after seq + 1 tokens, then padding.
+  std::vector<int32_t> ids;
+  std::vector<uint8_t> counted;
+  for (uint32_t l : lines_in_sample(split, index, seq)) {
+    const text::ChatTokens& line = lines_[l];
+    const size_t take = std::min(line.ids.size(), static_cast<size_t>(seq + 1) - ids.size());
+    ids.insert(ids.end(), line.ids.begin(), line.ids.begin() + static_cast<std::ptrdiff_t>(take));
+    counted.insert(counted.end(), line.target.begin(), line.target.begin() + static_cast<std::ptrdiff_t>(take));
+  }
+  const int64_t length = static_cast<int64_t>(ids.size());
   for (int64_t t = 0; t < seq; ++t) {
-    tokens[t] = t < length ? line.ids[static_cast<size_t>(t)] : pad_;
-    targets[t] = t + 1 < length && line.target[static_cast<size_t>(t + 1)] ? line.ids[static_cast<size_t>(t + 1)] : -1;
+    tokens[t] = t < length ? ids[static_cast<size_t>(t)] : pad_;
+    targets[t] = t + 1 < length && counted[static_cast<size_t>(t + 1)] ? ids[static_cast<size_t>(t + 1)] : -1;
   }
 }
 
 text::ChatTemplate chat_template_of(const manifest::RunConfig& config) {
-  std::string name = config.data.chat_template;
   try {
-    if (name.empty() && !config.data.tokenizer.empty()) name = text::declared_chat_template(config.data.tokenizer);
-    if (name.empty())
-      throw DataError("no chat template: data.tokenizer (" +
-                      (config.data.tokenizer.empty() ? std::string("none") : config.data.tokenizer) +
-                      ") declares none in a tokenizer_config.json; set data.chat_template (\"chatml\" or \"llama3\"; "
-                      "loom generate --chat-template)");
-    return text::ChatTemplate::named(name);
+    return text::resolve_chat_template(config.data.chat_template, config.data.tokenizer,
+                                       "set data.chat_template (\"chatml\" or \"llama3\")");
   } catch (const text::TokenizerError& e) {
     throw DataError(std::string("data.chat_template: ") + e.what());
   }
@@ -177,7 +235,7 @@ text::ChatTemplate chat_template_of(const manifest::RunConfig& config) {
 std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64_t vocab) {
   const std::string& path = config.data.path;
   const std::string what = "data.path = \"" + path + "\"";
-  std::unique_ptr<text::Tokenizer> tokenizer;
+  std::shared_ptr<const text::Tokenizer> tokenizer;
   try {
     tokenizer = text::load_tokenizer(config.data.tokenizer);
   } catch (const text::TokenizerError& e) {
@@ -193,10 +251,15 @@ std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64
   std::string why;
   const std::optional<std::string> content = files::read_whole_file(path, &why);
   if (!content) throw DataError(what + ": cannot read the file (" + why + ")");
-  std::vector<text::ChatTokens> lines = tokenize_lines(json_lines(*content), chat, *tokenizer, eod, what);
-  return std::make_unique<ChatSource>(std::move(lines), vocab > 0 ? vocab : tokenizer->vocab_size(),
-                                      config.data.val_fraction, static_cast<uint64_t>(config.run.seed), eod,
-                                      path + " (chat template " + chat.name() + ")");
+  size_t unanswered = 0;
+  std::vector<text::ChatTokens> lines = tokenize_lines(files::json_lines(*content), chat, *tokenizer, eod, path, unanswered);
+  if (!lines.empty() && unanswered == lines.size())
+    throw DataError(what + ": no line has an assistant turn, the turns the model learns to write");
+  const int64_t model_vocab = vocab > 0 ? vocab : tokenizer->vocab_size();
+  return std::make_unique<ChatSource>(
+      std::move(lines), model_vocab, config.data.val_fraction, static_cast<uint64_t>(config.run.seed), eod,
+      path + " (chat template " + chat.name() + ")",
+      ChatLayout{config.data.chat_packing, config.data.reset_attention_mask, unanswered, std::move(tokenizer)});
 }
 
 }  // namespace loom::train

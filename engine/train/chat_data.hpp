@@ -6,6 +6,10 @@
 // sample: its tokens cut after seq_length + 1 or padded with the end-of-document token,
 // the targets those of the assistant's turns (the end-of-document token after a
 // conversation too, so the model learns where one ends), -1 elsewhere and on padding.
+// With packing (data.chat_packing) a sample holds as many whole lines as fit in
+// seq_length + 1 tokens, taken in the epoch's order (a longer line alone, cut), as
+// packed SFT in NeMo and TRL does: less padding; with data.reset_attention_mask the
+// conversations of a sample do not see each other.
 // The last val_fraction of the lines validate; each epoch visits a split's lines in a
 // seeded shuffled order, so sample i is a pure function of (seed, split, i).
 #pragma once
@@ -18,6 +22,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace loom::train {
@@ -27,23 +33,49 @@ namespace loom::train {
 text::ChatTokens line_tokens(const text::ChatTemplate& chat, const text::Tokenizer& tokenizer,
                              const text::Conversation& messages, int32_t end_of_document);
 
+// How a ChatSource lays its lines out and what it says about them. `pack`: several
+// lines a sample; `isolated`: the run keeps packed documents apart
+// (data.reset_attention_mask), else ChatSource::warning says they attend to each other;
+// `unanswered`: lines without an assistant turn (they train only a conversation's end);
+// `tokenizer`: renders and encodes text (null: ids).
+struct ChatLayout {
+  bool pack = false;
+  bool isolated = false;
+  size_t unanswered = 0;
+  std::shared_ptr<const text::Tokenizer> tokenizer;
+};
+
 class ChatSource : public DataSource {
  public:
-  // `lines`: line_tokens of each line; `pad` fills a sample past a line's end.
+  // `lines`: line_tokens of each line; `pad` fills a sample past its lines' end.
   ChatSource(std::vector<text::ChatTokens> lines, int64_t vocab, double val_fraction, uint64_t seed, int32_t pad,
-             std::string what);
+             std::string what, ChatLayout layout = {});
   int64_t vocab_size() const override { return vocab_; }
   std::string describe() const override;
   void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override;
   void check_split(Split split, int64_t seq) const override;
-  // How many lines are cut at seq + 1 tokens, and how many of those lose every target.
+  std::string render(const int32_t* tokens, int64_t n) const override;
+  std::vector<int32_t> encode(const std::string& text) const override;
+  // How many lines are cut at seq + 1 tokens, and how many of those lose every target;
+  // packed conversations that attend to each other; lines without an answer.
   std::string warning(int64_t seq) const override;
   // The lines of a split, by index, and epoch e's visiting order of them.
   const std::vector<uint32_t>& lines_of(Split split) const { return split == Split::Train ? train_ : validation_; }
   std::vector<uint32_t> line_order(Split split, uint64_t epoch) const;
+  // The lines of sample `index` of a split at sequence length `seq`, in order.
+  std::vector<uint32_t> lines_in_sample(Split split, uint64_t index, int64_t seq) const;
 
  private:
-  std::shared_ptr<const std::vector<uint32_t>> order(Split split, uint64_t epoch) const;
+  // One epoch of a split at one sequence length: its lines in order, and sample k
+  // holding lines order[first[k]] .. order[first[k + 1] - 1].
+  struct Epoch {
+    std::vector<uint32_t> order;
+    std::vector<uint32_t> first;
+  };
+  using EpochKey = std::tuple<int, uint64_t, int64_t>;  // split, epoch, seq
+  std::shared_ptr<const Epoch> epoch_locked(Split split, uint64_t e, int64_t seq) const;
+  // The epoch of sample `index` and the sample's place in it.
+  std::pair<std::shared_ptr<const Epoch>, size_t> locate(Split split, uint64_t index, int64_t seq) const;
 
   std::vector<text::ChatTokens> lines_;
   std::vector<uint32_t> train_, validation_;
@@ -51,8 +83,11 @@ class ChatSource : public DataSource {
   uint64_t seed_;
   int32_t pad_;
   std::string what_;
+  ChatLayout layout_;
   mutable std::mutex mu_;
-  mutable std::map<std::pair<int, uint64_t>, std::shared_ptr<const std::vector<uint32_t>>> orders_;  // a few recent
+  mutable std::map<EpochKey, std::shared_ptr<const Epoch>> epochs_;  // a few recent ones
+  // Packed: per (split, seq), the samples up to the end of each epoch counted so far.
+  mutable std::map<std::pair<int, int64_t>, std::vector<uint64_t>> epoch_ends_;
 };
 
 // data.path's conversations with data.tokenizer and data.chat_template (else the one

@@ -363,11 +363,28 @@ std::unique_ptr<DataSource> make_data_source(const manifest::RunConfig& config) 
   return std::make_unique<EodLossMask>(std::move(source), eod);
 }
 
+namespace {
+
+// Conversations end with a token their template does not write (an Instruct
+// tokenizer's eos is its end of turn, which would split every turn into a document).
+int32_t conversation_end(const manifest::RunConfig& config, const text::Tokenizer& tokenizer) {
+  const text::ChatTemplate chat = chat_template_of(config);
+  const int32_t eod = chat.end_of_conversation(tokenizer);
+  if (eod < 0)
+    throw DataError("data.tokenizer (" + config.data.tokenizer + ") has no token to end a conversation with that "
+                    "chat template " + chat.name() + " does not write inside one (its eos ends every turn); set "
+                    "data.eod_token");
+  return eod;
+}
+
+}  // namespace
+
 int32_t end_of_document_token(const manifest::RunConfig& config, int64_t vocab) {
   int64_t eod = config.data.eod_token;
   if (eod < 0 && !config.data.tokenizer.empty()) {
     try {
-      eod = text::load_tokenizer(config.data.tokenizer)->eod();
+      const std::unique_ptr<text::Tokenizer> tokenizer = text::load_tokenizer(config.data.tokenizer);
+      eod = config.data.kind == "chat" ? conversation_end(config, *tokenizer) : tokenizer->eod();
     } catch (const text::TokenizerError& e) {
       throw DataError(std::string("data.tokenizer: ") + e.what());
     }

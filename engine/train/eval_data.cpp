@@ -1,11 +1,12 @@
 #include "engine/train/eval_data.hpp"
 
+#include "engine/files/json_lines.hpp"
+#include "engine/files/read.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
+#include <optional>
 
 namespace loom::train {
 
@@ -112,19 +113,17 @@ LastWordExample split_continuation(std::vector<int32_t> ctx, const std::string& 
 // a file that cannot be read, or a line that is not JSON, is a DataError naming it.
 void for_each_jsonl_object(const std::string& path,
                            const std::function<void(const nlohmann::json&, int64_t, const std::string&)>& fn) {
-  std::ifstream in(path);
-  if (!in) throw DataError(path + ": cannot open the file (" + std::strerror(errno) + ")");
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(n);
+  std::string why;
+  const std::optional<std::string> content = files::read_whole_file(path, &why, files::Pipes::Allow);
+  if (!content) throw DataError(path + ": cannot open the file (" + why + ")");
+  for (const files::JsonLine& line : files::json_lines(*content)) {
     nlohmann::json j;
     try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw DataError(where + ": not JSON (" + std::string(e.what()) + ")");
+      j = files::parse_json_line(line, path);
+    } catch (const files::JsonLineError& e) {
+      throw DataError(e.what());
     }
-    fn(j, n, where);
+    fn(j, line.number, path + ":" + std::to_string(line.number));
   }
 }
 

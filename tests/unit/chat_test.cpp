@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <set>
 #include <string>
@@ -26,14 +27,15 @@ using I = std::vector<int32_t>;
 
 constexpr int32_t kStart = 256, kEnd = 257, kEod = 258;  // <|im_start|>, <|im_end|>, <|endoftext|>
 
-// A byte-level tokenizer.json without merges and ChatML's special tokens.
-std::string write_tokenizer(const std::string& dir) {
+// A byte-level tokenizer.json without merges, with `specials` as ids 256, 257, ... and
+// tokenizer_config.json `config`.
+std::string write_tokenizer(const std::string& dir, const std::vector<std::string>& specials,
+                            const nlohmann::json& config) {
   nlohmann::json vocab = loom::testing::byte_level_vocab();
   nlohmann::json added = nlohmann::json::array();
-  for (const auto& [id, text] : {std::pair<int, const char*>{kStart, "<|im_start|>"}, {kEnd, "<|im_end|>"},
-                                 {kEod, "<|endoftext|>"}}) {
-    vocab[text] = id;
-    added.push_back({{"id", id}, {"content", text}, {"special", true}});
+  for (size_t k = 0; k < specials.size(); ++k) {
+    vocab[specials[k]] = 256 + k;
+    added.push_back({{"id", 256 + k}, {"content", specials[k]}, {"special", true}});
   }
   const nlohmann::json j = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}},
                             {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
@@ -41,8 +43,13 @@ std::string write_tokenizer(const std::string& dir) {
                             {"added_tokens", added}};
   boost::filesystem::create_directories(dir);
   std::ofstream(dir + "/tokenizer.json") << j.dump();
-  std::ofstream(dir + "/tokenizer_config.json") << nlohmann::json({{"eos_token", "<|endoftext|>"}}).dump();
+  if (!config.is_null()) std::ofstream(dir + "/tokenizer_config.json") << config.dump();
   return dir;
+}
+
+// ChatML's special tokens as kStart, kEnd, kEod.
+std::string write_tokenizer(const std::string& dir) {
+  return write_tokenizer(dir, {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}, {{"eos_token", "<|endoftext|>"}});
 }
 
 // Byte ids of text with ChatML's markers as their tokens (this tokenizer has no merges).
@@ -189,8 +196,18 @@ TEST(Chat, BadConversationsAreRefusedWithTheirLine) {
     return std::string("(read)");
   };
   const nlohmann::json ok = line({{"user", "a"}, {"assistant", "b"}});
-  EXPECT_NE(error({ok, line({{"tool", "x"}})}).find("line 3: message 1: role \"tool\""), std::string::npos)
+  EXPECT_NE(error({ok, line({{"tool", "x"}})}).find("data.jsonl:3: message 1: role \"tool\""), std::string::npos)
       << error({ok, line({{"tool", "x"}})});
+  // The first bad line in file order, whichever thread meets it first.
+  std::vector<nlohmann::json> many(100, ok);
+  many[36] = line({{"user", "a"}, {"assistant", "b"}, {"tool", "c"}});
+  many[79] = {{"text", "x"}};
+  EXPECT_NE(error(many).find("data.jsonl:73: message 3"), std::string::npos) << error(many);  // blank lines between
+  EXPECT_NE(error({ok, {{"messages", {{{"role", "user"}, {"content", 3}}}}}}).find("\"content\" is not a string"),
+            std::string::npos);
+  EXPECT_NE(error({ok, 7}).find("this line is 7"), std::string::npos) << error({ok, 7});
+  EXPECT_NE(error({line({{"user", "a"}}), line({{"system", "s"}, {"user", "b"}})}).find("no line has an assistant turn"),
+            std::string::npos);
   EXPECT_NE(error({ok, {{"messages", {{{"role", "user"}, {"content", 3}}}}}}).find("\"content\" is not a string"),
             std::string::npos);
   EXPECT_NE(error({{{"text", "x"}}}).find("has no \"messages\""), std::string::npos);
@@ -208,6 +225,190 @@ TEST(Chat, BadConversationsAreRefusedWithTheirLine) {
   const auto one = d.source({ok});
   EXPECT_THROW(one->check_split(Split::Validation, 8), loom::train::DataError);
   EXPECT_NO_THROW(one->check_split(Split::Train, 8));
+}
+
+}  // namespace
+
+namespace {
+
+// Packing (data.chat_packing): every epoch's samples hold its lines whole, in its order,
+// each sample as many as fit in seq + 1 tokens (the next would not), a longer line
+// alone; the tokens are the lines' back to back; sample indices run on across epochs.
+TEST(Chat, PackedSamplesHoldWholeLinesInTheEpochsOrderAsManyAsFit) {
+  ChatData d;
+  d.config.data.chat_packing = true;
+  std::vector<nlohmann::json> lines;
+  for (int i = 0; i < 12; ++i)  // user messages of 1 to 40 letters: lines of 40 to 80 tokens
+    lines.push_back(line({{"user", std::string(static_cast<size_t>(1 + (i * 7) % 40), static_cast<char>('a' + i))},
+                          {"assistant", "x"}}));
+  const auto src = d.source(lines);
+  const auto& chat = dynamic_cast<const loom::train::ChatSource&>(*src);
+  const auto length = [&](uint32_t l) {
+    return static_cast<int64_t>(loom::train::line_tokens(loom::text::ChatTemplate::named("chatml"),
+                                                         *loom::text::load_tokenizer(d.config.data.tokenizer),
+                                                         loom::text::conversation_from_json(lines[l]), kEod)
+                                    .ids.size());
+  };
+  const int64_t seq = 150;
+  uint64_t index = 0;
+  size_t most = 0;  // lines in a sample
+  for (uint64_t epoch = 0; epoch < 3; ++epoch) {
+    const std::vector<uint32_t> order = chat.line_order(Split::Train, epoch);
+    size_t at = 0;
+    while (at < order.size()) {
+      const std::vector<uint32_t> in = chat.lines_in_sample(Split::Train, index, seq);
+      ASSERT_FALSE(in.empty());
+      most = std::max(most, in.size());
+      ASSERT_EQ(in, std::vector<uint32_t>(order.begin() + static_cast<std::ptrdiff_t>(at),
+                                          order.begin() + static_cast<std::ptrdiff_t>(at + in.size())))
+          << "epoch " << epoch << ", sample " << index;
+      int64_t total = 0;
+      for (uint32_t l : in) total += length(l);
+      EXPECT_TRUE(total <= seq + 1 || in.size() == 1) << total;
+      at += in.size();
+      if (at < order.size()) {
+        EXPECT_GT(total + length(order[at]), seq + 1) << "the next line would have fit";
+      }
+      // The tokens: the lines back to back.
+      I tokens(seq), targets(seq), want;
+      src->sample(Split::Train, index, seq, tokens.data(), targets.data());
+      for (uint32_t l : in) {
+        const I ids = loom::train::line_tokens(loom::text::ChatTemplate::named("chatml"),
+                                               *loom::text::load_tokenizer(d.config.data.tokenizer),
+                                               loom::text::conversation_from_json(lines[l]), kEod)
+                          .ids;
+        want.insert(want.end(), ids.begin(), ids.end());
+      }
+      want.resize(static_cast<size_t>(seq), kEod);
+      EXPECT_EQ(tokens, want);
+      ++index;
+    }
+  }
+  EXPECT_GE(most, 3u) << "nothing was packed";
+  EXPECT_NE(src->warning(seq).find("data.reset_attention_mask = true"), std::string::npos) << src->warning(seq);
+  d.config.data.reset_attention_mask = true;
+  EXPECT_EQ(d.source(lines)->warning(seq), "");
+}
+
+}  // namespace
+
+namespace {
+
+std::string utf8(uint32_t cp) {
+  std::string u;
+  if (cp < 0x80) {
+    u += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    u += static_cast<char>(0xc0 | (cp >> 6));
+    u += static_cast<char>(0x80 | (cp & 0x3f));
+  } else {
+    u += static_cast<char>(0xe0 | (cp >> 12));
+    u += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
+    u += static_cast<char>(0x80 | (cp & 0x3f));
+  }
+  return u;
+}
+
+// Llama 3's template trims content with Jinja's trim, Python's str.strip() under
+// transformers: exactly the characters str.isspace() names, and nothing else.
+TEST(ChatTemplate, Llama3TrimsTheWhiteSpacePythonsStripRemoves) {
+  const loom::text::ChatTemplate t = loom::text::ChatTemplate::named("llama3");
+  const auto content_of = [&](const std::string& c) {
+    const std::string r = t.render({{"user", c}}, false);
+    const std::string head = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n";
+    return r.substr(head.size(), r.size() - head.size() - std::string("<|eot_id|>").size());
+  };
+  const std::vector<uint32_t> space = {0x09, 0x0a, 0x0b, 0x0c, 0x0d, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0, 0x1680,
+                                       0x2000, 0x2001, 0x2005, 0x200a, 0x2028, 0x2029, 0x202f, 0x205f, 0x3000};
+  for (uint32_t cp : space)
+    EXPECT_EQ(content_of(utf8(cp) + "x" + utf8(cp) + "y" + utf8(cp) + utf8(cp)), "x" + utf8(cp) + "y") << std::hex << cp;
+  for (uint32_t cp : {0x200bu, 0xfeffu, 0x180eu, 0x2060u, 0x00u, 0x2bu})  // not white space to Python
+    EXPECT_EQ(content_of(utf8(cp) + "x" + utf8(cp)), utf8(cp) + "x" + utf8(cp)) << std::hex << cp;
+  // Bytes that are not UTF-8 stand alone: a lead byte does not swallow the spaces after it.
+  EXPECT_EQ(content_of(" abc\xe2 \n"), "abc\xe2");
+  EXPECT_EQ(content_of("\xe2\x80"), "\xe2\x80");
+  EXPECT_EQ(content_of(" \t "), "");
+  EXPECT_EQ(loom::text::ChatTemplate::named("chatml").render({{"user", " a "}}, false), "<|im_start|>user\n a <|im_end|>\n");
+}
+
+// Llama 3's turns: the assistant's content and <|eot_id|> are its targets; the
+// generation prompt is the header alone; a conversation ends with <|end_of_text|>, or
+// the tokenizer's eos when the template does not write it, else with nothing known.
+TEST(ChatTemplate, Llama3TurnsTargetsAndTheConversationsEnd) {
+  const std::string dir = loom::testing::scratch_dir("chat_llama3");
+  const std::vector<std::string> specials = {"<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                             "<|eot_id|>", "<|end_of_text|>"};
+  const auto tok = loom::text::load_tokenizer(write_tokenizer(dir + "/a", specials, {{"eos_token", "<|eot_id|>"}}));
+  const loom::text::ChatTemplate t = loom::text::ChatTemplate::named("llama3");
+  EXPECT_NO_THROW(t.require_special_tokens(*tok));
+  const loom::text::ChatTokens c = t.encode(*tok, {{"user", "hi"}, {"assistant", " yo\n"}}, false);
+  I answer;
+  for (size_t k = 0; k < c.ids.size(); ++k)
+    if (c.target[k]) answer.push_back(c.ids[k]);
+  EXPECT_EQ(answer, (I{'y', 'o', 259}));  // trimmed, then <|eot_id|>
+  EXPECT_EQ(tok->decode(c.ids), t.render({{"user", "hi"}, {"assistant", " yo\n"}}, false));
+  const loom::text::ChatTokens p = t.encode(*tok, {{"user", "hi"}}, true);
+  EXPECT_EQ(tok->decode(p.ids), t.render({{"user", "hi"}}, true));
+  EXPECT_TRUE(std::all_of(p.target.begin(), p.target.end(), [](uint8_t f) { return f == 0; }));
+  EXPECT_EQ(t.end_of_turn(*tok), 259);
+  EXPECT_EQ(t.end_of_conversation(*tok), 260);  // <|end_of_text|>, not the eos <|eot_id|>
+  const std::vector<std::string> without_end(specials.begin(), specials.end() - 1);
+  EXPECT_EQ(t.end_of_conversation(
+                *loom::text::load_tokenizer(write_tokenizer(dir + "/b", without_end, {{"eos_token", "<|eot_id|>"}}))),
+            -1);
+  std::vector<std::string> other_eos = without_end;
+  other_eos.push_back("</s>");
+  EXPECT_EQ(t.end_of_conversation(
+                *loom::text::load_tokenizer(write_tokenizer(dir + "/c", other_eos, {{"eos_token", "</s>"}}))),
+            260);
+  // ChatML on a Llama 3 tokenizer: named.
+  try {
+    loom::text::ChatTemplate::named("chatml").require_special_tokens(*tok);
+    ADD_FAILURE() << "chatml accepted a tokenizer without <|im_start|>";
+  } catch (const loom::text::TokenizerError& e) {
+    EXPECT_NE(std::string(e.what()).find("<|im_start|>, which is not one token"), std::string::npos) << e.what();
+  }
+  boost::filesystem::remove_all(dir);
+}
+
+// What a model directory declares, where transformers looks: chat_template.jinja, then
+// tokenizer_config.json's chat_template (a string, or the "default" of a list); a
+// family recognised only when its markers are all the template writes.
+TEST(ChatTemplate, TheTemplateADirectoryDeclares) {
+  const std::string dir = loom::testing::scratch_dir("chat_declared");
+  int n = 0;
+  const auto declared = [&](const nlohmann::json& config, const std::string& jinja = "") {
+    const std::string d = write_tokenizer(dir + "/" + std::to_string(n++), {"<|im_start|>", "<|im_end|>"}, config);
+    if (!jinja.empty()) std::ofstream(d + "/chat_template.jinja") << jinja;
+    try {
+      return loom::text::declared_chat_template(d);
+    } catch (const loom::text::TokenizerError& e) {
+      return std::string("error: ") + e.what();
+    }
+  };
+  const std::string chatml = loom::text::ChatTemplate::named("chatml").jinja();
+  const std::string llama3 = loom::text::ChatTemplate::named("llama3").jinja();
+  EXPECT_EQ(declared({{"chat_template", chatml}}), "chatml");
+  EXPECT_EQ(declared({{"chat_template", llama3}}), "llama3");
+  EXPECT_EQ(declared({{"eos_token", "<|im_end|>"}}), "");
+  EXPECT_EQ(declared(nullptr), "");
+  EXPECT_EQ(declared({{"chat_template", nullptr}}), "");
+  EXPECT_EQ(declared({{"chat_template", {{{"name", "tool_use"}, {"template", llama3}},
+                                         {{"name", "default"}, {"template", chatml}}}}}),
+            "chatml");
+  EXPECT_EQ(declared({{"chat_template", llama3}}, chatml), "chatml") << "chat_template.jinja comes first";
+  EXPECT_NE(declared({{"chat_template", {{{"name", 5}, {"template", "x"}}}}}).find("neither a string nor a list"),
+            std::string::npos);
+  EXPECT_NE(declared({{"chat_template", 3}}).find("neither a string nor a list"), std::string::npos);
+  // Phi-4's turns look like ChatML's but add <|im_sep|>: refused, naming it.
+  const std::string phi4 = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '<|im_sep|>' + m['content'] + "
+                           "'<|im_end|>'}}{% endfor %}";
+  EXPECT_NE(declared({{"chat_template", phi4}}).find("<|im_sep|>"), std::string::npos) << declared({{"chat_template", phi4}});
+  EXPECT_NE(declared({{"chat_template", "{{ messages[0]['content'] }}"}}).find("markers: none"), std::string::npos);
+  // A conversation given as the list alone reads as {"messages": list}.
+  const nlohmann::json list = nlohmann::json::parse(R"([{"role": "user", "content": "a"}])");
+  EXPECT_EQ(loom::text::conversation_from_json(list).size(), 1u);
+  boost::filesystem::remove_all(dir);
 }
 
 }  // namespace
