@@ -109,6 +109,7 @@ RunConfig RunConfig::from(const Manifest& m) {
   c.run.tensorboard_dir = m.get_string("run.tensorboard_dir");
   c.run.exit_duration_minutes = m.get_float("run.exit_duration_minutes");
   c.run.exit_interval = m.get_int("run.exit_interval");
+  c.run.calculate_per_token_loss = m.get_bool("run.calculate_per_token_loss");
 
   c.model.hidden_size = m.get_int("model.hidden_size");
   c.model.num_heads = m.get_int("model.num_heads");

@@ -29,6 +29,7 @@ struct RunConfig {
     int64_t train_samples = 0;         // > 0: run.steps is resolved from it (steps_for_samples)
     double exit_duration_minutes = 0;  // 0 = no limit
     int64_t exit_interval = 0;         // 0 = never
+    bool calculate_per_token_loss = false;  // the batch's loss over its tokens, not a mean of microbatch means
   } run;
   struct Model {
     int64_t hidden_size = 0, num_heads = 0;

@@ -84,11 +84,12 @@ void Executor::send(const void* data, int to_chunk, bool forward) {
     trace_->add(rank_.global_rank(), (forward ? "send act c" : "send grad c") + std::to_string(to_chunk), "p2p", t0);
 }
 
-StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs) {
+StepStats Executor::train_step(const std::vector<MicrobatchInput>& inputs, double per_token_scale) {
   LOOM_REQUIRE(inputs.size() == static_cast<size_t>(microbatches_),
                "train_step with " << inputs.size() << " microbatch inputs, the order has " << microbatches_);
   StepState st;
   st.loss_scale.assign(static_cast<size_t>(microbatches_), 1.f);
+  st.per_token_scale = per_token_scale;
   std::vector<uint64_t> seeds;
   for (const MicrobatchInput& in : inputs) seeds.push_back(in.dropout_seed);
   model_.stage_dropout_seeds(seeds);  // one copy; before base_bytes (allocated once)
@@ -150,9 +151,9 @@ void Executor::run_forward(const Step& step, const MicrobatchInput& in, StepStat
   // factor cp (Megatron's loss * cp_size).
   double sums[2] = {loss_sum, static_cast<double>(count)};
   if (cp_.size() > 1) cp_.all_reduce(nullptr, sums, sums, 2, LOOM_DTYPE_F64);
-  const double denom = std::max(sums[1], 1.0) * microbatches_;
-  st.loss_scale[static_cast<size_t>(mb)] = static_cast<float>(cp_.size() / denom);
-  st.stats.loss += sums[0] / denom;
+  const double scale = st.per_token_scale > 0 ? st.per_token_scale : 1.0 / (std::max(sums[1], 1.0) * microbatches_);
+  st.loss_scale[static_cast<size_t>(mb)] = static_cast<float>(cp_.size() * scale);
+  st.stats.loss += sums[0] * scale;
 }
 
 void Executor::run_backward(const Step& step, StepState& st) {

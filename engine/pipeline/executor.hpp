@@ -67,8 +67,11 @@ class Executor {
            TraceRecorder* trace = nullptr, bool post_receives_early = false);
 
   // One training step's forwards and backwards; gradients accumulate in the
-  // model's buffers (loss of each microbatch scaled by 1 / (its tokens * microbatches)).
-  StepStats train_step(const std::vector<MicrobatchInput>& inputs);
+  // model's buffers: each microbatch's loss scaled by 1 / (its tokens * microbatches),
+  // its mean, or with `per_token_scale` > 0 by that (dp / the global batch's tokens:
+  // Megatron-LM's --calculate-per-token-loss, the loss summed over the batch's tokens
+  // and divided by their number whatever the microbatches hold).
+  StepStats train_step(const std::vector<MicrobatchInput>& inputs, double per_token_scale = 0);
 
   // Forward of one microbatch through every local chunk (evaluation). On the last
   // stage, adds the loss sum and token count; elsewhere leaves them.
@@ -91,6 +94,7 @@ class Executor {
   // What the steps of one train_step share.
   struct StepState {
     std::vector<float> loss_scale;  // per microbatch, once the last chunk's forward counted its tokens
+    double per_token_scale = 0;     // > 0: every microbatch's loss sum times this
     uint64_t base_bytes = 0;        // device memory in use when the step began
     int in_flight = 0;              // forwards awaiting their backward
     loom::CommRequest ahead;        // the next step's receive, posted early

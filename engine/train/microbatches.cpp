@@ -53,4 +53,8 @@ pipeline::MicrobatchInput Microbatches::load(Split split, uint64_t first_sample,
   return in;
 }
 
+int64_t Microbatches::whole_targets() const {
+  return std::count_if(targets_.whole.begin(), targets_.whole.end(), [](int32_t t) { return t >= 0; });
+}
+
 }  // namespace loom::train

@@ -30,6 +30,8 @@ class Microbatches {
   // targets of the last load, [rows, micro_batch] (-1 = no target).
   int64_t rows() const { return context_.local_length(); }
   const std::vector<int32_t>& targets() const { return targets_.local; }
+  // The targets of the last load's whole sequences (every cp rank's part).
+  int64_t whole_targets() const;
 
  private:
   // [rows, micro_batch] host rows of the whole sequences, this rank's part of them,

@@ -153,6 +153,7 @@ class RankTraining {
   static std::unique_ptr<model::Model> create_model(const Run& run, runtime::RankRuntime& rt);
   void start_trace();
   StepRecord train_step(int64_t step);
+  double per_token_scale(double targets);
   // The executor of steps of `m` microbatches per rank (ramp steps have fewer).
   pipeline::Executor& executor_for(int64_t m);
   bool stop_requested() const;
@@ -234,6 +235,15 @@ pipeline::Executor& RankTraining::executor_for(int64_t m) {
   return *ramp_executor_;
 }
 
+// run.calculate_per_token_loss: dp / the global batch's targets (every rank reads its
+// microbatches whole, so a dp all-reduce of its count gives them; the dp average of the
+// gradients then divides the batch's summed loss by that number); 0 otherwise.
+double RankTraining::per_token_scale(double targets) {
+  if (!config_.run.calculate_per_token_loss) return 0;
+  dp_.all_reduce(nullptr, &targets, &targets, 1, LOOM_DTYPE_F64);
+  return static_cast<double>(dp_.size()) / std::max(targets, 1.0);
+}
+
 // One step from `step` (the steps done) to step + 1, without evaluation.
 StepRecord RankTraining::train_step(int64_t step) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -243,14 +253,16 @@ StepRecord RankTraining::train_step(int64_t step) {
   rt_.reset_comm_stats();
   model_->zero_grads();
   std::vector<pipeline::MicrobatchInput> inputs;
+  double targets = 0;  // this dp rank's, for run.calculate_per_token_loss
   for (int64_t mb = 0; mb < M; ++mb) {
     const uint64_t first = sample_index(consumed, dp_.rank(), M, static_cast<int>(mb), mbs);
     inputs.push_back(batches_.load(Split::Train, first, mb));
     inputs.back().dropout_seed = dropout_seed(static_cast<uint64_t>(config_.run.seed), step, first);
+    targets += static_cast<double>(batches_.whole_targets());
   }
   // Graphs are of the whole global batch's steps, which replay in one fixed order.
   model_->set_steps_capturable(M == run_.plan.microbatches);
-  const pipeline::StepStats stats = executor_for(M).train_step(inputs);
+  const pipeline::StepStats stats = executor_for(M).train_step(inputs, per_token_scale(targets));
   peak_in_flight_ = std::max(peak_in_flight_, stats.peak_in_flight);
   peak_activation_bytes_ = std::max(peak_activation_bytes_, stats.peak_activation_bytes);
   // The loss: mean over microbatches (from the last stage) and the auxiliary losses
