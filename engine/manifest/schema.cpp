@@ -4,6 +4,7 @@
 #include "engine/manifest/batches.hpp"
 
 #include "engine/manifest/run_config.hpp"
+#include "engine/text/chat_template.hpp"
 #include "engine/topology/layer_split.hpp"
 #include "engine/topology/rank_groups.hpp"
 
@@ -69,6 +70,12 @@ KeySpec s(std::string path, const std::string& dflt, std::string doc,
   KeySpec k = key(std::move(path), KeyType::String, "\"" + dflt + "\"", std::move(doc));
   k.allowed = std::move(allowed);
   return k;
+}
+// data.chat_template: "" (the tokenizer's own) or a template loom writes.
+std::vector<std::string> chat_template_values() {
+  std::vector<std::string> v{""};
+  for (const std::string& name : text::ChatTemplate::names()) v.push_back(name);
+  return v;
 }
 KeySpec sl(std::string path, std::string dflt, std::string doc) {
   return key(std::move(path), KeyType::StringList, std::move(dflt), std::move(doc));
@@ -454,8 +461,9 @@ std::vector<KeySpec> build() {
   v.push_back(s("data.chat_template", "",
                 "kind chat: how a conversation is written, \"chatml\" (<|im_start|>ROLE ... <|im_end|>: Qwen) or "
                 "\"llama3\" (<|start_header_id|>ROLE<|end_header_id|> ... <|eot_id|>); \"\" = the one data.tokenizer's "
-                "tokenizer_config.json declares (loom generate --chat writes prompts with it too)",
-                {"", "chatml", "llama3"}));
+                "directory declares (chat_template.jinja or tokenizer_config.json; loom generate --chat writes "
+                "prompts with it too)",
+                chat_template_values()));
   v.push_back(b("data.chat_packing", false,
                 "kind chat: a sample holds as many whole lines as fit in seq_length + 1 tokens, in the epoch's order "
                 "(a longer line alone, cut), as packed SFT in NeMo and TRL: less padding; with "

@@ -1,9 +1,9 @@
 // Conversations as text and tokens, for supervised fine-tuning (data.kind = "chat") and
 // chat generation (`loom generate --chat`). A chat template writes each message as a
 // turn: a header naming the role, the content, and a marker that ends the turn; the
-// model learns to write the assistant's turns, so those (after their header) are the
-// targets and everything else is context, as Megatron-LM's SFT dataset
-// (tokenize_conversation) and Hugging Face TRL's assistant-only loss count them.
+// model learns to write the assistant's turns, so those (after their header, up to the
+// end of the turn) are the targets and everything else is context, as Megatron-LM's
+// SFT dataset (tokenize_conversation) counts them.
 //
 // Two templates, written as the models' own Jinja chat templates write these messages
 // (tokenizer_config.json's chat_template, rendered by transformers'

@@ -1,15 +1,17 @@
-// Conversations for supervised fine-tuning (data.kind = "chat"), as Megatron-LM's SFT
-// dataset makes its samples: each line of a JSONL file holds {"messages": [...]}, one
-// or more conversations (a system message after the first starts another), written
-// with a chat template (engine/text/chat_template.hpp) and tokenized when the run
-// starts; every conversation ends with the end-of-document token. A line is one
-// sample: its tokens cut after seq_length + 1 or padded with the end-of-document token,
-// the targets those of the assistant's turns (the end-of-document token after a
-// conversation too, so the model learns where one ends), -1 elsewhere and on padding.
+// Conversations for supervised fine-tuning (data.kind = "chat"), after Megatron-LM's
+// SFT dataset: each line of a JSONL file holds {"messages": [...]}, one or more
+// conversations (a system message after the first starts another), written with a
+// chat template (engine/text/chat_template.hpp) and tokenized when the run starts;
+// every conversation ends with the end-of-document token (a target, so the model
+// learns where one ends). A line is one sample: its tokens cut after seq_length + 1
+// (Megatron keeps seq_length and a masked pad) or padded with the end-of-document
+// token, the targets those of the assistant's turns, -1 elsewhere and on padding.
+// Megatron keeps a line's conversations apart (its packed sequences' cu_seqlens) and
+// counts positions from each one's start; here data.reset_attention_mask and
+// reset_position_ids do that, else they attend to one another as packed documents do.
 // With packing (data.chat_packing) a sample holds as many whole lines as fit in
 // seq_length + 1 tokens, taken in the epoch's order (a longer line alone, cut), as
-// packed SFT in NeMo and TRL does: less padding; with data.reset_attention_mask the
-// conversations of a sample do not see each other.
+// packed SFT in NeMo and TRL does: less padding.
 // The last val_fraction of the lines validate; each epoch visits a split's lines in a
 // seeded shuffled order, so sample i is a pure function of (seed, split, i).
 #pragma once

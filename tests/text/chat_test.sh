@@ -32,14 +32,13 @@ fail() { echo "FAIL: $*"; fails=$((fails + 1)); }
 # tokenizer.json (their pre-tokenizers and special tokens), each with a chat template
 # as the models' tokenizer_config.json ships it: a plain ChatML one, Qwen2-Instruct's
 # (a default system message unless the first is one) and Llama-3-Instruct's.
-python3 - "$tok" "$work" <<'PY'
-import json, os, sys
+python3 - "$tok" "$work" "$src/tests/text" <<'PY'
+import json, sys
 tok, work = sys.argv[1], sys.argv[2]
-vocab = json.load(open(f"{tok}/encoder.json", encoding="utf-8"))
-merges = [l for l in open(f"{tok}/vocab.bpe", encoding="utf-8").read().split("\n")[1:] if l]
-llama3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-qwen2 = llama3.replace("\\p{N}{1,3}", "\\p{N}")
+sys.dont_write_bytecode = True  # nothing written into the source tree
+sys.path.insert(0, sys.argv[3])
+from hf_forms import LLAMA3, QWEN2, gpt2, write_with_specials
+vocab, merges = gpt2(tok)
 chatml = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 qwen2_instruct = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -51,28 +50,11 @@ llama3_instruct = ("{% set loop_messages = messages %}{% for message in loop_mes
                    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
                    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
                    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-def added(i, content):
-    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": True}
 def write(name, pattern, specials, config):
-    os.makedirs(f"{work}/{name}", exist_ok=True)
-    ids = {s: 50257 + k for k, s in enumerate(specials)}
-    j = {"version": "1.0", "truncation": None, "padding": None,
-         "added_tokens": [added(50256, "<|endoftext|>")] + [added(i, s) for s, i in ids.items()],
-         "normalizer": None,
-         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-             {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
-         "post_processor": None,
-         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                   "vocab": dict(vocab, **ids), "merges": merges}}
-    json.dump(j, open(f"{work}/{name}/tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
-    json.dump(config, open(f"{work}/{name}/tokenizer_config.json", "w"))
-write("chatml", qwen2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|endoftext|>", "chat_template": chatml})
-write("qwen2", qwen2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>", "chat_template": qwen2_instruct})
-write("llama3", llama3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+    write_with_specials(f"{work}/{name}", vocab, merges, pattern, specials, config)
+write("chatml", QWEN2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|endoftext|>", "chat_template": chatml})
+write("qwen2", QWEN2, ["<|im_start|>", "<|im_end|>"], {"eos_token": "<|im_end|>", "chat_template": qwen2_instruct})
+write("llama3", LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|eot_id|>"],
       {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": llama3_instruct})
 # Conversations: one turn and many, text around the content that Llama 3's trim

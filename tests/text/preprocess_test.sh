@@ -36,32 +36,15 @@ done
 #     strings or pairs, ignore_merges, added tokens, Qwen2's NFC normaliser), each checked
 #     against the JavaScript encoder of tests/text/hf_reference.js; the GPT-2 form also
 #     against loom's GPT-2 tokenizer, and read from a model directory.
-python3 - "$tok" "$work" <<'PY'
-import json, os, sys
+python3 - "$tok" "$work" "$src/tests/text" <<'PY'
+import sys
 tok, work = sys.argv[1], sys.argv[2]
-vocab = json.load(open(f"{tok}/encoder.json", encoding="utf-8"))
-merges = [l for l in open(f"{tok}/vocab.bpe", encoding="utf-8").read().split("\n")[1:] if l]
-llama3 = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-          "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-qwen2 = llama3.replace("\\p{N}{1,3}", "\\p{N}")
-def added(i, content):
-    return {"id": i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-            "normalized": False, "special": True}
-def split(pattern):
-    return {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
-def write(name, model, pre, extra_added=(), normalizer=None, config=None):
-    os.makedirs(f"{work}/{name}", exist_ok=True)
-    j = {"version": "1.0", "truncation": None, "padding": None,
-         "added_tokens": [added(50256, "<|endoftext|>")] + list(extra_added),
-         "normalizer": normalizer, "pre_tokenizer": pre, "post_processor": None,
-         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-         "model": dict({"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                        "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False}, **model)}
-    json.dump(j, open(f"{work}/{name}/tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
-    if config:
-        json.dump(config, open(f"{work}/{name}/tokenizer_config.json", "w"))
+sys.dont_write_bytecode = True  # nothing written into the source tree
+sys.path.insert(0, sys.argv[3])
+from hf_forms import LLAMA3 as llama3, QWEN2 as qwen2, added, gpt2, split
+import hf_forms
+vocab, merges = gpt2(tok)
+write = lambda name, *a, **k: hf_forms.write(f"{work}/{name}", *a, **k)
 write("hf_gpt2", {"vocab": vocab, "merges": merges},
       {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True})
 v3 = dict(vocab, **{"<|begin_of_text|>": 50257, "<|end_of_text|>": 50258})
