@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -43,7 +44,8 @@ const char* kUsage =
     "  --top-p P           then among the fewest whose probabilities reach P (default 1)\n"
     "  --seed S            the sampling seed (default 0)\n"
     "  --stop-token ID     end when this token is drawn (default: the end of document the model was\n"
-    "                      trained with: data.eod_token, else the tokenizer's)\n"
+    "                      trained with: data.eod_token, else the tokenizer's; with --chat the end of\n"
+    "                      the turn or of the conversation)\n"
     "  --chat              the prompt is a user's message: written with the chat template (a run's\n"
     "                      data.chat_template, else the one the tokenizer's directory declares) and the\n"
     "                      assistant's header after it; the reply alone is printed, ending at the end\n"
@@ -108,7 +110,7 @@ class Stream {
 // --chat: the prompt as a conversation's next assistant turn, and where that turn ends.
 struct ChatPrompt {
   std::vector<int32_t> ids;
-  int32_t end_of_turn = -1;
+  std::vector<int32_t> stops;  // the end of a turn, and of a conversation where known
 };
 ChatPrompt chat_prompt(const Args& args, const train::TextCodec& codec, const manifest::RunConfig& config) {
   const text::Tokenizer* tokenizer = codec.tokenizer();
@@ -125,7 +127,10 @@ ChatPrompt chat_prompt(const Args& args, const train::TextCodec& codec, const ma
   text::Conversation conversation;
   if (args.has("--system")) conversation.push_back({"system", *args.get("--system")});
   conversation.push_back({"user", *args.get("--prompt")});
-  return {chat.encode(*tokenizer, conversation, true).ids, chat.end_of_turn(*tokenizer)};
+  ChatPrompt p{chat.encode(*tokenizer, conversation, true).ids, {chat.end_of_turn(*tokenizer)}};
+  const int64_t end = config.data.eod_token >= 0 ? config.data.eod_token : chat.end_of_conversation(*tokenizer);
+  if (end >= 0) p.stops.push_back(static_cast<int32_t>(end));
+  return p;
 }
 
 std::vector<int32_t> parse_ids(const std::string& list) {
@@ -209,19 +214,24 @@ int cmd_generate(int argc, char** argv) {
                  : args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids"))
                                             : codec.encode(*args.get("--prompt"));
     const int64_t trained_eod = src.plan.config.data.eod_token;
-    const long long stop = args.get_int("--stop-token", chat                ? conversation.end_of_turn
-                                                        : trained_eod >= 0 ? trained_eod
-                                                                           : codec.eod());
-    if (stop < -1 || stop >= src.vocab)
-      throw UsageError("--stop-token " + std::to_string(stop) + " is not a token of the model's vocabulary [0, " +
-                       std::to_string(src.vocab) + ") (or -1: none)");
-    req.stop_token = static_cast<int32_t>(stop);
+    if (args.has("--stop-token") || !chat) {
+      const long long stop = args.get_int("--stop-token", trained_eod >= 0 ? trained_eod : codec.eod());
+      if (stop < -1 || stop >= src.vocab)
+        throw UsageError("--stop-token " + std::to_string(stop) + " is not a token of the model's vocabulary [0, " +
+                         std::to_string(src.vocab) + ") (or -1: none)");
+      if (stop >= 0) req.stop_tokens = {static_cast<int32_t>(stop)};
+    } else {
+      req.stop_tokens = conversation.stops;
+    }
     req.token_limit = codec.vocab();
     const bool json = args.flag("--json");
     Stream stream(codec, req.prompt, !chat);
     // A reply's end-of-turn token is where it stops, not part of it.
+    const auto stops_reply = [&](int32_t t) {
+      return chat && std::find(req.stop_tokens.begin(), req.stop_tokens.end(), t) != req.stop_tokens.end();
+    };
     if (!json) req.on_token = [&](int32_t t) {
-      if (!chat || t != req.stop_token) stream.add(t);
+      if (!stops_reply(t)) stream.add(t);
     };
     req.stop_signal = &g_stop;
     for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_generate_signal);
@@ -238,7 +248,7 @@ int cmd_generate(int argc, char** argv) {
       j["text"] = codec.has_text() ? nlohmann::ordered_json(codec.decode(res.tokens)) : nlohmann::ordered_json();
       if (chat) {
         std::vector<int32_t> reply = res.tokens;
-        if (!reply.empty() && reply.back() == req.stop_token) reply.pop_back();
+        if (!reply.empty() && stops_reply(reply.back())) reply.pop_back();
         j["reply"] = codec.decode(reply);
       }
       j["prefill_ms"] = res.prefill_ms;

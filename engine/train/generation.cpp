@@ -102,7 +102,7 @@ class RankGeneration {
         if (req.keep_logits) out.logits.push_back(logits);
         if (req.on_token) req.on_token(token);
       }
-      if (token == req.stop_token) break;
+      if (std::find(req.stop_tokens.begin(), req.stop_tokens.end(), token) != req.stop_tokens.end()) break;
       if (both[1] > 0.0f) {
         out.interrupted = true;
         break;

@@ -42,7 +42,7 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;   // at least one token
   int64_t max_new_tokens = 64;   // fewer when the model's seq_len is reached first
   Sampling sampling;
-  int32_t stop_token = -1;       // ends generation (and is kept) when drawn; -1: none
+  std::vector<int32_t> stop_tokens;  // any ends generation (and is kept) when drawn
   // Tokens at or above it are never drawn: a tokenizer's vocabulary below the model's
   // (padded to a multiple, e.g. 50304 for GPT-2's 50257). 0: the model's vocabulary.
   int64_t token_limit = 0;
