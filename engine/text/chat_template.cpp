@@ -150,15 +150,34 @@ std::string ChatTemplate::turn(const ChatMessage& message, bool first) const {
   return (first ? begin_ : "") + header(message.role) + content(message.content) + turn_end_ + after_turn_;
 }
 
-std::string ChatTemplate::render(const Conversation& conversation, bool generation_prompt) const {
+ChatTemplate ChatTemplate::with_default_system(std::string message) const {
+  ChatTemplate t = *this;
+  t.default_system_ = std::move(message);
+  return t;
+}
+
+std::string ChatTemplate::describe() const {
+  return default_system_.empty() ? name_ : name_ + " (a default system message: \"" + default_system_ + "\")";
+}
+
+Conversation ChatTemplate::with_default(const Conversation& conversation) const {
+  if (default_system_.empty() || conversation.empty() || conversation.front().role == "system") return conversation;
+  Conversation out{{"system", default_system_}};
+  out.insert(out.end(), conversation.begin(), conversation.end());
+  return out;
+}
+
+std::string ChatTemplate::render(const Conversation& given, bool generation_prompt) const {
+  const Conversation conversation = with_default(given);
   std::string text;
   for (size_t i = 0; i < conversation.size(); ++i) text += turn(conversation[i], i == 0);
   if (generation_prompt) text += (conversation.empty() ? begin_ : "") + header("assistant");
   return text;
 }
 
-ChatTokens ChatTemplate::encode(const Tokenizer& tokenizer, const Conversation& conversation,
+ChatTokens ChatTemplate::encode(const Tokenizer& tokenizer, const Conversation& given,
                                 bool generation_prompt) const {
+  const Conversation conversation = with_default(given);
   ChatTokens out;
   auto append = [&out](const std::vector<int32_t>& ids, size_t context) {
     out.ids.insert(out.ids.end(), ids.begin(), ids.end());
@@ -266,6 +285,23 @@ std::string declared_chat_template(const std::string& tokenizer_path) {
                        "); name one if the model was trained with it");
 }
 
+std::string default_system_message(const std::string& jinja) {
+  const std::string head = "<|im_start|>system\\n";  // as the Jinja source spells it: a backslash, n
+  for (size_t at = jinja.find(head); at != std::string::npos; at = jinja.find(head, at + 1)) {
+    const size_t from = at + head.size(), end = jinja.find("<|im_end|>", from);
+    if (end == std::string::npos) break;
+    const std::string message = jinja.substr(from, end - from);
+    // Text alone: not the end of a quoted string joined to an expression.
+    if (message.empty() || message.find_first_of("'\"{}%+") != std::string::npos) continue;
+    std::string text;
+    for (size_t i = 0; i < message.size(); ++i)
+      if (message[i] == '\\' && i + 1 < message.size() && message[i + 1] == 'n') text += '\n', ++i;
+      else text += message[i];
+    return text;
+  }
+  return "";
+}
+
 ChatTemplate resolve_chat_template(const std::string& name, const std::string& tokenizer_path,
                                    const std::string& how_to_name) {
   if (!name.empty()) return ChatTemplate::named(name);
@@ -274,7 +310,9 @@ ChatTemplate resolve_chat_template(const std::string& name, const std::string& t
     throw TokenizerError("no chat template: the tokenizer (" + (tokenizer_path.empty() ? "none" : tokenizer_path) +
                          ") declares none (chat_template.jinja, or tokenizer_config.json's chat_template); " +
                          how_to_name);
-  return ChatTemplate::named(declared);
+  const ChatTemplate t = ChatTemplate::named(declared);
+  return declared == "chatml" ? t.with_default_system(default_system_message(declared_chat_template_text(tokenizer_path)))
+                              : t;
 }
 
 Conversation conversation_from_json(const nlohmann::json& json) {

@@ -11,8 +11,10 @@
 //   chatml   "<|im_start|>ROLE\nCONTENT<|im_end|>\n" per turn (Qwen 1.5 to 3, and others)
 //   llama3   "<|begin_of_text|>" then "<|start_header_id|>ROLE<|end_header_id|>\n\n"
 //            CONTENT (whitespace trimmed) "<|eot_id|>" per turn (Llama 3, 3.1, 3.2, 3.3)
-// What those templates add on their own is not written: a default system message
-// (Qwen2's "You are a helpful assistant.", Llama 3.1's knowledge cutoff), tools, and
+// A ChatML template a directory declares may add a default system message when the
+// first is not one (Qwen2's "You are a helpful assistant.", Qwen2.5's "You are Qwen,
+// ..."): that message is read from its Jinja text and written alike. What else those
+// templates add is not written: Llama 3.1's knowledge-cutoff system lines, tools,
 // Qwen3's thinking sections; give a system message in the conversation instead.
 #pragma once
 
@@ -46,6 +48,11 @@ class ChatTemplate {
   static const std::vector<std::string>& names();
 
   const std::string& name() const { return name_; }
+  // The template with a system message written first when a conversation starts with
+  // another role (a declared template's default); "" = none.
+  ChatTemplate with_default_system(std::string message) const;
+  // "chatml", or with its default system message.
+  std::string describe() const;
   // The Jinja chat template that renders as this one does, for a tokenizer_config.json
   // (Llama-3-Instruct's own for llama3, the plain ChatML one for chatml).
   std::string jinja() const;
@@ -72,6 +79,7 @@ class ChatTemplate {
   std::string header(const std::string& role) const;
   std::string content(const std::string& text) const;
   std::string turn(const ChatMessage& message, bool first) const;
+  Conversation with_default(const Conversation& conversation) const;
 
   std::string name_;
   std::string begin_;        // before the first turn
@@ -81,6 +89,7 @@ class ChatTemplate {
   std::string after_turn_;   // what follows it
   std::string end_of_text_;  // the family's token that ends a document
   bool trim_content_ = false;
+  std::string default_system_;
 };
 
 // The Jinja chat template a tokenizer's directory declares, as transformers looks for
@@ -94,7 +103,12 @@ std::string declared_chat_template_text(const std::string& tokenizer_path);
 // template loom does not write.
 std::string declared_chat_template(const std::string& tokenizer_path);
 
-// `name`, else the template the tokenizer at `tokenizer_path` declares. Throws
+// The system message a ChatML Jinja template writes when the conversation has none:
+// the text of its "<|im_start|>system\n...<|im_end|>" literal; "" when it has none.
+std::string default_system_message(const std::string& jinja);
+
+// `name`, else the template the tokenizer at `tokenizer_path` declares (with its
+// default system message). Throws
 // TokenizerError for an unknown name, a declared template loom does not write, or none
 // at all (the message ends with `how_to_name`, e.g. "set data.chat_template").
 ChatTemplate resolve_chat_template(const std::string& name, const std::string& tokenizer_path,

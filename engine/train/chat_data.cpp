@@ -258,7 +258,7 @@ std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64
   const int64_t model_vocab = vocab > 0 ? vocab : tokenizer->vocab_size();
   return std::make_unique<ChatSource>(
       std::move(lines), model_vocab, config.data.val_fraction, static_cast<uint64_t>(config.run.seed), eod,
-      path + " (chat template " + chat.name() + ")",
+      path + " (chat template " + chat.describe() + ")",
       ChatLayout{config.data.chat_packing, config.data.reset_attention_mask, unanswered, std::move(tokenizer)});
 }
 

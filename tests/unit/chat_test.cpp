@@ -405,6 +405,29 @@ TEST(ChatTemplate, TheTemplateADirectoryDeclares) {
                            "'<|im_end|>'}}{% endfor %}";
   EXPECT_NE(declared({{"chat_template", phi4}}).find("<|im_sep|>"), std::string::npos) << declared({{"chat_template", phi4}});
   EXPECT_NE(declared({{"chat_template", "{{ messages[0]['content'] }}"}}).find("markers: none"), std::string::npos);
+  // A declared ChatML template's default system message, written where a conversation
+  // starts with another role (Qwen2's; Qwen2.5's after a system branch of its own).
+  const std::string qwen2 = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                            "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+                            "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+                            "'\\n'}}{% endfor %}";
+  EXPECT_EQ(loom::text::default_system_message(qwen2), "You are a helpful assistant.");
+  EXPECT_EQ(loom::text::default_system_message("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+                                               "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- "
+                                               "'<|im_start|>system\\nYou are Q.\\nBe brief.<|im_end|>\\n' }}"),
+            "You are Q.\nBe brief.");
+  EXPECT_EQ(loom::text::default_system_message(chatml), "");
+  {
+    const std::string d = write_tokenizer(dir + "/q", {"<|im_start|>", "<|im_end|>"}, {{"chat_template", qwen2}});
+    const loom::text::ChatTemplate t = loom::text::resolve_chat_template("", d, "");
+    EXPECT_EQ(t.render({{"user", "hi"}}, false),
+              "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+    EXPECT_EQ(t.render({{"system", "S"}, {"user", "hi"}}, false),
+              "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+    EXPECT_EQ(loom::text::resolve_chat_template("chatml", d, "").render({{"user", "hi"}}, false),
+              "<|im_start|>user\nhi<|im_end|>\n")
+        << "a template named by the run is loom's own, without the directory's default";
+  }
   // A conversation given as the list alone reads as {"messages": list}.
   const nlohmann::json list = nlohmann::json::parse(R"([{"role": "user", "content": "a"}])");
   EXPECT_EQ(loom::text::conversation_from_json(list).size(), 1u);
