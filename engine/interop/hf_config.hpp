@@ -17,6 +17,17 @@ struct HfConfigDefaults {
   int64_t head_dim = 0;              // 0: hidden_size / num_attention_heads
   nlohmann::json sliding_window;     // where the config turns one on without a size; null: none
   bool tie_word_embeddings = false;
+  // Mixture of experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3); 0 where
+  // the config class has no default (the key is then required).
+  int64_t experts = 0;            // num_local_experts, num_experts or n_routed_experts
+  int64_t experts_per_token = 0;  // num_experts_per_tok
+  int64_t expert_ffn = 0;         // moe_intermediate_size
+  int64_t shared_experts = 0;     // n_shared_experts (DeepSeek: experts of expert_ffn)
+  int64_t shared_expert_ffn = 0;  // shared_expert_intermediate_size (Qwen2-MoE)
+  int64_t expert_groups = 0;      // n_group (DeepSeek-V3)
+  int64_t group_topk = 0;         // topk_group
+  double routed_scaling = 1.0;    // routed_scaling_factor
+  int64_t dense_ffn = 0;          // intermediate_size of DeepSeek's dense layers
 };
 // Throws std::runtime_error for a model_type loom does not map.
 HfConfigDefaults hf_config_defaults(const std::string& model_type);

@@ -210,37 +210,39 @@ int64_t sliding_window(const Config& c, const std::string& type, const HfConfigD
 }
 
 void moe_options(const Config& c, const nlohmann::json& json, const std::string& type, Section& moe) {
+  const HfConfigDefaults d = hf_config_defaults(type);
   moe.text("norm", "rmsnorm");
   moe.text("activation", "swiglu");
   moe.flag("bias", false);
   if (type == "mixtral") {
-    moe.integer("num_experts", c.integer_or("num_local_experts", 8));
-    moe.integer("top_k", c.integer_or("num_experts_per_tok", 2));
+    moe.integer("num_experts", c.integer_or("num_local_experts", d.experts));
+    moe.integer("top_k", c.integer_or("num_experts_per_tok", d.experts_per_token));
     moe.real("aux_loss_coeff", c.number_or("router_aux_loss_coef", 0.001));
     return;
   }
   if (type == "qwen2_moe" || type == "qwen3_moe") {
-    moe.integer("num_experts", c.integer_or("num_experts", type == "qwen2_moe" ? 60 : 128));
-    moe.integer("top_k", c.integer_or("num_experts_per_tok", type == "qwen2_moe" ? 4 : 8));
-    moe.integer("ffn_hidden_size", c.integer_or("moe_intermediate_size", type == "qwen2_moe" ? 1408 : 768));
+    moe.integer("num_experts", c.integer_or("num_experts", d.experts));
+    moe.integer("top_k", c.integer_or("num_experts_per_tok", d.experts_per_token));
+    moe.integer("ffn_hidden_size", c.integer_or("moe_intermediate_size", d.expert_ffn));
     moe.flag("pre_softmax", !c.flag_or("norm_topk_prob", false));
     moe.real("aux_loss_coeff", c.number_or("router_aux_loss_coef", 0.001));
     if (type == "qwen2_moe") {
-      moe.integer("shared_expert_ffn_hidden_size", c.integer_or("shared_expert_intermediate_size", 5632));
+      moe.integer("shared_expert_ffn_hidden_size", c.integer_or("shared_expert_intermediate_size", d.shared_expert_ffn));
       moe.flag("shared_expert_gate", true);
     }
     return;
   }
   const bool v2 = type == "deepseek_v2";
-  const int64_t expert_ffn = c.integer_or("moe_intermediate_size", v2 ? 1407 : 2048);
-  moe.integer("num_experts", c.integer_or("n_routed_experts", v2 ? 64 : 256));
-  if (!c.has("num_experts_per_tok") && v2) c.fail("has no num_experts_per_tok (DeepseekV2Config has no default)");
-  moe.integer("top_k", c.integer_or("num_experts_per_tok", 8));
+  const int64_t expert_ffn = c.integer_or("moe_intermediate_size", d.expert_ffn);
+  moe.integer("num_experts", c.integer_or("n_routed_experts", d.experts));
+  if (!c.has("num_experts_per_tok") && d.experts_per_token == 0)
+    c.fail("has no num_experts_per_tok (DeepseekV2Config has no default)");
+  moe.integer("top_k", c.integer_or("num_experts_per_tok", d.experts_per_token));
   moe.integer("ffn_hidden_size", expert_ffn);
   if (json.contains("n_shared_experts") && json["n_shared_experts"].is_null())
     c.fail("n_shared_experts = null: DeepSeek's MoE layers without shared experts are not mapped");
-  moe.integer("shared_expert_ffn_hidden_size", c.integer_or("n_shared_experts", v2 ? 2 : 1) * expert_ffn);
-  moe.real("topk_scaling_factor", c.number_or("routed_scaling_factor", v2 ? 1.0 : 2.5));
+  moe.integer("shared_expert_ffn_hidden_size", c.integer_or("n_shared_experts", d.shared_experts) * expert_ffn);
+  moe.real("topk_scaling_factor", c.number_or("routed_scaling_factor", d.routed_scaling));
   moe.real("aux_loss_coeff", 0.0);  // DeepSeek's balance is the expert bias (V3) or its own losses
   const std::string method = c.text_or("topk_method", v2 ? "greedy" : "noaux_tc");
   const std::string scoring = c.text_or("scoring_func", v2 ? "softmax" : "sigmoid");
@@ -260,8 +262,8 @@ void moe_options(const Config& c, const nlohmann::json& json, const std::string&
     return;
   }
   moe.text("score_function", "sigmoid");
-  moe.integer("num_groups", c.integer_or("n_group", 8));
-  moe.integer("group_topk", c.integer_or("topk_group", 4));
+  moe.integer("num_groups", c.integer_or("n_group", d.expert_groups));
+  moe.integer("group_topk", c.integer_or("topk_group", d.group_topk));
   moe.flag("expert_bias", true);
 }
 
@@ -307,6 +309,15 @@ HfConfigDefaults hf_config_defaults(const std::string& type) {
   if (type == "qwen3_moe") d.kv_heads = 4;
   if (type == "mistral" || type == "qwen2" || type == "qwen2_moe" || type == "qwen3" || type == "qwen3_moe")
     d.sliding_window = 4096;
+  // MixtralConfig's, Qwen2MoeConfig's, Qwen3MoeConfig's, DeepseekV2Config's, DeepseekV3Config's.
+  if (type == "mixtral") d.experts = 8, d.experts_per_token = 2;
+  if (type == "qwen2_moe") d.experts = 60, d.experts_per_token = 4, d.expert_ffn = 1408, d.shared_expert_ffn = 5632;
+  if (type == "qwen3_moe") d.experts = 128, d.experts_per_token = 8, d.expert_ffn = 768;
+  if (type == "deepseek_v2") d.experts = 64, d.expert_ffn = 1407, d.shared_experts = 2, d.dense_ffn = 11008;
+  if (type == "deepseek_v3") {
+    d.experts = 256, d.experts_per_token = 8, d.expert_ffn = 2048, d.shared_experts = 1, d.dense_ffn = 18432;
+    d.expert_groups = 8, d.group_topk = 4, d.routed_scaling = 2.5;
+  }
   return d;
 }
 
@@ -359,8 +370,9 @@ std::string manifest_for_hf(const std::string& dir, int64_t seq_length) {
   model.integer("num_heads", heads);
   model.integer("num_layers", layers);
   // The dense MLPs' width (Mixtral's experts' too, whose option then defaults to it).
-  model.integer("ffn_hidden_size", gpt2 ? (c.has("n_inner") ? c.integer("n_inner") : 4 * hidden)
-                                        : c.integer("intermediate_size"));
+  model.integer("ffn_hidden_size", gpt2               ? (c.has("n_inner") ? c.integer("n_inner") : 4 * hidden)
+                                   : d.dense_ffn > 0 ? c.integer_or("intermediate_size", d.dense_ffn)
+                                                     : c.integer("intermediate_size"));
   model.integer("seq_length", seq);
   model.integer("vocab_size", c.integer("vocab_size"));
   model.flag("tie_embeddings", c.flag_or("tie_word_embeddings", d.tie_word_embeddings));

@@ -1336,19 +1336,21 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
     throw std::runtime_error(where + ": moe_layer_freq = " + c["moe_layer_freq"].dump() +
                              " leaves MoE layers dense, which transformers' DeepseekV2 and V3 do not (every layer "
                              "from first_k_dense_replace on is MoE)");
-  if (want > 0) value("intermediate_size", dense_ffn, v2 ? 11008 : 18432);
+  const HfConfigDefaults d = hf_config_defaults(v2 ? "deepseek_v2" : "deepseek_v3");
+  const auto or_null = [](int64_t v) { return v > 0 ? nlohmann::json(v) : nlohmann::json(); };
+  if (want > 0) value("intermediate_size", dense_ffn, d.dense_ffn);
   if (!s.moe) return;
   // null builds no shared experts (DeepseekV2Moe), unlike an absent key (the default).
   if (c.contains("n_shared_experts") && c["n_shared_experts"].is_null())
     throw std::runtime_error(where + ": n_shared_experts = null has no shared experts; the model's MoE layers have " +
                              std::to_string(s.shared_ffn / s.expert_ffn));
   if (c.contains("scoring_func")) value("scoring_func", v2 ? "softmax" : "sigmoid", v2 ? "softmax" : "sigmoid");
-  if (v2) {  // DeepseekV2Config's defaults; its router reads neither norm_topk_prob nor a bias
-    value("n_routed_experts", s.experts, 64);
-    value("num_experts_per_tok", s.top_k, nullptr);
-    value("moe_intermediate_size", s.expert_ffn, 1407);
-    value("n_shared_experts", s.shared_ffn / s.expert_ffn, 2);
-    value("routed_scaling_factor", s.routed_scaling, 1.0);
+  value("n_routed_experts", s.experts, d.experts);
+  value("num_experts_per_tok", s.top_k, or_null(d.experts_per_token));
+  value("moe_intermediate_size", s.expert_ffn, d.expert_ffn);
+  value("n_shared_experts", s.shared_ffn / s.expert_ffn, d.shared_experts);
+  value("routed_scaling_factor", s.routed_scaling, d.routed_scaling);
+  if (v2) {  // DeepseekV2Config's router reads neither norm_topk_prob nor a bias
     value("topk_method", s.limits_groups() ? "group_limited_greedy" : "greedy", "greedy");
     if (s.limits_groups()) {
       value("n_group", s.groups_of_experts, nullptr);
@@ -1359,14 +1361,9 @@ void require_deepseek_config(const nlohmann::json& c, const Shape& s, int64_t de
   }
   // (scoring_func above, and topk_method: the DeepSeek-V3 repository's keys)
   if (c.contains("topk_method")) value("topk_method", "noaux_tc", "noaux_tc");
-  value("n_routed_experts", s.experts, 256);
-  value("num_experts_per_tok", s.top_k, 8);
-  value("moe_intermediate_size", s.expert_ffn, 2048);
-  value("n_shared_experts", s.shared_ffn / s.expert_ffn, 1);
-  value("n_group", s.limits_groups() ? s.groups_of_experts : 1, 8);
-  value("topk_group", s.limits_groups() ? s.group_topk : 1, 4);
+  value("n_group", s.limits_groups() ? s.groups_of_experts : 1, d.expert_groups);
+  value("topk_group", s.limits_groups() ? s.group_topk : 1, d.group_topk);
   value("norm_topk_prob", s.top_k > 1, true);
-  value("routed_scaling_factor", s.routed_scaling, 2.5);
 }
 
 // Qwen3-MoE's dense layers against the model's: transformers' Qwen3MoeDecoderLayer has
@@ -1623,7 +1620,7 @@ train::InitialWeights read_hf(const std::string& dir, const train::RunPlan& plan
         require_qwen_sparse_layers(c, s, F, where);
       }
       if (s.qkv_bias) {  // Qwen2MoeConfig's
-        require_value("shared_expert_intermediate_size", s.shared_ffn, 5632);
+        require_value("shared_expert_intermediate_size", s.shared_ffn, hf_config_defaults("qwen2_moe").shared_expert_ffn);
         require_value("qkv_bias", true, true);
       }
     }
