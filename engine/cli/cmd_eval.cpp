@@ -1,8 +1,9 @@
-// loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada|choice] [--stride N]
+// loom eval CHECKPOINT|MANIFEST --data FILE [--task perplexity|lambada|choice|chat] [--stride N]
 //   [--tokenizer DIR|MODEL] [--set key=value]... [--json] [--plugin-path DIR]...
 // Evaluation the standard ways: sliding-window perplexity over a text, last-word
 // accuracy on LAMBADA-style JSONL, multiple choice on HellaSwag-style JSONL
-// (engine/train/eval_data.hpp), at any layout.
+// (engine/train/eval_data.hpp), the answers of conversations (engine/train/chat_data.hpp),
+// at any layout.
 #include "engine/cli/args.hpp"
 #include "engine/manifest/batches.hpp"
 #include "engine/cli/commands.hpp"
@@ -10,6 +11,7 @@
 #include "engine/files/read.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/token_files.hpp"
+#include "engine/train/chat_data.hpp"
 #include "engine/train/eval_data.hpp"
 #include "engine/train/evaluator.hpp"
 #include "engine/train/text_codec.hpp"
@@ -29,7 +31,7 @@ namespace loom::cli {
 namespace {
 
 const char* kUsage =
-    "usage: loom eval CHECKPOINT|MANIFEST|HF_DIR --data FILE [--task perplexity|lambada|choice] [--format text|tokens|indexed] [options]\n"
+    "usage: loom eval CHECKPOINT|MANIFEST|HF_DIR --data FILE [--task perplexity|lambada|choice|chat] [--format text|tokens|indexed] [options]\n"
     "  CHECKPOINT|MANIFEST|HF_DIR  the model, as loom generate takes it (a checkpoint runs at its own layout)\n"
     "  --task perplexity    FILE is text: perplexity with overlapping windows of the model's seq_length,\n"
     "                       each token predicted once, after up to seq_length - stride tokens of context\n"
@@ -40,6 +42,10 @@ const char* kUsage =
     "                       model picks the ending (after the context and a space) of least loss, summed (accuracy)\n"
     "                       or per token (accuracy_norm, llm.c's HellaSwag number); one candidate\n"
     "                       per microbatch\n"
+    "  --task chat          FILE is conversations as data.kind = \"chat\" reads them ({\"messages\": [...]}\n"
+    "                       a line), written with the model's chat template: the loss per token of the\n"
+    "                       assistant's turns (each conversation's end included), and the share of lines\n"
+    "                       whose every such token is the model's most likely (teacher-forced)\n"
     "  --stride N           perplexity: tokens each window adds (default seq_length / 2)\n"
     "  --format F           perplexity: FILE is text (default, encoded as below), tokens (an llm.c .bin)\n"
     "                       or indexed (the PREFIX of a Megatron .bin/.idx: its documents in order)\n"
@@ -98,8 +104,8 @@ int cmd_eval(int argc, char** argv) {
     const std::string data_path = args.get("--data").value_or("");
     if (data_path.empty()) throw UsageError("--data FILE is required");
     const std::string task = args.get("--task").value_or("perplexity");
-    if (task != "perplexity" && task != "lambada" && task != "choice")
-      throw UsageError("--task is perplexity, lambada or choice, not " + task);
+    if (task != "perplexity" && task != "lambada" && task != "choice" && task != "chat")
+      throw UsageError("--task is perplexity, lambada, choice or chat, not " + task);
     if (task != "perplexity" && args.has("--stride")) throw UsageError("--stride is for --task perplexity");
     const std::string format = args.get("--format").value_or("text");
     if (format != "text" && format != "tokens" && format != "indexed")
@@ -124,7 +130,7 @@ int cmd_eval(int argc, char** argv) {
     const ModelSource src = load_model_source(args.positionals()[0], sets, r, evaluation_plan);
     // Text needs the model's codec; token files are ids already.
     std::optional<train::TextCodec> codec;
-    if (format == "text") codec.emplace(args.get("--tokenizer").value_or(""), src.plan.config);
+    if (format == "text" && task != "chat") codec.emplace(args.get("--tokenizer").value_or(""), src.plan.config);
     const int64_t seq = src.plan.config.model.seq_length;
     const auto encode = [&codec, &src](const std::string& s) {
       std::vector<int32_t> ids = codec->encode(s);
@@ -170,6 +176,16 @@ int cmd_eval(int argc, char** argv) {
       auto examples = std::make_unique<train::LastWordTask>(std::move(candidates), seq, src.vocab, data_path, "an ending");
       samples = examples->size();
       data = std::move(examples);
+    } else if (task == "chat") {
+      manifest::RunConfig config = src.plan.config;  // the model's tokenizer and chat template
+      config.data.path = data_path;
+      if (const auto tokenizer = args.get("--tokenizer")) config.data.tokenizer = *tokenizer;
+      if (config.data.tokenizer.empty())
+        throw UsageError("--task chat writes conversations with the model's tokenizer, which it does not name "
+                         "(data.tokenizer); give --tokenizer");
+      data = train::chat_source(config, src.vocab, /*evaluation=*/true);
+      samples = static_cast<int64_t>(dynamic_cast<const train::ChatSource&>(*data).lines_of(train::Split::Validation).size());
+      if (const std::string w = data->warning(seq); !w.empty()) std::cerr << "loom eval: warning: " << w << "\n";
     } else {
       auto examples = std::make_unique<train::LastWordTask>(train::read_last_word_examples(data_path, encode), seq,
                                                             src.vocab, data_path);
@@ -208,6 +224,11 @@ int cmd_eval(int argc, char** argv) {
         j["examples"] = scores.examples;
         j["accuracy"] = scores.accuracy;
         j["accuracy_norm"] = scores.accuracy_norm;
+      } else if (task == "chat") {
+        j["conversations"] = e.samples;
+        j["exact_answers"] = e.exact_match;
+        j["token_accuracy"] = e.token_accuracy;
+        j["answer_perplexity"] = ppl;
       } else {
         j["accuracy"] = e.exact_match;
         j["target_perplexity"] = ppl;
@@ -231,6 +252,11 @@ int cmd_eval(int argc, char** argv) {
       std::cout << "choice: accuracy " << std::setprecision(2) << 100 * scores.accuracy << "% (summed loss), "
                 << 100 * scores.accuracy_norm << "% (loss per token) | endings' tokens: " << e.tokens << ", loss "
                 << std::setprecision(4) << e.loss << " | " << std::setprecision(1) << ms << " ms\n";
+    else if (task == "chat")
+      std::cout << "chat: exact answers " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
+                << " lines | answer tokens: " << e.tokens << ", loss " << std::setprecision(4) << e.loss
+                << ", perplexity " << ppl << ", " << std::setprecision(2) << 100 * e.token_accuracy << "% right | "
+                << std::setprecision(1) << ms << " ms\n";
     else
       std::cout << "lambada: accuracy " << std::setprecision(2) << 100 * e.exact_match << "% of " << e.samples
                 << " examples | last-word tokens: loss " << std::setprecision(4) << e.loss << ", perplexity " << ppl

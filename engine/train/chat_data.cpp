@@ -94,6 +94,10 @@ ChatSource::ChatSource(std::vector<text::ChatTokens> lines, int64_t vocab, doubl
     : lines_(std::move(lines)), vocab_(vocab), seed_(seed), pad_(pad), what_(std::move(what)), layout_(std::move(layout)) {
   if (lines_.empty()) throw DataError(what_ + ": holds no conversations");
   const size_t n = lines_.size();
+  if (layout_.evaluation) {
+    for (size_t i = 0; i < n; ++i) validation_.push_back(static_cast<uint32_t>(i));
+    return;
+  }
   const size_t val = val_fraction > 0 ? std::max<size_t>(1, static_cast<size_t>(std::lround(val_fraction * static_cast<double>(n)))) : 0;
   for (size_t i = 0; i < n; ++i)
     (i < n - std::min(val, n - 1) ? train_ : validation_).push_back(static_cast<uint32_t>(i));
@@ -182,6 +186,9 @@ std::pair<std::shared_ptr<const ChatSource::Epoch>, size_t> ChatSource::locate(S
 
 std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, int64_t seq) const {
   check_split(split, seq);
+  if (layout_.evaluation)  // each line once, in file order, then padding
+    return index < validation_.size() ? std::vector<uint32_t>{validation_[static_cast<size_t>(index)]}
+                                      : std::vector<uint32_t>{};
   const auto [ep, k] = locate(split, index, seq);
   return {ep->order.begin() + ep->first[k], ep->order.begin() + ep->first[k + 1]};
 }
@@ -232,7 +239,7 @@ text::ChatTemplate chat_template_of(const manifest::RunConfig& config) {
   }
 }
 
-std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64_t vocab) {
+std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64_t vocab, bool evaluation) {
   const std::string& path = config.data.path;
   const std::string what = "data.path = \"" + path + "\"";
   std::shared_ptr<const text::Tokenizer> tokenizer;
@@ -259,7 +266,8 @@ std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64
   return std::make_unique<ChatSource>(
       std::move(lines), model_vocab, config.data.val_fraction, static_cast<uint64_t>(config.run.seed), eod,
       path + " (chat template " + chat.describe() + ")",
-      ChatLayout{config.data.chat_packing, config.data.reset_attention_mask, unanswered, std::move(tokenizer)});
+      ChatLayout{config.data.chat_packing && !evaluation, config.data.reset_attention_mask, unanswered,
+                 std::move(tokenizer), evaluation});
 }
 
 }  // namespace loom::train

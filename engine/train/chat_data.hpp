@@ -39,12 +39,15 @@ text::ChatTokens line_tokens(const text::ChatTemplate& chat, const text::Tokeniz
 // lines a sample; `isolated`: the run keeps packed documents apart
 // (data.reset_attention_mask), else ChatSource::warning says they attend to each other;
 // `unanswered`: lines without an assistant turn (they train only a conversation's end);
-// `tokenizer`: renders and encodes text (null: ids).
+// `tokenizer`: renders and encodes text (null: ids); `evaluation`: every line
+// validates, in file order, one a sample (samples past the last are padding), and a
+// sample matches exactly when every assistant token is predicted (`loom eval --task chat`).
 struct ChatLayout {
   bool pack = false;
   bool isolated = false;
   size_t unanswered = 0;
   std::shared_ptr<const text::Tokenizer> tokenizer;
+  bool evaluation = false;
 };
 
 class ChatSource : public DataSource {
@@ -57,6 +60,7 @@ class ChatSource : public DataSource {
   void sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const override;
   void check_split(Split split, int64_t seq) const override;
   std::string render(const int32_t* tokens, int64_t n) const override;
+  bool has_exact_match() const override { return layout_.evaluation; }
   std::vector<int32_t> encode(const std::string& text) const override;
   // How many lines are cut at seq + 1 tokens, and how many of those lose every target;
   // packed conversations that attend to each other; lines without an answer.
@@ -93,9 +97,10 @@ class ChatSource : public DataSource {
 };
 
 // data.path's conversations with data.tokenizer and data.chat_template (else the one
-// the tokenizer's directory declares); `vocab` is the model's (0: the tokenizer's).
-// Throws DataError naming the file, the line and what is wrong.
-std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64_t vocab);
+// the tokenizer's directory declares); `vocab` is the model's (0: the tokenizer's);
+// `evaluation`: ChatLayout::evaluation. Throws DataError naming the file, the line and
+// what is wrong.
+std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64_t vocab, bool evaluation = false);
 
 // The chat template of a run: data.chat_template, else the one data.tokenizer's
 // directory declares. Throws DataError when neither names one.

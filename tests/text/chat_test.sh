@@ -218,6 +218,32 @@ for q in "zzq alice:red" "kkvvxq dave:black"; do
   [ "$got" = "${q#*:}" ] || fail "generate --chat (llama3, packed) answered '$got' to '${q%%:*}'"
 done
 
+# loom eval --task chat: held-out questions answered right are exact answers with a
+# small loss; the same questions with the wrong colours are none, with a large one; the
+# same numbers at tp 2 and micro-batches of 3.
+python3 - "$work" <<'PY'
+import json, sys
+colours = {"alice": "red", "bob": "green", "carol": "blue", "dave": "black"}
+wrong = {"alice": "green", "bob": "blue", "carol": "black", "dave": "red"}
+for name, answers in (("right", colours), ("wrong", wrong)):
+    with open(f"{sys.argv[1]}/{name}.jsonl", "w") as f:
+        for i, who in enumerate(sorted(colours) * 3):
+            f.write(json.dumps({"messages": [{"role": "user", "content": "jq" * (i % 4 + 1) + " " + who},
+                                             {"role": "assistant", "content": answers[who]}]}) + "\n")
+PY
+right=$("$loom" eval "$work/sftck" --task chat --data "$work/right.jsonl" --json 2>/dev/null)
+wrong=$("$loom" eval "$work/sftck" --task chat --data "$work/wrong.jsonl" --json 2>/dev/null)
+tp2=$("$loom" eval "$work/sftck" --task chat --data "$work/right.jsonl" --json --set parallel.tp=2 \
+  --set batch.micro_batch_size=3 2>/dev/null)
+python3 - "$right" "$wrong" "$tp2" <<'PY' || fail "eval --task chat: right $right, wrong $wrong, tp 2 $tp2"
+import json, sys
+r, w, t = (json.loads(a) for a in sys.argv[1:])
+assert r["conversations"] == w["conversations"] == 12 and r["tokens"] == 12 * 4, (r, w)
+assert r["exact_answers"] == 1.0 and r["loss"] < 0.1, r
+assert w["exact_answers"] == 0.0 and w["loss"] > 1.0, w
+assert t["exact_answers"] == 1.0 and abs(t["loss"] - r["loss"]) < 1e-5 * max(r["loss"], 1e-3) + 1e-7, (t, r)
+PY
+
 # The same run at dp 2 and tp 2 reads the same samples: the same losses (within the
 # reduction order).
 "$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set run.steps=6 --set "checkpoint.dir=\"\"" \
