@@ -65,7 +65,8 @@ const char* kTokenizeUsage =
     "With --chat, each line is a conversation as data.kind = \"chat\" reads it ({\"messages\":\n"
     "[{\"role\", \"content\"}, ...]}): printed as the chat template writes it (the tokenizer's\n"
     "own unless named), each followed by a blank line, or with --json as {\"text\", \"tokens\",\n"
-    "\"targets\"}: the tokens training takes (a system message after the first starts another\n"
+    "\"targets\"}: the text as the template writes the messages, and the tokens training takes\n"
+    "(a system message after the first starts another\n"
     "conversation; each ends with the end-of-document token) and 1 where it counts the token\n"
     "(the assistant's turns after their header, and each end of a conversation); with\n"
     "--generation-prompt the tokens a reply follows.\n";
@@ -268,8 +269,11 @@ int tokenize_chat(const Args& args, const text::Tokenizer& tok, const std::strin
     // The tokens training takes from the line (each conversation ended), or with the
     // generation prompt those a reply would follow.
     const int32_t eod = chat.end_of_conversation(tok);
-    const text::ChatTokens t = prompt || eod < 0 ? chat.encode(tok, conversation, prompt)
-                                                 : train::line_tokens(chat, tok, conversation, eod);
+    if (!prompt && eod < 0)
+      throw std::runtime_error(tok.describe() + " has no token to end a conversation that chat template " +
+                               chat.name() + " does not write inside one; training names it with data.eod_token");
+    const text::ChatTokens t =
+        prompt ? chat.encode(tok, conversation, true) : train::line_tokens(chat, tok, conversation, eod);
     std::cout << runtime::dump_json({{"text", rendered}, {"tokens", t.ids}, {"targets", t.target}}) << "\n";
   }
   return 0;

@@ -937,7 +937,8 @@ std::vector<std::pair<std::string, std::string>> tokenizer_files(const std::stri
 // tokenizer) and added_tokens.json take precedence over the ones an export writes.
 constexpr const char* kTokenizerFileNames[] = {"vocab.json",     "merges.txt",  "tokenizer.model",
                                                "tokenizer.json", "added_tokens.json",
-                                               "tokenizer_config.json", "special_tokens_map.json"};
+                                               "tokenizer_config.json", "special_tokens_map.json",
+                                               "chat_template.jinja", "chat_template.json"};
 
 // Tokenizer files in out_dir that this export did not write: removed when it wrote a
 // tokenizer (they belong to an earlier one and would mislead AutoTokenizer), else named.

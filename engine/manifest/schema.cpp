@@ -180,9 +180,10 @@ std::vector<KeySpec> build() {
   v.push_back(b("run.calculate_per_token_loss", false,
                 "the step's loss is the sum over the global batch's target tokens divided by their number "
                 "(Megatron-LM's --calculate-per-token-loss), so every token weighs the same whatever microbatch "
-                "and dp rank holds it and the result does not depend on batch.micro_batch_size; false = each "
-                "microbatch's mean, averaged (a microbatch with few targets, as data.kind = \"chat\" and "
-                "data.eod_mask_loss make them, weighs as much as one with many)"));
+                "and dp rank holds it and the result does not depend on batch.micro_batch_size (MoE auxiliary "
+                "losses stay a mean over microbatches, as in Megatron-LM); false = each microbatch's mean, averaged "
+                "(a microbatch with few targets, as data.kind = \"chat\" and data.eod_mask_loss make them, weighs "
+                "as much as one with many)"));
   // model
   v.push_back(i("model.hidden_size", 128, 1, "width of the residual stream", kMaxWidth));
   v.push_back(i("model.num_heads", 4, 1, "attention heads", kMaxCount));

@@ -282,7 +282,7 @@ std::string declared_chat_template(const std::string& tokenizer_path) {
   throw TokenizerError(tokenizer_path + " declares a chat template loom does not write (it writes ChatML's "
                        "<|im_start|> ... <|im_end|> turns and Llama 3's <|start_header_id|> ... <|eot_id|> turns; "
                        "this one's markers: " + (seen.empty() ? std::string("none") : seen) +
-                       "); name one if the model was trained with it");
+                       "); name one (data.chat_template, --chat-template) if the model was trained with it");
 }
 
 std::string default_system_message(const std::string& jinja) {

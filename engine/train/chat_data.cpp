@@ -185,7 +185,7 @@ std::pair<std::shared_ptr<const ChatSource::Epoch>, size_t> ChatSource::locate(S
 }
 
 std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, int64_t seq) const {
-  check_split(split, seq);
+  if (lines_of(split).empty()) check_split(split, seq);  // says why
   if (layout_.evaluation)  // each line once, in file order, then padding
     return index < validation_.size() ? std::vector<uint32_t>{validation_[static_cast<size_t>(index)]}
                                       : std::vector<uint32_t>{};
@@ -206,11 +206,23 @@ std::vector<int32_t> ChatSource::encode(const std::string& text) const {
   return layout_.tokenizer->encode(text);
 }
 
-void ChatSource::check_split(Split split, int64_t) const {
-  if (lines_of(split).empty())
-    throw DataError(what_ + ": no line of conversations is left for " +
-                    (split == Split::Train ? std::string("training") : "validation") + " (" +
-                    std::to_string(lines_.size()) + " lines); use more, or another data.val_fraction");
+void ChatSource::check_split(Split split, int64_t seq) const {
+  const std::string name = split == Split::Train ? "training" : "validation";
+  const size_t n = lines_of(split).size();
+  if (n == 0)
+    throw DataError(what_ + ": no line of conversations is left for " + name + " (" + std::to_string(lines_.size()) +
+                    (lines_.size() == 1 ? " line" : " lines") + ")" +
+                    (split == Split::Train ? "" : "; set run.eval_every = 0 and run.sample_every = 0") +
+                    ", use more lines, or another data.val_fraction");
+  // A split whose every line is cut before its first target trains (or measures) nothing.
+  for (uint32_t l : lines_of(split)) {
+    const std::vector<uint8_t>& target = lines_[l].target;
+    const auto kept_end = target.begin() + std::min<int64_t>(seq + 1, static_cast<int64_t>(target.size()));
+    if (target.size() > 1 && std::find(target.begin() + 1, kept_end, 1) != kept_end) return;
+  }
+  throw DataError(what_ + ": none of the " + std::to_string(n) + " " + name + " lines keeps a token to learn in "
+                  "seq_length + 1 = " + std::to_string(seq + 1) + " tokens (each is cut before its first assistant "
+                  "token); a longer model.seq_length keeps them");
 }
 
 void ChatSource::sample(Split split, uint64_t index, int64_t seq, int32_t* tokens, int32_t* targets) const {
@@ -255,6 +267,11 @@ std::unique_ptr<DataSource> chat_source(const manifest::RunConfig& config, int64
     throw DataError(std::string("data.chat_template: ") + e.what());
   }
   const int32_t eod = end_of_document_token(config, vocab > 0 ? vocab : tokenizer->vocab_size());
+  if (eod == chat.end_of_turn(*tokenizer))
+    throw DataError("data.eod_token = " + std::to_string(eod) + " is " + tokenizer->piece(eod) + ", which ends every "
+                    "turn of chat template " + chat.name() + ": the conversations would have no end of their own, "
+                    "and data.reset_attention_mask would cut each turn off the ones before it; name the token that "
+                    "ends a document (" + tokenizer->describe() + ")");
   std::string why;
   const std::optional<std::string> content = files::read_whole_file(path, &why);
   if (!content) throw DataError(what + ": cannot read the file (" + why + ")");

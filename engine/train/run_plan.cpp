@@ -503,7 +503,8 @@ RunPlan make_plan(manifest::Manifest m, plugins::Registry& registry, PlanUse use
       if (written(man, key))
         plan.warnings.push_back(man.origin(key).str() + ": " + key + " shapes the synthetic task; with data.kind = \"" +
                                 config.data.kind + "\" it changes nothing");
-  if (!config.data.eod_mask_loss && !config.data.documents() && written(man, "data.eod_token"))
+  if (!config.data.eod_mask_loss && !config.data.documents() && config.data.kind != "chat" &&
+      written(man, "data.eod_token"))
     plan.warnings.push_back(man.origin("data.eod_token").str() + ": data.eod_token names the token that ends a "
                             "document for data.eod_mask_loss, data.reset_attention_mask and data.reset_position_ids; "
                             "with all three false it changes nothing");

@@ -182,7 +182,10 @@ python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["reply"]=="gree
 # Exported, the model carries its chat template: transformers' apply_chat_template
 # (the Jinja reference here) writes what loom does, and generate --chat from the
 # Hugging Face directory answers as from the checkpoint.
+mkdir -p "$work/sfthf"  # an earlier export's template, which would win over tokenizer_config.json's
+printf "{%% for m in messages %%}<start_of_turn>{{ m['content'] }}{%% endfor %%}" > "$work/sfthf/chat_template.jinja"
 "$loom" export "$work/sftck" --format hf "$work/sfthf" >/dev/null 2>&1 || fail "export of the fine-tuned model exited $?"
+[ ! -e "$work/sfthf/chat_template.jinja" ] || fail "the export left an earlier chat_template.jinja"
 node "$src/tests/text/chat_reference.js" "$jinja" "$work/sfthf/tokenizer_config.json" "$work/conv.jsonl" \
   generation-prompt > "$work/hf.want" || fail "the exported tokenizer_config.json has no chat template to render"
 "$loom" tokenize --tokenizer "$work/sfthf" --chat --file "$work/conv.jsonl" --json --generation-prompt \
@@ -259,10 +262,16 @@ PY
 
 # 4. Bad input: the file and line, the template's missing token, no template; a
 #    sequence too short for the conversations is said.
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set model.seq_length=20 --set run.steps=1 \
+  --set run.eval_every=0 --set "checkpoint.dir=\"\"" 2>&1)
+[[ "$out" == *" of 512 lines of conversations are longer than seq_length + 1 = 21 tokens"* ]] ||
+  fail "conversations cut at the sequence length are not said: $out"
 out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set model.seq_length=8 --set run.steps=1 \
   --set run.eval_every=0 --set "checkpoint.dir=\"\"" 2>&1)
-[[ "$out" == *"512 of 512 lines of conversations are longer than seq_length + 1 = 9 tokens"*"keep no assistant token"* ]] ||
-  fail "conversations cut at the sequence length are not said: $out"
+[ $? -eq 1 ] && [[ "$out" == *"none of the 461 training lines keeps a token to learn in seq_length + 1 = 9"* ]] ||
+  fail "a sequence too short for any answer trains: $out"
+out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set data.eod_token=50258 --set run.steps=1 2>&1)
+[ $? -eq 1 ] && [[ "$out" == *"<|im_end|>, which ends every turn"* ]] || fail "an eod_token that ends every turn: $out"
 printf '%s\n' '{"messages": [{"role": "user", "content": "ok"}]}' '{"messages": [{"role": "tool", "content": "x"}]}' \
   > "$work/bad.jsonl"
 out=$("$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set "data.path=\"$work/bad.jsonl\"" 2>&1)

@@ -223,8 +223,17 @@ TEST(Chat, BadConversationsAreRefusedWithTheirLine) {
   d.config.data.chat_template = "chatml";
   d.config.data.val_fraction = 0.1;
   const auto one = d.source({ok});
-  EXPECT_THROW(one->check_split(Split::Validation, 8), loom::train::DataError);
-  EXPECT_NO_THROW(one->check_split(Split::Train, 8));
+  EXPECT_THROW(one->check_split(Split::Validation, 32), loom::train::DataError);
+  EXPECT_NO_THROW(one->check_split(Split::Train, 32));
+  // Cut before its first assistant token (20 tokens of context), the line trains nothing.
+  try {
+    one->check_split(Split::Train, 19);
+    ADD_FAILURE() << "a split without a target left passes";
+  } catch (const loom::train::DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("none of the 1 training lines keeps a token to learn"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_NO_THROW(one->check_split(Split::Train, 20));  // "b" is the 21st token: the target of position 19
 }
 
 }  // namespace
