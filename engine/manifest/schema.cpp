@@ -466,8 +466,9 @@ std::vector<KeySpec> build() {
                 "prompts with it too)",
                 chat_template_values()));
   v.push_back(b("data.chat_packing", false,
-                "kind chat: a sample holds as many whole lines as fit in seq_length + 1 tokens, in the epoch's order "
-                "(a longer line alone, cut), as packed SFT in NeMo and TRL: less padding; with "
+                "kind chat: the lines are packed once (in a seeded order, as NeMo packs SFT data), a sample as many "
+                "whole lines as fit in seq_length + 1 tokens (a longer line alone, cut), and the packs shuffled "
+                "each epoch: less padding; with "
                 "data.reset_attention_mask = true and reset_position_ids = true each conversation computes as it "
                 "would alone"));
   v.push_back(f("data.val_fraction", "0.1", 0, false, "fraction held out for validation", 0.5));

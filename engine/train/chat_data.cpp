@@ -140,48 +140,43 @@ std::string ChatSource::warning(int64_t seq) const {
          "; a longer model.seq_length keeps them whole";
 }
 
-std::vector<uint32_t> ChatSource::line_order(Split split, uint64_t epoch) const {
-  std::vector<uint32_t> order = lines_of(split);
-  seeded_shuffle(order, stream_seed(seed_, split, epoch, 3));
-  return order;
-}
-
-std::shared_ptr<const ChatSource::Epoch> ChatSource::epoch_locked(Split split, uint64_t e, int64_t seq) const {
-  const EpochKey key{split == Split::Train ? 0 : 1, e, layout_.pack ? seq : 0};
-  if (auto it = epochs_.find(key); it != epochs_.end()) return it->second;
-  auto ep = std::make_shared<Epoch>();
-  ep->order = line_order(split, e);
-  ep->first.push_back(0);
+std::shared_ptr<const ChatSource::Packs> ChatSource::packs(Split split, int64_t seq) const {
+  const std::pair<int, int64_t> key{split == Split::Train ? 0 : 1, layout_.pack ? seq : 0};
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = packs_.find(key); it != packs_.end()) return it->second;
+  auto p = std::make_shared<Packs>();
+  p->order = lines_of(split);
+  if (layout_.pack) seeded_shuffle(p->order, stream_seed(seed_, split, 0, 4));  // once: lines of all parts together
+  p->first.push_back(0);
   int64_t used = 0;  // tokens of the sample being filled
-  for (uint32_t j = 0; j < ep->order.size(); ++j) {
-    const int64_t length = static_cast<int64_t>(lines_[ep->order[j]].ids.size());
-    if (j > ep->first.back() && (!layout_.pack || used + length > seq + 1)) {
-      ep->first.push_back(j);
+  for (uint32_t j = 0; j < p->order.size(); ++j) {
+    const int64_t length = static_cast<int64_t>(lines_[p->order[j]].ids.size());
+    if (j > p->first.back() && (!layout_.pack || used + length > seq + 1)) {
+      p->first.push_back(j);
       used = 0;
     }
     used += length;
   }
-  ep->first.push_back(static_cast<uint32_t>(ep->order.size()));
-  if (epochs_.size() >= 4) epochs_.erase(epochs_.begin());  // ranks read nearby epochs
-  epochs_[key] = ep;
-  return ep;
+  p->first.push_back(static_cast<uint32_t>(p->order.size()));
+  packs_[key] = p;
+  return p;
 }
 
-std::pair<std::shared_ptr<const ChatSource::Epoch>, size_t> ChatSource::locate(Split split, uint64_t index,
-                                                                                 int64_t seq) const {
+std::shared_ptr<const std::vector<uint32_t>> ChatSource::visit(Split split, uint64_t e, size_t count) const {
+  const std::pair<int, uint64_t> key{split == Split::Train ? 0 : 1, e};
   std::lock_guard<std::mutex> lock(mu_);
-  if (!layout_.pack) {  // a line a sample: every epoch has as many
-    const uint64_t n = lines_of(split).size();
-    return {epoch_locked(split, index / n, seq), static_cast<size_t>(index % n)};
-  }
-  // Packed epochs hold different numbers of samples: count them up to this one.
-  std::vector<uint64_t>& ends = epoch_ends_[{split == Split::Train ? 0 : 1, seq}];
-  while (ends.empty() || ends.back() <= index) {
-    const uint64_t samples = epoch_locked(split, ends.size(), seq)->first.size() - 1;
-    ends.push_back((ends.empty() ? 0 : ends.back()) + samples);
-  }
-  const size_t e = static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), index) - ends.begin());
-  return {epoch_locked(split, e, seq), static_cast<size_t>(index - (e > 0 ? ends[e - 1] : 0))};
+  if (auto it = visits_.find(key); it != visits_.end() && it->second->size() == count) return it->second;
+  auto v = std::make_shared<std::vector<uint32_t>>(count);
+  for (size_t k = 0; k < count; ++k) (*v)[k] = static_cast<uint32_t>(k);
+  seeded_shuffle(*v, stream_seed(seed_, split, e, 3));
+  if (visits_.size() >= 4) visits_.erase(visits_.begin());  // ranks read nearby epochs
+  visits_[key] = v;
+  return v;
+}
+
+uint64_t ChatSource::samples_per_epoch(Split split, int64_t seq) const {
+  if (lines_of(split).empty()) check_split(split, seq);  // says why
+  return packs(split, seq)->first.size() - 1;
 }
 
 std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, int64_t seq) const {
@@ -189,8 +184,10 @@ std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, i
   if (layout_.evaluation)  // each line once, in file order, then padding
     return index < validation_.size() ? std::vector<uint32_t>{validation_[static_cast<size_t>(index)]}
                                       : std::vector<uint32_t>{};
-  const auto [ep, k] = locate(split, index, seq);
-  return {ep->order.begin() + ep->first[k], ep->order.begin() + ep->first[k + 1]};
+  const std::shared_ptr<const Packs> p = packs(split, seq);
+  const uint64_t count = p->first.size() - 1;
+  const uint32_t k = (*visit(split, index / count, count))[index % count];
+  return {p->order.begin() + p->first[k], p->order.begin() + p->first[k + 1]};
 }
 
 std::string ChatSource::render(const int32_t* tokens, int64_t n) const {

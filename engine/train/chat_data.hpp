@@ -9,11 +9,12 @@
 // Megatron keeps a line's conversations apart (its packed sequences' cu_seqlens) and
 // counts positions from each one's start; here data.reset_attention_mask and
 // reset_position_ids do that, else they attend to one another as packed documents do.
-// With packing (data.chat_packing) a sample holds as many whole lines as fit in
-// seq_length + 1 tokens, taken in the epoch's order (a longer line alone, cut), as
-// packed SFT in NeMo and TRL does: less padding.
-// The last val_fraction of the lines validate; each epoch visits a split's lines in a
-// seeded shuffled order, so sample i is a pure function of (seed, split, i).
+// With packing (data.chat_packing) the lines are packed once, as NeMo packs SFT data
+// before training: in a seeded shuffled order, each sample as many whole lines as fit in
+// seq_length + 1 tokens (a longer line alone, cut): less padding.
+// The last val_fraction of the lines validate; each epoch visits a split's samples (its
+// lines, or its packs) in a seeded shuffled order, so sample i is a pure function of
+// (seed, split, i), and every epoch holds as many samples.
 #pragma once
 
 #include "engine/text/chat_template.hpp"
@@ -24,7 +25,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -67,21 +67,21 @@ class ChatSource : public DataSource {
   std::string warning(int64_t seq) const override;
   // The lines of a split, by index, and epoch e's visiting order of them.
   const std::vector<uint32_t>& lines_of(Split split) const { return split == Split::Train ? train_ : validation_; }
-  std::vector<uint32_t> line_order(Split split, uint64_t epoch) const;
-  // The lines of sample `index` of a split at sequence length `seq`, in order.
+  // The samples of one epoch of a split at sequence length `seq`, and the lines of
+  // sample `index` in order.
+  uint64_t samples_per_epoch(Split split, int64_t seq) const;
   std::vector<uint32_t> lines_in_sample(Split split, uint64_t index, int64_t seq) const;
 
  private:
-  // One epoch of a split at one sequence length: its lines in order, and sample k
-  // holding lines order[first[k]] .. order[first[k + 1] - 1].
-  struct Epoch {
+  // A split's samples at one sequence length: sample k holds lines
+  // order[first[k]] .. order[first[k + 1] - 1] (unpacked: one line each).
+  struct Packs {
     std::vector<uint32_t> order;
     std::vector<uint32_t> first;
   };
-  using EpochKey = std::tuple<int, uint64_t, int64_t>;  // split, epoch, seq
-  std::shared_ptr<const Epoch> epoch_locked(Split split, uint64_t e, int64_t seq) const;
-  // The epoch of sample `index` and the sample's place in it.
-  std::pair<std::shared_ptr<const Epoch>, size_t> locate(Split split, uint64_t index, int64_t seq) const;
+  std::shared_ptr<const Packs> packs(Split split, int64_t seq) const;
+  // Epoch e's visiting order of `count` samples.
+  std::shared_ptr<const std::vector<uint32_t>> visit(Split split, uint64_t e, size_t count) const;
 
   std::vector<text::ChatTokens> lines_;
   std::vector<uint32_t> train_, validation_;
@@ -91,9 +91,8 @@ class ChatSource : public DataSource {
   std::string what_;
   ChatLayout layout_;
   mutable std::mutex mu_;
-  mutable std::map<EpochKey, std::shared_ptr<const Epoch>> epochs_;  // a few recent ones
-  // Packed: per (split, seq), the samples up to the end of each epoch counted so far.
-  mutable std::map<std::pair<int, int64_t>, std::vector<uint64_t>> epoch_ends_;
+  mutable std::map<std::pair<int, int64_t>, std::shared_ptr<const Packs>> packs_;             // split, seq
+  mutable std::map<std::pair<int, uint64_t>, std::shared_ptr<const std::vector<uint32_t>>> visits_;  // a few recent
 };
 
 // data.path's conversations with data.tokenizer and data.chat_template (else the one

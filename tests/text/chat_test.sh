@@ -203,7 +203,7 @@ got=$("$loom" generate "$work/sfthf" --chat --prompt "zzq alice" --temperature 0
 # instead, where the documents end.
 "$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set "data.tokenizer=\"$work/llama3\"" \
   --set data.chat_packing=true --set data.reset_attention_mask=true --set data.reset_position_ids=true \
-  --set model.seq_length=96 --set batch.micro_batch_size=8 --set batch.global_batch_size=8 \
+  --set model.seq_length=96 --set batch.micro_batch_size=8 --set batch.global_batch_size=8 --set optimizer.lr=0.003 \
   --set "checkpoint.dir=\"$work/packck\"" --metrics "$work/pack.m" >"$work/pack.log" 2>&1 ||
   fail "packed fine-tuning exited $?: $(tail -3 "$work/pack.log")"
 grep -q "packed" "$work/pack.log" && grep -q "documents end at token 50258" "$work/pack.log" ||
@@ -212,8 +212,9 @@ grep -q "warning" "$work/pack.log" && fail "the packed run warns: $(grep warning
 python3 - "$work/pack.m" <<'PY' || fail "the loss of the packed run did not fall far below the questions' own"
 import json, sys
 loss = [json.loads(l)["loss"] for l in open(sys.argv[1]) if '"loss"' in l]
-# (Llama 3's turns learn more slowly here than ChatML's; the random letters alone would
-# keep a loss that counted them above 1.)
+# (Llama 3's turns learn more slowly here than ChatML's, and at lr 0.01 the model can
+# sit on the plateau of not yet reading the name, (ln 4) / 3; the random letters alone
+# would keep a loss that counted them above 1.)
 assert loss[0] > 3 and sum(loss[-10:]) / 10 < 0.25, loss
 PY
 for q in "zzq alice:red" "kkvvxq dave:black"; do

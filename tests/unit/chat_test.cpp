@@ -240,10 +240,11 @@ TEST(Chat, BadConversationsAreRefusedWithTheirLine) {
 
 namespace {
 
-// Packing (data.chat_packing): every epoch's samples hold its lines whole, in its order,
-// each sample as many as fit in seq + 1 tokens (the next would not), a longer line
-// alone; the tokens are the lines' back to back; sample indices run on across epochs.
-TEST(Chat, PackedSamplesHoldWholeLinesInTheEpochsOrderAsManyAsFit) {
+// Packing (data.chat_packing): the lines are packed once, each sample as many whole
+// lines as fit in seq + 1 tokens (a longer line alone); every epoch visits those packs,
+// each once, in its own order; the tokens are the lines' back to back; sample indices
+// run on across epochs.
+TEST(Chat, PackedSamplesHoldWholeLinesPackedOnceAndVisitedEachEpoch) {
   ChatData d;
   d.config.data.chat_packing = true;
   std::vector<nlohmann::json> lines;
@@ -252,48 +253,45 @@ TEST(Chat, PackedSamplesHoldWholeLinesInTheEpochsOrderAsManyAsFit) {
                           {"assistant", "x"}}));
   const auto src = d.source(lines);
   const auto& chat = dynamic_cast<const loom::train::ChatSource&>(*src);
-  const auto length = [&](uint32_t l) {
-    return static_cast<int64_t>(loom::train::line_tokens(loom::text::ChatTemplate::named("chatml"),
-                                                         *loom::text::load_tokenizer(d.config.data.tokenizer),
-                                                         loom::text::conversation_from_json(lines[l]), kEod)
-                                    .ids.size());
+  const auto tokenizer = loom::text::load_tokenizer(d.config.data.tokenizer);
+  const auto ids_of_line = [&](uint32_t l) {
+    return loom::train::line_tokens(loom::text::ChatTemplate::named("chatml"), *tokenizer,
+                                    loom::text::conversation_from_json(lines[l]), kEod)
+        .ids;
   };
   const int64_t seq = 150;
-  uint64_t index = 0;
+  const uint64_t per_epoch = chat.samples_per_epoch(Split::Train, seq);
+  ASSERT_GT(per_epoch, 0u);
+  ASSERT_LT(per_epoch, chat.lines_of(Split::Train).size()) << "nothing was packed";
+  std::vector<std::set<std::vector<uint32_t>>> epochs(3);
+  std::vector<std::vector<std::vector<uint32_t>>> visited(3);
   size_t most = 0;  // lines in a sample
-  for (uint64_t epoch = 0; epoch < 3; ++epoch) {
-    const std::vector<uint32_t> order = chat.line_order(Split::Train, epoch);
-    size_t at = 0;
-    while (at < order.size()) {
-      const std::vector<uint32_t> in = chat.lines_in_sample(Split::Train, index, seq);
-      ASSERT_FALSE(in.empty());
-      most = std::max(most, in.size());
-      ASSERT_EQ(in, std::vector<uint32_t>(order.begin() + static_cast<std::ptrdiff_t>(at),
-                                          order.begin() + static_cast<std::ptrdiff_t>(at + in.size())))
-          << "epoch " << epoch << ", sample " << index;
-      int64_t total = 0;
-      for (uint32_t l : in) total += length(l);
-      EXPECT_TRUE(total <= seq + 1 || in.size() == 1) << total;
-      at += in.size();
-      if (at < order.size()) {
-        EXPECT_GT(total + length(order[at]), seq + 1) << "the next line would have fit";
-      }
-      // The tokens: the lines back to back.
-      I tokens(seq), targets(seq), want;
-      src->sample(Split::Train, index, seq, tokens.data(), targets.data());
-      for (uint32_t l : in) {
-        const I ids = loom::train::line_tokens(loom::text::ChatTemplate::named("chatml"),
-                                               *loom::text::load_tokenizer(d.config.data.tokenizer),
-                                               loom::text::conversation_from_json(lines[l]), kEod)
-                          .ids;
-        want.insert(want.end(), ids.begin(), ids.end());
-      }
-      want.resize(static_cast<size_t>(seq), kEod);
-      EXPECT_EQ(tokens, want);
-      ++index;
+  for (uint64_t index = 0; index < 3 * per_epoch; ++index) {
+    const std::vector<uint32_t> in = chat.lines_in_sample(Split::Train, index, seq);
+    ASSERT_FALSE(in.empty());
+    most = std::max(most, in.size());
+    I want;
+    for (uint32_t l : in) {
+      const I ids = ids_of_line(l);
+      want.insert(want.end(), ids.begin(), ids.end());
     }
+    EXPECT_TRUE(static_cast<int64_t>(want.size()) <= seq + 1 || in.size() == 1) << want.size();
+    I tokens(seq), targets(seq);
+    src->sample(Split::Train, index, seq, tokens.data(), targets.data());
+    want.resize(static_cast<size_t>(seq), kEod);
+    EXPECT_EQ(tokens, want) << "sample " << index;
+    epochs[index / per_epoch].insert(in);
+    visited[index / per_epoch].push_back(in);
   }
-  EXPECT_GE(most, 3u) << "nothing was packed";
+  EXPECT_GE(most, 3u);
+  for (size_t e = 0; e < 3; ++e) {
+    EXPECT_EQ(epochs[e].size(), per_epoch) << "a pack visited twice in epoch " << e;
+    EXPECT_EQ(epochs[e], epochs[0]) << "the packs are made once";
+    std::multiset<uint32_t> seen;
+    for (const auto& in : epochs[e]) seen.insert(in.begin(), in.end());
+    EXPECT_EQ(seen, std::multiset<uint32_t>(chat.lines_of(Split::Train).begin(), chat.lines_of(Split::Train).end()));
+  }
+  EXPECT_NE(visited[0], visited[1]) << "every epoch shuffles the packs anew";
   EXPECT_NE(src->warning(seq).find("data.reset_attention_mask = true"), std::string::npos) << src->warning(seq);
   d.config.data.reset_attention_mask = true;
   EXPECT_EQ(d.source(lines)->warning(seq), "");
