@@ -162,8 +162,9 @@ std::vector<KeySpec> build() {
                 "validation microbatches per evaluation, shared among the data-parallel ranks (the same samples at "
                 "any layout)"));
   v.push_back(i("run.sample_every", 0, 0,
-                "print a greedy sample every N steps (0 = never): the start of a validation sequence and what the "
-                "model writes after it, with the key/value cache of `loom generate`"));
+                "print a greedy sample every N steps (0 = never): the start of a validation sequence (for "
+                "data.kind = \"chat\", its conversation up to the assistant's first header) and what the model "
+                "writes after it, with the key/value cache of `loom generate`"));
   v.push_back(i("run.sample_tokens", 32, 1, "tokens each sample adds (fewer when the model's seq_length is reached)"));
   v.push_back(s("run.metrics_file", "", "JSON-lines file the metrics are appended to (\"\" = none)"));
   v.push_back(s("run.tensorboard_dir", "",

@@ -190,6 +190,15 @@ std::vector<uint32_t> ChatSource::lines_in_sample(Split split, uint64_t index, i
   return {p->order.begin() + p->first[k], p->order.begin() + p->first[k + 1]};
 }
 
+std::vector<int32_t> ChatSource::sample_prompt(Split split, uint64_t index, int64_t seq) const {
+  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
+  sample(split, index, seq, tokens.data(), targets.data());
+  const auto first = std::find_if(targets.begin(), targets.end(), [](int32_t t) { return t >= 0; });
+  if (first == targets.end()) return DataSource::sample_prompt(split, index, seq);
+  tokens.resize(static_cast<size_t>(first - targets.begin()) + 1);  // through the header's last token
+  return tokens;
+}
+
 std::string ChatSource::render(const int32_t* tokens, int64_t n) const {
   if (!layout_.tokenizer) return DataSource::render(tokens, n);
   std::vector<int32_t> ids;

@@ -61,6 +61,8 @@ class ChatSource : public DataSource {
   void check_split(Split split, int64_t seq) const override;
   std::string render(const int32_t* tokens, int64_t n) const override;
   bool has_exact_match() const override { return layout_.evaluation; }
+  // The sample up to its first assistant header: the question the model answers.
+  std::vector<int32_t> sample_prompt(Split split, uint64_t index, int64_t seq) const override;
   std::vector<int32_t> encode(const std::string& text) const override;
   // How many lines are cut at seq + 1 tokens, and how many of those lose every target;
   // packed conversations that attend to each other; lines without an answer.

@@ -300,6 +300,9 @@ class EodLossMask : public DataSource {
   }
   void check_split(Split split, int64_t seq) const override { inner_->check_split(split, seq); }
   std::string warning(int64_t seq) const override { return inner_->warning(seq); }
+  std::vector<int32_t> sample_prompt(Split split, uint64_t index, int64_t seq) const override {
+    return inner_->sample_prompt(split, index, seq);
+  }
   bool has_exact_match() const override { return inner_->has_exact_match(); }
   std::string render(const int32_t* tokens, int64_t n) const override { return inner_->render(tokens, n); }
   std::vector<int32_t> encode(const std::string& text) const override { return inner_->encode(text); }
@@ -343,6 +346,13 @@ std::string DataSource::render(const int32_t* tokens, int64_t n) const {
 }
 
 std::string DataSource::warning(int64_t) const { return ""; }
+
+std::vector<int32_t> DataSource::sample_prompt(Split split, uint64_t index, int64_t seq) const {
+  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
+  sample(split, index, seq, tokens.data(), targets.data());
+  tokens.resize(static_cast<size_t>(std::max<int64_t>(1, seq / 4)));
+  return tokens;
+}
 
 void DataSource::check_split(Split split, int64_t seq) const {
   std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(static_cast<size_t>(seq));

@@ -30,6 +30,9 @@ class DataSource {
   // Throws DataError when the split cannot give a sequence of seq tokens (a file too
   // short for it): reads one, as the trainer would; a blend checks each dataset.
   virtual void check_split(Split split, int64_t seq) const;
+  // The prompt run.sample_every shows the model: the start of sample `index` of
+  // `split` (a quarter of seq, at least one token).
+  virtual std::vector<int32_t> sample_prompt(Split split, uint64_t index, int64_t seq) const;
   // What a run at sequence length `seq` should be told about the data ("" = nothing):
   // conversations cut short, for example.
   virtual std::string warning(int64_t seq) const;

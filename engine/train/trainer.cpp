@@ -493,16 +493,14 @@ bool RankTraining::evaluate(StepRecord& rec) {
   return true;
 }
 
-// run.sample_every: the start of validation sequence 0 (a quarter of seq_length) and
-// what the model writes after it, greedy, through the key/value cache; every rank
-// generates alike (expert and pipeline collectives need them all), rank 0 prints.
+// run.sample_every: the start of validation sequence 0 (DataSource::sample_prompt: a
+// quarter of seq_length, or a conversation's first question) and what the model writes
+// after it, greedy, through the key/value cache; every rank generates alike (expert and
+// pipeline collectives need them all), rank 0 prints.
 void RankTraining::sample(int64_t step) {
   optimizer_.params_needed_all();
-  const int64_t seq = config_.model.seq_length;
-  std::vector<int32_t> tokens(static_cast<size_t>(seq)), targets(tokens.size());
-  run_.data.sample(Split::Validation, 0, seq, tokens.data(), targets.data());
   GenerationRequest req;
-  req.prompt.assign(tokens.begin(), tokens.begin() + std::max<int64_t>(1, seq / 4));
+  req.prompt = run_.data.sample_prompt(Split::Validation, 0, config_.model.seq_length);
   req.max_new_tokens = config_.run.sample_tokens;
   req.sampling.temperature = 0;
   const bool reports = pp_.rank() == pp_.size() - 1 && rt_.group_or_self("tp").rank() == 0 && dp_.rank() == 0;

@@ -157,9 +157,19 @@ sft=(--set data.kind='"chat"' --set "data.path=\"$work/sft.jsonl\"" --set "data.
      --set model.seq_length=40 --set parallel.dp=1 --set batch.micro_batch_size=16 --set batch.global_batch_size=16
      --set run.steps=120 --set run.log_every=20 --set run.eval_every=60 --set optimizer.warmup_steps=10
      --set optimizer.lr=0.01 --set "checkpoint.dir=\"$work/sftck\"")
-"$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --metrics "$work/sft.m" >"$work/sft.log" 2>&1 ||
+"$loom" run "$src/configs/llama_quickstart.toml" "${sft[@]}" --set run.sample_every=120 --set run.sample_tokens=2 \
+  --metrics "$work/sft.m" >"$work/sft.log" 2>&1 ||
   fail "fine-tuning on conversations exited $?: $(tail -3 "$work/sft.log")"
 grep -q "chat template chatml" "$work/sft.log" || fail "the run does not say which chat template wrote the data: $(head -5 "$work/sft.log")"
+# The sample during training is a held-out question and the model's answer to it.
+python3 - "$work/sft.log" <<'PY' || fail "the sample at step 120 is not a question and its answer: $(grep -A6 'sample at' "$work/sft.log")"
+import re, sys
+log = open(sys.argv[1]).read()
+m = re.search(r"sample at step 120: .*<\|im_start\|>user\n\w+ (\w+)<\|im_end\|>\n<\|im_start\|>assistant\n -> (\w+)<\|im_end\|>",
+              log, re.S)
+colours = {"alice": "red", "bob": "green", "carol": "blue", "dave": "black"}
+assert m and colours[m.group(1)] == m.group(2), m and m.groups()
+PY
 python3 - "$work/sft.m" <<'PY' || fail "the loss on the answers did not fall near zero"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
