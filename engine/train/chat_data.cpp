@@ -45,7 +45,7 @@ std::vector<text::ChatTokens> tokenize_lines(const std::vector<files::JsonLine>&
   };
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < lines.size() && i < failed_at.load();) {
-      const std::string where = path + ":" + std::to_string(lines[i].number) + ": ";
+      const auto where = [&] { return path + ":" + std::to_string(lines[i].number) + ": "; };  // on failure only
       try {
         const text::Conversation messages = text::conversation_from_json(files::parse_json_line(lines[i], path));
         if (std::none_of(messages.begin(), messages.end(),
@@ -55,9 +55,9 @@ std::vector<text::ChatTokens> tokenize_lines(const std::vector<files::JsonLine>&
       } catch (const files::JsonLineError& e) {
         fail(i, e.what());
       } catch (const std::exception& e) {
-        fail(i, where + e.what());
+        fail(i, where() + e.what());
       } catch (...) {
-        fail(i, where + "an unknown error");
+        fail(i, where() + "an unknown error");
       }
     }
   };
