@@ -9,7 +9,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <exception>
 #include <mutex>
+#include <thread>
 #include <numeric>
 
 namespace loom::train {
@@ -201,8 +204,7 @@ RunPlan generation_plan(const std::string& manifest_toml, const std::string& nam
   return plan;
 }
 
-GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
-                          const GenerationRequest& request) {
+void check_generation_request(const RunPlan& plan, int64_t vocab, const GenerationRequest& request) {
   const int64_t seq_len = plan.config.model.seq_length;
   LOOM_REQUIRE(!request.prompt.empty(), "the prompt is empty (it needs at least one token)");
   LOOM_REQUIRE(static_cast<int64_t>(request.prompt.size()) < seq_len,
@@ -217,24 +219,128 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
   LOOM_REQUIRE(request.sampling.top_k >= 0, "top_k " << request.sampling.top_k << " must be >= 0");
   LOOM_REQUIRE(request.token_limit >= 0 && request.token_limit <= vocab,
                "the tokenizer's " << request.token_limit << " tokens are more than the model's vocabulary of " << vocab);
+}
+
+// The ranks of a Generator: runtime::launch on a thread of its own; each rank builds
+// its model, then waits for requests (a job number that moves on) until told to stop.
+struct Generator::Ranks {
+  std::mutex mu;
+  std::condition_variable changed;
+  int local_ranks = 0;
+  int built = 0;
+  bool stopping = false;
+  bool failed = false;        // a rank threw: the others leave their wait, launch returns
+  std::exception_ptr error;   // launch's (the root cause), once it has returned
+  uint64_t job = 0;           // the request number; each rank runs each once
+  const GenerationRequest* request = nullptr;
+  int finished = 0;           // ranks done with the current job
+  bool have_result = false;
+  GenerationResult result;
+  std::mutex turn;            // one request at a time
+  std::thread thread;
+
+  // Waits (holding `lock`) until `done` or a failure; after a failure the launch
+  // thread is joined and its error thrown.
+  template <class Done>
+  void wait_or_throw(std::unique_lock<std::mutex>& lock, Done done) {
+    changed.wait(lock, [&] { return done() || error != nullptr; });
+    if (error == nullptr) return;
+    lock.unlock();
+    if (thread.joinable()) thread.join();
+    std::rethrow_exception(error);
+  }
+};
+
+Generator::Generator(const RunPlan& plan, const InitialWeights& weights, int64_t vocab)
+    : plan_(plan), vocab_(vocab), ranks_(std::make_unique<Ranks>()) {
   require_kv_cache_layers(plan);
   check_initial_weights(weights, plan_memory(plan, vocab), vocab,
                         model::model_dims(plan.config, vocab, plan.sizes.tp).padded_vocab);
-
-  GenerationResult result;
-  std::mutex mu;
+  Ranks& r = *ranks_;
+  r.local_ranks = static_cast<int>(runtime::process_ranks(plan.sizes.world).size());
   const DocumentInputs documents = document_inputs(plan.config, vocab);  // once, not per rank
   const runtime::LaunchConfig lc = launch_config(plan);
-  runtime::launch(lc, [&](runtime::RankRuntime& rt) {
-    std::unique_ptr<model::Model> model = create_rank_model(plan, rt, vocab, &weights);
-    const bool reports = rt.group_or_self("pp").rank() == plan.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;
-    GenerationResult r = generate_on_rank(*model, rt, vocab, request, reports, documents);
-    if (reports) {
-      std::lock_guard<std::mutex> lock(mu);
-      result = std::move(r);
+  auto rank_main = [this, &weights, documents](runtime::RankRuntime& rt) {
+    Ranks& r = *ranks_;
+    try {
+      std::unique_ptr<model::Model> model = create_rank_model(plan_, rt, vocab_, &weights);
+      const bool reports =
+          rt.group_or_self("pp").rank() == plan_.sizes.pp - 1 && rt.group_or_self("tp").rank() == 0;
+      uint64_t seen = 0;
+      std::unique_lock<std::mutex> lock(r.mu);
+      ++r.built;
+      r.changed.notify_all();
+      for (;;) {
+        r.changed.wait(lock, [&] { return r.job != seen || r.stopping || r.failed; });
+        if (r.stopping || r.failed) return;
+        seen = r.job;
+        const GenerationRequest& request = *r.request;
+        lock.unlock();
+        GenerationResult mine = generate_on_rank(*model, rt, vocab_, request, reports, documents);
+        lock.lock();
+        // Every rank knows the tokens and timings; the reporting one also the logits.
+        if (reports || !r.have_result) r.result = std::move(mine);
+        r.have_result = r.have_result || reports;
+        ++r.finished;
+        r.changed.notify_all();
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(r.mu);
+      r.failed = true;
+      r.changed.notify_all();
+      throw;
     }
+  };
+  r.thread = std::thread([this, lc, rank_main] {
+    std::exception_ptr error;
+    try {
+      runtime::launch(lc, rank_main);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(ranks_->mu);
+    if (!error && !ranks_->stopping)  // every rank returned without being told to
+      error = std::make_exception_ptr(loom::Error("the model's ranks stopped"));
+    ranks_->error = error;
+    ranks_->changed.notify_all();
   });
-  return result;
+  std::unique_lock<std::mutex> lock(r.mu);
+  r.wait_or_throw(lock, [&] { return r.built == r.local_ranks; });
+}
+
+Generator::~Generator() {
+  {
+    std::lock_guard<std::mutex> lock(ranks_->mu);
+    ranks_->stopping = true;
+    ranks_->changed.notify_all();
+  }
+  if (ranks_->thread.joinable()) ranks_->thread.join();
+}
+
+GenerationResult Generator::generate(const GenerationRequest& request) {
+  check_generation_request(plan_, vocab_, request);
+  Ranks& r = *ranks_;
+  std::lock_guard<std::mutex> turn(r.turn);
+  std::unique_lock<std::mutex> lock(r.mu);
+  if (r.error) {
+    lock.unlock();
+    if (r.thread.joinable()) r.thread.join();
+    std::rethrow_exception(r.error);
+  }
+  r.request = &request;
+  r.finished = 0;
+  r.have_result = false;
+  ++r.job;
+  r.changed.notify_all();
+  r.wait_or_throw(lock, [&] { return r.finished == r.local_ranks; });
+  r.request = nullptr;
+  return std::move(r.result);
+}
+
+GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
+                          const GenerationRequest& request) {
+  check_generation_request(plan, vocab, request);
+  return Generator(plan, weights, vocab).generate(request);
 }
 
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,

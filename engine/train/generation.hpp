@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -85,10 +86,41 @@ void require_kv_cache_layers(const RunPlan& plan);
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
                                   const GenerationRequest& request, bool reports, DocumentInputs docs = {});
 
+// Throws loom::Error for a request `plan`'s model (of `vocab` tokens) cannot run: a
+// prompt that is empty, has an id outside the vocabulary or fills seq_len; sampling
+// settings out of range; a token limit above the vocabulary.
+void check_generation_request(const RunPlan& plan, int64_t vocab, const GenerationRequest& request);
+
+// A model kept on its ranks between requests (`loom serve`; `loom generate` makes one
+// for its one request): the ranks of `plan` (generation_plan's) start and build the
+// model once, its parameters from `weights` (whole tensors, checked by
+// check_initial_weights; not needed once the constructor has returned), then each
+// generate() runs one request on every rank. Requests take turns: a call from another
+// thread waits for the one running. `plan` must outlive the Generator.
+// After a rank fails (a NaN logit, a device error), that generate() and every later
+// one throw the run's error (runtime::RunError); the ranks are gone.
+class Generator {
+ public:
+  Generator(const RunPlan& plan, const InitialWeights& weights, int64_t vocab);
+  ~Generator();  // the ranks stop (a request in flight first ends)
+  Generator(const Generator&) = delete;
+  Generator& operator=(const Generator&) = delete;
+
+  // Throws loom::Error for a request check_generation_request refuses, before any rank
+  // sees it.
+  GenerationResult generate(const GenerationRequest& request);
+  int64_t vocab() const { return vocab_; }
+  int64_t seq_len() const { return plan_.config.model.seq_length; }
+
+ private:
+  struct Ranks;
+  const RunPlan& plan_;
+  const int64_t vocab_;
+  std::unique_ptr<Ranks> ranks_;
+};
+
 // Generates on every rank of `plan` (generation_plan's), the model's parameters from
-// `weights` (whole tensors, checked by check_initial_weights first). vocab: the
-// model's vocabulary. Throws loom::Error for a prompt that is empty, has an id outside
-// the vocabulary or fills seq_len.
+// `weights`: one request of a Generator, the request checked before the model is built.
 GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, int64_t vocab,
                           const GenerationRequest& request);
 

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <thread>
 
 #include <cmath>
 #include <sstream>
@@ -282,6 +283,59 @@ TEST(SampleToken, DrawsFollowTheSoftmax) {
   for (size_t i = 0; i < p.size(); ++i) {
     const double q = p[i] / z, sd = std::sqrt(n * q * (1 - q));
     EXPECT_NEAR(count[i], n * q, 4 * sd) << "token " << i;
+  }
+}
+
+// A Generator keeps its ranks between requests (loom serve): at tp 2 x pp 2, requests
+// in a row, and from two threads at once, give what a fresh generate() gives each; a
+// refused request leaves it working.
+TEST(Generator, RequestsInTurnEqualFreshRuns) {
+  const Trained m = train_and_gather(kLlama);
+  const std::vector<std::string> layout = {"parallel.tp=2", "parallel.pp=2"};
+  const loom::train::RunPlan plan =
+      loom::train::generation_plan(m.manifest_toml, "saved.toml", layout, loom::plugins::registry());
+  std::vector<GenerationRequest> requests = {greedy(8, true), greedy(5, true), greedy(6, false)};
+  requests[1].prompt = {7, 8, 11};
+  requests[1].sampling.temperature = 0.8;
+  requests[1].sampling.seed = 5;
+  requests[2].prompt = {3, 3, 12};
+  std::vector<GenerationResult> fresh;
+  for (const GenerationRequest& r : requests) fresh.push_back(generate(m, layout, r));
+  EXPECT_NE(fresh[0].tokens, fresh[1].tokens);
+
+  loom::train::Generator gen(plan, m.weights, m.vocab);
+  for (size_t i = 0; i < requests.size(); ++i) expect_same(fresh[i], gen.generate(requests[i]), 0, "request " + std::to_string(i));
+  GenerationRequest bad = greedy(4, true);
+  bad.prompt = {1, 99};
+  EXPECT_THROW(gen.generate(bad), std::exception);
+  std::vector<GenerationResult> concurrent(requests.size());
+  {
+    std::vector<std::jthread> clients;
+    for (size_t i = 0; i < requests.size(); ++i)
+      clients.emplace_back([&, i] { concurrent[i] = gen.generate(requests[i]); });
+  }
+  for (size_t i = 0; i < requests.size(); ++i) expect_same(fresh[i], concurrent[i], 0, "concurrent " + std::to_string(i));
+}
+
+// A rank that fails (a NaN in the weights makes the logits NaN) fails that request with
+// the run's error and every later one; the other ranks do not hang.
+TEST(Generator, ARankFailureFailsThisAndLaterRequests) {
+  Trained m = train_and_gather({});
+  for (loom::train::WholeTensor& t : m.weights.tensors)
+    if (t.name.find("lm_head") != std::string::npos || t.name.find("embedding") != std::string::npos) {
+      ASSERT_EQ(t.dtype, LOOM_DTYPE_F32);
+      std::fill(reinterpret_cast<float*>(t.data.data()), reinterpret_cast<float*>(t.data.data() + t.data.size()), NAN);
+    }
+  const loom::train::RunPlan plan = loom::train::generation_plan(m.manifest_toml, "saved.toml", {"parallel.pp=2"},
+                                                                 loom::plugins::registry());
+  loom::train::Generator gen(plan, m.weights, m.vocab);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      gen.generate(greedy(4, true));
+      ADD_FAILURE() << "NaN logits generated tokens";
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find("NaN or an infinity"), std::string::npos) << attempt << ": " << e.what();
+    }
   }
 }
 
