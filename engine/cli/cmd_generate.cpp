@@ -6,6 +6,7 @@
 #include "engine/cli/args.hpp"
 #include "engine/cli/commands.hpp"
 #include "engine/cli/model_source.hpp"
+#include "engine/cli/reply_text.hpp"
 #include "engine/runtime/launcher.hpp"
 #include "engine/text/chat_template.hpp"
 #include "engine/text/tokenizer.hpp"
@@ -64,45 +65,29 @@ std::atomic<int> g_stop{0};
 extern "C" void on_generate_signal(int) { g_stop.store(1); }
 
 // The text as it is generated: the prompt once the first token comes (after the
-// request was checked), then what decoding all the ids so far adds. A tokenizer that
-// decodes a lone byte of a multi-byte character as U+FFFD is held back until the
-// character is whole.
+// request was checked), then each token's text once it is final (ReplyText).
 class Stream {
  public:
   // `echo`: the prompt is printed before the first token (else only what follows it).
-  Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt, bool echo)
-      : codec_(codec), ids_(prompt), echo_(echo) {}
+  Stream(const train::TextCodec& codec, const std::vector<int32_t>& prompt, bool echo) : reply_(codec, prompt), echo_(echo) {}
   void add(int32_t token) {
     start();
-    ids_.push_back(token);
-    std::string text = codec_.decode(ids_);
-    static const std::string kReplacement = "\xEF\xBF\xBD";
-    if (text.size() >= kReplacement.size() && text.compare(text.size() - 3, 3, kReplacement) == 0) return;
-    if (text.compare(0, printed_.size(), printed_) == 0) std::cout << text.substr(printed_.size());
-    else std::cout << codec_.decode({token});  // decoding changed earlier text: print the token alone
-    std::cout << std::flush;
-    printed_ = std::move(text);
+    std::cout << reply_.add(token) << std::flush;
   }
   // What was held back at the end (a character left incomplete), then a newline.
   void finish() {
     start();
-    const std::string text = codec_.decode(ids_);
-    if (text.size() > printed_.size() && text.compare(0, printed_.size(), printed_) == 0)
-      std::cout << text.substr(printed_.size());
-    std::cout << "\n" << std::flush;
+    std::cout << reply_.finish() << "\n" << std::flush;
   }
 
  private:
   void start() {
-    if (started_) return;
+    if (started_ || !echo_) return;
     started_ = true;
-    printed_ = codec_.decode(ids_);
-    if (echo_) std::cout << printed_;
+    std::cout << reply_.context_text();
   }
 
-  const train::TextCodec& codec_;
-  std::vector<int32_t> ids_;
-  std::string printed_;
+  ReplyText reply_;
   bool echo_;
   bool started_ = false;
 };
