@@ -20,7 +20,7 @@ struct Command {
   const char* name;
   int (*fn)(int, char**);
   const char* summary;
-  // run and generate stop in good order on SIGINT/SIGTERM (after a step, a token);
+  // run, generate and serve stop in good order on SIGINT/SIGTERM (after a step, a token);
   // the others end at once, saying so, without half-written files (ExitOnSignal).
   bool own_signals = false;
 };
@@ -43,6 +43,8 @@ const Command kCommands[] = {
      "a Hugging Face model (or a checkpoint) as a checkpoint of a manifest's layout: SOURCE MANIFEST OUTDIR"},
     {"generate", loom::cli::cmd_generate,
      "text from a trained model, with a key/value cache: CHECKPOINT --prompt TEXT [--temperature T] [--top-k K]", true},
+    {"serve", loom::cli::cmd_serve,
+     "an HTTP server of a trained model: OpenAI completions and chat completions, Megatron's PUT /api", true},
     {"eval", loom::cli::cmd_eval,
      "perplexity (sliding windows) or LAMBADA last-word accuracy: CHECKPOINT --data FILE [--task lambada]"},
     {"inspect", loom::cli::cmd_inspect,

@@ -3,7 +3,8 @@
 # rendered by Hugging Face's Jinja implementation (tests/text/chat_reference.js), the
 # tokens and targets of a conversation worked out from its text, supervised fine-tuning
 # (data.kind = "chat") that learns to answer from the assistant's turns alone, and
-# `loom generate --chat` giving the answers; bad input gets a clear error.
+# `loom generate --chat` and `loom serve`'s chat completions giving the answers; bad
+# input gets a clear error.
 #   chat_test.sh LOOM SOURCE_DIR [sanitized]
 set -uo pipefail
 loom=$1
@@ -192,6 +193,38 @@ j=$("$loom" generate "$work/sftck" --chat --system "Answer with a colour." --pro
     --max-new-tokens 4 --json 2>/dev/null)
 python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["reply"]=="green" and j["ids"][-1]==50258, j' "$j" ||
   fail "generate --chat --json: no reply 'green' ending at <|im_end|>: $j"
+
+# loom serve's chat completions: the answers generate --chat gives, whole or streamed,
+# after earlier turns of the conversation too.
+"$loom" serve "$work/sftck" --port 0 >/dev/null 2>"$work/serve.err" &
+server=$!
+for _ in $(seq 600); do grep -q "on http://" "$work/serve.err" && break; sleep 0.1; done
+port=$(grep -o "127.0.0.1:[0-9]*" "$work/serve.err" | head -1 | cut -d: -f2)
+python3 - "${port:-0}" <<'PY' || fail "loom serve's chat completions: $(tail -5 "$work/serve.err")"
+import http.client, json, sys
+port = int(sys.argv[1])
+def chat(messages, **extra):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c.request("POST", "/v1/chat/completions", json.dumps({"messages": messages, "temperature": 0, **extra}))
+    r = c.getresponse()
+    body = r.read().decode()
+    assert r.status == 200, body
+    return body
+j = json.loads(chat([{"role": "user", "content": "zzq alice"}]))
+assert j["object"] == "chat.completion" and j["choices"][0]["message"] == {"role": "assistant", "content": "red"}, j
+assert j["choices"][0]["finish_reason"] == "stop", j
+j = json.loads(chat([{"role": "user", "content": "b carol"}, {"role": "assistant", "content": "blue"},
+                     {"role": "user", "content": "jj dave"}]))
+assert j["choices"][0]["message"]["content"] == "black", j
+events = [e[len("data: "):] for e in chat([{"role": "user", "content": "qqqqqqqqq bob"}], stream=True).split("\n\n") if e]
+assert events[-1] == "[DONE]", events
+chunks = [json.loads(e) for e in events[:-1]]
+assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}, chunks[0]
+assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "green", chunks
+assert chunks[-1]["choices"][0]["finish_reason"] == "stop", chunks[-1]
+PY
+kill -TERM "$server"
+wait "$server" || fail "loom serve exited $? after SIGTERM"
 
 # Exported, the model carries its chat template: transformers' apply_chat_template
 # (the Jinja reference here) writes what loom does, and generate --chat from the
