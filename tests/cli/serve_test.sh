@@ -140,6 +140,28 @@ assert reply.startswith("HTTP/1.1 400") and "not HTTP/1.1" in reply, reply
 print("http checks passed")
 PY
 
+# OpenAI's own client (npm `openai`, no dependencies; fetched once and checked) reads
+# the answers as loom generate's, streamed or not, and a refusal as its BadRequestError.
+openai="$src/.cache/npm/openai-5.23.2"
+"$src/tests/support/fetch_npm.sh" openai@5.23.2 a2aa74ff8be1a80a215af201a3d2228e999464d166c1eaec2c9ca313395fbef1 "$openai"
+case $? in
+  0)
+    got=$(node "$src/tests/cli/openai_client.js" "$openai" "$port" adder completions "12+34=") ||
+      fail "OpenAI's client failed against loom serve"
+    python3 - "$got" "$greedy" <<'PY' || fail "OpenAI's client read $got"
+import json, sys
+got, want = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert got["text"] == got["streamed"] == want["text"], (got, want)
+assert got["finish_reason"] == "length" and got["usage"]["completion_tokens"] == len(want["ids"]), got
+assert got["models"] == ["adder"], got
+r = got["refusal"]
+assert r["status"] == 400 and r["kind"] == "BadRequestError" and "'logprobs' is not supported" in r["message"], r
+PY
+    ;;
+  77) echo "note: npm could not fetch openai@5.23.2; OpenAI's client was not tried" ;;
+  *) fail "openai@5.23.2's tarball has another sha256" ;;
+esac
+
 # SIGTERM with a client idle on an open connection: the server stops, status 0.
 exec 3<>"/dev/tcp/127.0.0.1/$port" || fail "could not connect to the server"
 kill -TERM "$server"

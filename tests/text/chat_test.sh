@@ -15,16 +15,13 @@ tok="$src/.cache/tokenizers/gpt2"
 command -v node >/dev/null || { echo "SKIP: node is needed for the reference"; exit 77; }
 # @huggingface/jinja from npm, its tarball checked.
 jinja="$src/.cache/npm/huggingface-jinja-0.5.11"
-if [ ! -f "$jinja/dist/index.cjs" ]; then
-  dl=$(mktemp -d)
-  (cd "$dl" && npm pack --silent @huggingface/jinja@0.5.11 >/dev/null 2>&1) ||
-    { rm -rf "$dl"; echo "SKIP: npm could not fetch @huggingface/jinja"; exit 77; }
-  [ "$(sha256sum "$dl/huggingface-jinja-0.5.11.tgz" | cut -d' ' -f1)" = \
-    c92401a23cdef23be5a2773eafc22db6723e113380aa02fedd0ca40ceb123f29 ] ||
-    { rm -rf "$dl"; echo "FAIL: @huggingface/jinja 0.5.11's tarball has another sha256"; exit 1; }
-  mkdir -p "$jinja" && tar xzf "$dl/huggingface-jinja-0.5.11.tgz" -C "$jinja" --strip-components=1
-  rm -rf "$dl"
-fi
+"$src/tests/support/fetch_npm.sh" @huggingface/jinja@0.5.11 \
+  c92401a23cdef23be5a2773eafc22db6723e113380aa02fedd0ca40ceb123f29 "$jinja"
+case $? in
+  0) ;;
+  77) echo "SKIP: npm could not fetch @huggingface/jinja"; exit 77 ;;
+  *) echo "FAIL: @huggingface/jinja 0.5.11's tarball has another sha256"; exit 1 ;;
+esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0
@@ -223,6 +220,13 @@ assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""},
 assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "green", chunks
 assert chunks[-1]["choices"][0]["finish_reason"] == "stop", chunks[-1]
 PY
+openai="$src/.cache/npm/openai-5.23.2"
+if "$src/tests/support/fetch_npm.sh" openai@5.23.2 a2aa74ff8be1a80a215af201a3d2228e999464d166c1eaec2c9ca313395fbef1 \
+  "$openai"; then
+  got=$(node "$src/tests/cli/openai_client.js" "$openai" "${port:-0}" "$work/sftck" chat "kkvvxq dave")
+  python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["content"]==j["streamed"]=="black" and j["role"]=="assistant" and j["finish_reason"]=="stop", j' \
+    "$got" || fail "OpenAI's client read the chat reply as $got"
+fi
 kill -TERM "$server"
 wait "$server" || fail "loom serve exited $? after SIGTERM"
 
