@@ -178,6 +178,7 @@ struct Choice {
   std::string text;
   std::string finish_reason;
   std::vector<int32_t> ids;  // every token drawn (a stop token, one after a stop string)
+  int64_t cached = 0;        // prompt tokens whose keys and values the model had cached
 };
 
 // Runs one choice: `prompt` continued, its text given to `on_text` as it becomes final
@@ -222,14 +223,18 @@ Choice run_choice(const ServedModel& m, const std::vector<int32_t>& prompt, cons
   if (!rest.empty() && on_text) on_text(rest);
   c.text = reply.text();
   c.ids = std::move(r.tokens);
+  c.cached = r.reused;
   c.finish_reason = stopped_by_token || reply.stopped() ? "stop" : r.interrupted ? "abort" : "length";
   return c;
 }
 
-json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+// OpenAI's usage; cached_tokens: prompt tokens the model's key/value cache held from
+// the request before (a conversation's earlier turns), not computed again.
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens, int64_t cached_tokens) {
   return json{{"prompt_tokens", prompt_tokens},
               {"completion_tokens", completion_tokens},
-              {"total_tokens", prompt_tokens + completion_tokens}};
+              {"total_tokens", prompt_tokens + completion_tokens},
+              {"prompt_tokens_details", {{"cached_tokens", cached_tokens}}}};
 }
 
 std::string next_id(const std::string& prefix) {
@@ -330,7 +335,7 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
   Events events(stream);
   if (s.stream) events.open();
   json choices = json::array();
-  int64_t prompt_tokens = 0, completion_tokens = 0;
+  int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   try {
   for (size_t p = 0; p < prompts.size(); ++p) {
     prompt_tokens += static_cast<int64_t>(prompts[p].size());
@@ -342,6 +347,7 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
       if (s.stream) on_text = [&](const std::string& t) { return events.send(chunk(index, t, json())); };
       const Choice c = run_choice(m, prompts[p], s, s.sampling.seed + static_cast<uint64_t>(i), stops, on_text);
       completion_tokens += static_cast<int64_t>(c.ids.size());
+      cached_tokens += c.cached;
       if (s.stream) events.send(chunk(index, "", c.finish_reason));
       choices.push_back({{"index", index}, {"text", prompt_text + c.text}, {"logprobs", json()},
                          {"finish_reason", c.finish_reason}});
@@ -351,7 +357,7 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
     if (!s.stream) throw;
     return events.fail(error_json(r.what(), r.type, r.param));
   }
-  const json usage = usage_json(prompt_tokens, completion_tokens);
+  const json usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
   if (s.stream) {
     if (s.usage_in_stream)
       events.send(json{{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", m.name},
@@ -401,7 +407,7 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
   Events events(stream);
   if (s.stream) events.open();
   json choices = json::array();
-  int64_t completion_tokens = 0;
+  int64_t completion_tokens = 0, cached_tokens = 0;
   try {
   for (int64_t i = 0; i < s.n; ++i) {
     if (s.stream) events.send(chunk(i, {{"role", "assistant"}, {"content", ""}}, json()));
@@ -409,6 +415,7 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
     if (s.stream) on_text = [&](const std::string& t) { return events.send(chunk(i, {{"content", t}}, json())); };
     const Choice c = run_choice(m, prompt, s, s.sampling.seed + static_cast<uint64_t>(i), m.chat_stops, on_text);
     completion_tokens += static_cast<int64_t>(c.ids.size());
+    cached_tokens += c.cached;
     if (s.stream) events.send(chunk(i, json::object(), c.finish_reason));
     choices.push_back({{"index", i}, {"message", {{"role", "assistant"}, {"content", c.text}}}, {"logprobs", json()},
                        {"finish_reason", c.finish_reason}});
@@ -417,7 +424,7 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
     if (!s.stream) throw;
     return events.fail(error_json(r.what(), r.type, r.param));
   }
-  const json usage = usage_json(static_cast<int64_t>(prompt.size()), completion_tokens);
+  const json usage = usage_json(static_cast<int64_t>(prompt.size()), completion_tokens, cached_tokens);
   if (s.stream) {
     if (s.usage_in_stream)
       events.send(json{{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", m.name},

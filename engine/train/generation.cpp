@@ -50,9 +50,10 @@ namespace {
 // passed over the pipeline group (tag k), one step per new token.
 class RankGeneration {
  public:
-  RankGeneration(model::Model& model, runtime::RankRuntime& rt, int64_t vocab, bool reports, DocumentInputs docs)
+  RankGeneration(model::Model& model, runtime::RankRuntime& rt, int64_t vocab, bool reports, DocumentInputs docs,
+                 int64_t cached)
       : model_(model), rt_(rt), world_(rt.group_or_self("world")), pp_(rt.group_or_self("pp")), vocab_(vocab),
-        reports_(reports), docs_(docs) {}
+        reports_(reports), docs_(docs), cached_(cached) {}
 
   GenerationResult run(const GenerationRequest& req) {
     const int64_t seq_len = model_.dims().seq_len;
@@ -65,14 +66,18 @@ class RankGeneration {
     loom::Buffer starts(&rt_, docs_.starts ? static_cast<size_t>(seq_len) * sizeof(int32_t) : 0);
     loom::Buffer positions(&rt_, docs_.positions ? static_cast<size_t>(seq_len) * sizeof(int32_t) : 0);
     loom::Buffer decided(&rt_, 2 * sizeof(float));
+    LOOM_REQUIRE(cached_ >= 0 && cached_ < static_cast<int64_t>(seq.size()) && (cached_ == 0 || req.use_cache),
+                 "generation: " << cached_ << " cached positions of a prompt of " << seq.size());
+    out.reused = cached_;
     for (int64_t step = 0; step < req.max_new_tokens; ++step) {
       if (static_cast<int64_t>(seq.size()) >= seq_len) {
         out.reached_seq_len = true;
         break;
       }
       const Clock::time_point t0 = Clock::now();
-      // With the cache: the prompt, then the newest token at its position.
-      const int64_t offset = req.use_cache && step > 0 ? static_cast<int64_t>(seq.size()) - 1 : 0;
+      // With the cache: the prompt (after what the cache holds of it), then the newest
+      // token at its position.
+      const int64_t offset = !req.use_cache ? 0 : step > 0 ? static_cast<int64_t>(seq.size()) - 1 : cached_;
       const int64_t rows = static_cast<int64_t>(seq.size()) - offset;
       rt_.dev().copy(tokens.get(), seq.data() + offset, static_cast<size_t>(rows) * sizeof(int32_t),
                      LOOM_COPY_HOST_TO_DEVICE);
@@ -88,6 +93,7 @@ class RankGeneration {
       forward_all_chunks(rows, offset, tokens.get<int32_t>(), logits.data(),
                          docs_.starts ? starts.get<int32_t>() : nullptr,
                          docs_.positions ? positions.get<int32_t>() : nullptr);
+      out.forwarded = offset + rows;
       // The reporting rank picks the token; every rank learns it and whether any saw a
       // stop signal, so all stop after the same token.
       float mine[2] = {0.0f, req.stop_signal && req.stop_signal->load() != 0 ? 1.0f : 0.0f};
@@ -140,6 +146,7 @@ class RankGeneration {
   const int64_t vocab_;
   const bool reports_;
   const DocumentInputs docs_;
+  const int64_t cached_;
   loom::Buffer received_;
 };
 
@@ -233,6 +240,7 @@ struct Generator::Ranks {
   std::exception_ptr error;   // launch's (the root cause), once it has returned
   uint64_t job = 0;           // the request number; each rank runs each once
   const GenerationRequest* request = nullptr;
+  int64_t cached = 0;         // the request's prompt positions the caches hold
   int finished = 0;           // ranks done with the current job
   bool have_result = false;
   GenerationResult result;
@@ -275,8 +283,9 @@ Generator::Generator(const RunPlan& plan, const InitialWeights& weights, int64_t
         if (r.stopping || r.failed) return;
         seen = r.job;
         const GenerationRequest& request = *r.request;
+        const int64_t cached = r.cached;
         lock.unlock();
-        GenerationResult mine = generate_on_rank(*model, rt, vocab_, request, reports, documents);
+        GenerationResult mine = generate_on_rank(*model, rt, vocab_, request, reports, documents, cached);
         lock.lock();
         // Every rank knows the tokens and timings; the reporting one also the logits.
         if (reports || !r.have_result) r.result = std::move(mine);
@@ -327,13 +336,25 @@ GenerationResult Generator::generate(const GenerationRequest& request) {
     if (r.thread.joinable()) r.thread.join();
     std::rethrow_exception(r.error);
   }
+  // The common start of the prompt and the cached sequence, leaving at least the
+  // prompt's last position to forward (its logits pick the first token).
+  int64_t common = 0;
+  if (request.use_cache) {
+    const size_t most = std::min(in_cache_.size(), request.prompt.size() - 1);
+    while (static_cast<size_t>(common) < most && in_cache_[common] == request.prompt[common]) ++common;
+  }
+  in_cache_.clear();  // until this request is done, the caches hold no sequence for sure
   r.request = &request;
+  r.cached = common;
   r.finished = 0;
   r.have_result = false;
   ++r.job;
   r.changed.notify_all();
   r.wait_or_throw(lock, [&] { return r.finished == r.local_ranks; });
   r.request = nullptr;
+  in_cache_ = request.prompt;
+  in_cache_.insert(in_cache_.end(), r.result.tokens.begin(), r.result.tokens.end());
+  in_cache_.resize(static_cast<size_t>(std::min<int64_t>(r.result.forwarded, static_cast<int64_t>(in_cache_.size()))));
   return std::move(r.result);
 }
 
@@ -344,8 +365,8 @@ GenerationResult generate(const RunPlan& plan, const InitialWeights& weights, in
 }
 
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
-                                  const GenerationRequest& request, bool reports, DocumentInputs docs) {
-  return RankGeneration(model, rt, vocab, reports, docs).run(request);
+                                  const GenerationRequest& request, bool reports, DocumentInputs docs, int64_t cached) {
+  return RankGeneration(model, rt, vocab, reports, docs, cached).run(request);
 }
 
 }  // namespace loom::train

@@ -62,6 +62,8 @@ struct GenerationResult {
   double prefill_ms = 0, decode_ms = 0;      // the prompt's forward; the later steps together
   bool reached_seq_len = false;              // stopped at the model's seq_len
   bool interrupted = false;                  // stopped by stop_signal
+  int64_t reused = 0;     // the prompt's first positions whose keys and values were cached already
+  int64_t forwarded = 0;  // the positions of prompt + tokens the cache holds after it
 };
 
 // A plan for generation from a training manifest: its model, device and comm, at
@@ -82,9 +84,12 @@ void require_kv_cache_layers(const RunPlan& plan);
 // keeps the logits (one rank of the world: the last pipeline stage's first tp rank of
 // dp rank 0); every rank's result has the tokens and timings.
 // docs: the documents the model was trained with (data.reset_*), found in the sequence
-// as it grows.
+// as it grows. cached: the prompt's first positions whose keys and values the model's
+// cache holds from the rank's last generation (with request.use_cache; less than the
+// prompt's length): the prompt's forward starts after them.
 GenerationResult generate_on_rank(model::Model& model, runtime::RankRuntime& rt, int64_t vocab,
-                                  const GenerationRequest& request, bool reports, DocumentInputs docs = {});
+                                  const GenerationRequest& request, bool reports, DocumentInputs docs = {},
+                                  int64_t cached = 0);
 
 // Throws loom::Error for a request `plan`'s model (of `vocab` tokens) cannot run: a
 // prompt that is empty, has an id outside the vocabulary or fills seq_len; sampling
@@ -97,8 +102,12 @@ void check_generation_request(const RunPlan& plan, int64_t vocab, const Generati
 // check_initial_weights; not needed once the constructor has returned), then each
 // generate() runs one request on every rank. Requests take turns: a call from another
 // thread waits for the one running. `plan` must outlive the Generator.
-// After a rank fails (a NaN logit, a device error), that generate() and every later
-// one throw the run's error (runtime::RunError); the ranks are gone.
+// A request whose prompt starts with the sequence of the one before (a conversation's
+// next turn: the earlier turns, the reply, the new message) reuses the keys and values
+// the model's cache holds of it: its prompt's forward starts after the common part
+// (GenerationResult::reused). After a rank fails (a NaN logit, a device error), that
+// generate() and every later one throw the run's error (runtime::RunError); the ranks
+// are gone.
 class Generator {
  public:
   Generator(const RunPlan& plan, const InitialWeights& weights, int64_t vocab);
@@ -115,6 +124,7 @@ class Generator {
  private:
   struct Ranks;
   const RunPlan& plan_;
+  std::vector<int32_t> in_cache_;  // the sequence whose keys and values the ranks' caches hold
   const int64_t vocab_;
   std::unique_ptr<Ranks> ranks_;
 };

@@ -210,9 +210,15 @@ def chat(messages, **extra):
 j = json.loads(chat([{"role": "user", "content": "zzq alice"}]))
 assert j["object"] == "chat.completion" and j["choices"][0]["message"] == {"role": "assistant", "content": "red"}, j
 assert j["choices"][0]["finish_reason"] == "stop", j
+# A next turn: the earlier turn and its reply come from the key/value cache (all but the
+# reply's end of turn, which was drawn last and never run), not computed again.
+t = json.loads(chat([{"role": "user", "content": "b carol"}]))
+assert t["choices"][0]["message"]["content"] == "blue", t
 j = json.loads(chat([{"role": "user", "content": "b carol"}, {"role": "assistant", "content": "blue"},
                      {"role": "user", "content": "jj dave"}]))
 assert j["choices"][0]["message"]["content"] == "black", j
+cached = j["usage"]["prompt_tokens_details"]["cached_tokens"]
+assert cached == t["usage"]["prompt_tokens"] + 1, (cached, t["usage"], j["usage"])
 events = [e[len("data: "):] for e in chat([{"role": "user", "content": "qqqqqqqqq bob"}], stream=True).split("\n\n") if e]
 assert events[-1] == "[DONE]", events
 chunks = [json.loads(e) for e in events[:-1]]

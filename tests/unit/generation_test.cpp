@@ -317,6 +317,36 @@ TEST(Generator, RequestsInTurnEqualFreshRuns) {
   for (size_t i = 0; i < requests.size(); ++i) expect_same(fresh[i], concurrent[i], 0, "concurrent " + std::to_string(i));
 }
 
+// A conversation's next turn starts with the sequence before: its prompt's forward
+// starts after what the caches hold of it, and it generates what a fresh run does (the
+// same tokens, logits to rounding), at tp 2 x pp 2; a prompt that is a prefix of the
+// cached sequence still forwards its last position; without the cache nothing is reused.
+TEST(Generator, ANextTurnReusesTheCachedPrefix) {
+  const Trained m = train_and_gather(kLlama);
+  const std::vector<std::string> layout = {"parallel.tp=2", "parallel.pp=2"};
+  const loom::train::RunPlan plan =
+      loom::train::generation_plan(m.manifest_toml, "saved.toml", layout, loom::plugins::registry());
+  loom::train::Generator gen(plan, m.weights, m.vocab);
+  const GenerationRequest first = greedy(3, true);
+  const GenerationResult a = gen.generate(first);
+  EXPECT_EQ(a.reused, 0);
+  EXPECT_EQ(a.forwarded, 6 + 3 - 1);  // the last token drawn was never run
+  GenerationRequest next = greedy(5, true);
+  next.prompt = first.prompt;
+  next.prompt.insert(next.prompt.end(), a.tokens.begin(), a.tokens.end());
+  next.prompt.insert(next.prompt.end(), {5, 10});
+  const GenerationResult b = gen.generate(next);
+  EXPECT_EQ(b.reused, 8);
+  expect_same(generate(m, layout, next), b, 1e-5, "next turn");
+  const GenerationResult again = gen.generate(first);
+  EXPECT_EQ(again.reused, 5);
+  expect_same(a, again, 1e-5, "the first prompt again");
+  GenerationRequest uncached = greedy(3, false);
+  const GenerationResult c = gen.generate(uncached);
+  EXPECT_EQ(c.reused, 0);
+  expect_same(a, c, 1e-5, "without the cache");
+}
+
 // A rank that fails (a NaN in the weights makes the logits NaN) fails that request with
 // the run's error and every later one; the other ranks do not hang.
 TEST(Generator, ARankFailureFailsThisAndLaterRequests) {

@@ -126,7 +126,8 @@ TEST(ServeApi, CompletionsWriteTheDrawnTokensAndEndAtTheEndOfDocument) {
   EXPECT_EQ(j["model"], "tiny");
   EXPECT_EQ(j["choices"][0]["text"], "46");
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
-  EXPECT_EQ(j["usage"], json({{"prompt_tokens", 6}, {"completion_tokens", 3}, {"total_tokens", 9}}));
+  EXPECT_EQ(j["usage"], json({{"prompt_tokens", 6}, {"completion_tokens", 3}, {"total_tokens", 9},
+                               {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
   ASSERT_EQ(api.gen.seen.size(), 1u);
   const loom::train::GenerationRequest& req = api.gen.seen[0];
   EXPECT_EQ(req.prompt, ids("12+34="));
