@@ -223,16 +223,23 @@ void serve_connection(Server& server, tcp::socket socket) {
     } catch (const std::exception& e) {
       a = error_answer(500, e.what());
     }
-    bool written = true;
-    if (a.status == 0 || events.opened()) written = events.ok();
-    else written = write_answer(socket, req.version(), keep_alive && !server.failed(), a);
+    bool written = true, cut = false;
+    if (events.opened() && a.status != 0) {  // a failure after the stream began: its last event
+      events.send(a.body);
+      events.close();
+      cut = true;  // without [DONE]; the connection ends
+    } else if (a.status == 0) {
+      written = events.ok();
+    } else {
+      written = write_answer(socket, req.version(), keep_alive && !server.failed(), a);
+    }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     std::ostringstream line;
     line << req.method_string() << " " << req.target() << " " << (a.status == 0 ? 200 : a.status)
          << (a.status == 0 ? " (stream)" : "") << std::fixed << std::setprecision(1) << " " << ms << " ms"
          << (written ? "" : " (the client left before the answer)");
     server.log(line.str());
-    if (!written || !keep_alive || server.failed()) break;
+    if (!written || cut || !keep_alive || server.failed()) break;
   }
   server.sockets.remove(fd);
   beast::error_code ignored;
