@@ -1,6 +1,6 @@
 // loom generate CHECKPOINT|MANIFEST --prompt TEXT [--max-new-tokens N] [--temperature T]
 //   [--top-k K] [--top-p P] [--seed S] [--tokenizer DIR|MODEL] [--prompt-ids 1,2,3]
-//   [--chat [--system TEXT] [--chat-template NAME]] [--no-cache] [--set key=value]... [--json]
+//   [--chat [--system TEXT] [--chat-template NAME] [--interactive]] [--no-cache] [--set key=value]... [--json]
 //   [--plugin-path DIR]...
 // Text from a trained model, with a key/value cache (engine/train/generation.hpp).
 #include "engine/cli/args.hpp"
@@ -22,6 +22,7 @@
 #include <cctype>
 #include <cmath>
 #include <csignal>
+#include <optional>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -53,6 +54,8 @@ const char* kUsage =
     "                      of the turn (<|im_end|>, <|eot_id|>)\n"
     "  --system TEXT       with --chat: a system message before the user's\n"
     "  --chat-template T   with --chat: chatml or llama3 instead\n"
+    "  --interactive       with --chat: a conversation, a message a line of stdin (--prompt: the first),\n"
+    "                      each reply printed as it comes; each turn reuses the cached earlier ones\n"
     "  --tokenizer PATH    any loom preprocess reads (GPT-2 BPE, tokenizer.json, SentencePiece); the run's\n"
     "                      data.tokenizer, a synthetic task's symbols or, for data.kind = \"text\", bytes\n"
     "  --no-cache          run the whole sequence again for every token (what the cache saves)\n"
@@ -92,30 +95,96 @@ class Stream {
   bool started_ = false;
 };
 
-// --chat: the prompt as a conversation's next assistant turn, and where that turn ends.
-struct ChatPrompt {
-  std::vector<int32_t> ids;
-  std::vector<int32_t> stops;  // the end of a turn, and of a conversation where known
+// --chat: the conversation so far, written with the chat template (the run's
+// data.chat_template, else its tokenizer's, or the one named here, or the one
+// --tokenizer's directory declares), and the tokens that end a reply.
+struct Chat {
+  text::ChatTemplate chat_template;
+  text::Conversation conversation;  // the system message, then the turns
+  std::vector<int32_t> stops;       // the end of a turn, and of a conversation where known
+  // The conversation and the assistant's header after it.
+  std::vector<int32_t> prompt(const train::TextCodec& codec) const {
+    return chat_template.encode(*codec.tokenizer(), conversation, true).ids;
+  }
 };
-ChatPrompt chat_prompt(const Args& args, const train::TextCodec& codec, const manifest::RunConfig& config) {
+Chat start_chat(const Args& args, const train::TextCodec& codec, const manifest::RunConfig& config) {
   const text::Tokenizer* tokenizer = codec.tokenizer();
   if (tokenizer == nullptr)
     throw UsageError("--chat writes the prompt with a chat template, which needs the model's tokenizer (" +
                      codec.describe() + "); give --tokenizer");
-  // The template the run was trained with (data.chat_template, else its tokenizer's), or
-  // the one named here, or the one --tokenizer's directory declares.
   const std::string named = chat_template_option(args);
-  const text::ChatTemplate chat =
-      text::resolve_chat_template(named.empty() ? config.data.chat_template : named,
-                                  args.get("--tokenizer").value_or(config.data.tokenizer), "give --chat-template");
-  chat.require_special_tokens(*tokenizer);
-  text::Conversation conversation;
-  if (args.has("--system")) conversation.push_back({"system", *args.get("--system")});
-  conversation.push_back({"user", *args.get("--prompt")});
-  ChatPrompt p{chat.encode(*tokenizer, conversation, true).ids, {chat.end_of_turn(*tokenizer)}};
-  const int64_t end = config.data.eod_token >= 0 ? config.data.eod_token : chat.end_of_conversation(*tokenizer);
-  if (end >= 0) p.stops.push_back(static_cast<int32_t>(end));
-  return p;
+  Chat chat{text::resolve_chat_template(named.empty() ? config.data.chat_template : named,
+                                        args.get("--tokenizer").value_or(config.data.tokenizer), "give --chat-template"),
+            {}, {}};
+  chat.chat_template.require_special_tokens(*tokenizer);
+  if (args.has("--system")) chat.conversation.push_back({"system", *args.get("--system")});
+  chat.stops = {chat.chat_template.end_of_turn(*tokenizer)};
+  const int64_t end = config.data.eod_token >= 0 ? config.data.eod_token : chat.chat_template.end_of_conversation(*tokenizer);
+  if (end >= 0) chat.stops.push_back(static_cast<int32_t>(end));
+  return chat;
+}
+
+// --interactive: a conversation with the model, a user message a line of stdin (the
+// first one --prompt's, when given), each reply printed as it comes (or, with --json,
+// a line of JSON a turn). The model stays built and each turn reuses what the cache
+// holds of the turns before. Ends at the end of stdin (0) or on a signal (130, after
+// the current token).
+int chat_interactively(const ModelSource& src, const train::TextCodec& codec, Chat chat, train::GenerationRequest req,
+                       const std::optional<std::string>& first, bool json) {
+  train::Generator generator(src.plan, src.weights, src.vocab);
+  const bool prompt_user = ::isatty(0) != 0 && !json;
+  const size_t kept = chat.conversation.size();  // the system message
+  const uint64_t seed = req.sampling.seed;
+  for (int64_t turn = 0; g_stop.load() == 0; ++turn) {
+    std::string message;
+    if (turn == 0 && first) {
+      message = *first;
+    } else {
+      if (prompt_user) std::cerr << "> " << std::flush;
+      if (!std::getline(std::cin, message)) break;
+    }
+    if (message.empty()) continue;
+    chat.conversation.push_back({"user", message});
+    req.prompt = chat.prompt(codec);
+    if (static_cast<int64_t>(req.prompt.size()) >= generator.seq_len() && chat.conversation.size() > kept + 1) {
+      std::cerr << "loom generate: the conversation no longer fits the model's seq_length of " << generator.seq_len()
+                << " tokens: it starts again from this message\n";
+      chat.conversation.erase(chat.conversation.begin() + static_cast<std::ptrdiff_t>(kept), chat.conversation.end() - 1);
+      req.prompt = chat.prompt(codec);
+    }
+    req.sampling.seed = seed + static_cast<uint64_t>(turn);
+    ReplyText reply(codec, req.prompt);
+    req.on_token = [&](int32_t t) {
+      if (std::find(chat.stops.begin(), chat.stops.end(), t) != chat.stops.end()) return;
+      const std::string fresh = reply.add(t);
+      if (!json) std::cout << fresh << std::flush;
+    };
+    train::GenerationResult res;
+    try {
+      res = generator.generate(req);
+    } catch (const runtime::RunError&) {
+      throw;
+    } catch (const std::exception& e) {  // this message cannot be answered (too long): say so, go on
+      std::cerr << "loom generate: " << e.what() << "\n";
+      chat.conversation.pop_back();
+      continue;
+    }
+    const std::string rest = reply.finish();
+    if (json) {
+      nlohmann::ordered_json j;
+      j["turn"] = turn;
+      j["reply"] = reply.text();
+      j["ids"] = res.tokens;
+      j["prompt_tokens"] = req.prompt.size();
+      j["reused"] = res.reused;
+      j["interrupted"] = res.interrupted;
+      std::cout << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n" << std::flush;
+    } else {
+      std::cout << rest << "\n" << std::flush;
+    }
+    chat.conversation.push_back({"assistant", reply.text()});
+  }
+  return g_stop.load() != 0 ? 130 : 0;
 }
 
 std::vector<int32_t> parse_ids(const std::string& list) {
@@ -156,7 +225,7 @@ double parse_double(const Args& args, const std::string& name, double fallback) 
 
 int cmd_generate(int argc, char** argv) {
   try {
-    Args args(argc, argv, {"--no-cache", "--json", "--chat"},
+    Args args(argc, argv, {"--no-cache", "--json", "--chat", "--interactive"},
               {"--prompt", "--prompt-ids", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed",
                "--stop-token", "--tokenizer", "--set", "--plugin-path", "--system", "--chat-template"});
     if (args.flag("--help")) {
@@ -164,9 +233,12 @@ int cmd_generate(int argc, char** argv) {
       return 0;
     }
     if (args.positionals().size() != 1) throw UsageError("generate takes one CHECKPOINT or MANIFEST");
-    if (args.has("--prompt") == args.has("--prompt-ids")) throw UsageError("give --prompt TEXT or --prompt-ids, one of them");
-    const bool chat = args.flag("--chat");
-    if (chat && !args.has("--prompt")) throw UsageError("--chat takes the user's message as --prompt TEXT");
+    const bool chat = args.flag("--chat"), interactive = args.flag("--interactive");
+    if (interactive && !chat) throw UsageError("--interactive goes with --chat");
+    if (interactive && args.has("--prompt-ids")) throw UsageError("--interactive reads messages, not --prompt-ids");
+    if (!interactive && args.has("--prompt") == args.has("--prompt-ids"))
+      throw UsageError("give --prompt TEXT or --prompt-ids, one of them");
+    if (chat && !interactive && !args.has("--prompt")) throw UsageError("--chat takes the user's message as --prompt TEXT");
     for (const char* option : {"--system", "--chat-template"})
       if (!chat && args.has(option)) throw UsageError(std::string(option) + " goes with --chat");
     chat_template_option(args);  // a usage error before anything loads
@@ -194,8 +266,11 @@ int cmd_generate(int argc, char** argv) {
     const ModelSource src = load_model_source(args.positionals()[0], args.all("--set"), r, train::generation_plan);
     const train::TextCodec codec(args.get("--tokenizer").value_or(""), src.plan.config);
     codec.require_fits(src.vocab);
-    const ChatPrompt conversation = chat ? chat_prompt(args, codec, src.plan.config) : ChatPrompt{};
-    req.prompt = chat                     ? conversation.ids
+    std::optional<Chat> conversation;
+    if (chat) conversation = start_chat(args, codec, src.plan.config);
+    if (chat && !interactive) conversation->conversation.push_back({"user", *args.get("--prompt")});
+    req.prompt = interactive                ? std::vector<int32_t>{}
+                 : chat                     ? conversation->prompt(codec)
                  : args.has("--prompt-ids") ? parse_ids(*args.get("--prompt-ids"))
                                             : codec.encode(*args.get("--prompt"));
     const int64_t trained_eod = src.plan.config.data.eod_token;
@@ -206,7 +281,7 @@ int cmd_generate(int argc, char** argv) {
                          std::to_string(src.vocab) + ") (or -1: none)");
       if (stop >= 0) req.stop_tokens = {static_cast<int32_t>(stop)};
     } else {
-      req.stop_tokens = conversation.stops;
+      req.stop_tokens = conversation->stops;
     }
     req.token_limit = codec.vocab();
     const bool json = args.flag("--json");
@@ -219,7 +294,14 @@ int cmd_generate(int argc, char** argv) {
       if (!stops_reply(t)) stream.add(t);
     };
     req.stop_signal = &g_stop;
-    for (int sig : {SIGINT, SIGTERM}) std::signal(sig, on_generate_signal);
+    // Without SA_RESTART: a signal while --interactive waits for a line ends the wait.
+    struct sigaction on_signal {};
+    on_signal.sa_handler = on_generate_signal;
+    for (int sig : {SIGINT, SIGTERM}) ::sigaction(sig, &on_signal, nullptr);
+    if (interactive) {
+      conversation->stops = req.stop_tokens;
+      return chat_interactively(src, codec, *conversation, req, args.get("--prompt"), json);
+    }
     const train::GenerationResult res = train::generate(src.plan, src.weights, src.vocab, req);
     for (int sig : {SIGINT, SIGTERM}) std::signal(sig, SIG_DFL);
 

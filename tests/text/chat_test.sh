@@ -191,6 +191,19 @@ j=$("$loom" generate "$work/sftck" --chat --system "Answer with a colour." --pro
 python3 -c 'import json,sys; j=json.loads(sys.argv[1]); assert j["reply"]=="green" and j["ids"][-1]==50258, j' "$j" ||
   fail "generate --chat --json: no reply 'green' ending at <|im_end|>: $j"
 
+# generate --chat --interactive: a conversation from stdin, a reply a line; the second
+# turn reuses the first from the key/value cache and still answers right.
+got=$(printf 'zzq alice\n\nkkvvxq dave\n' | "$loom" generate "$work/sftck" --chat --interactive --temperature 0 \
+      --max-new-tokens 4 2>/dev/null)
+[ "$got" = "$(printf 'red\nblack')" ] || fail "generate --chat --interactive answered '$got'"
+got=$(printf 'kkvvxq dave\n' | "$loom" generate "$work/sftck" --chat --interactive --prompt "zzq alice" --json \
+      --temperature 0 --max-new-tokens 4 2>/dev/null)
+python3 -c '
+import json, sys
+t = [json.loads(l) for l in sys.argv[1].splitlines()]
+assert [x["reply"] for x in t] == ["red", "black"] and t[0]["reused"] == 0 and t[1]["reused"] > t[0]["prompt_tokens"], t
+' "$got" || fail "generate --chat --interactive --json: $got"
+
 # loom serve's chat completions: the answers generate --chat gives, whole or streamed,
 # after earlier turns of the conversation too.
 "$loom" serve "$work/sftck" --port 0 >/dev/null 2>"$work/serve.err" &
