@@ -27,6 +27,7 @@
 #include <iomanip>
 #include <iostream>
 #include <list>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -61,35 +62,54 @@ const char* kUsage =
     "after its current token and is answered, then the server exits with status 0.\n";
 
 constexpr size_t kMaxBodyBytes = 8u << 20;
-constexpr int kIdleSeconds = 300;  // a keep-alive connection without a request this long is closed
+// A connection has this long to send a whole request, from the end of the one before
+// (or from its start): an idle keep-alive or a client that sends nothing (or a byte a
+// minute) does not hold one of the --max-connections for ever.
+constexpr auto kRequestTime = std::chrono::seconds(60);
 
 std::atomic<int> g_stop{0};
 extern "C" void on_serve_signal(int) { g_stop.store(1); }
 
-// The open connections' sockets: at shutdown their reads are ended (a client idle on
-// keep-alive), while an answer being written still goes out.
+// The open connections' sockets: a connection reading a request past its deadline is
+// shut (the accept loop looks every 200 ms); at shutdown every read is ended (a client
+// idle on keep-alive), while an answer being written still goes out.
 class OpenSockets {
  public:
+  using Clock = std::chrono::steady_clock;
   // false once reads have ended: the connection is not served.
   bool add(int fd) {
     std::lock_guard<std::mutex> lock(mu_);
     if (ended_) return false;
-    fds_.insert(fd);
+    deadlines_[fd] = Clock::now() + kRequestTime;
     return true;
   }
   void remove(int fd) {
     std::lock_guard<std::mutex> lock(mu_);
-    fds_.erase(fd);
+    deadlines_.erase(fd);
+  }
+  // The connection waits for a request (a deadline) or answers one (none).
+  void reading(int fd, bool yes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    deadlines_[fd] = yes ? Clock::now() + kRequestTime : Clock::time_point::max();
+  }
+  void shut_late() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    for (auto& [fd, deadline] : deadlines_)
+      if (deadline < now) {
+        ::shutdown(fd, SHUT_RDWR);
+        deadline = Clock::time_point::max();
+      }
   }
   void end_reads() {
     std::lock_guard<std::mutex> lock(mu_);
     ended_ = true;
-    for (int fd : fds_) ::shutdown(fd, SHUT_RD);
+    for (const auto& [fd, deadline] : deadlines_) ::shutdown(fd, SHUT_RD);
   }
 
  private:
   std::mutex mu_;
-  std::set<int> fds_;
+  std::map<int, Clock::time_point> deadlines_;
   bool ended_ = false;
 };
 
@@ -123,6 +143,11 @@ class SocketEvents : public EventStream {
     beast::error_code ec;
     net::write(socket_, http::make_chunk_last(), ec);
     ok_ = !ec;
+  }
+  // The client closed its side (or reset it): nobody will read the answer.
+  bool connected() override {
+    pollfd p{socket_.native_handle(), POLLRDHUP, 0};
+    return ::poll(&p, 1, 0) <= 0 || (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0;
   }
   bool opened() const { return opened_; }
   bool ok() const { return ok_; }
@@ -186,10 +211,9 @@ bool write_answer(tcp::socket& socket, unsigned version, bool keep_alive, const 
 // client closes it, a request that cannot be read, or shutdown.
 void serve_connection(Server& server, tcp::socket socket) {
   const int fd = socket.native_handle();
-  const timeval idle{kIdleSeconds, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &idle, sizeof idle);
   beast::flat_buffer buffer;
   for (;;) {
+    server.sockets.reading(fd, true);
     http::request_parser<http::string_body> parser;
     parser.body_limit(kMaxBodyBytes);
     beast::error_code ec;
@@ -197,6 +221,15 @@ void serve_connection(Server& server, tcp::socket socket) {
     if (!ec && parser.get()[http::field::expect] == "100-continue") {  // curl's, for bodies over 1 KB
       http::response<http::empty_body> go_on{http::status::continue_, parser.get().version()};
       http::write(socket, go_on, ec);
+    }
+    // A transfer coding other than chunked would leave the body unread, to be taken for
+    // the next request: refused, and the connection closed.
+    const auto coding = parser.get().find(http::field::transfer_encoding);
+    if (!ec && coding != parser.get().end() && !beast::iequals(coding->value(), "chunked")) {
+      write_answer(socket, parser.get().version(), false,
+                   error_answer(501, "Transfer-Encoding " + std::string(coding->value()) + " is not taken (chunked is)"));
+      server.log("a request with Transfer-Encoding " + std::string(coding->value()) + ": 501");
+      break;
     }
     if (!ec && !parser.is_done()) http::read(socket, buffer, parser, ec);
     if (ec) {
@@ -210,6 +243,7 @@ void serve_connection(Server& server, tcp::socket socket) {
       }
       break;
     }
+    server.sockets.reading(fd, false);
     const http::request<http::string_body>& req = parser.get();
     const bool keep_alive = req.keep_alive() && g_stop.load() == 0;
     const auto t0 = std::chrono::steady_clock::now();
@@ -338,7 +372,8 @@ int cmd_serve(int argc, char** argv) {
     server.log("serving " + model.name + " (tp " + std::to_string(src.plan.sizes.tp) + ", pp " +
                std::to_string(src.plan.sizes.pp) + ", " + src.plan.config.device.kind + ", chat " +
                (model.chat ? model.chat->name() : "off: " + model.no_chat) + ") on http://" +
-               bound.address().to_string() + ":" + std::to_string(bound.port()));
+               (bound.address().is_v6() ? "[" + bound.address().to_string() + "]" : bound.address().to_string()) +
+               ":" + std::to_string(bound.port()));
 
     struct Connection {
       std::thread thread;
@@ -346,6 +381,7 @@ int cmd_serve(int argc, char** argv) {
     };
     std::list<Connection> connections;
     while (g_stop.load() == 0 && !server.failed()) {
+      server.sockets.shut_late();
       pollfd ready{acceptor.native_handle(), POLLIN, 0};
       if (::poll(&ready, 1, 200) <= 0) continue;  // a timeout, or a signal: look at the flags again
       tcp::socket socket(ioc);

@@ -45,13 +45,22 @@ int64_t unix_time() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+constexpr int kMaxDepth = 32;
+constexpr size_t kMaxPrompts = 128;  // a request's prompts (times n: its sequences)
+
 // The fields of a request body, each read at most once; what is left unread at the end
 // is a field the endpoint does not know.
 class Body {
  public:
   Body(const std::string& text, std::set<std::string> known) : known_(std::move(known)) {
+    // Nesting is bounded before anything copies the value (a copy recurses: a body
+    // of 80 000 brackets would overflow the stack).
+    const json::parser_callback_t bounded = [](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxDepth) throw Refusal(400, "the body nests deeper than " + std::to_string(kMaxDepth) + " levels");
+      return true;
+    };
     try {
-      j_ = json::parse(text);
+      j_ = json::parse(text, bounded);
     } catch (const json::exception& e) {
       throw Refusal(400, std::string("the body is not JSON: ") + e.what());
     }
@@ -82,11 +91,23 @@ class Body {
   int64_t integer(const std::string& name, int64_t fallback, int64_t lo, int64_t hi) const {
     const json* v = get(name);
     if (v == nullptr) return fallback;
-    const bool whole = v->is_number_integer() || (v->is_number_float() && std::trunc(v->get<double>()) == v->get<double>());
-    if (!whole || v->get<double>() < static_cast<double>(lo) || v->get<double>() > static_cast<double>(hi))
+    int64_t value = 0;
+    bool whole = false;
+    if (v->is_number_unsigned()) {  // above INT64_MAX it would wrap: compared unsigned
+      whole = hi >= 0 && v->get<uint64_t>() <= static_cast<uint64_t>(hi);
+      value = whole ? static_cast<int64_t>(v->get<uint64_t>()) : 0;
+    } else if (v->is_number_integer()) {
+      whole = true;
+      value = v->get<int64_t>();
+    } else if (v->is_number_float()) {
+      const double d = v->get<double>();
+      whole = std::trunc(d) == d && std::fabs(d) < 9.0e18;
+      value = whole ? static_cast<int64_t>(d) : 0;
+    }
+    if (!whole || value < lo || value > hi)
       throw Refusal(400, "'" + name + "' must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
                     "invalid_request_error", name);
-    return v->is_number_integer() ? v->get<int64_t>() : static_cast<int64_t>(v->get<double>());
+    return value;
   }
   bool boolean(const std::string& name, bool fallback) const {
     const json* v = get(name);
@@ -94,14 +115,23 @@ class Body {
     if (!v->is_boolean()) throw Refusal(400, "'" + name + "' must be true or false", "invalid_request_error", name);
     return v->get<bool>();
   }
-  // A field the server does not implement: accepted only at the value that asks for
-  // nothing (null, false, 0, {} or [] as the field takes).
-  void unsupported(const std::string& name, const std::string& what) const {
+  // A field the server does not implement: accepted only when null or at the one value
+  // that asks for nothing in OpenAI's (or Megatron-LM's) meaning of the field.
+  enum class Nothing { OnlyNull, False, Zero, Empty, EmptyText };
+  void unsupported(const std::string& name, const std::string& what, Nothing nothing = Nothing::OnlyNull) const {
     const json* v = get(name);
     if (v == nullptr) return;
-    const bool nothing = (v->is_boolean() && !v->get<bool>()) || (v->is_number() && v->get<double>() == 0) ||
-                         ((v->is_object() || v->is_array()) && v->empty());
-    if (!nothing) throw Refusal(400, "'" + name + "' is not supported: loom serve " + what, "invalid_request_error", name);
+    const bool asks_nothing =
+        (nothing == Nothing::False && v->is_boolean() && !v->get<bool>()) ||
+        (nothing == Nothing::Zero && v->is_number() && v->get<double>() == 0) ||
+        (nothing == Nothing::Empty && (v->is_object() || v->is_array()) && v->empty()) ||
+        (nothing == Nothing::EmptyText && v->is_string() && v->get<std::string>().empty());
+    if (!asks_nothing)
+      throw Refusal(400, "'" + name + "' is not supported: loom serve " + what, "invalid_request_error", name);
+  }
+  void text(const std::string& name) const {
+    const json* v = get(name);
+    if (v != nullptr && !v->is_string()) throw Refusal(400, "'" + name + "' must be a string", "invalid_request_error", name);
   }
 
  private:
@@ -165,11 +195,11 @@ Settings openai_settings(const ServedModel& m, const Body& b, int64_t default_ma
       s.stop_strings.push_back(x.get<std::string>());
     }
   }
-  b.unsupported("logprobs", "returns no log-probabilities");
-  b.unsupported("top_logprobs", "returns no log-probabilities");
-  b.unsupported("presence_penalty", "applies no penalties");
-  b.unsupported("frequency_penalty", "applies no penalties");
-  b.unsupported("logit_bias", "applies no logit bias");
+  b.unsupported("top_logprobs", "returns no log-probabilities", Body::Nothing::Zero);
+  b.unsupported("presence_penalty", "applies no penalties", Body::Nothing::Zero);
+  b.unsupported("frequency_penalty", "applies no penalties", Body::Nothing::Zero);
+  b.unsupported("logit_bias", "applies no logit bias", Body::Nothing::Empty);
+  b.text("user");
   return s;
 }
 
@@ -178,17 +208,29 @@ struct Choice {
   std::string text;
   std::string finish_reason;
   std::vector<int32_t> ids;  // every token drawn (a stop token, one after a stop string)
+  int64_t tokens = 0;        // the completion's tokens: up to the one that completed a stop string
   int64_t cached = 0;        // prompt tokens whose keys and values the model had cached
+  bool started = true;       // false: not begun (the server was shutting down, the client gone)
 };
 
 // Runs one choice: `prompt` continued, its text given to `on_text` as it becomes final
 // (a streamed answer; false: the client is gone, stop). Tokens in `stop_tokens` end it
-// and are not text; so does a stop string, the text ending before it.
+// and are not text; so does a stop string, the text ending before it. A shutdown or a
+// client that left ends it after the current token ("abort"), or before it starts.
 Choice run_choice(const ServedModel& m, const std::vector<int32_t>& prompt, const Settings& s, uint64_t seed,
-                  const std::vector<int32_t>& stop_tokens, const std::function<bool(const std::string&)>& on_text) {
-  if (m.shutting_down && m.shutting_down->load() != 0) throw Refusal(503, "the server is shutting down", "server_error");
+                  const std::vector<int32_t>& stop_tokens, const std::function<bool(const std::string&)>& on_text,
+                  EventStream& client) {
+  const auto must_stop = [&] { return (m.shutting_down && m.shutting_down->load() != 0) || !client.connected(); };
   Choice c;
-  if (s.max_tokens == 0) return {"", "length", {}};
+  if (must_stop()) {
+    c.finish_reason = "abort";
+    c.started = false;
+    return c;
+  }
+  if (s.max_tokens == 0) {
+    c.finish_reason = "length";
+    return c;
+  }
   ReplyText reply(*m.codec, prompt, s.stop_strings);
   std::atomic<int> stop{0};
   bool stopped_by_token = false;
@@ -201,8 +243,9 @@ Choice run_choice(const ServedModel& m, const std::vector<int32_t>& prompt, cons
   req.token_limit = m.vocab;
   req.stop_signal = &stop;
   req.on_token = [&](int32_t token) {
-    if (m.shutting_down && m.shutting_down->load() != 0) stop = 1;
+    if (must_stop()) stop = 1;
     if (reply.stopped()) return;  // the token after a stop string, drawn before the stop took hold
+    ++c.tokens;
     if (std::find(stop_tokens.begin(), stop_tokens.end(), token) != stop_tokens.end()) {
       stopped_by_token = true;
       return;
@@ -318,12 +361,16 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
                       "best_of", "suffix", "user"});
   const Settings s = openai_settings(m, b, 16);
   const bool echo = b.boolean("echo", false);
-  b.unsupported("suffix", "does not insert text");
+  b.unsupported("suffix", "does not insert text", Body::Nothing::EmptyText);
+  b.unsupported("logprobs", "returns no log-probabilities");
   if (b.get("best_of") && b.integer("best_of", 1, 1, 16) != s.n)
     throw Refusal(400, "'best_of' is not supported: loom serve returns every choice it generates", "invalid_request_error",
                   "best_of");
   std::vector<std::vector<int32_t>> prompts;
   for (const json& p : prompt_list(b.require("prompt"))) prompts.push_back(prompt_ids(m, p));
+  if (prompts.size() > kMaxPrompts)
+    throw Refusal(400, "'prompt' holds " + std::to_string(prompts.size()) + " prompts; a request takes " +
+                           std::to_string(kMaxPrompts) + " at most", "invalid_request_error", "prompt");
   std::vector<int32_t> stops;
   if (m.end_of_document >= 0) stops.push_back(m.end_of_document);
   const std::string id = next_id("cmpl");
@@ -336,6 +383,7 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
   if (s.stream) events.open();
   json choices = json::array();
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  bool started = false;
   try {
   for (size_t p = 0; p < prompts.size(); ++p) {
     prompt_tokens += static_cast<int64_t>(prompts[p].size());
@@ -345,8 +393,10 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
       if (s.stream && echo) events.send(chunk(index, prompt_text, json()));
       std::function<bool(const std::string&)> on_text;
       if (s.stream) on_text = [&](const std::string& t) { return events.send(chunk(index, t, json())); };
-      const Choice c = run_choice(m, prompts[p], s, s.sampling.seed + static_cast<uint64_t>(i), stops, on_text);
-      completion_tokens += static_cast<int64_t>(c.ids.size());
+      const Choice c =
+          run_choice(m, prompts[p], s, s.sampling.seed + static_cast<uint64_t>(i), stops, on_text, stream);
+      started = started || c.started;
+      completion_tokens += c.tokens;
       cached_tokens += c.cached;
       if (s.stream) events.send(chunk(index, "", c.finish_reason));
       choices.push_back({{"index", index}, {"text", prompt_text + c.text}, {"logprobs", json()},
@@ -357,6 +407,7 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
     if (!s.stream) throw;
     return events.fail(error_json(r.what(), r.type, r.param));
   }
+  if (!started && !s.stream) throw Refusal(503, "the server is shutting down", "server_error");
   const json usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
   if (s.stream) {
     if (s.usage_in_stream)
@@ -375,7 +426,8 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
                       "frequency_penalty", "logit_bias", "user", "response_format", "tools", "tool_choice",
                       "parallel_tool_calls"});
   const Settings s = openai_settings(m, b, INT32_MAX);  // the reply ends at its end of turn, or at seq_length
-  b.unsupported("tools", "writes no tool calls");
+  b.unsupported("tools", "writes no tool calls", Body::Nothing::Empty);
+  b.unsupported("logprobs", "returns no log-probabilities", Body::Nothing::False);
   if (const json* choice = b.get("tool_choice"); choice && !(choice->is_string() && choice->get<std::string>() == "none"))
     throw Refusal(400, "'tool_choice' is not supported: loom serve writes no tool calls", "invalid_request_error",
                   "tool_choice");
@@ -384,9 +436,15 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
     throw Refusal(400, "'response_format' is not supported beyond {\"type\": \"text\"}", "invalid_request_error",
                   "response_format");
   if (!m.chat) throw Refusal(400, "this server writes no chat: " + m.no_chat, "invalid_request_error", "messages");
+  const json& messages = b.require("messages");
+  for (size_t i = 0; messages.is_array() && i < messages.size(); ++i)
+    for (auto it = messages[i].begin(); messages[i].is_object() && it != messages[i].end(); ++it)
+      if (const std::string& key = it.key(); key != "role" && key != "content")
+        throw Refusal(400, "message " + std::to_string(i + 1) + ": '" + key + "' is not supported (a message is " +
+                               "{\"role\", \"content\"})", "invalid_request_error", "messages");
   text::Conversation conversation;
   try {
-    conversation = text::conversation_from_json(json{{"messages", b.require("messages")}});
+    conversation = text::conversation_from_json(json{{"messages", messages}});
   } catch (const std::exception& e) {
     throw Refusal(400, e.what(), "invalid_request_error", "messages");
   }
@@ -408,13 +466,15 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
   if (s.stream) events.open();
   json choices = json::array();
   int64_t completion_tokens = 0, cached_tokens = 0;
+  bool started = false;
   try {
   for (int64_t i = 0; i < s.n; ++i) {
     if (s.stream) events.send(chunk(i, {{"role", "assistant"}, {"content", ""}}, json()));
     std::function<bool(const std::string&)> on_text;
     if (s.stream) on_text = [&](const std::string& t) { return events.send(chunk(i, {{"content", t}}, json())); };
-    const Choice c = run_choice(m, prompt, s, s.sampling.seed + static_cast<uint64_t>(i), m.chat_stops, on_text);
-    completion_tokens += static_cast<int64_t>(c.ids.size());
+    const Choice c = run_choice(m, prompt, s, s.sampling.seed + static_cast<uint64_t>(i), m.chat_stops, on_text, stream);
+    started = started || c.started;
+    completion_tokens += c.tokens;
     cached_tokens += c.cached;
     if (s.stream) events.send(chunk(i, json::object(), c.finish_reason));
     choices.push_back({{"index", i}, {"message", {{"role", "assistant"}, {"content", c.text}}}, {"logprobs", json()},
@@ -424,6 +484,7 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
     if (!s.stream) throw;
     return events.fail(error_json(r.what(), r.type, r.param));
   }
+  if (!started && !s.stream) throw Refusal(503, "the server is shutting down", "server_error");
   const json usage = usage_json(static_cast<int64_t>(prompt.size()), completion_tokens, cached_tokens);
   if (s.stream) {
     if (s.usage_in_stream)
@@ -437,13 +498,16 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
 }
 
 // Megatron-LM's text generation server (tools/run_text_generation_server.py): PUT /api.
-HttpAnswer megatron_api(const ServedModel& m, const std::string& body) {
+HttpAnswer megatron_api(const ServedModel& m, const std::string& body, EventStream& client) {
   const Body b(body, {"prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "random_seed", "logprobs",
                       "add_BOS", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon", "beam_width",
                       "no_log", "top_p_decay", "top_p_bound", "length_penalty"});
   const json& prompts = b.require("prompts");
   if (!prompts.is_array() || prompts.empty())
     throw Refusal(400, "'prompts' must be a list of strings", "invalid_request_error", "prompts");
+  if (prompts.size() > kMaxPrompts)
+    throw Refusal(400, "'prompts' holds " + std::to_string(prompts.size()) + " prompts; a request takes " +
+                           std::to_string(kMaxPrompts) + " at most", "invalid_request_error", "prompts");
   Settings s;
   s.max_tokens = b.integer("tokens_to_generate", 64, 0, INT32_MAX);
   s.sampling.temperature = b.number("temperature", 1.0, 0.0, 100.0);
@@ -456,11 +520,11 @@ HttpAnswer megatron_api(const ServedModel& m, const std::string& body) {
   if (b.boolean("stop_on_double_eol", false)) s.stop_strings.push_back("\n\n");
   if (b.boolean("stop_on_eol", false)) s.stop_strings.push_back("\n");
   b.boolean("no_log", false);
-  b.unsupported("logprobs", "returns no log-probabilities");
-  b.unsupported("prevent_newline_after_colon", "does not constrain tokens");
+  b.unsupported("logprobs", "returns no log-probabilities", Body::Nothing::False);
+  b.unsupported("prevent_newline_after_colon", "does not constrain tokens", Body::Nothing::False);
   b.unsupported("beam_width", "does not search beams");
-  b.unsupported("top_p_decay", "does not decay top_p");
-  b.unsupported("top_p_bound", "does not decay top_p");
+  b.unsupported("top_p_decay", "does not decay top_p", Body::Nothing::Zero);
+  b.unsupported("top_p_bound", "does not decay top_p", Body::Nothing::Zero);
   b.unsupported("length_penalty", "does not search beams");
   if (add_bos && m.end_of_document < 0)
     throw Refusal(400, "'add_BOS': the model has no end-of-document token to start with", "invalid_request_error",
@@ -473,7 +537,8 @@ HttpAnswer megatron_api(const ServedModel& m, const std::string& body) {
     std::vector<int32_t> ids = prompt_ids(m, prompts[p]);
     if (add_bos && !prompts[p].get<std::string>().empty()) ids.insert(ids.begin(), m.end_of_document);
     // Megatron-LM answers the prompt with what follows it, and the text of each token.
-    const Choice c = run_choice(m, ids, s, s.sampling.seed + p, stops, nullptr);
+    const Choice c = run_choice(m, ids, s, s.sampling.seed + p, stops, nullptr, client);
+    if (!c.started && p == 0) throw Refusal(503, "the server is shutting down", "server_error");
     texts.push_back(ReplyText(*m.codec, ids).context_text() + c.text);
     json seg = json::array();
     for (int32_t t : ids) seg.push_back(m.codec->decode({t}));
@@ -522,7 +587,7 @@ HttpAnswer answer_request(const ServedModel& m, const std::string& method, const
       throw Refusal(400, "the model has no tokenizer, so the server takes and writes no text: give --tokenizer");
     if (path == "/v1/completions") return completions(m, body, stream);
     if (path == "/v1/chat/completions") return chat_completions(m, body, stream);
-    return megatron_api(m, body);
+    return megatron_api(m, body, stream);
   } catch (const Refusal& r) {
     return refuse(r);
   }

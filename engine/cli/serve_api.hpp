@@ -34,14 +34,18 @@ struct HttpAnswer {
   std::string allow;  // 405: the methods the path takes
 };
 
-// Where a streamed answer ("stream": true) goes, as server-sent events. Each call
-// returns false once the client is gone; the generation then stops.
+// The client of a request: where a streamed answer ("stream": true) goes, as
+// server-sent events. Each call returns false once the client is gone; the generation
+// then stops.
 class EventStream {
  public:
   virtual ~EventStream() = default;
   virtual bool open() = 0;                         // status 200, text/event-stream
   virtual bool send(const std::string& data) = 0;  // one event: "data: DATA\n\n"
   virtual void close() = 0;                        // the end of the stream
+  // Whether the client is still there (streamed or not): a request whose client left is
+  // cut after the current token, nobody reading its answer.
+  virtual bool connected() { return true; }
 };
 
 struct ServedModel {

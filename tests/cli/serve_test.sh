@@ -137,6 +137,15 @@ reply = raw_reply(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 
 assert reply.startswith("HTTP/1.1 413") and "over 8388608 bytes" in reply, reply
 reply = raw_reply(b"GARBAGE\r\n\r\n")
 assert reply.startswith("HTTP/1.1 400") and "not HTTP/1.1" in reply, reply
+# A transfer coding the server does not read would leave the body to be taken for the
+# next request (request smuggling): refused.
+reply = raw_reply(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"
+                  b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+assert reply.startswith("HTTP/1.1 501") and reply.count("HTTP/1.1") == 1, reply
+# JSON nested past any use is refused before anything copies it (the copy recurses).
+status, text, _ = call("POST", "/v1/completions", raw='{"prompt": ' + "[" * 100000 + "]" * 100000 + "}")
+assert status == 400 and "nests deeper" in text, (status, text[:200])
+assert ok("/health", None, "GET")["status"] == "ok"
 print("http checks passed")
 PY
 

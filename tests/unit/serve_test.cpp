@@ -81,6 +81,8 @@ struct Scripted {
 
 struct Events : loom::cli::EventStream {
   bool open() override { return opened = true; }
+  bool connected() override { return ++connected_calls <= connected_for; }
+  int connected_calls = 0, connected_for = 1 << 30;
   bool send(const std::string& data) override {
     events.push_back(data);
     return static_cast<int>(events.size()) < gone_after;
@@ -159,9 +161,10 @@ TEST(ServeApi, StopStringsEndTheTextAndTheGeneration) {
   const json j = api.post("/v1/completions", {{"prompt", "1="}, {"stop", json::array({"34", "99"})}});
   EXPECT_EQ(j["choices"][0]["text"], "46");
   EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
-  // The stop took hold one token after the string ended (the signal is decided with
-  // the next token): 4 6 3 4, then 5.
-  EXPECT_EQ(j["usage"]["completion_tokens"], 5);
+  // The completion's tokens are those up to the one completing "34": 4 6 3 4 (the stop
+  // takes hold with the next token, 5, drawn but not the completion's).
+  EXPECT_EQ(j["usage"]["completion_tokens"], 4);
+  EXPECT_EQ(api.gen.seen.size(), 1u);
 }
 
 TEST(ServeApi, AStreamSendsEachTokensTextThenTheFinishAndDone) {
@@ -182,7 +185,7 @@ TEST(ServeApi, AStreamSendsEachTokensTextThenTheFinishAndDone) {
   }
   EXPECT_EQ(text, "4");  // "3" held back as the start of "36", which came
   EXPECT_EQ(chunks[chunks.size() - 2]["choices"][0]["finish_reason"], "stop");
-  EXPECT_EQ(chunks.back()["usage"]["completion_tokens"], 4);
+  EXPECT_EQ(chunks.back()["usage"]["completion_tokens"], 3);
   EXPECT_EQ(api.events.events.back(), "[DONE]");
 }
 
@@ -205,6 +208,32 @@ TEST(ServeApi, ShutdownStopsAGenerationAndRefusesTheNext) {
   EXPECT_EQ(j["choices"][0]["finish_reason"], "abort");
   EXPECT_EQ(j["usage"]["completion_tokens"], 2);
   EXPECT_NE(api.refusal("/v1/completions", {{"prompt", "1="}}, 503).find("shutting down"), std::string::npos);
+}
+
+// A request with several choices cut by a shutdown answers them all: the running one
+// up to its token, the ones not begun empty, each "abort".
+TEST(ServeApi, ShutdownAnswersEveryChoiceOfARequest) {
+  Api api({1, 2, 3, 4, 5, 6, 7, 8, 9});
+  api.model.generate = [&api](const loom::train::GenerationRequest& r) {
+    api.shutting_down = 1;
+    return api.gen(r);
+  };
+  const json j = api.post("/v1/completions", {{"prompt", "1="}, {"n", 2}});
+  ASSERT_EQ(j["choices"].size(), 2u);
+  EXPECT_EQ(j["choices"][0]["text"], "12");
+  EXPECT_EQ(j["choices"][1]["text"], "");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "abort");
+  EXPECT_EQ(j["choices"][1]["finish_reason"], "abort");
+  EXPECT_EQ(api.gen.seen.size(), 1u);
+}
+
+// A client that leaves a request that is not streamed cuts it after the current token.
+TEST(ServeApi, AClientThatLeavesCutsTheGeneration) {
+  Api api({1, 2, 3, 4, 5, 6, 7, 8, 9});
+  api.events.connected_for = 3;  // the check before it starts, then after tokens 1 and 2
+  const json j = api.post("/v1/completions", {{"prompt", "1="}});
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "abort");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 4);
 }
 
 TEST(ServeApi, MegatronsApiAnswersThePromptWithItsContinuation) {
@@ -242,6 +271,19 @@ TEST(ServeApi, RequestsItCannotServeAreRefusedByName) {
                   "this server writes no chat: no tokenizer"));
   EXPECT_TRUE(has(api.refusal("/api", {{"prompts", json::array({"1"})}, {"logprobs", true}}), "'logprobs' is not supported"));
   EXPECT_TRUE(has(api.refusal("/api", {{"prompts", "1"}}), "'prompts' must be a list of strings"));
+  EXPECT_TRUE(has(api.refusal("/v1/completions", {{"prompt", "1"}, {"seed", 9223372036854775808ull}}), "'seed' must be"));
+  EXPECT_TRUE(has(api.refusal("/v1/completions", {{"prompt", "1"}, {"logprobs", 0}}), "'logprobs' is not supported"));
+  EXPECT_TRUE(has(api.refusal("/v1/completions", {{"prompt", "1"}, {"user", 5}}), "'user' must be a string"));
+  EXPECT_TRUE(has(api.refusal("/v1/completions", {{"prompt", std::vector<std::string>(129, "1")}}), "128 at most"));
+  api.model.chat = loom::text::ChatTemplate::named("chatml");
+  EXPECT_TRUE(has(api.refusal("/v1/chat/completions",
+                              {{"messages", json::array({{{"role", "user"}, {"content", "1"}, {"name", "x"}}})}}),
+                  "message 1: 'name' is not supported"));
+  api.model.chat.reset();
+  const std::string deep = "{\"prompt\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  const HttpAnswer too_deep = api.call("POST", "/v1/completions", deep);
+  EXPECT_EQ(too_deep.status, 400);
+  EXPECT_TRUE(has(too_deep.body, "nests deeper than 32 levels")) << too_deep.body;
   const HttpAnswer not_json = api.call("POST", "/v1/completions", "{\"prompt\": ");
   EXPECT_EQ(not_json.status, 400);
   EXPECT_TRUE(has(not_json.body, "the body is not JSON"));
