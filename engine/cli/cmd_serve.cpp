@@ -30,7 +30,6 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 
 namespace loom::cli {

@@ -355,6 +355,27 @@ class Events {
   bool live_ = false;
 };
 
+// What names an OpenAI answer, and its chunks when streamed.
+struct AnswerHead {
+  std::string id, object, chunk_object;
+  int64_t created = 0;
+  std::string model;
+};
+
+// The end of an OpenAI answer: streamed, the usage as a last chunk (when asked for)
+// and [DONE]; else the whole answer.
+HttpAnswer finish_answer(Events& events, const Settings& s, const AnswerHead& head, const json& choices,
+                         const json& usage) {
+  if (!s.stream)
+    return json_answer({{"id", head.id}, {"object", head.object}, {"created", head.created}, {"model", head.model},
+                        {"choices", choices}, {"usage", usage}});
+  if (s.usage_in_stream)
+    events.send(json{{"id", head.id}, {"object", head.chunk_object}, {"created", head.created}, {"model", head.model},
+                     {"choices", json::array()}, {"usage", usage}});
+  events.done();
+  return {0, "", "", ""};
+}
+
 HttpAnswer completions(const ServedModel& m, const std::string& body, EventStream& stream) {
   const Body b(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
                       "stop", "seed", "echo", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -408,16 +429,8 @@ HttpAnswer completions(const ServedModel& m, const std::string& body, EventStrea
     return events.fail(error_json(r.what(), r.type, r.param));
   }
   if (!started && !s.stream) throw Refusal(503, "the server is shutting down", "server_error");
-  const json usage = usage_json(prompt_tokens, completion_tokens, cached_tokens);
-  if (s.stream) {
-    if (s.usage_in_stream)
-      events.send(json{{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", m.name},
-                       {"choices", json::array()}, {"usage", usage}});
-    events.done();
-    return {0, "", "", ""};
-  }
-  return json_answer({{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", m.name},
-                      {"choices", choices}, {"usage", usage}});
+  return finish_answer(events, s, {id, "text_completion", "text_completion", created, m.name}, choices,
+                       usage_json(prompt_tokens, completion_tokens, cached_tokens));
 }
 
 HttpAnswer chat_completions(const ServedModel& m, const std::string& body, EventStream& stream) {
@@ -485,16 +498,8 @@ HttpAnswer chat_completions(const ServedModel& m, const std::string& body, Event
     return events.fail(error_json(r.what(), r.type, r.param));
   }
   if (!started && !s.stream) throw Refusal(503, "the server is shutting down", "server_error");
-  const json usage = usage_json(static_cast<int64_t>(prompt.size()), completion_tokens, cached_tokens);
-  if (s.stream) {
-    if (s.usage_in_stream)
-      events.send(json{{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", m.name},
-                       {"choices", json::array()}, {"usage", usage}});
-    events.done();
-    return {0, "", "", ""};
-  }
-  return json_answer({{"id", id}, {"object", "chat.completion"}, {"created", created}, {"model", m.name},
-                      {"choices", choices}, {"usage", usage}});
+  return finish_answer(events, s, {id, "chat.completion", "chat.completion.chunk", created, m.name}, choices,
+                       usage_json(static_cast<int64_t>(prompt.size()), completion_tokens, cached_tokens));
 }
 
 // Megatron-LM's text generation server (tools/run_text_generation_server.py): PUT /api.
